@@ -1,0 +1,131 @@
+// The CUDA caching allocator.
+//
+// cudaMalloc/cudaFree synchronize the device and cost tens of microseconds, so
+// freed blocks go to a free list instead of back to the driver. Requests are
+// rounded to size classes (512 B steps below 1 MiB, 2 MiB steps above) and a
+// free block is reused only for its own class and on the stream it was last
+// used on: work queued on that stream is ordered before any reuse, which
+// makes reuse safe without events. empty_cache() returns cached blocks to the
+// driver; an out-of-memory cudaMalloc empties the cache once and retries.
+#include <cuda_runtime.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/device.h"
+
+namespace ember {
+namespace {
+
+size_t size_class(size_t n) {
+  constexpr size_t kSmall = 512, kLarge = 2 << 20, kSmallLimit = 1 << 20;
+  if (n == 0) n = 1;
+  return n < kSmallLimit ? (n + kSmall - 1) / kSmall * kSmall : (n + kLarge - 1) / kLarge * kLarge;
+}
+
+class CudaCachingAllocator final : public Allocator {
+ public:
+  explicit CudaCachingAllocator(int device) : device_(device) {}
+
+  DataPtr allocate(size_t nbytes) override {
+    EMBER_CHECK(cuda_is_available(), "cuda allocator: no CUDA device: ", cuda_unavailable_reason());
+    const size_t cls = size_class(nbytes);
+    void* stream = current_cuda_stream(device_);
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stats_.num_allocs++;
+      auto it = free_.find({stream, cls});
+      if (it != free_.end() && !it->second.empty()) {
+        p = it->second.back();
+        it->second.pop_back();
+      }
+    }
+    if (p == nullptr) p = device_malloc(cls);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stats_.allocated += cls;
+      stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+    }
+    return DataPtr{{p, [this, stream, cls](void* q) { release(q, stream, cls); }},
+                   cuda_device(device_)};
+  }
+
+  AllocatorStats stats() const override {
+    std::lock_guard<std::mutex> g(mu_);
+    return stats_;
+  }
+
+  void empty_cache() override {
+    std::lock_guard<std::mutex> g(mu_);
+    empty_cache_locked();
+  }
+
+ private:
+  void* device_malloc(size_t cls) {
+    int prev = 0;
+    EMBER_CUDA_CHECK(cudaGetDevice(&prev));
+    EMBER_CUDA_CHECK(cudaSetDevice(device_));
+    void* p = nullptr;
+    cudaError_t err = cudaMalloc(&p, cls);
+    if (err == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      std::lock_guard<std::mutex> g(mu_);
+      empty_cache_locked();
+      err = cudaMalloc(&p, cls);
+    }
+    cudaSetDevice(prev);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      AllocatorStats s = stats();
+      EMBER_CHECK(false, "CUDA out of memory on cuda:", device_, " allocating ", cls, " bytes (",
+                  s.allocated, " allocated, ", s.reserved, " reserved): ", cudaGetErrorString(err));
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    stats_.reserved += cls;
+    stats_.num_device_allocs++;
+    return p;
+  }
+
+  void release(void* p, void* stream, size_t cls) {
+    std::lock_guard<std::mutex> g(mu_);
+    stats_.allocated -= cls;
+    free_[{stream, cls}].push_back(p);
+  }
+
+  void empty_cache_locked() {
+    for (auto& [key, blocks] : free_) {
+      for (void* p : blocks) {
+        cudaFree(p);
+        stats_.reserved -= key.second;
+      }
+      blocks.clear();
+    }
+  }
+
+  int device_;
+  mutable std::mutex mu_;
+  std::map<std::pair<void*, size_t>, std::vector<void*>> free_;
+  AllocatorStats stats_;
+};
+
+}  // namespace
+
+Allocator* cuda_allocator(int device) {
+  EMBER_CHECK(cuda_is_available(), "cuda allocator: no CUDA device: ", cuda_unavailable_reason());
+  EMBER_CHECK(device >= 0 && device < cuda_device_count(), "cuda allocator: device cuda:", device,
+              " does not exist (", cuda_device_count(), " devices)");
+  // Leaked on purpose: tensors in static storage may be freed after main returns.
+  static auto* allocators = [] {
+    auto* v = new std::vector<std::unique_ptr<CudaCachingAllocator>>;
+    for (int i = 0; i < cuda_device_count(); ++i) v->push_back(std::make_unique<CudaCachingAllocator>(i));
+    return v;
+  }();
+  return (*allocators)[device].get();
+}
+
+}  // namespace ember

@@ -1,0 +1,82 @@
+// Devices and the one allocator interface every backend implements.
+//
+// An Allocator hands out DataPtrs: a pointer that owns its memory and knows
+// its device, so storage never needs to ask who allocated it. The CPU
+// allocator is 64-byte aligned; the CUDA one caches blocks (see
+// core/cuda_allocator.cc); pinned host memory is a third allocator used for
+// fast host<->device copies.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <ostream>
+#include <string>
+
+namespace ember {
+
+enum class DeviceType : uint8_t { CPU, CUDA };
+
+struct Device {
+  DeviceType type = DeviceType::CPU;
+  int index = 0;
+
+  Device() = default;
+  Device(DeviceType t, int i = 0) : type(t), index(i) {}
+  // "cpu", "cuda", "cuda:1".
+  explicit Device(const std::string& spec);
+
+  bool is_cpu() const { return type == DeviceType::CPU; }
+  bool is_cuda() const { return type == DeviceType::CUDA; }
+  bool operator==(const Device& o) const { return type == o.type && (is_cpu() || index == o.index); }
+  bool operator!=(const Device& o) const { return !(*this == o); }
+  std::string str() const;
+};
+
+inline const Device kCPU{DeviceType::CPU, 0};
+inline Device cuda_device(int index = 0) { return Device(DeviceType::CUDA, index); }
+std::ostream& operator<<(std::ostream& os, const Device& d);
+
+// Owning pointer + device. The deleter returns the memory to its allocator.
+struct DataPtr {
+  std::unique_ptr<void, std::function<void(void*)>> ptr;
+  Device device;
+  void* get() const { return ptr.get(); }
+};
+
+struct AllocatorStats {
+  size_t allocated = 0;       // bytes handed to tensors now
+  size_t reserved = 0;        // bytes held from the driver (allocated + cached)
+  size_t peak_allocated = 0;  // high-water mark of `allocated`
+  size_t num_allocs = 0;      // allocate() calls
+  size_t num_device_allocs = 0;  // calls that reached cudaMalloc / aligned_alloc
+};
+
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  virtual DataPtr allocate(size_t nbytes) = 0;
+  virtual AllocatorStats stats() const = 0;
+  // Return cached, unused memory to the system (no-op where nothing is cached).
+  virtual void empty_cache() {}
+};
+
+Allocator* cpu_allocator();
+Allocator* pinned_allocator();         // page-locked host memory (needs CUDA)
+Allocator* cuda_allocator(int device);  // caching allocator for one GPU
+Allocator* get_allocator(Device d);
+
+// CUDA runtime facts. Without a GPU (or driver) these report zero devices and
+// the library runs on CPU; the reason is kept for messages.
+int cuda_device_count();
+bool cuda_is_available();
+std::string cuda_unavailable_reason();
+void cuda_synchronize();
+
+// The stream kernels on `device` are launched on (an opaque cudaStream_t).
+// Defaults to the legacy default stream; set per thread.
+void* current_cuda_stream(int device);
+void set_current_cuda_stream(int device, void* stream);
+
+}  // namespace ember

@@ -1,0 +1,228 @@
+// Element types: the DType enum, the 16-bit float types usable on host and
+// device, and EMBER_DISPATCH, which turns a runtime DType into a C++ type.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <ostream>
+#include <string>
+
+#include "core/exception.h"
+
+#if defined(__CUDACC__)
+#define EMBER_HD __host__ __device__ __forceinline__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#else
+#define EMBER_HD inline
+#endif
+
+namespace ember {
+
+enum class DType : uint8_t { Float32, Float16, BFloat16, Float64, Int32, Int64, UInt8, Bool };
+
+// IEEE binary16, stored as bits; arithmetic happens in float.
+struct alignas(2) Half {
+  uint16_t x = 0;
+  Half() = default;
+  EMBER_HD Half(float f) : x(from_float(f)) {}
+  EMBER_HD operator float() const { return to_float(x); }
+
+  static EMBER_HD uint16_t from_float(float f) {
+#if defined(__CUDA_ARCH__)
+    return __half_as_ushort(__float2half_rn(f));
+#else
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t abs = u & 0x7fffffffu;
+    if (abs >= 0x7f800000u) return sign | (abs > 0x7f800000u ? 0x7e00u : 0x7c00u);
+    if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds to inf
+    if (abs < 0x38800000u) {                         // subnormal or zero
+      float af;
+      std::memcpy(&af, &abs, 4);
+      // Adding 0.5 puts the subnormal's bits in the low mantissa, rounded RNE.
+      af += 0.5f;
+      uint32_t r;
+      std::memcpy(&r, &af, 4);
+      return sign | static_cast<uint16_t>(r - 0x3f000000u);
+    }
+    uint32_t mant_odd = (abs >> 13) & 1u;
+    abs += 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and round RNE
+    return static_cast<uint16_t>(sign | (abs >> 13));
+#endif
+  }
+  static EMBER_HD float to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+    return __half2float(__ushort_as_half(h));
+#else
+    uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    uint32_t u;
+    if (exp == 0x1f) {
+      u = sign | 0x7f800000u | (mant << 13);
+    } else if (exp == 0) {
+      float f = static_cast<float>(mant) * 5.9604644775390625e-8f;  // 2^-24
+      std::memcpy(&u, &f, 4);
+      u |= sign;
+    } else {
+      u = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+#endif
+  }
+};
+
+// bfloat16: the top half of a float32, rounded to nearest even.
+struct alignas(2) BFloat16 {
+  uint16_t x = 0;
+  BFloat16() = default;
+  EMBER_HD BFloat16(float f) : x(from_float(f)) {}
+  EMBER_HD operator float() const { return to_float(x); }
+
+  static EMBER_HD uint16_t from_float(float f) {
+#if defined(__CUDA_ARCH__)
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+#else
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+#endif
+  }
+  static EMBER_HD float to_float(uint16_t b) {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(static_cast<uint32_t>(b) << 16);
+#else
+    uint32_t u = static_cast<uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+#endif
+  }
+};
+
+// The type arithmetic happens in: float for the 16-bit floats (so half and
+// bfloat16 kernels accumulate in fp32), the type itself otherwise.
+template <typename T> struct AccType { using type = T; };
+template <> struct AccType<Half> { using type = float; };
+template <> struct AccType<BFloat16> { using type = float; };
+template <> struct AccType<bool> { using type = bool; };
+template <typename T> using acc_t = typename AccType<T>::type;
+
+inline size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::Float32: case DType::Int32: return 4;
+    case DType::Float16: case DType::BFloat16: return 2;
+    case DType::Float64: case DType::Int64: return 8;
+    case DType::UInt8: case DType::Bool: return 1;
+  }
+  return 0;
+}
+
+inline const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::Float32: return "float32";
+    case DType::Float16: return "float16";
+    case DType::BFloat16: return "bfloat16";
+    case DType::Float64: return "float64";
+    case DType::Int32: return "int32";
+    case DType::Int64: return "int64";
+    case DType::UInt8: return "uint8";
+    case DType::Bool: return "bool";
+  }
+  return "?";
+}
+
+inline std::ostream& operator<<(std::ostream& os, DType t) { return os << dtype_name(t); }
+
+inline bool is_floating(DType t) {
+  return t == DType::Float32 || t == DType::Float16 || t == DType::BFloat16 || t == DType::Float64;
+}
+
+// PyTorch's promotion lattice, reduced to our types: bool < integers <
+// floats; within a category the wider wins; float16 with bfloat16 is float32.
+inline DType promote_types(DType a, DType b) {
+  if (a == b) return a;
+  auto rank = [](DType t) {
+    switch (t) {
+      case DType::Bool: return 0;
+      case DType::UInt8: return 1;
+      case DType::Int32: return 2;
+      case DType::Int64: return 3;
+      case DType::Float16: case DType::BFloat16: return 4;
+      case DType::Float32: return 5;
+      case DType::Float64: return 6;
+    }
+    return 0;
+  };
+  if ((a == DType::Float16 && b == DType::BFloat16) || (a == DType::BFloat16 && b == DType::Float16))
+    return DType::Float32;
+  return rank(a) >= rank(b) ? a : b;
+}
+
+template <typename T> constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return DType::Float32; }
+template <> constexpr DType dtype_of<Half>() { return DType::Float16; }
+template <> constexpr DType dtype_of<BFloat16>() { return DType::BFloat16; }
+template <> constexpr DType dtype_of<double>() { return DType::Float64; }
+template <> constexpr DType dtype_of<int32_t>() { return DType::Int32; }
+template <> constexpr DType dtype_of<int64_t>() { return DType::Int64; }
+template <> constexpr DType dtype_of<uint8_t>() { return DType::UInt8; }
+template <> constexpr DType dtype_of<bool>() { return DType::Bool; }
+
+}  // namespace ember
+
+#define EMBER_DISPATCH_CASE(enum_val, T, ...) \
+  case ::ember::DType::enum_val: {            \
+    using scalar_t = T;                       \
+    __VA_ARGS__();                            \
+    break;                                    \
+  }
+
+// EMBER_DISPATCH_ALL(dtype, "op", [&] { kernel<scalar_t>(...); });
+#define EMBER_DISPATCH_ALL(dtype, name, ...)                                   \
+  do {                                                                         \
+    switch (dtype) {                                                           \
+      EMBER_DISPATCH_CASE(Float32, float, __VA_ARGS__)                         \
+      EMBER_DISPATCH_CASE(Float16, ::ember::Half, __VA_ARGS__)                 \
+      EMBER_DISPATCH_CASE(BFloat16, ::ember::BFloat16, __VA_ARGS__)            \
+      EMBER_DISPATCH_CASE(Float64, double, __VA_ARGS__)                        \
+      EMBER_DISPATCH_CASE(Int32, int32_t, __VA_ARGS__)                         \
+      EMBER_DISPATCH_CASE(Int64, int64_t, __VA_ARGS__)                         \
+      EMBER_DISPATCH_CASE(UInt8, uint8_t, __VA_ARGS__)                         \
+      EMBER_DISPATCH_CASE(Bool, bool, __VA_ARGS__)                             \
+    }                                                                          \
+  } while (0)
+
+#define EMBER_DISPATCH_FLOAT(dtype, name, ...)                                 \
+  do {                                                                         \
+    switch (dtype) {                                                           \
+      EMBER_DISPATCH_CASE(Float32, float, __VA_ARGS__)                         \
+      EMBER_DISPATCH_CASE(Float16, ::ember::Half, __VA_ARGS__)                 \
+      EMBER_DISPATCH_CASE(BFloat16, ::ember::BFloat16, __VA_ARGS__)            \
+      EMBER_DISPATCH_CASE(Float64, double, __VA_ARGS__)                        \
+      default:                                                                 \
+        EMBER_CHECK(false, name, ": expected a floating dtype, got ", dtype);  \
+    }                                                                          \
+  } while (0)
+
+// Everything but bool: arithmetic and reductions.
+#define EMBER_DISPATCH_NUMERIC(dtype, name, ...)                               \
+  do {                                                                         \
+    switch (dtype) {                                                           \
+      EMBER_DISPATCH_CASE(Float32, float, __VA_ARGS__)                         \
+      EMBER_DISPATCH_CASE(Float16, ::ember::Half, __VA_ARGS__)                 \
+      EMBER_DISPATCH_CASE(BFloat16, ::ember::BFloat16, __VA_ARGS__)            \
+      EMBER_DISPATCH_CASE(Float64, double, __VA_ARGS__)                        \
+      EMBER_DISPATCH_CASE(Int32, int32_t, __VA_ARGS__)                         \
+      EMBER_DISPATCH_CASE(Int64, int64_t, __VA_ARGS__)                         \
+      EMBER_DISPATCH_CASE(UInt8, uint8_t, __VA_ARGS__)                         \
+      default:                                                                 \
+        EMBER_CHECK(false, name, ": not supported for dtype ", dtype);         \
+    }                                                                          \
+  } while (0)

@@ -1,0 +1,136 @@
+// The public op API: free functions over Tensors. Every op runs on CPU and
+// CUDA, checks its operands (naming the op and their shapes/dtypes/devices
+// on error) and works on non-contiguous views. Binary ops broadcast
+// NumPy-style and promote dtypes as PyTorch does.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace ember {
+
+// ---- Factories ----
+Tensor empty(const Shape& sizes, TensorOptions opts = {});
+Tensor zeros(const Shape& sizes, TensorOptions opts = {});
+Tensor ones(const Shape& sizes, TensorOptions opts = {});
+Tensor full(const Shape& sizes, double value, TensorOptions opts = {});
+Tensor zeros_like(const Tensor& t);
+Tensor ones_like(const Tensor& t);
+Tensor empty_like(const Tensor& t);
+Tensor full_like(const Tensor& t, double value);
+Tensor arange(double end, TensorOptions opts = {});
+Tensor arange(double start, double end, double step = 1.0, TensorOptions opts = {});
+Tensor scalar_tensor(double value, TensorOptions opts = {});
+
+// ---- Elementwise, unary ----
+Tensor neg(const Tensor& x);
+Tensor abs(const Tensor& x);
+Tensor exp(const Tensor& x);
+Tensor log(const Tensor& x);
+Tensor sqrt(const Tensor& x);
+Tensor rsqrt(const Tensor& x);
+Tensor relu(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor tanh(const Tensor& x);
+Tensor gelu(const Tensor& x, bool tanh_approx = false);
+Tensor pow(const Tensor& x, double exponent);
+Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> max);
+Tensor cast(const Tensor& x, DType dtype);
+
+// ---- Elementwise, binary (broadcasting) ----
+Tensor add(const Tensor& a, const Tensor& b, double alpha = 1.0);
+Tensor sub(const Tensor& a, const Tensor& b, double alpha = 1.0);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor pow(const Tensor& a, const Tensor& b);
+Tensor maximum(const Tensor& a, const Tensor& b);
+Tensor minimum(const Tensor& a, const Tensor& b);
+Tensor eq(const Tensor& a, const Tensor& b);
+Tensor ne(const Tensor& a, const Tensor& b);
+Tensor lt(const Tensor& a, const Tensor& b);
+Tensor le(const Tensor& a, const Tensor& b);
+Tensor gt(const Tensor& a, const Tensor& b);
+Tensor ge(const Tensor& a, const Tensor& b);
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+// In place: out = out (op) b, b broadcast to out's shape, no dtype change.
+Tensor& add_(Tensor& out, const Tensor& b, double alpha = 1.0);
+Tensor& mul_(Tensor& out, const Tensor& b);
+
+Tensor operator+(const Tensor& a, const Tensor& b);
+Tensor operator-(const Tensor& a, const Tensor& b);
+Tensor operator*(const Tensor& a, const Tensor& b);
+Tensor operator/(const Tensor& a, const Tensor& b);
+Tensor operator+(const Tensor& a, double s);
+Tensor operator-(const Tensor& a, double s);
+Tensor operator*(const Tensor& a, double s);
+Tensor operator/(const Tensor& a, double s);
+Tensor operator+(double s, const Tensor& a);
+Tensor operator-(double s, const Tensor& a);
+Tensor operator*(double s, const Tensor& a);
+Tensor operator/(double s, const Tensor& a);
+
+// ---- Reductions: over `dims` (empty = all), keepdim as in PyTorch ----
+Tensor sum(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor mean(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor max(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+Tensor min(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
+// Unbiased by default (correction = 1), as torch.var.
+Tensor var(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false, int64_t correction = 1);
+// Index of the first maximum along `dim` (int64); no dim = over the flattened tensor.
+Tensor argmax(const Tensor& x, std::optional<int64_t> dim = std::nullopt, bool keepdim = false);
+Tensor argmin(const Tensor& x, std::optional<int64_t> dim = std::nullopt, bool keepdim = false);
+
+Tensor softmax(const Tensor& x, int64_t dim);
+Tensor log_softmax(const Tensor& x, int64_t dim);
+
+// ---- Linear algebra ----
+// torch.matmul semantics: 1-D dot, 2-D mm, N-D batched with broadcasting.
+Tensor matmul(const Tensor& a, const Tensor& b);
+Tensor mm(const Tensor& a, const Tensor& b);
+Tensor bmm(const Tensor& a, const Tensor& b);
+// x @ weight^T + bias, weight [out, in].
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+
+// ---- Joining and indexing ----
+Tensor cat(const std::vector<Tensor>& tensors, int64_t dim = 0);
+Tensor stack(const std::vector<Tensor>& tensors, int64_t dim = 0);
+Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
+Tensor gather(const Tensor& x, int64_t dim, const Tensor& index);
+// int64 [..., num_classes]; num_classes = -1 infers max + 1.
+Tensor one_hot(const Tensor& indices, int64_t num_classes = -1);
+
+// ---- Random (counter-based Philox: same seed, same values on CPU and CUDA) ----
+class Generator {
+ public:
+  explicit Generator(uint64_t seed = 0) : seed_(seed) {}
+  void manual_seed(uint64_t seed) { seed_ = seed; offset_ = 0; }
+  uint64_t seed() const { return seed_; }
+  // Reserves a fresh counter range for one op.
+  uint64_t next_offset() { return offset_++; }
+  uint64_t offset() const { return offset_; }
+  void set_offset(uint64_t o) { offset_ = o; }
+
+ private:
+  uint64_t seed_;
+  uint64_t offset_ = 0;
+};
+Generator& default_generator();
+void manual_seed(uint64_t seed);
+
+Tensor rand(const Shape& sizes, TensorOptions opts = {}, Generator* gen = nullptr);   // U[0,1)
+Tensor randn(const Shape& sizes, TensorOptions opts = {}, Generator* gen = nullptr);  // N(0,1)
+Tensor& uniform_(Tensor& t, double low = 0.0, double high = 1.0, Generator* gen = nullptr);
+Tensor& normal_(Tensor& t, double mean = 0.0, double std = 1.0, Generator* gen = nullptr);
+// 1 with probability p (per element of `p`, or a scalar), else 0; dtype of p / opts.
+Tensor bernoulli(const Tensor& p, Generator* gen = nullptr);
+Tensor bernoulli(const Shape& sizes, double p, TensorOptions opts = {}, Generator* gen = nullptr);
+Tensor randint(int64_t low, int64_t high, const Shape& sizes, TensorOptions opts = DType::Int64,
+               Generator* gen = nullptr);
+
+// ---- Comparisons of whole tensors (tests) ----
+bool allclose(const Tensor& a, const Tensor& b, double rtol = 1e-5, double atol = 1e-8);
+
+}  // namespace ember

@@ -1,0 +1,172 @@
+// Binary elementwise ops with broadcasting and type promotion (add, sub, mul,
+// div, pow, maximum, minimum, comparisons) and the ternary where: CPU
+// kernels, then the op layer shared with binary.cu's launchers.
+#include "core/ops.h"
+#include "core/ops/cpu_loop.h"
+#include "core/ops/elementwise_fns.h"
+
+namespace ember {
+
+// ---- CPU kernels ----
+void binary_cpu(BinaryOp op, const StridedIter& it, double alpha) {
+  EMBER_DISPATCH_ALL(it.dtypes[1], "binary", [&] {
+    using T = scalar_t;
+    using C = acc_t<T>;
+    const C al = static_cast<C>(alpha);
+    dispatch_binary(op, [&](auto op_c) {
+      constexpr BinaryOp OP = decltype(op_c)::value;
+      using O = std::conditional_t<OP >= BinaryOp::Eq, bool, T>;
+      if constexpr (std::is_same_v<T, bool> && !(OP >= BinaryOp::Eq)) {
+        EMBER_CHECK(false, "binary op: arithmetic on bool tensors is not supported");
+      } else {
+        cpu_loop(it, [&](char** p, const int64_t* s, int64_t n) {
+          O* out = reinterpret_cast<O*>(p[0]);
+          const T* a = reinterpret_cast<const T*>(p[1]);
+          const T* b = reinterpret_cast<const T*>(p[2]);
+          if (s[0] == 1 && s[1] == 1 && s[2] == 1) {
+            for (int64_t i = 0; i < n; ++i)
+              out[i] = static_cast<O>(binary_fn<OP, C>(static_cast<C>(a[i]), static_cast<C>(b[i]), al));
+          } else if (s[0] == 1 && s[1] == 1 && s[2] == 0) {  // tensor (op) scalar
+            const C bv = static_cast<C>(b[0]);
+            for (int64_t i = 0; i < n; ++i) out[i] = static_cast<O>(binary_fn<OP, C>(static_cast<C>(a[i]), bv, al));
+          } else {
+            for (int64_t i = 0; i < n; ++i)
+              out[i * s[0]] = static_cast<O>(
+                  binary_fn<OP, C>(static_cast<C>(a[i * s[1]]), static_cast<C>(b[i * s[2]]), al));
+          }
+        });
+      }
+    });
+  });
+}
+
+void where_cpu(const StridedIter& it) {
+  EMBER_DISPATCH_ALL(it.dtypes[0], "where", [&] {
+    using T = scalar_t;
+    cpu_loop(it, [&](char** p, const int64_t* s, int64_t n) {
+      T* out = reinterpret_cast<T*>(p[0]);
+      const bool* c = reinterpret_cast<const bool*>(p[1]);
+      const T* a = reinterpret_cast<const T*>(p[2]);
+      const T* b = reinterpret_cast<const T*>(p[3]);
+      for (int64_t i = 0; i < n; ++i) out[i * s[0]] = c[i * s[1]] ? a[i * s[2]] : b[i * s[3]];
+    });
+  });
+}
+
+// ---- Op layer ----
+namespace {
+
+void check_same_device(const Tensor& a, const Tensor& b, const char* name) {
+  // A CPU 0-dim tensor may act as a scalar on any device, as in torch.
+  EMBER_CHECK(a.device() == b.device() || (b.dim() == 0 && b.device().is_cpu()) ||
+                  (a.dim() == 0 && a.device().is_cpu()),
+              name, ": expected both tensors on the same device, got ", a.device(), " ", shape_str(a.sizes()),
+              " and ", b.device(), " ", shape_str(b.sizes()));
+}
+
+Device pick_device(const Tensor& a, const Tensor& b) {
+  if (a.is_cuda()) return a.device();
+  return b.device();
+}
+
+Tensor prep(const Tensor& t, DType dtype, Device device) {
+  return t.to(device, dtype);
+}
+
+void run_binary(BinaryOp op, const StridedIter& it, Device d, double alpha) {
+  if (d.is_cuda()) binary_cuda(op, it, alpha); else binary_cpu(op, it, alpha);
+}
+
+Tensor binary_op(BinaryOp op, const char* name, const Tensor& a, const Tensor& b, double alpha = 1.0) {
+  EMBER_CHECK(a.defined() && b.defined(), name, ": an input is undefined");
+  check_same_device(a, b, name);
+  Shape shape = broadcast_shapes(a.sizes(), b.sizes(), name);
+  DType common = promote_types(a.dtype(), b.dtype());
+  if ((op == BinaryOp::Div) && !is_floating(common)) common = DType::Float32;  // true division
+  if (op == BinaryOp::Pow && common == DType::Bool) common = DType::Int64;
+  EMBER_CHECK(common != DType::Bool || is_comparison(op) || op == BinaryOp::Maximum || op == BinaryOp::Minimum,
+              name, ": arithmetic on bool tensors is not supported");
+  Device d = pick_device(a, b);
+  Tensor ca = prep(a, common, d), cb = prep(b, common, d);
+  Tensor out = Tensor::empty(shape, {is_comparison(op) ? DType::Bool : common, d});
+  StridedIter it = make_iter(out, {ca, cb}, name);
+  it.dtypes[0] = is_comparison(op) ? DType::Bool : common;
+  run_binary(op, it, d, alpha);
+  return out;
+}
+
+Tensor scalar_like(double s, const Tensor& like) {
+  // Python-number semantics: a float scalar makes an integer tensor float32.
+  bool integral = s == static_cast<double>(static_cast<int64_t>(s));
+  DType t = (is_floating(like.dtype()) || integral) ? like.dtype() : DType::Float32;
+  if (t == DType::Bool) t = integral ? DType::Int64 : DType::Float32;
+  return scalar_tensor(s, t);
+}
+
+}  // namespace
+
+Tensor add(const Tensor& a, const Tensor& b, double alpha) { return binary_op(BinaryOp::Add, "add", a, b, alpha); }
+Tensor sub(const Tensor& a, const Tensor& b, double alpha) { return binary_op(BinaryOp::Sub, "sub", a, b, alpha); }
+Tensor mul(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Mul, "mul", a, b); }
+Tensor div(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Div, "div", a, b); }
+Tensor pow(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Pow, "pow", a, b); }
+Tensor maximum(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Maximum, "maximum", a, b); }
+Tensor minimum(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Minimum, "minimum", a, b); }
+Tensor eq(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Eq, "eq", a, b); }
+Tensor ne(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Ne, "ne", a, b); }
+Tensor lt(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Lt, "lt", a, b); }
+Tensor le(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Le, "le", a, b); }
+Tensor gt(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Gt, "gt", a, b); }
+Tensor ge(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Ge, "ge", a, b); }
+
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  EMBER_CHECK(cond.defined() && a.defined() && b.defined(), "where: an input is undefined");
+  EMBER_CHECK(cond.dtype() == DType::Bool, "where: condition must be bool, got ", cond.dtype());
+  EMBER_CHECK(cond.device() == a.device() && a.device() == b.device(), "where: expected all on one device, got ",
+              cond.device(), ", ", a.device(), ", ", b.device());
+  Shape shape = broadcast_shapes(broadcast_shapes(cond.sizes(), a.sizes(), "where"), b.sizes(), "where");
+  DType common = promote_types(a.dtype(), b.dtype());
+  Tensor ca = a.to(common), cb = b.to(common);
+  Tensor out = Tensor::empty(shape, {common, a.device()});
+  StridedIter it = make_iter(out, {cond, ca, cb}, "where");
+  if (out.is_cuda()) where_cuda(it); else where_cpu(it);
+  return out;
+}
+
+namespace {
+Tensor& inplace_op(BinaryOp op, const char* name, Tensor& out, const Tensor& b, double alpha) {
+  EMBER_CHECK(out.defined() && b.defined(), name, ": an input is undefined");
+  check_same_device(out, b, name);
+  Shape shape = broadcast_shapes(out.sizes(), b.sizes(), name);
+  EMBER_CHECK(shape == out.sizes(), name, ": cannot broadcast ", shape_str(b.sizes()), " into the in-place output ",
+              shape_str(out.sizes()));
+  Tensor cb = b.to(out.device(), out.dtype());
+  StridedIter it = make_iter(out, {out, cb}, name);
+  run_binary(op, it, out.device(), alpha);
+  return out;
+}
+}  // namespace
+
+Tensor& add_(Tensor& out, const Tensor& b, double alpha) { return inplace_op(BinaryOp::Add, "add_", out, b, alpha); }
+Tensor& mul_(Tensor& out, const Tensor& b) { return inplace_op(BinaryOp::Mul, "mul_", out, b, 1.0); }
+
+Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+Tensor operator+(const Tensor& a, double s) { return add(a, scalar_like(s, a)); }
+Tensor operator-(const Tensor& a, double s) { return sub(a, scalar_like(s, a)); }
+Tensor operator*(const Tensor& a, double s) { return mul(a, scalar_like(s, a)); }
+Tensor operator/(const Tensor& a, double s) { return div(a, scalar_like(s, a)); }
+Tensor operator+(double s, const Tensor& a) { return add(scalar_like(s, a), a); }
+Tensor operator-(double s, const Tensor& a) { return sub(scalar_like(s, a), a); }
+Tensor operator*(double s, const Tensor& a) { return mul(scalar_like(s, a), a); }
+Tensor operator/(double s, const Tensor& a) { return div(scalar_like(s, a), a); }
+
+Tensor& Tensor::operator+=(const Tensor& o) { return add_(*this, o); }
+Tensor& Tensor::operator-=(const Tensor& o) { return add_(*this, o, -1.0); }
+Tensor& Tensor::operator*=(const Tensor& o) { return mul_(*this, o); }
+Tensor& Tensor::operator/=(const Tensor& o) { return inplace_op(BinaryOp::Div, "div_", *this, o, 1.0); }
+Tensor& Tensor::operator*=(double s) { return mul_(*this, scalar_tensor(s, dtype())); }
+
+}  // namespace ember

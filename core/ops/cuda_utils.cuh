@@ -1,0 +1,199 @@
+// Shared plumbing for the .cu launchers: which device and stream a launch
+// belongs to (an RAII DeviceGuard, because every cudaMalloc/launch/cuBLAS call
+// acts on the *current* device, which may not be the tensor's), launch
+// geometry, grid-stride loops, 16-byte vector access for contiguous fast paths,
+// strided offset computation from a StridedIter passed by value as a kernel
+// parameter, and warp shuffles that also accept the small integer types the
+// reductions carry. Header-only so each op file stays a single translation unit.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+
+#include "core/cuda_check.h"
+#include "core/device.h"
+#include "core/dtype.h"
+#include "core/ops/kernels.h"
+#include "core/tensor.h"
+
+namespace ember::cuda {
+
+constexpr int kMaxCudaDevices = 16;  // matches the per-thread stream table in device.cc
+constexpr int kBlockSize = 256;
+constexpr int kWarpSize = 32;
+// Enough blocks to fill any current GPU many times over; past this a
+// grid-stride loop covers the rest, so a launch never exceeds grid limits.
+constexpr int64_t kMaxGridBlocks = int64_t{1} << 20;
+
+inline cudaStream_t stream_for(int device) { return static_cast<cudaStream_t>(current_cuda_stream(device)); }
+inline cudaStream_t stream_for(const Tensor& t) { return stream_for(t.device().index); }
+
+// Device owning a pointer. StridedIter carries raw pointers but no device, so
+// launchers taking one must ask the driver; a single-GPU process (the common
+// case) skips the query.
+inline int device_of_pointer(const void* p) {
+  if (p == nullptr || cuda_device_count() <= 1) return 0;
+  cudaPointerAttributes attr{};
+  EMBER_CUDA_CHECK(cudaPointerGetAttributes(&attr, p));
+  return attr.device < 0 ? 0 : attr.device;
+}
+inline int device_of(const StridedIter& it) { return device_of_pointer(it.nops > 0 ? it.data[0] : nullptr); }
+
+// Makes `device` current for the scope and restores the previous device, so a
+// launcher can be called from code that is working with another GPU.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    EMBER_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (prev_ != device) {
+      EMBER_CUDA_CHECK(cudaSetDevice(device));
+      switched_ = true;
+    }
+  }
+  explicit DeviceGuard(const Tensor& t) : DeviceGuard(t.device().index) {}
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(prev_);  // destructors must not throw
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+  bool switched_ = false;
+};
+
+inline int sm_count(int device) {
+  static std::atomic<int> cache[kMaxCudaDevices] = {};
+  if (device < 0 || device >= kMaxCudaDevices) device = 0;
+  int v = cache[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    EMBER_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
+    cache[device].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+__host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Blocks for n work items of `per_thread` elements each, capped (grid-stride
+// loops handle the remainder). Always at least one block.
+inline unsigned grid_for(int64_t n, int block = kBlockSize, int per_thread = 1) {
+  int64_t blocks = ceil_div(std::max<int64_t>(n, 1), int64_t{block} * per_thread);
+  return static_cast<unsigned>(std::min(blocks, kMaxGridBlocks));
+}
+
+// Threads per block for a 1-D problem of n items: a full block unless the
+// problem is tiny, rounded up to whole warps.
+inline int block_for(int64_t n, int max_block = kBlockSize) {
+  int64_t b = std::min<int64_t>(max_block, std::max<int64_t>(n, 1));
+  return static_cast<int>(ceil_div(b, kWarpSize) * kWarpSize);
+}
+
+__device__ __forceinline__ int64_t global_thread_id() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ int64_t grid_stride() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
+
+// for (i = thread; i < n; i += all threads) f(i);
+template <typename F>
+__device__ __forceinline__ void grid_stride_loop(int64_t n, F&& f) {
+  for (int64_t i = global_thread_id(); i < n; i += grid_stride()) f(i);
+}
+
+// N elements moved as one 16-byte (or narrower) transaction.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) VecN {
+  T v[N];
+};
+
+template <typename T>
+constexpr int vec_width() { return sizeof(T) >= 16 ? 1 : static_cast<int>(16 / sizeof(T)); }
+
+template <typename T, int N>
+inline bool is_aligned_for(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * N) == 0;
+}
+
+// Element offsets (in elements, per operand) of linear index `linear` in the
+// iteration space, innermost dim last. The loops run over the compile-time
+// bound kMaxDims so every index into the parameter-space arrays is constant:
+// a runtime index would make the compiler copy the whole StridedIter to local
+// memory. Division uses 32 bits when the space fits, which is several times
+// cheaper than the 64-bit division subroutine.
+template <int NOPS>
+__device__ __forceinline__ void strided_offsets(const StridedIter& it, int64_t linear, int64_t (&off)[NOPS]) {
+#pragma unroll
+  for (int o = 0; o < NOPS; ++o) off[o] = 0;
+  if (it.numel <= static_cast<int64_t>(UINT32_MAX)) {
+    uint32_t rem = static_cast<uint32_t>(linear);
+#pragma unroll
+    for (int d = kMaxDims - 1; d >= 0; --d) {
+      if (d >= it.ndim) continue;
+      uint32_t size = static_cast<uint32_t>(it.sizes[d]);
+      uint32_t c = rem % size;
+      rem /= size;
+#pragma unroll
+      for (int o = 0; o < NOPS; ++o) off[o] += static_cast<int64_t>(c) * it.strides[o][d];
+    }
+  } else {
+    int64_t rem = linear;
+#pragma unroll
+    for (int d = kMaxDims - 1; d >= 0; --d) {
+      if (d >= it.ndim) continue;
+      int64_t c = rem % it.sizes[d];
+      rem /= it.sizes[d];
+#pragma unroll
+      for (int o = 0; o < NOPS; ++o) off[o] += c * it.strides[o][d];
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T* operand_ptr(const StridedIter& it, int o, int64_t off) {
+  return reinterpret_cast<T*>(it.data[o]) + off;
+}
+
+// Warp shuffles for the value types reductions carry: the intrinsics have no
+// bool/uint8 overloads, so narrow integers travel as int.
+template <typename V>
+__device__ __forceinline__ V shfl_down(V v, int delta) {
+  if constexpr (std::is_integral_v<V> && sizeof(V) < 4) {
+    return static_cast<V>(__shfl_down_sync(0xffffffffu, static_cast<int>(v), delta));
+  } else {
+    return __shfl_down_sync(0xffffffffu, v, delta);
+  }
+}
+template <typename V>
+__device__ __forceinline__ V shfl_xor(V v, int mask) {
+  if constexpr (std::is_integral_v<V> && sizeof(V) < 4) {
+    return static_cast<V>(__shfl_xor_sync(0xffffffffu, static_cast<int>(v), mask));
+  } else {
+    return __shfl_xor_sync(0xffffffffu, v, mask);
+  }
+}
+
+// Conversion between any two element types. 16-bit floats go through float
+// (they only convert from/to float), and bool means "non-zero" as in C++.
+template <typename T>
+constexpr bool is_half_like_v = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
+
+template <typename D, typename S>
+__host__ __device__ __forceinline__ D cast_value(S s) {
+  if constexpr (std::is_same_v<D, S>) {
+    return s;
+  } else if constexpr (is_half_like_v<S>) {
+    return cast_value<D, float>(static_cast<float>(s));
+  } else if constexpr (is_half_like_v<D>) {
+    return D(static_cast<float>(s));
+  } else if constexpr (std::is_same_v<D, bool>) {
+    return s != S(0);
+  } else {
+    return static_cast<D>(s);
+  }
+}
+
+}  // namespace ember::cuda

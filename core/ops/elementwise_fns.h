@@ -1,0 +1,100 @@
+// Scalar math shared by the CPU and CUDA elementwise kernels, so both
+// backends compute the same formula. C is the compute type (acc_t<T>).
+#pragma once
+
+#include <math.h>
+
+#include <cmath>
+#include <type_traits>
+
+#include "core/dtype.h"
+#include "core/ops/kernels.h"
+
+namespace ember {
+
+template <typename C> EMBER_HD C m_exp(C x) { if constexpr (std::is_same_v<C, float>) return expf(x); else return ::exp(x); }
+template <typename C> EMBER_HD C m_log(C x) { if constexpr (std::is_same_v<C, float>) return logf(x); else return ::log(x); }
+template <typename C> EMBER_HD C m_sqrt(C x) { if constexpr (std::is_same_v<C, float>) return sqrtf(x); else return ::sqrt(x); }
+template <typename C> EMBER_HD C m_tanh(C x) { if constexpr (std::is_same_v<C, float>) return tanhf(x); else return ::tanh(x); }
+template <typename C> EMBER_HD C m_erf(C x) { if constexpr (std::is_same_v<C, float>) return erff(x); else return ::erf(x); }
+template <typename C> EMBER_HD C m_pow(C x, C y) {
+  if constexpr (std::is_same_v<C, float>) return powf(x, y);
+  else if constexpr (std::is_floating_point_v<C>) return ::pow(x, y);
+  else {  // integer power by squaring; negative exponents give 0 as in torch (except base 1/-1)
+    if (y < 0) return (x == 1) ? C(1) : (x == C(-1) ? ((y & 1) ? C(-1) : C(1)) : C(0));
+    C r = 1;
+    while (y) { if (y & 1) r *= x; x *= x; y >>= 1; }
+    return r;
+  }
+}
+template <typename C> EMBER_HD bool m_isnan(C x) {
+  if constexpr (std::is_floating_point_v<C>) return x != x; else return false;
+}
+
+template <UnaryOp OP, typename C>
+EMBER_HD C unary_fn(C x, C p0, C p1) {
+  if constexpr (OP == UnaryOp::Neg) return -x;
+  else if constexpr (OP == UnaryOp::Abs) return x < C(0) ? -x : x;
+  else if constexpr (OP == UnaryOp::Relu) return x > C(0) ? x : (m_isnan(x) ? x : C(0));
+  else if constexpr (OP == UnaryOp::Clamp) {  // p0/p1 are min/max; NaN propagates
+    if (m_isnan(x)) return x;
+    C y = x < p0 ? p0 : x;
+    return y > p1 ? p1 : y;
+  } else if constexpr (!std::is_floating_point_v<C>) {
+    return x;  // float-only ops: the op layer casts integers to float first
+  } else if constexpr (OP == UnaryOp::Exp) return m_exp(x);
+  else if constexpr (OP == UnaryOp::Log) return m_log(x);
+  else if constexpr (OP == UnaryOp::Sqrt) return m_sqrt(x);
+  else if constexpr (OP == UnaryOp::Rsqrt) return C(1) / m_sqrt(x);
+  else if constexpr (OP == UnaryOp::Sigmoid) return C(1) / (C(1) + m_exp(-x));
+  else if constexpr (OP == UnaryOp::Tanh) return m_tanh(x);
+  else if constexpr (OP == UnaryOp::Gelu) return C(0.5) * x * (C(1) + m_erf(x * C(0.70710678118654752440)));
+  else if constexpr (OP == UnaryOp::GeluTanh) {
+    const C k = C(0.79788456080286535588);  // sqrt(2/pi)
+    return C(0.5) * x * (C(1) + m_tanh(k * (x + C(0.044715) * x * x * x)));
+  } else if constexpr (OP == UnaryOp::PowScalar) {
+    if (p0 == C(2)) return x * x;
+    return m_pow(x, p0);
+  }
+  return x;
+}
+
+template <BinaryOp OP, typename C>
+EMBER_HD auto binary_fn(C a, C b, C alpha) {
+  if constexpr (OP == BinaryOp::Add) return C(a + alpha * b);
+  else if constexpr (OP == BinaryOp::Sub) return C(a - alpha * b);
+  else if constexpr (OP == BinaryOp::Mul) return C(a * b);
+  else if constexpr (OP == BinaryOp::Div) return C(a / b);
+  else if constexpr (OP == BinaryOp::Pow) return m_pow(a, b);
+  else if constexpr (OP == BinaryOp::Maximum) return (m_isnan(a) || a > b) ? a : b;
+  else if constexpr (OP == BinaryOp::Minimum) return (m_isnan(a) || a < b) ? a : b;
+  else if constexpr (OP == BinaryOp::Eq) return a == b;
+  else if constexpr (OP == BinaryOp::Ne) return a != b;
+  else if constexpr (OP == BinaryOp::Lt) return a < b;
+  else if constexpr (OP == BinaryOp::Le) return a <= b;
+  else if constexpr (OP == BinaryOp::Gt) return a > b;
+  else return a >= b;
+}
+
+// Runtime op -> compile-time op. F is called as f(std::integral_constant<UnaryOp, OP>{}).
+template <typename F>
+void dispatch_unary(UnaryOp op, F&& f) {
+  switch (op) {
+#define EMBER_U(name) case UnaryOp::name: f(std::integral_constant<UnaryOp, UnaryOp::name>{}); break;
+    EMBER_U(Neg) EMBER_U(Abs) EMBER_U(Exp) EMBER_U(Log) EMBER_U(Sqrt) EMBER_U(Rsqrt) EMBER_U(Relu)
+    EMBER_U(Sigmoid) EMBER_U(Tanh) EMBER_U(Gelu) EMBER_U(GeluTanh) EMBER_U(PowScalar) EMBER_U(Clamp)
+#undef EMBER_U
+  }
+}
+
+template <typename F>
+void dispatch_binary(BinaryOp op, F&& f) {
+  switch (op) {
+#define EMBER_B(name) case BinaryOp::name: f(std::integral_constant<BinaryOp, BinaryOp::name>{}); break;
+    EMBER_B(Add) EMBER_B(Sub) EMBER_B(Mul) EMBER_B(Div) EMBER_B(Pow) EMBER_B(Maximum) EMBER_B(Minimum)
+    EMBER_B(Eq) EMBER_B(Ne) EMBER_B(Lt) EMBER_B(Le) EMBER_B(Gt) EMBER_B(Ge)
+#undef EMBER_B
+  }
+}
+
+}  // namespace ember

@@ -1,0 +1,100 @@
+// The kernel layer under core/ops.h: strided iteration metadata and the
+// CPU/CUDA launcher pairs each op file defines (foo.cc: *_cpu, foo.cu:
+// *_cuda). Launchers assume operands were checked, broadcast and cast by the
+// op layer; they only compute.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+
+#include "core/dtype.h"
+#include "core/tensor.h"
+
+namespace ember {
+
+constexpr int kMaxDims = 8;
+constexpr int kMaxOperands = 4;
+
+// Operand 0 is the output. Inputs are broadcast to its shape (stride 0) and
+// adjacent dims are merged where every operand allows it, so a contiguous
+// elementwise op sees ndim == 1.
+struct StridedIter {
+  int ndim = 0;
+  int nops = 0;
+  int64_t numel = 0;
+  int64_t sizes[kMaxDims] = {};
+  int64_t strides[kMaxOperands][kMaxDims] = {};  // in elements, innermost last
+  char* data[kMaxOperands] = {};
+  DType dtypes[kMaxOperands] = {};
+
+  bool is_contiguous(int op) const { return ndim == 1 && strides[op][0] == 1; }
+  bool all_contiguous() const {
+    for (int i = 0; i < nops; ++i) if (!is_contiguous(i)) return false;
+    return true;
+  }
+};
+
+StridedIter make_iter(const Tensor& out, std::initializer_list<Tensor> inputs, const char* op);
+
+enum class UnaryOp { Neg, Abs, Exp, Log, Sqrt, Rsqrt, Relu, Sigmoid, Tanh, Gelu, GeluTanh, PowScalar, Clamp };
+enum class BinaryOp { Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge };
+enum class ReduceOp { Sum, Max, Min, ArgMax, ArgMin };
+enum class RandomKind { Uniform, Normal, Bernoulli, Bernoulli_Tensor };
+
+inline bool is_comparison(BinaryOp op) { return op >= BinaryOp::Eq; }
+
+// Unary: out = f(in; p0, p1). Same dtype in and out.
+void unary_cpu(UnaryOp op, const StridedIter& it, double p0, double p1);
+void unary_cuda(UnaryOp op, const StridedIter& it, double p0, double p1);
+// Binary: out = a (op) b, with alpha scaling b for Add/Sub. Inputs share a
+// dtype; out is that dtype, or bool for comparisons.
+void binary_cpu(BinaryOp op, const StridedIter& it, double alpha);
+void binary_cuda(BinaryOp op, const StridedIter& it, double alpha);
+// where: operands (out, cond[bool], a, b).
+void where_cpu(const StridedIter& it);
+void where_cuda(const StridedIter& it);
+// Copy with cast: operands (out, in), any dtypes.
+void copy_cpu(const StridedIter& it);
+void copy_cuda(const StridedIter& it);
+// Operand (out) only.
+void fill_cpu(const StridedIter& it, double value);
+void fill_cuda(const StridedIter& it, double value);
+// out contiguous: out[i] = start + i * step.
+void arange_cpu(Tensor& out, double start, double step);
+void arange_cuda(Tensor& out, double start, double step);
+
+// Reduce the middle axis of a contiguous [outer, r, inner] input into a
+// contiguous [outer, inner] output (int64 for Arg*; input dtype otherwise).
+void reduce_cpu(ReduceOp op, const Tensor& in, Tensor& out, int64_t outer, int64_t r, int64_t inner);
+void reduce_cuda(ReduceOp op, const Tensor& in, Tensor& out, int64_t outer, int64_t r, int64_t inner);
+
+// Softmax over the middle axis of contiguous [outer, r, inner].
+void softmax_cpu(const Tensor& in, Tensor& out, int64_t outer, int64_t r, int64_t inner, bool log);
+void softmax_cuda(const Tensor& in, Tensor& out, int64_t outer, int64_t r, int64_t inner, bool log);
+
+// Row-major batched GEMM: C[b] = op(A[b]) @ op(B[b]), C contiguous [batch, m, n].
+struct GemmArgs {
+  DType dtype;
+  int64_t batch, m, n, k;
+  bool trans_a, trans_b;  // A is stored [k, m] (resp. B [n, k]) when set
+  const void* a; int64_t lda, stride_a;
+  const void* b; int64_t ldb, stride_b;
+  void* c; int64_t ldc, stride_c;
+};
+void gemm_cpu(const GemmArgs& g);
+void gemm_cuda(const GemmArgs& g, int device);
+
+// index_select on contiguous [outer, src_size, inner] -> [outer, n_index, inner].
+void index_select_cpu(const Tensor& in, const Tensor& index, Tensor& out, int64_t outer, int64_t src_size, int64_t inner);
+void index_select_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64_t outer, int64_t src_size, int64_t inner);
+// gather: out[p] = in[p with coordinate `dim` replaced by index[p]]; all contiguous.
+void gather_cpu(const Tensor& in, const Tensor& index, Tensor& out, int64_t dim);
+void gather_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64_t dim);
+
+// Random fill of contiguous `out`. Element i draws from Philox(seed, counter
+// = (i, offset)), identically on CPU and CUDA. For Bernoulli_Tensor, `p`
+// holds per-element probabilities (same numel, contiguous, float dtype).
+void random_cpu(RandomKind kind, Tensor& out, double a, double b, uint64_t seed, uint64_t offset, const Tensor& p);
+void random_cuda(RandomKind kind, Tensor& out, double a, double b, uint64_t seed, uint64_t offset, const Tensor& p);
+
+}  // namespace ember

@@ -1,0 +1,170 @@
+// matmul / mm / bmm / linear. CPU GEMM goes to OpenBLAS (16-bit floats are
+// widened to fp32 around the call; integers use a plain loop); CUDA GEMM to
+// cuBLAS (matmul.cu). The op layer maps transposed views onto BLAS's
+// transpose flags, so x @ w.t() never copies w.
+#include <cblas.h>
+
+#include "core/ops.h"
+#include "core/ops/cpu_loop.h"
+
+namespace ember {
+
+// ---- CPU kernel ----
+void gemm_cpu(const GemmArgs& g) {
+  auto ta = g.trans_a ? CblasTrans : CblasNoTrans, tb = g.trans_b ? CblasTrans : CblasNoTrans;
+  if (g.dtype == DType::Float32) {
+    for (int64_t i = 0; i < g.batch; ++i)
+      cblas_sgemm(CblasRowMajor, ta, tb, g.m, g.n, g.k, 1.0f, static_cast<const float*>(g.a) + i * g.stride_a, g.lda,
+                  static_cast<const float*>(g.b) + i * g.stride_b, g.ldb, 0.0f,
+                  static_cast<float*>(g.c) + i * g.stride_c, g.ldc);
+    return;
+  }
+  if (g.dtype == DType::Float64) {
+    for (int64_t i = 0; i < g.batch; ++i)
+      cblas_dgemm(CblasRowMajor, ta, tb, g.m, g.n, g.k, 1.0, static_cast<const double*>(g.a) + i * g.stride_a, g.lda,
+                  static_cast<const double*>(g.b) + i * g.stride_b, g.ldb, 0.0,
+                  static_cast<double*>(g.c) + i * g.stride_c, g.ldc);
+    return;
+  }
+  EMBER_DISPATCH_NUMERIC(g.dtype, "matmul", [&] {
+    using T = scalar_t;
+    if constexpr (std::is_integral_v<T>) {
+      parallel_for(g.batch * g.m, 64, [&](int64_t b, int64_t e) {
+        for (int64_t bm = b; bm < e; ++bm) {
+          int64_t bi = bm / g.m, i = bm % g.m;
+          const T* A = static_cast<const T*>(g.a) + bi * g.stride_a;
+          const T* B = static_cast<const T*>(g.b) + bi * g.stride_b;
+          T* C = static_cast<T*>(g.c) + bi * g.stride_c;
+          for (int64_t j = 0; j < g.n; ++j) {
+            int64_t acc = 0;
+            for (int64_t p = 0; p < g.k; ++p) {
+              T av = g.trans_a ? A[p * g.lda + i] : A[i * g.lda + p];
+              T bv = g.trans_b ? B[j * g.ldb + p] : B[p * g.ldb + j];
+              acc += static_cast<int64_t>(av) * static_cast<int64_t>(bv);
+            }
+            C[i * g.ldc + j] = static_cast<T>(acc);
+          }
+        }
+      });
+    } else {
+      EMBER_INTERNAL_ASSERT(false, "gemm_cpu: 16-bit floats are widened by the op layer");
+    }
+  });
+}
+
+// ---- Op layer ----
+namespace {
+
+struct MatrixOperand {
+  Tensor keep;  // owns the memory the pointer refers to
+  const void* ptr;
+  int64_t ld, batch_stride;
+  bool trans;
+};
+
+// t is [B, rows, cols]; find a BLAS description without copying if possible.
+MatrixOperand describe(const Tensor& t) {
+  int64_t rows = t.sizes()[1], cols = t.sizes()[2];
+  int64_t sb = t.sizes()[0] == 1 ? 0 : t.strides()[0], s0 = t.strides()[1], s1 = t.strides()[2];
+  if ((cols == 1 || s1 == 1) && (rows == 1 || s0 >= cols) && s0 >= 1)
+    return {t, t.raw_data(), rows == 1 ? std::max<int64_t>(cols, 1) : s0, sb, false};
+  if ((rows == 1 || s0 == 1) && (cols == 1 || s1 >= rows) && s1 >= 1)
+    return {t, t.raw_data(), cols == 1 ? std::max<int64_t>(rows, 1) : s1, sb, true};
+  Tensor c = t.contiguous();
+  return {c, c.raw_data(), std::max<int64_t>(cols, 1), t.sizes()[0] == 1 ? 0 : rows * cols, false};
+}
+
+// a [B, m, k] @ b [B, k, n] -> [B, m, n], B may be 1 on either side.
+Tensor batched_gemm(const Tensor& a, const Tensor& b) {
+  const int64_t B = std::max(a.sizes()[0], b.sizes()[0]);
+  const int64_t m = a.sizes()[1], k = a.sizes()[2], n = b.sizes()[2];
+  Tensor out = Tensor::empty({B, m, n}, a.options());
+  if (out.numel() == 0) return out;
+  if (k == 0) return out.zero_();
+  bool widen = a.device().is_cpu() && (a.dtype() == DType::Float16 || a.dtype() == DType::BFloat16);
+  if (widen) return batched_gemm(a.to(DType::Float32), b.to(DType::Float32)).to(a.dtype());
+  MatrixOperand A = describe(a), Bm = describe(b);
+  GemmArgs g{a.dtype(), B, m, n, k, A.trans, Bm.trans, A.ptr, A.ld, A.batch_stride, Bm.ptr, Bm.ld,
+             Bm.batch_stride, out.raw_data(), n, m * n};
+  if (a.is_cuda()) gemm_cuda(g, a.device().index); else gemm_cpu(g);
+  return out;
+}
+
+void check_pair(const Tensor& a, const Tensor& b, const char* op) {
+  EMBER_CHECK(a.defined() && b.defined(), op, ": an input is undefined");
+  EMBER_CHECK(a.device() == b.device(), op, ": ", shape_str(a.sizes()), " on ", a.device(), " x ",
+              shape_str(b.sizes()), " on ", b.device(), ": tensors must be on the same device");
+  EMBER_CHECK(a.dtype() == b.dtype(), op, ": ", shape_str(a.sizes()), " ", a.dtype(), " x ", shape_str(b.sizes()),
+              " ", b.dtype(), ": dtypes differ");
+  EMBER_CHECK(a.dtype() != DType::Bool, op, ": not supported for bool tensors");
+}
+
+void check_inner(const Tensor& a, const Tensor& b, int64_t ka, int64_t kb, const char* op) {
+  EMBER_CHECK(ka == kb, op, ": ", shape_str(a.sizes()), " x ", shape_str(b.sizes()), ": inner dimensions ", ka,
+              " and ", kb, " differ");
+}
+
+}  // namespace
+
+Tensor mm(const Tensor& a, const Tensor& b) {
+  check_pair(a, b, "mm");
+  EMBER_CHECK(a.dim() == 2 && b.dim() == 2, "mm: expected 2-d tensors, got ", shape_str(a.sizes()), " x ",
+              shape_str(b.sizes()));
+  check_inner(a, b, a.sizes()[1], b.sizes()[0], "mm");
+  return batched_gemm(a.unsqueeze(0), b.unsqueeze(0)).squeeze(0);
+}
+
+Tensor bmm(const Tensor& a, const Tensor& b) {
+  check_pair(a, b, "bmm");
+  EMBER_CHECK(a.dim() == 3 && b.dim() == 3, "bmm: expected 3-d tensors, got ", shape_str(a.sizes()), " x ",
+              shape_str(b.sizes()));
+  EMBER_CHECK(a.sizes()[0] == b.sizes()[0], "bmm: ", shape_str(a.sizes()), " x ", shape_str(b.sizes()),
+              ": batch sizes ", a.sizes()[0], " and ", b.sizes()[0], " differ");
+  check_inner(a, b, a.sizes()[2], b.sizes()[1], "bmm");
+  return batched_gemm(a, b);
+}
+
+Tensor matmul(const Tensor& a, const Tensor& b) {
+  check_pair(a, b, "matmul");
+  EMBER_CHECK(a.dim() >= 1 && b.dim() >= 1, "matmul: both arguments need at least 1 dim, got ",
+              shape_str(a.sizes()), " x ", shape_str(b.sizes()));
+  if (a.dim() == 1 && b.dim() == 1) {
+    check_inner(a, b, a.sizes()[0], b.sizes()[0], "matmul");
+    return mm(a.unsqueeze(0), b.unsqueeze(1)).reshape({});
+  }
+  if (a.dim() == 1) return matmul(a.unsqueeze(0), b).squeeze(-2);
+  if (b.dim() == 1) return matmul(a, b.unsqueeze(1)).squeeze(-1);
+  const int64_t m = a.size(-2), k = a.size(-1), kb = b.size(-2), n = b.size(-1);
+  check_inner(a, b, k, kb, "matmul");
+  if (b.dim() == 2) {  // fold a's batch dims into m: one big GEMM
+    Shape out_shape(a.sizes().begin(), a.sizes().end() - 1);
+    out_shape.push_back(n);
+    return batched_gemm(a.reshape({1, -1, k}), b.unsqueeze(0)).view(out_shape);
+  }
+  Shape ba(a.sizes().begin(), a.sizes().end() - 2), bb(b.sizes().begin(), b.sizes().end() - 2);
+  Shape batch = broadcast_shapes(ba, bb, "matmul");
+  Shape ea = batch, eb = batch;
+  ea.insert(ea.end(), {m, k});
+  eb.insert(eb.end(), {k, n});
+  Tensor out = batched_gemm(a.expand(ea).reshape({-1, m, k}), b.expand(eb).reshape({-1, k, n}));
+  Shape out_shape = batch;
+  out_shape.insert(out_shape.end(), {m, n});
+  return out.view(out_shape);
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  check_pair(x, weight, "linear");
+  EMBER_CHECK(weight.dim() == 2, "linear: weight must be [out, in], got ", shape_str(weight.sizes()));
+  EMBER_CHECK(x.dim() >= 1 && x.size(-1) == weight.sizes()[1], "linear: input ", shape_str(x.sizes()),
+              " has last dim ", (x.dim() ? x.size(-1) : 0), " but weight ", shape_str(weight.sizes()), " expects ",
+              weight.sizes()[1]);
+  Tensor out = matmul(x, weight.t());
+  if (bias.defined()) {
+    EMBER_CHECK(bias.dim() == 1 && bias.sizes()[0] == weight.sizes()[0], "linear: bias ", shape_str(bias.sizes()),
+                " does not match weight ", shape_str(weight.sizes()));
+    add_(out, bias);
+  }
+  return out;
+}
+
+}  // namespace ember

@@ -1,0 +1,62 @@
+// softmax / log_softmax over one dim: max-subtracted, computed in acc_t
+// (fp32 for half types). Works on the [outer, r, inner] view of the input.
+#include <cmath>
+
+#include "core/ops.h"
+#include "core/ops/cpu_loop.h"
+#include "core/ops/elementwise_fns.h"
+
+namespace ember {
+
+// ---- CPU kernel ----
+void softmax_cpu(const Tensor& in, Tensor& out, int64_t outer, int64_t r, int64_t inner, bool log) {
+  EMBER_DISPATCH_FLOAT(in.dtype(), "softmax", [&] {
+    using T = scalar_t;
+    using C = acc_t<T>;
+    const T* x = static_cast<const T*>(in.raw_data());
+    T* y = static_cast<T*>(out.raw_data());
+    parallel_for(outer * inner, std::max<int64_t>(1, 4096 / std::max<int64_t>(r, 1)), [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) {
+        int64_t o = j / inner, i = j % inner;
+        const T* xr = x + o * r * inner + i;
+        T* yr = y + o * r * inner + i;
+        C mx = -std::numeric_limits<C>::infinity();
+        for (int64_t k = 0; k < r; ++k) mx = std::max(mx, static_cast<C>(xr[k * inner]));
+        if (std::isinf(mx) && mx < 0) mx = 0;  // all -inf row: avoid inf - inf
+        C sum = 0;
+        for (int64_t k = 0; k < r; ++k) sum += m_exp(static_cast<C>(xr[k * inner]) - mx);
+        if (log) {
+          C lse = m_log(sum);
+          for (int64_t k = 0; k < r; ++k) yr[k * inner] = static_cast<T>(static_cast<C>(xr[k * inner]) - mx - lse);
+        } else {
+          C inv = C(1) / sum;
+          for (int64_t k = 0; k < r; ++k) yr[k * inner] = static_cast<T>(m_exp(static_cast<C>(xr[k * inner]) - mx) * inv);
+        }
+      }
+    });
+  });
+}
+
+// ---- Op layer ----
+namespace {
+Tensor softmax_impl(const Tensor& x, int64_t dim, bool log, const char* name) {
+  EMBER_CHECK(x.defined(), name, ": input is undefined");
+  EMBER_CHECK(is_floating(x.dtype()), name, ": expected a floating dtype, got ", x.dtype());
+  if (x.dim() == 0) return softmax_impl(x.reshape({1}), 0, log, name).reshape({});
+  dim = wrap_dim(dim, x.dim(), name);
+  Tensor in = x.contiguous();
+  Tensor out = Tensor::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return out;
+  int64_t outer = 1, inner = 1, r = x.sizes()[dim];
+  for (int64_t d = 0; d < dim; ++d) outer *= x.sizes()[d];
+  for (int64_t d = dim + 1; d < x.dim(); ++d) inner *= x.sizes()[d];
+  if (x.is_cuda()) softmax_cuda(in, out, outer, r, inner, log);
+  else softmax_cpu(in, out, outer, r, inner, log);
+  return out;
+}
+}  // namespace
+
+Tensor softmax(const Tensor& x, int64_t dim) { return softmax_impl(x, dim, false, "softmax"); }
+Tensor log_softmax(const Tensor& x, int64_t dim) { return softmax_impl(x, dim, true, "log_softmax"); }
+
+}  // namespace ember

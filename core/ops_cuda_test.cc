@@ -1,0 +1,142 @@
+// The cross-backend op test: every op on CUDA against the CPU kernel, on
+// random inputs, for every float dtype, including broadcasting and strided
+// views. Skips (with the reason) when no GPU is present.
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "core/ops.h"
+
+namespace ember {
+namespace {
+
+class CudaOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
+  }
+};
+
+double tol(DType t) { return t == DType::Float16 ? 2e-3 : t == DType::BFloat16 ? 1.6e-2 : t == DType::Float32 ? 2e-5 : 1e-11; }
+const std::vector<DType> kTypes = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
+
+void expect_same(const Tensor& cpu, const Tensor& gpu, double t, const std::string& what) {
+  ASSERT_TRUE(gpu.is_cuda()) << what;
+  ASSERT_EQ(cpu.sizes(), gpu.sizes()) << what;
+  ASSERT_EQ(cpu.dtype(), gpu.dtype()) << what;
+  EXPECT_TRUE(allclose(gpu.cpu(), cpu, t, t)) << what << "\ncpu: " << cpu << "\ncuda: " << gpu.cpu();
+}
+
+using Unary = std::function<Tensor(const Tensor&)>;
+using Binary = std::function<Tensor(const Tensor&, const Tensor&)>;
+
+TEST_F(CudaOps, UnaryMatchesCpu) {
+  std::vector<std::pair<std::string, Unary>> ops = {
+      {"neg", [](auto& x) { return neg(x); }}, {"abs", [](auto& x) { return abs(x); }},
+      {"exp", [](auto& x) { return exp(x); }}, {"log", [](auto& x) { return log(abs(x) + 0.1); }},
+      {"sqrt", [](auto& x) { return sqrt(abs(x)); }}, {"rsqrt", [](auto& x) { return rsqrt(abs(x) + 0.1); }},
+      {"relu", [](auto& x) { return relu(x); }}, {"sigmoid", [](auto& x) { return sigmoid(x); }},
+      {"tanh", [](auto& x) { return tanh(x); }}, {"gelu", [](auto& x) { return gelu(x); }},
+      {"gelu_tanh", [](auto& x) { return gelu(x, true); }}, {"pow", [](auto& x) { return pow(x, 3.0); }},
+      {"clamp", [](auto& x) { return clamp(x, -0.5, 0.5); }}, {"cast", [](auto& x) { return x.to(DType::Int32); }},
+      {"softmax0", [](auto& x) { return softmax(x, 0); }}, {"log_softmax1", [](auto& x) { return log_softmax(x, -1); }},
+      {"sum", [](auto& x) { return sum(x, {1}); }}, {"sum_all", [](auto& x) { return sum(x); }},
+      {"mean0", [](auto& x) { return mean(x, {0}, true); }}, {"max", [](auto& x) { return max(x, {1}); }},
+      {"min_all", [](auto& x) { return min(x); }}, {"var", [](auto& x) { return var(x, {0}); }},
+      {"argmax", [](auto& x) { return argmax(x, 1); }}, {"argmin", [](auto& x) { return argmin(x); }},
+  };
+  manual_seed(11);
+  for (DType dt : kTypes) {
+    Tensor base = randn({37, 129}, DType::Float64).to(dt);
+    for (const Tensor& x : {base, base.t(), base.slice(1, 3, 100, 3)}) {
+      Tensor xg = x.cuda();
+      for (auto& [name, op] : ops) {
+        double t = tol(dt) * (name.find("sum") != std::string::npos || name == "var" ? 40 : 4);
+        expect_same(op(x), op(xg), t, name + " " + dtype_name(dt) + " " + shape_str(x.sizes()));
+      }
+    }
+  }
+}
+
+TEST_F(CudaOps, BinaryAndWhereMatchCpuWithBroadcast) {
+  std::vector<std::pair<std::string, Binary>> ops = {
+      {"add", [](auto& a, auto& b) { return add(a, b, 0.5); }}, {"sub", [](auto& a, auto& b) { return a - b; }},
+      {"mul", [](auto& a, auto& b) { return a * b; }}, {"div", [](auto& a, auto& b) { return a / (abs(b) + 1.0); }},
+      {"pow", [](auto& a, auto& b) { return pow(abs(a), b); }}, {"maximum", [](auto& a, auto& b) { return maximum(a, b); }},
+      {"minimum", [](auto& a, auto& b) { return minimum(a, b); }}, {"lt", [](auto& a, auto& b) { return lt(a, b); }},
+      {"eq", [](auto& a, auto& b) { return eq(a, b); }}, {"ge", [](auto& a, auto& b) { return ge(a, b); }},
+      {"where", [](auto& a, auto& b) { return where(gt(a, b), a, b); }},
+  };
+  manual_seed(12);
+  std::vector<std::pair<Shape, Shape>> shapes = {{{64, 33}, {64, 33}}, {{64, 33}, {33}}, {{8, 1, 5}, {7, 1}}, {{1000}, {}}};
+  for (DType dt : kTypes)
+    for (auto& [sa, sb] : shapes) {
+      Tensor a = randn(sa, DType::Float64).to(dt), b = randn(sb, DType::Float64).to(dt);
+      for (auto& [name, op] : ops)
+        expect_same(op(a, b), op(a.cuda(), b.cuda()), tol(dt) * 4, name + " " + dtype_name(dt) + " " + shape_str(sa));
+    }
+  // CPU scalars combine with CUDA tensors.
+  Tensor g = ones({3}, cuda_device());
+  expect_same(ones({3}) * 2.5, g * 2.5, 0, "tensor * scalar");
+}
+
+TEST_F(CudaOps, MatmulMatchesCpu) {
+  manual_seed(13);
+  for (DType dt : kTypes) {
+    Tensor a = randn({65, 130}, DType::Float64).to(dt), b = randn({130, 47}, DType::Float64).to(dt);
+    double t = tol(dt) * 50;
+    expect_same(mm(a, b), mm(a.cuda(), b.cuda()), t, std::string("mm ") + dtype_name(dt));
+    expect_same(mm(b.t(), a.t()), mm(b.cuda().t(), a.cuda().t()), t, std::string("mm^T ") + dtype_name(dt));
+    Tensor x = randn({3, 5, 130}, DType::Float64).to(dt), w = randn({7, 130}, DType::Float64).to(dt);
+    expect_same(linear(x, w), linear(x.cuda(), w.cuda()), t, std::string("linear ") + dtype_name(dt));
+    Tensor p = randn({4, 9, 16}, DType::Float64).to(dt), q = randn({4, 16, 5}, DType::Float64).to(dt);
+    expect_same(bmm(p, q), bmm(p.cuda(), q.cuda()), t, std::string("bmm ") + dtype_name(dt));
+    expect_same(matmul(p, q.select(0, 0)), matmul(p.cuda(), q.cuda().select(0, 0)), t, "matmul broadcast");
+  }
+}
+
+TEST_F(CudaOps, JoinIndexCopyRandom) {
+  manual_seed(14);
+  Tensor a = randn({4, 6}), b = randn({2, 6});
+  expect_same(cat({a, b}, 0), cat({a.cuda(), b.cuda()}, 0), 0, "cat");
+  expect_same(stack({a, a}, 2), stack({a.cuda(), a.cuda()}, 2), 0, "stack");
+  Tensor idx = Tensor::from_vector({5, 0, 3, 3}, {4}, DType::Int64);
+  expect_same(index_select(a, 1, idx), index_select(a.cuda(), 1, idx.cuda()), 0, "index_select");
+  Tensor gi = randint(0, 6, {4, 3}, DType::Int64);
+  expect_same(gather(a, 1, gi), gather(a.cuda(), 1, gi.cuda()), 0, "gather");
+  EXPECT_THROW(index_select(a.cuda(), 0, Tensor::from_vector({9}, {1}, DType::Int64).cuda()), Error);
+  expect_same(one_hot(gi, 6), one_hot(gi.cuda(), 6), 0, "one_hot");
+  expect_same(arange(0, 10, 0.5), arange(0, 10, 0.5, cuda_device()), 0, "arange");
+  // Strided copies and casts in both directions.
+  Tensor big = randn({33, 65});
+  expect_same(big.t().contiguous(), big.cuda().t().contiguous(), 0, "transpose copy");
+  EXPECT_TRUE(allclose(big.cuda().to(DType::Float16).cpu(), big.to(DType::Float16), 0, 0));
+  // Same seed, same values on both devices (Philox on both).
+  for (DType dt : kTypes) {
+    Generator g1(99), g2(99);
+    expect_same(rand({1001}, dt, &g1), rand({1001}, {dt, cuda_device()}, &g2), 0, "rand");
+    expect_same(randn({1001}, dt, &g1), randn({1001}, {dt, cuda_device()}, &g2), 1e-6, "randn");
+    expect_same(bernoulli({1001}, 0.3, dt, &g1), bernoulli({1001}, 0.3, {dt, cuda_device()}, &g2), 0, "bernoulli");
+  }
+}
+
+TEST_F(CudaOps, CachingAllocatorReusesBlocks) {
+  Allocator* alloc = cuda_allocator(0);
+  alloc->empty_cache();
+  AllocatorStats s0 = alloc->stats();
+  { Tensor t = empty({1 << 20}, cuda_device()); }
+  AllocatorStats s1 = alloc->stats();
+  EXPECT_EQ(s1.allocated, s0.allocated);
+  EXPECT_GT(s1.reserved, s0.reserved);  // cached, not freed
+  { Tensor t = empty({1 << 20}, cuda_device()); }
+  AllocatorStats s2 = alloc->stats();
+  EXPECT_EQ(s2.num_device_allocs, s1.num_device_allocs);  // reused without cudaMalloc
+  EXPECT_GE(s2.peak_allocated, static_cast<size_t>(4 << 20));
+  alloc->empty_cache();
+  EXPECT_EQ(alloc->stats().reserved, s0.reserved);
+  Tensor pinned = ones({16}).pin_memory();
+  expect_same(pinned, pinned.cuda(), 0, "pinned copy");
+}
+
+}  // namespace
+}  // namespace ember

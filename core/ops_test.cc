@@ -1,0 +1,408 @@
+// Every CPU op against hand-computed values or float64 reference loops,
+// including broadcasting, non-contiguous inputs and error messages.
+#include "core/ops.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+
+namespace ember {
+namespace {
+
+using V = std::vector<double>;
+Tensor T(const V& v, const Shape& s, DType t = DType::Float32) { return Tensor::from_vector(v, s, t); }
+
+void expect_near(const V& got, const V& want, double tol) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::isnan(want[i])) EXPECT_TRUE(std::isnan(got[i])) << "at " << i;
+    else EXPECT_NEAR(got[i], want[i], tol * std::max(1.0, std::abs(want[i]))) << "at " << i;
+  }
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+const std::vector<DType> kFloatTypes = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
+double tol_for(DType t) { return t == DType::Float16 ? 2e-3 : t == DType::BFloat16 ? 1e-2 : t == DType::Float32 ? 1e-6 : 1e-12; }
+
+TEST(Unary, MatchesScalarMathAcrossDtypes) {
+  V xs = {-2.5, -1.0, -0.1, 0.0, 0.3, 1.0, 2.0, 4.0};
+  struct Case { const char* name; std::function<Tensor(const Tensor&)> op; std::function<double(double)> ref; bool pos; };
+  std::vector<Case> cases = {
+      {"neg", [](const Tensor& x) { return neg(x); }, [](double x) { return -x; }, false},
+      {"abs", [](const Tensor& x) { return abs(x); }, [](double x) { return std::abs(x); }, false},
+      {"exp", [](const Tensor& x) { return exp(x); }, [](double x) { return std::exp(x); }, false},
+      {"log", [](const Tensor& x) { return log(x); }, [](double x) { return std::log(x); }, true},
+      {"sqrt", [](const Tensor& x) { return sqrt(x); }, [](double x) { return std::sqrt(x); }, true},
+      {"rsqrt", [](const Tensor& x) { return rsqrt(x); }, [](double x) { return 1 / std::sqrt(x); }, true},
+      {"relu", [](const Tensor& x) { return relu(x); }, [](double x) { return x > 0 ? x : 0; }, false},
+      {"sigmoid", [](const Tensor& x) { return sigmoid(x); }, [](double x) { return 1 / (1 + std::exp(-x)); }, false},
+      {"tanh", [](const Tensor& x) { return tanh(x); }, [](double x) { return std::tanh(x); }, false},
+      {"gelu", [](const Tensor& x) { return gelu(x); }, [](double x) { return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0))); }, false},
+      {"gelu_tanh", [](const Tensor& x) { return gelu(x, true); },
+       [](double x) { return 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))); }, false},
+      {"pow3", [](const Tensor& x) { return pow(x, 3.0); }, [](double x) { return x * x * x; }, false},
+      {"pow0.5", [](const Tensor& x) { return pow(x, 0.5); }, [](double x) { return std::sqrt(x); }, true},
+      {"clamp", [](const Tensor& x) { return clamp(x, -1.0, 1.5); }, [](double x) { return std::min(std::max(x, -1.0), 1.5); }, false},
+  };
+  for (DType dt : kFloatTypes) {
+    for (const Case& c : cases) {
+      V in;
+      for (double x : xs) if (!c.pos || x > 0) in.push_back(x);
+      Tensor x = T(in, {static_cast<int64_t>(in.size())}, dt);
+      V xr = x.to_vector();  // inputs as rounded to dt
+      V want;
+      for (double v : xr) want.push_back(c.ref(v));
+      Tensor y = c.op(x);
+      EXPECT_EQ(y.dtype(), dt) << c.name;
+      SCOPED_TRACE(std::string(c.name) + " " + dtype_name(dt));
+      expect_near(y.to_vector(), want, tol_for(dt) * 4);
+    }
+  }
+}
+
+TEST(Unary, IntegersPromoteForFloatOpsOnly) {
+  Tensor i = T({-2, 3}, {2}, DType::Int32);
+  EXPECT_EQ(abs(i).dtype(), DType::Int32);
+  EXPECT_EQ(abs(i).to_vector(), (V{2, 3}));
+  EXPECT_EQ(exp(i).dtype(), DType::Float32);
+  EXPECT_EQ(clamp(i, 0.0, std::nullopt).to_vector(), (V{0, 3}));
+  EXPECT_TRUE(std::isnan(relu(T({NAN}, {1})).item()));
+  EXPECT_TRUE(std::isnan(clamp(T({NAN}, {1}), 0.0, 1.0).item()));
+}
+
+TEST(Unary, WorksOnNonContiguousViews) {
+  Tensor base = arange(24, DType::Float64).view({2, 3, 4});
+  Tensor v = base.permute({2, 0, 1}).slice(0, 1, 4, 2);  // [2, 2, 3], strided
+  Tensor y = exp(v * 0.1);
+  V src = v.contiguous().to_vector(), want;
+  for (double s : src) want.push_back(std::exp(s * 0.1));
+  expect_near(y.to_vector(), want, 1e-12);
+}
+
+// Binary ops against a float64 reference with explicit broadcasting.
+V broadcast_ref(const Tensor& a, const Tensor& b, const std::function<double(double, double)>& f, Shape& out_shape) {
+  out_shape = broadcast_shapes(a.sizes(), b.sizes(), "ref");
+  Tensor ea = a.expand(out_shape).contiguous(), eb = b.expand(out_shape).contiguous();
+  V x = ea.to_vector(), y = eb.to_vector(), out;
+  for (size_t i = 0; i < x.size(); ++i) out.push_back(f(x[i], y[i]));
+  return out;
+}
+
+TEST(Binary, BroadcastsAgainstReference) {
+  manual_seed(1);
+  std::vector<std::pair<Shape, Shape>> shapes = {
+      {{3, 4}, {3, 4}}, {{3, 4}, {4}}, {{3, 1}, {1, 4}}, {{2, 1, 4}, {3, 1}}, {{5}, {}}, {{}, {2, 2}}};
+  struct Case { const char* name; std::function<Tensor(const Tensor&, const Tensor&)> op; std::function<double(double, double)> ref; };
+  std::vector<Case> cases = {
+      {"add", [](auto& a, auto& b) { return a + b; }, [](double x, double y) { return x + y; }},
+      {"sub", [](auto& a, auto& b) { return a - b; }, [](double x, double y) { return x - y; }},
+      {"mul", [](auto& a, auto& b) { return a * b; }, [](double x, double y) { return x * y; }},
+      {"div", [](auto& a, auto& b) { return a / b; }, [](double x, double y) { return x / y; }},
+      {"add_alpha", [](auto& a, auto& b) { return add(a, b, 2.5); }, [](double x, double y) { return x + 2.5 * y; }},
+      {"maximum", [](auto& a, auto& b) { return maximum(a, b); }, [](double x, double y) { return std::max(x, y); }},
+      {"minimum", [](auto& a, auto& b) { return minimum(a, b); }, [](double x, double y) { return std::min(x, y); }},
+      {"pow", [](auto& a, auto& b) { return pow(abs(a) + 0.5, b); }, [](double x, double y) { return std::pow(std::abs(x) + 0.5, y); }},
+      {"lt", [](auto& a, auto& b) { return lt(a, b); }, [](double x, double y) { return double(x < y); }},
+      {"ge", [](auto& a, auto& b) { return ge(a, b); }, [](double x, double y) { return double(x >= y); }},
+      {"eq", [](auto& a, auto& b) { return eq(a, a); }, [](double x, double) { return 1.0; }},
+  };
+  for (auto& [sa, sb] : shapes) {
+    Tensor a = randn(sa, DType::Float64), b = randn(sb, DType::Float64) + 3.0;
+    for (const Case& c : cases) {
+      SCOPED_TRACE(std::string(c.name) + " " + shape_str(sa) + " " + shape_str(sb));
+      Shape out_shape;
+      V want = broadcast_ref(a, b, c.ref, out_shape);
+      if (std::string(c.name) == "pow") {
+        want.clear();
+        Tensor aa = abs(a) + 0.5;
+        want = broadcast_ref(aa, b, [](double x, double y) { return std::pow(x, y); }, out_shape);
+      }
+      if (std::string(c.name) == "eq") out_shape = a.sizes(), want.assign(a.numel(), 1.0);
+      Tensor y = c.op(a, b);
+      EXPECT_EQ(y.sizes(), out_shape);
+      expect_near(y.to_vector(), want, 1e-12);
+    }
+  }
+}
+
+TEST(Binary, PromotesTypesLikeTorch) {
+  Tensor i = T({1, 2, 3}, {3}, DType::Int32), f = T({0.5, 0.5, 0.5}, {3});
+  EXPECT_EQ((i + f).dtype(), DType::Float32);
+  EXPECT_EQ((i + i).dtype(), DType::Int32);
+  EXPECT_EQ((i / i).dtype(), DType::Float32);  // true division
+  EXPECT_EQ((i / T({2, 2, 2}, {3}, DType::Int64)).to_vector(), (V{0.5, 1.0, 1.5}));
+  EXPECT_EQ((i * 2.5).dtype(), DType::Float32);
+  EXPECT_EQ((i * 2.0).dtype(), DType::Int32);
+  EXPECT_EQ((T({1}, {1}, DType::Float16) + T({1}, {1}, DType::BFloat16)).dtype(), DType::Float32);
+  EXPECT_EQ(lt(i, f).dtype(), DType::Bool);
+  EXPECT_EQ((2.0 - f).to_vector(), (V{1.5, 1.5, 1.5}));
+  EXPECT_EQ((1.0 / T({4}, {1})).item(), 0.25);
+}
+
+TEST(Binary, InPlaceAndErrors) {
+  Tensor a = zeros({2, 3});
+  a += T({1, 2, 3}, {3});
+  a *= 2.0;
+  EXPECT_EQ(a.to_vector(), (V{2, 4, 6, 2, 4, 6}));
+  a /= T({2}, {1});
+  EXPECT_EQ(a.to_vector(), (V{1, 2, 3, 1, 2, 3}));
+  Tensor view = a.t();  // in-place through a strided view writes the base
+  view -= ones({3, 2});
+  EXPECT_EQ(a.to_vector(), (V{0, 1, 2, 0, 1, 2}));
+  std::string msg = error_of([] { add(zeros({2, 3}), zeros({4})); });
+  EXPECT_NE(msg.find("add"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[2,3]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[4]"), std::string::npos) << msg;
+  EXPECT_THROW(a += zeros({4, 2, 3}), Error);
+  EXPECT_THROW(T({1}, {1}, DType::Bool) + T({1}, {1}, DType::Bool), Error);
+}
+
+TEST(Where, SelectsWithBroadcast) {
+  Tensor c = T({1, 0, 1}, {3}, DType::Bool);
+  Tensor y = where(c, T({1, 2, 3}, {3}), T({-1}, {1}));
+  EXPECT_EQ(y.to_vector(), (V{1, -1, 3}));
+  Tensor y2 = where(gt(T({1, 5}, {2, 1}), T({3}, {1})), ones({2, 2}), zeros({2}));
+  EXPECT_EQ(y2.to_vector(), (V{0, 0, 1, 1}));
+  EXPECT_THROW(where(T({1}, {1}), ones({1}), ones({1})), Error);
+}
+
+// Reductions against float64 loops, over every subset of dims of a 3-d tensor.
+TEST(Reduce, AllDimSubsetsMatchReference) {
+  manual_seed(2);
+  Tensor x = randn({3, 4, 5}, DType::Float64);
+  Tensor xt = x.permute({1, 0, 2});  // non-contiguous input as well
+  V v = x.to_vector();
+  Shape sz = {3, 4, 5};
+  for (int mask = 1; mask < 8; ++mask) {
+    std::vector<int64_t> dims;
+    for (int d = 0; d < 3; ++d) if (mask & (1 << d)) dims.push_back(d);
+    Shape out_shape;
+    for (int d = 0; d < 3; ++d) out_shape.push_back((mask & (1 << d)) ? 1 : sz[d]);
+    int64_t n_out = shape_numel(out_shape);
+    V s(n_out, 0), mx(n_out, -INFINITY), mn(n_out, INFINITY), cnt(n_out, 0), sq(n_out, 0);
+    auto out_index = [&](int i, int j, int k) {
+      int c[3] = {i, j, k};
+      int64_t o = 0;
+      for (int d = 0; d < 3; ++d) o = o * out_shape[d] + ((mask & (1 << d)) ? 0 : c[d]);
+      return o;
+    };
+    for (int i = 0; i < 3; ++i) for (int j = 0; j < 4; ++j) for (int k = 0; k < 5; ++k) {
+      double val = v[(i * 4 + j) * 5 + k];
+      int64_t o = out_index(i, j, k);
+      s[o] += val; mx[o] = std::max(mx[o], val); mn[o] = std::min(mn[o], val); cnt[o] += 1;
+    }
+    for (int i = 0; i < 3; ++i) for (int j = 0; j < 4; ++j) for (int k = 0; k < 5; ++k) {
+      int64_t o = out_index(i, j, k);
+      double dv = v[(i * 4 + j) * 5 + k] - s[o] / cnt[o];
+      sq[o] += dv * dv;
+    }
+    V mean_ref, var_ref;
+    for (int64_t o = 0; o < n_out; ++o) { mean_ref.push_back(s[o] / cnt[o]); var_ref.push_back(sq[o] / (cnt[o] - 1)); }
+    SCOPED_TRACE("mask " + std::to_string(mask));
+    EXPECT_EQ(sum(x, dims, true).sizes(), out_shape);
+    expect_near(sum(x, dims, true).to_vector(), s, 1e-12);
+    expect_near(mean(x, dims, true).to_vector(), mean_ref, 1e-12);
+    expect_near(max(x, dims, true).to_vector(), mx, 0);
+    expect_near(min(x, dims, true).to_vector(), mn, 0);
+    expect_near(var(x, dims, true).to_vector(), var_ref, 1e-12);
+    // Same through a permuted view: permute dims back in the reference.
+    std::vector<int64_t> tdims;
+    for (int64_t d : dims) tdims.push_back(d == 0 ? 1 : d == 1 ? 0 : 2);
+    expect_near(sum(xt, tdims, true).permute({1, 0, 2}).contiguous().to_vector(), sum(x, dims, true).to_vector(), 1e-12);
+  }
+}
+
+TEST(Reduce, KeepdimDtypesAndEdgeCases) {
+  Tensor x = T({1, 5, 3, 5, 2, 0}, {2, 3});
+  EXPECT_EQ(sum(x, {1}).sizes(), (Shape{2}));
+  EXPECT_EQ(sum(x, {-1}, true).sizes(), (Shape{2, 1}));
+  EXPECT_EQ(sum(x).sizes(), (Shape{}));
+  EXPECT_EQ(sum(x).item(), 16);
+  EXPECT_EQ(sum(T({1, 2}, {2}, DType::Int32)).dtype(), DType::Int64);
+  EXPECT_EQ(sum(T({1, 0, 1}, {3}, DType::Bool)).item(), 2);
+  EXPECT_EQ(argmax(x).item(), 1);  // first maximum over the flattened tensor
+  EXPECT_EQ(argmax(x, 1).to_vector(), (V{1, 0}));
+  EXPECT_EQ(argmin(x, 0, true).to_vector(), (V{0, 1, 1}));
+  EXPECT_EQ(argmin(x, 0, true).sizes(), (Shape{1, 3}));
+  EXPECT_EQ(argmax(x, 0).dtype(), DType::Int64);
+  EXPECT_TRUE(std::isnan(max(T({1, NAN, 3}, {3})).item()));
+  EXPECT_EQ(argmax(T({1, NAN, 3}, {3})).item(), 1);
+  EXPECT_EQ(sum(zeros({0, 3}), {0}).to_vector(), (V{0, 0, 0}));
+  EXPECT_THROW(max(zeros({0, 3}), {0}), Error);
+  EXPECT_THROW(sum(x, {2}), Error);
+  EXPECT_THROW(mean(T({1}, {1}, DType::Int32)), Error);
+  EXPECT_EQ(var(T({1, 2, 3, 4}, {4}), {}, false, 0).item(), 1.25);
+}
+
+TEST(Reduce, LargeSumsAreAccurateInHalfTypes) {
+  // 1e5 ones: fp16 itself cannot count past 2048, so this checks fp32 accumulation.
+  EXPECT_EQ(sum(ones({100000}, DType::Float32)).item(), 100000);
+  EXPECT_NEAR(sum(ones({100000}, DType::BFloat16)).item(), 100000, 512);
+  EXPECT_TRUE(std::isinf(sum(ones({100000}, DType::Float16)).item()));  // 1e5 > fp16 max: inf, as in torch
+  EXPECT_NEAR(mean(ones({100000}, DType::Float16)).item(), 1.0, 1e-3);
+  Tensor big = full({3, 300000}, 0.5);
+  expect_near(sum(big, {1}).to_vector(), V(3, 150000), 1e-6);
+}
+
+TEST(Softmax, RowsSumToOneAndMatchReference) {
+  manual_seed(3);
+  for (int64_t dim : {0, 1, 2}) {
+    Tensor x = randn({3, 4, 5}, DType::Float64) * 5.0;
+    Tensor y = softmax(x, dim), ly = log_softmax(x, dim);
+    expect_near(sum(y, {dim}).to_vector(), V(shape_numel(sum(y, {dim}).sizes()), 1.0), 1e-12);
+    Tensor ref = exp(x - max(x, {dim}, true));
+    ref = ref / sum(ref, {dim}, true);
+    expect_near(y.to_vector(), ref.to_vector(), 1e-12);
+    expect_near(ly.to_vector(), log(ref).to_vector(), 1e-10);
+  }
+  // Large logits do not overflow; -inf entries get probability 0.
+  Tensor z = softmax(T({1000, 1000, -INFINITY}, {3}), 0);
+  expect_near(z.to_vector(), (V{0.5, 0.5, 0}), 1e-7);
+  for (DType dt : {DType::Float16, DType::BFloat16}) {
+    Tensor h = softmax(T({1, 2, 3}, {3}, dt), 0);
+    expect_near(h.to_vector(), (V{0.09003057, 0.24472847, 0.66524096}), tol_for(dt) * 2);
+  }
+}
+
+// Matmul against a float64 triple loop.
+V matmul_ref(const Tensor& a, const Tensor& b) {
+  int64_t m = a.sizes()[0], k = a.sizes()[1], n = b.sizes()[1];
+  V x = a.to_vector(), y = b.to_vector(), out(m * n, 0);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t p = 0; p < k; ++p) out[i * n + j] += x[i * k + p] * y[p * n + j];
+  return out;
+}
+
+TEST(Matmul, MatchesReferenceForLayoutsAndDtypes) {
+  manual_seed(4);
+  for (DType dt : {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16, DType::Int64, DType::Int32}) {
+    Tensor a = is_floating(dt) ? randn({7, 5}, DType::Float64).to(dt) : randint(-5, 5, {7, 5}, dt);
+    Tensor b = is_floating(dt) ? randn({5, 9}, DType::Float64).to(dt) : randint(-5, 5, {5, 9}, dt);
+    double tol = is_floating(dt) ? tol_for(dt) * 20 : 0;
+    SCOPED_TRACE(dtype_name(dt));
+    expect_near(mm(a, b).to_vector(), matmul_ref(a, b), tol);
+    // Transposed views go through BLAS flags, sliced ones through copies.
+    expect_near(mm(b.t().contiguous().t(), b.t()).to_vector(), matmul_ref(b, b.t()), tol);
+    expect_near(mm(a.slice(1, 0, 5, 2), b.slice(0, 0, 5, 2)).to_vector(),
+                matmul_ref(a.slice(1, 0, 5, 2), b.slice(0, 0, 5, 2)), tol);
+  }
+}
+
+TEST(Matmul, BatchedBroadcastVectorAndLinear) {
+  manual_seed(5);
+  Tensor a = randn({2, 3, 4, 5}, DType::Float64), b = randn({3, 5, 6}, DType::Float64);
+  Tensor c = matmul(a, b);
+  EXPECT_EQ(c.sizes(), (Shape{2, 3, 4, 6}));
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 3; ++j)
+      expect_near(c.select(0, i).select(0, j).to_vector(), matmul_ref(a.select(0, i).select(0, j), b.select(0, j)), 1e-12);
+  Tensor v = randn({5}, DType::Float64);
+  EXPECT_EQ(matmul(a, v).sizes(), (Shape{2, 3, 4}));
+  EXPECT_EQ(matmul(v, b).sizes(), (Shape{3, 6}));
+  EXPECT_NEAR(matmul(v, v).item(), sum(v * v).item(), 1e-12);
+  Tensor bb = randn({2, 5, 6}, DType::Float64), aa = randn({2, 4, 5}, DType::Float64);
+  expect_near(bmm(aa, bb).select(0, 1).to_vector(), matmul_ref(aa.select(0, 1), bb.select(0, 1)), 1e-12);
+  // linear = x W^T + b on a 3-d input.
+  Tensor x = randn({2, 3, 5}, DType::Float64), w = randn({4, 5}, DType::Float64), bias = randn({4}, DType::Float64);
+  Tensor y = linear(x, w, bias);
+  EXPECT_EQ(y.sizes(), (Shape{2, 3, 4}));
+  expect_near(y.to_vector(), (matmul(x, w.t().contiguous()) + bias).to_vector(), 1e-12);
+}
+
+TEST(Matmul, ErrorsNameOpAndShapes) {
+  std::string msg = error_of([] { matmul(zeros({2, 3}), zeros({4, 5})); });
+  EXPECT_NE(msg.find("matmul: [2,3] x [4,5]: inner dimensions 3 and 4 differ"), std::string::npos) << msg;
+  EXPECT_NE(error_of([] { mm(zeros({2, 3}), zeros({3, 2}, DType::Float64)); }).find("dtypes differ"), std::string::npos);
+  EXPECT_NE(error_of([] { bmm(zeros({2, 3, 4}), zeros({3, 4, 5})); }).find("batch sizes"), std::string::npos);
+  EXPECT_NE(error_of([] { linear(zeros({2, 3}), zeros({4, 5})); }).find("linear"), std::string::npos);
+}
+
+TEST(Join, CatAndStack) {
+  Tensor a = T({1, 2, 3, 4}, {2, 2}), b = T({5, 6}, {1, 2});
+  EXPECT_EQ(cat({a, b}, 0).to_vector(), (V{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(cat({a, a.t()}, 1).to_vector(), (V{1, 2, 1, 3, 3, 4, 2, 4}));
+  EXPECT_EQ(stack({a, a}, 1).sizes(), (Shape{2, 2, 2}));
+  EXPECT_EQ(stack({a, a}, 1).to_vector(), (V{1, 2, 1, 2, 3, 4, 3, 4}));
+  EXPECT_EQ(stack({a, a}, -1).to_vector(), (V{1, 1, 2, 2, 3, 3, 4, 4}));
+  std::string msg = error_of([&] { cat({a, b}, 1); });
+  EXPECT_NE(msg.find("cat"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[1,2]"), std::string::npos) << msg;
+  EXPECT_THROW(stack({a, b}), Error);
+}
+
+TEST(Index, IndexSelectGatherOneHot) {
+  Tensor x = arange(12, DType::Float32).view({3, 4});
+  Tensor idx = T({2, 0, 2}, {3}, DType::Int64);
+  EXPECT_EQ(index_select(x, 0, idx).to_vector(), (V{8, 9, 10, 11, 0, 1, 2, 3, 8, 9, 10, 11}));
+  EXPECT_EQ(index_select(x, 1, T({3, -4}, {2}, DType::Int64)).to_vector(), (V{3, 0, 7, 4, 11, 8}));
+  EXPECT_NE(error_of([&] { index_select(x, 0, T({3}, {1}, DType::Int64)); }).find("index 3 is out of bounds"),
+            std::string::npos);
+  Tensor gi = T({0, 3, 1, 1}, {2, 2}, DType::Int64);
+  EXPECT_EQ(gather(x, 1, gi).to_vector(), (V{0, 3, 5, 5}));
+  EXPECT_EQ(gather(x, 0, T({2, 1, 0}, {1, 3}, DType::Int64)).to_vector(), (V{8, 5, 2}));
+  EXPECT_THROW(gather(x, 1, T({4}, {1, 1}, DType::Int64)), Error);
+  Tensor oh = one_hot(T({2, 0}, {2}, DType::Int64), 3);
+  EXPECT_EQ(oh.dtype(), DType::Int64);
+  EXPECT_EQ(oh.to_vector(), (V{0, 0, 1, 1, 0, 0}));
+  EXPECT_EQ(one_hot(T({1, 3}, {2}, DType::Int64)).sizes(), (Shape{2, 4}));
+  EXPECT_THROW(one_hot(T({5}, {1}, DType::Int64), 3), Error);
+}
+
+TEST(Factories, ArangeFullZerosOnes) {
+  EXPECT_EQ(arange(5).to_vector(), (V{0, 1, 2, 3, 4}));
+  EXPECT_EQ(arange(1, 2, 0.25).to_vector(), (V{1, 1.25, 1.5, 1.75}));
+  EXPECT_EQ(arange(3, 0, -1, DType::Int64).to_vector(), (V{3, 2, 1}));
+  EXPECT_THROW(arange(0, 1, 0), Error);
+  EXPECT_THROW(arange(0, 1, -1), Error);
+  EXPECT_EQ(full({2}, 2.5, DType::Float16).to_vector(), (V{2.5, 2.5}));
+  EXPECT_EQ(sum(ones({3, 3}, DType::Int32)).item(), 9);
+  EXPECT_EQ(zeros({2, 0}).numel(), 0);
+}
+
+TEST(Random, SeededReproducibleAndDistributed) {
+  Generator g1(42), g2(42), g3(43);
+  Tensor a = rand({1000}, {}, &g1), b = rand({1000}, {}, &g2), c = rand({1000}, {}, &g3);
+  EXPECT_EQ(a.to_vector(), b.to_vector());
+  EXPECT_NE(a.to_vector(), c.to_vector());
+  EXPECT_NE(rand({1000}, {}, &g1).to_vector(), a.to_vector());  // the counter advances
+  EXPECT_GE(min(a).item(), 0.0);
+  EXPECT_LT(max(a).item(), 1.0);
+  Tensor u = rand({200000}, DType::Float64, &g1);
+  EXPECT_NEAR(mean(u).item(), 0.5, 0.005);
+  EXPECT_NEAR(var(u).item(), 1.0 / 12, 0.002);
+  Tensor n = randn({200000}, DType::Float64, &g1);
+  EXPECT_NEAR(mean(n).item(), 0.0, 0.01);
+  EXPECT_NEAR(var(n).item(), 1.0, 0.02);
+  Tensor t = empty({100000});
+  normal_(t, 3.0, 2.0, &g1);
+  EXPECT_NEAR(mean(t).item(), 3.0, 0.03);
+  uniform_(t, -2.0, -1.0, &g1);
+  EXPECT_GE(min(t).item(), -2.0);
+  EXPECT_LT(max(t).item(), -1.0);
+  Tensor bern = bernoulli({100000}, 0.3, {}, &g1);
+  EXPECT_NEAR(mean(bern).item(), 0.3, 0.01);
+  Tensor p = T({0, 1, 0, 1}, {4});
+  EXPECT_EQ(bernoulli(p, &g1).to_vector(), (V{0, 1, 0, 1}));
+  EXPECT_THROW(bernoulli(T({1.5}, {1})), Error);
+  Tensor ri = randint(-3, 3, {10000}, DType::Int64, &g1);
+  EXPECT_EQ(min(ri).item(), -3);
+  EXPECT_EQ(max(ri).item(), 2);
+  // manual_seed resets the default generator.
+  manual_seed(7);
+  V first = randn({10}).to_vector();
+  manual_seed(7);
+  EXPECT_EQ(randn({10}).to_vector(), first);
+}
+
+}  // namespace
+}  // namespace ember

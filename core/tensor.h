@@ -1,0 +1,160 @@
+// Tensor: a strided view of reference-counted Storage.
+//
+//   ember::Tensor x = ember::arange(6, ember::DType::Float32).view({2, 3});
+//   ember::Tensor y = x.transpose(0, 1);          // shares x's memory
+//   ember::Tensor z = ember::matmul(x, y) + 1.0;  // [2, 2]
+//   std::cout << z;                               // values, shape, dtype, device
+//
+// A Tensor is a cheap handle (shared_ptr to TensorImpl). Views share storage
+// and differ only in sizes/strides/offset; strides are in elements. Ops live
+// in core/ops.h. TensorImpl carries an opaque autograd slot so autograd/ can
+// attach its metadata without core/ knowing about it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "core/dtype.h"
+#include "core/exception.h"
+
+namespace ember {
+
+using Shape = std::vector<int64_t>;
+
+struct Storage {
+  DataPtr data;
+  size_t nbytes = 0;
+  Device device() const { return data.device; }
+};
+
+// Implemented in autograd/; core only holds it.
+struct AutogradMetaBase {
+  virtual ~AutogradMetaBase() = default;
+};
+
+struct TensorImpl {
+  std::shared_ptr<Storage> storage;
+  Shape sizes;
+  Shape strides;
+  int64_t offset = 0;
+  DType dtype = DType::Float32;
+  std::shared_ptr<AutogradMetaBase> autograd_meta;
+};
+
+struct TensorOptions {
+  DType dtype = DType::Float32;
+  Device device = kCPU;
+  TensorOptions() = default;
+  TensorOptions(DType t) : dtype(t) {}
+  TensorOptions(Device d) : device(d) {}
+  TensorOptions(DType t, Device d) : dtype(t), device(d) {}
+};
+
+class Tensor {
+ public:
+  Tensor() = default;
+  explicit Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
+
+  // Uninitialized contiguous tensor.
+  static Tensor empty(const Shape& sizes, TensorOptions opts = {});
+  // Copies `values` (row-major) into a new CPU tensor of `dtype`, then to `device`.
+  static Tensor from_vector(const std::vector<double>& values, const Shape& sizes, TensorOptions opts = {});
+
+  bool defined() const { return impl_ != nullptr; }
+  const Shape& sizes() const { return impl().sizes; }
+  const Shape& shape() const { return impl().sizes; }
+  const Shape& strides() const { return impl().strides; }
+  int64_t size(int64_t dim) const;
+  int64_t stride(int64_t dim) const;
+  int64_t dim() const { return static_cast<int64_t>(impl().sizes.size()); }
+  int64_t numel() const;
+  int64_t storage_offset() const { return impl().offset; }
+  DType dtype() const { return impl().dtype; }
+  Device device() const { return impl().storage->device(); }
+  TensorOptions options() const { return {dtype(), device()}; }
+  size_t element_size() const { return dtype_size(dtype()); }
+  size_t nbytes() const { return numel() * element_size(); }
+  bool is_contiguous() const;
+  bool is_cuda() const { return device().is_cuda(); }
+  bool is_same(const Tensor& o) const { return impl_ == o.impl_; }
+  bool shares_storage(const Tensor& o) const { return impl().storage == o.impl().storage; }
+
+  // Pointer to the first element (storage base + offset).
+  void* raw_data() const;
+  template <typename T>
+  T* data() const {
+    EMBER_CHECK(dtype_of<T>() == dtype(), "data<", dtype_name(dtype_of<T>()), ">(): tensor has dtype ", dtype());
+    return static_cast<T*>(raw_data());
+  }
+
+  // ---- Views: share storage, never copy. ----
+  Tensor view(const Shape& sizes) const;              // one -1 allowed
+  Tensor reshape(const Shape& sizes) const;           // view if possible, else copy
+  Tensor flatten(int64_t start = 0, int64_t end = -1) const;
+  Tensor transpose(int64_t d0, int64_t d1) const;
+  Tensor t() const;                                    // 2-D transpose
+  Tensor permute(const Shape& dims) const;
+  Tensor slice(int64_t dim, int64_t start, int64_t end, int64_t step = 1) const;
+  Tensor narrow(int64_t dim, int64_t start, int64_t length) const;
+  Tensor select(int64_t dim, int64_t index) const;    // drops `dim`
+  Tensor expand(const Shape& sizes) const;            // -1 keeps a size
+  Tensor squeeze() const;
+  Tensor squeeze(int64_t dim) const;
+  Tensor unsqueeze(int64_t dim) const;
+  Tensor as_strided(const Shape& sizes, const Shape& strides, int64_t offset) const;
+  // Same storage, new metadata handle (cuts autograd history in autograd/).
+  Tensor alias() const;
+
+  // ---- Copies and conversions. ----
+  Tensor contiguous() const;
+  Tensor clone() const;
+  Tensor to(Device device) const;                     // no copy if already there
+  Tensor to(DType dtype) const;                       // no copy if already that
+  Tensor to(Device device, DType dtype) const;
+  Tensor cpu() const { return to(kCPU); }
+  Tensor cuda(int index = 0) const { return to(cuda_device(index)); }
+  Tensor pin_memory() const;                          // CPU copy in page-locked memory
+  Tensor& copy_(const Tensor& src);                   // broadcasts, casts, crosses devices
+  Tensor& fill_(double value);
+  Tensor& zero_() { return fill_(0.0); }
+
+  // The single value of a one-element tensor.
+  double item() const;
+  template <typename T> T item() const { return static_cast<T>(item()); }
+  // All values, row-major, as doubles (tests and printing).
+  std::vector<double> to_vector() const;
+
+  std::string str() const;
+  TensorImpl& impl() const {
+    EMBER_CHECK(impl_ != nullptr, "operation on an undefined tensor");
+    return *impl_;
+  }
+  const std::shared_ptr<TensorImpl>& impl_ptr() const { return impl_; }
+
+  // Operators (defined in core/ops.cc).
+  Tensor operator-() const;
+  Tensor& operator+=(const Tensor& o);
+  Tensor& operator-=(const Tensor& o);
+  Tensor& operator*=(const Tensor& o);
+  Tensor& operator/=(const Tensor& o);
+  Tensor& operator*=(double s);
+
+ private:
+  std::shared_ptr<TensorImpl> impl_;
+};
+
+std::ostream& operator<<(std::ostream& os, const Tensor& t);
+std::string shape_str(const Shape& s);
+
+// Wraps a negative dim and checks range; `op` names the caller in errors.
+int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op);
+Shape contiguous_strides(const Shape& sizes);
+int64_t shape_numel(const Shape& sizes);
+// Broadcast two shapes NumPy-style; throws naming `op` and both shapes.
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
+
+}  // namespace ember
