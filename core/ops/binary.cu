@@ -9,13 +9,13 @@
 
 #include <type_traits>
 
+// m_pow's `y < 0` and similar sign tests are always false for uint8/bool.
+#pragma nv_diag_suppress 186
+
 #include "core/cuda_check.h"
 #include "core/ops/cuda_utils.cuh"
 #include "core/ops/elementwise_fns.h"
 #include "core/ops/kernels.h"
-
-// m_pow's `y < 0` and similar sign tests are always false for uint8/bool.
-#pragma nv_diag_suppress 186
 
 namespace ember {
 namespace {

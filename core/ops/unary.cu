@@ -7,13 +7,13 @@
 // anything else unravels each linear index over the merged iteration shape.
 #include <cuda_runtime.h>
 
+// unary_fn's `x < 0` for abs is always false for uint8; the warning (raised inside elementwise_fns.h) is noise.
+#pragma nv_diag_suppress 186
+
 #include "core/cuda_check.h"
 #include "core/ops/cuda_utils.cuh"
 #include "core/ops/elementwise_fns.h"
 #include "core/ops/kernels.h"
-
-// unary_fn's `x < 0` for abs is always false for uint8; the warning is noise.
-#pragma nv_diag_suppress 186
 
 namespace ember {
 namespace {

@@ -1,0 +1,96 @@
+// GPU op throughput against the device's own ceilings: elementwise add and a
+// full sum in GB/s beside cudaMemcpy device-to-device of the same bytes, and
+// matmul (fp32, fp16, bf16) beside cuBLAS called directly. Every benchmark
+// reports an error and skips when no GPU is present.
+#include <benchmark/benchmark.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.h"
+#include "core/ops.h"
+#include "core/ops/cublas_handle.h"
+
+namespace {
+using namespace ember;
+
+bool need_gpu(benchmark::State& state) {
+  if (cuda_is_available()) return true;
+  state.SkipWithError(("no GPU: " + cuda_unavailable_reason()).c_str());
+  return false;
+}
+
+constexpr int64_t kN = 1 << 26;  // 256 MiB per fp32 tensor
+
+void BM_CudaAdd(benchmark::State& state) {
+  if (!need_gpu(state)) return;
+  Tensor a = rand({kN}, {DType::Float32, cuda_device()}), b = rand({kN}, {DType::Float32, cuda_device()});
+  for (auto _ : state) {
+    Tensor c = a + b;
+    cuda_synchronize();
+  }
+  state.counters["GB/s"] = benchmark::Counter(3.0 * kN * 4, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_CudaAdd)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_CudaSum(benchmark::State& state) {
+  if (!need_gpu(state)) return;
+  Tensor a = rand({kN}, {DType::Float32, cuda_device()});
+  for (auto _ : state) {
+    Tensor s = sum(a);
+    cuda_synchronize();
+  }
+  state.counters["GB/s"] = benchmark::Counter(1.0 * kN * 4, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_CudaSum)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_CudaMemcpyD2D(benchmark::State& state) {
+  if (!need_gpu(state)) return;
+  const size_t bytes = static_cast<size_t>(1.5 * kN) * 4;  // the add's 3N floats moved
+  Tensor src = rand({kN * 3 / 2}, {DType::Float32, cuda_device()}), dst = empty({kN * 3 / 2}, {DType::Float32, cuda_device()});
+  for (auto _ : state) {
+    EMBER_CUDA_CHECK(cudaMemcpy(dst.raw_data(), src.raw_data(), bytes, cudaMemcpyDeviceToDevice));
+    cuda_synchronize();
+  }
+  state.counters["GB/s"] = benchmark::Counter(2.0 * bytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_CudaMemcpyD2D)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_CudaMatmul(benchmark::State& state) {
+  if (!need_gpu(state)) return;
+  const int64_t n = state.range(0);
+  DType dt = static_cast<DType>(state.range(1));
+  Tensor a = randn({n, n}, {dt, cuda_device()}), b = randn({n, n}, {dt, cuda_device()});
+  for (auto _ : state) {
+    Tensor c = matmul(a, b);
+    cuda_synchronize();
+  }
+  state.SetLabel(dtype_name(dt));
+  state.counters["TFLOP/s"] = benchmark::Counter(2.0 * n * n * n / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// cuBLAS called directly on the same buffers: the ceiling for BM_CudaMatmul.
+void BM_CublasDirect(benchmark::State& state) {
+  if (!need_gpu(state)) return;
+  const int n = static_cast<int>(state.range(0));
+  DType dt = static_cast<DType>(state.range(1));
+  Tensor a = randn({n, n}, {dt, cuda_device()}), b = randn({n, n}, {dt, cuda_device()}), c = empty({n, n}, {dt, cuda_device()});
+  cudaDataType t = dt == DType::Float16 ? CUDA_R_16F : dt == DType::BFloat16 ? CUDA_R_16BF : CUDA_R_32F;
+  auto h = static_cast<cublasHandle_t>(cublas_handle(0));
+  float alpha = 1, beta = 0;
+  for (auto _ : state) {
+    EMBER_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, b.raw_data(), t, n, a.raw_data(), t, n,
+                                    &beta, c.raw_data(), t, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    cuda_synchronize();
+  }
+  state.SetLabel(dtype_name(dt));
+  state.counters["TFLOP/s"] = benchmark::Counter(2.0 * n * n * n / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void MatmulArgs(benchmark::internal::Benchmark* b) {
+  for (int dt : {static_cast<int>(DType::Float32), static_cast<int>(DType::Float16), static_cast<int>(DType::BFloat16)})
+    for (int n : {512, 1024, 2048, 4096}) b->Args({n, dt});
+}
+BENCHMARK(BM_CudaMatmul)->Apply(MatmulArgs)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_CublasDirect)->Apply(MatmulArgs)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+}  // namespace
