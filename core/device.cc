@@ -3,9 +3,12 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <map>
 #include <mutex>
+#include <vector>
 
 #include "core/cuda_check.h"
 #include "core/exception.h"
@@ -36,33 +39,80 @@ std::ostream& operator<<(std::ostream& os, const Device& d) { return os << d.str
 
 namespace {
 
+// Large blocks (>= 1 MiB) are cached on free: glibc returns them to the OS
+// with munmap, and touching a fresh 64 MiB mapping costs ~16k page faults,
+// more than the op that asked for it. The cache is bounded (kCacheLimit) and
+// keyed by 2 MiB size class; small blocks go straight to malloc.
 class CpuAllocator final : public Allocator {
  public:
   DataPtr allocate(size_t nbytes) override {
-    // 64-byte alignment suits AVX-512 loads and keeps cache lines unshared.
-    size_t rounded = (std::max<size_t>(nbytes, 1) + 63) / 64 * 64;
-    void* p = std::aligned_alloc(64, rounded);
-    EMBER_CHECK(p != nullptr, "cpu allocator: out of memory allocating ", nbytes, " bytes");
-    size_t now = allocated_.fetch_add(rounded) + rounded;
-    size_t peak = peak_.load();
-    while (now > peak && !peak_.compare_exchange_weak(peak, now)) {}
-    allocs_.fetch_add(1);
-    return DataPtr{{p, [this, rounded](void* q) {
-                      std::free(q);
-                      allocated_.fetch_sub(rounded);
-                    }},
-                   kCPU};
+    size_t cls = size_class(nbytes);
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stats_.num_allocs++;
+      auto it = cache_.find(cls);
+      if (it != cache_.end() && !it->second.empty()) {
+        p = it->second.back();
+        it->second.pop_back();
+        cached_ -= cls;
+      }
+    }
+    if (p == nullptr) {
+      // 64-byte alignment suits AVX-512 loads and keeps cache lines unshared.
+      p = std::aligned_alloc(64, cls);
+      EMBER_CHECK(p != nullptr, "cpu allocator: out of memory allocating ", nbytes, " bytes");
+      std::lock_guard<std::mutex> g(mu_);
+      stats_.num_device_allocs++;
+      stats_.reserved += cls;
+    }
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stats_.allocated += cls;
+      stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+    }
+    return DataPtr{{p, [this, cls](void* q) { release(q, cls); }}, kCPU};
   }
+
   AllocatorStats stats() const override {
-    AllocatorStats s;
-    s.allocated = s.reserved = allocated_.load();
-    s.peak_allocated = peak_.load();
-    s.num_allocs = s.num_device_allocs = allocs_.load();
-    return s;
+    std::lock_guard<std::mutex> g(mu_);
+    return stats_;
+  }
+
+  void empty_cache() override {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& [cls, blocks] : cache_) {
+      for (void* q : blocks) std::free(q);
+      stats_.reserved -= cls * blocks.size();
+      blocks.clear();
+    }
+    cached_ = 0;
   }
 
  private:
-  std::atomic<size_t> allocated_{0}, peak_{0}, allocs_{0};
+  static constexpr size_t kLarge = 1 << 20, kClass = 2 << 20, kCacheLimit = size_t{1} << 30;
+
+  static size_t size_class(size_t n) {
+    n = std::max<size_t>(n, 1);
+    return n < kLarge ? (n + 63) / 64 * 64 : (n + kClass - 1) / kClass * kClass;
+  }
+
+  void release(void* q, size_t cls) {
+    std::lock_guard<std::mutex> g(mu_);
+    stats_.allocated -= cls;
+    if (cls >= kLarge && cached_ + cls <= kCacheLimit) {
+      cache_[cls].push_back(q);
+      cached_ += cls;
+      return;
+    }
+    std::free(q);
+    stats_.reserved -= cls;
+  }
+
+  mutable std::mutex mu_;
+  std::map<size_t, std::vector<void*>> cache_;
+  size_t cached_ = 0;
+  AllocatorStats stats_;
 };
 
 class PinnedAllocator final : public Allocator {
@@ -114,13 +164,13 @@ thread_local void* tls_streams[16] = {};
 }  // namespace
 
 Allocator* cpu_allocator() {
-  static CpuAllocator a;
-  return &a;
+  static auto* a = new CpuAllocator;  // leaked: tensors may outlive static destruction
+  return a;
 }
 
 Allocator* pinned_allocator() {
-  static PinnedAllocator a;
-  return &a;
+  static auto* a = new PinnedAllocator;
+  return a;
 }
 
 Allocator* get_allocator(Device d) { return d.is_cpu() ? cpu_allocator() : cuda_allocator(d.index); }

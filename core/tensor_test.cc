@@ -186,5 +186,16 @@ TEST(Allocator, CpuStatsTrackLiveBytes) {
   EXPECT_EQ(cpu_allocator()->stats().allocated, before.allocated);
 }
 
+TEST(Allocator, CpuCachesLargeBlocks) {
+  { Tensor t = Tensor::empty({1 << 22}); }  // 16 MiB, now cached
+  AllocatorStats s1 = cpu_allocator()->stats();
+  { Tensor t = Tensor::empty({1 << 22}); }
+  AllocatorStats s2 = cpu_allocator()->stats();
+  EXPECT_EQ(s2.num_device_allocs, s1.num_device_allocs);  // reused, not re-allocated
+  EXPECT_EQ(s2.num_allocs, s1.num_allocs + 1);
+  cpu_allocator()->empty_cache();
+  EXPECT_LT(cpu_allocator()->stats().reserved, s2.reserved);
+}
+
 }  // namespace
 }  // namespace ember

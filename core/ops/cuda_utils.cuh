@@ -118,6 +118,24 @@ inline bool is_aligned_for(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * N) == 0;
 }
 
+// Visits [b, e) of an array starting at p, split among nt threads (this one
+// is tid): elements before the first VEC-aligned address and after the last
+// full vector go to scalar(i); each aligned run of VEC elements starting at
+// index i goes to vec(i). Rows of a [outer, r] tensor start at arbitrary
+// alignment, so this is what lets row kernels use 16-byte loads anyway.
+template <int VEC, typename T, typename FS, typename FV>
+__device__ __forceinline__ void for_each_aligned(const T* p, int64_t b, int64_t e, int tid, int nt, FS&& scalar,
+                                                 FV&& vec) {
+  if (e <= b) return;
+  const int64_t mis = static_cast<int64_t>(reinterpret_cast<uintptr_t>(p + b) / sizeof(T) % VEC);
+  const int64_t head = mis ? (VEC - mis < e - b ? VEC - mis : e - b) : 0;
+  for (int64_t i = b + tid; i < b + head; i += nt) scalar(i);
+  const int64_t vb = b + head, nvec = (e - vb) / VEC;
+#pragma unroll 4
+  for (int64_t v = tid; v < nvec; v += nt) vec(vb + v * VEC);
+  for (int64_t i = vb + nvec * VEC + tid; i < e; i += nt) scalar(i);
+}
+
 // Element offsets (in elements, per operand) of linear index `linear` in the
 // iteration space, innermost dim last. The loops run over the compile-time
 // bound kMaxDims so every index into the parameter-space arrays is constant:
