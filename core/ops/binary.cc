@@ -16,7 +16,7 @@ void binary_cpu(BinaryOp op, const StridedIter& it, double alpha) {
     dispatch_binary(op, [&](auto op_c) {
       constexpr BinaryOp OP = decltype(op_c)::value;
       using O = std::conditional_t<OP >= BinaryOp::Eq, bool, T>;
-      if constexpr (std::is_same_v<T, bool> && !(OP >= BinaryOp::Eq)) {
+      if constexpr (std::is_same_v<T, bool> && !(OP >= BinaryOp::Eq || OP == BinaryOp::Maximum || OP == BinaryOp::Minimum)) {
         EMBER_CHECK(false, "binary op: arithmetic on bool tensors is not supported");
       } else {
         cpu_loop(it, [&](char** p, const int64_t* s, int64_t n) {

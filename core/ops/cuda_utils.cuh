@@ -4,7 +4,7 @@
 // geometry, grid-stride loops, 16-byte vector access for contiguous fast paths,
 // strided offset computation from a StridedIter passed by value as a kernel
 // parameter, and warp shuffles that also accept the small integer types the
-// reductions carry. Header-only so each op file stays a single translation unit.
+// reductions carry. Header-only: each helper is small enough to inline.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,8 +1,9 @@
 // CUDA launcher for reductions (sum, max, min, argmax, argmin) over the
 // middle axis of a contiguous [outer, r, inner] tensor. Each op is a Reducer:
 // an accumulator type plus identity/make/combine/finalize, so one kernel body
-// serves all five. Sum accumulates in acc_t (float for 16-bit floats) or
-// int64 for integer/bool inputs; max/min propagate NaN; arg ops keep the
+// serves all five. Sum accumulates in acc_t (float for 16-bit floats) or,
+// for integer/bool inputs, in int64, which is also the output dtype then, as
+// in reduce.cc; max/min propagate NaN; arg ops keep the
 // lowest index among equal extrema (a NaN counts as the extremum, the first
 // NaN wins), which makes the result independent of the combine order. When
 // the output has too few elements to fill the GPU (a full reduction, say),
@@ -54,7 +55,9 @@ template <ReduceOp OP, typename T>
 struct Reducer {
   using V = std::conditional_t<OP == ReduceOp::Sum, sum_t<T>, cmp_t<T>>;
   using A = std::conditional_t<is_arg_op<OP>, ArgPair<V>, V>;
-  using Out = std::conditional_t<is_arg_op<OP>, int64_t, T>;
+  // Arg ops write indices; integer sums write the int64 accumulator itself
+  // (the op layer gives them an int64 output, as torch does).
+  using Out = std::conditional_t<is_arg_op<OP> || (OP == ReduceOp::Sum && !is_float_acc<T>), int64_t, T>;
 
   static __device__ __forceinline__ V worst() {  // identity of max/min
     if constexpr (std::is_floating_point_v<V>) {
@@ -90,7 +93,7 @@ struct Reducer {
     }
   }
   static __device__ __forceinline__ Out finalize(A a) {
-    if constexpr (is_arg_op<OP>) return a.idx; else return cuda::cast_value<T, V>(a);
+    if constexpr (is_arg_op<OP>) return a.idx; else return cuda::cast_value<Out, V>(a);
   }
   static __device__ __forceinline__ A shfl_down(A a, int d) {
     if constexpr (is_arg_op<OP>) return A{cuda::shfl_down(a.val, d), cuda::shfl_down(a.idx, d)};
@@ -109,14 +112,15 @@ constexpr int kMaxRowThreads = 512;
 
 // ---- Kernels ----
 
-// inner == 1. Block (tx, ty): ty rows per block, tx threads per row; block
-// column blockIdx.y takes [split * chunk, +chunk) of each row. Loads are
-// 16-byte vectors once the row pointer is aligned (rows start anywhere, so
-// a short head and tail go element-wise). splits == 1 writes the result,
+// inner == 1, r >= 32. Block (tx, ty): ty rows per block, tx threads per row;
+// block column blockIdx.y takes [split * chunk, +chunk) of each row. Loads
+// are 16-byte vectors once the row pointer is aligned (rows start anywhere,
+// so a short head and tail go element-wise). splits == 1 writes the result,
 // otherwise a partial accumulator at dst[row * splits + split].
 template <ReduceOp OP, typename T, int VEC>
-__global__ void reduce_rows_kernel(const T* __restrict__ in, int64_t outer, int64_t r, int64_t chunk, int splits,
-                                   void* __restrict__ dst) {
+__global__ void __launch_bounds__(kMaxRowThreads)
+    reduce_rows_kernel(const T* __restrict__ in, int64_t outer, int64_t r, int64_t chunk, int splits,
+                       void* __restrict__ dst) {
   using R = Reducer<OP, T>;
   using A = typename R::A;
   __shared__ A smem[kMaxRowThreads / cuda::kWarpSize];
@@ -149,21 +153,23 @@ __global__ void reduce_rows_kernel(const T* __restrict__ in, int64_t outer, int6
   }
 }
 
-// inner > 1. Block (tx, ty): tx consecutive inner positions (so a warp reads
-// contiguous memory), ty threads striding the reduced axis, combined through
-// shared memory. grid.x = outer * inner_blocks, grid.y = splits of r.
+// Strided layout (inner > 1, or rows too short for a warp each). Block
+// (tx, ty): tx consecutive outputs q = o * inner + j, which for consecutive j
+// sit next to each other in memory, so a warp's loads are contiguous runs;
+// ty threads stride the reduced axis and combine through shared memory.
+// grid.y splits the reduced axis as in the rows kernel.
 template <ReduceOp OP, typename T>
-__global__ void reduce_inner_kernel(const T* __restrict__ in, int64_t r, int64_t inner, int64_t inner_blocks,
-                                    int64_t chunk, int splits, void* __restrict__ dst) {
+__global__ void reduce_strided_kernel(const T* __restrict__ in, int64_t n_out, int64_t r, int64_t inner,
+                                      int64_t chunk, int splits, void* __restrict__ dst) {
   using R = Reducer<OP, T>;
   using A = typename R::A;
   __shared__ A smem[cuda::kBlockSize];
   const int tx = blockDim.x, ty = blockDim.y;
-  const int64_t o = blockIdx.x / inner_blocks;
-  const int64_t j = (blockIdx.x % inner_blocks) * tx + threadIdx.x;
+  const int64_t q = static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x;
   const int64_t b = static_cast<int64_t>(blockIdx.y) * chunk, e = std::min(r, b + chunk);
   A acc = R::identity();
-  if (j < inner) {
+  if (q < n_out) {
+    const int64_t o = q / inner, j = q - o * inner;
     const T* p = in + o * r * inner + j;
     for (int64_t k = b + threadIdx.y; k < e; k += ty) acc = R::combine(acc, R::make(p[k * inner], k));
   }
@@ -174,10 +180,9 @@ __global__ void reduce_inner_kernel(const T* __restrict__ in, int64_t r, int64_t
     if (static_cast<int>(threadIdx.y) < s) smem[slot] = R::combine(smem[slot], smem[slot + s * tx]);
     __syncthreads();
   }
-  if (threadIdx.y == 0 && j < inner) {
-    const int64_t out_idx = o * inner + j;
-    if (splits == 1) static_cast<typename R::Out*>(dst)[out_idx] = R::finalize(smem[slot]);
-    else static_cast<A*>(dst)[out_idx * splits + blockIdx.y] = smem[slot];
+  if (threadIdx.y == 0 && q < n_out) {
+    if (splits == 1) static_cast<typename R::Out*>(dst)[q] = R::finalize(smem[slot]);
+    else static_cast<A*>(dst)[q * splits + blockIdx.y] = smem[slot];
   }
 }
 
@@ -203,12 +208,17 @@ int64_t pow2_ceil(int64_t x) {
 }
 
 // How many ways to split the reduced axis: enough blocks for one full wave
-// of the GPU, but never so many that a block has under `min_per_block`
-// elements (the partial pass would then cost more than it saves).
-int pick_splits(int64_t blocks, int64_t r, int64_t min_per_block, int device, int block_threads) {
-  const int64_t wave = int64_t{cuda::sm_count(device)} * std::max(1, 2048 / block_threads);
+// of the GPU (at the kernel's real occupancy), but never so few elements per
+// block that the partial pass costs more than it saves.
+template <typename Kernel>
+int pick_splits(Kernel kernel, int64_t blocks, int64_t r, int64_t min_per_block, int device, int threads) {
+  const int sms = cuda::sm_count(device);
+  if (blocks >= int64_t{sms} * 32) return 1;  // no SM holds more than 32 blocks
+  int per_sm = 0;
+  EMBER_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  const int64_t wave = int64_t{sms} * std::max(per_sm, 1);
   if (blocks >= wave) return 1;
-  int64_t s = std::min(cuda::ceil_div(wave, blocks), cuda::ceil_div(r, min_per_block));
+  const int64_t s = std::min(cuda::ceil_div(wave, blocks), cuda::ceil_div(r, min_per_block));
   return static_cast<int>(std::clamp<int64_t>(s, 1, 65535));
 }
 
@@ -218,30 +228,34 @@ void launch_reduce(const Tensor& in, Tensor& out, int64_t outer, int64_t r, int6
   using R = Reducer<OP, T>;
   using A = typename R::A;
   using Out = typename R::Out;
+  constexpr int VEC = cuda::vec_width<T>();
   const T* src = static_cast<const T*>(in.raw_data());
   Out* dst = static_cast<Out*>(out.raw_data());
   const int64_t n_out = outer * inner;
-  constexpr int VEC = cuda::vec_width<T>();
+  // Rows shorter than a warp waste most of it; the strided kernel instead
+  // gives each thread its own row.
+  const bool rows = inner == 1 && r >= cuda::kWarpSize;
 
   dim3 block;
-  int64_t blocks = 0, inner_blocks = 0, min_per_block = 0;
-  if (inner == 1) {
+  int64_t blocks = 0, min_per_block = 0;
+  int splits = 1;
+  if (rows) {
     // Threads per row: enough for ~4 vector loads each, between a warp and 512.
     const int64_t tx = std::clamp<int64_t>(pow2_ceil(cuda::ceil_div(r, VEC * 4)), cuda::kWarpSize, kMaxRowThreads);
     block = dim3(static_cast<unsigned>(tx), static_cast<unsigned>(std::max<int64_t>(1, cuda::kBlockSize / tx)));
     blocks = cuda::ceil_div(outer, block.y);
     min_per_block = tx * VEC * 8;
+    splits = pick_splits(reduce_rows_kernel<OP, T, VEC>, blocks, r, min_per_block, device, block.x * block.y);
   } else {
-    int64_t tx = std::min<int64_t>(cuda::kWarpSize, pow2_ceil(inner));
-    const int64_t ty = std::min<int64_t>(cuda::kBlockSize / tx, pow2_ceil(r));
-    tx = std::min<int64_t>(cuda::kBlockSize / ty, std::max(tx, pow2_ceil(inner)));  // short r: widen over inner
+    // Few outputs: more threads along r; short r: more outputs per block.
+    const int64_t tx0 = std::min<int64_t>(cuda::kWarpSize, pow2_ceil(n_out));
+    const int64_t ty = std::min<int64_t>(cuda::kBlockSize / tx0, pow2_ceil(r));
+    const int64_t tx = std::min<int64_t>(cuda::kBlockSize / ty, pow2_ceil(n_out));
     block = dim3(static_cast<unsigned>(tx), static_cast<unsigned>(ty));
-    inner_blocks = cuda::ceil_div(inner, tx);
-    blocks = outer * inner_blocks;
+    blocks = cuda::ceil_div(n_out, tx);
     min_per_block = ty * 16;
+    splits = pick_splits(reduce_strided_kernel<OP, T>, blocks, r, min_per_block, device, block.x * block.y);
   }
-  const int threads = static_cast<int>(block.x * block.y);
-  const int splits = pick_splits(blocks, r, min_per_block, device, threads);
   const int64_t chunk = cuda::ceil_div(std::max<int64_t>(r, 1), splits);
   DataPtr scratch;
   void* target = dst;
@@ -250,10 +264,10 @@ void launch_reduce(const Tensor& in, Tensor& out, int64_t outer, int64_t r, int6
     target = scratch.get();
   }
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(splits));
-  if (inner == 1) {
+  if (rows) {
     reduce_rows_kernel<OP, T, VEC><<<grid, block, 0, stream>>>(src, outer, r, chunk, splits, target);
   } else {
-    reduce_inner_kernel<OP, T><<<grid, block, 0, stream>>>(src, r, inner, inner_blocks, chunk, splits, target);
+    reduce_strided_kernel<OP, T><<<grid, block, 0, stream>>>(src, n_out, r, inner, chunk, splits, target);
   }
   EMBER_CUDA_CHECK(cudaGetLastError());
   if (splits > 1) {
@@ -270,10 +284,11 @@ void launch_reduce(const Tensor& in, Tensor& out, int64_t outer, int64_t r, int6
 
 void reduce_cuda(ReduceOp op, const Tensor& in, Tensor& out, int64_t outer, int64_t r, int64_t inner) {
   if (outer * inner == 0) return;
-  const bool arg = op == ReduceOp::ArgMax || op == ReduceOp::ArgMin;
-  EMBER_CHECK(!arg || out.dtype() == DType::Int64, "reduce: arg reductions write int64, got ", out.dtype());
-  EMBER_CHECK(arg || out.dtype() == in.dtype(), "reduce: output dtype ", out.dtype(), " differs from input ",
-              in.dtype());
+  const bool int64_out = op == ReduceOp::ArgMax || op == ReduceOp::ArgMin ||
+                         (op == ReduceOp::Sum && !is_floating(in.dtype()));
+  const DType want = int64_out ? DType::Int64 : in.dtype();
+  EMBER_CHECK(out.dtype() == want, "reduce: expected a ", want, " output for a ", in.dtype(), " input, got ",
+              out.dtype());
   const int device = in.device().index;
   cuda::DeviceGuard guard(device);
   cudaStream_t stream = cuda::stream_for(device);

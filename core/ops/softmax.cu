@@ -4,8 +4,8 @@
 // pass (Milakov & Gimelshein, 2018): each thread keeps a running (max, sum)
 // and rescales the sum when the max grows, and partial pairs merge the same
 // way, so the input is read twice (stats, then output) instead of three
-// times. A -inf element adds nothing; a NaN anywhere in a row makes the row
-// NaN, and an all -inf row gives NaN, as in PyTorch.
+// times. A -inf element adds nothing; a NaN or +inf anywhere in a row, or a
+// row of only -inf, makes the row NaN, as softmax.cc's two-pass kernel does.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -36,7 +36,9 @@ __device__ __forceinline__ MaxSum<C> ms_identity() {
 template <typename C>
 __device__ __forceinline__ void ms_add(MaxSum<C>& a, C x) {
   if (x > a.m) {
-    a.s = a.s * m_exp(a.m - x) + C(1);
+    // The new max contributes exp(x - x): 1, except NaN for x = +inf, which
+    // is what the two-pass CPU kernel gets too (inf - inf).
+    a.s = a.s * m_exp(a.m - x) + (C(1) + (x - x));
     a.m = x;
   } else if (x != -std::numeric_limits<C>::infinity()) {  // -inf - -inf would be NaN
     a.s += m_exp(x - a.m);
@@ -69,13 +71,13 @@ constexpr int kMaxRowThreads = 1024;
 
 // ---- Kernels ----
 
-// inner == 1. Block (tx, ty): tx threads per row, ty rows per block. The
-// row's (max, sum) is all-reduced across its warps so every thread can write.
-// Input and output rows share their alignment (the host picks VEC == 1
-// otherwise), so each vector step loads and stores 16 bytes.
+// inner == 1, r >= 32. Block (tx, ty): tx threads per row, ty rows per
+// block. The row's (max, sum) is all-reduced across its warps so every
+// thread can write. Input and output rows share their alignment (the host
+// picks VEC == 1 otherwise), so each vector step loads and stores 16 bytes.
 template <typename T, int VEC>
-__global__ void softmax_rows_kernel(const T* __restrict__ in, T* __restrict__ out, int64_t outer, int64_t r,
-                                    bool log) {
+__global__ void __launch_bounds__(kMaxRowThreads)
+    softmax_rows_kernel(const T* __restrict__ in, T* __restrict__ out, int64_t outer, int64_t r, bool log) {
   using C = acc_t<T>;
   __shared__ MaxSum<C> smem[kMaxRowThreads / cuda::kWarpSize];
   const int tx = blockDim.x, tid = threadIdx.x;
@@ -113,20 +115,21 @@ __global__ void softmax_rows_kernel(const T* __restrict__ in, T* __restrict__ ou
       });
 }
 
-// inner > 1. Block (tx, ty): tx consecutive inner positions (coalesced),
-// ty threads striding the softmax axis; their partial stats merge in shared
-// memory and every thread then writes its own strided elements.
+// Strided layout (inner > 1, or rows shorter than a warp). Block (tx, ty):
+// tx consecutive outputs q = o * inner + j (adjacent in memory for adjacent
+// j, so loads coalesce), ty threads striding the softmax axis; their partial
+// stats merge in shared memory and each thread then writes its own elements.
 template <typename T>
-__global__ void softmax_inner_kernel(const T* __restrict__ in, T* __restrict__ out, int64_t r, int64_t inner,
-                                     int64_t inner_blocks, bool log) {
+__global__ void softmax_strided_kernel(const T* __restrict__ in, T* __restrict__ out, int64_t n_rows, int64_t r,
+                                       int64_t inner, bool log) {
   using C = acc_t<T>;
   __shared__ MaxSum<C> smem[cuda::kBlockSize];
   const int tx = blockDim.x, ty = blockDim.y;
-  const int64_t o = blockIdx.x / inner_blocks;
-  const int64_t j = (blockIdx.x % inner_blocks) * tx + threadIdx.x;
+  const int64_t q = static_cast<int64_t>(blockIdx.x) * tx + threadIdx.x;
+  const int64_t o = q / inner, j = q - o * inner;
   const int64_t base = o * r * inner + j;
   MaxSum<C> st = ms_identity<C>();
-  if (j < inner)
+  if (q < n_rows)
     for (int64_t k = threadIdx.y; k < r; k += ty) ms_add(st, static_cast<C>(in[base + k * inner]));
   const int slot = threadIdx.y * tx + threadIdx.x;
   smem[slot] = st;
@@ -136,7 +139,7 @@ __global__ void softmax_inner_kernel(const T* __restrict__ in, T* __restrict__ o
     __syncthreads();
   }
   st = smem[threadIdx.x];  // row 0 of the block holds the merged stats
-  if (j >= inner) return;
+  if (q >= n_rows) return;
   for (int64_t k = threadIdx.y; k < r; k += ty)
     out[base + k * inner] = static_cast<T>(softmax_out(static_cast<C>(in[base + k * inner]), st, log));
 }
@@ -152,7 +155,7 @@ int64_t pow2_ceil(int64_t x) {
 template <typename T>
 void launch_softmax(const T* in, T* out, int64_t outer, int64_t r, int64_t inner, bool log, cudaStream_t stream) {
   constexpr int VEC = cuda::vec_width<T>();
-  if (inner == 1) {
+  if (inner == 1 && r >= cuda::kWarpSize) {
     // Threads per row: about 4 vectors each, from one warp up to 1024.
     const int64_t tx = std::clamp<int64_t>(pow2_ceil(cuda::ceil_div(r, VEC * 4)), cuda::kWarpSize, kMaxRowThreads);
     const dim3 block(static_cast<unsigned>(tx), static_cast<unsigned>(std::max<int64_t>(1, cuda::kBlockSize / tx)));
@@ -162,13 +165,14 @@ void launch_softmax(const T* in, T* out, int64_t outer, int64_t r, int64_t inner
     else
       softmax_rows_kernel<T, 1><<<grid, block, 0, stream>>>(in, out, outer, r, log);
   } else {
-    int64_t tx = std::min<int64_t>(cuda::kWarpSize, pow2_ceil(inner));
-    const int64_t ty = std::min<int64_t>(cuda::kBlockSize / tx, pow2_ceil(r));
-    tx = std::min<int64_t>(cuda::kBlockSize / ty, std::max(tx, pow2_ceil(inner)));  // short r: widen over inner
-    const int64_t inner_blocks = cuda::ceil_div(inner, tx);
+    // Few rows: more threads along r; short r: more rows per block.
+    const int64_t n_rows = outer * inner;
+    const int64_t tx0 = std::min<int64_t>(cuda::kWarpSize, pow2_ceil(n_rows));
+    const int64_t ty = std::min<int64_t>(cuda::kBlockSize / tx0, pow2_ceil(r));
+    const int64_t tx = std::min<int64_t>(cuda::kBlockSize / ty, pow2_ceil(n_rows));
     const dim3 block(static_cast<unsigned>(tx), static_cast<unsigned>(ty));
-    const unsigned grid = static_cast<unsigned>(outer * inner_blocks);
-    softmax_inner_kernel<T><<<grid, block, 0, stream>>>(in, out, r, inner, inner_blocks, log);
+    const unsigned grid = static_cast<unsigned>(cuda::ceil_div(n_rows, tx));
+    softmax_strided_kernel<T><<<grid, block, 0, stream>>>(in, out, n_rows, r, inner, log);
   }
   EMBER_CUDA_CHECK(cudaGetLastError());
 }

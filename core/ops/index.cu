@@ -1,0 +1,226 @@
+// CUDA launchers for index_select and gather. Both only move bytes, so the
+// kernels are instantiated per element width rather than per dtype, and
+// index_select copies whole slices in the widest unit (up to 16 bytes) that
+// the slice size and pointer alignment allow: embedding lookups are exactly
+// this and are bandwidth-bound. Indices in [-size, size) are valid, negative
+// ones counting from the end, as in index.cc. An out-of-range index cannot
+// throw from a kernel, so kernels record the first bad value they see in a
+// small device buffer, and the launcher reads it back after the stream
+// drains and raises the CPU kernel's error. That costs a stream sync per call.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/cuda_check.h"
+#include "core/device.h"
+#include "core/ops/cuda_utils.cuh"
+#include "core/ops/kernels.h"
+
+namespace ember {
+namespace {
+
+struct IndexError {
+  int flag;  // set to 1 by the first thread that finds a bad index
+  int pad;
+  int64_t value;
+};
+
+// Raw unit of a given byte width; copying bits needs no dtype.
+template <int BYTES> struct Unit;
+template <> struct Unit<1> { using type = uint8_t; };
+template <> struct Unit<2> { using type = uint16_t; };
+template <> struct Unit<4> { using type = uint32_t; };
+template <> struct Unit<8> { using type = uint64_t; };
+template <> struct Unit<16> { using type = uint4; };
+
+// Valid indices are [-size, size); negative ones count from the end, as on
+// the CPU. Returns false (after recording idx) for anything else.
+__device__ __forceinline__ bool wrap_index(int64_t& idx, int64_t size, IndexError* err) {
+  if (idx >= -size && idx < size) {
+    if (idx < 0) idx += size;
+    return true;
+  }
+  if (atomicCAS(&err->flag, 0, 1) == 0) err->value = idx;  // only the winner writes, so value is consistent
+  return false;
+}
+
+// ---- Kernels ----
+
+// One output slice [inner units] per (outer, k) row: threads walk the slice,
+// so loads and stores are contiguous. Used when slices are wide.
+template <typename U>
+__global__ void index_select_rows_kernel(const U* __restrict__ in, const int64_t* __restrict__ index,
+                                         U* __restrict__ out, int64_t rows, int64_t n, int64_t src_size,
+                                         int64_t inner, IndexError* err) {
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t o = row / n, k = row % n;
+    int64_t idx = index[k];
+    if (!wrap_index(idx, src_size, err)) continue;
+    const U* src = in + (o * src_size + idx) * inner;
+    U* dst = out + row * inner;
+    for (int64_t j = threadIdx.x; j < inner; j += blockDim.x) dst[j] = src[j];
+  }
+}
+
+// One thread per output unit; for narrow slices, where a block per slice
+// would leave most threads idle.
+template <typename U>
+__global__ void index_select_flat_kernel(const U* __restrict__ in, const int64_t* __restrict__ index,
+                                         U* __restrict__ out, int64_t total, int64_t n, int64_t src_size,
+                                         int64_t inner, IndexError* err) {
+  cuda::grid_stride_loop(total, [&](int64_t i) {
+    const int64_t j = i % inner, t = i / inner;
+    const int64_t k = t % n, o = t / n;
+    int64_t idx = index[k];
+    if (wrap_index(idx, src_size, err)) out[i] = in[(o * src_size + idx) * inner + j];
+  });
+}
+
+// geom: the index/out shape with `in`'s strides, except 0 at `dim` (whose
+// coordinate comes from the index instead).
+template <typename U>
+__global__ void gather_kernel(const __grid_constant__ StridedIter geom, const U* __restrict__ in,
+                              const int64_t* __restrict__ index, U* __restrict__ out, int64_t dim_stride,
+                              int64_t dim_size, IndexError* err) {
+  cuda::grid_stride_loop(geom.numel, [&](int64_t i) {
+    int64_t off[1];
+    cuda::strided_offsets<1>(geom, i, off);
+    int64_t idx = index[i];
+    if (wrap_index(idx, dim_size, err)) out[i] = in[off[0] + idx * dim_stride];
+  });
+}
+
+// ---- Launchers ----
+
+// Device flag + host read-back around the kernels of one call.
+class ErrorSlot {
+ public:
+  ErrorSlot(Device device, cudaStream_t stream)
+      : mem_(get_allocator(device)->allocate(sizeof(IndexError))), stream_(stream) {
+    EMBER_CUDA_CHECK(cudaMemsetAsync(mem_.get(), 0, sizeof(IndexError), stream_));
+  }
+  IndexError* get() const { return static_cast<IndexError*>(mem_.get()); }
+  // Waits for the stream; returns whether a bad index was seen, and which.
+  bool failed(int64_t* value) const {
+    IndexError host{};
+    EMBER_CUDA_CHECK(cudaMemcpyAsync(&host, mem_.get(), sizeof(IndexError), cudaMemcpyDeviceToHost, stream_));
+    EMBER_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    *value = host.value;
+    return host.flag != 0;
+  }
+
+ private:
+  DataPtr mem_;
+  cudaStream_t stream_;
+};
+
+// Widest unit that divides the slice and both base addresses.
+int unit_bytes(int64_t slice_bytes, const void* a, const void* b) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b);
+  for (int u = 16; u > 1; u /= 2)
+    if (slice_bytes % u == 0 && addr % u == 0) return u;
+  return 1;
+}
+
+template <int BYTES>
+void launch_index_select(const void* in, const int64_t* index, void* out, int64_t outer, int64_t n, int64_t src_size,
+                         int64_t inner_bytes, IndexError* err, cudaStream_t stream) {
+  using U = typename Unit<BYTES>::type;
+  const int64_t inner = inner_bytes / BYTES, rows = outer * n;
+  const U* src = static_cast<const U*>(in);
+  U* dst = static_cast<U*>(out);
+  if (inner >= cuda::kWarpSize) {
+    const int block = cuda::block_for(inner);
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(rows, cuda::kMaxGridBlocks));
+    index_select_rows_kernel<U><<<grid, block, 0, stream>>>(src, index, dst, rows, n, src_size, inner, err);
+  } else {
+    const int64_t total = rows * inner;
+    index_select_flat_kernel<U>
+        <<<cuda::grid_for(total), cuda::kBlockSize, 0, stream>>>(src, index, dst, total, n, src_size, inner, err);
+  }
+  EMBER_CUDA_CHECK(cudaGetLastError());
+}
+
+template <int BYTES>
+void launch_gather(const StridedIter& geom, const void* in, const int64_t* index, void* out, int64_t dim_stride,
+                   int64_t dim_size, IndexError* err, cudaStream_t stream) {
+  using U = typename Unit<BYTES>::type;
+  gather_kernel<U><<<cuda::grid_for(geom.numel), cuda::kBlockSize, 0, stream>>>(
+      geom, static_cast<const U*>(in), index, static_cast<U*>(out), dim_stride, dim_size, err);
+  EMBER_CUDA_CHECK(cudaGetLastError());
+}
+
+// The launcher gets [outer, src_size, inner] but not the dim; recover it for
+// the error message as the first dim whose prefix product is `outer` and
+// whose size is `src_size`.
+int64_t infer_dim(const Tensor& in, int64_t outer, int64_t src_size) {
+  int64_t prefix = 1;
+  for (int64_t d = 0; d < in.dim(); ++d) {
+    if (prefix == outer && in.size(d) == src_size) return d;
+    prefix *= in.size(d);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void index_select_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64_t outer, int64_t src_size,
+                       int64_t inner) {
+  EMBER_CHECK(index.dtype() == DType::Int64, "index_select: index must be int64, got ", index.dtype());
+  const int64_t n = index.numel();
+  if (outer * n * inner == 0) return;
+  cuda::DeviceGuard guard(in);
+  cudaStream_t stream = cuda::stream_for(in);
+  ErrorSlot err(in.device(), stream);
+  const int64_t es = static_cast<int64_t>(in.element_size());
+  const int64_t inner_bytes = inner * es;
+  const void* src = in.raw_data();
+  void* dst = out.raw_data();
+  const int64_t* idx = static_cast<const int64_t*>(index.raw_data());
+  switch (unit_bytes(inner_bytes, src, dst)) {
+    case 16: launch_index_select<16>(src, idx, dst, outer, n, src_size, inner_bytes, err.get(), stream); break;
+    case 8: launch_index_select<8>(src, idx, dst, outer, n, src_size, inner_bytes, err.get(), stream); break;
+    case 4: launch_index_select<4>(src, idx, dst, outer, n, src_size, inner_bytes, err.get(), stream); break;
+    case 2: launch_index_select<2>(src, idx, dst, outer, n, src_size, inner_bytes, err.get(), stream); break;
+    default: launch_index_select<1>(src, idx, dst, outer, n, src_size, inner_bytes, err.get(), stream); break;
+  }
+  int64_t bad = 0;
+  EMBER_CHECK(!err.failed(&bad), "index_select: index ", bad, " is out of bounds for dimension ",
+              infer_dim(in, outer, src_size), " with size ", src_size);
+}
+
+void gather_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64_t dim) {
+  EMBER_CHECK(index.dtype() == DType::Int64, "gather: index must be int64, got ", index.dtype());
+  const int64_t nd = index.dim();
+  EMBER_CHECK(nd <= kMaxDims, "gather: at most ", kMaxDims, " dims supported, got ", nd);
+  EMBER_CHECK(in.dim() == nd, "gather: index has ", nd, " dims but input has ", in.dim());
+  EMBER_CHECK(nd == 0 ? dim == 0 : (dim >= 0 && dim < nd), "gather: dim ", dim, " out of range for ", nd, " dims");
+  const int64_t numel = index.numel();
+  if (numel == 0) return;
+  cuda::DeviceGuard guard(in);
+  cudaStream_t stream = cuda::stream_for(in);
+  StridedIter geom;
+  geom.ndim = static_cast<int>(nd);
+  geom.nops = 1;
+  geom.numel = numel;
+  for (int64_t d = 0; d < nd; ++d) {
+    geom.sizes[d] = index.size(d);
+    geom.strides[0][d] = d == dim ? 0 : in.stride(d);
+  }
+  const int64_t dim_size = nd == 0 ? 1 : in.size(dim), dim_stride = nd == 0 ? 0 : in.stride(dim);
+  ErrorSlot err(in.device(), stream);
+  const void* src = in.raw_data();
+  void* dst = out.raw_data();
+  const int64_t* idx = static_cast<const int64_t*>(index.raw_data());
+  switch (in.element_size()) {
+    case 8: launch_gather<8>(geom, src, idx, dst, dim_stride, dim_size, err.get(), stream); break;
+    case 4: launch_gather<4>(geom, src, idx, dst, dim_stride, dim_size, err.get(), stream); break;
+    case 2: launch_gather<2>(geom, src, idx, dst, dim_stride, dim_size, err.get(), stream); break;
+    default: launch_gather<1>(geom, src, idx, dst, dim_stride, dim_size, err.get(), stream); break;
+  }
+  int64_t bad = 0;
+  EMBER_CHECK(!err.failed(&bad), "gather: index ", bad, " is out of bounds for dimension ", dim, " with size ",
+              dim_size);
+}
+
+}  // namespace ember
