@@ -14,6 +14,8 @@
 
 #include "core/ops.h"
 
+extern "C" char* openblas_get_corename();
+
 namespace {
 using namespace ember;
 
@@ -65,12 +67,26 @@ BENCHMARK(BM_Matmul)->Arg(512)->Arg(1024)->Arg(2048)->Unit(benchmark::kMilliseco
 void BM_OpenBlasSgemm(benchmark::State& state) {
   const int64_t n = state.range(0);
   Tensor a = randn({n, n}), b = randn({n, n}), c = empty({n, n});
+  state.SetLabel(openblas_get_corename());  // OPENBLAS_CORETYPE decides it
   for (auto _ : state)
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data<float>(), n, b.data<float>(), n,
                 0.0f, c.data<float>(), n);
   state.counters["GFLOP/s"] = benchmark::Counter(2.0 * n * n * n, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_OpenBlasSgemm)->Arg(512)->Arg(1024)->Arg(2048)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// A training-like mix: an OpenMP elementwise op, then a GEMM. Shows whether
+// BLAS threads and our OpenMP threads share the cores or fight over them.
+void BM_AddThenMatmul(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  Tensor a = randn({n, n}), b = randn({n, n});
+  for (auto _ : state) {
+    Tensor c = relu(a + b);
+    benchmark::DoNotOptimize(matmul(c, b).raw_data());
+  }
+  state.counters["GFLOP/s"] = benchmark::Counter(2.0 * n * n * n, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_AddThenMatmul)->Arg(256)->Arg(512)->Arg(1024)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 constexpr int64_t kN = 1 << 24;  // 64 MiB per fp32 tensor: far beyond cache
 

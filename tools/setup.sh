@@ -16,6 +16,7 @@ PACKAGES=(
   libgloo-dev
   libdnnl-dev          # oneDNN
   libopenblas-dev
+  libopenblas0-openmp  # the BLAS we link: shares OpenMP's threads (third_party/BUILD)
   nlohmann-json3-dev
   libxxhash-dev
   dataset-fashion-mnist
@@ -55,7 +56,7 @@ if [ $cuda_ok -ne 1 ]; then
   exit 1
 fi
 
-for d in /usr/share/bazel/rules/java /usr/share/datasets/fashion-mnist; do
+for d in /usr/share/bazel/rules/java /usr/share/datasets/fashion-mnist /usr/lib/x86_64-linux-gnu/openblas-openmp; do
   [ -d "$d" ] || { echo "setup: expected $d after installing packages" >&2; exit 1; }
 done
 echo "setup: ok ($(/usr/local/cuda/bin/nvcc --version | grep -o 'release [0-9.]*'), $(bazel --version 2>/dev/null || echo bazel))"
