@@ -4,6 +4,7 @@
 // NumPy-style and promote dtypes as PyTorch does.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -108,14 +109,14 @@ class Generator {
   explicit Generator(uint64_t seed = 0) : seed_(seed) {}
   void manual_seed(uint64_t seed) { seed_ = seed; offset_ = 0; }
   uint64_t seed() const { return seed_; }
-  // Reserves a fresh counter range for one op.
-  uint64_t next_offset() { return offset_++; }
-  uint64_t offset() const { return offset_; }
+  // Reserves a fresh counter range for one op; safe across threads.
+  uint64_t next_offset() { return offset_.fetch_add(1); }
+  uint64_t offset() const { return offset_.load(); }
   void set_offset(uint64_t o) { offset_ = o; }
 
  private:
   uint64_t seed_;
-  uint64_t offset_ = 0;
+  std::atomic<uint64_t> offset_{0};
 };
 Generator& default_generator();
 void manual_seed(uint64_t seed);

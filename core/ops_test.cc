@@ -406,3 +406,60 @@ TEST(Random, SeededReproducibleAndDistributed) {
 
 }  // namespace
 }  // namespace ember
+
+namespace ember {
+namespace {
+
+// Regressions found in review: 0-dim tensors, in-place casting rules, zero
+// sizes, overflow, overlapping copies, scalar promotion.
+TEST(EdgeCases, ZeroDimTensors) {
+  Tensor s = scalar_tensor(2.0);
+  EXPECT_EQ(s.reshape({1}).sizes(), (Shape{1}));
+  EXPECT_EQ(s.flatten().sizes(), (Shape{1}));
+  EXPECT_EQ(softmax(s, 0).item(), 1.0);
+  EXPECT_EQ(argmax(s).item(), 0);
+  EXPECT_THROW(s.size(0), Error);
+  EXPECT_THROW(s.select(0, 0), Error);
+  EXPECT_THROW(s.slice(0, 0, 1), Error);
+  EXPECT_EQ(gather(s, 0, scalar_tensor(0, DType::Int64)).item(), 2.0);
+  EXPECT_THROW(gather(s, 0, scalar_tensor(3, DType::Int64)), Error);
+}
+
+TEST(EdgeCases, InPlaceOpsDoNotNarrowTheResultType) {
+  Tensor i = Tensor::from_vector({3}, {1}, DType::Int32);
+  EXPECT_THROW(i /= Tensor::from_vector({0.5}, {1}), Error);
+  EXPECT_THROW(i *= 0.5, Error);
+  EXPECT_THROW(i += Tensor::from_vector({1.5}, {1}), Error);
+  i += Tensor::from_vector({2}, {1}, DType::Int64);  // int into int is allowed
+  EXPECT_EQ(i.item(), 5);
+  Tensor f = ones({2});
+  f += Tensor::from_vector({1, 2}, {2}, DType::Int64);
+  EXPECT_EQ(f.to_vector(), (std::vector<double>{2, 3}));
+}
+
+TEST(EdgeCases, ZeroSizeMatmulOverflowAndOverlap) {
+  EXPECT_EQ(matmul(zeros({2, 3, 0}), zeros({0, 4})).to_vector(), std::vector<double>(24, 0.0));
+  EXPECT_EQ(matmul(zeros({2, 0, 3}), zeros({2, 3, 4})).sizes(), (Shape{2, 0, 4}));
+  EXPECT_THROW(Tensor::empty({int64_t{1} << 62}), Error);
+  EXPECT_THROW(Tensor::empty({int64_t{1} << 40, int64_t{1} << 40}), Error);
+  Tensor a = arange(6);
+  a.slice(0, 1, 6).copy_(a.slice(0, 0, 5));
+  EXPECT_EQ(a.to_vector(), (std::vector<double>{0, 0, 1, 2, 3, 4}));
+  Tensor m = arange(4).view({2, 2});
+  m += m.t();
+  EXPECT_EQ(m.to_vector(), (std::vector<double>{0, 3, 3, 6}));
+}
+
+TEST(EdgeCases, ScalarPromotionAndCasts) {
+  EXPECT_EQ((ones({2}, DType::Float16) * scalar_tensor(2.0)).dtype(), DType::Float16);
+  EXPECT_EQ((ones({2}, DType::Int32) + scalar_tensor(5, DType::Int64)).dtype(), DType::Int32);
+  EXPECT_EQ((ones({2}, DType::Int32) + scalar_tensor(0.5)).dtype(), DType::Float32);
+  EXPECT_TRUE(std::isinf((ones({1}) + INFINITY).item()));
+  EXPECT_TRUE(std::isnan((ones({1}) * NAN).item()));
+  EXPECT_EQ(Tensor::from_vector({-1.0}, {1}).to(DType::UInt8).item(), 255);  // via int64, as torch on x86
+  Tensor big = Tensor::from_vector({-9223372036854775807.0}, {1}, DType::Int64);
+  EXPECT_EQ(clamp(big, std::nullopt, 0.0).item(), -9223372036854775807.0);
+}
+
+}  // namespace
+}  // namespace ember

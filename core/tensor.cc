@@ -35,7 +35,8 @@ Shape contiguous_strides(const Shape& sizes) {
 
 int64_t shape_numel(const Shape& sizes) {
   int64_t n = 1;
-  for (int64_t s : sizes) n *= s;
+  for (int64_t s : sizes)
+    EMBER_CHECK(!__builtin_mul_overflow(n, s, &n), "shape ", shape_str(sizes), " has more elements than int64 holds");
   return n;
 }
 
@@ -60,7 +61,9 @@ Tensor Tensor::empty(const Shape& sizes, TensorOptions opts) {
   impl->strides = contiguous_strides(sizes);
   impl->dtype = opts.dtype;
   impl->storage = std::make_shared<Storage>();
-  size_t nbytes = static_cast<size_t>(shape_numel(sizes)) * dtype_size(opts.dtype);
+  size_t nbytes = 0;
+  EMBER_CHECK(!__builtin_mul_overflow(static_cast<size_t>(shape_numel(sizes)), dtype_size(opts.dtype), &nbytes),
+              "empty: ", shape_str(sizes), " of ", opts.dtype, " does not fit in memory");
   impl->storage->data = get_allocator(opts.device)->allocate(nbytes);
   impl->storage->nbytes = nbytes;
   return Tensor(std::move(impl));
@@ -83,8 +86,14 @@ Tensor Tensor::from_vector(const std::vector<double>& values, const Shape& sizes
 }
 
 // ---- Metadata ----
-int64_t Tensor::size(int64_t dim) const { return sizes()[wrap_dim(dim, this->dim(), "size")]; }
-int64_t Tensor::stride(int64_t dim) const { return strides()[wrap_dim(dim, this->dim(), "stride")]; }
+int64_t Tensor::size(int64_t dim) const {
+  EMBER_CHECK(this->dim() > 0, "size: a 0-dim tensor has no dim ", dim);
+  return sizes()[wrap_dim(dim, this->dim(), "size")];
+}
+int64_t Tensor::stride(int64_t dim) const {
+  EMBER_CHECK(this->dim() > 0, "stride: a 0-dim tensor has no dim ", dim);
+  return strides()[wrap_dim(dim, this->dim(), "stride")];
+}
 int64_t Tensor::numel() const { return shape_numel(sizes()); }
 
 bool Tensor::is_contiguous() const {
@@ -142,7 +151,7 @@ Shape infer_size(const Shape& sizes, int64_t numel, const char* op, const Shape&
 // (PyTorch's computeStride: each run of merged old dims must be contiguous).
 bool view_strides(const Shape& sizes, const Shape& strides, const Shape& new_sizes, Shape& out) {
   out.assign(new_sizes.size(), 1);
-  if (shape_numel(sizes) == 0) {
+  if (sizes.empty() || shape_numel(sizes) == 0) {
     out = contiguous_strides(new_sizes);
     return true;
   }
@@ -229,6 +238,7 @@ Tensor Tensor::permute(const Shape& dims) const {
 }
 
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
+  EMBER_CHECK(dim() > 0, "slice: cannot be applied to a 0-dim tensor");
   d = wrap_dim(d, dim(), "slice");
   EMBER_CHECK(step > 0, "slice: step must be positive, got ", step);
   int64_t n = sizes()[d];
@@ -243,6 +253,7 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
 }
 
 Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
+  EMBER_CHECK(dim() > 0, "narrow: cannot be applied to a 0-dim tensor");
   d = wrap_dim(d, dim(), "narrow");
   int64_t n = sizes()[d];
   if (start < 0) start += n;
@@ -252,6 +263,7 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
 }
 
 Tensor Tensor::select(int64_t d, int64_t index) const {
+  EMBER_CHECK(dim() > 0, "select: cannot be applied to a 0-dim tensor");
   d = wrap_dim(d, dim(), "select");
   int64_t n = sizes()[d];
   EMBER_CHECK(index >= -n && index < n, "select: index ", index, " out of range for dimension ", d, " of size ", n);
@@ -419,15 +431,27 @@ Tensor& Tensor::copy_(const Tensor& src) {
                           : device().is_cpu() ? cudaMemcpyDeviceToHost
                                               : cudaMemcpyDeviceToDevice;
     if (nbytes() > 0) {
-      void* stream = current_cuda_stream(is_cuda() ? device().index : s.device().index);
-      EMBER_CUDA_CHECK(cudaMemcpyAsync(landed.raw_data(), staged.raw_data(), nbytes(), kind,
-                                       static_cast<cudaStream_t>(stream)));
-      EMBER_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+      // Issue on the source GPU's stream (the destination's for H2D) with that
+      // GPU current; for D2D, the destination's pending work is waited first.
+      int gpu = s.is_cuda() ? s.device().index : device().index;
+      int prev = 0;
+      EMBER_CUDA_CHECK(cudaGetDevice(&prev));
+      EMBER_CUDA_CHECK(cudaSetDevice(gpu));
+      auto stream = static_cast<cudaStream_t>(current_cuda_stream(gpu));
+      if (s.is_cuda() && is_cuda())
+        EMBER_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(current_cuda_stream(device().index))));
+      cudaError_t err = cudaMemcpyAsync(landed.raw_data(), staged.raw_data(), nbytes(), kind, stream);
+      if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+      cudaSetDevice(prev);
+      EMBER_CUDA_CHECK(err);
     }
     if (!landed.is_same(*this)) copy_(landed);
     return *this;
   }
   if (numel() == 0) return *this;
+  if (s.shares_storage(*this) && !(s.strides() == strides() && s.storage_offset() == storage_offset())) {
+    s = s.clone();  // partial overlap: read everything before writing anything
+  }
   StridedIter it = make_iter(*this, {s}, "copy_");
   if (is_cuda()) copy_cuda(it); else copy_cpu(it);
   return *this;

@@ -1,6 +1,8 @@
 // Binary elementwise ops with broadcasting and type promotion (add, sub, mul,
 // div, pow, maximum, minimum, comparisons) and the ternary where: CPU
 // kernels, then the op layer shared with binary.cu's launchers.
+#include <cmath>
+
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
 #include "core/ops/elementwise_fns.h"
@@ -56,6 +58,19 @@ void where_cpu(const StridedIter& it) {
 // ---- Op layer ----
 namespace {
 
+// torch's rule: a 0-dim operand only decides the dtype when its category
+// (bool < integer < floating) is higher than the other operand's.
+int category(DType t) { return t == DType::Bool ? 0 : is_floating(t) ? 2 : 1; }
+DType result_type(const Tensor& a, const Tensor& b) {
+  bool a0 = a.dim() == 0, b0 = b.dim() == 0;
+  if (a0 != b0) {
+    const Tensor& dim_t = a0 ? b : a;
+    const Tensor& zero_t = a0 ? a : b;
+    if (category(zero_t.dtype()) <= category(dim_t.dtype())) return dim_t.dtype();
+  }
+  return promote_types(a.dtype(), b.dtype());
+}
+
 void check_same_device(const Tensor& a, const Tensor& b, const char* name) {
   // A CPU 0-dim tensor may act as a scalar on any device, as in torch.
   EMBER_CHECK(a.device() == b.device() || (b.dim() == 0 && b.device().is_cpu()) ||
@@ -81,7 +96,7 @@ Tensor binary_op(BinaryOp op, const char* name, const Tensor& a, const Tensor& b
   EMBER_CHECK(a.defined() && b.defined(), name, ": an input is undefined");
   check_same_device(a, b, name);
   Shape shape = broadcast_shapes(a.sizes(), b.sizes(), name);
-  DType common = promote_types(a.dtype(), b.dtype());
+  DType common = result_type(a, b);
   if ((op == BinaryOp::Div) && !is_floating(common)) common = DType::Float32;  // true division
   if (op == BinaryOp::Pow && common == DType::Bool) common = DType::Int64;
   EMBER_CHECK(common != DType::Bool || is_comparison(op) || op == BinaryOp::Maximum || op == BinaryOp::Minimum,
@@ -97,7 +112,7 @@ Tensor binary_op(BinaryOp op, const char* name, const Tensor& a, const Tensor& b
 
 Tensor scalar_like(double s, const Tensor& like) {
   // Python-number semantics: a float scalar makes an integer tensor float32.
-  bool integral = s == static_cast<double>(static_cast<int64_t>(s));
+  bool integral = std::isfinite(s) && std::trunc(s) == s && std::fabs(s) < 9.2e18;
   DType t = (is_floating(like.dtype()) || integral) ? like.dtype() : DType::Float32;
   if (t == DType::Bool) t = integral ? DType::Int64 : DType::Float32;
   return scalar_tensor(s, t);
@@ -140,7 +155,15 @@ Tensor& inplace_op(BinaryOp op, const char* name, Tensor& out, const Tensor& b, 
   Shape shape = broadcast_shapes(out.sizes(), b.sizes(), name);
   EMBER_CHECK(shape == out.sizes(), name, ": cannot broadcast ", shape_str(b.sizes()), " into the in-place output ",
               shape_str(out.sizes()));
+  DType result = promote_types(out.dtype(), b.dtype());
+  if (op == BinaryOp::Div && !is_floating(result)) result = DType::Float32;
+  // torch's can_cast: no floating result into an integer output, nothing into bool.
+  EMBER_CHECK(!(is_floating(result) && !is_floating(out.dtype())) && out.dtype() != DType::Bool, name,
+              ": result type ", result, " can't be cast to the in-place output dtype ", out.dtype());
   Tensor cb = b.to(out.device(), out.dtype());
+  // x += x.t(): b would be overwritten while still being read; read a copy.
+  if (cb.shares_storage(out) && !(cb.strides() == out.strides() && cb.storage_offset() == out.storage_offset()))
+    cb = cb.clone();
   StridedIter it = make_iter(out, {out, cb}, name);
   run_binary(op, it, out.device(), alpha);
   return out;
@@ -167,6 +190,6 @@ Tensor& Tensor::operator+=(const Tensor& o) { return add_(*this, o); }
 Tensor& Tensor::operator-=(const Tensor& o) { return add_(*this, o, -1.0); }
 Tensor& Tensor::operator*=(const Tensor& o) { return mul_(*this, o); }
 Tensor& Tensor::operator/=(const Tensor& o) { return inplace_op(BinaryOp::Div, "div_", *this, o, 1.0); }
-Tensor& Tensor::operator*=(double s) { return mul_(*this, scalar_tensor(s, dtype())); }
+Tensor& Tensor::operator*=(double s) { return mul_(*this, scalar_like(s, *this)); }
 
 }  // namespace ember

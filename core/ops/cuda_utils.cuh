@@ -209,6 +209,8 @@ __host__ __device__ __forceinline__ D cast_value(S s) {
     return D(static_cast<float>(s));
   } else if constexpr (std::is_same_v<D, bool>) {
     return s != S(0);
+  } else if constexpr (std::is_integral_v<D> && std::is_floating_point_v<S>) {
+    return static_cast<D>(static_cast<int64_t>(s));  // as copy.cc: defined for out-of-range values
   } else {
     return static_cast<D>(s);
   }

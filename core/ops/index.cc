@@ -133,6 +133,7 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
 
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
   check_index(x, index, "gather");
+  if (x.dim() == 0 && index.dim() == 0) return gather(x.reshape({1}), 0, index.reshape({1})).reshape({});
   EMBER_CHECK(index.dim() == x.dim(), "gather: index ", shape_str(index.sizes()), " and input ",
               shape_str(x.sizes()), " must have the same number of dims");
   dim = wrap_dim(dim, x.dim(), "gather");

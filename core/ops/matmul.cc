@@ -140,14 +140,16 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   if (b.dim() == 2) {  // fold a's batch dims into m: one big GEMM
     Shape out_shape(a.sizes().begin(), a.sizes().end() - 1);
     out_shape.push_back(n);
-    return batched_gemm(a.reshape({1, -1, k}), b.unsqueeze(0)).view(out_shape);
+    const int64_t rows = shape_numel(Shape(a.sizes().begin(), a.sizes().end() - 1));
+    return batched_gemm(a.reshape({1, rows, k}), b.unsqueeze(0)).view(out_shape);
   }
   Shape ba(a.sizes().begin(), a.sizes().end() - 2), bb(b.sizes().begin(), b.sizes().end() - 2);
   Shape batch = broadcast_shapes(ba, bb, "matmul");
   Shape ea = batch, eb = batch;
   ea.insert(ea.end(), {m, k});
   eb.insert(eb.end(), {k, n});
-  Tensor out = batched_gemm(a.expand(ea).reshape({-1, m, k}), b.expand(eb).reshape({-1, k, n}));
+  const int64_t nb = shape_numel(batch);
+  Tensor out = batched_gemm(a.expand(ea).reshape({nb, m, k}), b.expand(eb).reshape({nb, k, n}));
   Shape out_shape = batch;
   out_shape.insert(out_shape.end(), {m, n});
   return out.view(out_shape);

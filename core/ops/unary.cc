@@ -70,8 +70,8 @@ Tensor clamp(const Tensor& x, std::optional<double> lo, std::optional<double> hi
   double inf = std::numeric_limits<double>::infinity();
   double a = lo.value_or(-inf), b = hi.value_or(inf);
   if (!is_floating(x.dtype())) {  // keep bounds representable in the integer type
-    double tmin = x.dtype() == DType::Int32 ? -2147483648.0 : x.dtype() == DType::UInt8 ? 0.0 : -9.2e18;
-    double tmax = x.dtype() == DType::Int32 ? 2147483647.0 : x.dtype() == DType::UInt8 ? 255.0 : 9.2e18;
+    double tmin = x.dtype() == DType::Int32 ? -2147483648.0 : x.dtype() == DType::UInt8 ? 0.0 : -9223372036854775808.0;
+    double tmax = x.dtype() == DType::Int32 ? 2147483647.0 : x.dtype() == DType::UInt8 ? 255.0 : 9223372036854774784.0;
     a = std::min(std::max(a, tmin), tmax);
     b = std::min(std::max(b, tmin), tmax);
   }
