@@ -449,12 +449,15 @@ Tensor& Tensor::copy_(const Tensor& src) {
     return *this;
   }
   if (numel() == 0) return *this;
-  if (s.shares_storage(*this) && !(s.strides() == strides() && s.storage_offset() == storage_offset())) {
-    s = s.clone();  // partial overlap: read everything before writing anything
-  }
+  if (may_overlap(*this, s)) s = s.clone();
   StridedIter it = make_iter(*this, {s}, "copy_");
   if (is_cuda()) copy_cuda(it); else copy_cpu(it);
   return *this;
+}
+
+bool may_overlap(const Tensor& dst, const Tensor& src) {
+  return src.shares_storage(dst) && !(src.sizes() == dst.sizes() && src.strides() == dst.strides() &&
+                                      src.storage_offset() == dst.storage_offset());
 }
 
 Tensor& Tensor::fill_(double value) {

@@ -150,6 +150,9 @@ class Tensor {
 std::ostream& operator<<(std::ostream& os, const Tensor& t);
 std::string shape_str(const Shape& s);
 
+// True when writing `dst` could change `src` before it is read: the two
+// share storage without being the very same view. Ops then read a copy.
+bool may_overlap(const Tensor& dst, const Tensor& src);
 // Wraps a negative dim and checks range; `op` names the caller in errors.
 int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op);
 Shape contiguous_strides(const Shape& sizes);

@@ -162,8 +162,7 @@ Tensor& inplace_op(BinaryOp op, const char* name, Tensor& out, const Tensor& b, 
               ": result type ", result, " can't be cast to the in-place output dtype ", out.dtype());
   Tensor cb = b.to(out.device(), out.dtype());
   // x += x.t(): b would be overwritten while still being read; read a copy.
-  if (cb.shares_storage(out) && !(cb.strides() == out.strides() && cb.storage_offset() == out.storage_offset()))
-    cb = cb.clone();
+  if (may_overlap(out, cb)) cb = cb.clone();
   StridedIter it = make_iter(out, {out, cb}, name);
   run_binary(op, it, out.device(), alpha);
   return out;

@@ -51,7 +51,7 @@ C reduce_run(const T* p, int64_t n) {
 }
 
 template <ReduceOp OP, typename T>
-void reduce_value_cpu(const T* in, T* out_unused, void* out_raw, int64_t outer, int64_t r, int64_t inner) {
+void reduce_value_cpu(const T* in, void* out_raw, int64_t outer, int64_t r, int64_t inner) {
   using C = std::conditional_t<OP == ReduceOp::Sum, sum_t<T>, acc_t<T>>;
   using O = std::conditional_t<OP == ReduceOp::Sum && std::is_integral_v<T>, int64_t, T>;
   O* out = static_cast<O*>(out_raw);
@@ -118,9 +118,9 @@ void reduce_cpu(ReduceOp op, const Tensor& in, Tensor& out, int64_t outer, int64
     using T = scalar_t;
     const T* p = static_cast<const T*>(in.raw_data());
     switch (op) {
-      case ReduceOp::Sum: reduce_value_cpu<ReduceOp::Sum, T>(p, nullptr, out.raw_data(), outer, r, inner); break;
-      case ReduceOp::Max: reduce_value_cpu<ReduceOp::Max, T>(p, nullptr, out.raw_data(), outer, r, inner); break;
-      case ReduceOp::Min: reduce_value_cpu<ReduceOp::Min, T>(p, nullptr, out.raw_data(), outer, r, inner); break;
+      case ReduceOp::Sum: reduce_value_cpu<ReduceOp::Sum, T>(p, out.raw_data(), outer, r, inner); break;
+      case ReduceOp::Max: reduce_value_cpu<ReduceOp::Max, T>(p, out.raw_data(), outer, r, inner); break;
+      case ReduceOp::Min: reduce_value_cpu<ReduceOp::Min, T>(p, out.raw_data(), outer, r, inner); break;
       case ReduceOp::ArgMax: arg_reduce_cpu<true, T>(p, out.data<int64_t>(), outer, r, inner); break;
       case ReduceOp::ArgMin: arg_reduce_cpu<false, T>(p, out.data<int64_t>(), outer, r, inner); break;
     }
