@@ -46,31 +46,24 @@ namespace {
 class CpuAllocator final : public Allocator {
  public:
   DataPtr allocate(size_t nbytes) override {
-    size_t cls = size_class(nbytes);
+    const size_t cls = size_class(nbytes);
     void* p = nullptr;
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      stats_.num_allocs++;
-      auto it = cache_.find(cls);
-      if (it != cache_.end() && !it->second.empty()) {
-        p = it->second.back();
-        it->second.pop_back();
-        cached_ -= cls;
-      }
-    }
-    if (p == nullptr) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = cache_.find(cls);
+    if (it != cache_.end() && !it->second.empty()) {
+      p = it->second.back();
+      it->second.pop_back();
+      cached_ -= cls;
+    } else {
       // 64-byte alignment suits AVX-512 loads and keeps cache lines unshared.
       p = std::aligned_alloc(64, cls);
       EMBER_CHECK(p != nullptr, "cpu allocator: out of memory allocating ", nbytes, " bytes");
-      std::lock_guard<std::mutex> g(mu_);
       stats_.num_device_allocs++;
       stats_.reserved += cls;
     }
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      stats_.allocated += cls;
-      stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
-    }
+    stats_.num_allocs++;
+    stats_.allocated += cls;
+    stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
     return DataPtr{{p, [this, cls](void* q) { release(q, cls); }}, kCPU};
   }
 

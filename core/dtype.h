@@ -6,6 +6,7 @@
 #include <cstring>
 #include <ostream>
 #include <string>
+#include <type_traits>
 
 #include "core/exception.h"
 
@@ -113,6 +114,30 @@ template <> struct AccType<Half> { using type = float; };
 template <> struct AccType<BFloat16> { using type = float; };
 template <> struct AccType<bool> { using type = bool; };
 template <typename T> using acc_t = typename AccType<T>::type;
+
+// Conversion between any two element types, the one rule the CPU and CUDA
+// kernels share. 16-bit floats go through float; bool means "non-zero";
+// floating -> integer goes through int64, as c10 does, because a direct cast
+// of an out-of-range value is UB and differs between x86 and PTX.
+template <typename T>
+constexpr bool is_half_like_v = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
+
+template <typename D, typename S>
+EMBER_HD D cast_value(S s) {
+  if constexpr (std::is_same_v<D, S>) {
+    return s;
+  } else if constexpr (is_half_like_v<S>) {
+    return cast_value<D, float>(static_cast<float>(s));
+  } else if constexpr (is_half_like_v<D>) {
+    return D(static_cast<float>(s));
+  } else if constexpr (std::is_same_v<D, bool>) {
+    return s != S(0);
+  } else if constexpr (std::is_integral_v<D> && std::is_floating_point_v<S>) {
+    return static_cast<D>(static_cast<int64_t>(s));
+  } else {
+    return static_cast<D>(s);
+  }
+}
 
 inline size_t dtype_size(DType t) {
   switch (t) {

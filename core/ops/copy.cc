@@ -9,16 +9,6 @@
 namespace ember {
 
 // ---- CPU kernels ----
-template <typename To, typename From>
-inline To cast_value(From v) {
-  if constexpr (std::is_same_v<To, bool>) return static_cast<acc_t<From>>(v) != acc_t<From>(0);
-  // Float -> narrow integer through int64, as c10 does: a direct cast of an
-  // out-of-range value is UB and differs between x86 and PTX.
-  else if constexpr (std::is_integral_v<To> && std::is_floating_point_v<acc_t<From>>)
-    return static_cast<To>(static_cast<int64_t>(static_cast<acc_t<From>>(v)));
-  else return static_cast<To>(static_cast<acc_t<To>>(static_cast<acc_t<From>>(v)));
-}
-
 void copy_cpu(const StridedIter& it) {
   if (it.dtypes[0] == it.dtypes[1] && it.all_contiguous()) {
     const size_t es = dtype_size(it.dtypes[0]);

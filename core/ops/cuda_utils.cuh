@@ -194,26 +194,7 @@ __device__ __forceinline__ V shfl_xor(V v, int mask) {
   }
 }
 
-// Conversion between any two element types. 16-bit floats go through float
-// (they only convert from/to float), and bool means "non-zero" as in C++.
-template <typename T>
-constexpr bool is_half_like_v = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
-
-template <typename D, typename S>
-__host__ __device__ __forceinline__ D cast_value(S s) {
-  if constexpr (std::is_same_v<D, S>) {
-    return s;
-  } else if constexpr (is_half_like_v<S>) {
-    return cast_value<D, float>(static_cast<float>(s));
-  } else if constexpr (is_half_like_v<D>) {
-    return D(static_cast<float>(s));
-  } else if constexpr (std::is_same_v<D, bool>) {
-    return s != S(0);
-  } else if constexpr (std::is_integral_v<D> && std::is_floating_point_v<S>) {
-    return static_cast<D>(static_cast<int64_t>(s));  // as copy.cc: defined for out-of-range values
-  } else {
-    return static_cast<D>(s);
-  }
-}
+// Element conversions are ember::cast_value (dtype.h), shared with the CPU.
+using ::ember::cast_value;
 
 }  // namespace ember::cuda

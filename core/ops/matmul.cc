@@ -10,7 +10,6 @@
 namespace ember {
 
 // ---- CPU kernel ----
-
 void gemm_cpu(const GemmArgs& g) {
   auto ta = g.trans_a ? CblasTrans : CblasNoTrans, tb = g.trans_b ? CblasTrans : CblasNoTrans;
   if (g.dtype == DType::Float32) {

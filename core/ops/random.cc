@@ -27,9 +27,7 @@ void random_cpu(RandomKind kind, Tensor& out, double a, double b, uint64_t seed,
       for (int64_t i = s; i < e; ++i) {
         double v = random_value(kind == RandomKind::Bernoulli_Tensor ? RandomKind::Bernoulli : kind, i, a, b,
                                 prob(i), seed, offset);
-        T t;
-        if constexpr (std::is_same_v<T, bool>) t = v != 0.0;
-        else t = static_cast<T>(static_cast<acc_t<T>>(v));
+        T t = cast_value<T, double>(v);
         if constexpr (std::is_floating_point_v<acc_t<T>>) {
           // Rounding to a narrow type can reach the open upper bound.
           if (kind == RandomKind::Uniform && static_cast<double>(static_cast<acc_t<T>>(t)) >= b) t = static_cast<T>(static_cast<acc_t<T>>(a));
