@@ -37,6 +37,7 @@ Tensor relu(const Tensor& x);
 Tensor sigmoid(const Tensor& x);
 Tensor tanh(const Tensor& x);
 Tensor gelu(const Tensor& x, bool tanh_approx = false);
+Tensor erf(const Tensor& x);
 Tensor pow(const Tensor& x, double exponent);
 Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> max);
 Tensor cast(const Tensor& x, DType dtype);

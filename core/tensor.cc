@@ -9,6 +9,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "core/autograd_hook.h"
 #include "core/cuda_check.h"
 #include "core/ops.h"
 #include "core/ops/kernels.h"
@@ -111,18 +112,42 @@ void* Tensor::raw_data() const {
 }
 
 // ---- Views ----
-Tensor Tensor::as_strided(const Shape& sizes, const Shape& strides, int64_t offset) const {
+namespace {
+Tensor make_view(const Tensor& base, const Shape& sizes, const Shape& strides, int64_t offset) {
   EMBER_INTERNAL_ASSERT(sizes.size() == strides.size());
   auto impl2 = std::make_shared<TensorImpl>();
-  impl2->storage = impl().storage;
+  impl2->storage = base.impl().storage;
   impl2->sizes = sizes;
   impl2->strides = strides;
   impl2->offset = offset;
-  impl2->dtype = dtype();
+  impl2->dtype = base.dtype();
   return Tensor(std::move(impl2));
 }
 
-Tensor Tensor::alias() const { return as_strided(sizes(), strides(), storage_offset()); }
+// Records a view's derivative: `bwd(g, base_shape)` maps the view's gradient
+// to the base's. Views compute nothing, so there is no forward to guard.
+template <typename Bwd>
+Tensor view_diff(const Tensor& base, Tensor out, const char* op, Bwd bwd) {
+  if (!needs_grad({base})) return out;
+  Shape bs = base.sizes();
+  autograd_recorder()->record(op, {base}, out, [bs, bwd](const Tensor& g) { return std::vector<Tensor>{bwd(g, bs)}; },
+                              {});
+  return out;
+}
+Tensor reshape_back(const Tensor& g, const Shape& bs) { return g.reshape(bs); }
+Tensor same_view(const Tensor& base, const char* op) {
+  return view_diff(base, make_view(base, base.sizes(), base.strides(), base.storage_offset()), op,
+                   [](const Tensor& g, const Shape&) { return g; });
+}
+}  // namespace
+
+Tensor Tensor::as_strided(const Shape& sizes, const Shape& strides, int64_t offset) const {
+  EMBER_CHECK(!needs_grad({*this}), "as_strided: not differentiable; the input ", shape_str(this->sizes()),
+              " requires grad (use view/reshape/slice/... or detach() first)");
+  return make_view(*this, sizes, strides, offset);
+}
+
+Tensor Tensor::alias() const { return make_view(*this, sizes(), strides(), storage_offset()); }
 
 namespace {
 Shape infer_size(const Shape& sizes, int64_t numel, const char* op, const Shape& from) {
@@ -184,13 +209,14 @@ Tensor Tensor::view(const Shape& new_sizes) const {
   EMBER_CHECK(view_strides(sizes(), strides(), s, st), "view: size ", shape_str(s),
               " is not compatible with input of shape ", shape_str(sizes()), " and strides ", shape_str(strides()),
               " (at least one dimension spans two contiguous subspaces); use reshape");
-  return as_strided(s, st, storage_offset());
+  return view_diff(*this, make_view(*this, s, st, storage_offset()), "view", reshape_back);
 }
 
 Tensor Tensor::reshape(const Shape& new_sizes) const {
   Shape s = infer_size(new_sizes, numel(), "reshape", sizes());
   Shape st;
-  if (view_strides(sizes(), strides(), s, st)) return as_strided(s, st, storage_offset());
+  if (view_strides(sizes(), strides(), s, st))
+    return view_diff(*this, make_view(*this, s, st, storage_offset()), "reshape", reshape_back);
   return contiguous().view(s);
 }
 
@@ -211,15 +237,16 @@ Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
   d0 = wrap_dim(d0, dim(), "transpose");
   d1 = wrap_dim(d1, dim(), "transpose");
   Shape s = sizes(), st = strides();
-  if (dim() == 0) return alias();
+  if (dim() == 0) return same_view(*this, "transpose");
   std::swap(s[d0], s[d1]);
   std::swap(st[d0], st[d1]);
-  return as_strided(s, st, storage_offset());
+  return view_diff(*this, make_view(*this, s, st, storage_offset()), "transpose",
+                   [d0, d1](const Tensor& g, const Shape&) { return g.transpose(d0, d1); });
 }
 
 Tensor Tensor::t() const {
   EMBER_CHECK(dim() <= 2, "t: expects a tensor with <= 2 dims, got ", shape_str(sizes()));
-  return dim() < 2 ? alias() : transpose(0, 1);
+  return dim() < 2 ? same_view(*this, "t") : transpose(0, 1);
 }
 
 Tensor Tensor::permute(const Shape& dims) const {
@@ -234,7 +261,10 @@ Tensor Tensor::permute(const Shape& dims) const {
     s[i] = sizes()[d];
     st[i] = strides()[d];
   }
-  return as_strided(s, st, storage_offset());
+  Shape inv(dims.size());
+  for (size_t i = 0; i < dims.size(); ++i) inv[wrap_dim(dims[i], dim(), "permute")] = static_cast<int64_t>(i);
+  return view_diff(*this, make_view(*this, s, st, storage_offset()), "permute",
+                   [inv](const Tensor& g, const Shape&) { return g.permute(inv); });
 }
 
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
@@ -249,7 +279,12 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
   Shape s = sizes(), st = strides();
   s[d] = (end - start + step - 1) / step;
   st[d] *= step;
-  return as_strided(s, st, storage_offset() + start * strides()[d]);
+  return view_diff(*this, make_view(*this, s, st, storage_offset() + start * strides()[d]), "slice",
+                   [d, start, end, step](const Tensor& g, const Shape& bs) {
+                     Tensor z = zeros(bs, g.options());
+                     z.slice(d, start, end, step).copy_(g);
+                     return z;
+                   });
 }
 
 Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
@@ -271,7 +306,12 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
   Shape s = sizes(), st = strides();
   s.erase(s.begin() + d);
   st.erase(st.begin() + d);
-  return as_strided(s, st, storage_offset() + index * strides()[d]);
+  return view_diff(*this, make_view(*this, s, st, storage_offset() + index * strides()[d]), "select",
+                   [d, index](const Tensor& g, const Shape& bs) {
+                     Tensor z = zeros(bs, g.options());
+                     z.select(d, index).copy_(g);
+                     return z;
+                   });
 }
 
 Tensor Tensor::expand(const Shape& new_sizes) const {
@@ -293,7 +333,8 @@ Tensor Tensor::expand(const Shape& new_sizes) const {
       st[i] = cur == want ? strides()[i - lead] : 0;
     }
   }
-  return as_strided(s, st, storage_offset());
+  return view_diff(*this, make_view(*this, s, st, storage_offset()), "expand",
+                   [](const Tensor& g, const Shape& bs) { return sum_to(g, bs); });
 }
 
 Tensor Tensor::squeeze() const {
@@ -303,17 +344,17 @@ Tensor Tensor::squeeze() const {
       s.push_back(sizes()[i]);
       st.push_back(strides()[i]);
     }
-  return as_strided(s, st, storage_offset());
+  return view_diff(*this, make_view(*this, s, st, storage_offset()), "squeeze", reshape_back);
 }
 
 Tensor Tensor::squeeze(int64_t d) const {
-  if (dim() == 0) return alias();
+  if (dim() == 0) return same_view(*this, "squeeze");
   d = wrap_dim(d, dim(), "squeeze");
-  if (sizes()[d] != 1) return alias();
+  if (sizes()[d] != 1) return same_view(*this, "squeeze");
   Shape s = sizes(), st = strides();
   s.erase(s.begin() + d);
   st.erase(st.begin() + d);
-  return as_strided(s, st, storage_offset());
+  return view_diff(*this, make_view(*this, s, st, storage_offset()), "squeeze", reshape_back);
 }
 
 Tensor Tensor::unsqueeze(int64_t d) const {
@@ -322,25 +363,33 @@ Tensor Tensor::unsqueeze(int64_t d) const {
   int64_t new_stride = d < dim() ? strides()[d] * sizes()[d] : 1;
   s.insert(s.begin() + d, 1);
   st.insert(st.begin() + d, new_stride);
-  return as_strided(s, st, storage_offset());
+  return view_diff(*this, make_view(*this, s, st, storage_offset()), "unsqueeze", reshape_back);
 }
 
 // ---- Copies ----
 Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
 
 Tensor Tensor::clone() const {
-  Tensor out = empty(sizes(), options());
-  out.copy_(*this);
-  return out;
+  return differentiable("clone", {*this}, [&] {
+    Tensor out = empty(sizes(), options());
+    out.copy_(*this);
+    return out;
+  }, [](const Tensor&) { return Recorded{[](const Tensor& g) { return std::vector<Tensor>{g}; }, {}}; });
 }
 
 Tensor Tensor::to(Device d) const { return to(d, dtype()); }
 Tensor Tensor::to(DType t) const { return to(device(), t); }
 Tensor Tensor::to(Device d, DType t) const {
   if (d == device() && t == dtype()) return *this;
-  Tensor out = empty(sizes(), {t, d});
-  out.copy_(*this);
-  return out;
+  Device from_device = device();
+  DType from_dtype = dtype();
+  return differentiable("to", {*this}, [&] {
+    Tensor out = empty(sizes(), {t, d});
+    out.copy_(*this);
+    return out;
+  }, [=](const Tensor&) {
+    return Recorded{[=](const Tensor& g) { return std::vector<Tensor>{g.to(from_device, from_dtype)}; }, {}};
+  });
 }
 
 Tensor Tensor::pin_memory() const {
@@ -419,6 +468,9 @@ StridedIter make_iter(const Tensor& out, std::initializer_list<Tensor> inputs, c
 
 Tensor& Tensor::copy_(const Tensor& src) {
   EMBER_CHECK(src.defined(), "copy_: source is undefined");
+  EMBER_CHECK(!needs_grad({src}), "copy_: the source ", shape_str(src.sizes()),
+              " requires grad and copy_ is not differentiable; use clone() or to(), or detach() the source");
+  check_inplace(*this, "copy_");
   broadcast_shapes(sizes(), src.sizes(), "copy_");
   Tensor s = src.expand(sizes());
   if (s.device() != device()) {
@@ -461,6 +513,7 @@ bool may_overlap(const Tensor& dst, const Tensor& src) {
 }
 
 Tensor& Tensor::fill_(double value) {
+  check_inplace(*this, "fill_");
   StridedIter it = make_iter(*this, {}, "fill_");
   if (is_cuda()) fill_cuda(it, value); else fill_cpu(it, value);
   return *this;

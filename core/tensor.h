@@ -28,12 +28,18 @@ using Shape = std::vector<int64_t>;
 struct Storage {
   DataPtr data;
   size_t nbytes = 0;
+  // Bumped by every in-place write, so autograd can tell when a tensor it
+  // saved for backward was overwritten after the forward pass.
+  uint64_t version = 0;
   Device device() const { return data.device; }
 };
 
-// Implemented in autograd/; core only holds it.
+// Implemented in autograd/; core only holds it and reads requires_grad to
+// decide whether an op must be recorded (core/autograd_hook.h).
+class Tensor;
 struct AutogradMetaBase {
   virtual ~AutogradMetaBase() = default;
+  bool requires_grad = false;
 };
 
 struct TensorImpl {
@@ -82,6 +88,22 @@ class Tensor {
   bool is_cuda() const { return device().is_cuda(); }
   bool is_same(const Tensor& o) const { return impl_ == o.impl_; }
   bool shares_storage(const Tensor& o) const { return impl().storage == o.impl().storage; }
+  // ---- Autograd (implemented by autograd/, which a binary must link) ----
+  // True when autograd tracks this tensor (a leaf that asked for gradients,
+  // or the result of a recorded op).
+  bool requires_grad() const { return impl_ && impl_->autograd_meta && impl_->autograd_meta->requires_grad; }
+  // Marks a leaf as a parameter whose .grad() backward fills; returns *this.
+  Tensor& requires_grad_(bool enabled = true);
+  // Leaf: requires no grad, or was created by the user rather than an op.
+  bool is_leaf() const;
+  // The accumulated gradient of a leaf (undefined until a backward reaches it).
+  Tensor grad() const;
+  void set_grad(const Tensor& grad) const;
+  // Runs backward from this tensor: `grad` defaults to 1 for a one-element
+  // tensor; retain_graph keeps saved tensors for another backward.
+  void backward(const Tensor& grad = Tensor(), bool retain_graph = false) const;
+  // Same data, no history: the result is a leaf that requires no grad.
+  Tensor detach() const { return alias(); }
 
   // Pointer to the first element (storage base + offset).
   void* raw_data() const;
@@ -105,8 +127,8 @@ class Tensor {
   Tensor squeeze() const;
   Tensor squeeze(int64_t dim) const;
   Tensor unsqueeze(int64_t dim) const;
-  Tensor as_strided(const Shape& sizes, const Shape& strides, int64_t offset) const;
-  // Same storage, new metadata handle (cuts autograd history in autograd/).
+  Tensor as_strided(const Shape& sizes, const Shape& strides, int64_t offset) const;  // not differentiable
+  // Same storage, new metadata handle without autograd history (detach).
   Tensor alias() const;
 
   // ---- Copies and conversions. ----

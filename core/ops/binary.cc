@@ -3,6 +3,7 @@
 // kernels, then the op layer shared with binary.cu's launchers.
 #include <cmath>
 
+#include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
 #include "core/ops/elementwise_fns.h"
@@ -120,13 +121,57 @@ Tensor scalar_like(double s, const Tensor& like) {
 
 }  // namespace
 
-Tensor add(const Tensor& a, const Tensor& b, double alpha) { return binary_op(BinaryOp::Add, "add", a, b, alpha); }
-Tensor sub(const Tensor& a, const Tensor& b, double alpha) { return binary_op(BinaryOp::Sub, "sub", a, b, alpha); }
-Tensor mul(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Mul, "mul", a, b); }
-Tensor div(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Div, "div", a, b); }
-Tensor pow(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Pow, "pow", a, b); }
-Tensor maximum(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Maximum, "maximum", a, b); }
-Tensor minimum(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Minimum, "minimum", a, b); }
+namespace {
+// Brings an output-shaped gradient back to an input's shape, dtype and device.
+Tensor grad_for(const Tensor& g, const Tensor& input) {
+  return sum_to(g, input.sizes()).to(input.device(), input.dtype());
+}
+
+// Derivatives of a (op) b with respect to a and b.
+Tensor binary_diff(BinaryOp op, const char* name, const Tensor& a, const Tensor& b, double alpha = 1.0) {
+  return differentiable(name, {a, b}, [&] { return binary_op(op, name, a, b, alpha); }, [&](const Tensor& out) {
+    Tensor sa = a, sb = b;
+    bool ga = a.requires_grad(), gb = b.requires_grad();
+    BackwardFn fn = [=](const Tensor& g) {
+      Tensor da, db;
+      switch (op) {
+        case BinaryOp::Add: da = g; db = alpha == 1.0 ? g : g * alpha; break;
+        case BinaryOp::Sub: da = g; db = g * (-alpha); break;
+        case BinaryOp::Mul: if (ga) da = g * sb; if (gb) db = g * sa; break;
+        case BinaryOp::Div:
+          if (ga) da = g / sb;
+          if (gb) db = neg(g) * out / sb;
+          break;
+        case BinaryOp::Pow:  // d/da a^b = b a^(b-1); d/db = a^b log a
+          if (ga) da = g * sb * pow(sa, sb - 1.0);
+          if (gb) db = g * out * log(sa);
+          break;
+        case BinaryOp::Maximum:
+        case BinaryOp::Minimum: {
+          // Ties split the gradient evenly, as torch does.
+          Tensor wa = cast(op == BinaryOp::Maximum ? gt(sa, sb) : lt(sa, sb), g.dtype());
+          Tensor tie = cast(eq(sa, sb), g.dtype()) * 0.5;
+          if (ga) da = g * (wa + tie);
+          if (gb) db = g * (1.0 - wa - tie);
+          break;
+        }
+        default: EMBER_INTERNAL_ASSERT(false, name, " is not differentiable");
+      }
+      return std::vector<Tensor>{ga && da.defined() ? grad_for(da, sa) : Tensor(),
+                                 gb && db.defined() ? grad_for(db, sb) : Tensor()};
+    };
+    return Recorded{fn, {sa, sb, out}};
+  });
+}
+}  // namespace
+
+Tensor add(const Tensor& a, const Tensor& b, double alpha) { return binary_diff(BinaryOp::Add, "add", a, b, alpha); }
+Tensor sub(const Tensor& a, const Tensor& b, double alpha) { return binary_diff(BinaryOp::Sub, "sub", a, b, alpha); }
+Tensor mul(const Tensor& a, const Tensor& b) { return binary_diff(BinaryOp::Mul, "mul", a, b); }
+Tensor div(const Tensor& a, const Tensor& b) { return binary_diff(BinaryOp::Div, "div", a, b); }
+Tensor pow(const Tensor& a, const Tensor& b) { return binary_diff(BinaryOp::Pow, "pow", a, b); }
+Tensor maximum(const Tensor& a, const Tensor& b) { return binary_diff(BinaryOp::Maximum, "maximum", a, b); }
+Tensor minimum(const Tensor& a, const Tensor& b) { return binary_diff(BinaryOp::Minimum, "minimum", a, b); }
 Tensor eq(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Eq, "eq", a, b); }
 Tensor ne(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Ne, "ne", a, b); }
 Tensor lt(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Lt, "lt", a, b); }
@@ -141,16 +186,28 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
               cond.device(), ", ", a.device(), ", ", b.device());
   Shape shape = broadcast_shapes(broadcast_shapes(cond.sizes(), a.sizes(), "where"), b.sizes(), "where");
   DType common = promote_types(a.dtype(), b.dtype());
-  Tensor ca = a.to(common), cb = b.to(common);
-  Tensor out = Tensor::empty(shape, {common, a.device()});
-  StridedIter it = make_iter(out, {cond, ca, cb}, "where");
-  if (out.is_cuda()) where_cuda(it); else where_cpu(it);
-  return out;
+  return differentiable("where", {a, b}, [&] {
+    Tensor ca = a.to(common), cb = b.to(common);
+    Tensor out = Tensor::empty(shape, {common, a.device()});
+    StridedIter it = make_iter(out, {cond, ca, cb}, "where");
+    if (out.is_cuda()) where_cuda(it); else where_cpu(it);
+    return out;
+  }, [&](const Tensor&) {
+    Tensor c = cond, sa = a, sb = b;
+    bool ga = a.requires_grad(), gb = b.requires_grad();
+    BackwardFn fn = [=](const Tensor& g) {
+      Tensor z = zeros({}, g.dtype());
+      return std::vector<Tensor>{ga ? grad_for(where(c, g, z), sa) : Tensor(),
+                                 gb ? grad_for(where(c, z, g), sb) : Tensor()};
+    };
+    return Recorded{fn, {c}};
+  });
 }
 
 namespace {
 Tensor& inplace_op(BinaryOp op, const char* name, Tensor& out, const Tensor& b, double alpha) {
   EMBER_CHECK(out.defined() && b.defined(), name, ": an input is undefined");
+  check_inplace(out, name);
   check_same_device(out, b, name);
   Shape shape = broadcast_shapes(out.sizes(), b.sizes(), name);
   EMBER_CHECK(shape == out.sizes(), name, ": cannot broadcast ", shape_str(b.sizes()), " into the in-place output ",

@@ -1,6 +1,7 @@
 // Joining and indexing: cat, stack, index_select, gather, one_hot. cat and
 // stack are copies into narrowed views of the output; index_select and
 // gather have CPU kernels here and CUDA kernels in index.cu.
+#include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
 
@@ -58,7 +59,89 @@ void gather_cpu(const Tensor& in, const Tensor& index, Tensor& out, int64_t dim)
   });
 }
 
+template <typename F>
+void dispatch_f32_f64(DType t, F&& f) {
+  if (t == DType::Float64) f(double{}); else f(float{});
+}
+
+void index_add_cpu(Tensor& out, const Tensor& index, const Tensor& src, int64_t outer, int64_t dst_size,
+                   int64_t inner) {
+  const int64_t n = index.numel();
+  const int64_t* idx = index.data<int64_t>();
+  EMBER_CHECK(out.dtype() == DType::Float32 || out.dtype() == DType::Float64, "index_add: expected float32/64");
+  dispatch_f32_f64(out.dtype(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* dst = static_cast<scalar_t*>(out.raw_data());
+    const scalar_t* s = static_cast<const scalar_t*>(src.raw_data());
+    // Threads own disjoint column ranges, so repeated indices never race.
+    parallel_for(inner, std::max<int64_t>(1, kParallelGrain / std::max<int64_t>(outer * n, 1)), [&](int64_t b, int64_t e) {
+      for (int64_t o = 0; o < outer; ++o)
+        for (int64_t j = 0; j < n; ++j) {
+          int64_t k = idx[j] < 0 ? idx[j] + dst_size : idx[j];
+          scalar_t* drow = dst + (o * dst_size + k) * inner;
+          const scalar_t* srow = s + (o * n + j) * inner;
+          for (int64_t i = b; i < e; ++i) drow[i] += srow[i];
+        }
+    });
+  });
+}
+
+void scatter_add_cpu(Tensor& out, const Tensor& index, const Tensor& src, int64_t dim) {
+  const int64_t nd = index.dim(), n = index.numel();
+  const int64_t* idx = index.data<int64_t>();
+  const Shape& isz = index.sizes();
+  const Shape out_st = contiguous_strides(out.sizes());
+  const int64_t dim_size = out.sizes()[dim];
+  EMBER_CHECK(out.dtype() == DType::Float32 || out.dtype() == DType::Float64, "scatter_add: expected float32/64");
+  dispatch_f32_f64(out.dtype(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* dst = static_cast<scalar_t*>(out.raw_data());
+    const scalar_t* s = static_cast<const scalar_t*>(src.raw_data());
+    for (int64_t p = 0; p < n; ++p) {
+      int64_t rem = p, off = 0;
+      for (int64_t d = nd - 1; d >= 0; --d) {
+        int64_t c = rem % isz[d];
+        rem /= isz[d];
+        if (d == dim) c = idx[p] < 0 ? idx[p] + dim_size : idx[p];
+        off += c * out_st[d];
+      }
+      dst[off] += s[p];
+    }
+  });
+}
+
 // ---- Op layer ----
+namespace {
+// Accumulating kernels run in fp32 for 16-bit gradients (no 16-bit atomics
+// on every GPU, and fewer rounding steps); the result is cast back.
+DType accumulate_dtype(DType t) { return t == DType::Float64 ? DType::Float64 : DType::Float32; }
+
+// d index_select / d x: zeros of x's shape with g's rows added at `index`.
+Tensor index_add_grad(const Tensor& g, const Shape& xshape, int64_t dim, const Tensor& idx) {
+  DType acc = accumulate_dtype(g.dtype());
+  Tensor out = zeros(xshape, {acc, g.device()});
+  Tensor src = g.to(acc).contiguous();
+  int64_t outer = 1, inner = 1;
+  for (int64_t d = 0; d < dim; ++d) outer *= xshape[d];
+  for (int64_t d = dim + 1; d < static_cast<int64_t>(xshape.size()); ++d) inner *= xshape[d];
+  if (src.numel() > 0) {
+    if (g.is_cuda()) index_add_cuda(out, idx, src, outer, xshape[dim], inner);
+    else index_add_cpu(out, idx, src, outer, xshape[dim], inner);
+  }
+  return out.to(g.dtype());
+}
+
+Tensor scatter_add_grad(const Tensor& g, const Shape& xshape, int64_t dim, const Tensor& idx) {
+  DType acc = accumulate_dtype(g.dtype());
+  Tensor out = zeros(xshape, {acc, g.device()});
+  Tensor src = g.to(acc).contiguous();
+  if (src.numel() > 0) {
+    if (g.is_cuda()) scatter_add_cuda(out, idx, src, dim); else scatter_add_cpu(out, idx, src, dim);
+  }
+  return out.to(g.dtype());
+}
+}  // namespace
+
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
   EMBER_CHECK(!tensors.empty(), "cat: expected a non-empty list of tensors");
   const Tensor& first = tensors[0];
@@ -81,14 +164,30 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim) {
   }
   Shape shape = first.sizes();
   shape[dim] = total;
-  Tensor out = Tensor::empty(shape, {dtype, first.device()});
-  int64_t pos = 0;
-  for (const Tensor& t : tensors) {
-    int64_t len = t.sizes()[dim];
-    if (len > 0) out.narrow(dim, pos, len).copy_(t);
-    pos += len;
-  }
-  return out;
+  return differentiable("cat", tensors, [&] {
+    Tensor out = Tensor::empty(shape, {dtype, first.device()});
+    int64_t pos = 0;
+    for (const Tensor& t : tensors) {
+      int64_t len = t.sizes()[dim];
+      if (len > 0) out.narrow(dim, pos, len).copy_(t);
+      pos += len;
+    }
+    return out;
+  }, [&](const Tensor&) {
+    std::vector<int64_t> lens;
+    std::vector<DType> dtypes;
+    for (const Tensor& t : tensors) { lens.push_back(t.sizes()[dim]); dtypes.push_back(t.dtype()); }
+    BackwardFn fn = [=](const Tensor& g) {
+      std::vector<Tensor> grads;
+      int64_t pos = 0;
+      for (size_t i = 0; i < lens.size(); ++i) {
+        grads.push_back(g.narrow(dim, pos, lens[i]).to(dtypes[i]));
+        pos += lens[i];
+      }
+      return grads;
+    };
+    return Recorded{fn, {}};
+  });
 }
 
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim) {
@@ -121,14 +220,21 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   Tensor idx = index.to(DType::Int64).contiguous();
   Shape shape = x.sizes();
   shape[dim] = idx.numel();
-  Tensor out = Tensor::empty(shape, x.options());
   int64_t outer = 1, inner = 1;
   for (int64_t d = 0; d < dim; ++d) outer *= x.sizes()[d];
   for (int64_t d = dim + 1; d < x.dim(); ++d) inner *= x.sizes()[d];
-  if (out.numel() == 0) return out;
-  if (x.is_cuda()) index_select_cuda(in, idx, out, outer, x.sizes()[dim], inner);
-  else index_select_cpu(in, idx, out, outer, x.sizes()[dim], inner);
-  return out;
+  return differentiable("index_select", {x}, [&] {
+    Tensor out = Tensor::empty(shape, x.options());
+    if (out.numel() == 0) return out;
+    if (x.is_cuda()) index_select_cuda(in, idx, out, outer, x.sizes()[dim], inner);
+    else index_select_cpu(in, idx, out, outer, x.sizes()[dim], inner);
+    return out;
+  }, [&](const Tensor&) {
+    Shape xs = x.sizes();
+    Tensor ids = idx;
+    BackwardFn fn = [=](const Tensor& g) { return std::vector<Tensor>{index_add_grad(g, xs, dim, ids)}; };
+    return Recorded{fn, {ids}};
+  });
 }
 
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
@@ -142,10 +248,17 @@ Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
                 " is larger than input ", shape_str(x.sizes()), " in dim ", d);
   Tensor in = x.contiguous();
   Tensor idx = index.to(DType::Int64).contiguous();
-  Tensor out = Tensor::empty(index.sizes(), x.options());
-  if (out.numel() == 0) return out;
-  if (x.is_cuda()) gather_cuda(in, idx, out, dim); else gather_cpu(in, idx, out, dim);
-  return out;
+  return differentiable("gather", {x}, [&] {
+    Tensor out = Tensor::empty(index.sizes(), x.options());
+    if (out.numel() == 0) return out;
+    if (x.is_cuda()) gather_cuda(in, idx, out, dim); else gather_cpu(in, idx, out, dim);
+    return out;
+  }, [&](const Tensor&) {
+    Shape xs = x.sizes();
+    Tensor ids = idx;
+    BackwardFn fn = [=](const Tensor& g) { return std::vector<Tensor>{scatter_add_grad(g, xs, dim, ids)}; };
+    return Recorded{fn, {ids}};
+  });
 }
 
 Tensor one_hot(const Tensor& indices, int64_t num_classes) {

@@ -223,4 +223,85 @@ void gather_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64_t dim
               dim_size);
 }
 
+// ---- Accumulating adjoints (float / double; atomics because indices repeat) ----
+namespace {
+template <typename T>
+__global__ void index_add_kernel(T* __restrict__ out, const int64_t* __restrict__ index, const T* __restrict__ src,
+                                 int64_t outer, int64_t n, int64_t dst_size, int64_t inner) {
+  const int64_t total = outer * n * inner;
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < total; p += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = p % inner, j = (p / inner) % n, o = p / (inner * n);
+    int64_t k = index[j];
+    if (k < 0) k += dst_size;
+    atomicAdd(out + (o * dst_size + k) * inner + i, src[p]);
+  }
+}
+
+template <typename T>
+__global__ void scatter_add_kernel(const __grid_constant__ StridedIter geom, T* __restrict__ out,
+                                   const int64_t* __restrict__ index, const T* __restrict__ src, int64_t dim_stride,
+                                   int64_t dim_size) {
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < geom.numel;
+       p += int64_t(gridDim.x) * blockDim.x) {
+    int64_t rem = p, off = 0;
+    for (int d = geom.ndim - 1; d >= 0; --d) {
+      off += (rem % geom.sizes[d]) * geom.strides[0][d];
+      rem /= geom.sizes[d];
+    }
+    int64_t k = index[p];
+    if (k < 0) k += dim_size;
+    atomicAdd(out + off + k * dim_stride, src[p]);
+  }
+}
+
+int blocks_for(int64_t n) {
+  return static_cast<int>(std::min<int64_t>((n + cuda::kBlockSize - 1) / cuda::kBlockSize, cuda::kMaxGridBlocks));
+}
+}  // namespace
+
+void index_add_cuda(Tensor& out, const Tensor& index, const Tensor& src, int64_t outer, int64_t dst_size,
+                    int64_t inner) {
+  const int64_t n = index.numel(), total = outer * n * inner;
+  if (total == 0) return;
+  cuda::DeviceGuard guard(out);
+  cudaStream_t stream = cuda::stream_for(out);
+  const int64_t* idx = static_cast<const int64_t*>(index.raw_data());
+  if (out.dtype() == DType::Float64) {
+    index_add_kernel<double><<<blocks_for(total), cuda::kBlockSize, 0, stream>>>(
+        out.data<double>(), idx, src.data<double>(), outer, n, dst_size, inner);
+  } else {
+    EMBER_CHECK(out.dtype() == DType::Float32, "index_add: expected float32 or float64, got ", out.dtype());
+    index_add_kernel<float><<<blocks_for(total), cuda::kBlockSize, 0, stream>>>(
+        out.data<float>(), idx, src.data<float>(), outer, n, dst_size, inner);
+  }
+  EMBER_CUDA_CHECK(cudaGetLastError());
+}
+
+void scatter_add_cuda(Tensor& out, const Tensor& index, const Tensor& src, int64_t dim) {
+  const int64_t nd = index.dim(), numel = index.numel();
+  EMBER_CHECK(nd <= kMaxDims, "scatter_add: at most ", kMaxDims, " dims supported, got ", nd);
+  if (numel == 0) return;
+  cuda::DeviceGuard guard(out);
+  cudaStream_t stream = cuda::stream_for(out);
+  StridedIter geom;
+  geom.ndim = static_cast<int>(nd);
+  geom.nops = 1;
+  geom.numel = numel;
+  for (int64_t d = 0; d < nd; ++d) {
+    geom.sizes[d] = index.size(d);
+    geom.strides[0][d] = d == dim ? 0 : out.stride(d);
+  }
+  const int64_t dim_size = out.size(dim), dim_stride = out.stride(dim);
+  const int64_t* idx = static_cast<const int64_t*>(index.raw_data());
+  if (out.dtype() == DType::Float64) {
+    scatter_add_kernel<double><<<blocks_for(numel), cuda::kBlockSize, 0, stream>>>(
+        geom, out.data<double>(), idx, src.data<double>(), dim_stride, dim_size);
+  } else {
+    EMBER_CHECK(out.dtype() == DType::Float32, "scatter_add: expected float32 or float64, got ", out.dtype());
+    scatter_add_kernel<float><<<blocks_for(numel), cuda::kBlockSize, 0, stream>>>(
+        geom, out.data<float>(), idx, src.data<float>(), dim_stride, dim_size);
+  }
+  EMBER_CUDA_CHECK(cudaGetLastError());
+}
+
 }  // namespace ember

@@ -36,7 +36,7 @@ struct StridedIter {
 
 StridedIter make_iter(const Tensor& out, std::initializer_list<Tensor> inputs, const char* op);
 
-enum class UnaryOp { Neg, Abs, Exp, Log, Sqrt, Rsqrt, Relu, Sigmoid, Tanh, Gelu, GeluTanh, PowScalar, Clamp };
+enum class UnaryOp { Neg, Abs, Exp, Log, Sqrt, Rsqrt, Relu, Sigmoid, Tanh, Gelu, GeluTanh, PowScalar, Clamp, Erf };
 enum class BinaryOp { Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge };
 enum class ReduceOp { Sum, Max, Min, ArgMax, ArgMin };
 enum class RandomKind { Uniform, Normal, Bernoulli, Bernoulli_Tensor };
@@ -90,6 +90,13 @@ void index_select_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64
 // gather: out[p] = in[p with coordinate `dim` replaced by index[p]]; all contiguous.
 void gather_cpu(const Tensor& in, const Tensor& index, Tensor& out, int64_t dim);
 void gather_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64_t dim);
+// The adjoints, accumulating (float32/float64; indices already validated):
+// out[outer, index[j], inner] += src[outer, j, inner], out contiguous.
+void index_add_cpu(Tensor& out, const Tensor& index, const Tensor& src, int64_t outer, int64_t dst_size, int64_t inner);
+void index_add_cuda(Tensor& out, const Tensor& index, const Tensor& src, int64_t outer, int64_t dst_size, int64_t inner);
+// out[p with coordinate `dim` replaced by index[p]] += src[p]; all contiguous.
+void scatter_add_cpu(Tensor& out, const Tensor& index, const Tensor& src, int64_t dim);
+void scatter_add_cuda(Tensor& out, const Tensor& index, const Tensor& src, int64_t dim);
 
 // Random fill of contiguous `out`. Element i draws from Philox(seed, counter
 // = (i, offset)), identically on CPU and CUDA. For Bernoulli_Tensor, `p`

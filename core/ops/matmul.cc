@@ -4,6 +4,7 @@
 // transpose flags, so x @ w.t() never copies w.
 #include <cblas.h>
 
+#include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
 
@@ -75,19 +76,41 @@ MatrixOperand describe(const Tensor& t) {
 }
 
 // a [B, m, k] @ b [B, k, n] -> [B, m, n], B may be 1 on either side.
-Tensor batched_gemm(const Tensor& a, const Tensor& b) {
+Tensor batched_gemm_impl(const Tensor& a, const Tensor& b) {
   const int64_t B = std::max(a.sizes()[0], b.sizes()[0]);
   const int64_t m = a.sizes()[1], k = a.sizes()[2], n = b.sizes()[2];
   Tensor out = Tensor::empty({B, m, n}, a.options());
   if (out.numel() == 0) return out;
   if (k == 0) return out.zero_();
   bool widen = a.device().is_cpu() && (a.dtype() == DType::Float16 || a.dtype() == DType::BFloat16);
-  if (widen) return batched_gemm(a.to(DType::Float32), b.to(DType::Float32)).to(a.dtype());
+  if (widen) return batched_gemm_impl(a.to(DType::Float32), b.to(DType::Float32)).to(a.dtype());
   MatrixOperand A = describe(a), Bm = describe(b);
   GemmArgs g{a.dtype(), B, m, n, k, A.trans, Bm.trans, A.ptr, A.ld, A.batch_stride, Bm.ptr, Bm.ld,
              Bm.batch_stride, out.raw_data(), n, m * n};
   if (a.is_cuda()) gemm_cuda(g, a.device().index); else gemm_cpu(g);
   return out;
+}
+
+// The one differentiable GEMM every matmul variant reduces to: its views
+// (unsqueeze, expand, reshape) record their own derivatives around it.
+Tensor batched_gemm(const Tensor& a, const Tensor& b) {
+  return differentiable("matmul", {a, b}, [&] { return batched_gemm_impl(a, b); }, [&](const Tensor&) {
+    Tensor sa = a, sb = b;
+    bool ga = a.requires_grad(), gb = b.requires_grad();
+    BackwardFn fn = [=](const Tensor& g) {
+      Tensor da, db;
+      if (ga) {  // g [B,m,n] @ b^T [B,n,k]; sum a broadcast batch
+        da = batched_gemm(g, sb.transpose(1, 2));
+        if (sa.sizes()[0] == 1 && da.sizes()[0] != 1) da = sum(da, {0}, true);
+      }
+      if (gb) {
+        db = batched_gemm(sa.transpose(1, 2), g);
+        if (sb.sizes()[0] == 1 && db.sizes()[0] != 1) db = sum(db, {0}, true);
+      }
+      return std::vector<Tensor>{da, db};
+    };
+    return Recorded{fn, {sa, sb}};
+  });
 }
 
 void check_pair(const Tensor& a, const Tensor& b, const char* op) {
@@ -164,6 +187,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   if (bias.defined()) {
     EMBER_CHECK(bias.dim() == 1 && bias.sizes()[0] == weight.sizes()[0], "linear: bias ", shape_str(bias.sizes()),
                 " does not match weight ", shape_str(weight.sizes()));
+    if (needs_grad({out, bias})) return out + bias;
     add_(out, bias);
   }
   return out;

@@ -3,6 +3,7 @@
 // the CPU kernel here and random.cu produce the same values for a seed.
 #include <cmath>
 
+#include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
 #include "core/ops/philox.h"
@@ -47,6 +48,7 @@ void manual_seed(uint64_t seed) { default_generator().manual_seed(seed); }
 
 namespace {
 void run_random(RandomKind kind, Tensor& out, double a, double b, Generator* gen, const Tensor& p = Tensor()) {
+  check_inplace(out, "random");
   Generator& g = gen ? *gen : default_generator();
   uint64_t offset = g.next_offset();
   if (out.numel() == 0) return;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
 #include "core/ops/elementwise_fns.h"
@@ -202,14 +203,49 @@ int64_t reduced_count(const Tensor& x, const std::vector<int64_t>& dims) {
 
 }  // namespace
 
+namespace {
+// Re-inserts reduced dims as size 1 so a reduced gradient broadcasts back.
+Tensor unreduce(const Tensor& g, const Shape& x, const std::vector<int64_t>& dims, bool keepdim) {
+  const int64_t nd = static_cast<int64_t>(x.size());
+  if (keepdim || nd == 0) return g;
+  if (dims.empty()) return g.reshape(Shape(nd, 1));
+  std::vector<bool> red(nd, false);
+  for (int64_t d : dims) red[wrap_dim(d, nd, "reduce")] = true;
+  Shape s;
+  int64_t k = 0;
+  for (int64_t d = 0; d < nd; ++d) s.push_back(red[d] ? 1 : g.sizes()[k++]);
+  return g.reshape(s);
+}
+
+// max/min: the gradient goes to the extreme elements, shared among ties.
+Tensor extreme_diff(ReduceOp op, const char* name, const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  return differentiable(name, {x}, [&] { return run_reduce(op, name, x, dims, keepdim); }, [&](const Tensor& out) {
+    Tensor xs = x;
+    BackwardFn fn = [=](const Tensor& g) {
+      Tensor mask = cast(eq(xs, unreduce(out, xs.sizes(), dims, keepdim)), g.dtype());
+      Tensor count = sum(mask, dims, true);
+      return std::vector<Tensor>{mask * unreduce(g, xs.sizes(), dims, keepdim) / count};
+    };
+    return Recorded{fn, {xs, out}};
+  });
+}
+}  // namespace
+
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
-  return run_reduce(ReduceOp::Sum, "sum", x, dims, keepdim);
+  return differentiable("sum", {x}, [&] { return run_reduce(ReduceOp::Sum, "sum", x, dims, keepdim); },
+                        [&](const Tensor&) {
+                          Shape xs = x.sizes();
+                          BackwardFn fn = [=](const Tensor& g) {
+                            return std::vector<Tensor>{unreduce(g, xs, dims, keepdim).expand(xs)};
+                          };
+                          return Recorded{fn, {}};
+                        });
 }
 Tensor max(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
-  return run_reduce(ReduceOp::Max, "max", x, dims, keepdim);
+  return extreme_diff(ReduceOp::Max, "max", x, dims, keepdim);
 }
 Tensor min(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
-  return run_reduce(ReduceOp::Min, "min", x, dims, keepdim);
+  return extreme_diff(ReduceOp::Min, "min", x, dims, keepdim);
 }
 
 Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
@@ -221,7 +257,7 @@ Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
   // fp16 even though the mean is representable (torch does the same).
   bool narrow = x.dtype() == DType::Float16 || x.dtype() == DType::BFloat16;
   Tensor s = sum(narrow ? x.to(DType::Float32) : x, dims, keepdim);
-  Tensor m = n == 0 ? s.fill_(std::nan("")) : s * (1.0 / static_cast<double>(n));
+  Tensor m = s * (n == 0 ? std::nan("") : 1.0 / static_cast<double>(n));
   return m.to(x.dtype());
 }
 

@@ -2,6 +2,7 @@
 // (fp32 for half types). Works on the [outer, r, inner] view of the input.
 #include <cmath>
 
+#include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
 #include "core/ops/elementwise_fns.h"
@@ -56,7 +57,25 @@ Tensor softmax_impl(const Tensor& x, int64_t dim, bool log, const char* name) {
 }
 }  // namespace
 
-Tensor softmax(const Tensor& x, int64_t dim) { return softmax_impl(x, dim, false, "softmax"); }
-Tensor log_softmax(const Tensor& x, int64_t dim) { return softmax_impl(x, dim, true, "log_softmax"); }
+Tensor softmax(const Tensor& x, int64_t dim) {
+  return differentiable("softmax", {x}, [&] { return softmax_impl(x, dim, false, "softmax"); },
+                        [&](const Tensor& y) {
+                          // dx = y * (g - sum(g * y))
+                          BackwardFn fn = [=](const Tensor& g) {
+                            return std::vector<Tensor>{y * (g - sum(g * y, {dim}, true))};
+                          };
+                          return Recorded{fn, {y}};
+                        });
+}
+Tensor log_softmax(const Tensor& x, int64_t dim) {
+  return differentiable("log_softmax", {x}, [&] { return softmax_impl(x, dim, true, "log_softmax"); },
+                        [&](const Tensor& y) {
+                          // dx = g - exp(y) * sum(g)
+                          BackwardFn fn = [=](const Tensor& g) {
+                            return std::vector<Tensor>{g - exp(y) * sum(g, {dim}, true)};
+                          };
+                          return Recorded{fn, {y}};
+                        });
+}
 
 }  // namespace ember

@@ -1,8 +1,10 @@
 // Unary elementwise ops (neg, abs, exp, log, sqrt, rsqrt, relu, sigmoid,
 // tanh, gelu, pow with a scalar exponent, clamp): CPU kernel, then the op
 // layer shared with unary.cu's launcher.
+#include <cmath>
 #include <limits>
 
+#include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
 #include "core/ops/elementwise_fns.h"
@@ -51,19 +53,87 @@ Tensor unary_op(UnaryOp op, const char* name, const Tensor& x, double p0 = 0, do
 
 }  // namespace
 
-Tensor neg(const Tensor& x) { return unary_op(UnaryOp::Neg, "neg", x); }
-Tensor abs(const Tensor& x) { return unary_op(UnaryOp::Abs, "abs", x); }
-Tensor exp(const Tensor& x) { return unary_op(UnaryOp::Exp, "exp", x); }
-Tensor log(const Tensor& x) { return unary_op(UnaryOp::Log, "log", x); }
-Tensor sqrt(const Tensor& x) { return unary_op(UnaryOp::Sqrt, "sqrt", x); }
-Tensor rsqrt(const Tensor& x) { return unary_op(UnaryOp::Rsqrt, "rsqrt", x); }
-Tensor relu(const Tensor& x) { return unary_op(UnaryOp::Relu, "relu", x); }
-Tensor sigmoid(const Tensor& x) { return unary_op(UnaryOp::Sigmoid, "sigmoid", x); }
-Tensor tanh(const Tensor& x) { return unary_op(UnaryOp::Tanh, "tanh", x); }
-Tensor gelu(const Tensor& x, bool tanh_approx) {
-  return unary_op(tanh_approx ? UnaryOp::GeluTanh : UnaryOp::Gelu, "gelu", x);
+// Each op's derivative sits beside it. `out` is the detached result.
+using Grads = std::vector<Tensor>;
+namespace {
+template <typename Bwd>
+Tensor unary_diff(UnaryOp op, const char* name, const Tensor& x, Bwd bwd, double p0 = 0, double p1 = 0,
+                  bool save_out = false) {
+  return differentiable(name, {x}, [&] { return unary_op(op, name, x, p0, p1); },
+                        [&](const Tensor& out) {
+                          Tensor xs = x;
+                          return Recorded{[xs, out, bwd](const Tensor& g) { return Grads{bwd(g, xs, out)}; },
+                                          save_out ? std::vector<Tensor>{out} : std::vector<Tensor>{xs}};
+                        });
 }
-Tensor pow(const Tensor& x, double exponent) { return unary_op(UnaryOp::PowScalar, "pow", x, exponent); }
+}  // namespace
+
+Tensor neg(const Tensor& x) {
+  return unary_diff(UnaryOp::Neg, "neg", x, [](const Tensor& g, const Tensor&, const Tensor&) { return neg(g); });
+}
+Tensor abs(const Tensor& x) {
+  return unary_diff(UnaryOp::Abs, "abs", x, [](const Tensor& g, const Tensor& x, const Tensor&) {
+    return g * (cast(gt(x, zeros({}, x.dtype())), g.dtype()) - cast(lt(x, zeros({}, x.dtype())), g.dtype()));
+  });
+}
+Tensor exp(const Tensor& x) {
+  return unary_diff(UnaryOp::Exp, "exp", x, [](const Tensor& g, const Tensor&, const Tensor& y) { return g * y; },
+                    0, 0, true);
+}
+Tensor log(const Tensor& x) {
+  return unary_diff(UnaryOp::Log, "log", x, [](const Tensor& g, const Tensor& x, const Tensor&) { return g / x; });
+}
+Tensor sqrt(const Tensor& x) {
+  return unary_diff(UnaryOp::Sqrt, "sqrt", x,
+                    [](const Tensor& g, const Tensor&, const Tensor& y) { return g / (y * 2.0); }, 0, 0, true);
+}
+Tensor rsqrt(const Tensor& x) {
+  return unary_diff(UnaryOp::Rsqrt, "rsqrt", x, [](const Tensor& g, const Tensor& x, const Tensor& y) {
+    return g * y * (-0.5) / x;
+  });
+}
+Tensor relu(const Tensor& x) {
+  return unary_diff(UnaryOp::Relu, "relu", x, [](const Tensor& g, const Tensor&, const Tensor& y) {
+    return where(gt(y, zeros({}, y.dtype())), g, zeros({}, g.dtype()));
+  }, 0, 0, true);
+}
+Tensor sigmoid(const Tensor& x) {
+  return unary_diff(UnaryOp::Sigmoid, "sigmoid", x, [](const Tensor& g, const Tensor&, const Tensor& y) {
+    return g * y * (1.0 - y);
+  }, 0, 0, true);
+}
+Tensor tanh(const Tensor& x) {
+  return unary_diff(UnaryOp::Tanh, "tanh", x, [](const Tensor& g, const Tensor&, const Tensor& y) {
+    return g * (1.0 - y * y);
+  }, 0, 0, true);
+}
+Tensor gelu(const Tensor& x, bool tanh_approx) {
+  return unary_diff(tanh_approx ? UnaryOp::GeluTanh : UnaryOp::Gelu, "gelu", x,
+                    [tanh_approx](const Tensor& g, const Tensor& x, const Tensor&) {
+                      if (!tanh_approx) {  // d/dx x*Phi(x) = Phi(x) + x*phi(x)
+                        Tensor cdf = (1.0 + erf(x * M_SQRT1_2)) * 0.5;
+                        Tensor pdf = exp(x * x * (-0.5)) * (0.5 * M_2_SQRTPI * M_SQRT1_2);
+                        return g * (cdf + x * pdf);
+                      }
+                      const double k = 0.7978845608028654;  // sqrt(2/pi)
+                      Tensor inner = (x + pow(x, 3.0) * 0.044715) * k;
+                      Tensor t = tanh(inner);
+                      Tensor dinner = (1.0 + x * x * (3 * 0.044715)) * k;
+                      return g * (0.5 * (1.0 + t) + x * 0.5 * (1.0 - t * t) * dinner);
+                    });
+}
+Tensor erf(const Tensor& x) {
+  return unary_diff(UnaryOp::Erf, "erf", x, [](const Tensor& g, const Tensor& x, const Tensor&) {
+    return g * exp(x * x * (-1.0)) * M_2_SQRTPI;
+  });
+}
+Tensor cast(const Tensor& x, DType dtype) { return x.to(dtype); }
+Tensor pow(const Tensor& x, double exponent) {
+  return unary_diff(UnaryOp::PowScalar, "pow", x, [exponent](const Tensor& g, const Tensor& x, const Tensor&) {
+    if (exponent == 0.0) return zeros_like(g);
+    return g * pow(x, exponent - 1.0) * exponent;
+  }, exponent);
+}
 
 Tensor clamp(const Tensor& x, std::optional<double> lo, std::optional<double> hi) {
   EMBER_CHECK(lo || hi, "clamp: at least one of min and max must be given");
@@ -75,7 +145,12 @@ Tensor clamp(const Tensor& x, std::optional<double> lo, std::optional<double> hi
     a = std::min(std::max(a, tmin), tmax);
     b = std::min(std::max(b, tmin), tmax);
   }
-  return unary_op(UnaryOp::Clamp, "clamp", x, a, b);
+  return unary_diff(UnaryOp::Clamp, "clamp", x, [a, b](const Tensor& g, const Tensor& x, const Tensor&) {
+    // Gradient flows where the input was inside [min, max], as in torch.
+    Tensor inside = mul(cast(ge(x, scalar_tensor(a, x.dtype())), g.dtype()),
+                        cast(le(x, scalar_tensor(b, x.dtype())), g.dtype()));
+    return g * inside;
+  }, a, b);
 }
 
 Tensor Tensor::operator-() const { return neg(*this); }

@@ -1,0 +1,317 @@
+// The graph and the engine: records nodes for core's differentiable ops and
+// runs backward over them. The engine is single-threaded; the ready queue is
+// ordered by sequence number (the most recently recorded node first), with
+// gradient accumulators first of all, so a parameter's .grad() is final as
+// early as possible — what DDP's overlap of communication with backward needs.
+#include <algorithm>
+#include <atomic>
+#include <queue>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "autograd/autograd.h"
+#include "core/ops.h"
+
+namespace ember::autograd {
+namespace {
+
+std::atomic<uint64_t> g_next_sequence{0};
+constexpr uint64_t kAccumulatorPriority = UINT64_MAX;
+
+AutogradMeta* meta_of(const Tensor& t) {
+  return t.defined() ? dynamic_cast<AutogradMeta*>(t.impl().autograd_meta.get()) : nullptr;
+}
+
+AutogradMeta& ensure_meta(const Tensor& t) {
+  auto& slot = t.impl().autograd_meta;
+  if (!slot) slot = std::make_shared<AutogradMeta>();
+  auto* m = dynamic_cast<AutogradMeta*>(slot.get());
+  EMBER_INTERNAL_ASSERT(m != nullptr);
+  return *m;
+}
+
+std::shared_ptr<Node> accumulator_for(const Tensor& leaf) {
+  AutogradMeta& m = ensure_meta(leaf);
+  if (auto acc = m.grad_accumulator.lock()) return acc;
+  auto acc = std::make_shared<Node>();
+  acc->name = "AccumulateGrad";
+  acc->sequence_nr = kAccumulatorPriority;
+  acc->leaf = leaf.impl_ptr();
+  acc->out_shape = leaf.sizes();
+  acc->out_dtype = leaf.dtype();
+  acc->out_device = leaf.device();
+  m.grad_accumulator = acc;
+  return acc;
+}
+
+// The node a gradient for `t` flows into: its grad_fn, or its accumulator.
+std::shared_ptr<Node> gradient_edge(const Tensor& t) {
+  if (!t.defined() || !t.requires_grad()) return nullptr;
+  AutogradMeta* m = meta_of(t);
+  EMBER_INTERNAL_ASSERT(m != nullptr);
+  return m->grad_fn ? m->grad_fn : accumulator_for(t);
+}
+
+// A gradient may alias other tensors (add passes one gradient to both
+// inputs); .grad() gets its own storage unless nothing else can see it.
+Tensor owned_copy(const Tensor& g) {
+  bool sole = g.impl_ptr().use_count() == 1 && g.impl().storage.use_count() == 1 && g.is_contiguous();
+  return sole ? g : g.clone();
+}
+
+void accumulate_into_leaf(Node& acc, Tensor g) {
+  Tensor leaf(acc.leaf);
+  AutogradMeta& m = ensure_meta(leaf);
+  for (auto& h : m.hooks) {
+    Tensor r = h(g);
+    if (r.defined()) g = r;
+  }
+  if (g.dtype() != leaf.dtype() || g.device() != leaf.device()) g = g.to(leaf.device(), leaf.dtype());
+  if (!m.grad.defined()) {
+    m.grad = owned_copy(g);
+  } else {
+    m.grad += g;
+  }
+  for (auto& h : m.post_accumulate_hooks) h(leaf);
+}
+
+void check_saved(const Node& n) {
+  for (auto& [storage, version] : n.saved_versions)
+    EMBER_CHECK(storage->version == version, "backward: a tensor that '", n.name,
+                "' saved for its gradient was modified by an in-place operation after the forward pass "
+                "(version ", version, " -> ", storage->version,
+                "); clone it before modifying, or run the in-place op after backward");
+}
+
+struct ReadyOrder {
+  bool operator()(const Node* a, const Node* b) const { return a->sequence_nr < b->sequence_nr; }
+};
+
+// Runs the graph under `root` with `root_grad`. When `capture` is non-empty,
+// gradients reaching those nodes are stored there instead of accumulated.
+void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool retain_graph,
+                  std::unordered_map<Node*, Tensor>* capture) {
+  // Count each node's incoming edges from the part of the graph we will run.
+  std::unordered_map<Node*, int> deps;
+  std::vector<Node*> stack{root.get()};
+  std::unordered_set<Node*> seen{root.get()};
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (auto& nx : n->next) {
+      if (!nx) continue;
+      ++deps[nx.get()];
+      if (seen.insert(nx.get()).second) stack.push_back(nx.get());
+    }
+  }
+  NoGradGuard no_grad;
+  std::unordered_map<Node*, Tensor> buffer;
+  buffer[root.get()] = std::move(root_grad);
+  std::priority_queue<Node*, std::vector<Node*>, ReadyOrder> ready;
+  ready.push(root.get());
+  // Keeps nodes alive while we run even if releasing closures drops the last owner.
+  std::vector<std::shared_ptr<Node>> keep{root};
+  while (!ready.empty()) {
+    Node* n = ready.top();
+    ready.pop();
+    Tensor g = std::move(buffer[n]);
+    buffer.erase(n);
+    std::vector<Tensor> grads;
+    if (g.defined()) {
+      for (auto& h : n->pre_hooks) {
+        Tensor r = h(g);
+        if (r.defined()) g = r;
+      }
+    }
+    if (n->leaf) {
+      if (g.defined()) {
+        if (capture) {
+          auto it = capture->find(n);
+          if (it != capture->end()) it->second = it->second.defined() ? it->second + g : g;
+        } else {
+          accumulate_into_leaf(*n, g);
+        }
+      }
+    } else if (capture && capture->count(n)) {
+      // autograd::grad w.r.t. a non-leaf: stop here.
+      auto& slot = (*capture)[n];
+      if (g.defined()) slot = slot.defined() ? slot + g : g;
+    } else {
+      EMBER_CHECK(!n->released, "backward: trying to backward through the graph a second time (node '", n->name,
+                  "'); its saved tensors were freed by the first backward. Pass retain_graph=true to the first "
+                  "backward if you need to run it twice");
+      if (g.defined()) {
+        check_saved(*n);
+        grads = n->fn(g);
+        EMBER_INTERNAL_ASSERT(grads.size() == n->next.size(), "node '", n->name, "' returned ", grads.size(),
+                              " gradients for ", n->next.size(), " inputs");
+      }
+      if (!retain_graph) {
+        n->fn = nullptr;
+        n->released = true;
+        n->saved_versions.clear();
+      }
+    }
+    for (size_t i = 0; i < n->next.size(); ++i) {
+      const auto& nx = n->next[i];
+      if (!nx) continue;
+      if (i < grads.size() && grads[i].defined()) {
+        Tensor gi = grads[i];
+        EMBER_INTERNAL_ASSERT(gi.sizes() == nx->out_shape, "node '", n->name, "' produced a gradient of shape ",
+                              shape_str(gi.sizes()), " for input ", i, " of shape ", shape_str(nx->out_shape));
+        Tensor& slot = buffer[nx.get()];
+        slot = slot.defined() ? slot + gi : gi;
+      }
+      if (--deps[nx.get()] == 0) {
+        keep.push_back(nx);
+        ready.push(nx.get());
+      }
+    }
+  }
+}
+
+Tensor default_root_grad(const Tensor& root, const Tensor& grad, const char* op) {
+  if (grad.defined()) {
+    EMBER_CHECK(grad.sizes() == root.sizes(), op, ": gradient of shape ", shape_str(grad.sizes()),
+                " does not match the output's shape ", shape_str(root.sizes()));
+    return grad.to(root.device(), root.dtype());
+  }
+  EMBER_CHECK(root.numel() == 1, op, ": grad can be implicitly created only for a one-element output, got shape ",
+              shape_str(root.sizes()), "; pass a gradient of that shape");
+  return ones(root.sizes(), root.options());
+}
+
+class Recorder final : public AutogradRecorder {
+ public:
+  void record(const char* op, const std::vector<Tensor>& inputs, Tensor& output, BackwardFn fn,
+              const std::vector<Tensor>& saved) override {
+    auto node = std::make_shared<Node>();
+    node->name = op;
+    node->fn = std::move(fn);
+    node->sequence_nr = g_next_sequence.fetch_add(1);
+    node->next.reserve(inputs.size());
+    for (const Tensor& t : inputs) {
+      node->next.push_back(gradient_edge(t));
+      // The output must be a new handle: tagging an input would rewrite its history.
+      if (t.defined() && t.is_same(output)) output = output.alias();
+    }
+    for (const Tensor& t : saved)
+      if (t.defined()) node->saved_versions.emplace_back(t.impl().storage, t.impl().storage->version);
+    node->out_shape = output.sizes();
+    node->out_dtype = output.dtype();
+    node->out_device = output.device();
+    auto m = std::make_shared<AutogradMeta>();
+    m->requires_grad = true;
+    m->grad_fn = std::move(node);
+    output.impl().autograd_meta = std::move(m);
+  }
+
+  void set_requires_grad(const Tensor& t, bool enabled) override {
+    AutogradMeta* m = meta_of(t);
+    EMBER_CHECK(!(m && m->grad_fn), "requires_grad_: only leaves can change requires_grad; this tensor ",
+                shape_str(t.sizes()), " was produced by '", m ? m->grad_fn->name : "", "' (use detach())");
+    EMBER_CHECK(!enabled || is_floating(t.dtype()), "requires_grad_: only floating-point tensors can require ",
+                "gradients, got ", t.dtype());
+    ensure_meta(t).requires_grad = enabled;
+  }
+
+  bool is_leaf(const Tensor& t) override {
+    AutogradMeta* m = meta_of(t);
+    return !(m && m->grad_fn);
+  }
+
+  Tensor grad(const Tensor& t) override {
+    AutogradMeta* m = meta_of(t);
+    return m ? m->grad : Tensor();
+  }
+
+  void set_grad(const Tensor& t, const Tensor& g) override {
+    EMBER_CHECK(!g.defined() || (g.sizes() == t.sizes() && g.dtype() == t.dtype() && g.device() == t.device()),
+                "set_grad: gradient ", g.defined() ? shape_str(g.sizes()) : "", " does not match the tensor ",
+                shape_str(t.sizes()), " ", t.dtype(), " on ", t.device());
+    ensure_meta(t).grad = g;
+  }
+
+  void backward(const Tensor& root, const Tensor& grad, bool retain_graph) override {
+    EMBER_CHECK(root.requires_grad(), "backward: the tensor ", shape_str(root.sizes()),
+                " does not require grad and has no grad_fn (did every input come from detached data, or did the "
+                "forward run under NoGradGuard?)");
+    Tensor g = default_root_grad(root, grad, "backward");
+    run_backward(gradient_edge(root), g, retain_graph, nullptr);
+  }
+};
+
+Recorder g_recorder;
+// Installs the recorder when the library loads: linking //autograd is
+// what turns recording on.
+const bool g_installed = [] {
+  set_autograd_recorder(&g_recorder);
+  return true;
+}();
+
+}  // namespace
+
+void register_hook(const Tensor& t, TensorHook hook) {
+  EMBER_CHECK(t.requires_grad(), "register_hook: the tensor ", shape_str(t.sizes()),
+              " does not require grad, so no gradient will reach a hook");
+  AutogradMeta& m = ensure_meta(t);
+  if (m.grad_fn) m.grad_fn->pre_hooks.push_back(std::move(hook));
+  else m.hooks.push_back(std::move(hook));
+}
+
+void register_post_accumulate_grad_hook(const Tensor& t, PostAccumulateHook hook) {
+  EMBER_CHECK(t.requires_grad() && t.is_leaf(), "register_post_accumulate_grad_hook: expected a leaf that ",
+              "requires grad, got ", shape_str(t.sizes()), t.is_leaf() ? " (requires_grad is false)" : " (a non-leaf)");
+  ensure_meta(t).post_accumulate_hooks.push_back(std::move(hook));
+}
+
+void retain_grad(const Tensor& t) {
+  EMBER_CHECK(t.requires_grad(), "retain_grad: the tensor ", shape_str(t.sizes()), " does not require grad");
+  AutogradMeta& m = ensure_meta(t);
+  if (!m.grad_fn) return;  // leaves keep .grad anyway
+  std::weak_ptr<TensorImpl> weak = t.impl_ptr();
+  m.grad_fn->pre_hooks.push_back([weak](const Tensor& g) {
+    if (auto impl = weak.lock()) {
+      AutogradMeta& mm = ensure_meta(Tensor(impl));
+      mm.grad = mm.grad.defined() ? mm.grad + g : g.clone();
+    }
+    return Tensor();
+  });
+}
+
+std::string grad_fn_name(const Tensor& t) {
+  AutogradMeta* m = meta_of(t);
+  return m && m->grad_fn ? m->grad_fn->name : "";
+}
+
+void zero_grad(const Tensor& t, bool set_to_none) {
+  AutogradMeta* m = meta_of(t);
+  if (!m || !m->grad.defined()) return;
+  if (set_to_none) {
+    m->grad = Tensor();
+  } else {
+    NoGradGuard g;
+    m->grad.zero_();
+  }
+}
+
+std::vector<Tensor> grad(const Tensor& output, const std::vector<Tensor>& inputs, const Tensor& grad_output,
+                         bool retain_graph) {
+  EMBER_CHECK(output.requires_grad(), "autograd::grad: the output ", shape_str(output.sizes()),
+              " does not require grad");
+  std::unordered_map<Node*, Tensor> capture;
+  std::vector<std::shared_ptr<Node>> targets;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    EMBER_CHECK(inputs[i].requires_grad(), "autograd::grad: input ", i, " ", shape_str(inputs[i].sizes()),
+                " does not require grad");
+    targets.push_back(gradient_edge(inputs[i]));
+    capture[targets.back().get()] = Tensor();
+  }
+  run_backward(gradient_edge(output), default_root_grad(output, grad_output, "autograd::grad"), retain_graph,
+               &capture);
+  std::vector<Tensor> out;
+  for (auto& t : targets) out.push_back(capture[t.get()]);
+  return out;
+}
+
+}  // namespace ember::autograd

@@ -1,0 +1,98 @@
+// The seam between core ops and autograd/. Core ops do not know the graph:
+// a differentiable op computes its result with recording switched off, then
+// hands autograd a closure that maps the output gradient to input gradients.
+// autograd/ installs the recorder at load time; without it (a core-only
+// binary) nothing is recorded. Keeping each op's derivative beside its kernel
+// (one file per op) is the point: the formula and the forward change together.
+//
+//   Tensor exp(const Tensor& x) {
+//     return differentiable("exp", {x}, [&] { return unary_op(...); },
+//         [](const Tensor& x, const Tensor& out) -> BackwardFn {
+//           return [out](const Tensor& g) { return grads{g * out}; }; });
+#pragma once
+
+#include <functional>
+#include <initializer_list>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace ember {
+
+// Whether ops record for autograd on this thread (torch.is_grad_enabled).
+struct GradMode {
+  static bool is_enabled();
+  static void set_enabled(bool enabled);
+};
+
+// Switches recording off for a scope, as torch.no_grad().
+class NoGradGuard {
+ public:
+  NoGradGuard() : prev_(GradMode::is_enabled()) { GradMode::set_enabled(false); }
+  ~NoGradGuard() { GradMode::set_enabled(prev_); }
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool prev_;
+};
+
+// Maps the gradient of an op's output to one gradient per input (an
+// undefined Tensor where an input gets none).
+using BackwardFn = std::function<std::vector<Tensor>(const Tensor& grad_output)>;
+
+// What autograd/ provides to core: recording and the Tensor members that
+// need the graph (backward, grad, requires_grad_).
+class AutogradRecorder {
+ public:
+  virtual ~AutogradRecorder() = default;
+  // Makes `output` the result of a node that runs `fn`; `saved` are the
+  // tensors `fn` reads, checked for in-place changes before it runs.
+  virtual void record(const char* op, const std::vector<Tensor>& inputs, Tensor& output, BackwardFn fn,
+                      const std::vector<Tensor>& saved) = 0;
+  virtual void set_requires_grad(const Tensor& t, bool enabled) = 0;
+  virtual bool is_leaf(const Tensor& t) = 0;
+  virtual Tensor grad(const Tensor& t) = 0;
+  virtual void set_grad(const Tensor& t, const Tensor& grad) = 0;
+  virtual void backward(const Tensor& root, const Tensor& grad, bool retain_graph) = 0;
+};
+void set_autograd_recorder(AutogradRecorder* r);
+AutogradRecorder* autograd_recorder();
+
+// True when recording is on and some input requires grad.
+inline bool needs_grad(std::initializer_list<Tensor> inputs) {
+  if (!GradMode::is_enabled() || autograd_recorder() == nullptr) return false;
+  for (const Tensor& t : inputs)
+    if (t.requires_grad()) return true;
+  return false;
+}
+bool needs_grad_list(const std::vector<Tensor>& inputs);
+
+// An in-place write on `t`: refuses tensors autograd tracks (their old value
+// may be needed by backward) and bumps the storage version.
+void check_inplace(const Tensor& t, const char* op);
+
+// Runs `forward` with recording off; if an input requires grad, records
+// make_backward(out) -> {BackwardFn, saved tensors}.
+struct Recorded {
+  BackwardFn fn;
+  std::vector<Tensor> saved;
+};
+template <typename Fwd, typename MakeBwd>
+Tensor differentiable(const char* op, const std::vector<Tensor>& inputs, Fwd&& forward, MakeBwd&& make_backward) {
+  if (!needs_grad_list(inputs)) return forward();
+  Tensor out;
+  {
+    NoGradGuard g;
+    out = forward();
+  }
+  // Saved outputs are detached aliases: the node must not own its output.
+  Recorded r = make_backward(out.alias());
+  autograd_recorder()->record(op, inputs, out, std::move(r.fn), r.saved);
+  return out;
+}
+
+// Sums a broadcast gradient back down to `shape` (the inverse of expand).
+Tensor sum_to(const Tensor& grad, const Shape& shape);
+
+}  // namespace ember
