@@ -1,0 +1,227 @@
+// The engine's contract: gradients, accumulation, graph freeing, no-grad,
+// detach, leaf rules, hooks and their order, and the errors users hit.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "autograd/autograd.h"
+#include "core/ops.h"
+
+namespace ember {
+namespace {
+
+Tensor vec(std::vector<double> v, DType t = DType::Float64) {
+  int64_t n = static_cast<int64_t>(v.size());
+  return Tensor::from_vector(v, {n}, t);
+}
+
+void expect_vec(const Tensor& t, std::vector<double> want, double tol = 1e-12) {
+  auto got = t.to_vector();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], tol) << "element " << i;
+}
+
+TEST(Autograd, SimpleChainRule) {
+  Tensor x = vec({1, 2, 3}).requires_grad_();
+  Tensor y = sum(x * x * 3.0 + exp(x));
+  y.backward();
+  expect_vec(x.grad(), {6 + std::exp(1.0), 12 + std::exp(2.0), 18 + std::exp(3.0)});
+  EXPECT_TRUE(x.is_leaf());
+  EXPECT_FALSE(y.is_leaf());
+  EXPECT_EQ(autograd::grad_fn_name(y), "sum");
+}
+
+TEST(Autograd, GradientsAccumulateAcrossBackwardCalls) {
+  Tensor w = vec({1, -1}).requires_grad_();
+  for (int i = 0; i < 3; ++i) sum(w * 2.0).backward();
+  expect_vec(w.grad(), {6, 6});
+  autograd::zero_grad(w, /*set_to_none=*/false);
+  expect_vec(w.grad(), {0, 0});
+  autograd::zero_grad(w);
+  EXPECT_FALSE(w.grad().defined());
+}
+
+TEST(Autograd, SharedSubexpressionSumsBothPaths) {
+  Tensor x = vec({2}).requires_grad_();
+  Tensor a = x * 3.0;
+  Tensor y = a * a + a;  // (3x)^2 + 3x -> 18x + 3
+  y.backward(ones({1}, DType::Float64));
+  expect_vec(x.grad(), {39});
+}
+
+TEST(Autograd, BroadcastGradientsReduceToInputShape) {
+  Tensor a = ones({2, 3}, DType::Float64).requires_grad_();
+  Tensor b = vec({1, 2, 3}).requires_grad_();
+  sum(a * b).backward();
+  expect_vec(b.grad(), {2, 2, 2});
+  expect_vec(a.grad().reshape({-1}), {1, 2, 3, 1, 2, 3});
+}
+
+TEST(Autograd, GraphIsFreedUnlessRetained) {
+  Tensor x = vec({1, 2}).requires_grad_();
+  Tensor y = sum(x * x);
+  y.backward({}, /*retain_graph=*/true);
+  y.backward();  // retained: runs again, accumulating
+  expect_vec(x.grad(), {4, 8});
+  try {
+    y.backward();
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("second time"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Autograd, NonScalarNeedsExplicitGradient) {
+  Tensor x = vec({1, 2}).requires_grad_();
+  Tensor y = x * 2.0;
+  EXPECT_THROW(y.backward(), Error);
+  y.backward(vec({1, 10}));
+  expect_vec(x.grad(), {2, 20});
+  EXPECT_THROW((x * 2.0).backward(vec({1, 2, 3})), Error);  // wrong shape
+}
+
+TEST(Autograd, NoGradDetachAndRequiresGradPropagation) {
+  Tensor x = vec({1, 2}).requires_grad_();
+  {
+    NoGradGuard g;
+    Tensor y = x * 2.0;
+    EXPECT_FALSE(y.requires_grad());
+  }
+  Tensor d = x.detach();
+  EXPECT_FALSE(d.requires_grad());
+  EXPECT_TRUE(d.shares_storage(x));
+  Tensor c = vec({1, 1});
+  EXPECT_FALSE((c * 2.0).requires_grad());
+  EXPECT_TRUE((c * x).requires_grad());
+  EXPECT_THROW(sum(d).backward(), Error);
+  // Only leaves may change requires_grad; integers can't require it.
+  Tensor y = x * 2.0;
+  EXPECT_THROW(y.requires_grad_(false), Error);
+  Tensor i = Tensor::from_vector({1, 2}, {2}, DType::Int64);
+  EXPECT_THROW(i.requires_grad_(), Error);
+}
+
+TEST(Autograd, InPlaceOnTrackedTensorIsRefused) {
+  Tensor x = vec({1, 2}).requires_grad_();
+  EXPECT_THROW(x += vec({1, 1}), Error);
+  EXPECT_THROW(x.fill_(0), Error);
+  {
+    NoGradGuard g;
+    x += vec({1, 1});  // optimizers update parameters like this
+  }
+  expect_vec(x, {2, 3});
+}
+
+TEST(Autograd, ModifyingASavedTensorIsDetected) {
+  Tensor x = vec({1, 2}).requires_grad_();
+  Tensor w = vec({3, 4});
+  Tensor y = sum(x * w);  // saves w
+  w += vec({1, 1});
+  try {
+    y.backward();
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("modified by an in-place operation"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Autograd, ViewsCarryGradients) {
+  Tensor x = arange(6, DType::Float64).requires_grad_();
+  Tensor m = x.view({2, 3});
+  Tensor y = sum(m.t().slice(0, 1, 3) * 2.0) + sum(m.select(0, 1)) + sum(m.unsqueeze(0).expand({4, 2, 3}));
+  y.backward();
+  // slice of columns 1..2 (x1, x2, x4, x5) *2, row 1 (x3..x5) +1, expand 4 copies +4
+  expect_vec(x.grad(), {4, 6, 6, 5, 7, 7});
+}
+
+TEST(Autograd, TensorHookCanRewriteGradient) {
+  Tensor x = vec({1, 2}).requires_grad_();
+  Tensor y = x * 3.0;
+  autograd::register_hook(y, [](const Tensor& g) { return g * 10.0; });
+  autograd::register_hook(x, [](const Tensor& g) { return g + 1.0; });
+  sum(y).backward();
+  expect_vec(x.grad(), {31, 31});
+}
+
+TEST(Autograd, RetainGradOnNonLeaf) {
+  Tensor x = vec({1, 2}).requires_grad_();
+  Tensor y = x * 3.0;
+  autograd::retain_grad(y);
+  sum(y * y).backward();
+  expect_vec(y.grad(), {6, 12});
+}
+
+TEST(Autograd, PostAccumulateHooksFireInReadyOrderOncePerPass) {
+  // Parameters used later in the forward get gradients first.
+  Tensor w1 = vec({1, 2}).requires_grad_();
+  Tensor w2 = vec({3, 4}).requires_grad_();
+  Tensor w3 = vec({5, 6}).requires_grad_();
+  std::vector<int> order;
+  std::vector<double> seen;
+  autograd::register_post_accumulate_grad_hook(w1, [&](const Tensor& t) {
+    order.push_back(1);
+    seen.push_back(t.grad().to_vector()[0]);
+  });
+  autograd::register_post_accumulate_grad_hook(w2, [&](const Tensor&) { order.push_back(2); });
+  autograd::register_post_accumulate_grad_hook(w3, [&](const Tensor&) { order.push_back(3); });
+  Tensor x = vec({1, 1});
+  Tensor h = tanh(x * w1);
+  h = tanh(h * w2);
+  h = h * w3;
+  sum(h).backward();
+  EXPECT_EQ(order, (std::vector<int>{3, 2, 1}));
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_NE(seen[0], 0.0);  // .grad already holds this pass's gradient
+  // A parameter used twice gets one hook call, after both contributions.
+  std::vector<double> twice;
+  Tensor p = vec({2}).requires_grad_();
+  autograd::register_post_accumulate_grad_hook(p, [&](const Tensor& t) { twice.push_back(t.grad().item()); });
+  sum(p * 3.0 + p * p).backward();
+  ASSERT_EQ(twice.size(), 1u);
+  EXPECT_DOUBLE_EQ(twice[0], 7.0);
+}
+
+TEST(Autograd, FunctionalGradLeavesDotGradAlone) {
+  Tensor x = vec({1, 2}).requires_grad_();
+  Tensor y = sum(x * x * x);
+  auto g = autograd::grad(y, {x});
+  expect_vec(g[0], {3, 12});
+  EXPECT_FALSE(x.grad().defined());
+}
+
+TEST(Autograd, MatmulAndFloat32) {
+  Tensor a = Tensor::from_vector({1, 2, 3, 4, 5, 6}, {2, 3}).requires_grad_();
+  Tensor b = Tensor::from_vector({1, 0, 0, 1, 1, 1}, {3, 2}).requires_grad_();
+  sum(matmul(a, b)).backward();
+  // d/da = ones[2,2] @ b^T: row sums of b per row of a
+  expect_vec(a.grad().reshape({-1}), {1, 1, 2, 1, 1, 2}, 1e-6);
+  expect_vec(b.grad().reshape({-1}), {5, 5, 7, 7, 9, 9}, 1e-6);
+  EXPECT_EQ(a.grad().dtype(), DType::Float32);
+}
+
+TEST(Autograd, MixedDtypeGradientsComeBackInTheInputDtype) {
+  Tensor a = vec({1, 2}, DType::Float32).requires_grad_();
+  Tensor b = vec({3, 4}, DType::Float64).requires_grad_();
+  sum(a * b).backward();
+  EXPECT_EQ(a.grad().dtype(), DType::Float32);
+  EXPECT_EQ(b.grad().dtype(), DType::Float64);
+  expect_vec(a.grad(), {3, 4}, 1e-6);
+}
+
+TEST(Autograd, ReleasedGraphFreesSavedTensors) {
+  Tensor x = vec({1, 2}).requires_grad_();
+  Tensor big = ones({1000}, DType::Float64);
+  std::weak_ptr<Storage> saved;
+  Tensor y;
+  {
+    Tensor w = big * 2.0;
+    saved = w.impl().storage;
+    y = sum(x.unsqueeze(1) * w.unsqueeze(0));
+  }
+  EXPECT_FALSE(saved.expired());  // held by the graph for backward
+  y.backward();
+  EXPECT_TRUE(saved.expired());   // freed as backward went past it
+}
+
+}  // namespace
+}  // namespace ember
