@@ -147,6 +147,18 @@ Tensor Tensor::as_strided(const Shape& sizes, const Shape& strides, int64_t offs
   return make_view(*this, sizes, strides, offset);
 }
 
+void Tensor::set_data(const Tensor& data) const {
+  EMBER_CHECK(data.defined(), "set_data: new data is undefined");
+  EMBER_CHECK(!data.requires_grad() || data.is_leaf(), "set_data: new data must not carry autograd history");
+  TensorImpl& me = impl();
+  const TensorImpl& src = data.impl();
+  me.storage = src.storage;
+  me.sizes = src.sizes;
+  me.strides = src.strides;
+  me.offset = src.offset;
+  me.dtype = src.dtype;
+}
+
 Tensor Tensor::alias() const { return make_view(*this, sizes(), strides(), storage_offset()); }
 
 namespace {

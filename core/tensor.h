@@ -104,6 +104,10 @@ class Tensor {
   void backward(const Tensor& grad = Tensor(), bool retain_graph = false) const;
   // Same data, no history: the result is a leaf that requires no grad.
   Tensor detach() const { return alias(); }
+  // Points this tensor (and every handle sharing it) at `data`'s storage and
+  // geometry, keeping its autograd identity: how Module::to() moves
+  // parameters and how flat buffers (DDP buckets, FSDP shards) adopt them.
+  void set_data(const Tensor& data) const;
 
   // Pointer to the first element (storage base + offset).
   void* raw_data() const;
