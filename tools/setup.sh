@@ -19,6 +19,7 @@ PACKAGES=(
   libopenblas0-openmp  # the BLAS we link: shares OpenMP's threads (third_party/BUILD)
   nlohmann-json3-dev
   libxxhash-dev
+  zlib1g-dev           # gzip-compressed datasets (data/readers.cc)
   dataset-fashion-mnist
 )
 

@@ -104,4 +104,77 @@ void scatter_add_cuda(Tensor& out, const Tensor& index, const Tensor& src, int64
 void random_cpu(RandomKind kind, Tensor& out, double a, double b, uint64_t seed, uint64_t offset, const Tensor& p);
 void random_cuda(RandomKind kind, Tensor& out, double a, double b, uint64_t seed, uint64_t offset, const Tensor& p);
 
+// ---- Neural-network ops (conv.cc/.cu, batch_norm.cc/.cu, pool.cc/.cu) ----
+// One 2-D convolution; the op layer has checked it and computed oh, ow.
+struct ConvGeom {
+  int64_t n, c, h, w;  // input [n, c, h, w]
+  int64_t o, kh, kw;   // weight [o, c / groups, kh, kw]
+  int64_t sh, sw, ph, pw, dh, dw, groups;
+  int64_t oh, ow;      // output [n, o, oh, ow]
+};
+// CPU: every operand contiguous NCHW / OIHW, all of one dtype (16-bit floats
+// run in float32). CUDA: x, y, dy, dx either all contiguous NCHW or all
+// NHWC-strided (channels-last), w contiguous in the matching layout (OIHW or
+// OHWI), bias contiguous. bias may be undefined.
+void conv2d_forward_cpu(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y);
+void conv2d_forward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y);
+// Writes the gradients whose pointers are non-null; each is preallocated in
+// its operand's layout.
+void conv2d_backward_cpu(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
+                         Tensor* dw, Tensor* db);
+void conv2d_backward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
+                          Tensor* dw, Tensor* db);
+
+// Batch norm of contiguous x [N, C, H, W]. Per-channel tensors (mean, var,
+// invstd, w, b, dw, db) are contiguous [C] in the statistics dtype: float64
+// for float64 x, float32 otherwise. w and b may be undefined (1 and 0).
+// Mean and biased variance of each channel.
+void batch_norm_stats_cpu(const Tensor& x, Tensor& mean, Tensor& var);
+void batch_norm_stats_cuda(const Tensor& x, Tensor& mean, Tensor& var);
+// y = (x - mean) * invstd * w + b, y contiguous like x.
+void batch_norm_apply_cpu(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w,
+                          const Tensor& b, Tensor& y);
+void batch_norm_apply_cuda(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w,
+                           const Tensor& b, Tensor& y);
+// dw = sum(dy * xhat), db = sum(dy); dx through the batch statistics when
+// train, else dy * w * invstd. Non-null outputs are preallocated.
+void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
+                             const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db);
+void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
+                              const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db);
+
+// Pooling over `planes` = N * C contiguous [h, w] planes into [oh, ow].
+struct PoolGeom {
+  int64_t planes, h, w, oh, ow, kh, kw, sh, sw, ph, pw;
+  bool count_include_pad;  // avg only
+};
+// Max pooling also writes indices (int64, [planes, oh, ow]): the argmax's
+// flat position h * w_in + w in its input plane; backward routes dy there.
+void max_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y, Tensor& indices);
+void max_pool2d_cuda(const PoolGeom& g, const Tensor& x, Tensor& y, Tensor& indices);
+// dx is fully written (not accumulated into).
+void max_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, const Tensor& indices, Tensor& dx);
+void max_pool2d_backward_cuda(const PoolGeom& g, const Tensor& dy, const Tensor& indices, Tensor& dx);
+void avg_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y);
+void avg_pool2d_cuda(const PoolGeom& g, const Tensor& x, Tensor& y);
+void avg_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, Tensor& dx);
+void avg_pool2d_backward_cuda(const PoolGeom& g, const Tensor& dy, Tensor& dx);
+// Window of output `o` along one dim of an input of size `in`, clipped to
+// the input: [*begin, *end). Returns its size clipped only to the padded
+// input, which is avg pooling's count_include_pad divisor (as PyTorch).
+EMBER_HD int64_t pool_window(int64_t o, int64_t in, int64_t k, int64_t s, int64_t p, int64_t* begin, int64_t* end) {
+  const int64_t b = o * s - p, e = b + k < in + p ? b + k : in + p;
+  *begin = b < 0 ? 0 : b;
+  *end = e < in ? e : in;
+  return e - b;
+}
+// The outputs whose windows contain input index i: [*lo, *hi). Backward
+// kernels gather over these, so each dx element has one writer (no atomics,
+// deterministic, the same sums on CPU and CUDA).
+EMBER_HD void pool_covering(int64_t i, int64_t out, int64_t k, int64_t s, int64_t p, int64_t* lo, int64_t* hi) {
+  *lo = i + p < k ? 0 : (i + p - k) / s + 1;
+  const int64_t h = (i + p) / s + 1;
+  *hi = h < out ? h : out;
+}
+
 }  // namespace ember

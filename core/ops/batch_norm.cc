@@ -1,0 +1,234 @@
+// batch_norm: CPU kernels and the op layer (batch_norm.cu has the CUDA ones).
+// Statistics accumulate in double whatever the input dtype: a channel of a
+// ResNet batch holds ~10^5 values, and a float running sum of that many
+// loses the low bits the variance is made of. The variance is two-pass
+// (sum of squared deviations from the mean) rather than E[x^2] - E[x]^2,
+// which cancels catastrophically when |mean| >> std.
+#include <cmath>
+#include <type_traits>
+
+#include "core/autograd_hook.h"
+#include "core/ops.h"
+#include "core/ops/cpu_loop.h"
+#include "core/ops/kernels.h"
+#include "core/ops_nn.h"
+
+namespace ember {
+
+// ---- CPU kernels ----
+namespace {
+// Elementwise math in double for double input, float otherwise.
+template <typename T>
+using elem_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+struct BnShape {
+  int64_t n, c, s;  // x viewed as [n, c, s]
+};
+BnShape bn_shape(const Tensor& x) { return {x.size(0), x.size(1), x.size(2) * x.size(3)}; }
+
+// Per-channel value of an optional [C] tensor.
+template <typename S>
+S at_or(const S* p, int64_t c, S fallback) {
+  return p ? p[c] : fallback;
+}
+template <typename S>
+const S* opt_ptr(const Tensor& t) {
+  return t.defined() ? t.data<S>() : nullptr;
+}
+
+// Dispatches on the input type T and the statistics type S.
+template <typename F>
+void bn_dispatch(DType t, F&& f) {
+  EMBER_DISPATCH_FLOAT(t, "batch_norm", [&] { f(scalar_t{}, elem_t<scalar_t>{}); });
+}
+}  // namespace
+
+void batch_norm_stats_cpu(const Tensor& x, Tensor& mean, Tensor& var) {
+  const BnShape sh = bn_shape(x);
+  bn_dispatch(x.dtype(), [&](auto t, auto s) {
+    using T = decltype(t);
+    using S = decltype(s);
+    const T* xp = x.data<T>();
+    S* mp = mean.data<S>();
+    S* vp = var.data<S>();
+    const double m = static_cast<double>(sh.n * sh.s);
+    parallel_for(sh.c, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        double sum = 0;
+        for (int64_t n = 0; n < sh.n; ++n) {
+          const T* row = xp + (n * sh.c + c) * sh.s;
+          for (int64_t i = 0; i < sh.s; ++i) sum += static_cast<double>(row[i]);
+        }
+        const double mu = sum / m;
+        double sq = 0;
+        for (int64_t n = 0; n < sh.n; ++n) {
+          const T* row = xp + (n * sh.c + c) * sh.s;
+          for (int64_t i = 0; i < sh.s; ++i) {
+            const double d = static_cast<double>(row[i]) - mu;
+            sq += d * d;
+          }
+        }
+        mp[c] = static_cast<S>(mu);
+        vp[c] = static_cast<S>(sq / m);
+      }
+    });
+  });
+}
+
+void batch_norm_apply_cpu(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w,
+                          const Tensor& b, Tensor& y) {
+  const BnShape sh = bn_shape(x);
+  bn_dispatch(x.dtype(), [&](auto t, auto s) {
+    using T = decltype(t);
+    using S = decltype(s);
+    const T* xp = x.data<T>();
+    T* yp = y.data<T>();
+    const S *mp = mean.data<S>(), *ip = invstd.data<S>(), *wp = opt_ptr<S>(w), *bp = opt_ptr<S>(b);
+    // Planes, not channels, so a small C still fills every thread.
+    parallel_for(sh.n * sh.c, std::max<int64_t>(1, kParallelGrain / std::max<int64_t>(sh.s, 1)),
+                 [&](int64_t begin, int64_t end) {
+                   for (int64_t p = begin; p < end; ++p) {
+                     const int64_t c = p % sh.c;
+                     const S scale = ip[c] * at_or(wp, c, S(1));
+                     const S shift = at_or(bp, c, S(0)) - mp[c] * scale;
+                     const T* xr = xp + p * sh.s;
+                     T* yr = yp + p * sh.s;
+                     for (int64_t i = 0; i < sh.s; ++i) yr[i] = static_cast<T>(static_cast<S>(xr[i]) * scale + shift);
+                   }
+                 });
+  });
+}
+
+void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
+                             const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db) {
+  const BnShape sh = bn_shape(x);
+  bn_dispatch(x.dtype(), [&](auto t, auto s) {
+    using T = decltype(t);
+    using S = decltype(s);
+    const T *xp = x.data<T>(), *gp = dy.data<T>();
+    const S *mp = mean.data<S>(), *ip = invstd.data<S>(), *wp = opt_ptr<S>(w);
+    T* dxp = dx ? dx->data<T>() : nullptr;
+    S* dwp = dw ? dw->data<S>() : nullptr;
+    S* dbp = db ? db->data<S>() : nullptr;
+    const double m = static_cast<double>(sh.n * sh.s);
+    parallel_for(sh.c, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        const double mu = mp[c], inv = ip[c];
+        double sum_dy = 0, sum_dy_xhat = 0;
+        for (int64_t n = 0; n < sh.n; ++n) {
+          const int64_t off = (n * sh.c + c) * sh.s;
+          for (int64_t i = 0; i < sh.s; ++i) {
+            const double g = static_cast<double>(gp[off + i]);
+            sum_dy += g;
+            sum_dy_xhat += g * (static_cast<double>(xp[off + i]) - mu) * inv;
+          }
+        }
+        if (dwp) dwp[c] = static_cast<S>(sum_dy_xhat);
+        if (dbp) dbp[c] = static_cast<S>(sum_dy);
+        if (!dxp) continue;
+        const double wc = at_or(wp, c, S(1));
+        // train: dx = w * invstd / M * (M * dy - sum(dy) - xhat * sum(dy * xhat)),
+        // written as a * dy + b * xhat + k; eval: dx = w * invstd * dy.
+        const S a = static_cast<S>(wc * inv);
+        const S bx = train ? static_cast<S>(-wc * inv * sum_dy_xhat / m) : S(0);
+        const S k = train ? static_cast<S>(-wc * inv * sum_dy / m) : S(0);
+        const S mu_s = static_cast<S>(mu), inv_s = static_cast<S>(inv);
+        for (int64_t n = 0; n < sh.n; ++n) {
+          const int64_t off = (n * sh.c + c) * sh.s;
+          for (int64_t i = 0; i < sh.s; ++i) {
+            const S xhat = (static_cast<S>(xp[off + i]) - mu_s) * inv_s;
+            dxp[off + i] = static_cast<T>(a * static_cast<S>(gp[off + i]) + bx * xhat + k);
+          }
+        }
+      }
+    });
+  });
+}
+
+// ---- Op layer ----
+namespace {
+void check_channel_param(const Tensor& t, const Tensor& x, const char* what) {
+  if (!t.defined()) return;
+  EMBER_CHECK(t.dim() == 1 && t.size(0) == x.size(1), "batch_norm: ", what, " ", shape_str(t.sizes()),
+              " must be [", x.size(1), "] for input ", shape_str(x.sizes()));
+  EMBER_CHECK(t.device() == x.device(), "batch_norm: ", what, " is on ", t.device(), " but input is on ", x.device());
+  EMBER_CHECK(is_floating(t.dtype()), "batch_norm: ", what, " must be floating, got ", t.dtype());
+}
+
+// A [C] parameter as the kernels want it: contiguous, statistics dtype.
+Tensor as_stat(const Tensor& t, DType sd) { return t.defined() ? t.detach().to(sd).contiguous() : Tensor(); }
+}  // namespace
+
+Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                  const Tensor& running_var, bool training, double momentum, double eps) {
+  EMBER_CHECK(x.defined(), "batch_norm: input is undefined");
+  EMBER_CHECK(x.dim() == 4, "batch_norm: expected a 4-D input [N, C, H, W], got ", shape_str(x.sizes()));
+  EMBER_CHECK(is_floating(x.dtype()), "batch_norm: expected a floating input, got ", x.dtype());
+  check_channel_param(weight, x, "weight");
+  check_channel_param(bias, x, "bias");
+  check_channel_param(running_mean, x, "running_mean");
+  check_channel_param(running_var, x, "running_var");
+  EMBER_CHECK(running_mean.defined() == running_var.defined(),
+              "batch_norm: running_mean and running_var must both be given or both be undefined");
+  EMBER_CHECK(training || running_mean.defined(),
+              "batch_norm: eval mode (training=false) needs running_mean and running_var; input ",
+              shape_str(x.sizes()));
+  const int64_t m = x.size(0) * x.size(2) * x.size(3);
+  EMBER_CHECK(!training || m > 1, "batch_norm: expected more than 1 value per channel when training, got input ",
+              shape_str(x.sizes()));
+  const DType sd = x.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
+  Tensor xc, wc, bc, mean, invstd;
+  {
+    NoGradGuard no_grad;  // statistics and copies are not part of the graph
+    xc = x.contiguous().detach();
+    wc = as_stat(weight, sd);
+    bc = as_stat(bias, sd);
+    if (training) {
+      mean = Tensor::empty({x.size(1)}, {sd, x.device()});
+      Tensor var = Tensor::empty({x.size(1)}, {sd, x.device()});
+      if (x.numel() > 0) {
+        if (x.is_cuda()) batch_norm_stats_cuda(xc, mean, var);
+        else batch_norm_stats_cpu(xc, mean, var);
+      }
+      invstd = rsqrt(var + eps);
+      if (running_mean.defined()) {
+        // running = (1 - momentum) * running + momentum * batch (unbiased var).
+        Tensor rm = running_mean.detach(), rv = running_var.detach();
+        rm.copy_(rm * (1.0 - momentum) + mean.to(rm.dtype()) * momentum);
+        rv.copy_(rv * (1.0 - momentum) + var.to(rv.dtype()) * (momentum * m / (m - 1.0)));
+      }
+    } else {
+      mean = as_stat(running_mean, sd);
+      invstd = rsqrt(running_var.detach().to(sd) + eps).contiguous();
+    }
+  }
+  return differentiable("batch_norm", {x, weight, bias}, [&] {
+    Tensor y = Tensor::empty(xc.sizes(), xc.options());
+    if (y.numel() == 0) return y;
+    if (x.is_cuda()) batch_norm_apply_cuda(xc, mean, invstd, wc, bc, y);
+    else batch_norm_apply_cpu(xc, mean, invstd, wc, bc, y);
+    return y;
+  }, [&](const Tensor&) {
+    const bool need_x = x.requires_grad();
+    const bool need_w = weight.defined() && weight.requires_grad(), need_b = bias.defined() && bias.requires_grad();
+    const DType wdt = weight.defined() ? weight.dtype() : sd, bdt = bias.defined() ? bias.dtype() : sd;
+    BackwardFn fn = [=](const Tensor& gy) {
+      Tensor dy = gy.contiguous();
+      Tensor dx = need_x ? Tensor::empty(xc.sizes(), xc.options()) : Tensor();
+      Tensor dw = need_w ? zeros({xc.size(1)}, {sd, xc.device()}) : Tensor();
+      Tensor db = need_b ? zeros({xc.size(1)}, {sd, xc.device()}) : Tensor();
+      if (xc.numel() > 0) {
+        if (xc.is_cuda())
+          batch_norm_backward_cuda(xc, dy, mean, invstd, wc, training, need_x ? &dx : nullptr, need_w ? &dw : nullptr,
+                                   need_b ? &db : nullptr);
+        else
+          batch_norm_backward_cpu(xc, dy, mean, invstd, wc, training, need_x ? &dx : nullptr, need_w ? &dw : nullptr,
+                                  need_b ? &db : nullptr);
+      }
+      return std::vector<Tensor>{dx, need_w ? dw.to(wdt) : dw, need_b ? db.to(bdt) : db};
+    };
+    return Recorded{fn, {xc, wc}};
+  });
+}
+
+}  // namespace ember

@@ -1,0 +1,357 @@
+// conv2d on CUDA through cuDNN's legacy convolution API: forward, backward
+// data and backward filter, grouped, for float32/float64/float16/bfloat16.
+// Tensor descriptors carry the tensors' real strides, so NHWC-strided
+// (channels-last) tensors run without a layout copy; the filter descriptor's
+// format follows the weight's layout (the op layer keeps the two matching).
+//
+// Precision: float32 uses CUDNN_FMA_MATH, i.e. no TF32, so results match the
+// CPU (and PyTorch's allow_tf32=False); 16-bit types use tensor cores with
+// float accumulation; float64 computes in double.
+//
+// Algorithms come from cuDNN's heuristics (Get*_v7), once per (device,
+// geometry, dtype, layout, pass) and cached: the heuristic query costs far
+// more than a small convolution, and training repeats shapes every step.
+// Workspaces come from our caching allocator, which is stream-ordered, so a
+// workspace can be freed as soon as the call is queued. Bias add and bias
+// gradient are our own small kernels: cuDNN's are deprecated and do not take
+// every dtype.
+#include <cuda_runtime.h>
+#include <cudnn.h>
+
+#include <array>
+#include <climits>
+#include <compare>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/device.h"
+#include "core/ops/cuda_utils.cuh"
+#include "core/ops/kernels.h"
+
+namespace ember {
+namespace {
+
+// ---- Handle, types, descriptors ----
+
+struct CudnnSlot {
+  std::once_flag once;
+  cudnnHandle_t handle = nullptr;
+  // Serializes cudnnSetStream + the calls that follow: the handle's stream is
+  // shared state, as with the cuBLAS handle in matmul.cu.
+  std::mutex mu;
+};
+
+CudnnSlot& cudnn_slot(int device) {
+  EMBER_CHECK(device >= 0 && device < cuda::kMaxCudaDevices, "conv2d: CUDA device index ", device, " out of range");
+  // Leaked on purpose: cudnnDestroy at static-destruction time can run after
+  // the CUDA runtime has shut down.
+  static CudnnSlot slots[cuda::kMaxCudaDevices];
+  CudnnSlot& s = slots[device];
+  std::call_once(s.once, [&] {
+    cuda::DeviceGuard guard(device);
+    EMBER_CUDNN_CHECK(cudnnCreate(&s.handle));
+  });
+  return s;
+}
+
+struct ConvTypes {
+  cudnnDataType_t data, compute;
+  cudnnMathType_t math;
+};
+
+ConvTypes conv_types(DType t) {
+  switch (t) {
+    case DType::Float32: return {CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, CUDNN_FMA_MATH};
+    case DType::Float64: return {CUDNN_DATA_DOUBLE, CUDNN_DATA_DOUBLE, CUDNN_DEFAULT_MATH};
+    case DType::Float16: return {CUDNN_DATA_HALF, CUDNN_DATA_FLOAT, CUDNN_TENSOR_OP_MATH};
+    case DType::BFloat16: return {CUDNN_DATA_BFLOAT16, CUDNN_DATA_FLOAT, CUDNN_TENSOR_OP_MATH};
+    default: break;
+  }
+  EMBER_CHECK(false, "conv2d: dtype ", t, " not supported on CUDA (use float32, float64, float16 or bfloat16)");
+  return {};
+}
+
+int to_int(int64_t v) {
+  EMBER_CHECK(v >= 0 && v <= INT_MAX, "conv2d: size or stride ", v, " exceeds cuDNN's 32-bit limit");
+  return static_cast<int>(v);
+}
+
+class TensorDesc {
+ public:
+  TensorDesc(const Tensor& t, cudnnDataType_t dt) {
+    EMBER_CUDNN_CHECK(cudnnCreateTensorDescriptor(&d_));
+    const Shape &s = t.sizes(), &st = t.strides();
+    EMBER_CUDNN_CHECK(cudnnSetTensor4dDescriptorEx(d_, dt, to_int(s[0]), to_int(s[1]), to_int(s[2]), to_int(s[3]),
+                                                   to_int(st[0]), to_int(st[1]), to_int(st[2]), to_int(st[3])));
+  }
+  ~TensorDesc() { cudnnDestroyTensorDescriptor(d_); }
+  TensorDesc(const TensorDesc&) = delete;
+  TensorDesc& operator=(const TensorDesc&) = delete;
+  cudnnTensorDescriptor_t get() const { return d_; }
+
+ private:
+  cudnnTensorDescriptor_t d_ = nullptr;
+};
+
+// A weight [O, C/g, KH, KW]: plain OIHW, or OHWI memory (channels-last).
+class FilterDesc {
+ public:
+  FilterDesc(const Tensor& w, cudnnDataType_t dt) {
+    EMBER_CUDNN_CHECK(cudnnCreateFilterDescriptor(&d_));
+    const cudnnTensorFormat_t format = w.is_contiguous() ? CUDNN_TENSOR_NCHW : CUDNN_TENSOR_NHWC;
+    EMBER_CUDNN_CHECK(cudnnSetFilter4dDescriptor(d_, dt, format, to_int(w.size(0)), to_int(w.size(1)),
+                                                 to_int(w.size(2)), to_int(w.size(3))));
+  }
+  ~FilterDesc() { cudnnDestroyFilterDescriptor(d_); }
+  FilterDesc(const FilterDesc&) = delete;
+  FilterDesc& operator=(const FilterDesc&) = delete;
+  cudnnFilterDescriptor_t get() const { return d_; }
+
+ private:
+  cudnnFilterDescriptor_t d_ = nullptr;
+};
+
+class ConvDesc {
+ public:
+  ConvDesc(const ConvGeom& g, const ConvTypes& ty) {
+    EMBER_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&d_));
+    EMBER_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(d_, to_int(g.ph), to_int(g.pw), to_int(g.sh), to_int(g.sw),
+                                                      to_int(g.dh), to_int(g.dw), CUDNN_CROSS_CORRELATION,
+                                                      ty.compute));
+    EMBER_CUDNN_CHECK(cudnnSetConvolutionGroupCount(d_, to_int(g.groups)));
+    set_math(ty.math);
+  }
+  ~ConvDesc() { cudnnDestroyConvolutionDescriptor(d_); }
+  ConvDesc(const ConvDesc&) = delete;
+  ConvDesc& operator=(const ConvDesc&) = delete;
+  void set_math(cudnnMathType_t m) { EMBER_CUDNN_CHECK(cudnnSetConvolutionMathType(d_, m)); }
+  cudnnConvolutionDescriptor_t get() const { return d_; }
+
+ private:
+  cudnnConvolutionDescriptor_t d_ = nullptr;
+};
+
+// alpha = 1, beta = 0, typed as cuDNN wants: double for double compute.
+struct Blend {
+  double d1 = 1, d0 = 0;
+  float f1 = 1, f0 = 0;
+  bool dbl;
+  explicit Blend(DType t) : dbl(t == DType::Float64) {}
+  const void* one() const { return dbl ? static_cast<const void*>(&d1) : &f1; }
+  const void* zero() const { return dbl ? static_cast<const void*>(&d0) : &f0; }
+};
+
+// ---- Algorithm cache ----
+
+enum class Pass { Forward, BackwardData, BackwardFilter };
+
+struct AlgoKey {
+  int device;
+  std::array<int64_t, 16> geom;
+  DType dtype;
+  bool channels_last;
+  Pass pass;
+  auto operator<=>(const AlgoKey&) const = default;
+};
+
+struct Algo {
+  int algo;
+  cudnnMathType_t math;
+};
+
+// First heuristic choice that cuDNN reports as usable. float32 also needs
+// FMA math: a result with another math type may run in TF32.
+template <typename Perf>
+Algo pick(const std::vector<Perf>& perf, int returned, DType dt, cudnnMathType_t fallback_math) {
+  for (int i = 0; i < returned; ++i) {
+    if (perf[i].status != CUDNN_STATUS_SUCCESS) continue;
+    if (dt == DType::Float32 && perf[i].mathType != CUDNN_FMA_MATH) continue;
+    return {static_cast<int>(perf[i].algo), perf[i].mathType};
+  }
+  return {0, fallback_math};  // algorithm 0 of each pass handles every geometry
+}
+
+template <typename Query>
+Algo cached_algo(const AlgoKey& key, Query&& query) {
+  static std::mutex mu;
+  static std::map<AlgoKey, Algo> cache;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  Algo a = query();  // outside the lock: a query on one device must not stall others
+  std::lock_guard<std::mutex> lock(mu);
+  return cache.emplace(key, a).first->second;
+}
+
+AlgoKey algo_key(const ConvGeom& g, const Tensor& x, Pass pass) {
+  return {x.device().index,
+          {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.groups, g.oh, g.ow},
+          x.dtype(),
+          !x.is_contiguous(),
+          pass};
+}
+
+DataPtr workspace(int device, size_t bytes) {
+  return bytes > 0 ? cuda_allocator(device)->allocate(bytes) : DataPtr{};
+}
+
+// ---- Bias kernels ----
+
+// y (in memory order) += b[channel]; channel = (i / inner) % c, where inner
+// is H*W for NCHW and 1 for NHWC.
+template <typename T>
+__global__ void add_bias_kernel(T* __restrict__ y, const T* __restrict__ b, int64_t total, int64_t c, int64_t inner) {
+  using A = acc_t<T>;
+  cuda::grid_stride_loop(total, [&](int64_t i) {
+    const int64_t ch = (i / inner) % c;
+    y[i] = cuda::cast_value<T, A>(static_cast<A>(y[i]) + static_cast<A>(b[ch]));
+  });
+}
+
+template <typename A>
+__device__ A block_sum(A v) {
+  __shared__ A partial[cuda::kBlockSize / cuda::kWarpSize];
+  for (int d = cuda::kWarpSize / 2; d > 0; d /= 2) v += cuda::shfl_down(v, d);
+  const int lane = threadIdx.x % cuda::kWarpSize, warp = threadIdx.x / cuda::kWarpSize;
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  v = threadIdx.x < blockDim.x / cuda::kWarpSize ? partial[threadIdx.x] : A(0);
+  if (warp == 0)
+    for (int d = cuda::kWarpSize / 2; d > 0; d /= 2) v += cuda::shfl_down(v, d);
+  __syncthreads();  // partial may be reused by the caller's next block_sum
+  return v;         // complete in thread 0
+}
+
+// db[ch] = sum of dy over N, H, W; one block (kBlockSize threads) per channel.
+template <typename T>
+__global__ void bias_grad_kernel(const T* __restrict__ dy, T* __restrict__ db, int64_t n, int64_t c, int64_t hw,
+                                 bool channels_last) {
+  using A = acc_t<T>;
+  const int64_t ch = blockIdx.x;
+  A acc = 0;
+  for (int64_t i = threadIdx.x; i < n * hw; i += blockDim.x) {
+    const int64_t img = i / hw, s = i % hw;
+    acc += static_cast<A>(dy[channels_last ? (img * hw + s) * c + ch : (img * c + ch) * hw + s]);
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) db[ch] = cuda::cast_value<T, A>(acc);
+}
+
+template <typename F>
+void dispatch_conv_float(DType t, F&& f) {
+  EMBER_DISPATCH_FLOAT(t, "conv2d", [&] { f(scalar_t{}); });
+}
+
+}  // namespace
+
+void conv2d_forward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
+  const int dev = x.device().index;
+  cuda::DeviceGuard guard(dev);
+  const ConvTypes ty = conv_types(x.dtype());
+  TensorDesc xd(x, ty.data), yd(y, ty.data);
+  FilterDesc wd(w, ty.data);
+  ConvDesc cd(g, ty);
+  const Blend blend(x.dtype());
+  cudaStream_t stream = cuda::stream_for(dev);
+  CudnnSlot& slot = cudnn_slot(dev);
+  std::lock_guard<std::mutex> lock(slot.mu);
+  cudnnHandle_t h = slot.handle;
+  EMBER_CUDNN_CHECK(cudnnSetStream(h, stream));
+  const Algo a = cached_algo(algo_key(g, x, Pass::Forward), [&] {
+    int max_count = 0, returned = 0;
+    EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(h, &max_count));
+    std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(max_count);
+    EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, xd.get(), wd.get(), cd.get(), yd.get(), max_count,
+                                                             &returned, perf.data()));
+    return pick(perf, returned, x.dtype(), ty.math);
+  });
+  const auto algo = static_cast<cudnnConvolutionFwdAlgo_t>(a.algo);
+  cd.set_math(a.math);
+  size_t ws_bytes = 0;
+  EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(h, xd.get(), wd.get(), cd.get(), yd.get(), algo, &ws_bytes));
+  DataPtr ws = workspace(dev, ws_bytes);
+  EMBER_CUDNN_CHECK(cudnnConvolutionForward(h, blend.one(), xd.get(), x.raw_data(), wd.get(), w.raw_data(), cd.get(),
+                                            algo, ws.get(), ws_bytes, blend.zero(), yd.get(), y.raw_data()));
+  if (bias.defined()) {
+    const int64_t total = y.numel(), inner = y.is_contiguous() ? g.oh * g.ow : 1;
+    dispatch_conv_float(x.dtype(), [&](auto tag) {
+      using T = decltype(tag);
+      add_bias_kernel<T><<<cuda::grid_for(total), cuda::kBlockSize, 0, stream>>>(
+          static_cast<T*>(y.raw_data()), static_cast<const T*>(bias.raw_data()), total, g.o, inner);
+    });
+    EMBER_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+void conv2d_backward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
+                          Tensor* dw, Tensor* db) {
+  const int dev = x.device().index;
+  cuda::DeviceGuard guard(dev);
+  const ConvTypes ty = conv_types(x.dtype());
+  TensorDesc xd(x, ty.data), dyd(dy, ty.data);
+  FilterDesc wd(w, ty.data);
+  ConvDesc cd(g, ty);
+  const Blend blend(x.dtype());
+  cudaStream_t stream = cuda::stream_for(dev);
+  CudnnSlot& slot = cudnn_slot(dev);
+  std::lock_guard<std::mutex> lock(slot.mu);
+  cudnnHandle_t h = slot.handle;
+  EMBER_CUDNN_CHECK(cudnnSetStream(h, stream));
+  if (dx) {
+    TensorDesc dxd(*dx, ty.data);
+    cd.set_math(ty.math);
+    const Algo a = cached_algo(algo_key(g, x, Pass::BackwardData), [&] {
+      int max_count = 0, returned = 0;
+      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(h, &max_count));
+      std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(max_count);
+      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, wd.get(), dyd.get(), cd.get(), dxd.get(),
+                                                                    max_count, &returned, perf.data()));
+      return pick(perf, returned, x.dtype(), ty.math);
+    });
+    const auto algo = static_cast<cudnnConvolutionBwdDataAlgo_t>(a.algo);
+    cd.set_math(a.math);
+    size_t ws_bytes = 0;
+    EMBER_CUDNN_CHECK(
+        cudnnGetConvolutionBackwardDataWorkspaceSize(h, wd.get(), dyd.get(), cd.get(), dxd.get(), algo, &ws_bytes));
+    DataPtr ws = workspace(dev, ws_bytes);
+    EMBER_CUDNN_CHECK(cudnnConvolutionBackwardData(h, blend.one(), wd.get(), w.raw_data(), dyd.get(), dy.raw_data(),
+                                                   cd.get(), algo, ws.get(), ws_bytes, blend.zero(), dxd.get(),
+                                                   dx->raw_data()));
+  }
+  if (dw) {
+    FilterDesc dwd(*dw, ty.data);
+    cd.set_math(ty.math);
+    const Algo a = cached_algo(algo_key(g, x, Pass::BackwardFilter), [&] {
+      int max_count = 0, returned = 0;
+      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(h, &max_count));
+      std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(max_count);
+      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, xd.get(), dyd.get(), cd.get(), dwd.get(),
+                                                                      max_count, &returned, perf.data()));
+      return pick(perf, returned, x.dtype(), ty.math);
+    });
+    const auto algo = static_cast<cudnnConvolutionBwdFilterAlgo_t>(a.algo);
+    cd.set_math(a.math);
+    size_t ws_bytes = 0;
+    EMBER_CUDNN_CHECK(
+        cudnnGetConvolutionBackwardFilterWorkspaceSize(h, xd.get(), dyd.get(), cd.get(), dwd.get(), algo, &ws_bytes));
+    DataPtr ws = workspace(dev, ws_bytes);
+    EMBER_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h, blend.one(), xd.get(), x.raw_data(), dyd.get(), dy.raw_data(),
+                                                     cd.get(), algo, ws.get(), ws_bytes, blend.zero(), dwd.get(),
+                                                     dw->raw_data()));
+  }
+  if (db) {
+    dispatch_conv_float(x.dtype(), [&](auto tag) {
+      using T = decltype(tag);
+      bias_grad_kernel<T><<<static_cast<unsigned>(g.o), cuda::kBlockSize, 0, stream>>>(
+          static_cast<const T*>(dy.raw_data()), static_cast<T*>(db->raw_data()), g.n, g.o, g.oh * g.ow,
+          !dy.is_contiguous());
+    });
+    EMBER_CUDA_CHECK(cudaGetLastError());
+  }
+}
+
+}  // namespace ember

@@ -1,0 +1,201 @@
+// Fused optimizer steps (core/ops_optim.h): operand checks, grouping by
+// device and dtype, and the CPU kernels. A CPU step makes one pass over each
+// parameter, reading and writing every operand once, split across threads
+// for large tensors; optimizer.cu holds the CUDA multi-tensor kernel.
+#include <map>
+#include <tuple>
+
+#include "core/autograd_hook.h"
+#include "core/ops.h"
+#include "core/ops/cpu_loop.h"
+#include "core/ops_optim.h"
+
+namespace ember {
+
+// ---- CPU kernels ----
+void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                  const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdKernelArgs& a) {
+  if (params.empty()) return;
+  EMBER_DISPATCH_FLOAT(params[0].dtype(), "sgd_step_", [&] {
+    using T = scalar_t;
+    using C = acc_t<T>;
+    const auto s = optim_fns::sgd_scalars<C>(a);
+    for (size_t i = 0; i < params.size(); ++i) {
+      T* p = params[i].data<T>();
+      const T* g = grads[i].data<T>();
+      T* b = s.has_momentum ? bufs[i].data<T>() : nullptr;
+      const bool first = s.has_momentum && init[i];
+      parallel_for(params[i].numel(), kParallelGrain, [&](int64_t lo, int64_t hi) {
+        for (int64_t j = lo; j < hi; ++j) {
+          C pv = static_cast<C>(p[j]);
+          C bv = (b && !first) ? static_cast<C>(b[j]) : C(0);
+          optim_fns::sgd_update<C>(pv, static_cast<C>(g[j]), bv, first, s);
+          p[j] = static_cast<T>(pv);
+          if (b) b[j] = static_cast<T>(bv);
+        }
+      });
+    }
+  });
+}
+
+void adam_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                   const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
+                   const std::vector<Tensor>& max_exp_avg_sqs, const AdamKernelArgs& a) {
+  if (params.empty()) return;
+  EMBER_DISPATCH_FLOAT(params[0].dtype(), "adam_step_", [&] {
+    using T = scalar_t;
+    using C = acc_t<T>;
+    const auto s = optim_fns::adam_scalars<C>(a);
+    for (size_t i = 0; i < params.size(); ++i) {
+      T* p = params[i].data<T>();
+      const T* g = grads[i].data<T>();
+      T* m = exp_avgs[i].data<T>();
+      T* v = exp_avg_sqs[i].data<T>();
+      T* vmax = s.amsgrad ? max_exp_avg_sqs[i].data<T>() : nullptr;
+      parallel_for(params[i].numel(), kParallelGrain, [&](int64_t lo, int64_t hi) {
+        for (int64_t j = lo; j < hi; ++j) {
+          C pv = static_cast<C>(p[j]), mv = static_cast<C>(m[j]), vv = static_cast<C>(v[j]);
+          C xv = vmax ? static_cast<C>(vmax[j]) : C(0);
+          optim_fns::adam_update<C>(pv, static_cast<C>(g[j]), mv, vv, xv, s);
+          p[j] = static_cast<T>(pv);
+          m[j] = static_cast<T>(mv);
+          v[j] = static_cast<T>(vv);
+          if (vmax) vmax[j] = static_cast<T>(xv);
+        }
+      });
+    }
+  });
+}
+
+// ---- Op layer ----
+namespace {
+
+void check_count(const char* op, const char* what, size_t got, size_t want) {
+  EMBER_CHECK(got == want, op, ": expected one ", what, " per parameter (", want, "), got ", got);
+}
+
+void check_param(const char* op, const Tensor& p, size_t i) {
+  EMBER_CHECK(p.defined(), op, ": parameter ", i, " is undefined");
+  EMBER_CHECK(is_floating(p.dtype()), op, ": parameter ", i, " ", shape_str(p.sizes()),
+              " has dtype ", p.dtype(), "; only floating parameters can be optimized");
+  EMBER_CHECK(p.is_contiguous(), op, ": parameter ", i, " ", shape_str(p.sizes()), " with strides ",
+              shape_str(p.strides()), " is not contiguous; fused steps update parameters in place as flat arrays");
+}
+
+// A state tensor (or gradient) must match its parameter exactly.
+void check_operand(const char* op, const char* what, const Tensor& t, const Tensor& p, size_t i,
+                   bool need_contiguous) {
+  EMBER_CHECK(t.defined(), op, ": ", what, " ", i, " is undefined");
+  EMBER_CHECK(t.sizes() == p.sizes() && t.dtype() == p.dtype() && t.device() == p.device(), op, ": ", what, " ", i,
+              " (", shape_str(t.sizes()), " ", t.dtype(), " on ", t.device(), ") does not match parameter ", i, " (",
+              shape_str(p.sizes()), " ", p.dtype(), " on ", p.device(), ")");
+  EMBER_CHECK(!need_contiguous || t.is_contiguous(), op, ": ", what, " ", i, " ", shape_str(t.sizes()),
+              " is not contiguous; optimizer state is updated in place as a flat array");
+}
+
+// Parameter indices grouped by (device, dtype), in first-seen order so the
+// launch order is deterministic.
+std::vector<std::vector<size_t>> group_by_device_dtype(const std::vector<Tensor>& params) {
+  std::map<std::tuple<int, int, int>, size_t> slot;
+  std::vector<std::vector<size_t>> groups;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Device d = params[i].device();
+    auto key = std::make_tuple(static_cast<int>(d.type), d.is_cuda() ? d.index : 0,
+                               static_cast<int>(params[i].dtype()));
+    auto [it, fresh] = slot.emplace(key, groups.size());
+    if (fresh) groups.emplace_back();
+    groups[it->second].push_back(i);
+  }
+  return groups;
+}
+
+std::vector<Tensor> pick(const std::vector<Tensor>& v, const std::vector<size_t>& idx) {
+  std::vector<Tensor> out;
+  if (v.empty()) return out;
+  out.reserve(idx.size());
+  for (size_t i : idx) out.push_back(v[i]);
+  return out;
+}
+
+// Gradients are only read, so a strided one is copied rather than refused.
+Tensor readable_grad(const Tensor& g) { return g.is_contiguous() ? g : g.contiguous(); }
+
+}  // namespace
+
+void sgd_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, std::vector<Tensor>& momentum_bufs,
+               const SgdArgs& args) {
+  const char* op = "sgd_step_";
+  const bool momentum = args.momentum != 0.0;
+  EMBER_CHECK(!args.nesterov || (momentum && args.dampening == 0.0), op,
+              ": Nesterov momentum requires a momentum and zero dampening (got momentum ", args.momentum,
+              ", dampening ", args.dampening, ")");
+  check_count(op, "gradient", grads.size(), params.size());
+  if (momentum) check_count(op, "momentum buffer", momentum_bufs.size(), params.size());
+  std::vector<Tensor> g(params.size());
+  std::vector<bool> init(params.size(), false);
+  for (size_t i = 0; i < params.size(); ++i) {
+    check_param(op, params[i], i);
+    check_operand(op, "gradient", grads[i], params[i], i, false);
+    g[i] = readable_grad(grads[i]);
+    if (momentum) {
+      if (momentum_bufs[i].defined()) {
+        check_operand(op, "momentum buffer", momentum_bufs[i], params[i], i, true);
+      } else {
+        init[i] = true;
+      }
+    }
+  }
+  // All checks pass before anything is allocated or written.
+  for (size_t i = 0; i < params.size(); ++i) {
+    check_inplace(params[i], op);
+    if (!momentum) continue;
+    if (init[i]) momentum_bufs[i] = empty_like(params[i]);
+    else check_inplace(momentum_bufs[i], op);
+  }
+  const SgdKernelArgs k{args.lr, args.momentum, args.dampening, args.weight_decay, args.nesterov, args.maximize};
+  for (const auto& idx : group_by_device_dtype(params)) {
+    std::vector<bool> gi;
+    for (size_t i : idx) gi.push_back(init[i]);
+    auto p = pick(params, idx), gr = pick(g, idx), b = pick(momentum ? momentum_bufs : std::vector<Tensor>{}, idx);
+    if (p[0].is_cuda()) sgd_step_cuda(p, gr, b, gi, k);
+    else sgd_step_cpu(p, gr, b, gi, k);
+  }
+}
+
+void adam_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, std::vector<Tensor>& exp_avgs,
+                std::vector<Tensor>& exp_avg_sqs, std::vector<Tensor>& max_exp_avg_sqs, const AdamArgs& args) {
+  const char* op = "adam_step_";
+  EMBER_CHECK(args.step >= 1, op, ": step must count this update (>= 1), got ", args.step);
+  check_count(op, "gradient", grads.size(), params.size());
+  check_count(op, "exp_avg", exp_avgs.size(), params.size());
+  check_count(op, "exp_avg_sq", exp_avg_sqs.size(), params.size());
+  if (args.amsgrad) check_count(op, "max_exp_avg_sq", max_exp_avg_sqs.size(), params.size());
+  std::vector<Tensor> g(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    check_param(op, params[i], i);
+    check_operand(op, "gradient", grads[i], params[i], i, false);
+    check_operand(op, "exp_avg", exp_avgs[i], params[i], i, true);
+    check_operand(op, "exp_avg_sq", exp_avg_sqs[i], params[i], i, true);
+    if (args.amsgrad) check_operand(op, "max_exp_avg_sq", max_exp_avg_sqs[i], params[i], i, true);
+    g[i] = readable_grad(grads[i]);
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    check_inplace(params[i], op);
+    check_inplace(exp_avgs[i], op);
+    check_inplace(exp_avg_sqs[i], op);
+    if (args.amsgrad) check_inplace(max_exp_avg_sqs[i], op);
+  }
+  // Bias corrections in double on the host, as torch computes them in Python.
+  const double bc1 = 1.0 - std::pow(args.beta1, static_cast<double>(args.step));
+  const double bc2 = 1.0 - std::pow(args.beta2, static_cast<double>(args.step));
+  const AdamKernelArgs k{args.lr,        args.beta1,      args.beta2,   args.eps,     args.weight_decay,
+                         args.lr / bc1,  std::sqrt(bc2),  args.decoupled, args.amsgrad, args.maximize};
+  for (const auto& idx : group_by_device_dtype(params)) {
+    auto p = pick(params, idx), gr = pick(g, idx), m = pick(exp_avgs, idx), v = pick(exp_avg_sqs, idx);
+    auto vmax = pick(args.amsgrad ? max_exp_avg_sqs : std::vector<Tensor>{}, idx);
+    if (p[0].is_cuda()) adam_step_cuda(p, gr, m, v, vmax, k);
+    else adam_step_cpu(p, gr, m, v, vmax, k);
+  }
+}
+
+}  // namespace ember

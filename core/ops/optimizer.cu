@@ -1,0 +1,219 @@
+// CUDA launchers for the fused optimizer steps: one multi-tensor-apply
+// kernel launch covers every parameter of a device and dtype. Each tensor is
+// cut into fixed-size chunks; block b takes chunks b, b + grid, ... and finds
+// its tensor by binary search over the tensors' first-chunk numbers, so the
+// launch needs no per-block table. The tensor table (pointers, sizes) rides
+// in the kernel's parameter space while it fits (sm_70+ allows 32 KB of
+// parameters since CUDA 12.1), which costs no copy and no synchronisation;
+// a larger model's table goes to a device buffer in one async copy, still a
+// single launch. The per-element math is optim_fns (core/ops_optim.h), shared
+// with the CPU kernels.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/ops.h"
+#include "core/ops/cuda_utils.cuh"
+#include "core/ops_optim.h"
+
+namespace ember {
+namespace {
+
+using cuda::VecN;
+
+constexpr int kMaxDepth = 5;            // param, grad, up to three state tensors
+constexpr int64_t kChunk = 16384;       // elements per block visit: 64 per thread
+constexpr int kArgEntries = 384;        // 384 * 64 B = 24 KB of kernel parameters
+
+struct TensorEntry {
+  void* ptr[kMaxDepth];
+  int64_t numel;
+  int64_t chunk_begin;  // first global chunk number of this tensor
+  bool init;            // SGD: new momentum buffer (torch's first-step clone)
+  bool aligned;         // every operand 16-byte aligned: vector loads allowed
+};
+
+struct ArgTable {
+  TensorEntry e[kArgEntries];
+};
+
+// The tensor owning global chunk c: the last entry whose first chunk is <= c.
+__device__ __forceinline__ int find_tensor(const TensorEntry* entries, int n, int64_t c) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (entries[mid].chunk_begin <= c) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Applies f(x[DEPTH], init) to every element, x[o] the element of operand o
+// in compute type C. Operand 1 (the gradient) is read-only and not stored.
+template <typename T, int DEPTH, typename F>
+__device__ __forceinline__ void multi_tensor_apply(const TensorEntry* entries, int ntensors, int64_t nchunks,
+                                                   const F& f) {
+  using C = acc_t<T>;
+  constexpr int VEC = cuda::vec_width<T>();
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const TensorEntry& e = entries[find_tensor(entries, ntensors, c)];
+    const int64_t start = (c - e.chunk_begin) * kChunk;
+    const int64_t n = e.numel - start < kChunk ? e.numel - start : kChunk;
+    const bool init = e.init;
+    T* ptr[DEPTH];
+#pragma unroll
+    for (int o = 0; o < DEPTH; ++o) ptr[o] = static_cast<T*>(e.ptr[o]) + start;
+    int64_t done = 0;
+    if (e.aligned) {
+      const int64_t nvec = n / VEC;
+      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+        VecN<T, VEC> r[DEPTH];
+#pragma unroll
+        for (int o = 0; o < DEPTH; ++o) r[o] = reinterpret_cast<const VecN<T, VEC>*>(ptr[o])[v];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          C x[DEPTH];
+#pragma unroll
+          for (int o = 0; o < DEPTH; ++o) x[o] = static_cast<C>(r[o].v[j]);
+          f(x, init);
+#pragma unroll
+          for (int o = 0; o < DEPTH; ++o)
+            if (o != 1) r[o].v[j] = static_cast<T>(x[o]);
+        }
+#pragma unroll
+        for (int o = 0; o < DEPTH; ++o)
+          if (o != 1) reinterpret_cast<VecN<T, VEC>*>(ptr[o])[v] = r[o];
+      }
+      done = nvec * VEC;
+    }
+    for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
+      C x[DEPTH];
+#pragma unroll
+      for (int o = 0; o < DEPTH; ++o) x[o] = static_cast<C>(ptr[o][i]);
+      f(x, init);
+#pragma unroll
+      for (int o = 0; o < DEPTH; ++o)
+        if (o != 1) ptr[o][i] = static_cast<T>(x[o]);
+    }
+  }
+}
+
+// x = {p, g, buf}, or {p, g} without momentum.
+template <typename C, int DEPTH>
+struct SgdFn {
+  optim_fns::SgdScalars<C> s;
+  __device__ __forceinline__ void operator()(C (&x)[DEPTH], bool init) const {
+    if constexpr (DEPTH > 2) {
+      optim_fns::sgd_update<C>(x[0], x[1], x[2], init, s);
+    } else {
+      C unused = C(0);
+      optim_fns::sgd_update<C>(x[0], x[1], unused, init, s);
+    }
+  }
+};
+
+// x = {p, g, m, v[, vmax]}.
+template <typename C, int DEPTH>
+struct AdamFn {
+  optim_fns::AdamScalars<C> s;
+  __device__ __forceinline__ void operator()(C (&x)[DEPTH], bool) const {
+    if constexpr (DEPTH > 4) {
+      optim_fns::adam_update<C>(x[0], x[1], x[2], x[3], x[4], s);
+    } else {
+      C unused = C(0);
+      optim_fns::adam_update<C>(x[0], x[1], x[2], x[3], unused, s);
+    }
+  }
+};
+
+// The table in parameter space: __grid_constant__ lets the binary search
+// index it at run time without copying it to local memory.
+template <typename T, int DEPTH, typename F>
+__global__ void __launch_bounds__(cuda::kBlockSize)
+    mta_param_kernel(const __grid_constant__ ArgTable table, int ntensors, int64_t nchunks, F f) {
+  multi_tensor_apply<T, DEPTH>(table.e, ntensors, nchunks, f);
+}
+
+template <typename T, int DEPTH, typename F>
+__global__ void __launch_bounds__(cuda::kBlockSize)
+    mta_buffer_kernel(const TensorEntry* __restrict__ entries, int ntensors, int64_t nchunks, F f) {
+  multi_tensor_apply<T, DEPTH>(entries, ntensors, nchunks, f);
+}
+
+// Builds the table for operand lists (one list per operand, same length) and
+// launches once on the tensors' device and current stream.
+template <typename T, int DEPTH, typename F>
+void launch(const std::vector<const std::vector<Tensor>*>& lists, const std::vector<bool>& init, const F& f) {
+  const std::vector<Tensor>& params = *lists[0];
+  std::vector<TensorEntry> entries;
+  entries.reserve(params.size());
+  int64_t nchunks = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const int64_t n = params[i].numel();
+    if (n == 0) continue;
+    TensorEntry e{};
+    e.aligned = true;
+    for (int o = 0; o < DEPTH; ++o) {
+      e.ptr[o] = (*lists[o])[i].raw_data();
+      e.aligned = e.aligned && cuda::is_aligned_for<T, cuda::vec_width<T>()>(e.ptr[o]);
+    }
+    e.numel = n;
+    e.chunk_begin = nchunks;
+    e.init = !init.empty() && init[i];
+    nchunks += cuda::ceil_div(n, kChunk);
+    entries.push_back(e);
+  }
+  if (entries.empty()) return;
+  cuda::DeviceGuard guard(params[0]);
+  cudaStream_t stream = cuda::stream_for(params[0]);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(nchunks, cuda::kMaxGridBlocks));
+  const int n = static_cast<int>(entries.size());
+  if (entries.size() <= static_cast<size_t>(kArgEntries)) {
+    ArgTable table;
+    std::copy(entries.begin(), entries.end(), table.e);
+    mta_param_kernel<T, DEPTH, F><<<grid, cuda::kBlockSize, 0, stream>>>(table, n, nchunks, f);
+  } else {
+    // Pageable source: the driver stages it before returning, so `entries`
+    // may be freed; the buffer's block is reused only after this stream's
+    // kernel, by the caching allocator's per-stream rule.
+    const size_t bytes = entries.size() * sizeof(TensorEntry);
+    Tensor buf = Tensor::empty({static_cast<int64_t>(bytes)}, {DType::UInt8, params[0].device()});
+    EMBER_CUDA_CHECK(cudaMemcpyAsync(buf.raw_data(), entries.data(), bytes, cudaMemcpyHostToDevice, stream));
+    mta_buffer_kernel<T, DEPTH, F><<<grid, cuda::kBlockSize, 0, stream>>>(
+        static_cast<const TensorEntry*>(buf.raw_data()), n, nchunks, f);
+  }
+  EMBER_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void sgd_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                   const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdKernelArgs& a) {
+  if (params.empty()) return;
+  EMBER_DISPATCH_FLOAT(params[0].dtype(), "sgd_step_", [&] {
+    using T = scalar_t;
+    using C = acc_t<T>;
+    const auto s = optim_fns::sgd_scalars<C>(a);
+    if (s.has_momentum) launch<T, 3>({&params, &grads, &bufs}, init, SgdFn<C, 3>{s});
+    else launch<T, 2>({&params, &grads}, {}, SgdFn<C, 2>{s});
+  });
+}
+
+void adam_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                    const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
+                    const std::vector<Tensor>& max_exp_avg_sqs, const AdamKernelArgs& a) {
+  if (params.empty()) return;
+  EMBER_DISPATCH_FLOAT(params[0].dtype(), "adam_step_", [&] {
+    using T = scalar_t;
+    using C = acc_t<T>;
+    const auto s = optim_fns::adam_scalars<C>(a);
+    if (s.amsgrad)
+      launch<T, 5>({&params, &grads, &exp_avgs, &exp_avg_sqs, &max_exp_avg_sqs}, {}, AdamFn<C, 5>{s});
+    else
+      launch<T, 4>({&params, &grads, &exp_avgs, &exp_avg_sqs}, {}, AdamFn<C, 4>{s});
+  });
+}
+
+}  // namespace ember

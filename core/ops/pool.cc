@@ -1,0 +1,246 @@
+// max_pool2d / avg_pool2d: CPU kernels and the op layer (pool.cu has the
+// CUDA kernels). Each N*C plane is independent, so threads split planes.
+// Windows and divisors come from pool_window / pool_covering in kernels.h,
+// shared with CUDA so both backends agree to the last element.
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include "core/autograd_hook.h"
+#include "core/ops.h"
+#include "core/ops/cpu_loop.h"
+#include "core/ops/kernels.h"
+#include "core/ops_nn.h"
+
+namespace ember {
+
+// ---- CPU kernels ----
+namespace {
+template <typename T>
+using pool_acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+int64_t plane_grain(const PoolGeom& g) {
+  return std::max<int64_t>(1, kParallelGrain / std::max<int64_t>(g.oh * g.ow * g.kh * g.kw, 1));
+}
+
+template <typename A>
+bool is_nan(A v) {
+  return v != v;
+}
+}  // namespace
+
+void max_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y, Tensor& indices) {
+  EMBER_DISPATCH_FLOAT(x.dtype(), "max_pool2d", [&] {
+    using T = scalar_t;
+    using A = pool_acc_t<T>;
+    const T* xp = x.data<T>();
+    T* yp = y.data<T>();
+    int64_t* ip = indices.data<int64_t>();
+    parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const T* plane = xp + p * g.h * g.w;
+        for (int64_t oh = 0; oh < g.oh; ++oh)
+          for (int64_t ow = 0; ow < g.ow; ++ow) {
+            int64_t h0, h1, w0, w1;
+            pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1);
+            pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
+            A best = -std::numeric_limits<A>::infinity();
+            int64_t arg = h0 * g.w + w0;
+            // NaN wins (and the last NaN), as in PyTorch: a NaN input must not vanish.
+            for (int64_t ih = h0; ih < h1; ++ih)
+              for (int64_t iw = w0; iw < w1; ++iw) {
+                const A v = static_cast<A>(plane[ih * g.w + iw]);
+                if (v > best || is_nan(v)) {
+                  best = v;
+                  arg = ih * g.w + iw;
+                }
+              }
+            const int64_t o = (p * g.oh + oh) * g.ow + ow;
+            yp[o] = static_cast<T>(best);
+            ip[o] = arg;
+          }
+      }
+    });
+  });
+}
+
+void max_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, const Tensor& indices, Tensor& dx) {
+  EMBER_DISPATCH_FLOAT(dy.dtype(), "max_pool2d_backward", [&] {
+    using T = scalar_t;
+    using A = pool_acc_t<T>;
+    const T* gp = dy.data<T>();
+    const int64_t* ip = indices.data<int64_t>();
+    T* dxp = dx.data<T>();
+    parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const T* gplane = gp + p * g.oh * g.ow;
+        const int64_t* iplane = ip + p * g.oh * g.ow;
+        for (int64_t ih = 0; ih < g.h; ++ih) {
+          int64_t oh0, oh1;
+          pool_covering(ih, g.oh, g.kh, g.sh, g.ph, &oh0, &oh1);
+          for (int64_t iw = 0; iw < g.w; ++iw) {
+            int64_t ow0, ow1;
+            pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);
+            const int64_t pos = ih * g.w + iw;
+            A acc = 0;
+            for (int64_t oh = oh0; oh < oh1; ++oh)
+              for (int64_t ow = ow0; ow < ow1; ++ow)
+                if (iplane[oh * g.ow + ow] == pos) acc += static_cast<A>(gplane[oh * g.ow + ow]);
+            dxp[p * g.h * g.w + pos] = static_cast<T>(acc);
+          }
+        }
+      }
+    });
+  });
+}
+
+void avg_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y) {
+  EMBER_DISPATCH_FLOAT(x.dtype(), "avg_pool2d", [&] {
+    using T = scalar_t;
+    using A = pool_acc_t<T>;
+    const T* xp = x.data<T>();
+    T* yp = y.data<T>();
+    parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const T* plane = xp + p * g.h * g.w;
+        for (int64_t oh = 0; oh < g.oh; ++oh)
+          for (int64_t ow = 0; ow < g.ow; ++ow) {
+            int64_t h0, h1, w0, w1;
+            const int64_t size = pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1) *
+                                 pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
+            A acc = 0;
+            for (int64_t ih = h0; ih < h1; ++ih)
+              for (int64_t iw = w0; iw < w1; ++iw) acc += static_cast<A>(plane[ih * g.w + iw]);
+            const int64_t div = g.count_include_pad ? size : (h1 - h0) * (w1 - w0);
+            yp[(p * g.oh + oh) * g.ow + ow] = static_cast<T>(div > 0 ? acc / static_cast<A>(div) : A(0));
+          }
+      }
+    });
+  });
+}
+
+void avg_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, Tensor& dx) {
+  EMBER_DISPATCH_FLOAT(dy.dtype(), "avg_pool2d_backward", [&] {
+    using T = scalar_t;
+    using A = pool_acc_t<T>;
+    const T* gp = dy.data<T>();
+    T* dxp = dx.data<T>();
+    parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const T* gplane = gp + p * g.oh * g.ow;
+        for (int64_t ih = 0; ih < g.h; ++ih) {
+          int64_t oh0, oh1;
+          pool_covering(ih, g.oh, g.kh, g.sh, g.ph, &oh0, &oh1);
+          for (int64_t iw = 0; iw < g.w; ++iw) {
+            int64_t ow0, ow1;
+            pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);
+            A acc = 0;
+            for (int64_t oh = oh0; oh < oh1; ++oh)
+              for (int64_t ow = ow0; ow < ow1; ++ow) {
+                int64_t h0, h1, w0, w1;
+                const int64_t size = pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1) *
+                                     pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
+                const int64_t div = g.count_include_pad ? size : (h1 - h0) * (w1 - w0);
+                acc += static_cast<A>(gplane[oh * g.ow + ow]) / static_cast<A>(div);
+              }
+            dxp[(p * g.h + ih) * g.w + iw] = static_cast<T>(acc);
+          }
+        }
+      }
+    });
+  });
+}
+
+// ---- Op layer ----
+int64_t pool_output_size(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation, bool ceil_mode) {
+  const int64_t num = in + 2 * pad - dilation * (kernel - 1) - 1 + (ceil_mode ? stride - 1 : 0);
+  // Floor division (num may be negative when the kernel does not fit).
+  int64_t out = (num >= 0 ? num / stride : -((-num + stride - 1) / stride)) + 1;
+  if (ceil_mode && (out - 1) * stride >= in + pad) --out;
+  return out;
+}
+
+namespace {
+using Dims = std::array<int64_t, 2>;
+
+PoolGeom pool_geom(const char* op, const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode,
+                   bool count_include_pad) {
+  EMBER_CHECK(x.defined(), op, ": input is undefined");
+  EMBER_CHECK(x.dim() == 4, op, ": expected a 4-D input [N, C, H, W], got ", shape_str(x.sizes()));
+  EMBER_CHECK(is_floating(x.dtype()), op, ": expected a floating input, got ", x.dtype());
+  for (int i = 0; i < 2; ++i) {
+    EMBER_CHECK(kernel[i] > 0 && stride[i] > 0 && padding[i] >= 0, op, ": kernel [", kernel[0], ",", kernel[1],
+                "] and stride [", stride[0], ",", stride[1], "] must be positive and padding [", padding[0], ",",
+                padding[1], "] non-negative");
+    EMBER_CHECK(padding[i] <= kernel[i] / 2, op, ": padding [", padding[0], ",", padding[1],
+                "] must be at most half of kernel [", kernel[0], ",", kernel[1], "]");
+  }
+  PoolGeom g{x.size(0) * x.size(1), x.size(2), x.size(3), 0, 0, kernel[0], kernel[1], stride[0], stride[1],
+             padding[0], padding[1], count_include_pad};
+  g.oh = pool_output_size(g.h, g.kh, g.sh, g.ph, 1, ceil_mode);
+  g.ow = pool_output_size(g.w, g.kw, g.sw, g.pw, 1, ceil_mode);
+  EMBER_CHECK(g.oh > 0 && g.ow > 0, op, ": kernel [", kernel[0], ",", kernel[1], "] is larger than the padded input ",
+              g.h + 2 * g.ph, "x", g.w + 2 * g.pw, " of input ", shape_str(x.sizes()), " (output size would be ",
+              g.oh, "x", g.ow, ")");
+  return g;
+}
+}  // namespace
+
+Tensor max_pool2d(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode) {
+  const PoolGeom g = pool_geom("max_pool2d", x, kernel, stride, padding, ceil_mode, false);
+  const Shape out_shape{x.size(0), x.size(1), g.oh, g.ow};
+  Tensor xc;
+  {
+    NoGradGuard no_grad;
+    xc = x.contiguous().detach();
+  }
+  Tensor indices = Tensor::empty(out_shape, {DType::Int64, x.device()});
+  return differentiable("max_pool2d", {x}, [&] {
+    Tensor y = Tensor::empty(out_shape, x.options());
+    if (y.numel() == 0) return y;
+    if (x.is_cuda()) max_pool2d_cuda(g, xc, y, indices);
+    else max_pool2d_cpu(g, xc, y, indices);
+    return y;
+  }, [&](const Tensor&) {
+    const Shape in_shape = x.sizes();
+    BackwardFn fn = [=](const Tensor& gy) {
+      Tensor dy = gy.contiguous();
+      Tensor dx = Tensor::empty(in_shape, gy.options());
+      if (dx.numel() == 0) return std::vector<Tensor>{dx};
+      if (dy.is_cuda()) max_pool2d_backward_cuda(g, dy, indices, dx);
+      else max_pool2d_backward_cpu(g, dy, indices, dx);
+      return std::vector<Tensor>{dx};
+    };
+    return Recorded{fn, {indices}};
+  });
+}
+
+Tensor avg_pool2d(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode, bool count_include_pad) {
+  const PoolGeom g = pool_geom("avg_pool2d", x, kernel, stride, padding, ceil_mode, count_include_pad);
+  const Shape out_shape{x.size(0), x.size(1), g.oh, g.ow};
+  Tensor xc;
+  {
+    NoGradGuard no_grad;
+    xc = x.contiguous().detach();
+  }
+  return differentiable("avg_pool2d", {x}, [&] {
+    Tensor y = Tensor::empty(out_shape, x.options());
+    if (y.numel() == 0) return y;
+    if (x.is_cuda()) avg_pool2d_cuda(g, xc, y);
+    else avg_pool2d_cpu(g, xc, y);
+    return y;
+  }, [&](const Tensor&) {
+    const Shape in_shape = x.sizes();
+    BackwardFn fn = [=](const Tensor& gy) {
+      Tensor dy = gy.contiguous();
+      Tensor dx = Tensor::empty(in_shape, gy.options());
+      if (dx.numel() == 0) return std::vector<Tensor>{dx};
+      if (dy.is_cuda()) avg_pool2d_backward_cuda(g, dy, dx);
+      else avg_pool2d_backward_cpu(g, dy, dx);
+      return std::vector<Tensor>{dx};
+    };
+    return Recorded{fn, {}};
+  });
+}
+
+}  // namespace ember

@@ -1,0 +1,40 @@
+// Neural-network ops over 4-D NCHW tensors: convolution, batch normalisation
+// and pooling, on CPU and CUDA, differentiable with dedicated backward
+// kernels (oneDNN / cuDNN convolutions, our own loops and kernels for the
+// rest). Output sizes follow PyTorch's formulas exactly, so models and
+// checkpoints carry over shape for shape.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace ember {
+
+// x [N, C, H, W], weight [O, C/groups, KH, KW], optional bias [O].
+// Output [N, O, (H + 2p - d(K-1) - 1) / s + 1, ...].
+Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
+              std::array<int64_t, 2> stride = {1, 1}, std::array<int64_t, 2> padding = {0, 0},
+              std::array<int64_t, 2> dilation = {1, 1}, int64_t groups = 1);
+
+// Normalises each channel of x [N, C, H, W]. training: by the batch
+// statistics, and, when running_mean/var are defined, updates them in place
+// as PyTorch does (running = (1 - momentum) * running + momentum * batch, the
+// variance unbiased). Otherwise by running_mean/var, which must be defined.
+// weight and bias ([C]) are optional (1 and 0).
+Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                  const Tensor& running_var, bool training, double momentum = 0.1, double eps = 1e-5);
+
+// Padding counts as -inf; padding must be at most half the kernel.
+Tensor max_pool2d(const Tensor& x, std::array<int64_t, 2> kernel, std::array<int64_t, 2> stride,
+                  std::array<int64_t, 2> padding = {0, 0}, bool ceil_mode = false);
+// count_include_pad: padded zeros count in the divisor (PyTorch's default).
+Tensor avg_pool2d(const Tensor& x, std::array<int64_t, 2> kernel, std::array<int64_t, 2> stride,
+                  std::array<int64_t, 2> padding = {0, 0}, bool ceil_mode = false, bool count_include_pad = true);
+
+// PyTorch's pooling output size along one dim: ceil_mode rounds up, but the
+// last window must still start inside the input or its left padding.
+int64_t pool_output_size(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation, bool ceil_mode);
+
+}  // namespace ember

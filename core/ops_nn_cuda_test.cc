@@ -1,0 +1,187 @@
+// The nn ops on CUDA against the CPU kernels, forward and backward, for every
+// float dtype: conv2d (cuDNN, including channels-last inputs), batch_norm
+// (training, eval, running stats) and both poolings. The float32 tolerance is
+// tight enough that TF32 convolutions would fail it. Skips (with the reason)
+// when no GPU is present.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <functional>
+#include <string>
+
+#include "autograd/autograd.h"
+#include "core/ops.h"
+#include "core/ops_nn.h"
+
+namespace ember {
+namespace {
+
+using Dims = std::array<int64_t, 2>;
+using Fn = std::function<Tensor(const std::vector<Tensor>&)>;
+
+class CudaNnOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_is_available()) GTEST_SKIP() << cuda_unavailable_reason();
+  }
+};
+
+const std::vector<DType> kTypes = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
+double tol(DType t) {
+  return t == DType::Float16 ? 1e-2 : t == DType::BFloat16 ? 3e-2 : t == DType::Float32 ? 1e-4 : 1e-9;
+}
+
+template <typename... Args>
+std::string cat(const Args&... args) {
+  return detail::str_cat(args...);
+}
+
+Tensor rnd(const Shape& s, uint64_t seed, DType dt, double scale = 1.0) {
+  Generator g(seed);
+  return (randn(s, {DType::Float64}, &g) * scale).to(dt);
+}
+
+// x.permute to NHWC memory, viewed back as NCHW.
+Tensor channels_last(const Tensor& x) { return x.permute({0, 2, 3, 1}).contiguous().permute({0, 3, 1, 2}); }
+
+void expect_same(const Tensor& cpu, const Tensor& gpu, double t, const std::string& what) {
+  ASSERT_EQ(cpu.defined(), gpu.defined()) << what;
+  if (!cpu.defined()) return;
+  ASSERT_TRUE(gpu.is_cuda()) << what;
+  ASSERT_EQ(cpu.sizes(), gpu.sizes()) << what;
+  ASSERT_EQ(cpu.dtype(), gpu.dtype()) << what;
+  EXPECT_TRUE(allclose(gpu.cpu(), cpu, t, t)) << what << "\ncpu: " << cpu << "\ncuda: " << gpu.cpu();
+}
+
+struct Outcome {
+  Tensor y;
+  std::vector<Tensor> grads;
+};
+
+// f on copies of `inputs` moved to the device (defined floating ones are
+// leaves requiring grad; `layout` may restride them), then backward of
+// sum(y * r) for a fixed random r.
+Outcome run(const Fn& f, const std::vector<Tensor>& inputs, bool cuda, const std::function<Tensor(Tensor)>& layout = {}) {
+  std::vector<Tensor> in;
+  for (const Tensor& t : inputs) {
+    if (!t.defined()) {
+      in.push_back(t);
+      continue;
+    }
+    Tensor d = cuda ? t.cuda() : t.clone();
+    if (layout && d.dim() == 4) d = layout(d);
+    in.push_back(d.detach().requires_grad_());
+  }
+  Outcome r;
+  r.y = f(in);
+  Tensor proj = rnd(r.y.sizes(), 77, r.y.dtype());
+  sum(r.y * (cuda ? proj.cuda() : proj)).backward();
+  for (const Tensor& t : in) r.grads.push_back(t.defined() ? t.grad() : Tensor());
+  return r;
+}
+
+void compare(const Fn& f, const std::vector<Tensor>& inputs, double t, const std::string& what,
+             const std::function<Tensor(Tensor)>& cuda_layout = {}) {
+  Outcome c = run(f, inputs, false), g = run(f, inputs, true, cuda_layout);
+  expect_same(c.y, g.y, t, cat(what, " forward"));
+  for (size_t i = 0; i < c.grads.size(); ++i) expect_same(c.grads[i], g.grads[i], t, cat(what, " grad ", i));
+}
+
+struct ConvCase {
+  Shape x, w;
+  Dims stride, pad, dil;
+  int64_t groups;
+  bool bias;
+};
+const std::vector<ConvCase> kConvCases = {
+    {{2, 3, 7, 6}, {4, 3, 3, 3}, {1, 1}, {0, 0}, {1, 1}, 1, true},
+    {{2, 8, 9, 8}, {16, 8, 3, 3}, {2, 2}, {1, 1}, {1, 1}, 1, true},
+    {{1, 2, 9, 9}, {3, 2, 3, 3}, {1, 1}, {2, 2}, {2, 2}, 1, false},
+    {{2, 4, 6, 7}, {6, 2, 3, 2}, {1, 1}, {1, 0}, {1, 1}, 2, false},
+    {{2, 8, 8, 8}, {8, 1, 3, 3}, {1, 1}, {1, 1}, {1, 1}, 8, true},
+    {{3, 16, 5, 5}, {8, 16, 1, 1}, {1, 1}, {0, 0}, {1, 1}, 1, true},
+    {{1, 2, 10, 9}, {3, 2, 4, 3}, {3, 2}, {0, 1}, {1, 2}, 1, true},
+};
+
+Fn conv_fn(const ConvCase& c) {
+  return [c](const std::vector<Tensor>& v) { return conv2d(v[0], v[1], v[2], c.stride, c.pad, c.dil, c.groups); };
+}
+
+TEST_F(CudaNnOps, Conv2dMatchesCpu) {
+  uint64_t seed = 1;
+  for (const ConvCase& c : kConvCases)
+    for (DType dt : kTypes) {
+      std::vector<Tensor> in = {rnd(c.x, seed++, dt, 0.5), rnd(c.w, seed++, dt, 0.5),
+                                c.bias ? rnd({c.w[0]}, seed++, dt) : Tensor()};
+      compare(conv_fn(c), in, tol(dt), cat("conv2d x", c.x, " w", c.w, " g", c.groups, " ", dt));
+    }
+}
+
+TEST_F(CudaNnOps, Conv2dChannelsLastMatchesCpu) {
+  uint64_t seed = 100;
+  for (const ConvCase& c : kConvCases)
+    for (DType dt : {DType::Float32, DType::Float16}) {
+      std::vector<Tensor> in = {rnd(c.x, seed++, dt, 0.5), rnd(c.w, seed++, dt, 0.5),
+                                c.bias ? rnd({c.w[0]}, seed++, dt) : Tensor()};
+      compare(conv_fn(c), in, tol(dt), cat("conv2d channels-last x", c.x, " w", c.w, " ", dt),
+              [](Tensor t) { return channels_last(t); });
+    }
+  // The output keeps the input's layout.
+  Tensor x = channels_last(rnd({2, 8, 6, 6}, 150, DType::Float32).cuda());
+  Tensor y = conv2d(x, rnd({4, 8, 3, 3}, 151, DType::Float32).cuda());
+  EXPECT_EQ(y.stride(1), 1);
+}
+
+TEST_F(CudaNnOps, BatchNormMatchesCpu) {
+  uint64_t seed = 200;
+  for (DType dt : kTypes) {
+    // 16-bit inputs keep float32 affine parameters and statistics (mixed precision).
+    const DType pt = dt == DType::Float64 ? DType::Float64 : DType::Float32;
+    Tensor x = rnd({4, 3, 5, 6}, seed++, dt, 2.0) + 1.0;
+    Tensor w = rnd({3}, seed++, pt), b = rnd({3}, seed++, pt);
+    Tensor rm = rnd({3}, seed++, pt), rv = rnd({3}, seed++, pt, 0.1) + 1.0;
+    for (bool training : {true, false}) {
+      Tensor rm_c = rm.clone(), rv_c = rv.clone(), rm_g = rm.cuda(), rv_g = rv.cuda();
+      Fn cpu_f = [&](const std::vector<Tensor>& v) { return batch_norm(v[0], v[1], v[2], rm_c, rv_c, training, 0.2); };
+      Fn gpu_f = [&](const std::vector<Tensor>& v) { return batch_norm(v[0], v[1], v[2], rm_g, rv_g, training, 0.2); };
+      Outcome c = run(cpu_f, {x, w, b}, false), g = run(gpu_f, {x, w, b}, true);
+      const std::string what = cat("batch_norm ", training ? "train " : "eval ", dt);
+      expect_same(c.y, g.y, tol(dt), what + " forward");
+      for (size_t i = 0; i < 3; ++i) expect_same(c.grads[i], g.grads[i], tol(dt) * 4, cat(what, " grad ", i));
+      expect_same(rm_c, rm_g, tol(pt), what + " running_mean");
+      expect_same(rv_c, rv_g, tol(pt), what + " running_var");
+    }
+    // No affine parameters, no running statistics.
+    Fn f = [](const std::vector<Tensor>& v) { return batch_norm(v[0], Tensor(), Tensor(), Tensor(), Tensor(), true); };
+    compare(f, {x}, tol(dt) * 4, cat("batch_norm plain ", dt));
+  }
+}
+
+struct PoolCase {
+  Shape x;
+  Dims k, s, p;
+  bool ceil;
+};
+const std::vector<PoolCase> kPoolCases = {
+    {{2, 3, 8, 8}, {2, 2}, {2, 2}, {0, 0}, false}, {{2, 2, 9, 7}, {3, 3}, {2, 2}, {1, 1}, false},
+    {{1, 2, 6, 6}, {3, 3}, {2, 2}, {1, 1}, true},  {{1, 2, 5, 5}, {3, 3}, {3, 3}, {1, 1}, true},
+    {{2, 1, 7, 7}, {2, 2}, {2, 2}, {0, 0}, true},  {{1, 3, 6, 5}, {3, 2}, {2, 1}, {1, 0}, false},
+    {{4, 8, 56, 56}, {3, 3}, {2, 2}, {1, 1}, false},  // ResNet stem size
+};
+
+TEST_F(CudaNnOps, PoolingMatchesCpu) {
+  uint64_t seed = 300;
+  for (const PoolCase& c : kPoolCases)
+    for (DType dt : kTypes) {
+      const std::vector<Tensor> in = {rnd(c.x, seed++, dt)};
+      const std::string what = cat("x", c.x, " k", c.k[0], " s", c.s[0], " p", c.p[0], c.ceil ? " ceil " : " ", dt);
+      compare([&](const std::vector<Tensor>& v) { return max_pool2d(v[0], c.k, c.s, c.p, c.ceil); }, in, tol(dt),
+              cat("max_pool2d ", what));
+      for (bool include_pad : {true, false})
+        compare([&](const std::vector<Tensor>& v) { return avg_pool2d(v[0], c.k, c.s, c.p, c.ceil, include_pad); },
+                in, tol(dt), cat("avg_pool2d ", include_pad ? "incl " : "excl ", what));
+    }
+}
+
+}  // namespace
+}  // namespace ember

@@ -1,0 +1,465 @@
+// conv2d, batch_norm, max_pool2d and avg_pool2d on the CPU: forward against
+// naive float64 loops written here (independently of the kernels),
+// backward through the finite-difference gradient checker, the float32
+// (oneDNN) gradients against the float64 ones, PyTorch's running-stats rule
+// and output-size formulas, and the error messages.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <string>
+#include <thread>
+
+#include "autograd/autograd.h"
+#include "autograd/gradcheck.h"
+#include "core/ops.h"
+#include "core/ops_nn.h"
+
+namespace ember {
+namespace {
+
+using Dims = std::array<int64_t, 2>;
+using Fn = std::function<Tensor(const std::vector<Tensor>&)>;
+
+Tensor rnd(const Shape& s, uint64_t seed, DType dt = DType::Float64) {
+  Generator g(seed);
+  return randn(s, {DType::Float64}, &g).to(dt);
+}
+Tensor leaf(const Tensor& t) { return t.detach().contiguous().requires_grad_(); }
+
+void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  const std::vector<double> g = got.to_vector(), w = want.to_vector();
+  for (size_t i = 0; i < g.size(); ++i)
+    ASSERT_NEAR(g[i], w[i], tol * std::max(1.0, std::abs(w[i]))) << what << " at " << i;
+}
+
+void check_grad(const std::string& name, const Fn& f, const std::vector<Tensor>& xs) {
+  auto r = autograd::gradcheck(f, xs);
+  EXPECT_TRUE(r.ok) << name << ": " << r.message << " (max error " << r.max_abs_error << ")";
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// ---- Naive references ----
+
+Tensor naive_conv(const Tensor& x, const Tensor& w, const Tensor& b, Dims s, Dims p, Dims d, int64_t groups) {
+  const std::vector<double> xv = x.to_vector(), wv = w.to_vector();
+  const std::vector<double> bv = b.defined() ? b.to_vector() : std::vector<double>(w.size(0), 0.0);
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const int64_t O = w.size(0), KH = w.size(2), KW = w.size(3), cg = C / groups, og = O / groups;
+  const int64_t OH = (H + 2 * p[0] - d[0] * (KH - 1) - 1) / s[0] + 1;
+  const int64_t OW = (W + 2 * p[1] - d[1] * (KW - 1) - 1) / s[1] + 1;
+  std::vector<double> out(N * O * OH * OW);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < O; ++o)
+      for (int64_t i = 0; i < OH; ++i)
+        for (int64_t j = 0; j < OW; ++j) {
+          double acc = bv[o];
+          for (int64_t ci = 0; ci < cg; ++ci)
+            for (int64_t a = 0; a < KH; ++a)
+              for (int64_t c = 0; c < KW; ++c) {
+                const int64_t ih = i * s[0] - p[0] + a * d[0], iw = j * s[1] - p[1] + c * d[1];
+                if (ih < 0 || ih >= H || iw < 0 || iw >= W) continue;
+                const int64_t ch = (o / og) * cg + ci;
+                acc += xv[((n * C + ch) * H + ih) * W + iw] * wv[((o * cg + ci) * KH + a) * KW + c];
+              }
+          out[((n * O + o) * OH + i) * OW + j] = acc;
+        }
+  return Tensor::from_vector(out, {N, O, OH, OW}, DType::Float64);
+}
+
+int64_t naive_out_size(int64_t in, int64_t k, int64_t s, int64_t p, bool ceil_mode) {
+  const double v = static_cast<double>(in + 2 * p - k) / s;
+  int64_t o = static_cast<int64_t>(ceil_mode ? std::ceil(v) : std::floor(v)) + 1;
+  if (ceil_mode && (o - 1) * s >= in + p) --o;
+  return o;
+}
+
+Tensor naive_pool(const Tensor& x, Dims k, Dims s, Dims p, bool ceil_mode, bool is_max, bool include_pad) {
+  const std::vector<double> xv = x.to_vector();
+  const int64_t N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const int64_t OH = naive_out_size(H, k[0], s[0], p[0], ceil_mode), OW = naive_out_size(W, k[1], s[1], p[1], ceil_mode);
+  std::vector<double> out;
+  for (int64_t pl = 0; pl < N * C; ++pl)
+    for (int64_t i = 0; i < OH; ++i)
+      for (int64_t j = 0; j < OW; ++j) {
+        double best = -std::numeric_limits<double>::infinity(), sum = 0;
+        int64_t inside = 0, padded = 0;  // window cells in the input / in the padded input
+        for (int64_t a = 0; a < k[0]; ++a)
+          for (int64_t c = 0; c < k[1]; ++c) {
+            const int64_t ih = i * s[0] - p[0] + a, iw = j * s[1] - p[1] + c;
+            if (ih < H + p[0] && iw < W + p[1]) ++padded;
+            if (ih < 0 || ih >= H || iw < 0 || iw >= W) continue;
+            const double v = xv[(pl * H + ih) * W + iw];
+            best = std::max(best, v);
+            sum += v;
+            ++inside;
+          }
+        out.push_back(is_max ? best : sum / static_cast<double>(include_pad ? padded : inside));
+      }
+  return Tensor::from_vector(out, {N, C, OH, OW}, DType::Float64);
+}
+
+// ---- conv2d ----
+
+struct ConvCase {
+  Shape x, w;
+  Dims stride, pad, dil;
+  int64_t groups;
+  bool bias;
+};
+const std::vector<ConvCase> kConvCases = {
+    {{2, 3, 7, 6}, {4, 3, 3, 3}, {1, 1}, {0, 0}, {1, 1}, 1, true},   // plain 3x3
+    {{2, 3, 9, 8}, {5, 3, 3, 3}, {2, 2}, {1, 1}, {1, 1}, 1, true},   // stride 2, padding 1
+    {{1, 2, 9, 9}, {3, 2, 3, 3}, {1, 1}, {2, 2}, {2, 2}, 1, false},  // dilation 2
+    {{2, 4, 6, 7}, {6, 2, 3, 2}, {1, 1}, {1, 0}, {1, 1}, 2, false},  // groups 2, non-square kernel
+    {{2, 5, 8, 8}, {5, 1, 3, 3}, {1, 1}, {1, 1}, {1, 1}, 5, true},   // depthwise
+    {{1, 3, 6, 6}, {6, 1, 3, 3}, {2, 2}, {1, 1}, {1, 1}, 3, true},   // depthwise, multiplier 2
+    {{3, 8, 5, 5}, {4, 8, 1, 1}, {1, 1}, {0, 0}, {1, 1}, 1, true},   // 1x1
+    {{1, 2, 10, 9}, {3, 2, 4, 3}, {3, 2}, {0, 1}, {1, 2}, 1, true},  // asymmetric, stride not dividing
+};
+
+// Labels via str_cat: GCC 12 warns (-Wrestrict, falsely) on "literal" + std::string.
+template <typename... Args>
+std::string cat(const Args&... args) {
+  return detail::str_cat(args...);
+}
+
+std::string describe(const ConvCase& c) {
+  return cat("x", c.x, " w", c.w, " s", c.stride[0], c.stride[1], " p", c.pad[0], c.pad[1], " d", c.dil[0], c.dil[1],
+             " g", c.groups);
+}
+
+TEST(Conv2d, ForwardMatchesNaiveLoops) {
+  uint64_t seed = 1;
+  for (const ConvCase& c : kConvCases)
+    for (DType dt : {DType::Float32, DType::Float64}) {
+      Tensor x = rnd(c.x, seed++), w = rnd(c.w, seed++), b = c.bias ? rnd({c.w[0]}, seed++) : Tensor();
+      Tensor want = naive_conv(x, w, b, c.stride, c.pad, c.dil, c.groups);
+      Tensor got = conv2d(x.to(dt), w.to(dt), c.bias ? b.to(dt) : Tensor(), c.stride, c.pad, c.dil, c.groups);
+      EXPECT_EQ(got.dtype(), dt);
+      expect_close(got, want, dt == DType::Float32 ? 1e-4 : 1e-10, cat(describe(c), " ", dt));
+    }
+}
+
+TEST(Conv2d, NonContiguousInputAndWeight) {
+  for (DType dt : {DType::Float32, DType::Float64}) {
+    Tensor x_nhwc = rnd({2, 7, 8, 3}, 11, dt), w_t = rnd({3, 4, 3, 3}, 12, dt);
+    Tensor x = x_nhwc.permute({0, 3, 1, 2});  // channels-last view
+    Tensor w = w_t.transpose(0, 1);           // [4, 3, 3, 3], non-contiguous
+    Tensor xs = rnd({2, 3, 14, 8}, 13, dt).slice(2, 0, 14, 2);  // strided rows
+    ASSERT_FALSE(x.is_contiguous());
+    ASSERT_FALSE(xs.is_contiguous());
+    expect_close(conv2d(x, w, Tensor(), {1, 1}, {1, 1}), naive_conv(x, w, Tensor(), {1, 1}, {1, 1}, {1, 1}, 1),
+                 dt == DType::Float32 ? 1e-4 : 1e-10, "permuted");
+    expect_close(conv2d(xs, w, Tensor(), {2, 1}), naive_conv(xs, w, Tensor(), {2, 1}, {0, 0}, {1, 1}, 1),
+                 dt == DType::Float32 ? 1e-4 : 1e-10, "sliced");
+  }
+}
+
+TEST(Conv2d, HalfTypesRunThroughFloat32) {
+  Tensor x = rnd({2, 3, 6, 6}, 21), w = rnd({4, 3, 3, 3}, 22) * 0.2, b = rnd({4}, 23);
+  Tensor want = naive_conv(x, w, b, {1, 1}, {1, 1}, {1, 1}, 1);
+  for (DType dt : {DType::Float16, DType::BFloat16}) {
+    Tensor got = conv2d(x.to(dt), w.to(dt), b.to(dt), {1, 1}, {1, 1});
+    EXPECT_EQ(got.dtype(), dt);
+    expect_close(got, want, dt == DType::Float16 ? 1e-2 : 5e-2, dtype_name(dt));
+  }
+}
+
+TEST(Conv2d, GradcheckFloat64) {
+  uint64_t seed = 100;
+  for (const ConvCase& c : kConvCases) {
+    Tensor x = leaf(rnd(c.x, seed++)), w = leaf(rnd(c.w, seed++));
+    std::vector<Tensor> in = {x, w};
+    if (c.bias) in.push_back(leaf(rnd({c.w[0]}, seed++)));
+    check_grad(cat("conv2d ", describe(c)), [&](const std::vector<Tensor>& v) {
+      return conv2d(v[0], v[1], v.size() > 2 ? v[2] : Tensor(), c.stride, c.pad, c.dil, c.groups);
+    }, in);
+  }
+  // Strides and padding with groups, depthwise without bias, 1x1.
+  Tensor x = leaf(rnd({2, 4, 5, 4}, 150)), wg = leaf(rnd({6, 2, 3, 2}, 151)), wd = leaf(rnd({4, 1, 3, 3}, 152));
+  Tensor w1 = leaf(rnd({3, 4, 1, 1}, 153)), b = leaf(rnd({6}, 154));
+  check_grad("conv2d groups=2", [](auto& v) { return conv2d(v[0], v[1], v[2], {2, 1}, {1, 0}, {1, 1}, 2); }, {x, wg, b});
+  check_grad("conv2d depthwise", [](auto& v) { return conv2d(v[0], v[1], Tensor(), {1, 1}, {1, 1}, {1, 1}, 4); },
+             {x, wd});
+  check_grad("conv2d 1x1", [](auto& v) { return conv2d(v[0], v[1]); }, {x, w1});
+}
+
+// The oneDNN (float32) backward against the float64 reference backward.
+TEST(Conv2d, Float32GradientsMatchFloat64) {
+  uint64_t seed = 200;
+  for (const ConvCase& c : kConvCases) {
+    Tensor x64 = rnd(c.x, seed++), w64 = rnd(c.w, seed++), b64 = rnd({c.w[0]}, seed++);
+    // Which inputs need gradients varies, to cover oneDNN's partial passes
+    // (data only, weights only, bias without weights).
+    for (int mask : {7, 1, 2, 4}) {
+      if (!c.bias && mask == 4) continue;
+      std::vector<Tensor> grads[2];
+      for (int k = 0; k < 2; ++k) {
+        const DType dt = k == 0 ? DType::Float32 : DType::Float64;
+        Tensor x = x64.to(dt).detach(), w = w64.to(dt).detach(), b = c.bias ? b64.to(dt).detach() : Tensor();
+        if (mask & 1) x.requires_grad_();
+        if (mask & 2) w.requires_grad_();
+        if (c.bias && (mask & 4)) b.requires_grad_();
+        Tensor y = conv2d(x, w, b, c.stride, c.pad, c.dil, c.groups);
+        Tensor r = rnd(y.sizes(), 999, dt);
+        sum(y * r).backward();
+        grads[k] = {x.grad(), w.grad(), b.defined() ? b.grad() : Tensor()};
+      }
+      for (int i = 0; i < 3; ++i) {
+        ASSERT_EQ(grads[0][i].defined(), grads[1][i].defined()) << describe(c) << " mask " << mask << " grad " << i;
+        if (grads[0][i].defined())
+          expect_close(grads[0][i], grads[1][i], 1e-4, cat(describe(c), " mask ", mask, " grad ", i));
+      }
+    }
+  }
+}
+
+TEST(Conv2d, ConcurrentCallsShareCachedPlans) {
+  Tensor x = rnd({2, 8, 12, 12}, 300, DType::Float32), w = rnd({8, 8, 3, 3}, 301, DType::Float32);
+  Tensor want = conv2d(x, w, Tensor(), {1, 1}, {1, 1});
+  std::vector<Tensor> got(4);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) threads.emplace_back([&, t] { got[t] = conv2d(x, w, Tensor(), {1, 1}, {1, 1}); });
+  for (auto& t : threads) t.join();
+  for (const Tensor& g : got) expect_close(g, want, 0, "thread");
+}
+
+TEST(Conv2d, ErrorsNameTheOpAndShapes) {
+  Tensor x = zeros({2, 3, 5, 5}), w = zeros({4, 3, 3, 3});
+  std::string e = error_of([&] { conv2d(x, zeros({4, 2, 3, 3})); });
+  EXPECT_NE(e.find("conv2d"), std::string::npos) << e;
+  EXPECT_NE(e.find("[2,3,5,5]"), std::string::npos) << e;
+  EXPECT_NE(e.find("[4,2,3,3]"), std::string::npos) << e;
+  e = error_of([&] { conv2d(zeros({2, 4, 5, 5}), zeros({6, 2, 3, 3}), Tensor(), {1, 1}, {0, 0}, {1, 1}, 3); });
+  EXPECT_NE(e.find("groups=3"), std::string::npos) << e;
+  e = error_of([&] { conv2d(x, zeros({4, 3, 7, 7})); });
+  EXPECT_NE(e.find("larger than the padded input"), std::string::npos) << e;
+  EXPECT_NE(e.find("[2,3,5,5]"), std::string::npos) << e;
+  e = error_of([&] { conv2d(x, zeros({4, 3, 3, 3}), Tensor(), {1, 1}, {0, 0}, {3, 3}); });  // dilated 7x7
+  EXPECT_NE(e.find("dilated"), std::string::npos) << e;
+  e = error_of([&] { conv2d(zeros({3, 5, 5}), w); });
+  EXPECT_NE(e.find("4-D input"), std::string::npos) << e;
+  EXPECT_NE(e.find("[3,5,5]"), std::string::npos) << e;
+  e = error_of([&] { conv2d(x, w, zeros({3})); });
+  EXPECT_NE(e.find("bias [3]"), std::string::npos) << e;
+  e = error_of([&] { conv2d(x, w.to(DType::Float64)); });
+  EXPECT_NE(e.find("same dtype"), std::string::npos) << e;
+  e = error_of([&] { conv2d(x, w, Tensor(), {0, 1}); });
+  EXPECT_NE(e.find("stride"), std::string::npos) << e;
+}
+
+// ---- batch_norm ----
+
+// Per-channel mean and biased variance of [N, C, H, W], by hand.
+void channel_stats(const Tensor& x, std::vector<double>& mean, std::vector<double>& var) {
+  const std::vector<double> v = x.to_vector();
+  const int64_t N = x.size(0), C = x.size(1), S = x.size(2) * x.size(3);
+  mean.assign(C, 0);
+  var.assign(C, 0);
+  for (int64_t c = 0; c < C; ++c) {
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t s = 0; s < S; ++s) mean[c] += v[(n * C + c) * S + s];
+    mean[c] /= N * S;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t s = 0; s < S; ++s) var[c] += std::pow(v[(n * C + c) * S + s] - mean[c], 2);
+    var[c] /= N * S;
+  }
+}
+
+Tensor normalize_by(const Tensor& x, const std::vector<double>& mean, const std::vector<double>& var,
+                    const std::vector<double>& w, const std::vector<double>& b, double eps) {
+  std::vector<double> v = x.to_vector();
+  const int64_t C = x.size(1), S = x.size(2) * x.size(3);
+  for (size_t i = 0; i < v.size(); ++i) {
+    const int64_t c = (static_cast<int64_t>(i) / S) % C;
+    v[i] = (v[i] - mean[c]) / std::sqrt(var[c] + eps) * w[c] + b[c];
+  }
+  return Tensor::from_vector(v, x.sizes(), DType::Float64);
+}
+
+TEST(BatchNorm, TrainingUpdatesRunningStatsLikePyTorchAndEvalUsesThem) {
+  for (DType dt : {DType::Float32, DType::Float64}) {
+    const double tol = dt == DType::Float32 ? 1e-5 : 1e-12;
+    Tensor x = rnd({3, 2, 2, 3}, 400) * 2.0 + 1.0;
+    const std::vector<double> w = {1.5, -0.5}, b = {0.25, 2.0};
+    Tensor wt = Tensor::from_vector(w, {2}, dt), bt = Tensor::from_vector(b, {2}, dt);
+    Tensor rm = Tensor::from_vector({0.5, -1.0}, {2}, dt), rv = Tensor::from_vector({1.0, 2.0}, {2}, dt);
+    std::vector<double> mean, var;
+    channel_stats(x, mean, var);
+    const double m = 3 * 2 * 3, mom = 0.3, eps = 1e-3;
+    Tensor y = batch_norm(x.to(dt), wt, bt, rm, rv, true, mom, eps);
+    expect_close(y, normalize_by(x, mean, var, w, b, eps), tol * 10, "train output");
+    // PyTorch: running = (1 - momentum) * running + momentum * stat, variance unbiased.
+    const std::vector<double> rm1 = {0.7 * 0.5 + 0.3 * mean[0], 0.7 * -1.0 + 0.3 * mean[1]};
+    const std::vector<double> rv1 = {0.7 * 1.0 + 0.3 * var[0] * m / (m - 1), 0.7 * 2.0 + 0.3 * var[1] * m / (m - 1)};
+    expect_close(rm, Tensor::from_vector(rm1, {2}, DType::Float64), tol, "running_mean");
+    expect_close(rv, Tensor::from_vector(rv1, {2}, DType::Float64), tol, "running_var");
+    // Eval normalises by the running stats and leaves them alone.
+    Tensor x2 = rnd({2, 2, 3, 1}, 401);
+    Tensor y2 = batch_norm(x2.to(dt), wt, bt, rm, rv, false, mom, eps);
+    expect_close(y2, normalize_by(x2, rm1, rv1, w, b, eps), tol * 10, "eval output");
+    expect_close(rm, Tensor::from_vector(rm1, {2}, DType::Float64), tol, "running_mean after eval");
+    expect_close(rv, Tensor::from_vector(rv1, {2}, DType::Float64), tol, "running_var after eval");
+  }
+}
+
+TEST(BatchNorm, OptionalAffineAndRunningStats) {
+  Tensor x = rnd({4, 3, 2, 2}, 410);
+  std::vector<double> mean, var;
+  channel_stats(x, mean, var);
+  const std::vector<double> ones3(3, 1.0), zeros3(3, 0.0);
+  expect_close(batch_norm(x, Tensor(), Tensor(), Tensor(), Tensor(), true),
+               normalize_by(x, mean, var, ones3, zeros3, 1e-5), 1e-12, "no affine, no running stats");
+  // Default momentum 0.1.
+  Tensor rm = zeros({3}, DType::Float64), rv = ones({3}, DType::Float64);
+  batch_norm(x, Tensor(), Tensor(), rm, rv, true);
+  expect_close(rm, Tensor::from_vector({0.1 * mean[0], 0.1 * mean[1], 0.1 * mean[2]}, {3}, DType::Float64), 1e-12,
+               "default momentum");
+}
+
+TEST(BatchNorm, FloatAndHalfInputsMatchFloat64) {
+  Tensor x = rnd({4, 3, 5, 5}, 420) * 3.0 + 10.0;  // |mean| >> std: the variance must not cancel
+  Tensor w = rnd({3}, 421), b = rnd({3}, 422);
+  Tensor want = batch_norm(x, w, b, Tensor(), Tensor(), true);
+  expect_close(batch_norm(x.to(DType::Float32), w.to(DType::Float32), b.to(DType::Float32), Tensor(), Tensor(), true),
+               want, 1e-5, "float32");
+  expect_close(batch_norm(x.to(DType::BFloat16), w.to(DType::Float32), b.to(DType::Float32), Tensor(), Tensor(), true),
+               batch_norm(x.to(DType::BFloat16).to(DType::Float64), w, b, Tensor(), Tensor(), true), 2e-2, "bfloat16");
+}
+
+TEST(BatchNorm, Gradcheck) {
+  Tensor x = leaf(rnd({3, 2, 3, 2}, 430)), w = leaf(rnd({2}, 431)), b = leaf(rnd({2}, 432));
+  Tensor rm = rnd({2}, 433), rv = rnd({2}, 434) * 0.2 + 1.0;
+  check_grad("batch_norm train", [&](auto& v) { return batch_norm(v[0], v[1], v[2], Tensor(), Tensor(), true); },
+             {x, w, b});
+  // Updating running stats every call must not disturb the gradient.
+  Tensor rm2 = rm.clone(), rv2 = rv.clone();
+  check_grad("batch_norm train + running stats",
+             [&](auto& v) { return batch_norm(v[0], v[1], v[2], rm2, rv2, true, 0.2); }, {x, w, b});
+  check_grad("batch_norm train, no affine", [&](auto& v) { return batch_norm(v[0], Tensor(), Tensor(), rm, rv, true); },
+             {x});
+  // Nonlinear downstream, so the xhat term of dx matters.
+  check_grad("batch_norm train, squared", [&](auto& v) {
+    Tensor y = batch_norm(v[0], v[1], Tensor(), Tensor(), Tensor(), true);
+    return y * y;
+  }, {x, w});
+  check_grad("batch_norm eval", [&](auto& v) { return batch_norm(v[0], v[1], v[2], rm, rv, false); }, {x, w, b});
+}
+
+TEST(BatchNorm, Errors) {
+  Tensor x = zeros({2, 3, 4, 4});
+  std::string e = error_of([&] { batch_norm(x, Tensor(), Tensor(), Tensor(), Tensor(), false); });
+  EXPECT_NE(e.find("running_mean"), std::string::npos) << e;
+  e = error_of([&] { batch_norm(x, zeros({4}), Tensor(), Tensor(), Tensor(), true); });
+  EXPECT_NE(e.find("batch_norm: weight [4]"), std::string::npos) << e;
+  EXPECT_NE(e.find("[2,3,4,4]"), std::string::npos) << e;
+  e = error_of([&] { batch_norm(zeros({2, 3, 4}), Tensor(), Tensor(), Tensor(), Tensor(), true); });
+  EXPECT_NE(e.find("4-D input"), std::string::npos) << e;
+  e = error_of([&] { batch_norm(zeros({1, 3, 1, 1}), Tensor(), Tensor(), Tensor(), Tensor(), true); });
+  EXPECT_NE(e.find("more than 1 value per channel"), std::string::npos) << e;
+}
+
+// ---- Pooling ----
+
+TEST(Pool, OutputSizesFollowPyTorch) {
+  EXPECT_EQ(pool_output_size(5, 2, 2, 0, 1, false), 2);
+  EXPECT_EQ(pool_output_size(5, 2, 2, 0, 1, true), 3);
+  EXPECT_EQ(pool_output_size(6, 3, 2, 1, 1, false), 3);
+  EXPECT_EQ(pool_output_size(6, 3, 2, 1, 1, true), 4);
+  // ceil would give 3, but the third window would start in the right padding.
+  EXPECT_EQ(pool_output_size(5, 3, 3, 1, 1, true), 2);
+  EXPECT_EQ(pool_output_size(112, 3, 2, 1, 1, false), 56);  // ResNet stem
+}
+
+struct PoolCase {
+  Shape x;
+  Dims k, s, p;
+  bool ceil;
+};
+const std::vector<PoolCase> kPoolCases = {
+    {{2, 3, 8, 8}, {2, 2}, {2, 2}, {0, 0}, false}, {{2, 2, 9, 7}, {3, 3}, {2, 2}, {1, 1}, false},
+    {{1, 2, 6, 6}, {3, 3}, {2, 2}, {1, 1}, true},  {{1, 2, 5, 5}, {3, 3}, {3, 3}, {1, 1}, true},
+    {{2, 1, 7, 7}, {2, 2}, {2, 2}, {0, 0}, true},  {{1, 3, 6, 5}, {3, 2}, {2, 1}, {1, 0}, false},
+    {{1, 1, 4, 4}, {4, 4}, {1, 1}, {0, 0}, false},
+};
+
+TEST(Pool, ForwardMatchesNaiveLoops) {
+  uint64_t seed = 500;
+  for (const PoolCase& c : kPoolCases)
+    for (DType dt : {DType::Float32, DType::Float64, DType::BFloat16}) {
+      Tensor x = rnd(c.x, seed++).to(dt).to(DType::Float64);  // representable in dt
+      const std::string what = cat("x", c.x, " k", c.k[0], " s", c.s[0], " p", c.p[0], c.ceil ? " ceil " : " ", dt);
+      const double tol = dt == DType::BFloat16 ? 1e-2 : dt == DType::Float32 ? 1e-6 : 1e-12;
+      expect_close(max_pool2d(x.to(dt), c.k, c.s, c.p, c.ceil), naive_pool(x, c.k, c.s, c.p, c.ceil, true, true), tol,
+                   cat("max ", what));
+      for (bool include_pad : {true, false})
+        expect_close(avg_pool2d(x.to(dt), c.k, c.s, c.p, c.ceil, include_pad),
+                     naive_pool(x, c.k, c.s, c.p, c.ceil, false, include_pad), tol,
+                     cat("avg ", include_pad ? "incl " : "excl ", what));
+    }
+  // Non-contiguous input.
+  Tensor x = rnd({2, 6, 6, 3}, 550).permute({0, 3, 1, 2});
+  expect_close(max_pool2d(x, {3, 3}, {2, 2}, {1, 1}), naive_pool(x, {3, 3}, {2, 2}, {1, 1}, false, true, true), 1e-12,
+               "max permuted");
+  expect_close(avg_pool2d(x, {2, 2}, {1, 1}), naive_pool(x, {2, 2}, {1, 1}, {0, 0}, false, false, true), 1e-12,
+               "avg permuted");
+}
+
+TEST(Pool, MaxPropagatesNaN) {
+  Tensor x = Tensor::from_vector({1, std::nan(""), 3, 4}, {1, 1, 2, 2});
+  EXPECT_TRUE(std::isnan(max_pool2d(x, {2, 2}, {2, 2}).item()));
+}
+
+TEST(Pool, Gradcheck) {
+  uint64_t seed = 600;
+  for (const PoolCase& c : kPoolCases) {
+    // Distinct values with gaps far above the finite-difference step, so no argmax flips.
+    Tensor x = leaf(rnd(c.x, seed++));
+    const std::string what = cat("x", c.x, c.ceil ? " ceil" : "");
+    check_grad(cat("max_pool2d ", what), [&](auto& v) { return max_pool2d(v[0], c.k, c.s, c.p, c.ceil); }, {x});
+    for (bool include_pad : {true, false})
+      check_grad(cat("avg_pool2d ", what),
+                 [&](auto& v) { return avg_pool2d(v[0], c.k, c.s, c.p, c.ceil, include_pad); }, {x});
+  }
+}
+
+TEST(Pool, Errors) {
+  Tensor x = zeros({2, 3, 5, 5});
+  std::string e = error_of([&] { max_pool2d(zeros({3, 5, 5}), {2, 2}, {2, 2}); });
+  EXPECT_NE(e.find("max_pool2d: expected a 4-D input"), std::string::npos) << e;
+  EXPECT_NE(e.find("[3,5,5]"), std::string::npos) << e;
+  e = error_of([&] { avg_pool2d(x, {3, 3}, {1, 1}, {2, 2}); });
+  EXPECT_NE(e.find("avg_pool2d: padding"), std::string::npos) << e;
+  e = error_of([&] { max_pool2d(x, {8, 8}, {1, 1}); });
+  EXPECT_NE(e.find("larger than the padded input"), std::string::npos) << e;
+  EXPECT_NE(e.find("[2,3,5,5]"), std::string::npos) << e;
+  e = error_of([&] { avg_pool2d(x, {2, 2}, {0, 2}); });
+  EXPECT_NE(e.find("stride"), std::string::npos) << e;
+}
+
+// ---- Together ----
+
+// A tiny ResNet-style block end to end: every backward composes.
+TEST(NnOps, ConvBnReluPoolChainGradcheck) {
+  Tensor x = leaf(rnd({2, 2, 6, 6}, 700)), w = leaf(rnd({3, 2, 3, 3}, 701) * 0.5);
+  Tensor g = leaf(rnd({3}, 702)), b = leaf(rnd({3}, 703));
+  check_grad("conv-bn-relu-pool", [](auto& v) {
+    Tensor y = relu(batch_norm(conv2d(v[0], v[1], Tensor(), {1, 1}, {1, 1}), v[2], v[3], Tensor(), Tensor(), true));
+    return avg_pool2d(max_pool2d(y, {2, 2}, {2, 2}), {3, 3}, {1, 1});
+  }, {x, w, g, b});
+}
+
+}  // namespace
+}  // namespace ember

@@ -1,0 +1,178 @@
+// Fused optimizer steps: the arithmetic of torch.optim's SGD and Adam/AdamW
+// for a whole list of parameters in one pass per tensor (CPU) or one
+// multi-tensor kernel launch per device and dtype (CUDA), instead of the
+// half-dozen elementwise ops per tensor an op-by-op step would launch.
+// optim/ builds the optimizer classes (param groups, state, state_dict) on
+// these; they are exposed here so other trainers (e.g. a sharded optimizer
+// over flat buffers) can call them directly.
+//
+// Rules shared by both steps: every list has one entry per parameter; each
+// state tensor and gradient matches its parameter in shape, dtype and device;
+// parameters and state must be contiguous (they are written in place), while
+// a non-contiguous gradient is read through a contiguous copy. Parameters
+// may be float32, float64, float16 or bfloat16; the math runs in float32 for
+// the 16-bit types and float32, in float64 for float64, with the scalars
+// rounded to that type first, as PyTorch's kernels do. Call under
+// NoGradGuard when parameters require grad (optimizers do).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace ember {
+
+struct SgdArgs {
+  double lr = 1e-3;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+  bool maximize = false;
+};
+
+// torch.optim.SGD's update for each parameter p with gradient g:
+//   d = g (or -g when maximizing) + weight_decay * p
+//   momentum != 0: buf = d on the first step (an undefined entry in
+//     `momentum_bufs`, which is then allocated), else buf = momentum * buf +
+//     (1 - dampening) * d; d = nesterov ? d + momentum * buf : buf
+//   p -= lr * d
+// `momentum_bufs` is ignored (and may be empty) when momentum is 0.
+void sgd_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, std::vector<Tensor>& momentum_bufs,
+               const SgdArgs& args);
+
+struct AdamArgs {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool decoupled = false;  // AdamW: p *= 1 - lr * weight_decay instead of an L2 term in g
+  bool amsgrad = false;
+  bool maximize = false;
+  int64_t step = 1;  // this update's step count (1 on the first), for bias correction
+};
+
+// torch.optim.Adam / AdamW's update, `step` already incremented:
+//   g += weight_decay * p (Adam) or p *= 1 - lr * weight_decay (AdamW)
+//   m = lerp(m, g, 1 - beta1); v = beta2 * v + (1 - beta2) * g * g
+//   amsgrad: vmax = max(vmax, v), used in place of v below
+//   p -= lr / (1 - beta1^step) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+// `max_exp_avg_sqs` is ignored (and may be empty) unless amsgrad.
+void adam_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, std::vector<Tensor>& exp_avgs,
+                std::vector<Tensor>& exp_avg_sqs, std::vector<Tensor>& max_exp_avg_sqs, const AdamArgs& args);
+
+// ---- Launchers (optimizer.cc / optimizer.cu). Operands are checked by the
+// functions above; each launcher gets tensors of one device and one dtype.
+// Operand layout per parameter: {param, grad, state...} (SGD: momentum
+// buffer; Adam: exp_avg, exp_avg_sq[, max_exp_avg_sq]).
+struct SgdKernelArgs {
+  double lr, momentum, dampening, weight_decay;
+  bool nesterov, maximize;
+};
+struct AdamKernelArgs {
+  double lr, beta1, beta2, eps, weight_decay;
+  double step_size;           // lr / (1 - beta1^step)
+  double bias_correction2_sqrt;  // sqrt(1 - beta2^step)
+  bool decoupled, amsgrad, maximize;
+};
+// `init[i]`: parameter i's momentum buffer is new and takes d rather than
+// being decayed into (torch's first-step clone).
+void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                  const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdKernelArgs& a);
+void sgd_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                   const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdKernelArgs& a);
+void adam_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                   const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
+                   const std::vector<Tensor>& max_exp_avg_sqs, const AdamKernelArgs& a);
+void adam_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
+                    const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
+                    const std::vector<Tensor>& max_exp_avg_sqs, const AdamKernelArgs& a);
+
+// ---- Per-element math, shared by the CPU loop and the CUDA kernel so the
+// two backends cannot drift. C is the compute type (acc_t of the param
+// dtype); every scalar is rounded to C once, on the host, as torch rounds a
+// Python float when it meets a float32 tensor. The operation order follows
+// torch's single-tensor ops (mul_ then add_, addcmul_ = v + s*g*g, addcdiv_
+// = p + s*m/d) so results agree with it up to FMA contraction.
+namespace optim_fns {
+
+template <typename C>
+struct SgdScalars {
+  C neg_lr, momentum, one_minus_dampening, weight_decay;
+  bool has_momentum, has_weight_decay, nesterov, maximize;
+};
+
+template <typename C>
+SgdScalars<C> sgd_scalars(const SgdKernelArgs& a) {
+  return {static_cast<C>(-a.lr), static_cast<C>(a.momentum), static_cast<C>(1.0 - a.dampening),
+          static_cast<C>(a.weight_decay), a.momentum != 0.0, a.weight_decay != 0.0, a.nesterov, a.maximize};
+}
+
+// `buf` is read only when !init.
+template <typename C>
+EMBER_HD void sgd_update(C& p, C g, C& buf, bool init, const SgdScalars<C>& s) {
+  C d = s.maximize ? -g : g;
+  if (s.has_weight_decay) d = d + s.weight_decay * p;
+  if (s.has_momentum) {
+    buf = init ? d : buf * s.momentum + s.one_minus_dampening * d;
+    d = s.nesterov ? d + s.momentum * buf : buf;
+  }
+  p = p + s.neg_lr * d;
+}
+
+template <typename C>
+struct AdamScalars {
+  C weight_decay, decay_factor, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step_size, bias_correction2_sqrt;
+  bool has_weight_decay, decoupled, amsgrad, maximize;
+};
+
+template <typename C>
+AdamScalars<C> adam_scalars(const AdamKernelArgs& a) {
+  return {static_cast<C>(a.weight_decay), static_cast<C>(1.0 - a.lr * a.weight_decay),
+          static_cast<C>(1.0 - a.beta1), static_cast<C>(a.beta2), static_cast<C>(1.0 - a.beta2),
+          static_cast<C>(a.eps), static_cast<C>(-a.step_size), static_cast<C>(a.bias_correction2_sqrt),
+          a.weight_decay != 0.0, a.decoupled, a.amsgrad, a.maximize};
+}
+
+template <typename C>
+EMBER_HD C opt_sqrt(C x) {
+#if defined(__CUDA_ARCH__)
+  return ::sqrt(x);
+#else
+  return std::sqrt(x);
+#endif
+}
+
+// torch.lerp's two-sided form: exact at both ends and monotone in w.
+template <typename C>
+EMBER_HD C lerp(C a, C b, C w) {
+  return (w < C(0.5) && w > C(-0.5)) ? a + w * (b - a) : b - (b - a) * (C(1) - w);
+}
+
+// `vmax` is read and written only with amsgrad. NaN propagates through the
+// max, as torch.maximum does.
+template <typename C>
+EMBER_HD void adam_update(C& p, C g, C& m, C& v, C& vmax, const AdamScalars<C>& s) {
+  if (s.maximize) g = -g;
+  if (s.has_weight_decay) {
+    if (s.decoupled) p = p * s.decay_factor;
+    else g = g + s.weight_decay * p;
+  }
+  m = lerp(m, g, s.one_minus_beta1);
+  v = v * s.beta2;
+  v = v + s.one_minus_beta2 * g * g;
+  C second = v;
+  if (s.amsgrad) {
+    vmax = (vmax > v || vmax != vmax) ? vmax : v;
+    second = vmax;
+  }
+  const C denom = opt_sqrt(second) / s.bias_correction2_sqrt + s.eps;
+  p = p + s.neg_step_size * m / denom;
+}
+
+}  // namespace optim_fns
+
+}  // namespace ember
