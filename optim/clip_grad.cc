@@ -1,0 +1,63 @@
+// Gradient-norm clipping. Per-gradient norms are reduced on each gradient's
+// device and fetched with one host copy per device; the total and the clip
+// coefficient are then plain doubles, so the function returns a number
+// rather than a tensor the caller would have to sync on anyway.
+#include "optim/clip_grad.h"
+
+#include <cmath>
+#include <limits>
+#include <map>
+
+#include "core/autograd_hook.h"
+#include "core/ops.h"
+
+namespace ember::optim {
+namespace {
+
+// One gradient's norm as a 0-dim tensor. 16-bit gradients are reduced in
+// float32, where their squares cannot overflow.
+Tensor grad_norm(const Tensor& grad, double p) {
+  Tensor g = grad.dtype() == DType::Float16 || grad.dtype() == DType::BFloat16 ? grad.to(DType::Float32) : grad;
+  if (std::isinf(p)) return max(abs(g));
+  if (p == 1.0) return sum(abs(g));
+  if (p == 2.0) return sqrt(sum(g * g));
+  return pow(sum(pow(abs(g), p)), 1.0 / p);
+}
+
+}  // namespace
+
+double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type) {
+  EMBER_CHECK(norm_type > 0.0 && !std::isnan(norm_type),
+              "clip_grad_norm_: norm_type must be positive or infinite, got ", norm_type);
+  NoGradGuard no_grad;
+  std::vector<Tensor> grads;
+  for (const Tensor& p : params) {
+    Tensor g = p.grad();
+    if (g.defined() && g.numel() > 0) grads.push_back(g);
+  }
+  if (grads.empty()) return 0.0;
+
+  std::map<std::pair<int, int>, std::vector<Tensor>> norms_by_device;
+  for (const Tensor& g : grads) {
+    const Device d = g.device();
+    norms_by_device[{static_cast<int>(d.type), d.is_cuda() ? d.index : 0}].push_back(
+        grad_norm(g, norm_type).to(DType::Float64));
+  }
+  const bool inf = std::isinf(norm_type);
+  double acc = 0.0;
+  for (auto& [dev, norms] : norms_by_device)
+    for (double n : stack(norms).to_vector()) {
+      if (inf) acc = (n > acc || std::isnan(n)) ? n : acc;
+      else acc += std::pow(n, norm_type);
+    }
+  const double total = inf ? acc : std::pow(acc, 1.0 / norm_type);
+
+  // torch multiplies by clamp(coef, max=1); skipping the multiply by exactly
+  // 1 changes nothing, and a NaN coefficient still propagates.
+  const double coef = max_norm / (total + 1e-6);
+  if (!(coef >= 1.0))
+    for (Tensor& g : grads) g *= coef;
+  return total;
+}
+
+}  // namespace ember::optim

@@ -1,0 +1,479 @@
+// Optimizers, schedulers and clipping against float64 references written out
+// here (torch's update rules, step by step), checkpoint round trips that must
+// resume bit-exactly, the errors users hit, and one end-to-end fit.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numbers>
+
+#include "autograd/autograd.h"
+#include "core/ops.h"
+#include "core/ops_optim.h"
+#include "optim/clip_grad.h"
+#include "optim/lr_scheduler.h"
+#include "optim/optimizer.h"
+
+namespace ember::optim {
+namespace {
+
+using V = std::vector<double>;
+
+Tensor param(V v, DType t = DType::Float64) {
+  const auto n = static_cast<int64_t>(v.size());
+  return Tensor::from_vector(v, {n}, t).requires_grad_();
+}
+
+void set_grad(const Tensor& p, const V& g) { p.set_grad(Tensor::from_vector(g, p.sizes(), p.dtype())); }
+
+void expect_vec(const Tensor& t, const V& want, double tol) {
+  auto got = t.to_vector();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], tol * std::max(1.0, std::abs(want[i]))) << i;
+}
+
+template <typename F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error containing '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+// The gradients fed on steps 1..3 (shrinking, so amsgrad's max matters).
+const std::vector<V> kGrads = {{0.5, -1.0, 2.0}, {0.3, -0.2, -1.5}, {-0.1, 0.05, 0.4}};
+const V kInit = {1.0, -2.0, 0.5};
+
+// ---- float64 references: torch.optim's single-tensor updates ----
+struct SgdRef {
+  double lr, momentum = 0, dampening = 0, wd = 0;
+  bool nesterov = false;
+  V p = kInit, buf = {};
+  void step(const V& g) {
+    const bool first = buf.empty();
+    buf.resize(p.size());
+    for (size_t i = 0; i < p.size(); ++i) {
+      double d = g[i];
+      if (wd != 0) d = d + wd * p[i];
+      if (momentum != 0) {
+        buf[i] = first ? d : buf[i] * momentum + (1 - dampening) * d;
+        d = nesterov ? d + momentum * buf[i] : buf[i];
+      }
+      p[i] = p[i] - lr * d;
+    }
+  }
+};
+
+struct AdamRef {
+  double lr, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0;
+  bool amsgrad = false, decoupled = false;
+  V p = kInit, m = V(3, 0.0), v = V(3, 0.0), vmax = V(3, 0.0);
+  int t = 0;
+  void step(const V& grad) {
+    ++t;
+    const double bc1 = 1 - std::pow(b1, t), bc2 = 1 - std::pow(b2, t);
+    for (size_t i = 0; i < p.size(); ++i) {
+      double g = grad[i];
+      if (wd != 0 && decoupled) p[i] = p[i] * (1 - lr * wd);
+      if (wd != 0 && !decoupled) g = g + wd * p[i];
+      m[i] = m[i] + (1 - b1) * (g - m[i]);
+      v[i] = v[i] * b2 + (1 - b2) * g * g;
+      vmax[i] = std::max(vmax[i], v[i]);
+      const double denom = std::sqrt(amsgrad ? vmax[i] : v[i]) / std::sqrt(bc2) + eps;
+      p[i] = p[i] - (lr / bc1) * m[i] / denom;
+    }
+  }
+};
+
+template <typename Ref>
+void run_against(Optimizer& opt, const Tensor& p, Ref ref, double tol) {
+  for (const V& g : kGrads) {
+    set_grad(p, g);
+    opt.step();
+    ref.step(g);
+    expect_vec(p, ref.p, tol);
+  }
+}
+
+TEST(SGD, HandValuesMomentumAndNesterov) {
+  // p = 1, g = 1 each step, lr 0.1, momentum 0.9: buf 1, 1.9, 2.71.
+  for (bool nesterov : {false, true}) {
+    Tensor p = param({1.0});
+    SGD opt({p}, {.lr = 0.1, .momentum = 0.9, .nesterov = nesterov});
+    V want = nesterov ? V{0.81, 0.539, 0.1951} : V{0.9, 0.71, 0.439};
+    for (double w : want) {
+      set_grad(p, {1.0});
+      opt.step();
+      expect_vec(p, {w}, 1e-14);
+    }
+  }
+}
+
+TEST(SGD, MatchesReference) {
+  for (SGDOptions o : {SGDOptions{.lr = 0.1}, SGDOptions{.lr = 0.1, .weight_decay = 0.01},
+                       SGDOptions{.lr = 0.05, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01},
+                       SGDOptions{.lr = 0.05, .momentum = 0.8, .weight_decay = 0.1, .nesterov = true}}) {
+    for (DType dt : {DType::Float64, DType::Float32}) {
+      Tensor p = param(kInit, dt);
+      SGD opt({p}, o);
+      run_against(opt, p, SgdRef{.lr = o.lr, .momentum = o.momentum, .dampening = o.dampening, .wd = o.weight_decay, .nesterov = o.nesterov},
+                  dt == DType::Float64 ? 1e-14 : 1e-6);
+    }
+  }
+}
+
+TEST(SGD, MaximizeAscends) {
+  Tensor p = param({1.0});
+  SGD opt({p}, {.lr = 0.1, .maximize = true});
+  set_grad(p, {2.0});
+  opt.step();
+  expect_vec(p, {1.2}, 1e-15);
+}
+
+TEST(Adam, HandValuesFirstStep) {
+  // First step: m = 0.1 g, v = 0.001 g^2, both bias-corrected back to g and
+  // g^2, so the update is lr * g / (|g| + eps) = lr for g > 0.
+  Tensor p = param({1.0});
+  Adam opt({p}, {.lr = 0.1});
+  set_grad(p, {2.0});
+  opt.step();
+  expect_vec(p, {0.9}, 1e-8);
+  // AdamW first shrinks p by 1 - lr * wd = 0.99.
+  Tensor q = param({1.0});
+  AdamW optw({q}, {.lr = 0.1, .weight_decay = 0.1});
+  set_grad(q, {2.0});
+  optw.step();
+  expect_vec(q, {0.89}, 1e-8);
+  EXPECT_EQ(AdamW({param({1.0})}).defaults().at("weight_decay"), 1e-2);
+  EXPECT_EQ(Adam({param({1.0})}).defaults().at("weight_decay"), 0.0);
+}
+
+TEST(Adam, MatchesReferenceWithWeightDecayAndAmsgrad) {
+  for (bool amsgrad : {false, true})
+    for (double wd : {0.0, 0.1})
+      for (DType dt : {DType::Float64, DType::Float32}) {
+        const double tol = dt == DType::Float64 ? 1e-13 : 2e-6;
+        Tensor p = param(kInit, dt);
+        Adam opt({p}, {.lr = 0.01, .beta1 = 0.8, .weight_decay = wd, .amsgrad = amsgrad});
+        AdamRef ref{.lr = 0.01, .b1 = 0.8, .wd = wd, .amsgrad = amsgrad};
+        run_against(opt, p, ref, tol);
+        EXPECT_EQ(opt.state(p).at("step").item(), 3.0);
+        EXPECT_EQ(opt.state(p).count("max_exp_avg_sq"), amsgrad ? 1u : 0u);
+
+        Tensor q = param(kInit, dt);
+        AdamW optw({q}, {.lr = 0.01, .weight_decay = wd + 0.05, .amsgrad = amsgrad});
+        run_against(optw, q, AdamRef{.lr = 0.01, .wd = wd + 0.05, .amsgrad = amsgrad, .decoupled = true}, tol);
+      }
+}
+
+TEST(Adam, LateParametersKeepTheirOwnStepCount) {
+  Tensor a = param(kInit), b = param(kInit);
+  Adam opt({a, b}, {.lr = 0.01});
+  AdamRef ra{.lr = 0.01}, rb{.lr = 0.01};
+  for (size_t s = 0; s < kGrads.size(); ++s) {
+    set_grad(a, kGrads[s]);
+    ra.step(kGrads[s]);
+    if (s > 0) {  // b's first gradient arrives on step 2
+      set_grad(b, kGrads[s]);
+      rb.step(kGrads[s]);
+    }
+    opt.step();
+    expect_vec(a, ra.p, 1e-13);
+    expect_vec(b, rb.p, 1e-13);
+  }
+  EXPECT_EQ(opt.state(b).at("step").item(), 2.0);
+}
+
+TEST(Adam, ThreadedLargeTensorMatchesPiecewise) {
+  // 3 x 50000 elements: parallel_for splits each across threads; the same
+  // update on 1000-element pieces (one thread each) must agree bit for bit.
+  manual_seed(3);
+  auto make = [](int64_t n) { return std::vector<Tensor>{randn({n}), randn({n}), zeros({n}), zeros({n}), zeros({n})}; };
+  std::vector<Tensor> big = make(150000);
+  std::vector<std::vector<Tensor>> pieces;
+  for (int64_t s = 0; s < 150000; s += 1000) {
+    pieces.emplace_back();
+    for (const Tensor& t : big) pieces.back().push_back(t.narrow(0, s, 1000).clone());
+  }
+  auto run = [](std::vector<Tensor>& t, int64_t step) {
+    std::vector<Tensor> p{t[0]}, g{t[1]}, m{t[2]}, v{t[3]}, x{t[4]};
+    adam_step_(p, g, m, v, x, {.lr = 0.01, .weight_decay = 0.1, .amsgrad = true, .step = step});
+  };
+  for (int64_t step = 1; step <= 2; ++step) {
+    run(big, step);
+    for (auto& piece : pieces) run(piece, step);
+  }
+  std::vector<Tensor> joined;
+  for (auto& piece : pieces) joined.push_back(piece[0]);
+  EXPECT_EQ(cat(joined).to_vector(), big[0].to_vector());
+}
+
+TEST(Optimizer, SkipsMissingGradsAndZeroGrad) {
+  Tensor a = param({1, 2}), b = param({3, 4});
+  SGD opt({a, b}, {.lr = 0.5, .momentum = 0.9});
+  set_grad(a, {1, 1});
+  opt.step();
+  expect_vec(a, {0.5, 1.5}, 0);
+  expect_vec(b, {3, 4}, 0);
+  EXPECT_TRUE(opt.state(b).empty());
+  opt.zero_grad(false);
+  expect_vec(a.grad(), {0, 0}, 0);
+  EXPECT_FALSE(b.grad().defined());
+  opt.zero_grad();
+  EXPECT_FALSE(a.grad().defined());
+}
+
+TEST(Optimizer, ParamGroupsAndMixedDtypes) {
+  Tensor a = param({1.0}), b = param({1.0}, DType::Float32), c = param({1.0});
+  SGD opt(std::vector<ParamGroup>{{{a, b}, {}}, {{c}, {{"lr", 0.01}}}}, SGDOptions{.lr = 0.1});
+  EXPECT_EQ(opt.param_groups()[0].lr(), 0.1);
+  EXPECT_EQ(opt.param_groups()[1].lr(), 0.01);
+  EXPECT_EQ(opt.param_groups()[1].options.at("momentum"), 0.0);
+  for (const Tensor& p : {a, b, c}) set_grad(p, {1.0});
+  opt.step();
+  expect_vec(a, {0.9}, 1e-15);
+  expect_vec(b, {0.9}, 1e-7);
+  expect_vec(c, {0.99}, 1e-15);
+  Tensor d = param({5.0});
+  opt.add_param_group({{d}, {{"lr", 1.0}}});
+  set_grad(d, {1.0});
+  opt.step();
+  expect_vec(d, {4.0}, 0);
+}
+
+TEST(Optimizer, ConstructionErrors) {
+  Tensor a = param({1.0});
+  expect_error([&] { SGD(std::vector<Tensor>{}); }, "empty parameter list");
+  expect_error([&] { SGD({a, a}); }, "more than once");
+  expect_error([&] { SGD(std::vector<ParamGroup>{{{a}, {{"momentun", 0.9}}}}, {}); }, "unknown option 'momentun'");
+  expect_error([&] { SGD({a}, {.lr = 0.1, .nesterov = true}); }, "Nesterov momentum requires");
+  expect_error([&] { SGD({a}, {.lr = -1}); }, "invalid learning rate");
+  expect_error([&] { Adam({a}, {.beta2 = 1.0}); }, "invalid beta parameter at index 1");
+  expect_error([&] { SGD({a * 2.0}); }, "not a leaf");
+  expect_error([&] { SGD({Tensor::from_vector({1}, {1}, DType::Int64)}); }, "only floating");
+  // The fused op refuses what it cannot update in place, naming the operand.
+  std::vector<Tensor> ps{zeros({2, 3}).t()}, gs{zeros({3, 2})}, bufs{Tensor()};
+  expect_error([&] { sgd_step_(ps, gs, bufs, {.lr = 0.1, .momentum = 0.9}); }, "parameter 0 [3,2] with strides");
+  std::vector<Tensor> qs{zeros({3})}, hs{zeros({2})};
+  expect_error([&] { sgd_step_(qs, hs, bufs, {.lr = 0.1, .momentum = 0.9}); }, "gradient 0 ([2] float32");
+}
+
+// ---- state_dict: 3 steps, checkpoint, fresh optimizer, 2 steps == 5 steps ----
+
+// Grads come from a real backward so they depend on the parameters.
+void train(Optimizer& opt, const Tensor& w, const Tensor& b, int steps) {
+  Tensor x = Tensor::from_vector({0.5, -1.0, 2.0, 0.25, 1.5, -0.75}, {2, 3}, w.dtype());
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    Tensor y = matmul(x, w) + b;  // [2, 2]
+    sum(y * y * 0.5 + tanh(y)).backward();
+    opt.step();
+  }
+}
+
+template <typename Make>
+void check_resume(Make make, DType dt) {
+  auto fresh = [&] {
+    Tensor w = Tensor::from_vector({0.1, -0.2, 0.3, 0.4, -0.5, 0.6}, {3, 2}, dt).requires_grad_();
+    Tensor b = Tensor::from_vector({0.05, -0.05}, {2}, dt).requires_grad_();
+    return std::pair{w, b};
+  };
+  auto [w5, b5] = fresh();
+  auto opt5 = make(std::vector<Tensor>{w5, b5});
+  train(*opt5, w5, b5, 5);
+
+  auto [w, b] = fresh();
+  auto opt = make(std::vector<Tensor>{w, b});
+  train(*opt, w, b, 3);
+  OptimizerStateDict sd = opt->state_dict();
+  // As a checkpoint would: copies of the tensors and numbers only.
+  for (auto& [name, t] : sd.state) t = t.clone();
+  Tensor w2 = w.detach().clone().requires_grad_(), b2 = b.detach().clone().requires_grad_();
+  opt.reset();
+  auto opt2 = make(std::vector<Tensor>{w2, b2});
+  opt2->load_state_dict(sd);
+  train(*opt2, w2, b2, 2);
+  EXPECT_EQ(w2.to_vector(), w5.to_vector());
+  EXPECT_EQ(b2.to_vector(), b5.to_vector());
+  EXPECT_EQ(opt2->state_dict().state.size(), opt5->state_dict().state.size());
+}
+
+TEST(StateDict, ResumesBitExactly) {
+  for (DType dt : {DType::Float32, DType::Float64}) {
+    check_resume([](std::vector<Tensor> p) {
+      return std::make_unique<SGD>(p, SGDOptions{.lr = 0.05, .momentum = 0.9, .dampening = 0.1, .weight_decay = 1e-3});
+    }, dt);
+    check_resume([](std::vector<Tensor> p) {
+      return std::make_unique<Adam>(p, AdamOptions{.lr = 0.01, .weight_decay = 0.1, .amsgrad = true});
+    }, dt);
+    check_resume([](std::vector<Tensor> p) { return std::make_unique<AdamW>(p, AdamWOptions{.lr = 0.01}); }, dt);
+  }
+}
+
+TEST(StateDict, NamesAndGroups) {
+  Tensor a = param({1, 2}), b = param({3}), c = param({4});
+  Adam opt(std::vector<ParamGroup>{{{a}, {}}, {{b, c}, {{"lr", 0.5}}}}, AdamOptions{});
+  set_grad(a, {1, 1});
+  set_grad(c, {1});
+  opt.step();
+  OptimizerStateDict sd = opt.state_dict();
+  std::vector<std::string> names;
+  for (auto& [n, t] : sd.state) names.push_back(n);
+  EXPECT_EQ(names, (std::vector<std::string>{"state.0.exp_avg", "state.0.exp_avg_sq", "state.0.step",
+                                             "state.2.exp_avg", "state.2.exp_avg_sq", "state.2.step"}));
+  ASSERT_EQ(sd.param_groups.size(), 2u);
+  EXPECT_EQ(sd.param_groups[1].params, (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(sd.param_groups[1].options.at("lr"), 0.5);
+  EXPECT_EQ(sd.param_groups[0].options.at("beta2"), 0.999);
+}
+
+TEST(StateDict, LoadErrorsNameTheMismatch) {
+  Tensor a = param({1, 2}), b = param({3});
+  SGD opt({a, b}, {.lr = 0.1, .momentum = 0.9});
+  set_grad(a, {1, 1});
+  set_grad(b, {1});
+  opt.step();
+  const OptimizerStateDict good = opt.state_dict();
+
+  SGD one({param({1, 2})}, {.lr = 0.1, .momentum = 0.9});
+  expect_error([&] { one.load_state_dict(good); }, "parameter group 0 has 2 parameters in the state dict, 1 in");
+  SGD two_groups(std::vector<ParamGroup>{{{param({1, 2})}, {}}, {{param({3})}, {}}}, SGDOptions{});
+  expect_error([&] { two_groups.load_state_dict(good); }, "the state dict has 1 parameter groups, the optimizer has 2");
+
+  SGD target({param({0, 0}), param({0})}, {.lr = 0.1, .momentum = 0.9});
+  auto bad = good;
+  bad.state[1].second = zeros({2}, DType::Float64);
+  expect_error([&] { target.load_state_dict(bad); },
+               "entry 'state.1.momentum_buffer' has shape [2] but parameter 1 has shape [1]");
+  bad = good;
+  bad.state[0].first = "state.0.exp_avg";
+  expect_error([&] { target.load_state_dict(bad); }, "'state.0.exp_avg': SGD keeps no state named 'exp_avg'");
+  bad = good;
+  bad.state[0].first = "state.x.momentum_buffer";
+  expect_error([&] { target.load_state_dict(bad); }, "is not named state.<index>.<name>");
+  bad = good;
+  bad.state[0].first = "state.7.momentum_buffer";
+  expect_error([&] { target.load_state_dict(bad); }, "refers to parameter 7");
+  // A failed load changes nothing; a good one restores lr and buffers.
+  EXPECT_TRUE(target.state(target.param_groups()[0].params[0]).empty());
+  target.param_groups()[0].options["lr"] = 9.0;
+  target.load_state_dict(good);
+  EXPECT_EQ(target.param_groups()[0].lr(), 0.1);
+  expect_vec(target.state(target.param_groups()[0].params[0]).at("momentum_buffer"), {1, 1}, 0);
+}
+
+// ---- LR schedulers against their closed forms ----
+void expect_schedule(LRScheduler& s, Optimizer& opt, int epochs, const std::function<double(double, int)>& want) {
+  for (int e = 0; e < epochs; ++e) {
+    if (e > 0) s.step();
+    ASSERT_EQ(s.last_epoch(), e);
+    for (size_t g = 0; g < opt.param_groups().size(); ++g) {
+      const double base = opt.param_groups()[g].options.at("initial_lr");
+      EXPECT_NEAR(s.get_last_lr()[g], want(base, e), 1e-15) << "epoch " << e << " group " << g;
+      EXPECT_EQ(opt.param_groups()[g].lr(), s.get_last_lr()[g]);
+    }
+  }
+}
+
+std::unique_ptr<SGD> two_group_sgd() {
+  return std::make_unique<SGD>(std::vector<ParamGroup>{{{param({1})}, {}}, {{param({1})}, {{"lr", 0.5}}}},
+                               SGDOptions{.lr = 0.1});
+}
+
+TEST(LRScheduler, StepMultiStepCosineLinear) {
+  auto o1 = two_group_sgd();
+  StepLR step(*o1, 3, 0.5);
+  expect_schedule(step, *o1, 10, [](double b, int e) { return b * std::pow(0.5, e / 3); });
+
+  auto o2 = two_group_sgd();
+  MultiStepLR multi(*o2, {6, 2, 6}, 0.1);
+  expect_schedule(multi, *o2, 9, [](double b, int e) { return b * (e < 2 ? 1 : e < 6 ? 0.1 : 0.001); });
+
+  auto o3 = two_group_sgd();
+  CosineAnnealingLR cos(*o3, 10, 0.001);
+  expect_schedule(cos, *o3, 15, [](double b, int e) {
+    return 0.001 + (b - 0.001) * (1 + std::cos(std::numbers::pi * e / 10)) / 2;
+  });
+  auto o4 = two_group_sgd();
+  LinearLR lin(*o4, 0.25, 1.0, 4);
+  expect_schedule(lin, *o4, 8, [](double b, int e) { return b * (0.25 + 0.75 * std::min(e, 4) / 4.0); });
+  EXPECT_EQ(o4->param_groups()[1].options.at("initial_lr"), 0.5);
+}
+
+TEST(LRScheduler, WarmupThenCosineAndResume) {
+  auto opt = two_group_sgd();
+  auto warmup = std::make_shared<LinearLR>(*opt, 0.1, 1.0, 5);
+  auto cosine = std::make_shared<CosineAnnealingLR>(*opt, 20, 0.0);
+  SequentialLR sched(*opt, {warmup, cosine}, {5});
+  auto want = [](double b, int e) {
+    return e < 5 ? b * (0.1 + 0.9 * e / 5.0) : b * (1 + std::cos(std::numbers::pi * (e - 5) / 20)) / 2;
+  };
+  expect_schedule(sched, *opt, 12, want);
+  EXPECT_NEAR(sched.get_last_lr()[0], 0.1 * (1 + std::cos(std::numbers::pi * 6 / 20)) / 2, 1e-15);
+
+  // Resume: a fresh optimizer + scheduler continue from the saved counters.
+  auto opt2 = two_group_sgd();
+  opt2->load_state_dict(opt->state_dict());
+  SequentialLR sched2(*opt2, {std::make_shared<LinearLR>(*opt2, 0.1, 1.0, 5),
+                              std::make_shared<CosineAnnealingLR>(*opt2, 20, 0.0)}, {5});
+  sched2.load_state_dict(sched.state_dict());
+  sched.step();
+  sched2.step();
+  EXPECT_EQ(sched2.get_last_lr(), sched.get_last_lr());
+  EXPECT_EQ(opt2->param_groups()[1].lr(), opt->param_groups()[1].lr());
+
+  expect_error([&] { SequentialLR(*opt, {warmup, cosine}, {5, 6}); }, "one more scheduler than milestones");
+  auto other = two_group_sgd();
+  expect_error([&] { SequentialLR(*other, {warmup}, {}); }, "different optimizer");
+  expect_error([&] { LinearLR(*opt, 0.0); }, "greater than 0");
+  EXPECT_DOUBLE_EQ(scaled_lr(0.1, 1024, 256), 0.4);
+}
+
+// ---- clip_grad_norm_ ----
+TEST(ClipGradNorm, TwoNormInfNormAndNoClip) {
+  Tensor a = param({3, 4}), b = param({12}), c = param({7});  // c has no grad
+  set_grad(a, {3, 4});
+  set_grad(b, {12});
+  EXPECT_NEAR(clip_grad_norm_({a, b, c}, 6.5), 13.0, 1e-12);
+  const double k = 6.5 / (13.0 + 1e-6);
+  expect_vec(a.grad(), {3 * k, 4 * k}, 1e-14);
+  expect_vec(b.grad(), {12 * k}, 1e-14);
+
+  set_grad(a, {3, -4});
+  set_grad(b, {-12});
+  EXPECT_NEAR(clip_grad_norm_({a, b}, 100.0), 13.0, 1e-12);  // under the limit: untouched
+  expect_vec(a.grad(), {3, -4}, 0);
+
+  EXPECT_EQ(clip_grad_norm_({a, b}, 6.0, INFINITY), 12.0);
+  expect_vec(b.grad(), {-12 * 6.0 / (12.0 + 1e-6)}, 1e-14);
+
+  set_grad(a, {3, -4});
+  set_grad(b, {-12});
+  EXPECT_NEAR(clip_grad_norm_({a, b}, 100.0, 1.0), 19.0, 1e-12);
+  EXPECT_EQ(clip_grad_norm_({c}, 1.0), 0.0);
+  expect_error([&] { clip_grad_norm_({a}, 1.0, -1.0); }, "norm_type");
+}
+
+// ---- end to end: fit y = 3x + 1 with autograd and SGD momentum ----
+TEST(EndToEnd, FitsALineWithSgdMomentum) {
+  Tensor x = arange(-1.0, 1.0, 0.1, DType::Float32);
+  Tensor y = x * 3.0 + 1.0;
+  Tensor w = zeros({1}).requires_grad_(), b = zeros({1}).requires_grad_();
+  SGD opt({w, b}, {.lr = 0.1, .momentum = 0.9});
+  double loss_v = 0;
+  for (int i = 0; i < 300; ++i) {
+    opt.zero_grad();
+    Tensor err = w * x + b - y;
+    Tensor loss = mean(err * err);
+    loss.backward();
+    opt.step();
+    loss_v = loss.item();
+  }
+  EXPECT_NEAR(w.item(), 3.0, 1e-3);
+  EXPECT_NEAR(b.item(), 1.0, 1e-3);
+  EXPECT_LT(loss_v, 1e-6);
+}
+
+}  // namespace
+}  // namespace ember::optim

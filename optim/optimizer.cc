@@ -1,0 +1,290 @@
+// Optimizer bookkeeping (groups, state, checkpoints) and the SGD / Adam /
+// AdamW steps, which gather each group's parameters and hand them to the
+// fused kernels in core/ops_optim.h in one call.
+#include "optim/optimizer.h"
+
+#include <algorithm>
+#include <set>
+#include <tuple>
+
+#include "autograd/autograd.h"
+#include "core/autograd_hook.h"
+#include "core/ops.h"
+#include "core/ops_optim.h"
+
+namespace ember::optim {
+namespace {
+
+constexpr const char* kInitialLr = "initial_lr";  // written by LR schedulers
+
+std::string join_keys(const Options& o) {
+  std::string s;
+  for (const auto& [k, v] : o) s += (s.empty() ? "" : ", ") + k;
+  return s;
+}
+
+bool flag(const Options& o, const char* key) { return o.at(key) != 0.0; }
+
+// A plain parameter list is one group; an empty list is no group at all, so
+// init() reports it as torch does.
+std::vector<ParamGroup> one_group(std::vector<Tensor> params) {
+  if (params.empty()) return {};
+  return {ParamGroup{std::move(params), {}}};
+}
+
+}  // namespace
+
+// ---- Optimizer ----
+Optimizer::Optimizer(std::string name, Options defaults) : name_(std::move(name)), defaults_(std::move(defaults)) {}
+
+void Optimizer::init(std::vector<ParamGroup> groups) {
+  EMBER_CHECK(!groups.empty(), name_, ": optimizer got an empty parameter list");
+  for (auto& g : groups) add_param_group(std::move(g));
+}
+
+void Optimizer::add_param_group(ParamGroup group) {
+  const size_t gi = groups_.size();
+  for (const auto& [k, v] : group.options)
+    EMBER_CHECK(defaults_.count(k) || k == kInitialLr, name_, ": unknown option '", k, "' in parameter group ", gi,
+                " (known: ", join_keys(defaults_), ")");
+  for (const auto& [k, v] : defaults_) group.options.emplace(k, v);
+  validate(group.options);
+  std::set<const TensorImpl*> seen;
+  for (const auto& g : groups_)
+    for (const Tensor& p : g.params) seen.insert(p.impl_ptr().get());
+  for (size_t i = 0; i < group.params.size(); ++i) {
+    const Tensor& p = group.params[i];
+    EMBER_CHECK(p.defined(), name_, ": parameter ", i, " of group ", gi, " is undefined");
+    EMBER_CHECK(is_floating(p.dtype()), name_, ": parameter ", i, " of group ", gi, " ", shape_str(p.sizes()),
+                " has dtype ", p.dtype(), "; only floating tensors can be optimized");
+    EMBER_CHECK(p.is_leaf(), name_, ": parameter ", i, " of group ", gi, " ", shape_str(p.sizes()),
+                " is not a leaf; optimize the tensor the computation starts from");
+    EMBER_CHECK(seen.insert(p.impl_ptr().get()).second, name_, ": parameter ", i, " of group ", gi, " ",
+                shape_str(p.sizes()), " appears more than once across parameter groups");
+  }
+  groups_.push_back(std::move(group));
+}
+
+void Optimizer::zero_grad(bool set_to_none) {
+  for (auto& g : groups_)
+    for (const Tensor& p : g.params) autograd::zero_grad(p, set_to_none);
+}
+
+const Optimizer::ParamState& Optimizer::state(const Tensor& p) const {
+  static const ParamState kEmpty;
+  auto it = state_.find(p.impl_ptr().get());
+  return it == state_.end() ? kEmpty : it->second;
+}
+
+OptimizerStateDict Optimizer::state_dict() const {
+  OptimizerStateDict sd;
+  int64_t index = 0;
+  for (const auto& g : groups_) {
+    OptimizerStateDict::Group out{g.options, {}};
+    for (const Tensor& p : g.params) {
+      out.params.push_back(index);
+      for (const auto& [name, t] : state(p))
+        sd.state.emplace_back("state." + std::to_string(index) + "." + name, t);
+      ++index;
+    }
+    sd.param_groups.push_back(std::move(out));
+  }
+  return sd;
+}
+
+void Optimizer::load_state_dict(const OptimizerStateDict& sd) {
+  const std::string op = name_ + "::load_state_dict";
+  EMBER_CHECK(sd.param_groups.size() == groups_.size(), op, ": the state dict has ", sd.param_groups.size(),
+              " parameter groups, the optimizer has ", groups_.size());
+  // Saved indices map to this optimizer's parameters by position, as torch
+  // does: the checkpoint must come from the same model layout.
+  std::map<int64_t, Tensor> param_of;
+  std::vector<Options> options(groups_.size());
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    const auto& saved = sd.param_groups[gi];
+    const auto& cur = groups_[gi];
+    EMBER_CHECK(saved.params.size() == cur.params.size(), op, ": parameter group ", gi, " has ",
+                saved.params.size(), " parameters in the state dict, ", cur.params.size(), " in the optimizer");
+    for (size_t i = 0; i < cur.params.size(); ++i)
+      EMBER_CHECK(param_of.emplace(saved.params[i], cur.params[i]).second, op, ": parameter index ",
+                  saved.params[i], " appears twice in the state dict's groups");
+    options[gi] = cur.options;
+    for (const auto& [k, v] : saved.options) {
+      EMBER_CHECK(defaults_.count(k) || k == kInitialLr, op, ": parameter group ", gi, " has unknown option '", k,
+                  "' (known: ", join_keys(defaults_), ")");
+      options[gi][k] = v;
+    }
+    validate(options[gi]);
+  }
+  const std::vector<std::string> names = state_names();
+  std::vector<std::tuple<Tensor, std::string, Tensor>> entries;  // param, state name, value
+  for (const auto& [key, t] : sd.state) {
+    // "state.<index>.<name>"
+    const size_t dot = key.find('.', 6);
+    int64_t index = -1;
+    if (key.rfind("state.", 0) == 0 && dot != std::string::npos && dot > 6) {
+      try {
+        size_t used = 0;
+        index = std::stoll(key.substr(6, dot - 6), &used);
+        if (used != dot - 6) index = -1;
+      } catch (const std::exception&) {
+        index = -1;
+      }
+    }
+    EMBER_CHECK(index >= 0, op, ": state dict entry '", key, "' is not named state.<index>.<name>");
+    const std::string name = key.substr(dot + 1);
+    auto it = param_of.find(index);
+    EMBER_CHECK(it != param_of.end(), op, ": state dict entry '", key, "' refers to parameter ", index,
+                ", which no parameter group of the state dict lists");
+    EMBER_CHECK(std::find(names.begin(), names.end(), name) != names.end(), op, ": state dict entry '", key, "': ",
+                name_, " keeps no state named '", name, "'");
+    EMBER_CHECK(t.defined(), op, ": state dict entry '", key, "' is an undefined tensor");
+    const Tensor& p = it->second;
+    if (name == "step") {
+      EMBER_CHECK(t.numel() == 1, op, ": state dict entry '", key, "' should hold one number, has shape ",
+                  shape_str(t.sizes()));
+    } else {
+      EMBER_CHECK(t.sizes() == p.sizes(), op, ": state dict entry '", key, "' has shape ", shape_str(t.sizes()),
+                  " but parameter ", index, " has shape ", shape_str(p.sizes()));
+      EMBER_CHECK(is_floating(t.dtype()), op, ": state dict entry '", key, "' has dtype ", t.dtype(),
+                  "; expected a floating tensor");
+    }
+    entries.emplace_back(p, name, t);
+  }
+  // Everything checked: now replace, copying so two optimizers (or the
+  // snapshot and the live run) never share buffers.
+  NoGradGuard no_grad;
+  for (size_t gi = 0; gi < groups_.size(); ++gi) groups_[gi].options = std::move(options[gi]);
+  state_.clear();
+  for (auto& [p, name, t] : entries) {
+    Tensor copy = name == "step" ? Tensor::empty({}, {DType::Float32, kCPU}) : Tensor::empty(p.sizes(), p.options());
+    copy.copy_(name == "step" ? t.reshape({}) : t);
+    mutable_state(p)[name] = copy;
+  }
+}
+
+// ---- SGD ----
+Options SGDOptions::to_map() const {
+  return {{"lr", lr}, {"momentum", momentum}, {"dampening", dampening}, {"weight_decay", weight_decay},
+          {"nesterov", nesterov ? 1.0 : 0.0}, {"maximize", maximize ? 1.0 : 0.0}};
+}
+
+SGD::SGD(std::vector<Tensor> params, SGDOptions defaults) : SGD(one_group(std::move(params)), defaults) {}
+
+SGD::SGD(std::vector<ParamGroup> groups, SGDOptions defaults) : Optimizer("SGD", defaults.to_map()) {
+  init(std::move(groups));
+}
+
+void SGD::validate(const Options& o) const {
+  EMBER_CHECK(o.at("lr") >= 0.0, "SGD: invalid learning rate: ", o.at("lr"));
+  EMBER_CHECK(o.at("momentum") >= 0.0, "SGD: invalid momentum value: ", o.at("momentum"));
+  EMBER_CHECK(o.at("weight_decay") >= 0.0, "SGD: invalid weight_decay value: ", o.at("weight_decay"));
+  EMBER_CHECK(!flag(o, "nesterov") || (o.at("momentum") > 0.0 && o.at("dampening") == 0.0),
+              "SGD: Nesterov momentum requires a momentum and zero dampening (got momentum ", o.at("momentum"),
+              ", dampening ", o.at("dampening"), ")");
+}
+
+void SGD::step() {
+  NoGradGuard no_grad;
+  for (auto& group : param_groups()) {
+    const Options& o = group.options;
+    const SgdArgs args{o.at("lr"), o.at("momentum"), o.at("dampening"), o.at("weight_decay"), flag(o, "nesterov"),
+                       flag(o, "maximize")};
+    std::vector<Tensor> params, grads, bufs;
+    for (const Tensor& p : group.params) {
+      Tensor g = p.grad();
+      if (!g.defined()) continue;
+      params.push_back(p);
+      grads.push_back(g);
+      if (args.momentum != 0.0) {
+        auto& st = mutable_state(p);
+        auto it = st.find("momentum_buffer");
+        bufs.push_back(it == st.end() ? Tensor() : it->second);
+      }
+    }
+    if (params.empty()) continue;
+    sgd_step_(params, grads, bufs, args);
+    // New buffers were allocated by the step (torch's first-step clone).
+    for (size_t i = 0; i < bufs.size(); ++i) mutable_state(params[i])["momentum_buffer"] = bufs[i];
+  }
+}
+
+// ---- Adam / AdamW ----
+Options AdamOptions::to_map() const {
+  return {{"lr", lr},   {"beta1", beta1},           {"beta2", beta2},
+          {"eps", eps}, {"weight_decay", weight_decay}, {"amsgrad", amsgrad ? 1.0 : 0.0},
+          {"maximize", maximize ? 1.0 : 0.0}};
+}
+Options AdamWOptions::to_map() const {
+  return AdamOptions{lr, beta1, beta2, eps, weight_decay, amsgrad, maximize}.to_map();
+}
+
+Adam::Adam(std::string name, Options defaults, bool decoupled)
+    : Optimizer(std::move(name), std::move(defaults)), decoupled_(decoupled) {}
+
+Adam::Adam(std::vector<Tensor> params, AdamOptions defaults)
+    : Adam(one_group(std::move(params)), defaults) {}
+
+Adam::Adam(std::vector<ParamGroup> groups, AdamOptions defaults) : Adam("Adam", defaults.to_map(), false) {
+  init(std::move(groups));
+}
+
+AdamW::AdamW(std::vector<Tensor> params, AdamWOptions defaults)
+    : AdamW(one_group(std::move(params)), defaults) {}
+
+AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions defaults) : Adam("AdamW", defaults.to_map(), true) {
+  init(std::move(groups));
+}
+
+void Adam::validate(const Options& o) const {
+  const std::string& n = name();
+  EMBER_CHECK(o.at("lr") >= 0.0, n, ": invalid learning rate: ", o.at("lr"));
+  EMBER_CHECK(o.at("eps") >= 0.0, n, ": invalid epsilon value: ", o.at("eps"));
+  EMBER_CHECK(o.at("beta1") >= 0.0 && o.at("beta1") < 1.0, n, ": invalid beta parameter at index 0: ", o.at("beta1"));
+  EMBER_CHECK(o.at("beta2") >= 0.0 && o.at("beta2") < 1.0, n, ": invalid beta parameter at index 1: ", o.at("beta2"));
+  EMBER_CHECK(o.at("weight_decay") >= 0.0, n, ": invalid weight_decay value: ", o.at("weight_decay"));
+}
+
+void Adam::step() {
+  NoGradGuard no_grad;
+  for (auto& group : param_groups()) {
+    const Options& o = group.options;
+    const bool amsgrad = flag(o, "amsgrad");
+    // Parameters that started later have smaller step counts; each count
+    // gets one fused call (in practice there is one).
+    struct Lists {
+      std::vector<Tensor> p, g, m, v, vmax;
+      std::vector<float*> counts;
+    };
+    std::map<int64_t, Lists> by_step;
+    for (const Tensor& p : group.params) {
+      Tensor g = p.grad();
+      if (!g.defined()) continue;
+      auto& st = mutable_state(p);
+      if (!st.count("step")) {
+        st["step"] = zeros({}, {DType::Float32, kCPU});
+        st["exp_avg"] = zeros_like(p);
+        st["exp_avg_sq"] = zeros_like(p);
+      }
+      if (amsgrad && !st.count("max_exp_avg_sq")) st["max_exp_avg_sq"] = zeros_like(p);
+      // float32, counted in float32, as torch's step tensor; bumped only
+      // once the update went through.
+      float* count = st["step"].data<float>();
+      Lists& l = by_step[static_cast<int64_t>(*count + 1.0f)];
+      l.counts.push_back(count);
+      l.p.push_back(p);
+      l.g.push_back(g);
+      l.m.push_back(st["exp_avg"]);
+      l.v.push_back(st["exp_avg_sq"]);
+      if (amsgrad) l.vmax.push_back(st["max_exp_avg_sq"]);
+    }
+    for (auto& [step, l] : by_step) {
+      const AdamArgs args{o.at("lr"), o.at("beta1"),  o.at("beta2"),  o.at("eps"), o.at("weight_decay"),
+                          decoupled_, amsgrad, flag(o, "maximize"), step};
+      adam_step_(l.p, l.g, l.m, l.v, l.vmax, args);
+      for (float* c : l.counts) *c += 1.0f;
+    }
+  }
+}
+
+}  // namespace ember::optim

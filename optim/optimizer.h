@@ -1,0 +1,171 @@
+// torch.optim for ember: the Optimizer base (parameter groups, per-parameter
+// state, zero_grad, state_dict/load_state_dict) and SGD, Adam and AdamW.
+//
+//   ember::optim::SGD opt(model.parameters(), {.lr = 0.1, .momentum = 0.9});
+//   for (...) { opt.zero_grad(); loss(model).backward(); opt.step(); }
+//
+// Hyperparameters live per group in a map<string, double>, as in torch's
+// param_group dicts (booleans are 0/1, Adam's betas are "beta1"/"beta2"), so
+// schedulers and checkpoints treat every optimizer alike. Steps run the
+// fused kernels of core/ops_optim.h under NoGradGuard and update parameters
+// in place; parameters whose grad is undefined are skipped, as in torch.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace ember::optim {
+
+using Options = std::map<std::string, double>;
+
+struct ParamGroup {
+  std::vector<Tensor> params;
+  // Entries override the optimizer's defaults; missing ones are filled in by
+  // add_param_group. Schedulers add "initial_lr", as torch does.
+  Options options;
+  double lr() const { return options.at("lr"); }
+};
+
+// A checkpointable snapshot: tensors and plain numbers only, so it can be
+// written as safetensors (the tensors, by name) plus JSON (the groups).
+struct OptimizerStateDict {
+  // "state.<index>.<name>", ordered by index then name. The index is torch's:
+  // parameters numbered across groups in order. The tensors alias the live
+  // state (as torch's state_dict does): write them out or clone them before
+  // the next step if the snapshot must stay fixed.
+  std::vector<std::pair<std::string, Tensor>> state;
+  struct Group {
+    Options options;
+    std::vector<int64_t> params;  // the indices of this group's parameters
+  };
+  std::vector<Group> param_groups;
+};
+
+class Optimizer {
+ public:
+  using ParamState = std::map<std::string, Tensor>;
+
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // Adds a group; its options default to the optimizer's. Rejects unknown
+  // option names, invalid values, and parameters already being optimized.
+  void add_param_group(ParamGroup group);
+  // Clears every parameter's gradient: releases it (set_to_none, torch's
+  // default) or zeroes it in place.
+  void zero_grad(bool set_to_none = true);
+  virtual void step() = 0;
+
+  std::vector<ParamGroup>& param_groups() { return groups_; }
+  const std::vector<ParamGroup>& param_groups() const { return groups_; }
+  const Options& defaults() const { return defaults_; }
+  // The state of parameter `p` (empty until its first step).
+  const ParamState& state(const Tensor& p) const;
+  const std::string& name() const { return name_; }
+
+  OptimizerStateDict state_dict() const;
+  // Restores groups' hyperparameters and per-parameter state (copied, cast
+  // to each parameter's dtype and device except "step"). Everything is
+  // checked before anything changes: group count, parameters per group,
+  // state names and shapes, with the offending entry named.
+  void load_state_dict(const OptimizerStateDict& sd);
+
+ protected:
+  Optimizer(std::string name, Options defaults);
+  // Subclasses call this at the end of their constructor, once validate()
+  // can dispatch to them.
+  void init(std::vector<ParamGroup> groups);
+  // Throws on an out-of-range hyperparameter (keys are checked already).
+  virtual void validate(const Options& o) const = 0;
+  // Names this optimizer keeps per parameter; "step" is a 0-dim tensor, the
+  // others have the parameter's shape.
+  virtual std::vector<std::string> state_names() const = 0;
+  ParamState& mutable_state(const Tensor& p) { return state_[p.impl_ptr().get()]; }
+
+ private:
+  std::string name_;
+  Options defaults_;
+  std::vector<ParamGroup> groups_;
+  // Keyed by TensorImpl: parameter handles share one, and set_data (moving a
+  // module) keeps it, so state follows the parameter.
+  std::unordered_map<const TensorImpl*, ParamState> state_;
+};
+
+struct SGDOptions {
+  double lr = 1e-3;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+  bool maximize = false;
+  Options to_map() const;
+};
+
+// torch.optim.SGD. State: "momentum_buffer" (when momentum != 0).
+class SGD : public Optimizer {
+ public:
+  explicit SGD(std::vector<Tensor> params, SGDOptions defaults = {});
+  SGD(std::vector<ParamGroup> groups, SGDOptions defaults = {});
+  void step() override;
+
+ protected:
+  void validate(const Options& o) const override;
+  std::vector<std::string> state_names() const override { return {"momentum_buffer"}; }
+};
+
+struct AdamOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool amsgrad = false;
+  bool maximize = false;
+  Options to_map() const;
+};
+
+// torch.optim.Adam. State: "step" (0-dim float32 on CPU, as torch keeps it),
+// "exp_avg", "exp_avg_sq", and "max_exp_avg_sq" with amsgrad.
+class Adam : public Optimizer {
+ public:
+  explicit Adam(std::vector<Tensor> params, AdamOptions defaults = {});
+  Adam(std::vector<ParamGroup> groups, AdamOptions defaults = {});
+  void step() override;
+
+ protected:
+  Adam(std::string name, Options defaults, bool decoupled);
+  void validate(const Options& o) const override;
+  std::vector<std::string> state_names() const override {
+    return {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  }
+
+ private:
+  bool decoupled_ = false;
+};
+
+struct AdamWOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+  bool amsgrad = false;
+  bool maximize = false;
+  Options to_map() const;
+};
+
+// torch.optim.AdamW: Adam with decoupled weight decay (p *= 1 - lr * wd).
+class AdamW : public Adam {
+ public:
+  explicit AdamW(std::vector<Tensor> params, AdamWOptions defaults = {});
+  AdamW(std::vector<ParamGroup> groups, AdamWOptions defaults = {});
+};
+
+}  // namespace ember::optim
