@@ -1,0 +1,57 @@
+// One training step (zero_grad, forward, cross-entropy, backward, SGD step)
+// of ResNet-18 with the small-image stem on 1x28x28 inputs, batch 64, fp32,
+// SGD(momentum 0.9, lr 0.05): the workload of the PyTorch peer
+// shared/peers/resnet18_train_step.py. --width 16 gives the narrow variant.
+//
+//   bazel run -c opt //bench:train_bench -- --benchmark_min_time=20
+//
+// Counters: img/s. Threads: OpenMP's default (all cores) for our kernels,
+// oneDNN and OpenBLAS alike.
+#include <benchmark/benchmark.h>
+
+#include "nn/functional.h"
+#include "nn/models.h"
+#include "optim/optimizer.h"
+
+namespace ember {
+namespace {
+
+void BM_ResNet18Step(benchmark::State& state) {
+  const int64_t width = state.range(0), batch = state.range(1);
+  manual_seed(0);
+  auto model = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = width});
+  model->train();
+  optim::SGD opt(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  Tensor x = randn({batch, 1, 28, 28});
+  Tensor y = randint(0, 10, {batch});
+  auto step = [&] {
+    opt.zero_grad();
+    Tensor loss = nn::functional::cross_entropy(model->forward(x), y);
+    loss.backward();
+    opt.step();
+    return loss.item();
+  };
+  for (int i = 0; i < 3; ++i) step();  // warm-up: primitive creation, allocator caches
+  for (auto _ : state) benchmark::DoNotOptimize(step());
+  state.counters["img_per_s"] = benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_ResNet18Step)->Args({64, 64})->Args({16, 64})->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_MlpStep(benchmark::State& state) {
+  manual_seed(0);
+  auto model = nn::mlp({784, 512, 256, 10});
+  optim::SGD opt(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  Tensor x = randn({128, 1, 28, 28});
+  Tensor y = randint(0, 10, {128});
+  for (auto _ : state) {
+    opt.zero_grad();
+    Tensor loss = nn::functional::cross_entropy(model->forward(x), y);
+    loss.backward();
+    opt.step();
+  }
+  state.counters["img_per_s"] = benchmark::Counter(128.0, benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_MlpStep)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+}  // namespace
+}  // namespace ember

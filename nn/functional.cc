@@ -1,0 +1,89 @@
+// torch.nn.functional pieces built from differentiable core ops: their
+// gradients come from the ops they are made of.
+#include "nn/functional.h"
+
+namespace ember::nn::functional {
+
+Tensor dropout(const Tensor& x, double p, bool training, Generator* gen) {
+  EMBER_CHECK(p >= 0 && p <= 1, "dropout: probability has to be between 0 and 1, but got ", p);
+  if (!training || p == 0) return x;
+  if (p == 1) return x * 0.0;
+  Tensor keep = bernoulli(x.sizes(), 1.0 - p, x.options(), gen);
+  return x * keep * (1.0 / (1.0 - p));
+}
+
+namespace {
+Tensor reduce(const Tensor& loss, Reduction r) {
+  switch (r) {
+    case Reduction::Mean: return mean(loss);
+    case Reduction::Sum: return sum(loss);
+    case Reduction::None: return loss;
+  }
+  return loss;
+}
+
+void check_targets(const char* op, const Tensor& input, const Tensor& target) {
+  EMBER_CHECK(input.dim() == 2, op, ": expected input [N, C], got ", shape_str(input.sizes()));
+  EMBER_CHECK(target.dim() == 1 && target.size(0) == input.size(0), op, ": target ", shape_str(target.sizes()),
+              " does not match input ", shape_str(input.sizes()), " (expected [", input.size(0), "])");
+  EMBER_CHECK(target.dtype() == DType::Int64 || target.dtype() == DType::Int32, op,
+              ": target must hold class indices (int64), got ", target.dtype());
+  if (target.numel() == 0) return;
+  int64_t lo = static_cast<int64_t>(min(target).item()), hi = static_cast<int64_t>(max(target).item());
+  EMBER_CHECK(lo >= 0 && hi < input.size(1), op, ": target values must be in [0, ", input.size(1), "), got [", lo,
+              ", ", hi, "]");
+}
+}  // namespace
+
+Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction reduction) {
+  check_targets("nll_loss", log_probs, target);
+  Tensor picked = gather(log_probs, 1, target.to(DType::Int64).unsqueeze(1)).squeeze(1);
+  return reduce(neg(picked), reduction);
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing, Reduction reduction) {
+  check_targets("cross_entropy", logits, target);
+  EMBER_CHECK(label_smoothing >= 0 && label_smoothing <= 1, "cross_entropy: label_smoothing must be in [0, 1], got ",
+              label_smoothing);
+  Tensor logp = log_softmax(logits, 1);
+  Tensor nll = neg(gather(logp, 1, target.to(DType::Int64).unsqueeze(1)).squeeze(1));
+  if (label_smoothing == 0) return reduce(nll, reduction);
+  Tensor smooth = neg(mean(logp, {1}));
+  return reduce(nll * (1.0 - label_smoothing) + smooth * label_smoothing, reduction);
+}
+
+Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) {
+  EMBER_CHECK(input.sizes() == target.sizes(), "mse_loss: input ", shape_str(input.sizes()), " and target ",
+              shape_str(target.sizes()), " differ in shape");
+  Tensor d = input - target;
+  return reduce(d * d, reduction);
+}
+
+Tensor layer_norm(const Tensor& x, int64_t normalized_ndim, const Tensor& weight, const Tensor& bias, double eps) {
+  EMBER_CHECK(normalized_ndim >= 1 && normalized_ndim <= x.dim(), "layer_norm: cannot normalise the last ",
+              normalized_ndim, " dims of ", shape_str(x.sizes()));
+  std::vector<int64_t> dims;
+  for (int64_t d = x.dim() - normalized_ndim; d < x.dim(); ++d) dims.push_back(d);
+  Tensor mu = mean(x, dims, true);
+  Tensor centered = x - mu;
+  Tensor var_ = mean(centered * centered, dims, true);  // biased, as torch
+  Tensor y = centered * rsqrt(var_ + eps);
+  if (weight.defined()) y = y * weight;
+  if (bias.defined()) y = y + bias;
+  return y;
+}
+
+Tensor adaptive_avg_pool2d(const Tensor& x, std::array<int64_t, 2> out) {
+  EMBER_CHECK(x.dim() == 4, "adaptive_avg_pool2d: expected [N, C, H, W], got ", shape_str(x.sizes()));
+  const int64_t h = x.size(2), w = x.size(3);
+  EMBER_CHECK(out[0] > 0 && out[1] > 0, "adaptive_avg_pool2d: output size must be positive, got [", out[0], ",",
+              out[1], "]");
+  if (out[0] == 1 && out[1] == 1) return mean(x, {2, 3}, true);
+  EMBER_CHECK(h % out[0] == 0 && w % out[1] == 0, "adaptive_avg_pool2d: input ", shape_str(x.sizes()),
+              " is not a multiple of the output size [", out[0], ",", out[1],
+              "]; only evenly dividing sizes are supported");
+  std::array<int64_t, 2> k{h / out[0], w / out[1]};
+  return avg_pool2d(x, k, k);
+}
+
+}  // namespace ember::nn::functional

@@ -1,0 +1,149 @@
+// Layer construction (PyTorch's default initialisation) and forward passes.
+#include "nn/layers.h"
+
+#include <cmath>
+
+#include "core/autograd_hook.h"
+#include "nn/init.h"
+
+namespace ember::nn {
+
+// ---- Linear: kaiming_uniform(a=sqrt(5)) weight, U(+-1/sqrt(fan_in)) bias ----
+Linear::Linear(int64_t in, int64_t out, bool with_bias) : Module("Linear"), in_features(in), out_features(out) {
+  EMBER_CHECK(in > 0 && out > 0, "Linear: features must be positive, got in=", in, " out=", out);
+  weight = register_parameter("weight", empty({out, in}));
+  if (with_bias) bias = register_parameter("bias", empty({out}));
+  reset_parameters();
+}
+
+void Linear::reset_parameters() {
+  init::kaiming_uniform_(weight, std::sqrt(5.0));
+  if (bias.defined()) {
+    double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+    init::uniform_(bias, -bound, bound);
+  }
+}
+
+Tensor Linear::forward(const Tensor& x) { return linear(x, weight, bias); }
+
+// ---- Conv2d: same rule as Linear over fan_in = in/groups * kh * kw ----
+Conv2d::Conv2d(int64_t in, int64_t out, std::array<int64_t, 2> k, Conv2dOptions opts)
+    : Module("Conv2d"), in_channels(in), out_channels(out), kernel_size(k), options(opts) {
+  EMBER_CHECK(opts.groups > 0 && in % opts.groups == 0 && out % opts.groups == 0, "Conv2d: in_channels ", in,
+              " and out_channels ", out, " must be divisible by groups ", opts.groups);
+  EMBER_CHECK(k[0] > 0 && k[1] > 0, "Conv2d: kernel size must be positive, got [", k[0], ",", k[1], "]");
+  weight = register_parameter("weight", empty({out, in / opts.groups, k[0], k[1]}));
+  if (opts.bias) bias = register_parameter("bias", empty({out}));
+  reset_parameters();
+}
+
+Conv2d::Conv2d(int64_t in, int64_t out, int64_t k, int64_t stride, int64_t padding, bool with_bias)
+    : Conv2d(in, out, {k, k}, Conv2dOptions{{stride, stride}, {padding, padding}, {1, 1}, 1, with_bias}) {}
+
+void Conv2d::reset_parameters() {
+  init::kaiming_uniform_(weight, std::sqrt(5.0));
+  if (bias.defined()) {
+    double bound = 1.0 / std::sqrt(static_cast<double>(init::fans(weight).first));
+    init::uniform_(bias, -bound, bound);
+  }
+}
+
+Tensor Conv2d::forward(const Tensor& x) {
+  EMBER_CHECK(x.dim() == 4 && x.size(1) == in_channels, "Conv2d: expected input [N, ", in_channels,
+              ", H, W], got ", shape_str(x.sizes()));
+  return conv2d(x, weight, bias, options.stride, options.padding, options.dilation, options.groups);
+}
+
+// ---- BatchNorm2d ----
+BatchNorm2d::BatchNorm2d(int64_t c, double eps, double momentum, bool affine, bool track)
+    : Module("BatchNorm2d"), num_features(c), eps(eps), momentum(momentum) {
+  if (affine) {
+    weight = register_parameter("weight", ones({c}));
+    bias = register_parameter("bias", zeros({c}));
+  }
+  if (track) {
+    running_mean = register_buffer("running_mean", zeros({c}));
+    running_var = register_buffer("running_var", ones({c}));
+    num_batches_tracked = register_buffer("num_batches_tracked", zeros({}, DType::Int64));
+  }
+}
+
+Tensor BatchNorm2d::forward(const Tensor& x) {
+  EMBER_CHECK(x.dim() == 4 && x.size(1) == num_features, "BatchNorm2d: expected input [N, ", num_features,
+              ", H, W], got ", shape_str(x.sizes()));
+  bool use_batch_stats = is_training() || !running_mean.defined();
+  if (is_training() && num_batches_tracked.defined()) {
+    NoGradGuard g;
+    Tensor n = num_batches_tracked.detach();
+    n += ones({}, DType::Int64);
+  }
+  return batch_norm(x, weight, bias, running_mean, running_var, use_batch_stats, momentum, eps);
+}
+
+// ---- LayerNorm ----
+LayerNorm::LayerNorm(std::vector<int64_t> shape, double eps, bool affine)
+    : Module("LayerNorm"), normalized_shape(std::move(shape)), eps(eps) {
+  EMBER_CHECK(!normalized_shape.empty(), "LayerNorm: normalized_shape is empty");
+  if (affine) {
+    weight = register_parameter("weight", ones(normalized_shape));
+    bias = register_parameter("bias", zeros(normalized_shape));
+  }
+}
+
+Tensor LayerNorm::forward(const Tensor& x) {
+  const int64_t k = static_cast<int64_t>(normalized_shape.size());
+  bool match = x.dim() >= k;
+  for (int64_t i = 0; match && i < k; ++i) match = x.size(x.dim() - k + i) == normalized_shape[i];
+  EMBER_CHECK(match, "LayerNorm: input ", shape_str(x.sizes()), " does not end with normalized_shape ",
+              shape_str(normalized_shape));
+  return functional::layer_norm(x, k, weight, bias, eps);
+}
+
+// ---- Embedding: N(0, 1) init, as torch ----
+Embedding::Embedding(int64_t num, int64_t dim) : Module("Embedding"), num_embeddings(num), embedding_dim(dim) {
+  weight = register_parameter("weight", empty({num, dim}));
+  init::normal_(weight, 0.0, 1.0);
+}
+
+Tensor Embedding::forward(const Tensor& indices) {
+  EMBER_CHECK(indices.dtype() == DType::Int64 || indices.dtype() == DType::Int32,
+              "Embedding: indices must be int64, got ", indices.dtype());
+  if (indices.numel() > 0) {
+    int64_t lo = static_cast<int64_t>(min(indices).item()), hi = static_cast<int64_t>(max(indices).item());
+    EMBER_CHECK(lo >= 0 && hi < num_embeddings, "Embedding: index out of range: indices span [", lo, ", ", hi,
+                "] but there are ", num_embeddings, " embeddings");
+  }
+  Shape out = indices.sizes();
+  out.push_back(embedding_dim);
+  return index_select(weight, 0, indices.reshape({-1})).view(out);
+}
+
+Dropout::Dropout(double p) : Module("Dropout"), p(p) {
+  EMBER_CHECK(p >= 0 && p <= 1, "Dropout: probability has to be between 0 and 1, but got ", p);
+}
+
+MaxPool2d::MaxPool2d(std::array<int64_t, 2> k, std::array<int64_t, 2> s, std::array<int64_t, 2> p, bool ceil)
+    : Module("MaxPool2d"), kernel(k), stride(s), padding(p), ceil_mode(ceil) {}
+MaxPool2d::MaxPool2d(int64_t k, int64_t s, int64_t p)
+    : MaxPool2d({k, k}, {s < 0 ? k : s, s < 0 ? k : s}, {p, p}) {}
+
+AvgPool2d::AvgPool2d(std::array<int64_t, 2> k, std::array<int64_t, 2> s, std::array<int64_t, 2> p, bool ceil,
+                     bool include_pad)
+    : Module("AvgPool2d"), kernel(k), stride(s), padding(p), ceil_mode(ceil), count_include_pad(include_pad) {}
+AvgPool2d::AvgPool2d(int64_t k, int64_t s, int64_t p) : AvgPool2d({k, k}, {s < 0 ? k : s, s < 0 ? k : s}, {p, p}) {}
+
+Sequential::Sequential(std::vector<std::shared_ptr<Module>> layers) : Module("Sequential") {
+  for (auto& l : layers) push_back(std::move(l));
+}
+
+void Sequential::push_back(std::shared_ptr<Module> layer) {
+  layers_.push_back(register_module(std::to_string(layers_.size()), std::move(layer)));
+}
+
+Tensor Sequential::forward(const Tensor& x) {
+  Tensor h = x;
+  for (auto& l : layers_) h = l->forward(h);
+  return h;
+}
+
+}  // namespace ember::nn

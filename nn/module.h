@@ -1,0 +1,113 @@
+// nn::Module: the base of every layer and model. A module owns named
+// parameters, buffers and child modules in registration order, which fixes
+// the PyTorch-style dotted names of state_dict() ("layer1.0.conv1.weight")
+// and the order DDP buckets gradients in.
+//
+//   struct Net : nn::Module {
+//     std::shared_ptr<nn::Linear> fc1, fc2;
+//     Net() : Module("Net") {
+//       fc1 = register_module("fc1", std::make_shared<nn::Linear>(784, 128));
+//       fc2 = register_module("fc2", std::make_shared<nn::Linear>(128, 10));
+//     }
+//     Tensor forward(const Tensor& x) override { return (*fc2)(relu((*fc1)(x))); }
+//   };
+//
+// Parameters are plain Tensors that require grad; to() and load_state_dict()
+// update them in place, so the handles a module keeps stay valid.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace ember::nn {
+
+// Ordered (name, tensor) pairs, as PyTorch's OrderedDict state_dict.
+class StateDict {
+ public:
+  void insert(const std::string& name, const Tensor& t);
+  const Tensor* find(const std::string& name) const;
+  bool contains(const std::string& name) const { return find(name) != nullptr; }
+  const std::vector<std::pair<std::string, Tensor>>& items() const { return items_; }
+  size_t size() const { return items_.size(); }
+  auto begin() const { return items_.begin(); }
+  auto end() const { return items_.end(); }
+
+ private:
+  std::vector<std::pair<std::string, Tensor>> items_;
+};
+
+class Module {
+ public:
+  explicit Module(std::string type_name = "Module") : type_name_(std::move(type_name)) {}
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  // Single-tensor forward; modules with other signatures define their own.
+  virtual Tensor forward(const Tensor& x);
+  Tensor operator()(const Tensor& x) { return forward(x); }
+
+  const std::string& type_name() const { return type_name_; }
+
+  std::vector<std::pair<std::string, Tensor>> named_parameters(bool recurse = true) const;
+  std::vector<Tensor> parameters(bool recurse = true) const;
+  std::vector<std::pair<std::string, Tensor>> named_buffers(bool recurse = true) const;
+  std::vector<Tensor> buffers(bool recurse = true) const;
+  const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& named_children() const { return children_; }
+  // This module ("" or prefix) and every descendant, depth first.
+  std::vector<std::pair<std::string, Module*>> named_modules(const std::string& prefix = "");
+
+  virtual void train(bool on = true);
+  void eval() { train(false); }
+  bool is_training() const { return training_; }
+
+  // Moves or casts every parameter and buffer in place; integer buffers
+  // (num_batches_tracked) keep their dtype, as in PyTorch.
+  void to(Device device);
+  void to(DType dtype);
+  void to(Device device, DType dtype);
+
+  // Parameters and persistent buffers, module by module in registration order.
+  StateDict state_dict() const;
+  // Copies values into the existing tensors. strict: every key must match
+  // both ways; errors name the missing, unexpected or mis-shaped entries.
+  void load_state_dict(const StateDict& state, bool strict = true);
+
+  // Calls fn on every module, children first (PyTorch's order), e.g. for init.
+  void apply(const std::function<void(Module&)>& fn);
+  void zero_grad(bool set_to_none = true);
+  // Number of scalar parameters.
+  int64_t num_parameters() const;
+
+ protected:
+  Tensor& register_parameter(const std::string& name, Tensor t, bool requires_grad = true);
+  Tensor& register_buffer(const std::string& name, Tensor t, bool persistent = true);
+  template <typename M>
+  std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> m) {
+    add_child(name, m);
+    return m;
+  }
+
+ private:
+  void add_child(const std::string& name, std::shared_ptr<Module> m);
+  void check_new_name(const std::string& name) const;
+  void collect_state(const std::string& prefix, StateDict& out) const;
+
+  std::string type_name_;
+  bool training_ = true;
+  std::vector<std::pair<std::string, Tensor>> params_;
+  struct Buffer {
+    std::string name;
+    Tensor t;
+    bool persistent;
+  };
+  std::vector<Buffer> buffers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+};
+
+}  // namespace ember::nn

@@ -1,0 +1,294 @@
+// nn: module bookkeeping (names, order, state dicts and their errors, to(),
+// train/eval), every layer's forward against hand-computed or float64
+// reference values, backward through the gradient checker, and the models'
+// torchvision names and sizes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "autograd/autograd.h"
+#include "autograd/gradcheck.h"
+#include "nn/init.h"
+#include "nn/models.h"
+
+namespace ember {
+namespace {
+
+namespace F = nn::functional;
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+Tensor f64(const Shape& s, uint64_t seed) {
+  Generator g(seed);
+  return randn(s, {DType::Float64}, &g);
+}
+
+TEST(Module, NamesOrderAndStateDict) {
+  auto net = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true});
+  auto params = net->named_parameters();
+  ASSERT_EQ(params.size(), 62u);
+  EXPECT_EQ(params.front().first, "conv1.weight");
+  EXPECT_EQ(params[1].first, "bn1.weight");
+  EXPECT_EQ(params[3].first, "layer1.0.conv1.weight");
+  EXPECT_EQ(params.back().first, "fc.bias");
+  auto sd = net->state_dict();
+  EXPECT_EQ(sd.size(), 122u);  // torchvision's resnet18 state_dict has 122 entries
+  EXPECT_TRUE(sd.contains("layer2.0.downsample.0.weight"));
+  EXPECT_TRUE(sd.contains("layer2.0.downsample.1.running_var"));
+  EXPECT_TRUE(sd.contains("layer4.1.bn2.num_batches_tracked"));
+  EXPECT_EQ(sd.items()[2].first, "bn1.bias");
+  EXPECT_EQ(sd.items()[3].first, "bn1.running_mean");  // params then buffers, per module
+  EXPECT_EQ(net->num_parameters(), 11172810);          // the PyTorch peer's model: 11.17 M
+  EXPECT_EQ(net->layer3->named_children().size(), 2u);
+  for (auto& [n, p] : params) EXPECT_TRUE(p.requires_grad()) << n;
+}
+
+TEST(Module, ResNet50MatchesTorchvisionCount) {
+  auto net = nn::resnet50();
+  EXPECT_EQ(net->num_parameters(), 25557032);  // torchvision.models.resnet50()
+  EXPECT_EQ(net->state_dict().size(), 320u);
+  EXPECT_EQ(nn::resnet34()->num_parameters(), 21797672);
+}
+
+TEST(Module, LoadStateDictRoundTripAndErrors) {
+  auto a = nn::mlp({4, 3, 2});
+  auto b = nn::mlp({4, 3, 2});
+  Tensor x = randn({5, 4});
+  EXPECT_FALSE(allclose((*a)(x).detach(), (*b)(x).detach()));
+  b->load_state_dict(a->state_dict());
+  EXPECT_TRUE(allclose((*a)(x).detach(), (*b)(x).detach(), 0, 0));
+  EXPECT_EQ(a->named_parameters()[0].first, "1.weight");  // nn.Sequential(Flatten, Linear, ...)
+
+  nn::StateDict missing;
+  missing.insert("1.weight", zeros({3, 4}));
+  std::string e = error_of([&] { b->load_state_dict(missing); });
+  EXPECT_NE(e.find("missing key(s)"), std::string::npos) << e;
+  EXPECT_NE(e.find("\"3.bias\""), std::string::npos) << e;
+
+  nn::StateDict extra = a->state_dict();
+  extra.insert("9.weight", zeros({1}));
+  e = error_of([&] { b->load_state_dict(extra); });
+  EXPECT_NE(e.find("unexpected key(s): \"9.weight\""), std::string::npos) << e;
+  b->load_state_dict(extra, /*strict=*/false);
+
+  nn::StateDict bad;
+  for (auto& [k, v] : a->state_dict()) bad.insert(k, k == "3.weight" ? zeros({2, 5}) : v);
+  Tensor before = b->named_parameters()[0].second.clone();
+  e = error_of([&] { b->load_state_dict(bad); });
+  EXPECT_NE(e.find("size mismatch for 3.weight"), std::string::npos) << e;
+  EXPECT_NE(e.find("[2,5]"), std::string::npos) << e;
+  EXPECT_TRUE(allclose(before, b->named_parameters()[0].second.detach(), 0, 0));  // nothing half-loaded
+}
+
+TEST(Module, ToKeepsHandlesAndTrainEvalPropagates) {
+  auto net = nn::resnet18({.num_classes = 3, .in_channels = 1, .small_stem = true, .width = 4});
+  Tensor w = net->conv1->weight;
+  net->to(DType::Float64);
+  EXPECT_EQ(w.dtype(), DType::Float64);
+  EXPECT_EQ(net->conv1->weight.dtype(), DType::Float64);
+  EXPECT_TRUE(w.requires_grad());
+  EXPECT_EQ(net->bn1->num_batches_tracked.dtype(), DType::Int64);
+  net->eval();
+  EXPECT_FALSE(net->layer2->named_children()[0].second->is_training());
+  net->train();
+  EXPECT_TRUE(net->bn1->is_training());
+}
+
+TEST(Module, DuplicateAndBadNamesAreRejected) {
+  struct M : nn::Module {
+    M() : Module("M") {
+      register_parameter("w", zeros({1}));
+      EXPECT_THROW(register_parameter("w", zeros({1})), Error);
+      EXPECT_THROW(register_buffer("a.b", zeros({1})), Error);
+    }
+  };
+  M m;
+  EXPECT_THROW(m.forward(zeros({1})), Error);
+}
+
+TEST(Layers, LinearForwardBackward) {
+  nn::Linear lin(3, 2);
+  lin.to(DType::Float64);
+  Tensor x = Tensor::from_vector({1, 2, 3}, {1, 3}, DType::Float64);
+  {
+    NoGradGuard g;
+    lin.weight.copy_(Tensor::from_vector({1, 0, -1, 2, 1, 0}, {2, 3}, DType::Float64));
+    lin.bias.copy_(Tensor::from_vector({0.5, -0.5}, {2}, DType::Float64));
+  }
+  Tensor y = lin(x);
+  EXPECT_EQ(y.to_vector(), (std::vector<double>{-1.5, 3.5}));
+  sum(y).backward();
+  EXPECT_EQ(lin.weight.grad().to_vector(), (std::vector<double>{1, 2, 3, 1, 2, 3}));
+  EXPECT_EQ(lin.bias.grad().to_vector(), (std::vector<double>{1, 1}));
+  std::string e = error_of([&] { lin(zeros({2, 4}, DType::Float64)); });
+  EXPECT_NE(e.find("linear"), std::string::npos) << e;
+}
+
+TEST(Layers, DefaultInitMatchesPyTorchBounds) {
+  manual_seed(0);
+  nn::Linear lin(400, 300);
+  double bound = 1.0 / std::sqrt(400.0);
+  EXPECT_LE(max(abs(lin.weight.detach())).item(), bound);
+  EXPECT_GT(max(abs(lin.weight.detach())).item(), 0.95 * bound);
+  // kaiming_normal_(fan_out, relu): std = sqrt(2 / (out * k * k))
+  auto net = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true});
+  Tensor w = net->layer1->named_parameters()[0].second.detach();
+  double expect_std = std::sqrt(2.0 / (64 * 9));
+  EXPECT_NEAR(std::sqrt(var(w).item()), expect_std, 0.05 * expect_std);
+}
+
+TEST(Layers, CrossEntropyAgainstFloat64Reference) {
+  Tensor logits = f64({4, 5}, 1);
+  Tensor target = Tensor::from_vector({0, 4, 2, 2}, {4}, DType::Int64);
+  auto lv = logits.to_vector();
+  auto tv = target.to_vector();
+  for (double eps : {0.0, 0.1}) {
+    double want = 0;
+    for (int i = 0; i < 4; ++i) {
+      double mx = -1e300, se = 0;
+      for (int c = 0; c < 5; ++c) mx = std::max(mx, lv[i * 5 + c]);
+      for (int c = 0; c < 5; ++c) se += std::exp(lv[i * 5 + c] - mx);
+      double lse = mx + std::log(se);
+      double nll = lse - lv[i * 5 + static_cast<int>(tv[i])];
+      double smooth = 0;
+      for (int c = 0; c < 5; ++c) smooth += (lse - lv[i * 5 + c]) / 5;
+      want += ((1 - eps) * nll + eps * smooth) / 4;
+    }
+    EXPECT_NEAR(F::cross_entropy(logits, target, eps).item(), want, 1e-12) << "label_smoothing " << eps;
+  }
+  EXPECT_NEAR(F::nll_loss(log_softmax(logits, 1), target).item(), F::cross_entropy(logits, target).item(), 1e-12);
+  EXPECT_NEAR(F::cross_entropy(logits, target, 0, F::Reduction::Sum).item(),
+              4 * F::cross_entropy(logits, target).item(), 1e-12);
+  std::string e = error_of([&] { F::cross_entropy(logits, Tensor::from_vector({0, 5, 1, 1}, {4}, DType::Int64)); });
+  EXPECT_NE(e.find("target values must be in [0, 5)"), std::string::npos) << e;
+  e = error_of([&] { F::cross_entropy(logits, Tensor::from_vector({0, 1}, {2}, DType::Int64)); });
+  EXPECT_NE(e.find("does not match input [4,5]"), std::string::npos) << e;
+  Tensor lg = logits.detach().requires_grad_();
+  auto r = autograd::gradcheck([&](auto& v) { return F::cross_entropy(v[0], target, 0.1); }, {lg});
+  EXPECT_TRUE(r.ok) << r.message;
+}
+
+TEST(Layers, MseDropoutLayerNormEmbedding) {
+  Tensor a = Tensor::from_vector({1, 2, 3}, {3}, DType::Float64), b = Tensor::from_vector({1, 0, 0}, {3}, DType::Float64);
+  EXPECT_DOUBLE_EQ(F::mse_loss(a, b).item(), 13.0 / 3);
+
+  Generator gen(7);
+  Tensor ones_ = ones({100000});
+  Tensor d = F::dropout(ones_, 0.25, true, &gen);
+  auto dv = d.to_vector();
+  int64_t zeros_n = 0;
+  for (double v : dv) {
+    if (v == 0) ++zeros_n;
+    else EXPECT_NEAR(v, 1 / 0.75, 1e-6);
+  }
+  EXPECT_NEAR(zeros_n / 100000.0, 0.25, 0.01);
+  EXPECT_TRUE(F::dropout(ones_, 0.25, false).is_same(ones_));
+
+  nn::LayerNorm ln({4});
+  ln.to(DType::Float64);
+  Tensor x = f64({3, 4}, 2);
+  Tensor y = ln(x).detach();
+  auto xv = x.to_vector(), yv = y.to_vector();
+  for (int r = 0; r < 3; ++r) {
+    double m = 0, v = 0;
+    for (int c = 0; c < 4; ++c) m += xv[r * 4 + c] / 4;
+    for (int c = 0; c < 4; ++c) v += (xv[r * 4 + c] - m) * (xv[r * 4 + c] - m) / 4;
+    for (int c = 0; c < 4; ++c) EXPECT_NEAR(yv[r * 4 + c], (xv[r * 4 + c] - m) / std::sqrt(v + 1e-5), 1e-12);
+  }
+  auto r = autograd::gradcheck([&](auto& v) { return ln(v[0]); }, {x.detach().requires_grad_()});
+  EXPECT_TRUE(r.ok) << r.message;
+
+  nn::Embedding emb(10, 3);
+  Tensor idx = Tensor::from_vector({1, 7, 1, 0}, {2, 2}, DType::Int64);
+  Tensor e = emb(idx);
+  EXPECT_EQ(e.sizes(), (Shape{2, 2, 3}));
+  EXPECT_TRUE(allclose(e.select(0, 0).select(0, 0).detach(), emb.weight.select(0, 1).detach()));
+  sum(e).backward();
+  EXPECT_EQ(emb.weight.grad().select(0, 1).to_vector(), (std::vector<double>{2, 2, 2}));
+  EXPECT_EQ(emb.weight.grad().select(0, 5).to_vector(), (std::vector<double>{0, 0, 0}));
+  std::string err = error_of([&] { emb(Tensor::from_vector({10}, {1}, DType::Int64)); });
+  EXPECT_NE(err.find("out of range"), std::string::npos) << err;
+}
+
+TEST(Layers, ConvBatchNormPoolModulesMatchFunctionalOps) {
+  nn::Conv2d conv(2, 4, {3, 3}, {.stride = {2, 2}, .padding = {1, 1}});
+  Tensor x = randn({2, 2, 7, 7});
+  EXPECT_EQ(conv(x).sizes(), (Shape{2, 4, 4, 4}));
+  std::string e = error_of([&] { conv(randn({2, 3, 7, 7})); });
+  EXPECT_NE(e.find("Conv2d: expected input [N, 2, H, W], got [2,3,7,7]"), std::string::npos) << e;
+
+  nn::BatchNorm2d bn(2);
+  Tensor y = bn(x);
+  EXPECT_NEAR(mean(y).item(), 0.0, 1e-5);
+  EXPECT_EQ(bn.num_batches_tracked.item(), 1.0);
+  // running_mean = 0.9 * 0 + 0.1 * batch mean
+  Tensor batch_mean = mean(x, {0, 2, 3});
+  EXPECT_TRUE(allclose(bn.running_mean, batch_mean * 0.1, 1e-5, 1e-6));
+  bn.eval();
+  Tensor ye = bn(x);
+  Tensor want = (x - bn.running_mean.view({1, 2, 1, 1})) / sqrt(bn.running_var.view({1, 2, 1, 1}) + 1e-5);
+  EXPECT_TRUE(allclose(ye.detach(), want, 1e-4, 1e-5));
+  EXPECT_EQ(bn.num_batches_tracked.item(), 1.0);
+
+  nn::MaxPool2d mp(2);
+  EXPECT_EQ(mp(x).sizes(), (Shape{2, 2, 3, 3}));
+  nn::AdaptiveAvgPool2d gap({1, 1});
+  EXPECT_TRUE(allclose(gap(x).flatten(1), mean(x, {2, 3}), 1e-5, 1e-6));
+}
+
+TEST(Models, ResNetForwardBackwardShapes) {
+  auto net = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = 8});
+  Tensor x = randn({2, 1, 28, 28});
+  Tensor y = (*net)(x);
+  EXPECT_EQ(y.sizes(), (Shape{2, 10}));
+  F::cross_entropy(y, Tensor::from_vector({3, 7}, {2}, DType::Int64)).backward();
+  for (auto& [n, p] : net->named_parameters()) {
+    ASSERT_TRUE(p.grad().defined()) << n;
+    EXPECT_EQ(p.grad().sizes(), p.sizes()) << n;
+  }
+  auto big = nn::resnet50({.num_classes = 5, .width = 8});
+  EXPECT_EQ((*big)(randn({1, 3, 64, 64})).sizes(), (Shape{1, 5}));
+}
+
+// The whole small ResNet in float64 through finite differences: every op on
+// the path (conv, batch norm in training mode, relu, residual add, pooling,
+// linear, cross entropy) composed.
+TEST(Models, TinyResNetGradcheck) {
+  manual_seed(3);
+  auto net = nn::resnet18({.num_classes = 3, .in_channels = 1, .small_stem = true, .width = 2});
+  net->to(DType::Float64);
+  Tensor x = f64({2, 1, 8, 8}, 4);
+  Tensor target = Tensor::from_vector({0, 2}, {2}, DType::Int64);
+  Tensor w = net->layer2->named_parameters()[0].second;  // layer2.0.conv1.weight
+  auto r = autograd::gradcheck([&](auto&) { return F::cross_entropy((*net)(x), target); }, {w}, 1e-6, 1e-5, 1e-3);
+  EXPECT_TRUE(r.ok) << r.message;
+}
+
+TEST(Models, ConvBatchNormReluGradcheck) {
+  Tensor x = f64({4, 2, 5, 5}, 11);
+  nn::Conv2d conv(2, 3, 3, 1, 1, false);
+  nn::BatchNorm2d bn(3);
+  conv.to(DType::Float64);
+  bn.to(DType::Float64);
+  Tensor w = conv.weight;
+  Tensor proj = f64({4, 3, 5, 5}, 12);
+  auto r1 = autograd::gradcheck([&](auto&) { return conv(x); }, {w});
+  EXPECT_TRUE(r1.ok) << "conv " << r1.message;
+  auto r2 = autograd::gradcheck([&](auto&) { return bn(conv(x)); }, {w});
+  EXPECT_TRUE(r2.ok) << "conv+bn " << r2.message;
+  auto r3 = autograd::gradcheck([&](auto&) { return relu(bn(conv(x))); }, {w});
+  EXPECT_TRUE(r3.ok) << "conv+bn+relu " << r3.message;
+  Tensor xx = f64({4, 3, 5, 5}, 13).requires_grad_();
+  auto r4 = autograd::gradcheck([&](auto& v) { return bn(v[0]); }, {xx});
+  EXPECT_TRUE(r4.ok) << "bn x " << r4.message;
+}
+
+}  // namespace
+}  // namespace ember
