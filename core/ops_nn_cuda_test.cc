@@ -157,6 +157,26 @@ TEST_F(CudaNnOps, BatchNormMatchesCpu) {
   }
 }
 
+// A ResNet stem in channels-last on the GPU (cuDNN NHWC conv, batch norm
+// through its [N*H*W, C] view, relu, max-pool) against NCHW on the CPU; the
+// layout survives every op.
+TEST_F(CudaNnOps, ChannelsLastStemMatchesCpu) {
+  uint64_t seed = 300;
+  for (DType dt : {DType::Float32, DType::Float16}) {
+    const DType pt = DType::Float32;
+    Tensor x = rnd({4, 3, 16, 16}, seed++, dt), w = rnd({8, 3, 3, 3}, seed++, dt, 0.5);
+    Tensor g = rnd({8}, seed++, pt), b = rnd({8}, seed++, pt);
+    Fn f = [](const std::vector<Tensor>& v) {
+      Tensor h = relu(batch_norm(conv2d(v[0], v[1], Tensor(), {2, 2}, {1, 1}), v[2], v[3], Tensor(), Tensor(), true));
+      if (h.is_cuda()) EXPECT_EQ(h.suggest_memory_format(), MemoryFormat::ChannelsLast);
+      Tensor y = max_pool2d(h, {3, 3}, {2, 2}, {1, 1});
+      if (y.is_cuda()) EXPECT_EQ(y.suggest_memory_format(), MemoryFormat::ChannelsLast);
+      return y;
+    };
+    compare(f, {x, w, g, b}, tol(dt) * 4, cat("channels-last stem ", dt), [](Tensor t) { return channels_last(t); });
+  }
+}
+
 struct PoolCase {
   Shape x;
   Dims k, s, p;

@@ -461,5 +461,69 @@ TEST(NnOps, ConvBnReluPoolChainGradcheck) {
   }, {x, w, g, b});
 }
 
+// ---- Channels-last (NHWC memory behind NCHW sizes) ----
+constexpr MemoryFormat kCL = MemoryFormat::ChannelsLast;
+
+TEST(ChannelsLast, LayoutApi) {
+  Tensor x = rnd({2, 3, 4, 5}, 800);
+  Tensor c = x.contiguous(kCL);
+  EXPECT_EQ(c.sizes(), x.sizes());
+  EXPECT_EQ(c.strides(), (Shape{60, 1, 15, 3}));
+  EXPECT_TRUE(c.is_contiguous(kCL));
+  EXPECT_FALSE(c.is_contiguous());
+  EXPECT_EQ(c.suggest_memory_format(), kCL);
+  EXPECT_EQ(x.suggest_memory_format(), MemoryFormat::Contiguous);
+  EXPECT_EQ(c.to_vector(), x.to_vector());
+  EXPECT_TRUE(c.contiguous().is_contiguous());
+  EXPECT_EQ(c.contiguous().to_vector(), x.to_vector());
+  EXPECT_TRUE(c.contiguous(kCL).is_same(c));  // already so: no copy
+  // One channel: NHWC and NCHW are the same memory; plain contiguous wins.
+  EXPECT_EQ(rnd({2, 1, 4, 5}, 801).contiguous(kCL).suggest_memory_format(), MemoryFormat::Contiguous);
+  EXPECT_EQ(Tensor::empty({2, 3, 4, 5}, {}, kCL).strides(), (Shape{60, 1, 15, 3}));
+  EXPECT_THROW(rnd({3, 4}, 802).contiguous(kCL), Error);
+}
+
+TEST(ChannelsLast, ElementwiseOpsKeepTheLayout) {
+  Tensor x = rnd({2, 3, 4, 5}, 810), bias = rnd({3, 1, 1}, 811), other = rnd({2, 3, 4, 5}, 812);
+  Tensor xc = x.contiguous(kCL);
+  Tensor want = relu(x) * 2.0 + bias - other;
+  Tensor got = relu(xc) * 2.0 + bias - other;
+  EXPECT_EQ(got.suggest_memory_format(), kCL);
+  EXPECT_EQ(got.to_vector(), want.to_vector());
+  Tensor sel = where(gt(xc, zeros({}, x.dtype())), xc, other);
+  EXPECT_EQ(sel.suggest_memory_format(), kCL);
+  EXPECT_EQ(sel.to_vector(), where(gt(x, zeros({}, x.dtype())), x, other).to_vector());
+  // A plain-contiguous operand of full shape and a channels-last one: values
+  // are right either way.
+  EXPECT_EQ((other + xc).to_vector(), (other + x).to_vector());
+}
+
+TEST(ChannelsLast, BatchNormAndPoolingMatchNchwForwardAndBackward) {
+  Tensor x0 = rnd({3, 4, 6, 6}, 820), w0 = rnd({4}, 821), b0 = rnd({4}, 822), proj = rnd({3, 4, 3, 3}, 823);
+  auto run = [&](bool cl, Tensor& x, Tensor& w, Tensor& b, Tensor& rm) {
+    x = leaf(x0), w = leaf(w0), b = leaf(b0), rm = zeros({4}, DType::Float64);
+    Tensor rv = ones({4}, DType::Float64);
+    Tensor in = cl ? x.contiguous(kCL) : x;
+    Tensor h = relu(batch_norm(in, w, b, rm, rv, true, 0.1));
+    EXPECT_EQ(h.suggest_memory_format(), cl ? kCL : MemoryFormat::Contiguous);
+    Tensor y = avg_pool2d(max_pool2d(h, {2, 2}, {2, 2}), {1, 1}, {1, 1});
+    EXPECT_EQ(y.suggest_memory_format(), cl ? kCL : MemoryFormat::Contiguous);
+    sum(y * proj).backward();
+    return y;
+  };
+  Tensor xa, wa, ba, rma, xb, wb, bb, rmb;
+  Tensor ya = run(false, xa, wa, ba, rma), yb = run(true, xb, wb, bb, rmb);
+  expect_close(yb, ya, 1e-12, "forward");
+  expect_close(rmb, rma, 1e-12, "running_mean");
+  expect_close(xb.grad(), xa.grad(), 1e-12, "dx");
+  expect_close(wb.grad(), wa.grad(), 1e-12, "dweight");
+  expect_close(bb.grad(), ba.grad(), 1e-12, "dbias");
+  Tensor x = leaf(rnd({2, 3, 4, 4}, 824)), w = leaf(rnd({3}, 825));
+  check_grad("channels-last batch_norm + pool", [](auto& v) {
+    Tensor y = batch_norm(v[0].contiguous(kCL), v[1], Tensor(), Tensor(), Tensor(), true);
+    return max_pool2d(y * y, {2, 2}, {2, 2});
+  }, {x, w});
+}
+
 }  // namespace
 }  // namespace ember

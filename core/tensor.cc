@@ -107,6 +107,24 @@ bool Tensor::is_contiguous() const {
   return true;
 }
 
+bool Tensor::is_contiguous(MemoryFormat format) const {
+  if (format == MemoryFormat::Contiguous) return is_contiguous();
+  if (dim() != 4) return false;
+  // Walk the dims in NHWC order: C fastest, then W, H, N.
+  int64_t expected = 1;
+  for (int64_t d : {1, 3, 2, 0}) {
+    if (sizes()[d] == 1) continue;
+    if (strides()[d] != expected) return false;
+    expected *= sizes()[d];
+  }
+  return true;
+}
+
+MemoryFormat Tensor::suggest_memory_format() const {
+  return dim() == 4 && !is_contiguous() && is_contiguous(MemoryFormat::ChannelsLast) ? MemoryFormat::ChannelsLast
+                                                                                      : MemoryFormat::Contiguous;
+}
+
 void* Tensor::raw_data() const {
   return static_cast<char*>(impl().storage->data.get()) + impl().offset * static_cast<int64_t>(element_size());
 }
@@ -381,6 +399,23 @@ Tensor Tensor::unsqueeze(int64_t d) const {
 // ---- Copies ----
 Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
 
+Tensor Tensor::contiguous(MemoryFormat format) const {
+  if (format == MemoryFormat::Contiguous) return contiguous();
+  EMBER_CHECK(dim() == 4, "contiguous(ChannelsLast): expected a 4-D [N, C, H, W] tensor, got ", shape_str(sizes()));
+  if (is_contiguous(format)) return *this;
+  return permute({0, 2, 3, 1}).contiguous().permute({0, 3, 1, 2});
+}
+
+Tensor Tensor::empty(const Shape& sizes, TensorOptions opts, MemoryFormat format) {
+  if (format == MemoryFormat::Contiguous) return empty(sizes, opts);
+  EMBER_CHECK(sizes.size() == 4, "empty(ChannelsLast): expected 4-D [N, C, H, W] sizes, got ", shape_str(sizes));
+  // permute() would record a view node; a fresh buffer has no history.
+  Tensor t = empty({sizes[0], sizes[2], sizes[3], sizes[1]}, opts);
+  t.impl_->sizes = sizes;
+  t.impl_->strides = {sizes[1] * sizes[2] * sizes[3], 1, sizes[3] * sizes[1], sizes[1]};
+  return t;
+}
+
 Tensor Tensor::clone() const {
   return differentiable("clone", {*this}, [&] {
     Tensor out = empty(sizes(), options());
@@ -441,11 +476,17 @@ StridedIter make_iter(const Tensor& out, std::initializer_list<Tensor> inputs, c
     it.data[o] = static_cast<char*>(t.raw_data());
     it.dtypes[o] = t.dtype();
   }
-  // Drop size-1 dims, then merge dim d into d+1 where every operand is
-  // contiguous across the pair.
+  // Walk the output in memory order (outermost stride first), so a
+  // channels-last output and inputs stream as one flat run; for a contiguous
+  // output this is the logical order. Then drop size-1 dims and merge dim d
+  // into d+1 where every operand is contiguous across the pair.
+  std::vector<int64_t> order(nd);
+  for (int64_t d = 0; d < nd; ++d) order[d] = d;
+  if (!out.is_contiguous())
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return st[0][a] > st[0][b]; });
   Shape sizes;
   std::vector<Shape> strides(it.nops);
-  for (int64_t d = 0; d < nd; ++d) {
+  for (int64_t d : order) {
     if (out.sizes()[d] == 1) continue;
     sizes.push_back(out.sizes()[d]);
     for (int o = 0; o < it.nops; ++o) strides[o].push_back(st[o][d]);

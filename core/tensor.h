@@ -51,6 +51,11 @@ struct TensorImpl {
   std::shared_ptr<AutogradMetaBase> autograd_meta;
 };
 
+// How a 4-D [N, C, H, W] tensor lies in memory. ChannelsLast is NHWC memory
+// behind the same NCHW sizes (PyTorch's torch.channels_last): cuDNN's tensor
+// core convolutions want it. Elementwise ops, batch norm and pooling keep it.
+enum class MemoryFormat { Contiguous, ChannelsLast };
+
 struct TensorOptions {
   DType dtype = DType::Float32;
   Device device = kCPU;
@@ -67,6 +72,8 @@ class Tensor {
 
   // Uninitialized contiguous tensor.
   static Tensor empty(const Shape& sizes, TensorOptions opts = {});
+  // Uninitialized in `format` (ChannelsLast needs 4-D sizes).
+  static Tensor empty(const Shape& sizes, TensorOptions opts, MemoryFormat format);
   // Copies `values` (row-major) into a new CPU tensor of `dtype`, then to `device`.
   static Tensor from_vector(const std::vector<double>& values, const Shape& sizes, TensorOptions opts = {});
 
@@ -85,6 +92,12 @@ class Tensor {
   size_t element_size() const { return dtype_size(dtype()); }
   size_t nbytes() const { return numel() * element_size(); }
   bool is_contiguous() const;
+  // Dense in `format`: ChannelsLast means NHWC strides (size-1 dims ignored).
+  bool is_contiguous(MemoryFormat format) const;
+  // ChannelsLast for a 4-D tensor that is NHWC-dense and not also plain
+  // contiguous (C == 1 and the like); otherwise Contiguous. Ops give their
+  // outputs this layout.
+  MemoryFormat suggest_memory_format() const;
   bool is_cuda() const { return device().is_cuda(); }
   bool is_same(const Tensor& o) const { return impl_ == o.impl_; }
   bool shares_storage(const Tensor& o) const { return impl().storage == o.impl().storage; }
@@ -137,6 +150,8 @@ class Tensor {
 
   // ---- Copies and conversions. ----
   Tensor contiguous() const;
+  // A copy laid out in `format` unless already so (differentiable).
+  Tensor contiguous(MemoryFormat format) const;
   Tensor clone() const;
   Tensor to(Device device) const;                     // no copy if already there
   Tensor to(DType dtype) const;                       // no copy if already that

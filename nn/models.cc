@@ -100,7 +100,8 @@ std::shared_ptr<Sequential> ResNet::make_layer(Block block, int64_t planes, int6
 Tensor ResNet::forward(const Tensor& x) {
   EMBER_CHECK(x.dim() == 4 && x.size(1) == options.in_channels, "ResNet: expected input [N, ", options.in_channels,
               ", H, W], got ", shape_str(x.sizes()));
-  Tensor h = relu(bn1->forward(conv1->forward(x)));
+  const Tensor in = options.memory_format == MemoryFormat::ChannelsLast ? x.contiguous(MemoryFormat::ChannelsLast) : x;
+  Tensor h = relu(bn1->forward(conv1->forward(in)));
   if (maxpool) h = maxpool->forward(h);
   h = layer4->forward(layer3->forward(layer2->forward(layer1->forward(h))));
   h = mean(h, {2, 3});  // adaptive average pool to 1x1, then flatten

@@ -19,6 +19,11 @@ struct ResNetOptions {
   bool small_stem = false;       // 3x3 stride-1 conv1, no max-pool
   int64_t width = 64;            // channels of layer1 (64 in torchvision; smaller = narrow ResNet)
   bool zero_init_residual = false;
+  // Layout of the activations. ChannelsLast (NHWC) is what cuDNN's tensor
+  // core convolutions want; forward() converts the input and convolutions,
+  // batch norm, pooling and elementwise ops keep it. Parameters stay OIHW.
+  // On CPU the oneDNN convolutions return NCHW, so it only costs a copy there.
+  MemoryFormat memory_format = MemoryFormat::Contiguous;
 };
 
 class BasicBlock : public Module {

@@ -271,6 +271,28 @@ TEST(Models, TinyResNetGradcheck) {
   EXPECT_TRUE(r.ok) << r.message;
 }
 
+// The channels-last option changes only the layout: same logits and
+// gradients as NCHW (on CPU conv returns NCHW, so this covers the switch,
+// batch norm and elementwise ops; the CUDA test covers cuDNN's NHWC path).
+TEST(Models, ChannelsLastResNetMatchesNchw) {
+  Tensor x = f64({2, 1, 8, 8}, 21);
+  Tensor target = Tensor::from_vector({1, 2}, {2}, DType::Int64);
+  std::vector<Tensor> logits, grads;
+  for (MemoryFormat f : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
+    manual_seed(5);
+    auto net = nn::resnet18({.num_classes = 3, .in_channels = 1, .small_stem = true, .width = 4, .memory_format = f});
+    net->to(DType::Float64);
+    Tensor out = (*net)(x);
+    F::cross_entropy(out, target).backward();
+    logits.push_back(out.detach());
+    grads.push_back(net->named_parameters()[0].second.grad());
+  }
+  const auto a = logits[0].to_vector(), b = logits[1].to_vector();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-12);
+  const auto ga = grads[0].to_vector(), gb = grads[1].to_vector();
+  for (size_t i = 0; i < ga.size(); ++i) EXPECT_NEAR(ga[i], gb[i], 1e-12);
+}
+
 TEST(Models, ConvBatchNormReluGradcheck) {
   Tensor x = f64({4, 2, 5, 5}, 11);
   nn::Conv2d conv(2, 3, 3, 1, 1, false);

@@ -177,10 +177,22 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, con
   EMBER_CHECK(!training || m > 1, "batch_norm: expected more than 1 value per channel when training, got input ",
               shape_str(x.sizes()));
   const DType sd = x.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
+  // The kernels see [N, C, S] memory. Channels-last (NHWC) memory is exactly
+  // [N*H*W, C, 1] of that form, so it runs through the same kernels, and
+  // y and dx come back channels-last.
+  const bool cl = x.suggest_memory_format() == MemoryFormat::ChannelsLast;
+  const Shape xs = x.sizes();
+  auto to_kernel = [cl, xs](const Tensor& t) {
+    return cl ? t.contiguous(MemoryFormat::ChannelsLast).permute({0, 2, 3, 1}).reshape({xs[0] * xs[2] * xs[3], xs[1], 1, 1})
+              : t.contiguous();
+  };
+  auto from_kernel = [cl, xs](const Tensor& t) {
+    return cl ? t.view({xs[0], xs[2], xs[3], xs[1]}).permute({0, 3, 1, 2}) : t;
+  };
   Tensor xc, wc, bc, mean, invstd;
   {
     NoGradGuard no_grad;  // statistics and copies are not part of the graph
-    xc = x.contiguous().detach();
+    xc = to_kernel(x).detach();
     wc = as_stat(weight, sd);
     bc = as_stat(bias, sd);
     if (training) {
@@ -204,16 +216,16 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, con
   }
   return differentiable("batch_norm", {x, weight, bias}, [&] {
     Tensor y = Tensor::empty(xc.sizes(), xc.options());
-    if (y.numel() == 0) return y;
+    if (y.numel() == 0) return from_kernel(y);
     if (x.is_cuda()) batch_norm_apply_cuda(xc, mean, invstd, wc, bc, y);
     else batch_norm_apply_cpu(xc, mean, invstd, wc, bc, y);
-    return y;
+    return from_kernel(y);
   }, [&](const Tensor&) {
     const bool need_x = x.requires_grad();
     const bool need_w = weight.defined() && weight.requires_grad(), need_b = bias.defined() && bias.requires_grad();
     const DType wdt = weight.defined() ? weight.dtype() : sd, bdt = bias.defined() ? bias.dtype() : sd;
     BackwardFn fn = [=](const Tensor& gy) {
-      Tensor dy = gy.contiguous();
+      Tensor dy = to_kernel(gy);
       Tensor dx = need_x ? Tensor::empty(xc.sizes(), xc.options()) : Tensor();
       Tensor dw = need_w ? zeros({xc.size(1)}, {sd, xc.device()}) : Tensor();
       Tensor db = need_b ? zeros({xc.size(1)}, {sd, xc.device()}) : Tensor();
@@ -225,7 +237,7 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, con
           batch_norm_backward_cpu(xc, dy, mean, invstd, wc, training, need_x ? &dx : nullptr, need_w ? &dw : nullptr,
                                   need_b ? &db : nullptr);
       }
-      return std::vector<Tensor>{dx, need_w ? dw.to(wdt) : dw, need_b ? db.to(bdt) : db};
+      return std::vector<Tensor>{need_x ? from_kernel(dx) : dx, need_w ? dw.to(wdt) : dw, need_b ? db.to(bdt) : db};
     };
     return Recorded{fn, {xc, wc}};
   });

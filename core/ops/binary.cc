@@ -85,6 +85,15 @@ Device pick_device(const Tensor& a, const Tensor& b) {
   return b.device();
 }
 
+// The output keeps a channels-last operand's layout when that operand has
+// the output's full shape (what torch's TensorIterator does, simplified).
+MemoryFormat out_format(const Shape& shape, const Tensor& a, const Tensor& b) {
+  for (const Tensor* t : {&a, &b})
+    if (t->sizes() == shape && t->suggest_memory_format() == MemoryFormat::ChannelsLast)
+      return MemoryFormat::ChannelsLast;
+  return MemoryFormat::Contiguous;
+}
+
 Tensor prep(const Tensor& t, DType dtype, Device device) {
   return t.to(device, dtype);
 }
@@ -104,7 +113,7 @@ Tensor binary_op(BinaryOp op, const char* name, const Tensor& a, const Tensor& b
               name, ": arithmetic on bool tensors is not supported");
   Device d = pick_device(a, b);
   Tensor ca = prep(a, common, d), cb = prep(b, common, d);
-  Tensor out = Tensor::empty(shape, {is_comparison(op) ? DType::Bool : common, d});
+  Tensor out = Tensor::empty(shape, {is_comparison(op) ? DType::Bool : common, d}, out_format(shape, a, b));
   StridedIter it = make_iter(out, {ca, cb}, name);
   it.dtypes[0] = is_comparison(op) ? DType::Bool : common;
   run_binary(op, it, d, alpha);
@@ -188,7 +197,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   DType common = promote_types(a.dtype(), b.dtype());
   return differentiable("where", {a, b}, [&] {
     Tensor ca = a.to(common), cb = b.to(common);
-    Tensor out = Tensor::empty(shape, {common, a.device()});
+    Tensor out = Tensor::empty(shape, {common, a.device()}, out_format(shape, a, b));
     StridedIter it = make_iter(out, {cond, ca, cb}, "where");
     if (out.is_cuda()) where_cuda(it); else where_cpu(it);
     return out;

@@ -353,12 +353,7 @@ void conv2d_backward_cpu(const ConvGeom& g, const Tensor& x, const Tensor& w, co
 namespace {
 using Dims = std::array<int64_t, 2>;
 
-// Exactly NHWC-strided and not also plain contiguous (C == 1 and the like).
-bool is_channels_last(const Tensor& t) {
-  if (t.dim() != 4 || t.is_contiguous()) return false;
-  const Shape& s = t.sizes();
-  return t.strides() == Shape{s[1] * s[2] * s[3], 1, s[3] * s[1], s[1]};
-}
+bool is_channels_last(const Tensor& t) { return t.suggest_memory_format() == MemoryFormat::ChannelsLast; }
 // cuDNN reads NCHW or NHWC strides; anything else is copied to one of them.
 Tensor to_layout(const Tensor& t, bool channels_last) {
   return channels_last ? t.permute({0, 2, 3, 1}).contiguous().permute({0, 3, 1, 2}) : t.contiguous();

@@ -186,7 +186,7 @@ PoolGeom pool_geom(const char* op, const Tensor& x, Dims kernel, Dims stride, Di
 }
 }  // namespace
 
-Tensor max_pool2d(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode) {
+static Tensor max_pool2d_nchw(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode) {
   const PoolGeom g = pool_geom("max_pool2d", x, kernel, stride, padding, ceil_mode, false);
   const Shape out_shape{x.size(0), x.size(1), g.oh, g.ow};
   Tensor xc;
@@ -215,7 +215,8 @@ Tensor max_pool2d(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool 
   });
 }
 
-Tensor avg_pool2d(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode, bool count_include_pad) {
+static Tensor avg_pool2d_nchw(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode,
+                              bool count_include_pad) {
   const PoolGeom g = pool_geom("avg_pool2d", x, kernel, stride, padding, ceil_mode, count_include_pad);
   const Shape out_shape{x.size(0), x.size(1), g.oh, g.ow};
   Tensor xc;
@@ -241,6 +242,22 @@ Tensor avg_pool2d(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool 
     };
     return Recorded{fn, {}};
   });
+}
+
+// The kernels walk NCHW planes. A channels-last input is pooled in NCHW and
+// the result put back in NHWC, so the network after it stays channels-last
+// (two copies of a tensor the pool shrinks; a native NHWC kernel would save them).
+Tensor max_pool2d(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode) {
+  if (x.defined() && x.suggest_memory_format() == MemoryFormat::ChannelsLast)
+    return max_pool2d_nchw(x.contiguous(), kernel, stride, padding, ceil_mode).contiguous(MemoryFormat::ChannelsLast);
+  return max_pool2d_nchw(x, kernel, stride, padding, ceil_mode);
+}
+
+Tensor avg_pool2d(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode, bool count_include_pad) {
+  if (x.defined() && x.suggest_memory_format() == MemoryFormat::ChannelsLast)
+    return avg_pool2d_nchw(x.contiguous(), kernel, stride, padding, ceil_mode, count_include_pad)
+        .contiguous(MemoryFormat::ChannelsLast);
+  return avg_pool2d_nchw(x, kernel, stride, padding, ceil_mode, count_include_pad);
 }
 
 }  // namespace ember

@@ -45,7 +45,7 @@ Tensor unary_op(UnaryOp op, const char* name, const Tensor& x, double p0 = 0, do
   EMBER_CHECK(x.dtype() != DType::Bool, name, ": not supported for bool tensors");
   // Like torch: exp/log/... of an integer tensor computes in float32.
   Tensor in = (float_only(op) && !is_floating(x.dtype())) ? x.to(DType::Float32) : x;
-  Tensor out = Tensor::empty(in.sizes(), in.options());
+  Tensor out = Tensor::empty(in.sizes(), in.options(), in.suggest_memory_format());
   StridedIter it = make_iter(out, {in}, name);
   if (in.is_cuda()) unary_cuda(op, it, p0, p1); else unary_cpu(op, it, p0, p1);
   return out;
