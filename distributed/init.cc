@@ -1,0 +1,397 @@
+// Process-group initialisation: resolving rank, world and rendezvous from
+// options and the launcher's environment (torchrun or SLURM's srun), and the
+// process-wide default group with its sub-groups.
+#include "distributed/init.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstdlib>
+#include <mutex>
+#include <optional>
+
+#include "core/exception.h"
+#include "distributed/logging.h"
+
+namespace ember::distributed {
+namespace {
+
+// An empty variable counts as unset: `export MASTER_ADDR=$UNSET_THING` in a
+// job script should read as "not set", not as a host named "".
+std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+int parse_int(const std::string& name, const std::string& text) {
+  int64_t v = 0;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  EMBER_CHECK(ec == std::errc() && p == text.data() + text.size(), name, "=", text, " is not an integer");
+  EMBER_CHECK(v >= INT32_MIN && v <= INT32_MAX, name, "=", text, " is out of range");
+  return static_cast<int>(v);
+}
+
+// One resolved integer and the name to blame for it in messages: the
+// variable it came from, or the option.
+struct Field {
+  int value = 0;
+  std::string name;
+  bool known = false;
+};
+
+Field from_option(int value, const char* option) { return {value, option, true}; }
+
+Field from_env(const char* var) { return {parse_int(var, *env(var)), var, true}; }
+
+// SLURM_JOB_NODELIST uses Slurm's hostlist syntax: "node01,node02",
+// "node[01-04,07]", "rack[1-2]-gpu[01-08]". The first host takes the first
+// entry and, inside each bracket, the first number (keeping its padding).
+std::string first_host(const std::string& var, const std::string& list) {
+  std::string host;
+  size_t i = 0;
+  while (i < list.size() && list[i] != ',') {
+    if (list[i] == '[') {
+      size_t close = list.find(']', i);
+      EMBER_CHECK(close != std::string::npos, var, "=", list, " is not a valid Slurm host list (unclosed '[')");
+      std::string inner = list.substr(i + 1, close - i - 1);
+      inner = inner.substr(0, inner.find(','));
+      inner = inner.substr(0, inner.find('-'));
+      EMBER_CHECK(!inner.empty(), var, "=", list, " is not a valid Slurm host list (empty range)");
+      host += inner;
+      i = close + 1;
+    } else {
+      host += list[i++];
+    }
+  }
+  EMBER_CHECK(!host.empty(), var, "=", list, " is not a valid Slurm host list (no first host)");
+  return host;
+}
+
+// Slurm's tasks-per-node syntax: "4", or per node "2(x3),1" (three nodes of
+// 2 then one of 1). `node` picks the entry; the first when unknown.
+int tasks_on_node(const std::string& var, const std::string& text, int node) {
+  // A bare number (--ntasks-per-node) holds for every node.
+  if (text.find_first_of(",(") == std::string::npos) return parse_int(var, text);
+  size_t i = 0;
+  int index = 0;
+  while (i < text.size()) {
+    size_t end = text.find(',', i);
+    std::string entry = text.substr(i, end == std::string::npos ? std::string::npos : end - i);
+    int count = 1;
+    size_t paren = entry.find("(x");
+    if (paren != std::string::npos) {
+      EMBER_CHECK(entry.back() == ')', var, "=", text, " is not a valid Slurm tasks-per-node list");
+      count = parse_int(var, entry.substr(paren + 2, entry.size() - paren - 3));
+      entry = entry.substr(0, paren);
+    }
+    int tasks = parse_int(var, entry);
+    if (node < index + count) return tasks;
+    index += count;
+    if (end == std::string::npos) break;
+    i = end + 1;
+  }
+  EMBER_CHECK(false, var, "=", text, " lists ", index, " nodes but SLURM_NODEID=", node);
+  return 0;
+}
+
+}  // namespace
+
+ResolvedEnv resolve_env(const InitOptions& o) {
+  EMBER_CHECK(o.rank >= -1, "InitOptions::rank=", o.rank, " is invalid: pass a rank >= 0, or -1 to take RANK or "
+              "SLURM_PROCID from the environment");
+  EMBER_CHECK(o.world_size == -1 || o.world_size >= 1, "InitOptions::world_size=", o.world_size,
+              " is invalid: pass a size >= 1, or -1 to take WORLD_SIZE or SLURM_NTASKS from the environment");
+  EMBER_CHECK(o.local_rank >= -1, "InitOptions::local_rank=", o.local_rank,
+              " is invalid: pass a local rank >= 0, or -1 to take LOCAL_RANK or SLURM_LOCALID from the environment");
+  EMBER_CHECK(o.master_port >= -1 && o.master_port <= 65535, "InitOptions::master_port=", o.master_port,
+              " is not a port (0-65535), or -1 to take MASTER_PORT from the environment");
+
+  // One launcher speaks for the process. torchrun's variables win when
+  // present: under `srun torchrun ...` SLURM's describe the launcher (one
+  // task per node), torchrun's the worker processes it spawned.
+  const bool torchrun = env("RANK") || env("WORLD_SIZE");
+  const bool slurm = !torchrun && env("SLURM_PROCID").has_value();
+
+  ResolvedEnv r;
+  Field rank, world;
+  if (o.rank >= 0) {
+    rank = from_option(o.rank, "InitOptions::rank");
+  } else if (torchrun && env("RANK")) {
+    rank = from_env("RANK");
+  } else if (slurm) {
+    rank = from_env("SLURM_PROCID");
+  }
+  if (o.world_size >= 1) {
+    world = from_option(o.world_size, "InitOptions::world_size");
+  } else if (torchrun && env("WORLD_SIZE")) {
+    world = from_env("WORLD_SIZE");
+  } else if (slurm && env("SLURM_NTASKS")) {
+    world = from_env("SLURM_NTASKS");
+  }
+
+  if (!rank.known && !world.known) {
+    // Nothing launched us: a single process, which needs no rendezvous.
+    rank = from_option(0, "rank");
+    world = from_option(1, "world size");
+    r.source = "default";
+  } else {
+    EMBER_CHECK(world.known, rank.name, "=", rank.value,
+                " is set but the world size is not: set WORLD_SIZE (torchrun) or SLURM_NTASKS (srun), or pass "
+                "InitOptions::world_size");
+    if (!rank.known && world.value == 1) rank = from_option(0, "rank");
+    EMBER_CHECK(rank.known, world.name, "=", world.value,
+                " is set but the rank is not: set RANK (torchrun) or SLURM_PROCID (srun), or pass InitOptions::rank");
+    r.source = o.rank >= 0 && o.world_size >= 1 ? "explicit" : torchrun ? "torchrun env" : slurm ? "slurm" : "explicit";
+  }
+  EMBER_CHECK(world.value >= 1, world.name, "=", world.value, " must be at least 1");
+  EMBER_CHECK(rank.value >= 0, rank.name, "=", rank.value, " must be at least 0");
+  EMBER_CHECK(rank.value < world.value, rank.name, "=", rank.value, " must be below ", world.name, "=", world.value);
+  r.rank = rank.value;
+  r.world_size = world.value;
+
+  Field local_rank, local_world;
+  if (o.local_rank >= 0) {
+    local_rank = from_option(o.local_rank, "InitOptions::local_rank");
+  } else if (env("LOCAL_RANK")) {
+    local_rank = from_env("LOCAL_RANK");
+  } else if (slurm && env("SLURM_LOCALID")) {
+    local_rank = from_env("SLURM_LOCALID");
+  }
+  if (env("LOCAL_WORLD_SIZE")) {
+    local_world = from_env("LOCAL_WORLD_SIZE");
+  } else if (slurm) {
+    // --ntasks-per-node sets the first; srun always sets the second.
+    for (const char* var : {"SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
+      if (!env(var)) continue;
+      int node = env("SLURM_NODEID") ? parse_int("SLURM_NODEID", *env("SLURM_NODEID")) : 0;
+      local_world = {tasks_on_node(var, *env(var), node), var, true};
+      break;
+    }
+  }
+  if (local_rank.known) {
+    EMBER_CHECK(local_rank.value >= 0, local_rank.name, "=", local_rank.value, " must be at least 0");
+    r.local_rank = local_rank.value;
+  }
+  if (local_world.known) {
+    EMBER_CHECK(local_world.value >= 1, local_world.name, "=", local_world.value, " must be at least 1");
+    EMBER_CHECK(local_world.value <= r.world_size, local_world.name, "=", local_world.value, " exceeds ",
+                world.name, "=", world.value);
+    EMBER_CHECK(r.local_rank < local_world.value, local_rank.known ? local_rank.name : "local rank", "=",
+                r.local_rank, " must be below ", local_world.name, "=", local_world.value);
+    r.local_world_size = local_world.value;
+  } else {
+    // Unknown: report the smallest size consistent with the local rank.
+    r.local_world_size = r.local_rank + 1;
+  }
+
+  // The rendezvous address matters only when there is someone to meet and no
+  // store was handed to us.
+  const bool needs_rendezvous = r.world_size > 1 && o.store == nullptr;
+  if (!o.master_addr.empty()) {
+    r.master_addr = o.master_addr;
+  } else if (env("MASTER_ADDR")) {
+    r.master_addr = *env("MASTER_ADDR");
+  } else if (slurm && (env("SLURM_JOB_NODELIST") || env("SLURM_NODELIST"))) {
+    const char* var = env("SLURM_JOB_NODELIST") ? "SLURM_JOB_NODELIST" : "SLURM_NODELIST";
+    r.master_addr = first_host(var, *env(var));
+  } else {
+    EMBER_CHECK(!needs_rendezvous, "MASTER_ADDR is not set: rank ", r.rank, " of ", world.name, "=", r.world_size,
+                " needs the address of rank 0's store; set MASTER_ADDR (torchrun sets it), or pass "
+                "InitOptions::master_addr or InitOptions::store");
+    r.master_addr = "127.0.0.1";
+  }
+
+  Field port;
+  if (o.master_port >= 0) {
+    port = from_option(o.master_port, "InitOptions::master_port");
+  } else if (env("MASTER_PORT")) {
+    port = from_env("MASTER_PORT");
+    EMBER_CHECK(port.value >= 0 && port.value <= 65535, "MASTER_PORT=", port.value, " is not a port (0-65535)");
+  } else if (slurm) {
+    // torchrun's and c10d's default port; srun exports none of its own.
+    port = from_option(29500, "the default port");
+  } else {
+    EMBER_CHECK(!needs_rendezvous, "MASTER_PORT is not set: rank ", r.rank, " of ", world.name, "=", r.world_size,
+                " needs the port of rank 0's store; set MASTER_PORT (torchrun sets it), or pass "
+                "InitOptions::master_port or InitOptions::store");
+    port = from_option(0, "port");  // one process: any free port
+  }
+  EMBER_CHECK(port.value != 0 || !needs_rendezvous, port.name, "=0 cannot be used with ", world.name, "=",
+              r.world_size, ": port 0 picks a free port that the other ranks cannot know");
+  r.master_port = port.value;
+  return r;
+}
+
+// ---------------------------------------------------------------------------
+// The default group and sub-groups
+
+namespace {
+
+struct State {
+  // Serialises init / new_group / destroy, which block on the store; the
+  // accessors take only `mu`, so get_rank() from another thread never waits
+  // behind a rendezvous.
+  std::mutex setup_mu;
+  std::mutex mu;
+  std::shared_ptr<Store> store;  // the root store every group's PrefixStore wraps
+  std::shared_ptr<ProcessGroup> default_pg;
+  std::string backend;
+  ProcessGroupOptions pg_options;
+  int groups_created = 0;
+};
+
+State& state() {
+  static State s;
+  return s;
+}
+
+std::shared_ptr<ProcessGroup> make_group(const std::string& backend, std::shared_ptr<Store> store, int rank,
+                                         int size, const ProcessGroupOptions& options) {
+  if (backend == "nccl") return make_nccl_group(std::move(store), rank, size, options);
+  return make_gloo_group(std::move(store), rank, size, options);
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s = "[";
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? "," : "") + std::to_string(ranks[i]);
+  return s + "]";
+}
+
+}  // namespace
+
+std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
+  State& s = state();
+  std::lock_guard<std::mutex> setup(s.setup_mu);
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    EMBER_CHECK(s.default_pg == nullptr, "init_process_group: already initialized (rank ", s.default_pg->rank(),
+                " of ", s.default_pg->size(), ", backend ", s.backend, "); call destroy_process_group() first");
+  }
+  EMBER_CHECK(options.backend == "gloo" || options.backend == "nccl", "init_process_group: unknown backend \"",
+              options.backend, "\"; use \"gloo\" (CPU tensors) or \"nccl\" (CUDA tensors)");
+  EMBER_CHECK(options.timeout > Millis{0}, "init_process_group: timeout must be positive, got ",
+              options.timeout.count(), " ms");
+  ResolvedEnv env = resolve_env(options);
+
+  std::shared_ptr<Store> store = options.store;
+  std::shared_ptr<ProcessGroup> pg;
+  try {
+    if (!store) {
+      // Rank 0 hosts the store and, by waiting for every rank to connect,
+      // turns a missing rank into a timeout error here rather than a hang
+      // in the first collective.
+      store = std::make_shared<TCPStore>(env.master_addr, env.master_port,
+                                         TCPStoreOptions{.is_server = env.rank == 0,
+                                                         .num_workers = env.world_size,
+                                                         .wait_for_workers = true,
+                                                         .timeout = options.timeout});
+    }
+    ProcessGroupOptions pg_options{.timeout = options.timeout};
+    pg = make_group(options.backend, std::make_shared<PrefixStore>("default_pg", store), env.rank, env.world_size,
+                    pg_options);
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.store = store;
+    s.default_pg = pg;
+    s.backend = options.backend;
+    s.pg_options = pg_options;
+    s.groups_created = 0;
+  } catch (const std::exception& e) {
+    // Backend engines throw their own exception types; callers get ours.
+    throw Error("init_process_group (rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
+                ", backend " + options.backend + ", from " + env.source + "): " + e.what());
+  }
+  // Logs name the rank the job resolved, even where RANK is not set (srun,
+  // explicit options).
+  set_log_rank(env.rank);
+  return pg;
+}
+
+bool is_initialized() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.default_pg != nullptr;
+}
+
+std::shared_ptr<ProcessGroup> default_group() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  EMBER_CHECK(s.default_pg != nullptr,
+              "the default process group is not initialized; call init_process_group() first");
+  return s.default_pg;
+}
+
+int get_rank() { return default_group()->rank(); }
+
+int get_world_size() { return default_group()->size(); }
+
+std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) {
+  State& s = state();
+  std::lock_guard<std::mutex> setup(s.setup_mu);
+  std::shared_ptr<Store> store;
+  std::shared_ptr<ProcessGroup> world;
+  std::string backend;
+  ProcessGroupOptions pg_options;
+  int id;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    EMBER_CHECK(s.default_pg != nullptr,
+                "new_group: the default process group is not initialized; call init_process_group() first");
+    store = s.store;
+    world = s.default_pg;
+    backend = s.backend;
+    pg_options = s.pg_options;
+    // Every rank calls new_group in the same order, so the counter agrees
+    // across ranks and names the group's store namespace.
+    id = ++s.groups_created;
+  }
+  std::vector<int> sorted = ranks;
+  std::sort(sorted.begin(), sorted.end());
+  EMBER_CHECK(!sorted.empty(), "new_group: the rank list is empty");
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    EMBER_CHECK(sorted[i] >= 0 && sorted[i] < world->size(), "new_group: rank ", sorted[i],
+                " is outside the default group's ranks [0, ", world->size(), ")");
+    EMBER_CHECK(i == 0 || sorted[i] != sorted[i - 1], "new_group: rank ", sorted[i], " is listed twice in ",
+                rank_list(ranks));
+  }
+  // Ranks that disagree on the list would build groups that never connect;
+  // compare with rank 0's list (one store round trip) to fail by name.
+  std::string mine = rank_list(sorted);
+  std::string key = "new_group/" + std::to_string(id) + "/ranks";
+  if (world->rank() == 0) {
+    store->set(key, mine);
+  } else {
+    std::string theirs = store->get_string(key);
+    EMBER_CHECK(theirs == mine, "new_group #", id, ": rank ", world->rank(), " passed ranks ", mine,
+                " but rank 0 passed ", theirs, "; every rank must make the same new_group calls in the same order");
+  }
+  auto it = std::find(sorted.begin(), sorted.end(), world->rank());
+  if (it == sorted.end()) return nullptr;
+  int group_rank = static_cast<int>(it - sorted.begin());
+  return make_group(backend, std::make_shared<PrefixStore>("group_" + std::to_string(id), store), group_rank,
+                    static_cast<int>(sorted.size()), pg_options);
+}
+
+// A no-op when nothing is initialized, so cleanup paths can call it freely.
+// Rank 0 hosts the store: the other ranks must be done with it (e.g. after
+// a barrier) before rank 0 destroys its group.
+void destroy_process_group() {
+  State& s = state();
+  std::lock_guard<std::mutex> setup(s.setup_mu);
+  std::shared_ptr<ProcessGroup> pg;
+  std::shared_ptr<Store> store;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    pg = std::move(s.default_pg);
+    store = std::move(s.store);
+    s.default_pg = nullptr;
+    s.store = nullptr;
+    s.backend.clear();
+    s.groups_created = 0;
+  }
+  if (pg) set_log_rank(-1);
+  // Released here, outside `mu`: a backend's destructor may join threads.
+  pg.reset();
+  store.reset();
+}
+
+}  // namespace ember::distributed

@@ -1,0 +1,56 @@
+// init_process_group: where a job learns its rank, world and rendezvous.
+//
+// Resolution order for each field: the explicit option, then torchrun's
+// environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+// MASTER_PORT), then SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
+// first host of SLURM_JOB_NODELIST for the address) when launched by srun.
+// Invalid settings throw naming the variable and its value.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "distributed/process_group.h"
+#include "distributed/store.h"
+
+namespace ember::distributed {
+
+struct InitOptions {
+  std::string backend = "gloo";  // "gloo" (CPU tensors) or "nccl" (CUDA tensors)
+  int rank = -1;                 // -1: from the environment
+  int world_size = -1;
+  int local_rank = -1;
+  std::string master_addr;       // empty: from the environment
+  int master_port = -1;
+  Millis timeout = kDefaultTimeout;
+  std::shared_ptr<Store> store;  // given: used instead of a TCPStore on master_addr:master_port
+};
+
+// What the environment and options resolve to (exposed for tests and logs).
+struct ResolvedEnv {
+  int rank = 0, world_size = 1, local_rank = 0, local_world_size = 1;
+  std::string master_addr;
+  int master_port = 0;
+  std::string source;  // "explicit", "torchrun env" or "slurm"
+};
+ResolvedEnv resolve_env(const InitOptions& options);
+
+// Creates the default group (every rank) and returns it.
+std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
+bool is_initialized();
+std::shared_ptr<ProcessGroup> default_group();  // throws if not initialized
+int get_rank();
+int get_world_size();
+// A sub-group of the default group's ranks; every rank of the default group
+// must call it (with the same list) as torch does; ranks outside get nullptr.
+std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
+void destroy_process_group();
+
+// Backends, for callers that build groups themselves.
+std::shared_ptr<ProcessGroup> make_gloo_group(std::shared_ptr<Store> store, int rank, int size,
+                                              ProcessGroupOptions options = {});
+std::shared_ptr<ProcessGroup> make_nccl_group(std::shared_ptr<Store> store, int rank, int size,
+                                              ProcessGroupOptions options = {});
+
+}  // namespace ember::distributed

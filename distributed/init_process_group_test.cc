@@ -1,0 +1,216 @@
+// init_process_group end to end with the Gloo backend: worker processes
+// (distributed/testing/multiprocess.h) read torchrun's variables, meet at
+// the TCPStore rank 0 hosts, run collectives on the default group and on
+// sub-groups from new_group, tear down and initialise again over a given
+// store. In-process: a world of one, and the errors of misuse.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <map>
+#include <string>
+
+#include "core/exception.h"
+#include "core/tensor.h"
+#include "distributed/init.h"
+#include "distributed/testing/multiprocess.h"
+
+namespace ember::distributed {
+namespace {
+
+namespace mp = ::ember::distributed::testing;
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "<no ember::Error thrown>";
+}
+
+// Rank r contributes r + 1; a group's sum is the sum over its members.
+double allreduce_sum(ProcessGroup& pg, int global_rank) {
+  Tensor t = Tensor::from_vector({double(global_rank + 1)}, {1});
+  pg.allreduce(t)->wait();
+  return t.to_vector()[0];
+}
+
+InitOptions gloo_with_timeout(Millis timeout) {
+  InitOptions o;
+  o.backend = "gloo";
+  o.timeout = timeout;
+  return o;
+}
+
+void set_torchrun_env(const mp::WorkerEnv& env) {
+  setenv("RANK", std::to_string(env.rank).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(env.world_size).c_str(), 1);
+  setenv("LOCAL_RANK", std::to_string(env.rank).c_str(), 1);
+  setenv("LOCAL_WORLD_SIZE", std::to_string(env.world_size).c_str(), 1);
+}
+
+// Rank 0 hosts the default store: it must outlive the other ranks' use of it.
+void all_done(const mp::WorkerEnv& env, const std::string& name) {
+  auto store = env.store();
+  store->set(name + "/" + std::to_string(env.rank), std::string("1"));
+  std::vector<std::string> keys;
+  for (int r = 0; r < env.world_size; ++r) keys.push_back(name + "/" + std::to_string(r));
+  store->wait(keys);
+}
+
+EMBER_WORKER(init_from_env) {
+  const int n = env.world_size, r = env.rank;
+  set_torchrun_env(env);  // MASTER_ADDR / MASTER_PORT come from the parent
+  WCHECK(!is_initialized(), "fresh process");
+  auto pg = init_process_group(gloo_with_timeout(30s));
+  WCHECK(is_initialized(), "after init");
+  WCHECK(get_rank() == r && get_world_size() == n, get_rank(), " of ", get_world_size());
+  WCHECK(default_group() == pg, "default_group() is the group init returned");
+  WCHECK(pg->backend_name() == "gloo", pg->backend_name());
+  double s = allreduce_sum(*pg, r);
+  WCHECK(s == n * (n + 1) / 2.0, "default group sum ", s);
+
+  // Unsorted on purpose: group ranks follow the sorted order, as in torch.
+  auto ends = new_group({n - 1, 0});
+  auto odd = new_group({1});
+  if (r == 0 || r == n - 1) {
+    WCHECK(ends != nullptr, "member of {0, n-1} got no group");
+    WCHECK(ends->size() == 2 && ends->rank() == (r == 0 ? 0 : 1), ends->rank(), " of ", ends->size());
+    s = allreduce_sum(*ends, r);
+    WCHECK(s == 1 + n, "sub-group sum ", s);
+  } else {
+    WCHECK(ends == nullptr, "rank ", r, " is outside {0, n-1}");
+  }
+  if (r == 1) {
+    WCHECK(odd != nullptr && odd->size() == 1 && odd->rank() == 0, "the group of rank 1 alone");
+    WCHECK(allreduce_sum(*odd, r) == 2, "a group of one");
+  } else {
+    WCHECK(odd == nullptr, "rank ", r, " is outside {1}");
+  }
+  // The default group still works after sub-groups were made.
+  s = allreduce_sum(*pg, r);
+  WCHECK(s == n * (n + 1) / 2.0, "default group sum after new_group ", s);
+  ends.reset();
+  odd.reset();
+  pg.reset();
+  all_done(env, "first");
+  destroy_process_group();
+  WCHECK(!is_initialized(), "after destroy");
+
+  // Again, over a store we bring (the parent's), with explicit rank/size.
+  InitOptions o;
+  o.rank = r;
+  o.world_size = n;
+  o.store = env.store();
+  o.timeout = 30s;
+  pg = init_process_group(o);
+  s = allreduce_sum(*pg, r);
+  WCHECK(s == n * (n + 1) / 2.0, "second init sum ", s);
+  pg.reset();
+  destroy_process_group();
+}
+
+EMBER_WORKER(new_group_mismatch) {
+  set_torchrun_env(env);
+  auto pg = init_process_group(gloo_with_timeout(5s));
+  if (env.rank == 1) {
+    std::string msg = error_of([] { new_group({0}); });
+    WCHECK(msg.find("rank 1 passed ranks [0] but rank 0 passed [0,1]") != std::string::npos, msg);
+  } else {
+    // Rank 0's group waits for rank 1, which never joins: a timeout error.
+    std::string msg = error_of([] { new_group({0, 1}); });
+    WCHECK(msg != "<no ember::Error thrown>", "rank 0 built a group its peer never joined");
+  }
+  pg.reset();
+  all_done(env, "mismatch");
+  destroy_process_group();
+}
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+mp::RunOptions torchrun_options() {
+  mp::RunOptions o;
+  o.deadline = 90s;
+  o.env = {"MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(free_port())};
+  return o;
+}
+
+TEST(InitProcessGroup, FromTorchrunEnvWithSubGroupsWorldSize3) {
+  auto res = mp::run_workers("init_from_env", 3, torchrun_options());
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+TEST(InitProcessGroup, FromTorchrunEnvWithSubGroupsWorldSize2) {
+  auto res = mp::run_workers("init_from_env", 2, torchrun_options());
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+TEST(InitProcessGroup, NewGroupWithDifferentListsFailsByName) {
+  auto res = mp::run_workers("new_group_mismatch", 2, torchrun_options());
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+// In-process: a world of one needs no launcher and no address.
+class SingleProcess : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                          "SLURM_PROCID", "SLURM_NTASKS"}) {
+      if (const char* old = std::getenv(v)) saved_[v] = old;
+      unsetenv(v);
+    }
+  }
+  void TearDown() override {
+    destroy_process_group();
+    for (const auto& [k, v] : saved_) setenv(k.c_str(), v.c_str(), 1);
+  }
+  std::map<std::string, std::string> saved_;
+};
+
+TEST_F(SingleProcess, InitUseAndMisuse) {
+  auto pg = init_process_group(gloo_with_timeout(10s));
+  EXPECT_TRUE(is_initialized());
+  EXPECT_EQ(get_rank(), 0);
+  EXPECT_EQ(get_world_size(), 1);
+  EXPECT_EQ(allreduce_sum(*pg, 0), 1.0);
+  EXPECT_THAT(error_of([] { init_process_group(); }), HasSubstr("already initialized (rank 0 of 1"));
+  auto solo = new_group({0});
+  ASSERT_NE(solo, nullptr);
+  EXPECT_EQ(solo->size(), 1);
+  EXPECT_THAT(error_of([] { new_group({1}); }), HasSubstr("rank 1 is outside the default group's ranks [0, 1)"));
+  EXPECT_THAT(error_of([] { new_group({0, 0}); }), HasSubstr("rank 0 is listed twice in [0,0]"));
+  EXPECT_THAT(error_of([] { new_group({}); }), HasSubstr("empty"));
+  solo.reset();
+  pg.reset();
+  destroy_process_group();
+  EXPECT_FALSE(is_initialized());
+  // And once more: destroy really released everything.
+  pg = init_process_group(gloo_with_timeout(10s));
+  EXPECT_EQ(allreduce_sum(*pg, 0), 1.0);
+}
+
+TEST(MultiProcessWorker, Entry) {
+  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
+  mp::run_if_worker();
+}
+
+}  // namespace
+}  // namespace ember::distributed

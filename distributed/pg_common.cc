@@ -1,0 +1,251 @@
+// Shared by the Gloo and NCCL process groups: Work completion, error
+// messages that name the operation, the store-based signature check and the
+// argument validation (see pg_common.h).
+#include "distributed/pg_common.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "core/exception.h"
+
+namespace ember::distributed {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Min: return "min";
+    case ReduceOp::Product: return "product";
+  }
+  return "?";
+}
+
+namespace detail {
+
+std::string OpInfo::describe() const {
+  std::ostringstream os;
+  os << op << " (" << (collective ? "collective #" : "p2p op #") << seq << ", " << backend << " group rank " << rank
+     << " of " << size << ", timeout " << timeout.count() << " ms)";
+  return os.str();
+}
+
+std::string make_signature(const std::string& op, const Tensor* tensor, int64_t numel, int root,
+                           const ReduceOp* reduce) {
+  std::ostringstream os;
+  os << "op=" << op << " dtype=" << (tensor ? dtype_name(tensor->dtype()) : "none") << " numel=" << numel
+     << " root=" << root;
+  if (reduce) os << " reduce=" << reduce_op_name(*reduce);
+  return os.str();
+}
+
+// ---- CompletionWork ----
+
+bool CompletionWork::is_completed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+bool CompletionWork::is_success() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_ && !error_;
+}
+
+void CompletionWork::wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return done_; });
+  if (error_) std::rethrow_exception(error_);
+}
+
+bool CompletionWork::wait(Millis timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [&] { return done_; })) return false;
+  if (error_) std::rethrow_exception(error_);
+  return true;
+}
+
+std::exception_ptr CompletionWork::exception() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+void CompletionWork::finish(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return;
+    done_ = true;
+    error_ = std::move(error);
+  }
+  cv_.notify_all();
+}
+
+// ---- Errors ----
+
+namespace {
+std::string what_of(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+bool contains(const std::string& s, const char* needle) { return s.find(needle) != std::string::npos; }
+}  // namespace
+
+std::exception_ptr op_error(const OpInfo& info, std::exception_ptr cause, Millis elapsed) {
+  std::string msg = what_of(cause);
+  // Already one of ours (a signature check, a failed group): keep it as is.
+  if (msg.rfind(info.describe(), 0) == 0) return cause;
+  const bool timed_out = contains(msg, "Timed out") || contains(msg, "timed out") || contains(msg, "timeout");
+  std::ostringstream os;
+  os << info.describe() << (timed_out ? " timed out" : " failed") << " after " << elapsed.count() << " ms: " << msg;
+  if (contains(msg, "closed") || contains(msg, "reset by peer") || contains(msg, "Broken pipe") ||
+      contains(msg, "Connection refused")) {
+    os << " (a peer process exited or closed its connection in the middle of the operation)";
+  } else if (timed_out) {
+    os << " (a peer is slow, hung, dead, or did not call this collective; the op's timeout is "
+       << info.timeout.count() << " ms)";
+  }
+  return std::make_exception_ptr(Error(os.str()));
+}
+
+// ---- Signature check ----
+
+namespace {
+Millis left(PgClock::time_point deadline) {
+  auto l = std::chrono::duration_cast<Millis>(deadline - PgClock::now());
+  // Store waits of 0 ms may be read as "no timeout" by some stores; 1 ms is
+  // as good as expired.
+  return std::max(l, Millis{1});
+}
+
+std::string key(int64_t seq, const std::string& leaf) { return "sig/" + std::to_string(seq) + "/" + leaf; }
+
+std::string as_string(const Bytes& b) { return std::string(b.begin(), b.end()); }
+}  // namespace
+
+void check_signature(Store& store, const OpInfo& info, PgClock::time_point deadline) {
+  if (info.size <= 1) return;
+  const std::string verdict_key = key(info.seq, "verdict");
+  if (info.rank != 0) {
+    store.set(key(info.seq, std::to_string(info.rank)), info.signature);
+    // Rank 0 publishes a verdict naming the missing ranks when its own wait
+    // expires at about the same deadline; a short grace lets us read it
+    // rather than time out with less to say.
+    const Millis grace = std::min<Millis>(info.timeout / 2, Millis{5000});
+    try {
+      store.wait({verdict_key}, left(deadline + grace));
+    } catch (const Error& e) {
+      throw Error(::ember::detail::str_cat(info.describe(), ": signature check: rank 0 did not compare the ranks' calls within ",
+                                  info.timeout.count(), " ms (rank 0 is dead, hung, or has not reached collective #",
+                                  info.seq, "; this rank called ", info.signature, "): ", e.what()));
+    }
+    std::string verdict = as_string(store.get(verdict_key));
+    if (verdict == "ok") return;
+    throw Error(info.describe() + ": " + verdict);
+  }
+
+  // Rank 0: gather, compare, publish.
+  std::vector<std::string> keys;
+  for (int r = 1; r < info.size; ++r) keys.push_back(key(info.seq, std::to_string(r)));
+  auto publish = [&](const std::string& verdict) {
+    try {
+      store.set(verdict_key, verdict);
+    } catch (const std::exception&) {
+      // The store itself failing is reported by the caller's own error.
+    }
+  };
+  try {
+    store.wait(keys, left(deadline));
+  } catch (const Error& e) {
+    std::string missing;
+    for (int r = 1; r < info.size; ++r) {
+      bool here = false;
+      try {
+        here = store.check({keys[r - 1]});
+      } catch (const std::exception&) {
+      }
+      if (!here) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+    std::string msg = ::ember::detail::str_cat("signature check: rank(s) ", missing, " did not reach collective #", info.seq,
+                                      " within ", info.timeout.count(), " ms (dead, hung, or calling something else)",
+                                      "; rank 0 called ", info.signature);
+    publish(msg);
+    throw Error(info.describe() + ": " + msg + " [store: " + e.what() + "]");
+  }
+  std::string mismatches;
+  for (int r = 1; r < info.size; ++r) {
+    std::string theirs = as_string(store.get(keys[r - 1]));
+    store.delete_key(keys[r - 1]);
+    if (theirs != info.signature) mismatches += ::ember::detail::str_cat("; rank ", r, " called ", theirs);
+  }
+  if (!mismatches.empty()) {
+    std::string msg = ::ember::detail::str_cat("signature mismatch at collective #", info.seq, ": rank 0 called ",
+                                      info.signature, mismatches,
+                                      " (every rank must call the same collectives in the same order with the same "
+                                      "dtype, numel and root)");
+    publish(msg);
+    throw Error(info.describe() + ": " + msg);
+  }
+  store.set(verdict_key, std::string("ok"));
+  // Every rank has posted its signature for this collective, so all of them
+  // have read the previous verdict: it can go.
+  if (info.seq > 0) store.delete_key(key(info.seq - 1, "verdict"));
+}
+
+// ---- Validation ----
+
+std::string where(const std::string& backend, const char* op, int rank, int size) {
+  return ::ember::detail::str_cat(backend, " ", op, " (rank ", rank, " of ", size, ")");
+}
+
+void check_defined(const Tensor& t, const std::string& where, const char* name) {
+  EMBER_CHECK(t.defined(), where, ": ", name, " is an undefined tensor");
+}
+
+void check_root(int root, int size, const std::string& where) {
+  EMBER_CHECK(root >= 0 && root < size, where, ": root ", root, " is not a rank of a group of size ", size);
+}
+
+void check_peer(int peer, int rank, int size, const std::string& where) {
+  EMBER_CHECK(peer >= 0 && peer < size, where, ": peer rank ", peer, " is not in a group of size ", size);
+  EMBER_CHECK(peer != rank, where, ": peer rank ", peer, " is this rank; send/recv need another rank");
+}
+
+void check_same_dtype(const Tensor& a, const char* a_name, const Tensor& b, const char* b_name,
+                      const std::string& where) {
+  EMBER_CHECK(a.dtype() == b.dtype(), where, ": ", a_name, " has dtype ", a.dtype(), " (shape ",
+              shape_str(a.sizes()), ") but ", b_name, " has dtype ", b.dtype(), " (shape ", shape_str(b.sizes()), ")");
+}
+
+void check_flat_sizes(const Tensor& big, const char* big_name, const Tensor& small, const char* small_name,
+                      int factor, const std::string& where) {
+  EMBER_CHECK(big.numel() == factor * small.numel(), where, ": ", big_name, " has shape ", shape_str(big.sizes()),
+              " (", big.numel(), " elements) but must hold group size ", factor, " x ", small_name, " numel ",
+              small.numel(), " = ", factor * small.numel(), " elements (", small_name, " shape ",
+              shape_str(small.sizes()), ")");
+}
+
+void check_allgather_list(const std::vector<Tensor>& outputs, const Tensor& input, int size,
+                          const std::string& where) {
+  EMBER_CHECK(static_cast<int>(outputs.size()) == size, where, ": got ", outputs.size(),
+              " output tensors but the group has ", size, " ranks (one output per rank)");
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    const std::string name = "outputs[" + std::to_string(r) + "]";
+    check_defined(outputs[r], where, name.c_str());
+    EMBER_CHECK(outputs[r].numel() == input.numel(), where, ": ", name, " has shape ", shape_str(outputs[r].sizes()),
+                " but input has shape ", shape_str(input.sizes()), " (numel must match)");
+    check_same_dtype(outputs[r], name.c_str(), input, "input", where);
+  }
+}
+
+void check_reduce_dtype(DType dtype, ReduceOp op, const std::string& where) {
+  EMBER_CHECK(!(dtype == DType::Bool && op == ReduceOp::Avg), where,
+              ": ReduceOp avg is not defined for bool tensors (use max for 'any' or min for 'all')");
+}
+
+}  // namespace detail
+}  // namespace ember::distributed

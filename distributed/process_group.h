@@ -1,0 +1,86 @@
+// ProcessGroup: collectives over a fixed set of ranks, run by a real engine
+// (Gloo for CPU tensors over TCP, NCCL for CUDA tensors). Every call returns
+// a Work handle at once; the collective runs asynchronously and in call
+// order. Tensors are updated in place (the Tensor handle is shared).
+//
+//   auto pg = init_process_group({.backend = "gloo"});   // env: RANK, WORLD_SIZE, MASTER_ADDR, ...
+//   pg->allreduce(grad, ReduceOp::Avg)->wait();
+//
+// Safety nets, so a bug or a dead peer is an error and never a hang: every
+// operation has a timeout (ProcessGroupOptions::timeout, 10 minutes by
+// default) after which wait() throws naming the op, the group and the
+// timeout; every collective carries a sequence number and a signature (op,
+// dtype, numel, root) checked across ranks through the store, so ranks that
+// call different collectives get an error naming both sides.
+#pragma once
+
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "distributed/store.h"
+
+namespace ember::distributed {
+
+enum class ReduceOp { Sum, Avg, Max, Min, Product };
+const char* reduce_op_name(ReduceOp op);
+
+// One asynchronous operation.
+class Work {
+ public:
+  virtual ~Work() = default;
+  // True once the operation finished, successfully or not.
+  virtual bool is_completed() = 0;
+  // True when it finished without error.
+  virtual bool is_success() = 0;
+  // Blocks until done; rethrows the operation's error (ember::Error).
+  virtual void wait() = 0;
+  // Blocks at most `timeout`; returns false if still running (the operation
+  // keeps running, and its own timeout still applies); throws on error.
+  virtual bool wait(Millis timeout) = 0;
+  // The error, if it finished with one.
+  virtual std::exception_ptr exception() = 0;
+};
+
+struct ProcessGroupOptions {
+  Millis timeout = kDefaultTimeout;
+  // Check each collective's signature against the other ranks (one small
+  // store round trip per collective). Cheap next to a real collective; off
+  // for benchmarks that want the raw engine.
+  bool check_signatures = true;
+};
+
+class ProcessGroup {
+ public:
+  ProcessGroup(int rank, int size) : rank_(rank), size_(size) {}
+  virtual ~ProcessGroup() = default;
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  virtual std::string backend_name() const = 0;
+
+  // In place on `tensor` (every rank passes the same shape and dtype).
+  virtual std::shared_ptr<Work> allreduce(const Tensor& tensor, ReduceOp op = ReduceOp::Sum) = 0;
+  virtual std::shared_ptr<Work> broadcast(const Tensor& tensor, int root) = 0;
+  // The result lands in `tensor` on `root` only.
+  virtual std::shared_ptr<Work> reduce(const Tensor& tensor, int root, ReduceOp op = ReduceOp::Sum) = 0;
+  // outputs[r] receives rank r's input (size() tensors shaped like input).
+  virtual std::shared_ptr<Work> allgather(const std::vector<Tensor>& outputs, const Tensor& input) = 0;
+  // output is size() * input.numel() elements, rank r's block at r * numel.
+  virtual std::shared_ptr<Work> allgather_into_tensor(const Tensor& output, const Tensor& input) = 0;
+  // input is size() * output.numel() elements; rank r gets the reduced block r.
+  virtual std::shared_ptr<Work> reduce_scatter_tensor(const Tensor& output, const Tensor& input,
+                                                      ReduceOp op = ReduceOp::Sum) = 0;
+  // Equal splits: block r of input goes to rank r, block r of output comes from rank r.
+  virtual std::shared_ptr<Work> all_to_all_single(const Tensor& output, const Tensor& input) = 0;
+  virtual std::shared_ptr<Work> barrier() = 0;
+  virtual std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag = 0) = 0;
+  virtual std::shared_ptr<Work> recv(const Tensor& tensor, int src, int tag = 0) = 0;
+
+ protected:
+  int rank_, size_;
+};
+
+}  // namespace ember::distributed

@@ -1,0 +1,261 @@
+// The multi-process test harness (see multiprocess.h): spawns the test
+// binary as worker processes, hosts their store, collects exit statuses and
+// output, and kills stragglers at the deadline.
+#include "distributed/testing/multiprocess.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "core/exception.h"
+
+extern char** environ;
+
+namespace ember::distributed::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::map<std::string, WorkerFn>& registry() {
+  static auto* r = new std::map<std::string, WorkerFn>;
+  return *r;
+}
+
+const char* env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v ? v : fallback;
+}
+
+// Variables a second copy of a GoogleTest binary under Bazel must not see:
+// sharding would filter the entry test away, and the XML / premature-exit
+// files belong to the parent.
+bool dropped(const std::string& kv) {
+  static const char* kDrop[] = {"GTEST_SHARD_INDEX=", "GTEST_TOTAL_SHARDS=", "TEST_SHARD_STATUS_FILE=",
+                                "XML_OUTPUT_FILE=", "GTEST_OUTPUT=", "TEST_PREMATURE_EXIT_FILE=",
+                                "EMBER_MP_"};
+  for (const char* p : kDrop)
+    if (kv.rfind(p, 0) == 0) return true;
+  return false;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::string temp_dir() {
+  const char* d = std::getenv("TEST_TMPDIR");
+  return d && *d ? d : "/tmp";
+}
+
+}  // namespace
+
+std::shared_ptr<Store> WorkerEnv::store(Millis timeout) const {
+  TCPStoreOptions o;
+  o.is_server = false;
+  o.timeout = timeout;
+  return std::make_shared<TCPStore>(store_host, store_port, o);
+}
+
+bool register_worker(const std::string& name, WorkerFn fn) {
+  registry()[name] = std::move(fn);
+  return true;
+}
+
+bool is_worker() { return std::getenv("EMBER_MP_SCENARIO") != nullptr; }
+
+void run_if_worker() {
+  if (!is_worker()) return;
+  // Die with the parent: a killed test run must not leave workers behind.
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (std::to_string(getppid()) != env_or("EMBER_MP_PARENT", "")) _exit(3);
+
+  WorkerEnv env;
+  env.scenario = env_or("EMBER_MP_SCENARIO", "");
+  env.rank = std::atoi(env_or("EMBER_MP_RANK", "0"));
+  env.world_size = std::atoi(env_or("EMBER_MP_WORLD", "1"));
+  env.arg = env_or("EMBER_MP_ARG", "");
+  env.store_host = env_or("EMBER_MP_STORE_HOST", "127.0.0.1");
+  env.store_port = std::atoi(env_or("EMBER_MP_STORE_PORT", "0"));
+  int code = 0;
+  auto it = registry().find(env.scenario);
+  if (it == registry().end()) {
+    std::fprintf(stderr, "[rank %d] unknown worker scenario '%s'\n", env.rank, env.scenario.c_str());
+    code = 2;
+  } else {
+    try {
+      it->second(env);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[rank %d] scenario '%s' FAILED: %s\n", env.rank, env.scenario.c_str(), e.what());
+      code = 1;
+    } catch (...) {
+      std::fprintf(stderr, "[rank %d] scenario '%s' FAILED: unknown exception\n", env.rank, env.scenario.c_str());
+      code = 1;
+    }
+  }
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::cout.flush();
+  std::cerr.flush();
+  // _exit: skip GoogleTest's remaining work and static destructors; the
+  // scenario has already torn down what it built.
+  _exit(code);
+}
+
+pid_t spawn_self(const std::vector<std::string>& args, const std::vector<std::string>& env,
+                 const std::string& log_path) {
+  std::vector<std::string> argv_s = {"/proc/self/exe"};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<std::string> env_s;
+  for (char** e = environ; *e; ++e)
+    if (!dropped(*e)) env_s.push_back(*e);
+  env_s.insert(env_s.end(), env.begin(), env.end());
+  std::vector<char*> argv, envp;
+  for (auto& s : argv_s) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  for (auto& s : env_s) envp.push_back(s.data());
+  envp.push_back(nullptr);
+
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  if (!log_path.empty()) {
+    posix_spawn_file_actions_addopen(&actions, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  }
+  pid_t pid = 0;
+  // /proc/self/exe resolves in the parent at spawn time: the same binary.
+  int rc = posix_spawn(&pid, "/proc/self/exe", &actions, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  EMBER_CHECK(rc == 0, "spawn_self: posix_spawn(/proc/self/exe) failed: ", std::strerror(rc));
+  return pid;
+}
+
+void wait_or_kill(pid_t pid, Clock::time_point deadline, WorkerResult& result) {
+  int status = 0;
+  for (;;) {
+    pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) break;
+    if (r < 0 && errno != EINTR) return;
+    if (Clock::now() >= deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      result.killed_at_deadline = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  if (WIFEXITED(status)) {
+    result.exit_code = WEXITSTATUS(status);
+  } else if (WIFSIGNALED(status)) {
+    result.exit_code = -1;
+    result.signal = WTERMSIG(status);
+  }
+}
+
+std::vector<WorkerResult> run_workers(const std::string& scenario, int world_size, const RunOptions& options) {
+  EMBER_CHECK(world_size >= 1, "run_workers: world_size ", world_size);
+  EMBER_CHECK(registry().count(scenario), "run_workers: no worker scenario named '", scenario,
+              "' (register it with EMBER_WORKER)");
+  TCPStoreOptions so;
+  so.is_server = true;
+  so.wait_for_workers = false;
+  so.timeout = std::chrono::seconds(60);
+  TCPStore store("127.0.0.1", 0, so);
+
+  const auto start = Clock::now();
+  const auto deadline = start + options.deadline;
+  std::vector<pid_t> pids(world_size);
+  std::vector<std::string> logs(world_size);
+  std::vector<WorkerResult> results(world_size);
+  for (int r = 0; r < world_size; ++r) {
+    char path[4096];
+    std::snprintf(path, sizeof path, "%s/ember_mp_%s_r%d_XXXXXX", temp_dir().c_str(), scenario.c_str(), r);
+    int fd = mkstemp(path);
+    EMBER_CHECK(fd >= 0, "run_workers: mkstemp(", path, "): ", std::strerror(errno));
+    close(fd);
+    logs[r] = path;
+    std::vector<std::string> env = {
+        "EMBER_MP_SCENARIO=" + scenario,
+        "EMBER_MP_RANK=" + std::to_string(r),
+        "EMBER_MP_WORLD=" + std::to_string(world_size),
+        "EMBER_MP_ARG=" + options.arg,
+        "EMBER_MP_STORE_HOST=127.0.0.1",
+        "EMBER_MP_STORE_PORT=" + std::to_string(store.port()),
+        "EMBER_MP_PARENT=" + std::to_string(getpid()),
+    };
+    env.insert(env.end(), options.env.begin(), options.env.end());
+    results[r].rank = r;
+    pids[r] = spawn_self(options.argv, env, logs[r]);
+  }
+  // Reap in any order: a worker that dies early must not wait behind one
+  // that is still running.
+  std::vector<bool> done(world_size, false);
+  int remaining = world_size;
+  while (remaining > 0) {
+    bool progressed = false;
+    for (int r = 0; r < world_size; ++r) {
+      if (done[r]) continue;
+      int status = 0;
+      pid_t got = waitpid(pids[r], &status, WNOHANG);
+      if (got != pids[r]) continue;
+      if (WIFEXITED(status)) results[r].exit_code = WEXITSTATUS(status);
+      if (WIFSIGNALED(status)) results[r].signal = WTERMSIG(status);
+      results[r].seconds = std::chrono::duration<double>(Clock::now() - start).count();
+      done[r] = true;
+      --remaining;
+      progressed = true;
+    }
+    if (remaining > 0 && Clock::now() >= deadline) {
+      for (int r = 0; r < world_size; ++r) {
+        if (done[r]) continue;
+        wait_or_kill(pids[r], deadline, results[r]);
+        results[r].seconds = std::chrono::duration<double>(Clock::now() - start).count();
+        done[r] = true;
+        --remaining;
+      }
+    }
+    if (!progressed) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  for (int r = 0; r < world_size; ++r) {
+    results[r].output = read_file(logs[r]);
+    unlink(logs[r].c_str());
+  }
+  return results;
+}
+
+bool all_succeeded(const std::vector<WorkerResult>& results) {
+  for (const auto& r : results)
+    if (!r.ok()) return false;
+  return true;
+}
+
+std::string describe(const std::vector<WorkerResult>& results) {
+  std::ostringstream os;
+  for (const auto& r : results) {
+    os << "---- rank " << r.rank << ": ";
+    if (r.killed_at_deadline) os << "KILLED at the deadline (hung?)";
+    else if (r.signal) os << "killed by signal " << r.signal << " (" << strsignal(r.signal) << ")";
+    else os << "exit code " << r.exit_code;
+    os << " after " << r.seconds << " s\n" << r.output;
+    if (!r.output.empty() && r.output.back() != '\n') os << '\n';
+  }
+  return os.str();
+}
+
+}  // namespace ember::distributed::testing

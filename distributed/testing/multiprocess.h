@@ -1,0 +1,100 @@
+// Multi-process tests on one machine: the test binary re-runs itself
+// (/proc/self/exe) as `world_size` worker processes, each running a named
+// scenario with its rank, while the parent hosts the TCPStore they meet at.
+// The parent is no rank, so the store outlives a worker that dies on
+// purpose, and it kills every worker still alive at the deadline, so a test
+// can fail but never hang.
+//
+//   EMBER_WORKER(allreduce_sum) {                 // runs in each worker
+//     auto pg = make_gloo_group(env.store(), env.rank, env.world_size);
+//     ...; if (wrong) throw Error("...");         // an exception = failure, message to the log
+//   }
+//   TEST(PG, Allreduce) {                          // runs in the parent
+//     auto results = run_workers("allreduce_sum", 3);
+//     EXPECT_TRUE(all_succeeded(results)) << describe(results);
+//   }
+//   // Once per test binary: the entry point the workers are started at.
+//   TEST(MultiProcessWorker, Entry) { if (!is_worker()) GTEST_SKIP() << "..."; run_if_worker(); }
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "distributed/store.h"
+
+namespace ember::distributed::testing {
+
+struct WorkerEnv {
+  std::string scenario;
+  int rank = 0;
+  int world_size = 1;
+  std::string arg;         // RunOptions::arg, for scenarios with variants
+  std::string store_host;  // the parent's TCPStore
+  int store_port = 0;
+  // A fresh client of the parent's store.
+  std::shared_ptr<Store> store(Millis timeout = std::chrono::seconds(30)) const;
+};
+
+using WorkerFn = std::function<void(const WorkerEnv&)>;
+
+// Static registration; returns true so it can initialise a global.
+bool register_worker(const std::string& name, WorkerFn fn);
+
+#define EMBER_WORKER(name)                                                                       \
+  static void ember_worker_##name(const ::ember::distributed::testing::WorkerEnv& env);         \
+  [[maybe_unused]] static const bool ember_worker_registered_##name =                           \
+      ::ember::distributed::testing::register_worker(#name, ember_worker_##name);                \
+  static void ember_worker_##name(const ::ember::distributed::testing::WorkerEnv& env)
+
+// True in a process started by run_workers.
+bool is_worker();
+// In a worker: runs its scenario and exits the process (0 on success; 1 and
+// the exception's message on stderr when it throws; 2 for an unknown
+// scenario). Returns at once in any other process.
+void run_if_worker();
+
+struct RunOptions {
+  // Workers still running this long after the start are killed (SIGKILL).
+  Millis deadline = std::chrono::seconds(120);
+  std::string arg;
+  // Arguments for the re-run binary: by default the GoogleTest filter that
+  // selects the entry test above.
+  std::vector<std::string> argv = {"--gtest_filter=MultiProcessWorker.Entry"};
+  // Extra environment for the workers, "NAME=value".
+  std::vector<std::string> env;
+};
+
+struct WorkerResult {
+  int rank = 0;
+  int exit_code = -1;     // -1 when killed by a signal
+  int signal = 0;         // the signal that ended it, if any
+  bool killed_at_deadline = false;
+  double seconds = 0;     // from start to exit
+  std::string output;     // its stdout and stderr
+  bool ok() const { return exit_code == 0; }
+};
+
+std::vector<WorkerResult> run_workers(const std::string& scenario, int world_size, const RunOptions& options = {});
+
+bool all_succeeded(const std::vector<WorkerResult>& results);
+// Every worker's status and output, for a failure message.
+std::string describe(const std::vector<WorkerResult>& results);
+
+// Lower level, for benchmarks that need a peer process: starts this
+// executable with `args` and the extra environment ("NAME=value"), its
+// stdout/stderr going to `log_path` (inherited when empty). GoogleTest and
+// Bazel test variables that would confuse a second copy (sharding, XML
+// output, premature-exit file) are dropped from its environment.
+pid_t spawn_self(const std::vector<std::string>& args, const std::vector<std::string>& env,
+                 const std::string& log_path);
+// Waits for `pid` until `deadline`, then SIGKILLs it. Fills exit_code,
+// signal, killed_at_deadline.
+void wait_or_kill(pid_t pid, std::chrono::steady_clock::time_point deadline, WorkerResult& result);
+
+}  // namespace ember::distributed::testing

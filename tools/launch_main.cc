@@ -1,0 +1,161 @@
+// //tools:launch, ember's torchrun: runs a program as N local worker
+// processes of a distributed job (see distributed/launch.h for what the
+// workers get and how failures and signals are handled).
+//
+//   bazel run //tools:launch -- --nproc_per_node=4 -- bazel-bin/examples/ddp_mnist --epochs=1
+//
+// Flags take "--flag=value" or "--flag value", with '_' or '-' inside the
+// name (torchrun spells them both ways). The program starts at "--" or at
+// the first argument that is not a flag.
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/exception.h"
+#include "distributed/launch.h"
+
+namespace {
+
+constexpr int kUsageExit = 2;
+
+const char* kUsage =
+    "usage: launch [--nproc_per_node=N] [--nnodes=M --node_rank=K] [--master_addr=HOST]\n"
+    "              [--master_port=PORT] [--grace_ms=MS] [--no-prefix] [--] PROGRAM [ARGS...]\n"
+    "\n"
+    "Runs PROGRAM as N worker processes with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,\n"
+    "GROUP_RANK, MASTER_ADDR and MASTER_PORT set (as torchrun does).\n"
+    "\n"
+    "  --nproc_per_node=N  workers on this node (default 1)\n"
+    "  --nnodes=M          nodes in the job (default 1); run the launcher once on each\n"
+    "  --node_rank=K       this node's index in [0, M) (default 0)\n"
+    "  --master_addr=HOST  where rank 0's store listens (default 127.0.0.1)\n"
+    "  --master_port=PORT  its port (default 29500; 0 picks a free one, single node only)\n"
+    "  --grace_ms=MS       after a failure, SIGKILL workers still alive MS ms after\n"
+    "                      SIGTERM (default 5000)\n"
+    "  --no-prefix         do not start worker output lines with \"[rank N]: \"\n"
+    "\n"
+    "Exit status: 0 when every worker succeeds, else the first failing worker's exit code\n"
+    "(128 + signal if it was killed), 2 for a bad command line.\n";
+
+// Reported by the parser; main prints it with the usage.
+struct UsageError {
+  std::string message;
+};
+
+int parse_int(const std::string& flag, const std::string& value, int lo, int hi) {
+  char* end = nullptr;
+  errno = 0;
+  long v = std::strtol(value.c_str(), &end, 10);
+  if (value.empty() || *end != '\0' || errno == ERANGE)
+    throw UsageError{"--" + flag + ": '" + value + "' is not an integer"};
+  if (v < lo || v > hi)
+    throw UsageError{"--" + flag + ": " + value + " is outside [" + std::to_string(lo) + ", " +
+                     std::to_string(hi) + "]"};
+  return static_cast<int>(v);
+}
+
+struct Parsed {
+  ember::distributed::LaunchOptions options;
+  std::vector<std::string> program;
+  bool help = false;
+};
+
+Parsed parse(int argc, char** argv) {
+  Parsed p;
+  bool node_rank_given = false;
+  int i = 1;
+  for (; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--") {
+      ++i;
+      break;
+    }
+    if (arg == "-h" || arg == "--help") {
+      p.help = true;
+      return p;
+    }
+    if (arg.rfind("--", 0) != 0) break;  // the program
+    std::string name = arg.substr(2), value;
+    bool has_value = false;
+    if (size_t eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    for (char& c : name)
+      if (c == '-') c = '_';
+    if (name == "no_prefix") {
+      if (has_value) throw UsageError{"--no-prefix takes no value"};
+      p.options.prefix_output = false;
+      continue;
+    }
+    const bool known = name == "nproc_per_node" || name == "nnodes" || name == "node_rank" ||
+                       name == "master_addr" || name == "master_port" || name == "grace_ms";
+    if (!known) throw UsageError{"unknown flag " + arg.substr(0, arg.find('='))};
+    if (!has_value) {
+      if (i + 1 >= argc) throw UsageError{"--" + name + " needs a value"};
+      value = argv[++i];
+    }
+    auto& o = p.options;
+    if (name == "nproc_per_node") o.nproc_per_node = parse_int(name, value, 1, 1 << 16);
+    if (name == "nnodes") o.nnodes = parse_int(name, value, 1, 1 << 20);
+    if (name == "node_rank") {
+      o.node_rank = parse_int(name, value, 0, 1 << 20);
+      node_rank_given = true;
+    }
+    if (name == "master_port") o.master_port = parse_int(name, value, 0, 65535);
+    if (name == "grace_ms") o.grace = std::chrono::milliseconds(parse_int(name, value, 0, 1 << 30));
+    if (name == "master_addr") {
+      if (value.empty()) throw UsageError{"--master_addr is empty"};
+      o.master_addr = value;
+    }
+  }
+  for (; i < argc; ++i) p.program.emplace_back(argv[i]);
+  if (p.program.empty()) throw UsageError{"no program given"};
+  const auto& o = p.options;
+  if (o.node_rank >= o.nnodes)
+    throw UsageError{"--node_rank " + std::to_string(o.node_rank) + " is outside [0, --nnodes=" +
+                     std::to_string(o.nnodes) + ")"};
+  if (o.nnodes > 1 && !node_rank_given)
+    throw UsageError{"--nnodes=" + std::to_string(o.nnodes) + " needs --node_rank on every node"};
+  if (o.nnodes > 1 && o.master_port == 0)
+    throw UsageError{"--master_port=0 (a free port) only works with --nnodes=1"};
+  return p;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Parsed p;
+  try {
+    p = parse(argc, argv);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "launch: %s\n\n%s", e.message.c_str(), kUsage);
+    return kUsageExit;
+  }
+  if (p.help) {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  // `bazel run` starts us in our runfiles directory; the user meant paths
+  // (PROGRAM, and whatever the workers open) relative to where they typed it.
+  if (const char* wd = std::getenv("BUILD_WORKING_DIRECTORY"); wd && *wd) {
+    if (::chdir(wd) != 0) {
+      std::fprintf(stderr, "launch: cannot enter BUILD_WORKING_DIRECTORY '%s': %s\n", wd,
+                   std::strerror(errno));
+      return kUsageExit;
+    }
+  }
+  try {
+    return ember::distributed::launch(p.options, p.program);
+  } catch (const ember::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());  // messages already start with "launch: "
+    return kUsageExit;
+  }
+}
