@@ -57,6 +57,8 @@ Tensor le(const Tensor& a, const Tensor& b);
 Tensor gt(const Tensor& a, const Tensor& b);
 Tensor ge(const Tensor& a, const Tensor& b);
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+// relu's backward in one pass: grad where out > 0, else 0 (no autograd record).
+Tensor relu_backward(const Tensor& grad, const Tensor& out);
 // In place: out = out (op) b, b broadcast to out's shape, no dtype change.
 Tensor& add_(Tensor& out, const Tensor& b, double alpha = 1.0);
 Tensor& mul_(Tensor& out, const Tensor& b);

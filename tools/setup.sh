@@ -22,6 +22,9 @@ PACKAGES=(
   zlib1g-dev           # gzip-compressed datasets (data/readers.cc)
   dataset-fashion-mnist
 )
+# --peers: also the PyTorch the benchmarks compare against (bench/compare_peers.py,
+# shared/peers/). A measuring stick, never a dependency of ember itself.
+if [ "${1:-}" = "--peers" ]; then PACKAGES+=(python3-torch); fi
 
 if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
 

@@ -181,6 +181,7 @@ Tensor div(const Tensor& a, const Tensor& b) { return binary_diff(BinaryOp::Div,
 Tensor pow(const Tensor& a, const Tensor& b) { return binary_diff(BinaryOp::Pow, "pow", a, b); }
 Tensor maximum(const Tensor& a, const Tensor& b) { return binary_diff(BinaryOp::Maximum, "maximum", a, b); }
 Tensor minimum(const Tensor& a, const Tensor& b) { return binary_diff(BinaryOp::Minimum, "minimum", a, b); }
+Tensor relu_backward(const Tensor& grad, const Tensor& out) { return binary_op(BinaryOp::ReluGrad, "relu_backward", grad, out); }
 Tensor eq(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Eq, "eq", a, b); }
 Tensor ne(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Ne, "ne", a, b); }
 Tensor lt(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::Lt, "lt", a, b); }

@@ -69,6 +69,7 @@ EMBER_HD auto binary_fn(C a, C b, C alpha) {
   else if constexpr (OP == BinaryOp::Pow) return m_pow(a, b);
   else if constexpr (OP == BinaryOp::Maximum) return (m_isnan(a) || a > b) ? a : b;
   else if constexpr (OP == BinaryOp::Minimum) return (m_isnan(a) || a < b) ? a : b;
+  else if constexpr (OP == BinaryOp::ReluGrad) return b > C(0) ? a : C(0);
   else if constexpr (OP == BinaryOp::Eq) return a == b;
   else if constexpr (OP == BinaryOp::Ne) return a != b;
   else if constexpr (OP == BinaryOp::Lt) return a < b;
@@ -92,7 +93,7 @@ template <typename F>
 void dispatch_binary(BinaryOp op, F&& f) {
   switch (op) {
 #define EMBER_B(name) case BinaryOp::name: f(std::integral_constant<BinaryOp, BinaryOp::name>{}); break;
-    EMBER_B(Add) EMBER_B(Sub) EMBER_B(Mul) EMBER_B(Div) EMBER_B(Pow) EMBER_B(Maximum) EMBER_B(Minimum)
+    EMBER_B(Add) EMBER_B(Sub) EMBER_B(Mul) EMBER_B(Div) EMBER_B(Pow) EMBER_B(Maximum) EMBER_B(Minimum) EMBER_B(ReluGrad)
     EMBER_B(Eq) EMBER_B(Ne) EMBER_B(Lt) EMBER_B(Le) EMBER_B(Gt) EMBER_B(Ge)
 #undef EMBER_B
   }

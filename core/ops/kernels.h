@@ -37,7 +37,8 @@ struct StridedIter {
 StridedIter make_iter(const Tensor& out, std::initializer_list<Tensor> inputs, const char* op);
 
 enum class UnaryOp { Neg, Abs, Exp, Log, Sqrt, Rsqrt, Relu, Sigmoid, Tanh, Gelu, GeluTanh, PowScalar, Clamp, Erf };
-enum class BinaryOp { Add, Sub, Mul, Div, Pow, Maximum, Minimum, Eq, Ne, Lt, Le, Gt, Ge };
+// ReluGrad: a where b > 0, else 0 (relu's backward in one pass, a = grad, b = output).
+enum class BinaryOp { Add, Sub, Mul, Div, Pow, Maximum, Minimum, ReluGrad, Eq, Ne, Lt, Le, Gt, Ge };
 enum class ReduceOp { Sum, Max, Min, ArgMax, ArgMin };
 enum class RandomKind { Uniform, Normal, Bernoulli, Bernoulli_Tensor };
 

@@ -94,7 +94,7 @@ Tensor rsqrt(const Tensor& x) {
 }
 Tensor relu(const Tensor& x) {
   return unary_diff(UnaryOp::Relu, "relu", x, [](const Tensor& g, const Tensor&, const Tensor& y) {
-    return where(gt(y, zeros({}, y.dtype())), g, zeros({}, g.dtype()));
+    return relu_backward(g, y);
   }, 0, 0, true);
 }
 Tensor sigmoid(const Tensor& x) {
