@@ -63,6 +63,14 @@ struct Node {
 void register_hook(const Tensor& t, TensorHook hook);
 // Registers a hook on leaf `t` that runs after its .grad() is accumulated.
 void register_post_accumulate_grad_hook(const Tensor& t, PostAccumulateHook hook);
+// Queues `callback` to run when the backward pass running on this thread
+// finishes (torch's Variable._execution_engine.queue_callback), after every
+// gradient and hook of that pass; callbacks run in queue order and may queue
+// more. An exception from one propagates out of backward(). Throws when no
+// backward is running. DDP waits for its bucket allreduces from here.
+void queue_callback(std::function<void()> callback);
+// True while a backward pass (backward() or autograd::grad) runs on this thread.
+bool in_backward();
 // Keeps the gradient of a non-leaf in its .grad() after backward.
 void retain_grad(const Tensor& t);
 // The name of the op that produced `t` ("" for leaves).

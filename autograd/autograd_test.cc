@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
+#include <vector>
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
@@ -221,6 +223,48 @@ TEST(Autograd, ReleasedGraphFreesSavedTensors) {
   EXPECT_FALSE(saved.expired());  // held by the graph for backward
   y.backward();
   EXPECT_TRUE(saved.expired());   // freed as backward went past it
+}
+
+// DDP's end-of-backward hook: callbacks queued from hooks run once, after
+// every gradient of the pass, in order; errors surface from backward().
+TEST(Autograd, QueueCallbackRunsAfterThePassInOrder) {
+  EXPECT_FALSE(autograd::in_backward());
+  EXPECT_THROW(autograd::queue_callback([] {}), Error);
+  Tensor a = vec({1, 2}).requires_grad_();
+  Tensor b = vec({3, 4}).requires_grad_();
+  std::vector<std::string> log;
+  bool queued = false;
+  for (const Tensor* t : {&a, &b}) {
+    autograd::register_post_accumulate_grad_hook(*t, [&](const Tensor&) {
+      log.push_back("acc");
+      EXPECT_TRUE(autograd::in_backward());
+      if (queued) return;
+      queued = true;
+      autograd::queue_callback([&] {
+        // Both gradients are final here.
+        log.push_back("cb1:" + std::to_string(static_cast<int>(a.grad().to_vector()[1] + b.grad().to_vector()[1])));
+        autograd::queue_callback([&] { log.push_back("cb2"); });
+      });
+    });
+  }
+  sum(a * b).backward();
+  EXPECT_EQ(log, (std::vector<std::string>{"acc", "acc", "cb1:6", "cb2"}));
+  EXPECT_FALSE(autograd::in_backward());
+
+  // A second pass starts with an empty queue; a throwing callback fails backward.
+  log.clear();
+  queued = false;
+  Tensor c = vec({5}).requires_grad_();
+  autograd::register_post_accumulate_grad_hook(c, [&](const Tensor&) {
+    autograd::queue_callback([] { throw Error("callback failed"); });
+  });
+  try {
+    sum(c * 2.0).backward();
+    ADD_FAILURE() << "expected the callback's error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("callback failed"), std::string::npos);
+  }
+  EXPECT_FALSE(autograd::in_backward());
 }
 
 }  // namespace

@@ -18,6 +18,27 @@ namespace {
 std::atomic<uint64_t> g_next_sequence{0};
 constexpr uint64_t kAccumulatorPriority = UINT64_MAX;
 
+// Callbacks queued during the backward passes running on this thread,
+// innermost last (a hook may run a nested backward).
+thread_local std::vector<std::vector<std::function<void()>>*> t_callbacks;
+
+// Runs `body` as one backward pass: callbacks queued meanwhile run once it
+// finishes, in order (a callback may queue more). If the graph or a callback
+// throws, the rest are dropped and the error propagates.
+template <typename Body>
+void with_backward_callbacks(Body&& body) {
+  std::vector<std::function<void()>> callbacks;
+  t_callbacks.push_back(&callbacks);
+  struct Pop {
+    ~Pop() { t_callbacks.pop_back(); }
+  } pop;
+  body();
+  for (size_t i = 0; i < callbacks.size(); ++i) {
+    auto cb = std::move(callbacks[i]);
+    cb();
+  }
+}
+
 AutogradMeta* meta_of(const Tensor& t) {
   return t.defined() ? dynamic_cast<AutogradMeta*>(t.impl().autograd_meta.get()) : nullptr;
 }
@@ -237,7 +258,7 @@ class Recorder final : public AutogradRecorder {
                 " does not require grad and has no grad_fn (did every input come from detached data, or did the "
                 "forward run under NoGradGuard?)");
     Tensor g = default_root_grad(root, grad, "backward");
-    run_backward(gradient_edge(root), g, retain_graph, nullptr);
+    with_backward_callbacks([&] { run_backward(gradient_edge(root), g, retain_graph, nullptr); });
   }
 };
 
@@ -279,6 +300,14 @@ void retain_grad(const Tensor& t) {
   });
 }
 
+void queue_callback(std::function<void()> callback) {
+  EMBER_CHECK(!t_callbacks.empty(), "queue_callback: no backward pass is running on this thread; call it from a "
+              "hook during backward (it runs when that pass finishes)");
+  t_callbacks.back()->push_back(std::move(callback));
+}
+
+bool in_backward() { return !t_callbacks.empty(); }
+
 std::string grad_fn_name(const Tensor& t) {
   AutogradMeta* m = meta_of(t);
   return m && m->grad_fn ? m->grad_fn->name : "";
@@ -307,8 +336,8 @@ std::vector<Tensor> grad(const Tensor& output, const std::vector<Tensor>& inputs
     targets.push_back(gradient_edge(inputs[i]));
     capture[targets.back().get()] = Tensor();
   }
-  run_backward(gradient_edge(output), default_root_grad(output, grad_output, "autograd::grad"), retain_graph,
-               &capture);
+  Tensor root_grad = default_root_grad(output, grad_output, "autograd::grad");
+  with_backward_callbacks([&] { run_backward(gradient_edge(output), root_grad, retain_graph, &capture); });
   std::vector<Tensor> out;
   for (auto& t : targets) out.push_back(capture[t.get()]);
   return out;

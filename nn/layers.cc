@@ -77,7 +77,40 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
     Tensor n = num_batches_tracked.detach();
     n += ones({}, DType::Int64);
   }
+  if (is_training() && cross_replica_sum) return sync_forward(x);
   return batch_norm(x, weight, bias, running_mean, running_var, use_batch_stats, momentum, eps);
+}
+
+// Batch statistics over all replicas from one cross-replica sum of
+// [sum(x), sum(x^2), count] per channel: mean = S1/N, var = S2/N - mean^2.
+// The sums are taken in float64 so the E[x^2] - E[x]^2 form (one collective
+// instead of two) keeps its low bits. Built from differentiable ops, so the
+// gradient is that of batch norm over the global batch.
+Tensor BatchNorm2d::sync_forward(const Tensor& x) {
+  const int64_t c = num_features;
+  const double local_count = static_cast<double>(x.size(0) * x.size(2) * x.size(3));
+  Tensor xd = x.to(DType::Float64);
+  Tensor packed = cat({sum(xd, {0, 2, 3}), sum(xd * xd, {0, 2, 3}), full({1}, local_count, {DType::Float64, x.device()})});
+  Tensor total = cross_replica_sum(packed);
+  EMBER_CHECK(total.defined() && total.sizes() == packed.sizes(), "BatchNorm2d: cross_replica_sum returned ",
+              total.defined() ? shape_str(total.sizes()) : "an undefined tensor", ", expected ",
+              shape_str(packed.sizes()));
+  const double n = total.narrow(0, 2 * c, 1).item();
+  EMBER_CHECK(n > 1, "BatchNorm2d: expected more than 1 value per channel across replicas when training, got ", n,
+              " (input ", shape_str(x.sizes()), ")");
+  Tensor mean = total.narrow(0, 0, c) / n;
+  Tensor var = clamp(total.narrow(0, c, c) / n - mean * mean, 0.0, std::nullopt);
+  if (running_mean.defined()) {
+    NoGradGuard g;
+    Tensor rm = running_mean.detach(), rv = running_var.detach();
+    rm.copy_(rm * (1.0 - momentum) + mean.detach().to(rm.dtype()) * momentum);
+    rv.copy_(rv * (1.0 - momentum) + var.detach().to(rv.dtype()) * (momentum * n / (n - 1.0)));
+  }
+  const DType dt = x.dtype();
+  Tensor y = (x - mean.to(dt).view({1, c, 1, 1})) * rsqrt(var + eps).to(dt).view({1, c, 1, 1});
+  if (weight.defined()) y = y * weight.view({1, c, 1, 1});
+  if (bias.defined()) y = y + bias.view({1, c, 1, 1});
+  return y;
 }
 
 // ---- LayerNorm ----

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <array>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -50,6 +51,16 @@ class BatchNorm2d : public Module {
   int64_t num_features;
   double eps, momentum;
   Tensor weight, bias, running_mean, running_var, num_batches_tracked;
+  // SyncBatchNorm: when set, training-mode forward computes the batch
+  // statistics over every replica. It receives this replica's per-channel
+  // [sum(x), sum(x^2), count] packed as [2C + 1] (float64) and must return
+  // their sum over all replicas, differentiably (backward: the same sum of
+  // the gradient). nn stays free of distributed; convert_sync_batchnorm in
+  // distributed/ddp.h installs a process-group allreduce here.
+  std::function<Tensor(const Tensor&)> cross_replica_sum;
+
+ private:
+  Tensor sync_forward(const Tensor& x);
 };
 
 class LayerNorm : public Module {

@@ -243,6 +243,43 @@ TEST(Layers, ConvBatchNormPoolModulesMatchFunctionalOps) {
   EXPECT_TRUE(allclose(gap(x).flatten(1), mean(x, {2, 3}), 1e-5, 1e-6));
 }
 
+// The SyncBatchNorm path with a world of one (the cross-replica sum is the
+// identity): outputs, gradients and running stats equal plain batch norm's.
+TEST(Layers, BatchNormCrossReplicaSumMatchesBatchNorm) {
+  Tensor x = randn({4, 3, 5, 5}) * 2.0 + 1.5;
+  auto run = [&](bool sync, const Tensor& input) {
+    manual_seed(7);
+    nn::BatchNorm2d bn(3);
+    {
+      NoGradGuard g;
+      Tensor w = bn.weight.detach(), b = bn.bias.detach();
+      w.copy_(rand({3}) + 0.5);
+      b.copy_(randn({3}));
+    }
+    int calls = 0;
+    if (sync) bn.cross_replica_sum = [&](const Tensor& t) {
+      ++calls;
+      EXPECT_EQ(t.sizes(), (Shape{7}));
+      return t;
+    };
+    Tensor y = bn(input);
+    sum(y * y * 0.5 + y).backward();
+    EXPECT_EQ(calls, sync ? 1 : 0);
+    return std::vector<Tensor>{y.detach(), bn.weight.grad(), bn.bias.grad(), bn.running_mean.clone(),
+                               bn.running_var.clone()};
+  };
+  Tensor xs = x.detach().requires_grad_(), xp = x.detach().requires_grad_();
+  auto got = run(true, xs), want = run(false, xp);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(allclose(got[i], want[i], 1e-4, 1e-5)) << i;
+  EXPECT_TRUE(allclose(xs.grad(), xp.grad(), 1e-4, 1e-5));
+
+  // Eval mode never calls the hook.
+  nn::BatchNorm2d bn(3);
+  bn.cross_replica_sum = [](const Tensor&) -> Tensor { throw Error("called in eval"); };
+  bn.eval();
+  EXPECT_NO_THROW(bn(x));
+}
+
 TEST(Models, ResNetForwardBackwardShapes) {
   auto net = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = 8});
   Tensor x = randn({2, 1, 28, 28});

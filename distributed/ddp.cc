@@ -1,0 +1,454 @@
+// DistributedDataParallel: the reducer (gradient buckets, readiness
+// tracking, allreduce launch order, end-of-backward finalisation), the
+// cross-rank parameter check and the coalesced broadcasts of parameters and
+// buffers. See ddp.h for the contract; sync_batch_norm.cc has SyncBatchNorm.
+//
+// Life of one synchronized step:
+//   forward()   broadcasts buffers, then prepare(): every parameter unready.
+//   backward    leaf pre-hook: make .grad() the parameter's bucket view
+//               (zeroed if it was released), so the engine's in-place
+//               accumulation writes straight into the bucket;
+//               post-accumulate hook: mark ready; a bucket whose parameters
+//               are all ready is launched once every earlier bucket was, so
+//               all ranks issue the same collectives in the same order.
+//   callback    (autograd::queue_callback, end of the pass) handles unused
+//               parameters, launches what is left, waits for every bucket.
+#include "distributed/ddp.h"
+
+#include <algorithm>
+#include <map>
+#include <sstream>
+#include <tuple>
+#include <utility>
+
+#include "autograd/autograd.h"
+#include "core/autograd_hook.h"
+#include "core/ops.h"
+#include "distributed/init.h"
+
+namespace ember::distributed {
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+std::string param_description(const std::string& name, const Tensor& p) {
+  std::ostringstream os;
+  os << "'" << name << "' " << shape_str(p.sizes()) << " " << dtype_name(p.dtype());
+  return os.str();
+}
+
+std::vector<std::string> split_lines(const std::string& s) {
+  std::vector<std::string> out;
+  std::string line;
+  std::istringstream is(s);
+  while (std::getline(is, line)) out.push_back(line);
+  return out;
+}
+
+// Device for the small control tensors of a collective: where the model
+// lives (NCCL needs CUDA tensors).
+Device comm_device(const std::vector<Tensor>& params, const std::vector<Tensor>& buffers) {
+  if (!params.empty()) return params.front().device();
+  if (!buffers.empty()) return buffers.front().device();
+  return kCPU;
+}
+
+// Every rank's string (allgather of lengths, then of padded bytes).
+std::vector<std::string> allgather_strings(ProcessGroup& pg, const std::string& mine, Device device) {
+  const int ws = pg.size();
+  Tensor len = Tensor::from_vector({static_cast<double>(mine.size())}, {1}, {DType::Int64, device});
+  std::vector<Tensor> lens;
+  for (int r = 0; r < ws; ++r) lens.push_back(zeros({1}, {DType::Int64, device}));
+  pg.allgather(lens, len)->wait();
+  int64_t max_len = 1;
+  std::vector<int64_t> sizes;
+  for (auto& l : lens) {
+    sizes.push_back(static_cast<int64_t>(l.item()));
+    max_len = std::max(max_len, sizes.back());
+  }
+  std::vector<double> bytes(max_len, 0.0);
+  for (size_t i = 0; i < mine.size(); ++i) bytes[i] = static_cast<unsigned char>(mine[i]);
+  Tensor in = Tensor::from_vector(bytes, {max_len}, {DType::UInt8, device});
+  std::vector<Tensor> outs;
+  for (int r = 0; r < ws; ++r) outs.push_back(zeros({max_len}, {DType::UInt8, device}));
+  pg.allgather(outs, in)->wait();
+  std::vector<std::string> result;
+  for (int r = 0; r < ws; ++r) {
+    std::vector<double> v = outs[r].to_vector();
+    std::string s;
+    for (int64_t i = 0; i < sizes[r]; ++i) s.push_back(static_cast<char>(static_cast<unsigned char>(v[i])));
+    result.push_back(std::move(s));
+  }
+  return result;
+}
+
+// Throws on every rank, naming the first parameter that differs and the
+// ranks on each side, unless all ranks describe the same parameters.
+void check_same_parameters(ProcessGroup& pg, const std::vector<std::pair<std::string, Tensor>>& named,
+                           Device device) {
+  std::string mine;
+  for (auto& [name, p] : named) mine += param_description(name, p) + "\n";
+  std::vector<std::string> all = allgather_strings(pg, mine, device);
+  std::vector<std::vector<std::string>> lines;
+  size_t most = 0;
+  for (auto& s : all) {
+    lines.push_back(split_lines(s));
+    most = std::max(most, lines.back().size());
+  }
+  auto at = [&](int r, size_t i) { return i < lines[r].size() ? lines[r][i] : std::string(); };
+  for (size_t i = 0; i < most; ++i) {
+    const std::string ref = at(0, i);
+    std::vector<int> same{0}, differ;
+    for (int r = 1; r < pg.size(); ++r) (at(r, i) == ref ? same : differ).push_back(r);
+    if (differ.empty()) continue;
+    std::ostringstream os;
+    os << "DistributedDataParallel: the ranks hold different parameters (every rank must wrap the same model); "
+       << "first difference at parameter #" << i << ": ";
+    auto describe = [&](int r) {
+      std::string d = at(r, i);
+      os << "rank " << r << " has " << (d.empty() ? "no such parameter (" + std::to_string(lines[r].size()) +
+                                                        " parameters in all)"
+                                                  : d);
+    };
+    describe(0);
+    for (int r : differ) {
+      os << "; ";
+      describe(r);
+    }
+    os << ". Ranks agreeing with rank 0: [";
+    for (size_t k = 0; k < same.size(); ++k) os << (k ? ", " : "") << same[k];
+    os << "], differing: [";
+    for (size_t k = 0; k < differ.size(); ++k) os << (k ? ", " : "") << differ[k];
+    os << "]";
+    throw Error(os.str());
+  }
+}
+
+// Broadcasts `tensors` from `root` in one collective per (dtype, device)
+// instead of one per tensor (a ResNet has hundreds of buffers).
+void broadcast_coalesced(ProcessGroup& pg, const std::vector<Tensor>& tensors, int root) {
+  if (tensors.empty() || pg.size() == 1) return;
+  NoGradGuard no_grad;
+  std::map<std::tuple<int, int, int>, std::vector<Tensor>> groups;
+  for (const Tensor& t : tensors) {
+    if (t.numel() == 0) continue;
+    Device d = t.device();
+    groups[{static_cast<int>(t.dtype()), static_cast<int>(d.type), d.index}].push_back(t.detach());
+  }
+  std::vector<std::pair<Tensor, std::vector<Tensor>*>> flats;
+  std::vector<std::shared_ptr<Work>> works;
+  for (auto& [key, members] : groups) {
+    std::vector<Tensor> parts;
+    for (auto& t : members) parts.push_back(t.reshape({-1}));
+    Tensor flat = parts.size() == 1 ? parts[0].contiguous().clone() : cat(parts, 0);
+    works.push_back(pg.broadcast(flat, root));
+    flats.emplace_back(flat, &members);
+  }
+  for (auto& w : works) w->wait();
+  if (pg.rank() == root) return;
+  for (auto& [flat, members] : flats) {
+    int64_t off = 0;
+    for (Tensor& t : *members) {
+      t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+      off += t.numel();
+    }
+  }
+}
+
+}  // namespace
+
+struct DistributedDataParallel::Impl {
+  struct Bucket {
+    Tensor buffer;                 // flat, one dtype and device
+    std::vector<int> members;      // local parameter slots, in buffer order
+    std::vector<Tensor> views;     // per member: its .grad() in the buffer
+    int pending = 0;               // members not yet ready this pass
+    std::shared_ptr<Work> work;    // the in-flight allreduce
+  };
+
+  DDPOptions opts;
+  ProcessGroup* pg = nullptr;
+  // Parameters that require grad, in registration order.
+  std::vector<std::string> names;
+  std::vector<Tensor> params;
+  std::vector<int64_t> module_index;  // index in module.parameters()
+  std::vector<Bucket> buckets;
+  std::vector<int> bucket_of, slot_in_bucket;
+  std::vector<Tensor> buffers;
+
+  // Per-pass state.
+  bool require_sync = true;     // false inside no_sync()
+  bool armed = false;           // a forward outside no_sync prepared the next backward
+  bool finalize_queued = false;
+  size_t next_launch = 0;       // buckets [0, next_launch) have been launched
+  std::vector<char> ready;
+  std::vector<char> zero_attached;  // unused this pass and given a zero grad by finalize
+
+  // Hooks outlive a DDP that is destroyed before its model: they reach it
+  // through this, which the destructor nulls.
+  std::shared_ptr<Impl*> handle = std::make_shared<Impl*>(this);
+
+  void build_buckets();
+  void install_hooks();
+  void prepare();
+  void attach_grad(int i);
+  void mark_ready(int i);
+  void launch_ready_buckets();
+  void launch(size_t b);
+  void finalize();
+};
+
+void DistributedDataParallel::Impl::build_buckets() {
+  // Reverse registration order: roughly the order backward produces grads.
+  // Per (dtype, device) an open bucket; it closes once it reaches its cap
+  // (first_bucket_cap_mb for the first of its kind, then bucket_cap_mb).
+  struct Open {
+    std::vector<int> members;
+    int64_t bytes = 0;
+  };
+  std::map<std::tuple<int, int, int>, Open> open;
+  std::map<std::tuple<int, int, int>, int> closed_count;
+  std::vector<std::vector<int>> assigned;
+  auto cap_bytes = [&](int closed) {
+    return (closed == 0 ? opts.first_bucket_cap_mb : opts.bucket_cap_mb) * kMiB;
+  };
+  for (int i = static_cast<int>(params.size()) - 1; i >= 0; --i) {
+    const Tensor& p = params[i];
+    Device d = p.device();
+    std::tuple<int, int, int> key{static_cast<int>(p.dtype()), static_cast<int>(d.type), d.index};
+    Open& b = open[key];
+    b.members.push_back(i);
+    b.bytes += static_cast<int64_t>(p.nbytes());
+    if (static_cast<double>(b.bytes) >= cap_bytes(closed_count[key])) {
+      assigned.push_back(std::move(b.members));
+      open.erase(key);
+      ++closed_count[key];
+    }
+  }
+  for (auto& [key, b] : open)
+    if (!b.members.empty()) assigned.push_back(std::move(b.members));
+  // Buckets become ready in the order of their first member (the members
+  // are in descending index order): highest first.
+  std::stable_sort(assigned.begin(), assigned.end(),
+                   [](const std::vector<int>& a, const std::vector<int>& b) { return a.front() > b.front(); });
+
+  NoGradGuard no_grad;
+  bucket_of.assign(params.size(), -1);
+  slot_in_bucket.assign(params.size(), -1);
+  for (auto& members : assigned) {
+    Bucket bucket;
+    bucket.members = members;
+    int64_t numel = 0;
+    for (int i : members) numel += params[i].numel();
+    const Tensor& first = params[members.front()];
+    bucket.buffer = zeros({numel}, first.options());
+    int64_t off = 0;
+    for (size_t s = 0; s < members.size(); ++s) {
+      const Tensor& p = params[members[s]];
+      bucket.views.push_back(bucket.buffer.narrow(0, off, p.numel()).view(p.sizes()));
+      off += p.numel();
+      bucket_of[members[s]] = static_cast<int>(buckets.size());
+      slot_in_bucket[members[s]] = static_cast<int>(s);
+    }
+    buckets.push_back(std::move(bucket));
+  }
+  ready.assign(params.size(), 0);
+  zero_attached.assign(params.size(), 0);
+}
+
+void DistributedDataParallel::Impl::install_hooks() {
+  std::shared_ptr<Impl*> h = handle;
+  for (int i = 0; i < static_cast<int>(params.size()); ++i) {
+    autograd::register_hook(params[i], [h, i](const Tensor&) {
+      if (Impl* self = *h) self->attach_grad(i);
+      return Tensor();
+    });
+    autograd::register_post_accumulate_grad_hook(params[i], [h, i](const Tensor&) {
+      if (Impl* self = *h) self->mark_ready(i);
+    });
+  }
+}
+
+void DistributedDataParallel::Impl::prepare() {
+  armed = true;
+  finalize_queued = false;
+  next_launch = 0;
+  std::fill(ready.begin(), ready.end(), 0);
+  std::fill(zero_attached.begin(), zero_attached.end(), 0);
+  for (auto& b : buckets) {
+    b.pending = static_cast<int>(b.members.size());
+    b.work.reset();
+  }
+}
+
+// Makes parameter i's .grad() its bucket view, keeping the current value
+// (zero when it was released), so accumulation lands in the bucket.
+void DistributedDataParallel::Impl::attach_grad(int i) {
+  Tensor view = buckets[bucket_of[i]].views[slot_in_bucket[i]];
+  Tensor cur = params[i].grad();
+  if (cur.defined() && cur.shares_storage(view) && cur.storage_offset() == view.storage_offset() &&
+      cur.sizes() == view.sizes() && cur.strides() == view.strides())
+    return;
+  NoGradGuard no_grad;
+  if (cur.defined()) view.copy_(cur);
+  else view.zero_();
+  params[i].set_grad(view);
+}
+
+void DistributedDataParallel::Impl::mark_ready(int i) {
+  if (!armed || !require_sync) return;  // no DDP forward, or inside no_sync: local accumulation only
+  if (!finalize_queued) {
+    std::shared_ptr<Impl*> h = handle;
+    autograd::queue_callback([h] {
+      if (Impl* self = *h) self->finalize();
+    });
+    finalize_queued = true;
+  }
+  EMBER_CHECK(!ready[i], "DistributedDataParallel: parameter '", names[i],
+              "' was marked ready twice in one backward pass; each synchronized backward needs its own forward "
+              "(a second backward over a retained graph is not supported)");
+  ready[i] = 1;
+  Bucket& b = buckets[bucket_of[i]];
+  if (--b.pending == 0) launch_ready_buckets();
+}
+
+// Launches ready buckets in index order, so every rank issues the same
+// sequence of allreduces whatever order its gradients arrived in.
+void DistributedDataParallel::Impl::launch_ready_buckets() {
+  if (!opts.overlap) return;  // finalize launches them all
+  while (next_launch < buckets.size() && buckets[next_launch].pending == 0) launch(next_launch++);
+}
+
+void DistributedDataParallel::Impl::launch(size_t b) {
+  buckets[b].work = pg->allreduce(buckets[b].buffer, opts.average ? ReduceOp::Avg : ReduceOp::Sum);
+}
+
+void DistributedDataParallel::Impl::finalize() {
+  armed = false;
+  finalize_queued = false;
+  std::vector<int> unused;
+  for (int i = 0; i < static_cast<int>(params.size()); ++i)
+    if (!ready[i]) unused.push_back(i);
+  if (!unused.empty() && !opts.find_unused_parameters) {
+    std::ostringstream os;
+    os << "DistributedDataParallel (rank " << pg->rank() << "): " << unused.size()
+       << " parameter(s) received no gradient in this backward pass, so their buckets cannot be reduced: ";
+    for (size_t k = 0; k < unused.size(); ++k) os << (k ? ", " : "") << names[unused[k]];
+    os << ". Make every parameter contribute to the loss, or construct DDP with "
+       << "find_unused_parameters=true (DDPOptions) to reduce them with zero gradients.";
+    throw Error(os.str());
+  }
+  // Unused parameters count as ready with whatever their bucket view holds
+  // (zero, unless no_sync steps accumulated into it).
+  for (int i : unused) {
+    zero_attached[i] = !params[i].grad().defined();
+    attach_grad(i);
+    ready[i] = 1;
+    --buckets[bucket_of[i]].pending;
+  }
+  if (opts.overlap) {
+    launch_ready_buckets();
+  } else {
+    while (next_launch < buckets.size()) launch(next_launch++);
+  }
+  EMBER_INTERNAL_ASSERT(next_launch == buckets.size(), "DDP: ", buckets.size() - next_launch,
+                        " buckets were not launched");
+  // Which parameters some rank used: the globally unused keep no .grad(),
+  // as they would without DDP. Launched after the buckets, in the same order
+  // on every rank.
+  Tensor used;
+  std::shared_ptr<Work> used_work;
+  if (opts.find_unused_parameters && !params.empty()) {
+    std::vector<double> flags(params.size(), 1.0);
+    for (int i : unused) flags[i] = 0.0;
+    used = Tensor::from_vector(flags, {static_cast<int64_t>(flags.size())},
+                               {DType::Int32, params.front().device()});
+    used_work = pg->allreduce(used, ReduceOp::Sum);
+  }
+  for (auto& b : buckets) b.work->wait();
+  if (used_work) {
+    used_work->wait();
+    std::vector<double> counts = used.to_vector();
+    for (int i : unused)
+      if (zero_attached[i] && counts[i] == 0) params[i].set_grad(Tensor());
+  }
+}
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> module, DDPOptions options)
+    : nn::Module("DistributedDataParallel"), module_(std::move(module)) {
+  EMBER_CHECK(module_ != nullptr, "DistributedDataParallel: the module is null");
+  EMBER_CHECK(options.bucket_cap_mb > 0 && options.first_bucket_cap_mb > 0,
+              "DistributedDataParallel: bucket_cap_mb and first_bucket_cap_mb must be positive, got ",
+              options.bucket_cap_mb, " and ", options.first_bucket_cap_mb);
+  pg_ = options.process_group ? options.process_group : default_group();
+  register_module("module", module_);
+  impl_ = std::make_unique<Impl>();
+  impl_->opts = options;
+  impl_->pg = pg_.get();
+
+  auto named = module_->named_parameters();
+  std::vector<Tensor> all_params;
+  for (size_t k = 0; k < named.size(); ++k) {
+    all_params.push_back(named[k].second);
+    if (!named[k].second.requires_grad()) continue;
+    impl_->names.push_back(named[k].first);
+    impl_->params.push_back(named[k].second);
+    impl_->module_index.push_back(static_cast<int64_t>(k));
+  }
+  impl_->buffers = module_->buffers();
+  const Device dev = comm_device(all_params, impl_->buffers);
+  if (pg_->size() > 1) {
+    check_same_parameters(*pg_, named, dev);
+    std::vector<Tensor> state = all_params;
+    state.insert(state.end(), impl_->buffers.begin(), impl_->buffers.end());
+    broadcast_coalesced(*pg_, state, 0);
+  }
+  impl_->build_buckets();
+  impl_->install_hooks();
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  if (impl_) *impl_->handle = nullptr;
+}
+
+Tensor DistributedDataParallel::forward(const Tensor& x) {
+  if (impl_->opts.broadcast_buffers) broadcast_coalesced(*pg_, impl_->buffers, 0);
+  if (GradMode::is_enabled() && impl_->require_sync) impl_->prepare();
+  else impl_->armed = false;
+  return module_->forward(x);
+}
+
+std::vector<std::vector<int64_t>> DistributedDataParallel::bucket_indices() const {
+  std::vector<std::vector<int64_t>> out;
+  for (auto& b : impl_->buckets) {
+    std::vector<int64_t> idx;
+    for (int i : b.members) idx.push_back(impl_->module_index[i]);
+    out.push_back(std::move(idx));
+  }
+  return out;
+}
+
+DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp) : ddp_(ddp), previous_(ddp.impl_->require_sync) {
+  ddp_.impl_->require_sync = false;
+}
+
+DistributedDataParallel::NoSync::~NoSync() { ddp_.impl_->require_sync = previous_; }
+
+GradientAccumulator::GradientAccumulator(DistributedDataParallel& ddp, int steps) : ddp_(ddp), steps_(steps) {
+  EMBER_CHECK(steps >= 1, "GradientAccumulator: steps must be at least 1, got ", steps);
+}
+
+bool GradientAccumulator::backward(const Tensor& loss) {
+  Tensor scaled = steps_ == 1 ? loss : loss * (1.0 / steps_);
+  const bool last = done_ + 1 == steps_;
+  if (last) {
+    scaled.backward();
+  } else {
+    auto guard = ddp_.no_sync();
+    scaled.backward();
+  }
+  done_ = last ? 0 : done_ + 1;
+  return last;
+}
+
+}  // namespace ember::distributed

@@ -1,0 +1,127 @@
+// DistributedDataParallel: data parallelism over a ProcessGroup, PyTorch's
+// DDP semantics. Construction checks that every rank holds the same
+// parameters and broadcasts rank 0's parameters and buffers. During
+// backward, gradients land in flat per-bucket buffers (each parameter's
+// .grad() is a view into its bucket, so no copy is made per step); a
+// bucket's allreduce starts as soon as its last gradient is ready, so
+// communication overlaps the rest of backward. Backward returns once every
+// bucket is averaged, so optimizer.step() can follow at once.
+//
+//   auto ddp = std::make_shared<distributed::DistributedDataParallel>(model);
+//   optim::SGD opt(ddp->parameters(), {.lr = 0.1});
+//   for (auto& [x, y] : loader) {
+//     opt.zero_grad();
+//     nn::functional::cross_entropy(ddp->forward(x), y).backward();
+//     opt.step();
+//   }
+//
+// Gradient accumulation: inside ddp->no_sync() backward only accumulates
+// locally; the first backward outside it synchronizes the accumulated sum
+// (GradientAccumulator wraps the pattern).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "distributed/process_group.h"
+#include "nn/module.h"
+
+namespace ember::distributed {
+
+struct DDPOptions {
+  // Null: the default group from init_process_group.
+  std::shared_ptr<ProcessGroup> process_group = nullptr;
+  // Bucket capacity; parameters are assigned in reverse registration order
+  // (roughly the order backward produces their gradients).
+  double bucket_cap_mb = 25.0;
+  // The first bucket (the last layers) is small so communication starts early.
+  double first_bucket_cap_mb = 1.0;
+  // false: every allreduce starts after backward has finished (for
+  // measuring what overlap buys).
+  bool overlap = true;
+  // Broadcast rank 0's buffers (batch-norm running stats) before each forward.
+  bool broadcast_buffers = true;
+  // Parameters that get no gradient in a backward: true marks them ready with
+  // zero gradients so the step completes; false is an error naming them.
+  bool find_unused_parameters = false;
+  // Average (divide by world size) after the sum, as PyTorch does.
+  bool average = true;
+};
+
+class DistributedDataParallel : public nn::Module {
+ public:
+  explicit DistributedDataParallel(std::shared_ptr<nn::Module> module, DDPOptions options = {});
+  ~DistributedDataParallel() override;
+
+  // Broadcasts buffers (if enabled), arms gradient synchronization for the
+  // next backward (unless inside no_sync), and runs the wrapped module.
+  Tensor forward(const Tensor& x) override;
+
+  nn::Module& module() { return *module_; }
+  std::shared_ptr<nn::Module> module_ptr() const { return module_; }
+  ProcessGroup& process_group() { return *pg_; }
+
+  // RAII scope: backward inside it does not synchronize (gradients only
+  // accumulate locally).
+  class NoSync {
+   public:
+    explicit NoSync(DistributedDataParallel& ddp);
+    ~NoSync();
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    DistributedDataParallel& ddp_;
+    bool previous_;
+  };
+  NoSync no_sync() { return NoSync(*this); }
+
+  // Bucket layout, for tests and logging: parameter indices (registration
+  // order) per bucket, in the order buckets are reduced.
+  std::vector<std::vector<int64_t>> bucket_indices() const;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<nn::Module> module_;
+  std::shared_ptr<ProcessGroup> pg_;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Gradient accumulation over k micro-batches with one synchronization:
+//
+//   GradientAccumulator acc(ddp, k);
+//   for (int i = 0; i < k; ++i) acc.backward(loss_fn(ddp->forward(x[i]), y[i]));
+//   opt.step();
+//
+// backward() scales the loss by 1/k and runs micro-steps 1..k-1 inside
+// no_sync; the k-th synchronizes. The count wraps around after k.
+class GradientAccumulator {
+ public:
+  GradientAccumulator(DistributedDataParallel& ddp, int steps);
+  // Returns true when this call synchronized (the last micro-step).
+  bool backward(const Tensor& loss);
+  int steps() const { return steps_; }
+
+ private:
+  DistributedDataParallel& ddp_;
+  int steps_;
+  int done_ = 0;
+};
+
+// Makes every nn::BatchNorm2d under `module` a SyncBatchNorm: in training,
+// batch statistics are computed over all ranks of `pg` (null: the default
+// group), forward and backward. C++ parents hold typed pointers to their
+// children, so modules are not replaced: each BatchNorm2d gets a hook that
+// sums its per-channel statistics across ranks (a differentiable allreduce).
+// Names, parameters and buffers stay as they are.
+void convert_sync_batchnorm(nn::Module& module, std::shared_ptr<ProcessGroup> pg = nullptr);
+
+// Sum of `x` over the ranks of `pg` (null: the default group), recorded for
+// autograd: backward returns the sum of every rank's output gradient. Every
+// rank must call it, forward and backward alike (SyncBatchNorm's statistics).
+Tensor all_reduce_sum_differentiable(const Tensor& x, std::shared_ptr<ProcessGroup> pg = nullptr);
+
+}  // namespace ember::distributed

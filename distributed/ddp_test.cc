@@ -1,0 +1,550 @@
+// DistributedDataParallel and SyncBatchNorm across 1-4 real processes on
+// localhost (Gloo, CPU, float32). Every worker also trains a single-process
+// reference on the concatenated batch of all ranks (it knows every rank's
+// data: all batches come from fixed seeds) and checks DDP against it value
+// by value: parameters after k SGD steps, gradients, outputs, running stats.
+// Each rank initialises its model from its own seed, so agreeing with the
+// reference (initialised like rank 0) also checks the initial broadcast.
+// Then the failure modes: mismatched models, unused parameters, a rank dying.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "core/ops.h"
+#include "distributed/ddp.h"
+#include "distributed/init.h"
+#include "distributed/process_group.h"
+#include "distributed/testing/multiprocess.h"
+#include "nn/functional.h"
+#include "nn/layers.h"
+#include "optim/optimizer.h"
+
+namespace ember::distributed {
+namespace {
+
+namespace mp = ::ember::distributed::testing;
+using Clock = std::chrono::steady_clock;
+
+#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
+
+constexpr double kTol = 1e-5;
+
+std::shared_ptr<ProcessGroup> group(const mp::WorkerEnv& env, Millis timeout = std::chrono::seconds(60)) {
+  ProcessGroupOptions o;
+  o.timeout = timeout;
+  return make_gloo_group(env.store(), env.rank, env.world_size, o);
+}
+
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+double max_abs_diff(const Tensor& a, const Tensor& b) {
+  WCHECK(a.sizes() == b.sizes(), shape_str(a.sizes()), " vs ", shape_str(b.sizes()));
+  std::vector<double> x = a.to_vector(), y = b.to_vector();
+  double m = 0;
+  for (size_t i = 0; i < x.size(); ++i) m = std::max(m, std::fabs(x[i] - y[i]));
+  return m;
+}
+
+void expect_close(const Tensor& got, const Tensor& want, const std::string& what, double tol = kTol) {
+  WCHECK(got.defined() && want.defined(), what, ": got ", got.defined() ? "a tensor" : "undefined", ", want ",
+         want.defined() ? "a tensor" : "undefined");
+  double d = max_abs_diff(got, want);
+  WCHECK(d <= tol, what, ": max abs diff ", d, " > ", tol);
+}
+
+// Same names, same values (the DDP replica against the reference).
+void expect_same_params(nn::Module& got, nn::Module& want, const std::string& when) {
+  auto g = got.named_parameters(), w = want.named_parameters();
+  WCHECK(g.size() == w.size(), when, ": ", g.size(), " vs ", w.size(), " parameters");
+  for (size_t i = 0; i < g.size(); ++i) {
+    WCHECK(g[i].first == w[i].first, g[i].first, " vs ", w[i].first);
+    expect_close(g[i].second, w[i].second, when + ": parameter " + g[i].first);
+  }
+}
+
+void expect_same_grads(nn::Module& got, nn::Module& want, const std::string& when) {
+  auto g = got.named_parameters(), w = want.named_parameters();
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (!w[i].second.grad().defined()) {
+      WCHECK(!g[i].second.grad().defined(), when, ": ", g[i].first, " has a gradient, the reference none");
+      continue;
+    }
+    expect_close(g[i].second.grad(), w[i].second.grad(), when + ": gradient of " + g[i].first);
+  }
+}
+
+// ---- Models: built from a seed, buffers included ----
+
+std::shared_ptr<nn::Module> make_mlp(uint64_t seed, int64_t hidden2 = 12) {
+  manual_seed(seed);
+  return std::make_shared<nn::Sequential>(std::vector<std::shared_ptr<nn::Module>>{
+      std::make_shared<nn::Linear>(8, 16), std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(16, hidden2),
+      std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(hidden2, 4)});
+}
+
+// Conv net on [N, 2, 8, 8]; with_bn adds a BatchNorm2d whose running stats
+// (random, from the seed) matter in eval mode.
+std::shared_ptr<nn::Module> make_convnet(uint64_t seed, bool with_bn) {
+  manual_seed(seed);
+  std::vector<std::shared_ptr<nn::Module>> layers{std::make_shared<nn::Conv2d>(2, 4, 3, 1, 1)};
+  if (with_bn) {
+    auto bn = std::make_shared<nn::BatchNorm2d>(4);
+    NoGradGuard g;
+    bn->running_mean.copy_(randn({4}) * 0.1);
+    bn->running_var.copy_(rand({4}) + 0.5);
+    Tensor w = bn->weight.detach(), b = bn->bias.detach();
+    w.copy_(rand({4}) + 0.5);
+    b.copy_(randn({4}) * 0.1);
+    layers.push_back(bn);
+  }
+  layers.push_back(std::make_shared<nn::ReLU>());
+  layers.push_back(std::make_shared<nn::Conv2d>(4, 4, 3, 2, 1));
+  layers.push_back(std::make_shared<nn::Flatten>());
+  layers.push_back(std::make_shared<nn::Linear>(4 * 4 * 4, 3));
+  return std::make_shared<nn::Sequential>(layers);
+}
+
+// A model with a parameter its forward never touches.
+struct WithUnused : nn::Module {
+  std::shared_ptr<nn::Linear> fc1, extra, fc2;
+  WithUnused() : Module("WithUnused") {
+    fc1 = register_module("fc1", std::make_shared<nn::Linear>(8, 6));
+    extra = register_module("extra", std::make_shared<nn::Linear>(6, 6));
+    fc2 = register_module("fc2", std::make_shared<nn::Linear>(6, 4));
+  }
+  Tensor forward(const Tensor& x) override { return (*fc2)(relu((*fc1)(x))); }
+};
+
+std::shared_ptr<nn::Module> make_with_unused(uint64_t seed) {
+  manual_seed(seed);
+  return std::make_shared<WithUnused>();
+}
+
+// ---- Data: the global batch of a step, identical on every rank ----
+
+struct Batch {
+  Tensor x, y;
+  Batch rows(int64_t start, int64_t n) const { return {x.narrow(0, start, n), y.narrow(0, start, n)}; }
+};
+
+Batch global_batch(bool conv, int64_t n, int step) {
+  Generator gen(1000 + step);
+  Tensor x = conv ? randn({n, 2, 8, 8}, {}, &gen) : randn({n, 8}, {}, &gen);
+  Tensor y = randint(0, conv ? 3 : 4, {n}, DType::Int64, &gen);
+  return {x, y};
+}
+
+Tensor loss_of(nn::Module& m, const Batch& b) { return nn::functional::cross_entropy(m.forward(b.x), b.y); }
+
+// Options from "key=value,key=value" (RunOptions::arg).
+std::map<std::string, std::string> parse(const std::string& arg) {
+  std::map<std::string, std::string> out;
+  std::stringstream ss(arg);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    auto eq = item.find('=');
+    out[item.substr(0, eq)] = eq == std::string::npos ? "1" : item.substr(eq + 1);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Worker scenarios.
+
+// k SGD steps (momentum, zero_grad releasing grads) of DDP with per-rank
+// batch b against one process on the 2b/4b batch. arg: model=mlp|conv|convbn,
+// cap=<MB>, first=<MB>, overlap=0|1, layout=<expected bucket_indices>.
+EMBER_WORKER(train) {
+  auto o = parse(env.arg);
+  auto pg = group(env);
+  const int r = env.rank, ws = env.world_size;
+  const std::string model = o["model"];
+  const bool conv = model != "mlp";
+  auto make = [&](uint64_t seed) {
+    return model == "mlp" ? make_mlp(seed) : make_convnet(seed, model == "convbn");
+  };
+  auto ref = make(1);
+  auto local = make(1 + r);  // rank 0's values reach the others by broadcast
+  if (model == "convbn") {
+    ref->eval();
+    local->eval();
+  }
+  DDPOptions opts;
+  opts.process_group = pg;
+  if (o.count("cap")) opts.bucket_cap_mb = std::stod(o["cap"]);
+  if (o.count("first")) opts.first_bucket_cap_mb = std::stod(o["first"]);
+  if (o.count("overlap")) opts.overlap = o["overlap"] == "1";
+  auto ddp = std::make_shared<DistributedDataParallel>(local, opts);
+
+  // The layout: every parameter once, reverse registration order.
+  auto layout = ddp->bucket_indices();
+  std::vector<int64_t> flat;
+  std::ostringstream desc;
+  for (auto& b : layout) {
+    desc << "[";
+    for (size_t k = 0; k < b.size(); ++k) desc << (k ? " " : "") << b[k];
+    desc << "]";
+    flat.insert(flat.end(), b.begin(), b.end());
+  }
+  const int64_t np = static_cast<int64_t>(local->parameters().size());
+  WCHECK(static_cast<int64_t>(flat.size()) == np, "layout ", desc.str(), " for ", np, " parameters");
+  for (int64_t i = 0; i < np; ++i) WCHECK(flat[i] == np - 1 - i, "layout ", desc.str(), " is not reverse order");
+  if (o.count("layout")) WCHECK(desc.str() == o["layout"], "layout ", desc.str(), ", expected ", o["layout"]);
+  // Names are the wrapped module's, under "module." as in PyTorch.
+  WCHECK(ddp->named_parameters().front().first == "module." + local->named_parameters().front().first,
+         ddp->named_parameters().front().first);
+
+  optim::SGD opt_ddp(ddp->parameters(), {.lr = 0.1, .momentum = 0.9});
+  optim::SGD opt_ref(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  const int64_t b = 3;
+  expect_same_params(*local, *ref, "after construction");
+  for (int step = 0; step < 3; ++step) {
+    Batch all = global_batch(conv, b * ws, step);
+    opt_ddp.zero_grad();
+    opt_ref.zero_grad();
+    loss_of(*ddp, all.rows(r * b, b)).backward();
+    loss_of(*ref, all).backward();
+    expect_same_grads(*local, *ref, "step " + std::to_string(step));
+    opt_ddp.step();
+    opt_ref.step();
+    expect_same_params(*local, *ref, "after step " + std::to_string(step));
+  }
+  // Gradients are views into the flat buckets: members of a bucket share storage.
+  auto params = local->parameters();
+  for (auto& bucket : layout)
+    for (size_t k = 1; k < bucket.size(); ++k)
+      WCHECK(params[bucket[k]].grad().shares_storage(params[bucket[0]].grad()), "parameter ", bucket[k],
+             " has a gradient outside its bucket");
+  if (model == "convbn")
+    for (auto& [name, buf] : local->named_buffers()) {
+      const Tensor* want = ref->state_dict().find(name);
+      WCHECK(want != nullptr, name);
+      expect_close(buf, *want, "buffer " + name, 0);
+    }
+}
+
+// Gradient accumulation over k micro-batches: no_sync by hand and with
+// GradientAccumulator, against one process on all k * ws micro-batches.
+EMBER_WORKER(accumulate) {
+  auto pg = group(env);
+  const int r = env.rank, ws = env.world_size;
+  const bool use_accumulator = env.arg == "accumulator";
+  auto ref = make_mlp(1);
+  auto local = make_mlp(1 + r);
+  DDPOptions opts;
+  opts.process_group = pg;
+  auto ddp = std::make_shared<DistributedDataParallel>(local, opts);
+  optim::SGD opt_ddp(ddp->parameters(), {.lr = 0.1, .momentum = 0.9});
+  optim::SGD opt_ref(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  GradientAccumulator acc(*ddp, 3);
+  const int k = 3;
+  const int64_t b = 2;
+  for (int step = 0; step < 2; ++step) {
+    // Micro-batch i of rank r: rows [(i * ws + r) * b, +b) of the global batch.
+    Batch all = global_batch(false, b * ws * k, step);
+    opt_ddp.zero_grad();
+    opt_ref.zero_grad();
+    for (int i = 0; i < k; ++i) {
+      Batch mine = all.rows((i * ws + r) * b, b);
+      if (use_accumulator) {
+        bool synced = acc.backward(loss_of(*ddp, mine));
+        WCHECK(synced == (i == k - 1), "micro-step ", i, " synced=", synced);
+      } else if (i < k - 1) {
+        auto guard = ddp->no_sync();
+        (loss_of(*ddp, mine) * (1.0 / k)).backward();
+      } else {
+        (loss_of(*ddp, mine) * (1.0 / k)).backward();
+      }
+      if (i < k - 1 && ws > 1) {
+        // Not synchronized yet: the local gradient differs from the reference's final one.
+        loss_of(*ref, all).backward();
+        double d = max_abs_diff(local->parameters().front().grad(), ref->parameters().front().grad());
+        WCHECK(d > 1e-4, "micro-step ", i, ": gradients look synchronized already (diff ", d, ")");
+        opt_ref.zero_grad();
+      }
+    }
+    loss_of(*ref, all).backward();
+    expect_same_grads(*local, *ref, "step " + std::to_string(step));
+    opt_ddp.step();
+    opt_ref.step();
+    expect_same_params(*local, *ref, "after step " + std::to_string(step));
+  }
+}
+
+// Rank ws-1 builds a different second layer: every rank's constructor
+// throws naming the parameter and the ranks.
+EMBER_WORKER(mismatch) {
+  auto pg = group(env, std::chrono::seconds(20));
+  const int r = env.rank, ws = env.world_size;
+  auto local = make_mlp(1, r == ws - 1 ? 13 : 12);
+  DDPOptions opts;
+  opts.process_group = pg;
+  std::string msg = error_of([&] { DistributedDataParallel ddp(local, opts); });
+  std::printf("rank %d: %s\n", r, msg.c_str());
+  WCHECK(has(msg, "different parameters"), msg);
+  WCHECK(has(msg, "'2.weight' [13,16]") && has(msg, "'2.weight' [12,16]"), "names the parameter and shapes: ", msg);
+  WCHECK(has(msg, "rank 0") && has(msg, "rank " + std::to_string(ws - 1)), "names the ranks: ", msg);
+  WCHECK(has(msg, "differing: [" + std::to_string(ws - 1) + "]"), msg);
+}
+
+// arg "error": find_unused_parameters=false, so backward fails naming the
+// unused parameters. arg "find": reduced with zero gradients, equal to the
+// reference, and extra.* keeps no gradient as without DDP.
+EMBER_WORKER(unused) {
+  auto pg = group(env, std::chrono::seconds(20));
+  const int r = env.rank, ws = env.world_size;
+  auto ref = make_with_unused(1);
+  auto local = make_with_unused(1 + r);
+  DDPOptions opts;
+  opts.process_group = pg;
+  opts.find_unused_parameters = env.arg == "find";
+  auto ddp = std::make_shared<DistributedDataParallel>(local, opts);
+  const int64_t b = 3;
+  if (env.arg == "error") {
+    Batch all = global_batch(false, b * ws, 0);
+    std::string msg = error_of([&] { loss_of(*ddp, all.rows(r * b, b)).backward(); });
+    WCHECK(has(msg, "extra.weight") && has(msg, "extra.bias") && has(msg, "find_unused_parameters"), msg);
+    WCHECK(!has(msg, "fc1.weight"), msg);
+    return;
+  }
+  optim::SGD opt_ddp(ddp->parameters(), {.lr = 0.1, .momentum = 0.9});
+  optim::SGD opt_ref(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  for (int step = 0; step < 3; ++step) {
+    Batch all = global_batch(false, b * ws, step);
+    opt_ddp.zero_grad();
+    opt_ref.zero_grad();
+    loss_of(*ddp, all.rows(r * b, b)).backward();
+    loss_of(*ref, all).backward();
+    WCHECK(!static_cast<WithUnused&>(*local).extra->weight.grad().defined(), "extra.weight got a gradient");
+    expect_same_grads(*local, *ref, "step " + std::to_string(step));
+    opt_ddp.step();
+    opt_ref.step();
+    expect_same_params(*local, *ref, "after step " + std::to_string(step));
+  }
+}
+
+// SyncBatchNorm in training mode: outputs, gradients, running stats and
+// parameters after SGD steps equal BatchNorm2d on the concatenated batch.
+EMBER_WORKER(syncbn) {
+  auto pg = group(env);
+  const int r = env.rank, ws = env.world_size;
+  auto ref = make_convnet(1, true);
+  auto local = make_convnet(1 + r, true);
+  convert_sync_batchnorm(*local, pg);
+  DDPOptions opts;
+  opts.process_group = pg;
+  auto ddp = std::make_shared<DistributedDataParallel>(local, opts);
+  optim::SGD opt_ddp(ddp->parameters(), {.lr = 0.05});
+  optim::SGD opt_ref(ref->parameters(), {.lr = 0.05});
+  const int64_t b = 4;
+  for (int step = 0; step < 3; ++step) {
+    Batch all = global_batch(true, b * ws, step);
+    // Shift and scale so the statistics are not those of N(0, 1).
+    all.x = all.x * 3.0 + 2.0;
+    opt_ddp.zero_grad();
+    opt_ref.zero_grad();
+    Tensor out = ddp->forward(all.x.narrow(0, r * b, b));
+    Tensor ref_out = ref->forward(all.x);
+    expect_close(out, ref_out.narrow(0, r * b, b), "step " + std::to_string(step) + ": output");
+    // The reference loss is the mean over all rows; each rank's mean over its
+    // rows, averaged by DDP, is the same.
+    nn::functional::cross_entropy(out, all.y.narrow(0, r * b, b)).backward();
+    nn::functional::cross_entropy(ref_out, all.y).backward();
+    expect_same_grads(*local, *ref, "step " + std::to_string(step));
+    auto want = ref->state_dict();
+    for (auto& [name, buf] : local->named_buffers())
+      expect_close(buf, *want.find(name), "step " + std::to_string(step) + ": buffer " + name);
+    opt_ddp.step();
+    opt_ref.step();
+    expect_same_params(*local, *ref, "after step " + std::to_string(step));
+  }
+}
+
+// The last rank dies before its second backward: the others' backward
+// fails within the group's timeout, naming the allreduce.
+EMBER_WORKER(rank_dies) {
+  const Millis timeout{3000};
+  auto pg = group(env, timeout);
+  const int r = env.rank, ws = env.world_size;
+  auto local = make_mlp(1);
+  DDPOptions opts;
+  opts.process_group = pg;
+  auto ddp = std::make_shared<DistributedDataParallel>(local, opts);
+  optim::SGD opt(ddp->parameters(), {.lr = 0.1});
+  const int64_t b = 2;
+  for (int step = 0; step < 3; ++step) {
+    Batch all = global_batch(false, b * ws, step);
+    if (step == 1 && r == ws - 1) {
+      std::fflush(stdout);
+      _exit(42);
+    }
+    opt.zero_grad();
+    Tensor loss = loss_of(*ddp, all.rows(r * b, b));
+    if (step < 1) {
+      loss.backward();
+      opt.step();
+      continue;
+    }
+    auto start = Clock::now();
+    std::string msg = error_of([&] { loss.backward(); });
+    auto took = std::chrono::duration_cast<Millis>(Clock::now() - start);
+    std::printf("rank %d: %s (after %lld ms)\n", r, msg.c_str(), static_cast<long long>(took.count()));
+    WCHECK(!msg.empty(), "backward with a dead peer must fail");
+    WCHECK(has(msg, "allreduce"), msg);
+    WCHECK(took < timeout + Millis{5000}, "failed after ", took.count(), " ms");
+    return;
+  }
+}
+
+// The model outlives its DDP wrapper: the hooks left on its parameters do
+// nothing, and plain backward and steps work as without DDP.
+EMBER_WORKER(outlives_ddp) {
+  auto pg = group(env);
+  auto local = make_mlp(1);
+  auto ref = make_mlp(1);
+  Batch all = global_batch(false, 4, 0);
+  {
+    DDPOptions opts;
+    opts.process_group = pg;
+    auto ddp = std::make_shared<DistributedDataParallel>(local, opts);
+    loss_of(*ddp, all).backward();
+    loss_of(*ref, all).backward();
+    expect_same_grads(*local, *ref, "with DDP");
+  }
+  local->zero_grad();
+  ref->zero_grad();
+  loss_of(*local, all).backward();
+  loss_of(*ref, all).backward();
+  expect_same_grads(*local, *ref, "after DDP is gone");
+}
+
+// ---------------------------------------------------------------------------
+// Parent-side tests.
+
+mp::RunOptions with_arg(const std::string& arg, int seconds = 120) {
+  mp::RunOptions o;
+  o.arg = arg;
+  o.deadline = std::chrono::seconds(seconds);
+  return o;
+}
+
+class DDPWorlds : public ::testing::TestWithParam<int> {};
+
+TEST_P(DDPWorlds, MlpMatchesSingleProcessOnTheWholeBatch) {
+  auto res = mp::run_workers("train", GetParam(), with_arg("model=mlp"));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+TEST_P(DDPWorlds, ConvNetMatchesSingleProcess) {
+  auto res = mp::run_workers("train", GetParam(), with_arg("model=conv"));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+TEST_P(DDPWorlds, ConvNetWithEvalBatchNormMatchesSingleProcess) {
+  auto res = mp::run_workers("train", GetParam(), with_arg("model=convbn"));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+INSTANTIATE_TEST_SUITE_P(World, DDPWorlds, ::testing::Values(1, 2, 4));
+
+// MLP parameter sizes in reverse order: 16, 192, 48, 768, 64, 512 bytes.
+// 1 KB caps (0.001 MiB = 1048.6 B): the bucket closes once it reaches the cap.
+TEST(DDP, SmallBucketsGiveTheSameResultAndLayout) {
+  auto res = mp::run_workers("train", 2, with_arg("model=mlp,cap=0.001,first=0.001,layout=[5 4 3 2 1][0]"));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  // A smaller first bucket (524 B): [5 4 3 2] reaches it, the rest fits in 1 KB.
+  res = mp::run_workers("train", 2, with_arg("model=mlp,cap=0.001,first=0.0005,layout=[5 4 3 2][1 0]"));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  // Tiny caps: one parameter per bucket.
+  res = mp::run_workers("train", 2, with_arg("model=conv,cap=0.000001,first=0.000001,layout=[5][4][3][2][1][0]"));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  // Default caps: one bucket.
+  res = mp::run_workers("train", 2, with_arg("model=mlp,layout=[5 4 3 2 1 0]"));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+TEST(DDP, WithoutOverlapGivesTheSameResult) {
+  for (const char* arg : {"model=mlp,overlap=0", "model=conv,overlap=0,cap=0.001,first=0.001"}) {
+    SCOPED_TRACE(arg);
+    auto res = mp::run_workers("train", 2, with_arg(arg));
+    EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  }
+}
+
+TEST(DDP, NoSyncAccumulatesLocallyThenSynchronizesTheSum) {
+  for (int ws : {2, 3}) {
+    auto res = mp::run_workers("accumulate", ws, with_arg("no_sync"));
+    EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  }
+}
+
+TEST(DDP, GradientAccumulatorEqualsTheWholeBatch) {
+  auto res = mp::run_workers("accumulate", 2, with_arg("accumulator"));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+TEST(DDP, ParameterMismatchNamesTheParameterAndRanks) {
+  for (int ws : {2, 3}) {
+    auto res = mp::run_workers("mismatch", ws, with_arg("", 60));
+    EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  }
+}
+
+TEST(DDP, UnusedParameterIsAnErrorNamingIt) {
+  auto res = mp::run_workers("unused", 2, with_arg("error", 60));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+TEST(DDP, FindUnusedParametersMatchesSingleProcess) {
+  auto res = mp::run_workers("unused", 2, with_arg("find"));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+TEST(DDP, SyncBatchNormMatchesBatchNormOnTheWholeBatch) {
+  for (int ws : {2, 3}) {
+    auto res = mp::run_workers("syncbn", ws, with_arg(""));
+    EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  }
+}
+
+TEST(DDP, DyingRankFailsTheOthersWithinTheTimeout) {
+  auto res = mp::run_workers("rank_dies", 3, with_arg("", 60));
+  ASSERT_EQ(res.size(), 3u);
+  EXPECT_EQ(res[0].exit_code, 0) << mp::describe(res);
+  EXPECT_EQ(res[1].exit_code, 0) << mp::describe(res);
+  EXPECT_EQ(res[2].exit_code, 42) << mp::describe(res);
+}
+
+TEST(DDP, ModelOutlivesItsWrapper) {
+  auto res = mp::run_workers("outlives_ddp", 1, with_arg("", 60));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+// Where the spawned workers start (see multiprocess.h).
+TEST(MultiProcessWorker, Entry) {
+  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
+  mp::run_if_worker();
+}
+
+}  // namespace
+}  // namespace ember::distributed
