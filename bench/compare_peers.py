@@ -3,7 +3,7 @@
 # medians, ranges and the ratio of medians. This machine moves ±30% between
 # runs minutes apart, so only figures from one interleaved run are compared.
 #
-#   bazel build -c opt //bench:train_bench //bench:collectives_bench
+#   bazel build -c opt //bench:train_bench //bench:collectives_bench   (runs bazel-out/k8-opt/bin/...)
 #   /usr/bin/python3 bench/compare_peers.py resnet --rounds 3
 #   /usr/bin/python3 bench/compare_peers.py collectives --rounds 2
 import argparse, json, os, statistics, subprocess, sys, tempfile
@@ -30,7 +30,7 @@ def run(cmd):
 def ours_gbench(binary, flt, extra=()):
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         # guard only sees the console output; the JSON file carries the figures.
-        info = run([os.path.join(ROOT, "bazel-bin", "bench", binary), f"--benchmark_filter={flt}",
+        info = run([os.path.join(ROOT, "bazel-out", "k8-opt", "bin", "bench", binary), f"--benchmark_filter={flt}",
                     f"--benchmark_out={f.name}", "--benchmark_out_format=json", *extra])
         res = json.load(open(f.name))["benchmarks"]
     return res, info
