@@ -168,9 +168,13 @@ TEST_F(CudaNnOps, ChannelsLastStemMatchesCpu) {
     Tensor g = rnd({8}, seed++, pt), b = rnd({8}, seed++, pt);
     Fn f = [](const std::vector<Tensor>& v) {
       Tensor h = relu(batch_norm(conv2d(v[0], v[1], Tensor(), {2, 2}, {1, 1}), v[2], v[3], Tensor(), Tensor(), true));
-      if (h.is_cuda()) EXPECT_EQ(h.suggest_memory_format(), MemoryFormat::ChannelsLast);
+      if (h.is_cuda()) {
+        EXPECT_EQ(h.suggest_memory_format(), MemoryFormat::ChannelsLast);
+      }
       Tensor y = max_pool2d(h, {3, 3}, {2, 2}, {1, 1});
-      if (y.is_cuda()) EXPECT_EQ(y.suggest_memory_format(), MemoryFormat::ChannelsLast);
+      if (y.is_cuda()) {
+        EXPECT_EQ(y.suggest_memory_format(), MemoryFormat::ChannelsLast);
+      }
       return y;
     };
     compare(f, {x, w, g, b}, tol(dt) * 4, cat("channels-last stem ", dt), [](Tensor t) { return channels_last(t); });

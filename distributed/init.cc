@@ -253,7 +253,10 @@ std::shared_ptr<ProcessGroup> make_group(const std::string& backend, std::shared
 
 std::string rank_list(const std::vector<int>& ranks) {
   std::string s = "[";
-  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? "," : "") + std::to_string(ranks[i]);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(ranks[i]);
+  }
   return s + "]";
 }
 

@@ -1,0 +1,195 @@
+// Data-parallel scaling of the ResNet training step on the CPU: the
+// workload of /work/shared/peers/ddp_resnet.py. ResNet-18 with the small
+// stem (narrow width 16 and full width 64), 1x28x28 inputs, batch 32 per
+// rank, SGD(momentum 0.9, lr 0.05), 1 OpenMP thread per process, Gloo over
+// loopback; one step = zero_grad + forward + cross-entropy + backward
+// (DDP's bucketed allreduce) + SGD step.
+//
+//   procs:1             one process, no DDP (the baseline, as the peer's)
+//   procs:N/overlap:1   N processes, DDP starting each bucket's allreduce
+//                       as soon as its gradients are ready (the default)
+//   procs:N/overlap:0   the same with every allreduce after backward, to
+//                       show what overlap buys
+// Counters: step_ms_median (rank 0's per-step wall time, median over the
+// timed steps; DDP synchronizes every step so it is the slowest rank's),
+// img_per_s (all ranks), efficiency = (img_per_s_N / N) / img_per_s_1, where
+// img_per_s_1 is procs:1 of the same width measured earlier in this run.
+// 4 processes oversubscribe a 2-core machine: expect efficiency <= 0.5 there.
+//
+// Google Benchmark runs in one process, so this process is rank 0: each
+// multi-process benchmark starts N-1 copies of this binary filtered to that
+// one benchmark (the ranks, in their own log files), meets them at a
+// TCPStore, and reaps them when the benchmark ends. Every benchmark has a
+// fixed iteration count, so all ranks take the same number of steps.
+//
+//   bazel run -c opt //bench:ddp_scaling
+//   bazel run -c opt //bench:ddp_scaling -- --benchmark_filter=width:16
+//
+// Against PyTorch 1.13 (2026-11-23, the 2-core machine), interleaved ours,
+// peer, ours, peer, each under /work/shared/peers/guard.py (foreign load
+// <= 0.01 cores), medians of the 2 runs:
+//   ddp_scaling --benchmark_filter='width:16/procs:(1|2)/'   vs  ddp_resnet.py --width 16 --rounds 2
+//   ddp_scaling --benchmark_filter='width:64/procs:(1|2)/'   vs  ddp_resnet.py --width 64 --rounds 2
+//                    1 proc step   2-proc DDP step   efficiency     PyTorch: 1 proc / DDP / eff
+//   w16, overlap on     63.7 ms        87.7 ms          0.73              68.3 / 85.8 ms / 0.80
+//   w16, overlap off                   84.9 ms          0.75
+//   w64, overlap on      764 ms         881 ms          0.87               710 / 813 ms / 0.87
+//   w64, overlap off                    908 ms          0.84
+// Efficiency ratio ours/PyTorch: 0.91 (w16), 0.99 (w64). With two
+// processes on two cores there is no idle core for the communication
+// thread, so overlap gains little here (w64) or nothing (w16).
+#include <benchmark/benchmark.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/ops.h"
+#include "distributed/ddp.h"
+#include "distributed/init.h"
+#include "distributed/testing/multiprocess.h"
+#include "nn/functional.h"
+#include "nn/models.h"
+#include "optim/optimizer.h"
+
+namespace {
+using namespace ember;
+using namespace ember::distributed;
+using Clock = std::chrono::steady_clock;
+
+constexpr int64_t kBatch = 32;  // per rank
+constexpr int kWarmup = 3;
+
+// Set in the copies this binary starts: which rank they are and where the
+// store is.
+constexpr char kPortVar[] = "EMBER_DDP_BENCH_PORT";
+constexpr char kRankVar[] = "EMBER_DDP_BENCH_RANK";
+
+// img/s of the 1-process run per width, for the efficiency counter.
+std::map<int64_t, double>& baseline() {
+  static std::map<int64_t, double> m;
+  return m;
+}
+
+// Rank 0 hosts the store and starts ranks 1..N-1; they connect to it. The
+// group lives until every peer has exited, so no peer ever sees its
+// connections torn down mid-collective.
+struct Group {
+  std::shared_ptr<ProcessGroup> pg;
+  std::shared_ptr<Store> store;
+  std::vector<pid_t> peers;
+  ~Group() {
+    bool failed = false;
+    for (pid_t pid : peers) {
+      testing::WorkerResult r;
+      testing::wait_or_kill(pid, Clock::now() + std::chrono::seconds(60), r);
+      failed |= r.exit_code != 0;
+    }
+    if (failed) std::fprintf(stderr, "ddp_scaling: a peer process failed; see its log under $TMPDIR or /tmp\n");
+  }
+};
+
+std::unique_ptr<Group> join_group(const std::string& name, int world) {
+  auto g = std::make_unique<Group>();
+  if (world == 1) return g;
+  TCPStoreOptions so;
+  so.timeout = std::chrono::seconds(120);
+  if (const char* port = std::getenv(kPortVar)) {
+    g->store = std::make_shared<TCPStore>("127.0.0.1", std::atoi(port), so);
+    g->pg = make_gloo_group(g->store, std::atoi(std::getenv(kRankVar)), world);
+    return g;
+  }
+  so.is_server = true;
+  so.wait_for_workers = false;
+  auto server = std::make_shared<TCPStore>("127.0.0.1", 0, so);
+  g->store = server;
+  const char* tmp = std::getenv("TMPDIR");
+  const std::string dir = tmp && *tmp ? tmp : "/tmp";
+  for (int r = 1; r < world; ++r) {
+    // Only this benchmark (Google Benchmark appends "/iterations:N/..." to
+    // the registered name), in a process of its own with 1 thread.
+    std::vector<std::string> args = {"--benchmark_filter=^" + name + "/"};
+    std::vector<std::string> env = {std::string(kPortVar) + "=" + std::to_string(server->port()),
+                                    std::string(kRankVar) + "=" + std::to_string(r), "OMP_NUM_THREADS=1"};
+    g->peers.push_back(testing::spawn_self(args, env, dir + "/ember_ddp_scaling_rank" + std::to_string(r) + ".log"));
+  }
+  g->pg = make_gloo_group(g->store, 0, world);
+  return g;
+}
+
+void BM_DdpStep(benchmark::State& state, const std::string& name, int64_t width, int world, bool overlap) {
+  omp_set_num_threads(1);  // 1 thread per process, as the peer's torch.set_num_threads(1)
+  auto group = join_group(name, world);
+  const bool peer = std::getenv(kPortVar) != nullptr;
+
+  manual_seed(0);  // the same initial parameters on every rank, as DDP checks
+  auto model = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = width});
+  model->train();
+  std::shared_ptr<DistributedDataParallel> ddp;
+  nn::Module* net = model.get();
+  if (world > 1) {
+    ddp = std::make_shared<DistributedDataParallel>(model, DDPOptions{.process_group = group->pg, .overlap = overlap});
+    net = ddp.get();
+  }
+  optim::SGD opt(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  // Different data per rank, as a DistributedSampler gives.
+  const int rank = group->pg ? group->pg->rank() : 0;
+  manual_seed(1000 + rank);
+  Tensor x = randn({kBatch, 1, 28, 28});
+  Tensor y = randint(0, 10, {kBatch});
+  auto step = [&] {
+    opt.zero_grad();
+    Tensor loss = nn::functional::cross_entropy(net->forward(x), y);
+    loss.backward();
+    opt.step();
+    return loss.item();
+  };
+  for (int i = 0; i < kWarmup; ++i) step();  // oneDNN primitives, allocator caches, first buckets
+  std::vector<double> times;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    benchmark::DoNotOptimize(step());
+    double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    state.SetIterationTime(s);
+    times.push_back(s);
+  }
+  if (group->pg) group->pg->barrier()->wait();  // everyone done before rank 0 reaps the peers
+
+  std::sort(times.begin(), times.end());
+  const double median = times[times.size() / 2];
+  const double img_s = world * kBatch / median;
+  state.counters["step_ms_median"] = median * 1e3;
+  state.counters["img_per_s"] = img_s;
+  if (world == 1 && !peer) baseline()[width] = img_s;
+  if (auto it = baseline().find(width); it != baseline().end() && !peer)
+    state.counters["efficiency"] = (img_s / world) / it->second;
+  state.SetLabel(std::to_string(world) + " proc x 1 thread, batch 32/rank" +
+                 (world > 1 ? std::string(", DDP overlap ") + (overlap ? "on" : "off") : std::string(", no DDP")));
+}
+
+// Iterations: about 30 steps for the narrow model (as the peer's --steps 30)
+// and 12 for the full width, whose steps take about a second each.
+const bool registered = [] {
+  for (int64_t width : {16, 64}) {
+    const int iters = width == 16 ? 30 : 12;
+    for (auto [world, overlap] : std::vector<std::pair<int, bool>>{{1, true}, {2, true}, {2, false}, {4, true}, {4, false}}) {
+      std::string name = "BM_DdpStep/width:" + std::to_string(width) + "/procs:" + std::to_string(world);
+      if (world > 1) name += std::string("/overlap:") + (overlap ? "1" : "0");
+      benchmark::RegisterBenchmark(name.c_str(), [name, width, world = world, overlap = overlap](benchmark::State& st) {
+        BM_DdpStep(st, name, width, world, overlap);
+      })
+          ->Iterations(iters)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+    }
+  }
+  return true;
+}();
+
+}  // namespace

@@ -1,0 +1,523 @@
+// Data-parallel ResNet training on Fashion-MNIST: the whole distributed
+// stack in one program. It launches its own workers (one per GPU, else 2 on
+// the CPU with 1 OpenMP thread each), shards the data with a
+// DistributedSampler, synchronizes gradients with DistributedDataParallel
+// (optionally accumulating them over micro-batches), evaluates on every
+// rank's shard of the test set, and checkpoints after each epoch so that
+// --resume continues exactly where a run stopped.
+//
+//   bazel run -c opt //examples:resnet_ddp                      # 2 CPU workers, narrow ResNet-18
+//   bazel run -c opt //examples:resnet_ddp -- --resume          # continue from the newest checkpoint
+//   bazel run //tools:launch -- --nproc_per_node=2 -- bazel-bin/examples/resnet_ddp
+//   srun -n 4 bazel-bin/examples/resnet_ddp --model resnet18    # the environment names the ranks
+//
+// The default run (narrow ResNet-18, 2 epochs, batch 64 per rank, lr 0.1)
+// takes about 145 s on 2 CPU cores (~890 img/s) and reaches 0.92 test
+// accuracy (0.89 after the first epoch).
+//
+// Flags: --help lists them. The learning rate follows the linear scaling
+// rule: --lr is the rate for kBaseBatch images per step, multiplied by
+// (per-rank batch * ranks * accumulation steps) / kBaseBatch, reached after a
+// linear warmup and then decayed along a cosine.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "core/ops.h"
+#include "data/dataset.h"
+#include "data/loader.h"
+#include "data/readers.h"
+#include "data/sampler.h"
+#include "data/transforms.h"
+#include "distributed/checkpoint.h"
+#include "distributed/ddp.h"
+#include "distributed/init.h"
+#include "distributed/launch.h"
+#include "distributed/logging.h"
+#include "nn/functional.h"
+#include "nn/models.h"
+#include "optim/lr_scheduler.h"
+#include "optim/optimizer.h"
+
+namespace ember {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+// --lr is the rate for this many images per optimizer step (the linear
+// scaling rule's reference batch; 0.05 at 64 is what resnet_fashion uses).
+constexpr int64_t kBaseBatch = 64;
+constexpr double kMean = 0.2860, kStd = 0.3530;  // Fashion-MNIST train-set pixel statistics
+
+struct Flags {
+  int nproc = 0;  // 0: one per GPU, else 2
+  std::string model;  // empty: "narrow" on the CPU, "resnet18" on GPUs
+  int64_t epochs = 2;
+  int64_t batch_size = 64;  // per rank
+  double lr = 0.05;         // for kBaseBatch images per step
+  int64_t accum_steps = 1;
+  std::string data = data::kFashionMnistRoot;
+  bool data_given = false;
+  int workers = 1;
+  std::string checkpoint_dir = "/tmp/ember_resnet_ddp";
+  bool resume = false;
+  uint64_t seed = 0;
+  int64_t max_steps = -1;  // optimizer steps per epoch; -1: the whole epoch (for smoke tests)
+  int64_t eval_size = -1;  // test examples evaluated; -1: all
+};
+
+constexpr char kUsage[] =
+    "usage: resnet_ddp [flags]\n"
+    "  --nproc N            local worker processes (default: one per GPU, else 2; ignored under a launcher)\n"
+    "  --model NAME         narrow (ResNet-18, width 16) | resnet18 | resnet34 | resnet50\n"
+    "                       (small 3x3 stem; default: narrow on the CPU, resnet18 on GPUs)\n"
+    "  --epochs N           epochs in total, counting those already done when resuming (default 2)\n"
+    "  --batch-size N       images per rank per micro-batch (default 64)\n"
+    "  --lr X               learning rate for 64 images per step, scaled linearly to the global batch (default 0.05)\n"
+    "  --accum-steps K      micro-batches per optimizer step (gradient accumulation; default 1)\n"
+    "  --data PATH          Fashion-MNIST IDX directory, or 'synthetic' (default /usr/share/datasets/fashion-mnist)\n"
+    "  --workers N          data-loading threads per rank (default 1)\n"
+    "  --checkpoint-dir D   where epoch_<N>/ checkpoints go (default /tmp/ember_resnet_ddp)\n"
+    "  --resume             continue from the newest checkpoint in --checkpoint-dir\n"
+    "  --seed N             model initialisation and data order (default 0)\n"
+    "  --max-steps N        stop each epoch after N optimizer steps (smoke tests)\n"
+    "  --eval-size N        evaluate on the first N test images only (smoke tests)\n";
+
+[[noreturn]] void usage_error(const std::string& msg) {
+  std::fprintf(stderr, "resnet_ddp: %s\n%s", msg.c_str(), kUsage);
+  std::exit(2);
+}
+
+int64_t parse_int(const std::string& flag, const std::string& v, int64_t min) {
+  char* end = nullptr;
+  errno = 0;
+  long long x = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || errno == ERANGE) usage_error(flag + " needs an integer, got '" + v + "'");
+  if (x < min) usage_error(flag + " must be >= " + std::to_string(min) + ", got " + v);
+  return x;
+}
+
+double parse_positive(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || !std::isfinite(x) || x <= 0)
+    usage_error(flag + " needs a positive number, got '" + v + "'");
+  return x;
+}
+
+// Accepts "--flag value" and "--flag=value". Runs in the launching process
+// before any worker starts, so a typo is reported once, not once per rank.
+Flags parse_flags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i], value;
+    bool has_value = false;
+    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+      has_value = true;
+    }
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    if (arg == "--resume") {
+      if (has_value) usage_error("--resume takes no value (it resumes from the newest checkpoint in --checkpoint-dir)");
+      f.resume = true;
+      continue;
+    }
+    auto next = [&]() -> std::string {
+      if (has_value) return value;
+      if (i + 1 >= argc) usage_error(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--nproc") f.nproc = static_cast<int>(parse_int(arg, next(), 1));
+    else if (arg == "--model") f.model = next();
+    else if (arg == "--epochs") f.epochs = parse_int(arg, next(), 1);
+    else if (arg == "--batch-size") f.batch_size = parse_int(arg, next(), 1);
+    else if (arg == "--lr") f.lr = parse_positive(arg, next());
+    else if (arg == "--accum-steps") f.accum_steps = parse_int(arg, next(), 1);
+    else if (arg == "--data") f.data = next(), f.data_given = true;
+    else if (arg == "--workers") f.workers = static_cast<int>(parse_int(arg, next(), 0));
+    else if (arg == "--checkpoint-dir") f.checkpoint_dir = next();
+    else if (arg == "--seed") f.seed = static_cast<uint64_t>(parse_int(arg, next(), 0));
+    else if (arg == "--max-steps") f.max_steps = parse_int(arg, next(), 1);
+    else if (arg == "--eval-size") f.eval_size = parse_int(arg, next(), 1);
+    else usage_error("unknown flag '" + arg + "'");
+  }
+  if (!f.model.empty() && f.model != "narrow" && f.model != "resnet18" && f.model != "resnet34" &&
+      f.model != "resnet50")
+    usage_error("--model must be narrow, resnet18, resnet34 or resnet50, got '" + f.model + "'");
+  if (f.checkpoint_dir.empty()) usage_error("--checkpoint-dir must not be empty");
+  if (f.resume && !distributed::latest_checkpoint(f.checkpoint_dir))
+    usage_error("--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir " + f.checkpoint_dir);
+  if (f.data != "synthetic" && f.data_given && !fs::is_directory(f.data))
+    usage_error("--data " + f.data + ": no such directory (give the Fashion-MNIST directory or 'synthetic')");
+  return f;
+}
+
+// spawn_local_workers, except that on a terminal the workers write straight
+// to it instead of through the launcher's line-prefixing pipes: rank 0's
+// progress bar redraws one line with '\r', which only works on the terminal
+// itself. (Under //tools:launch or srun the environment names the rank and
+// this returns -1 at once, as spawn_local_workers does.)
+int launch_local_workers(int nproc, int argc, char** argv) {
+  if (!isatty(STDOUT_FILENO)) return distributed::spawn_local_workers(nproc, argc, argv);
+  auto set = [](const char* name) { return std::getenv(name) != nullptr; };
+  if ((set("RANK") && set("WORLD_SIZE")) || (set("SLURM_PROCID") && set("SLURM_NTASKS") && set("SLURM_STEP_ID")))
+    return -1;
+  std::vector<std::string> args{fs::read_symlink("/proc/self/exe").string()};
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+  distributed::LaunchOptions opt;
+  opt.nproc_per_node = nproc;
+  opt.master_port = 0;
+  opt.prefix_output = false;
+  return distributed::launch(opt, args);
+}
+
+// Examples [offset, offset + size) of another dataset: the synthetic set is
+// one generator split into train and test, so both share its class patterns.
+class Slice : public data::Dataset {
+ public:
+  Slice(std::shared_ptr<const data::Dataset> base, int64_t offset, int64_t size)
+      : base_(std::move(base)), offset_(offset), size_(size) {}
+  int64_t size() const override { return size_; }
+  data::Example get(int64_t index) const override {
+    EMBER_CHECK(index >= 0 && index < size_, "Slice: index ", index, " out of range [0, ", size_, ")");
+    return base_->get(offset_ + index);
+  }
+
+ private:
+  std::shared_ptr<const data::Dataset> base_;
+  int64_t offset_, size_;
+};
+
+// This rank's contiguous share of [0, n), without the padding
+// DistributedSampler adds: accuracy counts every test image exactly once.
+class ShardSampler : public data::Sampler {
+ public:
+  ShardSampler(int64_t n, int rank, int world) : lo_(n * rank / world), hi_(n * (rank + 1) / world) {}
+  std::vector<int64_t> indices() const override {
+    std::vector<int64_t> v(hi_ - lo_);
+    for (int64_t i = 0; i < hi_ - lo_; ++i) v[i] = lo_ + i;
+    return v;
+  }
+  int64_t size() const override { return hi_ - lo_; }
+
+ private:
+  int64_t lo_, hi_;
+};
+
+struct Datasets {
+  std::shared_ptr<const data::Dataset> train, test;
+  std::string description;
+};
+
+Datasets load_data(const Flags& f) {
+  bool synthetic = f.data == "synthetic";
+  if (!synthetic) {
+    auto train = data::load_mnist(f.data, true);
+    if (!train.ok() && !f.data_given) {
+      // The default location is only a guess; say loudly that the numbers
+      // below are not Fashion-MNIST's.
+      LOG0("WARNING: Fashion-MNIST not found (", train.status().message(),
+           ").\nWARNING: training on SYNTHETIC images instead; accuracies are not Fashion-MNIST's. "
+           "Install it with `apt-get install dataset-fashion-mnist` or pass --data DIR.");
+      synthetic = true;
+    } else {
+      EMBER_CHECK(train.ok(), "--data ", f.data, ": ", train.status().message());
+      auto test = data::load_mnist(f.data, false);
+      EMBER_CHECK(test.ok(), "--data ", f.data, ": ", test.status().message());
+      return {std::make_shared<data::ImageDataset>(*train), std::make_shared<data::ImageDataset>(*test),
+              "Fashion-MNIST from " + f.data};
+    }
+  }
+  // Fashion-MNIST's shapes and sizes, so timings carry over.
+  auto all = std::make_shared<data::SyntheticImages>(70000, Shape{1, 28, 28}, 10, f.seed);
+  return {std::make_shared<Slice>(all, 0, 60000), std::make_shared<Slice>(all, 60000, 10000),
+          "synthetic images (60000 train, 10000 test)"};
+}
+
+std::shared_ptr<nn::Module> make_model(const std::string& name) {
+  nn::ResNetOptions o{.num_classes = 10, .in_channels = 1, .small_stem = true};
+  if (name == "narrow") return nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = 16});
+  if (name == "resnet18") return nn::resnet18(o);
+  if (name == "resnet34") return nn::resnet34(o);
+  return nn::resnet50(o);
+}
+
+std::string format_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  long t = std::lround(s);
+  char buf[32];
+  if (t >= 3600) std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+  else std::snprintf(buf, sizeof buf, "%ld:%02ld", t / 60, t % 60);
+  return buf;
+}
+
+// Rank 0's progress: on a terminal one line redrawn in place (at most 5
+// times a second); in a log file or pipe a line every 10 s, since '\r'
+// there would just pile up.
+class Progress {
+ public:
+  explicit Progress(bool enabled) : enabled_(enabled), tty_(enabled && isatty(STDOUT_FILENO)) {}
+
+  void update(int64_t epoch, int64_t epochs, int64_t step, int64_t steps, double loss, double img_s,
+              double eta_s, bool force = false) {
+    if (!enabled_) return;
+    auto now = Clock::now();
+    double since = std::chrono::duration<double>(now - last_).count();
+    if (!force && since < (tty_ ? 0.2 : 10.0)) return;
+    last_ = now;
+    char line[256];
+    if (tty_) {
+      constexpr int kBar = 24;
+      int filled = steps > 0 ? static_cast<int>(kBar * step / steps) : 0;
+      std::string bar(filled, '=');
+      if (filled < kBar) bar.append(1, '>').append(kBar - filled - 1, ' ');
+      std::snprintf(line, sizeof line, "\repoch %lld/%lld [%s] %lld/%lld  loss %.4f  %.0f img/s  %s left\x1b[K",
+                    static_cast<long long>(epoch), static_cast<long long>(epochs), bar.c_str(),
+                    static_cast<long long>(step), static_cast<long long>(steps), loss, img_s,
+                    format_duration(eta_s).c_str());
+      open_ = true;
+    } else {
+      std::snprintf(line, sizeof line, "epoch %lld/%lld step %lld/%lld  loss %.4f  %.0f img/s  %s left\n",
+                    static_cast<long long>(epoch), static_cast<long long>(epochs), static_cast<long long>(step),
+                    static_cast<long long>(steps), loss, img_s, format_duration(eta_s).c_str());
+    }
+    std::fputs(line, stdout);
+    std::fflush(stdout);
+  }
+  // Ends the redrawn line before other output.
+  void close_line() {
+    if (open_) std::fputs("\n", stdout), std::fflush(stdout);
+    open_ = false;
+  }
+
+ private:
+  bool enabled_, tty_, open_ = false;
+  Clock::time_point last_{};
+};
+
+double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// Fraction of this rank's test shard classified correctly, summed over ranks
+// with one allreduce of (correct, total), so every rank returns the same
+// accuracy over the whole (or --eval-size) test set.
+double evaluate(nn::Module& model, data::DataLoader& loader, distributed::ProcessGroup& pg, Device device) {
+  model.eval();
+  NoGradGuard no_grad;
+  int64_t correct = 0, total = 0;
+  for (data::Batch& b : loader) {
+    Tensor pred = argmax(model.forward(b.data), 1);
+    correct += static_cast<int64_t>(sum(eq(pred, b.target)).item());
+    total += b.size();
+  }
+  Tensor counts = Tensor::empty({2}, DType::Int64);
+  counts.data<int64_t>()[0] = correct;
+  counts.data<int64_t>()[1] = total;
+  if (device != kCPU) counts = counts.to(device);  // NCCL reduces device tensors
+  pg.allreduce(counts, distributed::ReduceOp::Sum)->wait();
+  counts = counts.to(kCPU);
+  model.train();
+  return static_cast<double>(counts.data<int64_t>()[0]) / std::max<int64_t>(counts.data<int64_t>()[1], 1);
+}
+
+// A number from the checkpoint's "extra" JSON object, written by this
+// program (flat, numbers only).
+std::optional<double> json_number(const std::string& json, const std::string& key) {
+  auto at = json.find("\"" + key + "\"");
+  if (at == std::string::npos) return std::nullopt;
+  at = json.find(':', at);
+  if (at == std::string::npos) return std::nullopt;
+  return std::strtod(json.c_str() + at + 1, nullptr);
+}
+
+int train(const Flags& flags) {
+  const bool cuda = cuda_is_available();
+  distributed::InitOptions init;
+  init.backend = cuda ? "nccl" : "gloo";
+  auto pg = distributed::init_process_group(init);
+  const int rank = pg->rank(), world = pg->size();
+  const auto env = distributed::resolve_env(distributed::InitOptions{});
+  const Device device = cuda ? cuda_device(env.local_rank % cuda_device_count()) : kCPU;
+  const std::string model_name = !flags.model.empty() ? flags.model : cuda ? "resnet18" : "narrow";
+  if (flags.nproc > 0 && flags.nproc != env.local_world_size)
+    LOG0("note: --nproc ", flags.nproc, " ignored: the launcher started ", env.local_world_size,
+         " processes per node");
+
+  Datasets ds = load_data(flags);
+  uint64_t data_seed = flags.seed;
+
+  // Model, optimizer and schedule, identical on every rank (DDP then
+  // broadcasts rank 0's parameters anyway).
+  manual_seed(flags.seed);
+  std::shared_ptr<nn::Module> model = make_model(model_name);
+  model->to(device);
+  const int64_t global_batch = flags.batch_size * world * flags.accum_steps;
+  const double lr = optim::scaled_lr(flags.lr, global_batch, kBaseBatch);
+  optim::SGD opt(model->parameters(),
+                 optim::SGDOptions{.lr = lr, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true});
+
+  // drop_last: every rank sees the same number of full batches, so all of
+  // them run the same number of synchronizing backward passes.
+  auto sampler = std::make_shared<data::DistributedSampler>(ds.train->size(), world, rank, /*shuffle=*/true,
+                                                            data_seed, /*drop_last=*/true);
+  auto normalize = data::compose({data::to_float(), data::normalize({kMean}, {kStd})});
+  auto make_train_loader = [&] {
+    return std::make_unique<data::DataLoader>(
+        ds.train, data::DataLoaderOptions{.batch_size = flags.batch_size, .sampler = sampler, .drop_last = true,
+                                          .num_workers = flags.workers, .transform = normalize,
+                                          .seed = data_seed, .device = device});
+  };
+  auto train_loader = make_train_loader();
+  const int64_t micro_per_epoch = train_loader->size();
+  int64_t steps_per_epoch = micro_per_epoch / flags.accum_steps;
+  EMBER_CHECK(steps_per_epoch >= 1, "an epoch has ", micro_per_epoch, " batches of ", flags.batch_size,
+              " per rank: fewer than --accum-steps ", flags.accum_steps, "; lower --batch-size or --accum-steps");
+  if (flags.max_steps > 0) steps_per_epoch = std::min(steps_per_epoch, flags.max_steps);
+  const int64_t total_steps = flags.epochs * steps_per_epoch;
+  const int64_t warmup = std::min<int64_t>(200, total_steps / 10 + 1);
+  auto warm = std::make_shared<optim::LinearLR>(opt, 0.1, 1.0, warmup);
+  auto cosine = std::make_shared<optim::CosineAnnealingLR>(opt, std::max<int64_t>(total_steps - warmup, 1), 0.0);
+  optim::SequentialLR sched(opt, {warm, cosine}, {warmup});
+
+  // Resume on every rank: each one needs the optimizer state and counters;
+  // the parameters would come from rank 0's broadcast anyway.
+  int64_t start_epoch = 0, step = 0;
+  if (flags.resume) {
+    auto dir = distributed::latest_checkpoint(flags.checkpoint_dir);
+    EMBER_CHECK(dir.has_value(), "--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir ", flags.checkpoint_dir);
+    auto st = distributed::load_checkpoint(*dir, *model, &opt, &sched);
+    EMBER_CHECK(st.ok(), "--resume: ", st.status().message(),
+                " (was it written with a different --model, or a different --accum-steps/--epochs schedule?)");
+    start_epoch = st->epoch;
+    step = st->step;
+    default_generator().manual_seed(st->rng_seed);
+    default_generator().set_offset(st->rng_offset);
+    if (auto s = json_number(st->extra_json, "sampler_seed")) data_seed = static_cast<uint64_t>(*s);
+    if (auto g = json_number(st->extra_json, "global_batch"); g && static_cast<int64_t>(*g) != global_batch)
+      LOG0("note: the checkpoint was trained with a global batch of ", static_cast<int64_t>(*g), ", now ",
+           global_batch, ": the data order and learning rate differ from an uninterrupted run");
+    if (data_seed != flags.seed) {
+      // The checkpoint's data order wins: that is what "continue exactly" means.
+      sampler = std::make_shared<data::DistributedSampler>(ds.train->size(), world, rank, true, data_seed, true);
+      train_loader = make_train_loader();
+    }
+    LOG0("resumed from ", *dir, ": ", start_epoch, " epoch(s), ", step, " step(s) done");
+    if (start_epoch >= flags.epochs)
+      LOG0("nothing to do: the checkpoint has ", start_epoch, " epoch(s) and --epochs is ", flags.epochs);
+  }
+
+  auto ddp = std::make_shared<distributed::DistributedDataParallel>(model);
+  distributed::GradientAccumulator accumulator(*ddp, static_cast<int>(flags.accum_steps));
+
+  const int64_t test_n = flags.eval_size > 0 ? std::min(flags.eval_size, ds.test->size()) : ds.test->size();
+  data::DataLoader test_loader(ds.test, {.batch_size = 500,
+                                         .sampler = std::make_shared<ShardSampler>(test_n, rank, world),
+                                         .transform = normalize,
+                                         .device = device});
+
+  LOG0(model_name == "narrow" ? "narrow ResNet-18 (width 16)" : model_name, ", small stem: ",
+       model->num_parameters() / 1e6, " M parameters; ", ds.description, "\n", world, " rank(s) on ",
+       cuda ? "GPUs (NCCL)" : "the CPU (Gloo)", ", batch ", flags.batch_size, " per rank x ", world, " rank(s) x ",
+       flags.accum_steps, " accumulation step(s) = ", global_batch, " per step; lr ", lr, " (", flags.lr, " x ",
+       global_batch, "/", kBaseBatch, "), ", warmup, " warmup steps then cosine; ", steps_per_epoch,
+       " steps per epoch; checkpoints in ", flags.checkpoint_dir);
+
+  Progress progress(rank == 0);
+  const auto t_start = Clock::now();
+  double train_seconds = 0, eval_seconds = -1;
+  int64_t images_done = 0;  // global, this process's run
+  for (int64_t epoch = start_epoch; epoch < flags.epochs; ++epoch) {
+    sampler->set_epoch(epoch);
+    train_loader->set_epoch(epoch);  // the loader hands its epoch to the sampler and keys transforms
+    model->train();
+    double loss_sum = 0;
+    int64_t micro = 0, epoch_steps = 0;
+    auto t_epoch = Clock::now();
+    opt.zero_grad();
+    for (data::Batch& b : *train_loader) {
+      if (epoch_steps >= steps_per_epoch) break;
+      Tensor loss = nn::functional::cross_entropy(ddp->forward(b.data), b.target);
+      loss_sum += loss.item();
+      ++micro;
+      if (!accumulator.backward(loss)) continue;
+      opt.step();
+      sched.step();
+      opt.zero_grad();
+      ++epoch_steps;
+      ++step;
+      images_done += global_batch;
+      double elapsed = train_seconds + seconds(t_epoch, Clock::now());
+      double rate = images_done / std::max(elapsed, 1e-9);
+      int64_t left_images = ((flags.epochs - epoch) * steps_per_epoch - epoch_steps) * global_batch;
+      double left = left_images / rate + (flags.epochs - epoch) * std::max(eval_seconds, 0.0);
+      progress.update(epoch + 1, flags.epochs, epoch_steps, steps_per_epoch, loss_sum / micro, rate, left,
+                      epoch_steps == steps_per_epoch);
+    }
+    train_seconds += seconds(t_epoch, Clock::now());
+    progress.close_line();
+
+    // Train loss averaged over ranks, test accuracy over every rank's shard.
+    Tensor loss_t = full({1}, loss_sum / std::max<int64_t>(micro, 1)).to(device);
+    pg->allreduce(loss_t, distributed::ReduceOp::Avg)->wait();
+    auto t_eval = Clock::now();
+    double acc = evaluate(*model, test_loader, *pg, device);
+    eval_seconds = seconds(t_eval, Clock::now());
+    LOG0("epoch ", epoch + 1, "/", flags.epochs, ": train loss ", loss_t.to(kCPU).item(), ", test accuracy ", acc,
+         " (", test_n, " images, ", world, " shards), ", static_cast<int64_t>(seconds(t_start, Clock::now())),
+         " s elapsed");
+
+    if (rank == 0) {
+      distributed::TrainingState st;
+      st.epoch = epoch + 1;
+      st.step = step;
+      st.rng_seed = default_generator().seed();
+      st.rng_offset = default_generator().offset();
+      st.extra_json = "{\"sampler_seed\": " + std::to_string(data_seed) +
+                      ", \"global_batch\": " + std::to_string(global_batch) +
+                      ", \"world_size\": " + std::to_string(world) + ", \"model\": \"" + model_name + "\"}";
+      std::string dir = flags.checkpoint_dir + "/epoch_" + std::to_string(epoch + 1);
+      std::error_code ec;
+      fs::create_directories(flags.checkpoint_dir, ec);
+      absl::Status s = distributed::save_checkpoint(dir, *model, &opt, &sched, st);
+      EMBER_CHECK(s.ok(), "saving checkpoint ", dir, ": ", s.message());
+      LOG0("saved checkpoint ", dir);
+    }
+  }
+  // Rank 0 may still be writing the last checkpoint: nobody leaves (and
+  // tears the group down) before it is on disk.
+  pg->barrier()->wait();
+  LOG0("done in ", static_cast<int64_t>(seconds(t_start, Clock::now())), " s");
+  return 0;
+}
+
+}  // namespace
+}  // namespace ember
+
+int main(int argc, char** argv) {
+  using namespace ember;
+  Flags flags = parse_flags(argc, argv);
+  try {
+    int nproc = flags.nproc > 0 ? flags.nproc : cuda_is_available() ? cuda_device_count() : 2;
+    if (int rc = launch_local_workers(nproc, argc, argv); rc >= 0) return rc;
+    return train(flags);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "resnet_ddp%s: %s\n",
+                 std::getenv("RANK") ? (std::string(" [rank ") + std::getenv("RANK") + "]").c_str() : "", e.what());
+    return 1;
+  }
+}
