@@ -380,6 +380,63 @@ EMBER_WORKER(syncbn) {
   }
 }
 
+// Buffer broadcast before each forward. Every rank first gets running stats
+// of its own; then, in eval mode and in train mode, a forward through DDP
+// must behave as the plain model holding rank 0's stats (arg "1",
+// broadcast_buffers=true, PyTorch's default) or the rank's own (arg "0"):
+// the same output and, in train mode, the same momentum-updated stats.
+EMBER_WORKER(buffers) {
+  auto pg = group(env);
+  const int r = env.rank, ws = env.world_size;
+  const bool broadcast = env.arg == "1";
+  auto local = make_convnet(1 + r, true);
+  DDPOptions opts;
+  opts.process_group = pg;
+  opts.broadcast_buffers = broadcast;
+  auto ddp = std::make_shared<DistributedDataParallel>(local, opts);
+  auto set_stats = [](nn::Module& m, int owner) {
+    NoGradGuard g;
+    for (auto& [name, buf] : m.named_buffers()) {
+      if (has(name, "running_mean")) buf.copy_(arange(4) * 0.1 - 0.3 + 0.05 * owner);
+      if (has(name, "running_var")) buf.copy_(arange(4) * 0.2 + 0.5 + 0.25 * owner);
+    }
+  };
+  const int owner = broadcast ? 0 : r;
+  for (bool train : {false, true}) {
+    const std::string when = train ? "train mode" : "eval mode";
+    set_stats(*local, r);
+    auto ref = make_convnet(1, true);  // rank 0's parameters, which DDP broadcast
+    set_stats(*ref, owner);
+    ddp->train(train);
+    ref->train(train);
+    Batch all = global_batch(true, 4 * ws, 7);
+    Tensor x = all.x.narrow(0, 4 * r, 4) * 2.0 + 1.0;
+    Tensor out, ref_out;
+    {
+      NoGradGuard g;
+      out = ddp->forward(x);
+      ref_out = ref->forward(x);
+    }
+    expect_close(out, ref_out, when + ": output");
+    auto want = ref->state_dict();
+    for (auto& [name, buf] : local->named_buffers())
+      expect_close(buf, *want.find(name), when + ": buffer " + name, 1e-6);
+  }
+  // The check can fail: ranks other than 0 really held different stats.
+  // (Every rank runs the forward: it is a collective.)
+  if (broadcast) {
+    auto mine = make_convnet(1, true);
+    set_stats(*mine, r);
+    mine->eval();
+    ddp->eval();
+    set_stats(*local, r);
+    NoGradGuard g;
+    Batch all = global_batch(true, 4, 8);
+    double d = max_abs_diff(ddp->forward(all.x), mine->forward(all.x));
+    WCHECK(r == 0 || d > 1e-3, "rank ", r, "'s own stats give the same output as rank 0's (diff ", d, ")");
+  }
+}
+
 // The last rank dies before its second backward: the others' backward
 // fails within the group's timeout, naming the allreduce.
 EMBER_WORKER(rank_dies) {
@@ -499,8 +556,10 @@ TEST(DDP, NoSyncAccumulatesLocallyThenSynchronizesTheSum) {
 }
 
 TEST(DDP, GradientAccumulatorEqualsTheWholeBatch) {
-  auto res = mp::run_workers("accumulate", 2, with_arg("accumulator"));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  for (int ws : {2, 4}) {
+    auto res = mp::run_workers("accumulate", ws, with_arg("accumulator"));
+    EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  }
 }
 
 TEST(DDP, ParameterMismatchNamesTheParameterAndRanks) {
@@ -524,6 +583,16 @@ TEST(DDP, SyncBatchNormMatchesBatchNormOnTheWholeBatch) {
   for (int ws : {2, 3}) {
     auto res = mp::run_workers("syncbn", ws, with_arg(""));
     EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  }
+}
+
+TEST(DDP, BuffersFollowRankZeroBeforeEachForwardUnlessDisabled) {
+  for (const char* arg : {"1", "0"}) {
+    SCOPED_TRACE(std::string("broadcast_buffers=") + arg);
+    for (int ws : {2, 3}) {
+      auto res = mp::run_workers("buffers", ws, with_arg(arg));
+      EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+    }
   }
 }
 

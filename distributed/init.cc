@@ -189,16 +189,20 @@ ResolvedEnv resolve_env(const InitOptions& o) {
   const bool needs_rendezvous = r.world_size > 1 && o.store == nullptr;
   if (!o.master_addr.empty()) {
     r.master_addr = o.master_addr;
+    r.master_addr_from = "InitOptions::master_addr";
   } else if (env("MASTER_ADDR")) {
     r.master_addr = *env("MASTER_ADDR");
+    r.master_addr_from = "MASTER_ADDR";
   } else if (slurm && (env("SLURM_JOB_NODELIST") || env("SLURM_NODELIST"))) {
     const char* var = env("SLURM_JOB_NODELIST") ? "SLURM_JOB_NODELIST" : "SLURM_NODELIST";
     r.master_addr = first_host(var, *env(var));
+    r.master_addr_from = std::string("the first host of ") + var;
   } else {
     EMBER_CHECK(!needs_rendezvous, "MASTER_ADDR is not set: rank ", r.rank, " of ", world.name, "=", r.world_size,
                 " needs the address of rank 0's store; set MASTER_ADDR (torchrun sets it), or pass "
                 "InitOptions::master_addr or InitOptions::store");
     r.master_addr = "127.0.0.1";
+    r.master_addr_from = "the default address";
   }
 
   Field port;
@@ -219,6 +223,7 @@ ResolvedEnv resolve_env(const InitOptions& o) {
   EMBER_CHECK(port.value != 0 || !needs_rendezvous, port.name, "=0 cannot be used with ", world.name, "=",
               r.world_size, ": port 0 picks a free port that the other ranks cannot know");
   r.master_port = port.value;
+  r.master_port_from = port.name;
   return r;
 }
 
@@ -299,9 +304,14 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     s.pg_options = pg_options;
     s.groups_created = 0;
   } catch (const std::exception& e) {
-    // Backend engines throw their own exception types; callers get ours.
+    // Backend engines throw their own exception types; callers get ours,
+    // naming the settings that locate rank 0's store when we made it.
+    std::string where;
+    if (!options.store && env.world_size > 1)
+      where = ", store at " + env.master_addr_from + "=" + env.master_addr + " " + env.master_port_from + "=" +
+              std::to_string(env.master_port) + ", timeout " + std::to_string(options.timeout.count()) + " ms";
     throw Error("init_process_group (rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
-                ", backend " + options.backend + ", from " + env.source + "): " + e.what());
+                ", backend " + options.backend + ", from " + env.source + where + "): " + e.what());
   }
   // Logs name the rank the job resolved, even where RANK is not set (srun,
   // explicit options).

@@ -33,6 +33,10 @@ struct ResolvedEnv {
   std::string master_addr;
   int master_port = 0;
   std::string source;  // "explicit", "torchrun env" or "slurm"
+  // Where master_addr / master_port came from ("MASTER_ADDR",
+  // "InitOptions::master_port", ...), so a store that cannot be reached is
+  // reported by the setting the user has to fix.
+  std::string master_addr_from, master_port_from;
 };
 ResolvedEnv resolve_env(const InitOptions& options);
 

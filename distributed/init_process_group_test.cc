@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -205,6 +206,25 @@ TEST_F(SingleProcess, InitUseAndMisuse) {
   // And once more: destroy really released everything.
   pg = init_process_group(gloo_with_timeout(10s));
   EXPECT_EQ(allreduce_sum(*pg, 0), 1.0);
+}
+
+// Rank 1 of 2 whose master nobody listens on: an error within the timeout
+// naming the variables that point at the store, not a hang.
+TEST_F(SingleProcess, UnreachableMasterNamesTheVariablesWithinTheTimeout) {
+  setenv("RANK", "1", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  const int port = free_port();
+  setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  auto t0 = std::chrono::steady_clock::now();
+  std::string msg = error_of([] { init_process_group(gloo_with_timeout(1500ms)); });
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_THAT(msg, HasSubstr("rank 1 of 2"));
+  EXPECT_THAT(msg, HasSubstr("MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port)));
+  EXPECT_THAT(msg, HasSubstr("timeout 1500 ms"));
+  EXPECT_LT(s, 10.0) << msg;
+  EXPECT_FALSE(is_initialized());
+  for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) unsetenv(v);
 }
 
 TEST(MultiProcessWorker, Entry) {

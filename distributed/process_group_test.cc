@@ -441,6 +441,7 @@ EMBER_WORKER(peer_hangs) {
 
 // arg "numel": the last rank passes 999 elements instead of 1000.
 // arg "op": rank 1 calls broadcast where rank 0 calls allreduce.
+// arg "dtype": rank 1 reduces float64 where the others reduce float32.
 EMBER_WORKER(signature_mismatch) {
   auto pg = group(env, std::chrono::seconds(20));
   const int r = pg->rank(), ws = pg->size();
@@ -452,6 +453,10 @@ EMBER_WORKER(signature_mismatch) {
     msg = error_of([&] { pg->allreduce(x)->wait(); });
     WCHECK(has(msg, "numel=1000") && has(msg, "numel=999") && has(msg, "rank " + std::to_string(ws - 1)),
            "names both sides: ", msg);
+  } else if (env.arg == "dtype") {
+    Tensor x = full({1000}, 1.0, r == 1 ? DType::Float64 : DType::Float32);
+    msg = error_of([&] { pg->allreduce(x)->wait(); });
+    WCHECK(has(msg, "dtype=float32") && has(msg, "dtype=float64"), "names both dtypes: ", msg);
   } else {
     Tensor x = full({1000}, 1.0);
     msg = error_of([&] { (r == 1 ? pg->broadcast(x, 0) : pg->allreduce(x))->wait(); });
@@ -526,6 +531,8 @@ TEST(GlooProcessGroup, SignatureMismatchNamesBothSides) {
   auto res = mp::run_workers("signature_mismatch", 3, failure_run("numel"));
   EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
   res = mp::run_workers("signature_mismatch", 2, failure_run("op"));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  res = mp::run_workers("signature_mismatch", 3, failure_run("dtype"));
   EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
 }
 

@@ -1,22 +1,62 @@
 #!/bin/bash
-# Short runs of the training examples on the real Fashion-MNIST files: each
-# must finish and its loss must fall. Skips those (passes with a message)
-# when the dataset package is not installed. resnet_ddp runs first, on
-# synthetic data: 2 workers, a few steps, a checkpoint, then --resume.
+# Short runs of the training examples. resnet_ddp first, on synthetic data
+# (2 workers, a few steps per epoch): it trains and checkpoints; --resume
+# continues exactly (an interrupted run resumed from its epoch-1 checkpoint
+# ends bit-identical to an uninterrupted one); it runs unchanged under
+# //tools:launch; a rank that fails mid-run fails the whole job fast with its
+# message. Then the single-process examples on the real Fashion-MNIST files:
+# each must finish and learn. Those are skipped (passing with a message) when
+# the dataset package is not installed.
 set -euo pipefail
 dir=examples
-ckpt="${TEST_TMPDIR:-$(mktemp -d)}/resnet_ddp_ckpt"
-rm -rf "$ckpt"
-ddp=("$dir/resnet_ddp" --nproc 2 --data synthetic --batch-size 16 --max-steps 4 --eval-size 200 --workers 0
-     --checkpoint-dir "$ckpt")
-out=$("${ddp[@]}" --epochs 1 2>&1)
+tmp="${TEST_TMPDIR:-$(mktemp -d)}"
+ckpt="$tmp/resnet_ddp_ckpt"
+rm -rf "$ckpt" "$tmp/resumed"
+ddp=("$dir/resnet_ddp" --nproc 2 --data synthetic --batch-size 16 --max-steps 4 --eval-size 200 --workers 0)
+
+# An uninterrupted 2-epoch run.
+out=$("${ddp[@]}" --epochs 2 --checkpoint-dir "$ckpt" 2>&1)
 echo "$out"
-grep -q "epoch 1/1: train loss .*test accuracy" <<<"$out"
-[[ -f $ckpt/epoch_1/model.safetensors ]] || { echo "resnet_ddp wrote no checkpoint in $ckpt"; exit 1; }
-out=$("${ddp[@]}" --epochs 2 --resume 2>&1)
-echo "$out"
-grep -q "resumed from $ckpt/epoch_1: 1 epoch(s), 4 step(s) done" <<<"$out"
+grep -q "epoch 1/2: train loss .*test accuracy" <<<"$out"
 grep -q "epoch 2/2: train loss .*test accuracy" <<<"$out"
+for f in model.safetensors optimizer.safetensors; do
+  [[ -f $ckpt/epoch_2/$f ]] || { echo "resnet_ddp wrote no $ckpt/epoch_2/$f"; ls -R "$ckpt"; exit 1; }
+done
+full_epoch2=$(grep "epoch 2/2: train loss" <<<"$out" | sed 's/, [0-9]* s elapsed//')
+
+# The same run stopped after epoch 1 (only its checkpoint survives) and
+# resumed in a fresh pair of processes: the same epoch 2, bit for bit.
+mkdir -p "$tmp/resumed"
+cp -r "$ckpt/epoch_1" "$tmp/resumed/"
+out=$("${ddp[@]}" --epochs 2 --checkpoint-dir "$tmp/resumed" --resume 2>&1)
+echo "$out"
+grep -q "resumed from $tmp/resumed/epoch_1: 1 epoch(s), 4 step(s) done" <<<"$out"
+resumed_epoch2=$(grep "epoch 2/2: train loss" <<<"$out" | sed 's/, [0-9]* s elapsed//')
+[[ "$resumed_epoch2" == "$full_epoch2" ]] || {
+  echo "resumed epoch 2 differs:"; echo "  uninterrupted: $full_epoch2"; echo "  resumed:       $resumed_epoch2"; exit 1; }
+for f in model.safetensors optimizer.safetensors; do
+  cmp "$ckpt/epoch_2/$f" "$tmp/resumed/epoch_2/$f" || { echo "resumed run's epoch_2/$f differs"; exit 1; }
+done
+
+# Unchanged under the launcher, which prefixes each worker's lines.
+out=$(tools/launch --nproc_per_node=2 --master_port=0 -- "${ddp[@]}" --epochs 1 --max-steps 2 \
+      --checkpoint-dir "$tmp/launched" 2>&1)
+echo "$out"
+grep -q "^\[rank 0\]: epoch 1/1: train loss .*test accuracy" <<<"$out"
+[[ -f $tmp/launched/epoch_1/model.safetensors ]] || { echo "no checkpoint under tools/launch"; exit 1; }
+
+# Rank 0 cannot write its checkpoint (the directory's parent is a file) after
+# epoch 1 while rank 1 is already waiting in a collective: the job must fail
+# at once with rank 0's message, not after the 10-minute collective timeout.
+touch "$tmp/not_a_dir"
+start=$SECONDS
+if out=$("${ddp[@]}" --epochs 2 --max-steps 2 --checkpoint-dir "$tmp/not_a_dir/ckpt" 2>&1); then
+  echo "$out"; echo "resnet_ddp succeeded with an unwritable checkpoint directory"; exit 1
+fi
+echo "$out"
+grep -q "\[rank 0\]: .*saving checkpoint $tmp/not_a_dir/ckpt/epoch_1" <<<"$out"
+(( SECONDS - start < 60 )) || { echo "the failing job took $((SECONDS - start)) s to end"; exit 1; }
+
 if out=$("$dir/resnet_ddp" --batch-size 0 2>&1); then echo "resnet_ddp accepted --batch-size 0"; exit 1; fi
 grep -q "batch-size must be >= 1" <<<"$out"
 
@@ -34,5 +74,6 @@ echo "$out"
 echo "$out" | grep -q "test accuracy"
 out=$("$dir/custom_model" --steps 20 2>&1)
 echo "$out"
-echo "$out" | grep -q "test accuracy"
+acc=$(echo "$out" | sed -n 's/.*test accuracy \([0-9.]*\).*/\1/p')
+awk -v a="$acc" 'BEGIN { if (!(a > 0.5)) { print "custom_model learned nothing in 20 steps: accuracy " a; exit 1 } }'
 echo PASS

@@ -79,11 +79,24 @@ Tensor adaptive_avg_pool2d(const Tensor& x, std::array<int64_t, 2> out) {
   EMBER_CHECK(out[0] > 0 && out[1] > 0, "adaptive_avg_pool2d: output size must be positive, got [", out[0], ",",
               out[1], "]");
   if (out[0] == 1 && out[1] == 1) return mean(x, {2, 3}, true);
-  EMBER_CHECK(h % out[0] == 0 && w % out[1] == 0, "adaptive_avg_pool2d: input ", shape_str(x.sizes()),
-              " is not a multiple of the output size [", out[0], ",", out[1],
-              "]; only evenly dividing sizes are supported");
-  std::array<int64_t, 2> k{h / out[0], w / out[1]};
-  return avg_pool2d(x, k, k);
+  if (h % out[0] == 0 && w % out[1] == 0) {
+    std::array<int64_t, 2> k{h / out[0], w / out[1]};
+    return avg_pool2d(x, k, k);
+  }
+  // PyTorch's bins: output i averages rows [floor(i*H/out), ceil((i+1)*H/out)),
+  // so bins may overlap or differ in size. A bin is a rectangle, so its mean
+  // is the mean over rows of the mean over columns: pool H, then W, with
+  // out_h + out_w differentiable narrow+mean ops.
+  auto pool_dim = [](const Tensor& t, int dim, int64_t in, int64_t n) {
+    std::vector<Tensor> parts;
+    parts.reserve(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t start = i * in / n, end = ((i + 1) * in + n - 1) / n;
+      parts.push_back(mean(t.narrow(dim, start, end - start), {dim}, true));
+    }
+    return cat(parts, dim);
+  };
+  return pool_dim(pool_dim(x, 2, h, out[0]), 3, w, out[1]);
 }
 
 }  // namespace ember::nn::functional

@@ -175,6 +175,31 @@ TEST(Layers, CrossEntropyAgainstFloat64Reference) {
   EXPECT_TRUE(r.ok) << r.message;
 }
 
+// Sizes that do not divide: PyTorch's overlapping bins
+// [floor(i*H/out), ceil((i+1)*H/out)), against a direct loop in float64.
+TEST(Layers, AdaptiveAvgPoolAnySize) {
+  Tensor x = f64({2, 3, 7, 5}, 41);
+  for (std::array<int64_t, 2> o : {std::array<int64_t, 2>{3, 2}, {4, 4}, {7, 5}, {1, 3}, {5, 1}}) {
+    Tensor y = F::adaptive_avg_pool2d(x, o);
+    ASSERT_EQ(y.sizes(), (Shape{2, 3, o[0], o[1]}));
+    auto xv = x.to_vector(), yv = y.to_vector();
+    for (int64_t nc = 0; nc < 6; ++nc)
+      for (int64_t i = 0; i < o[0]; ++i)
+        for (int64_t j = 0; j < o[1]; ++j) {
+          int64_t h0 = i * 7 / o[0], h1 = ((i + 1) * 7 + o[0] - 1) / o[0];
+          int64_t w0 = j * 5 / o[1], w1 = ((j + 1) * 5 + o[1] - 1) / o[1];
+          double s = 0;
+          for (int64_t h = h0; h < h1; ++h)
+            for (int64_t w = w0; w < w1; ++w) s += xv[nc * 35 + h * 5 + w];
+          EXPECT_NEAR(yv[(nc * o[0] + i) * o[1] + j], s / ((h1 - h0) * (w1 - w0)), 1e-12)
+              << "out " << o[0] << "x" << o[1] << " at " << nc << "," << i << "," << j;
+        }
+  }
+  auto r = autograd::gradcheck([](auto& v) { return F::adaptive_avg_pool2d(v[0], {3, 2}); },
+                               {f64({1, 2, 7, 5}, 42).requires_grad_()});
+  EXPECT_TRUE(r.ok) << r.message;
+}
+
 TEST(Layers, MseDropoutLayerNormEmbedding) {
   Tensor a = Tensor::from_vector({1, 2, 3}, {3}, DType::Float64), b = Tensor::from_vector({1, 0, 0}, {3}, DType::Float64);
   EXPECT_DOUBLE_EQ(F::mse_loss(a, b).item(), 13.0 / 3);
@@ -204,6 +229,22 @@ TEST(Layers, MseDropoutLayerNormEmbedding) {
   }
   auto r = autograd::gradcheck([&](auto& v) { return ln(v[0]); }, {x.detach().requires_grad_()});
   EXPECT_TRUE(r.ok) << r.message;
+
+  // Loss and dropout backward through finite differences (dropout with a
+  // fixed generator, so every evaluation draws the same mask).
+  Tensor pa = f64({3, 4}, 31).requires_grad_(), pb = f64({3, 4}, 32);
+  r = autograd::gradcheck([&](auto& v) { return F::mse_loss(v[0], pb); }, {pa});
+  EXPECT_TRUE(r.ok) << "mse_loss " << r.message;
+  r = autograd::gradcheck([&](auto& v) { return F::mse_loss(v[0], pb, F::Reduction::Sum); }, {pa});
+  EXPECT_TRUE(r.ok) << "mse_loss sum " << r.message;
+  Tensor cls = Tensor::from_vector({3, 0, 2}, {3}, DType::Int64);
+  r = autograd::gradcheck([&](auto& v) { return F::nll_loss(log_softmax(v[0], 1), cls); }, {pa});
+  EXPECT_TRUE(r.ok) << "nll_loss " << r.message;
+  r = autograd::gradcheck([&](auto& v) {
+    Generator g(11);
+    return F::dropout(v[0], 0.4, true, &g);
+  }, {pa});
+  EXPECT_TRUE(r.ok) << "dropout " << r.message;
 
   nn::Embedding emb(10, 3);
   Tensor idx = Tensor::from_vector({1, 7, 1, 0}, {2, 2}, DType::Int64);
