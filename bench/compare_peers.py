@@ -6,6 +6,7 @@
 #   bazel build -c opt //bench:train_bench //bench:collectives_bench   (runs bazel-out/k8-opt/bin/...)
 #   /usr/bin/python3 bench/compare_peers.py resnet --rounds 3
 #   /usr/bin/python3 bench/compare_peers.py collectives --rounds 2
+#   /usr/bin/python3 bench/compare_peers.py ddp --rounds 2 [--widths 16,64]   (bazel build -c opt //bench:ddp_scaling)
 import argparse, json, os, statistics, subprocess, sys, tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,8 +75,41 @@ def collectives(a):
     print(json.dumps({"ours": ours, "peer": {f"{k[0]}/{k[1]}": v for k, v in peer.items()}}, indent=1))
 
 
+def ddp(a):
+    # 1 process vs 2-process DDP over Gloo, 1 thread each, batch 32 per rank:
+    # ours (bench/ddp_scaling, overlap on and off) beside the peer's
+    # ddp_resnet.py, one round of each in turn. Efficiency = t_1proc / t_ddp
+    # (same per-rank batch, so 1.0 is perfect linear scaling).
+    for w in [int(x) for x in a.widths.split(",")]:
+        ours = {"1": [], "on": [], "off": []}
+        peer = {"1": [], "ddp": []}
+        for r in range(a.rounds):
+            res, _ = ours_gbench("ddp_scaling", f"width:{w}/procs:(1|2)/")
+            for b in res:
+                key = "1" if "/procs:1/" in b["name"] else ("on" if "overlap:1" in b["name"] else "off")
+                ours[key].append(b["step_ms_median"] / 1e3)
+            for d in run([PY, os.path.join(PEERS, "ddp_resnet.py"), "--width", str(w), "--rounds", "1"]):
+                if d.get("anchor") == "resnet18_1proc_1thread":
+                    peer["1"].append(d["median_s"])
+                elif d.get("anchor") == "resnet18_ddp_gloo":
+                    peer["ddp"].append(d["median_s"])
+            print(f"w{w} round {r + 1}: ours 1proc {ours['1'][-1]:.4f} s, DDP on {ours['on'][-1]:.4f}, "
+                  f"off {ours['off'][-1]:.4f}; peer 1proc {peer['1'][-1]:.4f}, DDP {peer['ddp'][-1]:.4f}", flush=True)
+        med = {k: statistics.median(v) for k, v in ours.items()}
+        pmed = {k: statistics.median(v) for k, v in peer.items()}
+        for k, v in ours.items():
+            print(summary(f"w{w} ours step ({k})", v, "s"))
+        for k, v in peer.items():
+            print(summary(f"w{w} PyTorch step ({k})", v, "s"))
+        e_on, e_off, e_peer = med["1"] / med["on"], med["1"] / med["off"], pmed["1"] / pmed["ddp"]
+        print(f"  w{w} efficiency: ours {e_on:.3f} (overlap off {e_off:.3f}), PyTorch {e_peer:.3f}; "
+              f"ours/PyTorch {e_on / e_peer:.2f}; DDP step PyTorch/ours {pmed['ddp'] / med['on']:.2f}x; "
+              f"overlap off/on {med['off'] / med['on']:.3f}", flush=True)
+
+
 ap = argparse.ArgumentParser()
-ap.add_argument("what", choices=["resnet", "collectives"])
+ap.add_argument("what", choices=["resnet", "collectives", "ddp"])
 ap.add_argument("--rounds", type=int, default=3)
+ap.add_argument("--widths", default="16,64")
 a = ap.parse_args()
-{"resnet": resnet, "collectives": collectives}[a.what](a)
+{"resnet": resnet, "collectives": collectives, "ddp": ddp}[a.what](a)
