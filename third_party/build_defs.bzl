@@ -18,6 +18,10 @@ def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], **kwargs):
       deps: cc_library deps (their headers are visible to nvcc).
       copts: extra nvcc flags.
     """
+    # Includes are written from ember's root ("core/..."); when ember is an
+    # external repository of another workspace, that root is external/<name>.
+    repo = native.repository_name()
+    root = "." if repo == "@" else "external/" + repo[1:]
     cu_srcs = [s for s in srcs if s.endswith(".cu")]
     other_srcs = [s for s in srcs if not s.endswith(".cu")]
     objs = []
@@ -32,11 +36,13 @@ def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], **kwargs):
                 "-std=c++20 -O3 --expt-relaxed-constexpr --extended-lambda",
                 CUDA_ARCH_FLAGS,
                 "-Xcompiler -fPIC -Xcompiler -fopenmp",
-                "-I. -I/usr/local/cuda/include",
+                "-I" + root + " -I/usr/local/cuda/include",
                 " ".join(copts),
                 "-c $(location " + src + ") -o $@",
             ]),
-            tags = ["cuda"],
+            # nvcc reads headers of deps that a genrule cannot declare: no
+            # sandbox, so it sees them under any spawn strategy.
+            tags = ["cuda", "no-sandbox"],
         )
         objs.append(obj)
     native.cc_library(
