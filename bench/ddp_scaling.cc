@@ -51,11 +51,11 @@
 #include <string>
 #include <vector>
 
+#include "bench/train_step.h"
 #include "core/ops.h"
 #include "distributed/ddp.h"
 #include "distributed/init.h"
 #include "distributed/testing/multiprocess.h"
-#include "nn/functional.h"
 #include "nn/models.h"
 #include "optim/optimizer.h"
 
@@ -144,13 +144,7 @@ void BM_DdpStep(benchmark::State& state, const std::string& name, int64_t width,
   manual_seed(1000 + rank);
   Tensor x = randn({kBatch, 1, 28, 28});
   Tensor y = randint(0, 10, {kBatch});
-  auto step = [&] {
-    opt.zero_grad();
-    Tensor loss = nn::functional::cross_entropy(net->forward(x), y);
-    loss.backward();
-    opt.step();
-    return loss.item();
-  };
+  auto step = [&] { return bench::train_step(*net, opt, x, y); };
   for (int i = 0; i < kWarmup; ++i) step();  // oneDNN primitives, allocator caches, first buckets
   std::vector<double> times;
   for (auto _ : state) {

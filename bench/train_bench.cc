@@ -13,7 +13,7 @@
 // on a machine without one.
 #include <benchmark/benchmark.h>
 
-#include "nn/functional.h"
+#include "bench/train_step.h"
 #include "nn/models.h"
 #include "optim/optimizer.h"
 
@@ -28,13 +28,7 @@ void BM_ResNet18Step(benchmark::State& state) {
   optim::SGD opt(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
   Tensor x = randn({batch, 1, 28, 28});
   Tensor y = randint(0, 10, {batch});
-  auto step = [&] {
-    opt.zero_grad();
-    Tensor loss = nn::functional::cross_entropy(model->forward(x), y);
-    loss.backward();
-    opt.step();
-    return loss.item();
-  };
+  auto step = [&] { return bench::train_step(*model, opt, x, y); };
   for (int i = 0; i < 3; ++i) step();  // warm-up: primitive creation, allocator caches
   for (auto _ : state) benchmark::DoNotOptimize(step());
   state.counters["img_per_s"] = benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate);
@@ -56,13 +50,7 @@ void BM_ResNet50StepCuda(benchmark::State& state) {
   optim::SGD opt(model->parameters(), optim::SGDOptions{.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-4});
   Tensor x = randn({batch, 3, 224, 224}).cuda();
   Tensor y = randint(0, 1000, {batch}).cuda();
-  auto step = [&] {
-    opt.zero_grad();
-    Tensor loss = nn::functional::cross_entropy(model->forward(x), y);
-    loss.backward();
-    opt.step();
-    return loss.item();  // synchronises with the device
-  };
+  auto step = [&] { return bench::train_step(*model, opt, x, y); };
   for (int i = 0; i < 3; ++i) step();
   for (auto _ : state) benchmark::DoNotOptimize(step());
   state.counters["img_per_s"] = benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate);
@@ -75,12 +63,7 @@ void BM_MlpStep(benchmark::State& state) {
   optim::SGD opt(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
   Tensor x = randn({128, 1, 28, 28});
   Tensor y = randint(0, 10, {128});
-  for (auto _ : state) {
-    opt.zero_grad();
-    Tensor loss = nn::functional::cross_entropy(model->forward(x), y);
-    loss.backward();
-    opt.step();
-  }
+  for (auto _ : state) benchmark::DoNotOptimize(bench::train_step(*model, opt, x, y));
   state.counters["img_per_s"] = benchmark::Counter(128.0, benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_MlpStep)->Unit(benchmark::kMillisecond)->UseRealTime();

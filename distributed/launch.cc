@@ -510,7 +510,7 @@ int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
   return result;
 }
 
-int spawn_local_workers(int nproc, int argc, char** argv) {
+int spawn_local_workers(int nproc, int argc, char** argv, bool prefix_output) {
   auto set = [](const char* name) { return std::getenv(name) != nullptr; };
   bool torchrun = set("RANK") && set("WORLD_SIZE");
   bool srun = set("SLURM_PROCID") && set("SLURM_NTASKS") && set("SLURM_STEP_ID");
@@ -528,6 +528,7 @@ int spawn_local_workers(int nproc, int argc, char** argv) {
   LaunchOptions opt;
   opt.nproc_per_node = nproc;
   opt.master_port = 0;
+  opt.prefix_output = prefix_output;
   return launch(opt, args);
 }
 

@@ -64,8 +64,10 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& argv);
 // SLURM_NTASKS inside an srun step are set, re-runs this executable
 // (/proc/self/exe, argv[1..] unchanged) as `nproc` local workers on a free
 // port and returns launch()'s status for main to return. Returns -1 when the
-// environment already names a rank: go on as a worker.
-int spawn_local_workers(int nproc, int argc, char** argv);
+// environment already names a rank: go on as a worker. prefix_output=false
+// lets the workers write straight to this process's stdout/stderr (a
+// progress bar redrawn with '\r' on a terminal needs that).
+int spawn_local_workers(int nproc, int argc, char** argv, bool prefix_output = true);
 
 // A free TCP port on this host (bind to port 0, read it back). Another
 // process may take it before it is used; good enough for local jobs and tests.

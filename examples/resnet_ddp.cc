@@ -29,9 +29,10 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
@@ -175,27 +176,9 @@ Flags parse_flags(int argc, char** argv) {
   return f;
 }
 
-// spawn_local_workers, except that on a terminal the workers write straight
-// to it instead of through the launcher's line-prefixing pipes: rank 0's
-// progress bar redraws one line with '\r', which only works on the terminal
-// itself. (Under //tools:launch or srun the environment names the rank and
-// this returns -1 at once, as spawn_local_workers does.)
-int launch_local_workers(int nproc, int argc, char** argv) {
-  if (!isatty(STDOUT_FILENO)) return distributed::spawn_local_workers(nproc, argc, argv);
-  auto set = [](const char* name) { return std::getenv(name) != nullptr; };
-  if ((set("RANK") && set("WORLD_SIZE")) || (set("SLURM_PROCID") && set("SLURM_NTASKS") && set("SLURM_STEP_ID")))
-    return -1;
-  std::vector<std::string> args{fs::read_symlink("/proc/self/exe").string()};
-  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
-  distributed::LaunchOptions opt;
-  opt.nproc_per_node = nproc;
-  opt.master_port = 0;
-  opt.prefix_output = false;
-  return distributed::launch(opt, args);
-}
-
 // Examples [offset, offset + size) of another dataset: the synthetic set is
-// one generator split into train and test, so both share its class patterns.
+// one generator split into train and test, so both share its class patterns;
+// each rank evaluates its contiguous slice of the test set.
 class Slice : public data::Dataset {
  public:
   Slice(std::shared_ptr<const data::Dataset> base, int64_t offset, int64_t size)
@@ -209,22 +192,6 @@ class Slice : public data::Dataset {
  private:
   std::shared_ptr<const data::Dataset> base_;
   int64_t offset_, size_;
-};
-
-// This rank's contiguous share of [0, n), without the padding
-// DistributedSampler adds: accuracy counts every test image exactly once.
-class ShardSampler : public data::Sampler {
- public:
-  ShardSampler(int64_t n, int rank, int world) : lo_(n * rank / world), hi_(n * (rank + 1) / world) {}
-  std::vector<int64_t> indices() const override {
-    std::vector<int64_t> v(hi_ - lo_);
-    for (int64_t i = 0; i < hi_ - lo_; ++i) v[i] = lo_ + i;
-    return v;
-  }
-  int64_t size() const override { return hi_ - lo_; }
-
- private:
-  int64_t lo_, hi_;
 };
 
 struct Datasets {
@@ -342,16 +309,6 @@ double evaluate(nn::Module& model, data::DataLoader& loader, distributed::Proces
   return static_cast<double>(counts.data<int64_t>()[0]) / std::max<int64_t>(counts.data<int64_t>()[1], 1);
 }
 
-// A number from the checkpoint's "extra" JSON object, written by this
-// program (flat, numbers only).
-std::optional<double> json_number(const std::string& json, const std::string& key) {
-  auto at = json.find("\"" + key + "\"");
-  if (at == std::string::npos) return std::nullopt;
-  at = json.find(':', at);
-  if (at == std::string::npos) return std::nullopt;
-  return std::strtod(json.c_str() + at + 1, nullptr);
-}
-
 int train(const Flags& flags) {
   const bool cuda = cuda_is_available();
   distributed::InitOptions init;
@@ -379,17 +336,18 @@ int train(const Flags& flags) {
                  optim::SGDOptions{.lr = lr, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true});
 
   // drop_last: every rank sees the same number of full batches, so all of
-  // them run the same number of synchronizing backward passes.
-  auto sampler = std::make_shared<data::DistributedSampler>(ds.train->size(), world, rank, /*shuffle=*/true,
-                                                            data_seed, /*drop_last=*/true);
+  // them run the same number of synchronizing backward passes. The seed
+  // fixes the data order (the sampler) and the random transforms.
   auto normalize = data::compose({data::to_float(), data::normalize({kMean}, {kStd})});
-  auto make_train_loader = [&] {
+  auto make_train_loader = [&](uint64_t seed) {
+    auto sampler = std::make_shared<data::DistributedSampler>(ds.train->size(), world, rank, /*shuffle=*/true,
+                                                              seed, /*drop_last=*/true);
     return std::make_unique<data::DataLoader>(
         ds.train, data::DataLoaderOptions{.batch_size = flags.batch_size, .sampler = sampler, .drop_last = true,
-                                          .num_workers = flags.workers, .transform = normalize,
-                                          .seed = data_seed, .device = device});
+                                          .num_workers = flags.workers, .transform = normalize, .seed = seed,
+                                          .device = device});
   };
-  auto train_loader = make_train_loader();
+  auto train_loader = make_train_loader(data_seed);
   const int64_t micro_per_epoch = train_loader->size();
   int64_t steps_per_epoch = micro_per_epoch / flags.accum_steps;
   EMBER_CHECK(steps_per_epoch >= 1, "an epoch has ", micro_per_epoch, " batches of ", flags.batch_size,
@@ -414,15 +372,13 @@ int train(const Flags& flags) {
     step = st->step;
     default_generator().manual_seed(st->rng_seed);
     default_generator().set_offset(st->rng_offset);
-    if (auto s = json_number(st->extra_json, "sampler_seed")) data_seed = static_cast<uint64_t>(*s);
-    if (auto g = json_number(st->extra_json, "global_batch"); g && static_cast<int64_t>(*g) != global_batch)
-      LOG0("note: the checkpoint was trained with a global batch of ", static_cast<int64_t>(*g), ", now ",
-           global_batch, ": the data order and learning rate differ from an uninterrupted run");
-    if (data_seed != flags.seed) {
-      // The checkpoint's data order wins: that is what "continue exactly" means.
-      sampler = std::make_shared<data::DistributedSampler>(ds.train->size(), world, rank, true, data_seed, true);
-      train_loader = make_train_loader();
-    }
+    const auto extra = nlohmann::json::parse(st->extra_json);
+    data_seed = extra.value("sampler_seed", data_seed);
+    if (auto g = extra.value("global_batch", global_batch); g != global_batch)
+      LOG0("note: the checkpoint was trained with a global batch of ", g, ", now ", global_batch,
+           ": the data order and learning rate differ from an uninterrupted run");
+    // The checkpoint's data order wins: that is what "continue exactly" means.
+    if (data_seed != flags.seed) train_loader = make_train_loader(data_seed);
     LOG0("resumed from ", *dir, ": ", start_epoch, " epoch(s), ", step, " step(s) done");
     if (start_epoch >= flags.epochs)
       LOG0("nothing to do: the checkpoint has ", start_epoch, " epoch(s) and --epochs is ", flags.epochs);
@@ -433,10 +389,11 @@ int train(const Flags& flags) {
   distributed::GradientAccumulator accumulator(*ddp, static_cast<int>(flags.accum_steps));
 
   const int64_t test_n = flags.eval_size > 0 ? std::min(flags.eval_size, ds.test->size()) : ds.test->size();
-  data::DataLoader test_loader(ds.test, {.batch_size = 500,
-                                         .sampler = std::make_shared<ShardSampler>(test_n, rank, world),
-                                         .transform = normalize,
-                                         .device = device});
+  // Each rank's contiguous share, without the padding DistributedSampler
+  // adds: accuracy counts every test image exactly once.
+  const int64_t test_lo = test_n * rank / world, test_hi = test_n * (rank + 1) / world;
+  data::DataLoader test_loader(std::make_shared<Slice>(ds.test, test_lo, test_hi - test_lo),
+                               {.batch_size = 500, .transform = normalize, .device = device});
 
   LOG0(model_name == "narrow" ? "narrow ResNet-18 (width 16)" : model_name, ", small stem: ",
        model->num_parameters() / 1e6, " M parameters; ", ds.description, "\n", world, " rank(s) on ",
@@ -450,7 +407,6 @@ int train(const Flags& flags) {
   double train_seconds = 0, eval_seconds = -1;
   int64_t images_done = 0;  // global, this process's run
   for (int64_t epoch = start_epoch; epoch < flags.epochs; ++epoch) {
-    sampler->set_epoch(epoch);
     train_loader->set_epoch(epoch);  // the loader hands its epoch to the sampler and keys transforms
     model->train();
     double loss_sum = 0;
@@ -495,12 +451,12 @@ int train(const Flags& flags) {
       st.step = step;
       st.rng_seed = default_generator().seed();
       st.rng_offset = default_generator().offset();
-      st.extra_json = "{\"sampler_seed\": " + std::to_string(data_seed) +
-                      ", \"global_batch\": " + std::to_string(global_batch) +
-                      ", \"world_size\": " + std::to_string(world) + ", \"model\": \"" + model_name + "\"}";
+      st.extra_json = nlohmann::json{{"sampler_seed", data_seed},
+                                     {"global_batch", global_batch},
+                                     {"world_size", world},
+                                     {"model", model_name}}
+                          .dump();
       std::string dir = flags.checkpoint_dir + "/epoch_" + std::to_string(epoch + 1);
-      std::error_code ec;
-      fs::create_directories(flags.checkpoint_dir, ec);
       absl::Status s = distributed::save_checkpoint(dir, *model, &opt, &sched, st);
       EMBER_CHECK(s.ok(), "saving checkpoint ", dir, ": ", s.message());
       LOG0("saved checkpoint ", dir);
@@ -521,7 +477,10 @@ int main(int argc, char** argv) {
   Flags flags = parse_flags(argc, argv);
   try {
     int nproc = flags.nproc > 0 ? flags.nproc : cuda_is_available() ? cuda_device_count() : 2;
-    if (int rc = launch_local_workers(nproc, argc, argv); rc >= 0) return rc;
+    // On a terminal the workers write straight to it (no "[rank N]: "
+    // prefixing pipes): rank 0's progress bar redraws its line with '\r'.
+    if (int rc = distributed::spawn_local_workers(nproc, argc, argv, /*prefix_output=*/!isatty(STDOUT_FILENO)); rc >= 0)
+      return rc;
     return train(flags);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "resnet_ddp%s: %s\n",
