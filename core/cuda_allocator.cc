@@ -7,7 +7,21 @@
 // used on: work queued on that stream is ordered before any reuse, which
 // makes reuse safe without events. empty_cache() returns cached blocks to the
 // driver; an out-of-memory cudaMalloc empties the cache once and retries.
+//
+// EMBER_NO_CUDA_MEMORY_CACHING=1 (PyTorch's PYTORCH_NO_CUDA_MEMORY_CACHING)
+// turns caching off: every tensor gets a cudaMalloc of exactly its size,
+// freed at once. Slow, but an out-of-bounds access then leaves its
+// allocation, which is what the emulated tests under AddressSanitizer (and
+// compute-sanitizer on a GPU) need to see it.
+#include "core/device.h"
+#include "core/exception.h"
+
+#if EMBER_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include <map>
 #include <memory>
@@ -16,9 +30,10 @@
 #include <vector>
 
 #include "core/cuda_check.h"
-#include "core/device.h"
+#endif
 
 namespace ember {
+#if EMBER_WITH_CUDA
 namespace {
 
 size_t size_class(size_t n) {
@@ -29,10 +44,13 @@ size_t size_class(size_t n) {
 
 class CudaCachingAllocator final : public Allocator {
  public:
-  explicit CudaCachingAllocator(int device) : device_(device) {}
+  explicit CudaCachingAllocator(int device)
+      : device_(device), caching_(std::getenv("EMBER_NO_CUDA_MEMORY_CACHING") == nullptr ||
+                                  std::string(std::getenv("EMBER_NO_CUDA_MEMORY_CACHING")) == "0") {}
 
   DataPtr allocate(size_t nbytes) override {
     EMBER_CHECK(cuda_is_available(), "cuda allocator: no CUDA device: ", cuda_unavailable_reason());
+    if (!caching_) return allocate_uncached(nbytes);
     const size_t cls = size_class(nbytes);
     void* stream = current_cuda_stream(device_);
     void* p = nullptr;
@@ -66,6 +84,24 @@ class CudaCachingAllocator final : public Allocator {
   }
 
  private:
+  DataPtr allocate_uncached(size_t nbytes) {
+    const size_t n = std::max<size_t>(nbytes, 1);
+    void* p = device_malloc(n);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stats_.num_allocs++;
+      stats_.allocated += n;
+      stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+    }
+    return DataPtr{{p, [this, n](void* q) {
+                      cudaFree(q);  // synchronizes, as the caching path's reuse need not
+                      std::lock_guard<std::mutex> g(mu_);
+                      stats_.allocated -= n;
+                      stats_.reserved -= n;
+                    }},
+                   cuda_device(device_)};
+  }
+
   void* device_malloc(size_t cls) {
     int prev = 0;
     EMBER_CUDA_CHECK(cudaGetDevice(&prev));
@@ -108,17 +144,22 @@ class CudaCachingAllocator final : public Allocator {
   }
 
   int device_;
+  bool caching_;
   mutable std::mutex mu_;
   std::map<std::pair<void*, size_t>, std::vector<void*>> free_;
   AllocatorStats stats_;
 };
 
 }  // namespace
+#endif  // EMBER_WITH_CUDA
 
 Allocator* cuda_allocator(int device) {
   EMBER_CHECK(cuda_is_available(), "cuda allocator: no CUDA device: ", cuda_unavailable_reason());
   EMBER_CHECK(device >= 0 && device < cuda_device_count(), "cuda allocator: device cuda:", device,
               " does not exist (", cuda_device_count(), " devices)");
+#if !EMBER_WITH_CUDA
+  return nullptr;  // unreachable: cuda_is_available() is false without CUDA
+#else
   // Leaked on purpose: tensors in static storage may be freed after main returns.
   static auto* allocators = [] {
     auto* v = new std::vector<std::unique_ptr<CudaCachingAllocator>>;
@@ -126,6 +167,7 @@ Allocator* cuda_allocator(int device) {
     return v;
   }();
   return (*allocators)[device].get();
+#endif
 }
 
 }  // namespace ember

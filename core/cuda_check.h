@@ -1,5 +1,7 @@
 // One generator for CUDA, cuBLAS, cuDNN and NCCL status checks: each failure
 // reports the statement, file:line and the library's own error string.
+// Only for code that CUDA builds compile (.cu files, and .cc code under
+// #if EMBER_WITH_CUDA).
 #pragma once
 
 #include <cuda_runtime.h>

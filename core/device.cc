@@ -1,7 +1,9 @@
 // Device parsing/printing, the CPU allocator and CUDA runtime queries.
 #include "core/device.h"
 
+#if EMBER_WITH_CUDA
 #include <cuda_runtime.h>
+#endif
 
 #include <malloc.h>
 
@@ -12,7 +14,9 @@
 #include <mutex>
 #include <vector>
 
+#if EMBER_WITH_CUDA
 #include "core/cuda_check.h"
+#endif
 #include "core/exception.h"
 
 namespace ember {
@@ -119,6 +123,7 @@ class PinnedAllocator final : public Allocator {
  public:
   DataPtr allocate(size_t nbytes) override {
     EMBER_CHECK(cuda_is_available(), "pin_memory: no CUDA device: ", cuda_unavailable_reason());
+#if EMBER_WITH_CUDA
     void* p = nullptr;
     EMBER_CUDA_CHECK(cudaHostAlloc(&p, std::max<size_t>(nbytes, 1), cudaHostAllocDefault));
     allocated_ += nbytes;
@@ -127,6 +132,9 @@ class PinnedAllocator final : public Allocator {
                       allocated_ -= nbytes;
                     }},
                    kCPU};
+#else
+    return DataPtr{};  // unreachable: the check above fails without CUDA
+#endif
   }
   AllocatorStats stats() const override {
     AllocatorStats s;
@@ -146,6 +154,10 @@ struct CudaInfo {
 const CudaInfo& cuda_info() {
   static const CudaInfo info = [] {
     CudaInfo i;
+#if !EMBER_WITH_CUDA
+    i.reason = "ember was built without CUDA (the CPU-only configuration)";
+    return i;
+#else
     cudaError_t err = cudaGetDeviceCount(&i.count);
     if (err != cudaSuccess) {
       i.count = 0;
@@ -155,6 +167,7 @@ const CudaInfo& cuda_info() {
       i.reason = "no CUDA devices found";
     }
     return i;
+#endif
   }();
   return info;
 }
@@ -197,7 +210,9 @@ bool cuda_is_available() { return cuda_info().count > 0; }
 std::string cuda_unavailable_reason() { return cuda_info().reason; }
 
 void cuda_synchronize() {
+#if EMBER_WITH_CUDA
   if (cuda_is_available()) EMBER_CUDA_CHECK(cudaDeviceSynchronize());
+#endif
 }
 
 void* current_cuda_stream(int device) {

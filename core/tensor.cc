@@ -1,7 +1,9 @@
 // Tensor metadata, views, copies across devices and dtypes, and printing.
 #include "core/tensor.h"
 
+#if EMBER_WITH_CUDA
 #include <cuda_runtime.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -10,7 +12,9 @@
 #include <sstream>
 
 #include "core/autograd_hook.h"
+#if EMBER_WITH_CUDA
 #include "core/cuda_check.h"
+#endif
 #include "core/ops.h"
 #include "core/ops/kernels.h"
 
@@ -532,6 +536,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
     Tensor staged = Tensor::empty(sizes(), {dtype(), s.device()});
     staged.copy_(s);
     Tensor landed = (is_contiguous()) ? *this : Tensor::empty(sizes(), options());
+#if EMBER_WITH_CUDA  // else unreachable: no CUDA tensor can be allocated
     cudaMemcpyKind kind = s.device().is_cpu() ? cudaMemcpyHostToDevice
                           : device().is_cpu() ? cudaMemcpyDeviceToHost
                                               : cudaMemcpyDeviceToDevice;
@@ -550,6 +555,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
       cudaSetDevice(prev);
       EMBER_CUDA_CHECK(err);
     }
+#endif
     if (!landed.is_same(*this)) copy_(landed);
     return *this;
   }

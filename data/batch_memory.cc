@@ -9,11 +9,14 @@
 // the batch is handed over. Every read and write of the block is ordered.
 #include "data/batch_memory.h"
 
+#if EMBER_WITH_CUDA
 #include <cuda_runtime.h>
 
 #include "core/cuda_check.h"
+#endif
 
 namespace ember::data {
+#if EMBER_WITH_CUDA
 namespace {
 
 // Restores the calling thread's current device on scope exit.
@@ -40,6 +43,7 @@ std::shared_ptr<void> new_event() {
 cudaEvent_t as_event(const std::shared_ptr<void>& e) { return static_cast<cudaEvent_t>(e.get()); }
 
 }  // namespace
+#endif
 
 Tensor BufferPool::empty(const Shape& shape, DType dtype) {
   const size_t nbytes = static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype);
@@ -84,12 +88,22 @@ size_t BufferPool::cached_buffers() const {
 AsyncCopier::AsyncCopier(Device device) : device_(device) {
   EMBER_CHECK(device.is_cuda(), "AsyncCopier: expected a CUDA device, got ", device);
   EMBER_CHECK(cuda_is_available(), "AsyncCopier: no CUDA device: ", cuda_unavailable_reason());
+#if EMBER_WITH_CUDA  // else the check above has failed: no copier exists
   DeviceGuard g(device.index);
   cudaStream_t s = nullptr;
   // Non-blocking: the legacy default stream must not serialize with it.
   EMBER_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   stream_ = s;
+#endif
 }
+
+#if !EMBER_WITH_CUDA
+AsyncCopier::~AsyncCopier() = default;
+AsyncCopier::Copy AsyncCopier::start(const std::vector<Tensor>&) { return {}; }
+std::vector<Tensor> AsyncCopier::finish(Copy copy) { return std::move(copy.device); }
+void AsyncCopier::synchronize() {}
+void AsyncCopier::reap(bool) {}
+#else
 
 AsyncCopier::~AsyncCopier() {
   try {
@@ -149,5 +163,7 @@ void AsyncCopier::reap(bool block) {
     in_flight_.pop_front();
   }
 }
+
+#endif  // EMBER_WITH_CUDA
 
 }  // namespace ember::data

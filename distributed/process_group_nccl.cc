@@ -23,7 +23,12 @@
 // Tensors an op uses stay referenced until its event completes, so the
 // caching allocator cannot hand their memory out while NCCL still uses it.
 //
-// Compiled everywhere; only runs where a GPU is present.
+// Compiled wherever CUDA is built; only runs where a GPU is present. The
+// CPU-only configuration keeps make_nccl_group, as an error naming the cause.
+#include "core/device.h"
+#include "distributed/init.h"
+
+#if EMBER_WITH_CUDA
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -43,8 +48,10 @@
 #include "distributed/init.h"
 #include "distributed/pg_common.h"
 #include "distributed/store_internal.h"
+#endif  // EMBER_WITH_CUDA
 
 namespace ember::distributed {
+#if EMBER_WITH_CUDA
 namespace {
 
 using detail::CompletionWork;
@@ -593,5 +600,12 @@ std::shared_ptr<ProcessGroup> make_nccl_group(std::shared_ptr<Store> store, int 
               options.timeout.count(), " ms");
   return std::make_shared<NcclGroup>(std::move(store), rank, size, options);
 }
+#else
+std::shared_ptr<ProcessGroup> make_nccl_group(std::shared_ptr<Store>, int, int, ProcessGroupOptions) {
+  EMBER_CHECK(false, "make_nccl_group: the nccl backend needs CUDA, and ember was built without it (the CPU-only "
+              "configuration); use the gloo backend");
+  return nullptr;
+}
+#endif  // EMBER_WITH_CUDA
 
 }  // namespace ember::distributed

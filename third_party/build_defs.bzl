@@ -1,15 +1,52 @@
-"""The project's build macros: CUDA compilation and test wrappers.
+"""The project's build macros: CUDA compilation, its host emulation, the
+CPU-only configuration, and test wrappers.
 
 cuda_library compiles each .cu with nvcc in a genrule (Bazel 4 has no CUDA
-rules offline) and wraps the objects in a cc_library. Targets: sm_90 SASS
-plus compute_90 PTX so newer GPUs JIT from PTX.
+rules offline) for sm_90 SASS plus compute_90 PTX, so newer GPUs JIT from PTX.
+It also yields <name>_emu: the same .cu files rewritten by
+third_party/cuda_emu/cu2emu.py and compiled as host C++ against the CUDA
+emulator, so the kernels run (and are tested) on a machine without a GPU.
+
+Three ways a kernel library is linked:
+  - default: <name> pulls in <name>_cuda_kernels (the nvcc objects) and cudart;
+  - emulated: a test that depends on <name>_emu first gets the emulated objects
+    (alwayslink, so their symbols are defined before the linker reaches the
+    nvcc archive, whose members are then never pulled) and the emulated
+    runtime, cuBLAS and cuDNN; the .cc sources are the same compiled objects;
+  - CPU-only (--config=cpu, or no toolkit found by cuda_configure.bzl): no .cu,
+    no CUDA library, and `no_cuda_srcs` define the *_cuda launchers as errors.
 """
 
-NVCC = "/usr/local/cuda/bin/nvcc"
+load("@cuda//:defs.bzl", "CUDA_FOUND", "CUDA_PATH")
+
 CUDA_ARCH_FLAGS = "-gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90"
 
-def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], **kwargs):
-    """A cc_library whose .cu sources are compiled by nvcc.
+def if_cuda(if_true, if_false = []):
+    """A select() of if_true when CUDA code is built, else if_false.
+
+    CUDA code is built unless the toolkit is missing (decided when the @cuda
+    repository is configured) or the build runs with --config=cpu.
+    """
+    if not CUDA_FOUND:
+        return if_false
+    return select({
+        str(Label("//third_party:cpu_only")): if_false,
+        "//conditions:default": if_true,
+    })
+
+def cuda_required():
+    """target_compatible_with for targets that need CUDA (real or emulated):
+    in the CPU-only configuration they are skipped instead of built."""
+    return if_cuda([], [Label("//third_party:cuda_toolkit")])
+
+def _repo_root():
+    # Includes are written from ember's root ("core/..."); when ember is an
+    # external repository of another workspace, that root is external/<name>.
+    repo = native.repository_name()
+    return "." if repo == "@" else "external/" + repo[1:]
+
+def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], no_cuda_srcs = [], **kwargs):
+    """A cc_library whose .cu sources are compiled by nvcc, plus <name>_emu.
 
     Args:
       name: target name.
@@ -17,58 +54,151 @@ def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], **kwargs):
       hdrs: public headers.
       deps: cc_library deps (their headers are visible to nvcc).
       copts: extra nvcc flags.
+      no_cuda_srcs: .cc files compiled instead of the .cu files in the
+        CPU-only configuration (launchers that raise "built without CUDA").
+      **kwargs: passed to the cc_library.
     """
-    # Includes are written from ember's root ("core/..."); when ember is an
-    # external repository of another workspace, that root is external/<name>.
-    repo = native.repository_name()
-    root = "." if repo == "@" else "external/" + repo[1:]
+    root = _repo_root()
     cu_srcs = [s for s in srcs if s.endswith(".cu")]
     other_srcs = [s for s in srcs if not s.endswith(".cu")]
-    objs = []
-    for src in cu_srcs:
-        obj = name + "_objs/" + src.replace(".cu", ".o")
-        native.genrule(
-            name = name + "_" + src.replace("/", "_").replace(".", "_"),
-            srcs = [src] + hdrs,
-            outs = [obj],
-            cmd = " ".join([
-                NVCC,
-                "-std=c++20 -O3 --expt-relaxed-constexpr --extended-lambda",
-                CUDA_ARCH_FLAGS,
-                "-Xcompiler -fPIC -Xcompiler -fopenmp",
-                "-I" + root + " -I/usr/local/cuda/include",
-                " ".join(copts),
-                "-c $(location " + src + ") -o $@",
-            ]),
-            # nvcc reads headers of deps that a genrule cannot declare: no
-            # sandbox, so it sees them under any spawn strategy.
-            tags = ["cuda", "no-sandbox"],
+    visibility = kwargs.get("visibility", None)
+
+    if CUDA_FOUND:
+        objs = []
+        for src in cu_srcs:
+            obj = name + "_objs/" + src.replace(".cu", ".o")
+            native.genrule(
+                name = name + "_" + src.replace("/", "_").replace(".", "_"),
+                srcs = [src] + hdrs,
+                outs = [obj],
+                cmd = " ".join([
+                    CUDA_PATH + "/bin/nvcc",
+                    "-std=c++20 -O3 --expt-relaxed-constexpr --extended-lambda",
+                    CUDA_ARCH_FLAGS,
+                    "-Xcompiler -fPIC -Xcompiler -fopenmp",
+                    "-DEMBER_WITH_CUDA=1",
+                    "-I" + root + " -I" + CUDA_PATH + "/include",
+                    " ".join(copts),
+                    "-c $(location " + src + ") -o $@",
+                ]),
+                # nvcc reads headers of deps that a genrule cannot declare: no
+                # sandbox, so it sees them under any spawn strategy.
+                tags = ["cuda", "no-sandbox"],
+                target_compatible_with = cuda_required(),
+            )
+            objs.append(obj)
+
+        # Not alwayslink: each member is pulled only by a reference from the
+        # .cc code, which an emulated binary has already satisfied.
+        native.cc_library(
+            name = name + "_cuda_kernels",
+            srcs = objs,
+            deps = deps + [Label("//third_party:cudart")],
+            linkstatic = 1,
+            target_compatible_with = cuda_required(),
+            visibility = ["//visibility:private"],
         )
-        objs.append(obj)
+
+        # The emulated twin: .cu -> host C++ (launches rewritten, line numbers
+        # kept), compiled with the emulator's header force-included.
+        emu_srcs = []
+        for src in cu_srcs:
+            out = name + "_emu_srcs/" + src.replace(".cu", ".emu.cc")
+            native.genrule(
+                name = name + "_emu_" + src.replace("/", "_").replace(".", "_"),
+                srcs = [src],
+                outs = [out],
+                tools = [Label("//third_party/cuda_emu:cu2emu.py")],
+                cmd = "python3 $(location %s) $(location %s) $@" % (Label("//third_party/cuda_emu:cu2emu.py"), src),
+                target_compatible_with = cuda_required(),
+            )
+            emu_srcs.append(out)
+        native.cc_library(
+            name = name + "_emu",
+            srcs = emu_srcs,
+            copts = [
+                "-include",
+                root + "/third_party/cuda_emu/cuda_emu.h",
+                "-Wno-unknown-pragmas",
+                "-Wno-unused-variable",
+            ],
+            deps = [":" + name, Label("//third_party/cuda_emu")],
+            alwayslink = 1,
+            testonly = 1,
+            target_compatible_with = cuda_required(),
+            visibility = visibility,
+        )
+
     native.cc_library(
         name = name,
-        srcs = objs + other_srcs,
+        srcs = other_srcs + if_cuda([], no_cuda_srcs),
         hdrs = hdrs,
-        deps = deps + ["//third_party:cudart"],
-        linkstatic = 1,
-        alwayslink = 1,
+        deps = deps + [Label("//third_party:cuda_config")] + if_cuda([":" + name + "_cuda_kernels"]),
         **kwargs
     )
 
-def ember_test(name, srcs, deps = [], **kwargs):
-    """A GoogleTest cc_test with the project's test main."""
-    native.cc_test(
-        name = name,
+def ember_test(name, srcs, deps = [], backends = ["cpu"], emu_deps = [Label("//core:core_emu")], tags = [], **kwargs):
+    """A GoogleTest cc_test with the project's test main, per backend.
+
+    Args:
+      name: the test's name (…_test).
+      srcs: test sources, compiled once and linked into each backend's test.
+      deps: libraries the test uses.
+      backends: "cpu" builds <name> as is (CUDA paths skip without a GPU);
+        "cuda_emu" builds <name minus _test>_emu_test, linked against the
+        emulated kernels and CUDA libraries, so its CUDA paths run on the CPU.
+      emu_deps: the emulated twins of the cuda_library targets the test
+        reaches (today only //core has .cu files).
+      tags: test tags; "cuda" (needs a GPU) is dropped from the emulated test.
+      **kwargs: passed to the cc_test rules.
+    """
+    if "cuda" in tags:
+        # Needs a GPU: skipped at build level in the CPU-only configuration.
+        kwargs["target_compatible_with"] = cuda_required()
+    if backends == ["cpu"]:
+        native.cc_test(
+            name = name,
+            srcs = srcs,
+            deps = deps + [Label("//third_party:gtest_main")],
+            tags = tags,
+            **kwargs
+        )
+        return
+    lib = name + "_lib"
+    native.cc_library(
+        name = lib,
         srcs = srcs,
-        deps = deps + ["//third_party:gtest_main"],
-        **kwargs
+        deps = deps + [Label("//third_party:gtest")],
+        alwayslink = 1,
+        testonly = 1,
     )
+    for b in backends:
+        if b == "cpu":
+            native.cc_test(
+                name = name,
+                deps = [":" + lib, Label("//third_party:gtest_main")],
+                tags = tags,
+                **kwargs
+            )
+        elif b == "cuda_emu":
+            if not CUDA_FOUND:
+                continue  # the emulation compiles against the toolkit's headers
+            base = name[:-len("_test")] if name.endswith("_test") else name
+            native.cc_test(
+                name = base + "_emu_test",
+                # Emulated kernels first: see the module docstring.
+                deps = emu_deps + [":" + lib, Label("//third_party:gtest_main")],
+                tags = [t for t in tags if t != "cuda"] + ["cuda_emu"],
+                **dict(kwargs, target_compatible_with = cuda_required())
+            )
+        else:
+            fail("ember_test: unknown backend '%s' (use \"cpu\" or \"cuda_emu\")" % b)
 
 def ember_benchmark(name, srcs, deps = [], **kwargs):
     """A Google Benchmark binary (run with bazel run -c opt)."""
     native.cc_binary(
         name = name,
         srcs = srcs,
-        deps = deps + ["//third_party:benchmark_main"],
+        deps = deps + [Label("//third_party:benchmark_main")],
         **kwargs
     )

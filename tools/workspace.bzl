@@ -7,8 +7,11 @@ In your WORKSPACE:
     ember_dependencies(ember_path = "/path/to/ember")
 
 Everything resolves locally (Debian packages and /usr/local/cuda), so the
-build stays offline, as ember's own does.
+build stays offline, as ember's own does. Without /usr/local/cuda (or
+$EMBER_CUDA_PATH) the build is CPU-only.
 """
+
+load("@ember//third_party:cuda_configure.bzl", "cuda_configure")
 
 def ember_dependencies(ember_path):
     """Declares rules_java, rules_cc, remote_coverage_tools and cuda.
@@ -23,8 +26,4 @@ def ember_dependencies(ember_path):
     if not native.existing_rule("remote_coverage_tools"):
         native.local_repository(name = "remote_coverage_tools", path = ember_path + "/third_party/coverage_tools")
     if not native.existing_rule("cuda"):
-        native.new_local_repository(
-            name = "cuda",
-            build_file = "@ember//third_party:cuda.BUILD",
-            path = "/usr/local/cuda",
-        )
+        cuda_configure(name = "cuda", build_file = "@ember//third_party:cuda.BUILD")

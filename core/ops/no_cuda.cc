@@ -1,0 +1,54 @@
+// The CUDA launchers of the CPU-only configuration (--config=cpu, or no CUDA
+// toolkit): compiled instead of the .cu files, so the op layer links
+// unchanged. None can be reached through the public API, because no CUDA
+// tensor can exist (cuda_device_count() is 0, so allocating one fails first);
+// each still raises a clear error rather than leaving a symbol undefined.
+#include "core/ops/kernels.h"
+#include "core/ops_optim.h"
+
+namespace ember {
+namespace {
+[[noreturn]] void no_cuda(const char* fn) {
+  EMBER_CHECK(false, fn, ": ember was built without CUDA (CPU-only configuration; build without --config=cpu, "
+              "with the CUDA toolkit at /usr/local/cuda or $EMBER_CUDA_PATH, to use GPUs)");
+  __builtin_unreachable();
+}
+}  // namespace
+
+#define EMBER_NO_CUDA(name, ...) \
+  void name(__VA_ARGS__) { no_cuda(#name); }
+
+EMBER_NO_CUDA(unary_cuda, UnaryOp, const StridedIter&, double, double)
+EMBER_NO_CUDA(binary_cuda, BinaryOp, const StridedIter&, double)
+EMBER_NO_CUDA(where_cuda, const StridedIter&)
+EMBER_NO_CUDA(copy_cuda, const StridedIter&)
+EMBER_NO_CUDA(fill_cuda, const StridedIter&, double)
+EMBER_NO_CUDA(arange_cuda, Tensor&, double, double)
+EMBER_NO_CUDA(reduce_cuda, ReduceOp, const Tensor&, Tensor&, int64_t, int64_t, int64_t)
+EMBER_NO_CUDA(softmax_cuda, const Tensor&, Tensor&, int64_t, int64_t, int64_t, bool)
+EMBER_NO_CUDA(gemm_cuda, const GemmArgs&, int)
+EMBER_NO_CUDA(index_select_cuda, const Tensor&, const Tensor&, Tensor&, int64_t, int64_t, int64_t)
+EMBER_NO_CUDA(gather_cuda, const Tensor&, const Tensor&, Tensor&, int64_t)
+EMBER_NO_CUDA(index_add_cuda, Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, int64_t)
+EMBER_NO_CUDA(scatter_add_cuda, Tensor&, const Tensor&, const Tensor&, int64_t)
+EMBER_NO_CUDA(random_cuda, RandomKind, Tensor&, double, double, uint64_t, uint64_t, const Tensor&)
+EMBER_NO_CUDA(conv2d_forward_cuda, const ConvGeom&, const Tensor&, const Tensor&, const Tensor&, Tensor&)
+EMBER_NO_CUDA(conv2d_backward_cuda, const ConvGeom&, const Tensor&, const Tensor&, const Tensor&, Tensor*, Tensor*,
+              Tensor*)
+EMBER_NO_CUDA(batch_norm_stats_cuda, const Tensor&, Tensor&, Tensor&)
+EMBER_NO_CUDA(batch_norm_apply_cuda, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+              Tensor&)
+EMBER_NO_CUDA(batch_norm_backward_cuda, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+              bool, Tensor*, Tensor*, Tensor*)
+EMBER_NO_CUDA(max_pool2d_cuda, const PoolGeom&, const Tensor&, Tensor&, Tensor&)
+EMBER_NO_CUDA(max_pool2d_backward_cuda, const PoolGeom&, const Tensor&, const Tensor&, Tensor&)
+EMBER_NO_CUDA(avg_pool2d_cuda, const PoolGeom&, const Tensor&, Tensor&)
+EMBER_NO_CUDA(avg_pool2d_backward_cuda, const PoolGeom&, const Tensor&, Tensor&)
+EMBER_NO_CUDA(sgd_step_cuda, const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
+              const std::vector<bool>&, const SgdKernelArgs&)
+EMBER_NO_CUDA(adam_step_cuda, const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
+              const std::vector<Tensor>&, const std::vector<Tensor>&, const AdamKernelArgs&)
+
+void* cublas_handle(int) { no_cuda("cublas_handle"); }
+
+}  // namespace ember

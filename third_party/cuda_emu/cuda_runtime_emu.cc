@@ -1,0 +1,435 @@
+// cuda_runtime_emu.cc: the CUDA runtime API the project calls, on host
+// memory, with a GPU's ordering rules. Kernel launches, async copies and
+// memsets, host functions, event records/waits and library calls
+// (emu::enqueue) go into per-stream FIFO queues and run only when the host
+// must see their effects, so a missing stream wait or event shows up as a
+// wrong result instead of passing by luck:
+//   - cudaStreamSynchronize(s) runs s's queue; cudaEventSynchronize(e) runs
+//     the recording stream up to e; a cudaStreamWaitEvent item, when its
+//     stream reaches it, first runs the recording stream up to the event.
+//   - cudaEventQuery on an unreached event answers cudaErrorNotReady once per
+//     record (so the caller's not-ready path runs), then runs up to the event
+//     and answers cudaSuccess (so a polling loop ends).
+//   - The legacy default stream (nullptr) waits for earlier work of the
+//     device's blocking streams, and their work waits for earlier default-
+//     stream work; cudaStreamNonBlocking streams do neither.
+//   - cudaMemcpy/cudaMemset are default-stream items the host waits for;
+//     cudaDeviceSynchronize, cudaFree and cudaFreeHost run everything (CUDA's
+//     cudaFree synchronizes the device); cudaStreamDestroy runs the stream.
+// Deferred copies to or from pageable memory are deferred too, although CUDA
+// may run those synchronously: code must not rely on that.
+// Allocations are exact-sized (no rounding), so ASan catches an access past
+// the end. Environment: EMU_DEVICES=N (devices reported, default 1).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "third_party/cuda_emu/cuda_emu.h"
+#include "third_party/cuda_emu/emu_runtime.h"
+
+namespace emu {
+
+void die(const std::string& msg) {
+  std::fprintf(stderr, "[cuda-emu] ERROR: %s\n", msg.c_str());
+  std::fflush(stderr);
+  std::abort();
+}
+
+namespace {
+
+int device_count() {
+  static const int n = [] {
+    const char* v = std::getenv("EMU_DEVICES");
+    return v && *v ? std::max(1, std::atoi(v)) : 1;
+  }();
+  return n;
+}
+thread_local cudaError_t g_last = cudaSuccess;
+thread_local int g_device = 0;
+
+// ---- Allocations: for pointer checks, copy directions and attributes ----
+struct Alloc {
+  size_t size;
+  int device;
+};
+std::mutex g_mem_mu;
+std::map<uintptr_t, Alloc> g_dev, g_pinned;
+
+// The allocation holding [p, p + bytes) (p may be one past the end when
+// bytes == 0), or null.
+const Alloc* find(const std::map<uintptr_t, Alloc>& m, const void* p, size_t bytes = 0) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  auto it = m.upper_bound(a);
+  if (it == m.begin()) return nullptr;
+  --it;
+  return a + bytes <= it->first + it->second.size ? &it->second : nullptr;
+}
+bool is_dev(const void* p, size_t n) {
+  std::lock_guard<std::mutex> l(g_mem_mu);
+  return find(g_dev, p, n) != nullptr;
+}
+
+// ---- Streams and events ----
+struct Stream;
+using StreamRef = std::shared_ptr<Stream>;
+struct Op {
+  std::function<void()> fn;  // empty for event records and waits
+  const char* what;
+  std::vector<std::pair<StreamRef, uint64_t>> deps;  // streams to run up to these counts first
+};
+struct Stream {
+  int device;
+  bool legacy, blocking;
+  std::deque<Op> q;
+  uint64_t enqueued = 0, done = 0;
+  bool running = false;
+};
+struct Event {
+  StreamRef stream;  // null until recorded
+  uint64_t seq = 0;
+  bool said_not_ready = false;
+};
+
+// Guards the queues and is held while queued work runs: one device, one
+// thing at a time. Recursive, as a sync inside a library call's own checks
+// is harmless.
+std::recursive_mutex g_exec;
+std::map<cudaStream_t, StreamRef> g_streams;  // created, not destroyed
+std::vector<StreamRef> g_legacy;              // per device, created on use
+std::set<cudaEvent_t> g_events;
+thread_local bool g_in_host_fn = false;
+
+std::unique_lock<std::recursive_mutex> api(const char* fn) {
+  if (g_in_host_fn) die(std::string(fn) + " called from a cudaLaunchHostFunc callback, which CUDA forbids");
+  return std::unique_lock<std::recursive_mutex>(g_exec);
+}
+
+StreamRef legacy(int device) {
+  if (g_legacy.empty()) g_legacy.resize(device_count());
+  if (!g_legacy[device]) g_legacy[device] = std::make_shared<Stream>(Stream{device, true, true});
+  return g_legacy[device];
+}
+StreamRef resolve(cudaStream_t s, const char* fn) {
+  if (s == nullptr || s == cudaStreamLegacy) return legacy(g_device);
+  if (s == cudaStreamPerThread) die(std::string(fn) + ": cudaStreamPerThread is not emulated");
+  auto it = g_streams.find(s);
+  if (it == g_streams.end()) die(std::string(fn) + ": invalid or destroyed stream handle");
+  return it->second;
+}
+
+void push(const StreamRef& s, Op op) {
+  if (s->legacy) {
+    for (auto& [h, t] : g_streams)
+      if (t->device == s->device && t->blocking && t->enqueued > t->done) op.deps.emplace_back(t, t->enqueued);
+  } else if (s->blocking) {
+    StreamRef d = legacy(s->device);
+    if (d->enqueued > d->done) op.deps.emplace_back(d, d->enqueued);
+  }
+  s->q.push_back(std::move(op));
+  s->enqueued++;
+}
+
+// Runs s's queue until n items are done. Every dependency points to work
+// enqueued before the item that has it, so the recursion ends.
+void run_until(const StreamRef& s, uint64_t n) {
+  while (s->done < n) {
+    if (s->running) die("internal: cycle between stream dependencies");
+    s->running = true;
+    Op op = std::move(s->q.front());
+    s->q.pop_front();
+    for (auto& [t, m] : op.deps) run_until(t, m);
+    if (op.fn) {
+      try {
+        op.fn();
+      } catch (const std::exception& e) {
+        die(std::string(op.what) + ": " + e.what());
+      }
+    }
+    s->done++;
+    s->running = false;
+  }
+}
+void run_all() {
+  for (auto& s : g_legacy)
+    if (s) run_until(s, s->enqueued);
+  for (auto& [h, s] : g_streams) run_until(s, s->enqueued);
+}
+// Queues on the legacy default stream and waits for it: a synchronous call.
+void run_now(Op op) {
+  StreamRef d = legacy(g_device);
+  push(d, std::move(op));
+  run_until(d, d->enqueued);
+}
+
+const char* const kErrors[][3] = {
+    {"0", "cudaSuccess", "no error"},
+    {"1", "cudaErrorInvalidValue", "invalid argument"},
+    {"2", "cudaErrorMemoryAllocation", "out of memory"},
+    {"9", "cudaErrorInvalidConfiguration", "invalid configuration argument"},
+    {"101", "cudaErrorInvalidDevice", "invalid device ordinal"},
+    {"400", "cudaErrorInvalidResourceHandle", "invalid resource handle"},
+    {"600", "cudaErrorNotReady", "device not ready"},
+};
+const char* error_text(cudaError_t e, int which) {
+  for (auto& row : kErrors)
+    if (std::atoi(row[0]) == static_cast<int>(e)) return row[which];
+  return which == 1 ? "cudaErrorUnknown" : "unknown error";
+}
+
+}  // namespace
+
+cudaError_t set_error(cudaError_t e) {
+  if (e != cudaSuccess) g_last = e;
+  return e;
+}
+
+void enqueue(cudaStream_t stream, std::function<void()> fn, const char* what) {
+  auto l = api(what);
+  push(resolve(stream, what), Op{std::move(fn), what, {}});
+}
+
+void check_kernel_pointer(const void* p, const char* kernel, int arg) {
+  if (p == nullptr) return;
+  std::lock_guard<std::mutex> l(g_mem_mu);
+  if (!find(g_dev, p) && !find(g_pinned, p))
+    die(std::string(kernel) + ": pointer argument " + std::to_string(arg) + " is not device memory");
+}
+
+void check_device_range(const void* p, size_t bytes, const char* what) {
+  if (bytes == 0 && p == nullptr) return;
+  if (!is_dev(p, bytes))
+    die(std::string(what) + ": " + std::to_string(bytes) + " bytes at " + std::to_string(reinterpret_cast<uintptr_t>(p)) +
+        " are not inside one device allocation");
+}
+
+}  // namespace emu
+
+extern "C" {
+using namespace emu;
+
+cudaError_t cudaGetLastError(void) { cudaError_t e = g_last; g_last = cudaSuccess; return e; }
+cudaError_t cudaPeekAtLastError(void) { return g_last; }
+const char* cudaGetErrorString(cudaError_t e) { return error_text(e, 2); }
+const char* cudaGetErrorName(cudaError_t e) { return error_text(e, 1); }
+
+cudaError_t cudaGetDeviceCount(int* n) { *n = device_count(); return cudaSuccess; }
+cudaError_t cudaGetDevice(int* d) { *d = g_device; return cudaSuccess; }
+cudaError_t cudaSetDevice(int d) {
+  if (d < 0 || d >= device_count()) return set_error(cudaErrorInvalidDevice);
+  g_device = d;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
+  *v = a == cudaDevAttrMultiProcessorCount ? 4 : a == cudaDevAttrMaxThreadsPerBlock ? 1024 : a == cudaDevAttrWarpSize ? 32 : 0;
+  return cudaSuccess;
+}
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const void*, int, size_t) { *n = 4; return cudaSuccess; }
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* n, const void*, int, size_t, unsigned int) {
+  *n = 4;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize(void) {
+  auto l = api("cudaDeviceSynchronize");
+  run_all();
+  return cudaSuccess;
+}
+
+// ---- Memory ----
+cudaError_t cudaMalloc(void** p, size_t n) {
+  *p = nullptr;
+  if (n == 0) return cudaSuccess;
+  if (posix_memalign(p, 256, n) != 0) return set_error(cudaErrorMemoryAllocation);
+  std::lock_guard<std::mutex> l(g_mem_mu);
+  g_dev[reinterpret_cast<uintptr_t>(*p)] = Alloc{n, g_device};
+  return cudaSuccess;
+}
+static cudaError_t free_in(std::map<uintptr_t, Alloc>& m, void* p, const char* fn) {
+  if (!p) return cudaSuccess;
+  auto l = api(fn);
+  run_all();  // queued work may still use p
+  {
+    std::lock_guard<std::mutex> g(g_mem_mu);
+    if (!m.erase(reinterpret_cast<uintptr_t>(p))) return set_error(cudaErrorInvalidValue);
+  }
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaFree(void* p) { return free_in(g_dev, p, "cudaFree"); }
+cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
+  if (posix_memalign(p, 256, std::max<size_t>(n, 1)) != 0) return set_error(cudaErrorMemoryAllocation);
+  std::lock_guard<std::mutex> l(g_mem_mu);
+  g_pinned[reinterpret_cast<uintptr_t>(*p)] = Alloc{n, g_device};
+  return cudaSuccess;
+}
+cudaError_t cudaMallocHost(void** p, size_t n) { return cudaHostAlloc(p, n, 0); }
+cudaError_t cudaFreeHost(void* p) { return free_in(g_pinned, p, "cudaFreeHost"); }
+cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
+  std::lock_guard<std::mutex> l(g_mem_mu);
+  *a = cudaPointerAttributes{};
+  const Alloc* d = find(g_dev, p);
+  const Alloc* h = d ? nullptr : find(g_pinned, p);
+  a->type = d ? cudaMemoryTypeDevice : h ? cudaMemoryTypeHost : cudaMemoryTypeUnregistered;
+  a->device = d ? d->device : h ? h->device : -1;
+  a->devicePointer = d ? const_cast<void*>(p) : nullptr;
+  a->hostPointer = d ? nullptr : const_cast<void*>(p);
+  return cudaSuccess;
+}
+
+// A copy whose kind contradicts its pointers is an error CUDA reports (or a
+// fault); the range must also fit inside the device allocation.
+static cudaError_t check_copy(void* dst, const void* src, size_t n, cudaMemcpyKind k) {
+  if (n == 0) return cudaSuccess;
+  const bool dd = is_dev(dst, n), sd = is_dev(src, n);
+  const bool ok = (k == cudaMemcpyDefault) || (k == cudaMemcpyHostToDevice && dd && !sd) ||
+                  (k == cudaMemcpyDeviceToHost && sd && !dd) || (k == cudaMemcpyDeviceToDevice && sd && dd) ||
+                  (k == cudaMemcpyHostToHost && !sd && !dd);
+  if (!ok) {
+    std::fprintf(stderr, "[cuda-emu] cudaMemcpy kind %d does not match its pointers (or the range exceeds the allocation)\n", k);
+    return set_error(cudaErrorInvalidValue);
+  }
+  return cudaSuccess;
+}
+static Op copy_op(void* dst, const void* src, size_t n, const char* what) {
+  return Op{[=] { std::memmove(dst, src, n); }, what, {}};
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind k) {
+  if (cudaError_t e = check_copy(dst, src, n, k)) return e;
+  auto l = api("cudaMemcpy");
+  run_now(copy_op(dst, src, n, "cudaMemcpy"));
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind k, cudaStream_t s) {
+  if (cudaError_t e = check_copy(dst, src, n, k)) return e;
+  auto l = api("cudaMemcpyAsync");
+  push(resolve(s, "cudaMemcpyAsync"), copy_op(dst, src, n, "cudaMemcpyAsync"));
+  return cudaSuccess;
+}
+static Op memset_op(void* p, size_t pitch, int v, size_t w, size_t h, const char* what) {
+  return Op{[=] { for (size_t r = 0; r < h; ++r) std::memset(static_cast<char*>(p) + r * pitch, v, w); }, what, {}};
+}
+static cudaError_t check_memset(void* p, size_t pitch, size_t w, size_t h) {
+  if (w == 0 || h == 0 || is_dev(p, pitch * (h - 1) + w)) return cudaSuccess;
+  std::fprintf(stderr, "[cuda-emu] cudaMemset: the range is not inside one device allocation\n");
+  return set_error(cudaErrorInvalidValue);
+}
+cudaError_t cudaMemset(void* p, int v, size_t n) {
+  if (cudaError_t e = check_memset(p, n, n, 1)) return e;
+  auto l = api("cudaMemset");
+  run_now(memset_op(p, n, v, n, 1, "cudaMemset"));
+  return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s) {
+  if (cudaError_t e = check_memset(p, n, n, 1)) return e;
+  auto l = api("cudaMemsetAsync");
+  push(resolve(s, "cudaMemsetAsync"), memset_op(p, n, v, n, 1, "cudaMemsetAsync"));
+  return cudaSuccess;
+}
+cudaError_t cudaMemset2DAsync(void* p, size_t pitch, int v, size_t w, size_t h, cudaStream_t s) {
+  if (cudaError_t e = check_memset(p, pitch, w, h)) return e;
+  auto l = api("cudaMemset2DAsync");
+  push(resolve(s, "cudaMemset2DAsync"), memset_op(p, pitch, v, w, h, "cudaMemset2DAsync"));
+  return cudaSuccess;
+}
+
+// ---- Streams, events, host functions ----
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
+  auto l = api("cudaStreamCreateWithFlags");
+  auto st = std::make_shared<Stream>(Stream{g_device, false, !(flags & cudaStreamNonBlocking)});
+  *s = reinterpret_cast<cudaStream_t>(st.get());
+  g_streams[*s] = std::move(st);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  auto l = api("cudaStreamDestroy");
+  auto it = g_streams.find(s);
+  if (it == g_streams.end()) return set_error(cudaErrorInvalidResourceHandle);
+  StreamRef st = it->second;
+  run_until(st, st->enqueued);
+  g_streams.erase(it);  // waits that still name it hold a reference
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  auto l = api("cudaStreamSynchronize");
+  StreamRef st = resolve(s, "cudaStreamSynchronize");
+  // The legacy stream also waits for earlier blocking-stream work: a marker
+  // item carries that dependency.
+  if (st->legacy) push(st, Op{{}, "cudaStreamSynchronize", {}});
+  run_until(st, st->enqueued);
+  return cudaSuccess;
+}
+cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void* data) {
+  auto l = api("cudaLaunchHostFunc");
+  push(resolve(s, "cudaLaunchHostFunc"), Op{[=] {
+                                              g_in_host_fn = true;
+                                              fn(data);
+                                              g_in_host_fn = false;
+                                            },
+                                            "cudaLaunchHostFunc", {}});
+  return cudaSuccess;
+}
+
+static Event* event(cudaEvent_t e, const char* fn) {
+  if (!g_events.count(e)) die(std::string(fn) + ": invalid or destroyed event");
+  return reinterpret_cast<Event*>(e);
+}
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
+  auto l = api("cudaEventCreateWithFlags");
+  *e = reinterpret_cast<cudaEvent_t>(new Event);
+  g_events.insert(*e);
+  return cudaSuccess;
+}
+cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  auto l = api("cudaEventDestroy");
+  delete event(e, "cudaEventDestroy");  // waits already queued captured the record, not the event
+  g_events.erase(e);
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  auto l = api("cudaEventRecord");
+  Event* ev = event(e, "cudaEventRecord");
+  StreamRef st = resolve(s, "cudaEventRecord");
+  push(st, Op{{}, "cudaEventRecord", {}});
+  *ev = Event{st, st->enqueued, false};
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  auto l = api("cudaEventSynchronize");
+  Event* ev = event(e, "cudaEventSynchronize");
+  if (ev->stream) run_until(ev->stream, ev->seq);
+  return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  auto l = api("cudaEventQuery");
+  Event* ev = event(e, "cudaEventQuery");
+  if (!ev->stream || ev->stream->done >= ev->seq) return cudaSuccess;
+  if (!ev->said_not_ready) {
+    ev->said_not_ready = true;
+    return cudaErrorNotReady;
+  }
+  run_until(ev->stream, ev->seq);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
+  auto l = api("cudaStreamWaitEvent");
+  Event* ev = event(e, "cudaStreamWaitEvent");
+  Op op{{}, "cudaStreamWaitEvent", {}};
+  if (ev->stream) op.deps.emplace_back(ev->stream, ev->seq);
+  push(resolve(s, "cudaStreamWaitEvent"), std::move(op));
+  return cudaSuccess;
+}
+}  // extern "C"
