@@ -39,6 +39,10 @@ def cuda_required():
     in the CPU-only configuration they are skipped instead of built."""
     return if_cuda([], [Label("//third_party:cuda_toolkit")])
 
+def cpu_only_required():
+    """target_compatible_with for checks of the CPU-only configuration itself."""
+    return if_cuda([Label("//third_party:cuda_toolkit")], [])
+
 def _repo_root():
     # Includes are written from ember's root ("core/..."); when ember is an
     # external repository of another workspace, that root is external/<name>.

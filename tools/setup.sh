@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything ember needs on a fresh Debian 12 machine, idempotently:
-# Debian packages (skipping those present) and a check of /usr/local/cuda.
+# Debian packages (skipping those present), then says which configuration the
+# build will use: with CUDA (toolkit at /usr/local/cuda or $EMBER_CUDA_PATH)
+# or CPU-only.
 # Runs as root or through sudo. Exits non-zero, saying what is missing, if it
 # cannot fix something itself.
 set -euo pipefail
@@ -9,6 +11,7 @@ PACKAGES=(
   bazel-bootstrap      # Bazel 4.2.3
   bazel-rules-java     # rules_java, resolved locally (see WORKSPACE)
   g++
+  python3              # third_party/cuda_emu/cu2emu.py rewrites kernel launches
   libabsl-dev
   libgtest-dev
   libgmock-dev
@@ -45,22 +48,21 @@ else
   echo "setup: all ${#PACKAGES[@]} Debian packages present"
 fi
 
-# CUDA is not a Debian package here: it must be at /usr/local/cuda.
-cuda_ok=1
-for f in bin/nvcc include/cuda_runtime.h include/cublas_v2.h include/cudnn.h include/nccl.h \
-         lib64/libcudart.so lib64/libcublas.so lib64/libcudnn.so lib64/libnccl.so; do
-  if [ ! -e "/usr/local/cuda/$f" ]; then
-    echo "setup: missing /usr/local/cuda/$f" >&2
-    cuda_ok=0
-  fi
+# CUDA is not a Debian package: it is the toolkit at $EMBER_CUDA_PATH (default
+# /usr/local/cuda). Without it ember builds CPU-only (third_party/
+# cuda_configure.bzl decides the same way), so its absence is not an error.
+cuda=${EMBER_CUDA_PATH:-/usr/local/cuda}
+cuda_missing=()
+for f in bin/nvcc include/cuda_runtime.h include/cublas_v2.h include/cudnn.h include/nccl.h lib64/libcudart.so; do
+  [ -e "$cuda/$f" ] || cuda_missing+=("$cuda/$f")
 done
-if [ $cuda_ok -ne 1 ]; then
-  echo "setup: ember needs the CUDA 13 toolkit with cuBLAS, cuDNN 9 and NCCL at /usr/local/cuda" \
-       "(it compiles CUDA code even on machines without a GPU)" >&2
-  exit 1
+if [ ${#cuda_missing[@]} -eq 0 ]; then
+  config="default (CUDA $("$cuda/bin/nvcc" --version | grep -o 'release [0-9.]*' | cut -d' ' -f2) at $cuda, plus the emulated CUDA tests)"
+else
+  config="CPU-only (no CUDA toolkit: missing ${cuda_missing[0]}${cuda_missing[1]:+ and $(( ${#cuda_missing[@]} - 1 )) more})"
 fi
 
 for d in /usr/share/bazel/rules/java /usr/share/datasets/fashion-mnist /usr/lib/x86_64-linux-gnu/openblas-openmp; do
   [ -d "$d" ] || { echo "setup: expected $d after installing packages" >&2; exit 1; }
 done
-echo "setup: ok ($(/usr/local/cuda/bin/nvcc --version | grep -o 'release [0-9.]*'), $(bazel --version 2>/dev/null || echo bazel))"
+echo "setup: ok; bazel will build the $config configuration"
