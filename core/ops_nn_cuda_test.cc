@@ -132,6 +132,23 @@ TEST_F(CudaNnOps, Conv2dChannelsLastMatchesCpu) {
   EXPECT_EQ(y.stride(1), 1);
 }
 
+// Shapes at the edges: an empty batch gives an empty output on both backends;
+// an empty spatial dimension is the same named error on both (before the
+// check, the CPU returned bias values and cuDNN failed with BAD_PARAM).
+TEST_F(CudaNnOps, Conv2dEmptyInputsAgreeWithCpu) {
+  Tensor w = rnd({4, 3, 1, 1}, 5, DType::Float32);
+  EXPECT_EQ(conv2d(zeros({0, 3, 5, 5}).cuda(), w.cuda()).sizes(), (Shape{0, 4, 5, 5}));
+  for (bool cuda : {false, true}) {
+    Tensor x = zeros({1, 3, 0, 5});
+    try {
+      conv2d(cuda ? x.cuda() : x, cuda ? w.cuda() : w, Tensor(), {1, 1}, {1, 1});
+      ADD_FAILURE() << (cuda ? "cuda" : "cpu") << ": conv2d of an empty H was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("empty spatial dimension"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST_F(CudaNnOps, BatchNormMatchesCpu) {
   uint64_t seed = 200;
   for (DType dt : kTypes) {

@@ -258,6 +258,13 @@ TEST(Conv2d, ErrorsNameTheOpAndShapes) {
   EXPECT_NE(e.find("same dtype"), std::string::npos) << e;
   e = error_of([&] { conv2d(x, w, Tensor(), {0, 1}); });
   EXPECT_NE(e.find("stride"), std::string::npos) << e;
+  // Regression: an empty H with padding covering the kernel was accepted (and
+  // gave bias values on the CPU while cuDNN rejects it); PyTorch rejects it.
+  e = error_of([&] { conv2d(zeros({1, 3, 0, 5}), zeros({4, 3, 1, 1}), Tensor(), {1, 1}, {1, 1}); });
+  EXPECT_NE(e.find("[1,3,0,5]"), std::string::npos) << e;
+  EXPECT_NE(e.find("empty spatial dimension"), std::string::npos) << e;
+  // An empty batch stays valid.
+  EXPECT_EQ(conv2d(zeros({0, 3, 5, 5}), w).sizes(), (Shape{0, 4, 3, 3}));
 }
 
 // ---- batch_norm ----

@@ -49,6 +49,28 @@ def _repo_root():
     repo = native.repository_name()
     return "." if repo == "@" else "external/" + repo[1:]
 
+def _emu_rewrite(name, src):
+    """A genrule running cu2emu.py on src; returns the rewritten file."""
+    out = name + "_emu_srcs/" + src.replace(".cu", ".emu.cc")
+    native.genrule(
+        name = name + "_emu_" + src.replace("/", "_").replace(".", "_"),
+        srcs = [src],
+        outs = [out],
+        tools = [Label("//third_party/cuda_emu:cu2emu.py")],
+        cmd = "python3 $(location %s) $(location %s) $@" % (Label("//third_party/cuda_emu:cu2emu.py"), src),
+        target_compatible_with = cuda_required(),
+        testonly = 1,
+    )
+    return out
+
+def _emu_copts(root):
+    return [
+        "-include",
+        root + "/third_party/cuda_emu/cuda_emu.h",
+        "-Wno-unknown-pragmas",
+        "-Wno-unused-variable",
+    ]
+
 def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], no_cuda_srcs = [], **kwargs):
     """A cc_library whose .cu sources are compiled by nvcc, plus <name>_emu.
 
@@ -103,29 +125,14 @@ def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], no_cuda_srcs = []
             visibility = ["//visibility:private"],
         )
 
-        # The emulated twin: .cu -> host C++ (launches rewritten, line numbers
-        # kept), compiled with the emulator's header force-included.
-        emu_srcs = []
-        for src in cu_srcs:
-            out = name + "_emu_srcs/" + src.replace(".cu", ".emu.cc")
-            native.genrule(
-                name = name + "_emu_" + src.replace("/", "_").replace(".", "_"),
-                srcs = [src],
-                outs = [out],
-                tools = [Label("//third_party/cuda_emu:cu2emu.py")],
-                cmd = "python3 $(location %s) $(location %s) $@" % (Label("//third_party/cuda_emu:cu2emu.py"), src),
-                target_compatible_with = cuda_required(),
-            )
-            emu_srcs.append(out)
+        # The emulated twin: .cu -> host C++ (launches and __shared__
+        # declarations rewritten, line numbers kept), compiled with the
+        # emulator's header force-included.
+        emu_srcs = [_emu_rewrite(name, src) for src in cu_srcs]
         native.cc_library(
             name = name + "_emu",
             srcs = emu_srcs,
-            copts = [
-                "-include",
-                root + "/third_party/cuda_emu/cuda_emu.h",
-                "-Wno-unknown-pragmas",
-                "-Wno-unused-variable",
-            ],
+            copts = _emu_copts(root),
             deps = [":" + name, Label("//third_party/cuda_emu")],
             alwayslink = 1,
             testonly = 1,
@@ -197,6 +204,21 @@ def ember_test(name, srcs, deps = [], backends = ["cpu"], emu_deps = [Label("//c
             )
         else:
             fail("ember_test: unknown backend '%s' (use \"cpu\" or \"cuda_emu\")" % b)
+
+def cuda_emu_test(name, srcs, deps = [], **kwargs):
+    """A GoogleTest whose .cu sources (kernels and tests together) only ever
+    run under the emulator: the emulator's own tests."""
+    if not CUDA_FOUND:
+        return
+    root = _repo_root()
+    native.cc_test(
+        name = name,
+        srcs = [_emu_rewrite(name, s) if s.endswith(".cu") else s for s in srcs],
+        copts = _emu_copts(root),
+        deps = deps + [Label("//third_party/cuda_emu"), Label("//third_party:gtest_main")],
+        target_compatible_with = cuda_required(),
+        **kwargs
+    )
 
 def ember_benchmark(name, srcs, deps = [], **kwargs):
     """A Google Benchmark binary (run with bazel run -c opt)."""

@@ -383,6 +383,12 @@ ConvGeom conv_geom(const Tensor& x, const Tensor& w, const Tensor& b, Dims strid
               w.size(1) * groups);
   EMBER_CHECK(x.size(1) > 0 && w.size(2) > 0 && w.size(3) > 0, "conv2d: empty channels or kernel: input ",
               shape_str(x.sizes()), ", weight ", shape_str(w.sizes()));
+  // As PyTorch: only the batch may be empty. An empty H or W with enough
+  // padding would give a non-empty output of bias values on the CPU, but
+  // cuDNN rejects the descriptor (found by the emulated cuDNN), so the two
+  // backends would disagree.
+  EMBER_CHECK(x.size(2) > 0 && x.size(3) > 0, "conv2d: input ", shape_str(x.sizes()),
+              " has an empty spatial dimension; only the batch dimension may be 0");
   EMBER_CHECK(!b.defined() || (b.dim() == 1 && b.size(0) == w.size(0)), "conv2d: bias ",
               shape_str(b.defined() ? b.sizes() : Shape{}), " must be [", w.size(0), "] for weight ",
               shape_str(w.sizes()));

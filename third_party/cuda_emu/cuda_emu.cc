@@ -6,7 +6,7 @@
 // configurations are validated as CUDA does. The runtime API, streams and
 // memory are in cuda_runtime_emu.cc.
 //
-// Environment (read once, at the first grid):
+// Environment (read at start-up):
 //   EMU_ORDER=fwd|rev|shuffle  order in which a block's threads run between
 //                              barriers (default fwd). rev and shuffle expose a
 //                              missing __syncthreads; shuffle is seeded per
@@ -16,7 +16,7 @@
 //   EMU_STACK_KB=N             stack of each CUDA thread (default 256).
 //   EMU_VERBOSE=1              at exit, print "N launches of M kernels";
 //                              EMU_VERBOSE=2 also prints each launch.
-#include "cuda_emu.h"
+#include "third_party/cuda_emu/cuda_emu.h"
 
 #include <signal.h>
 #include <sys/mman.h>
@@ -117,6 +117,7 @@ void print_summary() {
   std::fprintf(stderr, "[cuda-emu] %llu launches of %zu kernels\n", static_cast<unsigned long long>(g_launches),
                g_kernels.size());
 }
+// At static initialisation, so that the summary prints after main returns.
 const bool g_summary_registered = g_verbose > 0 && std::atexit(print_summary) == 0;
 
 enum class St { Ready, WaitBlock, WaitWarp, Done };
@@ -180,10 +181,21 @@ std::string tid_str(const Fiber& f) {
          ") thread (" + std::to_string(f.tid.x) + "," + std::to_string(f.tid.y) + "," + std::to_string(f.tid.z) + ")";
 }
 
-#ifndef EMU_ASAN
-// A fault on a fiber stack would otherwise kill the process without a word
-// (the handler needs its own stack, as the faulting one is exhausted). Under
-// ASan its own handler reports the fault with the kernel's stack trace.
+// Fault reports name the kernel, block and thread. Without ASan, a fault on
+// a fiber stack would otherwise kill the process without a word (the handler
+// needs its own stack, as the faulting one may be exhausted); ASan reports
+// the fault with the kernel's stack trace and then calls on_asan_death.
+#ifdef EMU_ASAN
+void on_asan_death() {
+  if (W.blk && W.cur)
+    std::fprintf(stderr, "[cuda-emu] in kernel %s, block (%u,%u,%u) thread (%u,%u,%u)\n", W.blk->name, blockIdx.x,
+                 blockIdx.y, blockIdx.z, W.cur->tid.x, W.cur->tid.y, W.cur->tid.z);
+}
+void install_fault_reporting() {
+  static std::once_flag once;
+  std::call_once(once, [] { __asan_set_death_callback(on_asan_death); });
+}
+#else
 struct sigaction g_prev_segv;
 void on_segv(int, siginfo_t* si, void*) {
   if (W.blk && W.cur) {
@@ -203,7 +215,7 @@ void on_segv(int, siginfo_t* si, void*) {
   }
   sigaction(SIGSEGV, &g_prev_segv, nullptr);  // returning re-faults into the previous handler
 }
-void install_segv_handler() {
+void install_fault_reporting() {
   static std::once_flag once;
   std::call_once(once, [] {
     struct sigaction sa {};
@@ -360,9 +372,7 @@ void run_block(Block& b, const Grid& g, uint64_t block_linear) {
 
 // The part of a grid one OS thread runs: blocks taken from a shared counter.
 void run_blocks(Grid& g) {
-#ifndef EMU_ASAN
-  install_segv_handler();
-#endif
+  install_fault_reporting();
   gridDim = g.grid;
   blockDim = g.block;
   if (g.smem) {

@@ -7,7 +7,8 @@
 // shuffles are fiber barriers and the kernel body runs unchanged. Device
 // memory is host memory; cuda_runtime_emu.cc implements the runtime API, and
 // launches are queued on their stream until a synchronisation point, as on a
-// GPU (cuda_emu.cc runs them).
+// GPU (cuda_emu.cc runs them). The environment variables that tune it are
+// listed at the top of those two files.
 #pragma once
 
 #include <cuda_runtime.h>  // the real types/enums/declarations (host-only mode)

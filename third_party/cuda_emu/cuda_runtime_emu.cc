@@ -7,19 +7,24 @@
 //   - cudaStreamSynchronize(s) runs s's queue; cudaEventSynchronize(e) runs
 //     the recording stream up to e; a cudaStreamWaitEvent item, when its
 //     stream reaches it, first runs the recording stream up to the event.
-//   - cudaEventQuery on an unreached event answers cudaErrorNotReady once per
-//     record (so the caller's not-ready path runs), then runs up to the event
-//     and answers cudaSuccess (so a polling loop ends).
+//   - cudaEventQuery runs nothing: an event that no synchronisation has
+//     reached answers cudaErrorNotReady, as a slow GPU would, so work that
+//     only a query ever waited for stays pending. The kQueryPatience-th query
+//     of one record runs up to the event, so that a polling loop ends.
 //   - The legacy default stream (nullptr) waits for earlier work of the
 //     device's blocking streams, and their work waits for earlier default-
 //     stream work; cudaStreamNonBlocking streams do neither.
 //   - cudaMemcpy/cudaMemset are default-stream items the host waits for;
 //     cudaDeviceSynchronize, cudaFree and cudaFreeHost run everything (CUDA's
 //     cudaFree synchronizes the device); cudaStreamDestroy runs the stream.
-// Deferred copies to or from pageable memory are deferred too, although CUDA
-// may run those synchronously: code must not rely on that.
+// Async copies involving pageable host memory follow CUDA's documented rules
+// (the source is staged at the call; a copy into it completes before the
+// call returns); with pinned memory they are fully deferred.
 // Allocations are exact-sized (no rounding), so ASan catches an access past
-// the end. Environment: EMU_DEVICES=N (devices reported, default 1).
+// the end, and filled with 0xFF bytes (NaN, -1): CUDA leaves new memory
+// uninitialised, so code that counts on zeros must fail here too.
+//
+// Environment: EMU_DEVICES=N  devices reported (default 1).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -91,6 +96,7 @@ struct Op {
   std::vector<std::pair<StreamRef, uint64_t>> deps;  // streams to run up to these counts first
 };
 struct Stream {
+  Stream(int d, bool l, bool b) : device(d), legacy(l), blocking(b) {}
   int device;
   bool legacy, blocking;
   std::deque<Op> q;
@@ -100,26 +106,28 @@ struct Stream {
 struct Event {
   StreamRef stream;  // null until recorded
   uint64_t seq = 0;
-  bool said_not_ready = false;
+  int not_ready_answers = 0;
 };
+constexpr int kQueryPatience = 64;
 
 // Guards the queues and is held while queued work runs: one device, one
-// thing at a time. Recursive, as a sync inside a library call's own checks
-// is harmless.
-std::recursive_mutex g_exec;
+// thing at a time.
+std::mutex g_exec;
 std::map<cudaStream_t, StreamRef> g_streams;  // created, not destroyed
 std::vector<StreamRef> g_legacy;              // per device, created on use
 std::set<cudaEvent_t> g_events;
-thread_local bool g_in_host_fn = false;
+thread_local const char* g_running = nullptr;  // the queued work this thread runs
 
-std::unique_lock<std::recursive_mutex> api(const char* fn) {
-  if (g_in_host_fn) die(std::string(fn) + " called from a cudaLaunchHostFunc callback, which CUDA forbids");
-  return std::unique_lock<std::recursive_mutex>(g_exec);
+// CUDA forbids CUDA calls from a stream callback (and an emulated library
+// call must not make them): they would re-enter the queues.
+std::unique_lock<std::mutex> api(const char* fn) {
+  if (g_running) die(std::string(fn) + " called from queued work (" + g_running + "), which CUDA forbids");
+  return std::unique_lock<std::mutex>(g_exec);
 }
 
 StreamRef legacy(int device) {
   if (g_legacy.empty()) g_legacy.resize(device_count());
-  if (!g_legacy[device]) g_legacy[device] = std::make_shared<Stream>(Stream{device, true, true});
+  if (!g_legacy[device]) g_legacy[device] = std::make_shared<Stream>(device, true, true);
   return g_legacy[device];
 }
 StreamRef resolve(cudaStream_t s, const char* fn) {
@@ -152,11 +160,13 @@ void run_until(const StreamRef& s, uint64_t n) {
     s->q.pop_front();
     for (auto& [t, m] : op.deps) run_until(t, m);
     if (op.fn) {
+      g_running = op.what;
       try {
         op.fn();
       } catch (const std::exception& e) {
         die(std::string(op.what) + ": " + e.what());
       }
+      g_running = nullptr;
     }
     s->done++;
     s->running = false;
@@ -174,19 +184,25 @@ void run_now(Op op) {
   run_until(d, d->enqueued);
 }
 
-const char* const kErrors[][3] = {
-    {"0", "cudaSuccess", "no error"},
-    {"1", "cudaErrorInvalidValue", "invalid argument"},
-    {"2", "cudaErrorMemoryAllocation", "out of memory"},
-    {"9", "cudaErrorInvalidConfiguration", "invalid configuration argument"},
-    {"101", "cudaErrorInvalidDevice", "invalid device ordinal"},
-    {"400", "cudaErrorInvalidResourceHandle", "invalid resource handle"},
-    {"600", "cudaErrorNotReady", "device not ready"},
+struct ErrorText {
+  cudaError_t error;
+  const char* name;
+  const char* text;
 };
-const char* error_text(cudaError_t e, int which) {
-  for (auto& row : kErrors)
-    if (std::atoi(row[0]) == static_cast<int>(e)) return row[which];
-  return which == 1 ? "cudaErrorUnknown" : "unknown error";
+constexpr ErrorText kErrors[] = {
+    {cudaSuccess, "cudaSuccess", "no error"},
+    {cudaErrorInvalidValue, "cudaErrorInvalidValue", "invalid argument"},
+    {cudaErrorMemoryAllocation, "cudaErrorMemoryAllocation", "out of memory"},
+    {cudaErrorInvalidConfiguration, "cudaErrorInvalidConfiguration", "invalid configuration argument"},
+    {cudaErrorInvalidDevice, "cudaErrorInvalidDevice", "invalid device ordinal"},
+    {cudaErrorInvalidResourceHandle, "cudaErrorInvalidResourceHandle", "invalid resource handle"},
+    {cudaErrorNotReady, "cudaErrorNotReady", "device not ready"},
+};
+const ErrorText& error_text(cudaError_t e) {
+  static constexpr ErrorText kUnknown{cudaErrorUnknown, "cudaErrorUnknown", "unknown error"};
+  for (const ErrorText& t : kErrors)
+    if (t.error == e) return t;
+  return kUnknown;
 }
 
 }  // namespace
@@ -210,9 +226,10 @@ void check_kernel_pointer(const void* p, const char* kernel, int arg) {
 
 void check_device_range(const void* p, size_t bytes, const char* what) {
   if (bytes == 0 && p == nullptr) return;
-  if (!is_dev(p, bytes))
-    die(std::string(what) + ": " + std::to_string(bytes) + " bytes at " + std::to_string(reinterpret_cast<uintptr_t>(p)) +
-        " are not inside one device allocation");
+  if (is_dev(p, bytes)) return;
+  char at[32];
+  std::snprintf(at, sizeof at, "%p", p);
+  die(std::string(what) + ": " + std::to_string(bytes) + " bytes at " + at + " are not inside one device allocation");
 }
 
 }  // namespace emu
@@ -222,8 +239,8 @@ using namespace emu;
 
 cudaError_t cudaGetLastError(void) { cudaError_t e = g_last; g_last = cudaSuccess; return e; }
 cudaError_t cudaPeekAtLastError(void) { return g_last; }
-const char* cudaGetErrorString(cudaError_t e) { return error_text(e, 2); }
-const char* cudaGetErrorName(cudaError_t e) { return error_text(e, 1); }
+const char* cudaGetErrorString(cudaError_t e) { return error_text(e).text; }
+const char* cudaGetErrorName(cudaError_t e) { return error_text(e).name; }
 
 cudaError_t cudaGetDeviceCount(int* n) { *n = device_count(); return cudaSuccess; }
 cudaError_t cudaGetDevice(int* d) { *d = g_device; return cudaSuccess; }
@@ -252,6 +269,7 @@ cudaError_t cudaMalloc(void** p, size_t n) {
   *p = nullptr;
   if (n == 0) return cudaSuccess;
   if (posix_memalign(p, 256, n) != 0) return set_error(cudaErrorMemoryAllocation);
+  std::memset(*p, 0xFF, n);
   std::lock_guard<std::mutex> l(g_mem_mu);
   g_dev[reinterpret_cast<uintptr_t>(*p)] = Alloc{n, g_device};
   return cudaSuccess;
@@ -270,6 +288,7 @@ static cudaError_t free_in(std::map<uintptr_t, Alloc>& m, void* p, const char* f
 cudaError_t cudaFree(void* p) { return free_in(g_dev, p, "cudaFree"); }
 cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
   if (posix_memalign(p, 256, std::max<size_t>(n, 1)) != 0) return set_error(cudaErrorMemoryAllocation);
+  std::memset(*p, 0xFF, n);
   std::lock_guard<std::mutex> l(g_mem_mu);
   g_pinned[reinterpret_cast<uintptr_t>(*p)] = Alloc{n, g_device};
   return cudaSuccess;
@@ -311,10 +330,26 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind k) {
   run_now(copy_op(dst, src, n, "cudaMemcpy"));
   return cudaSuccess;
 }
+static bool is_pageable(const void* p, size_t n) {
+  std::lock_guard<std::mutex> l(g_mem_mu);
+  return !find(g_dev, p, n) && !find(g_pinned, p, n);
+}
+// CUDA's documented rules for pageable host memory ("API synchronization
+// behavior"): a copy from it is staged before the call returns, so the
+// source may be reused at once (core/ops/optimizer.cu relies on this); a copy
+// to it returns only once complete. Pinned memory gets neither: the copy runs
+// when its stream does, so a missing synchronisation shows.
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind k, cudaStream_t s) {
   if (cudaError_t e = check_copy(dst, src, n, k)) return e;
   auto l = api("cudaMemcpyAsync");
-  push(resolve(s, "cudaMemcpyAsync"), copy_op(dst, src, n, "cudaMemcpyAsync"));
+  StreamRef st = resolve(s, "cudaMemcpyAsync");
+  if (n > 0 && is_pageable(src, n) && !is_pageable(dst, n)) {
+    auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + n);
+    push(st, Op{[=] { std::memcpy(dst, staged->data(), n); }, "cudaMemcpyAsync", {}});
+  } else {
+    push(st, copy_op(dst, src, n, "cudaMemcpyAsync"));
+    if (n > 0 && is_pageable(dst, n) && !is_pageable(src, n)) run_until(st, st->enqueued);
+  }
   return cudaSuccess;
 }
 static Op memset_op(void* p, size_t pitch, int v, size_t w, size_t h, const char* what) {
@@ -347,7 +382,7 @@ cudaError_t cudaMemset2DAsync(void* p, size_t pitch, int v, size_t w, size_t h, 
 // ---- Streams, events, host functions ----
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int flags) {
   auto l = api("cudaStreamCreateWithFlags");
-  auto st = std::make_shared<Stream>(Stream{g_device, false, !(flags & cudaStreamNonBlocking)});
+  auto st = std::make_shared<Stream>(g_device, false, !(flags & cudaStreamNonBlocking));
   *s = reinterpret_cast<cudaStream_t>(st.get());
   g_streams[*s] = std::move(st);
   return cudaSuccess;
@@ -373,12 +408,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
 }
 cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void* data) {
   auto l = api("cudaLaunchHostFunc");
-  push(resolve(s, "cudaLaunchHostFunc"), Op{[=] {
-                                              g_in_host_fn = true;
-                                              fn(data);
-                                              g_in_host_fn = false;
-                                            },
-                                            "cudaLaunchHostFunc", {}});
+  push(resolve(s, "cudaLaunchHostFunc"), Op{[=] { fn(data); }, "cudaLaunchHostFunc", {}});
   return cudaSuccess;
 }
 
@@ -404,7 +434,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   Event* ev = event(e, "cudaEventRecord");
   StreamRef st = resolve(s, "cudaEventRecord");
   push(st, Op{{}, "cudaEventRecord", {}});
-  *ev = Event{st, st->enqueued, false};
+  *ev = Event{st, st->enqueued, 0};
   return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
@@ -417,10 +447,7 @@ cudaError_t cudaEventQuery(cudaEvent_t e) {
   auto l = api("cudaEventQuery");
   Event* ev = event(e, "cudaEventQuery");
   if (!ev->stream || ev->stream->done >= ev->seq) return cudaSuccess;
-  if (!ev->said_not_ready) {
-    ev->said_not_ready = true;
-    return cudaErrorNotReady;
-  }
+  if (++ev->not_ready_answers < kQueryPatience) return cudaErrorNotReady;
   run_until(ev->stream, ev->seq);
   return cudaSuccess;
 }

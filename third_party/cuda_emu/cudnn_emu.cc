@@ -13,7 +13,9 @@
 // rounded to TF32 first, as Ampere+ tensor cores do, so a caller that lets
 // TF32 in sees TF32-sized errors here too. The arithmetic is a plain loop
 // (double accumulation for double, float otherwise), queued on the handle's
-// stream through emu::enqueue like a kernel launch.
+// stream through emu::enqueue like a kernel launch; what a GPU would turn
+// into an illegal access or silent garbage (a pointer outside its
+// allocation, an output overlapping an input) is fatal instead.
 #include <cudnn.h>
 
 #include <algorithm>
@@ -405,6 +407,15 @@ cudnnStatus_t execute(const char* fn, Pass pass, cudnnHandle_t handle, const voi
     emu::check_device_range(ptrs[i], views[i]->extent() * es, (std::string(fn) + " data of " + nm[i]).c_str());
   }
   if (ws_bytes > 0) emu::check_device_range(ws, ws_bytes, (std::string(fn) + " workSpace").c_str());
+  // cuDNN has no in-place convolution: an output overlapping an input (or
+  // the workspace) silently computes garbage on a GPU, so it is fatal here.
+  const int o = pass == kFwd ? 2 : pass == kBwdData ? 0 : 1;
+  auto lo = [&](int i) { return static_cast<const char*>(ptrs[i]); };
+  auto hi = [&](int i) { return lo(i) + views[i]->extent() * es; };
+  for (int i = 0; i < 3; ++i)
+    if (i != o && lo(i) < hi(o) && lo(o) < hi(i)) emu::die(std::string(fn) + ": the output overlaps " + nm[i]);
+  if (need > 0 && static_cast<const char*>(ws) < hi(o) && lo(o) < static_cast<const char*>(ws) + need)
+    emu::die(std::string(fn) + ": the output overlaps the workspace");
 
   // alpha/beta are host scalars read at call time: double for double data,
   // float for everything else.

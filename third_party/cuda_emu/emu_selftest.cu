@@ -1,0 +1,486 @@
+// The emulator's own tests: each misuse it exists to catch (barrier and
+// shuffle misuse, bad launch configurations, host pointers, copy directions,
+// races exposed by thread order, missing stream waits, reads of uninitialised
+// shared memory, out-of-bounds accesses under ASan) must be caught, and its
+// execution model (deferred streams, the worker pool) must give CUDA's
+// results. Compiled like the project's .cu files: cu2emu.py, then g++ with
+// -include cuda_emu.h; kernels and tests share this file.
+#include <cublas_v2.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "third_party/cuda_emu/emu_runtime.h"
+
+namespace {
+
+// ---- Kernels ----
+__global__ void fill(int* out, int n, int v) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = v + i;
+}
+__global__ void copy(const int* in, int* out, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = in[i];
+}
+struct Coeffs {
+  int v[4];
+};
+__global__ void fill_struct(int* out, Coeffs c) {
+  out[threadIdx.x] = c.v[threadIdx.x % 4];
+}
+__global__ void divergent_barrier(int* out) {
+  if (threadIdx.x < 16) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
+  out[threadIdx.x] = 1;
+}
+__global__ void shuffle_outside_mask(int* out) {
+  if (threadIdx.x < 16) out[threadIdx.x] = __shfl_sync(0x0000ffffu, int(threadIdx.x), 20);
+}
+// Each thread reads its left neighbour's value: correct only with the barrier.
+__global__ void neighbour(int* out, bool barrier) {
+  __shared__ int s[64];
+  s[threadIdx.x] = threadIdx.x + 1;
+  if (barrier) __syncthreads();
+  out[threadIdx.x] = threadIdx.x ? s[threadIdx.x - 1] : 0;
+}
+__global__ void read_shared_first(float* f, int* i) {
+  __shared__ float sf[32];
+  __shared__ int si;
+  f[blockIdx.x * 32 + threadIdx.x] = sf[threadIdx.x];  // before any write: poison
+  if (threadIdx.x == 0) i[blockIdx.x] = si;
+  __syncthreads();
+  sf[threadIdx.x] = 1.0f;  // the next block must not see these
+  si = 7;
+}
+__global__ void reverse_dynamic(const float* in, float* out, float* before) {
+  extern __shared__ float dyn[];
+  const int t = threadIdx.x, n = blockDim.x;
+  before[blockIdx.x * n + t] = dyn[t];
+  dyn[t] = in[blockIdx.x * n + t];
+  __syncthreads();
+  out[blockIdx.x * n + t] = dyn[n - 1 - t];
+}
+// Per-block tree sum in shared memory, plus which OS thread ran the block.
+__global__ void block_sums(const float* in, float* sums, size_t* os_thread) {
+  __shared__ float s[128];
+  const int t = threadIdx.x;
+  s[t] = in[blockIdx.x * 128 + t];
+  __syncthreads();
+  for (int w = 64; w > 0; w /= 2) {
+    if (t < w) s[t] += s[t + w];
+    __syncthreads();
+  }
+  if (t == 0) {
+    sums[blockIdx.x] = s[0];
+    os_thread[blockIdx.x] = std::hash<std::thread::id>()(std::this_thread::get_id());
+    std::this_thread::sleep_for(std::chrono::microseconds(200));  // lets the other workers take blocks
+  }
+}
+__device__ int recurse(int d) {
+  volatile char pad[1024];
+  pad[0] = static_cast<char>(d);
+  return d > 1000000 ? pad[0] : recurse(d + 1) + pad[0];
+}
+__global__ void overflow_stack(int* out) { out[0] = recurse(0); }
+#if defined(__SANITIZE_ADDRESS__)
+__global__ void write_past_end(int* p, int n) { p[n + threadIdx.x] = 1; }
+#endif
+
+// ---- Helpers ----
+class Emu : public ::testing::Test {
+ protected:
+  // The worker pool's threads make fork-based death tests unsafe.
+  void SetUp() override { GTEST_FLAG_SET(death_test_style, "threadsafe"); }
+  void TearDown() override {
+    for (void* p : dev_) cudaFree(p);
+  }
+  template <typename T>
+  T* dev(size_t n) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaMalloc(&p, n * sizeof(T)), cudaSuccess);
+    EXPECT_EQ(cudaMemset(p, 0, n * sizeof(T)), cudaSuccess);
+    dev_.push_back(p);
+    return static_cast<T*>(p);
+  }
+  // Device memory is host memory here: a test may look without a copy (and
+  // without the synchronisation a copy would imply).
+  static std::vector<int> peek(const int* p, int n) { return std::vector<int>(p, p + n); }
+  static std::vector<int> iota(int n, int v) {
+    std::vector<int> r(n);
+    for (int i = 0; i < n; ++i) r[i] = v + i;
+    return r;
+  }
+  std::vector<void*> dev_;
+};
+
+// ---- Misuse the emulator must report ----
+TEST_F(Emu, OversizedBlockIsInvalidConfiguration) {
+  int* out = dev<int>(1);
+  fill<<<1, 2048>>>(out, 1, 5);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  fill<<<1, dim3(32, 64)>>>(out, 1, 5);  // each dimension within its limit, 2048 threads in all
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  fill<<<dim3(1, 70000), 32>>>(out, 1, 5);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  cudaDeviceSynchronize();
+  EXPECT_EQ(out[0], 0) << "a rejected launch must not run";
+  fill<<<1, 1024>>>(out, 1, 5);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+TEST_F(Emu, DivergentSyncthreadsDies) {
+  int* out = dev<int>(32);
+  EXPECT_DEATH(
+      {
+        divergent_barrier<<<1, 32>>>(out);
+        cudaDeviceSynchronize();
+      },
+      "divergent_barrier: divergent __syncthreads: .* at .*emu_selftest.cu:[0-9]+, other threads at "
+      ".*emu_selftest.cu:[0-9]+");
+}
+
+TEST_F(Emu, ShuffleOutsideMaskDies) {
+  int* out = dev<int>(32);
+  EXPECT_DEATH(
+      {
+        shuffle_outside_mask<<<1, 32>>>(out);
+        cudaDeviceSynchronize();
+      },
+      "shuffle at .*emu_selftest.cu:[0-9]+ reads lane 20 outside its mask");
+}
+
+TEST_F(Emu, HostPointerPassedToKernelDies) {
+  int host[4];
+  EXPECT_DEATH(fill<<<1, 4>>>(host, 4, 0), "fill: pointer argument 0 is not device memory");
+}
+
+TEST_F(Emu, MemcpyDirectionMismatchIsInvalidValue) {
+  int* d = dev<int>(4);
+  int h[4] = {};
+  EXPECT_EQ(cudaMemcpy(h, d, sizeof h, cudaMemcpyHostToDevice), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaMemcpy(d, h, sizeof h, cudaMemcpyDeviceToHost), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaMemcpy(d, h, sizeof h + 4, cudaMemcpyHostToDevice), cudaErrorInvalidValue) << "past the allocation";
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaMemcpy(d, h, sizeof h, cudaMemcpyHostToDevice), cudaSuccess);
+}
+
+TEST_F(Emu, MissingSyncthreadsShowsUnderReverseOrder) {
+  const emu::Order prev = emu::set_order(emu::Order::kForward);
+  int* out = dev<int>(64);
+  const std::vector<int> want = iota(64, 0);
+  for (emu::Order o : {emu::Order::kForward, emu::Order::kReverse, emu::Order::kShuffle}) {
+    emu::set_order(o);
+    neighbour<<<1, 64>>>(out, true);
+    cudaDeviceSynchronize();
+    EXPECT_EQ(peek(out, 64), want) << "with the barrier, order " << int(o);
+  }
+  emu::set_order(emu::Order::kForward);  // each thread runs to the end before the next: the race hides
+  neighbour<<<1, 64>>>(out, false);
+  cudaDeviceSynchronize();
+  EXPECT_EQ(peek(out, 64), want);
+  emu::set_order(emu::Order::kReverse);
+  neighbour<<<1, 64>>>(out, false);
+  cudaDeviceSynchronize();
+  EXPECT_NE(peek(out, 64), want) << "reverse order must expose the missing __syncthreads";
+  emu::set_order(prev);
+}
+
+// ---- Deferred stream semantics ----
+TEST_F(Emu, KernelRunsAtSynchronisationNotAtLaunch) {
+  int* out = dev<int>(64);
+  cudaStream_t s;
+  ASSERT_EQ(cudaStreamCreate(&s), cudaSuccess);
+  fill<<<2, 32, 0, s>>>(out, 64, 1);
+  EXPECT_EQ(peek(out, 64), std::vector<int>(64, 0)) << "the launch ran before any synchronisation";
+  cudaStreamSynchronize(s);
+  EXPECT_EQ(peek(out, 64), iota(64, 1));
+  cudaStreamDestroy(s);
+}
+
+TEST_F(Emu, SecondStreamNeedsAnEventToSeeTheFirst) {
+  int* buf = dev<int>(64);
+  int* out = dev<int>(64);
+  cudaStream_t s1, s2;
+  cudaStreamCreate(&s1);
+  cudaStreamCreate(&s2);
+  // Without a wait, s2 may run first: here it does.
+  fill<<<2, 32, 0, s1>>>(buf, 64, 1);
+  copy<<<2, 32, 0, s2>>>(buf, out, 64);
+  cudaStreamSynchronize(s2);
+  EXPECT_EQ(peek(out, 64), std::vector<int>(64, 0)) << "s2 saw s1's write without waiting for it";
+  cudaStreamSynchronize(s1);
+  // With the event, s2 runs s1 up to the record first.
+  cudaEvent_t e;
+  cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+  fill<<<2, 32, 0, s1>>>(buf, 64, 100);
+  cudaEventRecord(e, s1);
+  fill<<<2, 32, 0, s1>>>(buf, 64, 200);  // after the record: s2 must not see it
+  cudaStreamWaitEvent(s2, e, 0);
+  cudaEventDestroy(e);  // the queued wait keeps its record
+  copy<<<2, 32, 0, s2>>>(buf, out, 64);
+  cudaStreamSynchronize(s2);
+  EXPECT_EQ(peek(out, 64), iota(64, 100));
+  EXPECT_EQ(peek(buf, 64), iota(64, 100)) << "s1's work after the record ran too early";
+  cudaStreamDestroy(s1);  // runs its pending work
+  EXPECT_EQ(peek(buf, 64), iota(64, 200));
+  cudaStreamDestroy(s2);
+}
+
+TEST_F(Emu, LegacyDefaultStreamSyncsWithBlockingStreamsOnly) {
+  int* buf = dev<int>(32);
+  int* out = dev<int>(32);
+  cudaStream_t blocking, nonblocking;
+  cudaStreamCreate(&blocking);
+  cudaStreamCreateWithFlags(&nonblocking, cudaStreamNonBlocking);
+  fill<<<1, 32, 0, blocking>>>(buf, 32, 1);
+  copy<<<1, 32>>>(buf, out, 32);
+  cudaStreamSynchronize(nullptr);
+  EXPECT_EQ(peek(out, 32), iota(32, 1)) << "the default stream did not wait for a blocking stream";
+
+  fill<<<1, 32>>>(buf, 32, 50);
+  copy<<<1, 32, 0, blocking>>>(buf, out, 32);
+  cudaStreamSynchronize(blocking);
+  EXPECT_EQ(peek(out, 32), iota(32, 50)) << "a blocking stream did not wait for the default stream";
+
+  fill<<<1, 32, 0, nonblocking>>>(buf, 32, 70);
+  copy<<<1, 32>>>(buf, out, 32);
+  cudaStreamSynchronize(nullptr);
+  EXPECT_EQ(peek(out, 32), iota(32, 50)) << "the default stream waited for a non-blocking stream";
+  cudaStreamDestroy(blocking);
+  cudaStreamDestroy(nonblocking);
+}
+
+TEST_F(Emu, SynchronousCallsAndFreeRunQueuedWork) {
+  int* buf = dev<int>(32);
+  std::vector<int> h(32);
+  fill<<<1, 32>>>(buf, 32, 3);
+  ASSERT_EQ(cudaMemcpy(h.data(), buf, 32 * sizeof(int), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(h, iota(32, 3));
+
+  cudaStream_t s;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  fill<<<1, 32, 0, s>>>(buf, 32, 9);
+  int* other = nullptr;
+  cudaMalloc(reinterpret_cast<void**>(&other), 4);
+  cudaFree(other);  // synchronizes the device, as CUDA's does
+  EXPECT_EQ(peek(buf, 32), iota(32, 9));
+  cudaStreamDestroy(s);
+}
+
+TEST_F(Emu, AsyncCopyAndMemsetAreDeferred) {
+  int* d = dev<int>(32);
+  int* pinned = nullptr;
+  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&pinned), 32 * sizeof(int), cudaHostAllocDefault), cudaSuccess);
+  std::fill(pinned, pinned + 32, -5);
+  cudaStream_t s;
+  cudaStreamCreate(&s);
+  fill<<<1, 32, 0, s>>>(d, 32, 4);
+  cudaMemcpyAsync(pinned, d, 32 * sizeof(int), cudaMemcpyDeviceToHost, s);
+  EXPECT_EQ(pinned[0], -5) << "the copy landed before a synchronisation";
+  cudaStreamSynchronize(s);
+  EXPECT_EQ(std::vector<int>(pinned, pinned + 32), iota(32, 4));
+  cudaMemsetAsync(d, 0, 32 * sizeof(int), s);
+  EXPECT_EQ(d[0], 4);
+  cudaStreamSynchronize(s);
+  EXPECT_EQ(d[0], 0);
+  cudaStreamDestroy(s);
+  cudaFreeHost(pinned);
+}
+
+TEST_F(Emu, ParametersAreCopiedAtLaunch) {
+  int* out = dev<int>(4);
+  Coeffs c{{1, 2, 3, 4}};
+  fill_struct<<<1, 4>>>(out, c);
+  c.v[0] = 99;
+  cudaDeviceSynchronize();
+  EXPECT_EQ(peek(out, 4), (std::vector<int>{1, 2, 3, 4}));
+}
+
+TEST_F(Emu, EventQueryRunsNothingButEndsAPollingLoop) {
+  int* out = dev<int>(32);
+  cudaStream_t s;
+  cudaEvent_t e;
+  cudaStreamCreate(&s);
+  cudaEventCreate(&e);
+  EXPECT_EQ(cudaEventQuery(e), cudaSuccess) << "never recorded";
+  fill<<<1, 32, 0, s>>>(out, 32, 1);
+  cudaEventRecord(e, s);
+  int polls = 1;
+  for (; cudaEventQuery(e) == cudaErrorNotReady; ++polls) EXPECT_EQ(out[0], 0) << "a query ran the kernel";
+  EXPECT_GT(polls, 8);
+  EXPECT_LT(polls, 1000);
+  EXPECT_EQ(out[0], 1);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "not-ready is not an error";
+  fill<<<1, 32, 0, s>>>(out, 32, 2);
+  cudaEventRecord(e, s);
+  cudaEventSynchronize(e);
+  EXPECT_EQ(out[0], 2);
+  cudaEventDestroy(e);
+  cudaStreamDestroy(s);
+}
+
+TEST_F(Emu, HostFunctionRunsInStreamOrder) {
+  int* out = dev<int>(32);
+  cudaStream_t s;
+  cudaStreamCreate(&s);
+  struct Seen {
+    int* out;
+    int value = -1;
+  } seen{out};
+  fill<<<1, 32, 0, s>>>(out, 32, 8);
+  cudaLaunchHostFunc(s, [](void* p) { static_cast<Seen*>(p)->value = static_cast<Seen*>(p)->out[0]; }, &seen);
+  EXPECT_EQ(seen.value, -1);
+  cudaStreamSynchronize(s);
+  EXPECT_EQ(seen.value, 8);
+  cudaStreamDestroy(s);
+  EXPECT_DEATH(
+      {
+        cudaLaunchHostFunc(nullptr, [](void*) { cudaDeviceSynchronize(); }, nullptr);
+        cudaStreamSynchronize(nullptr);
+      },
+      "cudaDeviceSynchronize called from queued work \\(cudaLaunchHostFunc\\)");
+}
+
+TEST_F(Emu, CublasGemmRunsOnItsHandlesStream) {
+  // C (2x2) = A (2x3) * B (3x2), column-major.
+  float* a = dev<float>(6);
+  float* b = dev<float>(6);
+  float* c = dev<float>(4);
+  for (int i = 0; i < 6; ++i) a[i] = float(i + 1), b[i] = float(i % 2);
+  cudaStream_t s;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  cublasHandle_t h;
+  cublasCreate(&h);
+  cublasSetStream(h, s);
+  const float one = 1, zero = 0;
+  ASSERT_EQ(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 3, &one, a, CUDA_R_32F, 2, 0, b, CUDA_R_32F, 3,
+                                       0, &zero, c, CUDA_R_32F, 2, 0, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+            CUBLAS_STATUS_SUCCESS);
+  cudaStreamSynchronize(nullptr);
+  EXPECT_EQ(c[0], 0.0f) << "ran on the default stream, not the handle's non-blocking one";
+  cudaStreamSynchronize(s);
+  // b = [[0,1],[0,1],[0,1]] per column: col0 = (0,1,0), col1 = (1,0,1).
+  EXPECT_EQ(std::vector<float>(c, c + 4), (std::vector<float>{3, 4, 6, 8}));
+  // A second batch entry of A would start past its allocation.
+  EXPECT_DEATH(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 3, &one, a, CUDA_R_32F, 2, 6, b,
+                                          CUDA_R_32F, 3, 0, &zero, c, CUDA_R_32F, 2, 0, 2, CUBLAS_COMPUTE_32F,
+                                          CUBLAS_GEMM_DEFAULT),
+               "cublasGemmStridedBatchedEx: .* not inside one device allocation");
+  cublasDestroy(h);
+  cudaStreamDestroy(s);
+}
+
+// ---- Poison: uninitialised memory must not read as plausible values ----
+TEST_F(Emu, NewDeviceMemoryIsPoisoned) {
+  int* p = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&p), 8 * sizeof(int)), cudaSuccess);
+  EXPECT_EQ(peek(p, 8), std::vector<int>(8, -1));
+  cudaFree(p);
+}
+
+TEST_F(Emu, SharedMemoryIsPoisonedPerBlock) {
+  float* f = dev<float>(3 * 32);
+  int* i = dev<int>(3);
+  for (int launch = 0; launch < 2; ++launch) {  // the second launch follows blocks that wrote it
+    read_shared_first<<<3, 32>>>(f, i);
+    cudaDeviceSynchronize();
+    for (int k = 0; k < 3 * 32; ++k) EXPECT_TRUE(std::isnan(f[k])) << "launch " << launch << " element " << k;
+    EXPECT_EQ(peek(i, 3), std::vector<int>(3, -1)) << "launch " << launch;
+  }
+}
+
+TEST_F(Emu, DynamicSharedMemoryIsPerBlockAndPoisoned) {
+  const int n = 64, blocks = 3;
+  float* in = dev<float>(n * blocks);
+  float* out = dev<float>(n * blocks);
+  float* before = dev<float>(n * blocks);
+  for (int k = 0; k < n * blocks; ++k) in[k] = float(k);
+  reverse_dynamic<<<blocks, n, n * sizeof(float)>>>(in, out, before);
+  cudaDeviceSynchronize();
+  for (int b = 0; b < blocks; ++b)
+    for (int t = 0; t < n; ++t) {
+      EXPECT_EQ(out[b * n + t], float(b * n + n - 1 - t));
+      EXPECT_TRUE(std::isnan(before[b * n + t]));
+    }
+  reverse_dynamic<<<1, n, 64 * 1024>>>(in, out, before);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue) << "over the 48 KiB default limit";
+}
+
+// ---- Worker pool ----
+TEST_F(Emu, PoolGivesTheSameResultsOnSeveralThreads) {
+  const int blocks = 64;
+  float* in = dev<float>(blocks * 128);
+  for (int k = 0; k < blocks * 128; ++k) in[k] = 1.0f / float(k + 1);
+  std::vector<std::vector<float>> results;
+  std::set<size_t> threads_used;
+  const emu::Order prev_order = emu::set_order(emu::Order::kForward);
+  for (int threads : {1, 4}) {
+    for (emu::Order o : {emu::Order::kForward, emu::Order::kShuffle}) {
+      const int prev = emu::set_threads(threads);
+      emu::set_order(o);
+      float* sums = dev<float>(blocks);
+      size_t* who = dev<size_t>(blocks);
+      block_sums<<<blocks, 128>>>(in, sums, who);
+      cudaDeviceSynchronize();
+      emu::set_threads(prev);
+      results.emplace_back(sums, sums + blocks);
+      if (threads == 4) threads_used.insert(who, who + blocks);
+    }
+  }
+  emu::set_order(prev_order);
+  for (size_t r = 1; r < results.size(); ++r) EXPECT_EQ(results[r], results[0]) << "run " << r;
+  EXPECT_GT(threads_used.size(), 1u) << "EMU_THREADS=4 ran every block on one OS thread";
+}
+
+// ---- Memory errors ----
+TEST_F(Emu, StackOverflowIsReported) {
+  int* out = dev<int>(1);
+#if defined(__SANITIZE_ADDRESS__)
+  const char* expected = "stack-overflow";
+#else
+  const char* expected = "overflow_stack: fiber stack overflow \\(EMU_STACK_KB=[0-9]+ is too small\\) in block";
+#endif
+  EXPECT_DEATH(
+      {
+        overflow_stack<<<1, 1>>>(out);
+        cudaDeviceSynchronize();
+      },
+      expected);
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+TEST_F(Emu, OutOfBoundsAccessIsCaughtByAsan) {
+  int* p = dev<int>(10);
+  EXPECT_DEATH(
+      {
+        write_past_end<<<1, 1>>>(p, 10);
+        cudaDeviceSynchronize();
+      },
+      "heap-buffer-overflow.*write_past_end.*emu_selftest.cu:[0-9]+.*"
+      "\\[cuda-emu\\] in kernel write_past_end, block \\(0,0,0\\) thread \\(0,0,0\\)");
+}
+#endif
+
+TEST_F(Emu, LaunchStatsCountKernels) {
+  int* out = dev<int>(1);
+  const emu::LaunchStats before = emu::launch_stats();
+  fill<<<1, 1>>>(out, 1, 0);
+  const emu::LaunchStats after = emu::launch_stats();
+  EXPECT_EQ(after.launches, before.launches + 1);
+  EXPECT_TRUE(std::count(after.kernels.begin(), after.kernels.end(), "fill"));
+  std::printf("[cuda-emu] so far: %llu launches of %zu kernels\n", static_cast<unsigned long long>(after.launches),
+              after.kernels.size());
+}
+
+}  // namespace

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Mutation check of the emulated CUDA tests: applies small deliberate bugs to
+the CUDA kernels and their host code one at a time (a dropped barrier, an
+off-by-one bound, a wrong stride, a wrong cuBLAS/cuDNN argument, a missing
+stream wait or synchronisation), runs the emulated cross-backend tests, and
+reports which mutants they catch. A mutant is caught when a test fails
+(wrong values, or the emulator reporting misuse).
+
+Run from the repository root (a few minutes; each mutant rebuilds one object):
+    python3 tools/cuda_mutants.py [--only NAME]
+The file under test is restored after every mutant, also on Ctrl-C.
+"""
+import argparse
+import subprocess
+import sys
+import time
+
+TESTS = [
+    "//core:ops_cuda_emu_test",
+    "//core:ops_nn_cuda_emu_test",
+    "//optim:optim_cuda_emu_test",
+    "//data:loader_emu_test",
+]
+
+# (name, kind, file, exact original text, replacement)
+MUTANTS = [
+    ("bn_block_sum_barrier", "dropped barrier", "core/ops/batch_norm.cu",
+     "  if (lane == 0) partial[warp] = v;\n  __syncthreads();\n",
+     "  if (lane == 0) partial[warp] = v;\n"),
+    ("bn_shared_mean_barrier", "dropped barrier", "core/ops/batch_norm.cu",
+     "  if (threadIdx.x == 0) shared_mean = sum / static_cast<A>(m);\n  __syncthreads();\n",
+     "  if (threadIdx.x == 0) shared_mean = sum / static_cast<A>(m);\n"),
+    ("softmax_rows_barrier", "dropped barrier", "core/ops/softmax.cu",
+     "    if (lane == 0) row_smem[warp] = st;\n    __syncthreads();\n",
+     "    if (lane == 0) row_smem[warp] = st;\n"),
+    ("reduce_rows_barrier", "dropped barrier", "core/ops/reduce.cu",
+     "    if (lane == 0) row_smem[warp] = acc;\n    __syncthreads();\n",
+     "    if (lane == 0) row_smem[warp] = acc;\n"),
+    ("unary_tail_bound", "off-by-one bound", "core/ops/unary.cu",
+     "  for (int64_t i = nvec * VEC + cuda::global_thread_id(); i < n; i += cuda::grid_stride())",
+     "  for (int64_t i = nvec * VEC + cuda::global_thread_id(); i < n - 1; i += cuda::grid_stride())"),
+    ("optimizer_tail_bound", "off-by-one bound", "core/ops/optimizer.cu",
+     "    for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {",
+     "    for (int64_t i = done + threadIdx.x; i < n - 1; i += blockDim.x) {"),
+    ("bias_grad_bound", "off-by-one bound", "core/ops/conv.cu",
+     "  for (int64_t i = threadIdx.x; i < n * hw; i += blockDim.x) {",
+     "  for (int64_t i = threadIdx.x; i < n * hw - 1; i += blockDim.x) {"),
+    ("strided_offsets_stride", "wrong stride", "core/ops/cuda_utils.cuh",
+     "      for (int o = 0; o < NOPS; ++o) off[o] += static_cast<int64_t>(c) * it.strides[o][d];",
+     "      for (int o = 0; o < NOPS; ++o) off[o] += static_cast<int64_t>(c) * it.strides[o][d > 0 ? d - 1 : d];"),
+    ("cudnn_tensor_strides", "wrong stride", "core/ops/conv.cu",
+     "to_int(st[0]), to_int(st[1]), to_int(st[2]), to_int(st[3])",
+     "to_int(st[0]), to_int(st[1]), to_int(st[3]), to_int(st[2])"),
+    ("cublas_transpose_a", "wrong cuBLAS transpose flag", "core/ops/matmul.cu",
+     "const cublasOperation_t op_a = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;",
+     "const cublasOperation_t op_a = g.trans_a ? CUBLAS_OP_N : CUBLAS_OP_T;"),
+    ("cudnn_padding_swapped", "wrong cuDNN argument", "core/ops/conv.cu",
+     "cudnnSetConvolution2dDescriptor(d_, to_int(g.ph), to_int(g.pw),",
+     "cudnnSetConvolution2dDescriptor(d_, to_int(g.pw), to_int(g.ph),"),
+    ("loader_consumer_wait", "missing stream wait", "data/batch_memory.cc",
+     "  EMBER_CUDA_CHECK(cudaStreamWaitEvent(consumer, as_event(copy.done), 0));\n",
+     ""),
+    ("index_error_sync", "missing stream synchronisation", "core/ops/index.cu",
+     "    EMBER_CUDA_CHECK(cudaStreamSynchronize(stream_));\n    *value = host.value;",
+     "    *value = host.value;"),
+    ("copy_d2h_sync", "missing stream synchronisation", "core/tensor.cc",
+     "      if (err == cudaSuccess) err = cudaStreamSynchronize(stream);\n",
+     ""),
+]
+
+
+def run_tests():
+    t = time.time()
+    p = subprocess.run(["bazel", "test", "--noshow_progress", "--test_output=summary"] + TESTS,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    failed = [l.split()[0] for l in p.stdout.splitlines() if l.startswith("//") and
+              ("FAILED" in l or "TIMEOUT" in l or "NO STATUS" in l)]
+    return p.returncode, failed, time.time() - t, p.stdout
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="run only the mutant of this name")
+    args = ap.parse_args()
+    rc, failed, secs, out = run_tests()
+    if rc != 0:
+        sys.exit("cuda_mutants: the unmutated tests do not pass; fix them first:\n" + out[-3000:])
+    print(f"baseline: {len(TESTS)} emulated test targets pass ({secs:.0f} s)")
+    rows, caught = [], 0
+    for name, kind, path, old, new in MUTANTS:
+        if args.only and name != args.only:
+            continue
+        src = open(path).read()
+        if src.count(old) != 1:
+            sys.exit(f"cuda_mutants: {name}: the original text occurs {src.count(old)} times in {path} "
+                     "(the code changed; update the mutant)")
+        try:
+            open(path, "w").write(src.replace(old, new))
+            rc, failed, secs, out = run_tests()
+        finally:
+            open(path, "w").write(src)
+        build_broke = rc != 0 and not failed
+        if build_broke:
+            sys.exit(f"cuda_mutants: {name} does not build, which proves nothing:\n{out[-3000:]}")
+        hit = rc != 0
+        caught += hit
+        rows.append((name, kind, path, ", ".join(t.split(":")[1] for t in failed) if hit else "NOT CAUGHT"))
+        print(f"{name:24} {kind:32} {'caught by ' + rows[-1][3] if hit else 'NOT CAUGHT'} ({secs:.0f} s)",
+              flush=True)
+    print()
+    print("| mutant | kind | file | caught by |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| `{r[0]}` | {r[1]} | `{r[2]}` | {r[3]} |")
+    print(f"\ncaught {caught} of {len(rows)} mutants")
+    sys.exit(0 if caught == len(rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
