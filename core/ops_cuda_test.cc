@@ -3,7 +3,9 @@
 // views. Skips (with the reason) when no GPU is present.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <functional>
+#include <string>
 
 #include "core/ops.h"
 
@@ -120,7 +122,24 @@ TEST_F(CudaOps, JoinIndexCopyRandom) {
   }
 }
 
+// EMBER_NO_CUDA_MEMORY_CACHING=1 (set for the emulated tests under ASan):
+// each tensor is its own exact-size cudaMalloc, returned at once.
+TEST_F(CudaOps, UncachedAllocatorFreesAtOnce) {
+  const char* v = std::getenv("EMBER_NO_CUDA_MEMORY_CACHING");
+  if (v == nullptr || std::string(v) == "0") GTEST_SKIP() << "caching is on";
+  Allocator* alloc = cuda_allocator(0);
+  AllocatorStats s0 = alloc->stats();
+  { Tensor t = empty({1000}, cuda_device()); }
+  { Tensor t = empty({1000}, cuda_device()); }
+  AllocatorStats s1 = alloc->stats();
+  EXPECT_EQ(s1.num_device_allocs, s0.num_device_allocs + 2);  // no reuse
+  EXPECT_EQ(s1.reserved, s0.reserved);                        // nothing kept
+  EXPECT_EQ(s1.allocated, s0.allocated);
+}
+
 TEST_F(CudaOps, CachingAllocatorReusesBlocks) {
+  const char* v = std::getenv("EMBER_NO_CUDA_MEMORY_CACHING");
+  if (v != nullptr && std::string(v) != "0") GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set";
   Allocator* alloc = cuda_allocator(0);
   alloc->empty_cache();
   AllocatorStats s0 = alloc->stats();
