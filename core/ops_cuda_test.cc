@@ -49,15 +49,44 @@ TEST_F(CudaOps, UnaryMatchesCpu) {
   };
   manual_seed(11);
   for (DType dt : kTypes) {
-    Tensor base = randn({37, 129}, DType::Float64).to(dt);
-    for (const Tensor& x : {base, base.t(), base.slice(1, 3, 100, 3)}) {
-      Tensor xg = x.cuda();
+    Tensor base = randn({37, 129}, DType::Float64).to(dt), base_g = base.cuda();
+    // The views are taken on the device too: x.cuda() of a view would be a
+    // contiguous copy, and the strided kernels (unary_strided_kernel, the
+    // reductions' strided path) would never run -- which the emulated
+    // coverage count showed they did not, before this.
+    const std::vector<std::function<Tensor(const Tensor&)>> views = {
+        [](const Tensor& t) { return t; }, [](const Tensor& t) { return t.t(); },
+        [](const Tensor& t) { return t.slice(1, 3, 100, 3); }};
+    for (const auto& view : views) {
+      Tensor x = view(base), xg = view(base_g);
       for (auto& [name, op] : ops) {
         double t = tol(dt) * (name.find("sum") != std::string::npos || name == "var" ? 40 : 4);
         expect_same(op(x), op(xg), t, name + " " + dtype_name(dt) + " " + shape_str(x.sizes()));
       }
     }
   }
+}
+
+// Long rows: softmax_rows_kernel and reduce_rows_kernel give a row several
+// warps (up to 1024 threads) once it is longer than 32 threads x 4 vectors,
+// and combine the warps through shared memory behind a __syncthreads. The
+// 129-wide rows above fit one warp; a dropped barrier there survived the
+// mutation check (tools/cuda_mutants.py) until these shapes were added.
+TEST_F(CudaOps, RowKernelsSpanningSeveralWarpsMatchCpu) {
+  std::vector<std::pair<std::string, Unary>> ops = {
+      {"softmax", [](auto& x) { return softmax(x, -1); }}, {"log_softmax", [](auto& x) { return log_softmax(x, -1); }},
+      {"sum", [](auto& x) { return sum(x, {1}); }}, {"max", [](auto& x) { return max(x, {1}); }},
+      {"argmax", [](auto& x) { return argmax(x, 1); }},
+  };
+  manual_seed(13);
+  for (DType dt : kTypes)
+    for (const Shape& shape : {Shape{5, 700}, Shape{3, 3001}, Shape{2, 40000}}) {
+      Tensor x = randn(shape, DType::Float64).to(dt), xg = x.cuda();
+      for (auto& [name, op] : ops) {
+        const double t = tol(dt) * (name == "sum" ? 200 : 4);
+        expect_same(op(x), op(xg), t, name + " " + dtype_name(dt) + " " + shape_str(shape));
+      }
+    }
 }
 
 TEST_F(CudaOps, BinaryAndWhereMatchCpuWithBroadcast) {
@@ -109,6 +138,15 @@ TEST_F(CudaOps, JoinIndexCopyRandom) {
   EXPECT_THROW(index_select(a.cuda(), 0, Tensor::from_vector({9}, {1}, DType::Int64).cuda()), Error);
   expect_same(one_hot(gi, 6), one_hot(gi.cuda(), 6), 0, "one_hot");
   expect_same(arange(0, 10, 0.5), arange(0, 10, 0.5, cuda_device()), 0, "arange");
+  // fill_ of a strided view (fill_strided_kernel) leaves the gaps alone.
+  Tensor z = zeros({8, 9}), zg = z.cuda();
+  z.slice(1, 1, 8, 2).fill_(3.5);
+  zg.slice(1, 1, 8, 2).fill_(3.5);
+  expect_same(z, zg, 0, "strided fill_");
+  // Rows of 32+ copy units (up to 16 bytes each) take index_select_rows_kernel,
+  // shorter ones the flat kernel.
+  Tensor wide = randn({7, 200}), rows = Tensor::from_vector({6, 0, 3, 3}, {4}, DType::Int64);
+  expect_same(index_select(wide, 0, rows), index_select(wide.cuda(), 0, rows.cuda()), 0, "index_select rows");
   // Strided copies and casts in both directions.
   Tensor big = randn({33, 65});
   expect_same(big.t().contiguous(), big.cuda().t().contiguous(), 0, "transpose copy");

@@ -149,6 +149,23 @@ TEST_F(CudaNnOps, Conv2dEmptyInputsAgreeWithCpu) {
   }
 }
 
+// The adjoints of index_select and gather run index_add_kernel and
+// scatter_add_kernel, whose atomics add several gradients into one element
+// when an index repeats (as here).
+TEST_F(CudaNnOps, IndexSelectAndGatherBackwardMatchCpu) {
+  const Tensor idx = Tensor::from_vector({5, 0, 3, 3, 5, 1}, {6}, DType::Int64);
+  Generator g(21);
+  const Tensor gidx = randint(0, 5, {6, 5}, DType::Int64, &g);
+  for (DType dt : {DType::Float32, DType::Float64}) {
+    compare([&](const std::vector<Tensor>& v) { return index_select(v[0], 0, v[0].is_cuda() ? idx.cuda() : idx); },
+            {rnd({7, 200}, 31, dt)}, tol(dt), cat("index_select dim 0 ", dt));
+    compare([&](const std::vector<Tensor>& v) { return index_select(v[0], 1, v[0].is_cuda() ? idx.cuda() : idx); },
+            {rnd({3, 7}, 32, dt)}, tol(dt), cat("index_select dim 1 ", dt));
+    compare([&](const std::vector<Tensor>& v) { return gather(v[0], 1, v[0].is_cuda() ? gidx.cuda() : gidx); },
+            {rnd({6, 5}, 33, dt)}, tol(dt), cat("gather ", dt));
+  }
+}
+
 TEST_F(CudaNnOps, BatchNormMatchesCpu) {
   uint64_t seed = 200;
   for (DType dt : kTypes) {
