@@ -123,6 +123,14 @@ TEST_F(CudaOps, MatmulMatchesCpu) {
     Tensor p = randn({4, 9, 16}, DType::Float64).to(dt), q = randn({4, 16, 5}, DType::Float64).to(dt);
     expect_same(bmm(p, q), bmm(p.cuda(), q.cuda()), t, std::string("bmm ") + dtype_name(dt));
     expect_same(matmul(p, q.select(0, 0)), matmul(p.cuda(), q.cuda().select(0, 0)), t, "matmul broadcast");
+    // An empty inner dimension: the output is zeros (the op layer fills it
+    // before cuBLAS; fresh device memory is garbage, NaN bytes under the
+    // emulator, so an unwritten element would show).
+    expect_same(mm(zeros({4, 0}, dt), zeros({0, 5}, dt)), mm(zeros({4, 0}, {dt, cuda_device()}),
+                zeros({0, 5}, {dt, cuda_device()})), 0, std::string("mm k=0 ") + dtype_name(dt));
+    expect_same(bmm(zeros({3, 4, 0}, dt), zeros({3, 0, 5}, dt)),
+                bmm(zeros({3, 4, 0}, {dt, cuda_device()}), zeros({3, 0, 5}, {dt, cuda_device()})), 0,
+                std::string("bmm k=0 ") + dtype_name(dt));
   }
 }
 
