@@ -217,6 +217,7 @@ def cuda_emu_test(name, srcs, deps = [], **kwargs):
         copts = _emu_copts(root),
         deps = deps + [Label("//third_party/cuda_emu"), Label("//third_party:gtest_main")],
         target_compatible_with = cuda_required(),
+        tags = kwargs.pop("tags", []) + ["cuda_emu"],
         **kwargs
     )
 
