@@ -221,6 +221,19 @@ def cuda_emu_test(name, srcs, deps = [], **kwargs):
         **kwargs
     )
 
+def emu_link_test(name, script, tests):
+    """An sh_test running `script` on the emulated test binaries (which exist
+    only where the toolkit's headers do)."""
+    if not CUDA_FOUND:
+        return
+    native.sh_test(
+        name = name,
+        srcs = [script],
+        args = ["$(location %s)" % t for t in tests],
+        data = tests,
+        target_compatible_with = cuda_required(),
+    )
+
 def ember_benchmark(name, srcs, deps = [], **kwargs):
     """A Google Benchmark binary (run with bazel run -c opt)."""
     native.cc_binary(
