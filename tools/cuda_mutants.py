@@ -7,7 +7,10 @@ reports which mutants they catch. A mutant is caught when a test fails
 (wrong values, or the emulator reporting misuse).
 
 Run from the repository root (a few minutes; each mutant rebuilds one object):
-    python3 tools/cuda_mutants.py [--only NAME]
+    python3 tools/cuda_mutants.py [--only NAME] [--asan]
+--asan runs the tests under AddressSanitizer without the caching allocator
+(as CI's third step does); mutants marked ASAN (an out-of-bounds access that
+leaves the values right) are only run then.
 The file under test is restored after every mutant, also on Ctrl-C.
 """
 import argparse
@@ -68,15 +71,21 @@ MUTANTS = [
     ("loader_copy_done_record", "missing event record", "data/batch_memory.cc",
      "  EMBER_CUDA_CHECK(cudaEventRecord(as_event(c.done), copy_stream));\n",
      ""),
+    ("unary_tail_write_past_end", "out-of-bounds access (ASAN)", "core/ops/unary.cu",
+     "  for (int64_t i = nvec * VEC + cuda::global_thread_id(); i < n; i += cuda::grid_stride())",
+     "  for (int64_t i = nvec * VEC + cuda::global_thread_id(); i <= n; i += cuda::grid_stride())"),
     ("bn_stats_launch_config", "bad launch configuration", "core/ops/batch_norm.cu",
      "stats_kernel<scalar_t, A><<<static_cast<unsigned>(d.c), cuda::kBlockSize, 0, stream>>>(",
      "stats_kernel<scalar_t, A><<<static_cast<unsigned>(d.c), 4 * cuda::kBlockSize + 32, 0, stream>>>("),
 ]
 
 
-def run_tests():
+ASAN_FLAGS = ["--config=asan", "--test_env=EMBER_NO_CUDA_MEMORY_CACHING=1"]
+
+
+def run_tests(flags):
     t = time.time()
-    p = subprocess.run(["bazel", "test", "--noshow_progress", "--test_output=summary"] + TESTS,
+    p = subprocess.run(["bazel", "test", "--noshow_progress", "--test_output=summary"] + flags + TESTS,
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     failed = [l.split()[0] for l in p.stdout.splitlines() if l.startswith("//") and
               ("FAILED" in l or "TIMEOUT" in l or "NO STATUS" in l)]
@@ -86,8 +95,10 @@ def run_tests():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="run only the mutant of this name")
+    ap.add_argument("--asan", action="store_true", help="run the tests under ASan, without memory caching")
     args = ap.parse_args()
-    rc, failed, secs, out = run_tests()
+    flags = ASAN_FLAGS if args.asan else []
+    rc, failed, secs, out = run_tests(flags)
     if rc != 0:
         sys.exit("cuda_mutants: the unmutated tests do not pass; fix them first:\n" + out[-3000:])
     print(f"baseline: {len(TESTS)} emulated test targets pass ({secs:.0f} s)")
@@ -95,13 +106,16 @@ def main():
     for name, kind, path, old, new in MUTANTS:
         if args.only and name != args.only:
             continue
+        if "(ASAN)" in kind and not args.asan:
+            print(f"{name:24} {kind:32} skipped: only --asan can see it")
+            continue
         src = open(path).read()
         if src.count(old) != 1:
             sys.exit(f"cuda_mutants: {name}: the original text occurs {src.count(old)} times in {path} "
                      "(the code changed; update the mutant)")
         try:
             open(path, "w").write(src.replace(old, new))
-            rc, failed, secs, out = run_tests()
+            rc, failed, secs, out = run_tests(flags)
         finally:
             open(path, "w").write(src)
         build_broke = rc != 0 and not failed
@@ -117,7 +131,7 @@ def main():
     print("|---|---|---|---|")
     for r in rows:
         print(f"| `{r[0]}` | {r[1]} | `{r[2]}` | {r[3]} |")
-    print(f"\ncaught {caught} of {len(rows)} mutants")
+    print(f"\ncaught {caught} of {len(rows)} mutants{' (under ASan)' if args.asan else ''}")
     sys.exit(0 if caught == len(rows) else 1)
 
 
