@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/json_limits.h"
 
 namespace ember {
 namespace {
@@ -40,6 +41,10 @@ constexpr DTypeName kDTypes[] = {
 // unknown, so the user knows the file is fine and ember is the limit.
 constexpr const char* kForeignDTypes[] = {"I8",      "I16",     "U16",     "U32",     "U64",     "C64",
                                           "F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"};
+
+// The safetensors format caps the JSON header at 100 MB (as the reference
+// implementation does); a larger one is not a safetensors file.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
 std::string where(const std::string& source) { return absl::StrCat("safetensors file '", source, "': "); }
 
@@ -65,6 +70,8 @@ struct Header {
 // the tensors tile the data section exactly (no gap, overlap or overhang).
 absl::StatusOr<Header> parse_header(std::string_view text, uint64_t data_len, const std::string& source) {
   const std::string w = where(source);
+  if (const std::string deep = json_depth_error(text); !deep.empty())
+    return absl::DataLossError(absl::StrCat(w, "invalid JSON header: ", deep));
   ojson j;
   try {
     j = ojson::parse(text.begin(), text.end());
@@ -277,6 +284,8 @@ absl::StatusOr<SafetensorsFile> parse_safetensors(std::string_view bytes, const 
   if (n > bytes.size() - 8)
     return absl::DataLossError(
         absl::StrCat(w, "header length ", n, " exceeds the file size ", bytes.size(), " (truncated file?)"));
+  if (n > kMaxHeaderBytes)
+    return absl::DataLossError(absl::StrCat(w, "header length ", n, " exceeds the format's limit of ", kMaxHeaderBytes));
   auto h = parse_header(bytes.substr(8, n), bytes.size() - 8 - n, source);
   if (!h.ok()) return h.status();
   SafetensorsFile f;
@@ -340,6 +349,8 @@ absl::StatusOr<SafetensorsFile> load_safetensors(const std::string& path) {
   if (n > size - 8)
     return absl::DataLossError(
         absl::StrCat(w, "header length ", n, " exceeds the file size ", size, " (truncated file?)"));
+  if (n > kMaxHeaderBytes)
+    return absl::DataLossError(absl::StrCat(w, "header length ", n, " exceeds the format's limit of ", kMaxHeaderBytes));
   std::string text(n, '\0');
   if (!pread_all(fd, text.data(), n, 8)) return absl::DataLossError(absl::StrCat(w, "short read of the header"));
   auto h = parse_header(text, size - 8 - n, path);

@@ -279,6 +279,28 @@ TEST(SafetensorsCorrupt, InvalidJson) {
   expect_error(load_bytes("badutf8", make_file("{\"\xff\":{}}", "")), "badutf8.safetensors", "invalid JSON header");
 }
 
+// Regression: a header of deeply nested JSON (here 200 KB of '[') overflowed
+// the stack inside the JSON parser and crashed the process.
+TEST(SafetensorsCorrupt, DeeplyNestedHeaderIsAnErrorNotACrash) {
+  const std::string deep = "{\"w\":" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  expect_error(load_bytes("deep", make_file(deep, "")), "deep.safetensors", "nested deeper than 128 levels");
+  expect_error(parse_safetensors(make_file(deep, ""), "in memory"), "in memory", "nested deeper than 128 levels");
+  // Brackets inside strings are not nesting: a name full of them still loads.
+  const std::string name(300, '[');
+  const std::string ok = "{\"" + name + "\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}";
+  auto f = parse_safetensors(make_file(ok, kData8));
+  ASSERT_TRUE(f.ok()) << f.status();
+}
+
+TEST(SafetensorsCorrupt, HeaderOverTheFormatLimit) {
+  // A sparse file: long enough for the declared header, which is never read.
+  const std::string path = tmp_path("huge.safetensors");
+  { std::ofstream(path, std::ios::binary | std::ios::trunc) << le64(100'000'001); }
+  std::filesystem::resize_file(path, 8 + 100'000'001);
+  expect_error(load_safetensors(path), path, "exceeds the format's limit of 100000000");
+  std::filesystem::remove(path);
+}
+
 TEST(SafetensorsCorrupt, BadEntries) {
   expect_error(load_bytes("nodtype", make_file(R"({"w":{"shape":[2],"data_offsets":[0,8]}})", kData8)),
                "nodtype.safetensors", "tensor 'w': missing or non-string \"dtype\"");

@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "core/json_limits.h"
 #include "core/ops.h"
 #include "core/safetensors.h"
 
@@ -42,6 +43,7 @@ constexpr int64_t kVersion = 1;
 constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kTrainerFile = "trainer.json";
+constexpr uintmax_t kMaxTrainerJsonBytes = 64 << 20;
 
 void stage(const char* name) {
   if (testing::hooks().at_stage) testing::hooks().at_stage(name);
@@ -157,8 +159,17 @@ absl::StatusOr<json> read_trainer_json(const std::string& path) {
     if (!fs::exists(path, ec)) return absl::NotFoundError(absl::StrCat(path, ": missing file"));
     return absl::InternalError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
   }
+  // trainer.json holds a few KB of fields: a file far larger than any ember
+  // writes is refused before it is read, and deep nesting before parsing.
+  std::error_code size_ec;
+  const uintmax_t size = fs::file_size(path, size_ec);
+  if (!size_ec && size > kMaxTrainerJsonBytes)
+    return absl::DataLossError(absl::StrCat(path, ": ", size, " bytes, more than the ", kMaxTrainerJsonBytes,
+                                            " a trainer.json may have (not a checkpoint ember wrote?)"));
   std::stringstream ss;
   ss << in.rdbuf();
+  if (const std::string deep = json_depth_error(ss.str()); !deep.empty())
+    return absl::DataLossError(absl::StrCat(path, ": invalid JSON: ", deep));
   json j;
   try {
     j = json::parse(ss.str());
@@ -346,6 +357,8 @@ absl::Status save_checkpoint(const std::string& dir_in, const nn::Module& model,
   const std::string dir = normalize_dir(dir_in);
   if (dir.empty() || dir == "/") return absl::InvalidArgumentError("save_checkpoint: empty checkpoint directory");
   json extra;
+  if (const std::string deep = json_depth_error(state.extra_json); !deep.empty())
+    return absl::InvalidArgumentError(absl::StrCat("save_checkpoint: extra_json: ", deep));
   try {
     extra = json::parse(state.extra_json.empty() ? std::string("{}") : state.extra_json);
   } catch (const nlohmann::json::exception& e) {

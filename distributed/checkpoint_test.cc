@@ -335,6 +335,31 @@ TEST_F(CheckpointErrors, MissingDirectoryAndFiles) {
   EXPECT_THAT(s.message(), HasSubstr(dir_ + "/trainer.json: missing file"));
 }
 
+// Regression: a trainer.json of deeply nested JSON (a few hundred KB)
+// overflowed the stack inside the JSON parser and crashed resume; a huge one
+// was read whole. Both are now errors naming the file.
+TEST_F(CheckpointErrors, CraftedTrainerJsonIsAnErrorNotACrash) {
+  Net net;
+  const std::string path = dir_ + "/trainer.json";
+  std::ofstream(path, std::ios::trunc) << std::string(200000, '[') << std::string(200000, ']');
+  auto s = load_into(net);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr(path));
+  EXPECT_THAT(s.message(), HasSubstr("nested deeper than 128 levels"));
+  { std::ofstream(path, std::ios::trunc) << "{}"; }
+  fs::resize_file(path, (64 << 20) + 1);  // sparse
+  s = load_into(net);
+  EXPECT_THAT(s.message(), HasSubstr(path));
+  EXPECT_THAT(s.message(), HasSubstr("more than the 67108864"));
+  // And a user's extra JSON that nests too deep is refused at save.
+  Trainer t("sgd");
+  TrainingState st;
+  st.extra_json = std::string(1000, '[') + std::string(1000, ']');
+  s = save_checkpoint(root_ + "/epoch_2", *t.model, t.opt.get(), t.sched.get(), st);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("extra_json"));
+}
+
 TEST_F(CheckpointErrors, MissingOptimizerFile) {
   Trainer t("sgd");
   fs::remove(dir_ + "/optimizer.safetensors");
