@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -78,14 +79,15 @@ absl::StatusOr<std::vector<uint8_t>> read_file_bytes(const std::string& path) {
   }
   gzbuffer(f.get(), 1 << 20);
   std::vector<uint8_t> bytes;
-  constexpr size_t kChunk = size_t{1} << 24;
-  // Grown chunk by chunk: the decompressed size is unknown until the end.
+  // The decompressed size is unknown until the end: read through a buffer
+  // that is not zero-filled and append what arrived, so a small file costs
+  // what it holds (before, every read zero-filled 16 MiB).
+  constexpr size_t kChunk = size_t{1} << 20;
+  std::unique_ptr<uint8_t[]> chunk(new uint8_t[kChunk]);
   for (;;) {
-    size_t old = bytes.size();
-    bytes.resize(old + kChunk);
-    int n = gzread(f.get(), bytes.data() + old, static_cast<unsigned>(kChunk));
+    int n = gzread(f.get(), chunk.get(), static_cast<unsigned>(kChunk));
     if (n < 0) return absl::DataLossError(absl::StrCat(path, ": read failed: ", gz_error(f.get())));
-    bytes.resize(old + static_cast<size_t>(n));
+    bytes.insert(bytes.end(), chunk.get(), chunk.get() + n);
     if (static_cast<size_t>(n) < kChunk) break;
   }
   int errnum = 0;
@@ -141,7 +143,9 @@ absl::StatusOr<Tensor> read_idx(const std::string& path) {
   return t;
 }
 
-absl::StatusOr<ImageLabelData> read_mnist(const std::string& images_path, const std::string& labels_path) {
+absl::StatusOr<ImageLabelData> read_mnist(const std::string& images_path, const std::string& labels_path,
+                                          int64_t num_classes) {
+  EMBER_CHECK(num_classes > 0, "read_mnist: num_classes must be positive, got ", num_classes);
   absl::StatusOr<Tensor> images = read_idx(images_path);
   if (!images.ok()) return images.status();
   absl::StatusOr<Tensor> labels = read_idx(labels_path);
@@ -153,6 +157,12 @@ absl::StatusOr<ImageLabelData> read_mnist(const std::string& images_path, const 
     return absl::InvalidArgumentError(absl::StrCat(labels_path, ": expected uint8 labels [N], got ",
                                                    dtype_name(labels->dtype()), " ", shape_str(labels->sizes())));
   const int64_t n = images->size(0);
+  if (n == 0) return absl::InvalidArgumentError(absl::StrCat(images_path, ": holds no images (header dims ",
+                                                             shape_str(images->sizes()), ")"));
+  if (images->size(1) == 0 || images->size(2) == 0)
+    return absl::InvalidArgumentError(absl::StrCat(images_path, ": header dims ", shape_str(images->sizes()),
+                                                   " declare ", images->size(1), "x", images->size(2),
+                                                   " images; an image needs at least one pixel"));
   if (labels->size(0) != n)
     return absl::InvalidArgumentError(absl::StrCat("images and labels of different lengths: ", images_path, " has ",
                                                    n, " images but ", labels_path, " has ", labels->size(0),
@@ -162,14 +172,22 @@ absl::StatusOr<ImageLabelData> read_mnist(const std::string& images_path, const 
   d.labels = Tensor::empty({n}, DType::Int64);
   const uint8_t* src = labels->data<uint8_t>();
   int64_t* dst = d.labels.data<int64_t>();
-  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+  // Checked now, not when the label's batch reaches the loss hours later.
+  for (int64_t i = 0; i < n; ++i) {
+    if (src[i] >= num_classes)
+      return absl::InvalidArgumentError(absl::StrCat(labels_path, ": label ", i, " is ", int{src[i]},
+                                                     ", outside 0..", num_classes - 1, " (", num_classes,
+                                                     " classes)"));
+    dst[i] = src[i];
+  }
   return d;
 }
 
 absl::StatusOr<ImageLabelData> load_mnist(const std::string& root, bool train) {
   const std::string prefix = train ? "train" : "t10k";
   const std::string images = prefix + "-images-idx3-ubyte", labels = prefix + "-labels-idx1-ubyte";
-  return read_mnist(pick_file(root, {images + ".gz", images}), pick_file(root, {labels + ".gz", labels}));
+  return read_mnist(pick_file(root, {images + ".gz", images}), pick_file(root, {labels + ".gz", labels}),
+                    kMnistClasses);
 }
 
 absl::StatusOr<ImageLabelData> read_cifar10(const std::vector<std::string>& paths) {

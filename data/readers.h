@@ -41,8 +41,14 @@ struct ImageLabelData {
   Tensor labels;  // int64 [N]
 };
 
-// An IDX image file [N,H,W] and label file [N], checked to agree.
-absl::StatusOr<ImageLabelData> read_mnist(const std::string& images_path, const std::string& labels_path);
+// MNIST and Fashion-MNIST have ten classes, 0..9.
+constexpr int64_t kMnistClasses = 10;
+
+// An IDX image file [N,H,W] (N, H, W > 0) and label file [N], checked to
+// agree, with every label in 0..num_classes-1 (checked at load; the error
+// names the file and the record).
+absl::StatusOr<ImageLabelData> read_mnist(const std::string& images_path, const std::string& labels_path,
+                                          int64_t num_classes = kMnistClasses);
 // {train,t10k}-{images-idx3,labels-idx1}-ubyte under `root`, with or without
 // .gz (the .gz file wins when both exist). MNIST and Fashion-MNIST alike.
 absl::StatusOr<ImageLabelData> load_mnist(const std::string& root, bool train);

@@ -208,6 +208,19 @@ TEST(ReadMnist, FixtureRootAndMismatches) {
   // Files swapped: the labels file is not an image file.
   expect_error(read_mnist(at("train-labels-idx1-ubyte.gz"), at("train-images-idx3-ubyte.gz")).status(),
                at("train-labels-idx1-ubyte.gz"), "expected uint8 images [N,H,W], got uint8 [5]");
+  // Regressions: zero images, zero-sized images and out-of-range labels are
+  // named at load (before: a self-contradicting "expected [N,H,W], got
+  // [5,0,3]", or an error only when the label's batch reached the loss).
+  write_plain("mnist/empty-images", idx_bytes(0x08, {0, 4, 3}, {}));
+  write_plain("mnist/zero-h-images", idx_bytes(0x08, {5, 0, 3}, {}));
+  write_plain("mnist/bad-labels", idx_bytes(0x08, {5}, {0, 9, 10, 3, 255}));
+  expect_error(read_mnist(at("empty-images"), at("train-labels-idx1-ubyte.gz")).status(), at("empty-images"),
+               "holds no images (header dims [0,4,3])");
+  expect_error(read_mnist(at("zero-h-images"), at("train-labels-idx1-ubyte.gz")).status(), at("zero-h-images"),
+               "declare 0x3 images; an image needs at least one pixel");
+  expect_error(read_mnist(at("train-images-idx3-ubyte.gz"), at("bad-labels")).status(), at("bad-labels"),
+               "label 2 is 10, outside 0..9 (10 classes)");
+  EXPECT_TRUE(read_mnist(at("train-images-idx3-ubyte.gz"), at("bad-labels"), 256).ok());  // 256 classes: all fit
   // The throwing wrapper keeps the message.
   try {
     FashionMNIST missing((temp_dir() / "nowhere").string());
