@@ -212,6 +212,13 @@ struct Fields {
     if (v) fail(absl::StrCat("\"", key, "\" is not an integer"));
     return 0;
   }
+  // A count of epochs or steps: an integer >= 0 (a negative epoch would make
+  // training resume "before" the checkpoint and overwrite it).
+  int64_t count(const json& obj, const char* key) {
+    const int64_t v = integer(obj, key);
+    if (status.ok() && v < 0) fail(absl::StrCat("\"", key, "\" is ", v, "; it counts, so it must be >= 0"));
+    return v;
+  }
   uint64_t unsigned_integer(const json& obj, const char* key) {
     const json* v = get(obj, key, "a non-negative integer");
     if (v && v->is_number_unsigned()) return v->get<uint64_t>();
@@ -356,6 +363,9 @@ absl::Status save_checkpoint(const std::string& dir_in, const nn::Module& model,
                              const optim::LRScheduler* scheduler, const TrainingState& state) {
   const std::string dir = normalize_dir(dir_in);
   if (dir.empty() || dir == "/") return absl::InvalidArgumentError("save_checkpoint: empty checkpoint directory");
+  if (state.epoch < 0 || state.step < 0)
+    return absl::InvalidArgumentError(absl::StrCat("save_checkpoint: epoch ", state.epoch, " and step ", state.step,
+                                                   " must be >= 0"));
   json extra;
   if (const std::string deep = json_depth_error(state.extra_json); !deep.empty())
     return absl::InvalidArgumentError(absl::StrCat("save_checkpoint: extra_json: ", deep));
@@ -393,8 +403,8 @@ absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir_in, nn::Mod
   // 1. Read and check everything.
   TrainingState st;
   Fields f{trainer_path};
-  st.epoch = f.integer(j, "epoch");
-  st.step = f.integer(j, "step");
+  st.epoch = f.count(j, "epoch");
+  st.step = f.count(j, "step");
   const json* rng = f.get(j, "rng", "an object with seed and offset");
   if (rng && !rng->is_object()) f.fail("\"rng\" is not an object");
   if (rng && rng->is_object()) {

@@ -360,6 +360,22 @@ TEST_F(CheckpointErrors, CraftedTrainerJsonIsAnErrorNotACrash) {
   EXPECT_THAT(s.message(), HasSubstr("extra_json"));
 }
 
+// Regression: a negative epoch was accepted (training then resumed "before"
+// the checkpoint and overwrote it).
+TEST_F(CheckpointErrors, NegativeCountsAreRefusedNamingFileAndField) {
+  Net net;
+  rewrite_trainer("\"epoch\": 1", "\"epoch\": -3");
+  auto s = load_into(net);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr(dir_ + "/trainer.json"));
+  EXPECT_THAT(s.message(), HasSubstr("\"epoch\" is -3"));
+  Trainer t("sgd");
+  s = save_checkpoint(root_ + "/epoch_5", *t.model, t.opt.get(), t.sched.get(), {.epoch = -1});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(s.message(), HasSubstr("epoch -1"));
+  EXPECT_FALSE(fs::exists(root_ + "/epoch_5"));
+}
+
 TEST_F(CheckpointErrors, MissingOptimizerFile) {
   Trainer t("sgd");
   fs::remove(dir_ + "/optimizer.safetensors");

@@ -38,6 +38,16 @@ for f in model.safetensors optimizer.safetensors; do
   cmp "$ckpt/epoch_2/$f" "$tmp/resumed/epoch_2/$f" || { echo "resumed run's epoch_2/$f differs"; exit 1; }
 done
 
+# A checkpoint whose extra field has the wrong type: a named error, not a bare
+# JSON type error (regression).
+cp -r "$ckpt/epoch_1" "$tmp/badextra_epoch_1" && mkdir -p "$tmp/badextra" && mv "$tmp/badextra_epoch_1" "$tmp/badextra/epoch_1"
+sed -i 's/"sampler_seed": [0-9]*/"sampler_seed": "x"/' "$tmp/badextra/epoch_1/trainer.json"
+if out=$("${ddp[@]}" --epochs 2 --checkpoint-dir "$tmp/badextra" --resume 2>&1); then
+  echo "$out"; echo "resnet_ddp resumed from a checkpoint with a string sampler_seed"; exit 1
+fi
+grep -q "$tmp/badextra/epoch_1/trainer.json: \"extra\".\"sampler_seed\" is \"x\", expected a non-negative integer" <<<"$out" || {
+  echo "$out"; echo "the error does not name the file and field"; exit 1; }
+
 # Unchanged under the launcher, which prefixes each worker's lines.
 out=$(tools/launch --nproc_per_node=2 --master_port=0 -- "${ddp[@]}" --epochs 1 --max-steps 2 \
       --checkpoint-dir "$tmp/launched" 2>&1)

@@ -373,8 +373,17 @@ int train(const Flags& flags) {
     default_generator().manual_seed(st->rng_seed);
     default_generator().set_offset(st->rng_offset);
     const auto extra = nlohmann::json::parse(st->extra_json);
-    data_seed = extra.value("sampler_seed", data_seed);
-    if (auto g = extra.value("global_batch", global_batch); g != global_batch)
+    // Our own fields in the checkpoint's "extra": a wrong type names the file
+    // and the field (nlohmann's value() would throw a bare type error).
+    auto extra_count = [&](const char* key, uint64_t fallback) -> uint64_t {
+      auto it = extra.find(key);
+      if (it == extra.end()) return fallback;
+      EMBER_CHECK(it->is_number_unsigned(), "--resume: ", *dir, "/trainer.json: \"extra\".\"", key, "\" is ",
+                  it->dump(), ", expected a non-negative integer");
+      return it->get<uint64_t>();
+    };
+    data_seed = extra_count("sampler_seed", data_seed);
+    if (auto g = static_cast<int64_t>(extra_count("global_batch", global_batch)); g != global_batch)
       LOG0("note: the checkpoint was trained with a global batch of ", g, ", now ", global_batch,
            ": the data order and learning rate differ from an uninterrupted run");
     // The checkpoint's data order wins: that is what "continue exactly" means.
