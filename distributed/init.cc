@@ -105,6 +105,8 @@ ResolvedEnv resolve_env(const InitOptions& o) {
               " is invalid: pass a local rank >= 0, or -1 to take LOCAL_RANK or SLURM_LOCALID from the environment");
   EMBER_CHECK(o.master_port >= -1 && o.master_port <= 65535, "InitOptions::master_port=", o.master_port,
               " is not a port (0-65535), or -1 to take MASTER_PORT from the environment");
+  EMBER_CHECK(o.timeout >= Millis{0}, "InitOptions::timeout=", o.timeout.count(),
+              " ms is invalid: pass a positive timeout, or 0 to take EMBER_DIST_TIMEOUT_SEC or the default");
 
   // One launcher speaks for the process. torchrun's variables win when
   // present: under `srun torchrun ...` SLURM's describe the launcher (one
@@ -224,6 +226,21 @@ ResolvedEnv resolve_env(const InitOptions& o) {
               r.world_size, ": port 0 picks a free port that the other ranks cannot know");
   r.master_port = port.value;
   r.master_port_from = port.name;
+
+  if (o.timeout > Millis{0}) {
+    r.timeout = o.timeout;
+    r.timeout_from = "InitOptions::timeout";
+  } else if (auto t = env("EMBER_DIST_TIMEOUT_SEC")) {
+    double sec = 0;
+    auto [p, ec] = std::from_chars(t->data(), t->data() + t->size(), sec);
+    EMBER_CHECK(ec == std::errc() && p == t->data() + t->size() && sec > 0 && sec <= 7 * 24 * 3600,
+                "EMBER_DIST_TIMEOUT_SEC=", *t, " is not a timeout: give seconds, a number > 0 (at most a week)");
+    r.timeout = std::max(Millis{1}, Millis{static_cast<int64_t>(sec * 1000)});
+    r.timeout_from = "EMBER_DIST_TIMEOUT_SEC";
+  } else {
+    r.timeout = kDefaultTimeout;
+    r.timeout_from = "the default";
+  }
   return r;
 }
 
@@ -277,8 +294,6 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   }
   EMBER_CHECK(options.backend == "gloo" || options.backend == "nccl", "init_process_group: unknown backend \"",
               options.backend, "\"; use \"gloo\" (CPU tensors) or \"nccl\" (CUDA tensors)");
-  EMBER_CHECK(options.timeout > Millis{0}, "init_process_group: timeout must be positive, got ",
-              options.timeout.count(), " ms");
   ResolvedEnv env = resolve_env(options);
 
   std::shared_ptr<Store> store = options.store;
@@ -292,9 +307,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                                          TCPStoreOptions{.is_server = env.rank == 0,
                                                          .num_workers = env.world_size,
                                                          .wait_for_workers = true,
-                                                         .timeout = options.timeout});
+                                                         .timeout = env.timeout});
     }
-    ProcessGroupOptions pg_options{.timeout = options.timeout};
+    ProcessGroupOptions pg_options{.timeout = env.timeout};
     pg = make_group(options.backend, std::make_shared<PrefixStore>("default_pg", store), env.rank, env.world_size,
                     pg_options);
     std::lock_guard<std::mutex> lock(s.mu);
@@ -309,7 +324,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     std::string where;
     if (!options.store && env.world_size > 1)
       where = ", store at " + env.master_addr_from + "=" + env.master_addr + " " + env.master_port_from + "=" +
-              std::to_string(env.master_port) + ", timeout " + std::to_string(options.timeout.count()) + " ms";
+              std::to_string(env.master_port) + ", timeout " + std::to_string(env.timeout.count()) + " ms (" +
+              env.timeout_from + ")";
     throw Error("init_process_group (rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
                 ", backend " + options.backend + ", from " + env.source + where + "): " + e.what());
   }

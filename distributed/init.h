@@ -5,6 +5,11 @@
 // MASTER_PORT), then SLURM's (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
 // first host of SLURM_JOB_NODELIST for the address) when launched by srun.
 // Invalid settings throw naming the variable and its value.
+//
+// The timeout (rendezvous, and every collective afterwards) is the option
+// when set, else EMBER_DIST_TIMEOUT_SEC (seconds, as torch's `timeout=`
+// takes a timedelta), else 10 minutes. It is for ranks that are alive but
+// stuck; a rank that has died is detected separately.
 #pragma once
 
 #include <memory>
@@ -23,7 +28,7 @@ struct InitOptions {
   int local_rank = -1;
   std::string master_addr;       // empty: from the environment
   int master_port = -1;
-  Millis timeout = kDefaultTimeout;
+  Millis timeout{0};             // 0: EMBER_DIST_TIMEOUT_SEC, else kDefaultTimeout (10 min)
   std::shared_ptr<Store> store;  // given: used instead of a TCPStore on master_addr:master_port
 };
 
@@ -37,6 +42,8 @@ struct ResolvedEnv {
   // "InitOptions::master_port", ...), so a store that cannot be reached is
   // reported by the setting the user has to fix.
   std::string master_addr_from, master_port_from;
+  Millis timeout = kDefaultTimeout;
+  std::string timeout_from;  // "InitOptions::timeout", "EMBER_DIST_TIMEOUT_SEC" or "the default"
 };
 ResolvedEnv resolve_env(const InitOptions& options);
 

@@ -22,7 +22,7 @@ using ::testing::HasSubstr;
 const char* const kVars[] = {
     "RANK",          "WORLD_SIZE",       "LOCAL_RANK",     "LOCAL_WORLD_SIZE",      "MASTER_ADDR",
     "MASTER_PORT",   "SLURM_PROCID",     "SLURM_NTASKS",   "SLURM_LOCALID",         "SLURM_NTASKS_PER_NODE",
-    "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
+    "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "EMBER_DIST_TIMEOUT_SEC",
 };
 
 class ResolveEnv : public ::testing::Test {
@@ -179,6 +179,29 @@ TEST_F(ResolveEnv, ExplicitOptionsWin) {
   EXPECT_EQ(r.rank, 3);
   EXPECT_EQ(r.master_addr, "env-host");
   EXPECT_EQ(r.master_port, 3333);
+}
+
+// The timeout: the option, else EMBER_DIST_TIMEOUT_SEC, else 10 minutes
+// (before, only code could set it, so users of the examples could not).
+TEST_F(ResolveEnv, TimeoutFromOptionVariableOrDefault) {
+  ResolvedEnv r = resolve_env({});
+  EXPECT_EQ(r.timeout, Millis{600000});
+  EXPECT_EQ(r.timeout_from, "the default");
+  set("EMBER_DIST_TIMEOUT_SEC", "2.5");
+  r = resolve_env({});
+  EXPECT_EQ(r.timeout, Millis{2500});
+  EXPECT_EQ(r.timeout_from, "EMBER_DIST_TIMEOUT_SEC");
+  InitOptions o;
+  o.timeout = Millis{700};
+  r = resolve_env(o);
+  EXPECT_EQ(r.timeout, Millis{700});
+  EXPECT_EQ(r.timeout_from, "InitOptions::timeout");
+  for (const char* bad : {"abc", "0", "-5", "10s", "1e9"}) {
+    set("EMBER_DIST_TIMEOUT_SEC", bad);
+    EXPECT_THAT(error_of({}), HasSubstr(std::string("EMBER_DIST_TIMEOUT_SEC=") + bad + " is not a timeout"));
+  }
+  o.timeout = Millis{-1};
+  EXPECT_THAT(error_of(o), HasSubstr("InitOptions::timeout=-1 ms is invalid"));
 }
 
 TEST_F(ResolveEnv, AGivenStoreNeedsNoAddress) {

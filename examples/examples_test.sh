@@ -69,6 +69,12 @@ grep -q "\[rank 0\]: .*saving checkpoint $tmp/not_a_dir/ckpt/epoch_1" <<<"$out"
 
 if out=$("$dir/resnet_ddp" --batch-size 0 2>&1); then echo "resnet_ddp accepted --batch-size 0"; exit 1; fi
 grep -q "batch-size must be >= 1" <<<"$out"
+if out=$("$dir/resnet_ddp" --timeout 0 2>&1); then echo "resnet_ddp accepted --timeout 0"; exit 1; fi
+grep -q "timeout needs a positive number, got '0'" <<<"$out"
+# A bad EMBER_DIST_TIMEOUT_SEC is named by every rank before anything runs.
+if out=$(EMBER_DIST_TIMEOUT_SEC=soon "${ddp[@]}" --epochs 1 --checkpoint-dir "$tmp/t" 2>&1); then
+  echo "resnet_ddp accepted EMBER_DIST_TIMEOUT_SEC=soon"; exit 1; fi
+grep -q "EMBER_DIST_TIMEOUT_SEC=soon is not a timeout" <<<"$out" || { echo "$out"; exit 1; }
 
 DATA=/usr/share/datasets/fashion-mnist
 if [[ ! -f $DATA/train-images-idx3-ubyte.gz ]]; then

@@ -78,6 +78,7 @@ struct Flags {
   uint64_t seed = 0;
   int64_t max_steps = -1;  // optimizer steps per epoch; -1: the whole epoch (for smoke tests)
   int64_t eval_size = -1;  // test examples evaluated; -1: all
+  double timeout_sec = 0;  // 0: EMBER_DIST_TIMEOUT_SEC, else 10 minutes
 };
 
 constexpr char kUsage[] =
@@ -96,7 +97,9 @@ constexpr char kUsage[] =
     "  --resume             continue from the newest checkpoint in --checkpoint-dir\n"
     "  --seed N             model initialisation and data order (default 0)\n"
     "  --max-steps N        stop each epoch after N optimizer steps (smoke tests)\n"
-    "  --eval-size N        evaluate on the first N test images only (smoke tests)\n";
+    "  --eval-size N        evaluate on the first N test images only (smoke tests)\n"
+    "  --timeout SEC        rendezvous and collective timeout, for ranks alive but stuck (default:\n"
+    "                       $EMBER_DIST_TIMEOUT_SEC, else 600)\n";
 
 [[noreturn]] void usage_error(const std::string& msg) {
   std::fprintf(stderr, "resnet_ddp: %s\n%s", msg.c_str(), kUsage);
@@ -163,6 +166,7 @@ Flags parse_flags(int argc, char** argv) {
     else if (arg == "--seed") f.seed = static_cast<uint64_t>(parse_int(arg, next(), 0));
     else if (arg == "--max-steps") f.max_steps = parse_int(arg, next(), 1);
     else if (arg == "--eval-size") f.eval_size = parse_int(arg, next(), 1);
+    else if (arg == "--timeout") f.timeout_sec = parse_positive(arg, next());
     else usage_error("unknown flag '" + arg + "'");
   }
   if (!f.model.empty() && f.model != "narrow" && f.model != "resnet18" && f.model != "resnet34" &&
@@ -313,6 +317,7 @@ int train(const Flags& flags) {
   const bool cuda = cuda_is_available();
   distributed::InitOptions init;
   init.backend = cuda ? "nccl" : "gloo";
+  if (flags.timeout_sec > 0) init.timeout = distributed::Millis{static_cast<int64_t>(flags.timeout_sec * 1000)};
   auto pg = distributed::init_process_group(init);
   const int rank = pg->rank(), world = pg->size();
   const auto env = distributed::resolve_env(distributed::InitOptions{});
