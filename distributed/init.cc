@@ -150,6 +150,7 @@ ResolvedEnv resolve_env(const InitOptions& o) {
   EMBER_CHECK(rank.value < world.value, rank.name, "=", rank.value, " must be below ", world.name, "=", world.value);
   r.rank = rank.value;
   r.world_size = world.value;
+  r.world_size_from = world.name;
 
   Field local_rank, local_world;
   if (o.local_rank >= 0) {
@@ -284,6 +285,39 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 }  // namespace
 
+// The rendezvous check on the store init made: every rank publishes the world
+// size it was given, rank 0 reads every other rank's, and the others read
+// rank 0's, so ranks launched with different WORLD_SIZEs fail at once naming
+// both values (before, the backend failed later with a transport-internal
+// message, or rank 0 waited the whole timeout for ranks that would never
+// come). Rank 0 waiting for each rank's key also names the ranks that never
+// arrive.
+void check_world_size(Store& store, const ResolvedEnv& env) {
+  const std::string mine = std::to_string(env.world_size);
+  store.set("init/world_size/" + std::to_string(env.rank), mine);
+  auto other = [&](int r) {
+    try {
+      return store.get_string("init/world_size/" + std::to_string(r));
+    } catch (const std::exception& e) {
+      throw Error(::ember::detail::str_cat("rank ", r, " of ", env.world_size_from, "=", env.world_size,
+                                  " did not reach the rendezvous: ", e.what()));
+    }
+  };
+  auto mismatch = [&](int r, const std::string& theirs) {
+    return ::ember::detail::str_cat("ranks disagree on the world size: rank ", env.rank, " has ", env.world_size_from, "=",
+                           mine, " but rank ", r, " has ", theirs, " (launch every rank with the same WORLD_SIZE)");
+  };
+  if (env.rank == 0) {
+    for (int r = 1; r < env.world_size; ++r) {
+      const std::string theirs = other(r);
+      EMBER_CHECK(theirs == mine, mismatch(r, theirs));
+    }
+  } else {
+    const std::string zeros = other(0);
+    EMBER_CHECK(zeros == mine, mismatch(0, zeros));
+  }
+}
+
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   State& s = state();
   std::lock_guard<std::mutex> setup(s.setup_mu);
@@ -300,14 +334,15 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   std::shared_ptr<ProcessGroup> pg;
   try {
     if (!store) {
-      // Rank 0 hosts the store and, by waiting for every rank to connect,
-      // turns a missing rank into a timeout error here rather than a hang
-      // in the first collective.
+      // Rank 0 hosts the store; check_world_size then has rank 0 wait for
+      // every rank, which turns a missing rank into a timeout error here
+      // rather than a hang in the first collective.
       store = std::make_shared<TCPStore>(env.master_addr, env.master_port,
                                          TCPStoreOptions{.is_server = env.rank == 0,
                                                          .num_workers = env.world_size,
-                                                         .wait_for_workers = true,
+                                                         .wait_for_workers = false,
                                                          .timeout = env.timeout});
+      if (env.world_size > 1) check_world_size(*store, env);
     }
     ProcessGroupOptions pg_options{.timeout = env.timeout};
     pg = make_group(options.backend, std::make_shared<PrefixStore>("default_pg", store), env.rank, env.world_size,

@@ -42,6 +42,7 @@ struct ResolvedEnv {
   // "InitOptions::master_port", ...), so a store that cannot be reached is
   // reported by the setting the user has to fix.
   std::string master_addr_from, master_port_from;
+  std::string world_size_from;  // "WORLD_SIZE", "SLURM_NTASKS", "InitOptions::world_size", ...
   Millis timeout = kDefaultTimeout;
   std::string timeout_from;  // "InitOptions::timeout", "EMBER_DIST_TIMEOUT_SEC" or "the default"
 };

@@ -147,6 +147,27 @@ int free_port() {
   return ntohs(a.sin_port);
 }
 
+// Rank 1 is launched with another WORLD_SIZE than rank 0 (2 and 3, or 3 and
+// 2): both fail within seconds naming WORLD_SIZE and both values.
+EMBER_WORKER(world_size_mismatch) {
+  const bool rank0_bigger = env.arg == "rank0_bigger";
+  const int mine = (env.rank == 0) == rank0_bigger ? 3 : 2;
+  setenv("RANK", std::to_string(env.rank).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(mine).c_str(), 1);
+  auto t0 = std::chrono::steady_clock::now();
+  std::string msg;
+  try {
+    init_process_group(gloo_with_timeout(60s));
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  WCHECK(msg.find("ranks disagree on the world size") != std::string::npos, "rank ", env.rank, ": ", msg);
+  WCHECK(msg.find("WORLD_SIZE=" + std::to_string(mine)) != std::string::npos, msg);
+  WCHECK(msg.find("has " + std::to_string(5 - mine)) != std::string::npos, msg);
+  WCHECK(secs < 20, "took ", secs, " s: ", msg);
+}
+
 mp::RunOptions torchrun_options() {
   mp::RunOptions o;
   o.deadline = 90s;
@@ -162,6 +183,15 @@ TEST(InitProcessGroup, FromTorchrunEnvWithSubGroupsWorldSize3) {
 TEST(InitProcessGroup, FromTorchrunEnvWithSubGroupsWorldSize2) {
   auto res = mp::run_workers("init_from_env", 2, torchrun_options());
   EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+TEST(InitProcessGroup, MismatchedWorldSizeIsNamedAtRendezvous) {
+  for (const char* which : {"rank0_bigger", "rank1_bigger"}) {
+    mp::RunOptions o = torchrun_options();
+    o.arg = which;
+    auto res = mp::run_workers("world_size_mismatch", 2, o);
+    EXPECT_TRUE(mp::all_succeeded(res)) << which << ": " << mp::describe(res);
+  }
 }
 
 TEST(InitProcessGroup, NewGroupWithDifferentListsFailsByName) {
