@@ -509,6 +509,46 @@ TEST(TCPStore, DropsAStrayConnectionAndKeepsServing) {
   EXPECT_EQ(store.get_string("still"), "serving");
 }
 
+// Regressions: what waiting cannot fix fails at once, naming the cause
+// (before, each retried silently for the whole timeout, 10 minutes by default).
+TEST(TCPStore, AHostThatDoesNotResolveFailsAtOnce) {
+  auto t0 = Clock::now();
+  std::string err = error_of([&] { TCPStore("no-such-host.invalid", 29500, client_opts(60s)); });
+  EXPECT_LT(ms_since(t0), 10000) << err;
+  EXPECT_THAT(err, HasSubstr("cannot resolve the store's host 'no-such-host.invalid'"));
+}
+
+TEST(TCPStore, AListenerThatIsNotAStoreIsNamed) {
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(listen(lfd, 8), 0);
+  socklen_t len = sizeof a;
+  ASSERT_EQ(getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  const int port = ntohs(a.sin_port);
+  // A program that answers something else (an HTTP server, say).
+  std::thread http([lfd] {
+    int c = accept(lfd, nullptr, nullptr);
+    const char reply[] = "HTTP/1.1 400 Bad Request\r\n\r\n";
+    if (c >= 0 && write(c, reply, sizeof reply - 1) > 0) std::this_thread::sleep_for(2s);
+    if (c >= 0) close(c);
+  });
+  auto t0 = Clock::now();
+  std::string err = error_of([&] { TCPStore("127.0.0.1", port, client_opts(60s)); });
+  http.join();
+  EXPECT_LT(ms_since(t0), 10000) << err;
+  EXPECT_THAT(err, HasSubstr("127.0.0.1:" + std::to_string(port) + " is not an ember store"));
+  EXPECT_THAT(err, HasSubstr("answered the handshake with other bytes"));
+  // A program that accepts (here: the kernel's backlog) and never answers.
+  t0 = Clock::now();
+  err = error_of([&] { TCPStore("127.0.0.1", port, client_opts(60s)); });
+  EXPECT_LT(ms_since(t0), 15000) << err;
+  EXPECT_THAT(err, HasSubstr("did not answer the store handshake within 5000 ms"));
+  close(lfd);
+}
+
 // ---------------------------------------------------------------------------
 // FileStore
 

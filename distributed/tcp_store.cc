@@ -10,8 +10,9 @@
 // Wire format, both directions: frames of [u32 length][body], integers
 // little-endian. A client opens with an 8-byte magic so that a stray
 // connection (a port scanner, a misdirected Gloo pair) is dropped instead of
-// being parsed as requests. Request body: [u8 command][arguments]; reply
-// body: [u8 status][payload].
+// being parsed as requests; the server answers with the same magic, so a
+// client that reached another program on the port says so at once. Request
+// body: [u8 command][arguments]; reply body: [u8 status][payload].
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -47,6 +48,8 @@ using detail::quote_keys;
 using detail::remaining;
 
 constexpr char kMagic[8] = {'E', 'M', 'B', 'R', 'S', 'T', 'O', '1'};
+// How long a listener on the store's port may take to answer the handshake.
+constexpr Millis kHandshakeReply{5000};
 // Rendezvous payloads are addresses and ids; a frame this large is a bug or
 // garbage, and refusing it keeps a bad client from exhausting the server.
 constexpr uint32_t kMaxFrame = 1u << 30;
@@ -387,6 +390,10 @@ class StoreServer {
       }
       c.in.erase(0, sizeof kMagic);
       c.greeted = true;
+      // Answer in kind, so a client can tell a store from any other program
+      // that happens to listen on the port.
+      c.out.append(kMagic, sizeof kMagic);
+      flush(fd, c);
       ++workers_seen_;
       wake_waiters();
     }
@@ -624,15 +631,28 @@ struct TCPStore::Impl {
   }
 
   // Ranks start in any order, so a refused connection means "not up yet":
-  // retry with backoff until the timeout, then report the last error.
+  // retry with backoff until the timeout, then report the last error, saying
+  // every 10 s that it is still waiting (a silent wait of minutes looks like a
+  // hang). What retrying cannot fix fails at once: a host name that does not
+  // resolve, and a listener on the port that is not a store.
   void connect_to_server(Millis timeout) {
     auto deadline = deadline_after(timeout);
+    const auto start = Clock::now();
+    auto next_note = start + std::chrono::seconds(10);
     std::string last_error = "no attempt made";
     Millis backoff{10};
     for (;;) {
       if (try_connect(deadline, &last_error)) return;
       Millis left = remaining(deadline);
       if (left <= Millis{0}) break;
+      if (Clock::now() >= next_note) {
+        std::fprintf(stderr, "TCPStore: still waiting for the store at %s (%lld s of %lld s; last error: %s)\n",
+                     address().c_str(),
+                     static_cast<long long>(std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - start).count()),
+                     static_cast<long long>(std::chrono::duration_cast<std::chrono::seconds>(timeout).count()),
+                     last_error.c_str());
+        next_note += std::chrono::seconds(10);
+      }
       std::this_thread::sleep_for(std::min(backoff, left));
       backoff = std::min(backoff * 2, Millis{1000});
     }
@@ -647,6 +667,8 @@ struct TCPStore::Impl {
     hints.ai_socktype = SOCK_STREAM;
     addrinfo* res = nullptr;
     int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+    if (rc == EAI_NONAME || rc == EAI_FAIL)  // no such host: waiting will not make one
+      throw Error("TCPStore: cannot resolve the store's host '" + host + "': " + gai_strerror(rc));
     if (rc != 0) {
       *error = std::string("cannot resolve host: ") + gai_strerror(rc);
       return false;
@@ -673,9 +695,9 @@ struct TCPStore::Impl {
       if (r == 0) {
         set_nodelay(s);
         fd = s;
-        ok = send_all(kMagic, sizeof kMagic, deadline);
+        ok = send_all(kMagic, sizeof kMagic, deadline) && handshake_reply(deadline, error);
         if (!ok) {
-          *error = "connection closed during the handshake";
+          if (error->empty()) *error = "connection closed during the handshake";
           disconnect();
         }
       } else {
@@ -685,6 +707,35 @@ struct TCPStore::Impl {
     }
     freeaddrinfo(res);
     return ok;
+  }
+
+  // The server answers the magic with its own. Another program on the port
+  // answers something else, or nothing: a named error, not minutes of retries.
+  bool handshake_reply(Clock::time_point deadline, std::string* error) {
+    error->clear();
+    char reply[sizeof kMagic];
+    const auto within = std::min(deadline, Clock::now() + kHandshakeReply);
+    switch (recv_all(reply, sizeof reply, within)) {
+      case RecvResult::Ok:
+        if (std::memcmp(reply, kMagic, sizeof kMagic) == 0) return true;
+        disconnect();
+        throw Error("TCPStore: the program listening at " + address() +
+                    " is not an ember store (it answered the handshake with other bytes); is the port used by "
+                    "another program?");
+      case RecvResult::Timeout:
+        if (Clock::now() < deadline) {
+          disconnect();
+          throw Error("TCPStore: the program listening at " + address() + " did not answer the store handshake within " +
+                      std::to_string(kHandshakeReply.count()) + " ms: it is not an ember store (is the port used by "
+                      "another program?)");
+        }
+        *error = "no handshake reply before the timeout";
+        return false;
+      case RecvResult::Closed:
+        *error = "connection closed during the handshake";
+        return false;
+    }
+    return false;
   }
 
   bool send_all(const char* p, size_t n, Clock::time_point deadline) {
