@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -17,6 +18,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <ctime>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -247,8 +249,20 @@ void make_pipe(int fds[2]) {
 
 // Everything the child needs is computed before fork(); between fork and
 // exec it only makes async-signal-safe calls.
+//
+// The forwarded signals arrive blocked (launch() blocks them around fork):
+// until the handlers are reset below, the launcher's handler is installed
+// here too, and would swallow a SIGTERM meant for this worker. Blocked, it
+// stays pending and kills the worker when the mask is cleared before exec.
+// `pause_ms` > 0 (EMBER_LAUNCH_TEST_FORK_PAUSE_MS, for launch_test only)
+// widens that window so the test can hit it.
 [[noreturn]] void exec_child(const char* path, char* const* args, char* const* envp, int out_fd,
-                             int err_fd, pid_t launcher, int max_fd) {
+                             int err_fd, pid_t launcher, int max_fd, long pause_ms) {
+  if (pause_ms > 0) {
+    timespec ts{pause_ms / 1000, (pause_ms % 1000) * 1000000};
+    while (::nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+  }
   ::setpgid(0, 0);
   // If the launcher dies without cleaning up (SIGKILL, crash), the workers
   // must not live on as orphans.
@@ -329,6 +343,8 @@ int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
         "*****************************************");
   }
 
+  const char* pause_env = std::getenv("EMBER_LAUNCH_TEST_FORK_PAUSE_MS");
+  const long fork_pause_ms = pause_env ? std::strtol(pause_env, nullptr, 10) : 0;
   // Build every worker's argv/envp before the first fork.
   std::vector<std::string> args = argv;
   std::vector<char*> c_args = c_strings(args);
@@ -390,9 +406,17 @@ int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
         throw;
       }
     }
+    // Blocked around fork: see exec_child. The parent's copy is unblocked at
+    // once, and a signal that came meanwhile is handled (and forwarded) then.
+    sigset_t forwarded, prev_mask;
+    sigemptyset(&forwarded);
+    for (int sig : kForwarded) sigaddset(&forwarded, sig);
+    ::pthread_sigmask(SIG_BLOCK, &forwarded, &prev_mask);
     pid_t pid = ::fork();
-    if (pid == 0) exec_child(path.c_str(), c_args.data(), c_envs[local].data(), out[1], err[1], self, max_fd);
+    if (pid == 0)
+      exec_child(path.c_str(), c_args.data(), c_envs[local].data(), out[1], err[1], self, max_fd, fork_pause_ms);
     int fork_errno = errno;
+    ::pthread_sigmask(SIG_SETMASK, &prev_mask, nullptr);
     if (pid < 0) {
       abort_start({out[0], out[1], err[0], err[1]});
       EMBER_CHECK(false, "launch: fork of local rank ", local, " failed: ", std::strerror(fork_errno));

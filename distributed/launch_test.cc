@@ -463,6 +463,28 @@ TEST(LaunchBinary, ForwardsSigtermToTheWorkers) {
   EXPECT_TRUE(dies_within(w1, 5s));
 }
 
+// Regression: a SIGTERM that reached a worker between fork and exec ran the
+// launcher's inherited handler there and was swallowed; the worker then
+// lived until the SIGKILL after the grace period (5 s). The forwarded
+// signals are now blocked across fork, so the worker dies as it should. The
+// test hook pauses each child 1.5 s in that window.
+TEST(LaunchBinary, SigtermBetweenForkAndExecIsNotLost) {
+  TempDir dir, logs;
+  std::vector<std::string> env = clean_env();
+  env.push_back("EMBER_LAUNCH_TEST_FORK_PAUSE_MS=1500");
+  auto t0 = Clock::now();
+  pid_t pid = start({launcher(), "--nproc_per_node=2", "--master_port=0", "--grace_ms=20000", "--", worker(), "sleep",
+                     dir.path()},
+                    logs, env);
+  std::this_thread::sleep_for(500ms);  // the workers are inside the window
+  ::kill(pid, SIGTERM);
+  Result r = finish(pid, logs);
+  const auto secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_EQ(r.rc, 128 + SIGTERM) << r.err;
+  EXPECT_LT(secs, 10.0) << "the workers outlived the SIGTERM until the grace period's SIGKILL\n" << r.err;
+  EXPECT_FALSE(exists(dir.file("pid.0")) || exists(dir.file("pid.1"))) << "a worker reached main() after SIGTERM";
+}
+
 TEST(LaunchBinary, KilledLauncherTakesItsWorkersAlong) {
   TempDir dir, logs;
   pid_t pid = start({launcher(), "--nproc_per_node=2", "--master_port=0", "--", worker(), "sleep",
