@@ -13,6 +13,11 @@
 #include "distributed/logging.h"
 
 namespace ember::distributed {
+
+// How long a rendezvous waits by default (capped by the timeout): long enough
+// for ranks started by a scheduler seconds apart, short enough that a wrong
+// MASTER_ADDR/PORT is reported while the user is still watching.
+constexpr Millis kDefaultRendezvousTimeout{2 * 60 * 1000};
 namespace {
 
 // An empty variable counts as unset: `export MASTER_ADDR=$UNSET_THING` in a
@@ -228,20 +233,30 @@ ResolvedEnv resolve_env(const InitOptions& o) {
   r.master_port = port.value;
   r.master_port_from = port.name;
 
-  if (o.timeout > Millis{0}) {
-    r.timeout = o.timeout;
-    r.timeout_from = "InitOptions::timeout";
-  } else if (auto t = env("EMBER_DIST_TIMEOUT_SEC")) {
-    double sec = 0;
-    auto [p, ec] = std::from_chars(t->data(), t->data() + t->size(), sec);
-    EMBER_CHECK(ec == std::errc() && p == t->data() + t->size() && sec > 0 && sec <= 7 * 24 * 3600,
-                "EMBER_DIST_TIMEOUT_SEC=", *t, " is not a timeout: give seconds, a number > 0 (at most a week)");
-    r.timeout = std::max(Millis{1}, Millis{static_cast<int64_t>(sec * 1000)});
-    r.timeout_from = "EMBER_DIST_TIMEOUT_SEC";
-  } else {
-    r.timeout = kDefaultTimeout;
-    r.timeout_from = "the default";
-  }
+  // Both timeouts: the option, else the variable (seconds), else the default.
+  auto resolve_timeout = [](Millis option, const char* option_name, const char* var, Millis fallback,
+                            Millis* out, std::string* from) {
+    if (option > Millis{0}) {
+      *out = option;
+      *from = option_name;
+    } else if (auto t = env(var)) {
+      double sec = 0;
+      auto [p, ec] = std::from_chars(t->data(), t->data() + t->size(), sec);
+      EMBER_CHECK(ec == std::errc() && p == t->data() + t->size() && sec > 0 && sec <= 7 * 24 * 3600, var, "=", *t,
+                  " is not a timeout: give seconds, a number > 0 (at most a week)");
+      *out = std::max(Millis{1}, Millis{static_cast<int64_t>(sec * 1000)});
+      *from = var;
+    } else {
+      *out = fallback;
+      *from = "the default";
+    }
+  };
+  EMBER_CHECK(o.rendezvous_timeout >= Millis{0}, "InitOptions::rendezvous_timeout=", o.rendezvous_timeout.count(),
+              " ms is invalid: pass a positive timeout, or 0 to take EMBER_RDZV_TIMEOUT_SEC or the default");
+  resolve_timeout(o.timeout, "InitOptions::timeout", "EMBER_DIST_TIMEOUT_SEC", kDefaultTimeout, &r.timeout,
+                  &r.timeout_from);
+  resolve_timeout(o.rendezvous_timeout, "InitOptions::rendezvous_timeout", "EMBER_RDZV_TIMEOUT_SEC",
+                  std::min(r.timeout, kDefaultRendezvousTimeout), &r.rendezvous_timeout, &r.rendezvous_timeout_from);
   return r;
 }
 
@@ -294,26 +309,33 @@ std::string rank_list(const std::vector<int>& ranks) {
 // arrive.
 void check_world_size(Store& store, const ResolvedEnv& env) {
   const std::string mine = std::to_string(env.world_size);
-  store.set("init/world_size/" + std::to_string(env.rank), mine);
+  const std::string my_key = "init/world_size/" + std::to_string(env.rank);
   auto other = [&](int r) {
+    const std::string key = "init/world_size/" + std::to_string(r);
     try {
-      return store.get_string("init/world_size/" + std::to_string(r));
+      store.wait({key}, env.rendezvous_timeout);
+      return store.get_string(key);
     } catch (const std::exception& e) {
       throw Error(::ember::detail::str_cat("rank ", r, " of ", env.world_size_from, "=", env.world_size,
-                                  " did not reach the rendezvous: ", e.what()));
+                                           " did not reach the rendezvous: ", e.what()));
     }
   };
   auto mismatch = [&](int r, const std::string& theirs) {
-    return ::ember::detail::str_cat("ranks disagree on the world size: rank ", env.rank, " has ", env.world_size_from, "=",
-                           mine, " but rank ", r, " has ", theirs, " (launch every rank with the same WORLD_SIZE)");
+    return ::ember::detail::str_cat("ranks disagree on the world size: rank ", env.rank, " has ", env.world_size_from,
+                                    "=", mine, " but rank ", r, " has ", theirs,
+                                    " (launch every rank with the same WORLD_SIZE)");
   };
   if (env.rank == 0) {
+    store.set(my_key, mine);
     for (int r = 1; r < env.world_size; ++r) {
       const std::string theirs = other(r);
       EMBER_CHECK(theirs == mine, mismatch(r, theirs));
     }
   } else {
+    // Read rank 0's size before publishing ours: rank 0 (which hosts the
+    // store) may exit as soon as it sees ours, so we must have its already.
     const std::string zeros = other(0);
+    store.set(my_key, mine);
     EMBER_CHECK(zeros == mine, mismatch(0, zeros));
   }
 }
@@ -341,7 +363,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                                          TCPStoreOptions{.is_server = env.rank == 0,
                                                          .num_workers = env.world_size,
                                                          .wait_for_workers = false,
-                                                         .timeout = env.timeout});
+                                                         .timeout = env.timeout,
+                                                         .connect_timeout = env.rendezvous_timeout});
       if (env.world_size > 1) check_world_size(*store, env);
     }
     ProcessGroupOptions pg_options{.timeout = env.timeout};
@@ -359,8 +382,9 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     std::string where;
     if (!options.store && env.world_size > 1)
       where = ", store at " + env.master_addr_from + "=" + env.master_addr + " " + env.master_port_from + "=" +
-              std::to_string(env.master_port) + ", timeout " + std::to_string(env.timeout.count()) + " ms (" +
-              env.timeout_from + ")";
+              std::to_string(env.master_port) + ", rendezvous timeout " +
+              std::to_string(env.rendezvous_timeout.count()) + " ms (" + env.rendezvous_timeout_from + "), timeout " +
+              std::to_string(env.timeout.count()) + " ms (" + env.timeout_from + ")";
     throw Error("init_process_group (rank " + std::to_string(env.rank) + " of " + std::to_string(env.world_size) +
                 ", backend " + options.backend + ", from " + env.source + where + "): " + e.what());
   }

@@ -9,7 +9,11 @@
 // The timeout (rendezvous, and every collective afterwards) is the option
 // when set, else EMBER_DIST_TIMEOUT_SEC (seconds, as torch's `timeout=`
 // takes a timedelta), else 10 minutes. It is for ranks that are alive but
-// stuck; a rank that has died is detected separately.
+// stuck; a rank that has died is detected separately. The rendezvous
+// (reaching rank 0's store, and rank 0 hearing from every rank) gives up
+// sooner: InitOptions::rendezvous_timeout, else EMBER_RDZV_TIMEOUT_SEC, else
+// the smaller of the timeout and 2 minutes, printing a line every 10 s while
+// it waits.
 #pragma once
 
 #include <memory>
@@ -29,6 +33,7 @@ struct InitOptions {
   std::string master_addr;       // empty: from the environment
   int master_port = -1;
   Millis timeout{0};             // 0: EMBER_DIST_TIMEOUT_SEC, else kDefaultTimeout (10 min)
+  Millis rendezvous_timeout{0};  // 0: EMBER_RDZV_TIMEOUT_SEC, else min(timeout, 2 min)
   std::shared_ptr<Store> store;  // given: used instead of a TCPStore on master_addr:master_port
 };
 
@@ -45,6 +50,8 @@ struct ResolvedEnv {
   std::string world_size_from;  // "WORLD_SIZE", "SLURM_NTASKS", "InitOptions::world_size", ...
   Millis timeout = kDefaultTimeout;
   std::string timeout_from;  // "InitOptions::timeout", "EMBER_DIST_TIMEOUT_SEC" or "the default"
+  Millis rendezvous_timeout{120000};
+  std::string rendezvous_timeout_from;
 };
 ResolvedEnv resolve_env(const InitOptions& options);
 

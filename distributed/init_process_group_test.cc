@@ -257,6 +257,24 @@ TEST_F(SingleProcess, UnreachableMasterNamesTheVariablesWithinTheTimeout) {
   for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}) unsetenv(v);
 }
 
+// Regression: nothing listening at MASTER_ADDR:MASTER_PORT was retried
+// silently for the whole timeout (10 minutes by default). The rendezvous
+// timeout ends it sooner, naming itself, while collectives keep theirs.
+TEST_F(SingleProcess, UnreachableMasterGivesUpAfterTheRendezvousTimeout) {
+  setenv("RANK", "1", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", std::to_string(free_port()).c_str(), 1);
+  setenv("EMBER_RDZV_TIMEOUT_SEC", "1", 1);
+  auto t0 = std::chrono::steady_clock::now();
+  std::string msg = error_of([] { init_process_group(gloo_with_timeout(600s)); });
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(s, 10.0) << msg;
+  EXPECT_THAT(msg, HasSubstr("rendezvous timeout 1000 ms (EMBER_RDZV_TIMEOUT_SEC)"));
+  EXPECT_THAT(msg, HasSubstr("timeout 600000 ms (InitOptions::timeout)"));
+  for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EMBER_RDZV_TIMEOUT_SEC"}) unsetenv(v);
+}
+
 TEST(MultiProcessWorker, Entry) {
   if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
   mp::run_if_worker();

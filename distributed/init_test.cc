@@ -23,6 +23,7 @@ const char* const kVars[] = {
     "RANK",          "WORLD_SIZE",       "LOCAL_RANK",     "LOCAL_WORLD_SIZE",      "MASTER_ADDR",
     "MASTER_PORT",   "SLURM_PROCID",     "SLURM_NTASKS",   "SLURM_LOCALID",         "SLURM_NTASKS_PER_NODE",
     "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "EMBER_DIST_TIMEOUT_SEC",
+    "EMBER_RDZV_TIMEOUT_SEC",
 };
 
 class ResolveEnv : public ::testing::Test {
@@ -202,6 +203,25 @@ TEST_F(ResolveEnv, TimeoutFromOptionVariableOrDefault) {
   }
   o.timeout = Millis{-1};
   EXPECT_THAT(error_of(o), HasSubstr("InitOptions::timeout=-1 ms is invalid"));
+}
+
+// The rendezvous gives up sooner than a collective: the option, else
+// EMBER_RDZV_TIMEOUT_SEC, else min(timeout, 2 minutes).
+TEST_F(ResolveEnv, RendezvousTimeoutIsShortByDefault) {
+  ResolvedEnv r = resolve_env({});
+  EXPECT_EQ(r.rendezvous_timeout, Millis{120000});
+  EXPECT_EQ(r.rendezvous_timeout_from, "the default");
+  InitOptions o;
+  o.timeout = Millis{30000};
+  EXPECT_EQ(resolve_env(o).rendezvous_timeout, Millis{30000});  // never longer than the timeout
+  set("EMBER_RDZV_TIMEOUT_SEC", "7");
+  r = resolve_env({});
+  EXPECT_EQ(r.rendezvous_timeout, Millis{7000});
+  EXPECT_EQ(r.rendezvous_timeout_from, "EMBER_RDZV_TIMEOUT_SEC");
+  o.rendezvous_timeout = Millis{900};
+  EXPECT_EQ(resolve_env(o).rendezvous_timeout, Millis{900});
+  set("EMBER_RDZV_TIMEOUT_SEC", "never");
+  EXPECT_THAT(error_of({}), HasSubstr("EMBER_RDZV_TIMEOUT_SEC=never is not a timeout"));
 }
 
 TEST_F(ResolveEnv, AGivenStoreNeedsNoAddress) {

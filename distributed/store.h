@@ -71,6 +71,7 @@ struct TCPStoreOptions {
   int num_workers = -1;         // if > 0 the server waits for this many clients to connect
   bool wait_for_workers = true;
   Millis timeout = kDefaultTimeout;  // connect, and every blocking call
+  Millis connect_timeout{0};         // the first connection, if > 0 (a rendezvous can give up sooner)
 };
 
 // One server thread (in the process with is_server) and one socket per

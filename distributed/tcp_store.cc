@@ -864,7 +864,7 @@ TCPStore::TCPStore(std::string host, int port, TCPStoreOptions options)
     impl_->server = std::make_unique<StoreServer>(port);
     impl_->port = impl_->server->port();
   }
-  impl_->connect_to_server(options.timeout);
+  impl_->connect_to_server(options.connect_timeout > Millis{0} ? options.connect_timeout : options.timeout);
   if (options.is_server && options.num_workers > 0 && options.wait_for_workers) {
     Writer w;
     w.u8(uint8_t(Cmd::WaitWorkers)).i64(options.num_workers).i64(options.timeout.count());
