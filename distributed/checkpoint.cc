@@ -479,7 +479,8 @@ absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir_in, nn::Mod
   return st;
 }
 
-std::optional<std::string> latest_checkpoint(const std::string& root, const std::string& prefix) {
+absl::StatusOr<std::optional<std::string>> latest_checkpoint(const std::string& root, const std::string& prefix,
+                                                             bool fall_back) {
   std::error_code ec;
   std::vector<std::pair<int64_t, fs::path>> found;
   for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
@@ -494,12 +495,19 @@ std::optional<std::string> latest_checkpoint(const std::string& root, const std:
   }
   std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (const auto& [n, path] : found) {
-    if (!read_trainer_json((path / kTrainerFile).string()).ok()) continue;
+    absl::Status st = read_trainer_json((path / kTrainerFile).string()).status();
     std::error_code fec;
-    if (!fs::is_regular_file(path / kModelFile, fec)) continue;
-    return path.string();
+    if (st.ok() && !fs::is_regular_file(path / kModelFile, fec))
+      st = absl::NotFoundError(absl::StrCat((path / kModelFile).string(), ": missing file"));
+    if (st.ok()) return std::optional<std::string>(path.string());
+    if (!fall_back)
+      return absl::DataLossError(absl::StrCat("the newest checkpoint ", path.string(),
+                                              " is damaged and was left untouched: ", st.message(),
+                                              " (repair or remove it, or fall back to the previous checkpoint)"));
+    std::fprintf(stderr, "warning: skipping the damaged checkpoint %s (%s); trying an older one\n",
+                 path.string().c_str(), std::string(st.message()).c_str());
   }
-  return std::nullopt;
+  return std::optional<std::string>();
 }
 
 }  // namespace ember::distributed

@@ -66,9 +66,18 @@ absl::Status save_checkpoint(const std::string& dir, const nn::Module& model, co
 absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir, nn::Module& model, optim::Optimizer* optimizer,
                                               optim::LRScheduler* scheduler);
 
-// The newest complete checkpoint under `root` named "<prefix><N>" (largest
-// N), or nullopt when there is none.
-std::optional<std::string> latest_checkpoint(const std::string& root, const std::string& prefix = "epoch_");
+// The newest checkpoint under `root` named "<prefix><N>" (largest N), or
+// nullopt when there is none. Saves are atomic, so a "<prefix><N>" directory
+// that does not hold a loadable checkpoint (trainer.json missing, invalid or
+// of another version, model file missing) is damage, never skipped silently:
+// an error names the directory, the file and the cause. With `fall_back`, a
+// damaged one is reported on stderr (and left as it is) and the next older
+// one is tried; training from an older checkpoint will later save over the
+// damaged one, which is what asking for the fallback means. ".tmp-"/".old-"
+// leftovers and other names are not checkpoints and are ignored.
+absl::StatusOr<std::optional<std::string>> latest_checkpoint(const std::string& root,
+                                                             const std::string& prefix = "epoch_",
+                                                             bool fall_back = false);
 
 namespace testing {
 // Test seam for crash-safety tests: save_checkpoint calls `at_stage` at each

@@ -101,6 +101,13 @@ void expect_bit_identical(const Trainer& a, const Trainer& b) {
   EXPECT_EQ(a.sched->get_last_lr(), b.sched->get_last_lr());
 }
 
+// latest_checkpoint's answer, or its error message.
+std::string latest(const std::string& root, const std::string& prefix = "epoch_", bool fall_back = false) {
+  auto r = latest_checkpoint(root, prefix, fall_back);
+  if (!r.ok()) return "error: " + std::string(r.status().message());
+  return r->value_or("none");
+}
+
 void resume_is_exact(const std::string& kind) {
   const int n = 5, m = 4;
   const std::string root = fresh_root("resume_" + kind);
@@ -130,7 +137,7 @@ void resume_is_exact(const std::string& kind) {
   resumed.steps(m);
   EXPECT_EQ(default_generator().offset(), ref_offset);
   expect_bit_identical(reference, resumed);
-  EXPECT_EQ(latest_checkpoint(root), root + "/epoch_2");
+  EXPECT_EQ(latest(root), root + "/epoch_2");
 }
 
 TEST(Checkpoint, ResumeIsBitExactSGDMomentumStepLR) { resume_is_exact("sgd"); }
@@ -223,11 +230,11 @@ TEST(CheckpointCrash, NewEpochDirectory) {
     save_crashing_at(stage, root + "/epoch_2", net, 2);
     EXPECT_FALSE(fs::exists(root + "/epoch_2"));
     EXPECT_TRUE(fs::exists(root + "/epoch_2.tmp-" + std::to_string(getpid())));
-    EXPECT_EQ(latest_checkpoint(root), root + "/epoch_1");
+    EXPECT_EQ(latest(root), root + "/epoch_1");
     EXPECT_EQ(epoch_of(root + "/epoch_1"), 1);
     // The next save (same pid: the leftover is ours) succeeds.
     ASSERT_TRUE(save_checkpoint(root + "/epoch_2", net, nullptr, nullptr, {.epoch = 2}).ok());
-    EXPECT_EQ(latest_checkpoint(root), root + "/epoch_2");
+    EXPECT_EQ(latest(root), root + "/epoch_2");
     EXPECT_FALSE(fs::exists(root + "/epoch_2.tmp-" + std::to_string(getpid())));
   }
 }
@@ -267,31 +274,59 @@ TEST(CheckpointCrash, ReplacingADirectory) {
   }
 }
 
-TEST(CheckpointCrash, LatestSkipsIncompleteAndForeignEntries) {
+TEST(CheckpointCrash, LatestSkipsLeftoversAndForeignEntries) {
   const std::string root = fresh_root("latest");
-  EXPECT_EQ(latest_checkpoint(root), std::nullopt);
-  EXPECT_EQ(latest_checkpoint(root + "/missing"), std::nullopt);
+  EXPECT_EQ(latest(root), "none");
+  EXPECT_EQ(latest(root + "/missing"), "none");
   Net net;
   ASSERT_TRUE(save_checkpoint(root + "/epoch_3", net, nullptr, nullptr, {.epoch = 3}).ok());
   ASSERT_TRUE(save_checkpoint(root + "/epoch_10", net, nullptr, nullptr, {.epoch = 10}).ok());
-  EXPECT_EQ(latest_checkpoint(root), root + "/epoch_10");  // numeric, not lexicographic order
-  // epoch_11: written by hand, crashed before trainer.json.
-  fs::create_directories(root + "/epoch_11");
-  fs::copy_file(root + "/epoch_10/model.safetensors", root + "/epoch_11/model.safetensors");
-  // epoch_12: trainer.json cut short.
-  fs::copy(root + "/epoch_10", root + "/epoch_12");
-  fs::resize_file(root + "/epoch_12/trainer.json", 20);
-  // epoch_13: complete trainer.json but no model file.
-  fs::copy(root + "/epoch_10", root + "/epoch_13");
-  fs::remove(root + "/epoch_13/model.safetensors");
-  // Leftovers and look-alikes.
+  EXPECT_EQ(latest(root), root + "/epoch_10");  // numeric, not lexicographic order
+  // Leftovers and look-alikes are not checkpoints.
   fs::copy(root + "/epoch_10", root + "/epoch_20.tmp-12345");
   fs::copy(root + "/epoch_10", root + "/epoch_21.old-12345");
   fs::copy(root + "/epoch_10", root + "/epoch_x");
   fs::copy(root + "/epoch_10", root + "/step_99");
   std::ofstream(root + "/epoch_30") << "a file";
-  EXPECT_EQ(latest_checkpoint(root), root + "/epoch_10");
-  EXPECT_EQ(latest_checkpoint(root, "step_"), root + "/step_99");
+  EXPECT_EQ(latest(root), root + "/epoch_10");
+  EXPECT_EQ(latest(root, "step_"), root + "/step_99");
+}
+
+// Regression: a damaged newest checkpoint was skipped without a word (resume
+// then continued from an older one and later overwrote the damaged one).
+// Saves are atomic, so a damaged epoch_N is reported by name and cause, and
+// only an explicit fallback moves on to the previous one.
+TEST(CheckpointCrash, ADamagedNewestCheckpointIsReportedNotSkipped) {
+  const std::string root = fresh_root("damaged");
+  Net net;
+  ASSERT_TRUE(save_checkpoint(root + "/epoch_10", net, nullptr, nullptr, {.epoch = 10}).ok());
+  // epoch_11: no trainer.json.
+  fs::create_directories(root + "/epoch_11");
+  fs::copy_file(root + "/epoch_10/model.safetensors", root + "/epoch_11/model.safetensors");
+  EXPECT_THAT(latest(root), HasSubstr("the newest checkpoint " + root + "/epoch_11 is damaged"));
+  EXPECT_THAT(latest(root), HasSubstr(root + "/epoch_11/trainer.json: missing file"));
+  // epoch_12: trainer.json cut short.
+  fs::copy(root + "/epoch_10", root + "/epoch_12");
+  fs::resize_file(root + "/epoch_12/trainer.json", 20);
+  EXPECT_THAT(latest(root), HasSubstr(root + "/epoch_12/trainer.json: invalid JSON"));
+  // epoch_13: no model file.
+  fs::copy(root + "/epoch_10", root + "/epoch_13");
+  fs::remove(root + "/epoch_13/model.safetensors");
+  EXPECT_THAT(latest(root), HasSubstr(root + "/epoch_13/model.safetensors: missing file"));
+  // epoch_14: another format version.
+  fs::copy(root + "/epoch_10", root + "/epoch_14");
+  {
+    std::ifstream in(root + "/epoch_14/trainer.json");
+    std::string t((std::istreambuf_iterator<char>(in)), {});
+    const size_t at = t.find("\"version\": 1");
+    ASSERT_NE(at, std::string::npos);
+    t.replace(at, 12, "\"version\": 7");
+    std::ofstream(root + "/epoch_14/trainer.json", std::ios::trunc) << t;
+  }
+  EXPECT_THAT(latest(root), HasSubstr("version 7 is not supported"));
+  // Asked for, the fallback passes over all four to epoch_10, leaving them be.
+  EXPECT_EQ(latest(root, "epoch_", true), root + "/epoch_10");
+  EXPECT_TRUE(fs::exists(root + "/epoch_14/trainer.json"));
 }
 
 // ---- Errors name the file and the problem ----

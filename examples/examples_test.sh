@@ -48,6 +48,19 @@ fi
 grep -q "$tmp/badextra/epoch_1/trainer.json: \"extra\".\"sampler_seed\" is \"x\", expected a non-negative integer" <<<"$out" || {
   echo "$out"; echo "the error does not name the file and field"; exit 1; }
 
+# A damaged newest checkpoint is reported, not skipped (regression); only
+# --resume-fallback moves on to the previous one, with a warning.
+mkdir -p "$tmp/damaged" && cp -r "$ckpt/epoch_1" "$tmp/damaged/" && cp -r "$ckpt/epoch_1" "$tmp/damaged/epoch_2"
+truncate -s 20 "$tmp/damaged/epoch_2/trainer.json"
+if out=$("${ddp[@]}" --epochs 2 --checkpoint-dir "$tmp/damaged" --resume 2>&1); then
+  echo "$out"; echo "resnet_ddp resumed past a damaged newest checkpoint"; exit 1
+fi
+grep -q "the newest checkpoint $tmp/damaged/epoch_2 is damaged and was left untouched: $tmp/damaged/epoch_2/trainer.json: invalid JSON" <<<"$out" || {
+  echo "$out"; echo "the error does not name the damaged checkpoint"; exit 1; }
+out=$("${ddp[@]}" --epochs 1 --checkpoint-dir "$tmp/damaged" --resume --resume-fallback 2>&1)
+grep -q "warning: skipping the damaged checkpoint $tmp/damaged/epoch_2" <<<"$out" || { echo "$out"; exit 1; }
+grep -q "resumed from $tmp/damaged/epoch_1" <<<"$out" || { echo "$out"; exit 1; }
+
 # Unchanged under the launcher, which prefixes each worker's lines.
 out=$(tools/launch --nproc_per_node=2 --master_port=0 -- "${ddp[@]}" --epochs 1 --max-steps 2 \
       --checkpoint-dir "$tmp/launched" 2>&1)

@@ -75,6 +75,7 @@ struct Flags {
   int workers = 1;
   std::string checkpoint_dir = "/tmp/ember_resnet_ddp";
   bool resume = false;
+  bool resume_fallback = false;  // a damaged newest checkpoint: use the previous one (warned)
   uint64_t seed = 0;
   int64_t max_steps = -1;  // optimizer steps per epoch; -1: the whole epoch (for smoke tests)
   int64_t eval_size = -1;  // test examples evaluated; -1: all
@@ -94,7 +95,9 @@ constexpr char kUsage[] =
     "  --data PATH          Fashion-MNIST IDX directory, or 'synthetic' (default /usr/share/datasets/fashion-mnist)\n"
     "  --workers N          data-loading threads per rank (default 1)\n"
     "  --checkpoint-dir D   where epoch_<N>/ checkpoints go (default /tmp/ember_resnet_ddp)\n"
-    "  --resume             continue from the newest checkpoint in --checkpoint-dir\n"
+    "  --resume             continue from the newest checkpoint in --checkpoint-dir (an error if it is damaged)\n"
+    "  --resume-fallback    with --resume: if the newest checkpoint is damaged, warn and use the previous one\n"
+    "                       (training will then save over the damaged one)\n"
     "  --seed N             model initialisation and data order (default 0)\n"
     "  --max-steps N        stop each epoch after N optimizer steps (smoke tests)\n"
     "  --eval-size N        evaluate on the first N test images only (smoke tests)\n"
@@ -144,6 +147,11 @@ Flags parse_flags(int argc, char** argv) {
       f.resume = true;
       continue;
     }
+    if (arg == "--resume-fallback") {
+      if (has_value) usage_error("--resume-fallback takes no value");
+      f.resume_fallback = true;
+      continue;
+    }
     if (arg == "--sync-bn") {
       if (has_value) usage_error("--sync-bn takes no value");
       f.sync_bn = true;
@@ -173,8 +181,14 @@ Flags parse_flags(int argc, char** argv) {
       f.model != "resnet50")
     usage_error("--model must be narrow, resnet18, resnet34 or resnet50, got '" + f.model + "'");
   if (f.checkpoint_dir.empty()) usage_error("--checkpoint-dir must not be empty");
-  if (f.resume && !distributed::latest_checkpoint(f.checkpoint_dir))
-    usage_error("--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir " + f.checkpoint_dir);
+  if (f.resume_fallback && !f.resume) usage_error("--resume-fallback goes with --resume");
+  if (f.resume) {
+    auto latest = distributed::latest_checkpoint(f.checkpoint_dir, "epoch_", f.resume_fallback);
+    if (!latest.ok())
+      usage_error("--resume: " + std::string(latest.status().message()) + "; --resume-fallback uses the previous one");
+    if (!latest->has_value())
+      usage_error("--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir " + f.checkpoint_dir);
+  }
   if (f.data != "synthetic" && f.data_given && !fs::is_directory(f.data))
     usage_error("--data " + f.data + ": no such directory (give the Fashion-MNIST directory or 'synthetic')");
   return f;
@@ -368,7 +382,9 @@ int train(const Flags& flags) {
   // the parameters would come from rank 0's broadcast anyway.
   int64_t start_epoch = 0, step = 0;
   if (flags.resume) {
-    auto dir = distributed::latest_checkpoint(flags.checkpoint_dir);
+    auto latest = distributed::latest_checkpoint(flags.checkpoint_dir, "epoch_", flags.resume_fallback);
+    EMBER_CHECK(latest.ok(), "--resume: ", latest.status().message());
+    const std::optional<std::string>& dir = *latest;
     EMBER_CHECK(dir.has_value(), "--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir ", flags.checkpoint_dir);
     auto st = distributed::load_checkpoint(*dir, *model, &opt, &sched);
     EMBER_CHECK(st.ok(), "--resume: ", st.status().message(),
