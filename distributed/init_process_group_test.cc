@@ -16,6 +16,7 @@
 
 #include "core/exception.h"
 #include "core/tensor.h"
+#include "distributed/config_check.h"
 #include "distributed/init.h"
 #include "distributed/testing/multiprocess.h"
 
@@ -168,6 +169,27 @@ EMBER_WORKER(world_size_mismatch) {
   WCHECK(secs < 20, "took ", secs, " s: ", msg);
 }
 
+// check_same_config: equal settings pass; rank 1 with another batch size
+// makes every rank fail, rank 1 naming the setting and both values.
+EMBER_WORKER(config_check) {
+  set_torchrun_env(env);
+  auto pg = init_process_group(gloo_with_timeout(30s));
+  check_same_config(*pg, {{"batch_size", "64"}, {"lr", "0.1"}});
+  std::string msg;
+  try {
+    check_same_config(*pg, {{"batch_size", env.rank == 1 ? "32" : "64"}, {"lr", "0.1"}});
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  if (env.rank == 1)
+    WCHECK(msg.find("batch_size is 32 here but 64 on rank 0") != std::string::npos, msg);
+  else
+    WCHECK(msg.find("the training configuration of rank(s) 1 differs") != std::string::npos, msg);
+  pg.reset();
+  all_done(env, "config");
+  destroy_process_group();
+}
+
 mp::RunOptions torchrun_options() {
   mp::RunOptions o;
   o.deadline = 90s;
@@ -192,6 +214,11 @@ TEST(InitProcessGroup, MismatchedWorldSizeIsNamedAtRendezvous) {
     auto res = mp::run_workers("world_size_mismatch", 2, o);
     EXPECT_TRUE(mp::all_succeeded(res)) << which << ": " << mp::describe(res);
   }
+}
+
+TEST(InitProcessGroup, DifferentTrainingConfigurationsFailOnEveryRank) {
+  auto res = mp::run_workers("config_check", 3, torchrun_options());
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
 }
 
 TEST(InitProcessGroup, NewGroupWithDifferentListsFailsByName) {

@@ -42,6 +42,7 @@
 #include "data/sampler.h"
 #include "data/transforms.h"
 #include "distributed/checkpoint.h"
+#include "distributed/config_check.h"
 #include "distributed/ddp.h"
 #include "distributed/init.h"
 #include "distributed/launch.h"
@@ -337,6 +338,14 @@ int train(const Flags& flags) {
   const auto env = distributed::resolve_env(distributed::InitOptions{});
   const Device device = cuda ? cuda_device(env.local_rank % cuda_device_count()) : kCPU;
   const std::string model_name = !flags.model.empty() ? flags.model : cuda ? "resnet18" : "narrow";
+  // Ranks started with other flags would train diverging replicas without a
+  // word (a different batch size changes the learning-rate scaling too).
+  distributed::check_same_config(
+      *pg, {{"--model", model_name}, {"--batch-size", std::to_string(flags.batch_size)},
+            {"--lr", std::to_string(flags.lr)}, {"--accum-steps", std::to_string(flags.accum_steps)},
+            {"--epochs", std::to_string(flags.epochs)}, {"--seed", std::to_string(flags.seed)},
+            {"--sync-bn", flags.sync_bn ? "on" : "off"}, {"--max-steps", std::to_string(flags.max_steps)},
+            {"--resume", flags.resume ? "on" : "off"}});  // paths (--data, --checkpoint-dir) may differ by host
   if (flags.nproc > 0 && flags.nproc != env.local_world_size)
     LOG0("note: --nproc ", flags.nproc, " ignored: the launcher started ", env.local_world_size,
          " processes per node");
