@@ -21,11 +21,10 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <string>
-
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -36,6 +35,12 @@ namespace ember {
 #if EMBER_WITH_CUDA
 namespace {
 
+// EMBER_NO_CUDA_MEMORY_CACHING set to anything but "0".
+bool caching_disabled() {
+  const char* v = std::getenv("EMBER_NO_CUDA_MEMORY_CACHING");
+  return v != nullptr && std::string(v) != "0";
+}
+
 size_t size_class(size_t n) {
   constexpr size_t kSmall = 512, kLarge = 2 << 20, kSmallLimit = 1 << 20;
   if (n == 0) n = 1;
@@ -44,9 +49,7 @@ size_t size_class(size_t n) {
 
 class CudaCachingAllocator final : public Allocator {
  public:
-  explicit CudaCachingAllocator(int device)
-      : device_(device), caching_(std::getenv("EMBER_NO_CUDA_MEMORY_CACHING") == nullptr ||
-                                  std::string(std::getenv("EMBER_NO_CUDA_MEMORY_CACHING")) == "0") {}
+  explicit CudaCachingAllocator(int device) : device_(device), caching_(!caching_disabled()) {}
 
   DataPtr allocate(size_t nbytes) override {
     EMBER_CHECK(cuda_is_available(), "cuda allocator: no CUDA device: ", cuda_unavailable_reason());

@@ -168,11 +168,12 @@ absl::StatusOr<json> read_trainer_json(const std::string& path) {
                                             " a trainer.json may have (not a checkpoint ember wrote?)"));
   std::stringstream ss;
   ss << in.rdbuf();
-  if (const std::string deep = json_depth_error(ss.str()); !deep.empty())
+  const std::string text = std::move(ss).str();
+  if (const std::string deep = json_depth_error(text); !deep.empty())
     return absl::DataLossError(absl::StrCat(path, ": invalid JSON: ", deep));
   json j;
   try {
-    j = json::parse(ss.str());
+    j = json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     return absl::DataLossError(absl::StrCat(path, ": invalid JSON (truncated or corrupted file?): ", e.what()));
   }
@@ -480,7 +481,7 @@ absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir_in, nn::Mod
 }
 
 absl::StatusOr<std::optional<std::string>> latest_checkpoint(const std::string& root, const std::string& prefix,
-                                                             bool fall_back) {
+                                                             bool fall_back, std::vector<std::string>* skipped) {
   std::error_code ec;
   std::vector<std::pair<int64_t, fs::path>> found;
   for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
@@ -504,8 +505,7 @@ absl::StatusOr<std::optional<std::string>> latest_checkpoint(const std::string& 
       return absl::DataLossError(absl::StrCat("the newest checkpoint ", path.string(),
                                               " is damaged and was left untouched: ", st.message(),
                                               " (repair or remove it, or fall back to the previous checkpoint)"));
-    std::fprintf(stderr, "warning: skipping the damaged checkpoint %s (%s); trying an older one\n",
-                 path.string().c_str(), std::string(st.message()).c_str());
+    if (skipped) skipped->push_back(absl::StrCat(path.string(), " (", st.message(), ")"));
   }
   return std::optional<std::string>();
 }

@@ -30,6 +30,8 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -71,13 +73,15 @@ absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir, nn::Module
 // that does not hold a loadable checkpoint (trainer.json missing, invalid or
 // of another version, model file missing) is damage, never skipped silently:
 // an error names the directory, the file and the cause. With `fall_back`, a
-// damaged one is reported on stderr (and left as it is) and the next older
-// one is tried; training from an older checkpoint will later save over the
-// damaged one, which is what asking for the fallback means. ".tmp-"/".old-"
-// leftovers and other names are not checkpoints and are ignored.
+// damaged one is left as it is, named with its cause in `skipped` (if given,
+// for the caller to report), and the next older one is tried; training from
+// an older checkpoint will later save over the damaged one, which is what
+// asking for the fallback means. ".tmp-"/".old-" leftovers and other names
+// are not checkpoints and are ignored.
 absl::StatusOr<std::optional<std::string>> latest_checkpoint(const std::string& root,
                                                              const std::string& prefix = "epoch_",
-                                                             bool fall_back = false);
+                                                             bool fall_back = false,
+                                                             std::vector<std::string>* skipped = nullptr);
 
 namespace testing {
 // Test seam for crash-safety tests: save_checkpoint calls `at_stage` at each

@@ -391,8 +391,10 @@ int train(const Flags& flags) {
   // the parameters would come from rank 0's broadcast anyway.
   int64_t start_epoch = 0, step = 0;
   if (flags.resume) {
-    auto latest = distributed::latest_checkpoint(flags.checkpoint_dir, "epoch_", flags.resume_fallback);
+    std::vector<std::string> skipped;
+    auto latest = distributed::latest_checkpoint(flags.checkpoint_dir, "epoch_", flags.resume_fallback, &skipped);
     EMBER_CHECK(latest.ok(), "--resume: ", latest.status().message());
+    for (const std::string& s : skipped) LOG0("warning: skipping the damaged checkpoint ", s, "; trying an older one");
     const std::optional<std::string>& dir = *latest;
     EMBER_CHECK(dir.has_value(), "--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir ", flags.checkpoint_dir);
     auto st = distributed::load_checkpoint(*dir, *model, &opt, &sched);

@@ -166,31 +166,22 @@ def ember_test(name, srcs, deps = [], backends = ["cpu"], emu_deps = [Label("//c
     if "cuda" in tags:
         # Needs a GPU: skipped at build level in the CPU-only configuration.
         kwargs["target_compatible_with"] = cuda_required()
-    if backends == ["cpu"]:
-        native.cc_test(
-            name = name,
+    # One backend: the sources go into the test itself. Several: into one
+    # library that each backend's test links, so they compile once.
+    single = backends == ["cpu"]
+    if not single:
+        native.cc_library(
+            name = name + "_lib",
             srcs = srcs,
-            deps = deps + [Label("//third_party:gtest_main")],
-            tags = tags,
-            **kwargs
+            deps = deps + [Label("//third_party:gtest")],
+            alwayslink = 1,
+            testonly = 1,
         )
-        return
-    lib = name + "_lib"
-    native.cc_library(
-        name = lib,
-        srcs = srcs,
-        deps = deps + [Label("//third_party:gtest")],
-        alwayslink = 1,
-        testonly = 1,
-    )
+    test_srcs = srcs if single else []
+    test_deps = (deps if single else [":" + name + "_lib"]) + [Label("//third_party:gtest_main")]
     for b in backends:
         if b == "cpu":
-            native.cc_test(
-                name = name,
-                deps = [":" + lib, Label("//third_party:gtest_main")],
-                tags = tags,
-                **kwargs
-            )
+            native.cc_test(name = name, srcs = test_srcs, deps = test_deps, tags = tags, **kwargs)
         elif b == "cuda_emu":
             if not CUDA_FOUND:
                 continue  # the emulation compiles against the toolkit's headers
@@ -198,7 +189,7 @@ def ember_test(name, srcs, deps = [], backends = ["cpu"], emu_deps = [Label("//c
             native.cc_test(
                 name = base + "_emu_test",
                 # Emulated kernels first: see the module docstring.
-                deps = emu_deps + [":" + lib, Label("//third_party:gtest_main")],
+                deps = emu_deps + test_deps,
                 tags = [t for t in tags if t != "cuda"] + ["cuda_emu"],
                 **dict(kwargs, target_compatible_with = cuda_required())
             )
