@@ -257,6 +257,11 @@ ResolvedEnv resolve_env(const InitOptions& o) {
                   &r.timeout_from);
   resolve_timeout(o.rendezvous_timeout, "InitOptions::rendezvous_timeout", "EMBER_RDZV_TIMEOUT_SEC",
                   std::min(r.timeout, kDefaultRendezvousTimeout), &r.rendezvous_timeout, &r.rendezvous_timeout_from);
+  if (auto t = env("EMBER_STORE_TOKEN")) r.store_token = *t;
+  if (auto all = env("EMBER_STORE_LISTEN_ALL")) {
+    EMBER_CHECK(*all == "0" || *all == "1", "EMBER_STORE_LISTEN_ALL=", *all, " must be 0 or 1");
+    r.store_listen_all = *all == "1";
+  }
   return r;
 }
 
@@ -364,7 +369,10 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                                                          .num_workers = env.world_size,
                                                          .wait_for_workers = false,
                                                          .timeout = env.timeout,
-                                                         .connect_timeout = env.rendezvous_timeout});
+                                                         .connect_timeout = env.rendezvous_timeout,
+                                                         .rank = env.rank,
+                                                         .token = env.store_token,
+                                                         .listen_on_all = env.store_listen_all});
       if (env.world_size > 1) check_world_size(*store, env);
     }
     ProcessGroupOptions pg_options{.timeout = env.timeout};

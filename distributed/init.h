@@ -14,6 +14,12 @@
 // sooner: InitOptions::rendezvous_timeout, else EMBER_RDZV_TIMEOUT_SEC, else
 // the smaller of the timeout and 2 minutes, printing a line every 10 s while
 // it waits.
+//
+// The store rank 0 hosts listens only on MASTER_ADDR's addresses (every
+// interface with EMBER_STORE_LISTEN_ALL=1) and, when EMBER_STORE_TOKEN is set
+// (the launcher generates one per job), serves only clients presenting the
+// same token. Each rank's store connection carries its rank, so a rank whose
+// process dies is reported by name to the others within milliseconds.
 #pragma once
 
 #include <memory>
@@ -52,6 +58,8 @@ struct ResolvedEnv {
   std::string timeout_from;  // "InitOptions::timeout", "EMBER_DIST_TIMEOUT_SEC" or "the default"
   Millis rendezvous_timeout{120000};
   std::string rendezvous_timeout_from;
+  std::string store_token;         // EMBER_STORE_TOKEN, empty when unset
+  bool store_listen_all = false;   // EMBER_STORE_LISTEN_ALL=1
 };
 ResolvedEnv resolve_env(const InitOptions& options);
 

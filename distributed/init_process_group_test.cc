@@ -13,6 +13,8 @@
 #include <cstdlib>
 #include <map>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "core/exception.h"
 #include "core/tensor.h"
@@ -190,6 +192,65 @@ EMBER_WORKER(config_check) {
   destroy_process_group();
 }
 
+// Regression: without a launcher to kill the job, the survivors of a dead
+// rank waited in the signature check for the whole timeout (60 s here, 10
+// minutes by default). Now they fail within seconds, naming the dead rank
+// (rank 0, which hosts the store, always; the others while it is still up).
+// arg "<when>:<victim>": "before" = the victim dies before the collective,
+// "mid" = in the middle of a 64 MiB allreduce (the transport sees it).
+EMBER_WORKER(rank_dies_untended) {
+  set_torchrun_env(env);
+  const std::string when = env.arg.substr(0, env.arg.find(':'));
+  const int victim = std::stoi(env.arg.substr(env.arg.find(':') + 1));
+  auto pg = init_process_group(gloo_with_timeout(60s));
+  allreduce_sum(*pg, env.rank);
+  Tensor x = Tensor::from_vector(std::vector<double>(when == "mid" ? 16 << 20 : 10, 1.0),
+                                 {when == "mid" ? 16 << 20 : 10});
+  if (env.rank == victim && when == "before") _exit(9);
+  auto t0 = std::chrono::steady_clock::now();
+  auto work = pg->allreduce(x);
+  if (env.rank == victim) {
+    std::this_thread::sleep_for(2ms);
+    _exit(9);
+  }
+  std::string msg = error_of([&] { work->wait(); });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("rank %d: failed after %.2f s: %s\n", env.rank, secs, msg.c_str());
+  WCHECK(secs < 10, "took ", secs, " s with a 60 s timeout: ", msg);
+  const bool named = msg.find("rank " + std::to_string(victim) + " (connection from") != std::string::npos &&
+                     msg.find("left the job without saying goodbye") != std::string::npos;
+  const bool closed = msg.find("closed") != std::string::npos || msg.find("reset by peer") != std::string::npos;
+  if (victim == 0) {
+    WCHECK(msg.find("the store server closed the connection") != std::string::npos || closed, msg);
+  } else if (env.rank == 0) {
+    // The store lives in rank 0's process, so rank 0 always learns who died.
+    WCHECK(named, msg);
+  } else {
+    // The others ask rank 0's store, which is gone once rank 0 has failed
+    // and exited too: they name the rank when they asked first.
+    WCHECK(named || closed, msg);
+  }
+  _exit(0);  // rank 0 hosts the store: nothing left to tear down in order
+}
+
+// A rank started with another job's EMBER_STORE_TOKEN is refused by rank 0's
+// store at once, naming the variable; rank 0 gives up on it at the
+// rendezvous timeout (3 s here) instead of serving a stranger.
+EMBER_WORKER(wrong_token) {
+  set_torchrun_env(env);
+  setenv("EMBER_STORE_TOKEN", env.rank == 0 ? "the-jobs-secret" : "another-jobs-secret", 1);
+  setenv("EMBER_RDZV_TIMEOUT_SEC", "3", 1);
+  auto t0 = std::chrono::steady_clock::now();
+  std::string msg = error_of([] { init_process_group(gloo_with_timeout(60s)); });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  WCHECK(secs < 15, "took ", secs, " s: ", msg);
+  if (env.rank == 1) {
+    WCHECK(msg.find("refused: it presented a wrong job token (EMBER_STORE_TOKEN)") != std::string::npos, msg);
+  } else {
+    WCHECK(msg.find("rank 1 of WORLD_SIZE=2 did not reach the rendezvous") != std::string::npos, msg);
+  }
+}
+
 mp::RunOptions torchrun_options() {
   mp::RunOptions o;
   o.deadline = 90s;
@@ -218,6 +279,23 @@ TEST(InitProcessGroup, MismatchedWorldSizeIsNamedAtRendezvous) {
 
 TEST(InitProcessGroup, DifferentTrainingConfigurationsFailOnEveryRank) {
   auto res = mp::run_workers("config_check", 3, torchrun_options());
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+TEST(InitProcessGroup, ADeadRankIsNamedWithinSecondsWithoutALauncher) {
+  for (const char* arg : {"before:2", "mid:2", "before:0"}) {
+    SCOPED_TRACE(arg);
+    mp::RunOptions o = torchrun_options();
+    o.arg = arg;
+    o.deadline = 45s;
+    auto res = mp::run_workers("rank_dies_untended", 3, o);
+    const int victim = arg[std::string(arg).size() - 1] - '0';
+    for (const auto& r : res) EXPECT_EQ(r.exit_code, r.rank == victim ? 9 : 0) << mp::describe(res);
+  }
+}
+
+TEST(InitProcessGroup, ARankWithAnotherJobsTokenIsRefused) {
+  auto res = mp::run_workers("wrong_token", 2, torchrun_options());
   EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
 }
 

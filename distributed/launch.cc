@@ -229,6 +229,28 @@ std::vector<char*> c_strings(std::vector<std::string>& v) {
 }
 
 // The launcher's environment with the worker's variables put over it.
+// 128 random bits from the kernel, as hex: the store token of one job.
+std::string random_token() {
+  unsigned char bytes[16];
+  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  EMBER_CHECK(fd >= 0, "launch: cannot open /dev/urandom for the job's store token: ", std::strerror(errno));
+  size_t got = 0;
+  while (got < sizeof bytes) {
+    ssize_t r = ::read(fd, bytes + got, sizeof bytes - got);
+    if (r < 0 && errno == EINTR) continue;
+    EMBER_CHECK(r > 0, "launch: cannot read /dev/urandom for the job's store token");
+    got += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : bytes) {
+    out += hex[b >> 4];
+    out += hex[b & 15];
+  }
+  return out;
+}
+
 std::vector<std::string> worker_env(const std::vector<std::pair<std::string, std::string>>& set) {
   std::vector<std::string> env;
   for (char** e = environ; e && *e; ++e) {
@@ -343,6 +365,17 @@ int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
         "*****************************************");
   }
 
+  // The store's job token: the user's, else (one node, where this launcher
+  // starts every rank) a fresh one. Launchers of a multi-node job cannot
+  // agree on a random one, so there the user exports the same one on each.
+  std::string token = std::getenv("EMBER_STORE_TOKEN") ? std::getenv("EMBER_STORE_TOKEN") : "";
+  if (token.empty() && opt.nnodes == 1) {
+    token = random_token();
+  } else if (token.empty()) {
+    say("launch: EMBER_STORE_TOKEN is not set, so the job's store serves any client that reaches MASTER_ADDR:" +
+        std::to_string(port) + "; export the same secret as EMBER_STORE_TOKEN on every node to keep others out");
+  }
+
   const char* pause_env = std::getenv("EMBER_LAUNCH_TEST_FORK_PAUSE_MS");
   const long fork_pause_ms = pause_env ? std::strtol(pause_env, nullptr, 10) : 0;
   // Build every worker's argv/envp before the first fork.
@@ -362,6 +395,7 @@ int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
         {"MASTER_PORT", std::to_string(port)},
     };
     if (set_omp) set.emplace_back("OMP_NUM_THREADS", "1");
+    if (!token.empty()) set.emplace_back("EMBER_STORE_TOKEN", token);
     envs[local] = worker_env(set);
     c_envs[local] = c_strings(envs[local]);
   }

@@ -44,7 +44,9 @@ struct LaunchOptions {
 // WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (= node_rank),
 // GROUP_WORLD_SIZE (= nnodes), MASTER_ADDR and MASTER_PORT set, and
 // OMP_NUM_THREADS=1 when it is unset and there is more than one worker (as
-// torchrun does, with the same notice). Each worker leads its own process
+// torchrun does, with the same notice), and EMBER_STORE_TOKEN: the user's if
+// exported, else (one node) a fresh random secret, so only this job's ranks
+// can use the store rank 0 hosts. Each worker leads its own process
 // group, so signals reach everything it started.
 //
 // Returns 0 when every worker exits 0. Otherwise the first failure decides:

@@ -240,6 +240,35 @@ TEST(Launch, EveryRankGetsItsEnvironment) {
   EXPECT_NE(r.err.find("Setting OMP_NUM_THREADS environment variable"), std::string::npos) << r.err;
 }
 
+// The store's job token: one fresh secret per job, the same for its ranks;
+// a token the user exported is passed on unchanged.
+TEST(Launch, EveryJobGetsItsOwnStoreToken) {
+  ScopedUnset token_var("EMBER_STORE_TOKEN");
+  std::vector<std::string> tokens;
+  for (int job = 0; job < 2; ++job) {
+    TempDir dir;
+    LaunchOptions opt;
+    opt.nproc_per_node = 2;
+    opt.master_port = 0;
+    Result r = run_launch(opt, {worker(), "env", dir.path()});
+    ASSERT_EQ(r.rc, 0) << r.err;
+    auto env0 = parse_env_file(dir.file("env.0"));
+    auto env1 = parse_env_file(dir.file("env.1"));
+    EXPECT_EQ(env0["EMBER_STORE_TOKEN"].size(), 32u) << env0["EMBER_STORE_TOKEN"];
+    EXPECT_EQ(env0["EMBER_STORE_TOKEN"].find_first_not_of("0123456789abcdef"), std::string::npos);
+    EXPECT_EQ(env0["EMBER_STORE_TOKEN"], env1["EMBER_STORE_TOKEN"]);
+    tokens.push_back(env0["EMBER_STORE_TOKEN"]);
+  }
+  EXPECT_NE(tokens[0], tokens[1]);
+  ::setenv("EMBER_STORE_TOKEN", "users-own-secret", 1);
+  TempDir dir;
+  LaunchOptions opt;
+  opt.master_port = 0;
+  ASSERT_EQ(run_launch(opt, {worker(), "env", dir.path()}).rc, 0);
+  EXPECT_EQ(parse_env_file(dir.file("env.0"))["EMBER_STORE_TOKEN"], "users-own-secret");
+  ::unsetenv("EMBER_STORE_TOKEN");
+}
+
 TEST(Launch, SecondNodeRanksAndUserOmpSetting) {
   ::setenv("OMP_NUM_THREADS", "7", 1);
   TempDir dir;

@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
   if (mode == "env" && argc >= 3) {
     std::string text;
     for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                             "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS"})
+                             "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "EMBER_STORE_TOKEN"})
       text += std::string(name) + "=" + env_str(name) + "\n";
     write_file(std::string(argv[2]) + "/env." + std::to_string(rank), text);
     return 0;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <thread>
 
 #include "core/exception.h"
 
@@ -95,15 +96,40 @@ std::string what_of(std::exception_ptr e) {
 bool contains(const std::string& s, const char* needle) { return s.find(needle) != std::string::npos; }
 }  // namespace
 
-std::exception_ptr op_error(const OpInfo& info, std::exception_ptr cause, Millis elapsed) {
+bool is_connection_loss(std::exception_ptr cause) {
+  const std::string msg = what_of(cause);
+  return contains(msg, "closed") || contains(msg, "reset by peer") || contains(msg, "Broken pipe") ||
+         contains(msg, "Connection refused");
+}
+
+std::vector<LostRank> lost_ranks_within(Store& store, Millis within) {
+  const auto until = PgClock::now() + within;
+  for (;;) {
+    std::vector<LostRank> lost;
+    try {
+      lost = store.lost_ranks();
+    } catch (const std::exception&) {
+      return {};  // the store is gone too; the caller's own error says enough
+    }
+    if (!lost.empty() || PgClock::now() >= until) return lost;
+    std::this_thread::sleep_for(Millis{20});
+  }
+}
+
+std::exception_ptr op_error(const OpInfo& info, std::exception_ptr cause, Millis elapsed,
+                            const std::vector<LostRank>& lost) {
   std::string msg = what_of(cause);
   // Already one of ours (a signature check, a failed group): keep it as is.
   if (msg.rfind(info.describe(), 0) == 0) return cause;
   const bool timed_out = contains(msg, "Timed out") || contains(msg, "timed out") || contains(msg, "timeout");
   std::ostringstream os;
   os << info.describe() << (timed_out ? " timed out" : " failed") << " after " << elapsed.count() << " ms: " << msg;
-  if (contains(msg, "closed") || contains(msg, "reset by peer") || contains(msg, "Broken pipe") ||
-      contains(msg, "Connection refused")) {
+  if (!lost.empty()) {
+    os << " (";
+    for (size_t i = 0; i < lost.size(); ++i) os << (i ? ", " : "") << lost[i].describe();
+    os << (lost.size() == 1 ? " has" : " have")
+       << " left the job without saying goodbye: the process exited, crashed or was killed)";
+  } else if (is_connection_loss(cause)) {
     os << " (a peer process exited or closed its connection in the middle of the operation)";
   } else if (timed_out) {
     os << " (a peer is slow, hung, dead, or did not call this collective; the op's timeout is "
@@ -138,6 +164,8 @@ void check_signature(Store& store, const OpInfo& info, PgClock::time_point deadl
     const Millis grace = std::min<Millis>(info.timeout / 2, Millis{5000});
     try {
       store.wait({verdict_key}, left(deadline + grace));
+    } catch (const RankLostError& e) {
+      throw Error(info.describe() + ": signature check: " + e.what());
     } catch (const Error& e) {
       throw Error(::ember::detail::str_cat(info.describe(), ": signature check: rank 0 did not compare the ranks' calls within ",
                                   info.timeout.count(), " ms (rank 0 is dead, hung, or has not reached collective #",
@@ -160,6 +188,10 @@ void check_signature(Store& store, const OpInfo& info, PgClock::time_point deadl
   };
   try {
     store.wait(keys, left(deadline));
+  } catch (const RankLostError& e) {
+    std::string msg = std::string("signature check: ") + e.what();
+    publish(msg);
+    throw Error(info.describe() + ": " + msg);
   } catch (const Error& e) {
     std::string missing;
     for (int r = 1; r < info.size; ++r) {

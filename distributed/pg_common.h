@@ -68,7 +68,19 @@ class CompletionWork : public Work {
 // An ember::Error for `info` failing with `cause` (whatever the engine threw)
 // after `elapsed`: "<describe()> timed out/failed after N ms: <cause>", plus a
 // hint about dead or missing peers when the cause looks like one.
-std::exception_ptr op_error(const OpInfo& info, std::exception_ptr cause, Millis elapsed);
+// `lost`: ranks the store knows to be gone (Store::lost_ranks), named in
+// place of the generic hint.
+std::exception_ptr op_error(const OpInfo& info, std::exception_ptr cause, Millis elapsed,
+                            const std::vector<LostRank>& lost = {});
+
+// True when an engine's error says a connection to a peer broke.
+bool is_connection_loss(std::exception_ptr cause);
+
+// The ranks the store reports lost, polling for up to `within`: when a peer
+// dies, the transport and the store server see its sockets close at about
+// the same moment, in either order. Empty if none is reported in time or the
+// store cannot tell.
+std::vector<LostRank> lost_ranks_within(Store& store, Millis within);
 
 // Before collective info.seq runs: rank 0 reads every rank's signature from
 // the store, compares it with its own and publishes a verdict that the other

@@ -523,7 +523,16 @@ class GlooGroup : public ProcessGroup {
 
   void fail(const std::shared_ptr<CompletionWork>& work, std::exception_ptr cause, PgClock::time_point start) {
     auto elapsed = std::chrono::duration_cast<Millis>(PgClock::now() - start);
-    std::exception_ptr err = detail::op_error(work->info(), cause, elapsed);
+    // A broken connection usually means a dead peer; the store can say which
+    // (asked once, for the first failure: later ones repeat its message).
+    std::vector<LostRank> lost;
+    bool first;
+    {
+      std::lock_guard<std::mutex> lock(broken_mu_);
+      first = broken_.empty();
+    }
+    if (first && detail::is_connection_loss(cause)) lost = detail::lost_ranks_within(*store_, Millis{1000});
+    std::exception_ptr err = detail::op_error(work->info(), cause, elapsed, lost);
     {
       std::lock_guard<std::mutex> lock(broken_mu_);
       if (broken_.empty()) {

@@ -9,6 +9,11 @@
 
 namespace ember::distributed {
 
+std::string LostRank::describe() const {
+  return "rank " + std::to_string(rank) + " (connection from " + peer + ", closed " + std::to_string(ms_ago) +
+         " ms ago)";
+}
+
 // Blocking calls that take no timeout (get) run under the base store's
 // timeout: the base has no per-call timeout for them, and every store of a
 // job is normally built with the same one anyway.

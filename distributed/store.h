@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "core/exception.h"
+
 namespace gloo::rendezvous {
 class Store;
 }
@@ -29,6 +31,27 @@ using Millis = std::chrono::milliseconds;
 
 // torch.distributed's default: 10 minutes for every operation.
 inline constexpr Millis kDefaultTimeout{10 * 60 * 1000};
+
+// A rank whose store connection closed without saying goodbye: its process
+// exited, crashed or was killed (see TCPStoreOptions::rank).
+struct LostRank {
+  int rank = -1;
+  std::string peer;    // the address its connection came from
+  int64_t ms_ago = 0;  // when the connection closed, as seen by the server
+  // "rank 2 (connection from 127.0.0.1:41872, closed 120 ms ago)"
+  std::string describe() const;
+};
+
+// What a blocking store call throws instead of waiting out its timeout once
+// a rank of the job is gone: whatever it waited for may never come.
+class RankLostError : public Error {
+ public:
+  RankLostError(const std::string& what, std::vector<LostRank> lost) : Error(what), lost_(std::move(lost)) {}
+  const std::vector<LostRank>& lost() const { return lost_; }
+
+ private:
+  std::vector<LostRank> lost_;
+};
 
 class Store {
  public:
@@ -52,6 +75,9 @@ class Store {
   // Returns whether the key existed.
   virtual bool delete_key(const std::string& key) = 0;
   virtual int64_t num_keys() = 0;
+  // Ranks known to have left the job without saying goodbye; empty for
+  // stores that cannot tell (FileStore: a dead rank is found by timeout).
+  virtual std::vector<LostRank> lost_ranks() { return {}; }
 
   Millis timeout() const { return timeout_; }
   void set_timeout(Millis t) { timeout_ = t; }
@@ -72,6 +98,22 @@ struct TCPStoreOptions {
   bool wait_for_workers = true;
   Millis timeout = kDefaultTimeout;  // connect, and every blocking call
   Millis connect_timeout{0};         // the first connection, if > 0 (a rendezvous can give up sooner)
+  // The job rank this client speaks for (-1: none). When the connection of a
+  // client with a rank closes without the goodbye its destructor sends, the
+  // server records the rank as lost and fails every blocking call, parked
+  // or later, with RankLostError naming it: a dead rank is reported within
+  // milliseconds instead of at the timeout, which is left for ranks that are
+  // alive but stuck.
+  int rank = -1;
+  // A shared secret of the job (EMBER_STORE_TOKEN, which the launcher
+  // generates). The server refuses, and logs, any client that does not
+  // present the same token; empty on the server: no token is asked for.
+  std::string token;
+  // The server listens only on the addresses `host` resolves to (loopback
+  // when the host is a loopback address). true: on every interface, as
+  // c10d does (EMBER_STORE_LISTEN_ALL=1), for hosts whose own name resolves
+  // to a loopback address that other machines cannot reach.
+  bool listen_on_all = false;
 };
 
 // One server thread (in the process with is_server) and one socket per
@@ -90,6 +132,7 @@ class TCPStore : public Store {
   using Store::wait;
   bool delete_key(const std::string& key) override;
   int64_t num_keys() override;
+  std::vector<LostRank> lost_ranks() override;
   int port() const;
   const std::string& host() const;
 
@@ -136,6 +179,7 @@ class PrefixStore : public Store {
   using Store::wait;
   bool delete_key(const std::string& key) override;
   int64_t num_keys() override;
+  std::vector<LostRank> lost_ranks() override { return base_->lost_ranks(); }
   const std::shared_ptr<Store>& base() const { return base_; }
 
  private:

@@ -3,6 +3,7 @@
 // PrefixStore isolation, and Gloo's rendezvous and collectives over our
 // adapter. Every blocking call runs under a short timeout and every child
 // under a deadline, so a bug fails the test instead of hanging it.
+#include <arpa/inet.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
 #include <gloo/math.h>
@@ -547,6 +548,123 @@ TEST(TCPStore, AListenerThatIsNotAStoreIsNamed) {
   EXPECT_LT(ms_since(t0), 15000) << err;
   EXPECT_THAT(err, HasSubstr("did not answer the store handshake within 5000 ms"));
   close(lfd);
+}
+
+// ---------------------------------------------------------------------------
+// Who may use the store: only the job's address, only with the job's token.
+
+// Regression: the server listened on every interface. 127.0.0.2 is another
+// address of this machine (all of 127/8 is local on Linux): a store bound to
+// 127.0.0.1 must not answer there, one listening on all interfaces does.
+TEST(TCPStore, ListensOnlyOnTheJobsAddress) {
+  auto reachable_at = [](const char* addr, int port) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    inet_pton(AF_INET, addr, &a.sin_addr);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    bool ok = connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    close(fd);
+    return ok;
+  };
+  TCPStore local("127.0.0.1", 0, server_opts());
+  EXPECT_TRUE(reachable_at("127.0.0.1", local.port()));
+  EXPECT_FALSE(reachable_at("127.0.0.2", local.port())) << "the store answers on an address it was not given";
+  TCPStoreOptions all = server_opts();
+  all.listen_on_all = true;
+  TCPStore everywhere("127.0.0.1", 0, all);
+  EXPECT_TRUE(reachable_at("127.0.0.2", everywhere.port()));
+  // An address of another machine cannot be listened on: named, not a hang.
+  std::string err = error_of([] { TCPStore("192.0.2.1", 0, server_opts()); });
+  EXPECT_THAT(err, HasSubstr("cannot listen at '192.0.2.1'"));
+  EXPECT_THAT(err, HasSubstr("MASTER_ADDR"));
+}
+
+// Regression: any client that knew the 8-byte magic was served.
+TEST(TCPStore, RefusesClientsWithoutTheJobsToken) {
+  TCPStoreOptions so = server_opts(60s);
+  so.token = "job-secret-1";
+  TCPStore server("127.0.0.1", 0, so);
+  server.set("k", std::string("v"));
+  TCPStoreOptions co = client_opts(60s);
+  auto t0 = Clock::now();
+  std::string err = error_of([&] { TCPStore("127.0.0.1", server.port(), co); });
+  EXPECT_LT(ms_since(t0), 5000) << "a refusal is final, not retried until the timeout: " << err;
+  EXPECT_THAT(err, HasSubstr("refused: it presented no job token"));
+  EXPECT_THAT(err, HasSubstr("set EMBER_STORE_TOKEN"));
+  co.token = "job-secret-2";
+  err = error_of([&] { TCPStore("127.0.0.1", server.port(), co); });
+  EXPECT_THAT(err, HasSubstr("refused: it presented a wrong job token"));
+  co.token = "job-secret-1";
+  TCPStore member("127.0.0.1", server.port(), co);
+  EXPECT_EQ(member.get_string("k"), "v");
+}
+
+// ---------------------------------------------------------------------------
+// Lost ranks: a client that speaks for a rank and disappears without its
+// goodbye fails every waiting call at once, naming the rank.
+
+// Forks a process that connects as `rank` and then ends: by _exit, as a
+// crash or kill -9 would (no goodbye), or after destroying its store.
+void client_exits(int port, int rank, bool goodbye) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    TCPStoreOptions o = client_opts();
+    o.rank = rank;
+    auto* store = new TCPStore("127.0.0.1", port, o);
+    store->set("arrived/" + std::to_string(rank), std::string("1"));
+    if (goodbye) delete store;
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+}
+
+TEST(TCPStore, ARankThatDiesFailsEveryWaitAtOnceNamingIt) {
+  TCPStore server("127.0.0.1", 0, server_opts(60s));
+  TCPStore waiter("127.0.0.1", server.port(), client_opts(60s));
+  std::thread dies([&] {
+    std::this_thread::sleep_for(300ms);  // after `waiter` has parked its wait
+    client_exits(server.port(), 2, /*goodbye=*/false);
+  });
+  auto t0 = Clock::now();
+  std::string err;
+  std::vector<LostRank> lost;
+  try {
+    waiter.wait({"never_set"});
+  } catch (const RankLostError& e) {
+    err = e.what();
+    lost = e.lost();
+  }
+  dies.join();
+  EXPECT_LT(ms_since(t0), 5000) << "a dead rank must not be found by the 60 s timeout: " << err;
+  EXPECT_THAT(err, HasSubstr("rank 2 (connection from 127.0.0.1:"));
+  EXPECT_THAT(err, HasSubstr("left the job without saying goodbye"));
+  EXPECT_THAT(err, HasSubstr("wait(\"never_set\")"));
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_EQ(lost[0].rank, 2);
+  // Later waits fail at once too; what is already there is still served.
+  t0 = Clock::now();
+  EXPECT_THAT(error_of([&] { waiter.get("also_never"); }), HasSubstr("rank 2"));
+  EXPECT_LT(ms_since(t0), 2000);
+  EXPECT_EQ(waiter.get_string("arrived/2"), "1");
+  ASSERT_EQ(server.lost_ranks().size(), 1u);
+  EXPECT_EQ(PrefixStore("p", std::make_shared<TCPStore>("127.0.0.1", server.port(), client_opts())).lost_ranks()[0].rank,
+            2);
+}
+
+TEST(TCPStore, ARankThatLeavesCleanlyIsNotLost) {
+  TCPStore server("127.0.0.1", 0, server_opts(60s));
+  client_exits(server.port(), 1, /*goodbye=*/true);
+  EXPECT_TRUE(server.lost_ranks().empty());
+  std::string err = error_of([&] { server.wait({"never_set"}, 500ms); });
+  EXPECT_THAT(err, HasSubstr("timed out after 500 ms"));
+  // A client without a rank (a tool, a test harness) is nobody's rank.
+  client_exits(server.port(), -1, /*goodbye=*/false);
+  EXPECT_TRUE(server.lost_ranks().empty());
 }
 
 // ---------------------------------------------------------------------------

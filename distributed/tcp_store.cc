@@ -10,9 +10,23 @@
 // Wire format, both directions: frames of [u32 length][body], integers
 // little-endian. A client opens with an 8-byte magic so that a stray
 // connection (a port scanner, a misdirected Gloo pair) is dropped instead of
-// being parsed as requests; the server answers with the same magic, so a
-// client that reached another program on the port says so at once. Request
-// body: [u8 command][arguments]; reply body: [u8 status][payload].
+// being parsed as requests, followed by one frame holding the job's token;
+// the server answers with the same magic, so a client that reached another
+// program on the port says so at once, then a status frame: a client with
+// the wrong token is told so (and logged by the server) and disconnected.
+// Request body: [u8 command][arguments]; reply body: [u8 status][payload].
+//
+// Security model: the server listens only on the job's address (loopback for
+// a single-node job), and with a token (EMBER_STORE_TOKEN) only clients that
+// know it are served. The token travels in clear text and the store's
+// traffic is not encrypted: it keeps out other users' programs and strays,
+// not someone who can read the network.
+//
+// Liveness: a client that speaks for a rank says so (Hello) and says goodbye
+// (Bye) from its destructor. A connection with a rank that closes without
+// the goodbye marks the rank lost: every parked request is answered with
+// RankLost at once, and so is every later one that cannot be answered
+// straight away, since what it waits for may come from the lost rank.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -57,8 +71,10 @@ constexpr uint32_t kMaxFrame = 1u << 30;
 // this much longer before concluding that the server itself is gone.
 constexpr Millis kReplyGrace{5000};
 
-enum class Cmd : uint8_t { Set = 1, Get, Add, CompareSet, Check, Wait, Delete, NumKeys, WaitWorkers };
-enum class Status : uint8_t { Ok = 0, Timeout = 1, Error = 2 };
+enum class Cmd : uint8_t { Set = 1, Get, Add, CompareSet, Check, Wait, Delete, NumKeys, WaitWorkers, Hello, Bye, Lost };
+enum class Status : uint8_t { Ok = 0, Timeout = 1, Error = 2, RankLost = 3 };
+// A token is a short secret; a longer first frame is not one of our clients.
+constexpr uint32_t kMaxToken = 4096;
 
 struct ProtocolError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -170,13 +186,10 @@ bool parse_int(const std::string& s, int64_t* out) {
 
 class StoreServer {
  public:
-  explicit StoreServer(int port) {
-    listen_fd_ = open_listener(port);
-    sockaddr_storage addr{};
-    socklen_t len = sizeof addr;
-    getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-    port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
-                                             : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  StoreServer(const std::string& host, int port, bool listen_on_all, std::string token)
+      : token_(std::move(token)) {
+    listen_fds_ = listen_on_all ? std::vector<int>{open_any_listener(port)} : open_host_listeners(host, port);
+    port_ = bound_port(listen_fds_[0]);
     wake_fd_ = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
     if (wake_fd_ < 0 || epoll_fd_ < 0) {
@@ -184,7 +197,7 @@ class StoreServer {
       close_fds();
       throw Error("TCPStore: cannot create the server's event loop: " + errno_text(err));
     }
-    watch(listen_fd_, EPOLLIN);
+    for (int fd : listen_fds_) watch(fd, EPOLLIN);
     watch(wake_fd_, EPOLLIN);
     thread_ = std::thread([this] { run(); });
   }
@@ -204,6 +217,9 @@ class StoreServer {
   struct Conn {
     std::string in;
     std::string out;
+    std::string peer;         // "address:port", for logs and lost-rank reports
+    int rank = -1;            // the rank it speaks for (Hello), -1 for none
+    bool said_bye = false;
     bool greeted = false;
     bool blocked = false;     // a parked request; later frames wait behind it
     bool writing = false;     // EPOLLOUT registered
@@ -217,10 +233,89 @@ class StoreServer {
     Clock::time_point deadline;
   };
 
-  // Listens on every interface, as c10d does: the host name the clients use
-  // may resolve to any of this machine's addresses. Dual-stack IPv6 first so
-  // "localhost" resolving to ::1 works; plain IPv4 where IPv6 is disabled.
-  static int open_listener(int port) {
+  static int bound_port(int fd) {
+    sockaddr_storage addr{};
+    socklen_t len = sizeof addr;
+    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    return ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                            : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  }
+
+  static std::string numeric(const sockaddr* a, socklen_t len, bool with_port) {
+    char host[NI_MAXHOST] = "?", serv[NI_MAXSERV] = "?";
+    getnameinfo(a, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV);
+    if (!with_port) return host;
+    bool v6 = std::strchr(host, ':') != nullptr;
+    return (v6 ? "[" + std::string(host) + "]" : std::string(host)) + ":" + serv;
+  }
+
+  [[noreturn]] static void throw_listen_error(const std::string& where, int port, int err) {
+    throw Error("TCPStore: cannot listen on port " + std::to_string(port) + " " + where + ": " + errno_text(err) +
+                (err == EADDRINUSE ? " (another job or a previous run holds it; pick another "
+                                     "MASTER_PORT, or port 0 for a free one)"
+                                   : ""));
+  }
+
+  // Listens on each address `host` resolves to, and nowhere else: a store
+  // for MASTER_ADDR=127.0.0.1 cannot be reached from another machine. The
+  // first address fixes the port (port 0 picks one) for the others.
+  static std::vector<int> open_host_listeners(const std::string& host, int port) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    int rc = getaddrinfo(host.c_str(), nullptr, &hints, &res);
+    if (rc != 0) throw Error("TCPStore: cannot resolve the store's host '" + host + "': " + gai_strerror(rc));
+    std::vector<int> fds;
+    std::vector<std::string> tried;
+    int last_err = 0;
+    for (addrinfo* ai = res; ai; ai = ai->ai_next) {
+      std::string addr = numeric(ai->ai_addr, ai->ai_addrlen, false);
+      if (std::find(tried.begin(), tried.end(), addr) != tried.end()) continue;
+      tried.push_back(addr);
+      int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+      if (fd < 0) {
+        last_err = errno;
+        continue;
+      }
+      int one = 1;
+      setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+      if (ai->ai_family == AF_INET6) setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one);
+      sockaddr_storage a{};
+      std::memcpy(&a, ai->ai_addr, ai->ai_addrlen);
+      const int want = fds.empty() ? port : bound_port(fds[0]);
+      if (a.ss_family == AF_INET6) reinterpret_cast<sockaddr_in6*>(&a)->sin6_port = htons(uint16_t(want));
+      else reinterpret_cast<sockaddr_in*>(&a)->sin_port = htons(uint16_t(want));
+      if (bind(fd, reinterpret_cast<sockaddr*>(&a), ai->ai_addrlen) == 0 && listen(fd, SOMAXCONN) == 0) {
+        fds.push_back(fd);
+        continue;
+      }
+      int err = errno;
+      close(fd);
+      // The port taken on the first address is an error of its own; on a
+      // later one (port 0 chose a port free on the first only) it is not.
+      if (err == EADDRINUSE && fds.empty()) {
+        freeaddrinfo(res);
+        throw_listen_error("at " + host + " (" + addr + ")", port, err);
+      }
+      last_err = err;
+    }
+    freeaddrinfo(res);
+    if (fds.empty()) {
+      std::string list;
+      for (const auto& a : tried) list += (list.empty() ? "" : ", ") + a;
+      throw Error("TCPStore: cannot listen at '" + host + "' port " + std::to_string(port) + ": it resolves to " +
+                  list + ", none of which this machine can listen on (" + errno_text(last_err) +
+                  "); the process hosting the store (rank 0) must run on the host MASTER_ADDR names, or set "
+                  "EMBER_STORE_LISTEN_ALL=1 to listen on every interface");
+    }
+    return fds;
+  }
+
+  // Listens on every interface, as c10d does (listen_on_all). Dual-stack
+  // IPv6 first so "localhost" resolving to ::1 works; plain IPv4 where IPv6
+  // is disabled.
+  static int open_any_listener(int port) {
     int last_err = 0;
     for (int family : {AF_INET6, AF_INET}) {
       int fd = socket(family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
@@ -252,17 +347,15 @@ class StoreServer {
       // error behind the IPv4 retry.
       if (last_err == EADDRINUSE) break;
     }
-    throw Error("TCPStore: cannot listen on port " + std::to_string(port) + ": " + errno_text(last_err) +
-                (last_err == EADDRINUSE ? " (another job or a previous run holds it; pick another "
-                                          "MASTER_PORT, or port 0 for a free one)"
-                                        : ""));
+    throw_listen_error("on every interface", port, last_err);
   }
 
   void close_fds() {
-    if (listen_fd_ >= 0) close(listen_fd_);
+    for (int fd : listen_fds_) close(fd);
+    listen_fds_.clear();
     if (wake_fd_ >= 0) close(wake_fd_);
     if (epoll_fd_ >= 0) close(epoll_fd_);
-    listen_fd_ = wake_fd_ = epoll_fd_ = -1;
+    wake_fd_ = epoll_fd_ = -1;
   }
 
   void watch(int fd, uint32_t events) {
@@ -285,8 +378,8 @@ class StoreServer {
       for (int i = 0; i < n; ++i) {
         int fd = events[i].data.fd;
         if (fd == wake_fd_) return;
-        if (fd == listen_fd_) {
-          accept_all();
+        if (std::find(listen_fds_.begin(), listen_fds_.end(), fd) != listen_fds_.end()) {
+          accept_all(fd);
           continue;
         }
         auto it = conns_.find(fd);
@@ -296,6 +389,7 @@ class StoreServer {
         if (!it->second.closing) flush(fd, it->second);
       }
       expire_waiters();
+      fail_waiters_if_lost();
       drain_ready();
       reap();
     }
@@ -312,14 +406,18 @@ class StoreServer {
     return static_cast<int>(std::min<int64_t>((left + 999) / 1000, 1 << 30));
   }
 
-  void accept_all() {
+  void accept_all(int listen_fd) {
     for (;;) {
-      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      sockaddr_storage addr{};
+      socklen_t len = sizeof addr;
+      int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC | SOCK_NONBLOCK);
       // EAGAIN: the backlog is drained. EMFILE and friends leave the
       // connection queued, and epoll reports it again.
       if (fd < 0) return;
       set_nodelay(fd);
-      conns_[fd] = Conn{};
+      Conn c;
+      c.peer = numeric(reinterpret_cast<sockaddr*>(&addr), len, true);
+      conns_[fd] = std::move(c);
       watch(fd, EPOLLIN);
     }
   }
@@ -340,8 +438,24 @@ class StoreServer {
   }
 
   void drop(int fd, Conn& c) {
+    if (c.closing) return;
     c.closing = true;
     std::erase_if(waiters_, [fd](const Waiter& w) { return w.fd == fd; });
+    if (c.rank >= 0 && !c.said_bye) {
+      lost_.push_back({c.rank, c.peer, Clock::now()});
+      std::cerr << "TCPStore server on port " << port_ << ": rank " << c.rank << " (connection from " << c.peer
+                << ") closed its connection without saying goodbye: its process exited, crashed or was killed; "
+                   "failing every request that waits\n";
+    }
+  }
+
+  // Refused clients are logged, but a scanner hammering the port must not
+  // flood the log: the first few, then every 100th.
+  void log_refused(const Conn& c, const std::string& why) {
+    ++refused_;
+    if (refused_ <= 10 || refused_ % 100 == 0)
+      std::cerr << "TCPStore server on port " << port_ << ": refused a client from " << c.peer << ": " << why
+                << " (" << refused_ << " refused so far)\n";
   }
 
   void reap() {
@@ -380,23 +494,67 @@ class StoreServer {
     }
   }
 
+  // The opening: magic, then a frame with the client's token. False while
+  // it is incomplete or when the client was refused.
+  bool greet(int fd, Conn& c) {
+    if (c.in.size() < sizeof kMagic) return false;
+    if (std::memcmp(c.in.data(), kMagic, sizeof kMagic) != 0) {
+      log_refused(c, "it did not open with the store's handshake (not an ember store client)");
+      drop(fd, c);
+      return false;
+    }
+    if (c.in.size() < sizeof kMagic + 4) return false;
+    const uint32_t len = load_u32(c.in.data() + sizeof kMagic);
+    if (len > kMaxToken) {
+      log_refused(c, "malformed handshake");
+      drop(fd, c);
+      return false;
+    }
+    if (c.in.size() < sizeof kMagic + 4 + len) return false;
+    std::string token;
+    try {
+      Reader r(std::string_view(c.in).substr(sizeof kMagic + 4, len));
+      token = r.str();
+      r.done();
+    } catch (const ProtocolError&) {
+      log_refused(c, "malformed handshake");
+      drop(fd, c);
+      return false;
+    }
+    c.in.erase(0, sizeof kMagic + 4 + len);
+    // Answer in kind, so a client can tell a store from any other program
+    // that happens to listen on the port.
+    c.out.append(kMagic, sizeof kMagic);
+    Writer w;
+    if (!tokens_match(token)) {
+      const char* why = token.empty() ? "it presented no job token (EMBER_STORE_TOKEN)"
+                                      : "it presented a wrong job token (EMBER_STORE_TOKEN)";
+      log_refused(c, why);
+      c.out += w.u8(uint8_t(Status::Error)).str(std::string("refused: ") + why).finish();
+      flush(fd, c);
+      drop(fd, c);
+      return false;
+    }
+    c.out += w.u8(uint8_t(Status::Ok)).finish();
+    flush(fd, c);
+    c.greeted = true;
+    ++workers_seen_;
+    wake_waiters();
+    return true;
+  }
+
+  // Every byte compared whatever the first difference, so the time taken
+  // does not tell a guesser how much of the token was right.
+  bool tokens_match(const std::string& given) const {
+    if (token_.empty()) return true;
+    unsigned diff = given.size() != token_.size();
+    for (size_t i = 0; i < token_.size(); ++i) diff |= uint8_t(token_[i]) ^ uint8_t(i < given.size() ? given[i] : 0);
+    return diff == 0;
+  }
+
   // Parses and answers the complete frames buffered on one connection.
   void process(int fd, Conn& c) {
-    if (!c.greeted) {
-      if (c.in.size() < sizeof kMagic) return;
-      if (std::memcmp(c.in.data(), kMagic, sizeof kMagic) != 0) {
-        drop(fd, c);
-        return;
-      }
-      c.in.erase(0, sizeof kMagic);
-      c.greeted = true;
-      // Answer in kind, so a client can tell a store from any other program
-      // that happens to listen on the port.
-      c.out.append(kMagic, sizeof kMagic);
-      flush(fd, c);
-      ++workers_seen_;
-      wake_waiters();
-    }
+    if (!c.greeted && !greet(fd, c)) return;
     size_t pos = 0;
     while (!c.blocked && !c.closing && c.in.size() - pos >= 4) {
       uint32_t len = load_u32(c.in.data() + pos);
@@ -510,6 +668,29 @@ class StoreServer {
         reply(fd, c, w.u8(uint8_t(Status::Ok)).i64(static_cast<int64_t>(data_.size())));
         return;
       }
+      case Cmd::Hello: {
+        int64_t rank = r.i64();
+        r.done();
+        if (rank < 0 || rank > INT32_MAX) throw ProtocolError("bad rank");
+        c.rank = static_cast<int>(rank);
+        // A live client reconnecting (its own socket timed out) is not lost.
+        std::erase_if(lost_, [&](const Lost& l) { return l.rank == c.rank; });
+        reply(fd, c, w.u8(uint8_t(Status::Ok)));
+        return;
+      }
+      case Cmd::Bye: {
+        r.done();
+        c.said_bye = true;
+        reply(fd, c, w.u8(uint8_t(Status::Ok)));
+        return;
+      }
+      case Cmd::Lost: {
+        r.done();
+        w.u8(uint8_t(Status::Ok));
+        write_lost(w);
+        reply(fd, c, w);
+        return;
+      }
     }
     throw ProtocolError("unknown command");
   }
@@ -519,9 +700,26 @@ class StoreServer {
     return std::all_of(w.keys.begin(), w.keys.end(), [&](const std::string& k) { return data_.count(k); });
   }
 
+  void write_lost(Writer& w) const {
+    const auto now = Clock::now();
+    w.u32(static_cast<uint32_t>(lost_.size()));
+    for (const Lost& l : lost_)
+      w.i64(l.rank).str(l.peer).i64(std::chrono::duration_cast<Millis>(now - l.when).count());
+  }
+
+  enum class Outcome { Satisfied, TimedOut, RankLost };
+
   void answer(Conn& c, int fd, const Waiter& w, bool timed_out) {
+    answer(c, fd, w, timed_out ? Outcome::TimedOut : Outcome::Satisfied);
+  }
+
+  void answer(Conn& c, int fd, const Waiter& w, Outcome outcome) {
+    const bool timed_out = outcome != Outcome::Satisfied;
     Writer out;
-    if (!timed_out) {
+    if (outcome == Outcome::RankLost) {
+      out.u8(uint8_t(Status::RankLost));
+      write_lost(out);
+    } else if (!timed_out) {
       out.u8(uint8_t(Status::Ok));
       if (w.cmd == Cmd::Get) out.str(data_.at(w.keys[0]));
     } else {
@@ -545,6 +743,10 @@ class StoreServer {
   void park(int fd, Conn& c, Waiter w) {
     if (satisfied(w)) {
       answer(c, fd, w, false);
+      return;
+    }
+    if (!lost_.empty()) {
+      answer(c, fd, w, Outcome::RankLost);
       return;
     }
     if (Clock::now() >= w.deadline) {
@@ -580,6 +782,16 @@ class StoreServer {
     }
   }
 
+  void fail_waiters_if_lost() {
+    if (lost_.empty()) return;
+    std::vector<Waiter> parked;
+    parked.swap(waiters_);
+    for (const Waiter& w : parked) {
+      auto it = conns_.find(w.fd);
+      if (it != conns_.end() && !it->second.closing) answer(it->second, w.fd, w, Outcome::RankLost);
+    }
+  }
+
   // A connection whose parked request was just answered may have further
   // requests buffered behind it; serve them now, not on its next packet.
   void drain_ready() {
@@ -591,8 +803,16 @@ class StoreServer {
     }
   }
 
-  int listen_fd_ = -1, wake_fd_ = -1, epoll_fd_ = -1;
+  struct Lost {
+    int rank;
+    std::string peer;
+    Clock::time_point when;
+  };
+
+  std::vector<int> listen_fds_;
+  int wake_fd_ = -1, epoll_fd_ = -1;
   int port_ = 0;
+  const std::string token_;
   std::thread thread_;
   // Everything below is touched by the server thread only.
   std::unordered_map<int, Conn> conns_;
@@ -600,6 +820,8 @@ class StoreServer {
   std::vector<Waiter> waiters_;
   std::vector<int> ready_;
   int64_t workers_seen_ = 0;
+  std::vector<Lost> lost_;
+  int64_t refused_ = 0;
 };
 
 }  // namespace
@@ -616,6 +838,16 @@ struct TCPStore::Impl {
   int fd = -1;
 
   ~Impl() {
+    // Leaving on purpose: the server must not report this rank as lost.
+    if (fd >= 0 && options.rank >= 0) {
+      try {
+        Writer w;
+        w.u8(uint8_t(Cmd::Bye));
+        roundtrip(w, Millis{2000}, "goodbye");
+      } catch (const std::exception&) {
+        // The server is gone already: nobody is left to tell.
+      }
+    }
     disconnect();
     server.reset();
   }
@@ -642,7 +874,17 @@ struct TCPStore::Impl {
     std::string last_error = "no attempt made";
     Millis backoff{10};
     for (;;) {
-      if (try_connect(deadline, &last_error)) return;
+      if (try_connect(deadline, &last_error)) {
+        if (options.rank >= 0) {
+          Writer w;
+          w.u8(uint8_t(Cmd::Hello)).i64(options.rank);
+          const std::string body = roundtrip(w, remaining(deadline) + kReplyGrace, "hello");
+          Reader r(body);
+          if (static_cast<Status>(r.u8()) != Status::Ok)
+            throw Error("TCPStore " + address() + ": the store did not accept rank " + std::to_string(options.rank));
+        }
+        return;
+      }
       Millis left = remaining(deadline);
       if (left <= Millis{0}) break;
       if (Clock::now() >= next_note) {
@@ -695,7 +937,9 @@ struct TCPStore::Impl {
       if (r == 0) {
         set_nodelay(s);
         fd = s;
-        ok = send_all(kMagic, sizeof kMagic, deadline) && handshake_reply(deadline, error);
+        Writer opening;
+        std::string hello = std::string(kMagic, sizeof kMagic) + opening.str(options.token).finish();
+        ok = send_all(hello.data(), hello.size(), deadline) && handshake_reply(deadline, error);
         if (!ok) {
           if (error->empty()) *error = "connection closed during the handshake";
           disconnect();
@@ -717,7 +961,7 @@ struct TCPStore::Impl {
     const auto within = std::min(deadline, Clock::now() + kHandshakeReply);
     switch (recv_all(reply, sizeof reply, within)) {
       case RecvResult::Ok:
-        if (std::memcmp(reply, kMagic, sizeof kMagic) == 0) return true;
+        if (std::memcmp(reply, kMagic, sizeof kMagic) == 0) return token_accepted(within, error);
         disconnect();
         throw Error("TCPStore: the program listening at " + address() +
                     " is not an ember store (it answered the handshake with other bytes); is the port used by "
@@ -736,6 +980,35 @@ struct TCPStore::Impl {
         return false;
     }
     return false;
+  }
+
+  // After the magic, the server's verdict on our token: Ok, or Error with
+  // its reason. A refusal is final (retrying will not change the token).
+  bool token_accepted(Clock::time_point within, std::string* error) {
+    char len_buf[4];
+    std::string body;
+    RecvResult rr = recv_all(len_buf, 4, within);
+    if (rr == RecvResult::Ok) {
+      uint32_t len = load_u32(len_buf);
+      if (len == 0 || len > kMaxToken + 64) {
+        disconnect();
+        throw Error("TCPStore: the program listening at " + address() + " sent a malformed handshake");
+      }
+      body.resize(len);
+      rr = recv_all(body.data(), len, within);
+    }
+    if (rr != RecvResult::Ok) {
+      *error = "no verdict on the job token during the handshake";
+      return false;
+    }
+    Reader r(body);
+    if (static_cast<Status>(r.u8()) == Status::Ok) return true;
+    std::string why = r.str();
+    disconnect();
+    throw Error("TCPStore: the store at " + address() + " " + why + (options.token.empty()
+                    ? "; this process has none: set EMBER_STORE_TOKEN to the job's token (the launcher sets it for "
+                      "the workers it starts)"
+                    : "; this process's EMBER_STORE_TOKEN differs from the job's (is it another job's store?)"));
   }
 
   bool send_all(const char* p, size_t n, Clock::time_point deadline) {
@@ -836,9 +1109,31 @@ struct TCPStore::Impl {
 
 namespace {
 
+std::vector<LostRank> read_lost(Reader& r) {
+  std::vector<LostRank> lost(r.u32());
+  for (LostRank& l : lost) {
+    l.rank = static_cast<int>(r.i64());
+    l.peer = r.str();
+    l.ms_ago = r.i64();
+  }
+  return lost;
+}
+
+// The server's answer to a blocking request once a rank is lost.
+[[noreturn]] void throw_rank_lost(Reader& r, const std::string& where) {
+  std::vector<LostRank> lost = read_lost(r);
+  std::string who;
+  for (const LostRank& l : lost) who += (who.empty() ? "" : ", ") + l.describe();
+  throw RankLostError(where + " stopped waiting: " + who + (lost.size() == 1 ? " has" : " have") +
+                          " left the job without saying goodbye (the process exited, crashed or was killed), so what "
+                          "this call waits for may never come",
+                      std::move(lost));
+}
+
 void expect_ok(Reader& r, const std::string& where) {
   Status s = static_cast<Status>(r.u8());
   if (s == Status::Ok) return;
+  if (s == Status::RankLost) throw_rank_lost(r, where);
   if (s == Status::Error) throw Error(where + ": " + r.str());
   throw Error(where + ": unexpected reply status " + std::to_string(static_cast<int>(s)));
 }
@@ -861,7 +1156,7 @@ TCPStore::TCPStore(std::string host, int port, TCPStoreOptions options)
   impl_->port = port;
   impl_->options = options;
   if (options.is_server) {
-    impl_->server = std::make_unique<StoreServer>(port);
+    impl_->server = std::make_unique<StoreServer>(impl_->host, port, options.listen_on_all, options.token);
     impl_->port = impl_->server->port();
   }
   impl_->connect_to_server(options.connect_timeout > Millis{0} ? options.connect_timeout : options.timeout);
@@ -872,6 +1167,7 @@ TCPStore::TCPStore(std::string host, int port, TCPStoreOptions options)
     std::string body = impl_->roundtrip(w, impl_->parked_reply(options.timeout), "waiting for workers");
     Reader r(body);
     Status s = static_cast<Status>(r.u8());
+    if (s == Status::RankLost) throw_rank_lost(r, where + ": waiting for workers");
     if (s == Status::Timeout) {
       int64_t seen = r.i64();
       throw Error(where + ": only " + std::to_string(seen) + " of " + std::to_string(options.num_workers) +
@@ -904,6 +1200,7 @@ Bytes TCPStore::get(const std::string& key) {
   std::string body = impl_->roundtrip(w, impl_->parked_reply(timeout_), what);
   Reader r(body);
   Status s = static_cast<Status>(r.u8());
+  if (s == Status::RankLost) throw_rank_lost(r, "TCPStore " + impl_->address() + ": " + what);
   if (s == Status::Timeout) {
     throw Error("TCPStore " + impl_->address() + ": " + what + " timed out after " +
                 std::to_string(timeout_.count()) + " ms: no rank set key " + quote_key(key));
@@ -957,6 +1254,7 @@ void TCPStore::wait(const std::vector<std::string>& keys, Millis timeout) {
   std::string body = impl_->roundtrip(w, impl_->parked_reply(timeout), what);
   Reader r(body);
   Status s = static_cast<Status>(r.u8());
+  if (s == Status::RankLost) throw_rank_lost(r, "TCPStore " + impl_->address() + ": " + what);
   if (s == Status::Timeout) {
     std::vector<std::string> missing = r.strs();
     throw Error("TCPStore " + impl_->address() + ": " + what + " timed out after " + std::to_string(timeout.count()) +
@@ -983,6 +1281,19 @@ int64_t TCPStore::num_keys() {
   Reader r(body);
   expect_ok(r, "TCPStore " + impl_->address() + ": num_keys()");
   return r.i64();
+}
+
+std::vector<LostRank> TCPStore::lost_ranks() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  // Asked after a failure: with the connection gone (the server died), do
+  // not spend the whole timeout reconnecting to say nothing.
+  if (impl_->fd < 0) return {};
+  Writer w;
+  w.u8(uint8_t(Cmd::Lost));
+  std::string body = impl_->roundtrip(w, timeout_, "lost_ranks()");
+  Reader r(body);
+  expect_ok(r, "TCPStore " + impl_->address() + ": lost_ranks()");
+  return read_lost(r);
 }
 
 }  // namespace ember::distributed
