@@ -150,13 +150,18 @@ class Reader {
     return out;
   }
   std::vector<std::string> strs() {
-    uint32_t n = u32();
-    // Each key costs at least its 4-byte length; a count beyond that is garbage.
-    if (n > (s_.size() - pos_) / 4) throw ProtocolError("key count exceeds the frame");
+    const uint32_t n = count(4);  // each key costs at least its 4-byte length
     std::vector<std::string> out;
     out.reserve(n);
     for (uint32_t i = 0; i < n; ++i) out.push_back(str());
     return out;
+  }
+  // A count of records of at least `min_bytes` each, checked against what
+  // the frame holds before anything is allocated for them.
+  uint32_t count(size_t min_bytes) {
+    uint32_t n = u32();
+    if (n > (s_.size() - pos_) / min_bytes) throw ProtocolError("record count exceeds the frame");
+    return n;
   }
   void done() const {
     if (pos_ != s_.size()) throw ProtocolError("trailing bytes in frame");
@@ -442,6 +447,8 @@ class StoreServer {
     c.closing = true;
     std::erase_if(waiters_, [fd](const Waiter& w) { return w.fd == fd; });
     if (c.rank >= 0 && !c.said_bye) {
+      // One entry per rank however often it reconnects and drops.
+      std::erase_if(lost_, [&](const Lost& l) { return l.rank == c.rank; });
       lost_.push_back({c.rank, c.peer, Clock::now()});
       std::cerr << "TCPStore server on port " << port_ << ": rank " << c.rank << " (connection from " << c.peer
                 << ") closed its connection without saying goodbye: its process exited, crashed or was killed; "
@@ -1001,9 +1008,15 @@ struct TCPStore::Impl {
       *error = "no verdict on the job token during the handshake";
       return false;
     }
-    Reader r(body);
-    if (static_cast<Status>(r.u8()) == Status::Ok) return true;
-    std::string why = r.str();
+    std::string why;
+    try {
+      Reader r(body);
+      if (static_cast<Status>(r.u8()) == Status::Ok) return true;
+      why = r.str();
+    } catch (const ProtocolError&) {
+      disconnect();
+      throw Error("TCPStore: the program listening at " + address() + " sent a malformed handshake");
+    }
     disconnect();
     throw Error("TCPStore: the store at " + address() + " " + why + (options.token.empty()
                     ? "; this process has none: set EMBER_STORE_TOKEN to the job's token (the launcher sets it for "
@@ -1084,8 +1097,13 @@ struct TCPStore::Impl {
         throw Error("TCPStore " + address() + ": " + what + ": malformed reply (is " + address() +
                     " an ember TCPStore?)");
       }
-      body.resize(len);
-      rr = recv_all(body.data(), len, deadline);
+      // Grown as the bytes arrive: a corrupt length (up to kMaxFrame) must
+      // not allocate and zero a gigabyte before the stream runs dry.
+      while (rr == RecvResult::Ok && body.size() < len) {
+        const size_t have = body.size(), chunk = std::min<size_t>(len - have, size_t{1} << 20);
+        body.resize(have + chunk);
+        rr = recv_all(body.data() + have, chunk, deadline);
+      }
     }
     if (rr == RecvResult::Timeout) {
       disconnect();
@@ -1110,7 +1128,7 @@ struct TCPStore::Impl {
 namespace {
 
 std::vector<LostRank> read_lost(Reader& r) {
-  std::vector<LostRank> lost(r.u32());
+  std::vector<LostRank> lost(r.count(8 + 4 + 8));  // rank, peer's length, ms_ago
   for (LostRank& l : lost) {
     l.rank = static_cast<int>(r.i64());
     l.peer = r.str();
@@ -1142,6 +1160,21 @@ std::string op_name(const char* op, const std::string& key) { return std::string
 
 }  // namespace
 
+// Replies are parsed through Reader, which throws ProtocolError on a
+// malformed one; callers get an ember::Error naming the store instead, and
+// the connection, now out of step, is dropped. Holds the client's lock.
+template <typename Impl, typename F>
+auto guarded(Impl& impl, const char* op, F&& f) -> decltype(f()) {
+  std::lock_guard<std::mutex> lock(impl.mu);  // one request in flight per socket
+  try {
+    return f();
+  } catch (const ProtocolError& e) {
+    impl.disconnect();
+    throw Error("TCPStore " + impl.address() + ": " + op + ": malformed reply from the store server (" + e.what() +
+                "); is " + impl.address() + " an ember store of the same version?");
+  }
+}
+
 TCPStore::TCPStore(std::string host, int port, TCPStoreOptions options)
     : Store(options.timeout), impl_(std::make_unique<Impl>()) {
   EMBER_CHECK(!host.empty(), "TCPStore: empty host name (pass the address of the rank hosting the store, e.g. "
@@ -1165,15 +1198,17 @@ TCPStore::TCPStore(std::string host, int port, TCPStoreOptions options)
     w.u8(uint8_t(Cmd::WaitWorkers)).i64(options.num_workers).i64(options.timeout.count());
     std::string where = "TCPStore " + impl_->address();
     std::string body = impl_->roundtrip(w, impl_->parked_reply(options.timeout), "waiting for workers");
-    Reader r(body);
-    Status s = static_cast<Status>(r.u8());
-    if (s == Status::RankLost) throw_rank_lost(r, where + ": waiting for workers");
-    if (s == Status::Timeout) {
-      int64_t seen = r.i64();
-      throw Error(where + ": only " + std::to_string(seen) + " of " + std::to_string(options.num_workers) +
-                  " workers (TCPStoreOptions::num_workers, the server's own connection included) connected within " +
-                  std::to_string(options.timeout.count()) + " ms");
-    }
+    guarded(*impl_, "waiting for workers", [&] {
+      Reader r(body);
+      Status s = static_cast<Status>(r.u8());
+      if (s == Status::RankLost) throw_rank_lost(r, where + ": waiting for workers");
+      if (s == Status::Timeout) {
+        int64_t seen = r.i64();
+        throw Error(where + ": only " + std::to_string(seen) + " of " + std::to_string(options.num_workers) +
+                    " workers (TCPStoreOptions::num_workers, the server's own connection included) connected within " +
+                    std::to_string(options.timeout.count()) + " ms");
+      }
+    });
   }
 }
 
@@ -1183,117 +1218,126 @@ int TCPStore::port() const { return impl_->port; }
 const std::string& TCPStore::host() const { return impl_->host; }
 
 void TCPStore::set(const std::string& key, const Bytes& value) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Writer w;
-  w.u8(uint8_t(Cmd::Set)).str(key).bytes(value.data(), value.size());
-  std::string what = op_name("set", key);
-  std::string body = impl_->roundtrip(w, timeout_, what);
-  Reader r(body);
-  expect_ok(r, "TCPStore " + impl_->address() + ": " + what);
+  guarded(*impl_, "set", [&] {
+    Writer w;
+    w.u8(uint8_t(Cmd::Set)).str(key).bytes(value.data(), value.size());
+    std::string what = op_name("set", key);
+    std::string body = impl_->roundtrip(w, timeout_, what);
+    Reader r(body);
+    expect_ok(r, "TCPStore " + impl_->address() + ": " + what);
+  });
 }
 
 Bytes TCPStore::get(const std::string& key) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Writer w;
-  w.u8(uint8_t(Cmd::Get)).str(key).i64(timeout_.count());
-  std::string what = op_name("get", key);
-  std::string body = impl_->roundtrip(w, impl_->parked_reply(timeout_), what);
-  Reader r(body);
-  Status s = static_cast<Status>(r.u8());
-  if (s == Status::RankLost) throw_rank_lost(r, "TCPStore " + impl_->address() + ": " + what);
-  if (s == Status::Timeout) {
-    throw Error("TCPStore " + impl_->address() + ": " + what + " timed out after " +
-                std::to_string(timeout_.count()) + " ms: no rank set key " + quote_key(key));
-  }
-  std::string v = r.str();
-  return Bytes(v.begin(), v.end());
+  return guarded(*impl_, "get", [&] {
+    Writer w;
+    w.u8(uint8_t(Cmd::Get)).str(key).i64(timeout_.count());
+    std::string what = op_name("get", key);
+    std::string body = impl_->roundtrip(w, impl_->parked_reply(timeout_), what);
+    Reader r(body);
+    Status s = static_cast<Status>(r.u8());
+    if (s == Status::RankLost) throw_rank_lost(r, "TCPStore " + impl_->address() + ": " + what);
+    if (s == Status::Timeout) {
+      throw Error("TCPStore " + impl_->address() + ": " + what + " timed out after " +
+                  std::to_string(timeout_.count()) + " ms: no rank set key " + quote_key(key));
+    }
+    std::string v = r.str();
+    return Bytes(v.begin(), v.end());
+  });
 }
 
 int64_t TCPStore::add(const std::string& key, int64_t delta) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Writer w;
-  w.u8(uint8_t(Cmd::Add)).str(key).i64(delta);
-  std::string what = "add(" + quote_key(key) + ", " + std::to_string(delta) + ")";
-  std::string body = impl_->roundtrip(w, timeout_, what);
-  Reader r(body);
-  expect_ok(r, "TCPStore " + impl_->address() + ": " + what);
-  return r.i64();
+  return guarded(*impl_, "add", [&] {
+    Writer w;
+    w.u8(uint8_t(Cmd::Add)).str(key).i64(delta);
+    std::string what = "add(" + quote_key(key) + ", " + std::to_string(delta) + ")";
+    std::string body = impl_->roundtrip(w, timeout_, what);
+    Reader r(body);
+    expect_ok(r, "TCPStore " + impl_->address() + ": " + what);
+    return r.i64();
+  });
 }
 
 Bytes TCPStore::compare_set(const std::string& key, const Bytes& expected, const Bytes& desired) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Writer w;
-  w.u8(uint8_t(Cmd::CompareSet)).str(key).bytes(expected.data(), expected.size()).bytes(desired.data(),
-                                                                                         desired.size());
-  std::string what = op_name("compare_set", key);
-  std::string body = impl_->roundtrip(w, timeout_, what);
-  Reader r(body);
-  expect_ok(r, "TCPStore " + impl_->address() + ": " + what);
-  std::string v = r.str();
-  return Bytes(v.begin(), v.end());
+  return guarded(*impl_, "compare_set", [&] {
+    Writer w;
+    w.u8(uint8_t(Cmd::CompareSet)).str(key).bytes(expected.data(), expected.size()).bytes(desired.data(),
+                                                                                           desired.size());
+    std::string what = op_name("compare_set", key);
+    std::string body = impl_->roundtrip(w, timeout_, what);
+    Reader r(body);
+    expect_ok(r, "TCPStore " + impl_->address() + ": " + what);
+    std::string v = r.str();
+    return Bytes(v.begin(), v.end());
+  });
 }
 
 bool TCPStore::check(const std::vector<std::string>& keys) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Writer w;
-  w.u8(uint8_t(Cmd::Check)).u32(static_cast<uint32_t>(keys.size()));
-  for (const auto& k : keys) w.str(k);
-  std::string body = impl_->roundtrip(w, timeout_, "check(" + quote_keys(keys) + ")");
-  Reader r(body);
-  expect_ok(r, "TCPStore " + impl_->address() + ": check");
-  return r.u8() != 0;
+  return guarded(*impl_, "check", [&] {
+    Writer w;
+    w.u8(uint8_t(Cmd::Check)).u32(static_cast<uint32_t>(keys.size()));
+    for (const auto& k : keys) w.str(k);
+    std::string body = impl_->roundtrip(w, timeout_, "check(" + quote_keys(keys) + ")");
+    Reader r(body);
+    expect_ok(r, "TCPStore " + impl_->address() + ": check");
+    return r.u8() != 0;
+  });
 }
 
 void TCPStore::wait(const std::vector<std::string>& keys, Millis timeout) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Writer w;
-  w.u8(uint8_t(Cmd::Wait)).u32(static_cast<uint32_t>(keys.size()));
-  for (const auto& k : keys) w.str(k);
-  w.i64(std::max<int64_t>(timeout.count(), 0));
-  std::string what = "wait(" + quote_keys(keys) + ")";
-  std::string body = impl_->roundtrip(w, impl_->parked_reply(timeout), what);
-  Reader r(body);
-  Status s = static_cast<Status>(r.u8());
-  if (s == Status::RankLost) throw_rank_lost(r, "TCPStore " + impl_->address() + ": " + what);
-  if (s == Status::Timeout) {
-    std::vector<std::string> missing = r.strs();
-    throw Error("TCPStore " + impl_->address() + ": " + what + " timed out after " + std::to_string(timeout.count()) +
-                " ms; still missing: " + quote_keys(missing));
-  }
+  guarded(*impl_, "wait", [&] {
+    Writer w;
+    w.u8(uint8_t(Cmd::Wait)).u32(static_cast<uint32_t>(keys.size()));
+    for (const auto& k : keys) w.str(k);
+    w.i64(std::max<int64_t>(timeout.count(), 0));
+    std::string what = "wait(" + quote_keys(keys) + ")";
+    std::string body = impl_->roundtrip(w, impl_->parked_reply(timeout), what);
+    Reader r(body);
+    Status s = static_cast<Status>(r.u8());
+    if (s == Status::RankLost) throw_rank_lost(r, "TCPStore " + impl_->address() + ": " + what);
+    if (s == Status::Timeout) {
+      std::vector<std::string> missing = r.strs();
+      throw Error("TCPStore " + impl_->address() + ": " + what + " timed out after " + std::to_string(timeout.count()) +
+                  " ms; still missing: " + quote_keys(missing));
+    }
+  });
 }
 
 bool TCPStore::delete_key(const std::string& key) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Writer w;
-  w.u8(uint8_t(Cmd::Delete)).str(key);
-  std::string what = op_name("delete_key", key);
-  std::string body = impl_->roundtrip(w, timeout_, what);
-  Reader r(body);
-  expect_ok(r, "TCPStore " + impl_->address() + ": " + what);
-  return r.u8() != 0;
+  return guarded(*impl_, "delete_key", [&] {
+    Writer w;
+    w.u8(uint8_t(Cmd::Delete)).str(key);
+    std::string what = op_name("delete_key", key);
+    std::string body = impl_->roundtrip(w, timeout_, what);
+    Reader r(body);
+    expect_ok(r, "TCPStore " + impl_->address() + ": " + what);
+    return r.u8() != 0;
+  });
 }
 
 int64_t TCPStore::num_keys() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  Writer w;
-  w.u8(uint8_t(Cmd::NumKeys));
-  std::string body = impl_->roundtrip(w, timeout_, "num_keys()");
-  Reader r(body);
-  expect_ok(r, "TCPStore " + impl_->address() + ": num_keys()");
-  return r.i64();
+  return guarded(*impl_, "num_keys", [&] {
+    Writer w;
+    w.u8(uint8_t(Cmd::NumKeys));
+    std::string body = impl_->roundtrip(w, timeout_, "num_keys()");
+    Reader r(body);
+    expect_ok(r, "TCPStore " + impl_->address() + ": num_keys()");
+    return r.i64();
+  });
 }
 
 std::vector<LostRank> TCPStore::lost_ranks() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  // Asked after a failure: with the connection gone (the server died), do
-  // not spend the whole timeout reconnecting to say nothing.
-  if (impl_->fd < 0) return {};
-  Writer w;
-  w.u8(uint8_t(Cmd::Lost));
-  std::string body = impl_->roundtrip(w, timeout_, "lost_ranks()");
-  Reader r(body);
-  expect_ok(r, "TCPStore " + impl_->address() + ": lost_ranks()");
-  return read_lost(r);
+  return guarded(*impl_, "lost_ranks", [&]() -> std::vector<LostRank> {
+    // Asked after a failure: with the connection gone (the server died), do
+    // not spend the whole timeout reconnecting to say nothing.
+    if (impl_->fd < 0) return {};
+    Writer w;
+    w.u8(uint8_t(Cmd::Lost));
+    std::string body = impl_->roundtrip(w, timeout_, "lost_ranks()");
+    Reader r(body);
+    expect_ok(r, "TCPStore " + impl_->address() + ": lost_ranks()");
+    return read_lost(r);
+  });
 }
 
 }  // namespace ember::distributed

@@ -233,3 +233,43 @@ def ember_benchmark(name, srcs, deps = [], **kwargs):
         deps = deps + [Label("//third_party:benchmark_main")],
         **kwargs
     )
+
+def ember_fuzz_test(name, srcs, deps = [], corpus = None, size = "small", **kwargs):
+    """A fuzz target (srcs define LLVMFuzzerTestOneInput) in two forms:
+
+    <name>: a test that replays the corpus (testdata/fuzz/<name>/ by default)
+      and fixed mutations of it with any compiler: CI's smoke run;
+    <name>_fuzzer (manual): with --config=fuzz (clang, libFuzzer, ASan) the
+      real fuzzer, run by tools/fuzz.sh; otherwise the same replay binary.
+    """
+    corpus = corpus or "testdata/fuzz/" + name
+    native.cc_library(
+        name = name + "_target",
+        testonly = True,
+        srcs = srcs,
+        deps = deps,
+        alwayslink = True,
+    )
+    corpus_files = native.glob([corpus + "/**"])
+    native.cc_test(
+        name = name,
+        size = size,
+        deps = [":" + name + "_target", "//tools/fuzz:replay_main"],
+        data = corpus_files,
+        args = [native.package_name() + "/" + corpus],
+        **kwargs
+    )
+    native.cc_binary(
+        name = name + "_fuzzer",
+        testonly = True,
+        deps = [":" + name + "_target"] + select({
+            "//tools/fuzz:fuzzing": [],
+            "//conditions:default": ["//tools/fuzz:replay_main"],
+        }),
+        linkopts = select({
+            "//tools/fuzz:fuzzing": ["-fsanitize=fuzzer"],
+            "//conditions:default": [],
+        }),
+        data = corpus_files,
+        tags = ["manual"],
+    )
