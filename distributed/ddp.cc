@@ -176,6 +176,10 @@ struct DistributedDataParallel::Impl {
   std::vector<int> bucket_of, slot_in_bucket;
   std::vector<Tensor> buffers;
 
+  Device device;                // where the collectives' small tensors live
+  bool joining = false;         // inside join_uneven_inputs
+  std::vector<Tensor> shadow;   // per bucket: zeros a joined rank contributes
+
   // Per-pass state.
   bool require_sync = true;     // false inside no_sync()
   bool armed = false;           // a forward outside no_sync prepared the next backward
@@ -196,7 +200,38 @@ struct DistributedDataParallel::Impl {
   void launch_ready_buckets();
   void launch(size_t b);
   void finalize();
+
+  // One round of the join protocol (every rank, once per forward of a rank
+  // still training): allreduce-max of [this rank if active else -1, 1 if
+  // this step synchronizes gradients]. Returns {highest active rank or -1
+  // when all have joined, whether some active rank synchronizes}.
+  std::pair<int, bool> join_round(bool active, bool sync);
+  // A joined rank's part of the active ranks' backward: the same bucket
+  // allreduces (and unused-parameter count), with zeros.
+  void shadow_backward();
 };
+
+std::pair<int, bool> DistributedDataParallel::Impl::join_round(bool active, bool sync) {
+  Tensor t = Tensor::from_vector({active ? double(pg->rank()) : -1.0, active && sync ? 1.0 : 0.0}, {2},
+                                 {DType::Int32, device});
+  pg->allreduce(t, ReduceOp::Max)->wait();
+  std::vector<double> v = t.to_vector();
+  return {static_cast<int>(v[0]), v[1] > 0};
+}
+
+void DistributedDataParallel::Impl::shadow_backward() {
+  if (shadow.empty())
+    for (auto& b : buckets) shadow.push_back(zeros(b.buffer.sizes(), {b.buffer.dtype(), b.buffer.device()}));
+  std::vector<std::shared_ptr<Work>> works;
+  for (Tensor& z : shadow) {
+    z.zero_();
+    works.push_back(pg->allreduce(z, opts.average ? ReduceOp::Avg : ReduceOp::Sum));
+  }
+  if (opts.find_unused_parameters && !params.empty())
+    works.push_back(pg->allreduce(zeros({static_cast<int64_t>(params.size())}, {DType::Int32, device}),
+                                  ReduceOp::Sum));
+  for (auto& w : works) w->wait();
+}
 
 void DistributedDataParallel::Impl::build_buckets() {
   // Reverse registration order: roughly the order backward produces grads.
@@ -296,6 +331,14 @@ void DistributedDataParallel::Impl::attach_grad(int i) {
 }
 
 void DistributedDataParallel::Impl::mark_ready(int i) {
+  // Joined ranks learned at forward time that this backward synchronizes
+  // and are waiting for its buckets: skipping them now would leave them
+  // one collective ahead of us.
+  EMBER_CHECK(!(joining && armed && !require_sync), "DistributedDataParallel (rank ", pg->rank(),
+              "): inside join_uneven_inputs, this backward runs inside no_sync() but its forward ran outside it, "
+              "and the ranks that have joined were told at that forward that gradients would be synchronized; run "
+              "the forward inside no_sync() too (with GradientAccumulator, pass the loss as a function: "
+              "acc.backward([&] { return loss_fn(ddp->forward(x), y); }))");
   if (!armed || !require_sync) return;  // no DDP forward, or inside no_sync: local accumulation only
   if (!finalize_queued) {
     std::shared_ptr<Impl*> h = handle;
@@ -397,6 +440,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   }
   impl_->buffers = module_->buffers();
   const Device dev = comm_device(all_params, impl_->buffers);
+  impl_->device = dev;
   if (pg_->size() > 1) {
     check_same_parameters(*pg_, named, dev);
     std::vector<Tensor> state = all_params;
@@ -412,10 +456,38 @@ DistributedDataParallel::~DistributedDataParallel() {
 }
 
 Tensor DistributedDataParallel::forward(const Tensor& x) {
-  if (impl_->opts.broadcast_buffers) broadcast_coalesced(*pg_, impl_->buffers, 0);
-  if (GradMode::is_enabled() && impl_->require_sync) impl_->prepare();
+  const bool sync = GradMode::is_enabled() && impl_->require_sync;
+  int buffer_root = 0;
+  // Joined ranks shadow this step: tell them whether gradients follow, and
+  // take buffers from a rank still training (rank 0 may have joined).
+  if (impl_->joining && pg_->size() > 1) buffer_root = impl_->join_round(true, sync).first;
+  if (impl_->opts.broadcast_buffers) broadcast_coalesced(*pg_, impl_->buffers, buffer_root);
+  if (sync) impl_->prepare();
   else impl_->armed = false;
   return module_->forward(x);
+}
+
+int64_t join_uneven_inputs(DistributedDataParallel& ddp, const std::function<void()>& body) {
+  auto& impl = *ddp.impl_;
+  EMBER_CHECK(!impl.joining, "join_uneven_inputs: already inside join_uneven_inputs for this DDP");
+  impl.joining = true;
+  int64_t shadowed = 0;
+  try {
+    body();
+    // This rank's data is done: shadow the others until every rank is.
+    while (ddp.pg_->size() > 1) {
+      auto [root, sync] = impl.join_round(false, false);
+      if (root < 0) break;
+      if (impl.opts.broadcast_buffers) broadcast_coalesced(*ddp.pg_, impl.buffers, root);
+      if (sync) impl.shadow_backward();
+      ++shadowed;
+    }
+  } catch (...) {
+    impl.joining = false;
+    throw;
+  }
+  impl.joining = false;
+  return shadowed;
 }
 
 std::vector<std::vector<int64_t>> DistributedDataParallel::bucket_indices() const {
@@ -436,6 +508,19 @@ DistributedDataParallel::NoSync::~NoSync() { ddp_.impl_->require_sync = previous
 
 GradientAccumulator::GradientAccumulator(DistributedDataParallel& ddp, int steps) : ddp_(ddp), steps_(steps) {
   EMBER_CHECK(steps >= 1, "GradientAccumulator: steps must be at least 1, got ", steps);
+}
+
+bool GradientAccumulator::backward(const std::function<Tensor()>& loss_fn) {
+  const bool last = done_ + 1 == steps_;
+  if (last) {
+    Tensor loss = loss_fn();
+    (steps_ == 1 ? loss : loss * (1.0 / steps_)).backward();
+  } else {
+    auto guard = ddp_.no_sync();
+    (loss_fn() * (1.0 / steps_)).backward();
+  }
+  done_ = last ? 0 : done_ + 1;
+  return last;
 }
 
 bool GradientAccumulator::backward(const Tensor& loss) {

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -85,6 +86,7 @@ class DistributedDataParallel : public nn::Module {
   struct Impl;
 
  private:
+  friend int64_t join_uneven_inputs(DistributedDataParallel& ddp, const std::function<void()>& body);
   std::shared_ptr<nn::Module> module_;
   std::shared_ptr<ProcessGroup> pg_;
   std::unique_ptr<Impl> impl_;
@@ -103,6 +105,11 @@ class GradientAccumulator {
   GradientAccumulator(DistributedDataParallel& ddp, int steps);
   // Returns true when this call synchronized (the last micro-step).
   bool backward(const Tensor& loss);
+  // The same, with the forward run by `loss_fn` inside no_sync() on the
+  // micro-steps that do not synchronize (PyTorch's pattern). Needed inside
+  // join_uneven_inputs, where ranks learn at forward time whether the
+  // backward that follows synchronizes.
+  bool backward(const std::function<Tensor()>& loss_fn);
   int steps() const { return steps_; }
 
  private:
@@ -110,6 +117,25 @@ class GradientAccumulator {
   int steps_;
   int done_ = 0;
 };
+
+// Uneven inputs, as torch.distributed.algorithms.Join([ddp]) with DDP's
+// default (gradients divided by the initial world size): runs `body`, this
+// rank's training loop; when a rank's data runs out before the others', it
+// does not leave them hanging in their next allreduce but shadows their
+// steps (contributing zero gradients, receiving their buffers) until every
+// rank's body has returned. Returns the number of steps this rank shadowed.
+//
+//   int64_t shadowed = distributed::join_uneven_inputs(*ddp, [&] {
+//     for (auto& b : loader) { ...; loss(ddp->forward(x), y).backward(); opt.step(); }
+//   });
+//
+// Inside, every forward adds one small allreduce (which ranks are still
+// training, and whether this step synchronizes gradients), and buffers come
+// from the highest-ranked rank still training. Every rank must call it, and
+// the body must use this DDP's forward/backward only (SyncBatchNorm or other
+// collectives in the body are not shadowed: the signature check names the
+// mismatch).
+int64_t join_uneven_inputs(DistributedDataParallel& ddp, const std::function<void()>& body);
 
 // Makes every nn::BatchNorm2d under `module` a SyncBatchNorm: in training,
 // batch statistics are computed over all ranks of `pg` (null: the default

@@ -498,6 +498,56 @@ EMBER_WORKER(outlives_ddp) {
 // ---------------------------------------------------------------------------
 // Parent-side tests.
 
+// Uneven inputs: rank r has 2 + r steps (rank 0 runs out first), inside
+// join_uneven_inputs. Each rank's parameters must equal one process that,
+// at step s, sums the gradients of the ranks still training divided by the
+// world size (torch's Join with DDP's default), after that rank's own last
+// step; and each rank shadows exactly the steps it did not have. arg
+// "accumulate": two micro-batches per step through GradientAccumulator with
+// the forward inside it (the no_sync forwards are shadowed without
+// gradients).
+EMBER_WORKER(uneven) {
+  auto pg = group(env);
+  const int r = env.rank, ws = env.world_size;
+  const bool accumulate = env.arg == "accumulate";
+  const int micro = accumulate ? 2 : 1;
+  auto steps_of = [](int rank) { return 2 + rank; };
+  auto batch = [](int rank, int i) {
+    Generator gen(5000 + 100 * rank + i);
+    return Batch{randn({3, 8}, {}, &gen), randint(0, 4, {3}, DType::Int64, &gen)};
+  };
+  auto ref = make_mlp(1);
+  auto local = make_mlp(1 + r);
+  DDPOptions opts;
+  opts.process_group = pg;
+  opts.first_bucket_cap_mb = 0.0005;  // several buckets, so shadowing keeps their order
+  auto ddp = std::make_shared<DistributedDataParallel>(local, opts);
+  optim::SGD opt_ddp(ddp->parameters(), {.lr = 0.1, .momentum = 0.9});
+  GradientAccumulator acc(*ddp, micro);
+  const int64_t shadowed = join_uneven_inputs(*ddp, [&] {
+    for (int s = 0; s < steps_of(r); ++s) {
+      opt_ddp.zero_grad();
+      for (int m = 0; m < micro; ++m) acc.backward([&] { return loss_of(*ddp, batch(r, s * micro + m)); });
+      opt_ddp.step();
+    }
+  });
+  const int max_steps = steps_of(ws - 1);
+  WCHECK(shadowed == int64_t{micro} * (max_steps - steps_of(r)), "rank ", r, " shadowed ", shadowed, " forwards");
+  optim::SGD opt_ref(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  for (int s = 0; s < steps_of(r); ++s) {
+    opt_ref.zero_grad();
+    for (int rr = 0; rr < ws; ++rr)
+      if (s < steps_of(rr))
+        for (int m = 0; m < micro; ++m) (loss_of(*ref, batch(rr, s * micro + m)) * (1.0 / (micro * ws))).backward();
+    opt_ref.step();
+  }
+  expect_same_params(*local, *ref, "after rank " + std::to_string(r) + "'s " + std::to_string(steps_of(r)) + " steps");
+  // The group is in step afterwards: a plain collective still works.
+  Tensor t = full({1}, 1.0);
+  pg->allreduce(t)->wait();
+  WCHECK(t.to_vector()[0] == ws, "allreduce after the join");
+}
+
 mp::RunOptions with_arg(const std::string& arg, int seconds = 120) {
   mp::RunOptions o;
   o.arg = arg;
@@ -602,6 +652,16 @@ TEST(DDP, DyingRankFailsTheOthersWithinTheTimeout) {
   EXPECT_EQ(res[0].exit_code, 0) << mp::describe(res);
   EXPECT_EQ(res[1].exit_code, 0) << mp::describe(res);
   EXPECT_EQ(res[2].exit_code, 42) << mp::describe(res);
+}
+
+TEST(DDP, UnevenInputsJoinInsteadOfHanging) {
+  for (int ws : {2, 3}) {
+    for (const char* arg : {"plain", "accumulate"}) {
+      SCOPED_TRACE(std::string("world ") + std::to_string(ws) + ", " + arg);
+      auto res = mp::run_workers("uneven", ws, with_arg(arg, 60));
+      EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+    }
+  }
 }
 
 TEST(DDP, ModelOutlivesItsWrapper) {
