@@ -61,4 +61,9 @@ absl::Status save_safetensors(const std::string& path, const std::vector<std::pa
 // its storage after the header has been validated against the file size.
 absl::StatusOr<SafetensorsFile> load_safetensors(const std::string& path);
 
+// load_safetensors's checks without reading the tensors: the file opens, its
+// header parses, and every tensor lies inside the file (a truncated file
+// fails). Cheap whatever the file's size.
+absl::Status check_safetensors_file(const std::string& path);
+
 }  // namespace ember

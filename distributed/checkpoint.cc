@@ -496,10 +496,22 @@ absl::StatusOr<std::optional<std::string>> latest_checkpoint(const std::string& 
   }
   std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (const auto& [n, path] : found) {
-    absl::Status st = read_trainer_json((path / kTrainerFile).string()).status();
+    // What a load would trip over first, without reading any tensor: the
+    // trainer file, and the headers and sizes of the tensor files it needs
+    // (a truncated model file is damage found here, where a fallback can
+    // still skip it, not halfway through a load).
+    auto trainer = read_trainer_json((path / kTrainerFile).string());
+    absl::Status st = trainer.status();
     std::error_code fec;
-    if (st.ok() && !fs::is_regular_file(path / kModelFile, fec))
-      st = absl::NotFoundError(absl::StrCat((path / kModelFile).string(), ": missing file"));
+    auto check_tensors = [&](const char* file) {
+      if (!st.ok()) return;
+      if (!fs::is_regular_file(path / file, fec))
+        st = absl::NotFoundError(absl::StrCat((path / file).string(), ": missing file"));
+      else
+        st = check_safetensors_file((path / file).string());
+    };
+    check_tensors(kModelFile);
+    if (st.ok() && trainer->contains("optimizer") && !(*trainer)["optimizer"].is_null()) check_tensors(kOptimizerFile);
     if (st.ok()) return std::optional<std::string>(path.string());
     if (!fall_back)
       return absl::DataLossError(absl::StrCat("the newest checkpoint ", path.string(),

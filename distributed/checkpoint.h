@@ -71,7 +71,9 @@ absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir, nn::Module
 // The newest checkpoint under `root` named "<prefix><N>" (largest N), or
 // nullopt when there is none. Saves are atomic, so a "<prefix><N>" directory
 // that does not hold a loadable checkpoint (trainer.json missing, invalid or
-// of another version, model file missing) is damage, never skipped silently:
+// of another version, a tensor file it needs missing, or with a bad header
+// or cut short: checked without reading the tensors) is damage, never
+// skipped silently:
 // an error names the directory, the file and the cause. With `fall_back`, a
 // damaged one is left as it is, named with its cause in `skipped` (if given,
 // for the caller to report), and the next older one is tried; training from

@@ -16,6 +16,7 @@
 #include "core/ops.h"
 #include "core/safetensors.h"
 #include "nn/layers.h"
+#include "optim/optimizer.h"
 
 namespace ember::distributed {
 namespace {
@@ -327,6 +328,28 @@ TEST(CheckpointCrash, ADamagedNewestCheckpointIsReportedNotSkipped) {
   // Asked for, the fallback passes over all four to epoch_10, leaving them be.
   EXPECT_EQ(latest(root, "epoch_", true), root + "/epoch_10");
   EXPECT_TRUE(fs::exists(root + "/epoch_14/trainer.json"));
+}
+
+// Regression (found by tools/fault_suite.py): a newest checkpoint whose
+// model file was cut short, or whose optimizer file is missing, passed
+// latest_checkpoint, so --resume-fallback could not skip it and the load
+// failed instead. Tensor files' headers and sizes are checked now (without
+// reading the tensors).
+TEST(CheckpointCrash, TruncatedOrMissingTensorFilesAreDamage) {
+  const std::string root = fresh_root("tensorfiles");
+  Net net;
+  optim::SGD opt(net.parameters(), {.lr = 0.1, .momentum = 0.9});
+  for (auto& p : net.parameters()) p.set_grad(ember::full(p.sizes(), 1.0));
+  opt.step();
+  ASSERT_TRUE(save_checkpoint(root + "/epoch_1", net, &opt, nullptr, {.epoch = 1}).ok());
+  fs::copy(root + "/epoch_1", root + "/epoch_2");
+  fs::resize_file(root + "/epoch_2/model.safetensors", fs::file_size(root + "/epoch_2/model.safetensors") - 4);
+  EXPECT_THAT(latest(root), HasSubstr(root + "/epoch_2/model.safetensors"));
+  EXPECT_THAT(latest(root), HasSubstr("is damaged"));
+  fs::copy(root + "/epoch_1", root + "/epoch_3");
+  fs::remove(root + "/epoch_3/optimizer.safetensors");
+  EXPECT_THAT(latest(root), HasSubstr(root + "/epoch_3/optimizer.safetensors: missing file"));
+  EXPECT_EQ(latest(root, "epoch_", true), root + "/epoch_1");
 }
 
 // ---- Errors name the file and the problem ----

@@ -19,6 +19,7 @@
 // rule: --lr is the rate for kBaseBatch images per step, multiplied by
 // (per-rank batch * ranks * accumulation steps) / kBaseBatch, reached after a
 // linear warmup and then decayed along a cosine.
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -108,6 +109,38 @@ constexpr char kUsage[] =
 [[noreturn]] void usage_error(const std::string& msg) {
   std::fprintf(stderr, "resnet_ddp: %s\n%s", msg.c_str(), kUsage);
   std::exit(2);
+}
+
+std::string& fault_epoch_suffix() {
+  static std::string s;
+  return s;
+}
+distributed::testing::CheckpointSaveHooks& fault_hooks() {
+  static distributed::testing::CheckpointSaveHooks h;
+  return h;
+}
+
+// Fault injection for tools/fault_suite.py: EMBER_FAULT_CHECKPOINT=STAGE:EPOCH
+// kills this process with SIGKILL (as a crash or a power cut would) when the
+// save of epoch EPOCH's checkpoint reaches STAGE (model_written,
+// tmp_complete, exchanged, old_moved_aside or renamed; old_moved_aside also
+// turns off the atomic rename exchange, so that path is taken).
+void install_checkpoint_fault() {
+  const char* spec = std::getenv("EMBER_FAULT_CHECKPOINT");
+  if (!spec || !*spec) return;
+  const std::string s = spec;
+  const size_t colon = s.find(':');
+  EMBER_CHECK(colon != std::string::npos, "EMBER_FAULT_CHECKPOINT=", s, " must be STAGE:EPOCH");
+  const std::string stage = s.substr(0, colon), dir_suffix = "/epoch_" + s.substr(colon + 1);
+  distributed::testing::CheckpointSaveHooks hooks;
+  hooks.no_rename_exchange = stage == "old_moved_aside";
+  hooks.at_stage = [stage](const std::string& at) {
+    if (at == stage) ::raise(SIGKILL);
+  };
+  // The hook sees stages, not directories: arm it only around that epoch's
+  // save (see save_epoch_checkpoint).
+  fault_epoch_suffix() = dir_suffix;
+  fault_hooks() = std::move(hooks);
 }
 
 int64_t parse_int(const std::string& flag, const std::string& v, int64_t min) {
@@ -334,6 +367,7 @@ int train(const Flags& flags) {
   init.backend = cuda ? "nccl" : "gloo";
   if (flags.timeout_sec > 0) init.timeout = distributed::Millis{static_cast<int64_t>(flags.timeout_sec * 1000)};
   auto pg = distributed::init_process_group(init);
+  install_checkpoint_fault();
   const int rank = pg->rank(), world = pg->size();
   const auto env = distributed::resolve_env(distributed::InitOptions{});
   const Device device = cuda ? cuda_device(env.local_rank % cuda_device_count()) : kCPU;
@@ -498,7 +532,12 @@ int train(const Flags& flags) {
                                      {"model", model_name}}
                           .dump();
       std::string dir = flags.checkpoint_dir + "/epoch_" + std::to_string(epoch + 1);
+      const bool inject = !fault_epoch_suffix().empty() && dir.size() >= fault_epoch_suffix().size() &&
+                          dir.compare(dir.size() - fault_epoch_suffix().size(), std::string::npos,
+                                      fault_epoch_suffix()) == 0;
+      if (inject) distributed::testing::set_checkpoint_save_hooks(fault_hooks());
       absl::Status s = distributed::save_checkpoint(dir, *model, &opt, &sched, st);
+      if (inject) distributed::testing::set_checkpoint_save_hooks({});
       EMBER_CHECK(s.ok(), "saving checkpoint ", dir, ": ", s.message());
       LOG0("saved checkpoint ", dir);
     }
