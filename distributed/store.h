@@ -77,6 +77,7 @@ class Store {
   virtual int64_t num_keys() = 0;
   // Ranks known to have left the job without saying goodbye; empty for
   // stores that cannot tell (FileStore: a dead rank is found by timeout).
+  // Throws when the store itself cannot be reached.
   virtual std::vector<LostRank> lost_ranks() { return {}; }
 
   Millis timeout() const { return timeout_; }

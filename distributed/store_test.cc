@@ -642,7 +642,7 @@ TEST(TCPStore, ARankThatDiesFailsEveryWaitAtOnceNamingIt) {
   dies.join();
   EXPECT_LT(ms_since(t0), 5000) << "a dead rank must not be found by the 60 s timeout: " << err;
   EXPECT_THAT(err, HasSubstr("rank 2 (connection from 127.0.0.1:"));
-  EXPECT_THAT(err, HasSubstr("left the job without saying goodbye"));
+  EXPECT_THAT(err, HasSubstr(" ago) has left the job without saying goodbye"));
   EXPECT_THAT(err, HasSubstr("wait(\"never_set\")"));
   ASSERT_EQ(lost.size(), 1u);
   EXPECT_EQ(lost[0].rank, 2);

@@ -323,7 +323,8 @@ struct TCPStore::Impl {
     if (rr == RecvResult::Timeout) {
       disconnect();
       throw Error("TCPStore " + address() + ": " + what + ": no reply from the store server within " +
-                  std::to_string(reply_within.count()) + " ms");
+                  std::to_string(reply_within.count()) +
+                  " ms (the process hosting it, usually rank 0, is stopped or stuck, or its host is unreachable)");
     }
     if (rr == RecvResult::Closed) {
       disconnect();
@@ -357,10 +358,11 @@ std::vector<LostRank> read_lost(Reader& r) {
   std::vector<LostRank> lost = read_lost(r);
   std::string who;
   for (const LostRank& l : lost) who += (who.empty() ? "" : ", ") + l.describe();
-  throw RankLostError(where + " stopped waiting: " + who + (lost.size() == 1 ? " has" : " have") +
-                          " left the job without saying goodbye (the process exited, crashed or was killed), so what "
-                          "this call waits for may never come",
-                      std::move(lost));
+  // Built before `lost` is moved into the exception (argument order is unspecified).
+  std::string what = where + " stopped waiting: " + who + (lost.size() == 1 ? " has" : " have") +
+                     " left the job without saying goodbye (the process exited, crashed or was killed), so what "
+                     "this call waits for may never come";
+  throw RankLostError(what, std::move(lost));
 }
 
 void expect_ok(Reader& r, const std::string& where) {
@@ -544,8 +546,9 @@ int64_t TCPStore::num_keys() {
 std::vector<LostRank> TCPStore::lost_ranks() {
   return guarded(*impl_, "lost_ranks", [&]() -> std::vector<LostRank> {
     // Asked after a failure: with the connection gone (the server died), do
-    // not spend the whole timeout reconnecting to say nothing.
-    if (impl_->fd < 0) return {};
+    // not spend the whole timeout reconnecting; say at once that we cannot tell.
+    if (impl_->fd < 0)
+      throw Error("TCPStore " + impl_->address() + ": lost_ranks(): the connection to the store is gone");
     Writer w;
     w.u8(uint8_t(Cmd::Lost));
     std::string body = impl_->roundtrip(w, timeout_, "lost_ranks()");
