@@ -257,6 +257,8 @@ def ember_fuzz_test(name, srcs, deps = [], corpus = None, size = "small", **kwar
         deps = [":" + name + "_target", "//tools/fuzz:replay_main"],
         data = corpus_files,
         args = [native.package_name() + "/" + corpus],
+        # .ci/run replays these under AddressSanitizer too.
+        tags = kwargs.pop("tags", []) + ["fuzz"],
         **kwargs
     )
     native.cc_binary(
