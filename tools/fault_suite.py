@@ -261,6 +261,7 @@ def crash_case(case, stage):
     # The fault is the save of epoch 2, near the end of the run: time from it
     # is not measurable from outside; the run's own length bounds it.
     case.exit_s = time.monotonic() - t0
+    case.check(case.exit_s < 30, "the crashed run took %.1f s to end" % case.exit_s)
     out = p.stdout + p.stderr
     case.check(p.returncode != 0, "exit status 0 although rank 0 was killed while saving")
     case.check("rank 0" in out and ("SIGKILL" in out or "signal 9" in out),
@@ -288,6 +289,7 @@ def corrupt_case(case, how):
                        env=case.env(), capture_output=True, text=True, timeout=120)
     case.exit_s = time.monotonic() - t0
     out = p.stdout + p.stderr
+    case.check(case.exit_s < 10, "the damaged checkpoint took %.1f s to report" % case.exit_s)
     case.check(p.returncode != 0, "resumed from a damaged checkpoint")
     case.check(os.path.join(newest, name) in out or (name == "trainer.json" and newest in out),
                "the error does not name %s: %s" % (os.path.join(newest, name), out[-600:]))
@@ -320,6 +322,7 @@ def bad_data_case(case):
                         "--checkpoint-dir", case.ckpt], env=case.env(), capture_output=True, text=True, timeout=120)
     case.exit_s = time.monotonic() - t0
     out = p.stdout + p.stderr
+    case.check(case.exit_s < 10, "the truncated file took %.1f s to report" % case.exit_s)
     case.check(p.returncode != 0, "trained on a truncated dataset")
     case.check(images in out, "the error does not name %s: %s" % (images, out[-600:]))
     return "no-load-check"
