@@ -64,6 +64,24 @@ struct AdamArgs {
 void adam_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, std::vector<Tensor>& exp_avgs,
                 std::vector<Tensor>& exp_avg_sqs, std::vector<Tensor>& max_exp_avg_sqs, const AdamArgs& args);
 
+// ---- Mixed precision: GradScaler's fused steps (optim/grad_scaler.h) ----
+// torch._amp_foreach_non_finite_check_and_unscale_: every gradient is
+// multiplied in place by inv_scale, and found_inf is set to 1 when any
+// gradient element was inf or NaN (it is never cleared here). inv_scale and
+// found_inf are one-element float32 tensors on the gradients' device and are
+// read and written there: no host synchronisation. Gradients may be float32,
+// float64, float16 or bfloat16 (math in float32 for the 16-bit types), all on
+// one device; a non-contiguous one is unscaled through a contiguous copy.
+void amp_unscale_(std::vector<Tensor>& grads, Tensor& found_inf, const Tensor& inv_scale);
+
+// torch._amp_update_scale_, on the scale's device: if found_inf > 0, scale *=
+// backoff_factor and growth_tracker = 0; otherwise growth_tracker += 1, and
+// when it reaches growth_interval, scale *= growth_factor (kept only if
+// finite) and growth_tracker = 0. scale and found_inf: one-element float32;
+// growth_tracker: one-element int32; all on one device.
+void amp_update_scale_(Tensor& scale, Tensor& growth_tracker, const Tensor& found_inf, double growth_factor,
+                       double backoff_factor, int64_t growth_interval);
+
 // ---- Launchers (optimizer.cc / optimizer.cu). Operands are checked by the
 // functions above; each launcher gets tensors of one device and one dtype.
 // Operand layout per parameter: {param, grad, state...} (SGD: momentum
@@ -90,6 +108,17 @@ void adam_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>&
 void adam_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                     const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
                     const std::vector<Tensor>& max_exp_avg_sqs, const AdamKernelArgs& a);
+
+void amp_unscale_cpu(const std::vector<Tensor>& grads, const Tensor& found_inf, const Tensor& inv_scale);
+void amp_unscale_cuda(const std::vector<Tensor>& grads, const Tensor& found_inf, const Tensor& inv_scale);
+struct AmpScaleArgs {
+  float growth_factor, backoff_factor;
+  int32_t growth_interval;
+};
+void amp_update_scale_cpu(const Tensor& scale, const Tensor& growth_tracker, const Tensor& found_inf,
+                          const AmpScaleArgs& a);
+void amp_update_scale_cuda(const Tensor& scale, const Tensor& growth_tracker, const Tensor& found_inf,
+                           const AmpScaleArgs& a);
 
 // ---- Per-element math, shared by the CPU loop and the CUDA kernel so the
 // two backends cannot drift. C is the compute type (acc_t of the param
@@ -171,6 +200,41 @@ EMBER_HD void adam_update(C& p, C g, C& m, C& v, C& vmax, const AdamScalars<C>& 
   }
   const C denom = opt_sqrt(second) / s.bias_correction2_sqrt + s.eps;
   p = p + s.neg_step_size * m / denom;
+}
+
+template <typename C>
+EMBER_HD bool opt_isfinite(C x) {
+#if defined(__CUDA_ARCH__)
+  return ::isfinite(x);
+#else
+  return std::isfinite(x);
+#endif
+}
+
+// One gradient element: checked before it is scaled (inf * 0 would hide it),
+// as torch's kernel does; an inv_scale of exactly 1 leaves it untouched.
+template <typename C>
+EMBER_HD C amp_unscale(C g, C inv_scale, bool& found) {
+  if (!opt_isfinite(g)) found = true;
+  return inv_scale == C(1) ? g : g * inv_scale;
+}
+
+// torch's _amp_update_scale_cpu_/_cuda_ kernel, on one-element state.
+EMBER_HD void amp_update_scale(float& scale, int32_t& growth_tracker, float found_inf, float growth_factor,
+                                      float backoff_factor, int32_t growth_interval) {
+  if (found_inf > 0.f) {
+    scale = scale * backoff_factor;
+    growth_tracker = 0;
+    return;
+  }
+  const int32_t successful = growth_tracker + 1;
+  if (successful == growth_interval) {
+    const float grown = scale * growth_factor;
+    if (opt_isfinite(grown)) scale = grown;
+    growth_tracker = 0;
+  } else {
+    growth_tracker = successful;
+  }
 }
 
 }  // namespace optim_fns

@@ -22,6 +22,7 @@ TESTS = [
     "//core:ops_cuda_emu_test",
     "//core:ops_nn_cuda_emu_test",
     "//optim:optim_cuda_emu_test",
+    "//optim:grad_scaler_emu_test",
     "//data:loader_emu_test",
 ]
 
@@ -50,6 +51,12 @@ MUTANTS = [
     ("optimizer_tail_bound", "off-by-one bound", "core/ops/optimizer.cu",
      "    for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {",
      "    for (int64_t i = done + threadIdx.x; i < n - 1; i += blockDim.x) {"),
+    ("amp_found_inf_dropped", "lost flag", "core/ops/optimizer.cu",
+     "    if (found) *found_inf = 1.f;\n",
+     "    (void)found;\n"),
+    ("amp_unscale_inv_scale", "wrong operand", "core/ops/optimizer.cu",
+     "    x[0] = optim_fns::amp_unscale<C>(x[0], static_cast<C>(*inv_scale), found);",
+     "    x[0] = optim_fns::amp_unscale<C>(x[0], static_cast<C>(*found_inf), found);"),
     ("bias_grad_bound", "off-by-one bound", "core/ops/conv.cu",
      "  for (int64_t i = threadIdx.x; i < n * hw; i += blockDim.x) {",
      "  for (int64_t i = threadIdx.x; i < n * hw - 1; i += blockDim.x) {"),

@@ -48,6 +48,8 @@ EMBER_NO_CUDA(sgd_step_cuda, const std::vector<Tensor>&, const std::vector<Tenso
               const std::vector<bool>&, const SgdKernelArgs&)
 EMBER_NO_CUDA(adam_step_cuda, const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
               const std::vector<Tensor>&, const std::vector<Tensor>&, const AdamKernelArgs&)
+EMBER_NO_CUDA(amp_unscale_cuda, const std::vector<Tensor>&, const Tensor&, const Tensor&)
+EMBER_NO_CUDA(amp_update_scale_cuda, const Tensor&, const Tensor&, const Tensor&, const AmpScaleArgs&)
 
 void* cublas_handle(int) { no_cuda("cublas_handle"); }
 

@@ -2,6 +2,7 @@
 // device and dtype, and the CPU kernels. A CPU step makes one pass over each
 // parameter, reading and writing every operand once, split across threads
 // for large tensors; optimizer.cu holds the CUDA multi-tensor kernel.
+#include <atomic>
 #include <map>
 #include <tuple>
 
@@ -65,6 +66,33 @@ void adam_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>&
       });
     }
   });
+}
+
+void amp_unscale_cpu(const std::vector<Tensor>& grads, const Tensor& found_inf, const Tensor& inv_scale) {
+  if (grads.empty()) return;
+  float* found = found_inf.data<float>();
+  const float inv = *inv_scale.data<float>();
+  EMBER_DISPATCH_FLOAT(grads[0].dtype(), "amp_unscale_", [&] {
+    using T = scalar_t;
+    using C = acc_t<T>;
+    const C inv_c = static_cast<C>(inv);
+    for (const Tensor& t : grads) {
+      T* g = t.data<T>();
+      std::atomic<bool> any{false};
+      parallel_for(t.numel(), kParallelGrain, [&](int64_t lo, int64_t hi) {
+        bool f = false;
+        for (int64_t j = lo; j < hi; ++j) g[j] = static_cast<T>(optim_fns::amp_unscale<C>(static_cast<C>(g[j]), inv_c, f));
+        if (f) any = true;
+      });
+      if (any) *found = 1.f;
+    }
+  });
+}
+
+void amp_update_scale_cpu(const Tensor& scale, const Tensor& growth_tracker, const Tensor& found_inf,
+                          const AmpScaleArgs& a) {
+  optim_fns::amp_update_scale(*scale.data<float>(), *growth_tracker.data<int32_t>(), *found_inf.data<float>(),
+                              a.growth_factor, a.backoff_factor, a.growth_interval);
 }
 
 // ---- Op layer ----
@@ -196,6 +224,66 @@ void adam_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, s
     if (p[0].is_cuda()) adam_step_cuda(p, gr, m, v, vmax, k);
     else adam_step_cpu(p, gr, m, v, vmax, k);
   }
+}
+
+namespace {
+void check_amp_state(const char* op, const char* name, const Tensor& t, DType dtype, const Device& device) {
+  EMBER_CHECK(t.defined(), op, ": ", name, " is an undefined tensor");
+  EMBER_CHECK(t.numel() == 1 && t.dtype() == dtype, op, ": ", name, " must be a one-element ", dtype_name(dtype),
+              " tensor, got ", dtype_name(t.dtype()), " of shape ", shape_str(t.sizes()));
+  EMBER_CHECK(t.device() == device, op, ": ", name, " is on ", t.device(), " but must be on ", device);
+  EMBER_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+}  // namespace
+
+void amp_unscale_(std::vector<Tensor>& grads, Tensor& found_inf, const Tensor& inv_scale) {
+  const char* op = "amp_unscale_";
+  if (grads.empty()) return;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    EMBER_CHECK(grads[i].defined(), op, ": gradient ", i, " is an undefined tensor");
+    EMBER_CHECK(is_floating(grads[i].dtype()), op, ": gradient ", i, " has dtype ", dtype_name(grads[i].dtype()),
+                "; gradients are floating point");
+    EMBER_CHECK(grads[i].device() == grads[0].device(), op, ": gradient ", i, " is on ", grads[i].device(),
+                " but gradient 0 is on ", grads[0].device(), " (one call per device)");
+  }
+  check_amp_state(op, "found_inf", found_inf, DType::Float32, grads[0].device());
+  check_amp_state(op, "inv_scale", inv_scale, DType::Float32, grads[0].device());
+  // Strided gradients go through a contiguous copy, written back after.
+  std::vector<Tensor> dense(grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    check_inplace(grads[i], op);
+    dense[i] = grads[i].is_contiguous() ? grads[i] : grads[i].contiguous();
+  }
+  for (const auto& idx : group_by_device_dtype(dense)) {
+    auto g = pick(dense, idx);
+    if (g[0].is_cuda()) amp_unscale_cuda(g, found_inf, inv_scale);
+    else amp_unscale_cpu(g, found_inf, inv_scale);
+  }
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!dense[i].is_same(grads[i])) grads[i].copy_(dense[i]);
+    ++grads[i].impl().storage->version;
+  }
+  ++found_inf.impl().storage->version;
+}
+
+void amp_update_scale_(Tensor& scale, Tensor& growth_tracker, const Tensor& found_inf, double growth_factor,
+                       double backoff_factor, int64_t growth_interval) {
+  const char* op = "amp_update_scale_";
+  EMBER_CHECK(scale.defined(), op, ": scale is an undefined tensor");
+  check_amp_state(op, "scale", scale, DType::Float32, scale.device());
+  check_amp_state(op, "growth_tracker", growth_tracker, DType::Int32, scale.device());
+  check_amp_state(op, "found_inf", found_inf, DType::Float32, scale.device());
+  EMBER_CHECK(growth_factor > 1.0, op, ": growth_factor must be > 1, got ", growth_factor);
+  EMBER_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0, op, ": backoff_factor must be in (0, 1), got ",
+              backoff_factor);
+  EMBER_CHECK(growth_interval >= 1 && growth_interval <= INT32_MAX, op, ": growth_interval must be a positive int32, got ",
+              growth_interval);
+  const AmpScaleArgs a{static_cast<float>(growth_factor), static_cast<float>(backoff_factor),
+                       static_cast<int32_t>(growth_interval)};
+  if (scale.is_cuda()) amp_update_scale_cuda(scale, growth_tracker, found_inf, a);
+  else amp_update_scale_cpu(scale, growth_tracker, found_inf, a);
+  ++scale.impl().storage->version;
+  ++growth_tracker.impl().storage->version;
 }
 
 }  // namespace ember

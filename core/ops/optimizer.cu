@@ -128,6 +128,25 @@ struct AdamFn {
   }
 };
 
+// x = {g}: unscaled in place; a non-finite element sets *found_inf (every
+// writer stores the same 1, so the race is benign, as in torch's kernel).
+template <typename C>
+struct AmpUnscaleFn {
+  float* found_inf;
+  const float* inv_scale;
+  __device__ __forceinline__ void operator()(C (&x)[1], bool) const {
+    bool found = false;
+    x[0] = optim_fns::amp_unscale<C>(x[0], static_cast<C>(*inv_scale), found);
+    if (found) *found_inf = 1.f;
+  }
+};
+
+__global__ void amp_update_scale_kernel(float* scale, int32_t* growth_tracker, const float* found_inf,
+                                        AmpScaleArgs a) {
+  optim_fns::amp_update_scale(*scale, *growth_tracker, *found_inf, a.growth_factor, a.backoff_factor,
+                              a.growth_interval);
+}
+
 // The table in parameter space: __grid_constant__ lets the binary search
 // index it at run time without copying it to local memory.
 template <typename T, int DEPTH, typename F>
@@ -214,6 +233,22 @@ void adam_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>
     else
       launch<T, 4>({&params, &grads, &exp_avgs, &exp_avg_sqs}, {}, AdamFn<C, 4>{s});
   });
+}
+
+void amp_unscale_cuda(const std::vector<Tensor>& grads, const Tensor& found_inf, const Tensor& inv_scale) {
+  if (grads.empty()) return;
+  EMBER_DISPATCH_FLOAT(grads[0].dtype(), "amp_unscale_", [&] {
+    using T = scalar_t;
+    launch<T, 1>({&grads}, {}, AmpUnscaleFn<acc_t<T>>{found_inf.data<float>(), inv_scale.data<float>()});
+  });
+}
+
+void amp_update_scale_cuda(const Tensor& scale, const Tensor& growth_tracker, const Tensor& found_inf,
+                           const AmpScaleArgs& a) {
+  cuda::DeviceGuard guard(scale);
+  amp_update_scale_kernel<<<1, 1, 0, cuda::stream_for(scale)>>>(scale.data<float>(), growth_tracker.data<int32_t>(),
+                                                                 found_inf.data<float>(), a);
+  EMBER_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace ember

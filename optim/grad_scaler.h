@@ -1,0 +1,87 @@
+// GradScaler: dynamic loss scaling for float16 training, with
+// torch.amp.GradScaler's semantics and defaults. The loss is multiplied by a
+// scale (65536 at first) so small float16 gradients do not underflow to
+// zero; before the optimizer step the gradients are divided back (unscale_),
+// and a step whose gradients hold an inf or NaN is skipped while the scale
+// backs off (x0.5); after growth_interval (2000) clean steps in a row it
+// grows (x2).
+//
+//   optim::GradScaler scaler;                      // {.enabled = false} passes everything through
+//   for (...) {
+//     opt.zero_grad();
+//     scaler.scale(loss_fn(model(x), y)).backward();
+//     scaler.unscale_(opt);                        // optional: e.g. to clip the true gradients
+//     scaler.step(opt);                            // skipped if any gradient is inf/NaN
+//     scaler.update();
+//   }
+//
+// The scale lives on the loss's device; unscale_ is one fused kernel per
+// device and dtype (core/ops_optim.h amp_unscale_) that also records
+// whether a non-finite value was seen, without a host synchronisation; step
+// reads that flag once (one sync per step, as torch does). bfloat16 has
+// float32's range and needs no scaling: construct with enabled = false.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "optim/optimizer.h"
+
+namespace ember::optim {
+
+struct GradScalerOptions {
+  double init_scale = 65536.0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
+  bool enabled = true;
+};
+
+class GradScaler {
+ public:
+  explicit GradScaler(GradScalerOptions options = {});
+
+  // loss * scale (recorded by autograd); the loss itself when disabled.
+  Tensor scale(const Tensor& loss);
+  // Divides `opt`'s gradients by the scale in place and records non-finite
+  // values. At most once per optimizer between update() calls.
+  void unscale_(Optimizer& opt);
+  // unscale_ if not done yet, then opt.step() unless a gradient was inf or
+  // NaN. Returns whether the optimizer stepped.
+  bool step(Optimizer& opt);
+  // Adjusts the scale from every optimizer stepped since the last update.
+  void update();
+  // Sets the scale to `new_scale` instead (torch's update(new_scale)).
+  void update(double new_scale);
+
+  double get_scale() const;  // 1 when disabled; reads the device value
+  int64_t growth_tracker() const;
+  bool is_enabled() const { return options_.enabled; }
+  const GradScalerOptions& options() const { return options_; }
+
+  // torch's keys: "scale", "growth_factor", "backoff_factor",
+  // "growth_interval", "_growth_tracker"; empty when disabled.
+  std::map<std::string, double> state_dict() const;
+  // Checks every key and value (naming what is wrong) before changing anything.
+  void load_state_dict(const std::map<std::string, double>& state);
+
+ private:
+  enum class Stage { Ready, Unscaled, Stepped };
+  struct PerOptimizer {
+    Stage stage = Stage::Ready;
+    std::vector<Tensor> found_inf;  // one per device its gradients are on
+  };
+  void lazy_init(const Device& device);
+
+  GradScalerOptions options_;
+  Tensor scale_;            // float32 [1], on the loss's device once scale() ran
+  Tensor growth_tracker_;   // int32 [1], same device
+  double pending_scale_;    // the scale before the first scale() call
+  int64_t pending_tracker_ = 0;
+  std::map<const Optimizer*, PerOptimizer> per_optimizer_;
+};
+
+}  // namespace ember::optim
