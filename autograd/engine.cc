@@ -10,6 +10,7 @@
 #include <unordered_set>
 
 #include "autograd/autograd.h"
+#include "core/autocast.h"
 #include "core/ops.h"
 
 namespace ember::autograd {
@@ -326,6 +327,7 @@ void zero_grad(const Tensor& t, bool set_to_none) {
 
 std::vector<Tensor> grad(const Tensor& output, const std::vector<Tensor>& inputs, const Tensor& grad_output,
                          bool retain_graph) {
+  autocast::DisabledScope no_autocast;  // backward runs in the forward's dtypes (core/autocast.h)
   EMBER_CHECK(output.requires_grad(), "autograd::grad: the output ", shape_str(output.sizes()),
               " does not require grad");
   std::unordered_map<Node*, Tensor> capture;

@@ -2,6 +2,8 @@
 // op derivatives use.
 #include "core/autograd_hook.h"
 
+#include "core/autocast.h"
+
 #include <atomic>
 
 #include "core/ops.h"
@@ -49,6 +51,8 @@ bool Tensor::is_leaf() const { return autograd_recorder() == nullptr || autograd
 Tensor Tensor::grad() const { return autograd_recorder() ? autograd_recorder()->grad(*this) : Tensor(); }
 void Tensor::set_grad(const Tensor& g) const { recorder("set_grad").set_grad(*this, g); }
 void Tensor::backward(const Tensor& grad, bool retain_graph) const {
+  // Backward runs in the forward's dtypes, not under the caller's autocast.
+  autocast::DisabledScope no_autocast;
   recorder("backward").backward(*this, grad, retain_graph);
 }
 

@@ -2,6 +2,8 @@
 // gradients come from the ops they are made of.
 #include "nn/functional.h"
 
+#include "core/autocast.h"
+
 namespace ember::nn::functional {
 
 Tensor dropout(const Tensor& x, double p, bool training, Generator* gen) {
@@ -35,13 +37,16 @@ void check_targets(const char* op, const Tensor& input, const Tensor& target) {
 }
 }  // namespace
 
+// The losses and layer_norm run in float32 under autocast (core/autocast.h).
 Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction reduction) {
+  if (Tensor c = autocast::fp32(log_probs); !c.is_same(log_probs)) return nll_loss(c, target, reduction);
   check_targets("nll_loss", log_probs, target);
   Tensor picked = gather(log_probs, 1, target.to(DType::Int64).unsqueeze(1)).squeeze(1);
   return reduce(neg(picked), reduction);
 }
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing, Reduction reduction) {
+  if (Tensor c = autocast::fp32(logits); !c.is_same(logits)) return cross_entropy(c, target, label_smoothing, reduction);
   check_targets("cross_entropy", logits, target);
   EMBER_CHECK(label_smoothing >= 0 && label_smoothing <= 1, "cross_entropy: label_smoothing must be in [0, 1], got ",
               label_smoothing);
@@ -53,6 +58,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_sm
 }
 
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) {
+  if (Tensor ci = autocast::fp32(input), ct = autocast::fp32(target); !ci.is_same(input) || !ct.is_same(target))
+    return mse_loss(ci, ct, reduction);
   EMBER_CHECK(input.sizes() == target.sizes(), "mse_loss: input ", shape_str(input.sizes()), " and target ",
               shape_str(target.sizes()), " differ in shape");
   Tensor d = input - target;
@@ -60,6 +67,7 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
 }
 
 Tensor layer_norm(const Tensor& x, int64_t normalized_ndim, const Tensor& weight, const Tensor& bias, double eps) {
+  if (Tensor c = autocast::fp32(x); !c.is_same(x)) return layer_norm(c, normalized_ndim, weight, bias, eps);
   EMBER_CHECK(normalized_ndim >= 1 && normalized_ndim <= x.dim(), "layer_norm: cannot normalise the last ",
               normalized_ndim, " dims of ", shape_str(x.sizes()));
   std::vector<int64_t> dims;

@@ -3,6 +3,7 @@
 // kernels, then the op layer shared with binary.cu's launchers.
 #include <cmath>
 
+#include "core/autocast.h"
 #include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
@@ -178,7 +179,11 @@ Tensor add(const Tensor& a, const Tensor& b, double alpha) { return binary_diff(
 Tensor sub(const Tensor& a, const Tensor& b, double alpha) { return binary_diff(BinaryOp::Sub, "sub", a, b, alpha); }
 Tensor mul(const Tensor& a, const Tensor& b) { return binary_diff(BinaryOp::Mul, "mul", a, b); }
 Tensor div(const Tensor& a, const Tensor& b) { return binary_diff(BinaryOp::Div, "div", a, b); }
-Tensor pow(const Tensor& a, const Tensor& b) { return binary_diff(BinaryOp::Pow, "pow", a, b); }
+Tensor pow(const Tensor& a, const Tensor& b) {
+  // float32 under autocast (autocast.h).
+  if (Tensor ca = autocast::fp32(a), cb = autocast::fp32(b); !ca.is_same(a) || !cb.is_same(b)) return pow(ca, cb);
+  return binary_diff(BinaryOp::Pow, "pow", a, b);
+}
 Tensor maximum(const Tensor& a, const Tensor& b) { return binary_diff(BinaryOp::Maximum, "maximum", a, b); }
 Tensor minimum(const Tensor& a, const Tensor& b) { return binary_diff(BinaryOp::Minimum, "minimum", a, b); }
 Tensor relu_backward(const Tensor& grad, const Tensor& out) { return binary_op(BinaryOp::ReluGrad, "relu_backward", grad, out); }

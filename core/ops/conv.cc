@@ -14,6 +14,7 @@
 // oneDNN 2.6 has no float64 convolution, and float64 is what the gradient
 // checker uses, so float64 runs direct loops written to be obviously right,
 // not fast. float16/bfloat16 run through float32.
+#include "core/autocast.h"
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <array>
@@ -410,6 +411,10 @@ ConvGeom conv_geom(const Tensor& x, const Tensor& w, const Tensor& b, Dims strid
 
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Dims stride, Dims padding, Dims dilation,
               int64_t groups) {
+  // Under autocast (autocast.h): the inputs in low precision, then again.
+  if (Tensor lx = autocast::low(x), lw = autocast::low(weight), lb = autocast::low(bias);
+      !lx.is_same(x) || !lw.is_same(weight) || (bias.defined() && !lb.is_same(bias)))
+    return conv2d(lx, lw, lb, stride, padding, dilation, groups);
   const ConvGeom g = conv_geom(x, weight, bias, stride, padding, dilation, groups);
   // Channels-last input stays channels-last on CUDA (cuDNN is fastest in
   // NHWC with tensor cores), except float64, for which cuDNN has few NHWC

@@ -4,6 +4,7 @@
 // transpose flags, so x @ w.t() never copies w.
 #include <cblas.h>
 
+#include "core/autocast.h"
 #include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
@@ -129,7 +130,9 @@ void check_inner(const Tensor& a, const Tensor& b, int64_t ka, int64_t kb, const
 
 }  // namespace
 
+// Under autocast, each op casts its inputs (autocast.h) and calls itself again.
 Tensor mm(const Tensor& a, const Tensor& b) {
+  if (Tensor la = autocast::low(a), lb = autocast::low(b); !la.is_same(a) || !lb.is_same(b)) return mm(la, lb);
   check_pair(a, b, "mm");
   EMBER_CHECK(a.dim() == 2 && b.dim() == 2, "mm: expected 2-d tensors, got ", shape_str(a.sizes()), " x ",
               shape_str(b.sizes()));
@@ -138,6 +141,7 @@ Tensor mm(const Tensor& a, const Tensor& b) {
 }
 
 Tensor bmm(const Tensor& a, const Tensor& b) {
+  if (Tensor la = autocast::low(a), lb = autocast::low(b); !la.is_same(a) || !lb.is_same(b)) return bmm(la, lb);
   check_pair(a, b, "bmm");
   EMBER_CHECK(a.dim() == 3 && b.dim() == 3, "bmm: expected 3-d tensors, got ", shape_str(a.sizes()), " x ",
               shape_str(b.sizes()));
@@ -148,6 +152,7 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
 }
 
 Tensor matmul(const Tensor& a, const Tensor& b) {
+  if (Tensor la = autocast::low(a), lb = autocast::low(b); !la.is_same(a) || !lb.is_same(b)) return matmul(la, lb);
   check_pair(a, b, "matmul");
   EMBER_CHECK(a.dim() >= 1 && b.dim() >= 1, "matmul: both arguments need at least 1 dim, got ",
               shape_str(a.sizes()), " x ", shape_str(b.sizes()));
@@ -178,6 +183,9 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  if (Tensor lx = autocast::low(x), lw = autocast::low(weight), lb = autocast::low(bias);
+      !lx.is_same(x) || !lw.is_same(weight) || (bias.defined() && !lb.is_same(bias)))
+    return linear(lx, lw, lb);
   check_pair(x, weight, "linear");
   EMBER_CHECK(weight.dim() == 2, "linear: weight must be [out, in], got ", shape_str(weight.sizes()));
   EMBER_CHECK(x.dim() >= 1 && x.size(-1) == weight.sizes()[1], "linear: input ", shape_str(x.sizes()),

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "core/autocast.h"
 #include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
@@ -231,7 +232,9 @@ Tensor extreme_diff(ReduceOp op, const char* name, const Tensor& x, const std::v
 }
 }  // namespace
 
+// sum and mean run in float32 under autocast (autocast.h).
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  if (Tensor c = autocast::fp32(x); !c.is_same(x)) return sum(c, dims, keepdim);
   return differentiable("sum", {x}, [&] { return run_reduce(ReduceOp::Sum, "sum", x, dims, keepdim); },
                         [&](const Tensor&) {
                           Shape xs = x.sizes();
@@ -249,6 +252,7 @@ Tensor min(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
 }
 
 Tensor mean(const Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+  if (Tensor c = autocast::fp32(x); !c.is_same(x)) return mean(c, dims, keepdim);
   EMBER_CHECK(x.defined(), "mean: input is undefined");
   EMBER_CHECK(is_floating(x.dtype()), "mean: expected a floating dtype, got ", x.dtype(),
               " (cast first, as torch requires)");

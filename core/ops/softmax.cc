@@ -2,6 +2,7 @@
 // (fp32 for half types). Works on the [outer, r, inner] view of the input.
 #include <cmath>
 
+#include "core/autocast.h"
 #include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
@@ -57,7 +58,9 @@ Tensor softmax_impl(const Tensor& x, int64_t dim, bool log, const char* name) {
 }
 }  // namespace
 
+// Under autocast (autocast.h): 16-bit inputs in float32, then again.
 Tensor softmax(const Tensor& x, int64_t dim) {
+  if (Tensor c = autocast::fp32(x); !c.is_same(x)) return softmax(c, dim);
   return differentiable("softmax", {x}, [&] { return softmax_impl(x, dim, false, "softmax"); },
                         [&](const Tensor& y) {
                           // dx = y * (g - sum(g * y))
@@ -68,6 +71,7 @@ Tensor softmax(const Tensor& x, int64_t dim) {
                         });
 }
 Tensor log_softmax(const Tensor& x, int64_t dim) {
+  if (Tensor c = autocast::fp32(x); !c.is_same(x)) return log_softmax(c, dim);
   return differentiable("log_softmax", {x}, [&] { return softmax_impl(x, dim, true, "log_softmax"); },
                         [&](const Tensor& y) {
                           // dx = g - exp(y) * sum(g)

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 
+#include "core/autocast.h"
 #include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
@@ -76,11 +77,14 @@ Tensor abs(const Tensor& x) {
     return g * (cast(gt(x, zeros({}, x.dtype())), g.dtype()) - cast(lt(x, zeros({}, x.dtype())), g.dtype()));
   });
 }
+// exp, log and pow run in float32 under autocast (autocast.h).
 Tensor exp(const Tensor& x) {
+  if (Tensor c = autocast::fp32(x); !c.is_same(x)) return exp(c);
   return unary_diff(UnaryOp::Exp, "exp", x, [](const Tensor& g, const Tensor&, const Tensor& y) { return g * y; },
                     0, 0, true);
 }
 Tensor log(const Tensor& x) {
+  if (Tensor c = autocast::fp32(x); !c.is_same(x)) return log(c);
   return unary_diff(UnaryOp::Log, "log", x, [](const Tensor& g, const Tensor& x, const Tensor&) { return g / x; });
 }
 Tensor sqrt(const Tensor& x) {
@@ -129,6 +133,7 @@ Tensor erf(const Tensor& x) {
 }
 Tensor cast(const Tensor& x, DType dtype) { return x.to(dtype); }
 Tensor pow(const Tensor& x, double exponent) {
+  if (Tensor c = autocast::fp32(x); !c.is_same(x)) return pow(c, exponent);
   return unary_diff(UnaryOp::PowScalar, "pow", x, [exponent](const Tensor& g, const Tensor& x, const Tensor&) {
     if (exponent == 0.0) return zeros_like(g);
     return g * pow(x, exponent - 1.0) * exponent;

@@ -1,0 +1,88 @@
+// Autocast's thread-local state, the cast cache and the policy helpers the
+// ops call (autocast.h).
+#include "core/autocast.h"
+
+#include <unordered_map>
+#include <utility>
+
+#include "core/exception.h"
+#include "core/tensor.h"
+
+namespace ember {
+namespace {
+
+struct State {
+  bool enabled[2] = {false, false};                     // indexed by DeviceType
+  DType dtype[2] = {DType::BFloat16, DType::Float16};   // torch's defaults: CPU bf16, CUDA fp16
+  int depth = 0;                                        // live guards, for clearing the cache
+  // Leaf tensor (kept alive, so its address is not reused) -> its cast.
+  std::unordered_map<const void*, std::pair<Tensor, Tensor>> cache;
+};
+
+thread_local State t_state;
+
+int index_of(DeviceType t) { return t == DeviceType::CUDA ? 1 : 0; }
+
+bool is_half(DType t) { return t == DType::BFloat16 || t == DType::Float16; }
+
+}  // namespace
+
+AutocastGuard::AutocastGuard(DeviceType device_type, DType dtype, bool enabled) : type_(device_type) {
+  EMBER_CHECK(!enabled || is_half(dtype), "autocast: dtype ", dtype_name(dtype),
+              " is not a low-precision floating type; use bfloat16 or float16");
+  const int i = index_of(type_);
+  prev_enabled_ = t_state.enabled[i];
+  prev_dtype_ = t_state.dtype[i];
+  t_state.enabled[i] = enabled;
+  if (enabled) t_state.dtype[i] = dtype;
+  ++t_state.depth;
+}
+
+AutocastGuard::~AutocastGuard() {
+  const int i = index_of(type_);
+  t_state.enabled[i] = prev_enabled_;
+  t_state.dtype[i] = prev_dtype_;
+  if (--t_state.depth == 0) t_state.cache.clear();
+}
+
+bool autocast_enabled(DeviceType device_type) { return t_state.enabled[index_of(device_type)]; }
+DType autocast_dtype(DeviceType device_type) { return t_state.dtype[index_of(device_type)]; }
+
+namespace autocast {
+
+Tensor low(const Tensor& t) {
+  if (!t.defined() || !is_floating(t.dtype())) return t;
+  const int i = index_of(t.device().type);
+  if (!t_state.enabled[i]) return t;
+  const DType want = t_state.dtype[i];
+  if (t.dtype() == want || t.dtype() == DType::Float64) return t;  // float64 is left alone, as in torch
+  const bool cacheable = t.requires_grad() && t.is_leaf();
+  if (cacheable) {
+    auto it = t_state.cache.find(t.impl_ptr().get());
+    if (it != t_state.cache.end() && it->second.second.dtype() == want) return it->second.second;
+  }
+  Tensor cast = t.to(want);
+  if (cacheable) t_state.cache[t.impl_ptr().get()] = {t, cast};
+  return cast;
+}
+
+Tensor fp32(const Tensor& t) {
+  if (!t.defined() || !is_half(t.dtype()) || !t_state.enabled[index_of(t.device().type)]) return t;
+  return t.to(DType::Float32);
+}
+
+int64_t cached_casts() { return static_cast<int64_t>(t_state.cache.size()); }
+
+DisabledScope::DisabledScope() {
+  for (int i = 0; i < 2; ++i) {
+    prev_[i] = t_state.enabled[i];
+    t_state.enabled[i] = false;
+  }
+}
+
+DisabledScope::~DisabledScope() {
+  for (int i = 0; i < 2; ++i) t_state.enabled[i] = prev_[i];
+}
+
+}  // namespace autocast
+}  // namespace ember
