@@ -503,12 +503,13 @@ absl::StatusOr<std::optional<std::string>> latest_checkpoint(const std::string& 
     auto trainer = read_trainer_json((path / kTrainerFile).string());
     absl::Status st = trainer.status();
     std::error_code fec;
+    const fs::path& dir = path;  // a structured binding cannot be captured before C++20 compilers caught up
     auto check_tensors = [&](const char* file) {
       if (!st.ok()) return;
-      if (!fs::is_regular_file(path / file, fec))
-        st = absl::NotFoundError(absl::StrCat((path / file).string(), ": missing file"));
+      if (!fs::is_regular_file(dir / file, fec))
+        st = absl::NotFoundError(absl::StrCat((dir / file).string(), ": missing file"));
       else
-        st = check_safetensors_file((path / file).string());
+        st = check_safetensors_file((dir / file).string());
     };
     check_tensors(kModelFile);
     if (st.ok() && trainer->contains("optimizer") && !(*trainer)["optimizer"].is_null()) check_tensors(kOptimizerFile);
