@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "autograd/autograd.h"
+#include "core/autocast.h"
 #include "core/ops.h"
 #include "distributed/ddp.h"
 #include "distributed/init.h"
@@ -28,6 +29,7 @@
 #include "distributed/testing/multiprocess.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
+#include "optim/grad_scaler.h"
 #include "optim/optimizer.h"
 
 namespace ember::distributed {
@@ -289,6 +291,60 @@ EMBER_WORKER(accumulate) {
     opt_ref.step();
     expect_same_params(*local, *ref, "after step " + std::to_string(step));
   }
+}
+
+// DDP + mixed precision (arg "fp16": autocast to float16 with a GradScaler;
+// "bf16": autocast to bfloat16) equals one process doing the same on the
+// whole batch, up to the low dtype's rounding: a rank's weight gradient is
+// one low-precision GEMM over its rows, the reference's one over all rows,
+// so the two round differently (2e-3 relative for fp16, 2e-2 for bf16 on
+// the gradients; the loss scale must agree exactly).
+EMBER_WORKER(amp) {
+  auto pg = group(env);
+  const int r = env.rank, ws = env.world_size;
+  const bool fp16 = env.arg == "fp16";
+  const DType low = fp16 ? DType::Float16 : DType::BFloat16;
+  auto ref = make_mlp(1);
+  auto local = make_mlp(1 + r);
+  DDPOptions opts;
+  opts.process_group = pg;
+  auto ddp = std::make_shared<DistributedDataParallel>(local, opts);
+  optim::SGD opt_ddp(ddp->parameters(), {.lr = 0.1, .momentum = 0.9});
+  optim::SGD opt_ref(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  optim::GradScaler scaler_ddp({.enabled = fp16}), scaler_ref({.enabled = fp16});
+  const double tol = fp16 ? 2e-3 : 2e-2;
+  const int64_t b = 4;
+  for (int step = 0; step < 3; ++step) {
+    Batch all = global_batch(false, b * ws, step);
+    opt_ddp.zero_grad();
+    opt_ref.zero_grad();
+    Tensor l_ddp, l_ref;
+    {
+      AutocastGuard amp(DeviceType::CPU, low);
+      l_ddp = loss_of(*ddp, all.rows(r * b, b));
+      l_ref = loss_of(*ref, all);
+    }
+    WCHECK(l_ddp.dtype() == DType::Float32, "the loss runs in float32 under autocast");
+    scaler_ddp.scale(l_ddp).backward();
+    scaler_ref.scale(l_ref).backward();
+    scaler_ddp.unscale_(opt_ddp);
+    scaler_ref.unscale_(opt_ref);
+    auto gl = local->parameters(), gr = ref->parameters();
+    for (size_t i = 0; i < gl.size(); ++i) {
+      const double scale = max(abs(gr[i].grad())).item();
+      const double d = max_abs_diff(gl[i].grad(), gr[i].grad());
+      WCHECK(d <= tol * std::max(scale, 1e-6), "step ", step, " parameter ", i, ": gradient differs by ", d,
+             " (largest entry ", scale, ")");
+    }
+    scaler_ddp.step(opt_ddp);
+    scaler_ref.step(opt_ref);
+    scaler_ddp.update();
+    scaler_ref.update();
+    WCHECK(scaler_ddp.get_scale() == scaler_ref.get_scale(), "loss scales ", scaler_ddp.get_scale(), " vs ",
+           scaler_ref.get_scale());
+  }
+  auto pl = local->parameters(), pr = ref->parameters();
+  for (size_t i = 0; i < pl.size(); ++i) WCHECK(max_abs_diff(pl[i], pr[i]) < 1e-3, "parameter ", i, " after 3 steps");
 }
 
 // Rank ws-1 builds a different second layer: every rank's constructor
@@ -661,6 +717,14 @@ TEST(DDP, UnevenInputsJoinInsteadOfHanging) {
       auto res = mp::run_workers("uneven", ws, with_arg(arg, 60));
       EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
     }
+  }
+}
+
+TEST(DDP, MixedPrecisionMatchesOneProcessOnTheWholeBatch) {
+  for (const char* arg : {"fp16", "bf16"}) {
+    SCOPED_TRACE(arg);
+    auto res = mp::run_workers("amp", 2, with_arg(arg, 60));
+    EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
   }
 }
 

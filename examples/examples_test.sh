@@ -3,7 +3,8 @@
 # (2 workers, a few steps per epoch): it trains and checkpoints; --resume
 # continues exactly (an interrupted run resumed from its epoch-1 checkpoint
 # ends bit-identical to an uninterrupted one); it runs unchanged under
-# //tools:launch; a rank that fails mid-run fails the whole job fast with its
+# //tools:launch; --amp fp16 and bf16 train, fp16 resuming exactly with its
+# loss scale; a rank that fails mid-run fails the whole job fast with its
 # message. Then the single-process examples on the real Fashion-MNIST files:
 # each must finish and learn. Those are skipped (passing with a message) when
 # the dataset package is not installed.
@@ -60,6 +61,33 @@ grep -q "the newest checkpoint $tmp/damaged/epoch_2 is damaged and was left unto
 out=$("${ddp[@]}" --epochs 1 --checkpoint-dir "$tmp/damaged" --resume --resume-fallback 2>&1)
 grep -q "warning: skipping the damaged checkpoint $tmp/damaged/epoch_2" <<<"$out" || { echo "$out"; exit 1; }
 grep -q "resumed from $tmp/damaged/epoch_1" <<<"$out" || { echo "$out"; exit 1; }
+
+# Mixed precision: fp16 with loss scaling shows the scale, saves the scaler's
+# state, and resumes exactly (bit-identical epoch 2 and model); bf16 trains;
+# a damaged scaler state is named.
+out=$("${ddp[@]}" --epochs 2 --amp fp16 --checkpoint-dir "$tmp/amp16" 2>&1)
+echo "$out"
+grep -q "mixed precision fp16 with loss scaling" <<<"$out"
+grep -q "epoch 2/2: train loss .*scale 65536" <<<"$out" || { echo "no loss scale in the epoch line"; exit 1; }
+grep -q '"_growth_tracker": 8' "$tmp/amp16/epoch_2/trainer.json" || {
+  echo "the scaler's state is not in the checkpoint:"; cat "$tmp/amp16/epoch_2/trainer.json"; exit 1; }
+full_amp=$(grep "epoch 2/2: train loss" <<<"$out" | sed 's/, [0-9]* s elapsed//')
+mkdir -p "$tmp/amp16r" && cp -r "$tmp/amp16/epoch_1" "$tmp/amp16r/"
+out=$("${ddp[@]}" --epochs 2 --amp fp16 --checkpoint-dir "$tmp/amp16r" --resume 2>&1)
+resumed_amp=$(grep "epoch 2/2: train loss" <<<"$out" | sed 's/, [0-9]* s elapsed//')
+[[ "$resumed_amp" == "$full_amp" ]] || { echo "fp16 resume differs: '$full_amp' vs '$resumed_amp'"; exit 1; }
+cmp "$tmp/amp16/epoch_2/model.safetensors" "$tmp/amp16r/epoch_2/model.safetensors" || {
+  echo "the resumed fp16 run's model differs"; exit 1; }
+sed -i 's/"_growth_tracker": [0-9.]*/"_growth_tracker": 5000/' "$tmp/amp16r/epoch_1/trainer.json"
+rm -rf "$tmp/amp16r/epoch_2"
+if out=$("${ddp[@]}" --epochs 2 --amp fp16 --checkpoint-dir "$tmp/amp16r" --resume 2>&1); then
+  echo "$out"; echo "resumed with a growth tracker beyond the growth interval"; exit 1
+fi
+grep -q 'trainer.json: "extra"."grad_scaler": GradScaler::load_state_dict: _growth_tracker 5000' <<<"$out" || {
+  echo "$out"; echo "the bad scaler state is not named"; exit 1; }
+out=$("${ddp[@]}" --epochs 1 --amp bf16 --checkpoint-dir "$tmp/amp_bf16" 2>&1)
+grep -q "mixed precision bf16; " <<<"$out" && grep -q "epoch 1/1: train loss" <<<"$out" || {
+  echo "$out"; echo "the bf16 run did not train"; exit 1; }
 
 # Unchanged under the launcher, which prefixes each worker's lines.
 out=$(tools/launch --nproc_per_node=2 --master_port=0 -- "${ddp[@]}" --epochs 1 --max-steps 2 \

@@ -29,13 +29,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "autograd/autograd.h"
+#include "core/autocast.h"
 #include "core/ops.h"
 #include "data/dataset.h"
 #include "data/loader.h"
@@ -51,6 +54,7 @@
 #include "nn/functional.h"
 #include "nn/models.h"
 #include "optim/lr_scheduler.h"
+#include "optim/grad_scaler.h"
 #include "optim/optimizer.h"
 
 namespace ember {
@@ -82,6 +86,7 @@ struct Flags {
   int64_t max_steps = -1;  // optimizer steps per epoch; -1: the whole epoch (for smoke tests)
   int64_t eval_size = -1;  // test examples evaluated; -1: all
   double timeout_sec = 0;  // 0: EMBER_DIST_TIMEOUT_SEC, else 10 minutes
+  std::string amp = "off";  // off | bf16 | fp16 (mixed precision; fp16 with loss scaling)
 };
 
 constexpr char kUsage[] =
@@ -103,6 +108,7 @@ constexpr char kUsage[] =
     "  --seed N             model initialisation and data order (default 0)\n"
     "  --max-steps N        stop each epoch after N optimizer steps (smoke tests)\n"
     "  --eval-size N        evaluate on the first N test images only (smoke tests)\n"
+    "  --amp off|bf16|fp16  mixed precision: autocast to bfloat16, or to float16 with a GradScaler (default off)\n"
     "  --timeout SEC        rendezvous and collective timeout, for ranks alive but stuck (default:\n"
     "                       $EMBER_DIST_TIMEOUT_SEC, else 600)\n";
 
@@ -209,6 +215,11 @@ Flags parse_flags(int argc, char** argv) {
     else if (arg == "--max-steps") f.max_steps = parse_int(arg, next(), 1);
     else if (arg == "--eval-size") f.eval_size = parse_int(arg, next(), 1);
     else if (arg == "--timeout") f.timeout_sec = parse_positive(arg, next());
+    else if (arg == "--amp") {
+      f.amp = next();
+      if (f.amp != "off" && f.amp != "bf16" && f.amp != "fp16")
+        usage_error("--amp takes off, bf16 or fp16, got '" + f.amp + "'");
+    }
     else usage_error("unknown flag '" + arg + "'");
   }
   if (!f.model.empty() && f.model != "narrow" && f.model != "resnet18" && f.model != "resnet34" &&
@@ -297,11 +308,16 @@ std::string format_duration(double s) {
 // times a second); in a log file or pipe a line every 10 s, since '\r'
 // there would just pile up.
 class Progress {
+  static std::string scale_text(double scale) {
+    return scale > 0 ? "  scale " + std::to_string(static_cast<int64_t>(scale)) : "";
+  }
+
  public:
   explicit Progress(bool enabled) : enabled_(enabled), tty_(enabled && isatty(STDOUT_FILENO)) {}
 
+  // scale > 0: the loss scale, shown while a GradScaler is in use.
   void update(int64_t epoch, int64_t epochs, int64_t step, int64_t steps, double loss, double img_s,
-              double eta_s, bool force = false) {
+              double eta_s, bool force = false, double scale = 0) {
     if (!enabled_) return;
     auto now = Clock::now();
     double since = std::chrono::duration<double>(now - last_).count();
@@ -313,15 +329,16 @@ class Progress {
       int filled = steps > 0 ? static_cast<int>(kBar * step / steps) : 0;
       std::string bar(filled, '=');
       if (filled < kBar) bar.append(1, '>').append(kBar - filled - 1, ' ');
-      std::snprintf(line, sizeof line, "\repoch %lld/%lld [%s] %lld/%lld  loss %.4f  %.0f img/s  %s left\x1b[K",
+      std::snprintf(line, sizeof line, "\repoch %lld/%lld [%s] %lld/%lld  loss %.4f%s  %.0f img/s  %s left\x1b[K",
                     static_cast<long long>(epoch), static_cast<long long>(epochs), bar.c_str(),
-                    static_cast<long long>(step), static_cast<long long>(steps), loss, img_s,
-                    format_duration(eta_s).c_str());
+                    static_cast<long long>(step), static_cast<long long>(steps), loss, scale_text(scale).c_str(),
+                    img_s, format_duration(eta_s).c_str());
       open_ = true;
     } else {
-      std::snprintf(line, sizeof line, "epoch %lld/%lld step %lld/%lld  loss %.4f  %.0f img/s  %s left\n",
+      std::snprintf(line, sizeof line, "epoch %lld/%lld step %lld/%lld  loss %.4f%s  %.0f img/s  %s left\n",
                     static_cast<long long>(epoch), static_cast<long long>(epochs), static_cast<long long>(step),
-                    static_cast<long long>(steps), loss, img_s, format_duration(eta_s).c_str());
+                    static_cast<long long>(steps), loss, scale_text(scale).c_str(), img_s,
+                    format_duration(eta_s).c_str());
     }
     std::fputs(line, stdout);
     std::fflush(stdout);
@@ -379,7 +396,7 @@ int train(const Flags& flags) {
             {"--lr", std::to_string(flags.lr)}, {"--accum-steps", std::to_string(flags.accum_steps)},
             {"--epochs", std::to_string(flags.epochs)}, {"--seed", std::to_string(flags.seed)},
             {"--sync-bn", flags.sync_bn ? "on" : "off"}, {"--max-steps", std::to_string(flags.max_steps)},
-            {"--resume", flags.resume ? "on" : "off"}});  // paths (--data, --checkpoint-dir) may differ by host
+            {"--resume", flags.resume ? "on" : "off"}, {"--amp", flags.amp}});  // paths (--data, --checkpoint-dir) may differ by host
   if (flags.nproc > 0 && flags.nproc != env.local_world_size)
     LOG0("note: --nproc ", flags.nproc, " ignored: the launcher started ", env.local_world_size,
          " processes per node");
@@ -424,6 +441,8 @@ int train(const Flags& flags) {
   // Resume on every rank: each one needs the optimizer state and counters;
   // the parameters would come from rank 0's broadcast anyway.
   int64_t start_epoch = 0, step = 0;
+  // fp16 needs loss scaling; bf16 has float32's range and needs none.
+  optim::GradScaler scaler({.enabled = flags.amp == "fp16"});
   if (flags.resume) {
     std::vector<std::string> skipped;
     auto latest = distributed::latest_checkpoint(flags.checkpoint_dir, "epoch_", flags.resume_fallback, &skipped);
@@ -449,6 +468,21 @@ int train(const Flags& flags) {
       return it->get<uint64_t>();
     };
     data_seed = extra_count("sampler_seed", data_seed);
+    if (auto it = extra.find("grad_scaler"); it != extra.end() && scaler.is_enabled()) {
+      EMBER_CHECK(it->is_object(), "--resume: ", *dir, "/trainer.json: \"extra\".\"grad_scaler\" is ", it->dump(),
+                  ", expected an object");
+      std::map<std::string, double> sd;
+      for (const auto& [k, v] : it->items()) {
+        EMBER_CHECK(v.is_number(), "--resume: ", *dir, "/trainer.json: \"extra\".\"grad_scaler\".\"", k, "\" is ",
+                    v.dump(), ", expected a number");
+        sd[k] = v.get<double>();
+      }
+      try {
+        scaler.load_state_dict(sd);
+      } catch (const Error& e) {
+        EMBER_CHECK(false, "--resume: ", *dir, "/trainer.json: \"extra\".\"grad_scaler\": ", e.what());
+      }
+    }
     if (auto g = static_cast<int64_t>(extra_count("global_batch", global_batch)); g != global_batch)
       LOG0("note: the checkpoint was trained with a global batch of ", g, ", now ", global_batch,
            ": the data order and learning rate differ from an uninterrupted run");
@@ -475,7 +509,9 @@ int train(const Flags& flags) {
        cuda ? "GPUs (NCCL)" : "the CPU (Gloo)", ", batch ", flags.batch_size, " per rank x ", world, " rank(s) x ",
        flags.accum_steps, " accumulation step(s) = ", global_batch, " per step; lr ", lr, " (", flags.lr, " x ",
        global_batch, "/", kBaseBatch, "), ", warmup, " warmup steps then cosine; ", steps_per_epoch,
-       " steps per epoch; ", flags.sync_bn ? "SyncBatchNorm; " : "", "checkpoints in ", flags.checkpoint_dir);
+       " steps per epoch; ", flags.sync_bn ? "SyncBatchNorm; " : "",
+       flags.amp == "off" ? "" : "mixed precision " + flags.amp + (scaler.is_enabled() ? " with loss scaling; " : "; "),
+       "checkpoints in ", flags.checkpoint_dir);
 
   Progress progress(rank == 0);
   const auto t_start = Clock::now();
@@ -490,11 +526,17 @@ int train(const Flags& flags) {
     opt.zero_grad();
     for (data::Batch& b : *train_loader) {
       if (epoch_steps >= steps_per_epoch) break;
-      Tensor loss = nn::functional::cross_entropy(ddp->forward(b.data), b.target);
+      Tensor loss;
+      {
+        std::optional<AutocastGuard> amp;
+        if (flags.amp != "off") amp.emplace(device.type, flags.amp == "bf16" ? DType::BFloat16 : DType::Float16);
+        loss = nn::functional::cross_entropy(ddp->forward(b.data), b.target);  // float32 under autocast too
+      }
       loss_sum += loss.item();
       ++micro;
-      if (!accumulator.backward(loss)) continue;
-      opt.step();
+      if (!accumulator.backward(scaler.scale(loss))) continue;
+      scaler.step(opt);  // skipped when a float16 gradient overflowed; the scale then backs off
+      scaler.update();
       sched.step();
       opt.zero_grad();
       ++epoch_steps;
@@ -505,7 +547,7 @@ int train(const Flags& flags) {
       int64_t left_images = ((flags.epochs - epoch) * steps_per_epoch - epoch_steps) * global_batch;
       double left = left_images / rate + (flags.epochs - epoch) * std::max(eval_seconds, 0.0);
       progress.update(epoch + 1, flags.epochs, epoch_steps, steps_per_epoch, loss_sum / micro, rate, left,
-                      epoch_steps == steps_per_epoch);
+                      epoch_steps == steps_per_epoch, scaler.is_enabled() ? scaler.get_scale() : 0.0);
     }
     train_seconds += seconds(t_epoch, Clock::now());
     progress.close_line();
@@ -517,8 +559,9 @@ int train(const Flags& flags) {
     double acc = evaluate(*model, test_loader, *pg, device);
     eval_seconds = seconds(t_eval, Clock::now());
     LOG0("epoch ", epoch + 1, "/", flags.epochs, ": train loss ", loss_t.to(kCPU).item(), ", test accuracy ", acc,
-         " (", test_n, " images, ", world, " shards), ", static_cast<int64_t>(seconds(t_start, Clock::now())),
-         " s elapsed");
+         " (", test_n, " images, ", world, " shards), ",
+         scaler.is_enabled() ? "scale " + std::to_string(static_cast<int64_t>(scaler.get_scale())) + ", " : "",
+         static_cast<int64_t>(seconds(t_start, Clock::now())), " s elapsed");
 
     if (rank == 0) {
       distributed::TrainingState st;
@@ -526,11 +569,12 @@ int train(const Flags& flags) {
       st.step = step;
       st.rng_seed = default_generator().seed();
       st.rng_offset = default_generator().offset();
-      st.extra_json = nlohmann::json{{"sampler_seed", data_seed},
-                                     {"global_batch", global_batch},
-                                     {"world_size", world},
-                                     {"model", model_name}}
-                          .dump();
+      nlohmann::json extra{{"sampler_seed", data_seed},
+                           {"global_batch", global_batch},
+                           {"world_size", world},
+                           {"model", model_name}};
+      if (scaler.is_enabled()) extra["grad_scaler"] = scaler.state_dict();
+      st.extra_json = extra.dump();
       std::string dir = flags.checkpoint_dir + "/epoch_" + std::to_string(epoch + 1);
       const bool inject = !fault_epoch_suffix().empty() && dir.size() >= fault_epoch_suffix().size() &&
                           dir.compare(dir.size() - fault_epoch_suffix().size(), std::string::npos,
