@@ -169,9 +169,17 @@ void run_ranks(int n, const std::function<void(int rank)>& body, std::chrono::mi
 }
 
 TCPStoreOptions server_opts(Millis timeout = 10s, int num_workers = -1) {
-  return TCPStoreOptions{.is_server = true, .num_workers = num_workers, .timeout = timeout};
+  TCPStoreOptions o;
+  o.is_server = true;
+  o.num_workers = num_workers;
+  o.timeout = timeout;
+  return o;
 }
-TCPStoreOptions client_opts(Millis timeout = 10s) { return TCPStoreOptions{.is_server = false, .timeout = timeout}; }
+TCPStoreOptions client_opts(Millis timeout = 10s) {
+  TCPStoreOptions o;
+  o.timeout = timeout;
+  return o;
+}
 
 // The semantics every store shares, checked on a fresh (empty) store.
 void check_semantics(Store& store) {

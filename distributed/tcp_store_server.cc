@@ -86,8 +86,17 @@ class StoreServer : public Server {
     char host[NI_MAXHOST] = "?", serv[NI_MAXSERV] = "?";
     getnameinfo(a, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV);
     if (!with_port) return host;
-    bool v6 = std::strchr(host, ':') != nullptr;
-    return (v6 ? "[" + std::string(host) + "]" : std::string(host)) + ":" + serv;
+    std::string out;
+    if (std::strchr(host, ':') != nullptr) {  // IPv6: [addr]:port
+      out += '[';
+      out += host;
+      out += ']';
+    } else {
+      out += host;
+    }
+    out += ':';
+    out += serv;
+    return out;
   }
 
   [[noreturn]] static void throw_listen_error(const std::string& where, int port, int err) {
