@@ -167,13 +167,46 @@ TEST(Conv2d, NonContiguousInputAndWeight) {
   }
 }
 
-TEST(Conv2d, HalfTypesRunThroughFloat32) {
+// 16-bit convolutions run on oneDNN's native kernels where the CPU has them
+// (bfloat16 on AVX512-BF16/AMX), otherwise through float32: either way
+// forward and backward match float64 on the same (representable) values.
+TEST(Conv2d, HalfTypesMatchFloat64ForwardAndBackward) {
   Tensor x = rnd({2, 3, 6, 6}, 21), w = rnd({4, 3, 3, 3}, 22) * 0.2, b = rnd({4}, 23);
   Tensor want = naive_conv(x, w, b, {1, 1}, {1, 1}, {1, 1}, 1);
   for (DType dt : {DType::Float16, DType::BFloat16}) {
     Tensor got = conv2d(x.to(dt), w.to(dt), b.to(dt), {1, 1}, {1, 1});
     EXPECT_EQ(got.dtype(), dt);
     expect_close(got, want, dt == DType::Float16 ? 1e-2 : 5e-2, dtype_name(dt));
+  }
+  struct Case {
+    Shape x, w;
+    std::array<int64_t, 2> stride, pad;
+    int64_t groups;
+  };
+  for (const Case& c : {Case{{2, 4, 9, 7}, {6, 4, 3, 3}, {1, 1}, {1, 1}, 1}, Case{{1, 4, 8, 8}, {4, 2, 3, 3}, {2, 2}, {1, 0}, 2},
+                        Case{{3, 8, 5, 5}, {16, 8, 1, 1}, {1, 1}, {0, 0}, 1}}) {
+    for (DType dt : {DType::Float16, DType::BFloat16}) {
+      const std::string what = cat(dtype_name(dt), " x", c.x, " w", c.w, " groups ", c.groups);
+      // Values representable in dt, so float64 sees exactly the same inputs.
+      Tensor x64 = rnd(c.x, 31).to(dt).to(DType::Float64), w64 = (rnd(c.w, 32) * 0.3).to(dt).to(DType::Float64);
+      Tensor b64 = rnd({c.w[0]}, 33).to(dt).to(DType::Float64), gy;
+      auto grads = [&](DType t) {
+        Tensor xt = x64.to(t).detach().requires_grad_(), wt = w64.to(t).detach().requires_grad_(),
+               bt = b64.to(t).detach().requires_grad_();
+        Tensor y = conv2d(xt, wt, bt, c.stride, c.pad, {1, 1}, c.groups);
+        if (!gy.defined()) gy = rnd(y.sizes(), 34).to(dt).to(DType::Float64);
+        sum(y * gy.to(t)).backward();
+        return std::vector<Tensor>{y, xt.grad(), wt.grad(), bt.grad()};
+      };
+      auto ref = grads(DType::Float64), got = grads(dt);
+      const char* names[] = {"y", "dx", "dw", "db"};
+      for (int k = 0; k < 4; ++k) {
+        EXPECT_EQ(got[k].dtype(), dt) << what << " " << names[k];
+        const double scale = max(abs(ref[k])).item();
+        expect_close(got[k].to(DType::Float64) / scale, ref[k] / scale, dt == DType::Float16 ? 4e-3 : 3e-2,
+                     what + " " + names[k]);
+      }
+    }
   }
 }
 
