@@ -13,8 +13,12 @@
 // on a machine without one.
 #include <benchmark/benchmark.h>
 
+#include <optional>
+
 #include "bench/train_step.h"
+#include "core/autocast.h"
 #include "nn/models.h"
+#include "optim/grad_scaler.h"
 #include "optim/optimizer.h"
 
 namespace ember {
@@ -34,6 +38,43 @@ void BM_ResNet18Step(benchmark::State& state) {
   state.counters["img_per_s"] = benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_ResNet18Step)->Args({64, 64})->Args({16, 64})->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The same step in mixed precision (issue 16): mode 0 float32, 1 bfloat16
+// autocast, 2 float16 autocast + GradScaler, as the peer's
+// `resnet18_train_step.py --amp bf16|fp16` does it (autocast around forward
+// and loss; backward and step outside). Batch 64.
+void BM_ResNet18StepAmp(benchmark::State& state) {
+  const int64_t width = state.range(0), mode = state.range(1), batch = 64;
+  manual_seed(0);
+  auto model = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = width});
+  model->train();
+  optim::SGD opt(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  optim::GradScaler scaler({.enabled = mode == 2});
+  Tensor x = randn({batch, 1, 28, 28});
+  Tensor y = randint(0, 10, {batch});
+  auto step = [&] {
+    opt.zero_grad();
+    Tensor loss;
+    {
+      std::optional<AutocastGuard> amp;
+      if (mode > 0) amp.emplace(DeviceType::CPU, mode == 1 ? DType::BFloat16 : DType::Float16);
+      loss = nn::functional::cross_entropy(model->forward(x), y);
+    }
+    scaler.scale(loss).backward();
+    scaler.step(opt);
+    scaler.update();
+    return loss.item();
+  };
+  for (int i = 0; i < 3; ++i) step();
+  for (auto _ : state) benchmark::DoNotOptimize(step());
+  state.counters["img_per_s"] = benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(mode == 0 ? "fp32" : mode == 1 ? "bf16 autocast" : "fp16 autocast + GradScaler");
+}
+BENCHMARK(BM_ResNet18StepAmp)
+    ->ArgNames({"width", "mode"})
+    ->ArgsProduct({{16, 64}, {0, 1, 2}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 void BM_ResNet50StepCuda(benchmark::State& state) {
   if (!cuda_is_available()) {
