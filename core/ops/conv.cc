@@ -321,59 +321,41 @@ bool is_half_like(DType t) { return t == DType::Float16 || t == DType::BFloat16;
 Tensor to_f32(const Tensor& t) { return t.defined() ? t.to(DType::Float32) : t; }
 }  // namespace
 
+// One oneDNN path for float32 and the 16-bit types; a 16-bit type without a
+// native plan widens to float32; float64 runs the reference loops.
 void conv2d_forward_cpu(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
-  if (is_half_like(x.dtype())) {
-    // Native 16-bit kernels (e.g. AVX512-BF16) where oneDNN has them.
-    if (const Plan* p = plan_for(g, bias.defined(), Pass::Forward, dnnl_type(x.dtype()))) {
-      Tensor bc = bias.defined() ? bias.to(x.dtype()) : bias;
-      if (bc.defined()) {
-        run_plan(*p, {{DNNL_ARG_SRC, x.raw_data()}, {DNNL_ARG_WEIGHTS, w.raw_data()}, {DNNL_ARG_DST, y.raw_data()},
-                      {DNNL_ARG_BIAS, bc.raw_data()}});
-      } else {
-        run_plan(*p, {{DNNL_ARG_SRC, x.raw_data()}, {DNNL_ARG_WEIGHTS, w.raw_data()}, {DNNL_ARG_DST, y.raw_data()}});
-      }
-      return;
-    }
+  if (x.dtype() == DType::Float64) {
+    conv_forward_ref<double>(g, x.data<double>(), w.data<double>(), ptr_or_null<double>(&bias), y.data<double>());
+    return;
+  }
+  EMBER_CHECK(x.dtype() == DType::Float32 || is_half_like(x.dtype()), "conv2d: unsupported dtype ", x.dtype());
+  const Plan* p = plan_for(g, bias.defined(), Pass::Forward, dnnl_type(x.dtype()));
+  if (!p) {  // only a 16-bit type can lack a plan
     Tensor y32 = Tensor::empty(y.sizes(), DType::Float32);
     conv2d_forward_cpu(g, to_f32(x), to_f32(w), to_f32(bias), y32);
     y.copy_(y32);
     return;
   }
-  if (x.dtype() == DType::Float64) {
-    conv_forward_ref<double>(g, x.data<double>(), w.data<double>(), ptr_or_null<double>(&bias), y.data<double>());
-    return;
-  }
-  EMBER_CHECK(x.dtype() == DType::Float32, "conv2d: unsupported dtype ", x.dtype());
-  const Plan& p = *plan_for(g, bias.defined(), Pass::Forward);
-  if (bias.defined()) {
-    run_plan(p, {{DNNL_ARG_SRC, x.raw_data()}, {DNNL_ARG_WEIGHTS, w.raw_data()}, {DNNL_ARG_DST, y.raw_data()},
-                 {DNNL_ARG_BIAS, bias.raw_data()}});
-  } else {
-    run_plan(p, {{DNNL_ARG_SRC, x.raw_data()}, {DNNL_ARG_WEIGHTS, w.raw_data()}, {DNNL_ARG_DST, y.raw_data()}});
-  }
+  Tensor bc = bias.defined() ? bias.to(x.dtype()) : bias;
+  // A plan without bias never asks for DNNL_ARG_BIAS.
+  run_plan(*p, {{DNNL_ARG_SRC, x.raw_data()}, {DNNL_ARG_WEIGHTS, w.raw_data()}, {DNNL_ARG_DST, y.raw_data()},
+                {DNNL_ARG_BIAS, bc.defined() ? bc.raw_data() : nullptr}});
 }
 
 void conv2d_backward_cpu(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
                          Tensor* dw, Tensor* db) {
-  if (is_half_like(x.dtype())) {
-    const auto dt = dnnl_type(x.dtype());
-    const Plan* pd = dx ? plan_for(g, false, Pass::BackwardData, dt) : nullptr;
-    const Plan* pw = (dw || db) ? plan_for(g, db != nullptr, Pass::BackwardWeights, dt) : nullptr;
-    if ((!dx || pd) && (!(dw || db) || pw)) {
-      if (dx)
-        run_plan(*pd, {{DNNL_ARG_DIFF_DST, dy.raw_data()}, {DNNL_ARG_WEIGHTS, w.raw_data()},
-                       {DNNL_ARG_DIFF_SRC, dx->raw_data()}});
-      if (pw) {
-        Tensor dw_buf = dw ? *dw : Tensor::empty(w.sizes(), w.options());
-        if (db)
-          run_plan(*pw, {{DNNL_ARG_SRC, x.raw_data()}, {DNNL_ARG_DIFF_DST, dy.raw_data()},
-                         {DNNL_ARG_DIFF_WEIGHTS, dw_buf.raw_data()}, {DNNL_ARG_DIFF_BIAS, db->raw_data()}});
-        else
-          run_plan(*pw, {{DNNL_ARG_SRC, x.raw_data()}, {DNNL_ARG_DIFF_DST, dy.raw_data()},
-                         {DNNL_ARG_DIFF_WEIGHTS, dw_buf.raw_data()}});
-      }
-      return;
-    }
+  if (x.dtype() == DType::Float64) {
+    if (dx) conv_backward_data_ref<double>(g, dy.data<double>(), w.data<double>(), dx->data<double>());
+    if (dw || db)
+      conv_backward_weights_ref<double>(g, x.data<double>(), dy.data<double>(), mut_ptr_or_null<double>(dw),
+                                        mut_ptr_or_null<double>(db));
+    return;
+  }
+  EMBER_CHECK(x.dtype() == DType::Float32 || is_half_like(x.dtype()), "conv2d: unsupported dtype ", x.dtype());
+  const auto dt = dnnl_type(x.dtype());
+  const Plan* pd = dx ? plan_for(g, false, Pass::BackwardData, dt) : nullptr;
+  const Plan* pw = (dw || db) ? plan_for(g, db != nullptr, Pass::BackwardWeights, dt) : nullptr;
+  if ((dx && !pd) || ((dw || db) && !pw)) {  // a 16-bit type without native plans: through float32
     Tensor dx32 = dx ? Tensor::empty(dx->sizes(), DType::Float32) : Tensor();
     Tensor dw32 = dw ? Tensor::empty(dw->sizes(), DType::Float32) : Tensor();
     Tensor db32 = db ? Tensor::empty(db->sizes(), DType::Float32) : Tensor();
@@ -384,29 +366,14 @@ void conv2d_backward_cpu(const ConvGeom& g, const Tensor& x, const Tensor& w, co
     if (db) db->copy_(db32);
     return;
   }
-  if (x.dtype() == DType::Float64) {
-    if (dx) conv_backward_data_ref<double>(g, dy.data<double>(), w.data<double>(), dx->data<double>());
-    if (dw || db)
-      conv_backward_weights_ref<double>(g, x.data<double>(), dy.data<double>(), mut_ptr_or_null<double>(dw),
-                                        mut_ptr_or_null<double>(db));
-    return;
-  }
-  EMBER_CHECK(x.dtype() == DType::Float32, "conv2d: unsupported dtype ", x.dtype());
-  if (dx) {
-    run_plan(*plan_for(g, false, Pass::BackwardData),
-             {{DNNL_ARG_DIFF_DST, dy.raw_data()}, {DNNL_ARG_WEIGHTS, w.raw_data()}, {DNNL_ARG_DIFF_SRC, dx->raw_data()}});
-  }
-  if (dw || db) {
+  if (pd)
+    run_plan(*pd, {{DNNL_ARG_DIFF_DST, dy.raw_data()}, {DNNL_ARG_WEIGHTS, w.raw_data()},
+                   {DNNL_ARG_DIFF_SRC, dx->raw_data()}});
+  if (pw) {
     // oneDNN computes both in one pass; dw needs a buffer even if unwanted.
     Tensor dw_buf = dw ? *dw : Tensor::empty(w.sizes(), w.options());
-    const Plan& p = *plan_for(g, db != nullptr, Pass::BackwardWeights);
-    if (db) {
-      run_plan(p, {{DNNL_ARG_SRC, x.raw_data()}, {DNNL_ARG_DIFF_DST, dy.raw_data()},
-                   {DNNL_ARG_DIFF_WEIGHTS, dw_buf.raw_data()}, {DNNL_ARG_DIFF_BIAS, db->raw_data()}});
-    } else {
-      run_plan(p, {{DNNL_ARG_SRC, x.raw_data()}, {DNNL_ARG_DIFF_DST, dy.raw_data()},
-                   {DNNL_ARG_DIFF_WEIGHTS, dw_buf.raw_data()}});
-    }
+    run_plan(*pw, {{DNNL_ARG_SRC, x.raw_data()}, {DNNL_ARG_DIFF_DST, dy.raw_data()},
+                   {DNNL_ARG_DIFF_WEIGHTS, dw_buf.raw_data()}, {DNNL_ARG_DIFF_BIAS, db ? db->raw_data() : nullptr}});
   }
 }
 
