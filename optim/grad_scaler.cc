@@ -72,11 +72,23 @@ void GradScaler::unscale_(Optimizer& opt) {
       it->second.push_back(g);
     }
   st.found_inf.clear();
+  int64_t n_grads = 0;
   for (auto& [device, grads] : by_device) {
     Tensor found = zeros({1}, {DType::Float32, device});
     Tensor inv_here = inv.to(device);
     amp_unscale_(grads, found, inv_here);
     st.found_inf.push_back(found);
+    n_grads += static_cast<int64_t>(grads.size());
+  }
+  if (options_.sync_found_inf) {
+    // One flag for the rank, on the scale's device, summed over the ranks;
+    // the collective's wait stands in for step()'s host sync.
+    Tensor flags = Tensor::from_vector({0.0, static_cast<double>(n_grads)}, {2}, {DType::Float32, scale_.device()});
+    Tensor found = flags.narrow(0, 0, 1);
+    for (const Tensor& f : st.found_inf) found.copy_(found + f.to(scale_.device()));
+    options_.sync_found_inf(flags);
+    st.found_inf = {found};
+    st.synced_flags = flags;
   }
   st.stage = Stage::Unscaled;
 }
@@ -90,10 +102,17 @@ bool GradScaler::step(Optimizer& opt) {
               "GradScaler::step: already called on this optimizer since the last update()");
   if (per_optimizer_[&opt].stage == Stage::Ready) unscale_(opt);
   PerOptimizer& st = per_optimizer_[&opt];
-  EMBER_CHECK(!st.found_inf.empty(), "GradScaler::step: no inf checks were recorded for this optimizer: none of its "
-              "parameters has a gradient (call scale(loss).backward() before step())");
   double found = 0;
-  for (const Tensor& f : st.found_inf) found += f.cpu().item();  // the step's one host sync
+  if (st.synced_flags.defined()) {
+    const std::vector<double> flags = st.synced_flags.to_vector();  // the step's one host sync
+    EMBER_CHECK(flags[1] > 0, "GradScaler::step: no inf checks were recorded for this optimizer on any rank: none of "
+                "its parameters has a gradient (call scale(loss).backward() before step())");
+    found = flags[0];
+  } else {
+    EMBER_CHECK(!st.found_inf.empty(), "GradScaler::step: no inf checks were recorded for this optimizer: none of "
+                "its parameters has a gradient (call scale(loss).backward() before step())");
+    for (const Tensor& f : st.found_inf) found += f.cpu().item();  // the step's one host sync
+  }
   const bool stepped = found == 0;
   if (stepped) opt.step();
   st.stage = Stage::Stepped;

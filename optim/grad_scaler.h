@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -38,6 +39,15 @@ struct GradScalerOptions {
   double backoff_factor = 0.5;
   int64_t growth_interval = 2000;
   bool enabled = true;
+  // Agreement across ranks, for when ranks hold different gradients (an
+  // optimizer that owns a shard of the parameters, FSDP): unscale_ passes a
+  // float32 tensor [2] = {non-finite values seen, gradients seen} on the
+  // scale's device, and this must sum it over the ranks in place (every rank
+  // calls unscale_/step in the same order, even one with no gradients). Then
+  // either every rank steps or every rank skips, and the scales stay equal.
+  // distributed::found_inf_allreduce(pg) gives one. Not needed after DDP,
+  // whose averaged gradients are identical on every rank already.
+  std::function<void(const Tensor& flags)> sync_found_inf;
 };
 
 class GradScaler {
@@ -72,7 +82,8 @@ class GradScaler {
   enum class Stage { Ready, Unscaled, Stepped };
   struct PerOptimizer {
     Stage stage = Stage::Ready;
-    std::vector<Tensor> found_inf;  // one per device its gradients are on
+    std::vector<Tensor> found_inf;  // one per device its gradients are on (one in all with sync_found_inf)
+    Tensor synced_flags;            // with sync_found_inf: {found, gradients} summed over the ranks
   };
   void lazy_init(const Device& device);
 
