@@ -56,6 +56,7 @@ struct Node {
   DType out_dtype = DType::Float32;
   Device out_device;
   bool released = false;
+  bool stateless = false;                     // fn holds no tensor: never released
   std::shared_ptr<TensorImpl> leaf;           // set for AccumulateGrad nodes
 };
 

@@ -73,6 +73,26 @@ TEST(Autograd, GraphIsFreedUnlessRetained) {
   }
 }
 
+// As in torch, a node that saved nothing (a dtype cast) survives backward:
+// two graphs that share one cast of a leaf (the autocast cache's case, e.g.
+// the micro-steps of gradient accumulation) each backward once through it.
+// The nodes after it are still released.
+TEST(Autograd, ACastIsNotReleasedSoGraphsMayShareIt) {
+  Tensor w = vec({1, 2}).requires_grad_();
+  Tensor w32 = w.to(DType::Float32);  // one cast, shared
+  sum(w32 * 3.0).backward();
+  sum(w32 * w32).backward();
+  expect_vec(w.grad(), {3 + 2, 3 + 4});
+  Tensor y = sum(w32 * w32);
+  y.backward();
+  try {
+    y.backward();
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("second time (node 'sum')"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Autograd, NonScalarNeedsExplicitGradient) {
   Tensor x = vec({1, 2}).requires_grad_();
   Tensor y = x * 2.0;

@@ -168,7 +168,7 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
         EMBER_INTERNAL_ASSERT(grads.size() == n->next.size(), "node '", n->name, "' returned ", grads.size(),
                               " gradients for ", n->next.size(), " inputs");
       }
-      if (!retain_graph) {
+      if (!retain_graph && !n->stateless) {
         n->fn = nullptr;
         n->released = true;
         n->saved_versions.clear();
@@ -206,9 +206,10 @@ Tensor default_root_grad(const Tensor& root, const Tensor& grad, const char* op)
 class Recorder final : public AutogradRecorder {
  public:
   void record(const char* op, const std::vector<Tensor>& inputs, Tensor& output, BackwardFn fn,
-              const std::vector<Tensor>& saved) override {
+              const std::vector<Tensor>& saved, bool stateless) override {
     auto node = std::make_shared<Node>();
     node->name = op;
+    node->stateless = stateless;
     node->fn = std::move(fn);
     node->sequence_nr = g_next_sequence.fetch_add(1);
     node->next.reserve(inputs.size());

@@ -48,8 +48,9 @@ class AutogradRecorder {
   virtual ~AutogradRecorder() = default;
   // Makes `output` the result of a node that runs `fn`; `saved` are the
   // tensors `fn` reads, checked for in-place changes before it runs.
+  // `stateless`: fn holds no tensor, so backward does not release it.
   virtual void record(const char* op, const std::vector<Tensor>& inputs, Tensor& output, BackwardFn fn,
-                      const std::vector<Tensor>& saved) = 0;
+                      const std::vector<Tensor>& saved, bool stateless) = 0;
   virtual void set_requires_grad(const Tensor& t, bool enabled) = 0;
   virtual bool is_leaf(const Tensor& t) = 0;
   virtual Tensor grad(const Tensor& t) = 0;
@@ -77,6 +78,12 @@ void check_inplace(const Tensor& t, const char* op);
 struct Recorded {
   BackwardFn fn;
   std::vector<Tensor> saved;
+  // fn captures no tensor (a cast, a copy): backward keeps the node, so a
+  // second backward through it works, as torch allows for nodes without
+  // saved variables. The autocast cache hands one cast of a parameter to
+  // every forward of its scope, e.g. the micro-steps of gradient
+  // accumulation, each backward separately.
+  bool stateless = false;
 };
 template <typename Fwd, typename MakeBwd>
 Tensor differentiable(const char* op, const std::vector<Tensor>& inputs, Fwd&& forward, MakeBwd&& make_backward) {
@@ -88,7 +95,7 @@ Tensor differentiable(const char* op, const std::vector<Tensor>& inputs, Fwd&& f
   }
   // Saved outputs are detached aliases: the node must not own its output.
   Recorded r = make_backward(out.alias());
-  autograd_recorder()->record(op, inputs, out, std::move(r.fn), r.saved);
+  autograd_recorder()->record(op, inputs, out, std::move(r.fn), r.saved, r.stateless);
   return out;
 }
 

@@ -153,7 +153,7 @@ Tensor view_diff(const Tensor& base, Tensor out, const char* op, Bwd bwd) {
   if (!needs_grad({base})) return out;
   Shape bs = base.sizes();
   autograd_recorder()->record(op, {base}, out, [bs, bwd](const Tensor& g) { return std::vector<Tensor>{bwd(g, bs)}; },
-                              {});
+                              {}, false);
   return out;
 }
 Tensor reshape_back(const Tensor& g, const Shape& bs) { return g.reshape(bs); }
@@ -439,7 +439,7 @@ Tensor Tensor::to(Device d, DType t) const {
     out.copy_(*this);
     return out;
   }, [=](const Tensor&) {
-    return Recorded{[=](const Tensor& g) { return std::vector<Tensor>{g.to(from_device, from_dtype)}; }, {}};
+    return Recorded{[=](const Tensor& g) { return std::vector<Tensor>{g.to(from_device, from_dtype)}; }, {}, true};
   });
 }
 

@@ -29,6 +29,7 @@
 #include "distributed/testing/multiprocess.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
+#include "optim/clip_grad.h"
 #include "optim/grad_scaler.h"
 #include "optim/optimizer.h"
 
@@ -298,11 +299,14 @@ EMBER_WORKER(accumulate) {
 // whole batch, up to the low dtype's rounding: a rank's weight gradient is
 // one low-precision GEMM over its rows, the reference's one over all rows,
 // so the two round differently (2e-3 relative for fp16, 2e-2 for bf16 on
-// the gradients; the loss scale must agree exactly).
+// the gradients; the loss scale must agree exactly). "fp16_accum": each
+// rank's rows in 2 micro-steps through GradientAccumulator (scaled losses,
+// one unscale_ after the last), then clip_grad_norm_ on both sides.
 EMBER_WORKER(amp) {
   auto pg = group(env);
   const int r = env.rank, ws = env.world_size;
-  const bool fp16 = env.arg == "fp16";
+  const bool fp16 = env.arg != "bf16";
+  const bool accum = env.arg == "fp16_accum";
   const DType low = fp16 ? DType::Float16 : DType::BFloat16;
   auto ref = make_mlp(1);
   auto local = make_mlp(1 + r);
@@ -321,14 +325,28 @@ EMBER_WORKER(amp) {
     Tensor l_ddp, l_ref;
     {
       AutocastGuard amp(DeviceType::CPU, low);
-      l_ddp = loss_of(*ddp, all.rows(r * b, b));
       l_ref = loss_of(*ref, all);
+      if (accum) {
+        GradientAccumulator acc(*ddp, 2);
+        for (int m = 0; m < 2; ++m) {
+          Tensor l = loss_of(*ddp, all.rows(r * b + m * b / 2, b / 2));
+          WCHECK(acc.backward(scaler_ddp.scale(l)) == (m == 1), "micro-step ", m);
+        }
+      } else {
+        l_ddp = loss_of(*ddp, all.rows(r * b, b));
+        WCHECK(l_ddp.dtype() == DType::Float32, "the loss runs in float32 under autocast");
+      }
     }
-    WCHECK(l_ddp.dtype() == DType::Float32, "the loss runs in float32 under autocast");
-    scaler_ddp.scale(l_ddp).backward();
+    if (!accum) scaler_ddp.scale(l_ddp).backward();
     scaler_ref.scale(l_ref).backward();
     scaler_ddp.unscale_(opt_ddp);
     scaler_ref.unscale_(opt_ref);
+    if (accum) {
+      const double n_ddp = optim::clip_grad_norm_(local->parameters(), 0.05);
+      const double n_ref = optim::clip_grad_norm_(ref->parameters(), 0.05);
+      WCHECK(n_ref > 0.05, "the clip must bite: the reference norm is ", n_ref);
+      WCHECK(std::fabs(n_ddp - n_ref) <= tol * n_ref, "step ", step, ": gradient norms ", n_ddp, " vs ", n_ref);
+    }
     auto gl = local->parameters(), gr = ref->parameters();
     for (size_t i = 0; i < gl.size(); ++i) {
       const double scale = max(abs(gr[i].grad())).item();
@@ -721,7 +739,7 @@ TEST(DDP, UnevenInputsJoinInsteadOfHanging) {
 }
 
 TEST(DDP, MixedPrecisionMatchesOneProcessOnTheWholeBatch) {
-  for (const char* arg : {"fp16", "bf16"}) {
+  for (const char* arg : {"fp16", "bf16", "fp16_accum"}) {
     SCOPED_TRACE(arg);
     auto res = mp::run_workers("amp", 2, with_arg(arg, 60));
     EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);

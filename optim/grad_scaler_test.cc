@@ -15,7 +15,9 @@
 #include "autograd/autograd.h"
 #include "core/ops.h"
 #include "core/ops_optim.h"
+#include "optim/clip_grad.h"
 #include "optim/grad_scaler.h"
+#include "optim/lr_scheduler.h"
 #include "optim/optimizer.h"
 
 namespace ember::optim {
@@ -198,6 +200,64 @@ TEST(GradScaler, Float16GradientsUnderflowWithoutScalingAndSurviveWithIt) {
     for (double g : grad_of(nullptr)) EXPECT_EQ(g, 0.0) << "expected the float16 gradient to underflow";
     GradScaler scaler;
     for (double g : grad_of(&scaler)) EXPECT_NEAR(g, 1e-8, 1e-8 * 2e-3);
+  }
+}
+
+// torch's recipe for clipping under a scaler (unscale_, clip_grad_norm_,
+// step, update) with Adam and an LR scheduler, against the same training
+// without a scaler, clipping the true gradients by hand and skipping the
+// step whose gradient holds an inf. A skipped step leaves Adam's "step"
+// count (its bias correction) where it was, while the scheduler, stepped by
+// the user every iteration, advances as torch's does. The scale is a power
+// of two, so scaling and unscaling are exact and the two runs agree to the
+// bit.
+TEST(GradScaler, ClippingAfterUnscaleWithAdamAndASchedulerAsInPyTorch) {
+  for (const Device& dev : devices()) {
+    SCOPED_TRACE(::testing::Message() << dev);
+    const std::vector<std::vector<double>> xs = {
+        {3, -4, 0, 1}, {0.25, 0.5, -0.125, 0}, {1, kInf, 2, 3}, {-2, 1, 1, 0.5}, {0.1, 0.2, 0.3, 0.4}};
+    Tensor p = full({4}, 1.0, {DType::Float32, dev}).requires_grad_();
+    Tensor q = full({4}, 1.0, {DType::Float32, dev}).requires_grad_();
+    Adam opt({p}, {.lr = 0.1}), opt_ref({q}, {.lr = 0.1});
+    StepLR sched(opt, 1, 0.5), sched_ref(opt_ref, 1, 0.5);
+    GradScaler scaler({.init_scale = 1024.0});
+    int real_steps = 0;
+    for (size_t s = 0; s < xs.size(); ++s) {
+      SCOPED_TRACE("step " + std::to_string(s));
+      Tensor x = Tensor::from_vector(xs[s], {4}, {DType::Float32, dev});
+      opt.zero_grad();
+      scaler.scale(sum(p * x)).backward();
+      scaler.unscale_(opt);
+      const double norm = clip_grad_norm_({p}, 1.0);
+      const bool stepped = scaler.step(opt);
+      scaler.update();
+      sched.step();
+      // The reference: the true gradient x, clipped by hand.
+      double n2 = 0;
+      for (double v : xs[s]) n2 += v * v;
+      const double want_norm = std::sqrt(n2);
+      EXPECT_EQ(stepped, std::isfinite(want_norm));
+      if (std::isfinite(want_norm)) {
+        EXPECT_NEAR(norm, want_norm, 1e-5 * want_norm) << "clip_grad_norm_ must see the unscaled gradients";
+        opt_ref.zero_grad();
+        sum(q * x).backward();
+        if (want_norm > 1.0) {
+          NoGradGuard ng;
+          q.grad().copy_(q.grad() * (1.0 / (want_norm + 1e-6)));
+        }
+        opt_ref.step();
+        ++real_steps;
+      } else {
+        EXPECT_FALSE(std::isfinite(norm));
+      }
+      sched_ref.step();
+      EXPECT_EQ(opt.state(p).at("step").item(), real_steps) << "a skipped step must not count for Adam";
+      EXPECT_EQ(sched.last_epoch(), static_cast<int64_t>(s + 1)) << "the scheduler advances per call, as torch's";
+      EXPECT_EQ(sched.get_last_lr(), sched_ref.get_last_lr());
+      const std::vector<double> got = p.to_vector(), want = q.to_vector();
+      for (int i = 0; i < 4; ++i) EXPECT_NEAR(got[i], want[i], 1e-6) << "element " << i;
+    }
+    EXPECT_EQ(scaler.get_scale(), 512.0) << "one back-off";
   }
 }
 
