@@ -155,7 +155,57 @@ void broadcast_coalesced(ProcessGroup& pg, const std::vector<Tensor>& tensors, i
   }
 }
 
+// A Work that runs `then` once after `inner` completed (torch's
+// Future.then), e.g. to cast a compressed bucket back.
+class ThenWork : public Work {
+ public:
+  ThenWork(std::shared_ptr<Work> inner, std::function<void()> then) : inner_(std::move(inner)), then_(std::move(then)) {}
+  bool is_completed() override { return inner_->is_completed(); }
+  bool is_success() override { return inner_->is_success(); }
+  void wait() override {
+    inner_->wait();
+    run_then();
+  }
+  bool wait(Millis timeout) override {
+    if (!inner_->wait(timeout)) return false;
+    run_then();
+    return true;
+  }
+  std::exception_ptr exception() override { return inner_->exception(); }
+
+ private:
+  void run_then() {
+    if (!then_) return;
+    auto f = std::move(then_);
+    then_ = nullptr;
+    f();
+  }
+  std::shared_ptr<Work> inner_;
+  std::function<void()> then_;
+};
+
+CommHook compress_hook(DType low) {
+  return [low](ProcessGroup& pg, const Tensor& bucket, bool average) -> std::shared_ptr<Work> {
+    if (bucket.dtype() == low) return pg.allreduce(bucket, average ? ReduceOp::Avg : ReduceOp::Sum);
+    NoGradGuard no_grad;
+    Tensor compressed = average ? (bucket * (1.0 / pg.size())).to(low) : bucket.to(low);
+    std::shared_ptr<Work> w = pg.allreduce(compressed, ReduceOp::Sum);
+    return std::make_shared<ThenWork>(w, [dst = Tensor(bucket), compressed]() mutable {
+      NoGradGuard ng;
+      dst.copy_(compressed);
+    });
+  };
+}
+
 }  // namespace
+
+CommHook allreduce_hook() {
+  return [](ProcessGroup& pg, const Tensor& bucket, bool average) {
+    return pg.allreduce(bucket, average ? ReduceOp::Avg : ReduceOp::Sum);
+  };
+}
+CommHook fp16_compress_hook() { return compress_hook(DType::Float16); }
+CommHook bf16_compress_hook() { return compress_hook(DType::BFloat16); }
 
 struct DistributedDataParallel::Impl {
   struct Bucket {
@@ -225,7 +275,7 @@ void DistributedDataParallel::Impl::shadow_backward() {
   std::vector<std::shared_ptr<Work>> works;
   for (Tensor& z : shadow) {
     z.zero_();
-    works.push_back(pg->allreduce(z, opts.average ? ReduceOp::Avg : ReduceOp::Sum));
+    works.push_back(opts.comm_hook(*pg, z, opts.average));
   }
   if (opts.find_unused_parameters && !params.empty())
     works.push_back(pg->allreduce(zeros({static_cast<int64_t>(params.size())}, {DType::Int32, device}),
@@ -363,7 +413,7 @@ void DistributedDataParallel::Impl::launch_ready_buckets() {
 }
 
 void DistributedDataParallel::Impl::launch(size_t b) {
-  buckets[b].work = pg->allreduce(buckets[b].buffer, opts.average ? ReduceOp::Avg : ReduceOp::Sum);
+  buckets[b].work = opts.comm_hook(*pg, buckets[b].buffer, opts.average);
 }
 
 void DistributedDataParallel::Impl::finalize() {
@@ -427,6 +477,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   register_module("module", module_);
   impl_ = std::make_unique<Impl>();
   impl_->opts = options;
+  if (!impl_->opts.comm_hook) impl_->opts.comm_hook = allreduce_hook();
   impl_->pg = pg_.get();
 
   auto named = module_->named_parameters();

@@ -31,6 +31,25 @@
 
 namespace ember::distributed {
 
+// A communication hook, as torch's DDP.register_comm_hook: reduces one
+// gradient bucket (flat, in the parameters' dtype) over the ranks of `pg`,
+// in place, averaged when `average` (else summed). It returns at once; the
+// returned Work's wait() leaves the result in `bucket`. Every rank must run
+// the same hook (the collectives' signature check names a mismatch).
+using CommHook = std::function<std::shared_ptr<Work>(ProcessGroup& pg, const Tensor& bucket, bool average)>;
+
+// The default: allreduce of the bucket as it is.
+CommHook allreduce_hook();
+// Gradient compression, as torch's default_hooks.fp16_compress_hook /
+// bf16_compress_hook: the bucket is cast to float16 (bfloat16), divided by
+// the world size before the sum (so a float16 sum cannot overflow where the
+// average would not), allreduced in the low dtype (half the bytes on the
+// wire) and cast back. Gradients lose the low dtype's precision, once per
+// step: float16 keeps 11 significant bits but flushes values below 6e-8
+// (2^-24) to zero, bfloat16 keeps float32's range with 8 bits.
+CommHook fp16_compress_hook();
+CommHook bf16_compress_hook();
+
 struct DDPOptions {
   // Null: the default group from init_process_group.
   std::shared_ptr<ProcessGroup> process_group = nullptr;
@@ -49,6 +68,8 @@ struct DDPOptions {
   bool find_unused_parameters = false;
   // Average (divide by world size) after the sum, as PyTorch does.
   bool average = true;
+  // How each bucket is reduced; null: allreduce_hook().
+  CommHook comm_hook = nullptr;
 };
 
 class DistributedDataParallel : public nn::Module {

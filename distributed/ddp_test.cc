@@ -365,6 +365,67 @@ EMBER_WORKER(amp) {
   for (size_t i = 0; i < pl.size(); ++i) WCHECK(max_abs_diff(pl[i], pr[i]) < 1e-3, "parameter ", i, " after 3 steps");
 }
 
+// Gradient compression (arg "fp16" / "bf16": fp16_compress_hook /
+// bf16_compress_hook; "+join": inside join_uneven_inputs, rank 0 running one
+// step fewer). The averaged gradients equal the float32 reference within the
+// low dtype's rounding (a few units of its last place, relative to the
+// tensor's largest entry), and every value is one the low dtype can hold:
+// the sum really travelled in it (the default hook fails this).
+EMBER_WORKER(compress) {
+  auto pg = group(env);
+  const int r = env.rank, ws = env.world_size;
+  const bool fp16 = has(env.arg, "fp16"), join = has(env.arg, "+join");
+  const DType low = fp16 ? DType::Float16 : DType::BFloat16;
+  auto ref = make_mlp(1);
+  auto local = make_mlp(1 + r);
+  DDPOptions opts;
+  opts.process_group = pg;
+  opts.comm_hook = fp16 ? fp16_compress_hook() : bf16_compress_hook();
+  auto ddp = std::make_shared<DistributedDataParallel>(local, opts);
+  optim::SGD opt_ddp(ddp->parameters(), {.lr = 0.1, .momentum = 0.9});
+  optim::SGD opt_ref(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  // Low-dtype rounding, twice (the cast, the sum's result), in units of the
+  // largest entry.
+  const double tol = fp16 ? 2e-3 : 1.6e-2;
+  const int64_t b = 4;
+  const int steps = 3;
+  auto check_step = [&](int step) {
+    auto gl = local->parameters(), gr = ref->parameters();
+    for (size_t i = 0; i < gl.size(); ++i) {
+      const double scale = max(abs(gr[i].grad())).item();
+      const double d = max_abs_diff(gl[i].grad(), gr[i].grad());
+      WCHECK(d <= tol * scale, "step ", step, " parameter ", i, ": gradient differs by ", d, " (largest entry ",
+             scale, ")");
+      WCHECK(max_abs_diff(gl[i].grad().to(low).to(DType::Float32), gl[i].grad()) == 0, "step ", step,
+             " parameter ", i, ": the averaged gradient holds values ", dtype_name(low), " cannot, so it was not "
+             "reduced in ", dtype_name(low));
+    }
+  };
+  auto body = [&](int my_steps) {
+    for (int step = 0; step < my_steps; ++step) {
+      Batch all = global_batch(false, b * ws, step);
+      opt_ddp.zero_grad();
+      opt_ref.zero_grad();
+      loss_of(*ddp, all.rows(r * b, b)).backward();
+      // The reference: every active rank's rows that step (a joined rank
+      // adds zeros, and DDP divides by the initial world size).
+      for (int rr = 0; rr < ws; ++rr)
+        if (!(join && rr == 0 && step == steps - 1)) (loss_of(*ref, all.rows(rr * b, b)) * (1.0 / ws)).backward();
+      check_step(step);
+      opt_ddp.step();
+      opt_ref.step();
+    }
+  };
+  if (join) {
+    join_uneven_inputs(*ddp, [&] { body(r == 0 ? steps - 1 : steps); });
+  } else {
+    body(steps);
+  }
+  if (join && r == 0) return;  // its replica missed the last step
+  auto pl = local->parameters(), pr = ref->parameters();
+  for (size_t i = 0; i < pl.size(); ++i) WCHECK(max_abs_diff(pl[i], pr[i]) < 1e-2, "parameter ", i, " after the steps");
+}
+
 // Rank ws-1 builds a different second layer: every rank's constructor
 // throws naming the parameter and the ranks.
 EMBER_WORKER(mismatch) {
@@ -744,6 +805,17 @@ TEST(DDP, MixedPrecisionMatchesOneProcessOnTheWholeBatch) {
     auto res = mp::run_workers("amp", 2, with_arg(arg, 60));
     EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
   }
+}
+
+TEST(DDP, CompressionHooksReduceInTheLowDtype) {
+  for (const char* arg : {"fp16", "bf16"})
+    for (int ws : {2, 3}) {
+      SCOPED_TRACE(std::string(arg) + " world " + std::to_string(ws));
+      auto res = mp::run_workers("compress", ws, with_arg(arg, 60));
+      EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+    }
+  auto res = mp::run_workers("compress", 2, with_arg("bf16+join", 60));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
 }
 
 TEST(DDP, ModelOutlivesItsWrapper) {
