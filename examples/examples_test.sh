@@ -63,8 +63,8 @@ grep -q "warning: skipping the damaged checkpoint $tmp/damaged/epoch_2" <<<"$out
 grep -q "resumed from $tmp/damaged/epoch_1" <<<"$out" || { echo "$out"; exit 1; }
 
 # Mixed precision: fp16 with loss scaling shows the scale, saves the scaler's
-# state, and resumes exactly (bit-identical epoch 2 and model); bf16 trains;
-# a damaged scaler state is named.
+# state, and resumes exactly (bit-identical epoch 2 and model); bf16 trains,
+# here with bf16 gradient compression; a damaged scaler state is named.
 out=$("${ddp[@]}" --epochs 2 --amp fp16 --checkpoint-dir "$tmp/amp16" 2>&1)
 echo "$out"
 grep -q "mixed precision fp16 with loss scaling" <<<"$out"
@@ -85,9 +85,9 @@ if out=$("${ddp[@]}" --epochs 2 --amp fp16 --checkpoint-dir "$tmp/amp16r" --resu
 fi
 grep -q 'trainer.json: "extra"."grad_scaler": GradScaler::load_state_dict: _growth_tracker 5000' <<<"$out" || {
   echo "$out"; echo "the bad scaler state is not named"; exit 1; }
-out=$("${ddp[@]}" --epochs 1 --amp bf16 --checkpoint-dir "$tmp/amp_bf16" 2>&1)
-grep -q "mixed precision bf16; " <<<"$out" && grep -q "epoch 1/1: train loss" <<<"$out" || {
-  echo "$out"; echo "the bf16 run did not train"; exit 1; }
+out=$("${ddp[@]}" --epochs 1 --amp bf16 --grad-compress bf16 --checkpoint-dir "$tmp/amp_bf16" 2>&1)
+grep -q "mixed precision bf16; gradients allreduced in bf16; " <<<"$out" && grep -q "epoch 1/1: train loss" <<<"$out" || {
+  echo "$out"; echo "the bf16 run with bf16 gradient compression did not train"; exit 1; }
 
 # Unchanged under the launcher, which prefixes each worker's lines.
 out=$(tools/launch --nproc_per_node=2 --master_port=0 -- "${ddp[@]}" --epochs 1 --max-steps 2 \

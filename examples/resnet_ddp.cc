@@ -87,6 +87,7 @@ struct Flags {
   int64_t eval_size = -1;  // test examples evaluated; -1: all
   double timeout_sec = 0;  // 0: EMBER_DIST_TIMEOUT_SEC, else 10 minutes
   std::string amp = "off";  // off | bf16 | fp16 (mixed precision; fp16 with loss scaling)
+  std::string grad_compress = "off";  // off | bf16 | fp16 (DDP's gradient-compression hook)
 };
 
 constexpr char kUsage[] =
@@ -109,6 +110,9 @@ constexpr char kUsage[] =
     "  --max-steps N        stop each epoch after N optimizer steps (smoke tests)\n"
     "  --eval-size N        evaluate on the first N test images only (smoke tests)\n"
     "  --amp off|bf16|fp16  mixed precision: autocast to bfloat16, or to float16 with a GradScaler (default off)\n"
+    "  --grad-compress off|bf16|fp16\n"
+    "                       allreduce gradients in bfloat16 / float16 (DDP's compression hook: half the bytes;\n"
+    "                       default off)\n"
     "  --timeout SEC        rendezvous and collective timeout, for ranks alive but stuck (default:\n"
     "                       $EMBER_DIST_TIMEOUT_SEC, else 600)\n";
 
@@ -219,6 +223,10 @@ Flags parse_flags(int argc, char** argv) {
       f.amp = next();
       if (f.amp != "off" && f.amp != "bf16" && f.amp != "fp16")
         usage_error("--amp takes off, bf16 or fp16, got '" + f.amp + "'");
+    } else if (arg == "--grad-compress") {
+      f.grad_compress = next();
+      if (f.grad_compress != "off" && f.grad_compress != "bf16" && f.grad_compress != "fp16")
+        usage_error("--grad-compress takes off, bf16 or fp16, got '" + f.grad_compress + "'");
     }
     else usage_error("unknown flag '" + arg + "'");
   }
@@ -396,7 +404,8 @@ int train(const Flags& flags) {
             {"--lr", std::to_string(flags.lr)}, {"--accum-steps", std::to_string(flags.accum_steps)},
             {"--epochs", std::to_string(flags.epochs)}, {"--seed", std::to_string(flags.seed)},
             {"--sync-bn", flags.sync_bn ? "on" : "off"}, {"--max-steps", std::to_string(flags.max_steps)},
-            {"--resume", flags.resume ? "on" : "off"}, {"--amp", flags.amp}});  // paths (--data, --checkpoint-dir) may differ by host
+            {"--resume", flags.resume ? "on" : "off"}, {"--amp", flags.amp},
+            {"--grad-compress", flags.grad_compress}});  // paths (--data, --checkpoint-dir) may differ by host
   if (flags.nproc > 0 && flags.nproc != env.local_world_size)
     LOG0("note: --nproc ", flags.nproc, " ignored: the launcher started ", env.local_world_size,
          " processes per node");
@@ -494,7 +503,11 @@ int train(const Flags& flags) {
   }
 
   if (flags.sync_bn) distributed::convert_sync_batchnorm(*model, pg);
-  auto ddp = std::make_shared<distributed::DistributedDataParallel>(model);
+  distributed::DDPOptions ddp_options;
+  if (flags.grad_compress != "off")
+    ddp_options.comm_hook = flags.grad_compress == "bf16" ? distributed::bf16_compress_hook()
+                                                          : distributed::fp16_compress_hook();
+  auto ddp = std::make_shared<distributed::DistributedDataParallel>(model, ddp_options);
   distributed::GradientAccumulator accumulator(*ddp, static_cast<int>(flags.accum_steps));
 
   const int64_t test_n = flags.eval_size > 0 ? std::min(flags.eval_size, ds.test->size()) : ds.test->size();
@@ -511,6 +524,7 @@ int train(const Flags& flags) {
        global_batch, "/", kBaseBatch, "), ", warmup, " warmup steps then cosine; ", steps_per_epoch,
        " steps per epoch; ", flags.sync_bn ? "SyncBatchNorm; " : "",
        flags.amp == "off" ? "" : "mixed precision " + flags.amp + (scaler.is_enabled() ? " with loss scaling; " : "; "),
+       flags.grad_compress == "off" ? "" : "gradients allreduced in " + flags.grad_compress + "; ",
        "checkpoints in ", flags.checkpoint_dir);
 
   Progress progress(rank == 0);
