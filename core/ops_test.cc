@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <functional>
 
@@ -295,6 +296,47 @@ TEST(Matmul, MatchesReferenceForLayoutsAndDtypes) {
     expect_near(mm(b.t().contiguous().t(), b.t()).to_vector(), matmul_ref(b, b.t()), tol);
     expect_near(mm(a.slice(1, 0, 5, 2), b.slice(0, 0, 5, 2)).to_vector(),
                 matmul_ref(a.slice(1, 0, 5, 2), b.slice(0, 0, 5, 2)), tol);
+  }
+}
+
+// bfloat16/float16 GEMMs (oneDNN's native kernels where the CPU has them,
+// else widened) against float64 on the same rounded inputs, for every
+// operand layout the op layer passes down: plain, transposed either side
+// (strides, no copy), batched, a broadcast operand, and sizes large enough
+// for the blocked kernels. One rounding of a float32-accumulated result:
+// within a few units of the low dtype's last place of the largest entry.
+TEST(Matmul, HalfTypesMatchFloat64OnEveryLayout) {
+  manual_seed(6);
+  auto check = [](const Tensor& got, const Tensor& want, double rel, const std::string& what) {
+    SCOPED_TRACE(what);
+    EXPECT_EQ(got.sizes(), want.sizes());
+    const double scale = max(abs(want)).item();
+    V g = got.to_vector(), w = want.to_vector();
+    double worst = 0;
+    for (size_t i = 0; i < g.size(); ++i) worst = std::max(worst, std::fabs(g[i] - w[i]));
+    EXPECT_LE(worst, rel * scale) << "largest entry " << scale;
+  };
+  for (DType dt : {DType::BFloat16, DType::Float16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const double rel = dt == DType::BFloat16 ? 8e-3 : 1e-3;
+    auto r = [&](Shape s) { return randn(s, DType::Float64).to(dt); };
+    auto f64 = [](const Tensor& t) { return t.to(DType::Float64); };
+    for (auto [m, k, n] : {std::array<int64_t, 3>{7, 5, 9}, {64, 96, 80}, {1, 33, 17}}) {
+      const std::string dims = std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n);
+      Tensor a = r({m, k}), b = r({k, n}), at = r({k, m}), bt = r({n, k});
+      check(mm(a, b), mm(f64(a), f64(b)), rel, dims + " plain");
+      check(mm(at.t(), b), mm(f64(at).t(), f64(b)), rel, dims + " a transposed");
+      check(mm(a, bt.t()), mm(f64(a), f64(bt).t()), rel, dims + " b transposed");
+      check(mm(at.t(), bt.t()), mm(f64(at).t(), f64(bt).t()), rel, dims + " both transposed");
+      Tensor ba = r({3, m, k}), bb = r({3, k, n});
+      check(bmm(ba, bb), bmm(f64(ba), f64(bb)), rel, dims + " batched");
+      check(bmm(ba, bb.transpose(1, 2).contiguous().transpose(1, 2)), bmm(f64(ba), f64(bb)), rel,
+            dims + " batched, b transposed");
+      check(matmul(ba, b), matmul(f64(ba), f64(b)), rel, dims + " b broadcast over the batch");
+      check(matmul(a, bb), matmul(f64(a), f64(bb)), rel, dims + " a broadcast over the batch");
+      Tensor x = r({2, m, k}), w = r({n, k}), bias = r({n});
+      check(linear(x, w, bias), linear(f64(x), f64(w), f64(bias)), rel, dims + " linear");
+    }
   }
 }
 

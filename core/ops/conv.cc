@@ -18,7 +18,6 @@
 // on 2 Zen 5 cores, see README); a plan oneDNN cannot build, or would run
 // with its slow reference implementation, falls back to widening to float32.
 #include "core/autocast.h"
-#include <oneapi/dnnl/dnnl.hpp>
 
 #include <array>
 #include <compare>
@@ -33,6 +32,7 @@
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
 #include "core/ops/kernels.h"
+#include "core/ops/onednn.h"
 #include "core/ops_nn.h"
 
 namespace ember {
@@ -143,15 +143,8 @@ namespace {
 using dnnl::memory;
 using Tag = memory::format_tag;
 
-dnnl::engine& cpu_engine() {
-  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
-  return engine;
-}
-// A CPU stream only names the engine; one per thread avoids sharing it.
-dnnl::stream& cpu_stream() {
-  thread_local dnnl::stream stream(cpu_engine());
-  return stream;
-}
+using onednn::cpu_engine;
+using onednn::cpu_stream;
 
 enum class Pass { Forward, BackwardData, BackwardWeights };
 
@@ -273,7 +266,7 @@ const Plan* plan_for(const ConvGeom& g, bool bias, Pass pass,
     } else {
       try {
         plan = make_plan(g, bias, pass, dt);
-        if (plan->impl.find("ref") != std::string::npos) plan.reset();
+        if (onednn::is_reference_impl(plan->impl.c_str())) plan.reset();
       } catch (const dnnl::error&) {
         plan.reset();
       }
@@ -283,11 +276,6 @@ const Plan* plan_for(const ConvGeom& g, bool bias, Pass pass,
   return it->second.get();
 }
 
-memory::data_type dnnl_type(DType t) {
-  return t == DType::BFloat16 ? memory::data_type::bf16
-         : t == DType::Float16 ? memory::data_type::f16
-                               : memory::data_type::f32;
-}
 
 // Runs a plan on our buffers (`ptrs`: DNNL_ARG_* -> data), reordering
 // through temporaries where the plan chose other layouts.
@@ -329,7 +317,7 @@ void conv2d_forward_cpu(const ConvGeom& g, const Tensor& x, const Tensor& w, con
     return;
   }
   EMBER_CHECK(x.dtype() == DType::Float32 || is_half_like(x.dtype()), "conv2d: unsupported dtype ", x.dtype());
-  const Plan* p = plan_for(g, bias.defined(), Pass::Forward, dnnl_type(x.dtype()));
+  const Plan* p = plan_for(g, bias.defined(), Pass::Forward, onednn::data_type(x.dtype()));
   if (!p) {  // only a 16-bit type can lack a plan
     Tensor y32 = Tensor::empty(y.sizes(), DType::Float32);
     conv2d_forward_cpu(g, to_f32(x), to_f32(w), to_f32(bias), y32);
@@ -352,7 +340,7 @@ void conv2d_backward_cpu(const ConvGeom& g, const Tensor& x, const Tensor& w, co
     return;
   }
   EMBER_CHECK(x.dtype() == DType::Float32 || is_half_like(x.dtype()), "conv2d: unsupported dtype ", x.dtype());
-  const auto dt = dnnl_type(x.dtype());
+  const auto dt = onednn::data_type(x.dtype());
   const Plan* pd = dx ? plan_for(g, false, Pass::BackwardData, dt) : nullptr;
   const Plan* pw = (dw || db) ? plan_for(g, db != nullptr, Pass::BackwardWeights, dt) : nullptr;
   if ((dx && !pd) || ((dw || db) && !pw)) {  // a 16-bit type without native plans: through float32

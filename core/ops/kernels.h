@@ -83,6 +83,9 @@ struct GemmArgs {
   void* c; int64_t ldc, stride_c;
 };
 void gemm_cpu(const GemmArgs& g);
+// bfloat16/float16 on oneDNN's native kernels; false where the CPU has none
+// (the caller widens to float32 instead).
+bool gemm_cpu_native_16bit(const GemmArgs& g);
 void gemm_cuda(const GemmArgs& g, int device);
 
 // index_select on contiguous [outer, src_size, inner] -> [outer, n_index, inner].

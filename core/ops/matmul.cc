@@ -1,13 +1,24 @@
-// matmul / mm / bmm / linear. CPU GEMM goes to OpenBLAS (16-bit floats are
-// widened to fp32 around the call; integers use a plain loop); CUDA GEMM to
-// cuBLAS (matmul.cu). The op layer maps transposed views onto BLAS's
-// transpose flags, so x @ w.t() never copies w.
+// matmul / mm / bmm / linear. CPU GEMM goes to OpenBLAS for float32/64;
+// bfloat16/float16 go to oneDNN's matmul where the CPU has a native kernel
+// for them (AVX512-BF16 / AMX for bfloat16: float32 accumulation, one
+// rounding of the result, as torch's CPU bf16 GEMM), and are widened to
+// float32 around OpenBLAS otherwise; integers use a plain loop. CUDA GEMM
+// goes to cuBLAS (matmul.cu). The op layer maps transposed views onto BLAS's
+// transpose flags (oneDNN's strides), so x @ w.t() never copies w.
 #include <cblas.h>
+
+#include <compare>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
 
 #include "core/autocast.h"
 #include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
+#include "core/ops/onednn.h"
 
 namespace ember {
 
@@ -49,9 +60,79 @@ void gemm_cpu(const GemmArgs& g) {
         }
       });
     } else {
-      EMBER_INTERNAL_ASSERT(false, "gemm_cpu: 16-bit floats are widened by the op layer");
+      EMBER_INTERNAL_ASSERT(false, "gemm_cpu: 16-bit floats go to gemm_cpu_native_16bit or are widened");
     }
   });
+}
+
+// 16-bit GEMM on oneDNN. A plan per shape and layout, built once (a JIT
+// compile) and cached, null where oneDNN has only its reference kernel.
+namespace {
+using dnnl::memory;
+
+struct MatmulKey {
+  DType dtype;
+  int64_t batch, m, n, k;
+  bool trans_a, trans_b, broadcast_a, broadcast_b;
+  int64_t lda, stride_a, ldb, stride_b, ldc, stride_c;
+  auto operator<=>(const MatmulKey&) const = default;
+};
+
+struct MatmulPlan {
+  std::string impl;
+  dnnl::matmul prim;
+  memory::desc a, b, c, scratchpad;
+};
+
+// [rows, cols] stored with leading dimension ld, transposed when `trans`
+// (element (i, j) at j * ld + i), batch `batch` apart; a broadcast operand
+// is one matrix (batch dim 1) for every output batch.
+memory::desc strided(DType t, bool broadcast, int64_t batch, int64_t rows, int64_t cols, bool trans, int64_t ld,
+                     int64_t stride) {
+  const int64_t nb = broadcast ? 1 : batch;
+  const int64_t bs = nb == 1 ? ld * (trans ? cols : rows) : stride;
+  return memory::desc({nb, rows, cols}, onednn::data_type(t), trans ? memory::dims{bs, 1, ld} : memory::dims{bs, ld, 1});
+}
+
+const MatmulPlan* matmul_plan(const MatmulKey& key) {
+  static std::mutex mu;
+  static std::map<MatmulKey, std::unique_ptr<MatmulPlan>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second.get();
+  std::unique_ptr<MatmulPlan> plan = std::make_unique<MatmulPlan>();
+  try {
+    plan->a = strided(key.dtype, key.broadcast_a, key.batch, key.m, key.k, key.trans_a, key.lda, key.stride_a);
+    plan->b = strided(key.dtype, key.broadcast_b, key.batch, key.k, key.n, key.trans_b, key.ldb, key.stride_b);
+    plan->c = strided(key.dtype, false, key.batch, key.m, key.n, false, key.ldc, key.stride_c);
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // per-call scratch: plans run concurrently
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(plan->a, plan->b, plan->c), attr, onednn::cpu_engine());
+    plan->impl = pd.impl_info_str();
+    plan->scratchpad = pd.scratchpad_desc();
+    plan->prim = dnnl::matmul(pd);
+    if (onednn::is_reference_impl(plan->impl.c_str())) plan.reset();
+  } catch (const dnnl::error&) {
+    plan.reset();
+  }
+  return cache.emplace(key, std::move(plan)).first->second.get();
+}
+
+}  // namespace
+
+bool gemm_cpu_native_16bit(const GemmArgs& g) {
+  const bool bc_a = g.batch > 1 && g.stride_a == 0, bc_b = g.batch > 1 && g.stride_b == 0;
+  const MatmulPlan* p = matmul_plan({g.dtype, g.batch, g.m, g.n, g.k, g.trans_a, g.trans_b, bc_a, bc_b, g.lda,
+                                     g.stride_a, g.ldb, g.stride_b, g.ldc, g.stride_c});
+  if (p == nullptr) return false;
+  auto& engine = onednn::cpu_engine();
+  std::unordered_map<int, memory> args{{DNNL_ARG_SRC, memory(p->a, engine, const_cast<void*>(g.a))},
+                                       {DNNL_ARG_WEIGHTS, memory(p->b, engine, const_cast<void*>(g.b))},
+                                       {DNNL_ARG_DST, memory(p->c, engine, g.c)}};
+  if (p->scratchpad.get_size() > 0) args.emplace(DNNL_ARG_SCRATCHPAD, memory(p->scratchpad, engine));
+  p->prim.execute(onednn::cpu_stream(), args);
+  onednn::cpu_stream().wait();
+  return true;
 }
 
 // ---- Op layer ----
@@ -83,12 +164,16 @@ Tensor batched_gemm_impl(const Tensor& a, const Tensor& b) {
   Tensor out = Tensor::empty({B, m, n}, a.options());
   if (out.numel() == 0) return out;
   if (k == 0) return out.zero_();
-  bool widen = a.device().is_cpu() && (a.dtype() == DType::Float16 || a.dtype() == DType::BFloat16);
-  if (widen) return batched_gemm_impl(a.to(DType::Float32), b.to(DType::Float32)).to(a.dtype());
   MatrixOperand A = describe(a), Bm = describe(b);
   GemmArgs g{a.dtype(), B, m, n, k, A.trans, Bm.trans, A.ptr, A.ld, A.batch_stride, Bm.ptr, Bm.ld,
              Bm.batch_stride, out.raw_data(), n, m * n};
-  if (a.is_cuda()) gemm_cuda(g, a.device().index); else gemm_cpu(g);
+  if (a.is_cuda()) {
+    gemm_cuda(g, a.device().index);
+  } else if (a.dtype() == DType::Float16 || a.dtype() == DType::BFloat16) {
+    if (!gemm_cpu_native_16bit(g)) return batched_gemm_impl(a.to(DType::Float32), b.to(DType::Float32)).to(a.dtype());
+  } else {
+    gemm_cpu(g);
+  }
   return out;
 }
 
