@@ -57,6 +57,12 @@ TEST(Autocast, EveryOpOfThePolicyProducesItsDtype) {
     EXPECT_EQ(bmm(a.unsqueeze(0), b.unsqueeze(0)).dtype(), t.low);
     EXPECT_EQ(linear(a, w, bias).dtype(), t.low);
     EXPECT_EQ(conv2d(img, k).dtype(), t.low);
+    // On CUDA autocast also moves convolutions to channels-last (cuDNN's
+    // tensor-core layout), and the layout carries through the next conv.
+    const MemoryFormat want_layout = t.device.is_cuda() ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
+    EXPECT_EQ(conv2d(img, k).suggest_memory_format(), want_layout);
+    EXPECT_EQ(conv2d(relu(conv2d(img, k, Tensor(), {1, 1}, {1, 1})), randn({2, 4, 1, 1}, f32)).suggest_memory_format(),
+              want_layout);
     for (const Tensor& r : {softmax(half, 1), log_softmax(half, 1), exp(half), log(abs(half) + 1.0), pow(half, 2.0),
                             pow(half, half), sum(half), mean(half)})
       EXPECT_EQ(r.dtype(), DType::Float32);

@@ -427,9 +427,17 @@ ConvGeom conv_geom(const Tensor& x, const Tensor& w, const Tensor& b, Dims strid
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Dims stride, Dims padding, Dims dilation,
               int64_t groups) {
   // Under autocast (autocast.h): the inputs in low precision, then again.
+  // On CUDA the input also goes channels-last, the layout of cuDNN's
+  // tensor-core kernels: the output stays channels-last, and so do the
+  // batch norm, ReLU, pooling and residual adds after it, so only the first
+  // convolution of a network pays for the layout copy.
   if (Tensor lx = autocast::low(x), lw = autocast::low(weight), lb = autocast::low(bias);
-      !lx.is_same(x) || !lw.is_same(weight) || (bias.defined() && !lb.is_same(bias)))
+      !lx.is_same(x) || !lw.is_same(weight) || (bias.defined() && !lb.is_same(bias))) {
+    if (lx.is_cuda() && lx.dim() == 4 && is_floating(lx.dtype()) && lx.dtype() != DType::Float64 &&
+        !is_channels_last(lx))
+      lx = lx.contiguous(MemoryFormat::ChannelsLast);
     return conv2d(lx, lw, lb, stride, padding, dilation, groups);
+  }
   const ConvGeom g = conv_geom(x, weight, bias, stride, padding, dilation, groups);
   // Channels-last input stays channels-last on CUDA (cuDNN is fastest in
   // NHWC with tensor cores), except float64, for which cuDNN has few NHWC
