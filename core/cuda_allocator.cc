@@ -86,6 +86,11 @@ class CudaCachingAllocator final : public Allocator {
     empty_cache_locked();
   }
 
+  void reset_peak_stats() override {
+    std::lock_guard<std::mutex> g(mu_);
+    stats_.peak_allocated = stats_.allocated;
+  }
+
  private:
   DataPtr allocate_uncached(size_t nbytes) {
     const size_t n = std::max<size_t>(nbytes, 1);

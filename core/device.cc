@@ -80,6 +80,11 @@ class CpuAllocator final : public Allocator {
     return stats_;
   }
 
+  void reset_peak_stats() override {
+    std::lock_guard<std::mutex> g(mu_);
+    stats_.peak_allocated = stats_.allocated;
+  }
+
   void empty_cache() override {
     std::lock_guard<std::mutex> g(mu_);
     for (auto& [cls, blocks] : cache_) {

@@ -60,6 +60,10 @@ class Allocator {
   virtual AllocatorStats stats() const = 0;
   // Return cached, unused memory to the system (no-op where nothing is cached).
   virtual void empty_cache() {}
+  // Restarts the high-water mark from what is allocated now (torch's
+  // reset_peak_memory_stats), to measure the peak of one step; a no-op
+  // where no peak is kept (pinned memory).
+  virtual void reset_peak_stats() {}
 };
 
 Allocator* cpu_allocator();
