@@ -282,6 +282,7 @@ const Plan* plan_for(const ConvGeom& g, bool bias, Pass pass,
 void run_plan(const Plan& p, std::initializer_list<std::pair<int, void*>> ptrs) {
   auto& engine = cpu_engine();
   auto& stream = cpu_stream();
+  std::vector<Tensor> temps;  // reorder targets and scratchpad, until the stream is done
   std::unordered_map<int, memory> args;
   std::vector<std::pair<const ArgPlan*, memory>> outputs;  // (plan, our buffer) to reorder back into
   for (const ArgPlan& a : p.args) {
@@ -294,12 +295,12 @@ void run_plan(const Plan& p, std::initializer_list<std::pair<int, void*>> ptrs) 
       args.emplace(a.arg, ours);
       continue;
     }
-    memory tmp(a.chosen, engine);
+    memory tmp = onednn::scratch_memory(a.chosen, temps);
     if (a.output) outputs.emplace_back(&a, ours);
     else a.reorder.execute(stream, ours, tmp);
     args.emplace(a.arg, tmp);
   }
-  if (p.scratchpad.get_size() > 0) args.emplace(DNNL_ARG_SCRATCHPAD, memory(p.scratchpad, engine));
+  if (p.scratchpad.get_size() > 0) args.emplace(DNNL_ARG_SCRATCHPAD, onednn::scratch_memory(p.scratchpad, temps));
   p.prim.execute(stream, args);
   for (auto& [a, ours] : outputs) a->reorder.execute(stream, args.at(a->arg), ours);
   stream.wait();

@@ -129,7 +129,8 @@ bool gemm_cpu_native_16bit(const GemmArgs& g) {
   std::unordered_map<int, memory> args{{DNNL_ARG_SRC, memory(p->a, engine, const_cast<void*>(g.a))},
                                        {DNNL_ARG_WEIGHTS, memory(p->b, engine, const_cast<void*>(g.b))},
                                        {DNNL_ARG_DST, memory(p->c, engine, g.c)}};
-  if (p->scratchpad.get_size() > 0) args.emplace(DNNL_ARG_SCRATCHPAD, memory(p->scratchpad, engine));
+  std::vector<Tensor> temps;
+  if (p->scratchpad.get_size() > 0) args.emplace(DNNL_ARG_SCRATCHPAD, onednn::scratch_memory(p->scratchpad, temps));
   p->prim.execute(onednn::cpu_stream(), args);
   onednn::cpu_stream().wait();
   return true;
