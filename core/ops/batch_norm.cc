@@ -64,7 +64,7 @@ void batch_norm_stats_cpu(const Tensor& x, Tensor& mean, Tensor& var) {
           const T* row = xp + (n * sh.c + c) * sh.s;
           S acc = 0;
 #pragma omp simd reduction(+ : acc)
-          for (int64_t i = 0; i < sh.s; ++i) acc += static_cast<S>(row[i]);
+          for (int64_t i = 0; i < sh.s; ++i) acc += load_as<S>(row + i);
           sum += acc;
         }
         const double mu = sum / m;
@@ -75,7 +75,7 @@ void batch_norm_stats_cpu(const Tensor& x, Tensor& mean, Tensor& var) {
           S acc = 0;
 #pragma omp simd reduction(+ : acc)
           for (int64_t i = 0; i < sh.s; ++i) {
-            const S d = static_cast<S>(row[i]) - mu_f;
+            const S d = load_as<S>(row + i) - mu_f;
             acc += d * d;
           }
           sq += acc;
@@ -106,7 +106,7 @@ void batch_norm_apply_cpu(const Tensor& x, const Tensor& mean, const Tensor& inv
                      const T* xr = xp + p * sh.s;
                      T* yr = yp + p * sh.s;
 #pragma omp simd
-                     for (int64_t i = 0; i < sh.s; ++i) yr[i] = static_cast<T>(static_cast<S>(xr[i]) * scale + shift);
+                     for (int64_t i = 0; i < sh.s; ++i) store_as(yr + i, load_as<S>(xr + i) * scale + shift);
                    }
                  });
   });
@@ -131,13 +131,16 @@ void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& me
         double sum_dy = 0, sum_dy_xc = 0;
         const S mu_f = static_cast<S>(mu);
         for (int64_t n = 0; n < sh.n; ++n) {
-          const int64_t off = (n * sh.c + c) * sh.s;
+          // Row pointers as locals: read through the lambda's captures, gcc
+          // reloads them each iteration and cannot vectorize.
+          const T* gr = gp + (n * sh.c + c) * sh.s;
+          const T* xr = xp + (n * sh.c + c) * sh.s;
           S a_dy = 0, a_dyx = 0;
 #pragma omp simd reduction(+ : a_dy, a_dyx)
           for (int64_t i = 0; i < sh.s; ++i) {
-            const S g = static_cast<S>(gp[off + i]);
+            const S g = load_as<S>(gr + i);
             a_dy += g;
-            a_dyx += g * (static_cast<S>(xp[off + i]) - mu_f);
+            a_dyx += g * (load_as<S>(xr + i) - mu_f);
           }
           sum_dy += a_dy;
           sum_dy_xc += a_dyx;
@@ -155,10 +158,12 @@ void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& me
         const S mu_s = static_cast<S>(mu), inv_s = static_cast<S>(inv);
         for (int64_t n = 0; n < sh.n; ++n) {
           const int64_t off = (n * sh.c + c) * sh.s;
+          const T *gr = gp + off, *xr = xp + off;
+          T* dr = dxp + off;
 #pragma omp simd
           for (int64_t i = 0; i < sh.s; ++i) {
-            const S xhat = (static_cast<S>(xp[off + i]) - mu_s) * inv_s;
-            dxp[off + i] = static_cast<T>(a * static_cast<S>(gp[off + i]) + bx * xhat + k);
+            const S xhat = (load_as<S>(xr + i) - mu_s) * inv_s;
+            store_as(dr + i, a * load_as<S>(gr + i) + bx * xhat + k);
           }
         }
       }

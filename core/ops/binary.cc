@@ -29,10 +29,10 @@ void binary_cpu(BinaryOp op, const StridedIter& it, double alpha) {
           const T* b = reinterpret_cast<const T*>(p[2]);
           if (s[0] == 1 && s[1] == 1 && s[2] == 1) {
             for (int64_t i = 0; i < n; ++i)
-              out[i] = static_cast<O>(binary_fn<OP, C>(static_cast<C>(a[i]), static_cast<C>(b[i]), al));
+              store_as(out + i, binary_fn<OP, C>(static_cast<C>(a[i]), static_cast<C>(b[i]), al));
           } else if (s[0] == 1 && s[1] == 1 && s[2] == 0) {  // tensor (op) scalar
             const C bv = static_cast<C>(b[0]);
-            for (int64_t i = 0; i < n; ++i) out[i] = static_cast<O>(binary_fn<OP, C>(static_cast<C>(a[i]), bv, al));
+            for (int64_t i = 0; i < n; ++i) store_as(out + i, binary_fn<OP, C>(static_cast<C>(a[i]), bv, al));
           } else {
             for (int64_t i = 0; i < n; ++i)
               out[i * s[0]] = static_cast<O>(

@@ -24,7 +24,14 @@ void copy_cpu(const StridedIter& it) {
       cpu_loop(it, [&](char** p, const int64_t* s, int64_t n) {
         To* out = reinterpret_cast<To*>(p[0]);
         const From* in = reinterpret_cast<const From*>(p[1]);
-        for (int64_t i = 0; i < n; ++i) out[i * s[0]] = cast_value<To, From>(in[i * s[1]]);
+        if (s[0] == 1 && s[1] == 1) {  // unit strides: the casts autocast makes, vectorized
+          if constexpr (is_half_like_v<To> && !std::is_same_v<From, bool>)
+            for (int64_t i = 0; i < n; ++i) store_as(out + i, static_cast<float>(in[i]));
+          else
+            for (int64_t i = 0; i < n; ++i) out[i] = cast_value<To, From>(in[i]);
+        } else {
+          for (int64_t i = 0; i < n; ++i) out[i * s[0]] = cast_value<To, From>(in[i * s[1]]);
+        }
       });
     });
   });

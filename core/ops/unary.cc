@@ -24,7 +24,7 @@ void unary_cpu(UnaryOp op, const StridedIter& it, double p0, double p1) {
         T* out = reinterpret_cast<T*>(p[0]);
         const T* in = reinterpret_cast<const T*>(p[1]);
         if (s[0] == 1 && s[1] == 1) {
-          for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(unary_fn<OP, C>(static_cast<C>(in[i]), c0, c1));
+          for (int64_t i = 0; i < n; ++i) store_as(out + i, unary_fn<OP, C>(static_cast<C>(in[i]), c0, c1));
         } else {
           for (int64_t i = 0; i < n; ++i)
             out[i * s[0]] = static_cast<T>(unary_fn<OP, C>(static_cast<C>(in[i * s[1]]), c0, c1));
