@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -277,9 +278,24 @@ const Plan* plan_for(const ConvGeom& g, bool bias, Pass pass,
 }
 
 
+// Inputs already reordered in this call of an op (buffer, layout): the two
+// backward passes both read dy, usually in the same blocked layout, so the
+// second reuses the first's copy (a bfloat16 ResNet step spends ~15% of its
+// time in reorders).
+struct Reordered {
+  std::vector<std::tuple<const void*, memory::desc, memory>> entries;
+  std::vector<Tensor> temps;  // their buffers
+  const memory* find(const void* data, const memory::desc& d) const {
+    for (const auto& [p, desc, m] : entries)
+      if (p == data && desc == d) return &m;
+    return nullptr;
+  }
+};
+
 // Runs a plan on our buffers (`ptrs`: DNNL_ARG_* -> data), reordering
-// through temporaries where the plan chose other layouts.
-void run_plan(const Plan& p, std::initializer_list<std::pair<int, void*>> ptrs) {
+// through temporaries where the plan chose other layouts; `shared` (may be
+// null) keeps reordered inputs for a later plan of the same op.
+void run_plan(const Plan& p, std::initializer_list<std::pair<int, void*>> ptrs, Reordered* shared = nullptr) {
   auto& engine = cpu_engine();
   auto& stream = cpu_stream();
   std::vector<Tensor> temps;  // reorder targets and scratchpad, until the stream is done
@@ -295,9 +311,16 @@ void run_plan(const Plan& p, std::initializer_list<std::pair<int, void*>> ptrs) 
       args.emplace(a.arg, ours);
       continue;
     }
-    memory tmp = onednn::scratch_memory(a.chosen, temps);
+    if (!a.output && shared) {
+      if (const memory* m = shared->find(data, a.chosen)) {
+        args.emplace(a.arg, *m);
+        continue;
+      }
+    }
+    memory tmp = onednn::scratch_memory(a.chosen, shared && !a.output ? shared->temps : temps);
     if (a.output) outputs.emplace_back(&a, ours);
     else a.reorder.execute(stream, ours, tmp);
+    if (!a.output && shared) shared->entries.emplace_back(data, a.chosen, tmp);
     args.emplace(a.arg, tmp);
   }
   if (p.scratchpad.get_size() > 0) args.emplace(DNNL_ARG_SCRATCHPAD, onednn::scratch_memory(p.scratchpad, temps));
@@ -355,14 +378,16 @@ void conv2d_backward_cpu(const ConvGeom& g, const Tensor& x, const Tensor& w, co
     if (db) db->copy_(db32);
     return;
   }
+  Reordered shared;  // dy, reordered once for both passes
   if (pd)
     run_plan(*pd, {{DNNL_ARG_DIFF_DST, dy.raw_data()}, {DNNL_ARG_WEIGHTS, w.raw_data()},
-                   {DNNL_ARG_DIFF_SRC, dx->raw_data()}});
+                   {DNNL_ARG_DIFF_SRC, dx->raw_data()}}, &shared);
   if (pw) {
     // oneDNN computes both in one pass; dw needs a buffer even if unwanted.
     Tensor dw_buf = dw ? *dw : Tensor::empty(w.sizes(), w.options());
     run_plan(*pw, {{DNNL_ARG_SRC, x.raw_data()}, {DNNL_ARG_DIFF_DST, dy.raw_data()},
-                   {DNNL_ARG_DIFF_WEIGHTS, dw_buf.raw_data()}, {DNNL_ARG_DIFF_BIAS, db ? db->raw_data() : nullptr}});
+                   {DNNL_ARG_DIFF_WEIGHTS, dw_buf.raw_data()}, {DNNL_ARG_DIFF_BIAS, db ? db->raw_data() : nullptr}},
+             &shared);
   }
 }
 
