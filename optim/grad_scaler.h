@@ -47,7 +47,7 @@ struct GradScalerOptions {
   // either every rank steps or every rank skips, and the scales stay equal.
   // distributed::found_inf_allreduce(pg) gives one. Not needed after DDP,
   // whose averaged gradients are identical on every rank already.
-  std::function<void(const Tensor& flags)> sync_found_inf;
+  std::function<void(const Tensor& flags)> sync_found_inf = nullptr;
 };
 
 class GradScaler {

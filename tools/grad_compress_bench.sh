@@ -1,0 +1,67 @@
+#!/bin/bash
+# What DDP's gradient compression (resnet_ddp --grad-compress) buys when the
+# allreduce crosses a link slower than loopback: two network namespaces
+# ("hosts") joined by a veth pair whose egress is shaped to RATE (tc tbf),
+# one rank on each, synthetic data; every mode in turn, ROUNDS interleaved
+# rounds, the img/s of each run's last progress line. Needs root (ip netns,
+# tc); not part of CI (a minute or more per rate).
+#
+#   bazel build -c opt //examples:resnet_ddp //tools:launch
+#   tools/grad_compress_bench.sh bazel-bin/tools/launch bazel-bin/examples/resnet_ddp [ROUNDS] [RATE...]
+#   e.g. tools/grad_compress_bench.sh bazel-bin/tools/launch bazel-bin/examples/resnet_ddp 3 100mbit 1gbit
+set -uo pipefail
+launch=$(realpath "$1") resnet=$(realpath "$2") rounds=${3:-3}
+shift 3 2>/dev/null || shift $#
+rates=("$@")
+[ ${#rates[@]} -gt 0 ] || rates=(100mbit 1gbit)
+[ "$(id -u)" = 0 ] || { echo "grad_compress_bench: needs root (ip netns, tc)"; exit 1; }
+
+ns0=ember_gc0_$$ ns1=ember_gc1_$$ if0=egc0_$$ if1=egc1_$$
+if0=${if0:0:15} if1=${if1:0:15}
+addr0=10.78.$(( $$ % 200 )).1 addr1=10.78.$(( $$ % 200 )).2
+work=$(mktemp -d /tmp/ember_gc.XXXXXX)
+cleanup() {
+  for ns in "$ns0" "$ns1"; do
+    pids=$(ip netns pids "$ns" 2>/dev/null)
+    [ -n "$pids" ] && kill -9 $pids 2>/dev/null
+    ip netns del "$ns" 2>/dev/null
+  done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+ip netns add "$ns0" && ip netns add "$ns1" &&
+  ip link add "$if0" type veth peer name "$if1" &&
+  ip link set "$if0" netns "$ns0" && ip link set "$if1" netns "$ns1" &&
+  ip -n "$ns0" addr add "$addr0/24" dev "$if0" && ip -n "$ns1" addr add "$addr1/24" dev "$if1" &&
+  ip -n "$ns0" link set "$if0" up && ip -n "$ns1" link set "$if1" up &&
+  ip -n "$ns0" link set lo up && ip -n "$ns1" link set lo up || { echo "network setup failed"; exit 1; }
+
+# run MODE AMP: one job, a rank per namespace; prints its img/s.
+run() {
+  local mode=$1 amp=$2 pids=()
+  for node in 0 1; do
+    local ns=$ns0 iface=$if0
+    [ $node = 1 ] && ns=$ns1 iface=$if1
+    ip netns exec "$ns" env GLOO_SOCKET_IFNAME="$iface" EMBER_STORE_TOKEN=gc-bench \
+      "$launch" --nnodes=2 --node_rank=$node --master_addr="$addr0" --master_port=29511 --nproc_per_node=1 -- \
+      "$resnet" --data synthetic --epochs 1 --max-steps 30 --eval-size 64 --amp "$amp" --grad-compress "$mode" \
+      --checkpoint-dir "$work/ckpt_$node" >"$work/node$node.log" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  rm -rf "$work"/ckpt_*
+  grep "step 30/30" "$work/node0.log" | sed 's/.*  \([0-9]*\) img\/s.*/\1/'
+}
+
+for rate in "${rates[@]}"; do
+  for dev in "$ns0 $if0" "$ns1 $if1"; do
+    set -- $dev
+    ip netns exec "$1" tc qdisc replace dev "$2" root tbf rate "$rate" burst 256kb latency 50ms
+  done
+  for round in $(seq "$rounds"); do
+    for cfg in "off off" "bf16 off" "fp16 off" "off bf16" "bf16 bf16"; do
+      set -- $cfg
+      echo "rate $rate round $round --grad-compress $1 --amp $2: $(run "$1" "$2") img/s"
+    done
+  done
+done
