@@ -1,7 +1,9 @@
 #!/bin/bash
 # What DDP's gradient compression (resnet_ddp --grad-compress) buys when the
 # allreduce crosses a link slower than loopback: two network namespaces
-# ("hosts") joined by a veth pair whose egress is shaped to RATE (tc tbf),
+# ("hosts") joined by a veth pair whose egress is shaped to RATE (tc tbf
+# with a queue of up to 2 s, so packets wait rather than drop and TCP does
+# not stall in retransmission timeouts),
 # one rank on each, synthetic data; every mode in turn, ROUNDS interleaved
 # rounds, the img/s of each run's last progress line. Needs root (ip netns,
 # tc); not part of CI (a minute or more per rate).
@@ -9,6 +11,7 @@
 #   bazel build -c opt //examples:resnet_ddp //tools:launch
 #   tools/grad_compress_bench.sh bazel-bin/tools/launch bazel-bin/examples/resnet_ddp [ROUNDS] [RATE...]
 #   e.g. tools/grad_compress_bench.sh bazel-bin/tools/launch bazel-bin/examples/resnet_ddp 3 100mbit 1gbit
+# CONFIGS="off,off bf16,off" picks the (--grad-compress, --amp) pairs.
 set -uo pipefail
 launch=$(realpath "$1") resnet=$(realpath "$2") rounds=${3:-3}
 shift 3 2>/dev/null || shift $#
@@ -56,10 +59,11 @@ run() {
 for rate in "${rates[@]}"; do
   for dev in "$ns0 $if0" "$ns1 $if1"; do
     set -- $dev
-    ip netns exec "$1" tc qdisc replace dev "$2" root tbf rate "$rate" burst 256kb latency 50ms
+    ip netns exec "$1" tc qdisc replace dev "$2" root tbf rate "$rate" burst 64kb latency 2s
   done
   for round in $(seq "$rounds"); do
-    for cfg in "off off" "bf16 off" "fp16 off" "off bf16" "bf16 bf16"; do
+    for cfg in ${CONFIGS:-"off,off" "bf16,off" "fp16,off" "off,bf16" "bf16,bf16"}; do
+      cfg=${cfg/,/ }
       set -- $cfg
       echo "rate $rate round $round --grad-compress $1 --amp $2: $(run "$1" "$2") img/s"
     done
