@@ -58,7 +58,7 @@ void BM_ResNet18StepAmp(benchmark::State& state) {
     {
       std::optional<AutocastGuard> amp;
       if (mode > 0) amp.emplace(DeviceType::CPU, mode == 1 ? DType::BFloat16 : DType::Float16);
-      loss = nn::functional::cross_entropy(model->forward(x), y);
+      loss = nn::functional::cross_entropy((*model)(x), y);
     }
     scaler.scale(loss).backward();
     scaler.step(opt);

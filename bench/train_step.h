@@ -11,7 +11,7 @@ namespace ember::bench {
 // Returns the loss; item() also waits for a GPU step to finish.
 inline double train_step(nn::Module& net, optim::Optimizer& opt, const Tensor& x, const Tensor& y) {
   opt.zero_grad();
-  Tensor loss = nn::functional::cross_entropy(net.forward(x), y);
+  Tensor loss = nn::functional::cross_entropy(net(x), y);
   loss.backward();
   opt.step();
   return loss.item();

@@ -5,7 +5,7 @@
 //
 //   {
 //     AutocastGuard amp(DeviceType::CPU, DType::BFloat16);
-//     loss = cross_entropy(model.forward(x), y);   // linear/conv in bf16, the loss in fp32
+//     loss = cross_entropy(model(x), y);   // linear/conv in bf16, the loss in fp32
 //   }
 //   loss.backward();                               // gradients in each parameter's dtype
 //

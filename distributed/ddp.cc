@@ -388,7 +388,7 @@ void DistributedDataParallel::Impl::mark_ready(int i) {
               "): inside join_uneven_inputs, this backward runs inside no_sync() but its forward ran outside it, "
               "and the ranks that have joined were told at that forward that gradients would be synchronized; run "
               "the forward inside no_sync() too (with GradientAccumulator, pass the loss as a function: "
-              "acc.backward([&] { return loss_fn(ddp->forward(x), y); }))");
+              "acc.backward([&] { return loss_fn((*ddp)(x), y); }))");
   if (!armed || !require_sync) return;  // no DDP forward, or inside no_sync: local accumulation only
   if (!finalize_queued) {
     std::shared_ptr<Impl*> h = handle;
@@ -515,7 +515,7 @@ Tensor DistributedDataParallel::forward(const Tensor& x) {
   if (impl_->opts.broadcast_buffers) broadcast_coalesced(*pg_, impl_->buffers, buffer_root);
   if (sync) impl_->prepare();
   else impl_->armed = false;
-  return module_->forward(x);
+  return (*module_)(x);
 }
 
 int64_t join_uneven_inputs(DistributedDataParallel& ddp, const std::function<void()>& body) {

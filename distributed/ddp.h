@@ -11,7 +11,7 @@
 //   optim::SGD opt(ddp->parameters(), {.lr = 0.1});
 //   for (auto& [x, y] : loader) {
 //     opt.zero_grad();
-//     nn::functional::cross_entropy(ddp->forward(x), y).backward();
+//     nn::functional::cross_entropy((*ddp)(x), y).backward();
 //     opt.step();
 //   }
 //
@@ -116,7 +116,7 @@ class DistributedDataParallel : public nn::Module {
 // Gradient accumulation over k micro-batches with one synchronization:
 //
 //   GradientAccumulator acc(ddp, k);
-//   for (int i = 0; i < k; ++i) acc.backward(loss_fn(ddp->forward(x[i]), y[i]));
+//   for (int i = 0; i < k; ++i) acc.backward(loss_fn((*ddp)(x[i]), y[i]));
 //   opt.step();
 //
 // backward() scales the loss by 1/k and runs micro-steps 1..k-1 inside
@@ -147,7 +147,7 @@ class GradientAccumulator {
 // rank's body has returned. Returns the number of steps this rank shadowed.
 //
 //   int64_t shadowed = distributed::join_uneven_inputs(*ddp, [&] {
-//     for (auto& b : loader) { ...; loss(ddp->forward(x), y).backward(); opt.step(); }
+//     for (auto& b : loader) { ...; loss((*ddp)(x), y).backward(); opt.step(); }
 //   });
 //
 // Inside, every forward adds one small allreduce (which ranks are still

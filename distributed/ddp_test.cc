@@ -157,7 +157,7 @@ Batch global_batch(bool conv, int64_t n, int step) {
   return {x, y};
 }
 
-Tensor loss_of(nn::Module& m, const Batch& b) { return nn::functional::cross_entropy(m.forward(b.x), b.y); }
+Tensor loss_of(nn::Module& m, const Batch& b) { return nn::functional::cross_entropy(m(b.x), b.y); }
 
 // Options from "key=value,key=value" (RunOptions::arg).
 std::map<std::string, std::string> parse(const std::string& arg) {
@@ -498,8 +498,8 @@ EMBER_WORKER(syncbn) {
     all.x = all.x * 3.0 + 2.0;
     opt_ddp.zero_grad();
     opt_ref.zero_grad();
-    Tensor out = ddp->forward(all.x.narrow(0, r * b, b));
-    Tensor ref_out = ref->forward(all.x);
+    Tensor out = (*ddp)(all.x.narrow(0, r * b, b));
+    Tensor ref_out = (*ref)(all.x);
     expect_close(out, ref_out.narrow(0, r * b, b), "step " + std::to_string(step) + ": output");
     // The reference loss is the mean over all rows; each rank's mean over its
     // rows, averaged by DDP, is the same.
@@ -549,8 +549,8 @@ EMBER_WORKER(buffers) {
     Tensor out, ref_out;
     {
       NoGradGuard g;
-      out = ddp->forward(x);
-      ref_out = ref->forward(x);
+      out = (*ddp)(x);
+      ref_out = (*ref)(x);
     }
     expect_close(out, ref_out, when + ": output");
     auto want = ref->state_dict();
@@ -567,7 +567,7 @@ EMBER_WORKER(buffers) {
     set_stats(*local, r);
     NoGradGuard g;
     Batch all = global_batch(true, 4, 8);
-    double d = max_abs_diff(ddp->forward(all.x), mine->forward(all.x));
+    double d = max_abs_diff((*ddp)(all.x), (*mine)(all.x));
     WCHECK(r == 0 || d > 1e-3, "rank ", r, "'s own stats give the same output as rank 0's (diff ", d, ")");
   }
 }

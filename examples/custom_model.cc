@@ -33,10 +33,10 @@ class SmallCnn : public nn::Module {
 
   // 2. forward() composes differentiable ops; autograd records them.
   Tensor forward(const Tensor& x) override {
-    Tensor h = max_pool2d(relu(bn1->forward(conv1->forward(x))), {2, 2}, {2, 2});   // [N, 32, 14, 14]
-    h = max_pool2d(relu(bn2->forward(conv2->forward(h))), {2, 2}, {2, 2});          // [N, 64, 7, 7]
+    Tensor h = max_pool2d(relu((*bn1)((*conv1)(x))), {2, 2}, {2, 2});   // [N, 32, 14, 14]
+    h = max_pool2d(relu((*bn2)((*conv2)(h))), {2, 2}, {2, 2});          // [N, 64, 7, 7]
     h = nn::functional::dropout(h.flatten(1), 0.25, is_training());
-    return fc->forward(h) * exp(neg(log_temperature));
+    return (*fc)(h) * exp(neg(log_temperature));
   }
 
   std::shared_ptr<nn::Conv2d> conv1, conv2;
@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
     examples::for_each_batch(train, 128, /*seed=*/0, /*epoch=*/0, [&](const Tensor& x, const Tensor& y, int64_t) {
       if (step >= max_steps) return;
       opt.zero_grad();
-      Tensor loss = criterion(model.forward(x), y);
+      Tensor loss = criterion(model(x), y);
       loss.backward();
       opt.step();
       if (step % 50 == 0) std::printf("step %4lld  loss %.4f\n", static_cast<long long>(step), loss.item());

@@ -56,7 +56,7 @@ double accuracy(Model& model, const Split& s, int64_t batch = 1000) {
   int64_t correct = 0, n = s.images.size(0);
   for (int64_t i = 0; i < n; i += batch) {
     int64_t len = std::min(batch, n - i);
-    Tensor pred = argmax(model.forward(s.images.narrow(0, i, len)), 1);
+    Tensor pred = argmax(model(s.images.narrow(0, i, len)), 1);
     correct += static_cast<int64_t>(sum(eq(pred, s.labels.narrow(0, i, len))).item());
   }
   return static_cast<double>(correct) / static_cast<double>(n);

@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
       examples::for_each_batch(train, batch, seed, epoch, [&](const Tensor& x, const Tensor& y, int64_t) {
         if (max_steps >= 0 && step >= max_steps) return;
         opt.zero_grad();
-        Tensor loss = nn::functional::cross_entropy(model->forward(x), y);
+        Tensor loss = nn::functional::cross_entropy((*model)(x), y);
         loss.backward();
         opt.step();
         last_loss = loss.item();

@@ -372,7 +372,7 @@ double evaluate(nn::Module& model, data::DataLoader& loader, distributed::Proces
   NoGradGuard no_grad;
   int64_t correct = 0, total = 0;
   for (data::Batch& b : loader) {
-    Tensor pred = argmax(model.forward(b.data), 1);
+    Tensor pred = argmax(model(b.data), 1);
     correct += static_cast<int64_t>(sum(eq(pred, b.target)).item());
     total += b.size();
   }
@@ -544,7 +544,7 @@ int train(const Flags& flags) {
       {
         std::optional<AutocastGuard> amp;
         if (flags.amp != "off") amp.emplace(device.type, flags.amp == "bf16" ? DType::BFloat16 : DType::Float16);
-        loss = nn::functional::cross_entropy(ddp->forward(b.data), b.target);  // float32 under autocast too
+        loss = nn::functional::cross_entropy((*ddp)(b.data), b.target);  // float32 under autocast too
       }
       loss_sum += loss.item();
       ++micro;

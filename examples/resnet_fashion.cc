@@ -59,7 +59,7 @@ int main(int argc, char** argv) {
       examples::for_each_batch(train, batch, seed, epoch, [&](const Tensor& x, const Tensor& y, int64_t b) {
         if (step >= total) return;
         opt.zero_grad();
-        Tensor loss = nn::functional::cross_entropy(model->forward(x), y);
+        Tensor loss = nn::functional::cross_entropy((*model)(x), y);
         loss.backward();
         opt.step();
         sched.step();

@@ -77,7 +77,7 @@ TEST(Autocast, EveryOpOfThePolicyProducesItsDtype) {
     // batch_norm: the input's dtype out, float32 statistics and running stats.
     nn::BatchNorm2d bn(3);
     bn.to(t.device);
-    Tensor y = bn.forward(img.to(t.low));
+    Tensor y = bn(img.to(t.low));
     EXPECT_EQ(y.dtype(), t.low);
     EXPECT_EQ(bn.running_mean.dtype(), DType::Float32);
     EXPECT_GT(max(abs(bn.running_mean)).item(), 0.0) << "the running stats were updated";
@@ -160,7 +160,7 @@ void compare_grads(nn::Module& model, const Tensor& x, const Tensor& y, const Ta
     {
       std::unique_ptr<AutocastGuard> g;
       if (amp) g = std::make_unique<AutocastGuard>(t.device.type, t.low);
-      Tensor loss = nn::functional::cross_entropy(model.forward(x), y);
+      Tensor loss = nn::functional::cross_entropy(model(x), y);
       EXPECT_EQ(loss.dtype(), DType::Float32);
       loss.backward();  // inside the scope on purpose: backward ignores autocast
     }

@@ -175,7 +175,7 @@ void Sequential::push_back(std::shared_ptr<Module> layer) {
 
 Tensor Sequential::forward(const Tensor& x) {
   Tensor h = x;
-  for (auto& l : layers_) h = l->forward(h);
+  for (auto& l : layers_) h = (*l)(h);
   return h;
 }
 

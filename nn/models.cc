@@ -24,9 +24,9 @@ BasicBlock::BasicBlock(int64_t in, int64_t planes, int64_t stride, std::shared_p
 }
 
 Tensor BasicBlock::forward(const Tensor& x) {
-  Tensor out = relu(bn1->forward(conv1->forward(x)));
-  out = bn2->forward(conv2->forward(out));
-  return relu(out + (downsample ? downsample->forward(x) : x));
+  Tensor out = relu((*bn1)((*conv1)(x)));
+  out = (*bn2)((*conv2)(out));
+  return relu(out + (downsample ? (*downsample)(x) : x));
 }
 
 Bottleneck::Bottleneck(int64_t in, int64_t planes, int64_t stride, std::shared_ptr<Sequential> ds)
@@ -41,10 +41,10 @@ Bottleneck::Bottleneck(int64_t in, int64_t planes, int64_t stride, std::shared_p
 }
 
 Tensor Bottleneck::forward(const Tensor& x) {
-  Tensor out = relu(bn1->forward(conv1->forward(x)));
-  out = relu(bn2->forward(conv2->forward(out)));
-  out = bn3->forward(conv3->forward(out));
-  return relu(out + (downsample ? downsample->forward(x) : x));
+  Tensor out = relu((*bn1)((*conv1)(x)));
+  out = relu((*bn2)((*conv2)(out)));
+  out = (*bn3)((*conv3)(out));
+  return relu(out + (downsample ? (*downsample)(x) : x));
 }
 
 ResNet::ResNet(Block block, std::vector<int64_t> layers, ResNetOptions opts)
@@ -101,11 +101,11 @@ Tensor ResNet::forward(const Tensor& x) {
   EMBER_CHECK(x.dim() == 4 && x.size(1) == options.in_channels, "ResNet: expected input [N, ", options.in_channels,
               ", H, W], got ", shape_str(x.sizes()));
   const Tensor in = options.memory_format == MemoryFormat::ChannelsLast ? x.contiguous(MemoryFormat::ChannelsLast) : x;
-  Tensor h = relu(bn1->forward(conv1->forward(in)));
-  if (maxpool) h = maxpool->forward(h);
-  h = layer4->forward(layer3->forward(layer2->forward(layer1->forward(h))));
+  Tensor h = relu((*bn1)((*conv1)(in)));
+  if (maxpool) h = (*maxpool)(h);
+  h = (*layer4)((*layer3)((*layer2)((*layer1)(h))));
   h = mean(h, {2, 3});  // adaptive average pool to 1x1, then flatten
-  return fc->forward(h);
+  return (*fc)(h);
 }
 
 std::shared_ptr<ResNet> resnet18(ResNetOptions o) {

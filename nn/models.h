@@ -3,7 +3,7 @@
 // 32x32 inputs: a 3x3/1 first conv and no max-pool) and an MLP.
 //
 //   auto net = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true});
-//   Tensor logits = net->forward(images);   // [N, 10]
+//   Tensor logits = (*net)(images);   // [N, 10]
 #pragma once
 
 #include <memory>

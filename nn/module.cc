@@ -1,6 +1,7 @@
 // Module bookkeeping: registration, traversal, device moves, state dicts.
 #include "nn/module.h"
 
+#include <algorithm>
 #include <optional>
 #include <sstream>
 #include <unordered_set>
@@ -20,6 +21,68 @@ const Tensor* StateDict::find(const std::string& name) const {
   for (const auto& [k, v] : items_)
     if (k == name) return &v;
   return nullptr;
+}
+
+void HookHandle::remove() {
+  if (remove_) {
+    auto f = std::move(remove_);
+    remove_ = nullptr;
+    f();
+  }
+}
+
+template <typename H>
+HookHandle Module::add_hook(std::vector<std::pair<uint64_t, H>> Hooks::*list, H hook) {
+  EMBER_CHECK(hook != nullptr, type_name_, ": cannot register an empty hook");
+  const uint64_t id = hooks_->next_id++;
+  ((*hooks_).*list).emplace_back(id, std::move(hook));
+  HookHandle h;
+  std::weak_ptr<Hooks> weak = hooks_;
+  h.remove_ = [weak, list, id] {
+    if (auto hs = weak.lock()) {
+      auto& v = (*hs).*list;
+      v.erase(std::remove_if(v.begin(), v.end(), [id](const auto& e) { return e.first == id; }), v.end());
+    }
+  };
+  return h;
+}
+
+HookHandle Module::register_forward_pre_hook(ForwardPreHook hook) { return add_hook(&Hooks::pre, std::move(hook)); }
+HookHandle Module::register_forward_hook(ForwardHook hook) { return add_hook(&Hooks::post, std::move(hook)); }
+HookHandle Module::register_full_backward_pre_hook(BackwardPreHook hook) {
+  return add_hook(&Hooks::backward_pre, std::move(hook));
+}
+
+Tensor Module::operator()(const Tensor& x) {
+  // Copies: a hook may register or remove hooks while they run.
+  Tensor in = x;
+  for (auto [id, hook] : std::vector(hooks_->pre)) {
+    Tensor r = hook(*this, in);
+    if (r.defined()) in = r;
+  }
+  Tensor out = forward(in);
+  for (auto [id, hook] : std::vector(hooks_->post)) {
+    Tensor r = hook(*this, in, out);
+    if (r.defined()) out = r;
+  }
+  if (!hooks_->backward_pre.empty() && out.defined() && out.requires_grad() && !out.is_leaf()) {
+    // On the output's gradient (a hook on the node that made it): it runs
+    // before the backward of every op this forward recorded. A leaf output
+    // (forward returned its input unchanged) would put the hook on the
+    // input itself, so it is not armed there. The module must outlive the
+    // graph.
+    std::weak_ptr<Hooks> weak = hooks_;
+    autograd::register_hook(out, [this, weak](const Tensor& g) {
+      Tensor grad = g;
+      if (auto hs = weak.lock())
+        for (auto [id, hook] : std::vector(hs->backward_pre)) {
+          Tensor r = hook(*this, grad);
+          if (r.defined()) grad = r;
+        }
+      return grad.is_same(g) ? Tensor() : grad;
+    });
+  }
+  return out;
 }
 
 Tensor Module::forward(const Tensor&) {

@@ -12,10 +12,22 @@
 //     Tensor forward(const Tensor& x) override { return (*fc2)(relu((*fc1)(x))); }
 //   };
 //
+// Call modules through operator() (`(*fc1)(x)`, `model(x)`), not forward():
+// operator() is the non-virtual entry that runs the hooks around forward, as
+// torch's Module.__call__ does; forward() is only the part a module
+// overrides. Hooks (each registration returns a handle whose remove() takes
+// it off again):
+//   register_forward_pre_hook(fn(module, input) -> new input or {})
+//   register_forward_hook(fn(module, input, output) -> new output or {})
+//   register_full_backward_pre_hook(fn(module, grad_output) -> new grad or {})
+// The backward pre-hook runs when the gradient of the module's output
+// arrives, before any of the module's own backward: where FSDP gathers a
+// layer's parameters again. An exception from a hook propagates to the caller.
 // Parameters are plain Tensors that require grad; to() and load_state_dict()
 // update them in place, so the handles a module keeps stay valid.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -41,6 +53,23 @@ class StateDict {
   std::vector<std::pair<std::string, Tensor>> items_;
 };
 
+class Module;
+using ForwardPreHook = std::function<Tensor(Module& module, const Tensor& input)>;
+using ForwardHook = std::function<Tensor(Module& module, const Tensor& input, const Tensor& output)>;
+using BackwardPreHook = std::function<Tensor(Module& module, const Tensor& grad_output)>;
+
+// Takes a hook off again (torch's RemovableHandle). Dropping the handle
+// keeps the hook; remove() is idempotent and safe after the module is gone.
+class HookHandle {
+ public:
+  HookHandle() = default;
+  void remove();
+
+ private:
+  friend class Module;
+  std::function<void()> remove_;
+};
+
 class Module {
  public:
   explicit Module(std::string type_name = "Module") : type_name_(std::move(type_name)) {}
@@ -50,7 +79,14 @@ class Module {
 
   // Single-tensor forward; modules with other signatures define their own.
   virtual Tensor forward(const Tensor& x);
-  Tensor operator()(const Tensor& x) { return forward(x); }
+  // The call entry: forward pre-hooks, forward, forward hooks, then the
+  // backward pre-hooks armed on the output.
+  Tensor operator()(const Tensor& x);
+
+  // Hooks run in registration order; see the top of this file.
+  HookHandle register_forward_pre_hook(ForwardPreHook hook);
+  HookHandle register_forward_hook(ForwardHook hook);
+  HookHandle register_full_backward_pre_hook(BackwardPreHook hook);
 
   const std::string& type_name() const { return type_name_; }
 
@@ -108,6 +144,17 @@ class Module {
   };
   std::vector<Buffer> buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  // Shared with the handles (which hold it weakly) so remove() after the
+  // module is gone does nothing.
+  struct Hooks {
+    uint64_t next_id = 0;
+    std::vector<std::pair<uint64_t, ForwardPreHook>> pre;
+    std::vector<std::pair<uint64_t, ForwardHook>> post;
+    std::vector<std::pair<uint64_t, BackwardPreHook>> backward_pre;
+  };
+  std::shared_ptr<Hooks> hooks_ = std::make_shared<Hooks>();
+  template <typename H>
+  HookHandle add_hook(std::vector<std::pair<uint64_t, H>> Hooks::*list, H hook);
 };
 
 }  // namespace ember::nn

@@ -110,7 +110,86 @@ TEST(Module, DuplicateAndBadNamesAreRejected) {
     }
   };
   M m;
-  EXPECT_THROW(m.forward(zeros({1})), Error);
+  EXPECT_THROW(m(zeros({1})), Error);
+}
+
+// The call entry's hooks: order (pre-hooks, forward, forward hooks, each in
+// registration order), replacing input and output, removal (also from inside
+// a hook, and after the module is gone), an exception from a hook, and the
+// backward pre-hook running on the output's gradient before the module's own
+// backward (its weight has no gradient yet), able to replace that gradient.
+TEST(Module, HooksRunInOrderAroundForwardAndBeforeBackward) {
+  auto lin = std::make_shared<nn::Linear>(3, 2);
+  auto head = std::make_shared<nn::Linear>(2, 1);
+  nn::Sequential seq({lin, head});
+  std::vector<std::string> log;
+  auto h1 = lin->register_forward_pre_hook([&](nn::Module& m, const Tensor& x) {
+    log.push_back("pre1 " + m.type_name());
+    return x * 2.0;  // replaces the input
+  });
+  auto h2 = lin->register_forward_pre_hook([&](nn::Module&, const Tensor&) {
+    log.push_back("pre2");
+    return Tensor();  // keeps it
+  });
+  auto h3 = lin->register_forward_hook([&](nn::Module&, const Tensor& in, const Tensor& out) {
+    log.push_back("post");
+    EXPECT_EQ(in.to_vector(), (std::vector<double>{2, 4, 6})) << "the forward hook sees the replaced input";
+    return out + 1.0;
+  });
+  bool weight_grad_seen = true;
+  auto h4 = lin->register_full_backward_pre_hook([&](nn::Module&, const Tensor& g) {
+    log.push_back("backward_pre");
+    weight_grad_seen = lin->weight.grad().defined();
+    return g * 10.0;
+  });
+  Tensor x = Tensor::from_vector({1, 2, 3}, {1, 3});
+  Tensor y = seq(x);
+  EXPECT_EQ(log, (std::vector<std::string>{"pre1 Linear", "pre2", "post"}));
+  {
+    NoGradGuard ng;
+    const Tensor want = linear(x * 2.0, lin->weight, lin->bias) + 1.0;
+    EXPECT_EQ((*lin)(x).to_vector(), want.to_vector()) << "the hooks changed input and output";
+  }
+  log.clear();
+  sum(y).backward();
+  EXPECT_EQ(log, (std::vector<std::string>{"backward_pre"}));
+  EXPECT_FALSE(weight_grad_seen) << "the backward pre-hook must run before the module's own backward";
+  // d(sum y)/d(bias of lin) = head.weight, times the hook's 10.
+  const std::vector<double> hw = head->weight.to_vector(), gb = lin->bias.grad().to_vector();
+  for (int i = 0; i < 2; ++i) EXPECT_NEAR(gb[i], 10.0 * hw[i], 1e-6);
+
+  for (auto* h : {&h1, &h2, &h3, &h4}) h->remove();
+  h1.remove();  // idempotent
+  log.clear();
+  NoGradGuard ng;
+  EXPECT_EQ((*lin)(x).to_vector(), linear(x, lin->weight, lin->bias).to_vector());
+  EXPECT_TRUE(log.empty());
+
+  // A hook that removes itself runs once; an exception reaches the caller.
+  nn::HookHandle once;
+  int calls = 0;
+  once = lin->register_forward_pre_hook([&](nn::Module&, const Tensor&) {
+    ++calls;
+    once.remove();
+    return Tensor();
+  });
+  (*lin)(x);
+  (*lin)(x);
+  EXPECT_EQ(calls, 1);
+  auto bad = lin->register_forward_hook([](nn::Module&, const Tensor&, const Tensor&) -> Tensor {
+    throw Error("hook failed on purpose");
+  });
+  EXPECT_EQ(error_of([&] { (*lin)(x); }), "hook failed on purpose");
+  bad.remove();
+  EXPECT_NO_THROW((*lin)(x));
+
+  // Removing after the module is gone does nothing.
+  nn::HookHandle orphan;
+  {
+    nn::Linear tmp(2, 2);
+    orphan = tmp.register_forward_pre_hook([](nn::Module&, const Tensor&) { return Tensor(); });
+  }
+  orphan.remove();
 }
 
 TEST(Layers, LinearForwardBackward) {
