@@ -375,7 +375,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                                                          .listen_on_all = env.store_listen_all});
       if (env.world_size > 1) check_world_size(*store, env);
     }
-    ProcessGroupOptions pg_options{.timeout = env.timeout};
+    ProcessGroupOptions pg_options{.timeout = env.timeout, .local_rank = env.local_rank};
     pg = make_group(options.backend, std::make_shared<PrefixStore>("default_pg", store), env.rank, env.world_size,
                     pg_options);
     std::lock_guard<std::mutex> lock(s.mu);

@@ -7,12 +7,16 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <functional>
+#include <memory>
 #include <map>
 #include <optional>
 #include <string>
 
 #include "core/exception.h"
 #include "distributed/init.h"
+#include "distributed/process_group.h"
+#include "distributed/store.h"
 
 namespace ember::distributed {
 namespace {
@@ -40,6 +44,14 @@ class ResolveEnv : public ::testing::Test {
   }
   static void set(const char* name, const std::string& value) { setenv(name, value.c_str(), 1); }
 
+  static std::string error_of_fn(const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "<no ember::Error thrown>";
+  }
   static std::string error_of(const InitOptions& o) {
     try {
       resolve_env(o);
@@ -52,6 +64,24 @@ class ResolveEnv : public ::testing::Test {
  private:
   std::map<std::string, std::string> saved_;
 };
+
+// The one place a rank's GPU is decided (NCCL groups): the option that
+// init_process_group fills from the resolved LOCAL_RANK, else $LOCAL_RANK,
+// else the rank, modulo the GPU count. A Gloo group lives on the CPU.
+TEST_F(ResolveEnv, AGroupsDeviceComesFromTheLocalRank) {
+  ProcessGroupOptions o;
+  EXPECT_EQ(detail::local_device_index(o, 5, 4), 1) << "no LOCAL_RANK: the rank";
+  set("LOCAL_RANK", "2");
+  EXPECT_EQ(detail::local_device_index(o, 5, 4), 2);
+  o.local_rank = 3;
+  EXPECT_EQ(detail::local_device_index(o, 5, 4), 3) << "the option wins over the variable";
+  o.local_rank = 6;
+  EXPECT_EQ(detail::local_device_index(o, 0, 4), 2);
+  EXPECT_THAT(error_of_fn([&] { detail::local_device_index(o, 0, 0); }), HasSubstr("no GPU"));
+  auto store = std::make_shared<FileStore>(std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR")
+                                                                                  : "/tmp") + "/device_store", 1);
+  EXPECT_EQ(make_gloo_group(store, 0, 1)->device(), kCPU);
+}
 
 TEST_F(ResolveEnv, NothingSetIsOneProcess) {
   ResolvedEnv r = resolve_env({});

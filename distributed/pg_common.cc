@@ -4,6 +4,7 @@
 #include "distributed/pg_common.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <sstream>
 #include <thread>
 
@@ -277,6 +278,20 @@ void check_allgather_list(const std::vector<Tensor>& outputs, const Tensor& inpu
 void check_reduce_dtype(DType dtype, ReduceOp op, const std::string& where) {
   EMBER_CHECK(!(dtype == DType::Bool && op == ReduceOp::Avg), where,
               ": ReduceOp avg is not defined for bool tensors (use max for 'any' or min for 'all')");
+}
+
+// One decision for the GPU of a rank: the option init_process_group fills
+// from its resolved environment, else $LOCAL_RANK, else the rank.
+int local_device_index(const ProcessGroupOptions& options, int rank, int device_count) {
+  EMBER_CHECK(device_count > 0, "process group: no GPU to place rank ", rank, " on");
+  int index = rank;
+  if (options.local_rank >= 0) {
+    index = options.local_rank;
+  } else if (const char* local = std::getenv("LOCAL_RANK"); local && *local) {
+    index = std::atoi(local);
+  }
+  EMBER_CHECK(index >= 0, "process group: LOCAL_RANK=", index, " must be at least 0");
+  return index % device_count;
 }
 
 }  // namespace detail

@@ -51,7 +51,16 @@ struct ProcessGroupOptions {
   // store round trip per collective). Cheap next to a real collective; off
   // for benchmarks that want the raw engine.
   bool check_signatures = true;
+  // The rank's place on its node, which fixes the GPU an NCCL group uses
+  // (local_rank % GPU count; one decision for the whole job: init_process_group
+  // passes its resolved LOCAL_RANK). -1: $LOCAL_RANK, else the rank.
+  int local_rank = -1;
 };
+
+namespace detail {
+// The CUDA device index an NCCL group of `rank` uses (see local_rank).
+int local_device_index(const ProcessGroupOptions& options, int rank, int device_count);
+}  // namespace detail
 
 class ProcessGroup {
  public:
@@ -60,6 +69,9 @@ class ProcessGroup {
   int rank() const { return rank_; }
   int size() const { return size_; }
   virtual std::string backend_name() const = 0;
+  // Where this group's tensors live: the CPU for Gloo, this rank's GPU for
+  // NCCL. Small control tensors of a collective go here.
+  virtual Device device() const = 0;
 
   // In place on `tensor` (every rank passes the same shape and dtype).
   virtual std::shared_ptr<Work> allreduce(const Tensor& tensor, ReduceOp op = ReduceOp::Sum) = 0;

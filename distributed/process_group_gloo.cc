@@ -231,6 +231,7 @@ class GlooGroup : public ProcessGroup {
   }
 
   std::string backend_name() const override { return "gloo"; }
+  Device device() const override { return kCPU; }
 
   std::shared_ptr<Work> allreduce(const Tensor& tensor, ReduceOp op) override {
     const std::string w = detail::where("gloo", "allreduce", rank_, size_);

@@ -185,9 +185,7 @@ class NcclGroup : public ProcessGroup {
       : ProcessGroup(rank, size), store_(std::move(store)), options_(options) {
     EMBER_CHECK(cuda_is_available(), "make_nccl_group: the nccl backend needs a CUDA GPU, and none is usable (",
                 cuda_unavailable_reason(), "); use the gloo backend for CPU tensors");
-    const char* local = std::getenv("LOCAL_RANK");
-    const int index = local && *local ? std::atoi(local) : rank;
-    device_ = index % cuda_device_count();
+    device_ = detail::local_device_index(options_, rank, cuda_device_count());
     DeviceGuard g(device_);
 
     // Rank 0 makes the unique id; everyone reads it from the store. Each rank
@@ -244,6 +242,7 @@ class NcclGroup : public ProcessGroup {
   }
 
   std::string backend_name() const override { return "nccl"; }
+  Device device() const override { return cuda_device(device_); }
 
   std::shared_ptr<Work> allreduce(const Tensor& tensor, ReduceOp op) override {
     const std::string w = detail::where("nccl", "allreduce", rank_, size_);

@@ -395,7 +395,7 @@ int train(const Flags& flags) {
   install_checkpoint_fault();
   const int rank = pg->rank(), world = pg->size();
   const auto env = distributed::resolve_env(distributed::InitOptions{});
-  const Device device = cuda ? cuda_device(env.local_rank % cuda_device_count()) : kCPU;
+  const Device device = pg->device();  // the group decides: this rank's GPU under NCCL, else the CPU
   const std::string model_name = !flags.model.empty() ? flags.model : cuda ? "resnet18" : "narrow";
   // Ranks started with other flags would train diverging replicas without a
   // word (a different batch size changes the learning-rate scaling too).
