@@ -159,6 +159,26 @@ Batch global_batch(bool conv, int64_t n, int step) {
 
 Tensor loss_of(nn::Module& m, const Batch& b) { return nn::functional::cross_entropy(m(b.x), b.y); }
 
+// The setup most workers share: rank r's MLP replica (seeded 1 + r, so
+// agreeing with the reference also checks DDP's initial broadcast) wrapped
+// in DDP over `pg`, the one-process reference (seed 1), and SGD with
+// momentum on each.
+struct MlpWithReference {
+  std::shared_ptr<nn::Module> ref, local;
+  std::shared_ptr<DistributedDataParallel> ddp;
+  optim::SGD opt_ddp, opt_ref;
+  MlpWithReference(std::shared_ptr<ProcessGroup> pg, int rank, DDPOptions opts = {})
+      : ref(make_mlp(1)),
+        local(make_mlp(1 + rank)),
+        ddp(std::make_shared<DistributedDataParallel>(local, with_group(std::move(opts), std::move(pg)))),
+        opt_ddp(ddp->parameters(), {.lr = 0.1, .momentum = 0.9}),
+        opt_ref(ref->parameters(), {.lr = 0.1, .momentum = 0.9}) {}
+  static DDPOptions with_group(DDPOptions o, std::shared_ptr<ProcessGroup> pg) {
+    o.process_group = std::move(pg);
+    return o;
+  }
+};
+
 // Options from "key=value,key=value" (RunOptions::arg).
 std::map<std::string, std::string> parse(const std::string& arg) {
   std::map<std::string, std::string> out;
@@ -252,13 +272,8 @@ EMBER_WORKER(accumulate) {
   auto pg = group(env);
   const int r = env.rank, ws = env.world_size;
   const bool use_accumulator = env.arg == "accumulator";
-  auto ref = make_mlp(1);
-  auto local = make_mlp(1 + r);
-  DDPOptions opts;
-  opts.process_group = pg;
-  auto ddp = std::make_shared<DistributedDataParallel>(local, opts);
-  optim::SGD opt_ddp(ddp->parameters(), {.lr = 0.1, .momentum = 0.9});
-  optim::SGD opt_ref(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  MlpWithReference m(pg, r);
+  auto& [ref, local, ddp, opt_ddp, opt_ref] = m;
   GradientAccumulator acc(*ddp, 3);
   const int k = 3;
   const int64_t b = 2;
@@ -308,13 +323,8 @@ EMBER_WORKER(amp) {
   const bool fp16 = env.arg != "bf16";
   const bool accum = env.arg == "fp16_accum";
   const DType low = fp16 ? DType::Float16 : DType::BFloat16;
-  auto ref = make_mlp(1);
-  auto local = make_mlp(1 + r);
-  DDPOptions opts;
-  opts.process_group = pg;
-  auto ddp = std::make_shared<DistributedDataParallel>(local, opts);
-  optim::SGD opt_ddp(ddp->parameters(), {.lr = 0.1, .momentum = 0.9});
-  optim::SGD opt_ref(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  MlpWithReference m(pg, r);
+  auto& [ref, local, ddp, opt_ddp, opt_ref] = m;
   optim::GradScaler scaler_ddp({.enabled = fp16}), scaler_ref({.enabled = fp16});
   const double tol = fp16 ? 2e-3 : 2e-2;
   const int64_t b = 4;
@@ -376,14 +386,11 @@ EMBER_WORKER(compress) {
   const int r = env.rank, ws = env.world_size;
   const bool fp16 = has(env.arg, "fp16"), join = has(env.arg, "+join");
   const DType low = fp16 ? DType::Float16 : DType::BFloat16;
-  auto ref = make_mlp(1);
-  auto local = make_mlp(1 + r);
-  DDPOptions opts;
-  opts.process_group = pg;
-  opts.comm_hook = fp16 ? fp16_compress_hook() : bf16_compress_hook();
-  auto ddp = std::make_shared<DistributedDataParallel>(local, opts);
-  optim::SGD opt_ddp(ddp->parameters(), {.lr = 0.1, .momentum = 0.9});
-  optim::SGD opt_ref(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  MlpWithReference m(pg, r, {.comm_hook = fp16 ? fp16_compress_hook() : bf16_compress_hook()});
+  // References, not a structured binding: the lambdas below capture them.
+  std::shared_ptr<nn::Module> &ref = m.ref, &local = m.local;
+  std::shared_ptr<DistributedDataParallel>& ddp = m.ddp;
+  optim::SGD &opt_ddp = m.opt_ddp, &opt_ref = m.opt_ref;
   // Low-dtype rounding, twice (the cast, the sum's result), in units of the
   // largest entry.
   const double tol = fp16 ? 2e-3 : 1.6e-2;

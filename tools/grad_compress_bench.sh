@@ -19,25 +19,14 @@ rates=("$@")
 [ ${#rates[@]} -gt 0 ] || rates=(100mbit 1gbit)
 [ "$(id -u)" = 0 ] || { echo "grad_compress_bench: needs root (ip netns, tc)"; exit 1; }
 
-ns0=ember_gc0_$$ ns1=ember_gc1_$$ if0=egc0_$$ if1=egc1_$$
-if0=${if0:0:15} if1=${if1:0:15}
-addr0=10.78.$(( $$ % 200 )).1 addr1=10.78.$(( $$ % 200 )).2
+source "$(dirname "$0")/netns_pair.sh"
 work=$(mktemp -d /tmp/ember_gc.XXXXXX)
 cleanup() {
-  for ns in "$ns0" "$ns1"; do
-    pids=$(ip netns pids "$ns" 2>/dev/null)
-    [ -n "$pids" ] && kill -9 $pids 2>/dev/null
-    ip netns del "$ns" 2>/dev/null
-  done
+  netns_pair_cleanup
   rm -rf "$work"
 }
 trap cleanup EXIT
-ip netns add "$ns0" && ip netns add "$ns1" &&
-  ip link add "$if0" type veth peer name "$if1" &&
-  ip link set "$if0" netns "$ns0" && ip link set "$if1" netns "$ns1" &&
-  ip -n "$ns0" addr add "$addr0/24" dev "$if0" && ip -n "$ns1" addr add "$addr1/24" dev "$if1" &&
-  ip -n "$ns0" link set "$if0" up && ip -n "$ns1" link set "$if1" up &&
-  ip -n "$ns0" link set lo up && ip -n "$ns1" link set lo up || { echo "network setup failed"; exit 1; }
+netns_pair ember_gc egc 78 || { echo "network setup failed"; exit 1; }
 
 # run MODE AMP: one job, a rank per namespace; prints its img/s.
 run() {

@@ -20,26 +20,14 @@ if [ "$(id -u)" != 0 ] || ! command -v ip >/dev/null || ! ip netns add "ember_pr
 fi
 ip netns del "ember_probe_$$"
 
-ns0=ember_n0_$$ ns1=ember_n1_$$ if0=emb0_$$ if1=emb1_$$
-if0=${if0:0:15} if1=${if1:0:15}
-addr0=10.77.$(( $$ % 200 )).1 addr1=10.77.$(( $$ % 200 )).2
+source "$(dirname "$0")/netns_pair.sh"
 work=$(mktemp -d "${TEST_TMPDIR:-/tmp}/ember_multihost.XXXXXX")
 cleanup() {
-  for ns in "$ns0" "$ns1"; do
-    pids=$(ip netns pids "$ns" 2>/dev/null)
-    [ -n "$pids" ] && kill -9 $pids 2>/dev/null
-    ip netns del "$ns" 2>/dev/null
-  done
+  netns_pair_cleanup
   rm -rf "$work"
 }
 trap cleanup EXIT
-
-ip netns add "$ns0" && ip netns add "$ns1" &&
-  ip link add "$if0" type veth peer name "$if1" &&
-  ip link set "$if0" netns "$ns0" && ip link set "$if1" netns "$ns1" &&
-  ip -n "$ns0" addr add "$addr0/24" dev "$if0" && ip -n "$ns1" addr add "$addr1/24" dev "$if1" &&
-  ip -n "$ns0" link set "$if0" up && ip -n "$ns1" link set "$if1" up &&
-  ip -n "$ns0" link set lo up && ip -n "$ns1" link set lo up || { echo "multihost_test: network setup failed"; exit 1; }
+netns_pair ember_n emb 77 || { echo "multihost_test: network setup failed"; exit 1; }
 
 # The recipe, as the README gives it, with our binaries.
 recipe=$(sed -n '/<!-- multinode-recipe/,/<!-- end multinode-recipe/p' "$readme" | sed '1,2d;$d' | sed '$d')

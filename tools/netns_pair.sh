@@ -1,0 +1,29 @@
+# Sourced by tools/multihost_test.sh and tools/grad_compress_bench.sh: two
+# network namespaces ("hosts") joined by a veth pair, and their cleanup.
+#
+#   source tools/netns_pair.sh
+#   netns_pair NAME IFACE OCTET   # sets ns0 ns1 if0 if1 addr0 addr1 (10.OCTET.x.1 / .2, /24)
+#   netns_pair_cleanup            # kills whatever runs in them, deletes them
+# Needs root and iproute2; returns non-zero if the setup fails.
+
+netns_pair() {
+  local name=$1 iface=$2 octet=$3
+  ns0=${name}0_$$ ns1=${name}1_$$ if0=${iface}0_$$ if1=${iface}1_$$
+  if0=${if0:0:15} if1=${if1:0:15}
+  addr0=10.$octet.$(( $$ % 200 )).1 addr1=10.$octet.$(( $$ % 200 )).2
+  ip netns add "$ns0" && ip netns add "$ns1" &&
+    ip link add "$if0" type veth peer name "$if1" &&
+    ip link set "$if0" netns "$ns0" && ip link set "$if1" netns "$ns1" &&
+    ip -n "$ns0" addr add "$addr0/24" dev "$if0" && ip -n "$ns1" addr add "$addr1/24" dev "$if1" &&
+    ip -n "$ns0" link set "$if0" up && ip -n "$ns1" link set "$if1" up &&
+    ip -n "$ns0" link set lo up && ip -n "$ns1" link set lo up
+}
+
+netns_pair_cleanup() {
+  local ns pids
+  for ns in "$ns0" "$ns1"; do
+    pids=$(ip netns pids "$ns" 2>/dev/null)
+    [ -n "$pids" ] && kill -9 $pids 2>/dev/null
+    ip netns del "$ns" 2>/dev/null
+  done
+}
