@@ -98,11 +98,21 @@ void accumulate_into_leaf(Node& acc, Tensor g) {
 }
 
 void check_saved(const Node& n) {
-  for (auto& [storage, version] : n.saved_versions)
-    EMBER_CHECK(storage->version == version, "backward: a tensor that '", n.name,
-                "' saved for its gradient was modified by an in-place operation after the forward pass "
-                "(version ", version, " -> ", storage->version,
-                "); clone it before modifying, or run the in-place op after backward");
+  for (auto& [storage, version] : n.saved_versions) {
+    EMBER_CHECK(!storage->freed, "backward: a tensor that '", n.name,
+                "' saved for its gradient has had its storage freed (free_storage) since the forward pass; "
+                "restore it (restore_storage, then refill it and set its version back) before backward");
+    if (storage->version == version) continue;
+    const std::string why = storage->last_change ? storage->last_change : "an in-place op";
+    EMBER_CHECK(false, "backward: a tensor that '", n.name, "' saved for its gradient was changed after the forward ",
+                "pass (version ", version, " -> ", storage->version, ", last by '", why, "')",
+                why == "set_data" ? "; swap a parameter's data with set_data only between iterations, once "
+                                    "backward has run"
+                : why == "free_storage" || why == "restore_storage"
+                    ? "; its storage was freed and restored, so its contents may differ from what the forward "
+                      "used: refill it with those values and set the version back (unsafe_set_storage_version)"
+                    : "; clone it before modifying, or run the in-place op after backward");
+  }
 }
 
 struct ReadyOrder {

@@ -32,7 +32,7 @@ void check_inplace(const Tensor& t, const char* op) {
               shape_str(t.sizes()),
               " that requires grad; autograd may need its old value. Use the out-of-place op, or run it under "
               "NoGradGuard (as optimizers do) or on a detach()ed tensor");
-  ++t.impl().storage->version;
+  t.impl().storage->bump_version(op);
 }
 
 namespace {

@@ -129,7 +129,25 @@ MemoryFormat Tensor::suggest_memory_format() const {
                                                                                       : MemoryFormat::Contiguous;
 }
 
+void Tensor::free_storage() const {
+  Storage& s = *impl().storage;
+  if (s.freed) return;
+  s.data.ptr.reset();
+  s.freed = true;
+  s.bump_version("free_storage");
+}
+
+void Tensor::restore_storage() const {
+  Storage& s = *impl().storage;
+  if (!s.freed) return;
+  s.data = get_allocator(s.data.device)->allocate(s.nbytes);
+  s.freed = false;
+  s.bump_version("restore_storage");
+}
+
 void* Tensor::raw_data() const {
+  EMBER_CHECK(!impl().storage->freed, "tensor ", shape_str(sizes()), " ", dtype(), " on ", device(),
+              ": its storage was freed (free_storage) and not restored; call restore_storage() before using it");
   return static_cast<char*>(impl().storage->data.get()) + impl().offset * static_cast<int64_t>(element_size());
 }
 
@@ -174,6 +192,7 @@ void Tensor::set_data(const Tensor& data) const {
   EMBER_CHECK(!data.requires_grad() || data.is_leaf(), "set_data: new data must not carry autograd history");
   TensorImpl& me = impl();
   const TensorImpl& src = data.impl();
+  if (me.storage != src.storage) me.storage->bump_version("set_data");
   me.storage = src.storage;
   me.sizes = src.sizes;
   me.strides = src.strides;

@@ -27,11 +27,23 @@ using Shape = std::vector<int64_t>;
 
 struct Storage {
   DataPtr data;
+  // The size of the memory, kept while it is freed so restore brings back
+  // the same amount.
   size_t nbytes = 0;
-  // Bumped by every in-place write, so autograd can tell when a tensor it
-  // saved for backward was overwritten after the forward pass.
+  // Bumped by every in-place write, by freeing or restoring the memory and by
+  // set_data on a tensor using it, so autograd can tell when a tensor it saved
+  // for backward changed after the forward pass; `last_change` names what
+  // bumped it last, for the error.
   uint64_t version = 0;
+  const char* last_change = nullptr;
+  // The memory was given back (Tensor::free_storage); every view of it
+  // refuses data access until restore_storage.
+  bool freed = false;
   Device device() const { return data.device; }
+  void bump_version(const char* why) {
+    ++version;
+    last_change = why;
+  }
 };
 
 // Implemented in autograd/; core only holds it and reads requires_grad to
@@ -120,7 +132,32 @@ class Tensor {
   // Points this tensor (and every handle sharing it) at `data`'s storage and
   // geometry, keeping its autograd identity: how Module::to() moves
   // parameters and how flat buffers (DDP buckets, FSDP shards) adopt them.
+  // A graph recorded before may hold this handle for its backward and would
+  // read the new data, so the old storage's version is bumped: such a
+  // backward fails naming set_data instead of computing with the wrong
+  // values. The one safe way to swap data is therefore between iterations
+  // (after backward, before the next forward), under NoGradGuard.
   void set_data(const Tensor& data) const;
+
+  // ---- Storage that can be given back and restored (FSDP's unsharded
+  // parameters, torch's storage().resize_(0) and back). The Storage object,
+  // every handle and view, the autograd leaf and optimizer state keyed by it
+  // all stay; only the memory goes. Each bumps the version, so a backward
+  // that saved the tensor before fails with "freed" or "restored" rather
+  // than reading lost or uninitialized memory. ----
+  // Returns the memory to its allocator; a no-op when already freed.
+  void free_storage() const;
+  // Allocates the storage's size again on its device; the contents are
+  // uninitialized until written (e.g. by an all-gather).
+  void restore_storage() const;
+  bool storage_freed() const { return impl().storage->freed; }
+  // The storage's version counter, and a way to set it back: a caller that
+  // restored exactly the values a graph saved (FSDP re-gathers the same
+  // parameters before backward) records the version before free_storage
+  // and sets it after refilling, as torch's _unsafe_set_version_counter.
+  // Nothing checks the contents: the caller vouches for them.
+  uint64_t storage_version() const { return impl().storage->version; }
+  void unsafe_set_storage_version(uint64_t version) const { impl().storage->version = version; }
 
   // Pointer to the first element (storage base + offset).
   void* raw_data() const;

@@ -209,6 +209,27 @@ TEST(Adam, ThreadedLargeTensorMatchesPiecewise) {
   EXPECT_EQ(cat(joined).to_vector(), big[0].to_vector());
 }
 
+TEST(Optimizer, StateSurvivesFreeingAndRestoringAParameter) {
+  // FSDP frees parameters between uses: the optimizer keeps the same state
+  // for the same handle, and the result equals a run that never freed.
+  Tensor a = param({1, -2, 3}), b = param({1, -2, 3});
+  Adam oa({a}, {.lr = 0.1}), ob({b}, {.lr = 0.1});
+  for (int step = 0; step < 3; ++step) {
+    set_grad(a, {0.5, -1, 2});
+    set_grad(b, {0.5, -1, 2});
+    oa.step();
+    ob.step();
+    std::vector<double> keep = b.to_vector();
+    b.free_storage();
+    b.restore_storage();
+    NoGradGuard g;
+    b.copy_(Tensor::from_vector(keep, b.sizes(), b.dtype()));
+  }
+  expect_vec(b, a.to_vector(), 0);
+  EXPECT_DOUBLE_EQ(ob.state(b).at("step").item(), 3);
+  expect_vec(ob.state(b).at("exp_avg"), oa.state(a).at("exp_avg").to_vector(), 0);
+}
+
 TEST(Optimizer, SkipsMissingGradsAndZeroGrad) {
   Tensor a = param({1, 2}), b = param({3, 4});
   SGD opt({a, b}, {.lr = 0.5, .momentum = 0.9});
