@@ -24,6 +24,7 @@
 #include "autograd/autograd.h"
 #include "core/autograd_hook.h"
 #include "core/ops.h"
+#include "distributed/flat_param.h"
 #include "distributed/init.h"
 
 namespace ember::distributed {
@@ -209,9 +210,8 @@ CommHook bf16_compress_hook() { return compress_hook(DType::BFloat16); }
 
 struct DistributedDataParallel::Impl {
   struct Bucket {
-    Tensor buffer;                 // flat, one dtype and device
+    FlatBuffer grads;              // the members' gradients, in order; view(s) is member s's .grad()
     std::vector<int> members;      // local parameter slots, in buffer order
-    std::vector<Tensor> views;     // per member: its .grad() in the buffer
     int pending = 0;               // members not yet ready this pass
     std::shared_ptr<Work> work;    // the in-flight allreduce
   };
@@ -271,7 +271,7 @@ std::pair<int, bool> DistributedDataParallel::Impl::join_round(bool active, bool
 
 void DistributedDataParallel::Impl::shadow_backward() {
   if (shadow.empty())
-    for (auto& b : buckets) shadow.push_back(zeros(b.buffer.sizes(), {b.buffer.dtype(), b.buffer.device()}));
+    for (auto& b : buckets) shadow.push_back(zeros_like(b.grads.flat()));
   std::vector<std::shared_ptr<Work>> works;
   for (Tensor& z : shadow) {
     z.zero_();
@@ -317,24 +317,19 @@ void DistributedDataParallel::Impl::build_buckets() {
   std::stable_sort(assigned.begin(), assigned.end(),
                    [](const std::vector<int>& a, const std::vector<int>& b) { return a.front() > b.front(); });
 
-  NoGradGuard no_grad;
   bucket_of.assign(params.size(), -1);
   slot_in_bucket.assign(params.size(), -1);
   for (auto& members : assigned) {
     Bucket bucket;
     bucket.members = members;
-    int64_t numel = 0;
-    for (int i : members) numel += params[i].numel();
-    const Tensor& first = params[members.front()];
-    bucket.buffer = zeros({numel}, first.options());
-    int64_t off = 0;
+    std::vector<std::pair<std::string, Shape>> layout;
     for (size_t s = 0; s < members.size(); ++s) {
-      const Tensor& p = params[members[s]];
-      bucket.views.push_back(bucket.buffer.narrow(0, off, p.numel()).view(p.sizes()));
-      off += p.numel();
+      layout.emplace_back(names[members[s]], params[members[s]].sizes());
       bucket_of[members[s]] = static_cast<int>(buckets.size());
       slot_in_bucket[members[s]] = static_cast<int>(s);
     }
+    // One rank's whole gradients: no padding (allreduce needs none).
+    bucket.grads = FlatBuffer(layout, params[members.front()].options(), 1);
     buckets.push_back(std::move(bucket));
   }
   ready.assign(params.size(), 0);
@@ -369,7 +364,7 @@ void DistributedDataParallel::Impl::prepare() {
 // Makes parameter i's .grad() its bucket view, keeping the current value
 // (zero when it was released), so accumulation lands in the bucket.
 void DistributedDataParallel::Impl::attach_grad(int i) {
-  Tensor view = buckets[bucket_of[i]].views[slot_in_bucket[i]];
+  Tensor view = buckets[bucket_of[i]].grads.view(slot_in_bucket[i]);
   Tensor cur = params[i].grad();
   if (cur.defined() && cur.shares_storage(view) && cur.storage_offset() == view.storage_offset() &&
       cur.sizes() == view.sizes() && cur.strides() == view.strides())
@@ -413,7 +408,7 @@ void DistributedDataParallel::Impl::launch_ready_buckets() {
 }
 
 void DistributedDataParallel::Impl::launch(size_t b) {
-  buckets[b].work = opts.comm_hook(*pg, buckets[b].buffer, opts.average);
+  buckets[b].work = opts.comm_hook(*pg, buckets[b].grads.flat(), opts.average);
 }
 
 void DistributedDataParallel::Impl::finalize() {
