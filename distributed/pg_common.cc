@@ -294,5 +294,19 @@ int local_device_index(const ProcessGroupOptions& options, int rank, int device_
   return index % device_count;
 }
 
+bool signature_checks_enabled(const ProcessGroupOptions& options) {
+  if (options.check_signatures) return true;
+  for (const char* name : {"EMBER_DISTRIBUTED_DEBUG", "TORCH_DISTRIBUTED_DEBUG"}) {
+    const char* v = std::getenv(name);
+    if (v && *v) {
+      const std::string level = v;
+      EMBER_CHECK(level == "OFF" || level == "INFO" || level == "DETAIL", name, "=", level,
+                  " is not a debug level; use OFF, INFO or DETAIL (DETAIL checks every collective's signature)");
+      return level == "DETAIL";
+    }
+  }
+  return false;
+}
+
 }  // namespace detail
 }  // namespace ember::distributed

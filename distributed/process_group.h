@@ -10,8 +10,9 @@
 // operation has a timeout (ProcessGroupOptions::timeout, 10 minutes by
 // default) after which wait() throws naming the op, the group and the
 // timeout; every collective carries a sequence number and a signature (op,
-// dtype, numel, root) checked across ranks through the store, so ranks that
-// call different collectives get an error naming both sides.
+// dtype, numel, root) that, with debug checks on (check_signatures or
+// EMBER_DISTRIBUTED_DEBUG=DETAIL), is checked across ranks through the store,
+// so ranks that call different collectives get an error naming both sides.
 #pragma once
 
 #include <chrono>
@@ -47,10 +48,16 @@ class Work {
 
 struct ProcessGroupOptions {
   Millis timeout = kDefaultTimeout;
-  // Check each collective's signature against the other ranks (one small
-  // store round trip per collective). Cheap next to a real collective; off
-  // for benchmarks that want the raw engine.
-  bool check_signatures = true;
+  // Check each collective's signature (op, dtype, numel, root) against the
+  // other ranks before it runs, so ranks that call different collectives
+  // get an error naming both sides, and a rank that never arrives is named.
+  // Each check is a store round trip on the hot path (see the README for
+  // its cost per DDP step), so it is opt-in, as torch's: this option, or
+  // EMBER_DISTRIBUTED_DEBUG=DETAIL (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL
+  // is honoured too) for every group of the process. Without it a mismatch
+  // fails when the transport notices (differing sizes) or at the timeout,
+  // and a dead peer is named once a connection to it breaks.
+  bool check_signatures = false;
   // The rank's place on its node, which fixes the GPU an NCCL group uses
   // (local_rank % GPU count; one decision for the whole job: init_process_group
   // passes its resolved LOCAL_RANK). -1: $LOCAL_RANK, else the rank.
@@ -60,6 +67,9 @@ struct ProcessGroupOptions {
 namespace detail {
 // The CUDA device index an NCCL group of `rank` uses (see local_rank).
 int local_device_index(const ProcessGroupOptions& options, int rank, int device_count);
+// Whether a group checks signatures: the option, or the environment's debug
+// level (EMBER_DISTRIBUTED_DEBUG, else TORCH_DISTRIBUTED_DEBUG) is DETAIL.
+bool signature_checks_enabled(const ProcessGroupOptions& options);
 }  // namespace detail
 
 class ProcessGroup {

@@ -195,6 +195,7 @@ class GlooGroup : public ProcessGroup {
  public:
   GlooGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options)
       : ProcessGroup(rank, size), store_(std::move(store)), options_(options) {
+    options_.check_signatures = detail::signature_checks_enabled(options);
     if (size > 1) {
       ignore_sigpipe_unless_handled();
       try {

@@ -183,6 +183,7 @@ class NcclGroup : public ProcessGroup {
  public:
   NcclGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options)
       : ProcessGroup(rank, size), store_(std::move(store)), options_(options) {
+    options_.check_signatures = detail::signature_checks_enabled(options);
     EMBER_CHECK(cuda_is_available(), "make_nccl_group: the nccl backend needs a CUDA GPU, and none is usable (",
                 cuda_unavailable_reason(), "); use the gloo backend for CPU tensors");
     device_ = detail::local_device_index(options_, rank, cuda_device_count());

@@ -6,6 +6,8 @@
 // never shows up, ranks calling different collectives. Argument errors are
 // checked in-process on a group of one.
 #include <gtest/gtest.h>
+
+#include <cstdlib>
 #include <unistd.h>
 
 #include <chrono>
@@ -442,8 +444,10 @@ EMBER_WORKER(peer_hangs) {
 // arg "numel": the last rank passes 999 elements instead of 1000.
 // arg "op": rank 1 calls broadcast where rank 0 calls allreduce.
 // arg "dtype": rank 1 reduces float64 where the others reduce float32.
+// The "op" variant turns the checks on through the environment
+// (EMBER_DISTRIBUTED_DEBUG=DETAIL), the others through the option.
 EMBER_WORKER(signature_mismatch) {
-  auto pg = group(env, std::chrono::seconds(20));
+  auto pg = group(env, std::chrono::seconds(20), /*check_signatures=*/env.arg != "op");
   const int r = pg->rank(), ws = pg->size();
   Tensor warm = full({10}, 1.0);
   pg->allreduce(warm)->wait();
@@ -530,10 +534,30 @@ TEST(GlooProcessGroup, MissingPeerTimesOut) {
 TEST(GlooProcessGroup, SignatureMismatchNamesBothSides) {
   auto res = mp::run_workers("signature_mismatch", 3, failure_run("numel"));
   EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-  res = mp::run_workers("signature_mismatch", 2, failure_run("op"));
+  mp::RunOptions by_env = failure_run("op");
+  by_env.env = {"EMBER_DISTRIBUTED_DEBUG=DETAIL"};
+  res = mp::run_workers("signature_mismatch", 2, by_env);
   EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
   res = mp::run_workers("signature_mismatch", 3, failure_run("dtype"));
   EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+TEST(GlooProcessGroup, SignatureChecksAreOptIn) {
+  ::unsetenv("EMBER_DISTRIBUTED_DEBUG");
+  ::unsetenv("TORCH_DISTRIBUTED_DEBUG");
+  ProcessGroupOptions o;
+  EXPECT_FALSE(detail::signature_checks_enabled(o));
+  o.check_signatures = true;
+  EXPECT_TRUE(detail::signature_checks_enabled(o));
+  o.check_signatures = false;
+  ::setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL", 1);
+  EXPECT_TRUE(detail::signature_checks_enabled(o));
+  ::setenv("EMBER_DISTRIBUTED_DEBUG", "INFO", 1);  // ours first
+  EXPECT_FALSE(detail::signature_checks_enabled(o));
+  ::setenv("EMBER_DISTRIBUTED_DEBUG", "detail", 1);
+  EXPECT_THROW(detail::signature_checks_enabled(o), Error);
+  ::unsetenv("EMBER_DISTRIBUTED_DEBUG");
+  ::unsetenv("TORCH_DISTRIBUTED_DEBUG");
 }
 
 // Argument errors are thrown by the call itself, on a group of one.
