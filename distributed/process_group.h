@@ -44,6 +44,14 @@ class Work {
   virtual bool wait(Millis timeout) = 0;
   // The error, if it finished with one.
   virtual std::exception_ptr exception() = 0;
+  // Orders the caller's current CUDA stream after this operation without
+  // blocking the host (torch's Work::synchronize / wait on the current
+  // stream): kernels queued there afterwards see its result, so the host can
+  // go on queueing work (the next layer's all-gather, say) while it runs. An
+  // error still surfaces at wait() or, once the group is broken, at the next
+  // collective. Work on CPU tensors has no stream to order: the host itself
+  // consumes the result, so this waits.
+  virtual void synchronize() { wait(); }
 };
 
 struct ProcessGroupOptions {

@@ -11,8 +11,9 @@
 //
 // Work. wait() blocks the host until that event completes (or the watchdog
 // fails the op) and then rethrows any error: the same contract as the Gloo
-// group, simpler than torch's "block the current stream" at the price of a
-// host sync, which DDP-style callers do anyway before the optimizer step.
+// group. synchronize() is torch's "block the current stream": the caller's
+// current stream waits on the event and the host goes on, so prefetching
+// collectives overlap compute (FSDP).
 //
 // Safety nets. A watchdog thread polls every pending op's event and
 // ncclCommGetAsyncError. An op still running past options.timeout, or an
@@ -125,8 +126,8 @@ void write_back(const Tensor& dst, const Tensor& buf) {
 
 class NcclWork : public CompletionWork {
  public:
-  NcclWork(OpInfo info, cudaEvent_t done, std::vector<Tensor> keep)
-      : CompletionWork(std::move(info)), done_event_(done), keep_(std::move(keep)),
+  NcclWork(OpInfo info, int device, cudaEvent_t done, std::vector<Tensor> keep)
+      : CompletionWork(std::move(info)), device_(device), done_event_(done), keep_(std::move(keep)),
         start_(PgClock::now()) {}
   ~NcclWork() override { cudaEventDestroy(done_event_); }
 
@@ -151,6 +152,16 @@ class NcclWork : public CompletionWork {
     return true;
   }
 
+  // The caller's current stream waits for the done event on the device;
+  // the host does not. A work that already failed rethrows at once.
+  void synchronize() override {
+    if (CompletionWork::is_completed()) {
+      if (auto e = exception()) std::rethrow_exception(e);
+    }
+    DeviceGuard g(device_);
+    EMBER_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(current_cuda_stream(device_)), done_event_, 0));
+  }
+
   // True once done; completes the work when its event has fired.
   bool poll() {
     if (CompletionWork::is_completed()) return true;
@@ -173,6 +184,7 @@ class NcclWork : public CompletionWork {
   PgClock::time_point start() const { return start_; }
 
  private:
+  int device_;
   cudaEvent_t done_event_;
   std::mutex keep_mu_;
   std::vector<Tensor> keep_;
@@ -504,7 +516,7 @@ class NcclGroup : public ProcessGroup {
     cudaEvent_t done;
     EMBER_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     EMBER_CUDA_CHECK(cudaEventRecord(done, stream_));
-    auto work = std::make_shared<NcclWork>(std::move(info), done, std::move(keep));
+    auto work = std::make_shared<NcclWork>(std::move(info), device_, done, std::move(keep));
     std::lock_guard<std::mutex> lock(mu_);
     pending_.push_back(work);
     return work;

@@ -109,6 +109,24 @@ TEST_F(NcclSingle, NonContiguousAndBehindTheCallersStream) {
   cudaStreamDestroy(side);
 }
 
+TEST_F(NcclSingle, SynchronizeOrdersTheCurrentStreamNotTheHost) {
+  // The consumer runs on a side stream made to wait by synchronize(); the
+  // host never waits on the work itself before reading through that stream.
+  cudaStream_t side;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
+  Tensor x = seq_tensor({1 << 20}, DType::Float32);
+  auto w = pg_->allreduce(x, ReduceOp::Sum);
+  set_current_cuda_stream(0, side);
+  w->synchronize();
+  Tensor y = x * 2.0;  // queued on `side`, after the allreduce
+  set_current_cuda_stream(0, nullptr);
+  ASSERT_EQ(cudaStreamSynchronize(side), cudaSuccess);
+  expect_same(y, seq_tensor({1 << 20}, DType::Float32) * 2.0, "consumer ordered after the collective");
+  w->wait();
+  EXPECT_TRUE(w->is_success());
+  cudaStreamDestroy(side);
+}
+
 TEST_F(NcclSingle, ArgumentErrors) {
   EXPECT_TRUE(has(error_of([&] { pg_->allreduce(zeros({3})); }), "use the gloo backend"));
   Tensor in = zeros({3}, cuda_device(0));

@@ -352,6 +352,13 @@ EMBER_WORKER(work_api) {
   WCHECK(w->is_completed() && w->is_success() && w->exception() == nullptr, "completed");
   WCHECK(w->wait(Millis{0}), "a finished work returns true at once");
   expect_values(x, [&](int64_t) { return 2.0; }, "allreduce after the wait");
+  // synchronize() on CPU tensors: the host is the consumer, so it waits.
+  Tensor s = full({1000}, 1.0);
+  if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  auto sw = pg->allreduce(s);
+  sw->synchronize();
+  WCHECK(sw->is_completed(), "synchronize() on a CPU work returns once it completed");
+  expect_values(s, [&](int64_t) { return 2.0; }, "allreduce after synchronize");
 
   // Many queued without waiting; they complete in call order.
   std::vector<Tensor> ts;

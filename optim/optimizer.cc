@@ -34,6 +34,20 @@ std::vector<ParamGroup> one_group(std::vector<Tensor> params) {
 
 }  // namespace
 
+bool parse_state_key(const std::string& key, int64_t* index, std::string* name) {
+  const size_t dot = key.find('.', 6);
+  if (key.rfind("state.", 0) != 0 || dot == std::string::npos || dot <= 6 || dot + 1 >= key.size()) return false;
+  try {
+    size_t used = 0;
+    *index = std::stoll(key.substr(6, dot - 6), &used);
+    if (used != dot - 6 || *index < 0) return false;
+  } catch (const std::exception&) {
+    return false;
+  }
+  *name = key.substr(dot + 1);
+  return true;
+}
+
 // ---- Optimizer ----
 Optimizer::Optimizer(std::string name, Options defaults) : name_(std::move(name)), defaults_(std::move(defaults)) {}
 
@@ -119,20 +133,10 @@ void Optimizer::load_state_dict(const OptimizerStateDict& sd) {
   const std::vector<std::string> names = state_names();
   std::vector<std::tuple<Tensor, std::string, Tensor>> entries;  // param, state name, value
   for (const auto& [key, t] : sd.state) {
-    // "state.<index>.<name>"
-    const size_t dot = key.find('.', 6);
     int64_t index = -1;
-    if (key.rfind("state.", 0) == 0 && dot != std::string::npos && dot > 6) {
-      try {
-        size_t used = 0;
-        index = std::stoll(key.substr(6, dot - 6), &used);
-        if (used != dot - 6) index = -1;
-      } catch (const std::exception&) {
-        index = -1;
-      }
-    }
-    EMBER_CHECK(index >= 0, op, ": state dict entry '", key, "' is not named state.<index>.<name>");
-    const std::string name = key.substr(dot + 1);
+    std::string name;
+    EMBER_CHECK(parse_state_key(key, &index, &name), op, ": state dict entry '", key,
+                "' is not named state.<index>.<name>");
     auto it = param_of.find(index);
     EMBER_CHECK(it != param_of.end(), op, ": state dict entry '", key, "' refers to parameter ", index,
                 ", which no parameter group of the state dict lists");

@@ -47,6 +47,9 @@ struct OptimizerStateDict {
   std::vector<Group> param_groups;
 };
 
+// Splits a state dict key "state.<index>.<name>"; false when it is not one.
+bool parse_state_key(const std::string& key, int64_t* index, std::string* name);
+
 class Optimizer {
  public:
   using ParamState = std::map<std::string, Tensor>;
@@ -70,12 +73,21 @@ class Optimizer {
   const ParamState& state(const Tensor& p) const;
   const std::string& name() const { return name_; }
 
-  OptimizerStateDict state_dict() const;
+  // Virtual so a wrapper that shards the state (ZeroRedundancyOptimizer)
+  // can stand in wherever an optimizer is checkpointed.
+  virtual OptimizerStateDict state_dict() const;
   // Restores groups' hyperparameters and per-parameter state (copied, cast
   // to each parameter's dtype and device except "step"). Everything is
   // checked before anything changes: group count, parameters per group,
   // state names and shapes, with the offending entry named.
-  void load_state_dict(const OptimizerStateDict& sd);
+  virtual void load_state_dict(const OptimizerStateDict& sd);
+
+  // Throws on out-of-range hyperparameters, as add_param_group does (for
+  // wrappers that keep groups of their own).
+  void check_options(const Options& o) const { validate(o); }
+  // Names this optimizer keeps per parameter; "step" is a 0-dim tensor, the
+  // others have the parameter's shape.
+  virtual std::vector<std::string> state_names() const = 0;
 
  protected:
   Optimizer(std::string name, Options defaults);
@@ -84,9 +96,6 @@ class Optimizer {
   void init(std::vector<ParamGroup> groups);
   // Throws on an out-of-range hyperparameter (keys are checked already).
   virtual void validate(const Options& o) const = 0;
-  // Names this optimizer keeps per parameter; "step" is a 0-dim tensor, the
-  // others have the parameter's shape.
-  virtual std::vector<std::string> state_names() const = 0;
   ParamState& mutable_state(const Tensor& p) { return state_[p.impl_ptr().get()]; }
 
  private:
@@ -114,10 +123,10 @@ class SGD : public Optimizer {
   explicit SGD(std::vector<Tensor> params, SGDOptions defaults = {});
   SGD(std::vector<ParamGroup> groups, SGDOptions defaults = {});
   void step() override;
+  std::vector<std::string> state_names() const override { return {"momentum_buffer"}; }
 
  protected:
   void validate(const Options& o) const override;
-  std::vector<std::string> state_names() const override { return {"momentum_buffer"}; }
 };
 
 struct AdamOptions {
@@ -138,13 +147,13 @@ class Adam : public Optimizer {
   explicit Adam(std::vector<Tensor> params, AdamOptions defaults = {});
   Adam(std::vector<ParamGroup> groups, AdamOptions defaults = {});
   void step() override;
+  std::vector<std::string> state_names() const override {
+    return {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  }
 
  protected:
   Adam(std::string name, Options defaults, bool decoupled);
   void validate(const Options& o) const override;
-  std::vector<std::string> state_names() const override {
-    return {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
-  }
 
  private:
   bool decoupled_ = false;

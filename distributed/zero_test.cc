@@ -1,0 +1,331 @@
+// ZeroRedundancyOptimizer across 2-4 real processes against plain DDP with
+// the unsharded optimizer on the same data (the reference, run beside it in
+// each worker): parameters after k steps equal exactly (each element goes
+// through the same update), and the state consolidated onto rank 0 equals the
+// plain optimizer's state dict entry by entry. SGD with momentum, Adam and
+// AdamW; gradient accumulation; a parameter that never gets a gradient
+// (find_unused_parameters); a learning-rate schedule; loading a full state
+// dict into a fresh ZeRO; per-rank state bytes against full / N; and a rank
+// dying in the middle of the parameter all-gather failing the others fast.
+#include "distributed/zero.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "core/ops.h"
+#include "distributed/ddp.h"
+#include "distributed/init.h"
+#include "distributed/testing/multiprocess.h"
+#include "nn/functional.h"
+#include "nn/layers.h"
+#include "optim/lr_scheduler.h"
+#include "optim/optimizer.h"
+
+namespace ember::distributed {
+namespace {
+
+namespace mp = ::ember::distributed::testing;
+using Clock = std::chrono::steady_clock;
+
+#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
+
+// Sizes that no world size of 2-4 divides (5*7+7 + 7*3+3 = 66, + 3*2+2).
+class Net : public nn::Module {
+ public:
+  Net(uint64_t seed, bool with_unused) : nn::Module("Net") {
+    manual_seed(seed);
+    a = register_module("a", std::make_shared<nn::Linear>(5, 7));
+    b = register_module("b", std::make_shared<nn::Linear>(7, 3));
+    if (with_unused) unused = register_module("unused", std::make_shared<nn::Linear>(3, 2));
+  }
+  Tensor forward(const Tensor& x) override { return (*b)(tanh((*a)(x))); }
+  std::shared_ptr<nn::Linear> a, b, unused;
+};
+
+std::map<std::string, std::string> parse(const std::string& arg) {
+  std::map<std::string, std::string> out;
+  std::stringstream ss(arg);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    auto eq = item.find('=');
+    out[item.substr(0, eq)] = eq == std::string::npos ? "1" : item.substr(eq + 1);
+  }
+  return out;
+}
+
+// Rank r's micro-batch i of step s: deterministic, different per rank.
+std::pair<Tensor, Tensor> batch(int r, int s, int i) {
+  std::vector<double> x, y;
+  for (int k = 0; k < 4 * 5; ++k) x.push_back(std::sin(0.37 * k + 1.3 * r + 0.71 * s + 0.19 * i));
+  for (int k = 0; k < 4 * 3; ++k) y.push_back(std::cos(0.23 * k + 0.9 * r + 0.31 * s + 0.41 * i));
+  return {Tensor::from_vector(x, {4, 5}), Tensor::from_vector(y, {4, 3})};
+}
+
+std::unique_ptr<optim::Optimizer> make_opt(const std::string& kind, std::vector<optim::ParamGroup> groups) {
+  if (kind == "sgd") return std::make_unique<optim::SGD>(std::move(groups), optim::SGDOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 0.01});
+  if (kind == "adamw") return std::make_unique<optim::AdamW>(std::move(groups), optim::AdamWOptions{.lr = 0.01});
+  return std::make_unique<optim::Adam>(std::move(groups), optim::AdamOptions{.lr = 0.01, .amsgrad = true});
+}
+
+void expect_equal(const Tensor& got, const Tensor& want, const std::string& what) {
+  WCHECK(got.sizes() == want.sizes(), what, ": shape ", shape_str(got.sizes()), " vs ", shape_str(want.sizes()));
+  std::vector<double> g = got.to_vector(), w = want.to_vector();
+  for (size_t i = 0; i < g.size(); ++i)
+    WCHECK(g[i] == w[i], what, " element ", i, ": ", g[i], " (ZeRO) vs ", w[i], " (plain)");
+}
+
+void expect_same_state(const optim::OptimizerStateDict& got, const optim::OptimizerStateDict& want) {
+  WCHECK(got.state.size() == want.state.size(), got.state.size(), " state entries vs ", want.state.size());
+  for (size_t i = 0; i < got.state.size(); ++i) {
+    WCHECK(got.state[i].first == want.state[i].first, "entry ", i, ": ", got.state[i].first, " vs ",
+           want.state[i].first);
+    expect_equal(got.state[i].second.reshape(want.state[i].second.sizes()), want.state[i].second,
+                 got.state[i].first);
+  }
+  WCHECK(got.param_groups.size() == want.param_groups.size(), "group count");
+  for (size_t g = 0; g < got.param_groups.size(); ++g) {
+    WCHECK(got.param_groups[g].params == want.param_groups[g].params, "group ", g, " indices");
+    for (const auto& [k, v] : want.param_groups[g].options)
+      WCHECK(got.param_groups[g].options.at(k) == v, "group ", g, " option ", k);
+  }
+}
+
+// arg: opt=sgd|adam|adamw, accum=<micro-steps>, unused=0|1, sched=0|1.
+EMBER_WORKER(equals_ddp) {
+  auto o = parse(env.arg);
+  auto pg = make_gloo_group(env.store(), env.rank, env.world_size);
+  const int r = env.rank, ws = env.world_size;
+  const bool unused = o["unused"] == "1";
+  const int accum = o.count("accum") ? std::stoi(o["accum"]) : 1;
+  const std::string kind = o["opt"];
+  DDPOptions dopts;
+  dopts.process_group = pg;
+  dopts.find_unused_parameters = unused;
+  // Rank-dependent seeds: DDP's broadcast makes them equal.
+  auto zero_model = std::make_shared<Net>(1 + r, unused), plain_model = std::make_shared<Net>(1, unused);
+  auto zero_ddp = std::make_shared<DistributedDataParallel>(zero_model, dopts);
+  auto plain_ddp = std::make_shared<DistributedDataParallel>(plain_model, dopts);
+  // Two groups, so group options travel: the last layer's lr is halved.
+  auto groups = [&](nn::Module& m) {
+    auto named = m.named_parameters();
+    std::vector<Tensor> first, last;
+    for (auto& [name, p] : named) (name.rfind("b.", 0) == 0 ? last : first).push_back(p);
+    return std::vector<optim::ParamGroup>{{first, {}}, {last, {{"lr", kind == "sgd" ? 0.025 : 0.005}}}};
+  };
+  ZeroRedundancyOptimizer zero(groups(*zero_model), [&](auto g) { return make_opt(kind, std::move(g)); }, {pg});
+  auto plain = make_opt(kind, groups(*plain_model));
+  std::unique_ptr<optim::StepLR> zs, ps;
+  if (o["sched"] == "1") {
+    zs = std::make_unique<optim::StepLR>(zero, 2, 0.5);
+    ps = std::make_unique<optim::StepLR>(*plain, 2, 0.5);
+  }
+  GradientAccumulator zacc(*zero_ddp, accum), pacc(*plain_ddp, accum);
+  const int steps = 4;
+  for (int s = 0; s < steps; ++s) {
+    zero.zero_grad();
+    plain->zero_grad();
+    for (int i = 0; i < accum; ++i) {
+      auto [x, y] = batch(r, s, i);
+      zacc.backward([&] { return nn::functional::mse_loss((*zero_ddp)(x), y); });
+      pacc.backward([&] { return nn::functional::mse_loss((*plain_ddp)(x), y); });
+    }
+    zero.step();
+    plain->step();
+    if (zs) {
+      zs->step();
+      ps->step();
+    }
+    auto zp = zero_model->named_parameters(), pp = plain_model->named_parameters();
+    for (size_t k = 0; k < zp.size(); ++k)
+      expect_equal(zp[k].second, pp[k].second, "step " + std::to_string(s) + " rank " + std::to_string(r) + " " +
+                                                   zp[k].first);
+  }
+  if (unused) {
+    WCHECK(!zero_model->unused->weight.grad().defined(), "the unused layer got a gradient");
+    WCHECK(zero.local_optimizer().state(zero_model->unused->weight).empty(), "state for the unused layer");
+  }
+  // State: consolidated onto rank 0, equal to the plain optimizer's.
+  bool refused = false;
+  try {
+    (void)zero.state_dict();
+  } catch (const Error& e) {
+    refused = std::string(e.what()).find("consolidate_state_dict") != std::string::npos;
+  }
+  WCHECK(refused, "state_dict() before consolidate_state_dict must be an error");
+  zero.consolidate_state_dict(0);
+  const optim::OptimizerStateDict want = plain->state_dict();
+  if (r == 0) expect_same_state(zero.state_dict(), want);
+  // Per-rank state bytes: full / N plus the step counters.
+  int64_t full_bytes = 0, counters = 0;
+  for (auto& [name, t] : want.state) (name.find(".step") != std::string::npos ? counters : full_bytes) += t.nbytes();
+  const int64_t mine = zero.local_state_bytes();
+  Tensor all = Tensor::from_vector({static_cast<double>(mine)}, {1}, DType::Float64);
+  pg->allreduce(all, ReduceOp::Sum)->wait();
+  WCHECK(static_cast<int64_t>(all.item()) >= full_bytes, "the ranks hold ", all.item(), " bytes, the full state ",
+         full_bytes);
+  // Padding is at most ws-1 elements; per-rank counters at most one per piece.
+  WCHECK(mine <= (full_bytes + ws * 4 * 8) / ws + 64, "rank ", r, " holds ", mine, " bytes of state, full ",
+         full_bytes, " / ", ws);
+  // A fresh ZeRO loading the plain state dict continues like the plain run.
+  auto fresh_model = std::make_shared<Net>(1, unused);
+  {
+    NoGradGuard g;
+    auto fp = fresh_model->parameters(), pp = plain_model->parameters();
+    for (size_t k = 0; k < fp.size(); ++k) fp[k].copy_(pp[k]);
+  }
+  auto fresh_ddp = std::make_shared<DistributedDataParallel>(fresh_model, dopts);
+  ZeroRedundancyOptimizer fresh(groups(*fresh_model), [&](auto g) { return make_opt(kind, std::move(g)); }, {pg});
+  fresh.load_state_dict(want);
+  auto [x, y] = batch(r, steps, 0);
+  fresh.zero_grad();
+  plain->zero_grad();
+  nn::functional::mse_loss((*fresh_ddp)(x), y).backward();
+  nn::functional::mse_loss((*plain_ddp)(x), y).backward();
+  fresh.step();
+  plain->step();
+  auto fp = fresh_model->named_parameters(), pp = plain_model->named_parameters();
+  for (size_t k = 0; k < fp.size(); ++k) expect_equal(fp[k].second, pp[k].second, "after load: " + fp[k].first);
+}
+
+TEST(ZeroRedundancyOptimizer, EqualsDdpWithTheUnshardedOptimizer) {
+  for (int ws : {2, 3, 4})
+    for (const char* opt : {"sgd", "adam", "adamw"}) {
+      mp::RunOptions o;
+      o.arg = std::string("opt=") + opt;
+      auto res = mp::run_workers("equals_ddp", ws, o);
+      EXPECT_TRUE(mp::all_succeeded(res)) << "world " << ws << " " << opt << "\n" << mp::describe(res);
+    }
+}
+
+TEST(ZeroRedundancyOptimizer, WithAccumulationUnusedParametersAndASchedule) {
+  for (const char* arg : {"opt=adamw,accum=3", "opt=adam,unused=1", "opt=sgd,unused=1,accum=2,sched=1"}) {
+    mp::RunOptions o;
+    o.arg = arg;
+    auto res = mp::run_workers("equals_ddp", 3, o);
+    EXPECT_TRUE(mp::all_succeeded(res)) << arg << "\n" << mp::describe(res);
+  }
+}
+
+// A group that forwards everything to Gloo, except that the last rank dies
+// 2 ms into its first all-gather: a death in the middle of the parameter
+// all-gather, not before it.
+class DyingGroup : public ProcessGroup {
+ public:
+  explicit DyingGroup(std::shared_ptr<ProcessGroup> inner)
+      : ProcessGroup(inner->rank(), inner->size()), inner_(std::move(inner)) {}
+  std::string backend_name() const override { return inner_->backend_name(); }
+  Device device() const override { return inner_->device(); }
+  std::shared_ptr<Work> allreduce(const Tensor& t, ReduceOp op) override { return inner_->allreduce(t, op); }
+  std::shared_ptr<Work> broadcast(const Tensor& t, int root) override { return inner_->broadcast(t, root); }
+  std::shared_ptr<Work> reduce(const Tensor& t, int root, ReduceOp op) override { return inner_->reduce(t, root, op); }
+  std::shared_ptr<Work> allgather(const std::vector<Tensor>& outs, const Tensor& in) override {
+    return inner_->allgather(outs, in);
+  }
+  std::shared_ptr<Work> allgather_into_tensor(const Tensor& out, const Tensor& in) override {
+    auto w = inner_->allgather_into_tensor(out, in);
+    if (rank() == size() - 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      std::fflush(stdout);
+      _exit(42);
+    }
+    return w;
+  }
+  std::shared_ptr<Work> reduce_scatter_tensor(const Tensor& out, const Tensor& in, ReduceOp op) override {
+    return inner_->reduce_scatter_tensor(out, in, op);
+  }
+  std::shared_ptr<Work> all_to_all_single(const Tensor& out, const Tensor& in) override {
+    return inner_->all_to_all_single(out, in);
+  }
+  std::shared_ptr<Work> barrier() override { return inner_->barrier(); }
+  std::shared_ptr<Work> send(const Tensor& t, int dst, int tag) override { return inner_->send(t, dst, tag); }
+  std::shared_ptr<Work> recv(const Tensor& t, int src, int tag) override { return inner_->recv(t, src, tag); }
+
+ private:
+  std::shared_ptr<ProcessGroup> inner_;
+};
+
+EMBER_WORKER(dies_in_allgather) {
+  ProcessGroupOptions po;
+  po.timeout = std::chrono::seconds(60);  // failing fast must not mean waiting for this
+  auto pg = std::make_shared<DyingGroup>(make_gloo_group(env.store(), env.rank, env.world_size, po));
+  // ~4M parameters: the gather takes long enough for the death to land inside it.
+  manual_seed(1);
+  auto model = std::make_shared<nn::Linear>(2048, 2048);
+  DDPOptions dopts;
+  dopts.process_group = pg;
+  auto ddp = std::make_shared<DistributedDataParallel>(model, dopts);
+  ZeroRedundancyOptimizer zero(ddp->parameters(), [](auto g) { return make_opt("adam", std::move(g)); }, {pg});
+  Tensor x = ones({2, 2048});
+  sum((*ddp)(x)).backward();
+  const auto t0 = Clock::now();
+  std::string msg;
+  try {
+    zero.step();
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::printf("rank %d: step failed after %.2f s: %s\n", env.rank, took, msg.c_str());
+  WCHECK(!msg.empty(), "the step must fail when a rank dies in the all-gather");
+  WCHECK(msg.find("allgather_into_tensor") != std::string::npos, "names the collective: ", msg);
+  WCHECK(took < 15.0, "took ", took, " s to fail (timeout 60 s)");
+}
+
+TEST(ZeroRedundancyOptimizer, ARankDyingInTheParameterAllGatherFailsTheOthersFast) {
+  for (int ws : {2, 3}) {
+    mp::RunOptions o;
+    o.deadline = std::chrono::seconds(50);
+    auto res = mp::run_workers("dies_in_allgather", ws, o);
+    for (int r = 0; r + 1 < ws; ++r) EXPECT_EQ(res[r].exit_code, 0) << mp::describe(res);
+    EXPECT_EQ(res.back().exit_code, 42) << mp::describe(res);
+  }
+}
+
+TEST(ZeroRedundancyOptimizer, ConstructionErrors) {
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  auto store = std::make_shared<FileStore>(std::string(tmp ? tmp : "/tmp") + "/zero_store_" + std::to_string(getpid()), 1);
+  auto pg = make_gloo_group(store, 0, 1);
+  auto adam = [](auto g) { return make_opt("adam", std::move(g)); };
+  Tensor p = zeros({3}).requires_grad_();
+  try {
+    ZeroRedundancyOptimizer z({p, p}, adam, {pg});
+    ADD_FAILURE() << "a repeated parameter must be refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("more than once"), std::string::npos) << e.what();
+  }
+  try {
+    ZeroRedundancyOptimizer z({zeros({2}, DType::Int64)}, adam, {pg});
+    ADD_FAILURE() << "an integer parameter must be refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("floating-point"), std::string::npos) << e.what();
+  }
+  // A world of one: the local optimizer holds everything, as plain Adam.
+  Tensor q = Tensor::from_vector({1, 2, 3}, {3}).requires_grad_(), ref = q.detach().clone().requires_grad_();
+  ZeroRedundancyOptimizer z({q}, adam, {pg});
+  auto plain = make_opt("adam", {optim::ParamGroup{{ref}, {}}});
+  for (int s = 0; s < 3; ++s) {
+    q.set_grad(Tensor::from_vector({0.5, -1, 2}, {3}));
+    ref.set_grad(Tensor::from_vector({0.5, -1, 2}, {3}));
+    z.step();
+    plain->step();
+  }
+  EXPECT_EQ(q.to_vector(), ref.to_vector());
+  EXPECT_EQ(z.name(), "ZeroRedundancyOptimizer(Adam)");
+}
+
+TEST(MultiProcessWorker, Entry) {
+  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
+  mp::run_if_worker();
+}
+
+}  // namespace
+}  // namespace ember::distributed
