@@ -129,6 +129,7 @@ json trainer_json(const nn::Module&, const optim::Optimizer* optimizer, const op
       json group = json::object();
       group["options"] = std::move(options);
       group["params"] = g.params;
+      if (!g.param_names.empty()) group["param_names"] = g.param_names;
       groups.push_back(std::move(group));
     }
     j["optimizer"] = {{"name", optimizer->name()}, {"param_groups", std::move(groups)}};
@@ -270,6 +271,16 @@ absl::StatusOr<optim::OptimizerStateDict> parse_optimizer(const json& o, const s
       if (!p.is_number_integer()) return absl::DataLossError(absl::StrCat(at, ": \"params\" holds a non-integer"));
       out.params.push_back(p.get<int64_t>());
     }
+    // Optional (checkpoints before names, or written by hand): positional.
+    if (auto names = g.find("param_names"); names != g.end()) {
+      if (!names->is_array() || names->size() != out.params.size())
+        return absl::DataLossError(absl::StrCat(at, ": \"param_names\" must be an array of ", out.params.size(),
+                                                " strings, one per entry of \"params\""));
+      for (const json& n : *names) {
+        if (!n.is_string()) return absl::DataLossError(absl::StrCat(at, ": \"param_names\" holds a non-string"));
+        out.param_names.push_back(n.get<std::string>());
+      }
+    }
     sd.param_groups.push_back(std::move(out));
   }
   return sd;
@@ -379,7 +390,10 @@ absl::Status save_checkpoint(const std::string& dir_in, const nn::Module& model,
   try {
     const nn::StateDict model_sd = model.state_dict();
     std::optional<optim::OptimizerStateDict> opt_sd;
-    if (optimizer) opt_sd = optimizer->state_dict();
+    if (optimizer) {
+      opt_sd = optimizer->state_dict();
+      optim::name_parameters(*opt_sd, *optimizer, model.named_parameters());
+    }
     const std::string trainer =
         trainer_json(model, optimizer, scheduler, state, std::move(extra), opt_sd ? &*opt_sd : nullptr).dump(2) + "\n";
     return write_checkpoint(dir, model_sd.items(), opt_sd ? &opt_sd->state : nullptr, trainer);
@@ -462,7 +476,7 @@ absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir_in, nn::Mod
   // it goes first; the model's names and shapes were checked above.
   if (optimizer) {
     try {
-      optimizer->load_state_dict(*opt_sd);
+      optimizer->load_state_dict(optim::match_by_name(*opt_sd, *optimizer, model.named_parameters()));
     } catch (const Error& e) {
       return absl::InvalidArgumentError(absl::StrCat(opt_path, " (with ", trainer_path, "): ", e.what()));
     }

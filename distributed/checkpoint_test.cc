@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -189,6 +190,43 @@ TEST(Checkpoint, ModelOnlyAndNullOptimizer) {
   EXPECT_FALSE(save_checkpoint(root + "/x", a, nullptr, nullptr, {.extra_json = "[1]"}).ok());
   EXPECT_FALSE(save_checkpoint(root + "/x", a, nullptr, nullptr, {.extra_json = "{oops"}).ok());
   EXPECT_FALSE(fs::exists(root + "/x"));
+}
+
+TEST(Checkpoint, OptimizerStateFollowsParameterNames) {
+  // The optimizer that loads lists the parameters in the opposite order:
+  // by position every entry would land on the wrong (mis-shaped) tensor;
+  // by the names trainer.json records each parameter gets its own state.
+  const std::string root = fresh_root("by_name");
+  manual_seed(7);
+  Net a;
+  optim::Adam opt_a(a.parameters(), {.lr = 0.01});
+  for (const Tensor& p : a.parameters()) p.set_grad(randn(p.sizes()));
+  opt_a.step();
+  ASSERT_TRUE(save_checkpoint(root + "/c", a, &opt_a, nullptr, {}).ok());
+  std::ifstream in(root + "/c/trainer.json");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_THAT(text, HasSubstr("\"param_names\""));
+  EXPECT_THAT(text, HasSubstr("\"fc2.bias\""));
+  Net b;
+  auto reversed = b.parameters();
+  std::reverse(reversed.begin(), reversed.end());
+  optim::Adam opt_b(reversed, {.lr = 0.01});
+  auto st = load_checkpoint(root + "/c", b, &opt_b, nullptr);
+  ASSERT_TRUE(st.ok()) << st.status();
+  auto na = a.named_parameters(), nb = b.named_parameters();
+  for (size_t i = 0; i < na.size(); ++i)
+    for (const char* k : {"exp_avg", "exp_avg_sq", "step"})
+      EXPECT_EQ(opt_b.state(nb[i].second).at(k).to_vector(), opt_a.state(na[i].second).at(k).to_vector())
+          << na[i].first << " " << k;
+  // A name the model does not have is named in the error.
+  std::string edited = text;
+  edited.replace(edited.find("\"fc1.weight\""), 12, "\"fc9.weight\"");
+  std::ofstream(root + "/c/trainer.json") << edited;
+  Net c;
+  optim::Adam opt_c(c.parameters(), {.lr = 0.01});
+  st = load_checkpoint(root + "/c", c, &opt_c, nullptr);
+  ASSERT_FALSE(st.ok());
+  EXPECT_THAT(st.status().message(), HasSubstr("no entry for parameter 'fc1.weight'"));
 }
 
 // ---- Crash safety ----

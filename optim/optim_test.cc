@@ -230,6 +230,50 @@ TEST(Optimizer, StateSurvivesFreeingAndRestoringAParameter) {
   expect_vec(ob.state(b).at("exp_avg"), oa.state(a).at("exp_avg").to_vector(), 0);
 }
 
+TEST(Optimizer, SixteenBitParametersStepThroughAFloat32Master) {
+  // Updates of ~1e-4 on values near 1: below bfloat16's spacing there
+  // (2^-7), so a bfloat16-only step would leave the parameter at 1 forever.
+  // The master copy takes exactly the float32 run's values, and the
+  // parameter is that master rounded.
+  for (DType dt : {DType::BFloat16, DType::Float16}) {
+    for (const char* kind : {"adam", "sgd"}) {
+      Tensor low = Tensor::from_vector({1, -1, 0.5}, {3}, dt).requires_grad_();
+      Tensor ref = Tensor::from_vector({1, -1, 0.5}, {3}, DType::Float32).requires_grad_();
+      std::unique_ptr<Optimizer> a, b;
+      if (std::string(kind) == "adam") {
+        a = std::make_unique<Adam>(std::vector<Tensor>{low}, AdamOptions{.lr = 1e-4});
+        b = std::make_unique<Adam>(std::vector<Tensor>{ref}, AdamOptions{.lr = 1e-4});
+      } else {
+        a = std::make_unique<SGD>(std::vector<Tensor>{low}, SGDOptions{.lr = 1e-4, .momentum = 0.9});
+        b = std::make_unique<SGD>(std::vector<Tensor>{ref}, SGDOptions{.lr = 1e-4, .momentum = 0.9});
+      }
+      for (int s = 0; s < 100; ++s) {
+        // Gradients representable in both dtypes, so both runs see the same.
+        low.set_grad(Tensor::from_vector({0.5, -0.25, 1}, {3}, dt));
+        ref.set_grad(Tensor::from_vector({0.5, -0.25, 1}, {3}, DType::Float32));
+        a->step();
+        b->step();
+      }
+      const auto& st = a->state(low);
+      ASSERT_TRUE(st.count("master_param")) << kind;
+      EXPECT_EQ(st.at("master_param").dtype(), DType::Float32);
+      for (const auto& [name, t] : st)
+        if (name != "step") EXPECT_EQ(t.dtype(), DType::Float32) << kind << " " << name;
+      EXPECT_EQ(st.at("master_param").to_vector(), ref.to_vector()) << kind;
+      EXPECT_EQ(low.to_vector(), ref.to(dt).to_vector()) << kind;
+      EXPECT_NE(low.to_vector()[0], 1.0) << kind << ": the small updates were lost";
+      // A checkpoint round trip keeps the master and the float32 state.
+      std::unique_ptr<Optimizer> c;
+      Tensor again = low.detach().clone().requires_grad_();
+      if (std::string(kind) == "adam") c = std::make_unique<Adam>(std::vector<Tensor>{again}, AdamOptions{.lr = 1e-4});
+      else c = std::make_unique<SGD>(std::vector<Tensor>{again}, SGDOptions{.lr = 1e-4, .momentum = 0.9});
+      c->load_state_dict(a->state_dict());
+      EXPECT_EQ(c->state(again).at("master_param").to_vector(), ref.to_vector());
+      EXPECT_EQ(c->state(again).at("master_param").dtype(), DType::Float32);
+    }
+  }
+}
+
 TEST(Optimizer, SkipsMissingGradsAndZeroGrad) {
   Tensor a = param({1, 2}), b = param({3, 4});
   SGD opt({a, b}, {.lr = 0.5, .momentum = 0.9});

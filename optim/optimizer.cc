@@ -32,6 +32,23 @@ std::vector<ParamGroup> one_group(std::vector<Tensor> params) {
   return {ParamGroup{std::move(params), {}}};
 }
 
+// 16-bit parameters are stepped through a float32 master copy with float32
+// state (see optimizer.h).
+bool is_low_precision(const Tensor& p) { return p.dtype() == DType::Float16 || p.dtype() == DType::BFloat16; }
+
+TensorOptions state_options(const Tensor& p) {
+  return is_low_precision(p) ? TensorOptions(DType::Float32, p.device()) : p.options();
+}
+
+// The tensor the fused step updates for `p` (its float32 master for 16-bit
+// parameters, created from p on first use) and the gradient in its dtype.
+std::pair<Tensor, Tensor> step_target(const Tensor& p, const Tensor& g, Optimizer::ParamState& st) {
+  if (!is_low_precision(p)) return {p, g};
+  auto it = st.find("master_param");
+  if (it == st.end()) it = st.emplace("master_param", p.to(DType::Float32).contiguous().clone()).first;
+  return {it->second, g.to(DType::Float32)};
+}
+
 }  // namespace
 
 bool parse_state_key(const std::string& key, int64_t* index, std::string* name) {
@@ -46,6 +63,62 @@ bool parse_state_key(const std::string& key, int64_t* index, std::string* name) 
   }
   *name = key.substr(dot + 1);
   return true;
+}
+
+namespace {
+std::map<const TensorImpl*, std::string> names_by_impl(const std::vector<std::pair<std::string, Tensor>>& named) {
+  std::map<const TensorImpl*, std::string> out;
+  for (const auto& [name, t] : named) out.emplace(t.impl_ptr().get(), name);
+  return out;
+}
+}  // namespace
+
+void name_parameters(OptimizerStateDict& sd, const Optimizer& opt,
+                     const std::vector<std::pair<std::string, Tensor>>& named) {
+  const auto names = names_by_impl(named);
+  for (size_t gi = 0; gi < sd.param_groups.size() && gi < opt.param_groups().size(); ++gi) {
+    auto& out = sd.param_groups[gi].param_names;
+    out.clear();
+    for (const Tensor& p : opt.param_groups()[gi].params) {
+      auto it = names.find(p.impl_ptr().get());
+      out.push_back(it == names.end() ? std::string() : it->second);
+    }
+  }
+}
+
+OptimizerStateDict match_by_name(const OptimizerStateDict& sd, const Optimizer& opt,
+                                 const std::vector<std::pair<std::string, Tensor>>& named) {
+  const std::string op = opt.name() + "::load_state_dict";
+  // Saved name -> (group, index); any group without complete names: positional.
+  std::map<std::string, std::pair<size_t, int64_t>> saved;
+  for (size_t gi = 0; gi < sd.param_groups.size(); ++gi) {
+    const auto& g = sd.param_groups[gi];
+    if (g.param_names.size() != g.params.size()) return sd;
+    for (size_t i = 0; i < g.params.size(); ++i) {
+      if (g.param_names[i].empty()) return sd;
+      EMBER_CHECK(saved.emplace(g.param_names[i], std::make_pair(gi, g.params[i])).second, op,
+                  ": the state dict names parameter '", g.param_names[i], "' twice");
+    }
+  }
+  const auto names = names_by_impl(named);
+  OptimizerStateDict out = sd;
+  for (size_t gi = 0; gi < out.param_groups.size() && gi < opt.param_groups().size(); ++gi) {
+    const auto& params = opt.param_groups()[gi].params;
+    // A count mismatch is load_state_dict's to report.
+    if (params.size() != out.param_groups[gi].params.size()) return sd;
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto n = names.find(params[i].impl_ptr().get());
+      if (n == names.end()) return sd;  // not a model parameter: positions are all there is
+      auto it = saved.find(n->second);
+      EMBER_CHECK(it != saved.end(), op, ": the state dict holds no entry for parameter '", n->second,
+                  "' (parameter ", i, " of group ", gi, ")");
+      EMBER_CHECK(it->second.first == gi, op, ": parameter '", n->second, "' is in parameter group ", gi,
+                  " of the optimizer but group ", it->second.first, " of the state dict");
+      out.param_groups[gi].params[i] = it->second.second;
+      out.param_groups[gi].param_names[i] = n->second;
+    }
+  }
+  return out;
 }
 
 // ---- Optimizer ----
@@ -161,7 +234,7 @@ void Optimizer::load_state_dict(const OptimizerStateDict& sd) {
   for (size_t gi = 0; gi < groups_.size(); ++gi) groups_[gi].options = std::move(options[gi]);
   state_.clear();
   for (auto& [p, name, t] : entries) {
-    Tensor copy = name == "step" ? Tensor::empty({}, {DType::Float32, kCPU}) : Tensor::empty(p.sizes(), p.options());
+    Tensor copy = name == "step" ? Tensor::empty({}, {DType::Float32, kCPU}) : Tensor::empty(p.sizes(), state_options(p));
     copy.copy_(name == "step" ? t.reshape({}) : t);
     mutable_state(p)[name] = copy;
   }
@@ -194,12 +267,14 @@ void SGD::step() {
     const Options& o = group.options;
     const SgdArgs args{o.at("lr"), o.at("momentum"), o.at("dampening"), o.at("weight_decay"), flag(o, "nesterov"),
                        flag(o, "maximize")};
-    std::vector<Tensor> params, grads, bufs;
+    std::vector<Tensor> params, grads, bufs, owners;
     for (const Tensor& p : group.params) {
       Tensor g = p.grad();
       if (!g.defined()) continue;
-      params.push_back(p);
-      grads.push_back(g);
+      auto [target, tg] = step_target(p, g, mutable_state(p));
+      owners.push_back(p);
+      params.push_back(target);
+      grads.push_back(tg);
       if (args.momentum != 0.0) {
         auto& st = mutable_state(p);
         auto it = st.find("momentum_buffer");
@@ -209,7 +284,9 @@ void SGD::step() {
     if (params.empty()) continue;
     sgd_step_(params, grads, bufs, args);
     // New buffers were allocated by the step (torch's first-step clone).
-    for (size_t i = 0; i < bufs.size(); ++i) mutable_state(params[i])["momentum_buffer"] = bufs[i];
+    for (size_t i = 0; i < bufs.size(); ++i) mutable_state(owners[i])["momentum_buffer"] = bufs[i];
+    for (size_t i = 0; i < owners.size(); ++i)
+      if (!owners[i].is_same(params[i])) owners[i].copy_(params[i]);
   }
 }
 
@@ -259,6 +336,7 @@ void Adam::step() {
     struct Lists {
       std::vector<Tensor> p, g, m, v, vmax;
       std::vector<float*> counts;
+      std::vector<std::pair<Tensor, Tensor>> masters;  // (16-bit parameter, its float32 master)
     };
     std::map<int64_t, Lists> by_step;
     for (const Tensor& p : group.params) {
@@ -267,17 +345,19 @@ void Adam::step() {
       auto& st = mutable_state(p);
       if (!st.count("step")) {
         st["step"] = zeros({}, {DType::Float32, kCPU});
-        st["exp_avg"] = zeros_like(p);
-        st["exp_avg_sq"] = zeros_like(p);
+        st["exp_avg"] = zeros(p.sizes(), state_options(p));
+        st["exp_avg_sq"] = zeros(p.sizes(), state_options(p));
       }
-      if (amsgrad && !st.count("max_exp_avg_sq")) st["max_exp_avg_sq"] = zeros_like(p);
+      if (amsgrad && !st.count("max_exp_avg_sq")) st["max_exp_avg_sq"] = zeros(p.sizes(), state_options(p));
+      auto [target, tg] = step_target(p, g, st);
       // float32, counted in float32, as torch's step tensor; bumped only
       // once the update went through.
       float* count = st["step"].data<float>();
       Lists& l = by_step[static_cast<int64_t>(*count + 1.0f)];
       l.counts.push_back(count);
-      l.p.push_back(p);
-      l.g.push_back(g);
+      l.p.push_back(target);
+      l.g.push_back(tg);
+      if (!target.is_same(p)) l.masters.emplace_back(p, target);
       l.m.push_back(st["exp_avg"]);
       l.v.push_back(st["exp_avg_sq"]);
       if (amsgrad) l.vmax.push_back(st["max_exp_avg_sq"]);
@@ -287,6 +367,10 @@ void Adam::step() {
                           decoupled_, amsgrad, flag(o, "maximize"), step};
       adam_step_(l.p, l.g, l.m, l.v, l.vmax, args);
       for (float* c : l.counts) *c += 1.0f;
+      for (auto& [p, master] : l.masters) {
+        Tensor dst = p;
+        dst.copy_(master);
+      }
     }
   }
 }

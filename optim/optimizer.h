@@ -4,6 +4,14 @@
 //   ember::optim::SGD opt(model.parameters(), {.lr = 0.1, .momentum = 0.9});
 //   for (...) { opt.zero_grad(); loss(model).backward(); opt.step(); }
 //
+// float16 and bfloat16 parameters are stepped in float32: their state is
+// float32 and a float32 master copy ("master_param" in the state) takes the
+// update, which is then rounded into the parameter, so updates smaller than
+// the 16-bit spacing accumulate instead of vanishing. (torch keeps 16-bit
+// state for 16-bit parameters; mixed-precision recipes keep float32 masters,
+// which is what this gives without a second model. With autocast the
+// parameters stay float32 and nothing changes.)
+//
 // Hyperparameters live per group in a map<string, double>, as in torch's
 // param_group dicts (booleans are 0/1, Adam's betas are "beta1"/"beta2"), so
 // schedulers and checkpoints treat every optimizer alike. Steps run the
@@ -43,9 +51,25 @@ struct OptimizerStateDict {
   struct Group {
     Options options;
     std::vector<int64_t> params;  // the indices of this group's parameters
+    // Their names in the model, where known (checkpoints record them), so a
+    // load can match state to parameters by name rather than position.
+    std::vector<std::string> param_names;
   };
   std::vector<Group> param_groups;
 };
+
+// Fills every group's param_names from `named` (a model's
+// named_parameters()); a parameter the model does not hold gets "".
+void name_parameters(OptimizerStateDict& sd, const class Optimizer& opt,
+                     const std::vector<std::pair<std::string, Tensor>>& named);
+// The state dict with each group's indices reordered so that position i
+// holds the index saved under the name of `opt`'s parameter i of that group:
+// load_state_dict (positional, as torch's) then gives every parameter its
+// own state even if the model registers parameters in another order. Where
+// names are missing (older checkpoints, torch's format) `sd` comes back as
+// it is. Throws naming the parameter when the names do not match up.
+OptimizerStateDict match_by_name(const OptimizerStateDict& sd, const class Optimizer& opt,
+                                 const std::vector<std::pair<std::string, Tensor>>& named);
 
 // Splits a state dict key "state.<index>.<name>"; false when it is not one.
 bool parse_state_key(const std::string& key, int64_t* index, std::string* name);
@@ -123,7 +147,7 @@ class SGD : public Optimizer {
   explicit SGD(std::vector<Tensor> params, SGDOptions defaults = {});
   SGD(std::vector<ParamGroup> groups, SGDOptions defaults = {});
   void step() override;
-  std::vector<std::string> state_names() const override { return {"momentum_buffer"}; }
+  std::vector<std::string> state_names() const override { return {"momentum_buffer", "master_param"}; }
 
  protected:
   void validate(const Options& o) const override;
@@ -148,7 +172,7 @@ class Adam : public Optimizer {
   Adam(std::vector<ParamGroup> groups, AdamOptions defaults = {});
   void step() override;
   std::vector<std::string> state_names() const override {
-    return {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+    return {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"};
   }
 
  protected:
