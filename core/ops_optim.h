@@ -24,6 +24,14 @@
 
 namespace ember {
 
+// Hyperparameters on the device. Both steps take, optionally, one-element
+// float32 tensors on the parameters' device that the kernel reads there, so
+// no host synchronisation is needed to use them:
+//   lr_tensor  replaces `lr` (a schedule or a tuner writes it on the device);
+//   found_inf  when it holds a value > 0 the step changes nothing: no
+//              parameter, state or step count moves (torch's fused steps'
+//              found_inf, which GradScaler sets; see amp_unscale_).
+// All parameters of one call must then be on that one device.
 struct SgdArgs {
   double lr = 1e-3;
   double momentum = 0.0;
@@ -31,6 +39,8 @@ struct SgdArgs {
   double weight_decay = 0.0;
   bool nesterov = false;
   bool maximize = false;
+  Tensor lr_tensor;
+  Tensor found_inf;
 };
 
 // torch.optim.SGD's update for each parameter p with gradient g:
@@ -53,6 +63,14 @@ struct AdamArgs {
   bool amsgrad = false;
   bool maximize = false;
   int64_t step = 1;  // this update's step count (1 on the first), for bias correction
+  Tensor lr_tensor;
+  Tensor found_inf;
+  // Per parameter, its step count so far as a one-element float32 tensor on
+  // the parameter's device (torch's state["step"], kept with the parameter
+  // as its fused Adam does). When given, `step` is ignored: each parameter's
+  // bias correction uses its count + 1, and the count is incremented on the
+  // device unless found_inf skips the step.
+  std::vector<Tensor> steps;
 };
 
 // torch.optim.Adam / AdamW's update, `step` already incremented:
@@ -86,15 +104,24 @@ void amp_update_scale_(Tensor& scale, Tensor& growth_tracker, const Tensor& foun
 // functions above; each launcher gets tensors of one device and one dtype.
 // Operand layout per parameter: {param, grad, state...} (SGD: momentum
 // buffer; Adam: exp_avg, exp_avg_sq[, max_exp_avg_sq]).
+// Device-side values (null: the host's): lr replaces the learning rate;
+// found_inf > 0 skips the whole step.
+struct DeviceHyper {
+  const float* lr = nullptr;
+  const float* found_inf = nullptr;
+};
 struct SgdKernelArgs {
   double lr, momentum, dampening, weight_decay;
   bool nesterov, maximize;
+  DeviceHyper dev;
 };
 struct AdamKernelArgs {
   double lr, beta1, beta2, eps, weight_decay;
   double step_size;           // lr / (1 - beta1^step)
   double bias_correction2_sqrt;  // sqrt(1 - beta2^step)
   bool decoupled, amsgrad, maximize;
+  double step;                // this update's count, for bias corrections computed on the device
+  DeviceHyper dev;
 };
 // `init[i]`: parameter i's momentum buffer is new and takes d rather than
 // being decayed into (torch's first-step clone).
@@ -102,12 +129,16 @@ void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& 
                   const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdKernelArgs& a);
 void sgd_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                    const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdKernelArgs& a);
+// `steps`: empty (the host's step in `a`), or one count per parameter
+// (read for the bias corrections, then incremented unless skipped).
 void adam_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                    const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
-                   const std::vector<Tensor>& max_exp_avg_sqs, const AdamKernelArgs& a);
+                   const std::vector<Tensor>& max_exp_avg_sqs, const std::vector<Tensor>& steps,
+                   const AdamKernelArgs& a);
 void adam_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                     const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
-                    const std::vector<Tensor>& max_exp_avg_sqs, const AdamKernelArgs& a);
+                    const std::vector<Tensor>& max_exp_avg_sqs, const std::vector<Tensor>& steps,
+                    const AdamKernelArgs& a);
 
 void amp_unscale_cpu(const std::vector<Tensor>& grads, const Tensor& found_inf, const Tensor& inv_scale);
 void amp_unscale_cuda(const std::vector<Tensor>& grads, const Tensor& found_inf, const Tensor& inv_scale);
@@ -140,6 +171,13 @@ SgdScalars<C> sgd_scalars(const SgdKernelArgs& a) {
           static_cast<C>(a.weight_decay), a.momentum != 0.0, a.weight_decay != 0.0, a.nesterov, a.maximize};
 }
 
+// The learning rate read on the device, rounded to C as the host's would be.
+template <typename C>
+EMBER_HD SgdScalars<C> sgd_with_lr(SgdScalars<C> s, double lr) {
+  s.neg_lr = static_cast<C>(-lr);
+  return s;
+}
+
 // `buf` is read only when !init.
 template <typename C>
 EMBER_HD void sgd_update(C& p, C g, C& buf, bool init, const SgdScalars<C>& s) {
@@ -156,6 +194,8 @@ template <typename C>
 struct AdamScalars {
   C weight_decay, decay_factor, one_minus_beta1, beta2, one_minus_beta2, eps, neg_step_size, bias_correction2_sqrt;
   bool has_weight_decay, decoupled, amsgrad, maximize;
+  // The host's values, for scalars resolved on the device (adam_resolve).
+  double lr_d, beta1_d, beta2_d, weight_decay_d;
 };
 
 template <typename C>
@@ -163,7 +203,23 @@ AdamScalars<C> adam_scalars(const AdamKernelArgs& a) {
   return {static_cast<C>(a.weight_decay), static_cast<C>(1.0 - a.lr * a.weight_decay),
           static_cast<C>(1.0 - a.beta1), static_cast<C>(a.beta2), static_cast<C>(1.0 - a.beta2),
           static_cast<C>(a.eps), static_cast<C>(-a.step_size), static_cast<C>(a.bias_correction2_sqrt),
-          a.weight_decay != 0.0, a.decoupled, a.amsgrad, a.maximize};
+          a.weight_decay != 0.0, a.decoupled, a.amsgrad, a.maximize, a.lr, a.beta1, a.beta2, a.weight_decay};
+}
+
+// Scalars for a learning rate and a step count (this update's, >= 1) known
+// only on the device: the host's formulas, in double, then rounded to C.
+template <typename C>
+EMBER_HD AdamScalars<C> adam_resolve(AdamScalars<C> s, double lr, double step) {
+#if defined(__CUDA_ARCH__)
+  const double bc1 = 1.0 - ::pow(s.beta1_d, step), bc2 = 1.0 - ::pow(s.beta2_d, step);
+  s.bias_correction2_sqrt = static_cast<C>(::sqrt(bc2));
+#else
+  const double bc1 = 1.0 - std::pow(s.beta1_d, step), bc2 = 1.0 - std::pow(s.beta2_d, step);
+  s.bias_correction2_sqrt = static_cast<C>(std::sqrt(bc2));
+#endif
+  s.decay_factor = static_cast<C>(1.0 - lr * s.weight_decay_d);
+  s.neg_step_size = static_cast<C>(-(lr / bc1));
+  return s;
 }
 
 template <typename C>

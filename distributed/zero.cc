@@ -141,13 +141,23 @@ void ZeroRedundancyOptimizer::validate(const optim::Options& o) const { local_->
 
 std::vector<std::string> ZeroRedundancyOptimizer::state_names() const { return local_->state_names(); }
 
-void ZeroRedundancyOptimizer::step() {
+void ZeroRedundancyOptimizer::step() { step_impl(nullptr); }
+
+void ZeroRedundancyOptimizer::step_unless_inf(const Tensor& found_inf) {
+  EMBER_CHECK(found_inf.defined(), name(), "::step_unless_inf: found_inf is undefined");
+  step_impl(&found_inf);
+}
+
+void ZeroRedundancyOptimizer::step_impl(const Tensor* found_inf) {
   NoGradGuard no_grad;
   impl_->consolidated_on = -1;
   impl_->consolidated = {};
   // Hyperparameters live in our groups (schedulers and checkpoints see
   // them); the local optimizer takes them each step.
-  for (size_t gi = 0; gi < param_groups().size(); ++gi) local_->param_groups()[gi].options = param_groups()[gi].options;
+  for (size_t gi = 0; gi < param_groups().size(); ++gi) {
+    local_->param_groups()[gi].options = param_groups()[gi].options;
+    local_->param_groups()[gi].lr_tensor = param_groups()[gi].lr_tensor;
+  }
   // Each piece's gradient is its part of the parameter's (DDP-averaged)
   // gradient; a parameter without one leaves its pieces without one.
   for (auto& piece : impl_->pieces) {
@@ -156,7 +166,8 @@ void ZeroRedundancyOptimizer::step() {
     piece.param.set_grad(g.defined() ? g.reshape({-1}).narrow(0, piece.where.entry_offset, piece.where.numel)
                                      : Tensor());
   }
-  local_->step();
+  if (found_inf) local_->step_unless_inf(*found_inf);
+  else local_->step();
   for (auto& piece : impl_->pieces) piece.param.set_grad(Tensor());
   // Every rank's updated shard to every rank, in place.
   std::vector<std::shared_ptr<Work>> works;

@@ -61,6 +61,10 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   // from param_groups(), so schedulers work), then all-gathers the updated
   // parameters. Every rank must call it.
   void step() override;
+  // The same, skipped when found_inf > 0: decided on the device when the
+  // local optimizer can (the all-gather then moves unchanged parameters).
+  void step_unless_inf(const Tensor& found_inf) override;
+  bool skips_on_device() const override { return local_->skips_on_device(); }
 
   // The state of the whole model, gathered onto rank `to` (torch's
   // consolidate_state_dict). Every rank must call it; afterwards
@@ -87,6 +91,7 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
 
  private:
   struct Built;
+  void step_impl(const Tensor* found_inf);
   ZeroRedundancyOptimizer(Built built);
   std::shared_ptr<ProcessGroup> pg_;
   std::unique_ptr<optim::Optimizer> local_;

@@ -119,6 +119,31 @@ bool GradScaler::step(Optimizer& opt) {
   return stepped;
 }
 
+void GradScaler::step_async(Optimizer& opt) {
+  if (!options_.enabled) {
+    opt.step();
+    return;
+  }
+  EMBER_CHECK(per_optimizer_[&opt].stage != Stage::Stepped,
+              "GradScaler::step_async: already called on this optimizer since the last update()");
+  if (per_optimizer_[&opt].stage == Stage::Ready) unscale_(opt);
+  PerOptimizer& st = per_optimizer_[&opt];
+  Tensor flag;
+  if (st.synced_flags.defined()) {
+    flag = st.synced_flags.narrow(0, 0, 1);  // {found inf, gradients seen}: the first, summed over ranks
+  } else {
+    EMBER_CHECK(!st.found_inf.empty(), "GradScaler::step_async: no inf checks were recorded for this optimizer: none "
+                "of its parameters has a gradient (call scale(loss).backward() before step_async())");
+    if (st.found_inf.size() == 1) flag = st.found_inf[0];
+  }
+  if (!flag.defined() || !opt.skips_on_device()) {
+    (void)step(opt);
+    return;
+  }
+  opt.step_unless_inf(flag);
+  st.stage = Stage::Stepped;
+}
+
 void GradScaler::update() {
   if (!options_.enabled) return;
   std::vector<Tensor> founds;

@@ -18,7 +18,8 @@
 // The scale lives on the loss's device; unscale_ is one fused kernel per
 // device and dtype (core/ops_optim.h amp_unscale_) that also records
 // whether a non-finite value was seen, without a host synchronisation; step
-// reads that flag once (one sync per step, as torch does). bfloat16 has
+// reads that flag once (one sync per step, as torch does), step_async hands
+// it to the optimizer's kernels instead (no sync). bfloat16 has
 // float32's range and needs no scaling: construct with enabled = false.
 #pragma once
 
@@ -62,6 +63,14 @@ class GradScaler {
   // unscale_ if not done yet, then opt.step() unless a gradient was inf or
   // NaN. Returns whether the optimizer stepped.
   bool step(Optimizer& opt);
+  // The same without the host read: the optimizer skips itself on the
+  // device when found_inf is set (SGD, Adam, AdamW, ZeRO over them:
+  // Optimizer::skips_on_device), as torch's scaler does for fused
+  // optimizers. Falls back to step() where the optimizer cannot, or the
+  // gradients span several devices. Whether it stepped is known on the
+  // device only, so nothing is returned and a step with no gradients at all
+  // on any rank is not diagnosed here.
+  void step_async(Optimizer& opt);
   // Adjusts the scale from every optimizer stepped since the last update.
   void update();
   // Sets the scale to `new_scale` instead (torch's update(new_scale)).

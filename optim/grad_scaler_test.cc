@@ -211,6 +211,53 @@ TEST(GradScaler, Float16GradientsUnderflowWithoutScalingAndSurviveWithIt) {
 // the user every iteration, advances as torch's does. The scale is a power
 // of two, so scaling and unscaling are exact and the two runs agree to the
 // bit.
+// step_async hands found_inf to the optimizer's kernels: the same parameters,
+// state and step counts as step()'s host read, over a run whose first step
+// (SGD's momentum buffers are created then: decided on the host) and a later
+// one overflow. One group's learning rate is a device tensor under a
+// schedule.
+TEST(GradScaler, StepAsyncSkipsOnTheDeviceAsStepDoes) {
+  const std::vector<std::vector<double>> xs = {{1, kInf, 2, 3}, {1, 2, 3, 4}, {0.5, -1, 2, 1}, {kNaN, 1, 1, 1},
+                                               {2, 1, -1, 0.25}};
+  for (const Device& dev : devices()) {
+    for (const char* kind : {"sgd", "adam"}) {
+      SCOPED_TRACE(std::string(kind) + " on " + dev.str());
+      Tensor p = full({4}, 1.0, {DType::Float32, dev}).requires_grad_();
+      Tensor q = full({4}, 1.0, {DType::Float32, dev}).requires_grad_();
+      auto make = [&](const Tensor& t, bool tensor_lr) -> std::unique_ptr<Optimizer> {
+        ParamGroup g{{t}, {}};
+        if (tensor_lr) g.lr_tensor = zeros({}, {DType::Float32, dev});
+        if (std::string(kind) == "sgd")
+          return std::make_unique<SGD>(std::vector<ParamGroup>{g}, SGDOptions{.lr = 0.125, .momentum = 0.5});
+        return std::make_unique<Adam>(std::vector<ParamGroup>{g}, AdamOptions{.lr = 0.125});
+      };
+      auto a = make(p, true), b = make(q, false);
+      StepLR sa(*a, 2, 0.5), sb(*b, 2, 0.5);
+      GradScaler ga({.init_scale = 1024.0}), gb({.init_scale = 1024.0});
+      for (size_t s = 0; s < xs.size(); ++s) {
+        Tensor x = Tensor::from_vector(xs[s], {4}, {DType::Float32, dev});
+        a->zero_grad();
+        b->zero_grad();
+        ga.scale(sum(p * x)).backward();
+        gb.scale(sum(q * x)).backward();
+        // SGD: not before its momentum buffers exist (the first step decides on the host).
+        if (s == 0) EXPECT_EQ(a->skips_on_device(), std::string(kind) == "adam");
+        ga.step_async(*a);
+        gb.step(*b);
+        ga.update();
+        gb.update();
+        sa.step();
+        sb.step();
+        EXPECT_EQ(p.cpu().to_vector(), q.cpu().to_vector()) << "step " << s;
+        EXPECT_EQ(ga.get_scale(), gb.get_scale()) << "step " << s;
+        EXPECT_EQ(a->param_groups()[0].lr_tensor.cpu().item(), a->param_groups()[0].lr()) << "step " << s;
+      }
+      EXPECT_TRUE(a->skips_on_device());
+      if (std::string(kind) == "adam") EXPECT_EQ(a->state(p).at("step").cpu().item(), 3.0);  // 5 steps, 2 skipped
+    }
+  }
+}
+
 TEST(GradScaler, ClippingAfterUnscaleWithAdamAndASchedulerAsInPyTorch) {
   for (const Device& dev : devices()) {
     SCOPED_TRACE(::testing::Message() << dev);

@@ -32,7 +32,7 @@ void LRScheduler::step() {
   last_lr_.resize(groups.size());
   for (size_t i = 0; i < groups.size(); ++i) {
     last_lr_[i] = lr_at(base_lrs_[i], last_epoch_);
-    groups[i].options["lr"] = last_lr_[i];
+    set_lr(groups[i], last_lr_[i]);
   }
 }
 

@@ -105,6 +105,70 @@ TEST_F(CudaOptim, FusedAdamMatchesCpu) {
     }
 }
 
+TEST_F(CudaOptim, DeviceLearningRateStepCountsAndSkipMatchCpu) {
+  // lr, the step counts and found_inf as device tensors: the same values as
+  // the CPU kernel with the same tensors on the CPU; a set found_inf moves
+  // nothing, step counts included.
+  for (DType dt : {DType::Float32, DType::BFloat16}) {
+    std::vector<Tensor> p = make_params(dt, kCPU, 1), pg = make_params(dt, cuda_device(), 1);
+    std::vector<Tensor> m, v, x, steps, stepsg;
+    for (const Tensor& t : p) {
+      m.push_back(zeros_like(t));
+      v.push_back(zeros_like(t));
+      x.push_back(zeros_like(t));
+      steps.push_back(zeros({}, DType::Float32));
+    }
+    std::vector<Tensor> mg = to_cuda(m), vg = to_cuda(v), xg = to_cuda(x);
+    for (const Tensor& s : steps) stepsg.push_back(s.cuda());
+    for (int64_t step = 1; step <= 4; ++step) {
+      std::vector<Tensor> g = make_params(dt, kCPU, 200 + step), gg = make_params(dt, cuda_device(), 200 + step);
+      const bool skip = step == 3;
+      AdamArgs a{.lr = 1.0, .weight_decay = 0.1, .decoupled = true, .amsgrad = true};
+      AdamArgs ag = a;
+      a.lr_tensor = full({}, 0.01 * step, DType::Float32);
+      ag.lr_tensor = a.lr_tensor.cuda();
+      a.found_inf = full({}, skip ? 1.0 : 0.0, DType::Float32);
+      ag.found_inf = a.found_inf.cuda();
+      a.steps = steps;
+      ag.steps = stepsg;
+      std::vector<double> before = pg[3].cpu().to_vector();
+      adam_step_(p, g, m, v, x, a);
+      adam_step_(pg, gg, mg, vg, xg, ag);
+      if (skip) EXPECT_EQ(pg[3].cpu().to_vector(), before) << "a skipped step moved a parameter";
+    }
+    for (size_t i = 0; i < p.size(); ++i) {
+      const std::string what = std::string(dtype_name(dt)) + " param " + std::to_string(i);
+      expect_close(p[i], pg[i], tol(dt), what);
+      expect_close(m[i], mg[i], tol(dt), what + " exp_avg");
+      EXPECT_EQ(stepsg[i].cpu().item(), 3.0) << what << ": 4 steps, one skipped";
+      EXPECT_EQ(steps[i].item(), 3.0) << what;
+    }
+    // SGD with a device learning rate and skip.
+    std::vector<Tensor> b, bg;
+    for (int64_t step = 1; step <= 3; ++step) {
+      std::vector<Tensor> g = make_params(dt, kCPU, 300 + step), gg = make_params(dt, cuda_device(), 300 + step);
+      SgdArgs a{.lr = 1.0, .momentum = 0.9};
+      SgdArgs ag = a;
+      a.lr_tensor = full({}, 0.05, DType::Float32);
+      ag.lr_tensor = a.lr_tensor.cuda();
+      a.found_inf = full({}, step == 2 ? 1.0 : 0.0, DType::Float32);
+      ag.found_inf = a.found_inf.cuda();
+      if (b.empty()) {
+        b.resize(p.size());
+        bg.resize(p.size());
+        a.found_inf = full({}, 0.0, DType::Float32);  // a first step must run: it creates the buffers
+        ag.found_inf = a.found_inf.cuda();
+      }
+      sgd_step_(p, g, b, a);
+      sgd_step_(pg, gg, bg, ag);
+    }
+    for (size_t i = 0; i < p.size(); ++i) {
+      expect_close(p[i], pg[i], tol(dt), std::string("sgd ") + dtype_name(dt) + " param " + std::to_string(i));
+      expect_close(b[i], bg[i], tol(dt), std::string("sgd ") + dtype_name(dt) + " buf " + std::to_string(i));
+    }
+  }
+}
+
 TEST_F(CudaOptim, ManyTensorsUseTheDeviceTable) {
   // More tensors than the kernel-parameter table holds: still one launch.
   manual_seed(5);

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <numbers>
 
 #include "autograd/autograd.h"
@@ -271,6 +272,54 @@ TEST(Optimizer, SixteenBitParametersStepThroughAFloat32Master) {
       EXPECT_EQ(c->state(again).at("master_param").to_vector(), ref.to_vector());
       EXPECT_EQ(c->state(again).at("master_param").dtype(), DType::Float32);
     }
+  }
+}
+
+TEST(Optimizer, ATensorLearningRateFollowsTheScheduleAndSkipsWithFoundInf) {
+  // A group whose learning rate is a tensor (read by the kernel) against the
+  // same optimizer with the host's double, under StepLR; then
+  // step_unless_inf with a set flag moves nothing (state and step count
+  // included) and with a clear flag is a step.
+  for (const char* kind : {"sgd", "adam", "adamw"}) {
+    Tensor a = param({1, -2, 3}, DType::Float32), b = param({1, -2, 3}, DType::Float32);
+    auto make = [&](const Tensor& p, bool tensor_lr) -> std::unique_ptr<Optimizer> {
+      ParamGroup g{{p}, {}};
+      if (tensor_lr) g.lr_tensor = zeros({}, DType::Float32);
+      if (std::string(kind) == "sgd")
+        return std::make_unique<SGD>(std::vector<ParamGroup>{g}, SGDOptions{.lr = 0.25, .momentum = 0.9});
+      if (std::string(kind) == "adam") return std::make_unique<Adam>(std::vector<ParamGroup>{g}, AdamOptions{.lr = 0.25});
+      return std::make_unique<AdamW>(std::vector<ParamGroup>{g}, AdamWOptions{.lr = 0.25});
+    };
+    auto oa = make(a, true), ob = make(b, false);
+    EXPECT_EQ(oa->param_groups()[0].lr_tensor.item(), 0.25) << "add_param_group fills the tensor";
+    StepLR sa(*oa, 1, 0.5), sb(*ob, 1, 0.5);
+    for (int s = 0; s < 4; ++s) {
+      set_grad(a, {0.5, -1, 2 + s});
+      set_grad(b, {0.5, -1, 2 + s});
+      oa->step();
+      ob->step();
+      sa.step();
+      sb.step();
+      expect_vec(a, b.to_vector(), 0);
+      EXPECT_EQ(oa->param_groups()[0].lr_tensor.item(), ob->param_groups()[0].lr()) << kind;
+    }
+    // Changing the tensor alone changes the step: the kernel reads it.
+    oa->param_groups()[0].lr_tensor.fill_(0.0);
+    const std::vector<double> keep = a.to_vector();
+    set_grad(a, {1, 1, 1});
+    oa->step();
+    if (std::string(kind) != "adamw") expect_vec(a, keep, 0);  // lr 0 (AdamW's decay is lr-scaled too)
+    // found_inf set: nothing moves.
+    set_lr(oa->param_groups()[0], 0.1);
+    const std::vector<double> p0 = a.to_vector();
+    std::map<std::string, std::vector<double>> st0;
+    for (const auto& [n, t] : oa->state(a)) st0[n] = t.to_vector();
+    set_grad(a, {3, 3, 3});
+    oa->step_unless_inf(full({}, 1.0, DType::Float32));
+    expect_vec(a, p0, 0);
+    for (const auto& [n, t] : oa->state(a)) EXPECT_EQ(t.to_vector(), st0[n]) << kind << " " << n;
+    oa->step_unless_inf(full({}, 0.0, DType::Float32));
+    EXPECT_NE(a.to_vector(), p0) << kind;
   }
 }
 

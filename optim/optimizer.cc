@@ -136,6 +136,15 @@ void Optimizer::add_param_group(ParamGroup group) {
                 " (known: ", join_keys(defaults_), ")");
   for (const auto& [k, v] : defaults_) group.options.emplace(k, v);
   validate(group.options);
+  if (group.lr_tensor.defined()) {
+    const Tensor& t = group.lr_tensor;
+    EMBER_CHECK(t.numel() == 1 && t.dtype() == DType::Float32 && t.is_contiguous(), name_, ": lr_tensor of group ",
+                gi, " must be a one-element float32 tensor, got ", shape_str(t.sizes()), " ", t.dtype());
+    for (const Tensor& p : group.params)
+      EMBER_CHECK(!p.defined() || p.device() == t.device(), name_, ": lr_tensor of group ", gi, " is on ",
+                  t.device(), " but a parameter of the group is on ", p.device());
+    set_lr(group, group.options.at("lr"));
+  }
   std::set<const TensorImpl*> seen;
   for (const auto& g : groups_)
     for (const Tensor& p : g.params) seen.insert(p.impl_ptr().get());
@@ -155,6 +164,20 @@ void Optimizer::add_param_group(ParamGroup group) {
 void Optimizer::zero_grad(bool set_to_none) {
   for (auto& g : groups_)
     for (const Tensor& p : g.params) autograd::zero_grad(p, set_to_none);
+}
+
+void Optimizer::step_unless_inf(const Tensor& found_inf) {
+  EMBER_CHECK(found_inf.defined() && found_inf.numel() == 1, name_, "::step_unless_inf: found_inf must be a ",
+              "one-element tensor");
+  if (found_inf.cpu().item() == 0.0) step();  // the host sync an optimizer without a device skip needs
+}
+
+void set_lr(ParamGroup& group, double lr) {
+  group.options["lr"] = lr;
+  if (group.lr_tensor.defined()) {
+    NoGradGuard no_grad;
+    group.lr_tensor.fill_(lr);
+  }
 }
 
 const Optimizer::ParamState& Optimizer::state(const Tensor& p) const {
@@ -231,10 +254,13 @@ void Optimizer::load_state_dict(const OptimizerStateDict& sd) {
   // Everything checked: now replace, copying so two optimizers (or the
   // snapshot and the live run) never share buffers.
   NoGradGuard no_grad;
-  for (size_t gi = 0; gi < groups_.size(); ++gi) groups_[gi].options = std::move(options[gi]);
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    groups_[gi].options = std::move(options[gi]);
+    set_lr(groups_[gi], groups_[gi].options.at("lr"));
+  }
   state_.clear();
   for (auto& [p, name, t] : entries) {
-    Tensor copy = name == "step" ? Tensor::empty({}, {DType::Float32, kCPU}) : Tensor::empty(p.sizes(), state_options(p));
+    Tensor copy = name == "step" ? Tensor::empty({}, {DType::Float32, p.device()}) : Tensor::empty(p.sizes(), state_options(p));
     copy.copy_(name == "step" ? t.reshape({}) : t);
     mutable_state(p)[name] = copy;
   }
@@ -261,12 +287,37 @@ void SGD::validate(const Options& o) const {
               ", dampening ", o.at("dampening"), ")");
 }
 
-void SGD::step() {
+void SGD::step() { step_impl(Tensor()); }
+
+bool SGD::skips_on_device() const {
+  // A new momentum buffer takes d on its first step: were that step skipped
+  // on the device, the buffer would be left unset. Until every buffer
+  // exists, the skip is decided on the host.
+  for (const auto& group : param_groups()) {
+    if (group.options.at("momentum") == 0.0) continue;
+    for (const Tensor& p : group.params)
+      if (p.grad().defined() && !state(p).count("momentum_buffer")) return false;
+  }
+  return true;
+}
+
+void SGD::step_unless_inf(const Tensor& found_inf) {
+  EMBER_CHECK(found_inf.defined(), name(), "::step_unless_inf: found_inf is undefined");
+  if (!skips_on_device()) {
+    Optimizer::step_unless_inf(found_inf);
+    return;
+  }
+  step_impl(found_inf);
+}
+
+void SGD::step_impl(const Tensor& found_inf) {
   NoGradGuard no_grad;
   for (auto& group : param_groups()) {
     const Options& o = group.options;
-    const SgdArgs args{o.at("lr"), o.at("momentum"), o.at("dampening"), o.at("weight_decay"), flag(o, "nesterov"),
-                       flag(o, "maximize")};
+    SgdArgs args{o.at("lr"), o.at("momentum"), o.at("dampening"), o.at("weight_decay"), flag(o, "nesterov"),
+                 flag(o, "maximize")};
+    args.lr_tensor = group.lr_tensor;
+    args.found_inf = found_inf;
     std::vector<Tensor> params, grads, bufs, owners;
     for (const Tensor& p : group.params) {
       Tensor g = p.grad();
@@ -326,51 +377,53 @@ void Adam::validate(const Options& o) const {
   EMBER_CHECK(o.at("weight_decay") >= 0.0, n, ": invalid weight_decay value: ", o.at("weight_decay"));
 }
 
-void Adam::step() {
+void Adam::step() { step_impl(Tensor()); }
+
+void Adam::step_unless_inf(const Tensor& found_inf) {
+  EMBER_CHECK(found_inf.defined(), name(), "::step_unless_inf: found_inf is undefined");
+  step_impl(found_inf);
+}
+
+void Adam::step_impl(const Tensor& found_inf) {
   NoGradGuard no_grad;
   for (auto& group : param_groups()) {
     const Options& o = group.options;
     const bool amsgrad = flag(o, "amsgrad");
-    // Parameters that started later have smaller step counts; each count
-    // gets one fused call (in practice there is one).
-    struct Lists {
-      std::vector<Tensor> p, g, m, v, vmax;
-      std::vector<float*> counts;
-      std::vector<std::pair<Tensor, Tensor>> masters;  // (16-bit parameter, its float32 master)
-    };
-    std::map<int64_t, Lists> by_step;
+    std::vector<Tensor> P, G, M, V, VMAX, steps;
+    std::vector<std::pair<Tensor, Tensor>> masters;  // (16-bit parameter, its float32 master)
     for (const Tensor& p : group.params) {
       Tensor g = p.grad();
       if (!g.defined()) continue;
       auto& st = mutable_state(p);
       if (!st.count("step")) {
-        st["step"] = zeros({}, {DType::Float32, kCPU});
+        st["step"] = zeros({}, {DType::Float32, p.device()});
         st["exp_avg"] = zeros(p.sizes(), state_options(p));
         st["exp_avg_sq"] = zeros(p.sizes(), state_options(p));
       }
       if (amsgrad && !st.count("max_exp_avg_sq")) st["max_exp_avg_sq"] = zeros(p.sizes(), state_options(p));
+      // float32, counted in float32, as torch's step tensor, on the
+      // parameter's device as its fused Adam keeps it: the kernel reads it
+      // for the bias corrections and bumps it once the update went through.
+      if (st["step"].device() != p.device()) st["step"] = st["step"].to(p.device());
       auto [target, tg] = step_target(p, g, st);
-      // float32, counted in float32, as torch's step tensor; bumped only
-      // once the update went through.
-      float* count = st["step"].data<float>();
-      Lists& l = by_step[static_cast<int64_t>(*count + 1.0f)];
-      l.counts.push_back(count);
-      l.p.push_back(target);
-      l.g.push_back(tg);
-      if (!target.is_same(p)) l.masters.emplace_back(p, target);
-      l.m.push_back(st["exp_avg"]);
-      l.v.push_back(st["exp_avg_sq"]);
-      if (amsgrad) l.vmax.push_back(st["max_exp_avg_sq"]);
+      P.push_back(target);
+      G.push_back(tg);
+      if (!target.is_same(p)) masters.emplace_back(p, target);
+      M.push_back(st["exp_avg"]);
+      V.push_back(st["exp_avg_sq"]);
+      if (amsgrad) VMAX.push_back(st["max_exp_avg_sq"]);
+      steps.push_back(st["step"]);
     }
-    for (auto& [step, l] : by_step) {
-      const AdamArgs args{o.at("lr"), o.at("beta1"),  o.at("beta2"),  o.at("eps"), o.at("weight_decay"),
-                          decoupled_, amsgrad, flag(o, "maximize"), step};
-      adam_step_(l.p, l.g, l.m, l.v, l.vmax, args);
-      for (float* c : l.counts) *c += 1.0f;
-      for (auto& [p, master] : l.masters) {
-        Tensor dst = p;
-        dst.copy_(master);
-      }
+    if (P.empty()) continue;
+    AdamArgs args{o.at("lr"), o.at("beta1"), o.at("beta2"), o.at("eps"), o.at("weight_decay"),
+                  decoupled_, amsgrad, flag(o, "maximize")};
+    args.lr_tensor = group.lr_tensor;
+    args.found_inf = found_inf;
+    args.steps = steps;
+    adam_step_(P, G, M, V, VMAX, args);
+    for (auto& [p, master] : masters) {
+      Tensor dst = p;
+      dst.copy_(master);
     }
   }
 }

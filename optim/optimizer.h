@@ -37,8 +37,18 @@ struct ParamGroup {
   // Entries override the optimizer's defaults; missing ones are filled in by
   // add_param_group. Schedulers add "initial_lr", as torch does.
   Options options;
+  // Optional: the learning rate as a one-element float32 tensor on the
+  // parameters' device, which the fused step reads there (torch's tensor
+  // lr): a schedule or tuner can change it without a host synchronisation.
+  // When set it is the learning rate used; options["lr"] stays the host's
+  // record, and set_lr (what schedulers call) writes both.
+  Tensor lr_tensor;
   double lr() const { return options.at("lr"); }
 };
+
+// Sets a group's learning rate: options["lr"], and lr_tensor on its device
+// (a fill, no synchronisation) when the group has one.
+void set_lr(ParamGroup& group, double lr);
 
 // A checkpointable snapshot: tensors and plain numbers only, so it can be
 // written as safetensors (the tensors, by name) plus JSON (the groups).
@@ -89,6 +99,12 @@ class Optimizer {
   // default) or zeroes it in place.
   void zero_grad(bool set_to_none = true);
   virtual void step() = 0;
+  // The step, unless `found_inf` (a one-element float32 tensor on the
+  // parameters' device, GradScaler's flag) holds a value > 0. Optimizers
+  // whose fused kernels read the flag on the device (skips_on_device())
+  // decide there, without a host synchronisation; the default reads it.
+  virtual void step_unless_inf(const Tensor& found_inf);
+  virtual bool skips_on_device() const { return false; }
 
   std::vector<ParamGroup>& param_groups() { return groups_; }
   const std::vector<ParamGroup>& param_groups() const { return groups_; }
@@ -147,10 +163,17 @@ class SGD : public Optimizer {
   explicit SGD(std::vector<Tensor> params, SGDOptions defaults = {});
   SGD(std::vector<ParamGroup> groups, SGDOptions defaults = {});
   void step() override;
+  void step_unless_inf(const Tensor& found_inf) override;
+  // Once every momentum buffer exists (a first step with momentum must run
+  // to set it, so it is decided on the host).
+  bool skips_on_device() const override;
   std::vector<std::string> state_names() const override { return {"momentum_buffer", "master_param"}; }
 
  protected:
   void validate(const Options& o) const override;
+
+ private:
+  void step_impl(const Tensor& found_inf);
 };
 
 struct AdamOptions {
@@ -164,13 +187,16 @@ struct AdamOptions {
   Options to_map() const;
 };
 
-// torch.optim.Adam. State: "step" (0-dim float32 on CPU, as torch keeps it),
+// torch.optim.Adam. State: "step" (0-dim float32 on the parameter's device,
+// as torch's fused Adam keeps it),
 // "exp_avg", "exp_avg_sq", and "max_exp_avg_sq" with amsgrad.
 class Adam : public Optimizer {
  public:
   explicit Adam(std::vector<Tensor> params, AdamOptions defaults = {});
   Adam(std::vector<ParamGroup> groups, AdamOptions defaults = {});
   void step() override;
+  void step_unless_inf(const Tensor& found_inf) override;
+  bool skips_on_device() const override { return true; }
   std::vector<std::string> state_names() const override {
     return {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param"};
   }
@@ -180,6 +206,7 @@ class Adam : public Optimizer {
   void validate(const Options& o) const override;
 
  private:
+  void step_impl(const Tensor& found_inf);
   bool decoupled_ = false;
 };
 

@@ -17,10 +17,13 @@ namespace ember {
 void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                   const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdKernelArgs& a) {
   if (params.empty()) return;
+  // CPU tensors: the device values are host memory, read directly.
+  if (a.dev.found_inf && *a.dev.found_inf > 0.f) return;
   EMBER_DISPATCH_FLOAT(params[0].dtype(), "sgd_step_", [&] {
     using T = scalar_t;
     using C = acc_t<T>;
-    const auto s = optim_fns::sgd_scalars<C>(a);
+    auto s = optim_fns::sgd_scalars<C>(a);
+    if (a.dev.lr) s = optim_fns::sgd_with_lr(s, static_cast<double>(*a.dev.lr));
     for (size_t i = 0; i < params.size(); ++i) {
       T* p = params[i].data<T>();
       const T* g = grads[i].data<T>();
@@ -41,13 +44,21 @@ void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& 
 
 void adam_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                    const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
-                   const std::vector<Tensor>& max_exp_avg_sqs, const AdamKernelArgs& a) {
+                   const std::vector<Tensor>& max_exp_avg_sqs, const std::vector<Tensor>& steps,
+                   const AdamKernelArgs& a) {
   if (params.empty()) return;
+  if (a.dev.found_inf && *a.dev.found_inf > 0.f) return;
   EMBER_DISPATCH_FLOAT(params[0].dtype(), "adam_step_", [&] {
     using T = scalar_t;
     using C = acc_t<T>;
-    const auto s = optim_fns::adam_scalars<C>(a);
+    const auto base = optim_fns::adam_scalars<C>(a);
+    const double lr = a.dev.lr ? static_cast<double>(*a.dev.lr) : a.lr;
     for (size_t i = 0; i < params.size(); ++i) {
+      float* count = steps.empty() ? nullptr : steps[i].data<float>();
+      auto s = base;
+      // As the host computes it: (count + 1) in float32, as torch's step tensor.
+      if (count) s = optim_fns::adam_resolve(base, lr, static_cast<double>(*count + 1.0f));
+      else if (a.dev.lr) s = optim_fns::adam_resolve(base, lr, a.step);
       T* p = params[i].data<T>();
       const T* g = grads[i].data<T>();
       T* m = exp_avgs[i].data<T>();
@@ -64,6 +75,7 @@ void adam_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>&
           if (vmax) vmax[j] = static_cast<T>(xv);
         }
       });
+      if (count) *count += 1.0f;
     }
   });
 }
@@ -119,6 +131,24 @@ void check_operand(const char* op, const char* what, const Tensor& t, const Tens
               shape_str(p.sizes()), " ", p.dtype(), " on ", p.device(), ")");
   EMBER_CHECK(!need_contiguous || t.is_contiguous(), op, ": ", what, " ", i, " ", shape_str(t.sizes()),
               " is not contiguous; optimizer state is updated in place as a flat array");
+}
+
+// The device-side hyperparameters: one-element float32 tensors on the
+// device of every parameter (one device per call when either is given).
+DeviceHyper device_hyper(const char* op, const Tensor& lr, const Tensor& found_inf, const std::vector<Tensor>& params) {
+  DeviceHyper d;
+  auto check = [&](const Tensor& t, const char* name) -> const float* {
+    if (!t.defined()) return nullptr;
+    EMBER_CHECK(t.numel() == 1 && t.dtype() == DType::Float32 && t.is_contiguous(), op, ": ", name,
+                " must be a one-element float32 tensor, got ", shape_str(t.sizes()), " ", t.dtype());
+    for (size_t i = 0; i < params.size(); ++i)
+      EMBER_CHECK(params[i].device() == t.device(), op, ": ", name, " is on ", t.device(), " but parameter ", i,
+                  " is on ", params[i].device(), "; it is read on the parameters' device");
+    return static_cast<const float*>(t.raw_data());
+  };
+  d.lr = check(lr, "lr_tensor");
+  d.found_inf = check(found_inf, "found_inf");
+  return d;
 }
 
 // Parameter indices grouped by (device, dtype), in first-seen order so the
@@ -180,7 +210,8 @@ void sgd_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, st
     if (init[i]) momentum_bufs[i] = empty_like(params[i]);
     else check_inplace(momentum_bufs[i], op);
   }
-  const SgdKernelArgs k{args.lr, args.momentum, args.dampening, args.weight_decay, args.nesterov, args.maximize};
+  const DeviceHyper dev = device_hyper(op, args.lr_tensor, args.found_inf, params);
+  const SgdKernelArgs k{args.lr, args.momentum, args.dampening, args.weight_decay, args.nesterov, args.maximize, dev};
   for (const auto& idx : group_by_device_dtype(params)) {
     std::vector<bool> gi;
     for (size_t i : idx) gi.push_back(init[i]);
@@ -198,6 +229,15 @@ void adam_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, s
   check_count(op, "exp_avg", exp_avgs.size(), params.size());
   check_count(op, "exp_avg_sq", exp_avg_sqs.size(), params.size());
   if (args.amsgrad) check_count(op, "max_exp_avg_sq", max_exp_avg_sqs.size(), params.size());
+  if (!args.steps.empty()) check_count(op, "step count", args.steps.size(), params.size());
+  for (size_t i = 0; i < args.steps.size(); ++i) {
+    const Tensor& c = args.steps[i];
+    EMBER_CHECK(c.defined() && c.numel() == 1 && c.dtype() == DType::Float32 && c.is_contiguous() &&
+                    c.device() == params[i].device(),
+                op, ": step count ", i, " must be a one-element float32 tensor on parameter ", i, "'s device (",
+                params[i].device(), "), got ", c.defined() ? shape_str(c.sizes()) : "undefined", " ",
+                c.defined() ? dtype_name(c.dtype()) : "", c.defined() ? " on " + c.device().str() : "");
+  }
   std::vector<Tensor> g(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     check_param(op, params[i], i);
@@ -216,13 +256,17 @@ void adam_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, s
   // Bias corrections in double on the host, as torch computes them in Python.
   const double bc1 = 1.0 - std::pow(args.beta1, static_cast<double>(args.step));
   const double bc2 = 1.0 - std::pow(args.beta2, static_cast<double>(args.step));
-  const AdamKernelArgs k{args.lr,        args.beta1,      args.beta2,   args.eps,     args.weight_decay,
-                         args.lr / bc1,  std::sqrt(bc2),  args.decoupled, args.amsgrad, args.maximize};
+  const DeviceHyper dev = device_hyper(op, args.lr_tensor, args.found_inf, params);
+  const AdamKernelArgs k{args.lr,        args.beta1,      args.beta2,     args.eps,     args.weight_decay,
+                         args.lr / bc1,  std::sqrt(bc2),  args.decoupled, args.amsgrad, args.maximize,
+                         static_cast<double>(args.step), dev};
+  for (size_t i = 0; i < args.steps.size(); ++i) check_inplace(args.steps[i], op);
   for (const auto& idx : group_by_device_dtype(params)) {
     auto p = pick(params, idx), gr = pick(g, idx), m = pick(exp_avgs, idx), v = pick(exp_avg_sqs, idx);
     auto vmax = pick(args.amsgrad ? max_exp_avg_sqs : std::vector<Tensor>{}, idx);
-    if (p[0].is_cuda()) adam_step_cuda(p, gr, m, v, vmax, k);
-    else adam_step_cpu(p, gr, m, v, vmax, k);
+    auto st = pick(args.steps, idx);
+    if (p[0].is_cuda()) adam_step_cuda(p, gr, m, v, vmax, st, k);
+    else adam_step_cpu(p, gr, m, v, vmax, st, k);
   }
 }
 

@@ -31,6 +31,7 @@ struct TensorEntry {
   void* ptr[kMaxDepth];
   int64_t numel;
   int64_t chunk_begin;  // first global chunk number of this tensor
+  float* step;          // Adam with device step counts: this tensor's count (else null)
   bool init;            // SGD: new momentum buffer (torch's first-step clone)
   bool aligned;         // every operand 16-byte aligned: vector loads allowed
 };
@@ -50,18 +51,20 @@ __device__ __forceinline__ int find_tensor(const TensorEntry* entries, int n, in
   return lo;
 }
 
-// Applies f(x[DEPTH], init) to every element, x[o] the element of operand o
-// in compute type C. Operand 1 (the gradient) is read-only and not stored.
+// Applies the per-tensor functor f.at(entry) to every element, x[o] the
+// element of operand o in compute type C. Operand 1 (the gradient) is
+// read-only and not stored. Nothing at all when f.skip() (found_inf).
 template <typename T, int DEPTH, typename F>
 __device__ __forceinline__ void multi_tensor_apply(const TensorEntry* entries, int ntensors, int64_t nchunks,
                                                    const F& f) {
   using C = acc_t<T>;
   constexpr int VEC = cuda::vec_width<T>();
+  if (f.skip()) return;
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const TensorEntry& e = entries[find_tensor(entries, ntensors, c)];
     const int64_t start = (c - e.chunk_begin) * kChunk;
     const int64_t n = e.numel - start < kChunk ? e.numel - start : kChunk;
-    const bool init = e.init;
+    const auto g = f.at(e);
     T* ptr[DEPTH];
 #pragma unroll
     for (int o = 0; o < DEPTH; ++o) ptr[o] = static_cast<T*>(e.ptr[o]) + start;
@@ -77,7 +80,7 @@ __device__ __forceinline__ void multi_tensor_apply(const TensorEntry* entries, i
           C x[DEPTH];
 #pragma unroll
           for (int o = 0; o < DEPTH; ++o) x[o] = static_cast<C>(r[o].v[j]);
-          f(x, init);
+          g(x);
 #pragma unroll
           for (int o = 0; o < DEPTH; ++o)
             if (o != 1) r[o].v[j] = static_cast<T>(x[o]);
@@ -92,7 +95,7 @@ __device__ __forceinline__ void multi_tensor_apply(const TensorEntry* entries, i
       C x[DEPTH];
 #pragma unroll
       for (int o = 0; o < DEPTH; ++o) x[o] = static_cast<C>(ptr[o][i]);
-      f(x, init);
+      g(x);
 #pragma unroll
       for (int o = 0; o < DEPTH; ++o)
         if (o != 1) ptr[o][i] = static_cast<T>(x[o]);
@@ -100,31 +103,55 @@ __device__ __forceinline__ void multi_tensor_apply(const TensorEntry* entries, i
   }
 }
 
+__device__ __forceinline__ bool found_inf_set(const float* found_inf) { return found_inf && *found_inf > 0.f; }
+
 // x = {p, g, buf}, or {p, g} without momentum.
 template <typename C, int DEPTH>
 struct SgdFn {
   optim_fns::SgdScalars<C> s;
-  __device__ __forceinline__ void operator()(C (&x)[DEPTH], bool init) const {
-    if constexpr (DEPTH > 2) {
-      optim_fns::sgd_update<C>(x[0], x[1], x[2], init, s);
-    } else {
-      C unused = C(0);
-      optim_fns::sgd_update<C>(x[0], x[1], unused, init, s);
+  DeviceHyper dev;
+  struct At {
+    optim_fns::SgdScalars<C> s;
+    bool init;
+    __device__ __forceinline__ void operator()(C (&x)[DEPTH]) const {
+      if constexpr (DEPTH > 2) {
+        optim_fns::sgd_update<C>(x[0], x[1], x[2], init, s);
+      } else {
+        C unused = C(0);
+        optim_fns::sgd_update<C>(x[0], x[1], unused, init, s);
+      }
     }
+  };
+  __device__ __forceinline__ bool skip() const { return found_inf_set(dev.found_inf); }
+  __device__ __forceinline__ At at(const TensorEntry& e) const {
+    return {dev.lr ? optim_fns::sgd_with_lr(s, static_cast<double>(*dev.lr)) : s, e.init};
   }
 };
 
-// x = {p, g, m, v[, vmax]}.
+// x = {p, g, m, v[, vmax]}. Scalars resolved per tensor when the learning
+// rate or the step count is on the device.
 template <typename C, int DEPTH>
 struct AdamFn {
   optim_fns::AdamScalars<C> s;
-  __device__ __forceinline__ void operator()(C (&x)[DEPTH], bool) const {
-    if constexpr (DEPTH > 4) {
-      optim_fns::adam_update<C>(x[0], x[1], x[2], x[3], x[4], s);
-    } else {
-      C unused = C(0);
-      optim_fns::adam_update<C>(x[0], x[1], x[2], x[3], unused, s);
+  DeviceHyper dev;
+  double host_step;
+  struct At {
+    optim_fns::AdamScalars<C> s;
+    __device__ __forceinline__ void operator()(C (&x)[DEPTH]) const {
+      if constexpr (DEPTH > 4) {
+        optim_fns::adam_update<C>(x[0], x[1], x[2], x[3], x[4], s);
+      } else {
+        C unused = C(0);
+        optim_fns::adam_update<C>(x[0], x[1], x[2], x[3], unused, s);
+      }
     }
+  };
+  __device__ __forceinline__ bool skip() const { return found_inf_set(dev.found_inf); }
+  __device__ __forceinline__ At at(const TensorEntry& e) const {
+    if (!e.step && !dev.lr) return {s};
+    const double lr = dev.lr ? static_cast<double>(*dev.lr) : s.lr_d;
+    const double step = e.step ? static_cast<double>(*e.step + 1.0f) : host_step;
+    return {optim_fns::adam_resolve(s, lr, step)};
   }
 };
 
@@ -134,12 +161,26 @@ template <typename C>
 struct AmpUnscaleFn {
   float* found_inf;
   const float* inv_scale;
-  __device__ __forceinline__ void operator()(C (&x)[1], bool) const {
-    bool found = false;
-    x[0] = optim_fns::amp_unscale<C>(x[0], static_cast<C>(*inv_scale), found);
-    if (found) *found_inf = 1.f;
-  }
+  struct At {
+    float* found_inf;
+    C inv;
+    __device__ __forceinline__ void operator()(C (&x)[1]) const {
+      bool found = false;
+      x[0] = optim_fns::amp_unscale<C>(x[0], inv, found);
+      if (found) *found_inf = 1.f;
+    }
+  };
+  __device__ __forceinline__ bool skip() const { return false; }
+  __device__ __forceinline__ At at(const TensorEntry&) const { return {found_inf, static_cast<C>(*inv_scale)}; }
 };
+
+// After an Adam step with device counts: each count + 1, unless skipped. One
+// thread per count; launched after the step on the same stream, so every
+// block of the step has read the old count.
+__global__ void bump_steps_kernel(float* const* steps, int n, const float* found_inf) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n && !found_inf_set(found_inf)) *steps[i] += 1.0f;
+}
 
 __global__ void amp_update_scale_kernel(float* scale, int32_t* growth_tracker, const float* found_inf,
                                         AmpScaleArgs a) {
@@ -164,7 +205,8 @@ __global__ void __launch_bounds__(cuda::kBlockSize)
 // Builds the table for operand lists (one list per operand, same length) and
 // launches once on the tensors' device and current stream.
 template <typename T, int DEPTH, typename F>
-void launch(const std::vector<const std::vector<Tensor>*>& lists, const std::vector<bool>& init, const F& f) {
+void launch(const std::vector<const std::vector<Tensor>*>& lists, const std::vector<bool>& init, const F& f,
+            const std::vector<Tensor>& steps = {}) {
   const std::vector<Tensor>& params = *lists[0];
   std::vector<TensorEntry> entries;
   entries.reserve(params.size());
@@ -181,6 +223,7 @@ void launch(const std::vector<const std::vector<Tensor>*>& lists, const std::vec
     e.numel = n;
     e.chunk_begin = nchunks;
     e.init = !init.empty() && init[i];
+    e.step = steps.empty() ? nullptr : static_cast<float*>(steps[i].raw_data());
     nchunks += cuda::ceil_div(n, kChunk);
     entries.push_back(e);
   }
@@ -215,24 +258,39 @@ void sgd_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>&
     using T = scalar_t;
     using C = acc_t<T>;
     const auto s = optim_fns::sgd_scalars<C>(a);
-    if (s.has_momentum) launch<T, 3>({&params, &grads, &bufs}, init, SgdFn<C, 3>{s});
-    else launch<T, 2>({&params, &grads}, {}, SgdFn<C, 2>{s});
+    if (s.has_momentum) launch<T, 3>({&params, &grads, &bufs}, init, SgdFn<C, 3>{s, a.dev});
+    else launch<T, 2>({&params, &grads}, {}, SgdFn<C, 2>{s, a.dev});
   });
 }
 
 void adam_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                     const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
-                    const std::vector<Tensor>& max_exp_avg_sqs, const AdamKernelArgs& a) {
+                    const std::vector<Tensor>& max_exp_avg_sqs, const std::vector<Tensor>& steps,
+                    const AdamKernelArgs& a) {
   if (params.empty()) return;
   EMBER_DISPATCH_FLOAT(params[0].dtype(), "adam_step_", [&] {
     using T = scalar_t;
     using C = acc_t<T>;
     const auto s = optim_fns::adam_scalars<C>(a);
     if (s.amsgrad)
-      launch<T, 5>({&params, &grads, &exp_avgs, &exp_avg_sqs, &max_exp_avg_sqs}, {}, AdamFn<C, 5>{s});
+      launch<T, 5>({&params, &grads, &exp_avgs, &exp_avg_sqs, &max_exp_avg_sqs}, {}, AdamFn<C, 5>{s, a.dev, a.step},
+                   steps);
     else
-      launch<T, 4>({&params, &grads, &exp_avgs, &exp_avg_sqs}, {}, AdamFn<C, 4>{s});
+      launch<T, 4>({&params, &grads, &exp_avgs, &exp_avg_sqs}, {}, AdamFn<C, 4>{s, a.dev, a.step}, steps);
   });
+  if (steps.empty()) return;
+  // Counts of empty parameters too: they took part in the step.
+  std::vector<float*> ptrs;
+  for (const Tensor& t : steps) ptrs.push_back(static_cast<float*>(t.raw_data()));
+  cuda::DeviceGuard guard(params[0]);
+  cudaStream_t stream = cuda::stream_for(params[0]);
+  const size_t bytes = ptrs.size() * sizeof(float*);
+  Tensor table = Tensor::empty({static_cast<int64_t>(bytes)}, {DType::UInt8, params[0].device()});
+  EMBER_CUDA_CHECK(cudaMemcpyAsync(table.raw_data(), ptrs.data(), bytes, cudaMemcpyHostToDevice, stream));
+  const int n = static_cast<int>(ptrs.size());
+  bump_steps_kernel<<<static_cast<unsigned>(cuda::ceil_div(n, 256)), 256, 0, stream>>>(
+      static_cast<float* const*>(table.raw_data()), n, a.dev.found_inf);
+  EMBER_CUDA_CHECK(cudaGetLastError());
 }
 
 void amp_unscale_cuda(const std::vector<Tensor>& grads, const Tensor& found_inf, const Tensor& inv_scale) {
