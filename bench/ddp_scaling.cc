@@ -129,6 +129,24 @@ std::unique_ptr<Group> join_group(const std::string& name, int world) {
   return g;
 }
 
+// Times `step` once per benchmark iteration (manual time) and returns the
+// median in seconds, after a barrier so every rank is done before rank 0
+// reaps its peers.
+template <typename Step>
+double timed_median(benchmark::State& state, ProcessGroup* pg, Step&& step) {
+  std::vector<double> times;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    benchmark::DoNotOptimize(step());
+    double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    state.SetIterationTime(s);
+    times.push_back(s);
+  }
+  if (pg) pg->barrier()->wait();
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
 void BM_DdpStep(benchmark::State& state, const std::string& name, int64_t width, int world, bool overlap) {
   omp_set_num_threads(1);  // 1 thread per process, as the peer's torch.set_num_threads(1)
   auto group = join_group(name, world);
@@ -151,18 +169,7 @@ void BM_DdpStep(benchmark::State& state, const std::string& name, int64_t width,
   Tensor y = randint(0, 10, {kBatch});
   auto step = [&] { return bench::train_step(*net, opt, x, y); };
   for (int i = 0; i < kWarmup; ++i) step();  // oneDNN primitives, allocator caches, first buckets
-  std::vector<double> times;
-  for (auto _ : state) {
-    auto t0 = Clock::now();
-    benchmark::DoNotOptimize(step());
-    double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    state.SetIterationTime(s);
-    times.push_back(s);
-  }
-  if (group->pg) group->pg->barrier()->wait();  // everyone done before rank 0 reaps the peers
-
-  std::sort(times.begin(), times.end());
-  const double median = times[times.size() / 2];
+  const double median = timed_median(state, group->pg.get(), step);
   const double img_s = world * kBatch / median;
   state.counters["step_ms_median"] = median * 1e3;
   state.counters["img_per_s"] = img_s;
@@ -225,16 +232,7 @@ void BM_MlpAdamStep(benchmark::State& state, const std::string& name, int world,
   };
   for (int i = 0; i < 2; ++i) step();
   cpu_allocator()->reset_peak_stats();
-  std::vector<double> times;
-  for (auto _ : state) {
-    auto t0 = Clock::now();
-    benchmark::DoNotOptimize(step());
-    double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    state.SetIterationTime(s);
-    times.push_back(s);
-  }
-  if (group->pg) group->pg->barrier()->wait();
-  std::sort(times.begin(), times.end());
+  const double median = timed_median(state, group->pg.get(), step);
   int64_t state_bytes = 0;
   if (auto* z = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get())) {
     state_bytes = z->local_state_bytes();
@@ -242,7 +240,7 @@ void BM_MlpAdamStep(benchmark::State& state, const std::string& name, int world,
     for (const Tensor& p : model->parameters())
       for (const auto& [n, t] : opt->state(p)) state_bytes += static_cast<int64_t>(t.nbytes());
   }
-  state.counters["step_ms_median"] = times[times.size() / 2] * 1e3;
+  state.counters["step_ms_median"] = median * 1e3;
   state.counters["state_MiB"] = static_cast<double>(state_bytes) / (1 << 20);
   state.counters["peak_MiB"] = static_cast<double>(cpu_allocator()->stats().peak_allocated) / (1 << 20);
   state.SetLabel(std::to_string(world) + " proc x 1 thread, MLP 50.3M params, Adam, " +

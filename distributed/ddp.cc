@@ -1,5 +1,6 @@
-// DistributedDataParallel: the reducer (gradient buckets, readiness
-// tracking, allreduce launch order, end-of-backward finalisation), the
+// DistributedDataParallel: the reducer (gradient buckets, each a FlatBuffer
+// of its parameters' gradients; readiness tracking, allreduce launch order,
+// end-of-backward finalisation), the
 // cross-rank parameter check and the coalesced broadcasts of parameters and
 // buffers. See ddp.h for the contract; sync_batch_norm.cc has SyncBatchNorm.
 //

@@ -179,18 +179,6 @@ struct MlpWithReference {
   }
 };
 
-// Options from "key=value,key=value" (RunOptions::arg).
-std::map<std::string, std::string> parse(const std::string& arg) {
-  std::map<std::string, std::string> out;
-  std::stringstream ss(arg);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    auto eq = item.find('=');
-    out[item.substr(0, eq)] = eq == std::string::npos ? "1" : item.substr(eq + 1);
-  }
-  return out;
-}
-
 // ---------------------------------------------------------------------------
 // Worker scenarios.
 
@@ -198,7 +186,7 @@ std::map<std::string, std::string> parse(const std::string& arg) {
 // batch b against one process on the 2b/4b batch. arg: model=mlp|conv|convbn,
 // cap=<MB>, first=<MB>, overlap=0|1, layout=<expected bucket_indices>.
 EMBER_WORKER(train) {
-  auto o = parse(env.arg);
+  auto o = mp::parse_arg(env.arg);
   auto pg = group(env);
   const int r = env.rank, ws = env.world_size;
   const std::string model = o["model"];

@@ -51,17 +51,6 @@ class Net : public nn::Module {
   std::shared_ptr<nn::Linear> a, b, unused;
 };
 
-std::map<std::string, std::string> parse(const std::string& arg) {
-  std::map<std::string, std::string> out;
-  std::stringstream ss(arg);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    auto eq = item.find('=');
-    out[item.substr(0, eq)] = eq == std::string::npos ? "1" : item.substr(eq + 1);
-  }
-  return out;
-}
-
 // Rank r's micro-batch i of step s: deterministic, different per rank.
 std::pair<Tensor, Tensor> batch(int r, int s, int i) {
   std::vector<double> x, y;
@@ -101,7 +90,7 @@ void expect_same_state(const optim::OptimizerStateDict& got, const optim::Optimi
 
 // arg: opt=sgd|adam|adamw, accum=<micro-steps>, unused=0|1, sched=0|1.
 EMBER_WORKER(equals_ddp) {
-  auto o = parse(env.arg);
+  auto o = mp::parse_arg(env.arg);
   auto pg = make_gloo_group(env.store(), env.rank, env.world_size);
   const int r = env.rank, ws = env.world_size;
   const bool unused = o["unused"] == "1";

@@ -78,6 +78,17 @@ bool register_worker(const std::string& name, WorkerFn fn) {
   return true;
 }
 
+std::map<std::string, std::string> parse_arg(const std::string& arg) {
+  std::map<std::string, std::string> out;
+  std::stringstream ss(arg);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    auto eq = item.find('=');
+    out[item.substr(0, eq)] = eq == std::string::npos ? "1" : item.substr(eq + 1);
+  }
+  return out;
+}
+
 bool is_worker() { return std::getenv("EMBER_MP_SCENARIO") != nullptr; }
 
 void run_if_worker() {

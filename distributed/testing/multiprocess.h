@@ -21,6 +21,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -83,6 +84,9 @@ struct WorkerResult {
 std::vector<WorkerResult> run_workers(const std::string& scenario, int world_size, const RunOptions& options = {});
 
 bool all_succeeded(const std::vector<WorkerResult>& results);
+// Scenario options from RunOptions::arg written "key=value,key,..." (a bare
+// key means "1").
+std::map<std::string, std::string> parse_arg(const std::string& arg);
 // Every worker's status and output, for a failure message.
 std::string describe(const std::vector<WorkerResult>& results);
 
