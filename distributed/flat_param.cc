@@ -89,13 +89,19 @@ void FlatBuffer::copy_from(const std::vector<Tensor>& tensors) const {
 }
 
 void FlatBuffer::adopt(const std::vector<Tensor>& tensors) const {
+  // Every entry checked before any tensor moves (copy_from checks count and shapes).
+  EMBER_CHECK(tensors.size() == entries_.size(), "FlatBuffer::adopt: ", tensors.size(), " tensors for ",
+              entries_.size(), " entries");
+  for (size_t i = 0; i < tensors.size(); ++i)
+    EMBER_CHECK(tensors[i].defined() && tensors[i].dtype() == flat_.dtype() && tensors[i].device() == flat_.device() &&
+                    tensors[i].sizes() == entries_[i].shape,
+                "FlatBuffer::adopt: '", entries_[i].name, "' is ",
+                tensors[i].defined() ? shape_str(tensors[i].sizes()) + " " + dtype_name(tensors[i].dtype()) + " on " +
+                                           tensors[i].device().str()
+                                     : std::string("undefined"),
+                ", the entry ", shape_str(entries_[i].shape), " ", flat_.dtype(), " on ", flat_.device());
   copy_from(tensors);
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    EMBER_CHECK(tensors[i].dtype() == flat_.dtype() && tensors[i].device() == flat_.device(), "FlatBuffer::adopt: '",
-                entries_[i].name, "' is ", tensors[i].dtype(), " on ", tensors[i].device(), ", the buffer ",
-                flat_.dtype(), " on ", flat_.device());
-    tensors[i].set_data(views_[i]);
-  }
+  for (size_t i = 0; i < tensors.size(); ++i) tensors[i].set_data(views_[i]);
 }
 
 void FlatBuffer::check_group(const ProcessGroup& pg, const char* op) const {

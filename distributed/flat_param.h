@@ -90,8 +90,12 @@ class FlatBuffer {
   // Reduces flat() over the ranks into `out` (shard_numel() elements).
   std::shared_ptr<Work> reduce_scatter(ProcessGroup& pg, const Tensor& out, ReduceOp op = ReduceOp::Avg) const;
 
-  // Gives flat()'s memory back / allocates it again (uninitialized). Views
-  // and adopted parameters share the storage, so they follow.
+  // Gives flat()'s memory back / allocates it again (uninitialized, padding
+  // included: the next all_gather fills it). Views and adopted parameters
+  // share the storage, so they follow. Release only once the collectives
+  // that use the buffer have completed (wait(), or synchronize() before
+  // freeing on the stream that waited): the memory goes straight back to
+  // the allocator.
   void release() const { flat_.free_storage(); }
   void restore() const { flat_.restore_storage(); }
   bool released() const { return flat_.defined() && flat_.storage_freed(); }

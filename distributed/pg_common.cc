@@ -4,6 +4,7 @@
 #include "distributed/pg_common.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <sstream>
 #include <thread>
@@ -103,14 +104,15 @@ bool is_connection_loss(std::exception_ptr cause) {
          contains(msg, "Connection refused");
 }
 
-std::vector<LostRank> lost_ranks_within(Store& store, Millis within) {
+std::vector<LostRank> lost_ranks_within(Store& store, Millis within, std::string* store_error) {
   const auto until = PgClock::now() + within;
   for (;;) {
     std::vector<LostRank> lost;
     try {
       lost = store.lost_ranks();
-    } catch (const std::exception&) {
-      return {};  // the store is gone too; the caller's own error says enough
+    } catch (const std::exception& e) {
+      if (store_error) *store_error = e.what();  // the store is gone too: its host died
+      return {};
     }
     if (!lost.empty() || PgClock::now() >= until) return lost;
     std::this_thread::sleep_for(Millis{20});
@@ -118,7 +120,7 @@ std::vector<LostRank> lost_ranks_within(Store& store, Millis within) {
 }
 
 std::exception_ptr op_error(const OpInfo& info, std::exception_ptr cause, Millis elapsed,
-                            const std::vector<LostRank>& lost) {
+                            const std::vector<LostRank>& lost, const std::string& store_error) {
   std::string msg = what_of(cause);
   // Already one of ours (a signature check, a failed group): keep it as is.
   if (msg.rfind(info.describe(), 0) == 0) return cause;
@@ -130,6 +132,9 @@ std::exception_ptr op_error(const OpInfo& info, std::exception_ptr cause, Millis
     for (size_t i = 0; i < lost.size(); ++i) os << (i ? ", " : "") << lost[i].describe();
     os << (lost.size() == 1 ? " has" : " have")
        << " left the job without saying goodbye: the process exited, crashed or was killed)";
+  } else if (is_connection_loss(cause) && !store_error.empty()) {
+    os << " (a peer process exited or closed its connection in the middle of the operation, and the store "
+       << "cannot be reached either: " << store_error << ")";
   } else if (is_connection_loss(cause)) {
     os << " (a peer process exited or closed its connection in the middle of the operation)";
   } else if (timed_out) {
@@ -299,8 +304,9 @@ bool signature_checks_enabled(const ProcessGroupOptions& options) {
   for (const char* name : {"EMBER_DISTRIBUTED_DEBUG", "TORCH_DISTRIBUTED_DEBUG"}) {
     const char* v = std::getenv(name);
     if (v && *v) {
-      const std::string level = v;
-      EMBER_CHECK(level == "OFF" || level == "INFO" || level == "DETAIL", name, "=", level,
+      std::string level = v;
+      for (char& c : level) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));  // as torch reads it
+      EMBER_CHECK(level == "OFF" || level == "INFO" || level == "DETAIL", name, "=", v,
                   " is not a debug level; use OFF, INFO or DETAIL (DETAIL checks every collective's signature)");
       return level == "DETAIL";
     }

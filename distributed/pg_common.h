@@ -69,9 +69,10 @@ class CompletionWork : public Work {
 // after `elapsed`: "<describe()> timed out/failed after N ms: <cause>", plus a
 // hint about dead or missing peers when the cause looks like one.
 // `lost`: ranks the store knows to be gone (Store::lost_ranks), named in
-// place of the generic hint.
+// place of the generic hint; `store_error`: why the store itself could not
+// be asked (its host, usually rank 0, is gone), named likewise.
 std::exception_ptr op_error(const OpInfo& info, std::exception_ptr cause, Millis elapsed,
-                            const std::vector<LostRank>& lost = {});
+                            const std::vector<LostRank>& lost = {}, const std::string& store_error = "");
 
 // True when an engine's error says a connection to a peer broke.
 bool is_connection_loss(std::exception_ptr cause);
@@ -79,8 +80,9 @@ bool is_connection_loss(std::exception_ptr cause);
 // The ranks the store reports lost, polling for up to `within`: when a peer
 // dies, the transport and the store server see its sockets close at about
 // the same moment, in either order. Empty if none is reported in time or the
-// store cannot tell.
-std::vector<LostRank> lost_ranks_within(Store& store, Millis within);
+// store cannot tell. When the store cannot be reached, `store_error` (if
+// given) gets its message.
+std::vector<LostRank> lost_ranks_within(Store& store, Millis within, std::string* store_error = nullptr);
 
 // Before collective info.seq runs: rank 0 reads every rank's signature from
 // the store, compares it with its own and publishes a verdict that the other
@@ -108,6 +110,6 @@ void check_allgather_list(const std::vector<Tensor>& outputs, const Tensor& inpu
 void check_reduce_dtype(DType dtype, ReduceOp op, const std::string& where);
 
 // Marks an in-place write so autograd can tell a saved tensor was changed.
-inline void bump_version(const Tensor& t) { ++t.impl().storage->version; }
+inline void bump_version(const Tensor& t) { t.impl().storage->bump_version("a collective's output"); }
 
 }  // namespace ember::distributed::detail

@@ -533,8 +533,10 @@ class GlooGroup : public ProcessGroup {
       std::lock_guard<std::mutex> lock(broken_mu_);
       first = broken_.empty();
     }
-    if (first && detail::is_connection_loss(cause)) lost = detail::lost_ranks_within(*store_, Millis{1000});
-    std::exception_ptr err = detail::op_error(work->info(), cause, elapsed, lost);
+    std::string store_error;
+    if (first && detail::is_connection_loss(cause))
+      lost = detail::lost_ranks_within(*store_, Millis{1000}, &store_error);
+    std::exception_ptr err = detail::op_error(work->info(), cause, elapsed, lost, store_error);
     {
       std::lock_guard<std::mutex> lock(broken_mu_);
       if (broken_.empty()) {

@@ -110,18 +110,22 @@ TEST_F(NcclSingle, NonContiguousAndBehindTheCallersStream) {
 }
 
 TEST_F(NcclSingle, SynchronizeOrdersTheCurrentStreamNotTheHost) {
-  // The consumer runs on a side stream made to wait by synchronize(); the
-  // host never waits on the work itself before reading through that stream.
+  // The output starts as zeros and only the collective fills it: a consumer
+  // on a side stream that read it before the collective finished would see
+  // zeros. The side stream waits through synchronize(); the host never
+  // waits on the work before reading through that stream.
   cudaStream_t side;
   ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
-  Tensor x = seq_tensor({1 << 20}, DType::Float32);
-  auto w = pg_->allreduce(x, ReduceOp::Sum);
+  const int64_t n = int64_t{1} << 24;
+  Tensor in = seq_tensor({n}, DType::Float32);
+  Tensor out = zeros({n}, cuda_device(0));
+  auto w = pg_->allgather_into_tensor(out, in);
   set_current_cuda_stream(0, side);
   w->synchronize();
-  Tensor y = x * 2.0;  // queued on `side`, after the allreduce
+  Tensor y = out * 2.0;  // queued on `side`, after the collective
   set_current_cuda_stream(0, nullptr);
   ASSERT_EQ(cudaStreamSynchronize(side), cudaSuccess);
-  expect_same(y, seq_tensor({1 << 20}, DType::Float32) * 2.0, "consumer ordered after the collective");
+  expect_same(y, seq_tensor({n}, DType::Float32) * 2.0, "consumer ordered after the collective");
   w->wait();
   EXPECT_TRUE(w->is_success());
   cudaStreamDestroy(side);

@@ -561,7 +561,9 @@ TEST(GlooProcessGroup, SignatureChecksAreOptIn) {
   EXPECT_TRUE(detail::signature_checks_enabled(o));
   ::setenv("EMBER_DISTRIBUTED_DEBUG", "INFO", 1);  // ours first
   EXPECT_FALSE(detail::signature_checks_enabled(o));
-  ::setenv("EMBER_DISTRIBUTED_DEBUG", "detail", 1);
+  ::setenv("EMBER_DISTRIBUTED_DEBUG", "detail", 1);  // any case, as torch
+  EXPECT_TRUE(detail::signature_checks_enabled(o));
+  ::setenv("EMBER_DISTRIBUTED_DEBUG", "verbose", 1);
   EXPECT_THROW(detail::signature_checks_enabled(o), Error);
   ::unsetenv("EMBER_DISTRIBUTED_DEBUG");
   ::unsetenv("TORCH_DISTRIBUTED_DEBUG");

@@ -73,8 +73,16 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
         const int ws = b.pg->size(), rank = b.pg->rank();
         b.impl = std::make_unique<Impl>();
         Impl& impl = *b.impl;
-        // Checked before any parameter moves into a buffer.
+        // Every group checked before any parameter moves into a buffer.
         std::set<const TensorImpl*> seen;
+        for (size_t gi = 0; gi < groups.size(); ++gi)
+          for (size_t i = 0; i < groups[gi].params.size(); ++i) {
+            const Tensor& p = groups[gi].params[i];
+            EMBER_CHECK(p.defined() && is_floating(p.dtype()) && p.is_leaf(), kName, ": parameter ", i,
+                        " of group ", gi, " must be a defined floating-point leaf tensor");
+            EMBER_CHECK(seen.insert(p.impl_ptr().get()).second, kName, ": parameter ", i, " of group ", gi, " ",
+                        shape_str(p.sizes()), " appears more than once across parameter groups");
+          }
         int64_t index = 0;
         std::vector<optim::ParamGroup> local_groups;
         for (size_t gi = 0; gi < groups.size(); ++gi) {
@@ -82,10 +90,6 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
           std::vector<std::tuple<DType, Device, std::vector<std::pair<Tensor, int64_t>>>> classes;
           for (size_t i = 0; i < groups[gi].params.size(); ++i, ++index) {
             const Tensor& p = groups[gi].params[i];
-            EMBER_CHECK(p.defined() && is_floating(p.dtype()) && p.is_leaf(), kName, ": parameter ", i,
-                        " of group ", gi, " must be a defined floating-point leaf tensor");
-            EMBER_CHECK(seen.insert(p.impl_ptr().get()).second, kName, ": parameter ", i, " of group ", gi, " ",
-                        shape_str(p.sizes()), " appears more than once across parameter groups");
             auto it = std::find_if(classes.begin(), classes.end(), [&](const auto& c) {
               return std::get<0>(c) == p.dtype() && std::get<1>(c) == p.device();
             });
@@ -225,7 +229,8 @@ void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
       }
       // The state as a flat buffer like the parameters': this rank's pieces
       // in its shard, then one all-gather.
-      Tensor flat = zeros({fb.padded_numel()}, fb.flat().options());
+      // In the state's dtype (float32 for 16-bit parameters), not the parameters'.
+      Tensor flat = zeros({fb.padded_numel()}, {optim::state_dtype(fb.flat().dtype()), fb.flat().device()});
       for (const Impl::Piece* piece : mine) {
         auto it = local_->state(piece->param).find(names[k]);
         if (it == local_->state(piece->param).end()) continue;
@@ -318,7 +323,10 @@ void ZeroRedundancyOptimizer::load_state_dict(const optim::OptimizerStateDict& s
   // The local optimizer checks names, options and shapes before changing
   // anything; then our groups take the options it accepted.
   local_->load_state_dict(local);
-  for (size_t gi = 0; gi < param_groups().size(); ++gi) param_groups()[gi].options = local_->param_groups()[gi].options;
+  for (size_t gi = 0; gi < param_groups().size(); ++gi) {
+    param_groups()[gi].options = local_->param_groups()[gi].options;
+    optim::set_lr(param_groups()[gi], param_groups()[gi].options.at("lr"));  // and its lr_tensor
+  }
   impl_->consolidated_on = -1;
   impl_->consolidated = {};
 }

@@ -60,8 +60,9 @@ void GradScaler::unscale_(Optimizer& opt) {
               "update() first");
   EMBER_CHECK(scale_.defined(), "GradScaler::unscale_: nothing was scaled yet; call scale(loss).backward() first");
   NoGradGuard no_grad;
-  // 1/scale in double, then float32, as torch computes it.
-  const Tensor inv = full({1}, 1.0 / scale_.cpu().item(), {DType::Float32, kCPU});
+  // 1/scale in double, then float32, as torch computes it; on the scale's
+  // device, so no host synchronisation.
+  const Tensor inv = (1.0 / scale_.to(DType::Float64)).to(DType::Float32).reshape({1});
   std::vector<std::pair<Device, std::vector<Tensor>>> by_device;  // first-seen order
   for (auto& group : opt.param_groups())
     for (auto& p : group.params) {

@@ -69,7 +69,8 @@ class GradScaler {
   // optimizers. Falls back to step() where the optimizer cannot, or the
   // gradients span several devices. Whether it stepped is known on the
   // device only, so nothing is returned and a step with no gradients at all
-  // on any rank is not diagnosed here.
+  // on any rank is not diagnosed here. (With sync_found_inf, unscale_ still
+  // waits for the agreement's allreduce.)
   void step_async(Optimizer& opt);
   // Adjusts the scale from every optimizer stepped since the last update.
   void update();

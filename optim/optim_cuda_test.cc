@@ -156,8 +156,8 @@ TEST_F(CudaOptim, DeviceLearningRateStepCountsAndSkipMatchCpu) {
       if (b.empty()) {
         b.resize(p.size());
         bg.resize(p.size());
-        a.found_inf = full({}, 0.0, DType::Float32);  // a first step must run: it creates the buffers
-        ag.found_inf = a.found_inf.cuda();
+        a.found_inf = Tensor();  // a first step must run: it creates the buffers
+        ag.found_inf = Tensor();
       }
       sgd_step_(p, g, b, a);
       sgd_step_(pg, gg, bg, ag);

@@ -45,11 +45,22 @@ TensorOptions state_options(const Tensor& p) {
 std::pair<Tensor, Tensor> step_target(const Tensor& p, const Tensor& g, Optimizer::ParamState& st) {
   if (!is_low_precision(p)) return {p, g};
   auto it = st.find("master_param");
-  if (it == st.end()) it = st.emplace("master_param", p.to(DType::Float32).contiguous().clone()).first;
+  if (it == st.end()) {
+    it = st.emplace("master_param", p.to(DType::Float32).contiguous().clone()).first;
+  } else {
+    // Elements written from outside since the last step no longer equal the
+    // master rounded: they re-seed it (on the device, no sync).
+    Tensor master = it->second;
+    master.copy_(where(ne(p, master.to(p.dtype())), p.to(DType::Float32), master));
+  }
   return {it->second, g.to(DType::Float32)};
 }
 
 }  // namespace
+
+DType state_dtype(DType param) {
+  return param == DType::Float16 || param == DType::BFloat16 ? DType::Float32 : param;
+}
 
 bool parse_state_key(const std::string& key, int64_t* index, std::string* name) {
   const size_t dot = key.find('.', 6);

@@ -10,7 +10,10 @@
 // the 16-bit spacing accumulate instead of vanishing. (torch keeps 16-bit
 // state for 16-bit parameters; mixed-precision recipes keep float32 masters,
 // which is what this gives without a second model. With autocast the
-// parameters stay float32 and nothing changes.)
+// parameters stay float32 and nothing changes.) A parameter written from
+// outside (load_state_dict, an average swapped in) is noticed at the next
+// step: each element whose value no longer equals its master rounded takes
+// the parameter's value into the master.
 //
 // Hyperparameters live per group in a map<string, double>, as in torch's
 // param_group dicts (booleans are 0/1, Adam's betas are "beta1"/"beta2"), so
@@ -68,6 +71,10 @@ struct OptimizerStateDict {
   std::vector<Group> param_groups;
 };
 
+// The dtype optimizer state has for a parameter of `param` dtype: float32
+// for float16/bfloat16 (see above), else the parameter's.
+DType state_dtype(DType param);
+
 // Fills every group's param_names from `named` (a model's
 // named_parameters()); a parameter the model does not hold gets "".
 void name_parameters(OptimizerStateDict& sd, const class Optimizer& opt,
@@ -116,10 +123,11 @@ class Optimizer {
   // Virtual so a wrapper that shards the state (ZeroRedundancyOptimizer)
   // can stand in wherever an optimizer is checkpointed.
   virtual OptimizerStateDict state_dict() const;
-  // Restores groups' hyperparameters and per-parameter state (copied, cast
-  // to each parameter's dtype and device except "step"). Everything is
-  // checked before anything changes: group count, parameters per group,
-  // state names and shapes, with the offending entry named.
+  // Restores groups' hyperparameters and per-parameter state, copied to the
+  // parameter's device in its state dtype (state_dtype; "step": a float32
+  // count). Everything is checked before anything changes: group count,
+  // parameters per group, state names and shapes, with the offending entry
+  // named.
   virtual void load_state_dict(const OptimizerStateDict& sd);
 
   // Throws on out-of-range hyperparameters, as add_param_group does (for

@@ -203,6 +203,11 @@ void sgd_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, st
       }
     }
   }
+  // A skipped first step would leave a new buffer unset.
+  if (args.found_inf.defined())
+    for (size_t i = 0; i < params.size(); ++i)
+      EMBER_CHECK(!init[i], op, ": momentum buffer ", i, " is new, and a step that found_inf may skip cannot "
+                  "create it; take the first step without found_inf (decided on the host)");
   // All checks pass before anything is allocated or written.
   for (size_t i = 0; i < params.size(); ++i) {
     check_inplace(params[i], op);
