@@ -16,6 +16,19 @@
 // After any failure the group is unusable (Gloo closes every connection of a
 // context when one operation times out), and later operations fail at once
 // with a message that names the first failure.
+//
+// Dead peers. Gloo notices a dead peer when a socket it reads or writes
+// reports it, but not in every state: a send still waiting for a dead peer
+// to post its receive waits out the whole timeout (the signature checks,
+// now opt-in, used to find the dead rank first, at the store). So while an
+// operation has run for over a second, a liveness thread asks the store
+// once a second whether a rank left the job without its goodbye, or
+// whether the store itself is gone with rank 0: not on the hot path, one
+// store round trip per second of a long operation. If so it fails the
+// operation at once, naming the rank, and the group is broken. Gloo itself
+// still blocks until its timeout, so a group destroyed in that state leaves
+// its threads running and the object alive for them (a deliberate leak on
+// a failed job) instead of joining them.
 #include <netdb.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -212,6 +225,16 @@ class GlooGroup : public ProcessGroup {
     }
     worker_ = std::thread([this] { worker_loop(); });
     p2p_thread_ = std::thread([this] { p2p_loop(); });
+    if (context_) liveness_ = std::thread([this] { liveness_loop(); });
+  }
+
+  // The deleter make_gloo_group gives its shared_ptr (see "Dead peers").
+  static void destroy(GlooGroup* g) {
+    if (g->abandoned_.load() && g->running_since_.load() != 0) {
+      g->abandon();
+      return;
+    }
+    delete g;
   }
 
   ~GlooGroup() override {
@@ -229,6 +252,7 @@ class GlooGroup : public ProcessGroup {
     }
     p2p_cv_.notify_all();
     p2p_thread_.join();
+    stop_liveness();
   }
 
   std::string backend_name() const override { return "gloo"; }
@@ -514,6 +538,11 @@ class GlooGroup : public ProcessGroup {
     const OpInfo& info = q.work->info();
     const auto start = PgClock::now();
     const auto deadline = detail::deadline_after(options_.timeout);
+    {
+      std::lock_guard<std::mutex> lock(running_mu_);
+      running_ = q.work;
+      running_since_.store(start.time_since_epoch().count());
+    }
     try {
       throw_if_broken(info);
       if (info.collective && options_.check_signatures) detail::check_signature(*store_, info, deadline);
@@ -521,6 +550,84 @@ class GlooGroup : public ProcessGroup {
     } catch (...) {
       fail(q.work, std::current_exception(), start);
     }
+    std::lock_guard<std::mutex> lock(running_mu_);
+    running_.reset();
+    running_since_.store(0);
+  }
+
+  // See "Dead peers" at the top.
+  void liveness_loop() {
+    std::unique_lock<std::mutex> lock(live_mu_);
+    while (!live_stop_) {
+      live_cv_.wait_for(lock, std::chrono::seconds(1));
+      if (live_stop_) return;
+      const int64_t since = running_since_.load();
+      const auto started = PgClock::time_point(PgClock::duration(since));
+      if (since == 0 || PgClock::now() - started < std::chrono::seconds(1)) continue;
+      lock.unlock();
+      std::vector<LostRank> lost;
+      std::string store_error;
+      try {
+        lost = store_->lost_ranks();
+      } catch (const std::exception& e) {
+        store_error = e.what();
+      }
+      lock.lock();
+      if (lost.empty() && store_error.empty()) continue;
+      std::shared_ptr<CompletionWork> work;
+      {
+        std::lock_guard<std::mutex> rl(running_mu_);
+        if (running_since_.load() == since) work = running_;
+      }
+      if (!work) continue;  // that operation ended meanwhile; look again
+      auto elapsed = std::chrono::duration_cast<Millis>(PgClock::now() - started);
+      std::exception_ptr err = detail::op_error(
+          work->info(),
+          std::make_exception_ptr(Error("a peer's connection closed while Gloo still waited on it (found by the "
+                                        "liveness check)")),
+          elapsed, lost, store_error);
+      {
+        std::lock_guard<std::mutex> bl(broken_mu_);
+        if (broken_.empty()) {
+          try {
+            std::rethrow_exception(err);
+          } catch (const std::exception& e) {
+            broken_ = e.what();
+          }
+        }
+      }
+      abandoned_.store(true);
+      work->finish(err);
+      return;  // the group is finished
+    }
+  }
+
+  void stop_liveness() {
+    if (!liveness_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(live_mu_);
+      live_stop_ = true;
+    }
+    live_cv_.notify_all();
+    liveness_.join();
+  }
+
+  // A group whose worker is still blocked in Gloo on a dead peer: stop what
+  // can stop, detach the threads and leave this object to them.
+  void abandon() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    {
+      std::lock_guard<std::mutex> lock(p2p_mu_);
+      p2p_stop_ = true;
+    }
+    p2p_cv_.notify_all();
+    stop_liveness();
+    worker_.detach();
+    p2p_thread_.detach();
   }
 
   void fail(const std::shared_ptr<CompletionWork>& work, std::exception_ptr cause, PgClock::time_point start) {
@@ -672,6 +779,16 @@ class GlooGroup : public ProcessGroup {
   bool p2p_stop_ = false;
 
   std::thread worker_, p2p_thread_;
+
+  // The running operation and its start (steady clock ticks; 0 when idle).
+  std::mutex running_mu_;
+  std::shared_ptr<CompletionWork> running_;
+  std::atomic<int64_t> running_since_{0};
+  std::mutex live_mu_;
+  std::condition_variable live_cv_;
+  bool live_stop_ = false;
+  std::thread liveness_;
+  std::atomic<bool> abandoned_{false};  // the liveness check failed an operation Gloo still blocks in
 };
 
 }  // namespace
@@ -683,7 +800,7 @@ std::shared_ptr<ProcessGroup> make_gloo_group(std::shared_ptr<Store> store, int 
   EMBER_CHECK(rank >= 0 && rank < size, "make_gloo_group: rank ", rank, " is not in a group of size ", size);
   EMBER_CHECK(options.timeout.count() > 0, "make_gloo_group: timeout must be positive, got ",
               options.timeout.count(), " ms");
-  return std::make_shared<GlooGroup>(std::move(store), rank, size, options);
+  return std::shared_ptr<GlooGroup>(new GlooGroup(std::move(store), rank, size, options), &GlooGroup::destroy);
 }
 
 }  // namespace ember::distributed
