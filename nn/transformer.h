@@ -1,0 +1,80 @@
+// Transformer layers: multi-head self-attention, a pre-LayerNorm block and a
+// GPT-style language model, the model FSDP is built to shard.
+//
+//   nn::GPT gpt({.vocab_size = 96, .block_size = 64, .n_layer = 2, .n_head = 2, .n_embd = 64});
+//   Tensor logits = gpt(tokens);   // [B, T] int64 -> [B, T, vocab]
+//
+// Names follow torch.nn.MultiheadAttention ("in_proj_weight", "in_proj_bias",
+// "out_proj.weight") and GPT-2 / nanoGPT for the rest ("wte", "wpe", "h.0.ln_1",
+// "h.0.attn", "h.0.mlp.c_fc", "h.0.mlp.c_proj", "ln_f", "lm_head"), so
+// state dicts line up with those models'.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "nn/layers.h"
+#include "nn/module.h"
+
+namespace ember::nn {
+
+// Self-attention over x [B, T, E]: softmax(q k^T / sqrt(E / heads)) v per
+// head, with a causal mask (position t attends to positions <= t) when
+// `causal`. The softmax is the numerically stable one (max subtracted); masked
+// scores are -inf, so they get exactly zero weight.
+class MultiheadAttention : public Module {
+ public:
+  MultiheadAttention(int64_t embed_dim, int64_t num_heads, double dropout = 0.0, bool causal = true, bool bias = true);
+  Tensor forward(const Tensor& x) override;
+  int64_t embed_dim, num_heads;
+  double dropout;
+  bool causal;
+  Tensor in_proj_weight, in_proj_bias;  // [3E, E], [3E]: q, k, v stacked, as torch's
+  std::shared_ptr<Linear> out_proj;
+};
+
+// The GPT MLP: c_fc (E -> 4E), GELU (tanh approximation, as GPT-2), c_proj
+// (4E -> E), dropout.
+class TransformerMLP : public Module {
+ public:
+  TransformerMLP(int64_t n_embd, double dropout);
+  Tensor forward(const Tensor& x) override;
+  std::shared_ptr<Linear> c_fc, c_proj;
+  double dropout;
+};
+
+// Pre-LayerNorm block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+class TransformerBlock : public Module {
+ public:
+  TransformerBlock(int64_t n_embd, int64_t n_head, double dropout = 0.0);
+  Tensor forward(const Tensor& x) override;
+  std::shared_ptr<LayerNorm> ln_1, ln_2;
+  std::shared_ptr<MultiheadAttention> attn;
+  std::shared_ptr<TransformerMLP> mlp;
+};
+
+struct GPTOptions {
+  int64_t vocab_size = 256;
+  int64_t block_size = 128;  // the longest sequence (position embeddings)
+  int64_t n_layer = 2;
+  int64_t n_head = 2;
+  int64_t n_embd = 64;
+  double dropout = 0.0;
+};
+
+// Token + position embeddings, n_layer blocks ("h.0", "h.1", ...), a final
+// LayerNorm and a bias-free LM head. Linear and embedding weights start as
+// N(0, 0.02) (GPT-2's initialisation), biases at zero.
+class GPT : public Module {
+ public:
+  explicit GPT(GPTOptions options);
+  // [B, T] int64 token ids (T <= block_size) -> [B, T, vocab] logits.
+  Tensor forward(const Tensor& tokens) override;
+  GPTOptions options;
+  std::shared_ptr<Embedding> wte, wpe;
+  std::shared_ptr<Sequential> h;
+  std::shared_ptr<LayerNorm> ln_f;
+  std::shared_ptr<Linear> lm_head;
+};
+
+}  // namespace ember::nn

@@ -1,0 +1,154 @@
+// Transformer layers: attention against a float64 reference written out with
+// loops, causality (a later token cannot change an earlier output), finite
+// differences through attention and a whole block (inputs and parameters),
+// GPT's parameter names and a short fit that must lower the loss.
+#include "nn/transformer.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "autograd/gradcheck.h"
+#include "core/ops.h"
+#include "nn/functional.h"
+#include "optim/optimizer.h"
+
+namespace ember::nn {
+namespace {
+
+// out[b, t] = out_proj(concat_h softmax_j<=t(q_h[t] . k_h[j] / sqrt(D)) v_h[j]),
+// in float64 with plain loops.
+std::vector<double> reference_attention(MultiheadAttention& m, const Tensor& x) {
+  const int64_t B = x.size(0), T = x.size(1), E = m.embed_dim, H = m.num_heads, D = E / H;
+  std::vector<double> X = x.to_vector(), W = m.in_proj_weight.to_vector(), Bi = m.in_proj_bias.to_vector();
+  std::vector<double> Wo = m.out_proj->weight.to_vector(), Bo = m.out_proj->bias.to_vector();
+  auto proj = [&](int64_t b, int64_t t, int64_t row) {
+    double s = Bi[row];
+    for (int64_t e = 0; e < E; ++e) s += W[row * E + e] * X[(b * T + t) * E + e];
+    return s;
+  };
+  std::vector<double> out(static_cast<size_t>(B * T * E));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> concat(static_cast<size_t>(E), 0.0);
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t last = m.causal ? t : T - 1;
+        std::vector<double> score;
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j <= last; ++j) {
+          double s = 0;
+          for (int64_t d = 0; d < D; ++d) s += proj(b, t, h * D + d) * proj(b, j, E + h * D + d);
+          score.push_back(s / std::sqrt(static_cast<double>(D)));
+          mx = std::max(mx, score.back());
+        }
+        double z = 0;
+        for (double& s : score) z += (s = std::exp(s - mx));
+        for (int64_t j = 0; j <= last; ++j)
+          for (int64_t d = 0; d < D; ++d) concat[h * D + d] += score[j] / z * proj(b, j, 2 * E + h * D + d);
+      }
+      for (int64_t o = 0; o < E; ++o) {
+        double s = Bo[o];
+        for (int64_t e = 0; e < E; ++e) s += Wo[o * E + e] * concat[e];
+        out[(b * T + t) * E + o] = s;
+      }
+    }
+  return out;
+}
+
+TEST(MultiheadAttention, MatchesALoopReferenceCausalOrNot) {
+  for (bool causal : {true, false}) {
+    manual_seed(1);
+    MultiheadAttention m(6, 3, 0.0, causal);
+    m.to(kCPU, DType::Float64);
+    {
+      NoGradGuard g;
+      Tensor b = m.in_proj_bias.detach(), ob = m.out_proj->bias.detach();
+      b.copy_(randn({18}, DType::Float64) * 0.1);  // non-zero biases, so they are checked too
+      ob.copy_(randn({6}, DType::Float64) * 0.1);
+    }
+    Tensor x = randn({2, 5, 6}, DType::Float64);
+    std::vector<double> got = m(x).to_vector(), want = reference_attention(m, x);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-12) << "causal " << causal << " " << i;
+  }
+}
+
+TEST(MultiheadAttention, ALaterTokenCannotChangeAnEarlierOutput) {
+  manual_seed(2);
+  MultiheadAttention m(8, 2);
+  Tensor x = randn({1, 6, 8});
+  Tensor y = m(x);
+  Tensor x2 = x.clone();
+  {
+    NoGradGuard g;
+    Tensor row = x2.narrow(1, 3, 1);
+    row.copy_(randn({1, 1, 8}) * 10.0);
+  }
+  Tensor y2 = m(x2);
+  EXPECT_EQ(y.narrow(1, 0, 3).to_vector(), y2.narrow(1, 0, 3).to_vector());
+  EXPECT_NE(y.narrow(1, 3, 1).to_vector(), y2.narrow(1, 3, 1).to_vector());
+}
+
+TEST(MultiheadAttention, FiniteDifferencesThroughAttentionAndABlock) {
+  manual_seed(3);
+  MultiheadAttention m(4, 2);
+  m.to(kCPU, DType::Float64);
+  Tensor x = randn({2, 3, 4}, DType::Float64).requires_grad_();
+  auto r = autograd::gradcheck([&](const std::vector<Tensor>& in) { return m(in[0]); },
+                               {x, m.in_proj_weight, m.out_proj->weight});
+  EXPECT_TRUE(r.ok) << r.message;
+
+  TransformerBlock block(4, 2);
+  block.to(kCPU, DType::Float64);
+  std::vector<Tensor> inputs{x};
+  for (const Tensor& p : block.parameters()) inputs.push_back(p);
+  auto rb = autograd::gradcheck([&](const std::vector<Tensor>& in) { return block(in[0]); }, inputs);
+  EXPECT_TRUE(rb.ok) << rb.message;
+}
+
+TEST(GPT, NamesShapesAndAShortFit) {
+  manual_seed(4);
+  GPT gpt({.vocab_size = 11, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 16});
+  std::vector<std::string> names;
+  for (auto& [n, p] : gpt.named_parameters()) names.push_back(n);
+  for (const char* want : {"wte.weight", "wpe.weight", "h.0.ln_1.weight", "h.0.attn.in_proj_weight",
+                           "h.0.attn.in_proj_bias", "h.0.attn.out_proj.weight", "h.1.mlp.c_fc.weight",
+                           "h.1.mlp.c_proj.bias", "h.1.ln_2.bias", "ln_f.weight", "lm_head.weight"})
+    EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want;
+  EXPECT_EQ(std::find(names.begin(), names.end(), "lm_head.bias"), names.end());
+  // A repeating sequence: next token = (token + 1) mod 11, learnable from context.
+  std::vector<double> ids;
+  for (int b = 0; b < 4; ++b)
+    for (int t = 0; t < 8; ++t) ids.push_back((b + t) % 11);
+  Tensor tokens = Tensor::from_vector(ids, {4, 8}, DType::Int64);
+  std::vector<double> next;
+  for (double v : ids) next.push_back(std::fmod(v + 1, 11));
+  Tensor targets = Tensor::from_vector(next, {32}, DType::Int64);
+  Tensor logits = gpt(tokens);
+  EXPECT_EQ(logits.sizes(), Shape({4, 8, 11}));
+  optim::AdamW opt(gpt.parameters(), {.lr = 3e-3});
+  double first = 0, last = 0;
+  for (int s = 0; s < 40; ++s) {
+    opt.zero_grad();
+    Tensor loss = functional::cross_entropy(gpt(tokens).reshape({32, 11}), targets);
+    loss.backward();
+    opt.step();
+    (s == 0 ? first : last) = loss.item();
+  }
+  EXPECT_NEAR(first, std::log(11.0), 0.3);  // near uniform at the start
+  EXPECT_LT(last, 0.5 * first);
+  // Longer than block_size is an error naming both.
+  try {
+    gpt(Tensor::from_vector(std::vector<double>(9, 1.0), {1, 9}, DType::Int64));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("exceeds block_size 8"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace ember::nn
