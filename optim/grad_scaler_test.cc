@@ -241,7 +241,9 @@ TEST(GradScaler, StepAsyncSkipsOnTheDeviceAsStepDoes) {
         ga.scale(sum(p * x)).backward();
         gb.scale(sum(q * x)).backward();
         // SGD: not before its momentum buffers exist (the first step decides on the host).
-        if (s == 0) EXPECT_EQ(a->skips_on_device(), std::string(kind) == "adam");
+        if (s == 0) {
+          EXPECT_EQ(a->skips_on_device(), std::string(kind) == "adam");
+        }
         ga.step_async(*a);
         gb.step(*b);
         ga.update();
@@ -253,7 +255,9 @@ TEST(GradScaler, StepAsyncSkipsOnTheDeviceAsStepDoes) {
         EXPECT_EQ(a->param_groups()[0].lr_tensor.cpu().item(), a->param_groups()[0].lr()) << "step " << s;
       }
       EXPECT_TRUE(a->skips_on_device());
-      if (std::string(kind) == "adam") EXPECT_EQ(a->state(p).at("step").cpu().item(), 3.0);  // 5 steps, 2 skipped
+      if (std::string(kind) == "adam") {
+        EXPECT_EQ(a->state(p).at("step").cpu().item(), 3.0);  // 5 steps, 2 skipped
+      }
     }
   }
 }

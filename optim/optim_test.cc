@@ -259,7 +259,9 @@ TEST(Optimizer, SixteenBitParametersStepThroughAFloat32Master) {
       ASSERT_TRUE(st.count("master_param")) << kind;
       EXPECT_EQ(st.at("master_param").dtype(), DType::Float32);
       for (const auto& [name, t] : st)
-        if (name != "step") EXPECT_EQ(t.dtype(), DType::Float32) << kind << " " << name;
+        if (name != "step") {
+          EXPECT_EQ(t.dtype(), DType::Float32) << kind << " " << name;
+        }
       EXPECT_EQ(st.at("master_param").to_vector(), ref.to_vector()) << kind;
       EXPECT_EQ(low.to_vector(), ref.to(dt).to_vector()) << kind;
       EXPECT_NE(low.to_vector()[0], 1.0) << kind << ": the small updates were lost";
@@ -308,7 +310,9 @@ TEST(Optimizer, ATensorLearningRateFollowsTheScheduleAndSkipsWithFoundInf) {
     const std::vector<double> keep = a.to_vector();
     set_grad(a, {1, 1, 1});
     oa->step();
-    if (std::string(kind) != "adamw") expect_vec(a, keep, 0);  // lr 0 (AdamW's decay is lr-scaled too)
+    if (std::string(kind) != "adamw") {
+      expect_vec(a, keep, 0);  // lr 0 (AdamW's decay is lr-scaled too)
+    }
     // found_inf set: nothing moves.
     set_lr(oa->param_groups()[0], 0.1);
     const std::vector<double> p0 = a.to_vector();
