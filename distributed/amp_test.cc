@@ -20,6 +20,7 @@
 #include "distributed/process_group.h"
 #include "distributed/store.h"
 #include "distributed/testing/multiprocess.h"
+#include "optim/clip_grad.h"
 #include "optim/grad_scaler.h"
 #include "optim/optimizer.h"
 
@@ -132,6 +133,46 @@ mp::RunOptions with_arg(const std::string& arg) {
   o.arg = arg;
   o.deadline = std::chrono::seconds(60);
   return o;
+}
+
+// Clipping gradients split over ranks by their global norm: each rank holds
+// some of 5 float64 gradients (the last rank none), and the norm returned and
+// the clipped gradients equal one process clipping all 5, for the 2-, 1- and
+// infinity norms.
+EMBER_WORKER(sharded_clip) {
+  auto pg = make_gloo_group(env.store(), env.rank, env.world_size);
+  const int ws = env.world_size, r = env.rank;
+  for (double p : {2.0, 1.0, std::numeric_limits<double>::infinity()}) {
+    std::vector<Tensor> all, mine;
+    std::vector<int> mine_index;
+    for (int i = 0; i < 5; ++i) {
+      Tensor a = zeros({3}, DType::Float64).requires_grad_(), b = zeros({3}, DType::Float64).requires_grad_();
+      a.set_grad(data(i, 1).to(DType::Float64) * (i + 1.0));
+      b.set_grad(data(i, 1).to(DType::Float64) * (i + 1.0));
+      all.push_back(a);
+      if (i % (ws - 1) == r) {  // the last rank owns nothing
+        mine.push_back(b);
+        mine_index.push_back(i);
+      }
+    }
+    const double want = optim::clip_grad_norm_(all, 1.0, p);
+    const double got = optim::clip_grad_norm_(mine, 1.0, p, grad_norm_allreduce(pg, p));
+    WCHECK(std::abs(got - want) <= 1e-12 * want, "norm ", p, ": rank ", r, " got ", got, ", one process ", want);
+    WCHECK(want > 1.0, "the test must clip");
+    for (size_t k = 0; k < mine.size(); ++k) {
+      std::vector<double> g = mine[k].grad().to_vector(), w = all[mine_index[k]].grad().to_vector();
+      for (size_t j = 0; j < g.size(); ++j)
+        WCHECK(std::abs(g[j] - w[j]) <= 1e-12, "norm ", p, " gradient ", mine_index[k], "[", j, "]: ", g[j], " vs ",
+               w[j]);
+    }
+  }
+}
+
+TEST(ShardedClipGradNorm, TheGlobalNormOverRanksEqualsOneProcess) {
+  for (int ws : {2, 3}) {
+    auto res = mp::run_workers("sharded_clip", ws);
+    EXPECT_TRUE(mp::all_succeeded(res)) << "world " << ws << "\n" << mp::describe(res);
+  }
 }
 
 TEST(ShardedGradScaler, EveryRankSkipsWhenOneShardHoldsAnInf) {

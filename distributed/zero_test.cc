@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -27,6 +28,8 @@
 #include "distributed/testing/multiprocess.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
+#include "optim/clip_grad.h"
+#include "optim/grad_scaler.h"
 #include "optim/lr_scheduler.h"
 #include "optim/optimizer.h"
 
@@ -121,6 +124,11 @@ EMBER_WORKER(equals_ddp) {
     ps = std::make_unique<optim::StepLR>(*plain, 2, 0.5);
   }
   GradientAccumulator zacc(*zero_ddp, accum), pacc(*plain_ddp, accum);
+  // scaler=1: a GradScaler on each side, clipping after unscale_, and step 1
+  // overflowing (an inf in one rank's input), which both must skip;
+  // step_async on ZeRO (skipped on the device), step() on the plain side.
+  const bool scaled = o["scaler"] == "1";
+  optim::GradScaler zsc({.init_scale = 1024.0}), psc({.init_scale = 1024.0});
   const int steps = 4;
   for (int s = 0; s < steps; ++s) {
     zero.zero_grad();
@@ -129,11 +137,34 @@ EMBER_WORKER(equals_ddp) {
       auto [x, y] = batch(r, s, i);
       x = x.to(dt);
       y = y.to(dt);
-      zacc.backward([&] { return nn::functional::mse_loss((*zero_ddp)(x), y); });
-      pacc.backward([&] { return nn::functional::mse_loss((*plain_ddp)(x), y); });
+      if (scaled && s == 1 && r == 0 && i == 0) {
+        NoGradGuard g;
+        Tensor first = x.narrow(0, 0, 1);
+        first.fill_(std::numeric_limits<double>::infinity());
+      }
+      auto loss = [&](DistributedDataParallel& m, optim::GradScaler& sc) {
+        Tensor l = nn::functional::mse_loss(m(x), y);
+        return scaled ? sc.scale(l) : l;
+      };
+      zacc.backward([&] { return loss(*zero_ddp, zsc); });
+      pacc.backward([&] { return loss(*plain_ddp, psc); });
     }
-    zero.step();
-    plain->step();
+    if (scaled) {
+      zsc.unscale_(zero);
+      psc.unscale_(*plain);
+      const double zn = optim::clip_grad_norm_(zero_model->parameters(), 0.5);
+      const double pn = optim::clip_grad_norm_(plain_model->parameters(), 0.5);
+      WCHECK(zn == pn || (std::isnan(zn) && std::isnan(pn)), "step ", s, " norms ", zn, " vs ", pn);
+      zsc.step_async(zero);
+      const bool stepped = psc.step(*plain);
+      WCHECK(stepped == (s != 1), "step ", s, ": the plain side stepped=", stepped);
+      zsc.update();
+      psc.update();
+      WCHECK(zsc.get_scale() == psc.get_scale(), "scales ", zsc.get_scale(), " vs ", psc.get_scale());
+    } else {
+      zero.step();
+      plain->step();
+    }
     if (zs) {
       zs->step();
       ps->step();
@@ -240,7 +271,7 @@ TEST(ZeroRedundancyOptimizer, StateBytesPerRankAreAtMost1_05xFullOverN) {
 
 TEST(ZeroRedundancyOptimizer, WithAccumulationUnusedParametersAndASchedule) {
   for (const char* arg : {"opt=adamw,accum=3", "opt=adam,unused=1", "opt=sgd,unused=1,accum=2,sched=1",
-                          "opt=adam,dtype=bf16", "opt=sgd,dtype=bf16,accum=2"}) {
+                          "opt=adam,dtype=bf16", "opt=sgd,dtype=bf16,accum=2", "opt=adamw,scaler=1,accum=2"}) {
     mp::RunOptions o;
     o.arg = arg;
     auto res = mp::run_workers("equals_ddp", 3, o);

@@ -26,7 +26,8 @@ Tensor grad_norm(const Tensor& grad, double p) {
 
 }  // namespace
 
-double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type) {
+double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type,
+                       const std::function<void(const Tensor& partial)>& reduce_partial) {
   EMBER_CHECK(norm_type > 0.0 && !std::isnan(norm_type),
               "clip_grad_norm_: norm_type must be positive or infinite, got ", norm_type);
   NoGradGuard no_grad;
@@ -35,7 +36,7 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
     Tensor g = p.grad();
     if (g.defined() && g.numel() > 0) grads.push_back(g);
   }
-  if (grads.empty()) return 0.0;
+  if (grads.empty() && !reduce_partial) return 0.0;
 
   std::map<std::pair<int, int>, std::vector<Tensor>> norms_by_device;
   for (const Tensor& g : grads) {
@@ -50,6 +51,12 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
       if (inf) acc = (n > acc || std::isnan(n)) ? n : acc;
       else acc += std::pow(n, norm_type);
     }
+  if (reduce_partial) {
+    // Combined over the ranks before the root: sums of |g|^p add, maxima max.
+    Tensor partial = Tensor::from_vector({acc}, {1}, DType::Float64);
+    reduce_partial(partial);
+    acc = partial.item();
+  }
   const double total = inf ? acc : std::pow(acc, 1.0 / norm_type);
 
   // torch multiplies by clamp(coef, max=1); skipping the multiply by exactly

@@ -3,6 +3,7 @@
 // gradients.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "core/tensor.h"
@@ -15,6 +16,15 @@ namespace ember::optim {
 // place by max_norm / (norm + 1e-6). Returns the norm before clipping (0 when
 // no parameter has a gradient). Like torch with error_if_nonfinite=false, a
 // NaN or infinite norm is returned and clipping then leaves NaN/0 gradients.
-double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0);
+//
+// Sharded gradients (FSDP, or any split of the parameters over ranks): each
+// rank holds part of the gradient, and the norm is over all of it.
+// `reduce_partial` receives this rank's partial, a one-element float64 CPU
+// tensor (the sum of |g|^p, or the max |g| for the infinity norm; 0 when the
+// rank holds no gradient), and must combine it over the ranks in place (sum,
+// or max): distributed::grad_norm_allreduce(pg, norm_type) does. Every rank
+// must call it, even one with no gradient.
+double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
+                       const std::function<void(const Tensor& partial)>& reduce_partial = nullptr);
 
 }  // namespace ember::optim
