@@ -227,18 +227,29 @@ void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
         }
         continue;
       }
-      // The state as a flat buffer like the parameters': this rank's pieces
-      // in its shard, then one all-gather.
-      // In the state's dtype (float32 for 16-bit parameters), not the parameters'.
-      Tensor flat = zeros({fb.padded_numel()}, {optim::state_dtype(fb.flat().dtype()), fb.flat().device()});
+      // The state as a flat buffer like the parameters' (in the state's
+      // dtype: float32 for 16-bit parameters): this rank's pieces in its
+      // shard, sent to `to`, which receives every shard into the whole
+      // buffer. Only `to` ever holds the whole; the others hold one shard.
+      const TensorOptions state_opts{optim::state_dtype(fb.flat().dtype()), fb.flat().device()};
+      const int64_t n = fb.shard_numel();
+      Tensor flat = zeros({rank == to ? fb.padded_numel() : n}, state_opts);
+      Tensor own = rank == to ? flat.narrow(0, rank * n, n) : flat;
       for (const Impl::Piece* piece : mine) {
         auto it = local_->state(piece->param).find(names[k]);
         if (it == local_->state(piece->param).end()) continue;
-        Tensor dst = flat.narrow(0, rank * fb.shard_numel() + piece->where.shard_offset, piece->where.numel);
+        Tensor dst = own.narrow(0, piece->where.shard_offset, piece->where.numel);
         dst.copy_(it->second.reshape({-1}));
       }
-      pg_->allgather_into_tensor(flat, flat.narrow(0, rank * fb.shard_numel(), fb.shard_numel()))->wait();
-      if (rank != to) continue;
+      const int tag = static_cast<int>(bi * static_cast<size_t>(K) + static_cast<size_t>(k));
+      if (rank != to) {
+        if (n > 0) pg_->send(flat, to, tag)->wait();
+        continue;
+      }
+      std::vector<std::shared_ptr<Work>> recvs;
+      for (int src = 0; src < ws && n > 0; ++src)
+        if (src != to) recvs.push_back(pg_->recv(flat.narrow(0, src * n, n), src, tag));
+      for (auto& w : recvs) w->wait();
       for (int64_t e = 0; e < E; ++e) {
         if (info[static_cast<size_t>(k * E + e)] < 0) continue;
         const FlatEntry& entry = fb.entries()[static_cast<size_t>(e)];

@@ -195,6 +195,9 @@ EMBER_WORKER(equals_ddp) {
     for (const auto& [key, t] : got.state)
       WCHECK(t.dtype() == DType::Float32 || t.dtype() == zero_model->a->weight.dtype(), key, " is ", t.dtype());
   }
+  // Onto the last rank too: the same state there, and rank 0 no longer has it.
+  zero.consolidate_state_dict(ws - 1);
+  if (r == ws - 1) expect_same_state(zero.state_dict(), want);
   // Per-rank state bytes: full / N plus the step counters.
   int64_t full_bytes = 0, counters = 0;
   for (auto& [name, t] : want.state) (name.find(".step") != std::string::npos ? counters : full_bytes) += t.nbytes();
