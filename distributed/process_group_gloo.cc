@@ -586,16 +586,7 @@ class GlooGroup : public ProcessGroup {
           std::make_exception_ptr(Error("a peer's connection closed while Gloo still waited on it (found by the "
                                         "liveness check)")),
           elapsed, lost, store_error);
-      {
-        std::lock_guard<std::mutex> bl(broken_mu_);
-        if (broken_.empty()) {
-          try {
-            std::rethrow_exception(err);
-          } catch (const std::exception& e) {
-            broken_ = e.what();
-          }
-        }
-      }
+      mark_broken(err);
       abandoned_.store(true);
       work->finish(err);
       return;  // the group is finished
@@ -644,17 +635,19 @@ class GlooGroup : public ProcessGroup {
     if (first && detail::is_connection_loss(cause))
       lost = detail::lost_ranks_within(*store_, Millis{1000}, &store_error);
     std::exception_ptr err = detail::op_error(work->info(), cause, elapsed, lost, store_error);
-    {
-      std::lock_guard<std::mutex> lock(broken_mu_);
-      if (broken_.empty()) {
-        try {
-          std::rethrow_exception(err);
-        } catch (const std::exception& e) {
-          broken_ = e.what();
-        }
-      }
-    }
+    mark_broken(err);
     work->finish(err);
+  }
+
+  // Records the group's first failure; later operations fail naming it.
+  void mark_broken(std::exception_ptr err) {
+    std::lock_guard<std::mutex> lock(broken_mu_);
+    if (!broken_.empty()) return;
+    try {
+      std::rethrow_exception(err);
+    } catch (const std::exception& e) {
+      broken_ = e.what();
+    }
   }
 
   void throw_if_broken(const OpInfo& info) {

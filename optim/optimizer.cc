@@ -33,12 +33,10 @@ std::vector<ParamGroup> one_group(std::vector<Tensor> params) {
 }
 
 // 16-bit parameters are stepped through a float32 master copy with float32
-// state (see optimizer.h).
-bool is_low_precision(const Tensor& p) { return p.dtype() == DType::Float16 || p.dtype() == DType::BFloat16; }
+// state (see optimizer.h): their state dtype differs from theirs.
+bool is_low_precision(const Tensor& p) { return state_dtype(p.dtype()) != p.dtype(); }
 
-TensorOptions state_options(const Tensor& p) {
-  return is_low_precision(p) ? TensorOptions(DType::Float32, p.device()) : p.options();
-}
+TensorOptions state_options(const Tensor& p) { return {state_dtype(p.dtype()), p.device()}; }
 
 // The tensor the fused step updates for `p` (its float32 master for 16-bit
 // parameters, created from p on first use) and the gradient in its dtype.
