@@ -1,0 +1,727 @@
+// fully_shard: the unit's state machine (sharded / gathered / freed), the
+// module hooks that drive it, prefetch, and the gradient reductions. See
+// fsdp.h for the design; the comments here say why each step is where it is.
+#include "distributed/parallel/fsdp.h"
+
+#include <algorithm>
+#include <deque>
+#include <sstream>
+#include <unordered_map>
+
+#include "autograd/autograd.h"
+#include "core/ops.h"
+#include "distributed/amp.h"
+#include "distributed/flat_param.h"
+#include "distributed/init.h"
+#include "distributed/parallel/fsdp_unit.h"
+#include "optim/clip_grad.h"
+
+namespace ember::distributed {
+
+const char* strategy_name(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::FULL_SHARD: return "FULL_SHARD";
+    case ShardingStrategy::SHARD_GRAD_OP: return "SHARD_GRAD_OP";
+    case ShardingStrategy::NO_SHARD: return "NO_SHARD";
+    case ShardingStrategy::HYBRID_SHARD: return "HYBRID_SHARD";
+  }
+  return "?";
+}
+
+ShardingStrategy parse_strategy(const std::string& s) {
+  std::string l;
+  for (char c : s) l += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (l == "full" || l == "full_shard") return ShardingStrategy::FULL_SHARD;
+  if (l == "grad_op" || l == "shard_grad_op") return ShardingStrategy::SHARD_GRAD_OP;
+  if (l == "no_shard" || l == "none") return ShardingStrategy::NO_SHARD;
+  if (l == "hybrid" || l == "hybrid_shard") return ShardingStrategy::HYBRID_SHARD;
+  EMBER_CHECK(false, "unknown sharding strategy '", s, "' (expected full, grad_op, no_shard or hybrid)");
+  return ShardingStrategy::FULL_SHARD;
+}
+
+using Unit = FSDPModule::Unit;
+
+namespace {
+
+// Which unit holds which module and which parameter. Weak: a unit dies with
+// its module's hooks; a stale entry (an address reused) is recognised by
+// comparing the module pointer back.
+struct Registry {
+  std::unordered_map<const nn::Module*, std::weak_ptr<Unit>> by_module;
+  std::unordered_map<const TensorImpl*, std::weak_ptr<Unit>> by_param;
+};
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+std::shared_ptr<Unit> unit_of(const nn::Module* m) {
+  auto it = registry().by_module.find(m);
+  if (it == registry().by_module.end()) return nullptr;
+  auto u = it->second.lock();
+  return u && u->module == m ? u : nullptr;
+}
+
+std::shared_ptr<Unit> unit_of_param(const Tensor& p) {
+  auto it = registry().by_param.find(p.impl_ptr().get());
+  if (it == registry().by_param.end()) return nullptr;
+  auto u = it->second.lock();
+  if (!u) return nullptr;
+  for (const Tensor& q : u->params)
+    if (q.is_same(p)) return u;
+  return nullptr;
+}
+
+bool is_view_of(const Tensor& g, const Tensor& v) {
+  return g.defined() && v.defined() && g.impl().storage == v.impl().storage && g.storage_offset() == v.storage_offset() &&
+         g.sizes() == v.sizes() && g.strides() == v.strides() && g.dtype() == v.dtype();
+}
+
+uint64_t fnv(uint64_t h, const std::string& s) {
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ULL;
+  return (h ^ 0xff) * 1099511628211ULL;
+}
+
+std::string join_names(const std::vector<std::string>& names, size_t max = 4) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < max; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > max) out += ", ...";
+  return out;
+}
+
+}  // namespace
+
+// ---- the unit ------------------------------------------------------------
+
+Tensor Unit::full_view(const Tensor& flat, size_t i) const {
+  const FlatEntry& e = layout.entries()[i];
+  return flat.narrow(0, e.offset, e.numel).view(e.shape);
+}
+
+Tensor Unit::shard_view(const Tensor& shard_flat, size_t i) const {
+  const FlatEntry& e = layout.entries()[i];
+  for (const auto& pc : pieces)
+    if (pc.entry == i) {
+      Tensor v = shard_flat.narrow(0, pc.shard_offset, pc.numel);
+      return pc.numel == e.numel ? v.view(e.shape) : v;
+    }
+  return shard_flat.narrow(0, 0, 0);
+}
+
+int64_t Unit::num_trainable() const {
+  int64_t n = 0;
+  for (bool t : trainable) n += t;
+  return n;
+}
+
+Tensor Unit::reconcile(const Tensor& flat, bool sharded, int64_t numel, TensorOptions opts) const {
+  // A parameter is expected to hold its view of `flat` when the sharded
+  // gradient of it was exposed (or, unsharded, whenever `flat` exists).
+  bool any = false, all_views = flat.defined();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!trainable[i]) continue;
+    const bool expected = flat.defined() && (!sharded || seen_shard[i]);
+    Tensor g = params[i].grad();
+    if (g.defined()) {
+      any = true;
+      if (!expected || !is_view_of(g, sharded ? shard_view(flat, i) : full_view(flat, i))) all_views = false;
+    } else if (expected) {
+      all_views = false;  // set to none since: its part must read zero
+    }
+  }
+  if (!any) return Tensor();
+  if (all_views) return flat;
+  NoGradGuard ng;
+  Tensor out = zeros({numel}, opts);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!trainable[i]) continue;
+    Tensor g = params[i].grad();
+    if (!g.defined()) continue;
+    Tensor v = sharded ? shard_view(out, i) : full_view(out, i);
+    EMBER_CHECK(g.numel() == v.numel(), "FSDP(", type, "): the gradient of '", names[i], "' has shape ",
+                shape_str(g.sizes()), ", expected ", shape_str(v.sizes()), " (set .grad() only to a tensor of the ",
+                "parameter's current shape)");
+    v.copy_(g.view(v.sizes()));
+  }
+  return out;
+}
+
+void Unit::expose_grads(const Tensor& flat, bool sharded) {
+  for (size_t i = 0; i < params.size(); ++i)
+    if (trainable[i])
+      params[i].set_grad(flat.defined() && (!sharded || seen_shard[i])
+                             ? (sharded ? shard_view(flat, i) : full_view(flat, i))
+                             : Tensor());
+}
+
+void Unit::start_gather() {
+  if (state == State::UNSHARDED || gathering) return;
+  if (shares_storage) return;  // the shard is the whole buffer: nothing to gather
+  NoGradGuard ng;
+  if (layout.released()) layout.restore();
+  Tensor src = shard;
+  if (src.device() != device) src = src.to(device);
+  if (src.dtype() != compute_dtype) src = src.to(compute_dtype);
+  if (shard_size == 1) {
+    Tensor flat = layout.flat();
+    flat.copy_(src);
+    return;
+  }
+  gather_src = src;
+  gather_work = layout.all_gather(*shard_pg, src);
+  gathering = true;
+}
+
+void Unit::finish_gather() {
+  if (!gathering) return;
+  gathering = false;
+  auto w = std::move(gather_work);
+  gather_src = Tensor();
+  w->synchronize();
+}
+
+void Unit::unshard() {
+  if (state == State::UNSHARDED) return;
+  start_gather();
+  finish_gather();
+  if (state == State::SHARDED) {
+    // The sharded gradients the parameters carry now (honouring a
+    // zero_grad since) are kept aside while the parameters are whole.
+    shard_grad = reconcile(shard_grad, true, shard_numel(), master_options());
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (trainable[i]) seen_shard[i] = params[i].grad().defined();
+      params[i].set_data(full_view(layout.flat(), i));
+    }
+    expose_grads(grad_flat, false);
+  }
+  state = State::UNSHARDED;
+}
+
+void Unit::free_unsharded() {
+  if (state != State::UNSHARDED || shares_storage) return;
+  finish_gather();
+  layout.release();
+  state = State::FREED;
+}
+
+void Unit::reshard() {
+  finish_gather();
+  if (state == State::SHARDED) return;
+  grad_flat = reconcile(grad_flat, false, layout.padded_numel(), compute_options());
+  for (size_t i = 0; i < params.size(); ++i) params[i].set_data(shard_view(shard, i));
+  expose_grads(shard_grad, true);
+  if (!shares_storage && !layout.released()) layout.release();
+  state = State::SHARDED;
+}
+
+void Unit::accumulate_shard_grad(const Tensor& reduced, const std::vector<bool>& seen) {
+  NoGradGuard ng;
+  for (size_t i = 0; i < seen.size(); ++i) seen_shard[i] = seen_shard[i] || seen[i];
+  Tensor r = reduced.to(shard.device(), shard.dtype());
+  if (shard_grad.defined()) {
+    shard_grad += r;
+  } else {
+    shard_grad = r.is_same(reduced) ? r.clone() : r;
+  }
+  if (state == State::SHARDED) expose_grads(shard_grad, true);
+}
+
+TensorOptions Unit::master_options() const { return TensorOptions{shard.dtype(), shard.device()}; }
+TensorOptions Unit::compute_options() const { return TensorOptions{compute_dtype, device}; }
+int64_t Unit::shard_numel() const { return layout.shard_numel(); }
+
+std::shared_ptr<Unit> Unit::root() {
+  if (auto r = root_.lock()) return r;
+  // The outermost unit whose module contains this one (itself if none).
+  std::shared_ptr<Unit> best = shared_from_this();
+  size_t best_size = 0;
+  for (auto& [m, weak] : registry().by_module) {
+    auto u = weak.lock();
+    if (!u || u->module != m) continue;
+    auto mods = u->module->named_modules();
+    bool contains = false;
+    for (auto& [n, mm] : mods) contains |= mm == module;
+    if (contains && mods.size() > best_size) best = u, best_size = mods.size();
+  }
+  best->init_root();
+  return best;
+}
+
+void Unit::init_root() {
+  if (root_initialized) return;
+  root_initialized = true;
+  is_root = true;
+  reshard_after_forward = false;  // backward needs it at once
+  subtree.clear();
+  for (auto& [n, m] : module->named_modules())
+    if (auto u = unit_of(m)) {
+      subtree.push_back(u);
+      u->root_ = shared_from_this();
+    }
+}
+
+void Unit::issue_reduce(const Tensor& grads) {
+  Unit& r = *root();
+  for (auto it = r.pending.begin(); it != r.pending.end();) it = r.advance(it) ? r.pending.erase(it) : std::next(it);
+  PendingReduce p;
+  p.unit = shared_from_this();
+  p.seen = seen_unsharded;
+  seen_unsharded.assign(params.size(), false);
+  NoGradGuard ng;
+  p.input = grads.dtype() == reduce_dtype ? grads : grads.to(reduce_dtype);
+  if (shard_size == 1) {
+    p.output = p.input;
+  } else {
+    p.output = empty({shard_numel()}, TensorOptions{reduce_dtype, device});
+    p.rs = shard_pg->reduce_scatter_tensor(p.output, p.input, ReduceOp::Avg);
+  }
+  if (!p.rs) {  // nothing to wait for in the shard group
+    p.input = Tensor();
+    if (replicate_pg) p.ar = replicate_pg->allreduce(p.output, ReduceOp::Avg);
+  }
+  r.pending.push_back(std::move(p));
+}
+
+bool Unit::advance(std::deque<PendingReduce>::iterator it) {
+  PendingReduce& p = *it;
+  if (p.rs) {
+    p.rs->wait();
+    p.rs = nullptr;
+    p.input = Tensor();  // the full-size gradient buffer goes back now
+    if (p.unit->replicate_pg) {
+      p.ar = p.unit->replicate_pg->allreduce(p.output, ReduceOp::Avg);
+      return false;
+    }
+  }
+  if (p.ar) {
+    p.ar->wait();
+    p.ar = nullptr;
+  }
+  p.unit->accumulate_shard_grad(p.output, p.seen);
+  return true;
+}
+
+void Unit::post_backward() {
+  if (post_backward_done) return;
+  post_backward_done = true;
+  if (num_trainable() > 0) {
+    Tensor gf = reconcile(grad_flat, false, layout.padded_numel(), compute_options());
+    if (requires_sync) {
+      // Every rank reduces every unit that ran forward for backward, with
+      // zeros where no gradient arrived, so the collectives line up.
+      if (!gf.defined()) gf = zeros({layout.padded_numel()}, compute_options());
+      grad_flat = Tensor();
+      expose_grads(Tensor(), false);
+      issue_reduce(gf);
+    } else {
+      grad_flat = gf;
+    }
+  }
+  if (requires_sync || reshard_after_backward) reshard();
+}
+
+void Unit::on_grad_ready(uint64_t generation) {
+  if (generation != this->generation || !expects_backward || post_backward_done) return;
+  if (--waiting == 0) post_backward();
+}
+
+void Unit::finalize_backward() {
+  // Units whose backward never completed through the hooks (a parameter
+  // that got no gradient, an input that needs none), in backward order.
+  std::vector<std::shared_ptr<Unit>> order(post_fwd_order.rbegin(), post_fwd_order.rend());
+  for (auto& u : order)
+    if (u->expects_backward && !u->post_backward_done) u->post_backward();
+  while (!pending.empty()) {
+    for (auto it = pending.begin(); it != pending.end();) it = advance(it) ? pending.erase(it) : std::next(it);
+  }
+  for (auto& u : subtree) u->expects_backward = false;
+  callback_queued = false;
+}
+
+// ---- hooks ---------------------------------------------------------------
+
+Tensor Unit::pre_forward(const Tensor& input) {
+  auto r = root();
+  if (r.get() == this) {
+    // A new iteration: last forward's order drives this one's prefetch.
+    if (!post_fwd_order.empty() || !fwd_order.empty()) prev_fwd_order = fwd_order;
+    fwd_order.clear();
+    post_fwd_order.clear();
+  }
+  ++generation;
+  expects_backward = false;
+  post_backward_done = false;
+  r->fwd_order.push_back(shared_from_this());
+  unshard();
+  if (!shares_storage) fwd_version = layout.flat().storage_version();
+  if (forward_prefetch) {
+    auto& order = r->prev_fwd_order;
+    auto it = std::find(order.begin(), order.end(), shared_from_this());
+    for (int k = 0; it != order.end() && k < prefetch_limit && ++it != order.end(); ++k) (*it)->start_gather();
+  }
+  Tensor in = input;
+  if (cast_inputs && in.defined() && is_floating(in.dtype()) && in.dtype() != compute_dtype) in = in.to(compute_dtype);
+  input_hooked = false;
+  if (GradMode::is_enabled() && in.defined() && in.requires_grad()) {
+    std::weak_ptr<Unit> weak = shared_from_this();
+    const uint64_t gen = generation;
+    autograd::register_hook(in, [weak, gen](const Tensor&) {
+      if (auto u = weak.lock()) u->on_grad_ready(gen);
+      return Tensor();
+    });
+    input_hooked = true;
+  }
+  return in;
+}
+
+Tensor Unit::post_forward(const Tensor& output) {
+  auto r = root();
+  r->post_fwd_order.push_back(shared_from_this());
+  const bool will_backward = GradMode::is_enabled() && output.defined() && output.requires_grad();
+  if (will_backward) {
+    expects_backward = true;
+    waiting = num_trainable() + (input_hooked ? 1 : 0);
+    if (reshard_after_forward && !is_root) free_unsharded();
+  } else {
+    reshard();
+  }
+  if (is_root && output_dtype && output.defined() && is_floating(output.dtype()) && output.dtype() != *output_dtype)
+    return output.to(*output_dtype);
+  return Tensor();
+}
+
+void Unit::pre_backward() {
+  auto r = root();
+  if (!r->callback_queued && autograd::in_backward()) {
+    r->callback_queued = true;
+    std::weak_ptr<Unit> weak = r;
+    autograd::queue_callback([weak] {
+      if (auto u = weak.lock()) u->finalize_backward();
+    });
+  }
+  if (post_backward_done || !expects_backward) return;
+  unshard();
+  // The forward saved these parameters at fwd_version; they hold the same
+  // values again (gathered from the unchanged shards).
+  if (!shares_storage) layout.flat().unsafe_set_storage_version(fwd_version);
+  if (num_trainable() > 0) {
+    grad_flat = reconcile(grad_flat, false, layout.padded_numel(), compute_options());
+    if (!grad_flat.defined()) grad_flat = zeros({layout.padded_numel()}, compute_options());
+    expose_grads(grad_flat, false);  // backward accumulates in place into one buffer
+  }
+  if (backward_prefetch) {
+    auto& order = r->post_fwd_order;
+    auto it = std::find(order.rbegin(), order.rend(), shared_from_this());
+    for (int k = 0; it != order.rend() && k < prefetch_limit && ++it != order.rend(); ++k)
+      if ((*it)->expects_backward && !(*it)->post_backward_done) (*it)->start_gather();
+  }
+}
+
+// ---- wrapping ------------------------------------------------------------
+
+namespace {
+
+struct Groups {
+  std::shared_ptr<ProcessGroup> shard, replicate;
+};
+
+Groups resolve_groups(const FSDPOptions& o, const std::string& who) {
+  auto default_or = [&](const char* what) {
+    EMBER_CHECK(is_initialized(), who, ": no ", what,
+                " given and init_process_group() has not run; pass FSDPOptions::", what);
+    return default_group();
+  };
+  Groups g;
+  switch (o.strategy) {
+    case ShardingStrategy::FULL_SHARD:
+    case ShardingStrategy::SHARD_GRAD_OP:
+      EMBER_CHECK(o.replicate_group == nullptr, who, ": replicate_group is for HYBRID_SHARD and NO_SHARD, not ",
+                  strategy_name(o.strategy));
+      g.shard = o.process_group ? o.process_group : default_or("process_group");
+      break;
+    case ShardingStrategy::HYBRID_SHARD:
+      EMBER_CHECK(o.process_group && o.replicate_group, who,
+                  ": HYBRID_SHARD needs both process_group (the ranks sharing one copy) and replicate_group (the "
+                  "ranks holding the same shard); distributed::new_hybrid_groups makes them");
+      g.shard = o.process_group;
+      g.replicate = o.replicate_group;
+      break;
+    case ShardingStrategy::NO_SHARD:
+      g.replicate = o.replicate_group ? o.replicate_group
+                    : o.process_group ? o.process_group
+                                      : default_or("process_group");
+      break;
+  }
+  if (g.shard && g.shard->size() == 1) g.shard = nullptr;
+  if (g.replicate && g.replicate->size() == 1) g.replicate = nullptr;
+  return g;
+}
+
+// Every rank of `pg` must wrap the same unit: compares (tensors, elements,
+// a hash of names and shapes) across the ranks and names the unit.
+void check_same_structure(ProcessGroup& pg, const Unit& u, const FlatBuffer& layout, int index) {
+  uint64_t h = fnv(1469598103934665603ULL, u.type);
+  int64_t numel = 0;
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    h = fnv(h, u.names[i] + shape_str(layout.entries()[i].shape) + (u.trainable[i] ? "g" : "f"));
+    numel += layout.entries()[i].numel;
+  }
+  // Values below 2^53: exact as the doubles from_vector takes.
+  Tensor mine = Tensor::from_vector({static_cast<double>(u.params.size()), static_cast<double>(numel),
+                                     static_cast<double>(h >> 12)},
+                                    {3}, TensorOptions{DType::Int64, kCPU});
+  Tensor all = empty({3 * pg.size()}, TensorOptions{DType::Int64, kCPU});
+  pg.allgather_into_tensor(all, mine)->wait();
+  auto v = all.to_vector();
+  bool same = true;
+  for (int r = 1; r < pg.size(); ++r)
+    for (int k = 0; k < 3; ++k) same &= v[3 * r + k] == v[k];
+  if (same) return;
+  std::ostringstream msg;
+  msg << "fully_shard: unit #" << index << " (" << u.type << ", parameters " << join_names(u.names)
+      << ") differs across the ranks of the " << pg.backend_name() << " group:";
+  for (int r = 0; r < pg.size(); ++r)
+    msg << " rank " << r << " has " << static_cast<int64_t>(v[3 * r]) << " tensors / "
+        << static_cast<int64_t>(v[3 * r + 1]) << " elements" << (v[3 * r + 2] != v[3 * pg.rank() + 2] ? " (other names or shapes)" : "")
+        << (r + 1 < pg.size() ? ";" : "");
+  msg << ". Every rank must call fully_shard on the same modules in the same order";
+  EMBER_CHECK(false, msg.str());
+}
+
+}  // namespace
+
+std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& module, const FSDPOptions& options) {
+  EMBER_CHECK(module != nullptr, "fully_shard: module is null");
+  const std::string who = "fully_shard(" + module->type_name() + ")";
+  EMBER_CHECK(unit_of(module.get()) == nullptr, who, ": this module is already wrapped");
+  EMBER_CHECK(options.prefetch_limit >= 0, who, ": prefetch_limit must be at least 0, got ", options.prefetch_limit);
+  Groups groups = resolve_groups(options, who);
+
+  auto u = std::make_shared<Unit>();
+  u->module = module.get();
+  u->type = module->type_name();
+  u->strategy = options.strategy;
+  u->shard_pg = groups.shard;
+  u->replicate_pg = groups.replicate;
+  u->shard_size = groups.shard ? groups.shard->size() : 1;
+  u->shard_rank = groups.shard ? groups.shard->rank() : 0;
+  u->reshard_after_forward = options.strategy == ShardingStrategy::FULL_SHARD ||
+                             options.strategy == ShardingStrategy::HYBRID_SHARD;
+  u->forward_prefetch = options.forward_prefetch;
+  u->backward_prefetch = options.backward_prefetch;
+  u->prefetch_limit = options.prefetch_limit;
+  u->cast_inputs = options.mp_policy.cast_forward_inputs;
+  u->output_dtype = options.mp_policy.output_dtype;
+
+  // The parameters no inner unit holds, under their names in this module.
+  std::vector<std::pair<std::string, Tensor>> named;
+  for (auto& [name, p] : module->named_parameters()) {
+    auto owner = unit_of_param(p);
+    if (owner) {
+      EMBER_CHECK(owner->module != module.get(), who, ": internal: parameter '", name, "' already wrapped here");
+      continue;
+    }
+    named.emplace_back(name, p);
+  }
+  // An inner module wrapped after this one would find its parameters taken.
+  for (auto& [n, m] : module->named_modules())
+    if (m != module.get())
+      if (auto inner = unit_of(m); inner && inner->is_root)
+        EMBER_CHECK(false, who, ": inner unit '", n, "' already ran as a root; wrap every unit before the first forward");
+
+  DType master = DType::Float32;
+  Device device = kCPU;
+  for (size_t i = 0; i < named.size(); ++i) {
+    const Tensor& p = named[i].second;
+    EMBER_CHECK(is_floating(p.dtype()), who, ": parameter '", named[i].first, "' is ", p.dtype(),
+                "; only floating parameters can be sharded");
+    if (i == 0) {
+      master = p.dtype(), device = p.device();
+    } else {
+      EMBER_CHECK(p.dtype() == master && p.device() == device, who, ": parameter '", named[i].first, "' is ",
+                  p.dtype(), " on ", p.device(), " but '", named[0].first, "' is ", master, " on ", device,
+                  "; a unit's parameters share one dtype and device (move the module with to() before wrapping)");
+    }
+    u->names.push_back(named[i].first);
+    u->params.push_back(p);
+    u->trainable.push_back(p.requires_grad());
+  }
+  for (auto* g : {groups.shard.get(), groups.replicate.get()})
+    if (g)
+      EMBER_CHECK(g->device().type == device.type, who, ": the parameters are on ", device, " but the ",
+                  g->backend_name(), " group works on ", g->device(), "; move the module first");
+  u->device = device;
+  u->compute_dtype = options.mp_policy.param_dtype.value_or(master);
+  u->reduce_dtype = options.mp_policy.reduce_dtype.value_or(u->compute_dtype);
+  EMBER_CHECK(is_floating(u->compute_dtype) && is_floating(u->reduce_dtype), who,
+              ": param_dtype and reduce_dtype must be floating");
+  const bool offload = options.offload_policy.offload_params;
+  const Device shard_device = offload ? kCPU : device;
+
+  // The layout in the master dtype, loaded from the parameters (rank 0's).
+  std::vector<std::pair<std::string, Shape>> entries;
+  for (size_t i = 0; i < named.size(); ++i) entries.emplace_back(named[i].first, named[i].second.sizes());
+  FlatBuffer init(entries, TensorOptions{master, device}, u->shard_size);
+  {
+    NoGradGuard ng;
+    std::vector<Tensor> values(u->params.begin(), u->params.end());
+    if (!values.empty()) init.copy_from(values);
+  }
+  static std::unordered_map<const ProcessGroup*, int> wrap_count;
+  for (auto* g : {groups.shard.get(), groups.replicate.get()})
+    if (g) check_same_structure(*g, *u, init, wrap_count[g]++);
+  if (options.sync_module_states) {
+    for (auto* g : {groups.shard.get(), groups.replicate.get()}) {
+      if (!g) continue;
+      if (init.padded_numel() > 0) g->broadcast(init.flat(), 0)->wait();
+      for (auto& [n, b] : module->named_buffers())
+        if (b.defined() && b.numel() > 0) g->broadcast(b, 0)->wait();
+    }
+  }
+  u->shares_storage = u->shard_size == 1 && u->compute_dtype == master && !offload;
+  if (u->shares_storage) {
+    u->layout = std::move(init);
+    u->shard = u->layout.flat();
+  } else {
+    NoGradGuard ng;
+    Tensor s = init.shard(u->shard_rank).to(shard_device).clone();
+    if (offload && options.offload_policy.pin_memory && device.type != DeviceType::CPU) s = s.pin_memory();
+    u->shard = s;
+    u->layout = FlatBuffer(entries, TensorOptions{u->compute_dtype, device}, u->shard_size);
+    u->layout.release();
+  }
+  u->pieces = u->layout.pieces(u->shard_rank);
+  for (size_t i = 0; i < u->params.size(); ++i) {
+    u->params[i].set_grad(Tensor());
+    u->params[i].set_data(u->shard_view(u->shard, i));
+  }
+  u->state = Unit::State::SHARDED;
+  u->seen_shard.assign(u->params.size(), false);
+  u->seen_unsharded.assign(u->params.size(), false);
+
+  registry().by_module[module.get()] = u;
+  for (const Tensor& p : u->params) registry().by_param[p.impl_ptr().get()] = u;
+
+  std::weak_ptr<Unit> weak = u;
+  for (size_t i = 0; i < u->params.size(); ++i)
+    if (u->trainable[i])
+      autograd::register_post_accumulate_grad_hook(u->params[i], [weak, i](const Tensor&) {
+        if (auto uu = weak.lock()) {
+          uu->seen_unsharded[i] = true;
+          uu->on_grad_ready(uu->generation);
+        }
+      });
+  // The hooks own the unit: it lives as long as the module does.
+  u->hooks.push_back(module->register_forward_pre_hook([u](nn::Module&, const Tensor& x) { return u->pre_forward(x); }));
+  u->hooks.push_back(module->register_forward_hook(
+      [u](nn::Module&, const Tensor&, const Tensor& out) { return u->post_forward(out); }));
+  u->hooks.push_back(module->register_full_backward_pre_hook([u](nn::Module&, const Tensor&) {
+    u->pre_backward();
+    return Tensor();
+  }));
+  return std::make_shared<FSDPModule>(u);
+}
+
+HybridGroups new_hybrid_groups(int shard_size) {
+  EMBER_CHECK(is_initialized(), "new_hybrid_groups: init_process_group() has not run");
+  const int world = get_world_size(), rank = get_rank();
+  EMBER_CHECK(shard_size >= 1 && world % shard_size == 0, "new_hybrid_groups: shard size ", shard_size,
+              " does not divide the world size ", world);
+  HybridGroups out;
+  for (int g = 0; g < world / shard_size; ++g) {
+    std::vector<int> ranks;
+    for (int k = 0; k < shard_size; ++k) ranks.push_back(g * shard_size + k);
+    if (auto pg = new_group(ranks)) out.shard = pg;
+  }
+  for (int k = 0; k < shard_size; ++k) {
+    std::vector<int> ranks;
+    for (int g = 0; g < world / shard_size; ++g) ranks.push_back(g * shard_size + k);
+    if (auto pg = new_group(ranks)) out.replicate = pg;
+  }
+  EMBER_INTERNAL_ASSERT(out.shard && out.replicate, "rank ", rank, " is in no hybrid group");
+  return out;
+}
+
+std::shared_ptr<FSDPModule> fsdp_of(const nn::Module& module) {
+  auto u = unit_of(&module);
+  return u ? std::make_shared<FSDPModule>(u) : nullptr;
+}
+
+namespace {
+void wrap_children(const std::shared_ptr<nn::Module>& m, const AutoWrapPolicy& policy, const FSDPOptions& options) {
+  for (auto& [name, child] : m->named_children()) {
+    wrap_children(child, policy, options);
+    bool by_type = std::find(policy.types.begin(), policy.types.end(), child->type_name()) != policy.types.end();
+    bool by_size = false;
+    if (policy.min_num_params > 0) {
+      int64_t n = 0;
+      for (auto& [pn, p] : child->named_parameters())
+        if (!unit_of_param(p)) n += p.numel();
+      by_size = n >= policy.min_num_params;
+    }
+    if ((by_type || by_size) && !unit_of(child.get())) fully_shard(child, options);
+  }
+}
+}  // namespace
+
+std::shared_ptr<FSDPModule> fully_shard_auto(const std::shared_ptr<nn::Module>& root, const AutoWrapPolicy& policy,
+                                             const FSDPOptions& options) {
+  EMBER_CHECK(root != nullptr, "fully_shard_auto: root is null");
+  EMBER_CHECK(!policy.types.empty() || policy.min_num_params > 0,
+              "fully_shard_auto: the policy wraps nothing (give types or min_num_params)");
+  wrap_children(root, policy, options);
+  return fully_shard(root, options);
+}
+
+// ---- the handle ----------------------------------------------------------
+
+FSDPModule::FSDPModule(std::shared_ptr<Unit> unit) : unit_(std::move(unit)) {}
+FSDPModule::~FSDPModule() = default;
+
+nn::Module& FSDPModule::module() const { return *unit_->module; }
+ShardingStrategy FSDPModule::strategy() const { return unit_->strategy; }
+
+std::vector<std::shared_ptr<Unit>> FSDPModule::units() const {
+  std::vector<std::shared_ptr<Unit>> out;
+  for (auto& [n, m] : unit_->module->named_modules())
+    if (auto u = unit_of(m)) out.push_back(u);
+  return out;
+}
+
+void FSDPModule::set_requires_gradient_sync(bool on) {
+  for (auto& u : units()) u->requires_sync = on;
+}
+void FSDPModule::set_reshard_after_backward(bool on) {
+  for (auto& u : units()) u->reshard_after_backward = on;
+}
+void FSDPModule::unshard() {
+  auto us = units();
+  for (auto& u : us) u->start_gather();
+  for (auto& u : us) u->unshard();
+}
+void FSDPModule::reshard() {
+  for (auto& u : units()) u->reshard();
+}
+
+FSDPModule::Memory FSDPModule::memory() const {
+  Memory m;
+  for (auto& u : units()) {
+    const int64_t es = static_cast<int64_t>(dtype_size(u->compute_dtype));
+    m.sharded_params += u->shard.numel() * static_cast<int64_t>(dtype_size(u->shard.dtype()));
+    if (u->shard_grad.defined()) m.sharded_grads += u->shard_grad.numel() * static_cast<int64_t>(dtype_size(u->shard_grad.dtype()));
+    if (!u->shares_storage && !u->layout.released()) m.unsharded_params += u->layout.padded_numel() * es;
+    if (u->grad_flat.defined()) m.unsharded_grads += u->grad_flat.numel() * es;
+    m.largest_unit = std::max(m.largest_unit, u->layout.padded_numel() * es);
+  }
+  return m;
+}
+
+std::shared_ptr<ProcessGroup> FSDPModule::shard_group() const { return unit_->shard_pg; }
+
+double FSDPModule::clip_grad_norm_(double max_norm, double norm_type) {
+  auto params = unit_->module->parameters();
+  if (!unit_->shard_pg) return optim::clip_grad_norm_(params, max_norm, norm_type);
+  return optim::clip_grad_norm_(params, max_norm, norm_type, grad_norm_allreduce(unit_->shard_pg, norm_type));
+}
+
+}  // namespace ember::distributed
