@@ -25,6 +25,7 @@
 #include "core/ops.h"
 #include "distributed/ddp.h"
 #include "distributed/init.h"
+#include "distributed/testing/dying_group.h"
 #include "distributed/testing/multiprocess.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
@@ -282,44 +283,8 @@ TEST(ZeroRedundancyOptimizer, WithAccumulationUnusedParametersAndASchedule) {
   }
 }
 
-// A group that forwards everything to Gloo, except that the last rank dies
-// 2 ms into its first all-gather: a death in the middle of the parameter
-// all-gather, not before it.
-class DyingGroup : public ProcessGroup {
- public:
-  explicit DyingGroup(std::shared_ptr<ProcessGroup> inner)
-      : ProcessGroup(inner->rank(), inner->size()), inner_(std::move(inner)) {}
-  std::string backend_name() const override { return inner_->backend_name(); }
-  Device device() const override { return inner_->device(); }
-  std::shared_ptr<Work> allreduce(const Tensor& t, ReduceOp op) override { return inner_->allreduce(t, op); }
-  std::shared_ptr<Work> broadcast(const Tensor& t, int root) override { return inner_->broadcast(t, root); }
-  std::shared_ptr<Work> reduce(const Tensor& t, int root, ReduceOp op) override { return inner_->reduce(t, root, op); }
-  std::shared_ptr<Work> allgather(const std::vector<Tensor>& outs, const Tensor& in) override {
-    return inner_->allgather(outs, in);
-  }
-  std::shared_ptr<Work> allgather_into_tensor(const Tensor& out, const Tensor& in) override {
-    auto w = inner_->allgather_into_tensor(out, in);
-    if (rank() == size() - 1) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      std::fflush(stdout);
-      _exit(42);
-    }
-    return w;
-  }
-  std::shared_ptr<Work> reduce_scatter_tensor(const Tensor& out, const Tensor& in, ReduceOp op) override {
-    return inner_->reduce_scatter_tensor(out, in, op);
-  }
-  std::shared_ptr<Work> all_to_all_single(const Tensor& out, const Tensor& in) override {
-    return inner_->all_to_all_single(out, in);
-  }
-  std::shared_ptr<Work> barrier() override { return inner_->barrier(); }
-  std::shared_ptr<Work> send(const Tensor& t, int dst, int tag) override { return inner_->send(t, dst, tag); }
-  std::shared_ptr<Work> recv(const Tensor& t, int src, int tag) override { return inner_->recv(t, src, tag); }
-
- private:
-  std::shared_ptr<ProcessGroup> inner_;
-};
-
+// The last rank dies 2 ms into its first all-gather (testing/dying_group.h):
+// in the middle of the parameter all-gather, not before it.
 EMBER_WORKER(dies_in_allgather) {
   // A long timeout: failing fast must not mean waiting for it. Gloo notices
   // the dead peer when a socket reports it; where it does not (a send
@@ -333,7 +298,7 @@ EMBER_WORKER(dies_in_allgather) {
   so.rank = env.rank;
   so.timeout = std::chrono::seconds(30);
   auto store = std::make_shared<TCPStore>(env.store_host, env.store_port, so);
-  auto pg = std::make_shared<DyingGroup>(make_gloo_group(store, env.rank, env.world_size, po));
+  auto pg = std::make_shared<mp::DyingGroup>(make_gloo_group(store, env.rank, env.world_size, po), "allgather_into_tensor");
   // ~8M parameters: the gather usually takes long enough for the death to
   // land inside it; when it finished first, the next step's gather meets
   // the dead rank instead, and must fail as fast.

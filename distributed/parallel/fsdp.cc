@@ -317,7 +317,10 @@ void Unit::post_backward() {
       grad_flat = gf;
     }
   }
-  if (requires_sync || reshard_after_backward) reshard();
+  if (requires_sync || reshard_after_backward) {
+    reshard();
+    root()->prefetch_backward();  // room for the next unit's gather now
+  }
 }
 
 void Unit::on_grad_ready(uint64_t generation) {
@@ -335,6 +338,7 @@ void Unit::finalize_backward() {
     for (auto it = pending.begin(); it != pending.end();) it = advance(it) ? pending.erase(it) : std::next(it);
   }
   for (auto& u : subtree) u->expects_backward = false;
+  bwd_anchor.reset();
   callback_queued = false;
 }
 
@@ -409,11 +413,34 @@ void Unit::pre_backward() {
     if (!grad_flat.defined()) grad_flat = zeros({layout.padded_numel()}, compute_options());
     expose_grads(grad_flat, false);  // backward accumulates in place into one buffer
   }
-  if (backward_prefetch) {
-    auto& order = r->post_fwd_order;
-    auto it = std::find(order.rbegin(), order.rend(), shared_from_this());
-    for (int k = 0; it != order.rend() && k < prefetch_limit && ++it != order.rend(); ++k)
-      if ((*it)->expects_backward && !(*it)->post_backward_done) (*it)->start_gather();
+  r->bwd_anchor = shared_from_this();
+  r->prefetch_backward();
+}
+
+void Unit::prefetch_backward() {
+  auto anchor = bwd_anchor.lock();
+  if (!anchor || !anchor->backward_prefetch) return;
+  // Gathered units still to finish their backward (the anchor, the one
+  // whose post-backward is about to run, earlier prefetches): at most
+  // 1 + limit of them. The unit after this one in backward order finishes
+  // just after this unit's backward starts (both hooks sit on the same
+  // gradient), so its release, not this hook, makes room for the prefetch.
+  auto live = [&] {
+    int n = 0;
+    for (auto& u : subtree)
+      if (!u->is_root && u->expects_backward && !u->post_backward_done &&
+          (u->gathering || u->state == State::UNSHARDED))
+        ++n;
+    return n;
+  };
+  auto& order = post_fwd_order;
+  auto it = std::find(order.rbegin(), order.rend(), anchor);
+  for (int k = 0; it != order.rend() && k < anchor->prefetch_limit && ++it != order.rend(); ++k) {
+    Unit& next = **it;
+    if (!next.expects_backward || next.post_backward_done || next.gathering || next.state == State::UNSHARDED)
+      continue;
+    if (live() >= 1 + anchor->prefetch_limit) break;
+    next.start_gather();
   }
 }
 
@@ -482,7 +509,7 @@ void check_same_structure(ProcessGroup& pg, const Unit& u, const FlatBuffer& lay
       << ") differs across the ranks of the " << pg.backend_name() << " group:";
   for (int r = 0; r < pg.size(); ++r)
     msg << " rank " << r << " has " << static_cast<int64_t>(v[3 * r]) << " tensors / "
-        << static_cast<int64_t>(v[3 * r + 1]) << " elements" << (v[3 * r + 2] != v[3 * pg.rank() + 2] ? " (other names or shapes)" : "")
+        << static_cast<int64_t>(v[3 * r + 1]) << " elements" << (v[3 * r + 2] != v[2] ? " (names or shapes other than rank 0's)" : "")
         << (r + 1 < pg.size() ? ";" : "");
   msg << ". Every rank must call fully_shard on the same modules in the same order";
   EMBER_CHECK(false, msg.str());

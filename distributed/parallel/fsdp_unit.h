@@ -82,6 +82,7 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   std::vector<std::shared_ptr<Unit>> subtree;
   std::vector<std::shared_ptr<Unit>> fwd_order, prev_fwd_order, post_fwd_order;
   std::deque<PendingReduce> pending;
+  std::weak_ptr<Unit> bwd_anchor;  // the unit whose backward started last
 
   std::vector<nn::HookHandle> hooks;
 
@@ -114,6 +115,7 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   Tensor pre_forward(const Tensor& input);
   Tensor post_forward(const Tensor& output);
   void pre_backward();
+  void prefetch_backward();  // root: gathers ahead of bwd_anchor within the limit
 
  private:
   std::weak_ptr<Unit> root_;

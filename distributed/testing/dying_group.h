@@ -1,0 +1,64 @@
+// A process group whose last rank dies (_exit(42)) a moment into one
+// chosen collective: the failure tests of ZeRO and FSDP kill a peer in the
+// middle of a parameter all-gather or a gradient reduce-scatter, and check
+// that the survivors fail fast naming the collective and the rank.
+//
+//   auto pg = std::make_shared<DyingGroup>(make_gloo_group(...), "reduce_scatter_tensor", /*after=*/0);
+#pragma once
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "distributed/process_group.h"
+
+namespace ember::distributed::testing {
+
+class DyingGroup : public ProcessGroup {
+ public:
+  // The last rank dies 2 ms into its call number after + 1 of `op`
+  // ("allgather_into_tensor" or "reduce_scatter_tensor"), after issuing it.
+  DyingGroup(std::shared_ptr<ProcessGroup> inner, std::string op, int after = 0)
+      : ProcessGroup(inner->rank(), inner->size()), inner_(std::move(inner)), op_(std::move(op)), left_(after) {}
+  std::string backend_name() const override { return inner_->backend_name(); }
+  Device device() const override { return inner_->device(); }
+  std::shared_ptr<Work> allreduce(const Tensor& t, ReduceOp op) override { return inner_->allreduce(t, op); }
+  std::shared_ptr<Work> broadcast(const Tensor& t, int root) override { return inner_->broadcast(t, root); }
+  std::shared_ptr<Work> reduce(const Tensor& t, int root, ReduceOp op) override { return inner_->reduce(t, root, op); }
+  std::shared_ptr<Work> allgather(const std::vector<Tensor>& outs, const Tensor& in) override {
+    return inner_->allgather(outs, in);
+  }
+  std::shared_ptr<Work> allgather_into_tensor(const Tensor& out, const Tensor& in) override {
+    return maybe_die("allgather_into_tensor", inner_->allgather_into_tensor(out, in));
+  }
+  std::shared_ptr<Work> reduce_scatter_tensor(const Tensor& out, const Tensor& in, ReduceOp op) override {
+    return maybe_die("reduce_scatter_tensor", inner_->reduce_scatter_tensor(out, in, op));
+  }
+  std::shared_ptr<Work> all_to_all_single(const Tensor& out, const Tensor& in) override {
+    return inner_->all_to_all_single(out, in);
+  }
+  std::shared_ptr<Work> barrier() override { return inner_->barrier(); }
+  std::shared_ptr<Work> send(const Tensor& t, int dst, int tag) override { return inner_->send(t, dst, tag); }
+  std::shared_ptr<Work> recv(const Tensor& t, int src, int tag) override { return inner_->recv(t, src, tag); }
+
+ private:
+  std::shared_ptr<Work> maybe_die(const char* op, std::shared_ptr<Work> w) {
+    if (op_ == op && rank() == size() - 1 && left_-- == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      std::fflush(stdout);
+      _exit(42);
+    }
+    return w;
+  }
+  std::shared_ptr<ProcessGroup> inner_;
+  std::string op_;
+  int left_;
+};
+
+}  // namespace ember::distributed::testing
