@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -33,7 +34,9 @@
 #include "distributed/testing/multiprocess.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
+#include "distributed/amp.h"
 #include "optim/clip_grad.h"
+#include "optim/grad_scaler.h"
 #include "optim/optimizer.h"
 
 namespace ember::distributed {
@@ -519,6 +522,54 @@ TEST(FullyShard, ARankDyingInACollectiveFailsTheOthersFast) {
     auto res = mp::run_workers("dies", 3, o);
     for (int r = 0; r < 2; ++r) EXPECT_EQ(res[r].exit_code, 0) << op << "\n" << mp::describe(res);
     EXPECT_EQ(res.back().exit_code, 42) << op << "\n" << mp::describe(res);
+  }
+}
+
+// GradScaler over sharded gradients: an inf in rank 0's shard only. With
+// found_inf agreed over the shard group every rank skips the step and backs
+// off the scale; without it (the control) the other ranks step, which is
+// what the agreement prevents.
+EMBER_WORKER(scaler) {
+  init_world(env);
+  const bool agree = !mp::parse_arg(env.arg).count("noagree");
+  auto net = std::make_shared<Net>(7);
+  auto fsdp = wrap(net, Config{});
+  optim::AdamW opt(trainable(*net), optim::AdamWOptions{.lr = 0.02});
+  optim::GradScalerOptions so;
+  if (agree) so.sync_found_inf = found_inf_allreduce(fsdp->shard_group());
+  optim::GradScaler scaler(so);
+  auto [x, y] = batch(env.rank, 0, 0);
+  scaler.scale(nn::functional::mse_loss((*net)(x), y)).backward();
+  if (env.rank == 0) {
+    Tensor g = net->b0->fc1->weight.grad();
+    WCHECK(g.defined() && g.numel() > 0, "rank 0 holds part of b0.fc1.weight");
+    NoGradGuard ng;
+    g.view({-1}).narrow(0, 0, 1).fill_(std::numeric_limits<double>::infinity());
+  }
+  std::vector<Tensor> before;
+  for (auto& p : trainable(*net)) before.push_back(p.clone());
+  const bool stepped = scaler.step(opt);
+  scaler.update();
+  bool changed = false;
+  auto params = trainable(*net);
+  for (size_t i = 0; i < params.size(); ++i)
+    if (params[i].numel() > 0) changed |= !allclose(params[i], before[i], 0.0, 0.0);
+  std::printf("rank %d: stepped %d, changed %d, scale %g\n", env.rank, stepped, changed, scaler.get_scale());
+  if (agree || env.rank == 0) {
+    WCHECK(!stepped && !changed && scaler.get_scale() == 32768.0, "rank ", env.rank, " stepped ", stepped,
+           ", changed ", changed, ", scale ", scaler.get_scale());
+  } else {
+    WCHECK(stepped && changed, "without agreement rank ", env.rank, " should have stepped");
+  }
+  destroy_process_group();
+}
+
+TEST(FullyShard, GradScalerAgreesOnAnInfInOneRanksShard) {
+  for (std::string arg : {"", "noagree"}) {
+    mp::RunOptions o;
+    o.arg = arg;
+    auto res = mp::run_workers("scaler", 3, o);
+    EXPECT_TRUE(mp::all_succeeded(res)) << arg << "\n" << mp::describe(res);
   }
 }
 
