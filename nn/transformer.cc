@@ -89,7 +89,8 @@ GPT::GPT(GPTOptions opts) : Module("GPT"), options(opts) {
   for (int64_t i = 0; i < opts.n_layer; ++i)
     h->push_back(std::make_shared<TransformerBlock>(opts.n_embd, opts.n_head, opts.dropout));
   ln_f = register_module("ln_f", std::make_shared<LayerNorm>(std::vector<int64_t>{opts.n_embd}));
-  lm_head = register_module("lm_head", std::make_shared<Linear>(opts.n_embd, opts.vocab_size, /*bias=*/false));
+  if (!opts.tie_weights)
+    lm_head = register_module("lm_head", std::make_shared<Linear>(opts.n_embd, opts.vocab_size, /*bias=*/false));
   // GPT-2's initialisation: N(0, 0.02) weights, zero biases; LayerNorms
   // keep ones and zeros.
   for (auto& [name, p] : named_parameters()) {
@@ -107,7 +108,9 @@ Tensor GPT::forward(const Tensor& tokens) {
   Tensor x = (*wte)(tokens) + (*wpe)(pos);  // [B, T, E] + [T, E]
   x = functional::dropout(x, options.dropout, is_training());
   x = (*h)(x);
-  return (*lm_head)((*ln_f)(x));
+  x = (*ln_f)(x);
+  if (lm_head) return (*lm_head)(x);
+  return matmul(x, wte->weight.t());
 }
 
 }  // namespace ember::nn

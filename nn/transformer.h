@@ -60,10 +60,14 @@ struct GPTOptions {
   int64_t n_head = 2;
   int64_t n_embd = 64;
   double dropout = 0.0;
+  // The LM head reuses the token embedding's weight (GPT-2's tying): the
+  // logits are x wte.weight^T, there is no lm_head module, and the state
+  // dict holds the shared tensor once, as "wte.weight".
+  bool tie_weights = false;
 };
 
 // Token + position embeddings, n_layer blocks ("h.0", "h.1", ...), a final
-// LayerNorm and a bias-free LM head. Linear and embedding weights start as
+// LayerNorm and a bias-free LM head (or the tied embedding). Linear and embedding weights start as
 // N(0, 0.02) (GPT-2's initialisation), biases at zero.
 class GPT : public Module {
  public:
@@ -74,7 +78,7 @@ class GPT : public Module {
   std::shared_ptr<Embedding> wte, wpe;
   std::shared_ptr<Sequential> h;
   std::shared_ptr<LayerNorm> ln_f;
-  std::shared_ptr<Linear> lm_head;
+  std::shared_ptr<Linear> lm_head;  // null with tie_weights
 };
 
 }  // namespace ember::nn

@@ -110,6 +110,31 @@ TEST(MultiheadAttention, FiniteDifferencesThroughAttentionAndABlock) {
   EXPECT_TRUE(rb.ok) << rb.message;
 }
 
+// Tied weights: no lm_head, and the embedding's gradient is the sum of what
+// an untied copy gives its embedding and its head holding the same values.
+TEST(GPT, TiedWeightsShareTheEmbeddingAndSumBothGradients) {
+  manual_seed(5);
+  GPT tied({.vocab_size = 9, .block_size = 6, .n_layer = 1, .n_head = 2, .n_embd = 8, .tie_weights = true});
+  manual_seed(5);
+  GPT untied({.vocab_size = 9, .block_size = 6, .n_layer = 1, .n_head = 2, .n_embd = 8});
+  for (auto& [n, p] : tied.named_parameters()) EXPECT_EQ(n.find("lm_head"), std::string::npos) << n;
+  EXPECT_EQ(tied.named_parameters().size() + 1, untied.named_parameters().size());
+  {
+    NoGradGuard ng;
+    for (auto& [n, p] : untied.named_parameters()) {
+      Tensor dst = p;
+      dst.copy_(n == "lm_head.weight" ? tied.wte->weight : *tied.state_dict().find(n));
+    }
+  }
+  Tensor tokens = Tensor::from_vector({1, 4, 2, 8, 0, 3, 5, 5, 7, 1, 2, 6}, {2, 6}, DType::Int64);
+  Tensor w = randn({2, 6, 9});
+  sum(tied(tokens) * w).backward();
+  sum(untied(tokens) * w).backward();
+  Tensor want = untied.wte->weight.grad() + untied.lm_head->weight.grad();
+  EXPECT_TRUE(allclose(tied.wte->weight.grad(), want, 1e-5, 1e-6));
+  EXPECT_TRUE(allclose(tied.h->parameters()[0].grad(), untied.h->parameters()[0].grad(), 1e-5, 1e-6));
+}
+
 TEST(GPT, NamesShapesAndAShortFit) {
   manual_seed(4);
   GPT gpt({.vocab_size = 11, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 16});
