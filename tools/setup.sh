@@ -24,6 +24,7 @@ PACKAGES=(
   libxxhash-dev
   zlib1g-dev           # gzip-compressed datasets (data/readers.cc)
   dataset-fashion-mnist
+  fortunes             # the corpus of //examples:gpt_fsdp (/usr/share/games/fortunes)
 )
 # --peers: also the PyTorch the benchmarks compare against (bench/compare_peers.py,
 # shared/peers/). A measuring stick, never a dependency of ember itself.

@@ -1,0 +1,603 @@
+// A character-level GPT trained with fully sharded data parallelism on the
+// quotes of Debian's `fortunes` package: every transformer block is an FSDP
+// unit, the rest of the model the root. It launches its own workers (one per
+// GPU, else 2 on the CPU), evaluates on held-out quotes against a unigram
+// baseline, checkpoints (full state gathered to rank 0) and ends with a
+// sample generated from the trained weights.
+//
+//   bazel run -c opt //examples:gpt_fsdp                                 # 2 CPU workers, FULL_SHARD
+//   bazel run -c opt //examples:gpt_fsdp -- --strategy grad_op --amp bf16
+//   bazel run -c opt //examples:gpt_fsdp -- --nproc 4 --strategy hybrid --shard-size 2
+//   bazel run -c opt //examples:gpt_fsdp -- --max-steps 600 --resume     # 300 more steps
+//
+// The default run (2 layers, dim 128, seq 64, batch 16 per rank, 1000 steps)
+// is timed in the README's "Sharded training" section.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "autograd/autograd.h"
+#include "core/ops.h"
+#include "distributed/amp.h"
+#include "distributed/checkpoint.h"
+#include "distributed/config_check.h"
+#include "distributed/init.h"
+#include "distributed/launch.h"
+#include "distributed/logging.h"
+#include "distributed/parallel/fsdp.h"
+#include "distributed/parallel/fsdp_state_dict.h"
+#include "nn/functional.h"
+#include "nn/transformer.h"
+#include "optim/grad_scaler.h"
+#include "optim/lr_scheduler.h"
+#include "optim/optimizer.h"
+
+namespace ember {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+constexpr char kFortunes[] = "/usr/share/games/fortunes";
+
+struct Flags {
+  int nproc = 0;  // 0: one per GPU, else 2
+  std::string strategy = "full";
+  int shard_size = 0;  // hybrid: ranks per shard group (0: ranks per node)
+  std::string amp = "off";
+  int64_t layers = 2, dim = 128, heads = 4, seq = 64;
+  int64_t batch_size = 16;  // sequences per rank per micro-batch
+  int64_t accum_steps = 1;
+  int64_t max_steps = 1000;  // optimizer steps in total, counting those before a resume
+  int64_t save_every = 0;   // 0: only at the end
+  int64_t eval_every = 250;
+  double lr = 3e-3;
+  std::string checkpoint_dir = "/tmp/ember_gpt_fsdp";
+  bool resume = false;
+  uint64_t seed = 0;
+  std::string data = kFortunes;
+  bool data_given = false;
+  int64_t sample_len = 240;
+  double temperature = 0.8;
+  int64_t top_k = 20;
+  double timeout_sec = 0;
+};
+
+constexpr char kUsage[] =
+    "usage: gpt_fsdp [flags]\n"
+    "  --nproc N              local worker processes (default: one per GPU, else 2; ignored under a launcher)\n"
+    "  --strategy S           full | grad_op | no_shard | hybrid (FSDP sharding strategy; default full)\n"
+    "  --shard-size N         hybrid: shard within groups of N ranks, replicate across them (default: ranks per node)\n"
+    "  --amp off|bf16|fp16    FSDP mixed precision: gather and compute in bf16/fp16, reduce in float32, float32\n"
+    "                         master shards; fp16 with a loss scaler agreed across ranks (default off)\n"
+    "  --layers N --dim N --heads N --seq N\n"
+    "                         transformer depth, width, attention heads, context length (default 2, 128, 4, 64)\n"
+    "  --batch-size N         sequences per rank per micro-batch (default 16)\n"
+    "  --accum-steps K        micro-batches per optimizer step (default 1)\n"
+    "  --lr X                 peak AdamW learning rate (default 0.003; warmup, then cosine to a tenth)\n"
+    "  --max-steps N          optimizer steps in total, counting those done before a resume (default 1000)\n"
+    "  --eval-every N         validation every N steps and at the end (default 250)\n"
+    "  --save-every N         checkpoint every N steps (default: only at the end; always at the end)\n"
+    "  --checkpoint-dir D     where step_<N>/ checkpoints go (default /tmp/ember_gpt_fsdp)\n"
+    "  --resume               continue from the newest checkpoint in --checkpoint-dir\n"
+    "  --seed N               initialisation and data order (default 0)\n"
+    "  --data PATH            a directory of fortune files (default /usr/share/games/fortunes), a text file,\n"
+    "                         or 'synthetic'\n"
+    "  --sample-len N --temperature X --top-k N\n"
+    "                         the sample generated at the end (default 240, 0.8, 20)\n"
+    "  --timeout SEC          rendezvous and collective timeout (default: $EMBER_DIST_TIMEOUT_SEC, else 600)\n";
+
+[[noreturn]] void usage_error(const std::string& msg) {
+  std::fprintf(stderr, "gpt_fsdp: %s\n%s", msg.c_str(), kUsage);
+  std::exit(2);
+}
+
+int64_t parse_int(const std::string& flag, const std::string& v, int64_t min) {
+  char* end = nullptr;
+  errno = 0;
+  long long x = std::strtoll(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || errno == ERANGE) usage_error(flag + " needs an integer, got '" + v + "'");
+  if (x < min) usage_error(flag + " must be >= " + std::to_string(min) + ", got " + v);
+  return x;
+}
+
+double parse_positive(const std::string& flag, const std::string& v) {
+  char* end = nullptr;
+  double x = std::strtod(v.c_str(), &end);
+  if (v.empty() || *end != '\0' || !std::isfinite(x) || x <= 0)
+    usage_error(flag + " needs a positive number, got '" + v + "'");
+  return x;
+}
+
+Flags parse_flags(int argc, char** argv) {
+  Flags f;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i], value;
+    bool has_value = false;
+    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+      has_value = true;
+    }
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    }
+    if (arg == "--resume") {
+      if (has_value) usage_error("--resume takes no value");
+      f.resume = true;
+      continue;
+    }
+    auto next = [&]() -> std::string {
+      if (has_value) return value;
+      if (i + 1 >= argc) usage_error(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--nproc") f.nproc = static_cast<int>(parse_int(arg, next(), 1));
+    else if (arg == "--strategy") f.strategy = next();
+    else if (arg == "--shard-size") f.shard_size = static_cast<int>(parse_int(arg, next(), 1));
+    else if (arg == "--amp") f.amp = next();
+    else if (arg == "--layers") f.layers = parse_int(arg, next(), 1);
+    else if (arg == "--dim") f.dim = parse_int(arg, next(), 1);
+    else if (arg == "--heads") f.heads = parse_int(arg, next(), 1);
+    else if (arg == "--seq") f.seq = parse_int(arg, next(), 2);
+    else if (arg == "--batch-size") f.batch_size = parse_int(arg, next(), 1);
+    else if (arg == "--accum-steps") f.accum_steps = parse_int(arg, next(), 1);
+    else if (arg == "--lr") f.lr = parse_positive(arg, next());
+    else if (arg == "--max-steps") f.max_steps = parse_int(arg, next(), 1);
+    else if (arg == "--eval-every") f.eval_every = parse_int(arg, next(), 1);
+    else if (arg == "--save-every") f.save_every = parse_int(arg, next(), 1);
+    else if (arg == "--checkpoint-dir") f.checkpoint_dir = next();
+    else if (arg == "--seed") f.seed = static_cast<uint64_t>(parse_int(arg, next(), 0));
+    else if (arg == "--data") f.data = next(), f.data_given = true;
+    else if (arg == "--sample-len") f.sample_len = parse_int(arg, next(), 0);
+    else if (arg == "--temperature") f.temperature = parse_positive(arg, next());
+    else if (arg == "--top-k") f.top_k = parse_int(arg, next(), 1);
+    else if (arg == "--timeout") f.timeout_sec = parse_positive(arg, next());
+    else usage_error("unknown flag '" + arg + "'");
+  }
+  if (f.strategy != "full" && f.strategy != "grad_op" && f.strategy != "no_shard" && f.strategy != "hybrid")
+    usage_error("--strategy takes full, grad_op, no_shard or hybrid, got '" + f.strategy + "'");
+  if (f.amp != "off" && f.amp != "bf16" && f.amp != "fp16")
+    usage_error("--amp takes off, bf16 or fp16, got '" + f.amp + "'");
+  if (f.shard_size > 0 && f.strategy != "hybrid") usage_error("--shard-size goes with --strategy hybrid");
+  if (f.dim % f.heads != 0)
+    usage_error("--dim " + std::to_string(f.dim) + " must be a multiple of --heads " + std::to_string(f.heads));
+  if (f.checkpoint_dir.empty()) usage_error("--checkpoint-dir must not be empty");
+  if (f.resume) {
+    auto latest = distributed::latest_checkpoint(f.checkpoint_dir, "step_");
+    if (!latest.ok()) usage_error("--resume: " + std::string(latest.status().message()));
+    if (!latest->has_value()) usage_error("--resume: no checkpoint (step_<N>/) in --checkpoint-dir " + f.checkpoint_dir);
+  }
+  if (f.data != "synthetic" && f.data_given && !fs::exists(f.data))
+    usage_error("--data " + f.data + ": no such file or directory (give a fortunes directory, a text file or 'synthetic')");
+  return f;
+}
+
+// ---- the corpus -----------------------------------------------------------
+
+struct Corpus {
+  std::string train, val;  // text
+  std::vector<unsigned char> chars;  // the vocabulary: every byte of the text, sorted
+  std::vector<int> id;               // byte -> token id
+  std::string description;
+  bool synthetic = false;
+};
+
+// The quotes of every fortune file in `dir` (the files without an
+// extension; ".dat" are indexes, ".u8" links), split at lines holding "%".
+std::vector<std::string> read_fortunes(const fs::path& path) {
+  std::vector<fs::path> files;
+  if (fs::is_directory(path)) {
+    for (auto& e : fs::directory_iterator(path))
+      if (e.is_regular_file() && e.path().extension().empty()) files.push_back(e.path());
+  } else {
+    files.push_back(path);
+  }
+  std::sort(files.begin(), files.end());
+  std::vector<std::string> quotes;
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    EMBER_CHECK(in, "--data: cannot read ", f.string());
+    std::string line, cur;
+    while (std::getline(in, line)) {
+      if (line == "%") {
+        if (!cur.empty()) quotes.push_back(cur);
+        cur.clear();
+      } else {
+        cur += line + "\n";
+      }
+    }
+    if (!cur.empty()) quotes.push_back(cur);
+  }
+  return quotes;
+}
+
+Corpus load_corpus(const Flags& f) {
+  Corpus c;
+  std::vector<std::string> quotes;
+  if (f.data != "synthetic" && fs::exists(f.data)) {
+    quotes = read_fortunes(f.data);
+    c.description = std::to_string(quotes.size()) + " quotes from " + f.data;
+  }
+  if (quotes.empty()) {
+    if (f.data != "synthetic")
+      LOG0("WARNING: no fortunes at ", f.data, ".\nWARNING: training on SYNTHETIC text instead; the losses are not a "
+           "real corpus'. Install it with `apt-get install fortunes` (tools/setup.sh does) or pass --data.");
+    // Sentences from a small grammar: learnable structure, but not language.
+    std::mt19937 g(1);
+    const char* subj[] = {"the cat", "a dog", "my friend", "the old man", "every child", "no one"};
+    const char* verb[] = {"sees", "likes", "finds", "remembers", "wants", "forgets"};
+    const char* obj[] = {"the moon", "a small house", "the red ball", "his own shadow", "the long road"};
+    for (int q = 0; q < 4000; ++q) {
+      std::string s;
+      for (int k = 0; k < 1 + static_cast<int>(g() % 3); ++k)
+        s += std::string(subj[g() % 6]) + " " + verb[g() % 6] + " " + obj[g() % 5] + ".\n";
+      quotes.push_back(s);
+    }
+    c.synthetic = true;
+    c.description = "synthetic sentences (" + std::to_string(quotes.size()) + ")";
+  }
+  // A fixed split, whatever --seed: every 20th quote is held out.
+  for (size_t i = 0; i < quotes.size(); ++i) (i % 20 == 7 ? c.val : c.train) += quotes[i] + "\n";
+  std::vector<bool> seen(256, false);
+  for (unsigned char ch : c.train + c.val) seen[ch] = true;
+  c.id.assign(256, -1);
+  for (int b = 0; b < 256; ++b)
+    if (seen[b]) c.id[b] = static_cast<int>(c.chars.size()), c.chars.push_back(static_cast<unsigned char>(b));
+  return c;
+}
+
+// Token windows: inputs [n, seq] and targets [n * seq] (the next characters).
+std::pair<Tensor, Tensor> windows(const Corpus& c, const std::string& text, const std::vector<int64_t>& starts,
+                                  int64_t seq) {
+  std::vector<double> x, y;
+  for (int64_t s : starts)
+    for (int64_t t = 0; t < seq; ++t) {
+      x.push_back(c.id[static_cast<unsigned char>(text[s + t])]);
+      y.push_back(c.id[static_cast<unsigned char>(text[s + t + 1])]);
+    }
+  const int64_t n = static_cast<int64_t>(starts.size());
+  return {Tensor::from_vector(x, {n, seq}, DType::Int64), Tensor::from_vector(y, {n * seq}, DType::Int64)};
+}
+
+// ---- progress --------------------------------------------------------------
+
+std::string format_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  long t = std::lround(s);
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%ld:%02ld", t / 60, t % 60);
+  return buf;
+}
+
+// Rank 0's progress: one line redrawn on a terminal, a line every 10 s in a log.
+class Progress {
+ public:
+  explicit Progress(bool enabled) : enabled_(enabled), tty_(enabled && isatty(STDOUT_FILENO)) {}
+  void update(int64_t step, int64_t steps, double loss, double tok_s, double eta_s, bool force) {
+    if (!enabled_) return;
+    auto now = Clock::now();
+    if (!force && std::chrono::duration<double>(now - last_).count() < (tty_ ? 0.2 : 10.0)) return;
+    last_ = now;
+    char line[256];
+    if (tty_) {
+      constexpr int kBar = 24;
+      int filled = static_cast<int>(kBar * step / std::max<int64_t>(steps, 1));
+      std::string bar(filled, '=');
+      if (filled < kBar) bar.append(1, '>').append(kBar - filled - 1, ' ');
+      std::snprintf(line, sizeof line, "\rstep [%s] %lld/%lld  loss %.4f  %.0f tok/s  %s left\x1b[K", bar.c_str(),
+                    static_cast<long long>(step), static_cast<long long>(steps), loss, tok_s,
+                    format_duration(eta_s).c_str());
+      open_ = true;
+    } else {
+      std::snprintf(line, sizeof line, "step %lld/%lld  loss %.4f  %.0f tok/s  %s left\n",
+                    static_cast<long long>(step), static_cast<long long>(steps), loss, tok_s,
+                    format_duration(eta_s).c_str());
+    }
+    std::fputs(line, stdout);
+    std::fflush(stdout);
+  }
+  void close_line() {
+    if (open_) std::fputs("\n", stdout), std::fflush(stdout);
+    open_ = false;
+  }
+
+ private:
+  bool enabled_, tty_, open_ = false;
+  Clock::time_point last_{};
+};
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// ---- training ----------------------------------------------------------------
+
+nn::GPTOptions model_options(const Flags& f, int64_t vocab) {
+  return {.vocab_size = vocab, .block_size = f.seq, .n_layer = f.layers, .n_head = f.heads, .n_embd = f.dim};
+}
+
+// Mean cross-entropy (nats per character) over fixed held-out windows,
+// split evenly over the ranks (every rank runs the same number of
+// forwards: FSDP's gathers are collectives), and the same for a unigram
+// model of the training text (add-one smoothed) on the same characters.
+struct Eval {
+  std::vector<int64_t> starts;  // all ranks' windows
+  double unigram = 0;
+};
+
+Eval make_eval(const Corpus& c, int64_t seq, int world) {
+  Eval e;
+  const int64_t span = static_cast<int64_t>(c.val.size()) - seq - 1;
+  EMBER_CHECK(span > 0, "the validation text (", c.val.size(), " characters) is shorter than --seq ", seq);
+  const int64_t per_rank = (64 + world - 1) / world;
+  const int64_t n = per_rank * world;
+  for (int64_t i = 0; i < n; ++i) e.starts.push_back(span * i / n);
+  std::vector<double> count(c.chars.size(), 1.0);
+  for (unsigned char ch : c.train) count[c.id[ch]] += 1;
+  double total = 0;
+  for (double v : count) total += v;
+  double nll = 0;
+  int64_t m = 0;
+  for (int64_t s : e.starts)
+    for (int64_t t = 1; t <= seq; ++t, ++m) nll -= std::log(count[c.id[static_cast<unsigned char>(c.val[s + t])]] / total);
+  e.unigram = nll / m;
+  return e;
+}
+
+double evaluate(nn::Module& model, const Corpus& c, const Eval& e, int64_t seq, distributed::ProcessGroup& pg,
+                Device device) {
+  model.eval();
+  NoGradGuard ng;
+  const int64_t per_rank = static_cast<int64_t>(e.starts.size()) / pg.size();
+  std::vector<int64_t> mine(e.starts.begin() + pg.rank() * per_rank, e.starts.begin() + (pg.rank() + 1) * per_rank);
+  double local = 0;
+  for (size_t i = 0; i < mine.size(); i += 16) {
+    std::vector<int64_t> part(mine.begin() + i, mine.begin() + std::min(mine.size(), i + 16));
+    auto [x, y] = windows(c, c.val, part, seq);
+    Tensor logits = model(x.to(device)).to(DType::Float32);
+    local += nn::functional::cross_entropy(logits.reshape({-1, logits.size(2)}), y.to(device)).item() * part.size();
+  }
+  Tensor t = full({1}, local / static_cast<double>(e.starts.size())).to(device);
+  pg.allreduce(t, distributed::ReduceOp::Sum)->wait();
+  model.train();
+  return t.to(kCPU).item();
+}
+
+// Temperature and top-k sampling from a plain (unsharded) copy of the model.
+std::string generate(nn::GPT& gpt, const Corpus& c, const Flags& f) {
+  gpt.eval();
+  NoGradGuard ng;
+  std::mt19937_64 g(f.seed + 17);
+  std::vector<int> ctx{c.id['\n']};
+  std::string out;
+  for (int64_t i = 0; i < f.sample_len; ++i) {
+    std::vector<double> ids;
+    const size_t from = ctx.size() > static_cast<size_t>(f.seq) ? ctx.size() - f.seq : 0;
+    for (size_t k = from; k < ctx.size(); ++k) ids.push_back(ctx[k]);
+    Tensor x = Tensor::from_vector(ids, {1, static_cast<int64_t>(ids.size())}, DType::Int64);
+    Tensor logits = gpt(x).to(DType::Float32);
+    std::vector<double> l = logits.narrow(1, logits.size(1) - 1, 1).reshape({-1}).to_vector();
+    std::vector<size_t> order(l.size());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+    const size_t keep = std::min<size_t>(static_cast<size_t>(f.top_k), order.size());
+    std::partial_sort(order.begin(), order.begin() + keep, order.end(), [&](size_t a, size_t b) { return l[a] > l[b]; });
+    std::vector<double> w(keep);
+    for (size_t k = 0; k < keep; ++k) w[k] = std::exp((l[order[k]] - l[order[0]]) / f.temperature);
+    std::discrete_distribution<size_t> pick(w.begin(), w.end());
+    const int next = static_cast<int>(order[pick(g)]);
+    ctx.push_back(next);
+    out += static_cast<char>(c.chars[next]);
+  }
+  return out;
+}
+
+int train(const Flags& flags) {
+  const bool cuda = cuda_is_available();
+  distributed::InitOptions init;
+  init.backend = cuda ? "nccl" : "gloo";
+  if (flags.timeout_sec > 0) init.timeout = distributed::Millis{static_cast<int64_t>(flags.timeout_sec * 1000)};
+  auto pg = distributed::init_process_group(init);
+  const int rank = pg->rank(), world = pg->size();
+  const Device device = pg->device();
+  const auto env = distributed::resolve_env(distributed::InitOptions{});
+  distributed::check_same_config(
+      *pg, {{"--strategy", flags.strategy}, {"--shard-size", std::to_string(flags.shard_size)}, {"--amp", flags.amp},
+            {"--layers", std::to_string(flags.layers)}, {"--dim", std::to_string(flags.dim)},
+            {"--heads", std::to_string(flags.heads)}, {"--seq", std::to_string(flags.seq)},
+            {"--batch-size", std::to_string(flags.batch_size)}, {"--accum-steps", std::to_string(flags.accum_steps)},
+            {"--lr", std::to_string(flags.lr)}, {"--max-steps", std::to_string(flags.max_steps)},
+            {"--seed", std::to_string(flags.seed)}, {"--resume", flags.resume ? "on" : "off"}});
+
+  const Corpus corpus = load_corpus(flags);
+  const int64_t vocab = static_cast<int64_t>(corpus.chars.size());
+  EMBER_CHECK(static_cast<int64_t>(corpus.train.size()) > flags.seq + 1, "the training text is shorter than --seq");
+
+  manual_seed(flags.seed);
+  auto gpt = std::make_shared<nn::GPT>(model_options(flags, vocab));
+  gpt->to(device);
+  const int64_t n_params = gpt->num_parameters();
+
+  distributed::FSDPOptions fo;
+  fo.strategy = distributed::parse_strategy(flags.strategy);
+  if (fo.strategy == distributed::ShardingStrategy::HYBRID_SHARD) {
+    const int shard = flags.shard_size > 0 ? flags.shard_size : env.local_world_size;
+    EMBER_CHECK(world % shard == 0, "--shard-size ", shard, " does not divide the ", world, " ranks");
+    auto groups = distributed::new_hybrid_groups(shard);
+    fo.process_group = groups.shard;
+    fo.replicate_group = groups.replicate;
+  }
+  if (flags.amp != "off") {
+    fo.mp_policy.param_dtype = flags.amp == "bf16" ? DType::BFloat16 : DType::Float16;
+    fo.mp_policy.reduce_dtype = DType::Float32;
+    fo.mp_policy.output_dtype = DType::Float32;
+  }
+  auto fsdp = distributed::fully_shard_auto(gpt, {.types = {"TransformerBlock"}}, fo);
+
+  optim::AdamW opt(gpt->parameters(), {.lr = flags.lr, .beta1 = 0.9, .beta2 = 0.99, .weight_decay = 0.1});
+  const int64_t warmup = std::min<int64_t>(100, flags.max_steps / 10 + 1);
+  auto warm = std::make_shared<optim::LinearLR>(opt, 0.1, 1.0, warmup);
+  auto cosine = std::make_shared<optim::CosineAnnealingLR>(opt, std::max<int64_t>(flags.max_steps - warmup, 1),
+                                                            flags.lr * 0.1);
+  optim::SequentialLR sched(opt, {warm, cosine}, {warmup});
+  optim::GradScalerOptions so;
+  so.enabled = flags.amp == "fp16";
+  if (fsdp->shard_group()) so.sync_found_inf = distributed::found_inf_allreduce(fsdp->shard_group());
+  optim::GradScaler scaler(so);
+
+  // Checkpoints hold the full model and optimizer state, gathered to rank 0
+  // and written through a plain copy of the model (any world size and
+  // strategy loads them).
+  auto plain_copy = [&](const nn::StateDict& sd) {
+    auto m = std::make_shared<nn::GPT>(model_options(flags, vocab));
+    m->load_state_dict(sd);
+    return m;
+  };
+  int64_t step = 0;
+  if (flags.resume) {
+    auto latest = distributed::latest_checkpoint(flags.checkpoint_dir, "step_");
+    EMBER_CHECK(latest.ok() && latest->has_value(), "--resume: no checkpoint in ", flags.checkpoint_dir);
+    auto tmp = std::make_shared<nn::GPT>(model_options(flags, vocab));
+    optim::AdamW tmp_opt(tmp->parameters(), {.lr = flags.lr});
+    auto st = distributed::load_checkpoint(**latest, *tmp, &tmp_opt, &sched);
+    EMBER_CHECK(st.ok(), "--resume: ", st.status().message(),
+                " (was it written with other --layers/--dim/--heads/--seq or another corpus?)");
+    distributed::load_full_state_dict(*fsdp, tmp->state_dict());
+    auto osd = tmp_opt.state_dict();
+    optim::name_parameters(osd, tmp_opt, tmp->named_parameters());
+    distributed::load_full_optim_state_dict(*fsdp, opt, osd);
+    step = st->step;
+    const auto extra = nlohmann::json::parse(st->extra_json);
+    if (auto it = extra.find("grad_scaler"); it != extra.end() && scaler.is_enabled()) {
+      std::map<std::string, double> sd;
+      for (const auto& [k, v] : it->items()) sd[k] = v.get<double>();
+      scaler.load_state_dict(sd);
+    }
+    LOG0("resumed from ", **latest, ": ", step, " step(s) done");
+  }
+  auto save = [&](int64_t at) {
+    nn::StateDict sd = distributed::full_state_dict(*fsdp);
+    optim::OptimizerStateDict osd = distributed::full_optim_state_dict(*fsdp, opt);
+    if (rank == 0) {
+      auto m = plain_copy(sd);
+      optim::AdamW tmp_opt(m->parameters(), {.lr = flags.lr});
+      tmp_opt.load_state_dict(optim::match_by_name(osd, tmp_opt, m->named_parameters()));
+      distributed::TrainingState st;
+      st.step = at;
+      nlohmann::json extra{{"world_size", world}, {"strategy", flags.strategy}, {"vocab", vocab}};
+      if (scaler.is_enabled()) extra["grad_scaler"] = scaler.state_dict();
+      st.extra_json = extra.dump();
+      const std::string dir = flags.checkpoint_dir + "/step_" + std::to_string(at);
+      absl::Status s = distributed::save_checkpoint(dir, *m, &tmp_opt, &sched, st);
+      EMBER_CHECK(s.ok(), "saving checkpoint ", dir, ": ", s.message());
+      LOG0("saved checkpoint ", dir);
+    }
+    pg->barrier()->wait();
+  };
+
+  const Eval eval = make_eval(corpus, flags.seq, world);
+  const auto mem = fsdp->memory();
+  const int64_t tokens_per_step = flags.batch_size * flags.seq * world * flags.accum_steps;
+  LOG0("GPT ", flags.layers, " layers x ", flags.dim, " dims, ", flags.heads, " heads, context ", flags.seq, ": ",
+       n_params, " parameters, vocabulary ", vocab, "; ", corpus.description, " (", corpus.train.size(), " train / ",
+       corpus.val.size(), " validation characters)\n", world, " rank(s) on ", cuda ? "GPUs (NCCL)" : "the CPU (Gloo)",
+       ", FSDP ", distributed::strategy_name(fo.strategy), ", ", fsdp->units().size(), " units, ",
+       flags.amp == "off" ? "float32" : flags.amp + " compute (float32 shards and reduction)",
+       "; rank 0 holds ", mem.sharded_params, " bytes of parameters (", n_params * 4, " unsharded), largest unit ",
+       mem.largest_unit, " bytes gathered\n", "batch ", flags.batch_size, " x ", flags.seq, " characters per rank x ",
+       world, " rank(s) x ", flags.accum_steps, " accumulation step(s) = ", tokens_per_step, " tokens per step; ",
+       flags.max_steps, " steps; checkpoints in ", flags.checkpoint_dir);
+
+  std::mt19937_64 data_rng;
+  auto batch_starts = [&](int64_t s, int64_t micro) {
+    // Depends only on (seed, step, micro-batch, rank): a resumed run draws
+    // what an uninterrupted one would.
+    data_rng.seed(flags.seed * 1000003ULL + static_cast<uint64_t>(s) * 7919ULL + micro * 104729ULL + rank);
+    std::uniform_int_distribution<int64_t> pick(0, static_cast<int64_t>(corpus.train.size()) - flags.seq - 2);
+    std::vector<int64_t> starts;
+    for (int64_t i = 0; i < flags.batch_size; ++i) starts.push_back(pick(data_rng));
+    return starts;
+  };
+
+  Progress progress(rank == 0);
+  const auto t0 = Clock::now();
+  double loss_ema = -1;
+  const int64_t first = step;
+  auto report_eval = [&] {
+    progress.close_line();
+    const double v = evaluate(*gpt, corpus, eval, flags.seq, *pg, device);
+    LOG0("step ", step, ": validation loss ", v, " (unigram ", eval.unigram, ")");
+    return v;
+  };
+  while (step < flags.max_steps) {
+    opt.zero_grad();
+    double loss_sum = 0;
+    for (int64_t m = 0; m < flags.accum_steps; ++m) {
+      fsdp->set_requires_gradient_sync(m == flags.accum_steps - 1);
+      auto [x, y] = windows(corpus, corpus.train, batch_starts(step, m), flags.seq);
+      Tensor logits = (*gpt)(x.to(device));
+      Tensor loss = nn::functional::cross_entropy(logits.reshape({-1, vocab}), y.to(device));
+      loss_sum += loss.item();
+      scaler.scale(loss * (1.0 / flags.accum_steps)).backward();
+    }
+    scaler.unscale_(opt);
+    fsdp->clip_grad_norm_(1.0);
+    scaler.step(opt);
+    scaler.update();
+    sched.step();
+    ++step;
+    const double loss = loss_sum / flags.accum_steps;
+    loss_ema = loss_ema < 0 ? loss : 0.9 * loss_ema + 0.1 * loss;
+    const double el = seconds_since(t0);
+    const double rate = (step - first) * tokens_per_step / std::max(el, 1e-9);
+    progress.update(step, flags.max_steps, loss_ema, rate, (flags.max_steps - step) * tokens_per_step / rate,
+                    step == flags.max_steps);
+    if (step % flags.eval_every == 0 && step < flags.max_steps) report_eval();
+    if (flags.save_every > 0 && step % flags.save_every == 0 && step < flags.max_steps) save(step);
+  }
+  progress.close_line();
+  const double val = report_eval();
+  save(step);
+  if (flags.sample_len > 0) {
+    nn::StateDict sd = distributed::full_state_dict(*fsdp);
+    if (rank == 0) {
+      auto m = plain_copy(sd);
+      LOG0("sample (temperature ", flags.temperature, ", top-k ", flags.top_k, "):\n", generate(*m, corpus, flags));
+    }
+  }
+  LOG0("done in ", static_cast<int64_t>(seconds_since(t0)), " s; validation loss ", val, " = ", val / eval.unigram,
+       " x the unigram baseline");
+  pg->barrier()->wait();
+  return 0;
+}
+
+}  // namespace
+}  // namespace ember
+
+int main(int argc, char** argv) {
+  using namespace ember;
+  Flags flags = parse_flags(argc, argv);
+  try {
+    int nproc = flags.nproc > 0 ? flags.nproc : cuda_is_available() ? cuda_device_count() : 2;
+    if (int rc = distributed::spawn_local_workers(nproc, argc, argv, /*prefix_output=*/!isatty(STDOUT_FILENO)); rc >= 0)
+      return rc;
+    return train(flags);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpt_fsdp%s: %s\n",
+                 std::getenv("RANK") ? (std::string(" [rank ") + std::getenv("RANK") + "]").c_str() : "", e.what());
+    return 1;
+  }
+}
