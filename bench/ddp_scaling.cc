@@ -53,6 +53,7 @@
 
 #include <unistd.h>
 
+#include "bench/bench_group.h"
 #include "bench/train_step.h"
 #include "core/ops.h"
 #include "distributed/ddp.h"
@@ -72,85 +73,16 @@ using Clock = std::chrono::steady_clock;
 constexpr int64_t kBatch = 32;  // per rank
 constexpr int kWarmup = 3;
 
-// Set in the copies this binary starts: which rank they are and where the
-// store is.
-constexpr char kPortVar[] = "EMBER_DDP_BENCH_PORT";
-constexpr char kRankVar[] = "EMBER_DDP_BENCH_RANK";
-
 // img/s of the 1-process run per width, for the efficiency counter.
 std::map<int64_t, double>& baseline() {
   static std::map<int64_t, double> m;
   return m;
 }
 
-// Rank 0 hosts the store and starts ranks 1..N-1; they connect to it. The
-// group lives until every peer has exited, so no peer ever sees its
-// connections torn down mid-collective.
-struct Group {
-  std::shared_ptr<ProcessGroup> pg;
-  std::shared_ptr<Store> store;
-  std::vector<pid_t> peers;
-  ~Group() {
-    bool failed = false;
-    for (pid_t pid : peers) {
-      testing::WorkerResult r;
-      testing::wait_or_kill(pid, Clock::now() + std::chrono::seconds(60), r);
-      failed |= r.exit_code != 0;
-    }
-    if (failed) std::fprintf(stderr, "ddp_scaling: a peer process failed; see its log under $TMPDIR or /tmp\n");
-  }
-};
-
-std::unique_ptr<Group> join_group(const std::string& name, int world) {
-  auto g = std::make_unique<Group>();
-  if (world == 1) return g;
-  TCPStoreOptions so;
-  so.timeout = std::chrono::seconds(120);
-  if (const char* port = std::getenv(kPortVar)) {
-    g->store = std::make_shared<TCPStore>("127.0.0.1", std::atoi(port), so);
-    g->pg = make_gloo_group(g->store, std::atoi(std::getenv(kRankVar)), world);
-    return g;
-  }
-  so.is_server = true;
-  so.wait_for_workers = false;
-  auto server = std::make_shared<TCPStore>("127.0.0.1", 0, so);
-  g->store = server;
-  const char* tmp = std::getenv("TMPDIR");
-  const std::string dir = tmp && *tmp ? tmp : "/tmp";
-  for (int r = 1; r < world; ++r) {
-    // Only this benchmark (Google Benchmark appends "/iterations:N/..." to
-    // the registered name), in a process of its own with 1 thread.
-    std::vector<std::string> args = {"--benchmark_filter=^" + name + "/"};
-    std::vector<std::string> env = {std::string(kPortVar) + "=" + std::to_string(server->port()),
-                                    std::string(kRankVar) + "=" + std::to_string(r), "OMP_NUM_THREADS=1"};
-    g->peers.push_back(testing::spawn_self(args, env, dir + "/ember_ddp_scaling_rank" + std::to_string(r) + ".log"));
-  }
-  g->pg = make_gloo_group(g->store, 0, world);
-  return g;
-}
-
-// Times `step` once per benchmark iteration (manual time) and returns the
-// median in seconds, after a barrier so every rank is done before rank 0
-// reaps its peers.
-template <typename Step>
-double timed_median(benchmark::State& state, ProcessGroup* pg, Step&& step) {
-  std::vector<double> times;
-  for (auto _ : state) {
-    auto t0 = Clock::now();
-    benchmark::DoNotOptimize(step());
-    double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    state.SetIterationTime(s);
-    times.push_back(s);
-  }
-  if (pg) pg->barrier()->wait();
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
 void BM_DdpStep(benchmark::State& state, const std::string& name, int64_t width, int world, bool overlap) {
   omp_set_num_threads(1);  // 1 thread per process, as the peer's torch.set_num_threads(1)
-  auto group = join_group(name, world);
-  const bool peer = std::getenv(kPortVar) != nullptr;
+  auto group = bench::join_group(name, world);
+  const bool peer = bench::is_peer();
 
   manual_seed(0);  // the same initial parameters on every rank, as DDP checks
   auto model = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = width});
@@ -169,7 +101,7 @@ void BM_DdpStep(benchmark::State& state, const std::string& name, int64_t width,
   Tensor y = randint(0, 10, {kBatch});
   auto step = [&] { return bench::train_step(*net, opt, x, y); };
   for (int i = 0; i < kWarmup; ++i) step();  // oneDNN primitives, allocator caches, first buckets
-  const double median = timed_median(state, group->pg.get(), step);
+  const double median = bench::timed_median(state, group->pg.get(), step);
   const double img_s = world * kBatch / median;
   state.counters["step_ms_median"] = median * 1e3;
   state.counters["img_per_s"] = img_s;
@@ -190,7 +122,7 @@ void BM_DdpStep(benchmark::State& state, const std::string& name, int64_t width,
 // buckets, state, activations).
 void BM_MlpAdamStep(benchmark::State& state, const std::string& name, int world, bool zero) {
   omp_set_num_threads(1);
-  auto group = join_group(name, world);
+  auto group = bench::join_group(name, world);
   manual_seed(0);
   auto model = std::make_shared<nn::Sequential>(std::vector<std::shared_ptr<nn::Module>>{
       std::make_shared<nn::Linear>(2048, 4096), std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(4096, 4096),
@@ -232,7 +164,7 @@ void BM_MlpAdamStep(benchmark::State& state, const std::string& name, int world,
   };
   for (int i = 0; i < 2; ++i) step();
   cpu_allocator()->reset_peak_stats();
-  const double median = timed_median(state, group->pg.get(), step);
+  const double median = bench::timed_median(state, group->pg.get(), step);
   int64_t state_bytes = 0;
   if (auto* z = dynamic_cast<ZeroRedundancyOptimizer*>(opt.get())) {
     state_bytes = z->local_state_bytes();

@@ -154,6 +154,34 @@ void Unit::expose_grads(const Tensor& flat, bool sharded) {
                              : Tensor());
 }
 
+int64_t Unit::shard_offset_of(size_t i) const {
+  for (const auto& pc : pieces)
+    if (pc.entry == i) return pc.shard_offset;
+  return 0;  // shard_view's empty view sits at the start
+}
+
+Tensor Unit::live_shard_grad() const {
+  if (shard_grad.defined()) return shard_grad;
+  auto storage = shard_grad_weak.lock();
+  if (!storage) return Tensor();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!trainable[i]) continue;
+    Tensor g = params[i].grad();
+    if (g.defined() && g.impl().storage == storage)
+      return g.as_strided({shard_numel()}, {1}, g.storage_offset() - shard_offset_of(i));
+  }
+  return Tensor();
+}
+
+void Unit::hold_shard_grad_weakly() {
+  if (state != State::SHARDED || !shard_grad.defined()) return;
+  bool exposed = false;
+  for (size_t i = 0; i < params.size(); ++i) exposed = exposed || (trainable[i] && seen_shard[i]);
+  if (!exposed) return;
+  shard_grad_weak = shard_grad.impl().storage;
+  shard_grad = Tensor();
+}
+
 void Unit::start_gather() {
   if (state == State::UNSHARDED || gathering) return;
   if (shares_storage) return;  // the shard is the whole buffer: nothing to gather
@@ -187,7 +215,8 @@ void Unit::unshard() {
   if (state == State::SHARDED) {
     // The sharded gradients the parameters carry now (honouring a
     // zero_grad since) are kept aside while the parameters are whole.
-    shard_grad = reconcile(shard_grad, true, shard_numel(), master_options());
+    shard_grad = reconcile(live_shard_grad(), true, shard_numel(), master_options());
+    shard_grad_weak.reset();
     for (size_t i = 0; i < params.size(); ++i) {
       if (trainable[i]) seen_shard[i] = params[i].grad().defined();
       params[i].set_data(full_view(layout.flat(), i));
@@ -212,18 +241,25 @@ void Unit::reshard() {
   expose_grads(shard_grad, true);
   if (!shares_storage && !layout.released()) layout.release();
   state = State::SHARDED;
+  hold_shard_grad_weakly();
 }
 
 void Unit::accumulate_shard_grad(const Tensor& reduced, const std::vector<bool>& seen) {
   NoGradGuard ng;
   for (size_t i = 0; i < seen.size(); ++i) seen_shard[i] = seen_shard[i] || seen[i];
   Tensor r = reduced.to(shard.device(), shard.dtype());
-  if (shard_grad.defined()) {
-    shard_grad += r;
+  Tensor current = live_shard_grad();
+  if (current.defined()) {
+    current += r;
+    shard_grad = current;
   } else {
-    shard_grad = r.is_same(reduced) ? r.clone() : r;
+    shard_grad = r;  // the reduction's own buffer: nothing else holds it
   }
-  if (state == State::SHARDED) expose_grads(shard_grad, true);
+  shard_grad_weak.reset();
+  if (state == State::SHARDED) {
+    expose_grads(shard_grad, true);
+    hold_shard_grad_weakly();
+  }
 }
 
 TensorOptions Unit::master_options() const { return TensorOptions{shard.dtype(), shard.device()}; }
@@ -735,7 +771,7 @@ FSDPModule::Memory FSDPModule::memory() const {
   for (auto& u : units()) {
     const int64_t es = static_cast<int64_t>(dtype_size(u->compute_dtype));
     m.sharded_params += u->shard.numel() * static_cast<int64_t>(dtype_size(u->shard.dtype()));
-    if (u->shard_grad.defined()) m.sharded_grads += u->shard_grad.numel() * static_cast<int64_t>(dtype_size(u->shard_grad.dtype()));
+    if (Tensor g = u->live_shard_grad(); g.defined()) m.sharded_grads += g.numel() * static_cast<int64_t>(dtype_size(g.dtype()));
     if (!u->shares_storage && !u->layout.released()) m.unsharded_params += u->layout.padded_numel() * es;
     if (u->grad_flat.defined()) m.unsharded_grads += u->grad_flat.numel() * es;
     m.largest_unit = std::max(m.largest_unit, u->layout.padded_numel() * es);

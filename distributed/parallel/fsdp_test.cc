@@ -433,6 +433,9 @@ EMBER_WORKER(memory) {
   WCHECK(held <= bound, held, " bytes held > ", bound);
   WCHECK(mem.unsharded_params == 0 && mem.unsharded_grads == 0, "whole copies left after the step: ",
          mem.unsharded_params, " + ", mem.unsharded_grads);
+  // zero_grad(set_to_none) frees the sharded gradients: FSDP keeps no copy.
+  opt.zero_grad();
+  WCHECK(fsdp->memory().sharded_grads == 0, fsdp->memory().sharded_grads, " bytes of gradients after zero_grad");
   if (env.world_size > 1) {
     // Forward: prefetch gathers one block ahead (limit 1); without it, one
     // at a time. Backward: a block is gathered before the one after it

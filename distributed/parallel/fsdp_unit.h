@@ -58,7 +58,11 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   FlatBuffer layout;  // the whole unit in compute_dtype (released unless gathered)
   std::vector<FlatBuffer::Piece> pieces;  // what of each entry this rank's shard holds
   Tensor shard;       // [shard_numel] master dtype, on the shard device
-  Tensor shard_grad;  // [shard_numel] master dtype, or undefined
+  // [shard_numel] master dtype, or undefined. While SHARDED and exposed
+  // as the parameters' .grad() views, the unit holds it only weakly, so a
+  // zero_grad(set_to_none) frees it as it would unsharded gradients.
+  Tensor shard_grad;
+  std::weak_ptr<Storage> shard_grad_weak;
   Tensor grad_flat;   // [padded_numel] compute_dtype: unsharded gradients, or undefined
   bool shares_storage = false;
   State state = State::SHARDED;
@@ -97,6 +101,11 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   // one they are copied into, undefined when none has a gradient.
   Tensor reconcile(const Tensor& flat, bool sharded, int64_t numel, TensorOptions opts) const;
   void expose_grads(const Tensor& flat, bool sharded);
+  // The sharded gradient, whether held or only seen through the parameters.
+  Tensor live_shard_grad() const;
+  // While SHARDED: let the parameters' views be what keeps it alive.
+  void hold_shard_grad_weakly();
+  int64_t shard_offset_of(size_t i) const;
 
   void start_gather();
   void finish_gather();

@@ -1,0 +1,82 @@
+# FSDP beside PyTorch's fully_shard, rounds interleaved in one run (the
+# machine is noisy): per configuration, our BM_FsdpStep (bench/fsdp_bench.cc)
+# and ../shared/peers/torch2/fsdp_peer.py on the same model, batch and
+# strategy, each in fresh processes. Step time: both with their default
+# allocators, every round. Memory (round 1 only; it does not wander): peak
+# RSS above the process's baseline with freed memory returned to the OS, the
+# same way for both (MALLOC_MMAP_THRESHOLD_=65536, and EMBER_CPU_CACHE_MB=0
+# for our caching allocator). Prints medians and the ratios ours/peer.
+#
+#   bazel build -c opt //bench:fsdp_bench
+#   python3 bench/fsdp_compare.py --ours bazel-out/k8-opt/bin/bench/fsdp_bench --rounds 3
+import argparse, json, os, statistics, subprocess, sys
+
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../shared/peers/torch2/fsdp_peer.py")
+# (model, our mode, procs, peer strategy)
+CONFIGS = [(m, ours, n, peer) for m in ("gpt", "mlp") for ours, n, peer in (
+    ("plain", 1, "plain"), ("full", 1, "fsdp2_full"), ("ddp", 2, "ddp"), ("full", 2, "fsdp2_full"),
+    ("grad_op", 2, "fsdp2_grad_op"), ("no_shard", 2, "fsdp2_hsdp_replicate"))]
+LOW_MEM_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "EMBER_CPU_CACHE_MB": "0"}
+
+
+def run_ours(binary, model, mode, procs, low_mem):
+    env = dict(os.environ, **(LOW_MEM_ENV if low_mem else {}))
+    out = subprocess.run([binary, f"--benchmark_filter=^BM_FsdpStep/model:{model}/mode:{mode}/procs:{procs}/",
+                          "--benchmark_format=json"], capture_output=True, text=True, check=True, env=env).stdout
+    b = json.loads(out)["benchmarks"][0]
+    return dict(ms=b["step_ms_median"], rss=b["peak_rss_MiB"], params=b["param_MiB"], grads=b["grad_MiB"],
+                state=b["state_MiB"])
+
+
+def run_peer(python, model, strategy, procs, low_mem, steps):
+    env = dict(os.environ, **(LOW_MEM_ENV if low_mem else {}))
+    out = subprocess.run([python, PEER, "--models", model, "--strategies", strategy, "--world", str(procs),
+                          "--warmup", "1", "--steps", str(steps)], capture_output=True, text=True, check=True,
+                         env=env).stdout
+    for line in out.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            if d.get("kind") == "error":
+                raise RuntimeError(d["error"])
+            if d.get("rank") == 0:
+                return dict(ms=d["step_ms_median"], rss=d["peak_minus_baseline_mib"], params=d["param_mib"],
+                            grads=d["grad_mib"], state=d["optim_state_mib"], torch=d["torch"])
+    raise RuntimeError("no result from the peer:\n" + out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ours", required=True)
+    ap.add_argument("--python", default=os.path.expanduser("~/.venvs/torch2-peer/bin/python"))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--models", default="gpt,mlp")
+    a = ap.parse_args()
+    configs = [c for c in CONFIGS if c[0] in a.models.split(",")]
+    times, mem, version = {}, {}, "?"
+    for r in range(a.rounds):
+        for model, mode, procs, peer in configs:
+            key = (model, mode, procs)
+            o = run_ours(a.ours, model, mode, procs, False)
+            p = run_peer(a.python, model, peer, procs, False, 3)
+            version = p["torch"]
+            times.setdefault(key, []).append((o["ms"], p["ms"]))
+            if r == 0:
+                mem[key] = (run_ours(a.ours, model, mode, procs, True), run_peer(a.python, model, peer, procs, True, 3))
+            print(f"round {r + 1}: {model} {mode} x{procs}: {o['ms']:.0f} vs {p['ms']:.0f} ms", file=sys.stderr,
+                  flush=True)
+    print(f"ember vs torch {version} fully_shard, CPU Gloo, 1 thread per rank; {a.rounds} rounds, medians; "
+          "memory of rank 0 (MiB)")
+    print(f"{'model':5s} {'mode':9s} {'procs':>5s} | {'ours ms':>8s} {'torch ms':>8s} {'ratio':>6s} | "
+          f"{'ours p/g/s':>18s} {'torch p/g/s':>18s} | {'ours peak':>9s} {'torch peak':>10s} {'ratio':>6s}")
+    for model, mode, procs, peer in configs:
+        key = (model, mode, procs)
+        om = statistics.median(t[0] for t in times[key])
+        pm = statistics.median(t[1] for t in times[key])
+        o, p = mem[key]
+        pgs = lambda d: f"{d['params']:.0f}/{d['grads']:.0f}/{d['state']:.0f}"
+        print(f"{model:5s} {mode:9s} {procs:5d} | {om:8.0f} {pm:8.0f} {om / pm:6.2f} | {pgs(o):>18s} {pgs(p):>18s} | "
+              f"{o['rss']:9.0f} {p['rss']:10.0f} {o['rss'] / p['rss']:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
