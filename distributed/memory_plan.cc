@@ -76,9 +76,22 @@ MemoryPlan plan_memory(int64_t num_params, int64_t largest_unit_params, const Me
   return plan;
 }
 
-MemoryPlan plan_memory(const nn::Module& model, const MemoryPlanOptions& options) {
+MemoryPlan plan_memory(const nn::Module& model, const MemoryPlanOptions& options,
+                       const std::vector<std::string>& unit_types) {
   int64_t total = 0, largest = 0;
   for (const auto& [name, p] : model.named_parameters()) total += p.numel();
+  if (!unit_types.empty()) {
+    // As fully_shard_auto wraps: every module of those types, the root the rest.
+    int64_t in_units = 0;
+    auto& root = const_cast<nn::Module&>(model);
+    for (const auto& [name, m] : root.named_modules()) {
+      if (std::find(unit_types.begin(), unit_types.end(), m->type_name()) == unit_types.end()) continue;
+      const int64_t n = m->num_parameters();
+      largest = std::max(largest, n);
+      in_units += n;
+    }
+    return plan_memory(total, std::max(largest, total - in_units), options);
+  }
   for (const auto& [name, child] : model.named_children()) {
     int64_t n = 0;
     for (const auto& [pn, p] : child->named_parameters()) n += p.numel();

@@ -62,8 +62,10 @@ struct MemoryPlan {
 // From parameter counts: the model's, and its largest unit's (the most a
 // FULL_SHARD unit gathers at once).
 MemoryPlan plan_memory(int64_t num_params, int64_t largest_unit_params, const MemoryPlanOptions& options);
-// From a model: its parameters, with each direct child as a unit (as
-// wrapping every block of a transformer gives).
-MemoryPlan plan_memory(const nn::Module& model, const MemoryPlanOptions& options);
+// From a model: its parameters, with each direct child as a unit, or, given
+// unit_types, each module of those types (not nested in another) a unit and
+// the rest the root's, as fully_shard_auto({.types = unit_types}) wraps it.
+MemoryPlan plan_memory(const nn::Module& model, const MemoryPlanOptions& options,
+                       const std::vector<std::string>& unit_types = {});
 
 }  // namespace ember::distributed

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "nn/layers.h"
+#include "nn/transformer.h"
 
 namespace ember::distributed {
 namespace {
@@ -55,6 +56,21 @@ TEST(MemoryPlan, FromAModelWithItsChildrenAsUnits) {
   // Shards round up to whole bytes per rank.
   auto three = plan_memory(10, 5, {.optimizer = "sgd_plain", .world_size = 3});
   EXPECT_EQ(three.row("FULL_SHARD").params, 14);  // ceil(40 / 3)
+}
+
+// Units by type, as fully_shard_auto wraps: each block, and the root's rest
+// (embeddings, final norm and head: here larger than a block).
+TEST(MemoryPlan, FromAModelWithUnitsByType) {
+  nn::GPT gpt({.vocab_size = 37, .block_size = 16, .n_layer = 3, .n_head = 2, .n_embd = 30});
+  const int64_t block = gpt.h->named_children()[0].second->num_parameters();
+  const int64_t root = gpt.num_parameters() - 3 * block;
+  EXPECT_EQ(block, 30 * 90 + 90 + 30 * 30 + 30 + 30 * 120 + 120 + 120 * 30 + 30 + 4 * 30);
+  EXPECT_EQ(root, 37 * 30 + 16 * 30 + 2 * 30 + 30 * 37);
+  auto plan = distributed::plan_memory(gpt, {.world_size = 2}, {"TransformerBlock"});
+  EXPECT_EQ(plan.num_params, gpt.num_parameters());
+  EXPECT_EQ(plan.largest_unit_params, std::max(block, root));
+  nn::GPT wide({.vocab_size = 5, .block_size = 4, .n_layer = 2, .n_head = 2, .n_embd = 30});
+  EXPECT_EQ(distributed::plan_memory(wide, {.world_size = 2}, {"TransformerBlock"}).largest_unit_params, block);
 }
 
 TEST(MemoryPlan, ErrorsNameTheArgument) {

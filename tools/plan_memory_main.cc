@@ -4,20 +4,27 @@
 //
 //   bazel run //tools:plan_memory -- --params 7e9 --largest-unit 2e8 --world-size 4 --device-gb 80 \
 //       --optimizer adamw --mixed-precision
+//   bazel run //tools:plan_memory -- --gpt 12,768,12,50257,1024,tied --world-size 2 --device-gb 2  # GPT-2 small
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <string>
 
+#include <sstream>
+#include <vector>
+
 #include "core/exception.h"
 #include "distributed/memory_plan.h"
+#include "nn/transformer.h"
 
 namespace {
 
 const char* kUsage =
-    "usage: plan_memory --params N [--largest-unit N] [--world-size N] [--device-gb G] [--activations-gb G]\n"
-    "                   [--optimizer adam|adamw|sgd|sgd_plain] [--mixed-precision]\n";
+    "usage: plan_memory (--params N [--largest-unit N] | --gpt LAYERS,DIM,HEADS,VOCAB,SEQ[,tied])\n"
+    "                   [--world-size N] [--device-gb G] [--activations-gb G]\n"
+    "                   [--optimizer adam|adamw|sgd|sgd_plain] [--mixed-precision]\n"
+    "  --gpt builds that nn::GPT and plans it with every TransformerBlock a unit\n";
 
 // A count or size that may be written 7e9: whole, non-negative.
 double number(const char* flag, const char* text) {
@@ -35,6 +42,7 @@ double number(const char* flag, const char* text) {
 int main(int argc, char** argv) {
   ember::distributed::MemoryPlanOptions o;
   double params = -1, unit = 0;
+  std::string gpt;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> const char* {
@@ -45,6 +53,7 @@ int main(int argc, char** argv) {
       return argv[++i];
     };
     if (a == "--params") params = number("--params", value());
+    else if (a == "--gpt") gpt = value();
     else if (a == "--largest-unit") unit = number("--largest-unit", value());
     else if (a == "--world-size") o.world_size = static_cast<int>(number("--world-size", value()));
     else if (a == "--device-gb") o.device_bytes = static_cast<int64_t>(number("--device-gb", value()) * 1e9);
@@ -59,11 +68,32 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (params < 0) {
-    std::fprintf(stderr, "plan_memory: --params is required\n%s", kUsage);
+  if ((params < 0) == gpt.empty()) {
+    std::fprintf(stderr, "plan_memory: give --params or --gpt (one of them)\n%s", kUsage);
     return 2;
   }
   try {
+    if (!gpt.empty()) {
+      std::vector<std::string> f;
+      std::stringstream ss(gpt);
+      for (std::string t; std::getline(ss, t, ',');) f.push_back(t);
+      const bool tied = f.size() == 6 && f[5] == "tied";
+      if (f.size() != 5 && !tied) {
+        std::fprintf(stderr, "plan_memory: --gpt wants LAYERS,DIM,HEADS,VOCAB,SEQ[,tied], got '%s'\n%s", gpt.c_str(),
+                     kUsage);
+        return 2;
+      }
+      ember::nn::GPTOptions g{.vocab_size = static_cast<int64_t>(number("--gpt VOCAB", f[3].c_str())),
+                              .block_size = static_cast<int64_t>(number("--gpt SEQ", f[4].c_str())),
+                              .n_layer = static_cast<int64_t>(number("--gpt LAYERS", f[0].c_str())),
+                              .n_head = static_cast<int64_t>(number("--gpt HEADS", f[2].c_str())),
+                              .n_embd = static_cast<int64_t>(number("--gpt DIM", f[1].c_str())),
+                              .tie_weights = tied};
+      ember::nn::GPT model(g);
+      std::cout << "GPT " << gpt << ": every TransformerBlock a unit, the embeddings, final norm and head the root's\n";
+      std::cout << ember::distributed::plan_memory(model, o, {"TransformerBlock"}).table();
+      return 0;
+    }
     std::cout << ember::distributed::plan_memory(static_cast<int64_t>(params), static_cast<int64_t>(unit), o).table();
   } catch (const ember::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());

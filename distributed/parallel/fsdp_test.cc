@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <iostream>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -34,6 +35,7 @@
 #include "distributed/testing/multiprocess.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
+#include "nn/transformer.h"
 #include "distributed/amp.h"
 #include "optim/clip_grad.h"
 #include "optim/grad_scaler.h"
@@ -393,13 +395,36 @@ EMBER_WORKER(memory) {
   init_world(env);
   auto args = mp::parse_arg(env.arg);
   const bool prefetch = !args.count("noprefetch");
-  auto net = std::make_shared<Stack>(4);
+  const bool gpt = args.count("gpt") > 0;
+  // The MLP-like stack, or a transformer (sizes no world size divides).
+  std::shared_ptr<nn::Module> net;
+  std::vector<std::shared_ptr<nn::Module>> blocks;
+  if (gpt) {
+    manual_seed(3);
+    auto g = std::make_shared<nn::GPT>(
+        nn::GPTOptions{.vocab_size = 37, .block_size = 16, .n_layer = 4, .n_head = 2, .n_embd = 30});
+    for (auto& [n, b] : g->h->named_children()) blocks.push_back(b);
+    net = g;
+  } else {
+    auto st = std::make_shared<Stack>(4);
+    for (auto& b : st->blocks) blocks.push_back(b);
+    net = st;
+  }
   const int64_t full_params = net->num_parameters();
   FSDPOptions o;
   o.forward_prefetch = o.backward_prefetch = prefetch;
   o.prefetch_limit = 1;
-  auto fsdp = fully_shard_auto(net, {.types = {"Block"}}, o);
+  auto fsdp = fully_shard_auto(net, {.types = {"Block", "TransformerBlock"}}, o);
   optim::Adam opt(net->parameters(), optim::AdamOptions{.lr = 1e-3});
+  auto loss_of = [&](int s) {
+    if (!gpt) {
+      auto [x, y] = batch(env.rank, s, 0, 8);
+      return nn::functional::mse_loss((*net)(x), y);
+    }
+    Tensor tokens = randint(0, 37, {2, 16});
+    Tensor logits = (*net)(tokens);
+    return nn::functional::cross_entropy(logits.reshape({-1, 37}), randint(0, 37, {32}));
+  };
   // Gathered blocks, seen from each block's forward and backward.
   int max_fwd = 0, max_bwd = 0;
   auto count = [&](int& max) {
@@ -409,14 +434,13 @@ EMBER_WORKER(memory) {
     max = std::max(max, n);
   };
   std::vector<nn::HookHandle> hs;
-  for (auto& b : net->blocks) {
+  for (auto& b : blocks) {
     hs.push_back(b->register_forward_pre_hook([&](nn::Module&, const Tensor&) { count(max_fwd); return Tensor(); }));
     hs.push_back(b->register_full_backward_pre_hook([&](nn::Module&, const Tensor&) { count(max_bwd); return Tensor(); }));
   }
   for (int s = 0; s < 3; ++s) {
     opt.zero_grad();
-    auto [x, y] = batch(env.rank, s, 0, 8);
-    nn::functional::mse_loss((*fsdp).module()(x), y).backward();
+    loss_of(s).backward();
     opt.step();
   }
   auto mem = fsdp->memory();
@@ -425,9 +449,9 @@ EMBER_WORKER(memory) {
   const int64_t held = mem.sharded_params + mem.sharded_grads + state;
   const double full = 4.0 * full_params * 4;  // float32 parameters, gradients, two moments
   const double bound = 1.1 * full / env.world_size + mem.largest_unit;
-  std::printf("rank %d of %d: %lld bytes held (params %lld, grads %lld, state %lld), full %.0f, bound %.0f, "
+  std::printf("%s, rank %d of %d: %lld bytes held (params %lld, grads %lld, state %lld), full %.0f, bound %.0f, "
               "largest unit %lld, at most %d blocks gathered at once in forward, %d in backward\n",
-              env.rank, env.world_size, static_cast<long long>(held), static_cast<long long>(mem.sharded_params),
+              gpt ? "GPT" : "MLP stack", env.rank, env.world_size, static_cast<long long>(held), static_cast<long long>(mem.sharded_params),
               static_cast<long long>(mem.sharded_grads), static_cast<long long>(state), full, bound,
               static_cast<long long>(mem.largest_unit), max_fwd, max_bwd);
   WCHECK(held <= bound, held, " bytes held > ", bound);
@@ -448,11 +472,16 @@ EMBER_WORKER(memory) {
 }
 
 TEST(FullyShard, PerRankMemoryIsFullOverNPlusOneUnit) {
-  for (auto [ws, arg] : std::vector<std::pair<int, std::string>>{{1, ""}, {2, ""}, {4, ""}, {2, "noprefetch"}}) {
+  for (auto [ws, arg] : std::vector<std::pair<int, std::string>>{
+           {1, ""}, {2, ""}, {4, ""}, {2, "noprefetch"}, {1, "gpt"}, {2, "gpt"}, {4, "gpt"}, {3, "gpt,noprefetch"}}) {
     mp::RunOptions o;
     o.arg = arg;
     auto res = mp::run_workers("memory", ws, o);
     EXPECT_TRUE(mp::all_succeeded(res)) << ws << " ranks " << arg << "\n" << mp::describe(res);
+    // The figures, for the log: rank 0's line.
+    std::istringstream out(res[0].output);
+    for (std::string line; std::getline(out, line);)
+      if (line.find("bytes held") != std::string::npos) std::cout << line << "\n";
   }
 }
 
