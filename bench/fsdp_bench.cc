@@ -12,6 +12,8 @@
 //   mode:full      fully_shard FULL_SHARD           (procs:1, 2)
 //   mode:grad_op   fully_shard SHARD_GRAD_OP        (procs:1, 2)
 //   mode:no_shard  fully_shard NO_SHARD             (procs:1, 2)
+//   mode:full_noprefetch  FULL_SHARD without forward/backward prefetch (procs:2):
+//                  what prefetch buys
 //
 // Counters (rank 0): step_ms_median; param_MiB, grad_MiB, state_MiB (the
 // parameters, gradients after backward and AdamW state this rank holds);
@@ -110,7 +112,9 @@ void BM_FsdpStep(benchmark::State& state, const std::string& name, const std::st
   } else if (mode != "plain") {
     FSDPOptions o;
     o.process_group = pg;
-    o.strategy = parse_strategy(mode);
+    const bool no_prefetch = mode == "full_noprefetch";
+    o.strategy = parse_strategy(no_prefetch ? "full" : mode);
+    o.forward_prefetch = o.backward_prefetch = !no_prefetch;
     if (o.strategy == ShardingStrategy::NO_SHARD) o.replicate_group = pg, o.process_group = nullptr;
     fully_shard_auto(model, {.types = {"MlpBlock", "TransformerBlock"}}, o);
   }
@@ -163,6 +167,7 @@ const bool registered = [] {
                                                                       {"no_shard", 1},
                                                                       {"ddp", 2},
                                                                       {"full", 2},
+                                                                      {"full_noprefetch", 2},
                                                                       {"grad_op", 2},
                                                                       {"no_shard", 2}}) {
       std::string name = "BM_FsdpStep/model:" + model + "/mode:" + mode + "/procs:" + std::to_string(world);
