@@ -36,7 +36,7 @@
 
 #include "bench/bench_group.h"
 #include "core/ops.h"
-#include "distributed/ddp.h"
+#include "distributed/parallel/ddp.h"
 #include "distributed/parallel/fsdp.h"
 #include "nn/functional.h"
 #include "nn/layers.h"

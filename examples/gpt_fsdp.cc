@@ -33,8 +33,8 @@
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
-#include "distributed/amp.h"
-#include "distributed/checkpoint.h"
+#include "distributed/parallel/amp.h"
+#include "distributed/checkpoint/checkpoint.h"
 #include "distributed/config_check.h"
 #include "distributed/init.h"
 #include "distributed/launch.h"

@@ -56,7 +56,7 @@ class BatchNorm2d : public Module {
   // [sum(x), sum(x^2), count] packed as [2C + 1] (float64) and must return
   // their sum over all replicas, differentiably (backward: the same sum of
   // the gradient). nn stays free of distributed; convert_sync_batchnorm in
-  // distributed/ddp.h installs a process-group allreduce here.
+  // distributed/parallel/ddp.h installs a process-group allreduce here.
   std::function<Tensor(const Tensor&)> cross_replica_sum;
 
  private:

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "core/exception.h"
-#include "distributed/memory_plan.h"
+#include "distributed/parallel/memory_plan.h"
 #include "nn/transformer.h"
 
 namespace {

@@ -10,8 +10,8 @@
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
-#include "distributed/amp.h"
-#include "distributed/flat_param.h"
+#include "distributed/parallel/amp.h"
+#include "distributed/parallel/flat_param.h"
 #include "distributed/init.h"
 #include "distributed/parallel/fsdp_unit.h"
 #include "optim/clip_grad.h"

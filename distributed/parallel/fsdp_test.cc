@@ -36,7 +36,7 @@
 #include "nn/functional.h"
 #include "nn/layers.h"
 #include "nn/transformer.h"
-#include "distributed/amp.h"
+#include "distributed/parallel/amp.h"
 #include "optim/clip_grad.h"
 #include "optim/grad_scaler.h"
 #include "optim/optimizer.h"

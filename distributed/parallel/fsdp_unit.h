@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "distributed/flat_param.h"
+#include "distributed/parallel/flat_param.h"
 #include "distributed/parallel/fsdp.h"
 
 namespace ember::distributed {

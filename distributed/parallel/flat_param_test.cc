@@ -2,7 +2,7 @@
 // size, the pieces of each shard against a brute-force element map, views
 // and adopted parameters sharing the buffer, release/restore, and the two
 // collectives across 2-4 real processes against values computed locally.
-#include "distributed/flat_param.h"
+#include "distributed/parallel/flat_param.h"
 #include "distributed/init.h"
 
 #include <gtest/gtest.h>

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "distributed/checkpoint.h"
+#include "distributed/checkpoint/checkpoint.h"
 #include "nn/layers.h"
 #include "optim/lr_scheduler.h"
 #include "optim/optimizer.h"

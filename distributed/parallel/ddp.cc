@@ -14,7 +14,7 @@
 //               all ranks issue the same collectives in the same order.
 //   callback    (autograd::queue_callback, end of the pass) handles unused
 //               parameters, launches what is left, waits for every bucket.
-#include "distributed/ddp.h"
+#include "distributed/parallel/ddp.h"
 
 #include <algorithm>
 #include <map>
@@ -25,7 +25,7 @@
 #include "autograd/autograd.h"
 #include "core/autograd_hook.h"
 #include "core/ops.h"
-#include "distributed/flat_param.h"
+#include "distributed/parallel/flat_param.h"
 #include "distributed/init.h"
 
 namespace ember::distributed {

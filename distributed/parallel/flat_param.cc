@@ -1,6 +1,6 @@
 // FlatBuffer: the layout (offsets, padding, shards), the views and the two
 // collectives that move a flat buffer between its sharded and whole forms.
-#include "distributed/flat_param.h"
+#include "distributed/parallel/flat_param.h"
 
 #include <algorithm>
 #include <set>

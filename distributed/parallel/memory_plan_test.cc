@@ -2,7 +2,7 @@
 // 7.5B parameters, Adam with mixed precision, K = 12, on 64 devices), a 7B
 // model on 4 x 80 GB with and without room for activations, a model's units,
 // and the errors.
-#include "distributed/memory_plan.h"
+#include "distributed/parallel/memory_plan.h"
 
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
 // The memory planner's arithmetic (see memory_plan.h).
-#include "distributed/memory_plan.h"
+#include "distributed/parallel/memory_plan.h"
 
 #include <algorithm>
 #include <cstdio>

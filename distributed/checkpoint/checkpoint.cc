@@ -1,7 +1,7 @@
 // Training checkpoints: the directory layout of checkpoint.h, the atomic
 // tmp-dir + fsync + rename protocol, and loading that checks everything
 // before it changes anything.
-#include "distributed/checkpoint.h"
+#include "distributed/checkpoint/checkpoint.h"
 
 #include <fcntl.h>
 #include <stdio.h>

@@ -7,7 +7,7 @@
 // (find_unused_parameters); a learning-rate schedule; loading a full state
 // dict into a fresh ZeRO; per-rank state bytes against full / N; and a rank
 // dying in the middle of the parameter all-gather failing the others fast.
-#include "distributed/zero.h"
+#include "distributed/parallel/zero.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -23,7 +23,7 @@
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
-#include "distributed/ddp.h"
+#include "distributed/parallel/ddp.h"
 #include "distributed/init.h"
 #include "distributed/testing/dying_group.h"
 #include "distributed/testing/multiprocess.h"

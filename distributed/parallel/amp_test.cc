@@ -15,7 +15,7 @@
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
-#include "distributed/amp.h"
+#include "distributed/parallel/amp.h"
 #include "distributed/init.h"
 #include "distributed/process_group.h"
 #include "distributed/store.h"

@@ -2,7 +2,7 @@
 // (SGD momentum, Adam, schedulers, dropout's RNG); a crash at any stage of a
 // save leaves the previous checkpoint loadable and latest_checkpoint right;
 // errors name the file and the tensor.
-#include "distributed/checkpoint.h"
+#include "distributed/checkpoint/checkpoint.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>

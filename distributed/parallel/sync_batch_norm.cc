@@ -4,7 +4,7 @@
 #include <utility>
 
 #include "core/autograd_hook.h"
-#include "distributed/ddp.h"
+#include "distributed/parallel/ddp.h"
 #include "distributed/init.h"
 #include "nn/layers.h"
 

@@ -23,7 +23,7 @@
 #include "autograd/autograd.h"
 #include "core/autocast.h"
 #include "core/ops.h"
-#include "distributed/ddp.h"
+#include "distributed/parallel/ddp.h"
 #include "distributed/init.h"
 #include "distributed/process_group.h"
 #include "distributed/testing/multiprocess.h"

@@ -3,7 +3,7 @@
 // step (local step, then in-place all-gathers), and the state dict's two
 // directions (consolidate the shards onto one rank; cut a full state dict
 // down to this rank's shard). See zero.h.
-#include "distributed/zero.h"
+#include "distributed/parallel/zero.h"
 
 #include <map>
 #include <set>

@@ -35,7 +35,7 @@
 #include <string>
 #include <vector>
 
-#include "distributed/flat_param.h"
+#include "distributed/parallel/flat_param.h"
 #include "distributed/process_group.h"
 #include "optim/optimizer.h"
 

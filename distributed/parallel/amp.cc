@@ -1,5 +1,5 @@
 // found_inf_allreduce and grad_norm_allreduce (amp.h): the agreements across ranks.
-#include "distributed/amp.h"
+#include "distributed/parallel/amp.h"
 
 #include <cmath>
 #include <utility>
