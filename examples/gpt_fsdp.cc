@@ -40,6 +40,7 @@
 #include "distributed/launch.h"
 #include "distributed/logging.h"
 #include "distributed/parallel/fsdp.h"
+#include "examples/cli.h"
 #include "distributed/parallel/fsdp_state_dict.h"
 #include "nn/functional.h"
 #include "nn/transformer.h"
@@ -101,73 +102,40 @@ constexpr char kUsage[] =
     "                         the sample generated at the end (default 240, 0.8, 20)\n"
     "  --timeout SEC          rendezvous and collective timeout (default: $EMBER_DIST_TIMEOUT_SEC, else 600)\n";
 
-[[noreturn]] void usage_error(const std::string& msg) {
-  std::fprintf(stderr, "gpt_fsdp: %s\n%s", msg.c_str(), kUsage);
-  std::exit(2);
-}
-
-int64_t parse_int(const std::string& flag, const std::string& v, int64_t min) {
-  char* end = nullptr;
-  errno = 0;
-  long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || errno == ERANGE) usage_error(flag + " needs an integer, got '" + v + "'");
-  if (x < min) usage_error(flag + " must be >= " + std::to_string(min) + ", got " + v);
-  return x;
-}
-
-double parse_positive(const std::string& flag, const std::string& v) {
-  char* end = nullptr;
-  double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || *end != '\0' || !std::isfinite(x) || x <= 0)
-    usage_error(flag + " needs a positive number, got '" + v + "'");
-  return x;
-}
+const examples::Cli kCli{"gpt_fsdp", kUsage};
+[[noreturn]] void usage_error(const std::string& msg) { kCli.error(msg); }
 
 Flags parse_flags(int argc, char** argv) {
   Flags f;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i], value;
-    bool has_value = false;
-    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-      has_value = true;
-    }
-    if (arg == "--help" || arg == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    }
+  for (examples::FlagReader r(kCli, argc, argv); r.next();) {
+    const std::string arg = r.flag();
+    auto next = [&] { return r.value(); };
     if (arg == "--resume") {
-      if (has_value) usage_error("--resume takes no value");
+      r.no_value();
       f.resume = true;
       continue;
     }
-    auto next = [&]() -> std::string {
-      if (has_value) return value;
-      if (i + 1 >= argc) usage_error(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--nproc") f.nproc = static_cast<int>(parse_int(arg, next(), 1));
+    if (arg == "--nproc") f.nproc = static_cast<int>(kCli.parse_int(arg, next(), 1));
     else if (arg == "--strategy") f.strategy = next();
-    else if (arg == "--shard-size") f.shard_size = static_cast<int>(parse_int(arg, next(), 1));
+    else if (arg == "--shard-size") f.shard_size = static_cast<int>(kCli.parse_int(arg, next(), 1));
     else if (arg == "--amp") f.amp = next();
-    else if (arg == "--layers") f.layers = parse_int(arg, next(), 1);
-    else if (arg == "--dim") f.dim = parse_int(arg, next(), 1);
-    else if (arg == "--heads") f.heads = parse_int(arg, next(), 1);
-    else if (arg == "--seq") f.seq = parse_int(arg, next(), 2);
-    else if (arg == "--batch-size") f.batch_size = parse_int(arg, next(), 1);
-    else if (arg == "--accum-steps") f.accum_steps = parse_int(arg, next(), 1);
-    else if (arg == "--lr") f.lr = parse_positive(arg, next());
-    else if (arg == "--max-steps") f.max_steps = parse_int(arg, next(), 1);
-    else if (arg == "--eval-every") f.eval_every = parse_int(arg, next(), 1);
-    else if (arg == "--save-every") f.save_every = parse_int(arg, next(), 1);
+    else if (arg == "--layers") f.layers = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--dim") f.dim = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--heads") f.heads = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--seq") f.seq = kCli.parse_int(arg, next(), 2);
+    else if (arg == "--batch-size") f.batch_size = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--accum-steps") f.accum_steps = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--lr") f.lr = kCli.parse_positive(arg, next());
+    else if (arg == "--max-steps") f.max_steps = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--eval-every") f.eval_every = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--save-every") f.save_every = kCli.parse_int(arg, next(), 1);
     else if (arg == "--checkpoint-dir") f.checkpoint_dir = next();
-    else if (arg == "--seed") f.seed = static_cast<uint64_t>(parse_int(arg, next(), 0));
+    else if (arg == "--seed") f.seed = static_cast<uint64_t>(kCli.parse_int(arg, next(), 0));
     else if (arg == "--data") f.data = next(), f.data_given = true;
-    else if (arg == "--sample-len") f.sample_len = parse_int(arg, next(), 0);
-    else if (arg == "--temperature") f.temperature = parse_positive(arg, next());
-    else if (arg == "--top-k") f.top_k = parse_int(arg, next(), 1);
-    else if (arg == "--timeout") f.timeout_sec = parse_positive(arg, next());
+    else if (arg == "--sample-len") f.sample_len = kCli.parse_int(arg, next(), 0);
+    else if (arg == "--temperature") f.temperature = kCli.parse_positive(arg, next());
+    else if (arg == "--top-k") f.top_k = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--timeout") f.timeout_sec = kCli.parse_positive(arg, next());
     else usage_error("unknown flag '" + arg + "'");
   }
   if (f.strategy != "full" && f.strategy != "grad_op" && f.strategy != "no_shard" && f.strategy != "hybrid")
@@ -274,53 +242,6 @@ std::pair<Tensor, Tensor> windows(const Corpus& c, const std::string& text, cons
   const int64_t n = static_cast<int64_t>(starts.size());
   return {Tensor::from_vector(x, {n, seq}, DType::Int64), Tensor::from_vector(y, {n * seq}, DType::Int64)};
 }
-
-// ---- progress --------------------------------------------------------------
-
-std::string format_duration(double s) {
-  if (!std::isfinite(s) || s < 0) return "?";
-  long t = std::lround(s);
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%ld:%02ld", t / 60, t % 60);
-  return buf;
-}
-
-// Rank 0's progress: one line redrawn on a terminal, a line every 10 s in a log.
-class Progress {
- public:
-  explicit Progress(bool enabled) : enabled_(enabled), tty_(enabled && isatty(STDOUT_FILENO)) {}
-  void update(int64_t step, int64_t steps, double loss, double tok_s, double eta_s, bool force) {
-    if (!enabled_) return;
-    auto now = Clock::now();
-    if (!force && std::chrono::duration<double>(now - last_).count() < (tty_ ? 0.2 : 10.0)) return;
-    last_ = now;
-    char line[256];
-    if (tty_) {
-      constexpr int kBar = 24;
-      int filled = static_cast<int>(kBar * step / std::max<int64_t>(steps, 1));
-      std::string bar(filled, '=');
-      if (filled < kBar) bar.append(1, '>').append(kBar - filled - 1, ' ');
-      std::snprintf(line, sizeof line, "\rstep [%s] %lld/%lld  loss %.4f  %.0f tok/s  %s left\x1b[K", bar.c_str(),
-                    static_cast<long long>(step), static_cast<long long>(steps), loss, tok_s,
-                    format_duration(eta_s).c_str());
-      open_ = true;
-    } else {
-      std::snprintf(line, sizeof line, "step %lld/%lld  loss %.4f  %.0f tok/s  %s left\n",
-                    static_cast<long long>(step), static_cast<long long>(steps), loss, tok_s,
-                    format_duration(eta_s).c_str());
-    }
-    std::fputs(line, stdout);
-    std::fflush(stdout);
-  }
-  void close_line() {
-    if (open_) std::fputs("\n", stdout), std::fflush(stdout);
-    open_ = false;
-  }
-
- private:
-  bool enabled_, tty_, open_ = false;
-  Clock::time_point last_{};
-};
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -532,7 +453,7 @@ int train(const Flags& flags) {
     return starts;
   };
 
-  Progress progress(rank == 0);
+  examples::Progress progress(rank == 0);
   const auto t0 = Clock::now();
   double loss_ema = -1;
   const int64_t first = step;
@@ -563,8 +484,8 @@ int train(const Flags& flags) {
     loss_ema = loss_ema < 0 ? loss : 0.9 * loss_ema + 0.1 * loss;
     const double el = seconds_since(t0);
     const double rate = (step - first) * tokens_per_step / std::max(el, 1e-9);
-    progress.update(step, flags.max_steps, loss_ema, rate, (flags.max_steps - step) * tokens_per_step / rate,
-                    step == flags.max_steps);
+    progress.update("", step, flags.max_steps, loss_ema, rate, "tok/s",
+                    (flags.max_steps - step) * tokens_per_step / rate, step == flags.max_steps);
     if (step % flags.eval_every == 0 && step < flags.max_steps) report_eval();
     if (flags.save_every > 0 && step % flags.save_every == 0 && step < flags.max_steps) save(step);
   }

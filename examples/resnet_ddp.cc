@@ -46,6 +46,7 @@
 #include "data/sampler.h"
 #include "data/transforms.h"
 #include "distributed/checkpoint/checkpoint.h"
+#include "examples/cli.h"
 #include "distributed/config_check.h"
 #include "distributed/parallel/ddp.h"
 #include "distributed/init.h"
@@ -116,10 +117,8 @@ constexpr char kUsage[] =
     "  --timeout SEC        rendezvous and collective timeout, for ranks alive but stuck (default:\n"
     "                       $EMBER_DIST_TIMEOUT_SEC, else 600)\n";
 
-[[noreturn]] void usage_error(const std::string& msg) {
-  std::fprintf(stderr, "resnet_ddp: %s\n%s", msg.c_str(), kUsage);
-  std::exit(2);
-}
+const examples::Cli kCli{"resnet_ddp", kUsage};
+[[noreturn]] void usage_error(const std::string& msg) { kCli.error(msg); }
 
 std::string& fault_epoch_suffix() {
   static std::string s;
@@ -153,72 +152,31 @@ void install_checkpoint_fault() {
   fault_hooks() = std::move(hooks);
 }
 
-int64_t parse_int(const std::string& flag, const std::string& v, int64_t min) {
-  char* end = nullptr;
-  errno = 0;
-  long long x = std::strtoll(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || errno == ERANGE) usage_error(flag + " needs an integer, got '" + v + "'");
-  if (x < min) usage_error(flag + " must be >= " + std::to_string(min) + ", got " + v);
-  return x;
-}
-
-double parse_positive(const std::string& flag, const std::string& v) {
-  char* end = nullptr;
-  double x = std::strtod(v.c_str(), &end);
-  if (v.empty() || *end != '\0' || !std::isfinite(x) || x <= 0)
-    usage_error(flag + " needs a positive number, got '" + v + "'");
-  return x;
-}
-
-// Accepts "--flag value" and "--flag=value". Runs in the launching process
+// Accepts "--flag value" and "--flag=value" (FlagReader). Runs in the launching process
 // before any worker starts, so a typo is reported once, not once per rank.
 Flags parse_flags(int argc, char** argv) {
   Flags f;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i], value;
-    bool has_value = false;
-    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
-      value = arg.substr(eq + 1);
-      arg = arg.substr(0, eq);
-      has_value = true;
-    }
-    if (arg == "--help" || arg == "-h") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    }
-    if (arg == "--resume") {
-      if (has_value) usage_error("--resume takes no value (it resumes from the newest checkpoint in --checkpoint-dir)");
-      f.resume = true;
+  for (examples::FlagReader r(kCli, argc, argv); r.next();) {
+    const std::string arg = r.flag();
+    auto next = [&] { return r.value(); };
+    if (arg == "--resume" || arg == "--resume-fallback" || arg == "--sync-bn") {
+      r.no_value();
+      (arg == "--resume" ? f.resume : arg == "--sync-bn" ? f.sync_bn : f.resume_fallback) = true;
       continue;
     }
-    if (arg == "--resume-fallback") {
-      if (has_value) usage_error("--resume-fallback takes no value");
-      f.resume_fallback = true;
-      continue;
-    }
-    if (arg == "--sync-bn") {
-      if (has_value) usage_error("--sync-bn takes no value");
-      f.sync_bn = true;
-      continue;
-    }
-    auto next = [&]() -> std::string {
-      if (has_value) return value;
-      if (i + 1 >= argc) usage_error(arg + " needs a value");
-      return argv[++i];
-    };
-    if (arg == "--nproc") f.nproc = static_cast<int>(parse_int(arg, next(), 1));
+    if (arg == "--nproc") f.nproc = static_cast<int>(kCli.parse_int(arg, next(), 1));
     else if (arg == "--model") f.model = next();
-    else if (arg == "--epochs") f.epochs = parse_int(arg, next(), 1);
-    else if (arg == "--batch-size") f.batch_size = parse_int(arg, next(), 1);
-    else if (arg == "--lr") f.lr = parse_positive(arg, next());
-    else if (arg == "--accum-steps") f.accum_steps = parse_int(arg, next(), 1);
+    else if (arg == "--epochs") f.epochs = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--batch-size") f.batch_size = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--lr") f.lr = kCli.parse_positive(arg, next());
+    else if (arg == "--accum-steps") f.accum_steps = kCli.parse_int(arg, next(), 1);
     else if (arg == "--data") f.data = next(), f.data_given = true;
-    else if (arg == "--workers") f.workers = static_cast<int>(parse_int(arg, next(), 0));
+    else if (arg == "--workers") f.workers = static_cast<int>(kCli.parse_int(arg, next(), 0));
     else if (arg == "--checkpoint-dir") f.checkpoint_dir = next();
-    else if (arg == "--seed") f.seed = static_cast<uint64_t>(parse_int(arg, next(), 0));
-    else if (arg == "--max-steps") f.max_steps = parse_int(arg, next(), 1);
-    else if (arg == "--eval-size") f.eval_size = parse_int(arg, next(), 1);
-    else if (arg == "--timeout") f.timeout_sec = parse_positive(arg, next());
+    else if (arg == "--seed") f.seed = static_cast<uint64_t>(kCli.parse_int(arg, next(), 0));
+    else if (arg == "--max-steps") f.max_steps = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--eval-size") f.eval_size = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--timeout") f.timeout_sec = kCli.parse_positive(arg, next());
     else if (arg == "--amp") {
       f.amp = next();
       if (f.amp != "off" && f.amp != "bf16" && f.amp != "fp16")
@@ -302,65 +260,6 @@ std::shared_ptr<nn::Module> make_model(const std::string& name) {
   if (name == "resnet34") return nn::resnet34(o);
   return nn::resnet50(o);
 }
-
-std::string format_duration(double s) {
-  if (!std::isfinite(s) || s < 0) return "?";
-  long t = std::lround(s);
-  char buf[32];
-  if (t >= 3600) std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
-  else std::snprintf(buf, sizeof buf, "%ld:%02ld", t / 60, t % 60);
-  return buf;
-}
-
-// Rank 0's progress: on a terminal one line redrawn in place (at most 5
-// times a second); in a log file or pipe a line every 10 s, since '\r'
-// there would just pile up.
-class Progress {
-  static std::string scale_text(double scale) {
-    return scale > 0 ? "  scale " + std::to_string(static_cast<int64_t>(scale)) : "";
-  }
-
- public:
-  explicit Progress(bool enabled) : enabled_(enabled), tty_(enabled && isatty(STDOUT_FILENO)) {}
-
-  // scale > 0: the loss scale, shown while a GradScaler is in use.
-  void update(int64_t epoch, int64_t epochs, int64_t step, int64_t steps, double loss, double img_s,
-              double eta_s, bool force = false, double scale = 0) {
-    if (!enabled_) return;
-    auto now = Clock::now();
-    double since = std::chrono::duration<double>(now - last_).count();
-    if (!force && since < (tty_ ? 0.2 : 10.0)) return;
-    last_ = now;
-    char line[256];
-    if (tty_) {
-      constexpr int kBar = 24;
-      int filled = steps > 0 ? static_cast<int>(kBar * step / steps) : 0;
-      std::string bar(filled, '=');
-      if (filled < kBar) bar.append(1, '>').append(kBar - filled - 1, ' ');
-      std::snprintf(line, sizeof line, "\repoch %lld/%lld [%s] %lld/%lld  loss %.4f%s  %.0f img/s  %s left\x1b[K",
-                    static_cast<long long>(epoch), static_cast<long long>(epochs), bar.c_str(),
-                    static_cast<long long>(step), static_cast<long long>(steps), loss, scale_text(scale).c_str(),
-                    img_s, format_duration(eta_s).c_str());
-      open_ = true;
-    } else {
-      std::snprintf(line, sizeof line, "epoch %lld/%lld step %lld/%lld  loss %.4f%s  %.0f img/s  %s left\n",
-                    static_cast<long long>(epoch), static_cast<long long>(epochs), static_cast<long long>(step),
-                    static_cast<long long>(steps), loss, scale_text(scale).c_str(), img_s,
-                    format_duration(eta_s).c_str());
-    }
-    std::fputs(line, stdout);
-    std::fflush(stdout);
-  }
-  // Ends the redrawn line before other output.
-  void close_line() {
-    if (open_) std::fputs("\n", stdout), std::fflush(stdout);
-    open_ = false;
-  }
-
- private:
-  bool enabled_, tty_, open_ = false;
-  Clock::time_point last_{};
-};
 
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
@@ -527,7 +426,7 @@ int train(const Flags& flags) {
        flags.grad_compress == "off" ? "" : "gradients allreduced in " + flags.grad_compress + "; ",
        "checkpoints in ", flags.checkpoint_dir);
 
-  Progress progress(rank == 0);
+  examples::Progress progress(rank == 0);
   const auto t_start = Clock::now();
   double train_seconds = 0, eval_seconds = -1;
   int64_t images_done = 0;  // global, this process's run
@@ -560,8 +459,9 @@ int train(const Flags& flags) {
       double rate = images_done / std::max(elapsed, 1e-9);
       int64_t left_images = ((flags.epochs - epoch) * steps_per_epoch - epoch_steps) * global_batch;
       double left = left_images / rate + (flags.epochs - epoch) * std::max(eval_seconds, 0.0);
-      progress.update(epoch + 1, flags.epochs, epoch_steps, steps_per_epoch, loss_sum / micro, rate, left,
-                      epoch_steps == steps_per_epoch, scaler.is_enabled() ? scaler.get_scale() : 0.0);
+      progress.update("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(flags.epochs), epoch_steps,
+                      steps_per_epoch, loss_sum / micro, rate, "img/s", left, epoch_steps == steps_per_epoch,
+                      scaler.is_enabled() ? "  scale " + std::to_string(static_cast<int64_t>(scaler.get_scale())) : "");
     }
     train_seconds += seconds(t_epoch, Clock::now());
     progress.close_line();
