@@ -605,6 +605,53 @@ TEST(FullyShard, GradScalerAgreesOnAnInfInOneRanksShard) {
   }
 }
 
+// A root with no parameters of its own (every parameter in a block unit),
+// eval forwards between steps, and a unit whose input needs no gradient:
+// still equal to one process.
+EMBER_WORKER(empty_root) {
+  init_world(env);
+  auto make = [] {
+    manual_seed(11);
+    return std::make_shared<nn::Sequential>(std::vector<std::shared_ptr<nn::Module>>{
+        std::make_shared<Block>(5, 9), std::make_shared<Block>(5, 6), std::make_shared<Block>(5, 7)});
+  };
+  auto net = make(), ref = make();
+  auto fsdp = fully_shard_auto(net, {.types = {"Block"}});
+  WCHECK(fsdp->units().size() == 4, fsdp->units().size(), " units");
+  optim::AdamW opt(net->parameters(), optim::AdamWOptions{.lr = 0.02});
+  optim::AdamW ref_opt(ref->parameters(), optim::AdamWOptions{.lr = 0.02});
+  for (int s = 0; s < 3; ++s) {
+    auto xy = [&](int r) {
+      auto [x, y] = batch(r, s, 0);
+      return std::make_pair(x, cat({y, y.narrow(1, 0, 2)}, 1));  // [4, 5] targets
+    };
+    auto [x, y] = xy(env.rank);
+    opt.zero_grad();
+    nn::functional::mse_loss((*net)(x), y).backward();
+    opt.step();
+    {
+      NoGradGuard ng;
+      (*net)(x);  // an evaluation between steps gathers and frees again
+    }
+    std::vector<Tensor> xs, ys;
+    for (int r = 0; r < env.world_size; ++r) xs.push_back(xy(r).first), ys.push_back(xy(r).second);
+    ref_opt.zero_grad();
+    nn::functional::mse_loss((*ref)(cat(xs, 0)), cat(ys, 0)).backward();
+    ref_opt.step();
+  }
+  nn::StateDict got = full_state_dict(*fsdp, {.rank0_only = false});
+  const nn::StateDict want = ref->state_dict();
+  for (auto& [name, t] : want.items()) expect_close(*got.find(name), t, name, 2e-5);
+  destroy_process_group();
+}
+
+TEST(FullyShard, ARootWithoutParametersAndEvalForwards) {
+  for (int ws : {2, 3}) {
+    auto res = mp::run_workers("empty_root", ws);
+    EXPECT_TRUE(mp::all_succeeded(res)) << ws << " ranks\n" << mp::describe(res);
+  }
+}
+
 TEST(MultiProcessWorker, Entry) {
   if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
   mp::run_if_worker();
