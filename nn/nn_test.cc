@@ -279,6 +279,26 @@ TEST(Layers, AdaptiveAvgPoolAnySize) {
   EXPECT_TRUE(r.ok) << r.message;
 }
 
+// layer_norm has its own derivative: checked for input, weight and bias
+// by finite differences, over one and two normalised dims, with and without
+// the affine parameters.
+TEST(Layers, LayerNormGradientsForInputWeightAndBias) {
+  Tensor x = f64({2, 3, 4, 5}, 21);
+  for (int nd : {1, 2}) {
+    const Shape ns = nd == 1 ? Shape{5} : Shape{4, 5};
+    Tensor w = f64(ns, 22) + 1.0, b = f64(ns, 23);
+    auto r = autograd::gradcheck([&](auto& v) { return F::layer_norm(v[0], nd, v[1], v[2], 1e-5); },
+                                 {x.detach().requires_grad_(), w.detach().requires_grad_(), b.detach().requires_grad_()});
+    EXPECT_TRUE(r.ok) << nd << " dims: " << r.message;
+    r = autograd::gradcheck([&](auto& v) { return F::layer_norm(v[0], nd, Tensor(), Tensor(), 1e-5); },
+                            {x.detach().requires_grad_()});
+    EXPECT_TRUE(r.ok) << nd << " dims, no affine: " << r.message;
+    r = autograd::gradcheck([&](auto& v) { return F::layer_norm(v[0], nd, v[1], Tensor(), 1e-5); },
+                            {x.detach().requires_grad_(), w.detach().requires_grad_()});
+    EXPECT_TRUE(r.ok) << nd << " dims, weight only: " << r.message;
+  }
+}
+
 TEST(Layers, MseDropoutLayerNormEmbedding) {
   Tensor a = Tensor::from_vector({1, 2, 3}, {3}, DType::Float64), b = Tensor::from_vector({1, 0, 0}, {3}, DType::Float64);
   EXPECT_DOUBLE_EQ(F::mse_loss(a, b).item(), 13.0 / 3);
