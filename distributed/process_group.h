@@ -103,6 +103,15 @@ class ProcessGroup {
   // input is size() * output.numel() elements; rank r gets the reduced block r.
   virtual std::shared_ptr<Work> reduce_scatter_tensor(const Tensor& output, const Tensor& input,
                                                       ReduceOp op = ReduceOp::Sum) = 0;
+  // The same, but `input` is scratch afterwards (its contents undefined):
+  // a backend that reduces in a work buffer (Gloo's ring) uses it instead of
+  // a private copy, saving a copy of the whole input (FSDP's gradient
+  // buffer, which nothing reads after its reduction). By default the plain
+  // reduce_scatter_tensor.
+  virtual std::shared_ptr<Work> reduce_scatter_tensor_consuming_input(const Tensor& output, const Tensor& input,
+                                                                      ReduceOp op = ReduceOp::Sum) {
+    return reduce_scatter_tensor(output, input, op);
+  }
   // Equal splits: block r of input goes to rank r, block r of output comes from rank r.
   virtual std::shared_ptr<Work> all_to_all_single(const Tensor& output, const Tensor& input) = 0;
   virtual std::shared_ptr<Work> barrier() = 0;

@@ -387,6 +387,14 @@ class GlooGroup : public ProcessGroup {
   }
 
   std::shared_ptr<Work> reduce_scatter_tensor(const Tensor& output, const Tensor& input, ReduceOp op) override {
+    return reduce_scatter(output, input, op, /*consume_input=*/false);
+  }
+  std::shared_ptr<Work> reduce_scatter_tensor_consuming_input(const Tensor& output, const Tensor& input,
+                                                              ReduceOp op) override {
+    return reduce_scatter(output, input, op, /*consume_input=*/true);
+  }
+
+  std::shared_ptr<Work> reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op, bool consume_input) {
     const std::string w = detail::where("gloo", "reduce_scatter_tensor", rank_, size_);
     check_cpu(output, w, "output");
     check_cpu(input, w, "input");
@@ -394,12 +402,14 @@ class GlooGroup : public ProcessGroup {
     detail::check_flat_sizes(input, "input", output, "output", size_, w);
     detail::check_reduce_dtype(input.dtype(), op, w);
     detail::bump_version(output);
+    if (consume_input) detail::bump_version(input);
     Tensor out = output.alias(), in = input.alias();
     return enqueue("reduce_scatter_tensor", true,
                    detail::make_signature("reduce_scatter_tensor", &in, in.numel(), -1, &op),
-                   [this, out, in, op](const std::shared_ptr<CompletionWork>& work, PgClock::time_point deadline) {
+                   [this, out, in, op, consume_input](const std::shared_ptr<CompletionWork>& work,
+                                                      PgClock::time_point deadline) {
                      if (out.numel() == 0) return true;
-                     ring_reduce_scatter(out, in, op, work->info(), deadline);
+                     ring_reduce_scatter(out, in, op, consume_input, work->info(), deadline);
                      return true;
                    });
   }
@@ -686,14 +696,20 @@ class GlooGroup : public ProcessGroup {
   // neighbour while receiving one from the left and reducing it in; rank r
   // ends with block r reduced over all ranks. Each rank moves (n-1)/n of
   // the input, half of what an allreduce would.
-  void ring_reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op, const OpInfo& info,
+  void ring_reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op, bool consume_input, const OpInfo& info,
                            PgClock::time_point deadline) {
     const int64_t m = out.numel();
     const size_t es = in.element_size();
     const size_t block = static_cast<size_t>(m) * es;
-    // A private copy: the ring reduces in place and the input must survive.
-    Tensor work = Tensor::empty({in.numel()}, in.dtype());
-    write_back(work.view(in.sizes()), in);
+    // The ring reduces in place: in a private copy, unless the caller gave
+    // the input up (a contiguous one is then the work buffer itself).
+    Tensor work;
+    if (consume_input && in.is_contiguous()) {
+      work = in.reshape({in.numel()});
+    } else {
+      work = Tensor::empty({in.numel()}, in.dtype());
+      write_back(work.view(in.sizes()), in);
+    }
     char* w = static_cast<char*>(work.raw_data());
     if (size_ > 1) {
       Tensor tmp = Tensor::empty({m}, in.dtype());

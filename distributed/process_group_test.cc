@@ -153,6 +153,11 @@ void check_collectives(ProcessGroup& pg, DType dt, int64_t n) {
   expect_values(big, [&](int64_t j) { return val(r, j); }, "reduce_scatter_tensor leaves its input alone " + tag);
   pg.reduce_scatter_tensor(out, big, ReduceOp::Max)->wait();
   expect_values(out, [&](int64_t i) { return val(ws - 1, r * n + i); }, "reduce_scatter_tensor max " + tag);
+  // The variant that may reduce in its input (FSDP's): the same result.
+  Tensor scratch = make({ws * n}, dt, [&](int64_t j) { return val(r, j); });
+  Tensor out2 = full({n}, -1.0, dt);
+  pg.reduce_scatter_tensor_consuming_input(out2, scratch, ReduceOp::Sum)->wait();
+  expect_values(out2, [&](int64_t i) { return sum(r * n + i); }, "reduce_scatter_tensor_consuming_input sum " + tag);
 
   Tensor send = make({ws * n}, dt, [&](int64_t j) { return a2a(r, static_cast<int>(j / std::max<int64_t>(n, 1)), j % std::max<int64_t>(n, 1)); });
   Tensor recv = full({ws * n}, -1.0, dt);

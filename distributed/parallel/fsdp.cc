@@ -309,7 +309,8 @@ void Unit::issue_reduce(const Tensor& grads) {
     p.output = p.input;
   } else {
     p.output = empty({shard_numel()}, TensorOptions{reduce_dtype, device});
-    p.rs = shard_pg->reduce_scatter_tensor(p.output, p.input, ReduceOp::Avg);
+    // The gradient buffer is not read again: the ring may reduce in it.
+    p.rs = shard_pg->reduce_scatter_tensor_consuming_input(p.output, p.input, ReduceOp::Avg);
   }
   if (!p.rs) {  // nothing to wait for in the shard group
     p.input = Tensor();
