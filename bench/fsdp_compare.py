@@ -33,9 +33,16 @@ def run_peer(python, model, strategy, procs, low_mem, steps):
     out = subprocess.run([python, PEER, "--models", model, "--strategies", strategy, "--world", str(procs),
                           "--warmup", "1", "--steps", str(steps)], capture_output=True, text=True, check=True,
                          env=env).stdout
-    for line in out.splitlines():
-        if line.startswith("{"):
-            d = json.loads(line)
+    # The ranks print concurrently: two records may share a line.
+    dec, pos, records = json.JSONDecoder(), 0, []
+    while (start := out.find("{", pos)) >= 0:
+        try:
+            d, pos = dec.raw_decode(out, start)
+            records.append(d)
+        except json.JSONDecodeError:
+            pos = start + 1
+    for d in records:
+        if d.get("script") == "fsdp_peer":
             if d.get("kind") == "error":
                 raise RuntimeError(d["error"])
             if d.get("rank") == 0:
