@@ -360,6 +360,14 @@ void Unit::post_backward() {
   }
 }
 
+void Unit::ensure_grad_buffer() {
+  if (!expects_backward || post_backward_done || state == State::SHARDED || grad_flat.defined()) return;
+  // Backward accumulates in place into one buffer, the parameters' .grad()
+  // its views (the engine adds into a defined .grad()).
+  grad_flat = zeros({layout.padded_numel()}, compute_options());
+  expose_grads(grad_flat, false);
+}
+
 void Unit::on_grad_ready(uint64_t generation) {
   if (generation != this->generation || !expects_backward || post_backward_done) return;
   if (--waiting == 0) post_backward();
@@ -446,9 +454,11 @@ void Unit::pre_backward() {
   // values again (gathered from the unchanged shards).
   if (!shares_storage) layout.flat().unsafe_set_storage_version(fwd_version);
   if (num_trainable() > 0) {
+    // Gradients accumulated before (unsharded accumulation) stay; a new
+    // buffer waits for the first gradient (ensure_grad_buffer): this hook
+    // runs before the previous unit's post-backward frees its buffers.
     grad_flat = reconcile(grad_flat, false, layout.padded_numel(), compute_options());
-    if (!grad_flat.defined()) grad_flat = zeros({layout.padded_numel()}, compute_options());
-    expose_grads(grad_flat, false);  // backward accumulates in place into one buffer
+    expose_grads(grad_flat, false);
   }
   r->bwd_anchor = shared_from_this();
   r->prefetch_backward();
@@ -668,13 +678,19 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
 
   std::weak_ptr<Unit> weak = u;
   for (size_t i = 0; i < u->params.size(); ++i)
-    if (u->trainable[i])
+    if (u->trainable[i]) {
+      // Before the first gradient lands: the unit's gradient buffer.
+      autograd::register_hook(u->params[i], [weak](const Tensor&) {
+        if (auto uu = weak.lock()) uu->ensure_grad_buffer();
+        return Tensor();
+      });
       autograd::register_post_accumulate_grad_hook(u->params[i], [weak, i](const Tensor&) {
         if (auto uu = weak.lock()) {
           uu->seen_unsharded[i] = true;
           uu->on_grad_ready(uu->generation);
         }
       });
+    }
   // The hooks own the unit: it lives as long as the module does.
   u->hooks.push_back(module->register_forward_pre_hook([u](nn::Module&, const Tensor& x) { return u->pre_forward(x); }));
   u->hooks.push_back(module->register_forward_hook(

@@ -117,6 +117,7 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   bool advance(std::deque<PendingReduce>::iterator it);
   void post_backward();
   void on_grad_ready(uint64_t generation);
+  void ensure_grad_buffer();
   void finalize_backward();
 
   std::shared_ptr<Unit> root();
