@@ -282,8 +282,21 @@ TEST(Layers, AdaptiveAvgPoolAnySize) {
 // layer_norm has its own derivative: checked for input, weight and bias
 // by finite differences, over one and two normalised dims, with and without
 // the affine parameters.
+// linear is one node: its weight gradient comes out [out, in] directly (a
+// transposed view through matmul cost an element-wise copy into .grad()).
+TEST(Layers, LinearIsOneOpWithAContiguousWeightGradient) {
+  Tensor w = f64({3, 5}, 31).requires_grad_(), b = f64({3}, 32).requires_grad_();
+  Tensor y = linear(f64({2, 4, 5}, 33), w, b);
+  EXPECT_EQ(autograd::grad_fn_name(y), "linear");
+  sum(y).backward();
+  EXPECT_EQ(w.grad().sizes(), Shape({3, 5}));
+  EXPECT_TRUE(w.grad().is_contiguous());
+}
+
 TEST(Layers, LayerNormGradientsForInputWeightAndBias) {
   Tensor x = f64({2, 3, 4, 5}, 21);
+  EXPECT_EQ(autograd::grad_fn_name(F::layer_norm(x.detach().requires_grad_(), 1, Tensor(), Tensor(), 1e-5)),
+            "layer_norm");  // one node, not the composition's
   for (int nd : {1, 2}) {
     const Shape ns = nd == 1 ? Shape{5} : Shape{4, 5};
     Tensor w = f64(ns, 22) + 1.0, b = f64(ns, 23);
