@@ -115,7 +115,6 @@ void BM_FsdpStep(benchmark::State& state, const std::string& name, const std::st
     const bool no_prefetch = mode == "full_noprefetch";
     o.strategy = parse_strategy(no_prefetch ? "full" : mode);
     o.forward_prefetch = o.backward_prefetch = !no_prefetch;
-    if (o.strategy == ShardingStrategy::NO_SHARD) o.replicate_group = pg, o.process_group = nullptr;
     fully_shard_auto(model, {.types = {"MlpBlock", "TransformerBlock"}}, o);
   }
   optim::AdamW opt(model->parameters(), optim::AdamWOptions{.lr = 1e-3, .weight_decay = 0.01});

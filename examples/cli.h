@@ -1,7 +1,8 @@
 // What the training examples share on the command line: flag values parsed
-// with errors that name the flag (and exit 2 with the usage), durations, and
+// with errors that name the flag (and exit 2 with the usage), durations,
 // rank 0's progress line (redrawn in place on a terminal, a line every 10 s
-// in a log or pipe, where '\r' would pile up).
+// in a log or pipe, where '\r' would pile up), and main's launch of the
+// local workers.
 #pragma once
 
 #include <unistd.h>
@@ -12,7 +13,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <functional>
 #include <string>
+
+#include "core/device.h"
+#include "distributed/launch.h"
 
 namespace ember::examples {
 
@@ -141,5 +147,24 @@ class Progress {
   bool enabled_, tty_, open_ = false;
   std::chrono::steady_clock::time_point last_{};
 };
+
+// The examples' main after their flags are parsed (in the launching
+// process, so a typo is reported once): starts `nproc` local workers (0: one
+// per GPU, else 2) unless a launcher already named the ranks, runs `train`
+// in each, and reports an exception as "<program> [rank N]: message".
+inline int launch_and_train(const Cli& cli, int nproc, int argc, char** argv, const std::function<int()>& train) {
+  try {
+    if (nproc <= 0) nproc = cuda_is_available() ? cuda_device_count() : 2;
+    // On a terminal the workers write straight to it (no "[rank N]: "
+    // prefixing pipes): rank 0's progress bar redraws its line with '\r'.
+    if (int rc = distributed::spawn_local_workers(nproc, argc, argv, /*prefix_output=*/!isatty(STDOUT_FILENO)); rc >= 0)
+      return rc;
+    return train();
+  } catch (const std::exception& e) {
+    const char* rank = std::getenv("RANK");
+    std::fprintf(stderr, "%s%s: %s\n", cli.program, rank ? (std::string(" [rank ") + rank + "]").c_str() : "", e.what());
+    return 1;
+  }
+}
 
 }  // namespace ember::examples

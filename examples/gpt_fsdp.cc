@@ -513,14 +513,5 @@ int train(const Flags& flags) {
 int main(int argc, char** argv) {
   using namespace ember;
   Flags flags = parse_flags(argc, argv);
-  try {
-    int nproc = flags.nproc > 0 ? flags.nproc : cuda_is_available() ? cuda_device_count() : 2;
-    if (int rc = distributed::spawn_local_workers(nproc, argc, argv, /*prefix_output=*/!isatty(STDOUT_FILENO)); rc >= 0)
-      return rc;
-    return train(flags);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "gpt_fsdp%s: %s\n",
-                 std::getenv("RANK") ? (std::string(" [rank ") + std::getenv("RANK") + "]").c_str() : "", e.what());
-    return 1;
-  }
+  return examples::launch_and_train(kCli, flags.nproc, argc, argv, [&] { return train(flags); });
 }

@@ -513,16 +513,5 @@ int train(const Flags& flags) {
 int main(int argc, char** argv) {
   using namespace ember;
   Flags flags = parse_flags(argc, argv);
-  try {
-    int nproc = flags.nproc > 0 ? flags.nproc : cuda_is_available() ? cuda_device_count() : 2;
-    // On a terminal the workers write straight to it (no "[rank N]: "
-    // prefixing pipes): rank 0's progress bar redraws its line with '\r'.
-    if (int rc = distributed::spawn_local_workers(nproc, argc, argv, /*prefix_output=*/!isatty(STDOUT_FILENO)); rc >= 0)
-      return rc;
-    return train(flags);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "resnet_ddp%s: %s\n",
-                 std::getenv("RANK") ? (std::string(" [rank ") + std::getenv("RANK") + "]").c_str() : "", e.what());
-    return 1;
-  }
+  return examples::launch_and_train(kCli, flags.nproc, argc, argv, [&] { return train(flags); });
 }

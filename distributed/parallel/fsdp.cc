@@ -298,7 +298,7 @@ void Unit::init_root() {
 
 void Unit::issue_reduce(const Tensor& grads) {
   Unit& r = *root();
-  for (auto it = r.pending.begin(); it != r.pending.end();) it = r.advance(it) ? r.pending.erase(it) : std::next(it);
+  r.advance_pending();
   PendingReduce p;
   p.unit = shared_from_this();
   p.seen = seen_unsharded;
@@ -317,6 +317,10 @@ void Unit::issue_reduce(const Tensor& grads) {
     if (replicate_pg) p.ar = replicate_pg->allreduce(p.output, ReduceOp::Avg);
   }
   r.pending.push_back(std::move(p));
+}
+
+void Unit::advance_pending() {
+  for (auto it = pending.begin(); it != pending.end();) it = advance(it) ? pending.erase(it) : std::next(it);
 }
 
 bool Unit::advance(std::deque<PendingReduce>::iterator it) {
@@ -379,9 +383,7 @@ void Unit::finalize_backward() {
   std::vector<std::shared_ptr<Unit>> order(post_fwd_order.rbegin(), post_fwd_order.rend());
   for (auto& u : order)
     if (u->expects_backward && !u->post_backward_done) u->post_backward();
-  while (!pending.empty()) {
-    for (auto it = pending.begin(); it != pending.end();) it = advance(it) ? pending.erase(it) : std::next(it);
-  }
+  while (!pending.empty()) advance_pending();
   for (auto& u : subtree) u->expects_backward = false;
   bwd_anchor.reset();
   callback_queued = false;
@@ -597,7 +599,8 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
     }
     named.emplace_back(name, p);
   }
-  // An inner module wrapped after this one would find its parameters taken.
+  // An inner unit that already ran forward took itself for the root (and
+  // its subtree for everything): an outer unit now would make two roots.
   for (auto& [n, m] : module->named_modules())
     if (m != module.get())
       if (auto inner = unit_of(m); inner && inner->is_root)

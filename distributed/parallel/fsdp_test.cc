@@ -514,16 +514,9 @@ TEST(FullyShard, MismatchedUnitsAcrossRanksFailAtWrapTimeNamingTheModule) {
 // the collective and the rank.
 EMBER_WORKER(dies) {
   const std::string op = mp::parse_arg(env.arg).at("op");
-  ProcessGroupOptions po;
-  po.timeout = std::chrono::seconds(60);
-  TCPStoreOptions so;
-  so.rank = env.rank;
-  so.timeout = std::chrono::seconds(30);
-  auto store = std::make_shared<TCPStore>(env.store_host, env.store_port, so);
   // All-gathers: one structure check per unit at wrap time (3), one per
   // unit in the first forward (3): die in backward's re-gather of a block.
-  auto pg = std::make_shared<mp::DyingGroup>(make_gloo_group(store, env.rank, env.world_size, po), op,
-                                             op == "allgather_into_tensor" ? 6 : 0);
+  auto pg = mp::dying_gloo_group(env, op, op == "allgather_into_tensor" ? 6 : 0);
   manual_seed(1);
   auto net = std::make_shared<Stack>(2);
   FSDPOptions o;

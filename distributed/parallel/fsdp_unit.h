@@ -114,7 +114,9 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   void reshard();
   void accumulate_shard_grad(const Tensor& reduced, const std::vector<bool>& seen);
   void issue_reduce(const Tensor& grads);
+  // Root: one step of each pending reduction (waits); true when it is done.
   bool advance(std::deque<PendingReduce>::iterator it);
+  void advance_pending();
   void post_backward();
   void on_grad_ready(uint64_t generation);
   void ensure_grad_buffer();

@@ -286,19 +286,7 @@ TEST(ZeroRedundancyOptimizer, WithAccumulationUnusedParametersAndASchedule) {
 // The last rank dies 2 ms into its first all-gather (testing/dying_group.h):
 // in the middle of the parameter all-gather, not before it.
 EMBER_WORKER(dies_in_allgather) {
-  // A long timeout: failing fast must not mean waiting for it. Gloo notices
-  // the dead peer when a socket reports it; where it does not (a send
-  // waiting for the dead peer's receive), the group's liveness check finds
-  // the rank gone at the store within a second or two.
-  ProcessGroupOptions po;
-  po.timeout = std::chrono::seconds(60);
-  // The store client speaks for its rank, as init_process_group's does: the
-  // store then knows when a rank leaves without its goodbye.
-  TCPStoreOptions so;
-  so.rank = env.rank;
-  so.timeout = std::chrono::seconds(30);
-  auto store = std::make_shared<TCPStore>(env.store_host, env.store_port, so);
-  auto pg = std::make_shared<mp::DyingGroup>(make_gloo_group(store, env.rank, env.world_size, po), "allgather_into_tensor");
+  auto pg = mp::dying_gloo_group(env, "allgather_into_tensor");
   // ~8M parameters: the gather usually takes long enough for the death to
   // land inside it; when it finished first, the next step's gather meets
   // the dead rank instead, and must fail as fast.

@@ -16,7 +16,10 @@
 #include <utility>
 #include <vector>
 
+#include "distributed/init.h"
 #include "distributed/process_group.h"
+#include "distributed/store.h"
+#include "distributed/testing/multiprocess.h"
 
 namespace ember::distributed::testing {
 
@@ -60,5 +63,21 @@ class DyingGroup : public ProcessGroup {
   std::string op_;
   int left_;
 };
+
+// A Gloo group of the worker's rank wrapped in a DyingGroup. The timeout is
+// long (60 s), so failing fast cannot mean waiting for it: Gloo notices the
+// dead peer when a socket reports it, else the group's liveness check finds
+// the rank gone at the store within a second or two. The store client
+// speaks for its rank, as init_process_group's does, so the store knows when
+// a rank leaves without its goodbye.
+inline std::shared_ptr<DyingGroup> dying_gloo_group(const WorkerEnv& env, std::string op, int after = 0) {
+  ProcessGroupOptions po;
+  po.timeout = std::chrono::seconds(60);
+  TCPStoreOptions so;
+  so.rank = env.rank;
+  so.timeout = std::chrono::seconds(30);
+  auto store = std::make_shared<TCPStore>(env.store_host, env.store_port, so);
+  return std::make_shared<DyingGroup>(make_gloo_group(store, env.rank, env.world_size, po), std::move(op), after);
+}
 
 }  // namespace ember::distributed::testing
