@@ -590,11 +590,16 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
   u->output_dtype = options.mp_policy.output_dtype;
 
   // The parameters no inner unit holds, under their names in this module.
+  // One an enclosing unit holds means the wrapping went top-down.
+  std::vector<const nn::Module*> inside;
+  for (auto& [n, m] : module->named_modules()) inside.push_back(m);
   std::vector<std::pair<std::string, Tensor>> named;
   for (auto& [name, p] : module->named_parameters()) {
     auto owner = unit_of_param(p);
     if (owner) {
-      EMBER_CHECK(owner->module != module.get(), who, ": internal: parameter '", name, "' already wrapped here");
+      EMBER_CHECK(std::find(inside.begin(), inside.end(), owner->module) != inside.end() && owner->module != module.get(),
+                  who, ": parameter '", name, "' already belongs to the unit of an enclosing ", owner->type,
+                  "; call fully_shard on inner modules first, then on the root");
       continue;
     }
     named.emplace_back(name, p);

@@ -504,6 +504,27 @@ EMBER_WORKER(structure_mismatch) {
   destroy_process_group();
 }
 
+// Wrapping top-down (the root first, then a block inside it) is an error,
+// not a block silently left with no parameters.
+TEST(FullyShard, WrappingAnInnerModuleAfterItsRootIsAnError) {
+  auto net = std::make_shared<Net>(7);
+  FSDPOptions o;
+  o.strategy = ShardingStrategy::NO_SHARD;
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  o.process_group = make_gloo_group(
+      std::make_shared<FileStore>(std::string(tmp ? tmp : "/tmp") + "/fsdp_store_" + std::to_string(getpid()), 1), 0, 1);
+  fully_shard(net, o);
+  try {
+    fully_shard(net->b0, o);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fully_shard(Block): parameter 'ln.weight' already belongs to the unit of an "
+                                         "enclosing Net; call fully_shard on inner modules first"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(FullyShard, MismatchedUnitsAcrossRanksFailAtWrapTimeNamingTheModule) {
   auto res = mp::run_workers("structure_mismatch", 2);
   EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
