@@ -32,12 +32,17 @@ std::map<std::string, std::string> parse(const std::string& text) {
 
 void check_same_config(ProcessGroup& pg, const std::vector<std::pair<std::string, std::string>>& settings) {
   const std::string mine = serialize(settings);
-  Tensor len = Tensor::from_vector({static_cast<double>(mine.size())}, {1}, DType::Int64);
+  // On the group's device: NCCL takes only CUDA tensors (the examples' first
+  // GPU run failed here, on a CPU tensor).
+  const Device dev = pg.device();
+  Tensor len = Tensor::from_vector({static_cast<double>(mine.size())}, {1}, {DType::Int64, dev});
   pg.broadcast(len, 0)->wait();
   const int64_t n = static_cast<int64_t>(len.to_vector()[0]);
   Tensor bytes = Tensor::empty({n}, DType::UInt8);
   if (pg.rank() == 0) std::copy(mine.begin(), mine.end(), bytes.data<uint8_t>());
+  bytes = bytes.to(dev);
   pg.broadcast(bytes, 0)->wait();
+  bytes = bytes.cpu();
   const std::string zeros(reinterpret_cast<const char*>(bytes.data<uint8_t>()), static_cast<size_t>(n));
 
   std::string diff;
@@ -51,8 +56,8 @@ void check_same_config(ProcessGroup& pg, const std::vector<std::pair<std::string
     for (const auto& [k, v] : b)
       if (!a.count(k)) diff += (diff.empty() ? "" : "; ") + k + " is <unset> here but " + v + " on rank 0";
   }
-  Tensor flag = Tensor::from_vector({diff.empty() ? 0.0 : 1.0}, {1}, DType::Int64);
-  Tensor flags = Tensor::empty({pg.size()}, DType::Int64);
+  Tensor flag = Tensor::from_vector({diff.empty() ? 0.0 : 1.0}, {1}, {DType::Int64, dev});
+  Tensor flags = Tensor::empty({pg.size()}, {DType::Int64, dev});
   pg.allgather_into_tensor(flags, flag)->wait();
   std::string differing;
   const std::vector<double> f = flags.to_vector();

@@ -8,9 +8,10 @@
 // CPU (and PyTorch's allow_tf32=False); 16-bit types use tensor cores with
 // float accumulation; float64 computes in double.
 //
-// Algorithms come from cuDNN's heuristics (Get*_v7), once per (device,
-// geometry, dtype, layout, pass) and cached: the heuristic query costs far
-// more than a small convolution, and training repeats shapes every step.
+// Algorithms come from cuDNN's heuristics (Get*_v7, checked and completed by
+// pick below), once per (device, geometry, dtype, layout, pass) and cached:
+// the query costs far more than a small convolution, and training repeats
+// shapes every step.
 // Workspaces come from our caching allocator, which is stream-ordered, so a
 // workspace can be freed as soon as the call is queued. Bias add and bias
 // gradient are our own small kernels: cuDNN's are deprecated and do not take
@@ -96,11 +97,15 @@ class TensorDesc {
 };
 
 // A weight [O, C/g, KH, KW]: plain OIHW, or OHWI memory (channels-last).
+// The format is the convolution's layout, not read off the weight: a 1x1 or
+// depthwise weight is contiguous in both layouts, and cuDNN refuses every
+// backward algorithm when the filter's format differs from the activations'
+// (seen on an H100 with cuDNN 9: resnet50's 1x1 convolutions in channels-last).
 class FilterDesc {
  public:
-  FilterDesc(const Tensor& w, cudnnDataType_t dt) {
+  FilterDesc(const Tensor& w, cudnnDataType_t dt, bool channels_last) {
     EMBER_CUDNN_CHECK(cudnnCreateFilterDescriptor(&d_));
-    const cudnnTensorFormat_t format = w.is_contiguous() ? CUDNN_TENSOR_NCHW : CUDNN_TENSOR_NHWC;
+    const cudnnTensorFormat_t format = channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
     EMBER_CUDNN_CHECK(cudnnSetFilter4dDescriptor(d_, dt, format, to_int(w.size(0)), to_int(w.size(1)),
                                                  to_int(w.size(2)), to_int(w.size(3))));
   }
@@ -157,20 +162,27 @@ struct AlgoKey {
 };
 
 struct Algo {
-  int algo;
+  int algo;  // -1: cuDNN has none for this key
   cudnnMathType_t math;
 };
 
-// First heuristic choice that cuDNN reports as usable. float32 also needs
-// FMA math: a result with another math type may run in TF32.
-template <typename Perf>
-Algo pick(const std::vector<Perf>& perf, int returned, DType dt, cudnnMathType_t fallback_math) {
+// The algorithm of one pass: cuDNN's heuristic candidates in their order,
+// then every algorithm of the pass, the first that cuDNN accepts for this
+// geometry under the math we need (`accepts` asks for its workspace size,
+// which answers NOT_SUPPORTED otherwise). float32 runs every candidate with
+// FMA math, i.e. no TF32, whatever math it was listed with. Both steps are
+// needed: cuDNN's heuristics may list no FMA candidate for float32, and
+// algorithm 0 does not take every layout.
+template <typename Perf, typename Accepts>
+Algo pick(const std::vector<Perf>& perf, int returned, int n_algos, DType dt, cudnnMathType_t want, Accepts&& accepts) {
   for (int i = 0; i < returned; ++i) {
     if (perf[i].status != CUDNN_STATUS_SUCCESS) continue;
-    if (dt == DType::Float32 && perf[i].mathType != CUDNN_FMA_MATH) continue;
-    return {static_cast<int>(perf[i].algo), perf[i].mathType};
+    const cudnnMathType_t m = dt == DType::Float32 ? CUDNN_FMA_MATH : perf[i].mathType;
+    if (accepts(static_cast<int>(perf[i].algo), m)) return {static_cast<int>(perf[i].algo), m};
   }
-  return {0, fallback_math};  // algorithm 0 of each pass handles every geometry
+  for (int a = 0; a < n_algos; ++a)
+    if (accepts(a, want)) return {a, want};
+  return {-1, want};  // none: the caller names the error
 }
 
 template <typename Query>
@@ -187,13 +199,18 @@ Algo cached_algo(const AlgoKey& key, Query&& query) {
   return cache.emplace(key, a).first->second;
 }
 
-AlgoKey algo_key(const ConvGeom& g, const Tensor& x, Pass pass) {
+AlgoKey algo_key(const ConvGeom& g, bool channels_last, const Tensor& x, Pass pass) {
   return {x.device().index,
           {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.groups, g.oh, g.ow},
           x.dtype(),
-          !x.is_contiguous(),
+          channels_last,
           pass};
 }
+
+// The op layer lays x (dy, dx) and w out alike, so either one's strides
+// tell the layout; when both are contiguous in both senses (1x1 filters on
+// 1x1 images, say), the two layouts are the same memory and NCHW is right.
+bool channels_last(const Tensor& x, const Tensor& w) { return !x.is_contiguous() || !w.is_contiguous(); }
 
 DataPtr workspace(int device, size_t bytes) {
   return bytes > 0 ? cuda_allocator(device)->allocate(bytes) : DataPtr{};
@@ -246,36 +263,128 @@ void dispatch_conv_float(DType t, F&& f) {
   EMBER_DISPATCH_FLOAT(t, "conv2d", [&] { f(scalar_t{}); });
 }
 
-}  // namespace
-
-void conv2d_forward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
-  const int dev = x.device().index;
-  cuda::DeviceGuard guard(dev);
+// Each pass runs on tensors in one layout; false when cuDNN has no algorithm
+// for it. The caller holds the device's cuDNN slot.
+bool forward_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& x, const Tensor& w, Tensor& y, bool cl) {
   const ConvTypes ty = conv_types(x.dtype());
   TensorDesc xd(x, ty.data), yd(y, ty.data);
-  FilterDesc wd(w, ty.data);
+  FilterDesc wd(w, ty.data, cl);
   ConvDesc cd(g, ty);
-  const Blend blend(x.dtype());
-  cudaStream_t stream = cuda::stream_for(dev);
-  CudnnSlot& slot = cudnn_slot(dev);
-  std::lock_guard<std::mutex> lock(slot.mu);
-  cudnnHandle_t h = slot.handle;
-  EMBER_CUDNN_CHECK(cudnnSetStream(h, stream));
-  const Algo a = cached_algo(algo_key(g, x, Pass::Forward), [&] {
+  const Algo a = cached_algo(algo_key(g, cl, x, Pass::Forward), [&] {
     int max_count = 0, returned = 0;
     EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(h, &max_count));
     std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(max_count);
     EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, xd.get(), wd.get(), cd.get(), yd.get(), max_count,
                                                              &returned, perf.data()));
-    return pick(perf, returned, x.dtype(), ty.math);
+    return pick(perf, returned, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, x.dtype(), ty.math, [&](int algo, cudnnMathType_t m) {
+      cd.set_math(m);
+      size_t ws = 0;
+      return cudnnGetConvolutionForwardWorkspaceSize(h, xd.get(), wd.get(), cd.get(), yd.get(),
+                                                     static_cast<cudnnConvolutionFwdAlgo_t>(algo),
+                                                     &ws) == CUDNN_STATUS_SUCCESS;
+    });
   });
+  if (a.algo < 0) return false;
   const auto algo = static_cast<cudnnConvolutionFwdAlgo_t>(a.algo);
   cd.set_math(a.math);
   size_t ws_bytes = 0;
   EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(h, xd.get(), wd.get(), cd.get(), yd.get(), algo, &ws_bytes));
   DataPtr ws = workspace(dev, ws_bytes);
+  const Blend blend(x.dtype());
   EMBER_CUDNN_CHECK(cudnnConvolutionForward(h, blend.one(), xd.get(), x.raw_data(), wd.get(), w.raw_data(), cd.get(),
                                             algo, ws.get(), ws_bytes, blend.zero(), yd.get(), y.raw_data()));
+  return true;
+}
+
+bool backward_data_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& w, const Tensor& dy, Tensor& dx,
+                        bool cl) {
+  const ConvTypes ty = conv_types(dy.dtype());
+  TensorDesc dyd(dy, ty.data), dxd(dx, ty.data);
+  FilterDesc wd(w, ty.data, cl);
+  ConvDesc cd(g, ty);
+  const Algo a = cached_algo(algo_key(g, cl, dy, Pass::BackwardData), [&] {
+    int max_count = 0, returned = 0;
+    EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(h, &max_count));
+    std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(max_count);
+    EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, wd.get(), dyd.get(), cd.get(), dxd.get(),
+                                                                  max_count, &returned, perf.data()));
+    return pick(perf, returned, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, dy.dtype(), ty.math,
+                [&](int algo, cudnnMathType_t m) {
+                  cd.set_math(m);
+                  size_t ws = 0;
+                  return cudnnGetConvolutionBackwardDataWorkspaceSize(
+                             h, wd.get(), dyd.get(), cd.get(), dxd.get(),
+                             static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), &ws) == CUDNN_STATUS_SUCCESS;
+                });
+  });
+  if (a.algo < 0) return false;
+  const auto algo = static_cast<cudnnConvolutionBwdDataAlgo_t>(a.algo);
+  cd.set_math(a.math);
+  size_t ws_bytes = 0;
+  EMBER_CUDNN_CHECK(
+      cudnnGetConvolutionBackwardDataWorkspaceSize(h, wd.get(), dyd.get(), cd.get(), dxd.get(), algo, &ws_bytes));
+  DataPtr ws = workspace(dev, ws_bytes);
+  const Blend blend(dy.dtype());
+  EMBER_CUDNN_CHECK(cudnnConvolutionBackwardData(h, blend.one(), wd.get(), w.raw_data(), dyd.get(), dy.raw_data(),
+                                                 cd.get(), algo, ws.get(), ws_bytes, blend.zero(), dxd.get(),
+                                                 dx.raw_data()));
+  return true;
+}
+
+bool backward_filter_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& x, const Tensor& dy, Tensor& dw,
+                          bool cl) {
+  const ConvTypes ty = conv_types(x.dtype());
+  TensorDesc xd(x, ty.data), dyd(dy, ty.data);
+  FilterDesc dwd(dw, ty.data, cl);
+  ConvDesc cd(g, ty);
+  const Algo a = cached_algo(algo_key(g, cl, x, Pass::BackwardFilter), [&] {
+    int max_count = 0, returned = 0;
+    EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(h, &max_count));
+    std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(max_count);
+    EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, xd.get(), dyd.get(), cd.get(), dwd.get(),
+                                                                    max_count, &returned, perf.data()));
+    return pick(perf, returned, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, x.dtype(), ty.math,
+                [&](int algo, cudnnMathType_t m) {
+                  cd.set_math(m);
+                  size_t ws = 0;
+                  return cudnnGetConvolutionBackwardFilterWorkspaceSize(
+                             h, xd.get(), dyd.get(), cd.get(), dwd.get(),
+                             static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), &ws) == CUDNN_STATUS_SUCCESS;
+                });
+  });
+  if (a.algo < 0) return false;
+  const auto algo = static_cast<cudnnConvolutionBwdFilterAlgo_t>(a.algo);
+  cd.set_math(a.math);
+  size_t ws_bytes = 0;
+  EMBER_CUDNN_CHECK(
+      cudnnGetConvolutionBackwardFilterWorkspaceSize(h, xd.get(), dyd.get(), cd.get(), dwd.get(), algo, &ws_bytes));
+  DataPtr ws = workspace(dev, ws_bytes);
+  const Blend blend(x.dtype());
+  EMBER_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h, blend.one(), xd.get(), x.raw_data(), dyd.get(), dy.raw_data(),
+                                                   cd.get(), algo, ws.get(), ws_bytes, blend.zero(), dwd.get(),
+                                                   dw.raw_data()));
+  return true;
+}
+
+// cuDNN has no algorithm for this pass (pick found none): a named error.
+void check_found(bool found, const char* pass, const ConvGeom& g, DType dt, bool channels_last) {
+  EMBER_CHECK(found, "conv2d ", pass, ": cuDNN has no algorithm for input [", g.n, ",", g.c, ",", g.h, ",", g.w,
+              "], weight [", g.o, ",", g.c / g.groups, ",", g.kh, ",", g.kw, "], groups ", g.groups, ", dtype ", dt,
+              channels_last ? ", channels-last" : "");
+}
+
+}  // namespace
+
+void conv2d_forward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
+  const int dev = x.device().index;
+  cuda::DeviceGuard guard(dev);
+  cudaStream_t stream = cuda::stream_for(dev);
+  CudnnSlot& slot = cudnn_slot(dev);
+  std::lock_guard<std::mutex> lock(slot.mu);
+  cudnnHandle_t h = slot.handle;
+  EMBER_CUDNN_CHECK(cudnnSetStream(h, stream));
+  const bool cl = channels_last(x, w);
+  check_found(forward_pass(h, dev, g, x, w, y, cl), "forward", g, x.dtype(), cl);
   if (bias.defined()) {
     const int64_t total = y.numel(), inner = y.is_contiguous() ? g.oh * g.ow : 1;
     dispatch_conv_float(x.dtype(), [&](auto tag) {
@@ -291,58 +400,14 @@ void conv2d_backward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, c
                           Tensor* dw, Tensor* db) {
   const int dev = x.device().index;
   cuda::DeviceGuard guard(dev);
-  const ConvTypes ty = conv_types(x.dtype());
-  TensorDesc xd(x, ty.data), dyd(dy, ty.data);
-  FilterDesc wd(w, ty.data);
-  ConvDesc cd(g, ty);
-  const Blend blend(x.dtype());
   cudaStream_t stream = cuda::stream_for(dev);
   CudnnSlot& slot = cudnn_slot(dev);
   std::lock_guard<std::mutex> lock(slot.mu);
   cudnnHandle_t h = slot.handle;
   EMBER_CUDNN_CHECK(cudnnSetStream(h, stream));
-  if (dx) {
-    TensorDesc dxd(*dx, ty.data);
-    cd.set_math(ty.math);
-    const Algo a = cached_algo(algo_key(g, x, Pass::BackwardData), [&] {
-      int max_count = 0, returned = 0;
-      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(h, &max_count));
-      std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(max_count);
-      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, wd.get(), dyd.get(), cd.get(), dxd.get(),
-                                                                    max_count, &returned, perf.data()));
-      return pick(perf, returned, x.dtype(), ty.math);
-    });
-    const auto algo = static_cast<cudnnConvolutionBwdDataAlgo_t>(a.algo);
-    cd.set_math(a.math);
-    size_t ws_bytes = 0;
-    EMBER_CUDNN_CHECK(
-        cudnnGetConvolutionBackwardDataWorkspaceSize(h, wd.get(), dyd.get(), cd.get(), dxd.get(), algo, &ws_bytes));
-    DataPtr ws = workspace(dev, ws_bytes);
-    EMBER_CUDNN_CHECK(cudnnConvolutionBackwardData(h, blend.one(), wd.get(), w.raw_data(), dyd.get(), dy.raw_data(),
-                                                   cd.get(), algo, ws.get(), ws_bytes, blend.zero(), dxd.get(),
-                                                   dx->raw_data()));
-  }
-  if (dw) {
-    FilterDesc dwd(*dw, ty.data);
-    cd.set_math(ty.math);
-    const Algo a = cached_algo(algo_key(g, x, Pass::BackwardFilter), [&] {
-      int max_count = 0, returned = 0;
-      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(h, &max_count));
-      std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(max_count);
-      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, xd.get(), dyd.get(), cd.get(), dwd.get(),
-                                                                      max_count, &returned, perf.data()));
-      return pick(perf, returned, x.dtype(), ty.math);
-    });
-    const auto algo = static_cast<cudnnConvolutionBwdFilterAlgo_t>(a.algo);
-    cd.set_math(a.math);
-    size_t ws_bytes = 0;
-    EMBER_CUDNN_CHECK(
-        cudnnGetConvolutionBackwardFilterWorkspaceSize(h, xd.get(), dyd.get(), cd.get(), dwd.get(), algo, &ws_bytes));
-    DataPtr ws = workspace(dev, ws_bytes);
-    EMBER_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h, blend.one(), xd.get(), x.raw_data(), dyd.get(), dy.raw_data(),
-                                                     cd.get(), algo, ws.get(), ws_bytes, blend.zero(), dwd.get(),
-                                                     dw->raw_data()));
-  }
+  const bool cl = channels_last(x, w);
+  if (dx) check_found(backward_data_pass(h, dev, g, w, dy, *dx, cl), "backward data", g, x.dtype(), cl);
+  if (dw) check_found(backward_filter_pass(h, dev, g, x, dy, *dw, cl), "backward filter", g, x.dtype(), cl);
   if (db) {
     dispatch_conv_float(x.dtype(), [&](auto tag) {
       using T = decltype(tag);

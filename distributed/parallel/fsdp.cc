@@ -545,8 +545,8 @@ void check_same_structure(ProcessGroup& pg, const Unit& u, const FlatBuffer& lay
   // Values below 2^53: exact as the doubles from_vector takes.
   Tensor mine = Tensor::from_vector({static_cast<double>(u.params.size()), static_cast<double>(numel),
                                      static_cast<double>(h >> 12)},
-                                    {3}, TensorOptions{DType::Int64, kCPU});
-  Tensor all = empty({3 * pg.size()}, TensorOptions{DType::Int64, kCPU});
+                                    {3}, TensorOptions{DType::Int64, pg.device()});
+  Tensor all = empty({3 * pg.size()}, TensorOptions{DType::Int64, pg.device()});
   pg.allgather_into_tensor(all, mine)->wait();
   auto v = all.to_vector();
   bool same = true;

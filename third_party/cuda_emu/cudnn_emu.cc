@@ -224,6 +224,16 @@ cudnnStatus_t check_problem(const char* fn, Pass pass, cudnnHandle_t handle, cud
                nm[2], y->dim[0], y->dim[1], y->dim[2], y->dim[3], nm[0], x->dim[0], x->dim[1], x->dim[2], x->dim[3],
                nm[1], w->k, w->c, w->h, w->w, c->pad[0], c->pad[1], c->stride[0], c->stride[1], c->dil[0], c->dil[1],
                x->dim[0], w->k, out[0], out[1]);
+  // Real cuDNN 9 (H100, 2026-11) has no backward algorithm when the filter's
+  // format differs from the activations' layout, though forward takes it:
+  // conv.cu once described 1x1 and depthwise channels-last weights as NCHW.
+  // Only a layout the strides show unambiguously counts (C > 1 and H*W > 1).
+  if (pass != kFwd && x->dim[1] > 1 && int64_t(x->dim[2]) * x->dim[3] > 1) {
+    const bool data_nhwc = x->stride[1] == 1;
+    if (data_nhwc != (w->format == CUDNN_TENSOR_NHWC))
+      return UNSUPPORTED(fn, "%s is %s but %s has format %s: no backward algorithm mixes layouts", nm[0],
+                         data_nhwc ? "NHWC" : "NCHW", nm[1], w->format == CUDNN_TENSOR_NHWC ? "NHWC" : "NCHW");
+  }
   *p = Problem{x->dt, tensor_view(*x), filter_view(*w), tensor_view(*y), {c->pad[0], c->pad[1]},
                {c->stride[0], c->stride[1]}, {c->dil[0], c->dil[1]}, g, c->mode == CUDNN_CONVOLUTION,
                x->dt == CUDNN_DATA_FLOAT && c->math != CUDNN_FMA_MATH};

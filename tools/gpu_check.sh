@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# gpu_check.sh: every CUDA test, GPU benchmark and GPU example run, in one call
+# on the lent GPU machine (a lease is short and each call pays a start-up).
+#
+# Here, once per change:
+#   ../shared/tools/gpu-bundle $(tools/gpu_check.sh --targets)
+#   tools/gpu_check.sh --data        # Fashion-MNIST and fortunes into .gpudata/
+# Then the device tool's run with carry [".gpu", ".gpudata"] and command
+#   bash tools/gpu_check.sh [tests] [sanitize] [bench] [examples]   (none: all)
+# It prints one line per step (rc, failed test names) and leaves every log in
+# $OUT/logs.tgz. Steps keep going after a failure: one call shows everything.
+set -u
+here=$(cd "$(dirname "$0")/.." && pwd)
+
+TESTS="tensor_test ops_cuda_test ops_nn_cuda_test optim_cuda_test grad_scaler_test autocast_test loader_test
+safetensors_test process_group_test process_group_nccl_test"
+if [ "${1:-}" = "--targets" ]; then
+  echo //core:tensor_test //core:ops_cuda_test //core:ops_nn_cuda_test //optim:optim_cuda_test \
+    //optim:grad_scaler_test //nn:autocast_test //data:loader_test //core:safetensors_test \
+    //distributed:process_group_test //distributed:process_group_nccl_test //bench:ops_cuda_bench \
+    //bench:train_bench //examples:resnet_ddp //examples:gpt_fsdp
+  exit 0
+fi
+if [ "${1:-}" = "--data" ]; then
+  mkdir -p "$here/.gpudata/fashion" "$here/.gpudata/fortunes"
+  cp /usr/share/datasets/fashion-mnist/*.gz "$here/.gpudata/fashion/"
+  cp -r /usr/share/games/fortunes/. "$here/.gpudata/fortunes/"
+  grep -qx '/.gpudata/' "$here/.git/info/exclude" || echo '/.gpudata/' >>"$here/.git/info/exclude"
+  du -sh "$here/.gpudata"
+  exit 0
+fi
+
+steps="${*:-tests sanitize bench examples}"
+logs=/tmp/gpu_check_logs
+rm -rf "$logs" && mkdir -p "$logs"
+run() { bash "$here/.gpu/run.sh" "$@"; }
+summary() { echo "$*" | tee -a "$logs/summary.txt"; }
+finish() {
+  if [ -n "${OUT:-}" ]; then tar -C "$logs" -czf "$OUT/logs.tgz" . && cp "$logs/summary.txt" "$OUT/"; fi
+}
+trap finish EXIT
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$logs/gpu.txt"
+run tensor_test --gtest_list_tests >/dev/null 2>&1 # unpack the bundle once, outside any timing
+
+for s in $steps; do
+  case $s in
+  tests)
+    for t in $TESTS; do
+      timeout 180 bash "$here/.gpu/run.sh" "$t" >"$logs/$t.log" 2>&1
+      rc=$?
+      summary "$t rc=$rc $(grep -c '^\[       OK \]' "$logs/$t.log") ok $(grep -c '^\[  SKIPPED \]' "$logs/$t.log") skipped" \
+        "$(grep '^\[  FAILED  \]' "$logs/$t.log" | sort -u | sed 's/\[  FAILED  \] //' | tr '\n' ' ')"
+    done
+    ;;
+  sanitize)
+    # memcheck catches out-of-bounds and misaligned device accesses the
+    # emulator's bounds checks cannot see (real addresses, real warps).
+    cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+    for t in ops_cuda_test ops_nn_cuda_test optim_cuda_test; do
+      timeout 900 "$cs" --tool memcheck --error-exitcode 7 bash "$here/.gpu/run.sh" "$t" >"$logs/memcheck_$t.log" 2>&1
+      summary "memcheck $t rc=$? $(grep -m1 'ERROR SUMMARY' "$logs/memcheck_$t.log")"
+    done
+    ;;
+  bench)
+    timeout 600 bash "$here/.gpu/run.sh" ops_cuda_bench --benchmark_format=console >"$logs/ops_cuda_bench.log" 2>&1
+    summary "ops_cuda_bench rc=$?"
+    timeout 300 bash "$here/.gpu/run.sh" train_bench --benchmark_filter=Cuda --benchmark_repetitions=3 \
+      --benchmark_report_aggregates_only=true >"$logs/train_bench.log" 2>&1
+    summary "train_bench (cuda) rc=$?"
+    cat "$logs/ops_cuda_bench.log" "$logs/train_bench.log" | grep -E '^BM_' | grep -v -E '_(stddev|cv|mean) ' |
+      tee -a "$logs/summary.txt"
+    # PyTorch on the same GPU, the same step (the machine's python3 has torch).
+    for tf32 in "" --tf32; do
+      timeout 300 python3 "$here/bench/resnet50_cuda_peer.py" $tf32 >"$logs/resnet50_peer$tf32.log" 2>&1
+      summary "resnet50_cuda_peer $tf32 rc=$?"
+      grep '^torch' "$logs/resnet50_peer$tf32.log" | tee -a "$logs/summary.txt"
+    done
+    ;;
+  examples)
+    d="$here/.gpudata"
+    timeout 240 bash "$here/.gpu/run.sh" resnet_ddp --data "$d/fashion" --epochs 1 --checkpoint-dir /tmp/rn \
+      >"$logs/resnet_ddp.log" 2>&1
+    summary "resnet_ddp fp32 rc=$? $(grep -iE 'epoch|accuracy' "$logs/resnet_ddp.log" | tail -2 | tr '\n' ' ')"
+    timeout 120 bash "$here/.gpu/run.sh" resnet_ddp --data "$d/fashion" --epochs 1 --max-steps 300 --amp bf16 --checkpoint-dir /tmp/rn16 \
+      >"$logs/resnet_ddp_bf16.log" 2>&1
+    summary "resnet_ddp bf16 rc=$? $(grep -iE 'epoch|accuracy' "$logs/resnet_ddp_bf16.log" | tail -2 | tr '\n' ' ')"
+    timeout 120 bash "$here/.gpu/run.sh" resnet_ddp --data "$d/fashion" --epochs 1 --max-steps 300 --amp fp16 --checkpoint-dir /tmp/rnh \
+      >"$logs/resnet_ddp_fp16.log" 2>&1
+    summary "resnet_ddp fp16 rc=$? $(grep -iE 'epoch|accuracy' "$logs/resnet_ddp_fp16.log" | tail -2 | tr '\n' ' ')"
+    timeout 180 bash "$here/.gpu/run.sh" gpt_fsdp --data "$d/fortunes" --checkpoint-dir /tmp/gpt >"$logs/gpt_fsdp.log" 2>&1
+    summary "gpt_fsdp rc=$? $(grep -iE 'val|step' "$logs/gpt_fsdp.log" | tail -2 | tr '\n' ' ')"
+    timeout 180 bash "$here/.gpu/run.sh" gpt_fsdp --data "$d/fortunes" --amp bf16 --checkpoint-dir /tmp/gpt16 \
+      >"$logs/gpt_fsdp_bf16.log" 2>&1
+    summary "gpt_fsdp bf16 rc=$? $(grep -iE 'val|step' "$logs/gpt_fsdp_bf16.log" | tail -2 | tr '\n' ' ')"
+    ;;
+  *) summary "unknown step $s" ;;
+  esac
+done
