@@ -2,6 +2,7 @@
 // tmp-dir + fsync + rename protocol, and loading that checks everything
 // before it changes anything.
 #include "distributed/checkpoint/checkpoint.h"
+#include "distributed/checkpoint/checkpoint_internal.h"
 
 #include <fcntl.h>
 #include <stdio.h>
@@ -36,13 +37,12 @@ CheckpointSaveHooks& hooks() {
 void set_checkpoint_save_hooks(CheckpointSaveHooks h) { hooks() = std::move(h); }
 }  // namespace testing
 
-namespace {
+namespace checkpoint_internal {
 
 constexpr const char* kFormat = "ember-checkpoint";
 constexpr int64_t kVersion = 1;
 constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
-constexpr const char* kTrainerFile = "trainer.json";
 constexpr uintmax_t kMaxTrainerJsonBytes = 64 << 20;
 
 void stage(const char* name) {
@@ -317,8 +317,7 @@ absl::Status write_checkpoint(const std::string& dir, const std::vector<std::pai
                               const std::string& trainer) {
   const fs::path parent = fs::path(dir).parent_path();
   if (!parent.empty()) fs::create_directories(parent);
-  const std::string pid = std::to_string(::getpid());
-  const std::string tmp = dir + ".tmp-" + pid;
+  const std::string tmp = dir + ".tmp-" + std::to_string(::getpid());
   fs::remove_all(tmp);  // a leftover of an earlier crashed process with our pid
   fs::create_directory(tmp);
   auto fail = [&](absl::Status s) {
@@ -335,8 +334,17 @@ absl::Status write_checkpoint(const std::string& dir, const std::vector<std::pai
   if (auto s = write_file_synced(tmp + "/" + kTrainerFile, trainer); !s.ok()) return fail(s);
   if (auto s = fsync_dir(tmp); !s.ok()) return fail(s);
   stage("tmp_complete");
+  return commit_dir(tmp, dir);
+}
 
-  const std::string parent_str = parent.string();
+absl::Status commit_dir(const std::string& tmp, const std::string& dir) {
+  const std::string pid = std::to_string(::getpid());
+  auto fail = [&](absl::Status s) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    return s;
+  };
+  const std::string parent_str = fs::path(dir).parent_path().string();
   std::error_code ec;
   if (fs::exists(dir, ec)) {
     if (rename_exchange(tmp, dir)) {
@@ -369,12 +377,10 @@ absl::Status write_checkpoint(const std::string& dir, const std::vector<std::pai
   return absl::OkStatus();
 }
 
-}  // namespace
 
-absl::Status save_checkpoint(const std::string& dir_in, const nn::Module& model, const optim::Optimizer* optimizer,
-                             const optim::LRScheduler* scheduler, const TrainingState& state) {
-  const std::string dir = normalize_dir(dir_in);
-  if (dir.empty() || dir == "/") return absl::InvalidArgumentError("save_checkpoint: empty checkpoint directory");
+
+absl::StatusOr<std::string> trainer_text(const nn::Module& model, const optim::Optimizer* optimizer,
+                                         const optim::LRScheduler* scheduler, const TrainingState& state) {
   if (state.epoch < 0 || state.step < 0)
     return absl::InvalidArgumentError(absl::StrCat("save_checkpoint: epoch ", state.epoch, " and step ", state.step,
                                                    " must be >= 0"));
@@ -387,36 +393,21 @@ absl::Status save_checkpoint(const std::string& dir_in, const nn::Module& model,
     return absl::InvalidArgumentError(absl::StrCat("save_checkpoint: extra_json is not valid JSON: ", e.what()));
   }
   if (!extra.is_object()) return absl::InvalidArgumentError("save_checkpoint: extra_json must be a JSON object");
-  try {
-    const nn::StateDict model_sd = model.state_dict();
-    std::optional<optim::OptimizerStateDict> opt_sd;
-    if (optimizer) {
-      opt_sd = optimizer->state_dict();
-      optim::name_parameters(*opt_sd, *optimizer, model.named_parameters());
-    }
-    const std::string trainer =
-        trainer_json(model, optimizer, scheduler, state, std::move(extra), opt_sd ? &*opt_sd : nullptr).dump(2) + "\n";
-    return write_checkpoint(dir, model_sd.items(), opt_sd ? &opt_sd->state : nullptr, trainer);
-  } catch (const Error& e) {
-    return absl::InternalError(absl::StrCat("save_checkpoint '", dir, "': ", e.what()));
-  } catch (const fs::filesystem_error& e) {
-    return absl::InternalError(absl::StrCat("save_checkpoint '", dir, "': ", e.what()));
+  std::optional<optim::OptimizerStateDict> opt_sd;
+  if (optimizer) {
+    opt_sd = optimizer->state_dict();
+    optim::name_parameters(*opt_sd, *optimizer, model.named_parameters());
   }
+  return trainer_json(model, optimizer, scheduler, state, std::move(extra), opt_sd ? &*opt_sd : nullptr).dump(2) + "\n";
 }
 
-absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir_in, nn::Module& model,
-                                              optim::Optimizer* optimizer, optim::LRScheduler* scheduler) {
-  const std::string dir = normalize_dir(dir_in);
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec))
-    return absl::NotFoundError(absl::StrCat("load_checkpoint: '", dir, "' is not a checkpoint directory"));
-  const std::string trainer_path = dir + "/" + kTrainerFile;
+absl::StatusOr<TrainerFile> read_trainer_file(const std::string& trainer_path, const optim::Optimizer* optimizer,
+                                              const optim::LRScheduler* scheduler) {
   auto trainer = read_trainer_json(trainer_path);
   if (!trainer.ok()) return trainer.status();
   const json& j = *trainer;
-
-  // 1. Read and check everything.
-  TrainingState st;
+  TrainerFile out;
+  TrainingState& st = out.state;
   Fields f{trainer_path};
   st.epoch = f.count(j, "epoch");
   st.step = f.count(j, "step");
@@ -432,7 +423,72 @@ absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir_in, nn::Mod
   const json* sched_j = f.get(j, "scheduler", "an object or null");
   if (!f.status.ok()) return f.status;
   st.extra_json = extra->dump();
+  if (optimizer) {
+    if (opt_j->is_null())
+      return absl::InvalidArgumentError(absl::StrCat(trainer_path, ": the checkpoint holds no optimizer state"));
+    auto sd = parse_optimizer(*opt_j, trainer_path, optimizer->name());
+    if (!sd.ok()) return sd.status();
+    out.optimizer_groups = std::move(*sd);
+  }
+  if (scheduler) {
+    if (sched_j->is_null())
+      return absl::InvalidArgumentError(absl::StrCat(trainer_path, ": the checkpoint holds no scheduler state"));
+    if (!sched_j->is_object()) return absl::DataLossError(absl::StrCat(trainer_path, ": \"scheduler\" is not an object"));
+    optim::LRSchedulerState sched_state;
+    sched_state.last_epoch = f.integer(*sched_j, "last_epoch");
+    sched_state.base_lrs = f.numbers(*sched_j, "base_lrs");
+    sched_state.last_lr = f.numbers(*sched_j, "last_lr");
+    if (!f.status.ok()) return f.status;
+    const size_t groups = scheduler->optimizer().param_groups().size();
+    if (sched_state.base_lrs.size() != groups || sched_state.last_lr.size() != groups || sched_state.last_epoch < 0)
+      return absl::InvalidArgumentError(absl::StrCat(
+          trainer_path, ": the scheduler state has ", sched_state.base_lrs.size(), " base_lrs, ",
+          sched_state.last_lr.size(), " last_lr and last_epoch ", sched_state.last_epoch, "; the scheduler's optimizer has ",
+          groups, " parameter groups"));
+    out.scheduler_state = std::move(sched_state);
+  }
+  return out;
+}
 
+void apply_trainer_file(const TrainerFile& t, optim::LRScheduler* scheduler) {
+  if (scheduler && t.scheduler_state) scheduler->load_state_dict(*t.scheduler_state);
+  default_generator().manual_seed(t.state.rng_seed);
+  default_generator().set_offset(t.state.rng_offset);
+}
+
+}  // namespace checkpoint_internal
+
+using namespace checkpoint_internal;
+
+absl::Status save_checkpoint(const std::string& dir_in, const nn::Module& model, const optim::Optimizer* optimizer,
+                             const optim::LRScheduler* scheduler, const TrainingState& state) {
+  const std::string dir = normalize_dir(dir_in);
+  if (dir.empty() || dir == "/") return absl::InvalidArgumentError("save_checkpoint: empty checkpoint directory");
+  try {
+    auto trainer = trainer_text(model, optimizer, scheduler, state);
+    if (!trainer.ok()) return trainer.status();
+    const nn::StateDict model_sd = model.state_dict();
+    std::optional<optim::OptimizerStateDict> opt_sd;
+    if (optimizer) opt_sd = optimizer->state_dict();
+    return write_checkpoint(dir, model_sd.items(), opt_sd ? &opt_sd->state : nullptr, *trainer);
+  } catch (const Error& e) {
+    return absl::InternalError(absl::StrCat("save_checkpoint '", dir, "': ", e.what()));
+  } catch (const fs::filesystem_error& e) {
+    return absl::InternalError(absl::StrCat("save_checkpoint '", dir, "': ", e.what()));
+  }
+}
+
+absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir_in, nn::Module& model,
+                                              optim::Optimizer* optimizer, optim::LRScheduler* scheduler) {
+  const std::string dir = normalize_dir(dir_in);
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec))
+    return absl::NotFoundError(absl::StrCat("load_checkpoint: '", dir, "' is not a checkpoint directory"));
+  const std::string trainer_path = dir + "/" + kTrainerFile;
+  auto trainer = read_trainer_file(trainer_path, optimizer, scheduler);
+  if (!trainer.ok()) return trainer.status();
+
+  // 1. Read and check everything.
   const std::string model_path = dir + "/" + kModelFile;
   auto model_file = load_safetensors(model_path);
   if (!model_file.ok()) return model_file.status();
@@ -445,31 +501,10 @@ absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir_in, nn::Mod
   std::optional<optim::OptimizerStateDict> opt_sd;
   const std::string opt_path = dir + "/" + kOptimizerFile;
   if (optimizer) {
-    if (opt_j->is_null())
-      return absl::InvalidArgumentError(absl::StrCat(trainer_path, ": the checkpoint holds no optimizer state"));
-    auto sd = parse_optimizer(*opt_j, trainer_path, optimizer->name());
-    if (!sd.ok()) return sd.status();
     auto opt_file = load_safetensors(opt_path);
     if (!opt_file.ok()) return opt_file.status();
-    sd->state = std::move(opt_file->tensors);
-    opt_sd = std::move(*sd);
-  }
-
-  optim::LRSchedulerState sched_state;
-  if (scheduler) {
-    if (sched_j->is_null())
-      return absl::InvalidArgumentError(absl::StrCat(trainer_path, ": the checkpoint holds no scheduler state"));
-    if (!sched_j->is_object()) return absl::DataLossError(absl::StrCat(trainer_path, ": \"scheduler\" is not an object"));
-    sched_state.last_epoch = f.integer(*sched_j, "last_epoch");
-    sched_state.base_lrs = f.numbers(*sched_j, "base_lrs");
-    sched_state.last_lr = f.numbers(*sched_j, "last_lr");
-    if (!f.status.ok()) return f.status;
-    const size_t groups = scheduler->optimizer().param_groups().size();
-    if (sched_state.base_lrs.size() != groups || sched_state.last_lr.size() != groups || sched_state.last_epoch < 0)
-      return absl::InvalidArgumentError(absl::StrCat(
-          trainer_path, ": the scheduler state has ", sched_state.base_lrs.size(), " base_lrs, ",
-          sched_state.last_lr.size(), " last_lr and last_epoch ", sched_state.last_epoch, "; the scheduler's optimizer has ",
-          groups, " parameter groups"));
+    opt_sd = std::move(*trainer->optimizer_groups);
+    opt_sd->state = std::move(opt_file->tensors);
   }
 
   // 2. Apply. The optimizer checks all its entries before changing any, so
@@ -485,13 +520,11 @@ absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir_in, nn::Mod
     nn::StateDict sd;
     for (const auto& [k, t] : model_file->tensors) sd.insert(k, t);
     model.load_state_dict(sd, /*strict=*/true);
-    if (scheduler) scheduler->load_state_dict(sched_state);
+    apply_trainer_file(*trainer, scheduler);
   } catch (const Error& e) {
     return absl::InternalError(absl::StrCat("load_checkpoint '", dir, "': ", e.what()));
   }
-  default_generator().manual_seed(st.rng_seed);
-  default_generator().set_offset(st.rng_offset);
-  return st;
+  return trainer->state;
 }
 
 absl::StatusOr<std::optional<std::string>> latest_checkpoint(const std::string& root, const std::string& prefix,
