@@ -27,6 +27,7 @@
 #include "core/ops.h"
 #include "distributed/parallel/flat_param.h"
 #include "distributed/init.h"
+#include "distributed/object_collectives.h"
 
 namespace ember::distributed {
 namespace {
@@ -55,42 +56,12 @@ Device comm_device(const std::vector<Tensor>& params, const std::vector<Tensor>&
   return kCPU;
 }
 
-// Every rank's string (allgather of lengths, then of padded bytes).
-std::vector<std::string> allgather_strings(ProcessGroup& pg, const std::string& mine, Device device) {
-  const int ws = pg.size();
-  Tensor len = Tensor::from_vector({static_cast<double>(mine.size())}, {1}, {DType::Int64, device});
-  std::vector<Tensor> lens;
-  for (int r = 0; r < ws; ++r) lens.push_back(zeros({1}, {DType::Int64, device}));
-  pg.allgather(lens, len)->wait();
-  int64_t max_len = 1;
-  std::vector<int64_t> sizes;
-  for (auto& l : lens) {
-    sizes.push_back(static_cast<int64_t>(l.item()));
-    max_len = std::max(max_len, sizes.back());
-  }
-  std::vector<double> bytes(max_len, 0.0);
-  for (size_t i = 0; i < mine.size(); ++i) bytes[i] = static_cast<unsigned char>(mine[i]);
-  Tensor in = Tensor::from_vector(bytes, {max_len}, {DType::UInt8, device});
-  std::vector<Tensor> outs;
-  for (int r = 0; r < ws; ++r) outs.push_back(zeros({max_len}, {DType::UInt8, device}));
-  pg.allgather(outs, in)->wait();
-  std::vector<std::string> result;
-  for (int r = 0; r < ws; ++r) {
-    std::vector<double> v = outs[r].to_vector();
-    std::string s;
-    for (int64_t i = 0; i < sizes[r]; ++i) s.push_back(static_cast<char>(static_cast<unsigned char>(v[i])));
-    result.push_back(std::move(s));
-  }
-  return result;
-}
-
 // Throws on every rank, naming the first parameter that differs and the
 // ranks on each side, unless all ranks describe the same parameters.
-void check_same_parameters(ProcessGroup& pg, const std::vector<std::pair<std::string, Tensor>>& named,
-                           Device device) {
+void check_same_parameters(ProcessGroup& pg, const std::vector<std::pair<std::string, Tensor>>& named) {
   std::string mine;
   for (auto& [name, p] : named) mine += param_description(name, p) + "\n";
-  std::vector<std::string> all = allgather_strings(pg, mine, device);
+  std::vector<std::string> all = allgather_strings(pg, mine);
   std::vector<std::vector<std::string>> lines;
   size_t most = 0;
   for (auto& s : all) {
@@ -489,7 +460,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   const Device dev = comm_device(all_params, impl_->buffers);
   impl_->device = dev;
   if (pg_->size() > 1) {
-    check_same_parameters(*pg_, named, dev);
+    check_same_parameters(*pg_, named);
     std::vector<Tensor> state = all_params;
     state.insert(state.end(), impl_->buffers.begin(), impl_->buffers.end());
     broadcast_coalesced(*pg_, state, 0);

@@ -1,0 +1,706 @@
+// Sharded checkpoints (sharded.h): which pieces of the training state this
+// rank holds (fully_shard's float32 shards, or whole tensors every rank
+// holds), the parallel write and the agreed commit, the index, and the load
+// that reads only the pieces overlapping what each rank holds now.
+#include "distributed/checkpoint/sharded.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+#include <unordered_map>
+
+#include "absl/strings/str_cat.h"
+#include "core/autograd_hook.h"
+#include "core/json_limits.h"
+#include "core/ops.h"
+#include "core/safetensors.h"
+#include "distributed/checkpoint/checkpoint_internal.h"
+#include "distributed/object_collectives.h"
+#include "distributed/parallel/fsdp.h"
+#include "distributed/parallel/fsdp_unit.h"
+
+namespace ember::distributed {
+namespace fs = std::filesystem;
+using json = nlohmann::ordered_json;
+using namespace checkpoint_internal;
+
+namespace {
+
+constexpr const char* kIndexFormat = "ember-sharded-checkpoint";
+constexpr int64_t kIndexVersion = 1;
+constexpr const char* kIndexFile = "index.json";
+constexpr const char* kOptimPrefix = "optim.state.";
+constexpr uintmax_t kMaxIndexBytes = uintmax_t{1} << 30;
+
+std::string rank_file(int r) {
+  char b[40];
+  std::snprintf(b, sizeof b, "rank-%05d.safetensors", r);
+  return b;
+}
+
+std::string hex64(uint64_t v) {
+  char b[20];
+  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
+  return b;
+}
+
+std::optional<DType> dtype_from_name(const std::string& s) {
+  for (DType t : {DType::Float32, DType::Float16, DType::BFloat16, DType::Float64, DType::Int32, DType::Int64,
+                  DType::UInt8, DType::Bool})
+    if (s == safetensors_dtype_name(t)) return t;
+  return std::nullopt;
+}
+
+uint64_t name_hash(const std::string& s) { return XXH64(s.data(), s.size(), 0); }
+
+// One tensor of the state as this rank holds it.
+struct Held {
+  std::string name;
+  Shape shape;  // the whole tensor's
+  DType dtype = DType::Float32;
+  int64_t offset = 0;   // first element held, in the whole tensor's flattening
+  Tensor local;         // the held elements in order (any shape of that numel)
+  bool writer = false;  // this rank writes them (exactly one holder does)
+};
+
+// A parameter (or buffer) of the model: its name, whole shape, and what of
+// it this rank holds.
+struct Place {
+  std::string name;
+  Shape shape;
+  int64_t offset = 0, numel = 0;
+  bool holds = false, writer = false;
+  Tensor local;
+};
+
+struct ModelLayout {
+  std::vector<Held> held;
+  std::unordered_map<const TensorImpl*, Place> by_impl;
+  std::map<std::string, Place> by_name;
+  std::string description;  // "fsdp:full_shard", "replicated", "single"
+};
+
+ModelLayout model_layout(nn::Module& model, ProcessGroup& pg) {
+  ModelLayout out;
+  const int rank = pg.rank(), world = pg.size();
+  // A tensor every rank holds whole is written by one, chosen by name, so
+  // that the writes spread over the ranks.
+  auto owner = [&](const std::string& name) { return static_cast<int>(name_hash(name) % world) == rank; };
+  using Unit = FSDPModule::Unit;
+  std::unordered_map<const TensorImpl*, std::pair<Unit*, size_t>> managed;
+  if (std::shared_ptr<FSDPModule> root = fsdp_of(model)) {
+    root->reshard();  // the float32 shards are the truth; gathered copies may be 16-bit
+    for (auto& u : root->units())
+      for (size_t i = 0; i < u->params.size(); ++i) managed[u->params[i].impl_ptr().get()] = {u.get(), i};
+    std::string strategy = strategy_name(root->units().front()->strategy);
+    for (char& c : strategy) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    out.description = "fsdp:" + strategy;  // torch's names, lower case: "fsdp:full_shard"
+  } else {
+    out.description = world > 1 ? "replicated" : "single";
+  }
+  const nn::StateDict sd = model.state_dict();
+  for (const auto& [name, t] : sd.items()) {
+    Place p;
+    auto it = managed.find(t.impl_ptr().get());
+    if (it == managed.end()) {
+      p = {name, t.sizes(), 0, t.numel(), true, owner(name), t};
+    } else {
+      const Unit& u = *it->second.first;
+      const size_t i = it->second.second;
+      const FlatBuffer::Piece* pc = nullptr;
+      for (const auto& piece : u.pieces)
+        if (piece.entry == i) pc = &piece;
+      // Replicas of a shard (HYBRID_SHARD, NO_SHARD): replicate rank 0 writes.
+      const bool writer = !u.replicate_pg || u.replicate_pg->rank() == 0;
+      p = {name, u.layout.entries()[i].shape, pc ? pc->entry_offset : 0, pc ? pc->numel : 0, pc != nullptr, writer,
+           u.shard_view(u.shard, i)};
+    }
+    out.by_impl[t.impl_ptr().get()] = p;
+    out.by_name[name] = p;
+    if (p.holds) out.held.push_back({name, p.shape, p.local.dtype(), p.offset, p.local, p.writer});
+  }
+  return out;
+}
+
+// "state.<index>.<name>" -> (index, name).
+bool split_state_key(const std::string& key, int64_t* index, std::string* name) {
+  if (key.rfind("state.", 0) != 0) return false;
+  const size_t dot = key.find('.', 6);
+  if (dot == std::string::npos) return false;
+  try {
+    *index = std::stoll(key.substr(6, dot - 6));
+  } catch (...) {
+    return false;
+  }
+  *name = key.substr(dot + 1);
+  return true;
+}
+
+// The optimizer's state, as the pieces this rank writes: elementwise state
+// is held like its parameter; a scalar (Adam's step) is written by the
+// writer of the parameter's first element.
+std::vector<Held> optimizer_held(const optim::Optimizer& opt, const ModelLayout& L) {
+  const optim::OptimizerStateDict sd = opt.state_dict();
+  std::vector<Tensor> by_index;
+  for (const auto& g : opt.param_groups())
+    for (const Tensor& p : g.params) by_index.push_back(p);
+  std::vector<Held> out;
+  for (const auto& [key, t] : sd.state) {
+    int64_t idx = 0;
+    std::string sname;
+    EMBER_CHECK(split_state_key(key, &idx, &sname) && idx >= 0 && idx < static_cast<int64_t>(by_index.size()),
+                "save_sharded_checkpoint: unexpected optimizer state key '", key, "'");
+    auto it = L.by_impl.find(by_index[idx].impl_ptr().get());
+    EMBER_CHECK(it != L.by_impl.end(), "save_sharded_checkpoint: the optimizer's parameter ", idx,
+                " is not a parameter of the model");
+    const Place& p = it->second;
+    const std::string name = kOptimPrefix + p.name + "." + sname;
+    if (t.dim() == 0) {
+      if (p.holds && p.offset == 0 && p.writer) out.push_back({name, {}, t.dtype(), 0, t, true});
+      continue;
+    }
+    EMBER_CHECK(t.numel() == p.numel, "save_sharded_checkpoint: optimizer state '", name, "' has ", t.numel(),
+                " elements here, the parameter's piece ", p.numel);
+    if (p.holds) out.push_back({name, p.shape, t.dtype(), p.offset, t, p.writer});
+  }
+  return out;
+}
+
+// Writes this rank's pieces to `path`; returns their records (name, shape,
+// dtype, offset, numel, absolute byte range, checksum).
+absl::StatusOr<json> write_rank_file(const std::string& path, const std::vector<Held>& held, int64_t max_piece_bytes) {
+  std::vector<std::pair<std::string, Tensor>> items;
+  json records = json::array();
+  std::vector<size_t> record_of_item;
+  for (const Held& h : held) {
+    if (!h.writer) continue;
+    json rec = {{"name", h.name}, {"shape", h.shape}, {"dtype", safetensors_dtype_name(h.dtype)}};
+    Tensor flat = h.local.detach().contiguous().view({-1}).to(kCPU).contiguous();
+    const int64_t n = flat.numel(), es = static_cast<int64_t>(dtype_size(h.dtype));
+    const int64_t per = std::max<int64_t>(1, max_piece_bytes / es);
+    if (n == 0) {  // registers an empty tensor's shape and dtype
+      records.push_back(rec);
+      continue;
+    }
+    for (int64_t s = 0; s < n; s += per) {
+      Tensor c = flat.narrow(0, s, std::min(per, n - s)).contiguous();
+      json r = rec;
+      r["offset"] = h.offset + s;
+      r["numel"] = c.numel();
+      r["xxh64"] = hex64(XXH64(c.raw_data(), static_cast<size_t>(c.numel() * es), 0));
+      items.push_back({h.name + "@" + std::to_string(h.offset + s), c});
+      record_of_item.push_back(records.size());
+      records.push_back(std::move(r));
+    }
+  }
+  if (auto s = save_safetensors(path, items, {{"format", "ember-sharded"}}); !s.ok()) return s;
+  // The byte ranges, from the header just written.
+  std::ifstream in(path, std::ios::binary);
+  uint64_t header_len = 0;
+  in.read(reinterpret_cast<char*>(&header_len), 8);
+  std::string header(header_len, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(header_len));
+  if (!in) return absl::InternalError(absl::StrCat(path, ": cannot read back the header just written"));
+  const json hj = json::parse(header);
+  for (size_t k = 0; k < items.size(); ++k) {
+    const json& off = hj.at(items[k].first).at("data_offsets");
+    const int64_t base = 8 + static_cast<int64_t>(header_len);
+    records[record_of_item[k]]["bytes"] = {base + off[0].get<int64_t>(), base + off[1].get<int64_t>()};
+  }
+  return records;
+}
+
+absl::Status checked_index(const json& j, const std::string& path, CheckpointIndex* out);
+
+// Rank 0: the index of every rank's records.
+absl::StatusOr<json> build_index(const std::vector<json>& records, int world, const std::string& layout,
+                                 const std::string& where) {
+  json tensors = json::object();
+  for (int r = 0; r < world; ++r)
+    for (const json& rec : records[r]) {
+      const std::string name = rec.at("name").get<std::string>();
+      auto it = tensors.find(name);
+      if (it == tensors.end()) {
+        tensors[name] = {{"shape", rec.at("shape")}, {"dtype", rec.at("dtype")}, {"pieces", json::array()}};
+        it = tensors.find(name);
+      } else if ((*it)["shape"] != rec.at("shape") || (*it)["dtype"] != rec.at("dtype")) {
+        return absl::InternalError(absl::StrCat(where, ": ranks disagree on tensor '", name, "': ",
+                                                (*it)["shape"].dump(), " ", (*it)["dtype"].dump(), " vs ",
+                                                rec.at("shape").dump(), " ", rec.at("dtype").dump(), " on rank ", r));
+      }
+      if (!rec.contains("offset")) continue;
+      (*it)["pieces"].push_back({{"file", rank_file(r)},
+                                 {"offset", rec.at("offset")},
+                                 {"numel", rec.at("numel")},
+                                 {"bytes", rec.at("bytes")},
+                                 {"xxh64", rec.at("xxh64")}});
+    }
+  json sorted = json::object();
+  std::vector<std::string> names;
+  for (const auto& [k, v] : tensors.items()) names.push_back(k);
+  std::sort(names.begin(), names.end());
+  for (const auto& n : names) {
+    json t = tensors[n];
+    std::sort(t["pieces"].begin(), t["pieces"].end(),
+              [](const json& a, const json& b) { return a.at("offset").get<int64_t>() < b.at("offset").get<int64_t>(); });
+    sorted[n] = std::move(t);
+  }
+  json files = json::array();
+  for (int r = 0; r < world; ++r) files.push_back(rank_file(r));
+  json index = {{"format", kIndexFormat}, {"version", kIndexVersion}, {"world_size", world},
+                {"layout", layout},       {"files", files},           {"tensors", std::move(sorted)}};
+  // The index must describe every tensor exactly once before it is written.
+  CheckpointIndex check;
+  if (auto s = checked_index(index, where, &check); !s.ok())
+    return absl::InternalError(absl::StrCat("the index built is inconsistent (a bug): ", s.message()));
+  return index;
+}
+
+// ---- Reading the index ----
+
+absl::Status checked_index(const json& j, const std::string& path, CheckpointIndex* out) {
+  auto bad = [&](const std::string& m) { return absl::DataLossError(absl::StrCat(path, ": ", m)); };
+  if (!j.is_object()) return bad("not a JSON object");
+  auto f = j.find("format");
+  if (f == j.end() || !f->is_string() || f->get<std::string>() != kIndexFormat)
+    return absl::InvalidArgumentError(absl::StrCat(path, ": \"format\" is ", f == j.end() ? "missing" : f->dump(),
+                                                   ", expected \"", kIndexFormat, "\""));
+  auto v = j.find("version");
+  if (v == j.end() || !v->is_number_integer()) return bad("\"version\" is missing or not an integer");
+  if (v->get<int64_t>() != kIndexVersion)
+    return absl::InvalidArgumentError(absl::StrCat(path, ": version ", v->get<int64_t>(),
+                                                   " is not supported (this ember reads version ", kIndexVersion, ")"));
+  auto ws = j.find("world_size");
+  if (ws == j.end() || !ws->is_number_integer() || ws->get<int64_t>() < 1) return bad("\"world_size\" must be >= 1");
+  out->world_size = ws->get<int>();
+  if (auto l = j.find("layout"); l != j.end() && l->is_string()) out->layout = l->get<std::string>();
+  auto files = j.find("files");
+  if (files == j.end() || !files->is_array()) return bad("\"files\" must be an array of file names");
+  for (const json& fj : *files) {
+    if (!fj.is_string()) return bad("\"files\" holds a non-string");
+    const std::string name = fj.get<std::string>();
+    if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+      return bad(absl::StrCat("file name '", name, "' is not a plain name in the checkpoint directory"));
+    out->files.push_back(name);
+  }
+  auto tensors = j.find("tensors");
+  if (tensors == j.end() || !tensors->is_object()) return bad("\"tensors\" must be an object");
+  auto integer = [](const json& o, const char* k, int64_t* x) {
+    auto it = o.find(k);
+    if (it == o.end() || !it->is_number_integer() || it->get<int64_t>() < 0) return false;
+    *x = it->get<int64_t>();
+    return true;
+  };
+  for (const auto& [name, t] : tensors->items()) {
+    const std::string at = absl::StrCat("tensor '", name, "'");
+    CheckpointTensor ct;
+    ct.name = name;
+    if (!t.is_object()) return bad(at + " is not an object");
+    auto shape = t.find("shape");
+    if (shape == t.end() || !shape->is_array()) return bad(at + ": \"shape\" must be an array");
+    for (const json& d : *shape) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0) return bad(at + ": \"shape\" holds a non-size");
+      ct.shape.push_back(d.get<int64_t>());
+    }
+    auto dt = t.find("dtype");
+    std::optional<DType> dtype = dt != t.end() && dt->is_string() ? dtype_from_name(dt->get<std::string>()) : std::nullopt;
+    if (!dtype) return bad(at + ": \"dtype\" is missing or unknown");
+    ct.dtype = *dtype;
+    const int64_t es = static_cast<int64_t>(dtype_size(ct.dtype));
+    auto pieces = t.find("pieces");
+    if (pieces == t.end() || !pieces->is_array()) return bad(at + ": \"pieces\" must be an array");
+    int64_t next = 0;  // coverage: pieces in order, each starting where the last ended
+    for (const json& p : *pieces) {
+      CheckpointPiece cp;
+      int64_t b = 0, e = 0;
+      auto file = p.is_object() ? p.find("file") : p.end();
+      auto bytes = p.is_object() ? p.find("bytes") : p.end();
+      auto hash = p.is_object() ? p.find("xxh64") : p.end();
+      if (file == p.end() || !file->is_string() || !integer(p, "offset", &cp.offset) ||
+          !integer(p, "numel", &cp.numel) || bytes == p.end() || !bytes->is_array() || bytes->size() != 2 ||
+          !(*bytes)[0].is_number_integer() || !(*bytes)[1].is_number_integer() || hash == p.end() ||
+          !hash->is_string() || hash->get<std::string>().size() != 16)
+        return bad(at + ": a piece needs \"file\", \"offset\", \"numel\", \"bytes\" [begin, end] and a 16-digit \"xxh64\"");
+      cp.file = file->get<std::string>();
+      if (std::find(out->files.begin(), out->files.end(), cp.file) == out->files.end())
+        return bad(absl::StrCat(at, ": piece at ", cp.offset, " is in '", cp.file, "', which \"files\" does not list"));
+      b = (*bytes)[0].get<int64_t>(), e = (*bytes)[1].get<int64_t>();
+      if (b < 0 || e - b != cp.numel * es)
+        return bad(absl::StrCat(at, ": piece at ", cp.offset, " has ", cp.numel, " elements but bytes [", b, ", ", e,
+                                ")"));
+      cp.byte_begin = b, cp.byte_end = e;
+      try {
+        cp.xxh64 = std::stoull(hash->get<std::string>(), nullptr, 16);
+      } catch (...) {
+        return bad(at + ": \"xxh64\" is not hexadecimal");
+      }
+      if (cp.offset != next)
+        return bad(absl::StrCat(at, ": ", cp.offset < next ? "pieces overlap" : "elements missing", " at element ",
+                                std::min(cp.offset, next), " (each element must be in exactly one piece)"));
+      next = cp.offset + cp.numel;
+      ct.pieces.push_back(std::move(cp));
+    }
+    if (next != shape_numel(ct.shape))
+      return bad(absl::StrCat(at, ": the pieces cover ", next, " of its ", shape_numel(ct.shape), " elements"));
+    out->tensors.push_back(std::move(ct));
+  }
+  std::sort(out->tensors.begin(), out->tensors.end(),
+            [](const CheckpointTensor& a, const CheckpointTensor& b) { return a.name < b.name; });
+  return absl::OkStatus();
+}
+
+// Open files of one checkpoint, read by byte range.
+class PieceReader {
+ public:
+  explicit PieceReader(std::string dir) : dir_(std::move(dir)) {}
+  ~PieceReader() {
+    for (auto& [k, fd] : fds_) ::close(fd);
+  }
+  PieceReader(const PieceReader&) = delete;
+  PieceReader& operator=(const PieceReader&) = delete;
+
+  // The piece's bytes, checksum verified.
+  absl::Status read(const CheckpointTensor& t, const CheckpointPiece& p, std::string* bytes) {
+    const std::string path = dir_ + "/" + p.file;
+    auto it = fds_.find(p.file);
+    if (it == fds_.end()) {
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0)
+        return errno == ENOENT ? absl::NotFoundError(absl::StrCat(path, ": missing file (tensor '", t.name, "')"))
+                               : absl::InternalError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
+      it = fds_.emplace(p.file, fd).first;
+    }
+    const size_t n = static_cast<size_t>(p.byte_end - p.byte_begin);
+    bytes->resize(n);
+    size_t done = 0;
+    while (done < n) {
+      const ssize_t r = ::pread(it->second, bytes->data() + done, n - done, p.byte_begin + static_cast<off_t>(done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) return absl::InternalError(absl::StrCat(path, ": read failed: ", std::strerror(errno)));
+      if (r == 0)
+        return absl::DataLossError(absl::StrCat(path, ": truncated: tensor '", t.name, "' bytes [", p.byte_begin, ", ",
+                                                p.byte_end, ") end past the end of the file"));
+      done += static_cast<size_t>(r);
+    }
+    const uint64_t h = XXH64(bytes->data(), n, 0);
+    if (h != p.xxh64)
+      return absl::DataLossError(absl::StrCat(path, ": checksum mismatch in tensor '", t.name, "' bytes [",
+                                              p.byte_begin, ", ", p.byte_end, ") (elements ", p.offset, "..",
+                                              p.offset + p.numel, "): xxh64 ", hex64(h), ", the index says ",
+                                              hex64(p.xxh64), " (corrupted file?)"));
+    return absl::OkStatus();
+  }
+
+  // Elements [offset, offset + out.numel()) of tensor `t` into `out` (a CPU
+  // contiguous tensor of t's dtype), reading only the overlapping pieces.
+  absl::Status read_range(const CheckpointTensor& t, int64_t offset, Tensor& out) {
+    const int64_t n = out.numel(), es = static_cast<int64_t>(dtype_size(t.dtype));
+    char* dst = static_cast<char*>(out.raw_data());
+    std::string buf;
+    for (const CheckpointPiece& p : t.pieces) {
+      const int64_t a = std::max(offset, p.offset), b = std::min(offset + n, p.offset + p.numel);
+      if (a >= b) continue;
+      if (auto s = read(t, p, &buf); !s.ok()) return s;
+      std::memcpy(dst + (a - offset) * es, buf.data() + (a - p.offset) * es, static_cast<size_t>((b - a) * es));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string dir_;
+  std::map<std::string, int> fds_;
+};
+
+// Every rank's error (empty: none) -> one message naming the failed ranks.
+std::string agree_on_errors(ProcessGroup& pg, const std::string& mine) {
+  const std::vector<std::string> all = allgather_strings(pg, mine);
+  std::string failed;
+  for (size_t r = 0; r < all.size(); ++r)
+    if (!all[r].empty()) failed += absl::StrCat(failed.empty() ? "" : "; ", "rank ", r, ": ", all[r]);
+  return failed;
+}
+
+}  // namespace
+
+const CheckpointTensor* CheckpointIndex::find(const std::string& name) const {
+  auto it = std::lower_bound(tensors.begin(), tensors.end(), name,
+                             [](const CheckpointTensor& t, const std::string& n) { return t.name < n; });
+  return it != tensors.end() && it->name == name ? &*it : nullptr;
+}
+
+bool is_sharded_checkpoint(const std::string& dir) {
+  std::error_code ec;
+  return fs::is_regular_file(fs::path(dir) / kIndexFile, ec);
+}
+
+absl::StatusOr<CheckpointIndex> read_checkpoint_index(const std::string& dir_in) {
+  const std::string path = normalize_dir(dir_in) + "/" + kIndexFile;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    std::error_code ec;
+    if (!fs::exists(path, ec))
+      return absl::NotFoundError(absl::StrCat(path, ": missing file (not a sharded checkpoint, or not committed)"));
+    return absl::InternalError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
+  }
+  std::error_code ec;
+  if (fs::file_size(path, ec) > kMaxIndexBytes) return absl::DataLossError(absl::StrCat(path, ": implausibly large"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string text = std::move(ss).str();
+  if (const std::string deep = json_depth_error(text); !deep.empty())
+    return absl::DataLossError(absl::StrCat(path, ": invalid JSON: ", deep));
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    return absl::DataLossError(absl::StrCat(path, ": invalid JSON (truncated or corrupted file?): ", e.what()));
+  }
+  CheckpointIndex index;
+  if (auto s = checked_index(j, path, &index); !s.ok()) return s;
+  return index;
+}
+
+absl::Status verify_checkpoint(const std::string& dir_in) {
+  const std::string dir = normalize_dir(dir_in);
+  auto index = read_checkpoint_index(dir);
+  if (!index.ok()) return index.status();
+  PieceReader reader(dir);
+  std::string buf;
+  for (const CheckpointTensor& t : index->tensors)
+    for (const CheckpointPiece& p : t.pieces)
+      if (auto s = reader.read(t, p, &buf); !s.ok()) return s;
+  return absl::OkStatus();
+}
+
+absl::Status save_sharded_checkpoint(const std::string& dir_in, nn::Module& model, const optim::Optimizer* optimizer,
+                                     const optim::LRScheduler* scheduler, const TrainingState& state,
+                                     ProcessGroup& pg, const ShardedSaveOptions& options) {
+  const std::string dir = normalize_dir(dir_in);
+  const std::string where = absl::StrCat("save_sharded_checkpoint '", dir, "'");
+  if (dir.empty() || dir == "/") return absl::InvalidArgumentError(where + ": empty checkpoint directory");
+  if (options.max_piece_bytes < 1) return absl::InvalidArgumentError(where + ": max_piece_bytes must be >= 1");
+  const int rank = pg.rank(), world = pg.size();
+  NoGradGuard no_grad;
+  try {
+    // 1. Rank 0 makes the temporary directory, named after its pid.
+    Tensor nonce = full({1}, rank == 0 ? static_cast<double>(::getpid()) : 0.0, {DType::Int64, pg.device()});
+    pg.broadcast(nonce, 0)->wait();
+    const std::string tmp = absl::StrCat(dir, ".tmp-", static_cast<int64_t>(nonce.item()));
+    std::string error;
+    if (rank == 0) {
+      std::error_code ec;
+      const fs::path parent = fs::path(dir).parent_path();
+      if (!parent.empty()) fs::create_directories(parent, ec);
+      fs::remove_all(tmp, ec);  // a leftover of a crashed save with the same pid
+      if (!fs::create_directories(tmp, ec)) error = absl::StrCat("cannot create '", tmp, "': ", ec.message());
+    }
+    if (std::string failed = agree_on_errors(pg, error); !failed.empty())
+      return absl::InternalError(absl::StrCat(where, ": ", failed));
+    stage("sharded_dir_created");
+
+    // 2. Every rank writes its pieces.
+    json records;
+    std::string trainer;
+    ModelLayout L;
+    try {
+      L = model_layout(model, pg);
+      std::vector<Held> held = L.held;
+      if (optimizer) {
+        std::vector<Held> o = optimizer_held(*optimizer, L);
+        held.insert(held.end(), o.begin(), o.end());
+      }
+      if (rank == 0) {
+        auto t = trainer_text(model, optimizer, scheduler, state);
+        if (!t.ok()) error = std::string(t.status().message());
+        else trainer = *t;
+      }
+      if (error.empty()) {
+        auto r = write_rank_file(tmp + "/" + rank_file(rank), held, options.max_piece_bytes);
+        if (!r.ok()) error = std::string(r.status().message());
+        else records = std::move(*r);
+      }
+    } catch (const Error& e) {
+      error = e.what();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    stage("sharded_rank_written");
+
+    // 3. Every rank's records, or the failures: no index unless all wrote.
+    const std::vector<std::string> all = allgather_strings(pg, error.empty() ? records.dump() : "!" + error);
+    std::string failed;
+    for (int r = 0; r < world; ++r)
+      if (!all[r].empty() && all[r][0] == '!')
+        failed += absl::StrCat(failed.empty() ? "" : "; ", "rank ", r, ": ", all[r].substr(1));
+    if (!failed.empty()) {
+      if (rank == 0) {
+        std::error_code ec;
+        fs::remove_all(tmp, ec);
+      }
+      return absl::InternalError(absl::StrCat(where, ": ", failed, " (nothing committed; the previous checkpoint stays)"));
+    }
+
+    // 4. Rank 0 writes trainer.json, then the index, then renames.
+    std::string commit_error;
+    if (rank == 0) {
+      std::vector<json> per_rank;
+      for (int r = 0; r < world; ++r) per_rank.push_back(json::parse(all[r]));
+      auto index = build_index(per_rank, world, L.description, where);
+      absl::Status s = index.status();
+      if (s.ok()) s = write_file_synced(tmp + "/" + kTrainerFile, trainer);
+      if (s.ok()) stage("sharded_before_index");
+      if (s.ok()) s = write_file_synced(tmp + "/" + kIndexFile, index->dump(1) + "\n");
+      if (s.ok()) s = fsync_dir(tmp);
+      if (s.ok()) stage("sharded_before_rename");
+      if (s.ok()) s = commit_dir(tmp, dir);
+      if (!s.ok()) {
+        commit_error = std::string(s.message());
+        std::error_code ec;
+        fs::remove_all(tmp, ec);
+      }
+    }
+    if (std::string f = agree_on_errors(pg, commit_error); !f.empty())
+      return absl::InternalError(absl::StrCat(where, ": ", f));
+    return absl::OkStatus();
+  } catch (const Error& e) {  // a collective failed: a rank died or timed out
+    return absl::InternalError(absl::StrCat(where, ": ", e.what()));
+  }
+}
+
+absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in, nn::Module& model,
+                                                      optim::Optimizer* optimizer, optim::LRScheduler* scheduler,
+                                                      ProcessGroup& pg) {
+  const std::string dir = normalize_dir(dir_in);
+  const std::string index_path = dir + "/" + kIndexFile;
+  NoGradGuard no_grad;
+  try {
+    // 1. Read and check everything this rank needs.
+    std::string error;
+    std::optional<TrainerFile> trainer;
+    std::vector<std::pair<Tensor, Tensor>> model_copies;  // (destination, staged)
+    optim::OptimizerStateDict opt_sd;
+    do {
+      auto index = read_checkpoint_index(dir);
+      if (!index.ok()) {
+        error = std::string(index.status().message());
+        break;
+      }
+      auto t = read_trainer_file(dir + "/" + kTrainerFile, optimizer, scheduler);
+      if (!t.ok()) {
+        error = std::string(t.status().message());
+        break;
+      }
+      trainer = std::move(*t);
+      const ModelLayout L = model_layout(model, pg);
+      PieceReader reader(dir);
+      const std::string saved_by = absl::StrCat(" (saved by ", index->world_size, " rank(s), ", index->layout, ")");
+      // Model: every entry, whole shape and dtype as the model has them.
+      for (const auto& [name, p] : L.by_name) {
+        const CheckpointTensor* src = index->find(name);
+        if (!src) {
+          error = absl::StrCat(index_path, ": no tensor '", name, "' (the model has it)", saved_by);
+          break;
+        }
+        if (src->shape != p.shape || src->dtype != p.local.dtype()) {
+          error = absl::StrCat(index_path, ": tensor '", name, "' is ", shape_str(src->shape), " ",
+                               dtype_name(src->dtype), " in the checkpoint, ", shape_str(p.shape), " ",
+                               dtype_name(p.local.dtype()), " in the model");
+          break;
+        }
+        if (!p.holds) continue;
+        Tensor staged = Tensor::empty({p.numel}, {src->dtype, kCPU});
+        if (auto s = reader.read_range(*src, p.offset, staged); !s.ok()) {
+          error = std::string(s.message());
+          break;
+        }
+        model_copies.push_back({p.local, staged});
+      }
+      if (!error.empty()) break;
+      for (const CheckpointTensor& t2 : index->tensors)
+        if (t2.name.rfind(kOptimPrefix, 0) != 0 && !L.by_name.count(t2.name)) {
+          error = absl::StrCat(index_path, ": unexpected tensor '", t2.name, "' (the model has no such entry)");
+          break;
+        }
+      if (!error.empty() || !optimizer) break;
+      // Optimizer: the saved groups (names included) with each parameter's
+      // state read for the piece of the parameter this rank holds.
+      std::map<std::string, std::vector<const CheckpointTensor*>> state_of;  // parameter name -> its state
+      for (const CheckpointTensor& t2 : index->tensors)
+        if (t2.name.rfind(kOptimPrefix, 0) == 0) {
+          const std::string rest = t2.name.substr(std::strlen(kOptimPrefix));
+          const size_t dot = rest.rfind('.');
+          if (dot != std::string::npos) state_of[rest.substr(0, dot)].push_back(&t2);
+        }
+      opt_sd = *trainer->optimizer_groups;
+      for (const auto& g : opt_sd.param_groups) {
+        if (g.param_names.size() != g.params.size()) {
+          error = absl::StrCat(dir, "/", kTrainerFile, ": the optimizer groups carry no parameter names");
+          break;
+        }
+        for (size_t k = 0; k < g.params.size() && error.empty(); ++k) {
+          auto pl = L.by_name.find(g.param_names[k]);
+          if (pl == L.by_name.end()) {
+            error = absl::StrCat(dir, "/", kTrainerFile, ": the optimizer's parameter '", g.param_names[k],
+                                 "' is not in the model");
+            break;
+          }
+          const Place& p = pl->second;
+          for (const CheckpointTensor* st : state_of[p.name]) {
+            const std::string sname = st->name.substr(std::strlen(kOptimPrefix) + p.name.size() + 1);
+            Tensor staged;
+            absl::Status s;
+            if (st->shape.empty()) {
+              staged = Tensor::empty({}, {st->dtype, kCPU});
+              s = reader.read_range(*st, 0, staged);
+            } else if (st->shape != p.shape) {
+              s = absl::InvalidArgumentError(absl::StrCat(index_path, ": optimizer state '", st->name, "' is ",
+                                                          shape_str(st->shape), ", its parameter ", shape_str(p.shape)));
+            } else {
+              staged = Tensor::empty({p.holds ? p.numel : 0}, {st->dtype, kCPU});
+              s = reader.read_range(*st, p.offset, staged);
+              if (s.ok()) staged = staged.view(p.local.sizes()).to(p.local.device());
+            }
+            if (!s.ok()) {
+              error = std::string(s.message());
+              break;
+            }
+            opt_sd.state.push_back({absl::StrCat("state.", g.params[k], ".", sname), staged});
+          }
+        }
+        if (!error.empty()) break;
+      }
+    } while (false);
+
+    // 2. Only if every rank read everything does any rank change its state.
+    if (std::string failed = agree_on_errors(pg, error); !failed.empty())
+      return absl::InvalidArgumentError(absl::StrCat("load_sharded_checkpoint '", dir, "': ", failed));
+    if (optimizer) {
+      try {
+        optimizer->load_state_dict(optim::match_by_name(opt_sd, *optimizer, model.named_parameters()));
+      } catch (const Error& e) {
+        return absl::InvalidArgumentError(absl::StrCat("load_sharded_checkpoint '", dir, "': optimizer: ", e.what()));
+      }
+    }
+    for (auto& [dst, staged] : model_copies) {
+      Tensor d = dst;
+      d.copy_(staged.view(dst.sizes()));
+    }
+    apply_trainer_file(*trainer, scheduler);
+    return trainer->state;
+  } catch (const Error& e) {
+    return absl::InternalError(absl::StrCat("load_sharded_checkpoint '", dir, "': ", e.what()));
+  }
+}
+
+}  // namespace ember::distributed

@@ -1,0 +1,99 @@
+// Sharded checkpoints, as PyTorch's distributed checkpoint (DCP): every rank
+// writes the part of the training state it holds, in parallel, and a job of
+// any world size and any layout (fully_shard with any strategy, DDP, ZeRO-1's
+// replicated parameters, one process) loads it, each rank reading only the
+// pieces that overlap what it holds now.
+//
+// A checkpoint directory:
+//   rank-00000.safetensors ...  each rank's pieces (a valid safetensors file;
+//                               a piece is named "<tensor>@<offset>")
+//   trainer.json                optimizer groups, scheduler, epoch, step, RNG,
+//                               user JSON (checkpoint.h's format)
+//   index.json                  written last, by rank 0:
+//     {"format": "ember-sharded-checkpoint", "version": 1, "world_size": N,
+//      "layout": "fsdp:full_shard",          (what saved it, for messages)
+//      "files": ["rank-00000.safetensors", ...],
+//      "tensors": {"layers.0.attn.qkv.weight": {"shape": [384, 128], "dtype": "F32",
+//         "pieces": [{"file": "rank-00000.safetensors", "offset": 0, "numel": 24576,
+//                     "bytes": [80, 98384], "xxh64": "9c1e..."}, ...]}, ...}}
+// A piece is a run of elements of the tensor's row-major flattening:
+// `offset` is its first element, `bytes` its byte range in the file
+// (absolute), `xxh64` the xxHash64 (seed 0) of those bytes. Names are
+// PyTorch's: model tensors as in state_dict(), optimizer state as
+// "optim.state.<parameter name>.<state name>" (exp_avg, exp_avg_sq,
+// momentum_buffer, step). A tensor every rank holds whole (DDP) is written
+// once, by one rank chosen by its name, so the writes spread over the ranks.
+//
+// Commit: ranks write into "<dir>.tmp-<nonce>"; an agreement then checks that
+// every rank wrote its file; only then does rank 0 write trainer.json and
+// index.json and rename the directory into place (checkpoint.h's atomic
+// replacement). A failing or dying rank leaves the previous checkpoint.
+//
+// Load checks the index (format, version, every tensor's pieces covering it
+// exactly once, shapes and dtypes against the model) and reads and verifies
+// every piece it needs before it changes the model or the optimizer.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "distributed/checkpoint/checkpoint.h"
+#include "distributed/process_group.h"
+
+namespace ember::distributed {
+
+struct ShardedSaveOptions {
+  // Pieces are split at this size: a reader over-reads at most one piece
+  // per tensor end, and a corrupted byte is located to within a piece.
+  int64_t max_piece_bytes = int64_t{16} << 20;
+};
+
+// Every rank of `pg` calls it, with its model (wrapped by fully_shard or
+// not), its optimizer (may be null) and scheduler (may be null). Returns the
+// same status on every rank: an error names the rank that failed.
+absl::Status save_sharded_checkpoint(const std::string& dir, nn::Module& model, const optim::Optimizer* optimizer,
+                                     const optim::LRScheduler* scheduler, const TrainingState& state,
+                                     ProcessGroup& pg, const ShardedSaveOptions& options = {});
+
+// Every rank of `pg` calls it. The model, optimizer and scheduler change only
+// if everything needed was read and verified; errors name the file, the
+// tensor and what was wrong.
+absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir, nn::Module& model,
+                                                      optim::Optimizer* optimizer, optim::LRScheduler* scheduler,
+                                                      ProcessGroup& pg);
+
+// ---- The index, for tools (//tools:ckpt) and tests ----
+
+struct CheckpointPiece {
+  std::string file;
+  int64_t offset = 0, numel = 0;  // elements of the flattened tensor
+  int64_t byte_begin = 0, byte_end = 0;
+  uint64_t xxh64 = 0;
+};
+struct CheckpointTensor {
+  std::string name;
+  Shape shape;
+  DType dtype = DType::Float32;
+  std::vector<CheckpointPiece> pieces;  // by offset
+};
+struct CheckpointIndex {
+  int world_size = 0;
+  std::string layout;
+  std::vector<std::string> files;
+  std::vector<CheckpointTensor> tensors;  // by name
+  const CheckpointTensor* find(const std::string& name) const;
+};
+
+// index.json read and checked (format, version, fields, and every tensor's
+// pieces covering it exactly once, in files the index lists).
+absl::StatusOr<CheckpointIndex> read_checkpoint_index(const std::string& dir);
+// Every piece read and its checksum compared: an error names the file, the
+// tensor and the byte range of the first mismatch.
+absl::Status verify_checkpoint(const std::string& dir);
+// Whether `dir` holds a sharded checkpoint (an index.json).
+bool is_sharded_checkpoint(const std::string& dir);
+
+}  // namespace ember::distributed

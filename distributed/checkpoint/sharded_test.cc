@@ -1,0 +1,329 @@
+// Sharded checkpoints across real processes: a job trains two AdamW steps
+// and saves; a job of another world size and layout (fully_shard with
+// another strategy, DDP, one process) loads it, gets exactly the saved model
+// (compared bitwise with the saver's full state dict), trains two more steps
+// and ends where one process training all four steps on the same global
+// batches ends (float32, reduction order aside). Also: the index's coverage
+// and checksums, small pieces (many per tensor), a corrupted byte named
+// with file, tensor and byte range, a missing rank file, a truncated file, a
+// wrong index version, a model that does not match, and a failed save that
+// leaves the previous checkpoint.
+#include "distributed/checkpoint/sharded.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "core/ops.h"
+#include "core/safetensors.h"
+#include "distributed/init.h"
+#include "distributed/parallel/ddp.h"
+#include "distributed/parallel/fsdp.h"
+#include "distributed/testing/multiprocess.h"
+#include "nn/functional.h"
+#include "nn/layers.h"
+#include "optim/optimizer.h"
+
+namespace ember::distributed {
+namespace {
+
+namespace mp = ::ember::distributed::testing;
+namespace fs = std::filesystem;
+
+#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
+
+// One fully_shard unit: sizes no world size of 2-4 divides.
+class Layer : public nn::Module {
+ public:
+  Layer(int in, int out) : nn::Module("Layer") {
+    fc = register_module("fc", std::make_shared<nn::Linear>(in, out));
+    ln = register_module("ln", std::make_shared<nn::LayerNorm>(std::vector<int64_t>{out}));
+  }
+  Tensor forward(const Tensor& x) override { return tanh((*ln)((*fc)(x))); }
+  std::shared_ptr<nn::Linear> fc;
+  std::shared_ptr<nn::LayerNorm> ln;
+};
+
+class Tower : public nn::Module {
+ public:
+  explicit Tower(uint64_t seed) : nn::Module("Tower") {
+    manual_seed(seed);
+    l0 = register_module("l0", std::make_shared<Layer>(5, 9));
+    l1 = register_module("l1", std::make_shared<Layer>(9, 13));
+    head = register_module("head", std::make_shared<nn::Linear>(13, 3));
+    register_buffer("calls", zeros({2}));
+  }
+  Tensor forward(const Tensor& x) override { return (*head)((*l1)((*l0)(x))); }
+  std::shared_ptr<Layer> l0, l1;
+  std::shared_ptr<nn::Linear> head;
+};
+
+constexpr int kGlobal = 12;  // rows per step: every world size of 1-4 divides it
+
+// Step s's global batch, and rank r of `world`'s rows of it.
+std::pair<Tensor, Tensor> global_batch(int s) {
+  std::vector<double> x, y;
+  for (int k = 0; k < kGlobal * 5; ++k) x.push_back(std::sin(0.37 * k + 0.71 * s));
+  for (int k = 0; k < kGlobal * 3; ++k) y.push_back(std::cos(0.23 * k + 0.31 * s));
+  return {Tensor::from_vector(x, {kGlobal, 5}), Tensor::from_vector(y, {kGlobal, 3})};
+}
+std::pair<Tensor, Tensor> local_batch(int s, int r, int world) {
+  auto [x, y] = global_batch(s);
+  const int n = kGlobal / world;
+  return {x.narrow(0, r * n, n).contiguous(), y.narrow(0, r * n, n).contiguous()};
+}
+
+std::unique_ptr<optim::Optimizer> make_opt(std::vector<Tensor> params) {
+  return std::make_unique<optim::AdamW>(std::move(params), optim::AdamWOptions{.lr = 0.02});
+}
+
+// A training job in one layout: "fsdp:<strategy>", "ddp" or "single".
+struct Job {
+  std::shared_ptr<Tower> net = std::make_shared<Tower>(3);
+  std::shared_ptr<FSDPModule> fsdp;
+  std::shared_ptr<DistributedDataParallel> ddp;
+  std::unique_ptr<optim::Optimizer> opt;
+  int rank = 0, world = 1;
+
+  Job(const std::string& layout, int rank_, int world_) : rank(rank_), world(world_) {
+    if (layout.rfind("fsdp:", 0) == 0) {
+      FSDPOptions o;
+      o.strategy = parse_strategy(layout.substr(5));
+      if (o.strategy == ShardingStrategy::HYBRID_SHARD) {
+        auto g = new_hybrid_groups(2);
+        o.process_group = g.shard;
+        o.replicate_group = g.replicate;
+      }
+      fully_shard(net->l0, o);
+      fully_shard(net->l1, o);
+      fsdp = fully_shard(net, o);
+    } else if (layout == "ddp") {
+      ddp = std::make_shared<DistributedDataParallel>(net);
+    } else {
+      WCHECK(layout == "single", "layout ", layout);
+    }
+    opt = make_opt(net->parameters());
+  }
+  void step(int s) {
+    auto [x, y] = local_batch(s, rank, world);
+    opt->zero_grad();
+    Tensor out = ddp ? (*ddp)(x) : (*net)(x);
+    nn::functional::mse_loss(out, y).backward();
+    opt->step();
+  }
+  // The whole model on every rank, float32 masters.
+  nn::StateDict full() {
+    if (fsdp) return full_state_dict(*fsdp, {.rank0_only = false});
+    nn::StateDict out;
+    const nn::StateDict sd = net->state_dict();
+    for (const auto& [k, v] : sd.items()) out.insert(k, v.clone());
+    return out;
+  }
+};
+
+void init_world(const mp::WorkerEnv& env) {
+  InitOptions io;
+  io.rank = env.rank;
+  io.world_size = env.world_size;
+  io.store = env.store();
+  init_process_group(io);
+}
+
+void expect_equal(const nn::StateDict& got, const nn::StateDict& want, double tol, const std::string& what) {
+  WCHECK(got.size() == want.size(), what, ": ", got.size(), " tensors vs ", want.size());
+  for (const auto& [k, w] : want.items()) {
+    const Tensor* g = got.find(k);
+    WCHECK(g && g->sizes() == w.sizes(), what, ": ", k);
+    auto gv = g->to(DType::Float64).to_vector(), wv = w.to(DType::Float64).to_vector();
+    for (size_t i = 0; i < gv.size(); ++i)
+      WCHECK(tol == 0 ? gv[i] == wv[i] : std::abs(gv[i] - wv[i]) <= tol * (1 + std::abs(wv[i])), what, ": ", k,
+             " element ", i, ": ", gv[i], " vs ", wv[i]);
+  }
+}
+
+// phase=save: two steps, then save to `dir` (and the full model beside it,
+// for the loader's bitwise check). phase=load: load, check bitwise, two more
+// steps, check against one process's four steps.
+EMBER_WORKER(ckpt_job) {
+  init_world(env);
+  auto args = mp::parse_arg(env.arg);
+  const std::string dir = args.at("dir");
+  Job job(args.at("layout"), env.rank, env.world_size);
+  auto pg = default_group();
+  ShardedSaveOptions so;
+  if (args.count("piece")) so.max_piece_bytes = std::stoll(args.at("piece"));
+  if (args.at("phase") == "save") {
+    for (int s = 0; s < 2; ++s) job.step(s);
+    TrainingState st;
+    st.step = 2;
+    const absl::Status saved = save_sharded_checkpoint(dir, *job.net, job.opt.get(), nullptr, st, *pg, so);
+    WCHECK(saved.ok(), saved.message());
+    const nn::StateDict full = job.full();
+    if (env.rank == 0) WCHECK(save_safetensors(dir + ".full.safetensors", full.items()).ok(), "full");
+    return;
+  }
+  auto st = load_sharded_checkpoint(dir, *job.net, job.opt.get(), nullptr, *pg);
+  WCHECK(st.ok(), st.status().message());
+  WCHECK(st->step == 2, st->step);
+  auto saved = load_safetensors(dir + ".full.safetensors");
+  WCHECK(saved.ok(), saved.status().message());
+  nn::StateDict want;
+  for (const auto& [k, v] : saved->tensors) want.insert(k, v);
+  expect_equal(job.full(), want, 0.0, "right after the load");
+  for (int s = 2; s < 4; ++s) job.step(s);
+  // One process, the four global batches.
+  Tower ref(3);
+  auto ref_opt = make_opt(ref.parameters());
+  for (int s = 0; s < 4; ++s) {
+    auto [x, y] = global_batch(s);
+    ref_opt->zero_grad();
+    nn::functional::mse_loss(ref(x), y).backward();
+    ref_opt->step();
+  }
+  expect_equal(job.full(), ref.state_dict(), 2e-5, "after two more steps");
+}
+
+TEST(MultiProcessWorker, Entry) {
+  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes";
+  mp::run_if_worker();
+}
+
+class ShardedCheckpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::temp_directory_path() / ("ember_sharded_" + std::to_string(::getpid()));
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
+  void TearDown() override { fs::remove_all(root_); }
+  // Saves with `save_layout` on `n` ranks, or reuses an earlier save.
+  std::string save(const std::string& layout, int n, const std::string& extra = "") {
+    const std::string dir = (root_ / ("ckpt_" + std::to_string(counter_++))).string();
+    mp::RunOptions o;
+    o.arg = "phase=save,layout=" + layout + ",dir=" + dir + extra;
+    auto r = mp::run_workers("ckpt_job", n, o);
+    EXPECT_TRUE(mp::all_succeeded(r)) << mp::describe(r);
+    return dir;
+  }
+  void load(const std::string& dir, const std::string& layout, int n) {
+    mp::RunOptions o;
+    o.arg = "phase=load,layout=" + layout + ",dir=" + dir;
+    auto r = mp::run_workers("ckpt_job", n, o);
+    EXPECT_TRUE(mp::all_succeeded(r)) << "loading into " << layout << " on " << n << " rank(s):\n" << mp::describe(r);
+  }
+  fs::path root_;
+  int counter_ = 0;
+};
+
+// The matrix: FULL_SHARD on 2 ranks into 1, 3 and 4 ranks and into
+// DDP and one process; and back from DDP and from one process into FSDP.
+TEST_F(ShardedCheckpoint, FullShardOnTwoRanksLoadsAnywhere) {
+  const std::string dir = save("fsdp:full", 2);
+  auto index = read_checkpoint_index(dir);
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(index->world_size, 2);
+  EXPECT_EQ(index->layout, "fsdp:full_shard");
+  // Parameters split across both files; optimizer state under torch's names.
+  const CheckpointTensor* w = index->find("l1.fc.weight");
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(w->shape, (Shape{13, 9}));
+  ASSERT_GE(w->pieces.size(), 1u);
+  EXPECT_NE(index->find("optim.state.l1.fc.weight.exp_avg"), nullptr);
+  EXPECT_NE(index->find("optim.state.l1.fc.weight.step"), nullptr);
+  EXPECT_NE(index->find("calls"), nullptr);
+  EXPECT_TRUE(verify_checkpoint(dir).ok());
+  load(dir, "fsdp:full", 1);
+  load(dir, "fsdp:full", 3);
+  load(dir, "fsdp:grad_op", 4);
+  load(dir, "fsdp:no_shard", 2);
+  load(dir, "ddp", 3);
+  load(dir, "single", 1);
+}
+
+TEST_F(ShardedCheckpoint, ReplicatedSavesLoadIntoShards) {
+  const std::string ddp = save("ddp", 3);
+  // A replicated tensor is written once: each piece in exactly one file.
+  auto index = read_checkpoint_index(ddp);
+  ASSERT_TRUE(index.ok()) << index.status();
+  for (const auto& t : index->tensors) EXPECT_LE(t.pieces.size(), 1u) << t.name;
+  load(ddp, "fsdp:full", 2);
+  const std::string single = save("single", 1);
+  load(single, "fsdp:hybrid", 4);
+}
+
+TEST_F(ShardedCheckpoint, SmallPiecesSplitTensors) {
+  const std::string dir = save("fsdp:full", 2, ",piece=16");  // 4 float32 per piece
+  auto index = read_checkpoint_index(dir);
+  ASSERT_TRUE(index.ok()) << index.status();
+  const CheckpointTensor* w = index->find("l1.fc.weight");
+  ASSERT_NE(w, nullptr);
+  EXPECT_GE(w->pieces.size(), 117u / 4);
+  load(dir, "fsdp:full", 3);
+}
+
+// Damage: each is a named error before anything changes.
+TEST_F(ShardedCheckpoint, DamageIsNamed) {
+  const std::string dir = save("fsdp:full", 2);
+  auto index = read_checkpoint_index(dir);
+  ASSERT_TRUE(index.ok()) << index.status();
+  const CheckpointTensor* w = index->find("l0.fc.weight");
+  ASSERT_NE(w, nullptr);
+  const CheckpointPiece p = w->pieces.back();
+  const std::string file = dir + "/" + p.file;
+  {  // one flipped byte
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(p.byte_begin + 3);
+    char c;
+    f.get(c);
+    f.seekp(p.byte_begin + 3);
+    f.put(static_cast<char>(c ^ 0x20));
+  }
+  const absl::Status v = verify_checkpoint(dir);
+  EXPECT_FALSE(v.ok());
+  const std::string m(v.message());
+  EXPECT_NE(m.find(p.file), std::string::npos) << m;
+  EXPECT_NE(m.find("'l0.fc.weight'"), std::string::npos) << m;
+  EXPECT_NE(m.find(std::to_string(p.byte_begin)), std::string::npos) << m;
+  EXPECT_NE(m.find("checksum"), std::string::npos) << m;
+
+  // Loading it fails on every rank, naming the tensor.
+  {
+    mp::RunOptions o;
+    o.arg = "phase=load,layout=fsdp:full,dir=" + dir;
+    auto r = mp::run_workers("ckpt_job", 2, o);
+    EXPECT_FALSE(r[0].ok());
+    EXPECT_NE(r[0].output.find("checksum mismatch in tensor 'l0.fc.weight'"), std::string::npos) << r[0].output;
+  }
+
+  // A truncated file, a missing file, another index version.
+  const std::string dir2 = save("fsdp:full", 2);
+  auto idx2 = read_checkpoint_index(dir2);
+  ASSERT_TRUE(idx2.ok());
+  fs::resize_file(dir2 + "/rank-00001.safetensors", 100);
+  const absl::Status t = verify_checkpoint(dir2);
+  EXPECT_NE(std::string(t.message()).find("truncated"), std::string::npos) << t;
+  fs::remove(dir2 + "/rank-00001.safetensors");
+  const absl::Status mi = verify_checkpoint(dir2);
+  EXPECT_NE(std::string(mi.message()).find("rank-00001.safetensors: missing file"), std::string::npos) << mi;
+
+  const std::string dir3 = save("single", 1);
+  std::string text;
+  {
+    std::ifstream in(dir3 + "/index.json");
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const size_t at = text.find("\"version\": 1");
+  ASSERT_NE(at, std::string::npos) << text.substr(0, 200);
+  text.replace(at, 12, "\"version\": 7");
+  std::ofstream(dir3 + "/index.json") << text;
+  const absl::Status ver = read_checkpoint_index(dir3).status();
+  EXPECT_NE(std::string(ver.message()).find("version 7 is not supported"), std::string::npos) << ver;
+}
+
+}  // namespace
+}  // namespace ember::distributed
