@@ -483,6 +483,81 @@ absl::Status verify_checkpoint(const std::string& dir_in) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<Tensor> read_checkpoint_tensor(const std::string& dir, const CheckpointTensor& t) {
+  Tensor out = Tensor::empty(t.shape, {t.dtype, kCPU});
+  PieceReader reader(normalize_dir(dir));
+  if (auto s = reader.read_range(t, 0, out); !s.ok()) return s;
+  return out;
+}
+
+absl::Status consolidate_checkpoint(const std::string& dir_in, const std::string& out_in) {
+  const std::string dir = normalize_dir(dir_in), out = normalize_dir(out_in);
+  auto index = read_checkpoint_index(dir);
+  if (!index.ok()) return index.status();
+  const std::string trainer_path = dir + "/" + kTrainerFile;
+  std::string trainer;
+  {
+    std::ifstream in(trainer_path, std::ios::binary);
+    if (!in) return absl::NotFoundError(absl::StrCat(trainer_path, ": missing file"));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    trainer = std::move(ss).str();
+  }
+  // Optimizer state keyed by the saved parameter indices: "optim.state.<name>.<s>" -> "state.<index>.<s>".
+  std::map<std::string, int64_t> index_of;
+  try {
+    const json j = json::parse(trainer);
+    const json& o = j.at("optimizer");
+    if (!o.is_null())
+      for (const json& g : o.at("param_groups")) {
+        const json& ids = g.at("params");
+        const json& names = g.at("param_names");
+        for (size_t k = 0; k < ids.size(); ++k) index_of[names.at(k).get<std::string>()] = ids.at(k).get<int64_t>();
+      }
+  } catch (const nlohmann::json::exception& e) {
+    return absl::DataLossError(absl::StrCat(trainer_path, ": no optimizer parameter groups with names: ", e.what()));
+  }
+  std::vector<std::pair<std::string, Tensor>> model_items, opt_items;
+  for (const CheckpointTensor& t : index->tensors) {
+    auto v = read_checkpoint_tensor(dir, t);
+    if (!v.ok()) return v.status();
+    if (t.name.rfind(kOptimPrefix, 0) != 0) {
+      model_items.push_back({t.name, *v});
+      continue;
+    }
+    const std::string rest = t.name.substr(std::strlen(kOptimPrefix));
+    const size_t dot = rest.rfind('.');
+    auto it = dot == std::string::npos ? index_of.end() : index_of.find(rest.substr(0, dot));
+    if (it == index_of.end())
+      return absl::DataLossError(absl::StrCat(dir, ": optimizer state '", t.name, "' belongs to no parameter of ",
+                                              trainer_path, "'s groups"));
+    opt_items.push_back({absl::StrCat("state.", it->second, ".", rest.substr(dot + 1)), *v});
+  }
+  std::sort(opt_items.begin(), opt_items.end(), [](const auto& a, const auto& b) {
+    const int64_t ia = std::stoll(a.first.substr(6)), ib = std::stoll(b.first.substr(6));
+    return ia != ib ? ia < ib : a.first < b.first;
+  });
+  try {
+    const fs::path parent = fs::path(out).parent_path();
+    if (!parent.empty()) fs::create_directories(parent);
+    const std::string tmp = out + ".tmp-" + std::to_string(::getpid());
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+    const std::map<std::string, std::string> meta = {{"format", "pt"}};
+    absl::Status s = save_safetensors(tmp + "/model.safetensors", model_items, meta);
+    if (s.ok() && !index_of.empty()) s = save_safetensors(tmp + "/optimizer.safetensors", opt_items, meta);
+    if (s.ok()) s = write_file_synced(tmp + "/" + kTrainerFile, trainer);
+    if (s.ok()) s = fsync_dir(tmp);
+    if (!s.ok()) {
+      fs::remove_all(tmp);
+      return s;
+    }
+    return commit_dir(tmp, out);
+  } catch (const fs::filesystem_error& e) {
+    return absl::InternalError(absl::StrCat("consolidate '", dir, "' into '", out, "': ", e.what()));
+  }
+}
+
 absl::Status save_sharded_checkpoint(const std::string& dir_in, nn::Module& model, const optim::Optimizer* optimizer,
                                      const optim::LRScheduler* scheduler, const TrainingState& state,
                                      ProcessGroup& pg, const ShardedSaveOptions& options) {

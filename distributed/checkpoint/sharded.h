@@ -95,5 +95,13 @@ absl::StatusOr<CheckpointIndex> read_checkpoint_index(const std::string& dir);
 absl::Status verify_checkpoint(const std::string& dir);
 // Whether `dir` holds a sharded checkpoint (an index.json).
 bool is_sharded_checkpoint(const std::string& dir);
+// One tensor whole (a CPU tensor of its shape), its pieces verified.
+absl::StatusOr<Tensor> read_checkpoint_tensor(const std::string& dir, const CheckpointTensor& t);
+// Writes the checkpoint as one process's (checkpoint.h's format) into
+// `out_dir`: model.safetensors with the model's (PyTorch's) names, which
+// load_checkpoint and PyTorch's load_state_dict take, optimizer.safetensors
+// keyed "state.<index>.<name>" as torch's optimizer state_dict, and
+// trainer.json. Written atomically, as save_checkpoint does.
+absl::Status consolidate_checkpoint(const std::string& dir, const std::string& out_dir);
 
 }  // namespace ember::distributed

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -195,12 +196,18 @@ TEST(MultiProcessWorker, Entry) {
 
 class ShardedCheckpoint : public ::testing::Test {
  protected:
+  // EMBER_SHARDED_TEST_DIR keeps the checkpoints there (tools/ckpt_test.sh).
   void SetUp() override {
-    root_ = fs::temp_directory_path() / ("ember_sharded_" + std::to_string(::getpid()));
-    fs::remove_all(root_);
+    const char* keep = std::getenv("EMBER_SHARDED_TEST_DIR");
+    keep_ = keep != nullptr;
+    root_ = keep_ ? fs::path(keep) : fs::temp_directory_path() / ("ember_sharded_" + std::to_string(::getpid()));
+    if (!keep_) fs::remove_all(root_);
     fs::create_directories(root_);
   }
-  void TearDown() override { fs::remove_all(root_); }
+  void TearDown() override {
+    if (!keep_) fs::remove_all(root_);
+  }
+  bool keep_ = false;
   // Saves with `save_layout` on `n` ranks, or reuses an earlier save.
   std::string save(const std::string& layout, int n, const std::string& extra = "") {
     const std::string dir = (root_ / ("ckpt_" + std::to_string(counter_++))).string();
@@ -264,6 +271,42 @@ TEST_F(ShardedCheckpoint, SmallPiecesSplitTensors) {
   ASSERT_NE(w, nullptr);
   EXPECT_GE(w->pieces.size(), 117u / 4);
   load(dir, "fsdp:full", 3);
+}
+
+// ckpt consolidate's output is a one-process checkpoint: load_checkpoint
+// takes it into a plain model and optimizer, which then train on exactly as
+// the sharded job would.
+TEST_F(ShardedCheckpoint, ConsolidatedLoadsAsOneProcessCheckpoint) {
+  const std::string dir = save("fsdp:full", 3);
+  const std::string out = (root_ / "consolidated").string();
+  ASSERT_TRUE(consolidate_checkpoint(dir, out).ok());
+  auto m = load_safetensors(out + "/model.safetensors");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_NE(m->find("l1.fc.weight"), nullptr);
+  EXPECT_EQ(m->metadata.at("format"), "pt");
+  Tower net(99);
+  auto opt = make_opt(net.parameters());
+  auto st = load_checkpoint(out, net, opt.get(), nullptr);
+  ASSERT_TRUE(st.ok()) << st.status();
+  EXPECT_EQ(st->step, 2);
+  auto saved = load_safetensors(dir + ".full.safetensors");
+  ASSERT_TRUE(saved.ok());
+  nn::StateDict want;
+  for (const auto& [k, v] : saved->tensors) want.insert(k, v);
+  EXPECT_NO_THROW(expect_equal(net.state_dict(), want, 0.0, "consolidated"));
+  Tower ref(3);
+  auto ref_opt = make_opt(ref.parameters());
+  for (int s = 0; s < 4; ++s) {
+    auto [x, y] = global_batch(s);
+    for (auto* o : {ref_opt.get(), s >= 2 ? opt.get() : nullptr}) {
+      if (!o) continue;
+      nn::Module& model = o == opt.get() ? static_cast<nn::Module&>(net) : ref;
+      o->zero_grad();
+      nn::functional::mse_loss(model(x), y).backward();
+      o->step();
+    }
+  }
+  EXPECT_NO_THROW(expect_equal(net.state_dict(), ref.state_dict(), 2e-5, "consolidated, two more steps"));
 }
 
 // Damage: each is a named error before anything changes.

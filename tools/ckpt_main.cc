@@ -1,0 +1,122 @@
+// ckpt: look into, check and consolidate sharded checkpoints
+// (distributed/checkpoint/sharded.h).
+//
+//   ckpt inspect DIR                 tensors, shapes, dtypes, pieces, sizes, and
+//                                    which rank's file holds what
+//   ckpt verify DIR                  every checksum and the coverage of every
+//                                    tensor; exits 1 naming the file and tensor
+//                                    of the first mismatch
+//   ckpt consolidate DIR OUT_DIR     OUT_DIR/model.safetensors (PyTorch's names),
+//                                    OUT_DIR/optimizer.safetensors, trainer.json:
+//                                    a one-process checkpoint (checkpoint.h)
+//
+// DIR is one checkpoint: the directory holding index.json. Exit codes: 0 ok,
+// 1 a damaged or missing checkpoint, 2 a usage error.
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <string>
+
+#include "distributed/checkpoint/sharded.h"
+
+namespace {
+
+using namespace ember;
+using namespace ember::distributed;
+
+int usage() {
+  std::cerr << "usage: ckpt inspect DIR | ckpt verify DIR | ckpt consolidate DIR OUT_DIR\n"
+               "  DIR is one sharded checkpoint (the directory holding index.json)\n";
+  return 2;
+}
+
+std::string human(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) bytes /= 1024, ++u;
+  char b[32];
+  std::snprintf(b, sizeof b, u == 0 ? "%.0f %s" : "%.1f %s", bytes, units[u]);
+  return b;
+}
+
+int inspect(const std::string& dir) {
+  auto index = read_checkpoint_index(dir);
+  if (!index.ok()) {
+    std::cerr << "ckpt: " << index.status().message() << "\n";
+    return 1;
+  }
+  int64_t total = 0, pieces = 0;
+  std::map<std::string, std::pair<int64_t, int64_t>> per_file;  // pieces, bytes
+  for (const std::string& f : index->files) per_file[f] = {0, 0};
+  for (const auto& t : index->tensors)
+    for (const auto& p : t.pieces) {
+      per_file[p.file].first += 1;
+      per_file[p.file].second += p.byte_end - p.byte_begin;
+      total += p.byte_end - p.byte_begin;
+      ++pieces;
+    }
+  std::printf("%s: saved by %d rank(s), layout %s; %zu tensors in %lld pieces, %s\n", dir.c_str(), index->world_size,
+              index->layout.c_str(), index->tensors.size(), static_cast<long long>(pieces), human(total).c_str());
+  std::printf("\n%-28s %8s %12s  %s\n", "file", "pieces", "data", "on disk");
+  for (const auto& [f, pb] : per_file) {
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(std::filesystem::path(dir) / f, ec);
+    std::printf("%-28s %8lld %12s  %s\n", f.c_str(), static_cast<long long>(pb.first), human(pb.second).c_str(),
+                ec ? "MISSING" : human(static_cast<double>(size)).c_str());
+  }
+  std::printf("\n%-52s %-16s %-5s %10s  %s\n", "tensor", "shape", "dtype", "size", "pieces (file: elements)");
+  for (const auto& t : index->tensors) {
+    int64_t bytes = 0;
+    std::string where;
+    for (const auto& p : t.pieces) {
+      bytes += p.byte_end - p.byte_begin;
+      std::string f = p.file;
+      if (f.rfind("rank-", 0) == 0) f = "r" + std::to_string(std::stoi(f.substr(5, 5)));
+      if (where.size() < 60)
+        where += (where.empty() ? "" : " ") + f + ":" + std::to_string(p.offset) + "+" + std::to_string(p.numel);
+      else if (where.back() != '.')
+        where += " ...";
+    }
+    std::printf("%-52s %-16s %-5s %10s  %zu: %s\n", t.name.c_str(), shape_str(t.shape).c_str(),
+                std::string(dtype_name(t.dtype)).substr(0, 5).c_str(), human(bytes).c_str(), t.pieces.size(),
+                where.c_str());
+  }
+  return 0;
+}
+
+int verify(const std::string& dir) {
+  auto index = read_checkpoint_index(dir);
+  if (!index.ok()) {
+    std::cerr << "ckpt verify: " << index.status().message() << "\n";
+    return 1;
+  }
+  if (auto s = verify_checkpoint(dir); !s.ok()) {
+    std::cerr << "ckpt verify: " << s.message() << "\n";
+    return 1;
+  }
+  int64_t pieces = 0, bytes = 0;
+  for (const auto& t : index->tensors)
+    for (const auto& p : t.pieces) ++pieces, bytes += p.byte_end - p.byte_begin;
+  std::printf("ok: %zu tensors complete, %lld pieces (%s) match their checksums\n", index->tensors.size(),
+              static_cast<long long>(pieces), human(static_cast<double>(bytes)).c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) return usage();
+  const std::string cmd = argv[1];
+  if (cmd == "inspect" && argc == 3) return inspect(argv[2]);
+  if (cmd == "verify" && argc == 3) return verify(argv[2]);
+  if (cmd == "consolidate" && argc == 4) {
+    if (auto s = consolidate_checkpoint(argv[2], argv[3]); !s.ok()) {
+      std::cerr << "ckpt consolidate: " << s.message() << "\n";
+      return 1;
+    }
+    std::printf("wrote %s/model.safetensors, optimizer.safetensors and trainer.json\n", argv[3]);
+    return 0;
+  }
+  return usage();
+}
