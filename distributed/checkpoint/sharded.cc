@@ -600,6 +600,7 @@ absl::Status save_sharded_checkpoint(const std::string& dir_in, nn::Module& mode
         if (!t.ok()) error = std::string(t.status().message());
         else trainer = *t;
       }
+      stage("sharded_rank_mid_write");
       if (error.empty()) {
         auto r = write_rank_file(tmp + "/" + rank_file(rank), held, options.max_piece_bytes);
         if (!r.ok()) error = std::string(r.status().message());

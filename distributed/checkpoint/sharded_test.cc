@@ -13,7 +13,9 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cmath>
+#include <random>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -189,6 +191,40 @@ EMBER_WORKER(ckpt_job) {
   expect_equal(job.full(), ref.state_dict(), 2e-5, "after two more steps");
 }
 
+// Crash safety: `victim` dies (SIGKILL) at `stage` of a save over an
+// existing checkpoint (step 1); the others' saves fail. The parent then
+// checks that the directory still holds the step-1 checkpoint, whole.
+EMBER_WORKER(crash_job) {
+  InitOptions io;
+  io.rank = env.rank;
+  io.world_size = env.world_size;
+  io.store = env.store();
+  io.timeout = std::chrono::seconds(20);
+  init_process_group(io);
+  auto args = mp::parse_arg(env.arg);
+  const std::string dir = args.at("dir"), stage = args.at("stage");
+  const int victim = std::stoi(args.at("victim"));
+  Job job(args.at("layout"), env.rank, env.world_size);
+  auto pg = default_group();
+  job.step(0);
+  TrainingState st;
+  st.step = 1;
+  const absl::Status first = save_sharded_checkpoint(dir, *job.net, job.opt.get(), nullptr, st, *pg);
+  WCHECK(first.ok(), first.message());
+  job.step(1);
+  st.step = 2;
+  testing::set_checkpoint_save_hooks({.at_stage = [&](const std::string& at) {
+    if (at != stage || env.rank != victim) return;
+    if (at == "sharded_rank_mid_write")  // half a file, as a write cut short leaves it
+      for (const auto& e : fs::directory_iterator(fs::path(dir).parent_path()))
+        if (e.path().string().rfind(dir + ".tmp-", 0) == 0)
+          std::ofstream(e.path() / ("rank-0000" + std::to_string(env.rank) + ".safetensors.tmp")) << "partial";
+    ::kill(::getpid(), SIGKILL);
+  }});
+  const absl::Status second = save_sharded_checkpoint(dir, *job.net, job.opt.get(), nullptr, st, *pg);
+  WCHECK(!second.ok(), "the save succeeded although rank ", victim, " died at ", stage);
+}
+
 TEST(MultiProcessWorker, Entry) {
   if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes";
   mp::run_if_worker();
@@ -307,6 +343,44 @@ TEST_F(ShardedCheckpoint, ConsolidatedLoadsAsOneProcessCheckpoint) {
     }
   }
   EXPECT_NO_THROW(expect_equal(net.state_dict(), ref.state_dict(), 2e-5, "consolidated, two more steps"));
+}
+
+// 20 randomized trials: a rank killed before writing, mid-write, after its
+// shard, before the index, before the rename; the previous checkpoint is
+// intact every time and a later save over it works.
+TEST_F(ShardedCheckpoint, KilledRankLeavesThePreviousCheckpoint) {
+  const std::vector<std::string> stages = {"sharded_dir_created", "sharded_rank_mid_write", "sharded_rank_written",
+                                           "sharded_before_index", "sharded_before_rename"};
+  std::mt19937 rng(19);
+  for (int trial = 0; trial < 20; ++trial) {
+    const std::string stage = stages[trial % stages.size()];
+    const int world = 2 + static_cast<int>(rng() % 2);
+    // The index and the rename are rank 0's.
+    const int victim = stage.find("before_") != std::string::npos ? 0 : static_cast<int>(rng() % world);
+    const std::string layout = rng() % 2 ? "fsdp:full" : "ddp";
+    const std::string dir = (root_ / ("crash_" + std::to_string(trial))).string();
+    const std::string what = "trial " + std::to_string(trial) + ": rank " + std::to_string(victim) + " of " +
+                             std::to_string(world) + " (" + layout + ") killed at " + stage;
+    mp::RunOptions o;
+    o.arg = "layout=" + layout + ",dir=" + dir + ",stage=" + stage + ",victim=" + std::to_string(victim);
+    o.deadline = std::chrono::seconds(60);
+    auto r = mp::run_workers("crash_job", world, o);
+    for (const auto& w : r) {
+      if (w.rank == victim) EXPECT_EQ(w.signal, SIGKILL) << what << "\n" << mp::describe(r);
+      else EXPECT_TRUE(w.ok()) << what << "\n" << mp::describe(r);
+    }
+    EXPECT_TRUE(verify_checkpoint(dir).ok()) << what << ": " << verify_checkpoint(dir);
+    std::ifstream trainer(dir + "/trainer.json");
+    const std::string text((std::istreambuf_iterator<char>(trainer)), {});
+    EXPECT_NE(text.find("\"step\": 1"), std::string::npos) << what << ": " << text;
+    if (trial % 5 == 4) {  // a new job saves over it
+      mp::RunOptions s;
+      s.arg = "phase=save,layout=" + layout + ",dir=" + dir;
+      auto again = mp::run_workers("ckpt_job", world, s);
+      EXPECT_TRUE(mp::all_succeeded(again)) << what << ", then saving again:\n" << mp::describe(again);
+      EXPECT_TRUE(verify_checkpoint(dir).ok()) << what;
+    }
+  }
 }
 
 // Damage: each is a named error before anything changes.
