@@ -116,6 +116,14 @@ bool json_to_number(const json& j, double* out) {
   return true;
 }
 
+// The update rule a checkpoint records: "AdamW" also for a wrapper such as
+// "ZeroRedundancyOptimizer(AdamW)", whose state it saves in AdamW's format,
+// so the state loads into either.
+std::string algorithm_name(const std::string& name) {
+  const size_t open = name.find('(');
+  return open != std::string::npos && name.back() == ')' ? name.substr(open + 1, name.size() - open - 2) : name;
+}
+
 json trainer_json(const nn::Module&, const optim::Optimizer* optimizer, const optim::LRScheduler* scheduler,
                   const TrainingState& state, json extra, const optim::OptimizerStateDict* opt_sd) {
   json j = json::object();
@@ -132,7 +140,7 @@ json trainer_json(const nn::Module&, const optim::Optimizer* optimizer, const op
       if (!g.param_names.empty()) group["param_names"] = g.param_names;
       groups.push_back(std::move(group));
     }
-    j["optimizer"] = {{"name", optimizer->name()}, {"param_groups", std::move(groups)}};
+    j["optimizer"] = {{"name", algorithm_name(optimizer->name())}, {"param_groups", std::move(groups)}};
   } else {
     j["optimizer"] = nullptr;
   }
@@ -426,7 +434,7 @@ absl::StatusOr<TrainerFile> read_trainer_file(const std::string& trainer_path, c
   if (optimizer) {
     if (opt_j->is_null())
       return absl::InvalidArgumentError(absl::StrCat(trainer_path, ": the checkpoint holds no optimizer state"));
-    auto sd = parse_optimizer(*opt_j, trainer_path, optimizer->name());
+    auto sd = parse_optimizer(*opt_j, trainer_path, algorithm_name(optimizer->name()));
     if (!sd.ok()) return sd.status();
     out.optimizer_groups = std::move(*sd);
   }

@@ -29,6 +29,7 @@
 #include "distributed/object_collectives.h"
 #include "distributed/parallel/fsdp.h"
 #include "distributed/parallel/fsdp_unit.h"
+#include "distributed/parallel/zero.h"
 
 namespace ember::distributed {
 namespace fs = std::filesystem;
@@ -149,9 +150,17 @@ bool split_state_key(const std::string& key, int64_t* index, std::string* name) 
 
 // The optimizer's state, as the pieces this rank writes: elementwise state
 // is held like its parameter; a scalar (Adam's step) is written by the
-// writer of the parameter's first element.
-std::vector<Held> optimizer_held(const optim::Optimizer& opt, const ModelLayout& L) {
-  const optim::OptimizerStateDict sd = opt.state_dict();
+// writer of the parameter's first element. ZeRO-1 holds its state in pieces
+// of its own flat buffers, not the parameters': it is consolidated to rank
+// 0 (torch's consolidate_state_dict), which writes all of it.
+std::vector<Held> optimizer_held(optim::Optimizer& opt, const ModelLayout& L, ProcessGroup& pg) {
+  optim::OptimizerStateDict sd;
+  const bool zero = dynamic_cast<ZeroRedundancyOptimizer*>(&opt) != nullptr;
+  if (zero) {
+    static_cast<ZeroRedundancyOptimizer&>(opt).consolidate_state_dict(0);
+    if (pg.rank() != 0) return {};
+  }
+  sd = opt.state_dict();
   std::vector<Tensor> by_index;
   for (const auto& g : opt.param_groups())
     for (const Tensor& p : g.params) by_index.push_back(p);
@@ -164,7 +173,8 @@ std::vector<Held> optimizer_held(const optim::Optimizer& opt, const ModelLayout&
     auto it = L.by_impl.find(by_index[idx].impl_ptr().get());
     EMBER_CHECK(it != L.by_impl.end(), "save_sharded_checkpoint: the optimizer's parameter ", idx,
                 " is not a parameter of the model");
-    const Place& p = it->second;
+    Place p = it->second;
+    if (zero) p.writer = true;  // rank 0, the only one here, holds it all
     const std::string name = kOptimPrefix + p.name + "." + sname;
     if (t.dim() == 0) {
       if (p.holds && p.offset == 0 && p.writer) out.push_back({name, {}, t.dtype(), 0, t, true});
@@ -558,7 +568,7 @@ absl::Status consolidate_checkpoint(const std::string& dir_in, const std::string
   }
 }
 
-absl::Status save_sharded_checkpoint(const std::string& dir_in, nn::Module& model, const optim::Optimizer* optimizer,
+absl::Status save_sharded_checkpoint(const std::string& dir_in, nn::Module& model, optim::Optimizer* optimizer,
                                      const optim::LRScheduler* scheduler, const TrainingState& state,
                                      ProcessGroup& pg, const ShardedSaveOptions& options) {
   const std::string dir = normalize_dir(dir_in);
@@ -592,7 +602,7 @@ absl::Status save_sharded_checkpoint(const std::string& dir_in, nn::Module& mode
       L = model_layout(model, pg);
       std::vector<Held> held = L.held;
       if (optimizer) {
-        std::vector<Held> o = optimizer_held(*optimizer, L);
+        std::vector<Held> o = optimizer_held(*optimizer, L, pg);
         held.insert(held.end(), o.begin(), o.end());
       }
       if (rank == 0) {

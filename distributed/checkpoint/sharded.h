@@ -52,9 +52,11 @@ struct ShardedSaveOptions {
 };
 
 // Every rank of `pg` calls it, with its model (wrapped by fully_shard or
-// not), its optimizer (may be null) and scheduler (may be null). Returns the
-// same status on every rank: an error names the rank that failed.
-absl::Status save_sharded_checkpoint(const std::string& dir, nn::Module& model, const optim::Optimizer* optimizer,
+// not), its optimizer (may be null; a ZeroRedundancyOptimizer's state is
+// consolidated to rank 0 first, which writes it) and scheduler (may be
+// null). Returns the same status on every rank: an error names the rank
+// that failed.
+absl::Status save_sharded_checkpoint(const std::string& dir, nn::Module& model, optim::Optimizer* optimizer,
                                      const optim::LRScheduler* scheduler, const TrainingState& state,
                                      ProcessGroup& pg, const ShardedSaveOptions& options = {});
 

@@ -27,6 +27,7 @@
 #include "distributed/init.h"
 #include "distributed/parallel/ddp.h"
 #include "distributed/parallel/fsdp.h"
+#include "distributed/parallel/zero.h"
 #include "distributed/testing/multiprocess.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
@@ -85,7 +86,8 @@ std::unique_ptr<optim::Optimizer> make_opt(std::vector<Tensor> params) {
   return std::make_unique<optim::AdamW>(std::move(params), optim::AdamWOptions{.lr = 0.02});
 }
 
-// A training job in one layout: "fsdp:<strategy>", "ddp" or "single".
+// A training job in one layout: "fsdp:<strategy>", "ddp", "zero" (DDP with
+// ZeRO-1) or "single".
 struct Job {
   std::shared_ptr<Tower> net = std::make_shared<Tower>(3);
   std::shared_ptr<FSDPModule> fsdp;
@@ -105,12 +107,17 @@ struct Job {
       fully_shard(net->l0, o);
       fully_shard(net->l1, o);
       fsdp = fully_shard(net, o);
-    } else if (layout == "ddp") {
+    } else if (layout == "ddp" || layout == "zero") {
       ddp = std::make_shared<DistributedDataParallel>(net);
     } else {
       WCHECK(layout == "single", "layout ", layout);
     }
-    opt = make_opt(net->parameters());
+    if (layout == "zero")  // ZeRO-1: AdamW's state sharded over the ranks
+      opt = std::make_unique<ZeroRedundancyOptimizer>(net->parameters(), [](std::vector<optim::ParamGroup> g) {
+        return std::make_unique<optim::AdamW>(std::move(g), optim::AdamWOptions{.lr = 0.02});
+      });
+    else
+      opt = make_opt(net->parameters());
   }
   void step(int s) {
     auto [x, y] = local_batch(s, rank, world);
@@ -285,6 +292,7 @@ TEST_F(ShardedCheckpoint, FullShardOnTwoRanksLoadsAnywhere) {
   load(dir, "fsdp:grad_op", 4);
   load(dir, "fsdp:no_shard", 2);
   load(dir, "ddp", 3);
+  load(dir, "zero", 2);
   load(dir, "single", 1);
 }
 
@@ -295,6 +303,9 @@ TEST_F(ShardedCheckpoint, ReplicatedSavesLoadIntoShards) {
   ASSERT_TRUE(index.ok()) << index.status();
   for (const auto& t : index->tensors) EXPECT_LE(t.pieces.size(), 1u) << t.name;
   load(ddp, "fsdp:full", 2);
+  const std::string zero = save("zero", 2);
+  load(zero, "fsdp:grad_op", 3);
+  load(zero, "zero", 4);
   const std::string single = save("single", 1);
   load(single, "fsdp:hybrid", 4);
 }
