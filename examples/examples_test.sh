@@ -118,23 +118,30 @@ if out=$(EMBER_DIST_TIMEOUT_SEC=soon "${ddp[@]}" --epochs 1 --checkpoint-dir "$t
 grep -q "EMBER_DIST_TIMEOUT_SEC=soon is not a timeout" <<<"$out" || { echo "$out"; exit 1; }
 
 # gpt_fsdp: FSDP training on the fortunes corpus (synthetic text when the
-# package is absent), the validation line, checkpoints, a sample; a run
-# stopped at step 25 and resumed with another strategy ends with the same
-# validation loss as the uninterrupted one; bf16 over 4 ranks as hybrid 2 x 2.
+# package is absent), the validation line, sharded checkpoints, a sample; a
+# run stopped at step 25 and resumed with another strategy ends with the same
+# validation loss as the uninterrupted one, and one resumed on 3 ranks says
+# so and trains on; bf16 over 4 ranks as hybrid 2 x 2.
 gpt=("$dir/gpt_fsdp" --nproc 2 --dim 64 --max-steps 40 --eval-every 20 --sample-len 40)
 out=$("${gpt[@]}" --save-every 25 --checkpoint-dir "$tmp/gpt" 2>&1)
 echo "$out"
 grep -q "step 20: validation loss [0-9.]* (unigram [0-9.]*)" <<<"$out"
 grep -q "sample (temperature 0.8, top-k 20):" <<<"$out"
-[[ -f $tmp/gpt/step_25/model.safetensors && -f $tmp/gpt/step_40/optimizer.safetensors ]] || {
-  ls -R "$tmp/gpt"; echo "gpt_fsdp wrote no step_25/step_40 checkpoints"; exit 1; }
+[[ -f $tmp/gpt/step_25/index.json && -f $tmp/gpt/step_40/rank-00001.safetensors ]] || {
+  ls -R "$tmp/gpt"; echo "gpt_fsdp wrote no sharded step_25/step_40 checkpoints"; exit 1; }
 full_val=$(grep "step 40: validation loss" <<<"$out")
 mkdir -p "$tmp/gptr" && cp -r "$tmp/gpt/step_25" "$tmp/gptr/"
 out=$("${gpt[@]}" --checkpoint-dir "$tmp/gptr" --resume --strategy no_shard 2>&1)
 echo "$out"
-grep -q "resumed from $tmp/gptr/step_25: 25 step(s) done" <<<"$out"
+grep -q "resumed from $tmp/gptr/step_25: saved by 2 ranks (full_shard), loading on 2 ranks (no_shard); 25 step(s) done" <<<"$out"
 [[ "$(grep "step 40: validation loss" <<<"$out")" == "$full_val" ]] || {
   echo "resumed gpt_fsdp differs: '$full_val' vs '$(grep "step 40: validation loss" <<<"$out")'"; exit 1; }
+mkdir -p "$tmp/gpt3" && cp -r "$tmp/gpt/step_25" "$tmp/gpt3/"
+out=$("${gpt[@]}" --checkpoint-dir "$tmp/gpt3" --resume --nproc 3 --sample-len 0 2>&1)
+echo "$out"
+grep -q "resumed from $tmp/gpt3/step_25: saved by 2 ranks (full_shard), loading on 3 ranks (full_shard); 25 step(s) done" <<<"$out"
+grep -q "step 40: validation loss" <<<"$out"
+[[ -f $tmp/gpt3/step_40/rank-00002.safetensors ]] || { ls -R "$tmp/gpt3"; echo "no 3-rank checkpoint"; exit 1; }
 out=$("$dir/gpt_fsdp" --nproc 4 --strategy hybrid --shard-size 2 --amp bf16 --dim 32 --max-steps 6 --sample-len 0 \
       --checkpoint-dir "$tmp/gpth" 2>&1)
 echo "$out"

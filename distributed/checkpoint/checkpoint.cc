@@ -566,8 +566,23 @@ absl::StatusOr<std::optional<std::string>> latest_checkpoint(const std::string& 
       else
         st = check_safetensors_file((dir / file).string());
     };
-    check_tensors(kModelFile);
-    if (st.ok() && trainer->contains("optimizer") && !(*trainer)["optimizer"].is_null()) check_tensors(kOptimizerFile);
+    if (fs::is_regular_file(dir / "index.json", fec)) {
+      // A sharded checkpoint (sharded.h): the rank files its index names.
+      if (st.ok()) {
+        std::ifstream in(dir / "index.json", std::ios::binary);
+        const json index = json::parse(in, nullptr, /*allow_exceptions=*/false);
+        if (index.is_discarded() || !index.contains("files") || !index["files"].is_array())
+          st = absl::DataLossError(absl::StrCat((dir / "index.json").string(), ": invalid JSON or no \"files\""));
+        else
+          for (const json& f : index["files"]) {
+            if (!f.is_string() || f.get<std::string>().find('/') != std::string::npos) continue;
+            check_tensors(f.get<std::string>().c_str());
+          }
+      }
+    } else {
+      check_tensors(kModelFile);
+      if (st.ok() && trainer->contains("optimizer") && !(*trainer)["optimizer"].is_null()) check_tensors(kOptimizerFile);
+    }
     if (st.ok()) return std::optional<std::string>(path.string());
     if (!fall_back)
       return absl::DataLossError(absl::StrCat("the newest checkpoint ", path.string(),

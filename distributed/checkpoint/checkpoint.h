@@ -72,8 +72,9 @@ absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir, nn::Module
 // nullopt when there is none. Saves are atomic, so a "<prefix><N>" directory
 // that does not hold a loadable checkpoint (trainer.json missing, invalid or
 // of another version, a tensor file it needs missing, or with a bad header
-// or cut short: checked without reading the tensors) is damage, never
-// skipped silently:
+// or cut short: checked without reading the tensors; for a sharded
+// checkpoint (sharded.h), every rank file its index.json names) is damage,
+// never skipped silently:
 // an error names the directory, the file and the cause. With `fall_back`, a
 // damaged one is left as it is, named with its cause in `skipped` (if given,
 // for the caller to report), and the next older one is tried; training from
