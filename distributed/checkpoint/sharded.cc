@@ -9,6 +9,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cctype>
 #include <cstdio>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
+#include <thread>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
@@ -568,13 +570,48 @@ absl::Status consolidate_checkpoint(const std::string& dir_in, const std::string
   }
 }
 
-absl::Status save_sharded_checkpoint(const std::string& dir_in, nn::Module& model, optim::Optimizer* optimizer,
-                                     const optim::LRScheduler* scheduler, const TrainingState& state,
-                                     ProcessGroup& pg, const ShardedSaveOptions& options) {
-  const std::string dir = normalize_dir(dir_in);
+namespace {
+
+// What a save writes, taken from the live state: the pieces this rank
+// writes (host copies when `copy`: training may go on changing the live
+// tensors), trainer.json's text (rank 0), and the layout's description.
+struct Staged {
+  std::vector<Held> pieces;
+  std::string trainer, layout;
+  std::string error;  // staging failed on this rank
+};
+
+Staged stage_state(nn::Module& model, optim::Optimizer* optimizer, const optim::LRScheduler* scheduler,
+                   const TrainingState& state, ProcessGroup& pg, bool copy) {
+  Staged out;
+  try {
+    ModelLayout L = model_layout(model, pg);
+    out.layout = L.description;
+    std::vector<Held> held = L.held;
+    if (optimizer) {
+      std::vector<Held> o = optimizer_held(*optimizer, L, pg);
+      held.insert(held.end(), o.begin(), o.end());
+    }
+    for (Held& h : held) {
+      if (!h.writer) continue;
+      if (copy) h.local = h.local.detach().to(kCPU).clone();
+      out.pieces.push_back(std::move(h));
+    }
+    if (pg.rank() == 0) {
+      auto t = trainer_text(model, optimizer, scheduler, state);
+      if (!t.ok()) out.error = std::string(t.status().message());
+      else out.trainer = *t;
+    }
+  } catch (const std::exception& e) {
+    out.error = e.what();
+  }
+  return out;
+}
+
+// The write and the commit of staged state; every rank of `pg` calls it.
+absl::Status write_staged(const std::string& dir, const Staged& staged, ProcessGroup& pg,
+                          const ShardedSaveOptions& options) {
   const std::string where = absl::StrCat("save_sharded_checkpoint '", dir, "'");
-  if (dir.empty() || dir == "/") return absl::InvalidArgumentError(where + ": empty checkpoint directory");
-  if (options.max_piece_bytes < 1) return absl::InvalidArgumentError(where + ": max_piece_bytes must be >= 1");
   const int rank = pg.rank(), world = pg.size();
   NoGradGuard no_grad;
   try {
@@ -582,8 +619,8 @@ absl::Status save_sharded_checkpoint(const std::string& dir_in, nn::Module& mode
     Tensor nonce = full({1}, rank == 0 ? static_cast<double>(::getpid()) : 0.0, {DType::Int64, pg.device()});
     pg.broadcast(nonce, 0)->wait();
     const std::string tmp = absl::StrCat(dir, ".tmp-", static_cast<int64_t>(nonce.item()));
-    std::string error;
-    if (rank == 0) {
+    std::string error = staged.error;
+    if (rank == 0 && error.empty()) {
       std::error_code ec;
       const fs::path parent = fs::path(dir).parent_path();
       if (!parent.empty()) fs::create_directories(parent, ec);
@@ -596,28 +633,11 @@ absl::Status save_sharded_checkpoint(const std::string& dir_in, nn::Module& mode
 
     // 2. Every rank writes its pieces.
     json records;
-    std::string trainer;
-    ModelLayout L;
+    stage("sharded_rank_mid_write");
     try {
-      L = model_layout(model, pg);
-      std::vector<Held> held = L.held;
-      if (optimizer) {
-        std::vector<Held> o = optimizer_held(*optimizer, L, pg);
-        held.insert(held.end(), o.begin(), o.end());
-      }
-      if (rank == 0) {
-        auto t = trainer_text(model, optimizer, scheduler, state);
-        if (!t.ok()) error = std::string(t.status().message());
-        else trainer = *t;
-      }
-      stage("sharded_rank_mid_write");
-      if (error.empty()) {
-        auto r = write_rank_file(tmp + "/" + rank_file(rank), held, options.max_piece_bytes);
-        if (!r.ok()) error = std::string(r.status().message());
-        else records = std::move(*r);
-      }
-    } catch (const Error& e) {
-      error = e.what();
+      auto r = write_rank_file(tmp + "/" + rank_file(rank), staged.pieces, options.max_piece_bytes);
+      if (!r.ok()) error = std::string(r.status().message());
+      else records = std::move(*r);
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -642,9 +662,9 @@ absl::Status save_sharded_checkpoint(const std::string& dir_in, nn::Module& mode
     if (rank == 0) {
       std::vector<json> per_rank;
       for (int r = 0; r < world; ++r) per_rank.push_back(json::parse(all[r]));
-      auto index = build_index(per_rank, world, L.description, where);
+      auto index = build_index(per_rank, world, staged.layout, where);
       absl::Status s = index.status();
-      if (s.ok()) s = write_file_synced(tmp + "/" + kTrainerFile, trainer);
+      if (s.ok()) s = write_file_synced(tmp + "/" + kTrainerFile, staged.trainer);
       if (s.ok()) stage("sharded_before_index");
       if (s.ok()) s = write_file_synced(tmp + "/" + kIndexFile, index->dump(1) + "\n");
       if (s.ok()) s = fsync_dir(tmp);
@@ -663,6 +683,93 @@ absl::Status save_sharded_checkpoint(const std::string& dir_in, nn::Module& mode
     return absl::InternalError(absl::StrCat(where, ": ", e.what()));
   }
 }
+
+absl::Status check_save_args(const std::string& dir, const ShardedSaveOptions& options) {
+  if (dir.empty() || dir == "/") return absl::InvalidArgumentError("save_sharded_checkpoint: empty checkpoint directory");
+  if (options.max_piece_bytes < 1)
+    return absl::InvalidArgumentError("save_sharded_checkpoint: max_piece_bytes must be >= 1");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status save_sharded_checkpoint(const std::string& dir_in, nn::Module& model, optim::Optimizer* optimizer,
+                                     const optim::LRScheduler* scheduler, const TrainingState& state,
+                                     ProcessGroup& pg, const ShardedSaveOptions& options) {
+  const std::string dir = normalize_dir(dir_in);
+  if (auto s = check_save_args(dir, options); !s.ok()) return s;
+  NoGradGuard no_grad;
+  try {
+    const Staged staged = stage_state(model, optimizer, scheduler, state, pg, /*copy=*/false);
+    return write_staged(dir, staged, pg, options);
+  } catch (const Error& e) {
+    return absl::InternalError(absl::StrCat("save_sharded_checkpoint '", dir, "': ", e.what()));
+  }
+}
+
+// ---- AsyncCheckpointer ----
+
+struct AsyncCheckpointer::Impl {
+  std::shared_ptr<ProcessGroup> pg;  // the background thread's own group
+  ShardedSaveOptions options;
+  std::thread worker;
+  std::string dir;           // of the save in flight or last done
+  absl::Status last;         // its outcome, once joined
+  double staging_seconds = 0;
+
+  absl::Status join() {
+    if (worker.joinable()) worker.join();
+    return last;
+  }
+};
+
+AsyncCheckpointer::AsyncCheckpointer(std::shared_ptr<ProcessGroup> group, ShardedSaveOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  EMBER_CHECK(group != nullptr, "AsyncCheckpointer: null process group");
+  impl_->pg = std::move(group);
+  impl_->options = options;
+}
+
+AsyncCheckpointer::~AsyncCheckpointer() {
+  const absl::Status s = impl_->join();
+  if (!s.ok()) std::fprintf(stderr, "AsyncCheckpointer: the last save failed: %s\n", std::string(s.message()).c_str());
+}
+
+absl::Status AsyncCheckpointer::save(const std::string& dir_in, nn::Module& model, optim::Optimizer* optimizer,
+                                     const optim::LRScheduler* scheduler, const TrainingState& state,
+                                     ProcessGroup& pg) {
+  const std::string dir = normalize_dir(dir_in);
+  if (auto s = check_save_args(dir, impl_->options); !s.ok()) return s;
+  // The previous save first: its failure is this call's error.
+  if (absl::Status prev = impl_->join(); !prev.ok()) {
+    impl_->last = absl::OkStatus();
+    return prev;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  std::shared_ptr<Staged> staged;
+  {
+    NoGradGuard no_grad;
+    try {
+      staged = std::make_shared<Staged>(stage_state(model, optimizer, scheduler, state, pg, /*copy=*/true));
+    } catch (const Error& e) {
+      return absl::InternalError(absl::StrCat("save_sharded_checkpoint '", dir, "': ", e.what()));
+    }
+  }
+  impl_->staging_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  impl_->dir = dir;
+  impl_->worker = std::thread([impl = impl_.get(), dir, staged] {
+    impl->last = write_staged(dir, *staged, *impl->pg, impl->options);
+  });
+  return absl::OkStatus();
+}
+
+absl::Status AsyncCheckpointer::wait() {
+  absl::Status s = impl_->join();
+  impl_->last = absl::OkStatus();
+  return s;
+}
+
+double AsyncCheckpointer::last_staging_seconds() const { return impl_->staging_seconds; }
 
 absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in, nn::Module& model,
                                                       optim::Optimizer* optimizer, optim::LRScheduler* scheduler,

@@ -35,6 +35,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,38 @@ struct ShardedSaveOptions {
 absl::Status save_sharded_checkpoint(const std::string& dir, nn::Module& model, optim::Optimizer* optimizer,
                                      const optim::LRScheduler* scheduler, const TrainingState& state,
                                      ProcessGroup& pg, const ShardedSaveOptions& options = {});
+
+// Asynchronous saves: save() copies this rank's pieces to host memory (the
+// only time the training loop waits) and returns; a background thread
+// writes them and commits over its own process group, so training's
+// collectives go on undisturbed. One save at a time: the next save() first
+// waits for the previous one, and a previous failure is its error (naming
+// the checkpoint; that call saves nothing); wait() returns the last save's outcome (call it before
+// exiting; the destructor waits too and reports a failure on stderr).
+//
+//   AsyncCheckpointer ckpt(distributed::new_group(all_ranks));  // every rank
+//   ... if (auto s = ckpt.save(dir, model, &opt, &sched, state, *pg); !s.ok()) ...
+//   ... at the end: EMBER_CHECK(ckpt.wait().ok(), ...)
+class AsyncCheckpointer {
+ public:
+  // `group`: the background thread's group, the same ranks as the training
+  // group but not used by anything else (new_group on every rank).
+  explicit AsyncCheckpointer(std::shared_ptr<ProcessGroup> group, ShardedSaveOptions options = {});
+  ~AsyncCheckpointer();
+  AsyncCheckpointer(const AsyncCheckpointer&) = delete;
+  AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
+  // Every rank calls it with the training group `pg` (used for staging:
+  // ZeRO-1's consolidation is a collective).
+  absl::Status save(const std::string& dir, nn::Module& model, optim::Optimizer* optimizer,
+                    const optim::LRScheduler* scheduler, const TrainingState& state, ProcessGroup& pg);
+  absl::Status wait();
+  // How long the last save() blocked the caller (staging), in seconds.
+  double last_staging_seconds() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 // Every rank of `pg` calls it. The model, optimizer and scheduler change only
 // if everything needed was read and verified; errors name the file, the

@@ -167,6 +167,34 @@ EMBER_WORKER(ckpt_job) {
   auto pg = default_group();
   ShardedSaveOptions so;
   if (args.count("piece")) so.max_piece_bytes = std::stoll(args.at("piece"));
+  if (args.at("phase") == "save_async") {
+    // Saved in the background while two more steps change every tensor.
+    std::vector<int> all;
+    for (int r = 0; r < env.world_size; ++r) all.push_back(r);
+    AsyncCheckpointer ckpt(new_group(all), so);
+    for (int s = 0; s < 2; ++s) job.step(s);
+    const nn::StateDict full = job.full();
+    if (env.rank == 0) WCHECK(save_safetensors(dir + ".full.safetensors", full.items()).ok(), "full");
+    TrainingState st;
+    st.step = 2;
+    const absl::Status started = ckpt.save(dir, *job.net, job.opt.get(), nullptr, st, *pg);
+    WCHECK(started.ok(), started.message());
+    WCHECK(ckpt.last_staging_seconds() >= 0, ckpt.last_staging_seconds());
+    for (int s = 2; s < 4; ++s) job.step(s);
+    const absl::Status done = ckpt.wait();
+    WCHECK(done.ok(), done.message());
+    // A save that cannot be written: save() returns at once, the failure
+    // comes from wait() and names the checkpoint; the next save() reports
+    // a failure it meets too.
+    const std::string bad = dir + ".full.safetensors/sub";  // under a file
+    WCHECK(ckpt.save(bad, *job.net, job.opt.get(), nullptr, st, *pg).ok(), "staging");
+    const absl::Status failed = ckpt.wait();
+    WCHECK(!failed.ok() && std::string(failed.message()).find(bad) != std::string::npos, failed.message());
+    WCHECK(ckpt.save(bad, *job.net, job.opt.get(), nullptr, st, *pg).ok(), "staging");
+    const absl::Status next = ckpt.save(dir + ".other", *job.net, job.opt.get(), nullptr, st, *pg);
+    WCHECK(!next.ok() && std::string(next.message()).find(bad) != std::string::npos, next.message());
+    return;
+  }
   if (args.at("phase") == "save") {
     for (int s = 0; s < 2; ++s) job.step(s);
     TrainingState st;
@@ -308,6 +336,19 @@ TEST_F(ShardedCheckpoint, ReplicatedSavesLoadIntoShards) {
   load(zero, "zero", 4);
   const std::string single = save("single", 1);
   load(single, "fsdp:hybrid", 4);
+}
+
+// AsyncCheckpointer: the checkpoint holds the state of the moment save()
+// was called, although training went on changing it during the write.
+TEST_F(ShardedCheckpoint, AsyncSaveHoldsTheStateOfItsCall) {
+  const std::string dir = (root_ / "async").string();
+  mp::RunOptions o;
+  o.arg = "phase=save_async,layout=fsdp:full,dir=" + dir;
+  auto r = mp::run_workers("ckpt_job", 2, o);
+  ASSERT_TRUE(mp::all_succeeded(r)) << mp::describe(r);
+  EXPECT_TRUE(verify_checkpoint(dir).ok());
+  load(dir, "fsdp:full", 3);
+  load(dir, "ddp", 2);
 }
 
 TEST_F(ShardedCheckpoint, SmallPiecesSplitTensors) {
