@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <string>
 #include <vector>
 
@@ -177,11 +178,20 @@ EMBER_WORKER(ckpt_job) {
     if (env.rank == 0) WCHECK(save_safetensors(dir + ".full.safetensors", full.items()).ok(), "full");
     TrainingState st;
     st.step = 2;
+    // The background write waits until the two steps are done, so that a
+    // save without host copies would write their result.
+    std::promise<void> trained;
+    std::shared_future<void> gate = trained.get_future().share();
+    testing::set_checkpoint_save_hooks({.at_stage = [gate](const std::string& at) {
+      if (at == "sharded_dir_created") gate.wait();
+    }});
     const absl::Status started = ckpt.save(dir, *job.net, job.opt.get(), nullptr, st, *pg);
     WCHECK(started.ok(), started.message());
     WCHECK(ckpt.last_staging_seconds() >= 0, ckpt.last_staging_seconds());
     for (int s = 2; s < 4; ++s) job.step(s);
+    trained.set_value();
     const absl::Status done = ckpt.wait();
+    testing::set_checkpoint_save_hooks({});
     WCHECK(done.ok(), done.message());
     // A save that cannot be written: save() returns at once, the failure
     // comes from wait() and names the checkpoint; the next save() reports
