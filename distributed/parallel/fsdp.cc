@@ -55,6 +55,14 @@ Registry& registry() {
   return r;
 }
 
+// The live units of a root's list, in order.
+std::vector<std::shared_ptr<Unit>> alive(const std::vector<std::weak_ptr<Unit>>& units) {
+  std::vector<std::shared_ptr<Unit>> out;
+  for (const auto& w : units)
+    if (auto u = w.lock()) out.push_back(std::move(u));
+  return out;
+}
+
 std::shared_ptr<Unit> unit_of(const nn::Module* m) {
   auto it = registry().by_module.find(m);
   if (it == registry().by_module.end()) return nullptr;
@@ -380,11 +388,12 @@ void Unit::on_grad_ready(uint64_t generation) {
 void Unit::finalize_backward() {
   // Units whose backward never completed through the hooks (a parameter
   // that got no gradient, an input that needs none), in backward order.
-  std::vector<std::shared_ptr<Unit>> order(post_fwd_order.rbegin(), post_fwd_order.rend());
+  std::vector<std::shared_ptr<Unit>> order = alive(post_fwd_order);
+  std::reverse(order.begin(), order.end());
   for (auto& u : order)
     if (u->expects_backward && !u->post_backward_done) u->post_backward();
   while (!pending.empty()) advance_pending();
-  for (auto& u : subtree) u->expects_backward = false;
+  for (auto& u : alive(subtree)) u->expects_backward = false;
   bwd_anchor.reset();
   callback_queued = false;
 }
@@ -406,7 +415,7 @@ Tensor Unit::pre_forward(const Tensor& input) {
   unshard();
   if (!shares_storage) fwd_version = layout.flat().storage_version();
   if (forward_prefetch) {
-    auto& order = r->prev_fwd_order;
+    const std::vector<std::shared_ptr<Unit>> order = alive(r->prev_fwd_order);
     auto it = std::find(order.begin(), order.end(), shared_from_this());
     for (int k = 0; it != order.end() && k < prefetch_limit && ++it != order.end(); ++k) (*it)->start_gather();
   }
@@ -476,13 +485,13 @@ void Unit::prefetch_backward() {
   // gradient), so its release, not this hook, makes room for the prefetch.
   auto live = [&] {
     int n = 0;
-    for (auto& u : subtree)
+    for (auto& u : alive(subtree))
       if (!u->is_root && u->expects_backward && !u->post_backward_done &&
           (u->gathering || u->state == State::UNSHARDED))
         ++n;
     return n;
   };
-  auto& order = post_fwd_order;
+  const std::vector<std::shared_ptr<Unit>> order = alive(post_fwd_order);
   auto it = std::find(order.rbegin(), order.rend(), anchor);
   for (int k = 0; it != order.rend() && k < anchor->prefetch_limit && ++it != order.rend(); ++k) {
     Unit& next = **it;

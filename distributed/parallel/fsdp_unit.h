@@ -83,8 +83,11 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
 
   // Root only.
   bool is_root = false, root_initialized = false, callback_queued = false;
-  std::vector<std::shared_ptr<Unit>> subtree;
-  std::vector<std::shared_ptr<Unit>> fwd_order, prev_fwd_order, post_fwd_order;
+  // Weak: the root is in its own lists, and the modules' hooks own the units;
+  // strong references here kept a model's units (and their shards) alive
+  // after the model was gone.
+  std::vector<std::weak_ptr<Unit>> subtree;
+  std::vector<std::weak_ptr<Unit>> fwd_order, prev_fwd_order, post_fwd_order;
   std::deque<PendingReduce> pending;
   std::weak_ptr<Unit> bwd_anchor;  // the unit whose backward started last
 
