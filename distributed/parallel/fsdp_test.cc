@@ -666,6 +666,28 @@ TEST(FullyShard, ARootWithoutParametersAndEvalForwards) {
   }
 }
 
+// A dropped model takes its units, and their shards, with it: the root's
+// lists of its units once held them strongly (the root is in its own list),
+// so a second model allocated where the first had been was "already wrapped".
+EMBER_WORKER(dropped_model) {
+  init_world(env);
+  std::vector<std::weak_ptr<FSDPModule::Unit>> units;
+  for (int round = 0; round < 2; ++round) {
+    auto net = std::make_shared<Net>(7);
+    auto root = wrap(net, Config{});
+    for (auto& u : root->units()) units.push_back(u);
+    auto [x, y] = batch(env.rank, 0, 0);
+    nn::functional::mse_loss((*net)(x), y).backward();
+  }
+  for (size_t i = 0; i < units.size(); ++i) WCHECK(units[i].expired(), "unit ", i, " outlived its model");
+  destroy_process_group();
+}
+
+TEST(FullyShard, ADroppedModelFreesItsUnits) {
+  auto res = mp::run_workers("dropped_model", 2);
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
 TEST(MultiProcessWorker, Entry) {
   if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
   mp::run_if_worker();
