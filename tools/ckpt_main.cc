@@ -13,6 +13,7 @@
 // DIR is one checkpoint: the directory holding index.json. Exit codes: 0 ok,
 // 1 a damaged or missing checkpoint, 2 a usage error.
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -72,7 +73,11 @@ int inspect(const std::string& dir) {
     for (const auto& p : t.pieces) {
       bytes += p.byte_end - p.byte_begin;
       std::string f = p.file;
-      if (f.rfind("rank-", 0) == 0) f = "r" + std::to_string(std::stoi(f.substr(5, 5)));
+      if (f.rfind("rank-", 0) == 0) {  // "r3" for rank-00003.safetensors
+        char b[16];
+        std::snprintf(b, sizeof b, "r%d", std::atoi(f.c_str() + 5));
+        f = b;
+      }
       if (where.size() < 60)
         where += (where.empty() ? "" : " ") + f + ":" + std::to_string(p.offset) + "+" + std::to_string(p.numel);
       else if (where.back() != '.')
