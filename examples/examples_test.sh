@@ -20,7 +20,7 @@ out=$("${ddp[@]}" --epochs 2 --checkpoint-dir "$ckpt" 2>&1)
 echo "$out"
 grep -q "epoch 1/2: train loss .*test accuracy" <<<"$out"
 grep -q "epoch 2/2: train loss .*test accuracy" <<<"$out"
-for f in model.safetensors optimizer.safetensors; do
+for f in index.json trainer.json rank-00000.safetensors rank-00001.safetensors; do
   [[ -f $ckpt/epoch_2/$f ]] || { echo "resnet_ddp wrote no $ckpt/epoch_2/$f"; ls -R "$ckpt"; exit 1; }
 done
 full_epoch2=$(grep "epoch 2/2: train loss" <<<"$out" | sed 's/, [0-9]* s elapsed//')
@@ -31,13 +31,20 @@ mkdir -p "$tmp/resumed"
 cp -r "$ckpt/epoch_1" "$tmp/resumed/"
 out=$("${ddp[@]}" --epochs 2 --checkpoint-dir "$tmp/resumed" --resume 2>&1)
 echo "$out"
-grep -q "resumed from $tmp/resumed/epoch_1: 1 epoch(s), 4 step(s) done" <<<"$out"
+grep -q "resumed from $tmp/resumed/epoch_1: saved by 2 ranks (replicated), loading on 2 ranks (replicated); 1 epoch(s), 4 step(s) done" <<<"$out"
 resumed_epoch2=$(grep "epoch 2/2: train loss" <<<"$out" | sed 's/, [0-9]* s elapsed//')
 [[ "$resumed_epoch2" == "$full_epoch2" ]] || {
   echo "resumed epoch 2 differs:"; echo "  uninterrupted: $full_epoch2"; echo "  resumed:       $resumed_epoch2"; exit 1; }
-for f in model.safetensors optimizer.safetensors; do
+for f in index.json rank-00000.safetensors rank-00001.safetensors; do
   cmp "$ckpt/epoch_2/$f" "$tmp/resumed/epoch_2/$f" || { echo "resumed run's epoch_2/$f differs"; exit 1; }
 done
+# The 2-rank checkpoint resumed on 3 ranks: it says so, trains on, and
+# writes a 3-rank checkpoint.
+mkdir -p "$tmp/resumed3" && cp -r "$ckpt/epoch_1" "$tmp/resumed3/"
+out=$("${ddp[@]}" --nproc 3 --epochs 2 --checkpoint-dir "$tmp/resumed3" --resume 2>&1)
+echo "$out"
+grep -q "resumed from $tmp/resumed3/epoch_1: saved by 2 ranks (replicated), loading on 3 ranks (replicated); 1 epoch(s), 4 step(s) done" <<<"$out"
+[[ -f $tmp/resumed3/epoch_2/rank-00002.safetensors ]] || { ls -R "$tmp/resumed3"; echo "no 3-rank checkpoint"; exit 1; }
 
 # A checkpoint whose extra field has the wrong type: a named error, not a bare
 # JSON type error (regression).
@@ -76,7 +83,7 @@ mkdir -p "$tmp/amp16r" && cp -r "$tmp/amp16/epoch_1" "$tmp/amp16r/"
 out=$("${ddp[@]}" --epochs 2 --amp fp16 --checkpoint-dir "$tmp/amp16r" --resume 2>&1)
 resumed_amp=$(grep "epoch 2/2: train loss" <<<"$out" | sed 's/, [0-9]* s elapsed//')
 [[ "$resumed_amp" == "$full_amp" ]] || { echo "fp16 resume differs: '$full_amp' vs '$resumed_amp'"; exit 1; }
-cmp "$tmp/amp16/epoch_2/model.safetensors" "$tmp/amp16r/epoch_2/model.safetensors" || {
+cmp "$tmp/amp16/epoch_2/rank-00000.safetensors" "$tmp/amp16r/epoch_2/rank-00000.safetensors" || {
   echo "the resumed fp16 run's model differs"; exit 1; }
 sed -i 's/"_growth_tracker": [0-9.]*/"_growth_tracker": 5000/' "$tmp/amp16r/epoch_1/trainer.json"
 rm -rf "$tmp/amp16r/epoch_2"
@@ -94,7 +101,7 @@ out=$(tools/launch --nproc_per_node=2 --master_port=0 -- "${ddp[@]}" --epochs 1 
       --checkpoint-dir "$tmp/launched" 2>&1)
 echo "$out"
 grep -q "^\[rank 0\]: epoch 1/1: train loss .*test accuracy" <<<"$out"
-[[ -f $tmp/launched/epoch_1/model.safetensors ]] || { echo "no checkpoint under tools/launch"; exit 1; }
+[[ -f $tmp/launched/epoch_1/index.json ]] || { echo "no checkpoint under tools/launch"; exit 1; }
 
 # Rank 0 cannot write its checkpoint (the directory's parent is a file) after
 # epoch 1 while rank 1 is already waiting in a collective: the job must fail

@@ -46,6 +46,7 @@
 #include "data/sampler.h"
 #include "data/transforms.h"
 #include "distributed/checkpoint/checkpoint.h"
+#include "distributed/checkpoint/sharded.h"
 #include "examples/cli.h"
 #include "distributed/config_check.h"
 #include "distributed/parallel/ddp.h"
@@ -130,10 +131,11 @@ distributed::testing::CheckpointSaveHooks& fault_hooks() {
 }
 
 // Fault injection for tools/fault_suite.py: EMBER_FAULT_CHECKPOINT=STAGE:EPOCH
-// kills this process with SIGKILL (as a crash or a power cut would) when the
-// save of epoch EPOCH's checkpoint reaches STAGE (model_written,
-// tmp_complete, exchanged, old_moved_aside or renamed; old_moved_aside also
-// turns off the atomic rename exchange, so that path is taken).
+// kills rank 0 with SIGKILL (as a crash or a power cut would) when the save
+// of epoch EPOCH's checkpoint reaches STAGE (sharded_rank_written,
+// sharded_before_index, sharded_before_rename, exchanged, old_moved_aside or
+// renamed; old_moved_aside also turns off the atomic rename exchange, so
+// that path is taken).
 void install_checkpoint_fault() {
   const char* spec = std::getenv("EMBER_FAULT_CHECKPOINT");
   if (!spec || !*spec) return;
@@ -358,7 +360,20 @@ int train(const Flags& flags) {
     for (const std::string& s : skipped) LOG0("warning: skipping the damaged checkpoint ", s, "; trying an older one");
     const std::optional<std::string>& dir = *latest;
     EMBER_CHECK(dir.has_value(), "--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir ", flags.checkpoint_dir);
-    auto st = distributed::load_checkpoint(*dir, *model, &opt, &sched);
+    // Sharded (each rank wrote its part; any number of ranks loads it), or
+    // the one-file checkpoints of earlier versions.
+    std::string saved_by;
+    absl::StatusOr<distributed::TrainingState> st = absl::UnknownError("");
+    if (distributed::is_sharded_checkpoint(*dir)) {
+      auto index = distributed::read_checkpoint_index(*dir);
+      EMBER_CHECK(index.ok(), "--resume: ", index.status().message());
+      saved_by = "saved by " + std::to_string(index->world_size) + " rank" + (index->world_size == 1 ? "" : "s") +
+                 " (" + index->layout + "), loading on " + std::to_string(world) + " rank" + (world == 1 ? "" : "s") +
+                 " (" + (world > 1 ? "replicated" : "single") + "); ";
+      st = distributed::load_sharded_checkpoint(*dir, *model, &opt, &sched, *pg);
+    } else {
+      st = distributed::load_checkpoint(*dir, *model, &opt, &sched);
+    }
     EMBER_CHECK(st.ok(), "--resume: ", st.status().message(),
                 " (was it written with a different --model, or a different --accum-steps/--epochs schedule?)");
     start_epoch = st->epoch;
@@ -396,7 +411,7 @@ int train(const Flags& flags) {
            ": the data order and learning rate differ from an uninterrupted run");
     // The checkpoint's data order wins: that is what "continue exactly" means.
     if (data_seed != flags.seed) train_loader = make_train_loader(data_seed);
-    LOG0("resumed from ", *dir, ": ", start_epoch, " epoch(s), ", step, " step(s) done");
+    LOG0("resumed from ", *dir, ": ", saved_by, start_epoch, " epoch(s), ", step, " step(s) done");
     if (start_epoch >= flags.epochs)
       LOG0("nothing to do: the checkpoint has ", start_epoch, " epoch(s) and --epochs is ", flags.epochs);
   }
@@ -477,7 +492,7 @@ int train(const Flags& flags) {
          scaler.is_enabled() ? "scale " + std::to_string(static_cast<int64_t>(scaler.get_scale())) + ", " : "",
          static_cast<int64_t>(seconds(t_start, Clock::now())), " s elapsed");
 
-    if (rank == 0) {
+    {  // every rank writes its part (sharded.h): here, a share of the replicated tensors
       distributed::TrainingState st;
       st.epoch = epoch + 1;
       st.step = step;
@@ -490,18 +505,17 @@ int train(const Flags& flags) {
       if (scaler.is_enabled()) extra["grad_scaler"] = scaler.state_dict();
       st.extra_json = extra.dump();
       std::string dir = flags.checkpoint_dir + "/epoch_" + std::to_string(epoch + 1);
-      const bool inject = !fault_epoch_suffix().empty() && dir.size() >= fault_epoch_suffix().size() &&
+      const bool inject = rank == 0 && !fault_epoch_suffix().empty() && dir.size() >= fault_epoch_suffix().size() &&
                           dir.compare(dir.size() - fault_epoch_suffix().size(), std::string::npos,
                                       fault_epoch_suffix()) == 0;
       if (inject) distributed::testing::set_checkpoint_save_hooks(fault_hooks());
-      absl::Status s = distributed::save_checkpoint(dir, *model, &opt, &sched, st);
+      absl::Status s = distributed::save_sharded_checkpoint(dir, *model, &opt, &sched, st, *pg);
       if (inject) distributed::testing::set_checkpoint_save_hooks({});
       EMBER_CHECK(s.ok(), "saving checkpoint ", dir, ": ", s.message());
       LOG0("saved checkpoint ", dir);
     }
   }
-  // Rank 0 may still be writing the last checkpoint: nobody leaves (and
-  // tears the group down) before it is on disk.
+  // Nobody leaves (and tears the group down) before every rank is done.
   pg->barrier()->wait();
   LOG0("done in ", static_cast<int64_t>(seconds(t_start, Clock::now())), " s");
   return 0;

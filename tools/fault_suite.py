@@ -8,8 +8,8 @@ Cases (each drawn with a seeded RNG, so a run is reproducible):
   sigstop-launcher   SIGSTOP a random rank (alive but stuck) under the launcher
   sigstop-bare       the same without a launcher; then SIGCONT it: it must leave too
   crash-<stage>      rank 0 killed at a stage of a checkpoint save (EMBER_FAULT_CHECKPOINT)
-  corrupt-<how>      the newest checkpoint damaged (truncated model, garbage trainer.json,
-                     missing optimizer file), then --resume
+  corrupt-<how>      the newest (sharded) checkpoint damaged (a truncated rank file, garbage
+                     trainer.json, a missing rank file), then --resume
   bad-data           a truncated IDX file in the dataset directory
 
 Every case asserts: the exit status (non-zero, and the launcher's 128+9 for a
@@ -35,8 +35,8 @@ import tempfile
 import time
 import uuid
 
-STAGES = ["model_written", "tmp_complete", "exchanged", "old_moved_aside", "renamed"]
-CORRUPTIONS = ["truncated-model", "garbage-trainer-json", "missing-optimizer"]
+STAGES = ["sharded_rank_written", "sharded_before_index", "exchanged", "old_moved_aside", "renamed"]
+CORRUPTIONS = ["truncated-shard", "garbage-trainer-json", "missing-shard"]
 WORLD = 2
 TIMEOUT_S = 4  # collective timeout for the SIGSTOP cases (alive-but-stuck detection)
 
@@ -272,18 +272,18 @@ def crash_case(case, stage):
 def corrupt_case(case, how):
     case.good_run()
     newest = os.path.join(case.ckpt, "epoch_2")
-    if how == "truncated-model":
-        f = os.path.join(newest, "model.safetensors")
+    if how == "truncated-shard":
+        f = os.path.join(newest, "rank-00000.safetensors")
         os.truncate(f, os.path.getsize(f) // 2)
-        name = "model.safetensors"
+        name = "rank-00000.safetensors"
     elif how == "garbage-trainer-json":
         with open(os.path.join(newest, "trainer.json"), "r+b") as f:
             f.seek(40)
             f.write(b"\x00garbage{[")
         name = "trainer.json"
     else:
-        os.remove(os.path.join(newest, "optimizer.safetensors"))
-        name = "optimizer.safetensors"
+        os.remove(os.path.join(newest, "rank-00001.safetensors"))
+        name = "rank-00001.safetensors"
     t0 = time.monotonic()
     p = subprocess.run([case.suite.resnet, "--nproc", str(WORLD), *case.train_args(epochs=3, steps=4), "--resume"],
                        env=case.env(), capture_output=True, text=True, timeout=120)
@@ -378,7 +378,7 @@ def main():
     rng = random.Random(args.seed)
     signal_kinds = ["kill9-launcher", "kill9-bare", "sigstop-launcher", "sigstop-bare"]
     kinds = [k for k in signal_kinds for _ in range(1 if args.smoke else args.repeat)]
-    kinds += ["crash-" + s for s in (STAGES if not args.smoke else ["tmp_complete", "old_moved_aside"])]
+    kinds += ["crash-" + s for s in (STAGES if not args.smoke else ["sharded_before_index", "old_moved_aside"])]
     kinds += ["corrupt-" + c for c in (CORRUPTIONS if not args.smoke else ["truncated-model"])]
     kinds += ["bad-data"]
     rows = {}

@@ -21,6 +21,7 @@
 #include <sstream>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "core/autograd_hook.h"
@@ -97,9 +98,16 @@ struct ModelLayout {
 ModelLayout model_layout(nn::Module& model, ProcessGroup& pg) {
   ModelLayout out;
   const int rank = pg.rank(), world = pg.size();
-  // A tensor every rank holds whole is written by one, chosen by name, so
-  // that the writes spread over the ranks.
-  auto owner = [&](const std::string& name) { return static_cast<int>(name_hash(name) % world) == rank; };
+  // A parameter every rank holds whole (DDP keeps them equal) is written by
+  // one rank, chosen by name, so that the writes spread over the ranks. A
+  // buffer is rank 0's: buffers may differ between ranks (batch norm's
+  // running statistics, each rank's own batches), and rank 0's are the ones
+  // DDP broadcasts, so they are the ones training continues from.
+  std::unordered_set<const TensorImpl*> params;
+  for (const Tensor& p : model.parameters()) params.insert(p.impl_ptr().get());
+  auto owner = [&](const std::string& name, const Tensor& t) {
+    return params.count(t.impl_ptr().get()) ? static_cast<int>(name_hash(name) % world) == rank : rank == 0;
+  };
   using Unit = FSDPModule::Unit;
   std::unordered_map<const TensorImpl*, std::pair<Unit*, size_t>> managed;
   if (std::shared_ptr<FSDPModule> root = fsdp_of(model)) {
@@ -117,7 +125,7 @@ ModelLayout model_layout(nn::Module& model, ProcessGroup& pg) {
     Place p;
     auto it = managed.find(t.impl_ptr().get());
     if (it == managed.end()) {
-      p = {name, t.sizes(), 0, t.numel(), true, owner(name), t};
+      p = {name, t.sizes(), 0, t.numel(), true, owner(name, t), t};
     } else {
       const Unit& u = *it->second.first;
       const size_t i = it->second.second;
