@@ -18,7 +18,7 @@ if [ "${1:-}" = "--targets" ]; then
   echo //core:tensor_test //core:ops_cuda_test //core:ops_nn_cuda_test //optim:optim_cuda_test \
     //optim:grad_scaler_test //nn:autocast_test //data:loader_test //core:safetensors_test \
     //distributed:process_group_test //distributed:process_group_nccl_test //bench:ops_cuda_bench \
-    //bench:train_bench //examples:resnet_ddp //examples:gpt_fsdp
+    //bench:train_bench //examples:resnet_ddp //examples:gpt_fsdp //tools:ckpt
   exit 0
 fi
 if [ "${1:-}" = "--data" ]; then
@@ -90,6 +90,15 @@ for s in $steps; do
     summary "resnet_ddp fp16 rc=$? $(grep -iE 'epoch|accuracy' "$logs/resnet_ddp_fp16.log" | tail -2 | tr '\n' ' ')"
     timeout 180 bash "$here/.gpu/run.sh" gpt_fsdp --data "$d/fortunes" --checkpoint-dir /tmp/gpt >"$logs/gpt_fsdp.log" 2>&1
     summary "gpt_fsdp rc=$? $(grep -iE 'val|step' "$logs/gpt_fsdp.log" | tail -2 | tr '\n' ' ')"
+    # Sharded checkpoints over NCCL: resume both examples from what they saved.
+    timeout 120 bash "$here/.gpu/run.sh" gpt_fsdp --data "$d/fortunes" --checkpoint-dir /tmp/gpt --max-steps 1100 \
+      --resume >"$logs/gpt_fsdp_resume.log" 2>&1
+    summary "gpt_fsdp resume rc=$? $(grep -E 'resumed from|done in' "$logs/gpt_fsdp_resume.log" | tr '\n' ' ')"
+    bash "$here/.gpu/run.sh" ckpt verify /tmp/gpt/step_1100 >"$logs/ckpt_verify.log" 2>&1
+    summary "ckpt verify rc=$? $(cat "$logs/ckpt_verify.log")"
+    timeout 120 bash "$here/.gpu/run.sh" resnet_ddp --data "$d/fashion" --epochs 2 --checkpoint-dir /tmp/rn \
+      --resume >"$logs/resnet_ddp_resume.log" 2>&1
+    summary "resnet_ddp resume rc=$? $(grep -E 'resumed from|epoch 2/2:' "$logs/resnet_ddp_resume.log" | tr '\n' ' ')"
     timeout 180 bash "$here/.gpu/run.sh" gpt_fsdp --data "$d/fortunes" --amp bf16 --checkpoint-dir /tmp/gpt16 \
       >"$logs/gpt_fsdp_bf16.log" 2>&1
     summary "gpt_fsdp bf16 rc=$? $(grep -iE 'val|step' "$logs/gpt_fsdp_bf16.log" | tail -2 | tr '\n' ' ')"
