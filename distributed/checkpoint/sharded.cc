@@ -45,6 +45,16 @@ constexpr const char* kIndexFormat = "ember-sharded-checkpoint";
 constexpr int64_t kIndexVersion = 1;
 constexpr const char* kIndexFile = "index.json";
 constexpr const char* kOptimPrefix = "optim.state.";
+// Each rank's random generator (seed, offset) as "rng.<rank>", int64 [2]:
+// dropout and other draws continue exactly when the world size is the same.
+constexpr const char* kRngPrefix = "rng.";
+
+Tensor generator_state() {
+  Tensor t = Tensor::empty({2}, DType::Int64);
+  t.data<int64_t>()[0] = static_cast<int64_t>(default_generator().seed());
+  t.data<int64_t>()[1] = static_cast<int64_t>(default_generator().offset());
+  return t;
+}
 constexpr uintmax_t kMaxIndexBytes = uintmax_t{1} << 30;
 
 std::string rank_file(int r) {
@@ -541,6 +551,7 @@ absl::Status consolidate_checkpoint(const std::string& dir_in, const std::string
   for (const CheckpointTensor& t : index->tensors) {
     auto v = read_checkpoint_tensor(dir, t);
     if (!v.ok()) return v.status();
+    if (t.name.rfind(kRngPrefix, 0) == 0) continue;  // per-rank generators: trainer.json has rank 0's
     if (t.name.rfind(kOptimPrefix, 0) != 0) {
       model_items.push_back({t.name, *v});
       continue;
@@ -596,6 +607,7 @@ Staged stage_state(nn::Module& model, optim::Optimizer* optimizer, const optim::
     ModelLayout L = model_layout(model, pg);
     out.layout = L.description;
     std::vector<Held> held = L.held;
+    held.push_back({kRngPrefix + std::to_string(pg.rank()), {2}, DType::Int64, 0, generator_state(), true});
     if (optimizer) {
       std::vector<Held> o = optimizer_held(*optimizer, L, pg);
       held.insert(held.end(), o.begin(), o.end());
@@ -789,6 +801,7 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
     // 1. Read and check everything this rank needs.
     std::string error;
     std::optional<TrainerFile> trainer;
+    Tensor rng;  // this rank's generator, when the world size is the saver's
     std::vector<std::pair<Tensor, Tensor>> model_copies;  // (destination, staged)
     optim::OptimizerStateDict opt_sd;
     do {
@@ -805,6 +818,14 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
       trainer = std::move(*t);
       const ModelLayout L = model_layout(model, pg);
       PieceReader reader(dir);
+      if (const CheckpointTensor* g = index->find(kRngPrefix + std::to_string(pg.rank()));
+          g && index->world_size == pg.size() && g->dtype == DType::Int64 && g->shape == Shape{2}) {
+        rng = Tensor::empty({2}, DType::Int64);
+        if (auto s = reader.read_range(*g, 0, rng); !s.ok()) {
+          error = std::string(s.message());
+          break;
+        }
+      }
       const std::string saved_by = absl::StrCat(" (saved by ", index->world_size, " rank(s), ", index->layout, ")");
       // Model: every entry, whole shape and dtype as the model has them.
       for (const auto& [name, p] : L.by_name) {
@@ -829,7 +850,7 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
       }
       if (!error.empty()) break;
       for (const CheckpointTensor& t2 : index->tensors)
-        if (t2.name.rfind(kOptimPrefix, 0) != 0 && !L.by_name.count(t2.name)) {
+        if (t2.name.rfind(kOptimPrefix, 0) != 0 && t2.name.rfind(kRngPrefix, 0) != 0 && !L.by_name.count(t2.name)) {
           error = absl::StrCat(index_path, ": unexpected tensor '", t2.name, "' (the model has no such entry)");
           break;
         }
@@ -897,7 +918,11 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
       Tensor d = dst;
       d.copy_(staged.view(dst.sizes()));
     }
-    apply_trainer_file(*trainer, scheduler);
+    apply_trainer_file(*trainer, scheduler);  // rank 0's generator, from trainer.json
+    if (rng.defined()) {
+      default_generator().manual_seed(static_cast<uint64_t>(rng.data<int64_t>()[0]));
+      default_generator().set_offset(static_cast<uint64_t>(rng.data<int64_t>()[1]));
+    }
     return trainer->state;
   } catch (const Error& e) {
     return absl::InternalError(absl::StrCat("load_sharded_checkpoint '", dir, "': ", e.what()));

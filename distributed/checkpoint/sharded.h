@@ -21,7 +21,10 @@
 // (absolute), `xxh64` the xxHash64 (seed 0) of those bytes. Names are
 // PyTorch's: model tensors as in state_dict(), optimizer state as
 // "optim.state.<parameter name>.<state name>" (exp_avg, exp_avg_sq,
-// momentum_buffer, step). A parameter every rank holds whole (DDP) is
+// momentum_buffer, step); each rank's random generator is "rng.<rank>"
+// (int64 seed and offset), restored when the world size is the saver's
+// (otherwise every rank takes rank 0's, from trainer.json). A parameter
+// every rank holds whole (DDP) is
 // written once, by one rank chosen by its name, so the writes spread over
 // the ranks; a buffer every rank holds (batch norm's running statistics,
 // which differ between DDP ranks) is rank 0's, as DDP broadcasts rank 0's.

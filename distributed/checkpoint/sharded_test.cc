@@ -176,6 +176,8 @@ EMBER_WORKER(ckpt_job) {
     for (int s = 0; s < 2; ++s) job.step(s);
     const nn::StateDict full = job.full();
     if (env.rank == 0) WCHECK(save_safetensors(dir + ".full.safetensors", full.items()).ok(), "full");
+    manual_seed(500 + env.rank);  // each rank's own generator state, as phase=save
+    randn({3 + env.rank});
     TrainingState st;
     st.step = 2;
     // The background write waits until the two steps are done, so that a
@@ -207,6 +209,8 @@ EMBER_WORKER(ckpt_job) {
   }
   if (args.at("phase") == "save") {
     for (int s = 0; s < 2; ++s) job.step(s);
+    manual_seed(500 + env.rank);  // each rank's own generator state
+    randn({3 + env.rank});
     TrainingState st;
     st.step = 2;
     const absl::Status saved = save_sharded_checkpoint(dir, *job.net, job.opt.get(), nullptr, st, *pg, so);
@@ -218,6 +222,13 @@ EMBER_WORKER(ckpt_job) {
   auto st = load_sharded_checkpoint(dir, *job.net, job.opt.get(), nullptr, *pg);
   WCHECK(st.ok(), st.status().message());
   WCHECK(st->step == 2, st->step);
+  // Each rank's generator where the world size is the saver's, else rank 0's.
+  const int from = std::stoi(args.at("saved_world")) == env.world_size ? env.rank : 0;
+  Generator want_gen(500 + from);
+  randn({3 + from}, TensorOptions{}, &want_gen);
+  WCHECK(default_generator().seed() == want_gen.seed() && default_generator().offset() == want_gen.offset(),
+         "generator (", default_generator().seed(), ", ", default_generator().offset(), "), want rank ", from, "'s (",
+         want_gen.seed(), ", ", want_gen.offset(), ")");
   auto saved = load_safetensors(dir + ".full.safetensors");
   WCHECK(saved.ok(), saved.status().message());
   nn::StateDict want;
@@ -300,7 +311,9 @@ class ShardedCheckpoint : public ::testing::Test {
   }
   void load(const std::string& dir, const std::string& layout, int n) {
     mp::RunOptions o;
-    o.arg = "phase=load,layout=" + layout + ",dir=" + dir;
+    auto index = read_checkpoint_index(dir);
+    ASSERT_TRUE(index.ok()) << index.status();
+    o.arg = "phase=load,layout=" + layout + ",dir=" + dir + ",saved_world=" + std::to_string(index->world_size);
     auto r = mp::run_workers("ckpt_job", n, o);
     EXPECT_TRUE(mp::all_succeeded(r)) << "loading into " << layout << " on " << n << " rank(s):\n" << mp::describe(r);
   }
@@ -473,7 +486,7 @@ TEST_F(ShardedCheckpoint, DamageIsNamed) {
   // Loading it fails on every rank, naming the tensor.
   {
     mp::RunOptions o;
-    o.arg = "phase=load,layout=fsdp:full,dir=" + dir;
+    o.arg = "phase=load,layout=fsdp:full,saved_world=2,dir=" + dir;
     auto r = mp::run_workers("ckpt_job", 2, o);
     EXPECT_FALSE(r[0].ok());
     EXPECT_NE(r[0].output.find("checksum mismatch in tensor 'l0.fc.weight'"), std::string::npos) << r[0].output;
