@@ -119,9 +119,10 @@ void BM_CkptAsync(benchmark::State& state) {
   distributed::AsyncCheckpointer ckpt(distributed::make_gloo_group(
       std::make_shared<distributed::PrefixStore>("async_ckpt", g->store), g->pg->rank(), kWorld));
   const std::string dir = bench_dir() + "/async";
-  std::vector<double> complete, copy;
+  std::vector<double> complete, copy, blocking;
   const double median = bench::timed_median(state, g->pg.get(), [&] {
     absl::Status s = ckpt.save(dir, *t.gpt, t.opt.get(), nullptr, {}, *g->pg);
+    blocking.push_back(ckpt.last_staging_seconds());
     const auto t0 = bench::Clock::now();
     if (s.ok()) s = ckpt.wait();
     complete.push_back(ckpt.last_staging_seconds() + std::chrono::duration<double>(bench::Clock::now() - t0).count());
@@ -142,7 +143,8 @@ void BM_CkptAsync(benchmark::State& state) {
   }
   std::sort(complete.begin(), complete.end());
   std::sort(copy.begin(), copy.end());
-  state.counters["blocking_ms"] = ckpt.last_staging_seconds() * 1e3;
+  std::sort(blocking.begin(), blocking.end());
+  state.counters["blocking_ms"] = blocking[blocking.size() / 2] * 1e3;
   state.counters["host_copy_ms"] = copy[copy.size() / 2] * 1e3;
   state.counters["complete_ms"] = complete[complete.size() / 2] * 1e3;
   state.counters["save_call_ms_median"] = median * 1e3;
@@ -176,7 +178,7 @@ void BM_DiskWrite(benchmark::State& state) {
 BENCHMARK(BM_DiskWrite)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CkptSave)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CkptLoad)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_CkptAsync)->Iterations(3)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CkptAsync)->Iterations(5)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 }  // namespace
 }  // namespace ember

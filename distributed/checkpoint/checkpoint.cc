@@ -160,32 +160,38 @@ json trainer_json(const nn::Module&, const optim::Optimizer* optimizer, const op
   return j;
 }
 
-// Reads and checks trainer.json's envelope; errors name the file.
-absl::StatusOr<json> read_trainer_json(const std::string& path) {
+absl::StatusOr<json> read_json_file(const std::string& path, uintmax_t max_bytes, const std::string& missing_hint) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     std::error_code ec;
-    if (!fs::exists(path, ec)) return absl::NotFoundError(absl::StrCat(path, ": missing file"));
+    if (!fs::exists(path, ec)) return absl::NotFoundError(absl::StrCat(path, ": missing file", missing_hint));
     return absl::InternalError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
   }
-  // trainer.json holds a few KB of fields: a file far larger than any ember
-  // writes is refused before it is read, and deep nesting before parsing.
   std::error_code size_ec;
   const uintmax_t size = fs::file_size(path, size_ec);
-  if (!size_ec && size > kMaxTrainerJsonBytes)
-    return absl::DataLossError(absl::StrCat(path, ": ", size, " bytes, more than the ", kMaxTrainerJsonBytes,
-                                            " a trainer.json may have (not a checkpoint ember wrote?)"));
+  if (!size_ec && size > max_bytes)
+    return absl::DataLossError(absl::StrCat(path, ": ", size, " bytes, more than the ", max_bytes, " a ",
+                                            fs::path(path).filename().string(),
+                                            " may have (not a checkpoint ember wrote?)"));
   std::stringstream ss;
   ss << in.rdbuf();
   const std::string text = std::move(ss).str();
   if (const std::string deep = json_depth_error(text); !deep.empty())
     return absl::DataLossError(absl::StrCat(path, ": invalid JSON: ", deep));
-  json j;
   try {
-    j = json::parse(text);
+    return json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     return absl::DataLossError(absl::StrCat(path, ": invalid JSON (truncated or corrupted file?): ", e.what()));
   }
+}
+
+// Reads and checks trainer.json's envelope; errors name the file.
+absl::StatusOr<json> read_trainer_json(const std::string& path) {
+  // trainer.json holds a few KB of fields: a file far larger than any ember
+  // writes is refused before it is read.
+  auto parsed = read_json_file(path, kMaxTrainerJsonBytes);
+  if (!parsed.ok()) return parsed.status();
+  const json& j = *parsed;
   if (!j.is_object()) return absl::DataLossError(absl::StrCat(path, ": not a JSON object"));
   auto f = j.find("format");
   if (f == j.end() || !f->is_string() || f->get<std::string>() != kFormat)

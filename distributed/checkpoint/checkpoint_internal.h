@@ -4,6 +4,8 @@
 // Internal to distributed/checkpoint/.
 #pragma once
 
+#include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
@@ -36,6 +38,13 @@ absl::StatusOr<TrainerFile> read_trainer_file(const std::string& path, const opt
                                               const optim::LRScheduler* scheduler);
 // The scheduler's state and the default generator's (seed, offset).
 void apply_trainer_file(const TrainerFile& t, optim::LRScheduler* scheduler);
+
+// A JSON file ember writes (trainer.json, index.json), read and parsed with
+// the checks untrusted input needs: a file over `max_bytes` is refused before
+// it is read, deep nesting before parsing. Errors name the path; a missing
+// file is NotFound with `missing_hint` appended.
+absl::StatusOr<nlohmann::ordered_json> read_json_file(const std::string& path, uintmax_t max_bytes,
+                                                      const std::string& missing_hint = "");
 
 absl::Status write_file_synced(const std::string& path, const std::string& content);
 absl::Status fsync_dir(const std::string& dir);

@@ -476,26 +476,9 @@ bool is_sharded_checkpoint(const std::string& dir) {
 
 absl::StatusOr<CheckpointIndex> read_checkpoint_index(const std::string& dir_in) {
   const std::string path = normalize_dir(dir_in) + "/" + kIndexFile;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    std::error_code ec;
-    if (!fs::exists(path, ec))
-      return absl::NotFoundError(absl::StrCat(path, ": missing file (not a sharded checkpoint, or not committed)"));
-    return absl::InternalError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
-  }
-  std::error_code ec;
-  if (fs::file_size(path, ec) > kMaxIndexBytes) return absl::DataLossError(absl::StrCat(path, ": implausibly large"));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string text = std::move(ss).str();
-  if (const std::string deep = json_depth_error(text); !deep.empty())
-    return absl::DataLossError(absl::StrCat(path, ": invalid JSON: ", deep));
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    return absl::DataLossError(absl::StrCat(path, ": invalid JSON (truncated or corrupted file?): ", e.what()));
-  }
+  auto parsed = read_json_file(path, kMaxIndexBytes, " (not a sharded checkpoint, or not committed)");
+  if (!parsed.ok()) return parsed.status();
+  const json& j = *parsed;
   CheckpointIndex index;
   if (auto s = checked_index(j, path, &index); !s.ok()) return s;
   return index;

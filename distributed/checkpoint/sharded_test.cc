@@ -137,13 +137,7 @@ struct Job {
   }
 };
 
-void init_world(const mp::WorkerEnv& env) {
-  InitOptions io;
-  io.rank = env.rank;
-  io.world_size = env.world_size;
-  io.store = env.store();
-  init_process_group(io);
-}
+using mp::init_world;
 
 void expect_equal(const nn::StateDict& got, const nn::StateDict& want, double tol, const std::string& what) {
   WCHECK(got.size() == want.size(), what, ": ", got.size(), " tensors vs ", want.size());
@@ -251,12 +245,7 @@ EMBER_WORKER(ckpt_job) {
 // existing checkpoint (step 1); the others' saves fail. The parent then
 // checks that the directory still holds the step-1 checkpoint, whole.
 EMBER_WORKER(crash_job) {
-  InitOptions io;
-  io.rank = env.rank;
-  io.world_size = env.world_size;
-  io.store = env.store();
-  io.timeout = std::chrono::seconds(20);
-  init_process_group(io);
+  init_world(env, std::chrono::seconds(20));
   auto args = mp::parse_arg(env.arg);
   const std::string dir = args.at("dir"), stage = args.at("stage");
   const int victim = std::stoi(args.at("victim"));

@@ -130,13 +130,7 @@ Config parse_config(const std::string& arg) {
   return c;
 }
 
-void init_world(const mp::WorkerEnv& env) {
-  InitOptions io;
-  io.rank = env.rank;
-  io.world_size = env.world_size;
-  io.store = env.store();
-  init_process_group(io);
-}
+using mp::init_world;
 
 std::shared_ptr<FSDPModule> wrap(const std::shared_ptr<Net>& net, const Config& c) {
   FSDPOptions o;

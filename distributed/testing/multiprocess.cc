@@ -3,6 +3,8 @@
 // output, and kills stragglers at the deadline.
 #include "distributed/testing/multiprocess.h"
 
+#include "distributed/init.h"
+
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -267,6 +269,15 @@ std::string describe(const std::vector<WorkerResult>& results) {
     if (!r.output.empty() && r.output.back() != '\n') os << '\n';
   }
   return os.str();
+}
+
+void init_world(const WorkerEnv& env, Millis timeout) {
+  InitOptions io;
+  io.rank = env.rank;
+  io.world_size = env.world_size;
+  io.store = env.store();
+  io.timeout = timeout;
+  init_process_group(io);
 }
 
 }  // namespace ember::distributed::testing

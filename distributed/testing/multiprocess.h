@@ -53,6 +53,10 @@ bool register_worker(const std::string& name, WorkerFn fn);
       ::ember::distributed::testing::register_worker(#name, ember_worker_##name);                \
   static void ember_worker_##name(const ::ember::distributed::testing::WorkerEnv& env)
 
+// In a worker: init_process_group for its rank at the parent's store (the
+// default group the scenario then uses). `timeout` 0: the default.
+void init_world(const WorkerEnv& env, Millis timeout = Millis{0});
+
 // True in a process started by run_workers.
 bool is_worker();
 // In a worker: runs its scenario and exits the process (0 on success; 1 and
