@@ -420,12 +420,12 @@ int get_rank() { return default_group()->rank(); }
 
 int get_world_size() { return default_group()->size(); }
 
-std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) {
+std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& backend_in) {
   State& s = state();
   std::lock_guard<std::mutex> setup(s.setup_mu);
   std::shared_ptr<Store> store;
   std::shared_ptr<ProcessGroup> world;
-  std::string backend;
+  std::string backend = backend_in;
   ProcessGroupOptions pg_options;
   int id;
   {
@@ -434,7 +434,7 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) {
                 "new_group: the default process group is not initialized; call init_process_group() first");
     store = s.store;
     world = s.default_pg;
-    backend = s.backend;
+    if (backend.empty()) backend = s.backend;
     pg_options = s.pg_options;
     // Every rank calls new_group in the same order, so the counter agrees
     // across ranks and names the group's store namespace.

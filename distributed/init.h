@@ -71,7 +71,10 @@ int get_rank();
 int get_world_size();
 // A sub-group of the default group's ranks; every rank of the default group
 // must call it (with the same list) as torch does; ranks outside get nullptr.
-std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
+// `backend` ("gloo", "nccl"; empty: the default group's) as torch's
+// new_group(backend=): a Gloo group beside an NCCL job serves host-side work
+// such as AsyncCheckpointer's background commit.
+std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& backend = "");
 void destroy_process_group();
 
 // Backends, for callers that build groups themselves.

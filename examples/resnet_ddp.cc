@@ -377,9 +377,7 @@ int train(const Flags& flags) {
     EMBER_CHECK(st.ok(), "--resume: ", st.status().message(),
                 " (was it written with a different --model, or a different --accum-steps/--epochs schedule?)");
     start_epoch = st->epoch;
-    step = st->step;
-    default_generator().manual_seed(st->rng_seed);
-    default_generator().set_offset(st->rng_offset);
+    step = st->step;  // the load restored the random generator (each rank's own, where it can)
     const auto extra = nlohmann::json::parse(st->extra_json);
     // Our own fields in the checkpoint's "extra": a wrong type names the file
     // and the field (nlohmann's value() would throw a bare type error).

@@ -110,7 +110,7 @@ int verify(const std::string& dir) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   if (argc < 3) return usage();
   const std::string cmd = argv[1];
   if (cmd == "inspect" && argc == 3) return inspect(argv[2]);
@@ -124,4 +124,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   return usage();
+} catch (const std::exception& e) {  // a damaged checkpoint is exit 1 with a message, never an abort
+  std::cerr << "ckpt: " << e.what() << "\n";
+  return 1;
 }

@@ -575,10 +575,14 @@ absl::StatusOr<std::optional<std::string>> latest_checkpoint(const std::string& 
     if (fs::is_regular_file(dir / "index.json", fec)) {
       // A sharded checkpoint (sharded.h): the rank files its index names.
       if (st.ok()) {
-        std::ifstream in(dir / "index.json", std::ios::binary);
-        const json index = json::parse(in, nullptr, /*allow_exceptions=*/false);
-        if (index.is_discarded() || !index.contains("files") || !index["files"].is_array())
-          st = absl::DataLossError(absl::StrCat((dir / "index.json").string(), ": invalid JSON or no \"files\""));
+        auto parsed = read_json_file((dir / "index.json").string(), uintmax_t{1} << 30);
+        const json index = parsed.ok() ? *parsed : json();
+        if (!parsed.ok())
+          st = parsed.status();
+        else if (!index.is_object() || index.value("format", "") != "ember-sharded-checkpoint" ||
+                 !index.contains("files") || !index["files"].is_array())
+          st = absl::DataLossError(absl::StrCat((dir / "index.json").string(),
+                                                ": not an ember sharded checkpoint index (format, files)"));
         else
           for (const json& f : index["files"]) {
             if (!f.is_string() || f.get<std::string>().find('/') != std::string::npos) continue;

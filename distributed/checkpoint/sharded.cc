@@ -5,6 +5,7 @@
 #include "distributed/checkpoint/sharded.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -120,13 +121,22 @@ ModelLayout model_layout(nn::Module& model, ProcessGroup& pg) {
   };
   using Unit = FSDPModule::Unit;
   std::unordered_map<const TensorImpl*, std::pair<Unit*, size_t>> managed;
-  if (std::shared_ptr<FSDPModule> root = fsdp_of(model)) {
-    root->reshard();  // the float32 shards are the truth; gathered copies may be 16-bit
-    for (auto& u : root->units())
-      for (size_t i = 0; i < u->params.size(); ++i) managed[u->params[i].impl_ptr().get()] = {u.get(), i};
-    std::string strategy = strategy_name(root->units().front()->strategy);
-    for (char& c : strategy) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    out.description = "fsdp:" + strategy;  // torch's names, lower case: "fsdp:full_shard"
+  // Every unit inside the model, also when the model itself is not one
+  // (fully_shard on its blocks only): their parameters are shards, never
+  // whole tensors.
+  std::optional<ShardingStrategy> strategy;
+  for (const auto& [n, m] : model.named_modules())
+    if (std::shared_ptr<FSDPModule> f = fsdp_of(*m)) {
+      f->reshard();  // the float32 shards are the truth; gathered copies may be 16-bit
+      for (auto& u : f->units()) {
+        if (!strategy) strategy = u->strategy;
+        for (size_t i = 0; i < u->params.size(); ++i) managed[u->params[i].impl_ptr().get()] = {u.get(), i};
+      }
+    }
+  if (strategy) {
+    std::string name = strategy_name(*strategy);
+    for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    out.description = "fsdp:" + name;  // torch's names, lower case: "fsdp:full_shard"
   } else {
     out.description = world > 1 ? "replicated" : "single";
   }
@@ -143,11 +153,16 @@ ModelLayout model_layout(nn::Module& model, ProcessGroup& pg) {
       for (const auto& piece : u.pieces)
         if (piece.entry == i) pc = &piece;
       // Replicas of a shard (HYBRID_SHARD, NO_SHARD): replicate rank 0 writes.
-      const bool writer = !u.replicate_pg || u.replicate_pg->rank() == 0;
-      p = {name, u.layout.entries()[i].shape, pc ? pc->entry_offset : 0, pc ? pc->numel : 0, pc != nullptr, writer,
-           u.shard_view(u.shard, i)};
+      bool writer = !u.replicate_pg || u.replicate_pg->rank() == 0;
+      // No shard holds an empty parameter: shard rank 0 registers its shape.
+      const bool empty = u.layout.entries()[i].numel == 0;
+      if (empty) writer = writer && u.shard_rank == 0;
+      p = {name, u.layout.entries()[i].shape, pc ? pc->entry_offset : 0, pc ? pc->numel : 0, pc != nullptr || empty,
+           writer, u.shard_view(u.shard, i)};
     }
-    out.by_impl[t.impl_ptr().get()] = p;
+    // A tensor under two names (tied weights): the first, as the optimizer's
+    // name_parameters names it, so its state is found again on load.
+    out.by_impl.emplace(t.impl_ptr().get(), p);
     out.by_name[name] = p;
     if (p.holds) out.held.push_back({name, p.shape, p.local.dtype(), p.offset, p.local, p.writer});
   }
@@ -339,9 +354,11 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
     if (!t.is_object()) return bad(at + " is not an object");
     auto shape = t.find("shape");
     if (shape == t.end() || !shape->is_array()) return bad(at + ": \"shape\" must be an array");
+    int64_t numel = 1;  // with overflow checks: the file is untrusted
     for (const json& d : *shape) {
       if (!d.is_number_integer() || d.get<int64_t>() < 0) return bad(at + ": \"shape\" holds a non-size");
       ct.shape.push_back(d.get<int64_t>());
+      if (__builtin_mul_overflow(numel, ct.shape.back(), &numel)) return bad(at + ": \"shape\" overflows");
     }
     auto dt = t.find("dtype");
     std::optional<DType> dtype = dt != t.end() && dt->is_string() ? dtype_from_name(dt->get<std::string>()) : std::nullopt;
@@ -366,7 +383,9 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
       if (std::find(out->files.begin(), out->files.end(), cp.file) == out->files.end())
         return bad(absl::StrCat(at, ": piece at ", cp.offset, " is in '", cp.file, "', which \"files\" does not list"));
       b = (*bytes)[0].get<int64_t>(), e = (*bytes)[1].get<int64_t>();
-      if (b < 0 || e - b != cp.numel * es)
+      int64_t nbytes = 0;
+      if (b < 0 || e < b || __builtin_mul_overflow(cp.numel, es, &nbytes) || e - b != nbytes ||
+          cp.offset > numel - cp.numel)
         return bad(absl::StrCat(at, ": piece at ", cp.offset, " has ", cp.numel, " elements but bytes [", b, ", ", e,
                                 ")"));
       cp.byte_begin = b, cp.byte_end = e;
@@ -381,8 +400,7 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
       next = cp.offset + cp.numel;
       ct.pieces.push_back(std::move(cp));
     }
-    if (next != shape_numel(ct.shape))
-      return bad(absl::StrCat(at, ": the pieces cover ", next, " of its ", shape_numel(ct.shape), " elements"));
+    if (next != numel) return bad(absl::StrCat(at, ": the pieces cover ", next, " of its ", numel, " elements"));
     out->tensors.push_back(std::move(ct));
   }
   std::sort(out->tensors.begin(), out->tensors.end(),
@@ -411,6 +429,13 @@ class PieceReader {
                                : absl::InternalError(absl::StrCat(path, ": cannot open: ", std::strerror(errno)));
       it = fds_.emplace(p.file, fd).first;
     }
+    // Checked before anything is allocated: an index may name any range.
+    struct stat st {};
+    if (::fstat(it->second, &st) != 0 || !S_ISREG(st.st_mode))
+      return absl::DataLossError(absl::StrCat(path, ": not a regular file (tensor '", t.name, "')"));
+    if (p.byte_end > st.st_size)
+      return absl::DataLossError(absl::StrCat(path, ": truncated: tensor '", t.name, "' bytes [", p.byte_begin, ", ",
+                                              p.byte_end, ") end past the end of the file (", st.st_size, " bytes)"));
     const size_t n = static_cast<size_t>(p.byte_end - p.byte_begin);
     bytes->resize(n);
     size_t done = 0;
@@ -641,11 +666,18 @@ absl::Status write_staged(const std::string& dir, const Staged& staged, ProcessG
   const std::string where = absl::StrCat("save_sharded_checkpoint '", dir, "'");
   const int rank = pg.rank(), world = pg.size();
   NoGradGuard no_grad;
+  std::string tmp;
+  // Rank 0 owns the temporary directory: on any failure before the commit it
+  // goes (best effort), so no failed save leaves ranks' files behind.
+  auto remove_tmp = [&] {
+    std::error_code ec;
+    if (rank == 0 && !tmp.empty()) fs::remove_all(tmp, ec);
+  };
   try {
     // 1. Rank 0 makes the temporary directory, named after its pid.
     Tensor nonce = full({1}, rank == 0 ? static_cast<double>(::getpid()) : 0.0, {DType::Int64, pg.device()});
     pg.broadcast(nonce, 0)->wait();
-    const std::string tmp = absl::StrCat(dir, ".tmp-", static_cast<int64_t>(nonce.item()));
+    tmp = absl::StrCat(dir, ".tmp-", static_cast<int64_t>(nonce.item()));
     std::string error = staged.error;
     if (rank == 0 && error.empty()) {
       std::error_code ec;
@@ -654,8 +686,10 @@ absl::Status write_staged(const std::string& dir, const Staged& staged, ProcessG
       fs::remove_all(tmp, ec);  // a leftover of a crashed save with the same pid
       if (!fs::create_directories(tmp, ec)) error = absl::StrCat("cannot create '", tmp, "': ", ec.message());
     }
-    if (std::string failed = agree_on_errors(pg, error); !failed.empty())
+    if (std::string failed = agree_on_errors(pg, error); !failed.empty()) {
+      remove_tmp();
       return absl::InternalError(absl::StrCat(where, ": ", failed));
+    }
     stage("sharded_dir_created");
 
     // 2. Every rank writes its pieces.
@@ -677,16 +711,15 @@ absl::Status write_staged(const std::string& dir, const Staged& staged, ProcessG
       if (!all[r].empty() && all[r][0] == '!')
         failed += absl::StrCat(failed.empty() ? "" : "; ", "rank ", r, ": ", all[r].substr(1));
     if (!failed.empty()) {
-      if (rank == 0) {
-        std::error_code ec;
-        fs::remove_all(tmp, ec);
-      }
+      remove_tmp();
       return absl::InternalError(absl::StrCat(where, ": ", failed, " (nothing committed; the previous checkpoint stays)"));
     }
 
     // 4. Rank 0 writes trainer.json, then the index, then renames.
+    // Rank 0 alone: whatever it throws becomes its error here, so the
+    // agreement below is reached on every rank.
     std::string commit_error;
-    if (rank == 0) {
+    if (rank == 0) try {
       std::vector<json> per_rank;
       for (int r = 0; r < world; ++r) per_rank.push_back(json::parse(all[r]));
       auto index = build_index(per_rank, world, staged.layout, where);
@@ -699,14 +732,17 @@ absl::Status write_staged(const std::string& dir, const Staged& staged, ProcessG
       if (s.ok()) s = commit_dir(tmp, dir);
       if (!s.ok()) {
         commit_error = std::string(s.message());
-        std::error_code ec;
-        fs::remove_all(tmp, ec);
+        remove_tmp();
       }
+    } catch (const std::exception& e) {
+      commit_error = e.what();
+      remove_tmp();
     }
     if (std::string f = agree_on_errors(pg, commit_error); !f.empty())
       return absl::InternalError(absl::StrCat(where, ": ", f));
     return absl::OkStatus();
-  } catch (const Error& e) {  // a collective failed: a rank died or timed out
+  } catch (const std::exception& e) {  // a collective failed: a rank died or timed out
+    remove_tmp();
     return absl::InternalError(absl::StrCat(where, ": ", e.what()));
   }
 }
@@ -729,7 +765,7 @@ absl::Status save_sharded_checkpoint(const std::string& dir_in, nn::Module& mode
   try {
     const Staged staged = stage_state(model, optimizer, scheduler, state, pg, /*copy=*/false);
     return write_staged(dir, staged, pg, options);
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {
     return absl::InternalError(absl::StrCat("save_sharded_checkpoint '", dir, "': ", e.what()));
   }
 }
@@ -785,7 +821,11 @@ absl::Status AsyncCheckpointer::save(const std::string& dir_in, nn::Module& mode
   impl_->staging_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   impl_->dir = dir;
   impl_->worker = std::thread([impl = impl_.get(), dir, staged] {
-    impl->last = write_staged(dir, *staged, *impl->pg, impl->options);
+    try {
+      impl->last = write_staged(dir, *staged, *impl->pg, impl->options);
+    } catch (...) {  // nothing may leave a thread: it would end the process
+      impl->last = absl::InternalError(absl::StrCat("save_sharded_checkpoint '", dir, "': unexpected exception"));
+    }
   });
   return absl::OkStatus();
 }
@@ -811,6 +851,7 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
     Tensor rng;  // this rank's generator, when the world size is the saver's
     std::vector<std::pair<Tensor, Tensor>> model_copies;  // (destination, staged)
     optim::OptimizerStateDict opt_sd;
+    try {
     do {
       auto index = read_checkpoint_index(dir);
       if (!index.ok()) {
@@ -910,6 +951,9 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
         if (!error.empty()) break;
       }
     } while (false);
+    } catch (const std::exception& e) {  // reaches the agreement below all the same
+      error = e.what();
+    }
 
     // 2. Only if every rank read everything does any rank change its state.
     if (std::string failed = agree_on_errors(pg, error); !failed.empty())

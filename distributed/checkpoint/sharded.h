@@ -74,13 +74,16 @@ absl::Status save_sharded_checkpoint(const std::string& dir, nn::Module& model, 
 // the checkpoint; that call saves nothing); wait() returns the last save's outcome (call it before
 // exiting; the destructor waits too and reports a failure on stderr).
 //
-//   AsyncCheckpointer ckpt(distributed::new_group(all_ranks));  // every rank
+//   AsyncCheckpointer ckpt(distributed::new_group(all_ranks, "gloo"));  // every rank
 //   ... if (auto s = ckpt.save(dir, model, &opt, &sched, state, *pg); !s.ok()) ...
 //   ... at the end: EMBER_CHECK(ckpt.wait().ok(), ...)
 class AsyncCheckpointer {
  public:
   // `group`: the background thread's group, the same ranks as the training
-  // group but not used by anything else (new_group on every rank).
+  // group but used by nothing else (new_group on every rank). Make it Gloo
+  // also in an NCCL job, as PyTorch's async_save advises: the staged pieces
+  // are host memory, and two NCCL communicators in use at once on one GPU
+  // can deadlock when ranks order their work differently.
   explicit AsyncCheckpointer(std::shared_ptr<ProcessGroup> group, ShardedSaveOptions options = {});
   ~AsyncCheckpointer();
   AsyncCheckpointer(const AsyncCheckpointer&) = delete;

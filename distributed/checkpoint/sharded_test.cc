@@ -166,7 +166,7 @@ EMBER_WORKER(ckpt_job) {
     // Saved in the background while two more steps change every tensor.
     std::vector<int> all;
     for (int r = 0; r < env.world_size; ++r) all.push_back(r);
-    AsyncCheckpointer ckpt(new_group(all), so);
+    AsyncCheckpointer ckpt(new_group(all, "gloo"), so);
     for (int s = 0; s < 2; ++s) job.step(s);
     const nn::StateDict full = job.full();
     if (env.rank == 0) WCHECK(save_safetensors(dir + ".full.safetensors", full.items()).ok(), "full");
