@@ -79,6 +79,18 @@ std::optional<DType> dtype_from_name(const std::string& s) {
 
 uint64_t name_hash(const std::string& s) { return XXH64(s.data(), s.size(), 0); }
 
+// "optim.state.<parameter>.<state>" -> (parameter, state); false for any
+// other name. The state's name has no dot; a parameter's may.
+bool split_optim_name(const std::string& name, std::string* param, std::string* state) {
+  if (name.rfind(kOptimPrefix, 0) != 0) return false;
+  const std::string rest = name.substr(std::strlen(kOptimPrefix));
+  const size_t dot = rest.rfind('.');
+  if (dot == std::string::npos) return false;
+  *param = rest.substr(0, dot);
+  *state = rest.substr(dot + 1);
+  return true;
+}
+
 // One tensor of the state as this rank holds it.
 struct Held {
   std::string name;
@@ -477,13 +489,17 @@ class PieceReader {
   std::map<std::string, int> fds_;
 };
 
-// Every rank's error (empty: none) -> one message naming the failed ranks.
-std::string agree_on_errors(ProcessGroup& pg, const std::string& mine) {
-  const std::vector<std::string> all = allgather_strings(pg, mine);
+// Every rank's error, by rank (empty: none) -> one message naming the
+// failed ranks (empty: none failed).
+std::string name_failures(const std::vector<std::string>& errors) {
   std::string failed;
-  for (size_t r = 0; r < all.size(); ++r)
-    if (!all[r].empty()) failed += absl::StrCat(failed.empty() ? "" : "; ", "rank ", r, ": ", all[r]);
+  for (size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty()) failed += absl::StrCat(failed.empty() ? "" : "; ", "rank ", r, ": ", errors[r]);
   return failed;
+}
+
+std::string agree_on_errors(ProcessGroup& pg, const std::string& mine) {
+  return name_failures(allgather_strings(pg, mine));
 }
 
 }  // namespace
@@ -564,13 +580,13 @@ absl::Status consolidate_checkpoint(const std::string& dir_in, const std::string
       model_items.push_back({t.name, *v});
       continue;
     }
-    const std::string rest = t.name.substr(std::strlen(kOptimPrefix));
-    const size_t dot = rest.rfind('.');
-    auto it = dot == std::string::npos ? index_of.end() : index_of.find(rest.substr(0, dot));
+    std::string param, state;
+    const bool named = split_optim_name(t.name, &param, &state);
+    auto it = named ? index_of.find(param) : index_of.end();
     if (it == index_of.end())
       return absl::DataLossError(absl::StrCat(dir, ": optimizer state '", t.name, "' belongs to no parameter of ",
                                               trainer_path, "'s groups"));
-    opt_items.push_back({absl::StrCat("state.", it->second, ".", rest.substr(dot + 1)), *v});
+    opt_items.push_back({absl::StrCat("state.", it->second, ".", state), *v});
   }
   std::sort(opt_items.begin(), opt_items.end(), [](const auto& a, const auto& b) {
     const int64_t ia = std::stoll(a.first.substr(6)), ib = std::stoll(b.first.substr(6));
@@ -706,11 +722,9 @@ absl::Status write_staged(const std::string& dir, const Staged& staged, ProcessG
 
     // 3. Every rank's records, or the failures: no index unless all wrote.
     const std::vector<std::string> all = allgather_strings(pg, error.empty() ? records.dump() : "!" + error);
-    std::string failed;
-    for (int r = 0; r < world; ++r)
-      if (!all[r].empty() && all[r][0] == '!')
-        failed += absl::StrCat(failed.empty() ? "" : "; ", "rank ", r, ": ", all[r].substr(1));
-    if (!failed.empty()) {
+    std::vector<std::string> errors;  // "!<message>" marks a failed rank; records are JSON
+    for (const std::string& a : all) errors.push_back(!a.empty() && a[0] == '!' ? a.substr(1) : "");
+    if (std::string failed = name_failures(errors); !failed.empty()) {
       remove_tmp();
       return absl::InternalError(absl::StrCat(where, ": ", failed, " (nothing committed; the previous checkpoint stays)"));
     }
@@ -905,13 +919,11 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
       if (!error.empty() || !optimizer) break;
       // Optimizer: the saved groups (names included) with each parameter's
       // state read for the piece of the parameter this rank holds.
-      std::map<std::string, std::vector<const CheckpointTensor*>> state_of;  // parameter name -> its state
+      // parameter name -> (state name, its tensor)
+      std::map<std::string, std::vector<std::pair<std::string, const CheckpointTensor*>>> state_of;
       for (const CheckpointTensor& t2 : index->tensors)
-        if (t2.name.rfind(kOptimPrefix, 0) == 0) {
-          const std::string rest = t2.name.substr(std::strlen(kOptimPrefix));
-          const size_t dot = rest.rfind('.');
-          if (dot != std::string::npos) state_of[rest.substr(0, dot)].push_back(&t2);
-        }
+        if (std::string param, state; split_optim_name(t2.name, &param, &state))
+          state_of[param].push_back({state, &t2});
       opt_sd = *trainer->optimizer_groups;
       for (const auto& g : opt_sd.param_groups) {
         if (g.param_names.size() != g.params.size()) {
@@ -926,8 +938,7 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
             break;
           }
           const Place& p = pl->second;
-          for (const CheckpointTensor* st : state_of[p.name]) {
-            const std::string sname = st->name.substr(std::strlen(kOptimPrefix) + p.name.size() + 1);
+          for (const auto& [sname, st] : state_of[p.name]) {
             Tensor staged;
             absl::Status s;
             if (st->shape.empty()) {
