@@ -11,6 +11,7 @@
 
 #include "autograd/autograd.h"
 #include "core/autocast.h"
+#include "core/profiler.h"
 #include "core/ops.h"
 
 namespace ember::autograd {
@@ -149,6 +150,12 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
     Tensor g = std::move(buffer[n]);
     buffer.erase(n);
     std::vector<Tensor> grads;
+    // One profiler event per node, hooks included (DDP's bucket allreduces
+    // start from the accumulators' hooks).
+    profiler::Scope prof(profiler::Kind::Backward, profiler::enabled()
+                                                       ? (n->leaf ? std::string("AccumulateGrad") : n->name + "_backward")
+                                                       : std::string());
+    if (prof.active()) prof.arg("sequence_nr", static_cast<int64_t>(n->sequence_nr));
     if (g.defined()) {
       for (auto& h : n->pre_hooks) {
         Tensor r = h(g);

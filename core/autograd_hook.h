@@ -15,6 +15,7 @@
 #include <initializer_list>
 #include <vector>
 
+#include "core/profiler.h"
 #include "core/tensor.h"
 
 namespace ember {
@@ -87,6 +88,8 @@ struct Recorded {
 };
 template <typename Fwd, typename MakeBwd>
 Tensor differentiable(const char* op, const std::vector<Tensor>& inputs, Fwd&& forward, MakeBwd&& make_backward) {
+  profiler::Scope prof(profiler::Kind::Op, op);  // every differentiable op is one profiler event
+  if (prof.active()) prof.inputs(inputs);
   if (!needs_grad_list(inputs)) return forward();
   Tensor out;
   {

@@ -543,6 +543,7 @@ StridedIter make_iter(const Tensor& out, std::initializer_list<Tensor> inputs, c
 }
 
 Tensor& Tensor::copy_(const Tensor& src) {
+  EMBER_PROFILE_OP("copy_", *this, src);
   EMBER_CHECK(src.defined(), "copy_: source is undefined");
   EMBER_CHECK(!needs_grad({src}), "copy_: the source ", shape_str(src.sizes()),
               " requires grad and copy_ is not differentiable; use clone() or to(), or detach() the source");
@@ -591,6 +592,7 @@ bool may_overlap(const Tensor& dst, const Tensor& src) {
 }
 
 Tensor& Tensor::fill_(double value) {
+  EMBER_PROFILE_OP("fill_", *this);
   check_inplace(*this, "fill_");
   StridedIter it = make_iter(*this, {}, "fill_");
   if (is_cuda()) fill_cuda(it, value); else fill_cpu(it, value);

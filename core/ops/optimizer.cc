@@ -182,6 +182,8 @@ Tensor readable_grad(const Tensor& g) { return g.is_contiguous() ? g : g.contigu
 
 void sgd_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, std::vector<Tensor>& momentum_bufs,
                const SgdArgs& args) {
+  profiler::Scope prof(profiler::Kind::Op, "sgd_step_");  // one event for the whole list
+  prof.arg("tensors", static_cast<int64_t>(params.size()));
   const char* op = "sgd_step_";
   const bool momentum = args.momentum != 0.0;
   EMBER_CHECK(!args.nesterov || (momentum && args.dampening == 0.0), op,
@@ -228,6 +230,8 @@ void sgd_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, st
 
 void adam_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, std::vector<Tensor>& exp_avgs,
                 std::vector<Tensor>& exp_avg_sqs, std::vector<Tensor>& max_exp_avg_sqs, const AdamArgs& args) {
+  profiler::Scope prof(profiler::Kind::Op, "adam_step_");  // one event for the whole list
+  prof.arg("tensors", static_cast<int64_t>(params.size()));
   const char* op = "adam_step_";
   EMBER_CHECK(args.step >= 1, op, ": step must count this update (>= 1), got ", args.step);
   check_count(op, "gradient", grads.size(), params.size());
@@ -286,6 +290,8 @@ void check_amp_state(const char* op, const char* name, const Tensor& t, DType dt
 }  // namespace
 
 void amp_unscale_(std::vector<Tensor>& grads, Tensor& found_inf, const Tensor& inv_scale) {
+  profiler::Scope prof(profiler::Kind::Op, "amp_unscale_");  // one event for the whole list
+  prof.arg("tensors", static_cast<int64_t>(grads.size()));
   const char* op = "amp_unscale_";
   if (grads.empty()) return;
   for (size_t i = 0; i < grads.size(); ++i) {
@@ -317,6 +323,7 @@ void amp_unscale_(std::vector<Tensor>& grads, Tensor& found_inf, const Tensor& i
 
 void amp_update_scale_(Tensor& scale, Tensor& growth_tracker, const Tensor& found_inf, double growth_factor,
                        double backoff_factor, int64_t growth_interval) {
+  EMBER_PROFILE_OP("amp_update_scale_", scale, found_inf);
   const char* op = "amp_update_scale_";
   EMBER_CHECK(scale.defined(), op, ": scale is an undefined tensor");
   check_amp_state(op, "scale", scale, DType::Float32, scale.device());
