@@ -5,6 +5,7 @@
 // early as possible — what DDP's overlap of communication with backward needs.
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <queue>
 #include <unordered_map>
 #include <unordered_set>
@@ -65,6 +66,23 @@ std::shared_ptr<Node> accumulator_for(const Tensor& leaf) {
   acc->out_device = leaf.device();
   m.grad_accumulator = acc;
   return acc;
+}
+
+// torch's names for backward nodes: "conv2d" -> "Conv2dBackward",
+// "batch_norm" -> "BatchNormBackward"; leaves' nodes are "AccumulateGrad".
+std::string backward_event_name(const Node& n) {
+  if (n.leaf) return "AccumulateGrad";
+  std::string out;
+  bool upper = true;
+  for (char c : n.name) {
+    if (c == '_') {
+      upper = true;
+      continue;
+    }
+    out += upper ? static_cast<char>(std::toupper(static_cast<unsigned char>(c))) : c;
+    upper = false;
+  }
+  return out + "Backward";
 }
 
 // The node a gradient for `t` flows into: its grad_fn, or its accumulator.
@@ -152,9 +170,7 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
     std::vector<Tensor> grads;
     // One profiler event per node, hooks included (DDP's bucket allreduces
     // start from the accumulators' hooks).
-    profiler::Scope prof(profiler::Kind::Backward, profiler::enabled()
-                                                       ? (n->leaf ? std::string("AccumulateGrad") : n->name + "_backward")
-                                                       : std::string());
+    profiler::Scope prof(profiler::Kind::Backward, profiler::enabled() ? backward_event_name(*n) : std::string());
     if (prof.active()) prof.arg("sequence_nr", static_cast<int64_t>(n->sequence_nr));
     if (g.defined()) {
       for (auto& h : n->pre_hooks) {

@@ -131,8 +131,8 @@ TEST(Profiler, BackwardNodesAreRecordedWithTheirOps) {
   y.backward();
   profiler::stop();
   const auto es = profiler::events();
-  const Event* mb = find(es, "mul_backward");
-  const Event* sb = find(es, "sum_backward");
+  const Event* mb = find(es, "MulBackward");
+  const Event* sb = find(es, "SumBackward");
   ASSERT_TRUE(mb && sb) << profiler::summary_table(es);
   EXPECT_EQ(mb->kind, Kind::Backward);
   EXPECT_EQ(count(es, "AccumulateGrad"), 1);

@@ -17,6 +17,7 @@
 #include <optional>
 #include <thread>
 
+#include "core/profiler.h"
 #include "data/batch_memory.h"
 #include "data/random.h"
 
@@ -121,6 +122,8 @@ int64_t DataLoader::size() const {
 Tensor DataLoader::allocate(const Shape& shape, DType dtype) const { return buffers_->empty(shape, dtype); }
 
 Batch DataLoader::make_batch(const std::vector<int64_t>& indices, int64_t epoch) const {
+  profiler::Scope prof(profiler::Kind::Data, "DataLoader.make_batch");
+  prof.arg("batch_size", static_cast<int64_t>(indices.size()));
   const int64_t B = static_cast<int64_t>(indices.size());
   EMBER_CHECK(B > 0, "DataLoader: empty batch");
   auto with_context = [&](const Error& err, int64_t j) {
@@ -211,6 +214,7 @@ Batch DataLoader::make_batch(const std::vector<int64_t>& indices, int64_t epoch)
 }
 
 void DataLoader::worker_loop(Epoch* e) {
+  profiler::set_thread_name("data loader worker");
   for (;;) {
     int64_t b;
     {
@@ -284,6 +288,8 @@ void DataLoader::stop_epoch() {
 }
 
 Batch DataLoader::fetch(int64_t k) {
+  // On the training thread: the time it waits for (or makes) batch k.
+  profiler::Scope prof(profiler::Kind::Data, "DataLoader.next");
   Epoch& e = *epoch_;
   Ready r;
   if (options_.num_workers == 0) {

@@ -33,13 +33,29 @@ std::string OpInfo::describe() const {
   return os.str();
 }
 
-std::string make_signature(const std::string& op, const Tensor* tensor, int64_t numel, int root,
-                           const ReduceOp* reduce) {
+Signature make_signature(const std::string& op, const Tensor* tensor, int64_t numel, int root,
+                         const ReduceOp* reduce) {
   std::ostringstream os;
   os << "op=" << op << " dtype=" << (tensor ? dtype_name(tensor->dtype()) : "none") << " numel=" << numel
      << " root=" << root;
   if (reduce) os << " reduce=" << reduce_op_name(*reduce);
-  return os.str();
+  return {os.str(), tensor ? numel * static_cast<int64_t>(dtype_size(tensor->dtype())) : 0};
+}
+
+CollectiveEvent::CollectiveEvent(const OpInfo& info, const std::string& group)
+    : scope_(profiler::Kind::Collective, info.op) {
+  if (!scope_.active()) return;
+  begin_ns_ = profiler::now_ns();
+  scope_.arg("bytes", info.bytes);
+  scope_.arg("seq", info.seq);
+  scope_.arg("group", group);
+  const int64_t queued =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(PgClock::now() - info.enqueued).count();
+  scope_.arg("queued_us", info.enqueued == PgClock::time_point{} ? 0 : queued / 1000);
+}
+
+void CollectiveEvent::transfer_started() {
+  if (scope_.active()) scope_.arg("peer_wait_us", (profiler::now_ns() - begin_ns_) / 1000);
 }
 
 // ---- CompletionWork ----
@@ -55,6 +71,10 @@ bool CompletionWork::is_success() {
 }
 
 void CompletionWork::wait() {
+  // The caller's blocked time: with the collective's own event (on the
+  // thread that ran it) this splits waiting from transferring.
+  profiler::Scope prof(profiler::Kind::Wait, profiler::enabled() ? "wait " + info_.op : std::string());
+  if (prof.active()) prof.arg("seq", info_.seq);
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return done_; });
   if (error_) std::rethrow_exception(error_);

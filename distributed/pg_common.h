@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "core/profiler.h"
 #include "core/tensor.h"
 #include "distributed/process_group.h"
 #include "distributed/store.h"
@@ -32,15 +33,39 @@ struct OpInfo {
   int rank = 0, size = 1;
   Millis timeout{0};
   std::string signature;      // "op=allreduce dtype=float32 numel=1000 root=-1 reduce=sum"
+  int64_t bytes = 0;          // payload per rank (the input), for the profiler
+  PgClock::time_point enqueued{};  // when the caller issued it
 
   // "allreduce (collective #5, gloo group rank 1 of 3, timeout 1500 ms)"
   std::string describe() const;
 };
 
-// The signature ranks compare before a collective. `dtype` may be empty
-// (barrier); `reduce` may be null for non-reducing ops.
-std::string make_signature(const std::string& op, const Tensor* tensor, int64_t numel, int root,
-                           const ReduceOp* reduce);
+// The signature ranks compare before a collective, with the payload's size
+// (bytes of `numel` elements of `tensor`'s dtype) for the profiler.
+// `tensor` may be null (barrier); `reduce` may be null for non-reducing ops.
+struct Signature {
+  Signature(const char* t = "") : text(t) {}  // p2p ops compare none
+  Signature(std::string t, int64_t b) : text(std::move(t)), bytes(b) {}
+  std::string text;
+  int64_t bytes = 0;
+};
+Signature make_signature(const std::string& op, const Tensor* tensor, int64_t numel, int root,
+                         const ReduceOp* reduce);
+// Records the profiler event of a collective (Kind::Collective) on the
+// thread that runs it: bytes, sequence number, group, and where its time
+// went: queued behind earlier ops, waiting for peers to arrive (the
+// signature check, when on), transferring. Begin before the work, call
+// transfer_started() once peers have arrived.
+class CollectiveEvent {
+ public:
+  CollectiveEvent(const OpInfo& info, const std::string& group);
+  void transfer_started();
+  void end() { scope_.close(); }
+
+ private:
+  profiler::Scope scope_;
+  int64_t begin_ns_ = 0;
+};
 
 // A Work completed once, from whichever thread runs the operation.
 class CompletionWork : public Work {

@@ -208,6 +208,9 @@ class GlooGroup : public ProcessGroup {
  public:
   GlooGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options)
       : ProcessGroup(rank, size), store_(std::move(store)), options_(options) {
+    static std::atomic<int> groups{0};  // creation order: the same on every rank that makes the same groups
+    group_label_ = "gloo group " + std::to_string(groups.fetch_add(1)) + ", rank " + std::to_string(rank) + " of " +
+                   std::to_string(size);
     options_.check_signatures = detail::signature_checks_enabled(options);
     if (size > 1) {
       ignore_sigpipe_unless_handled();
@@ -513,7 +516,7 @@ class GlooGroup : public ProcessGroup {
     Tensor target;  // recv into a non-contiguous tensor: copied from buf at the end
   };
 
-  std::shared_ptr<Work> enqueue(const char* op, bool collective, std::string signature, Body body) {
+  std::shared_ptr<Work> enqueue(const char* op, bool collective, detail::Signature signature, Body body) {
     std::lock_guard<std::mutex> lock(mu_);
     OpInfo info;
     info.op = op;
@@ -523,7 +526,9 @@ class GlooGroup : public ProcessGroup {
     info.rank = rank_;
     info.size = size_;
     info.timeout = options_.timeout;
-    info.signature = std::move(signature);
+    info.signature = std::move(signature.text);
+    info.bytes = signature.bytes;
+    info.enqueued = PgClock::now();
     auto work = std::make_shared<CompletionWork>(std::move(info));
     queue_.push_back({work, std::move(body)});
     cv_.notify_one();
@@ -531,6 +536,7 @@ class GlooGroup : public ProcessGroup {
   }
 
   void worker_loop() {
+    profiler::set_thread_name("gloo worker (" + group_label_ + ")");
     for (;;) {
       Queued q;
       {
@@ -554,9 +560,13 @@ class GlooGroup : public ProcessGroup {
       running_since_.store(start.time_since_epoch().count());
     }
     try {
+      detail::CollectiveEvent prof(info, group_label_);
       throw_if_broken(info);
       if (info.collective && options_.check_signatures) detail::check_signature(*store_, info, deadline);
-      if (q.body(q.work, deadline)) q.work->finish();
+      prof.transfer_started();
+      const bool done = q.body(q.work, deadline);
+      prof.end();  // before finish(): the waiter it wakes may stop the profiler and read the events
+      if (done) q.work->finish();
     } catch (...) {
       fail(q.work, std::current_exception(), start);
     }
@@ -770,6 +780,7 @@ class GlooGroup : public ProcessGroup {
 
   std::shared_ptr<Store> store_;
   ProcessGroupOptions options_;
+  std::string group_label_;  // names the group in profiler events
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
 

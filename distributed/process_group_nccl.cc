@@ -461,14 +461,15 @@ class NcclGroup : public ProcessGroup {
                 cuda_device(device_), " (LOCAL_RANK or rank modulo the GPU count)");
   }
 
-  std::shared_ptr<Work> launch(const char* op, std::string signature, std::vector<Tensor> keep, const Enqueue& body) {
+  std::shared_ptr<Work> launch(const char* op, detail::Signature signature, std::vector<Tensor> keep,
+                               const Enqueue& body) {
     return launch_op(op, true, std::move(signature), std::move(keep), body);
   }
 
   // Runs on the calling thread: signature check, stream ordering, NCCL
   // enqueue, completion event; the watchdog takes it from there.
-  std::shared_ptr<Work> launch_op(const char* op, bool collective, std::string signature, std::vector<Tensor> keep,
-                                  const Enqueue& body) {
+  std::shared_ptr<Work> launch_op(const char* op, bool collective, detail::Signature signature,
+                                  std::vector<Tensor> keep, const Enqueue& body) {
     // launch_mu_ keeps launches (sequence numbers, stream order) in call
     // order; mu_ is taken only briefly, so the store round trips of the
     // signature check never stall the watchdog.
@@ -481,7 +482,11 @@ class NcclGroup : public ProcessGroup {
     info.rank = rank_;
     info.size = size_;
     info.timeout = options_.timeout;
-    info.signature = std::move(signature);
+    info.signature = std::move(signature.text);
+    info.bytes = signature.bytes;
+    // The host side of the op (signature check, enqueue on the stream); the
+    // GPU's transfer time is Nsight's to show, under the same NVTX name.
+    detail::CollectiveEvent prof(info, "nccl rank " + std::to_string(rank_) + " of " + std::to_string(size_));
     if (std::string b = broken(); !b.empty())
       throw Error(info.describe() + ": this group can no longer be used; an earlier operation failed: " + b);
     const bool empty = std::all_of(keep.begin(), keep.end(), [](const Tensor& t) { return t.numel() == 0; });
@@ -497,6 +502,7 @@ class NcclGroup : public ProcessGroup {
         return failed;
       }
     }
+    prof.transfer_started();
 
     DeviceGuard g(device_);
     cudaStream_t producer = static_cast<cudaStream_t>(current_cuda_stream(device_));

@@ -46,6 +46,7 @@
 #include "distributed/logging.h"
 #include "distributed/parallel/fsdp.h"
 #include "examples/cli.h"
+#include "examples/profiling.h"
 #include "distributed/parallel/fsdp_state_dict.h"
 #include "nn/functional.h"
 #include "nn/transformer.h"
@@ -81,6 +82,7 @@ struct Flags {
   double temperature = 0.8;
   int64_t top_k = 20;
   double timeout_sec = 0;
+  std::string profile_dir;  // --profile: a few steps after warm-up, Chrome traces there
 };
 
 constexpr char kUsage[] =
@@ -98,6 +100,8 @@ constexpr char kUsage[] =
     "  --max-steps N          optimizer steps in total, counting those done before a resume (default 1000)\n"
     "  --eval-every N         validation every N steps and at the end (default 250)\n"
     "  --save-every N         checkpoint every N steps (default: only at the end; always at the end)\n"
+    "  --profile DIR          profile 3 steps after 3 warm-up steps (fewer when fewer are left): Chrome traces\n"
+    "                         per rank and merged (DIR/trace.json), and the top ops by self time\n"
     "  --checkpoint-dir D     where step_<N>/ checkpoints go (default /tmp/ember_gpt_fsdp)\n"
     "  --resume               continue from the newest checkpoint in --checkpoint-dir\n"
     "  --seed N               initialisation and data order (default 0)\n"
@@ -136,6 +140,10 @@ Flags parse_flags(int argc, char** argv) {
     else if (arg == "--save-every") f.save_every = kCli.parse_int(arg, next(), 1);
     else if (arg == "--checkpoint-dir") f.checkpoint_dir = next();
     else if (arg == "--seed") f.seed = static_cast<uint64_t>(kCli.parse_int(arg, next(), 0));
+    else if (arg == "--profile") {
+      f.profile_dir = next();
+      if (f.profile_dir.empty()) usage_error("--profile needs a directory");
+    }
     else if (arg == "--data") f.data = next(), f.data_given = true;
     else if (arg == "--sample-len") f.sample_len = kCli.parse_int(arg, next(), 0);
     else if (arg == "--temperature") f.temperature = kCli.parse_positive(arg, next());
@@ -455,6 +463,7 @@ int train(const Flags& flags) {
     LOG0("step ", step, ": validation loss ", v, " (unigram ", eval.unigram, ")");
     return v;
   };
+  examples::StepProfiler profile(flags.profile_dir, flags.max_steps - step, pg.get());
   while (step < flags.max_steps) {
     opt.zero_grad();
     double loss_sum = 0;
@@ -472,6 +481,7 @@ int train(const Flags& flags) {
     scaler.update();
     sched.step();
     ++step;
+    profile.step();
     const double loss = loss_sum / flags.accum_steps;
     loss_ema = loss_ema < 0 ? loss : 0.9 * loss_ema + 0.1 * loss;
     const double el = seconds_since(t0);

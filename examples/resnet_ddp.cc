@@ -48,6 +48,7 @@
 #include "distributed/checkpoint/checkpoint.h"
 #include "distributed/checkpoint/sharded.h"
 #include "examples/cli.h"
+#include "examples/profiling.h"
 #include "distributed/config_check.h"
 #include "distributed/parallel/ddp.h"
 #include "distributed/init.h"
@@ -90,6 +91,7 @@ struct Flags {
   double timeout_sec = 0;  // 0: EMBER_DIST_TIMEOUT_SEC, else 10 minutes
   std::string amp = "off";  // off | bf16 | fp16 (mixed precision; fp16 with loss scaling)
   std::string grad_compress = "off";  // off | bf16 | fp16 (DDP's gradient-compression hook)
+  std::string profile_dir;  // --profile: a few steps after warm-up, Chrome traces there
 };
 
 constexpr char kUsage[] =
@@ -116,7 +118,9 @@ constexpr char kUsage[] =
     "                       allreduce gradients in bfloat16 / float16 (DDP's compression hook: half the bytes;\n"
     "                       default off)\n"
     "  --timeout SEC        rendezvous and collective timeout, for ranks alive but stuck (default:\n"
-    "                       $EMBER_DIST_TIMEOUT_SEC, else 600)\n";
+    "                       $EMBER_DIST_TIMEOUT_SEC, else 600)\n"
+    "  --profile DIR        profile 3 steps after 3 warm-up steps (fewer when fewer are left): Chrome traces\n"
+    "                       per rank and merged (DIR/trace.json), and the top ops by self time\n";
 
 const examples::Cli kCli{"resnet_ddp", kUsage};
 [[noreturn]] void usage_error(const std::string& msg) { kCli.error(msg); }
@@ -176,6 +180,10 @@ Flags parse_flags(int argc, char** argv) {
     else if (arg == "--workers") f.workers = static_cast<int>(kCli.parse_int(arg, next(), 0));
     else if (arg == "--checkpoint-dir") f.checkpoint_dir = next();
     else if (arg == "--seed") f.seed = static_cast<uint64_t>(kCli.parse_int(arg, next(), 0));
+    else if (arg == "--profile") {
+      f.profile_dir = next();
+      if (f.profile_dir.empty()) usage_error("--profile needs a directory");
+    }
     else if (arg == "--max-steps") f.max_steps = kCli.parse_int(arg, next(), 1);
     else if (arg == "--eval-size") f.eval_size = kCli.parse_int(arg, next(), 1);
     else if (arg == "--timeout") f.timeout_sec = kCli.parse_positive(arg, next());
@@ -443,6 +451,7 @@ int train(const Flags& flags) {
   const auto t_start = Clock::now();
   double train_seconds = 0, eval_seconds = -1;
   int64_t images_done = 0;  // global, this process's run
+  examples::StepProfiler profile(flags.profile_dir, (flags.epochs - start_epoch) * steps_per_epoch, pg.get());
   for (int64_t epoch = start_epoch; epoch < flags.epochs; ++epoch) {
     train_loader->set_epoch(epoch);  // the loader hands its epoch to the sampler and keys transforms
     model->train();
@@ -467,6 +476,7 @@ int train(const Flags& flags) {
       opt.zero_grad();
       ++epoch_steps;
       ++step;
+      profile.step();
       images_done += global_batch;
       double elapsed = train_seconds + seconds(t_epoch, Clock::now());
       double rate = images_done / std::max(elapsed, 1e-9);

@@ -9,6 +9,7 @@
 
 #include "autograd/autograd.h"
 #include "core/autograd_hook.h"
+#include "core/profiler.h"
 #include "core/ops.h"
 #include "core/ops_optim.h"
 
@@ -320,6 +321,7 @@ void SGD::step_unless_inf(const Tensor& found_inf) {
 }
 
 void SGD::step_impl(const Tensor& found_inf) {
+  profiler::Scope prof(profiler::Kind::Optimizer, "SGD.step");
   NoGradGuard no_grad;
   for (auto& group : param_groups()) {
     const Options& o = group.options;
@@ -394,6 +396,7 @@ void Adam::step_unless_inf(const Tensor& found_inf) {
 }
 
 void Adam::step_impl(const Tensor& found_inf) {
+  profiler::Scope prof(profiler::Kind::Optimizer, name() + ".step");  // Adam or AdamW
   NoGradGuard no_grad;
   for (auto& group : param_groups()) {
     const Options& o = group.options;

@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/json_limits.h"
 #include "core/ops.h"
+#include "core/profiler.h"
 #include "core/safetensors.h"
 
 namespace ember::distributed {
@@ -476,6 +477,7 @@ using namespace checkpoint_internal;
 
 absl::Status save_checkpoint(const std::string& dir_in, const nn::Module& model, const optim::Optimizer* optimizer,
                              const optim::LRScheduler* scheduler, const TrainingState& state) {
+  profiler::Scope prof(profiler::Kind::Checkpoint, "save_checkpoint");
   const std::string dir = normalize_dir(dir_in);
   if (dir.empty() || dir == "/") return absl::InvalidArgumentError("save_checkpoint: empty checkpoint directory");
   try {
@@ -494,6 +496,7 @@ absl::Status save_checkpoint(const std::string& dir_in, const nn::Module& model,
 
 absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir_in, nn::Module& model,
                                               optim::Optimizer* optimizer, optim::LRScheduler* scheduler) {
+  profiler::Scope prof(profiler::Kind::Checkpoint, "load_checkpoint");
   const std::string dir = normalize_dir(dir_in);
   std::error_code ec;
   if (!fs::is_directory(dir, ec))

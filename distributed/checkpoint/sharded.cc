@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/autograd_hook.h"
 #include "core/json_limits.h"
+#include "core/profiler.h"
 #include "core/ops.h"
 #include "core/safetensors.h"
 #include "distributed/checkpoint/checkpoint_internal.h"
@@ -773,6 +774,7 @@ absl::Status check_save_args(const std::string& dir, const ShardedSaveOptions& o
 absl::Status save_sharded_checkpoint(const std::string& dir_in, nn::Module& model, optim::Optimizer* optimizer,
                                      const optim::LRScheduler* scheduler, const TrainingState& state,
                                      ProcessGroup& pg, const ShardedSaveOptions& options) {
+  profiler::Scope prof(profiler::Kind::Checkpoint, "save_sharded_checkpoint");
   const std::string dir = normalize_dir(dir_in);
   if (auto s = check_save_args(dir, options); !s.ok()) return s;
   NoGradGuard no_grad;
@@ -815,6 +817,7 @@ AsyncCheckpointer::~AsyncCheckpointer() {
 absl::Status AsyncCheckpointer::save(const std::string& dir_in, nn::Module& model, optim::Optimizer* optimizer,
                                      const optim::LRScheduler* scheduler, const TrainingState& state,
                                      ProcessGroup& pg) {
+  profiler::Scope prof(profiler::Kind::Checkpoint, "AsyncCheckpointer.save (staging)");
   const std::string dir = normalize_dir(dir_in);
   if (auto s = check_save_args(dir, impl_->options); !s.ok()) return s;
   // The previous save first: its failure is this call's error.
@@ -835,7 +838,9 @@ absl::Status AsyncCheckpointer::save(const std::string& dir_in, nn::Module& mode
   impl_->staging_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   impl_->dir = dir;
   impl_->worker = std::thread([impl = impl_.get(), dir, staged] {
+    profiler::set_thread_name("async checkpoint writer");
     try {
+      profiler::Scope prof(profiler::Kind::Checkpoint, "AsyncCheckpointer write");
       impl->last = write_staged(dir, *staged, *impl->pg, impl->options);
     } catch (...) {  // nothing may leave a thread: it would end the process
       impl->last = absl::InternalError(absl::StrCat("save_sharded_checkpoint '", dir, "': unexpected exception"));
@@ -855,6 +860,7 @@ double AsyncCheckpointer::last_staging_seconds() const { return impl_->staging_s
 absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in, nn::Module& model,
                                                       optim::Optimizer* optimizer, optim::LRScheduler* scheduler,
                                                       ProcessGroup& pg) {
+  profiler::Scope prof(profiler::Kind::Checkpoint, "load_sharded_checkpoint");
   const std::string dir = normalize_dir(dir_in);
   const std::string index_path = dir + "/" + kIndexFile;
   NoGradGuard no_grad;
