@@ -12,11 +12,15 @@
 // 3x224x224, fp32, channels-last activations); it reports "skipped: no GPU"
 // on a machine without one.
 #include <benchmark/benchmark.h>
+#include <sys/resource.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <optional>
 
 #include "bench/train_step.h"
 #include "core/autocast.h"
+#include "core/profiler.h"
 #include "nn/models.h"
 #include "optim/grad_scaler.h"
 #include "optim/optimizer.h"
@@ -36,8 +40,43 @@ void BM_ResNet18Step(benchmark::State& state) {
   for (int i = 0; i < 3; ++i) step();  // warm-up: primitive creation, allocator caches
   for (auto _ : state) benchmark::DoNotOptimize(step());
   state.counters["img_per_s"] = benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate);
+  // The process's peak RSS so far (the peer reports the same): filter to one
+  // benchmark per process for a per-configuration figure.
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  state.counters["peak_rss_MiB"] = static_cast<double>(ru.ru_maxrss) / 1024.0;
 }
 BENCHMARK(BM_ResNet18Step)->Args({64, 64})->Args({16, 64})->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The same step with the profiler recording it (a session per step: start,
+// step, stop; the events of the last step stay until the next start), for
+// the profiler's cost: compare with BM_ResNet18Step in one run. The off
+// state's cost is BM_ResNet18Step built with and without the hooks
+// (--copt=-DEMBER_PROFILER_HOOKS=0).
+void BM_ResNet18StepProfiled(benchmark::State& state) {
+  const int64_t width = state.range(0), batch = state.range(1);
+  manual_seed(0);
+  auto model = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = width});
+  model->train();
+  optim::SGD opt(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  Tensor x = randn({batch, 1, 28, 28});
+  Tensor y = randint(0, 10, {batch});
+  auto step = [&] { return bench::train_step(*model, opt, x, y); };
+  for (int i = 0; i < 3; ++i) step();
+  size_t events = 0;
+  for (auto _ : state) {
+    profiler::start();
+    benchmark::DoNotOptimize(step());
+    profiler::stop();
+  }
+  const auto last = profiler::events();
+  events = last.size();
+  state.counters["events_per_step"] = static_cast<double>(events);
+  // The last step's table (torch.profiler's key_averages), on stderr.
+  if (std::getenv("EMBER_BENCH_PROFILE_TABLE")) std::fputs(profiler::summary_table(last, 30).c_str(), stderr);
+  state.counters["img_per_s"] = benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_ResNet18StepProfiled)->Args({64, 64})->Args({16, 64})->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // The same step in mixed precision (issue 16): mode 0 float32, 1 bfloat16
 // autocast, 2 float16 autocast + GradScaler, as the peer's

@@ -18,6 +18,19 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor
               std::array<int64_t, 2> stride = {1, 1}, std::array<int64_t, 2> padding = {0, 0},
               std::array<int64_t, 2> dilation = {1, 1}, int64_t groups = 1);
 
+// How CPU convolutions compute (oneDNN). Auto (the default): Winograd's
+// F(4x4, 3x3) for 3x3, stride-1, undilated, ungrouped float32 convolutions
+// where oneDNN has it (AVX-512 CPUs), the direct algorithm elsewhere; about
+// 2.25x fewer multiplies and 1.3-2.4x faster per pass on ResNet's 3x3
+// layers, with a larger rounding error than the direct sum (relative
+// differences around 1e-6 to 1e-5 of the output's scale; ops_nn_test
+// measures it). Direct: always the direct algorithm, as PyTorch's CPU
+// convolutions. The environment variable EMBER_CONV_ALGO=direct|auto sets
+// the initial value. GPU convolutions follow cuDNN's choices regardless.
+enum class ConvAlgorithm { Auto, Direct };
+void set_cpu_conv_algorithm(ConvAlgorithm algorithm);
+ConvAlgorithm cpu_conv_algorithm();
+
 // Normalises each channel of x [N, C, H, W]. training: by the batch
 // statistics, and, when running_mean/var are defined, updates them in place
 // as PyTorch does (running = (1 - momentum) * running + momentum * batch, the

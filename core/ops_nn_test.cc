@@ -259,6 +259,46 @@ TEST(Conv2d, Float32GradientsMatchFloat64) {
   }
 }
 
+// Winograd (the CPU default for 3x3 stride-1 convolutions, ConvAlgorithm::
+// Auto) against the direct algorithm, both measured against float64: forward
+// and both gradients, on ResNet-like layers. Winograd's transforms round
+// more, so its error is larger; it must stay within 2e-5 of the output's
+// scale (measured: about 1e-6), where the direct algorithm is at about 3e-7 to 1e-6.
+TEST(Conv2d, WinogradMatchesDirectAndFloat64) {
+  struct Case {
+    Shape x;
+    int64_t o;
+    bool bias;
+  };
+  const Case cases[] = {{{4, 32, 14, 14}, 32, false}, {{2, 64, 7, 7}, 128, true}, {{3, 16, 28, 28}, 16, false}};
+  uint64_t seed = 400;
+  const ConvAlgorithm saved = cpu_conv_algorithm();
+  for (const Case& c : cases) {
+    Tensor x64 = rnd(c.x, seed++), w64 = rnd({c.o, c.x[1], 3, 3}, seed++), b64 = rnd({c.o}, seed++);
+    std::vector<Tensor> out[3];  // direct fp32, auto fp32, float64
+    for (int k = 0; k < 3; ++k) {
+      set_cpu_conv_algorithm(k == 1 ? ConvAlgorithm::Auto : ConvAlgorithm::Direct);
+      const DType dt = k == 2 ? DType::Float64 : DType::Float32;
+      Tensor x = x64.to(dt).detach().requires_grad_(), w = w64.to(dt).detach().requires_grad_();
+      Tensor b = c.bias ? b64.to(dt).detach().requires_grad_() : Tensor();
+      Tensor y = conv2d(x, w, b, {1, 1}, {1, 1});
+      sum(y * rnd(y.sizes(), 999, dt)).backward();
+      out[k] = {y, x.grad(), w.grad()};
+    }
+    const char* what[] = {"output", "grad input", "grad weight"};
+    for (int i = 0; i < 3; ++i) {
+      const double scale = max(abs(out[2][i])).item();
+      const double e_direct = max(abs(out[0][i].to(DType::Float64) - out[2][i])).item() / scale;
+      const double e_auto = max(abs(out[1][i].to(DType::Float64) - out[2][i])).item() / scale;
+      std::printf("conv %s -> %lld, %s: max error / max |ref|: direct %.2e, auto (Winograd) %.2e\n",
+                  shape_str(c.x).c_str(), static_cast<long long>(c.o), what[i], e_direct, e_auto);
+      EXPECT_LT(e_direct, 5e-6) << shape_str(c.x) << " " << what[i];
+      EXPECT_LT(e_auto, 2e-5) << shape_str(c.x) << " " << what[i];
+    }
+  }
+  set_cpu_conv_algorithm(saved);
+}
+
 TEST(Conv2d, ConcurrentCallsShareCachedPlans) {
   Tensor x = rnd({2, 8, 12, 12}, 300, DType::Float32), w = rnd({8, 8, 3, 3}, 301, DType::Float32);
   Tensor want = conv2d(x, w, Tensor(), {1, 1}, {1, 1});

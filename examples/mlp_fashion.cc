@@ -42,6 +42,7 @@ int main(int argc, char** argv) {
     double first_loss = 0, last_loss = 0;
     auto t0 = std::chrono::steady_clock::now();
     for (int64_t epoch = 0; epoch < epochs; ++epoch) {
+      const auto t_epoch = std::chrono::steady_clock::now();
       model->train();
       examples::for_each_batch(train, batch, seed, epoch, [&](const Tensor& x, const Tensor& y, int64_t) {
         if (max_steps >= 0 && step >= max_steps) return;
@@ -53,11 +54,14 @@ int main(int argc, char** argv) {
         if (step == 0) first_loss = last_loss;
         ++step;
       });
+      // The training loop alone (data already in memory), as the peer
+      // shared/peers/mlp_epoch.py times it; bench/compare_peers.py mlp reads it.
+      const double train_s = examples::seconds_since(t_epoch);
       model->eval();
       double acc = examples::accuracy(*model, test);
-      std::printf("epoch %lld: %lld steps, %.1f s, loss %.4f -> %.4f, test accuracy %.4f\n",
+      std::printf("epoch %lld: %lld steps, %.1f s, train %.3f s, loss %.4f -> %.4f, test accuracy %.4f\n",
                   static_cast<long long>(epoch + 1), static_cast<long long>(step), examples::seconds_since(t0),
-                  first_loss, last_loss, acc);
+                  train_s, first_loss, last_loss, acc);
     }
     std::printf("first_loss %.6f last_loss %.6f\n", first_loss, last_loss);
   } catch (const std::exception& e) {

@@ -28,7 +28,14 @@ PACKAGES=(
 )
 # --peers: also the PyTorch the benchmarks compare against (bench/compare_peers.py,
 # shared/peers/). A measuring stick, never a dependency of ember itself.
-if [ "${1:-}" = "--peers" ]; then PACKAGES+=(python3-torch); fi
+# --plots: matplotlib, for bench/plot_scaling.py's PNGs (the README's plots).
+for arg in "$@"; do
+  case "$arg" in
+    --peers) PACKAGES+=(python3-torch) ;;
+    --plots) PACKAGES+=(python3-matplotlib) ;;
+    *) echo "setup: unknown flag '$arg' (known: --peers, --plots)" >&2; exit 2 ;;
+  esac
+done
 
 if [ "$(id -u)" -eq 0 ]; then SUDO=""; else SUDO="sudo"; fi
 

@@ -20,10 +20,13 @@
 #include "core/autocast.h"
 
 #include <array>
+#include <atomic>
 #include <compare>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -155,6 +158,7 @@ struct PlanKey {
   bool bias;
   Pass pass;
   memory::data_type dt;
+  bool winograd;
   auto operator<=>(const PlanKey&) const = default;
 };
 
@@ -185,7 +189,7 @@ ArgPlan arg_plan(int arg, const memory::desc& plain, const memory::desc& chosen,
   return a;
 }
 
-std::unique_ptr<Plan> make_plan(const ConvGeom& g, bool bias, Pass pass, memory::data_type f32) {
+std::unique_ptr<Plan> make_plan(const ConvGeom& g, bool bias, Pass pass, memory::data_type f32, bool winograd) {
   const memory::dims xd{g.n, g.c, g.h, g.w}, yd{g.n, g.o, g.oh, g.ow};
   // Grouped weights are 5-D for oneDNN; goihw is the same memory as our OIHW.
   const memory::dims wd = g.groups == 1 ? memory::dims{g.o, g.c, g.kh, g.kw}
@@ -198,7 +202,9 @@ std::unique_ptr<Plan> make_plan(const ConvGeom& g, bool bias, Pass pass, memory:
   const memory::dims strides{g.sh, g.sw}, dil{g.dh - 1, g.dw - 1}, pad{g.ph, g.pw};
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // per-call scratch: plans run concurrently
-  const auto algo = dnnl::algorithm::convolution_direct;
+  // The three passes of one convolution use one algorithm: the backward
+  // descriptors take the forward's as their hint.
+  const auto algo = winograd ? dnnl::algorithm::convolution_winograd : dnnl::algorithm::convolution_direct;
   using Fwd = dnnl::convolution_forward;
   const bool fwd_bias = bias && pass != Pass::BackwardData;
   auto fdesc = fwd_bias ? Fwd::desc(dnnl::prop_kind::forward_training, algo, x_any, w_any, b_plain, y_any, strides,
@@ -246,6 +252,19 @@ std::unique_ptr<Plan> make_plan(const ConvGeom& g, bool bias, Pass pass, memory:
   return p;
 }
 
+std::atomic<int> g_conv_algorithm{[] {
+  const char* e = std::getenv("EMBER_CONV_ALGO");
+  if (e == nullptr || std::string(e) == "auto" || std::string(e).empty()) return static_cast<int>(ConvAlgorithm::Auto);
+  EMBER_CHECK(std::string(e) == "direct", "EMBER_CONV_ALGO must be 'auto' or 'direct', got '", e, "'");
+  return static_cast<int>(ConvAlgorithm::Direct);
+}()};
+
+// Winograd F(4x4, 3x3): 3x3 windows, stride 1, no dilation, no groups.
+bool winograd_eligible(const ConvGeom& g) {
+  return g_conv_algorithm.load(std::memory_order_relaxed) == static_cast<int>(ConvAlgorithm::Auto) && g.kh == 3 &&
+         g.kw == 3 && g.sh == 1 && g.sw == 1 && g.dh == 1 && g.dw == 1 && g.groups == 1;
+}
+
 // Plans live for the process: a model has a handful of distinct shapes.
 // A 16-bit plan the CPU cannot run (no native kernel: oneDNN refuses it, or
 // picks its slow reference implementation) is cached as null, and the caller
@@ -254,17 +273,26 @@ const Plan* plan_for(const ConvGeom& g, bool bias, Pass pass,
                      memory::data_type dt = memory::data_type::f32) {
   static std::mutex mu;
   static std::map<PlanKey, std::unique_ptr<Plan>> cache;
+  const bool f32 = dt == memory::data_type::f32;
+  const bool winograd = f32 && winograd_eligible(g);
   const PlanKey key{{g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.groups, g.oh, g.ow},
                     bias,
                     pass,
-                    dt};
+                    dt,
+                    winograd};
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it == cache.end()) {
-    const bool f32 = dt == memory::data_type::f32;
     std::unique_ptr<Plan> plan;
+    if (winograd) {
+      try {
+        plan = make_plan(g, bias, pass, dt, true);
+      } catch (const dnnl::error&) {
+        // No Winograd kernel on this CPU (oneDNN has it for AVX-512 only): direct.
+      }
+    }
     try {
-      plan = make_plan(g, bias, pass, dt);
+      if (!plan) plan = make_plan(g, bias, pass, dt, false);
     } catch (const dnnl::error&) {
       if (f32) throw;
     }
@@ -328,6 +356,11 @@ void run_plan(const Plan& p, std::initializer_list<std::pair<int, void*>> ptrs, 
 bool is_half_like(DType t) { return t == DType::Float16 || t == DType::BFloat16; }
 Tensor to_f32(const Tensor& t) { return t.defined() ? t.to(DType::Float32) : t; }
 }  // namespace
+
+void set_cpu_conv_algorithm(ConvAlgorithm algorithm) {
+  g_conv_algorithm.store(static_cast<int>(algorithm), std::memory_order_relaxed);
+}
+ConvAlgorithm cpu_conv_algorithm() { return static_cast<ConvAlgorithm>(g_conv_algorithm.load(std::memory_order_relaxed)); }
 
 // One oneDNN path for float32 and the 16-bit types; a 16-bit type without a
 // native plan widens to float32; float64 runs the reference loops.
