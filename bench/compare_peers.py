@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEERS = os.environ.get("EMBER_PEERS", os.path.join(ROOT, "..", "shared", "peers"))
 PY = "/usr/bin/python3"
 PY2 = os.path.expanduser(os.environ.get("EMBER_TORCH2_PY", "~/.venvs/torch2-peer/bin/python"))
-GUARD = [PY, os.path.join(PEERS, "guard.py"), "--"]
+GUARD = [PY, os.path.join(PEERS, "guard.py")]
 BIN = os.path.join(ROOT, "bazel-out", "k8-opt", "bin")
 
 
@@ -33,8 +33,8 @@ def peers():
 
 
 def run(cmd, env=None):
-    full = GUARD + [f"--env={k}={v}" for k, v in (env or {}).items()] + cmd if GUARD else cmd
-    p = subprocess.run(full, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    full = GUARD + [f"--env={k}={v}" for k, v in (env or {}).items()] + ["--"] + cmd if GUARD else cmd
+    p = subprocess.run(full, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, **(env or {})))
     if p.returncode != 0:
         sys.exit(f"failed ({p.returncode}): {' '.join(cmd)}\n{p.stdout}")
     lines, out = [], []

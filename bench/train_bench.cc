@@ -45,6 +45,9 @@ void BM_ResNet18Step(benchmark::State& state) {
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
   state.counters["peak_rss_MiB"] = static_cast<double>(ru.ru_maxrss) / 1024.0;
+  // Of which tensors at their peak, and what the allocator holds (live + cached).
+  state.counters["peak_alloc_MiB"] = static_cast<double>(cpu_allocator()->stats().peak_allocated) / (1 << 20);
+  state.counters["reserved_MiB"] = static_cast<double>(cpu_allocator()->stats().reserved) / (1 << 20);
 }
 BENCHMARK(BM_ResNet18Step)->Args({64, 64})->Args({16, 64})->Unit(benchmark::kMillisecond)->UseRealTime();
 

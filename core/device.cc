@@ -59,14 +59,21 @@ class CpuAllocator final : public Allocator {
   CpuAllocator() : cache_limit_(cache_limit_from_env()) {}
 
   DataPtr allocate(size_t nbytes) override {
-    const size_t cls = size_class(nbytes);
+    size_t cls = size_class(nbytes);
     void* p = nullptr;
     std::lock_guard<std::mutex> g(mu_);
-    auto it = cache_.find(cls);
-    if (it != cache_.end() && !it->second.empty()) {
+    // Best fit: the smallest cached block of this class or up to twice its
+    // size. Exact classes alone let blocks of one size pile up while
+    // requests of a neighbouring size went to malloc: oneDNN's Winograd
+    // scratchpads, one size per layer, raised a width-64 ResNet step's peak
+    // RSS from 780 to 1020 MiB that way.
+    auto it = cache_.lower_bound(cls);
+    while (it != cache_.end() && it->second.empty() && it->first <= 2 * cls) ++it;
+    if (cls >= kLarge && it != cache_.end() && !it->second.empty() && it->first <= 2 * cls) {
       p = it->second.back();
       it->second.pop_back();
-      cached_ -= cls;
+      cached_ -= it->first;
+      cls = it->first;  // the block keeps its class: freed, it returns there
     } else {
       // 64-byte alignment suits AVX-512 loads and keeps cache lines unshared.
       p = std::aligned_alloc(64, cls);

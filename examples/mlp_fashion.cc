@@ -2,7 +2,7 @@
 // on Fashion-MNIST, then its test accuracy: the recipe of the PyTorch peer
 // (shared/peers/mlp_epoch.py), which reaches about 85%.
 //
-//   bazel run -c opt //examples:mlp_fashion [-- --epochs N --steps N --seed S --data DIR]
+//   bazel run -c opt //examples:mlp_fashion [-- --epochs N --steps N --seed S --data DIR --profile DIR]
 //
 // --steps limits the number of training steps (the test runs a short one).
 #include <cstdio>
@@ -11,6 +11,7 @@
 #include <string>
 
 #include "examples/fashion.h"
+#include "examples/profiling.h"
 #include "nn/functional.h"
 #include "nn/models.h"
 #include "optim/optimizer.h"
@@ -21,6 +22,7 @@ int main(int argc, char** argv) {
   int64_t epochs = 1, max_steps = -1, batch = 128;
   uint64_t seed = 0;
   std::string root = data::kFashionMnistRoot;
+  std::string profile_dir;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i];
     if (k == "--epochs") epochs = std::atoll(argv[i + 1]);
@@ -28,8 +30,10 @@ int main(int argc, char** argv) {
     else if (k == "--seed") seed = std::strtoull(argv[i + 1], nullptr, 10);
     else if (k == "--batch-size") batch = std::atoll(argv[i + 1]);
     else if (k == "--data") root = argv[i + 1];
+    else if (k == "--profile") profile_dir = argv[i + 1];
     else {
-      std::fprintf(stderr, "unknown flag %s (flags: --epochs --steps --seed --batch-size --data)\n", k.c_str());
+      std::fprintf(stderr, "unknown flag %s (flags: --epochs --steps --seed --batch-size --data --profile)\n",
+                   k.c_str());
       return 2;
     }
   }
@@ -40,6 +44,10 @@ int main(int argc, char** argv) {
     optim::Adam opt(model->parameters(), optim::AdamOptions{.lr = 1e-3});
     int64_t step = 0;
     double first_loss = 0, last_loss = 0;
+    const int64_t steps_per_epoch = (train.images.size(0) + batch - 1) / batch;
+    examples::StepProfiler profile(profile_dir,
+                                   max_steps >= 0 ? std::min(max_steps, epochs * steps_per_epoch) : epochs * steps_per_epoch,
+                                   nullptr);
     auto t0 = std::chrono::steady_clock::now();
     for (int64_t epoch = 0; epoch < epochs; ++epoch) {
       const auto t_epoch = std::chrono::steady_clock::now();
@@ -53,6 +61,7 @@ int main(int argc, char** argv) {
         last_loss = loss.item();
         if (step == 0) first_loss = last_loss;
         ++step;
+        profile.step();
       });
       // The training loop alone (data already in memory), as the peer
       // shared/peers/mlp_epoch.py times it; bench/compare_peers.py mlp reads it.

@@ -42,6 +42,47 @@ void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& 
   });
 }
 
+namespace {
+// Adam's element loop with the step's options as template parameters: gcc
+// vectorizes only a loop without branches, and the options (amsgrad, weight
+// decay and its kind, maximize) are the same for every element of a step.
+// The arithmetic is adam_update's, shared with the CUDA kernel.
+template <typename T, typename C, bool kAms, bool kWd, bool kDecoupled, bool kMax>
+void adam_elements(T* p, const T* g, T* m, T* v, T* vmax, int64_t lo, int64_t hi, optim_fns::AdamScalars<C> s) {
+  s.amsgrad = kAms;
+  s.has_weight_decay = kWd;
+  s.decoupled = kDecoupled;
+  s.maximize = kMax;
+  for (int64_t j = lo; j < hi; ++j) {
+    C pv = static_cast<C>(p[j]), mv = static_cast<C>(m[j]), vv = static_cast<C>(v[j]);
+    C xv = kAms ? static_cast<C>(vmax[j]) : C(0);
+    optim_fns::adam_update<C>(pv, static_cast<C>(g[j]), mv, vv, xv, s);
+    p[j] = static_cast<T>(pv);
+    m[j] = static_cast<T>(mv);
+    v[j] = static_cast<T>(vv);
+    if (kAms) vmax[j] = static_cast<T>(xv);
+  }
+}
+
+template <typename T, typename C>
+using AdamLoop = void (*)(T*, const T*, T*, T*, T*, int64_t, int64_t, optim_fns::AdamScalars<C>);
+
+template <typename T, typename C, bool kAms, bool kWd, bool kDecoupled>
+AdamLoop<T, C> adam_loop_max(bool maximize) {
+  return maximize ? adam_elements<T, C, kAms, kWd, kDecoupled, true> : adam_elements<T, C, kAms, kWd, kDecoupled, false>;
+}
+template <typename T, typename C, bool kAms>
+AdamLoop<T, C> adam_loop_wd(const optim_fns::AdamScalars<C>& s) {
+  if (!s.has_weight_decay) return adam_loop_max<T, C, kAms, false, false>(s.maximize);
+  return s.decoupled ? adam_loop_max<T, C, kAms, true, true>(s.maximize)
+                     : adam_loop_max<T, C, kAms, true, false>(s.maximize);
+}
+template <typename T, typename C>
+AdamLoop<T, C> adam_loop_for(const optim_fns::AdamScalars<C>& s) {
+  return s.amsgrad ? adam_loop_wd<T, C, true>(s) : adam_loop_wd<T, C, false>(s);
+}
+}  // namespace
+
 void adam_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                    const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
                    const std::vector<Tensor>& max_exp_avg_sqs, const std::vector<Tensor>& steps,
@@ -64,17 +105,9 @@ void adam_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>&
       T* m = exp_avgs[i].data<T>();
       T* v = exp_avg_sqs[i].data<T>();
       T* vmax = s.amsgrad ? max_exp_avg_sqs[i].data<T>() : nullptr;
-      parallel_for(params[i].numel(), kParallelGrain, [&](int64_t lo, int64_t hi) {
-        for (int64_t j = lo; j < hi; ++j) {
-          C pv = static_cast<C>(p[j]), mv = static_cast<C>(m[j]), vv = static_cast<C>(v[j]);
-          C xv = vmax ? static_cast<C>(vmax[j]) : C(0);
-          optim_fns::adam_update<C>(pv, static_cast<C>(g[j]), mv, vv, xv, s);
-          p[j] = static_cast<T>(pv);
-          m[j] = static_cast<T>(mv);
-          v[j] = static_cast<T>(vv);
-          if (vmax) vmax[j] = static_cast<T>(xv);
-        }
-      });
+      const auto loop = adam_loop_for<T, C>(s);
+      parallel_for(params[i].numel(), kParallelGrain,
+                   [&](int64_t lo, int64_t hi) { loop(p, g, m, v, vmax, lo, hi, s); });
       if (count) *count += 1.0f;
     }
   });
