@@ -125,7 +125,9 @@ def workload_ddp(res, r, pe, widths=(16, 64)):
                 res.add(f"ddp_w{w}_step", "ours", x["step_ms_median"] / 1e3,
                         what=f"DDP over Gloo, 2 processes x 1 thread, ResNet-18 width {w}, batch 32 per rank")
         for name, py in pe:
-            out, _ = run([py, os.path.join(PEERS, "ddp_resnet.py"), "--width", str(w), "--rounds", "1"])
+            # 10 timed steps at width 64 (a second each), the peer's default 30 at 16.
+            out, _ = run([py, os.path.join(PEERS, "ddp_resnet.py"), "--width", str(w), "--rounds", "1", "--steps",
+                          "10" if w == 64 else "30"])
             for d in out:
                 procs = {"resnet18_1proc_1thread": 1, "resnet18_ddp_gloo": 2}.get(d.get("anchor"))
                 if procs is None:

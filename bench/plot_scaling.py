@@ -5,8 +5,8 @@
 # Medians of the run's rounds; error bars span min to max.
 #
 #   tools/setup.sh --plots                     # Debian's python3-matplotlib
-#   python3 bench/plot_scaling.py              # replot from bench/results/*.json
-#   python3 bench/plot_scaling.py --run        # rerun the benchmarks (interleaved with the peers), then plot
+#   /usr/bin/python3 bench/plot_scaling.py     # replot from bench/results/*.json
+#   /usr/bin/python3 bench/plot_scaling.py --run   # rerun the benchmarks (interleaved with the peers), then plot
 import argparse, json, os, statistics, subprocess, sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
