@@ -9,7 +9,7 @@
 #
 #   bazel build -c opt //bench:fsdp_bench
 #   python3 bench/fsdp_compare.py --ours bazel-out/k8-opt/bin/bench/fsdp_bench --rounds 3
-import argparse, json, os, statistics, subprocess, sys
+import argparse, datetime, json, os, statistics, subprocess, sys
 
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../shared/peers/torch2/fsdp_peer.py")
 # (model, our mode, procs, peer strategy)
@@ -57,6 +57,7 @@ def main():
     ap.add_argument("--python", default=os.path.expanduser("~/.venvs/torch2-peer/bin/python"))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--models", default="gpt,mlp")
+    ap.add_argument("--out", help="also write the figures as JSON (bench/plot_scaling.py plots them)")
     a = ap.parse_args()
     configs = [c for c in CONFIGS if c[0] in a.models.split(",")]
     times, mem, version = {}, {}, "?"
@@ -83,6 +84,15 @@ def main():
         pgs = lambda d: f"{d['params']:.0f}/{d['grads']:.0f}/{d['state']:.0f}"
         print(f"{model:5s} {mode:9s} {procs:5d} | {om:8.0f} {pm:8.0f} {om / pm:6.2f} | {pgs(o):>18s} {pgs(p):>18s} | "
               f"{o['rss']:9.0f} {p['rss']:10.0f} {o['rss'] / p['rss']:6.2f}")
+    if a.out:
+        fsdp = {f"{m}/{mode}/{procs}": {"ours_ms": [t[0] for t in times[(m, mode, procs)]],
+                                        "peer_ms": [t[1] for t in times[(m, mode, procs)]],
+                                        "ours_peak_MiB": mem[(m, mode, procs)][0]["rss"],
+                                        "peer_peak_MiB": mem[(m, mode, procs)][1]["rss"]}
+                for m, mode, procs, _ in configs}
+        json.dump({"date": datetime.date.today().isoformat(), "rounds": a.rounds, "peer": f"torch {version}",
+                   "workloads": {"fsdp": fsdp}}, open(a.out, "w"), indent=1)
+        print(f"wrote {a.out}")
 
 
 if __name__ == "__main__":

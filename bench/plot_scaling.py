@@ -2,6 +2,7 @@
 #   docs/plots/ddp_scaling.png      throughput and efficiency vs ranks (ours, and the peers where measured)
 #   docs/plots/collectives.png      bus bandwidth vs message size per collective (ours vs torch's Gloo)
 #   docs/plots/peers.png            step / epoch time of each workload, ours beside both peers
+#   docs/plots/fsdp.png             FSDP step time and per-rank peak memory by strategy, ours and torch's fully_shard
 # Medians of the run's rounds; error bars span min to max.
 #
 #   tools/setup.sh --plots                     # Debian's python3-matplotlib
@@ -116,6 +117,36 @@ def plot_peers(plt, data, path):
     return True
 
 
+def plot_fsdp(plt, data, path):
+    f = data["workloads"].get("fsdp")
+    if not f:
+        return False
+    keys = list(f)
+    peer = data.get("peer", "torch")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    x = range(len(keys))
+    labels = [k.replace("/", "\n", 1).replace("/", " x") for k in keys]
+    for i, (name, series) in enumerate((("ours", "ours_ms"), (peer, "peer_ms"))):
+        st = [stats(f[k][series]) for k in keys]
+        axes[0].bar([j + (i - 0.5) * 0.4 for j in x], [s[0] for s in st], 0.4,
+                    yerr=[[s[1] for s in st], [s[2] for s in st]], capsize=3, label=name,
+                    color=COLORS.get(name, "tab:green" if i else "tab:blue"))
+    for i, (name, key) in enumerate((("ours", "ours_peak_MiB"), (peer, "peer_peak_MiB"))):
+        axes[1].bar([j + (i - 0.5) * 0.4 for j in x], [f[k][key] for k in keys], 0.4, label=name,
+                    color=COLORS.get(name, "tab:green" if i else "tab:blue"))
+    axes[0].set_ylabel("step ms (lower is better)")
+    axes[1].set_ylabel("rank 0 peak RSS above baseline, MiB (freed memory returned)")
+    for ax in axes:
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.legend()
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"FSDP (model/strategy x processes), ours and {peer}'s fully_shard: " + subtitle(data))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return True
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", action="store_true", help="rerun compare_peers.py first (about an hour)")
@@ -125,10 +156,12 @@ def main():
         subprocess.run(["bazel", "build", "-c", "opt", "//bench:train_bench", "//bench:ddp_scaling",
                         "//bench:collectives_bench", "//examples:mlp_fashion"], cwd=ROOT, check=True)
         cp = os.path.join(ROOT, "bench", "compare_peers.py")
-        subprocess.run([sys.executable, cp, "resnet", "mlp", "ddp", "--rounds", str(a.rounds), "--out",
-                        os.path.join(RESULTS, "peers.json")], check=True)
-        subprocess.run([sys.executable, cp, "collectives", "--rounds", str(a.rounds), "--out",
-                        os.path.join(RESULTS, "collectives.json")], check=True)
+        subprocess.run([sys.executable, cp, "resnet", "mlp", "ddp", "collectives", "--rounds", str(a.rounds),
+                        "--out", os.path.join(RESULTS, "peers.json")], check=True)
+        subprocess.run(["bazel", "build", "-c", "opt", "//bench:fsdp_bench"], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, os.path.join(ROOT, "bench", "fsdp_compare.py"), "--ours",
+                        os.path.join(ROOT, "bazel-out", "k8-opt", "bin", "bench", "fsdp_bench"), "--models", "gpt",
+                        "--rounds", str(a.rounds), "--out", os.path.join(RESULTS, "fsdp.json")], check=True)
     try:
         import matplotlib
     except ImportError:
@@ -142,7 +175,7 @@ def main():
             continue
         data = json.load(open(os.path.join(RESULTS, name)))
         for fn, png in ((plot_ddp, "ddp_scaling.png"), (plot_collectives, "collectives.png"),
-                        (plot_peers, "peers.png")):
+                        (plot_peers, "peers.png"), (plot_fsdp, "fsdp.png")):
             if fn(plt, data, os.path.join(OUT, png)):
                 done.append(os.path.join("docs", "plots", png))
             plt.close("all")

@@ -16,6 +16,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <optional>
 
 #include "bench/train_step.h"
@@ -28,16 +29,27 @@
 namespace ember {
 namespace {
 
+// The ResNet-18 step of the benchmarks below, warmed up (primitive
+// creation, allocator caches).
+struct ResNetStep {
+  ResNetStep(int64_t width, int64_t batch) {
+    manual_seed(0);
+    model = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = width});
+    model->train();
+    opt = std::make_unique<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
+    x = randn({batch, 1, 28, 28});
+    y = randint(0, 10, {batch});
+    for (int i = 0; i < 3; ++i) (*this)();
+  }
+  double operator()() { return bench::train_step(*model, *opt, x, y); }
+  std::shared_ptr<nn::Module> model;
+  std::unique_ptr<optim::SGD> opt;
+  Tensor x, y;
+};
+
 void BM_ResNet18Step(benchmark::State& state) {
-  const int64_t width = state.range(0), batch = state.range(1);
-  manual_seed(0);
-  auto model = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = width});
-  model->train();
-  optim::SGD opt(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
-  Tensor x = randn({batch, 1, 28, 28});
-  Tensor y = randint(0, 10, {batch});
-  auto step = [&] { return bench::train_step(*model, opt, x, y); };
-  for (int i = 0; i < 3; ++i) step();  // warm-up: primitive creation, allocator caches
+  const int64_t batch = state.range(1);
+  ResNetStep step(state.range(0), batch);
   for (auto _ : state) benchmark::DoNotOptimize(step());
   state.counters["img_per_s"] = benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate);
   // The process's peak RSS so far (the peer reports the same): filter to one
@@ -57,15 +69,8 @@ BENCHMARK(BM_ResNet18Step)->Args({64, 64})->Args({16, 64})->Unit(benchmark::kMil
 // state's cost is BM_ResNet18Step built with and without the hooks
 // (--copt=-DEMBER_PROFILER_HOOKS=0).
 void BM_ResNet18StepProfiled(benchmark::State& state) {
-  const int64_t width = state.range(0), batch = state.range(1);
-  manual_seed(0);
-  auto model = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = width});
-  model->train();
-  optim::SGD opt(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
-  Tensor x = randn({batch, 1, 28, 28});
-  Tensor y = randint(0, 10, {batch});
-  auto step = [&] { return bench::train_step(*model, opt, x, y); };
-  for (int i = 0; i < 3; ++i) step();
+  const int64_t batch = state.range(1);
+  ResNetStep step(state.range(0), batch);
   size_t events = 0;
   for (auto _ : state) {
     profiler::start();

@@ -190,30 +190,20 @@ Tensor relu_backward(const Tensor& grad, const Tensor& out) {
   EMBER_PROFILE_OP("relu_backward", grad, out);
   return binary_op(BinaryOp::ReluGrad, "relu_backward", grad, out);
 }
-Tensor eq(const Tensor& a, const Tensor& b) {
-  EMBER_PROFILE_OP("eq", a, b);
-  return binary_op(BinaryOp::Eq, "eq", a, b);
+namespace {
+// The comparisons are not differentiable, so they get their profiler event
+// here rather than from differentiable().
+Tensor compare(BinaryOp op, const char* name, const Tensor& a, const Tensor& b) {
+  EMBER_PROFILE_OP(name, a, b);
+  return binary_op(op, name, a, b);
 }
-Tensor ne(const Tensor& a, const Tensor& b) {
-  EMBER_PROFILE_OP("ne", a, b);
-  return binary_op(BinaryOp::Ne, "ne", a, b);
-}
-Tensor lt(const Tensor& a, const Tensor& b) {
-  EMBER_PROFILE_OP("lt", a, b);
-  return binary_op(BinaryOp::Lt, "lt", a, b);
-}
-Tensor le(const Tensor& a, const Tensor& b) {
-  EMBER_PROFILE_OP("le", a, b);
-  return binary_op(BinaryOp::Le, "le", a, b);
-}
-Tensor gt(const Tensor& a, const Tensor& b) {
-  EMBER_PROFILE_OP("gt", a, b);
-  return binary_op(BinaryOp::Gt, "gt", a, b);
-}
-Tensor ge(const Tensor& a, const Tensor& b) {
-  EMBER_PROFILE_OP("ge", a, b);
-  return binary_op(BinaryOp::Ge, "ge", a, b);
-}
+}  // namespace
+Tensor eq(const Tensor& a, const Tensor& b) { return compare(BinaryOp::Eq, "eq", a, b); }
+Tensor ne(const Tensor& a, const Tensor& b) { return compare(BinaryOp::Ne, "ne", a, b); }
+Tensor lt(const Tensor& a, const Tensor& b) { return compare(BinaryOp::Lt, "lt", a, b); }
+Tensor le(const Tensor& a, const Tensor& b) { return compare(BinaryOp::Le, "le", a, b); }
+Tensor gt(const Tensor& a, const Tensor& b) { return compare(BinaryOp::Gt, "gt", a, b); }
+Tensor ge(const Tensor& a, const Tensor& b) { return compare(BinaryOp::Ge, "ge", a, b); }
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   EMBER_CHECK(cond.defined() && a.defined() && b.defined(), "where: an input is undefined");
