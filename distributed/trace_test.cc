@@ -144,7 +144,9 @@ TEST(Trace, DdpStepOnTwoRanksGivesOneMergedTimeline) {
     std::set<int64_t> seqs;
     int64_t bytes = 0;
     for (const Ev& e : evs) {
-      if (e.cat == "op" || e.cat == "backward") EXPECT_EQ(e.tid, step->tid) << e.name;
+      if (e.cat == "op" || e.cat == "backward") {
+        EXPECT_EQ(e.tid, step->tid) << e.name;
+      }
       if (e.name != "allreduce") continue;
       // Collectives run on the group's worker thread, named so in the trace.
       EXPECT_NE(e.tid, step->tid);
@@ -167,9 +169,10 @@ TEST(Trace, DdpStepOnTwoRanksGivesOneMergedTimeline) {
       std::vector<const Ev*> open;
       for (const Ev* e : list) {  // sorted by start within a rank's file
         while (!open.empty() && open.back()->ts + open.back()->dur <= e->ts + 1e-3) open.pop_back();
-        if (!open.empty())
+        if (!open.empty()) {
           EXPECT_LE(e->ts + e->dur, open.back()->ts + open.back()->dur + 2e-3)
               << e->name << " overlaps " << open.back()->name << " without nesting";
+        }
         open.push_back(e);
       }
     }

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <memory>
 #include <string>
 
@@ -34,7 +35,18 @@ class StepProfiler {
     warmup_ = std::min(kWarmup, steps_left - active_);
     if (warmup_ == 0) begin();
   }
-  ~StepProfiler() { finish(); }
+  // Unwinding from an error: no collectives (the other ranks may never join
+  // them, and the error must surface now); what was recorded is dropped.
+  ~StepProfiler() {
+    if (std::uncaught_exceptions() > 0) {
+      if (recording_) {
+        range_.reset();
+        profiler::stop();
+      }
+      return;
+    }
+    finish();
+  }
 
   // After each optimizer step.
   void step() {
