@@ -188,7 +188,7 @@ def table(data):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", nargs="*", choices=[[]] + list(WORKLOADS), default=[])
+    ap.add_argument("what", nargs="*", help="workloads: " + ", ".join(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", help="write the figures as JSON here")
     ap.add_argument("--table", help="print the README table of a saved run and exit")
@@ -197,8 +197,8 @@ def main():
     if a.table:
         print(table(json.load(open(a.table))))
         return
-    if not a.what:
-        ap.error("name at least one workload: " + ", ".join(WORKLOADS))
+    if not a.what or any(w not in WORKLOADS for w in a.what):
+        ap.error("name one or more workloads of: " + ", ".join(WORKLOADS))
     if a.no_guard:
         GUARD.clear()
     pe = peers()

@@ -67,9 +67,10 @@ class CpuAllocator final : public Allocator {
     // requests of a neighbouring size went to malloc: oneDNN's Winograd
     // scratchpads, one size per layer, raised a width-64 ResNet step's peak
     // RSS from 780 to 1020 MiB that way.
-    auto it = cache_.lower_bound(cls);
+    // Small blocks are never cached: no search for them.
+    auto it = cls >= kLarge ? cache_.lower_bound(cls) : cache_.end();
     while (it != cache_.end() && it->second.empty() && it->first <= 2 * cls) ++it;
-    if (cls >= kLarge && it != cache_.end() && !it->second.empty() && it->first <= 2 * cls) {
+    if (it != cache_.end() && !it->second.empty() && it->first <= 2 * cls) {
       p = it->second.back();
       it->second.pop_back();
       cached_ -= it->first;

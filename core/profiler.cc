@@ -250,7 +250,7 @@ void Scope::arg(const char* key, const std::string& value) {
 }
 
 void Scope::inputs(const std::vector<Tensor>& ts) {
-  if (frame_ == nullptr) return;
+  if (frame_ == nullptr || !record_shapes()) return;
   std::string shapes = "[", dtypes = "[", devices = "[";
   for (size_t i = 0; i < ts.size(); ++i) {
     const char* sep = i ? "," : "";

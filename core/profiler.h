@@ -109,7 +109,7 @@ class Scope {
   void inputs(const std::vector<Tensor>& ts);
   template <typename... Ts>
   void inputs(const Ts&... ts) {
-    if (frame_ != nullptr && record_shapes()) inputs(std::vector<Tensor>{ts...});
+    if (frame_ != nullptr) inputs(std::vector<Tensor>{ts...});
   }
   // Ends the range now instead of at destruction.
   void close() {

@@ -124,6 +124,18 @@ TEST(Profiler, OpsCarryShapesDtypesAndDevices) {
             nlohmann::json::parse("[[4,5],[6,5],[6]]"));
 }
 
+TEST(Profiler, RecordShapesOffLeavesOpsWithoutShapes) {
+  profiler::Options o;
+  o.record_shapes = false;
+  profiler::start(o);
+  Tensor c = add(ones({2, 3}), ones({3}));
+  profiler::stop();
+  const auto es = profiler::events();
+  const Event* e = find(es, "add");
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->args.find("input_shapes"), std::string::npos) << e->args;
+}
+
 TEST(Profiler, BackwardNodesAreRecordedWithTheirOps) {
   Tensor x = Tensor::from_vector({1, 2, 3}, {3}).requires_grad_(true);
   Session s;

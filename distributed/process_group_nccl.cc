@@ -194,7 +194,10 @@ class NcclWork : public CompletionWork {
 class NcclGroup : public ProcessGroup {
  public:
   NcclGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options)
-      : ProcessGroup(rank, size), store_(std::move(store)), options_(options) {
+      : ProcessGroup(rank, size),
+        store_(std::move(store)),
+        options_(options),
+        group_label_("nccl rank " + std::to_string(rank) + " of " + std::to_string(size)) {
     options_.check_signatures = detail::signature_checks_enabled(options);
     EMBER_CHECK(cuda_is_available(), "make_nccl_group: the nccl backend needs a CUDA GPU, and none is usable (",
                 cuda_unavailable_reason(), "); use the gloo backend for CPU tensors");
@@ -486,7 +489,7 @@ class NcclGroup : public ProcessGroup {
     info.bytes = signature.bytes;
     // The host side of the op (signature check, enqueue on the stream); the
     // GPU's transfer time is Nsight's to show, under the same NVTX name.
-    detail::CollectiveEvent prof(info, "nccl rank " + std::to_string(rank_) + " of " + std::to_string(size_));
+    detail::CollectiveEvent prof(info, group_label_);
     if (std::string b = broken(); !b.empty())
       throw Error(info.describe() + ": this group can no longer be used; an earlier operation failed: " + b);
     const bool empty = std::all_of(keep.begin(), keep.end(), [](const Tensor& t) { return t.numel() == 0; });
@@ -600,6 +603,7 @@ class NcclGroup : public ProcessGroup {
   std::condition_variable drained_cv_;
   std::vector<std::shared_ptr<NcclWork>> pending_;
   int64_t next_seq_ = 0, next_p2p_ = 0;
+  std::string group_label_;  // names the group in profiler events
   std::string broken_;
   bool aborted_ = false;
   bool stop_ = false;

@@ -252,19 +252,25 @@ std::unique_ptr<Plan> make_plan(const ConvGeom& g, bool bias, Pass pass, memory:
   return p;
 }
 
-std::atomic<int> g_conv_algorithm{[] {
-  const char* e = std::getenv("EMBER_CONV_ALGO");
-  if (e == nullptr || std::string(e) == "auto" || std::string(e).empty()) return static_cast<int>(ConvAlgorithm::Auto);
-  EMBER_CHECK(std::string(e) == "direct", "EMBER_CONV_ALGO must be 'auto' or 'direct', got '", e, "'");
-  return static_cast<int>(ConvAlgorithm::Direct);
-}()};
+// The algorithm setting, read from EMBER_CONV_ALGO at the first use (not
+// at load time, where a bad value could only terminate the process): a bad
+// value is then an error from the first convolution, naming the variable.
+std::atomic<int>& conv_algorithm_setting() {
+  static std::atomic<int> setting{[] {
+    const char* e = std::getenv("EMBER_CONV_ALGO");
+    if (e == nullptr || std::string(e) == "auto" || std::string(e).empty()) return static_cast<int>(ConvAlgorithm::Auto);
+    EMBER_CHECK(std::string(e) == "direct", "EMBER_CONV_ALGO must be 'auto' or 'direct', got '", e, "'");
+    return static_cast<int>(ConvAlgorithm::Direct);
+  }()};
+  return setting;
+}
 
 // Winograd F(4x4, 3x3): 3x3 windows, stride 1, no dilation, no groups, and
 // at least 8 input and output channels: oneDNN's Winograd works on blocks of
 // 16 channels, so a 1-channel stem (Fashion-MNIST's) padded to 16 took 10x
 // the direct kernel's time (1.1 against 0.1 ms, batch 64 at 28x28).
 bool winograd_eligible(const ConvGeom& g) {
-  return g_conv_algorithm.load(std::memory_order_relaxed) == static_cast<int>(ConvAlgorithm::Auto) && g.kh == 3 &&
+  return conv_algorithm_setting().load(std::memory_order_relaxed) == static_cast<int>(ConvAlgorithm::Auto) && g.kh == 3 &&
          g.kw == 3 && g.sh == 1 && g.sw == 1 && g.dh == 1 && g.dw == 1 && g.groups == 1 && g.c >= 8 && g.o >= 8;
 }
 
@@ -361,9 +367,9 @@ Tensor to_f32(const Tensor& t) { return t.defined() ? t.to(DType::Float32) : t; 
 }  // namespace
 
 void set_cpu_conv_algorithm(ConvAlgorithm algorithm) {
-  g_conv_algorithm.store(static_cast<int>(algorithm), std::memory_order_relaxed);
+  conv_algorithm_setting().store(static_cast<int>(algorithm), std::memory_order_relaxed);
 }
-ConvAlgorithm cpu_conv_algorithm() { return static_cast<ConvAlgorithm>(g_conv_algorithm.load(std::memory_order_relaxed)); }
+ConvAlgorithm cpu_conv_algorithm() { return static_cast<ConvAlgorithm>(conv_algorithm_setting().load(std::memory_order_relaxed)); }
 
 // One oneDNN path for float32 and the 16-bit types; a 16-bit type without a
 // native plan widens to float32; float64 runs the reference loops.
