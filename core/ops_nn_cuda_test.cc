@@ -191,6 +191,74 @@ TEST_F(CudaNnOps, BatchNormMatchesCpu) {
   }
 }
 
+// The reduction kernels at the shapes that exercise their geometry: one and
+// few channels (many chunks of planes or rows), 64 and 65 channels (16-byte
+// loads along C, and the scalar fallback when C is not a multiple of the
+// vector), 2048 channels (several channel tiles), planes too small for a
+// warp, and an input whose storage offset is not 16-byte aligned. NCHW and
+// channels-last, every dtype, training (with running statistics) and eval.
+// The mean is far from zero so that a one-pass variance that cancels would
+// fail the tolerance.
+TEST_F(CudaNnOps, BatchNormShapesMatchCpu) {
+  struct Case {
+    Shape x;
+    bool offset;  // x a view at an unaligned storage offset
+  };
+  const std::vector<Case> cases = {{{16, 1, 33, 31}, false}, {{5, 3, 13, 11}, false}, {{4, 64, 9, 9}, false},
+                                   {{3, 65, 7, 5}, true},    {{2, 2048, 2, 3}, false}, {{40, 8, 1, 1}, false}};
+  uint64_t seed = 500;
+  for (const Case& cs : cases)
+    for (DType dt : kTypes)
+      for (bool cl : {false, true}) {
+        const DType pt = dt == DType::Float64 ? DType::Float64 : DType::Float32;
+        const int64_t c = cs.x[1];
+        Shape big = cs.x;
+        big[0] += 1;
+        Tensor x = rnd(cs.offset ? big : cs.x, seed++, dt, 2.0) + 3.0;
+        if (cs.offset) x = x.narrow(0, 1, cs.x[0]);
+        Tensor w = rnd({c}, seed++, pt), b = rnd({c}, seed++, pt);
+        Tensor rm = rnd({c}, seed++, pt), rv = rnd({c}, seed++, pt, 0.1) + 1.0;
+        auto layout = [cl](Tensor t) { return cl ? channels_last(t) : t; };
+        for (bool training : {true, false}) {
+          Tensor rm_c = rm.clone(), rv_c = rv.clone(), rm_g = rm.cuda(), rv_g = rv.cuda();
+          Fn cpu_f = [&](const std::vector<Tensor>& v) { return batch_norm(v[0], v[1], v[2], rm_c, rv_c, training, 0.1); };
+          Fn gpu_f = [&](const std::vector<Tensor>& v) {
+            Tensor y = batch_norm(v[0], v[1], v[2], rm_g, rv_g, training, 0.1);
+            // (One channel or 1x1 planes: both layouts are the same memory.)
+            if (c > 1 && cs.x[2] * cs.x[3] > 1)
+              EXPECT_EQ(y.suggest_memory_format(), cl ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous);
+            return y;
+          };
+          Outcome o_c = run(cpu_f, {x, w, b}, false), o_g = run(gpu_f, {x, w, b}, true, layout);
+          const std::string what = cat("batch_norm x", cs.x, cl ? " channels-last " : " ", training ? "train " : "eval ", dt);
+          expect_same(o_c.y, o_g.y, tol(dt) * 2, what + " forward");
+          for (size_t i = 0; i < 3; ++i) expect_same(o_c.grads[i], o_g.grads[i], tol(dt) * 8, cat(what, " grad ", i));
+          expect_same(rm_c, rm_g, tol(pt), what + " running_mean");
+          expect_same(rv_c, rv_g, tol(pt), what + " running_var");
+        }
+      }
+}
+
+// The CUDA batch norm is deterministic: partials merge in a fixed order, so
+// two runs give the same bits (no atomics), forward and backward.
+TEST_F(CudaNnOps, BatchNormIsDeterministic) {
+  for (bool cl : {false, true}) {
+    Tensor x = rnd({6, 5, 17, 19}, 900, DType::Float32).cuda();
+    if (cl) x = channels_last(x);
+    Tensor w = rnd({5}, 901, DType::Float32).cuda(), b = rnd({5}, 902, DType::Float32).cuda();
+    std::vector<Tensor> outs;
+    for (int rep = 0; rep < 2; ++rep) {
+      Tensor xi = x.detach().requires_grad_(), wi = w.detach().requires_grad_(), bi = b.detach().requires_grad_();
+      Tensor y = batch_norm(xi, wi, bi, Tensor(), Tensor(), true);
+      sum(y * y).backward();
+      outs.push_back(y.cpu());
+      outs.push_back(xi.grad().cpu());
+      outs.push_back(wi.grad().cpu());
+    }
+    for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(allclose(outs[i], outs[3 + i], 0, 0)) << "output " << i << (cl ? " channels-last" : "");
+  }
+}
+
 // A ResNet stem in channels-last on the GPU (cuDNN NHWC conv, batch norm
 // through its [N*H*W, C] view, relu, max-pool) against NCHW on the CPU; the
 // layout survives every op.

@@ -221,13 +221,34 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, con
     xc = to_kernel(x).detach();
     wc = as_stat(weight, sd);
     bc = as_stat(bias, sd);
-    if (training) {
+    // CUDA: one kernel pair computes mean and invstd and updates running
+    // statistics kept as the kernels want them (contiguous, statistics
+    // dtype) in place, on the device. Otherwise (CPU, or running statistics
+    // in another dtype or layout) the update runs as tensor ops.
+    const bool fused_running = x.is_cuda() && x.numel() > 0 && running_mean.defined() &&
+                               running_mean.dtype() == sd && running_var.dtype() == sd &&
+                               running_mean.is_contiguous() && running_var.is_contiguous();
+    if (training && fused_running) {
+      mean = Tensor::empty({x.size(1)}, {sd, x.device()});
+      invstd = Tensor::empty({x.size(1)}, {sd, x.device()});
+      Tensor rm = running_mean.detach(), rv = running_var.detach();
+      batch_norm_stats_cuda(xc, mean, invstd, eps, &rm, &rv, momentum);
+    } else if (training && x.is_cuda()) {
+      mean = Tensor::empty({x.size(1)}, {sd, x.device()});
+      invstd = Tensor::empty({x.size(1)}, {sd, x.device()});
+      if (x.numel() > 0) batch_norm_stats_cuda(xc, mean, invstd, eps, nullptr, nullptr, momentum);
+      if (running_mean.defined()) {
+        // var back from invstd = 1 / sqrt(var + eps); only for running
+        // statistics the kernel cannot update in place.
+        Tensor var = 1.0 / (invstd * invstd) - eps;
+        Tensor rm = running_mean.detach(), rv = running_var.detach();
+        rm.copy_(rm * (1.0 - momentum) + mean.to(rm.dtype()) * momentum);
+        rv.copy_(rv * (1.0 - momentum) + var.to(rv.dtype()) * (momentum * m / (m - 1.0)));
+      }
+    } else if (training) {
       mean = Tensor::empty({x.size(1)}, {sd, x.device()});
       Tensor var = Tensor::empty({x.size(1)}, {sd, x.device()});
-      if (x.numel() > 0) {
-        if (x.is_cuda()) batch_norm_stats_cuda(xc, mean, var);
-        else batch_norm_stats_cpu(xc, mean, var);
-      }
+      if (x.numel() > 0) batch_norm_stats_cpu(xc, mean, var);
       invstd = rsqrt(var + eps);
       if (running_mean.defined()) {
         // running = (1 - momentum) * running + momentum * batch (unbiased var).
@@ -253,8 +274,16 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, con
     BackwardFn fn = [=](const Tensor& gy) {
       Tensor dy = to_kernel(gy);
       Tensor dx = need_x ? Tensor::empty(xc.sizes(), xc.options()) : Tensor();
-      Tensor dw = need_w ? zeros({xc.size(1)}, {sd, xc.device()}) : Tensor();
-      Tensor db = need_b ? zeros({xc.size(1)}, {sd, xc.device()}) : Tensor();
+      // The CUDA kernels write every element; the CPU ones skip an empty batch.
+      auto make = [&](bool need) {
+        if (!need) return Tensor();
+        return xc.is_cuda() ? Tensor::empty({xc.size(1)}, {sd, xc.device()}) : zeros({xc.size(1)}, {sd, xc.device()});
+      };
+      Tensor dw = make(need_w), db = make(need_b);
+      if (xc.is_cuda() && xc.numel() == 0) {
+        if (dw.defined()) dw.zero_();
+        if (db.defined()) db.zero_();
+      }
       if (xc.numel() > 0) {
         if (xc.is_cuda())
           batch_norm_backward_cuda(xc, dy, mean, invstd, wc, training, need_x ? &dx : nullptr, need_w ? &dw : nullptr,

@@ -1,11 +1,25 @@
-// batch_norm CUDA launchers. Reductions (the statistics, and the two sums
-// backward needs) run one block per channel with a block-wide tree sum, in
-// acc_t (float for 16-bit and float32 input, double for double): no atomics,
-// so results do not depend on scheduling. The variance is two-pass (squared
-// deviations from the mean), as on the CPU, to avoid cancellation. The
-// elementwise passes (normalise, dx) are grid-stride loops over all of x.
+// batch_norm CUDA kernels and launchers. x arrives as contiguous [n, c, s]
+// memory: NCHW is (N, C, H*W); channels-last NHWC is (N*H*W, C, 1), so s == 1
+// is the NHWC case and gets kernels with threads along C.
+//
+// Each reduction (the statistics; backward's sums of dy and dy * (x - mean))
+// is two launches:
+//  - a 2-D grid of (channel tiles x chunks of rows) in which every thread
+//    accumulates its elements with 16-byte loads (Welford for the statistics:
+//    one pass over x), warps and then the block merge in a fixed order, and
+//    the block writes one partial per channel to [chunks, c];
+//  - one finalize thread per channel that merges the partials in chunk order
+//    (deterministic: no atomics) and writes everything per-channel the step
+//    needs: mean and invstd and the running statistics updated in place
+//    (forward), dw, db and the three dx coefficients (backward). Nothing
+//    returns to the host, so a training step's batch norms never synchronise.
+// The elementwise passes (normalise, dx) are vectorised grid-stride loops in
+// which a vector's channel costs one 32-bit division, not one per element.
+// Accumulation is in acc_t: float for 16-bit and float32 input, double for
+// double.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "core/cuda_check.h"
@@ -17,103 +31,302 @@ namespace ember {
 namespace {
 
 using cuda::cast_value;
+using cuda::VecN;
+constexpr int kWarp = cuda::kWarpSize;
+
+// ---- Reduction state ----
+
+// Welford's running mean and sum of squared deviations over n values; merge
+// is Chan's formula, so any split of the data gives the same statistics up to
+// rounding, and a fixed merge order gives the same bits every run.
+template <typename A>
+struct Welford {
+  A mean, m2, n;  // no initializers: __shared__ arrays of it are allowed
+  __device__ __forceinline__ void add(A v) {
+    n += A(1);
+    const A d = v - mean;
+    mean += d / n;
+    m2 += d * (v - mean);
+  }
+  __device__ __forceinline__ void merge(A bm, A bm2, A bn) {
+    const A tn = n + bn;
+    if (bn == A(0)) return;
+    const A d = bm - mean, f = bn / tn;
+    mean += d * f;
+    m2 += bm2 + d * d * n * f;
+    n = tn;
+  }
+};
+
+// Two plain sums: backward's sum(dy) and sum(dy * (x - mean)).
+template <typename A>
+struct Sums2 {
+  A a, b;
+};
 
 template <typename A>
-__device__ A block_sum(A v) {
-  __shared__ A partial[cuda::kBlockSize / cuda::kWarpSize];
-  for (int d = cuda::kWarpSize / 2; d > 0; d /= 2) v += cuda::shfl_down(v, d);
-  const int lane = threadIdx.x % cuda::kWarpSize, warp = threadIdx.x / cuda::kWarpSize;
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  v = threadIdx.x < blockDim.x / cuda::kWarpSize ? partial[threadIdx.x] : A(0);
-  if (warp == 0)
-    for (int d = cuda::kWarpSize / 2; d > 0; d /= 2) v += cuda::shfl_down(v, d);
-  __syncthreads();  // partial is reused by the next block_sum
-  return v;         // complete in thread 0
+__device__ __forceinline__ Welford<A> warp_merge(Welford<A> w) {
+  for (int d = kWarp / 2; d > 0; d /= 2) {
+    const A m = cuda::shfl_down(w.mean, d), m2 = cuda::shfl_down(w.m2, d), n = cuda::shfl_down(w.n, d);
+    w.merge(m, m2, n);
+  }
+  return w;  // complete in lane 0
+}
+template <typename A>
+__device__ __forceinline__ Sums2<A> warp_merge(Sums2<A> s) {
+  for (int d = kWarp / 2; d > 0; d /= 2) {
+    s.a += cuda::shfl_down(s.a, d);
+    s.b += cuda::shfl_down(s.b, d);
+  }
+  return s;
 }
 
-// Offset of the i-th element (over N and H*W) of channel ch in [n, c, s].
-__device__ __forceinline__ int64_t bn_offset(int64_t i, int64_t ch, int64_t c, int64_t s) {
-  return (i / s * c + ch) * s + i % s;
+// Writes a block's partial for one channel into the [k][chunks][c] partials.
+template <typename A>
+__device__ __forceinline__ void put_partial(A* part, int64_t chunks, int64_t c, int64_t chunk, int64_t ch,
+                                            const Welford<A>& w) {
+  part[chunk * c + ch] = w.mean;
+  part[(chunks + chunk) * c + ch] = w.m2;
+  part[(2 * chunks + chunk) * c + ch] = w.n;
 }
+template <typename A>
+__device__ __forceinline__ void put_partial(A* part, int64_t chunks, int64_t c, int64_t chunk, int64_t ch,
+                                            const Sums2<A>& s) {
+  part[chunk * c + ch] = s.a;
+  part[(chunks + chunk) * c + ch] = s.b;
+}
+
+// The per-element work of each reduction: a Welford step over x, or the two
+// backward sums over (dy, x - mean).
+template <typename T, typename A>
+struct StatsOp {
+  using State = Welford<A>;
+  const T* x;
+  __device__ __forceinline__ void load(State& st, int64_t i, A /*mean*/) const { st.add(cast_value<A>(x[i])); }
+  template <int VEC>
+  __device__ __forceinline__ void load_vec(State* st, int64_t i, const A* /*mean*/, bool same_channel) const {
+    const VecN<T, VEC> v = *reinterpret_cast<const VecN<T, VEC>*>(x + i);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) st[same_channel ? 0 : j].add(cast_value<A>(v.v[j]));
+  }
+};
 
 template <typename T, typename A>
-__global__ void stats_kernel(const T* __restrict__ x, A* __restrict__ mean, A* __restrict__ var, int64_t n, int64_t c,
-                             int64_t s) {
-  __shared__ A shared_mean;
-  const int64_t ch = blockIdx.x, m = n * s;
-  A sum = 0;
-  for (int64_t i = threadIdx.x; i < m; i += blockDim.x) sum += cast_value<A>(x[bn_offset(i, ch, c, s)]);
-  sum = block_sum(sum);
-  if (threadIdx.x == 0) shared_mean = sum / static_cast<A>(m);
-  __syncthreads();
-  const A mu = shared_mean;
-  A sq = 0;
-  for (int64_t i = threadIdx.x; i < m; i += blockDim.x) {
-    const A d = cast_value<A>(x[bn_offset(i, ch, c, s)]) - mu;
-    sq += d * d;
+struct BackwardSumsOp {
+  using State = Sums2<A>;
+  const T* x;
+  const T* dy;
+  __device__ __forceinline__ void load(State& st, int64_t i, A mean) const {
+    const A g = cast_value<A>(dy[i]);
+    st.a += g;
+    st.b += g * (cast_value<A>(x[i]) - mean);
   }
-  sq = block_sum(sq);
+  template <int VEC>
+  __device__ __forceinline__ void load_vec(State* st, int64_t i, const A* mean, bool same_channel) const {
+    const VecN<T, VEC> vx = *reinterpret_cast<const VecN<T, VEC>*>(x + i);
+    const VecN<T, VEC> vg = *reinterpret_cast<const VecN<T, VEC>*>(dy + i);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const int k = same_channel ? 0 : j;
+      const A g = cast_value<A>(vg.v[j]);
+      st[k].a += g;
+      st[k].b += g * (cast_value<A>(vx.v[j]) - mean[k]);
+    }
+  }
+};
+
+template <typename A>
+__device__ __forceinline__ void merge_into(Welford<A>& a, const Welford<A>& b) {
+  a.merge(b.mean, b.m2, b.n);
+}
+template <typename A>
+__device__ __forceinline__ void merge_into(Sums2<A>& a, const Sums2<A>& b) {
+  a.a += b.a;
+  a.b += b.b;
+}
+
+// ---- Reduction kernels ----
+
+// NCHW (s > 1): block (ch, chunk) reduces planes [chunk * ppc, ...) of
+// channel ch, one warp per plane, the lanes along the plane with VEC-wide
+// loads where the plane is aligned. mean may be null (statistics).
+template <typename Op, typename A, int VEC>
+__global__ void reduce_planes_kernel(Op op, const A* __restrict__ mean, A* __restrict__ part, int64_t n, int64_t c,
+                                     int64_t s, int64_t ppc) {
+  using State = typename Op::State;
+  __shared__ State warp_states[cuda::kBlockSize / kWarp];
+  const int64_t ch = blockIdx.x, chunk = blockIdx.y;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, nwarps = blockDim.x / kWarp;
+  const A mu = mean ? mean[ch] : A(0);
+  const int64_t p_end = std::min<int64_t>(n, (chunk + 1) * ppc);
+  State st{};
+  for (int64_t p = chunk * ppc + warp; p < p_end; p += nwarps) {
+    const int64_t base = (p * c + ch) * s;
+    cuda::for_each_aligned<VEC>(
+        op.x + base, 0, s, lane, kWarp, [&](int64_t i) { op.load(st, base + i, mu); },
+        [&](int64_t i) { op.template load_vec<VEC>(&st, base + i, &mu, true); });
+  }
+  st = warp_merge(st);
+  if (lane == 0) warp_states[warp] = st;
+  __syncthreads();
   if (threadIdx.x == 0) {
-    mean[ch] = mu;
-    var[ch] = sq / static_cast<A>(m);
+    State total = warp_states[0];
+    for (int w = 1; w < nwarps; ++w) merge_into(total, warp_states[w]);
+    put_partial(part, gridDim.y, c, chunk, ch, total);
   }
 }
 
-template <typename T, typename A>
+// NHWC (s == 1, x is [m, c]): threads along c with VEC channels each
+// (threadIdx.x), rows along threadIdx.y and the chunks of gridDim.y; the
+// block merges its rows in order through shared memory.
+template <typename Op, typename A, int VEC>
+__global__ void reduce_rows_kernel(Op op, const A* __restrict__ mean, A* __restrict__ part, int64_t m, int64_t c) {
+  using State = typename Op::State;
+  __shared__ State rows[cuda::kBlockSize * VEC];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + tx) * VEC;
+  const bool active = c0 < c;
+  State st[VEC] = {};
+  A mu[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) mu[j] = mean && active && (VEC == 1 || c0 + j < c) ? mean[c0 + j] : A(0);
+  if (active) {
+    for (int64_t r = static_cast<int64_t>(blockIdx.y) * blockDim.y + ty; r < m;
+         r += static_cast<int64_t>(gridDim.y) * blockDim.y) {
+      if constexpr (VEC == 1) op.load(st[0], r * c + c0, mu[0]);
+      else op.template load_vec<VEC>(st, r * c + c0, mu, false);
+    }
+  }
+  const int tile = blockDim.x * VEC;  // channels of this block
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) rows[ty * tile + tx * VEC + j] = st[j];
+  __syncthreads();
+  // One thread per channel of the tile merges the rows in order.
+  const int t = ty * blockDim.x + tx;
+  for (int k = t; k < tile; k += blockDim.x * blockDim.y) {
+    const int64_t ch = static_cast<int64_t>(blockIdx.x) * tile + k;
+    if (ch >= c) continue;
+    State total = rows[k];
+    for (int y = 1; y < static_cast<int>(blockDim.y); ++y) merge_into(total, rows[y * tile + k]);
+    put_partial(part, gridDim.y, c, blockIdx.y, ch, total);
+  }
+}
+
+// ---- Finalize kernels (one thread per channel) ----
+
+// mean, invstd = 1 / sqrt(var + eps), and the running statistics (if rm):
+// running = (1 - momentum) * running + momentum * batch, with the unbiased
+// variance (var * m / (m - 1)) in running_var, as torch.
+template <typename A>
+__global__ void stats_finalize_kernel(const A* __restrict__ part, int64_t chunks, int64_t c, A* __restrict__ mean,
+                                      A* __restrict__ invstd, A eps, A* __restrict__ rm, A* __restrict__ rv,
+                                      A keep, A momentum, A unbias_momentum) {
+  cuda::grid_stride_loop(c, [&](int64_t ch) {
+    Welford<A> w{};
+    for (int64_t k = 0; k < chunks; ++k)
+      w.merge(part[k * c + ch], part[(chunks + k) * c + ch], part[(2 * chunks + k) * c + ch]);
+    const A var = w.m2 / w.n;
+    mean[ch] = w.mean;
+    invstd[ch] = A(1) / sqrt(var + eps);
+    if (rm) {
+      rm[ch] = rm[ch] * keep + w.mean * momentum;
+      rv[ch] = rv[ch] * keep + var * unbias_momentum;
+    }
+  });
+}
+
+// dw = sum(dy * xhat), db = sum(dy); dx = a * dy + b * (x - mean) + k, with
+// coef = [a; b; k] per channel (train: through the batch statistics; eval:
+// b = k = 0).
+template <typename A>
+__global__ void backward_finalize_kernel(const A* __restrict__ part, int64_t chunks, int64_t c,
+                                         const A* __restrict__ invstd, const A* __restrict__ w, A inv_m, bool train,
+                                         A* __restrict__ dw, A* __restrict__ db, A* __restrict__ coef) {
+  cuda::grid_stride_loop(c, [&](int64_t ch) {
+    A sum_dy = 0, sum_dy_xmu = 0;
+    if (part)
+      for (int64_t k = 0; k < chunks; ++k) {
+        sum_dy += part[k * c + ch];
+        sum_dy_xmu += part[(chunks + k) * c + ch];
+      }
+    const A inv = invstd[ch], wc = w ? w[ch] : A(1);
+    const A sum_dy_xhat = sum_dy_xmu * inv;
+    if (dw) dw[ch] = sum_dy_xhat;
+    if (db) db[ch] = sum_dy;
+    if (coef) {
+      const A a = wc * inv;
+      coef[ch] = a;
+      coef[c + ch] = train ? -a * inv * sum_dy_xhat * inv_m : A(0);
+      coef[2 * c + ch] = train ? -a * sum_dy * inv_m : A(0);
+    }
+  });
+}
+
+// ---- Elementwise kernels ----
+
+// Channel of flat index i (the first of a vector): one 32-bit division when
+// the tensor fits 32-bit indexing. For s == 1 the VEC lanes are channels
+// ch .. ch + VEC - 1, else all in channel ch.
+template <typename I>
+__device__ __forceinline__ int64_t channel_of(int64_t i, int64_t c, int64_t s) {
+  const I ii = static_cast<I>(i);
+  return s == 1 ? static_cast<int64_t>(ii % static_cast<I>(c))
+                : static_cast<int64_t>((ii / static_cast<I>(s)) % static_cast<I>(c));
+}
+
+// y = x * scale + shift, scale = invstd * w, shift = b - mean * scale.
+template <typename T, typename A, int VEC, typename I>
 __global__ void apply_kernel(const T* __restrict__ x, const A* __restrict__ mean, const A* __restrict__ invstd,
                              const A* __restrict__ w, const A* __restrict__ b, T* __restrict__ y, int64_t total,
                              int64_t c, int64_t s) {
-  cuda::grid_stride_loop(total, [&](int64_t i) {
-    const int64_t ch = (i / s) % c;
-    const A scale = invstd[ch] * (w ? w[ch] : A(1));
-    const A shift = (b ? b[ch] : A(0)) - mean[ch] * scale;
-    y[i] = cast_value<T>(cast_value<A>(x[i]) * scale + shift);
-  });
-}
-
-// sums[ch] = sum(dy), sums[c + ch] = sum(dy * xhat).
-template <typename T, typename A>
-__global__ void backward_reduce_kernel(const T* __restrict__ x, const T* __restrict__ dy, const A* __restrict__ mean,
-                                       const A* __restrict__ invstd, A* __restrict__ sums, int64_t n, int64_t c,
-                                       int64_t s) {
-  const int64_t ch = blockIdx.x, m = n * s;
-  const A mu = mean[ch], inv = invstd[ch];
-  A sum_dy = 0, sum_dy_xhat = 0;
-  for (int64_t i = threadIdx.x; i < m; i += blockDim.x) {
-    const int64_t off = bn_offset(i, ch, c, s);
-    const A g = cast_value<A>(dy[off]);
-    sum_dy += g;
-    sum_dy_xhat += g * (cast_value<A>(x[off]) - mu) * inv;
-  }
-  sum_dy = block_sum(sum_dy);
-  sum_dy_xhat = block_sum(sum_dy_xhat);
-  if (threadIdx.x == 0) {
-    sums[ch] = sum_dy;
-    sums[c + ch] = sum_dy_xhat;
-  }
-}
-
-// train: dx = w * invstd / M * (M * dy - sum(dy) - xhat * sum(dy * xhat)); eval: dx = w * invstd * dy.
-template <typename T, typename A>
-__global__ void backward_dx_kernel(const T* __restrict__ x, const T* __restrict__ dy, const A* __restrict__ mean,
-                                   const A* __restrict__ invstd, const A* __restrict__ w, const A* __restrict__ sums,
-                                   T* __restrict__ dx, int64_t total, int64_t c, int64_t s, A inv_m, bool train) {
-  cuda::grid_stride_loop(total, [&](int64_t i) {
-    const int64_t ch = (i / s) % c;
-    const A scale = invstd[ch] * (w ? w[ch] : A(1));
-    A g = cast_value<A>(dy[i]);
-    if (train) {
-      const A xhat = (cast_value<A>(x[i]) - mean[ch]) * invstd[ch];
-      g -= (sums[ch] + xhat * sums[c + ch]) * inv_m;
+  const int64_t nvec = total / VEC;
+  for (int64_t v = cuda::global_thread_id(); v < nvec; v += cuda::grid_stride()) {
+    const int64_t i = v * VEC, ch = channel_of<I>(i, c, s);
+    const VecN<T, VEC> xv = *reinterpret_cast<const VecN<T, VEC>*>(x + i);
+    VecN<T, VEC> yv;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const int64_t cj = s == 1 ? ch + j : ch;
+      const A scale = invstd[cj] * (w ? w[cj] : A(1));
+      const A shift = (b ? b[cj] : A(0)) - mean[cj] * scale;
+      yv.v[j] = cast_value<T>(cast_value<A>(xv.v[j]) * scale + shift);
     }
-    dx[i] = cast_value<T>(g * scale);
-  });
+    *reinterpret_cast<VecN<T, VEC>*>(y + i) = yv;
+  }
 }
+
+// dx = a * dy + b * (x - mean) + k (coef = [a; b; k]); x is not read in eval.
+template <typename T, typename A, int VEC, typename I>
+__global__ void dx_kernel(const T* __restrict__ x, const T* __restrict__ dy, const A* __restrict__ mean,
+                          const A* __restrict__ coef, T* __restrict__ dx, int64_t total, int64_t c, int64_t s,
+                          bool train) {
+  const int64_t nvec = total / VEC;
+  for (int64_t v = cuda::global_thread_id(); v < nvec; v += cuda::grid_stride()) {
+    const int64_t i = v * VEC, ch = channel_of<I>(i, c, s);
+    const VecN<T, VEC> gv = *reinterpret_cast<const VecN<T, VEC>*>(dy + i);
+    VecN<T, VEC> xv;
+    if (train) xv = *reinterpret_cast<const VecN<T, VEC>*>(x + i);
+    VecN<T, VEC> out;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const int64_t cj = s == 1 ? ch + j : ch;
+      A r = coef[cj] * cast_value<A>(gv.v[j]);
+      if (train) r += coef[c + cj] * (cast_value<A>(xv.v[j]) - mean[cj]) + coef[2 * c + cj];
+      out.v[j] = cast_value<T>(r);
+    }
+    *reinterpret_cast<VecN<T, VEC>*>(dx + i) = out;
+  }
+}
+
+// ---- Launch plumbing ----
 
 template <typename A>
 const A* opt_ptr(const Tensor& t) {
   return t.defined() ? static_cast<const A*>(t.raw_data()) : nullptr;
+}
+template <typename A>
+A* opt_mut(Tensor* t) {
+  return t && t->defined() ? static_cast<A*>(t->raw_data()) : nullptr;
 }
 
 // [N, C, H, W] as (n, c, s = H * W).
@@ -122,20 +335,109 @@ struct Dims3 {
 };
 Dims3 dims_of(const Tensor& x) { return {x.size(0), x.size(1), x.size(2) * x.size(3)}; }
 
+// Blocks wanted in flight for a reduction: enough to cover every SM several
+// times (a reduction over a few channels must still fill the GPU).
+int64_t target_blocks(int device) { return int64_t{4} * cuda::sm_count(device) * (2048 / cuda::kBlockSize) / 2; }
+
+// The reduction's geometry, shared by forward and backward.
+struct ReducePlan {
+  bool rows;           // NHWC kernel (s == 1)
+  int vec;             // elements per load (1 or the 16-byte width)
+  dim3 grid, block;
+  int64_t chunks, ppc;  // chunks of rows; planes per chunk (NCHW)
+};
+
+template <typename T>
+ReducePlan plan_reduce(const Dims3& d, const void* p0, const void* p1, int device) {
+  constexpr int V = cuda::vec_width<T>();
+  ReducePlan pl{};
+  const int64_t want = target_blocks(device);
+  if (d.s == 1) {
+    pl.rows = true;
+    const bool vec_ok = d.c % V == 0 && cuda::is_aligned_for<T, V>(p0) && (!p1 || cuda::is_aligned_for<T, V>(p1));
+    pl.vec = vec_ok ? V : 1;
+    const int64_t nvec = cuda::ceil_div(d.c, pl.vec);
+    int tx = 1;
+    while (tx < nvec && tx < kWarp) tx *= 2;
+    const int ty = cuda::kBlockSize / tx;
+    const int64_t tiles = cuda::ceil_div(nvec, tx);
+    pl.chunks = std::clamp<int64_t>(cuda::ceil_div(want, tiles), 1, std::max<int64_t>(1, cuda::ceil_div(d.n, ty)));
+    pl.chunks = std::min<int64_t>(pl.chunks, 65535);
+    pl.grid = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(pl.chunks));
+    pl.block = dim3(tx, ty);
+  } else {
+    pl.rows = false;
+    // for_each_aligned aligns the loads on x; dy must then be aligned alike.
+    const uintptr_t a0 = reinterpret_cast<uintptr_t>(p0), a1 = reinterpret_cast<uintptr_t>(p1 ? p1 : p0);
+    pl.vec = (a0 - a1) % (sizeof(T) * V) == 0 ? V : 1;
+    pl.chunks = std::clamp<int64_t>(cuda::ceil_div(want, d.c), 1, std::min<int64_t>(d.n, 65535));
+    pl.ppc = cuda::ceil_div(d.n, pl.chunks);
+    pl.chunks = cuda::ceil_div(d.n, pl.ppc);
+    pl.grid = dim3(static_cast<unsigned>(d.c), static_cast<unsigned>(pl.chunks));
+    pl.block = dim3(cuda::kBlockSize);
+  }
+  return pl;
+}
+
+template <typename Op, typename A, int V>
+void launch_reduce(const ReducePlan& pl, const Op& op, const A* mean, A* part, const Dims3& d, cudaStream_t stream) {
+  if (pl.rows) {
+    if (pl.vec == V && V > 1)
+      reduce_rows_kernel<Op, A, V><<<pl.grid, pl.block, 0, stream>>>(op, mean, part, d.n, d.c);
+    else
+      reduce_rows_kernel<Op, A, 1><<<pl.grid, pl.block, 0, stream>>>(op, mean, part, d.n, d.c);
+  } else {
+    if (pl.vec == V)
+      reduce_planes_kernel<Op, A, V><<<pl.grid, pl.block, 0, stream>>>(op, mean, part, d.n, d.c, d.s, pl.ppc);
+    else
+      reduce_planes_kernel<Op, A, 1><<<pl.grid, pl.block, 0, stream>>>(op, mean, part, d.n, d.c, d.s, pl.ppc);
+  }
+  EMBER_CUDA_CHECK(cudaGetLastError());
+}
+
+// Runs an elementwise kernel vectorised when every vector lies in one
+// channel (s % V == 0) or spans consecutive channels (s == 1, c % V == 0)
+// and the pointers are aligned; 32-bit indexing when the tensor allows.
+template <typename T, typename Launch>
+void launch_elementwise(const Dims3& d, int64_t total, std::initializer_list<const void*> ptrs, Launch&& launch) {
+  constexpr int V = cuda::vec_width<T>();
+  bool vec_ok = (d.s == 1 ? d.c % V == 0 : d.s % V == 0);
+  for (const void* p : ptrs) vec_ok = vec_ok && (!p || cuda::is_aligned_for<T, V>(p));
+  const bool small = total < (int64_t{1} << 31);
+  if (vec_ok) {
+    if (small) launch(std::integral_constant<int, V>{}, uint32_t{});
+    else launch(std::integral_constant<int, V>{}, int64_t{});
+  } else {
+    if (small) launch(std::integral_constant<int, 1>{}, uint32_t{});
+    else launch(std::integral_constant<int, 1>{}, int64_t{});
+  }
+}
+
 }  // namespace
 
-void batch_norm_stats_cuda(const Tensor& x, Tensor& mean, Tensor& var) {
+void batch_norm_stats_cuda(const Tensor& x, Tensor& mean, Tensor& invstd, double eps, Tensor* running_mean,
+                           Tensor* running_var, double momentum) {
   const Dims3 d = dims_of(x);
   if (d.c == 0) return;
-  cuda::DeviceGuard guard(x);
-  cudaStream_t stream = cuda::stream_for(x);
+  const int dev = x.device().index;
+  cuda::DeviceGuard guard(dev);
+  cudaStream_t stream = cuda::stream_for(dev);
+  const double m = static_cast<double>(d.n * d.s);
   EMBER_DISPATCH_FLOAT(x.dtype(), "batch_norm", [&] {
-    using A = acc_t<scalar_t>;
-    stats_kernel<scalar_t, A><<<static_cast<unsigned>(d.c), cuda::kBlockSize, 0, stream>>>(
-        static_cast<const scalar_t*>(x.raw_data()), static_cast<A*>(mean.raw_data()), static_cast<A*>(var.raw_data()),
-        d.n, d.c, d.s);
+    using T = scalar_t;
+    using A = acc_t<T>;
+    constexpr int V = cuda::vec_width<T>();
+    const ReducePlan pl = plan_reduce<T>(d, x.raw_data(), nullptr, dev);
+    Tensor part = Tensor::empty({3, pl.chunks, d.c}, mean.options());
+    const StatsOp<T, A> op{static_cast<const T*>(x.raw_data())};
+    launch_reduce<StatsOp<T, A>, A, V>(pl, op, nullptr, static_cast<A*>(part.raw_data()), d, stream);
+    stats_finalize_kernel<A><<<cuda::grid_for(d.c), cuda::kBlockSize, 0, stream>>>(
+        static_cast<const A*>(part.raw_data()), pl.chunks, d.c, static_cast<A*>(mean.raw_data()),
+        static_cast<A*>(invstd.raw_data()), static_cast<A>(eps), opt_mut<A>(running_mean), opt_mut<A>(running_var),
+        static_cast<A>(1.0 - momentum), static_cast<A>(momentum),
+        static_cast<A>(m > 1 ? momentum * m / (m - 1.0) : momentum));
+    EMBER_CUDA_CHECK(cudaGetLastError());
   });
-  EMBER_CUDA_CHECK(cudaGetLastError());
 }
 
 void batch_norm_apply_cuda(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w,
@@ -146,44 +448,62 @@ void batch_norm_apply_cuda(const Tensor& x, const Tensor& mean, const Tensor& in
   cuda::DeviceGuard guard(x);
   cudaStream_t stream = cuda::stream_for(x);
   EMBER_DISPATCH_FLOAT(x.dtype(), "batch_norm", [&] {
-    using A = acc_t<scalar_t>;
-    apply_kernel<scalar_t, A><<<cuda::grid_for(total), cuda::kBlockSize, 0, stream>>>(
-        static_cast<const scalar_t*>(x.raw_data()), static_cast<const A*>(mean.raw_data()),
-        static_cast<const A*>(invstd.raw_data()), opt_ptr<A>(w), opt_ptr<A>(b), static_cast<scalar_t*>(y.raw_data()),
-        total, d.c, d.s);
+    using T = scalar_t;
+    using A = acc_t<T>;
+    launch_elementwise<T>(d, total, {x.raw_data(), y.raw_data()}, [&](auto vec_c, auto idx) {
+      constexpr int VEC = decltype(vec_c)::value;
+      using I = decltype(idx);
+      apply_kernel<T, A, VEC, I><<<cuda::grid_for(total, cuda::kBlockSize, VEC), cuda::kBlockSize, 0, stream>>>(
+          static_cast<const T*>(x.raw_data()), static_cast<const A*>(mean.raw_data()),
+          static_cast<const A*>(invstd.raw_data()), opt_ptr<A>(w), opt_ptr<A>(b), static_cast<T*>(y.raw_data()),
+          total, d.c, d.s);
+    });
+    EMBER_CUDA_CHECK(cudaGetLastError());
   });
-  EMBER_CUDA_CHECK(cudaGetLastError());
 }
 
 void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
                               const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db) {
   const Dims3 d = dims_of(x);
   const int64_t total = x.numel();
-  if (total == 0) return;
-  cuda::DeviceGuard guard(x);
-  cudaStream_t stream = cuda::stream_for(x);
+  if (total == 0 || d.c == 0) return;
+  const int dev = x.device().index;
+  cuda::DeviceGuard guard(dev);
+  cudaStream_t stream = cuda::stream_for(dev);
   // The sums are only needed for dw, db, or the training-mode dx.
   const bool need_sums = dw || db || (dx && train);
-  Tensor sums = need_sums ? Tensor::empty({2, d.c}, mean.options()) : Tensor();
   EMBER_DISPATCH_FLOAT(x.dtype(), "batch_norm_backward", [&] {
     using T = scalar_t;
     using A = acc_t<T>;
+    constexpr int V = cuda::vec_width<T>();
     const T* xp = static_cast<const T*>(x.raw_data());
     const T* gp = static_cast<const T*>(dy.raw_data());
     const A* mp = static_cast<const A*>(mean.raw_data());
-    const A* ip = static_cast<const A*>(invstd.raw_data());
-    A* sp = need_sums ? static_cast<A*>(sums.raw_data()) : nullptr;
-    if (need_sums)
-      backward_reduce_kernel<T, A><<<static_cast<unsigned>(d.c), cuda::kBlockSize, 0, stream>>>(xp, gp, mp, ip, sp, d.n,
-                                                                                              d.c, d.s);
-    if (dx)
-      backward_dx_kernel<T, A><<<cuda::grid_for(total), cuda::kBlockSize, 0, stream>>>(
-          xp, gp, mp, ip, opt_ptr<A>(w), sp, static_cast<T*>(dx->raw_data()), total, d.c, d.s,
-          A(1) / static_cast<A>(d.n * d.s), train);
+    Tensor part, coef;
+    int64_t chunks = 0;
+    if (need_sums) {
+      const ReducePlan pl = plan_reduce<T>(d, xp, gp, dev);
+      chunks = pl.chunks;
+      part = Tensor::empty({2, chunks, d.c}, mean.options());
+      const BackwardSumsOp<T, A> op{xp, gp};
+      launch_reduce<BackwardSumsOp<T, A>, A, V>(pl, op, mp, static_cast<A*>(part.raw_data()), d, stream);
+    }
+    if (dx) coef = Tensor::empty({3, d.c}, mean.options());
+    backward_finalize_kernel<A><<<cuda::grid_for(d.c), cuda::kBlockSize, 0, stream>>>(
+        need_sums ? static_cast<const A*>(part.raw_data()) : nullptr, chunks, d.c,
+        static_cast<const A*>(invstd.raw_data()), opt_ptr<A>(w), A(1) / static_cast<A>(d.n * d.s), train,
+        opt_mut<A>(dw), opt_mut<A>(db), dx ? static_cast<A*>(coef.raw_data()) : nullptr);
+    EMBER_CUDA_CHECK(cudaGetLastError());
+    if (!dx) return;
+    launch_elementwise<T>(d, total, {xp, gp, dx->raw_data()}, [&](auto vec_c, auto idx) {
+      constexpr int VEC = decltype(vec_c)::value;
+      using I = decltype(idx);
+      dx_kernel<T, A, VEC, I><<<cuda::grid_for(total, cuda::kBlockSize, VEC), cuda::kBlockSize, 0, stream>>>(
+          xp, gp, mp, static_cast<const A*>(coef.raw_data()), static_cast<T*>(dx->raw_data()), total, d.c, d.s,
+          train);
+    });
+    EMBER_CUDA_CHECK(cudaGetLastError());
   });
-  EMBER_CUDA_CHECK(cudaGetLastError());
-  if (db) db->copy_(sums.select(0, 0));
-  if (dw) dw->copy_(sums.select(0, 1));
 }
 
 }  // namespace ember

@@ -134,14 +134,21 @@ void conv2d_backward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, c
 // for float64 x, float32 otherwise. w and b may be undefined (1 and 0).
 // Mean and biased variance of each channel.
 void batch_norm_stats_cpu(const Tensor& x, Tensor& mean, Tensor& var);
-void batch_norm_stats_cuda(const Tensor& x, Tensor& mean, Tensor& var);
+// CUDA: mean and invstd = 1 / sqrt(var + eps) on the device, and, when
+// running_mean is non-null, the running statistics updated in place
+// (running = (1 - momentum) * running + momentum * batch, unbiased variance),
+// so that a training step's batch norms never synchronise with the host.
+// running_mean and running_var: contiguous [C] in the statistics dtype.
+void batch_norm_stats_cuda(const Tensor& x, Tensor& mean, Tensor& invstd, double eps, Tensor* running_mean,
+                           Tensor* running_var, double momentum);
 // y = (x - mean) * invstd * w + b, y contiguous like x.
 void batch_norm_apply_cpu(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w,
                           const Tensor& b, Tensor& y);
 void batch_norm_apply_cuda(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w,
                            const Tensor& b, Tensor& y);
 // dw = sum(dy * xhat), db = sum(dy); dx through the batch statistics when
-// train, else dy * w * invstd. Non-null outputs are preallocated.
+// train, else dy * w * invstd. Non-null outputs are preallocated and fully
+// written (their contents on entry do not matter).
 void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
                              const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db);
 void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
