@@ -243,6 +243,42 @@ void cuda_synchronize() {
 #endif
 }
 
+namespace {
+// A TF32 switch: the environment's value on first use, then the setter's.
+// -1 means not read yet.
+struct Tf32Switch {
+  const char* env;
+  bool fallback;
+  std::atomic<int> value{-1};
+  bool get() {
+    int v = value.load(std::memory_order_relaxed);
+    if (v < 0) {
+      v = fallback;
+      if (const char* e = std::getenv(env); e && *e) {
+        const std::string s(e);
+        EMBER_CHECK(s == "0" || s == "1", env, "=", s, ": expected 0 or 1");
+        v = s == "1";
+      }
+      value.store(v, std::memory_order_relaxed);
+    }
+    return v != 0;
+  }
+};
+Tf32Switch& cudnn_tf32() {
+  static Tf32Switch s{"EMBER_CUDNN_ALLOW_TF32", true};
+  return s;
+}
+Tf32Switch& matmul_tf32() {
+  static Tf32Switch s{"EMBER_MATMUL_ALLOW_TF32", false};
+  return s;
+}
+}  // namespace
+
+bool cudnn_allow_tf32() { return cudnn_tf32().get(); }
+void set_cudnn_allow_tf32(bool allow) { cudnn_tf32().value.store(allow, std::memory_order_relaxed); }
+bool matmul_allow_tf32() { return matmul_tf32().get(); }
+void set_matmul_allow_tf32(bool allow) { matmul_tf32().value.store(allow, std::memory_order_relaxed); }
+
 void* current_cuda_stream(int device) {
   EMBER_CHECK(device >= 0 && device < 16, "current_cuda_stream: device index ", device, " out of range");
   return tls_streams[device];

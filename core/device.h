@@ -78,6 +78,17 @@ bool cuda_is_available();
 std::string cuda_unavailable_reason();
 void cuda_synchronize();
 
+// TF32 for float32 math on Ampere and later GPUs, with PyTorch's defaults:
+// cuDNN convolutions may use it (torch.backends.cudnn.allow_tf32 = True),
+// matrix products may not (torch.backends.cuda.matmul.allow_tf32 = False).
+// The environment sets the starting values: EMBER_CUDNN_ALLOW_TF32 and
+// EMBER_MATMUL_ALLOW_TF32, each 0 or 1. Algorithm choices are cached per
+// math mode, so switching takes effect at the next call.
+bool cudnn_allow_tf32();
+void set_cudnn_allow_tf32(bool allow);
+bool matmul_allow_tf32();
+void set_matmul_allow_tf32(bool allow);
+
 // The stream kernels on `device` are launched on (an opaque cudaStream_t).
 // Defaults to the legacy default stream; set per thread.
 void* current_cuda_stream(int device);

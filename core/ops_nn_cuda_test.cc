@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cstdlib>
 #include <functional>
 #include <string>
 
@@ -21,9 +22,13 @@ using Fn = std::function<Tensor(const std::vector<Tensor>&)>;
 
 class CudaNnOps : public ::testing::Test {
  protected:
+  // float32 convolutions compared at 1e-4 need exact float math: TF32
+  // (cuDNN's default, as PyTorch's) is off except where a test turns it on.
   void SetUp() override {
     if (!cuda_is_available()) GTEST_SKIP() << cuda_unavailable_reason();
+    set_cudnn_allow_tf32(false);
   }
+  void TearDown() override { set_cudnn_allow_tf32(true); }
 };
 
 const std::vector<DType> kTypes = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
@@ -115,6 +120,49 @@ TEST_F(CudaNnOps, Conv2dMatchesCpu) {
                                 c.bias ? rnd({c.w[0]}, seed++, dt) : Tensor()};
       compare(conv_fn(c), in, tol(dt), cat("conv2d x", c.x, " w", c.w, " g", c.groups, " ", dt));
     }
+}
+
+// The TF32 switches take effect (the emulated cuDNN and cuBLAS round float
+// operands to TF32 when a call allows it, as the tensor cores do): off, a
+// float32 convolution and matmul match the CPU to float rounding; on, they
+// differ from it by TF32's rounding (10 mantissa bits, about 1e-3 relative),
+// and the algorithm cache does not serve one mode's choice to the other.
+TEST_F(CudaNnOps, Tf32SwitchesTakeEffect) {
+  Tensor x = rnd({2, 16, 9, 9}, 160, DType::Float32), w = rnd({8, 16, 3, 3}, 161, DType::Float32, 0.3);
+  const Tensor ref = conv2d(x.to(DType::Float64), w.to(DType::Float64), Tensor(), {1, 1}, {1, 1});
+  auto rel_err = [&](const Tensor& got, const Tensor& want) {
+    return max(abs(got.cpu().to(DType::Float64) - want)).item() / max(abs(want)).item();
+  };
+  for (bool cl : {false, true}) {
+    Tensor xg = cl ? channels_last(x.cuda()) : x.cuda();
+    set_cudnn_allow_tf32(false);
+    const double exact = rel_err(conv2d(xg, w.cuda(), Tensor(), {1, 1}, {1, 1}), ref);
+    set_cudnn_allow_tf32(true);
+    const double tf32 = rel_err(conv2d(xg, w.cuda(), Tensor(), {1, 1}, {1, 1}), ref);
+    set_cudnn_allow_tf32(false);
+    const double exact_again = rel_err(conv2d(xg, w.cuda(), Tensor(), {1, 1}, {1, 1}), ref);
+    EXPECT_LT(exact, 1e-6) << "conv2d, TF32 off" << (cl ? ", channels-last" : "");
+    EXPECT_EQ(exact, exact_again) << "conv2d: TF32 off again reuses the exact algorithm";
+    EXPECT_GT(tf32, 2e-5) << "conv2d, TF32 on: operands not rounded";
+    EXPECT_LT(tf32, 5e-3) << "conv2d, TF32 on";
+  }
+  Tensor a = rnd({33, 70}, 162, DType::Float32), b = rnd({70, 20}, 163, DType::Float32);
+  const Tensor mref = matmul(a.to(DType::Float64), b.to(DType::Float64));
+  EXPECT_FALSE(matmul_allow_tf32()) << "matmul TF32 is off by default, as in PyTorch";
+  const double m_exact = rel_err(matmul(a.cuda(), b.cuda()), mref);
+  set_matmul_allow_tf32(true);
+  const double m_tf32 = rel_err(matmul(a.cuda(), b.cuda()), mref);
+  set_matmul_allow_tf32(false);
+  EXPECT_LT(m_exact, 1e-6);
+  EXPECT_GT(m_tf32, 2e-5);
+  EXPECT_LT(m_tf32, 5e-3);
+}
+
+// PyTorch's defaults: cuDNN may use TF32, matmul may not; the environment
+// overrides them (a bad value is a named error, checked in the device test).
+TEST(Tf32Defaults, AsPyTorch) {
+  if (!std::getenv("EMBER_CUDNN_ALLOW_TF32")) EXPECT_TRUE(cudnn_allow_tf32());
+  if (!std::getenv("EMBER_MATMUL_ALLOW_TF32")) EXPECT_FALSE(matmul_allow_tf32());
 }
 
 TEST_F(CudaNnOps, Conv2dChannelsLastMatchesCpu) {

@@ -99,6 +99,21 @@ Tensor prep(const Tensor& t, DType dtype, Device device) {
   return t.to(device, dtype);
 }
 
+// A 0-dim CPU operand of a CUDA op (`x * 0.5`, a statistic's momentum) is
+// not copied to the device: its value, converted to the op's dtype as the
+// copy would convert it, travels in the StridedIter as a kernel argument, as
+// torch's CPU scalars do. A copy would cost an allocation, a launch and a
+// host synchronisation every time.
+bool is_host_scalar(const Tensor& t, Device d) { return d.is_cuda() && t.device().is_cpu() && t.dim() == 0; }
+
+void mark_host_scalar(StridedIter& it, int o, const Tensor& t, DType dtype) {
+  const Tensor v = t.to(dtype);
+  it.host_scalars |= 1u << o;
+  it.scalar_f[o] = v.item();
+  it.scalar_i[o] = is_floating(dtype) ? 0 : v.to(DType::Int64).data<int64_t>()[0];
+  it.data[o] = nullptr;
+}
+
 void run_binary(BinaryOp op, const StridedIter& it, Device d, double alpha) {
   if (d.is_cuda()) binary_cuda(op, it, alpha); else binary_cpu(op, it, alpha);
 }
@@ -113,10 +128,14 @@ Tensor binary_op(BinaryOp op, const char* name, const Tensor& a, const Tensor& b
   EMBER_CHECK(common != DType::Bool || is_comparison(op) || op == BinaryOp::Maximum || op == BinaryOp::Minimum,
               name, ": arithmetic on bool tensors is not supported");
   Device d = pick_device(a, b);
-  Tensor ca = prep(a, common, d), cb = prep(b, common, d);
+  const bool ha = is_host_scalar(a, d), hb = is_host_scalar(b, d);
+  Tensor ca = ha ? a : prep(a, common, d), cb = hb ? b : prep(b, common, d);
   Tensor out = Tensor::empty(shape, {is_comparison(op) ? DType::Bool : common, d}, out_format(shape, a, b));
   StridedIter it = make_iter(out, {ca, cb}, name);
   it.dtypes[0] = is_comparison(op) ? DType::Bool : common;
+  if (ha) mark_host_scalar(it, 1, a, common);
+  if (hb) mark_host_scalar(it, 2, b, common);
+  it.dtypes[1] = it.dtypes[2] = common;
   run_binary(op, it, d, alpha);
   return out;
 }
@@ -243,10 +262,15 @@ Tensor& inplace_op(BinaryOp op, const char* name, Tensor& out, const Tensor& b, 
   // torch's can_cast: no floating result into an integer output, nothing into bool.
   EMBER_CHECK(!(is_floating(result) && !is_floating(out.dtype())) && out.dtype() != DType::Bool, name,
               ": result type ", result, " can't be cast to the in-place output dtype ", out.dtype());
-  Tensor cb = b.to(out.device(), out.dtype());
+  const bool hb = is_host_scalar(b, out.device());
+  Tensor cb = hb ? b : b.to(out.device(), out.dtype());
   // x += x.t(): b would be overwritten while still being read; read a copy.
-  if (may_overlap(out, cb)) cb = cb.clone();
+  if (!hb && may_overlap(out, cb)) cb = cb.clone();
   StridedIter it = make_iter(out, {out, cb}, name);
+  if (hb) {
+    mark_host_scalar(it, 2, b, out.dtype());
+    it.dtypes[2] = out.dtype();
+  }
   run_binary(op, it, out.device(), alpha);
   return out;
 }

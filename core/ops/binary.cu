@@ -30,14 +30,15 @@ using out_t = std::conditional_t<(OP >= BinaryOp::Eq), bool, T>;
 // out, a, b are dense 1-D; a_scalar/b_scalar mark a 0-stride input (its one
 // value is broadcast). The flags are uniform across the grid, so the branches
 // cost nothing, and one kernel covers all three fast cases.
+// A host scalar (a_host/b_host) arrives as the value a_val/b_val instead.
 template <BinaryOp OP, typename T, int VEC>
 __global__ void binary_contig_kernel(out_t<OP, T>* __restrict__ out, const T* __restrict__ a,
                                      const T* __restrict__ b, bool a_scalar, bool b_scalar, int64_t n,
-                                     acc_t<T> alpha) {
+                                     acc_t<T> alpha, bool a_host, acc_t<T> a_val, bool b_host, acc_t<T> b_val) {
   using C = acc_t<T>;
   using O = out_t<OP, T>;
-  const C a0 = a_scalar ? static_cast<C>(a[0]) : C(0);
-  const C b0 = b_scalar ? static_cast<C>(b[0]) : C(0);
+  const C a0 = a_scalar ? (a_host ? a_val : static_cast<C>(a[0])) : C(0);
+  const C b0 = b_scalar ? (b_host ? b_val : static_cast<C>(b[0])) : C(0);
   const int64_t nvec = n / VEC;
   for (int64_t v = cuda::global_thread_id(); v < nvec; v += cuda::grid_stride()) {
     VecN<T, VEC> va, vb;
@@ -66,8 +67,8 @@ __global__ void binary_strided_kernel(const __grid_constant__ StridedIter it, ac
   cuda::grid_stride_loop(it.numel, [&](int64_t i) {
     int64_t off[3];
     cuda::strided_offsets<3>(it, i, off);
-    const C x = static_cast<C>(*cuda::operand_ptr<const T>(it, 1, off[1]));
-    const C y = static_cast<C>(*cuda::operand_ptr<const T>(it, 2, off[2]));
+    const C x = cuda::operand_value<T, C>(it, 1, off[1]);
+    const C y = cuda::operand_value<T, C>(it, 2, off[2]);
     *cuda::operand_ptr<O>(it, 0, off[0]) = static_cast<O>(binary_fn<OP, C>(x, y, alpha));
   });
 }
@@ -129,15 +130,20 @@ void launch_binary(const StridedIter& it, acc_t<T> alpha, cudaStream_t stream) {
     O* out = reinterpret_cast<O*>(it.data[0]);
     const T* a = reinterpret_cast<const T*>(it.data[1]);
     const T* b = reinterpret_cast<const T*>(it.data[2]);
-    const bool a_scalar = it.strides[1][0] == 0, b_scalar = it.strides[2][0] == 0;
+    // (A host scalar is a scalar whatever its stride: a one-element output
+    // gives every operand stride 1.)
+    const bool a_scalar = it.strides[1][0] == 0 || it.is_host_scalar(1);
+    const bool b_scalar = it.strides[2][0] == 0 || it.is_host_scalar(2);
     const bool aligned = cuda::is_aligned_for<O, VEC>(out) && (a_scalar || cuda::is_aligned_for<T, VEC>(a)) &&
                          (b_scalar || cuda::is_aligned_for<T, VEC>(b));
+    const bool ah = it.is_host_scalar(1), bh = it.is_host_scalar(2);
+    const acc_t<T> av = cuda::host_scalar_value<acc_t<T>>(it, 1), bv = cuda::host_scalar_value<acc_t<T>>(it, 2);
     if (aligned) {
-      binary_contig_kernel<OP, T, VEC>
-          <<<cuda::grid_for(n, block, VEC), block, 0, stream>>>(out, a, b, a_scalar, b_scalar, n, alpha);
+      binary_contig_kernel<OP, T, VEC><<<cuda::grid_for(n, block, VEC), block, 0, stream>>>(
+          out, a, b, a_scalar, b_scalar, n, alpha, ah, av, bh, bv);
     } else {
-      binary_contig_kernel<OP, T, 1>
-          <<<cuda::grid_for(n, block), block, 0, stream>>>(out, a, b, a_scalar, b_scalar, n, alpha);
+      binary_contig_kernel<OP, T, 1><<<cuda::grid_for(n, block), block, 0, stream>>>(out, a, b, a_scalar, b_scalar,
+                                                                                     n, alpha, ah, av, bh, bv);
     }
   } else {
     binary_strided_kernel<OP, T><<<cuda::grid_for(n, block), block, 0, stream>>>(it, alpha);

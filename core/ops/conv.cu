@@ -4,9 +4,13 @@
 // (channels-last) tensors run without a layout copy; the filter descriptor's
 // format follows the weight's layout (the op layer keeps the two matching).
 //
-// Precision: float32 uses CUDNN_FMA_MATH, i.e. no TF32, so results match the
-// CPU (and PyTorch's allow_tf32=False); 16-bit types use tensor cores with
+// Precision: float32 may use TF32 tensor cores when cudnn_allow_tf32() (on
+// by default, as PyTorch's torch.backends.cudnn.allow_tf32), else it runs
+// with CUDNN_FMA_MATH and matches the CPU; 16-bit types use tensor cores with
 // float accumulation; float64 computes in double.
+// EMBER_CUDNN_LOG=1 prints one line per cached key: the pass, the geometry,
+// the algorithm, its math type and its workspace, to set beside cuDNN's own
+// log (CUDNN_LOGLEVEL_DBG) or PyTorch's choices on a GPU.
 //
 // Algorithms come from cuDNN's heuristics (Get*_v7, checked and completed by
 // pick below), once per (device, geometry, dtype, layout, pass) and cached:
@@ -20,6 +24,9 @@
 #include <cudnn.h>
 
 #include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <climits>
 #include <compare>
 #include <map>
@@ -62,9 +69,11 @@ struct ConvTypes {
   cudnnMathType_t math;
 };
 
+// Read once per call, so every pass of one call agrees on the math.
 ConvTypes conv_types(DType t) {
   switch (t) {
-    case DType::Float32: return {CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, CUDNN_FMA_MATH};
+    case DType::Float32:
+      return {CUDNN_DATA_FLOAT, CUDNN_DATA_FLOAT, cudnn_allow_tf32() ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH};
     case DType::Float64: return {CUDNN_DATA_DOUBLE, CUDNN_DATA_DOUBLE, CUDNN_DEFAULT_MATH};
     case DType::Float16: return {CUDNN_DATA_HALF, CUDNN_DATA_FLOAT, CUDNN_TENSOR_OP_MATH};
     case DType::BFloat16: return {CUDNN_DATA_BFLOAT16, CUDNN_DATA_FLOAT, CUDNN_TENSOR_OP_MATH};
@@ -158,6 +167,7 @@ struct AlgoKey {
   DType dtype;
   bool channels_last;
   Pass pass;
+  cudnnMathType_t math;  // the call's math: TF32 on and off pick apart
   auto operator<=>(const AlgoKey&) const = default;
 };
 
@@ -169,15 +179,15 @@ struct Algo {
 // The algorithm of one pass: cuDNN's heuristic candidates in their order,
 // then every algorithm of the pass, the first that cuDNN accepts for this
 // geometry under the math we need (`accepts` asks for its workspace size,
-// which answers NOT_SUPPORTED otherwise). float32 runs every candidate with
-// FMA math, i.e. no TF32, whatever math it was listed with. Both steps are
+// which answers NOT_SUPPORTED otherwise). float32 without TF32 runs every
+// candidate with FMA math, whatever math it was listed with. Both steps are
 // needed: cuDNN's heuristics may list no FMA candidate for float32, and
 // algorithm 0 does not take every layout.
 template <typename Perf, typename Accepts>
 Algo pick(const std::vector<Perf>& perf, int returned, int n_algos, DType dt, cudnnMathType_t want, Accepts&& accepts) {
   for (int i = 0; i < returned; ++i) {
     if (perf[i].status != CUDNN_STATUS_SUCCESS) continue;
-    const cudnnMathType_t m = dt == DType::Float32 ? CUDNN_FMA_MATH : perf[i].mathType;
+    const cudnnMathType_t m = want == CUDNN_FMA_MATH ? CUDNN_FMA_MATH : perf[i].mathType;
     if (accepts(static_cast<int>(perf[i].algo), m)) return {static_cast<int>(perf[i].algo), m};
   }
   for (int a = 0; a < n_algos; ++a)
@@ -185,26 +195,58 @@ Algo pick(const std::vector<Perf>& perf, int returned, int n_algos, DType dt, cu
   return {-1, want};  // none: the caller names the error
 }
 
+struct Cached {
+  Algo algo;
+  bool fresh;  // this call made the entry (it is logged once)
+};
+
 template <typename Query>
-Algo cached_algo(const AlgoKey& key, Query&& query) {
+Cached cached_algo(const AlgoKey& key, Query&& query) {
   static std::mutex mu;
   static std::map<AlgoKey, Algo> cache;
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
+    if (it != cache.end()) return {it->second, false};
   }
   Algo a = query();  // outside the lock: a query on one device must not stall others
   std::lock_guard<std::mutex> lock(mu);
-  return cache.emplace(key, a).first->second;
+  auto [it, inserted] = cache.emplace(key, a);
+  return {it->second, inserted};
 }
 
-AlgoKey algo_key(const ConvGeom& g, bool channels_last, const Tensor& x, Pass pass) {
+AlgoKey algo_key(const ConvGeom& g, bool channels_last, const Tensor& x, Pass pass, cudnnMathType_t math) {
   return {x.device().index,
           {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw, g.groups, g.oh, g.ow},
           x.dtype(),
           channels_last,
-          pass};
+          pass,
+          math};
+}
+
+const char* math_name(cudnnMathType_t m) {
+  switch (m) {
+    case CUDNN_DEFAULT_MATH: return "default";
+    case CUDNN_TENSOR_OP_MATH: return "tensor_op";
+    case CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION: return "tensor_op_allow_conversion";
+    case CUDNN_FMA_MATH: return "fma";
+  }
+  return "?";
+}
+
+// One line per new cache entry under EMBER_CUDNN_LOG=1 (read once).
+void log_choice(const Cached& c, const char* pass, const ConvGeom& g, DType dt, bool cl, size_t ws) {
+  static const bool on = [] {
+    const char* e = std::getenv("EMBER_CUDNN_LOG");
+    return e && std::string(e) == "1";
+  }();
+  if (!on || !c.fresh) return;
+  std::fprintf(stderr,
+               "[ember cudnn] %s x=[%lld,%lld,%lld,%lld] w=[%lld,%lld,%lld,%lld] stride=%lld pad=%lld groups=%lld %s%s: "
+               "algo %d math %s workspace %zu\n",
+               pass, (long long)g.n, (long long)g.c, (long long)g.h, (long long)g.w, (long long)g.o,
+               (long long)(g.c / g.groups), (long long)g.kh, (long long)g.kw, (long long)g.sh, (long long)g.ph,
+               (long long)g.groups, dtype_name(dt), cl ? " channels-last" : "", c.algo.algo, math_name(c.algo.math), ws);
 }
 
 // The op layer lays x (dy, dx) and w out alike, so either one's strides
@@ -270,7 +312,7 @@ bool forward_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& x, 
   TensorDesc xd(x, ty.data), yd(y, ty.data);
   FilterDesc wd(w, ty.data, cl);
   ConvDesc cd(g, ty);
-  const Algo a = cached_algo(algo_key(g, cl, x, Pass::Forward), [&] {
+  const Cached cached = cached_algo(algo_key(g, cl, x, Pass::Forward, ty.math), [&] {
     int max_count = 0, returned = 0;
     EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(h, &max_count));
     std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(max_count);
@@ -284,11 +326,13 @@ bool forward_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& x, 
                                                      &ws) == CUDNN_STATUS_SUCCESS;
     });
   });
+  const Algo a = cached.algo;
   if (a.algo < 0) return false;
   const auto algo = static_cast<cudnnConvolutionFwdAlgo_t>(a.algo);
   cd.set_math(a.math);
   size_t ws_bytes = 0;
   EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(h, xd.get(), wd.get(), cd.get(), yd.get(), algo, &ws_bytes));
+  log_choice(cached, "forward", g, x.dtype(), cl, ws_bytes);
   DataPtr ws = workspace(dev, ws_bytes);
   const Blend blend(x.dtype());
   EMBER_CUDNN_CHECK(cudnnConvolutionForward(h, blend.one(), xd.get(), x.raw_data(), wd.get(), w.raw_data(), cd.get(),
@@ -302,7 +346,7 @@ bool backward_data_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tenso
   TensorDesc dyd(dy, ty.data), dxd(dx, ty.data);
   FilterDesc wd(w, ty.data, cl);
   ConvDesc cd(g, ty);
-  const Algo a = cached_algo(algo_key(g, cl, dy, Pass::BackwardData), [&] {
+  const Cached cached = cached_algo(algo_key(g, cl, dy, Pass::BackwardData, ty.math), [&] {
     int max_count = 0, returned = 0;
     EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(h, &max_count));
     std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(max_count);
@@ -317,12 +361,14 @@ bool backward_data_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tenso
                              static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), &ws) == CUDNN_STATUS_SUCCESS;
                 });
   });
+  const Algo a = cached.algo;
   if (a.algo < 0) return false;
   const auto algo = static_cast<cudnnConvolutionBwdDataAlgo_t>(a.algo);
   cd.set_math(a.math);
   size_t ws_bytes = 0;
   EMBER_CUDNN_CHECK(
       cudnnGetConvolutionBackwardDataWorkspaceSize(h, wd.get(), dyd.get(), cd.get(), dxd.get(), algo, &ws_bytes));
+  log_choice(cached, "backward_data", g, dy.dtype(), cl, ws_bytes);
   DataPtr ws = workspace(dev, ws_bytes);
   const Blend blend(dy.dtype());
   EMBER_CUDNN_CHECK(cudnnConvolutionBackwardData(h, blend.one(), wd.get(), w.raw_data(), dyd.get(), dy.raw_data(),
@@ -337,7 +383,7 @@ bool backward_filter_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Ten
   TensorDesc xd(x, ty.data), dyd(dy, ty.data);
   FilterDesc dwd(dw, ty.data, cl);
   ConvDesc cd(g, ty);
-  const Algo a = cached_algo(algo_key(g, cl, x, Pass::BackwardFilter), [&] {
+  const Cached cached = cached_algo(algo_key(g, cl, x, Pass::BackwardFilter, ty.math), [&] {
     int max_count = 0, returned = 0;
     EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(h, &max_count));
     std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(max_count);
@@ -352,12 +398,14 @@ bool backward_filter_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Ten
                              static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), &ws) == CUDNN_STATUS_SUCCESS;
                 });
   });
+  const Algo a = cached.algo;
   if (a.algo < 0) return false;
   const auto algo = static_cast<cudnnConvolutionBwdFilterAlgo_t>(a.algo);
   cd.set_math(a.math);
   size_t ws_bytes = 0;
   EMBER_CUDNN_CHECK(
       cudnnGetConvolutionBackwardFilterWorkspaceSize(h, xd.get(), dyd.get(), cd.get(), dwd.get(), algo, &ws_bytes));
+  log_choice(cached, "backward_filter", g, x.dtype(), cl, ws_bytes);
   DataPtr ws = workspace(dev, ws_bytes);
   const Blend blend(x.dtype());
   EMBER_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h, blend.one(), xd.get(), x.raw_data(), dyd.get(), dy.raw_data(),

@@ -175,6 +175,21 @@ __device__ __forceinline__ T* operand_ptr(const StridedIter& it, int o, int64_t 
   return reinterpret_cast<T*>(it.data[o]) + off;
 }
 
+// The value of host-scalar operand o (StridedIter::host_scalars) as the
+// compute type C: exact for integers, as converted by the op for floats.
+template <typename C>
+__host__ __device__ __forceinline__ C host_scalar_value(const StridedIter& it, int o) {
+  if constexpr (std::is_integral_v<C>) return static_cast<C>(it.scalar_i[o]);
+  else return static_cast<C>(it.scalar_f[o]);
+}
+
+// Operand o's element at offset off, or its host-scalar value.
+template <typename T, typename C>
+__device__ __forceinline__ C operand_value(const StridedIter& it, int o, int64_t off) {
+  if ((it.host_scalars >> o) & 1u) return host_scalar_value<C>(it, o);
+  return static_cast<C>(*operand_ptr<const T>(it, o, off));
+}
+
 // Warp shuffles for the value types reductions carry: the intrinsics have no
 // bool/uint8 overloads, so narrow integers travel as int.
 template <typename V>

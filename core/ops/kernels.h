@@ -26,6 +26,14 @@ struct StridedIter {
   int64_t strides[kMaxOperands][kMaxDims] = {};  // in elements, innermost last
   char* data[kMaxOperands] = {};
   DType dtypes[kMaxOperands] = {};
+  // Operands (bit o) that are host scalars: the value of a 0-dim CPU tensor
+  // in a CUDA op, passed to the kernel as an argument (no copy to the
+  // device, no synchronisation); their data[o] is null and strides are 0.
+  // scalar_i keeps integer values exactly (a double holds 53 bits).
+  uint32_t host_scalars = 0;
+  double scalar_f[kMaxOperands] = {};
+  int64_t scalar_i[kMaxOperands] = {};
+  bool is_host_scalar(int op) const { return (host_scalars >> op) & 1u; }
 
   bool is_contiguous(int op) const { return ndim == 1 && strides[op][0] == 1; }
   bool all_contiguous() const {

@@ -37,7 +37,7 @@ HandleSlot& slot_for(int device) {
   std::call_once(s.once, [&] {
     cuda::DeviceGuard guard(device);  // a handle binds to the device current at creation
     EMBER_CUBLAS_CHECK(cublasCreate(&s.handle));
-    EMBER_CUBLAS_CHECK(cublasSetMathMode(s.handle, CUBLAS_DEFAULT_MATH));  // no TF32 for fp32
+    EMBER_CUBLAS_CHECK(cublasSetMathMode(s.handle, CUBLAS_DEFAULT_MATH));  // TF32 via the compute type only
   });
   return s;
 }
@@ -50,7 +50,8 @@ struct GemmTypes {
 
 GemmTypes gemm_types(DType t) {
   switch (t) {
-    case DType::Float32: return {CUDA_R_32F, CUBLAS_COMPUTE_32F, false};
+    case DType::Float32:  // TF32 only when asked for (matmul_allow_tf32, off by default as in PyTorch)
+      return {CUDA_R_32F, matmul_allow_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F, false};
     case DType::Float16: return {CUDA_R_16F, CUBLAS_COMPUTE_32F, false};
     case DType::BFloat16: return {CUDA_R_16BF, CUBLAS_COMPUTE_32F, false};
     case DType::Float64: return {CUDA_R_64F, CUBLAS_COMPUTE_64F, true};

@@ -565,7 +565,7 @@ cudaError_t launch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Thun
 
 LaunchStats launch_stats() {
   std::lock_guard<std::mutex> l(g_stats_mu);
-  return LaunchStats{g_launches, std::vector<std::string>(g_kernels.begin(), g_kernels.end())};
+  return LaunchStats{g_launches, std::vector<std::string>(g_kernels.begin(), g_kernels.end()), host_sync_count()};
 }
 Order set_order(Order order) { return static_cast<Order>(g_order.exchange(static_cast<int>(order))); }
 int set_threads(int n) { return g_threads.exchange(std::max(1, n)); }

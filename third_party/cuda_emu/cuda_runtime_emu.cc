@@ -25,6 +25,7 @@
 // uninitialised, so code that counts on zeros must fail here too.
 //
 // Environment: EMU_DEVICES=N  devices reported (default 1).
+#include <atomic>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -234,6 +235,13 @@ void check_device_range(const void* p, size_t bytes, const char* what) {
 
 }  // namespace emu
 
+// Host synchronisations (emu::LaunchStats::host_syncs): every call that
+// makes the host wait for device work.
+static std::atomic<uint64_t> g_host_syncs{0};
+namespace emu {
+uint64_t host_sync_count() { return g_host_syncs.load(); }
+}  // namespace emu
+
 extern "C" {
 using namespace emu;
 
@@ -259,6 +267,7 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* n, const
   return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize(void) {
+  g_host_syncs++;
   auto l = api("cudaDeviceSynchronize");
   run_all();
   return cudaSuccess;
@@ -326,6 +335,7 @@ static Op copy_op(void* dst, const void* src, size_t n, const char* what) {
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind k) {
   if (cudaError_t e = check_copy(dst, src, n, k)) return e;
+  g_host_syncs++;
   auto l = api("cudaMemcpy");
   run_now(copy_op(dst, src, n, "cudaMemcpy"));
   return cudaSuccess;
@@ -348,7 +358,10 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
     push(st, Op{[=] { std::memcpy(dst, staged->data(), n); }, "cudaMemcpyAsync", {}});
   } else {
     push(st, copy_op(dst, src, n, "cudaMemcpyAsync"));
-    if (n > 0 && is_pageable(dst, n) && !is_pageable(src, n)) run_until(st, st->enqueued);
+    if (n > 0 && is_pageable(dst, n) && !is_pageable(src, n)) {
+      g_host_syncs++;  // a copy into pageable memory returns once complete
+      run_until(st, st->enqueued);
+    }
   }
   return cudaSuccess;
 }
@@ -362,6 +375,7 @@ static cudaError_t check_memset(void* p, size_t pitch, size_t w, size_t h) {
 }
 cudaError_t cudaMemset(void* p, int v, size_t n) {
   if (cudaError_t e = check_memset(p, n, n, 1)) return e;
+  g_host_syncs++;
   auto l = api("cudaMemset");
   run_now(memset_op(p, n, v, n, 1, "cudaMemset"));
   return cudaSuccess;
@@ -398,6 +412,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  g_host_syncs++;
   auto l = api("cudaStreamSynchronize");
   StreamRef st = resolve(s, "cudaStreamSynchronize");
   // The legacy stream also waits for earlier blocking-stream work: a marker
@@ -438,6 +453,7 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  g_host_syncs++;
   auto l = api("cudaEventSynchronize");
   Event* ev = event(e, "cudaEventSynchronize");
   if (ev->stream) run_until(ev->stream, ev->seq);

@@ -326,14 +326,6 @@ cudnnStatus_t heuristics(const char* fn, Pass pass, const Problem& p, int reques
 template <typename T>
 using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-inline float tf32(float v) {  // round to nearest even at 10 mantissa bits
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0xfffu + ((u >> 13) & 1u)) & ~0x1fffu;
-  std::memcpy(&v, &u, 4);
-  return v;
-}
-
 template <typename T>
 struct Conv {
   using A = Acc<T>;
@@ -344,7 +336,7 @@ struct Conv {
     else return static_cast<float>(v);  // Half / BFloat16
   }
   A in(const T* a, int64_t i) const {  // a product operand
-    if constexpr (std::is_same_v<T, float>) return p.tf32 ? tf32(a[i]) : a[i];
+    if constexpr (std::is_same_v<T, float>) return p.tf32 ? emu::round_tf32(a[i]) : a[i];
     else return load(a[i]);
   }
   void out(T* a, int64_t i, A acc) const {

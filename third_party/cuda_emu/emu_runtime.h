@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -31,12 +32,27 @@ void check_device_range(const void* p, size_t bytes, const char* what);
 // turn into undefined behaviour or a sticky error.
 [[noreturn]] void die(const std::string& msg);
 
+// A float rounded to TF32 (nearest even at 10 mantissa bits), as Ampere+
+// tensor cores read float32 operands when a library call allows TF32.
+inline float round_tf32(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0xfffu + ((u >> 13) & 1u)) & ~0x1fffu;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
 // Kernel launches accepted so far (configuration errors excluded) and the
 // distinct kernel names among them, sorted: a test's coverage figure.
+// host_syncs counts the calls that made the host wait for the device:
+// stream, event and device synchronisation, synchronous copies and memsets,
+// and asynchronous copies into pageable host memory.
 struct LaunchStats {
   uint64_t launches = 0;
   std::vector<std::string> kernels;
+  uint64_t host_syncs = 0;
 };
+uint64_t host_sync_count();
 LaunchStats launch_stats();
 
 // Test hooks: override EMU_ORDER and EMU_THREADS for grids run from now on;
