@@ -1,60 +1,118 @@
 #!/usr/bin/env python3
-"""PyTorch's side of BM_ResNet50StepCuda (bench/train_bench.cc): torchvision's
-ResNet-50, batch 256 of 224x224 random images, SGD (lr 0.1, momentum 0.9,
-weight decay 1e-4), zero_grad + forward + cross-entropy + backward + step,
-loss.item() at the end of each step as ours does. Runs on the lent GPU
-machine (its python3 has torch and torchvision); tools/gpu_check.sh runs it
-beside ours in one call.
+"""PyTorch's side of bench/gpu_step.cc (and of train_bench's
+BM_ResNet50StepCuda): torchvision's ResNet-50, batch 256 of 224x224 random
+images, SGD (lr 0.1, momentum 0.9, weight decay 1e-4), zero_grad + forward +
+cross-entropy + backward + step, loss.item() at the end of each step as ours
+does. Runs on the lent GPU machine (its python3 has torch and torchvision);
+bench/gpu_perf.sh runs it beside ours, rounds interleaved.
 
-  python3 bench/resnet50_cuda_peer.py [--steps 10] [--tf32]
+  python3 bench/resnet50_cuda_peer.py [--configs fp32,tf32,bf16] [--layouts nchw,cl]
+      [--batch 256] [--image 224] [--warmup 3] [--steps 10] [--profile-top K]
+      [--benchmark] [--device cuda|cpu]
 
-By default float32 convolutions run without TF32, as ours do (CUDNN_FMA_MATH);
---tf32 shows PyTorch's default (torch.backends.cudnn.allow_tf32 = True).
-Prints one line per layout: median step time and images per second.
+Configurations (the same names as gpu_step's):
+  fp32  float32 without TF32 (cudnn.allow_tf32 = matmul.allow_tf32 = False);
+  tf32  PyTorch's defaults (cuDNN may use TF32, matmul not);
+  bf16  torch.autocast(bfloat16) around forward and loss, TF32 defaults.
+--benchmark sets torch.backends.cudnn.benchmark (measured algorithm choice;
+off by default, as ours picks by heuristics unless asked). --device cpu
+exists for gpu_perf.sh --smoke on a machine without a GPU.
+
+Prints one line per (config, layout), as gpu_step does:
+  torch config=tf32 layout=cl batch=256 median_ms=... min_ms=... max_ms=... steps=10
+and with --profile-top K one profiled step's top K ops by self CUDA time
+(torch.profiler, CUDA activity) as `torch_op config=.. layout=.. calls=..
+self_ms=.. total_ms=.. name=..` lines.
 """
 import argparse
 import statistics
+import sys
 import time
 
 import torch
 import torchvision
 
 
+def step_fn(model, opt, x, y, amp, device):
+    def step():
+        opt.zero_grad()
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=amp):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def run(a, config, layout):
+    torch.backends.cudnn.allow_tf32 = config != "fp32"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.benchmark = a.benchmark
+    torch.manual_seed(0)
+    fmt = torch.channels_last if layout == "cl" else torch.contiguous_format
+    model = torchvision.models.resnet50(num_classes=1000).to(a.device).to(memory_format=fmt)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    x = torch.randn(a.batch, 3, a.image, a.image, device=a.device).to(memory_format=fmt)
+    y = torch.randint(0, 1000, (a.batch,), device=a.device)
+    step = step_fn(model, opt, x, y, config == "bf16", a.device)
+    for _ in range(a.warmup):
+        step()
+    times = []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    print(f"torch config={config} layout={layout} batch={a.batch} median_ms={statistics.median(times):.3f} "
+          f"min_ms={min(times):.3f} max_ms={max(times):.3f} steps={len(times)}", flush=True)
+    if a.profile_top > 0:
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if a.device == "cuda":
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=acts) as prof:
+            step()
+        avgs = prof.key_averages()
+        # torch 2.4+ names device time self_device_time_total (the cuda_
+        # names are deprecated, then gone); 1.13 has only the cuda_ ones.
+        dev = "device" if avgs and hasattr(avgs[0], "self_device_time_total") else "cuda"
+        key, total_key = ((f"self_{dev}_time_total", f"{dev}_time_total") if a.device == "cuda"
+                          else ("self_cpu_time_total", "cpu_time_total"))
+        rows = sorted(avgs, key=lambda e: getattr(e, key, 0), reverse=True)[:a.profile_top]
+        for e in rows:
+            self_us = getattr(e, key, 0)
+            total_us = getattr(e, total_key, 0)
+            print(f"torch_op config={config} layout={layout} calls={e.count} self_ms={self_us / 1e3:.3f} "
+                  f"total_ms={total_us / 1e3:.3f} name={e.key}", flush=True)
+    del model, opt, x, y
+    if a.device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--configs", default="fp32,tf32,bf16")
+    ap.add_argument("--layouts", default="nchw,cl")
     ap.add_argument("--batch", type=int, default=256)
-    ap.add_argument("--tf32", action="store_true")
+    ap.add_argument("--image", type=int, default=224)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--profile-top", type=int, default=0)
+    ap.add_argument("--benchmark", action="store_true")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     a = ap.parse_args()
-    torch.backends.cudnn.allow_tf32 = a.tf32
-    torch.backends.cuda.matmul.allow_tf32 = a.tf32
-    torch.backends.cudnn.benchmark = False  # ours uses cuDNN's heuristics, not measured choices
-    for channels_last in (True, False):
-        torch.manual_seed(0)
-        fmt = torch.channels_last if channels_last else torch.contiguous_format
-        model = torchvision.models.resnet50(num_classes=1000).cuda().to(memory_format=fmt)
-        model.train()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-        x = torch.randn(a.batch, 3, 224, 224, device="cuda").to(memory_format=fmt)
-        y = torch.randint(0, 1000, (a.batch,), device="cuda")
-
-        def step():
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss.item()
-
-        for _ in range(3):
-            step()
-        times = []
-        for _ in range(a.steps):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        med = statistics.median(times)
-        print(f"torch ResNet50 step batch {a.batch} channels_last={int(channels_last)} tf32={int(a.tf32)}: "
-              f"median {med * 1e3:.1f} ms, {a.batch / med:.0f} img/s")
+    configs, layouts = a.configs.split(","), a.layouts.split(",")
+    for c in configs:
+        if c not in ("fp32", "tf32", "bf16"):
+            sys.exit(f"resnet50_cuda_peer: unknown config '{c}' (fp32, tf32, bf16)")
+    for l in layouts:
+        if l not in ("nchw", "cl"):
+            sys.exit(f"resnet50_cuda_peer: unknown layout '{l}' (nchw, cl)")
+    if a.steps < 1:
+        sys.exit("resnet50_cuda_peer: --steps must be at least 1")
+    for c in configs:
+        for l in layouts:
+            run(a, c, l)
 
 
 if __name__ == "__main__":

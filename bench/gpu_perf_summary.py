@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Turns bench/gpu_perf.sh's raw.txt and meta.txt (in the folder given) into
+gpu_resnet50.json and gpu_breakdown.json beside them, and prints the tables.
+
+gpu_resnet50.json: device, driver, torch and cuDNN versions, date, commit,
+and rows: one per configuration (name = config/layout) with ours_ms and
+torch_ms (the median over rounds of each round's median step), their
+ranges over rounds, and ratio = ours_ms / torch_ms.
+gpu_breakdown.json: per configuration, the top ops of one profiled step,
+ours beside PyTorch's; the convolution algorithms ours chose; PyTorch's
+step with cudnn.benchmark; ops_cuda_bench's batch-norm rows when run.
+"""
+import json
+import os
+import re
+import statistics
+import sys
+
+
+def parse_kv(line):
+    """'a=1 b=x name=rest of line' -> dict; name= takes the rest of the line."""
+    out = {}
+    m = re.search(r"(?:^| )name=(.*)$", line)
+    if m:
+        out["name"] = m.group(1)
+        line = line[: m.start()]
+    for tok in line.split():
+        if "=" in tok:
+            k, v = tok.split("=", 1)
+            out[k] = v
+    return out
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit("usage: gpu_perf_summary.py OUTDIR")
+    d = sys.argv[1]
+    meta = {}
+    with open(os.path.join(d, "meta.txt")) as f:
+        for line in f:
+            if "=" in line:
+                k, v = line.rstrip("\n").split("=", 1)
+                meta[k] = v
+    dev = meta.get("device", "unknown")
+    parts = [p.strip() for p in dev.split(",")]
+    head = {
+        "device": parts[0],
+        "driver": parts[1] if len(parts) > 1 else None,
+        "memory": parts[2] if len(parts) > 2 else None,
+        "torch": meta.get("torch"),
+        "cudnn": meta.get("cudnn"),
+        "date": meta.get("date"),
+        "commit": meta.get("commit"),
+    }
+    speed = {}  # (side, config, layout) -> [round medians]
+    ops = {}    # (side, config, layout) -> rows
+    algos, bench_rows, kernel_rows = [], [], []
+    with open(os.path.join(d, "raw.txt")) as f:
+        for line in f:
+            line = line.rstrip("\n")
+            m = re.match(r"part=(\w+) round=(\d+) (.*)$", line)
+            if not m:
+                continue
+            part, rest = m.group(1), m.group(3)
+            if part == "algos":
+                algos.append(rest)
+                continue
+            if part == "kernels":
+                kernel_rows.append(rest)
+                continue
+            side = rest.split(" ", 1)[0]
+            kv = parse_kv(rest)
+            key = (kv.get("config"), kv.get("layout"))
+            if side in ("ours", "torch") and part == "speed":
+                speed.setdefault((side,) + key, []).append(float(kv["median_ms"]))
+            elif side in ("ours_op", "torch_op"):
+                ops.setdefault((side[:-3],) + key, []).append(
+                    {"name": kv["name"], "calls": int(kv["calls"]), "self_ms": float(kv["self_ms"]),
+                     "total_ms": float(kv["total_ms"])})
+            elif side == "torch_benchmark":
+                bench_rows.append({"name": f"{key[0]}/{key[1]}", "torch_benchmark_ms": float(kv["median_ms"])})
+    rows = []
+    for (side, config, layout), meds in sorted(speed.items()):
+        if side != "ours":
+            continue
+        theirs = speed.get(("torch", config, layout), [])
+        row = {"name": f"{config}/{layout}", "rounds": len(meds),
+               "ours_ms": round(statistics.median(meds), 2), "ours_range_ms": [round(min(meds), 2), round(max(meds), 2)]}
+        if theirs:
+            row.update({"torch_ms": round(statistics.median(theirs), 2),
+                        "torch_range_ms": [round(min(theirs), 2), round(max(theirs), 2)]})
+            row["ratio"] = round(row["ours_ms"] / row["torch_ms"], 3)
+        rows.append(row)
+    if rows:
+        with open(os.path.join(d, "gpu_resnet50.json"), "w") as f:
+            json.dump(dict(head, workload="ResNet-50 training step, batch 256, 224x224, SGD momentum",
+                           rows=rows), f, indent=1)
+        print(f"{'config/layout':16} {'ours ms':>10} {'torch ms':>10} {'ratio':>7}")
+        for r in rows:
+            print(f"{r['name']:16} {r['ours_ms']:10.2f} {r.get('torch_ms', float('nan')):10.2f} "
+                  f"{r.get('ratio', float('nan')):7.3f}")
+    if ops or algos or kernel_rows:
+        configs = sorted({(c, l) for (_, c, l) in ops})
+        breakdown = {"configs": [], "algorithms_ours": algos, "torch_cudnn_benchmark": bench_rows,
+                     "batch_norm_kernels": kernel_rows}
+        for c, l in configs:
+            breakdown["configs"].append({"name": f"{c}/{l}", "ours_top_ops": ops.get(("ours", c, l), []),
+                                         "torch_top_ops": ops.get(("torch", c, l), [])})
+        with open(os.path.join(d, "gpu_breakdown.json"), "w") as f:
+            json.dump(dict(head, note="ours: host time per op under CUDA_LAUNCH_BLOCKING=1 (= GPU time); "
+                                     "torch: self CUDA time from torch.profiler", **breakdown), f, indent=1)
+        for cfg in breakdown["configs"]:
+            print(f"\n{cfg['name']}: top ops (ours | torch), self ms")
+            a, b = cfg["ours_top_ops"][:12], cfg["torch_top_ops"][:12]
+            for i in range(max(len(a), len(b))):
+                l = f"{a[i]['name'][:34]:34} {a[i]['self_ms']:8.2f}" if i < len(a) else " " * 43
+                rr = f"{b[i]['name'][:40]:40} {b[i]['self_ms']:8.2f}" if i < len(b) else ""
+                print(f"  {l} | {rr}")
+
+
+if __name__ == "__main__":
+    main()
