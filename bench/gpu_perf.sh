@@ -15,10 +15,10 @@
 #              channels-last, ours under CUDA_LAUNCH_BLOCKING=1 (so an op's
 #              host time is its GPU time), PyTorch through torch.profiler
 #              (CUDA activity); plus the convolution algorithms ours chose
-#              (EMBER_CUDNN_LOG=1) and, with cudnn.benchmark on, PyTorch's
-#              step time for reference. About 2 minutes.
-#   kernels    ops_cuda_bench's batch-norm rows (ours beside cuDNN's batch
-#              norm and a device-to-device copy at every ResNet-50 shape).
+#              (EMBER_CUDNN_LOG=1); and both step times in benchmark mode
+#              (EMBER_CUDNN_BENCHMARK=1, cudnn.benchmark). About 3 minutes.
+#   kernels    bn_cuda_bench: batch norm at every ResNet-50 shape, ours
+#              beside cuDNN's, in GB/s beside a device-to-device copy.
 # On the GPU machine the binaries come from the gpu-bundle (.gpu/run.sh);
 # --smoke runs the whole script here instead, under the CUDA emulation
 # (bazel-bin/bench/gpu_step_emu, tiny shapes) and PyTorch on the CPU, so a
@@ -95,17 +95,20 @@ for part in "${parts[@]}"; do
       say "breakdown: torch (torch.profiler)"
       "${peer[@]}" --configs $configs --layouts cl --steps 2 --profile-top 25 "${shape[@]}" "${peer_extra[@]}" \
         2>"$out/logs/torch_breakdown.err" | tag breakdown 1
+      say "breakdown: ours with benchmark mode (EMBER_CUDNN_BENCHMARK=1)"
+      EMBER_CUDNN_BENCHMARK=1 "${ours[@]}" --configs $configs --layouts nchw,cl "${shape[@]}" \
+        2>>"$out/logs/ours_breakdown.err" | sed -u 's/^ours /ours_benchmark /' | tag breakdown 1
       say "breakdown: torch with cudnn.benchmark"
-      "${peer[@]}" --configs $configs --layouts cl --benchmark "${shape[@]}" "${peer_extra[@]}" \
+      "${peer[@]}" --configs $configs --layouts nchw,cl --benchmark "${shape[@]}" "${peer_extra[@]}" \
         2>>"$out/logs/torch_breakdown.err" | sed -u 's/^torch /torch_benchmark /' | tag breakdown 1
       ;;
     kernels)
       if [ $smoke = 1 ]; then
         say "kernels: skipped under --smoke (ops_cuda_bench needs a GPU)"
       else
-        say "kernels: ops_cuda_bench batch norm"
-        bash "$here/.gpu/run.sh" ops_cuda_bench --benchmark_filter='BatchNorm|Copy' \
-          --benchmark_format=console 2>&1 | tee "$out/logs/ops_cuda_bench.txt" | grep '^BM_' |
+        say "kernels: bn_cuda_bench (ours beside cuDNN) and the device-to-device copy"
+        { bash "$here/.gpu/run.sh" ops_cuda_bench --benchmark_filter=MemcpyD2D 2>&1
+          bash "$here/.gpu/run.sh" bn_cuda_bench 2>&1; } | tee "$out/logs/bn_cuda_bench.txt" | grep '^BM_' |
           sed 's/^/part=kernels round=1 /' >>"$raw"
       fi
       ;;

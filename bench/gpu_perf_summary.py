@@ -7,8 +7,8 @@ and rows: one per configuration (name = config/layout) with ours_ms and
 torch_ms (the median over rounds of each round's median step), their
 ranges over rounds, and ratio = ours_ms / torch_ms.
 gpu_breakdown.json: per configuration, the top ops of one profiled step,
-ours beside PyTorch's; the convolution algorithms ours chose; PyTorch's
-step with cudnn.benchmark; ops_cuda_bench's batch-norm rows when run.
+ours beside PyTorch's; the convolution algorithms ours chose;
+and both steps in benchmark mode; bn_cuda_bench's rows when run.
 """
 import json
 import os
@@ -77,8 +77,9 @@ def main():
                 ops.setdefault((side[:-3],) + key, []).append(
                     {"name": kv["name"], "calls": int(kv["calls"]), "self_ms": float(kv["self_ms"]),
                      "total_ms": float(kv["total_ms"])})
-            elif side == "torch_benchmark":
-                bench_rows.append({"name": f"{key[0]}/{key[1]}", "torch_benchmark_ms": float(kv["median_ms"])})
+            elif side in ("torch_benchmark", "ours_benchmark"):
+                bench_rows.append({"name": f"{key[0]}/{key[1]}", "side": side.split("_")[0],
+                                   "median_ms": float(kv["median_ms"])})
     rows = []
     for (side, config, layout), meds in sorted(speed.items()):
         if side != "ours":
@@ -101,7 +102,7 @@ def main():
                   f"{r.get('ratio', float('nan')):7.3f}")
     if ops or algos or kernel_rows:
         configs = sorted({(c, l) for (_, c, l) in ops})
-        breakdown = {"configs": [], "algorithms_ours": algos, "torch_cudnn_benchmark": bench_rows,
+        breakdown = {"configs": [], "algorithms_ours": algos, "benchmark_mode": bench_rows,
                      "batch_norm_kernels": kernel_rows}
         for c, l in configs:
             breakdown["configs"].append({"name": f"{c}/{l}", "ours_top_ops": ops.get(("ours", c, l), []),

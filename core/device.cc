@@ -237,6 +237,18 @@ int cuda_device_count() { return cuda_info().count; }
 bool cuda_is_available() { return cuda_info().count > 0; }
 std::string cuda_unavailable_reason() { return cuda_info().reason; }
 
+std::string cuda_device_name(int device) {
+  EMBER_CHECK(device >= 0 && device < cuda_device_count(), "cuda_device_name: no CUDA device ", device, " (",
+              cuda_device_count(), " present)");
+#if EMBER_WITH_CUDA
+  cudaDeviceProp prop{};
+  EMBER_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return prop.name;
+#else
+  return "";
+#endif
+}
+
 void cuda_synchronize() {
 #if EMBER_WITH_CUDA
   if (cuda_is_available()) EMBER_CUDA_CHECK(cudaDeviceSynchronize());
@@ -244,9 +256,9 @@ void cuda_synchronize() {
 }
 
 namespace {
-// A TF32 switch: the environment's value on first use, then the setter's.
-// -1 means not read yet.
-struct Tf32Switch {
+// A library switch (TF32, cuDNN benchmark mode): the environment's value on
+// first use, then the setter's. -1 means not read yet.
+struct EnvSwitch {
   const char* env;
   bool fallback;
   std::atomic<int> value{-1};
@@ -264,15 +276,22 @@ struct Tf32Switch {
     return v != 0;
   }
 };
-Tf32Switch& cudnn_tf32() {
-  static Tf32Switch s{"EMBER_CUDNN_ALLOW_TF32", true};
+EnvSwitch& cudnn_tf32() {
+  static EnvSwitch s{"EMBER_CUDNN_ALLOW_TF32", true};
   return s;
 }
-Tf32Switch& matmul_tf32() {
-  static Tf32Switch s{"EMBER_MATMUL_ALLOW_TF32", false};
+EnvSwitch& matmul_tf32() {
+  static EnvSwitch s{"EMBER_MATMUL_ALLOW_TF32", false};
+  return s;
+}
+EnvSwitch& cudnn_bench() {
+  static EnvSwitch s{"EMBER_CUDNN_BENCHMARK", false};
   return s;
 }
 }  // namespace
+
+bool cudnn_benchmark() { return cudnn_bench().get(); }
+void set_cudnn_benchmark(bool on) { cudnn_bench().value.store(on, std::memory_order_relaxed); }
 
 bool cudnn_allow_tf32() { return cudnn_tf32().get(); }
 void set_cudnn_allow_tf32(bool allow) { cudnn_tf32().value.store(allow, std::memory_order_relaxed); }

@@ -77,6 +77,9 @@ int cuda_device_count();
 bool cuda_is_available();
 std::string cuda_unavailable_reason();
 void cuda_synchronize();
+// The device's name as the driver reports it ("NVIDIA H100 80GB HBM3"; the
+// host emulation says "CUDA emulation").
+std::string cuda_device_name(int device = 0);
 
 // TF32 for float32 math on Ampere and later GPUs, with PyTorch's defaults:
 // cuDNN convolutions may use it (torch.backends.cudnn.allow_tf32 = True),
@@ -84,6 +87,12 @@ void cuda_synchronize();
 // The environment sets the starting values: EMBER_CUDNN_ALLOW_TF32 and
 // EMBER_MATMUL_ALLOW_TF32, each 0 or 1. Algorithm choices are cached per
 // math mode, so switching takes effect at the next call.
+// cuDNN benchmark mode (PyTorch's torch.backends.cudnn.benchmark): each new
+// convolution geometry times cuDNN's algorithms once (cudnnFind*Ex, the
+// workspace capped) and keeps the fastest, instead of taking its heuristics'
+// first choice. Off by default; EMBER_CUDNN_BENCHMARK=1 turns it on.
+bool cudnn_benchmark();
+void set_cudnn_benchmark(bool on);
 bool cudnn_allow_tf32();
 void set_cudnn_allow_tf32(bool allow);
 bool matmul_allow_tf32();

@@ -13,8 +13,10 @@
 //    needs: mean and invstd and the running statistics updated in place
 //    (forward), dw, db and the three dx coefficients (backward). Nothing
 //    returns to the host, so a training step's batch norms never synchronise.
-// The elementwise passes (normalise, dx) are vectorised grid-stride loops in
-// which a vector's channel costs one 32-bit division, not one per element.
+// The elementwise passes (normalise, dx) are one kernel shape, out = p * u +
+// q * (v - mu) + k per channel: in NHWC each thread keeps its channels'
+// coefficients in registers and walks rows; in NCHW a vector's channel costs
+// one 32-bit division and one set of coefficient loads.
 // Accumulation is in acc_t: float for 16-bit and float32 input, double for
 // double.
 #include <cuda_runtime.h>
@@ -191,6 +193,7 @@ __global__ void reduce_rows_kernel(Op op, const A* __restrict__ mean, A* __restr
 #pragma unroll
   for (int j = 0; j < VEC; ++j) mu[j] = mean && active && (VEC == 1 || c0 + j < c) ? mean[c0 + j] : A(0);
   if (active) {
+#pragma unroll 4
     for (int64_t r = static_cast<int64_t>(blockIdx.y) * blockDim.y + ty; r < m;
          r += static_cast<int64_t>(gridDim.y) * blockDim.y) {
       if constexpr (VEC == 1) op.load(st[0], r * c + c0, mu[0]);
@@ -264,57 +267,86 @@ __global__ void backward_finalize_kernel(const A* __restrict__ part, int64_t chu
 
 // ---- Elementwise kernels ----
 
-// Channel of flat index i (the first of a vector): one 32-bit division when
-// the tensor fits 32-bit indexing. For s == 1 the VEC lanes are channels
-// ch .. ch + VEC - 1, else all in channel ch.
-template <typename I>
-__device__ __forceinline__ int64_t channel_of(int64_t i, int64_t c, int64_t s) {
-  const I ii = static_cast<I>(i);
-  return s == 1 ? static_cast<int64_t>(ii % static_cast<I>(c))
-                : static_cast<int64_t>((ii / static_cast<I>(s)) % static_cast<I>(c));
-}
+// Both elementwise passes are out = p * u + q * (v - mu) + k per channel:
+// normalise (u = x, q = 0: p = invstd * w, k = b - mean * p) and dx (u = dy,
+// v = x: p, q, k from backward's finalize, mu = mean; q = k = 0 in eval).
+template <typename A>
+struct ApplyCoef {
+  const A *mean, *invstd, *w, *b;
+  __device__ __forceinline__ void at(int64_t ch, A& p, A& q, A& mu, A& k) const {
+    p = invstd[ch] * (w ? w[ch] : A(1));
+    k = (b ? b[ch] : A(0)) - mean[ch] * p;
+    q = A(0);
+    mu = A(0);
+  }
+};
+template <typename A>
+struct DxCoef {
+  const A *mean, *coef;  // coef = [a; b; k], each [c]
+  int64_t c;
+  bool train;
+  __device__ __forceinline__ void at(int64_t ch, A& p, A& q, A& mu, A& k) const {
+    p = coef[ch];
+    q = train ? coef[c + ch] : A(0);
+    k = train ? coef[2 * c + ch] : A(0);
+    mu = train ? mean[ch] : A(0);
+  }
+};
 
-// y = x * scale + shift, scale = invstd * w, shift = b - mean * scale.
-template <typename T, typename A, int VEC, typename I>
-__global__ void apply_kernel(const T* __restrict__ x, const A* __restrict__ mean, const A* __restrict__ invstd,
-                             const A* __restrict__ w, const A* __restrict__ b, T* __restrict__ y, int64_t total,
-                             int64_t c, int64_t s) {
+// NCHW (s > 1): grid-stride over VEC-wide vectors, each inside one plane
+// (s % VEC == 0), so a vector's channel costs one division (32-bit where
+// the tensor allows) and one set of coefficient loads. v is read only when
+// HAS_V.
+template <typename T, typename A, int VEC, bool HAS_V, typename I, typename Coef>
+__global__ void affine_planes_kernel(const T* __restrict__ u, const T* __restrict__ v, Coef coef, T* __restrict__ out,
+                                     int64_t total, int64_t c, int64_t s) {
   const int64_t nvec = total / VEC;
-  for (int64_t v = cuda::global_thread_id(); v < nvec; v += cuda::grid_stride()) {
-    const int64_t i = v * VEC, ch = channel_of<I>(i, c, s);
-    const VecN<T, VEC> xv = *reinterpret_cast<const VecN<T, VEC>*>(x + i);
-    VecN<T, VEC> yv;
+  for (int64_t vi = cuda::global_thread_id(); vi < nvec; vi += cuda::grid_stride()) {
+    const int64_t i = vi * VEC;
+    const I ii = static_cast<I>(i);
+    const int64_t ch = static_cast<int64_t>((ii / static_cast<I>(s)) % static_cast<I>(c));
+    A p, q, mu, k;
+    coef.at(ch, p, q, mu, k);
+    const VecN<T, VEC> uv = *reinterpret_cast<const VecN<T, VEC>*>(u + i);
+    VecN<T, VEC> vv;
+    if constexpr (HAS_V) vv = *reinterpret_cast<const VecN<T, VEC>*>(v + i);
+    VecN<T, VEC> r;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const int64_t cj = s == 1 ? ch + j : ch;
-      const A scale = invstd[cj] * (w ? w[cj] : A(1));
-      const A shift = (b ? b[cj] : A(0)) - mean[cj] * scale;
-      yv.v[j] = cast_value<T>(cast_value<A>(xv.v[j]) * scale + shift);
+      A o = p * cast_value<A>(uv.v[j]) + k;
+      if constexpr (HAS_V) o += q * (cast_value<A>(vv.v[j]) - mu);
+      r.v[j] = cast_value<T>(o);
     }
-    *reinterpret_cast<VecN<T, VEC>*>(y + i) = yv;
+    *reinterpret_cast<VecN<T, VEC>*>(out + i) = r;
   }
 }
 
-// dx = a * dy + b * (x - mean) + k (coef = [a; b; k]); x is not read in eval.
-template <typename T, typename A, int VEC, typename I>
-__global__ void dx_kernel(const T* __restrict__ x, const T* __restrict__ dy, const A* __restrict__ mean,
-                          const A* __restrict__ coef, T* __restrict__ dx, int64_t total, int64_t c, int64_t s,
-                          bool train) {
-  const int64_t nvec = total / VEC;
-  for (int64_t v = cuda::global_thread_id(); v < nvec; v += cuda::grid_stride()) {
-    const int64_t i = v * VEC, ch = channel_of<I>(i, c, s);
-    const VecN<T, VEC> gv = *reinterpret_cast<const VecN<T, VEC>*>(dy + i);
-    VecN<T, VEC> xv;
-    if (train) xv = *reinterpret_cast<const VecN<T, VEC>*>(x + i);
-    VecN<T, VEC> out;
+// NHWC (s == 1, tensors [m, c]): each thread owns VEC consecutive channels
+// (threadIdx.x and blockIdx.x), keeps their coefficients in registers, and
+// walks rows (threadIdx.y, blockIdx.y); a block's row segment is contiguous.
+template <typename T, typename A, int VEC, bool HAS_V, typename Coef>
+__global__ void affine_rows_kernel(const T* __restrict__ u, const T* __restrict__ v, Coef coef, T* __restrict__ out,
+                                   int64_t m, int64_t c) {
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
+  if (c0 >= c) return;
+  A p[VEC], q[VEC], mu[VEC], k[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) coef.at(c0 + j, p[j], q[j], mu[j], k[j]);
+#pragma unroll 4
+  for (int64_t r = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r < m;
+       r += static_cast<int64_t>(gridDim.y) * blockDim.y) {
+    const int64_t i = r * c + c0;
+    const VecN<T, VEC> uv = *reinterpret_cast<const VecN<T, VEC>*>(u + i);
+    VecN<T, VEC> vv;
+    if constexpr (HAS_V) vv = *reinterpret_cast<const VecN<T, VEC>*>(v + i);
+    VecN<T, VEC> o;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const int64_t cj = s == 1 ? ch + j : ch;
-      A r = coef[cj] * cast_value<A>(gv.v[j]);
-      if (train) r += coef[c + cj] * (cast_value<A>(xv.v[j]) - mean[cj]) + coef[2 * c + cj];
-      out.v[j] = cast_value<T>(r);
+      A val = p[j] * cast_value<A>(uv.v[j]) + k[j];
+      if constexpr (HAS_V) val += q[j] * (cast_value<A>(vv.v[j]) - mu[j]);
+      o.v[j] = cast_value<T>(val);
     }
-    *reinterpret_cast<VecN<T, VEC>*>(dx + i) = out;
+    *reinterpret_cast<VecN<T, VEC>*>(out + i) = o;
   }
 }
 
@@ -347,30 +379,42 @@ struct ReducePlan {
   int64_t chunks, ppc;  // chunks of rows; planes per chunk (NCHW)
 };
 
+// Threads along channels for a [m, c] tensor: tx lanes of VEC channels
+// (a power of two up to a warp), ty rows, enough row chunks to fill the GPU.
+struct RowsGeometry {
+  dim3 grid, block;
+  int64_t chunks;
+};
+RowsGeometry rows_geometry(int64_t m, int64_t c, int vec, int device) {
+  const int64_t nvec = cuda::ceil_div(c, vec);
+  int tx = 1;
+  while (tx < nvec && tx < kWarp) tx *= 2;
+  const int ty = cuda::kBlockSize / tx;
+  const int64_t tiles = cuda::ceil_div(nvec, tx);
+  int64_t chunks = std::clamp<int64_t>(cuda::ceil_div(target_blocks(device), tiles), 1,
+                                       std::max<int64_t>(1, cuda::ceil_div(m, ty)));
+  chunks = std::min<int64_t>(chunks, 65535);
+  return {dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks)), dim3(tx, ty), chunks};
+}
+
 template <typename T>
 ReducePlan plan_reduce(const Dims3& d, const void* p0, const void* p1, int device) {
   constexpr int V = cuda::vec_width<T>();
   ReducePlan pl{};
-  const int64_t want = target_blocks(device);
   if (d.s == 1) {
     pl.rows = true;
     const bool vec_ok = d.c % V == 0 && cuda::is_aligned_for<T, V>(p0) && (!p1 || cuda::is_aligned_for<T, V>(p1));
     pl.vec = vec_ok ? V : 1;
-    const int64_t nvec = cuda::ceil_div(d.c, pl.vec);
-    int tx = 1;
-    while (tx < nvec && tx < kWarp) tx *= 2;
-    const int ty = cuda::kBlockSize / tx;
-    const int64_t tiles = cuda::ceil_div(nvec, tx);
-    pl.chunks = std::clamp<int64_t>(cuda::ceil_div(want, tiles), 1, std::max<int64_t>(1, cuda::ceil_div(d.n, ty)));
-    pl.chunks = std::min<int64_t>(pl.chunks, 65535);
-    pl.grid = dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(pl.chunks));
-    pl.block = dim3(tx, ty);
+    const RowsGeometry g = rows_geometry(d.n, d.c, pl.vec, device);
+    pl.grid = g.grid;
+    pl.block = g.block;
+    pl.chunks = g.chunks;
   } else {
     pl.rows = false;
     // for_each_aligned aligns the loads on x; dy must then be aligned alike.
     const uintptr_t a0 = reinterpret_cast<uintptr_t>(p0), a1 = reinterpret_cast<uintptr_t>(p1 ? p1 : p0);
     pl.vec = (a0 - a1) % (sizeof(T) * V) == 0 ? V : 1;
-    pl.chunks = std::clamp<int64_t>(cuda::ceil_div(want, d.c), 1, std::min<int64_t>(d.n, 65535));
+    pl.chunks = std::clamp<int64_t>(cuda::ceil_div(target_blocks(device), d.c), 1, std::min<int64_t>(d.n, 65535));
     pl.ppc = cuda::ceil_div(d.n, pl.chunks);
     pl.chunks = cuda::ceil_div(d.n, pl.ppc);
     pl.grid = dim3(static_cast<unsigned>(d.c), static_cast<unsigned>(pl.chunks));
@@ -395,22 +439,43 @@ void launch_reduce(const ReducePlan& pl, const Op& op, const A* mean, A* part, c
   EMBER_CUDA_CHECK(cudaGetLastError());
 }
 
-// Runs an elementwise kernel vectorised when every vector lies in one
-// channel (s % V == 0) or spans consecutive channels (s == 1, c % V == 0)
-// and the pointers are aligned; 32-bit indexing when the tensor allows.
-template <typename T, typename Launch>
-void launch_elementwise(const Dims3& d, int64_t total, std::initializer_list<const void*> ptrs, Launch&& launch) {
+// out = p * u + q * (v - mu) + k (see ApplyCoef), vectorised when every
+// vector lies in one plane (NCHW, s % V == 0) or spans consecutive channels
+// (NHWC, c % V == 0) and the pointers are aligned; v may be null.
+template <typename T, typename A, typename Coef>
+void launch_affine(const Dims3& d, const T* u, const T* v, const Coef& coef, T* out, int device,
+                   cudaStream_t stream) {
   constexpr int V = cuda::vec_width<T>();
+  const int64_t total = d.n * d.c * d.s;
   bool vec_ok = (d.s == 1 ? d.c % V == 0 : d.s % V == 0);
-  for (const void* p : ptrs) vec_ok = vec_ok && (!p || cuda::is_aligned_for<T, V>(p));
-  const bool small = total < (int64_t{1} << 31);
-  if (vec_ok) {
-    if (small) launch(std::integral_constant<int, V>{}, uint32_t{});
-    else launch(std::integral_constant<int, V>{}, int64_t{});
+  for (const void* p : {static_cast<const void*>(u), static_cast<const void*>(v), static_cast<const void*>(out)})
+    vec_ok = vec_ok && (!p || cuda::is_aligned_for<T, V>(p));
+  auto go = [&](auto vec_c, auto has_v) {
+    constexpr int VEC = decltype(vec_c)::value;
+    constexpr bool HV = decltype(has_v)::value;
+    if (d.s == 1) {
+      const RowsGeometry g = rows_geometry(d.n, d.c, VEC, device);
+      affine_rows_kernel<T, A, VEC, HV, Coef><<<g.grid, g.block, 0, stream>>>(u, v, coef, out, d.n, d.c);
+    } else if (total < (int64_t{1} << 31)) {
+      affine_planes_kernel<T, A, VEC, HV, uint32_t, Coef>
+          <<<cuda::grid_for(total, cuda::kBlockSize, VEC), cuda::kBlockSize, 0, stream>>>(u, v, coef, out, total,
+                                                                                           d.c, d.s);
+    } else {
+      affine_planes_kernel<T, A, VEC, HV, int64_t, Coef>
+          <<<cuda::grid_for(total, cuda::kBlockSize, VEC), cuda::kBlockSize, 0, stream>>>(u, v, coef, out, total,
+                                                                                           d.c, d.s);
+    }
+  };
+  using One = std::integral_constant<int, 1>;
+  using Wide = std::integral_constant<int, V>;
+  if (v) {
+    if (vec_ok) go(Wide{}, std::true_type{});
+    else go(One{}, std::true_type{});
   } else {
-    if (small) launch(std::integral_constant<int, 1>{}, uint32_t{});
-    else launch(std::integral_constant<int, 1>{}, int64_t{});
+    if (vec_ok) go(Wide{}, std::false_type{});
+    else go(One{}, std::false_type{});
   }
+  EMBER_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace
@@ -450,15 +515,10 @@ void batch_norm_apply_cuda(const Tensor& x, const Tensor& mean, const Tensor& in
   EMBER_DISPATCH_FLOAT(x.dtype(), "batch_norm", [&] {
     using T = scalar_t;
     using A = acc_t<T>;
-    launch_elementwise<T>(d, total, {x.raw_data(), y.raw_data()}, [&](auto vec_c, auto idx) {
-      constexpr int VEC = decltype(vec_c)::value;
-      using I = decltype(idx);
-      apply_kernel<T, A, VEC, I><<<cuda::grid_for(total, cuda::kBlockSize, VEC), cuda::kBlockSize, 0, stream>>>(
-          static_cast<const T*>(x.raw_data()), static_cast<const A*>(mean.raw_data()),
-          static_cast<const A*>(invstd.raw_data()), opt_ptr<A>(w), opt_ptr<A>(b), static_cast<T*>(y.raw_data()),
-          total, d.c, d.s);
-    });
-    EMBER_CUDA_CHECK(cudaGetLastError());
+    const ApplyCoef<A> coef{static_cast<const A*>(mean.raw_data()), static_cast<const A*>(invstd.raw_data()),
+                            opt_ptr<A>(w), opt_ptr<A>(b)};
+    launch_affine<T, A>(d, static_cast<const T*>(x.raw_data()), nullptr, coef, static_cast<T*>(y.raw_data()),
+                        x.device().index, stream);
   });
 }
 
@@ -479,7 +539,7 @@ void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& m
     const T* xp = static_cast<const T*>(x.raw_data());
     const T* gp = static_cast<const T*>(dy.raw_data());
     const A* mp = static_cast<const A*>(mean.raw_data());
-    Tensor part, coef;
+    Tensor part, coef_t;
     int64_t chunks = 0;
     if (need_sums) {
       const ReducePlan pl = plan_reduce<T>(d, xp, gp, dev);
@@ -488,21 +548,15 @@ void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& m
       const BackwardSumsOp<T, A> op{xp, gp};
       launch_reduce<BackwardSumsOp<T, A>, A, V>(pl, op, mp, static_cast<A*>(part.raw_data()), d, stream);
     }
-    if (dx) coef = Tensor::empty({3, d.c}, mean.options());
+    if (dx) coef_t = Tensor::empty({3, d.c}, mean.options());
     backward_finalize_kernel<A><<<cuda::grid_for(d.c), cuda::kBlockSize, 0, stream>>>(
         need_sums ? static_cast<const A*>(part.raw_data()) : nullptr, chunks, d.c,
         static_cast<const A*>(invstd.raw_data()), opt_ptr<A>(w), A(1) / static_cast<A>(d.n * d.s), train,
-        opt_mut<A>(dw), opt_mut<A>(db), dx ? static_cast<A*>(coef.raw_data()) : nullptr);
+        opt_mut<A>(dw), opt_mut<A>(db), dx ? static_cast<A*>(coef_t.raw_data()) : nullptr);
     EMBER_CUDA_CHECK(cudaGetLastError());
     if (!dx) return;
-    launch_elementwise<T>(d, total, {xp, gp, dx->raw_data()}, [&](auto vec_c, auto idx) {
-      constexpr int VEC = decltype(vec_c)::value;
-      using I = decltype(idx);
-      dx_kernel<T, A, VEC, I><<<cuda::grid_for(total, cuda::kBlockSize, VEC), cuda::kBlockSize, 0, stream>>>(
-          xp, gp, mp, static_cast<const A*>(coef.raw_data()), static_cast<T*>(dx->raw_data()), total, d.c, d.s,
-          train);
-    });
-    EMBER_CUDA_CHECK(cudaGetLastError());
+    const DxCoef<A> coef{mp, static_cast<const A*>(coef_t.raw_data()), d.c, train};
+    launch_affine<T, A>(d, gp, train ? xp : nullptr, coef, static_cast<T*>(dx->raw_data()), dev, stream);
   });
 }
 

@@ -13,7 +13,9 @@
 // log (CUDNN_LOGLEVEL_DBG) or PyTorch's choices on a GPU.
 //
 // Algorithms come from cuDNN's heuristics (Get*_v7, checked and completed by
-// pick below), once per (device, geometry, dtype, layout, pass) and cached:
+// pick below) or, in benchmark mode (cudnn_benchmark(), PyTorch's
+// cudnn.benchmark), from timing them all once (cudnnFind*Ex), once per
+// (device, geometry, dtype, layout, pass, math, mode) and cached:
 // the query costs far more than a small convolution, and training repeats
 // shapes every step.
 // Workspaces come from our caching allocator, which is stream-ordered, so a
@@ -23,6 +25,7 @@
 #include <cuda_runtime.h>
 #include <cudnn.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstdlib>
@@ -168,6 +171,7 @@ struct AlgoKey {
   bool channels_last;
   Pass pass;
   cudnnMathType_t math;  // the call's math: TF32 on and off pick apart
+  bool benchmark;        // measured (cudnnFind*Ex) or heuristic choice
   auto operator<=>(const AlgoKey&) const = default;
 };
 
@@ -221,7 +225,51 @@ AlgoKey algo_key(const ConvGeom& g, bool channels_last, const Tensor& x, Pass pa
           x.dtype(),
           channels_last,
           pass,
-          math};
+          math,
+          cudnn_benchmark()};
+}
+
+// Workspaces come from the caching allocator (stream-ordered).
+DataPtr workspace(int device, size_t bytes) {
+  return bytes > 0 ? cuda_allocator(device)->allocate(bytes) : DataPtr{};
+}
+
+// Benchmark mode's workspace cap: half the device's free memory, at most
+// 4 GiB, so that timing the candidates never runs the step out of memory;
+// an algorithm that needs more is skipped (cuDNN reports it as not run).
+size_t benchmark_workspace_cap() {
+  size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return std::min<size_t>(free_b / 2, size_t{4} << 30);
+}
+
+// Benchmark mode: `find` (a cudnnFind*AlgorithmEx call given a workspace)
+// times every algorithm; the fastest that fits and runs in the math we need
+// wins. {-1}: nothing measured (no memory for the workspace, say), and the
+// caller falls back to the heuristics.
+template <typename Perf, typename Find, typename Accepts>
+Algo find_algo(int dev, int n_algos, DType dt, cudnnMathType_t want, Find&& find, Accepts&& accepts) {
+  size_t cap = benchmark_workspace_cap();
+  DataPtr ws;
+  try {
+    ws = workspace(dev, cap);
+  } catch (const std::exception&) {
+    cap = 0;  // measure the algorithms that need no workspace
+  }
+  std::vector<Perf> perf(n_algos);
+  int returned = 0;
+  if (find(n_algos, &returned, perf.data(), ws.get(), cap) != CUDNN_STATUS_SUCCESS) return {-1, want};
+  for (int i = 0; i < returned; ++i) {  // sorted by time; failures last
+    if (perf[i].status != CUDNN_STATUS_SUCCESS || perf[i].memory > cap) continue;
+    const cudnnMathType_t m = want == CUDNN_FMA_MATH ? CUDNN_FMA_MATH : perf[i].mathType;
+    if (want == CUDNN_FMA_MATH && perf[i].mathType == CUDNN_TENSOR_OP_MATH) continue;
+    if (accepts(static_cast<int>(perf[i].algo), m)) return {static_cast<int>(perf[i].algo), m};
+  }
+  (void)dt;
+  return {-1, want};
 }
 
 const char* math_name(cudnnMathType_t m) {
@@ -254,9 +302,6 @@ void log_choice(const Cached& c, const char* pass, const ConvGeom& g, DType dt, 
 // 1x1 images, say), the two layouts are the same memory and NCHW is right.
 bool channels_last(const Tensor& x, const Tensor& w) { return !x.is_contiguous() || !w.is_contiguous(); }
 
-DataPtr workspace(int device, size_t bytes) {
-  return bytes > 0 ? cuda_allocator(device)->allocate(bytes) : DataPtr{};
-}
 
 // ---- Bias kernels ----
 
@@ -313,18 +358,30 @@ bool forward_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& x, 
   FilterDesc wd(w, ty.data, cl);
   ConvDesc cd(g, ty);
   const Cached cached = cached_algo(algo_key(g, cl, x, Pass::Forward, ty.math), [&] {
-    int max_count = 0, returned = 0;
-    EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(h, &max_count));
-    std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(max_count);
-    EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, xd.get(), wd.get(), cd.get(), yd.get(), max_count,
-                                                             &returned, perf.data()));
-    return pick(perf, returned, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, x.dtype(), ty.math, [&](int algo, cudnnMathType_t m) {
+    auto accepts_fwd = [&](int algo, cudnnMathType_t m) {
       cd.set_math(m);
       size_t ws = 0;
       return cudnnGetConvolutionForwardWorkspaceSize(h, xd.get(), wd.get(), cd.get(), yd.get(),
                                                      static_cast<cudnnConvolutionFwdAlgo_t>(algo),
                                                      &ws) == CUDNN_STATUS_SUCCESS;
-    });
+    };
+    if (cudnn_benchmark()) {
+      cd.set_math(ty.math);
+      const Algo f = find_algo<cudnnConvolutionFwdAlgoPerf_t>(
+          dev, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, x.dtype(), ty.math,
+          [&](int req, int* ret, cudnnConvolutionFwdAlgoPerf_t* p, void* ws, size_t cap) {
+            return cudnnFindConvolutionForwardAlgorithmEx(h, xd.get(), x.raw_data(), wd.get(), w.raw_data(), cd.get(),
+                                                          yd.get(), y.raw_data(), req, ret, p, ws, cap);
+          },
+          accepts_fwd);
+      if (f.algo >= 0) return f;
+    }
+    int max_count = 0, returned = 0;
+    EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(h, &max_count));
+    std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(max_count);
+    EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, xd.get(), wd.get(), cd.get(), yd.get(), max_count,
+                                                             &returned, perf.data()));
+    return pick(perf, returned, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, x.dtype(), ty.math, accepts_fwd);
   });
   const Algo a = cached.algo;
   if (a.algo < 0) return false;
@@ -347,6 +404,24 @@ bool backward_data_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tenso
   FilterDesc wd(w, ty.data, cl);
   ConvDesc cd(g, ty);
   const Cached cached = cached_algo(algo_key(g, cl, dy, Pass::BackwardData, ty.math), [&] {
+    if (cudnn_benchmark()) {
+      cd.set_math(ty.math);
+      const Algo f = find_algo<cudnnConvolutionBwdDataAlgoPerf_t>(
+          dev, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, dy.dtype(), ty.math,
+          [&](int req, int* ret, cudnnConvolutionBwdDataAlgoPerf_t* p, void* ws, size_t cap) {
+            return cudnnFindConvolutionBackwardDataAlgorithmEx(h, wd.get(), w.raw_data(), dyd.get(), dy.raw_data(),
+                                                               cd.get(), dxd.get(), dx.raw_data(), req, ret, p, ws,
+                                                               cap);
+          },
+          [&](int algo, cudnnMathType_t m) {
+            cd.set_math(m);
+            size_t ws = 0;
+            return cudnnGetConvolutionBackwardDataWorkspaceSize(h, wd.get(), dyd.get(), cd.get(), dxd.get(),
+                                                                static_cast<cudnnConvolutionBwdDataAlgo_t>(algo),
+                                                                &ws) == CUDNN_STATUS_SUCCESS;
+          });
+      if (f.algo >= 0) return f;
+    }
     int max_count = 0, returned = 0;
     EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(h, &max_count));
     std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(max_count);
@@ -384,6 +459,24 @@ bool backward_filter_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Ten
   FilterDesc dwd(dw, ty.data, cl);
   ConvDesc cd(g, ty);
   const Cached cached = cached_algo(algo_key(g, cl, x, Pass::BackwardFilter, ty.math), [&] {
+    if (cudnn_benchmark()) {
+      cd.set_math(ty.math);
+      const Algo f = find_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(
+          dev, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, x.dtype(), ty.math,
+          [&](int req, int* ret, cudnnConvolutionBwdFilterAlgoPerf_t* p, void* ws, size_t cap) {
+            return cudnnFindConvolutionBackwardFilterAlgorithmEx(h, xd.get(), x.raw_data(), dyd.get(), dy.raw_data(),
+                                                                 cd.get(), dwd.get(), dw.raw_data(), req, ret, p, ws,
+                                                                 cap);
+          },
+          [&](int algo, cudnnMathType_t m) {
+            cd.set_math(m);
+            size_t ws = 0;
+            return cudnnGetConvolutionBackwardFilterWorkspaceSize(h, xd.get(), dyd.get(), cd.get(), dwd.get(),
+                                                                  static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo),
+                                                                  &ws) == CUDNN_STATUS_SUCCESS;
+          });
+      if (f.algo >= 0) return f;
+    }
     int max_count = 0, returned = 0;
     EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(h, &max_count));
     std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(max_count);

@@ -257,6 +257,16 @@ cudaError_t cudaSetDevice(int d) {
   g_device = d;
   return cudaSuccess;
 }
+// The emulated device names itself, so a test can tell the emulation from a
+// GPU where their results legitimately differ (which algorithm cuDNN picks).
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int) {
+  *prop = cudaDeviceProp{};
+  std::snprintf(prop->name, sizeof prop->name, "%s", "CUDA emulation");
+  prop->multiProcessorCount = 4;
+  prop->warpSize = 32;
+  prop->maxThreadsPerBlock = 1024;
+  return cudaSuccess;
+}
 cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
   *v = a == cudaDevAttrMultiProcessorCount ? 4 : a == cudaDevAttrMaxThreadsPerBlock ? 1024 : a == cudaDevAttrWarpSize ? 32 : 0;
   return cudaSuccess;

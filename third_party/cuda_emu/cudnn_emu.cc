@@ -459,6 +459,35 @@ cudnnStatus_t algo_query(const char* fn, Pass pass, cudnnHandle_t handle, cudnnT
   return heuristics<Perf, Algo>(fn, pass, p, requested, returned, perf);
 }
 
+// The Find*AlgorithmEx calls: every candidate "timed" (the heuristics'
+// order stands in for measured times, 1 ms apart), those that need more
+// workspace than given reported as CUDNN_STATUS_ALLOC_FAILED, tensor-op
+// candidates dropped when the descriptor asks for FMA math, failures last.
+template <typename Perf, typename Algo>
+cudnnStatus_t find_query(const char* fn, Pass pass, cudnnHandle_t handle, cudnnTensorDescriptor_t xd,
+                         cudnnFilterDescriptor_t wd, cudnnConvolutionDescriptor_t cd, cudnnTensorDescriptor_t yd,
+                         int requested, int* returned, Perf* perf, void* ws, size_t ws_bytes) {
+  Problem p;
+  TRY(check_problem(fn, pass, handle, xd, wd, cd, yd, &p));
+  if (ws_bytes > 0) emu::check_device_range(ws, ws_bytes, fn);
+  Perf list[16];
+  int n = 0;
+  TRY((heuristics<Perf, Algo>(fn, pass, p, 16, &n, list)));
+  const bool fma = p.dt == CUDNN_DATA_FLOAT && !p.tf32;
+  int kept = 0;
+  for (int i = 0; i < n; ++i) {
+    Perf r = list[i];
+    if (fma && r.mathType == CUDNN_TENSOR_OP_MATH) continue;
+    if (r.status == CUDNN_STATUS_SUCCESS && r.memory > ws_bytes) r.status = CUDNN_STATUS_ALLOC_FAILED;
+    r.time = static_cast<float>(kept);
+    list[kept++] = r;
+  }
+  std::stable_partition(list, list + kept, [](const Perf& r) { return r.status == CUDNN_STATUS_SUCCESS; });
+  *returned = std::min(requested, kept);
+  std::copy(list, list + *returned, perf);
+  return CUDNN_STATUS_SUCCESS;
+}
+
 cudnnStatus_t ws_query(const char* fn, Pass pass, cudnnHandle_t handle, cudnnTensorDescriptor_t xd,
                        cudnnFilterDescriptor_t wd, cudnnConvolutionDescriptor_t cd, cudnnTensorDescriptor_t yd,
                        int algo, size_t* sizeInBytes) {
@@ -611,6 +640,36 @@ cudnnStatus_t cudnnGetConvolutionBackwardFilterAlgorithm_v7(
   return algo_query<cudnnConvolutionBwdFilterAlgoPerf_t, cudnnConvolutionBwdFilterAlgo_t>(
       "cudnnGetConvolutionBackwardFilterAlgorithm_v7", kBwdFilter, handle, srcDesc, gradDesc, convDesc, diffDesc,
       requestedAlgoCount, returnedAlgoCount, perfResults);
+}
+
+cudnnStatus_t cudnnFindConvolutionForwardAlgorithmEx(cudnnHandle_t handle, const cudnnTensorDescriptor_t xDesc,
+                                                     const void*, const cudnnFilterDescriptor_t wDesc, const void*,
+                                                     const cudnnConvolutionDescriptor_t convDesc,
+                                                     const cudnnTensorDescriptor_t yDesc, void*,
+                                                     const int requestedAlgoCount, int* returnedAlgoCount,
+                                                     cudnnConvolutionFwdAlgoPerf_t* perfResults, void* workSpace,
+                                                     size_t workSpaceSizeInBytes) {
+  return find_query<cudnnConvolutionFwdAlgoPerf_t, cudnnConvolutionFwdAlgo_t>(
+      "cudnnFindConvolutionForwardAlgorithmEx", kFwd, handle, xDesc, wDesc, convDesc, yDesc, requestedAlgoCount,
+      returnedAlgoCount, perfResults, workSpace, workSpaceSizeInBytes);
+}
+cudnnStatus_t cudnnFindConvolutionBackwardDataAlgorithmEx(
+    cudnnHandle_t handle, const cudnnFilterDescriptor_t wDesc, const void*, const cudnnTensorDescriptor_t dyDesc,
+    const void*, const cudnnConvolutionDescriptor_t convDesc, const cudnnTensorDescriptor_t dxDesc, void*,
+    const int requestedAlgoCount, int* returnedAlgoCount, cudnnConvolutionBwdDataAlgoPerf_t* perfResults,
+    void* workSpace, size_t workSpaceSizeInBytes) {
+  return find_query<cudnnConvolutionBwdDataAlgoPerf_t, cudnnConvolutionBwdDataAlgo_t>(
+      "cudnnFindConvolutionBackwardDataAlgorithmEx", kBwdData, handle, dxDesc, wDesc, convDesc, dyDesc,
+      requestedAlgoCount, returnedAlgoCount, perfResults, workSpace, workSpaceSizeInBytes);
+}
+cudnnStatus_t cudnnFindConvolutionBackwardFilterAlgorithmEx(
+    cudnnHandle_t handle, const cudnnTensorDescriptor_t xDesc, const void*, const cudnnTensorDescriptor_t dyDesc,
+    const void*, const cudnnConvolutionDescriptor_t convDesc, const cudnnFilterDescriptor_t dwDesc, void*,
+    const int requestedAlgoCount, int* returnedAlgoCount, cudnnConvolutionBwdFilterAlgoPerf_t* perfResults,
+    void* workSpace, size_t workSpaceSizeInBytes) {
+  return find_query<cudnnConvolutionBwdFilterAlgoPerf_t, cudnnConvolutionBwdFilterAlgo_t>(
+      "cudnnFindConvolutionBackwardFilterAlgorithmEx", kBwdFilter, handle, xDesc, dwDesc, convDesc, dyDesc,
+      requestedAlgoCount, returnedAlgoCount, perfResults, workSpace, workSpaceSizeInBytes);
 }
 
 cudnnStatus_t cudnnGetConvolutionForwardWorkspaceSize(cudnnHandle_t handle, const cudnnTensorDescriptor_t xDesc,
