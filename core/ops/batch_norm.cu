@@ -162,11 +162,21 @@ __global__ void reduce_planes_kernel(Op op, const A* __restrict__ mean, A* __res
   const A mu = mean ? mean[ch] : A(0);
   const int64_t p_end = std::min<int64_t>(n, (chunk + 1) * ppc);
   State st{};
-  for (int64_t p = chunk * ppc + warp; p < p_end; p += nwarps) {
-    const int64_t base = (p * c + ch) * s;
-    cuda::for_each_aligned<VEC>(
-        op.x + base, 0, s, lane, kWarp, [&](int64_t i) { op.load(st, base + i, mu); },
-        [&](int64_t i) { op.template load_vec<VEC>(&st, base + i, &mu, true); });
+  if (s < 4 * kWarp) {
+    // Planes too small to keep a warp busy (7x7, 14x14 at 16-bit): the block
+    // walks the chunk's planes as one flat range, a 32-bit division each.
+    const uint32_t p0 = static_cast<uint32_t>(chunk * ppc), len = static_cast<uint32_t>((p_end - p0) * s);
+    for (uint32_t j = threadIdx.x; j < len; j += blockDim.x) {
+      const uint32_t pl = j / static_cast<uint32_t>(s), i = j - pl * static_cast<uint32_t>(s);
+      op.load(st, (static_cast<int64_t>(p0 + pl) * c + ch) * s + i, mu);
+    }
+  } else {
+    for (int64_t p = chunk * ppc + warp; p < p_end; p += nwarps) {
+      const int64_t base = (p * c + ch) * s;
+      cuda::for_each_aligned<VEC>(
+          op.x + base, 0, s, lane, kWarp, [&](int64_t i) { op.load(st, base + i, mu); },
+          [&](int64_t i) { op.template load_vec<VEC>(&st, base + i, &mu, true); });
+    }
   }
   st = warp_merge(st);
   if (lane == 0) warp_states[warp] = st;
@@ -215,7 +225,13 @@ __global__ void reduce_rows_kernel(Op op, const A* __restrict__ mean, A* __restr
   }
 }
 
-// ---- Finalize kernels (one thread per channel) ----
+// ---- Finalize kernels (one warp per channel) ----
+
+// A reduction may leave thousands of partials per channel (NHWC splits rows
+// into many chunks): a warp per channel merges them, lane l taking chunks
+// l, l + 32, ... in order and the lanes then merging in a fixed tree, so the
+// loads overlap and the result is still the same bits every run.
+constexpr int kFinalizeChannels = cuda::kBlockSize / kWarp;  // per block
 
 // mean, invstd = 1 / sqrt(var + eps), and the running statistics (if rm):
 // running = (1 - momentum) * running + momentum * batch, with the unbiased
@@ -224,18 +240,21 @@ template <typename A>
 __global__ void stats_finalize_kernel(const A* __restrict__ part, int64_t chunks, int64_t c, A* __restrict__ mean,
                                       A* __restrict__ invstd, A eps, A* __restrict__ rm, A* __restrict__ rv,
                                       A keep, A momentum, A unbias_momentum) {
-  cuda::grid_stride_loop(c, [&](int64_t ch) {
-    Welford<A> w{};
-    for (int64_t k = 0; k < chunks; ++k)
-      w.merge(part[k * c + ch], part[(chunks + k) * c + ch], part[(2 * chunks + k) * c + ch]);
-    const A var = w.m2 / w.n;
-    mean[ch] = w.mean;
-    invstd[ch] = A(1) / sqrt(var + eps);
-    if (rm) {
-      rm[ch] = rm[ch] * keep + w.mean * momentum;
-      rv[ch] = rv[ch] * keep + var * unbias_momentum;
-    }
-  });
+  const int64_t ch = static_cast<int64_t>(blockIdx.x) * kFinalizeChannels + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (ch >= c) return;  // whole warps: the shuffles below see all 32 lanes
+  Welford<A> w{};
+  for (int64_t k = lane; k < chunks; k += kWarp)
+    w.merge(part[k * c + ch], part[(chunks + k) * c + ch], part[(2 * chunks + k) * c + ch]);
+  w = warp_merge(w);
+  if (lane != 0) return;
+  const A var = w.m2 / w.n;
+  mean[ch] = w.mean;
+  invstd[ch] = A(1) / sqrt(var + eps);
+  if (rm) {
+    rm[ch] = rm[ch] * keep + w.mean * momentum;
+    rv[ch] = rv[ch] * keep + var * unbias_momentum;
+  }
 }
 
 // dw = sum(dy * xhat), db = sum(dy); dx = a * dy + b * (x - mean) + k, with
@@ -245,24 +264,28 @@ template <typename A>
 __global__ void backward_finalize_kernel(const A* __restrict__ part, int64_t chunks, int64_t c,
                                          const A* __restrict__ invstd, const A* __restrict__ w, A inv_m, bool train,
                                          A* __restrict__ dw, A* __restrict__ db, A* __restrict__ coef) {
-  cuda::grid_stride_loop(c, [&](int64_t ch) {
-    A sum_dy = 0, sum_dy_xmu = 0;
-    if (part)
-      for (int64_t k = 0; k < chunks; ++k) {
-        sum_dy += part[k * c + ch];
-        sum_dy_xmu += part[(chunks + k) * c + ch];
-      }
-    const A inv = invstd[ch], wc = w ? w[ch] : A(1);
-    const A sum_dy_xhat = sum_dy_xmu * inv;
-    if (dw) dw[ch] = sum_dy_xhat;
-    if (db) db[ch] = sum_dy;
-    if (coef) {
-      const A a = wc * inv;
-      coef[ch] = a;
-      coef[c + ch] = train ? -a * inv * sum_dy_xhat * inv_m : A(0);
-      coef[2 * c + ch] = train ? -a * sum_dy * inv_m : A(0);
+  const int64_t ch = static_cast<int64_t>(blockIdx.x) * kFinalizeChannels + threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (ch >= c) return;
+  Sums2<A> s{};
+  if (part)
+    for (int64_t k = lane; k < chunks; k += kWarp) {
+      s.a += part[k * c + ch];
+      s.b += part[(chunks + k) * c + ch];
     }
-  });
+  s = warp_merge(s);
+  if (lane != 0) return;
+  const A sum_dy = s.a, sum_dy_xmu = s.b;
+  const A inv = invstd[ch], wc = w ? w[ch] : A(1);
+  const A sum_dy_xhat = sum_dy_xmu * inv;
+  if (dw) dw[ch] = sum_dy_xhat;
+  if (db) db[ch] = sum_dy;
+  if (coef) {
+    const A a = wc * inv;
+    coef[ch] = a;
+    coef[c + ch] = train ? -a * inv * sum_dy_xhat * inv_m : A(0);
+    coef[2 * c + ch] = train ? -a * sum_dy * inv_m : A(0);
+  }
 }
 
 // ---- Elementwise kernels ----
@@ -392,7 +415,7 @@ RowsGeometry rows_geometry(int64_t m, int64_t c, int vec, int device) {
   const int ty = cuda::kBlockSize / tx;
   const int64_t tiles = cuda::ceil_div(nvec, tx);
   int64_t chunks = std::clamp<int64_t>(cuda::ceil_div(target_blocks(device), tiles), 1,
-                                       std::max<int64_t>(1, cuda::ceil_div(m, ty)));
+                                       std::max<int64_t>(1, cuda::ceil_div(m, int64_t{4} * ty)));
   chunks = std::min<int64_t>(chunks, 65535);
   return {dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks)), dim3(tx, ty), chunks};
 }
@@ -496,7 +519,7 @@ void batch_norm_stats_cuda(const Tensor& x, Tensor& mean, Tensor& invstd, double
     Tensor part = Tensor::empty({3, pl.chunks, d.c}, mean.options());
     const StatsOp<T, A> op{static_cast<const T*>(x.raw_data())};
     launch_reduce<StatsOp<T, A>, A, V>(pl, op, nullptr, static_cast<A*>(part.raw_data()), d, stream);
-    stats_finalize_kernel<A><<<cuda::grid_for(d.c), cuda::kBlockSize, 0, stream>>>(
+    stats_finalize_kernel<A><<<cuda::grid_for(d.c, kFinalizeChannels), cuda::kBlockSize, 0, stream>>>(
         static_cast<const A*>(part.raw_data()), pl.chunks, d.c, static_cast<A*>(mean.raw_data()),
         static_cast<A*>(invstd.raw_data()), static_cast<A>(eps), opt_mut<A>(running_mean), opt_mut<A>(running_var),
         static_cast<A>(1.0 - momentum), static_cast<A>(momentum),
@@ -549,7 +572,7 @@ void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& m
       launch_reduce<BackwardSumsOp<T, A>, A, V>(pl, op, mp, static_cast<A*>(part.raw_data()), d, stream);
     }
     if (dx) coef_t = Tensor::empty({3, d.c}, mean.options());
-    backward_finalize_kernel<A><<<cuda::grid_for(d.c), cuda::kBlockSize, 0, stream>>>(
+    backward_finalize_kernel<A><<<cuda::grid_for(d.c, kFinalizeChannels), cuda::kBlockSize, 0, stream>>>(
         need_sums ? static_cast<const A*>(part.raw_data()) : nullptr, chunks, d.c,
         static_cast<const A*>(invstd.raw_data()), opt_ptr<A>(w), A(1) / static_cast<A>(d.n * d.s), train,
         opt_mut<A>(dw), opt_mut<A>(db), dx ? static_cast<A*>(coef_t.raw_data()) : nullptr);
