@@ -307,6 +307,24 @@ TEST_F(CudaNnOps, BatchNormShapesMatchCpu) {
       }
 }
 
+// Statistics far from zero (mean 1e4, std 1): a one-pass variance that
+// cancels (E[x^2] - E[x]^2 in float) would be off by orders of magnitude;
+// the kernels' shifted sums and Welford merges match float64 to the float
+// rounding of x itself (about 1e4 * 6e-8 relative to the std).
+TEST_F(CudaNnOps, BatchNormLargeMeanMatchesFloat64) {
+  for (bool cl : {false, true}) {
+    Tensor x = rnd({8, 4, 15, 15}, 950, DType::Float32) + 1e4;
+    Tensor rm = zeros({4}), rv = ones({4}), rm_d = zeros({4}, DType::Float64), rv_d = ones({4}, DType::Float64);
+    Tensor rm_g = rm.cuda(), rv_g = rv.cuda();
+    Tensor xg = cl ? channels_last(x.cuda()) : x.cuda();
+    Tensor y = batch_norm(xg, Tensor(), Tensor(), rm_g, rv_g, true, 0.5);
+    Tensor ref = batch_norm(x.to(DType::Float64), Tensor(), Tensor(), rm_d, rv_d, true, 0.5);
+    expect_same(ref.to(DType::Float32), y, 2e-3, cl ? "large mean, channels-last" : "large mean");
+    expect_same(rv_d.to(DType::Float32), rv_g, 1e-3, "large mean running_var");
+    expect_same(rm_d.to(DType::Float32), rm_g, 1e-3, "large mean running_mean");
+  }
+}
+
 // The CUDA batch norm is deterministic: partials merge in a fixed order, so
 // two runs give the same bits (no atomics), forward and backward.
 TEST_F(CudaNnOps, BatchNormIsDeterministic) {

@@ -60,6 +60,35 @@ struct Welford {
   }
 };
 
+// A thread's own accumulation of the statistics: sums of d = v - shift and
+// d * d, where shift is the first value the thread saw. Two FMAs a value and
+// no division (a Welford step per value divides, which made 16-bit inputs,
+// 8 values per 16-byte load, bound by arithmetic); the shift is a sample of
+// the data, so d is of the order of the standard deviation however far the
+// mean is from zero, and m2 = s2 - s1 * s1 / n does not cancel. It becomes
+// a Welford state for the merges.
+template <typename A>
+struct Shifted {
+  A shift, s1, s2, n;
+  __device__ __forceinline__ void add(A v) {
+    if (n == A(0)) shift = v;
+    const A d = v - shift;
+    s1 += d;
+    s2 += d * d;
+    n += A(1);
+  }
+  __device__ __forceinline__ Welford<A> welford() const {
+    Welford<A> w{};
+    if (n > A(0)) {
+      w.n = n;
+      w.mean = shift + s1 / n;
+      const A m2 = s2 - s1 * s1 / n;
+      w.m2 = m2 > A(0) ? m2 : A(0);
+    }
+    return w;
+  }
+};
+
 // Two plain sums: backward's sum(dy) and sum(dy * (x - mean)).
 template <typename A>
 struct Sums2 {
@@ -100,13 +129,16 @@ __device__ __forceinline__ void put_partial(A* part, int64_t chunks, int64_t c, 
 
 // The per-element work of each reduction: a Welford step over x, or the two
 // backward sums over (dy, x - mean).
+// Acc is a thread's accumulator, State what the merges combine.
 template <typename T, typename A>
 struct StatsOp {
   using State = Welford<A>;
+  using Acc = Shifted<A>;
   const T* x;
-  __device__ __forceinline__ void load(State& st, int64_t i, A /*mean*/) const { st.add(cast_value<A>(x[i])); }
+  __device__ __forceinline__ static State finish(const Acc& a) { return a.welford(); }
+  __device__ __forceinline__ void load(Acc& st, int64_t i, A /*mean*/) const { st.add(cast_value<A>(x[i])); }
   template <int VEC>
-  __device__ __forceinline__ void load_vec(State* st, int64_t i, const A* /*mean*/, bool same_channel) const {
+  __device__ __forceinline__ void load_vec(Acc* st, int64_t i, const A* /*mean*/, bool same_channel) const {
     const VecN<T, VEC> v = *reinterpret_cast<const VecN<T, VEC>*>(x + i);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) st[same_channel ? 0 : j].add(cast_value<A>(v.v[j]));
@@ -116,8 +148,10 @@ struct StatsOp {
 template <typename T, typename A>
 struct BackwardSumsOp {
   using State = Sums2<A>;
+  using Acc = Sums2<A>;
   const T* x;
   const T* dy;
+  __device__ __forceinline__ static State finish(const Acc& a) { return a; }
   __device__ __forceinline__ void load(State& st, int64_t i, A mean) const {
     const A g = cast_value<A>(dy[i]);
     st.a += g;
@@ -161,7 +195,7 @@ __global__ void reduce_planes_kernel(Op op, const A* __restrict__ mean, A* __res
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, nwarps = blockDim.x / kWarp;
   const A mu = mean ? mean[ch] : A(0);
   const int64_t p_end = std::min<int64_t>(n, (chunk + 1) * ppc);
-  State st{};
+  typename Op::Acc st{};
   if (s < 4 * kWarp) {
     // Planes too small to keep a warp busy (7x7, 14x14 at 16-bit): the block
     // walks the chunk's planes as one flat range, a 32-bit division each.
@@ -178,8 +212,8 @@ __global__ void reduce_planes_kernel(Op op, const A* __restrict__ mean, A* __res
           [&](int64_t i) { op.template load_vec<VEC>(&st, base + i, &mu, true); });
     }
   }
-  st = warp_merge(st);
-  if (lane == 0) warp_states[warp] = st;
+  const State merged = warp_merge(Op::finish(st));
+  if (lane == 0) warp_states[warp] = merged;
   __syncthreads();
   if (threadIdx.x == 0) {
     State total = warp_states[0];
@@ -198,7 +232,7 @@ __global__ void reduce_rows_kernel(Op op, const A* __restrict__ mean, A* __restr
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + tx) * VEC;
   const bool active = c0 < c;
-  State st[VEC] = {};
+  typename Op::Acc st[VEC] = {};
   A mu[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) mu[j] = mean && active && (VEC == 1 || c0 + j < c) ? mean[c0 + j] : A(0);
@@ -212,7 +246,7 @@ __global__ void reduce_rows_kernel(Op op, const A* __restrict__ mean, A* __restr
   }
   const int tile = blockDim.x * VEC;  // channels of this block
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) rows[ty * tile + tx * VEC + j] = st[j];
+  for (int j = 0; j < VEC; ++j) rows[ty * tile + tx * VEC + j] = Op::finish(st[j]);
   __syncthreads();
   // One thread per channel of the tile merges the rows in order.
   const int t = ty * blockDim.x + tx;
