@@ -4,7 +4,7 @@
 # spends its time. Writes gpu_resnet50.json and gpu_breakdown.json into the
 # output folder (commit them as bench/results/).
 #
-#   bench/gpu_perf.sh [--smoke] [--rounds N] [--out DIR] [speed] [breakdown] [kernels]
+#   bench/gpu_perf.sh [--smoke] [--rounds N] [--out DIR] [speed] [breakdown] [benchmark] [kernels]
 #
 # Parts (none named: speed and breakdown):
 #   speed      N rounds (default 3), each ours then PyTorch, every process
@@ -15,8 +15,10 @@
 #              channels-last, ours under CUDA_LAUNCH_BLOCKING=1 (so an op's
 #              host time is its GPU time), PyTorch through torch.profiler
 #              (CUDA activity); plus the convolution algorithms ours chose
-#              (EMBER_CUDNN_LOG=1); and both step times in benchmark mode
-#              (EMBER_CUDNN_BENCHMARK=1, cudnn.benchmark). About 3 minutes.
+#              (EMBER_CUDNN_LOG=1), and PyTorch's kernel launches per step.
+#              About 1.5 minutes.
+#   benchmark  both steps in benchmark mode (EMBER_CUDNN_BENCHMARK=1,
+#              cudnn.benchmark = True): measured algorithm choices.
 #   kernels    bn_cuda_bench: batch norm at every ResNet-50 shape, ours
 #              beside cuDNN's, in GB/s beside a device-to-device copy.
 # On the GPU machine the binaries come from the gpu-bundle (.gpu/run.sh);
@@ -35,8 +37,8 @@ while [ $# -gt 0 ]; do
     --smoke) smoke=1 ;;
     --rounds) rounds=$2; shift ;;
     --out) out=$2; shift ;;
-    speed | breakdown | kernels) parts+=("$1") ;;
-    *) echo "gpu_perf: unknown argument '$1' (--smoke, --rounds N, --out DIR, speed, breakdown, kernels)" >&2; exit 2 ;;
+    speed | breakdown | benchmark | kernels) parts+=("$1") ;;
+    *) echo "gpu_perf: unknown argument '$1' (--smoke, --rounds N, --out DIR, speed, breakdown, benchmark, kernels)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -95,10 +97,12 @@ for part in "${parts[@]}"; do
       say "breakdown: torch (torch.profiler)"
       "${peer[@]}" --configs $configs --layouts cl --steps 2 --profile-top 25 "${shape[@]}" "${peer_extra[@]}" \
         2>"$out/logs/torch_breakdown.err" | tag breakdown 1
-      say "breakdown: ours with benchmark mode (EMBER_CUDNN_BENCHMARK=1)"
+      ;;
+    benchmark)
+      say "benchmark: ours with benchmark mode (EMBER_CUDNN_BENCHMARK=1)"
       EMBER_CUDNN_BENCHMARK=1 "${ours[@]}" --configs $configs --layouts nchw,cl "${shape[@]}" \
         2>>"$out/logs/ours_breakdown.err" | sed -u 's/^ours /ours_benchmark /' | tag breakdown 1
-      say "breakdown: torch with cudnn.benchmark"
+      say "benchmark: torch with cudnn.benchmark"
       "${peer[@]}" --configs $configs --layouts nchw,cl --benchmark "${shape[@]}" "${peer_extra[@]}" \
         2>>"$out/logs/torch_breakdown.err" | sed -u 's/^torch /torch_benchmark /' | tag breakdown 1
       ;;
@@ -108,7 +112,7 @@ for part in "${parts[@]}"; do
       else
         say "kernels: bn_cuda_bench (ours beside cuDNN) and the device-to-device copy"
         { bash "$here/.gpu/run.sh" ops_cuda_bench --benchmark_filter=MemcpyD2D 2>&1
-          bash "$here/.gpu/run.sh" bn_cuda_bench 2>&1; } | tee "$out/logs/bn_cuda_bench.txt" | grep '^BM_' |
+          bash "$here/.gpu/run.sh" bn_cuda_bench --benchmark_min_time=0.2 2>&1; } | tee "$out/logs/bn_cuda_bench.txt" | grep '^BM_' |
           sed 's/^/part=kernels round=1 /' >>"$raw"
       fi
       ;;

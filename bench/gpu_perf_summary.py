@@ -54,7 +54,7 @@ def main():
     }
     speed = {}  # (side, config, layout) -> [round medians]
     ops = {}    # (side, config, layout) -> rows
-    algos, bench_rows, kernel_rows = [], [], []
+    algos, bench_rows, kernel_rows, launches = [], [], [], []
     with open(os.path.join(d, "raw.txt")) as f:
         for line in f:
             line = line.rstrip("\n")
@@ -77,6 +77,9 @@ def main():
                 ops.setdefault((side[:-3],) + key, []).append(
                     {"name": kv["name"], "calls": int(kv["calls"]), "self_ms": float(kv["self_ms"]),
                      "total_ms": float(kv["total_ms"])})
+            elif side == "torch_launches":
+                launches.append({"name": f"{key[0]}/{key[1]}", "torch_kernels": int(kv["kernels"]),
+                                 "torch_copies": int(kv["copies"])})
             elif side in ("torch_benchmark", "ours_benchmark"):
                 bench_rows.append({"name": f"{key[0]}/{key[1]}", "side": side.split("_")[0],
                                    "median_ms": float(kv["median_ms"])})
@@ -102,7 +105,7 @@ def main():
                   f"{r.get('ratio', float('nan')):7.3f}")
     if ops or algos or kernel_rows:
         configs = sorted({(c, l) for (_, c, l) in ops})
-        breakdown = {"configs": [], "algorithms_ours": algos, "benchmark_mode": bench_rows,
+        breakdown = {"configs": [], "algorithms_ours": algos, "benchmark_mode": bench_rows, "torch_launches": launches,
                      "batch_norm_kernels": kernel_rows}
         for c, l in configs:
             breakdown["configs"].append({"name": f"{c}/{l}", "ours_top_ops": ops.get(("ours", c, l), []),

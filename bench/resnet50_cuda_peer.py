@@ -72,6 +72,13 @@ def run(a, config, layout):
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=acts) as prof:
             step()
+        if a.device == "cuda":
+            # Kernel launches (and copies) of the step, for the launch budget
+            # of bench/step_counts_test.cc.
+            dev_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            copies = sum(1 for e in dev_events if e.name.startswith("Memcpy") or e.name.startswith("Memset"))
+            print(f"torch_launches config={config} layout={layout} kernels={len(dev_events) - copies} "
+                  f"copies={copies}", flush=True)
         avgs = prof.key_averages()
         # torch 2.4+ names device time self_device_time_total (the cuda_
         # names are deprecated, then gone); 1.13 has only the cuda_ ones.

@@ -13,6 +13,8 @@
 #include <map>
 #include <mutex>
 #include <vector>
+#include <string>
+#include <cstring>
 
 #if EMBER_WITH_CUDA
 #include "core/cuda_check.h"
@@ -251,7 +253,13 @@ std::string cuda_device_name(int device) {
 
 void cuda_synchronize() {
 #if EMBER_WITH_CUDA
-  if (cuda_is_available()) EMBER_CUDA_CHECK(cudaDeviceSynchronize());
+  if (!cuda_is_available()) return;
+  int device = 0;
+  EMBER_CUDA_CHECK(cudaGetDevice(&device));
+  void* stream = current_cuda_stream(device);
+  cuda_error_snapshot(device, stream);
+  EMBER_CUDA_CHECK(cudaDeviceSynchronize());
+  cuda_error_raise_if_set(device, stream);
 #endif
 }
 
@@ -288,7 +296,106 @@ EnvSwitch& cudnn_bench() {
   static EnvSwitch s{"EMBER_CUDNN_BENCHMARK", false};
   return s;
 }
+
+EnvSwitch& sync_checks() {
+  static EnvSwitch s{"EMBER_SYNC_CHECKS", false};
+  return s;
+}
+
+// Per device: the slot in device memory and its host mirror in pinned
+// memory (so that the snapshot copy is asynchronous and rides on the
+// synchronisation the caller makes anyway).
+struct ErrorSlots {
+  std::mutex mu;
+  DeviceErrorSlot* dev[16] = {};
+  DeviceErrorSlot* host[16] = {};
+  std::vector<std::string> names;  // code - 1 -> op name
+};
+ErrorSlots& error_slots() {
+  static auto* s = new ErrorSlots;  // leaked: used until exit
+  return *s;
+}
 }  // namespace
+
+bool cuda_sync_checks() { return sync_checks().get(); }
+void set_cuda_sync_checks(bool on) { sync_checks().value.store(on, std::memory_order_relaxed); }
+
+int32_t cuda_error_op_code(const char* op) {
+  ErrorSlots& s = error_slots();
+  std::lock_guard<std::mutex> lock(s.mu);
+  for (size_t i = 0; i < s.names.size(); ++i)
+    if (s.names[i] == op) return static_cast<int32_t>(i + 1);
+  s.names.emplace_back(op);
+  return static_cast<int32_t>(s.names.size());
+}
+
+DeviceErrorSlot* cuda_error_slot(int device) {
+  EMBER_CHECK(device >= 0 && device < 16, "cuda_error_slot: device index ", device, " out of range");
+  ErrorSlots& s = error_slots();
+  std::lock_guard<std::mutex> lock(s.mu);
+#if EMBER_WITH_CUDA
+  if (s.dev[device] == nullptr) {
+    int prev = 0;
+    EMBER_CUDA_CHECK(cudaGetDevice(&prev));
+    EMBER_CUDA_CHECK(cudaSetDevice(device));
+    void *d = nullptr, *h = nullptr;
+    cudaError_t err = cudaMalloc(&d, sizeof(DeviceErrorSlot));
+    if (err == cudaSuccess) err = cudaMemset(d, 0, sizeof(DeviceErrorSlot));  // once per process
+    if (err == cudaSuccess) err = cudaHostAlloc(&h, sizeof(DeviceErrorSlot), cudaHostAllocDefault);
+    cudaSetDevice(prev);
+    EMBER_CUDA_CHECK(err);
+    std::memset(h, 0, sizeof(DeviceErrorSlot));
+    s.dev[device] = static_cast<DeviceErrorSlot*>(d);
+    s.host[device] = static_cast<DeviceErrorSlot*>(h);
+  }
+#endif
+  return s.dev[device];
+}
+
+void cuda_error_snapshot(int device, void* stream) {
+#if EMBER_WITH_CUDA
+  ErrorSlots& s = error_slots();
+  DeviceErrorSlot *d = nullptr, *h = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (device < 0 || device >= 16 || s.dev[device] == nullptr) return;  // no checked op ran on it
+    d = s.dev[device];
+    h = s.host[device];
+  }
+  EMBER_CUDA_CHECK(
+      cudaMemcpyAsync(h, d, sizeof(DeviceErrorSlot), cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream)));
+#endif
+}
+
+void cuda_error_raise_if_set(int device, void* stream) {
+#if EMBER_WITH_CUDA
+  ErrorSlots& s = error_slots();
+  DeviceErrorSlot e{};
+  std::string op;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (device < 0 || device >= 16 || s.host[device] == nullptr || s.host[device]->op == 0) return;
+    e = *s.host[device];
+    *s.host[device] = DeviceErrorSlot{};
+    op = e.op >= 1 && static_cast<size_t>(e.op) <= s.names.size() ? s.names[e.op - 1] : "a CUDA kernel";
+    // Clear the slot for the ops that come after the error is handled.
+    EMBER_CUDA_CHECK(cudaMemsetAsync(s.dev[device], 0, sizeof(DeviceErrorSlot), static_cast<cudaStream_t>(stream)));
+  }
+  const char* when = cuda_sync_checks() ? "" : " (found on the GPU, reported at the next synchronisation; "
+                                               "EMBER_SYNC_CHECKS=1 reports it at the op)";
+  if (e.kind == 0)
+    EMBER_CHECK(false, op, ": index ", e.value, " is out of bounds for dimension ", e.a, " with size ", e.b, when);
+  EMBER_CHECK(false, op, ": value ", e.value, " is out of the range [", e.a, ", ", e.b, ")", when);
+#endif
+}
+
+void cuda_error_check_now(int device, void* stream) {
+#if EMBER_WITH_CUDA
+  cuda_error_snapshot(device, stream);
+  EMBER_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+  cuda_error_raise_if_set(device, stream);
+#endif
+}
 
 bool cudnn_benchmark() { return cudnn_bench().get(); }
 void set_cudnn_benchmark(bool on) { cudnn_bench().value.store(on, std::memory_order_relaxed); }

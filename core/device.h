@@ -98,6 +98,35 @@ void set_cudnn_allow_tf32(bool allow);
 bool matmul_allow_tf32();
 void set_matmul_allow_tf32(bool allow);
 
+// ---- Errors found on the device, raised without a host synchronisation ----
+// A kernel that finds bad input (an index out of range) cannot throw: it
+// records the first such error in its device's slot and the op returns at
+// once, as torch's device-side asserts do. The host raises it, naming the op
+// and the bad value, at the next natural synchronisation: a device-to-host
+// copy (item(), cpu(), to_vector()) or cuda_synchronize(). What the step
+// computed after the bad op is garbage but never read: the error comes first.
+// EMBER_SYNC_CHECKS=1 (or set_cuda_sync_checks(true)) raises it at the op
+// itself, at the cost of a synchronisation per checked op (for debugging).
+struct DeviceErrorSlot {
+  int32_t op;    // 0: no error; else the code cuda_error_op_code gave the op
+  int32_t kind;  // 0: index `value` out of bounds for dimension a with size b;
+                 // 1: value out of the range [a, b)
+  int64_t value, a, b;
+};
+// A stable code for an op's name (registered on first use), for kernels.
+int32_t cuda_error_op_code(const char* op);
+// The device's slot, in device memory, zeroed at creation.
+DeviceErrorSlot* cuda_error_slot(int device);
+bool cuda_sync_checks();
+void set_cuda_sync_checks(bool on);
+// Around a synchronisation of `stream` (an opaque cudaStream_t) on `device`:
+// snapshot() queues a copy of the slot into host memory before it, and
+// raise_if_set() throws the recorded error (clearing the slot) after it.
+void cuda_error_snapshot(int device, void* stream);
+void cuda_error_raise_if_set(int device, void* stream);
+// snapshot, synchronise `stream`, raise: the EMBER_SYNC_CHECKS path.
+void cuda_error_check_now(int device, void* stream);
+
 // The stream kernels on `device` are launched on (an opaque cudaStream_t).
 // Defaults to the legacy default stream; set per thread.
 void* current_cuda_stream(int device);

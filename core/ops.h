@@ -103,6 +103,10 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim = 0);
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim = 0);
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index);
+// Every value of integer `indices` in [lo, hi), else an error naming `op`:
+// at once on the CPU; on CUDA without a host synchronisation, raised at the
+// next one (device.h, "Errors found on the device").
+void check_index_range(const Tensor& indices, int64_t lo, int64_t hi, const char* op);
 // int64 [..., num_classes]; num_classes = -1 infers max + 1.
 Tensor one_hot(const Tensor& indices, int64_t num_classes = -1);
 

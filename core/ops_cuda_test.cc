@@ -111,6 +111,50 @@ TEST_F(CudaOps, BinaryAndWhereMatchCpuWithBroadcast) {
   expect_same(ones({3}) * 2.5, g * 2.5, 0, "tensor * scalar");
 }
 
+// Errors kernels find (device.h): raised at the next synchronisation with
+// the op's name and the bad value, the slot cleared afterwards; at the op
+// itself under sync checks; and none costs a synchronisation at the op.
+TEST_F(CudaOps, DeviceErrorsRaiseAtTheNextSynchronisation) {
+  Tensor a = randn({4, 6}).cuda();
+  auto message = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  Tensor out;
+  const std::string m1 = message([&] {
+    out = gather(a, 1, Tensor::from_vector({0, 7}, {1, 2}, DType::Int64).cuda());  // no throw here
+    out.cpu();
+  });
+  EXPECT_NE(m1.find("gather: index 7 is out of bounds for dimension 1 with size 6"), std::string::npos) << m1;
+  EXPECT_NE(m1.find("EMBER_SYNC_CHECKS=1"), std::string::npos) << m1;
+  // The slot is clear again: a good op and a synchronisation raise nothing.
+  EXPECT_EQ(message([&] { index_select(a, 0, Tensor::from_vector({3}, {1}, DType::Int64).cuda()).cpu(); }), "no error");
+  // check_index_range (cross-entropy targets, embeddings) and cuda_synchronize.
+  const std::string m2 = message([&] {
+    check_index_range(Tensor::from_vector({1, 2, -3}, {3}, DType::Int64).cuda(), 0, 5, "cross_entropy");
+    cuda_synchronize();
+  });
+  EXPECT_NE(m2.find("cross_entropy: value -3 is out of the range [0, 5)"), std::string::npos) << m2;
+  // The first error wins; later ones are dropped with it.
+  const std::string m3 = message([&] {
+    check_index_range(Tensor::from_vector({9}, {1}, DType::Int32).cuda(), 0, 5, "Embedding");
+    check_index_range(Tensor::from_vector({8}, {1}, DType::Int64).cuda(), 0, 5, "cross_entropy");
+    sum(a).item();
+  });
+  EXPECT_NE(m3.find("Embedding: value 9"), std::string::npos) << m3;
+  EXPECT_EQ(message([&] { sum(a).item(); }), "no error");
+  // Sync checks: the error comes from the op.
+  set_cuda_sync_checks(true);
+  const std::string m4 = message([&] { index_select(a, 1, Tensor::from_vector({-7}, {1}, DType::Int64).cuda()); });
+  set_cuda_sync_checks(false);
+  EXPECT_NE(m4.find("index_select: index -7 is out of bounds for dimension 1 with size 6"), std::string::npos) << m4;
+  EXPECT_EQ(m4.find("next synchronisation"), std::string::npos) << m4;
+}
+
 TEST_F(CudaOps, MatmulMatchesCpu) {
   manual_seed(13);
   for (DType dt : kTypes) {
@@ -143,7 +187,10 @@ TEST_F(CudaOps, JoinIndexCopyRandom) {
   expect_same(index_select(a, 1, idx), index_select(a.cuda(), 1, idx.cuda()), 0, "index_select");
   Tensor gi = randint(0, 6, {4, 3}, DType::Int64);
   expect_same(gather(a, 1, gi), gather(a.cuda(), 1, gi.cuda()), 0, "gather");
-  EXPECT_THROW(index_select(a.cuda(), 0, Tensor::from_vector({9}, {1}, DType::Int64).cuda()), Error);
+  // A bad index is found on the device (no synchronisation at the op) and
+  // raised at the next synchronisation; test_errors below covers the rest.
+  Tensor bad = index_select(a.cuda(), 0, Tensor::from_vector({9}, {1}, DType::Int64).cuda());
+  EXPECT_THROW(bad.cpu(), Error);
   expect_same(one_hot(gi, 6), one_hot(gi.cuda(), 6), 0, "one_hot");
   expect_same(arange(0, 10, 0.5), arange(0, 10, 0.5, cuda_device()), 0, "arange");
   // fill_ of a strided view (fill_strided_kernel) leaves the gaps alone.

@@ -570,10 +570,25 @@ Tensor& Tensor::copy_(const Tensor& src) {
       auto stream = static_cast<cudaStream_t>(current_cuda_stream(gpu));
       if (s.is_cuda() && is_cuda())
         EMBER_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(current_cuda_stream(device().index))));
+      // A device-to-host copy is a natural synchronisation: the errors that
+      // kernels recorded (device.h) are copied out ahead of it and raised
+      // after it. Into pageable memory the copy itself returns only once
+      // done (after everything queued before it), so it is the one wait;
+      // into pinned memory it is asynchronous and the stream is waited for.
+      // A host-to-device copy waits for nothing: `staged` is pageable memory
+      // of ours, which CUDA copies out before cudaMemcpyAsync returns.
+      bool wait = kind == cudaMemcpyDeviceToDevice;
+      if (kind == cudaMemcpyDeviceToHost) {
+        cuda_error_snapshot(gpu, stream);
+        cudaPointerAttributes attr{};
+        if (cudaPointerGetAttributes(&attr, landed.raw_data()) == cudaSuccess) wait = attr.type == cudaMemoryTypeHost;
+        else cudaGetLastError();  // plain malloc'd memory on old runtimes: pageable
+      }
       cudaError_t err = cudaMemcpyAsync(landed.raw_data(), staged.raw_data(), nbytes(), kind, stream);
-      if (err == cudaSuccess) err = cudaStreamSynchronize(stream);
+      if (err == cudaSuccess && wait) err = cudaStreamSynchronize(stream);
       cudaSetDevice(prev);
       EMBER_CUDA_CHECK(err);
+      if (kind == cudaMemcpyDeviceToHost) cuda_error_raise_if_set(gpu, stream);
     }
 #endif
     if (!landed.is_same(*this)) copy_(landed);

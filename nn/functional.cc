@@ -33,6 +33,10 @@ void check_targets(const char* op, const Tensor& input, const Tensor& target) {
   EMBER_CHECK(target.dtype() == DType::Int64 || target.dtype() == DType::Int32, op,
               ": target must hold class indices (int64), got ", target.dtype());
   if (target.numel() == 0) return;
+  if (target.is_cuda()) {  // checked on the device: no host synchronisation
+    check_index_range(target, 0, input.size(1), op);
+    return;
+  }
   int64_t lo = static_cast<int64_t>(min(target).item()), hi = static_cast<int64_t>(max(target).item());
   EMBER_CHECK(lo >= 0 && hi < input.size(1), op, ": target values must be in [0, ", input.size(1), "), got [", lo,
               ", ", hi, "]");

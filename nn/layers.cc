@@ -141,7 +141,9 @@ Embedding::Embedding(int64_t num, int64_t dim) : Module("Embedding"), num_embedd
 Tensor Embedding::forward(const Tensor& indices) {
   EMBER_CHECK(indices.dtype() == DType::Int64 || indices.dtype() == DType::Int32,
               "Embedding: indices must be int64, got ", indices.dtype());
-  if (indices.numel() > 0) {
+  if (indices.is_cuda()) {
+    check_index_range(indices, 0, num_embeddings, "Embedding");  // on the device: no host synchronisation
+  } else if (indices.numel() > 0) {
     int64_t lo = static_cast<int64_t>(min(indices).item()), hi = static_cast<int64_t>(max(indices).item());
     EMBER_CHECK(lo >= 0 && hi < num_embeddings, "Embedding: index out of range: indices span [", lo, ", ", hi,
                 "] but there are ", num_embeddings, " embeddings");

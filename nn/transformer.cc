@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "nn/functional.h"
 #include "nn/init.h"
@@ -14,12 +15,12 @@
 namespace ember::nn {
 namespace {
 
-// [T, T]: 0 where key position <= query position, -inf above the diagonal.
-Tensor causal_mask(int64_t T, TensorOptions options) {
-  std::vector<double> m(static_cast<size_t>(T * T), 0.0);
-  for (int64_t i = 0; i < T; ++i)
-    for (int64_t j = i + 1; j < T; ++j) m[static_cast<size_t>(i * T + j)] = -std::numeric_limits<double>::infinity();
-  return Tensor::from_vector(m, {T, T}, options);
+// [T, T]: 0 where key position <= query position, -inf above the diagonal,
+// made where it is used (on a GPU: by kernels, nothing built on the host).
+Tensor make_causal_mask(int64_t T, TensorOptions options) {
+  const TensorOptions idx{DType::Int64, options.device};
+  Tensor q = arange(static_cast<double>(T), idx).unsqueeze(1), k = arange(static_cast<double>(T), idx).unsqueeze(0);
+  return where(gt(k, q), full({T, T}, -std::numeric_limits<double>::infinity(), options), zeros({T, T}, options));
 }
 
 }  // namespace
@@ -52,7 +53,16 @@ Tensor MultiheadAttention::forward(const Tensor& x) {
   };
   Tensor q = heads(0), k = heads(1), v = heads(2);
   Tensor scores = bmm(q, k.transpose(1, 2)) * (1.0 / std::sqrt(static_cast<double>(D)));  // [B * H, T, T]
-  if (causal) scores = scores + causal_mask(T, scores.options());
+  if (causal) {
+    // Made once per (length, dtype, device) and kept: a mask per forward
+    // cost a host loop, an allocation and a copy in every layer.
+    if (!mask_cache_.defined() || mask_cache_.size(0) != T || mask_cache_.dtype() != scores.dtype() ||
+        mask_cache_.device() != scores.device()) {
+      NoGradGuard no_grad;
+      mask_cache_ = make_causal_mask(T, scores.options());
+    }
+    scores = scores + mask_cache_;
+  }
   Tensor attn = softmax(scores, -1);
   attn = functional::dropout(attn, dropout, is_training());
   Tensor out = bmm(attn, v).reshape({B, H, T, D}).permute({0, 2, 1, 3}).reshape({B, T, embed_dim});

@@ -31,6 +31,9 @@ class MultiheadAttention : public Module {
   bool causal;
   Tensor in_proj_weight, in_proj_bias;  // [3E, E], [3E]: q, k, v stacked, as torch's
   std::shared_ptr<Linear> out_proj;
+
+ private:
+  Tensor mask_cache_;  // the causal mask last used (not state: rebuilt on demand)
 };
 
 // The GPT MLP: c_fc (E -> 4E), GELU (tanh approximation, as GPT-2), c_proj

@@ -278,4 +278,17 @@ Tensor one_hot(const Tensor& indices, int64_t num_classes) {
   return eq(indices.unsqueeze(-1), classes).to(DType::Int64);
 }
 
+void check_index_range(const Tensor& indices, int64_t lo, int64_t hi, const char* op) {
+  EMBER_CHECK(indices.defined(), op, ": indices are undefined");
+  EMBER_CHECK(indices.dtype() == DType::Int64 || indices.dtype() == DType::Int32, op,
+              ": indices must be int64 or int32, got ", indices.dtype());
+  if (indices.numel() == 0) return;
+  if (indices.is_cuda()) {
+    check_index_range_cuda(indices, lo, hi, op);
+    return;
+  }
+  const int64_t mn = static_cast<int64_t>(min(indices).item()), mx = static_cast<int64_t>(max(indices).item());
+  EMBER_CHECK(mn >= lo && mx < hi, op, ": values must be in [", lo, ", ", hi, "), got [", mn, ", ", mx, "]");
+}
+
 }  // namespace ember

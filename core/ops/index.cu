@@ -4,9 +4,11 @@
 // the slice size and pointer alignment allow: embedding lookups are exactly
 // this and are bandwidth-bound. Indices in [-size, size) are valid, negative
 // ones counting from the end, as in index.cc. An out-of-range index cannot
-// throw from a kernel, so kernels record the first bad value they see in a
-// small device buffer, and the launcher reads it back after the stream
-// drains and raises the CPU kernel's error. That costs a stream sync per call.
+// throw from a kernel: the kernel records the first bad value in the
+// device's error slot (device.h) and the op returns without waiting; the
+// host raises the CPU kernel's error at its next synchronisation, or at once
+// under EMBER_SYNC_CHECKS=1. check_index_range_cuda is the same check alone
+// (cross-entropy targets, embedding indices).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -19,11 +21,24 @@
 namespace ember {
 namespace {
 
+// Where a kernel records a bad index: the device's slot, the op's code and
+// the dimension indexed (passed by value).
 struct IndexError {
-  int flag;  // set to 1 by the first thread that finds a bad index
-  int pad;
-  int64_t value;
+  DeviceErrorSlot* slot;
+  int32_t op;
+  int64_t dim;
 };
+
+// The first thread to find an error claims the slot and fills it in.
+__device__ __forceinline__ void record_error(DeviceErrorSlot* slot, int32_t op, int32_t kind, int64_t value,
+                                             int64_t a, int64_t b) {
+  if (atomicCAS(&slot->op, 0, op) == 0) {
+    slot->kind = kind;
+    slot->value = value;
+    slot->a = a;
+    slot->b = b;
+  }
+}
 
 // Raw unit of a given byte width; copying bits needs no dtype.
 template <int BYTES> struct Unit;
@@ -35,13 +50,23 @@ template <> struct Unit<16> { using type = uint4; };
 
 // Valid indices are [-size, size); negative ones count from the end, as on
 // the CPU. Returns false (after recording idx) for anything else.
-__device__ __forceinline__ bool wrap_index(int64_t& idx, int64_t size, IndexError* err) {
+__device__ __forceinline__ bool wrap_index(int64_t& idx, int64_t size, const IndexError& err) {
   if (idx >= -size && idx < size) {
     if (idx < 0) idx += size;
     return true;
   }
-  if (atomicCAS(&err->flag, 0, 1) == 0) err->value = idx;  // only the winner writes, so value is consistent
+  record_error(err.slot, err.op, 0, idx, err.dim, size);
   return false;
+}
+
+// Every index in [lo, hi), else the op's error (kind 1: a value range).
+template <typename I>
+__global__ void check_range_kernel(const I* __restrict__ idx, int64_t n, int64_t lo, int64_t hi,
+                                   DeviceErrorSlot* slot, int32_t op) {
+  cuda::grid_stride_loop(n, [&](int64_t i) {
+    const int64_t v = static_cast<int64_t>(idx[i]);
+    if (v < lo || v >= hi) record_error(slot, op, 1, v, lo, hi);
+  });
 }
 
 // ---- Kernels ----
@@ -51,7 +76,7 @@ __device__ __forceinline__ bool wrap_index(int64_t& idx, int64_t size, IndexErro
 template <typename U>
 __global__ void index_select_rows_kernel(const U* __restrict__ in, const int64_t* __restrict__ index,
                                          U* __restrict__ out, int64_t rows, int64_t n, int64_t src_size,
-                                         int64_t inner, IndexError* err) {
+                                         int64_t inner, IndexError err) {
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t o = row / n, k = row % n;
     int64_t idx = index[k];
@@ -67,7 +92,7 @@ __global__ void index_select_rows_kernel(const U* __restrict__ in, const int64_t
 template <typename U>
 __global__ void index_select_flat_kernel(const U* __restrict__ in, const int64_t* __restrict__ index,
                                          U* __restrict__ out, int64_t total, int64_t n, int64_t src_size,
-                                         int64_t inner, IndexError* err) {
+                                         int64_t inner, IndexError err) {
   cuda::grid_stride_loop(total, [&](int64_t i) {
     const int64_t j = i % inner, t = i / inner;
     const int64_t k = t % n, o = t / n;
@@ -81,7 +106,7 @@ __global__ void index_select_flat_kernel(const U* __restrict__ in, const int64_t
 template <typename U>
 __global__ void gather_kernel(const __grid_constant__ StridedIter geom, const U* __restrict__ in,
                               const int64_t* __restrict__ index, U* __restrict__ out, int64_t dim_stride,
-                              int64_t dim_size, IndexError* err) {
+                              int64_t dim_size, IndexError err) {
   cuda::grid_stride_loop(geom.numel, [&](int64_t i) {
     int64_t off[1];
     cuda::strided_offsets<1>(geom, i, off);
@@ -92,27 +117,11 @@ __global__ void gather_kernel(const __grid_constant__ StridedIter geom, const U*
 
 // ---- Launchers ----
 
-// Device flag + host read-back around the kernels of one call.
-class ErrorSlot {
- public:
-  ErrorSlot(Device device, cudaStream_t stream)
-      : mem_(get_allocator(device)->allocate(sizeof(IndexError))), stream_(stream) {
-    EMBER_CUDA_CHECK(cudaMemsetAsync(mem_.get(), 0, sizeof(IndexError), stream_));
-  }
-  IndexError* get() const { return static_cast<IndexError*>(mem_.get()); }
-  // Waits for the stream; returns whether a bad index was seen, and which.
-  bool failed(int64_t* value) const {
-    IndexError host{};
-    EMBER_CUDA_CHECK(cudaMemcpyAsync(&host, mem_.get(), sizeof(IndexError), cudaMemcpyDeviceToHost, stream_));
-    EMBER_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    *value = host.value;
-    return host.flag != 0;
-  }
-
- private:
-  DataPtr mem_;
-  cudaStream_t stream_;
-};
+// After a launch: nothing to wait for, unless EMBER_SYNC_CHECKS asks for the
+// error at the op.
+void maybe_check_now(int device, cudaStream_t stream) {
+  if (cuda_sync_checks()) cuda_error_check_now(device, stream);
+}
 
 // Widest unit that divides the slice and both base addresses.
 int unit_bytes(int64_t slice_bytes, const void* a, const void* b) {
@@ -124,7 +133,7 @@ int unit_bytes(int64_t slice_bytes, const void* a, const void* b) {
 
 template <int BYTES>
 void launch_index_select(const void* in, const int64_t* index, void* out, int64_t outer, int64_t n, int64_t src_size,
-                         int64_t inner_bytes, IndexError* err, cudaStream_t stream) {
+                         int64_t inner_bytes, IndexError err, cudaStream_t stream) {
   using U = typename Unit<BYTES>::type;
   const int64_t inner = inner_bytes / BYTES, rows = outer * n;
   const U* src = static_cast<const U*>(in);
@@ -143,7 +152,7 @@ void launch_index_select(const void* in, const int64_t* index, void* out, int64_
 
 template <int BYTES>
 void launch_gather(const StridedIter& geom, const void* in, const int64_t* index, void* out, int64_t dim_stride,
-                   int64_t dim_size, IndexError* err, cudaStream_t stream) {
+                   int64_t dim_size, IndexError err, cudaStream_t stream) {
   using U = typename Unit<BYTES>::type;
   gather_kernel<U><<<cuda::grid_for(geom.numel), cuda::kBlockSize, 0, stream>>>(
       geom, static_cast<const U*>(in), index, static_cast<U*>(out), dim_stride, dim_size, err);
@@ -171,22 +180,21 @@ void index_select_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64
   if (outer * n * inner == 0) return;
   cuda::DeviceGuard guard(in);
   cudaStream_t stream = cuda::stream_for(in);
-  ErrorSlot err(in.device(), stream);
+  static const int32_t code = cuda_error_op_code("index_select");
+  const IndexError err{cuda_error_slot(in.device().index), code, infer_dim(in, outer, src_size)};
   const int64_t es = static_cast<int64_t>(in.element_size());
   const int64_t inner_bytes = inner * es;
   const void* src = in.raw_data();
   void* dst = out.raw_data();
   const int64_t* idx = static_cast<const int64_t*>(index.raw_data());
   switch (unit_bytes(inner_bytes, src, dst)) {
-    case 16: launch_index_select<16>(src, idx, dst, outer, n, src_size, inner_bytes, err.get(), stream); break;
-    case 8: launch_index_select<8>(src, idx, dst, outer, n, src_size, inner_bytes, err.get(), stream); break;
-    case 4: launch_index_select<4>(src, idx, dst, outer, n, src_size, inner_bytes, err.get(), stream); break;
-    case 2: launch_index_select<2>(src, idx, dst, outer, n, src_size, inner_bytes, err.get(), stream); break;
-    default: launch_index_select<1>(src, idx, dst, outer, n, src_size, inner_bytes, err.get(), stream); break;
+    case 16: launch_index_select<16>(src, idx, dst, outer, n, src_size, inner_bytes, err, stream); break;
+    case 8: launch_index_select<8>(src, idx, dst, outer, n, src_size, inner_bytes, err, stream); break;
+    case 4: launch_index_select<4>(src, idx, dst, outer, n, src_size, inner_bytes, err, stream); break;
+    case 2: launch_index_select<2>(src, idx, dst, outer, n, src_size, inner_bytes, err, stream); break;
+    default: launch_index_select<1>(src, idx, dst, outer, n, src_size, inner_bytes, err, stream); break;
   }
-  int64_t bad = 0;
-  EMBER_CHECK(!err.failed(&bad), "index_select: index ", bad, " is out of bounds for dimension ",
-              infer_dim(in, outer, src_size), " with size ", src_size);
+  maybe_check_now(in.device().index, stream);
 }
 
 void gather_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64_t dim) {
@@ -208,19 +216,39 @@ void gather_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64_t dim
     geom.strides[0][d] = d == dim ? 0 : in.stride(d);
   }
   const int64_t dim_size = nd == 0 ? 1 : in.size(dim), dim_stride = nd == 0 ? 0 : in.stride(dim);
-  ErrorSlot err(in.device(), stream);
+  static const int32_t code = cuda_error_op_code("gather");
+  const IndexError err{cuda_error_slot(in.device().index), code, dim};
   const void* src = in.raw_data();
   void* dst = out.raw_data();
   const int64_t* idx = static_cast<const int64_t*>(index.raw_data());
   switch (in.element_size()) {
-    case 8: launch_gather<8>(geom, src, idx, dst, dim_stride, dim_size, err.get(), stream); break;
-    case 4: launch_gather<4>(geom, src, idx, dst, dim_stride, dim_size, err.get(), stream); break;
-    case 2: launch_gather<2>(geom, src, idx, dst, dim_stride, dim_size, err.get(), stream); break;
-    default: launch_gather<1>(geom, src, idx, dst, dim_stride, dim_size, err.get(), stream); break;
+    case 8: launch_gather<8>(geom, src, idx, dst, dim_stride, dim_size, err, stream); break;
+    case 4: launch_gather<4>(geom, src, idx, dst, dim_stride, dim_size, err, stream); break;
+    case 2: launch_gather<2>(geom, src, idx, dst, dim_stride, dim_size, err, stream); break;
+    default: launch_gather<1>(geom, src, idx, dst, dim_stride, dim_size, err, stream); break;
   }
-  int64_t bad = 0;
-  EMBER_CHECK(!err.failed(&bad), "gather: index ", bad, " is out of bounds for dimension ", dim, " with size ",
-              dim_size);
+  maybe_check_now(in.device().index, stream);
+}
+
+void check_index_range_cuda(const Tensor& index, int64_t lo, int64_t hi, const char* op) {
+  EMBER_CHECK(index.dtype() == DType::Int64 || index.dtype() == DType::Int32, op,
+              ": indices must be int64 or int32, got ", index.dtype());
+  const Tensor idx = index.contiguous();
+  const int64_t n = idx.numel();
+  if (n == 0) return;
+  const int device = idx.device().index;
+  cuda::DeviceGuard guard(device);
+  cudaStream_t stream = cuda::stream_for(device);
+  DeviceErrorSlot* slot = cuda_error_slot(device);
+  const int32_t code = cuda_error_op_code(op);
+  if (idx.dtype() == DType::Int64)
+    check_range_kernel<int64_t><<<cuda::grid_for(n), cuda::kBlockSize, 0, stream>>>(
+        static_cast<const int64_t*>(idx.raw_data()), n, lo, hi, slot, code);
+  else
+    check_range_kernel<int32_t><<<cuda::grid_for(n), cuda::kBlockSize, 0, stream>>>(
+        static_cast<const int32_t*>(idx.raw_data()), n, lo, hi, slot, code);
+  EMBER_CUDA_CHECK(cudaGetLastError());
+  maybe_check_now(device, stream);
 }
 
 // ---- Accumulating adjoints (float / double; atomics because indices repeat) ----

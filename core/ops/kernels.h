@@ -102,6 +102,8 @@ void index_select_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64
 // gather: out[p] = in[p with coordinate `dim` replaced by index[p]]; all contiguous.
 void gather_cpu(const Tensor& in, const Tensor& index, Tensor& out, int64_t dim);
 void gather_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64_t dim);
+// Records (does not raise) an index outside [lo, hi) in the device's error slot.
+void check_index_range_cuda(const Tensor& index, int64_t lo, int64_t hi, const char* op);
 // The adjoints, accumulating (float32/float64; indices already validated):
 // out[outer, index[j], inner] += src[outer, j, inner], out contiguous.
 void index_add_cpu(Tensor& out, const Tensor& index, const Tensor& src, int64_t outer, int64_t dst_size, int64_t inner);

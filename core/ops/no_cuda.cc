@@ -29,6 +29,7 @@ EMBER_NO_CUDA(softmax_cuda, const Tensor&, Tensor&, int64_t, int64_t, int64_t, b
 EMBER_NO_CUDA(gemm_cuda, const GemmArgs&, int)
 EMBER_NO_CUDA(index_select_cuda, const Tensor&, const Tensor&, Tensor&, int64_t, int64_t, int64_t)
 EMBER_NO_CUDA(gather_cuda, const Tensor&, const Tensor&, Tensor&, int64_t)
+EMBER_NO_CUDA(check_index_range_cuda, const Tensor&, int64_t, int64_t, const char*)
 EMBER_NO_CUDA(index_add_cuda, Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, int64_t)
 EMBER_NO_CUDA(scatter_add_cuda, Tensor&, const Tensor&, const Tensor&, int64_t)
 EMBER_NO_CUDA(random_cuda, RandomKind, Tensor&, double, double, uint64_t, uint64_t, const Tensor&)

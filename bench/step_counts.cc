@@ -1,0 +1,87 @@
+// step_counts: kernel launches and host synchronisations of one training
+// step, counted by the CUDA emulation (no GPU needed; the counts are those a
+// GPU would see, since the same host code issues the same CUDA calls):
+//
+//   bazel run //bench:step_counts
+//   resnet50: L launches, S host syncs per step
+//   gpt: L launches, S host syncs per step
+//   resnet50_bf16: L launches, S host syncs per step
+//
+// ResNet-50 (torchvision's, 1000 classes) on 2 images of 32x32, channels-
+// last, SGD with momentum and weight decay; the GPT of gpt_fsdp's defaults
+// (4 layers x 128 dims, 4 heads, context 64) on 2 sequences, AdamW; the
+// ResNet-50 step again under bfloat16 autocast. Each counts the second step
+// (the first creates algorithm caches and optimizer state), which ends with
+// the loss read: the one synchronisation a step needs. The counts do not
+// depend on the batch or image size. step_counts_test holds them to their
+// budgets.
+#include "bench/step_counts.h"
+
+#include <cstdio>
+#include <optional>
+
+#include "core/autocast.h"
+#include "nn/functional.h"
+#include "nn/models.h"
+#include "nn/transformer.h"
+#include "optim/optimizer.h"
+#include "third_party/cuda_emu/emu_runtime.h"
+
+namespace ember::bench {
+namespace {
+
+template <typename Step>
+StepCount count(Step&& step) {
+  step();  // warm-up: algorithm caches, optimizer state
+  const emu::LaunchStats before = emu::launch_stats();
+  step();
+  const emu::LaunchStats after = emu::launch_stats();
+  return {after.launches - before.launches, after.host_syncs - before.host_syncs};
+}
+
+StepCount resnet50_step(bool bf16) {
+  manual_seed(0);
+  auto model = nn::resnet50({.num_classes = 1000, .memory_format = MemoryFormat::ChannelsLast});
+  model->to(cuda_device(0));
+  model->train();
+  optim::SGD opt(model->parameters(), optim::SGDOptions{.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-4});
+  Tensor x = randn({2, 3, 32, 32}).cuda().contiguous(MemoryFormat::ChannelsLast);
+  Tensor y = randint(0, 1000, {2}).cuda();
+  return count([&] {
+    opt.zero_grad();
+    Tensor loss;
+    {
+      std::optional<AutocastGuard> amp;
+      if (bf16) amp.emplace(DeviceType::CUDA, DType::BFloat16);
+      loss = nn::functional::cross_entropy((*model)(x), y);
+    }
+    loss.backward();
+    opt.step();
+    return loss.item();
+  });
+}
+
+}  // namespace
+
+StepCount resnet50_counts() { return resnet50_step(false); }
+StepCount resnet50_bf16_counts() { return resnet50_step(true); }
+
+StepCount gpt_counts() {
+  manual_seed(0);
+  auto gpt = std::make_shared<nn::GPT>(
+      nn::GPTOptions{.vocab_size = 96, .block_size = 64, .n_layer = 4, .n_head = 4, .n_embd = 128});
+  gpt->to(cuda_device(0));
+  gpt->train();
+  optim::AdamW opt(gpt->parameters(), optim::AdamWOptions{.lr = 3e-4});
+  Tensor x = randint(0, 96, {2, 64}).cuda(), y = randint(0, 96, {2 * 64}).cuda();
+  return count([&] {
+    opt.zero_grad();
+    Tensor logits = (*gpt)(x);
+    Tensor loss = nn::functional::cross_entropy(logits.reshape({-1, logits.size(2)}), y);
+    loss.backward();
+    opt.step();
+    return loss.item();
+  });
+}
+
+}  // namespace ember::bench

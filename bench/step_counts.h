@@ -1,0 +1,19 @@
+// Launches and host synchronisations of one training step under the CUDA
+// emulation (step_counts.cc): the counting behind //bench:step_counts and
+// its test.
+#pragma once
+
+#include <cstdint>
+
+namespace ember::bench {
+
+struct StepCount {
+  uint64_t launches = 0;
+  uint64_t host_syncs = 0;
+};
+
+StepCount resnet50_counts();       // fp32, channels-last, SGD
+StepCount resnet50_bf16_counts();  // the same under bfloat16 autocast
+StepCount gpt_counts();            // gpt_fsdp's default model, AdamW
+
+}  // namespace ember::bench

@@ -1,0 +1,26 @@
+// Prints the launch and host-synchronisation counts of one training step
+// (see step_counts.cc): one line per workload.
+#include <cstdio>
+#include <exception>
+
+#include "bench/step_counts.h"
+
+int main() {
+  using namespace ember::bench;
+  try {
+    const struct {
+      const char* name;
+      StepCount (*fn)();
+    } rows[] = {{"resnet50", resnet50_counts}, {"gpt", gpt_counts}, {"resnet50_bf16", resnet50_bf16_counts}};
+    for (const auto& r : rows) {
+      const StepCount c = r.fn();
+      std::printf("%s: %llu launches, %llu host syncs per step\n", r.name, static_cast<unsigned long long>(c.launches),
+                  static_cast<unsigned long long>(c.host_syncs));
+      std::fflush(stdout);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "step_counts: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
