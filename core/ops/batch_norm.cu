@@ -196,9 +196,10 @@ __global__ void reduce_planes_kernel(Op op, const A* __restrict__ mean, A* __res
   const A mu = mean ? mean[ch] : A(0);
   const int64_t p_end = std::min<int64_t>(n, (chunk + 1) * ppc);
   typename Op::Acc st{};
-  if (s < 4 * kWarp) {
-    // Planes too small to keep a warp busy (7x7, 14x14 at 16-bit): the block
-    // walks the chunk's planes as one flat range, a 32-bit division each.
+  if (s < kWarp * (VEC > 4 ? VEC : 4)) {
+    // Planes too small to keep a warp's loads busy (7x7; 14x14 at 16 bits):
+    // the block walks the chunk's planes as one flat range, a 32-bit
+    // division per element.
     const uint32_t p0 = static_cast<uint32_t>(chunk * ppc), len = static_cast<uint32_t>((p_end - p0) * s);
     for (uint32_t j = threadIdx.x; j < len; j += blockDim.x) {
       const uint32_t pl = j / static_cast<uint32_t>(s), i = j - pl * static_cast<uint32_t>(s);
@@ -350,10 +351,11 @@ struct DxCoef {
   }
 };
 
-// NCHW (s > 1): grid-stride over VEC-wide vectors, each inside one plane
-// (s % VEC == 0), so a vector's channel costs one division (32-bit where
-// the tensor allows) and one set of coefficient loads. v is read only when
-// HAS_V.
+// NCHW (s > 1): grid-stride over VEC-wide vectors. A vector's first channel
+// costs one division (32-bit where the tensor allows); planes whose size is
+// not a multiple of VEC (7x7, 14x14 at 16 bits) end inside a vector, and the
+// lanes past the boundary move on to the next channel(s) without dividing.
+// v is read only when HAS_V.
 template <typename T, typename A, int VEC, bool HAS_V, typename I, typename Coef>
 __global__ void affine_planes_kernel(const T* __restrict__ u, const T* __restrict__ v, Coef coef, T* __restrict__ out,
                                      int64_t total, int64_t c, int64_t s) {
@@ -361,7 +363,9 @@ __global__ void affine_planes_kernel(const T* __restrict__ u, const T* __restric
   for (int64_t vi = cuda::global_thread_id(); vi < nvec; vi += cuda::grid_stride()) {
     const int64_t i = vi * VEC;
     const I ii = static_cast<I>(i);
-    const int64_t ch = static_cast<int64_t>((ii / static_cast<I>(s)) % static_cast<I>(c));
+    const I plane = ii / static_cast<I>(s);
+    int64_t ch = static_cast<int64_t>(plane % static_cast<I>(c));
+    int64_t next = (static_cast<int64_t>(plane) + 1) * s;  // first index of the next plane
     A p, q, mu, k;
     coef.at(ch, p, q, mu, k);
     const VecN<T, VEC> uv = *reinterpret_cast<const VecN<T, VEC>*>(u + i);
@@ -370,6 +374,11 @@ __global__ void affine_planes_kernel(const T* __restrict__ u, const T* __restric
     VecN<T, VEC> r;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
+      if (VEC > 1 && i + j == next) {  // a plane boundary inside the vector
+        ch = ch + 1 == c ? 0 : ch + 1;
+        next += s;
+        coef.at(ch, p, q, mu, k);
+      }
       A o = p * cast_value<A>(uv.v[j]) + k;
       if constexpr (HAS_V) o += q * (cast_value<A>(vv.v[j]) - mu);
       r.v[j] = cast_value<T>(o);
@@ -496,15 +505,16 @@ void launch_reduce(const ReducePlan& pl, const Op& op, const A* mean, A* part, c
   EMBER_CUDA_CHECK(cudaGetLastError());
 }
 
-// out = p * u + q * (v - mu) + k (see ApplyCoef), vectorised when every
-// vector lies in one plane (NCHW, s % V == 0) or spans consecutive channels
-// (NHWC, c % V == 0) and the pointers are aligned; v may be null.
+// out = p * u + q * (v - mu) + k (see ApplyCoef), vectorised when the
+// pointers are aligned and the vectors tile the tensor (NCHW: total % V ==
+// 0, planes may end inside a vector) or its rows (NHWC: c % V == 0); v may
+// be null.
 template <typename T, typename A, typename Coef>
 void launch_affine(const Dims3& d, const T* u, const T* v, const Coef& coef, T* out, int device,
                    cudaStream_t stream) {
   constexpr int V = cuda::vec_width<T>();
   const int64_t total = d.n * d.c * d.s;
-  bool vec_ok = (d.s == 1 ? d.c % V == 0 : d.s % V == 0);
+  bool vec_ok = d.s == 1 ? d.c % V == 0 : total % V == 0;
   for (const void* p : {static_cast<const void*>(u), static_cast<const void*>(v), static_cast<const void*>(out)})
     vec_ok = vec_ok && (!p || cuda::is_aligned_for<T, V>(p));
   auto go = [&](auto vec_c, auto has_v) {
