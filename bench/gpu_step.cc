@@ -116,6 +116,7 @@ void run(const Args& a, const std::string& config, const std::string& layout) {
   };
   for (int64_t i = 0; i < a.warmup; ++i) step();
   std::vector<double> ms;
+  const AllocatorStats before = cuda_allocator(0)->stats();
   for (int64_t i = 0; i < a.steps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     step();
@@ -125,9 +126,15 @@ void run(const Args& a, const std::string& config, const std::string& layout) {
   std::sort(sorted.begin(), sorted.end());
   const size_t n = sorted.size();
   const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
-  std::printf("ours config=%s layout=%s batch=%lld median_ms=%.3f min_ms=%.3f max_ms=%.3f steps=%zu\n",
+  // cudaMalloc calls during the timed steps (0 once the caching allocator is
+  // warm) and what it holds: a step that keeps reaching the driver is slow.
+  const AllocatorStats after = cuda_allocator(0)->stats();
+  std::printf("ours config=%s layout=%s batch=%lld median_ms=%.3f min_ms=%.3f max_ms=%.3f steps=%zu "
+              "device_allocs=%zu reserved_gib=%.1f\n",
               config.c_str(), layout.c_str(), static_cast<long long>(a.batch), median, sorted.front(),
-              sorted.back(), n);
+              sorted.back(), n, after.num_device_allocs - before.num_device_allocs, after.reserved / 1073741824.0);
+  if (std::getenv("GPU_STEP_VERBOSE"))
+    for (double t : ms) std::printf("ours_step config=%s layout=%s ms=%.3f\n", config.c_str(), layout.c_str(), t);
   std::fflush(stdout);
   if (a.profile_top > 0) {
     profiler::start();

@@ -15,7 +15,8 @@
 // Algorithms come from cuDNN's heuristics (Get*_v7, checked and completed by
 // pick below) or, in benchmark mode (cudnn_benchmark(), PyTorch's
 // cudnn.benchmark), from timing them all once (cudnnFind*Ex), once per
-// (device, geometry, dtype, layout, pass, math, mode) and cached:
+// (device, geometry, strides, dtype, layout, pass, math, mode) and cached
+// with the descriptors and workspace size as a Plan:
 // the query costs far more than a small convolution, and training repeats
 // shapes every step.
 // Workspaces come from our caching allocator, which is stream-ordered, so a
@@ -33,6 +34,7 @@
 #include <climits>
 #include <compare>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -199,24 +201,60 @@ Algo pick(const std::vector<Perf>& perf, int returned, int n_algos, DType dt, cu
   return {-1, want};  // none: the caller names the error
 }
 
-struct Cached {
-  Algo algo;
+// Everything a pass needs besides the data, made once per key: the
+// descriptors (creating and setting four of them, and asking cuDNN for the
+// workspace size, cost tens of microseconds a call, which at 16-bit speeds
+// made the step wait on the host), the algorithm and its workspace size.
+// The key holds the activations' strides, so a plan's descriptors describe
+// exactly the tensors it is used with.
+struct Plan {
+  TensorDesc a, b;  // forward (x, y); backward data (dy, dx); backward filter (x, dy)
+  FilterDesc f;
+  ConvDesc c;
+  Algo algo{-1, CUDNN_DEFAULT_MATH};
+  size_t ws = 0;
+  Plan(const Tensor& ta, const Tensor& tb, const Tensor& tw, const ConvGeom& g, const ConvTypes& ty, bool cl)
+      : a(ta, ty.data), b(tb, ty.data), f(tw, ty.data, cl), c(g, ty) {}
+};
+
+struct PlanKey {
+  AlgoKey algo;
+  std::array<int64_t, 8> strides;
+  auto operator<=>(const PlanKey&) const = default;
+};
+
+struct CachedPlan {
+  const Plan* plan;
   bool fresh;  // this call made the entry (it is logged once)
 };
 
-template <typename Query>
-Cached cached_algo(const AlgoKey& key, Query&& query) {
+// Plans live until exit (a handful per layer); a map node never moves, so
+// the pointer stays valid while other threads add plans.
+template <typename Make>
+CachedPlan cached_plan(const PlanKey& key, Make&& make) {
   static std::mutex mu;
-  static std::map<AlgoKey, Algo> cache;
+  static auto* cache = new std::map<PlanKey, std::unique_ptr<Plan>>;  // leaked: cuDNN may be gone at exit
   {
     std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find(key);
-    if (it != cache.end()) return {it->second, false};
+    auto it = cache->find(key);
+    if (it != cache->end()) return {it->second.get(), false};
   }
-  Algo a = query();  // outside the lock: a query on one device must not stall others
+  std::unique_ptr<Plan> made = make();  // outside the lock: a query on one device must not stall others
   std::lock_guard<std::mutex> lock(mu);
-  auto [it, inserted] = cache.emplace(key, a);
-  return {it->second, inserted};
+  auto [it, inserted] = cache->emplace(key, std::move(made));
+  return {it->second.get(), inserted};
+}
+
+AlgoKey algo_key(const ConvGeom& g, bool channels_last, const Tensor& x, Pass pass, cudnnMathType_t math);
+
+PlanKey plan_key(const ConvGeom& g, bool channels_last, const Tensor& t1, const Tensor& t2, Pass pass,
+                 cudnnMathType_t math) {
+  PlanKey k{algo_key(g, channels_last, t1, pass, math), {}};
+  for (int d = 0; d < 4; ++d) {
+    k.strides[d] = t1.stride(d);
+    k.strides[4 + d] = t2.stride(d);
+  }
+  return k;
 }
 
 AlgoKey algo_key(const ConvGeom& g, bool channels_last, const Tensor& x, Pass pass, cudnnMathType_t math) {
@@ -283,7 +321,7 @@ const char* math_name(cudnnMathType_t m) {
 }
 
 // One line per new cache entry under EMBER_CUDNN_LOG=1 (read once).
-void log_choice(const Cached& c, const char* pass, const ConvGeom& g, DType dt, bool cl, size_t ws) {
+void log_choice(const CachedPlan& c, const char* pass, const ConvGeom& g, DType dt, bool cl, size_t ws) {
   static const bool on = [] {
     const char* e = std::getenv("EMBER_CUDNN_LOG");
     return e && std::string(e) == "1";
@@ -294,7 +332,8 @@ void log_choice(const Cached& c, const char* pass, const ConvGeom& g, DType dt, 
                "algo %d math %s workspace %zu\n",
                pass, (long long)g.n, (long long)g.c, (long long)g.h, (long long)g.w, (long long)g.o,
                (long long)(g.c / g.groups), (long long)g.kh, (long long)g.kw, (long long)g.sh, (long long)g.ph,
-               (long long)g.groups, dtype_name(dt), cl ? " channels-last" : "", c.algo.algo, math_name(c.algo.math), ws);
+               (long long)g.groups, dtype_name(dt), cl ? " channels-last" : "", c.plan->algo.algo,
+               math_name(c.plan->algo.math), ws);
 }
 
 // The op layer lays x (dy, dx) and w out alike, so either one's strides
@@ -354,10 +393,12 @@ void dispatch_conv_float(DType t, F&& f) {
 // for it. The caller holds the device's cuDNN slot.
 bool forward_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& x, const Tensor& w, Tensor& y, bool cl) {
   const ConvTypes ty = conv_types(x.dtype());
-  TensorDesc xd(x, ty.data), yd(y, ty.data);
-  FilterDesc wd(w, ty.data, cl);
-  ConvDesc cd(g, ty);
-  const Cached cached = cached_algo(algo_key(g, cl, x, Pass::Forward, ty.math), [&] {
+  const CachedPlan cached = cached_plan(plan_key(g, cl, x, y, Pass::Forward, ty.math), [&] {
+    auto plan = std::make_unique<Plan>(x, y, w, g, ty, cl);
+    TensorDesc &xd = plan->a, &yd = plan->b;
+    FilterDesc& wd = plan->f;
+    ConvDesc& cd = plan->c;
+    plan->algo = [&]() -> Algo {
     auto accepts_fwd = [&](int algo, cudnnMathType_t m) {
       cd.set_math(m);
       size_t ws = 0;
@@ -382,13 +423,22 @@ bool forward_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& x, 
     EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, xd.get(), wd.get(), cd.get(), yd.get(), max_count,
                                                              &returned, perf.data()));
     return pick(perf, returned, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, x.dtype(), ty.math, accepts_fwd);
+    }();
+    if (plan->algo.algo >= 0) {
+      cd.set_math(plan->algo.math);
+      EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(
+          h, xd.get(), wd.get(), cd.get(), yd.get(), static_cast<cudnnConvolutionFwdAlgo_t>(plan->algo.algo),
+          &plan->ws));
+    }
+    return plan;
   });
-  const Algo a = cached.algo;
-  if (a.algo < 0) return false;
-  const auto algo = static_cast<cudnnConvolutionFwdAlgo_t>(a.algo);
-  cd.set_math(a.math);
-  size_t ws_bytes = 0;
-  EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(h, xd.get(), wd.get(), cd.get(), yd.get(), algo, &ws_bytes));
+  const Plan& p = *cached.plan;
+  if (p.algo.algo < 0) return false;
+  const auto algo = static_cast<cudnnConvolutionFwdAlgo_t>(p.algo.algo);
+  const TensorDesc &xd = p.a, &yd = p.b;
+  const FilterDesc& wd = p.f;
+  const ConvDesc& cd = p.c;
+  const size_t ws_bytes = p.ws;
   log_choice(cached, "forward", g, x.dtype(), cl, ws_bytes);
   DataPtr ws = workspace(dev, ws_bytes);
   const Blend blend(x.dtype());
@@ -400,10 +450,12 @@ bool forward_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& x, 
 bool backward_data_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& w, const Tensor& dy, Tensor& dx,
                         bool cl) {
   const ConvTypes ty = conv_types(dy.dtype());
-  TensorDesc dyd(dy, ty.data), dxd(dx, ty.data);
-  FilterDesc wd(w, ty.data, cl);
-  ConvDesc cd(g, ty);
-  const Cached cached = cached_algo(algo_key(g, cl, dy, Pass::BackwardData, ty.math), [&] {
+  const CachedPlan cached = cached_plan(plan_key(g, cl, dy, dx, Pass::BackwardData, ty.math), [&] {
+    auto plan = std::make_unique<Plan>(dy, dx, w, g, ty, cl);
+    TensorDesc &dyd = plan->a, &dxd = plan->b;
+    FilterDesc& wd = plan->f;
+    ConvDesc& cd = plan->c;
+    plan->algo = [&]() -> Algo {
     if (cudnn_benchmark()) {
       cd.set_math(ty.math);
       const Algo f = find_algo<cudnnConvolutionBwdDataAlgoPerf_t>(
@@ -435,14 +487,22 @@ bool backward_data_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tenso
                              h, wd.get(), dyd.get(), cd.get(), dxd.get(),
                              static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), &ws) == CUDNN_STATUS_SUCCESS;
                 });
+    }();
+    if (plan->algo.algo >= 0) {
+      cd.set_math(plan->algo.math);
+      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
+          h, wd.get(), dyd.get(), cd.get(), dxd.get(), static_cast<cudnnConvolutionBwdDataAlgo_t>(plan->algo.algo),
+          &plan->ws));
+    }
+    return plan;
   });
-  const Algo a = cached.algo;
-  if (a.algo < 0) return false;
-  const auto algo = static_cast<cudnnConvolutionBwdDataAlgo_t>(a.algo);
-  cd.set_math(a.math);
-  size_t ws_bytes = 0;
-  EMBER_CUDNN_CHECK(
-      cudnnGetConvolutionBackwardDataWorkspaceSize(h, wd.get(), dyd.get(), cd.get(), dxd.get(), algo, &ws_bytes));
+  const Plan& p = *cached.plan;
+  if (p.algo.algo < 0) return false;
+  const auto algo = static_cast<cudnnConvolutionBwdDataAlgo_t>(p.algo.algo);
+  const TensorDesc &dyd = p.a, &dxd = p.b;
+  const FilterDesc& wd = p.f;
+  const ConvDesc& cd = p.c;
+  const size_t ws_bytes = p.ws;
   log_choice(cached, "backward_data", g, dy.dtype(), cl, ws_bytes);
   DataPtr ws = workspace(dev, ws_bytes);
   const Blend blend(dy.dtype());
@@ -455,10 +515,12 @@ bool backward_data_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tenso
 bool backward_filter_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& x, const Tensor& dy, Tensor& dw,
                           bool cl) {
   const ConvTypes ty = conv_types(x.dtype());
-  TensorDesc xd(x, ty.data), dyd(dy, ty.data);
-  FilterDesc dwd(dw, ty.data, cl);
-  ConvDesc cd(g, ty);
-  const Cached cached = cached_algo(algo_key(g, cl, x, Pass::BackwardFilter, ty.math), [&] {
+  const CachedPlan cached = cached_plan(plan_key(g, cl, x, dy, Pass::BackwardFilter, ty.math), [&] {
+    auto plan = std::make_unique<Plan>(x, dy, dw, g, ty, cl);
+    TensorDesc &xd = plan->a, &dyd = plan->b;
+    FilterDesc& dwd = plan->f;
+    ConvDesc& cd = plan->c;
+    plan->algo = [&]() -> Algo {
     if (cudnn_benchmark()) {
       cd.set_math(ty.math);
       const Algo f = find_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(
@@ -490,14 +552,22 @@ bool backward_filter_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Ten
                              h, xd.get(), dyd.get(), cd.get(), dwd.get(),
                              static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), &ws) == CUDNN_STATUS_SUCCESS;
                 });
+    }();
+    if (plan->algo.algo >= 0) {
+      cd.set_math(plan->algo.math);
+      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
+          h, xd.get(), dyd.get(), cd.get(), dwd.get(),
+          static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan->algo.algo), &plan->ws));
+    }
+    return plan;
   });
-  const Algo a = cached.algo;
-  if (a.algo < 0) return false;
-  const auto algo = static_cast<cudnnConvolutionBwdFilterAlgo_t>(a.algo);
-  cd.set_math(a.math);
-  size_t ws_bytes = 0;
-  EMBER_CUDNN_CHECK(
-      cudnnGetConvolutionBackwardFilterWorkspaceSize(h, xd.get(), dyd.get(), cd.get(), dwd.get(), algo, &ws_bytes));
+  const Plan& p = *cached.plan;
+  if (p.algo.algo < 0) return false;
+  const auto algo = static_cast<cudnnConvolutionBwdFilterAlgo_t>(p.algo.algo);
+  const TensorDesc &xd = p.a, &dyd = p.b;
+  const FilterDesc& dwd = p.f;
+  const ConvDesc& cd = p.c;
+  const size_t ws_bytes = p.ws;
   log_choice(cached, "backward_filter", g, x.dtype(), cl, ws_bytes);
   DataPtr ws = workspace(dev, ws_bytes);
   const Blend blend(x.dtype());
