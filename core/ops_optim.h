@@ -142,8 +142,11 @@ void adam_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>
 
 void amp_unscale_cpu(const std::vector<Tensor>& grads, const Tensor& found_inf, const Tensor& inv_scale);
 void amp_unscale_cuda(const std::vector<Tensor>& grads, const Tensor& found_inf, const Tensor& inv_scale);
+// The factors stay double: torch multiplies the float scale by the double
+// factor and rounds the product to float, which a float factor does not
+// reproduce bit for bit (0.3f is not 0.3).
 struct AmpScaleArgs {
-  float growth_factor, backoff_factor;
+  double growth_factor, backoff_factor;
   int32_t growth_interval;
 };
 void amp_update_scale_cpu(const Tensor& scale, const Tensor& growth_tracker, const Tensor& found_inf,
@@ -276,16 +279,17 @@ EMBER_HD C amp_unscale(C g, C inv_scale, bool& found) {
 }
 
 // torch's _amp_update_scale_cpu_/_cuda_ kernel, on one-element state.
-EMBER_HD void amp_update_scale(float& scale, int32_t& growth_tracker, float found_inf, float growth_factor,
-                                      float backoff_factor, int32_t growth_interval) {
+EMBER_HD void amp_update_scale(float& scale, int32_t& growth_tracker, float found_inf, double growth_factor,
+                                      double backoff_factor, int32_t growth_interval) {
+  // As torch's _amp_update_scale_: the product in double, rounded to float.
   if (found_inf > 0.f) {
-    scale = scale * backoff_factor;
+    scale = static_cast<float>(static_cast<double>(scale) * backoff_factor);
     growth_tracker = 0;
     return;
   }
   const int32_t successful = growth_tracker + 1;
   if (successful == growth_interval) {
-    const float grown = scale * growth_factor;
+    const float grown = static_cast<float>(static_cast<double>(scale) * growth_factor);
     if (opt_isfinite(grown)) scale = grown;
     growth_tracker = 0;
   } else {

@@ -86,6 +86,32 @@ TEST(GradScaler, ScaleSequenceOverInjectedInfAndNaNMatchesHandComputedValues) {
   }
 }
 
+// Any growth and backoff factor gives torch's scale bit for bit: the float
+// scale times the double factor, rounded to float (torch's
+// _amp_update_scale_). A float factor drifts from it within a few updates,
+// which the reference below checks it would.
+TEST(GradScaler, ScaleUpdateIsFloatTimesDoubleAsInPyTorch) {
+  for (const Device& dev : devices()) {
+    SCOPED_TRACE(::testing::Message() << dev);
+    const double growth = 1.7, backoff = 0.3;
+    Tensor scale = full({1}, 65536.0, {DType::Float32, dev});
+    Tensor tracker = zeros({1}, {DType::Int32, dev});
+    float want = 65536.0f, float_path = 65536.0f;
+    bool drifted = false;
+    // found_inf pattern: back off, back off, grow (interval 1), ...
+    for (int i = 0; i < 12; ++i) {
+      const bool inf = i % 3 != 2;
+      Tensor found = full({1}, inf ? 1.0 : 0.0, {DType::Float32, dev});
+      amp_update_scale_(scale, tracker, found, growth, backoff, 1);
+      want = static_cast<float>(static_cast<double>(want) * (inf ? backoff : growth));
+      float_path = float_path * static_cast<float>(inf ? backoff : growth);
+      drifted = drifted || float_path != want;
+      ASSERT_EQ(scale.cpu().to_vector()[0], static_cast<double>(want)) << "update " << i;
+    }
+    EXPECT_TRUE(drifted) << "the reference does not tell the two roundings apart";
+  }
+}
+
 TEST(GradScaler, UnscaleGivesTheTrueGradientsOnce) {
   for (const Device& dev : devices()) {
     SCOPED_TRACE(::testing::Message() << dev);

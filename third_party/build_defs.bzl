@@ -275,3 +275,13 @@ def ember_fuzz_test(name, srcs, deps = [], corpus = None, size = "small", **kwar
         data = corpus_files,
         tags = ["manual"],
     )
+
+def cuda_emu_cc(kind, name, **kwargs):
+    """A cc_binary, cc_library or cc_test (kind "binary", "library", "test")
+    that links the CUDA emulation (//core:core_emu), such as
+    //bench:step_counts: declared only where the CUDA toolkit is found, as the
+    *_emu_test targets are (the emulation compiles against its headers)."""
+    if not CUDA_FOUND:
+        return
+    rule = {"binary": native.cc_binary, "library": native.cc_library, "test": native.cc_test}[kind]
+    rule(name = name, target_compatible_with = cuda_required(), **kwargs)

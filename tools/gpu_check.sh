@@ -15,7 +15,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 TESTS="tensor_test ops_cuda_test ops_nn_cuda_test optim_cuda_test grad_scaler_test autocast_test loader_test
 safetensors_test process_group_test process_group_nccl_test"
 if [ "${1:-}" = "--targets" ]; then
-  echo //core:tensor_test //core:ops_cuda_test //core:ops_nn_cuda_test //optim:optim_cuda_test \
+  echo //core:tensor_test //core:ops_cuda_test //core:ops_nn_cuda_test //optim:optim_cuda_test //bench:gpu_step \
     //optim:grad_scaler_test //nn:autocast_test //data:loader_test //core:safetensors_test \
     //distributed:process_group_test //distributed:process_group_nccl_test //bench:ops_cuda_bench \
     //bench:train_bench //examples:resnet_ddp //examples:gpt_fsdp //tools:ckpt
@@ -70,12 +70,11 @@ for s in $steps; do
     summary "train_bench (cuda) rc=$?"
     cat "$logs/ops_cuda_bench.log" "$logs/train_bench.log" | grep -E '^BM_' | grep -v -E '_(stddev|cv|mean) ' |
       tee -a "$logs/summary.txt"
-    # PyTorch on the same GPU, the same step (the machine's python3 has torch).
-    for tf32 in "" --tf32; do
-      timeout 300 python3 "$here/bench/resnet50_cuda_peer.py" $tf32 >"$logs/resnet50_peer$tf32.log" 2>&1
-      summary "resnet50_cuda_peer $tf32 rc=$?"
-      grep '^torch' "$logs/resnet50_peer$tf32.log" | tee -a "$logs/summary.txt"
-    done
+    # PyTorch on the same GPU, the same step (the machine's python3 has torch);
+    # bench/gpu_perf.sh is the full comparison (rounds, breakdown, kernels).
+    timeout 300 python3 "$here/bench/resnet50_cuda_peer.py" --configs fp32,tf32 >"$logs/resnet50_peer.log" 2>&1
+    summary "resnet50_cuda_peer rc=$?"
+    grep '^torch' "$logs/resnet50_peer.log" | tee -a "$logs/summary.txt"
     ;;
   examples)
     d="$here/.gpudata"

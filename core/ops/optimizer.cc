@@ -367,8 +367,7 @@ void amp_update_scale_(Tensor& scale, Tensor& growth_tracker, const Tensor& foun
               backoff_factor);
   EMBER_CHECK(growth_interval >= 1 && growth_interval <= INT32_MAX, op, ": growth_interval must be a positive int32, got ",
               growth_interval);
-  const AmpScaleArgs a{static_cast<float>(growth_factor), static_cast<float>(backoff_factor),
-                       static_cast<int32_t>(growth_interval)};
+  const AmpScaleArgs a{growth_factor, backoff_factor, static_cast<int32_t>(growth_interval)};
   if (scale.is_cuda()) amp_update_scale_cuda(scale, growth_tracker, found_inf, a);
   else amp_update_scale_cpu(scale, growth_tracker, found_inf, a);
   ++scale.impl().storage->version;
