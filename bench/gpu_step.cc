@@ -102,18 +102,8 @@ void run(const Args& a, const std::string& config, const std::string& layout) {
   Tensor x = randn({a.batch, 3, a.image, a.image}).cuda();
   if (layout == "cl") x = x.contiguous(MemoryFormat::ChannelsLast);  // once, as the peer converts its input
   Tensor y = randint(0, 1000, {a.batch}).cuda();
-  auto step = [&] {
-    opt.zero_grad();
-    Tensor loss;
-    {
-      std::optional<AutocastGuard> guard;
-      if (amp) guard.emplace(DeviceType::CUDA, DType::BFloat16);
-      loss = nn::functional::cross_entropy((*model)(x), y);
-    }
-    loss.backward();
-    opt.step();
-    return loss.item();
-  };
+  const std::optional<DType> amp_dtype = amp ? std::optional<DType>(DType::BFloat16) : std::nullopt;
+  auto step = [&] { return bench::train_step_autocast(*model, opt, x, y, amp_dtype); };
   for (int64_t i = 0; i < a.warmup; ++i) step();
   std::vector<double> ms;
   const AllocatorStats before = cuda_allocator(0)->stats();

@@ -20,7 +20,7 @@
 #include <cstdio>
 #include <optional>
 
-#include "core/autocast.h"
+#include "bench/train_step.h"
 #include "nn/functional.h"
 #include "nn/models.h"
 #include "nn/transformer.h"
@@ -47,18 +47,8 @@ StepCount resnet50_step(bool bf16) {
   optim::SGD opt(model->parameters(), optim::SGDOptions{.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-4});
   Tensor x = randn({2, 3, 32, 32}).cuda().contiguous(MemoryFormat::ChannelsLast);
   Tensor y = randint(0, 1000, {2}).cuda();
-  return count([&] {
-    opt.zero_grad();
-    Tensor loss;
-    {
-      std::optional<AutocastGuard> amp;
-      if (bf16) amp.emplace(DeviceType::CUDA, DType::BFloat16);
-      loss = nn::functional::cross_entropy((*model)(x), y);
-    }
-    loss.backward();
-    opt.step();
-    return loss.item();
-  });
+  const std::optional<DType> amp = bf16 ? std::optional<DType>(DType::BFloat16) : std::nullopt;
+  return count([&] { return train_step_autocast(*model, opt, x, y, amp); });
 }
 
 }  // namespace

@@ -146,7 +146,9 @@ TEST_F(CudaNnOps, Tf32SwitchesTakeEffect) {
     EXPECT_EQ(exact, exact_again) << "conv2d: TF32 off again reuses the exact algorithm";
     // A real cuDNN may still pick an FMA kernel for so small a convolution
     // (seen on an H100); the emulation always rounds when allowed.
-    if (emulated) EXPECT_GT(tf32, 2e-5) << "conv2d, TF32 on: operands not rounded";
+    if (emulated) {
+      EXPECT_GT(tf32, 2e-5) << "conv2d, TF32 on: operands not rounded";
+    }
     EXPECT_LT(tf32, 5e-3) << "conv2d, TF32 on";
   }
   Tensor a = rnd({33, 70}, 162, DType::Float32), b = rnd({70, 20}, 163, DType::Float32);
@@ -157,7 +159,9 @@ TEST_F(CudaNnOps, Tf32SwitchesTakeEffect) {
   const double m_tf32 = rel_err(matmul(a.cuda(), b.cuda()), mref);
   set_matmul_allow_tf32(false);
   EXPECT_LT(m_exact, 1e-6);
-  if (emulated) EXPECT_GT(m_tf32, 2e-5);
+  if (emulated) {
+    EXPECT_GT(m_tf32, 2e-5);
+  }
   EXPECT_LT(m_tf32, 5e-3);
 }
 
@@ -181,8 +185,12 @@ TEST_F(CudaNnOps, Conv2dBenchmarkModeMatchesCpu) {
 // PyTorch's defaults: cuDNN may use TF32, matmul may not; the environment
 // overrides them (a bad value is a named error, checked in the device test).
 TEST(Tf32Defaults, AsPyTorch) {
-  if (!std::getenv("EMBER_CUDNN_ALLOW_TF32")) EXPECT_TRUE(cudnn_allow_tf32());
-  if (!std::getenv("EMBER_MATMUL_ALLOW_TF32")) EXPECT_FALSE(matmul_allow_tf32());
+  if (!std::getenv("EMBER_CUDNN_ALLOW_TF32")) {
+    EXPECT_TRUE(cudnn_allow_tf32());
+  }
+  if (!std::getenv("EMBER_MATMUL_ALLOW_TF32")) {
+    EXPECT_FALSE(matmul_allow_tf32());
+  }
 }
 
 TEST_F(CudaNnOps, Conv2dChannelsLastMatchesCpu) {
@@ -293,8 +301,9 @@ TEST_F(CudaNnOps, BatchNormShapesMatchCpu) {
           Fn gpu_f = [&](const std::vector<Tensor>& v) {
             Tensor y = batch_norm(v[0], v[1], v[2], rm_g, rv_g, training, 0.1);
             // (One channel or 1x1 planes: both layouts are the same memory.)
-            if (c > 1 && cs.x[2] * cs.x[3] > 1)
+            if (c > 1 && cs.x[2] * cs.x[3] > 1) {
               EXPECT_EQ(y.suggest_memory_format(), cl ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous);
+            }
             return y;
           };
           Outcome o_c = run(cpu_f, {x, w, b}, false), o_g = run(gpu_f, {x, w, b}, true, layout);
