@@ -1,5 +1,5 @@
 // Sharded checkpoint throughput on 2 ranks (processes), the workload of
-// ../shared/peers/torch2/dcp_peer.py: the GPT of fsdp_bench (6 layers, d 512,
+// bench/peers/torch2/dcp_peer.py: the GPT of fsdp_bench (6 layers, d 512,
 // 27.4 M parameters) under fully_shard FULL_SHARD with AdamW state, about
 // 330 MB per checkpoint over both ranks.
 //

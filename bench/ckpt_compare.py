@@ -2,14 +2,14 @@
 """Sharded checkpoints beside PyTorch DCP, interleaved in one run.
 
 Each round runs bench/ckpt_bench (ours: save, load, async save and the disk's
-raw write on 2 processes) and ../shared/peers/torch2/dcp_peer.py's save phase
+raw write on 2 processes) and bench/peers/torch2/dcp_peer.py's save phase
 (dcp.save and dcp.async_save from 2 FSDP2 ranks, the same GPT and AdamW
 state, ~330 MB), then prints the medians and the ratios.
 
   bazel build -c opt //bench:ckpt_bench
   bench/ckpt_compare.py --ours bazel-bin/bench/ckpt_bench [--rounds 3]
 
-The peer needs ../shared/peers/torch2/setup-venv.sh (~/.venvs/torch2-peer).
+The peer needs bench/peers/torch2/setup-venv.sh (~/.venvs/torch2-peer).
 """
 import argparse
 import json
@@ -21,7 +21,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PEER = os.path.join(HERE, "..", "..", "shared", "peers", "torch2", "dcp_peer.py")
+PEER = os.path.join(HERE, "peers", "torch2", "dcp_peer.py")
 
 
 def ours(binary, tmp):

@@ -1,6 +1,6 @@
 # Interleaves our benchmarks with the PyTorch peers, both of them: Debian's
 # PyTorch 1.13 (/usr/bin/python3) and 2.15 (the venv of
-# shared/peers/torch2/setup-venv.sh, skipped with a note when absent). Each
+# bench/peers/torch2/setup-venv.sh, skipped with a note when absent). Each
 # run goes under guard.py (waits for a quiet machine). This machine moves
 # ±30% between runs minutes apart, so only figures from one interleaved run
 # are compared: per round, ours, then each peer, for every workload.
@@ -15,7 +15,7 @@
 import argparse, datetime, json, os, platform, statistics, subprocess, sys, tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PEERS = os.environ.get("EMBER_PEERS", os.path.join(ROOT, "..", "shared", "peers"))
+PEERS = os.environ.get("EMBER_PEERS", os.path.join(ROOT, "bench", "peers"))
 PY = "/usr/bin/python3"
 PY2 = os.path.expanduser(os.environ.get("EMBER_TORCH2_PY", "~/.venvs/torch2-peer/bin/python"))
 GUARD = [PY, os.path.join(PEERS, "guard.py")]
@@ -27,7 +27,7 @@ def peers():
     if os.path.exists(PY2):
         out.append(("torch 2.15", PY2))
     else:
-        print(f"note: {PY2} missing (shared/peers/torch2/setup-venv.sh makes it): PyTorch 2.15 not compared",
+        print(f"note: {PY2} missing (bench/peers/torch2/setup-venv.sh makes it): PyTorch 2.15 not compared",
               file=sys.stderr)
     return out
 
@@ -109,7 +109,7 @@ def workload_mlp(res, r, pe):
 def workload_ddp(res, r, pe, widths=(16, 64)):
     # DDP over Gloo, batch 32 per rank, 1 thread per process: ours on 1, 2
     # and 4 processes (4 oversubscribe 2 cores), the peers on 1 and 2
-    # (shared/peers/ddp_resnet.py). Step times for the table, img/s for the
+    # (bench/peers/ddp_resnet.py). Step times for the table, img/s for the
     # scaling plot.
     sc = res.w.setdefault("ddp_scaling", {"img_per_s": {}, "what": "DDP scaling, ResNet-18, batch 32 per rank"})
     for w in widths:

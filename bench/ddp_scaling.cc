@@ -1,5 +1,5 @@
 // Data-parallel scaling of the ResNet training step on the CPU: the
-// workload of /work/shared/peers/ddp_resnet.py. ResNet-18 with the small
+// workload of bench/peers/ddp_resnet.py. ResNet-18 with the small
 // stem (narrow width 16 and full width 64), 1x28x28 inputs, batch 32 per
 // rank, SGD(momentum 0.9, lr 0.05), 1 OpenMP thread per process, Gloo over
 // loopback; one step = zero_grad + forward + cross-entropy + backward

@@ -1,5 +1,5 @@
 // FSDP against DDP and one process, on the workloads of
-// ../shared/peers/torch2/fsdp_peer.py (PyTorch 2's fully_shard):
+// bench/peers/torch2/fsdp_peer.py (PyTorch 2's fully_shard):
 //   model:mlp  8 residual blocks x + fc2(gelu(fc1(LayerNorm(x)))), 1024 ->
 //              4096 -> 1024, 67.2 M parameters, MSE, batch 16 rows per rank
 //   model:gpt  nn::GPT with 6 layers, d 512, 8 heads, seq 128, vocab 8192,

@@ -1,6 +1,6 @@
 # FSDP beside PyTorch's fully_shard, rounds interleaved in one run (the
 # machine is noisy): per configuration, our BM_FsdpStep (bench/fsdp_bench.cc)
-# and ../shared/peers/torch2/fsdp_peer.py on the same model, batch and
+# and bench/peers/torch2/fsdp_peer.py on the same model, batch and
 # strategy, each in fresh processes. Step time: both with their default
 # allocators, every round. Memory (round 1 only; it does not wander): peak
 # RSS above the process's baseline with freed memory returned to the OS, the
@@ -11,7 +11,7 @@
 #   python3 bench/fsdp_compare.py --ours bazel-out/k8-opt/bin/bench/fsdp_bench --rounds 3
 import argparse, datetime, json, os, statistics, subprocess, sys
 
-PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../shared/peers/torch2/fsdp_peer.py")
+PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch2", "fsdp_peer.py")
 # (model, our mode, procs, peer strategy)
 CONFIGS = [(m, ours, n, peer) for m in ("gpt", "mlp") for ours, n, peer in (
     ("plain", 1, "plain"), ("full", 1, "fsdp2_full"), ("ddp", 2, "ddp"), ("full", 2, "fsdp2_full"),

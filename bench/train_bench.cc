@@ -1,7 +1,7 @@
 // One training step (zero_grad, forward, cross-entropy, backward, SGD step)
 // of ResNet-18 with the small-image stem on 1x28x28 inputs, batch 64, fp32,
 // SGD(momentum 0.9, lr 0.05): the workload of the PyTorch peer
-// shared/peers/resnet18_train_step.py. --width 16 gives the narrow variant.
+// bench/peers/resnet18_train_step.py. --width 16 gives the narrow variant.
 //
 //   bazel run -c opt //bench:train_bench -- --benchmark_min_time=20
 //

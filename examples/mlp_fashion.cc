@@ -1,6 +1,6 @@
 // An MLP 784-512-256-10 trained with Adam (lr 1e-3, batch 128) for one epoch
 // on Fashion-MNIST, then its test accuracy: the recipe of the PyTorch peer
-// (shared/peers/mlp_epoch.py), which reaches about 85%.
+// (bench/peers/mlp_epoch.py), which reaches about 85%.
 //
 //   bazel run -c opt //examples:mlp_fashion [-- --epochs N --steps N --seed S --data DIR --profile DIR]
 //
@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
         profile.step();
       });
       // The training loop alone (data already in memory), as the peer
-      // shared/peers/mlp_epoch.py times it; bench/compare_peers.py mlp reads it.
+      // bench/peers/mlp_epoch.py times it; bench/compare_peers.py mlp reads it.
       const double train_s = examples::seconds_since(t_epoch);
       model->eval();
       double acc = examples::accuracy(*model, test);

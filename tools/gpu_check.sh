@@ -3,7 +3,7 @@
 # on the lent GPU machine (a lease is short and each call pays a start-up).
 #
 # Here, once per change:
-#   ../shared/tools/gpu-bundle $(tools/gpu_check.sh --targets)
+#   tools/gpu_bundle.sh $(tools/gpu_check.sh --targets)
 #   tools/gpu_check.sh --data        # Fashion-MNIST and fortunes into .gpudata/
 # Then the device tool's run with carry [".gpu", ".gpudata"] and command
 #   bash tools/gpu_check.sh [tests] [sanitize] [bench] [examples]   (none: all)

@@ -27,7 +27,7 @@ PACKAGES=(
   fortunes             # the corpus of //examples:gpt_fsdp (/usr/share/games/fortunes)
 )
 # --peers: also the PyTorch the benchmarks compare against (bench/compare_peers.py,
-# shared/peers/). A measuring stick, never a dependency of ember itself.
+# bench/peers/). A measuring stick, never a dependency of ember itself.
 # --plots: matplotlib, for bench/plot_scaling.py's PNGs (the README's plots).
 for arg in "$@"; do
   case "$arg" in
