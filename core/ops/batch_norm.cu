@@ -435,7 +435,7 @@ Dims3 dims_of(const Tensor& x) { return {x.size(0), x.size(1), x.size(2) * x.siz
 
 // Blocks wanted in flight for a reduction: enough to cover every SM several
 // times (a reduction over a few channels must still fill the GPU).
-int64_t target_blocks(int device) { return int64_t{4} * cuda::sm_count(device) * (2048 / cuda::kBlockSize) / 2; }
+int64_t target_blocks(int device) { return int64_t{16} * cuda::sm_count(device); }
 
 // The reduction's geometry, shared by forward and backward.
 struct ReducePlan {

@@ -28,14 +28,14 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdio>
-#include <cstdlib>
-#include <string>
 #include <climits>
 #include <compare>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -268,9 +268,7 @@ AlgoKey algo_key(const ConvGeom& g, bool channels_last, const Tensor& x, Pass pa
 }
 
 // Workspaces come from the caching allocator (stream-ordered).
-DataPtr workspace(int device, size_t bytes) {
-  return bytes > 0 ? cuda_allocator(device)->allocate(bytes) : DataPtr{};
-}
+DataPtr workspace(int device, size_t bytes) { return bytes > 0 ? cuda_allocator(device)->allocate(bytes) : DataPtr{}; }
 
 // Benchmark mode's workspace cap: half the device's free memory, at most
 // 4 GiB, so that timing the candidates never runs the step out of memory;
@@ -289,7 +287,7 @@ size_t benchmark_workspace_cap() {
 // wins. {-1}: nothing measured (no memory for the workspace, say), and the
 // caller falls back to the heuristics.
 template <typename Perf, typename Find, typename Accepts>
-Algo find_algo(int dev, int n_algos, DType dt, cudnnMathType_t want, Find&& find, Accepts&& accepts) {
+Algo find_algo(int dev, int n_algos, cudnnMathType_t want, Find&& find, Accepts&& accepts) {
   size_t cap = benchmark_workspace_cap();
   DataPtr ws;
   try {
@@ -306,41 +304,43 @@ Algo find_algo(int dev, int n_algos, DType dt, cudnnMathType_t want, Find&& find
     if (want == CUDNN_FMA_MATH && perf[i].mathType == CUDNN_TENSOR_OP_MATH) continue;
     if (accepts(static_cast<int>(perf[i].algo), m)) return {static_cast<int>(perf[i].algo), m};
   }
-  (void)dt;
   return {-1, want};
 }
 
 const char* math_name(cudnnMathType_t m) {
   switch (m) {
-    case CUDNN_DEFAULT_MATH: return "default";
-    case CUDNN_TENSOR_OP_MATH: return "tensor_op";
-    case CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION: return "tensor_op_allow_conversion";
-    case CUDNN_FMA_MATH: return "fma";
+    case CUDNN_DEFAULT_MATH:
+      return "default";
+    case CUDNN_TENSOR_OP_MATH:
+      return "tensor_op";
+    case CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION:
+      return "tensor_op_allow_conversion";
+    case CUDNN_FMA_MATH:
+      return "fma";
   }
   return "?";
 }
 
 // One line per new cache entry under EMBER_CUDNN_LOG=1 (read once).
-void log_choice(const CachedPlan& c, const char* pass, const ConvGeom& g, DType dt, bool cl, size_t ws) {
+void log_choice(const CachedPlan& c, const char* pass, const ConvGeom& g, DType dt, bool cl) {
   static const bool on = [] {
     const char* e = std::getenv("EMBER_CUDNN_LOG");
     return e && std::string(e) == "1";
   }();
   if (!on || !c.fresh) return;
-  std::fprintf(stderr,
-               "[ember cudnn] %s x=[%lld,%lld,%lld,%lld] w=[%lld,%lld,%lld,%lld] stride=%lld pad=%lld groups=%lld %s%s: "
-               "algo %d math %s workspace %zu\n",
-               pass, (long long)g.n, (long long)g.c, (long long)g.h, (long long)g.w, (long long)g.o,
-               (long long)(g.c / g.groups), (long long)g.kh, (long long)g.kw, (long long)g.sh, (long long)g.ph,
-               (long long)g.groups, dtype_name(dt), cl ? " channels-last" : "", c.plan->algo.algo,
-               math_name(c.plan->algo.math), ws);
+  std::fprintf(
+      stderr,
+      "[ember cudnn] %s x=[%lld,%lld,%lld,%lld] w=[%lld,%lld,%lld,%lld] stride=%lld pad=%lld groups=%lld %s%s: "
+      "algo %d math %s workspace %zu\n",
+      pass, (long long)g.n, (long long)g.c, (long long)g.h, (long long)g.w, (long long)g.o, (long long)(g.c / g.groups),
+      (long long)g.kh, (long long)g.kw, (long long)g.sh, (long long)g.ph, (long long)g.groups, dtype_name(dt),
+      cl ? " channels-last" : "", c.plan->algo.algo, math_name(c.plan->algo.math), c.plan->ws);
 }
 
 // The op layer lays x (dy, dx) and w out alike, so either one's strides
 // tell the layout; when both are contiguous in both senses (1x1 filters on
 // 1x1 images, say), the two layouts are the same memory and NCHW is right.
 bool channels_last(const Tensor& x, const Tensor& w) { return !x.is_contiguous() || !w.is_contiguous(); }
-
 
 // ---- Bias kernels ----
 
@@ -398,37 +398,37 @@ bool forward_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& x, 
     TensorDesc &xd = plan->a, &yd = plan->b;
     FilterDesc& wd = plan->f;
     ConvDesc& cd = plan->c;
-    plan->algo = [&]() -> Algo {
-    auto accepts_fwd = [&](int algo, cudnnMathType_t m) {
+    auto accepts = [&](int algo, cudnnMathType_t m) {
       cd.set_math(m);
       size_t ws = 0;
       return cudnnGetConvolutionForwardWorkspaceSize(h, xd.get(), wd.get(), cd.get(), yd.get(),
                                                      static_cast<cudnnConvolutionFwdAlgo_t>(algo),
                                                      &ws) == CUDNN_STATUS_SUCCESS;
     };
-    if (cudnn_benchmark()) {
-      cd.set_math(ty.math);
-      const Algo f = find_algo<cudnnConvolutionFwdAlgoPerf_t>(
-          dev, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, x.dtype(), ty.math,
-          [&](int req, int* ret, cudnnConvolutionFwdAlgoPerf_t* p, void* ws, size_t cap) {
-            return cudnnFindConvolutionForwardAlgorithmEx(h, xd.get(), x.raw_data(), wd.get(), w.raw_data(), cd.get(),
-                                                          yd.get(), y.raw_data(), req, ret, p, ws, cap);
-          },
-          accepts_fwd);
-      if (f.algo >= 0) return f;
-    }
-    int max_count = 0, returned = 0;
-    EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(h, &max_count));
-    std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(max_count);
-    EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, xd.get(), wd.get(), cd.get(), yd.get(), max_count,
-                                                             &returned, perf.data()));
-    return pick(perf, returned, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, x.dtype(), ty.math, accepts_fwd);
+    plan->algo = [&]() -> Algo {
+      if (cudnn_benchmark()) {
+        cd.set_math(ty.math);
+        const Algo f = find_algo<cudnnConvolutionFwdAlgoPerf_t>(
+            dev, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, ty.math,
+            [&](int req, int* ret, cudnnConvolutionFwdAlgoPerf_t* p, void* ws, size_t cap) {
+              return cudnnFindConvolutionForwardAlgorithmEx(h, xd.get(), x.raw_data(), wd.get(), w.raw_data(), cd.get(),
+                                                            yd.get(), y.raw_data(), req, ret, p, ws, cap);
+            },
+            accepts);
+        if (f.algo >= 0) return f;
+      }
+      int max_count = 0, returned = 0;
+      EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(h, &max_count));
+      std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(max_count);
+      EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, xd.get(), wd.get(), cd.get(), yd.get(), max_count,
+                                                               &returned, perf.data()));
+      return pick(perf, returned, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, x.dtype(), ty.math, accepts);
     }();
     if (plan->algo.algo >= 0) {
       cd.set_math(plan->algo.math);
-      EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(
-          h, xd.get(), wd.get(), cd.get(), yd.get(), static_cast<cudnnConvolutionFwdAlgo_t>(plan->algo.algo),
-          &plan->ws));
+      EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(h, xd.get(), wd.get(), cd.get(), yd.get(),
+                                                                static_cast<cudnnConvolutionFwdAlgo_t>(plan->algo.algo),
+                                                                &plan->ws));
     }
     return plan;
   });
@@ -439,7 +439,7 @@ bool forward_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& x, 
   const FilterDesc& wd = p.f;
   const ConvDesc& cd = p.c;
   const size_t ws_bytes = p.ws;
-  log_choice(cached, "forward", g, x.dtype(), cl, ws_bytes);
+  log_choice(cached, "forward", g, x.dtype(), cl);
   DataPtr ws = workspace(dev, ws_bytes);
   const Blend blend(x.dtype());
   EMBER_CUDNN_CHECK(cudnnConvolutionForward(h, blend.one(), xd.get(), x.raw_data(), wd.get(), w.raw_data(), cd.get(),
@@ -455,38 +455,32 @@ bool backward_data_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tenso
     TensorDesc &dyd = plan->a, &dxd = plan->b;
     FilterDesc& wd = plan->f;
     ConvDesc& cd = plan->c;
+    auto accepts = [&](int algo, cudnnMathType_t m) {
+      cd.set_math(m);
+      size_t ws = 0;
+      return cudnnGetConvolutionBackwardDataWorkspaceSize(h, wd.get(), dyd.get(), cd.get(), dxd.get(),
+                                                          static_cast<cudnnConvolutionBwdDataAlgo_t>(algo),
+                                                          &ws) == CUDNN_STATUS_SUCCESS;
+    };
     plan->algo = [&]() -> Algo {
-    if (cudnn_benchmark()) {
-      cd.set_math(ty.math);
-      const Algo f = find_algo<cudnnConvolutionBwdDataAlgoPerf_t>(
-          dev, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, dy.dtype(), ty.math,
-          [&](int req, int* ret, cudnnConvolutionBwdDataAlgoPerf_t* p, void* ws, size_t cap) {
-            return cudnnFindConvolutionBackwardDataAlgorithmEx(h, wd.get(), w.raw_data(), dyd.get(), dy.raw_data(),
-                                                               cd.get(), dxd.get(), dx.raw_data(), req, ret, p, ws,
-                                                               cap);
-          },
-          [&](int algo, cudnnMathType_t m) {
-            cd.set_math(m);
-            size_t ws = 0;
-            return cudnnGetConvolutionBackwardDataWorkspaceSize(h, wd.get(), dyd.get(), cd.get(), dxd.get(),
-                                                                static_cast<cudnnConvolutionBwdDataAlgo_t>(algo),
-                                                                &ws) == CUDNN_STATUS_SUCCESS;
-          });
-      if (f.algo >= 0) return f;
-    }
-    int max_count = 0, returned = 0;
-    EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(h, &max_count));
-    std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(max_count);
-    EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, wd.get(), dyd.get(), cd.get(), dxd.get(),
-                                                                  max_count, &returned, perf.data()));
-    return pick(perf, returned, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, dy.dtype(), ty.math,
-                [&](int algo, cudnnMathType_t m) {
-                  cd.set_math(m);
-                  size_t ws = 0;
-                  return cudnnGetConvolutionBackwardDataWorkspaceSize(
-                             h, wd.get(), dyd.get(), cd.get(), dxd.get(),
-                             static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), &ws) == CUDNN_STATUS_SUCCESS;
-                });
+      if (cudnn_benchmark()) {
+        cd.set_math(ty.math);
+        const Algo f = find_algo<cudnnConvolutionBwdDataAlgoPerf_t>(
+            dev, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, ty.math,
+            [&](int req, int* ret, cudnnConvolutionBwdDataAlgoPerf_t* p, void* ws, size_t cap) {
+              return cudnnFindConvolutionBackwardDataAlgorithmEx(h, wd.get(), w.raw_data(), dyd.get(), dy.raw_data(),
+                                                                 cd.get(), dxd.get(), dx.raw_data(), req, ret, p, ws,
+                                                                 cap);
+            },
+            accepts);
+        if (f.algo >= 0) return f;
+      }
+      int max_count = 0, returned = 0;
+      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(h, &max_count));
+      std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(max_count);
+      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, wd.get(), dyd.get(), cd.get(), dxd.get(),
+                                                                    max_count, &returned, perf.data()));
+      return pick(perf, returned, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, dy.dtype(), ty.math, accepts);
     }();
     if (plan->algo.algo >= 0) {
       cd.set_math(plan->algo.math);
@@ -503,7 +497,7 @@ bool backward_data_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tenso
   const FilterDesc& wd = p.f;
   const ConvDesc& cd = p.c;
   const size_t ws_bytes = p.ws;
-  log_choice(cached, "backward_data", g, dy.dtype(), cl, ws_bytes);
+  log_choice(cached, "backward_data", g, dy.dtype(), cl);
   DataPtr ws = workspace(dev, ws_bytes);
   const Blend blend(dy.dtype());
   EMBER_CUDNN_CHECK(cudnnConvolutionBackwardData(h, blend.one(), wd.get(), w.raw_data(), dyd.get(), dy.raw_data(),
@@ -520,44 +514,38 @@ bool backward_filter_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Ten
     TensorDesc &xd = plan->a, &dyd = plan->b;
     FilterDesc& dwd = plan->f;
     ConvDesc& cd = plan->c;
+    auto accepts = [&](int algo, cudnnMathType_t m) {
+      cd.set_math(m);
+      size_t ws = 0;
+      return cudnnGetConvolutionBackwardFilterWorkspaceSize(h, xd.get(), dyd.get(), cd.get(), dwd.get(),
+                                                            static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo),
+                                                            &ws) == CUDNN_STATUS_SUCCESS;
+    };
     plan->algo = [&]() -> Algo {
-    if (cudnn_benchmark()) {
-      cd.set_math(ty.math);
-      const Algo f = find_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(
-          dev, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, x.dtype(), ty.math,
-          [&](int req, int* ret, cudnnConvolutionBwdFilterAlgoPerf_t* p, void* ws, size_t cap) {
-            return cudnnFindConvolutionBackwardFilterAlgorithmEx(h, xd.get(), x.raw_data(), dyd.get(), dy.raw_data(),
-                                                                 cd.get(), dwd.get(), dw.raw_data(), req, ret, p, ws,
-                                                                 cap);
-          },
-          [&](int algo, cudnnMathType_t m) {
-            cd.set_math(m);
-            size_t ws = 0;
-            return cudnnGetConvolutionBackwardFilterWorkspaceSize(h, xd.get(), dyd.get(), cd.get(), dwd.get(),
-                                                                  static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo),
-                                                                  &ws) == CUDNN_STATUS_SUCCESS;
-          });
-      if (f.algo >= 0) return f;
-    }
-    int max_count = 0, returned = 0;
-    EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(h, &max_count));
-    std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(max_count);
-    EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, xd.get(), dyd.get(), cd.get(), dwd.get(),
-                                                                    max_count, &returned, perf.data()));
-    return pick(perf, returned, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, x.dtype(), ty.math,
-                [&](int algo, cudnnMathType_t m) {
-                  cd.set_math(m);
-                  size_t ws = 0;
-                  return cudnnGetConvolutionBackwardFilterWorkspaceSize(
-                             h, xd.get(), dyd.get(), cd.get(), dwd.get(),
-                             static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), &ws) == CUDNN_STATUS_SUCCESS;
-                });
+      if (cudnn_benchmark()) {
+        cd.set_math(ty.math);
+        const Algo f = find_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(
+            dev, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, ty.math,
+            [&](int req, int* ret, cudnnConvolutionBwdFilterAlgoPerf_t* p, void* ws, size_t cap) {
+              return cudnnFindConvolutionBackwardFilterAlgorithmEx(h, xd.get(), x.raw_data(), dyd.get(), dy.raw_data(),
+                                                                   cd.get(), dwd.get(), dw.raw_data(), req, ret, p, ws,
+                                                                   cap);
+            },
+            accepts);
+        if (f.algo >= 0) return f;
+      }
+      int max_count = 0, returned = 0;
+      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(h, &max_count));
+      std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(max_count);
+      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, xd.get(), dyd.get(), cd.get(), dwd.get(),
+                                                                      max_count, &returned, perf.data()));
+      return pick(perf, returned, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, x.dtype(), ty.math, accepts);
     }();
     if (plan->algo.algo >= 0) {
       cd.set_math(plan->algo.math);
       EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
-          h, xd.get(), dyd.get(), cd.get(), dwd.get(),
-          static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan->algo.algo), &plan->ws));
+          h, xd.get(), dyd.get(), cd.get(), dwd.get(), static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan->algo.algo),
+          &plan->ws));
     }
     return plan;
   });
@@ -568,7 +556,7 @@ bool backward_filter_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Ten
   const FilterDesc& dwd = p.f;
   const ConvDesc& cd = p.c;
   const size_t ws_bytes = p.ws;
-  log_choice(cached, "backward_filter", g, x.dtype(), cl, ws_bytes);
+  log_choice(cached, "backward_filter", g, x.dtype(), cl);
   DataPtr ws = workspace(dev, ws_bytes);
   const Blend blend(x.dtype());
   EMBER_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h, blend.one(), xd.get(), x.raw_data(), dyd.get(), dy.raw_data(),
