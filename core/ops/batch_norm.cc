@@ -221,27 +221,20 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, con
     xc = to_kernel(x).detach();
     wc = as_stat(weight, sd);
     bc = as_stat(bias, sd);
-    // CUDA: one kernel pair computes mean and invstd and updates running
-    // statistics kept as the kernels want them (contiguous, statistics
-    // dtype) in place, on the device. Otherwise (CPU, or running statistics
-    // in another dtype or layout) the update runs as tensor ops.
-    const bool fused_running = x.is_cuda() && x.numel() > 0 && running_mean.defined() &&
-                               running_mean.dtype() == sd && running_var.dtype() == sd &&
-                               running_mean.is_contiguous() && running_var.is_contiguous();
-    if (training && fused_running) {
+    if (training && x.is_cuda()) {
+      // One kernel pair computes mean and invstd on the device and updates
+      // running statistics kept as the kernels want them (contiguous, in
+      // the statistics dtype) in place; others update as tensor ops below.
       mean = Tensor::empty({x.size(1)}, {sd, x.device()});
       invstd = Tensor::empty({x.size(1)}, {sd, x.device()});
-      Tensor rm = running_mean.detach(), rv = running_var.detach();
-      batch_norm_stats_cuda(xc, mean, invstd, eps, &rm, &rv, momentum);
-    } else if (training && x.is_cuda()) {
-      mean = Tensor::empty({x.size(1)}, {sd, x.device()});
-      invstd = Tensor::empty({x.size(1)}, {sd, x.device()});
-      if (x.numel() > 0) batch_norm_stats_cuda(xc, mean, invstd, eps, nullptr, nullptr, momentum);
-      if (running_mean.defined()) {
-        // var back from invstd = 1 / sqrt(var + eps); only for running
-        // statistics the kernel cannot update in place.
-        Tensor var = 1.0 / (invstd * invstd) - eps;
-        Tensor rm = running_mean.detach(), rv = running_var.detach();
+      const bool in_place = running_mean.defined() && running_mean.dtype() == sd && running_var.dtype() == sd &&
+                            running_mean.is_contiguous() && running_var.is_contiguous();
+      Tensor rm = running_mean.defined() ? running_mean.detach() : Tensor();
+      Tensor rv = running_var.defined() ? running_var.detach() : Tensor();
+      if (x.numel() > 0)
+        batch_norm_stats_cuda(xc, mean, invstd, eps, in_place ? &rm : nullptr, in_place ? &rv : nullptr, momentum);
+      if (running_mean.defined() && !in_place && x.numel() > 0) {
+        Tensor var = 1.0 / (invstd * invstd) - eps;  // back from invstd = 1 / sqrt(var + eps)
         rm.copy_(rm * (1.0 - momentum) + mean.to(rm.dtype()) * momentum);
         rv.copy_(rv * (1.0 - momentum) + var.to(rv.dtype()) * (momentum * m / (m - 1.0)));
       }
