@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "core/testing/error_of.h"
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
 #include "core/ops.h"
@@ -41,14 +42,7 @@ void check_grad(const std::string& name, const Fn& f, const std::vector<Tensor>&
   EXPECT_TRUE(r.ok) << name << ": " << r.message << " (max error " << r.max_abs_error << ")";
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using ::ember::testing::error_of;
 
 // ---- Naive references ----
 

@@ -1,5 +1,6 @@
 // Every CPU op against hand-computed values or float64 reference loops,
 // including broadcasting, non-contiguous inputs and error messages.
+#include "core/testing/error_of.h"
 #include "core/ops.h"
 
 #include <gtest/gtest.h>
@@ -22,14 +23,7 @@ void expect_near(const V& got, const V& want, double tol) {
   }
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using ::ember::testing::error_of;
 
 const std::vector<DType> kFloatTypes = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
 double tol_for(DType t) { return t == DType::Float16 ? 2e-3 : t == DType::BFloat16 ? 1e-2 : t == DType::Float32 ? 1e-6 : 1e-12; }

@@ -54,6 +54,15 @@ struct AutogradMetaBase {
   bool requires_grad = false;
 };
 
+// Implemented in distributed/sharding/: how a tensor is laid out across
+// ranks (global shape, the box and run of it this rank holds). Attached to
+// a parameter by whichever parallelism shards it, read by checkpoints and
+// norms; core only carries it. It survives set_data (the parameter object
+// stays; only its data moves), not detach or alias.
+struct ShardMetaBase {
+  virtual ~ShardMetaBase() = default;
+};
+
 struct TensorImpl {
   std::shared_ptr<Storage> storage;
   Shape sizes;
@@ -61,6 +70,7 @@ struct TensorImpl {
   int64_t offset = 0;
   DType dtype = DType::Float32;
   std::shared_ptr<AutogradMetaBase> autograd_meta;
+  std::shared_ptr<const ShardMetaBase> shard_meta;
 };
 
 // How a 4-D [N, C, H, W] tensor lies in memory. ChannelsLast is NHWC memory

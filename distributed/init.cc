@@ -463,8 +463,10 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std
   auto it = std::find(sorted.begin(), sorted.end(), world->rank());
   if (it == sorted.end()) return nullptr;
   int group_rank = static_cast<int>(it - sorted.begin());
-  return make_group(backend, std::make_shared<PrefixStore>("group_" + std::to_string(id), store), group_rank,
-                    static_cast<int>(sorted.size()), pg_options);
+  auto group = make_group(backend, std::make_shared<PrefixStore>("group_" + std::to_string(id), store), group_rank,
+                          static_cast<int>(sorted.size()), pg_options);
+  group->set_global_ranks(sorted);
+  return group;
 }
 
 // A no-op when nothing is initialized, so cleanup paths can call it freely.

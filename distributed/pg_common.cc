@@ -24,6 +24,24 @@ const char* reduce_op_name(ReduceOp op) {
   return "?";
 }
 
+int ProcessGroup::global_rank(int group_rank) const {
+  EMBER_CHECK(group_rank >= 0 && group_rank < size_, backend_name(), " group: rank ", group_rank,
+              " is outside the group's ranks [0, ", size_, ")");
+  return global_ranks_[group_rank];
+}
+
+int ProcessGroup::group_rank_of(int global_rank) const {
+  auto it = std::lower_bound(global_ranks_.begin(), global_ranks_.end(), global_rank);
+  return it != global_ranks_.end() && *it == global_rank ? static_cast<int>(it - global_ranks_.begin()) : -1;
+}
+
+void ProcessGroup::set_global_ranks(std::vector<int> ranks) {
+  EMBER_CHECK(static_cast<int>(ranks.size()) == size_, "set_global_ranks: ", ranks.size(), " ranks for a group of ",
+              size_);
+  EMBER_CHECK(std::is_sorted(ranks.begin(), ranks.end()), "set_global_ranks: the ranks must ascend");
+  global_ranks_ = std::move(ranks);
+}
+
 namespace detail {
 
 std::string OpInfo::describe() const {

@@ -82,10 +82,24 @@ bool signature_checks_enabled(const ProcessGroupOptions& options);
 
 class ProcessGroup {
  public:
-  ProcessGroup(int rank, int size) : rank_(rank), size_(size) {}
+  ProcessGroup(int rank, int size) : rank_(rank), size_(size) {
+    for (int r = 0; r < size; ++r) global_ranks_.push_back(r);
+  }
   virtual ~ProcessGroup() = default;
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // The default group's ranks of this group's members, by group rank
+  // (ascending): what a pipeline stage needs to name its peer, and what
+  // errors print. The identity for the default group and for groups made
+  // directly by a backend factory; new_group sets it.
+  const std::vector<int>& global_ranks() const { return global_ranks_; }
+  int global_rank(int group_rank) const;
+  // This group's rank of the default group's `global_rank`, or -1 when that
+  // rank is not a member.
+  int group_rank_of(int global_rank) const;
+  // Set once, by whoever made the group from a larger one (new_group):
+  // `ranks` has size() entries, ascending.
+  void set_global_ranks(std::vector<int> ranks);
   virtual std::string backend_name() const = 0;
   // Where this group's tensors live: the CPU for Gloo, this rank's GPU for
   // NCCL. Small control tensors of a collective go here.
@@ -120,6 +134,7 @@ class ProcessGroup {
 
  protected:
   int rank_, size_;
+  std::vector<int> global_ranks_;
 };
 
 }  // namespace ember::distributed

@@ -10,6 +10,7 @@
 #include <functional>
 #include <thread>
 
+#include "core/testing/error_of.h"
 #include "core/ops.h"
 #include "distributed/init.h"
 #include "distributed/process_group.h"
@@ -20,14 +21,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using ::ember::testing::error_of;
 bool has(const std::string& s, const std::string& n) { return s.find(n) != std::string::npos; }
 
 Tensor seq_tensor(const Shape& shape, DType dt) {

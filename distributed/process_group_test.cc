@@ -16,6 +16,7 @@
 #include <functional>
 #include <thread>
 
+#include "core/testing/error_of.h"
 #include "core/ops.h"
 #include "distributed/init.h"
 #include "distributed/process_group.h"
@@ -75,14 +76,7 @@ std::shared_ptr<ProcessGroup> group(const mp::WorkerEnv& env, Millis timeout = s
   return make_gloo_group(env.store(), env.rank, env.world_size, o);
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using ::ember::testing::error_of;
 
 bool has(const std::string& s, const std::string& needle) { return s.find(needle) != std::string::npos; }
 

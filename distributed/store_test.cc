@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/testing/error_of.h"
 #include "core/exception.h"
 #include "distributed/store.h"
 
@@ -41,15 +42,7 @@ using namespace std::chrono_literals;
 Bytes B(const std::string& s) { return Bytes(s.begin(), s.end()); }
 std::string S(const Bytes& b) { return std::string(b.begin(), b.end()); }
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no ember::Error thrown>";
-}
+using ::ember::testing::error_of;
 
 int64_t ms_since(Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();

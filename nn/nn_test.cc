@@ -6,6 +6,7 @@
 
 #include <cmath>
 
+#include "core/testing/error_of.h"
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
 #include "nn/init.h"
@@ -16,14 +17,7 @@ namespace {
 
 namespace F = nn::functional;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using ::ember::testing::error_of;
 
 Tensor f64(const Shape& s, uint64_t seed) {
   Generator g(seed);

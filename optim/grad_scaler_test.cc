@@ -12,6 +12,7 @@
 #include <limits>
 #include <vector>
 
+#include "core/testing/error_of.h"
 #include "autograd/autograd.h"
 #include "core/ops.h"
 #include "core/ops_optim.h"
@@ -31,14 +32,7 @@ std::vector<Device> devices() {
   return d;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using ::ember::testing::error_of;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "core/testing/error_of.h"
 #include "autograd/autograd.h"
 #include "core/autocast.h"
 #include "core/ops.h"
@@ -51,14 +52,7 @@ std::shared_ptr<ProcessGroup> group(const mp::WorkerEnv& env, Millis timeout = s
 
 bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using ::ember::testing::error_of;
 
 double max_abs_diff(const Tensor& a, const Tensor& b) {
   WCHECK(a.sizes() == b.sizes(), shape_str(a.sizes()), " vs ", shape_str(b.sizes()));

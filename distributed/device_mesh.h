@@ -1,0 +1,84 @@
+// DeviceMesh: the job's ranks as an N-D array with named dimensions, the
+// coordinate system every parallelism speaks (torch's init_device_mesh).
+//
+//   auto mesh = DeviceMesh::create({2, 2, 2}, {"pp", "dp", "tp"});  // every rank
+//   mesh->group("tp")->allreduce(partial_sums);    // the ranks differing only in "tp"
+//   int stage = mesh->coordinate("pp");
+//   auto dp_tp = mesh->submesh({"dp", "tp"});      // this rank's 2x2 slice
+//
+// Ranks lie in row-major order: the last dimension varies fastest, so with
+// the conventional order (pp outermost, tp innermost) a tensor-parallel
+// group is consecutive ranks, the ones on one host. create() is collective
+// over the default group: every rank checks that every other rank asked for
+// the same mesh (an error naming the dimension otherwise), then one process
+// group per slice of each dimension is made, once; sub-meshes share them.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "distributed/process_group.h"
+
+namespace ember::distributed {
+
+class DeviceMesh {
+ public:
+  // Collective: every rank of the default group calls it with the same
+  // shape and names; the product of the shape is the world size. `backend`
+  // ("gloo", "nccl"; empty: the default group's) for the dimensions' groups.
+  static std::shared_ptr<DeviceMesh> create(const std::vector<int>& shape, const std::vector<std::string>& names,
+                                            const std::string& backend = "");
+
+  int ndim() const { return static_cast<int>(shape_.size()); }
+  const std::vector<int>& shape() const { return shape_; }
+  const std::vector<std::string>& dim_names() const { return names_; }
+  // Ranks in the mesh, and along one dimension.
+  int size() const;
+  int size(const std::string& dim) const { return shape_[dim_index(dim)]; }
+  // The index of the dimension called `dim`; an error listing the mesh's
+  // dimensions when there is none.
+  int dim_index(const std::string& dim) const;
+  bool has_dim(const std::string& dim) const;
+
+  // The group of the ranks that share this rank's coordinates on every other
+  // dimension (its slice along `dim`); group ranks follow the coordinate.
+  const std::shared_ptr<ProcessGroup>& group(const std::string& dim) const { return groups_[dim_index(dim)]; }
+  const std::shared_ptr<ProcessGroup>& group(int dim) const;
+  // The group of a one-dimensional mesh.
+  const std::shared_ptr<ProcessGroup>& group() const;
+
+  // This rank's coordinate, on every dimension or on one.
+  const std::vector<int>& coordinate() const { return coord_; }
+  int coordinate(const std::string& dim) const { return coord_[dim_index(dim)]; }
+  // This rank's rank in the default group.
+  int global_rank() const { return global_rank_; }
+  // The default group's ranks of the mesh, row-major.
+  const std::vector<int>& ranks() const { return ranks_; }
+  // The global rank at `coord` (one entry per dimension).
+  int rank_at(const std::vector<int>& coord) const;
+
+  // The mesh over `dims` (in that order) through this rank: the ranks that
+  // share its coordinates on the other dimensions (torch's mesh["dp", "tp"]).
+  // Not collective: it reuses the dimensions' groups.
+  std::shared_ptr<DeviceMesh> submesh(const std::vector<std::string>& dims) const;
+
+  // "DeviceMesh(pp=2, dp=2, tp=2)".
+  std::string to_string() const;
+
+ private:
+  DeviceMesh() = default;
+  std::vector<int> shape_;
+  std::vector<std::string> names_;
+  std::vector<int> ranks_;  // global ranks, row-major
+  std::vector<int> coord_;
+  int global_rank_ = 0;
+  std::vector<std::shared_ptr<ProcessGroup>> groups_;
+};
+
+// Checks a mesh's shape and names without making it (the same checks and
+// messages as create): sizes >= 1, one unique non-empty name per dimension,
+// product == world_size.
+void check_mesh_shape(const std::vector<int>& shape, const std::vector<std::string>& names, int world_size);
+
+}  // namespace ember::distributed
