@@ -2,7 +2,7 @@
 // (distributed/checkpoint/sharded.h).
 //
 //   ckpt inspect DIR                 tensors, shapes, dtypes, pieces, sizes, and
-//                                    which rank's file holds what
+//                                    which rank's file holds which box of each
 //   ckpt verify DIR                  every checksum and the coverage of every
 //                                    tensor; exits 1 naming the file and tensor
 //                                    of the first mismatch
@@ -57,8 +57,8 @@ int inspect(const std::string& dir) {
       total += p.byte_end - p.byte_begin;
       ++pieces;
     }
-  std::printf("%s: saved by %d rank(s), layout %s; %zu tensors in %lld pieces, %s\n", dir.c_str(), index->world_size,
-              index->layout.c_str(), index->tensors.size(), static_cast<long long>(pieces), human(total).c_str());
+  std::printf("%s: version %d, saved by %d rank(s), layout %s; %zu tensors in %lld pieces, %s\n", dir.c_str(),
+              index->version, index->world_size, index->layout.c_str(), index->tensors.size(), static_cast<long long>(pieces), human(total).c_str());
   std::printf("\n%-28s %8s %12s  %s\n", "file", "pieces", "data", "on disk");
   for (const auto& [f, pb] : per_file) {
     std::error_code ec;
@@ -66,7 +66,7 @@ int inspect(const std::string& dir) {
     std::printf("%-28s %8lld %12s  %s\n", f.c_str(), static_cast<long long>(pb.first), human(pb.second).c_str(),
                 ec ? "MISSING" : human(static_cast<double>(size)).c_str());
   }
-  std::printf("\n%-52s %-16s %-5s %10s  %s\n", "tensor", "shape", "dtype", "size", "pieces (file: elements)");
+  std::printf("\n%-52s %-16s %-5s %10s  %s\n", "tensor", "shape", "dtype", "size", "pieces (file:box[@run begin+numel])");
   for (const auto& t : index->tensors) {
     int64_t bytes = 0;
     std::string where;
@@ -78,8 +78,16 @@ int inspect(const std::string& dir) {
         std::snprintf(b, sizeof b, "r%d", std::atoi(f.c_str() + 5));
         f = b;
       }
-      if (where.size() < 60)
-        where += (where.empty() ? "" : " ") + f + ":" + std::to_string(p.offset) + "+" + std::to_string(p.numel);
+      // "r0:[0:3,4:8]" for a whole box, "r1:[7:13,0:9]@5+49" for a run of one.
+      const auto& r = p.region;
+      std::string box = "[";
+      for (size_t d = 0; d < r.box.lengths.size(); ++d)
+        box += (d ? "," : "") + std::to_string(r.box.offsets[d]) + ":" +
+               std::to_string(r.box.offsets[d] + r.box.lengths[d]);
+      box += "]";
+      if (r.begin != 0 || r.numel != r.box.numel()) box += "@" + std::to_string(r.begin) + "+" + std::to_string(r.numel);
+      if (where.size() < 90)
+        where += (where.empty() ? "" : " ") + f + ":" + box;
       else if (where.back() != '.')
         where += " ...";
     }

@@ -1,7 +1,8 @@
 #!/bin/bash
 # //tools:ckpt from the shell on a real 2-rank FULL_SHARD checkpoint (made by
 # sharded_checkpoint_test, kept with EMBER_SHARDED_TEST_DIR): inspect lists
-# tensors and files, verify passes, a flipped byte makes verify exit 1
+# tensors and files (and, on a tensor-parallel checkpoint, each rank's box),
+# verify passes, a flipped byte makes verify exit 1
 # naming the file and the tensor, a missing index is exit 1, consolidate
 # writes model.safetensors + optimizer.safetensors, a usage error is exit 2.
 set -uo pipefail
@@ -16,10 +17,20 @@ dir="$work/ckpt_0"
 [ -f "$dir/index.json" ] || fail "no checkpoint at $dir"
 
 out=$("$ckpt" inspect "$dir") || fail "inspect exited $?"
-echo "$out" | grep -q "saved by 2 rank(s), layout fsdp:full_shard" || fail "inspect header: $out"
+echo "$out" | grep -q "version 2, saved by 2 rank(s), layout fsdp:full_shard" || fail "inspect header: $out"
 echo "$out" | grep -q "rank-00001.safetensors" || fail "inspect files: $out"
 echo "$out" | grep -qE "^l1\.fc\.weight +\[13,9\] +float" || fail "inspect tensor line: $out"
 echo "$out" | grep -q "optim.state.l1.fc.weight.exp_avg" || fail "inspect optimizer state: $out"
+
+# Checkpoint v2's boxes: w [6,8] saved in 2-D boxes over a 2x2 mesh.
+EMBER_SHARDED_TEST_DIR="$work" "$maker" --gtest_filter=ShardedCheckpoint.BoxShardedTensorsLoadInEveryLayout \
+  >"$work/maker2.log" 2>&1 || { cat "$work/maker2.log"; fail "making the box checkpoint"; }
+out=$("$ckpt" inspect "$work/boxes") || fail "inspect boxes exited $?"
+echo "$out" | grep -qE "^w +\[6,8\] +float.* 4: r0:\[0:3,0:4\] r1:\[0:3,4:8\] r2:\[3:6,0:4\] r3:\[3:6,4:8\]" ||
+  fail "inspect should show w's four boxes: $out"
+echo "$out" | grep -qE "^l1\.fc\.weight" && fail "the box checkpoint is another directory"
+out=$("$ckpt" inspect "$dir") || fail "inspect exited $?"
+echo "$out" | grep -qE "^l1\.fc\.weight .* r0:\[0:[0-9]+,0:9\]" || fail "inspect should show FSDP's row runs: $out"
 
 out=$("$ckpt" verify "$dir") || fail "verify of a good checkpoint exited $?: $out"
 echo "$out" | grep -q "^ok: " || fail "verify output: $out"

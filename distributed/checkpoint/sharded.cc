@@ -1,7 +1,8 @@
 // Sharded checkpoints (sharded.h): which pieces of the training state this
-// rank holds (fully_shard's float32 shards, or whole tensors every rank
-// holds), the parallel write and the agreed commit, the index, and the load
-// that reads only the pieces overlapping what each rank holds now.
+// rank holds, read off each tensor's ShardSpec (whatever parallelism set
+// it) or whole when it has none, the parallel write and the agreed commit,
+// the index, and the load that reads only the pieces overlapping what each
+// rank holds now. Nothing here knows FSDP: a region is a region.
 #include "distributed/checkpoint/sharded.h"
 
 #include <fcntl.h>
@@ -16,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -32,9 +34,8 @@
 #include "core/safetensors.h"
 #include "distributed/checkpoint/checkpoint_internal.h"
 #include "distributed/object_collectives.h"
-#include "distributed/parallel/fsdp.h"
-#include "distributed/parallel/fsdp_unit.h"
 #include "distributed/parallel/zero.h"
+#include "distributed/sharding/shard_spec.h"
 
 namespace ember::distributed {
 namespace fs = std::filesystem;
@@ -44,7 +45,10 @@ using namespace checkpoint_internal;
 namespace {
 
 constexpr const char* kIndexFormat = "ember-sharded-checkpoint";
-constexpr int64_t kIndexVersion = 1;
+// 2: a piece is a box ("offsets", "sizes") and a run of it ("begin",
+// "numel"); 1: a run ("offset", "numel") of the whole tensor's flattening.
+// Both load.
+constexpr int64_t kIndexVersion = 2;
 constexpr const char* kIndexFile = "index.json";
 constexpr const char* kOptimPrefix = "optim.state.";
 // Each rank's random generator (seed, offset) as "rng.<rank>", int64 [2]:
@@ -97,7 +101,7 @@ struct Held {
   std::string name;
   Shape shape;  // the whole tensor's
   DType dtype = DType::Float32;
-  int64_t offset = 0;   // first element held, in the whole tensor's flattening
+  Region region;        // what of it is held
   Tensor local;         // the held elements in order (any shape of that numel)
   bool writer = false;  // this rank writes them (exactly one holder does)
 };
@@ -107,9 +111,10 @@ struct Held {
 struct Place {
   std::string name;
   Shape shape;
-  int64_t offset = 0, numel = 0;
+  Region region;
   bool holds = false, writer = false;
   Tensor local;
+  std::function<void()> before_load;
 };
 
 struct ModelLayout {
@@ -132,53 +137,30 @@ ModelLayout model_layout(nn::Module& model, ProcessGroup& pg) {
   auto owner = [&](const std::string& name, const Tensor& t) {
     return params.count(t.impl_ptr().get()) ? static_cast<int>(name_hash(name) % world) == rank : rank == 0;
   };
-  using Unit = FSDPModule::Unit;
-  std::unordered_map<const TensorImpl*, std::pair<Unit*, size_t>> managed;
-  // Every unit inside the model, also when the model itself is not one
-  // (fully_shard on its blocks only): their parameters are shards, never
-  // whole tensors.
-  std::optional<ShardingStrategy> strategy;
-  for (const auto& [n, m] : model.named_modules())
-    if (std::shared_ptr<FSDPModule> f = fsdp_of(*m)) {
-      f->reshard();  // the float32 shards are the truth; gathered copies may be 16-bit
-      for (auto& u : f->units()) {
-        if (!strategy) strategy = u->strategy;
-        for (size_t i = 0; i < u->params.size(); ++i) managed[u->params[i].impl_ptr().get()] = {u.get(), i};
-      }
-    }
-  if (strategy) {
-    std::string name = strategy_name(*strategy);
-    for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    out.description = "fsdp:" + name;  // torch's names, lower case: "fsdp:full_shard"
-  } else {
-    out.description = world > 1 ? "replicated" : "single";
-  }
   const nn::StateDict sd = model.state_dict();
   for (const auto& [name, t] : sd.items()) {
     Place p;
-    auto it = managed.find(t.impl_ptr().get());
-    if (it == managed.end()) {
-      p = {name, t.sizes(), 0, t.numel(), true, owner(name, t), t};
+    if (const ShardSpec* spec = shard_spec(t)) {
+      // Whoever sharded it says what this rank holds and whether it writes
+      // it. A tensor of no elements is held by none: its writer registers
+      // its shape.
+      int64_t global = 1;
+      for (int64_t d : spec->global_shape) global *= d;
+      const bool holds = spec->region.numel > 0 || (global == 0 && spec->writes);
+      p = {name, spec->global_shape, spec->region, holds, holds && spec->writes, local_shard(t), spec->before_load};
+      if (out.description.empty()) out.description = spec->layout.empty() ? "sharded" : spec->layout;
     } else {
-      const Unit& u = *it->second.first;
-      const size_t i = it->second.second;
-      const FlatBuffer::Piece* pc = nullptr;
-      for (const auto& piece : u.pieces)
-        if (piece.entry == i) pc = &piece;
-      // Replicas of a shard (HYBRID_SHARD, NO_SHARD): replicate rank 0 writes.
-      bool writer = !u.replicate_pg || u.replicate_pg->rank() == 0;
-      // No shard holds an empty parameter: shard rank 0 registers its shape.
-      const bool empty = u.layout.entries()[i].numel == 0;
-      if (empty) writer = writer && u.shard_rank == 0;
-      p = {name, u.layout.entries()[i].shape, pc ? pc->entry_offset : 0, pc ? pc->numel : 0, pc != nullptr || empty,
-           writer, u.shard_view(u.shard, i)};
+      p = {name, t.sizes(), whole_region(t.sizes()), true, owner(name, t), t, nullptr};
     }
+    EMBER_CHECK(p.local.numel() == p.region.numel, "save_sharded_checkpoint: '", name, "' holds ", p.local.numel(),
+                " elements here, its shard spec's region ", p.region.numel);
     // A tensor under two names (tied weights): the first, as the optimizer's
     // name_parameters names it, so its state is found again on load.
     out.by_impl.emplace(t.impl_ptr().get(), p);
     out.by_name[name] = p;
-    if (p.holds) out.held.push_back({name, p.shape, p.local.dtype(), p.offset, p.local, p.writer});
+    if (p.holds) out.held.push_back({name, p.shape, p.local.dtype(), p.region, p.local, p.writer});
   }
+  if (out.description.empty()) out.description = world > 1 ? "replicated" : "single";
   return out;
 }
 
@@ -225,12 +207,16 @@ std::vector<Held> optimizer_held(optim::Optimizer& opt, const ModelLayout& L, Pr
     if (zero) p.writer = true;  // rank 0, the only one here, holds it all
     const std::string name = kOptimPrefix + p.name + "." + sname;
     if (t.dim() == 0) {
-      if (p.holds && p.offset == 0 && p.writer) out.push_back({name, {}, t.dtype(), 0, t, true});
+      // Written once: by the writer of the parameter's first element.
+      int64_t global = 1;
+      for (int64_t d : p.shape) global *= d;
+      const bool first = global == 0 || overlap(p.shape, p.region, run_region(p.shape, 0, 1)) == 1;
+      if (p.holds && first && p.writer) out.push_back({name, {}, t.dtype(), whole_region({}), t, true});
       continue;
     }
-    EMBER_CHECK(t.numel() == p.numel, "save_sharded_checkpoint: optimizer state '", name, "' has ", t.numel(),
-                " elements here, the parameter's piece ", p.numel);
-    if (p.holds) out.push_back({name, p.shape, t.dtype(), p.offset, t, p.writer});
+    EMBER_CHECK(t.numel() == p.region.numel, "save_sharded_checkpoint: optimizer state '", name, "' has ", t.numel(),
+                " elements here, the parameter's region ", p.region.numel);
+    if (p.holds) out.push_back({name, p.shape, t.dtype(), p.region, t, p.writer});
   }
   return out;
 }
@@ -251,13 +237,17 @@ absl::StatusOr<json> write_rank_file(const std::string& path, const std::vector<
       records.push_back(rec);
       continue;
     }
+    std::string box;  // the piece's name in the file: "<tensor>@<box offsets>+<run begin>"
+    for (int64_t o : h.region.box.offsets) box += (box.empty() ? "" : ",") + std::to_string(o);
     for (int64_t s = 0; s < n; s += per) {
       Tensor c = flat.narrow(0, s, std::min(per, n - s)).contiguous();
       json r = rec;
-      r["offset"] = h.offset + s;
+      r["offsets"] = h.region.box.offsets;
+      r["sizes"] = h.region.box.lengths;
+      r["begin"] = h.region.begin + s;
       r["numel"] = c.numel();
       r["xxh64"] = hex64(XXH64(c.raw_data(), static_cast<size_t>(c.numel() * es), 0));
-      items.push_back({h.name + "@" + std::to_string(h.offset + s), c});
+      items.push_back({h.name + "@" + box + "+" + std::to_string(h.region.begin + s), c});
       record_of_item.push_back(records.size());
       records.push_back(std::move(r));
     }
@@ -297,9 +287,11 @@ absl::StatusOr<json> build_index(const std::vector<json>& records, int world, co
                                                 (*it)["shape"].dump(), " ", (*it)["dtype"].dump(), " vs ",
                                                 rec.at("shape").dump(), " ", rec.at("dtype").dump(), " on rank ", r));
       }
-      if (!rec.contains("offset")) continue;
+      if (!rec.contains("begin")) continue;
       (*it)["pieces"].push_back({{"file", rank_file(r)},
-                                 {"offset", rec.at("offset")},
+                                 {"offsets", rec.at("offsets")},
+                                 {"sizes", rec.at("sizes")},
+                                 {"begin", rec.at("begin")},
                                  {"numel", rec.at("numel")},
                                  {"bytes", rec.at("bytes")},
                                  {"xxh64", rec.at("xxh64")}});
@@ -310,8 +302,11 @@ absl::StatusOr<json> build_index(const std::vector<json>& records, int world, co
   std::sort(names.begin(), names.end());
   for (const auto& n : names) {
     json t = tensors[n];
-    std::sort(t["pieces"].begin(), t["pieces"].end(),
-              [](const json& a, const json& b) { return a.at("offset").get<int64_t>() < b.at("offset").get<int64_t>(); });
+    // By box, then run: the order of the whole tensor's rows for row pieces.
+    std::sort(t["pieces"].begin(), t["pieces"].end(), [](const json& a, const json& b) {
+      const auto oa = a.at("offsets").get<Shape>(), ob = b.at("offsets").get<Shape>();
+      return oa != ob ? oa < ob : a.at("begin").get<int64_t>() < b.at("begin").get<int64_t>();
+    });
     sorted[n] = std::move(t);
   }
   json files = json::array();
@@ -336,9 +331,12 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
                                                    ", expected \"", kIndexFormat, "\""));
   auto v = j.find("version");
   if (v == j.end() || !v->is_number_integer()) return bad("\"version\" is missing or not an integer");
-  if (v->get<int64_t>() != kIndexVersion)
+  if (v->get<int64_t>() != kIndexVersion && v->get<int64_t>() != 1)
     return absl::InvalidArgumentError(absl::StrCat(path, ": version ", v->get<int64_t>(),
-                                                   " is not supported (this ember reads version ", kIndexVersion, ")"));
+                                                   " is not supported (this ember reads versions 1 and ",
+                                                   kIndexVersion, ")"));
+  out->version = v->get<int>();
+  const bool v1 = out->version == 1;
   auto ws = j.find("world_size");
   if (ws == j.end() || !ws->is_number_integer() || ws->get<int64_t>() < 1) return bad("\"world_size\" must be >= 1");
   out->world_size = ws->get<int>();
@@ -380,26 +378,53 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
     const int64_t es = static_cast<int64_t>(dtype_size(ct.dtype));
     auto pieces = t.find("pieces");
     if (pieces == t.end() || !pieces->is_array()) return bad(at + ": \"pieces\" must be an array");
-    int64_t next = 0;  // coverage: pieces in order, each starting where the last ended
+    auto ints = [](const json& o, const char* k, size_t n, Shape* x) {
+      auto it = o.find(k);
+      if (it == o.end() || !it->is_array() || it->size() != n) return false;
+      for (const json& e : *it) {
+        if (!e.is_number_integer() || e.get<int64_t>() < 0) return false;
+        x->push_back(e.get<int64_t>());
+      }
+      return true;
+    };
+    int64_t covered = 0;
     for (const json& p : *pieces) {
       CheckpointPiece cp;
       int64_t b = 0, e = 0;
       auto file = p.is_object() ? p.find("file") : p.end();
       auto bytes = p.is_object() ? p.find("bytes") : p.end();
       auto hash = p.is_object() ? p.find("xxh64") : p.end();
-      if (file == p.end() || !file->is_string() || !integer(p, "offset", &cp.offset) ||
-          !integer(p, "numel", &cp.numel) || bytes == p.end() || !bytes->is_array() || bytes->size() != 2 ||
-          !(*bytes)[0].is_number_integer() || !(*bytes)[1].is_number_integer() || hash == p.end() ||
-          !hash->is_string() || hash->get<std::string>().size() != 16)
-        return bad(at + ": a piece needs \"file\", \"offset\", \"numel\", \"bytes\" [begin, end] and a 16-digit \"xxh64\"");
+      Region& r = cp.region;
+      const bool placed = p.is_object() && (v1 ? integer(p, "offset", &r.begin)
+                                               : ints(p, "offsets", ct.shape.size(), &r.box.offsets) &&
+                                                     ints(p, "sizes", ct.shape.size(), &r.box.lengths) &&
+                                                     integer(p, "begin", &r.begin));
+      if (v1) r.box = whole_box(ct.shape);
+      if (file == p.end() || !file->is_string() || !placed || !integer(p, "numel", &r.numel) || bytes == p.end() ||
+          !bytes->is_array() || bytes->size() != 2 || !(*bytes)[0].is_number_integer() ||
+          !(*bytes)[1].is_number_integer() || hash == p.end() || !hash->is_string() ||
+          hash->get<std::string>().size() != 16)
+        return bad(at + (v1 ? ": a piece needs \"file\", \"offset\", \"numel\", \"bytes\" [begin, end] and a 16-digit \"xxh64\""
+                            : ": a piece needs \"file\", \"offsets\" and \"sizes\" (one per dimension), \"begin\", "
+                              "\"numel\", \"bytes\" [begin, end] and a 16-digit \"xxh64\""));
       cp.file = file->get<std::string>();
+      try {  // inside the tensor, the run inside its box (untrusted numbers: checked before any use)
+        for (size_t d = 0; d < ct.shape.size(); ++d)
+          if (r.box.offsets[d] > ct.shape[d] || r.box.lengths[d] > ct.shape[d] - r.box.offsets[d])
+            throw Error("outside");
+        int64_t box_numel = 1;
+        for (int64_t l : r.box.lengths)
+          if (__builtin_mul_overflow(box_numel, l, &box_numel)) throw Error("overflow");
+        if (r.begin > box_numel || r.numel > box_numel - r.begin) throw Error("outside");
+      } catch (const Error&) {
+        return bad(absl::StrCat(at, ": piece ", r.to_string(), " lies outside the tensor ", shape_str(ct.shape)));
+      }
       if (std::find(out->files.begin(), out->files.end(), cp.file) == out->files.end())
-        return bad(absl::StrCat(at, ": piece at ", cp.offset, " is in '", cp.file, "', which \"files\" does not list"));
+        return bad(absl::StrCat(at, ": piece ", r.to_string(), " is in '", cp.file, "', which \"files\" does not list"));
       b = (*bytes)[0].get<int64_t>(), e = (*bytes)[1].get<int64_t>();
       int64_t nbytes = 0;
-      if (b < 0 || e < b || __builtin_mul_overflow(cp.numel, es, &nbytes) || e - b != nbytes ||
-          cp.offset > numel - cp.numel)
-        return bad(absl::StrCat(at, ": piece at ", cp.offset, " has ", cp.numel, " elements but bytes [", b, ", ", e,
+      if (b < 0 || e < b || __builtin_mul_overflow(r.numel, es, &nbytes) || e - b != nbytes)
+        return bad(absl::StrCat(at, ": piece ", r.to_string(), " has ", r.numel, " elements but bytes [", b, ", ", e,
                                 ")"));
       cp.byte_begin = b, cp.byte_end = e;
       try {
@@ -407,13 +432,22 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
       } catch (...) {
         return bad(at + ": \"xxh64\" is not hexadecimal");
       }
-      if (cp.offset != next)
-        return bad(absl::StrCat(at, ": ", cp.offset < next ? "pieces overlap" : "elements missing", " at element ",
-                                std::min(cp.offset, next), " (each element must be in exactly one piece)"));
-      next = cp.offset + cp.numel;
+      // Exactly once: no two pieces share an element, and together they hold
+      // as many as the tensor has. Pieces of one box (a region split at
+      // max_piece_bytes) compare runs; others their common elements.
+      for (const CheckpointPiece& q : ct.pieces) {
+        const Region& o = q.region;
+        const bool shared = o.box == r.box ? std::max(o.begin, r.begin) < std::min(o.begin + o.numel, r.begin + r.numel)
+                                           : r.numel > 0 && o.numel > 0 && overlap(ct.shape, o, r) > 0;
+        if (shared)
+          return bad(absl::StrCat(at, ": pieces overlap: ", o.to_string(), " in '", q.file, "' and ", r.to_string(),
+                                  " in '", cp.file, "' (each element must be in exactly one piece)"));
+      }
+      covered += r.numel;
       ct.pieces.push_back(std::move(cp));
     }
-    if (next != numel) return bad(absl::StrCat(at, ": the pieces cover ", next, " of its ", numel, " elements"));
+    if (covered != numel)
+      return bad(absl::StrCat(at, ": the pieces cover ", covered, " of its ", numel, " elements"));
     out->tensors.push_back(std::move(ct));
   }
   std::sort(out->tensors.begin(), out->tensors.end(),
@@ -464,23 +498,20 @@ class PieceReader {
     const uint64_t h = XXH64(bytes->data(), n, 0);
     if (h != p.xxh64)
       return absl::DataLossError(absl::StrCat(path, ": checksum mismatch in tensor '", t.name, "' bytes [",
-                                              p.byte_begin, ", ", p.byte_end, ") (elements ", p.offset, "..",
-                                              p.offset + p.numel, "): xxh64 ", hex64(h), ", the index says ",
+                                              p.byte_begin, ", ", p.byte_end, ") (", p.region.to_string(), "): xxh64 ", hex64(h), ", the index says ",
                                               hex64(p.xxh64), " (corrupted file?)"));
     return absl::OkStatus();
   }
 
-  // Elements [offset, offset + out.numel()) of tensor `t` into `out` (a CPU
-  // contiguous tensor of t's dtype), reading only the overlapping pieces.
-  absl::Status read_range(const CheckpointTensor& t, int64_t offset, Tensor& out) {
-    const int64_t n = out.numel(), es = static_cast<int64_t>(dtype_size(t.dtype));
-    char* dst = static_cast<char*>(out.raw_data());
+  // The elements of `want` (a region of tensor `t`) into `out` (a CPU
+  // contiguous tensor of t's dtype and want.numel elements), reading only
+  // the pieces that share elements with it.
+  absl::Status read_region(const CheckpointTensor& t, const Region& want, Tensor& out) {
     std::string buf;
     for (const CheckpointPiece& p : t.pieces) {
-      const int64_t a = std::max(offset, p.offset), b = std::min(offset + n, p.offset + p.numel);
-      if (a >= b) continue;
+      if (overlap(t.shape, p.region, want) == 0) continue;
       if (auto s = read(t, p, &buf); !s.ok()) return s;
-      std::memcpy(dst + (a - offset) * es, buf.data() + (a - p.offset) * es, static_cast<size_t>((b - a) * es));
+      copy_overlap(t.shape, p.region, buf.data(), want, out.raw_data(), dtype_size(t.dtype));
     }
     return absl::OkStatus();
   }
@@ -541,7 +572,7 @@ absl::Status verify_checkpoint(const std::string& dir_in) {
 absl::StatusOr<Tensor> read_checkpoint_tensor(const std::string& dir, const CheckpointTensor& t) {
   Tensor out = Tensor::empty(t.shape, {t.dtype, kCPU});
   PieceReader reader(normalize_dir(dir));
-  if (auto s = reader.read_range(t, 0, out); !s.ok()) return s;
+  if (auto s = reader.read_region(t, whole_region(t.shape), out); !s.ok()) return s;
   return out;
 }
 
@@ -658,7 +689,7 @@ Staged stage_state(nn::Module& model, optim::Optimizer* optimizer, const optim::
     ModelLayout L = model_layout(model, pg);
     out.layout = L.description;
     std::vector<Held> held = L.held;
-    held.push_back({kRngPrefix + std::to_string(pg.rank()), {2}, DType::Int64, 0, generator_state(), true});
+    held.push_back({kRngPrefix + std::to_string(pg.rank()), {2}, DType::Int64, whole_region({2}), generator_state(), true});
     if (optimizer) {
       std::vector<Held> o = optimizer_held(*optimizer, L, pg);
       held.insert(held.end(), o.begin(), o.end());
@@ -870,6 +901,7 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
     std::optional<TrainerFile> trainer;
     Tensor rng;  // this rank's generator, when the world size is the saver's
     std::vector<std::pair<Tensor, Tensor>> model_copies;  // (destination, staged)
+    std::vector<std::function<void()>> before_load;      // the shard specs' hooks
     optim::OptimizerStateDict opt_sd;
     try {
     do {
@@ -885,11 +917,13 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
       }
       trainer = std::move(*t);
       const ModelLayout L = model_layout(model, pg);
+      for (const auto& [name, p] : L.by_name)
+        if (p.before_load) before_load.push_back(p.before_load);
       PieceReader reader(dir);
       if (const CheckpointTensor* g = index->find(kRngPrefix + std::to_string(pg.rank()));
           g && index->world_size == pg.size() && g->dtype == DType::Int64 && g->shape == Shape{2}) {
         rng = Tensor::empty({2}, DType::Int64);
-        if (auto s = reader.read_range(*g, 0, rng); !s.ok()) {
+        if (auto s = reader.read_region(*g, whole_region(g->shape), rng); !s.ok()) {
           error = std::string(s.message());
           break;
         }
@@ -909,8 +943,8 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
           break;
         }
         if (!p.holds) continue;
-        Tensor staged = Tensor::empty({p.numel}, {src->dtype, kCPU});
-        if (auto s = reader.read_range(*src, p.offset, staged); !s.ok()) {
+        Tensor staged = Tensor::empty({p.region.numel}, {src->dtype, kCPU});
+        if (auto s = reader.read_region(*src, p.region, staged); !s.ok()) {
           error = std::string(s.message());
           break;
         }
@@ -949,13 +983,13 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
             absl::Status s;
             if (st->shape.empty()) {
               staged = Tensor::empty({}, {st->dtype, kCPU});
-              s = reader.read_range(*st, 0, staged);
+              s = reader.read_region(*st, whole_region({}), staged);
             } else if (st->shape != p.shape) {
               s = absl::InvalidArgumentError(absl::StrCat(index_path, ": optimizer state '", st->name, "' is ",
                                                           shape_str(st->shape), ", its parameter ", shape_str(p.shape)));
             } else {
-              staged = Tensor::empty({p.holds ? p.numel : 0}, {st->dtype, kCPU});
-              s = reader.read_range(*st, p.offset, staged);
+              staged = Tensor::empty({p.holds ? p.region.numel : 0}, {st->dtype, kCPU});
+              if (p.holds) s = reader.read_region(*st, p.region, staged);
               if (s.ok()) staged = staged.view(p.local.sizes()).to(p.local.device());
             }
             if (!s.ok()) {
@@ -975,6 +1009,9 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
     // 2. Only if every rank read everything does any rank change its state.
     if (std::string failed = agree_on_errors(pg, error); !failed.empty())
       return absl::InvalidArgumentError(absl::StrCat("load_sharded_checkpoint '", dir, "': ", failed));
+    // Owners drop what they derived from the old values (FSDP's gathered
+    // parameters) before anything changes, so the optimizer sees shards.
+    for (const auto& f : before_load) f();
     if (optimizer) {
       try {
         optimizer->load_state_dict(optim::match_by_name(opt_sd, *optimizer, model.named_parameters()));

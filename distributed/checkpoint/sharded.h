@@ -6,19 +6,25 @@
 //
 // A checkpoint directory:
 //   rank-00000.safetensors ...  each rank's pieces (a valid safetensors file;
-//                               a piece is named "<tensor>@<offset>")
+//                               a piece is named "<tensor>@<box offsets>+<run begin>")
 //   trainer.json                optimizer groups, scheduler, epoch, step, RNG,
 //                               user JSON (checkpoint.h's format)
 //   index.json                  written last, by rank 0:
-//     {"format": "ember-sharded-checkpoint", "version": 1, "world_size": N,
+//     {"format": "ember-sharded-checkpoint", "version": 2, "world_size": N,
 //      "layout": "fsdp:full_shard",          (what saved it, for messages)
 //      "files": ["rank-00000.safetensors", ...],
 //      "tensors": {"layers.0.attn.qkv.weight": {"shape": [384, 128], "dtype": "F32",
-//         "pieces": [{"file": "rank-00000.safetensors", "offset": 0, "numel": 24576,
-//                     "bytes": [80, 98384], "xxh64": "9c1e..."}, ...]}, ...}}
-// A piece is a run of elements of the tensor's row-major flattening:
-// `offset` is its first element, `bytes` its byte range in the file
-// (absolute), `xxh64` the xxHash64 (seed 0) of those bytes. Names are
+//         "pieces": [{"file": "rank-00000.safetensors", "offsets": [0, 0], "sizes": [192, 128],
+//                     "begin": 0, "numel": 24576, "bytes": [80, 98384], "xxh64": "9c1e..."}, ...]}, ...}}
+// A piece is a Region (distributed/sharding/shard_spec.h): the box
+// `offsets` + `sizes` of the tensor (DCP's chunk metadata) and the run
+// [`begin`, `begin` + `numel`) of that box's row-major flattening it holds,
+// so a column shard (a box) and a flat FSDP shard (a run of rows) are both
+// one piece. `bytes` is its byte range in the file (absolute), `xxh64` the
+// xxHash64 (seed 0) of those bytes. What each rank holds comes from each
+// tensor's ShardSpec, whichever parallelism attached it; a tensor without
+// one is held whole. Version 1 indexes (a piece is "offset" + "numel" of
+// the whole tensor's flattening) still load. Names are
 // PyTorch's: model tensors as in state_dict(), optimizer state as
 // "optim.state.<parameter name>.<state name>" (exp_avg, exp_avg_sq,
 // momentum_buffer, step); each rank's random generator is "rng.<rank>"
@@ -48,6 +54,7 @@
 #include "absl/status/statusor.h"
 #include "distributed/checkpoint/checkpoint.h"
 #include "distributed/process_group.h"
+#include "distributed/sharding/shard_spec.h"
 
 namespace ember::distributed {
 
@@ -112,7 +119,7 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir, nn
 
 struct CheckpointPiece {
   std::string file;
-  int64_t offset = 0, numel = 0;  // elements of the flattened tensor
+  Region region;  // a box of the tensor and a run of its flattening (version 1: the whole box)
   int64_t byte_begin = 0, byte_end = 0;
   uint64_t xxh64 = 0;
 };
@@ -120,9 +127,10 @@ struct CheckpointTensor {
   std::string name;
   Shape shape;
   DType dtype = DType::Float32;
-  std::vector<CheckpointPiece> pieces;  // by offset
+  std::vector<CheckpointPiece> pieces;  // by box offsets, then run begin
 };
 struct CheckpointIndex {
+  int version = 0;
   int world_size = 0;
   std::string layout;
   std::vector<std::string> files;

@@ -23,12 +23,15 @@
 #include <string>
 #include <vector>
 
+#include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/safetensors.h"
+#include "distributed/device_mesh.h"
 #include "distributed/init.h"
 #include "distributed/parallel/ddp.h"
 #include "distributed/parallel/fsdp.h"
 #include "distributed/parallel/zero.h"
+#include "distributed/sharding/shard_spec.h"
 #include "distributed/testing/multiprocess.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
@@ -216,12 +219,23 @@ EMBER_WORKER(ckpt_job) {
   }
   if (args.at("phase") == "save") {
     for (int s = 0; s < 2; ++s) job.step(s);
+    // Saving changes nothing of the model's state: units gathered before
+    // the save (in their compute dtype) are still gathered after it, and
+    // what is written is the float32 shards (the loader checks bitwise).
+    const bool gathered = args.count("gathered") && job.fsdp;
+    if (gathered) job.fsdp->unshard();
     manual_seed(500 + env.rank);  // each rank's own generator state
     randn({3 + env.rank});
     TrainingState st;
     st.step = 2;
+    const int64_t before = gathered ? job.fsdp->memory().unsharded_params : 0;
     const absl::Status saved = save_sharded_checkpoint(dir, *job.net, job.opt.get(), nullptr, st, *pg, so);
     WCHECK(saved.ok(), saved.message());
+    if (gathered) {
+      WCHECK(before > 0 && job.fsdp->memory().unsharded_params == before, "gathered bytes ", before, " before the save, ",
+             job.fsdp->memory().unsharded_params, " after");
+      job.fsdp->reshard();
+    }
     const nn::StateDict full = job.full();
     if (env.rank == 0) WCHECK(save_safetensors(dir + ".full.safetensors", full.items()).ok(), "full");
     return;
@@ -255,6 +269,125 @@ EMBER_WORKER(ckpt_job) {
     ref_opt->step();
   }
   expect_equal(job.full(), ref.state_dict(), 2e-5, "after two more steps");
+}
+
+// Box-sharded tensors (a tensor-parallel layout, set by hand through the
+// sharding vocabulary): w [6, 8] laid out by `layout` over a DeviceMesh,
+// b [8] replicated. The saver sets w = W - 0.1 G with SGD momentum's first
+// step (momentum_buffer = G), so every element of the parameter and of its
+// optimizer state is known in closed form; a loader in any layout checks
+// what it holds against it.
+//   layout: "tp2x2" (Shard(0), Shard(1)) over (dp=2, tp=2): 2-D boxes
+//           "rep2x2" (Replicate(), Shard(1)) over (dp=2, tp=2): replicas
+//           "tp2" Shard(1) over (tp=2); "rows3" Shard(0) over (tp=3)
+//           "fsdp" fully_shard over every rank; "single" the whole tensor
+double w_at(int64_t i) { return 1.0 + 0.25 * static_cast<double>(i); }
+double g_at(int64_t i) { return std::sin(0.7 * static_cast<double>(i)); }
+
+class BoxNet : public nn::Module {
+ public:
+  BoxNet() : nn::Module("BoxNet") {
+    w = register_parameter("w", zeros({6, 8}));
+    b = register_parameter("b", zeros({8}));
+  }
+  Tensor forward(const Tensor& x) override { return x; }
+  Tensor w, b;
+};
+
+// The elements of `full` (a [6, 8] tensor's values, row-major) that `r` holds.
+Tensor region_values(const std::vector<double>& full, const Region& r) {
+  std::vector<float> f(full.begin(), full.end());
+  Tensor out = Tensor::empty({r.numel}, DType::Float32);
+  copy_overlap({6, 8}, whole_region({6, 8}), f.data(), r, out.raw_data(), sizeof(float));
+  return out;
+}
+
+EMBER_WORKER(box_job) {
+  init_world(env);
+  auto args = mp::parse_arg(env.arg);
+  const std::string layout = args.at("layout"), dir = args.at("dir");
+  const bool saving = args.at("phase") == "save";
+  auto net = std::make_shared<BoxNet>();
+  std::vector<double> W, G, b(8);
+  for (int64_t i = 0; i < 48; ++i) W.push_back(w_at(i)), G.push_back(g_at(i));
+  for (int j = 0; j < 8; ++j) b[j] = 0.5 * j;
+  std::shared_ptr<FSDPModule> fsdp;
+  Region region = whole_region({6, 8});
+  {
+    NoGradGuard ng;
+    net->b.copy_(Tensor::from_vector(saving ? b : std::vector<double>(8, 0.0), {8}));
+  }
+  if (layout == "fsdp" || layout == "single") {
+    NoGradGuard ng;
+    net->w.copy_(saving ? Tensor::from_vector(W, {6, 8}) : zeros({6, 8}));
+    if (layout == "fsdp") {
+      fsdp = fully_shard(net);
+      region = shard_spec(net->w)->region;
+    }
+  } else {
+    std::vector<int> shape;
+    std::vector<std::string> names;
+    std::vector<Placement> placements;
+    if (layout == "tp2x2") shape = {2, 2}, names = {"dp", "tp"}, placements = {Shard(0), Shard(1)};
+    if (layout == "rep2x2") shape = {2, 2}, names = {"dp", "tp"}, placements = {Replicate(), Shard(1)};
+    if (layout == "tp2") shape = {2}, names = {"tp"}, placements = {Shard(1)};
+    if (layout == "rows3") shape = {3}, names = {"tp"}, placements = {Shard(0)};
+    WCHECK(!shape.empty(), "layout ", layout);
+    auto mesh = DeviceMesh::create(shape, names);
+    auto spec = std::make_shared<ShardSpec>();
+    spec->global_shape = {6, 8};
+    spec->mesh_dims = names;
+    spec->mesh_shape = shape;
+    spec->coord = mesh->coordinate();
+    spec->placements = placements;
+    spec->layout = "tp:" + layout;
+    spec->region = chunk_region({6, 8}, shape, spec->coord, placements);
+    for (size_t m = 0; m < placements.size(); ++m)
+      if (placements[m].is_replicate() && spec->coord[m] != 0) spec->writes = false;
+    region = spec->region;
+    Tensor local = saving ? region_values(W, region).view(region.box.lengths) : zeros(region.box.lengths);
+    net->w.set_data(local);
+    set_shard_spec(net->w, spec);
+  }
+  optim::SGD opt(net->parameters(), optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+  auto pg = default_group();
+  TrainingState st;
+  st.step = 1;
+  if (saving) {
+    opt.zero_grad();
+    // FSDP's parameter is its shard view while sharded: the region's data.
+    net->w.set_grad(region_values(G, region).view(net->w.sizes()));
+    net->b.set_grad(zeros(net->b.sizes()));
+    opt.step();
+    const absl::Status saved = save_sharded_checkpoint(dir, *net, &opt, nullptr, st, *pg);
+    WCHECK(saved.ok(), saved.message());
+    return;
+  }
+  auto loaded = load_sharded_checkpoint(dir, *net, &opt, nullptr, *pg);
+  WCHECK(loaded.ok(), loaded.status().message());
+  std::vector<double> want_w;
+  for (int64_t i = 0; i < 48; ++i) want_w.push_back(static_cast<float>(W[i]) - 0.1f * static_cast<float>(G[i]));
+  const auto got_w = local_shard(net->w).to(DType::Float64).to_vector();
+  const auto exp_w = region_values(want_w, region).to(DType::Float64).to_vector();
+  const auto exp_g = region_values(G, region).to(DType::Float64).to_vector();
+  WCHECK(got_w.size() == exp_w.size(), got_w.size(), " vs ", exp_w.size());
+  for (size_t k = 0; k < got_w.size(); ++k)
+    WCHECK(std::abs(got_w[k] - exp_w[k]) <= 4e-6, layout, " w element ", k, " of ", region.to_string(), ": ",
+           got_w[k], " vs ", exp_w[k]);
+  // b is replicated, or (FSDP) sharded too: its whole value either way.
+  const Tensor whole_b = fsdp ? *full_state_dict(*fsdp, {.rank0_only = false}).find("b") : net->b;
+  const auto got_b = whole_b.to(DType::Float64).to_vector();
+  WCHECK(got_b.size() == 8u, got_b.size());
+  for (int j = 0; j < 8; ++j) WCHECK(got_b[j] == b[j], layout, " b[", j, "]: ", got_b[j]);
+  const optim::OptimizerStateDict sd = opt.state_dict();
+  const Tensor* buf = nullptr;
+  for (const auto& [k, t] : sd.state)
+    if (k == "state.0.momentum_buffer") buf = &t;
+  WCHECK(buf != nullptr, "no momentum buffer for w");
+  const auto got_g = buf->to(DType::Float64).to_vector();
+  WCHECK(got_g.size() == exp_g.size(), got_g.size(), " vs ", exp_g.size());
+  for (size_t k = 0; k < got_g.size(); ++k)
+    WCHECK(std::abs(got_g[k] - exp_g[k]) <= 1e-6, layout, " momentum element ", k, ": ", got_g[k], " vs ", exp_g[k]);
 }
 
 // Crash safety: `victim` dies (SIGKILL) at `stage` of a save over an
@@ -515,12 +648,71 @@ TEST_F(ShardedCheckpoint, DamageIsNamed) {
     std::ifstream in(dir3 + "/index.json");
     text.assign(std::istreambuf_iterator<char>(in), {});
   }
-  const size_t at = text.find("\"version\": 1");
+  const size_t at = text.find("\"version\": 2");
   ASSERT_NE(at, std::string::npos) << text.substr(0, 200);
   text.replace(at, 12, "\"version\": 7");
   std::ofstream(dir3 + "/index.json") << text;
   const absl::Status ver = read_checkpoint_index(dir3).status();
   EXPECT_NE(std::string(ver.message()).find("version 7 is not supported"), std::string::npos) << ver;
+}
+
+// Checkpoint v2's boxes: a tensor sharded in 2-D boxes over a 2x2 mesh
+// loads into column shards, uneven row shards, FSDP's flat runs and one
+// process, and each of those saves load back into boxes; replicas write
+// once.
+TEST_F(ShardedCheckpoint, BoxShardedTensorsLoadInEveryLayout) {
+  auto run = [&](const std::string& phase, const std::string& layout, int n, const std::string& dir) {
+    mp::RunOptions o;
+    o.arg = "phase=" + phase + ",layout=" + layout + ",dir=" + dir;
+    auto r = mp::run_workers("box_job", n, o);
+    EXPECT_TRUE(mp::all_succeeded(r)) << phase << " " << layout << " on " << n << ":\n" << mp::describe(r);
+  };
+  const std::string boxes = (root_ / "boxes").string();
+  run("save", "tp2x2", 4, boxes);
+  auto index = read_checkpoint_index(boxes);
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(index->version, 2);
+  EXPECT_EQ(index->layout, "tp:tp2x2");
+  const CheckpointTensor* w = index->find("w");
+  ASSERT_NE(w, nullptr);
+  ASSERT_EQ(w->pieces.size(), 4u);
+  EXPECT_EQ(w->pieces[1].region.to_string(), "[0:3, 4:8] elements 0..12");
+  EXPECT_EQ(index->find("optim.state.w.momentum_buffer")->pieces.size(), 4u);
+  for (const auto& [layout, n] : std::vector<std::pair<std::string, int>>{
+           {"tp2", 2}, {"rows3", 3}, {"fsdp", 3}, {"single", 1}, {"rep2x2", 4}, {"tp2x2", 4}})
+    run("load", layout, n, boxes);
+  // The other way: saved by each layout, loaded into boxes.
+  for (const auto& [layout, n] : std::vector<std::pair<std::string, int>>{
+           {"rep2x2", 4}, {"rows3", 3}, {"fsdp", 2}, {"single", 1}}) {
+    const std::string dir = (root_ / ("from_" + layout)).string();
+    run("save", layout, n, dir);
+    run("load", "tp2x2", 4, dir);
+  }
+  // Replicas (dp) write once: two pieces, one per tp column block.
+  auto rep = read_checkpoint_index((root_ / "from_rep2x2").string());
+  ASSERT_TRUE(rep.ok()) << rep.status();
+  EXPECT_EQ(rep->find("w")->pieces.size(), 2u);
+}
+
+// A checkpoint written by the version-1 format (a piece = a run of the
+// whole tensor) still loads, into any layout.
+TEST_F(ShardedCheckpoint, VersionOneCheckpointsStillLoad) {
+  const std::string dir = (root_ / "v1").string();
+  fs::copy("distributed/testdata/ckpt_v1/fsdp_full_2ranks", dir, fs::copy_options::recursive);
+  fs::copy_file("distributed/testdata/ckpt_v1/fsdp_full_2ranks.full.safetensors", dir + ".full.safetensors");
+  auto index = read_checkpoint_index(dir);
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(index->version, 1);
+  EXPECT_TRUE(verify_checkpoint(dir).ok());
+  load(dir, "fsdp:full", 3);
+  load(dir, "ddp", 2);
+  load(dir, "single", 1);
+}
+
+TEST_F(ShardedCheckpoint, SavingLeavesGatheredUnitsGathered) {
+  const std::string dir = save("fsdp:full", 2, ",gathered=1");
+  load(dir, "single", 1);
+  load(dir, "fsdp:grad_op", 3);
 }
 
 }  // namespace

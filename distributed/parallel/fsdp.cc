@@ -4,6 +4,7 @@
 #include "distributed/parallel/fsdp.h"
 
 #include <algorithm>
+#include <cctype>
 #include <deque>
 #include <sstream>
 #include <unordered_map>
@@ -14,6 +15,7 @@
 #include "distributed/parallel/flat_param.h"
 #include "distributed/init.h"
 #include "distributed/parallel/fsdp_unit.h"
+#include "distributed/sharding/shard_spec.h"
 #include "optim/clip_grad.h"
 
 namespace ember::distributed {
@@ -573,6 +575,46 @@ void check_same_structure(ProcessGroup& pg, const Unit& u, const FlatBuffer& lay
   EMBER_CHECK(false, msg.str());
 }
 
+// Says on each parameter what this rank holds of it (sharding vocabulary),
+// so checkpoints and norms need nothing of FSDP's: the run of the entry in
+// this rank's shard of the flat buffer, over a (dp_replicate, dp_shard)
+// mesh; of replicas, replicate rank 0 writes. The region's data is the
+// float32 shard view whatever state the unit is in, so a save reads it
+// without gathering or resharding anything; a load first reshards, so no
+// gathered copy of the old values outlives it.
+void attach_shard_specs(const std::shared_ptr<Unit>& u) {
+  std::string layout = strategy_name(u->strategy);
+  for (char& c : layout) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const int replicas = u->replicate_pg ? u->replicate_pg->size() : 1;
+  const int replica = u->replicate_pg ? u->replicate_pg->rank() : 0;
+  std::weak_ptr<Unit> weak = u;
+  for (size_t i = 0; i < u->params.size(); ++i) {
+    const FlatEntry& e = u->layout.entries()[i];
+    const FlatBuffer::Piece* pc = nullptr;
+    for (const auto& piece : u->pieces)
+      if (piece.entry == i) pc = &piece;
+    auto spec = std::make_shared<ShardSpec>();
+    spec->global_shape = e.shape;
+    spec->mesh_dims = {"dp_replicate", "dp_shard"};
+    spec->mesh_shape = {replicas, u->shard_size};
+    spec->coord = {replica, u->shard_rank};
+    spec->placements = {Replicate(), Shard(0)};
+    spec->layout = "fsdp:" + layout;
+    spec->region = pc ? run_region(e.shape, pc->entry_offset, pc->numel) : run_region(e.shape, 0, 0);
+    // An entry of no elements is in no shard: shard rank 0 registers it.
+    spec->writes = replica == 0 && (e.numel > 0 || u->shard_rank == 0);
+    spec->local = [weak, i] {
+      auto uu = weak.lock();
+      EMBER_CHECK(uu != nullptr, "FSDP: the unit of this parameter is gone");
+      return uu->shard_view(uu->shard, i);
+    };
+    spec->before_load = [weak] {
+      if (auto uu = weak.lock()) uu->reshard();
+    };
+    set_shard_spec(u->params[i], std::move(spec));
+  }
+}
+
 }  // namespace
 
 std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& module, const FSDPOptions& options) {
@@ -686,6 +728,7 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
     u->params[i].set_grad(Tensor());
     u->params[i].set_data(u->shard_view(u->shard, i));
   }
+  attach_shard_specs(u);
   u->state = Unit::State::SHARDED;
   u->seen_shard.assign(u->params.size(), false);
   u->seen_unsharded.assign(u->params.size(), false);

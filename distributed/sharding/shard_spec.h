@@ -97,6 +97,11 @@ int64_t overlap(const Shape& shape, const Region& a, const Region& b);
 int64_t copy_overlap(const Shape& shape, const Region& src, const void* src_data, const Region& dst, void* dst_data,
                      size_t element_size);
 
+// The region is what a rank holds; the placements say which mesh dimensions
+// shard and replicate the tensor. For a layout the chunk rule makes
+// (tensor parallelism) the region is chunk_region's; a flat shard (FSDP's
+// run of its padded flat buffer) declares Shard(0) on its shard dimension
+// and a run_region: the region, not the chunk rule, is the truth.
 struct ShardSpec : ShardMetaBase {
   Shape global_shape;
   // The mesh the placements refer to (dimension names and sizes) and this
@@ -104,6 +109,8 @@ struct ShardSpec : ShardMetaBase {
   std::vector<std::string> mesh_dims;
   std::vector<int> mesh_shape, coord;
   std::vector<Placement> placements;
+  // What laid it out, for messages and checkpoint indexes ("fsdp:full_shard").
+  std::string layout;
   // What this rank holds of the global tensor (the tensor's own data, or
   // local() when set, holds exactly region.numel elements in order).
   Region region;
