@@ -212,6 +212,25 @@ OptimizerStateDict Optimizer::state_dict() const {
   return sd;
 }
 
+OptimizerStateDict Optimizer::groups_dict() const {
+  OptimizerStateDict sd;
+  int64_t index = 0;
+  for (const auto& g : groups_) {
+    OptimizerStateDict::Group out{g.options, {}};
+    for (size_t i = 0; i < g.params.size(); ++i) out.params.push_back(index++);
+    sd.param_groups.push_back(std::move(out));
+  }
+  return sd;
+}
+
+std::vector<Optimizer::LocalState> Optimizer::local_state() const {
+  std::vector<LocalState> out;
+  for (const auto& g : groups_)
+    for (const Tensor& p : g.params)
+      for (const auto& [name, t] : state(p)) out.push_back({p, name, t, nullptr});
+  return out;
+}
+
 void Optimizer::load_state_dict(const OptimizerStateDict& sd) {
   const std::string op = name_ + "::load_state_dict";
   EMBER_CHECK(sd.param_groups.size() == groups_.size(), op, ": the state dict has ", sd.param_groups.size(),

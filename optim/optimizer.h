@@ -123,6 +123,23 @@ class Optimizer {
   // Virtual so a wrapper that shards the state (ZeroRedundancyOptimizer)
   // can stand in wherever an optimizer is checkpointed.
   virtual OptimizerStateDict state_dict() const;
+  // The groups (options and parameter indices) without the state: what
+  // trainer.json records, on any rank of any optimizer.
+  OptimizerStateDict groups_dict() const;
+  // The state this rank holds, for sharded checkpoints that write each
+  // rank's part: per parameter (the parameter object the groups hold) and
+  // state name, its value. `part` is set by an optimizer that keeps only
+  // part of a parameter's state (ZeroRedundancyOptimizer: a run of its
+  // elements), as the sharding vocabulary's ShardSpec
+  // (distributed/sharding); null: the state covers what the parameter
+  // itself holds. By default every parameter's state(), whole.
+  struct LocalState {
+    Tensor param;
+    std::string name;
+    Tensor value;
+    std::shared_ptr<const ShardMetaBase> part;
+  };
+  virtual std::vector<LocalState> local_state() const;
   // Restores groups' hyperparameters and per-parameter state, copied to the
   // parameter's device in its state dtype (state_dtype; "step": a float32
   // count). Everything is checked before anything changes: group count,

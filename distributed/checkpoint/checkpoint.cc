@@ -410,7 +410,7 @@ absl::StatusOr<std::string> trainer_text(const nn::Module& model, const optim::O
   if (!extra.is_object()) return absl::InvalidArgumentError("save_checkpoint: extra_json must be a JSON object");
   std::optional<optim::OptimizerStateDict> opt_sd;
   if (optimizer) {
-    opt_sd = optimizer->state_dict();
+    opt_sd = optimizer->groups_dict();  // the state itself goes to the tensor files
     optim::name_parameters(*opt_sd, *optimizer, model.named_parameters());
   }
   return trainer_json(model, optimizer, scheduler, state, std::move(extra), opt_sd ? &*opt_sd : nullptr).dump(2) + "\n";

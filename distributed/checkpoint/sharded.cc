@@ -34,7 +34,6 @@
 #include "core/safetensors.h"
 #include "distributed/checkpoint/checkpoint_internal.h"
 #include "distributed/object_collectives.h"
-#include "distributed/parallel/zero.h"
 #include "distributed/sharding/shard_spec.h"
 
 namespace ember::distributed {
@@ -164,50 +163,29 @@ ModelLayout model_layout(nn::Module& model, ProcessGroup& pg) {
   return out;
 }
 
-// "state.<index>.<name>" -> (index, name).
-bool split_state_key(const std::string& key, int64_t* index, std::string* name) {
-  if (key.rfind("state.", 0) != 0) return false;
-  const size_t dot = key.find('.', 6);
-  if (dot == std::string::npos) return false;
-  try {
-    *index = std::stoll(key.substr(6, dot - 6));
-  } catch (...) {
-    return false;
-  }
-  *name = key.substr(dot + 1);
-  return true;
-}
-
-// The optimizer's state, as the pieces this rank writes: elementwise state
-// is held like its parameter; a scalar (Adam's step) is written by the
-// writer of the parameter's first element. ZeRO-1 holds its state in pieces
-// of its own flat buffers, not the parameters': it is consolidated to rank
-// 0 (torch's consolidate_state_dict), which writes all of it.
-std::vector<Held> optimizer_held(optim::Optimizer& opt, const ModelLayout& L, ProcessGroup& pg) {
-  optim::OptimizerStateDict sd;
-  const bool zero = dynamic_cast<ZeroRedundancyOptimizer*>(&opt) != nullptr;
-  if (zero) {
-    static_cast<ZeroRedundancyOptimizer&>(opt).consolidate_state_dict(0);
-    if (pg.rank() != 0) return {};
-  }
-  sd = opt.state_dict();
-  std::vector<Tensor> by_index;
-  for (const auto& g : opt.param_groups())
-    for (const Tensor& p : g.params) by_index.push_back(p);
+// The optimizer's state, as the pieces this rank writes: each value is
+// held like its parameter, or as the part its ShardSpec describes when the
+// optimizer keeps only part of it (ZeRO-1: a run of the parameter's
+// elements, one per rank); a scalar (Adam's step) is written by the writer
+// of the parameter's first element.
+std::vector<Held> optimizer_held(const optim::Optimizer& opt, const ModelLayout& L) {
   std::vector<Held> out;
-  for (const auto& [key, t] : sd.state) {
-    int64_t idx = 0;
-    std::string sname;
-    EMBER_CHECK(split_state_key(key, &idx, &sname) && idx >= 0 && idx < static_cast<int64_t>(by_index.size()),
-                "save_sharded_checkpoint: unexpected optimizer state key '", key, "'");
-    auto it = L.by_impl.find(by_index[idx].impl_ptr().get());
-    EMBER_CHECK(it != L.by_impl.end(), "save_sharded_checkpoint: the optimizer's parameter ", idx,
-                " is not a parameter of the model");
+  for (const optim::Optimizer::LocalState& s : opt.local_state()) {
+    auto it = L.by_impl.find(s.param.impl_ptr().get());
+    EMBER_CHECK(it != L.by_impl.end(), "save_sharded_checkpoint: the optimizer holds state '", s.name,
+                "' of a parameter that is not the model's");
     Place p = it->second;
-    if (zero) p.writer = true;  // rank 0, the only one here, holds it all
-    const std::string name = kOptimPrefix + p.name + "." + sname;
+    if (s.part) {
+      const auto* spec = dynamic_cast<const ShardSpec*>(s.part.get());
+      EMBER_CHECK(spec != nullptr && spec->global_shape == p.shape, "save_sharded_checkpoint: the optimizer's part of '",
+                  p.name, "' is not a ShardSpec of its shape ", shape_str(p.shape));
+      p.region = spec->region;
+      p.holds = spec->region.numel > 0;
+      p.writer = p.holds && spec->writes;
+    }
+    const std::string name = kOptimPrefix + p.name + "." + s.name;
+    const Tensor& t = s.value;
     if (t.dim() == 0) {
-      // Written once: by the writer of the parameter's first element.
       int64_t global = 1;
       for (int64_t d : p.shape) global *= d;
       const bool first = global == 0 || overlap(p.shape, p.region, run_region(p.shape, 0, 1)) == 1;
@@ -691,7 +669,7 @@ Staged stage_state(nn::Module& model, optim::Optimizer* optimizer, const optim::
     std::vector<Held> held = L.held;
     held.push_back({kRngPrefix + std::to_string(pg.rank()), {2}, DType::Int64, whole_region({2}), generator_state(), true});
     if (optimizer) {
-      std::vector<Held> o = optimizer_held(*optimizer, L, pg);
+      std::vector<Held> o = optimizer_held(*optimizer, L);
       held.insert(held.end(), o.begin(), o.end());
     }
     for (Held& h : held)

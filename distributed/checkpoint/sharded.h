@@ -65,9 +65,8 @@ struct ShardedSaveOptions {
 };
 
 // Every rank of `pg` calls it, with its model (wrapped by fully_shard or
-// not), its optimizer (may be null; a ZeroRedundancyOptimizer's state is
-// consolidated to rank 0 first, which writes it) and scheduler (may be
-// null). Returns the same status on every rank: an error names the rank
+// not), its optimizer (may be null; each rank writes the state it holds,
+// ZeroRedundancyOptimizer's shards too) and scheduler (may be null). Returns the same status on every rank: an error names the rank
 // that failed.
 absl::Status save_sharded_checkpoint(const std::string& dir, nn::Module& model, optim::Optimizer* optimizer,
                                      const optim::LRScheduler* scheduler, const TrainingState& state,
@@ -95,8 +94,8 @@ class AsyncCheckpointer {
   ~AsyncCheckpointer();
   AsyncCheckpointer(const AsyncCheckpointer&) = delete;
   AsyncCheckpointer& operator=(const AsyncCheckpointer&) = delete;
-  // Every rank calls it with the training group `pg` (used for staging:
-  // ZeRO-1's consolidation is a collective).
+  // Every rank calls it with the training group `pg` (its rank and size
+  // decide who writes what; staging itself runs no collective).
   absl::Status save(const std::string& dir, nn::Module& model, optim::Optimizer* optimizer,
                     const optim::LRScheduler* scheduler, const TrainingState& state, ProcessGroup& pg);
   absl::Status wait();

@@ -16,6 +16,7 @@
 #include <csignal>
 #include <cmath>
 #include <random>
+#include <set>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -494,6 +495,15 @@ TEST_F(ShardedCheckpoint, ReplicatedSavesLoadIntoShards) {
   for (const auto& t : index->tensors) EXPECT_LE(t.pieces.size(), 1u) << t.name;
   load(ddp, "fsdp:full", 2);
   const std::string zero = save("zero", 2);
+  // ZeRO-1's state is written where it lives: both ranks' files hold pieces
+  // of the moments (no consolidation on rank 0).
+  auto zindex = read_checkpoint_index(zero);
+  ASSERT_TRUE(zindex.ok()) << zindex.status();
+  std::set<std::string> files;
+  for (const auto& t : zindex->tensors)
+    if (t.name.find(".exp_avg") != std::string::npos)
+      for (const auto& p : t.pieces) files.insert(p.file);
+  EXPECT_EQ(files.size(), 2u);
   load(zero, "fsdp:grad_op", 3);
   load(zero, "zero", 4);
   const std::string single = save("single", 1);

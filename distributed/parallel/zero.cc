@@ -14,6 +14,7 @@
 #include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "distributed/init.h"
+#include "distributed/sharding/shard_spec.h"
 
 namespace ember::distributed {
 
@@ -269,6 +270,26 @@ void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
     for (size_t i = 0; i < g.params.size(); ++i) out.params.push_back(index++);
     sd.param_groups.push_back(std::move(out));
   }
+}
+
+std::vector<optim::Optimizer::LocalState> ZeroRedundancyOptimizer::local_state() const {
+  std::vector<LocalState> out;
+  for (const auto& piece : impl_->pieces) {
+    const Impl::Buffer& buf = impl_->buffers[piece.buffer];
+    const FlatEntry& entry = buf.flat.entries()[piece.entry];
+    auto spec = std::make_shared<ShardSpec>();
+    spec->global_shape = entry.shape;
+    spec->mesh_dims = {"dp"};
+    spec->mesh_shape = {pg_->size()};
+    spec->coord = {pg_->rank()};
+    spec->placements = {Shard(0)};  // a run of the flat buffer: the region says which
+    spec->layout = "zero";
+    spec->region = run_region(entry.shape, piece.where.entry_offset, piece.where.numel);
+    std::shared_ptr<const ShardMetaBase> part = spec;
+    for (const auto& [name, t] : local_->state(piece.param))
+      out.push_back({buf.params[piece.entry], name, t, part});
+  }
+  return out;
 }
 
 optim::OptimizerStateDict ZeroRedundancyOptimizer::state_dict() const {

@@ -74,6 +74,10 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   // On the consolidating rank after consolidate_state_dict: the full state.
   // Elsewhere (or before): an error naming the rank, as torch's.
   optim::OptimizerStateDict state_dict() const override;
+  // This rank's state, each piece described as the run of its parameter it
+  // covers (a ShardSpec): a sharded checkpoint writes it from every rank,
+  // no consolidation. Not collective.
+  std::vector<LocalState> local_state() const override;
   // Takes a full state dict (every rank passes the same, e.g. loaded from
   // one file) and keeps this rank's shard of it.
   void load_state_dict(const optim::OptimizerStateDict& sd) override;
