@@ -58,7 +58,8 @@ Trained build(distributed::ProcessGroup& pg) {
   t.gpt = std::make_shared<nn::GPT>(
       nn::GPTOptions{.vocab_size = 8192, .block_size = 128, .n_layer = 6, .n_head = 8, .n_embd = 512});
   distributed::FSDPOptions o;
-  o.process_group = std::shared_ptr<distributed::ProcessGroup>(&pg, [](distributed::ProcessGroup*) {});
+  o.mesh = distributed::DeviceMesh::from_group(
+      std::shared_ptr<distributed::ProcessGroup>(&pg, [](distributed::ProcessGroup*) {}), "dp_shard");
   t.fsdp = distributed::fully_shard_auto(t.gpt, {.types = {"TransformerBlock"}}, o);
   t.opt = std::make_unique<optim::AdamW>(t.gpt->parameters(), optim::AdamWOptions{.lr = 1e-3});
   manual_seed(1000 + pg.rank());

@@ -111,7 +111,7 @@ void BM_FsdpStep(benchmark::State& state, const std::string& name, const std::st
     net = ddp.get();
   } else if (mode != "plain") {
     FSDPOptions o;
-    o.process_group = pg;
+    o.mesh = distributed::DeviceMesh::from_group(pg, "dp_shard");
     const bool no_prefetch = mode == "full_noprefetch";
     o.strategy = parse_strategy(no_prefetch ? "full" : mode);
     o.forward_prefetch = o.backward_prefetch = !no_prefetch;

@@ -125,6 +125,19 @@ std::shared_ptr<DeviceMesh> DeviceMesh::create(const std::vector<int>& shape, co
   return mesh;
 }
 
+std::shared_ptr<DeviceMesh> DeviceMesh::from_group(std::shared_ptr<ProcessGroup> group, const std::string& name) {
+  EMBER_CHECK(group != nullptr, "DeviceMesh::from_group: null group");
+  EMBER_CHECK(!name.empty(), "DeviceMesh::from_group: empty dimension name");
+  auto mesh = std::shared_ptr<DeviceMesh>(new DeviceMesh());
+  mesh->shape_ = {group->size()};
+  mesh->names_ = {name};
+  mesh->ranks_ = group->global_ranks();
+  mesh->coord_ = {group->rank()};
+  mesh->global_rank_ = group->global_rank(group->rank());
+  mesh->groups_ = {std::move(group)};
+  return mesh;
+}
+
 int DeviceMesh::size() const {
   int n = 1;
   for (int s : shape_) n *= s;

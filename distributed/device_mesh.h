@@ -30,6 +30,10 @@ class DeviceMesh {
   static std::shared_ptr<DeviceMesh> create(const std::vector<int>& shape, const std::vector<std::string>& names,
                                             const std::string& backend = "");
 
+  // A one-dimensional mesh over an existing group (torch's
+  // DeviceMesh.from_group): not collective, makes no group.
+  static std::shared_ptr<DeviceMesh> from_group(std::shared_ptr<ProcessGroup> group, const std::string& name);
+
   int ndim() const { return static_cast<int>(shape_.size()); }
   const std::vector<int>& shape() const { return shape_; }
   const std::vector<std::string>& dim_names() const { return names_; }

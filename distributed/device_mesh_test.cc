@@ -73,6 +73,11 @@ EMBER_WORKER(mesh_2x2) {
   auto flat = DeviceMesh::create({4}, {"dp"});
   WCHECK(flat->group() == default_group(), "1-D mesh reuses the world");
   WCHECK(group_sum(*flat->group(), r) == 10, "world sum");
+  // A mesh over an existing group: its members, no new group.
+  auto over_tp = DeviceMesh::from_group(mesh->group("tp"), "tp");
+  WCHECK(over_tp->group() == mesh->group("tp") && over_tp->ranks() == tp_members && over_tp->coordinate("tp") == r % 2 &&
+             over_tp->global_rank() == r,
+         over_tp->to_string());
   // Three dimensions, one of size 1.
   auto three = DeviceMesh::create({2, 1, 2}, {"pp", "dp", "tp"});
   WCHECK(three->group("dp")->size() == 1 && group_sum(*three->group("dp"), r) == r + 1, "size-1 dimension");

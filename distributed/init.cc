@@ -280,6 +280,7 @@ struct State {
   std::shared_ptr<ProcessGroup> default_pg;
   std::string backend;
   ProcessGroupOptions pg_options;
+  ResolvedEnv env;  // what the default group was made from
   int groups_created = 0;
 };
 
@@ -383,6 +384,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     s.default_pg = pg;
     s.backend = options.backend;
     s.pg_options = pg_options;
+    s.env = env;
     s.groups_created = 0;
   } catch (const std::exception& e) {
     // Backend engines throw their own exception types; callers get ours,
@@ -417,6 +419,14 @@ std::shared_ptr<ProcessGroup> default_group() {
 }
 
 int get_rank() { return default_group()->rank(); }
+
+ResolvedEnv init_env() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  EMBER_CHECK(s.default_pg != nullptr,
+              "the default process group is not initialized; call init_process_group() first");
+  return s.env;
+}
 
 int get_world_size() { return default_group()->size(); }
 

@@ -69,6 +69,10 @@ bool is_initialized();
 std::shared_ptr<ProcessGroup> default_group();  // throws if not initialized
 int get_rank();
 int get_world_size();
+// What init_process_group resolved the job's placement to (local rank,
+// ranks per node, where the store is), so callers need not resolve the
+// environment a second time.
+ResolvedEnv init_env();
 // A sub-group of the default group's ranks; every rank of the default group
 // must call it (with the same list) as torch does; ranks outside get nullptr.
 // `backend` ("gloo", "nccl"; empty: the default group's) as torch's

@@ -347,7 +347,7 @@ int train(const Flags& flags) {
   auto pg = distributed::init_process_group(init);
   const int rank = pg->rank(), world = pg->size();
   const Device device = pg->device();
-  const auto env = distributed::resolve_env(distributed::InitOptions{});
+  const auto env = distributed::init_env();
   distributed::check_same_config(
       *pg, {{"--strategy", flags.strategy}, {"--shard-size", std::to_string(flags.shard_size)}, {"--amp", flags.amp},
             {"--layers", std::to_string(flags.layers)}, {"--dim", std::to_string(flags.dim)},
@@ -370,9 +370,7 @@ int train(const Flags& flags) {
   if (fo.strategy == distributed::ShardingStrategy::HYBRID_SHARD) {
     const int shard = flags.shard_size > 0 ? flags.shard_size : env.local_world_size;
     EMBER_CHECK(world % shard == 0, "--shard-size ", shard, " does not divide the ", world, " ranks");
-    auto groups = distributed::new_hybrid_groups(shard);
-    fo.process_group = groups.shard;
-    fo.replicate_group = groups.replicate;
+    fo.mesh = distributed::DeviceMesh::create({world / shard, shard}, {"dp_replicate", "dp_shard"});
   }
   if (flags.amp != "off") {
     fo.mp_policy.param_dtype = flags.amp == "bf16" ? DType::BFloat16 : DType::Float16;

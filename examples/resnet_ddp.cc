@@ -303,7 +303,7 @@ int train(const Flags& flags) {
   auto pg = distributed::init_process_group(init);
   install_checkpoint_fault();
   const int rank = pg->rank(), world = pg->size();
-  const auto env = distributed::resolve_env(distributed::InitOptions{});
+  const auto env = distributed::init_env();
   const Device device = pg->device();  // the group decides: this rank's GPU under NCCL, else the CPU
   const std::string model_name = !flags.model.empty() ? flags.model : cuda ? "resnet18" : "narrow";
   // Ranks started with other flags would train diverging replicas without a

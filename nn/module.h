@@ -120,6 +120,17 @@ class Module {
   // Number of scalar parameters.
   int64_t num_parameters() const;
 
+  // State a transform of this module keeps on it (fully_shard's unit,
+  // replicate's reducer), by the transform's key: owned by the module, so
+  // it lives and dies with it, and no global registry maps modules to it.
+  // Null clears the slot; an unset key reads null.
+  void set_transform_state(const std::string& key, std::shared_ptr<void> state);
+  std::shared_ptr<void> transform_state(const std::string& key) const;
+  template <typename T>
+  std::shared_ptr<T> transform_state_as(const std::string& key) const {
+    return std::static_pointer_cast<T>(transform_state(key));
+  }
+
  protected:
   Tensor& register_parameter(const std::string& name, Tensor t, bool requires_grad = true);
   Tensor& register_buffer(const std::string& name, Tensor t, bool persistent = true);
@@ -153,6 +164,7 @@ class Module {
     std::vector<std::pair<uint64_t, BackwardPreHook>> backward_pre;
   };
   std::shared_ptr<Hooks> hooks_ = std::make_shared<Hooks>();
+  std::vector<std::pair<std::string, std::shared_ptr<void>>> transform_states_;
   template <typename H>
   HookHandle add_hook(std::vector<std::pair<uint64_t, H>> Hooks::*list, H hook);
 };

@@ -106,11 +106,8 @@ struct Job {
       const bool blocks_only = layout == "fsdp:blocks";
       FSDPOptions o;
       o.strategy = parse_strategy(blocks_only ? "full" : layout.substr(5));
-      if (o.strategy == ShardingStrategy::HYBRID_SHARD) {
-        auto g = new_hybrid_groups(2);
-        o.process_group = g.shard;
-        o.replicate_group = g.replicate;
-      }
+      if (o.strategy == ShardingStrategy::HYBRID_SHARD)
+        o.mesh = DeviceMesh::create({world_ / 2, 2}, {"dp_replicate", "dp_shard"});
       fully_shard(net->l0, o);
       fully_shard(net->l1, o);
       if (!blocks_only) fsdp = fully_shard(net, o);

@@ -8,11 +8,13 @@
 #include <deque>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
 #include "distributed/parallel/amp.h"
 #include "distributed/parallel/flat_param.h"
+#include "distributed/device_mesh.h"
 #include "distributed/init.h"
 #include "distributed/parallel/fsdp_unit.h"
 #include "distributed/sharding/shard_spec.h"
@@ -45,17 +47,9 @@ using Unit = FSDPModule::Unit;
 
 namespace {
 
-// Which unit holds which module and which parameter. Weak: a unit dies with
-// its module's hooks; a stale entry (an address reused) is recognised by
-// comparing the module pointer back.
-struct Registry {
-  std::unordered_map<const nn::Module*, std::weak_ptr<Unit>> by_module;
-  std::unordered_map<const TensorImpl*, std::weak_ptr<Unit>> by_param;
-};
-Registry& registry() {
-  static Registry r;
-  return r;
-}
+// The unit lives on its module (Module::transform_state under this key):
+// no registry maps modules or parameters to units.
+constexpr const char* kStateKey = "fully_shard";
 
 // The live units of a root's list, in order.
 std::vector<std::shared_ptr<Unit>> alive(const std::vector<std::weak_ptr<Unit>>& units) {
@@ -66,20 +60,15 @@ std::vector<std::shared_ptr<Unit>> alive(const std::vector<std::weak_ptr<Unit>>&
 }
 
 std::shared_ptr<Unit> unit_of(const nn::Module* m) {
-  auto it = registry().by_module.find(m);
-  if (it == registry().by_module.end()) return nullptr;
-  auto u = it->second.lock();
+  auto u = m->transform_state_as<Unit>(kStateKey);
   return u && u->module == m ? u : nullptr;
 }
 
-std::shared_ptr<Unit> unit_of_param(const Tensor& p) {
-  auto it = registry().by_param.find(p.impl_ptr().get());
-  if (it == registry().by_param.end()) return nullptr;
-  auto u = it->second.lock();
-  if (!u) return nullptr;
-  for (const Tensor& q : u->params)
-    if (q.is_same(p)) return u;
-  return nullptr;
+// Whether fully_shard sharded `p` (its ShardSpec says so): how a parameter
+// is known to belong to some unit without a map from parameters to units.
+bool sharded_by_fsdp(const Tensor& p) {
+  const ShardSpec* spec = shard_spec(p);
+  return spec && spec->layout.rfind("fsdp:", 0) == 0;
 }
 
 bool is_view_of(const Tensor& g, const Tensor& v) {
@@ -276,21 +265,13 @@ TensorOptions Unit::master_options() const { return TensorOptions{shard.dtype(),
 TensorOptions Unit::compute_options() const { return TensorOptions{compute_dtype, device}; }
 int64_t Unit::shard_numel() const { return layout.shard_numel(); }
 
+// The root is the unit whose forward runs first with no other unit's
+// forward around it (FSDP2's lazy rule): it claims every unit in its
+// module's subtree, so the units inside find their root when theirs runs.
 std::shared_ptr<Unit> Unit::root() {
   if (auto r = root_.lock()) return r;
-  // The outermost unit whose module contains this one (itself if none).
-  std::shared_ptr<Unit> best = shared_from_this();
-  size_t best_size = 0;
-  for (auto& [m, weak] : registry().by_module) {
-    auto u = weak.lock();
-    if (!u || u->module != m) continue;
-    auto mods = u->module->named_modules();
-    bool contains = false;
-    for (auto& [n, mm] : mods) contains |= mm == module;
-    if (contains && mods.size() > best_size) best = u, best_size = mods.size();
-  }
-  best->init_root();
-  return best;
+  init_root();
+  return shared_from_this();
 }
 
 void Unit::init_root() {
@@ -301,6 +282,9 @@ void Unit::init_root() {
   subtree.clear();
   for (auto& [n, m] : module->named_modules())
     if (auto u = unit_of(m)) {
+      EMBER_CHECK(u.get() == this || !u->is_root, "fully_shard: unit '", n, "' (", u->type,
+                  ") ran forward on its own, as a root, before the unit of its enclosing ", type,
+                  " ran; call the outermost wrapped module (or wrap inner modules only)");
       subtree.push_back(u);
       u->root_ = shared_from_this();
     }
@@ -512,31 +496,29 @@ struct Groups {
   std::shared_ptr<ProcessGroup> shard, replicate;
 };
 
+// The mesh's groups: a 1-D mesh shards over its group (or, NO_SHARD,
+// replicates over it); a 2-D (dp_replicate, dp_shard) mesh is HSDP,
+// sharded along its last dimension and replicated along its first.
 Groups resolve_groups(const FSDPOptions& o, const std::string& who) {
-  auto default_or = [&](const char* what) {
-    EMBER_CHECK(is_initialized(), who, ": no ", what,
-                " given and init_process_group() has not run; pass FSDPOptions::", what);
-    return default_group();
-  };
+  std::shared_ptr<DeviceMesh> mesh = o.mesh;
+  if (!mesh) {
+    EMBER_CHECK(is_initialized(), who, ": no mesh given and init_process_group() has not run; pass FSDPOptions::mesh");
+    mesh = DeviceMesh::from_group(default_group(), "dp_shard");
+  }
   Groups g;
   switch (o.strategy) {
     case ShardingStrategy::FULL_SHARD:
     case ShardingStrategy::SHARD_GRAD_OP:
-      EMBER_CHECK(o.replicate_group == nullptr, who, ": replicate_group is for HYBRID_SHARD and NO_SHARD, not ",
-                  strategy_name(o.strategy));
-      g.shard = o.process_group ? o.process_group : default_or("process_group");
+    case ShardingStrategy::NO_SHARD:
+      EMBER_CHECK(mesh->ndim() == 1, who, ": ", strategy_name(o.strategy), " takes a 1-D mesh, got ",
+                  mesh->to_string(), "; a 2-D (dp_replicate, dp_shard) mesh is HYBRID_SHARD");
+      (o.strategy == ShardingStrategy::NO_SHARD ? g.replicate : g.shard) = mesh->group(0);
       break;
     case ShardingStrategy::HYBRID_SHARD:
-      EMBER_CHECK(o.process_group && o.replicate_group, who,
-                  ": HYBRID_SHARD needs both process_group (the ranks sharing one copy) and replicate_group (the "
-                  "ranks holding the same shard); distributed::new_hybrid_groups makes them");
-      g.shard = o.process_group;
-      g.replicate = o.replicate_group;
-      break;
-    case ShardingStrategy::NO_SHARD:
-      g.replicate = o.replicate_group ? o.replicate_group
-                    : o.process_group ? o.process_group
-                                      : default_or("process_group");
+      EMBER_CHECK(mesh->ndim() == 2, who, ": HYBRID_SHARD takes a 2-D mesh (dp_replicate, dp_shard): shards along ",
+                  "the last dimension, replicas along the first; got ", mesh->to_string());
+      g.replicate = mesh->group(0);
+      g.shard = mesh->group(1);
       break;
   }
   if (g.shard && g.shard->size() == 1) g.shard = nullptr;
@@ -546,7 +528,7 @@ Groups resolve_groups(const FSDPOptions& o, const std::string& who) {
 
 // Every rank of `pg` must wrap the same unit: compares (tensors, elements,
 // a hash of names and shapes) across the ranks and names the unit.
-void check_same_structure(ProcessGroup& pg, const Unit& u, const FlatBuffer& layout, int index) {
+void check_same_structure(ProcessGroup& pg, const Unit& u, const FlatBuffer& layout) {
   uint64_t h = fnv(1469598103934665603ULL, u.type);
   int64_t numel = 0;
   for (size_t i = 0; i < u.params.size(); ++i) {
@@ -565,7 +547,7 @@ void check_same_structure(ProcessGroup& pg, const Unit& u, const FlatBuffer& lay
     for (int k = 0; k < 3; ++k) same &= v[3 * r + k] == v[k];
   if (same) return;
   std::ostringstream msg;
-  msg << "fully_shard: unit #" << index << " (" << u.type << ", parameters " << join_names(u.names)
+  msg << "fully_shard: the unit of " << u.type << " (parameters " << join_names(u.names)
       << ") differs across the ranks of the " << pg.backend_name() << " group:";
   for (int r = 0; r < pg.size(); ++r)
     msg << " rank " << r << " has " << static_cast<int64_t>(v[3 * r]) << " tensors / "
@@ -642,17 +624,16 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
 
   // The parameters no inner unit holds, under their names in this module.
   // One an enclosing unit holds means the wrapping went top-down.
-  std::vector<const nn::Module*> inside;
-  for (auto& [n, m] : module->named_modules()) inside.push_back(m);
+  std::unordered_set<const TensorImpl*> inner;
+  for (auto& [n, m] : module->named_modules())
+    if (auto iu = unit_of(m))
+      for (const Tensor& p : iu->params) inner.insert(p.impl_ptr().get());
   std::vector<std::pair<std::string, Tensor>> named;
   for (auto& [name, p] : module->named_parameters()) {
-    auto owner = unit_of_param(p);
-    if (owner) {
-      EMBER_CHECK(std::find(inside.begin(), inside.end(), owner->module) != inside.end() && owner->module != module.get(),
-                  who, ": parameter '", name, "' already belongs to the unit of an enclosing ", owner->type,
-                  "; call fully_shard on inner modules first, then on the root");
-      continue;
-    }
+    if (inner.count(p.impl_ptr().get())) continue;
+    EMBER_CHECK(!sharded_by_fsdp(p), who, ": parameter '", name,
+                "' already belongs to the unit of an enclosing module; call fully_shard on inner modules first, "
+                "then on the root");
     named.emplace_back(name, p);
   }
   // An inner unit that already ran forward took itself for the root (and
@@ -700,9 +681,8 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
     std::vector<Tensor> values(u->params.begin(), u->params.end());
     if (!values.empty()) init.copy_from(values);
   }
-  static std::unordered_map<const ProcessGroup*, int> wrap_count;
   for (auto* g : {groups.shard.get(), groups.replicate.get()})
-    if (g) check_same_structure(*g, *u, init, wrap_count[g]++);
+    if (g) check_same_structure(*g, *u, init);
   if (options.sync_module_states) {
     for (auto* g : {groups.shard.get(), groups.replicate.get()}) {
       if (!g) continue;
@@ -733,8 +713,7 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
   u->seen_shard.assign(u->params.size(), false);
   u->seen_unsharded.assign(u->params.size(), false);
 
-  registry().by_module[module.get()] = u;
-  for (const Tensor& p : u->params) registry().by_param[p.impl_ptr().get()] = u;
+  module->set_transform_state(kStateKey, u);
 
   std::weak_ptr<Unit> weak = u;
   for (size_t i = 0; i < u->params.size(); ++i)
@@ -762,26 +741,6 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
   return std::make_shared<FSDPModule>(u);
 }
 
-HybridGroups new_hybrid_groups(int shard_size) {
-  EMBER_CHECK(is_initialized(), "new_hybrid_groups: init_process_group() has not run");
-  const int world = get_world_size(), rank = get_rank();
-  EMBER_CHECK(shard_size >= 1 && world % shard_size == 0, "new_hybrid_groups: shard size ", shard_size,
-              " does not divide the world size ", world);
-  HybridGroups out;
-  for (int g = 0; g < world / shard_size; ++g) {
-    std::vector<int> ranks;
-    for (int k = 0; k < shard_size; ++k) ranks.push_back(g * shard_size + k);
-    if (auto pg = new_group(ranks)) out.shard = pg;
-  }
-  for (int k = 0; k < shard_size; ++k) {
-    std::vector<int> ranks;
-    for (int g = 0; g < world / shard_size; ++g) ranks.push_back(g * shard_size + k);
-    if (auto pg = new_group(ranks)) out.replicate = pg;
-  }
-  EMBER_INTERNAL_ASSERT(out.shard && out.replicate, "rank ", rank, " is in no hybrid group");
-  return out;
-}
-
 std::shared_ptr<FSDPModule> fsdp_of(const nn::Module& module) {
   auto u = unit_of(&module);
   return u ? std::make_shared<FSDPModule>(u) : nullptr;
@@ -796,7 +755,7 @@ void wrap_children(const std::shared_ptr<nn::Module>& m, const AutoWrapPolicy& p
     if (policy.min_num_params > 0) {
       int64_t n = 0;
       for (auto& [pn, p] : child->named_parameters())
-        if (!unit_of_param(p)) n += p.numel();
+        if (!sharded_by_fsdp(p)) n += p.numel();
       by_size = n >= policy.min_num_params;
     }
     if ((by_type || by_size) && !unit_of(child.get())) fully_shard(child, options);

@@ -40,6 +40,12 @@
 // same units in the same order (checked at wrap time, naming the unit); the
 // module is on its final device and dtype before wrapping; a unit runs its
 // forward once per backward. Buffers (BatchNorm statistics) are not sharded.
+//
+// Where the state lives: each unit on its module (Module::transform_state),
+// each parameter's shard described on the parameter (its ShardSpec, which
+// checkpoints read); nothing global. The root is the unit whose forward
+// runs first with no unit's forward around it (FSDP2's lazy rule); it
+// claims the units of its subtree then.
 #pragma once
 
 #include <cstdint>
@@ -50,6 +56,7 @@
 #include <utility>
 #include <vector>
 
+#include "distributed/device_mesh.h"
 #include "distributed/process_group.h"
 #include "nn/module.h"
 
@@ -83,13 +90,13 @@ struct OffloadPolicy {
 };
 
 struct FSDPOptions {
-  // The group a unit is sharded over. Null: the default group, or for
-  // NO_SHARD none (every rank its own shard).
-  std::shared_ptr<ProcessGroup> process_group = nullptr;
+  // The ranks a unit is laid out over (torch's FSDP2 mesh). 1-D: sharded
+  // over it (FULL_SHARD, SHARD_GRAD_OP) or replicated over it (NO_SHARD);
+  // 2-D (dp_replicate, dp_shard): HYBRID_SHARD, sharded along the last
+  // dimension and replicated along the first. Null: the default group as a
+  // 1-D mesh. DeviceMesh::from_group makes one of an existing group.
+  std::shared_ptr<DeviceMesh> mesh = nullptr;
   ShardingStrategy strategy = ShardingStrategy::FULL_SHARD;
-  // HYBRID_SHARD: the group of the ranks holding the same shard (rank r of
-  // every shard group); NO_SHARD: null means the default group.
-  std::shared_ptr<ProcessGroup> replicate_group = nullptr;
   MixedPrecisionPolicy mp_policy = {};
   OffloadPolicy offload_policy = {};
   // Issue the next unit's all-gather (in the previous iteration's forward
@@ -105,15 +112,6 @@ struct FSDPOptions {
   // sync_module_states), as DDP does, so ranks seeded differently agree.
   bool sync_module_states = true;
 };
-
-// HYBRID_SHARD's two groups over the default group's ranks: shard groups of
-// `shard_size` consecutive ranks ({0,1}, {2,3}) and replicate groups of the
-// ranks at the same place in each ({0,2}, {1,3}); torch's 2-D device mesh.
-// Every rank calls it (it creates every group, as new_group requires).
-struct HybridGroups {
-  std::shared_ptr<ProcessGroup> shard, replicate;
-};
-HybridGroups new_hybrid_groups(int shard_size);
 
 // A wrapped unit (torch's FSDPModule). Methods act on this unit and every
 // unit inside its module.

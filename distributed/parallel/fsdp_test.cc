@@ -136,11 +136,8 @@ std::shared_ptr<FSDPModule> wrap(const std::shared_ptr<Net>& net, const Config& 
   FSDPOptions o;
   o.strategy = c.strategy;
   o.forward_prefetch = o.backward_prefetch = c.prefetch;
-  if (c.strategy == ShardingStrategy::HYBRID_SHARD) {
-    auto g = new_hybrid_groups(2);
-    o.process_group = g.shard;
-    o.replicate_group = g.replicate;
-  }
+  if (c.strategy == ShardingStrategy::HYBRID_SHARD)  // (dp_replicate, dp_shard): shards of 2 ranks
+    o.mesh = DeviceMesh::create({get_world_size() / 2, 2}, {"dp_replicate", "dp_shard"});
   if (c.bf16) o.mp_policy = {.param_dtype = DType::BFloat16, .reduce_dtype = DType::Float32,
                              .output_dtype = DType::Float32};
   o.offload_policy.offload_params = c.offload;
@@ -490,7 +487,7 @@ EMBER_WORKER(structure_mismatch) {
   } catch (const Error& e) {
     msg = e.what();
   }
-  WCHECK(msg.find("unit #0 (Block, parameters ln.weight, ln.bias, fc1.weight, fc1.bias, ...)") != std::string::npos,
+  WCHECK(msg.find("the unit of Block (parameters ln.weight, ln.bias, fc1.weight, fc1.bias, ...)") != std::string::npos,
          msg);
   WCHECK(msg.find("rank 0 has 6 tensors / 186 elements; rank 1 has 6 tensors / 201 elements (names or shapes "
                   "other than rank 0's)") != std::string::npos,
@@ -505,15 +502,18 @@ TEST(FullyShard, WrappingAnInnerModuleAfterItsRootIsAnError) {
   FSDPOptions o;
   o.strategy = ShardingStrategy::NO_SHARD;
   const char* tmp = std::getenv("TEST_TMPDIR");
-  o.process_group = make_gloo_group(
-      std::make_shared<FileStore>(std::string(tmp ? tmp : "/tmp") + "/fsdp_store_" + std::to_string(getpid()), 1), 0, 1);
+  o.mesh = DeviceMesh::from_group(
+      make_gloo_group(
+          std::make_shared<FileStore>(std::string(tmp ? tmp : "/tmp") + "/fsdp_store_" + std::to_string(getpid()), 1),
+          0, 1),
+      "dp_replicate");
   fully_shard(net, o);
   try {
     fully_shard(net->b0, o);
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("fully_shard(Block): parameter 'ln.weight' already belongs to the unit of an "
-                                         "enclosing Net; call fully_shard on inner modules first"),
+                                         "enclosing module; call fully_shard on inner modules first"),
               std::string::npos)
         << e.what();
   }
@@ -535,7 +535,7 @@ EMBER_WORKER(dies) {
   manual_seed(1);
   auto net = std::make_shared<Stack>(2);
   FSDPOptions o;
-  o.process_group = pg;
+  o.mesh = DeviceMesh::from_group(pg, "dp_shard");
   fully_shard_auto(net, {.types = {"Block"}}, o);
   const auto t0 = std::chrono::steady_clock::now();
   std::string msg;
