@@ -162,13 +162,9 @@ int64_t join_uneven_inputs(DistributedDataParallel& ddp, const std::function<voi
 // batch statistics are computed over all ranks of `pg` (null: the default
 // group), forward and backward. C++ parents hold typed pointers to their
 // children, so modules are not replaced: each BatchNorm2d gets a hook that
-// sums its per-channel statistics across ranks (a differentiable allreduce).
+// sums its per-channel statistics across ranks (functional::all_reduce,
+// differentiable).
 // Names, parameters and buffers stay as they are.
 void convert_sync_batchnorm(nn::Module& module, std::shared_ptr<ProcessGroup> pg = nullptr);
-
-// Sum of `x` over the ranks of `pg` (null: the default group), recorded for
-// autograd: backward returns the sum of every rank's output gradient. Every
-// rank must call it, forward and backward alike (SyncBatchNorm's statistics).
-Tensor all_reduce_sum_differentiable(const Tensor& x, std::shared_ptr<ProcessGroup> pg = nullptr);
 
 }  // namespace ember::distributed
