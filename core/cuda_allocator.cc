@@ -55,7 +55,7 @@ class CudaCachingAllocator final : public Allocator {
     EMBER_CHECK(cuda_is_available(), "cuda allocator: no CUDA device: ", cuda_unavailable_reason());
     if (!caching_) return allocate_uncached(nbytes);
     const size_t cls = size_class(nbytes);
-    void* stream = current_cuda_stream(device_);
+    void* stream = Stream::current(device_).handle;
     void* p = nullptr;
     {
       std::lock_guard<std::mutex> g(mu_);

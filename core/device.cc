@@ -202,8 +202,6 @@ const CudaInfo& cuda_info() {
   return info;
 }
 
-thread_local void* tls_streams[16] = {};
-
 }  // namespace
 
 namespace {
@@ -256,10 +254,10 @@ void cuda_synchronize() {
   if (!cuda_is_available()) return;
   int device = 0;
   EMBER_CUDA_CHECK(cudaGetDevice(&device));
-  void* stream = current_cuda_stream(device);
-  cuda_error_snapshot(device, stream);
+  const Stream stream = Stream::current(device);
+  cuda_error_snapshot(stream);
   EMBER_CUDA_CHECK(cudaDeviceSynchronize());
-  cuda_error_raise_if_set(device, stream);
+  cuda_error_raise_if_set(stream);
 #endif
 }
 
@@ -352,8 +350,9 @@ DeviceErrorSlot* cuda_error_slot(int device) {
   return s.dev[device];
 }
 
-void cuda_error_snapshot(int device, void* stream) {
+void cuda_error_snapshot(Stream stream) {
 #if EMBER_WITH_CUDA
+  const int device = stream.device;
   ErrorSlots& s = error_slots();
   DeviceErrorSlot *d = nullptr, *h = nullptr;
   {
@@ -363,12 +362,13 @@ void cuda_error_snapshot(int device, void* stream) {
     h = s.host[device];
   }
   EMBER_CUDA_CHECK(
-      cudaMemcpyAsync(h, d, sizeof(DeviceErrorSlot), cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream)));
+      cudaMemcpyAsync(h, d, sizeof(DeviceErrorSlot), cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream.handle)));
 #endif
 }
 
-void cuda_error_raise_if_set(int device, void* stream) {
+void cuda_error_raise_if_set(Stream stream) {
 #if EMBER_WITH_CUDA
+  const int device = stream.device;
   ErrorSlots& s = error_slots();
   DeviceErrorSlot e{};
   std::string op;
@@ -379,7 +379,7 @@ void cuda_error_raise_if_set(int device, void* stream) {
     *s.host[device] = DeviceErrorSlot{};
     op = e.op >= 1 && static_cast<size_t>(e.op) <= s.names.size() ? s.names[e.op - 1] : "a CUDA kernel";
     // Clear the slot for the ops that come after the error is handled.
-    EMBER_CUDA_CHECK(cudaMemsetAsync(s.dev[device], 0, sizeof(DeviceErrorSlot), static_cast<cudaStream_t>(stream)));
+    EMBER_CUDA_CHECK(cudaMemsetAsync(s.dev[device], 0, sizeof(DeviceErrorSlot), static_cast<cudaStream_t>(stream.handle)));
   }
   const char* when = cuda_sync_checks() ? "" : " (found on the GPU, reported at the next synchronisation; "
                                                "EMBER_SYNC_CHECKS=1 reports it at the op)";
@@ -389,11 +389,11 @@ void cuda_error_raise_if_set(int device, void* stream) {
 #endif
 }
 
-void cuda_error_check_now(int device, void* stream) {
+void cuda_error_check_now(Stream stream) {
 #if EMBER_WITH_CUDA
-  cuda_error_snapshot(device, stream);
-  EMBER_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
-  cuda_error_raise_if_set(device, stream);
+  cuda_error_snapshot(stream);
+  EMBER_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
+  cuda_error_raise_if_set(stream);
 #endif
 }
 
@@ -405,14 +405,5 @@ void set_cudnn_allow_tf32(bool allow) { cudnn_tf32().value.store(allow, std::mem
 bool matmul_allow_tf32() { return matmul_tf32().get(); }
 void set_matmul_allow_tf32(bool allow) { matmul_tf32().value.store(allow, std::memory_order_relaxed); }
 
-void* current_cuda_stream(int device) {
-  EMBER_CHECK(device >= 0 && device < 16, "current_cuda_stream: device index ", device, " out of range");
-  return tls_streams[device];
-}
-
-void set_current_cuda_stream(int device, void* stream) {
-  EMBER_CHECK(device >= 0 && device < 16, "set_current_cuda_stream: device index ", device, " out of range");
-  tls_streams[device] = stream;
-}
 
 }  // namespace ember

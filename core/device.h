@@ -14,6 +14,8 @@
 #include <ostream>
 #include <string>
 
+#include "core/stream.h"
+
 namespace ember {
 
 enum class DeviceType : uint8_t { CPU, CUDA };
@@ -119,17 +121,12 @@ int32_t cuda_error_op_code(const char* op);
 DeviceErrorSlot* cuda_error_slot(int device);
 bool cuda_sync_checks();
 void set_cuda_sync_checks(bool on);
-// Around a synchronisation of `stream` (an opaque cudaStream_t) on `device`:
+// Around a synchronisation of `stream` (its device's slot):
 // snapshot() queues a copy of the slot into host memory before it, and
 // raise_if_set() throws the recorded error (clearing the slot) after it.
-void cuda_error_snapshot(int device, void* stream);
-void cuda_error_raise_if_set(int device, void* stream);
+void cuda_error_snapshot(Stream stream);
+void cuda_error_raise_if_set(Stream stream);
 // snapshot, synchronise `stream`, raise: the EMBER_SYNC_CHECKS path.
-void cuda_error_check_now(int device, void* stream);
-
-// The stream kernels on `device` are launched on (an opaque cudaStream_t).
-// Defaults to the legacy default stream; set per thread.
-void* current_cuda_stream(int device);
-void set_current_cuda_stream(int device, void* stream);
+void cuda_error_check_now(Stream stream);
 
 }  // namespace ember

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/ops.h"
+#include "core/stream.h"
 
 namespace ember {
 namespace {
@@ -153,6 +154,32 @@ TEST_F(CudaOps, DeviceErrorsRaiseAtTheNextSynchronisation) {
   set_cuda_sync_checks(false);
   EXPECT_NE(m4.find("index_select: index -7 is out of bounds for dimension 1 with size 6"), std::string::npos) << m4;
   EXPECT_EQ(m4.find("next synchronisation"), std::string::npos) << m4;
+}
+
+// Ops launched under a StreamGuard run on the side stream; an event
+// recorded there and blocked on by the default stream orders the reads
+// after them; the guard restores the previous stream.
+TEST_F(CudaOps, StreamsAndEventsOrderWork) {
+  EXPECT_EQ(Stream::current(0), (Stream{0, nullptr}));
+  auto side = new_stream(0);
+  ASSERT_NE(side->handle, nullptr);
+  Tensor x = Tensor::from_vector({1, 2, 3, 4}, {4}).to(cuda_device(0));
+  Event done(0);
+  Tensor y;
+  {
+    StreamGuard g(*side);
+    EXPECT_EQ(Stream::current(0), *side);
+    y = x * 3.0 + 1.0;
+    done.record(*side);
+  }
+  EXPECT_EQ(Stream::current(0), (Stream{0, nullptr}));
+  done.block(Stream::current(0));
+  EXPECT_EQ(y.cpu().to_vector(), (std::vector<double>{4, 7, 10, 13}));
+  done.synchronize();
+  EXPECT_TRUE(done.query());
+  Event never(0);
+  EXPECT_TRUE(never.query());  // nothing recorded: nothing to wait for
+  EXPECT_THROW(done.record(Stream{1, nullptr}), Error);
 }
 
 TEST_F(CudaOps, MatmulMatchesCpu) {

@@ -567,9 +567,10 @@ Tensor& Tensor::copy_(const Tensor& src) {
       int prev = 0;
       EMBER_CUDA_CHECK(cudaGetDevice(&prev));
       EMBER_CUDA_CHECK(cudaSetDevice(gpu));
-      auto stream = static_cast<cudaStream_t>(current_cuda_stream(gpu));
+      const Stream on = Stream::current(gpu);
+      auto stream = static_cast<cudaStream_t>(on.handle);
       if (s.is_cuda() && is_cuda())
-        EMBER_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(current_cuda_stream(device().index))));
+        EMBER_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(Stream::current(device().index).handle)));
       // A device-to-host copy is a natural synchronisation: the errors that
       // kernels recorded (device.h) are copied out ahead of it and raised
       // after it. Into pageable memory the copy itself returns only once
@@ -579,7 +580,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
       // of ours, which CUDA copies out before cudaMemcpyAsync returns.
       bool wait = kind == cudaMemcpyDeviceToDevice;
       if (kind == cudaMemcpyDeviceToHost) {
-        cuda_error_snapshot(gpu, stream);
+        cuda_error_snapshot(on);
         cudaPointerAttributes attr{};
         if (cudaPointerGetAttributes(&attr, landed.raw_data()) == cudaSuccess) wait = attr.type == cudaMemoryTypeHost;
         else cudaGetLastError();  // plain malloc'd memory on old runtimes: pageable
@@ -588,7 +589,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
       if (err == cudaSuccess && wait) err = cudaStreamSynchronize(stream);
       cudaSetDevice(prev);
       EMBER_CUDA_CHECK(err);
-      if (kind == cudaMemcpyDeviceToHost) cuda_error_raise_if_set(gpu, stream);
+      if (kind == cudaMemcpyDeviceToHost) cuda_error_raise_if_set(on);
     }
 #endif
     if (!landed.is_same(*this)) copy_(landed);

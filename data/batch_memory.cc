@@ -32,16 +32,6 @@ class DeviceGuard {
   int prev_ = 0;
 };
 
-std::shared_ptr<void> new_event() {
-  cudaEvent_t e = nullptr;
-  EMBER_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  // Destroying an event whose work is pending is allowed: CUDA frees it
-  // once the work completes.
-  return std::shared_ptr<void>(e, [](void* p) { cudaEventDestroy(static_cast<cudaEvent_t>(p)); });
-}
-
-cudaEvent_t as_event(const std::shared_ptr<void>& e) { return static_cast<cudaEvent_t>(e.get()); }
-
 }  // namespace
 #endif
 
@@ -89,11 +79,8 @@ AsyncCopier::AsyncCopier(Device device) : device_(device) {
   EMBER_CHECK(device.is_cuda(), "AsyncCopier: expected a CUDA device, got ", device);
   EMBER_CHECK(cuda_is_available(), "AsyncCopier: no CUDA device: ", cuda_unavailable_reason());
 #if EMBER_WITH_CUDA  // else the check above has failed: no copier exists
-  DeviceGuard g(device.index);
-  cudaStream_t s = nullptr;
   // Non-blocking: the legacy default stream must not serialize with it.
-  EMBER_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  stream_ = s;
+  stream_ = new_stream(device.index);
 #endif
 }
 
@@ -112,37 +99,38 @@ AsyncCopier::~AsyncCopier() {
     // A failed device cannot be waited on; the buffers are released anyway.
   }
   in_flight_.clear();
-  DeviceGuard g(device_.index);
-  cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+  stream_.reset();
 }
 
 AsyncCopier::Copy AsyncCopier::start(const std::vector<Tensor>& host) {
   DeviceGuard g(device_.index);
   reap(false);
-  auto copy_stream = static_cast<cudaStream_t>(stream_);
-  auto consumer = static_cast<cudaStream_t>(current_cuda_stream(device_.index));
+  const Stream side = *stream_;
+  auto copy_stream = static_cast<cudaStream_t>(side.handle);
+  const Stream consumer = Stream::current(device_.index);
   Copy c;
   for (const Tensor& h : host) {
     EMBER_CHECK(h.device().is_cpu() && h.is_contiguous(), "AsyncCopier: expected contiguous CPU tensors");
     c.device.push_back(Tensor::empty(h.sizes(), {h.dtype(), device_}));
   }
-  std::shared_ptr<void> allocated = new_event();
-  EMBER_CUDA_CHECK(cudaEventRecord(as_event(allocated), consumer));
-  EMBER_CUDA_CHECK(cudaStreamWaitEvent(copy_stream, as_event(allocated), 0));
+  // Destroying an event whose work is pending is allowed: CUDA frees it
+  // once the work completes.
+  Event allocated(device_.index);
+  allocated.record(consumer);
+  allocated.block(side);
   for (size_t i = 0; i < host.size(); ++i)
     if (host[i].nbytes() > 0)
       EMBER_CUDA_CHECK(cudaMemcpyAsync(c.device[i].raw_data(), host[i].raw_data(), host[i].nbytes(),
                                        cudaMemcpyHostToDevice, copy_stream));
-  c.done = new_event();
-  EMBER_CUDA_CHECK(cudaEventRecord(as_event(c.done), copy_stream));
+  c.done = std::make_shared<Event>(device_.index);
+  c.done->record(side);
   in_flight_.emplace_back(c.done, host);
   return c;
 }
 
 std::vector<Tensor> AsyncCopier::finish(Copy copy) {
   DeviceGuard g(device_.index);
-  auto consumer = static_cast<cudaStream_t>(current_cuda_stream(device_.index));
-  EMBER_CUDA_CHECK(cudaStreamWaitEvent(consumer, as_event(copy.done), 0));
+  copy.done->block(Stream::current(device_.index));
   reap(false);
   return std::move(copy.device);
 }
@@ -152,14 +140,9 @@ void AsyncCopier::synchronize() { reap(true); }
 // Releases the host buffers of copies that have landed (all, if `block`).
 void AsyncCopier::reap(bool block) {
   while (!in_flight_.empty()) {
-    cudaEvent_t e = as_event(in_flight_.front().first);
-    if (block) {
-      EMBER_CUDA_CHECK(cudaEventSynchronize(e));
-    } else {
-      cudaError_t st = cudaEventQuery(e);
-      if (st == cudaErrorNotReady) return;
-      EMBER_CUDA_CHECK(st);
-    }
+    const Event& e = *in_flight_.front().first;
+    if (block) e.synchronize();
+    else if (!e.query()) return;
     in_flight_.pop_front();
   }
 }

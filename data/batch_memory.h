@@ -19,6 +19,7 @@
 #include <mutex>
 #include <vector>
 
+#include "core/stream.h"
 #include "core/tensor.h"
 
 namespace ember::data {
@@ -55,7 +56,7 @@ class AsyncCopier {
 
   struct Copy {
     std::vector<Tensor> device;   // not to be read before finish()
-    std::shared_ptr<void> done;   // the event recorded after the copy
+    std::shared_ptr<Event> done;  // recorded after the copy
   };
   // Queues copies of `host` (contiguous CPU tensors, pinned for a truly
   // asynchronous copy) into new tensors on the device. The host tensors are
@@ -71,8 +72,8 @@ class AsyncCopier {
  private:
   void reap(bool block);
   Device device_;
-  void* stream_ = nullptr;
-  std::deque<std::pair<std::shared_ptr<void>, std::vector<Tensor>>> in_flight_;
+  std::shared_ptr<const Stream> stream_;  // the side stream copies run on
+  std::deque<std::pair<std::shared_ptr<Event>, std::vector<Tensor>>> in_flight_;
 };
 
 }  // namespace ember::data

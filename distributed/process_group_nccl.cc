@@ -2,7 +2,7 @@
 //
 // Ordering. Each group owns a CUDA stream for its communication. A
 // collective records an event on the caller's current stream (the
-// producer, core's current_cuda_stream; the legacy default stream unless
+// producer, Stream::current (core/stream.h); the legacy default stream unless
 // the caller set one) and makes the comm stream wait on it, so NCCL reads the
 // tensor only after the kernels that wrote it. Dense copies of non-contiguous
 // tensors and copy-backs run on the comm stream too (the current stream is
@@ -104,19 +104,6 @@ class DeviceGuard {
   int prev_ = 0, device_ = 0;
 };
 
-// Makes ember ops launched in a scope run on `stream`.
-class StreamGuard {
- public:
-  StreamGuard(int device, cudaStream_t stream) : device_(device), prev_(current_cuda_stream(device)) {
-    set_current_cuda_stream(device, stream);
-  }
-  ~StreamGuard() { set_current_cuda_stream(device_, prev_); }
-
- private:
-  int device_;
-  void* prev_;
-};
-
 Tensor dense(const Tensor& t) { return t.is_contiguous() ? t : t.contiguous(); }
 void write_back(const Tensor& dst, const Tensor& buf) {
   if (buf.is_same(dst)) return;
@@ -126,10 +113,9 @@ void write_back(const Tensor& dst, const Tensor& buf) {
 
 class NcclWork : public CompletionWork {
  public:
-  NcclWork(OpInfo info, int device, cudaEvent_t done, std::vector<Tensor> keep)
-      : CompletionWork(std::move(info)), device_(device), done_event_(done), keep_(std::move(keep)),
+  NcclWork(OpInfo info, int device, std::unique_ptr<Event> done, std::vector<Tensor> keep)
+      : CompletionWork(std::move(info)), device_(device), done_event_(std::move(done)), keep_(std::move(keep)),
         start_(PgClock::now()) {}
-  ~NcclWork() override { cudaEventDestroy(done_event_); }
 
   bool is_completed() override {
     poll();
@@ -158,21 +144,18 @@ class NcclWork : public CompletionWork {
     if (CompletionWork::is_completed()) {
       if (auto e = exception()) std::rethrow_exception(e);
     }
-    DeviceGuard g(device_);
-    EMBER_CUDA_CHECK(cudaStreamWaitEvent(static_cast<cudaStream_t>(current_cuda_stream(device_)), done_event_, 0));
+    done_event_->block(Stream::current(device_));
   }
 
   // True once done; completes the work when its event has fired.
   bool poll() {
     if (CompletionWork::is_completed()) return true;
-    cudaError_t q = cudaEventQuery(done_event_);
-    if (q == cudaErrorNotReady) return false;
-    if (q == cudaSuccess) {
+    try {
+      if (!done_event_->query()) return false;
       finish();
-    } else {
+    } catch (const Error& e) {
       cudaGetLastError();
-      finish(std::make_exception_ptr(Error(info_.describe() + ": CUDA error while running: " +
-                                           cudaGetErrorString(q))));
+      finish(std::make_exception_ptr(Error(info_.describe() + ": CUDA error while running: " + e.what())));
     }
     release();
     return true;
@@ -185,7 +168,7 @@ class NcclWork : public CompletionWork {
 
  private:
   int device_;
-  cudaEvent_t done_event_;
+  std::unique_ptr<Event> done_event_;
   std::mutex keep_mu_;
   std::vector<Tensor> keep_;
   PgClock::time_point start_;
@@ -230,8 +213,9 @@ class NcclGroup : public ProcessGroup {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 1;
     EMBER_NCCL_CHECK(ncclCommInitRankConfig(&comm_, size, id, rank, &config));
-    EMBER_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    EMBER_CUDA_CHECK(cudaEventCreateWithFlags(&ready_event_, cudaEventDisableTiming));
+    comm_stream_ = new_stream(device_);
+    stream_ = static_cast<cudaStream_t>(comm_stream_->handle);
+    ready_event_ = std::make_unique<Event>(device_);
     barrier_buf_ = Tensor::empty({1}, TensorOptions(DType::Int32, cuda_device(device_)));
     watchdog_ = std::thread([this] { watchdog_loop(); });
   }
@@ -250,8 +234,8 @@ class NcclGroup : public ProcessGroup {
         ncclCommFinalize(comm_);
         ncclCommDestroy(comm_);
       }
-      cudaEventDestroy(ready_event_);
-      cudaStreamDestroy(stream_);
+      ready_event_.reset();
+      comm_stream_.reset();
     } catch (...) {
       // Destructors must not throw; the process is shutting the group down.
     }
@@ -508,11 +492,11 @@ class NcclGroup : public ProcessGroup {
     prof.transfer_started();
 
     DeviceGuard g(device_);
-    cudaStream_t producer = static_cast<cudaStream_t>(current_cuda_stream(device_));
-    EMBER_CUDA_CHECK(cudaEventRecord(ready_event_, producer));
-    EMBER_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_event_, 0));
+    const Stream comm{device_, stream_};
+    ready_event_->record(Stream::current(device_));
+    ready_event_->block(comm);
     if (!empty) {
-      StreamGuard sg(device_, stream_);
+      StreamGuard sg(comm);
       try {
         body(keep);
       } catch (const std::exception& e) {
@@ -522,10 +506,9 @@ class NcclGroup : public ProcessGroup {
         throw Error(msg);
       }
     }
-    cudaEvent_t done;
-    EMBER_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    EMBER_CUDA_CHECK(cudaEventRecord(done, stream_));
-    auto work = std::make_shared<NcclWork>(std::move(info), device_, done, std::move(keep));
+    auto done = std::make_unique<Event>(device_);
+    done->record(comm);
+    auto work = std::make_shared<NcclWork>(std::move(info), device_, std::move(done), std::move(keep));
     std::lock_guard<std::mutex> lock(mu_);
     pending_.push_back(work);
     return work;
@@ -594,8 +577,9 @@ class NcclGroup : public ProcessGroup {
   ProcessGroupOptions options_;
   int device_ = 0;
   ncclComm_t comm_ = nullptr;
+  std::shared_ptr<const Stream> comm_stream_;  // owns stream_
   cudaStream_t stream_ = nullptr;
-  cudaEvent_t ready_event_ = nullptr;
+  std::unique_ptr<Event> ready_event_;
   Tensor barrier_buf_;
 
   std::mutex launch_mu_;  // held through a launch; sequence counters

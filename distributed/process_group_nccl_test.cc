@@ -92,11 +92,11 @@ TEST_F(NcclSingle, NonContiguousAndBehindTheCallersStream) {
   cudaStream_t side;
   ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
   Tensor base = zeros({64, 33}, cuda_device(0));
-  set_current_cuda_stream(0, side);
+  Stream::set_current({0, side});
   Tensor x = base.t();
   x.copy_(seq_tensor({33, 64}, DType::Float32));
   auto w = pg_->allreduce(x, ReduceOp::Sum);
-  set_current_cuda_stream(0, nullptr);
+  Stream::set_current({0, nullptr});
   w->wait();
   expect_same(x.contiguous(), seq_tensor({33, 64}, DType::Float32), "allreduce of a transposed view");
   cudaStreamSynchronize(side);
@@ -114,10 +114,10 @@ TEST_F(NcclSingle, SynchronizeOrdersTheCurrentStreamNotTheHost) {
   Tensor in = seq_tensor({n}, DType::Float32);
   Tensor out = zeros({n}, cuda_device(0));
   auto w = pg_->allgather_into_tensor(out, in);
-  set_current_cuda_stream(0, side);
+  Stream::set_current({0, side});
   w->synchronize();
   Tensor y = out * 2.0;  // queued on `side`, after the collective
-  set_current_cuda_stream(0, nullptr);
+  Stream::set_current({0, nullptr});
   ASSERT_EQ(cudaStreamSynchronize(side), cudaSuccess);
   expect_same(y, seq_tensor({n}, DType::Float32) * 2.0, "consumer ordered after the collective");
   w->wait();
@@ -152,9 +152,9 @@ TEST_F(NcclSingle, WatchdogAbortsACollectivePastItsTimeout) {
     std::this_thread::sleep_for(std::chrono::seconds(5));
     release = true;
   });
-  set_current_cuda_stream(0, producer);
+  Stream::set_current({0, producer});
   auto w = pg_->allreduce(x);
-  set_current_cuda_stream(0, nullptr);
+  Stream::set_current({0, nullptr});
   auto t0 = Clock::now();
   std::string msg = error_of([&] { w->wait(); });
   auto took = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0);

@@ -29,7 +29,7 @@ constexpr int kWarpSize = 32;
 // grid-stride loop covers the rest, so a launch never exceeds grid limits.
 constexpr int64_t kMaxGridBlocks = int64_t{1} << 20;
 
-inline cudaStream_t stream_for(int device) { return static_cast<cudaStream_t>(current_cuda_stream(device)); }
+inline cudaStream_t stream_for(int device) { return static_cast<cudaStream_t>(Stream::current(device).handle); }
 inline cudaStream_t stream_for(const Tensor& t) { return stream_for(t.device().index); }
 
 // Device owning a pointer. StridedIter carries raw pointers but no device, so

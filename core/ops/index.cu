@@ -120,7 +120,7 @@ __global__ void gather_kernel(const __grid_constant__ StridedIter geom, const U*
 // After a launch: nothing to wait for, unless EMBER_SYNC_CHECKS asks for the
 // error at the op.
 void maybe_check_now(int device, cudaStream_t stream) {
-  if (cuda_sync_checks()) cuda_error_check_now(device, stream);
+  if (cuda_sync_checks()) cuda_error_check_now(Stream{device, stream});
 }
 
 // Widest unit that divides the slice and both base addresses.
