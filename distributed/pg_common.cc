@@ -42,6 +42,124 @@ void ProcessGroup::set_global_ranks(std::vector<int> ranks) {
   global_ranks_ = std::move(ranks);
 }
 
+// ---- The validating front of every backend ----
+
+void ProcessGroup::check_tensor(const Tensor& t, const std::string& where, const char* name) const {
+  const Device d = device();
+  EMBER_CHECK(t.device() == d, where, ": ", name, " is on ", t.device(), "; this ", backend_name(),
+              " group works on ", d);
+}
+
+namespace {
+// Defined, then the backend's own check.
+#define EMBER_PG_TENSOR(t, w, name) \
+  do {                              \
+    detail::check_defined(t, w, name); \
+    check_tensor(t, w, name);       \
+  } while (0)
+}  // namespace
+
+std::shared_ptr<Work> ProcessGroup::allreduce(const Tensor& tensor, ReduceOp op) {
+  const std::string w = detail::where(backend_name(), "allreduce", rank_, size_);
+  EMBER_PG_TENSOR(tensor, w, "tensor");
+  detail::check_reduce_dtype(tensor.dtype(), op, w);
+  detail::bump_version(tensor);
+  return do_allreduce(tensor, op);
+}
+
+std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, int root) {
+  const std::string w = detail::where(backend_name(), "broadcast", rank_, size_);
+  EMBER_PG_TENSOR(tensor, w, "tensor");
+  detail::check_root(root, size_, w);
+  if (rank_ != root) detail::bump_version(tensor);
+  return do_broadcast(tensor, root);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce(const Tensor& tensor, int root, ReduceOp op) {
+  const std::string w = detail::where(backend_name(), "reduce", rank_, size_);
+  EMBER_PG_TENSOR(tensor, w, "tensor");
+  detail::check_root(root, size_, w);
+  detail::check_reduce_dtype(tensor.dtype(), op, w);
+  if (rank_ == root) detail::bump_version(tensor);
+  return do_reduce(tensor, root, op);
+}
+
+std::shared_ptr<Work> ProcessGroup::allgather(const std::vector<Tensor>& outputs, const Tensor& input) {
+  const std::string w = detail::where(backend_name(), "allgather", rank_, size_);
+  EMBER_PG_TENSOR(input, w, "input");
+  detail::check_allgather_list(outputs, input, size_, w);
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    const std::string name = "outputs[" + std::to_string(r) + "]";
+    EMBER_PG_TENSOR(outputs[r], w, name.c_str());
+  }
+  for (const Tensor& o : outputs) detail::bump_version(o);
+  return do_allgather(outputs, input);
+}
+
+std::shared_ptr<Work> ProcessGroup::allgather_into_tensor(const Tensor& output, const Tensor& input) {
+  const std::string w = detail::where(backend_name(), "allgather_into_tensor", rank_, size_);
+  EMBER_PG_TENSOR(output, w, "output");
+  EMBER_PG_TENSOR(input, w, "input");
+  detail::check_same_dtype(output, "output", input, "input", w);
+  detail::check_flat_sizes(output, "output", input, "input", size_, w);
+  detail::bump_version(output);
+  return do_allgather_into_tensor(output, input);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce_scatter_front(const Tensor& output, const Tensor& input, ReduceOp op,
+                                                         bool consume_input) {
+  const std::string w = detail::where(backend_name(), "reduce_scatter_tensor", rank_, size_);
+  EMBER_PG_TENSOR(output, w, "output");
+  EMBER_PG_TENSOR(input, w, "input");
+  detail::check_same_dtype(output, "output", input, "input", w);
+  detail::check_flat_sizes(input, "input", output, "output", size_, w);
+  detail::check_reduce_dtype(input.dtype(), op, w);
+  detail::bump_version(output);
+  if (consume_input) detail::bump_version(input);
+  return do_reduce_scatter_tensor(output, input, op, consume_input);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce_scatter_tensor(const Tensor& output, const Tensor& input, ReduceOp op) {
+  return reduce_scatter_front(output, input, op, false);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce_scatter_tensor_consuming_input(const Tensor& output, const Tensor& input,
+                                                                          ReduceOp op) {
+  return reduce_scatter_front(output, input, op, true);
+}
+
+std::shared_ptr<Work> ProcessGroup::all_to_all_single(const Tensor& output, const Tensor& input) {
+  const std::string w = detail::where(backend_name(), "all_to_all_single", rank_, size_);
+  EMBER_PG_TENSOR(output, w, "output");
+  EMBER_PG_TENSOR(input, w, "input");
+  detail::check_same_dtype(output, "output", input, "input", w);
+  EMBER_CHECK(output.numel() == input.numel(), w, ": output has shape ", shape_str(output.sizes()),
+              " but input has shape ", shape_str(input.sizes()), " (equal splits need equal numel)");
+  EMBER_CHECK(input.numel() % size_ == 0, w, ": input has ", input.numel(), " elements (shape ",
+              shape_str(input.sizes()), "), not divisible into ", size_, " equal blocks");
+  detail::bump_version(output);
+  return do_all_to_all_single(output, input);
+}
+
+std::shared_ptr<Work> ProcessGroup::barrier() { return do_barrier(); }
+
+std::shared_ptr<Work> ProcessGroup::send(const Tensor& tensor, int dst, int tag) {
+  const std::string w = detail::where(backend_name(), "send", rank_, size_);
+  EMBER_PG_TENSOR(tensor, w, "tensor");
+  detail::check_peer(dst, rank_, size_, w);
+  return do_send(tensor, dst, tag);
+}
+
+std::shared_ptr<Work> ProcessGroup::recv(const Tensor& tensor, int src, int tag) {
+  const std::string w = detail::where(backend_name(), "recv", rank_, size_);
+  EMBER_PG_TENSOR(tensor, w, "tensor");
+  detail::check_peer(src, rank_, size_, w);
+  detail::bump_version(tensor);
+  return do_recv(tensor, src, tag);
+}
+
+#undef EMBER_PG_TENSOR
+
 namespace detail {
 
 std::string OpInfo::describe() const {

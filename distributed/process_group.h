@@ -105,36 +105,56 @@ class ProcessGroup {
   // NCCL. Small control tensors of a collective go here.
   virtual Device device() const = 0;
 
+  // The operations. Each validates its arguments here, once for every
+  // backend (tensors defined and on this group's device, dtypes, sizes,
+  // roots, peers; errors name the op, the shapes and the rank), marks its
+  // outputs written for autograd, then hands over to the backend's do_*.
   // In place on `tensor` (every rank passes the same shape and dtype).
-  virtual std::shared_ptr<Work> allreduce(const Tensor& tensor, ReduceOp op = ReduceOp::Sum) = 0;
-  virtual std::shared_ptr<Work> broadcast(const Tensor& tensor, int root) = 0;
+  std::shared_ptr<Work> allreduce(const Tensor& tensor, ReduceOp op = ReduceOp::Sum);
+  std::shared_ptr<Work> broadcast(const Tensor& tensor, int root);
   // The result lands in `tensor` on `root` only.
-  virtual std::shared_ptr<Work> reduce(const Tensor& tensor, int root, ReduceOp op = ReduceOp::Sum) = 0;
+  std::shared_ptr<Work> reduce(const Tensor& tensor, int root, ReduceOp op = ReduceOp::Sum);
   // outputs[r] receives rank r's input (size() tensors shaped like input).
-  virtual std::shared_ptr<Work> allgather(const std::vector<Tensor>& outputs, const Tensor& input) = 0;
+  std::shared_ptr<Work> allgather(const std::vector<Tensor>& outputs, const Tensor& input);
   // output is size() * input.numel() elements, rank r's block at r * numel.
-  virtual std::shared_ptr<Work> allgather_into_tensor(const Tensor& output, const Tensor& input) = 0;
+  std::shared_ptr<Work> allgather_into_tensor(const Tensor& output, const Tensor& input);
   // input is size() * output.numel() elements; rank r gets the reduced block r.
-  virtual std::shared_ptr<Work> reduce_scatter_tensor(const Tensor& output, const Tensor& input,
-                                                      ReduceOp op = ReduceOp::Sum) = 0;
+  std::shared_ptr<Work> reduce_scatter_tensor(const Tensor& output, const Tensor& input, ReduceOp op = ReduceOp::Sum);
   // The same, but `input` is scratch afterwards (its contents undefined):
   // a backend that reduces in a work buffer (Gloo's ring) uses it instead of
   // a private copy, saving a copy of the whole input (FSDP's gradient
-  // buffer, which nothing reads after its reduction). By default the plain
-  // reduce_scatter_tensor.
-  virtual std::shared_ptr<Work> reduce_scatter_tensor_consuming_input(const Tensor& output, const Tensor& input,
-                                                                      ReduceOp op = ReduceOp::Sum) {
-    return reduce_scatter_tensor(output, input, op);
-  }
+  // buffer, which nothing reads after its reduction).
+  std::shared_ptr<Work> reduce_scatter_tensor_consuming_input(const Tensor& output, const Tensor& input,
+                                                              ReduceOp op = ReduceOp::Sum);
   // Equal splits: block r of input goes to rank r, block r of output comes from rank r.
-  virtual std::shared_ptr<Work> all_to_all_single(const Tensor& output, const Tensor& input) = 0;
-  virtual std::shared_ptr<Work> barrier() = 0;
-  virtual std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag = 0) = 0;
-  virtual std::shared_ptr<Work> recv(const Tensor& tensor, int src, int tag = 0) = 0;
+  std::shared_ptr<Work> all_to_all_single(const Tensor& output, const Tensor& input);
+  std::shared_ptr<Work> barrier();
+  std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag = 0);
+  std::shared_ptr<Work> recv(const Tensor& tensor, int src, int tag = 0);
 
  protected:
+  // Whether `t` is a tensor this backend moves (defined already checked):
+  // by default, on device(). Backends override it to say what to use instead.
+  virtual void check_tensor(const Tensor& t, const std::string& where, const char* name) const;
+  // The backend's part, called with validated arguments.
+  virtual std::shared_ptr<Work> do_allreduce(const Tensor& tensor, ReduceOp op) = 0;
+  virtual std::shared_ptr<Work> do_broadcast(const Tensor& tensor, int root) = 0;
+  virtual std::shared_ptr<Work> do_reduce(const Tensor& tensor, int root, ReduceOp op) = 0;
+  virtual std::shared_ptr<Work> do_allgather(const std::vector<Tensor>& outputs, const Tensor& input) = 0;
+  virtual std::shared_ptr<Work> do_allgather_into_tensor(const Tensor& output, const Tensor& input) = 0;
+  virtual std::shared_ptr<Work> do_reduce_scatter_tensor(const Tensor& output, const Tensor& input, ReduceOp op,
+                                                         bool consume_input) = 0;
+  virtual std::shared_ptr<Work> do_all_to_all_single(const Tensor& output, const Tensor& input) = 0;
+  virtual std::shared_ptr<Work> do_barrier() = 0;
+  virtual std::shared_ptr<Work> do_send(const Tensor& tensor, int dst, int tag) = 0;
+  virtual std::shared_ptr<Work> do_recv(const Tensor& tensor, int src, int tag) = 0;
+
   int rank_, size_;
   std::vector<int> global_ranks_;
+
+ private:
+  std::shared_ptr<Work> reduce_scatter_front(const Tensor& output, const Tensor& input, ReduceOp op,
+                                             bool consume_input);
 };
 
 }  // namespace ember::distributed

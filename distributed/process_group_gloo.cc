@@ -186,12 +186,6 @@ std::shared_ptr<gloo::transport::Device> make_device() {
   return gloo::transport::tcp::CreateDevice(attr);
 }
 
-void check_cpu(const Tensor& t, const std::string& where, const char* name) {
-  detail::check_defined(t, where, name);
-  EMBER_CHECK(t.device().is_cpu(), where, ": ", name, " is on ", t.device(),
-              "; gloo handles CPU tensors; use the nccl backend for CUDA tensors");
-}
-
 // Gloo writes to its sockets with writev(2), which raises SIGPIPE when the
 // peer is gone, and SIGPIPE's default action kills the process: a dead peer
 // would take every other rank down with it instead of failing their ops
@@ -261,11 +255,13 @@ class GlooGroup : public ProcessGroup {
   std::string backend_name() const override { return "gloo"; }
   Device device() const override { return kCPU; }
 
-  std::shared_ptr<Work> allreduce(const Tensor& tensor, ReduceOp op) override {
-    const std::string w = detail::where("gloo", "allreduce", rank_, size_);
-    check_cpu(tensor, w, "tensor");
-    detail::check_reduce_dtype(tensor.dtype(), op, w);
-    detail::bump_version(tensor);
+ protected:
+  void check_tensor(const Tensor& t, const std::string& where, const char* name) const override {
+    EMBER_CHECK(t.device().is_cpu(), where, ": ", name, " is on ", t.device(),
+                "; gloo handles CPU tensors; use the nccl backend for CUDA tensors");
+  }
+
+  std::shared_ptr<Work> do_allreduce(const Tensor& tensor, ReduceOp op) override {
     Tensor t = tensor.alias();
     return enqueue("allreduce", true, detail::make_signature("allreduce", &t, t.numel(), -1, &op),
                    [this, t, op](const std::shared_ptr<CompletionWork>& work, PgClock::time_point deadline) {
@@ -286,11 +282,7 @@ class GlooGroup : public ProcessGroup {
                    });
   }
 
-  std::shared_ptr<Work> broadcast(const Tensor& tensor, int root) override {
-    const std::string w = detail::where("gloo", "broadcast", rank_, size_);
-    check_cpu(tensor, w, "tensor");
-    detail::check_root(root, size_, w);
-    if (rank_ != root) detail::bump_version(tensor);
+  std::shared_ptr<Work> do_broadcast(const Tensor& tensor, int root) override {
     Tensor t = tensor.alias();
     return enqueue("broadcast", true, detail::make_signature("broadcast", &t, t.numel(), root, nullptr),
                    [this, t, root](const std::shared_ptr<CompletionWork>& work, PgClock::time_point deadline) {
@@ -310,12 +302,7 @@ class GlooGroup : public ProcessGroup {
                    });
   }
 
-  std::shared_ptr<Work> reduce(const Tensor& tensor, int root, ReduceOp op) override {
-    const std::string w = detail::where("gloo", "reduce", rank_, size_);
-    check_cpu(tensor, w, "tensor");
-    detail::check_root(root, size_, w);
-    detail::check_reduce_dtype(tensor.dtype(), op, w);
-    if (rank_ == root) detail::bump_version(tensor);
+  std::shared_ptr<Work> do_reduce(const Tensor& tensor, int root, ReduceOp op) override {
     Tensor t = tensor.alias();
     return enqueue("reduce", true, detail::make_signature("reduce", &t, t.numel(), root, &op),
                    [this, t, root, op](const std::shared_ptr<CompletionWork>& work, PgClock::time_point deadline) {
@@ -345,16 +332,9 @@ class GlooGroup : public ProcessGroup {
                    });
   }
 
-  std::shared_ptr<Work> allgather(const std::vector<Tensor>& outputs, const Tensor& input) override {
-    const std::string w = detail::where("gloo", "allgather", rank_, size_);
-    check_cpu(input, w, "input");
-    detail::check_allgather_list(outputs, input, size_, w);
+  std::shared_ptr<Work> do_allgather(const std::vector<Tensor>& outputs, const Tensor& input) override {
     std::vector<Tensor> outs;
-    for (size_t r = 0; r < outputs.size(); ++r) {
-      check_cpu(outputs[r], w, ("outputs[" + std::to_string(r) + "]").c_str());
-      detail::bump_version(outputs[r]);
-      outs.push_back(outputs[r].alias());
-    }
+    for (const Tensor& o : outputs) outs.push_back(o.alias());
     Tensor in = input.alias();
     return enqueue("allgather", true, detail::make_signature("allgather", &in, in.numel(), -1, nullptr),
                    [this, outs, in](const std::shared_ptr<CompletionWork>& work, PgClock::time_point deadline) {
@@ -370,13 +350,7 @@ class GlooGroup : public ProcessGroup {
                    });
   }
 
-  std::shared_ptr<Work> allgather_into_tensor(const Tensor& output, const Tensor& input) override {
-    const std::string w = detail::where("gloo", "allgather_into_tensor", rank_, size_);
-    check_cpu(output, w, "output");
-    check_cpu(input, w, "input");
-    detail::check_same_dtype(output, "output", input, "input", w);
-    detail::check_flat_sizes(output, "output", input, "input", size_, w);
-    detail::bump_version(output);
+  std::shared_ptr<Work> do_allgather_into_tensor(const Tensor& output, const Tensor& input) override {
     Tensor out = output.alias(), in = input.alias();
     return enqueue("allgather_into_tensor",
                    true, detail::make_signature("allgather_into_tensor", &in, in.numel(), -1, nullptr),
@@ -389,23 +363,8 @@ class GlooGroup : public ProcessGroup {
                    });
   }
 
-  std::shared_ptr<Work> reduce_scatter_tensor(const Tensor& output, const Tensor& input, ReduceOp op) override {
-    return reduce_scatter(output, input, op, /*consume_input=*/false);
-  }
-  std::shared_ptr<Work> reduce_scatter_tensor_consuming_input(const Tensor& output, const Tensor& input,
-                                                              ReduceOp op) override {
-    return reduce_scatter(output, input, op, /*consume_input=*/true);
-  }
-
-  std::shared_ptr<Work> reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op, bool consume_input) {
-    const std::string w = detail::where("gloo", "reduce_scatter_tensor", rank_, size_);
-    check_cpu(output, w, "output");
-    check_cpu(input, w, "input");
-    detail::check_same_dtype(output, "output", input, "input", w);
-    detail::check_flat_sizes(input, "input", output, "output", size_, w);
-    detail::check_reduce_dtype(input.dtype(), op, w);
-    detail::bump_version(output);
-    if (consume_input) detail::bump_version(input);
+  std::shared_ptr<Work> do_reduce_scatter_tensor(const Tensor& output, const Tensor& input, ReduceOp op,
+                                                 bool consume_input) override {
     Tensor out = output.alias(), in = input.alias();
     return enqueue("reduce_scatter_tensor", true,
                    detail::make_signature("reduce_scatter_tensor", &in, in.numel(), -1, &op),
@@ -417,16 +376,7 @@ class GlooGroup : public ProcessGroup {
                    });
   }
 
-  std::shared_ptr<Work> all_to_all_single(const Tensor& output, const Tensor& input) override {
-    const std::string w = detail::where("gloo", "all_to_all_single", rank_, size_);
-    check_cpu(output, w, "output");
-    check_cpu(input, w, "input");
-    detail::check_same_dtype(output, "output", input, "input", w);
-    EMBER_CHECK(output.numel() == input.numel(), w, ": output has shape ", shape_str(output.sizes()),
-                " but input has shape ", shape_str(input.sizes()), " (equal splits need equal numel)");
-    EMBER_CHECK(input.numel() % size_ == 0, w, ": input has ", input.numel(), " elements (shape ",
-                shape_str(input.sizes()), "), not divisible into ", size_, " equal blocks");
-    detail::bump_version(output);
+  std::shared_ptr<Work> do_all_to_all_single(const Tensor& output, const Tensor& input) override {
     Tensor out = output.alias(), in = input.alias();
     return enqueue("all_to_all_single", true,
                    detail::make_signature("all_to_all_single", &in, in.numel(), -1, nullptr),
@@ -454,7 +404,7 @@ class GlooGroup : public ProcessGroup {
                    });
   }
 
-  std::shared_ptr<Work> barrier() override {
+  std::shared_ptr<Work> do_barrier() override {
     return enqueue("barrier", true, detail::make_signature("barrier", nullptr, 0, -1, nullptr),
                    [this](const std::shared_ptr<CompletionWork>& work, PgClock::time_point deadline) {
                      if (size_ == 1) return true;
@@ -466,10 +416,7 @@ class GlooGroup : public ProcessGroup {
                    });
   }
 
-  std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag) override {
-    const std::string w = detail::where("gloo", "send", rank_, size_);
-    check_cpu(tensor, w, "tensor");
-    detail::check_peer(dst, rank_, size_, w);
+  std::shared_ptr<Work> do_send(const Tensor& tensor, int dst, int tag) override {
     Tensor t = tensor.alias();
     return enqueue("send", false, "", [this, t, dst, tag](const std::shared_ptr<CompletionWork>& work,
                                                          PgClock::time_point deadline) {
@@ -482,11 +429,7 @@ class GlooGroup : public ProcessGroup {
     });
   }
 
-  std::shared_ptr<Work> recv(const Tensor& tensor, int src, int tag) override {
-    const std::string w = detail::where("gloo", "recv", rank_, size_);
-    check_cpu(tensor, w, "tensor");
-    detail::check_peer(src, rank_, size_, w);
-    detail::bump_version(tensor);
+  std::shared_ptr<Work> do_recv(const Tensor& tensor, int src, int tag) override {
     Tensor t = tensor.alias();
     return enqueue("recv", false, "", [this, t, src, tag](const std::shared_ptr<CompletionWork>& work,
                                                          PgClock::time_point deadline) {

@@ -244,11 +244,7 @@ class NcclGroup : public ProcessGroup {
   std::string backend_name() const override { return "nccl"; }
   Device device() const override { return cuda_device(device_); }
 
-  std::shared_ptr<Work> allreduce(const Tensor& tensor, ReduceOp op) override {
-    const std::string w = detail::where("nccl", "allreduce", rank_, size_);
-    check_cuda(tensor, w, "tensor");
-    detail::check_reduce_dtype(tensor.dtype(), op, w);
-    detail::bump_version(tensor);
+  std::shared_ptr<Work> do_allreduce(const Tensor& tensor, ReduceOp op) override {
     Tensor t = tensor.alias();
     return launch("allreduce", detail::make_signature("allreduce", &t, t.numel(), -1, &op), {t},
                   [&](std::vector<Tensor>& keep) {
@@ -260,11 +256,7 @@ class NcclGroup : public ProcessGroup {
                   });
   }
 
-  std::shared_ptr<Work> broadcast(const Tensor& tensor, int root) override {
-    const std::string w = detail::where("nccl", "broadcast", rank_, size_);
-    check_cuda(tensor, w, "tensor");
-    detail::check_root(root, size_, w);
-    if (rank_ != root) detail::bump_version(tensor);
+  std::shared_ptr<Work> do_broadcast(const Tensor& tensor, int root) override {
     Tensor t = tensor.alias();
     return launch("broadcast", detail::make_signature("broadcast", &t, t.numel(), root, nullptr), {t},
                   [&](std::vector<Tensor>& keep) {
@@ -276,12 +268,7 @@ class NcclGroup : public ProcessGroup {
                   });
   }
 
-  std::shared_ptr<Work> reduce(const Tensor& tensor, int root, ReduceOp op) override {
-    const std::string w = detail::where("nccl", "reduce", rank_, size_);
-    check_cuda(tensor, w, "tensor");
-    detail::check_root(root, size_, w);
-    detail::check_reduce_dtype(tensor.dtype(), op, w);
-    if (rank_ == root) detail::bump_version(tensor);
+  std::shared_ptr<Work> do_reduce(const Tensor& tensor, int root, ReduceOp op) override {
     Tensor t = tensor.alias();
     return launch("reduce", detail::make_signature("reduce", &t, t.numel(), root, &op), {t},
                   [&](std::vector<Tensor>& keep) {
@@ -294,16 +281,9 @@ class NcclGroup : public ProcessGroup {
                   });
   }
 
-  std::shared_ptr<Work> allgather(const std::vector<Tensor>& outputs, const Tensor& input) override {
-    const std::string w = detail::where("nccl", "allgather", rank_, size_);
-    check_cuda(input, w, "input");
-    detail::check_allgather_list(outputs, input, size_, w);
+  std::shared_ptr<Work> do_allgather(const std::vector<Tensor>& outputs, const Tensor& input) override {
     std::vector<Tensor> keep{input.alias()};
-    for (size_t r = 0; r < outputs.size(); ++r) {
-      check_cuda(outputs[r], w, ("outputs[" + std::to_string(r) + "]").c_str());
-      detail::bump_version(outputs[r]);
-      keep.push_back(outputs[r].alias());
-    }
+    for (const Tensor& o : outputs) keep.push_back(o.alias());
     Tensor in = keep[0];
     return launch("allgather", detail::make_signature("allgather", &in, in.numel(), -1, nullptr), keep,
                   [&](std::vector<Tensor>& k) {
@@ -318,13 +298,7 @@ class NcclGroup : public ProcessGroup {
                   });
   }
 
-  std::shared_ptr<Work> allgather_into_tensor(const Tensor& output, const Tensor& input) override {
-    const std::string w = detail::where("nccl", "allgather_into_tensor", rank_, size_);
-    check_cuda(output, w, "output");
-    check_cuda(input, w, "input");
-    detail::check_same_dtype(output, "output", input, "input", w);
-    detail::check_flat_sizes(output, "output", input, "input", size_, w);
-    detail::bump_version(output);
+  std::shared_ptr<Work> do_allgather_into_tensor(const Tensor& output, const Tensor& input) override {
     Tensor out = output.alias(), in = input.alias();
     return launch("allgather_into_tensor",
                   detail::make_signature("allgather_into_tensor", &in, in.numel(), -1, nullptr), {out, in},
@@ -343,14 +317,9 @@ class NcclGroup : public ProcessGroup {
                   });
   }
 
-  std::shared_ptr<Work> reduce_scatter_tensor(const Tensor& output, const Tensor& input, ReduceOp op) override {
-    const std::string w = detail::where("nccl", "reduce_scatter_tensor", rank_, size_);
-    check_cuda(output, w, "output");
-    check_cuda(input, w, "input");
-    detail::check_same_dtype(output, "output", input, "input", w);
-    detail::check_flat_sizes(input, "input", output, "output", size_, w);
-    detail::check_reduce_dtype(input.dtype(), op, w);
-    detail::bump_version(output);
+  // NCCL reduces out of the input without a private copy: consuming it changes nothing.
+  std::shared_ptr<Work> do_reduce_scatter_tensor(const Tensor& output, const Tensor& input, ReduceOp op,
+                                                 bool /*consume_input*/) override {
     Tensor out = output.alias(), in = input.alias();
     return launch("reduce_scatter_tensor",
                   detail::make_signature("reduce_scatter_tensor", &in, in.numel(), -1, &op), {out, in},
@@ -369,16 +338,7 @@ class NcclGroup : public ProcessGroup {
                   });
   }
 
-  std::shared_ptr<Work> all_to_all_single(const Tensor& output, const Tensor& input) override {
-    const std::string w = detail::where("nccl", "all_to_all_single", rank_, size_);
-    check_cuda(output, w, "output");
-    check_cuda(input, w, "input");
-    detail::check_same_dtype(output, "output", input, "input", w);
-    EMBER_CHECK(output.numel() == input.numel(), w, ": output has shape ", shape_str(output.sizes()),
-                " but input has shape ", shape_str(input.sizes()), " (equal splits need equal numel)");
-    EMBER_CHECK(input.numel() % size_ == 0, w, ": input has ", input.numel(), " elements (shape ",
-                shape_str(input.sizes()), "), not divisible into ", size_, " equal blocks");
-    detail::bump_version(output);
+  std::shared_ptr<Work> do_all_to_all_single(const Tensor& output, const Tensor& input) override {
     Tensor out = output.alias(), in = input.alias();
     return launch("all_to_all_single", detail::make_signature("all_to_all_single", &in, in.numel(), -1, nullptr),
                   {out, in}, [&](std::vector<Tensor>& keep) {
@@ -402,7 +362,7 @@ class NcclGroup : public ProcessGroup {
   }
 
   // A one-element allreduce; wait() blocks the host, which makes it a barrier.
-  std::shared_ptr<Work> barrier() override {
+  std::shared_ptr<Work> do_barrier() override {
     Tensor b = barrier_buf_;
     return launch("barrier", detail::make_signature("barrier", nullptr, 0, -1, nullptr), {b},
                   [&](std::vector<Tensor>&) {
@@ -411,10 +371,7 @@ class NcclGroup : public ProcessGroup {
   }
 
   // NCCL has no tags: sends and recvs between two ranks match in call order.
-  std::shared_ptr<Work> send(const Tensor& tensor, int dst, int /*tag*/) override {
-    const std::string w = detail::where("nccl", "send", rank_, size_);
-    check_cuda(tensor, w, "tensor");
-    detail::check_peer(dst, rank_, size_, w);
+  std::shared_ptr<Work> do_send(const Tensor& tensor, int dst, int /*tag*/) override {
     Tensor t = tensor.alias();
     return launch_op("send", false, "", {t}, [&](std::vector<Tensor>& keep) {
       Tensor buf = dense(t);
@@ -423,11 +380,7 @@ class NcclGroup : public ProcessGroup {
     });
   }
 
-  std::shared_ptr<Work> recv(const Tensor& tensor, int src, int /*tag*/) override {
-    const std::string w = detail::where("nccl", "recv", rank_, size_);
-    check_cuda(tensor, w, "tensor");
-    detail::check_peer(src, rank_, size_, w);
-    detail::bump_version(tensor);
+  std::shared_ptr<Work> do_recv(const Tensor& tensor, int src, int /*tag*/) override {
     Tensor t = tensor.alias();
     return launch_op("recv", false, "", {t}, [&](std::vector<Tensor>& keep) {
       Tensor buf = t.is_contiguous() ? t : Tensor::empty(t.sizes(), t.options());
@@ -440,8 +393,7 @@ class NcclGroup : public ProcessGroup {
  private:
   using Enqueue = std::function<void(std::vector<Tensor>& keep)>;
 
-  void check_cuda(const Tensor& t, const std::string& where, const char* name) {
-    detail::check_defined(t, where, name);
+  void check_tensor(const Tensor& t, const std::string& where, const char* name) const override {
     EMBER_CHECK(t.device().is_cuda(), where, ": ", name, " is on ", t.device(),
                 "; the nccl backend handles CUDA tensors; use the gloo backend for CPU tensors");
     EMBER_CHECK(t.device().index == device_, where, ": ", name, " is on ", t.device(), " but this rank's group uses ",

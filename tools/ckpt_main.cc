@@ -81,9 +81,12 @@ int inspect(const std::string& dir) {
       // "r0:[0:3,4:8]" for a whole box, "r1:[7:13,0:9]@5+49" for a run of one.
       const auto& r = p.region;
       std::string box = "[";
-      for (size_t d = 0; d < r.box.lengths.size(); ++d)
-        box += (d ? "," : "") + std::to_string(r.box.offsets[d]) + ":" +
-               std::to_string(r.box.offsets[d] + r.box.lengths[d]);
+      for (size_t d = 0; d < r.box.lengths.size(); ++d) {
+        if (d) box += ',';
+        box += std::to_string(r.box.offsets[d]);
+        box += ':';
+        box += std::to_string(r.box.offsets[d] + r.box.lengths[d]);
+      }
       box += "]";
       if (r.begin != 0 || r.numel != r.box.numel()) box += "@" + std::to_string(r.begin) + "+" + std::to_string(r.numel);
       if (where.size() < 90)

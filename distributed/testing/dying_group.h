@@ -31,24 +31,30 @@ class DyingGroup : public ProcessGroup {
       : ProcessGroup(inner->rank(), inner->size()), inner_(std::move(inner)), op_(std::move(op)), left_(after) {}
   std::string backend_name() const override { return inner_->backend_name(); }
   Device device() const override { return inner_->device(); }
-  std::shared_ptr<Work> allreduce(const Tensor& t, ReduceOp op) override { return inner_->allreduce(t, op); }
-  std::shared_ptr<Work> broadcast(const Tensor& t, int root) override { return inner_->broadcast(t, root); }
-  std::shared_ptr<Work> reduce(const Tensor& t, int root, ReduceOp op) override { return inner_->reduce(t, root, op); }
-  std::shared_ptr<Work> allgather(const std::vector<Tensor>& outs, const Tensor& in) override {
+
+ protected:
+  std::shared_ptr<Work> do_allreduce(const Tensor& t, ReduceOp op) override { return inner_->allreduce(t, op); }
+  std::shared_ptr<Work> do_broadcast(const Tensor& t, int root) override { return inner_->broadcast(t, root); }
+  std::shared_ptr<Work> do_reduce(const Tensor& t, int root, ReduceOp op) override {
+    return inner_->reduce(t, root, op);
+  }
+  std::shared_ptr<Work> do_allgather(const std::vector<Tensor>& outs, const Tensor& in) override {
     return inner_->allgather(outs, in);
   }
-  std::shared_ptr<Work> allgather_into_tensor(const Tensor& out, const Tensor& in) override {
+  std::shared_ptr<Work> do_allgather_into_tensor(const Tensor& out, const Tensor& in) override {
     return maybe_die("allgather_into_tensor", inner_->allgather_into_tensor(out, in));
   }
-  std::shared_ptr<Work> reduce_scatter_tensor(const Tensor& out, const Tensor& in, ReduceOp op) override {
-    return maybe_die("reduce_scatter_tensor", inner_->reduce_scatter_tensor(out, in, op));
+  std::shared_ptr<Work> do_reduce_scatter_tensor(const Tensor& out, const Tensor& in, ReduceOp op,
+                                                 bool consume) override {
+    return maybe_die("reduce_scatter_tensor", consume ? inner_->reduce_scatter_tensor_consuming_input(out, in, op)
+                                                      : inner_->reduce_scatter_tensor(out, in, op));
   }
-  std::shared_ptr<Work> all_to_all_single(const Tensor& out, const Tensor& in) override {
+  std::shared_ptr<Work> do_all_to_all_single(const Tensor& out, const Tensor& in) override {
     return inner_->all_to_all_single(out, in);
   }
-  std::shared_ptr<Work> barrier() override { return inner_->barrier(); }
-  std::shared_ptr<Work> send(const Tensor& t, int dst, int tag) override { return inner_->send(t, dst, tag); }
-  std::shared_ptr<Work> recv(const Tensor& t, int src, int tag) override { return inner_->recv(t, src, tag); }
+  std::shared_ptr<Work> do_barrier() override { return inner_->barrier(); }
+  std::shared_ptr<Work> do_send(const Tensor& t, int dst, int tag) override { return inner_->send(t, dst, tag); }
+  std::shared_ptr<Work> do_recv(const Tensor& t, int src, int tag) override { return inner_->recv(t, src, tag); }
 
  private:
   std::shared_ptr<Work> maybe_die(const char* op, std::shared_ptr<Work> w) {
