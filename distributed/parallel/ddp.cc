@@ -180,7 +180,7 @@ CommHook allreduce_hook() {
 CommHook fp16_compress_hook() { return compress_hook(DType::Float16); }
 CommHook bf16_compress_hook() { return compress_hook(DType::BFloat16); }
 
-struct DistributedDataParallel::Impl {
+struct Replicated::Impl {
   struct Bucket {
     FlatBuffer grads;              // the members' gradients, in order; view(s) is member s's .grad()
     std::vector<int> members;      // local parameter slots, in buffer order
@@ -189,7 +189,10 @@ struct DistributedDataParallel::Impl {
   };
 
   DDPOptions opts;
+  std::shared_ptr<ProcessGroup> pg_owner;
   ProcessGroup* pg = nullptr;
+  nn::Module* module = nullptr;
+  nn::HookHandle forward_hook;
   // Parameters that require grad, in registration order.
   std::vector<std::string> names;
   std::vector<Tensor> params;
@@ -213,6 +216,7 @@ struct DistributedDataParallel::Impl {
   // Hooks outlive a DDP that is destroyed before its model: they reach it
   // through this, which the destructor nulls.
   std::shared_ptr<Impl*> handle = std::make_shared<Impl*>(this);
+  ~Impl() { *handle = nullptr; }
 
   void build_buckets();
   void install_hooks();
@@ -233,7 +237,7 @@ struct DistributedDataParallel::Impl {
   void shadow_backward();
 };
 
-std::pair<int, bool> DistributedDataParallel::Impl::join_round(bool active, bool sync) {
+std::pair<int, bool> Replicated::Impl::join_round(bool active, bool sync) {
   Tensor t = Tensor::from_vector({active ? double(pg->rank()) : -1.0, active && sync ? 1.0 : 0.0}, {2},
                                  {DType::Int32, device});
   pg->allreduce(t, ReduceOp::Max)->wait();
@@ -241,7 +245,7 @@ std::pair<int, bool> DistributedDataParallel::Impl::join_round(bool active, bool
   return {static_cast<int>(v[0]), v[1] > 0};
 }
 
-void DistributedDataParallel::Impl::shadow_backward() {
+void Replicated::Impl::shadow_backward() {
   if (shadow.empty())
     for (auto& b : buckets) shadow.push_back(zeros_like(b.grads.flat()));
   std::vector<std::shared_ptr<Work>> works;
@@ -255,7 +259,7 @@ void DistributedDataParallel::Impl::shadow_backward() {
   for (auto& w : works) w->wait();
 }
 
-void DistributedDataParallel::Impl::build_buckets() {
+void Replicated::Impl::build_buckets() {
   // Reverse registration order: roughly the order backward produces grads.
   // Per (dtype, device) an open bucket; it closes once it reaches its cap
   // (first_bucket_cap_mb for the first of its kind, then bucket_cap_mb).
@@ -308,7 +312,7 @@ void DistributedDataParallel::Impl::build_buckets() {
   zero_attached.assign(params.size(), 0);
 }
 
-void DistributedDataParallel::Impl::install_hooks() {
+void Replicated::Impl::install_hooks() {
   std::shared_ptr<Impl*> h = handle;
   for (int i = 0; i < static_cast<int>(params.size()); ++i) {
     autograd::register_hook(params[i], [h, i](const Tensor&) {
@@ -321,7 +325,7 @@ void DistributedDataParallel::Impl::install_hooks() {
   }
 }
 
-void DistributedDataParallel::Impl::prepare() {
+void Replicated::Impl::prepare() {
   armed = true;
   finalize_queued = false;
   next_launch = 0;
@@ -335,7 +339,7 @@ void DistributedDataParallel::Impl::prepare() {
 
 // Makes parameter i's .grad() its bucket view, keeping the current value
 // (zero when it was released), so accumulation lands in the bucket.
-void DistributedDataParallel::Impl::attach_grad(int i) {
+void Replicated::Impl::attach_grad(int i) {
   Tensor view = buckets[bucket_of[i]].grads.view(slot_in_bucket[i]);
   Tensor cur = params[i].grad();
   if (cur.defined() && cur.shares_storage(view) && cur.storage_offset() == view.storage_offset() &&
@@ -347,7 +351,7 @@ void DistributedDataParallel::Impl::attach_grad(int i) {
   params[i].set_grad(view);
 }
 
-void DistributedDataParallel::Impl::mark_ready(int i) {
+void Replicated::Impl::mark_ready(int i) {
   // Joined ranks learned at forward time that this backward synchronizes
   // and are waiting for its buckets: skipping them now would leave them
   // one collective ahead of us.
@@ -374,16 +378,16 @@ void DistributedDataParallel::Impl::mark_ready(int i) {
 
 // Launches ready buckets in index order, so every rank issues the same
 // sequence of allreduces whatever order its gradients arrived in.
-void DistributedDataParallel::Impl::launch_ready_buckets() {
+void Replicated::Impl::launch_ready_buckets() {
   if (!opts.overlap) return;  // finalize launches them all
   while (next_launch < buckets.size() && buckets[next_launch].pending == 0) launch(next_launch++);
 }
 
-void DistributedDataParallel::Impl::launch(size_t b) {
+void Replicated::Impl::launch(size_t b) {
   buckets[b].work = opts.comm_hook(*pg, buckets[b].grads.flat(), opts.average);
 }
 
-void DistributedDataParallel::Impl::finalize() {
+void Replicated::Impl::finalize() {
   armed = false;
   finalize_queued = false;
   std::vector<int> unused;
@@ -434,69 +438,107 @@ void DistributedDataParallel::Impl::finalize() {
   }
 }
 
-DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> module, DDPOptions options)
-    : nn::Module("DistributedDataParallel"), module_(std::move(module)) {
-  EMBER_CHECK(module_ != nullptr, "DistributedDataParallel: the module is null");
-  EMBER_CHECK(options.bucket_cap_mb > 0 && options.first_bucket_cap_mb > 0,
-              "DistributedDataParallel: bucket_cap_mb and first_bucket_cap_mb must be positive, got ",
-              options.bucket_cap_mb, " and ", options.first_bucket_cap_mb);
-  pg_ = options.process_group ? options.process_group : default_group();
-  register_module("module", module_);
-  impl_ = std::make_unique<Impl>();
-  impl_->opts = options;
-  if (!impl_->opts.comm_hook) impl_->opts.comm_hook = allreduce_hook();
-  impl_->pg = pg_.get();
+namespace {
+constexpr const char* kStateKey = "replicate";
+}  // namespace
 
-  auto named = module_->named_parameters();
+std::shared_ptr<Replicated> replicate(const std::shared_ptr<nn::Module>& module, const DDPOptions& options,
+                                      std::shared_ptr<DeviceMesh> mesh) {
+  EMBER_CHECK(module != nullptr, "replicate: the module is null");
+  EMBER_CHECK(replicated_of(*module) == nullptr, "replicate(", module->type_name(), "): already replicated");
+  EMBER_CHECK(options.bucket_cap_mb > 0 && options.first_bucket_cap_mb > 0,
+              "replicate: bucket_cap_mb and first_bucket_cap_mb must be positive, got ", options.bucket_cap_mb,
+              " and ", options.first_bucket_cap_mb);
+  EMBER_CHECK(!(mesh && options.process_group), "replicate: give a mesh or DDPOptions::process_group, not both");
+  if (mesh)
+    EMBER_CHECK(mesh->ndim() == 1, "replicate: a 1-D mesh, got ", mesh->to_string(),
+                " (replicate over one of its dimensions: mesh->submesh({\"dp\"}))");
+  auto impl = std::make_shared<Replicated::Impl>();
+  impl->pg_owner = mesh ? mesh->group() : options.process_group ? options.process_group : default_group();
+  impl->pg = impl->pg_owner.get();
+  impl->module = module.get();
+  impl->opts = options;
+  if (!impl->opts.comm_hook) impl->opts.comm_hook = allreduce_hook();
+  ProcessGroup& pg = *impl->pg;
+
+  auto named = module->named_parameters();
   std::vector<Tensor> all_params;
   for (size_t k = 0; k < named.size(); ++k) {
     all_params.push_back(named[k].second);
     if (!named[k].second.requires_grad()) continue;
-    impl_->names.push_back(named[k].first);
-    impl_->params.push_back(named[k].second);
-    impl_->module_index.push_back(static_cast<int64_t>(k));
+    impl->names.push_back(named[k].first);
+    impl->params.push_back(named[k].second);
+    impl->module_index.push_back(static_cast<int64_t>(k));
   }
-  impl_->buffers = module_->buffers();
-  const Device dev = comm_device(all_params, impl_->buffers);
-  impl_->device = dev;
-  if (pg_->size() > 1) {
-    check_same_parameters(*pg_, named);
+  impl->buffers = module->buffers();
+  impl->device = comm_device(all_params, impl->buffers);
+  if (pg.size() > 1) {
+    check_same_parameters(pg, named);
     std::vector<Tensor> state = all_params;
-    state.insert(state.end(), impl_->buffers.begin(), impl_->buffers.end());
-    broadcast_coalesced(*pg_, state, 0);
+    state.insert(state.end(), impl->buffers.begin(), impl->buffers.end());
+    broadcast_coalesced(pg, state, 0);
   }
-  impl_->build_buckets();
-  impl_->install_hooks();
+  impl->build_buckets();
+  impl->install_hooks();
+  // Before each forward: buffers from rank 0 (or, inside join_uneven_inputs,
+  // from a rank still training), and the next backward armed unless inside
+  // no_sync or without grad.
+  std::shared_ptr<Replicated::Impl*> h = impl->handle;
+  impl->forward_hook = module->register_forward_pre_hook([h](nn::Module&, const Tensor&) {
+    Replicated::Impl* self = *h;
+    if (!self) return Tensor();
+    const bool sync = GradMode::is_enabled() && self->require_sync;
+    int buffer_root = 0;
+    // Joined ranks shadow this step: tell them whether gradients follow, and
+    // take buffers from a rank still training (rank 0 may have joined).
+    if (self->joining && self->pg->size() > 1) buffer_root = self->join_round(true, sync).first;
+    if (self->opts.broadcast_buffers) broadcast_coalesced(*self->pg, self->buffers, buffer_root);
+    if (sync) self->prepare();
+    else self->armed = false;
+    return Tensor();
+  });
+  module->set_transform_state(kStateKey, impl);
+  return std::make_shared<Replicated>(impl);
+}
+
+std::shared_ptr<Replicated> replicated_of(const nn::Module& module) {
+  auto impl = module.transform_state_as<Replicated::Impl>(kStateKey);
+  return impl ? std::make_shared<Replicated>(impl) : nullptr;
+}
+
+ProcessGroup& Replicated::process_group() const { return *impl_->pg; }
+nn::Module& Replicated::module() const { return *impl_->module; }
+
+void Replicated::remove() {
+  if (*impl_->handle == nullptr) return;
+  impl_->forward_hook.remove();
+  *impl_->handle = nullptr;
+  if (impl_->module->transform_state(kStateKey) == impl_) impl_->module->set_transform_state(kStateKey, nullptr);
+}
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> module, DDPOptions options)
+    : nn::Module("DistributedDataParallel"), module_(std::move(module)) {
+  EMBER_CHECK(module_ != nullptr, "DistributedDataParallel: the module is null");
+  register_module("module", module_);
+  rep_ = replicate(module_, options);
 }
 
 DistributedDataParallel::~DistributedDataParallel() {
-  if (impl_) *impl_->handle = nullptr;
+  if (rep_) rep_->remove();
 }
 
-Tensor DistributedDataParallel::forward(const Tensor& x) {
-  const bool sync = GradMode::is_enabled() && impl_->require_sync;
-  int buffer_root = 0;
-  // Joined ranks shadow this step: tell them whether gradients follow, and
-  // take buffers from a rank still training (rank 0 may have joined).
-  if (impl_->joining && pg_->size() > 1) buffer_root = impl_->join_round(true, sync).first;
-  if (impl_->opts.broadcast_buffers) broadcast_coalesced(*pg_, impl_->buffers, buffer_root);
-  if (sync) impl_->prepare();
-  else impl_->armed = false;
-  return (*module_)(x);
-}
-
-int64_t join_uneven_inputs(DistributedDataParallel& ddp, const std::function<void()>& body) {
-  auto& impl = *ddp.impl_;
-  EMBER_CHECK(!impl.joining, "join_uneven_inputs: already inside join_uneven_inputs for this DDP");
+int64_t join_uneven_inputs(Replicated& rep, const std::function<void()>& body) {
+  auto& impl = *rep.impl_;
+  EMBER_CHECK(!impl.joining, "join_uneven_inputs: already inside join_uneven_inputs for this module");
   impl.joining = true;
   int64_t shadowed = 0;
   try {
     body();
     // This rank's data is done: shadow the others until every rank is.
-    while (ddp.pg_->size() > 1) {
+    while (impl.pg->size() > 1) {
       auto [root, sync] = impl.join_round(false, false);
       if (root < 0) break;
-      if (impl.opts.broadcast_buffers) broadcast_coalesced(*ddp.pg_, impl.buffers, root);
+      if (impl.opts.broadcast_buffers) broadcast_coalesced(*impl.pg, impl.buffers, root);
       if (sync) impl.shadow_backward();
       ++shadowed;
     }
@@ -508,7 +550,7 @@ int64_t join_uneven_inputs(DistributedDataParallel& ddp, const std::function<voi
   return shadowed;
 }
 
-std::vector<std::vector<int64_t>> DistributedDataParallel::bucket_indices() const {
+std::vector<std::vector<int64_t>> Replicated::bucket_indices() const {
   std::vector<std::vector<int64_t>> out;
   for (auto& b : impl_->buckets) {
     std::vector<int64_t> idx;
@@ -518,13 +560,13 @@ std::vector<std::vector<int64_t>> DistributedDataParallel::bucket_indices() cons
   return out;
 }
 
-DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp) : ddp_(ddp), previous_(ddp.impl_->require_sync) {
-  ddp_.impl_->require_sync = false;
+Replicated::NoSync::NoSync(Replicated& rep) : impl_(rep.impl_), previous_(rep.impl_->require_sync) {
+  impl_->require_sync = false;
 }
 
-DistributedDataParallel::NoSync::~NoSync() { ddp_.impl_->require_sync = previous_; }
+Replicated::NoSync::~NoSync() { impl_->require_sync = previous_; }
 
-GradientAccumulator::GradientAccumulator(DistributedDataParallel& ddp, int steps) : ddp_(ddp), steps_(steps) {
+GradientAccumulator::GradientAccumulator(Replicated& rep, int steps) : rep_(rep), steps_(steps) {
   EMBER_CHECK(steps >= 1, "GradientAccumulator: steps must be at least 1, got ", steps);
 }
 
@@ -534,7 +576,7 @@ bool GradientAccumulator::backward(const std::function<Tensor()>& loss_fn) {
     Tensor loss = loss_fn();
     (steps_ == 1 ? loss : loss * (1.0 / steps_)).backward();
   } else {
-    auto guard = ddp_.no_sync();
+    auto guard = rep_.no_sync();
     (loss_fn() * (1.0 / steps_)).backward();
   }
   done_ = last ? 0 : done_ + 1;
@@ -547,7 +589,7 @@ bool GradientAccumulator::backward(const Tensor& loss) {
   if (last) {
     scaled.backward();
   } else {
-    auto guard = ddp_.no_sync();
+    auto guard = rep_.no_sync();
     scaled.backward();
   }
   done_ = last ? 0 : done_ + 1;

@@ -7,7 +7,7 @@
 // communication overlaps the rest of backward. Backward returns once every
 // bucket is averaged, so optimizer.step() can follow at once.
 //
-//   auto ddp = std::make_shared<distributed::DistributedDataParallel>(model);
+//   auto ddp = std::make_shared<distributed::DistributedDataParallel>(model);  // or replicate(model)
 //   optim::SGD opt(ddp->parameters(), {.lr = 0.1});
 //   for (auto& [x, y] : loader) {
 //     opt.zero_grad();
@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "distributed/device_mesh.h"
 #include "distributed/process_group.h"
 #include "nn/module.h"
 
@@ -72,30 +73,38 @@ struct DDPOptions {
   CommHook comm_hook = nullptr;
 };
 
-class DistributedDataParallel : public nn::Module {
+// Data parallelism as an in-place transform of a module (torch's composable
+// replicate()): the module itself gets a forward pre-hook (broadcast rank
+// 0's buffers, arm the gradient synchronization of the next backward) and
+// gradient hooks on its parameters (buckets, allreduce as gradients become
+// ready); the reducer's state lives on the module (Module::transform_state),
+// so a model is parallelised as a sequence of transforms (tensor parallel,
+// fully_shard, replicate) and called as itself:
+//
+//   auto rep = distributed::replicate(model);          // every rank; the default group
+//   loss_fn((*model)(x), y).backward();                // gradients averaged over the ranks
+//
+// `mesh`: a 1-D mesh to replicate over (null: DDPOptions::process_group, or
+// the default group). Replicating a module twice is an error.
+class Replicated {
  public:
-  explicit DistributedDataParallel(std::shared_ptr<nn::Module> module, DDPOptions options = {});
-  ~DistributedDataParallel() override;
+  struct Impl;
+  explicit Replicated(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
-  // Broadcasts buffers (if enabled), arms gradient synchronization for the
-  // next backward (unless inside no_sync), and runs the wrapped module.
-  Tensor forward(const Tensor& x) override;
-
-  nn::Module& module() { return *module_; }
-  std::shared_ptr<nn::Module> module_ptr() const { return module_; }
-  ProcessGroup& process_group() { return *pg_; }
+  ProcessGroup& process_group() const;
+  nn::Module& module() const;
 
   // RAII scope: backward inside it does not synchronize (gradients only
   // accumulate locally).
   class NoSync {
    public:
-    explicit NoSync(DistributedDataParallel& ddp);
+    explicit NoSync(Replicated& rep);
     ~NoSync();
     NoSync(const NoSync&) = delete;
     NoSync& operator=(const NoSync&) = delete;
 
    private:
-    DistributedDataParallel& ddp_;
+    std::shared_ptr<Impl> impl_;
     bool previous_;
   };
   NoSync no_sync() { return NoSync(*this); }
@@ -104,13 +113,42 @@ class DistributedDataParallel : public nn::Module {
   // order) per bucket, in the order buckets are reduced.
   std::vector<std::vector<int64_t>> bucket_indices() const;
 
-  struct Impl;
+  // Takes the transform off the module: its hooks do nothing from now on
+  // and the module trains as a plain one.
+  void remove();
 
  private:
-  friend int64_t join_uneven_inputs(DistributedDataParallel& ddp, const std::function<void()>& body);
+  friend int64_t join_uneven_inputs(Replicated& rep, const std::function<void()>& body);
+  std::shared_ptr<Impl> impl_;
+};
+
+std::shared_ptr<Replicated> replicate(const std::shared_ptr<nn::Module>& module, const DDPOptions& options = {},
+                                      std::shared_ptr<DeviceMesh> mesh = nullptr);
+// The Replicated state on `module`, or null.
+std::shared_ptr<Replicated> replicated_of(const nn::Module& module);
+
+// torch's DistributedDataParallel, the user-facing wrapper: replicate() on
+// the wrapped module, taken off again when the wrapper goes (the model then
+// trains as a plain module). (*ddp)(x) runs the wrapped module.
+class DistributedDataParallel : public nn::Module {
+ public:
+  explicit DistributedDataParallel(std::shared_ptr<nn::Module> module, DDPOptions options = {});
+  ~DistributedDataParallel() override;
+
+  Tensor forward(const Tensor& x) override { return (*module_)(x); }
+
+  nn::Module& module() { return *module_; }
+  std::shared_ptr<nn::Module> module_ptr() const { return module_; }
+  ProcessGroup& process_group() { return rep_->process_group(); }
+  Replicated& replicated() { return *rep_; }
+
+  using NoSync = Replicated::NoSync;
+  NoSync no_sync() { return rep_->no_sync(); }
+  std::vector<std::vector<int64_t>> bucket_indices() const { return rep_->bucket_indices(); }
+
+ private:
   std::shared_ptr<nn::Module> module_;
-  std::shared_ptr<ProcessGroup> pg_;
-  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Replicated> rep_;
 };
 
 // Gradient accumulation over k micro-batches with one synchronization:
@@ -123,7 +161,8 @@ class DistributedDataParallel : public nn::Module {
 // no_sync; the k-th synchronizes. The count wraps around after k.
 class GradientAccumulator {
  public:
-  GradientAccumulator(DistributedDataParallel& ddp, int steps);
+  GradientAccumulator(Replicated& rep, int steps);
+  GradientAccumulator(DistributedDataParallel& ddp, int steps) : GradientAccumulator(ddp.replicated(), steps) {}
   // Returns true when this call synchronized (the last micro-step).
   bool backward(const Tensor& loss);
   // The same, with the forward run by `loss_fn` inside no_sync() on the
@@ -134,7 +173,7 @@ class GradientAccumulator {
   int steps() const { return steps_; }
 
  private:
-  DistributedDataParallel& ddp_;
+  Replicated& rep_;
   int steps_;
   int done_ = 0;
 };
@@ -156,7 +195,10 @@ class GradientAccumulator {
 // the body must use this DDP's forward/backward only (SyncBatchNorm or other
 // collectives in the body are not shadowed: the signature check names the
 // mismatch).
-int64_t join_uneven_inputs(DistributedDataParallel& ddp, const std::function<void()>& body);
+int64_t join_uneven_inputs(Replicated& rep, const std::function<void()>& body);
+inline int64_t join_uneven_inputs(DistributedDataParallel& ddp, const std::function<void()>& body) {
+  return join_uneven_inputs(ddp.replicated(), body);
+}
 
 // Makes every nn::BatchNorm2d under `module` a SyncBatchNorm: in training,
 // batch statistics are computed over all ranks of `pg` (null: the default

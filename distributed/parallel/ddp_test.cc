@@ -619,6 +619,46 @@ EMBER_WORKER(outlives_ddp) {
   expect_same_grads(*local, *ref, "after DDP is gone");
 }
 
+// replicate() as an in-place transform: the model itself is called, its
+// ranks end where one process on the whole batch ends; no_sync through the
+// handle; a second replicate is refused; after remove() the model trains
+// alone (rank 0 alone runs a backward: a collective would hang the test).
+EMBER_WORKER(replicate_in_place) {
+  auto pg = group(env);
+  const int r = env.rank, ws = env.world_size;
+  auto local = make_mlp(1 + r), ref = make_mlp(1);
+  auto rep = replicate(local, {}, DeviceMesh::from_group(pg, "dp"));
+  WCHECK(replicated_of(*local) != nullptr && &rep->process_group() == pg.get(), "the state lives on the module");
+  const std::string twice = error_of([&] { replicate(local); });
+  WCHECK(has(twice, "already replicated"), twice);
+  optim::SGD opt(local->parameters(), {.lr = 0.1, .momentum = 0.9});
+  optim::SGD opt_ref(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  const int64_t b = 3;
+  for (int step = 0; step < 3; ++step) {
+    Batch all = global_batch(false, b * ws, step);
+    opt.zero_grad();
+    opt_ref.zero_grad();
+    if (step == 2) {  // two micro-batches, the first inside no_sync
+      {
+        auto guard = rep->no_sync();
+        (loss_of(*local, all.rows(r * b, 1)) * (1.0 / b)).backward();
+      }
+      (loss_of(*local, all.rows(r * b + 1, b - 1)) * ((b - 1.0) / b)).backward();
+    } else {
+      loss_of(*local, all.rows(r * b, b)).backward();
+    }
+    loss_of(*ref, all).backward();
+    expect_same_grads(*local, *ref, "step " + std::to_string(step));
+    opt.step();
+    opt_ref.step();
+    expect_same_params(*local, *ref, "after step " + std::to_string(step));
+  }
+  rep->remove();
+  WCHECK(replicated_of(*local) == nullptr, "remove() takes the state off");
+  if (r == 0) loss_of(*local, global_batch(false, 2, 9)).backward();
+  pg->barrier()->wait();
+}
+
 // ---------------------------------------------------------------------------
 // Parent-side tests.
 
@@ -804,6 +844,11 @@ TEST(DDP, CompressionHooksReduceInTheLowDtype) {
       EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
     }
   auto res = mp::run_workers("compress", 2, with_arg("bf16+join", 60));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+TEST(DDP, ReplicateTransformsTheModuleInPlace) {
+  auto res = mp::run_workers("replicate_in_place", 2, with_arg("", 60));
   EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
 }
 
