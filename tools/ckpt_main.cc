@@ -88,7 +88,12 @@ int inspect(const std::string& dir) {
         box += std::to_string(r.box.offsets[d] + r.box.lengths[d]);
       }
       box += "]";
-      if (r.begin != 0 || r.numel != r.box.numel()) box += "@" + std::to_string(r.begin) + "+" + std::to_string(r.numel);
+      if (r.begin != 0 || r.numel != r.box.numel()) {
+        box += '@';
+        box += std::to_string(r.begin);
+        box += '+';
+        box += std::to_string(r.numel);
+      }
       if (where.size() < 90)
         where += (where.empty() ? "" : " ") + f + ":" + box;
       else if (where.back() != '.')

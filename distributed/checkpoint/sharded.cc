@@ -33,6 +33,7 @@
 #include "core/ops.h"
 #include "core/safetensors.h"
 #include "distributed/checkpoint/checkpoint_internal.h"
+#include "distributed/checkpoint/sharded_internal.h"
 #include "distributed/object_collectives.h"
 #include "distributed/sharding/shard_spec.h"
 
@@ -40,6 +41,7 @@ namespace ember::distributed {
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
 using namespace checkpoint_internal;
+using namespace sharded_internal;
 
 namespace {
 
@@ -49,10 +51,6 @@ constexpr const char* kIndexFormat = "ember-sharded-checkpoint";
 // Both load.
 constexpr int64_t kIndexVersion = 2;
 constexpr const char* kIndexFile = "index.json";
-constexpr const char* kOptimPrefix = "optim.state.";
-// Each rank's random generator (seed, offset) as "rng.<rank>", int64 [2]:
-// dropout and other draws continue exactly when the world size is the same.
-constexpr const char* kRngPrefix = "rng.";
 
 Tensor generator_state() {
   Tensor t = Tensor::empty({2}, DType::Int64);
@@ -82,18 +80,6 @@ std::optional<DType> dtype_from_name(const std::string& s) {
 }
 
 uint64_t name_hash(const std::string& s) { return XXH64(s.data(), s.size(), 0); }
-
-// "optim.state.<parameter>.<state>" -> (parameter, state); false for any
-// other name. The state's name has no dot; a parameter's may.
-bool split_optim_name(const std::string& name, std::string* param, std::string* state) {
-  if (name.rfind(kOptimPrefix, 0) != 0) return false;
-  const std::string rest = name.substr(std::strlen(kOptimPrefix));
-  const size_t dot = rest.rfind('.');
-  if (dot == std::string::npos) return false;
-  *param = rest.substr(0, dot);
-  *state = rest.substr(dot + 1);
-  return true;
-}
 
 // One tensor of the state as this rank holds it.
 struct Held {
@@ -552,75 +538,6 @@ absl::StatusOr<Tensor> read_checkpoint_tensor(const std::string& dir, const Chec
   PieceReader reader(normalize_dir(dir));
   if (auto s = reader.read_region(t, whole_region(t.shape), out); !s.ok()) return s;
   return out;
-}
-
-absl::Status consolidate_checkpoint(const std::string& dir_in, const std::string& out_in) {
-  const std::string dir = normalize_dir(dir_in), out = normalize_dir(out_in);
-  auto index = read_checkpoint_index(dir);
-  if (!index.ok()) return index.status();
-  const std::string trainer_path = dir + "/" + kTrainerFile;
-  std::string trainer;
-  {
-    std::ifstream in(trainer_path, std::ios::binary);
-    if (!in) return absl::NotFoundError(absl::StrCat(trainer_path, ": missing file"));
-    std::stringstream ss;
-    ss << in.rdbuf();
-    trainer = std::move(ss).str();
-  }
-  // Optimizer state keyed by the saved parameter indices: "optim.state.<name>.<s>" -> "state.<index>.<s>".
-  std::map<std::string, int64_t> index_of;
-  try {
-    const json j = json::parse(trainer);
-    const json& o = j.at("optimizer");
-    if (!o.is_null())
-      for (const json& g : o.at("param_groups")) {
-        const json& ids = g.at("params");
-        const json& names = g.at("param_names");
-        for (size_t k = 0; k < ids.size(); ++k) index_of[names.at(k).get<std::string>()] = ids.at(k).get<int64_t>();
-      }
-  } catch (const nlohmann::json::exception& e) {
-    return absl::DataLossError(absl::StrCat(trainer_path, ": no optimizer parameter groups with names: ", e.what()));
-  }
-  std::vector<std::pair<std::string, Tensor>> model_items, opt_items;
-  for (const CheckpointTensor& t : index->tensors) {
-    auto v = read_checkpoint_tensor(dir, t);
-    if (!v.ok()) return v.status();
-    if (t.name.rfind(kRngPrefix, 0) == 0) continue;  // per-rank generators: trainer.json has rank 0's
-    if (t.name.rfind(kOptimPrefix, 0) != 0) {
-      model_items.push_back({t.name, *v});
-      continue;
-    }
-    std::string param, state;
-    const bool named = split_optim_name(t.name, &param, &state);
-    auto it = named ? index_of.find(param) : index_of.end();
-    if (it == index_of.end())
-      return absl::DataLossError(absl::StrCat(dir, ": optimizer state '", t.name, "' belongs to no parameter of ",
-                                              trainer_path, "'s groups"));
-    opt_items.push_back({absl::StrCat("state.", it->second, ".", state), *v});
-  }
-  std::sort(opt_items.begin(), opt_items.end(), [](const auto& a, const auto& b) {
-    const int64_t ia = std::stoll(a.first.substr(6)), ib = std::stoll(b.first.substr(6));
-    return ia != ib ? ia < ib : a.first < b.first;
-  });
-  try {
-    const fs::path parent = fs::path(out).parent_path();
-    if (!parent.empty()) fs::create_directories(parent);
-    const std::string tmp = out + ".tmp-" + std::to_string(::getpid());
-    fs::remove_all(tmp);
-    fs::create_directories(tmp);
-    const std::map<std::string, std::string> meta = {{"format", "pt"}};
-    absl::Status s = save_safetensors(tmp + "/model.safetensors", model_items, meta);
-    if (s.ok() && !index_of.empty()) s = save_safetensors(tmp + "/optimizer.safetensors", opt_items, meta);
-    if (s.ok()) s = write_file_synced(tmp + "/" + kTrainerFile, trainer);
-    if (s.ok()) s = fsync_dir(tmp);
-    if (!s.ok()) {
-      fs::remove_all(tmp);
-      return s;
-    }
-    return commit_dir(tmp, out);
-  } catch (const fs::filesystem_error& e) {
-    return absl::InternalError(absl::StrCat("consolidate '", dir, "' into '", out, "': ", e.what()));
-  }
 }
 
 namespace {
