@@ -379,7 +379,8 @@ void cuda_error_raise_if_set(Stream stream) {
     *s.host[device] = DeviceErrorSlot{};
     op = e.op >= 1 && static_cast<size_t>(e.op) <= s.names.size() ? s.names[e.op - 1] : "a CUDA kernel";
     // Clear the slot for the ops that come after the error is handled.
-    EMBER_CUDA_CHECK(cudaMemsetAsync(s.dev[device], 0, sizeof(DeviceErrorSlot), static_cast<cudaStream_t>(stream.handle)));
+    EMBER_CUDA_CHECK(
+        cudaMemsetAsync(s.dev[device], 0, sizeof(DeviceErrorSlot), static_cast<cudaStream_t>(stream.handle)));
   }
   const char* when = cuda_sync_checks() ? "" : " (found on the GPU, reported at the next synchronisation; "
                                                "EMBER_SYNC_CHECKS=1 reports it at the op)";
@@ -404,6 +405,5 @@ bool cudnn_allow_tf32() { return cudnn_tf32().get(); }
 void set_cudnn_allow_tf32(bool allow) { cudnn_tf32().value.store(allow, std::memory_order_relaxed); }
 bool matmul_allow_tf32() { return matmul_tf32().get(); }
 void set_matmul_allow_tf32(bool allow) { matmul_tf32().value.store(allow, std::memory_order_relaxed); }
-
 
 }  // namespace ember

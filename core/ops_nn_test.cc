@@ -3,6 +3,8 @@
 // backward through the finite-difference gradient checker, the float32
 // (oneDNN) gradients against the float64 ones, PyTorch's running-stats rule
 // and output-size formulas, and the error messages.
+#include "core/ops_nn.h"
+
 #include <gtest/gtest.h>
 
 #include <array>
@@ -12,11 +14,10 @@
 #include <string>
 #include <thread>
 
-#include "core/testing/error_of.h"
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
 #include "core/ops.h"
-#include "core/ops_nn.h"
+#include "core/testing/error_of.h"
 
 namespace ember {
 namespace {

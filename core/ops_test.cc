@@ -1,6 +1,5 @@
 // Every CPU op against hand-computed values or float64 reference loops,
 // including broadcasting, non-contiguous inputs and error messages.
-#include "core/testing/error_of.h"
 #include "core/ops.h"
 
 #include <gtest/gtest.h>
@@ -8,6 +7,8 @@
 #include <array>
 #include <cmath>
 #include <functional>
+
+#include "core/testing/error_of.h"
 
 namespace ember {
 namespace {

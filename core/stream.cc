@@ -16,8 +16,8 @@ constexpr int kMaxDevices = 16;
 thread_local void* tls_streams[kMaxDevices] = {};
 
 void check_device(int device, const char* what) {
-  EMBER_CHECK(device >= 0 && device < kMaxDevices, what, ": device index ", device, " out of range [0, ",
-              kMaxDevices, ")");
+  EMBER_CHECK(device >= 0 && device < kMaxDevices, what, ": device index ", device, " out of range [0, ", kMaxDevices,
+              ")");
 }
 
 #if EMBER_WITH_CUDA
@@ -75,8 +75,7 @@ Event::~Event() {
 }
 
 void Event::record(Stream s) {
-  EMBER_CHECK(s.device == device_, "Event::record: an event of device ", device_, " on a stream of device ",
-              s.device);
+  EMBER_CHECK(s.device == device_, "Event::record: an event of device ", device_, " on a stream of device ", s.device);
   OnDevice on(device_);
   EMBER_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(handle_), static_cast<cudaStream_t>(s.handle)));
 }

@@ -141,8 +141,10 @@ void AsyncCopier::synchronize() { reap(true); }
 void AsyncCopier::reap(bool block) {
   while (!in_flight_.empty()) {
     const Event& e = *in_flight_.front().first;
-    if (block) e.synchronize();
-    else if (!e.query()) return;
+    if (block)
+      e.synchronize();
+    else if (!e.query())
+      return;
     in_flight_.pop_front();
   }
 }

@@ -47,7 +47,8 @@ std::string first_difference(const std::string& mine, const std::string& theirs,
     if (x.rfind("backend=", 0) == 0 || y.rfind("backend=", 0) == 0)
       return "rank " + std::to_string(rank) + " asked for " + (x.rfind("backend=", 0) == 0 ? x : "more dimensions") +
              ", rank 0 for " + (y.rfind("backend=", 0) == 0 ? y : "more dimensions");
-    return "dimension " + std::to_string(i) + ": rank " + std::to_string(rank) + " asked for " + x + ", rank 0 for " + y;
+    return "dimension " + std::to_string(i) + ": rank " + std::to_string(rank) + " asked for " + x + ", rank 0 for " +
+           y;
   }
   return "";
 }
@@ -120,7 +121,7 @@ std::shared_ptr<DeviceMesh> DeviceMesh::create(const std::vector<int>& shape, co
       if (auto g = new_group(members, backend)) mesh->groups_[d] = std::move(g);
     }
     EMBER_INTERNAL_ASSERT(mesh->groups_[d] != nullptr, "DeviceMesh: rank ", world->rank(), " is in no slice of ",
-                         names[d]);
+                          names[d]);
   }
   return mesh;
 }
@@ -169,8 +170,8 @@ const std::shared_ptr<ProcessGroup>& DeviceMesh::group() const {
 }
 
 int DeviceMesh::rank_at(const std::vector<int>& coord) const {
-  EMBER_CHECK(coord.size() == shape_.size(), to_string(), ": a coordinate of ", coord.size(), " entries for ",
-              ndim(), " dimensions");
+  EMBER_CHECK(coord.size() == shape_.size(), to_string(), ": a coordinate of ", coord.size(), " entries for ", ndim(),
+              " dimensions");
   int64_t index = 0;
   for (size_t d = 0; d < shape_.size(); ++d) {
     EMBER_CHECK(coord[d] >= 0 && coord[d] < shape_[d], to_string(), ": coordinate ", coord[d], " of '", names_[d],

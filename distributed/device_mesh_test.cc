@@ -4,15 +4,16 @@
 // predicts), sub-meshes, global ranks of sub-groups, and the errors: ranks
 // asking for different meshes (named by dimension, on every rank), a shape
 // that does not match the world, unknown and repeated names.
+#include "distributed/device_mesh.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
-#include "core/testing/error_of.h"
 #include "core/tensor.h"
-#include "distributed/device_mesh.h"
+#include "core/testing/error_of.h"
 #include "distributed/init.h"
 #include "distributed/testing/multiprocess.h"
 
@@ -75,8 +76,8 @@ EMBER_WORKER(mesh_2x2) {
   WCHECK(group_sum(*flat->group(), r) == 10, "world sum");
   // A mesh over an existing group: its members, no new group.
   auto over_tp = DeviceMesh::from_group(mesh->group("tp"), "tp");
-  WCHECK(over_tp->group() == mesh->group("tp") && over_tp->ranks() == tp_members && over_tp->coordinate("tp") == r % 2 &&
-             over_tp->global_rank() == r,
+  WCHECK(over_tp->group() == mesh->group("tp") && over_tp->ranks() == tp_members &&
+             over_tp->coordinate("tp") == r % 2 && over_tp->global_rank() == r,
          over_tp->to_string());
   // Three dimensions, one of size 1.
   auto three = DeviceMesh::create({2, 1, 2}, {"pp", "dp", "tp"});
@@ -112,7 +113,9 @@ TEST(DeviceMesh, RanksAskingForDifferentMeshesFailByDimension) {
 TEST(DeviceMesh, ShapeChecks) {
   EXPECT_THAT(error_of([] { check_mesh_shape({}, {}, 1); }), HasSubstr("the shape is empty"));
   EXPECT_THAT(error_of([] { check_mesh_shape({2, 2}, {"dp"}, 4); }), HasSubstr("2 sizes but 1 dimension names"));
-  EXPECT_THAT(error_of([] { check_mesh_shape({2, 0}, {"dp", "tp"}, 4); }),
+  EXPECT_THAT(error_of([] {
+                check_mesh_shape({2, 0}, {"dp", "tp"}, 4);
+              }),
               HasSubstr("dimension 'tp' has size 0 in DeviceMesh(dp=2, tp=0)"));
   EXPECT_THAT(error_of([] { check_mesh_shape({4}, {""}, 4); }), HasSubstr("dimension 0 has an empty name"));
   EXPECT_EQ(error_of([] { check_mesh_shape({2, 2, 2}, {"pp", "dp", "tp"}, 8); }), "");

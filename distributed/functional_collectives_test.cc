@@ -95,8 +95,9 @@ EMBER_WORKER(functional) {
       std::vector<double> y(6, 0.0), g(6, 0.0);
       for (int q = 0; q < N; ++q)
         for (int i = 0; i < 6; ++i) y[i] += input_of(q, 6)[i] * scale, g[i] += weights_of(q, 6)[i] * scale;
-      check(std::string("all_reduce ") + reduce_op_name(op), s,
-            [&](const Tensor& x) { return functional::all_reduce(x, op, pg); }, y, g, me);
+      check(
+          std::string("all_reduce ") + reduce_op_name(op), s,
+          [&](const Tensor& x) { return functional::all_reduce(x, op, pg); }, y, g, me);
     }
   }
   for (int64_t dim : {0, 1, 2}) {  // all_gather: y = cat_q x_q along dim; dL/dx_me = sum_r w_r[block me].
@@ -112,8 +113,9 @@ EMBER_WORKER(functional) {
       if (q == me)
         for (int r = 0; r < N; ++r) g[at(s, local)] += weights_of(r, N * 12)[at(ys, c)];
     }
-    check("all_gather dim " + std::to_string(dim), s,
-          [&](const Tensor& x) { return functional::all_gather(x, dim, pg); }, y, g, me);
+    check(
+        "all_gather dim " + std::to_string(dim), s, [&](const Tensor& x) { return functional::all_gather(x, dim, pg); },
+        y, g, me);
   }
   for (int64_t dim : {0, 1}) {  // reduce_scatter: y_me = sum_q block me of x_q; dL/dx_me[block r] = w_r.
     for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
@@ -131,8 +133,9 @@ EMBER_WORKER(functional) {
           for (int q = 0; q < N; ++q) y[at(ys, local)] += input_of(q, 4 * N)[at(s, c)] * scale;
         g[at(s, c)] = weights_of(r, 4)[at(ys, local)] * scale;
       }
-      check("reduce_scatter dim " + std::to_string(dim) + " " + reduce_op_name(op), s,
-            [&](const Tensor& x) { return functional::reduce_scatter(x, dim, op, pg); }, y, g, me);
+      check(
+          "reduce_scatter dim " + std::to_string(dim) + " " + reduce_op_name(op), s,
+          [&](const Tensor& x) { return functional::reduce_scatter(x, dim, op, pg); }, y, g, me);
     }
   }
   // all_to_all: x [N*2, 3] split along 0, concatenated along 1: y_me =
@@ -166,8 +169,9 @@ EMBER_WORKER(functional) {
       g[at(s, c)] = weights_of(r, yn)[at(ys, dst)];
     }
     (void)bn;
-    check("all_to_all " + std::to_string(split) + "->" + std::to_string(concat), s,
-          [&](const Tensor& x) { return functional::all_to_all(x, split, concat, pg); }, y, g, me);
+    check(
+        "all_to_all " + std::to_string(split) + "->" + std::to_string(concat), s,
+        [&](const Tensor& x) { return functional::all_to_all(x, split, concat, pg); }, y, g, me);
   }
   // Errors name the op and the shape, on every rank alike.
   const std::string e = error_of([&] { functional::reduce_scatter(zeros({4, 2}), 0, ReduceOp::Sum, pg); });

@@ -423,8 +423,7 @@ int get_rank() { return default_group()->rank(); }
 ResolvedEnv init_env() {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
-  EMBER_CHECK(s.default_pg != nullptr,
-              "the default process group is not initialized; call init_process_group() first");
+  EMBER_CHECK(s.default_pg != nullptr, "the default process group is not initialized; call init_process_group() first");
   return s.env;
 }
 

@@ -16,9 +16,9 @@
 #include <thread>
 #include <vector>
 
-#include "core/testing/error_of.h"
 #include "core/exception.h"
 #include "core/tensor.h"
+#include "core/testing/error_of.h"
 #include "distributed/config_check.h"
 #include "distributed/init.h"
 #include "distributed/testing/multiprocess.h"

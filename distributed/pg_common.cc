@@ -46,16 +46,16 @@ void ProcessGroup::set_global_ranks(std::vector<int> ranks) {
 
 void ProcessGroup::check_tensor(const Tensor& t, const std::string& where, const char* name) const {
   const Device d = device();
-  EMBER_CHECK(t.device() == d, where, ": ", name, " is on ", t.device(), "; this ", backend_name(),
-              " group works on ", d);
+  EMBER_CHECK(t.device() == d, where, ": ", name, " is on ", t.device(), "; this ", backend_name(), " group works on ",
+              d);
 }
 
 namespace {
 // Defined, then the backend's own check.
-#define EMBER_PG_TENSOR(t, w, name) \
-  do {                              \
+#define EMBER_PG_TENSOR(t, w, name)    \
+  do {                                 \
     detail::check_defined(t, w, name); \
-    check_tensor(t, w, name);       \
+    check_tensor(t, w, name);          \
   } while (0)
 }  // namespace
 

@@ -114,7 +114,10 @@ void write_back(const Tensor& dst, const Tensor& buf) {
 class NcclWork : public CompletionWork {
  public:
   NcclWork(OpInfo info, int device, std::unique_ptr<Event> done, std::vector<Tensor> keep)
-      : CompletionWork(std::move(info)), device_(device), done_event_(std::move(done)), keep_(std::move(keep)),
+      : CompletionWork(std::move(info)),
+        device_(device),
+        done_event_(std::move(done)),
+        keep_(std::move(keep)),
         start_(PgClock::now()) {}
 
   bool is_completed() override {

@@ -10,8 +10,8 @@
 #include <functional>
 #include <thread>
 
-#include "core/testing/error_of.h"
 #include "core/ops.h"
+#include "core/testing/error_of.h"
 #include "distributed/init.h"
 #include "distributed/process_group.h"
 #include "distributed/store.h"

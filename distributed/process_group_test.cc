@@ -5,21 +5,21 @@
 // sent. Then the failure modes: a peer that dies mid-allreduce, a peer that
 // never shows up, ranks calling different collectives. Argument errors are
 // checked in-process on a group of one.
-#include <gtest/gtest.h>
+#include "distributed/process_group.h"
 
-#include <cstdlib>
+#include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <thread>
 
-#include "core/testing/error_of.h"
 #include "core/ops.h"
+#include "core/testing/error_of.h"
 #include "distributed/init.h"
-#include "distributed/process_group.h"
 #include "distributed/store.h"
 #include "distributed/testing/multiprocess.h"
 

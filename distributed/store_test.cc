@@ -3,6 +3,8 @@
 // PrefixStore isolation, and Gloo's rendezvous and collectives over our
 // adapter. Every blocking call runs under a short timeout and every child
 // under a deadline, so a bug fails the test instead of hanging it.
+#include "distributed/store.h"
+
 #include <arpa/inet.h>
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
@@ -27,9 +29,8 @@
 #include <thread>
 #include <vector>
 
-#include "core/testing/error_of.h"
 #include "core/exception.h"
-#include "distributed/store.h"
+#include "core/testing/error_of.h"
 
 namespace ember::distributed {
 namespace {

@@ -261,8 +261,10 @@ int64_t Module::num_parameters() const {
 void Module::set_transform_state(const std::string& key, std::shared_ptr<void> state) {
   for (auto it = transform_states_.begin(); it != transform_states_.end(); ++it)
     if (it->first == key) {
-      if (state) it->second = std::move(state);
-      else transform_states_.erase(it);
+      if (state)
+        it->second = std::move(state);
+      else
+        transform_states_.erase(it);
       return;
     }
   if (state) transform_states_.emplace_back(key, std::move(state));

@@ -6,9 +6,9 @@
 
 #include <cmath>
 
-#include "core/testing/error_of.h"
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
+#include "core/testing/error_of.h"
 #include "nn/init.h"
 #include "nn/models.h"
 

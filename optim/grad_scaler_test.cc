@@ -5,6 +5,8 @@
 // underflow to zero without scaling and survive with it, and every misuse
 // as a named error. Each scenario runs on the CPU and, where a GPU (or the
 // emulation: grad_scaler_emu_test) is present, on CUDA.
+#include "optim/grad_scaler.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -12,12 +14,11 @@
 #include <limits>
 #include <vector>
 
-#include "core/testing/error_of.h"
 #include "autograd/autograd.h"
 #include "core/ops.h"
 #include "core/ops_optim.h"
+#include "core/testing/error_of.h"
 #include "optim/clip_grad.h"
-#include "optim/grad_scaler.h"
 #include "optim/lr_scheduler.h"
 #include "optim/optimizer.h"
 

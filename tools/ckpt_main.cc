@@ -58,7 +58,8 @@ int inspect(const std::string& dir) {
       ++pieces;
     }
   std::printf("%s: version %d, saved by %d rank(s), layout %s; %zu tensors in %lld pieces, %s\n", dir.c_str(),
-              index->version, index->world_size, index->layout.c_str(), index->tensors.size(), static_cast<long long>(pieces), human(total).c_str());
+              index->version, index->world_size, index->layout.c_str(), index->tensors.size(),
+              static_cast<long long>(pieces), human(total).c_str());
   std::printf("\n%-28s %8s %12s  %s\n", "file", "pieces", "data", "on disk");
   for (const auto& [f, pb] : per_file) {
     std::error_code ec;
@@ -66,7 +67,8 @@ int inspect(const std::string& dir) {
     std::printf("%-28s %8lld %12s  %s\n", f.c_str(), static_cast<long long>(pb.first), human(pb.second).c_str(),
                 ec ? "MISSING" : human(static_cast<double>(size)).c_str());
   }
-  std::printf("\n%-52s %-16s %-5s %10s  %s\n", "tensor", "shape", "dtype", "size", "pieces (file:box[@run begin+numel])");
+  std::printf("\n%-52s %-16s %-5s %10s  %s\n", "tensor", "shape", "dtype", "size",
+              "pieces (file:box[@run begin+numel])");
   for (const auto& t : index->tensors) {
     int64_t bytes = 0;
     std::string where;

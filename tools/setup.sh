@@ -25,6 +25,7 @@ PACKAGES=(
   zlib1g-dev           # gzip-compressed datasets (data/readers.cc)
   dataset-fashion-mnist
   fortunes             # the corpus of //examples:gpt_fsdp (/usr/share/games/fortunes)
+  clang-format-14      # tools/lint.sh: clang-format and git-clang-format
 )
 # --peers: also the PyTorch the benchmarks compare against (bench/compare_peers.py,
 # bench/peers/). A measuring stick, never a dependency of ember itself.

@@ -65,8 +65,8 @@ absl::Status consolidate_checkpoint(const std::string& dir_in, const std::string
     const bool named = split_optim_name(t.name, &param, &state);
     auto it = named ? index_of.find(param) : index_of.end();
     if (it == index_of.end())
-      return absl::DataLossError(absl::StrCat(dir, ": optimizer state '", t.name, "' belongs to no parameter of ",
-                                              trainer_path, "'s groups"));
+      return absl::DataLossError(
+          absl::StrCat(dir, ": optimizer state '", t.name, "' belongs to no parameter of ", trainer_path, "'s groups"));
     opt_items.push_back({absl::StrCat("state.", it->second, ".", state), *v});
   }
   std::sort(opt_items.begin(), opt_items.end(), [](const auto& a, const auto& b) {

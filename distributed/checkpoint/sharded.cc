@@ -11,8 +11,8 @@
 #include <xxhash.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cctype>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -29,8 +29,8 @@
 #include "absl/strings/str_cat.h"
 #include "core/autograd_hook.h"
 #include "core/json_limits.h"
-#include "core/profiler.h"
 #include "core/ops.h"
+#include "core/profiler.h"
 #include "core/safetensors.h"
 #include "distributed/checkpoint/checkpoint_internal.h"
 #include "distributed/checkpoint/sharded_internal.h"
@@ -163,8 +163,9 @@ std::vector<Held> optimizer_held(const optim::Optimizer& opt, const ModelLayout&
     Place p = it->second;
     if (s.part) {
       const auto* spec = dynamic_cast<const ShardSpec*>(s.part.get());
-      EMBER_CHECK(spec != nullptr && spec->global_shape == p.shape, "save_sharded_checkpoint: the optimizer's part of '",
-                  p.name, "' is not a ShardSpec of its shape ", shape_str(p.shape));
+      EMBER_CHECK(spec != nullptr && spec->global_shape == p.shape,
+                  "save_sharded_checkpoint: the optimizer's part of '", p.name, "' is not a ShardSpec of its shape ",
+                  shape_str(p.shape));
       p.region = spec->region;
       p.holds = spec->region.numel > 0;
       p.writer = p.holds && spec->writes;
@@ -297,8 +298,8 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
   if (v == j.end() || !v->is_number_integer()) return bad("\"version\" is missing or not an integer");
   if (v->get<int64_t>() != kIndexVersion && v->get<int64_t>() != 1)
     return absl::InvalidArgumentError(absl::StrCat(path, ": version ", v->get<int64_t>(),
-                                                   " is not supported (this ember reads versions 1 and ",
-                                                   kIndexVersion, ")"));
+                                                   " is not supported (this ember reads versions 1 and ", kIndexVersion,
+                                                   ")"));
   out->version = v->get<int>();
   const bool v1 = out->version == 1;
   auto ws = j.find("world_size");
@@ -359,18 +360,20 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
       auto bytes = p.is_object() ? p.find("bytes") : p.end();
       auto hash = p.is_object() ? p.find("xxh64") : p.end();
       Region& r = cp.region;
-      const bool placed = p.is_object() && (v1 ? integer(p, "offset", &r.begin)
-                                               : ints(p, "offsets", ct.shape.size(), &r.box.offsets) &&
-                                                     ints(p, "sizes", ct.shape.size(), &r.box.lengths) &&
-                                                     integer(p, "begin", &r.begin));
+      const bool placed = p.is_object() &&
+                          (v1 ? integer(p, "offset", &r.begin)
+                              : ints(p, "offsets", ct.shape.size(), &r.box.offsets) &&
+                                    ints(p, "sizes", ct.shape.size(), &r.box.lengths) && integer(p, "begin", &r.begin));
       if (v1) r.box = whole_box(ct.shape);
       if (file == p.end() || !file->is_string() || !placed || !integer(p, "numel", &r.numel) || bytes == p.end() ||
           !bytes->is_array() || bytes->size() != 2 || !(*bytes)[0].is_number_integer() ||
           !(*bytes)[1].is_number_integer() || hash == p.end() || !hash->is_string() ||
           hash->get<std::string>().size() != 16)
-        return bad(at + (v1 ? ": a piece needs \"file\", \"offset\", \"numel\", \"bytes\" [begin, end] and a 16-digit \"xxh64\""
-                            : ": a piece needs \"file\", \"offsets\" and \"sizes\" (one per dimension), \"begin\", "
-                              "\"numel\", \"bytes\" [begin, end] and a 16-digit \"xxh64\""));
+        return bad(
+            at +
+            (v1 ? ": a piece needs \"file\", \"offset\", \"numel\", \"bytes\" [begin, end] and a 16-digit \"xxh64\""
+                : ": a piece needs \"file\", \"offsets\" and \"sizes\" (one per dimension), \"begin\", "
+                  "\"numel\", \"bytes\" [begin, end] and a 16-digit \"xxh64\""));
       cp.file = file->get<std::string>();
       try {  // inside the tensor, the run inside its box (untrusted numbers: checked before any use)
         for (size_t d = 0; d < ct.shape.size(); ++d)
@@ -384,12 +387,13 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
         return bad(absl::StrCat(at, ": piece ", r.to_string(), " lies outside the tensor ", shape_str(ct.shape)));
       }
       if (std::find(out->files.begin(), out->files.end(), cp.file) == out->files.end())
-        return bad(absl::StrCat(at, ": piece ", r.to_string(), " is in '", cp.file, "', which \"files\" does not list"));
+        return bad(
+            absl::StrCat(at, ": piece ", r.to_string(), " is in '", cp.file, "', which \"files\" does not list"));
       b = (*bytes)[0].get<int64_t>(), e = (*bytes)[1].get<int64_t>();
       int64_t nbytes = 0;
       if (b < 0 || e < b || __builtin_mul_overflow(r.numel, es, &nbytes) || e - b != nbytes)
-        return bad(absl::StrCat(at, ": piece ", r.to_string(), " has ", r.numel, " elements but bytes [", b, ", ", e,
-                                ")"));
+        return bad(
+            absl::StrCat(at, ": piece ", r.to_string(), " has ", r.numel, " elements but bytes [", b, ", ", e, ")"));
       cp.byte_begin = b, cp.byte_end = e;
       try {
         cp.xxh64 = std::stoull(hash->get<std::string>(), nullptr, 16);
@@ -410,8 +414,7 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
       covered += r.numel;
       ct.pieces.push_back(std::move(cp));
     }
-    if (covered != numel)
-      return bad(absl::StrCat(at, ": the pieces cover ", covered, " of its ", numel, " elements"));
+    if (covered != numel) return bad(absl::StrCat(at, ": the pieces cover ", covered, " of its ", numel, " elements"));
     out->tensors.push_back(std::move(ct));
   }
   std::sort(out->tensors.begin(), out->tensors.end(),
@@ -462,8 +465,8 @@ class PieceReader {
     const uint64_t h = XXH64(bytes->data(), n, 0);
     if (h != p.xxh64)
       return absl::DataLossError(absl::StrCat(path, ": checksum mismatch in tensor '", t.name, "' bytes [",
-                                              p.byte_begin, ", ", p.byte_end, ") (", p.region.to_string(), "): xxh64 ", hex64(h), ", the index says ",
-                                              hex64(p.xxh64), " (corrupted file?)"));
+                                              p.byte_begin, ", ", p.byte_end, ") (", p.region.to_string(), "): xxh64 ",
+                                              hex64(h), ", the index says ", hex64(p.xxh64), " (corrupted file?)"));
     return absl::OkStatus();
   }
 
@@ -584,7 +587,8 @@ Staged stage_state(nn::Module& model, optim::Optimizer* optimizer, const optim::
     ModelLayout L = model_layout(model, pg);
     out.layout = L.description;
     std::vector<Held> held = L.held;
-    held.push_back({kRngPrefix + std::to_string(pg.rank()), {2}, DType::Int64, whole_region({2}), generator_state(), true});
+    held.push_back(
+        {kRngPrefix + std::to_string(pg.rank()), {2}, DType::Int64, whole_region({2}), generator_state(), true});
     if (optimizer) {
       std::vector<Held> o = optimizer_held(*optimizer, L);
       held.insert(held.end(), o.begin(), o.end());
@@ -796,7 +800,7 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
     std::optional<TrainerFile> trainer;
     Tensor rng;  // this rank's generator, when the world size is the saver's
     std::vector<std::pair<Tensor, Tensor>> model_copies;  // (destination, staged)
-    std::vector<std::function<void()>> before_load;      // the shard specs' hooks
+    std::vector<std::function<void()>> before_load;       // the shard specs' hooks
     optim::OptimizerStateDict opt_sd;
     try {
     do {

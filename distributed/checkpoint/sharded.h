@@ -66,8 +66,8 @@ struct ShardedSaveOptions {
 
 // Every rank of `pg` calls it, with its model (wrapped by fully_shard or
 // not), its optimizer (may be null; each rank writes the state it holds,
-// ZeroRedundancyOptimizer's shards too) and scheduler (may be null). Returns the same status on every rank: an error names the rank
-// that failed.
+// ZeroRedundancyOptimizer's shards too) and scheduler (may be null). Returns the same status on every rank: an error
+// names the rank that failed.
 absl::Status save_sharded_checkpoint(const std::string& dir, nn::Module& model, optim::Optimizer* optimizer,
                                      const optim::LRScheduler* scheduler, const TrainingState& state,
                                      ProcessGroup& pg, const ShardedSaveOptions& options = {});

@@ -13,14 +13,14 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <csignal>
 #include <cmath>
-#include <random>
-#include <set>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -230,8 +230,8 @@ EMBER_WORKER(ckpt_job) {
     const absl::Status saved = save_sharded_checkpoint(dir, *job.net, job.opt.get(), nullptr, st, *pg, so);
     WCHECK(saved.ok(), saved.message());
     if (gathered) {
-      WCHECK(before > 0 && job.fsdp->memory().unsharded_params == before, "gathered bytes ", before, " before the save, ",
-             job.fsdp->memory().unsharded_params, " after");
+      WCHECK(before > 0 && job.fsdp->memory().unsharded_params == before, "gathered bytes ", before,
+             " before the save, ", job.fsdp->memory().unsharded_params, " after");
       job.fsdp->reshard();
     }
     const nn::StateDict full = job.full();
@@ -370,8 +370,8 @@ EMBER_WORKER(box_job) {
   const auto exp_g = region_values(G, region).to(DType::Float64).to_vector();
   WCHECK(got_w.size() == exp_w.size(), got_w.size(), " vs ", exp_w.size());
   for (size_t k = 0; k < got_w.size(); ++k)
-    WCHECK(std::abs(got_w[k] - exp_w[k]) <= 4e-6, layout, " w element ", k, " of ", region.to_string(), ": ",
-           got_w[k], " vs ", exp_w[k]);
+    WCHECK(std::abs(got_w[k] - exp_w[k]) <= 4e-6, layout, " w element ", k, " of ", region.to_string(), ": ", got_w[k],
+           " vs ", exp_w[k]);
   // b is replicated, or (FSDP) sharded too: its whole value either way.
   const Tensor whole_b = fsdp ? *full_state_dict(*fsdp, {.rank0_only = false}).find("b") : net->b;
   const auto got_b = whole_b.to(DType::Float64).to_vector();
@@ -689,8 +689,8 @@ TEST_F(ShardedCheckpoint, BoxShardedTensorsLoadInEveryLayout) {
            {"tp2", 2}, {"rows3", 3}, {"fsdp", 3}, {"single", 1}, {"rep2x2", 4}, {"tp2x2", 4}})
     run("load", layout, n, boxes);
   // The other way: saved by each layout, loaded into boxes.
-  for (const auto& [layout, n] : std::vector<std::pair<std::string, int>>{
-           {"rep2x2", 4}, {"rows3", 3}, {"fsdp", 2}, {"single", 1}}) {
+  for (const auto& [layout, n] :
+       std::vector<std::pair<std::string, int>>{{"rep2x2", 4}, {"rows3", 3}, {"fsdp", 2}, {"single", 1}}) {
     const std::string dir = (root_ / ("from_" + layout)).string();
     run("save", layout, n, dir);
     run("load", "tp2x2", 4, dir);

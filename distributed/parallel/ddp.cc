@@ -447,8 +447,8 @@ std::shared_ptr<Replicated> replicate(const std::shared_ptr<nn::Module>& module,
   EMBER_CHECK(module != nullptr, "replicate: the module is null");
   EMBER_CHECK(replicated_of(*module) == nullptr, "replicate(", module->type_name(), "): already replicated");
   EMBER_CHECK(options.bucket_cap_mb > 0 && options.first_bucket_cap_mb > 0,
-              "replicate: bucket_cap_mb and first_bucket_cap_mb must be positive, got ", options.bucket_cap_mb,
-              " and ", options.first_bucket_cap_mb);
+              "replicate: bucket_cap_mb and first_bucket_cap_mb must be positive, got ", options.bucket_cap_mb, " and ",
+              options.first_bucket_cap_mb);
   EMBER_CHECK(!(mesh && options.process_group), "replicate: give a mesh or DDPOptions::process_group, not both");
   if (mesh)
     EMBER_CHECK(mesh->ndim() == 1, "replicate: a 1-D mesh, got ", mesh->to_string(),
@@ -493,8 +493,10 @@ std::shared_ptr<Replicated> replicate(const std::shared_ptr<nn::Module>& module,
     // take buffers from a rank still training (rank 0 may have joined).
     if (self->joining && self->pg->size() > 1) buffer_root = self->join_round(true, sync).first;
     if (self->opts.broadcast_buffers) broadcast_coalesced(*self->pg, self->buffers, buffer_root);
-    if (sync) self->prepare();
-    else self->armed = false;
+    if (sync)
+      self->prepare();
+    else
+      self->armed = false;
     return Tensor();
   });
   module->set_transform_state(kStateKey, impl);

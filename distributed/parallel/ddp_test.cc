@@ -6,6 +6,8 @@
 // Each rank initialises its model from its own seed, so agreeing with the
 // reference (initialised like rank 0) also checks the initial broadcast.
 // Then the failure modes: mismatched models, unused parameters, a rank dying.
+#include "distributed/parallel/ddp.h"
+
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -20,11 +22,10 @@
 #include <string>
 #include <vector>
 
-#include "core/testing/error_of.h"
 #include "autograd/autograd.h"
 #include "core/autocast.h"
 #include "core/ops.h"
-#include "distributed/parallel/ddp.h"
+#include "core/testing/error_of.h"
 #include "distributed/init.h"
 #include "distributed/process_group.h"
 #include "distributed/testing/multiprocess.h"

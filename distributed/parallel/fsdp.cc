@@ -12,10 +12,10 @@
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
-#include "distributed/parallel/amp.h"
-#include "distributed/parallel/flat_param.h"
 #include "distributed/device_mesh.h"
 #include "distributed/init.h"
+#include "distributed/parallel/amp.h"
+#include "distributed/parallel/flat_param.h"
 #include "distributed/parallel/fsdp_unit.h"
 #include "distributed/sharding/shard_spec.h"
 #include "optim/clip_grad.h"
@@ -510,8 +510,8 @@ Groups resolve_groups(const FSDPOptions& o, const std::string& who) {
     case ShardingStrategy::FULL_SHARD:
     case ShardingStrategy::SHARD_GRAD_OP:
     case ShardingStrategy::NO_SHARD:
-      EMBER_CHECK(mesh->ndim() == 1, who, ": ", strategy_name(o.strategy), " takes a 1-D mesh, got ",
-                  mesh->to_string(), "; a 2-D (dp_replicate, dp_shard) mesh is HYBRID_SHARD");
+      EMBER_CHECK(mesh->ndim() == 1, who, ": ", strategy_name(o.strategy), " takes a 1-D mesh, got ", mesh->to_string(),
+                  "; a 2-D (dp_replicate, dp_shard) mesh is HYBRID_SHARD");
       (o.strategy == ShardingStrategy::NO_SHARD ? g.replicate : g.shard) = mesh->group(0);
       break;
     case ShardingStrategy::HYBRID_SHARD:

@@ -286,8 +286,7 @@ std::vector<optim::Optimizer::LocalState> ZeroRedundancyOptimizer::local_state()
     spec->layout = "zero";
     spec->region = run_region(entry.shape, piece.where.entry_offset, piece.where.numel);
     std::shared_ptr<const ShardMetaBase> part = spec;
-    for (const auto& [name, t] : local_->state(piece.param))
-      out.push_back({buf.params[piece.entry], name, t, part});
+    for (const auto& [name, t] : local_->state(piece.param)) out.push_back({buf.params[piece.entry], name, t, part});
   }
   return out;
 }

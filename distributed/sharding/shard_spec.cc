@@ -12,9 +12,12 @@ namespace ember::distributed {
 
 std::string Placement::to_string() const {
   switch (kind) {
-    case Kind::Shard: return "Shard(" + std::to_string(dim) + ")";
-    case Kind::Replicate: return "Replicate()";
-    case Kind::Partial: return reduce == Reduce::Sum ? "Partial(sum)" : "Partial(avg)";
+    case Kind::Shard:
+      return "Shard(" + std::to_string(dim) + ")";
+    case Kind::Replicate:
+      return "Replicate()";
+    case Kind::Partial:
+      return reduce == Reduce::Sum ? "Partial(sum)" : "Partial(avg)";
   }
   return "?";
 }
@@ -101,8 +104,8 @@ Region run_region(const Shape& shape, int64_t begin, int64_t numel) {
 
 Region chunk_region(const Shape& shape, const std::vector<int>& mesh_shape, const std::vector<int>& coord,
                     const std::vector<Placement>& placements) {
-  EMBER_CHECK(placements.size() == mesh_shape.size() && coord.size() == mesh_shape.size(), "chunk_region: ",
-              placements.size(), " placements and a coordinate of ", coord.size(), " for a mesh of ",
+  EMBER_CHECK(placements.size() == mesh_shape.size() && coord.size() == mesh_shape.size(),
+              "chunk_region: ", placements.size(), " placements and a coordinate of ", coord.size(), " for a mesh of ",
               mesh_shape.size(), " dimensions");
   Box box = whole_box(shape);
   for (size_t m = 0; m < placements.size(); ++m) {
@@ -125,8 +128,8 @@ void check_region(const Shape& shape, const Region& r, const std::string& what) 
   EMBER_CHECK(r.box.offsets.size() == shape.size() && r.box.lengths.size() == shape.size(), what, ": region ",
               r.to_string(), " has ", r.box.lengths.size(), " dimensions, the tensor ", shape.size());
   for (size_t d = 0; d < shape.size(); ++d)
-    EMBER_CHECK(r.box.offsets[d] >= 0 && r.box.lengths[d] >= 0 && r.box.offsets[d] + r.box.lengths[d] <= shape[d],
-                what, ": region ", r.to_string(), " is outside the tensor's dimension ", d, " (size ", shape[d], ")");
+    EMBER_CHECK(r.box.offsets[d] >= 0 && r.box.lengths[d] >= 0 && r.box.offsets[d] + r.box.lengths[d] <= shape[d], what,
+                ": region ", r.to_string(), " is outside the tensor's dimension ", d, " (size ", shape[d], ")");
   EMBER_CHECK(r.begin >= 0 && r.numel >= 0 && r.begin + r.numel <= r.box.numel(), what, ": region ", r.to_string(),
               " runs outside its box of ", r.box.numel(), " elements");
 }

@@ -159,7 +159,7 @@ TEST(ShardSpec, AttachedToTheParameterAndKeptThroughSetData) {
   ASSERT_NE(shard_spec(alias_handle), nullptr);
   EXPECT_EQ(shard_spec(p)->to_string(), "[Shard(0)] on (dp=2) at (1): [2:4, 0:3] elements 0..6");
   p.set_data(Tensor::from_vector({0, 0, 0, 0, 0, 0}, {2, 3}));
-  ASSERT_NE(shard_spec(p), nullptr);  // the parameter object keeps it
+  ASSERT_NE(shard_spec(p), nullptr);           // the parameter object keeps it
   EXPECT_EQ(shard_spec(p.detach()), nullptr);  // a new handle does not
   EXPECT_TRUE(local_shard(p).is_same(p));
   set_shard_spec(p, nullptr);

@@ -3,10 +3,8 @@
 // output, and kills stragglers at the deadline.
 #include "distributed/testing/multiprocess.h"
 
-#include "distributed/init.h"
-
-#include <fcntl.h>
 #include <execinfo.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/prctl.h>
@@ -25,6 +23,7 @@
 #include <thread>
 
 #include "core/exception.h"
+#include "distributed/init.h"
 
 extern char** environ;
 
