@@ -6,12 +6,12 @@
 # are compared: per round, ours, then each peer, for every workload.
 # Prints medians, ranges and the ratio ours / faster peer (time; < 1: we are
 # faster; the speed targets of issue 20 are <= 0.8), and with --out writes
-# the figures as JSON (bench/plot_scaling.py and the README's table read it).
+# the figures as JSON (bench/plot_scaling.py and bench/README.md's table read it).
 #
 #   bazel build -c opt //bench:train_bench //bench:ddp_scaling //bench:collectives_bench //examples:mlp_fashion
 #   python3 bench/compare_peers.py resnet mlp ddp --rounds 3 --out bench/results/peers.json
 #   python3 bench/compare_peers.py collectives --rounds 2 --out bench/results/collectives.json
-#   python3 bench/compare_peers.py --table bench/results/peers.json    # the README's table from a saved run
+#   python3 bench/compare_peers.py --table bench/results/peers.json    # bench/README.md's table from a saved run
 import argparse, datetime, json, os, platform, statistics, subprocess, sys, tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -191,7 +191,7 @@ def main():
     ap.add_argument("what", nargs="*", help="workloads: " + ", ".join(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", help="write the figures as JSON here")
-    ap.add_argument("--table", help="print the README table of a saved run and exit")
+    ap.add_argument("--table", help="print bench/README.md's table of a saved run and exit")
     ap.add_argument("--no-guard", action="store_true", help="run without guard.py (a machine known to be quiet)")
     a = ap.parse_args()
     if a.table:

@@ -1,4 +1,4 @@
-# The README's plots, from the JSON bench/compare_peers.py --out writes:
+# bench/README.md's plots, from the JSON bench/compare_peers.py --out writes:
 #   docs/plots/ddp_scaling.png      throughput and efficiency vs ranks (ours, and the peers where measured)
 #   docs/plots/collectives.png      bus bandwidth vs message size per collective (ours vs torch's Gloo)
 #   docs/plots/peers.png            step / epoch time of each workload, ours beside both peers

@@ -147,6 +147,7 @@ class Tensor {
   // backward fails naming set_data instead of computing with the wrong
   // values. The one safe way to swap data is therefore between iterations
   // (after backward, before the next forward), under NoGradGuard.
+  // See Note [set_data keeps identity] (docs/design.md).
   void set_data(const Tensor& data) const;
 
   // ---- Storage that can be given back and restored (FSDP's unsharded

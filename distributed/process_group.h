@@ -59,7 +59,7 @@ struct ProcessGroupOptions {
   // Check each collective's signature (op, dtype, numel, root) against the
   // other ranks before it runs, so ranks that call different collectives
   // get an error naming both sides, and a rank that never arrives is named.
-  // Each check is a store round trip on the hot path (see the README for
+  // Each check is a store round trip on the hot path (see docs/ddp.md for
   // its cost per DDP step), so it is opt-in, as torch's: this option, or
   // EMBER_DISTRIBUTED_DEBUG=DETAIL (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL
   // is honoured too) for every group of the process. Without it a mismatch

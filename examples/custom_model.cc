@@ -1,6 +1,6 @@
 // Build your own model: a user-defined Module with its own layers and
 // forward, trained with the framework's optimizer and loss. This is the
-// pattern the README's "Build your own model" section walks through.
+// pattern docs/models.md ("Build your own model") walks through.
 //
 //   bazel run -c opt //examples:custom_model [-- --steps N]
 //

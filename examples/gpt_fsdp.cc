@@ -14,7 +14,7 @@
 // The default run (2 layers, dim 128, seq 64, batch 16 per rank, 1000 steps)
 // took 102 s on the 2-core CI machine (-c opt, 2026-11-24) and reached a
 // validation loss of 1.954 nats per character against the unigram model's
-// 3.379 (0.58x); the README's "Sharded training" section shows its output.
+// 3.379 (0.58x); docs/fsdp.md ("Sharded training") shows its output.
 #include <unistd.h>
 
 #include <algorithm>

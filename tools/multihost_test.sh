@@ -1,7 +1,7 @@
 #!/bin/bash
 # Several hosts for real: two network namespaces ("nodes") joined by a veth
-# pair, each running the README's multi-node recipe (extracted from
-# README.md, between the multinode-recipe markers) with two ranks. Cases:
+# pair, each running the multi-node recipe of docs/ddp.md (extracted
+# from it, between the multinode-recipe markers) with two ranks. Cases:
 #   train     the job finishes on both nodes (exit 0);
 #   cut-link  the link goes down mid-run: both nodes fail, naming the
 #             timeout, within the timeout plus the launcher's grace;
@@ -10,7 +10,7 @@
 # and after each case nothing is left running in either namespace.
 # Needs root (ip netns); elsewhere it says so and exits 0 (skipped).
 #
-#   tools/multihost_test.sh README.md bazel-bin/tools/launch bazel-bin/examples/resnet_ddp
+#   tools/multihost_test.sh docs/ddp.md bazel-bin/tools/launch bazel-bin/examples/resnet_ddp
 set -uo pipefail
 readme=$1 launch=$(realpath "$2") resnet=$(realpath "$3")
 
@@ -29,7 +29,7 @@ cleanup() {
 trap cleanup EXIT
 netns_pair ember_n emb 77 || { echo "multihost_test: network setup failed"; exit 1; }
 
-# The recipe, as the README gives it, with our binaries.
+# The recipe, as docs/ddp.md gives it, with our binaries.
 recipe=$(sed -n '/<!-- multinode-recipe/,/<!-- end multinode-recipe/p' "$readme" | sed '1,2d;$d' | sed '$d')
 [ -n "$recipe" ] || { echo "multihost_test: no multinode-recipe block in $readme"; exit 1; }
 recipe=${recipe//bazel-bin\/tools\/launch/$launch}

@@ -29,7 +29,7 @@ PACKAGES=(
 )
 # --peers: also the PyTorch the benchmarks compare against (bench/compare_peers.py,
 # bench/peers/). A measuring stick, never a dependency of ember itself.
-# --plots: matplotlib, for bench/plot_scaling.py's PNGs (the README's plots).
+# --plots: matplotlib, for bench/plot_scaling.py's PNGs (the plots of bench/README.md).
 for arg in "$@"; do
   case "$arg" in
     --peers) PACKAGES+=(python3-torch) ;;

@@ -15,7 +15,7 @@
 // checker uses, so float64 runs direct loops written to be obviously right,
 // not fast. bfloat16/float16 run on oneDNN's native 16-bit kernels where the
 // CPU has them (bfloat16 on AVX512-BF16 or AMX: 1.4x the float32 ResNet step
-// on 2 Zen 5 cores, see README); a plan oneDNN cannot build, or would run
+// on 2 Zen 5 cores, see bench/README.md); a plan oneDNN cannot build, or would run
 // with its slow reference implementation, falls back to widening to float32.
 #include "core/autocast.h"
 

@@ -426,6 +426,7 @@ Tensor Unit::post_forward(const Tensor& output) {
   const bool will_backward = GradMode::is_enabled() && output.defined() && output.requires_grad();
   if (will_backward) {
     expects_backward = true;
+    // Note [when a unit's backward is over] (docs/design.md).
     waiting = num_trainable() + (input_hooked ? 1 : 0);
     if (reshard_after_forward && !is_root) free_unsharded();
   } else {
@@ -448,7 +449,8 @@ void Unit::pre_backward() {
   if (post_backward_done || !expects_backward) return;
   unshard();
   // The forward saved these parameters at fwd_version; they hold the same
-  // values again (gathered from the unchanged shards).
+  // values again (gathered from the unchanged shards). See Note [storage
+  // version after a re-gather] (docs/design.md).
   if (!shares_storage) layout.flat().unsafe_set_storage_version(fwd_version);
   if (num_trainable() > 0) {
     // Gradients accumulated before (unsharded accumulation) stay; a new
@@ -706,7 +708,7 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
   u->pieces = u->layout.pieces(u->shard_rank);
   for (size_t i = 0; i < u->params.size(); ++i) {
     u->params[i].set_grad(Tensor());
-    u->params[i].set_data(u->shard_view(u->shard, i));
+    u->params[i].set_data(u->shard_view(u->shard, i));  // Note [set_data keeps identity]
   }
   attach_shard_specs(u);
   u->state = Unit::State::SHARDED;
