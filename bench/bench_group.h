@@ -8,6 +8,7 @@
 #pragma once
 
 #include <benchmark/benchmark.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -17,10 +18,9 @@
 #include <string>
 #include <vector>
 
-#include <unistd.h>
-
+#include "distributed/comm/backends.h"
 #include "distributed/init.h"
-#include "distributed/store.h"
+#include "distributed/store/store.h"
 #include "distributed/testing/multiprocess.h"
 
 namespace ember::bench {

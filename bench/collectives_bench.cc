@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "core/ops.h"
+#include "distributed/comm/backends.h"
 #include "distributed/init.h"
 #include "distributed/testing/multiprocess.h"
 

@@ -41,6 +41,7 @@
 // the step by only +-3% (within noise) here.
 #include <benchmark/benchmark.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -51,15 +52,14 @@
 #include <string>
 #include <vector>
 
-#include <unistd.h>
-
 #include "bench/bench_group.h"
 #include "bench/train_step.h"
 #include "core/ops.h"
-#include "distributed/parallel/ddp.h"
+#include "distributed/comm/backends.h"
 #include "distributed/init.h"
-#include "distributed/testing/multiprocess.h"
+#include "distributed/parallel/ddp.h"
 #include "distributed/parallel/zero.h"
+#include "distributed/testing/multiprocess.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
 #include "nn/models.h"

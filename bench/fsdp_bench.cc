@@ -36,8 +36,9 @@
 
 #include "bench/bench_group.h"
 #include "core/ops.h"
+#include "distributed/comm/backends.h"
 #include "distributed/parallel/ddp.h"
-#include "distributed/parallel/fsdp.h"
+#include "distributed/parallel/fsdp/fsdp.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
 #include "nn/transformer.h"

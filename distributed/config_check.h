@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "distributed/process_group.h"
+#include "distributed/comm/process_group.h"
 
 namespace ember::distributed {
 

@@ -7,8 +7,8 @@
 #include <sstream>
 
 #include "core/exception.h"
+#include "distributed/comm/object_collectives.h"
 #include "distributed/init.h"
-#include "distributed/object_collectives.h"
 
 namespace ember::distributed {
 

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "distributed/process_group.h"
+#include "distributed/comm/process_group.h"
 
 namespace ember::distributed {
 

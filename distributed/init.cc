@@ -10,7 +10,8 @@
 #include <optional>
 
 #include "core/exception.h"
-#include "distributed/logging.h"
+#include "distributed/comm/backends.h"
+#include "distributed/logging/logging.h"
 
 namespace ember::distributed {
 

@@ -26,8 +26,8 @@
 #include <string>
 #include <vector>
 
-#include "distributed/process_group.h"
-#include "distributed/store.h"
+#include "distributed/comm/process_group.h"
+#include "distributed/store/store.h"
 
 namespace ember::distributed {
 
@@ -80,11 +80,5 @@ ResolvedEnv init_env();
 // such as AsyncCheckpointer's background commit.
 std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& backend = "");
 void destroy_process_group();
-
-// Backends, for callers that build groups themselves.
-std::shared_ptr<ProcessGroup> make_gloo_group(std::shared_ptr<Store> store, int rank, int size,
-                                              ProcessGroupOptions options = {});
-std::shared_ptr<ProcessGroup> make_nccl_group(std::shared_ptr<Store> store, int rank, int size,
-                                              ProcessGroupOptions options = {});
 
 }  // namespace ember::distributed

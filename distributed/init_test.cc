@@ -3,20 +3,22 @@
 // bad setting. Also the process-group accessors before initialisation. The
 // environment is cleared around every test so the machine's own variables
 // (a CI runner inside a Slurm job, say) cannot leak in.
+#include "distributed/init.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <functional>
-#include <memory>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 
 #include "core/exception.h"
-#include "distributed/init.h"
-#include "distributed/process_group.h"
-#include "distributed/store.h"
+#include "distributed/comm/backends.h"
+#include "distributed/comm/process_group.h"
+#include "distributed/store/store.h"
 
 namespace ember::distributed {
 namespace {

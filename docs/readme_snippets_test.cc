@@ -18,7 +18,7 @@
 #include "distributed/checkpoint/sharded.h"
 #include "distributed/init.h"
 #include "distributed/parallel/ddp.h"
-#include "distributed/parallel/fsdp.h"
+#include "distributed/parallel/fsdp/fsdp.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
 #include "nn/transformer.h"

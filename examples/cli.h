@@ -18,7 +18,7 @@
 #include <string>
 
 #include "core/device.h"
-#include "distributed/launch.h"
+#include "distributed/launch/launch.h"
 
 namespace ember::examples {
 

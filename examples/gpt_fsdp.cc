@@ -27,27 +27,26 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "autograd/autograd.h"
 #include "core/ops.h"
-#include "distributed/parallel/amp.h"
 #include "distributed/checkpoint/checkpoint.h"
 #include "distributed/checkpoint/sharded.h"
 #include "distributed/config_check.h"
 #include "distributed/init.h"
-#include "distributed/launch.h"
-#include "distributed/logging.h"
-#include "distributed/parallel/fsdp.h"
+#include "distributed/launch/launch.h"
+#include "distributed/logging/logging.h"
+#include "distributed/parallel/fsdp/fsdp.h"
+#include "distributed/parallel/fsdp/fsdp_state_dict.h"
+#include "distributed/parallel/rank_agreement.h"
 #include "examples/cli.h"
 #include "examples/profiling.h"
-#include "distributed/parallel/fsdp_state_dict.h"
 #include "nn/functional.h"
 #include "nn/transformer.h"
 #include "optim/grad_scaler.h"

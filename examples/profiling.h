@@ -20,7 +20,7 @@
 #include <string>
 
 #include "core/profiler.h"
-#include "distributed/trace.h"
+#include "distributed/job_profile.h"
 
 namespace ember::examples {
 

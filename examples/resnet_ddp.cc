@@ -31,11 +31,10 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "autograd/autograd.h"
 #include "core/autocast.h"
@@ -47,17 +46,17 @@
 #include "data/transforms.h"
 #include "distributed/checkpoint/checkpoint.h"
 #include "distributed/checkpoint/sharded.h"
+#include "distributed/config_check.h"
+#include "distributed/init.h"
+#include "distributed/launch/launch.h"
+#include "distributed/logging/logging.h"
+#include "distributed/parallel/ddp.h"
 #include "examples/cli.h"
 #include "examples/profiling.h"
-#include "distributed/config_check.h"
-#include "distributed/parallel/ddp.h"
-#include "distributed/init.h"
-#include "distributed/launch.h"
-#include "distributed/logging.h"
 #include "nn/functional.h"
 #include "nn/models.h"
-#include "optim/lr_scheduler.h"
 #include "optim/grad_scaler.h"
+#include "optim/lr_scheduler.h"
 #include "optim/optimizer.h"
 
 namespace ember {

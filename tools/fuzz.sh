@@ -7,12 +7,12 @@
 #
 #   tools/fuzz.sh TARGET [SECONDS] [extra libFuzzer flags]
 #   TARGET: //core:safetensors_fuzz //data:idx_fuzz //data:cifar_fuzz
-#           //distributed:checkpoint_fuzz //distributed:store_fuzz
+#           //distributed/checkpoint:checkpoint_fuzz //distributed/store:store_fuzz
 #   tools/fuzz.sh all 600     # each for 10 minutes, one after another
 set -euo pipefail
 cd "$(dirname "$0")/.."
-targets=(//core:safetensors_fuzz //data:idx_fuzz //data:cifar_fuzz //distributed:checkpoint_fuzz
-         //distributed:store_fuzz)
+targets=(//core:safetensors_fuzz //data:idx_fuzz //data:cifar_fuzz //distributed/checkpoint:checkpoint_fuzz
+         //distributed/store:store_fuzz)
 target=${1:?usage: tools/fuzz.sh TARGET|all [SECONDS] [libFuzzer flags]}
 seconds=${2:-60}
 shift $(( $# >= 2 ? 2 : 1 ))

@@ -17,7 +17,7 @@ safetensors_test process_group_test process_group_nccl_test"
 if [ "${1:-}" = "--targets" ]; then
   echo //core:tensor_test //core:ops_cuda_test //core:ops_nn_cuda_test //optim:optim_cuda_test //bench:gpu_step \
     //optim:grad_scaler_test //nn:autocast_test //data:loader_test //core:safetensors_test \
-    //distributed:process_group_test //distributed:process_group_nccl_test //bench:ops_cuda_bench \
+    //distributed/comm:process_group_test //distributed/comm:process_group_nccl_test //bench:ops_cuda_bench \
     //bench:train_bench //examples:resnet_ddp //examples:gpt_fsdp //tools:ckpt
   exit 0
 fi

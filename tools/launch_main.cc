@@ -1,5 +1,5 @@
 // //tools:launch, ember's torchrun: runs a program as N local worker
-// processes of a distributed job (see distributed/launch.h for what the
+// processes of a distributed job (see distributed/launch/launch.h for what the
 // workers get and how failures and signals are handled).
 //
 //   bazel run //tools:launch -- --nproc_per_node=4 -- bazel-bin/examples/ddp_mnist --epochs=1
@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "core/exception.h"
-#include "distributed/launch.h"
+#include "distributed/launch/launch.h"
 
 namespace {
 

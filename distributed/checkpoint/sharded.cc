@@ -34,7 +34,7 @@
 #include "core/safetensors.h"
 #include "distributed/checkpoint/checkpoint_internal.h"
 #include "distributed/checkpoint/sharded_internal.h"
-#include "distributed/object_collectives.h"
+#include "distributed/comm/object_collectives.h"
 #include "distributed/sharding/shard_spec.h"
 
 namespace ember::distributed {

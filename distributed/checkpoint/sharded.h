@@ -53,7 +53,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "distributed/checkpoint/checkpoint.h"
-#include "distributed/process_group.h"
+#include "distributed/comm/process_group.h"
 #include "distributed/sharding/shard_spec.h"
 
 namespace ember::distributed {

@@ -30,7 +30,7 @@
 #include "distributed/device_mesh.h"
 #include "distributed/init.h"
 #include "distributed/parallel/ddp.h"
-#include "distributed/parallel/fsdp.h"
+#include "distributed/parallel/fsdp/fsdp.h"
 #include "distributed/parallel/zero.h"
 #include "distributed/sharding/shard_spec.h"
 #include "distributed/testing/multiprocess.h"
@@ -705,8 +705,8 @@ TEST_F(ShardedCheckpoint, BoxShardedTensorsLoadInEveryLayout) {
 // whole tensor) still loads, into any layout.
 TEST_F(ShardedCheckpoint, VersionOneCheckpointsStillLoad) {
   const std::string dir = (root_ / "v1").string();
-  fs::copy("distributed/testdata/ckpt_v1/fsdp_full_2ranks", dir, fs::copy_options::recursive);
-  fs::copy_file("distributed/testdata/ckpt_v1/fsdp_full_2ranks.full.safetensors", dir + ".full.safetensors");
+  fs::copy("distributed/checkpoint/testdata/ckpt_v1/fsdp_full_2ranks", dir, fs::copy_options::recursive);
+  fs::copy_file("distributed/checkpoint/testdata/ckpt_v1/fsdp_full_2ranks.full.safetensors", dir + ".full.safetensors");
   auto index = read_checkpoint_index(dir);
   ASSERT_TRUE(index.ok()) << index.status();
   EXPECT_EQ(index->version, 1);

@@ -25,9 +25,9 @@
 #include "autograd/autograd.h"
 #include "core/autograd_hook.h"
 #include "core/ops.h"
-#include "distributed/parallel/flat_param.h"
+#include "distributed/comm/object_collectives.h"
 #include "distributed/init.h"
-#include "distributed/object_collectives.h"
+#include "distributed/parallel/flat_buffer.h"
 
 namespace ember::distributed {
 namespace {

@@ -26,8 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "distributed/comm/process_group.h"
 #include "distributed/device_mesh.h"
-#include "distributed/process_group.h"
 #include "nn/module.h"
 
 namespace ember::distributed {

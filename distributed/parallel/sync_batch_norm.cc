@@ -4,7 +4,7 @@
 // in nn/layers.h for the statistics).
 #include <utility>
 
-#include "distributed/functional_collectives.h"
+#include "distributed/comm/functional_collectives.h"
 #include "distributed/init.h"
 #include "distributed/parallel/ddp.h"
 #include "nn/layers.h"

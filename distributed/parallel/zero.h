@@ -35,8 +35,8 @@
 #include <string>
 #include <vector>
 
-#include "distributed/parallel/flat_param.h"
-#include "distributed/process_group.h"
+#include "distributed/comm/process_group.h"
+#include "distributed/parallel/flat_buffer.h"
 #include "optim/optimizer.h"
 
 namespace ember::distributed {

@@ -23,8 +23,9 @@
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
-#include "distributed/parallel/ddp.h"
+#include "distributed/comm/backends.h"
 #include "distributed/init.h"
+#include "distributed/parallel/ddp.h"
 #include "distributed/testing/dying_group.h"
 #include "distributed/testing/multiprocess.h"
 #include "nn/functional.h"

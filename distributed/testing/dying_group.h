@@ -16,9 +16,10 @@
 #include <utility>
 #include <vector>
 
+#include "distributed/comm/backends.h"
+#include "distributed/comm/process_group.h"
 #include "distributed/init.h"
-#include "distributed/process_group.h"
-#include "distributed/store.h"
+#include "distributed/store/store.h"
 #include "distributed/testing/multiprocess.h"
 
 namespace ember::distributed::testing {

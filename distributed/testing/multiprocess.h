@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "distributed/store.h"
+#include "distributed/store/store.h"
 
 namespace ember::distributed::testing {
 

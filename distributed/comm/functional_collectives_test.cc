@@ -1,0 +1,200 @@
+// Differentiable collectives on 3 real processes (sizes 3 does not make
+// convenient): each rank's input is a known function of its rank, so every
+// rank computes the forward value and the gradient of the sum of all ranks'
+// losses (loss_r = <w_r, y_r>, w_r also known) in float64 by hand, and
+// compares with the collective and autograd's backward through it.
+#include "distributed/comm/functional_collectives.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "core/ops.h"
+#include "core/testing/error_of.h"
+#include "distributed/init.h"
+#include "distributed/testing/multiprocess.h"
+
+namespace ember::distributed {
+namespace {
+
+namespace mp = ::ember::distributed::testing;
+using ::ember::testing::error_of;
+
+#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
+
+// Rank r's input of `shape`, element i: a value no two (r, i) share.
+std::vector<double> input_of(int r, int64_t n) {
+  std::vector<double> v;
+  for (int64_t i = 0; i < n; ++i) v.push_back(std::sin(1.3 * r + 0.37 * static_cast<double>(i)) + r);
+  return v;
+}
+// Rank r's loss weights over an output of n elements.
+std::vector<double> weights_of(int r, int64_t n) {
+  std::vector<double> v;
+  for (int64_t i = 0; i < n; ++i) v.push_back(std::cos(0.7 * r + 0.11 * static_cast<double>(i)));
+  return v;
+}
+
+// Element index of `coord` in a row-major `shape`.
+int64_t at(const Shape& shape, const Shape& coord) {
+  int64_t k = 0;
+  for (size_t d = 0; d < shape.size(); ++d) k = k * shape[d] + coord[d];
+  return k;
+}
+std::vector<Shape> coords(const Shape& shape) {
+  std::vector<Shape> out;
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  for (int64_t i = 0; i < n; ++i) {
+    Shape c(shape.size());
+    for (int64_t d = static_cast<int64_t>(shape.size()) - 1, rest = i; d >= 0; --d) {
+      c[d] = rest % shape[d];
+      rest /= shape[d];
+    }
+    out.push_back(c);
+  }
+  return out;
+}
+
+void expect_close(const Tensor& got, const std::vector<double>& want, const std::string& what) {
+  const auto g = got.to(DType::Float64).to_vector();
+  WCHECK(g.size() == want.size(), what, ": ", g.size(), " elements, expected ", want.size());
+  for (size_t i = 0; i < g.size(); ++i)
+    WCHECK(std::abs(g[i] - want[i]) <= 1e-9 * (1 + std::abs(want[i])), what, " element ", i, ": ", g[i], " vs ",
+           want[i]);
+}
+
+// Runs y = f(x) on this rank's input, loss <w_r, y>, backward; checks y
+// and x.grad against the references.
+void check(const std::string& what, const Shape& in_shape, const std::function<Tensor(const Tensor&)>& f,
+           const std::vector<double>& want_y, const std::vector<double>& want_grad, int rank) {
+  int64_t n = 1;
+  for (int64_t s : in_shape) n *= s;
+  Tensor x = Tensor::from_vector(input_of(rank, n), in_shape, DType::Float64).requires_grad_();
+  Tensor y = f(x);
+  expect_close(y, want_y, what + " forward");
+  Tensor w = Tensor::from_vector(weights_of(rank, y.numel()), y.sizes(), DType::Float64);
+  sum(y * w).backward();
+  expect_close(x.grad(), want_grad, what + " gradient");
+}
+
+EMBER_WORKER(functional) {
+  mp::init_world(env);
+  auto pg = default_group();
+  const int N = env.world_size, me = env.rank;
+
+  {  // all_reduce: y = sum_q x_q (or the mean); dL/dx = sum_r w_r (mean: / N).
+    const Shape s = {2, 3};
+    for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
+      const double scale = op == ReduceOp::Avg ? 1.0 / N : 1.0;
+      std::vector<double> y(6, 0.0), g(6, 0.0);
+      for (int q = 0; q < N; ++q)
+        for (int i = 0; i < 6; ++i) y[i] += input_of(q, 6)[i] * scale, g[i] += weights_of(q, 6)[i] * scale;
+      check(
+          std::string("all_reduce ") + reduce_op_name(op), s,
+          [&](const Tensor& x) { return functional::all_reduce(x, op, pg); }, y, g, me);
+    }
+  }
+  for (int64_t dim : {0, 1, 2}) {  // all_gather: y = cat_q x_q along dim; dL/dx_me = sum_r w_r[block me].
+    const Shape s = {2, 3, 2};
+    Shape ys = s;
+    ys[dim] *= N;
+    std::vector<double> y(N * 12), g(12, 0.0);
+    for (const Shape& c : coords(ys)) {
+      const int q = static_cast<int>(c[dim] / s[dim]);
+      Shape local = c;
+      local[dim] %= s[dim];
+      y[at(ys, c)] = input_of(q, 12)[at(s, local)];
+      if (q == me)
+        for (int r = 0; r < N; ++r) g[at(s, local)] += weights_of(r, N * 12)[at(ys, c)];
+    }
+    check(
+        "all_gather dim " + std::to_string(dim), s, [&](const Tensor& x) { return functional::all_gather(x, dim, pg); },
+        y, g, me);
+  }
+  for (int64_t dim : {0, 1}) {  // reduce_scatter: y_me = sum_q block me of x_q; dL/dx_me[block r] = w_r.
+    for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Avg}) {
+      const double scale = op == ReduceOp::Avg ? 1.0 / N : 1.0;
+      Shape s = {2, 2};
+      s[dim] = 2 * N;
+      Shape ys = s;
+      ys[dim] = 2;
+      std::vector<double> y(4, 0.0), g(4 * N, 0.0);
+      for (const Shape& c : coords(s)) {
+        const int r = static_cast<int>(c[dim] / 2);
+        Shape local = c;
+        local[dim] %= 2;
+        if (r == me)
+          for (int q = 0; q < N; ++q) y[at(ys, local)] += input_of(q, 4 * N)[at(s, c)] * scale;
+        g[at(s, c)] = weights_of(r, 4)[at(ys, local)] * scale;
+      }
+      check(
+          "reduce_scatter dim " + std::to_string(dim) + " " + reduce_op_name(op), s,
+          [&](const Tensor& x) { return functional::reduce_scatter(x, dim, op, pg); }, y, g, me);
+    }
+  }
+  // all_to_all: x [N*2, 3] split along 0, concatenated along 1: y_me =
+  // cat_j block me of x_j -> [2, 3N]; dL/dx_me[block r] = w_r's block me.
+  for (auto [split, concat] : std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {1, 0}, {0, 0}}) {
+    Shape s = {2, 3};
+    s[split] *= N;
+    Shape block = s;
+    block[split] /= N;
+    Shape ys = block;
+    ys[concat] *= N;
+    int64_t n = 1, bn = 1, yn = 1;
+    for (int64_t d : s) n *= d;
+    for (int64_t d : block) bn *= d;
+    for (int64_t d : ys) yn *= d;
+    std::vector<double> y(yn), g(n);
+    for (const Shape& c : coords(ys)) {  // y_me at c: from rank j = c[concat] / block[concat]
+      const int j = static_cast<int>(c[concat] / block[concat]);
+      Shape b = c;
+      b[concat] %= block[concat];
+      Shape src = b;  // in x_j: block me along split
+      src[split] += me * block[split];
+      y[at(ys, c)] = input_of(j, n)[at(s, src)];
+    }
+    for (const Shape& c : coords(s)) {  // x_me at c goes to rank r = c[split] / block[split]
+      const int r = static_cast<int>(c[split] / block[split]);
+      Shape b = c;
+      b[split] %= block[split];
+      Shape dst = b;  // in y_r: the block from me along concat
+      dst[concat] += me * block[concat];
+      g[at(s, c)] = weights_of(r, yn)[at(ys, dst)];
+    }
+    (void)bn;
+    check(
+        "all_to_all " + std::to_string(split) + "->" + std::to_string(concat), s,
+        [&](const Tensor& x) { return functional::all_to_all(x, split, concat, pg); }, y, g, me);
+  }
+  // Errors name the op and the shape, on every rank alike.
+  const std::string e = error_of([&] { functional::reduce_scatter(zeros({4, 2}), 0, ReduceOp::Sum, pg); });
+  WCHECK(e.find("functional::reduce_scatter: dimension 0 of [4,2] does not split into 3 equal blocks") !=
+             std::string::npos,
+         e);
+  const std::string m = error_of([&] {
+    Tensor x = zeros({3}, DType::Float64).requires_grad_();
+    functional::all_reduce(x, ReduceOp::Max, pg);
+  });
+  WCHECK(m.find("no gradient through max") != std::string::npos, m);
+  pg->barrier()->wait();
+}
+
+TEST(FunctionalCollectives, ForwardAndBackwardOnThreeRanks) {
+  auto res = mp::run_workers("functional", 3);
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+TEST(MultiProcessWorker, Entry) {
+  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
+  mp::run_if_worker();
+}
+
+}  // namespace
+}  // namespace ember::distributed

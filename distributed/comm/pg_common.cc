@@ -1,0 +1,476 @@
+// Shared by the Gloo and NCCL process groups: Work completion, error
+// messages that name the operation, the store-based signature check and the
+// argument validation (see pg_common.h).
+#include "distributed/comm/pg_common.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <sstream>
+#include <thread>
+
+#include "core/exception.h"
+
+namespace ember::distributed {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+      return "sum";
+    case ReduceOp::Avg:
+      return "avg";
+    case ReduceOp::Max:
+      return "max";
+    case ReduceOp::Min:
+      return "min";
+    case ReduceOp::Product:
+      return "product";
+  }
+  return "?";
+}
+
+int ProcessGroup::global_rank(int group_rank) const {
+  EMBER_CHECK(group_rank >= 0 && group_rank < size_, backend_name(), " group: rank ", group_rank,
+              " is outside the group's ranks [0, ", size_, ")");
+  return global_ranks_[group_rank];
+}
+
+int ProcessGroup::group_rank_of(int global_rank) const {
+  auto it = std::lower_bound(global_ranks_.begin(), global_ranks_.end(), global_rank);
+  return it != global_ranks_.end() && *it == global_rank ? static_cast<int>(it - global_ranks_.begin()) : -1;
+}
+
+void ProcessGroup::set_global_ranks(std::vector<int> ranks) {
+  EMBER_CHECK(static_cast<int>(ranks.size()) == size_, "set_global_ranks: ", ranks.size(), " ranks for a group of ",
+              size_);
+  EMBER_CHECK(std::is_sorted(ranks.begin(), ranks.end()), "set_global_ranks: the ranks must ascend");
+  global_ranks_ = std::move(ranks);
+}
+
+// ---- The validating front of every backend ----
+
+void ProcessGroup::check_tensor(const Tensor& t, const std::string& where, const char* name) const {
+  const Device d = device();
+  EMBER_CHECK(t.device() == d, where, ": ", name, " is on ", t.device(), "; this ", backend_name(), " group works on ",
+              d);
+}
+
+namespace {
+// Defined, then the backend's own check.
+#define EMBER_PG_TENSOR(t, w, name)    \
+  do {                                 \
+    detail::check_defined(t, w, name); \
+    check_tensor(t, w, name);          \
+  } while (0)
+}  // namespace
+
+std::shared_ptr<Work> ProcessGroup::allreduce(const Tensor& tensor, ReduceOp op) {
+  const std::string w = detail::where(backend_name(), "allreduce", rank_, size_);
+  EMBER_PG_TENSOR(tensor, w, "tensor");
+  detail::check_reduce_dtype(tensor.dtype(), op, w);
+  detail::bump_version(tensor);
+  return do_allreduce(tensor, op);
+}
+
+std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, int root) {
+  const std::string w = detail::where(backend_name(), "broadcast", rank_, size_);
+  EMBER_PG_TENSOR(tensor, w, "tensor");
+  detail::check_root(root, size_, w);
+  if (rank_ != root) detail::bump_version(tensor);
+  return do_broadcast(tensor, root);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce(const Tensor& tensor, int root, ReduceOp op) {
+  const std::string w = detail::where(backend_name(), "reduce", rank_, size_);
+  EMBER_PG_TENSOR(tensor, w, "tensor");
+  detail::check_root(root, size_, w);
+  detail::check_reduce_dtype(tensor.dtype(), op, w);
+  if (rank_ == root) detail::bump_version(tensor);
+  return do_reduce(tensor, root, op);
+}
+
+std::shared_ptr<Work> ProcessGroup::allgather(const std::vector<Tensor>& outputs, const Tensor& input) {
+  const std::string w = detail::where(backend_name(), "allgather", rank_, size_);
+  EMBER_PG_TENSOR(input, w, "input");
+  detail::check_allgather_list(outputs, input, size_, w);
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    const std::string name = "outputs[" + std::to_string(r) + "]";
+    EMBER_PG_TENSOR(outputs[r], w, name.c_str());
+  }
+  for (const Tensor& o : outputs) detail::bump_version(o);
+  return do_allgather(outputs, input);
+}
+
+std::shared_ptr<Work> ProcessGroup::allgather_into_tensor(const Tensor& output, const Tensor& input) {
+  const std::string w = detail::where(backend_name(), "allgather_into_tensor", rank_, size_);
+  EMBER_PG_TENSOR(output, w, "output");
+  EMBER_PG_TENSOR(input, w, "input");
+  detail::check_same_dtype(output, "output", input, "input", w);
+  detail::check_flat_sizes(output, "output", input, "input", size_, w);
+  detail::bump_version(output);
+  return do_allgather_into_tensor(output, input);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce_scatter_front(const Tensor& output, const Tensor& input, ReduceOp op,
+                                                         bool consume_input) {
+  const std::string w = detail::where(backend_name(), "reduce_scatter_tensor", rank_, size_);
+  EMBER_PG_TENSOR(output, w, "output");
+  EMBER_PG_TENSOR(input, w, "input");
+  detail::check_same_dtype(output, "output", input, "input", w);
+  detail::check_flat_sizes(input, "input", output, "output", size_, w);
+  detail::check_reduce_dtype(input.dtype(), op, w);
+  detail::bump_version(output);
+  if (consume_input) detail::bump_version(input);
+  return do_reduce_scatter_tensor(output, input, op, consume_input);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce_scatter_tensor(const Tensor& output, const Tensor& input, ReduceOp op) {
+  return reduce_scatter_front(output, input, op, false);
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce_scatter_tensor_consuming_input(const Tensor& output, const Tensor& input,
+                                                                          ReduceOp op) {
+  return reduce_scatter_front(output, input, op, true);
+}
+
+std::shared_ptr<Work> ProcessGroup::all_to_all_single(const Tensor& output, const Tensor& input) {
+  const std::string w = detail::where(backend_name(), "all_to_all_single", rank_, size_);
+  EMBER_PG_TENSOR(output, w, "output");
+  EMBER_PG_TENSOR(input, w, "input");
+  detail::check_same_dtype(output, "output", input, "input", w);
+  EMBER_CHECK(output.numel() == input.numel(), w, ": output has shape ", shape_str(output.sizes()),
+              " but input has shape ", shape_str(input.sizes()), " (equal splits need equal numel)");
+  EMBER_CHECK(input.numel() % size_ == 0, w, ": input has ", input.numel(), " elements (shape ",
+              shape_str(input.sizes()), "), not divisible into ", size_, " equal blocks");
+  detail::bump_version(output);
+  return do_all_to_all_single(output, input);
+}
+
+std::shared_ptr<Work> ProcessGroup::barrier() { return do_barrier(); }
+
+std::shared_ptr<Work> ProcessGroup::send(const Tensor& tensor, int dst, int tag) {
+  const std::string w = detail::where(backend_name(), "send", rank_, size_);
+  EMBER_PG_TENSOR(tensor, w, "tensor");
+  detail::check_peer(dst, rank_, size_, w);
+  return do_send(tensor, dst, tag);
+}
+
+std::shared_ptr<Work> ProcessGroup::recv(const Tensor& tensor, int src, int tag) {
+  const std::string w = detail::where(backend_name(), "recv", rank_, size_);
+  EMBER_PG_TENSOR(tensor, w, "tensor");
+  detail::check_peer(src, rank_, size_, w);
+  detail::bump_version(tensor);
+  return do_recv(tensor, src, tag);
+}
+
+#undef EMBER_PG_TENSOR
+
+namespace detail {
+
+std::string OpInfo::describe() const {
+  std::ostringstream os;
+  os << op << " (" << (collective ? "collective #" : "p2p op #") << seq << ", " << backend << " group rank " << rank
+     << " of " << size << ", timeout " << timeout.count() << " ms)";
+  return os.str();
+}
+
+Signature make_signature(const std::string& op, const Tensor* tensor, int64_t numel, int root, const ReduceOp* reduce) {
+  std::ostringstream os;
+  os << "op=" << op << " dtype=" << (tensor ? dtype_name(tensor->dtype()) : "none") << " numel=" << numel
+     << " root=" << root;
+  if (reduce) os << " reduce=" << reduce_op_name(*reduce);
+  return {os.str(), tensor ? numel * static_cast<int64_t>(dtype_size(tensor->dtype())) : 0};
+}
+
+CollectiveEvent::CollectiveEvent(const OpInfo& info, const std::string& group)
+    : scope_(profiler::Kind::Collective, info.op) {
+  if (!scope_.active()) return;
+  begin_ns_ = profiler::now_ns();
+  scope_.arg("bytes", info.bytes);
+  scope_.arg("seq", info.seq);
+  scope_.arg("group", group);
+  const int64_t queued = std::chrono::duration_cast<std::chrono::nanoseconds>(PgClock::now() - info.enqueued).count();
+  scope_.arg("queued_us", info.enqueued == PgClock::time_point{} ? 0 : queued / 1000);
+}
+
+void CollectiveEvent::transfer_started() {
+  if (scope_.active()) scope_.arg("peer_wait_us", (profiler::now_ns() - begin_ns_) / 1000);
+}
+
+// ---- CompletionWork ----
+
+bool CompletionWork::is_completed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+bool CompletionWork::is_success() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_ && !error_;
+}
+
+void CompletionWork::wait() {
+  // The caller's blocked time: with the collective's own event (on the
+  // thread that ran it) this splits waiting from transferring.
+  profiler::Scope prof(profiler::Kind::Wait, profiler::enabled() ? "wait " + info_.op : std::string());
+  if (prof.active()) prof.arg("seq", info_.seq);
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return done_; });
+  if (error_) std::rethrow_exception(error_);
+}
+
+bool CompletionWork::wait(Millis timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [&] { return done_; })) return false;
+  if (error_) std::rethrow_exception(error_);
+  return true;
+}
+
+std::exception_ptr CompletionWork::exception() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+void CompletionWork::finish(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (done_) return;
+    done_ = true;
+    error_ = std::move(error);
+  }
+  cv_.notify_all();
+}
+
+// ---- Errors ----
+
+namespace {
+std::string what_of(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+bool contains(const std::string& s, const char* needle) { return s.find(needle) != std::string::npos; }
+}  // namespace
+
+bool is_connection_loss(std::exception_ptr cause) {
+  const std::string msg = what_of(cause);
+  return contains(msg, "closed") || contains(msg, "reset by peer") || contains(msg, "Broken pipe") ||
+         contains(msg, "Connection refused");
+}
+
+std::vector<LostRank> lost_ranks_within(Store& store, Millis within, std::string* store_error) {
+  const auto until = PgClock::now() + within;
+  for (;;) {
+    std::vector<LostRank> lost;
+    try {
+      lost = store.lost_ranks();
+    } catch (const std::exception& e) {
+      if (store_error) *store_error = e.what();  // the store is gone too: its host died
+      return {};
+    }
+    if (!lost.empty() || PgClock::now() >= until) return lost;
+    std::this_thread::sleep_for(Millis{20});
+  }
+}
+
+std::exception_ptr op_error(const OpInfo& info, std::exception_ptr cause, Millis elapsed,
+                            const std::vector<LostRank>& lost, const std::string& store_error) {
+  std::string msg = what_of(cause);
+  // Already one of ours (a signature check, a failed group): keep it as is.
+  if (msg.rfind(info.describe(), 0) == 0) return cause;
+  const bool timed_out = contains(msg, "Timed out") || contains(msg, "timed out") || contains(msg, "timeout");
+  std::ostringstream os;
+  os << info.describe() << (timed_out ? " timed out" : " failed") << " after " << elapsed.count() << " ms: " << msg;
+  if (!lost.empty()) {
+    os << " (";
+    for (size_t i = 0; i < lost.size(); ++i) os << (i ? ", " : "") << lost[i].describe();
+    os << (lost.size() == 1 ? " has" : " have")
+       << " left the job without saying goodbye: the process exited, crashed or was killed)";
+  } else if (is_connection_loss(cause) && !store_error.empty()) {
+    os << " (a peer process exited or closed its connection in the middle of the operation, and the store "
+       << "cannot be reached either: " << store_error << ")";
+  } else if (is_connection_loss(cause)) {
+    os << " (a peer process exited or closed its connection in the middle of the operation)";
+  } else if (timed_out) {
+    os << " (a peer is slow, hung, dead, or did not call this collective; the op's timeout is " << info.timeout.count()
+       << " ms)";
+  }
+  return std::make_exception_ptr(Error(os.str()));
+}
+
+// ---- Signature check ----
+
+namespace {
+Millis left(PgClock::time_point deadline) {
+  auto l = std::chrono::duration_cast<Millis>(deadline - PgClock::now());
+  // Store waits of 0 ms may be read as "no timeout" by some stores; 1 ms is
+  // as good as expired.
+  return std::max(l, Millis{1});
+}
+
+std::string key(int64_t seq, const std::string& leaf) { return "sig/" + std::to_string(seq) + "/" + leaf; }
+
+std::string as_string(const Bytes& b) { return std::string(b.begin(), b.end()); }
+}  // namespace
+
+void check_signature(Store& store, const OpInfo& info, PgClock::time_point deadline) {
+  if (info.size <= 1) return;
+  const std::string verdict_key = key(info.seq, "verdict");
+  if (info.rank != 0) {
+    store.set(key(info.seq, std::to_string(info.rank)), info.signature);
+    // Rank 0 publishes a verdict naming the missing ranks when its own wait
+    // expires at about the same deadline; a short grace lets us read it
+    // rather than time out with less to say.
+    const Millis grace = std::min<Millis>(info.timeout / 2, Millis{5000});
+    try {
+      store.wait({verdict_key}, left(deadline + grace));
+    } catch (const RankLostError& e) {
+      throw Error(info.describe() + ": signature check: " + e.what());
+    } catch (const Error& e) {
+      throw Error(::ember::detail::str_cat(
+          info.describe(), ": signature check: rank 0 did not compare the ranks' calls within ", info.timeout.count(),
+          " ms (rank 0 is dead, hung, or has not reached collective #", info.seq, "; this rank called ", info.signature,
+          "): ", e.what()));
+    }
+    std::string verdict = as_string(store.get(verdict_key));
+    if (verdict == "ok") return;
+    throw Error(info.describe() + ": " + verdict);
+  }
+
+  // Rank 0: gather, compare, publish.
+  std::vector<std::string> keys;
+  for (int r = 1; r < info.size; ++r) keys.push_back(key(info.seq, std::to_string(r)));
+  auto publish = [&](const std::string& verdict) {
+    try {
+      store.set(verdict_key, verdict);
+    } catch (const std::exception&) {
+      // The store itself failing is reported by the caller's own error.
+    }
+  };
+  try {
+    store.wait(keys, left(deadline));
+  } catch (const RankLostError& e) {
+    std::string msg = std::string("signature check: ") + e.what();
+    publish(msg);
+    throw Error(info.describe() + ": " + msg);
+  } catch (const Error& e) {
+    std::string missing;
+    for (int r = 1; r < info.size; ++r) {
+      bool here = false;
+      try {
+        here = store.check({keys[r - 1]});
+      } catch (const std::exception&) {
+      }
+      if (!here) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+    std::string msg = ::ember::detail::str_cat(
+        "signature check: rank(s) ", missing, " did not reach collective #", info.seq, " within ", info.timeout.count(),
+        " ms (dead, hung, or calling something else)", "; rank 0 called ", info.signature);
+    publish(msg);
+    throw Error(info.describe() + ": " + msg + " [store: " + e.what() + "]");
+  }
+  std::string mismatches;
+  for (int r = 1; r < info.size; ++r) {
+    std::string theirs = as_string(store.get(keys[r - 1]));
+    store.delete_key(keys[r - 1]);
+    if (theirs != info.signature) mismatches += ::ember::detail::str_cat("; rank ", r, " called ", theirs);
+  }
+  if (!mismatches.empty()) {
+    std::string msg = ::ember::detail::str_cat(
+        "signature mismatch at collective #", info.seq, ": rank 0 called ", info.signature, mismatches,
+        " (every rank must call the same collectives in the same order with the same "
+        "dtype, numel and root)");
+    publish(msg);
+    throw Error(info.describe() + ": " + msg);
+  }
+  store.set(verdict_key, std::string("ok"));
+  // Every rank has posted its signature for this collective, so all of them
+  // have read the previous verdict: it can go.
+  if (info.seq > 0) store.delete_key(key(info.seq - 1, "verdict"));
+}
+
+// ---- Validation ----
+
+std::string where(const std::string& backend, const char* op, int rank, int size) {
+  return ::ember::detail::str_cat(backend, " ", op, " (rank ", rank, " of ", size, ")");
+}
+
+void check_defined(const Tensor& t, const std::string& where, const char* name) {
+  EMBER_CHECK(t.defined(), where, ": ", name, " is an undefined tensor");
+}
+
+void check_root(int root, int size, const std::string& where) {
+  EMBER_CHECK(root >= 0 && root < size, where, ": root ", root, " is not a rank of a group of size ", size);
+}
+
+void check_peer(int peer, int rank, int size, const std::string& where) {
+  EMBER_CHECK(peer >= 0 && peer < size, where, ": peer rank ", peer, " is not in a group of size ", size);
+  EMBER_CHECK(peer != rank, where, ": peer rank ", peer, " is this rank; send/recv need another rank");
+}
+
+void check_same_dtype(const Tensor& a, const char* a_name, const Tensor& b, const char* b_name,
+                      const std::string& where) {
+  EMBER_CHECK(a.dtype() == b.dtype(), where, ": ", a_name, " has dtype ", a.dtype(), " (shape ", shape_str(a.sizes()),
+              ") but ", b_name, " has dtype ", b.dtype(), " (shape ", shape_str(b.sizes()), ")");
+}
+
+void check_flat_sizes(const Tensor& big, const char* big_name, const Tensor& small, const char* small_name, int factor,
+                      const std::string& where) {
+  EMBER_CHECK(big.numel() == factor * small.numel(), where, ": ", big_name, " has shape ", shape_str(big.sizes()), " (",
+              big.numel(), " elements) but must hold group size ", factor, " x ", small_name, " numel ", small.numel(),
+              " = ", factor * small.numel(), " elements (", small_name, " shape ", shape_str(small.sizes()), ")");
+}
+
+void check_allgather_list(const std::vector<Tensor>& outputs, const Tensor& input, int size, const std::string& where) {
+  EMBER_CHECK(static_cast<int>(outputs.size()) == size, where, ": got ", outputs.size(),
+              " output tensors but the group has ", size, " ranks (one output per rank)");
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    const std::string name = "outputs[" + std::to_string(r) + "]";
+    check_defined(outputs[r], where, name.c_str());
+    EMBER_CHECK(outputs[r].numel() == input.numel(), where, ": ", name, " has shape ", shape_str(outputs[r].sizes()),
+                " but input has shape ", shape_str(input.sizes()), " (numel must match)");
+    check_same_dtype(outputs[r], name.c_str(), input, "input", where);
+  }
+}
+
+void check_reduce_dtype(DType dtype, ReduceOp op, const std::string& where) {
+  EMBER_CHECK(!(dtype == DType::Bool && op == ReduceOp::Avg), where,
+              ": ReduceOp avg is not defined for bool tensors (use max for 'any' or min for 'all')");
+}
+
+// One decision for the GPU of a rank: the option init_process_group fills
+// from its resolved environment, else $LOCAL_RANK, else the rank.
+int local_device_index(const ProcessGroupOptions& options, int rank, int device_count) {
+  EMBER_CHECK(device_count > 0, "process group: no GPU to place rank ", rank, " on");
+  int index = rank;
+  if (options.local_rank >= 0) {
+    index = options.local_rank;
+  } else if (const char* local = std::getenv("LOCAL_RANK"); local && *local) {
+    index = std::atoi(local);
+  }
+  EMBER_CHECK(index >= 0, "process group: LOCAL_RANK=", index, " must be at least 0");
+  return index % device_count;
+}
+
+bool signature_checks_enabled(const ProcessGroupOptions& options) {
+  if (options.check_signatures) return true;
+  for (const char* name : {"EMBER_DISTRIBUTED_DEBUG", "TORCH_DISTRIBUTED_DEBUG"}) {
+    const char* v = std::getenv(name);
+    if (v && *v) {
+      std::string level = v;
+      for (char& c : level) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));  // as torch reads it
+      EMBER_CHECK(level == "OFF" || level == "INFO" || level == "DETAIL", name, "=", v,
+                  " is not a debug level; use OFF, INFO or DETAIL (DETAIL checks every collective's signature)");
+      return level == "DETAIL";
+    }
+  }
+  return false;
+}
+
+}  // namespace detail
+}  // namespace ember::distributed

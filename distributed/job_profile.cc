@@ -1,0 +1,61 @@
+// write_profile: the clock agreement, the exchange of trace bodies and the
+// files. See job_profile.h.
+#include "distributed/job_profile.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "core/profiler.h"
+#include "distributed/comm/object_collectives.h"
+
+namespace ember::distributed {
+namespace fs = std::filesystem;
+
+namespace {
+absl::Status write_text(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat("write_profile: cannot write '", path, "'"));
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::StatusOr<ProfileFiles> write_profile(const std::string& dir, ProcessGroup* pg, int top) {
+  const std::vector<profiler::Event> events = profiler::events();
+  const int rank = pg ? pg->rank() : 0;
+  const int world = pg ? pg->size() : 1;
+  int64_t offset = 0;
+  std::vector<std::string> bodies;
+  std::string mine;
+  try {
+    if (world > 1) {
+      pg->barrier()->wait();
+      const int64_t here = profiler::now_ns();
+      const std::vector<std::string> clocks = allgather_strings(*pg, std::to_string(here));
+      offset = std::stoll(clocks[0]) - here;
+    }
+    mine = profiler::chrome_trace_events(events, rank, "rank " + std::to_string(rank), offset);
+    bodies = world > 1 ? allgather_strings(*pg, mine) : std::vector<std::string>{mine};
+  } catch (const std::exception& e) {
+    return absl::InternalError(absl::StrCat("write_profile (rank ", rank, "): exchanging traces failed: ", e.what()));
+  }
+  ProfileFiles f;
+  f.events = events.size();
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("write_profile: cannot create '", dir, "': ", ec.message()));
+  f.trace = absl::StrCat(dir, "/trace-rank", rank, ".json");
+  f.summary = absl::StrCat(dir, "/summary-rank", rank, ".txt");
+  f.table = profiler::summary_table(events, top);
+  if (auto s = write_text(f.trace, profiler::chrome_trace({mine})); !s.ok()) return s;
+  if (auto s = write_text(f.summary, f.table); !s.ok()) return s;
+  if (rank == 0) {
+    f.merged = dir + "/trace.json";
+    if (auto s = write_text(f.merged, profiler::chrome_trace(bodies)); !s.ok()) return s;
+  }
+  return f;
+}
+
+}  // namespace ember::distributed

@@ -1,0 +1,590 @@
+// The launcher behind //tools:launch and spawn_local_workers (see launch.h):
+// fork/exec of the workers, the poll loop that prefixes their output, and
+// the failure/signal handling that tears the job down without leaving
+// processes behind.
+#include "distributed/launch/launch.h"
+
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <initializer_list>
+#include <iterator>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/exception.h"
+
+extern char** environ;
+
+namespace ember::distributed {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long one poll() may sleep: bounds how late we notice a worker exit
+// whose pipes are held open by its children, a signal that arrived just
+// before poll(), or the grace deadline.
+constexpr int kPollMs = 20;
+// A line longer than this is flushed without waiting for its newline, so a
+// worker that never prints one cannot grow the launcher without bound.
+constexpr size_t kMaxLine = 64 * 1024;
+
+// Signals the launcher forwards to the workers; set by the handler, read by
+// the loop. Only one launch() runs at a time (documented), so one slot.
+volatile sig_atomic_t g_signal = 0;
+volatile sig_atomic_t g_signal_count = 0;
+constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+
+void on_signal(int sig) {
+  g_signal = sig;
+  g_signal_count = g_signal_count + 1;
+}
+
+// Installs the forwarding handlers and a default SIGCHLD (so waitpid works
+// even if the host process ignores it) for the lifetime of one launch().
+class SignalScope {
+ public:
+  SignalScope() {
+    g_signal = 0;
+    g_signal_count = 0;
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = 0;  // no SA_RESTART: let the signal cut poll() short
+    for (size_t i = 0; i < std::size(kForwarded); ++i) sigaction(kForwarded[i], &sa, &old_[i]);
+    struct sigaction dfl {};
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    sigaction(SIGCHLD, &dfl, &old_chld_);
+  }
+  ~SignalScope() {
+    for (size_t i = 0; i < std::size(kForwarded); ++i) sigaction(kForwarded[i], &old_[i], nullptr);
+    sigaction(SIGCHLD, &old_chld_, nullptr);
+  }
+  SignalScope(const SignalScope&) = delete;
+  SignalScope& operator=(const SignalScope&) = delete;
+
+ private:
+  struct sigaction old_[std::size(kForwarded)];
+  struct sigaction old_chld_;
+};
+
+void write_all(int fd, const char* data, size_t n) {
+  while (n > 0) {
+    ssize_t w = ::write(fd, data, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return;  // stdout closed or broken: nothing sensible left to do with the text
+    }
+    data += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+void say(const std::string& msg) {
+  std::string line = "launch: " + msg + "\n";
+  write_all(STDERR_FILENO, line.data(), line.size());
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    int sig = WTERMSIG(status);
+    const char* name = sigabbrev_np(sig);
+    return "was killed by signal " + std::to_string(sig) + (name ? std::string(" (SIG") + name + ")" : "");
+  }
+  return "ended with wait status " + std::to_string(status);
+}
+
+// The shell's convention: exit code, or 128 + the signal that killed it.
+int exit_code(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+// execvp's search, done in the parent: the child may only make
+// async-signal-safe calls between fork and exec, and a missing program is
+// better reported once, by name, than by every worker.
+std::string resolve_program(const std::string& prog) {
+  EMBER_CHECK(!prog.empty(), "launch: the program to run is empty");
+  if (prog.find('/') != std::string::npos) {
+    EMBER_CHECK(::access(prog.c_str(), X_OK) == 0, "launch: cannot execute '", prog, "': ", std::strerror(errno));
+    return prog;
+  }
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "/usr/local/bin:/usr/bin:/bin";
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    size_t end = dirs.find(':', start);
+    if (end == std::string::npos) end = dirs.size();
+    std::string dir = dirs.substr(start, end - start);
+    std::string cand = (dir.empty() ? std::string(".") : dir) + "/" + prog;
+    struct stat st {};
+    if (::stat(cand.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(cand.c_str(), X_OK) == 0) return cand;
+    start = end + 1;
+  }
+  EMBER_CHECK(false, "launch: program '", prog, "' not found in PATH");
+  return {};
+}
+
+// One stream (stdout or stderr) of one worker, prefixed line by line.
+struct OutStream {
+  int fd = -1;    // read end, non-blocking; -1 once closed
+  int dest = -1;  // the launcher's stdout or stderr
+  std::string prefix;
+  std::string pending;  // the current, unfinished line
+
+  // Reads what is available; writes every complete line with its prefix.
+  // Returns false at EOF.
+  bool pump() {
+    char buf[16384];
+    for (;;) {
+      ssize_t n = ::read(fd, buf, sizeof buf);
+      if (n > 0) {
+        emit(buf, static_cast<size_t>(n));
+        continue;
+      }
+      if (n == 0) return false;
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
+      return false;  // a read error on our own pipe: treat as closed
+    }
+  }
+
+  // Batches all complete lines of one chunk into a single write (whole
+  // lines only, so ranks interleave by lines, never mid-line).
+  void emit(const char* data, size_t n) {
+    std::string out;
+    size_t begin = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (data[i] != '\n') continue;
+      out += prefix;
+      out += pending;
+      out.append(data + begin, i + 1 - begin);
+      pending.clear();
+      begin = i + 1;
+    }
+    pending.append(data + begin, n - begin);
+    if (pending.size() >= kMaxLine) {
+      out += prefix + pending + "\n";
+      pending.clear();
+    }
+    if (!out.empty()) write_all(dest, out.data(), out.size());
+  }
+
+  // The last line of a worker that did not end it with a newline.
+  void finish() {
+    if (fd >= 0) {
+      pump();
+      ::close(fd);
+      fd = -1;
+    }
+    if (!pending.empty()) {
+      std::string out = prefix + pending + "\n";
+      write_all(dest, out.data(), out.size());
+      pending.clear();
+    }
+  }
+};
+
+struct Worker {
+  int rank = 0, local_rank = 0;
+  pid_t pid = -1;  // also its process group id
+  bool running = false;
+  int status = 0;
+  OutStream out, err;
+};
+
+void signal_worker(const Worker& w, int sig) {
+  if (!w.running) return;
+  // The whole group: whatever the worker started goes too.
+  if (::kill(-w.pid, sig) != 0) ::kill(w.pid, sig);
+}
+
+std::vector<char*> c_strings(std::vector<std::string>& v) {
+  std::vector<char*> out;
+  out.reserve(v.size() + 1);
+  for (auto& s : v) out.push_back(s.data());
+  out.push_back(nullptr);
+  return out;
+}
+
+// The launcher's environment with the worker's variables put over it.
+// 128 random bits from the kernel, as hex: the store token of one job.
+std::string random_token() {
+  unsigned char bytes[16];
+  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  EMBER_CHECK(fd >= 0, "launch: cannot open /dev/urandom for the job's store token: ", std::strerror(errno));
+  size_t got = 0;
+  while (got < sizeof bytes) {
+    ssize_t r = ::read(fd, bytes + got, sizeof bytes - got);
+    if (r < 0 && errno == EINTR) continue;
+    EMBER_CHECK(r > 0, "launch: cannot read /dev/urandom for the job's store token");
+    got += static_cast<size_t>(r);
+  }
+  ::close(fd);
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : bytes) {
+    out += hex[b >> 4];
+    out += hex[b & 15];
+  }
+  return out;
+}
+
+std::vector<std::string> worker_env(const std::vector<std::pair<std::string, std::string>>& set) {
+  std::vector<std::string> env;
+  for (char** e = environ; e && *e; ++e) {
+    std::string kv = *e;
+    std::string key = kv.substr(0, kv.find('='));
+    bool overridden = false;
+    for (const auto& [k, v] : set) overridden = overridden || k == key;
+    if (!overridden) env.push_back(std::move(kv));
+  }
+  for (const auto& [k, v] : set) env.push_back(k + "=" + v);
+  return env;
+}
+
+void make_pipe(int fds[2]) {
+  EMBER_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "launch: pipe failed: ", std::strerror(errno));
+  ::fcntl(fds[0], F_SETFL, ::fcntl(fds[0], F_GETFL) | O_NONBLOCK);
+}
+
+// Everything the child needs is computed before fork(); between fork and
+// exec it only makes async-signal-safe calls.
+//
+// The forwarded signals arrive blocked (launch() blocks them around fork):
+// until the handlers are reset below, the launcher's handler is installed
+// here too, and would swallow a SIGTERM meant for this worker. Blocked, it
+// stays pending and kills the worker when the mask is cleared before exec.
+// `pause_ms` > 0 (EMBER_LAUNCH_TEST_FORK_PAUSE_MS, for launch_test only)
+// widens that window so the test can hit it.
+[[noreturn]] void exec_child(const char* path, char* const* args, char* const* envp, int out_fd, int err_fd,
+                             pid_t launcher, int max_fd, long pause_ms) {
+  if (pause_ms > 0) {
+    timespec ts{pause_ms / 1000, (pause_ms % 1000) * 1000000};
+    while (::nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+  }
+  ::setpgid(0, 0);
+  // If the launcher dies without cleaning up (SIGKILL, crash), the workers
+  // must not live on as orphans.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != launcher) ::_exit(1);  // it died before the prctl took effect
+  if (out_fd >= 0) ::dup2(out_fd, STDOUT_FILENO);
+  if (err_fd >= 0) ::dup2(err_fd, STDERR_FILENO);
+  // Other descriptors of the launcher's process (another worker's pipe, a
+  // test's files) are not the worker's business; torchrun closes them too.
+  if (::syscall(SYS_close_range, 3u, ~0u, 0u) != 0)
+    for (int fd = 3; fd < max_fd; ++fd) ::close(fd);
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  sigemptyset(&dfl.sa_mask);
+  for (int sig : kForwarded) ::sigaction(sig, &dfl, nullptr);
+  ::sigaction(SIGPIPE, &dfl, nullptr);
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  ::execve(path, args, envp);
+  int e = errno;
+  auto put = [](const char* text) {
+    ssize_t r = ::write(STDERR_FILENO, text, std::strlen(text));
+    (void)r;  // nowhere left to report a failed report
+  };
+  put("launch: exec failed: ");
+  put(path);
+  put(": ");
+  put(std::strerror(e));  // not formally async-signal-safe; we are exiting anyway
+  put("\n");
+  ::_exit(127);
+}
+
+}  // namespace
+
+int find_free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  EMBER_CHECK(fd >= 0, "find_free_port: socket failed: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;
+  socklen_t len = sizeof addr;
+  bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+            ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  int err = errno;
+  ::close(fd);
+  EMBER_CHECK(ok, "find_free_port: bind failed: ", std::strerror(err));
+  return ntohs(addr.sin_port);
+}
+
+int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
+  EMBER_CHECK(opt.nproc_per_node >= 1, "launch: nproc_per_node must be >= 1, got ", opt.nproc_per_node);
+  EMBER_CHECK(opt.nnodes >= 1, "launch: nnodes must be >= 1, got ", opt.nnodes);
+  EMBER_CHECK(opt.node_rank >= 0 && opt.node_rank < opt.nnodes, "launch: node_rank ", opt.node_rank,
+              " is outside [0, nnodes=", opt.nnodes, ")");
+  EMBER_CHECK(opt.master_port >= 0 && opt.master_port <= 65535, "launch: master_port ", opt.master_port,
+              " is outside [0, 65535]");
+  EMBER_CHECK(opt.master_port != 0 || opt.nnodes == 1,
+              "launch: master_port 0 (pick a free port) only works with nnodes=1: the other "
+              "nodes could not know the port; got nnodes=",
+              opt.nnodes);
+  EMBER_CHECK(!opt.master_addr.empty(), "launch: master_addr is empty");
+  EMBER_CHECK(opt.grace.count() >= 0, "launch: grace must be >= 0 ms, got ", opt.grace.count());
+  EMBER_CHECK(!argv.empty(), "launch: no program given");
+
+  const int nproc = opt.nproc_per_node;
+  const int world = nproc * opt.nnodes;
+  const int port = opt.master_port == 0 ? find_free_port() : opt.master_port;
+  const std::string path = resolve_program(argv[0]);
+
+  bool set_omp = nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
+  if (set_omp) {
+    // torchrun's notice, word for word, so people recognise it.
+    say("\n*****************************************\n"
+        "Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, to "
+        "avoid your system being overloaded, please further tune the variable for optimal "
+        "performance in your application as needed. \n"
+        "*****************************************");
+  }
+
+  // The store's job token: the user's, else (one node, where this launcher
+  // starts every rank) a fresh one. Launchers of a multi-node job cannot
+  // agree on a random one, so there the user exports the same one on each.
+  std::string token = std::getenv("EMBER_STORE_TOKEN") ? std::getenv("EMBER_STORE_TOKEN") : "";
+  if (token.empty() && opt.nnodes == 1) {
+    token = random_token();
+  } else if (token.empty()) {
+    say("launch: EMBER_STORE_TOKEN is not set, so the job's store serves any client that reaches MASTER_ADDR:" +
+        std::to_string(port) + "; export the same secret as EMBER_STORE_TOKEN on every node to keep others out");
+  }
+
+  const char* pause_env = std::getenv("EMBER_LAUNCH_TEST_FORK_PAUSE_MS");
+  const long fork_pause_ms = pause_env ? std::strtol(pause_env, nullptr, 10) : 0;
+  // Build every worker's argv/envp before the first fork.
+  std::vector<std::string> args = argv;
+  std::vector<char*> c_args = c_strings(args);
+  std::vector<std::vector<std::string>> envs(nproc);
+  std::vector<std::vector<char*>> c_envs(nproc);
+  for (int local = 0; local < nproc; ++local) {
+    std::vector<std::pair<std::string, std::string>> set = {
+        {"RANK", std::to_string(opt.node_rank * nproc + local)},
+        {"WORLD_SIZE", std::to_string(world)},
+        {"LOCAL_RANK", std::to_string(local)},
+        {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
+        {"GROUP_RANK", std::to_string(opt.node_rank)},
+        {"GROUP_WORLD_SIZE", std::to_string(opt.nnodes)},
+        {"MASTER_ADDR", opt.master_addr},
+        {"MASTER_PORT", std::to_string(port)},
+    };
+    if (set_omp) set.emplace_back("OMP_NUM_THREADS", "1");
+    if (!token.empty()) set.emplace_back("EMBER_STORE_TOKEN", token);
+    envs[local] = worker_env(set);
+    c_envs[local] = c_strings(envs[local]);
+  }
+  const int max_fd = static_cast<int>(std::min<long>(::sysconf(_SC_OPEN_MAX), 1 << 16));
+
+  // Our own stdio first, so nothing buffered earlier lands after worker lines.
+  std::fflush(stdout);
+  std::fflush(stderr);
+
+  SignalScope signals;
+  const pid_t self = ::getpid();
+  std::vector<Worker> workers(nproc);
+  int running = 0;
+
+  auto kill_all = [&](int sig) {
+    for (auto& w : workers) signal_worker(w, sig);
+  };
+  // A failure while starting: take down whoever is already up, then throw.
+  auto abort_start = [&](std::initializer_list<int> fds) {
+    for (int fd : fds)
+      if (fd >= 0) ::close(fd);
+    kill_all(SIGKILL);
+    for (auto& v : workers)
+      if (v.running) ::waitpid(v.pid, nullptr, 0);
+    for (auto& v : workers) {
+      v.out.finish();
+      v.err.finish();
+    }
+  };
+
+  for (int local = 0; local < nproc; ++local) {
+    Worker& w = workers[local];
+    w.local_rank = local;
+    w.rank = opt.node_rank * nproc + local;
+    int out[2] = {-1, -1}, err[2] = {-1, -1};
+    if (opt.prefix_output) {
+      try {
+        make_pipe(out);
+        make_pipe(err);
+      } catch (...) {
+        abort_start({out[0], out[1], err[0], err[1]});
+        throw;
+      }
+    }
+    // Blocked around fork: see exec_child. The parent's copy is unblocked at
+    // once, and a signal that came meanwhile is handled (and forwarded) then.
+    sigset_t forwarded, prev_mask;
+    sigemptyset(&forwarded);
+    for (int sig : kForwarded) sigaddset(&forwarded, sig);
+    ::pthread_sigmask(SIG_BLOCK, &forwarded, &prev_mask);
+    pid_t pid = ::fork();
+    if (pid == 0)
+      exec_child(path.c_str(), c_args.data(), c_envs[local].data(), out[1], err[1], self, max_fd, fork_pause_ms);
+    int fork_errno = errno;
+    ::pthread_sigmask(SIG_SETMASK, &prev_mask, nullptr);
+    if (pid < 0) {
+      abort_start({out[0], out[1], err[0], err[1]});
+      EMBER_CHECK(false, "launch: fork of local rank ", local, " failed: ", std::strerror(fork_errno));
+    }
+    for (int fd : {out[1], err[1]})
+      if (fd >= 0) ::close(fd);
+    // Also from the parent: a signal sent to the group before the child got
+    // to its own setpgid must still find the group.
+    ::setpgid(pid, pid);
+    w.pid = pid;
+    w.running = true;
+    ++running;
+    std::string prefix = "[rank " + std::to_string(w.rank) + "]: ";
+    w.out = OutStream{out[0], STDOUT_FILENO, prefix, {}};
+    w.err = OutStream{err[0], STDERR_FILENO, prefix, {}};
+  }
+
+  int result = 0;
+  bool failed = false;       // the first failure (or signal) decided `result`
+  bool terminating = false;  // SIGTERM (or the forwarded signal) has gone out
+  bool killed = false;       // SIGKILL has gone out
+  Clock::time_point deadline{};
+  int handled_signals = 0;
+
+  auto start_termination = [&](int sig) {
+    terminating = true;
+    kill_all(sig);
+    deadline = Clock::now() + opt.grace;
+  };
+
+  while (running > 0) {
+    // Signals to the launcher: forward the first, SIGKILL on a second.
+    int count = g_signal_count;
+    if (count > handled_signals) {
+      int sig = g_signal;
+      handled_signals = count;
+      if (!failed) {
+        failed = true;
+        result = 128 + sig;
+      }
+      if (!terminating) {
+        say("received signal " + std::to_string(sig) + ", forwarding it to the workers");
+        start_termination(sig);
+      } else if (!killed) {
+        say("received another signal, killing the workers");
+        killed = true;
+        kill_all(SIGKILL);
+      }
+    }
+
+    // Reap whoever has exited (only our own pids: the host process may have
+    // other children that are none of our business).
+    for (auto& w : workers) {
+      if (!w.running) continue;
+      int status = 0;
+      pid_t r = ::waitpid(w.pid, &status, WNOHANG);
+      if (r == 0 || (r < 0 && errno == EINTR)) continue;
+      w.running = false;
+      w.status = r == w.pid ? status : 0;
+      --running;
+      bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
+      // Whatever a failed (or stopped) worker left running in its group goes
+      // with it. Done right after the reap: the group id cannot have been
+      // reused yet.
+      if (!ok || terminating) ::kill(-w.pid, SIGKILL);
+      if (!ok && !failed) {
+        // Its last words first, then ours.
+        if (w.out.fd >= 0) w.out.pump();
+        if (w.err.fd >= 0) w.err.pump();
+        failed = true;
+        result = exit_code(w.status);
+        say("rank " + std::to_string(w.rank) + " (local rank " + std::to_string(w.local_rank) + ", pid " +
+            std::to_string(w.pid) + ") " + describe_status(w.status) +
+            (running > 0 ? "; stopping the other workers" : ""));
+        if (running > 0) start_termination(SIGTERM);
+      }
+    }
+    if (running == 0) break;
+
+    if (terminating && !killed && Clock::now() >= deadline) {
+      killed = true;
+      say("workers still running " + std::to_string(opt.grace.count()) + " ms after the signal; sending SIGKILL");
+      kill_all(SIGKILL);
+    }
+
+    // Wait for output, or at most kPollMs.
+    std::vector<pollfd> fds;
+    std::vector<OutStream*> streams;
+    for (auto& w : workers)
+      for (OutStream* s : {&w.out, &w.err})
+        if (s->fd >= 0) {
+          fds.push_back({s->fd, POLLIN, 0});
+          streams.push_back(s);
+        }
+    int n = ::poll(fds.data(), fds.size(), kPollMs);
+    if (n <= 0) continue;  // timeout, or EINTR from a signal: loop handles both
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      if (!streams[i]->pump()) {
+        ::close(streams[i]->fd);
+        streams[i]->fd = -1;
+      }
+    }
+  }
+
+  // Everyone is reaped. Drain what is left in the pipes without waiting for
+  // EOF: a grandchild holding a pipe open must not hang the launcher.
+  for (auto& w : workers) {
+    w.out.finish();
+    w.err.finish();
+  }
+  if (failed && result >= 128 && handled_signals > 0) say("stopped by signal " + std::to_string(result - 128));
+  return result;
+}
+
+int spawn_local_workers(int nproc, int argc, char** argv, bool prefix_output) {
+  auto set = [](const char* name) { return std::getenv(name) != nullptr; };
+  bool torchrun = set("RANK") && set("WORLD_SIZE");
+  bool srun = set("SLURM_PROCID") && set("SLURM_NTASKS") && set("SLURM_STEP_ID");
+  if (torchrun || srun) return -1;
+  EMBER_CHECK(nproc >= 1, "spawn_local_workers: nproc must be >= 1, got ", nproc);
+
+  // The real path rather than "/proc/self/exe" as argv[0]: programs find
+  // their runfiles (and name themselves in messages) from argv[0].
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  EMBER_CHECK(n > 0, "spawn_local_workers: cannot read /proc/self/exe: ", std::strerror(errno));
+  std::vector<std::string> args{std::string(buf, static_cast<size_t>(n))};
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+
+  LaunchOptions opt;
+  opt.nproc_per_node = nproc;
+  opt.master_port = 0;
+  opt.prefix_output = prefix_output;
+  return launch(opt, args);
+}
+
+}  // namespace ember::distributed

@@ -1,0 +1,119 @@
+// The worker program launch_test runs under launch(): one mode per behaviour
+// the launcher must handle (see the usage below). Files it writes go to a
+// directory the test names, written under a temporary name and renamed, so
+// the test never reads half a file.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <thread>
+
+#include "distributed/launch/launch.h"
+#include "distributed/logging/logging.h"
+
+namespace {
+
+int env_int(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : -1;
+}
+
+std::string env_str(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "<unset>";
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  {
+    std::ofstream f(path + ".tmp");
+    f << text;
+  }
+  std::rename((path + ".tmp").c_str(), path.c_str());
+}
+
+bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
+
+// Long enough that only being killed ends it within a test's lifetime.
+[[noreturn]] void sleep_forever() {
+  for (;;) ::sleep(60);
+}
+
+int usage() {
+  std::fprintf(stderr,
+               "usage: launch_test_worker env DIR | print | log | sleep DIR | spawn N\n"
+               "       | fail FAILING_RANK CODE|sigN DIR [stubborn]\n");
+  return 64;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) return usage();
+  const std::string mode = argv[1];
+
+  if (mode == "spawn" && argc >= 3) {
+    // A program that launches itself: the pattern of launch.h's example.
+    if (int rc = ember::distributed::spawn_local_workers(std::atoi(argv[2]), argc, argv); rc >= 0) return rc;
+    std::printf("worker %d of %d\n", env_int("RANK"), env_int("WORLD_SIZE"));
+    return 0;
+  }
+
+  const int rank = env_int("RANK");
+  if (mode == "env" && argc >= 3) {
+    std::string text;
+    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                             "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "EMBER_STORE_TOKEN"})
+      text += std::string(name) + "=" + env_str(name) + "\n";
+    write_file(std::string(argv[2]) + "/env." + std::to_string(rank), text);
+    return 0;
+  }
+  if (mode == "print") {
+    std::cout << "out line 1 of rank " << rank << "\n" << std::flush;
+    std::cerr << "err of rank " << rank << "\n" << std::flush;
+    std::cout << "out line 2 of rank " << rank << "\n";
+    std::cout << "partial " << rank << std::flush;  // no newline: the launcher ends the line
+    return 0;
+  }
+  if (mode == "log") {
+    LOG0("only rank 0 says this");
+    LOG_ALL("every rank says this");
+    return 0;
+  }
+  if (mode == "sleep" && argc >= 3) {
+    write_file(std::string(argv[2]) + "/pid." + std::to_string(rank), std::to_string(::getpid()));
+    sleep_forever();
+  }
+  if (mode == "fail" && argc >= 5) {
+    const int failing = std::atoi(argv[2]);
+    const std::string code = argv[3], dir = argv[4];
+    const bool stubborn = argc >= 6 && std::string(argv[5]) == "stubborn";
+    if (rank != failing) {
+      if (stubborn) ::signal(SIGTERM, SIG_IGN);  // inherited by the child too
+      // A grandchild of the launcher: it must go down with its worker.
+      pid_t child = ::fork();
+      if (child == 0) sleep_forever();
+      write_file(dir + "/child." + std::to_string(rank), std::to_string(child));
+      write_file(dir + "/pid." + std::to_string(rank), std::to_string(::getpid()));
+      sleep_forever();
+    }
+    write_file(dir + "/pid." + std::to_string(rank), std::to_string(::getpid()));
+    // Fail only once every other worker is up, so the test knows whom to check.
+    const int world = env_int("WORLD_SIZE");
+    auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    for (int r = 0; r < world; ++r)
+      while (!exists(dir + "/pid." + std::to_string(r)) && std::chrono::steady_clock::now() < give_up)
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    std::fprintf(stderr, "rank %d failing with %s\n", rank, code.c_str());
+    if (code.rfind("sig", 0) == 0) {
+      ::signal(std::atoi(code.c_str() + 3), SIG_DFL);
+      ::raise(std::atoi(code.c_str() + 3));
+    }
+    return std::atoi(code.c_str());
+  }
+  return usage();
+}

@@ -1,0 +1,139 @@
+// FSDP's internal unit state, shared by fsdp.cc (the state machine and
+// hooks) and fsdp_state_dict.cc (full state dicts). Not part of the API.
+//
+// A unit's parameters are in one of three states:
+//   SHARDED    each parameter is its sharded view of `shard` (float32), its
+//              .grad() the same view of `shard_grad`: what optimizers see.
+//   UNSHARDED  each parameter is its view of layout.flat() (param_dtype, the
+//              whole unit gathered), its .grad() a view of `grad_flat`.
+//   FREED      as UNSHARDED, but layout.flat()'s memory is given back
+//              (FULL_SHARD between a unit's forward and its backward).
+// With a shard group of one rank and no cast (NO_SHARD), `shard` is
+// layout.flat() itself (shares_storage): the views coincide, and only the
+// gradients move between the two states.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "distributed/parallel/flat_buffer.h"
+#include "distributed/parallel/fsdp/fsdp.h"
+
+namespace ember::distributed {
+
+struct PendingReduce {
+  std::shared_ptr<FSDPModule::Unit> unit;
+  Tensor input;            // the unit's full gradient buffer in reduce_dtype, until the reduce-scatter ends
+  Tensor output;           // its shard, reduced
+  std::vector<bool> seen;  // which parameters it holds a gradient of
+  std::shared_ptr<Work> rs, ar;
+};
+
+struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
+  enum class State { SHARDED, UNSHARDED, FREED };
+
+  nn::Module* module = nullptr;
+  std::string type;
+  ShardingStrategy strategy = ShardingStrategy::FULL_SHARD;
+  std::shared_ptr<ProcessGroup> shard_pg, replicate_pg;  // null: one rank / none
+  int shard_size = 1, shard_rank = 0;
+
+  std::vector<std::string> names;  // relative to `module`
+  std::vector<Tensor> params;      // the module's own parameter objects
+  std::vector<bool> trainable;
+  // Which parameters' sharded gradients hold something (exposed as .grad()),
+  // and which got a gradient into grad_flat since its last reduction: a
+  // parameter that got none keeps .grad() undefined, as torch's FSDP2 leaves
+  // it, so optimizers skip it (no weight decay) as they would unsharded.
+  std::vector<bool> seen_shard, seen_unsharded;
+  Device device;  // where the unit computes
+  DType compute_dtype = DType::Float32, reduce_dtype = DType::Float32;
+  std::optional<DType> output_dtype;
+  bool cast_inputs = true;
+
+  FlatBuffer layout;                      // the whole unit in compute_dtype (released unless gathered)
+  std::vector<FlatBuffer::Piece> pieces;  // what of each entry this rank's shard holds
+  Tensor shard;                           // [shard_numel] master dtype, on the shard device
+  // [shard_numel] master dtype, or undefined. While SHARDED and exposed
+  // as the parameters' .grad() views, the unit holds it only weakly, so a
+  // zero_grad(set_to_none) frees it as it would unsharded gradients.
+  Tensor shard_grad;
+  std::weak_ptr<Storage> shard_grad_weak;
+  Tensor grad_flat;  // [padded_numel] compute_dtype: unsharded gradients, or undefined
+  bool shares_storage = false;
+  State state = State::SHARDED;
+
+  bool gathering = false;
+  std::shared_ptr<Work> gather_work;
+  Tensor gather_src;
+  uint64_t fwd_version = 0;
+
+  bool reshard_after_forward = true, reshard_after_backward = true, requires_sync = true;
+  bool forward_prefetch = true, backward_prefetch = true;
+  int prefetch_limit = 1;
+
+  // Per forward/backward.
+  uint64_t generation = 0;
+  bool expects_backward = false, post_backward_done = false, input_hooked = false;
+  int64_t waiting = 0;
+
+  // Root only.
+  bool is_root = false, root_initialized = false, callback_queued = false;
+  // Weak: the root is in its own lists, and the modules' hooks own the units;
+  // strong references here kept a model's units (and their shards) alive
+  // after the model was gone.
+  std::vector<std::weak_ptr<Unit>> subtree;
+  std::vector<std::weak_ptr<Unit>> fwd_order, prev_fwd_order, post_fwd_order;
+  std::deque<PendingReduce> pending;
+  std::weak_ptr<Unit> bwd_anchor;  // the unit whose backward started last
+
+  std::vector<nn::HookHandle> hooks;
+
+  Tensor full_view(const Tensor& flat, size_t i) const;
+  Tensor shard_view(const Tensor& shard_flat, size_t i) const;
+  int64_t num_trainable() const;
+  int64_t shard_numel() const;
+  TensorOptions master_options() const;
+  TensorOptions compute_options() const;
+  // The flat buffer (sharded or whole layout) holding the parameters'
+  // current gradients: `flat` itself when each is still its view, else a new
+  // one they are copied into, undefined when none has a gradient.
+  Tensor reconcile(const Tensor& flat, bool sharded, int64_t numel, TensorOptions opts) const;
+  void expose_grads(const Tensor& flat, bool sharded);
+  // The sharded gradient, whether held or only seen through the parameters.
+  Tensor live_shard_grad() const;
+  // While SHARDED: let the parameters' views be what keeps it alive.
+  void hold_shard_grad_weakly();
+  int64_t shard_offset_of(size_t i) const;
+
+  void start_gather();
+  void finish_gather();
+  void unshard();
+  void free_unsharded();
+  void reshard();
+  void accumulate_shard_grad(const Tensor& reduced, const std::vector<bool>& seen);
+  void issue_reduce(const Tensor& grads);
+  // Root: one step of each pending reduction (waits); true when it is done.
+  bool advance(std::deque<PendingReduce>::iterator it);
+  void advance_pending();
+  void post_backward();
+  void on_grad_ready(uint64_t generation);
+  void ensure_grad_buffer();
+  void finalize_backward();
+
+  std::shared_ptr<Unit> root();
+  void init_root();
+  Tensor pre_forward(const Tensor& input);
+  Tensor post_forward(const Tensor& output);
+  void pre_backward();
+  void prefetch_backward();  // root: gathers ahead of bwd_anchor within the limit
+
+ private:
+  std::weak_ptr<Unit> root_;
+};
+
+}  // namespace ember::distributed
