@@ -110,11 +110,6 @@ struct DeviceHyper {
   const float* lr = nullptr;
   const float* found_inf = nullptr;
 };
-struct SgdKernelArgs {
-  double lr, momentum, dampening, weight_decay;
-  bool nesterov, maximize;
-  DeviceHyper dev;
-};
 struct AdamKernelArgs {
   double lr, beta1, beta2, eps, weight_decay;
   double step_size;           // lr / (1 - beta1^step)
@@ -124,11 +119,13 @@ struct AdamKernelArgs {
   DeviceHyper dev;
 };
 // `init[i]`: parameter i's momentum buffer is new and takes d rather than
-// being decayed into (torch's first-step clone).
+// being decayed into (torch's first-step clone). The hyperparameters are the
+// op's own SgdArgs (one struct for every layer); its tensors arrive as
+// `dev`'s raw pointers.
 void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                  const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdKernelArgs& a);
+                  const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev);
 void sgd_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                   const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdKernelArgs& a);
+                   const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev);
 // `steps`: empty (the host's step in `a`), or one count per parameter
 // (read for the bias corrections, then incremented unless skipped).
 void adam_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
@@ -169,7 +166,7 @@ struct SgdScalars {
 };
 
 template <typename C>
-SgdScalars<C> sgd_scalars(const SgdKernelArgs& a) {
+SgdScalars<C> sgd_scalars(const SgdArgs& a) {
   return {static_cast<C>(-a.lr), static_cast<C>(a.momentum), static_cast<C>(1.0 - a.dampening),
           static_cast<C>(a.weight_decay), a.momentum != 0.0, a.weight_decay != 0.0, a.nesterov, a.maximize};
 }

@@ -532,7 +532,10 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Dims st
         for (Tensor* t : {&dx, &dw, &db})
           if (t->defined()) t->zero_();
       } else if (xc.is_cuda()) {
-        conv2d_backward_cuda(g, xc, wc, dy, need_x ? &dx : nullptr, need_w ? &dw : nullptr, need_b ? &db : nullptr);
+        conv2d_backward_cuda(g, xc, wc, dy, need_x ? &dx : nullptr, need_w ? &dw : nullptr);
+        // The bias gradient is a plain reduction: the reduction kernels' job
+        // (strided over N, H, W in either layout), not a kernel of its own.
+        if (need_b) db = sum(dy, {0, 2, 3}).to(bc.dtype());
       } else {
         conv2d_backward_cpu(g, xc, wc, dy, need_x ? &dx : nullptr, need_w ? &dw : nullptr, need_b ? &db : nullptr);
       }

@@ -355,35 +355,6 @@ __global__ void add_bias_kernel(T* __restrict__ y, const T* __restrict__ b, int6
   });
 }
 
-template <typename A>
-__device__ A block_sum(A v) {
-  __shared__ A partial[cuda::kBlockSize / cuda::kWarpSize];
-  for (int d = cuda::kWarpSize / 2; d > 0; d /= 2) v += cuda::shfl_down(v, d);
-  const int lane = threadIdx.x % cuda::kWarpSize, warp = threadIdx.x / cuda::kWarpSize;
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  v = threadIdx.x < blockDim.x / cuda::kWarpSize ? partial[threadIdx.x] : A(0);
-  if (warp == 0)
-    for (int d = cuda::kWarpSize / 2; d > 0; d /= 2) v += cuda::shfl_down(v, d);
-  __syncthreads();  // partial may be reused by the caller's next block_sum
-  return v;         // complete in thread 0
-}
-
-// db[ch] = sum of dy over N, H, W; one block (kBlockSize threads) per channel.
-template <typename T>
-__global__ void bias_grad_kernel(const T* __restrict__ dy, T* __restrict__ db, int64_t n, int64_t c, int64_t hw,
-                                 bool channels_last) {
-  using A = acc_t<T>;
-  const int64_t ch = blockIdx.x;
-  A acc = 0;
-  for (int64_t i = threadIdx.x; i < n * hw; i += blockDim.x) {
-    const int64_t img = i / hw, s = i % hw;
-    acc += static_cast<A>(dy[channels_last ? (img * hw + s) * c + ch : (img * c + ch) * hw + s]);
-  }
-  acc = block_sum(acc);
-  if (threadIdx.x == 0) db[ch] = cuda::cast_value<T, A>(acc);
-}
-
 template <typename F>
 void dispatch_conv_float(DType t, F&& f) {
   EMBER_DISPATCH_FLOAT(t, "conv2d", [&] { f(scalar_t{}); });
@@ -596,7 +567,7 @@ void conv2d_forward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, co
 }
 
 void conv2d_backward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
-                          Tensor* dw, Tensor* db) {
+                          Tensor* dw) {
   const int dev = x.device().index;
   cuda::DeviceGuard guard(dev);
   cudaStream_t stream = cuda::stream_for(dev);
@@ -607,15 +578,6 @@ void conv2d_backward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, c
   const bool cl = channels_last(x, w);
   if (dx) check_found(backward_data_pass(h, dev, g, w, dy, *dx, cl), "backward data", g, x.dtype(), cl);
   if (dw) check_found(backward_filter_pass(h, dev, g, x, dy, *dw, cl), "backward filter", g, x.dtype(), cl);
-  if (db) {
-    dispatch_conv_float(x.dtype(), [&](auto tag) {
-      using T = decltype(tag);
-      bias_grad_kernel<T><<<static_cast<unsigned>(g.o), cuda::kBlockSize, 0, stream>>>(
-          static_cast<const T*>(dy.raw_data()), static_cast<T*>(db->raw_data()), g.n, g.o, g.oh * g.ow,
-          !dy.is_contiguous());
-    });
-    EMBER_CUDA_CHECK(cudaGetLastError());
-  }
 }
 
 }  // namespace ember

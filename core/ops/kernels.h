@@ -136,8 +136,9 @@ void conv2d_forward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, co
 // its operand's layout.
 void conv2d_backward_cpu(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
                          Tensor* dw, Tensor* db);
+// CUDA: dx and dw (the bias gradient is a reduction, done by the op layer).
 void conv2d_backward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
-                          Tensor* dw, Tensor* db);
+                          Tensor* dw);
 
 // Batch norm of contiguous x [N, C, H, W]. Per-channel tensors (mean, var,
 // invstd, w, b, dw, db) are contiguous [C] in the statistics dtype: float64

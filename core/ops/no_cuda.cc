@@ -34,8 +34,7 @@ EMBER_NO_CUDA(index_add_cuda, Tensor&, const Tensor&, const Tensor&, int64_t, in
 EMBER_NO_CUDA(scatter_add_cuda, Tensor&, const Tensor&, const Tensor&, int64_t)
 EMBER_NO_CUDA(random_cuda, RandomKind, Tensor&, double, double, uint64_t, uint64_t, const Tensor&)
 EMBER_NO_CUDA(conv2d_forward_cuda, const ConvGeom&, const Tensor&, const Tensor&, const Tensor&, Tensor&)
-EMBER_NO_CUDA(conv2d_backward_cuda, const ConvGeom&, const Tensor&, const Tensor&, const Tensor&, Tensor*, Tensor*,
-              Tensor*)
+EMBER_NO_CUDA(conv2d_backward_cuda, const ConvGeom&, const Tensor&, const Tensor&, const Tensor&, Tensor*, Tensor*)
 EMBER_NO_CUDA(batch_norm_stats_cuda, const Tensor&, Tensor&, Tensor&, double, Tensor*, Tensor*, double)
 EMBER_NO_CUDA(batch_norm_apply_cuda, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
               Tensor&)
@@ -46,7 +45,7 @@ EMBER_NO_CUDA(max_pool2d_backward_cuda, const PoolGeom&, const Tensor&, const Te
 EMBER_NO_CUDA(avg_pool2d_cuda, const PoolGeom&, const Tensor&, Tensor&)
 EMBER_NO_CUDA(avg_pool2d_backward_cuda, const PoolGeom&, const Tensor&, Tensor&)
 EMBER_NO_CUDA(sgd_step_cuda, const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-              const std::vector<bool>&, const SgdKernelArgs&)
+              const std::vector<bool>&, const SgdArgs&, DeviceHyper)
 EMBER_NO_CUDA(adam_step_cuda, const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
               const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
               const AdamKernelArgs&)

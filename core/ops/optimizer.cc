@@ -15,15 +15,15 @@ namespace ember {
 
 // ---- CPU kernels ----
 void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                  const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdKernelArgs& a) {
+                  const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev) {
   if (params.empty()) return;
   // CPU tensors: the device values are host memory, read directly.
-  if (a.dev.found_inf && *a.dev.found_inf > 0.f) return;
+  if (dev.found_inf && *dev.found_inf > 0.f) return;
   EMBER_DISPATCH_FLOAT(params[0].dtype(), "sgd_step_", [&] {
     using T = scalar_t;
     using C = acc_t<T>;
     auto s = optim_fns::sgd_scalars<C>(a);
-    if (a.dev.lr) s = optim_fns::sgd_with_lr(s, static_cast<double>(*a.dev.lr));
+    if (dev.lr) s = optim_fns::sgd_with_lr(s, static_cast<double>(*dev.lr));
     for (size_t i = 0; i < params.size(); ++i) {
       T* p = params[i].data<T>();
       const T* g = grads[i].data<T>();
@@ -251,13 +251,12 @@ void sgd_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, st
     else check_inplace(momentum_bufs[i], op);
   }
   const DeviceHyper dev = device_hyper(op, args.lr_tensor, args.found_inf, params);
-  const SgdKernelArgs k{args.lr, args.momentum, args.dampening, args.weight_decay, args.nesterov, args.maximize, dev};
   for (const auto& idx : group_by_device_dtype(params)) {
     std::vector<bool> gi;
     for (size_t i : idx) gi.push_back(init[i]);
     auto p = pick(params, idx), gr = pick(g, idx), b = pick(momentum ? momentum_bufs : std::vector<Tensor>{}, idx);
-    if (p[0].is_cuda()) sgd_step_cuda(p, gr, b, gi, k);
-    else sgd_step_cpu(p, gr, b, gi, k);
+    if (p[0].is_cuda()) sgd_step_cuda(p, gr, b, gi, args, dev);
+    else sgd_step_cpu(p, gr, b, gi, args, dev);
   }
 }
 
