@@ -122,10 +122,10 @@ struct AdamKernelArgs {
 // being decayed into (torch's first-step clone). The hyperparameters are the
 // op's own SgdArgs (one struct for every layer); its tensors arrive as
 // `dev`'s raw pointers.
-void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                  const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev);
-void sgd_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                   const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev);
+void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& bufs,
+                  const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev);
+void sgd_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& bufs,
+                   const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev);
 // `steps`: empty (the host's step in `a`), or one count per parameter
 // (read for the bias corrections, then incremented unless skipped).
 void adam_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,

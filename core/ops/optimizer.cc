@@ -14,8 +14,8 @@
 namespace ember {
 
 // ---- CPU kernels ----
-void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                  const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev) {
+void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& bufs,
+                  const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev) {
   if (params.empty()) return;
   // CPU tensors: the device values are host memory, read directly.
   if (dev.found_inf && *dev.found_inf > 0.f) return;
@@ -255,8 +255,10 @@ void sgd_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, st
     std::vector<bool> gi;
     for (size_t i : idx) gi.push_back(init[i]);
     auto p = pick(params, idx), gr = pick(g, idx), b = pick(momentum ? momentum_bufs : std::vector<Tensor>{}, idx);
-    if (p[0].is_cuda()) sgd_step_cuda(p, gr, b, gi, args, dev);
-    else sgd_step_cpu(p, gr, b, gi, args, dev);
+    if (p[0].is_cuda())
+      sgd_step_cuda(p, gr, b, gi, args, dev);
+    else
+      sgd_step_cpu(p, gr, b, gi, args, dev);
   }
 }
 

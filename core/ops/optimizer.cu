@@ -251,15 +251,17 @@ void launch(const std::vector<const std::vector<Tensor>*>& lists, const std::vec
 
 }  // namespace
 
-void sgd_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                   const std::vector<Tensor>& bufs, const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev) {
+void sgd_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& bufs,
+                   const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev) {
   if (params.empty()) return;
   EMBER_DISPATCH_FLOAT(params[0].dtype(), "sgd_step_", [&] {
     using T = scalar_t;
     using C = acc_t<T>;
     const auto s = optim_fns::sgd_scalars<C>(a);
-    if (s.has_momentum) launch<T, 3>({&params, &grads, &bufs}, init, SgdFn<C, 3>{s, dev});
-    else launch<T, 2>({&params, &grads}, {}, SgdFn<C, 2>{s, dev});
+    if (s.has_momentum)
+      launch<T, 3>({&params, &grads, &bufs}, init, SgdFn<C, 3>{s, dev});
+    else
+      launch<T, 2>({&params, &grads}, {}, SgdFn<C, 2>{s, dev});
   });
 }
 
