@@ -13,6 +13,7 @@
 // freed at once. Slow, but an out-of-bounds access then leaves its
 // allocation, which is what the emulated tests under AddressSanitizer (and
 // compute-sanitizer on a GPU) need to see it.
+#include "core/allocator.h"
 #include "core/device.h"
 #include "core/exception.h"
 

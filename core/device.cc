@@ -5,8 +5,6 @@
 #include <cuda_runtime.h>
 #endif
 
-#include <malloc.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -47,135 +45,6 @@ std::ostream& operator<<(std::ostream& os, const Device& d) { return os << d.str
 
 namespace {
 
-// Blocks of 64 KiB and more are cached on free: glibc serves them with mmap
-// and returns them with munmap, and touching a fresh 64 MiB mapping costs
-// ~16k page faults, more than the op that asked for it (caching from 64 KiB
-// rather than 1 MiB made a narrow ResNet-18 step 13% faster). The cache is
-// bounded (kCacheLimit) and keyed by size class (64 KiB steps up to 2 MiB,
-// then 2 MiB steps); small blocks go straight to malloc.
-// EMBER_CPU_CACHE_MB sets the bound (default 1024; 0 turns the cache off, so
-// freed memory goes back to malloc at once, e.g. to measure live memory by
-// RSS with MALLOC_MMAP_THRESHOLD_ set, as PyTorch's CPU peers are measured).
-class CpuAllocator final : public Allocator {
- public:
-  CpuAllocator() : cache_limit_(cache_limit_from_env()) {}
-
-  DataPtr allocate(size_t nbytes) override {
-    size_t cls = size_class(nbytes);
-    void* p = nullptr;
-    std::lock_guard<std::mutex> g(mu_);
-    // Best fit: the smallest cached block of this class or up to twice its
-    // size. Exact classes alone let blocks of one size pile up while
-    // requests of a neighbouring size went to malloc: oneDNN's Winograd
-    // scratchpads, one size per layer, raised a width-64 ResNet step's peak
-    // RSS from 780 to 1020 MiB that way.
-    // Small blocks are never cached: no search for them.
-    auto it = cls >= kLarge ? cache_.lower_bound(cls) : cache_.end();
-    while (it != cache_.end() && it->second.empty() && it->first <= 2 * cls) ++it;
-    if (it != cache_.end() && !it->second.empty() && it->first <= 2 * cls) {
-      p = it->second.back();
-      it->second.pop_back();
-      cached_ -= it->first;
-      cls = it->first;  // the block keeps its class: freed, it returns there
-    } else {
-      // 64-byte alignment suits AVX-512 loads and keeps cache lines unshared.
-      p = std::aligned_alloc(64, cls);
-      EMBER_CHECK(p != nullptr, "cpu allocator: out of memory allocating ", nbytes, " bytes");
-      stats_.num_device_allocs++;
-      stats_.reserved += cls;
-    }
-    stats_.num_allocs++;
-    stats_.allocated += cls;
-    stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
-    return DataPtr{{p, [this, cls](void* q) { release(q, cls); }}, kCPU};
-  }
-
-  AllocatorStats stats() const override {
-    std::lock_guard<std::mutex> g(mu_);
-    return stats_;
-  }
-
-  void reset_peak_stats() override {
-    std::lock_guard<std::mutex> g(mu_);
-    stats_.peak_allocated = stats_.allocated;
-  }
-
-  void empty_cache() override {
-    std::lock_guard<std::mutex> g(mu_);
-    for (auto& [cls, blocks] : cache_) {
-      for (void* q : blocks) std::free(q);
-      stats_.reserved -= cls * blocks.size();
-      blocks.clear();
-    }
-    cached_ = 0;
-  }
-
- private:
-  static constexpr size_t kLarge = 64 << 10, kMidClass = 64 << 10, kHuge = 2 << 20, kClass = 2 << 20;
-
-  static size_t cache_limit_from_env() {
-    const char* v = std::getenv("EMBER_CPU_CACHE_MB");
-    if (!v || !*v) return size_t{1} << 30;
-    char* end = nullptr;
-    const long long mb = std::strtoll(v, &end, 10);
-    EMBER_CHECK(*end == '\0' && mb >= 0, "EMBER_CPU_CACHE_MB=", v,
-                " is not a size in MiB (a non-negative integer; 0 turns the CPU allocator's cache off)");
-    return static_cast<size_t>(mb) << 20;
-  }
-
-  static size_t size_class(size_t n) {
-    n = std::max<size_t>(n, 1);
-    if (n < kLarge) return (n + 63) / 64 * 64;
-    if (n < kHuge) return (n + kMidClass - 1) / kMidClass * kMidClass;
-    return (n + kClass - 1) / kClass * kClass;
-  }
-
-  void release(void* q, size_t cls) {
-    std::lock_guard<std::mutex> g(mu_);
-    stats_.allocated -= cls;
-    if (cls >= kLarge && cached_ + cls <= cache_limit_) {
-      cache_[cls].push_back(q);
-      cached_ += cls;
-      return;
-    }
-    std::free(q);
-    stats_.reserved -= cls;
-  }
-
-  mutable std::mutex mu_;
-  std::map<size_t, std::vector<void*>> cache_;
-  size_t cached_ = 0;
-  const size_t cache_limit_;
-  AllocatorStats stats_;
-};
-
-class PinnedAllocator final : public Allocator {
- public:
-  DataPtr allocate(size_t nbytes) override {
-    EMBER_CHECK(cuda_is_available(), "pin_memory: no CUDA device: ", cuda_unavailable_reason());
-#if EMBER_WITH_CUDA
-    void* p = nullptr;
-    EMBER_CUDA_CHECK(cudaHostAlloc(&p, std::max<size_t>(nbytes, 1), cudaHostAllocDefault));
-    allocated_ += nbytes;
-    return DataPtr{{p, [this, nbytes](void* q) {
-                      cudaFreeHost(q);
-                      allocated_ -= nbytes;
-                    }},
-                   kCPU};
-#else
-    return DataPtr{};  // unreachable: the check above fails without CUDA
-#endif
-  }
-  AllocatorStats stats() const override {
-    AllocatorStats s;
-    s.allocated = s.reserved = allocated_.load();
-    return s;
-  }
-
- private:
-  std::atomic<size_t> allocated_{0};
-};
-
 struct CudaInfo {
   int count = 0;
   std::string reason;
@@ -203,35 +72,6 @@ const CudaInfo& cuda_info() {
 }
 
 }  // namespace
-
-namespace {
-// glibc trims the heap top back to the OS whenever 128 KiB or more is free
-// there, so the small blocks of every training step (oneDNN's and ours, below
-// the caching threshold) are page-faulted in again each step: ~14k faults per
-// narrow ResNet-18 step, 13% of its time. Keeping freed memory in the process
-// removes them. Left alone when the user tuned malloc through the environment.
-bool tune_malloc() {
-  if (std::getenv("MALLOC_TRIM_THRESHOLD_") == nullptr && std::getenv("GLIBC_TUNABLES") == nullptr) {
-    mallopt(M_TRIM_THRESHOLD, 1 << 30);
-    mallopt(M_TOP_PAD, 64 << 20);
-  }
-  return true;
-}
-}  // namespace
-
-Allocator* cpu_allocator() {
-  static const bool tuned = tune_malloc();
-  (void)tuned;
-  static auto* a = new CpuAllocator;  // leaked: tensors may outlive static destruction
-  return a;
-}
-
-Allocator* pinned_allocator() {
-  static auto* a = new PinnedAllocator;
-  return a;
-}
-
-Allocator* get_allocator(Device d) { return d.is_cpu() ? cpu_allocator() : cuda_allocator(d.index); }
 
 int cuda_device_count() { return cuda_info().count; }
 bool cuda_is_available() { return cuda_info().count > 0; }

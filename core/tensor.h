@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/allocator.h"
 #include "core/device.h"
 #include "core/dtype.h"
 #include "core/exception.h"
