@@ -360,179 +360,139 @@ void dispatch_conv_float(DType t, F&& f) {
   EMBER_DISPATCH_FLOAT(t, "conv2d", [&] { f(scalar_t{}); });
 }
 
-// Each pass runs on tensors in one layout; false when cuDNN has no algorithm
-// for it. The caller holds the device's cuDNN slot.
-bool forward_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& x, const Tensor& w, Tensor& y, bool cl) {
-  const ConvTypes ty = conv_types(x.dtype());
-  const CachedPlan cached = cached_plan(plan_key(g, cl, x, y, Pass::Forward, ty.math), [&] {
-    auto plan = std::make_unique<Plan>(x, y, w, g, ty, cl);
-    TensorDesc &xd = plan->a, &yd = plan->b;
-    FilterDesc& wd = plan->f;
-    ConvDesc& cd = plan->c;
-    auto accepts = [&](int algo, cudnnMathType_t m) {
-      cd.set_math(m);
-      size_t ws = 0;
-      return cudnnGetConvolutionForwardWorkspaceSize(h, xd.get(), wd.get(), cd.get(), yd.get(),
-                                                     static_cast<cudnnConvolutionFwdAlgo_t>(algo),
-                                                     &ws) == CUDNN_STATUS_SUCCESS;
-    };
-    plan->algo = [&]() -> Algo {
-      if (cudnn_benchmark()) {
-        cd.set_math(ty.math);
-        const Algo f = find_algo<cudnnConvolutionFwdAlgoPerf_t>(
-            dev, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, ty.math,
-            [&](int req, int* ret, cudnnConvolutionFwdAlgoPerf_t* p, void* ws, size_t cap) {
-              return cudnnFindConvolutionForwardAlgorithmEx(h, xd.get(), x.raw_data(), wd.get(), w.raw_data(), cd.get(),
-                                                            yd.get(), y.raw_data(), req, ret, p, ws, cap);
-            },
-            accepts);
-        if (f.algo >= 0) return f;
-      }
-      int max_count = 0, returned = 0;
-      EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithmMaxCount(h, &max_count));
-      std::vector<cudnnConvolutionFwdAlgoPerf_t> perf(max_count);
-      EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, xd.get(), wd.get(), cd.get(), yd.get(), max_count,
-                                                               &returned, perf.data()));
-      return pick(perf, returned, CUDNN_CONVOLUTION_FWD_ALGO_COUNT, x.dtype(), ty.math, accepts);
-    }();
-    if (plan->algo.algo >= 0) {
-      cd.set_math(plan->algo.math);
-      EMBER_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(h, xd.get(), wd.get(), cd.get(), yd.get(),
-                                                                static_cast<cudnnConvolutionFwdAlgo_t>(plan->algo.algo),
-                                                                &plan->ws));
-    }
-    return plan;
-  });
-  const Plan& p = *cached.plan;
-  if (p.algo.algo < 0) return false;
-  const auto algo = static_cast<cudnnConvolutionFwdAlgo_t>(p.algo.algo);
-  const TensorDesc &xd = p.a, &yd = p.b;
-  const FilterDesc& wd = p.f;
-  const ConvDesc& cd = p.c;
-  const size_t ws_bytes = p.ws;
-  log_choice(cached, "forward", g, x.dtype(), cl);
-  DataPtr ws = workspace(dev, ws_bytes);
-  const Blend blend(x.dtype());
-  EMBER_CUDNN_CHECK(cudnnConvolutionForward(h, blend.one(), xd.get(), x.raw_data(), wd.get(), w.raw_data(), cd.get(),
-                                            algo, ws.get(), ws_bytes, blend.zero(), yd.get(), y.raw_data()));
-  return true;
-}
+// The three passes differ only in which cuDNN entry points they call and
+// in which order those take the operands; each is a table of those calls
+// over a plan's descriptors (a, b: tensors; f: the filter) and the data
+// (ta, tb, tf in the same roles), and run_pass below is the one procedure.
+//   forward:          a = x,  b = y,  f = w   (y written)
+//   backward data:    a = dy, b = dx, f = w   (dx written)
+//   backward filter:  a = x,  b = dy, f = dw  (dw written)
+struct ForwardApi {
+  using Perf = cudnnConvolutionFwdAlgoPerf_t;
+  using AlgoT = cudnnConvolutionFwdAlgo_t;
+  static constexpr Pass kPass = Pass::Forward;
+  static constexpr int kCount = CUDNN_CONVOLUTION_FWD_ALGO_COUNT;
+  static constexpr const char* kName = "forward";
+  static cudnnStatus_t workspace(cudnnHandle_t h, const Plan& p, AlgoT algo, size_t* ws) {
+    return cudnnGetConvolutionForwardWorkspaceSize(h, p.a.get(), p.f.get(), p.c.get(), p.b.get(), algo, ws);
+  }
+  static cudnnStatus_t max_count(cudnnHandle_t h, int* n) { return cudnnGetConvolutionForwardAlgorithmMaxCount(h, n); }
+  static cudnnStatus_t heuristics(cudnnHandle_t h, const Plan& p, int req, int* ret, Perf* perf) {
+    return cudnnGetConvolutionForwardAlgorithm_v7(h, p.a.get(), p.f.get(), p.c.get(), p.b.get(), req, ret, perf);
+  }
+  static cudnnStatus_t find(cudnnHandle_t h, const Plan& p, void* ta, void* tb, void* tf, int req, int* ret, Perf* perf,
+                            void* ws, size_t cap) {
+    return cudnnFindConvolutionForwardAlgorithmEx(h, p.a.get(), ta, p.f.get(), tf, p.c.get(), p.b.get(), tb, req, ret,
+                                                  perf, ws, cap);
+  }
+  static cudnnStatus_t run(cudnnHandle_t h, const Plan& p, const Blend& bl, void* ta, void* tb, void* tf, AlgoT algo,
+                           void* ws, size_t n) {
+    return cudnnConvolutionForward(h, bl.one(), p.a.get(), ta, p.f.get(), tf, p.c.get(), algo, ws, n, bl.zero(),
+                                   p.b.get(), tb);
+  }
+};
 
-bool backward_data_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& w, const Tensor& dy, Tensor& dx,
-                        bool cl) {
-  const ConvTypes ty = conv_types(dy.dtype());
-  const CachedPlan cached = cached_plan(plan_key(g, cl, dy, dx, Pass::BackwardData, ty.math), [&] {
-    auto plan = std::make_unique<Plan>(dy, dx, w, g, ty, cl);
-    TensorDesc &dyd = plan->a, &dxd = plan->b;
-    FilterDesc& wd = plan->f;
-    ConvDesc& cd = plan->c;
-    auto accepts = [&](int algo, cudnnMathType_t m) {
-      cd.set_math(m);
-      size_t ws = 0;
-      return cudnnGetConvolutionBackwardDataWorkspaceSize(h, wd.get(), dyd.get(), cd.get(), dxd.get(),
-                                                          static_cast<cudnnConvolutionBwdDataAlgo_t>(algo),
-                                                          &ws) == CUDNN_STATUS_SUCCESS;
-    };
-    plan->algo = [&]() -> Algo {
-      if (cudnn_benchmark()) {
-        cd.set_math(ty.math);
-        const Algo f = find_algo<cudnnConvolutionBwdDataAlgoPerf_t>(
-            dev, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, ty.math,
-            [&](int req, int* ret, cudnnConvolutionBwdDataAlgoPerf_t* p, void* ws, size_t cap) {
-              return cudnnFindConvolutionBackwardDataAlgorithmEx(h, wd.get(), w.raw_data(), dyd.get(), dy.raw_data(),
-                                                                 cd.get(), dxd.get(), dx.raw_data(), req, ret, p, ws,
-                                                                 cap);
-            },
-            accepts);
-        if (f.algo >= 0) return f;
-      }
-      int max_count = 0, returned = 0;
-      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithmMaxCount(h, &max_count));
-      std::vector<cudnnConvolutionBwdDataAlgoPerf_t> perf(max_count);
-      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, wd.get(), dyd.get(), cd.get(), dxd.get(),
-                                                                    max_count, &returned, perf.data()));
-      return pick(perf, returned, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, dy.dtype(), ty.math, accepts);
-    }();
-    if (plan->algo.algo >= 0) {
-      cd.set_math(plan->algo.math);
-      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(
-          h, wd.get(), dyd.get(), cd.get(), dxd.get(), static_cast<cudnnConvolutionBwdDataAlgo_t>(plan->algo.algo),
-          &plan->ws));
-    }
-    return plan;
-  });
-  const Plan& p = *cached.plan;
-  if (p.algo.algo < 0) return false;
-  const auto algo = static_cast<cudnnConvolutionBwdDataAlgo_t>(p.algo.algo);
-  const TensorDesc &dyd = p.a, &dxd = p.b;
-  const FilterDesc& wd = p.f;
-  const ConvDesc& cd = p.c;
-  const size_t ws_bytes = p.ws;
-  log_choice(cached, "backward_data", g, dy.dtype(), cl);
-  DataPtr ws = workspace(dev, ws_bytes);
-  const Blend blend(dy.dtype());
-  EMBER_CUDNN_CHECK(cudnnConvolutionBackwardData(h, blend.one(), wd.get(), w.raw_data(), dyd.get(), dy.raw_data(),
-                                                 cd.get(), algo, ws.get(), ws_bytes, blend.zero(), dxd.get(),
-                                                 dx.raw_data()));
-  return true;
-}
+struct BackwardDataApi {
+  using Perf = cudnnConvolutionBwdDataAlgoPerf_t;
+  using AlgoT = cudnnConvolutionBwdDataAlgo_t;
+  static constexpr Pass kPass = Pass::BackwardData;
+  static constexpr int kCount = CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT;
+  static constexpr const char* kName = "backward_data";
+  static cudnnStatus_t workspace(cudnnHandle_t h, const Plan& p, AlgoT algo, size_t* ws) {
+    return cudnnGetConvolutionBackwardDataWorkspaceSize(h, p.f.get(), p.a.get(), p.c.get(), p.b.get(), algo, ws);
+  }
+  static cudnnStatus_t max_count(cudnnHandle_t h, int* n) {
+    return cudnnGetConvolutionBackwardDataAlgorithmMaxCount(h, n);
+  }
+  static cudnnStatus_t heuristics(cudnnHandle_t h, const Plan& p, int req, int* ret, Perf* perf) {
+    return cudnnGetConvolutionBackwardDataAlgorithm_v7(h, p.f.get(), p.a.get(), p.c.get(), p.b.get(), req, ret, perf);
+  }
+  static cudnnStatus_t find(cudnnHandle_t h, const Plan& p, void* ta, void* tb, void* tf, int req, int* ret, Perf* perf,
+                            void* ws, size_t cap) {
+    return cudnnFindConvolutionBackwardDataAlgorithmEx(h, p.f.get(), tf, p.a.get(), ta, p.c.get(), p.b.get(), tb, req,
+                                                       ret, perf, ws, cap);
+  }
+  static cudnnStatus_t run(cudnnHandle_t h, const Plan& p, const Blend& bl, void* ta, void* tb, void* tf, AlgoT algo,
+                           void* ws, size_t n) {
+    return cudnnConvolutionBackwardData(h, bl.one(), p.f.get(), tf, p.a.get(), ta, p.c.get(), algo, ws, n, bl.zero(),
+                                        p.b.get(), tb);
+  }
+};
 
-bool backward_filter_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& x, const Tensor& dy, Tensor& dw,
-                          bool cl) {
-  const ConvTypes ty = conv_types(x.dtype());
-  const CachedPlan cached = cached_plan(plan_key(g, cl, x, dy, Pass::BackwardFilter, ty.math), [&] {
-    auto plan = std::make_unique<Plan>(x, dy, dw, g, ty, cl);
-    TensorDesc &xd = plan->a, &dyd = plan->b;
-    FilterDesc& dwd = plan->f;
-    ConvDesc& cd = plan->c;
+struct BackwardFilterApi {
+  using Perf = cudnnConvolutionBwdFilterAlgoPerf_t;
+  using AlgoT = cudnnConvolutionBwdFilterAlgo_t;
+  static constexpr Pass kPass = Pass::BackwardFilter;
+  static constexpr int kCount = CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT;
+  static constexpr const char* kName = "backward_filter";
+  static cudnnStatus_t workspace(cudnnHandle_t h, const Plan& p, AlgoT algo, size_t* ws) {
+    return cudnnGetConvolutionBackwardFilterWorkspaceSize(h, p.a.get(), p.b.get(), p.c.get(), p.f.get(), algo, ws);
+  }
+  static cudnnStatus_t max_count(cudnnHandle_t h, int* n) {
+    return cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(h, n);
+  }
+  static cudnnStatus_t heuristics(cudnnHandle_t h, const Plan& p, int req, int* ret, Perf* perf) {
+    return cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, p.a.get(), p.b.get(), p.c.get(), p.f.get(), req, ret, perf);
+  }
+  static cudnnStatus_t find(cudnnHandle_t h, const Plan& p, void* ta, void* tb, void* tf, int req, int* ret, Perf* perf,
+                            void* ws, size_t cap) {
+    return cudnnFindConvolutionBackwardFilterAlgorithmEx(h, p.a.get(), ta, p.b.get(), tb, p.c.get(), p.f.get(), tf, req,
+                                                         ret, perf, ws, cap);
+  }
+  static cudnnStatus_t run(cudnnHandle_t h, const Plan& p, const Blend& bl, void* ta, void* tb, void* tf, AlgoT algo,
+                           void* ws, size_t n) {
+    return cudnnConvolutionBackwardFilter(h, bl.one(), p.a.get(), ta, p.b.get(), tb, p.c.get(), algo, ws, n, bl.zero(),
+                                          p.f.get(), tf);
+  }
+};
+
+// One pass on tensors in one layout; false when cuDNN has no algorithm for
+// it. The plan (descriptors, algorithm, workspace size) is made once per
+// key: the algorithm from benchmark mode when on and it measured one, else
+// from cuDNN's heuristics. The caller holds the device's cuDNN slot.
+template <typename Api>
+bool run_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& ta, const Tensor& tb, const Tensor& tf,
+              bool cl) {
+  using AlgoT = typename Api::AlgoT;
+  const ConvTypes ty = conv_types(ta.dtype());
+  const CachedPlan cached = cached_plan(plan_key(g, cl, ta, tb, Api::kPass, ty.math), [&] {
+    auto plan = std::make_unique<Plan>(ta, tb, tf, g, ty, cl);
+    Plan& p = *plan;
     auto accepts = [&](int algo, cudnnMathType_t m) {
-      cd.set_math(m);
+      p.c.set_math(m);
       size_t ws = 0;
-      return cudnnGetConvolutionBackwardFilterWorkspaceSize(h, xd.get(), dyd.get(), cd.get(), dwd.get(),
-                                                            static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo),
-                                                            &ws) == CUDNN_STATUS_SUCCESS;
+      return Api::workspace(h, p, static_cast<AlgoT>(algo), &ws) == CUDNN_STATUS_SUCCESS;
     };
-    plan->algo = [&]() -> Algo {
+    p.algo = [&]() -> Algo {
       if (cudnn_benchmark()) {
-        cd.set_math(ty.math);
-        const Algo f = find_algo<cudnnConvolutionBwdFilterAlgoPerf_t>(
-            dev, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, ty.math,
-            [&](int req, int* ret, cudnnConvolutionBwdFilterAlgoPerf_t* p, void* ws, size_t cap) {
-              return cudnnFindConvolutionBackwardFilterAlgorithmEx(h, xd.get(), x.raw_data(), dyd.get(), dy.raw_data(),
-                                                                   cd.get(), dwd.get(), dw.raw_data(), req, ret, p, ws,
-                                                                   cap);
+        p.c.set_math(ty.math);
+        const Algo f = find_algo<typename Api::Perf>(
+            dev, Api::kCount, ty.math,
+            [&](int req, int* ret, typename Api::Perf* perf, void* ws, size_t cap) {
+              return Api::find(h, p, ta.raw_data(), tb.raw_data(), tf.raw_data(), req, ret, perf, ws, cap);
             },
             accepts);
         if (f.algo >= 0) return f;
       }
       int max_count = 0, returned = 0;
-      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(h, &max_count));
-      std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> perf(max_count);
-      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, xd.get(), dyd.get(), cd.get(), dwd.get(),
-                                                                      max_count, &returned, perf.data()));
-      return pick(perf, returned, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, x.dtype(), ty.math, accepts);
+      EMBER_CUDNN_CHECK(Api::max_count(h, &max_count));
+      std::vector<typename Api::Perf> perf(max_count);
+      EMBER_CUDNN_CHECK(Api::heuristics(h, p, max_count, &returned, perf.data()));
+      return pick(perf, returned, Api::kCount, ta.dtype(), ty.math, accepts);
     }();
-    if (plan->algo.algo >= 0) {
-      cd.set_math(plan->algo.math);
-      EMBER_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(
-          h, xd.get(), dyd.get(), cd.get(), dwd.get(), static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan->algo.algo),
-          &plan->ws));
+    if (p.algo.algo >= 0) {
+      p.c.set_math(p.algo.math);
+      EMBER_CUDNN_CHECK(Api::workspace(h, p, static_cast<AlgoT>(p.algo.algo), &p.ws));
     }
     return plan;
   });
   const Plan& p = *cached.plan;
   if (p.algo.algo < 0) return false;
-  const auto algo = static_cast<cudnnConvolutionBwdFilterAlgo_t>(p.algo.algo);
-  const TensorDesc &xd = p.a, &dyd = p.b;
-  const FilterDesc& dwd = p.f;
-  const ConvDesc& cd = p.c;
-  const size_t ws_bytes = p.ws;
-  log_choice(cached, "backward_filter", g, x.dtype(), cl);
-  DataPtr ws = workspace(dev, ws_bytes);
-  const Blend blend(x.dtype());
-  EMBER_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h, blend.one(), xd.get(), x.raw_data(), dyd.get(), dy.raw_data(),
-                                                   cd.get(), algo, ws.get(), ws_bytes, blend.zero(), dwd.get(),
-                                                   dw.raw_data()));
+  log_choice(cached, Api::kName, g, ta.dtype(), cl);
+  DataPtr ws = workspace(dev, p.ws);
+  const Blend blend(ta.dtype());
+  EMBER_CUDNN_CHECK(Api::run(h, p, blend, ta.raw_data(), tb.raw_data(), tf.raw_data(), static_cast<AlgoT>(p.algo.algo),
+                             ws.get(), p.ws));
   return true;
 }
 
@@ -554,7 +514,7 @@ void conv2d_forward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, co
   cudnnHandle_t h = slot.handle;
   EMBER_CUDNN_CHECK(cudnnSetStream(h, stream));
   const bool cl = channels_last(x, w);
-  check_found(forward_pass(h, dev, g, x, w, y, cl), "forward", g, x.dtype(), cl);
+  check_found(run_pass<ForwardApi>(h, dev, g, x, y, w, cl), "forward", g, x.dtype(), cl);
   if (bias.defined()) {
     const int64_t total = y.numel(), inner = y.is_contiguous() ? g.oh * g.ow : 1;
     dispatch_conv_float(x.dtype(), [&](auto tag) {
@@ -576,8 +536,8 @@ void conv2d_backward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, c
   cudnnHandle_t h = slot.handle;
   EMBER_CUDNN_CHECK(cudnnSetStream(h, stream));
   const bool cl = channels_last(x, w);
-  if (dx) check_found(backward_data_pass(h, dev, g, w, dy, *dx, cl), "backward data", g, x.dtype(), cl);
-  if (dw) check_found(backward_filter_pass(h, dev, g, x, dy, *dw, cl), "backward filter", g, x.dtype(), cl);
+  if (dx) check_found(run_pass<BackwardDataApi>(h, dev, g, dy, *dx, w, cl), "backward data", g, x.dtype(), cl);
+  if (dw) check_found(run_pass<BackwardFilterApi>(h, dev, g, x, dy, *dw, cl), "backward filter", g, x.dtype(), cl);
 }
 
 }  // namespace ember
