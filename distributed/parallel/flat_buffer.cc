@@ -123,4 +123,16 @@ std::shared_ptr<Work> FlatBuffer::reduce_scatter(ProcessGroup& pg, const Tensor&
   return pg.reduce_scatter_tensor(out, flat_, op);
 }
 
+std::shared_ptr<Work> FlatBuffer::reduce_scatter(ProcessGroup& pg, const Tensor& input, const Tensor& out, ReduceOp op,
+                                                 bool consume_input) const {
+  EMBER_CHECK(pg.size() == world_size_, "FlatBuffer::reduce_scatter: the buffer is laid out for ", world_size_,
+              " ranks, the process group has ", pg.size());
+  EMBER_CHECK(input.numel() == padded_numel(), "FlatBuffer::reduce_scatter: the input has ", input.numel(),
+              " elements, the layout ", padded_numel());
+  EMBER_CHECK(out.numel() == shard_numel(), "FlatBuffer::reduce_scatter: rank ", pg.rank(), "'s output has ",
+              out.numel(), " elements, the layout's shards ", shard_numel());
+  return consume_input ? pg.reduce_scatter_tensor_consuming_input(out, input, op)
+                       : pg.reduce_scatter_tensor(out, input, op);
+}
+
 }  // namespace ember::distributed

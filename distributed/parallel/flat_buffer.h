@@ -89,6 +89,14 @@ class FlatBuffer {
   std::shared_ptr<Work> all_gather(ProcessGroup& pg, const Tensor& local) const;
   // Reduces flat() over the ranks into `out` (shard_numel() elements).
   std::shared_ptr<Work> reduce_scatter(ProcessGroup& pg, const Tensor& out, ReduceOp op = ReduceOp::Avg) const;
+  // The same for `input`, a buffer laid out as this one (padded_numel()
+  // elements in any dtype: the gradients of the parameters this layout
+  // holds), e.g. FSDP's gradient buffer while the parameters' own buffer is
+  // freed. `consume_input`: `input` is scratch afterwards, which lets a
+  // backend reduce in it instead of a copy (ProcessGroup's
+  // reduce_scatter_tensor_consuming_input).
+  std::shared_ptr<Work> reduce_scatter(ProcessGroup& pg, const Tensor& input, const Tensor& out, ReduceOp op,
+                                       bool consume_input) const;
 
   // Gives flat()'s memory back / allocates it again (uninitialized, padding
   // included: the next all_gather fills it). Views and adopted parameters

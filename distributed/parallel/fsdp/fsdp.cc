@@ -308,8 +308,9 @@ void Unit::issue_reduce(const Tensor& grads) {
     p.output = p.input;
   } else {
     p.output = empty({shard_numel()}, TensorOptions{reduce_dtype, device});
-    // The gradient buffer is not read again: the ring may reduce in it.
-    p.rs = shard_pg->reduce_scatter_tensor_consuming_input(p.output, p.input, ReduceOp::Avg);
+    // Through the layout, as the gather: the gradient buffer is laid out as
+    // the parameters and is not read again, so the ring may reduce in it.
+    p.rs = layout.reduce_scatter(*shard_pg, p.input, p.output, ReduceOp::Avg, /*consume_input=*/true);
   }
   if (!p.rs) {  // nothing to wait for in the shard group
     p.input = Tensor();
