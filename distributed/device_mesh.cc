@@ -123,6 +123,10 @@ std::shared_ptr<DeviceMesh> DeviceMesh::create(const std::vector<int>& shape, co
     EMBER_INTERNAL_ASSERT(mesh->groups_[d] != nullptr, "DeviceMesh: rank ", world->rank(), " is in no slice of ",
                           names[d]);
   }
+  // Every rank has connected every group it belongs to before any rank goes
+  // on: a rank that dropped its mesh at once (a short-lived mesh) would
+  // otherwise close a connection a slower peer is still completing.
+  world->barrier()->wait();
   return mesh;
 }
 

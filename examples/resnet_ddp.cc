@@ -124,39 +124,6 @@ constexpr char kUsage[] =
 const examples::Cli kCli{"resnet_ddp", kUsage};
 [[noreturn]] void usage_error(const std::string& msg) { kCli.error(msg); }
 
-std::string& fault_epoch_suffix() {
-  static std::string s;
-  return s;
-}
-distributed::testing::CheckpointSaveHooks& fault_hooks() {
-  static distributed::testing::CheckpointSaveHooks h;
-  return h;
-}
-
-// Fault injection for tools/fault_suite.py: EMBER_FAULT_CHECKPOINT=STAGE:EPOCH
-// kills rank 0 with SIGKILL (as a crash or a power cut would) when the save
-// of epoch EPOCH's checkpoint reaches STAGE (sharded_rank_written,
-// sharded_before_index, sharded_before_rename, exchanged, old_moved_aside or
-// renamed; old_moved_aside also turns off the atomic rename exchange, so
-// that path is taken).
-void install_checkpoint_fault() {
-  const char* spec = std::getenv("EMBER_FAULT_CHECKPOINT");
-  if (!spec || !*spec) return;
-  const std::string s = spec;
-  const size_t colon = s.find(':');
-  EMBER_CHECK(colon != std::string::npos, "EMBER_FAULT_CHECKPOINT=", s, " must be STAGE:EPOCH");
-  const std::string stage = s.substr(0, colon), dir_suffix = "/epoch_" + s.substr(colon + 1);
-  distributed::testing::CheckpointSaveHooks hooks;
-  hooks.no_rename_exchange = stage == "old_moved_aside";
-  hooks.at_stage = [stage](const std::string& at) {
-    if (at == stage) ::raise(SIGKILL);
-  };
-  // The hook sees stages, not directories: arm it only around that epoch's
-  // save (see save_epoch_checkpoint).
-  fault_epoch_suffix() = dir_suffix;
-  fault_hooks() = std::move(hooks);
-}
-
 // Accepts "--flag value" and "--flag=value" (FlagReader). Runs in the launching process
 // before any worker starts, so a typo is reported once, not once per rank.
 Flags parse_flags(int argc, char** argv) {
@@ -300,7 +267,6 @@ int train(const Flags& flags) {
   init.backend = cuda ? "nccl" : "gloo";
   if (flags.timeout_sec > 0) init.timeout = distributed::Millis{static_cast<int64_t>(flags.timeout_sec * 1000)};
   auto pg = distributed::init_process_group(init);
-  install_checkpoint_fault();
   const int rank = pg->rank(), world = pg->size();
   const auto env = distributed::init_env();
   const Device device = pg->device();  // the group decides: this rank's GPU under NCCL, else the CPU
@@ -512,12 +478,7 @@ int train(const Flags& flags) {
       if (scaler.is_enabled()) extra["grad_scaler"] = scaler.state_dict();
       st.extra_json = extra.dump();
       std::string dir = flags.checkpoint_dir + "/epoch_" + std::to_string(epoch + 1);
-      const bool inject = rank == 0 && !fault_epoch_suffix().empty() && dir.size() >= fault_epoch_suffix().size() &&
-                          dir.compare(dir.size() - fault_epoch_suffix().size(), std::string::npos,
-                                      fault_epoch_suffix()) == 0;
-      if (inject) distributed::testing::set_checkpoint_save_hooks(fault_hooks());
       absl::Status s = distributed::save_sharded_checkpoint(dir, *model, &opt, &sched, st, *pg);
-      if (inject) distributed::testing::set_checkpoint_save_hooks({});
       EMBER_CHECK(s.ok(), "saving checkpoint ", dir, ": ", s.message());
       LOG0("saved checkpoint ", dir);
     }

@@ -330,7 +330,8 @@ def bad_data_case(case):
 
 class Suite:
     def __init__(self, args):
-        self.resnet = os.path.abspath(args.resnet or os.path.join(args.bin_dir, "examples/resnet_ddp"))
+        # The example with the fault-injection harness linked in (tools/fault_hooks.cc).
+        self.resnet = os.path.abspath(args.resnet or os.path.join(args.bin_dir, "tools/resnet_ddp_faults"))
         self.launch = os.path.abspath(args.launch or os.path.join(args.bin_dir, "tools/launch"))
         self.data = "synthetic"
         self.tmp = tempfile.mkdtemp(prefix="ember_fault_suite_", dir=os.environ.get("TEST_TMPDIR"))

@@ -46,8 +46,8 @@ constexpr const char* kModelFile = "model.safetensors";
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr uintmax_t kMaxTrainerJsonBytes = 64 << 20;
 
-void stage(const char* name) {
-  if (testing::hooks().at_stage) testing::hooks().at_stage(name);
+void stage(const char* name, const std::string& dir) {
+  if (testing::hooks().at_stage) testing::hooks().at_stage(name, dir);
 }
 
 // "ckpt/epoch_3/" and "ckpt/epoch_3" are one checkpoint; the suffixes
@@ -342,13 +342,13 @@ absl::Status write_checkpoint(const std::string& dir, const std::vector<std::pai
   };
   const std::map<std::string, std::string> meta = {{"format", "pt"}};
   if (auto s = save_safetensors(tmp + "/" + kModelFile, model_items, meta); !s.ok()) return fail(s);
-  stage("model_written");
+  stage("model_written", dir);
   if (optimizer_items)
     if (auto s = save_safetensors(tmp + "/" + kOptimizerFile, *optimizer_items, meta); !s.ok()) return fail(s);
   // trainer.json last: its presence marks the directory complete.
   if (auto s = write_file_synced(tmp + "/" + kTrainerFile, trainer); !s.ok()) return fail(s);
   if (auto s = fsync_dir(tmp); !s.ok()) return fail(s);
-  stage("tmp_complete");
+  stage("tmp_complete", dir);
   return commit_dir(tmp, dir);
 }
 
@@ -365,7 +365,7 @@ absl::Status commit_dir(const std::string& tmp, const std::string& dir) {
     if (rename_exchange(tmp, dir)) {
       // <dir> is the new checkpoint; tmp holds the previous one.
       if (auto s = fsync_dir(parent_str); !s.ok()) return s;
-      stage("exchanged");
+      stage("exchanged", dir);
       fs::remove_all(tmp, ec);
       return absl::OkStatus();
     }
@@ -374,21 +374,21 @@ absl::Status commit_dir(const std::string& tmp, const std::string& dir) {
     fs::remove_all(old);
     if (::rename(dir.c_str(), old.c_str()) != 0)
       return fail(errno_status(absl::StrCat("save_checkpoint: renaming '", dir, "' to '", old, "'"), errno));
-    stage("old_moved_aside");
+    stage("old_moved_aside", dir);
     if (::rename(tmp.c_str(), dir.c_str()) != 0) {
       const absl::Status s = errno_status(absl::StrCat("save_checkpoint: renaming '", tmp, "' to '", dir, "'"), errno);
       ::rename(old.c_str(), dir.c_str());  // put the previous one back
       return fail(s);
     }
     if (auto s = fsync_dir(parent_str); !s.ok()) return s;
-    stage("renamed");
+    stage("renamed", dir);
     fs::remove_all(old, ec);
     return absl::OkStatus();
   }
   if (::rename(tmp.c_str(), dir.c_str()) != 0)
     return fail(errno_status(absl::StrCat("save_checkpoint: renaming '", tmp, "' to '", dir, "'"), errno));
   if (auto s = fsync_dir(parent_str); !s.ok()) return s;
-  stage("renamed");
+  stage("renamed", dir);
   return absl::OkStatus();
 }
 

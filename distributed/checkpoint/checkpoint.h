@@ -87,13 +87,15 @@ absl::StatusOr<std::optional<std::string>> latest_checkpoint(const std::string& 
                                                              std::vector<std::string>* skipped = nullptr);
 
 namespace testing {
-// Test seam for crash-safety tests: save_checkpoint calls `at_stage` at each
-// point a crash could happen ("model_written", "tmp_complete", "exchanged",
-// "old_moved_aside", "renamed"); a hook that throws leaves the disk exactly
-// as a crash there would (nothing is cleaned up). no_rename_exchange forces
-// the two-rename fallback. Reset with {}.
+// Test seam for crash-safety tests and the fault-injection harness
+// (tools/fault_hooks.cc): save_checkpoint calls `at_stage` at each point a
+// crash could happen ("model_written", "tmp_complete", "exchanged",
+// "old_moved_aside", "renamed"; the sharded save's "sharded_*" stages), with
+// the checkpoint directory being saved; a hook that throws leaves the disk
+// exactly as a crash there would (nothing is cleaned up).
+// no_rename_exchange forces the two-rename fallback. Reset with {}.
 struct CheckpointSaveHooks {
-  std::function<void(const std::string& stage)> at_stage;
+  std::function<void(const std::string& stage, const std::string& dir)> at_stage;
   bool no_rename_exchange = false;
 };
 void set_checkpoint_save_hooks(CheckpointSaveHooks hooks);

@@ -19,7 +19,9 @@ constexpr const char* kTrainerFile = "trainer.json";
 
 // "a/b/" -> "a/b": suffixes such as ".tmp-<pid>" attach to the name.
 std::string normalize_dir(std::string d);
-void stage(const char* name);  // the crash-test seam (testing::CheckpointSaveHooks)
+// The crash-test seam (testing::CheckpointSaveHooks): `dir` is the
+// checkpoint being saved.
+void stage(const char* name, const std::string& dir);
 
 // trainer.json's text; optimizer state names come from model's parameters.
 // Errors: a bad epoch/step or extra_json.

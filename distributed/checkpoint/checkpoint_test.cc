@@ -239,7 +239,7 @@ struct SimulatedCrash {
 // cleanup runs) at `stage`; the disk is left as a real crash would leave it.
 void save_crashing_at(const std::string& stage, const std::string& dir, const nn::Module& model, int64_t epoch,
                       bool no_exchange = false) {
-  testing::set_checkpoint_save_hooks({[&](const std::string& s) {
+  testing::set_checkpoint_save_hooks({[&](const std::string& s, const std::string&) {
                                         if (s == stage) throw SimulatedCrash{s};
                                       },
                                       no_exchange});

@@ -637,11 +637,11 @@ absl::Status write_staged(const std::string& dir, const Staged& staged, ProcessG
       remove_tmp();
       return absl::InternalError(absl::StrCat(where, ": ", failed));
     }
-    stage("sharded_dir_created");
+    stage("sharded_dir_created", dir);
 
     // 2. Every rank writes its pieces.
     json records;
-    stage("sharded_rank_mid_write");
+    stage("sharded_rank_mid_write", dir);
     try {
       auto r = write_rank_file(tmp + "/" + rank_file(rank), staged.pieces, options.max_piece_bytes);
       if (!r.ok()) error = std::string(r.status().message());
@@ -649,7 +649,7 @@ absl::Status write_staged(const std::string& dir, const Staged& staged, ProcessG
     } catch (const std::exception& e) {
       error = e.what();
     }
-    stage("sharded_rank_written");
+    stage("sharded_rank_written", dir);
 
     // 3. Every rank's records, or the failures: no index unless all wrote.
     const std::vector<std::string> all = allgather_strings(pg, error.empty() ? records.dump() : "!" + error);
@@ -670,10 +670,10 @@ absl::Status write_staged(const std::string& dir, const Staged& staged, ProcessG
       auto index = build_index(per_rank, world, staged.layout, where);
       absl::Status s = index.status();
       if (s.ok()) s = write_file_synced(tmp + "/" + kTrainerFile, staged.trainer);
-      if (s.ok()) stage("sharded_before_index");
+      if (s.ok()) stage("sharded_before_index", dir);
       if (s.ok()) s = write_file_synced(tmp + "/" + kIndexFile, index->dump(1) + "\n");
       if (s.ok()) s = fsync_dir(tmp);
-      if (s.ok()) stage("sharded_before_rename");
+      if (s.ok()) stage("sharded_before_rename", dir);
       if (s.ok()) s = commit_dir(tmp, dir);
       if (!s.ok()) {
         commit_error = std::string(s.message());

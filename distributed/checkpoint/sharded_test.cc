@@ -192,7 +192,7 @@ EMBER_WORKER(ckpt_job) {
     // save without host copies would write their result.
     std::promise<void> trained;
     std::shared_future<void> gate = trained.get_future().share();
-    testing::set_checkpoint_save_hooks({.at_stage = [gate](const std::string& at) {
+    testing::set_checkpoint_save_hooks({.at_stage = [gate](const std::string& at, const std::string&) {
       if (at == "sharded_dir_created") gate.wait();
     }});
     const absl::Status started = ckpt.save(dir, *job.net, job.opt.get(), nullptr, st, *pg);
@@ -405,7 +405,7 @@ EMBER_WORKER(crash_job) {
   WCHECK(first.ok(), first.message());
   job.step(1);
   st.step = 2;
-  testing::set_checkpoint_save_hooks({.at_stage = [&](const std::string& at) {
+  testing::set_checkpoint_save_hooks({.at_stage = [&](const std::string& at, const std::string&) {
     if (at != stage || env.rank != victim) return;
     if (at == "sharded_rank_mid_write")  // half a file, as a write cut short leaves it
       for (const auto& e : fs::directory_iterator(fs::path(dir).parent_path()))

@@ -1,0 +1,42 @@
+// The fault-injection harness of tools/fault_suite.py, linked into a test
+// build of an example (//tools:resnet_ddp_faults) rather than living in the
+// example or the library: EMBER_FAULT_CHECKPOINT=STAGE:EPOCH kills rank 0
+// with SIGKILL (as a crash or a power cut would) when the save of
+// ".../epoch_EPOCH" reaches STAGE (sharded_rank_written,
+// sharded_before_index, sharded_before_rename, exchanged, old_moved_aside or
+// renamed; old_moved_aside also turns off the atomic rename exchange, so that
+// path is taken). Installed before main() through the checkpoint's test seam
+// (distributed::testing::CheckpointSaveHooks); inert without the variable.
+#include <signal.h>
+
+#include <cstdlib>
+#include <string>
+
+#include "core/exception.h"
+#include "distributed/checkpoint/checkpoint.h"
+
+namespace {
+
+bool install() {
+  const char* spec = std::getenv("EMBER_FAULT_CHECKPOINT");
+  if (!spec || !*spec) return false;
+  const std::string s = spec;
+  const size_t colon = s.find(':');
+  EMBER_CHECK(colon != std::string::npos, "EMBER_FAULT_CHECKPOINT=", s, " must be STAGE:EPOCH");
+  const std::string stage = s.substr(0, colon), suffix = "/epoch_" + s.substr(colon + 1);
+  ember::distributed::testing::CheckpointSaveHooks hooks;
+  hooks.no_rename_exchange = stage == "old_moved_aside";
+  hooks.at_stage = [stage, suffix](const std::string& at, const std::string& dir) {
+    // Rank 0 (the launcher and spawn_local_workers set RANK), that epoch's save.
+    const char* rank = std::getenv("RANK");
+    const bool epoch =
+        dir.size() >= suffix.size() && dir.compare(dir.size() - suffix.size(), suffix.size(), suffix) == 0;
+    if (at == stage && epoch && rank && std::string(rank) == "0") ::raise(SIGKILL);
+  };
+  ember::distributed::testing::set_checkpoint_save_hooks(std::move(hooks));
+  return true;
+}
+
+[[maybe_unused]] const bool installed = install();
+
+}  // namespace
