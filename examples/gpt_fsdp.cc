@@ -47,6 +47,7 @@
 #include "distributed/parallel/rank_agreement.h"
 #include "examples/cli.h"
 #include "examples/profiling.h"
+#include "examples/training.h"
 #include "nn/functional.h"
 #include "nn/transformer.h"
 #include "optim/grad_scaler.h"
@@ -57,7 +58,7 @@ namespace ember {
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
+using examples::Clock;
 constexpr char kFortunes[] = "/usr/share/games/fortunes";
 
 struct Flags {
@@ -338,145 +339,151 @@ std::string generate(nn::GPT& gpt, const Corpus& c, const Flags& f) {
   return out;
 }
 
-int train(const Flags& flags) {
-  const bool cuda = cuda_is_available();
-  distributed::InitOptions init;
-  init.backend = cuda ? "nccl" : "gloo";
-  if (flags.timeout_sec > 0) init.timeout = distributed::Millis{static_cast<int64_t>(flags.timeout_sec * 1000)};
-  auto pg = distributed::init_process_group(init);
-  const int rank = pg->rank(), world = pg->size();
-  const Device device = pg->device();
-  const auto env = distributed::init_env();
-  distributed::check_same_config(
-      *pg, {{"--strategy", flags.strategy}, {"--shard-size", std::to_string(flags.shard_size)}, {"--amp", flags.amp},
-            {"--layers", std::to_string(flags.layers)}, {"--dim", std::to_string(flags.dim)},
-            {"--heads", std::to_string(flags.heads)}, {"--seq", std::to_string(flags.seq)},
-            {"--batch-size", std::to_string(flags.batch_size)}, {"--accum-steps", std::to_string(flags.accum_steps)},
-            {"--lr", std::to_string(flags.lr)}, {"--max-steps", std::to_string(flags.max_steps)},
-            {"--seed", std::to_string(flags.seed)}, {"--resume", flags.resume ? "on" : "off"}});
+// ---- Setup: the model sharded, its optimizer, schedule and scaler ----
 
-  const Corpus corpus = load_corpus(flags);
-  const int64_t vocab = static_cast<int64_t>(corpus.chars.size());
-  EMBER_CHECK(static_cast<int64_t>(corpus.train.size()) > flags.seq + 1, "the training text is shorter than --seq");
+struct Setup {
+  Corpus corpus;
+  int64_t vocab = 0, n_params = 0, step = 0;
+  std::shared_ptr<nn::GPT> gpt;
+  distributed::FSDPOptions fsdp_options;
+  std::shared_ptr<distributed::FSDPModule> fsdp;
+  std::unique_ptr<optim::AdamW> opt;
+  std::unique_ptr<optim::SequentialLR> sched;
+  std::unique_ptr<optim::GradScaler> scaler;
+};
+
+// Sharded checkpoints: every rank writes its own shards in parallel, and a
+// run with another number of ranks or another strategy loads them
+// (distributed/checkpoint/sharded.h).
+void resume(const Flags& flags, const examples::Job& job, Setup& s) {
+  auto latest = distributed::latest_checkpoint(flags.checkpoint_dir, "step_");
+  EMBER_CHECK(latest.ok() && latest->has_value(), "--resume: no checkpoint in ", flags.checkpoint_dir);
+  auto index = distributed::read_checkpoint_index(**latest);
+  EMBER_CHECK(index.ok(), "--resume: ", index.status().message());
+  auto st = distributed::load_sharded_checkpoint(**latest, *s.gpt, s.opt.get(), s.sched.get(), *job.pg);
+  EMBER_CHECK(st.ok(), "--resume: ", st.status().message(),
+              " (was it written with other --layers/--dim/--heads/--seq or another corpus?)");
+  s.step = st->step;
+  examples::restore_scaler(*s.scaler, nlohmann::json::parse(st->extra_json), **latest);
+  std::string now = distributed::strategy_name(s.fsdp_options.strategy);  // as the index names it: "full_shard"
+  for (char& c : now) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const std::string then = index->layout.rfind("fsdp:", 0) == 0 ? index->layout.substr(5) : index->layout;
+  LOG0("resumed from ", **latest, ": saved by ", index->world_size, " rank", index->world_size == 1 ? "" : "s", " (",
+       then, "), loading on ", job.world, " rank", job.world == 1 ? "" : "s", " (", now, "); ", s.step,
+       " step(s) done");
+}
+
+Setup setup(const Flags& flags, const examples::Job& job) {
+  Setup s;
+  s.corpus = load_corpus(flags);
+  s.vocab = static_cast<int64_t>(s.corpus.chars.size());
+  EMBER_CHECK(static_cast<int64_t>(s.corpus.train.size()) > flags.seq + 1, "the training text is shorter than --seq");
 
   manual_seed(flags.seed);
-  auto gpt = std::make_shared<nn::GPT>(model_options(flags, vocab));
-  gpt->to(device);
-  const int64_t n_params = gpt->num_parameters();
+  s.gpt = std::make_shared<nn::GPT>(model_options(flags, s.vocab));
+  s.gpt->to(job.device);
+  s.n_params = s.gpt->num_parameters();
 
-  distributed::FSDPOptions fo;
+  distributed::FSDPOptions& fo = s.fsdp_options;
   fo.strategy = distributed::parse_strategy(flags.strategy);
   if (fo.strategy == distributed::ShardingStrategy::HYBRID_SHARD) {
-    const int shard = flags.shard_size > 0 ? flags.shard_size : env.local_world_size;
-    EMBER_CHECK(world % shard == 0, "--shard-size ", shard, " does not divide the ", world, " ranks");
-    fo.mesh = distributed::DeviceMesh::create({world / shard, shard}, {"dp_replicate", "dp_shard"});
+    const int shard = flags.shard_size > 0 ? flags.shard_size : job.env.local_world_size;
+    EMBER_CHECK(job.world % shard == 0, "--shard-size ", shard, " does not divide the ", job.world, " ranks");
+    fo.mesh = distributed::DeviceMesh::create({job.world / shard, shard}, {"dp_replicate", "dp_shard"});
   }
   if (flags.amp != "off") {
     fo.mp_policy.param_dtype = flags.amp == "bf16" ? DType::BFloat16 : DType::Float16;
     fo.mp_policy.reduce_dtype = DType::Float32;
     fo.mp_policy.output_dtype = DType::Float32;
   }
-  auto fsdp = distributed::fully_shard_auto(gpt, {.types = {"TransformerBlock"}}, fo);
+  s.fsdp = distributed::fully_shard_auto(s.gpt, {.types = {"TransformerBlock"}}, fo);
 
-  optim::AdamW opt(gpt->parameters(), {.lr = flags.lr, .beta1 = 0.9, .beta2 = 0.99, .weight_decay = 0.1});
+  s.opt = std::make_unique<optim::AdamW>(
+      s.gpt->parameters(), optim::AdamWOptions{.lr = flags.lr, .beta1 = 0.9, .beta2 = 0.99, .weight_decay = 0.1});
   const int64_t warmup = std::min<int64_t>(100, flags.max_steps / 10 + 1);
-  auto warm = std::make_shared<optim::LinearLR>(opt, 0.1, 1.0, warmup);
-  auto cosine = std::make_shared<optim::CosineAnnealingLR>(opt, std::max<int64_t>(flags.max_steps - warmup, 1),
-                                                            flags.lr * 0.1);
-  optim::SequentialLR sched(opt, {warm, cosine}, {warmup});
+  auto warm = std::make_shared<optim::LinearLR>(*s.opt, 0.1, 1.0, warmup);
+  auto cosine = std::make_shared<optim::CosineAnnealingLR>(*s.opt, std::max<int64_t>(flags.max_steps - warmup, 1),
+                                                           flags.lr * 0.1);
+  s.sched = std::make_unique<optim::SequentialLR>(
+      *s.opt, std::vector<std::shared_ptr<optim::LRScheduler>>{warm, cosine}, std::vector<int64_t>{warmup});
   optim::GradScalerOptions so;
   so.enabled = flags.amp == "fp16";
-  if (fsdp->shard_group()) so.sync_found_inf = distributed::found_inf_allreduce(fsdp->shard_group());
-  optim::GradScaler scaler(so);
+  if (s.fsdp->shard_group()) so.sync_found_inf = distributed::found_inf_allreduce(s.fsdp->shard_group());
+  s.scaler = std::make_unique<optim::GradScaler>(so);
+  if (flags.resume) resume(flags, job, s);
+  return s;
+}
 
-  // Sharded checkpoints: every rank writes its own shards in parallel, and a
-  // run with another number of ranks or another strategy loads them
-  // (distributed/checkpoint/sharded.h).
-  int64_t step = 0;
-  if (flags.resume) {
-    auto latest = distributed::latest_checkpoint(flags.checkpoint_dir, "step_");
-    EMBER_CHECK(latest.ok() && latest->has_value(), "--resume: no checkpoint in ", flags.checkpoint_dir);
-    auto index = distributed::read_checkpoint_index(**latest);
-    EMBER_CHECK(index.ok(), "--resume: ", index.status().message());
-    auto st = distributed::load_sharded_checkpoint(**latest, *gpt, &opt, &sched, *pg);
-    EMBER_CHECK(st.ok(), "--resume: ", st.status().message(),
-                " (was it written with other --layers/--dim/--heads/--seq or another corpus?)");
-    step = st->step;
-    const auto extra = nlohmann::json::parse(st->extra_json);
-    if (auto it = extra.find("grad_scaler"); it != extra.end() && scaler.is_enabled()) {
-      std::map<std::string, double> sd;
-      for (const auto& [k, v] : it->items()) sd[k] = v.get<double>();
-      scaler.load_state_dict(sd);
-    }
-    std::string now = distributed::strategy_name(fo.strategy);  // as the index names it: "full_shard"
-    for (char& c : now) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    const std::string then = index->layout.rfind("fsdp:", 0) == 0 ? index->layout.substr(5) : index->layout;
-    LOG0("resumed from ", **latest, ": saved by ", index->world_size, " rank", index->world_size == 1 ? "" : "s", " (",
-         then, "), loading on ", world, " rank", world == 1 ? "" : "s", " (", now, "); ", step, " step(s) done");
-  }
+// ---- The loop: steps, evaluations, checkpoints, a sample at the end ----
+
+int loop(const Flags& flags, const examples::Job& job, Setup& s) {
+  const Corpus& corpus = s.corpus;
+  const int64_t vocab = s.vocab;
+  optim::GradScaler& scaler = *s.scaler;
+  const Device device = job.device;
   auto save = [&](int64_t at) {
     distributed::TrainingState st;
     st.step = at;
-    nlohmann::json extra{{"world_size", world}, {"strategy", flags.strategy}, {"vocab", vocab}};
-    if (scaler.is_enabled()) extra["grad_scaler"] = scaler.state_dict();
-    st.extra_json = extra.dump();
     const std::string dir = flags.checkpoint_dir + "/step_" + std::to_string(at);
-    absl::Status s = distributed::save_sharded_checkpoint(dir, *gpt, &opt, &sched, st, *pg);
-    EMBER_CHECK(s.ok(), "saving checkpoint ", dir, ": ", s.message());
-    LOG0("saved checkpoint ", dir, " (", world, " rank file", world == 1 ? "" : "s", ")");
+    examples::save_step_checkpoint(dir, *s.gpt, *s.opt, *s.sched, st,
+                                   {{"world_size", job.world}, {"strategy", flags.strategy}, {"vocab", vocab}}, scaler,
+                                   *job.pg);
+    LOG0("saved checkpoint ", dir, " (", job.world, " rank file", job.world == 1 ? "" : "s", ")");
   };
 
-  const Eval eval = make_eval(corpus, flags.seq, world);
-  const auto mem = fsdp->memory();
-  const int64_t tokens_per_step = flags.batch_size * flags.seq * world * flags.accum_steps;
+  const Eval eval = make_eval(corpus, flags.seq, job.world);
+  const auto mem = s.fsdp->memory();
+  const int64_t tokens_per_step = flags.batch_size * flags.seq * job.world * flags.accum_steps;
   LOG0("GPT ", flags.layers, " layers x ", flags.dim, " dims, ", flags.heads, " heads, context ", flags.seq, ": ",
-       n_params, " parameters, vocabulary ", vocab, "; ", corpus.description, " (", corpus.train.size(), " train / ",
-       corpus.val.size(), " validation characters)\n", world, " rank(s) on ", cuda ? "GPUs (NCCL)" : "the CPU (Gloo)",
-       ", FSDP ", distributed::strategy_name(fo.strategy), ", ", fsdp->units().size(), " units, ",
-       flags.amp == "off" ? "float32" : flags.amp + " compute (float32 shards and reduction)",
-       "; rank 0 holds ", mem.sharded_params, " bytes of parameters (", n_params * 4, " unsharded), largest unit ",
-       mem.largest_unit, " bytes gathered\n", "batch ", flags.batch_size, " x ", flags.seq, " characters per rank x ",
-       world, " rank(s) x ", flags.accum_steps, " accumulation step(s) = ", tokens_per_step, " tokens per step; ",
+       s.n_params, " parameters, vocabulary ", vocab, "; ", corpus.description, " (", corpus.train.size(), " train / ",
+       corpus.val.size(), " validation characters)\n", job.world, " rank(s) on ",
+       job.cuda ? "GPUs (NCCL)" : "the CPU (Gloo)", ", FSDP ", distributed::strategy_name(s.fsdp_options.strategy),
+       ", ", s.fsdp->units().size(), " units, ",
+       flags.amp == "off" ? "float32" : flags.amp + " compute (float32 shards and reduction)", "; rank 0 holds ",
+       mem.sharded_params, " bytes of parameters (", s.n_params * 4, " unsharded), largest unit ", mem.largest_unit,
+       " bytes gathered\n", "batch ", flags.batch_size, " x ", flags.seq, " characters per rank x ", job.world,
+       " rank(s) x ", flags.accum_steps, " accumulation step(s) = ", tokens_per_step, " tokens per step; ",
        flags.max_steps, " steps; checkpoints in ", flags.checkpoint_dir);
 
   std::mt19937_64 data_rng;
-  auto batch_starts = [&](int64_t s, int64_t micro) {
+  auto batch_starts = [&](int64_t at, int64_t micro) {
     // Depends only on (seed, step, micro-batch, rank): a resumed run draws
     // what an uninterrupted one would.
-    data_rng.seed(flags.seed * 1000003ULL + static_cast<uint64_t>(s) * 7919ULL + micro * 104729ULL + rank);
+    data_rng.seed(flags.seed * 1000003ULL + static_cast<uint64_t>(at) * 7919ULL + micro * 104729ULL + job.rank);
     std::uniform_int_distribution<int64_t> pick(0, static_cast<int64_t>(corpus.train.size()) - flags.seq - 2);
     std::vector<int64_t> starts;
     for (int64_t i = 0; i < flags.batch_size; ++i) starts.push_back(pick(data_rng));
     return starts;
   };
 
-  examples::Progress progress(rank == 0);
+  examples::Progress progress(job.rank == 0);
   const auto t0 = Clock::now();
   double loss_ema = -1;
+  int64_t& step = s.step;
   const int64_t first = step;
   auto report_eval = [&] {
     progress.close_line();
-    const double v = evaluate(*gpt, corpus, eval, flags.seq, *pg, device);
+    const double v = evaluate(*s.gpt, corpus, eval, flags.seq, *job.pg, device);
     LOG0("step ", step, ": validation loss ", v, " (unigram ", eval.unigram, ")");
     return v;
   };
-  examples::StepProfiler profile(flags.profile_dir, flags.max_steps - step, pg.get());
+  examples::StepProfiler profile(flags.profile_dir, flags.max_steps - step, job.pg.get());
   while (step < flags.max_steps) {
-    opt.zero_grad();
+    s.opt->zero_grad();
     double loss_sum = 0;
     for (int64_t m = 0; m < flags.accum_steps; ++m) {
-      fsdp->set_requires_gradient_sync(m == flags.accum_steps - 1);
+      s.fsdp->set_requires_gradient_sync(m == flags.accum_steps - 1);
       auto [x, y] = windows(corpus, corpus.train, batch_starts(step, m), flags.seq);
-      Tensor logits = (*gpt)(x.to(device));
+      Tensor logits = (*s.gpt)(x.to(device));
       Tensor loss = nn::functional::cross_entropy(logits.reshape({-1, vocab}), y.to(device));
       loss_sum += loss.item();
       scaler.scale(loss * (1.0 / flags.accum_steps)).backward();
     }
-    scaler.unscale_(opt);
-    fsdp->clip_grad_norm_(1.0);
-    scaler.step(opt);
+    scaler.unscale_(*s.opt);
+    s.fsdp->clip_grad_norm_(1.0);
+    scaler.step(*s.opt);
     scaler.update();
-    sched.step();
+    s.sched->step();
     ++step;
     profile.step();
     const double loss = loss_sum / flags.accum_steps;
@@ -492,17 +499,36 @@ int train(const Flags& flags) {
   const double val = report_eval();
   save(step);
   if (flags.sample_len > 0) {
-    nn::StateDict sd = distributed::full_state_dict(*fsdp);
-    if (rank == 0) {
+    nn::StateDict sd = distributed::full_state_dict(*s.fsdp);
+    if (job.rank == 0) {
       auto m = std::make_shared<nn::GPT>(model_options(flags, vocab));  // one process's copy to sample from
       m->load_state_dict(sd);
       LOG0("sample (temperature ", flags.temperature, ", top-k ", flags.top_k, "):\n", generate(*m, corpus, flags));
     }
   }
-  LOG0("done in ", static_cast<int64_t>(seconds_since(t0)), " s; validation loss ", val, " = ", val / eval.unigram,
-       " x the unigram baseline");
-  pg->barrier()->wait();
-  return 0;
+  LOG0("validation loss ", val, " = ", val / eval.unigram, " x the unigram baseline");
+  return examples::finish_job(job);
+}
+
+// ---- The run: config (the flags), setup, loop ----
+
+int train(const Flags& flags) {
+  const examples::Job job = examples::start_job(flags.timeout_sec);
+  distributed::check_same_config(*job.pg, {{"--strategy", flags.strategy},
+                                           {"--shard-size", std::to_string(flags.shard_size)},
+                                           {"--amp", flags.amp},
+                                           {"--layers", std::to_string(flags.layers)},
+                                           {"--dim", std::to_string(flags.dim)},
+                                           {"--heads", std::to_string(flags.heads)},
+                                           {"--seq", std::to_string(flags.seq)},
+                                           {"--batch-size", std::to_string(flags.batch_size)},
+                                           {"--accum-steps", std::to_string(flags.accum_steps)},
+                                           {"--lr", std::to_string(flags.lr)},
+                                           {"--max-steps", std::to_string(flags.max_steps)},
+                                           {"--seed", std::to_string(flags.seed)},
+                                           {"--resume", flags.resume ? "on" : "off"}});
+  Setup s = setup(flags, job);
+  return loop(flags, job, s);
 }
 
 }  // namespace

@@ -53,6 +53,7 @@
 #include "distributed/parallel/ddp.h"
 #include "examples/cli.h"
 #include "examples/profiling.h"
+#include "examples/training.h"
 #include "nn/functional.h"
 #include "nn/models.h"
 #include "optim/grad_scaler.h"
@@ -63,7 +64,8 @@ namespace ember {
 namespace {
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
+using examples::Clock;
+using examples::seconds;
 
 // --lr is the rate for this many images per optimizer step (the linear
 // scaling rule's reference batch; 0.05 at 64 is what resnet_fashion uses).
@@ -237,8 +239,6 @@ std::shared_ptr<nn::Module> make_model(const std::string& name) {
   return nn::resnet50(o);
 }
 
-double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
-
 // Fraction of this rank's test shard classified correctly, summed over ranks
 // with one allreduce of (correct, total), so every rank returns the same
 // accuracy over the whole (or --eval-size) test set.
@@ -261,232 +261,250 @@ double evaluate(nn::Module& model, data::DataLoader& loader, distributed::Proces
   return static_cast<double>(counts.data<int64_t>()[0]) / std::max<int64_t>(counts.data<int64_t>()[1], 1);
 }
 
-int train(const Flags& flags) {
-  const bool cuda = cuda_is_available();
-  distributed::InitOptions init;
-  init.backend = cuda ? "nccl" : "gloo";
-  if (flags.timeout_sec > 0) init.timeout = distributed::Millis{static_cast<int64_t>(flags.timeout_sec * 1000)};
-  auto pg = distributed::init_process_group(init);
-  const int rank = pg->rank(), world = pg->size();
-  const auto env = distributed::init_env();
-  const Device device = pg->device();  // the group decides: this rank's GPU under NCCL, else the CPU
-  const std::string model_name = !flags.model.empty() ? flags.model : cuda ? "resnet18" : "narrow";
-  // Ranks started with other flags would train diverging replicas without a
-  // word (a different batch size changes the learning-rate scaling too).
-  distributed::check_same_config(
-      *pg, {{"--model", model_name}, {"--batch-size", std::to_string(flags.batch_size)},
-            {"--lr", std::to_string(flags.lr)}, {"--accum-steps", std::to_string(flags.accum_steps)},
-            {"--epochs", std::to_string(flags.epochs)}, {"--seed", std::to_string(flags.seed)},
-            {"--sync-bn", flags.sync_bn ? "on" : "off"}, {"--max-steps", std::to_string(flags.max_steps)},
-            {"--resume", flags.resume ? "on" : "off"}, {"--amp", flags.amp},
-            {"--grad-compress", flags.grad_compress}});  // paths (--data, --checkpoint-dir) may differ by host
-  if (flags.nproc > 0 && flags.nproc != env.local_world_size)
-    LOG0("note: --nproc ", flags.nproc, " ignored: the launcher started ", env.local_world_size,
-         " processes per node");
+// ---- Setup: everything a run trains with, the same on every rank ----
 
-  Datasets ds = load_data(flags);
-  uint64_t data_seed = flags.seed;
-
-  // Model, optimizer and schedule, identical on every rank (DDP then
-  // broadcasts rank 0's parameters anyway).
-  manual_seed(flags.seed);
-  std::shared_ptr<nn::Module> model = make_model(model_name);
-  model->to(device);
-  const int64_t global_batch = flags.batch_size * world * flags.accum_steps;
-  const double lr = optim::scaled_lr(flags.lr, global_batch, kBaseBatch);
-  optim::SGD opt(model->parameters(),
-                 optim::SGDOptions{.lr = lr, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true});
+struct Setup {
+  std::string model_name;
+  Datasets ds;
+  uint64_t data_seed = 0;
+  std::shared_ptr<nn::Module> model;
+  int64_t global_batch = 0, steps_per_epoch = 0, warmup = 0;
+  double lr = 0;
+  std::unique_ptr<optim::SGD> opt;
+  std::unique_ptr<optim::SequentialLR> sched;
+  std::unique_ptr<optim::GradScaler> scaler;
+  data::TransformPtr normalize;
+  std::unique_ptr<data::DataLoader> train_loader, test_loader;
+  int64_t test_n = 0, start_epoch = 0, step = 0;
+  std::shared_ptr<distributed::DistributedDataParallel> ddp;
+  std::unique_ptr<distributed::GradientAccumulator> accumulator;
 
   // drop_last: every rank sees the same number of full batches, so all of
   // them run the same number of synchronizing backward passes. The seed
   // fixes the data order (the sampler) and the random transforms.
-  auto normalize = data::compose({data::to_float(), data::normalize({kMean}, {kStd})});
-  auto make_train_loader = [&](uint64_t seed) {
-    auto sampler = std::make_shared<data::DistributedSampler>(ds.train->size(), world, rank, /*shuffle=*/true,
-                                                              seed, /*drop_last=*/true);
-    return std::make_unique<data::DataLoader>(
-        ds.train, data::DataLoaderOptions{.batch_size = flags.batch_size, .sampler = sampler, .drop_last = true,
-                                          .num_workers = flags.workers, .transform = normalize, .seed = seed,
-                                          .device = device});
-  };
-  auto train_loader = make_train_loader(data_seed);
-  const int64_t micro_per_epoch = train_loader->size();
-  int64_t steps_per_epoch = micro_per_epoch / flags.accum_steps;
-  EMBER_CHECK(steps_per_epoch >= 1, "an epoch has ", micro_per_epoch, " batches of ", flags.batch_size,
-              " per rank: fewer than --accum-steps ", flags.accum_steps, "; lower --batch-size or --accum-steps");
-  if (flags.max_steps > 0) steps_per_epoch = std::min(steps_per_epoch, flags.max_steps);
-  const int64_t total_steps = flags.epochs * steps_per_epoch;
-  const int64_t warmup = std::min<int64_t>(200, total_steps / 10 + 1);
-  auto warm = std::make_shared<optim::LinearLR>(opt, 0.1, 1.0, warmup);
-  auto cosine = std::make_shared<optim::CosineAnnealingLR>(opt, std::max<int64_t>(total_steps - warmup, 1), 0.0);
-  optim::SequentialLR sched(opt, {warm, cosine}, {warmup});
-
-  // Resume on every rank: each one needs the optimizer state and counters;
-  // the parameters would come from rank 0's broadcast anyway.
-  int64_t start_epoch = 0, step = 0;
-  // fp16 needs loss scaling; bf16 has float32's range and needs none.
-  optim::GradScaler scaler({.enabled = flags.amp == "fp16"});
-  if (flags.resume) {
-    std::vector<std::string> skipped;
-    auto latest = distributed::latest_checkpoint(flags.checkpoint_dir, "epoch_", flags.resume_fallback, &skipped);
-    EMBER_CHECK(latest.ok(), "--resume: ", latest.status().message());
-    for (const std::string& s : skipped) LOG0("warning: skipping the damaged checkpoint ", s, "; trying an older one");
-    const std::optional<std::string>& dir = *latest;
-    EMBER_CHECK(dir.has_value(), "--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir ", flags.checkpoint_dir);
-    // Sharded (each rank wrote its part; any number of ranks loads it), or
-    // the one-file checkpoints of earlier versions.
-    std::string saved_by;
-    absl::StatusOr<distributed::TrainingState> st = absl::UnknownError("");
-    if (distributed::is_sharded_checkpoint(*dir)) {
-      auto index = distributed::read_checkpoint_index(*dir);
-      EMBER_CHECK(index.ok(), "--resume: ", index.status().message());
-      saved_by = "saved by " + std::to_string(index->world_size) + " rank" + (index->world_size == 1 ? "" : "s") +
-                 " (" + index->layout + "), loading on " + std::to_string(world) + " rank" + (world == 1 ? "" : "s") +
-                 " (" + (world > 1 ? "replicated" : "single") + "); ";
-      st = distributed::load_sharded_checkpoint(*dir, *model, &opt, &sched, *pg);
-    } else {
-      st = distributed::load_checkpoint(*dir, *model, &opt, &sched);
-    }
-    EMBER_CHECK(st.ok(), "--resume: ", st.status().message(),
-                " (was it written with a different --model, or a different --accum-steps/--epochs schedule?)");
-    start_epoch = st->epoch;
-    step = st->step;  // the load restored the random generator (each rank's own, where it can)
-    const auto extra = nlohmann::json::parse(st->extra_json);
-    // Our own fields in the checkpoint's "extra": a wrong type names the file
-    // and the field (nlohmann's value() would throw a bare type error).
-    auto extra_count = [&](const char* key, uint64_t fallback) -> uint64_t {
-      auto it = extra.find(key);
-      if (it == extra.end()) return fallback;
-      EMBER_CHECK(it->is_number_unsigned(), "--resume: ", *dir, "/trainer.json: \"extra\".\"", key, "\" is ",
-                  it->dump(), ", expected a non-negative integer");
-      return it->get<uint64_t>();
-    };
-    data_seed = extra_count("sampler_seed", data_seed);
-    if (auto it = extra.find("grad_scaler"); it != extra.end() && scaler.is_enabled()) {
-      EMBER_CHECK(it->is_object(), "--resume: ", *dir, "/trainer.json: \"extra\".\"grad_scaler\" is ", it->dump(),
-                  ", expected an object");
-      std::map<std::string, double> sd;
-      for (const auto& [k, v] : it->items()) {
-        EMBER_CHECK(v.is_number(), "--resume: ", *dir, "/trainer.json: \"extra\".\"grad_scaler\".\"", k, "\" is ",
-                    v.dump(), ", expected a number");
-        sd[k] = v.get<double>();
-      }
-      try {
-        scaler.load_state_dict(sd);
-      } catch (const Error& e) {
-        EMBER_CHECK(false, "--resume: ", *dir, "/trainer.json: \"extra\".\"grad_scaler\": ", e.what());
-      }
-    }
-    if (auto g = static_cast<int64_t>(extra_count("global_batch", global_batch)); g != global_batch)
-      LOG0("note: the checkpoint was trained with a global batch of ", g, ", now ", global_batch,
-           ": the data order and learning rate differ from an uninterrupted run");
-    // The checkpoint's data order wins: that is what "continue exactly" means.
-    if (data_seed != flags.seed) train_loader = make_train_loader(data_seed);
-    LOG0("resumed from ", *dir, ": ", saved_by, start_epoch, " epoch(s), ", step, " step(s) done");
-    if (start_epoch >= flags.epochs)
-      LOG0("nothing to do: the checkpoint has ", start_epoch, " epoch(s) and --epochs is ", flags.epochs);
+  std::unique_ptr<data::DataLoader> make_train_loader(const Flags& flags, const examples::Job& job,
+                                                      uint64_t seed) const {
+    auto sampler = std::make_shared<data::DistributedSampler>(ds.train->size(), job.world, job.rank,
+                                                              /*shuffle=*/true, seed, /*drop_last=*/true);
+    return std::make_unique<data::DataLoader>(ds.train, data::DataLoaderOptions{.batch_size = flags.batch_size,
+                                                                                .sampler = sampler,
+                                                                                .drop_last = true,
+                                                                                .num_workers = flags.workers,
+                                                                                .transform = normalize,
+                                                                                .seed = seed,
+                                                                                .device = job.device});
   }
+};
 
-  if (flags.sync_bn) distributed::convert_sync_batchnorm(*model, pg);
+// Resume on every rank: each one needs the optimizer state and counters;
+// the parameters would come from rank 0's broadcast anyway.
+void resume(const Flags& flags, const examples::Job& job, Setup& s) {
+  std::vector<std::string> skipped;
+  auto latest = distributed::latest_checkpoint(flags.checkpoint_dir, "epoch_", flags.resume_fallback, &skipped);
+  EMBER_CHECK(latest.ok(), "--resume: ", latest.status().message());
+  for (const std::string& d : skipped) LOG0("warning: skipping the damaged checkpoint ", d, "; trying an older one");
+  const std::optional<std::string>& dir = *latest;
+  EMBER_CHECK(dir.has_value(), "--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir ", flags.checkpoint_dir);
+  // Sharded (each rank wrote its part; any number of ranks loads it), or
+  // the one-file checkpoints of earlier versions.
+  std::string saved_by;
+  absl::StatusOr<distributed::TrainingState> st = absl::UnknownError("");
+  if (distributed::is_sharded_checkpoint(*dir)) {
+    auto index = distributed::read_checkpoint_index(*dir);
+    EMBER_CHECK(index.ok(), "--resume: ", index.status().message());
+    saved_by = "saved by " + std::to_string(index->world_size) + " rank" + (index->world_size == 1 ? "" : "s") + " (" +
+               index->layout + "), loading on " + std::to_string(job.world) + " rank" + (job.world == 1 ? "" : "s") +
+               " (" + (job.world > 1 ? "replicated" : "single") + "); ";
+    st = distributed::load_sharded_checkpoint(*dir, *s.model, s.opt.get(), s.sched.get(), *job.pg);
+  } else {
+    st = distributed::load_checkpoint(*dir, *s.model, s.opt.get(), s.sched.get());
+  }
+  EMBER_CHECK(st.ok(), "--resume: ", st.status().message(),
+              " (was it written with a different --model, or a different --accum-steps/--epochs schedule?)");
+  s.start_epoch = st->epoch;
+  s.step = st->step;  // the load restored the random generator (each rank's own, where it can)
+  const auto extra = nlohmann::json::parse(st->extra_json);
+  // Our own fields in the checkpoint's "extra": a wrong type names the file
+  // and the field (nlohmann's value() would throw a bare type error).
+  auto extra_count = [&](const char* key, uint64_t fallback) -> uint64_t {
+    auto it = extra.find(key);
+    if (it == extra.end()) return fallback;
+    EMBER_CHECK(it->is_number_unsigned(), "--resume: ", *dir, "/trainer.json: \"extra\".\"", key, "\" is ", it->dump(),
+                ", expected a non-negative integer");
+    return it->get<uint64_t>();
+  };
+  s.data_seed = extra_count("sampler_seed", s.data_seed);
+  examples::restore_scaler(*s.scaler, extra, *dir);
+  if (auto g = static_cast<int64_t>(extra_count("global_batch", s.global_batch)); g != s.global_batch)
+    LOG0("note: the checkpoint was trained with a global batch of ", g, ", now ", s.global_batch,
+         ": the data order and learning rate differ from an uninterrupted run");
+  // The checkpoint's data order wins: that is what "continue exactly" means.
+  if (s.data_seed != flags.seed) s.train_loader = s.make_train_loader(flags, job, s.data_seed);
+  LOG0("resumed from ", *dir, ": ", saved_by, s.start_epoch, " epoch(s), ", s.step, " step(s) done");
+  if (s.start_epoch >= flags.epochs)
+    LOG0("nothing to do: the checkpoint has ", s.start_epoch, " epoch(s) and --epochs is ", flags.epochs);
+}
+
+Setup setup(const Flags& flags, const examples::Job& job) {
+  Setup s;
+  s.model_name = !flags.model.empty() ? flags.model : job.cuda ? "resnet18" : "narrow";
+  s.ds = load_data(flags);
+  s.data_seed = flags.seed;
+
+  // Model, optimizer and schedule, identical on every rank (DDP then
+  // broadcasts rank 0's parameters anyway).
+  manual_seed(flags.seed);
+  s.model = make_model(s.model_name);
+  s.model->to(job.device);
+  s.global_batch = flags.batch_size * job.world * flags.accum_steps;
+  s.lr = optim::scaled_lr(flags.lr, s.global_batch, kBaseBatch);
+  s.opt = std::make_unique<optim::SGD>(
+      s.model->parameters(), optim::SGDOptions{.lr = s.lr, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true});
+
+  s.normalize = data::compose({data::to_float(), data::normalize({kMean}, {kStd})});
+  s.train_loader = s.make_train_loader(flags, job, s.data_seed);
+  const int64_t micro_per_epoch = s.train_loader->size();
+  s.steps_per_epoch = micro_per_epoch / flags.accum_steps;
+  EMBER_CHECK(s.steps_per_epoch >= 1, "an epoch has ", micro_per_epoch, " batches of ", flags.batch_size,
+              " per rank: fewer than --accum-steps ", flags.accum_steps, "; lower --batch-size or --accum-steps");
+  if (flags.max_steps > 0) s.steps_per_epoch = std::min(s.steps_per_epoch, flags.max_steps);
+  const int64_t total_steps = flags.epochs * s.steps_per_epoch;
+  s.warmup = std::min<int64_t>(200, total_steps / 10 + 1);
+  auto warm = std::make_shared<optim::LinearLR>(*s.opt, 0.1, 1.0, s.warmup);
+  auto cosine = std::make_shared<optim::CosineAnnealingLR>(*s.opt, std::max<int64_t>(total_steps - s.warmup, 1), 0.0);
+  s.sched = std::make_unique<optim::SequentialLR>(
+      *s.opt, std::vector<std::shared_ptr<optim::LRScheduler>>{warm, cosine}, std::vector<int64_t>{s.warmup});
+  // fp16 needs loss scaling; bf16 has float32's range and needs none.
+  s.scaler = std::make_unique<optim::GradScaler>(optim::GradScalerOptions{.enabled = flags.amp == "fp16"});
+  if (flags.resume) resume(flags, job, s);
+
+  if (flags.sync_bn) distributed::convert_sync_batchnorm(*s.model, job.pg);
   distributed::DDPOptions ddp_options;
   if (flags.grad_compress != "off")
     ddp_options.comm_hook = flags.grad_compress == "bf16" ? distributed::bf16_compress_hook()
                                                           : distributed::fp16_compress_hook();
-  auto ddp = std::make_shared<distributed::DistributedDataParallel>(model, ddp_options);
-  distributed::GradientAccumulator accumulator(*ddp, static_cast<int>(flags.accum_steps));
+  s.ddp = std::make_shared<distributed::DistributedDataParallel>(s.model, ddp_options);
+  s.accumulator = std::make_unique<distributed::GradientAccumulator>(*s.ddp, static_cast<int>(flags.accum_steps));
 
-  const int64_t test_n = flags.eval_size > 0 ? std::min(flags.eval_size, ds.test->size()) : ds.test->size();
+  s.test_n = flags.eval_size > 0 ? std::min(flags.eval_size, s.ds.test->size()) : s.ds.test->size();
   // Each rank's contiguous share, without the padding DistributedSampler
   // adds: accuracy counts every test image exactly once.
-  const int64_t test_lo = test_n * rank / world, test_hi = test_n * (rank + 1) / world;
-  data::DataLoader test_loader(std::make_shared<Slice>(ds.test, test_lo, test_hi - test_lo),
-                               {.batch_size = 500, .transform = normalize, .device = device});
+  const int64_t test_lo = s.test_n * job.rank / job.world, test_hi = s.test_n * (job.rank + 1) / job.world;
+  s.test_loader = std::make_unique<data::DataLoader>(
+      std::make_shared<Slice>(s.ds.test, test_lo, test_hi - test_lo),
+      data::DataLoaderOptions{.batch_size = 500, .transform = s.normalize, .device = job.device});
 
-  LOG0(model_name == "narrow" ? "narrow ResNet-18 (width 16)" : model_name, ", small stem: ",
-       model->num_parameters() / 1e6, " M parameters; ", ds.description, "\n", world, " rank(s) on ",
-       cuda ? "GPUs (NCCL)" : "the CPU (Gloo)", ", batch ", flags.batch_size, " per rank x ", world, " rank(s) x ",
-       flags.accum_steps, " accumulation step(s) = ", global_batch, " per step; lr ", lr, " (", flags.lr, " x ",
-       global_batch, "/", kBaseBatch, "), ", warmup, " warmup steps then cosine; ", steps_per_epoch,
-       " steps per epoch; ", flags.sync_bn ? "SyncBatchNorm; " : "",
-       flags.amp == "off" ? "" : "mixed precision " + flags.amp + (scaler.is_enabled() ? " with loss scaling; " : "; "),
-       flags.grad_compress == "off" ? "" : "gradients allreduced in " + flags.grad_compress + "; ",
-       "checkpoints in ", flags.checkpoint_dir);
+  LOG0(s.model_name == "narrow" ? "narrow ResNet-18 (width 16)" : s.model_name,
+       ", small stem: ", s.model->num_parameters() / 1e6, " M parameters; ", s.ds.description, "\n", job.world,
+       " rank(s) on ", job.cuda ? "GPUs (NCCL)" : "the CPU (Gloo)", ", batch ", flags.batch_size, " per rank x ",
+       job.world, " rank(s) x ", flags.accum_steps, " accumulation step(s) = ", s.global_batch, " per step; lr ", s.lr,
+       " (", flags.lr, " x ", s.global_batch, "/", kBaseBatch, "), ", s.warmup, " warmup steps then cosine; ",
+       s.steps_per_epoch, " steps per epoch; ", flags.sync_bn ? "SyncBatchNorm; " : "",
+       flags.amp == "off" ? ""
+                          : "mixed precision " + flags.amp + (s.scaler->is_enabled() ? " with loss scaling; " : "; "),
+       flags.grad_compress == "off" ? "" : "gradients allreduced in " + flags.grad_compress + "; ", "checkpoints in ",
+       flags.checkpoint_dir);
+  return s;
+}
 
-  examples::Progress progress(rank == 0);
-  const auto t_start = Clock::now();
+// ---- The loop: epochs of steps, an evaluation and a checkpoint each ----
+
+int loop(const Flags& flags, const examples::Job& job, Setup& s) {
+  examples::Progress progress(job.rank == 0);
   double train_seconds = 0, eval_seconds = -1;
   int64_t images_done = 0;  // global, this process's run
-  examples::StepProfiler profile(flags.profile_dir, (flags.epochs - start_epoch) * steps_per_epoch, pg.get());
-  for (int64_t epoch = start_epoch; epoch < flags.epochs; ++epoch) {
-    train_loader->set_epoch(epoch);  // the loader hands its epoch to the sampler and keys transforms
-    model->train();
+  optim::GradScaler& scaler = *s.scaler;
+  examples::StepProfiler profile(flags.profile_dir, (flags.epochs - s.start_epoch) * s.steps_per_epoch, job.pg.get());
+  for (int64_t epoch = s.start_epoch; epoch < flags.epochs; ++epoch) {
+    s.train_loader->set_epoch(epoch);  // the loader hands its epoch to the sampler and keys transforms
+    s.model->train();
     double loss_sum = 0;
     int64_t micro = 0, epoch_steps = 0;
     auto t_epoch = Clock::now();
-    opt.zero_grad();
-    for (data::Batch& b : *train_loader) {
-      if (epoch_steps >= steps_per_epoch) break;
+    s.opt->zero_grad();
+    for (data::Batch& b : *s.train_loader) {
+      if (epoch_steps >= s.steps_per_epoch) break;
       Tensor loss;
       {
         std::optional<AutocastGuard> amp;
-        if (flags.amp != "off") amp.emplace(device.type, flags.amp == "bf16" ? DType::BFloat16 : DType::Float16);
-        loss = nn::functional::cross_entropy((*ddp)(b.data), b.target);  // float32 under autocast too
+        if (flags.amp != "off") amp.emplace(job.device.type, flags.amp == "bf16" ? DType::BFloat16 : DType::Float16);
+        loss = nn::functional::cross_entropy((*s.ddp)(b.data), b.target);  // float32 under autocast too
       }
       loss_sum += loss.item();
       ++micro;
-      if (!accumulator.backward(scaler.scale(loss))) continue;
-      scaler.step(opt);  // skipped when a float16 gradient overflowed; the scale then backs off
+      if (!s.accumulator->backward(scaler.scale(loss))) continue;
+      scaler.step(*s.opt);  // skipped when a float16 gradient overflowed; the scale then backs off
       scaler.update();
-      sched.step();
-      opt.zero_grad();
+      s.sched->step();
+      s.opt->zero_grad();
       ++epoch_steps;
-      ++step;
+      ++s.step;
       profile.step();
-      images_done += global_batch;
+      images_done += s.global_batch;
       double elapsed = train_seconds + seconds(t_epoch, Clock::now());
       double rate = images_done / std::max(elapsed, 1e-9);
-      int64_t left_images = ((flags.epochs - epoch) * steps_per_epoch - epoch_steps) * global_batch;
+      int64_t left_images = ((flags.epochs - epoch) * s.steps_per_epoch - epoch_steps) * s.global_batch;
       double left = left_images / rate + (flags.epochs - epoch) * std::max(eval_seconds, 0.0);
       progress.update("epoch " + std::to_string(epoch + 1) + "/" + std::to_string(flags.epochs), epoch_steps,
-                      steps_per_epoch, loss_sum / micro, rate, "img/s", left, epoch_steps == steps_per_epoch,
+                      s.steps_per_epoch, loss_sum / micro, rate, "img/s", left, epoch_steps == s.steps_per_epoch,
                       scaler.is_enabled() ? "  scale " + std::to_string(static_cast<int64_t>(scaler.get_scale())) : "");
     }
     train_seconds += seconds(t_epoch, Clock::now());
     progress.close_line();
 
     // Train loss averaged over ranks, test accuracy over every rank's shard.
-    Tensor loss_t = full({1}, loss_sum / std::max<int64_t>(micro, 1)).to(device);
-    pg->allreduce(loss_t, distributed::ReduceOp::Avg)->wait();
+    Tensor loss_t = full({1}, loss_sum / std::max<int64_t>(micro, 1)).to(job.device);
+    job.pg->allreduce(loss_t, distributed::ReduceOp::Avg)->wait();
     auto t_eval = Clock::now();
-    double acc = evaluate(*model, test_loader, *pg, device);
+    double acc = evaluate(*s.model, *s.test_loader, *job.pg, job.device);
     eval_seconds = seconds(t_eval, Clock::now());
-    LOG0("epoch ", epoch + 1, "/", flags.epochs, ": train loss ", loss_t.to(kCPU).item(), ", test accuracy ", acc,
-         " (", test_n, " images, ", world, " shards), ",
+    LOG0("epoch ", epoch + 1, "/", flags.epochs, ": train loss ", loss_t.to(kCPU).item(), ", test accuracy ", acc, " (",
+         s.test_n, " images, ", job.world, " shards), ",
          scaler.is_enabled() ? "scale " + std::to_string(static_cast<int64_t>(scaler.get_scale())) + ", " : "",
-         static_cast<int64_t>(seconds(t_start, Clock::now())), " s elapsed");
+         static_cast<int64_t>(seconds(job.started, Clock::now())), " s elapsed");
 
-    {  // every rank writes its part (sharded.h): here, a share of the replicated tensors
-      distributed::TrainingState st;
-      st.epoch = epoch + 1;
-      st.step = step;
-      st.rng_seed = default_generator().seed();
-      st.rng_offset = default_generator().offset();
-      nlohmann::json extra{{"sampler_seed", data_seed},
-                           {"global_batch", global_batch},
-                           {"world_size", world},
-                           {"model", model_name}};
-      if (scaler.is_enabled()) extra["grad_scaler"] = scaler.state_dict();
-      st.extra_json = extra.dump();
-      std::string dir = flags.checkpoint_dir + "/epoch_" + std::to_string(epoch + 1);
-      absl::Status s = distributed::save_sharded_checkpoint(dir, *model, &opt, &sched, st, *pg);
-      EMBER_CHECK(s.ok(), "saving checkpoint ", dir, ": ", s.message());
-      LOG0("saved checkpoint ", dir);
-    }
+    // Every rank writes its part (sharded.h): here, a share of the replicated tensors.
+    distributed::TrainingState st;
+    st.epoch = epoch + 1;
+    st.step = s.step;
+    st.rng_seed = default_generator().seed();
+    st.rng_offset = default_generator().offset();
+    const std::string dir = flags.checkpoint_dir + "/epoch_" + std::to_string(epoch + 1);
+    examples::save_step_checkpoint(dir, *s.model, *s.opt, *s.sched, st,
+                                   {{"sampler_seed", s.data_seed},
+                                    {"global_batch", s.global_batch},
+                                    {"world_size", job.world},
+                                    {"model", s.model_name}},
+                                   scaler, *job.pg);
+    LOG0("saved checkpoint ", dir);
   }
-  // Nobody leaves (and tears the group down) before every rank is done.
-  pg->barrier()->wait();
-  LOG0("done in ", static_cast<int64_t>(seconds(t_start, Clock::now())), " s");
-  return 0;
+  return examples::finish_job(job);
+}
+
+// ---- The run: config (the flags), setup, loop ----
+
+int train(const Flags& flags) {
+  const examples::Job job = examples::start_job(flags.timeout_sec);
+  const std::string model_name = !flags.model.empty() ? flags.model : job.cuda ? "resnet18" : "narrow";
+  // Ranks started with other flags would train diverging replicas without a
+  // word (a different batch size changes the learning-rate scaling too).
+  distributed::check_same_config(
+      *job.pg, {{"--model", model_name},
+                {"--batch-size", std::to_string(flags.batch_size)},
+                {"--lr", std::to_string(flags.lr)},
+                {"--accum-steps", std::to_string(flags.accum_steps)},
+                {"--epochs", std::to_string(flags.epochs)},
+                {"--seed", std::to_string(flags.seed)},
+                {"--sync-bn", flags.sync_bn ? "on" : "off"},
+                {"--max-steps", std::to_string(flags.max_steps)},
+                {"--resume", flags.resume ? "on" : "off"},
+                {"--amp", flags.amp},
+                {"--grad-compress", flags.grad_compress}});  // paths (--data, --checkpoint-dir) may differ by host
+  if (flags.nproc > 0 && flags.nproc != job.env.local_world_size)
+    LOG0("note: --nproc ", flags.nproc, " ignored: the launcher started ", job.env.local_world_size,
+         " processes per node");
+  Setup s = setup(flags, job);
+  return loop(flags, job, s);
 }
 
 }  // namespace

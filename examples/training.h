@@ -1,0 +1,97 @@
+// What the distributed training examples (resnet_ddp, gpt_fsdp) share, so
+// each example is its config, its setup and its loop, and the parts around
+// them are written once:
+//
+//   examples::Job job = examples::start_job(flags.timeout_sec);   // the process group, rank, device
+//   ...setup, resume (examples::restore_scaler), the loop...
+//   examples::save_step_checkpoint(dir, model, opt, sched, state, extra, scaler, *job.pg);
+//   return examples::finish_job(job);                             // every rank done, "done in N s"
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "core/device.h"
+#include "distributed/checkpoint/sharded.h"
+#include "distributed/init.h"
+#include "distributed/logging/logging.h"
+#include "optim/grad_scaler.h"
+
+namespace ember::examples {
+
+using Clock = std::chrono::steady_clock;
+inline double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// A worker's place in the job: the default process group (NCCL on GPUs,
+// else Gloo), its rank, world and device, and what the launcher said.
+struct Job {
+  std::shared_ptr<distributed::ProcessGroup> pg;
+  int rank = 0, world = 1;
+  Device device;
+  bool cuda = false;
+  distributed::ResolvedEnv env;
+  Clock::time_point started;
+};
+
+// `timeout_sec` > 0: the rendezvous and collective timeout (--timeout);
+// else EMBER_DIST_TIMEOUT_SEC, else 10 minutes.
+inline Job start_job(double timeout_sec) {
+  Job job;
+  job.started = Clock::now();
+  job.cuda = cuda_is_available();
+  distributed::InitOptions init;
+  init.backend = job.cuda ? "nccl" : "gloo";
+  if (timeout_sec > 0) init.timeout = distributed::Millis{static_cast<int64_t>(timeout_sec * 1000)};
+  job.pg = distributed::init_process_group(init);
+  job.rank = job.pg->rank();
+  job.world = job.pg->size();
+  job.device = job.pg->device();  // the group decides: this rank's GPU under NCCL, else the CPU
+  job.env = distributed::init_env();
+  return job;
+}
+
+// The GradScaler's state saved in a checkpoint's "extra" JSON (a no-op when
+// the scaler is off or the checkpoint has none); a wrong type names the file
+// and the field.
+inline void restore_scaler(optim::GradScaler& scaler, const nlohmann::json& extra, const std::string& dir) {
+  auto it = extra.find("grad_scaler");
+  if (it == extra.end() || !scaler.is_enabled()) return;
+  EMBER_CHECK(it->is_object(), "--resume: ", dir, "/trainer.json: \"extra\".\"grad_scaler\" is ", it->dump(),
+              ", expected an object");
+  std::map<std::string, double> sd;
+  for (const auto& [k, v] : it->items()) {
+    EMBER_CHECK(v.is_number(), "--resume: ", dir, "/trainer.json: \"extra\".\"grad_scaler\".\"", k, "\" is ", v.dump(),
+                ", expected a number");
+    sd[k] = v.get<double>();
+  }
+  try {
+    scaler.load_state_dict(sd);
+  } catch (const Error& e) {
+    EMBER_CHECK(false, "--resume: ", dir, "/trainer.json: \"extra\".\"grad_scaler\": ", e.what());
+  }
+}
+
+// A sharded checkpoint of the training state (every rank writes its part),
+// `extra` recorded in trainer.json with the scaler's state when it is on;
+// an error names the directory.
+inline void save_step_checkpoint(const std::string& dir, nn::Module& model, optim::Optimizer& opt,
+                                 const optim::LRScheduler& sched, distributed::TrainingState st, nlohmann::json extra,
+                                 const optim::GradScaler& scaler, distributed::ProcessGroup& pg) {
+  if (scaler.is_enabled()) extra["grad_scaler"] = scaler.state_dict();
+  st.extra_json = extra.dump();
+  const absl::Status s = distributed::save_sharded_checkpoint(dir, model, &opt, &sched, st, pg);
+  EMBER_CHECK(s.ok(), "saving checkpoint ", dir, ": ", s.message());
+}
+
+// The end of every run: nobody leaves (and tears the group down) before
+// every rank is done. Returns the exit status.
+inline int finish_job(const Job& job) {
+  job.pg->barrier()->wait();
+  LOG0("done in ", static_cast<int64_t>(seconds(job.started, Clock::now())), " s");
+  return 0;
+}
+
+}  // namespace ember::examples
