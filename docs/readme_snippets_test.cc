@@ -1,4 +1,4 @@
-// The README's C++ blocks, verbatim (docs/readme_snippets_test.sh checks that
+// The README's C++ blocks, verbatim (docs/snippets_match_test.sh checks that
 // every block of README.md appears here line for line), compiled and run:
 // the tensor screen and the custom model on a tiny batch in one process; the
 // data-parallel and fully sharded blocks in a world of one. clang-format is

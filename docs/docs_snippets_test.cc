@@ -1,0 +1,245 @@
+// The C++ blocks of docs/*.md, verbatim (docs/snippets_match_test.sh checks
+// every block of every page appears here or in runtime_example.cc line for
+// line), compiled; those that run in one process (models, mixed precision,
+// data parallelism, FSDP, checkpoints, profiling) run in a world of one.
+// The mesh block needs 8 ranks: compiled only. clang-format is off: the
+// blocks keep the pages' layout, comment columns included.
+// clang-format off
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "core/ops.h"
+#include "core/profiler.h"
+#include "data/loader.h"
+#include "data/dataset.h"
+#include "distributed/checkpoint/sharded.h"
+#include "distributed/device_mesh.h"
+#include "distributed/init.h"
+#include "distributed/job_profile.h"
+#include "distributed/parallel/ddp.h"
+#include "distributed/parallel/fsdp/fsdp.h"
+#include "distributed/parallel/fsdp/fsdp_state_dict.h"
+#include "distributed/parallel/zero.h"
+#include "nn/functional.h"
+#include "nn/layers.h"
+#include "nn/transformer.h"
+#include "optim/grad_scaler.h"
+#include "optim/lr_scheduler.h"
+#include "optim/optimizer.h"
+
+namespace {
+using namespace ember;
+
+// docs/models.md
+class SmallCnn : public nn::Module {
+ public:
+  SmallCnn() : Module("SmallCnn") {
+    conv1 = register_module("conv1", std::make_shared<nn::Conv2d>(1, 32, 3, /*stride=*/1, /*padding=*/1));
+    bn1 = register_module("bn1", std::make_shared<nn::BatchNorm2d>(32));
+    fc = register_module("fc", std::make_shared<nn::Linear>(32 * 14 * 14, 10));
+  }
+  Tensor forward(const Tensor& x) override {
+    Tensor h = max_pool2d(relu((*bn1)((*conv1)(x))), {2, 2}, {2, 2});
+    return (*fc)(h.flatten(1));
+  }
+  std::shared_ptr<nn::Conv2d> conv1;
+  std::shared_ptr<nn::BatchNorm2d> bn1;
+  std::shared_ptr<nn::Linear> fc;
+};
+
+std::vector<std::pair<Tensor, Tensor>> image_batches() {
+  return {{randn({2, 1, 28, 28}), Tensor::from_vector({3, 7}, {2}, DType::Int64)}};
+}
+Tensor loss_fn(const Tensor& out, const Tensor& y) { return nn::functional::cross_entropy(out, y); }
+
+TEST(Docs, Models) {
+  Tensor x = randn({4, 784}), y = Tensor::from_vector({1, 2, 3, 4}, {4}, DType::Int64);
+Tensor w = randn({784, 10}).requires_grad_();
+Tensor loss = nn::functional::cross_entropy(matmul(x, w), y);
+loss.backward();
+w.grad();                                       // d loss / d w
+{ NoGradGuard g; w -= w.grad() * 0.1; }         // updates outside the graph
+autograd::register_post_accumulate_grad_hook(w, [](const Tensor& p) { /* p.grad() is final */ });
+
+  const auto batches = image_batches();
+  {
+SmallCnn model;
+optim::Adam opt(model.parameters(), optim::AdamOptions{.lr = 1e-3});
+nn::CrossEntropyLoss criterion;
+for (auto [x, y] : batches) {
+  opt.zero_grad();
+  Tensor loss = criterion(model(x), y);
+  loss.backward();
+  opt.step();
+}
+model.state_dict();   // "conv1.weight", "bn1.running_mean", ... as PyTorch names them
+
+nn::HookHandle h = model.register_forward_pre_hook([](nn::Module& m, const Tensor& x) { return Tensor(); });  // {}: keep x
+model.register_forward_hook([](nn::Module& m, const Tensor& in, const Tensor& out) { return out; });        // may replace out
+model.register_full_backward_pre_hook([](nn::Module& m, const Tensor& grad_out) { return Tensor(); });      // before m's backward
+h.remove();
+    EXPECT_NE(model.state_dict().find("bn1.running_mean"), nullptr);
+  }
+}
+
+// docs/mixed-precision.md
+TEST(Docs, LossScaling) {
+  SmallCnn model;
+  optim::SGD opt(model.parameters(), {.lr = 0.1});
+  Tensor loss = loss_fn(model(image_batches()[0].first), image_batches()[0].second);
+optim::GradScaler scaler;                 // {.enabled = false}: a pass-through (bfloat16 needs none)
+scaler.scale(loss).backward();
+scaler.unscale_(opt);                     // optional, e.g. before clip_grad_norm_
+scaler.step(opt);                         // skipped when a gradient is inf or NaN
+scaler.update();
+}
+
+// A world of one, as torchrun's variables would give it, in a fresh
+// directory (the checkpoint blocks write relative paths).
+class WorldOfOne : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    setenv("RANK", "0", 1);
+    setenv("WORLD_SIZE", "1", 1);
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", "0", 1);
+    const char* tmp = std::getenv("TEST_TMPDIR");
+    dir_ = std::string(tmp ? tmp : "/tmp") + "/docs_" + std::to_string(getpid()) + "_" +
+           ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    std::filesystem::create_directories(dir_);
+    ASSERT_EQ(chdir(dir_.c_str()), 0);
+  }
+  void TearDown() override { distributed::destroy_process_group(); }
+  std::string dir_;
+};
+
+// docs/ddp.md
+TEST_F(WorldOfOne, DataParallel) {
+  auto model = std::make_shared<SmallCnn>();
+  auto dataset = std::make_shared<data::TensorDataset>(randn({8, 1, 28, 28}), Tensor::from_vector({0, 1, 2, 3, 4, 5, 6, 7}, {8}, DType::Int64));
+  data::DataLoader loader(dataset, {.batch_size = 2});
+  {
+auto pg = distributed::init_process_group({.backend = "gloo"});   // or "nccl"
+auto ddp = std::make_shared<distributed::DistributedDataParallel>(model);
+optim::SGD opt(ddp->parameters(), {.lr = 0.1, .momentum = 0.9});
+distributed::GradientAccumulator acc(*ddp, /*steps=*/4);          // optional
+for (data::Batch& b : loader) {                                   // DistributedSampler inside
+  if (!acc.backward(nn::functional::cross_entropy((*ddp)(b.data), b.target))) continue;
+  opt.step();
+  opt.zero_grad();
+}
+    auto train_step = [&](data::Batch& b) {
+      nn::functional::cross_entropy((*ddp)(b.data), b.target).backward();
+      opt.step();
+      opt.zero_grad();
+    };
+int64_t shadowed = distributed::join_uneven_inputs(*ddp, [&] {
+  for (data::Batch& b : loader) train_step(b);  // forward, backward, step
+});
+    EXPECT_EQ(shadowed, 0);
+  }
+}
+
+TEST_F(WorldOfOne, Zero) {
+  auto model = std::make_shared<SmallCnn>();
+  const auto batches = image_batches();
+  distributed::init_process_group();
+  const int rank = distributed::get_rank();
+  optim::OptimizerStateDict saved;
+  auto save = [&](const optim::OptimizerStateDict& sd) { saved = sd; };
+  {
+auto ddp = std::make_shared<distributed::DistributedDataParallel>(model);
+distributed::ZeroRedundancyOptimizer opt(ddp->parameters(), [](std::vector<optim::ParamGroup> g) {
+  return std::make_unique<optim::Adam>(std::move(g), optim::AdamOptions{.lr = 1e-3});
+});
+for (auto [x, y] : batches) { opt.zero_grad(); loss_fn((*ddp)(x), y).backward(); opt.step(); }
+opt.consolidate_state_dict(0);                  // every rank
+if (rank == 0) save(opt.state_dict());          // plain Adam's format and values
+    const optim::OptimizerStateDict full_state_dict = saved;
+opt.load_state_dict(full_state_dict);           // every rank keeps its shard
+  }
+  EXPECT_FALSE(saved.state.empty());
+}
+
+// docs/fsdp.md and docs/checkpoints.md
+TEST_F(WorldOfOne, FullyShardedAndCheckpoints) {
+  std::vector<std::pair<Tensor, Tensor>> batches = {
+      {randint(0, 96, {2, 8}, DType::Int64), randint(0, 96, {16}, DType::Int64)}};
+distributed::init_process_group();
+auto gpt = std::make_shared<nn::GPT>(nn::GPTOptions{.vocab_size = 96, .n_layer = 6, .n_embd = 512});
+distributed::FSDPOptions opts{.strategy = distributed::ShardingStrategy::FULL_SHARD};
+opts.mp_policy = {.param_dtype = DType::BFloat16, .reduce_dtype = DType::Float32, .output_dtype = DType::Float32};
+auto fsdp = distributed::fully_shard_auto(gpt, {.types = {"TransformerBlock"}}, opts);
+//   (by hand: for (auto& [n, b] : gpt->h->named_children()) fully_shard(b, opts); fully_shard(gpt, opts);)
+optim::AdamW opt(gpt->parameters(), {.lr = 3e-3});      // the local shards, original names
+for (auto [x, y] : batches) {
+  opt.zero_grad();
+  nn::functional::cross_entropy((*gpt)(x).reshape({-1, 96}), y).backward();
+  fsdp->clip_grad_norm_(1.0);                           // global norm over the shards
+  opt.step();
+}
+nn::StateDict full = distributed::full_state_dict(*fsdp);               // rank 0, CPU, "h.0.attn.in_proj_weight", ...
+auto full_opt = distributed::full_optim_state_dict(*fsdp, opt);         // as plain AdamW would save it
+distributed::load_full_state_dict(*fsdp, full);                         // every rank keeps its shard
+distributed::load_full_optim_state_dict(*fsdp, opt, full_opt);
+
+  auto model = gpt;
+  optim::StepLR sched(opt, 10);
+  distributed::TrainingState state;
+  state.step = 1;
+  const std::string dir = "ckpt";
+  auto pg = distributed::default_group();
+  const std::vector<int> all_ranks = {0};
+// every rank, model wrapped by fully_shard (or not), its optimizer and scheduler:
+absl::Status s = distributed::save_sharded_checkpoint(dir, *model, &opt, &sched, state, *pg);
+auto st = distributed::load_sharded_checkpoint(dir, *model, &opt, &sched, *pg);  // StatusOr<TrainingState>
+// asynchronous: save() copies to host memory and returns; a thread writes and commits
+distributed::AsyncCheckpointer ckpt(distributed::new_group(all_ranks, "gloo"));  // Gloo also in NCCL jobs
+absl::Status started = ckpt.save(dir, *model, &opt, &sched, state, *pg);     // training goes on meanwhile
+absl::Status written = ckpt.wait();                                          // the last save's outcome
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_TRUE(st.ok()) << st.status();
+  EXPECT_TRUE(started.ok() && written.ok()) << written;
+}
+
+// docs/profiling.md
+TEST_F(WorldOfOne, Profiling) {
+  auto pg = distributed::init_process_group();
+  SmallCnn model;
+  optim::SGD opt(model.parameters(), {.lr = 0.1});
+  auto [x, y] = image_batches()[0];
+  Tensor loss;
+profiler::start();
+{
+  EMBER_PROFILE_RANGE("my step");           // a user range until the end of the block
+  loss = loss_fn(model(x), y);
+  loss.backward();
+  opt.step();
+}
+profiler::stop();
+std::cout << profiler::summary_table(profiler::events());          // torch's key_averages().table()
+auto files = distributed::write_profile("prof", pg.get());          // every rank: prof/trace-rank<N>.json,
+                                                                    // rank 0: prof/trace.json (all ranks)
+  EXPECT_TRUE(files.ok()) << files.status();
+}
+
+// docs/distributed.md's mesh block: 8 ranks, compiled only.
+[[maybe_unused]] void mesh_block(std::shared_ptr<distributed::ProcessGroup> pg) {
+auto mesh = distributed::DeviceMesh::create({2, 2, 2}, {"pp", "dp", "tp"});  // every rank, collectively
+mesh->group("tp");            // the ranks that differ from this one only in "tp"
+mesh->coordinate("pp");       // this rank's place along "pp"
+auto dp_tp = mesh->submesh({"dp", "tp"});   // this rank's 2x2 slice, the same groups
+auto flat = distributed::DeviceMesh::from_group(pg, "dp");  // a 1-D mesh of an existing group
+}
+
+}  // namespace
+// clang-format on
