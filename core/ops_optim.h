@@ -32,13 +32,19 @@ namespace ember {
 //              parameter, state or step count moves (torch's fused steps'
 //              found_inf, which GradScaler sets; see amp_unscale_).
 // All parameters of one call must then be on that one device.
-struct SgdArgs {
+// SGD's hyperparameters (torch.optim.SGD's): the one struct for them, from
+// the user's optimizer options (optim::SGDOptions is this struct) down to
+// the kernels.
+struct SgdOptions {
   double lr = 1e-3;
   double momentum = 0.0;
   double dampening = 0.0;
   double weight_decay = 0.0;
   bool nesterov = false;
   bool maximize = false;
+};
+// sgd_step_'s arguments: the hyperparameters and the device tensors above.
+struct SgdArgs : SgdOptions {
   Tensor lr_tensor;
   Tensor found_inf;
 };
@@ -120,12 +126,11 @@ struct AdamKernelArgs {
 };
 // `init[i]`: parameter i's momentum buffer is new and takes d rather than
 // being decayed into (torch's first-step clone). The hyperparameters are the
-// op's own SgdArgs (one struct for every layer); its tensors arrive as
-// `dev`'s raw pointers.
+// one SgdOptions struct; the op's tensors arrive as `dev`'s raw pointers.
 void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& bufs,
-                  const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev);
+                  const std::vector<bool>& init, const SgdOptions& a, DeviceHyper dev);
 void sgd_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& bufs,
-                   const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev);
+                   const std::vector<bool>& init, const SgdOptions& a, DeviceHyper dev);
 // `steps`: empty (the host's step in `a`), or one count per parameter
 // (read for the bias corrections, then incremented unless skipped).
 void adam_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
@@ -166,7 +171,7 @@ struct SgdScalars {
 };
 
 template <typename C>
-SgdScalars<C> sgd_scalars(const SgdArgs& a) {
+SgdScalars<C> sgd_scalars(const SgdOptions& a) {
   return {static_cast<C>(-a.lr), static_cast<C>(a.momentum), static_cast<C>(1.0 - a.dampening),
           static_cast<C>(a.weight_decay), a.momentum != 0.0, a.weight_decay != 0.0, a.nesterov, a.maximize};
 }

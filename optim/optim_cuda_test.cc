@@ -52,9 +52,9 @@ std::vector<Tensor> make_params(DType dt, Device d, uint64_t seed) {
 
 TEST_F(CudaOptim, FusedSgdMatchesCpu) {
   const std::vector<SgdArgs> configs = {
-      {.lr = 0.1},
-      {.lr = 0.05, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01},
-      {.lr = 0.05, .momentum = 0.8, .weight_decay = 0.1, .nesterov = true, .maximize = true},
+      {{.lr = 0.1}},
+      {{.lr = 0.05, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01}},
+      {{.lr = 0.05, .momentum = 0.8, .weight_decay = 0.1, .nesterov = true, .maximize = true}},
   };
   for (DType dt : {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16})
     for (size_t c = 0; c < configs.size(); ++c) {
@@ -147,7 +147,7 @@ TEST_F(CudaOptim, DeviceLearningRateStepCountsAndSkipMatchCpu) {
     std::vector<Tensor> b, bg;
     for (int64_t step = 1; step <= 3; ++step) {
       std::vector<Tensor> g = make_params(dt, kCPU, 300 + step), gg = make_params(dt, cuda_device(), 300 + step);
-      SgdArgs a{.lr = 1.0, .momentum = 0.9};
+      SgdArgs a{{.lr = 1.0, .momentum = 0.9}};
       SgdArgs ag = a;
       a.lr_tensor = full({}, 0.05, DType::Float32);
       ag.lr_tensor = a.lr_tensor.cuda();
@@ -185,8 +185,8 @@ TEST_F(CudaOptim, ManyTensorsUseTheDeviceTable) {
   for (int64_t step = 1; step <= 2; ++step) {
     adam_step_(p, g, m, v, x, {.lr = 0.01, .step = step});
     adam_step_(pg, gg, mg, vg, xg, {.lr = 0.01, .step = step});
-    sgd_step_(p, g, bufs, {.lr = 0.1, .momentum = 0.9});
-    sgd_step_(pg, gg, bufs_g, {.lr = 0.1, .momentum = 0.9});
+    sgd_step_(p, g, bufs, {{.lr = 0.1, .momentum = 0.9}});
+    sgd_step_(pg, gg, bufs_g, {{.lr = 0.1, .momentum = 0.9}});
   }
   for (size_t i = 0; i < p.size(); ++i) expect_close(p[i], pg[i], 1e-5, "tensor " + std::to_string(i));
 }

@@ -372,9 +372,9 @@ TEST(Optimizer, ConstructionErrors) {
   expect_error([&] { SGD({Tensor::from_vector({1}, {1}, DType::Int64)}); }, "only floating");
   // The fused op refuses what it cannot update in place, naming the operand.
   std::vector<Tensor> ps{zeros({2, 3}).t()}, gs{zeros({3, 2})}, bufs{Tensor()};
-  expect_error([&] { sgd_step_(ps, gs, bufs, {.lr = 0.1, .momentum = 0.9}); }, "parameter 0 [3,2] with strides");
+  expect_error([&] { sgd_step_(ps, gs, bufs, {{.lr = 0.1, .momentum = 0.9}}); }, "parameter 0 [3,2] with strides");
   std::vector<Tensor> qs{zeros({3})}, hs{zeros({2})};
-  expect_error([&] { sgd_step_(qs, hs, bufs, {.lr = 0.1, .momentum = 0.9}); }, "gradient 0 ([2] float32");
+  expect_error([&] { sgd_step_(qs, hs, bufs, {{.lr = 0.1, .momentum = 0.9}}); }, "gradient 0 ([2] float32");
 }
 
 // ---- state_dict: 3 steps, checkpoint, fresh optimizer, 2 steps == 5 steps ----

@@ -296,14 +296,18 @@ void Optimizer::load_state_dict(const OptimizerStateDict& sd) {
 }
 
 // ---- SGD ----
-Options SGDOptions::to_map() const {
-  return {{"lr", lr}, {"momentum", momentum}, {"dampening", dampening}, {"weight_decay", weight_decay},
-          {"nesterov", nesterov ? 1.0 : 0.0}, {"maximize", maximize ? 1.0 : 0.0}};
+Options to_map(const SGDOptions& o) {
+  return {{"lr", o.lr},
+          {"momentum", o.momentum},
+          {"dampening", o.dampening},
+          {"weight_decay", o.weight_decay},
+          {"nesterov", o.nesterov ? 1.0 : 0.0},
+          {"maximize", o.maximize ? 1.0 : 0.0}};
 }
 
 SGD::SGD(std::vector<Tensor> params, SGDOptions defaults) : SGD(one_group(std::move(params)), defaults) {}
 
-SGD::SGD(std::vector<ParamGroup> groups, SGDOptions defaults) : Optimizer("SGD", defaults.to_map()) {
+SGD::SGD(std::vector<ParamGroup> groups, SGDOptions defaults) : Optimizer("SGD", to_map(defaults)) {
   init(std::move(groups));
 }
 
@@ -344,8 +348,8 @@ void SGD::step_impl(const Tensor& found_inf) {
   NoGradGuard no_grad;
   for (auto& group : param_groups()) {
     const Options& o = group.options;
-    SgdArgs args{o.at("lr"), o.at("momentum"), o.at("dampening"), o.at("weight_decay"), flag(o, "nesterov"),
-                 flag(o, "maximize")};
+    SgdArgs args{{o.at("lr"), o.at("momentum"), o.at("dampening"), o.at("weight_decay"), flag(o, "nesterov"),
+                  flag(o, "maximize")}};
     args.lr_tensor = group.lr_tensor;
     args.found_inf = found_inf;
     std::vector<Tensor> params, grads, bufs, owners;

@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/ops_optim.h"
 #include "core/tensor.h"
 
 namespace ember::optim {
@@ -172,15 +173,10 @@ class Optimizer {
   std::unordered_map<const TensorImpl*, ParamState> state_;
 };
 
-struct SGDOptions {
-  double lr = 1e-3;
-  double momentum = 0.0;
-  double dampening = 0.0;
-  double weight_decay = 0.0;
-  bool nesterov = false;
-  bool maximize = false;
-  Options to_map() const;
-};
+// torch.optim.SGD's hyperparameters: core's one struct for them (the fused
+// kernels take the same), and its form in a parameter group's options.
+using SGDOptions = ::ember::SgdOptions;
+Options to_map(const SGDOptions& o);
 
 // torch.optim.SGD. State: "momentum_buffer" (when momentum != 0).
 class SGD : public Optimizer {

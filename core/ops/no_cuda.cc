@@ -45,7 +45,7 @@ EMBER_NO_CUDA(max_pool2d_backward_cuda, const PoolGeom&, const Tensor&, const Te
 EMBER_NO_CUDA(avg_pool2d_cuda, const PoolGeom&, const Tensor&, Tensor&)
 EMBER_NO_CUDA(avg_pool2d_backward_cuda, const PoolGeom&, const Tensor&, Tensor&)
 EMBER_NO_CUDA(sgd_step_cuda, const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-              const std::vector<bool>&, const SgdArgs&, DeviceHyper)
+              const std::vector<bool>&, const SgdOptions&, DeviceHyper)
 EMBER_NO_CUDA(adam_step_cuda, const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
               const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
               const AdamKernelArgs&)

@@ -15,7 +15,7 @@ namespace ember {
 
 // ---- CPU kernels ----
 void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& bufs,
-                  const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev) {
+                  const std::vector<bool>& init, const SgdOptions& a, DeviceHyper dev) {
   if (params.empty()) return;
   // CPU tensors: the device values are host memory, read directly.
   if (dev.found_inf && *dev.found_inf > 0.f) return;

@@ -252,7 +252,7 @@ void launch(const std::vector<const std::vector<Tensor>*>& lists, const std::vec
 }  // namespace
 
 void sgd_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& bufs,
-                   const std::vector<bool>& init, const SgdArgs& a, DeviceHyper dev) {
+                   const std::vector<bool>& init, const SgdOptions& a, DeviceHyper dev) {
   if (params.empty()) return;
   EMBER_DISPATCH_FLOAT(params[0].dtype(), "sgd_step_", [&] {
     using T = scalar_t;
