@@ -16,6 +16,7 @@
 #include <string>
 
 #include "core/exception.h"
+#include "core/testing/error_of.h"
 #include "distributed/comm/backends.h"
 #include "distributed/comm/process_group.h"
 #include "distributed/store/store.h"
@@ -46,14 +47,6 @@ class ResolveEnv : public ::testing::Test {
   }
   static void set(const char* name, const std::string& value) { setenv(name, value.c_str(), 1); }
 
-  static std::string error_of_fn(const std::function<void()>& f) {
-    try {
-      f();
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "<no ember::Error thrown>";
-  }
   static std::string error_of(const InitOptions& o) {
     try {
       resolve_env(o);
@@ -79,7 +72,7 @@ TEST_F(ResolveEnv, AGroupsDeviceComesFromTheLocalRank) {
   EXPECT_EQ(detail::local_device_index(o, 5, 4), 3) << "the option wins over the variable";
   o.local_rank = 6;
   EXPECT_EQ(detail::local_device_index(o, 0, 4), 2);
-  EXPECT_THAT(error_of_fn([&] { detail::local_device_index(o, 0, 0); }), HasSubstr("no GPU"));
+  EXPECT_THAT(::ember::testing::error_of([&] { detail::local_device_index(o, 0, 0); }), HasSubstr("no GPU"));
   auto store = std::make_shared<FileStore>(std::string(std::getenv("TEST_TMPDIR") ? std::getenv("TEST_TMPDIR")
                                                                                   : "/tmp") + "/device_store", 1);
   EXPECT_EQ(make_gloo_group(store, 0, 1)->device(), kCPU);
