@@ -76,8 +76,8 @@ def seeds_cifar():
 
 # ---- trainer.json of the checkpoint fuzz fixture (SGD momentum, StepLR) ----
 def seeds_checkpoint():
-    t = "distributed/testdata/fuzz/checkpoint_fuzz"
-    # What the fixture saves (EMBER_FUZZ_PRINT_SEED=1 bazel-bin/distributed/checkpoint_fuzz FILE).
+    t = "distributed/checkpoint/testdata/fuzz/checkpoint_fuzz"
+    # What the fixture saves (EMBER_FUZZ_PRINT_SEED=1 bazel-bin/distributed/checkpoint/checkpoint_fuzz FILE).
     good = {
         "format": "ember-checkpoint", "version": 1,
         "optimizer": {"name": "SGD", "param_groups": [{"options": {
@@ -108,7 +108,7 @@ def q(v):
 
 
 def seeds_store():
-    t = "distributed/testdata/fuzz/store_fuzz"
+    t = "distributed/store/testdata/fuzz/store_fuzz"
     SET, GET, ADD, CAS, CHECK, WAIT, DELETE, NUMKEYS, WAITW, HELLO, BYE, LOST = range(1, 13)
     server = {
         "set_get": frame(bytes([SET]) + s("k") + s("v")) + frame(bytes([GET]) + s("k") + q(100)),
