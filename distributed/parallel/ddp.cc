@@ -191,7 +191,9 @@ struct Replicated::Impl {
   DDPOptions opts;
   std::shared_ptr<ProcessGroup> pg_owner;
   ProcessGroup* pg = nullptr;
-  nn::Module* module = nullptr;
+  // Weak: the module owns this state (its transform slot), and a handle
+  // that outlives the module must not reach through a dangling pointer.
+  std::weak_ptr<nn::Module> module;
   nn::HookHandle forward_hook;
   // Parameters that require grad, in registration order.
   std::vector<std::string> names;
@@ -456,7 +458,7 @@ std::shared_ptr<Replicated> replicate(const std::shared_ptr<nn::Module>& module,
   auto impl = std::make_shared<Replicated::Impl>();
   impl->pg_owner = mesh ? mesh->group() : options.process_group ? options.process_group : default_group();
   impl->pg = impl->pg_owner.get();
-  impl->module = module.get();
+  impl->module = module;
   impl->opts = options;
   if (!impl->opts.comm_hook) impl->opts.comm_hook = allreduce_hook();
   ProcessGroup& pg = *impl->pg;
@@ -509,13 +511,18 @@ std::shared_ptr<Replicated> replicated_of(const nn::Module& module) {
 }
 
 ProcessGroup& Replicated::process_group() const { return *impl_->pg; }
-nn::Module& Replicated::module() const { return *impl_->module; }
+nn::Module& Replicated::module() const {
+  auto m = impl_->module.lock();
+  EMBER_CHECK(m != nullptr, "Replicated::module: the module is gone");
+  return *m;
+}
 
 void Replicated::remove() {
   if (*impl_->handle == nullptr) return;
   impl_->forward_hook.remove();
   *impl_->handle = nullptr;
-  if (impl_->module->transform_state(kStateKey) == impl_) impl_->module->set_transform_state(kStateKey, nullptr);
+  if (auto m = impl_->module.lock(); m && m->transform_state(kStateKey) == impl_)
+    m->set_transform_state(kStateKey, nullptr);
 }
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> module, DDPOptions options)

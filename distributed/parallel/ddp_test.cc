@@ -657,6 +657,15 @@ EMBER_WORKER(replicate_in_place) {
   }
   rep->remove();
   WCHECK(replicated_of(*local) == nullptr, "remove() takes the state off");
+  // A handle that outlives its module: remove() is then a no-op, not a
+  // dangling access.
+  {
+    auto gone = make_mlp(1);
+    auto late = replicate(gone, {}, DeviceMesh::from_group(pg, "dp"));
+    gone.reset();
+    late->remove();
+    WCHECK(has(error_of([&] { late->module(); }), "the module is gone"), "module() after the module died");
+  }
   if (r == 0) loss_of(*local, global_batch(false, 2, 9)).backward();
   pg->barrier()->wait();
 }

@@ -161,28 +161,46 @@ void for_each_common_stretch(const Shape& shape, const Region& a, const Region& 
     sa[d] = sa[d + 1] * a.box.lengths[d + 1];
     sb[d] = sb[d + 1] * b.box.lengths[d + 1];
   }
-  Shape c(std::max(split, 0), 0);  // position over the dimensions before `split`
+  // Row r of the intersection (its outer dimensions, row-major) starts at
+  // ia(r) in a's flattening and ib(r) in b's; both only grow with r. So the
+  // rows worth visiting are a contiguous range: from the first that reaches
+  // both runs (found by bisection) to the first past either run's end. A
+  // region from an untrusted index may name a huge box with a tiny run;
+  // the walk costs the rows the runs share, not the box's.
   const int outer_dims = std::max(split, 0);
-  while (true) {
-    int64_t ia = 0, ib = 0;
-    for (int d = 0; d < outer_dims; ++d) {
-      ia += (in.offsets[d] + c[d] - a.box.offsets[d]) * sa[d];
-      ib += (in.offsets[d] + c[d] - b.box.offsets[d]) * sb[d];
+  int64_t rows = 1;
+  for (int d = 0; d < outer_dims; ++d) rows *= in.lengths[d];
+  auto starts = [&](int64_t r, int64_t* ia, int64_t* ib) {
+    *ia = 0, *ib = 0;
+    for (int d = outer_dims - 1; d >= 0; --d) {
+      const int64_t cd = r % in.lengths[d];
+      r /= in.lengths[d];
+      *ia += (in.offsets[d] + cd - a.box.offsets[d]) * sa[d];
+      *ib += (in.offsets[d] + cd - b.box.offsets[d]) * sb[d];
     }
     if (split >= 0) {
-      ia += (in.offsets[split] - a.box.offsets[split]) * sa[split];
-      ib += (in.offsets[split] - b.box.offsets[split]) * sb[split];
+      *ia += (in.offsets[split] - a.box.offsets[split]) * sa[split];
+      *ib += (in.offsets[split] - b.box.offsets[split]) * sb[split];
     }
+  };
+  int64_t lo = 0, hi = rows;  // first row whose stretch ends past both runs' beginnings
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    int64_t ia = 0, ib = 0;
+    starts(mid, &ia, &ib);
+    if (ia + len > a.begin && ib + len > b.begin)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  for (int64_t r = lo; r < rows; ++r) {
+    int64_t ia = 0, ib = 0;
+    starts(r, &ia, &ib);
+    if (ia >= a.begin + a.numel || ib >= b.begin + b.numel) return;  // past a run: so are the rest
     // The part of [0, len) inside both runs.
     const int64_t k0 = std::max<int64_t>({0, a.begin - ia, b.begin - ib});
     const int64_t k1 = std::min<int64_t>({len, a.begin + a.numel - ia, b.begin + b.numel - ib});
     if (k0 < k1) fn(ia + k0 - a.begin, ib + k0 - b.begin, k1 - k0);
-    int d = outer_dims - 1;
-    for (; d >= 0; --d) {
-      if (++c[d] < in.lengths[d]) break;
-      c[d] = 0;
-    }
-    if (d < 0) return;
   }
 }
 

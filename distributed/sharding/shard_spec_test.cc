@@ -144,6 +144,24 @@ TEST(CopyOverlap, RandomRegionsMatchAnElementWalk) {
   }
 }
 
+// A region from an untrusted index may name a box of 2^30 rows with a run of
+// two elements: the walk costs the rows the runs share, not the box's (this
+// test would take minutes otherwise).
+TEST(CopyOverlap, HugeBoxesCostTheirRunsNotTheirRows) {
+  const int64_t rows = int64_t{1} << 30;
+  const Shape shape = {rows, 1, 2};
+  const Region a{{{0, 0, 0}, {rows, 1, 2}}, 0, 2};     // elements (0,0,0), (0,0,1)
+  const Region b{{{0, 0, 1}, {rows, 1, 1}}, 0, rows};  // column 1 of every row
+  EXPECT_EQ(overlap(shape, a, b), 1);
+  const Region tail{{{0, 0, 0}, {rows, 1, 2}}, 2 * rows - 2, 2};  // the last row
+  EXPECT_EQ(overlap(shape, tail, b), 1);
+  const Region b_head{{{0, 0, 1}, {rows, 1, 1}}, 0, 5};  // column 1 of rows 0..4
+  EXPECT_EQ(overlap(shape, tail, b_head), 0);
+  float src[2] = {7.f, 8.f}, dst = 0.f;
+  EXPECT_EQ(copy_overlap(shape, tail, src, Region{{{rows - 1, 0, 1}, {1, 1, 1}}, 0, 1}, &dst, sizeof(float)), 1);
+  EXPECT_EQ(dst, 8.f);
+}
+
 TEST(ShardSpec, AttachedToTheParameterAndKeptThroughSetData) {
   Tensor p = Tensor::from_vector({1, 2, 3, 4, 5, 6}, {2, 3});
   EXPECT_EQ(shard_spec(p), nullptr);
