@@ -256,8 +256,6 @@ std::pair<Tensor, Tensor> windows(const Corpus& c, const std::string& text, cons
   return {Tensor::from_vector(x, {n, seq}, DType::Int64), Tensor::from_vector(y, {n * seq}, DType::Int64)};
 }
 
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
 // ---- training ----------------------------------------------------------------
 
 nn::GPTOptions model_options(const Flags& f, int64_t vocab) {
@@ -488,7 +486,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     profile.step();
     const double loss = loss_sum / flags.accum_steps;
     loss_ema = loss_ema < 0 ? loss : 0.9 * loss_ema + 0.1 * loss;
-    const double el = seconds_since(t0);
+    const double el = examples::seconds(t0, Clock::now());
     const double rate = (step - first) * tokens_per_step / std::max(el, 1e-9);
     progress.update("", step, flags.max_steps, loss_ema, rate, "tok/s",
                     (flags.max_steps - step) * tokens_per_step / rate, step == flags.max_steps);

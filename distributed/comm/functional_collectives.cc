@@ -29,10 +29,18 @@ void check_args(const Tensor& x, const std::shared_ptr<ProcessGroup>& pg, const 
 
 // x's blocks along `dim` (size() of them, equal), each contiguous, one
 // after another in one flat tensor: the layout the flat collectives take.
-Tensor blocks_along(const Tensor& x, int64_t dim, int n, const char* op) {
-  const int64_t len = x.size(dim);
-  EMBER_CHECK(len % n == 0, "functional::", op, ": dimension ", dim, " of ", shape_str(x.sizes()),
+// The shape of one of x's n equal blocks along `dim`; an error naming the op
+// when they are not equal.
+Shape block_shape(const Tensor& x, int64_t dim, int n, const char* op) {
+  Shape block = x.sizes();
+  EMBER_CHECK(block[dim] % n == 0, "functional::", op, ": dimension ", dim, " of ", shape_str(x.sizes()),
               " does not split into ", n, " equal blocks");
+  block[dim] /= n;
+  return block;
+}
+
+Tensor blocks_along(const Tensor& x, int64_t dim, int n) {
+  const int64_t len = x.size(dim);
   if (dim == 0) return x.contiguous().view({-1});
   std::vector<Tensor> parts;
   for (int r = 0; r < n; ++r) parts.push_back(x.narrow(dim, r * (len / n), len / n).contiguous().view({-1}));
@@ -100,14 +108,11 @@ Tensor reduce_scatter(const Tensor& x, int64_t dim_in, ReduceOp op, const std::s
   EMBER_CHECK(op == ReduceOp::Sum || op == ReduceOp::Avg, "functional::reduce_scatter: ", reduce_op_name(op),
               " is not differentiable; use sum or avg");
   const int n = pg->size();
-  Shape block = x.sizes();
-  EMBER_CHECK(block[dim] % n == 0, "functional::reduce_scatter: dimension ", dim, " of ", shape_str(x.sizes()),
-              " does not split into ", n, " equal blocks");
-  block[dim] /= n;
+  const Shape block = block_shape(x, dim, n, "reduce_scatter");
   return differentiable(
       "reduce_scatter", {x},
       [&] {
-        Tensor in = blocks_along(x, dim, n, "reduce_scatter");
+        Tensor in = blocks_along(x, dim, n);
         Tensor out = Tensor::empty(block, x.options());
         pg->reduce_scatter_tensor(out, in, op)->wait();
         return out;
@@ -126,14 +131,11 @@ Tensor all_to_all(const Tensor& x, int64_t split_in, int64_t concat_in, const st
   check_args(x, pg, "all_to_all");
   const int64_t split = wrap_dim(split_in, x, "all_to_all"), concat = wrap_dim(concat_in, x, "all_to_all");
   const int n = pg->size();
-  Shape block = x.sizes();
-  EMBER_CHECK(block[split] % n == 0, "functional::all_to_all: dimension ", split, " of ", shape_str(x.sizes()),
-              " does not split into ", n, " equal blocks");
-  block[split] /= n;
+  const Shape block = block_shape(x, split, n, "all_to_all");
   return differentiable(
       "all_to_all", {x},
       [&] {
-        Tensor in = blocks_along(x, split, n, "all_to_all");
+        Tensor in = blocks_along(x, split, n);
         Tensor out = Tensor::empty({in.numel()}, x.options());
         pg->all_to_all_single(out, in)->wait();
         return cat_blocks(out, block, concat, n);

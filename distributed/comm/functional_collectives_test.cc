@@ -15,6 +15,7 @@
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
+#include "core/testing/coords.h"
 #include "core/testing/error_of.h"
 #include "distributed/init.h"
 #include "distributed/testing/multiprocess.h"
@@ -40,26 +41,8 @@ std::vector<double> weights_of(int r, int64_t n) {
   return v;
 }
 
-// Element index of `coord` in a row-major `shape`.
-int64_t at(const Shape& shape, const Shape& coord) {
-  int64_t k = 0;
-  for (size_t d = 0; d < shape.size(); ++d) k = k * shape[d] + coord[d];
-  return k;
-}
-std::vector<Shape> coords(const Shape& shape) {
-  std::vector<Shape> out;
-  int64_t n = 1;
-  for (int64_t s : shape) n *= s;
-  for (int64_t i = 0; i < n; ++i) {
-    Shape c(shape.size());
-    for (int64_t d = static_cast<int64_t>(shape.size()) - 1, rest = i; d >= 0; --d) {
-      c[d] = rest % shape[d];
-      rest /= shape[d];
-    }
-    out.push_back(c);
-  }
-  return out;
-}
+using ::ember::testing::all_coords;
+using ::ember::testing::flat_index;
 
 void expect_close(const Tensor& got, const std::vector<double>& want, const std::string& what) {
   const auto g = got.to(DType::Float64).to_vector();
@@ -105,13 +88,13 @@ EMBER_WORKER(functional) {
     Shape ys = s;
     ys[dim] *= N;
     std::vector<double> y(N * 12), g(12, 0.0);
-    for (const Shape& c : coords(ys)) {
+    for (const Shape& c : all_coords(ys)) {
       const int q = static_cast<int>(c[dim] / s[dim]);
       Shape local = c;
       local[dim] %= s[dim];
-      y[at(ys, c)] = input_of(q, 12)[at(s, local)];
+      y[flat_index(ys, c)] = input_of(q, 12)[flat_index(s, local)];
       if (q == me)
-        for (int r = 0; r < N; ++r) g[at(s, local)] += weights_of(r, N * 12)[at(ys, c)];
+        for (int r = 0; r < N; ++r) g[flat_index(s, local)] += weights_of(r, N * 12)[flat_index(ys, c)];
     }
     check(
         "all_gather dim " + std::to_string(dim), s, [&](const Tensor& x) { return functional::all_gather(x, dim, pg); },
@@ -125,13 +108,13 @@ EMBER_WORKER(functional) {
       Shape ys = s;
       ys[dim] = 2;
       std::vector<double> y(4, 0.0), g(4 * N, 0.0);
-      for (const Shape& c : coords(s)) {
+      for (const Shape& c : all_coords(s)) {
         const int r = static_cast<int>(c[dim] / 2);
         Shape local = c;
         local[dim] %= 2;
         if (r == me)
-          for (int q = 0; q < N; ++q) y[at(ys, local)] += input_of(q, 4 * N)[at(s, c)] * scale;
-        g[at(s, c)] = weights_of(r, 4)[at(ys, local)] * scale;
+          for (int q = 0; q < N; ++q) y[flat_index(ys, local)] += input_of(q, 4 * N)[flat_index(s, c)] * scale;
+        g[flat_index(s, c)] = weights_of(r, 4)[flat_index(ys, local)] * scale;
       }
       check(
           "reduce_scatter dim " + std::to_string(dim) + " " + reduce_op_name(op), s,
@@ -152,21 +135,21 @@ EMBER_WORKER(functional) {
     for (int64_t d : block) bn *= d;
     for (int64_t d : ys) yn *= d;
     std::vector<double> y(yn), g(n);
-    for (const Shape& c : coords(ys)) {  // y_me at c: from rank j = c[concat] / block[concat]
+    for (const Shape& c : all_coords(ys)) {  // y_me at c: from rank j = c[concat] / block[concat]
       const int j = static_cast<int>(c[concat] / block[concat]);
       Shape b = c;
       b[concat] %= block[concat];
       Shape src = b;  // in x_j: block me along split
       src[split] += me * block[split];
-      y[at(ys, c)] = input_of(j, n)[at(s, src)];
+      y[flat_index(ys, c)] = input_of(j, n)[flat_index(s, src)];
     }
-    for (const Shape& c : coords(s)) {  // x_me at c goes to rank r = c[split] / block[split]
+    for (const Shape& c : all_coords(s)) {  // x_me at c goes to rank r = c[split] / block[split]
       const int r = static_cast<int>(c[split] / block[split]);
       Shape b = c;
       b[split] %= block[split];
       Shape dst = b;  // in y_r: the block from me along concat
       dst[concat] += me * block[concat];
-      g[at(s, c)] = weights_of(r, yn)[at(ys, dst)];
+      g[flat_index(s, c)] = weights_of(r, yn)[flat_index(ys, dst)];
     }
     (void)bn;
     check(

@@ -10,11 +10,13 @@
 #include <random>
 #include <vector>
 
+#include "core/testing/coords.h"
 #include "core/testing/error_of.h"
 
 namespace ember::distributed {
 namespace {
 
+using ::ember::testing::all_coords;
 using ::ember::testing::error_of;
 using ::testing::HasSubstr;
 
@@ -28,22 +30,6 @@ int64_t index_in(const Region& r, const Shape& coord) {
     flat = flat * r.box.lengths[d] + x;
   }
   return flat >= r.begin && flat < r.begin + r.numel ? flat - r.begin : -1;
-}
-
-// Every element's coordinate, row-major.
-std::vector<Shape> all_coords(const Shape& shape) {
-  std::vector<Shape> out;
-  int64_t n = 1;
-  for (int64_t s : shape) n *= s;
-  for (int64_t i = 0; i < n; ++i) {
-    Shape c(shape.size());
-    for (int64_t d = static_cast<int64_t>(shape.size()) - 1, rest = i; d >= 0; --d) {
-      c[d] = rest % shape[d];
-      rest /= shape[d];
-    }
-    out.push_back(c);
-  }
-  return out;
 }
 
 TEST(Placement, Names) {
