@@ -47,6 +47,35 @@ void ProcessGroup::set_global_ranks(std::vector<int> ranks) {
   global_ranks_ = std::move(ranks);
 }
 
+// ---- Counters ----
+
+namespace {
+int64_t bytes_of(const Tensor& t) { return t.numel() * static_cast<int64_t>(dtype_size(t.dtype())); }
+}  // namespace
+
+void ProcessGroup::count(const char* op, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(counters_mu_);
+  OpCount& c = counters_[op];
+  c.calls += 1;
+  c.bytes += bytes;
+}
+
+std::map<std::string, ProcessGroup::OpCount> ProcessGroup::counters() const {
+  std::lock_guard<std::mutex> lock(counters_mu_);
+  return counters_;
+}
+
+ProcessGroup::OpCount ProcessGroup::counter(const std::string& op) const {
+  std::lock_guard<std::mutex> lock(counters_mu_);
+  auto it = counters_.find(op);
+  return it == counters_.end() ? OpCount{} : it->second;
+}
+
+void ProcessGroup::reset_counters() {
+  std::lock_guard<std::mutex> lock(counters_mu_);
+  counters_.clear();
+}
+
 // ---- The validating front of every backend ----
 
 void ProcessGroup::check_tensor(const Tensor& t, const std::string& where, const char* name) const {
@@ -69,6 +98,7 @@ std::shared_ptr<Work> ProcessGroup::allreduce(const Tensor& tensor, ReduceOp op)
   EMBER_PG_TENSOR(tensor, w, "tensor");
   detail::check_reduce_dtype(tensor.dtype(), op, w);
   detail::bump_version(tensor);
+  count("allreduce", bytes_of(tensor));
   return do_allreduce(tensor, op);
 }
 
@@ -77,6 +107,7 @@ std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, int root) {
   EMBER_PG_TENSOR(tensor, w, "tensor");
   detail::check_root(root, size_, w);
   if (rank_ != root) detail::bump_version(tensor);
+  count("broadcast", bytes_of(tensor));
   return do_broadcast(tensor, root);
 }
 
@@ -86,6 +117,7 @@ std::shared_ptr<Work> ProcessGroup::reduce(const Tensor& tensor, int root, Reduc
   detail::check_root(root, size_, w);
   detail::check_reduce_dtype(tensor.dtype(), op, w);
   if (rank_ == root) detail::bump_version(tensor);
+  count("reduce", bytes_of(tensor));
   return do_reduce(tensor, root, op);
 }
 
@@ -98,6 +130,9 @@ std::shared_ptr<Work> ProcessGroup::allgather(const std::vector<Tensor>& outputs
     EMBER_PG_TENSOR(outputs[r], w, name.c_str());
   }
   for (const Tensor& o : outputs) detail::bump_version(o);
+  int64_t bytes = 0;
+  for (const Tensor& o : outputs) bytes += bytes_of(o);
+  count("allgather", bytes);
   return do_allgather(outputs, input);
 }
 
@@ -108,6 +143,7 @@ std::shared_ptr<Work> ProcessGroup::allgather_into_tensor(const Tensor& output, 
   detail::check_same_dtype(output, "output", input, "input", w);
   detail::check_flat_sizes(output, "output", input, "input", size_, w);
   detail::bump_version(output);
+  count("allgather", bytes_of(output));
   return do_allgather_into_tensor(output, input);
 }
 
@@ -121,6 +157,7 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_front(const Tensor& output, c
   detail::check_reduce_dtype(input.dtype(), op, w);
   detail::bump_version(output);
   if (consume_input) detail::bump_version(input);
+  count("reduce_scatter", bytes_of(input));
   return do_reduce_scatter_tensor(output, input, op, consume_input);
 }
 
@@ -143,6 +180,7 @@ std::shared_ptr<Work> ProcessGroup::all_to_all_single(const Tensor& output, cons
   EMBER_CHECK(input.numel() % size_ == 0, w, ": input has ", input.numel(), " elements (shape ",
               shape_str(input.sizes()), "), not divisible into ", size_, " equal blocks");
   detail::bump_version(output);
+  count("all_to_all", bytes_of(input));
   return do_all_to_all_single(output, input);
 }
 
@@ -152,6 +190,7 @@ std::shared_ptr<Work> ProcessGroup::send(const Tensor& tensor, int dst, int tag)
   const std::string w = detail::where(backend_name(), "send", rank_, size_);
   EMBER_PG_TENSOR(tensor, w, "tensor");
   detail::check_peer(dst, rank_, size_, w);
+  count("send", bytes_of(tensor));
   return do_send(tensor, dst, tag);
 }
 
@@ -160,6 +199,7 @@ std::shared_ptr<Work> ProcessGroup::recv(const Tensor& tensor, int src, int tag)
   EMBER_PG_TENSOR(tensor, w, "tensor");
   detail::check_peer(src, rank_, size_, w);
   detail::bump_version(tensor);
+  count("recv", bytes_of(tensor));
   return do_recv(tensor, src, tag);
 }
 

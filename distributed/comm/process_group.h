@@ -17,7 +17,9 @@
 
 #include <chrono>
 #include <exception>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -132,6 +134,22 @@ class ProcessGroup {
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag = 0);
   std::shared_ptr<Work> recv(const Tensor& tensor, int src, int tag = 0);
 
+  // What this group has been asked to move since it was made or last
+  // reset, per operation ("allreduce", "allgather", "reduce_scatter",
+  // "all_to_all", "broadcast", "reduce", "send", "recv"): calls, and the
+  // bytes of the whole tensor the operation is about (allreduce and
+  // broadcast: the tensor; all-gather: the output; reduce-scatter and
+  // all-to-all: the input; send and recv: the message), so that an
+  // all-reduce and the reduce-scatter plus all-gather that replace it
+  // count the same bytes each. How a tensor-parallel block's traffic is
+  // checked against Megatron's formulas.
+  struct OpCount {
+    int64_t calls = 0, bytes = 0;
+  };
+  std::map<std::string, OpCount> counters() const;
+  OpCount counter(const std::string& op) const;
+  void reset_counters();
+
  protected:
   // Whether `t` is a tensor this backend moves (defined already checked):
   // by default, on device(). Backends override it to say what to use instead.
@@ -153,6 +171,9 @@ class ProcessGroup {
   std::vector<int> global_ranks_;
 
  private:
+  void count(const char* op, int64_t bytes);
+  mutable std::mutex counters_mu_;  // ops may start from several threads (DDP's hooks, FSDP's prefetch)
+  std::map<std::string, OpCount> counters_;
   std::shared_ptr<Work> reduce_scatter_front(const Tensor& output, const Tensor& input, ReduceOp op,
                                              bool consume_input);
 };

@@ -224,6 +224,19 @@ EMBER_WORKER(collectives) {
   pg->broadcast(t, ws - 1)->wait();
   expect_values(
       t, [&](int64_t i) { return b(ws - 1, i); }, "broadcast bool");
+  // The counters: calls and the bytes of the whole tensor each op is about.
+  pg->reset_counters();
+  Tensor f = zeros({6 * ws});
+  pg->allreduce(f)->wait();
+  pg->allreduce(zeros({2}, DType::Float64))->wait();
+  pg->allgather_into_tensor(f, zeros({6}))->wait();
+  pg->reduce_scatter_tensor(zeros({6}), f)->wait();
+  const auto ar = pg->counter("allreduce"), ag = pg->counter("allgather"), rs = pg->counter("reduce_scatter");
+  if (ar.calls != 2 || ar.bytes != 24 * ws + 16 || ag.calls != 1 || ag.bytes != 24 * ws || rs.calls != 1 ||
+      rs.bytes != 24 * ws || pg->counter("all_to_all").calls != 0 || pg->counters().size() != 3)
+    throw Error("counters: allreduce " + std::to_string(ar.calls) + "/" + std::to_string(ar.bytes) + ", allgather " +
+                std::to_string(ag.calls) + "/" + std::to_string(ag.bytes) + ", reduce_scatter " +
+                std::to_string(rs.calls) + "/" + std::to_string(rs.bytes));
   pg.reset();
   std::printf("rank %d: all collectives matched\n", r);
 }

@@ -13,7 +13,7 @@ namespace ember::distributed {
 std::string Placement::to_string() const {
   switch (kind) {
     case Kind::Shard:
-      return "Shard(" + std::to_string(dim) + ")";
+      return "Shard(" + std::to_string(dim) + (groups > 1 ? ", groups=" + std::to_string(groups) : "") + ")";
     case Kind::Replicate:
       return "Replicate()";
     case Kind::Partial:
@@ -22,10 +22,12 @@ std::string Placement::to_string() const {
   return "?";
 }
 
-Placement Shard(int dim) {
+Placement Shard(int dim, int groups) {
+  EMBER_CHECK(groups >= 1, "Shard(", dim, "): groups must be at least 1, got ", groups);
   Placement p;
   p.kind = Placement::Kind::Shard;
   p.dim = dim;
+  p.groups = groups;
   return p;
 }
 
@@ -122,6 +124,56 @@ Region chunk_region(const Shape& shape, const std::vector<int>& mesh_shape, cons
   Region r{box, 0, 0};
   r.numel = box.numel();
   return r;
+}
+
+std::vector<Region> chunk_regions(const Shape& shape, const std::vector<int>& mesh_shape, const std::vector<int>& coord,
+                                  const std::vector<Placement>& placements) {
+  int gdim = -1, groups = 1;
+  for (const Placement& p : placements) {
+    if (!p.is_shard() || p.groups == 1) continue;
+    EMBER_CHECK(gdim < 0 || (gdim == p.dim && groups == p.groups), "chunk_regions: grouped shards ",
+                placements_string(placements), " of more than one dimension or grouping");
+    gdim = p.dim;
+    groups = p.groups;
+  }
+  if (gdim < 0) return {chunk_region(shape, mesh_shape, coord, placements)};
+  EMBER_CHECK(gdim >= 0 && gdim < static_cast<int>(shape.size()) && shape[gdim] % groups == 0, "chunk_regions: ",
+              placements_string(placements), " of a tensor of ", shape_str(shape), ": dimension ", gdim,
+              " is not ", groups, " equal blocks");
+  // The chunk rule on the stacked view (the dimension split into blocks
+  // and their rows), then each block's chunk back in the tensor's terms.
+  Shape view = shape;
+  view[gdim] = shape[gdim] / groups;
+  view.insert(view.begin() + gdim, groups);
+  std::vector<Placement> vp = placements;
+  for (Placement& p : vp) {
+    if (!p.is_shard()) continue;
+    EMBER_CHECK(p.dim != gdim || p.groups == groups, "chunk_regions: ", placements_string(placements),
+                " shard dimension ", gdim, " both grouped and not");
+    if (p.dim >= gdim) p = Shard(p.dim + 1);
+  }
+  const Box vb = chunk_region(view, mesh_shape, coord, vp).box;
+  std::vector<Region> out;
+  for (int64_t g = vb.offsets[gdim]; g < vb.offsets[gdim] + vb.lengths[gdim]; ++g) {
+    Box b;
+    for (size_t d = 0; d < view.size(); ++d) {
+      if (static_cast<int>(d) == gdim) continue;
+      const bool rows = static_cast<int>(d) == gdim + 1;
+      b.offsets.push_back(rows ? g * view[d] + vb.offsets[d] : vb.offsets[d]);
+      b.lengths.push_back(vb.lengths[d]);
+    }
+    Region r{b, 0, 0};
+    r.numel = b.numel();
+    out.push_back(r);
+  }
+  return out;
+}
+
+int64_t ShardSpec::held_numel() const {
+  if (parts.empty()) return region.numel;
+  int64_t n = 0;
+  for (const Region& r : parts) n += r.numel;
+  return n;
 }
 
 void check_region(const Shape& shape, const Region& r, const std::string& what) {
@@ -231,7 +283,9 @@ std::string ShardSpec::to_string() const {
     os << (m ? ", " : "") << mesh_dims[m] << "=" << (m < mesh_shape.size() ? mesh_shape[m] : 0);
   os << ") at (";
   for (size_t m = 0; m < coord.size(); ++m) os << (m ? ", " : "") << coord[m];
-  os << "): " << region.to_string();
+  os << "): ";
+  const std::vector<Region> rs = regions();
+  for (size_t i = 0; i < rs.size(); ++i) os << (i ? " + " : "") << rs[i].to_string();
   return os.str();
 }
 
@@ -239,6 +293,7 @@ void set_shard_spec(const Tensor& t, std::shared_ptr<const ShardSpec> spec) {
   EMBER_CHECK(t.defined(), "set_shard_spec: undefined tensor");
   if (spec) {
     check_region(spec->global_shape, spec->region, "set_shard_spec");
+    for (const Region& r : spec->parts) check_region(spec->global_shape, r, "set_shard_spec");
     EMBER_CHECK(spec->placements.size() == spec->mesh_dims.size() && spec->mesh_shape.size() == spec->mesh_dims.size(),
                 "set_shard_spec: ", spec->placements.size(), " placements for a mesh of ", spec->mesh_dims.size(),
                 " dimensions (", spec->mesh_shape.size(), " sizes)");

@@ -37,17 +37,22 @@ struct Placement {
   Kind kind = Kind::Replicate;
   int dim = -1;                 // Shard: the tensor dimension split
   Reduce reduce = Reduce::Sum;  // Partial: how the addends combine
+  // Shard: the dimension is `groups` equal blocks stacked, each split by
+  // the chunk rule, and a rank holds its chunk of every block, in order
+  // (a stacked q, k, v projection split by heads; torch's _StridedShard).
+  int groups = 1;
   bool is_shard() const { return kind == Kind::Shard; }
   bool is_replicate() const { return kind == Kind::Replicate; }
   bool is_partial() const { return kind == Kind::Partial; }
   bool operator==(const Placement& o) const {
-    return kind == o.kind && (kind != Kind::Shard || dim == o.dim) && (kind != Kind::Partial || reduce == o.reduce);
+    return kind == o.kind && (kind != Kind::Shard || (dim == o.dim && groups == o.groups)) &&
+           (kind != Kind::Partial || reduce == o.reduce);
   }
   bool operator!=(const Placement& o) const { return !(*this == o); }
-  // "Shard(0)", "Replicate()", "Partial(sum)".
+  // "Shard(0)", "Shard(0, groups=3)", "Replicate()", "Partial(sum)".
   std::string to_string() const;
 };
-Placement Shard(int dim);
+Placement Shard(int dim, int groups = 1);
 Placement Replicate();
 Placement Partial(Placement::Reduce reduce = Placement::Reduce::Sum);
 // "[Shard(0), Replicate()]".
@@ -84,6 +89,11 @@ Region run_region(const Shape& shape, int64_t begin, int64_t numel);
 // the run is the whole box.
 Region chunk_region(const Shape& shape, const std::vector<int>& mesh_shape, const std::vector<int>& coord,
                     const std::vector<Placement>& placements);
+// chunk_region for placements that may hold a grouped shard (one tensor
+// dimension at most): one region per block this rank holds a chunk of, in
+// the order its data holds them; a single region otherwise.
+std::vector<Region> chunk_regions(const Shape& shape, const std::vector<int>& mesh_shape, const std::vector<int>& coord,
+                                  const std::vector<Placement>& placements);
 // Checks `r` lies inside a tensor of `shape` (box inside, run inside the
 // box); an error naming `what` otherwise.
 void check_region(const Shape& shape, const Region& r, const std::string& what);
@@ -114,6 +124,12 @@ struct ShardSpec : ShardMetaBase {
   // What this rank holds of the global tensor (the tensor's own data, or
   // local() when set, holds exactly region.numel elements in order).
   Region region;
+  // A grouped shard holds several regions, its data their elements one
+  // after another; `region` is then the first. Empty: just `region`.
+  std::vector<Region> parts;
+  // `parts`, or `region` alone.
+  std::vector<Region> regions() const { return parts.empty() ? std::vector<Region>{region} : parts; }
+  int64_t held_numel() const;
   // Whether this rank writes its region in a checkpoint: of ranks holding
   // the same region (replicas), exactly one does.
   bool writes = true;

@@ -212,12 +212,55 @@ class Converter {
   Shape global_;
 };
 
+// Converter::run, with a grouped shard (Shard(d, groups=g)) seen as a
+// plain shard of the stacked view: dimension d split into (g, rows), the
+// placement Shard(d + 1) of the rows.
+Tensor convert(const DeviceMesh& mesh, const Shape& global, const Tensor& x, const std::vector<Placement>& src,
+               const std::vector<Placement>& tgt) {
+  int gdim = -1, groups = 1;
+  for (const auto* ps : {&src, &tgt})
+    for (const Placement& p : *ps)
+      if (p.is_shard() && p.groups > 1) gdim = p.dim, groups = p.groups;
+  if (gdim < 0) return Converter(mesh, global).run(x, src, tgt);
+  auto to_view = [&](std::vector<Placement> ps) {
+    for (Placement& p : ps) {
+      if (!p.is_shard()) continue;
+      EMBER_CHECK(p.dim != gdim || p.groups == groups, "DTensor::redistribute: ", placements_string(src), " -> ",
+                  placements_string(tgt), ": dimension ", gdim, " is sharded both grouped and not");
+      p = Shard(p.dim >= gdim ? p.dim + 1 : p.dim);
+    }
+    return ps;
+  };
+  Shape view = global, local = x.sizes();
+  view[gdim] /= groups;
+  view.insert(view.begin() + gdim, groups);
+  local[gdim] /= groups;
+  local.insert(local.begin() + gdim, groups);
+  Tensor y = Converter(mesh, view).run(x.reshape(local), to_view(src), to_view(tgt));
+  Shape merged = y.sizes();
+  merged[gdim] *= merged[gdim + 1];
+  merged.erase(merged.begin() + gdim + 1);
+  return y.reshape(merged);
+}
+
+}  // namespace
+
+namespace {
+// The local shape a spec's regions make: one box, or the chunks of every
+// block of a grouped shard stacked along its dimension.
+Shape held_shape(const ShardSpec& spec) {
+  Shape s = spec.region.box.lengths;
+  for (const Placement& p : spec.placements)
+    if (p.is_shard() && p.groups > 1) s[p.dim] *= p.groups;
+  return s;
+}
 }  // namespace
 
 Shape local_shape(const Shape& global_shape, const DeviceMesh& mesh, const std::vector<Placement>& placements) {
-  return chunk_region(global_shape, mesh.shape(), mesh.coordinate(),
-                      normalized(placements, global_shape.size(), mesh, "local_shape"))
-      .box.lengths;
+  ShardSpec spec;
+  spec.placements = normalized(placements, global_shape.size(), mesh, "local_shape");
+  spec.region = chunk_regions(global_shape, mesh.shape(), mesh.coordinate(), spec.placements).front();
+  return held_shape(spec);
 }
 
 std::shared_ptr<const DTensorSpec> make_dtensor_spec(const std::shared_ptr<DeviceMesh>& mesh,
@@ -232,7 +275,9 @@ std::shared_ptr<const DTensorSpec> make_dtensor_spec(const std::shared_ptr<Devic
   spec->coord = mesh->coordinate();
   spec->placements = normalized(placements, global_shape.size(), *mesh, "DTensor");
   spec->layout = layout;
-  spec->region = chunk_region(global_shape, spec->mesh_shape, spec->coord, spec->placements);
+  std::vector<Region> regions = chunk_regions(global_shape, spec->mesh_shape, spec->coord, spec->placements);
+  spec->region = regions.front();
+  if (regions.size() > 1) spec->parts = std::move(regions);
   for (int i = 0; i < mesh->ndim(); ++i)
     if (!spec->placements[i].is_shard() && spec->coord[i] != 0) spec->writes = false;
   return spec;
@@ -241,10 +286,10 @@ std::shared_ptr<const DTensorSpec> make_dtensor_spec(const std::shared_ptr<Devic
 DTensor::DTensor(Tensor local, std::shared_ptr<const DTensorSpec> spec)
     : local_(std::move(local)), spec_(std::move(spec)) {
   EMBER_CHECK(spec_ != nullptr && local_.defined(), "DTensor: an undefined local tensor or spec");
-  EMBER_CHECK(local_.sizes() == spec_->region.box.lengths, "DTensor: rank ", spec_->mesh->global_rank(),
+  EMBER_CHECK(local_.sizes() == held_shape(*spec_), "DTensor: rank ", spec_->mesh->global_rank(),
               " holds a local tensor of ", shape_str(local_.sizes()), ", but ", placements_string(spec_->placements),
               " of ", shape_str(spec_->global_shape), " on ", spec_->mesh->to_string(), " give it ",
-              shape_str(spec_->region.box.lengths));
+              shape_str(held_shape(*spec_)));
 }
 
 DTensor DTensor::redistribute(const std::vector<Placement>& placements_in,
@@ -263,7 +308,7 @@ DTensor DTensor::redistribute(const std::vector<Placement>& placements_in,
       "redistribute", {local_},
       [&] {
         if (src == tgt) return local_.alias();
-        return Converter(*mesh, global).run(local_, src, tgt);
+        return convert(*mesh, global, local_, src, tgt);
       },
       [&](const Tensor&) {
         const std::vector<Placement> back = partial_as_replicate(src);
@@ -324,8 +369,8 @@ DTensor distribute_tensor(const Tensor& tensor, const std::shared_ptr<DeviceMesh
       for (int i = 0; i < mesh->ndim(); ++i)
         if (mesh->shape()[i] > 1 && value.numel() > 0) mesh->group(i)->broadcast(value, rc[i])->wait();
     }
-    DTensor whole(value, make_dtensor_spec(mesh, std::vector<Placement>(mesh->ndim(), Replicate()), tensor.sizes()));
-    value = whole.redistribute(spec->placements).to_local().clone();
+    value = convert(*mesh, tensor.sizes(), value, std::vector<Placement>(mesh->ndim(), Replicate()), spec->placements)
+                .clone();
   }
   if (tensor.requires_grad()) value.requires_grad_();
   return DTensor(value, spec);

@@ -165,6 +165,25 @@ EMBER_WORKER(api) {
   WCHECK(cols.placements()[0] == Shard(1) && cols.shape() == Shape({4, 6}), cols.to_string());
   Tensor annotated = cols.as_annotated_tensor();
   WCHECK(is_dtensor(annotated) && as_dtensor(annotated).shape() == Shape({4, 6}), "annotated");
+  // A grouped shard (q, k, v stacked, each split by heads): rank r holds
+  // row r of each block of 3, and the gradient comes back to those rows.
+  Tensor qkv = pattern({9, 2}, 0.4, 0).requires_grad_();
+  DTensor g3 = distribute_tensor(qkv, mesh, {Shard(0, 3)});
+  WCHECK(g3.to_local().sizes() == Shape({3, 2}) && g3.spec()->parts.size() == 3 &&
+             g3.spec()->parts[2].box.offsets == Shape({6 + r, 0}),
+         g3.spec()->to_string());
+  for (int b = 0; b < 3; ++b)
+    expect_near(g3.to_local().narrow(0, b, 1), qkv.detach().narrow(0, 3 * b + r, 1), "grouped local");
+  Tensor g3l = g3.to_local().detach().clone().requires_grad_();
+  Tensor g3full = from_local(g3l, mesh, {Shard(0, 3)}, Shape{9, 2}).full_tensor();
+  expect_near(g3full, qkv.detach(), "grouped full_tensor");
+  sum(g3full * pattern({9, 2}, 0.1, 3)).backward();
+  Tensor gw = pattern({9, 2}, 0.1, 3);
+  expect_near(g3l.grad(), cat({gw.narrow(0, r, 1), gw.narrow(0, 3 + r, 1), gw.narrow(0, 6 + r, 1)}, 0),
+              "grouped gradient");
+  DTensor g2 = distribute_tensor(pattern({6, 2}, 0.4, 0), mesh, {Shard(0, 3)});
+  WCHECK(g2.to_local().size(0) == (r == 2 ? 0 : 3), g2.to_string());
+  expect_near(g2.full_tensor(), pattern({6, 2}, 0.4, 0), "grouped, uneven full_tensor");
   // grad_placements: Replicate -> Replicate with a Partial gradient is the
   // identity forward and an all-reduce backward (Megatron's f); the
   // reverse pair (Partial -> Replicate) all-reduces forward, and its
