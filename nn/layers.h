@@ -98,8 +98,15 @@ class GELU : public Module {
 class Dropout : public Module {
  public:
   explicit Dropout(double p = 0.5);
-  Tensor forward(const Tensor& x) override { return functional::dropout(x, p, is_training()); }
+  Tensor forward(const Tensor& x) override;
   double p;
+  // 0: masks come from the default generator, so ranks that draw in step
+  // (same seed, same ops) draw the same masks, which replicated
+  // activations need. Another value draws from a stream of its own, at the
+  // same counter: ranks that hold different parts of one activation
+  // (tensor parallelism's shards) set different streams and get
+  // independent masks, and the default generator still advances alike.
+  uint64_t stream = 0;
 };
 
 class MaxPool2d : public Module {

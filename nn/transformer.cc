@@ -40,16 +40,18 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim_, int64_t num_heads_, d
   }
   out_proj = register_module("out_proj", std::make_shared<Linear>(embed_dim, embed_dim, bias));
   if (bias) init::zeros_(out_proj->bias);
+  attn_drop = register_module("attn_drop", std::make_shared<Dropout>(dropout));
 }
 
 Tensor MultiheadAttention::forward(const Tensor& x) {
   EMBER_CHECK(x.dim() == 3 && x.size(2) == embed_dim, "MultiheadAttention: expected input [batch, seq, ", embed_dim,
               "], got ", shape_str(x.sizes()));
-  const int64_t B = x.size(0), T = x.size(1), H = num_heads, D = embed_dim / num_heads;
+  // The heads held here: all of them, or this rank's under tensor parallelism.
+  const int64_t E = in_proj_weight.size(0) / 3, D = embed_dim / num_heads, B = x.size(0), T = x.size(1), H = E / D;
   Tensor qkv = linear(x, in_proj_weight, in_proj_bias);  // [B, T, 3E]
   // [B, T, E] -> [B * H, T, D]
   auto heads = [&](int64_t which) {
-    return qkv.narrow(2, which * embed_dim, embed_dim).reshape({B, T, H, D}).permute({0, 2, 1, 3}).reshape({B * H, T, D});
+    return qkv.narrow(2, which * E, E).reshape({B, T, H, D}).permute({0, 2, 1, 3}).reshape({B * H, T, D});
   };
   Tensor q = heads(0), k = heads(1), v = heads(2);
   Tensor scores = bmm(q, k.transpose(1, 2)) * (1.0 / std::sqrt(static_cast<double>(D)));  // [B * H, T, T]
@@ -64,19 +66,18 @@ Tensor MultiheadAttention::forward(const Tensor& x) {
     scores = scores + mask_cache_;
   }
   Tensor attn = softmax(scores, -1);
-  attn = functional::dropout(attn, dropout, is_training());
-  Tensor out = bmm(attn, v).reshape({B, H, T, D}).permute({0, 2, 1, 3}).reshape({B, T, embed_dim});
+  attn = (*attn_drop)(attn);
+  Tensor out = bmm(attn, v).reshape({B, H, T, D}).permute({0, 2, 1, 3}).reshape({B, T, E});
   return (*out_proj)(out);
 }
 
-TransformerMLP::TransformerMLP(int64_t n_embd, double dropout_) : Module("TransformerMLP"), dropout(dropout_) {
+TransformerMLP::TransformerMLP(int64_t n_embd, double dropout) : Module("TransformerMLP") {
   c_fc = register_module("c_fc", std::make_shared<Linear>(n_embd, 4 * n_embd));
   c_proj = register_module("c_proj", std::make_shared<Linear>(4 * n_embd, n_embd));
+  drop = register_module("dropout", std::make_shared<Dropout>(dropout));
 }
 
-Tensor TransformerMLP::forward(const Tensor& x) {
-  return functional::dropout((*c_proj)(gelu((*c_fc)(x), /*tanh_approx=*/true)), dropout, is_training());
-}
+Tensor TransformerMLP::forward(const Tensor& x) { return (*drop)((*c_proj)(gelu((*c_fc)(x), /*tanh_approx=*/true))); }
 
 TransformerBlock::TransformerBlock(int64_t n_embd, int64_t n_head, double dropout) : Module("TransformerBlock") {
   ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(std::vector<int64_t>{n_embd}));
@@ -95,11 +96,14 @@ GPT::GPT(GPTOptions opts) : Module("GPT"), options(opts) {
               ", block_size ", opts.block_size, " and n_layer ", opts.n_layer, " must be positive");
   wte = register_module("wte", std::make_shared<Embedding>(opts.vocab_size, opts.n_embd));
   wpe = register_module("wpe", std::make_shared<Embedding>(opts.block_size, opts.n_embd));
+  drop = register_module("drop", std::make_shared<Dropout>(opts.dropout));
   h = register_module("h", std::make_shared<Sequential>());
   for (int64_t i = 0; i < opts.n_layer; ++i)
     h->push_back(std::make_shared<TransformerBlock>(opts.n_embd, opts.n_head, opts.dropout));
   ln_f = register_module("ln_f", std::make_shared<LayerNorm>(std::vector<int64_t>{opts.n_embd}));
-  if (!opts.tie_weights)
+  if (opts.tie_weights)
+    lm_head = register_module("lm_head", std::make_shared<TiedLinear>(wte->weight));
+  else
     lm_head = register_module("lm_head", std::make_shared<Linear>(opts.n_embd, opts.vocab_size, /*bias=*/false));
   // GPT-2's initialisation: N(0, 0.02) weights, zero biases; LayerNorms
   // keep ones and zeros.
@@ -116,11 +120,9 @@ Tensor GPT::forward(const Tensor& tokens) {
   EMBER_CHECK(T <= options.block_size, "GPT: sequence length ", T, " exceeds block_size ", options.block_size);
   Tensor pos = arange(0, static_cast<double>(T), 1.0, {DType::Int64, tokens.device()});
   Tensor x = (*wte)(tokens) + (*wpe)(pos);  // [B, T, E] + [T, E]
-  x = functional::dropout(x, options.dropout, is_training());
+  x = (*drop)(x);
   x = (*h)(x);
-  x = (*ln_f)(x);
-  if (lm_head) return (*lm_head)(x);
-  return matmul(x, wte->weight.t());
+  return (*lm_head)((*ln_f)(x));
 }
 
 }  // namespace ember::nn

@@ -12,7 +12,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 
+#include "core/ops.h"
 #include "nn/layers.h"
 #include "nn/module.h"
 
@@ -20,7 +22,9 @@ namespace ember::nn {
 
 // Self-attention over x [B, T, E]: softmax(q k^T / sqrt(E / heads)) v per
 // head, with a causal mask (position t attends to positions <= t) when
-// `causal`. The softmax is the numerically stable one (max subtracted); masked
+// `causal`. Under tensor parallelism in_proj holds this rank's heads of q,
+// k and v (its rows say how many) and out_proj their columns: forward
+// works on whatever heads the parameters hold. The softmax is the numerically stable one (max subtracted); masked
 // scores are -inf, so they get exactly zero weight.
 class MultiheadAttention : public Module {
  public:
@@ -31,6 +35,7 @@ class MultiheadAttention : public Module {
   bool causal;
   Tensor in_proj_weight, in_proj_bias;  // [3E, E], [3E]: q, k, v stacked, as torch's
   std::shared_ptr<Linear> out_proj;
+  std::shared_ptr<Dropout> attn_drop;  // on the attention weights
 
  private:
   Tensor mask_cache_;  // the causal mask last used (not state: rebuilt on demand)
@@ -43,7 +48,7 @@ class TransformerMLP : public Module {
   TransformerMLP(int64_t n_embd, double dropout);
   Tensor forward(const Tensor& x) override;
   std::shared_ptr<Linear> c_fc, c_proj;
-  double dropout;
+  std::shared_ptr<Dropout> drop;  // "dropout", as nanoGPT's
 };
 
 // Pre-LayerNorm block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
@@ -56,6 +61,16 @@ class TransformerBlock : public Module {
   std::shared_ptr<TransformerMLP> mlp;
 };
 
+// The LM head of a model that ties it to its token embedding: logits =
+// x weight^T with the embedding's weight, which it reads but does not
+// register (the state dict holds it once, under the embedding's name).
+class TiedLinear : public Module {
+ public:
+  explicit TiedLinear(Tensor weight) : Module("TiedLinear"), weight(std::move(weight)) {}
+  Tensor forward(const Tensor& x) override { return matmul(x, weight.t()); }
+  Tensor weight;  // [out, in], the embedding's
+};
+
 struct GPTOptions {
   int64_t vocab_size = 256;
   int64_t block_size = 128;  // the longest sequence (position embeddings)
@@ -64,8 +79,9 @@ struct GPTOptions {
   int64_t n_embd = 64;
   double dropout = 0.0;
   // The LM head reuses the token embedding's weight (GPT-2's tying): the
-  // logits are x wte.weight^T, there is no lm_head module, and the state
-  // dict holds the shared tensor once, as "wte.weight".
+  // logits are x wte.weight^T, lm_head is a TiedLinear holding no
+  // parameter, and the state dict holds the shared tensor once, as
+  // "wte.weight".
   bool tie_weights = false;
 };
 
@@ -79,9 +95,10 @@ class GPT : public Module {
   Tensor forward(const Tensor& tokens) override;
   GPTOptions options;
   std::shared_ptr<Embedding> wte, wpe;
+  std::shared_ptr<Dropout> drop;  // on the embeddings
   std::shared_ptr<Sequential> h;
   std::shared_ptr<LayerNorm> ln_f;
-  std::shared_ptr<Linear> lm_head;  // null with tie_weights
+  std::shared_ptr<Module> lm_head;  // a Linear, or a TiedLinear with tie_weights
 };
 
 }  // namespace ember::nn

@@ -137,9 +137,9 @@ std::vector<Region> chunk_regions(const Shape& shape, const std::vector<int>& me
     groups = p.groups;
   }
   if (gdim < 0) return {chunk_region(shape, mesh_shape, coord, placements)};
-  EMBER_CHECK(gdim >= 0 && gdim < static_cast<int>(shape.size()) && shape[gdim] % groups == 0, "chunk_regions: ",
-              placements_string(placements), " of a tensor of ", shape_str(shape), ": dimension ", gdim,
-              " is not ", groups, " equal blocks");
+  EMBER_CHECK(gdim >= 0 && gdim < static_cast<int>(shape.size()) && shape[gdim] % groups == 0,
+              "chunk_regions: ", placements_string(placements), " of a tensor of ", shape_str(shape), ": dimension ",
+              gdim, " is not ", groups, " equal blocks");
   // The chunk rule on the stacked view (the dimension split into blocks
   // and their rows), then each block's chunk back in the tensor's terms.
   Shape view = shape;

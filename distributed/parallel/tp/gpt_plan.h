@@ -1,0 +1,23 @@
+// The tensor-parallel plan of nn::GPT (Megatron-LM's split, torch's
+// styles), with or without sequence parallelism:
+//   wte                 RowwiseParallel: vocab-parallel embedding
+//   h.*.attn            ColwiseParallel: q, k and v by heads
+//   h.*.attn.out_proj   RowwiseParallel
+//   h.*.mlp.c_fc        ColwiseParallel
+//   h.*.mlp.c_proj      RowwiseParallel
+//   lm_head             ColwiseParallel, output left vocab-sharded for
+//                       parallel_cross_entropy (tied to wte or not)
+// With sequence parallelism the LayerNorms, dropouts and the position
+// embedding run on sequence shards (SequenceParallel), each TP region is
+// entered by an all-gather and left by a reduce-scatter instead of the
+// all-reduces, and the sequence length must divide by the tp degree.
+#pragma once
+
+#include "distributed/parallel/tp/tensor_parallel.h"
+#include "nn/transformer.h"
+
+namespace ember::distributed {
+
+ParallelizePlan gpt_tp_plan(const nn::GPT& model, bool sequence_parallel);
+
+}  // namespace ember::distributed
