@@ -62,6 +62,16 @@ struct AutogradMetaBase {
 // stays; only its data moves), not detach or alias.
 struct ShardMetaBase {
   virtual ~ShardMetaBase() = default;
+  // What a norm over the global tensor (clip_grad_norm_) needs, without
+  // core knowing meshes: whether this rank's elements count (of the ranks
+  // holding one element, exactly one counts it), the ranks the partial sums
+  // must be combined over (an opaque key: tensors with the same key combine
+  // once; null: nothing to combine, the tensor is this rank's alone), and
+  // the combining itself (a sum, or a max, of a one-element float64 CPU
+  // tensor over those ranks, in place; collective).
+  virtual bool counts_in_norm() const { return true; }
+  virtual const void* norm_domain() const { return nullptr; }
+  virtual void reduce_norm_partial(const Tensor& partial, bool max) const { (void)partial, (void)max; }
 };
 
 struct TensorImpl {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <tuple>
 
 #include "core/autograd_hook.h"
 #include "core/ops.h"
@@ -31,26 +32,53 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
   EMBER_CHECK(norm_type > 0.0 && !std::isnan(norm_type),
               "clip_grad_norm_: norm_type must be positive or infinite, got ", norm_type);
   NoGradGuard no_grad;
+  // Gradients that count, by the domain their partial sums combine over
+  // (null: this rank's alone). A sharded parameter (ShardMetaBase: a
+  // DTensor) counts where this rank is its elements' one holder, and its
+  // domain's sum is taken over the domain's ranks; every rank visits the
+  // same domains in the same order, with a gradient or not.
+  std::vector<const ShardMetaBase*> domains{nullptr};
+  std::map<const void*, size_t> domain_index{{nullptr, 0}};
   std::vector<Tensor> grads;
+  std::vector<std::pair<size_t, Tensor>> counted;
   for (const Tensor& p : params) {
+    const ShardMetaBase* meta = p.impl().shard_meta.get();
+    const void* key = meta ? meta->norm_domain() : nullptr;
+    auto [it, fresh] = domain_index.emplace(key, domains.size());
+    if (fresh) domains.push_back(meta);
     Tensor g = p.grad();
-    if (g.defined() && g.numel() > 0) grads.push_back(g);
+    if (!g.defined() || g.numel() == 0) continue;
+    grads.push_back(g);
+    if (!meta || meta->counts_in_norm()) counted.push_back({it->second, g});
   }
-  if (grads.empty() && !reduce_partial) return 0.0;
+  if (grads.empty() && !reduce_partial && domains.size() == 1) return 0.0;
 
-  std::map<std::pair<int, int>, std::vector<Tensor>> norms_by_device;
-  for (const Tensor& g : grads) {
+  std::map<std::tuple<size_t, int, int>, std::vector<Tensor>> norms_by_device;
+  for (const auto& [domain, g] : counted) {
     const Device d = g.device();
-    norms_by_device[{static_cast<int>(d.type), d.is_cuda() ? d.index : 0}].push_back(
+    norms_by_device[{domain, static_cast<int>(d.type), d.is_cuda() ? d.index : 0}].push_back(
         grad_norm(g, norm_type).to(DType::Float64));
   }
   const bool inf = std::isinf(norm_type);
-  double acc = 0.0;
-  for (auto& [dev, norms] : norms_by_device)
+  std::vector<double> per_domain(domains.size(), 0.0);
+  for (auto& [key, norms] : norms_by_device)
     for (double n : stack(norms).to_vector()) {
-      if (inf) acc = (n > acc || std::isnan(n)) ? n : acc;
-      else acc += std::pow(n, norm_type);
+      double& a = per_domain[std::get<0>(key)];
+      if (inf)
+        a = (n > a || std::isnan(n)) ? n : a;
+      else
+        a += std::pow(n, norm_type);
     }
+  double acc = per_domain[0];
+  for (size_t d = 1; d < domains.size(); ++d) {
+    Tensor partial = Tensor::from_vector({per_domain[d]}, {1}, DType::Float64);
+    domains[d]->reduce_norm_partial(partial, inf);
+    const double v = partial.item();
+    if (inf)
+      acc = (v > acc || std::isnan(v)) ? v : acc;
+    else
+      acc += v;
+  }
   if (reduce_partial) {
     // Combined over the ranks before the root: sums of |g|^p add, maxima max.
     Tensor partial = Tensor::from_vector({acc}, {1}, DType::Float64);

@@ -17,6 +17,12 @@ namespace ember::optim {
 // no parameter has a gradient). Like torch with error_if_nonfinite=false, a
 // NaN or infinite norm is returned and clipping then leaves NaN/0 gradients.
 //
+// Distributed tensors (tensor parallelism's parameters, whose shard meta
+// says so): the norm is over the global tensors, each element counted once
+// (a replicated parameter by one rank) and the partial sums combined over
+// each tensor's mesh, so every rank of it returns the same norm and
+// clips alike. Every rank of the mesh must call it.
+//
 // Sharded gradients (FSDP, or any split of the parameters over ranks): each
 // rank holds part of the gradient, and the norm is over all of it.
 // `reduce_partial` receives this rank's partial, a one-element float64 CPU

@@ -263,6 +263,17 @@ Shape local_shape(const Shape& global_shape, const DeviceMesh& mesh, const std::
   return held_shape(spec);
 }
 
+void DTensorSpec::reduce_norm_partial(const Tensor& partial, bool max) const {
+  // Over each mesh dimension in turn: the sum (or max) over the whole mesh.
+  for (int i = 0; i < mesh->ndim(); ++i) {
+    const auto& pg = mesh->group(i);
+    if (pg->size() == 1) continue;
+    Tensor t = partial.to(pg->device()).contiguous();
+    pg->allreduce(t, max ? ReduceOp::Max : ReduceOp::Sum)->wait();
+    Tensor(partial).copy_(t.to(partial.device()));
+  }
+}
+
 std::shared_ptr<const DTensorSpec> make_dtensor_spec(const std::shared_ptr<DeviceMesh>& mesh,
                                                      const std::vector<Placement>& placements,
                                                      const Shape& global_shape, const std::string& layout) {

@@ -50,6 +50,11 @@ namespace ember::distributed {
 // redistributed (the sharding vocabulary itself stays below the mesh).
 struct DTensorSpec : ShardSpec {
   std::shared_ptr<DeviceMesh> mesh;
+  // Norms over the global tensor: one holder of each element counts it,
+  // and the partial sums combine over the whole mesh.
+  bool counts_in_norm() const override { return writes; }
+  const void* norm_domain() const override { return mesh.get(); }
+  void reduce_norm_partial(const Tensor& partial, bool max) const override;
 };
 
 // The spec of a DTensor of `global_shape` with `placements` on `mesh`, at
