@@ -195,6 +195,7 @@ std::shared_ptr<DeviceMesh> DeviceMesh::submesh(const std::vector<std::string>& 
     idx.push_back(d);
   }
   auto sub = std::shared_ptr<DeviceMesh>(new DeviceMesh());
+  sub->root_ = root();
   sub->global_rank_ = global_rank_;
   for (int d : idx) {
     sub->shape_.push_back(shape_[d]);
@@ -217,5 +218,7 @@ std::shared_ptr<DeviceMesh> DeviceMesh::submesh(const std::vector<std::string>& 
 }
 
 std::string DeviceMesh::to_string() const { return describe(shape_, names_); }
+
+std::shared_ptr<const DeviceMesh> DeviceMesh::root() const { return root_ ? root_ : shared_from_this(); }
 
 }  // namespace ember::distributed

@@ -22,7 +22,7 @@
 
 namespace ember::distributed {
 
-class DeviceMesh {
+class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
  public:
   // Collective: every rank of the default group calls it with the same
   // shape and names; the product of the shape is the world size. `backend`
@@ -67,6 +67,12 @@ class DeviceMesh {
   // Not collective: it reuses the dimensions' groups.
   std::shared_ptr<DeviceMesh> submesh(const std::vector<std::string>& dims) const;
 
+  // The mesh this one was cut from by submesh (through any number of
+  // cuts), or this mesh: where parallelisms applied to different
+  // sub-meshes (FSDP on dp_shard, tensor parallelism on tp) meet, so a
+  // parameter they both shard is described on one mesh.
+  std::shared_ptr<const DeviceMesh> root() const;
+
   // "DeviceMesh(pp=2, dp=2, tp=2)".
   std::string to_string() const;
 
@@ -78,6 +84,7 @@ class DeviceMesh {
   std::vector<int> coord_;
   int global_rank_ = 0;
   std::vector<std::shared_ptr<ProcessGroup>> groups_;
+  std::shared_ptr<const DeviceMesh> root_;  // null: this is a root
 };
 
 // Checks a mesh's shape and names without making it (the same checks and

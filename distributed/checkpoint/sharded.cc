@@ -96,11 +96,30 @@ struct Held {
 struct Place {
   std::string name;
   Shape shape;
-  Region region;
+  std::vector<Region> regions;  // one, or a grouped shard's blocks (their elements in order)
   bool holds = false, writer = false;
   Tensor local;
   std::function<void()> before_load;
+  int64_t numel() const {
+    int64_t n = 0;
+    for (const Region& r : regions) n += r.numel;
+    return n;
+  }
 };
+
+// `local` (the elements of p's regions in order) as held pieces, one per region.
+void add_held(std::vector<Held>& out, const std::string& name, const Place& p, const Tensor& local) {
+  if (p.regions.size() == 1) {
+    out.push_back({name, p.shape, local.dtype(), p.regions[0], local, p.writer});
+    return;
+  }
+  Tensor flat = local.contiguous().view({-1});
+  int64_t off = 0;
+  for (const Region& r : p.regions) {
+    if (r.numel > 0) out.push_back({name, p.shape, local.dtype(), r, flat.narrow(0, off, r.numel), p.writer});
+    off += r.numel;
+  }
+}
 
 struct ModelLayout {
   std::vector<Held> held;
@@ -131,19 +150,19 @@ ModelLayout model_layout(nn::Module& model, ProcessGroup& pg) {
       // its shape.
       int64_t global = 1;
       for (int64_t d : spec->global_shape) global *= d;
-      const bool holds = spec->region.numel > 0 || (global == 0 && spec->writes);
-      p = {name, spec->global_shape, spec->region, holds, holds && spec->writes, local_shard(t), spec->before_load};
+      const bool holds = spec->held_numel() > 0 || (global == 0 && spec->writes);
+      p = {name, spec->global_shape, spec->regions(), holds, holds && spec->writes, local_shard(t), spec->before_load};
       if (out.description.empty()) out.description = spec->layout.empty() ? "sharded" : spec->layout;
     } else {
-      p = {name, t.sizes(), whole_region(t.sizes()), true, owner(name, t), t, nullptr};
+      p = {name, t.sizes(), {whole_region(t.sizes())}, true, owner(name, t), t, nullptr};
     }
-    EMBER_CHECK(p.local.numel() == p.region.numel, "save_sharded_checkpoint: '", name, "' holds ", p.local.numel(),
-                " elements here, its shard spec's region ", p.region.numel);
+    EMBER_CHECK(p.local.numel() == p.numel(), "save_sharded_checkpoint: '", name, "' holds ", p.local.numel(),
+                " elements here, its shard spec's region ", p.numel());
     // A tensor under two names (tied weights): the first, as the optimizer's
     // name_parameters names it, so its state is found again on load.
     out.by_impl.emplace(t.impl_ptr().get(), p);
     out.by_name[name] = p;
-    if (p.holds) out.held.push_back({name, p.shape, p.local.dtype(), p.region, p.local, p.writer});
+    if (p.holds) add_held(out.held, name, p, p.local);
   }
   if (out.description.empty()) out.description = world > 1 ? "replicated" : "single";
   return out;
@@ -166,8 +185,8 @@ std::vector<Held> optimizer_held(const optim::Optimizer& opt, const ModelLayout&
       EMBER_CHECK(spec != nullptr && spec->global_shape == p.shape,
                   "save_sharded_checkpoint: the optimizer's part of '", p.name, "' is not a ShardSpec of its shape ",
                   shape_str(p.shape));
-      p.region = spec->region;
-      p.holds = spec->region.numel > 0;
+      p.regions = spec->regions();
+      p.holds = spec->held_numel() > 0;
       p.writer = p.holds && spec->writes;
     }
     const std::string name = kOptimPrefix + p.name + "." + s.name;
@@ -175,13 +194,14 @@ std::vector<Held> optimizer_held(const optim::Optimizer& opt, const ModelLayout&
     if (t.dim() == 0) {
       int64_t global = 1;
       for (int64_t d : p.shape) global *= d;
-      const bool first = global == 0 || overlap(p.shape, p.region, run_region(p.shape, 0, 1)) == 1;
+      bool first = global == 0;
+      for (const Region& r : p.regions) first = first || overlap(p.shape, r, run_region(p.shape, 0, 1)) == 1;
       if (p.holds && first && p.writer) out.push_back({name, {}, t.dtype(), whole_region({}), t, true});
       continue;
     }
-    EMBER_CHECK(t.numel() == p.region.numel, "save_sharded_checkpoint: optimizer state '", name, "' has ", t.numel(),
-                " elements here, the parameter's region ", p.region.numel);
-    if (p.holds) out.push_back({name, p.shape, t.dtype(), p.region, t, p.writer});
+    EMBER_CHECK(t.numel() == p.numel(), "save_sharded_checkpoint: optimizer state '", name, "' has ", t.numel(),
+                " elements here, the parameter's region ", p.numel());
+    if (p.holds) add_held(out, name, p, t);
   }
   return out;
 }
@@ -473,6 +493,18 @@ class PieceReader {
   // The elements of `want` (a region of tensor `t`) into `out` (a CPU
   // contiguous tensor of t's dtype and want.numel elements), reading only
   // the pieces that share elements with it.
+  // The elements of several regions of `t`, one after another, into a new
+  // CPU tensor `out`.
+  absl::Status read_regions(const CheckpointTensor& t, const std::vector<Region>& want, Tensor& out) {
+    std::vector<Tensor> parts;
+    for (const Region& r : want) {
+      parts.push_back(Tensor::empty({r.numel}, {t.dtype, kCPU}));
+      if (auto s = read_region(t, r, parts.back()); !s.ok()) return s;
+    }
+    out = parts.size() == 1 ? parts[0] : cat(parts, 0);
+    return absl::OkStatus();
+  }
+
   absl::Status read_region(const CheckpointTensor& t, const Region& want, Tensor& out) {
     std::string buf;
     for (const CheckpointPiece& p : t.pieces) {
@@ -842,8 +874,8 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
           break;
         }
         if (!p.holds) continue;
-        Tensor staged = Tensor::empty({p.region.numel}, {src->dtype, kCPU});
-        if (auto s = reader.read_region(*src, p.region, staged); !s.ok()) {
+        Tensor staged;
+        if (auto s = reader.read_regions(*src, p.regions, staged); !s.ok()) {
           error = std::string(s.message());
           break;
         }
@@ -887,8 +919,8 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
               s = absl::InvalidArgumentError(absl::StrCat(index_path, ": optimizer state '", st->name, "' is ",
                                                           shape_str(st->shape), ", its parameter ", shape_str(p.shape)));
             } else {
-              staged = Tensor::empty({p.holds ? p.region.numel : 0}, {st->dtype, kCPU});
-              if (p.holds) s = reader.read_region(*st, p.region, staged);
+              staged = Tensor::empty({0}, {st->dtype, kCPU});
+              if (p.holds) s = reader.read_regions(*st, p.regions, staged);
               if (s.ok()) staged = staged.view(p.local.sizes()).to(p.local.device());
             }
             if (!s.ok()) {

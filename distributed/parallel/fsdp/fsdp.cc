@@ -18,6 +18,7 @@
 #include "distributed/parallel/fsdp/fsdp_unit.h"
 #include "distributed/parallel/rank_agreement.h"
 #include "distributed/sharding/shard_spec.h"
+#include "distributed/tensor/dtensor.h"
 #include "optim/clip_grad.h"
 
 namespace ember::distributed {
@@ -501,6 +502,7 @@ namespace {
 
 struct Groups {
   std::shared_ptr<ProcessGroup> shard, replicate;
+  std::shared_ptr<DeviceMesh> mesh;
 };
 
 // The mesh's groups: a 1-D mesh shards over its group (or, NO_SHARD,
@@ -513,6 +515,7 @@ Groups resolve_groups(const FSDPOptions& o, const std::string& who) {
     mesh = DeviceMesh::from_group(default_group(), "dp_shard");
   }
   Groups g;
+  g.mesh = mesh;
   switch (o.strategy) {
     case ShardingStrategy::FULL_SHARD:
     case ShardingStrategy::SHARD_GRAD_OP:
@@ -564,6 +567,81 @@ void check_same_structure(ProcessGroup& pg, const Unit& u, const FlatBuffer& lay
   EMBER_CHECK(false, msg.str());
 }
 
+// FSDP's description of a parameter's shard, which norms over the whole
+// parameters (optim::clip_grad_norm_) read: each element counted by its one
+// writer, the partial sums combined over the shard and replicate groups
+// (one combination for every unit on the same mesh).
+struct FsdpShardSpec : ShardSpec {
+  std::shared_ptr<ProcessGroup> shard_pg, replicate_pg;
+  const void* domain = nullptr;
+  bool counts_in_norm() const override { return writes; }
+  const void* norm_domain() const override { return shard_pg || replicate_pg ? domain : nullptr; }
+  void reduce_norm_partial(const Tensor& partial, bool max) const override {
+    for (const auto* g : {&shard_pg, &replicate_pg}) {
+      if (!*g) continue;
+      Tensor t = partial.to((*g)->device()).contiguous();
+      (*g)->allreduce(t, max ? ReduceOp::Max : ReduceOp::Sum)->wait();
+      Tensor(partial).copy_(t.to(partial.device()));
+    }
+  }
+};
+
+// A parameter tensor parallelism sharded before FSDP took its local part:
+// described on the mesh both were cut from (FSDP's dimensions, the tp
+// dimension, Replicate on any other), its regions the run of this rank's
+// FSDP shard through the tp part's boxes. Written where both would write.
+std::shared_ptr<const DTensorSpec> compose_with_tensor_parallel(const std::shared_ptr<Unit>& up, size_t i,
+                                                                const DTensorSpec& tp, const FlatBuffer::Piece* pc,
+                                                                const std::string& layout, int replica) {
+  const Unit& u = *up;
+  const std::string name = u.names[i];
+  auto root = u.mesh->root();
+  EMBER_CHECK(tp.mesh->root() == root, "fully_shard(", u.type, "): parameter '", name,
+              "' is sharded by tensor parallelism on ", tp.mesh->to_string(), " but FSDP's mesh ", u.mesh->to_string(),
+              " is not cut from the same DeviceMesh; make one mesh (e.g. (dp_shard, tp)) and pass its sub-meshes to ",
+              "parallelize_module and fully_shard");
+  auto spec = std::make_shared<DTensorSpec>();
+  spec->mesh = std::const_pointer_cast<DeviceMesh>(root);
+  spec->global_shape = tp.global_shape;
+  spec->mesh_dims = root->dim_names();
+  spec->mesh_shape = root->shape();
+  spec->coord = root->coordinate();
+  for (const std::string& dim : root->dim_names()) {
+    Placement p = Replicate();
+    if (u.mesh->has_dim(dim)) {
+      const bool shards = u.strategy == ShardingStrategy::HYBRID_SHARD ? u.mesh->dim_index(dim) == 1
+                                                                       : u.strategy != ShardingStrategy::NO_SHARD;
+      if (shards) p = Shard(0);
+    } else if (tp.mesh->has_dim(dim)) {
+      p = tp.placements[tp.mesh->dim_index(dim)];
+    }
+    spec->placements.push_back(p);
+  }
+  const int64_t begin = pc ? pc->entry_offset : 0, end = begin + (pc ? pc->numel : 0);
+  std::vector<Region> rs;
+  int64_t off = 0;
+  for (const Region& r : tp.regions()) {
+    const int64_t lo = std::max(begin, off), hi = std::min(end, off + r.numel);
+    if (hi > lo) rs.push_back(Region{r.box, r.begin + (lo - off), hi - lo});
+    off += r.numel;
+  }
+  if (rs.empty()) rs.push_back(Region{tp.region.box, 0, 0});
+  spec->region = rs.front();
+  if (rs.size() > 1) spec->parts = rs;
+  spec->layout = "fsdp:" + layout + "+tensor_parallel";
+  spec->writes = tp.writes && replica == 0 && (u.layout.entries()[i].numel > 0 || u.shard_rank == 0);
+  std::weak_ptr<Unit> weak = up;
+  spec->local = [weak, i] {
+    auto uu = weak.lock();
+    EMBER_CHECK(uu != nullptr, "FSDP: the unit of this parameter is gone");
+    return uu->shard_view(uu->shard, i);
+  };
+  spec->before_load = [weak] {
+    if (auto uu = weak.lock()) uu->reshard();
+  };
+  return spec;
+}
+
 // Says on each parameter what this rank holds of it (sharding vocabulary),
 // so checkpoints and norms need nothing of FSDP's: the run of the entry in
 // this rank's shard of the flat buffer, over a (dp_replicate, dp_shard)
@@ -582,7 +660,14 @@ void attach_shard_specs(const std::shared_ptr<Unit>& u) {
     const FlatBuffer::Piece* pc = nullptr;
     for (const auto& piece : u->pieces)
       if (piece.entry == i) pc = &piece;
-    auto spec = std::make_shared<ShardSpec>();
+    if (auto tp = std::dynamic_pointer_cast<const DTensorSpec>(shard_spec_ptr(u->params[i]))) {
+      set_shard_spec(u->params[i], compose_with_tensor_parallel(u, i, *tp, pc, layout, replica));
+      continue;
+    }
+    auto spec = std::make_shared<FsdpShardSpec>();
+    spec->shard_pg = u->shard_pg;
+    spec->replicate_pg = u->replicate_pg;
+    spec->domain = u->mesh.get();
     spec->global_shape = e.shape;
     spec->mesh_dims = {"dp_replicate", "dp_shard"};
     spec->mesh_shape = {replicas, u->shard_size};
@@ -619,6 +704,7 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
   u->strategy = options.strategy;
   u->shard_pg = groups.shard;
   u->replicate_pg = groups.replicate;
+  u->mesh = groups.mesh;
   u->shard_size = groups.shard ? groups.shard->size() : 1;
   u->shard_rank = groups.shard ? groups.shard->rank() : 0;
   u->reshard_after_forward =
@@ -828,9 +914,8 @@ FSDPModule::Memory FSDPModule::memory() const {
 std::shared_ptr<ProcessGroup> FSDPModule::shard_group() const { return unit_->shard_pg; }
 
 double FSDPModule::clip_grad_norm_(double max_norm, double norm_type) {
-  auto params = unit_->module->parameters();
-  if (!unit_->shard_pg) return optim::clip_grad_norm_(params, max_norm, norm_type);
-  return optim::clip_grad_norm_(params, max_norm, norm_type, grad_norm_allreduce(unit_->shard_pg, norm_type));
+  // The parameters' shard specs say how their norm combines over ranks.
+  return optim::clip_grad_norm_(unit_->module->parameters(), max_norm, norm_type);
 }
 
 }  // namespace ember::distributed

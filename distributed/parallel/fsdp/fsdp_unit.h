@@ -40,6 +40,7 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   std::string type;
   ShardingStrategy strategy = ShardingStrategy::FULL_SHARD;
   std::shared_ptr<ProcessGroup> shard_pg, replicate_pg;  // null: one rank / none
+  std::shared_ptr<DeviceMesh> mesh;                      // what the groups were taken from
   int shard_size = 1, shard_rank = 0;
 
   std::vector<std::string> names;  // relative to `module`
