@@ -188,6 +188,41 @@ grep -q "step 6: validation loss" <<<"$out"
 if out=$("$dir/gpt_fsdp" --strategy zero3 2>&1); then echo "gpt_fsdp accepted --strategy zero3"; exit 1; fi
 grep -q "strategy takes full, grad_op, no_shard or hybrid, got 'zero3'" <<<"$out"
 
+# gpt's mesh: one rank and dp_shard 2 x tp 2 (sequence parallel) on the
+# same --global-batch see the same batches (batch_digest) and compute the
+# same losses and gradient norms; a run saved under tp 2 (no SP) resumes
+# under FSDP on 2 ranks and ends with the validation loss of the one-rank
+# run; mesh errors name the flags.
+mesh=(--dim 32 --heads 4 --seq 16 --max-steps 6 --global-batch 8 --sample-len 0 --eval-every 100 --lr 1e-3)
+out1=$("$dir/gpt" --nproc 1 "${mesh[@]}" --checkpoint-dir "$tmp/gm1" --metrics "$tmp/m1.jsonl" 2>&1)
+out=$("$dir/gpt" --nproc 4 --dp-shard 2 --tp 2 "${mesh[@]}" --checkpoint-dir "$tmp/gm4" --metrics "$tmp/m4.jsonl" 2>&1)
+echo "$out"
+grep -q "mesh dp_shard=2 tp=2$" <<<"$out" || { echo "no mesh line"; exit 1; }
+"$dir/gpt" --nproc 2 --tp 2 --sp off "${mesh[@]}" --save-every 3 --checkpoint-dir "$tmp/gmt" >/dev/null 2>&1
+mkdir -p "$tmp/gmr" && cp -r "$tmp/gmt/step_3" "$tmp/gmr/"
+out=$("$dir/gpt" --nproc 2 "${mesh[@]}" --checkpoint-dir "$tmp/gmr" --resume 2>&1)
+echo "$out"
+grep -q "resumed from $tmp/gmr/step_3: saved by 2 ranks (full_shard+tensor_parallel), loading on 2 ranks (full_shard)" <<<"$out"
+python3 - "$tmp/m1.jsonl" "$tmp/m4.jsonl" "$(grep 'step 6: validation loss' <<<"$out1")" \
+  "$(grep 'step 6: validation loss' <<<"$out")" <<'PY'
+import json, re, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert len(a) == len(b) == 6, (len(a), len(b))
+for x, y in zip(a, b):
+    assert x["batch_digest"] == y["batch_digest"], (x, y)
+    assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x, y)
+    assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * x["grad_norm"], (x, y)
+    assert x["mem_peak_mib"] > 0 and y["tokens_per_s"] > 0 and x["lr"] == y["lr"], (x, y)
+v = [float(re.search(r"validation loss ([0-9.]+)", s).group(1)) for s in sys.argv[3:5]]
+assert abs(v[0] - v[1]) <= 1e-4 * v[0], v
+print("gpt: one rank and dp_shard 2 x tp 2 agree over 6 steps; tp 2 -> FSDP 2 resume ends at", v[1])
+PY
+if out=$("$dir/gpt" --nproc 2 --tp 3 2>&1); then echo "gpt accepted --tp 3 on 2 ranks"; exit 1; fi
+grep -q "the mesh dp_replicate=1 dp_shard=-1 tp=3 does not divide the 2 ranks" <<<"$out" || { echo "$out"; exit 1; }
+if out=$("$dir/gpt" --nproc 2 --tp 2 --heads 3 --dim 48 2>&1); then echo "gpt accepted 3 heads over tp 2"; exit 1; fi
+grep -q -- "--heads 3 do not split over --tp 2" <<<"$out" || { echo "$out"; exit 1; }
+
 DATA=/usr/share/datasets/fashion-mnist
 if [[ ! -f $DATA/train-images-idx3-ubyte.gz ]]; then
   echo "SKIP: $DATA not found (apt-get install dataset-fashion-mnist)"

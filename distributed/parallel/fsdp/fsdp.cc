@@ -439,8 +439,13 @@ Tensor Unit::post_forward(const Tensor& output) {
   } else {
     reshard();
   }
-  if (is_root && output_dtype && output.defined() && is_floating(output.dtype()) && output.dtype() != *output_dtype)
-    return output.to(*output_dtype);
+  if (is_root && output_dtype && output.defined() && is_floating(output.dtype()) && output.dtype() != *output_dtype) {
+    // The cast is the same distributed tensor (a tensor-parallel head's
+    // vocab-sharded logits stay annotated for the parallel loss).
+    Tensor cast_output = output.to(*output_dtype);
+    if (auto meta = output.impl().shard_meta) cast_output.impl().shard_meta = meta;
+    return cast_output;
+  }
   return Tensor();
 }
 

@@ -1,21 +1,29 @@
-// A character-level GPT trained with fully sharded data parallelism on the
-// quotes of Debian's `fortunes` package: every transformer block is an FSDP
-// unit, the rest of the model the root. It launches its own workers (one per
-// GPU, else 2 on the CPU), evaluates on held-out quotes against a unigram
-// baseline, writes sharded checkpoints (each rank its shards) and ends with a
-// sample generated from the trained weights.
+// The language-model example every parallelism extends: a character-level
+// GPT on the quotes of Debian's `fortunes` package, trained on a mesh of
+// (dp_replicate, dp_shard, tp) ranks: tensor parallelism (and sequence
+// parallelism) inside each tp group, FSDP over dp_shard (every transformer
+// block a unit), replicas over dp_replicate. It launches its own workers
+// (one per GPU, else 2 on the CPU), evaluates on held-out quotes against a
+// unigram baseline, writes sharded checkpoints (each rank its shards; any
+// other mesh loads them) and ends with a sample from the trained weights.
+// The data of step k depends on (seed, k) only: every mesh with the same
+// --global-batch trains on the same sequences.
 //
-//   bazel run -c opt //examples:gpt_fsdp                                 # 2 CPU workers, FULL_SHARD
-//   bazel run -c opt //examples:gpt_fsdp -- --strategy grad_op --amp bf16
-//   bazel run -c opt //examples:gpt_fsdp -- --nproc 4 --strategy hybrid --shard-size 2
-//   bazel run -c opt //examples:gpt_fsdp -- --max-steps 600 --resume     # 300 more steps
-//   bazel run -c opt //examples:gpt_fsdp -- --max-steps 900 --resume --nproc 3   # resharded onto 3 ranks
+//   bazel run -c opt //examples:gpt                                      # 2 CPU workers, FSDP FULL_SHARD
+//   bazel run -c opt //examples:gpt -- --nproc 4 --dp-shard 2 --tp 2     # FSDP x TP (+SP) on a 2x2 mesh
+//   bazel run -c opt //examples:gpt -- --tp 2 --sp off --metrics /tmp/m.jsonl
+//   bazel run -c opt //examples:gpt -- --strategy grad_op --amp bf16
+//   bazel run -c opt //examples:gpt -- --nproc 4 --strategy hybrid --shard-size 2
+//   bazel run -c opt //examples:gpt -- --max-steps 600 --resume          # 300 more steps
+//   bazel run -c opt //examples:gpt -- --max-steps 900 --resume --nproc 3   # resharded onto 3 ranks
+// //examples:gpt_fsdp is the same program under its first name.
 //
 // The default run (2 layers, dim 128, seq 64, batch 16 per rank, 1000 steps)
 // took 102 s on the 2-core CI machine (-c opt, 2026-11-24) and reached a
 // validation loss of 1.954 nats per character against the unigram model's
 // 3.379 (0.58x); docs/fsdp.md ("Sharded training") shows its output.
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cctype>
@@ -35,6 +43,7 @@
 #include <vector>
 
 #include "autograd/autograd.h"
+#include "core/allocator.h"
 #include "core/ops.h"
 #include "distributed/checkpoint/checkpoint.h"
 #include "distributed/checkpoint/sharded.h"
@@ -45,6 +54,8 @@
 #include "distributed/parallel/fsdp/fsdp.h"
 #include "distributed/parallel/fsdp/fsdp_state_dict.h"
 #include "distributed/parallel/rank_agreement.h"
+#include "distributed/parallel/tp/gpt_plan.h"
+#include "distributed/parallel/tp/loss_parallel.h"
 #include "examples/cli.h"
 #include "examples/profiling.h"
 #include "examples/training.h"
@@ -65,12 +76,17 @@ struct Flags {
   int nproc = 0;  // 0: one per GPU, else 2
   std::string strategy = "full";
   int shard_size = 0;  // hybrid: ranks per shard group (0: ranks per node)
+  // The mesh: products equal to the world size, -1 for "the rest" (one of them).
+  int dp_replicate = 1, dp_shard = -1, tp = 1;
+  std::string sp = "auto";   // on | off | auto (on when tp > 1)
+  int64_t global_batch = 0;  // sequences per optimizer step over the job (0: batch size x dp x accum)
+  std::string metrics;       // one JSON line per step, by rank 0
   std::string amp = "off";
   int64_t layers = 2, dim = 128, heads = 4, seq = 64;
   int64_t batch_size = 16;  // sequences per rank per micro-batch
   int64_t accum_steps = 1;
   int64_t max_steps = 1000;  // optimizer steps in total, counting those before a resume
-  int64_t save_every = 0;   // 0: only at the end
+  int64_t save_every = 0;    // 0: only at the end
   int64_t eval_every = 250;
   double lr = 3e-3;
   std::string checkpoint_dir = "/tmp/ember_gpt_fsdp";
@@ -86,10 +102,18 @@ struct Flags {
 };
 
 constexpr char kUsage[] =
-    "usage: gpt_fsdp [flags]\n"
+    "usage: gpt [flags]   (also gpt_fsdp)\n"
     "  --nproc N              local worker processes (default: one per GPU, else 2; ignored under a launcher)\n"
     "  --strategy S           full | grad_op | no_shard | hybrid (FSDP sharding strategy; default full)\n"
     "  --shard-size N         hybrid: shard within groups of N ranks, replicate across them (default: ranks per node)\n"
+    "  --dp-replicate R --dp-shard S --tp T\n"
+    "                         the mesh (R x S x T = the world size; -1 for one of them: the rest; default 1, -1, 1):\n"
+    "                         tensor parallelism over tp, FSDP over dp_shard, replicas (HSDP) over dp_replicate\n"
+    "  --sp on|off            sequence parallelism inside tp (default on when --tp > 1)\n"
+    "  --global-batch N       sequences per optimizer step over the whole job (default: --batch-size x data-parallel\n"
+    "                         ranks x --accum-steps); the per-rank micro-batch is N / (data-parallel ranks x accum)\n"
+    "  --metrics PATH         one JSON line per optimizer step (rank 0): step, loss, lr, grad_norm, tokens_per_s,\n"
+    "                         mem_peak_mib (the largest over ranks), batch_digest (a hash of the global batch)\n"
     "  --amp off|bf16|fp16    FSDP mixed precision: gather and compute in bf16/fp16, reduce in float32, float32\n"
     "                         master shards; fp16 with a loss scaler agreed across ranks (default off)\n"
     "  --layers N --dim N --heads N --seq N\n"
@@ -111,7 +135,7 @@ constexpr char kUsage[] =
     "                         the sample generated at the end (default 240, 0.8, 20)\n"
     "  --timeout SEC          rendezvous and collective timeout (default: $EMBER_DIST_TIMEOUT_SEC, else 600)\n";
 
-const examples::Cli kCli{"gpt_fsdp", kUsage};
+const examples::Cli kCli{"gpt", kUsage};
 [[noreturn]] void usage_error(const std::string& msg) { kCli.error(msg); }
 
 Flags parse_flags(int argc, char** argv) {
@@ -124,55 +148,99 @@ Flags parse_flags(int argc, char** argv) {
       f.resume = true;
       continue;
     }
-    if (arg == "--nproc") f.nproc = static_cast<int>(kCli.parse_int(arg, next(), 1));
-    else if (arg == "--strategy") f.strategy = next();
-    else if (arg == "--shard-size") f.shard_size = static_cast<int>(kCli.parse_int(arg, next(), 1));
-    else if (arg == "--amp") f.amp = next();
-    else if (arg == "--layers") f.layers = kCli.parse_int(arg, next(), 1);
-    else if (arg == "--dim") f.dim = kCli.parse_int(arg, next(), 1);
-    else if (arg == "--heads") f.heads = kCli.parse_int(arg, next(), 1);
-    else if (arg == "--seq") f.seq = kCli.parse_int(arg, next(), 2);
-    else if (arg == "--batch-size") f.batch_size = kCli.parse_int(arg, next(), 1);
-    else if (arg == "--accum-steps") f.accum_steps = kCli.parse_int(arg, next(), 1);
-    else if (arg == "--lr") f.lr = kCli.parse_positive(arg, next());
-    else if (arg == "--max-steps") f.max_steps = kCli.parse_int(arg, next(), 1);
-    else if (arg == "--eval-every") f.eval_every = kCli.parse_int(arg, next(), 1);
-    else if (arg == "--save-every") f.save_every = kCli.parse_int(arg, next(), 1);
-    else if (arg == "--checkpoint-dir") f.checkpoint_dir = next();
-    else if (arg == "--seed") f.seed = static_cast<uint64_t>(kCli.parse_int(arg, next(), 0));
+    if (arg == "--nproc")
+      f.nproc = static_cast<int>(kCli.parse_int(arg, next(), 1));
+    else if (arg == "--strategy")
+      f.strategy = next();
+    else if (arg == "--shard-size")
+      f.shard_size = static_cast<int>(kCli.parse_int(arg, next(), 1));
+    else if (arg == "--dp-replicate")
+      f.dp_replicate = static_cast<int>(kCli.parse_int(arg, next(), -1));
+    else if (arg == "--dp-shard")
+      f.dp_shard = static_cast<int>(kCli.parse_int(arg, next(), -1));
+    else if (arg == "--tp")
+      f.tp = static_cast<int>(kCli.parse_int(arg, next(), -1));
+    else if (arg == "--sp")
+      f.sp = next();
+    else if (arg == "--global-batch")
+      f.global_batch = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--metrics")
+      f.metrics = next();
+    else if (arg == "--amp")
+      f.amp = next();
+    else if (arg == "--layers")
+      f.layers = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--dim")
+      f.dim = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--heads")
+      f.heads = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--seq")
+      f.seq = kCli.parse_int(arg, next(), 2);
+    else if (arg == "--batch-size")
+      f.batch_size = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--accum-steps")
+      f.accum_steps = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--lr")
+      f.lr = kCli.parse_positive(arg, next());
+    else if (arg == "--max-steps")
+      f.max_steps = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--eval-every")
+      f.eval_every = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--save-every")
+      f.save_every = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--checkpoint-dir")
+      f.checkpoint_dir = next();
+    else if (arg == "--seed")
+      f.seed = static_cast<uint64_t>(kCli.parse_int(arg, next(), 0));
     else if (arg == "--profile") {
       f.profile_dir = next();
       if (f.profile_dir.empty()) usage_error("--profile needs a directory");
-    }
-    else if (arg == "--data") f.data = next(), f.data_given = true;
-    else if (arg == "--sample-len") f.sample_len = kCli.parse_int(arg, next(), 0);
-    else if (arg == "--temperature") f.temperature = kCli.parse_positive(arg, next());
-    else if (arg == "--top-k") f.top_k = kCli.parse_int(arg, next(), 1);
-    else if (arg == "--timeout") f.timeout_sec = kCli.parse_positive(arg, next());
-    else usage_error("unknown flag '" + arg + "'");
+    } else if (arg == "--data")
+      f.data = next(), f.data_given = true;
+    else if (arg == "--sample-len")
+      f.sample_len = kCli.parse_int(arg, next(), 0);
+    else if (arg == "--temperature")
+      f.temperature = kCli.parse_positive(arg, next());
+    else if (arg == "--top-k")
+      f.top_k = kCli.parse_int(arg, next(), 1);
+    else if (arg == "--timeout")
+      f.timeout_sec = kCli.parse_positive(arg, next());
+    else
+      usage_error("unknown flag '" + arg + "'");
   }
   if (f.strategy != "full" && f.strategy != "grad_op" && f.strategy != "no_shard" && f.strategy != "hybrid")
     usage_error("--strategy takes full, grad_op, no_shard or hybrid, got '" + f.strategy + "'");
   if (f.amp != "off" && f.amp != "bf16" && f.amp != "fp16")
     usage_error("--amp takes off, bf16 or fp16, got '" + f.amp + "'");
   if (f.shard_size > 0 && f.strategy != "hybrid") usage_error("--shard-size goes with --strategy hybrid");
+  if (f.sp != "on" && f.sp != "off" && f.sp != "auto") usage_error("--sp takes on or off, got '" + f.sp + "'");
+  int rest = 0;
+  for (int v : {f.dp_replicate, f.dp_shard, f.tp}) {
+    if (v == 0) usage_error("--dp-replicate, --dp-shard and --tp take a positive size or -1 (the rest)");
+    rest += v == -1;
+  }
+  if (rest > 1) usage_error("only one of --dp-replicate, --dp-shard and --tp may be -1 (the rest)");
+  if (f.strategy == "hybrid" && f.dp_replicate != 1)
+    usage_error("--strategy hybrid makes the replicas itself (--shard-size); leave --dp-replicate out");
   if (f.dim % f.heads != 0)
     usage_error("--dim " + std::to_string(f.dim) + " must be a multiple of --heads " + std::to_string(f.heads));
   if (f.checkpoint_dir.empty()) usage_error("--checkpoint-dir must not be empty");
   if (f.resume) {
     auto latest = distributed::latest_checkpoint(f.checkpoint_dir, "step_");
     if (!latest.ok()) usage_error("--resume: " + std::string(latest.status().message()));
-    if (!latest->has_value()) usage_error("--resume: no checkpoint (step_<N>/) in --checkpoint-dir " + f.checkpoint_dir);
+    if (!latest->has_value())
+      usage_error("--resume: no checkpoint (step_<N>/) in --checkpoint-dir " + f.checkpoint_dir);
   }
   if (f.data != "synthetic" && f.data_given && !fs::exists(f.data))
-    usage_error("--data " + f.data + ": no such file or directory (give a fortunes directory, a text file or 'synthetic')");
+    usage_error("--data " + f.data +
+                ": no such file or directory (give a fortunes directory, a text file or 'synthetic')");
   return f;
 }
 
 // ---- the corpus -----------------------------------------------------------
 
 struct Corpus {
-  std::string train, val;  // text
+  std::string train, val;            // text
   std::vector<unsigned char> chars;  // the vocabulary: every byte of the text, sorted
   std::vector<int> id;               // byte -> token id
   std::string description;
@@ -217,7 +285,8 @@ Corpus load_corpus(const Flags& f) {
   }
   if (quotes.empty()) {
     if (f.data != "synthetic")
-      LOG0("WARNING: no fortunes at ", f.data, ".\nWARNING: training on SYNTHETIC text instead; the losses are not a "
+      LOG0("WARNING: no fortunes at ", f.data,
+           ".\nWARNING: training on SYNTHETIC text instead; the losses are not a "
            "real corpus'. Install it with `apt-get install fortunes` (tools/setup.sh does) or pass --data.");
     // Sentences from a small grammar: learnable structure, but not language.
     std::mt19937 g(1);
@@ -275,7 +344,7 @@ Eval make_eval(const Corpus& c, int64_t seq, int world) {
   Eval e;
   const int64_t span = static_cast<int64_t>(c.val.size()) - seq - 1;
   EMBER_CHECK(span > 0, "the validation text (", c.val.size(), " characters) is shorter than --seq ", seq);
-  const int64_t per_rank = (64 + world - 1) / world;
+  const int64_t per_rank = (64 + world - 1) / world;  // world: the data-parallel ranks
   const int64_t n = per_rank * world;
   for (int64_t i = 0; i < n; ++i) e.starts.push_back(span * i / n);
   std::vector<double> count(c.chars.size(), 1.0);
@@ -285,25 +354,28 @@ Eval make_eval(const Corpus& c, int64_t seq, int world) {
   double nll = 0;
   int64_t m = 0;
   for (int64_t s : e.starts)
-    for (int64_t t = 1; t <= seq; ++t, ++m) nll -= std::log(count[c.id[static_cast<unsigned char>(c.val[s + t])]] / total);
+    for (int64_t t = 1; t <= seq; ++t, ++m)
+      nll -= std::log(count[c.id[static_cast<unsigned char>(c.val[s + t])]] / total);
   e.unigram = nll / m;
   return e;
 }
 
+// The windows are split over the data-parallel ranks; the tp ranks of one
+// data-parallel rank evaluate the same windows together (each the same loss).
 double evaluate(nn::Module& model, const Corpus& c, const Eval& e, int64_t seq, distributed::ProcessGroup& pg,
-                Device device) {
+                Device device, int dp, int dp_rank, int tp) {
   model.eval();
   NoGradGuard ng;
-  const int64_t per_rank = static_cast<int64_t>(e.starts.size()) / pg.size();
-  std::vector<int64_t> mine(e.starts.begin() + pg.rank() * per_rank, e.starts.begin() + (pg.rank() + 1) * per_rank);
+  const int64_t per_rank = static_cast<int64_t>(e.starts.size()) / dp;
+  std::vector<int64_t> mine(e.starts.begin() + dp_rank * per_rank, e.starts.begin() + (dp_rank + 1) * per_rank);
   double local = 0;
   for (size_t i = 0; i < mine.size(); i += 16) {
     std::vector<int64_t> part(mine.begin() + i, mine.begin() + std::min(mine.size(), i + 16));
     auto [x, y] = windows(c, c.val, part, seq);
-    Tensor logits = model(x.to(device)).to(DType::Float32);
-    local += nn::functional::cross_entropy(logits.reshape({-1, logits.size(2)}), y.to(device)).item() * part.size();
+    Tensor logits = model(x.to(device));
+    local += distributed::parallel_cross_entropy(logits, y.to(device).reshape({x.size(0), seq})).item() * part.size();
   }
-  Tensor t = full({1}, local / static_cast<double>(e.starts.size())).to(device);
+  Tensor t = full({1}, local / static_cast<double>(e.starts.size()) / tp).to(device);
   pg.allreduce(t, distributed::ReduceOp::Sum)->wait();
   model.train();
   return t.to(kCPU).item();
@@ -326,7 +398,8 @@ std::string generate(nn::GPT& gpt, const Corpus& c, const Flags& f) {
     std::vector<size_t> order(l.size());
     for (size_t k = 0; k < order.size(); ++k) order[k] = k;
     const size_t keep = std::min<size_t>(static_cast<size_t>(f.top_k), order.size());
-    std::partial_sort(order.begin(), order.begin() + keep, order.end(), [&](size_t a, size_t b) { return l[a] > l[b]; });
+    std::partial_sort(order.begin(), order.begin() + keep, order.end(),
+                      [&](size_t a, size_t b) { return l[a] > l[b]; });
     std::vector<double> w(keep);
     for (size_t k = 0; k < keep; ++k) w[k] = std::exp((l[order[k]] - l[order[0]]) / f.temperature);
     std::discrete_distribution<size_t> pick(w.begin(), w.end());
@@ -339,9 +412,53 @@ std::string generate(nn::GPT& gpt, const Corpus& c, const Flags& f) {
 
 // ---- Setup: the model sharded, its optimizer, schedule and scaler ----
 
+// The mesh the flags ask for, resolved against the world size.
+struct MeshShape {
+  int dp_replicate = 1, dp_shard = 1, tp = 1;
+  bool sp = false;
+  int dp() const { return dp_replicate * dp_shard; }
+};
+
+MeshShape resolve_mesh(const Flags& f, int world, int local_world) {
+  MeshShape m;
+  int r = f.dp_replicate, s = f.dp_shard, t = f.tp;
+  if (f.strategy == "hybrid") {  // --shard-size ranks per shard group (default: a node's), replicas the rest
+    const int tp = t > 0 ? t : 1;
+    s = f.shard_size > 0 ? f.shard_size : std::max(1, local_world / tp);
+    r = -1;
+  }
+  int known = 1;
+  for (int v : {r, s, t})
+    if (v > 0) known *= v;
+  EMBER_CHECK(world % known == 0, "the mesh dp_replicate=", r, " dp_shard=", s, " tp=", t, " does not divide the ",
+              world, " ranks");
+  const int rest = world / known;
+  m.dp_replicate = r > 0 ? r : rest;
+  m.dp_shard = s > 0 ? s : rest;
+  m.tp = t > 0 ? t : rest;
+  EMBER_CHECK(m.dp_replicate * m.dp_shard * m.tp == world, "the mesh dp_replicate=", m.dp_replicate,
+              " dp_shard=", m.dp_shard, " tp=", m.tp, " (", m.dp_replicate * m.dp_shard * m.tp,
+              " ranks) does not match the world size ", world);
+  m.sp = f.sp == "on" || (f.sp == "auto" && m.tp > 1);
+  return m;
+}
+
+// "mesh dp_shard=2 tp=2": the dimensions of more than one rank.
+std::string mesh_line(const MeshShape& m) {
+  std::string out = "mesh";
+  if (m.dp_replicate > 1) out += " dp_replicate=" + std::to_string(m.dp_replicate);
+  if (m.dp_shard > 1 || (m.dp_replicate == 1 && m.tp == 1)) out += " dp_shard=" + std::to_string(m.dp_shard);
+  if (m.tp > 1) out += " tp=" + std::to_string(m.tp);
+  return out;
+}
+
 struct Setup {
   Corpus corpus;
   int64_t vocab = 0, n_params = 0, step = 0;
+  MeshShape mesh_shape;
+  std::shared_ptr<distributed::DeviceMesh> mesh;
+  int dp_rank = 0;
+  int64_t global_batch = 0, micro_batch = 0;  // sequences per step over the job, per rank per micro-batch
   std::shared_ptr<nn::GPT> gpt;
   distributed::FSDPOptions fsdp_options;
   std::shared_ptr<distributed::FSDPModule> fsdp;
@@ -365,6 +482,7 @@ void resume(const Flags& flags, const examples::Job& job, Setup& s) {
   examples::restore_scaler(*s.scaler, nlohmann::json::parse(st->extra_json), **latest);
   std::string now = distributed::strategy_name(s.fsdp_options.strategy);  // as the index names it: "full_shard"
   for (char& c : now) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (s.mesh_shape.tp > 1) now += "+tensor_parallel";
   const std::string then = index->layout.rfind("fsdp:", 0) == 0 ? index->layout.substr(5) : index->layout;
   LOG0("resumed from ", **latest, ": saved by ", index->world_size, " rank", index->world_size == 1 ? "" : "s", " (",
        then, "), loading on ", job.world, " rank", job.world == 1 ? "" : "s", " (", now, "); ", s.step,
@@ -377,17 +495,36 @@ Setup setup(const Flags& flags, const examples::Job& job) {
   s.vocab = static_cast<int64_t>(s.corpus.chars.size());
   EMBER_CHECK(static_cast<int64_t>(s.corpus.train.size()) > flags.seq + 1, "the training text is shorter than --seq");
 
+  MeshShape& m = s.mesh_shape;
+  m = resolve_mesh(flags, job.world, job.env.local_world_size);
+  EMBER_CHECK(flags.heads % m.tp == 0, "--heads ", flags.heads, " do not split over --tp ", m.tp,
+              " (attention is split by heads)");
+  EMBER_CHECK(!m.sp || flags.seq % m.tp == 0, "--seq ", flags.seq, " must be a multiple of --tp ", m.tp,
+              " with sequence parallelism (or --sp off)");
+  s.global_batch = flags.global_batch > 0 ? flags.global_batch : flags.batch_size * m.dp() * flags.accum_steps;
+  EMBER_CHECK(s.global_batch % (m.dp() * flags.accum_steps) == 0, "--global-batch ", s.global_batch,
+              " does not split over ", m.dp(), " data-parallel rank(s) x ", flags.accum_steps, " micro-batch(es)");
+  s.micro_batch = s.global_batch / (m.dp() * flags.accum_steps);
+  s.mesh = distributed::DeviceMesh::create({m.dp_replicate, m.dp_shard, m.tp}, {"dp_replicate", "dp_shard", "tp"});
+  s.dp_rank = s.mesh->coordinate("dp_replicate") * m.dp_shard + s.mesh->coordinate("dp_shard");
+  LOG0(mesh_line(m));
+
   manual_seed(flags.seed);
   s.gpt = std::make_shared<nn::GPT>(model_options(flags, s.vocab));
   s.gpt->to(job.device);
   s.n_params = s.gpt->num_parameters();
+  if (m.tp > 1)
+    distributed::parallelize_module(*s.gpt, s.mesh->submesh({"tp"}), distributed::gpt_tp_plan(*s.gpt, m.sp));
 
   distributed::FSDPOptions& fo = s.fsdp_options;
   fo.strategy = distributed::parse_strategy(flags.strategy);
-  if (fo.strategy == distributed::ShardingStrategy::HYBRID_SHARD) {
-    const int shard = flags.shard_size > 0 ? flags.shard_size : job.env.local_world_size;
-    EMBER_CHECK(job.world % shard == 0, "--shard-size ", shard, " does not divide the ", job.world, " ranks");
-    fo.mesh = distributed::DeviceMesh::create({job.world / shard, shard}, {"dp_replicate", "dp_shard"});
+  if (m.dp_replicate > 1 || fo.strategy == distributed::ShardingStrategy::HYBRID_SHARD) {
+    EMBER_CHECK(flags.strategy == "full" || flags.strategy == "hybrid", "--dp-replicate ", m.dp_replicate,
+                " replicates FULL_SHARD units (HSDP); --strategy ", flags.strategy, " does not combine with it");
+    fo.strategy = distributed::ShardingStrategy::HYBRID_SHARD;
+    fo.mesh = s.mesh->submesh({"dp_replicate", "dp_shard"});
+  } else {
+    fo.mesh = s.mesh->submesh({"dp_shard"});
   }
   if (flags.amp != "off") {
     fo.mp_policy.param_dtype = flags.amp == "bf16" ? DType::BFloat16 : DType::Float16;
@@ -406,7 +543,8 @@ Setup setup(const Flags& flags, const examples::Job& job) {
       *s.opt, std::vector<std::shared_ptr<optim::LRScheduler>>{warm, cosine}, std::vector<int64_t>{warmup});
   optim::GradScalerOptions so;
   so.enabled = flags.amp == "fp16";
-  if (s.fsdp->shard_group()) so.sync_found_inf = distributed::found_inf_allreduce(s.fsdp->shard_group());
+  // Every rank agrees on a skipped step: tp ranks hold different gradients.
+  if (job.world > 1) so.sync_found_inf = distributed::found_inf_allreduce(job.pg);
   s.scaler = std::make_unique<optim::GradScaler>(so);
   if (flags.resume) resume(flags, job, s);
   return s;
@@ -429,30 +567,52 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     LOG0("saved checkpoint ", dir, " (", job.world, " rank file", job.world == 1 ? "" : "s", ")");
   };
 
-  const Eval eval = make_eval(corpus, flags.seq, job.world);
+  const MeshShape& ms = s.mesh_shape;
+  const Eval eval = make_eval(corpus, flags.seq, ms.dp());
   const auto mem = s.fsdp->memory();
-  const int64_t tokens_per_step = flags.batch_size * flags.seq * job.world * flags.accum_steps;
+  const int64_t tokens_per_step = s.global_batch * flags.seq;
   LOG0("GPT ", flags.layers, " layers x ", flags.dim, " dims, ", flags.heads, " heads, context ", flags.seq, ": ",
        s.n_params, " parameters, vocabulary ", vocab, "; ", corpus.description, " (", corpus.train.size(), " train / ",
        corpus.val.size(), " validation characters)\n", job.world, " rank(s) on ",
-       job.cuda ? "GPUs (NCCL)" : "the CPU (Gloo)", ", FSDP ", distributed::strategy_name(s.fsdp_options.strategy),
-       ", ", s.fsdp->units().size(), " units, ",
+       job.cuda ? "GPUs (NCCL)" : "the CPU (Gloo)",
+       ms.tp > 1 ? ", tensor parallel over " + std::to_string(ms.tp) + (ms.sp ? " with sequence parallelism" : "")
+                 : std::string(),
+       ", FSDP ", distributed::strategy_name(s.fsdp_options.strategy), ", ", s.fsdp->units().size(), " units, ",
        flags.amp == "off" ? "float32" : flags.amp + " compute (float32 shards and reduction)", "; rank 0 holds ",
        mem.sharded_params, " bytes of parameters (", s.n_params * 4, " unsharded), largest unit ", mem.largest_unit,
-       " bytes gathered\n", "batch ", flags.batch_size, " x ", flags.seq, " characters per rank x ", job.world,
-       " rank(s) x ", flags.accum_steps, " accumulation step(s) = ", tokens_per_step, " tokens per step; ",
-       flags.max_steps, " steps; checkpoints in ", flags.checkpoint_dir);
+       " bytes gathered\n", "batch ", s.micro_batch, " x ", flags.seq, " characters per rank x ", ms.dp(),
+       " data-parallel rank(s) x ", flags.accum_steps, " accumulation step(s) = ", tokens_per_step,
+       " tokens per step; ", flags.max_steps, " steps; checkpoints in ", flags.checkpoint_dir);
 
-  std::mt19937_64 data_rng;
-  auto batch_starts = [&](int64_t at, int64_t micro) {
-    // Depends only on (seed, step, micro-batch, rank): a resumed run draws
-    // what an uninterrupted one would.
-    data_rng.seed(flags.seed * 1000003ULL + static_cast<uint64_t>(at) * 7919ULL + micro * 104729ULL + job.rank);
+  // The global batch of step `at`: a function of (seed, step) only, never
+  // of the mesh, so a run resumes on another mesh and any mesh computes the
+  // same steps. Data-parallel rank d's micro-batch m is its slice d*accum+m.
+  auto global_starts = [&](int64_t at) {
+    std::mt19937_64 g(flags.seed * 1000003ULL + static_cast<uint64_t>(at) * 7919ULL);
     std::uniform_int_distribution<int64_t> pick(0, static_cast<int64_t>(corpus.train.size()) - flags.seq - 2);
     std::vector<int64_t> starts;
-    for (int64_t i = 0; i < flags.batch_size; ++i) starts.push_back(pick(data_rng));
+    for (int64_t i = 0; i < s.global_batch; ++i) starts.push_back(pick(g));
     return starts;
   };
+  auto batch_starts = [&](const std::vector<int64_t>& all, int64_t micro) {
+    const int64_t from = (s.dp_rank * flags.accum_steps + micro) * s.micro_batch;
+    return std::vector<int64_t>(all.begin() + from, all.begin() + from + s.micro_batch);
+  };
+  // A hash of the step's whole global batch (its token windows), so two runs
+  // can be shown to have seen the same data.
+  auto batch_digest = [&](const std::vector<int64_t>& all) {
+    auto [x, y] = windows(corpus, corpus.train, all, flags.seq);
+    const uint64_t h = XXH64(y.raw_data(), static_cast<size_t>(y.numel()) * 8, XXH64(x.raw_data(), x.numel() * 8, 0));
+    char buf[17];
+    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+    return std::string(buf);
+  };
+  std::ofstream metrics;
+  if (!flags.metrics.empty() && job.rank == 0) {
+    metrics.open(flags.metrics, s.step > 0 ? std::ios::app : std::ios::trunc);
+    EMBER_CHECK(metrics, "--metrics: cannot write ", flags.metrics);
+  }
+  Allocator* alloc = get_allocator(device);
 
   examples::Progress progress(job.rank == 0);
   const auto t0 = Clock::now();
@@ -461,30 +621,55 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   const int64_t first = step;
   auto report_eval = [&] {
     progress.close_line();
-    const double v = evaluate(*s.gpt, corpus, eval, flags.seq, *job.pg, device);
+    const double v = evaluate(*s.gpt, corpus, eval, flags.seq, *job.pg, device, ms.dp(), s.dp_rank, ms.tp);
     LOG0("step ", step, ": validation loss ", v, " (unigram ", eval.unigram, ")");
     return v;
   };
   examples::StepProfiler profile(flags.profile_dir, flags.max_steps - step, job.pg.get());
   while (step < flags.max_steps) {
+    const auto step_start = Clock::now();
+    alloc->reset_peak_stats();
     s.opt->zero_grad();
+    const std::vector<int64_t> all = global_starts(step);
+    const double lr = s.opt->param_groups()[0].lr();
     double loss_sum = 0;
     for (int64_t m = 0; m < flags.accum_steps; ++m) {
       s.fsdp->set_requires_gradient_sync(m == flags.accum_steps - 1);
-      auto [x, y] = windows(corpus, corpus.train, batch_starts(step, m), flags.seq);
+      auto [x, y] = windows(corpus, corpus.train, batch_starts(all, m), flags.seq);
+      // Vocab-sharded logits under tensor parallelism: the loss is parallel.
       Tensor logits = (*s.gpt)(x.to(device));
-      Tensor loss = nn::functional::cross_entropy(logits.reshape({-1, vocab}), y.to(device));
+      Tensor loss = distributed::parallel_cross_entropy(logits, y.to(device).reshape({x.size(0), flags.seq}));
       loss_sum += loss.item();
       scaler.scale(loss * (1.0 / flags.accum_steps)).backward();
     }
     scaler.unscale_(*s.opt);
-    s.fsdp->clip_grad_norm_(1.0);
+    const double grad_norm = s.fsdp->clip_grad_norm_(1.0);
     scaler.step(*s.opt);
     scaler.update();
     s.sched->step();
     ++step;
     profile.step();
-    const double loss = loss_sum / flags.accum_steps;
+    double loss = loss_sum / flags.accum_steps;
+    if (!flags.metrics.empty()) {
+      // The mean over the global batch (tp ranks hold the same loss: the
+      // world's mean is the data-parallel ranks'), and the largest peak.
+      Tensor t = Tensor::from_vector({loss, static_cast<double>(alloc->stats().peak_allocated)}, {2}, DType::Float64);
+      Tensor lt = t.narrow(0, 0, 1).contiguous().to(device), pt = t.narrow(0, 1, 1).contiguous().to(device);
+      job.pg->allreduce(lt, distributed::ReduceOp::Avg)->wait();
+      job.pg->allreduce(pt, distributed::ReduceOp::Max)->wait();
+      loss = lt.to(kCPU).item();
+      if (metrics.is_open()) {
+        const double secs = examples::seconds(step_start, Clock::now());
+        nlohmann::json line = {{"step", step},
+                               {"loss", loss},
+                               {"lr", lr},
+                               {"grad_norm", grad_norm},
+                               {"tokens_per_s", tokens_per_step / std::max(secs, 1e-9)},
+                               {"mem_peak_mib", pt.to(kCPU).item() / (1 << 20)},
+                               {"batch_digest", batch_digest(all)}};
+        metrics << line.dump() << "\n" << std::flush;
+      }
+    }
     loss_ema = loss_ema < 0 ? loss : 0.9 * loss_ema + 0.1 * loss;
     const double el = examples::seconds(t0, Clock::now());
     const double rate = (step - first) * tokens_per_step / std::max(el, 1e-9);
@@ -496,13 +681,21 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   progress.close_line();
   const double val = report_eval();
   save(step);
-  if (flags.sample_len > 0) {
-    nn::StateDict sd = distributed::full_state_dict(*s.fsdp);
-    if (job.rank == 0) {
-      auto m = std::make_shared<nn::GPT>(model_options(flags, vocab));  // one process's copy to sample from
-      m->load_state_dict(sd);
-      LOG0("sample (temperature ", flags.temperature, ", top-k ", flags.top_k, "):\n", generate(*m, corpus, flags));
+  if (flags.sample_len > 0 && job.rank == 0) {
+    // One process's copy to sample from, read whole from the checkpoint
+    // just written (whatever mesh wrote it).
+    const std::string dir = flags.checkpoint_dir + "/step_" + std::to_string(step);
+    auto index = distributed::read_checkpoint_index(dir);
+    EMBER_CHECK(index.ok(), index.status().message());
+    auto m = std::make_shared<nn::GPT>(model_options(flags, vocab));
+    nn::StateDict sd;
+    for (const auto& [name, t] : m->state_dict()) {
+      auto whole = distributed::read_checkpoint_tensor(dir, *index->find(name));
+      EMBER_CHECK(whole.ok(), whole.status().message());
+      sd.insert(name, *whole);
     }
+    m->load_state_dict(sd);
+    LOG0("sample (temperature ", flags.temperature, ", top-k ", flags.top_k, "):\n", generate(*m, corpus, flags));
   }
   LOG0("validation loss ", val, " = ", val / eval.unigram, " x the unigram baseline");
   return examples::finish_job(job);
@@ -514,6 +707,11 @@ int train(const Flags& flags) {
   const examples::Job job = examples::start_job(flags.timeout_sec);
   distributed::check_same_config(*job.pg, {{"--strategy", flags.strategy},
                                            {"--shard-size", std::to_string(flags.shard_size)},
+                                           {"--dp-replicate", std::to_string(flags.dp_replicate)},
+                                           {"--dp-shard", std::to_string(flags.dp_shard)},
+                                           {"--tp", std::to_string(flags.tp)},
+                                           {"--sp", flags.sp},
+                                           {"--global-batch", std::to_string(flags.global_batch)},
                                            {"--amp", flags.amp},
                                            {"--layers", std::to_string(flags.layers)},
                                            {"--dim", std::to_string(flags.dim)},
