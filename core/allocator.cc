@@ -63,8 +63,9 @@ class CpuAllocator final : public Allocator {
     }
     stats_.num_allocs++;
     stats_.allocated += cls;
+    stats_.requested += nbytes;
     stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
-    return DataPtr{{p, [this, cls](void* q) { release(q, cls); }}, kCPU};
+    return DataPtr{{p, [this, cls, nbytes](void* q) { release(q, cls, nbytes); }}, kCPU};
   }
 
   AllocatorStats stats() const override {
@@ -107,9 +108,10 @@ class CpuAllocator final : public Allocator {
     return (n + kClass - 1) / kClass * kClass;
   }
 
-  void release(void* q, size_t cls) {
+  void release(void* q, size_t cls, size_t nbytes) {
     std::lock_guard<std::mutex> g(mu_);
     stats_.allocated -= cls;
+    stats_.requested -= nbytes;
     if (cls >= kLarge && cached_ + cls <= cache_limit_) {
       cache_[cls].push_back(q);
       cached_ += cls;

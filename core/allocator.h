@@ -23,9 +23,14 @@ struct DataPtr {
 };
 
 struct AllocatorStats {
-  size_t allocated = 0;          // bytes handed to tensors now
-  size_t reserved = 0;           // bytes held from the driver (allocated + cached)
-  size_t peak_allocated = 0;     // high-water mark of `allocated`
+  size_t allocated = 0;       // bytes handed to tensors now
+  size_t reserved = 0;        // bytes held from the driver (allocated + cached)
+  size_t peak_allocated = 0;  // high-water mark of `allocated`
+  // Bytes the live tensors asked for (`allocated` counts the blocks that
+  // serve them, rounded up to a size class or a larger cached block): what
+  // an activation-memory figure compares across layouts. CPU allocator only
+  // (0 elsewhere).
+  size_t requested = 0;
   size_t num_allocs = 0;         // allocate() calls
   size_t num_device_allocs = 0;  // calls that reached cudaMalloc / aligned_alloc
 };

@@ -24,7 +24,7 @@ void Linear::reset_parameters() {
   }
 }
 
-Tensor Linear::forward(const Tensor& x) { return linear(x, weight, bias); }
+Tensor Linear::forward(const Tensor& x) { return apply_linear(kernel, x, weight, bias); }
 
 // ---- Conv2d: same rule as Linear over fan_in = in/groups * kh * kw ----
 Conv2d::Conv2d(int64_t in, int64_t out, std::array<int64_t, 2> k, Conv2dOptions opts)

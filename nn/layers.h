@@ -13,6 +13,15 @@
 
 namespace ember::nn {
 
+// How a layer computes x W^T + b: empty means functional linear. A
+// parallelism may substitute its own op: sequence parallelism's gathers the
+// input inside it, so backward gathers it again instead of keeping the
+// gathered copy (Megatron-SP).
+using LinearKernel = std::function<Tensor(const Tensor& x, const Tensor& weight, const Tensor& bias)>;
+inline Tensor apply_linear(const LinearKernel& k, const Tensor& x, const Tensor& w, const Tensor& b) {
+  return k ? k(x, w, b) : linear(x, w, b);
+}
+
 class Linear : public Module {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias = true);
@@ -20,6 +29,7 @@ class Linear : public Module {
   void reset_parameters();
   int64_t in_features, out_features;
   Tensor weight, bias;  // [out, in], [out]
+  LinearKernel kernel;
 };
 
 struct Conv2dOptions {

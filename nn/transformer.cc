@@ -47,8 +47,10 @@ Tensor MultiheadAttention::forward(const Tensor& x) {
   EMBER_CHECK(x.dim() == 3 && x.size(2) == embed_dim, "MultiheadAttention: expected input [batch, seq, ", embed_dim,
               "], got ", shape_str(x.sizes()));
   // The heads held here: all of them, or this rank's under tensor parallelism.
-  const int64_t E = in_proj_weight.size(0) / 3, D = embed_dim / num_heads, B = x.size(0), T = x.size(1), H = E / D;
-  Tensor qkv = linear(x, in_proj_weight, in_proj_bias);  // [B, T, 3E]
+  // B and T from the projection: a sequence-parallel kernel gathers x's
+  // sequence shard inside it.
+  Tensor qkv = apply_linear(in_proj_kernel, x, in_proj_weight, in_proj_bias);  // [B, T, 3E]
+  const int64_t E = in_proj_weight.size(0) / 3, D = embed_dim / num_heads, B = qkv.size(0), T = qkv.size(1), H = E / D;
   // [B, T, E] -> [B * H, T, D]
   auto heads = [&](int64_t which) {
     return qkv.narrow(2, which * E, E).reshape({B, T, H, D}).permute({0, 2, 1, 3}).reshape({B * H, T, D});

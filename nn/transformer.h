@@ -34,6 +34,7 @@ class MultiheadAttention : public Module {
   double dropout;
   bool causal;
   Tensor in_proj_weight, in_proj_bias;  // [3E, E], [3E]: q, k, v stacked, as torch's
+  LinearKernel in_proj_kernel;          // how in_proj is computed (layers.h)
   std::shared_ptr<Linear> out_proj;
   std::shared_ptr<Dropout> attn_drop;  // on the attention weights
 
@@ -67,8 +68,9 @@ class TransformerBlock : public Module {
 class TiedLinear : public Module {
  public:
   explicit TiedLinear(Tensor weight) : Module("TiedLinear"), weight(std::move(weight)) {}
-  Tensor forward(const Tensor& x) override { return matmul(x, weight.t()); }
+  Tensor forward(const Tensor& x) override { return apply_linear(kernel, x, weight, Tensor()); }
   Tensor weight;  // [out, in], the embedding's
+  LinearKernel kernel;
 };
 
 struct GPTOptions {

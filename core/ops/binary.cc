@@ -151,46 +151,92 @@ Tensor scalar_like(double s, const Tensor& like) {
 }  // namespace
 
 namespace {
-// Brings an output-shaped gradient back to an input's shape, dtype and device.
-Tensor grad_for(const Tensor& g, const Tensor& input) {
-  return sum_to(g, input.sizes()).to(input.device(), input.dtype());
-}
+// An input's shape, dtype and device: all a gradient needs to be brought
+// back to it (sum_to over broadcast dimensions, then the input's dtype and
+// device), so backward need not keep the input itself.
+struct InputMeta {
+  Shape sizes;
+  Device device;
+  DType dtype;
+  explicit InputMeta(const Tensor& t) : sizes(t.sizes()), device(t.device()), dtype(t.dtype()) {}
+};
+Tensor grad_to(const Tensor& g, const InputMeta& m) { return sum_to(g, m.sizes).to(m.device, m.dtype); }
 
-// Derivatives of a (op) b with respect to a and b.
+// Derivatives of a (op) b with respect to a and b. Backward keeps only the
+// tensors its formula reads for the inputs that want a gradient: a saved
+// tensor lives until backward, and an add that kept its inputs and output
+// kept every residual stream and attention score of a transformer alive.
 Tensor binary_diff(BinaryOp op, const char* name, const Tensor& a, const Tensor& b, double alpha = 1.0) {
-  return differentiable(name, {a, b}, [&] { return binary_op(op, name, a, b, alpha); }, [&](const Tensor& out) {
-    Tensor sa = a, sb = b;
-    bool ga = a.requires_grad(), gb = b.requires_grad();
-    BackwardFn fn = [=](const Tensor& g) {
-      Tensor da, db;
-      switch (op) {
-        case BinaryOp::Add: da = g; db = alpha == 1.0 ? g : g * alpha; break;
-        case BinaryOp::Sub: da = g; db = g * (-alpha); break;
-        case BinaryOp::Mul: if (ga) da = g * sb; if (gb) db = g * sa; break;
-        case BinaryOp::Div:
-          if (ga) da = g / sb;
-          if (gb) db = neg(g) * out / sb;
-          break;
-        case BinaryOp::Pow:  // d/da a^b = b a^(b-1); d/db = a^b log a
-          if (ga) da = g * sb * pow(sa, sb - 1.0);
-          if (gb) db = g * out * log(sa);
-          break;
-        case BinaryOp::Maximum:
-        case BinaryOp::Minimum: {
-          // Ties split the gradient evenly, as torch does.
-          Tensor wa = cast(op == BinaryOp::Maximum ? gt(sa, sb) : lt(sa, sb), g.dtype());
-          Tensor tie = cast(eq(sa, sb), g.dtype()) * 0.5;
-          if (ga) da = g * (wa + tie);
-          if (gb) db = g * (1.0 - wa - tie);
-          break;
+  return differentiable(
+      name, {a, b}, [&] { return binary_op(op, name, a, b, alpha); },
+      [&](const Tensor& out) {
+        const bool ga = a.requires_grad(), gb = b.requires_grad();
+        const InputMeta ma(a), mb(b);
+        Tensor sa, sb, so;
+        switch (op) {
+          case BinaryOp::Add:
+          case BinaryOp::Sub:
+            break;
+          case BinaryOp::Mul:
+            if (ga) sb = b;
+            if (gb) sa = a;
+            break;
+          case BinaryOp::Div:
+            sb = b;
+            if (gb) so = out;
+            break;
+          case BinaryOp::Pow:
+            sa = a, sb = b;
+            if (gb) so = out;
+            break;
+          default:  // maximum, minimum: which input won
+            sa = a, sb = b;
+            break;
         }
-        default: EMBER_INTERNAL_ASSERT(false, name, " is not differentiable");
-      }
-      return std::vector<Tensor>{ga && da.defined() ? grad_for(da, sa) : Tensor(),
-                                 gb && db.defined() ? grad_for(db, sb) : Tensor()};
-    };
-    return Recorded{fn, {sa, sb, out}};
-  });
+        BackwardFn fn = [=](const Tensor& g) {
+          Tensor da, db;
+          switch (op) {
+            case BinaryOp::Add:
+              da = g;
+              db = alpha == 1.0 ? g : g * alpha;
+              break;
+            case BinaryOp::Sub:
+              da = g;
+              db = g * (-alpha);
+              break;
+            case BinaryOp::Mul:
+              if (ga) da = g * sb;
+              if (gb) db = g * sa;
+              break;
+            case BinaryOp::Div:
+              if (ga) da = g / sb;
+              if (gb) db = neg(g) * so / sb;
+              break;
+            case BinaryOp::Pow:  // d/da a^b = b a^(b-1); d/db = a^b log a
+              if (ga) da = g * sb * pow(sa, sb - 1.0);
+              if (gb) db = g * so * log(sa);
+              break;
+            case BinaryOp::Maximum:
+            case BinaryOp::Minimum: {
+              // Ties split the gradient evenly, as torch does.
+              Tensor wa = cast(op == BinaryOp::Maximum ? gt(sa, sb) : lt(sa, sb), g.dtype());
+              Tensor tie = cast(eq(sa, sb), g.dtype()) * 0.5;
+              if (ga) da = g * (wa + tie);
+              if (gb) db = g * (1.0 - wa - tie);
+              break;
+            }
+            default:
+              EMBER_INTERNAL_ASSERT(false, name, " is not differentiable");
+          }
+          return std::vector<Tensor>{ga && da.defined() ? grad_to(da, ma) : Tensor(),
+                                     gb && db.defined() ? grad_to(db, mb) : Tensor()};
+        };
+        std::vector<Tensor> saved;
+        for (const Tensor* t : {&sa, &sb, &so})
+          if (t->defined()) saved.push_back(*t);
+        const bool stateless = saved.empty();
+        return Recorded{fn, std::move(saved), stateless};
+      });
 }
 }  // namespace
 
@@ -231,22 +277,29 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
               cond.device(), ", ", a.device(), ", ", b.device());
   Shape shape = broadcast_shapes(broadcast_shapes(cond.sizes(), a.sizes(), "where"), b.sizes(), "where");
   DType common = promote_types(a.dtype(), b.dtype());
-  return differentiable("where", {a, b}, [&] {
-    Tensor ca = a.to(common), cb = b.to(common);
-    Tensor out = Tensor::empty(shape, {common, a.device()}, out_format(shape, a, b));
-    StridedIter it = make_iter(out, {cond, ca, cb}, "where");
-    if (out.is_cuda()) where_cuda(it); else where_cpu(it);
-    return out;
-  }, [&](const Tensor&) {
-    Tensor c = cond, sa = a, sb = b;
-    bool ga = a.requires_grad(), gb = b.requires_grad();
-    BackwardFn fn = [=](const Tensor& g) {
-      Tensor z = zeros({}, g.dtype());
-      return std::vector<Tensor>{ga ? grad_for(where(c, g, z), sa) : Tensor(),
-                                 gb ? grad_for(where(c, z, g), sb) : Tensor()};
-    };
-    return Recorded{fn, {c}};
-  });
+  return differentiable(
+      "where", {a, b},
+      [&] {
+        Tensor ca = a.to(common), cb = b.to(common);
+        Tensor out = Tensor::empty(shape, {common, a.device()}, out_format(shape, a, b));
+        StridedIter it = make_iter(out, {cond, ca, cb}, "where");
+        if (out.is_cuda())
+          where_cuda(it);
+        else
+          where_cpu(it);
+        return out;
+      },
+      [&](const Tensor&) {
+        Tensor c = cond;
+        const InputMeta ma(a), mb(b);  // the inputs themselves are not needed
+        bool ga = a.requires_grad(), gb = b.requires_grad();
+        BackwardFn fn = [=](const Tensor& g) {
+          Tensor z = zeros({}, g.dtype());
+          return std::vector<Tensor>{ga ? grad_to(where(c, g, z), ma) : Tensor(),
+                                     gb ? grad_to(where(c, z, g), mb) : Tensor()};
+        };
+        return Recorded{fn, {c}};
+      });
 }
 
 namespace {

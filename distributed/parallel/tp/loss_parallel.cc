@@ -31,7 +31,7 @@ Tensor parallel_cross_entropy(const Tensor& logits, const Tensor& targets) {
   if (x.dtype() != DType::Float32 && x.dtype() != DType::Float64) x = cast(x, DType::Float32);
   const Tensor t = targets.reshape({-1}).to(DType::Int64);
   const int64_t n = x.size(0);
-  Tensor probs, onehot;  // kept for backward
+  Tensor probs, idx, mine;  // kept for backward: the softmax, the target's local column and whether it is here
   return differentiable(
       "vocab_parallel_cross_entropy", {x},
       [&] {
@@ -46,19 +46,25 @@ Tensor parallel_cross_entropy(const Tensor& logits, const Tensor& targets) {
         if (n > 0) pg->allreduce(s, ReduceOp::Sum)->wait();
         // The target's logit, from the rank whose columns hold it.
         Tensor lo = full_like(t, static_cast<double>(v0)), hi = full_like(t, static_cast<double>(v0 + v_local));
-        Tensor mine = cast(ge(t, lo), f.dtype) * cast(lt(t, hi), f.dtype);
-        Tensor idx = where(gt(mine, zeros_like(mine)), t - lo, zeros_like(t));
+        mine = cast(ge(t, lo), f.dtype) * cast(lt(t, hi), f.dtype);
+        idx = where(gt(mine, zeros_like(mine)), t - lo, zeros_like(t));
         Tensor picked = v_local > 0 ? gather(z, 1, idx.unsqueeze(1)).squeeze(1) * mine : zeros({n}, f);
         picked = picked.contiguous();
         if (n > 0) pg->allreduce(picked, ReduceOp::Sum)->wait();
         probs = e / s.unsqueeze(1);
-        onehot = v_local > 0 ? cast(one_hot(idx, v_local), f.dtype) * mine.unsqueeze(1) : zeros({n, 0}, f);
         return mean(log(s) - picked);
       },
       [&](const Tensor&) {
-        Tensor p = probs, o = onehot;
-        BackwardFn fn = [p, o, n](const Tensor& g) { return std::vector<Tensor>{(p - o) * (g * (1.0 / n))}; };
-        return Recorded{std::move(fn), {p, o}};
+        Tensor p = probs, i = idx, m = mine;
+        const int64_t v = v_local;
+        BackwardFn fn = [p, i, m, n, v](const Tensor& g) {
+          // softmax - one_hot(target) on this rank's columns, the one-hot
+          // made here rather than kept: [tokens, vocab / t] floats saved.
+          Tensor d = p * (g * (1.0 / n));
+          if (v > 0) d = d - cast(one_hot(i, v), d.dtype()) * (m * (g * (1.0 / n))).unsqueeze(1);
+          return std::vector<Tensor>{d};
+        };
+        return Recorded{std::move(fn), {p, i, m}};
       });
 }
 

@@ -138,6 +138,48 @@ void replicate_param(TPState& st, const Tensor& p, const std::shared_ptr<DeviceM
   });
 }
 
+// Megatron-SP's column-parallel linear: the input arrives as a sequence
+// shard and is all-gathered inside the op; backward keeps only the shard
+// and gathers it again for the weight gradient (one more all-gather per
+// region in backward, half the region's input activation less to keep),
+// then reduce-scatters the input gradient back to the shard.
+nn::LinearKernel gathered_linear(const std::shared_ptr<DeviceMesh>& mesh, int seq_dim) {
+  return [mesh, seq_dim](const Tensor& x, const Tensor& w, const Tensor& b) {
+    const int d = seq_dim < 0 ? seq_dim + static_cast<int>(x.dim()) : seq_dim;
+    auto gather = [mesh, d](const Tensor& local) {
+      NoGradGuard no_grad;
+      return from_local(local, mesh, {Shard(d)}).redistribute({Replicate()}).to_local();
+    };
+    std::vector<Tensor> inputs{x, w};
+    if (b.defined()) inputs.push_back(b);
+    return differentiable(
+        "sequence_parallel_linear", inputs, [&] { return linear(gather(x), w, b); },
+        [&](const Tensor&) {
+          const Tensor xs = x, ws = w;
+          const bool has_b = b.defined(), gx = x.requires_grad(), gw = w.requires_grad(),
+                     gb = has_b && b.requires_grad();
+          const DType xd = x.dtype(), wd = w.dtype(), bd = has_b ? b.dtype() : w.dtype();
+          BackwardFn fn = [=](const Tensor& g) {
+            Tensor dx, dw, db;
+            const Tensor g2 = g.reshape({-1, g.size(g.dim() - 1)});
+            if (gx) {
+              Tensor dX = matmul(g, ws.to(g.dtype()));
+              dx = from_local(dX, mesh, {Partial()}).redistribute({Shard(d)}).to_local().to(xd);
+            }
+            if (gw) {
+              const Tensor X = gather(xs);
+              dw = mm(g2.t(), X.reshape({-1, X.size(X.dim() - 1)}).to(g.dtype())).to(wd);
+            }
+            if (gb) db = sum(g2, {0}).to(bd);
+            std::vector<Tensor> grads{dx, dw};
+            if (has_b) grads.push_back(db);
+            return grads;
+          };
+          return Recorded{std::move(fn), {xs, ws}};
+        });
+  };
+}
+
 std::string where_of(const std::string& fqn, const char* style, const char* what) {
   return std::string(style) + " on '" + fqn + "' (" + what + ")";
 }
@@ -171,8 +213,17 @@ void apply(const ColwiseParallel& s, nn::Module& m, const std::string& fqn, cons
   }
   const Placement in = s.input_layouts;
   const std::string win = where_of(fqn, "ColwiseParallel", "input");
-  st->hooks.push_back(m.register_forward_pre_hook(
-      [mesh, in, win](nn::Module&, const Tensor& x) { return convert(x, mesh, in, Replicate(), Partial(), win); }));
+  // A sequence-sharded input is gathered inside the linear op itself.
+  nn::LinearKernel* kernel = nullptr;
+  if (auto* lin = dynamic_cast<nn::Linear*>(&m)) kernel = &lin->kernel;
+  if (auto* tied = dynamic_cast<nn::TiedLinear*>(&m)) kernel = &tied->kernel;
+  if (auto* attn = dynamic_cast<nn::MultiheadAttention*>(&m)) kernel = &attn->in_proj_kernel;
+  if (in.is_shard() && kernel != nullptr) {
+    *kernel = gathered_linear(mesh, in.dim);
+  } else {
+    st->hooks.push_back(m.register_forward_pre_hook(
+        [mesh, in, win](nn::Module&, const Tensor& x) { return convert(x, mesh, in, Replicate(), Partial(), win); }));
+  }
   if (out_features < 0) return;  // attention: out_proj's style handles the output
   const Placement out = s.output_layouts;
   const bool local = s.use_local_output;

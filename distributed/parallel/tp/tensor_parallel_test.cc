@@ -154,7 +154,9 @@ TEST(TensorParallel, GPTMatchesOneProcessTp2Bf16) { run_equivalence(2, "bf16"); 
 // hidden h (bytes of the whole activation, b*s*h*4): without SP, forward
 // 2 all-reduces per block (+ the vocab-parallel embedding's), backward 2
 // per block (+ the head's input); with SP each becomes a reduce-scatter
-// plus an all-gather of the same bytes, and the replicated parameters'
+// plus an all-gather of the same bytes (and backward gathers each
+// column-parallel input once more instead of keeping it), and the
+// replicated parameters'
 // gradients (LayerNorms, row-parallel biases, positions) are all-reduced.
 // The loss: three all-reduces of b*s scalars, never b*s*vocab.
 EMBER_WORKER(traffic) {
@@ -194,7 +196,9 @@ EMBER_WORKER(traffic) {
     expect(fwd, "allgather", 2 * L + 1, (2 * L + 1) * bsh, "forward");
     expect(fwd, "reduce_scatter", 2 * L + 1, (2 * L + 1) * bsh, "forward");
     expect(fwd, "allreduce", 3, 3 * bs, "forward");
-    expect(bwd, "allgather", 2 * L + 1, (2 * L + 1) * bsh, "backward");
+    // Backward gathers each column-parallel input again rather than keep
+    // it (Megatron-SP): one more all-gather per region.
+    expect(bwd, "allgather", 2 * (2 * L + 1), 2 * (2 * L + 1) * bsh, "backward");
     expect(bwd, "reduce_scatter", 2 * L + 1, (2 * L + 1) * bsh, "backward");
     // Replicated parameters' gradients: per block ln_1, ln_2 (weight and
     // bias), out_proj.bias, c_proj.bias; ln_f; the position table.
