@@ -33,6 +33,7 @@
 #include "bench/bench_group.h"
 #include "core/allocator.h"
 #include "core/ops.h"
+#include "core/profiler.h"
 #include "distributed/comm/backends.h"
 #include "distributed/parallel/tp/gpt_plan.h"
 #include "distributed/parallel/tp/loss_parallel.h"
@@ -87,7 +88,14 @@ void BM_TpStep(benchmark::State& state, const std::string& name, const std::stri
     return loss;
   };
   step();  // warmup: optimizer state, allocator caches
+  // EMBER_TP_BENCH_PROFILE=1: the top ops of the timed steps by self time (stderr).
+  const bool profile = std::getenv("EMBER_TP_BENCH_PROFILE") != nullptr;
+  if (profile) profiler::start();
   const double median = bench::timed_median(state, world > 1 ? group->pg.get() : nullptr, step);
+  if (profile) {
+    profiler::stop();
+    std::fprintf(stderr, "%s\n", profiler::summary_table(profiler::events(), 30).c_str());
+  }
   int64_t param_bytes = 0, state_bytes = 0;
   for (const Tensor& p : model->parameters()) {
     param_bytes += static_cast<int64_t>(p.nbytes());

@@ -59,6 +59,8 @@ Tensor ge(const Tensor& a, const Tensor& b);
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
 // relu's backward in one pass: grad where out > 0, else 0 (no autograd record).
 Tensor relu_backward(const Tensor& grad, const Tensor& out);
+// grad * gelu'(x) in one pass (gelu's backward; not itself differentiable).
+Tensor gelu_backward(const Tensor& grad, const Tensor& x, bool tanh_approx = false);
 // In place: out = out (op) b, b broadcast to out's shape, no dtype change.
 Tensor& add_(Tensor& out, const Tensor& b, double alpha = 1.0);
 Tensor& mul_(Tensor& out, const Tensor& b);

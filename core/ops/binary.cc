@@ -255,6 +255,10 @@ Tensor relu_backward(const Tensor& grad, const Tensor& out) {
   EMBER_PROFILE_OP("relu_backward", grad, out);
   return binary_op(BinaryOp::ReluGrad, "relu_backward", grad, out);
 }
+Tensor gelu_backward(const Tensor& grad, const Tensor& x, bool tanh_approx) {
+  EMBER_PROFILE_OP("gelu_backward", grad, x);
+  return binary_op(tanh_approx ? BinaryOp::GeluTanhGrad : BinaryOp::GeluGrad, "gelu_backward", grad, x);
+}
 namespace {
 // The comparisons are not differentiable, so they get their profiler event
 // here rather than from differentiable().

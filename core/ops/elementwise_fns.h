@@ -70,7 +70,21 @@ EMBER_HD auto binary_fn(C a, C b, C alpha) {
   else if constexpr (OP == BinaryOp::Maximum) return (m_isnan(a) || a > b) ? a : b;
   else if constexpr (OP == BinaryOp::Minimum) return (m_isnan(a) || a < b) ? a : b;
   else if constexpr (OP == BinaryOp::ReluGrad) return b > C(0) ? a : C(0);
-  else if constexpr (OP == BinaryOp::Eq) return a == b;
+  else if constexpr (OP == BinaryOp::GeluGrad || OP == BinaryOp::GeluTanhGrad) {
+    if constexpr (!std::is_floating_point_v<C>) {
+      return a;                                       // float-only: the op layer computes in float
+    } else if constexpr (OP == BinaryOp::GeluGrad) {  // Phi(x) + x phi(x)
+      const C cdf = C(0.5) * (C(1) + m_erf(b * C(0.70710678118654752440)));
+      const C pdf = m_exp(C(-0.5) * b * b) * C(0.39894228040143267794);
+      return C(a * (cdf + b * pdf));
+    } else {  // tanh form: 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx, u = k (x + 0.044715 x^3)
+      const C k = C(0.79788456080286535588);
+      const C t = m_tanh(k * (b + C(0.044715) * b * b * b));
+      const C du = k * (C(1) + C(3 * 0.044715) * b * b);
+      return C(a * (C(0.5) * (C(1) + t) + C(0.5) * b * (C(1) - t * t) * du));
+    }
+  } else if constexpr (OP == BinaryOp::Eq)
+    return a == b;
   else if constexpr (OP == BinaryOp::Ne) return a != b;
   else if constexpr (OP == BinaryOp::Lt) return a < b;
   else if constexpr (OP == BinaryOp::Le) return a <= b;
@@ -93,8 +107,9 @@ template <typename F>
 void dispatch_binary(BinaryOp op, F&& f) {
   switch (op) {
 #define EMBER_B(name) case BinaryOp::name: f(std::integral_constant<BinaryOp, BinaryOp::name>{}); break;
-    EMBER_B(Add) EMBER_B(Sub) EMBER_B(Mul) EMBER_B(Div) EMBER_B(Pow) EMBER_B(Maximum) EMBER_B(Minimum) EMBER_B(ReluGrad)
-    EMBER_B(Eq) EMBER_B(Ne) EMBER_B(Lt) EMBER_B(Le) EMBER_B(Gt) EMBER_B(Ge)
+    EMBER_B(Add)
+    EMBER_B(Sub) EMBER_B(Mul) EMBER_B(Div) EMBER_B(Pow) EMBER_B(Maximum) EMBER_B(Minimum) EMBER_B(ReluGrad)
+        EMBER_B(GeluGrad) EMBER_B(GeluTanhGrad) EMBER_B(Eq) EMBER_B(Ne) EMBER_B(Lt) EMBER_B(Le) EMBER_B(Gt) EMBER_B(Ge)
 #undef EMBER_B
   }
 }

@@ -46,7 +46,25 @@ StridedIter make_iter(const Tensor& out, std::initializer_list<Tensor> inputs, c
 
 enum class UnaryOp { Neg, Abs, Exp, Log, Sqrt, Rsqrt, Relu, Sigmoid, Tanh, Gelu, GeluTanh, PowScalar, Clamp, Erf };
 // ReluGrad: a where b > 0, else 0 (relu's backward in one pass, a = grad, b = output).
-enum class BinaryOp { Add, Sub, Mul, Div, Pow, Maximum, Minimum, ReluGrad, Eq, Ne, Lt, Le, Gt, Ge };
+// GeluGrad, GeluTanhGrad: a * gelu'(b) (gelu's backward in one pass, a = grad, b = input).
+enum class BinaryOp {
+  Add,
+  Sub,
+  Mul,
+  Div,
+  Pow,
+  Maximum,
+  Minimum,
+  ReluGrad,
+  GeluGrad,
+  GeluTanhGrad,
+  Eq,
+  Ne,
+  Lt,
+  Le,
+  Gt,
+  Ge
+};
 enum class ReduceOp { Sum, Max, Min, ArgMax, ArgMin };
 enum class RandomKind { Uniform, Normal, Bernoulli, Bernoulli_Tensor };
 

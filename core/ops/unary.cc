@@ -112,19 +112,11 @@ Tensor tanh(const Tensor& x) {
   }, 0, 0, true);
 }
 Tensor gelu(const Tensor& x, bool tanh_approx) {
-  return unary_diff(tanh_approx ? UnaryOp::GeluTanh : UnaryOp::Gelu, "gelu", x,
-                    [tanh_approx](const Tensor& g, const Tensor& x, const Tensor&) {
-                      if (!tanh_approx) {  // d/dx x*Phi(x) = Phi(x) + x*phi(x)
-                        Tensor cdf = (1.0 + erf(x * M_SQRT1_2)) * 0.5;
-                        Tensor pdf = exp(x * x * (-0.5)) * (0.5 * M_2_SQRTPI * M_SQRT1_2);
-                        return g * (cdf + x * pdf);
-                      }
-                      const double k = 0.7978845608028654;  // sqrt(2/pi)
-                      Tensor inner = (x + pow(x, 3.0) * 0.044715) * k;
-                      Tensor t = tanh(inner);
-                      Tensor dinner = (1.0 + x * x * (3 * 0.044715)) * k;
-                      return g * (0.5 * (1.0 + t) + x * 0.5 * (1.0 - t * t) * dinner);
-                    });
+  return unary_diff(
+      tanh_approx ? UnaryOp::GeluTanh : UnaryOp::Gelu, "gelu", x,
+      // One fused pass (elementwise_fns.h); the composition of
+      // a dozen elementwise ops cost as much as the layer's matmul.
+      [tanh_approx](const Tensor& g, const Tensor& x, const Tensor&) { return gelu_backward(g, x, tanh_approx); });
 }
 Tensor erf(const Tensor& x) {
   return unary_diff(UnaryOp::Erf, "erf", x, [](const Tensor& g, const Tensor& x, const Tensor&) {
