@@ -218,6 +218,16 @@ v = [float(re.search(r"validation loss ([0-9.]+)", s).group(1)) for s in sys.arg
 assert abs(v[0] - v[1]) <= 1e-4 * v[0], v
 print("gpt: one rank and dp_shard 2 x tp 2 agree over 6 steps; tp 2 -> FSDP 2 resume ends at", v[1])
 PY
+# HSDP x TP with fp16 compute and the loss scaler (agreed over every rank)
+# ends within 1% of the float32 one-rank run.
+out=$("$dir/gpt" --nproc 4 --dp-replicate 2 --tp 2 --amp fp16 "${mesh[@]}" --checkpoint-dir "$tmp/gmh" 2>&1)
+echo "$out"
+grep -q "mesh dp_replicate=2 tp=2$" <<<"$out"
+python3 - "$(grep 'step 6: validation loss' <<<"$out1")" "$(grep 'step 6: validation loss' <<<"$out")" <<'PY'
+import re, sys
+v = [float(re.search(r"validation loss ([0-9.]+)", s).group(1)) for s in sys.argv[1:3]]
+assert abs(v[0] - v[1]) <= 0.01 * v[0], v
+PY
 if out=$("$dir/gpt" --nproc 2 --tp 3 2>&1); then echo "gpt accepted --tp 3 on 2 ranks"; exit 1; fi
 grep -q "the mesh dp_replicate=1 dp_shard=-1 tp=3 does not divide the 2 ranks" <<<"$out" || { echo "$out"; exit 1; }
 if out=$("$dir/gpt" --nproc 2 --tp 2 --heads 3 --dim 48 2>&1); then echo "gpt accepted 3 heads over tp 2"; exit 1; fi

@@ -15,6 +15,7 @@
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
+#include "core/safetensors.h"
 #include "distributed/checkpoint/sharded.h"
 #include "distributed/init.h"
 #include "distributed/parallel/fsdp/fsdp.h"
@@ -151,6 +152,18 @@ TEST_F(TPCheckpoint, TensorParallelToFSDPOnThreeRanks) {
   leg(2, "layout=tp,from=0,to=2,save=" + dir("a"));
   leg(3, "layout=fsdp,from=2,to=3,load=" + dir("a") + ",save=" + dir("b"));
   expect_matches_uninterrupted(dir("b"), 3);
+  // //tools:ckpt consolidate's one-process file of the tp checkpoint holds
+  // the model an uninterrupted run reaches after 2 steps, PyTorch's names.
+  ASSERT_TRUE(consolidate_checkpoint(dir("a"), dir("one")).ok());
+  auto file = load_safetensors(dir("one") + "/model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status().message();
+  Job ref = make_job("single", 1);
+  train(ref, 0, 2);
+  for (const auto& [name, want] : ref.model->state_dict()) {
+    const Tensor* got = file->find(name);
+    ASSERT_NE(got, nullptr) << name;
+    EXPECT_LE(max(abs(*got - want)).item(), 2e-4 * (1 + max(abs(want)).item())) << name;
+  }
 }
 
 TEST_F(TPCheckpoint, FSDPTimesTensorParallelToOneProcessAndBack) {
