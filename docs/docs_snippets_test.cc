@@ -28,10 +28,13 @@
 #include "distributed/parallel/ddp.h"
 #include "distributed/parallel/fsdp/fsdp.h"
 #include "distributed/parallel/fsdp/fsdp_state_dict.h"
+#include "distributed/parallel/tp/gpt_plan.h"
+#include "distributed/parallel/tp/loss_parallel.h"
 #include "distributed/parallel/zero.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
 #include "nn/transformer.h"
+#include "optim/clip_grad.h"
 #include "optim/grad_scaler.h"
 #include "optim/lr_scheduler.h"
 #include "optim/optimizer.h"
@@ -239,6 +242,34 @@ mesh->group("tp");            // the ranks that differ from this one only in "tp
 mesh->coordinate("pp");       // this rank's place along "pp"
 auto dp_tp = mesh->submesh({"dp", "tp"});   // this rank's 2x2 slice, the same groups
 auto flat = distributed::DeviceMesh::from_group(pg, "dp");  // a 1-D mesh of an existing group
+}
+
+// docs/tensor-parallel.md's blocks: 2 and 4 ranks, compiled only (the
+// same code runs on real ranks in //distributed/parallel/tp's tests).
+[[maybe_unused]] void tensor_parallel_blocks(const Tensor& weight, std::shared_ptr<nn::TransformerBlock> block,
+                                             const Tensor& tokens, const Tensor& targets) {
+{
+auto tp = distributed::DeviceMesh::create({2}, {"tp"});
+distributed::DTensor w = distributed::distribute_tensor(weight, tp, {distributed::Shard(0)});
+distributed::DTensor r = w.redistribute({distributed::Replicate()});   // an all-gather
+Tensor whole = w.full_tensor();                                        // every rank: the global tensor
+distributed::parallelize_module(*block, tp, {
+    {"attn", distributed::ColwiseParallel{}},                  // q, k, v split by heads
+    {"attn.out_proj", distributed::RowwiseParallel{}},
+    {"mlp.c_fc", distributed::ColwiseParallel{}},
+    {"mlp.c_proj", distributed::RowwiseParallel{}},
+});
+}
+auto mesh = distributed::DeviceMesh::create({2, 2}, {"dp_shard", "tp"});   // 4 ranks
+auto gpt = std::make_shared<nn::GPT>(nn::GPTOptions{.vocab_size = 8192, .n_layer = 6, .n_head = 8, .n_embd = 512});
+distributed::parallelize_module(*gpt, mesh->submesh({"tp"}), distributed::gpt_tp_plan(*gpt, /*sequence_parallel=*/true));
+for (auto& [name, block] : gpt->h->named_children()) distributed::fully_shard(block, {.mesh = mesh->submesh({"dp_shard"})});
+distributed::fully_shard(gpt, {.mesh = mesh->submesh({"dp_shard"})});
+optim::AdamW opt(gpt->parameters(), {.lr = 3e-4});
+Tensor loss = distributed::parallel_cross_entropy((*gpt)(tokens), targets);   // logits stay vocab-sharded
+loss.backward();
+optim::clip_grad_norm_(gpt->parameters(), 1.0);   // the norm of the global gradients
+opt.step();
 }
 
 }  // namespace

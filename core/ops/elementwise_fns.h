@@ -145,7 +145,8 @@ void dispatch_binary(BinaryOp op, F&& f) {
 #define EMBER_B(name) case BinaryOp::name: f(std::integral_constant<BinaryOp, BinaryOp::name>{}); break;
     EMBER_B(Add)
     EMBER_B(Sub)
-    EMBER_B(Mul) EMBER_B(Div) EMBER_B(Pow) EMBER_B(Maximum) EMBER_B(Minimum) EMBER_B(ReluGrad) EMBER_B(GeluGrad)
+    EMBER_B(Mul)
+    EMBER_B(Div) EMBER_B(Pow) EMBER_B(Maximum) EMBER_B(Minimum) EMBER_B(ReluGrad) EMBER_B(GeluGrad)
         EMBER_B(GeluTanhGrad) EMBER_B(Eq) EMBER_B(Ne) EMBER_B(Lt) EMBER_B(Le) EMBER_B(Gt) EMBER_B(Ge)
 #undef EMBER_B
   }
