@@ -142,13 +142,13 @@ void dispatch_unary(UnaryOp op, F&& f) {
 template <typename F>
 void dispatch_binary(BinaryOp op, F&& f) {
   switch (op) {
+    // One list, not a case per line:
+    // clang-format off
 #define EMBER_B(name) case BinaryOp::name: f(std::integral_constant<BinaryOp, BinaryOp::name>{}); break;
-    EMBER_B(Add)
-    EMBER_B(Sub)
-    EMBER_B(Mul)
-    EMBER_B(Div) EMBER_B(Pow) EMBER_B(Maximum) EMBER_B(Minimum) EMBER_B(ReluGrad) EMBER_B(GeluGrad)
-        EMBER_B(GeluTanhGrad) EMBER_B(Eq) EMBER_B(Ne) EMBER_B(Lt) EMBER_B(Le) EMBER_B(Gt) EMBER_B(Ge)
+    EMBER_B(Add) EMBER_B(Sub) EMBER_B(Mul) EMBER_B(Div) EMBER_B(Pow) EMBER_B(Maximum) EMBER_B(Minimum) EMBER_B(ReluGrad)
+    EMBER_B(GeluGrad) EMBER_B(GeluTanhGrad) EMBER_B(Eq) EMBER_B(Ne) EMBER_B(Lt) EMBER_B(Le) EMBER_B(Gt) EMBER_B(Ge)
 #undef EMBER_B
+    // clang-format on
   }
 }
 
