@@ -2,8 +2,8 @@
 // sharded checkpoints across layouts: a run saved under one layout, loaded
 // under another and trained on must end where one process trained without
 // a break ends (every tensor of the final checkpoint read whole and
-// compared). Layouts: one process, tp 2 (with SP), FSDP over 3 ranks,
-// dp_shard 2 x tp 2. A checkpoint whose shapes do not match the model is
+// compared). Layouts: one process, tp 2 and 4 (with SP), FSDP over 3
+// ranks, dp_shard 2 x tp 2. A checkpoint whose shapes do not match the model is
 // refused with the tensor named and nothing changed.
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -172,6 +172,12 @@ TEST_F(TPCheckpoint, FSDPTimesTensorParallelToOneProcessAndBack) {
   expect_matches_uninterrupted(dir("b"), 3);
   leg(4, "layout=dp_tp,from=3,to=4,load=" + dir("b") + ",save=" + dir("c"));
   expect_matches_uninterrupted(dir("c"), 4);
+}
+
+TEST_F(TPCheckpoint, AnotherTensorParallelDegree) {
+  leg(2, "layout=tp,from=0,to=2,save=" + dir("a"));
+  leg(4, "layout=tp,from=2,to=3,load=" + dir("a") + ",save=" + dir("b"));
+  expect_matches_uninterrupted(dir("b"), 3);
 }
 
 // A checkpoint of another vocabulary: the tensor is named, nothing loads.
