@@ -3,17 +3,19 @@
 // binary filtered to that one benchmark (the ranks, logging to
 // $TMPDIR/ember_bench_rank<r>.log), meets them at a TCPStore, and reaps them
 // when the benchmark ends. Every benchmark has a fixed iteration count, so
-// all ranks take the same number of steps. Used by ddp_scaling and
-// fsdp_bench.
+// all ranks take the same number of steps. Used by ddp_scaling, fsdp_bench
+// and tp_bench, which also share its memory counters.
 #pragma once
 
 #include <benchmark/benchmark.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,6 +29,21 @@ namespace ember::bench {
 
 using namespace ember::distributed;
 using Clock = std::chrono::steady_clock;
+
+// This process's resident memory now and at its peak (Linux), and bytes as
+// MiB: the memory counters the multi-process benchmarks report.
+inline int64_t rss_bytes() {
+  std::ifstream f("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  f >> size >> resident;
+  return resident * sysconf(_SC_PAGESIZE);
+}
+inline int64_t peak_rss_bytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<int64_t>(u.ru_maxrss) * 1024;
+}
+inline double mib(int64_t b) { return static_cast<double>(b) / (1 << 20); }
 
 // Set in the copies this binary starts: which rank they are and where the
 // store is.

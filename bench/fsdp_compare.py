@@ -11,12 +11,13 @@
 #   python3 bench/fsdp_compare.py --ours bazel-out/k8-opt/bin/bench/fsdp_bench --rounds 3
 import argparse, datetime, json, os, statistics, subprocess, sys
 
+from compare_common import LOW_MEM_ENV, peer_record
+
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch2", "fsdp_peer.py")
 # (model, our mode, procs, peer strategy)
 CONFIGS = [(m, ours, n, peer) for m in ("gpt", "mlp") for ours, n, peer in (
     ("plain", 1, "plain"), ("full", 1, "fsdp2_full"), ("ddp", 2, "ddp"), ("full", 2, "fsdp2_full"),
     ("grad_op", 2, "fsdp2_grad_op"), ("no_shard", 2, "fsdp2_hsdp_replicate"))]
-LOW_MEM_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "EMBER_CPU_CACHE_MB": "0"}
 
 
 def run_ours(binary, model, mode, procs, low_mem):
@@ -33,22 +34,9 @@ def run_peer(python, model, strategy, procs, low_mem, steps):
     out = subprocess.run([python, PEER, "--models", model, "--strategies", strategy, "--world", str(procs),
                           "--warmup", "1", "--steps", str(steps)], capture_output=True, text=True, check=True,
                          env=env).stdout
-    # The ranks print concurrently: two records may share a line.
-    dec, pos, records = json.JSONDecoder(), 0, []
-    while (start := out.find("{", pos)) >= 0:
-        try:
-            d, pos = dec.raw_decode(out, start)
-            records.append(d)
-        except json.JSONDecodeError:
-            pos = start + 1
-    for d in records:
-        if d.get("script") == "fsdp_peer":
-            if d.get("kind") == "error":
-                raise RuntimeError(d["error"])
-            if d.get("rank") == 0:
-                return dict(ms=d["step_ms_median"], rss=d["peak_minus_baseline_mib"], params=d["param_mib"],
-                            grads=d["grad_mib"], state=d["optim_state_mib"], torch=d["torch"])
-    raise RuntimeError("no result from the peer:\n" + out)
+    d = peer_record(out, "fsdp_peer")
+    return dict(ms=d["step_ms_median"], rss=d["peak_minus_baseline_mib"], params=d["param_mib"], grads=d["grad_mib"],
+                state=d["optim_state_mib"], torch=d["torch"])
 
 
 def main():

@@ -22,10 +22,8 @@
 //   python3 bench/tp_compare.py --ours bazel-out/k8-opt/bin/bench/tp_bench   # beside PyTorch
 #include <benchmark/benchmark.h>
 #include <omp.h>
-#include <sys/resource.h>
 
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,20 +42,9 @@ namespace {
 using namespace ember;
 using namespace ember::distributed;
 
-int64_t rss_bytes() {
-  std::ifstream f("/proc/self/statm");
-  int64_t size = 0, resident = 0;
-  f >> size >> resident;
-  return resident * sysconf(_SC_PAGESIZE);
-}
-
-int64_t peak_rss_bytes() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<int64_t>(u.ru_maxrss) * 1024;
-}
-
-double mib(int64_t b) { return static_cast<double>(b) / (1 << 20); }
+using bench::mib;
+using bench::peak_rss_bytes;
+using bench::rss_bytes;
 
 void BM_TpStep(benchmark::State& state, const std::string& name, const std::string& mode, int world) {
   omp_set_num_threads(1);

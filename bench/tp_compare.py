@@ -13,9 +13,10 @@
 #   python3 bench/tp_compare.py --ours bazel-out/k8-opt/bin/bench/tp_bench --rounds 3
 import argparse, datetime, json, os, statistics, subprocess, sys
 
+from compare_common import LOW_MEM_ENV, peer_record
+
 PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch2", "tp_peer.py")
 MODES = [("plain", 1), ("tp", 2), ("tp_sp", 2)]
-LOW_MEM_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "EMBER_CPU_CACHE_MB": "0"}
 
 
 def run_ours(binary, mode, procs, low_mem):
@@ -31,21 +32,9 @@ def run_peer(python, mode, procs, low_mem, steps):
     env = dict(os.environ, **(LOW_MEM_ENV if low_mem else {}))
     out = subprocess.run([python, PEER, "--mode", mode, "--world", str(procs), "--warmup", "1", "--steps", str(steps)],
                          capture_output=True, text=True, check=True, env=env).stdout
-    dec, pos, records = json.JSONDecoder(), 0, []
-    while (start := out.find("{", pos)) >= 0:  # the ranks print concurrently
-        try:
-            d, pos = dec.raw_decode(out, start)
-            records.append(d)
-        except json.JSONDecodeError:
-            pos = start + 1
-    for d in records:
-        if d.get("script") == "tp_peer":
-            if d.get("kind") == "error":
-                raise RuntimeError(d["error"])
-            if d.get("rank") == 0:
-                return dict(ms=d["step_ms_median"], rss=d["peak_minus_baseline_mib"], params=d["param_mib"],
-                            grads=d["grad_mib"], state=d["optim_state_mib"], torch=d["torch"])
-    raise RuntimeError("no result from the peer:\n" + out)
+    d = peer_record(out, "tp_peer")
+    return dict(ms=d["step_ms_median"], rss=d["peak_minus_baseline_mib"], params=d["param_mib"], grads=d["grad_mib"],
+                state=d["optim_state_mib"], torch=d["torch"])
 
 
 def main():

@@ -39,14 +39,6 @@ Shape block_shape(const Tensor& x, int64_t dim, int n, const char* op) {
   return block;
 }
 
-Tensor blocks_along(const Tensor& x, int64_t dim, int n) {
-  const int64_t len = x.size(dim);
-  if (dim == 0) return x.contiguous().view({-1});
-  std::vector<Tensor> parts;
-  for (int r = 0; r < n; ++r) parts.push_back(x.narrow(dim, r * (len / n), len / n).contiguous().view({-1}));
-  return cat(parts, 0);
-}
-
 // The inverse: a flat tensor of n blocks of `block` shape, concatenated
 // along `dim`.
 Tensor cat_blocks(const Tensor& flat, const Shape& block, int64_t dim, int n) {
@@ -63,6 +55,14 @@ Tensor cat_blocks(const Tensor& flat, const Shape& block, int64_t dim, int n) {
 }
 
 }  // namespace
+
+Tensor detail::blocks_along(const Tensor& x, int64_t dim, int n) {
+  const int64_t len = x.size(dim);
+  if (dim == 0) return x.contiguous().view({-1});
+  std::vector<Tensor> parts;
+  for (int r = 0; r < n; ++r) parts.push_back(x.narrow(dim, r * (len / n), len / n).contiguous().view({-1}));
+  return cat(parts, 0);
+}
 
 Tensor all_reduce(const Tensor& x, ReduceOp op, const std::shared_ptr<ProcessGroup>& pg) {
   check_args(x, pg, "all_reduce");
@@ -112,7 +112,7 @@ Tensor reduce_scatter(const Tensor& x, int64_t dim_in, ReduceOp op, const std::s
   return differentiable(
       "reduce_scatter", {x},
       [&] {
-        Tensor in = blocks_along(x, dim, n);
+        Tensor in = detail::blocks_along(x, dim, n);
         Tensor out = Tensor::empty(block, x.options());
         pg->reduce_scatter_tensor(out, in, op)->wait();
         return out;
@@ -135,7 +135,7 @@ Tensor all_to_all(const Tensor& x, int64_t split_in, int64_t concat_in, const st
   return differentiable(
       "all_to_all", {x},
       [&] {
-        Tensor in = blocks_along(x, split, n);
+        Tensor in = detail::blocks_along(x, split, n);
         Tensor out = Tensor::empty({in.numel()}, x.options());
         pg->all_to_all_single(out, in)->wait();
         return cat_blocks(out, block, concat, n);

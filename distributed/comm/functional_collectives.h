@@ -40,4 +40,11 @@ Tensor reduce_scatter(const Tensor& x, int64_t dim, ReduceOp op, const std::shar
 // (torch's all_to_all_single on a reshaped tensor; Shard(i) -> Shard(j)).
 Tensor all_to_all(const Tensor& x, int64_t split_dim, int64_t concat_dim, const std::shared_ptr<ProcessGroup>& pg);
 
+namespace detail {
+// x's n equal blocks along `dim`, each contiguous, one after another in one
+// flat tensor: the layout the flat collectives (all-gather into a tensor,
+// reduce-scatter, all-to-all) take. The size along `dim` divides by n.
+Tensor blocks_along(const Tensor& x, int64_t dim, int n);
+}  // namespace detail
+
 }  // namespace ember::distributed::functional

@@ -17,6 +17,7 @@
 #include "core/autograd_hook.h"
 #include "core/exception.h"
 #include "core/ops.h"
+#include "distributed/comm/functional_collectives.h"
 
 namespace ember::distributed {
 
@@ -61,14 +62,7 @@ Tensor pad_to(const Tensor& x, int64_t d, int64_t len) {
   return cat({x, zeros(s, x.options())}, d);
 }
 
-// x's n blocks of `c` along d, each contiguous, one after another (the
-// layout of the flat collectives).
-Tensor blocks_flat(const Tensor& x, int64_t d, int n, int64_t c) {
-  if (d == 0) return x.contiguous().view({-1});
-  std::vector<Tensor> parts;
-  for (int r = 0; r < n; ++r) parts.push_back(x.narrow(d, r * c, c).contiguous().view({-1}));
-  return cat(parts, 0);
-}
+using functional::detail::blocks_along;  // x's equal blocks, flat: what the collectives take
 
 // A flat tensor of n blocks of `block` shape -> block r, for each r.
 std::vector<Tensor> unflatten_blocks(const Tensor& flat, const Shape& block, int n) {
@@ -181,7 +175,7 @@ class Converter {
     Shape block = x.sizes();
     block[d] = c;
     Tensor out = zeros(block, x.options());
-    if (out.numel() > 0) pg->reduce_scatter_tensor(out, blocks_flat(pad_to(x, d, c * k), d, k, c), op)->wait();
+    if (out.numel() > 0) pg->reduce_scatter_tensor(out, blocks_along(pad_to(x, d, c * k), d, k), op)->wait();
     return out.narrow(d, 0, chunk_len(L, k, me));
   }
 
@@ -199,7 +193,7 @@ class Converter {
     result[a] = La;
     result[b] = chunk_len(Lb, k, me);
     if (numel_of(block) == 0) return zeros(result, x.options());
-    Tensor in = blocks_flat(p, b, k, cb);
+    Tensor in = blocks_along(p, b, k);
     Tensor out = Tensor::empty({in.numel()}, in.options());
     pg->all_to_all_single(out, in)->wait();
     std::vector<Tensor> parts;

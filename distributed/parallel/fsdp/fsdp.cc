@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <deque>
 #include <sstream>
 #include <unordered_map>
@@ -582,14 +583,25 @@ struct FsdpShardSpec : ShardSpec {
   bool counts_in_norm() const override { return writes; }
   const void* norm_domain() const override { return shard_pg || replicate_pg ? domain : nullptr; }
   void reduce_norm_partial(const Tensor& partial, bool max) const override {
-    for (const auto* g : {&shard_pg, &replicate_pg}) {
-      if (!*g) continue;
-      Tensor t = partial.to((*g)->device()).contiguous();
-      (*g)->allreduce(t, max ? ReduceOp::Max : ReduceOp::Sum)->wait();
-      Tensor(partial).copy_(t.to(partial.device()));
-    }
+    for (const auto* g : {&shard_pg, &replicate_pg})
+      if (*g) grad_norm_allreduce(*g, max ? INFINITY : 2.0)(partial);
   }
 };
+
+// Where a spec's region lives whatever state the unit is in (the float32
+// shard view, so a save gathers and reshards nothing), and the reshard a
+// load needs first (no gathered copy of the old values outlives it).
+void attach_shard_data(ShardSpec& spec, const std::shared_ptr<Unit>& u, size_t i) {
+  std::weak_ptr<Unit> weak = u;
+  spec.local = [weak, i] {
+    auto uu = weak.lock();
+    EMBER_CHECK(uu != nullptr, "FSDP: the unit of this parameter is gone");
+    return uu->shard_view(uu->shard, i);
+  };
+  spec.before_load = [weak] {
+    if (auto uu = weak.lock()) uu->reshard();
+  };
+}
 
 // A parameter tensor parallelism sharded before FSDP took its local part:
 // described on the mesh both were cut from (FSDP's dimensions, the tp
@@ -635,31 +647,20 @@ std::shared_ptr<const DTensorSpec> compose_with_tensor_parallel(const std::share
   if (rs.size() > 1) spec->parts = rs;
   spec->layout = "fsdp:" + layout + "+tensor_parallel";
   spec->writes = tp.writes && replica == 0 && (u.layout.entries()[i].numel > 0 || u.shard_rank == 0);
-  std::weak_ptr<Unit> weak = up;
-  spec->local = [weak, i] {
-    auto uu = weak.lock();
-    EMBER_CHECK(uu != nullptr, "FSDP: the unit of this parameter is gone");
-    return uu->shard_view(uu->shard, i);
-  };
-  spec->before_load = [weak] {
-    if (auto uu = weak.lock()) uu->reshard();
-  };
+  attach_shard_data(*spec, up, i);
   return spec;
 }
 
 // Says on each parameter what this rank holds of it (sharding vocabulary),
 // so checkpoints and norms need nothing of FSDP's: the run of the entry in
 // this rank's shard of the flat buffer, over a (dp_replicate, dp_shard)
-// mesh; of replicas, replicate rank 0 writes. The region's data is the
-// float32 shard view whatever state the unit is in, so a save reads it
-// without gathering or resharding anything; a load first reshards, so no
-// gathered copy of the old values outlives it.
+// mesh; of replicas, replicate rank 0 writes (attach_shard_data: where the
+// region's data lives).
 void attach_shard_specs(const std::shared_ptr<Unit>& u) {
   std::string layout = strategy_name(u->strategy);
   for (char& c : layout) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   const int replicas = u->replicate_pg ? u->replicate_pg->size() : 1;
   const int replica = u->replicate_pg ? u->replicate_pg->rank() : 0;
-  std::weak_ptr<Unit> weak = u;
   for (size_t i = 0; i < u->params.size(); ++i) {
     const FlatEntry& e = u->layout.entries()[i];
     const FlatBuffer::Piece* pc = nullptr;
@@ -682,14 +683,7 @@ void attach_shard_specs(const std::shared_ptr<Unit>& u) {
     spec->region = pc ? run_region(e.shape, pc->entry_offset, pc->numel) : run_region(e.shape, 0, 0);
     // An entry of no elements is in no shard: shard rank 0 registers it.
     spec->writes = replica == 0 && (e.numel > 0 || u->shard_rank == 0);
-    spec->local = [weak, i] {
-      auto uu = weak.lock();
-      EMBER_CHECK(uu != nullptr, "FSDP: the unit of this parameter is gone");
-      return uu->shard_view(uu->shard, i);
-    };
-    spec->before_load = [weak] {
-      if (auto uu = weak.lock()) uu->reshard();
-    };
+    attach_shard_data(*spec, u, i);
     set_shard_spec(u->params[i], std::move(spec));
   }
 }

@@ -101,6 +101,10 @@ Tensor convert(const Tensor& x, const std::shared_ptr<DeviceMesh>& mesh, Placeme
 Tensor finish(const DTensor& d, bool use_local_output) {
   return use_local_output ? d.to_local() : d.as_annotated_tensor();
 }
+// The same for a local tensor laid out as `layout` (an even shard).
+Tensor finish(const Tensor& local, const std::shared_ptr<DeviceMesh>& mesh, Placement layout, bool use_local_output) {
+  return use_local_output ? local : from_local(local, mesh, {absolute(layout, local.dim())}).as_annotated_tensor();
+}
 
 void shard_param(const Tensor& p, const std::shared_ptr<DeviceMesh>& mesh, Placement placement,
                  const std::string& name) {
@@ -322,7 +326,7 @@ void apply(const RowwiseParallel& s, nn::Module& m, const std::string& fqn, cons
         m.register_forward_hook([mesh, out, local, wout, weak](nn::Module&, const Tensor&, const Tensor& y) {
           Tensor r = convert(y, mesh, Partial(), out, std::nullopt, wout);
           if (auto s2 = weak.lock(); s2 && s2->bias.defined()) r = r + s2->bias;
-          return local ? r : from_local(r, mesh, {absolute(out, r.dim())}).as_annotated_tensor();
+          return finish(r, mesh, out, local);
         }));
     return;
   }
@@ -357,7 +361,7 @@ void apply(const RowwiseParallel& s, nn::Module& m, const std::string& fqn, cons
         Tensor mask = cast(s2->mask, y.dtype()).unsqueeze(-1);
         s2->mask = Tensor();
         Tensor r = convert(y * mask, mesh, Partial(), out, std::nullopt, wout);
-        return local ? r : from_local(r, mesh, {absolute(out, r.dim())}).as_annotated_tensor();
+        return finish(r, mesh, out, local);
       }));
 }
 
@@ -377,9 +381,8 @@ void apply(const SequenceParallel& s, nn::Module& m, const std::string& fqn, con
     return convert(x, mesh, in, Shard(seq), std::nullopt, win);
   }));
   if (!s.use_local_output)
-    st->hooks.push_back(m.register_forward_hook([mesh, seq](nn::Module&, const Tensor&, const Tensor& y) {
-      return from_local(y, mesh, {Shard(seq)}).as_annotated_tensor();
-    }));
+    st->hooks.push_back(m.register_forward_hook(
+        [mesh, seq](nn::Module&, const Tensor&, const Tensor& y) { return finish(y, mesh, Shard(seq), false); }));
 }
 
 void apply(const PrepareModuleInput& s, nn::Module& m, const std::string& fqn, const Ctx& ctx) {
@@ -399,9 +402,7 @@ void apply(const PrepareModuleOutput& s, nn::Module& m, const std::string& fqn, 
   const std::string wout = where_of(fqn, "PrepareModuleOutput", "output");
   st->hooks.push_back(m.register_forward_hook([mesh, s, wout](nn::Module&, const Tensor&, const Tensor& y) {
     Tensor r = convert(y, mesh, s.output_layouts, s.desired_output_layouts, s.desired_grad_layouts, wout);
-    return s.use_local_output
-               ? r
-               : from_local(r, mesh, {absolute(s.desired_output_layouts, r.dim())}).as_annotated_tensor();
+    return finish(r, mesh, s.desired_output_layouts, s.use_local_output);
   }));
 }
 
