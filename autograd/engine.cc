@@ -140,8 +140,15 @@ struct ReadyOrder {
 
 // Runs the graph under `root` with `root_grad`. When `capture` is non-empty,
 // gradients reaching those nodes are stored there instead of accumulated.
+// first_seq > 0 confines the pass to the nodes recorded from first_seq on
+// (a checkpointed region's recompute): every other node it reaches, leaves'
+// accumulators included, is neither run nor looked past, and the gradient
+// reaching it lands in `capture`.
 void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool retain_graph,
-                  std::unordered_map<Node*, Tensor>* capture) {
+                  std::unordered_map<Node*, Tensor>* capture, uint64_t first_seq = 0) {
+  auto outside = [&](const Node* n) {
+    return first_seq > 0 && n != root.get() && (n->leaf || n->sequence_nr < first_seq);
+  };
   // Count each node's incoming edges from the part of the graph we will run.
   std::unordered_map<Node*, int> deps;
   std::vector<Node*> stack{root.get()};
@@ -152,7 +159,7 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
     for (auto& nx : n->next) {
       if (!nx) continue;
       ++deps[nx.get()];
-      if (seen.insert(nx.get()).second) stack.push_back(nx.get());
+      if (seen.insert(nx.get()).second && !outside(nx.get())) stack.push_back(nx.get());
     }
   }
   NoGradGuard no_grad;
@@ -167,6 +174,13 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
     ready.pop();
     Tensor g = std::move(buffer[n]);
     buffer.erase(n);
+    if (outside(n)) {
+      if (g.defined()) {
+        Tensor& slot = (*capture)[n];
+        slot = slot.defined() ? slot + g : g;
+      }
+      continue;
+    }
     std::vector<Tensor> grads;
     // One profiler event per node, hooks included (DDP's bucket allreduces
     // start from the accumulators' hooks).
@@ -306,6 +320,19 @@ const bool g_installed = [] {
 }();
 
 }  // namespace
+
+namespace detail {
+AutogradMeta* autograd_meta(const Tensor& t) { return meta_of(t); }
+AutogradMeta& ensure_autograd_meta(const Tensor& t) { return ensure_meta(t); }
+std::shared_ptr<Node> gradient_edge_of(const Tensor& t) { return gradient_edge(t); }
+uint64_t peek_sequence_nr() { return g_next_sequence.load(); }
+uint64_t take_sequence_nr() { return g_next_sequence.fetch_add(1); }
+void run_backward_within(const std::shared_ptr<Node>& root, const Tensor& root_grad, uint64_t first_seq,
+                         std::unordered_map<Node*, Tensor>& boundary) {
+  EMBER_INTERNAL_ASSERT(first_seq > 0 && root->sequence_nr >= first_seq);
+  run_backward(root, root_grad, false, &boundary, first_seq);
+}
+}  // namespace detail
 
 void register_hook(const Tensor& t, TensorHook hook) {
   EMBER_CHECK(t.requires_grad(), "register_hook: the tensor ", shape_str(t.sizes()),

@@ -11,7 +11,7 @@
 namespace ember {
 namespace {
 
-struct State {
+struct ThreadState {
   bool enabled[2] = {false, false};                     // indexed by DeviceType
   DType dtype[2] = {DType::BFloat16, DType::Float16};   // torch's defaults: CPU bf16, CUDA fp16
   int depth = 0;                                        // live guards, for clearing the cache
@@ -19,7 +19,7 @@ struct State {
   std::unordered_map<const void*, std::pair<Tensor, Tensor>> cache;
 };
 
-thread_local State t_state;
+thread_local ThreadState t_state;
 
 int index_of(DeviceType t) { return t == DeviceType::CUDA ? 1 : 0; }
 
@@ -72,6 +72,22 @@ Tensor fp32(const Tensor& t) {
 }
 
 int64_t cached_casts() { return static_cast<int64_t>(t_state.cache.size()); }
+
+State current_state() { return State{{t_state.enabled[0], t_state.enabled[1]}, {t_state.dtype[0], t_state.dtype[1]}}; }
+
+struct RegionScope::Saved {
+  ThreadState state;
+};
+
+RegionScope::RegionScope(const State& state) : saved_(std::make_unique<Saved>(Saved{std::move(t_state)})) {
+  t_state = ThreadState{};
+  for (int i = 0; i < 2; ++i) {
+    t_state.enabled[i] = state.enabled[i];
+    t_state.dtype[i] = state.dtype[i];
+  }
+}
+
+RegionScope::~RegionScope() { t_state = std::move(saved_->state); }
 
 DisabledScope::DisabledScope() {
   for (int i = 0; i < 2; ++i) {

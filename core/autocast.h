@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "core/device.h"
 #include "core/dtype.h"
@@ -59,6 +60,30 @@ Tensor low(const Tensor& t);
 Tensor fp32(const Tensor& t);
 // Casts held by the cache of this thread (tests).
 int64_t cached_casts();
+
+// The autocast state of this thread (both device types), to run a region
+// again later under the state it first ran under (activation checkpointing).
+struct State {
+  bool enabled[2];
+  DType dtype[2];
+};
+State current_state();
+
+// Runs a scope under `state` with a cast cache of its own, then restores
+// the thread's state and cache: a checkpointed region casts its parameters
+// itself in its forward and again in its recompute, so both record the
+// same ops and lead to the same leaves.
+class RegionScope {
+ public:
+  explicit RegionScope(const State& state);
+  ~RegionScope();
+  RegionScope(const RegionScope&) = delete;
+  RegionScope& operator=(const RegionScope&) = delete;
+
+ private:
+  struct Saved;
+  std::unique_ptr<Saved> saved_;
+};
 
 // Turns autocast off for every device type within a scope (backward).
 class DisabledScope {

@@ -11,11 +11,15 @@
 namespace ember {
 namespace {
 thread_local bool g_grad_enabled = true;
+thread_local SavedOpOutputs* t_saved_op_outputs = nullptr;
 std::atomic<AutogradRecorder*> g_recorder{nullptr};
 }  // namespace
 
 bool GradMode::is_enabled() { return g_grad_enabled; }
 void GradMode::set_enabled(bool enabled) { g_grad_enabled = enabled; }
+
+SavedOpOutputs* saved_op_outputs() { return t_saved_op_outputs; }
+void set_saved_op_outputs(SavedOpOutputs* s) { t_saved_op_outputs = s; }
 
 void set_autograd_recorder(AutogradRecorder* r) { g_recorder = r; }
 AutogradRecorder* autograd_recorder() { return g_recorder.load(std::memory_order_relaxed); }

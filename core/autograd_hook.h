@@ -86,15 +86,39 @@ struct Recorded {
   // accumulation, each backward separately.
   bool stateless = false;
 };
+
+// Selective activation checkpointing's seam (autograd/checkpoint.h): while
+// a checkpointed region runs, differentiable ops offer their outputs to it
+// (the region keeps those its policy names) and, when it is recomputed,
+// take the kept ones back instead of computing again. Ops whose forward
+// sets state beside its result (layer_norm's mean) are never kept: the
+// region decides by name from the list of ops whose forward is only its
+// result (checkpoint.cc).
+class SavedOpOutputs {
+ public:
+  virtual ~SavedOpOutputs() = default;
+  // True (and `out` set) when the recompute has this op's kept output.
+  virtual bool replay(const char* op, Tensor& out) = 0;
+  // The forward computed `out` for `op`.
+  virtual void offer(const char* op, const Tensor& out) = 0;
+};
+// The innermost active region of this thread, or null; set by autograd/.
+SavedOpOutputs* saved_op_outputs();
+void set_saved_op_outputs(SavedOpOutputs* s);
+
 template <typename Fwd, typename MakeBwd>
 Tensor differentiable(const char* op, const std::vector<Tensor>& inputs, Fwd&& forward, MakeBwd&& make_backward) {
-  profiler::Scope prof(profiler::Kind::Op, op);  // every differentiable op is one profiler event
-  if (prof.active()) prof.inputs(inputs);
-  if (!needs_grad_list(inputs)) return forward();
+  SavedOpOutputs* kept = saved_op_outputs();
   Tensor out;
-  {
+  // A kept output computes nothing: no profiler event.
+  const bool replayed = kept != nullptr && needs_grad_list(inputs) && kept->replay(op, out);
+  profiler::Scope prof(profiler::Kind::Op, replayed ? nullptr : op);  // every computing op is one profiler event
+  if (prof.active()) prof.inputs(inputs);
+  if (!replayed) {
+    if (!needs_grad_list(inputs)) return forward();
     NoGradGuard g;
     out = forward();
+    if (kept != nullptr) kept->offer(op, out);
   }
   // Saved outputs are detached aliases: the node must not own its output.
   Recorded r = make_backward(out.alias());

@@ -85,11 +85,11 @@ std::vector<Event> events();
 void set_thread_name(const std::string& name);
 
 // One open range on this thread. Inactive (and free beyond one load) when
-// the profiler is off at construction.
+// the profiler is off at construction, or the name is null.
 class Scope {
  public:
   Scope(Kind kind, const char* name) {
-    if (enabled()) begin(kind, name);
+    if (name != nullptr && enabled()) begin(kind, name);
   }
   Scope(Kind kind, const std::string& name) {
     if (enabled()) begin(kind, name.c_str());

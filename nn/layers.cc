@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "autograd/checkpoint.h"
 #include "core/autograd_hook.h"
 #include "nn/init.h"
 
@@ -72,6 +73,13 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
   EMBER_CHECK(x.dim() == 4 && x.size(1) == num_features, "BatchNorm2d: expected input [N, ", num_features,
               ", H, W], got ", shape_str(x.sizes()));
   bool use_batch_stats = is_training() || !running_mean.defined();
+  // A checkpointed region's recompute (nn/checkpoint.h): the forward already
+  // updated the running statistics; the recompute normalises with the same
+  // batch statistics and leaves them alone.
+  if (is_training() && autograd::in_checkpoint_recompute()) {
+    if (cross_replica_sum) return sync_forward(x, false);
+    return batch_norm(x, weight, bias, Tensor(), Tensor(), true, momentum, eps);
+  }
   if (is_training() && num_batches_tracked.defined()) {
     NoGradGuard g;
     Tensor n = num_batches_tracked.detach();
@@ -86,7 +94,7 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
 // The sums are taken in float64 so the E[x^2] - E[x]^2 form (one collective
 // instead of two) keeps its low bits. Built from differentiable ops, so the
 // gradient is that of batch norm over the global batch.
-Tensor BatchNorm2d::sync_forward(const Tensor& x) {
+Tensor BatchNorm2d::sync_forward(const Tensor& x, bool update_running) {
   const int64_t c = num_features;
   const double local_count = static_cast<double>(x.size(0) * x.size(2) * x.size(3));
   Tensor xd = x.to(DType::Float64);
@@ -100,7 +108,7 @@ Tensor BatchNorm2d::sync_forward(const Tensor& x) {
               " (input ", shape_str(x.sizes()), ")");
   Tensor mean = total.narrow(0, 0, c) / n;
   Tensor var = clamp(total.narrow(0, c, c) / n - mean * mean, 0.0, std::nullopt);
-  if (running_mean.defined()) {
+  if (running_mean.defined() && update_running) {
     NoGradGuard g;
     Tensor rm = running_mean.detach(), rv = running_var.detach();
     rm.copy_(rm * (1.0 - momentum) + mean.detach().to(rm.dtype()) * momentum);

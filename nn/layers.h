@@ -70,7 +70,7 @@ class BatchNorm2d : public Module {
   std::function<Tensor(const Tensor&)> cross_replica_sum;
 
  private:
-  Tensor sync_forward(const Tensor& x);
+  Tensor sync_forward(const Tensor& x, bool update_running = true);
 };
 
 class LayerNorm : public Module {

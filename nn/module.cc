@@ -9,6 +9,7 @@
 #include "autograd/autograd.h"
 #include "core/autograd_hook.h"
 #include "core/ops.h"
+#include "nn/checkpoint.h"
 
 namespace ember::nn {
 
@@ -60,7 +61,10 @@ Tensor Module::operator()(const Tensor& x) {
     Tensor r = hook(*this, in);
     if (r.defined()) in = r;
   }
-  Tensor out = forward(in);
+  // A checkpointed module's forward runs as one region (nn/checkpoint.h);
+  // its hooks stay outside it.
+  const bool checkpointed = !transform_states_.empty() && transform_state("activation_checkpoint");
+  Tensor out = checkpointed ? detail::checkpointed_forward(*this, in) : forward(in);
   for (auto [id, hook] : std::vector(hooks_->post)) {
     Tensor r = hook(*this, in, out);
     if (r.defined()) out = r;

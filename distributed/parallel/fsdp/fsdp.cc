@@ -12,6 +12,7 @@
 #include <unordered_set>
 
 #include "autograd/autograd.h"
+#include "autograd/checkpoint.h"
 #include "core/ops.h"
 #include "distributed/device_mesh.h"
 #include "distributed/init.h"
@@ -395,6 +396,13 @@ void Unit::finalize_backward() {
 // ---- hooks ---------------------------------------------------------------
 
 Tensor Unit::pre_forward(const Tensor& input) {
+  // A unit inside a checkpointed region would gather again (and redo its
+  // bookkeeping) when the region is recomputed; the region's own module may
+  // be a unit: its hooks run outside the region (nn/checkpoint.h).
+  EMBER_CHECK(autograd::checkpoint_forward_depth() == 0 && !autograd::in_checkpoint_recompute(), "fully_shard: unit ",
+              type,
+              " runs inside an activation-checkpointed region; checkpoint the unit's own module (or modules "
+              "inside it) instead of a module around it");
   auto r = root();
   if (r.get() == this) {
     // A new iteration: last forward's order drives this one's prefetch.
