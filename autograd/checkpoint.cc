@@ -311,8 +311,11 @@ std::vector<Tensor> Region::backward() {
 }  // namespace
 
 const std::vector<std::string>& keepable_ops() {
-  static const std::vector<std::string> ops{"linear",     "matmul",         "conv2d",     "sequence_parallel_linear",
-                                            "all_gather", "reduce_scatter", "all_reduce", "all_to_all"};
+  // Computation, then communication (a DTensor's redistribute, the
+  // functional collectives).
+  static const std::vector<std::string> ops{"linear",       "matmul",     "conv2d",         "sequence_parallel_linear",
+                                            "redistribute", "all_gather", "reduce_scatter", "all_reduce",
+                                            "all_to_all"};
   return ops;
 }
 
