@@ -25,6 +25,13 @@ for f in index.json trainer.json rank-00000.safetensors rank-00001.safetensors; 
 done
 full_epoch2=$(grep "epoch 2/2: train loss" <<<"$out" | sed 's/, [0-9]* s elapsed//')
 
+# Activation checkpointing of the residual blocks (BatchNorm inside, its
+# statistics updated once): the same 2 epochs, bit for bit.
+out=$("${ddp[@]}" --epochs 2 --ac full --checkpoint-dir "$tmp/resnet_ac" 2>&1)
+grep -q "activation checkpointing full: 8 residual blocks" <<<"$out" || { echo "$out"; exit 1; }
+[[ "$(grep "epoch 2/2: train loss" <<<"$out" | sed 's/, [0-9]* s elapsed//')" == "$full_epoch2" ]] || {
+  echo "$out"; echo "resnet_ddp --ac full differs from the run without it: $full_epoch2"; exit 1; }
+
 # The same run stopped after epoch 1 (only its checkpoint survives) and
 # resumed in a fresh pair of processes: the same epoch 2, bit for bit.
 mkdir -p "$tmp/resumed"
@@ -228,6 +235,26 @@ import re, sys
 v = [float(re.search(r"validation loss ([0-9.]+)", s).group(1)) for s in sys.argv[1:3]]
 assert abs(v[0] - v[1]) <= 0.01 * v[0], v
 PY
+# Activation checkpointing recomputes exactly: dp_shard 2 x tp 2 with
+# --ac selective, and every:2 on 2 ranks, log the same losses and gradient
+# norms as without it, bit for bit.
+out=$("$dir/gpt" --nproc 4 --dp-shard 2 --tp 2 --ac selective "${mesh[@]}" --checkpoint-dir "$tmp/gma" \
+  --metrics "$tmp/m4ac.jsonl" 2>&1)
+grep -q "activation checkpointing selective: 2 of 2 blocks" <<<"$out" || { echo "$out"; exit 1; }
+"$dir/gpt" --nproc 2 "${mesh[@]}" --checkpoint-dir "$tmp/gm2" --metrics "$tmp/m2.jsonl" >/dev/null 2>&1
+"$dir/gpt" --nproc 2 --ac every:2 "${mesh[@]}" --checkpoint-dir "$tmp/gm2a" --metrics "$tmp/m2ac.jsonl" >/dev/null 2>&1
+python3 - "$tmp/m4.jsonl" "$tmp/m4ac.jsonl" "$tmp/m2.jsonl" "$tmp/m2ac.jsonl" <<'PY'
+import json, sys
+for plain, ac in ((sys.argv[1], sys.argv[2]), (sys.argv[3], sys.argv[4])):
+    a = [json.loads(l) for l in open(plain)]
+    b = [json.loads(l) for l in open(ac)]
+    assert len(a) == len(b) == 6, (len(a), len(b))
+    for x, y in zip(a, b):
+        assert (x["loss"], x["grad_norm"]) == (y["loss"], y["grad_norm"]), (x, y)
+print("gpt: --ac selective (dp_shard 2 x tp 2) and every:2 (FSDP 2) equal the runs without it")
+PY
+if out=$("$dir/gpt" --nproc 2 --ac sometimes 2>&1); then echo "gpt accepted --ac sometimes"; exit 1; fi
+grep -q "unknown policy 'sometimes'; expected none, full, selective or every:K" <<<"$out" || { echo "$out"; exit 1; }
 if out=$("$dir/gpt" --nproc 2 --tp 3 2>&1); then echo "gpt accepted --tp 3 on 2 ranks"; exit 1; fi
 grep -q "the mesh dp_replicate=1 dp_shard=-1 tp=3 does not divide the 2 ranks" <<<"$out" || { echo "$out"; exit 1; }
 if out=$("$dir/gpt" --nproc 2 --tp 2 --heads 3 --dim 48 2>&1); then echo "gpt accepted 3 heads over tp 2"; exit 1; fi

@@ -59,6 +59,7 @@
 #include "examples/cli.h"
 #include "examples/profiling.h"
 #include "examples/training.h"
+#include "nn/checkpoint.h"
 #include "nn/functional.h"
 #include "nn/transformer.h"
 #include "optim/grad_scaler.h"
@@ -79,6 +80,7 @@ struct Flags {
   // The mesh: products equal to the world size, -1 for "the rest" (one of them).
   int dp_replicate = 1, dp_shard = -1, tp = 1;
   std::string sp = "auto";   // on | off | auto (on when tp > 1)
+  std::string ac = "none";   // activation checkpointing: none | full | selective | every:K
   int64_t global_batch = 0;  // sequences per optimizer step over the job (0: batch size x dp x accum)
   std::string metrics;       // one JSON line per step, by rank 0
   std::string amp = "off";
@@ -110,6 +112,9 @@ constexpr char kUsage[] =
     "                         the mesh (R x S x T = the world size; -1 for one of them: the rest; default 1, -1, 1):\n"
     "                         tensor parallelism over tp, FSDP over dp_shard, replicas (HSDP) over dp_replicate\n"
     "  --sp on|off            sequence parallelism inside tp (default on when --tp > 1)\n"
+    "  --ac none|full|selective|every:K\n"
+    "                         activation checkpointing of the transformer blocks: all, all keeping the matmuls'\n"
+    "                         and collectives' outputs (selective), or every K-th block (default none)\n"
     "  --global-batch N       sequences per optimizer step over the whole job (default: --batch-size x data-parallel\n"
     "                         ranks x --accum-steps); the per-rank micro-batch is N / (data-parallel ranks x accum)\n"
     "  --metrics PATH         one JSON line per optimizer step (rank 0): step, loss, lr, grad_norm, tokens_per_s,\n"
@@ -162,6 +167,8 @@ Flags parse_flags(int argc, char** argv) {
       f.tp = static_cast<int>(kCli.parse_int(arg, next(), -1));
     else if (arg == "--sp")
       f.sp = next();
+    else if (arg == "--ac")
+      f.ac = next();
     else if (arg == "--global-batch")
       f.global_batch = kCli.parse_int(arg, next(), 1);
     else if (arg == "--metrics")
@@ -214,6 +221,11 @@ Flags parse_flags(int argc, char** argv) {
     usage_error("--amp takes off, bf16 or fp16, got '" + f.amp + "'");
   if (f.shard_size > 0 && f.strategy != "hybrid") usage_error("--shard-size goes with --strategy hybrid");
   if (f.sp != "on" && f.sp != "off" && f.sp != "auto") usage_error("--sp takes on or off, got '" + f.sp + "'");
+  try {
+    nn::ActivationCheckpointing::parse(f.ac);
+  } catch (const Error& e) {
+    usage_error(std::string("--ac: ") + e.what());
+  }
   int rest = 0;
   for (int v : {f.dp_replicate, f.dp_shard, f.tp}) {
     if (v == 0) usage_error("--dp-replicate, --dp-shard and --tp take a positive size or -1 (the rest)");
@@ -515,6 +527,12 @@ Setup setup(const Flags& flags, const examples::Job& job) {
   s.n_params = s.gpt->num_parameters();
   if (m.tp > 1)
     distributed::parallelize_module(*s.gpt, s.mesh->submesh({"tp"}), distributed::gpt_tp_plan(*s.gpt, m.sp));
+  // Checkpointing before fully_shard: each block's hooks (its gather and
+  // backward re-gather) stay outside its region (nn/checkpoint.h).
+  const auto ac = nn::ActivationCheckpointing::parse(flags.ac);
+  const int wrapped = nn::apply_activation_checkpointing(s.gpt->h->named_children(), ac);
+  if (ac.mode != nn::ActivationCheckpointing::Mode::None)
+    LOG0("activation checkpointing ", ac.str(), ": ", wrapped, " of ", flags.layers, " blocks");
 
   distributed::FSDPOptions& fo = s.fsdp_options;
   fo.strategy = distributed::parse_strategy(flags.strategy);

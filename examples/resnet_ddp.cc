@@ -54,6 +54,7 @@
 #include "examples/cli.h"
 #include "examples/profiling.h"
 #include "examples/training.h"
+#include "nn/checkpoint.h"
 #include "nn/functional.h"
 #include "nn/models.h"
 #include "optim/grad_scaler.h"
@@ -92,6 +93,7 @@ struct Flags {
   double timeout_sec = 0;  // 0: EMBER_DIST_TIMEOUT_SEC, else 10 minutes
   std::string amp = "off";  // off | bf16 | fp16 (mixed precision; fp16 with loss scaling)
   std::string grad_compress = "off";  // off | bf16 | fp16 (DDP's gradient-compression hook)
+  std::string ac = "none";            // activation checkpointing of the residual blocks
   std::string profile_dir;  // --profile: a few steps after warm-up, Chrome traces there
 };
 
@@ -115,6 +117,9 @@ constexpr char kUsage[] =
     "  --max-steps N        stop each epoch after N optimizer steps (smoke tests)\n"
     "  --eval-size N        evaluate on the first N test images only (smoke tests)\n"
     "  --amp off|bf16|fp16  mixed precision: autocast to bfloat16, or to float16 with a GradScaler (default off)\n"
+    "  --ac none|full|selective|every:K\n"
+    "                       activation checkpointing of the residual blocks: all, all keeping the convolutions'\n"
+    "                       outputs (selective), or every K-th block (default none)\n"
     "  --grad-compress off|bf16|fp16\n"
     "                       allreduce gradients in bfloat16 / float16 (DDP's compression hook: half the bytes;\n"
     "                       default off)\n"
@@ -159,6 +164,13 @@ Flags parse_flags(int argc, char** argv) {
       f.amp = next();
       if (f.amp != "off" && f.amp != "bf16" && f.amp != "fp16")
         usage_error("--amp takes off, bf16 or fp16, got '" + f.amp + "'");
+    } else if (arg == "--ac") {
+      f.ac = next();
+      try {
+        nn::ActivationCheckpointing::parse(f.ac);
+      } catch (const Error& e) {
+        usage_error(std::string("--ac: ") + e.what());
+      }
     } else if (arg == "--grad-compress") {
       f.grad_compress = next();
       if (f.grad_compress != "off" && f.grad_compress != "bf16" && f.grad_compress != "fp16")
@@ -379,6 +391,10 @@ Setup setup(const Flags& flags, const examples::Job& job) {
   if (flags.resume) resume(flags, job, s);
 
   if (flags.sync_bn) distributed::convert_sync_batchnorm(*s.model, job.pg);
+  const auto ac = nn::ActivationCheckpointing::parse(flags.ac);
+  const int wrapped = nn::apply_activation_checkpointing(*s.model, {"BasicBlock", "Bottleneck"}, ac);
+  if (ac.mode != nn::ActivationCheckpointing::Mode::None)
+    LOG0("activation checkpointing ", ac.str(), ": ", wrapped, " residual blocks");
   distributed::DDPOptions ddp_options;
   if (flags.grad_compress != "off")
     ddp_options.comm_hook = flags.grad_compress == "bf16" ? distributed::bf16_compress_hook()

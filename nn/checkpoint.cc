@@ -3,6 +3,7 @@
 // Module::operator(), which runs forward() through autograd::checkpoint.
 #include "nn/checkpoint.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "core/exception.h"
@@ -67,8 +68,8 @@ std::string ActivationCheckpointing::str() const {
   return "none";
 }
 
-int apply_activation_checkpointing(const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& blocks,
-                                   const ActivationCheckpointing& ac) {
+namespace {
+int apply_to(const std::vector<std::pair<std::string, Module*>>& blocks, const ActivationCheckpointing& ac) {
   int wrapped = 0;
   for (size_t i = 0; i < blocks.size(); ++i) {
     const auto& [name, block] = blocks[i];
@@ -93,6 +94,23 @@ int apply_activation_checkpointing(const std::vector<std::pair<std::string, std:
     ++wrapped;
   }
   return wrapped;
+}
+}  // namespace
+
+int apply_activation_checkpointing(const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& blocks,
+                                   const ActivationCheckpointing& ac) {
+  std::vector<std::pair<std::string, Module*>> raw;
+  for (const auto& [n, m] : blocks) raw.emplace_back(n, m.get());
+  return apply_to(raw, ac);
+}
+
+int apply_activation_checkpointing(Module& root, const std::vector<std::string>& block_types,
+                                   const ActivationCheckpointing& ac) {
+  std::vector<std::pair<std::string, Module*>> blocks;
+  for (auto& [n, m] : root.named_modules())
+    if (std::find(block_types.begin(), block_types.end(), m->type_name()) != block_types.end())
+      blocks.emplace_back(n, m);
+  return apply_to(blocks, ac);
 }
 
 namespace detail {

@@ -49,6 +49,11 @@ struct ActivationCheckpointing {
 // K-th); returns how many were wrapped. Names label the regions' errors.
 int apply_activation_checkpointing(const std::vector<std::pair<std::string, std::shared_ptr<Module>>>& blocks,
                                    const ActivationCheckpointing& ac);
+// The blocks are `root`'s submodules whose type_name() is one of
+// `block_types` ("TransformerBlock", "BasicBlock"), in module order, named
+// by their paths ("h.3", "layer2.1").
+int apply_activation_checkpointing(Module& root, const std::vector<std::string>& block_types,
+                                   const ActivationCheckpointing& ac);
 
 namespace detail {
 // Module::operator()'s path for a wrapped module.
