@@ -19,6 +19,7 @@
 #include <unordered_set>
 
 #include "autograd/engine_internal.h"
+#include "core/allocator.h"
 #include "core/autocast.h"
 #include "core/ops.h"
 
@@ -232,6 +233,7 @@ std::vector<Tensor> Region::backward() {
   std::vector<Tensor> outs;
   {
     FlagScope<bool> recomputing(t_recomputing, true);
+    MemoryKindScope activations(MemoryKind::Activations);  // recomputed activations, in the memory breakdown
     GradEnabled grad_on;
     autocast::RegionScope ac(autocast);
     RngScope rng(opts.preserve_rng_state, rng_offset);

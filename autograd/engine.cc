@@ -110,6 +110,7 @@ void accumulate_into_leaf(Node& acc, Tensor g) {
   if (g.dtype() != leaf.dtype() || g.device() != leaf.device()) g = g.to(leaf.device(), leaf.dtype());
   if (!m.grad.defined()) {
     m.grad = owned_copy(g);
+    set_memory_kind(m.grad, MemoryKind::Gradients);
   } else {
     m.grad += g;
   }

@@ -23,6 +23,44 @@
 namespace ember {
 
 namespace {
+thread_local MemoryKind t_memory_kind = MemoryKind::Other;
+}  // namespace
+
+const char* memory_kind_name(MemoryKind k) {
+  static const char* const names[kMemoryKinds] = {"other", "params", "grads", "optimizer", "gathered", "activations"};
+  return names[static_cast<int>(k)];
+}
+
+MemoryKindScope::MemoryKindScope(MemoryKind kind) : prev_(t_memory_kind) { t_memory_kind = kind; }
+MemoryKindScope::~MemoryKindScope() { t_memory_kind = prev_; }
+MemoryKind current_memory_kind() { return t_memory_kind; }
+
+void MemoryLedger::on_alloc(void* p, size_t bytes, AllocatorStats& stats) {
+  const MemoryKind k = t_memory_kind;
+  blocks_[p] = {k, bytes};
+  stats.allocated_by_kind[static_cast<int>(k)] += bytes;
+  if (stats.allocated > stats.peak_allocated) {
+    stats.peak_allocated = stats.allocated;
+    stats.peak_by_kind = stats.allocated_by_kind;
+  }
+}
+
+void MemoryLedger::on_free(void* p, size_t bytes, AllocatorStats& stats) {
+  auto it = blocks_.find(p);
+  EMBER_INTERNAL_ASSERT(it != blocks_.end() && it->second.second == bytes, "memory ledger: unknown block");
+  stats.allocated_by_kind[static_cast<int>(it->second.first)] -= bytes;
+  blocks_.erase(it);
+}
+
+void MemoryLedger::set_kind(void* p, MemoryKind kind, AllocatorStats& stats) {
+  auto it = blocks_.find(p);
+  if (it == blocks_.end() || it->second.first == kind) return;
+  stats.allocated_by_kind[static_cast<int>(it->second.first)] -= it->second.second;
+  stats.allocated_by_kind[static_cast<int>(kind)] += it->second.second;
+  it->second.first = kind;
+}
+
+namespace {
 
 // Blocks of 64 KiB and more are cached on free: glibc serves them with mmap
 // and returns them with munmap, and touching a fresh 64 MiB mapping costs
@@ -64,7 +102,7 @@ class CpuAllocator final : public Allocator {
     stats_.num_allocs++;
     stats_.allocated += cls;
     stats_.requested += nbytes;
-    stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+    ledger_.on_alloc(p, cls, stats_);
     return DataPtr{{p, [this, cls, nbytes](void* q) { release(q, cls, nbytes); }}, kCPU};
   }
 
@@ -76,6 +114,12 @@ class CpuAllocator final : public Allocator {
   void reset_peak_stats() override {
     std::lock_guard<std::mutex> g(mu_);
     stats_.peak_allocated = stats_.allocated;
+    ledger_.reset_peak(stats_);
+  }
+
+  void set_memory_kind(void* ptr, MemoryKind kind) override {
+    std::lock_guard<std::mutex> g(mu_);
+    ledger_.set_kind(ptr, kind, stats_);
   }
 
   void empty_cache() override {
@@ -112,6 +156,7 @@ class CpuAllocator final : public Allocator {
     std::lock_guard<std::mutex> g(mu_);
     stats_.allocated -= cls;
     stats_.requested -= nbytes;
+    ledger_.on_free(q, cls, stats_);
     if (cls >= kLarge && cached_ + cls <= cache_limit_) {
       cache_[cls].push_back(q);
       cached_ += cls;
@@ -126,6 +171,7 @@ class CpuAllocator final : public Allocator {
   size_t cached_ = 0;
   const size_t cache_limit_;
   AllocatorStats stats_;
+  MemoryLedger ledger_;
 };
 
 class PinnedAllocator final : public Allocator {

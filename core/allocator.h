@@ -7,9 +7,13 @@
 // is a third allocator used for fast host<->device copies (allocator.cc).
 #pragma once
 
+#include <array>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
+#include <unordered_map>
+#include <utility>
 
 #include "core/device.h"
 
@@ -22,6 +26,28 @@ struct DataPtr {
   void* get() const { return ptr.get(); }
 };
 
+// What a block of memory holds, for the breakdown of a step's peak
+// (parameters, gradients, optimizer state, gathered FSDP units, saved
+// activations, and the rest: temporaries, communication buffers, caches).
+// Allocations are charged to the kind of the MemoryKindScope active on the
+// allocating thread (Other outside any); set_memory_kind (tensor.h)
+// recharges a block once its role is known (a parameter's .grad).
+enum class MemoryKind : uint8_t { Other, Parameters, Gradients, Optimizer, Gathered, Activations };
+constexpr int kMemoryKinds = 6;
+const char* memory_kind_name(MemoryKind k);  // "other", "params", "grads", "optimizer", "gathered", "activations"
+
+class MemoryKindScope {
+ public:
+  explicit MemoryKindScope(MemoryKind kind);
+  ~MemoryKindScope();
+  MemoryKindScope(const MemoryKindScope&) = delete;
+  MemoryKindScope& operator=(const MemoryKindScope&) = delete;
+
+ private:
+  MemoryKind prev_;
+};
+MemoryKind current_memory_kind();
+
 struct AllocatorStats {
   size_t allocated = 0;       // bytes handed to tensors now
   size_t reserved = 0;        // bytes held from the driver (allocated + cached)
@@ -33,6 +59,25 @@ struct AllocatorStats {
   size_t requested = 0;
   size_t num_allocs = 0;         // allocate() calls
   size_t num_device_allocs = 0;  // calls that reached cudaMalloc / aligned_alloc
+  // `allocated` by MemoryKind (indexed by its value), now and at the moment
+  // of the high-water mark: each sums to allocated / peak_allocated.
+  std::array<size_t, kMemoryKinds> allocated_by_kind{};
+  std::array<size_t, kMemoryKinds> peak_by_kind{};
+};
+
+// The per-block kinds an allocator keeps under its own lock, and the
+// by-kind figures of its stats.
+class MemoryLedger {
+ public:
+  // After stats.allocated grew by `bytes` for block p (the peak taken here).
+  void on_alloc(void* p, size_t bytes, AllocatorStats& stats);
+  // After stats.allocated shrank by `bytes` for block p.
+  void on_free(void* p, size_t bytes, AllocatorStats& stats);
+  void set_kind(void* p, MemoryKind kind, AllocatorStats& stats);
+  void reset_peak(AllocatorStats& stats) const { stats.peak_by_kind = stats.allocated_by_kind; }
+
+ private:
+  std::unordered_map<void*, std::pair<MemoryKind, size_t>> blocks_;
 };
 
 class Allocator {
@@ -46,6 +91,9 @@ class Allocator {
   // reset_peak_memory_stats), to measure the peak of one step; a no-op
   // where no peak is kept (pinned memory).
   virtual void reset_peak_stats() {}
+  // Recharges the block at `ptr` (a DataPtr's get()) to `kind`; a no-op
+  // where kinds are not kept.
+  virtual void set_memory_kind(void* ptr, MemoryKind kind) { (void)ptr, (void)kind; }
 };
 
 Allocator* cpu_allocator();

@@ -71,7 +71,7 @@ class CudaCachingAllocator final : public Allocator {
     {
       std::lock_guard<std::mutex> g(mu_);
       stats_.allocated += cls;
-      stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+      ledger_.on_alloc(p, cls, stats_);
     }
     return DataPtr{{p, [this, stream, cls](void* q) { release(q, stream, cls); }},
                    cuda_device(device_)};
@@ -90,6 +90,12 @@ class CudaCachingAllocator final : public Allocator {
   void reset_peak_stats() override {
     std::lock_guard<std::mutex> g(mu_);
     stats_.peak_allocated = stats_.allocated;
+    ledger_.reset_peak(stats_);
+  }
+
+  void set_memory_kind(void* ptr, MemoryKind kind) override {
+    std::lock_guard<std::mutex> g(mu_);
+    ledger_.set_kind(ptr, kind, stats_);
   }
 
  private:
@@ -100,12 +106,13 @@ class CudaCachingAllocator final : public Allocator {
       std::lock_guard<std::mutex> g(mu_);
       stats_.num_allocs++;
       stats_.allocated += n;
-      stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+      ledger_.on_alloc(p, n, stats_);
     }
     return DataPtr{{p, [this, n](void* q) {
                       cudaFree(q);  // synchronizes, as the caching path's reuse need not
                       std::lock_guard<std::mutex> g(mu_);
                       stats_.allocated -= n;
+                      ledger_.on_free(q, n, stats_);
                       stats_.reserved -= n;
                     }},
                    cuda_device(device_)};
@@ -139,6 +146,7 @@ class CudaCachingAllocator final : public Allocator {
   void release(void* p, void* stream, size_t cls) {
     std::lock_guard<std::mutex> g(mu_);
     stats_.allocated -= cls;
+    ledger_.on_free(p, cls, stats_);
     free_[{stream, cls}].push_back(p);
   }
 
@@ -157,6 +165,7 @@ class CudaCachingAllocator final : public Allocator {
   mutable std::mutex mu_;
   std::map<std::pair<void*, size_t>, std::vector<void*>> free_;
   AllocatorStats stats_;
+  MemoryLedger ledger_;
 };
 
 }  // namespace

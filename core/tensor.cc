@@ -200,6 +200,13 @@ void Tensor::set_data(const Tensor& data) const {
   me.dtype = src.dtype;
 }
 
+void set_memory_kind(const Tensor& t, MemoryKind kind) {
+  if (!t.defined()) return;
+  const Storage& s = *t.impl().storage;
+  if (s.freed || s.data.get() == nullptr) return;
+  get_allocator(s.device())->set_memory_kind(s.data.get(), kind);
+}
+
 Tensor Tensor::alias() const { return make_view(*this, sizes(), strides(), storage_offset()); }
 
 namespace {

@@ -259,5 +259,9 @@ Shape contiguous_strides(const Shape& sizes);
 int64_t shape_numel(const Shape& sizes);
 // Broadcast two shapes NumPy-style; throws naming `op` and both shapes.
 Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op);
+// Charges the memory of `t`'s storage to `kind` in its allocator's
+// breakdown (allocator.h: a parameter, a .grad, optimizer state); a no-op
+// for undefined tensors and freed storage.
+void set_memory_kind(const Tensor& t, MemoryKind kind);
 
 }  // namespace ember

@@ -54,6 +54,7 @@
 #include "distributed/parallel/fsdp/fsdp.h"
 #include "distributed/parallel/fsdp/fsdp_state_dict.h"
 #include "distributed/parallel/rank_agreement.h"
+#include "distributed/parallel/step_memory.h"
 #include "distributed/parallel/tp/gpt_plan.h"
 #include "distributed/parallel/tp/loss_parallel.h"
 #include "examples/cli.h"
@@ -654,9 +655,14 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     for (int64_t m = 0; m < flags.accum_steps; ++m) {
       s.fsdp->set_requires_gradient_sync(m == flags.accum_steps - 1);
       auto [x, y] = windows(corpus, corpus.train, batch_starts(all, m), flags.seq);
-      // Vocab-sharded logits under tensor parallelism: the loss is parallel.
-      Tensor logits = (*s.gpt)(x.to(device));
-      Tensor loss = distributed::parallel_cross_entropy(logits, y.to(device).reshape({x.size(0), flags.seq}));
+      Tensor loss;
+      {
+        // What the forward allocates and backward still holds is activations.
+        MemoryKindScope activations(MemoryKind::Activations);
+        // Vocab-sharded logits under tensor parallelism: the loss is parallel.
+        Tensor logits = (*s.gpt)(x.to(device));
+        loss = distributed::parallel_cross_entropy(logits, y.to(device).reshape({x.size(0), flags.seq}));
+      }
       loss_sum += loss.item();
       scaler.scale(loss * (1.0 / flags.accum_steps)).backward();
     }
@@ -668,6 +674,11 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     ++step;
     profile.step();
     double loss = loss_sum / flags.accum_steps;
+    // The step's memory by part, at the largest peak over the ranks; printed
+    // once, after the second step (the first creates the optimizer state).
+    const distributed::StepMemory mem =
+        distributed::largest_over_ranks(*job.pg, distributed::measured_step_memory(alloc->stats()), device);
+    if (step - first == std::min<int64_t>(2, flags.max_steps - first)) LOG0(mem.line("memory peak"));
     if (!flags.metrics.empty()) {
       // The mean over the global batch (tp ranks hold the same loss: the
       // world's mean is the data-parallel ranks'), and the largest peak.
@@ -684,6 +695,12 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
                                {"grad_norm", grad_norm},
                                {"tokens_per_s", tokens_per_step / std::max(secs, 1e-9)},
                                {"mem_peak_mib", pt.to(kCPU).item() / (1 << 20)},
+                               {"mem_params_mib", mem[MemoryKind::Parameters]},
+                               {"mem_grads_mib", mem[MemoryKind::Gradients]},
+                               {"mem_optimizer_mib", mem[MemoryKind::Optimizer]},
+                               {"mem_gathered_mib", mem[MemoryKind::Gathered]},
+                               {"mem_activations_mib", mem[MemoryKind::Activations]},
+                               {"mem_other_mib", mem[MemoryKind::Other]},
                                {"batch_digest", batch_digest(all)}};
         metrics << line.dump() << "\n" << std::flush;
       }

@@ -175,8 +175,8 @@ Flags parse_flags(int argc, char** argv) {
       f.grad_compress = next();
       if (f.grad_compress != "off" && f.grad_compress != "bf16" && f.grad_compress != "fp16")
         usage_error("--grad-compress takes off, bf16 or fp16, got '" + f.grad_compress + "'");
-    }
-    else usage_error("unknown flag '" + arg + "'");
+    } else
+      usage_error("unknown flag '" + arg + "'");
   }
   if (!f.model.empty() && f.model != "narrow" && f.model != "resnet18" && f.model != "resnet34" &&
       f.model != "resnet50")

@@ -141,6 +141,7 @@ void Optimizer::init(std::vector<ParamGroup> groups) {
 
 void Optimizer::add_param_group(ParamGroup group) {
   const size_t gi = groups_.size();
+  for (const Tensor& p : group.params) set_memory_kind(p, MemoryKind::Parameters);
   for (const auto& [k, v] : group.options)
     EMBER_CHECK(defaults_.count(k) || k == kInitialLr, name_, ": unknown option '", k, "' in parameter group ", gi,
                 " (known: ", join_keys(defaults_), ")");
@@ -288,6 +289,7 @@ void Optimizer::load_state_dict(const OptimizerStateDict& sd) {
     set_lr(groups_[gi], groups_[gi].options.at("lr"));
   }
   state_.clear();
+  MemoryKindScope optimizer_memory(MemoryKind::Optimizer);
   for (auto& [p, name, t] : entries) {
     Tensor copy = name == "step" ? Tensor::empty({}, {DType::Float32, p.device()}) : Tensor::empty(p.sizes(), state_options(p));
     copy.copy_(name == "step" ? t.reshape({}) : t);
@@ -344,6 +346,9 @@ void SGD::step_unless_inf(const Tensor& found_inf) {
 }
 
 void SGD::step_impl(const Tensor& found_inf) {
+  // State the step creates (moments, momentum buffers, float32 masters) is
+  // the optimizer's in the memory breakdown (core/allocator.h).
+  MemoryKindScope optimizer_memory(MemoryKind::Optimizer);
   profiler::Scope prof(profiler::Kind::Optimizer, "SGD.step");
   NoGradGuard no_grad;
   for (auto& group : param_groups()) {
@@ -419,6 +424,9 @@ void Adam::step_unless_inf(const Tensor& found_inf) {
 }
 
 void Adam::step_impl(const Tensor& found_inf) {
+  // State the step creates (moments, momentum buffers, float32 masters) is
+  // the optimizer's in the memory breakdown (core/allocator.h).
+  MemoryKindScope optimizer_memory(MemoryKind::Optimizer);
   profiler::Scope prof(profiler::Kind::Optimizer, name() + ".step");  // Adam or AdamW
   NoGradGuard no_grad;
   for (auto& group : param_groups()) {

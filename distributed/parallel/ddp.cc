@@ -308,6 +308,7 @@ void Replicated::Impl::build_buckets() {
     }
     // One rank's whole gradients: no padding (allreduce needs none).
     bucket.grads = FlatBuffer(layout, params[members.front()].options(), 1);
+    set_memory_kind(bucket.grads.flat(), MemoryKind::Gradients);  // the .grad()s are its views
     buckets.push_back(std::move(bucket));
   }
   ready.assign(params.size(), 0);

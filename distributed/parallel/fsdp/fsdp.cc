@@ -122,6 +122,7 @@ int64_t Unit::num_trainable() const {
 }
 
 Tensor Unit::reconcile(const Tensor& flat, bool sharded, int64_t numel, TensorOptions opts) const {
+  MemoryKindScope grads_memory(MemoryKind::Gradients);  // the buffers it makes hold gradients
   // A parameter is expected to hold its view of `flat` when the sharded
   // gradient of it was exposed (or, unsharded, whenever `flat` exists).
   bool any = false, all_views = flat.defined();
@@ -193,6 +194,7 @@ void Unit::start_gather() {
   if (state == State::UNSHARDED || gathering) return;
   if (shares_storage) return;  // the shard is the whole buffer: nothing to gather
   NoGradGuard ng;
+  MemoryKindScope gathered_memory(MemoryKind::Gathered);
   if (layout.released()) layout.restore();
   Tensor src = shard;
   if (src.device() != device) src = src.to(device);
@@ -261,6 +263,7 @@ void Unit::accumulate_shard_grad(const Tensor& reduced, const std::vector<bool>&
     shard_grad = current;
   } else {
     shard_grad = r;  // the reduction's own buffer: nothing else holds it
+    set_memory_kind(shard_grad, MemoryKind::Gradients);
   }
   shard_grad_weak.reset();
   if (state == State::SHARDED) {
@@ -372,6 +375,7 @@ void Unit::ensure_grad_buffer() {
   // Backward accumulates in place into one buffer, the parameters' .grad()
   // its views (the engine adds into a defined .grad()).
   grad_flat = zeros({layout.padded_numel()}, compute_options());
+  set_memory_kind(grad_flat, MemoryKind::Gradients);
   expose_grads(grad_flat, false);
 }
 

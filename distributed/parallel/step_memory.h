@@ -1,0 +1,37 @@
+// A training step's memory, part by part: parameters, gradients, optimizer
+// state, gathered FSDP units, saved activations and the rest (temporaries,
+// communication buffers), measured by the allocator at the step's peak
+// (core/allocator.h's MemoryKind ledger) and predicted from the model and
+// its layout, so the two can be printed side by side:
+//
+//   memory peak 51.4 MiB: params 0.4, grads 0.4, optimizer 0.8, gathered 1.2, activations 44.0, other 4.6
+//
+// The parts add up to the peak. Across ranks the breakdown reported is that
+// of the rank with the largest peak (so it still adds up).
+#pragma once
+
+#include <array>
+#include <memory>
+#include <string>
+
+#include "core/allocator.h"
+#include "distributed/comm/process_group.h"
+
+namespace ember::distributed {
+
+struct StepMemory {
+  std::array<double, kMemoryKinds> mib{};  // indexed by MemoryKind
+  double& operator[](MemoryKind k) { return mib[static_cast<int>(k)]; }
+  double operator[](MemoryKind k) const { return mib[static_cast<int>(k)]; }
+  double total() const;
+  // "<what> X MiB: params A, grads B, optimizer C, gathered D, activations E, other F"
+  std::string line(const std::string& what) const;
+};
+
+// The breakdown at the peak since the allocator's last reset_peak_stats().
+StepMemory measured_step_memory(const AllocatorStats& stats);
+// The breakdown of the rank whose peak is largest (collective over `pg`;
+// `device`: where pg's tensors live).
+StepMemory largest_over_ranks(ProcessGroup& pg, const StepMemory& mine, Device device);
+
+}  // namespace ember::distributed
