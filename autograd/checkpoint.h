@@ -32,7 +32,7 @@
 // torchtitan's op-level AC): `save` names the ops whose outputs are kept,
 // so the recompute skips them; only ops whose forward is just their result
 // can be kept (keepable_ops()). save_compute_intensive() keeps the
-// compute-heavy ones (linear, matmul, conv2d) and the collectives of tensor
+// compute-heavy ones (linear, matmul, conv2d, attention) and the collectives of tensor
 // parallelism, so a recompute redoes only the cheap elementwise work and
 // no communication, as Megatron's selective recompute.
 #pragma once
@@ -50,7 +50,8 @@ namespace ember::autograd {
 using SavePolicy = std::function<bool(const std::string& op)>;
 // The ops a policy may keep (their forward computes only their result).
 const std::vector<std::string>& keepable_ops();
-// Keeps linear, matmul, conv2d, sequence_parallel_linear and the collectives.
+// Keeps linear, matmul, conv2d, scaled_dot_product_attention,
+// sequence_parallel_linear and the collectives.
 SavePolicy save_compute_intensive();
 
 struct CheckpointOptions {

@@ -7,7 +7,9 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 
+#include "core/ops.h"
 #include "core/tensor.h"
 
 namespace ember {
@@ -30,6 +32,18 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor
 enum class ConvAlgorithm { Auto, Direct };
 void set_cpu_conv_algorithm(ConvAlgorithm algorithm);
 ConvAlgorithm cpu_conv_algorithm();
+
+// Scaled-dot-product attention (torch.nn.functional.scaled_dot_product_attention):
+// q [..., Tq, D], k [..., Tk, D], v [..., Tk, Dv] -> [..., Tq, Dv] =
+// dropout(softmax(q k^T * scale [+ causal mask]), dropout_p) v, with scale
+// 1/sqrt(D) by default and torch's top-left causal mask (query i sees keys
+// j <= i). One op (core/ops/attention.cc): the [Tq, Tk] probabilities are
+// never stored; backward recomputes them block by block. Dropout draws from
+// `gen` (the default generator if null) the mask dropout() would. A
+// low-precision op under autocast; 16-bit inputs are computed in float32.
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal = false,
+                                    double dropout_p = 0.0, Generator* gen = nullptr,
+                                    std::optional<double> scale = std::nullopt);
 
 // Normalises each channel of x [N, C, H, W]. training: by the batch
 // statistics, and, when running_mean/var are defined, updates them in place

@@ -122,6 +122,24 @@ TEST_F(CudaNnOps, Conv2dMatchesCpu) {
     }
 }
 
+// Fused attention: causal and not, more keys than queries, dropout (the
+// same Philox mask on both backends), forward and the three gradients.
+TEST_F(CudaNnOps, AttentionMatchesCpu) {
+  uint64_t seed = 300;
+  for (bool causal : {false, true})
+    for (double p : {0.0, 0.3})
+      for (DType dt : {DType::Float32, DType::Float64}) {
+        const int64_t tk = causal ? 9 : 13;
+        std::vector<Tensor> in = {rnd({2, 3, 9, 8}, seed++, dt), rnd({2, 3, tk, 8}, seed++, dt),
+                                  rnd({2, 3, tk, 5}, seed++, dt)};
+        Fn f = [causal, p](const std::vector<Tensor>& v) {
+          Generator g(17);
+          return scaled_dot_product_attention(v[0], v[1], v[2], causal, p, &g);
+        };
+        compare(f, in, tol(dt), cat("attention causal ", causal, " p ", p, " ", dt));
+      }
+}
+
 // The TF32 switches take effect (the emulated cuDNN and cuBLAS round float
 // operands to TF32 when a call allows it, as the tensor cores do): off, a
 // float32 convolution and matmul match the CPU to float rounding; on, they

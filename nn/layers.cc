@@ -165,12 +165,19 @@ Dropout::Dropout(double p) : Module("Dropout"), p(p) {
   EMBER_CHECK(p >= 0 && p <= 1, "Dropout: probability has to be between 0 and 1, but got ", p);
 }
 
+Generator* Dropout::generator(Generator& own) const {
+  if (!is_training() || p == 0) return nullptr;
+  Generator& g = default_generator();
+  if (stream == 0) return &g;
+  own.manual_seed(g.seed() ^ (0x9E3779B97F4A7C15ULL * stream));
+  own.set_offset(g.next_offset());
+  return &own;
+}
+
 Tensor Dropout::forward(const Tensor& x) {
   if (stream == 0 || !is_training() || p == 0) return functional::dropout(x, p, is_training());
-  Generator& g = default_generator();
-  Generator own(g.seed() ^ (0x9E3779B97F4A7C15ULL * stream));
-  own.set_offset(g.next_offset());
-  return functional::dropout(x, p, true, &own);
+  Generator own;
+  return functional::dropout(x, p, true, generator(own));
 }
 
 MaxPool2d::MaxPool2d(std::array<int64_t, 2> k, std::array<int64_t, 2> s, std::array<int64_t, 2> p, bool ceil)

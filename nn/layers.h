@@ -117,6 +117,11 @@ class Dropout : public Module {
   // (tensor parallelism's shards) set different streams and get
   // independent masks, and the default generator still advances alike.
   uint64_t stream = 0;
+  // The generator this call's mask comes from (the default one, or `own`
+  // set up for the stream, advancing the default one alike), or null when
+  // this call drops nothing (eval, p = 0): for ops that drop inside
+  // themselves (attention's probabilities).
+  Generator* generator(Generator& own) const;
 };
 
 class MaxPool2d : public Module {

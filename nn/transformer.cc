@@ -9,21 +9,11 @@
 
 #include "core/autograd_hook.h"
 #include "core/ops.h"
+#include "core/ops_nn.h"
 #include "nn/functional.h"
 #include "nn/init.h"
 
 namespace ember::nn {
-namespace {
-
-// [T, T]: 0 where key position <= query position, -inf above the diagonal,
-// made where it is used (on a GPU: by kernels, nothing built on the host).
-Tensor make_causal_mask(int64_t T, TensorOptions options) {
-  const TensorOptions idx{DType::Int64, options.device};
-  Tensor q = arange(static_cast<double>(T), idx).unsqueeze(1), k = arange(static_cast<double>(T), idx).unsqueeze(0);
-  return where(gt(k, q), full({T, T}, -std::numeric_limits<double>::infinity(), options), zeros({T, T}, options));
-}
-
-}  // namespace
 
 MultiheadAttention::MultiheadAttention(int64_t embed_dim_, int64_t num_heads_, double dropout_, bool causal_,
                                        bool bias)
@@ -56,20 +46,14 @@ Tensor MultiheadAttention::forward(const Tensor& x) {
     return qkv.narrow(2, which * E, E).reshape({B, T, H, D}).permute({0, 2, 1, 3}).reshape({B * H, T, D});
   };
   Tensor q = heads(0), k = heads(1), v = heads(2);
-  Tensor scores = bmm(q, k.transpose(1, 2)) * (1.0 / std::sqrt(static_cast<double>(D)));  // [B * H, T, T]
-  if (causal) {
-    // Made once per (length, dtype, device) and kept: a mask per forward
-    // cost a host loop, an allocation and a copy in every layer.
-    if (!mask_cache_.defined() || mask_cache_.size(0) != T || mask_cache_.dtype() != scores.dtype() ||
-        mask_cache_.device() != scores.device()) {
-      NoGradGuard no_grad;
-      mask_cache_ = make_causal_mask(T, scores.options());
-    }
-    scores = scores + mask_cache_;
-  }
-  Tensor attn = softmax(scores, -1);
-  attn = (*attn_drop)(attn);
-  Tensor out = bmm(attn, v).reshape({B, H, T, D}).permute({0, 2, 1, 3}).reshape({B, T, E});
+  // One fused op: the [T, T] probabilities are neither stored for backward
+  // nor a separate softmax / dropout / mask pass (core/ops/attention.cc).
+  Generator own;
+  Generator* gen = attn_drop->generator(own);
+  Tensor out = scaled_dot_product_attention(q, k, v, causal, gen ? attn_drop->p : 0.0, gen)
+                   .reshape({B, H, T, D})
+                   .permute({0, 2, 1, 3})
+                   .reshape({B, T, E});
   return (*out_proj)(out);
 }
 

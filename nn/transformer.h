@@ -36,10 +36,7 @@ class MultiheadAttention : public Module {
   Tensor in_proj_weight, in_proj_bias;  // [3E, E], [3E]: q, k, v stacked, as torch's
   LinearKernel in_proj_kernel;          // how in_proj is computed (layers.h)
   std::shared_ptr<Linear> out_proj;
-  std::shared_ptr<Dropout> attn_drop;  // on the attention weights
-
- private:
-  Tensor mask_cache_;  // the causal mask last used (not state: rebuilt on demand)
+  std::shared_ptr<Dropout> attn_drop;  // on the attention weights (inside the fused op)
 };
 
 // The GPT MLP: c_fc (E -> 4E), GELU (tanh approximation, as GPT-2), c_proj

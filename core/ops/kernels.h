@@ -99,6 +99,26 @@ void reduce_cuda(ReduceOp op, const Tensor& in, Tensor& out, int64_t outer, int6
 void softmax_cpu(const Tensor& in, Tensor& out, int64_t outer, int64_t r, int64_t inner, bool log);
 void softmax_cuda(const Tensor& in, Tensor& out, int64_t outer, int64_t r, int64_t inner, bool log);
 
+// Fused attention over contiguous q [n, tq, d], k [n, tk, d], v [n, tk, dv]
+// (float32 or float64): out = dropout(softmax(q k^T * scale, causal: key j
+// seen by query i only when j <= i)) v. Dropout keeps element (b, i, j) when
+// Philox's Bernoulli(1 - p) draw at index (b * tq + i) * tk + j (seed,
+// offset) is 1, as bernoulli() fills [n, tq, tk]. The backward recomputes
+// the probabilities from q and k; dq, dk, dv are overwritten.
+struct AttentionArgs {
+  int64_t n = 0, tq = 0, tk = 0, d = 0, dv = 0;
+  double scale = 1.0;
+  bool causal = false;
+  double dropout_p = 0.0;
+  uint64_t seed = 0, offset = 0;
+};
+void attention_forward_cpu(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
+void attention_forward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
+void attention_backward_cpu(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv);
+void attention_backward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv);
+
 // Row-major batched GEMM: C[b] = op(A[b]) @ op(B[b]), C contiguous [batch, m, n].
 struct GemmArgs {
   DType dtype;

@@ -1,0 +1,125 @@
+// Fused attention (core/ops/attention.cc) against the composed reference
+// (matmul, mask, softmax, dropout, matmul) in float64, with the dropout
+// mask dropout() draws from the same generator; finite differences through
+// it; shapes several blocks long (the CPU kernel's 64-row blocks), 16-bit
+// inputs, and the errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "autograd/gradcheck.h"
+#include "core/ops.h"
+#include "core/ops_nn.h"
+#include "core/testing/error_of.h"
+
+namespace ember {
+namespace {
+
+Tensor rnd(const Shape& s, uint64_t seed, DType dt = DType::Float64) {
+  Generator g(seed);
+  return randn(s, {DType::Float64}, &g).to(dt);
+}
+
+// softmax(q k^T * scale + mask) with dropout from `gen`, times v.
+Tensor reference(const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double p, Generator* gen) {
+  const int64_t tq = q.size(-2), tk = k.size(-2);
+  Tensor s = matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+  if (causal) {
+    std::vector<double> m(static_cast<size_t>(tq * tk));
+    for (int64_t i = 0; i < tq; ++i)
+      for (int64_t j = 0; j < tk; ++j) m[i * tk + j] = j > i ? -std::numeric_limits<double>::infinity() : 0.0;
+    s = s + Tensor::from_vector(m, {tq, tk}, s.dtype());
+  }
+  Tensor a = softmax(s, -1);
+  if (p > 0) {
+    Tensor keep = bernoulli(a.sizes(), 1.0 - p, a.options(), gen);
+    a = a * keep * (1.0 / (1.0 - p));
+  }
+  return matmul(a, v);
+}
+
+void expect_close(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  const auto g = got.to_vector(), w = want.to_vector();
+  for (size_t i = 0; i < g.size(); ++i)
+    ASSERT_NEAR(g[i], w[i], tol * std::max(1.0, std::abs(w[i]))) << what << " " << i;
+}
+
+struct Case {
+  Shape q, k, v;
+  bool causal;
+  double p;
+};
+
+TEST(Attention, MatchesComposedReferenceForwardAndBackward) {
+  const std::vector<Case> cases = {
+      {{2, 3, 5, 4}, {2, 3, 5, 4}, {2, 3, 5, 4}, false, 0.0},   {{2, 3, 5, 4}, {2, 3, 5, 4}, {2, 3, 5, 6}, true, 0.0},
+      {{1, 2, 70, 8}, {1, 2, 70, 8}, {1, 2, 70, 8}, true, 0.0},  // two query blocks
+      {{3, 150, 16}, {3, 150, 16}, {3, 150, 16}, true, 0.25},    // three, with dropout
+      {{2, 7, 8}, {2, 131, 8}, {2, 131, 3}, false, 0.1},         // more keys than queries
+      {{2, 131, 8}, {2, 9, 8}, {2, 9, 3}, true, 0.0},            // fewer: rows past the last key see all
+  };
+  uint64_t seed = 1;
+  for (const Case& c : cases)
+    for (DType dt : {DType::Float64, DType::Float32}) {
+      const std::string what =
+          shape_str(c.q) + " causal " + std::to_string(c.causal) + " p " + std::to_string(c.p) + " " + dtype_name(dt);
+      Tensor q = rnd(c.q, seed++, dt).requires_grad_(), k = rnd(c.k, seed++, dt).requires_grad_(),
+             v = rnd(c.v, seed++, dt).requires_grad_();
+      Tensor q64 = q.detach().to(DType::Float64).requires_grad_(), k64 = k.detach().to(DType::Float64).requires_grad_(),
+             v64 = v.detach().to(DType::Float64).requires_grad_();
+      Generator g1(5), g2(5);
+      Tensor y = scaled_dot_product_attention(q, k, v, c.causal, c.p, &g1);
+      Tensor want = reference(q64, k64, v64, c.causal, c.p, &g2);
+      const double tol = dt == DType::Float64 ? 1e-10 : 2e-5;
+      expect_close(y, want, tol, what + " forward");
+      Tensor proj = rnd(y.sizes(), 99);
+      sum(y * proj.to(dt)).backward();
+      sum(want * proj).backward();
+      expect_close(q.grad(), q64.grad(), tol * 10, what + " dq");
+      expect_close(k.grad(), k64.grad(), tol * 10, what + " dk");
+      expect_close(v.grad(), v64.grad(), tol * 10, what + " dv");
+    }
+}
+
+TEST(Attention, Gradcheck) {
+  for (bool causal : {false, true}) {
+    std::vector<Tensor> xs = {rnd({2, 6, 4}, 11).requires_grad_(), rnd({2, 6, 4}, 12).requires_grad_(),
+                              rnd({2, 6, 3}, 13).requires_grad_()};
+    auto r = autograd::gradcheck(
+        [causal](const std::vector<Tensor>& v) {
+          Generator g(3);
+          return scaled_dot_product_attention(v[0], v[1], v[2], causal, 0.2, &g);
+        },
+        xs);
+    EXPECT_TRUE(r.ok) << "causal " << causal << ": " << r.message;
+  }
+}
+
+TEST(Attention, HalfInputsComputeInFloat32) {
+  Tensor q = rnd({2, 9, 8}, 21), k = rnd({2, 9, 8}, 22), v = rnd({2, 9, 8}, 23);
+  Tensor want = reference(q, k, v, true, 0, nullptr);
+  for (DType dt : {DType::BFloat16, DType::Float16}) {
+    Tensor y = scaled_dot_product_attention(q.to(dt), k.to(dt), v.to(dt), true);
+    EXPECT_EQ(y.dtype(), dt);
+    expect_close(y.to(DType::Float64), want, dt == DType::BFloat16 ? 3e-2 : 5e-3, dtype_name(dt));
+  }
+}
+
+TEST(Attention, Errors) {
+  auto msg = testing::error_of([] { scaled_dot_product_attention(ones({2, 3, 4}), ones({2, 3, 5}), ones({2, 3, 4})); });
+  EXPECT_NE(msg.find("scaled_dot_product_attention: q [2,3,4] and k [2,3,5] must have the same last dim"),
+            std::string::npos)
+      << msg;
+  msg = testing::error_of([] { scaled_dot_product_attention(ones({2, 3, 4}), ones({2, 5, 4}), ones({2, 4, 4})); });
+  EXPECT_NE(msg.find("must have the same number of keys"), std::string::npos) << msg;
+  msg = testing::error_of([] { scaled_dot_product_attention(ones({3, 4}), ones({3, 4}), ones({3, 4}), false, 1.0); });
+  EXPECT_NE(msg.find("dropout_p must be in [0, 1), got 1"), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace ember

@@ -1,0 +1,262 @@
+// Fused scaled-dot-product attention (torch's F.scaled_dot_product_attention):
+// softmax(q k^T * scale, causal mask) with dropout, times v, without the
+// [T, T] score matrices ever living beyond one block. The CPU kernel works on
+// blocks of 64 query rows: their scores against the keys they may see (a
+// causal block stops at its last row), the softmax and the block's output,
+// in a scratch of 64 x T; the backward recomputes each block's softmax from
+// q and k (flash-attention's trade: no probabilities saved, so the op keeps
+// only q, k, v and its output for backward) and forms dV, dP, dS, dQ and dK
+// with GEMMs. Dropout's mask is drawn element by element from Philox at
+// index (b * tq + i) * tk + j, exactly as bernoulli() fills a [n, tq, tk]
+// tensor, so it is the mask dropout() would apply to the probabilities, and
+// the backward redraws it instead of storing it.
+#include <cblas.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/autocast.h"
+#include "core/autograd_hook.h"
+#include "core/ops.h"
+#include "core/ops/cpu_loop.h"
+#include "core/ops/kernels.h"
+#include "core/ops/philox.h"
+#include "core/ops_nn.h"
+
+namespace ember {
+namespace {
+
+constexpr int64_t kBlock = 64;
+
+template <typename T>
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda, const T* b, int64_t ldb,
+          T beta, T* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  const auto TA = ta ? CblasTrans : CblasNoTrans, TB = tb ? CblasTrans : CblasNoTrans;
+  if constexpr (std::is_same_v<T, float>)
+    cblas_sgemm(CblasRowMajor, TA, TB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  else
+    cblas_dgemm(CblasRowMajor, TA, TB, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+// The keys row i of a block may see: all, or j <= i.
+inline int64_t keys_for(const AttentionArgs& a, int64_t i) { return a.causal ? std::min(i + 1, a.tk) : a.tk; }
+
+inline bool kept(const AttentionArgs& a, int64_t b, int64_t i, int64_t j) {
+  const int64_t idx = (b * a.tq + i) * a.tk + j;
+  return random_value(RandomKind::Bernoulli, idx, 0, 0, 1.0 - a.dropout_p, a.seed, a.offset) != 0.0;
+}
+
+// Scores of rows [i0, i1) of head b against keys [0, kmax) into s (ld kmax),
+// turned into probabilities in place (zero where masked); returns nothing
+// else: the backward calls it again.
+template <typename T>
+void block_probs(const AttentionArgs& a, const T* q, const T* k, int64_t i0, int64_t i1, int64_t kmax, T* s) {
+  const int64_t rows = i1 - i0;
+  gemm<T>(false, true, rows, kmax, a.d, static_cast<T>(a.scale), q + i0 * a.d, a.d, k, a.d, T(0), s, kmax);
+  for (int64_t r = 0; r < rows; ++r) {
+    T* row = s + r * kmax;
+    const int64_t lim = keys_for(a, i0 + r);
+    T m = -std::numeric_limits<T>::infinity();
+    for (int64_t j = 0; j < lim; ++j) m = std::max(m, row[j]);
+    T sum = 0;
+    for (int64_t j = 0; j < lim; ++j) {
+      row[j] = std::exp(row[j] - m);
+      sum += row[j];
+    }
+    const T inv = T(1) / sum;
+    for (int64_t j = 0; j < lim; ++j) row[j] *= inv;
+    for (int64_t j = lim; j < kmax; ++j) row[j] = T(0);
+  }
+}
+
+// Applies the dropout mask and 1 / (1 - p) to rows [i0, i1) of head b.
+template <typename T>
+void block_dropout(const AttentionArgs& a, int64_t b, int64_t i0, int64_t i1, int64_t kmax, T* s) {
+  if (a.dropout_p <= 0) return;
+  const T scale = static_cast<T>(1.0 / (1.0 - a.dropout_p));
+  for (int64_t r = 0; r < i1 - i0; ++r)
+    for (int64_t j = 0; j < keys_for(a, i0 + r); ++j)
+      s[r * kmax + j] = kept(a, b, i0 + r, j) ? s[r * kmax + j] * scale : T(0);
+}
+
+template <typename T>
+void forward_cpu(const AttentionArgs& a, const T* q, const T* k, const T* v, T* out) {
+  const int64_t blocks = (a.tq + kBlock - 1) / kBlock;
+  parallel_for(a.n * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> s(static_cast<size_t>(kBlock * a.tk));
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / blocks, i0 = (w % blocks) * kBlock, i1 = std::min(i0 + kBlock, a.tq);
+      const int64_t kmax = keys_for(a, i1 - 1);
+      const T* qb = q + b * a.tq * a.d;
+      const T* kb = k + b * a.tk * a.d;
+      const T* vb = v + b * a.tk * a.dv;
+      block_probs(a, qb, kb, i0, i1, kmax, s.data());
+      block_dropout(a, b, i0, i1, kmax, s.data());
+      gemm<T>(false, false, i1 - i0, a.dv, kmax, T(1), s.data(), kmax, vb, a.dv, T(0), out + (b * a.tq + i0) * a.dv,
+              a.dv);
+    }
+  });
+}
+
+template <typename T>
+void backward_cpu(const AttentionArgs& a, const T* q, const T* k, const T* v, const T* out, const T* dout, T* dq, T* dk,
+                  T* dv) {
+  // One head per work item: dK and dV sum over the head's query blocks.
+  parallel_for(a.n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> p(static_cast<size_t>(kBlock * a.tk)), pd(p.size()), dp(p.size()), delta(kBlock);
+    for (int64_t b = begin; b < end; ++b) {
+      const T* qb = q + b * a.tq * a.d;
+      const T* kb = k + b * a.tk * a.d;
+      const T* vb = v + b * a.tk * a.dv;
+      T* dkb = dk + b * a.tk * a.d;
+      T* dvb = dv + b * a.tk * a.dv;
+      std::fill(dkb, dkb + a.tk * a.d, T(0));
+      std::fill(dvb, dvb + a.tk * a.dv, T(0));
+      for (int64_t i0 = 0; i0 < a.tq; i0 += kBlock) {
+        const int64_t i1 = std::min(i0 + kBlock, a.tq), rows = i1 - i0, kmax = keys_for(a, i1 - 1);
+        const T* dob = dout + (b * a.tq + i0) * a.dv;
+        const T* ob = out + (b * a.tq + i0) * a.dv;
+        block_probs(a, qb, kb, i0, i1, kmax, p.data());
+        const T* pdrop = p.data();
+        if (a.dropout_p > 0) {
+          std::copy(p.begin(), p.begin() + rows * kmax, pd.begin());
+          block_dropout(a, b, i0, i1, kmax, pd.data());
+          pdrop = pd.data();
+        }
+        // dV += P_drop^T dO; dP_drop = dO V^T.
+        gemm<T>(true, false, kmax, a.dv, rows, T(1), pdrop, kmax, dob, a.dv, T(1), dvb, a.dv);
+        gemm<T>(false, true, rows, kmax, a.dv, T(1), dob, a.dv, vb, a.dv, T(0), dp.data(), kmax);
+        // delta_i = dO_i . O_i = sum_j P_ij dP_ij; dS = P (dP - delta) * scale.
+        const T keep_scale = static_cast<T>(a.dropout_p > 0 ? 1.0 / (1.0 - a.dropout_p) : 1.0);
+        for (int64_t r = 0; r < rows; ++r) {
+          T dsum = 0;
+          for (int64_t e = 0; e < a.dv; ++e) dsum += dob[r * a.dv + e] * ob[r * a.dv + e];
+          T* dpr = dp.data() + r * kmax;
+          const T* pr = p.data() + r * kmax;
+          const int64_t lim = keys_for(a, i0 + r);
+          for (int64_t j = 0; j < lim; ++j) {
+            T g = dpr[j];
+            if (a.dropout_p > 0) g = kept(a, b, i0 + r, j) ? g * keep_scale : T(0);
+            dpr[j] = pr[j] * (g - dsum) * static_cast<T>(a.scale);
+          }
+          for (int64_t j = lim; j < kmax; ++j) dpr[j] = T(0);
+        }
+        // dQ = dS K; dK += dS^T Q.
+        gemm<T>(false, false, rows, a.d, kmax, T(1), dp.data(), kmax, kb, a.d, T(0), dq + (b * a.tq + i0) * a.d, a.d);
+        gemm<T>(true, false, kmax, a.d, rows, T(1), dp.data(), kmax, qb + i0 * a.d, a.d, T(1), dkb, a.d);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void attention_forward_cpu(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  if (q.dtype() == DType::Float64)
+    forward_cpu(a, q.data<double>(), k.data<double>(), v.data<double>(), out.data<double>());
+  else
+    forward_cpu(a, q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>());
+}
+
+void attention_backward_cpu(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
+                            const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+  if (q.dtype() == DType::Float64)
+    backward_cpu(a, q.data<double>(), k.data<double>(), v.data<double>(), out.data<double>(), dout.data<double>(),
+                 dq.data<double>(), dk.data<double>(), dv.data<double>());
+  else
+    backward_cpu(a, q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(), dout.data<float>(),
+                 dq.data<float>(), dk.data<float>(), dv.data<float>());
+}
+
+namespace {
+
+// [..., t, d] -> contiguous [n, t, d] in the compute dtype (float32 for
+// 16-bit inputs; the kernels accumulate in it).
+Tensor as_rows(const Tensor& x, DType compute) {
+  Tensor c = x.dtype() == compute ? x : x.to(compute);
+  return c.contiguous().reshape({-1, x.size(-2), x.size(-1)});
+}
+
+}  // namespace
+
+Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, bool is_causal,
+                                    double dropout_p, Generator* gen, std::optional<double> scale) {
+  const Tensor q = autocast::low(q_in), k = autocast::low(k_in), v = autocast::low(v_in);
+  const char* op = "scaled_dot_product_attention";
+  EMBER_CHECK(q.defined() && k.defined() && v.defined(), op, ": q, k and v must be defined");
+  EMBER_CHECK(q.dim() >= 2 && q.dim() == k.dim() && q.dim() == v.dim(), op, ": q ", shape_str(q.sizes()), ", k ",
+              shape_str(k.sizes()), " and v ", shape_str(v.sizes()), " must have the same number (>= 2) of dims");
+  EMBER_CHECK(is_floating(q.dtype()) && q.dtype() == k.dtype() && q.dtype() == v.dtype(), op,
+              ": q, k and v must share one floating dtype, got ", q.dtype(), ", ", k.dtype(), ", ", v.dtype());
+  EMBER_CHECK(q.device() == k.device() && q.device() == v.device(), op, ": q, k and v must be on one device, got ",
+              q.device(), ", ", k.device(), ", ", v.device());
+  const int64_t nd = q.dim();
+  for (int64_t i = 0; i < nd - 2; ++i)
+    EMBER_CHECK(q.size(i) == k.size(i) && q.size(i) == v.size(i), op, ": batch dims differ: q ", shape_str(q.sizes()),
+                ", k ", shape_str(k.sizes()), ", v ", shape_str(v.sizes()));
+  EMBER_CHECK(q.size(-1) == k.size(-1), op, ": q ", shape_str(q.sizes()), " and k ", shape_str(k.sizes()),
+              " must have the same last dim (the head size)");
+  EMBER_CHECK(k.size(-2) == v.size(-2), op, ": k ", shape_str(k.sizes()), " and v ", shape_str(v.sizes()),
+              " must have the same number of keys");
+  EMBER_CHECK(dropout_p >= 0 && dropout_p < 1, op, ": dropout_p must be in [0, 1), got ", dropout_p);
+  AttentionArgs a;
+  a.tq = q.size(-2);
+  a.tk = k.size(-2);
+  a.d = q.size(-1);
+  a.dv = v.size(-1);
+  a.n = shape_numel(Shape(q.sizes().begin(), q.sizes().end() - 2));
+  a.scale = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(a.d, 1)));
+  a.causal = is_causal;
+  a.dropout_p = dropout_p;
+  // The generator is advanced here, outside the forward below, so that a
+  // selective checkpoint's recompute, which takes the kept output instead
+  // of running that forward, advances it the same.
+  if (dropout_p > 0) {
+    Generator& g = gen ? *gen : default_generator();
+    a.seed = g.seed();
+    a.offset = g.next_offset();
+  }
+  Shape out_shape = q.sizes();
+  out_shape.back() = a.dv;
+  const DType compute = q.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
+  auto run_forward = [a, compute, out_shape](const Tensor& q, const Tensor& k, const Tensor& v) {
+    Tensor out = Tensor::empty({a.n, a.tq, a.dv}, {compute, q.device()});
+    if (out.numel() > 0) {
+      const Tensor qr = as_rows(q, compute), kr = as_rows(k, compute), vr = as_rows(v, compute);
+      if (a.tk == 0)
+        out.zero_();
+      else if (q.is_cuda())
+        attention_forward_cuda(a, qr, kr, vr, out);
+      else
+        attention_forward_cpu(a, qr, kr, vr, out);
+    }
+    return out.view(out_shape).to(q.dtype());
+  };
+  return differentiable(
+      op, {q, k, v}, [&] { return run_forward(q, k, v); },
+      [&](const Tensor& out) {
+        const Tensor sq = q, sk = k, sv = v, so = out;
+        BackwardFn fn = [a, compute, sq, sk, sv, so](const Tensor& g) {
+          Tensor dq = Tensor::empty({a.n, a.tq, a.d}, {compute, g.device()});
+          Tensor dk = Tensor::empty({a.n, a.tk, a.d}, {compute, g.device()});
+          Tensor dv = Tensor::empty({a.n, a.tk, a.dv}, {compute, g.device()});
+          if (a.n > 0 && a.tq > 0 && a.tk > 0) {
+            const Tensor qr = as_rows(sq, compute), kr = as_rows(sk, compute), vr = as_rows(sv, compute);
+            const Tensor orr = as_rows(so, compute), gr = as_rows(g, compute);
+            if (g.is_cuda())
+              attention_backward_cuda(a, qr, kr, vr, orr, gr, dq, dk, dv);
+            else
+              attention_backward_cpu(a, qr, kr, vr, orr, gr, dq, dk, dv);
+          } else {
+            dq.zero_(), dk.zero_(), dv.zero_();
+          }
+          return std::vector<Tensor>{dq.view(sq.sizes()).to(sq.dtype()), dk.view(sk.sizes()).to(sk.dtype()),
+                                     dv.view(sv.sizes()).to(sv.dtype())};
+        };
+        return Recorded{std::move(fn), {sq, sk, sv, so}};
+      });
+}
+
+}  // namespace ember
