@@ -105,6 +105,11 @@ Tensor cat(const std::vector<Tensor>& tensors, int64_t dim = 0);
 Tensor stack(const std::vector<Tensor>& tensors, int64_t dim = 0);
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index);
+// In place, torch's scatter_add_: out[index[p] along dim, the rest of p] +=
+// src[p]; index (int64, values in range) and src have one shape, out is
+// contiguous float32/float64 of src's dtype. Not differentiable (a
+// backward's building block).
+Tensor& scatter_add_(Tensor& out, int64_t dim, const Tensor& index, const Tensor& src);
 // Every value of integer `indices` in [lo, hi), else an error naming `op`:
 // at once on the CPU; on CUDA without a host synchronisation, raised at the
 // next one (device.h, "Errors found on the device").

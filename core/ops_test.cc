@@ -500,3 +500,22 @@ TEST(EdgeCases, ScalarPromotionAndCasts) {
 
 }  // namespace
 }  // namespace ember
+
+namespace ember {
+namespace {
+// scatter_add_ against a loop, repeated indices summing; its errors.
+TEST(ScatterAdd, InPlaceAddsAlongDimAndChecks) {
+  Tensor out = zeros({2, 4}, DType::Float64);
+  Tensor idx = Tensor::from_vector({1, 1, 3, 0, 2, -1}, {2, 3}, DType::Int64);
+  Tensor src = Tensor::from_vector({1, 2, 3, 4, 5, 6}, {2, 3}, DType::Float64);
+  scatter_add_(out, 1, idx, src);
+  EXPECT_EQ(out.to_vector(), (std::vector<double>{0, 3, 0, 3, 4, 0, 5, 6}));
+  std::string e = testing::error_of([&] {
+    scatter_add_(out, 1, Tensor::from_vector({4}, {1, 1}, DType::Int64), ones({1, 1}, DType::Float64));
+  });
+  EXPECT_NE(e.find("scatter_add_"), std::string::npos) << e;
+  e = testing::error_of([&] { scatter_add_(out, 1, idx, ones({2, 3})); });
+  EXPECT_NE(e.find("src of its dtype"), std::string::npos) << e;
+}
+}  // namespace
+}  // namespace ember

@@ -246,6 +246,13 @@ TEST(Layers, CrossEntropyAgainstFloat64Reference) {
   Tensor lg = logits.detach().requires_grad_();
   auto r = autograd::gradcheck([&](auto& v) { return F::cross_entropy(v[0], target, 0.1); }, {lg});
   EXPECT_TRUE(r.ok) << r.message;
+  // Without smoothing, and per-row losses weighted (reduction none): the
+  // fused backward's one-hot and per-row scale.
+  r = autograd::gradcheck([&](auto& v) { return F::cross_entropy(v[0], target); }, {lg});
+  EXPECT_TRUE(r.ok) << r.message;
+  Tensor wts = Tensor::from_vector({0.5, -1.0, 2.0, 3.0}, {4}, DType::Float64);
+  r = autograd::gradcheck([&](auto& v) { return F::cross_entropy(v[0], target, 0.2, F::Reduction::None) * wts; }, {lg});
+  EXPECT_TRUE(r.ok) << r.message;
 }
 
 // Sizes that do not divide: PyTorch's overlapping bins

@@ -261,6 +261,33 @@ Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
   });
 }
 
+Tensor& scatter_add_(Tensor& out, int64_t dim_in, const Tensor& index, const Tensor& src) {
+  EMBER_CHECK(out.defined() && index.defined() && src.defined(), "scatter_add_: out, index and src must be defined");
+  const int64_t dim = wrap_dim(dim_in, out.dim(), "scatter_add_");
+  EMBER_CHECK(index.dtype() == DType::Int64, "scatter_add_: index must be int64, got ", index.dtype());
+  EMBER_CHECK(index.sizes() == src.sizes() && index.dim() == out.dim(), "scatter_add_: index ",
+              shape_str(index.sizes()), " and src ", shape_str(src.sizes()), " must have one shape, with out's ",
+              out.dim(), " dims");
+  for (int64_t d = 0; d < out.dim(); ++d)
+    EMBER_CHECK(d == dim || index.size(d) <= out.size(d), "scatter_add_: index ", shape_str(index.sizes()),
+                " exceeds out ", shape_str(out.sizes()), " in dim ", d);
+  EMBER_CHECK(out.is_contiguous() && (out.dtype() == DType::Float32 || out.dtype() == DType::Float64) &&
+                  src.dtype() == out.dtype(),
+              "scatter_add_: out must be contiguous float32/float64 and src of its dtype, got out ", out.dtype(),
+              ", src ", src.dtype());
+  EMBER_CHECK(out.device() == index.device() && out.device() == src.device(), "scatter_add_: out on ", out.device(),
+              ", index on ", index.device(), ", src on ", src.device());
+  check_index_range(index, -out.size(dim), out.size(dim), "scatter_add_");
+  check_inplace(out, "scatter_add_");
+  if (src.numel() == 0) return out;
+  const Tensor ids = index.contiguous(), s = src.contiguous();
+  if (out.is_cuda())
+    scatter_add_cuda(out, ids, s, dim);
+  else
+    scatter_add_cpu(out, ids, s, dim);
+  return out;
+}
+
 Tensor one_hot(const Tensor& indices, int64_t num_classes) {
   EMBER_CHECK(indices.defined(), "one_hot: input is undefined");
   EMBER_CHECK(indices.dtype() == DType::Int64 || indices.dtype() == DType::Int32, "one_hot: expected integer class ",
