@@ -87,8 +87,8 @@ void BM_AcStep(benchmark::State& state, const std::string& name, const std::stri
   state.counters["gathered_MiB"] = mib(part(MemoryKind::Gathered));
   state.counters["grads_MiB"] = mib(part(MemoryKind::Gradients));
   state.counters["other_MiB"] = mib(part(MemoryKind::Other));
-  state.counters["peak_MiB"] = mib(static_cast<int64_t>(s.peak_allocated));
-  state.counters["beyond_state_MiB"] = mib(static_cast<int64_t>(s.peak_allocated) - state_bytes);
+  state.counters["peak_MiB"] = mib(static_cast<int64_t>(s.peak_requested));
+  state.counters["beyond_state_MiB"] = mib(static_cast<int64_t>(s.peak_requested) - state_bytes);
   state.counters["fwd_held_MiB"] = mib(fwd_held);
   state.counters["step_peak_MiB"] = mib(step_peak);
   state.SetLabel(std::to_string(world) + " proc x 1 thread, gpt 8x384 seq 256, FSDP full, ac " + policy);

@@ -118,9 +118,13 @@ void BM_FsdpStep(benchmark::State& state, const std::string& name, const std::st
   }
   int64_t grad_bytes = 0;
   auto step = [&] {
-    Tensor out = (*net)(x);
-    Tensor loss = model_name == "mlp" ? nn::functional::mse_loss(out, y)
-                                      : nn::functional::cross_entropy(out.reshape({-1, 8192}), y);
+    Tensor loss;
+    {
+      MemoryKindScope activations(MemoryKind::Activations);
+      Tensor out = (*net)(x);
+      loss = model_name == "mlp" ? nn::functional::mse_loss(out, y)
+                                 : nn::functional::cross_entropy(out.reshape({-1, 8192}), y);
+    }
     loss.backward();
     if (grad_bytes == 0)
       for (const Tensor& p : model->parameters())
@@ -142,7 +146,12 @@ void BM_FsdpStep(benchmark::State& state, const std::string& name, const std::st
   state.counters["grad_MiB"] = mib(grad_bytes);
   state.counters["state_MiB"] = mib(state_bytes);
   state.counters["peak_rss_MiB"] = mib(peak_rss_bytes() - base_rss);
-  state.counters["peak_alloc_MiB"] = mib(static_cast<int64_t>(cpu_allocator()->stats().peak_allocated));
+  const AllocatorStats st = cpu_allocator()->stats();
+  state.counters["peak_alloc_MiB"] = mib(static_cast<int64_t>(st.peak_allocated));
+  // The allocator's breakdown of tensor bytes at their peak (core/allocator.h).
+  for (int k = 0; k < kMemoryKinds; ++k)
+    state.counters[std::string("at_peak_") + memory_kind_name(static_cast<MemoryKind>(k)) + "_MiB"] =
+        mib(static_cast<int64_t>(st.peak_by_kind[k]));
   state.SetLabel(std::to_string(world) + " proc x 1 thread, " + model_name + ", " + mode);
 }
 

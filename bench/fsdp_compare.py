@@ -5,7 +5,10 @@
 # allocators, every round. Memory (round 1 only; it does not wander): peak
 # RSS above the process's baseline with freed memory returned to the OS, the
 # same way for both (MALLOC_MMAP_THRESHOLD_=65536, and EMBER_CPU_CACHE_MB=0
-# for our caching allocator). Prints medians and the ratios ours/peer.
+# for our caching allocator), and that peak beyond parameters, gradients and
+# optimizer state (what neither side can shard away: activations, gathered
+# units, temporaries, communication buffers). Prints medians and the ratios
+# ours/peer.
 #
 #   bazel build -c opt //bench:fsdp_bench
 #   python3 bench/fsdp_compare.py --ours bazel-out/k8-opt/bin/bench/fsdp_bench --rounds 3
@@ -63,7 +66,9 @@ def main():
     print(f"ember vs torch {version} fully_shard, CPU Gloo, 1 thread per rank; {a.rounds} rounds, medians; "
           "memory of rank 0 (MiB)")
     print(f"{'model':5s} {'mode':9s} {'procs':>5s} | {'ours ms':>8s} {'torch ms':>8s} {'ratio':>6s} | "
-          f"{'ours p/g/s':>18s} {'torch p/g/s':>18s} | {'ours peak':>9s} {'torch peak':>10s} {'ratio':>6s}")
+          f"{'ours p/g/s':>18s} {'torch p/g/s':>18s} | {'ours peak':>9s} {'torch peak':>10s} {'ratio':>6s} | "
+          f"{'ours beyond':>11s} {'torch beyond':>12s} {'ratio':>6s}")
+    beyond = lambda d: d["rss"] - d["params"] - d["grads"] - d["state"]
     for model, mode, procs, peer in configs:
         key = (model, mode, procs)
         om = statistics.median(t[0] for t in times[key])
@@ -71,12 +76,15 @@ def main():
         o, p = mem[key]
         pgs = lambda d: f"{d['params']:.0f}/{d['grads']:.0f}/{d['state']:.0f}"
         print(f"{model:5s} {mode:9s} {procs:5d} | {om:8.0f} {pm:8.0f} {om / pm:6.2f} | {pgs(o):>18s} {pgs(p):>18s} | "
-              f"{o['rss']:9.0f} {p['rss']:10.0f} {o['rss'] / p['rss']:6.2f}")
+              f"{o['rss']:9.0f} {p['rss']:10.0f} {o['rss'] / p['rss']:6.2f} | "
+              f"{beyond(o):11.0f} {beyond(p):12.0f} {beyond(o) / beyond(p):6.2f}")
     if a.out:
         fsdp = {f"{m}/{mode}/{procs}": {"ours_ms": [t[0] for t in times[(m, mode, procs)]],
                                         "peer_ms": [t[1] for t in times[(m, mode, procs)]],
                                         "ours_peak_MiB": mem[(m, mode, procs)][0]["rss"],
-                                        "peer_peak_MiB": mem[(m, mode, procs)][1]["rss"]}
+                                        "peer_peak_MiB": mem[(m, mode, procs)][1]["rss"],
+                                        "ours_beyond_state_MiB": beyond(mem[(m, mode, procs)][0]),
+                                        "peer_beyond_state_MiB": beyond(mem[(m, mode, procs)][1])}
                 for m, mode, procs, _ in configs}
         json.dump({"date": datetime.date.today().isoformat(), "rounds": a.rounds, "peer": f"torch {version}",
                    "workloads": {"fsdp": fsdp}}, open(a.out, "w"), indent=1)

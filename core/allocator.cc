@@ -38,25 +38,25 @@ MemoryKind current_memory_kind() { return t_memory_kind; }
 void MemoryLedger::on_alloc(void* p, size_t bytes, AllocatorStats& stats) {
   const MemoryKind k = t_memory_kind;
   blocks_[p] = {k, bytes};
-  stats.allocated_by_kind[static_cast<int>(k)] += bytes;
-  if (stats.allocated > stats.peak_allocated) {
-    stats.peak_allocated = stats.allocated;
-    stats.peak_by_kind = stats.allocated_by_kind;
+  stats.requested_by_kind[static_cast<int>(k)] += bytes;
+  if (stats.requested > stats.peak_requested) {
+    stats.peak_requested = stats.requested;
+    stats.peak_by_kind = stats.requested_by_kind;
   }
 }
 
 void MemoryLedger::on_free(void* p, size_t bytes, AllocatorStats& stats) {
   auto it = blocks_.find(p);
   EMBER_INTERNAL_ASSERT(it != blocks_.end() && it->second.second == bytes, "memory ledger: unknown block");
-  stats.allocated_by_kind[static_cast<int>(it->second.first)] -= bytes;
+  stats.requested_by_kind[static_cast<int>(it->second.first)] -= bytes;
   blocks_.erase(it);
 }
 
 void MemoryLedger::set_kind(void* p, MemoryKind kind, AllocatorStats& stats) {
   auto it = blocks_.find(p);
   if (it == blocks_.end() || it->second.first == kind) return;
-  stats.allocated_by_kind[static_cast<int>(it->second.first)] -= it->second.second;
-  stats.allocated_by_kind[static_cast<int>(kind)] += it->second.second;
+  stats.requested_by_kind[static_cast<int>(it->second.first)] -= it->second.second;
+  stats.requested_by_kind[static_cast<int>(kind)] += it->second.second;
   it->second.first = kind;
 }
 
@@ -102,7 +102,8 @@ class CpuAllocator final : public Allocator {
     stats_.num_allocs++;
     stats_.allocated += cls;
     stats_.requested += nbytes;
-    ledger_.on_alloc(p, cls, stats_);
+    stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+    ledger_.on_alloc(p, nbytes, stats_);
     return DataPtr{{p, [this, cls, nbytes](void* q) { release(q, cls, nbytes); }}, kCPU};
   }
 
@@ -156,7 +157,7 @@ class CpuAllocator final : public Allocator {
     std::lock_guard<std::mutex> g(mu_);
     stats_.allocated -= cls;
     stats_.requested -= nbytes;
-    ledger_.on_free(q, cls, stats_);
+    ledger_.on_free(q, nbytes, stats_);
     if (cls >= kLarge && cached_ + cls <= cache_limit_) {
       cache_[cls].push_back(q);
       cached_ += cls;

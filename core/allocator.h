@@ -54,14 +54,17 @@ struct AllocatorStats {
   size_t peak_allocated = 0;  // high-water mark of `allocated`
   // Bytes the live tensors asked for (`allocated` counts the blocks that
   // serve them, rounded up to a size class or a larger cached block): what
-  // an activation-memory figure compares across layouts. CPU allocator only
-  // (0 elsewhere).
+  // an activation-memory figure compares across layouts.
   size_t requested = 0;
   size_t num_allocs = 0;         // allocate() calls
   size_t num_device_allocs = 0;  // calls that reached cudaMalloc / aligned_alloc
-  // `allocated` by MemoryKind (indexed by its value), now and at the moment
-  // of the high-water mark: each sums to allocated / peak_allocated.
-  std::array<size_t, kMemoryKinds> allocated_by_kind{};
+  // `requested` by MemoryKind (indexed by its value), now and at the
+  // high-water mark of `requested` (peak_requested): the bytes the tensors
+  // of each kind asked for, whatever blocks serve them (a cached block up to
+  // twice a request's size may), so a breakdown and a plan compare tensor
+  // bytes. Each sums to requested / peak_requested.
+  size_t peak_requested = 0;
+  std::array<size_t, kMemoryKinds> requested_by_kind{};
   std::array<size_t, kMemoryKinds> peak_by_kind{};
 };
 
@@ -69,12 +72,15 @@ struct AllocatorStats {
 // by-kind figures of its stats.
 class MemoryLedger {
  public:
-  // After stats.allocated grew by `bytes` for block p (the peak taken here).
+  // After stats.requested grew by `bytes` for block p (the peak taken here).
   void on_alloc(void* p, size_t bytes, AllocatorStats& stats);
-  // After stats.allocated shrank by `bytes` for block p.
+  // After stats.requested shrank by `bytes` for block p.
   void on_free(void* p, size_t bytes, AllocatorStats& stats);
   void set_kind(void* p, MemoryKind kind, AllocatorStats& stats);
-  void reset_peak(AllocatorStats& stats) const { stats.peak_by_kind = stats.allocated_by_kind; }
+  void reset_peak(AllocatorStats& stats) const {
+    stats.peak_requested = stats.requested;
+    stats.peak_by_kind = stats.requested_by_kind;
+  }
 
  private:
   std::unordered_map<void*, std::pair<MemoryKind, size_t>> blocks_;

@@ -71,9 +71,11 @@ class CudaCachingAllocator final : public Allocator {
     {
       std::lock_guard<std::mutex> g(mu_);
       stats_.allocated += cls;
-      ledger_.on_alloc(p, cls, stats_);
+      stats_.requested += nbytes;
+      stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+      ledger_.on_alloc(p, nbytes, stats_);
     }
-    return DataPtr{{p, [this, stream, cls](void* q) { release(q, stream, cls); }},
+    return DataPtr{{p, [this, stream, cls, nbytes](void* q) { release(q, stream, cls, nbytes); }},
                    cuda_device(device_)};
   }
 
@@ -106,12 +108,15 @@ class CudaCachingAllocator final : public Allocator {
       std::lock_guard<std::mutex> g(mu_);
       stats_.num_allocs++;
       stats_.allocated += n;
+      stats_.requested += n;
+      stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
       ledger_.on_alloc(p, n, stats_);
     }
     return DataPtr{{p, [this, n](void* q) {
                       cudaFree(q);  // synchronizes, as the caching path's reuse need not
                       std::lock_guard<std::mutex> g(mu_);
                       stats_.allocated -= n;
+                      stats_.requested -= n;
                       ledger_.on_free(q, n, stats_);
                       stats_.reserved -= n;
                     }},
@@ -143,10 +148,11 @@ class CudaCachingAllocator final : public Allocator {
     return p;
   }
 
-  void release(void* p, void* stream, size_t cls) {
+  void release(void* p, void* stream, size_t cls, size_t nbytes) {
     std::lock_guard<std::mutex> g(mu_);
     stats_.allocated -= cls;
-    ledger_.on_free(p, cls, stats_);
+    stats_.requested -= nbytes;
+    ledger_.on_free(p, nbytes, stats_);
     free_[{stream, cls}].push_back(p);
   }
 

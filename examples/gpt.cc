@@ -119,7 +119,10 @@ constexpr char kUsage[] =
     "  --global-batch N       sequences per optimizer step over the whole job (default: --batch-size x data-parallel\n"
     "                         ranks x --accum-steps); the per-rank micro-batch is N / (data-parallel ranks x accum)\n"
     "  --metrics PATH         one JSON line per optimizer step (rank 0): step, loss, lr, grad_norm, tokens_per_s,\n"
-    "                         mem_peak_mib (the largest over ranks), batch_digest (a hash of the global batch)\n"
+    "                         mem_peak_mib (tensor bytes at the step's peak, the largest over ranks) and its parts\n"
+    "                         mem_params_mib, mem_grads_mib, mem_optimizer_mib, mem_gathered_mib,\n"
+    "                         mem_activations_mib, mem_other_mib (those of the rank with the largest peak),\n"
+    "                         batch_digest (a hash of the global batch)\n"
     "  --amp off|bf16|fp16    FSDP mixed precision: gather and compute in bf16/fp16, reduce in float32, float32\n"
     "                         master shards; fp16 with a loss scaler agreed across ranks (default off)\n"
     "  --layers N --dim N --heads N --seq N\n"
@@ -681,11 +684,10 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     if (step - first == std::min<int64_t>(2, flags.max_steps - first)) LOG0(mem.line("memory peak"));
     if (!flags.metrics.empty()) {
       // The mean over the global batch (tp ranks hold the same loss: the
-      // world's mean is the data-parallel ranks'), and the largest peak.
-      Tensor t = Tensor::from_vector({loss, static_cast<double>(alloc->stats().peak_allocated)}, {2}, DType::Float64);
-      Tensor lt = t.narrow(0, 0, 1).contiguous().to(device), pt = t.narrow(0, 1, 1).contiguous().to(device);
+      // world's mean is the data-parallel ranks'); the peak is `mem`'s, the
+      // largest over the ranks, whose parts add up to it.
+      Tensor lt = Tensor::from_vector({loss}, {1}, DType::Float64).to(device);
       job.pg->allreduce(lt, distributed::ReduceOp::Avg)->wait();
-      job.pg->allreduce(pt, distributed::ReduceOp::Max)->wait();
       loss = lt.to(kCPU).item();
       if (metrics.is_open()) {
         const double secs = examples::seconds(step_start, Clock::now());
@@ -694,7 +696,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
                                {"lr", lr},
                                {"grad_norm", grad_norm},
                                {"tokens_per_s", tokens_per_step / std::max(secs, 1e-9)},
-                               {"mem_peak_mib", pt.to(kCPU).item() / (1 << 20)},
+                               {"mem_peak_mib", mem.total()},
                                {"mem_params_mib", mem[MemoryKind::Parameters]},
                                {"mem_grads_mib", mem[MemoryKind::Gradients]},
                                {"mem_optimizer_mib", mem[MemoryKind::Optimizer]},
