@@ -205,6 +205,17 @@ out1=$("$dir/gpt" --nproc 1 "${mesh[@]}" --checkpoint-dir "$tmp/gm1" --metrics "
 out=$("$dir/gpt" --nproc 4 --dp-shard 2 --tp 2 "${mesh[@]}" --checkpoint-dir "$tmp/gm4" --metrics "$tmp/m4.jsonl" 2>&1)
 echo "$out"
 grep -q "mesh dp_shard=2 tp=2$" <<<"$out" || { echo "no mesh line"; exit 1; }
+# The step's memory by part, once, and the planner's beside it (one rank).
+grep -qE "memory peak [0-9.]+ MiB: params [0-9.]+, grads [0-9.]+, optimizer [0-9.]+, gathered [0-9.]+, activations [0-9.]+, other [0-9.]+$" <<<"$out1" || {
+  echo "$out1"; echo "no memory peak line"; exit 1; }
+grep -qE "memory plan [0-9.]+ MiB: params" <<<"$out1" || { echo "$out1"; echo "no memory plan line"; exit 1; }
+python3 - "$tmp/m1.jsonl" <<'PY'
+import json, sys
+for l in open(sys.argv[1]):
+    d = json.loads(l)
+    parts = sum(d["mem_%s_mib" % k] for k in ("params", "grads", "optimizer", "gathered", "activations", "other"))
+    assert abs(parts - d["mem_peak_mib"]) < 1e-6 * d["mem_peak_mib"] and d["mem_activations_mib"] > 0, d
+PY
 "$dir/gpt" --nproc 2 --tp 2 --sp off "${mesh[@]}" --save-every 3 --checkpoint-dir "$tmp/gmt" >/dev/null 2>&1
 mkdir -p "$tmp/gmr" && cp -r "$tmp/gmt/step_3" "$tmp/gmr/"
 out=$("$dir/gpt" --nproc 2 "${mesh[@]}" --checkpoint-dir "$tmp/gmr" --resume 2>&1)

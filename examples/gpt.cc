@@ -681,7 +681,20 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     // once, after the second step (the first creates the optimizer state).
     const distributed::StepMemory mem =
         distributed::largest_over_ranks(*job.pg, distributed::measured_step_memory(alloc->stats()), device);
-    if (step - first == std::min<int64_t>(2, flags.max_steps - first)) LOG0(mem.line("memory peak"));
+    if (step - first == std::min<int64_t>(2, flags.max_steps - first)) {
+      LOG0(mem.line("memory peak"));
+      // The planner's prediction beside it, where its timeline models the run.
+      if (ms.tp == 1 && ms.dp_replicate == 1 && flags.amp == "off" && flags.strategy != "hybrid") {
+        distributed::StepPlan plan{.micro_batch = s.micro_batch,
+                                   .seq = flags.seq,
+                                   .world = ms.dp_shard,
+                                   .strategy = flags.strategy,
+                                   .ac = flags.ac};
+        LOG0(distributed::predict_gpt_step_memory(model_options(flags, vocab), plan).line("memory plan"));
+      } else {
+        LOG0("memory plan: not modelled for tensor parallelism, HSDP or --amp yet");
+      }
+    }
     if (!flags.metrics.empty()) {
       // The mean over the global batch (tp ranks hold the same loss: the
       // world's mean is the data-parallel ranks'); the peak is `mem`'s, the

@@ -374,8 +374,11 @@ void Unit::ensure_grad_buffer() {
   if (!expects_backward || post_backward_done || state == State::SHARDED || grad_flat.defined()) return;
   // Backward accumulates in place into one buffer, the parameters' .grad()
   // its views (the engine adds into a defined .grad()).
-  grad_flat = zeros({layout.padded_numel()}, compute_options());
-  set_memory_kind(grad_flat, MemoryKind::Gradients);
+  {
+    // Charged as it is allocated: the step's peak is often this moment.
+    MemoryKindScope grads_memory(MemoryKind::Gradients);
+    grad_flat = zeros({layout.padded_numel()}, compute_options());
+  }
   expose_grads(grad_flat, false);
 }
 
