@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "autograd/autograd.h"
+#include "autograd/checkpoint.h"
 #include "core/ops.h"
 #include "core/profiler.h"
 #include "data/loader.h"
@@ -33,6 +34,7 @@
 #include "distributed/parallel/zero.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
+#include "nn/checkpoint.h"
 #include "nn/transformer.h"
 #include "optim/clip_grad.h"
 #include "optim/grad_scaler.h"
@@ -270,6 +272,17 @@ Tensor loss = distributed::parallel_cross_entropy((*gpt)(tokens), targets);   //
 loss.backward();
 optim::clip_grad_norm_(gpt->parameters(), 1.0);   // the norm of the global gradients
 opt.step();
+}
+
+// docs/activation-checkpointing.md's block: compiled only (the same calls
+// run in //autograd:checkpoint_test and //nn:checkpoint_test).
+[[maybe_unused]] void activation_checkpointing_blocks(const std::shared_ptr<nn::GPT>& gpt, nn::Module& block,
+                                                      const Tensor& x, const Tensor& a, const Tensor& b,
+                                                      const Tensor& c, const autograd::RegionFn& fn) {
+Tensor y = autograd::checkpoint([&](const Tensor& in) { return block(in); }, x);
+std::vector<Tensor> outs = autograd::checkpoint(fn, {a, b, c});   // several inputs and outputs
+nn::checkpoint_wrapper(*gpt->h->named_children()[0].second);     // one module: every call is a region
+nn::apply_activation_checkpointing(gpt->h->named_children(), nn::ActivationCheckpointing::parse("every:2"));
 }
 
 }  // namespace

@@ -202,6 +202,11 @@ StepMemory simulate(const ModelSpec& m, const StepPlan& plan) {
       t.free(acts[k]);
       acts[k] = t.add(MemoryKind::Activations, (b.saved - b.input) * f);
     }
+    // The last unit's reduction finishes before this unit's gradient buffer
+    // is made (FSDP's ensure_grad_buffer); its weight gradient's temporary
+    // comes first.
+    t.touch(MemoryKind::Other, b.largest * f);
+    finish_pending();
     const int grads = t.add(MemoryKind::Gradients, padded(b.numel, n) * f);
     t.touch(MemoryKind::Other, (b.largest + b.bwd_extra) * f);
     t.free(acts[k]);

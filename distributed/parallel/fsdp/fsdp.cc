@@ -372,6 +372,12 @@ void Unit::post_backward() {
 
 void Unit::ensure_grad_buffer() {
   if (!expects_backward || post_backward_done || state == State::SHARDED || grad_flat.defined()) return;
+  // The reductions of the units before this one finish first, so their
+  // full-size gradient buffers go back before this unit's is made: at most
+  // one unit's unsharded gradients at a time, and the peak does not depend
+  // on how fast the network was. They have had the unit's first backward
+  // ops (its last layer's input and weight gradients) to run in.
+  root()->advance_pending();
   // Backward accumulates in place into one buffer, the parameters' .grad()
   // its views (the engine adds into a defined .grad()).
   {
