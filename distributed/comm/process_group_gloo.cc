@@ -545,8 +545,13 @@ class GlooGroup : public ProcessGroup {
       prof.transfer_started();
       const bool done = q.body(q.work, deadline);
       prof.end();  // before finish(): the waiter it wakes may stop the profiler and read the events
+      // The tensors the body holds go back before the waiter wakes: a caller
+      // that drops its buffer after wait() (FSDP's full-size gradients) and
+      // allocates the next one must not find this one still alive here.
+      q.body = nullptr;
       if (done) q.work->finish();
     } catch (...) {
+      q.body = nullptr;
       fail(q.work, std::current_exception(), start);
     }
     std::lock_guard<std::mutex> lock(running_mu_);
