@@ -323,8 +323,6 @@ const bool g_installed = [] {
 }  // namespace
 
 namespace detail {
-AutogradMeta* autograd_meta(const Tensor& t) { return meta_of(t); }
-AutogradMeta& ensure_autograd_meta(const Tensor& t) { return ensure_meta(t); }
 std::shared_ptr<Node> gradient_edge_of(const Tensor& t) { return gradient_edge(t); }
 uint64_t peek_sequence_nr() { return g_next_sequence.load(); }
 uint64_t take_sequence_nr() { return g_next_sequence.fetch_add(1); }

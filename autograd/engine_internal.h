@@ -11,10 +11,6 @@
 
 namespace ember::autograd::detail {
 
-// The tensor's autograd state, or null (autograd_meta); created if absent
-// (ensure_autograd_meta).
-AutogradMeta* autograd_meta(const Tensor& t);
-AutogradMeta& ensure_autograd_meta(const Tensor& t);
 // The node a gradient for `t` flows into (its grad_fn or its leaf's
 // accumulator); null when `t` does not require grad.
 std::shared_ptr<Node> gradient_edge_of(const Tensor& t);

@@ -33,7 +33,6 @@ const char* memory_kind_name(MemoryKind k) {
 
 MemoryKindScope::MemoryKindScope(MemoryKind kind) : prev_(t_memory_kind) { t_memory_kind = kind; }
 MemoryKindScope::~MemoryKindScope() { t_memory_kind = prev_; }
-MemoryKind current_memory_kind() { return t_memory_kind; }
 
 void MemoryLedger::on_alloc(void* p, size_t bytes, AllocatorStats& stats) {
   const MemoryKind k = t_memory_kind;

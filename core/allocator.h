@@ -46,7 +46,6 @@ class MemoryKindScope {
  private:
   MemoryKind prev_;
 };
-MemoryKind current_memory_kind();
 
 struct AllocatorStats {
   size_t allocated = 0;       // bytes handed to tensors now

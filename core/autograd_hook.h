@@ -109,13 +109,14 @@ void set_saved_op_outputs(SavedOpOutputs* s);
 template <typename Fwd, typename MakeBwd>
 Tensor differentiable(const char* op, const std::vector<Tensor>& inputs, Fwd&& forward, MakeBwd&& make_backward) {
   SavedOpOutputs* kept = saved_op_outputs();
+  const bool grad = needs_grad_list(inputs);
   Tensor out;
   // A kept output computes nothing: no profiler event.
-  const bool replayed = kept != nullptr && needs_grad_list(inputs) && kept->replay(op, out);
+  const bool replayed = grad && kept != nullptr && kept->replay(op, out);
   profiler::Scope prof(profiler::Kind::Op, replayed ? nullptr : op);  // every computing op is one profiler event
   if (prof.active()) prof.inputs(inputs);
   if (!replayed) {
-    if (!needs_grad_list(inputs)) return forward();
+    if (!grad) return forward();
     NoGradGuard g;
     out = forward();
     if (kept != nullptr) kept->offer(op, out);
