@@ -4,7 +4,7 @@
 # spends its time. Writes gpu_resnet50.json and gpu_breakdown.json into the
 # output folder (commit them as bench/results/).
 #
-#   bench/gpu_perf.sh [--smoke] [--rounds N] [--out DIR] [speed] [breakdown] [benchmark] [kernels]
+#   bench/gpu_perf.sh [--smoke] [--rounds N] [--out DIR] [speed] [breakdown] [benchmark] [kernels] [gpt]
 #
 # Parts (none named: speed and breakdown):
 #   speed      N rounds (default 3), each ours then PyTorch, every process
@@ -21,6 +21,15 @@
 #              cudnn.benchmark = True): measured algorithm choices.
 #   kernels    bn_cuda_bench: batch norm at every ResNet-50 shape, ours
 #              beside cuDNN's, in GB/s beside a device-to-device copy.
+#   gpt        //examples:gpt_fsdp on one GPU (FULL_SHARD over NCCL, AdamW,
+#              clipping) beside PyTorch's FSDP2 on the same GPT
+#              (bench/gpt_cuda_peer.py), float32 and bf16, N interleaved
+#              rounds; tokens/s medians into gpu_gpt.json. Needs the
+#              fortunes corpus in .gpudata/fortunes (tools/gpu_check.sh
+#              --data). About 2 minutes.
+# The speed part also runs our float32 channels-last step with
+# EMBER_CUDNN_FP32_CL_VIA_NCHW flipped (layout cl_alt), so both ways of
+# computing those convolutions are measured in the same rounds.
 # On the GPU machine the binaries come from the gpu-bundle (.gpu/run.sh);
 # --smoke runs the whole script here instead, under the CUDA emulation
 # (bazel-bin/bench/gpu_step_emu, tiny shapes) and PyTorch on the CPU, so a
@@ -37,8 +46,8 @@ while [ $# -gt 0 ]; do
     --smoke) smoke=1 ;;
     --rounds) rounds=$2; shift ;;
     --out) out=$2; shift ;;
-    speed | breakdown | benchmark | kernels) parts+=("$1") ;;
-    *) echo "gpu_perf: unknown argument '$1' (--smoke, --rounds N, --out DIR, speed, breakdown, benchmark, kernels)" >&2; exit 2 ;;
+    speed | breakdown | benchmark | kernels | gpt) parts+=("$1") ;;
+    *) echo "gpu_perf: unknown argument '$1' (--smoke, --rounds N, --out DIR, speed, breakdown, benchmark, kernels, gpt)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -55,12 +64,24 @@ if [ $smoke = 1 ]; then
   shape=(--batch 2 --image 32 --warmup 1 --steps 2)
   peer_extra=(--device cpu)
   configs=fp32,bf16
+  gpt_ours=("$here/bazel-bin/examples/gpt")
+  gpt_shape=(--layers 2 --dim 64 --heads 2 --seq 32 --batch-size 4)
+  gpt_steps=8
+  gpt_amps=off
+  gpt_data=()
+  gpt_py=${GPT_PYTHON:-$HOME/.venvs/torch2-peer/bin/python}  # FSDP2 needs torch 2
 else
   ours=(bash "$here/.gpu/run.sh" gpu_step)
   py=${PYTHON:-python3}
   shape=()
   peer_extra=()
   configs=fp32,tf32,bf16
+  gpt_ours=(bash "$here/.gpu/run.sh" gpt_fsdp)
+  gpt_shape=(--layers 12 --dim 768 --heads 12 --seq 256 --batch-size 16)
+  gpt_steps=25
+  gpt_amps="off bf16"
+  gpt_data=(--data "$here/.gpudata/fortunes")
+  gpt_py=$py
 fi
 peer=("$py" "$here/bench/resnet50_cuda_peer.py")
 
@@ -84,6 +105,12 @@ for part in "${parts[@]}"; do
       for r in $(seq 1 "$rounds"); do
         say "speed round $r: ours"
         "${ours[@]}" --configs $configs --layouts nchw,cl "${shape[@]}" 2>>"$out/logs/ours_speed.err" | tag speed "$r"
+        # The other way of computing float32 channels-last convolutions
+        # (device.h): flipped from whatever the default is.
+        alt=1; [ "${EMBER_CUDNN_FP32_CL_VIA_NCHW:-}" = 1 ] && alt=0
+        say "speed round $r: ours, fp32 channels-last with EMBER_CUDNN_FP32_CL_VIA_NCHW=$alt"
+        EMBER_CUDNN_FP32_CL_VIA_NCHW=$alt "${ours[@]}" --configs fp32 --layouts cl "${shape[@]}" \
+          2>>"$out/logs/ours_speed.err" | sed -u "s/layout=cl /layout=cl_alt via_nchw=$alt /" | tag speed "$r"
         say "speed round $r: torch"
         "${peer[@]}" --configs $configs --layouts nchw,cl "${shape[@]}" "${peer_extra[@]}" \
           2>>"$out/logs/torch_speed.err" | tag speed "$r"
@@ -115,6 +142,30 @@ for part in "${parts[@]}"; do
           bash "$here/.gpu/run.sh" bn_cuda_bench --benchmark_min_time=0.2 2>&1; } | tee "$out/logs/bn_cuda_bench.txt" | grep '^BM_' |
           sed 's/^/part=kernels round=1 /' >>"$raw"
       fi
+      ;;
+    gpt)
+      # Ours reports tokens/s per step in --metrics; the median over the
+      # steps after the first five is the round's figure, as the peer's.
+      for r in $(seq 1 "$rounds"); do
+        for amp in $gpt_amps; do
+          say "gpt round $r amp $amp: ours"
+          rm -rf /tmp/gpu_perf_gpt && mkdir -p /tmp/gpu_perf_gpt
+          "${gpt_ours[@]}" --nproc 1 "${gpt_shape[@]}" --max-steps $gpt_steps --eval-every 1000000 --sample-len 0 \
+            --amp $amp --checkpoint-dir /tmp/gpu_perf_gpt/ckpt --metrics /tmp/gpu_perf_gpt/m.jsonl "${gpt_data[@]}" \
+            >"$out/logs/ours_gpt_$amp.log" 2>&1
+          vocab=$(sed -n 's/.*vocabulary \([0-9]*\).*/\1/p' "$out/logs/ours_gpt_$amp.log" | head -1)
+          "$py" - "$amp" /tmp/gpu_perf_gpt/m.jsonl <<'PY' | tag gpt "$r"
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[2]) if l.strip()]
+rates = [r["tokens_per_s"] for r in rows if r["step"] > 5]
+print(f"ours_gpt amp={sys.argv[1]} tokens_per_s={statistics.median(rates):.1f} steps={len(rates)} "
+      f"mem_peak_mib={max(r['mem_peak_mib'] for r in rows):.1f}")
+PY
+          say "gpt round $r amp $amp: torch (vocabulary ${vocab:-?})"
+          "$gpt_py" "$here/bench/gpt_cuda_peer.py" "${gpt_shape[@]}" --vocab "${vocab:-96}" --steps $((gpt_steps - 5)) \
+            --amp $amp "${peer_extra[@]}" 2>>"$out/logs/torch_gpt.err" | tag gpt "$r"
+        done
+      done
       ;;
   esac
 done

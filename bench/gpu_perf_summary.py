@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Turns bench/gpu_perf.sh's raw.txt and meta.txt (in the folder given) into
-gpu_resnet50.json and gpu_breakdown.json beside them, and prints the tables.
+gpu_resnet50.json, gpu_breakdown.json and gpu_gpt.json beside them, and prints
+the tables.
 
 gpu_resnet50.json: device, driver, torch and cuDNN versions, date, commit,
 and rows: one per configuration (name = config/layout) with ours_ms and
@@ -55,6 +56,7 @@ def main():
     speed = {}  # (side, config, layout) -> [round medians]
     ops = {}    # (side, config, layout) -> rows
     algos, bench_rows, kernel_rows, launches = [], [], [], []
+    gpt, gpt_mem = {}, {}  # (side, amp) -> [round tokens/s]; amp -> our peak MiB
     with open(os.path.join(d, "raw.txt")) as f:
         for line in f:
             line = line.rstrip("\n")
@@ -71,6 +73,11 @@ def main():
             side = rest.split(" ", 1)[0]
             kv = parse_kv(rest)
             key = (kv.get("config"), kv.get("layout"))
+            if side in ("ours_gpt", "torch_gpt"):
+                gpt.setdefault((side.split("_")[0], kv["amp"]), []).append(float(kv["tokens_per_s"]))
+                if "mem_peak_mib" in kv:
+                    gpt_mem[kv["amp"]] = float(kv["mem_peak_mib"])
+                continue
             if side in ("ours", "torch") and part == "speed":
                 speed.setdefault((side,) + key, []).append(float(kv["median_ms"]))
             elif side in ("ours_op", "torch_op"):
@@ -87,7 +94,9 @@ def main():
     for (side, config, layout), meds in sorted(speed.items()):
         if side != "ours":
             continue
-        theirs = speed.get(("torch", config, layout), [])
+        # cl_alt: our channels-last step computed the other way (gpu_perf.sh),
+        # beside PyTorch's channels-last.
+        theirs = speed.get(("torch", config, "cl" if layout == "cl_alt" else layout), [])
         row = {"name": f"{config}/{layout}", "rounds": len(meds),
                "ours_ms": round(statistics.median(meds), 2), "ours_range_ms": [round(min(meds), 2), round(max(meds), 2)]}
         if theirs:
@@ -103,6 +112,28 @@ def main():
         for r in rows:
             print(f"{r['name']:16} {r['ours_ms']:10.2f} {r.get('torch_ms', float('nan')):10.2f} "
                   f"{r.get('ratio', float('nan')):7.3f}")
+    if gpt:
+        grows = []
+        for amp in sorted({a for (_, a) in gpt}):
+            o, t = gpt.get(("ours", amp), []), gpt.get(("torch", amp), [])
+            row = {"name": f"gpt_fsdp/{amp}", "rounds": len(o)}
+            if o:
+                row.update({"ours_tokens_per_s": round(statistics.median(o), 1),
+                            "ours_range": [round(min(o), 1), round(max(o), 1)], "ours_peak_mib": gpt_mem.get(amp)})
+            if t:
+                row.update({"torch_tokens_per_s": round(statistics.median(t), 1),
+                            "torch_range": [round(min(t), 1), round(max(t), 1)]})
+            if o and t:
+                row["ratio"] = round(row["ours_tokens_per_s"] / row["torch_tokens_per_s"], 3)
+            grows.append(row)
+        with open(os.path.join(d, "gpu_gpt.json"), "w") as f:
+            json.dump(dict(head, workload="GPT, one GPU, FULL_SHARD (ours) / FSDP2 fully_shard (torch), AdamW, "
+                                         "clip 1.0; ratio = ours / torch tokens per second (higher is faster)",
+                           rows=grows), f, indent=1)
+        print(f"\n{'gpt':16} {'ours tok/s':>12} {'torch tok/s':>12} {'ratio':>7}")
+        for r in grows:
+            print(f"{r['name']:16} {r.get('ours_tokens_per_s', float('nan')):12.1f} "
+                  f"{r.get('torch_tokens_per_s', float('nan')):12.1f} {r.get('ratio', float('nan')):7.3f}")
     if ops or algos or kernel_rows:
         configs = sorted({(c, l) for (_, c, l) in ops})
         breakdown = {"configs": [], "algorithms_ours": algos, "benchmark_mode": bench_rows, "torch_launches": launches,

@@ -61,6 +61,13 @@ bool cudnn_allow_tf32();
 void set_cudnn_allow_tf32(bool allow);
 bool matmul_allow_tf32();
 void set_matmul_allow_tf32(bool allow);
+// Channels-last float32 convolutions without TF32 (FMA math) computed in
+// NCHW: the operands are transposed to NCHW, cuDNN runs its NCHW kernels and
+// the results are transposed back, so the layers around stay channels-last.
+// cuDNN's legacy API offers only slow NHWC FMA kernels; PyTorch's cuDNN
+// engines make the same transposes. EMBER_CUDNN_FP32_CL_VIA_NCHW=0/1.
+bool cudnn_fp32_channels_last_via_nchw();
+void set_cudnn_fp32_channels_last_via_nchw(bool on);
 
 // ---- Errors found on the device, raised without a host synchronisation ----
 // A kernel that finds bad input (an index out of range) cannot throw: it

@@ -226,6 +226,28 @@ TEST_F(CudaNnOps, Conv2dChannelsLastMatchesCpu) {
   EXPECT_EQ(y.stride(1), 1);
 }
 
+// Channels-last float32 computed through NCHW (the switch for cuDNN's slow
+// NHWC FMA kernels): the same values as the CPU, and the output and the
+// input's gradient stay channels-last for the layers around.
+TEST_F(CudaNnOps, Conv2dChannelsLastViaNchwMatchesCpu) {
+  set_cudnn_fp32_channels_last_via_nchw(true);
+  uint64_t seed = 300;
+  for (const ConvCase& c : kConvCases) {
+    std::vector<Tensor> in = {rnd(c.x, seed++, DType::Float32, 0.5), rnd(c.w, seed++, DType::Float32, 0.5),
+                              c.bias ? rnd({c.w[0]}, seed++, DType::Float32) : Tensor()};
+    compare(conv_fn(c), in, tol(DType::Float32), cat("conv2d channels-last via NCHW x", c.x, " w", c.w),
+            [](Tensor t) { return channels_last(t); });
+  }
+  Tensor x = channels_last(rnd({2, 8, 6, 6}, 350, DType::Float32).cuda()).requires_grad_();
+  Tensor w = rnd({4, 8, 3, 3}, 351, DType::Float32).cuda().requires_grad_();
+  Tensor y = conv2d(x, w);
+  EXPECT_EQ(y.suggest_memory_format(), MemoryFormat::ChannelsLast);
+  std::vector<Tensor> g = autograd::grad(sum(y * y), {x, w});
+  EXPECT_EQ(g[0].suggest_memory_format(), MemoryFormat::ChannelsLast);
+  EXPECT_TRUE(g[1].is_contiguous());  // the weight's own layout: .grad takes it without a copy
+  set_cudnn_fp32_channels_last_via_nchw(false);
+}
+
 // Shapes at the edges: an empty batch gives an empty output on both backends;
 // an empty spatial dimension is the same named error on both (before the
 // check, the CPU returned bias values and cuDNN failed with BAD_PARAM).

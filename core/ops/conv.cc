@@ -506,7 +506,12 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Dims st
   // Channels-last input stays channels-last on CUDA (cuDNN is fastest in
   // NHWC with tensor cores), except float64, for which cuDNN has few NHWC
   // kernels; the CPU kernels want plain NCHW.
-  const bool cl = x.is_cuda() && x.dtype() != DType::Float64 && is_channels_last(x);
+  const bool cl_in = x.is_cuda() && x.dtype() != DType::Float64 && is_channels_last(x);
+  // Channels-last float32 without TF32 may compute in NCHW (device.h): the
+  // result and dx go back to channels-last, so only this op sees NCHW.
+  const bool via_nchw =
+      cl_in && x.dtype() == DType::Float32 && !cudnn_allow_tf32() && cudnn_fp32_channels_last_via_nchw();
+  const bool cl = cl_in && !via_nchw;
   Tensor xc, wc, bc;
   {
     NoGradGuard no_grad;  // the layout copies are kernel inputs, not graph nodes
@@ -519,7 +524,7 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Dims st
     if (y.numel() == 0) return y;
     if (x.is_cuda()) conv2d_forward_cuda(g, xc, wc, bc, y);
     else conv2d_forward_cpu(g, xc, wc, bc, y);
-    return y;
+    return via_nchw ? to_layout(y, true) : y;
   }, [&](const Tensor&) {
     const bool need_x = x.requires_grad(), need_w = weight.requires_grad();
     const bool need_b = bias.defined() && bias.requires_grad();
@@ -539,6 +544,7 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Dims st
       } else {
         conv2d_backward_cpu(g, xc, wc, dy, need_x ? &dx : nullptr, need_w ? &dw : nullptr, need_b ? &db : nullptr);
       }
+      if (via_nchw && dx.defined()) dx = to_layout(dx, true);
       return std::vector<Tensor>{dx, dw, db};
     };
     return Recorded{fn, {xc, wc}};
