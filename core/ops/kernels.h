@@ -118,6 +118,9 @@ void attention_backward_cpu(const AttentionArgs& a, const Tensor& q, const Tenso
                             const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv);
 void attention_backward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv);
+// Tests: the CUDA kernels' score scratch in elements (0: the default, 2^23),
+// small enough to split a small problem into several query blocks.
+void set_attention_cuda_scratch(int64_t elements);
 
 // Row-major batched GEMM: C[b] = op(A[b]) @ op(B[b]), C contiguous [batch, m, n].
 struct GemmArgs {
@@ -127,6 +130,7 @@ struct GemmArgs {
   const void* a; int64_t lda, stride_a;
   const void* b; int64_t ldb, stride_b;
   void* c; int64_t ldc, stride_c;
+  double alpha = 1.0, beta = 0.0;  // C = alpha op(A) op(B) + beta C (float32/float64)
 };
 void gemm_cpu(const GemmArgs& g);
 // bfloat16/float16 on oneDNN's native kernels; false where the CPU has none

@@ -27,18 +27,20 @@ void gemm_cpu(const GemmArgs& g) {
   auto ta = g.trans_a ? CblasTrans : CblasNoTrans, tb = g.trans_b ? CblasTrans : CblasNoTrans;
   if (g.dtype == DType::Float32) {
     for (int64_t i = 0; i < g.batch; ++i)
-      cblas_sgemm(CblasRowMajor, ta, tb, g.m, g.n, g.k, 1.0f, static_cast<const float*>(g.a) + i * g.stride_a, g.lda,
-                  static_cast<const float*>(g.b) + i * g.stride_b, g.ldb, 0.0f,
+      cblas_sgemm(CblasRowMajor, ta, tb, g.m, g.n, g.k, static_cast<float>(g.alpha),
+                  static_cast<const float*>(g.a) + i * g.stride_a, g.lda,
+                  static_cast<const float*>(g.b) + i * g.stride_b, g.ldb, static_cast<float>(g.beta),
                   static_cast<float*>(g.c) + i * g.stride_c, g.ldc);
     return;
   }
   if (g.dtype == DType::Float64) {
     for (int64_t i = 0; i < g.batch; ++i)
-      cblas_dgemm(CblasRowMajor, ta, tb, g.m, g.n, g.k, 1.0, static_cast<const double*>(g.a) + i * g.stride_a, g.lda,
-                  static_cast<const double*>(g.b) + i * g.stride_b, g.ldb, 0.0,
+      cblas_dgemm(CblasRowMajor, ta, tb, g.m, g.n, g.k, g.alpha, static_cast<const double*>(g.a) + i * g.stride_a,
+                  g.lda, static_cast<const double*>(g.b) + i * g.stride_b, g.ldb, g.beta,
                   static_cast<double*>(g.c) + i * g.stride_c, g.ldc);
     return;
   }
+  EMBER_INTERNAL_ASSERT(g.alpha == 1.0 && g.beta == 0.0);  // the scaled forms are float32/float64 only
   EMBER_DISPATCH_NUMERIC(g.dtype, "matmul", [&] {
     using T = scalar_t;
     if constexpr (std::is_integral_v<T>) {

@@ -73,6 +73,10 @@ void gemm_cuda(const GemmArgs& g, int device) {
   cuda::DeviceGuard guard(device);
   cudaStream_t stream = cuda::stream_for(device);
   const size_t es = dtype_size(g.dtype);
+  if (g.k == 0 && g.beta != 0) {  // empty sum added to C: C stays (only beta 1 is asked for)
+    EMBER_INTERNAL_ASSERT(g.beta == 1.0);
+    return;
+  }
   if (g.k == 0) {  // empty sum: C is all zeros (cuBLAS with k == 0 is not documented to write C)
     const bool packed = g.stride_c == g.m * g.ldc;
     for (int64_t b = 0; b < (packed ? 1 : g.batch); ++b) {
@@ -96,8 +100,8 @@ void gemm_cuda(const GemmArgs& g, int device) {
   int64_t ldc = g.ldc;
   if (ldc < g.n && g.m == 1) ldc = g.n;
 
-  const float alpha_f = 1.0f, beta_f = 0.0f;
-  const double alpha_d = 1.0, beta_d = 0.0;
+  const float alpha_f = static_cast<float>(g.alpha), beta_f = static_cast<float>(g.beta);
+  const double alpha_d = g.alpha, beta_d = g.beta;
   const void* alpha = types.fp64_scalars ? static_cast<const void*>(&alpha_d) : &alpha_f;
   const void* beta = types.fp64_scalars ? static_cast<const void*>(&beta_d) : &beta_f;
 
