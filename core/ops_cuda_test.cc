@@ -182,6 +182,24 @@ TEST_F(CudaOps, StreamsAndEventsOrderWork) {
   EXPECT_THROW(done.record(Stream{1, nullptr}), Error);
 }
 
+// The list ops' kernels against the CPU's: several chunks per tensor, an
+// empty tensor, both dtypes.
+TEST_F(CudaOps, ForeachMatchesCpu) {
+  for (DType dt : {DType::Float32, DType::Float64}) {
+    std::vector<Tensor> cpu, gpu;
+    uint64_t seed = 40;
+    for (int64_t n : {int64_t{40000}, int64_t{0}, int64_t{3}, int64_t{16384}}) {
+      Generator g(seed++);
+      cpu.push_back(randn({n}, {dt}, &g));
+      gpu.push_back(cpu.back().cuda());
+    }
+    expect_same(foreach_sum_squares(cpu), foreach_sum_squares(gpu), 1e-12, "foreach_sum_squares");
+    foreach_mul_(cpu, -1.5);
+    foreach_mul_(gpu, -1.5);
+    for (size_t i = 0; i < cpu.size(); ++i) expect_same(cpu[i], gpu[i], 0, "foreach_mul_");
+  }
+}
+
 TEST_F(CudaOps, MatmulMatchesCpu) {
   manual_seed(13);
   for (DType dt : kTypes) {

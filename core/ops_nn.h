@@ -33,6 +33,13 @@ enum class ConvAlgorithm { Auto, Direct };
 void set_cpu_conv_algorithm(ConvAlgorithm algorithm);
 ConvAlgorithm cpu_conv_algorithm();
 
+// Layer normalisation over the last `normalized_ndim` dims (torch's
+// F.layer_norm): (x - mean) / sqrt(var + eps) * weight + bias per row, the
+// biased variance; weight and bias (either may be undefined) have the
+// normalised shape. One op with its own derivative (core/ops/layer_norm.cc);
+// runs in float32 under autocast, 16-bit inputs are computed in float32.
+Tensor layer_norm(const Tensor& x, int64_t normalized_ndim, const Tensor& weight, const Tensor& bias, double eps);
+
 // Scaled-dot-product attention (torch.nn.functional.scaled_dot_product_attention):
 // q [..., Tq, D], k [..., Tk, D], v [..., Tk, Dv] -> [..., Tq, Dv] =
 // dropout(softmax(q k^T * scale [+ causal mask]), dropout_p) v, with scale

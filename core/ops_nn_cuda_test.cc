@@ -146,6 +146,30 @@ TEST_F(CudaNnOps, AttentionMatchesCpu) {
       }
 }
 
+// layer_norm's kernels: widths below, at and above a warp, one and several
+// normalised dims, with and without weight and bias, more rows than one
+// dweight/dbias tile (128), float32 and float64, bfloat16 computed in float32.
+TEST_F(CudaNnOps, LayerNormMatchesCpu) {
+  uint64_t seed = 500;
+  struct Case {
+    Shape x;
+    int64_t nd;
+    bool w, b;
+  };
+  for (const Case& c : std::vector<Case>{{{3, 5, 1}, 1, true, true},
+                                         {{4, 33}, 1, true, false},
+                                         {{2, 3, 4, 5}, 2, false, true},
+                                         {{130, 64}, 1, true, true},
+                                         {{7}, 1, false, false}})
+    for (DType dt : {DType::Float32, DType::Float64, DType::BFloat16}) {
+      const Shape ns(c.x.end() - c.nd, c.x.end());
+      std::vector<Tensor> in = {rnd(c.x, seed++, dt, 2.0), c.w ? rnd(ns, seed++, dt) : Tensor(),
+                                c.b ? rnd(ns, seed++, dt) : Tensor()};
+      Fn f = [c](const std::vector<Tensor>& v) { return layer_norm(v[0], c.nd, v[1], v[2], 1e-5); };
+      compare(f, in, tol(dt) * 10, cat("layer_norm x", c.x, " nd ", c.nd, " w ", c.w, " b ", c.b, " ", dt));
+    }
+}
+
 // The TF32 switches take effect (the emulated cuDNN and cuBLAS round float
 // operands to TF32 when a call allows it, as the tensor cores do): off, a
 // float32 convolution and matmul match the CPU to float rounding; on, they

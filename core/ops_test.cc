@@ -517,5 +517,34 @@ TEST(ScatterAdd, InPlaceAddsAlongDimAndChecks) {
   e = testing::error_of([&] { scatter_add_(out, 1, idx, ones({2, 3})); });
   EXPECT_NE(e.find("src of its dtype"), std::string::npos) << e;
 }
+
+// The list ops against per-tensor sums in float64: an empty tensor, sizes
+// below, at and across the 16384-element chunk, both dtypes; the in-place
+// multiply; mixed lists and non-contiguous in-place targets are named errors.
+TEST(Foreach, SumSquaresAndMulMatchPerTensorOps) {
+  for (DType dt : {DType::Float32, DType::Float64}) {
+    std::vector<Tensor> ts;
+    uint64_t seed = 7;
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{16384}, int64_t{40000}, int64_t{15}}) {
+      Generator g(seed++);
+      ts.push_back(randn({n}, {dt}, &g));
+    }
+    const std::vector<double> got = foreach_sum_squares(ts).to_vector();
+    ASSERT_EQ(got.size(), ts.size());
+    for (size_t i = 0; i < ts.size(); ++i) {
+      const Tensor t64 = ts[i].to(DType::Float64);
+      const double want = ts[i].numel() ? sum(t64 * t64).item() : 0.0;
+      EXPECT_NEAR(got[i], want, 1e-9 * (1 + want)) << dt << " tensor " << i;
+    }
+    std::vector<Tensor> want;
+    for (const Tensor& t : ts) want.push_back(t * 0.25);
+    foreach_mul_(ts, 0.25);
+    for (size_t i = 0; i < ts.size(); ++i) EXPECT_TRUE(allclose(ts[i], want[i], 0, 0)) << dt << " tensor " << i;
+  }
+  std::string e = testing::error_of([] { foreach_sum_squares({ones({2}), ones({2}, DType::Float64)}); });
+  EXPECT_NE(e.find("tensor 1 is float64"), std::string::npos) << e;
+  e = testing::error_of([] { foreach_mul_({ones({2, 3}).t()}, 2.0); });
+  EXPECT_NE(e.find("not contiguous"), std::string::npos) << e;
+}
 }  // namespace
 }  // namespace ember

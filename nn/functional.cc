@@ -1,6 +1,6 @@
 // torch.nn.functional pieces built from differentiable core ops: their
-// gradients come from the ops they are made of, except layer_norm's, which
-// has its own derivative so that backward keeps less (see there).
+// gradients come from the ops they are made of; layer_norm and the fused
+// attention are core ops with their own derivatives (core/ops_nn.h).
 #include "nn/functional.h"
 
 #include "core/autocast.h"
@@ -102,53 +102,9 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
   return reduce(d * d, reduction);
 }
 
-// One op with its own derivative, so autograd keeps x, the per-row mean and
-// 1/std (and the weight) for backward, not the five intermediate tensors of
-// the composition (an activation-memory cost per LayerNorm of a transformer
-// block: ~1.25 MiB at [128, 512] -> 0.25). With xhat = (x - mu) * rstd and
-// dy = g * weight:
-//   dx = rstd * (dy - mean(dy) - xhat * mean(dy * xhat))  (means over the normalised dims)
-//   dweight = sum(g * xhat), dbias = sum(g)                 (over the other dims)
+// The op and its derivative live in core (core/ops/layer_norm.{cc,cu}).
 Tensor layer_norm(const Tensor& x, int64_t normalized_ndim, const Tensor& weight, const Tensor& bias, double eps) {
-  if (Tensor c = autocast::fp32(x); !c.is_same(x)) return layer_norm(c, normalized_ndim, weight, bias, eps);
-  EMBER_CHECK(normalized_ndim >= 1 && normalized_ndim <= x.dim(), "layer_norm: cannot normalise the last ",
-              normalized_ndim, " dims of ", shape_str(x.sizes()));
-  std::vector<int64_t> dims, lead;
-  for (int64_t d = 0; d < x.dim(); ++d) (d < x.dim() - normalized_ndim ? lead : dims).push_back(d);
-  std::vector<Tensor> inputs{x};
-  if (weight.defined()) inputs.push_back(weight);
-  if (bias.defined()) inputs.push_back(bias);
-  Tensor mu, rstd;
-  return differentiable(
-      "layer_norm", inputs,
-      [&] {
-        mu = mean(x, dims, true);
-        Tensor centered = x - mu;
-        rstd = rsqrt(mean(centered * centered, dims, true) + eps);  // biased variance, as torch
-        Tensor y = centered * rstd;
-        if (weight.defined()) y = y * weight;
-        if (bias.defined()) y = y + bias;
-        return y;
-      },
-      [&](const Tensor&) {
-        Tensor sx = x, smu = mu, srstd = rstd, sw = weight;
-        const bool has_w = weight.defined(), has_b = bias.defined();
-        const bool gx = x.requires_grad(), gw = has_w && weight.requires_grad(), gb = has_b && bias.requires_grad();
-        BackwardFn fn = [=](const Tensor& g) {
-          std::vector<Tensor> grads(1 + has_w + has_b);
-          Tensor xhat = (sx - smu) * srstd;
-          if (gx) {
-            Tensor dy = has_w ? g * sw : g;
-            grads[0] = srstd * (dy - mean(dy, dims, true) - xhat * mean(dy * xhat, dims, true));
-          }
-          if (gw) grads[1] = lead.empty() ? g * xhat : sum(g * xhat, lead);
-          if (gb) grads[has_w ? 2 : 1] = lead.empty() ? g : sum(g, lead);
-          return grads;
-        };
-        std::vector<Tensor> saved{sx, smu, srstd};
-        if (has_w) saved.push_back(sw);
-        return Recorded{fn, saved};
-      });
+  return ::ember::layer_norm(x, normalized_ndim, weight, bias, eps);
 }
 
 Tensor adaptive_avg_pool2d(const Tensor& x, std::array<int64_t, 2> out) {

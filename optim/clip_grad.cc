@@ -53,22 +53,32 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
   }
   if (grads.empty() && !reduce_partial && domains.size() == 1) return 0.0;
 
-  std::map<std::tuple<size_t, int, int>, std::vector<Tensor>> norms_by_device;
+  // Per (domain, device, dtype): the 2-norm's squares of float32/float64
+  // gradients in one list op (two kernels for the lot), other norms and
+  // dtypes one reduction per gradient; either way one host copy per group.
+  std::map<std::tuple<size_t, int, int, int>, std::vector<Tensor>> by_group;
   for (const auto& [domain, g] : counted) {
     const Device d = g.device();
-    norms_by_device[{domain, static_cast<int>(d.type), d.is_cuda() ? d.index : 0}].push_back(
-        grad_norm(g, norm_type).to(DType::Float64));
+    by_group[{domain, static_cast<int>(d.type), d.is_cuda() ? d.index : 0, static_cast<int>(g.dtype())}].push_back(g);
   }
   const bool inf = std::isinf(norm_type);
   std::vector<double> per_domain(domains.size(), 0.0);
-  for (auto& [key, norms] : norms_by_device)
+  for (auto& [key, gs] : by_group) {
+    double& a = per_domain[std::get<0>(key)];
+    const DType dt = gs[0].dtype();
+    if (norm_type == 2.0 && (dt == DType::Float32 || dt == DType::Float64)) {
+      for (double sq : foreach_sum_squares(gs).to_vector()) a += sq;
+      continue;
+    }
+    std::vector<Tensor> norms;
+    for (const Tensor& g : gs) norms.push_back(grad_norm(g, norm_type).to(DType::Float64));
     for (double n : stack(norms).to_vector()) {
-      double& a = per_domain[std::get<0>(key)];
       if (inf)
         a = (n > a || std::isnan(n)) ? n : a;
       else
         a += std::pow(n, norm_type);
     }
+  }
   double acc = per_domain[0];
   for (size_t d = 1; d < domains.size(); ++d) {
     Tensor partial = Tensor::from_vector({per_domain[d]}, {1}, DType::Float64);
@@ -90,8 +100,17 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
   // torch multiplies by clamp(coef, max=1); skipping the multiply by exactly
   // 1 changes nothing, and a NaN coefficient still propagates.
   const double coef = max_norm / (total + 1e-6);
-  if (!(coef >= 1.0))
-    for (Tensor& g : grads) g *= coef;
+  if (!(coef >= 1.0)) {
+    // Contiguous float32/float64 gradients in one list op per device and dtype.
+    std::map<std::tuple<int, int, int>, std::vector<Tensor>> lists;
+    for (Tensor& g : grads) {
+      if ((g.dtype() == DType::Float32 || g.dtype() == DType::Float64) && g.is_contiguous())
+        lists[{static_cast<int>(g.device().type), g.device().index, static_cast<int>(g.dtype())}].push_back(g);
+      else
+        g *= coef;
+    }
+    for (auto& [key, gs] : lists) foreach_mul_(gs, coef);
+  }
   return total;
 }
 

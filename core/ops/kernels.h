@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
+#include <vector>
 
 #include "core/dtype.h"
 #include "core/tensor.h"
@@ -121,6 +123,34 @@ void attention_backward_cuda(const AttentionArgs& a, const Tensor& q, const Tens
 // Tests: the CUDA kernels' score scratch in elements (0: the default, 2^23),
 // small enough to split a small problem into several query blocks.
 void set_attention_cuda_scratch(int64_t elements);
+
+// layer_norm over the rows of contiguous float32/float64 x ([rows, n], rows =
+// mean.numel()); w and b (n elements) may be undefined. Backward writes any
+// of dx ([rows, n]), dw and db (n) that is given.
+void layer_norm_forward_cpu(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor& y, Tensor& mean,
+                            Tensor& rstd);
+void layer_norm_forward_cuda(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor& y, Tensor& mean,
+                             Tensor& rstd);
+void layer_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& w,
+                             Tensor* dx, Tensor* dw, Tensor* db);
+void layer_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd,
+                              const Tensor& w, Tensor* dx, Tensor* dw, Tensor* db);
+
+// A list of tensors cut into chunks (core/ops/foreach.cc): chunk c is
+// elements [chunks[c].second, + kChunk) of tensor chunks[c].first; tensor t's
+// chunks are first_chunk[t] .. first_chunk[t + 1].
+struct ForeachTable {
+  static constexpr int64_t kChunk = 16384;
+  std::vector<void*> ptrs;
+  std::vector<int64_t> numel, first_chunk;
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+};
+ForeachTable foreach_table(const std::vector<Tensor>& ts);
+// out: float64 [tensors], each tensor's sum of squares.
+void foreach_sum_squares_cpu(const ForeachTable& tab, DType dt, Tensor& out);
+void foreach_sum_squares_cuda(const ForeachTable& tab, DType dt, Tensor& out);
+void foreach_mul_cpu(const ForeachTable& tab, DType dt, double factor);
+void foreach_mul_cuda(const ForeachTable& tab, DType dt, double factor, int device);
 
 // Row-major batched GEMM: C[b] = op(A[b]) @ op(B[b]), C contiguous [batch, m, n].
 struct GemmArgs {

@@ -31,6 +31,11 @@ EMBER_NO_CUDA(attention_forward_cuda, const AttentionArgs&, const Tensor&, const
 EMBER_NO_CUDA(attention_backward_cuda, const AttentionArgs&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
               const Tensor&, Tensor&, Tensor&, Tensor&)
 EMBER_NO_CUDA(set_attention_cuda_scratch, int64_t)
+EMBER_NO_CUDA(foreach_sum_squares_cuda, const ForeachTable&, DType, Tensor&)
+EMBER_NO_CUDA(foreach_mul_cuda, const ForeachTable&, DType, double, int)
+EMBER_NO_CUDA(layer_norm_forward_cuda, const Tensor&, const Tensor&, const Tensor&, double, Tensor&, Tensor&, Tensor&)
+EMBER_NO_CUDA(layer_norm_backward_cuda, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+              Tensor*, Tensor*, Tensor*)
 EMBER_NO_CUDA(index_select_cuda, const Tensor&, const Tensor&, Tensor&, int64_t, int64_t, int64_t)
 EMBER_NO_CUDA(gather_cuda, const Tensor&, const Tensor&, Tensor&, int64_t)
 EMBER_NO_CUDA(check_index_range_cuda, const Tensor&, int64_t, int64_t, const char*)
