@@ -705,8 +705,15 @@ class GlooGroup : public ProcessGroup {
       write_back(work.view(in.sizes()), in);
     }
     char* w = static_cast<char*>(work.raw_data());
-    if (size_ > 1) {
-      Tensor tmp = Tensor::empty({m}, in.dtype());
+    if (size_ > 1 && block > 0) {
+      // Each step's block travels in pieces of at most kGlooRingPieceBytes, so
+      // the receive buffer is one piece, not one block: FSDP reduce-scatters
+      // a unit's whole gradient, and a block-sized buffer was half a unit
+      // more at the backward's peak. Pieces of a step share its slot and
+      // arrive in order (one sender, one receiver, each waited).
+      const int64_t piece_elems = std::min<int64_t>(m, std::max<int64_t>(1, kGlooRingPieceBytes / es));
+      const size_t piece = static_cast<size_t>(piece_elems) * es;
+      Tensor tmp = Tensor::empty({piece_elems}, in.dtype());
       auto wbuf = context_->createUnboundBuffer(w, work.nbytes());
       auto tbuf = context_->createUnboundBuffer(tmp.raw_data(), tmp.nbytes());
       GlooFn fn = reduce_fn(in.dtype(), op);
@@ -715,12 +722,15 @@ class GlooGroup : public ProcessGroup {
         const int send_block = ((rank_ - 1 - s) % size_ + size_) % size_;
         const int recv_block = ((rank_ - 2 - s) % size_ + size_) % size_;
         const uint64_t slot = reduce_scatter_slot(info.seq, s);
-        tbuf->recv(left_rank, slot, 0, block);
-        wbuf->send(right, slot, send_block * block, block);
-        tbuf->waitRecv(left(deadline));
-        char* acc = w + recv_block * block;
-        fn(acc, acc, tmp.raw_data(), static_cast<size_t>(m));
-        wbuf->waitSend(left(deadline));
+        for (size_t off = 0; off < block; off += piece) {
+          const size_t len = std::min(piece, block - off);
+          tbuf->recv(left_rank, slot, 0, len);
+          wbuf->send(right, slot, send_block * block + off, len);
+          tbuf->waitRecv(left(deadline));
+          char* acc = w + recv_block * block + off;
+          fn(acc, acc, tmp.raw_data(), len / es);
+          wbuf->waitSend(left(deadline));
+        }
       }
     }
     Tensor mine = work.narrow(0, rank_ * m, m);

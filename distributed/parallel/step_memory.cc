@@ -1,11 +1,13 @@
 // Measuring and reporting a step's memory by part (step_memory.h).
 #include "distributed/parallel/step_memory.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <utility>
 
 #include "core/ops.h"
+#include "distributed/comm/backends.h"
 #include "nn/checkpoint.h"
 
 namespace ember::distributed {
@@ -215,8 +217,9 @@ StepMemory simulate(const ModelSpec& m, const StepPlan& plan) {
       finish_pending();
       pending_in = grads;
       pending_out = t.add(MemoryKind::Other, shard(b) * f);
-      pending_tmp = t.add(MemoryKind::Other, shard(b) * f);  // the ring's receive buffer
-      t.free(gathered[k]), gathered[k] = -1;                 // both strategies reshard after the unit's backward
+      // The ring's receive buffer: one piece of the block (Gloo's).
+      pending_tmp = t.add(MemoryKind::Other, std::min(shard(b) * f, static_cast<double>(kGlooRingPieceBytes)));
+      t.free(gathered[k]), gathered[k] = -1;  // both strategies reshard after the unit's backward
     } else {
       shard_grads.push_back(grads);
     }
