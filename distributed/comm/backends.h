@@ -17,7 +17,7 @@ namespace ember::distributed {
 // Gloo's ring reduce-scatter moves each step's block in pieces of at most
 // this many bytes, so its receive buffer is one piece (the memory planner
 // counts it).
-constexpr int64_t kGlooRingPieceBytes = int64_t{4} << 20;
+constexpr int64_t kGlooRingPieceBytes = int64_t{1} << 20;
 
 std::shared_ptr<ProcessGroup> make_gloo_group(std::shared_ptr<Store> store, int rank, int size,
                                               ProcessGroupOptions options = {});
