@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/ops.h"
+#include "core/profiler.h"
 #include "core/stream.h"
 
 namespace ember {
@@ -198,6 +199,45 @@ TEST_F(CudaOps, ForeachMatchesCpu) {
     foreach_mul_(gpu, -1.5);
     for (size_t i = 0; i < cpu.size(); ++i) expect_same(cpu[i], gpu[i], 0, "foreach_mul_");
   }
+}
+
+// GPU time per op: each op's event pair brackets its kernels, so a 512^3
+// matmul takes more device time than a one-element add (under the emulation
+// too, where device time is the time the queue takes to run); a user range
+// gets none; the table and the trace show it; cuda_time = false records none.
+TEST_F(CudaOps, ProfilerRecordsGpuTimePerOp) {
+  Tensor a = ones({512, 512}).cuda(), b = ones({512, 512}).cuda(), s = ones({1}).cuda();
+  cuda_synchronize();
+  profiler::start();
+  {
+    EMBER_PROFILE_RANGE("outer");
+    Tensor c = matmul(a, b);
+    Tensor d = s + s;
+  }
+  profiler::stop();
+  const std::vector<profiler::Event> ev = profiler::events();
+  const profiler::Event *mm = nullptr, *add = nullptr, *outer = nullptr;
+  for (const profiler::Event& e : ev) {
+    if (e.name == "matmul" && e.depth == 1) mm = &e;
+    if (e.name == "add" && e.depth == 1) add = &e;
+    if (e.name == "outer") outer = &e;
+  }
+  ASSERT_TRUE(mm && add && outer) << profiler::summary_table(ev);
+  EXPECT_EQ(outer->cuda_ns, -1);
+  EXPECT_GE(add->cuda_ns, 0);
+  EXPECT_GT(mm->cuda_ns, add->cuda_ns) << profiler::summary_table(ev);
+  EXPECT_LE(mm->cuda_self_ns, mm->cuda_ns);
+  EXPECT_GE(mm->cuda_self_ns, 0);
+  EXPECT_NE(profiler::summary_table(ev).find("CUDA self"), std::string::npos);
+  EXPECT_NE(profiler::chrome_trace(ev).find("\"cuda_us\":"), std::string::npos);
+
+  profiler::Options no_cuda;
+  no_cuda.cuda_time = false;
+  profiler::start(no_cuda);
+  { Tensor c = matmul(a, b); }
+  profiler::stop();
+  for (const profiler::Event& e : profiler::events()) EXPECT_EQ(e.cuda_ns, -1) << e.name;
+  EXPECT_EQ(profiler::summary_table(profiler::events()).find("CUDA self"), std::string::npos);
 }
 
 TEST_F(CudaOps, MatmulMatchesCpu) {

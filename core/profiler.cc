@@ -15,9 +15,12 @@
 #include <sstream>
 #include <utility>
 
+#include "core/device.h"
 #include "core/exception.h"
+#include "core/stream.h"
 
 #if EMBER_WITH_CUDA
+#include <cuda_runtime.h>
 #include <nvtx3/nvToolsExt.h>
 #endif
 
@@ -25,6 +28,14 @@ namespace ember::profiler {
 
 namespace detail {
 std::atomic<bool> g_on{false};
+
+// A scope's GPU time: events recorded at its open and close on the stream
+// that was current then; resolved (waited for) in events().
+struct CudaSpan {
+  explicit CudaSpan(int device) : start(device, /*timing=*/true), end(device, /*timing=*/true) {}
+  ember::Event start, end;
+  Stream stream;
+};
 
 struct Frame {
   std::string name;
@@ -35,6 +46,7 @@ struct Frame {
   bool nested_in_same = false;
   bool nvtx = false;
   std::string args;
+  std::shared_ptr<CudaSpan> cuda;
 };
 }  // namespace detail
 
@@ -55,6 +67,7 @@ struct Registry {
   std::atomic<uint64_t> generation{0};
   bool running = false;
   Options options;
+  int cuda_device = -1;  // the device GPU time is taken on this session (-1: none)
 };
 Registry& registry() {
   static Registry* r = new Registry();  // never destroyed: threads may record during exit
@@ -156,6 +169,13 @@ void start(Options options) {
     b->events.clear();
   }
   r.options = options;
+  r.cuda_device = -1;
+#if EMBER_WITH_CUDA
+  if (options.cuda_time && cuda_is_available()) {
+    int d = 0;
+    if (cudaGetDevice(&d) == cudaSuccess) r.cuda_device = d;
+  }
+#endif
   r.generation.fetch_add(1);
   r.running = true;
   detail::g_on.store(true, std::memory_order_relaxed);
@@ -174,6 +194,35 @@ bool running() {
   return r.running;
 }
 
+namespace {
+// GPU time of each event with an event pair (the host waits for them here,
+// once per read), and self time: minus the GPU time of the events nested
+// directly inside it on its thread (events are ordered by start, parents
+// before children).
+void resolve_cuda_times(std::vector<Event>& out) {
+  bool any = false;
+  for (Event& e : out) {
+    if (!e.cuda_span) continue;
+    e.cuda_ns = static_cast<int64_t>(e.cuda_span->start.elapsed_ms(e.cuda_span->end) * 1e6);
+    e.cuda_self_ns = e.cuda_ns;
+    any = true;
+  }
+  if (!any) return;
+  std::map<uint32_t, std::vector<size_t>> open;  // per thread: the chain of enclosing events
+  for (size_t i = 0; i < out.size(); ++i) {
+    std::vector<size_t>& chain = open[out[i].tid];
+    while (!chain.empty() && out[chain.back()].depth >= out[i].depth) chain.pop_back();
+    if (!chain.empty() && out[i].cuda_ns >= 0) {
+      Event& parent = out[chain.back()];
+      if (parent.cuda_self_ns >= 0) parent.cuda_self_ns -= out[i].cuda_ns;
+    }
+    chain.push_back(i);
+  }
+  for (Event& e : out)
+    if (e.cuda_self_ns < 0 && e.cuda_ns >= 0) e.cuda_self_ns = 0;  // clock rounding between the pairs
+}
+}  // namespace
+
 std::vector<Event> events() {
   Registry& r = registry();
   std::vector<Event> out;
@@ -185,6 +234,7 @@ std::vector<Event> events() {
   std::stable_sort(out.begin(), out.end(), [](const Event& a, const Event& b) {
     return a.start_ns != b.start_ns ? a.start_ns < b.start_ns : a.depth < b.depth;
   });
+  resolve_cuda_times(out);
   return out;
 }
 
@@ -208,6 +258,12 @@ void Scope::begin(Kind kind, const char* name) {
     f.nvtx = true;
   }
 #endif
+  const int dev = registry().cuda_device;
+  if (dev >= 0 && (kind == Kind::Op || kind == Kind::Backward || kind == Kind::Optimizer)) {
+    f.cuda = std::make_shared<detail::CudaSpan>(dev);
+    f.cuda->stream = Stream::current(dev);
+    f.cuda->start.record(f.cuda->stream);
+  }
   b.stack.push_back(std::move(f));
   frame_ = &b.stack.back();
   frame_->start_ns = now_ns();  // last, so the bookkeeping above is not timed
@@ -222,7 +278,11 @@ void Scope::end() {
 #if EMBER_WITH_CUDA
   if (f.nvtx) nvtxRangePop();
 #endif
+  // On the stream current at the open: an op that switched streams inside
+  // (a StreamGuard) has restored it by now.
+  if (f.cuda) f.cuda->end.record(f.cuda->stream);
   Event e;
+  e.cuda_span = std::move(f.cuda);
   e.dur_ns = t - f.start_ns;
   e.self_ns = e.dur_ns - f.child_ns;
   e.start_ns = f.start_ns;
@@ -302,6 +362,7 @@ std::string chrome_trace_events(const std::vector<Event>& events, int pid, const
     os << ",\n{\"name\":" << quoted(e.name) << ",\"cat\":\"" << kind_name(e.kind) << "\",\"ph\":\"X\",\"ts\":"
        << fmt_us(e.start_ns + offset_ns) << ",\"dur\":" << fmt_us(e.dur_ns) << ",\"pid\":" << pid
        << ",\"tid\":" << e.tid << ",\"args\":{\"self_us\":" << fmt_us(e.self_ns);
+    if (e.cuda_ns >= 0) os << ",\"cuda_us\":" << fmt_us(e.cuda_ns) << ",\"cuda_self_us\":" << fmt_us(e.cuda_self_ns);
     if (!e.args.empty()) os << ',' << e.args;
     os << "}}";
   }
@@ -330,6 +391,10 @@ std::vector<Average> key_averages(const std::vector<Event>& events) {
     a.calls += 1;
     a.self_ns += e.self_ns;
     if (!e.nested_in_same) a.total_ns += e.dur_ns;
+    if (e.cuda_ns >= 0) {
+      a.cuda_self_ns += e.cuda_self_ns;
+      if (!e.nested_in_same) a.cuda_total_ns += e.cuda_ns;
+    }
   }
   std::vector<Average> out;
   for (auto& [k, a] : by) out.push_back(std::move(a));
@@ -339,28 +404,41 @@ std::vector<Average> key_averages(const std::vector<Event>& events) {
 
 std::string summary_table(const std::vector<Event>& events, int top) {
   const std::vector<Average> avgs = key_averages(events);
-  int64_t all_self = 0;
-  for (const Average& a : avgs) all_self += a.self_ns;
+  int64_t all_self = 0, all_cuda = 0;
+  bool cuda = false;
+  for (const Event& e : events) cuda = cuda || e.cuda_ns >= 0;
+  for (const Average& a : avgs) all_self += a.self_ns, all_cuda += a.cuda_self_ns;
   std::ostringstream os;
-  char line[256];
-  const char* rule =
-      "------------------------------------------------------------------------------------------------------"
-      "--------------\n";
-  std::snprintf(line, sizeof line, "%-44s %-10s %8s %12s %8s %12s %12s %8s\n", "Name", "Kind", "Self %", "Self",
+  char line[320];
+  const std::string rule = std::string(116, '-') + (cuda ? std::string(26, '-') : std::string()) + "\n";
+  std::snprintf(line, sizeof line, "%-44s %-10s %8s %12s %8s %12s %12s %8s", "Name", "Kind", "Self %", "Self",
                 "Total %", "Total", "Avg total", "Calls");
-  os << rule << line << rule;
+  os << rule << line;
+  if (cuda) {
+    std::snprintf(line, sizeof line, " %12s %12s", "CUDA self", "CUDA total");
+    os << line;
+  }
+  os << "\n" << rule;
   int n = 0;
   for (const Average& a : avgs) {
     if (top > 0 && n++ >= top) break;
     std::string name = a.name.size() > 44 ? a.name.substr(0, 41) + "..." : a.name;
     const double self_pct = all_self ? 100.0 * a.self_ns / all_self : 0.0;
     const double tot_pct = all_self ? 100.0 * a.total_ns / all_self : 0.0;
-    std::snprintf(line, sizeof line, "%-44s %-10s %7.2f%% %12s %7.2f%% %12s %12s %8lld\n", name.c_str(),
+    std::snprintf(line, sizeof line, "%-44s %-10s %7.2f%% %12s %7.2f%% %12s %12s %8lld", name.c_str(),
                   kind_name(a.kind), self_pct, fmt_time(a.self_ns).c_str(), tot_pct, fmt_time(a.total_ns).c_str(),
                   fmt_time(a.calls ? a.total_ns / a.calls : 0).c_str(), static_cast<long long>(a.calls));
     os << line;
+    if (cuda) {
+      std::snprintf(line, sizeof line, " %12s %12s", fmt_time(a.cuda_self_ns).c_str(),
+                    fmt_time(a.cuda_total_ns).c_str());
+      os << line;
+    }
+    os << "\n";
   }
-  os << rule << "Self time total: " << fmt_time(all_self) << " (all threads; " << events.size() << " events)\n";
+  os << rule << "Self time total: " << fmt_time(all_self) << " (all threads; " << events.size() << " events)";
+  if (cuda) os << "; CUDA self time total: " << fmt_time(all_cuda);
+  os << "\n";
   return os.str();
 }
 

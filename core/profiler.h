@@ -25,12 +25,17 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/tensor.h"
 
 namespace ember::profiler {
+
+namespace detail {
+struct CudaSpan;
+}  // namespace detail
 
 // What an event is; the Chrome trace's "cat" and the summary's column.
 enum class Kind : uint8_t { Op, Backward, Collective, Wait, Data, Optimizer, Checkpoint, User };
@@ -46,16 +51,29 @@ struct Event {
   uint32_t depth = 0;    // nesting depth on its thread
   bool nested_in_same = false;  // inside an event of the same name (its total is not counted twice)
   std::string args;      // members of a JSON object, e.g. "\"bytes\":4096,\"seq\":3"
+  // GPU time (Options::cuda_time): from an event pair recorded on the
+  // device's current stream at the scope's open and close (no host sync;
+  // events() waits for them). Total and self (minus the events nested
+  // directly inside); -1 where none was recorded.
+  int64_t cuda_ns = -1;
+  int64_t cuda_self_ns = -1;
+  std::shared_ptr<detail::CudaSpan> cuda_span;  // the unresolved pair, until events() reads it
 };
 
 struct Options {
   bool record_shapes = true;  // input shapes, dtypes and devices of ops
   bool nvtx = true;           // NVTX ranges too (CUDA builds; a no-op without a tool attached)
+  // GPU time per op, backward node and optimizer step: a CUDA event pair on
+  // the current stream of the thread's current device, when a GPU (or the
+  // emulation) is there; the table gains CUDA self/total columns and the
+  // trace a cuda_us argument. The host-side times stay as they are.
+  bool cuda_time = true;
 };
 
 namespace detail {
 extern std::atomic<bool> g_on;
 struct Frame;
+struct CudaSpan;
 }  // namespace detail
 
 // Building with -DEMBER_PROFILER_HOOKS=0 compiles every hook out (for
@@ -143,6 +161,7 @@ struct Average {
   std::string name;
   Kind kind = Kind::User;
   int64_t calls = 0, self_ns = 0, total_ns = 0;
+  int64_t cuda_self_ns = 0, cuda_total_ns = 0;  // GPU time (zero without it)
 };
 std::vector<Average> key_averages(const std::vector<Event>& events);
 std::string summary_table(const std::vector<Event>& events, int top = 25);

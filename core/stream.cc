@@ -62,11 +62,11 @@ std::shared_ptr<const Stream> new_stream(int device) {
   });
 }
 
-Event::Event(int device) : device_(device) {
+Event::Event(int device, bool timing) : device_(device) {
   check_device(device, "Event");
   OnDevice on(device);
   cudaEvent_t e = nullptr;
-  EMBER_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  EMBER_CUDA_CHECK(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming));
   handle_ = e;
 }
 
@@ -93,13 +93,20 @@ bool Event::query() const {
 }
 
 void Event::synchronize() const { EMBER_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(handle_))); }
+
+double Event::elapsed_ms(const Event& end) const {
+  end.synchronize();
+  float ms = 0;
+  EMBER_CUDA_CHECK(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(handle_), static_cast<cudaEvent_t>(end.handle_)));
+  return ms;
+}
 #else
 std::shared_ptr<const Stream> new_stream(int device) {
   EMBER_CHECK(false, "new_stream: ember was built without CUDA (no device ", device, ")");
   return nullptr;
 }
 
-Event::Event(int device) : device_(device) {
+Event::Event(int device, bool) : device_(device) {
   EMBER_CHECK(false, "Event: ember was built without CUDA (no device ", device, ")");
 }
 Event::~Event() = default;
@@ -107,6 +114,7 @@ void Event::record(Stream) {}
 void Event::block(Stream) const {}
 bool Event::query() const { return true; }
 void Event::synchronize() const {}
+double Event::elapsed_ms(const Event&) const { return 0; }
 #endif
 
 }  // namespace ember

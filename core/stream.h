@@ -49,10 +49,11 @@ class StreamGuard {
   Stream prev_;
 };
 
-// A CUDA event without timing (cudaEventDisableTiming), on `device`.
+// A CUDA event on `device`, without timing (cudaEventDisableTiming) unless
+// asked for (the profiler's GPU time per op).
 class Event {
  public:
-  explicit Event(int device);
+  explicit Event(int device, bool timing = false);
   ~Event();
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
@@ -67,6 +68,9 @@ class Event {
   bool query() const;
   // The host waits for the recorded work.
   void synchronize() const;
+  // Milliseconds of device time from this event's point to `end`'s (both
+  // timing events, recorded; the host waits for `end`).
+  double elapsed_ms(const Event& end) const;
 
  private:
   int device_;

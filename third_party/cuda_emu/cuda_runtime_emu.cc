@@ -25,10 +25,11 @@
 // uninitialised, so code that counts on zeros must fail here too.
 //
 // Environment: EMU_DEVICES=N  devices reported (default 1).
-#include <atomic>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -108,6 +109,10 @@ struct Event {
   StreamRef stream;  // null until recorded
   uint64_t seq = 0;
   int not_ready_answers = 0;
+  bool timing = true;  // false: cudaEventDisableTiming
+  // When the queue reached the record (steady clock, ns; -1 before): the
+  // emulated device's time, for cudaEventElapsedTime.
+  std::shared_ptr<std::atomic<int64_t>> when;
 };
 constexpr int kQueryPatience = 64;
 
@@ -441,9 +446,11 @@ static Event* event(cudaEvent_t e, const char* fn) {
   if (!g_events.count(e)) die(std::string(fn) + ": invalid or destroyed event");
   return reinterpret_cast<Event*>(e);
 }
-cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int flags) {
   auto l = api("cudaEventCreateWithFlags");
-  *e = reinterpret_cast<cudaEvent_t>(new Event);
+  auto* ev = new Event;
+  ev->timing = (flags & cudaEventDisableTiming) == 0;
+  *e = reinterpret_cast<cudaEvent_t>(ev);
   g_events.insert(*e);
   return cudaSuccess;
 }
@@ -458,8 +465,28 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   auto l = api("cudaEventRecord");
   Event* ev = event(e, "cudaEventRecord");
   StreamRef st = resolve(s, "cudaEventRecord");
-  push(st, Op{{}, "cudaEventRecord", {}});
-  *ev = Event{st, st->enqueued, 0};
+  auto when = std::make_shared<std::atomic<int64_t>>(-1);
+  Op op{{}, "cudaEventRecord", {}};
+  if (ev->timing)
+    op.fn = [when] {
+      *when = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+                  .count();
+    };
+  push(st, std::move(op));
+  *ev = Event{st, st->enqueued, 0, ev->timing, when};
+  return cudaSuccess;
+}
+// The time between two recorded points as the emulated device ran them
+// (the host's time running the queued work in between); NotReady until the
+// queue reached both, as CUDA's.
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t start, cudaEvent_t end) {
+  auto l = api("cudaEventElapsedTime");
+  Event* a = event(start, "cudaEventElapsedTime");
+  Event* b = event(end, "cudaEventElapsedTime");
+  if (!a->timing || !b->timing || !a->stream || !b->stream) return cudaErrorInvalidResourceHandle;
+  const int64_t ta = *a->when, tb = *b->when;
+  if (ta < 0 || tb < 0) return cudaErrorNotReady;
+  *ms = static_cast<float>(static_cast<double>(tb - ta) / 1e6);
   return cudaSuccess;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
