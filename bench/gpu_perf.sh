@@ -12,8 +12,8 @@
 #              the JSON rows are the medians of the rounds' medians, with
 #              their ranges, and ours / PyTorch. About 4 minutes on an H100.
 #   breakdown  one profiled step per side for each configuration in
-#              channels-last, ours under CUDA_LAUNCH_BLOCKING=1 (so an op's
-#              host time is its GPU time), PyTorch through torch.profiler
+#              channels-last, ours with the profiler's GPU time per op (a
+#              CUDA event pair per op), PyTorch through torch.profiler
 #              (CUDA activity); plus the convolution algorithms ours chose
 #              (EMBER_CUDNN_LOG=1), and PyTorch's kernel launches per step.
 #              About 1.5 minutes.
@@ -117,8 +117,8 @@ for part in "${parts[@]}"; do
       done
       ;;
     breakdown)
-      say "breakdown: ours (CUDA_LAUNCH_BLOCKING=1, EMBER_CUDNN_LOG=1)"
-      CUDA_LAUNCH_BLOCKING=1 EMBER_CUDNN_LOG=1 "${ours[@]}" --configs $configs --layouts cl --steps 2 \
+      say "breakdown: ours (the profiler's GPU time per op, EMBER_CUDNN_LOG=1)"
+      EMBER_CUDNN_LOG=1 "${ours[@]}" --configs $configs --layouts cl --steps 2 \
         --profile-top 25 "${shape[@]}" 2>"$out/logs/ours_breakdown.err" | tag breakdown 1
       grep '^\[ember cudnn\]' "$out/logs/ours_breakdown.err" | sed 's/^/part=algos round=1 /' >>"$raw"
       say "breakdown: torch (torch.profiler)"

@@ -142,7 +142,7 @@ def main():
             breakdown["configs"].append({"name": f"{c}/{l}", "ours_top_ops": ops.get(("ours", c, l), []),
                                          "torch_top_ops": ops.get(("torch", c, l), [])})
         with open(os.path.join(d, "gpu_breakdown.json"), "w") as f:
-            json.dump(dict(head, note="ours: host time per op under CUDA_LAUNCH_BLOCKING=1 (= GPU time); "
+            json.dump(dict(head, note="ours: GPU time per op from the profiler's CUDA event pairs; "
                                      "torch: self CUDA time from torch.profiler", **breakdown), f, indent=1)
         for cfg in breakdown["configs"]:
             print(f"\n{cfg['name']}: top ops (ours | torch), self ms")
