@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <thread>
 
 #include "core/ops.h"
 #include "core/profiler.h"
@@ -229,6 +230,28 @@ TEST_F(CudaOps, ProfilerRecordsGpuTimePerOp) {
   EXPECT_LE(mm->cuda_self_ns, mm->cuda_ns);
   EXPECT_GE(mm->cuda_self_ns, 0);
   EXPECT_NE(profiler::summary_table(ev).find("CUDA self"), std::string::npos);
+
+  // Self time skips scopes without GPU time: an op scope around a user range
+  // around the matmul keeps little of its own; another thread's ops get none.
+  profiler::start();
+  {
+    profiler::Scope op(profiler::Kind::Op, "wrapper");
+    EMBER_PROFILE_RANGE("between");
+    Tensor c = matmul(a, b);
+  }
+  std::thread([&] { Tensor d = s + s; }).join();
+  profiler::stop();
+  const std::vector<profiler::Event> ev2 = profiler::events();
+  const profiler::Event *wrapper = nullptr, *inner = nullptr, *other = nullptr;
+  for (const profiler::Event& e : ev2) {
+    if (e.name == "wrapper") wrapper = &e;
+    if (e.name == "matmul" && e.depth == 2) inner = &e;
+    if (e.name == "add") other = &e;
+  }
+  ASSERT_TRUE(wrapper && inner && other) << profiler::summary_table(ev2);
+  EXPECT_GE(wrapper->cuda_ns, inner->cuda_ns);
+  EXPECT_LT(wrapper->cuda_self_ns, inner->cuda_ns) << profiler::summary_table(ev2);
+  EXPECT_EQ(other->cuda_ns, -1);
   EXPECT_NE(profiler::chrome_trace(ev).find("\"cuda_us\":"), std::string::npos);
 
   profiler::Options no_cuda;

@@ -68,6 +68,10 @@ struct Registry {
   bool running = false;
   Options options;
   int cuda_device = -1;  // the device GPU time is taken on this session (-1: none)
+  // The thread that started the session: the one whose scopes get GPU time
+  // (the training thread, where ops, backward and optimizer steps run);
+  // loader and communication threads' scopes would bracket its kernels.
+  std::atomic<const ThreadBuf*> cuda_thread{nullptr};
 };
 Registry& registry() {
   static Registry* r = new Registry();  // never destroyed: threads may record during exit
@@ -161,6 +165,7 @@ int64_t now_ns() {
 }
 
 void start(Options options) {
+  const ThreadBuf* me = &this_thread_buf();  // before taking r.mu: a thread's first call registers under it
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   EMBER_CHECK(!r.running, "profiler::start: a profiling session is already running (call profiler::stop() first)");
@@ -170,6 +175,7 @@ void start(Options options) {
   }
   r.options = options;
   r.cuda_device = -1;
+  r.cuda_thread = me;
 #if EMBER_WITH_CUDA
   if (options.cuda_time && cuda_is_available()) {
     int d = 0;
@@ -208,14 +214,24 @@ void resolve_cuda_times(std::vector<Event>& out) {
     any = true;
   }
   if (!any) return;
-  std::map<uint32_t, std::vector<size_t>> open;  // per thread: the chain of enclosing events
+  // Per thread, the chain of events enclosing the current one in time; a
+  // GPU-timed event's time leaves the self time of the nearest enclosing
+  // event that has GPU time (user ranges and waits in between have none).
+  std::map<uint32_t, std::vector<size_t>> open;
   for (size_t i = 0; i < out.size(); ++i) {
-    std::vector<size_t>& chain = open[out[i].tid];
-    while (!chain.empty() && out[chain.back()].depth >= out[i].depth) chain.pop_back();
-    if (!chain.empty() && out[i].cuda_ns >= 0) {
-      Event& parent = out[chain.back()];
-      if (parent.cuda_self_ns >= 0) parent.cuda_self_ns -= out[i].cuda_ns;
+    const Event& e = out[i];
+    std::vector<size_t>& chain = open[e.tid];
+    while (!chain.empty()) {
+      const Event& p = out[chain.back()];
+      if (p.depth < e.depth && p.start_ns <= e.start_ns && e.start_ns + e.dur_ns <= p.start_ns + p.dur_ns) break;
+      chain.pop_back();
     }
+    if (e.cuda_ns >= 0)
+      for (size_t k = chain.size(); k-- > 0;)
+        if (out[chain[k]].cuda_ns >= 0) {
+          out[chain[k]].cuda_self_ns -= e.cuda_ns;
+          break;
+        }
     chain.push_back(i);
   }
   for (Event& e : out)
@@ -259,7 +275,8 @@ void Scope::begin(Kind kind, const char* name) {
   }
 #endif
   const int dev = registry().cuda_device;
-  if (dev >= 0 && (kind == Kind::Op || kind == Kind::Backward || kind == Kind::Optimizer)) {
+  if (dev >= 0 && (kind == Kind::Op || kind == Kind::Backward || kind == Kind::Optimizer) &&
+      registry().cuda_thread.load(std::memory_order_relaxed) == &b) {
     f.cuda = std::make_shared<detail::CudaSpan>(dev);
     f.cuda->stream = Stream::current(dev);
     f.cuda->start.record(f.cuda->stream);

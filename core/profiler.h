@@ -63,10 +63,13 @@ struct Event {
 struct Options {
   bool record_shapes = true;  // input shapes, dtypes and devices of ops
   bool nvtx = true;           // NVTX ranges too (CUDA builds; a no-op without a tool attached)
-  // GPU time per op, backward node and optimizer step: a CUDA event pair on
-  // the current stream of the thread's current device, when a GPU (or the
-  // emulation) is there; the table gains CUDA self/total columns and the
-  // trace a cuda_us argument. The host-side times stay as they are.
+  // GPU time per op, backward node and optimizer step of the thread that
+  // called start(): a CUDA event pair on the current stream of its current
+  // device (one GPU per process, as ember's ranks), when a GPU (or the
+  // emulation) is there. An op's GPU time is that of the work it queued
+  // between the pair; a host-bound op that queued nothing shows about 0.
+  // The table gains CUDA self/total columns and the trace a cuda_us
+  // argument; host times stay as they are.
   bool cuda_time = true;
 };
 

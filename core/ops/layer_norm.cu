@@ -7,6 +7,7 @@
 // no atomics), as batch_norm.cu's finalize does.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -20,6 +21,7 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kWarpsPerBlock = cuda::kBlockSize / kWarp;
 constexpr int64_t kTileRows = 128;
+constexpr int64_t kMaxTiles = 65535;  // grid.y
 
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
@@ -79,11 +81,11 @@ __global__ void dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, con
 // Block (tile, column chunk): each thread one column, summing the tile's rows.
 template <typename T>
 __global__ void dwdb_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ mean,
-                                    const T* __restrict__ rstd, int64_t rows, int64_t n, T* __restrict__ pw,
-                                    T* __restrict__ pb) {
+                                    const T* __restrict__ rstd, int64_t rows, int64_t n, int64_t tile_rows,
+                                    T* __restrict__ pw, T* __restrict__ pb) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (j >= n) return;
-  const int64_t tile = blockIdx.y, r0 = tile * kTileRows, r1 = r0 + kTileRows < rows ? r0 + kTileRows : rows;
+  const int64_t tile = blockIdx.y, r0 = tile * tile_rows, r1 = r0 + tile_rows < rows ? r0 + tile_rows : rows;
   T sw = 0, sb = 0;
   for (int64_t r = r0; r < r1; ++r) {
     const T g = dy[r * n + j];
@@ -141,12 +143,15 @@ void backward(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tenso
     EMBER_CUDA_CHECK(cudaGetLastError());
   }
   if (dw || db) {
-    const int64_t tiles = cuda::ceil_div(rows, kTileRows);
+    // kTileRows rows a tile, more when the tiles would pass grid.y's limit.
+    const int64_t tile_rows = std::max(kTileRows, cuda::ceil_div(rows, kMaxTiles));
+    const int64_t tiles = cuda::ceil_div(rows, tile_rows);
     Tensor pw = dw ? Tensor::empty({tiles, n}, x.options()) : Tensor();
     Tensor pb = db ? Tensor::empty({tiles, n}, x.options()) : Tensor();
     const dim3 grid(static_cast<unsigned>(cuda::ceil_div(n, cuda::kBlockSize)), static_cast<unsigned>(tiles));
-    dwdb_partial_kernel<T><<<grid, cuda::kBlockSize, 0, stream>>>(
-        dy.data<T>(), x.data<T>(), mean.data<T>(), rstd.data<T>(), rows, n, ptr_or_null<T>(&pw), ptr_or_null<T>(&pb));
+    dwdb_partial_kernel<T><<<grid, cuda::kBlockSize, 0, stream>>>(dy.data<T>(), x.data<T>(), mean.data<T>(),
+                                                                  rstd.data<T>(), rows, n, tile_rows,
+                                                                  ptr_or_null<T>(&pw), ptr_or_null<T>(&pb));
     EMBER_CUDA_CHECK(cudaGetLastError());
     dwdb_final_kernel<T><<<cuda::grid_for(n), cuda::kBlockSize, 0, stream>>>(
         ptr_or_null<T>(pw), ptr_or_null<T>(pb), tiles, n, ptr_or_null<T>(dw), ptr_or_null<T>(db));

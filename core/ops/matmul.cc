@@ -123,6 +123,7 @@ const MatmulPlan* matmul_plan(const MatmulKey& key) {
 }  // namespace
 
 bool gemm_cpu_native_16bit(const GemmArgs& g) {
+  EMBER_INTERNAL_ASSERT(g.alpha == 1.0 && g.beta == 0.0);  // the scaled forms are float32/float64 only
   const bool bc_a = g.batch > 1 && g.stride_a == 0, bc_b = g.batch > 1 && g.stride_b == 0;
   const MatmulPlan* p = matmul_plan({g.dtype, g.batch, g.m, g.n, g.k, g.trans_a, g.trans_b, bc_a, bc_b, g.lda,
                                      g.stride_a, g.ldb, g.stride_b, g.ldc, g.stride_c});
