@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch's side of bench/gpu_perf.sh's `gpt` part: the GPT of //examples:gpt_fsdp
-(pre-norm blocks, causal attention, tanh GELU MLP, untied bias-free LM head,
+(peer_common's pre-norm blocks with the tanh GELU, untied bias-free LM head,
 AdamW betas 0.9/0.99 weight decay 0.1, global-norm clipping at 1.0) under
 FSDP2 (fully_shard on every block and the root) on one GPU over NCCL, random
 tokens of the given vocabulary. --amp bf16 is FSDP2's MixedPrecisionPolicy
@@ -16,6 +16,7 @@ import argparse
 import os
 import socket
 import statistics
+import sys
 import time
 
 import torch
@@ -23,25 +24,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln_1 = nn.LayerNorm(d)
-        self.c_attn = nn.Linear(d, 3 * d)
-        self.c_proj = nn.Linear(d, d)
-        self.ln_2 = nn.LayerNorm(d)
-        self.c_fc = nn.Linear(d, 4 * d)
-        self.mlp_proj = nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.c_attn(self.ln_1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.c_proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch2"))
+from peer_common import GPTBlock  # noqa: E402  the fsdp peers' block, with GPT-2's tanh GELU
 
 
 class GPT(nn.Module):
@@ -49,7 +33,7 @@ class GPT(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(seq, d)
-        self.h = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.h = nn.ModuleList(GPTBlock(d, heads, gelu="tanh") for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         for m in self.modules():

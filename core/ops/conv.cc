@@ -132,14 +132,6 @@ void conv_backward_weights_ref(const ConvGeom& g, const T* x, const T* dy, T* dw
   });
 }
 
-template <typename T>
-const T* ptr_or_null(const Tensor* t) {
-  return t && t->defined() ? t->data<T>() : nullptr;
-}
-template <typename T>
-T* mut_ptr_or_null(Tensor* t) {
-  return t ? t->data<T>() : nullptr;
-}
 }  // namespace
 
 // ---- oneDNN plans (float32) ----
@@ -375,7 +367,7 @@ ConvAlgorithm cpu_conv_algorithm() { return static_cast<ConvAlgorithm>(conv_algo
 // native plan widens to float32; float64 runs the reference loops.
 void conv2d_forward_cpu(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
   if (x.dtype() == DType::Float64) {
-    conv_forward_ref<double>(g, x.data<double>(), w.data<double>(), ptr_or_null<double>(&bias), y.data<double>());
+    conv_forward_ref<double>(g, x.data<double>(), w.data<double>(), data_or_null<double>(&bias), y.data<double>());
     return;
   }
   EMBER_CHECK(x.dtype() == DType::Float32 || is_half_like(x.dtype()), "conv2d: unsupported dtype ", x.dtype());
@@ -397,8 +389,8 @@ void conv2d_backward_cpu(const ConvGeom& g, const Tensor& x, const Tensor& w, co
   if (x.dtype() == DType::Float64) {
     if (dx) conv_backward_data_ref<double>(g, dy.data<double>(), w.data<double>(), dx->data<double>());
     if (dw || db)
-      conv_backward_weights_ref<double>(g, x.data<double>(), dy.data<double>(), mut_ptr_or_null<double>(dw),
-                                        mut_ptr_or_null<double>(db));
+      conv_backward_weights_ref<double>(g, x.data<double>(), dy.data<double>(), data_or_null<double>(dw),
+                                        data_or_null<double>(db));
     return;
   }
   EMBER_CHECK(x.dtype() == DType::Float32 || is_half_like(x.dtype()), "conv2d: unsupported dtype ", x.dtype());

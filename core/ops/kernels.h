@@ -14,6 +14,18 @@
 
 namespace ember {
 
+// A tensor's data, or null where the tensor (or the pointer to it) is
+// undefined: the optional operands of kernels (bias, weight, gradients not
+// asked for).
+template <typename T>
+T* data_or_null(const Tensor& t) {
+  return t.defined() ? t.data<T>() : nullptr;
+}
+template <typename T>
+T* data_or_null(const Tensor* t) {
+  return t != nullptr && t->defined() ? t->data<T>() : nullptr;
+}
+
 constexpr int kMaxDims = 8;
 constexpr int kMaxOperands = 4;
 

@@ -91,15 +91,6 @@ void backward_cpu(const T* dy, const T* x, const T* mean, const T* rstd, const T
     });
 }
 
-template <typename T>
-const T* ptr_or_null(const Tensor& t) {
-  return t.defined() ? t.data<T>() : nullptr;
-}
-template <typename T>
-T* ptr_or_null(Tensor* t) {
-  return t && t->defined() ? t->data<T>() : nullptr;
-}
-
 }  // namespace
 
 void layer_norm_forward_cpu(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor& y, Tensor& mean,
@@ -107,7 +98,7 @@ void layer_norm_forward_cpu(const Tensor& x, const Tensor& w, const Tensor& b, d
   const int64_t rows = mean.numel(), n = rows ? x.numel() / rows : 0;
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    forward_cpu<T>(x.data<T>(), ptr_or_null<T>(w), ptr_or_null<T>(b), eps, rows, n, y.data<T>(), mean.data<T>(),
+    forward_cpu<T>(x.data<T>(), data_or_null<T>(w), data_or_null<T>(b), eps, rows, n, y.data<T>(), mean.data<T>(),
                    rstd.data<T>());
   };
   if (x.dtype() == DType::Float64)
@@ -121,8 +112,8 @@ void layer_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& me
   const int64_t rows = mean.numel(), n = rows ? x.numel() / rows : 0;
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    backward_cpu<T>(dy.data<T>(), x.data<T>(), mean.data<T>(), rstd.data<T>(), ptr_or_null<T>(w), rows, n,
-                    ptr_or_null<T>(dx), ptr_or_null<T>(dw), ptr_or_null<T>(db));
+    backward_cpu<T>(dy.data<T>(), x.data<T>(), mean.data<T>(), rstd.data<T>(), data_or_null<T>(w), rows, n,
+                    data_or_null<T>(dx), data_or_null<T>(dw), data_or_null<T>(db));
   };
   if (x.dtype() == DType::Float64)
     run(double{});

@@ -110,15 +110,6 @@ __global__ void dwdb_final_kernel(const T* __restrict__ pw, const T* __restrict_
   if (db) db[j] = sb;
 }
 
-template <typename T>
-const T* ptr_or_null(const Tensor& t) {
-  return t.defined() ? t.data<T>() : nullptr;
-}
-template <typename T>
-T* ptr_or_null(Tensor* t) {
-  return t && t->defined() ? t->data<T>() : nullptr;
-}
-
 unsigned warp_grid(int64_t warps) { return static_cast<unsigned>(cuda::ceil_div(warps, kWarpsPerBlock)); }
 
 template <typename T>
@@ -126,7 +117,7 @@ void forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tens
   cuda::DeviceGuard guard(x);
   const int64_t rows = mean.numel(), n = x.numel() / rows;
   forward_kernel<T><<<warp_grid(rows), cuda::kBlockSize, 0, cuda::stream_for(x)>>>(
-      x.data<T>(), ptr_or_null<T>(w), ptr_or_null<T>(b), static_cast<T>(eps), rows, n, y.data<T>(), mean.data<T>(),
+      x.data<T>(), data_or_null<T>(w), data_or_null<T>(b), static_cast<T>(eps), rows, n, y.data<T>(), mean.data<T>(),
       rstd.data<T>());
   EMBER_CUDA_CHECK(cudaGetLastError());
 }
@@ -139,7 +130,7 @@ void backward(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tenso
   const int64_t rows = mean.numel(), n = x.numel() / rows;
   if (dx) {
     dx_kernel<T><<<warp_grid(rows), cuda::kBlockSize, 0, stream>>>(
-        dy.data<T>(), x.data<T>(), mean.data<T>(), rstd.data<T>(), ptr_or_null<T>(w), rows, n, dx->data<T>());
+        dy.data<T>(), x.data<T>(), mean.data<T>(), rstd.data<T>(), data_or_null<T>(w), rows, n, dx->data<T>());
     EMBER_CUDA_CHECK(cudaGetLastError());
   }
   if (dw || db) {
@@ -151,10 +142,10 @@ void backward(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tenso
     const dim3 grid(static_cast<unsigned>(cuda::ceil_div(n, cuda::kBlockSize)), static_cast<unsigned>(tiles));
     dwdb_partial_kernel<T><<<grid, cuda::kBlockSize, 0, stream>>>(dy.data<T>(), x.data<T>(), mean.data<T>(),
                                                                   rstd.data<T>(), rows, n, tile_rows,
-                                                                  ptr_or_null<T>(&pw), ptr_or_null<T>(&pb));
+                                                                  data_or_null<T>(&pw), data_or_null<T>(&pb));
     EMBER_CUDA_CHECK(cudaGetLastError());
     dwdb_final_kernel<T><<<cuda::grid_for(n), cuda::kBlockSize, 0, stream>>>(
-        ptr_or_null<T>(pw), ptr_or_null<T>(pb), tiles, n, ptr_or_null<T>(dw), ptr_or_null<T>(db));
+        data_or_null<T>(pw), data_or_null<T>(pb), tiles, n, data_or_null<T>(dw), data_or_null<T>(db));
     EMBER_CUDA_CHECK(cudaGetLastError());
   }
 }
