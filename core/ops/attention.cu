@@ -29,7 +29,7 @@ namespace {
 
 constexpr int64_t kScratch = int64_t{1} << 23;  // elements of one [heads, rows, keys] buffer
 std::atomic<int64_t> scratch_override{0};       // set_attention_cuda_scratch
-constexpr int kWarp = 32;
+constexpr int kWarp = cuda::kWarpSize;
 constexpr int kRowsPerBlock = cuda::kBlockSize / kWarp;
 
 __host__ __device__ __forceinline__ int64_t keys_for(const AttentionArgs& a, int64_t i) {
@@ -41,17 +41,6 @@ __device__ __forceinline__ T drop(const AttentionArgs& a, int64_t b, int64_t i, 
   const int64_t idx = (b * a.tq + i) * a.tk + j;
   const bool keep = random_value(RandomKind::Bernoulli, idx, 0, 0, 1.0 - a.dropout_p, a.seed, a.offset) != 0.0;
   return keep ? x * static_cast<T>(1.0 / (1.0 - a.dropout_p)) : T(0);
-}
-
-template <typename T>
-__device__ __forceinline__ T warp_max(T v) {
-  for (int m = kWarp / 2; m > 0; m /= 2) v = fmax(v, cuda::shfl_xor(v, m));
-  return v;
-}
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-  for (int m = kWarp / 2; m > 0; m /= 2) v += cuda::shfl_xor(v, m);
-  return v;
 }
 
 // One warp per row of a block (rows [i0, i0 + rows) of every head): s holds
@@ -67,10 +56,10 @@ __global__ void probs_kernel(const AttentionArgs a, int64_t i0, int64_t rows, in
   const T* row = s + w * kmax;
   T m = -std::numeric_limits<T>::infinity();
   for (int64_t j = lane; j < lim; j += kWarp) m = fmax(m, row[j]);
-  m = warp_max(m);
+  m = cuda::warp_max(m);
   T sum = 0;
   for (int64_t j = lane; j < lim; j += kWarp) sum += exp(row[j] - m);
-  const T inv = T(1) / warp_sum(sum);
+  const T inv = T(1) / cuda::warp_sum(sum);
   for (int64_t j = lane; j < kmax; j += kWarp) {
     const T v = j < lim ? exp(row[j] - m) * inv : T(0);
     if (p) p[w * kmax + j] = v;
@@ -87,7 +76,7 @@ __global__ void delta_kernel(const AttentionArgs a, const T* __restrict__ out, c
   if (w >= a.n * a.tq) return;
   T acc = 0;
   for (int64_t e = lane; e < a.dv; e += kWarp) acc += out[w * a.dv + e] * dout[w * a.dv + e];
-  acc = warp_sum(acc);
+  acc = cuda::warp_sum(acc);
   if (lane == 0) delta[w] = acc;
 }
 

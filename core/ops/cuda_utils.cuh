@@ -209,6 +209,19 @@ __device__ __forceinline__ V shfl_xor(V v, int mask) {
   }
 }
 
+// A floating value summed (or maxed) over a warp's lanes, every lane taking
+// part and getting the result: the warp-per-row kernels' reductions.
+template <typename V>
+__device__ __forceinline__ V warp_sum(V v) {
+  for (int m = kWarpSize / 2; m > 0; m /= 2) v += shfl_xor(v, m);
+  return v;
+}
+template <typename V>
+__device__ __forceinline__ V warp_max(V v) {
+  for (int m = kWarpSize / 2; m > 0; m /= 2) v = fmax(v, shfl_xor(v, m));
+  return v;
+}
+
 // Element conversions are ember::cast_value (dtype.h), shared with the CPU.
 using ::ember::cast_value;
 

@@ -18,16 +18,10 @@
 namespace ember {
 namespace {
 
-constexpr int kWarp = 32;
+constexpr int kWarp = cuda::kWarpSize;
 constexpr int kWarpsPerBlock = cuda::kBlockSize / kWarp;
 constexpr int64_t kTileRows = 128;
 constexpr int64_t kMaxTiles = 65535;  // grid.y
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-  for (int m = kWarp / 2; m > 0; m /= 2) v += cuda::shfl_xor(v, m);
-  return v;
-}
 
 template <typename T>
 __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T eps,
@@ -38,10 +32,10 @@ __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
   const T* xr = x + r * n;
   T s = 0;
   for (int64_t j = lane; j < n; j += kWarp) s += xr[j];
-  const T mu = warp_sum(s) / static_cast<T>(n);
+  const T mu = cuda::warp_sum(s) / static_cast<T>(n);
   T v = 0;
   for (int64_t j = lane; j < n; j += kWarp) v += (xr[j] - mu) * (xr[j] - mu);
-  const T rs = T(1) / sqrt(warp_sum(v) / static_cast<T>(n) + eps);
+  const T rs = T(1) / sqrt(cuda::warp_sum(v) / static_cast<T>(n) + eps);
   if (lane == 0) {
     mean[r] = mu;
     rstd[r] = rs;
@@ -70,7 +64,7 @@ __global__ void dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, con
     a += g;
     c += g * ((xr[j] - m) * rs);
   }
-  const T ma = warp_sum(a) / static_cast<T>(n), mc = warp_sum(c) / static_cast<T>(n);
+  const T ma = cuda::warp_sum(a) / static_cast<T>(n), mc = cuda::warp_sum(c) / static_cast<T>(n);
   T* dxr = dx + r * n;
   for (int64_t j = lane; j < n; j += kWarp) {
     const T g = w ? dyr[j] * w[j] : dyr[j];
