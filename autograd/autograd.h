@@ -84,4 +84,40 @@ void zero_grad(const Tensor& t, bool set_to_none = true);
 std::vector<Tensor> grad(const Tensor& output, const std::vector<Tensor>& inputs,
                          const Tensor& grad_output = Tensor(), bool retain_graph = false);
 
+// Zero-bubble pipelines' split backward (Qi et al., 2023; torch's
+// stage_backward_input / stage_backward_weight): backward_input runs only
+// the part of the graph under `root` that leads to `inputs` (leaves: a
+// pipeline stage's received activations), leaving their gradients in their
+// .grad(), and returns the rest — every gradient that leads only to other
+// leaves, the weights' — as a DeferredBackward whose run() computes it
+// later, into .grad() and through the leaves' hooks as backward() would.
+// A node on both paths (linear: dx now, dW later) is asked for its input
+// gradients first and for its weight gradients at run() (grad_wanted in
+// core/autograd_hook.h); an op that cannot split computes both at once and
+// its weight gradients wait, already computed, for run(). backward_input
+// then run() give the gradients backward() gives, bit for bit. An input
+// that does not require grad (the token ids of a first stage) defers
+// everything. Callbacks queued during either part run at its end.
+class DeferredBackward {
+ public:
+  DeferredBackward() = default;
+  DeferredBackward(DeferredBackward&&) = default;
+  DeferredBackward& operator=(DeferredBackward&&) = default;
+  // Computes the deferred gradients; once (an error the second time).
+  void run();
+  // True until run(): something is left to compute.
+  bool pending() const { return root_ != nullptr; }
+  // How many ops were split (asked for their weight gradients at run()),
+  // against those whose weight gradients were computed with their input
+  // gradients (ops that cannot split, checkpointed regions).
+  int split_ops() const { return split_ops_; }
+  int unsplit_ops() const { return unsplit_ops_; }
+
+ private:
+  friend DeferredBackward backward_input(const Tensor&, const Tensor&, const std::vector<Tensor>&);
+  std::shared_ptr<Node> root_;  // a node whose edges carry the deferred gradients
+  int split_ops_ = 0, unsplit_ops_ = 0;
+};
+DeferredBackward backward_input(const Tensor& root, const Tensor& grad, const std::vector<Tensor>& inputs);
+
 }  // namespace ember::autograd

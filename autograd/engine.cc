@@ -135,6 +135,22 @@ void check_saved(const Node& n) {
   }
 }
 
+// backward_input's split of one pass: the nodes that lead to the inputs run
+// now; what flows to the other nodes is kept for DeferredBackward::run.
+struct Split {
+  std::unordered_set<Node*> reaching;
+  // Gradients already computed for nodes off the input path.
+  std::vector<std::pair<std::shared_ptr<Node>, Tensor>> ready;
+  // Nodes on both paths, to be asked again for their other inputs' gradients.
+  struct Again {
+    std::shared_ptr<Node> node;
+    Tensor grad;
+    std::vector<bool> wanted;
+  };
+  std::vector<Again> again;
+  int unsplit = 0;  // nodes that computed a deferred edge's gradient anyway
+};
+
 struct ReadyOrder {
   bool operator()(const Node* a, const Node* b) const { return a->sequence_nr < b->sequence_nr; }
 };
@@ -145,11 +161,13 @@ struct ReadyOrder {
 // (a checkpointed region's recompute): every other node it reaches, leaves'
 // accumulators included, is neither run nor looked past, and the gradient
 // reaching it lands in `capture`.
+// With `split`, only the nodes in split->reaching run; see Split.
 void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool retain_graph,
-                  std::unordered_map<Node*, Tensor>* capture, uint64_t first_seq = 0) {
+                  std::unordered_map<Node*, Tensor>* capture, uint64_t first_seq = 0, Split* split = nullptr) {
   auto outside = [&](const Node* n) {
     return first_seq > 0 && n != root.get() && (n->leaf || n->sequence_nr < first_seq);
   };
+  auto deferred = [&](Node* n) { return split != nullptr && split->reaching.count(n) == 0; };
   // Count each node's incoming edges from the part of the graph we will run.
   std::unordered_map<Node*, int> deps;
   std::vector<Node*> stack{root.get()};
@@ -158,7 +176,7 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
     Node* n = stack.back();
     stack.pop_back();
     for (auto& nx : n->next) {
-      if (!nx) continue;
+      if (!nx || deferred(nx.get())) continue;
       ++deps[nx.get()];
       if (seen.insert(nx.get()).second && !outside(nx.get())) stack.push_back(nx.get());
     }
@@ -170,6 +188,8 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
   ready.push(root.get());
   // Keeps nodes alive while we run even if releasing closures drops the last owner.
   std::vector<std::shared_ptr<Node>> keep{root};
+  std::unordered_map<Node*, std::shared_ptr<Node>> owner;  // under a split: the nodes run, to ask again
+  if (split != nullptr) owner[root.get()] = root;
   while (!ready.empty()) {
     Node* n = ready.top();
     ready.pop();
@@ -210,13 +230,37 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
       EMBER_CHECK(!n->released, "backward: trying to backward through the graph a second time (node '", n->name,
                   "'); its saved tensors were freed by the first backward. Pass retain_graph=true to the first "
                   "backward if you need to run it twice");
+      // Under a split, a node with edges off the input path is asked for
+      // the others' gradients only, and asked again at run() where it
+      // returned none for an edge off the path (it skipped that GEMM).
+      std::vector<bool> wanted;
+      if (split != nullptr)
+        for (size_t i = 0; i < n->next.size(); ++i)
+          if (n->next[i] && deferred(n->next[i].get())) wanted.assign(n->next.size(), false);
+      if (!wanted.empty())
+        for (size_t i = 0; i < n->next.size(); ++i) wanted[i] = n->next[i] && !deferred(n->next[i].get());
+      bool asked_again = false;
       if (g.defined()) {
         check_saved(*n);
-        grads = n->fn(g);
+        {
+          GradWantedScope scope(wanted.empty() ? nullptr : &wanted);
+          grads = n->fn(g);
+        }
         EMBER_INTERNAL_ASSERT(grads.size() == n->next.size(), "node '", n->name, "' returned ", grads.size(),
                               " gradients for ", n->next.size(), " inputs");
+        if (!wanted.empty()) {
+          Split::Again again{owner.at(n), g, std::vector<bool>(n->next.size(), false)};
+          bool computed = false;
+          for (size_t i = 0; i < n->next.size(); ++i) {
+            if (!n->next[i] || wanted[i]) continue;
+            if (grads[i].defined()) split->ready.emplace_back(n->next[i], grads[i]), computed = true;
+            else again.wanted[i] = asked_again = true;
+          }
+          if (asked_again) split->again.push_back(std::move(again));
+          split->unsplit += computed;
+        }
       }
-      if (!retain_graph && !n->stateless) {
+      if (!retain_graph && !n->stateless && !asked_again) {
         n->fn = nullptr;
         n->released = true;
         n->saved_versions.clear();
@@ -224,7 +268,7 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
     }
     for (size_t i = 0; i < n->next.size(); ++i) {
       const auto& nx = n->next[i];
-      if (!nx) continue;
+      if (!nx || deferred(nx.get())) continue;
       if (i < grads.size() && grads[i].defined()) {
         Tensor gi = grads[i];
         EMBER_INTERNAL_ASSERT(gi.sizes() == nx->out_shape, "node '", n->name, "' produced a gradient of shape ",
@@ -234,6 +278,7 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
       }
       if (--deps[nx.get()] == 0) {
         keep.push_back(nx);
+        if (split != nullptr) owner[nx.get()] = nx;
         ready.push(nx.get());
       }
     }
@@ -332,6 +377,96 @@ void run_backward_within(const std::shared_ptr<Node>& root, const Tensor& root_g
   run_backward(root, root_grad, false, &boundary, first_seq);
 }
 }  // namespace detail
+
+DeferredBackward backward_input(const Tensor& root, const Tensor& grad, const std::vector<Tensor>& inputs) {
+  autocast::DisabledScope no_autocast;  // backward runs in the forward's dtypes (core/autocast.h)
+  EMBER_CHECK(root.requires_grad(), "backward_input: the tensor ", shape_str(root.sizes()),
+              " does not require grad and has no grad_fn");
+  std::unordered_set<Node*> targets;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Tensor& in = inputs[i];
+    EMBER_CHECK(in.defined() && in.is_leaf(), "backward_input: input ", i,
+                " must be a leaf (a stage's received activation, detached, requires_grad_), got ",
+                in.defined() ? "a tensor produced by '" + grad_fn_name(in) + "'" : std::string("an undefined tensor"));
+    if (in.requires_grad()) targets.insert(gradient_edge(in).get());
+  }
+  const Tensor g = default_root_grad(root, grad, "backward_input");
+  const std::shared_ptr<Node> top = gradient_edge(root);
+  // The nodes with a path to an input, by a depth-first walk (iterative:
+  // a deep model's graph is thousands of nodes long).
+  Split split;
+  std::unordered_map<Node*, bool> done;  // node -> finished (its reach known)
+  std::vector<std::pair<Node*, size_t>> stack{{top.get(), 0}};
+  done[top.get()] = false;
+  while (!stack.empty()) {
+    auto& [n, i] = stack.back();
+    if (i < n->next.size()) {
+      Node* nx = n->next[i++].get();
+      if (nx != nullptr && done.emplace(nx, false).second) stack.emplace_back(nx, 0);
+      continue;
+    }
+    bool reach = targets.count(n) > 0;
+    for (auto& nx : n->next) reach = reach || (nx && split.reaching.count(nx.get()) > 0);
+    if (reach) split.reaching.insert(n);
+    done[n] = true;
+    stack.pop_back();
+  }
+  if (split.reaching.count(top.get()) > 0)
+    with_backward_callbacks([&] { run_backward(top, g, false, nullptr, 0, &split); });
+  else
+    split.ready.emplace_back(top, g);
+  DeferredBackward out;
+  out.split_ops_ = static_cast<int>(split.again.size());
+  out.unsplit_ops_ = split.unsplit;
+  if (split.ready.empty() && split.again.empty()) return out;
+  // One node whose edges carry every deferred gradient: run() is then one
+  // ordinary pass from it (the deferred part's dependencies count right,
+  // since every edge into it from the input path is one of these).
+  auto w = std::make_shared<Node>();
+  w->name = "weight_grads";
+  w->sequence_nr = detail::take_sequence_nr();
+  std::vector<Tensor> ready_grads;
+  for (auto& [node, gr] : split.ready) {
+    w->next.push_back(node);
+    ready_grads.push_back(gr);
+  }
+  for (auto& a : split.again)
+    for (size_t i = 0; i < a.wanted.size(); ++i)
+      if (a.wanted[i]) w->next.push_back(a.node->next[i]);
+  w->fn = [ready_grads = std::move(ready_grads), again = std::move(split.again)](const Tensor&) mutable {
+    std::vector<Tensor> grads = std::move(ready_grads);
+    for (auto& a : again) {
+      check_saved(*a.node);
+      std::vector<Tensor> gs;
+      {
+        GradWantedScope scope(&a.wanted);
+        gs = a.node->fn(a.grad);
+      }
+      for (size_t i = 0; i < a.wanted.size(); ++i)
+        if (a.wanted[i]) grads.push_back(gs[i]);
+      if (!a.node->stateless) {
+        a.node->fn = nullptr;
+        a.node->released = true;
+        a.node->saved_versions.clear();
+      }
+      a.grad = Tensor();
+    }
+    again.clear();
+    return grads;
+  };
+  w->out_shape = {1};
+  out.root_ = std::move(w);
+  return out;
+}
+
+void DeferredBackward::run() {
+  EMBER_CHECK(root_ != nullptr, "DeferredBackward::run: nothing left to run (it ran already, or "
+              "backward_input deferred nothing: pending() is false)");
+  autocast::DisabledScope no_autocast;
+  std::shared_ptr<Node> root = std::move(root_);
+  root_ = nullptr;
+  with_backward_callbacks([&] { run_backward(root, zeros({1}), false, nullptr); });
+}
 
 void register_hook(const Tensor& t, TensorHook hook) {
   EMBER_CHECK(t.requires_grad(), "register_hook: the tensor ", shape_str(t.sizes()),

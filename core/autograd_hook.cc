@@ -12,6 +12,7 @@ namespace ember {
 namespace {
 thread_local bool g_grad_enabled = true;
 thread_local SavedOpOutputs* t_saved_op_outputs = nullptr;
+thread_local const std::vector<bool>* t_grad_wanted = nullptr;
 std::atomic<AutogradRecorder*> g_recorder{nullptr};
 }  // namespace
 
@@ -20,6 +21,12 @@ void GradMode::set_enabled(bool enabled) { g_grad_enabled = enabled; }
 
 SavedOpOutputs* saved_op_outputs() { return t_saved_op_outputs; }
 void set_saved_op_outputs(SavedOpOutputs* s) { t_saved_op_outputs = s; }
+
+bool grad_wanted(size_t input) {
+  return t_grad_wanted == nullptr || input >= t_grad_wanted->size() || (*t_grad_wanted)[input];
+}
+GradWantedScope::GradWantedScope(const std::vector<bool>* wanted) : prev_(t_grad_wanted) { t_grad_wanted = wanted; }
+GradWantedScope::~GradWantedScope() { t_grad_wanted = prev_; }
 
 void set_autograd_recorder(AutogradRecorder* r) { g_recorder = r; }
 AutogradRecorder* autograd_recorder() { return g_recorder.load(std::memory_order_relaxed); }

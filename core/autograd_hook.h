@@ -42,6 +42,29 @@ class NoGradGuard {
 // undefined Tensor where an input gets none).
 using BackwardFn = std::function<std::vector<Tensor>(const Tensor& grad_output)>;
 
+// Which of its inputs a backward function is asked for, at the call (torch's
+// ctx.needs_input_grad narrowed per call): all of them, except while a
+// zero-bubble pipeline splits a backward into the input gradients now and
+// the weight gradients later (autograd.h, backward_input), when the engine
+// asks a node first for the inputs that lead to the stage's input and later
+// for the rest. A function may skip an unwanted input's gradient (linear,
+// matmul, conv2d and layer_norm skip their weight GEMMs); one that computes
+// it anyway is still correct, the engine keeps what it returned.
+bool grad_wanted(size_t input);
+// Set by the engine around one call of a backward function; `wanted` null:
+// every input. Restores the previous mask on exit (a function may run a
+// nested backward: a checkpointed region's recompute).
+class GradWantedScope {
+ public:
+  explicit GradWantedScope(const std::vector<bool>* wanted);
+  ~GradWantedScope();
+  GradWantedScope(const GradWantedScope&) = delete;
+  GradWantedScope& operator=(const GradWantedScope&) = delete;
+
+ private:
+  const std::vector<bool>* prev_;
+};
+
 // What autograd/ provides to core: recording and the Tensor members that
 // need the graph (backward, grad, requires_grad_).
 class AutogradRecorder {

@@ -518,9 +518,11 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Dims st
     else conv2d_forward_cpu(g, xc, wc, bc, y);
     return via_nchw ? to_layout(y, true) : y;
   }, [&](const Tensor&) {
-    const bool need_x = x.requires_grad(), need_w = weight.requires_grad();
-    const bool need_b = bias.defined() && bias.requires_grad();
+    const bool need_x_ = x.requires_grad(), need_w_ = weight.requires_grad();
+    const bool need_b_ = bias.defined() && bias.requires_grad();
     BackwardFn fn = [=](const Tensor& gy) {
+      const bool need_x = need_x_ && grad_wanted(0), need_w = need_w_ && grad_wanted(1);
+      const bool need_b = need_b_ && grad_wanted(2);
       Tensor dy = to_layout(gy, cl);
       Tensor dx = need_x ? empty_layout(xc.sizes(), xc.options(), cl) : Tensor();
       Tensor dw = need_w ? empty_layout(wc.sizes(), wc.options(), cl) : Tensor();

@@ -168,10 +168,12 @@ Tensor layer_norm(const Tensor& x_in, int64_t normalized_ndim, const Tensor& wei
       [&](const Tensor&) {
         const Tensor sx = x, smu = mean, srstd = rstd, sw = weight;
         const bool has_w = weight.defined(), has_b = bias.defined();
-        const bool gx = x.requires_grad(), gw = has_w && weight.requires_grad(), gb = has_b && bias.requires_grad();
+        const bool gx_ = x.requires_grad(), gw_ = has_w && weight.requires_grad();
+        const bool gb_ = has_b && bias.requires_grad();
         const DType wdt = has_w ? weight.dtype() : x.dtype(), bdt = has_b ? bias.dtype() : x.dtype();
         BackwardFn fn = [=](const Tensor& g) {
           std::vector<Tensor> grads(1 + has_w + has_b);
+          const bool gx = gx_ && grad_wanted(0), gw = gw_ && grad_wanted(1), gb = gb_ && grad_wanted(has_w ? 2 : 1);
           const Tensor xc = prep(sx), wc = prep(sw), gc = prep(g);
           Tensor dx = gx ? Tensor::empty(sx.sizes(), {compute, sx.device()}) : Tensor();
           Tensor dw = gw ? Tensor::empty(norm_shape, {compute, sx.device()}) : Tensor();

@@ -186,9 +186,10 @@ Tensor batched_gemm_impl(const Tensor& a, const Tensor& b) {
 Tensor batched_gemm(const Tensor& a, const Tensor& b) {
   return differentiable("matmul", {a, b}, [&] { return batched_gemm_impl(a, b); }, [&](const Tensor&) {
     Tensor sa = a, sb = b;
-    bool ga = a.requires_grad(), gb = b.requires_grad();
+    const bool ga_ = a.requires_grad(), gb_ = b.requires_grad();
     BackwardFn fn = [=](const Tensor& g) {
       Tensor da, db;
+      const bool ga = ga_ && grad_wanted(0), gb = gb_ && grad_wanted(1);
       if (ga) {  // g [B,m,n] @ b^T [B,n,k]; sum a broadcast batch
         da = batched_gemm(g, sb.transpose(1, 2));
         if (sa.sizes()[0] == 1 && da.sizes()[0] != 1) da = sum(da, {0}, true);
@@ -305,12 +306,13 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
       },
       [&](const Tensor&) {
         Tensor sx = x, sw = weight;
-        const bool gx = x.requires_grad(), gw = weight.requires_grad(), gb = bias.defined() && bias.requires_grad();
+        const bool gx_ = x.requires_grad(), gw_ = weight.requires_grad(), gb_ = bias.defined() && bias.requires_grad();
         const bool has_bias = bias.defined();
         const Shape x_shape = x.sizes();
         BackwardFn fn = [=](const Tensor& g) {
           Tensor g2 = g.reshape({1, rows, out_features});
           std::vector<Tensor> grads(has_bias ? 3 : 2);
+          const bool gx = gx_ && grad_wanted(0), gw = gw_ && grad_wanted(1), gb = gb_ && grad_wanted(2);
           if (gx) grads[0] = batched_gemm_impl(g2, sw.unsqueeze(0)).view(x_shape);
           if (gw) grads[1] = batched_gemm_impl(g2.transpose(1, 2), sx.reshape({1, rows, in})).squeeze(0);
           if (gb) grads[2] = sum(g2, {0, 1});
