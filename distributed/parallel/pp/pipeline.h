@@ -1,0 +1,131 @@
+// The pipeline runtime: executes any schedule (schedule.h) on this rank's
+// stages, moving activations forward and gradients backward over the `pp`
+// process group with point-to-point sends and receives.
+//
+//   auto sched = pp::make_schedule("1f1b", pp_size, 1, /*microbatches=*/8);
+//   pp::Pipeline pipe(sched, my_stages, mesh->group("pp"), {.loss = cross_entropy_fn});
+//   opt.zero_grad();
+//   std::vector<Tensor> losses = pipe.step(token_microbatches, target_microbatches);  // last stage: M losses
+//   pipe.clip_grad_norm_(1.0);
+//   opt.step();
+//
+// What it guarantees:
+// - Gradients: micro-batch m's loss is backpropagated as loss_m / M (then
+//   through `scale_loss`, a GradScaler's scale), so M equal micro-batches
+//   give the gradient of the whole batch's mean loss — the same as one
+//   process accumulating them.
+// - Agreement at the first step: the pp ranks check they run the same
+//   schedule (name, pp size, virtual stages, micro-batches, every rank's
+//   action list), and each stage boundary agrees once on the activation's
+//   shape and dtype (the sender's header, under the group's timeout);
+//   a later micro-batch of another shape is an error naming both stages.
+// - Errors name the rank, the stage and the action; a peer that dies
+//   fails the receive that waits for it (the group's timeout at most).
+// - Sends are asynchronous (posted, waited at the end of the step); the
+//   receives a compute action needs next are posted before the current one
+//   runs, so transfers overlap compute.
+// - Tied parameters (a GPT's embedding on the first and last stage) get the
+//   sum of both stages' gradients at the end of the step.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "distributed/comm/process_group.h"
+#include "distributed/parallel/pp/schedule.h"
+#include "distributed/parallel/pp/stage.h"
+
+namespace ember::distributed::pp {
+
+struct PipelineOptions {
+  // The last stage's loss of one micro-batch: (stage output, target) -> a
+  // scalar, the micro-batch's mean.
+  std::function<Tensor(const Tensor& output, const Tensor& target)> loss = nullptr;
+  // Applied to loss / M before backward (GradScaler::scale); null: none.
+  std::function<Tensor(const Tensor& loss)> scale_loss = nullptr;
+};
+
+// One compute action's time in the last step, in seconds from the start of
+// this rank's step (CLOCK_MONOTONIC: one clock for the processes of a host).
+struct ActionTime {
+  Action action;
+  double start = 0, end = 0;
+};
+
+class Pipeline {
+ public:
+  // `stages`: this rank's, in schedule.stages_of(pp->rank()) order. Not
+  // collective; the first step() is.
+  Pipeline(Schedule schedule, std::vector<std::shared_ptr<PipelineStage>> stages, std::shared_ptr<ProcessGroup> pp,
+           PipelineOptions options);
+  ~Pipeline();
+
+  // One step's forwards and backwards. `inputs`: the M micro-batches' inputs
+  // (read on the rank of stage 0; may be empty elsewhere); `targets`: their
+  // targets (read on the last stage's rank). Gradients accumulate into the
+  // parameters' .grad(). Returns the M losses (detached, unscaled) on the
+  // last stage's rank, nothing elsewhere. Collective over the pp group.
+  std::vector<Tensor> step(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets);
+
+  // This rank's parameters (each once).
+  std::vector<Tensor> parameters() const;
+  // Clips the gradients of the whole pipeline to a global norm (over the
+  // pp ranks, each tensor's own mesh, a tied parameter counted once);
+  // returns the norm. Collective over the pp group.
+  double clip_grad_norm_(double max_norm, double norm_type = 2.0);
+
+  const Schedule& schedule() const { return schedule_; }
+  const std::vector<std::shared_ptr<PipelineStage>>& stages() const { return stages_; }
+  int rank() const { return rank_; }
+
+  // The last step's compute actions with their times, this rank's.
+  const std::vector<ActionTime>& last_step_times() const { return times_; }
+  // The last step measured over the pp ranks (collective): the bubble
+  // fraction, 1 - sum(busy) / (P * (last end - first start)), and the mean
+  // cost of F, B and W (in seconds), for the simulator.
+  struct Measured {
+    double bubble_fraction = 0, makespan = 0;
+    Costs costs;
+  };
+  Measured measure_last_step();
+
+ private:
+  struct Slot;
+  void check_agreement();
+  void run_action(size_t index, const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets,
+                  std::vector<Tensor>& losses);
+  void post_recv(const Action& a);
+  Tensor take_recv(const Action& a);
+  void send(const Tensor& t, const Action& a);
+  void exchange_tied_grads();
+  PipelineStage& stage(int index) const;
+  int tag(const Action& a) const;
+
+  Schedule schedule_;
+  std::vector<std::shared_ptr<PipelineStage>> stages_;
+  std::shared_ptr<ProcessGroup> pp_;
+  PipelineOptions options_;
+  int rank_ = 0;
+  bool agreed_ = false;
+  bool split_ = false;
+  // Per stage boundary (the receiving stage): the activation's agreed shape
+  // and dtype; sent once (sender) or learnt once (receiver).
+  std::map<int, std::pair<Shape, DType>> in_meta_, out_meta_;
+  std::map<std::pair<int, int>, std::unique_ptr<Slot>> slots_;  // (mb, stage)
+  struct Posted {
+    Tensor buffer;
+    std::shared_ptr<Work> work;
+  };
+  std::map<int, Posted> recvs_;  // by tag
+  std::vector<std::pair<std::shared_ptr<Work>, Tensor>> sends_;
+  std::vector<ActionTime> times_;
+  std::chrono::steady_clock::time_point step_start_;
+};
+
+}  // namespace ember::distributed::pp

@@ -1,0 +1,279 @@
+// Pipelines on real processes. Every worker trains a small GPT twice: alone
+// in-process (the reference: the same micro-batches accumulated one after
+// another, in the order the schedule runs their backwards) and as its pp
+// rank's stages under the schedule; after several AdamW steps every
+// parameter it holds must equal the reference's bit for bit (float32 on
+// the CPU, same order of additions), the last stage's losses too. Tied
+// embeddings (summed across the first and last stage) within a tolerance;
+// the global clipping norm; the splits; stages that disagree or die.
+#include "distributed/parallel/pp/pipeline.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/ops.h"
+#include "core/testing/error_of.h"
+#include "distributed/init.h"
+#include "distributed/testing/multiprocess.h"
+#include "nn/functional.h"
+#include "optim/clip_grad.h"
+#include "optim/optimizer.h"
+
+namespace ember::distributed::pp {
+namespace {
+
+namespace mp = ::ember::distributed::testing;
+using ::ember::testing::error_of;
+
+#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
+
+constexpr int64_t kMicro = 2, kT = 8;
+
+nn::GPTOptions small_gpt(bool tied, int64_t layers) {
+  return {.vocab_size = 23, .block_size = 16, .n_layer = layers, .n_head = 2, .n_embd = 16, .tie_weights = tied};
+}
+
+// Micro-batch m of step s: [kMicro, kT] tokens and targets.
+std::pair<Tensor, Tensor> micro(int step, int m) {
+  Generator g(1000 + 97 * step + m);
+  return {randint(0, 23, {kMicro, kT}, DType::Int64, &g), randint(0, 23, {kMicro, kT}, DType::Int64, &g)};
+}
+
+Tensor lm_loss(const Tensor& logits, const Tensor& target) {
+  return nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}));
+}
+
+// The order in which a schedule runs the micro-batches' backwards (the
+// same on every stage of these schedules).
+std::vector<int> backward_order(const Schedule& s) {
+  std::vector<int> order;
+  for (const Action& a : s.actions[s.rank_of(s.num_stages() - 1)])
+    if (a.kind == ActionKind::B && a.stage == s.num_stages() - 1) order.push_back(a.mb);
+  return order;
+}
+
+struct Spec {
+  std::string schedule = "1f1b";
+  int V = 1, M = 4, steps = 3;
+  bool tied = false, clip = false;
+};
+
+Spec parse(const std::string& arg) {
+  auto o = mp::parse_arg(arg);
+  Spec s;
+  if (o.count("schedule")) s.schedule = o["schedule"];
+  if (o.count("V")) s.V = std::stoi(o["V"]);
+  if (o.count("M")) s.M = std::stoi(o["M"]);
+  s.tied = o.count("tied") != 0;
+  s.clip = o.count("clip") != 0;
+  return s;
+}
+
+optim::AdamW adamw(const std::vector<Tensor>& params) {
+  return optim::AdamW(params, {.lr = 1e-2, .eps = 1e-6, .weight_decay = 0.1});
+}
+
+EMBER_WORKER(gpt) {
+  mp::init_world(env);
+  const Spec spec = parse(env.arg);
+  const int P = env.world_size, S = P * spec.V;
+  const Schedule sched = make_schedule(spec.schedule, P, spec.V, spec.M);
+  const int64_t layers = std::max(S, 2);
+
+  // The reference: one process, the micro-batches accumulated in order.
+  manual_seed(7);
+  nn::GPT ref(small_gpt(spec.tied, layers));
+  optim::AdamW ref_opt = adamw(ref.parameters());
+  std::vector<std::vector<double>> ref_losses;
+  std::vector<double> ref_norms;
+  for (int step = 0; step < spec.steps; ++step) {
+    ref_losses.emplace_back(spec.M);
+    for (int m : backward_order(sched)) {
+      auto [x, y] = micro(step, m);
+      Tensor loss = lm_loss(ref(x), y);
+      ref_losses.back()[m] = loss.item();
+      (loss * (1.0 / spec.M)).backward();
+    }
+    if (spec.clip) ref_norms.push_back(optim::clip_grad_norm_(ref.parameters(), 0.3));
+    ref_opt.step();
+    ref_opt.zero_grad();
+  }
+
+  // The pipeline: the same initial model, cut; this rank keeps its stages.
+  manual_seed(7);
+  nn::GPT whole(small_gpt(spec.tied, layers));
+  auto all = split_gpt(whole, S);
+  std::vector<std::shared_ptr<PipelineStage>> mine;
+  for (int s : sched.stages_of(env.rank)) mine.push_back(all[s]);
+  Pipeline pipe(sched, mine, default_group(), {.loss = lm_loss});
+  optim::AdamW opt = adamw(pipe.parameters());
+  const bool last = sched.rank_of(S - 1) == env.rank;
+  // Bit for bit, unless the gradients were summed in another order (tied
+  // weights: two stages' parts added after the step's backwards; clipping:
+  // a norm summed over ranks).
+  const bool exact = !spec.tied && !spec.clip;
+  for (int step = 0; step < spec.steps; ++step) {
+    std::vector<Tensor> xs, ys;
+    for (int m = 0; m < spec.M; ++m) {
+      auto [x, y] = micro(step, m);
+      xs.push_back(x), ys.push_back(y);
+    }
+    std::vector<Tensor> losses = pipe.step(xs, ys);
+    WCHECK(static_cast<int>(losses.size()) == (last ? spec.M : 0), losses.size());
+    for (size_t m = 0; m < losses.size(); ++m)
+      WCHECK(exact ? losses[m].item() == ref_losses[step][m]
+                   : std::abs(losses[m].item() - ref_losses[step][m]) <= 1e-5 * ref_losses[step][m],
+             "step ", step, " micro-batch ", m, " loss ", losses[m].item(), " vs one process ", ref_losses[step][m]);
+    if (spec.clip) {
+      const double norm = pipe.clip_grad_norm_(0.3);
+      WCHECK(std::abs(norm - ref_norms[step]) <= 1e-5 * ref_norms[step] && ref_norms[step] > 0.3, "step ", step,
+             " norm ", norm, " vs one process ", ref_norms[step]);
+    }
+    opt.step();
+    opt.zero_grad();
+  }
+  int checked = 0;
+  for (auto& st : mine)
+    for (auto& [name, p] : st->named_parameters()) {
+      Tensor want;
+      for (auto& [rn, rp] : ref.named_parameters())
+        if (rn == name) want = rp;
+      WCHECK(want.defined(), name, " is not a parameter of the unsplit model");
+      const double err = max(abs(p.detach() - want)).item();
+      WCHECK(exact ? err == 0 : err <= 2e-4, st->description(), ": ", name, " differs from one process by ", err);
+      ++checked;
+    }
+  WCHECK(checked > 0, "rank ", env.rank, " checked no parameter");
+  default_group()->barrier()->wait();
+}
+
+void run(int world, const std::string& arg) {
+  mp::RunOptions o;
+  o.arg = arg;
+  auto r = mp::run_workers("gpt", world, o);
+  EXPECT_TRUE(mp::all_succeeded(r)) << mp::describe(r);
+}
+
+TEST(Pipeline, GPipeP2MatchesOneProcess) { run(2, "schedule=gpipe,M=4"); }
+TEST(Pipeline, OneFOneBP2MatchesOneProcess) { run(2, "schedule=1f1b,M=4"); }
+TEST(Pipeline, ZeroBubbleP2MatchesOneProcess) { run(2, "schedule=zb-h1,M=4"); }
+TEST(Pipeline, InterleavedP2V2MatchesOneProcess) { run(2, "schedule=interleaved,V=2,M=4"); }
+TEST(Pipeline, GPipeP4MatchesOneProcess) { run(4, "schedule=gpipe,M=6"); }
+TEST(Pipeline, OneFOneBP4MatchesOneProcess) { run(4, "schedule=1f1b,M=6"); }
+TEST(Pipeline, ZeroBubbleP4MatchesOneProcess) { run(4, "schedule=zb-h1,M=6"); }
+TEST(Pipeline, InterleavedP4V2MatchesOneProcess) { run(4, "schedule=interleaved,V=2,M=8"); }
+TEST(Pipeline, OneRankTwoStagesHandsOverLocally) { run(1, "schedule=gpipe,V=2,M=3"); }
+TEST(Pipeline, TiedEmbeddingsAcrossFirstAndLastStage) { run(2, "schedule=1f1b,M=4,tied"); }
+TEST(Pipeline, TiedEmbeddingsZeroBubbleP4) { run(4, "schedule=zb-h1,M=4,tied"); }
+TEST(Pipeline, GlobalNormClipsAsOneProcess) { run(2, "schedule=1f1b,M=4,clip"); }
+
+EMBER_WORKER(disagree) {
+  mp::init_world(env);
+  // Rank 1 was given another schedule (or micro-batch count).
+  const bool other_m = env.arg == "microbatches";
+  const std::string name = env.rank == 1 && !other_m ? "gpipe" : "1f1b";
+  const int M = env.rank == 1 && other_m ? 6 : 4;
+  const Schedule sched = make_schedule(name, 2, 1, M);
+  manual_seed(7);
+  nn::GPT whole(small_gpt(false, 2));
+  auto all = split_gpt(whole, 2);
+  Pipeline pipe(sched, {all[env.rank]}, default_group(), {.loss = lm_loss});
+  std::vector<Tensor> xs, ys;
+  for (int m = 0; m < M; ++m) {
+    auto [x, y] = micro(0, m);
+    xs.push_back(x), ys.push_back(y);
+  }
+  const std::string e = error_of([&] { pipe.step(xs, ys); });
+  WCHECK(e.find("disagree at the first step") != std::string::npos, e);
+  WCHECK(e.find(other_m ? "6 micro-batches" : "gpipe") != std::string::npos, e);
+}
+
+TEST(Pipeline, StagesThatDisagreeFailAtTheFirstStep) {
+  for (const char* arg : {"schedule", "microbatches"}) {
+    mp::RunOptions o;
+    o.arg = arg;
+    auto r = mp::run_workers("disagree", 2, o);
+    EXPECT_TRUE(mp::all_succeeded(r)) << mp::describe(r);
+  }
+}
+
+EMBER_WORKER(dies) {
+  mp::init_world(env, std::chrono::seconds(60));
+  const Schedule sched = make_schedule("1f1b", 2, 1, 4);
+  manual_seed(7);
+  nn::GPT whole(small_gpt(false, 2));
+  auto all = split_gpt(whole, 2);
+  std::shared_ptr<PipelineStage> st = all[env.rank];
+  if (env.rank == 1) {
+    // Stage 1 dies in its second micro-batch's forward.
+    auto inner = st;
+    int calls = 0;
+    st = std::make_shared<PipelineStage>(1, 2, "dies", [inner, calls](PipelineStage&, const Tensor& x) mutable {
+      if (++calls == 2) _exit(3);
+      return (*inner)(x);
+    });
+  }
+  Pipeline pipe(sched, {st}, default_group(), {.loss = lm_loss});
+  std::vector<Tensor> xs, ys;
+  for (int m = 0; m < 4; ++m) {
+    auto [x, y] = micro(0, m);
+    xs.push_back(x), ys.push_back(y);
+  }
+  pipe.step(xs, ys);
+}
+
+TEST(Pipeline, AStageThatDiesFailsTheOtherFastNamingIt) {
+  mp::RunOptions o;
+  o.deadline = std::chrono::seconds(50);
+  auto r = mp::run_workers("dies", 2, o);
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[1].exit_code, 3) << mp::describe(r);
+  // Rank 0 waits in a receive from rank 1: an error, well before the
+  // 60-second timeout, that names the peer.
+  EXPECT_FALSE(r[0].ok()) << mp::describe(r);
+  EXPECT_FALSE(r[0].killed_at_deadline) << mp::describe(r);
+  EXPECT_LT(r[0].seconds, 30) << mp::describe(r);
+  EXPECT_NE(r[0].output.find("rank 1"), std::string::npos) << mp::describe(r);
+}
+
+TEST(Pipeline, SplitsPutEveryLayerInOneStage) {
+  manual_seed(1);
+  nn::GPT g(small_gpt(false, 6));
+  auto st = split_gpt(g, 3, {1, 3, 2});
+  std::vector<std::string> names;
+  for (auto& s : st)
+    for (auto& [n, p] : s->named_parameters()) names.push_back(n);
+  std::vector<std::string> want;
+  for (auto& [n, p] : g.named_parameters()) want.push_back(n);
+  std::sort(names.begin(), names.end());
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(names, want);  // every parameter once, under its own name
+  EXPECT_EQ(st[1]->description(), "stage 1 of 3: h.1-h.3");
+  EXPECT_NE(error_of([&] { split_gpt(g, 3, {1, 3, 1}); }).find("add up to 5 blocks but the model has 6"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { split_gpt(g, 3, {0, 3, 3}); }).find("needs at least one"), std::string::npos);
+  EXPECT_NE(error_of([&] { split_gpt(g, 7); }).find("cannot fill 7 stages"), std::string::npos);
+  // Balanced: the embeddings weigh on the first stage, the head on the last.
+  EXPECT_EQ(balance_by_params({10, 1, 1, 1, 1, 10}, 3), (std::vector<int>{1, 4, 1}));
+  EXPECT_EQ(balance_by_params({1, 1, 1, 1}, 2), (std::vector<int>{2, 2}));
+  // A Sequential: layer i keeps the name "i".
+  nn::Sequential seq;
+  for (int i = 0; i < 4; ++i) seq.push_back(std::make_shared<nn::Linear>(3, 3));
+  auto ss = split_sequential(seq, 2);
+  EXPECT_EQ(ss[1]->named_parameters().front().first, "2.weight");
+  Tensor x = randn({2, 3});
+  Tensor y = seq(x), z = (*ss[1])((*ss[0])(x));
+  EXPECT_EQ(max(abs(y - z)).item(), 0.0);
+}
+
+TEST(MultiProcessWorker, Entry) {
+  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
+  mp::run_if_worker();
+}
+
+}  // namespace
+}  // namespace ember::distributed::pp
