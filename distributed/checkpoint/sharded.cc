@@ -136,12 +136,28 @@ ModelLayout model_layout(nn::Module& model, ProcessGroup& pg) {
   // buffer is rank 0's: buffers may differ between ranks (batch norm's
   // running statistics, each rank's own batches), and rank 0's are the ones
   // DDP broadcasts, so they are the ones training continues from.
+  // Ranks need not hold the same tensors (a pipeline stage holds its
+  // layers only): the writer is chosen among the ranks that hold it, which
+  // one all-gather of the names held whole tells every rank.
   std::unordered_set<const TensorImpl*> params;
   for (const Tensor& p : model.parameters()) params.insert(p.impl_ptr().get());
-  auto owner = [&](const std::string& name, const Tensor& t) {
-    return params.count(t.impl_ptr().get()) ? static_cast<int>(name_hash(name) % world) == rank : rank == 0;
-  };
   const nn::StateDict sd = model.state_dict();
+  std::string mine;
+  for (const auto& [name, t] : sd.items())
+    if (shard_spec(t) == nullptr) mine += name + "\n";
+  std::unordered_map<std::string, std::vector<int>> holders;
+  if (world > 1) {
+    const std::vector<std::string> all = allgather_strings(pg, mine);
+    for (int r = 0; r < world; ++r) {
+      std::istringstream in(all[r]);
+      for (std::string name; std::getline(in, name);) holders[name].push_back(r);
+    }
+  }
+  auto owner = [&](const std::string& name, const Tensor& t) {
+    if (world == 1) return true;
+    const std::vector<int>& h = holders.at(name);
+    return params.count(t.impl_ptr().get()) ? h[name_hash(name) % h.size()] == rank : h.front() == rank;
+  };
   for (const auto& [name, t] : sd.items()) {
     Place p;
     if (const ShardSpec* spec = shard_spec(t)) {

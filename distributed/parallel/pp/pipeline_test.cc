@@ -17,6 +17,7 @@
 
 #include "core/ops.h"
 #include "core/testing/error_of.h"
+#include "distributed/checkpoint/sharded.h"
 #include "distributed/init.h"
 #include "distributed/testing/multiprocess.h"
 #include "nn/functional.h"
@@ -60,6 +61,7 @@ struct Spec {
   std::string schedule = "1f1b";
   int V = 1, M = 4, steps = 3;
   bool tied = false, clip = false;
+  std::string save;  // a directory: save a sharded checkpoint at the end, rank 0 reads it back
 };
 
 Spec parse(const std::string& arg) {
@@ -70,6 +72,7 @@ Spec parse(const std::string& arg) {
   if (o.count("M")) s.M = std::stoi(o["M"]);
   s.tied = o.count("tied") != 0;
   s.clip = o.count("clip") != 0;
+  if (o.count("save")) s.save = o["save"];
   return s;
 }
 
@@ -148,6 +151,27 @@ EMBER_WORKER(gpt) {
       ++checked;
     }
   WCHECK(checked > 0, "rank ", env.rank, " checked no parameter");
+  if (!spec.save.empty()) {
+    // Each rank writes its stages' tensors; the checkpoint is the unsplit
+    // model's: every name once, optimizer state included.
+    auto part = rank_part(mine);
+    TrainingState state;
+    state.step = spec.steps;
+    auto st = save_sharded_checkpoint(spec.save, *part, &opt, nullptr, state, *default_group());
+    WCHECK(st.ok(), st.message());
+    if (env.rank == 0) {
+      auto index = read_checkpoint_index(spec.save);
+      WCHECK(index.ok(), index.status().message());
+      for (auto& [name, want] : ref.named_parameters()) {
+        const auto* entry = index->find(name);
+        WCHECK(entry != nullptr, name, " is not in the checkpoint");
+        auto got = read_checkpoint_tensor(spec.save, *entry);
+        WCHECK(got.ok(), got.status().message());
+        WCHECK(max(abs(*got - want)).item() == 0, name, " read back differs from one process");
+        WCHECK(index->find("optim.state." + name + ".exp_avg") != nullptr, name, ": no optimizer state saved");
+      }
+    }
+  }
   default_group()->barrier()->wait();
 }
 
@@ -170,6 +194,10 @@ TEST(Pipeline, OneRankTwoStagesHandsOverLocally) { run(1, "schedule=gpipe,V=2,M=
 TEST(Pipeline, TiedEmbeddingsAcrossFirstAndLastStage) { run(2, "schedule=1f1b,M=4,tied"); }
 TEST(Pipeline, TiedEmbeddingsZeroBubbleP4) { run(4, "schedule=zb-h1,M=4,tied"); }
 TEST(Pipeline, GlobalNormClipsAsOneProcess) { run(2, "schedule=1f1b,M=4,clip"); }
+TEST(Pipeline, ShardedCheckpointIsTheUnsplitModels) {
+  const std::string dir = ::testing::TempDir() + "/pp_ckpt";
+  run(2, "schedule=interleaved,V=2,M=2,save=" + dir);
+}
 
 EMBER_WORKER(disagree) {
   mp::init_world(env);

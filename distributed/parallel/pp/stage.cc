@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <limits>
 #include <numeric>
+#include <unordered_set>
 
 #include "core/exception.h"
 #include "core/ops.h"
@@ -69,6 +70,28 @@ void PipelineStage::hold(const std::string& name, std::shared_ptr<nn::Module> m)
     if (n == head) dict = std::dynamic_pointer_cast<ModuleDict>(child);
   if (!dict) dict = register_module(head, std::make_shared<ModuleDict>());
   dict->add(name.substr(dot + 1), std::move(m));
+}
+
+std::shared_ptr<nn::Module> rank_part(const std::vector<std::shared_ptr<PipelineStage>>& stages) {
+  EMBER_CHECK(!stages.empty(), "rank_part: no stages");
+  std::string desc;
+  for (auto& st : stages) desc += (desc.empty() ? "" : " + ") + st->description();
+  auto part = std::make_shared<PipelineStage>(
+      stages.front()->index(), stages.front()->num_stages(), desc, [](PipelineStage& self, const Tensor&) -> Tensor {
+        EMBER_CHECK(false, "pipeline: ", self.description(), " is a rank's part of the model, not a stage to run");
+        return Tensor();
+      });
+  std::unordered_set<std::string> held;
+  for (auto& st : stages)
+    for (auto& [name, child] : st->named_children()) {
+      if (auto dict = std::dynamic_pointer_cast<ModuleDict>(child)) {
+        for (auto& [n, m] : dict->named_children())
+          if (held.insert(name + "." + n).second) part->hold(name + "." + n, m);
+      } else if (held.insert(name).second) {
+        part->hold(name, child);
+      }
+    }
+  return part;
 }
 
 std::vector<int> balance_by_params(const std::vector<int64_t>& unit_params, int stages) {

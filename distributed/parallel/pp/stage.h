@@ -59,6 +59,12 @@ class PipelineStage : public nn::Module {
 // last carry extra layers). Errors when there are fewer units than stages.
 std::vector<int> balance_by_params(const std::vector<int64_t>& unit_params, int stages);
 
+// This rank's part of the model: every module its stages hold, under the
+// same names, in one module — for state dicts, optimizers and sharded
+// checkpoints (a pipeline's ranks hold different tensors; the checkpoint
+// records which). Not callable.
+std::shared_ptr<nn::Module> rank_part(const std::vector<std::shared_ptr<PipelineStage>>& stages);
+
 // A GPT's stages: blocks_per_stage given (one count per stage, each >= 1,
 // adding up to n_layer), or empty to balance by parameter count with the
 // embeddings counted on the first stage and the final norm and head on the
