@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <unordered_set>
 
 #include "core/exception.h"
@@ -242,8 +243,10 @@ void Pipeline::run_action(size_t index, const std::vector<Tensor>& inputs, const
                   "; PipelineOptions::loss must return a scalar");
       losses[a.mb] = loss.detach();
       // M micro-batches' mean losses, each / M: the whole batch's mean.
-      out = loss * (1.0 / M);
-      if (options_.scale_loss) out = options_.scale_loss(out);
+      if (!schedule_.forward_only()) {
+        out = loss * (1.0 / M);
+        if (options_.scale_loss) out = options_.scale_loss(out);
+      }
     }
     slot.output = out;
   } else if (a.kind == ActionKind::B) {
@@ -280,6 +283,9 @@ std::vector<Tensor> Pipeline::step(const std::vector<Tensor>& inputs, const std:
   slots_.clear();
   std::vector<Tensor> losses(schedule_.microbatches);
   const auto& list = schedule_.actions[rank_];
+  // Evaluation: nothing recorded for a backward that will not come.
+  std::optional<NoGradGuard> no_grad;
+  if (schedule_.forward_only()) no_grad.emplace();
   // The receives the next compute action needs go out before the current
   // one runs, where their buffers can be made by then (not the first
   // step's headers, which block; not a gradient of an output not yet

@@ -66,7 +66,8 @@ class Pipeline {
            PipelineOptions options);
   ~Pipeline();
 
-  // One step's forwards and backwards. `inputs`: the M micro-batches' inputs
+  // One step's forwards and backwards (forwards only, without recording,
+  // under a forward_schedule: evaluation). `inputs`: the M micro-batches' inputs
   // (read on the rank of stage 0; may be empty elsewhere); `targets`: their
   // targets (read on the last stage's rank). Gradients accumulate into the
   // parameters' .grad(). Returns the M losses (detached, unscaled) on the

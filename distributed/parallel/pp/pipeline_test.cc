@@ -151,6 +151,25 @@ EMBER_WORKER(gpt) {
       ++checked;
     }
   WCHECK(checked > 0, "rank ", env.rank, " checked no parameter");
+  {
+    // Evaluation: forwards only, another shape (one sequence per
+    // micro-batch), the trained weights' losses as one process's.
+    Pipeline eval(forward_schedule(P, spec.V, 3), mine, default_group(), {.loss = lm_loss});
+    std::vector<Tensor> xs, ys;
+    for (int m = 0; m < 3; ++m) {
+      auto [x, y] = micro(99, m);
+      xs.push_back(x.narrow(0, 0, 1)), ys.push_back(y.narrow(0, 0, 1));
+    }
+    std::vector<Tensor> losses = eval.step(xs, ys);
+    WCHECK(static_cast<int>(losses.size()) == (last ? 3 : 0), losses.size());
+    NoGradGuard ng;
+    for (size_t m = 0; m < losses.size(); ++m) {
+      const double want = lm_loss(ref(xs[m]), ys[m]).item();
+      WCHECK(exact ? losses[m].item() == want : std::abs(losses[m].item() - want) <= 1e-4 * want, "evaluation ",
+             m, ": ", losses[m].item(), " vs one process ", want);
+      WCHECK(!losses[m].requires_grad(), "evaluation recorded a graph");
+    }
+  }
   if (!spec.save.empty()) {
     // Each rank writes its stages' tensors; the checkpoint is the unsplit
     // model's: every name once, optimizer state included.

@@ -135,6 +135,26 @@ bool Schedule::split_backward() const {
   return false;
 }
 
+bool Schedule::forward_only() const {
+  for (const auto& list : actions)
+    for (const Action& a : list)
+      if (a.kind == ActionKind::B) return false;
+  return true;
+}
+
+Schedule forward_schedule(int P, int V, int M) {
+  check_sizes("forward", P, V, M);
+  std::vector<std::vector<Action>> compute(P);
+  // Micro-batch by micro-batch through the rank's stages, lowest first: a
+  // stage's input always comes from an earlier entry or another rank.
+  for (int r = 0; r < P; ++r)
+    for (int mb = 0; mb < M; ++mb)
+      for (int c = 0; c < V; ++c) compute[r].push_back(F(mb, r + c * P));
+  Schedule s = with_communication("forward", P, V, M, std::move(compute));
+  validate(s);
+  return s;
+}
+
 const std::vector<std::string>& schedule_names() {
   static const std::vector<std::string> names{"gpipe", "1f1b", "interleaved", "zb-h1"};
   return names;
@@ -210,12 +230,12 @@ void validate(const Schedule& s) {
     auto it = at.find(Key{static_cast<int>(k), mb, stage});
     return it == at.end() ? nullptr : &it->second;
   };
-  const bool split = s.split_backward();
+  const bool split = s.split_backward(), fwd_only = s.forward_only();
   for (int st = 0; st < S; ++st) {
     const int r = s.rank_of(st);
     for (int mb = 0; mb < M; ++mb) {
       for (ActionKind k : {ActionKind::F, ActionKind::B, ActionKind::W}) {
-        if (k == ActionKind::W && !split) continue;
+        if ((k == ActionKind::W && !split) || (k != ActionKind::F && fwd_only)) continue;
         EMBER_CHECK(find(k, mb, st) != nullptr, what, Action{k, mb, st}.str(), " is missing from rank ", r, "'s list",
                     k == ActionKind::W ? " (the schedule has W actions, so every B needs its W)" : "");
       }
@@ -231,10 +251,11 @@ void validate(const Schedule& s) {
       const bool prev_remote = st > 0 && s.rank_of(st - 1) != r;
       const bool next_remote = st < S - 1 && s.rank_of(st + 1) != r;
       if (st > 0) needs(F(mb, st), prev_remote ? Action{ActionKind::RecvF, mb, st} : F(mb, st - 1));
+      if (next_remote) needs({ActionKind::SendF, mb, st}, F(mb, st));
+      if (fwd_only) continue;
       needs(B(mb, st), F(mb, st));
       if (st < S - 1) needs(B(mb, st), next_remote ? Action{ActionKind::RecvB, mb, st} : B(mb, st + 1));
       if (split) needs(W(mb, st), B(mb, st));
-      if (next_remote) needs({ActionKind::SendF, mb, st}, F(mb, st));
       if (prev_remote) needs({ActionKind::SendB, mb, st}, B(mb, st));
     }
   }

@@ -57,6 +57,8 @@ struct Schedule {
   std::vector<int> stages_of(int rank) const;
   // True when the schedule splits backward into B and W.
   bool split_backward() const;
+  // True when it has no backward at all (forward_schedule).
+  bool forward_only() const;
 };
 
 // The names make_schedule knows, for flags and errors.
@@ -67,6 +69,11 @@ const std::vector<std::string>& schedule_names();
 // take V >= 1 (V stages per rank run as consecutive stages of a longer
 // pipeline). Errors name the argument that does not fit.
 Schedule make_schedule(const std::string& name, int ranks, int virtual_stages, int microbatches);
+
+// Forwards only (evaluation): every rank runs its stages' forwards in
+// micro-batch order, nothing backward. The runtime runs it without
+// recording the graph.
+Schedule forward_schedule(int ranks, int virtual_stages, int microbatches);
 
 // The compute order of each rank (F/B/W only) made into a full schedule:
 // each receive placed just before the action that needs it, each send
