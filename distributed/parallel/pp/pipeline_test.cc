@@ -18,7 +18,12 @@
 #include "core/ops.h"
 #include "core/testing/error_of.h"
 #include "distributed/checkpoint/sharded.h"
+#include "distributed/device_mesh.h"
 #include "distributed/init.h"
+#include "distributed/parallel/tp/gpt_plan.h"
+#include "distributed/parallel/tp/loss_parallel.h"
+#include "distributed/parallel/tp/tensor_parallel.h"
+#include "distributed/tensor/dtensor.h"
 #include "distributed/testing/multiprocess.h"
 #include "nn/functional.h"
 #include "optim/clip_grad.h"
@@ -216,6 +221,66 @@ TEST(Pipeline, GlobalNormClipsAsOneProcess) { run(2, "schedule=1f1b,M=4,clip"); 
 TEST(Pipeline, ShardedCheckpointIsTheUnsplitModels) {
   const std::string dir = ::testing::TempDir() + "/pp_ckpt";
   run(2, "schedule=interleaved,V=2,M=2,save=" + dir);
+}
+
+// Tensor parallelism inside the stages: a 2 x 2 mesh (pp outermost), the
+// stages' share of the GPT plan, the vocab-parallel loss; against one
+// process within a tolerance (tensor parallelism sums in another order).
+EMBER_WORKER(tp_pp) {
+  mp::init_world(env);
+  auto o = mp::parse_arg(env.arg);
+  const bool sp = o.count("sp") != 0;
+  const std::string name = o.count("schedule") ? o["schedule"] : "1f1b";
+  const int M = 4, steps = 2;
+  auto mesh = DeviceMesh::create({2, 2}, {"pp", "tp"});
+  const Schedule sched = make_schedule(name, 2, 1, M);
+  manual_seed(7);
+  nn::GPT ref(small_gpt(false, 2));
+  optim::AdamW ref_opt = adamw(ref.parameters());
+  for (int step = 0; step < steps; ++step) {
+    for (int m : backward_order(sched)) {
+      auto [x, y] = micro(step, m);
+      (lm_loss(ref(x), y) * (1.0 / M)).backward();
+    }
+    ref_opt.step();
+    ref_opt.zero_grad();
+  }
+  manual_seed(7);
+  nn::GPT whole(small_gpt(false, 2));
+  auto all = split_gpt(whole, 2);
+  auto st = all[mesh->coordinate("pp")];
+  parallelize_module(*st, mesh->submesh({"tp"}), plan_for(gpt_tp_plan(whole, sp), *st));
+  Pipeline pipe(sched, {st}, mesh->group("pp"),
+                {.loss = [](const Tensor& logits, const Tensor& y) { return parallel_cross_entropy(logits, y); }});
+  optim::AdamW opt = adamw(pipe.parameters());
+  for (int step = 0; step < steps; ++step) {
+    std::vector<Tensor> xs, ys;
+    for (int m = 0; m < M; ++m) {
+      auto [x, y] = micro(step, m);
+      xs.push_back(x), ys.push_back(y);
+    }
+    pipe.step(xs, ys);
+    opt.step();
+    opt.zero_grad();
+  }
+  for (auto& [pn, p] : st->named_parameters()) {
+    Tensor want;
+    for (auto& [rn, rp] : ref.named_parameters())
+      if (rn == pn) want = rp;
+    WCHECK(want.defined() && is_dtensor(p), pn);
+    const double err = max(abs(as_dtensor(p).full_tensor() - want)).item();
+    WCHECK(err <= 2e-4, st->description(), ": ", pn, " differs from one process by ", err);
+  }
+  default_group()->barrier()->wait();
+}
+
+TEST(Pipeline, TensorParallelInsideStagesTp2Pp2) {
+  for (const char* arg : {"schedule=1f1b", "schedule=zb-h1,sp"}) {
+    mp::RunOptions o;
+    o.arg = arg;
+    auto r = mp::run_workers("tp_pp", 4, o);
+    EXPECT_TRUE(mp::all_succeeded(r)) << arg << "\n" << mp::describe(r);
+  }
 }
 
 EMBER_WORKER(disagree) {

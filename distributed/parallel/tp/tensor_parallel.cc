@@ -439,6 +439,17 @@ std::string style_string(const ParallelStyle& style) {
   return os.str();
 }
 
+ParallelizePlan plan_for(const ParallelizePlan& plan, const nn::Module& module) {
+  ParallelizePlan out;
+  for (const auto& entry : plan) {
+    const std::string head = entry.first.substr(0, entry.first.find('.'));
+    bool present = head == "*" || entry.first.empty();
+    for (const auto& [name, child] : module.named_children()) present = present || name == head;
+    if (present) out.push_back(entry);
+  }
+  return out;
+}
+
 void parallelize_module(nn::Module& module, const std::shared_ptr<DeviceMesh>& tp_mesh, const ParallelizePlan& plan) {
   EMBER_CHECK(tp_mesh != nullptr && tp_mesh->ndim() == 1, "parallelize_module: the tp mesh must be one-dimensional",
               tp_mesh ? ", got " + tp_mesh->to_string() : std::string(", got null"));

@@ -111,6 +111,11 @@ std::string style_string(const ParallelStyle& style);
 // kind, heads or sizes that do not split, a parameter sharded twice.
 void parallelize_module(nn::Module& module, const std::shared_ptr<DeviceMesh>& tp_mesh, const ParallelizePlan& plan);
 
+// The entries of `plan` whose first path component names a child of
+// `module` (or is "*"): a pipeline stage's share of the whole model's plan
+// (the embedding's entries only where the stage holds the embedding).
+ParallelizePlan plan_for(const ParallelizePlan& plan, const nn::Module& module);
+
 // The tp mesh `module`'s parameters were sharded over, or null.
 std::shared_ptr<DeviceMesh> tensor_parallel_mesh(const nn::Module& module);
 
