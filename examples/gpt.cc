@@ -1,8 +1,9 @@
 // The language-model example every parallelism extends: a character-level
 // GPT on the quotes of Debian's `fortunes` package, trained on a mesh of
-// (dp_replicate, dp_shard, tp) ranks: tensor parallelism (and sequence
-// parallelism) inside each tp group, FSDP over dp_shard (every transformer
-// block a unit), replicas over dp_replicate. It launches its own workers
+// (pp, dp_replicate, dp_shard, tp) ranks: pipeline stages over pp (any
+// schedule), tensor parallelism (and sequence parallelism) inside each tp
+// group, FSDP over dp_shard (every transformer block a unit), replicas over
+// dp_replicate. It launches its own workers
 // (one per GPU, else 2 on the CPU), evaluates on held-out quotes against a
 // unigram baseline, writes sharded checkpoints (each rank its shards; any
 // other mesh loads them) and ends with a sample from the trained weights.
@@ -12,6 +13,8 @@
 //   bazel run -c opt //examples:gpt                                      # 2 CPU workers, FSDP FULL_SHARD
 //   bazel run -c opt //examples:gpt -- --nproc 4 --dp-shard 2 --tp 2     # FSDP x TP (+SP) on a 2x2 mesh
 //   bazel run -c opt //examples:gpt -- --tp 2 --sp off --metrics /tmp/m.jsonl
+//   bazel run -c opt //examples:gpt -- --pp 2 --pp-schedule zb-h1 --microbatches 8 --layers 4
+//   bazel run -c opt //examples:gpt -- --nproc 4 --pp 2 --tp 2 --pp-schedule interleaved --pp-virtual 2
 //   bazel run -c opt //examples:gpt -- --strategy grad_op --amp bf16
 //   bazel run -c opt //examples:gpt -- --nproc 4 --strategy hybrid --shard-size 2
 //   bazel run -c opt //examples:gpt -- --max-steps 600 --resume          # 300 more steps
@@ -53,10 +56,14 @@
 #include "distributed/logging/logging.h"
 #include "distributed/parallel/fsdp/fsdp.h"
 #include "distributed/parallel/fsdp/fsdp_state_dict.h"
+#include "distributed/parallel/pp/pipeline.h"
+#include "distributed/parallel/pp/schedule.h"
+#include "distributed/parallel/pp/stage.h"
 #include "distributed/parallel/rank_agreement.h"
 #include "distributed/parallel/step_memory.h"
 #include "distributed/parallel/tp/gpt_plan.h"
 #include "distributed/parallel/tp/loss_parallel.h"
+#include "distributed/parallel/tp/tensor_parallel.h"
 #include "examples/cli.h"
 #include "examples/profiling.h"
 #include "examples/training.h"
@@ -80,6 +87,11 @@ struct Flags {
   int shard_size = 0;  // hybrid: ranks per shard group (0: ranks per node)
   // The mesh: products equal to the world size, -1 for "the rest" (one of them).
   int dp_replicate = 1, dp_shard = -1, tp = 1;
+  int pp = 1;                          // pipeline stages' ranks (never "the rest")
+  std::string pp_schedule = "1f1b";    // gpipe | 1f1b | interleaved | zb-h1
+  int pp_virtual = 1;                  // stages per pp rank
+  std::string pp_split;                // blocks per stage, "2,3,3"; empty: balanced
+  int64_t microbatches = 0;            // per optimizer step; 0: --accum-steps (pp 1) or the pp size
   std::string sp = "auto";   // on | off | auto (on when tp > 1)
   std::string ac = "none";   // activation checkpointing: none | full | selective | every:K
   int64_t global_batch = 0;  // sequences per optimizer step over the job (0: batch size x dp x accum)
@@ -113,6 +125,12 @@ constexpr char kUsage[] =
     "                         the mesh (R x S x T = the world size; -1 for one of them: the rest; default 1, -1, 1):\n"
     "                         tensor parallelism over tp, FSDP over dp_shard, replicas (HSDP) over dp_replicate\n"
     "  --sp on|off            sequence parallelism inside tp (default on when --tp > 1)\n"
+    "  --pp P                 pipeline parallelism over P ranks (the mesh's outermost dimension; default 1)\n"
+    "  --pp-schedule S        gpipe | 1f1b | interleaved | zb-h1 (default 1f1b)\n"
+    "  --pp-virtual V         stages per pp rank (interleaved; default 1)\n"
+    "  --pp-split A,B,...     transformer blocks per stage (default: balanced by parameter count)\n"
+    "  --microbatches M       micro-batches per optimizer step: through the pipeline with --pp, else accumulated\n"
+    "                         (--accum-steps M); default: --accum-steps, or P with --pp\n"
     "  --ac none|full|selective|every:K\n"
     "                         activation checkpointing of the transformer blocks: all, all keeping the matmuls'\n"
     "                         and collectives' outputs (selective), or every K-th block (default none)\n"
@@ -171,6 +189,16 @@ Flags parse_flags(int argc, char** argv) {
       f.tp = static_cast<int>(kCli.parse_int(arg, next(), -1));
     else if (arg == "--sp")
       f.sp = next();
+    else if (arg == "--pp")
+      f.pp = static_cast<int>(kCli.parse_int(arg, next(), 1));
+    else if (arg == "--pp-schedule")
+      f.pp_schedule = next();
+    else if (arg == "--pp-virtual")
+      f.pp_virtual = static_cast<int>(kCli.parse_int(arg, next(), 1));
+    else if (arg == "--pp-split")
+      f.pp_split = next();
+    else if (arg == "--microbatches")
+      f.microbatches = kCli.parse_int(arg, next(), 1);
     else if (arg == "--ac")
       f.ac = next();
     else if (arg == "--global-batch")
@@ -225,6 +253,21 @@ Flags parse_flags(int argc, char** argv) {
     usage_error("--amp takes off, bf16 or fp16, got '" + f.amp + "'");
   if (f.shard_size > 0 && f.strategy != "hybrid") usage_error("--shard-size goes with --strategy hybrid");
   if (f.sp != "on" && f.sp != "off" && f.sp != "auto") usage_error("--sp takes on or off, got '" + f.sp + "'");
+  const auto& names = distributed::pp::schedule_names();
+  if (std::find(names.begin(), names.end(), f.pp_schedule) == names.end())
+    usage_error("--pp-schedule takes gpipe, 1f1b, interleaved or zb-h1, got '" + f.pp_schedule + "'");
+  if (f.microbatches > 0 && f.accum_steps > 1 && f.microbatches != f.accum_steps)
+    usage_error("--microbatches " + std::to_string(f.microbatches) + " and --accum-steps " +
+                std::to_string(f.accum_steps) + " disagree (one is enough)");
+  if (f.pp > 1 && f.accum_steps > 1)
+    usage_error("--pp " + std::to_string(f.pp) + ": the pipeline accumulates its micro-batches; give --microbatches " +
+                std::to_string(f.accum_steps) + " instead of --accum-steps");
+  // One process with --microbatches M is the reference for any pipeline
+  // run: the same micro-batches, accumulated.
+  if (f.pp == 1 && f.microbatches > 0) f.accum_steps = f.microbatches;
+  if (f.pp > 1 && f.microbatches == 0) f.microbatches = f.pp;
+  if (f.pp_virtual > 1 && f.pp == 1 && f.pp_schedule != "gpipe")
+    usage_error("--pp-virtual " + std::to_string(f.pp_virtual) + " needs --pp > 1 (or --pp-schedule gpipe)");
   try {
     nn::ActivationCheckpointing::parse(f.ac);
   } catch (const Error& e) {
@@ -378,8 +421,8 @@ Eval make_eval(const Corpus& c, int64_t seq, int world) {
 
 // The windows are split over the data-parallel ranks; the tp ranks of one
 // data-parallel rank evaluate the same windows together (each the same loss).
-double evaluate(nn::Module& model, const Corpus& c, const Eval& e, int64_t seq, distributed::ProcessGroup& pg,
-                Device device, int dp, int dp_rank, int tp) {
+double evaluate(nn::Module& model, distributed::pp::Pipeline* pipe, const Corpus& c, const Eval& e, int64_t seq,
+                distributed::ProcessGroup& pg, Device device, int dp, int dp_rank, int tp) {
   model.eval();
   NoGradGuard ng;
   const int64_t per_rank = static_cast<int64_t>(e.starts.size()) / dp;
@@ -388,8 +431,14 @@ double evaluate(nn::Module& model, const Corpus& c, const Eval& e, int64_t seq, 
   for (size_t i = 0; i < mine.size(); i += 16) {
     std::vector<int64_t> part(mine.begin() + i, mine.begin() + std::min(mine.size(), i + 16));
     auto [x, y] = windows(c, c.val, part, seq);
+    const Tensor yt = y.to(device).reshape({x.size(0), seq});
+    if (pipe != nullptr) {  // forwards through the stages; the last stage's ranks hold the loss
+      const std::vector<Tensor> l = pipe->step({x.to(device)}, {yt});
+      if (!l.empty()) local += l[0].item() * part.size();
+      continue;
+    }
     Tensor logits = model(x.to(device));
-    local += distributed::parallel_cross_entropy(logits, y.to(device).reshape({x.size(0), seq})).item() * part.size();
+    local += distributed::parallel_cross_entropy(logits, yt).item() * part.size();
   }
   Tensor t = full({1}, local / static_cast<double>(e.starts.size()) / tp).to(device);
   pg.allreduce(t, distributed::ReduceOp::Sum)->wait();
@@ -430,7 +479,7 @@ std::string generate(nn::GPT& gpt, const Corpus& c, const Flags& f) {
 
 // The mesh the flags ask for, resolved against the world size.
 struct MeshShape {
-  int dp_replicate = 1, dp_shard = 1, tp = 1;
+  int pp = 1, dp_replicate = 1, dp_shard = 1, tp = 1;
   bool sp = false;
   int dp() const { return dp_replicate * dp_shard; }
 };
@@ -443,17 +492,18 @@ MeshShape resolve_mesh(const Flags& f, int world, int local_world) {
     s = f.shard_size > 0 ? f.shard_size : std::max(1, local_world / tp);
     r = -1;
   }
-  int known = 1;
+  m.pp = f.pp;
+  int known = f.pp;
   for (int v : {r, s, t})
     if (v > 0) known *= v;
-  EMBER_CHECK(world % known == 0, "the mesh dp_replicate=", r, " dp_shard=", s, " tp=", t, " does not divide the ",
-              world, " ranks");
+  EMBER_CHECK(world % known == 0, "the mesh pp=", f.pp, " dp_replicate=", r, " dp_shard=", s, " tp=", t,
+              " does not divide the ", world, " ranks");
   const int rest = world / known;
   m.dp_replicate = r > 0 ? r : rest;
   m.dp_shard = s > 0 ? s : rest;
   m.tp = t > 0 ? t : rest;
-  EMBER_CHECK(m.dp_replicate * m.dp_shard * m.tp == world, "the mesh dp_replicate=", m.dp_replicate,
-              " dp_shard=", m.dp_shard, " tp=", m.tp, " (", m.dp_replicate * m.dp_shard * m.tp,
+  EMBER_CHECK(m.pp * m.dp_replicate * m.dp_shard * m.tp == world, "the mesh pp=", m.pp, " dp_replicate=",
+              m.dp_replicate, " dp_shard=", m.dp_shard, " tp=", m.tp, " (", m.pp * m.dp_replicate * m.dp_shard * m.tp,
               " ranks) does not match the world size ", world);
   m.sp = f.sp == "on" || (f.sp == "auto" && m.tp > 1);
   return m;
@@ -462,8 +512,10 @@ MeshShape resolve_mesh(const Flags& f, int world, int local_world) {
 // "mesh dp_shard=2 tp=2": the dimensions of more than one rank.
 std::string mesh_line(const MeshShape& m) {
   std::string out = "mesh";
+  if (m.pp > 1) out += " pp=" + std::to_string(m.pp);
   if (m.dp_replicate > 1) out += " dp_replicate=" + std::to_string(m.dp_replicate);
-  if (m.dp_shard > 1 || (m.dp_replicate == 1 && m.tp == 1)) out += " dp_shard=" + std::to_string(m.dp_shard);
+  if (m.dp_shard > 1 || (m.dp_replicate == 1 && m.tp == 1 && m.pp == 1))
+    out += " dp_shard=" + std::to_string(m.dp_shard);
   if (m.tp > 1) out += " tp=" + std::to_string(m.tp);
   return out;
 }
@@ -475,9 +527,16 @@ struct Setup {
   std::shared_ptr<distributed::DeviceMesh> mesh;
   int dp_rank = 0;
   int64_t global_batch = 0, micro_batch = 0;  // sequences per step over the job, per rank per micro-batch
-  std::shared_ptr<nn::GPT> gpt;
+  int64_t micro_steps = 1;  // micro-batches per optimizer step: the pipeline's, or accumulated
+  std::shared_ptr<nn::GPT> gpt;  // the whole model; null under a pipeline (each rank keeps its stages)
+  // Under a pipeline: this rank's stages, its part of the model (what the
+  // optimizer and checkpoints see), the training and evaluation pipelines.
+  std::vector<std::shared_ptr<distributed::pp::PipelineStage>> stages;
+  std::shared_ptr<nn::Module> part;
+  std::unique_ptr<distributed::pp::Pipeline> pipe, eval_pipe;
   distributed::FSDPOptions fsdp_options;
-  std::shared_ptr<distributed::FSDPModule> fsdp;
+  std::shared_ptr<distributed::FSDPModule> fsdp;  // null under a pipeline without data parallelism
+  nn::Module& model() { return part ? *part : *gpt; }
   std::unique_ptr<optim::AdamW> opt;
   std::unique_ptr<optim::SequentialLR> sched;
   std::unique_ptr<optim::GradScaler> scaler;
@@ -491,7 +550,7 @@ void resume(const Flags& flags, const examples::Job& job, Setup& s) {
   EMBER_CHECK(latest.ok() && latest->has_value(), "--resume: no checkpoint in ", flags.checkpoint_dir);
   auto index = distributed::read_checkpoint_index(**latest);
   EMBER_CHECK(index.ok(), "--resume: ", index.status().message());
-  auto st = distributed::load_sharded_checkpoint(**latest, *s.gpt, s.opt.get(), s.sched.get(), *job.pg);
+  auto st = distributed::load_sharded_checkpoint(**latest, s.model(), s.opt.get(), s.sched.get(), *job.pg);
   EMBER_CHECK(st.ok(), "--resume: ", st.status().message(),
               " (was it written with other --layers/--dim/--heads/--seq or another corpus?)");
   s.step = st->step;
@@ -499,6 +558,7 @@ void resume(const Flags& flags, const examples::Job& job, Setup& s) {
   std::string now = distributed::strategy_name(s.fsdp_options.strategy);  // as the index names it: "full_shard"
   for (char& c : now) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (s.mesh_shape.tp > 1) now += "+tensor_parallel";
+  if (s.mesh_shape.pp > 1) now += "+pipeline";
   const std::string then = index->layout.rfind("fsdp:", 0) == 0 ? index->layout.substr(5) : index->layout;
   LOG0("resumed from ", **latest, ": saved by ", index->world_size, " rank", index->world_size == 1 ? "" : "s", " (",
        then, "), loading on ", job.world, " rank", job.world == 1 ? "" : "s", " (", now, "); ", s.step,
@@ -517,11 +577,17 @@ Setup setup(const Flags& flags, const examples::Job& job) {
               " (attention is split by heads)");
   EMBER_CHECK(!m.sp || flags.seq % m.tp == 0, "--seq ", flags.seq, " must be a multiple of --tp ", m.tp,
               " with sequence parallelism (or --sp off)");
-  s.global_batch = flags.global_batch > 0 ? flags.global_batch : flags.batch_size * m.dp() * flags.accum_steps;
-  EMBER_CHECK(s.global_batch % (m.dp() * flags.accum_steps) == 0, "--global-batch ", s.global_batch,
-              " does not split over ", m.dp(), " data-parallel rank(s) x ", flags.accum_steps, " micro-batch(es)");
-  s.micro_batch = s.global_batch / (m.dp() * flags.accum_steps);
-  s.mesh = distributed::DeviceMesh::create({m.dp_replicate, m.dp_shard, m.tp}, {"dp_replicate", "dp_shard", "tp"});
+  s.micro_steps = m.pp > 1 ? flags.microbatches : flags.accum_steps;
+  s.global_batch = flags.global_batch > 0 ? flags.global_batch : flags.batch_size * m.dp() * s.micro_steps;
+  EMBER_CHECK(s.global_batch % (m.dp() * s.micro_steps) == 0, "--global-batch ", s.global_batch,
+              " does not split over ", m.dp(), " data-parallel rank(s) x ", s.micro_steps, " micro-batch(es)");
+  s.micro_batch = s.global_batch / (m.dp() * s.micro_steps);
+  // pp outermost, tp innermost: a tp group is consecutive ranks (a host's).
+  if (m.pp > 1)
+    s.mesh = distributed::DeviceMesh::create({m.pp, m.dp_replicate, m.dp_shard, m.tp},
+                                             {"pp", "dp_replicate", "dp_shard", "tp"});
+  else
+    s.mesh = distributed::DeviceMesh::create({m.dp_replicate, m.dp_shard, m.tp}, {"dp_replicate", "dp_shard", "tp"});
   s.dp_rank = s.mesh->coordinate("dp_replicate") * m.dp_shard + s.mesh->coordinate("dp_shard");
   LOG0(mesh_line(m));
 
@@ -529,8 +595,28 @@ Setup setup(const Flags& flags, const examples::Job& job) {
   s.gpt = std::make_shared<nn::GPT>(model_options(flags, s.vocab));
   s.gpt->to(job.device);
   s.n_params = s.gpt->num_parameters();
-  if (m.tp > 1)
+  std::optional<distributed::pp::Schedule> schedule;
+  if (m.pp > 1) {
+    // Cut first (torchtitan's order): tensor parallelism, checkpointing and
+    // FSDP then apply to each of this rank's stages.
+    schedule = distributed::pp::make_schedule(flags.pp_schedule, m.pp, flags.pp_virtual, flags.microbatches);
+    std::vector<int> split;
+    for (std::stringstream in(flags.pp_split); in.good();) {
+      std::string item;
+      std::getline(in, item, ',');
+      if (!item.empty()) split.push_back(static_cast<int>(kCli.parse_int("--pp-split", item, 1)));
+    }
+    const auto all = distributed::pp::split_gpt(*s.gpt, schedule->num_stages(), split);
+    for (int st : schedule->stages_of(s.mesh->coordinate("pp"))) {
+      s.stages.push_back(all[st]);
+      if (m.tp > 1)
+        distributed::parallelize_module(*all[st], s.mesh->submesh({"tp"}),
+                                        distributed::plan_for(distributed::gpt_tp_plan(*s.gpt, m.sp), *all[st]));
+    }
+    for (auto& st : all) LOG0("pipeline ", st->description(), " on pp rank ", schedule->rank_of(st->index()));
+  } else if (m.tp > 1) {
     distributed::parallelize_module(*s.gpt, s.mesh->submesh({"tp"}), distributed::gpt_tp_plan(*s.gpt, m.sp));
+  }
   // Checkpointing before fully_shard: each block's hooks (its gather and
   // backward re-gather) stay outside its region (nn/checkpoint.h).
   const auto ac = nn::ActivationCheckpointing::parse(flags.ac);
@@ -553,10 +639,17 @@ Setup setup(const Flags& flags, const examples::Job& job) {
     fo.mp_policy.reduce_dtype = DType::Float32;
     fo.mp_policy.output_dtype = DType::Float32;
   }
-  s.fsdp = distributed::fully_shard_auto(s.gpt, {.types = {"TransformerBlock"}}, fo);
+  if (m.pp == 1) {
+    s.fsdp = distributed::fully_shard_auto(s.gpt, {.types = {"TransformerBlock"}}, fo);
+  } else {
+    EMBER_CHECK(m.dp() == 1, "--pp ", m.pp, " with ", m.dp(),
+                " data-parallel ranks: FSDP inside pipeline stages is not built yet (issue 34); use --pp with --tp");
+    s.part = distributed::pp::rank_part(s.stages);
+    s.gpt = nullptr;  // the other ranks' stages go with it
+  }
 
   s.opt = std::make_unique<optim::AdamW>(
-      s.gpt->parameters(), optim::AdamWOptions{.lr = flags.lr, .beta1 = 0.9, .beta2 = 0.99, .weight_decay = 0.1});
+      s.model().parameters(), optim::AdamWOptions{.lr = flags.lr, .beta1 = 0.9, .beta2 = 0.99, .weight_decay = 0.1});
   const int64_t warmup = std::min<int64_t>(100, flags.max_steps / 10 + 1);
   auto warm = std::make_shared<optim::LinearLR>(*s.opt, 0.1, 1.0, warmup);
   auto cosine = std::make_shared<optim::CosineAnnealingLR>(*s.opt, std::max<int64_t>(flags.max_steps - warmup, 1),
@@ -568,6 +661,18 @@ Setup setup(const Flags& flags, const examples::Job& job) {
   // Every rank agrees on a skipped step: tp ranks hold different gradients.
   if (job.world > 1) so.sync_found_inf = distributed::found_inf_allreduce(job.pg);
   s.scaler = std::make_unique<optim::GradScaler>(so);
+  if (schedule) {
+    optim::GradScaler* scaler = s.scaler.get();
+    auto loss = [](const Tensor& logits, const Tensor& y) { return distributed::parallel_cross_entropy(logits, y); };
+    s.pipe = std::make_unique<distributed::pp::Pipeline>(
+        *schedule, s.stages, s.mesh->group("pp"),
+        distributed::pp::PipelineOptions{.loss = loss, .scale_loss = [scaler](const Tensor& l) {
+                                           return scaler->scale(l);
+                                         }});
+    s.eval_pipe = std::make_unique<distributed::pp::Pipeline>(
+        distributed::pp::forward_schedule(m.pp, flags.pp_virtual, 1), s.stages, s.mesh->group("pp"),
+        distributed::pp::PipelineOptions{.loss = loss});
+  }
   if (flags.resume) resume(flags, job, s);
   return s;
 }
@@ -583,7 +688,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     distributed::TrainingState st;
     st.step = at;
     const std::string dir = flags.checkpoint_dir + "/step_" + std::to_string(at);
-    examples::save_step_checkpoint(dir, *s.gpt, *s.opt, *s.sched, st,
+    examples::save_step_checkpoint(dir, s.model(), *s.opt, *s.sched, st,
                                    {{"world_size", job.world}, {"strategy", flags.strategy}, {"vocab", vocab}}, scaler,
                                    *job.pg);
     LOG0("saved checkpoint ", dir, " (", job.world, " rank file", job.world == 1 ? "" : "s", ")");
@@ -591,19 +696,29 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
 
   const MeshShape& ms = s.mesh_shape;
   const Eval eval = make_eval(corpus, flags.seq, ms.dp());
-  const auto mem = s.fsdp->memory();
   const int64_t tokens_per_step = s.global_batch * flags.seq;
+  std::string sharding;
+  if (s.fsdp) {
+    const auto mem = s.fsdp->memory();
+    sharding = ", FSDP " + std::string(distributed::strategy_name(s.fsdp_options.strategy)) + ", " +
+               std::to_string(s.fsdp->units().size()) + " units";
+    sharding += std::string(", ") + (flags.amp == "off" ? "float32" : flags.amp + " compute (float32 shards and reduction)") +
+                "; rank 0 holds " + std::to_string(mem.sharded_params) + " bytes of parameters (" +
+                std::to_string(s.n_params * 4) + " unsharded), largest unit " + std::to_string(mem.largest_unit) +
+                " bytes gathered";
+  } else {
+    sharding = ", pipeline " + s.pipe->schedule().name + " over " + std::to_string(ms.pp) + " ranks x " +
+               std::to_string(s.pipe->schedule().virtual_stages) + " stage(s), " +
+               std::to_string(s.micro_steps) + " micro-batches";
+  }
   LOG0("GPT ", flags.layers, " layers x ", flags.dim, " dims, ", flags.heads, " heads, context ", flags.seq, ": ",
        s.n_params, " parameters, vocabulary ", vocab, "; ", corpus.description, " (", corpus.train.size(), " train / ",
        corpus.val.size(), " validation characters)\n", job.world, " rank(s) on ",
        job.cuda ? "GPUs (NCCL)" : "the CPU (Gloo)",
        ms.tp > 1 ? ", tensor parallel over " + std::to_string(ms.tp) + (ms.sp ? " with sequence parallelism" : "")
                  : std::string(),
-       ", FSDP ", distributed::strategy_name(s.fsdp_options.strategy), ", ", s.fsdp->units().size(), " units, ",
-       flags.amp == "off" ? "float32" : flags.amp + " compute (float32 shards and reduction)", "; rank 0 holds ",
-       mem.sharded_params, " bytes of parameters (", s.n_params * 4, " unsharded), largest unit ", mem.largest_unit,
-       " bytes gathered\n", "batch ", s.micro_batch, " x ", flags.seq, " characters per rank x ", ms.dp(),
-       " data-parallel rank(s) x ", flags.accum_steps, " accumulation step(s) = ", tokens_per_step,
+       sharding, "\n", "batch ", s.micro_batch, " x ", flags.seq, " characters per rank x ", ms.dp(),
+       " data-parallel rank(s) x ", s.micro_steps, " micro-batch(es) = ", tokens_per_step,
        " tokens per step; ", flags.max_steps, " steps; checkpoints in ", flags.checkpoint_dir);
 
   // The global batch of step `at`: a function of (seed, step) only, never
@@ -617,7 +732,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     return starts;
   };
   auto batch_starts = [&](const std::vector<int64_t>& all, int64_t micro) {
-    const int64_t from = (s.dp_rank * flags.accum_steps + micro) * s.micro_batch;
+    const int64_t from = (s.dp_rank * s.micro_steps + micro) * s.micro_batch;
     return std::vector<int64_t>(all.begin() + from, all.begin() + from + s.micro_batch);
   };
   // A hash of the step's whole global batch (its token windows), so two runs
@@ -643,7 +758,8 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   const int64_t first = step;
   auto report_eval = [&] {
     progress.close_line();
-    const double v = evaluate(*s.gpt, corpus, eval, flags.seq, *job.pg, device, ms.dp(), s.dp_rank, ms.tp);
+    const double v =
+        evaluate(s.model(), s.eval_pipe.get(), corpus, eval, flags.seq, *job.pg, device, ms.dp(), s.dp_rank, ms.tp);
     LOG0("step ", step, ": validation loss ", v, " (unigram ", eval.unigram, ")");
     return v;
   };
@@ -655,8 +771,23 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     const std::vector<int64_t> all = global_starts(step);
     const double lr = s.opt->param_groups()[0].lr();
     double loss_sum = 0;
-    for (int64_t m = 0; m < flags.accum_steps; ++m) {
-      s.fsdp->set_requires_gradient_sync(m == flags.accum_steps - 1);
+    if (s.pipe) {
+      // The step's micro-batches through the pipeline; its last stage's
+      // ranks hold the losses, shared over pp for the log.
+      std::vector<Tensor> xs, ys;
+      for (int64_t m = 0; m < s.micro_steps; ++m) {
+        auto [x, y] = windows(corpus, corpus.train, batch_starts(all, m), flags.seq);
+        xs.push_back(x.to(device));
+        ys.push_back(y.to(device).reshape({x.size(0), flags.seq}));
+      }
+      MemoryKindScope activations(MemoryKind::Activations);
+      for (const Tensor& l : s.pipe->step(xs, ys)) loss_sum += l.item();
+      Tensor lt = Tensor::from_vector({loss_sum}, {1}, DType::Float64).to(device);
+      s.mesh->group("pp")->allreduce(lt, distributed::ReduceOp::Sum)->wait();
+      loss_sum = lt.to(kCPU).item();
+    }
+    for (int64_t m = 0; m < (s.pipe ? 0 : s.micro_steps); ++m) {
+      s.fsdp->set_requires_gradient_sync(m == s.micro_steps - 1);
       auto [x, y] = windows(corpus, corpus.train, batch_starts(all, m), flags.seq);
       Tensor loss;
       {
@@ -667,16 +798,26 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
         loss = distributed::parallel_cross_entropy(logits, y.to(device).reshape({x.size(0), flags.seq}));
       }
       loss_sum += loss.item();
-      scaler.scale(loss * (1.0 / flags.accum_steps)).backward();
+      scaler.scale(loss * (1.0 / s.micro_steps)).backward();
     }
     scaler.unscale_(*s.opt);
-    const double grad_norm = s.fsdp->clip_grad_norm_(1.0);
+    const double grad_norm = s.pipe ? s.pipe->clip_grad_norm_(1.0) : s.fsdp->clip_grad_norm_(1.0);
     scaler.step(*s.opt);
     scaler.update();
     s.sched->step();
     ++step;
     profile.step();
-    double loss = loss_sum / flags.accum_steps;
+    double loss = loss_sum / s.micro_steps;
+    // The pipeline's bubble, measured over the pp ranks beside the
+    // simulator's with the measured costs, once (after warm-up steps).
+    if (s.pipe && step - first == std::min<int64_t>(3, flags.max_steps - first)) {
+      const auto meas = s.pipe->measure_last_step();
+      const auto sim = distributed::pp::simulate(s.pipe->schedule(), meas.costs);
+      LOG0("pipeline ", s.pipe->schedule().name, ": bubble fraction measured ", meas.bubble_fraction, ", simulated ",
+           sim.bubble_fraction, " (measured F ", meas.costs.f * 1e3, " ms, B ", meas.costs.b * 1e3, " ms, W ",
+           meas.costs.w * 1e3, " ms per stage and micro-batch; step ", meas.makespan * 1e3, " ms, simulated ",
+           sim.makespan * 1e3, " ms)");
+    }
     // The step's memory by part, at the largest peak over the ranks; printed
     // once, after the second step (the first creates the optimizer state).
     const distributed::StepMemory mem =
@@ -684,7 +825,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     if (step - first == std::min<int64_t>(2, flags.max_steps - first)) {
       LOG0(mem.line("memory peak"));
       // The planner's prediction beside it, where its timeline models the run.
-      if (ms.tp == 1 && ms.dp_replicate == 1 && flags.amp == "off" && flags.strategy != "hybrid") {
+      if (ms.tp == 1 && ms.pp == 1 && ms.dp_replicate == 1 && flags.amp == "off" && flags.strategy != "hybrid") {
         distributed::StepPlan plan{.micro_batch = s.micro_batch,
                                    .seq = flags.seq,
                                    .world = ms.dp_shard,
@@ -692,7 +833,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
                                    .ac = flags.ac};
         LOG0(distributed::predict_gpt_step_memory(model_options(flags, vocab), plan).line("memory plan"));
       } else {
-        LOG0("memory plan: not modelled for tensor parallelism, HSDP or --amp yet");
+        LOG0("memory plan: not modelled for tensor or pipeline parallelism, HSDP or --amp yet");
       }
     }
     if (!flags.metrics.empty()) {
@@ -760,6 +901,11 @@ int train(const Flags& flags) {
                                            {"--dp-replicate", std::to_string(flags.dp_replicate)},
                                            {"--dp-shard", std::to_string(flags.dp_shard)},
                                            {"--tp", std::to_string(flags.tp)},
+                                           {"--pp", std::to_string(flags.pp)},
+                                           {"--pp-schedule", flags.pp_schedule},
+                                           {"--pp-virtual", std::to_string(flags.pp_virtual)},
+                                           {"--pp-split", flags.pp_split},
+                                           {"--microbatches", std::to_string(flags.microbatches)},
                                            {"--sp", flags.sp},
                                            {"--global-batch", std::to_string(flags.global_batch)},
                                            {"--amp", flags.amp},

@@ -122,7 +122,6 @@ std::vector<int> balance_by_params(const std::vector<int64_t>& unit_params, int 
 
 std::vector<std::shared_ptr<PipelineStage>> split_gpt(nn::GPT& gpt, int num_stages, std::vector<int> blocks_per_stage) {
   const auto& blocks = gpt.h->named_children();
-  const int L = static_cast<int>(blocks.size());
   auto count = [](nn::Module& m) {
     int64_t c = 0;
     for (auto& [n, p] : m.named_parameters()) c += p.numel();
@@ -148,10 +147,12 @@ std::vector<std::shared_ptr<PipelineStage>> split_gpt(nn::GPT& gpt, int num_stag
     // and projects to the vocabulary (GPT::forward, cut).
     std::vector<std::shared_ptr<nn::Module>> mine;
     for (int i = from; i < from + n; ++i) mine.push_back(blocks[i].second);
-    auto wte = gpt.wte, wpe = gpt.wpe;
-    auto drop = gpt.drop;
-    auto ln_f = gpt.ln_f;
-    auto head = gpt.lm_head;
+    // Only what this stage runs: the other stages' modules must not stay
+    // alive through it (a rank keeps its stages, not the whole model).
+    auto wte = is_first ? gpt.wte : nullptr, wpe = is_first ? gpt.wpe : nullptr;
+    auto drop = is_first ? gpt.drop : nullptr;
+    auto ln_f = is_last ? gpt.ln_f : nullptr;
+    auto head = is_last ? gpt.lm_head : nullptr;
     const int64_t block_size = gpt.options.block_size;
     auto fn = [=](PipelineStage&, const Tensor& in) {
       Tensor x = in;
