@@ -912,6 +912,24 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
         if (std::string param, state; split_optim_name(t2.name, &param, &state))
           state_of[param].push_back({state, &t2});
       opt_sd = *trainer->optimizer_groups;
+      // This rank's optimizer may hold other parameters than the saving
+      // rank 0's did (a pipeline's stages, a run with another mesh): its
+      // groups keep the saved groups' options, with this rank's parameters
+      // (named by the model), and each finds its state by name.
+      {
+        optim::OptimizerStateDict mine = optimizer->groups_dict();
+        optim::name_parameters(mine, *optimizer, model.named_parameters());
+        if (mine.param_groups.size() != opt_sd.param_groups.size()) {
+          error = absl::StrCat(dir, "/", kTrainerFile, ": the checkpoint's optimizer has ", opt_sd.param_groups.size(),
+                               " parameter group(s), this one ", mine.param_groups.size());
+          break;
+        }
+        for (size_t gi = 0; gi < mine.param_groups.size(); ++gi) {
+          if (opt_sd.param_groups[gi].param_names.size() != opt_sd.param_groups[gi].params.size()) continue;
+          opt_sd.param_groups[gi].params = mine.param_groups[gi].params;
+          opt_sd.param_groups[gi].param_names = mine.param_groups[gi].param_names;
+        }
+      }
       for (const auto& g : opt_sd.param_groups) {
         if (g.param_names.size() != g.params.size()) {
           error = absl::StrCat(dir, "/", kTrainerFile, ": the optimizer groups carry no parameter names");
