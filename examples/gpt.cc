@@ -812,10 +812,11 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     // simulator's with the measured costs, once (after warm-up steps).
     if (s.pipe && step - first == std::min<int64_t>(3, flags.max_steps - first)) {
       const auto meas = s.pipe->measure_last_step();
-      const auto sim = distributed::pp::simulate(s.pipe->schedule(), meas.costs);
+      const auto sim = distributed::pp::simulate(s.pipe->schedule(), meas.costs, meas.stage_costs);
       LOG0("pipeline ", s.pipe->schedule().name, ": bubble fraction measured ", meas.bubble_fraction, ", simulated ",
            sim.bubble_fraction, " (measured F ", meas.costs.f * 1e3, " ms, B ", meas.costs.b * 1e3, " ms, W ",
-           meas.costs.w * 1e3, " ms per stage and micro-batch; step ", meas.makespan * 1e3, " ms, simulated ",
+           meas.costs.w * 1e3, " ms per stage and micro-batch on average, transfers ", meas.costs.comm * 1e3,
+           " ms; step ", meas.makespan * 1e3, " ms, simulated ",
            sim.makespan * 1e3, " ms)");
     }
     // The step's memory by part, at the largest peak over the ranks; printed

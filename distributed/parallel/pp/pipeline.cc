@@ -138,6 +138,7 @@ void Pipeline::send(const Tensor& t, const Action& a) {
     }
   }
   sends_.emplace_back(pp_->send(c, dst, tag(a)), c);
+  send_posted_[tag(a)] = seconds_since(step_start_);
 }
 
 void Pipeline::post_recv(const Action& a) {
@@ -180,10 +181,12 @@ Tensor Pipeline::take_recv(const Action& a) {
   auto it = recvs_.find(tag(a));
   Posted p = std::move(it->second);
   recvs_.erase(it);
+  const bool ready = p.work->is_completed();
   {
     profiler::Scope wait(profiler::Kind::Wait, profiler::enabled() ? a.str() : std::string());
     p.work->wait();
   }
+  recv_done_[tag(a)] = {seconds_since(step_start_), !ready};
   return p.buffer;
 }
 
@@ -280,6 +283,8 @@ std::vector<Tensor> Pipeline::step(const std::vector<Tensor>& inputs, const std:
   }
   step_start_ = std::chrono::steady_clock::now();
   times_.clear();
+  send_posted_.clear();
+  recv_done_.clear();
   slots_.clear();
   std::vector<Tensor> losses(schedule_.microbatches);
   const auto& list = schedule_.actions[rank_];
@@ -410,33 +415,59 @@ double Pipeline::clip_grad_norm_(double max_norm, double norm_type) {
 }
 
 Pipeline::Measured Pipeline::measure_last_step() {
-  double busy = 0, first = 1e300, last = -1e300;
-  double sum[3] = {0, 0, 0}, count[3] = {0, 0, 0};
+  const int S = schedule_.num_stages(), M = schedule_.microbatches;
+  const int tags = 2 * M * S;
+  // One message of sums over the ranks: busy time; per stage and kind the
+  // time and count of compute actions; per tag the send's post and the
+  // receive's arrival (absolute seconds) and whether the receive waited.
+  // The span by min and max.
+  const int n_stage = 6 * S, off_tags = 1 + n_stage;
+  std::vector<double> v(off_tags + 3 * tags, 0.0);
+  double first = 1e300, last = -1e300;
   const double base = std::chrono::duration<double>(step_start_.time_since_epoch()).count();
   for (const ActionTime& t : times_) {
-    busy += t.end - t.start;
+    v[0] += t.end - t.start;
     first = std::min(first, base + t.start);
     last = std::max(last, base + t.end);
     const int k = t.action.kind == ActionKind::F ? 0 : t.action.kind == ActionKind::B ? 1 : 2;
-    sum[k] += t.end - t.start;
-    count[k] += 1;
+    v[1 + 6 * t.action.stage + k] += t.end - t.start;
+    v[1 + 6 * t.action.stage + 3 + k] += 1;
   }
-  // Sums over the ranks in one message; the span by min and max.
-  Tensor sums = Tensor::from_vector({busy, sum[0], sum[1], sum[2], count[0], count[1], count[2]}, {7},
-                                    DType::Float64).to(pp_->device());
+  for (auto& [t, at] : send_posted_) v[off_tags + 3 * t] = base + at;
+  for (auto& [t, done] : recv_done_) {
+    v[off_tags + 3 * t + 1] = base + done.first;
+    v[off_tags + 3 * t + 2] = done.second ? 1 : 0;
+  }
+  Tensor sums = Tensor::from_vector(v, {static_cast<int64_t>(v.size())}, DType::Float64).to(pp_->device());
   Tensor lo = Tensor::from_vector({first}, {1}, DType::Float64).to(pp_->device());
   Tensor hi = Tensor::from_vector({last}, {1}, DType::Float64).to(pp_->device());
   pp_->allreduce(sums, ReduceOp::Sum)->wait();
   pp_->allreduce(lo, ReduceOp::Min)->wait();
   pp_->allreduce(hi, ReduceOp::Max)->wait();
-  std::vector<double> v = sums.to(kCPU).to_vector();
+  v = sums.to(kCPU).to_vector();
   Measured m;
   m.makespan = hi.to(kCPU).item() - lo.to(kCPU).item();
   m.bubble_fraction = m.makespan > 0 ? 1.0 - v[0] / (schedule_.ranks * m.makespan) : 0.0;
-  m.costs.f = v[4] > 0 ? v[1] / v[4] : 0;
-  m.costs.b = v[5] > 0 ? v[2] / v[5] : 0;
-  m.costs.w = v[6] > 0 ? v[3] / v[6] : 0;
-  if (!split_) m.costs.w = 0;  // a B did all of the backward
+  double tot[3] = {0, 0, 0}, cnt[3] = {0, 0, 0};
+  m.stage_costs.resize(S);
+  for (int st = 0; st < S; ++st) {
+    double* c[3] = {&m.stage_costs[st].f, &m.stage_costs[st].b, &m.stage_costs[st].w};
+    for (int k = 0; k < 3; ++k) {
+      const double sum = v[1 + 6 * st + k], n = v[1 + 6 * st + 3 + k];
+      *c[k] = n > 0 ? sum / n : 0;
+      tot[k] += sum, cnt[k] += n;
+    }
+  }
+  m.costs.f = cnt[0] > 0 ? tot[0] / cnt[0] : 0;
+  m.costs.b = cnt[1] > 0 ? tot[1] / cnt[1] : 0;
+  m.costs.w = cnt[2] > 0 ? tot[2] / cnt[2] : 0;
+  double lat = 0, waited = 0;
+  for (int t = 0; t < tags; ++t) {
+    const double post = v[off_tags + 3 * t], done = v[off_tags + 3 * t + 1];
+    if (v[off_tags + 3 * t + 2] > 0 && post > 0 && done >= post) lat += done - post, waited += 1;
+  }
+  m.costs.comm = waited > 0 ? lat / waited : 0;
+  for (Costs& c : m.stage_costs) c.comm = m.costs.comm;
   return m;
 }
 

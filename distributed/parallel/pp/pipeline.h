@@ -88,11 +88,16 @@ class Pipeline {
   // The last step's compute actions with their times, this rank's.
   const std::vector<ActionTime>& last_step_times() const { return times_; }
   // The last step measured over the pp ranks (collective): the bubble
-  // fraction, 1 - sum(busy) / (P * (last end - first start)), and the mean
-  // cost of F, B and W (in seconds), for the simulator.
+  // fraction, 1 - sum(busy) / (P * (last end - first start)); the mean
+  // cost of F, B and W (seconds) over all stages and per stage; and the
+  // transfer latency (costs.comm): the mean time from a send's post to
+  // its data being there, over the receives that had to wait for it (a
+  // receive reached later than its data says nothing of the transfer).
+  // simulate(schedule(), costs, stage_costs) is the prediction to compare.
   struct Measured {
     double bubble_fraction = 0, makespan = 0;
     Costs costs;
+    std::vector<Costs> stage_costs;
   };
   Measured measure_last_step();
 
@@ -126,6 +131,10 @@ class Pipeline {
   std::map<int, Posted> recvs_;  // by tag
   std::vector<std::pair<std::shared_ptr<Work>, Tensor>> sends_;
   std::vector<ActionTime> times_;
+  // Per message of the last step (by tag): when its send was posted, and
+  // when its receive's data was there and whether the receive waited.
+  std::map<int, double> send_posted_;
+  std::map<int, std::pair<double, bool>> recv_done_;
   std::chrono::steady_clock::time_point step_start_;
 };
 

@@ -307,8 +307,10 @@ void validate(const Schedule& s) {
   }
 }
 
-Simulation simulate(const Schedule& s, const Costs& c) {
+Simulation simulate(const Schedule& s, const Costs& c, const std::vector<Costs>& per_stage) {
   validate(s);
+  EMBER_CHECK(per_stage.empty() || static_cast<int>(per_stage.size()) == s.num_stages(),
+              "pipeline simulator: ", per_stage.size(), " stage costs for ", s.num_stages(), " stages");
   EMBER_CHECK(c.f >= 0 && c.b >= 0 && c.w >= 0 && c.comm >= 0, "pipeline simulator: costs must be non-negative");
   const int P = s.ranks;
   const bool split = s.split_backward();
@@ -351,7 +353,9 @@ Simulation simulate(const Schedule& s, const Costs& c) {
           if (it == end.end()) break;  // not posted yet: another rank first
           arrival[key(a)] = it->second + c.comm;
         } else {
-          const double cost = a.kind == ActionKind::F ? c.f : a.kind == ActionKind::W ? c.w : split ? c.b : c.b + c.w;
+          const Costs& sc = per_stage.empty() ? c : per_stage[a.stage];
+          const double cost =
+              a.kind == ActionKind::F ? sc.f : a.kind == ActionKind::W ? sc.w : split ? sc.b : sc.b + sc.w;
           const double start = std::max(free[r], ready(a));
           free[r] = start + cost;
           end[key(a)] = free[r];

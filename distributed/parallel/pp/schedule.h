@@ -118,8 +118,10 @@ struct Simulation {
 
 // Runs the schedule with the given costs: each rank runs its list in order,
 // an action starts when its rank is free and its inputs have arrived.
-// Calls validate() first.
-Simulation simulate(const Schedule& s, const Costs& costs);
+// Calls validate() first. `per_stage` (one entry per stage), where given,
+// sets each stage's own F, B and W (a last stage with the LM head and the
+// loss costs more); `costs.comm` applies to every transfer.
+Simulation simulate(const Schedule& s, const Costs& costs, const std::vector<Costs>& per_stage = {});
 
 // The timeline as text: one row per rank, one cell per time quantum (the
 // largest of 1, 0.5, 0.25, 0.2, 0.1, ... that divides every cost), each
