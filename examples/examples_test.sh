@@ -281,6 +281,23 @@ v = [float(re.search(r"validation loss ([0-9.]+)", s).group(1)) for s in sys.arg
 assert abs(v[0] - v[1]) <= 1e-4 * v[0], v
 print("gpt: --pp 2 (zb-h1, ac full) and --pp 2 x --tp 2 (interleaved) agree with one rank; pp checkpoint resumed on 1 rank ends at", v[1])
 PY
+# fp16 autocast with the loss scaler (set up on the rank without the loss
+# too) ends within 1% of float32; the profile's merged trace holds each
+# rank's pipeline actions.
+out=$("$dir/gpt" --nproc 2 --pp 2 --amp fp16 "${pipe[@]}" --checkpoint-dir "$tmp/gpf" --profile "$tmp/prof_pp" 2>&1)
+python3 - "$(grep 'step 6: validation loss' "$tmp/p1.log")" "$(grep 'step 6: validation loss' <<<"$out")" <<'PY'
+import re, sys
+v = [float(re.search(r"validation loss ([0-9.]+)", s).group(1)) for s in sys.argv[1:3]]
+assert abs(v[0] - v[1]) <= 0.01 * v[0], v
+PY
+check_trace "$tmp/prof_pp" 2
+/usr/bin/python3 - "$tmp/prof_pp/trace.json" <<'PY'
+import json, sys
+ev = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e["ph"] == "X"]
+for pid, stage in ((0, 0), (1, 1)):
+    names = {e["name"] for e in ev if e["pid"] == pid}
+    assert f"F(mb 3, stage {stage})" in names and f"B(mb 0, stage {stage})" in names, (pid, sorted(names)[:20])
+PY
 if out=$("$dir/gpt" --nproc 4 --pp 2 --dp-shard 2 "${pipe[@]}" --checkpoint-dir "$tmp/gpx" 2>&1); then
   echo "gpt accepted --pp 2 --dp-shard 2"; exit 1; fi
 grep -q "FSDP inside pipeline stages is not built yet" <<<"$out" || { echo "$out"; exit 1; }

@@ -47,6 +47,7 @@
 
 #include "autograd/autograd.h"
 #include "core/allocator.h"
+#include "core/autocast.h"
 #include "core/ops.h"
 #include "distributed/checkpoint/checkpoint.h"
 #include "distributed/checkpoint/sharded.h"
@@ -709,7 +710,8 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   } else {
     sharding = ", pipeline " + s.pipe->schedule().name + " over " + std::to_string(ms.pp) + " ranks x " +
                std::to_string(s.pipe->schedule().virtual_stages) + " stage(s), " +
-               std::to_string(s.micro_steps) + " micro-batches";
+               std::to_string(s.micro_steps) + " micro-batches, " +
+               (flags.amp == "off" ? "float32" : flags.amp + " autocast (float32 parameters)");
   }
   LOG0("GPT ", flags.layers, " layers x ", flags.dim, " dims, ", flags.heads, " heads, context ", flags.seq, ": ",
        s.n_params, " parameters, vocabulary ", vocab, "; ", corpus.description, " (", corpus.train.size(), " train / ",
@@ -781,6 +783,9 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
         ys.push_back(y.to(device).reshape({x.size(0), flags.seq}));
       }
       MemoryKindScope activations(MemoryKind::Activations);
+      // --amp without FSDP: autocast around the stages' forwards (their
+      // backwards run in the forwards' dtypes); float32 parameters.
+      AutocastGuard amp(device.type, flags.amp == "fp16" ? DType::Float16 : DType::BFloat16, flags.amp != "off");
       for (const Tensor& l : s.pipe->step(xs, ys)) loss_sum += l.item();
       Tensor lt = Tensor::from_vector({loss_sum}, {1}, DType::Float64).to(device);
       s.mesh->group("pp")->allreduce(lt, distributed::ReduceOp::Sum)->wait();

@@ -291,6 +291,13 @@ std::vector<Tensor> Pipeline::step(const std::vector<Tensor>& inputs, const std:
   // Evaluation: nothing recorded for a backward that will not come.
   std::optional<NoGradGuard> no_grad;
   if (schedule_.forward_only()) no_grad.emplace();
+  // A loss scaler on a rank without the loss still scales this step (the
+  // gradients arriving from the last stage are scaled): show it a loss, so
+  // it is set up to unscale them (GradScaler starts at its first scale()).
+  if (options_.scale_loss && !schedule_.forward_only() && rank_ != schedule_.rank_of(schedule_.num_stages() - 1)) {
+    NoGradGuard ng;
+    options_.scale_loss(zeros({}, {DType::Float32, pp_->device()}));
+  }
   // The receives the next compute action needs go out before the current
   // one runs, where their buffers can be made by then (not the first
   // step's headers, which block; not a gradient of an output not yet

@@ -48,6 +48,8 @@ struct PipelineOptions {
   // scalar, the micro-batch's mean.
   std::function<Tensor(const Tensor& output, const Tensor& target)> loss = nullptr;
   // Applied to loss / M before backward (GradScaler::scale); null: none.
+  // Ranks without the last stage call it once a step on a zero, so a
+  // GradScaler there is set up to unscale the scaled gradients it receives.
   std::function<Tensor(const Tensor& loss)> scale_loss = nullptr;
 };
 
