@@ -33,11 +33,13 @@ Timing: --warmup steps, then --steps timed steps; every timed step starts after 
 dist.barrier(), is timed on each rank (zero_grad, schedule.step, optimizer step), and the
 maximum over ranks (all_reduce MAX) is the step's time. Rank 0 prints one JSON line with the
 median over steps, the per-step times, the mean loss over the micro-batches of the last step
-(sent from the rank holding the last stage) and peak RSS per rank.
+(sent from the rank holding the last stage; loss_first: the same for the first warm-up step) and
+peak RSS per rank above the baseline.
 
   python pp_peer.py --schedule 1f1b --world 2 --microbatches 4
 """
 import argparse
+import gc
 import sys
 import time
 
@@ -154,7 +156,7 @@ def train_rank(rank, world, schedule, n_mb, batch, warmup, steps, out):
     has_first = any(s.is_first for s in stages)
     has_last = any(s.is_last for s in stages)
 
-    times, loss = [], float("nan")
+    times, step_losses = [], []
     for step in range(warmup + steps):
         g = torch.Generator().manual_seed(1000 + step)
         x = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
@@ -173,17 +175,24 @@ def train_rank(rank, world, schedule, n_mb, batch, warmup, steps, out):
             times.append(dt.item())
         lt = torch.tensor([torch.stack(losses).mean().item() if has_last else 0.0], dtype=torch.float64)
         dist.all_reduce(lt)  # zero except on the rank holding the last stage
-        loss = lt.item()
+        step_losses.append(lt.item())
 
     peak = torch.tensor([pc.peak_rss_bytes() - base_rss], dtype=torch.float64)
     peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
     dist.all_gather(peaks, peak)
     if rank == 0:
-        pc.emit(dict(peer="pp_peer", schedule=schedule, torch_schedule=type(sched).__name__,
+        pc.emit(dict(script="pp_peer", rank=0, peer="pp_peer", schedule=schedule, torch_schedule=type(sched).__name__,
                      stages_per_rank=v, world=world, microbatches=n_mb, batch=batch,
                      step_ms_median=pc.median_ms(times), step_ms=[round(t * 1e3, 2) for t in times],
-                     loss=round(loss, 6), peak_minus_baseline_mib=[pc.mib(p.item()) for p in peaks],
+                     loss=round(step_losses[-1], 6), loss_first=round(step_losses[0], 6),
+                     peak_minus_baseline_mib=[pc.mib(p.item()) for p in peaks],
                      torch=torch.__version__), out)
+    # The stages and schedule sit in reference cycles; left to the interpreter's exit they can be
+    # torn down after destroy_process_group, and Gloo then now and then aborts the process
+    # ("terminate called without an active exception"). Free them while the group is alive.
+    del sched, stages, opt
+    gc.collect()
+    dist.barrier()
 
 
 def main():
