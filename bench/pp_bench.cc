@@ -22,6 +22,8 @@
 #include <benchmark/benchmark.h>
 #include <omp.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,6 +31,7 @@
 #include "bench/bench_group.h"
 #include "core/allocator.h"
 #include "core/ops.h"
+#include "core/profiler.h"
 #include "distributed/parallel/pp/pipeline.h"
 #include "nn/functional.h"
 #include "nn/transformer.h"
@@ -85,7 +88,14 @@ void BM_PpStep(benchmark::State& state, const std::string& name, const std::stri
     return s;
   };
   step();  // warmup: headers agreed, optimizer state, allocator caches
+  // EMBER_PP_BENCH_PROFILE=1: the top ops of rank 0's timed steps by self time (stderr).
+  const bool profile = std::getenv("EMBER_PP_BENCH_PROFILE") != nullptr;
+  if (profile) profiler::start();
   const double median = bench::timed_median(state, group->pg.get(), step);
+  if (profile) {
+    profiler::stop();
+    std::fprintf(stderr, "%s\n", profiler::summary_table(profiler::events(), 30).c_str());
+  }
   const auto meas = pipe.measure_last_step();
   const auto sim = pp::simulate(sched, meas.costs, meas.stage_costs);
   // Both ranks' activation peaks, for rank 0's counters.

@@ -65,6 +65,35 @@ TEST(Unary, MatchesScalarMathAcrossDtypes) {
   }
 }
 
+// GELU's tanh form in float32 (its own vectorized tanh on the CPU) over
+// the whole range: against float64 near the origin, exact limits far out,
+// NaN kept, and the contiguous (vectorized) and strided paths bit-equal.
+TEST(Unary, GeluTanhFloat32WholeRange) {
+  V xs = {-1e10, -30, -9.5, -9, -8.99, -3, -1e-3, -0.0, 0.0, 1e-3, 0.7, 3, 8.99, 9, 9.5, 30, 1e10};
+  const int64_t n = static_cast<int64_t>(xs.size());
+  Tensor x = T(xs, {n}, DType::Float32);
+  Tensor g = T(V(xs.size(), 1.0), {n}, DType::Float32);
+  V y = gelu(x, true).to_vector(), dy = gelu_backward(g, x, true).to_vector();
+  const double k = std::sqrt(2 / M_PI);
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = x.to_vector()[i], t = std::tanh(k * (v + 0.044715 * v * v * v));
+    const double want = 0.5 * v * (1 + t);
+    const double dwant = 0.5 * (1 + t) + 0.5 * v * (1 - t * t) * k * (1 + 3 * 0.044715 * v * v);
+    EXPECT_NEAR(y[i], want, 1e-6 * (1 + std::abs(want))) << "gelu(" << v << ")";
+    EXPECT_NEAR(dy[i], dwant, 1e-5 * (1 + std::abs(dwant))) << "gelu'(" << v << ")";
+  }
+  EXPECT_EQ(gelu(T({1e30}, {1}, DType::Float32), true).item(), 1e30f);
+  EXPECT_TRUE(std::isinf(gelu(T({INFINITY}, {1}, DType::Float32), true).item()));
+  EXPECT_TRUE(std::isnan(gelu(T({NAN}, {1}, DType::Float32), true).item()));
+  EXPECT_TRUE(std::isnan(gelu_backward(T({1}, {1}, DType::Float32), T({NAN}, {1}, DType::Float32), true).item()));
+  // A strided view takes the generic loop: the same bits.
+  Tensor wide = zeros({n, 2}, DType::Float32);
+  wide.narrow(1, 0, 1).copy_(x.view({n, 1}));
+  Tensor xs_strided = wide.narrow(1, 0, 1).squeeze(1);
+  EXPECT_EQ(gelu(xs_strided, true).to_vector(), y);
+  EXPECT_EQ(gelu_backward(g, xs_strided, true).to_vector(), dy);
+}
+
 TEST(Unary, IntegersPromoteForFloatOpsOnly) {
   Tensor i = T({-2, 3}, {2}, DType::Int32);
   EXPECT_EQ(abs(i).dtype(), DType::Int32);

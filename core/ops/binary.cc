@@ -12,6 +12,16 @@
 namespace ember {
 
 // ---- CPU kernels ----
+namespace {
+// GELU's (tanh form) gradient over contiguous float32, in a function of
+// its own: gcc vectorizes this loop here, not inside binary_cpu's many
+// instantiations (10x slower there).
+__attribute__((noinline)) void gelu_tanh_grad_f32(float* __restrict out, const float* __restrict g,
+                                                  const float* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = binary_fn<BinaryOp::GeluTanhGrad, float>(g[i], x[i], 1.f);
+}
+}  // namespace
+
 void binary_cpu(BinaryOp op, const StridedIter& it, double alpha) {
   EMBER_DISPATCH_ALL(it.dtypes[1], "binary", [&] {
     using T = scalar_t;
@@ -28,6 +38,12 @@ void binary_cpu(BinaryOp op, const StridedIter& it, double alpha) {
           const T* a = reinterpret_cast<const T*>(p[1]);
           const T* b = reinterpret_cast<const T*>(p[2]);
           if (s[0] == 1 && s[1] == 1 && s[2] == 1) {
+            if constexpr (OP == BinaryOp::GeluTanhGrad && std::is_same_v<T, float>) {
+              const bool apart = (out + n <= a || a + n <= out) && (out + n <= b || b + n <= out);
+              if (apart)
+                return gelu_tanh_grad_f32(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(a),
+                                          reinterpret_cast<const float*>(b), n);
+            }
             for (int64_t i = 0; i < n; ++i)
               store_as(out + i, binary_fn<OP, C>(static_cast<C>(a[i]), static_cast<C>(b[i]), al));
           } else if (s[0] == 1 && s[1] == 1 && s[2] == 0) {  // tensor (op) scalar

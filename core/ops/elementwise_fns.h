@@ -4,6 +4,7 @@
 
 #include <math.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -32,9 +33,14 @@ EMBER_HD C m_tanh_gelu(C x) {
   if constexpr (!std::is_same_v<C, float>) {
     return m_tanh(x);
   } else {
-    const float ax = x < 0.f ? -x : x;
-    const float y = (ax < 9.f ? ax : 9.f) * 2.f * 1.4426950408889634f;  // 2|x| log2(e)
-    const float n = __builtin_floorf(y + 0.5f), f = y - n;              // f in [-1/2, 1/2]
+    // Written so that gcc vectorizes it: floorf stays scalar (unless
+    // -fno-trapping-math), and so does a float clamp of |x| feeding the
+    // integer conversion; floor(y + 1/2) is a truncation here (y >= 0), and
+    // the clamp is on n instead: for |x| >= 9 (n > 26) the polynomial alone
+    // makes t exactly 1, and an infinite or NaN x still gives +-1 or NaN.
+    const float y = std::fabs(x) * 2.f * 1.4426950408889634f;  // 2|x| log2(e)
+    const int32_t ni = std::min(static_cast<int32_t>(y + 0.5f), 26);
+    const float n = static_cast<float>(ni), f = y - n;  // f in [-1/2, 1/2] for |x| < 9
     float p = 1.5403530393381606e-4f;
     p = p * f + 1.3333558146428443e-3f;
     p = p * f + 9.6181291076284772e-3f;
@@ -44,11 +50,11 @@ EMBER_HD C m_tanh_gelu(C x) {
     p = p * f + 1.f;  // 2^f
     union {
       float v;
-      int32_t i;
+      uint32_t i;
     } scale;
-    scale.i = (static_cast<int32_t>(n) + 127) << 23;  // 2^n (n <= 26)
+    scale.i = static_cast<uint32_t>(ni + 127) << 23;  // 2^n
     const float t = 1.f - 2.f / (p * scale.v + 1.f);
-    return x < 0.f ? -t : t;
+    return std::copysign(t, x);
   }
 #endif
 }

@@ -13,6 +13,16 @@
 namespace ember {
 
 // ---- CPU kernel ----
+namespace {
+// GELU (tanh form) over contiguous float32, in a function of its own: gcc
+// vectorizes this loop here, but not inside unary_cpu's many
+// instantiations, where it ran 8x slower (a transformer MLP's GELU cost a
+// fifth of its matmuls).
+__attribute__((noinline)) void gelu_tanh_f32(float* __restrict out, const float* __restrict in, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = unary_fn<UnaryOp::GeluTanh, float>(in[i], 0.f, 0.f);
+}
+}  // namespace
+
 void unary_cpu(UnaryOp op, const StridedIter& it, double p0, double p1) {
   EMBER_DISPATCH_NUMERIC(it.dtypes[0], "unary", [&] {
     using T = scalar_t;
@@ -24,6 +34,11 @@ void unary_cpu(UnaryOp op, const StridedIter& it, double p0, double p1) {
         T* out = reinterpret_cast<T*>(p[0]);
         const T* in = reinterpret_cast<const T*>(p[1]);
         if (s[0] == 1 && s[1] == 1) {
+          if constexpr (OP == UnaryOp::GeluTanh && std::is_same_v<T, float>) {
+            // (a cast, not a template: T is no template parameter here)
+            if (out + n <= in || in + n <= out)
+              return gelu_tanh_f32(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(in), n);
+          }
           for (int64_t i = 0; i < n; ++i) store_as(out + i, unary_fn<OP, C>(static_cast<C>(in[i]), c0, c1));
         } else {
           for (int64_t i = 0; i < n; ++i)
