@@ -12,6 +12,17 @@
 #include "core/dtype.h"
 #include "core/ops/kernels.h"
 
+#if !defined(__CUDACC__) && defined(_OPENMP)
+// The SIMD variants of expf in glibc's libmvec (//third_party:libmvec): a
+// loop under `#pragma omp simd` that calls expf computes 8 at a time (0.7 ns
+// an element against libm's 1.5, within 4 ulp). Only loops marked so use
+// them (softmax_cpu's rows, the contiguous float32 exp).
+extern "C" {
+#pragma omp declare simd notinbranch
+float expf(float);
+}
+#endif
+
 namespace ember {
 
 template <typename C> EMBER_HD C m_exp(C x) { if constexpr (std::is_same_v<C, float>) return expf(x); else return ::exp(x); }

@@ -1,6 +1,7 @@
 // softmax / log_softmax over one dim: max-subtracted, computed in acc_t
 // (fp32 for half types). Works on the [outer, r, inner] view of the input.
 #include <cmath>
+#include <limits>
 
 #include "core/autocast.h"
 #include "core/autograd_hook.h"
@@ -11,6 +12,41 @@
 namespace ember {
 
 // ---- CPU kernel ----
+namespace {
+// Contiguous float32 rows (a LM head's logits: the common case), vectorized:
+// the max and the sum of exponentials as SIMD reductions, expf from libmvec
+// (elementwise_fns.h), in a function of its own so gcc vectorizes it.
+__attribute__((noinline)) void softmax_rows_f32(const float* __restrict x, float* __restrict y, int64_t rows,
+                                                int64_t r, bool log) {
+  for (int64_t j = 0; j < rows; ++j) {
+    const float* xr = x + j * r;
+    float* yr = y + j * r;
+    float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+    for (int64_t k = 0; k < r; ++k) mx = std::max(mx, xr[k]);
+    if (std::isinf(mx) && mx < 0) mx = 0;  // all -inf row: avoid inf - inf
+    float sum = 0;
+    if (log) {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t k = 0; k < r; ++k) sum += expf(xr[k] - mx);
+      const float shift = mx + logf(sum);
+#pragma omp simd
+      for (int64_t k = 0; k < r; ++k) yr[k] = xr[k] - shift;
+    } else {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t k = 0; k < r; ++k) {
+        const float e = expf(xr[k] - mx);
+        yr[k] = e;
+        sum += e;
+      }
+      const float inv = 1.f / sum;
+#pragma omp simd
+      for (int64_t k = 0; k < r; ++k) yr[k] *= inv;
+    }
+  }
+}
+}  // namespace
+
 void softmax_cpu(const Tensor& in, Tensor& out, int64_t outer, int64_t r, int64_t inner, bool log) {
   EMBER_DISPATCH_FLOAT(in.dtype(), "softmax", [&] {
     using T = scalar_t;
@@ -18,6 +54,11 @@ void softmax_cpu(const Tensor& in, Tensor& out, int64_t outer, int64_t r, int64_
     const T* x = static_cast<const T*>(in.raw_data());
     T* y = static_cast<T*>(out.raw_data());
     parallel_for(outer * inner, std::max<int64_t>(1, 4096 / std::max<int64_t>(r, 1)), [&](int64_t b, int64_t e) {
+      if constexpr (std::is_same_v<T, float>) {
+        if (inner == 1)  // (casts: T is no template parameter here)
+          return softmax_rows_f32(reinterpret_cast<const float*>(x) + b * r, reinterpret_cast<float*>(y) + b * r,
+                                  e - b, r, log);
+      }
       for (int64_t j = b; j < e; ++j) {
         int64_t o = j / inner, i = j % inner;
         const T* xr = x + o * r * inner + i;

@@ -21,6 +21,11 @@ namespace {
 __attribute__((noinline)) void gelu_tanh_f32(float* __restrict out, const float* __restrict in, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = unary_fn<UnaryOp::GeluTanh, float>(in[i], 0.f, 0.f);
 }
+// exp over contiguous float32: libmvec's SIMD expf (elementwise_fns.h).
+__attribute__((noinline)) void exp_f32(float* __restrict out, const float* __restrict in, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = expf(in[i]);
+}
 }  // namespace
 
 void unary_cpu(UnaryOp op, const StridedIter& it, double p0, double p1) {
@@ -34,6 +39,10 @@ void unary_cpu(UnaryOp op, const StridedIter& it, double p0, double p1) {
         T* out = reinterpret_cast<T*>(p[0]);
         const T* in = reinterpret_cast<const T*>(p[1]);
         if (s[0] == 1 && s[1] == 1) {
+          if constexpr (OP == UnaryOp::Exp && std::is_same_v<T, float>) {
+            if (out + n <= in || in + n <= out)
+              return exp_f32(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(in), n);
+          }
           if constexpr (OP == UnaryOp::GeluTanh && std::is_same_v<T, float>) {
             // (a cast, not a template: T is no template parameter here)
             if (out + n <= in || in + n <= out)
