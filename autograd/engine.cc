@@ -253,8 +253,10 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
           bool computed = false;
           for (size_t i = 0; i < n->next.size(); ++i) {
             if (!n->next[i] || wanted[i]) continue;
-            if (grads[i].defined()) split->ready.emplace_back(n->next[i], grads[i]), computed = true;
-            else again.wanted[i] = asked_again = true;
+            if (grads[i].defined())
+              split->ready.emplace_back(n->next[i], grads[i]), computed = true;
+            else
+              again.wanted[i] = asked_again = true;
           }
           if (asked_again) split->again.push_back(std::move(again));
           split->unsplit += computed;
@@ -460,7 +462,8 @@ DeferredBackward backward_input(const Tensor& root, const Tensor& grad, const st
 }
 
 void DeferredBackward::run() {
-  EMBER_CHECK(root_ != nullptr, "DeferredBackward::run: nothing left to run (it ran already, or "
+  EMBER_CHECK(root_ != nullptr,
+              "DeferredBackward::run: nothing left to run (it ran already, or "
               "backward_input deferred nothing: pending() is false)");
   autocast::DisabledScope no_autocast;
   std::shared_ptr<Node> root = std::move(root_);

@@ -115,8 +115,8 @@ void BM_PpStep(benchmark::State& state, const std::string& name, const std::stri
     state.counters["act_peak_MiB_rank" + std::to_string(r)] = bench::mib(static_cast<int64_t>(acts.data<double>()[r]));
     state.counters["live_rank" + std::to_string(r)] = live;
   }
-  state.SetLabel(std::to_string(kWorld) + " proc x 1 thread, gpt 8x256, " + schedule + ", " +
-                 std::to_string(kMicro) + " micro-batches");
+  state.SetLabel(std::to_string(kWorld) + " proc x 1 thread, gpt 8x256, " + schedule + ", " + std::to_string(kMicro) +
+                 " micro-batches");
 }
 
 const bool registered = [] {

@@ -88,15 +88,15 @@ struct Flags {
   int shard_size = 0;  // hybrid: ranks per shard group (0: ranks per node)
   // The mesh: products equal to the world size, -1 for "the rest" (one of them).
   int dp_replicate = 1, dp_shard = -1, tp = 1;
-  int pp = 1;                          // pipeline stages' ranks (never "the rest")
-  std::string pp_schedule = "1f1b";    // gpipe | 1f1b | interleaved | zb-h1
-  int pp_virtual = 1;                  // stages per pp rank
-  std::string pp_split;                // blocks per stage, "2,3,3"; empty: balanced
-  int64_t microbatches = 0;            // per optimizer step; 0: --accum-steps (pp 1) or the pp size
-  std::string sp = "auto";   // on | off | auto (on when tp > 1)
-  std::string ac = "none";   // activation checkpointing: none | full | selective | every:K
-  int64_t global_batch = 0;  // sequences per optimizer step over the job (0: batch size x dp x accum)
-  std::string metrics;       // one JSON line per step, by rank 0
+  int pp = 1;                        // pipeline stages' ranks (never "the rest")
+  std::string pp_schedule = "1f1b";  // gpipe | 1f1b | interleaved | zb-h1
+  int pp_virtual = 1;                // stages per pp rank
+  std::string pp_split;              // blocks per stage, "2,3,3"; empty: balanced
+  int64_t microbatches = 0;          // per optimizer step; 0: --accum-steps (pp 1) or the pp size
+  std::string sp = "auto";           // on | off | auto (on when tp > 1)
+  std::string ac = "none";           // activation checkpointing: none | full | selective | every:K
+  int64_t global_batch = 0;          // sequences per optimizer step over the job (0: batch size x dp x accum)
+  std::string metrics;               // one JSON line per step, by rank 0
   std::string amp = "off";
   int64_t layers = 2, dim = 128, heads = 4, seq = 64;
   int64_t batch_size = 16;  // sequences per rank per micro-batch
@@ -503,9 +503,9 @@ MeshShape resolve_mesh(const Flags& f, int world, int local_world) {
   m.dp_replicate = r > 0 ? r : rest;
   m.dp_shard = s > 0 ? s : rest;
   m.tp = t > 0 ? t : rest;
-  EMBER_CHECK(m.pp * m.dp_replicate * m.dp_shard * m.tp == world, "the mesh pp=", m.pp, " dp_replicate=",
-              m.dp_replicate, " dp_shard=", m.dp_shard, " tp=", m.tp, " (", m.pp * m.dp_replicate * m.dp_shard * m.tp,
-              " ranks) does not match the world size ", world);
+  EMBER_CHECK(m.pp * m.dp_replicate * m.dp_shard * m.tp == world, "the mesh pp=", m.pp,
+              " dp_replicate=", m.dp_replicate, " dp_shard=", m.dp_shard, " tp=", m.tp, " (",
+              m.pp * m.dp_replicate * m.dp_shard * m.tp, " ranks) does not match the world size ", world);
   m.sp = f.sp == "on" || (f.sp == "auto" && m.tp > 1);
   return m;
 }
@@ -528,8 +528,8 @@ struct Setup {
   std::shared_ptr<distributed::DeviceMesh> mesh;
   int dp_rank = 0;
   int64_t global_batch = 0, micro_batch = 0;  // sequences per step over the job, per rank per micro-batch
-  int64_t micro_steps = 1;  // micro-batches per optimizer step: the pipeline's, or accumulated
-  std::shared_ptr<nn::GPT> gpt;  // the whole model; null under a pipeline (each rank keeps its stages)
+  int64_t micro_steps = 1;                    // micro-batches per optimizer step: the pipeline's, or accumulated
+  std::shared_ptr<nn::GPT> gpt;               // the whole model; null under a pipeline (each rank keeps its stages)
   // Under a pipeline: this rank's stages, its part of the model (what the
   // optimizer and checkpoints see), the training and evaluation pipelines.
   std::vector<std::shared_ptr<distributed::pp::PipelineStage>> stages;
@@ -667,9 +667,8 @@ Setup setup(const Flags& flags, const examples::Job& job) {
     auto loss = [](const Tensor& logits, const Tensor& y) { return distributed::parallel_cross_entropy(logits, y); };
     s.pipe = std::make_unique<distributed::pp::Pipeline>(
         *schedule, s.stages, s.mesh->group("pp"),
-        distributed::pp::PipelineOptions{.loss = loss, .scale_loss = [scaler](const Tensor& l) {
-                                           return scaler->scale(l);
-                                         }});
+        distributed::pp::PipelineOptions{.loss = loss,
+                                         .scale_loss = [scaler](const Tensor& l) { return scaler->scale(l); }});
     s.eval_pipe = std::make_unique<distributed::pp::Pipeline>(
         distributed::pp::forward_schedule(m.pp, flags.pp_virtual, 1), s.stages, s.mesh->group("pp"),
         distributed::pp::PipelineOptions{.loss = loss});
@@ -703,15 +702,15 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     const auto mem = s.fsdp->memory();
     sharding = ", FSDP " + std::string(distributed::strategy_name(s.fsdp_options.strategy)) + ", " +
                std::to_string(s.fsdp->units().size()) + " units";
-    sharding += std::string(", ") + (flags.amp == "off" ? "float32" : flags.amp + " compute (float32 shards and reduction)") +
+    sharding += std::string(", ") +
+                (flags.amp == "off" ? "float32" : flags.amp + " compute (float32 shards and reduction)") +
                 "; rank 0 holds " + std::to_string(mem.sharded_params) + " bytes of parameters (" +
                 std::to_string(s.n_params * 4) + " unsharded), largest unit " + std::to_string(mem.largest_unit) +
                 " bytes gathered";
   } else {
     sharding = ", pipeline " + s.pipe->schedule().name + " over " + std::to_string(ms.pp) + " ranks x " +
-               std::to_string(s.pipe->schedule().virtual_stages) + " stage(s), " +
-               std::to_string(s.micro_steps) + " micro-batches, " +
-               (flags.amp == "off" ? "float32" : flags.amp + " autocast (float32 parameters)");
+               std::to_string(s.pipe->schedule().virtual_stages) + " stage(s), " + std::to_string(s.micro_steps) +
+               " micro-batches, " + (flags.amp == "off" ? "float32" : flags.amp + " autocast (float32 parameters)");
   }
   LOG0("GPT ", flags.layers, " layers x ", flags.dim, " dims, ", flags.heads, " heads, context ", flags.seq, ": ",
        s.n_params, " parameters, vocabulary ", vocab, "; ", corpus.description, " (", corpus.train.size(), " train / ",
@@ -720,8 +719,8 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
        ms.tp > 1 ? ", tensor parallel over " + std::to_string(ms.tp) + (ms.sp ? " with sequence parallelism" : "")
                  : std::string(),
        sharding, "\n", "batch ", s.micro_batch, " x ", flags.seq, " characters per rank x ", ms.dp(),
-       " data-parallel rank(s) x ", s.micro_steps, " micro-batch(es) = ", tokens_per_step,
-       " tokens per step; ", flags.max_steps, " steps; checkpoints in ", flags.checkpoint_dir);
+       " data-parallel rank(s) x ", s.micro_steps, " micro-batch(es) = ", tokens_per_step, " tokens per step; ",
+       flags.max_steps, " steps; checkpoints in ", flags.checkpoint_dir);
 
   // The global batch of step `at`: a function of (seed, step) only, never
   // of the mesh, so a run resumes on another mesh and any mesh computes the
@@ -821,8 +820,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       LOG0("pipeline ", s.pipe->schedule().name, ": bubble fraction measured ", meas.bubble_fraction, ", simulated ",
            sim.bubble_fraction, " (measured F ", meas.costs.f * 1e3, " ms, B ", meas.costs.b * 1e3, " ms, W ",
            meas.costs.w * 1e3, " ms per stage and micro-batch on average, transfers ", meas.costs.comm * 1e3,
-           " ms; step ", meas.makespan * 1e3, " ms, simulated ",
-           sim.makespan * 1e3, " ms)");
+           " ms; step ", meas.makespan * 1e3, " ms, simulated ", sim.makespan * 1e3, " ms)");
     }
     // The step's memory by part, at the largest peak over the ranks; printed
     // once, after the second step (the first creates the optimizer state).

@@ -36,8 +36,8 @@ double number(const std::string& flag, const char* text, bool whole) {
   char* end = nullptr;
   const double v = std::strtod(text, &end);
   if (end == text || *end != '\0' || !(v >= 0) || (whole && (v < 1 || v != static_cast<int>(v))))
-    usage_error(flag + " wants " + (whole ? "a positive whole number" : "a non-negative number") + ", got '" +
-                text + "'");
+    usage_error(flag + " wants " + (whole ? "a positive whole number" : "a non-negative number") + ", got '" + text +
+                "'");
   return v;
 }
 
@@ -57,24 +57,36 @@ int main(int argc, char** argv) {
     }
     if (i + 1 >= argc) usage_error(a + " needs a value");
     const char* v = argv[++i];
-    if (a == "--schedule") name = v;
-    else if (a == "--stages") P = static_cast<int>(number(a, v, true));
-    else if (a == "--virtual") V = static_cast<int>(number(a, v, true));
-    else if (a == "--microbatches") M = static_cast<int>(number(a, v, true));
-    else if (a == "--tf") tf = number(a, v, false);
-    else if (a == "--tb") tb = number(a, v, false);
-    else if (a == "--tw") tw = number(a, v, false);
-    else if (a == "--comm") comm = number(a, v, false);
-    else usage_error("unknown flag '" + a + "'");
+    if (a == "--schedule")
+      name = v;
+    else if (a == "--stages")
+      P = static_cast<int>(number(a, v, true));
+    else if (a == "--virtual")
+      V = static_cast<int>(number(a, v, true));
+    else if (a == "--microbatches")
+      M = static_cast<int>(number(a, v, true));
+    else if (a == "--tf")
+      tf = number(a, v, false);
+    else if (a == "--tb")
+      tb = number(a, v, false);
+    else if (a == "--tw")
+      tw = number(a, v, false);
+    else if (a == "--comm")
+      comm = number(a, v, false);
+    else
+      usage_error("unknown flag '" + a + "'");
   }
   if (name.empty() || P == 0 || M == 0) usage_error("--schedule, --stages and --microbatches are required");
   try {
     const Schedule s = make_schedule(name, P, V, M);
     const bool split = s.split_backward();
     // Unset: a whole backward costs 2 F, split into equal B and W.
-    if (tb < 0 && tw < 0) tb = split ? tf : 2 * tf, tw = split ? tf : 0;
-    else if (tb < 0) tb = tf;
-    else if (tw < 0) tw = split ? tf : 0;
+    if (tb < 0 && tw < 0)
+      tb = split ? tf : 2 * tf, tw = split ? tf : 0;
+    else if (tb < 0)
+      tb = tf;
+    else if (tw < 0)
+      tw = split ? tf : 0;
     const Costs costs{.f = tf, .b = tb, .w = tw, .comm = comm};
     const Simulation sim = simulate(s, costs);
     std::printf("schedule %s: %d rank(s) x %d stage(s) each, %d micro-batches; F %g, B %g, W %g%s, comm %g\n",

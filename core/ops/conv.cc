@@ -511,38 +511,43 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Dims st
     wc = to_layout(weight, cl).detach();
     if (bias.defined()) bc = bias.contiguous().detach();
   }
-  return differentiable("conv2d", {x, weight, bias}, [&] {
-    Tensor y = empty_layout({g.n, g.o, g.oh, g.ow}, x.options(), cl);
-    if (y.numel() == 0) return y;
-    if (x.is_cuda()) conv2d_forward_cuda(g, xc, wc, bc, y);
-    else conv2d_forward_cpu(g, xc, wc, bc, y);
-    return via_nchw ? to_layout(y, true) : y;
-  }, [&](const Tensor&) {
-    const bool need_x_ = x.requires_grad(), need_w_ = weight.requires_grad();
-    const bool need_b_ = bias.defined() && bias.requires_grad();
-    BackwardFn fn = [=](const Tensor& gy) {
-      const bool need_x = need_x_ && grad_wanted(0), need_w = need_w_ && grad_wanted(1);
-      const bool need_b = need_b_ && grad_wanted(2);
-      Tensor dy = to_layout(gy, cl);
-      Tensor dx = need_x ? empty_layout(xc.sizes(), xc.options(), cl) : Tensor();
-      Tensor dw = need_w ? empty_layout(wc.sizes(), wc.options(), cl) : Tensor();
-      Tensor db = need_b ? Tensor::empty({g.o}, bc.options()) : Tensor();
-      if (dy.numel() == 0 || xc.numel() == 0) {  // empty batch: nothing flows back
-        for (Tensor* t : {&dx, &dw, &db})
-          if (t->defined()) t->zero_();
-      } else if (xc.is_cuda()) {
-        conv2d_backward_cuda(g, xc, wc, dy, need_x ? &dx : nullptr, need_w ? &dw : nullptr);
-        // The bias gradient is a plain reduction: the reduction kernels' job
-        // (strided over N, H, W in either layout), not a kernel of its own.
-        if (need_b) db = sum(dy, {0, 2, 3}).to(bc.dtype());
-      } else {
-        conv2d_backward_cpu(g, xc, wc, dy, need_x ? &dx : nullptr, need_w ? &dw : nullptr, need_b ? &db : nullptr);
-      }
-      if (via_nchw && dx.defined()) dx = to_layout(dx, true);
-      return std::vector<Tensor>{dx, dw, db};
-    };
-    return Recorded{fn, {xc, wc}};
-  });
+  return differentiable(
+      "conv2d", {x, weight, bias},
+      [&] {
+        Tensor y = empty_layout({g.n, g.o, g.oh, g.ow}, x.options(), cl);
+        if (y.numel() == 0) return y;
+        if (x.is_cuda())
+          conv2d_forward_cuda(g, xc, wc, bc, y);
+        else
+          conv2d_forward_cpu(g, xc, wc, bc, y);
+        return via_nchw ? to_layout(y, true) : y;
+      },
+      [&](const Tensor&) {
+        const bool need_x_ = x.requires_grad(), need_w_ = weight.requires_grad();
+        const bool need_b_ = bias.defined() && bias.requires_grad();
+        BackwardFn fn = [=](const Tensor& gy) {
+          const bool need_x = need_x_ && grad_wanted(0), need_w = need_w_ && grad_wanted(1);
+          const bool need_b = need_b_ && grad_wanted(2);
+          Tensor dy = to_layout(gy, cl);
+          Tensor dx = need_x ? empty_layout(xc.sizes(), xc.options(), cl) : Tensor();
+          Tensor dw = need_w ? empty_layout(wc.sizes(), wc.options(), cl) : Tensor();
+          Tensor db = need_b ? Tensor::empty({g.o}, bc.options()) : Tensor();
+          if (dy.numel() == 0 || xc.numel() == 0) {  // empty batch: nothing flows back
+            for (Tensor* t : {&dx, &dw, &db})
+              if (t->defined()) t->zero_();
+          } else if (xc.is_cuda()) {
+            conv2d_backward_cuda(g, xc, wc, dy, need_x ? &dx : nullptr, need_w ? &dw : nullptr);
+            // The bias gradient is a plain reduction: the reduction kernels' job
+            // (strided over N, H, W in either layout), not a kernel of its own.
+            if (need_b) db = sum(dy, {0, 2, 3}).to(bc.dtype());
+          } else {
+            conv2d_backward_cpu(g, xc, wc, dy, need_x ? &dx : nullptr, need_w ? &dw : nullptr, need_b ? &db : nullptr);
+          }
+          if (via_nchw && dx.defined()) dx = to_layout(dx, true);
+          return std::vector<Tensor>{dx, dw, db};
+        };
+        return Recorded{fn, {xc, wc}};
+      });
 }
 
 }  // namespace ember

@@ -16,8 +16,8 @@ namespace {
 // Contiguous float32 rows (a LM head's logits: the common case), vectorized:
 // the max and the sum of exponentials as SIMD reductions, expf from libmvec
 // (elementwise_fns.h), in a function of its own so gcc vectorizes it.
-__attribute__((noinline)) void softmax_rows_f32(const float* __restrict x, float* __restrict y, int64_t rows,
-                                                int64_t r, bool log) {
+__attribute__((noinline)) void softmax_rows_f32(const float* __restrict x, float* __restrict y, int64_t rows, int64_t r,
+                                                bool log) {
   for (int64_t j = 0; j < rows; ++j) {
     const float* xr = x + j * r;
     float* yr = y + j * r;
@@ -56,8 +56,8 @@ void softmax_cpu(const Tensor& in, Tensor& out, int64_t outer, int64_t r, int64_
     parallel_for(outer * inner, std::max<int64_t>(1, 4096 / std::max<int64_t>(r, 1)), [&](int64_t b, int64_t e) {
       if constexpr (std::is_same_v<T, float>) {
         if (inner == 1)  // (casts: T is no template parameter here)
-          return softmax_rows_f32(reinterpret_cast<const float*>(x) + b * r, reinterpret_cast<float*>(y) + b * r,
-                                  e - b, r, log);
+          return softmax_rows_f32(reinterpret_cast<const float*>(x) + b * r, reinterpret_cast<float*>(y) + b * r, e - b,
+                                  r, log);
       }
       for (int64_t j = b; j < e; ++j) {
         int64_t o = j / inner, i = j % inner;
@@ -73,7 +73,8 @@ void softmax_cpu(const Tensor& in, Tensor& out, int64_t outer, int64_t r, int64_
           for (int64_t k = 0; k < r; ++k) yr[k * inner] = static_cast<T>(static_cast<C>(xr[k * inner]) - mx - lse);
         } else {
           C inv = C(1) / sum;
-          for (int64_t k = 0; k < r; ++k) yr[k * inner] = static_cast<T>(m_exp(static_cast<C>(xr[k * inner]) - mx) * inv);
+          for (int64_t k = 0; k < r; ++k)
+            yr[k * inner] = static_cast<T>(m_exp(static_cast<C>(xr[k * inner]) - mx) * inv);
         }
       }
     });

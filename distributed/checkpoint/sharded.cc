@@ -136,9 +136,8 @@ ModelLayout model_layout(nn::Module& model, ProcessGroup& pg) {
   // buffer is rank 0's: buffers may differ between ranks (batch norm's
   // running statistics, each rank's own batches), and rank 0's are the ones
   // DDP broadcasts, so they are the ones training continues from.
-  // Ranks need not hold the same tensors (a pipeline stage holds its
-  // layers only): the writer is chosen among the ranks that hold it, which
-  // one all-gather of the names held whole tells every rank.
+  // Ranks may hold different tensors (pipeline stages): the writer is one
+  // of a tensor's holders, known from one all-gather of the names.
   std::unordered_set<const TensorImpl*> params;
   for (const Tensor& p : model.parameters()) params.insert(p.impl_ptr().get());
   const nn::StateDict sd = model.state_dict();
@@ -912,10 +911,8 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
         if (std::string param, state; split_optim_name(t2.name, &param, &state))
           state_of[param].push_back({state, &t2});
       opt_sd = *trainer->optimizer_groups;
-      // This rank's optimizer may hold other parameters than the saving
-      // rank 0's did (a pipeline's stages, a run with another mesh): its
-      // groups keep the saved groups' options, with this rank's parameters
-      // (named by the model), and each finds its state by name.
+      // This rank's optimizer may hold other parameters than rank 0's did
+      // (pipeline stages): the saved groups' options, this rank's params.
       {
         optim::OptimizerStateDict mine = optimizer->groups_dict();
         optim::name_parameters(mine, *optimizer, model.named_parameters());

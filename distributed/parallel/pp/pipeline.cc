@@ -34,9 +34,9 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 // What one (micro-batch, stage) keeps between its actions.
 struct Pipeline::Slot {
-  Tensor input;     // the stage's input: a leaf (activations) or the micro-batch (stage 0)
-  Tensor output;    // what B backpropagates from: the activation, or the last stage's scaled loss
-  Tensor grad_out;  // the gradient of the output, received (RecvB)
+  Tensor input;                         // the stage's input: a leaf (activations) or the micro-batch (stage 0)
+  Tensor output;                        // what B backpropagates from: the activation, or the last stage's scaled loss
+  Tensor grad_out;                      // the gradient of the output, received (RecvB)
   autograd::DeferredBackward deferred;  // split backward: the weights' part, for W
 };
 
@@ -53,10 +53,10 @@ Pipeline::Pipeline(Schedule schedule, std::vector<std::shared_ptr<PipelineStage>
   EMBER_CHECK(stages_.size() == want.size(), "Pipeline: pp rank ", rank_, " holds ", want.size(),
               " stage(s) under schedule ", schedule_.name, " but was given ", stages_.size());
   for (size_t i = 0; i < want.size(); ++i) {
-    EMBER_CHECK(stages_[i] != nullptr && stages_[i]->index() == want[i] &&
-                    stages_[i]->num_stages() == schedule_.num_stages(),
-                "Pipeline: pp rank ", rank_, "'s stage ", i, " should be stage ", want[i], " of ",
-                schedule_.num_stages(), ", got ", stages_[i] ? stages_[i]->description() : std::string("none"));
+    EMBER_CHECK(
+        stages_[i] != nullptr && stages_[i]->index() == want[i] && stages_[i]->num_stages() == schedule_.num_stages(),
+        "Pipeline: pp rank ", rank_, "'s stage ", i, " should be stage ", want[i], " of ", schedule_.num_stages(),
+        ", got ", stages_[i] ? stages_[i]->description() : std::string("none"));
   }
   split_ = schedule_.split_backward();
 }
@@ -105,9 +105,8 @@ void Pipeline::check_agreement() {
     const int64_t* me = local.data<int64_t>();
     if (std::equal(o, o + k, me)) continue;
     EMBER_CHECK(false, "pipeline: the pp ranks disagree at the first step: rank ", rank_, " runs schedule ",
-                schedule_.name, " (pp ", me[0], ", ", me[1], " virtual stage(s), ", me[2],
-                " micro-batches), rank ", r, " runs ", name_of(o[3]), " (pp ", o[0], ", ", o[1],
-                " virtual stage(s), ", o[2], " micro-batches)",
+                schedule_.name, " (pp ", me[0], ", ", me[1], " virtual stage(s), ", me[2], " micro-batches), rank ", r,
+                " runs ", name_of(o[3]), " (pp ", o[0], ", ", o[1], " virtual stage(s), ", o[2], " micro-batches)",
                 std::equal(o, o + 4, me) ? "; their action lists differ" : "");
   }
 }
@@ -155,9 +154,9 @@ void Pipeline::post_recv(const Action& a) {
       pp_->recv(header, src, kControlTag + a.stage)->wait();
       Tensor h = header.to(kCPU);
       const int64_t* v = h.data<int64_t>();
-      EMBER_CHECK(v[kMaxDims + 2] == kHeaderMagic && v[0] >= 0 && v[0] <= kMaxDims,
-                  "pipeline: stage ", a.stage, " (rank ", rank_, ") received no valid activation header from stage ",
-                  a.stage - 1, " (rank ", src, "); do the ranks run the same schedule?");
+      EMBER_CHECK(v[kMaxDims + 2] == kHeaderMagic && v[0] >= 0 && v[0] <= kMaxDims, "pipeline: stage ", a.stage,
+                  " (rank ", rank_, ") received no valid activation header from stage ", a.stage - 1, " (rank ", src,
+                  "); do the ranks run the same schedule?");
       Shape s(v + 1, v + 1 + v[0]);
       it = in_meta_.emplace(a.stage, std::make_pair(s, static_cast<DType>(v[kMaxDims + 1]))).first;
     }
@@ -203,16 +202,23 @@ void Pipeline::run_action(size_t index, const std::vector<Tensor>& inputs, const
     return *it->second;
   };
   switch (a.kind) {
-    case ActionKind::RecvF: slot.input = take_recv(a); return;
-    case ActionKind::RecvB: slot.grad_out = take_recv(a); return;
-    case ActionKind::SendF: send(slot.output, a); return;
+    case ActionKind::RecvF:
+      slot.input = take_recv(a);
+      return;
+    case ActionKind::RecvB:
+      slot.grad_out = take_recv(a);
+      return;
+    case ActionKind::SendF:
+      send(slot.output, a);
+      return;
     case ActionKind::SendB: {
       Tensor g = slot.input.grad();
       send(g.defined() ? g : zeros_like(slot.input), a);
       slot.input = Tensor();
       return;
     }
-    default: break;
+    default:
+      break;
   }
   PipelineStage& st = stage(a.stage);
   const double t0 = seconds_since(step_start_);
@@ -266,8 +272,10 @@ void Pipeline::run_action(size_t index, const std::vector<Tensor>& inputs, const
       }
     }
     if (slot.output.requires_grad()) {
-      if (split_) slot.deferred = autograd::backward_input(slot.output, grad, {slot.input});
-      else slot.output.backward(grad);
+      if (split_)
+        slot.deferred = autograd::backward_input(slot.output, grad, {slot.input});
+      else
+        slot.output.backward(grad);
     }
     slot.output = Tensor();
   } else {  // W
@@ -341,9 +349,8 @@ std::vector<Tensor> Pipeline::step(const std::vector<Tensor>& inputs, const std:
       if (a.kind == ActionKind::SendF || a.kind == ActionKind::RecvB) peer_stage = a.stage + 1;
       if (a.kind == ActionKind::SendB || a.kind == ActionKind::RecvF) peer_stage = a.stage - 1;
       if (peer_stage >= 0)
-        where += std::string(a.kind == ActionKind::SendF || a.kind == ActionKind::SendB ? " to" : " from") +
-                 " rank " + std::to_string(schedule_.rank_of(peer_stage)) + " (stage " + std::to_string(peer_stage) +
-                 ")";
+        where += std::string(a.kind == ActionKind::SendF || a.kind == ActionKind::SendB ? " to" : " from") + " rank " +
+                 std::to_string(schedule_.rank_of(peer_stage)) + " (stage " + std::to_string(peer_stage) + ")";
     } else {
       where += ", waiting for its sends at the end of the step";
     }
@@ -365,8 +372,8 @@ void Pipeline::exchange_tied_grads() {
       for (int s : tied.stages)
         if (schedule_.rank_of(s) != rank_) others.push_back(schedule_.rank_of(s));
       if (others.empty()) continue;  // every holder on this rank: one tensor, one gradient
-      EMBER_CHECK(others.size() == 1 && tied.stages.size() == 2, "pipeline: tied parameter ", tied.name,
-                  " on stages ", tied.stages.size(), "; two holders are supported");
+      EMBER_CHECK(others.size() == 1 && tied.stages.size() == 2, "pipeline: tied parameter ", tied.name, " on stages ",
+                  tied.stages.size(), "; two holders are supported");
       Tensor p;
       for (auto& [n, t] : st->named_parameters())
         if (n == tied.name) p = t;
@@ -382,8 +389,10 @@ void Pipeline::exchange_tied_grads() {
       // mine + theirs on one rank, theirs + mine on the other: the same sum
       // (float addition commutes).
       Tensor sum = mine + theirs;
-      if (p.grad().defined()) p.grad().copy_(sum);
-      else p.set_grad(sum);
+      if (p.grad().defined())
+        p.grad().copy_(sum);
+      else
+        p.set_grad(sum);
     }
 }
 

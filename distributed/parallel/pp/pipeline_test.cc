@@ -170,8 +170,8 @@ EMBER_WORKER(gpt) {
     NoGradGuard ng;
     for (size_t m = 0; m < losses.size(); ++m) {
       const double want = lm_loss(ref(xs[m]), ys[m]).item();
-      WCHECK(exact ? losses[m].item() == want : std::abs(losses[m].item() - want) <= 1e-4 * want, "evaluation ",
-             m, ": ", losses[m].item(), " vs one process ", want);
+      WCHECK(exact ? losses[m].item() == want : std::abs(losses[m].item() - want) <= 1e-4 * want, "evaluation ", m,
+             ": ", losses[m].item(), " vs one process ", want);
       WCHECK(!losses[m].requires_grad(), "evaluation recorded a graph");
     }
   }
@@ -365,7 +365,9 @@ TEST(Pipeline, SplitsPutEveryLayerInOneStage) {
   std::sort(want.begin(), want.end());
   EXPECT_EQ(names, want);  // every parameter once, under its own name
   EXPECT_EQ(st[1]->description(), "stage 1 of 3: h.1-h.3");
-  EXPECT_NE(error_of([&] { split_gpt(g, 3, {1, 3, 1}); }).find("add up to 5 blocks but the model has 6"),
+  EXPECT_NE(error_of([&] {
+              split_gpt(g, 3, {1, 3, 1});
+            }).find("add up to 5 blocks but the model has 6"),
             std::string::npos);
   EXPECT_NE(error_of([&] { split_gpt(g, 3, {0, 3, 3}); }).find("needs at least one"), std::string::npos);
   EXPECT_NE(error_of([&] { split_gpt(g, 7); }).find("cannot fill 7 stages"), std::string::npos);

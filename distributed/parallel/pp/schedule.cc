@@ -107,13 +107,20 @@ Key key(const Action& a) { return {static_cast<int>(a.kind), a.mb, a.stage}; }
 
 const char* action_kind_name(ActionKind k) {
   switch (k) {
-    case ActionKind::F: return "F";
-    case ActionKind::B: return "B";
-    case ActionKind::W: return "W";
-    case ActionKind::SendF: return "SendF";
-    case ActionKind::RecvF: return "RecvF";
-    case ActionKind::SendB: return "SendB";
-    case ActionKind::RecvB: return "RecvB";
+    case ActionKind::F:
+      return "F";
+    case ActionKind::B:
+      return "B";
+    case ActionKind::W:
+      return "W";
+    case ActionKind::SendF:
+      return "SendF";
+    case ActionKind::RecvF:
+      return "RecvF";
+    case ActionKind::SendB:
+      return "SendB";
+    case ActionKind::RecvB:
+      return "RecvB";
   }
   return "?";
 }
@@ -264,11 +271,20 @@ void validate(const Schedule& s) {
     for (const Action& a : s.actions[r]) {
       Action peer = a;
       switch (a.kind) {
-        case ActionKind::SendF: peer = {ActionKind::RecvF, a.mb, a.stage + 1}; break;
-        case ActionKind::RecvF: peer = {ActionKind::SendF, a.mb, a.stage - 1}; break;
-        case ActionKind::SendB: peer = {ActionKind::RecvB, a.mb, a.stage - 1}; break;
-        case ActionKind::RecvB: peer = {ActionKind::SendB, a.mb, a.stage + 1}; break;
-        default: continue;
+        case ActionKind::SendF:
+          peer = {ActionKind::RecvF, a.mb, a.stage + 1};
+          break;
+        case ActionKind::RecvF:
+          peer = {ActionKind::SendF, a.mb, a.stage - 1};
+          break;
+        case ActionKind::SendB:
+          peer = {ActionKind::RecvB, a.mb, a.stage - 1};
+          break;
+        case ActionKind::RecvB:
+          peer = {ActionKind::SendB, a.mb, a.stage + 1};
+          break;
+        default:
+          continue;
       }
       EMBER_CHECK(peer.stage >= 0 && peer.stage < S && s.rank_of(peer.stage) != r, what, a.str(), " on rank ", r,
                   " has no peer stage on another rank");
@@ -334,7 +350,8 @@ Simulation simulate(const Schedule& s, const Costs& c, const std::vector<Costs>&
           t = std::max(t, s.rank_of(a.stage + 1) == r ? local(B(a.mb, a.stage + 1)) : recv(ActionKind::RecvB));
         return t;
       }
-      default: return local(B(a.mb, a.stage));
+      default:
+        return local(B(a.mb, a.stage));
     }
   };
   for (bool progress = true; progress;) {
@@ -354,8 +371,10 @@ Simulation simulate(const Schedule& s, const Costs& c, const std::vector<Costs>&
           arrival[key(a)] = it->second + c.comm;
         } else {
           const Costs& sc = per_stage.empty() ? c : per_stage[a.stage];
-          const double cost =
-              a.kind == ActionKind::F ? sc.f : a.kind == ActionKind::W ? sc.w : split ? sc.b : sc.b + sc.w;
+          const double cost = a.kind == ActionKind::F   ? sc.f
+                              : a.kind == ActionKind::W ? sc.w
+                              : split                   ? sc.b
+                                                        : sc.b + sc.w;
           const double start = std::max(free[r], ready(a));
           free[r] = start + cost;
           end[key(a)] = free[r];

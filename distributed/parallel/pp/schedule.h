@@ -47,9 +47,9 @@ struct Action {
 
 struct Schedule {
   std::string name;
-  int ranks = 1;           // P: the pp dimension's size
-  int virtual_stages = 1;  // V: stages per rank
-  int microbatches = 1;    // M
+  int ranks = 1;                             // P: the pp dimension's size
+  int virtual_stages = 1;                    // V: stages per rank
+  int microbatches = 1;                      // M
   std::vector<std::vector<Action>> actions;  // per rank
   int num_stages() const { return ranks * virtual_stages; }
   int rank_of(int stage) const { return stage % ranks; }

@@ -98,11 +98,22 @@ TEST(Schedule, SendsAndReceivesPairUp) {
 
 TEST(Schedule, DeadlockIsReportedNamingBothActions) {
   // Rank 0 waits for micro-batch 0's gradient before sending its activation.
-  std::vector<std::vector<Action>> lists{
-      {F(0, 0), F(1, 0), {ActionKind::RecvB, 0, 0}, {ActionKind::SendF, 0, 0}, B(0, 0), {ActionKind::SendF, 1, 0},
-       {ActionKind::RecvB, 1, 0}, B(1, 0)},
-      {{ActionKind::RecvF, 0, 1}, F(0, 1), B(0, 1), {ActionKind::SendB, 0, 1}, {ActionKind::RecvF, 1, 1}, F(1, 1),
-       B(1, 1), {ActionKind::SendB, 1, 1}}};
+  std::vector<std::vector<Action>> lists{{F(0, 0),
+                                          F(1, 0),
+                                          {ActionKind::RecvB, 0, 0},
+                                          {ActionKind::SendF, 0, 0},
+                                          B(0, 0),
+                                          {ActionKind::SendF, 1, 0},
+                                          {ActionKind::RecvB, 1, 0},
+                                          B(1, 0)},
+                                         {{ActionKind::RecvF, 0, 1},
+                                          F(0, 1),
+                                          B(0, 1),
+                                          {ActionKind::SendB, 0, 1},
+                                          {ActionKind::RecvF, 1, 1},
+                                          F(1, 1),
+                                          B(1, 1),
+                                          {ActionKind::SendB, 1, 1}}};
   Schedule s{"hand", 2, 1, 2, lists};
   const std::string e = error_of([&] { validate(s); });
   EXPECT_NE(e.find("deadlock"), std::string::npos) << e;

@@ -197,8 +197,7 @@ std::vector<std::shared_ptr<PipelineStage>> split_sequential(nn::Sequential& seq
     for (auto& [pn, p] : m->named_parameters()) c += p.numel();
     units.push_back(c);
   }
-  const std::vector<int> split =
-      resolve_split(std::move(layers_per_stage), units, num_stages, "Sequential", "layer");
+  const std::vector<int> split = resolve_split(std::move(layers_per_stage), units, num_stages, "Sequential", "layer");
   std::vector<std::shared_ptr<PipelineStage>> out;
   int first = 0;
   for (int s = 0; s < num_stages; ++s) {
