@@ -13,19 +13,14 @@
 #include "core/ops.h"
 #include "core/ops_nn.h"
 #include "core/profiler.h"
+#include "core/testing/bitwise.h"
 #include "core/testing/error_of.h"
 
 namespace ember {
 namespace {
 using testing::error_of;
 
-void expect_bitwise(const Tensor& a, const Tensor& b, const std::string& what) {
-  ASSERT_TRUE(a.defined()) << what;
-  ASSERT_TRUE(b.defined()) << what;
-  ASSERT_EQ(a.sizes(), b.sizes()) << what;
-  auto va = a.to_vector(), vb = b.to_vector();
-  for (size_t i = 0; i < va.size(); ++i) ASSERT_EQ(va[i], vb[i]) << what << " element " << i;
-}
+using testing::expect_bitwise;
 
 // A pre-norm MLP block twice, with a weight used by both (tied), a matmul
 // with a weight on the right, a bias-free linear, and an optional

@@ -16,6 +16,7 @@
 #include "core/autocast.h"
 #include "core/ops.h"
 #include "core/profiler.h"
+#include "core/testing/bitwise.h"
 #include "core/testing/error_of.h"
 
 namespace ember {
@@ -24,13 +25,7 @@ namespace {
 using autograd::checkpoint;
 using autograd::CheckpointOptions;
 
-void expect_bitwise(const Tensor& a, const Tensor& b, const std::string& what) {
-  ASSERT_TRUE(a.defined()) << what;
-  ASSERT_TRUE(b.defined()) << what;
-  ASSERT_EQ(a.sizes(), b.sizes()) << what;
-  auto va = a.to_vector(), vb = b.to_vector();
-  for (size_t i = 0; i < va.size(); ++i) ASSERT_EQ(va[i], vb[i]) << what << " element " << i;
-}
+using testing::expect_bitwise;
 
 // A region with matmuls, elementwise ops, a reduction and dropout.
 struct Params {

@@ -12,6 +12,7 @@
 
 #include "core/autograd_hook.h"
 #include "core/ops.h"
+#include "core/testing/bitwise.h"
 #include "core/testing/error_of.h"
 #include "nn/functional.h"
 #include "nn/models.h"
@@ -20,12 +21,7 @@
 namespace ember::nn {
 namespace {
 
-void expect_bitwise(const Tensor& a, const Tensor& b, const std::string& what) {
-  ASSERT_TRUE(a.defined() && b.defined()) << what;
-  ASSERT_EQ(a.sizes(), b.sizes()) << what;
-  auto va = a.to_vector(), vb = b.to_vector();
-  for (size_t i = 0; i < va.size(); ++i) ASSERT_EQ(va[i], vb[i]) << what << " element " << i;
-}
+using testing::expect_bitwise;
 
 std::shared_ptr<GPT> make_gpt() {
   manual_seed(1);
