@@ -497,15 +497,16 @@ MeshShape resolve_mesh(const Flags& f, int world, int local_world) {
   int known = f.pp;
   for (int v : {r, s, t})
     if (v > 0) known *= v;
-  EMBER_CHECK(world % known == 0, "the mesh pp=", f.pp, " dp_replicate=", r, " dp_shard=", s, " tp=", t,
+  const std::string pp = f.pp > 1 ? "pp=" + std::to_string(f.pp) + " " : "";
+  EMBER_CHECK(world % known == 0, "the mesh ", pp, "dp_replicate=", r, " dp_shard=", s, " tp=", t,
               " does not divide the ", world, " ranks");
   const int rest = world / known;
   m.dp_replicate = r > 0 ? r : rest;
   m.dp_shard = s > 0 ? s : rest;
   m.tp = t > 0 ? t : rest;
-  EMBER_CHECK(m.pp * m.dp_replicate * m.dp_shard * m.tp == world, "the mesh pp=", m.pp,
-              " dp_replicate=", m.dp_replicate, " dp_shard=", m.dp_shard, " tp=", m.tp, " (",
-              m.pp * m.dp_replicate * m.dp_shard * m.tp, " ranks) does not match the world size ", world);
+  EMBER_CHECK(m.pp * m.dp_replicate * m.dp_shard * m.tp == world, "the mesh ", pp, "dp_replicate=", m.dp_replicate,
+              " dp_shard=", m.dp_shard, " tp=", m.tp, " (", m.pp * m.dp_replicate * m.dp_shard * m.tp,
+              " ranks) does not match the world size ", world);
   m.sp = f.sp == "on" || (f.sp == "auto" && m.tp > 1);
   return m;
 }
