@@ -298,6 +298,21 @@ for pid, stage in ((0, 0), (1, 1)):
     names = {e["name"] for e in ev if e["pid"] == pid}
     assert f"F(mb 3, stage {stage})" in names and f"B(mb 0, stage {stage})" in names, (pid, sorted(names)[:20])
 PY
+# Two replicas of a 2-stage pipeline average their gradients: the one
+# rank's losses (each replica half the batch); FSDP inside stages is refused.
+out=$("$dir/gpt" --nproc 4 --pp 2 --dp-replicate 2 "${pipe[@]}" --checkpoint-dir "$tmp/gpd" \
+      --metrics "$tmp/pd.jsonl" 2>&1)
+grep -q "mesh pp=2 dp_replicate=2$" <<<"$out" || { echo "$out"; echo "no pp x dp mesh line"; exit 1; }
+python3 - "$tmp/p1.jsonl" "$tmp/pd.jsonl" <<'PY'
+import json, sys
+a = [json.loads(l) for l in open(sys.argv[1])]
+b = [json.loads(l) for l in open(sys.argv[2])]
+assert len(a) == len(b) == 6, (len(a), len(b))
+for x, y in zip(a, b):
+    assert x["batch_digest"] == y["batch_digest"], (x, y)
+    assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x, y)
+    assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * x["grad_norm"], (x, y)
+PY
 if out=$("$dir/gpt" --nproc 4 --pp 2 --dp-shard 2 "${pipe[@]}" --checkpoint-dir "$tmp/gpx" 2>&1); then
   echo "gpt accepted --pp 2 --dp-shard 2"; exit 1; fi
 grep -q "FSDP inside pipeline stages is not built yet" <<<"$out" || { echo "$out"; exit 1; }

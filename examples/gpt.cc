@@ -644,8 +644,10 @@ Setup setup(const Flags& flags, const examples::Job& job) {
   if (m.pp == 1) {
     s.fsdp = distributed::fully_shard_auto(s.gpt, {.types = {"TransformerBlock"}}, fo);
   } else {
-    EMBER_CHECK(m.dp() == 1, "--pp ", m.pp, " with ", m.dp(),
-                " data-parallel ranks: FSDP inside pipeline stages is not built yet (issue 34); use --pp with --tp");
+    EMBER_CHECK(m.dp_shard == 1, "--pp ", m.pp, " with --dp-shard ", m.dp_shard,
+                ": FSDP inside pipeline stages is not built yet (issue 34); replicate the pipeline instead "
+                "(--dp-replicate ",
+                m.dp_shard * m.dp_replicate, " --dp-shard 1)");
     s.part = distributed::pp::rank_part(s.stages);
     s.gpt = nullptr;  // the other ranks' stages go with it
   }
@@ -669,7 +671,8 @@ Setup setup(const Flags& flags, const examples::Job& job) {
     s.pipe = std::make_unique<distributed::pp::Pipeline>(
         *schedule, s.stages, s.mesh->group("pp"),
         distributed::pp::PipelineOptions{.loss = loss,
-                                         .scale_loss = [scaler](const Tensor& l) { return scaler->scale(l); }});
+                                         .scale_loss = [scaler](const Tensor& l) { return scaler->scale(l); },
+                                         .dp_group = m.dp_replicate > 1 ? s.mesh->group("dp_replicate") : nullptr});
     s.eval_pipe = std::make_unique<distributed::pp::Pipeline>(
         distributed::pp::forward_schedule(m.pp, flags.pp_virtual, 1), s.stages, s.mesh->group("pp"),
         distributed::pp::PipelineOptions{.loss = loss});

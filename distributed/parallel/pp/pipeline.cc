@@ -10,6 +10,7 @@
 #include "core/exception.h"
 #include "core/ops.h"
 #include "core/profiler.h"
+#include "distributed/parallel/flat_buffer.h"
 #include "distributed/parallel/rank_agreement.h"
 #include "optim/clip_grad.h"
 
@@ -358,7 +359,10 @@ std::vector<Tensor> Pipeline::step(const std::vector<Tensor>& inputs, const std:
   }
   sends_.clear();
   slots_.clear();
-  exchange_tied_grads();
+  if (!schedule_.forward_only()) {
+    exchange_tied_grads();
+    average_over_replicas();
+  }
   if (rank_ != schedule_.rank_of(schedule_.num_stages() - 1)) losses.clear();
   return losses;
 }
@@ -394,6 +398,29 @@ void Pipeline::exchange_tied_grads() {
       else
         p.set_grad(sum);
     }
+}
+
+void Pipeline::average_over_replicas() {
+  const auto& dp = options_.dp_group;
+  if (dp == nullptr || dp->size() == 1) return;
+  // Every replica holds the same stages: the same parameters in the same
+  // order, so one flat buffer per dtype (FlatBuffer, DDP's bucket layout)
+  // lines up across them. A parameter without a gradient takes part as
+  // zeros, so the layouts never differ.
+  std::map<DType, std::vector<std::pair<std::string, Tensor>>> by_dtype;
+  std::vector<Tensor> params = parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    Tensor& p = params[i];
+    if (!p.requires_grad()) continue;
+    if (!p.grad().defined()) p.set_grad(zeros_like(p));
+    by_dtype[p.grad().dtype()].emplace_back(std::to_string(i), p.grad());
+  }
+  NoGradGuard ng;
+  for (auto& [dtype, grads] : by_dtype) {
+    FlatBuffer fb = FlatBuffer::from_tensors(grads);
+    dp->allreduce(fb.flat(), ReduceOp::Avg)->wait();
+    for (size_t i = 0; i < grads.size(); ++i) grads[i].second.copy_(fb.view(i));
+  }
 }
 
 std::vector<Tensor> Pipeline::parameters() const {

@@ -25,7 +25,8 @@
 //   receives a compute action needs next are posted before the current one
 //   runs, so transfers overlap compute.
 // - Tied parameters (a GPT's embedding on the first and last stage) get the
-//   sum of both stages' gradients at the end of the step.
+//   sum of both stages' gradients at the end of the step; with replicas
+//   (PipelineOptions::dp_group) every gradient is then averaged over them.
 #pragma once
 
 #include <chrono>
@@ -51,6 +52,11 @@ struct PipelineOptions {
   // Ranks without the last stage call it once a step on a zero, so a
   // GradScaler there is set up to unscale the scaled gradients it receives.
   std::function<Tensor(const Tensor& loss)> scale_loss = nullptr;
+  // Replicas of this pipeline (data parallelism across pipelines, each on
+  // its own batches): at the end of every step the gradients are averaged
+  // over this group, one all-reduce per dtype (DDP's result, without its
+  // overlap with backward). Null or one rank: none.
+  std::shared_ptr<ProcessGroup> dp_group = nullptr;
 };
 
 // One compute action's time in the last step, in seconds from the start of
@@ -112,6 +118,7 @@ class Pipeline {
   Tensor take_recv(const Action& a);
   void send(const Tensor& t, const Action& a);
   void exchange_tied_grads();
+  void average_over_replicas();
   PipelineStage& stage(int index) const;
   int tag(const Action& a) const;
 

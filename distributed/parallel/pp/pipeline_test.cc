@@ -283,6 +283,61 @@ TEST(Pipeline, TensorParallelInsideStagesTp2Pp2) {
   }
 }
 
+// Replicas of a pipeline: a 2 x 2 mesh (pp, dp), each replica on its own
+// micro-batches, gradients averaged over dp; against one process
+// accumulating all of them (within a tolerance: another order of sums).
+EMBER_WORKER(dp_pp) {
+  mp::init_world(env);
+  const int M = 3, steps = 3;
+  auto mesh = DeviceMesh::create({2, 2}, {"pp", "dp"});
+  const Schedule sched = make_schedule(env.arg.empty() ? "1f1b" : env.arg, 2, 1, M);
+  manual_seed(7);
+  nn::GPT ref(small_gpt(false, 2));
+  optim::AdamW ref_opt = adamw(ref.parameters());
+  for (int step = 0; step < steps; ++step) {
+    for (int m = 0; m < 2 * M; ++m) {
+      auto [x, y] = micro(step, m);
+      (lm_loss(ref(x), y) * (1.0 / (2 * M))).backward();
+    }
+    ref_opt.step();
+    ref_opt.zero_grad();
+  }
+  manual_seed(7);
+  nn::GPT whole(small_gpt(false, 2));
+  auto all = split_gpt(whole, 2);
+  auto st = all[mesh->coordinate("pp")];
+  Pipeline pipe(sched, {st}, mesh->group("pp"), {.loss = lm_loss, .dp_group = mesh->group("dp")});
+  optim::AdamW opt = adamw(pipe.parameters());
+  const int d = mesh->coordinate("dp");
+  for (int step = 0; step < steps; ++step) {
+    std::vector<Tensor> xs, ys;
+    for (int m = 0; m < M; ++m) {
+      auto [x, y] = micro(step, d * M + m);
+      xs.push_back(x), ys.push_back(y);
+    }
+    pipe.step(xs, ys);
+    opt.step();
+    opt.zero_grad();
+  }
+  for (auto& [pn, p] : st->named_parameters()) {
+    Tensor want;
+    for (auto& [rn, rp] : ref.named_parameters())
+      if (rn == pn) want = rp;
+    const double err = max(abs(p.detach() - want)).item();
+    WCHECK(err <= 2e-4, st->description(), ": ", pn, " differs from one process by ", err);
+  }
+  default_group()->barrier()->wait();
+}
+
+TEST(Pipeline, ReplicasAverageGradientsDp2Pp2) {
+  for (const char* arg : {"1f1b", "zb-h1"}) {
+    mp::RunOptions o;
+    o.arg = arg;
+    auto r = mp::run_workers("dp_pp", 4, o);
+    EXPECT_TRUE(mp::all_succeeded(r)) << arg << "\n" << mp::describe(r);
+  }
+}
+
 EMBER_WORKER(disagree) {
   mp::init_world(env);
   // Rank 1 was given another schedule (or micro-batch count).
