@@ -77,9 +77,11 @@ TEST(BackwardInput, InputGradsNowWeightGradsAtRunBitForBit) {
 }
 
 TEST(BackwardInput, WeightGemmsRunAtRunNotBefore) {
-  // The split must move work, not repeat it: the profiler counts the GEMMs
-  // of each part. Two linears: backward_input runs the dx GEMMs of both
-  // (the first layer's is needed for the input), run() the two dW GEMMs.
+  // The split must move work, not repeat it. Two linears: backward_input
+  // runs the dx GEMMs of both (the first layer's is needed for the input)
+  // and asks both again at run() for their dW (split_ops; an op ignoring
+  // the mask would have computed them already: unsplit_ops), which run()
+  // does in one deferred pass (one WeightGradsBackward profiler event).
   Net n(3);
   Tensor x = randn({4, 16}).requires_grad_();
   Tensor h = linear(gelu(linear(x, n.w1, n.b1)), n.w2);

@@ -267,8 +267,7 @@ Flags parse_flags(int argc, char** argv) {
   // run: the same micro-batches, accumulated.
   if (f.pp == 1 && f.microbatches > 0) f.accum_steps = f.microbatches;
   if (f.pp > 1 && f.microbatches == 0) f.microbatches = f.pp;
-  if (f.pp_virtual > 1 && f.pp == 1 && f.pp_schedule != "gpipe")
-    usage_error("--pp-virtual " + std::to_string(f.pp_virtual) + " needs --pp > 1 (or --pp-schedule gpipe)");
+  if (f.pp_virtual > 1 && f.pp == 1) usage_error("--pp-virtual " + std::to_string(f.pp_virtual) + " needs --pp > 1");
   try {
     nn::ActivationCheckpointing::parse(f.ac);
   } catch (const Error& e) {
@@ -429,8 +428,13 @@ double evaluate(nn::Module& model, distributed::pp::Pipeline* pipe, const Corpus
   const int64_t per_rank = static_cast<int64_t>(e.starts.size()) / dp;
   std::vector<int64_t> mine(e.starts.begin() + dp_rank * per_rank, e.starts.begin() + (dp_rank + 1) * per_rank);
   double local = 0;
-  for (size_t i = 0; i < mine.size(); i += 16) {
-    std::vector<int64_t> part(mine.begin() + i, mine.begin() + std::min(mine.size(), i + 16));
+  // Parts of at most 16 windows; through a pipeline all of one size (its
+  // stages agree on the activation's shape once).
+  size_t chunk = 16;
+  if (pipe != nullptr)
+    while (chunk > 1 && mine.size() % chunk != 0) --chunk;
+  for (size_t i = 0; i < mine.size(); i += chunk) {
+    std::vector<int64_t> part(mine.begin() + i, mine.begin() + std::min(mine.size(), i + chunk));
     auto [x, y] = windows(c, c.val, part, seq);
     const Tensor yt = y.to(device).reshape({x.size(0), seq});
     if (pipe != nullptr) {  // forwards through the stages; the last stage's ranks hold the loss
@@ -644,6 +648,10 @@ Setup setup(const Flags& flags, const examples::Job& job) {
   if (m.pp == 1) {
     s.fsdp = distributed::fully_shard_auto(s.gpt, {.types = {"TransformerBlock"}}, fo);
   } else {
+    EMBER_CHECK(!(m.dp_replicate > 1 && m.tp > 1), "--pp ", m.pp, " with both --dp-replicate ", m.dp_replicate,
+                " and --tp ", m.tp,
+                ": checkpoints of tensor-parallel shards replicated across pipelines are not "
+                "built yet (issue 34); use --pp with one of them");
     EMBER_CHECK(m.dp_shard == 1, "--pp ", m.pp, " with --dp-shard ", m.dp_shard,
                 ": FSDP inside pipeline stages is not built yet (issue 34); replicate the pipeline instead "
                 "(--dp-replicate ",

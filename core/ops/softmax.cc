@@ -29,9 +29,11 @@ __attribute__((noinline)) void softmax_rows_f32(const float* __restrict x, float
     if (log) {
 #pragma omp simd reduction(+ : sum)
       for (int64_t k = 0; k < r; ++k) sum += expf(xr[k] - mx);
-      const float shift = mx + logf(sum);
+      // (x - max) - lse, not x - (max + lse): a large max would round away
+      // the small log-probabilities' digits.
+      const float lse = logf(sum);
 #pragma omp simd
-      for (int64_t k = 0; k < r; ++k) yr[k] = xr[k] - shift;
+      for (int64_t k = 0; k < r; ++k) yr[k] = (xr[k] - mx) - lse;
     } else {
 #pragma omp simd reduction(+ : sum)
       for (int64_t k = 0; k < r; ++k) {

@@ -257,7 +257,8 @@ class GlooGroup : public ProcessGroup {
       }
     }
     worker_ = std::thread([this] { worker_loop(); });
-    p2p_thread_ = std::thread([this] { p2p_loop(); });
+    p2p_send_thread_ = std::thread([this] { p2p_loop(true); });
+    p2p_recv_thread_ = std::thread([this] { p2p_loop(false); });
     if (context_) liveness_ = std::thread([this] { liveness_loop(); });
   }
 
@@ -284,7 +285,8 @@ class GlooGroup : public ProcessGroup {
       p2p_stop_ = true;
     }
     p2p_cv_.notify_all();
-    p2p_thread_.join();
+    p2p_send_thread_.join();
+    p2p_recv_thread_.join();
     stop_liveness();
   }
 
@@ -622,7 +624,8 @@ class GlooGroup : public ProcessGroup {
     p2p_cv_.notify_all();
     stop_liveness();
     worker_.detach();
-    p2p_thread_.detach();
+    p2p_send_thread_.detach();
+    p2p_recv_thread_.detach();
   }
 
   void fail(const std::shared_ptr<CompletionWork>& work, std::exception_ptr cause, PgClock::time_point start) {
@@ -741,21 +744,27 @@ class GlooGroup : public ProcessGroup {
   void hand_to_p2p(Pending p) {
     {
       std::lock_guard<std::mutex> lock(p2p_mu_);
-      p2p_.push_back(std::move(p));
+      (p.is_send ? p2p_sends_ : p2p_recvs_).push_back(std::move(p));
     }
-    p2p_cv_.notify_one();
+    p2p_cv_.notify_all();
   }
 
-  // Waits for posted sends/recvs in the order they were posted.
-  void p2p_loop() {
+  // Waits for posted sends (or receives) in the order they were posted.
+  // Sends and receives complete on threads of their own: a receive must not
+  // wait behind an earlier send, which completes only once the peer posts
+  // its receive — a pipeline stage that sent an activation and now waits
+  // for a gradient would otherwise wait on its peer's progress, which may
+  // itself wait on this receive (a deadlock no schedule could rule out).
+  void p2p_loop(bool sends) {
+    std::deque<Pending>& queue = sends ? p2p_sends_ : p2p_recvs_;
     for (;;) {
       Pending p;
       {
         std::unique_lock<std::mutex> lock(p2p_mu_);
-        p2p_cv_.wait(lock, [&] { return p2p_stop_ || !p2p_.empty(); });
-        if (p2p_.empty()) return;
-        p = std::move(p2p_.front());
-        p2p_.pop_front();
+        p2p_cv_.wait(lock, [&] { return p2p_stop_ || !queue.empty(); });
+        if (queue.empty()) return;
+        p = std::move(queue.front());
+        queue.pop_front();
       }
       const auto start = p.deadline - capped(options_.timeout);
       try {
@@ -789,10 +798,10 @@ class GlooGroup : public ProcessGroup {
 
   std::mutex p2p_mu_;
   std::condition_variable p2p_cv_;
-  std::deque<Pending> p2p_;
+  std::deque<Pending> p2p_sends_, p2p_recvs_;
   bool p2p_stop_ = false;
 
-  std::thread worker_, p2p_thread_;
+  std::thread worker_, p2p_send_thread_, p2p_recv_thread_;
 
   // The running operation and its start (steady clock ticks; 0 when idle).
   std::mutex running_mu_;

@@ -49,6 +49,13 @@ Pipeline::Pipeline(Schedule schedule, std::vector<std::shared_ptr<PipelineStage>
               schedule_.name, " is for ", schedule_.ranks);
   EMBER_CHECK(options_.loss != nullptr, "Pipeline: PipelineOptions::loss is required (the last stage's loss)");
   rank_ = pp_->rank();
+  // NCCL runs a group's sends and receives in one stream in call order, so
+  // two stages that each send before they receive can block each other;
+  // until transfers are paired (torch's batch_isend_irecv) and run on a
+  // GPU, refuse rather than hang.
+  EMBER_CHECK(pp_->backend_name() == "gloo", "Pipeline: the pp group's backend is ", pp_->backend_name(),
+              "; pipelines run over gloo only for now (NCCL's in-order point-to-point is not yet made safe: "
+              "docs/pipeline.md)");
   validate(schedule_);
   const std::vector<int> want = schedule_.stages_of(rank_);
   EMBER_CHECK(stages_.size() == want.size(), "Pipeline: pp rank ", rank_, " holds ", want.size(),
@@ -286,6 +293,8 @@ void Pipeline::run_action(size_t index, const std::vector<Tensor>& inputs, const
 }
 
 std::vector<Tensor> Pipeline::step(const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets) {
+  EMBER_CHECK(failed_.empty(), "pipeline rank ", rank_, ": an earlier step failed (", failed_,
+              "); its transfers may still be posted, so this pipeline cannot run another step");
   if (!agreed_) {
     check_agreement();
     agreed_ = true;
@@ -329,8 +338,9 @@ std::vector<Tensor> Pipeline::step(const std::vector<Tensor>& inputs, const std:
       if (list[at].is_compute()) prefetch(at);
     }
     for (auto& [work, t] : sends_) work->wait();
-  } catch (const Error& e) {
-    // Sends in flight may still read their tensors: let them finish or fail.
+  } catch (const std::exception& e) {
+    // The Work objects keep their tensors alive; what this step posted may
+    // still match a later message, so the pipeline takes no more steps.
     for (auto& [work, t] : sends_) {
       try {
         work->wait(Millis(0));
@@ -355,7 +365,8 @@ std::vector<Tensor> Pipeline::step(const std::vector<Tensor>& inputs, const std:
     } else {
       where += ", waiting for its sends at the end of the step";
     }
-    throw Error(where + ": " + e.what());
+    failed_ = where + ": " + e.what();
+    throw Error(failed_);
   }
   sends_.clear();
   slots_.clear();

@@ -128,6 +128,7 @@ class Pipeline {
   PipelineOptions options_;
   int rank_ = 0;
   bool agreed_ = false;
+  std::string failed_;  // set when a step fails: no further steps
   bool split_ = false;
   // Per stage boundary (the receiving stage): the activation's agreed shape
   // and dtype; sent once (sender) or learnt once (receiver).

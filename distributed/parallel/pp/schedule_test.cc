@@ -40,7 +40,9 @@ TEST(Schedule, BubblesMatchClosedFormsOverManySizes) {
       EXPECT_NEAR(simulate(o, fb).bubble_fraction, closed_form_bubble(o, fb), 1e-12) << at;
       for (Costs c : {Costs{.f = 1, .b = 1, .w = 1}, Costs{.f = 1, .b = 2, .w = 1}}) {
         auto z = make_schedule("zb-h1", P, 1, M);
-        if (M >= P) EXPECT_NEAR(simulate(z, c).bubble_fraction, closed_form_bubble(z, c), 1e-12) << at << " b=" << c.b;
+        if (M >= P) {
+          EXPECT_NEAR(simulate(z, c).bubble_fraction, closed_form_bubble(z, c), 1e-12) << at << " b=" << c.b;
+        }
         // Never worse than 1F1B.
         EXPECT_LE(simulate(z, c).bubble_fraction, simulate(o, c).bubble_fraction + 1e-12) << at;
       }
