@@ -234,11 +234,9 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
       // the others' gradients only, and asked again at run() where it
       // returned none for an edge off the path (it skipped that GEMM).
       std::vector<bool> wanted;
-      if (split != nullptr)
-        for (size_t i = 0; i < n->next.size(); ++i)
-          if (n->next[i] && deferred(n->next[i].get())) wanted.assign(n->next.size(), false);
-      if (!wanted.empty())
-        for (size_t i = 0; i < n->next.size(); ++i) wanted[i] = n->next[i] && !deferred(n->next[i].get());
+      const auto off_path = [&](const std::shared_ptr<Node>& nx) { return nx && deferred(nx.get()); };
+      if (split != nullptr && std::any_of(n->next.begin(), n->next.end(), off_path))
+        for (const auto& nx : n->next) wanted.push_back(nx && !off_path(nx));
       bool asked_again = false;
       if (g.defined()) {
         check_saved(*n);

@@ -247,8 +247,8 @@ v = [float(re.search(r"validation loss ([0-9.]+)", s).group(1)) for s in sys.arg
 assert abs(v[0] - v[1]) <= 0.01 * v[0], v
 PY
 # Pipelines: one rank accumulating --microbatches 4 is the reference for
-# --pp 2 under ZB-H1 with --ac full, and for --pp 2 x --tp 2 under
-# interleaved 1F1B (2 stages per rank): the same batches, losses and
+# --pp 2 under ZB-H1 with --ac full, for --pp 2 x --tp 2 under interleaved
+# 1F1B (2 stages per rank) and for --pp 2 x --dp-replicate 2: the same batches, losses and
 # gradient norms; a pipeline's checkpoint resumes on one rank without a
 # pipeline and ends at the reference's validation loss.
 pipe=(--dim 32 --heads 4 --seq 16 --layers 4 --max-steps 6 --global-batch 8 --microbatches 4 --sample-len 0
@@ -262,24 +262,30 @@ grep -qE "pipeline zb-h1: bubble fraction measured [0-9.]+, simulated [0-9.]+" <
 out=$("$dir/gpt" --nproc 4 --pp 2 --tp 2 --pp-schedule interleaved --pp-virtual 2 "${pipe[@]}" \
       --checkpoint-dir "$tmp/gp4" --metrics "$tmp/p4.jsonl" 2>&1)
 grep -q "mesh pp=2 tp=2$" <<<"$out" || { echo "$out"; echo "no pp x tp mesh line"; exit 1; }
+# Two replicas of a 2-stage pipeline average their gradients (each replica
+# half the batch).
+out=$("$dir/gpt" --nproc 4 --pp 2 --dp-replicate 2 "${pipe[@]}" --checkpoint-dir "$tmp/gpd" \
+      --metrics "$tmp/pd.jsonl" 2>&1)
+grep -q "mesh pp=2 dp_replicate=2$" <<<"$out" || { echo "$out"; echo "no pp x dp mesh line"; exit 1; }
 mkdir -p "$tmp/gpr" && cp -r "$tmp/gp2/step_3" "$tmp/gpr/"
 out=$("$dir/gpt" --nproc 1 "${pipe[@]}" --checkpoint-dir "$tmp/gpr" --resume 2>&1)
 echo "$out"
 grep -q "saved by 2 ranks (.*), loading on 1 rank" <<<"$out" || { echo "no pipeline resume line"; exit 1; }
-python3 - "$tmp/p1.jsonl" "$tmp/p2.jsonl" "$tmp/p4.jsonl" "$(grep 'step 6: validation loss' "$tmp/p1.log")" \
+python3 - "$tmp/p1.jsonl" "$tmp/p2.jsonl" "$tmp/p4.jsonl" "$tmp/pd.jsonl" "$(grep 'step 6: validation loss' "$tmp/p1.log")" \
   "$(grep 'step 6: validation loss' <<<"$out")" <<'PY'
 import json, re, sys
 ref = [json.loads(l) for l in open(sys.argv[1])]
-for f in sys.argv[2:4]:
+for f in sys.argv[2:5]:
     got = [json.loads(l) for l in open(f)]
     assert len(got) == len(ref) == 6, (f, len(got))
     for x, y in zip(ref, got):
         assert x["batch_digest"] == y["batch_digest"], (f, x, y)
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (f, x, y)
         assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * x["grad_norm"], (f, x, y)
-v = [float(re.search(r"validation loss ([0-9.]+)", s).group(1)) for s in sys.argv[4:6]]
+v = [float(re.search(r"validation loss ([0-9.]+)", s).group(1)) for s in sys.argv[5:7]]
 assert abs(v[0] - v[1]) <= 1e-4 * v[0], v
-print("gpt: --pp 2 (zb-h1, ac full) and --pp 2 x --tp 2 (interleaved) agree with one rank; pp checkpoint resumed on 1 rank ends at", v[1])
+print("gpt: --pp 2 (zb-h1, ac full), --pp 2 x --tp 2 (interleaved) and --pp 2 x --dp-replicate 2 agree with one rank;"
+      " pp checkpoint resumed on 1 rank ends at", v[1])
 PY
 # fp16 autocast with the loss scaler (set up on the rank without the loss
 # too) ends within 1% of float32; the profile's merged trace holds each
@@ -298,21 +304,7 @@ for pid, stage in ((0, 0), (1, 1)):
     names = {e["name"] for e in ev if e["pid"] == pid}
     assert f"F(mb 3, stage {stage})" in names and f"B(mb 0, stage {stage})" in names, (pid, sorted(names)[:20])
 PY
-# Two replicas of a 2-stage pipeline average their gradients: the one
-# rank's losses (each replica half the batch); FSDP inside stages is refused.
-out=$("$dir/gpt" --nproc 4 --pp 2 --dp-replicate 2 "${pipe[@]}" --checkpoint-dir "$tmp/gpd" \
-      --metrics "$tmp/pd.jsonl" 2>&1)
-grep -q "mesh pp=2 dp_replicate=2$" <<<"$out" || { echo "$out"; echo "no pp x dp mesh line"; exit 1; }
-python3 - "$tmp/p1.jsonl" "$tmp/pd.jsonl" <<'PY'
-import json, sys
-a = [json.loads(l) for l in open(sys.argv[1])]
-b = [json.loads(l) for l in open(sys.argv[2])]
-assert len(a) == len(b) == 6, (len(a), len(b))
-for x, y in zip(a, b):
-    assert x["batch_digest"] == y["batch_digest"], (x, y)
-    assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x, y)
-    assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * x["grad_norm"], (x, y)
-PY
+# FSDP inside stages is refused.
 if out=$("$dir/gpt" --nproc 4 --pp 2 --dp-shard 2 "${pipe[@]}" --checkpoint-dir "$tmp/gpx" 2>&1); then
   echo "gpt accepted --pp 2 --dp-shard 2"; exit 1; fi
 grep -q "FSDP inside pipeline stages is not built yet" <<<"$out" || { echo "$out"; exit 1; }

@@ -26,6 +26,8 @@ uint64_t fnv(const std::string& s, uint64_t h = 1469598103934665603ull) {
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
   return h;
 }
+// A hash that survives Tensor::from_vector's doubles (52 bits).
+int64_t hash52(uint64_t h) { return static_cast<int64_t>(h & ((uint64_t{1} << 52) - 1)); }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -93,19 +95,18 @@ void Pipeline::check_agreement() {
   uint64_t lists = 0;
   for (const auto& list : schedule_.actions)
     for (const Action& a : list) lists = fnv(a.str(), lists);
-  const std::vector<int64_t> mine{schedule_.ranks, schedule_.virtual_stages, schedule_.microbatches,
-                                  static_cast<int64_t>(fnv(schedule_.name) >> 2), static_cast<int64_t>(lists >> 2)};
+  const std::vector<double> mine{static_cast<double>(schedule_.ranks), static_cast<double>(schedule_.virtual_stages),
+                                 static_cast<double>(schedule_.microbatches),
+                                 static_cast<double>(hash52(fnv(schedule_.name))), static_cast<double>(hash52(lists))};
   const int64_t k = static_cast<int64_t>(mine.size());
-  Tensor local = Tensor::from_vector(std::vector<double>(mine.begin(), mine.end()), {k}, DType::Int64);
-  // from_vector goes through double: keep the hashes within 2^53.
-  for (int64_t i = 3; i < k; ++i) local.data<int64_t>()[i] = mine[i] & ((int64_t{1} << 52) - 1);
+  Tensor local = Tensor::from_vector(mine, {k}, DType::Int64);
   Tensor all = Tensor::empty({k * pp_->size()}, DType::Int64).to(pp_->device());
   pp_->allgather_into_tensor(all, local.to(pp_->device()))->wait();
   Tensor host = all.to(kCPU);
   const int64_t* v = host.data<int64_t>();
   auto name_of = [&](int64_t h) {
     for (const auto& n : schedule_names())
-      if ((static_cast<int64_t>(fnv(n) >> 2) & ((int64_t{1} << 52) - 1)) == h) return n;
+      if (hash52(fnv(n)) == h) return n;
     return std::string("another schedule");
   };
   for (int r = 0; r < pp_->size(); ++r) {

@@ -85,6 +85,49 @@ optim::AdamW adamw(const std::vector<Tensor>& params) {
   return optim::AdamW(params, {.lr = 1e-2, .eps = 1e-6, .weight_decay = 0.1});
 }
 
+// `steps` AdamW steps of one process, each accumulating micro-batches
+// `order` of micro(step, m) with their losses scaled by `scale`.
+void train_reference(nn::GPT& ref, int steps, const std::vector<int>& order, double scale) {
+  optim::AdamW opt = adamw(ref.parameters());
+  for (int step = 0; step < steps; ++step) {
+    for (int m : order) {
+      auto [x, y] = micro(step, m);
+      (lm_loss(ref(x), y) * scale).backward();
+    }
+    opt.step();
+    opt.zero_grad();
+  }
+}
+
+// `steps` AdamW steps of a pipeline on micro(step, first + m), m < M.
+void train_pipeline(Pipeline& pipe, int steps, int first, int M) {
+  optim::AdamW opt = adamw(pipe.parameters());
+  for (int step = 0; step < steps; ++step) {
+    std::vector<Tensor> xs, ys;
+    for (int m = 0; m < M; ++m) {
+      auto [x, y] = micro(step, first + m);
+      xs.push_back(x), ys.push_back(y);
+    }
+    pipe.step(xs, ys);
+    opt.step();
+    opt.zero_grad();
+  }
+}
+
+// Every parameter of `st` (whole, for a DTensor) within `tol` of the one
+// process's of the same name.
+void check_close(PipelineStage& st, nn::GPT& ref, double tol, bool dtensors) {
+  for (auto& [pn, p] : st.named_parameters()) {
+    Tensor want;
+    for (auto& [rn, rp] : ref.named_parameters())
+      if (rn == pn) want = rp;
+    WCHECK(want.defined() && (!dtensors || is_dtensor(p)), pn);
+    const Tensor got = is_dtensor(p) ? as_dtensor(p).full_tensor() : p.detach();
+    const double err = max(abs(got - want)).item();
+    WCHECK(err <= tol, st.description(), ": ", pn, " differs from one process by ", err);
+  }
+}
+
 EMBER_WORKER(gpt) {
   mp::init_world(env);
   const Spec spec = parse(env.arg);
@@ -236,15 +279,7 @@ EMBER_WORKER(tp_pp) {
   const Schedule sched = make_schedule(name, 2, 1, M);
   manual_seed(7);
   nn::GPT ref(small_gpt(false, 2));
-  optim::AdamW ref_opt = adamw(ref.parameters());
-  for (int step = 0; step < steps; ++step) {
-    for (int m : backward_order(sched)) {
-      auto [x, y] = micro(step, m);
-      (lm_loss(ref(x), y) * (1.0 / M)).backward();
-    }
-    ref_opt.step();
-    ref_opt.zero_grad();
-  }
+  train_reference(ref, steps, backward_order(sched), 1.0 / M);
   manual_seed(7);
   nn::GPT whole(small_gpt(false, 2));
   auto all = split_gpt(whole, 2);
@@ -252,25 +287,8 @@ EMBER_WORKER(tp_pp) {
   parallelize_module(*st, mesh->submesh({"tp"}), plan_for(gpt_tp_plan(whole, sp), *st));
   Pipeline pipe(sched, {st}, mesh->group("pp"),
                 {.loss = [](const Tensor& logits, const Tensor& y) { return parallel_cross_entropy(logits, y); }});
-  optim::AdamW opt = adamw(pipe.parameters());
-  for (int step = 0; step < steps; ++step) {
-    std::vector<Tensor> xs, ys;
-    for (int m = 0; m < M; ++m) {
-      auto [x, y] = micro(step, m);
-      xs.push_back(x), ys.push_back(y);
-    }
-    pipe.step(xs, ys);
-    opt.step();
-    opt.zero_grad();
-  }
-  for (auto& [pn, p] : st->named_parameters()) {
-    Tensor want;
-    for (auto& [rn, rp] : ref.named_parameters())
-      if (rn == pn) want = rp;
-    WCHECK(want.defined() && is_dtensor(p), pn);
-    const double err = max(abs(as_dtensor(p).full_tensor() - want)).item();
-    WCHECK(err <= 2e-4, st->description(), ": ", pn, " differs from one process by ", err);
-  }
+  train_pipeline(pipe, steps, 0, M);
+  check_close(*st, ref, 2e-4, /*dtensors=*/true);
   default_group()->barrier()->wait();
 }
 
@@ -293,39 +311,16 @@ EMBER_WORKER(dp_pp) {
   const Schedule sched = make_schedule(env.arg.empty() ? "1f1b" : env.arg, 2, 1, M);
   manual_seed(7);
   nn::GPT ref(small_gpt(false, 2));
-  optim::AdamW ref_opt = adamw(ref.parameters());
-  for (int step = 0; step < steps; ++step) {
-    for (int m = 0; m < 2 * M; ++m) {
-      auto [x, y] = micro(step, m);
-      (lm_loss(ref(x), y) * (1.0 / (2 * M))).backward();
-    }
-    ref_opt.step();
-    ref_opt.zero_grad();
-  }
+  std::vector<int> both(2 * M);
+  for (int m = 0; m < 2 * M; ++m) both[m] = m;
+  train_reference(ref, steps, both, 1.0 / (2 * M));
   manual_seed(7);
   nn::GPT whole(small_gpt(false, 2));
   auto all = split_gpt(whole, 2);
   auto st = all[mesh->coordinate("pp")];
   Pipeline pipe(sched, {st}, mesh->group("pp"), {.loss = lm_loss, .dp_group = mesh->group("dp")});
-  optim::AdamW opt = adamw(pipe.parameters());
-  const int d = mesh->coordinate("dp");
-  for (int step = 0; step < steps; ++step) {
-    std::vector<Tensor> xs, ys;
-    for (int m = 0; m < M; ++m) {
-      auto [x, y] = micro(step, d * M + m);
-      xs.push_back(x), ys.push_back(y);
-    }
-    pipe.step(xs, ys);
-    opt.step();
-    opt.zero_grad();
-  }
-  for (auto& [pn, p] : st->named_parameters()) {
-    Tensor want;
-    for (auto& [rn, rp] : ref.named_parameters())
-      if (rn == pn) want = rp;
-    const double err = max(abs(p.detach() - want)).item();
-    WCHECK(err <= 2e-4, st->description(), ": ", pn, " differs from one process by ", err);
-  }
+  train_pipeline(pipe, steps, mesh->coordinate("dp") * M, M);
+  check_close(*st, ref, 2e-4, /*dtensors=*/false);
   default_group()->barrier()->wait();
 }
 

@@ -100,6 +100,12 @@ std::vector<std::vector<Action>> zb_h1(int P, int M) {
   return out;
 }
 
+// The send a receive waits for.
+Action send_of(const Action& recv) {
+  return recv.kind == ActionKind::RecvF ? Action{ActionKind::SendF, recv.mb, recv.stage - 1}
+                                        : Action{ActionKind::SendB, recv.mb, recv.stage + 1};
+}
+
 using Key = std::tuple<int, int, int>;  // kind, mb, stage
 Key key(const Action& a) { return {static_cast<int>(a.kind), a.mb, a.stage}; }
 
@@ -295,10 +301,6 @@ void validate(const Schedule& s) {
   // for its send.
   std::vector<size_t> pc(P, 0);
   std::map<Key, bool> posted;
-  auto send_of = [](const Action& recv) {
-    return recv.kind == ActionKind::RecvF ? Action{ActionKind::SendF, recv.mb, recv.stage - 1}
-                                          : Action{ActionKind::SendB, recv.mb, recv.stage + 1};
-  };
   for (bool progress = true; progress;) {
     progress = false;
     for (int r = 0; r < P; ++r) {
@@ -364,9 +366,7 @@ Simulation simulate(const Schedule& s, const Costs& c, const std::vector<Costs>&
         } else if (a.kind == ActionKind::SendB) {
           end[key(a)] = end.at(key(B(a.mb, a.stage)));
         } else if (a.kind == ActionKind::RecvF || a.kind == ActionKind::RecvB) {
-          const Action send = a.kind == ActionKind::RecvF ? Action{ActionKind::SendF, a.mb, a.stage - 1}
-                                                          : Action{ActionKind::SendB, a.mb, a.stage + 1};
-          auto it = end.find(key(send));
+          auto it = end.find(key(send_of(a)));
           if (it == end.end()) break;  // not posted yet: another rank first
           arrival[key(a)] = it->second + c.comm;
         } else {

@@ -122,16 +122,11 @@ std::vector<int> balance_by_params(const std::vector<int64_t>& unit_params, int 
 
 std::vector<std::shared_ptr<PipelineStage>> split_gpt(nn::GPT& gpt, int num_stages, std::vector<int> blocks_per_stage) {
   const auto& blocks = gpt.h->named_children();
-  auto count = [](nn::Module& m) {
-    int64_t c = 0;
-    for (auto& [n, p] : m.named_parameters()) c += p.numel();
-    return c;
-  };
   std::vector<int64_t> units;
-  for (auto& [n, b] : blocks) units.push_back(count(*b));
+  for (auto& [n, b] : blocks) units.push_back(b->num_parameters());
   if (!units.empty()) {
-    units.front() += count(*gpt.wte) + count(*gpt.wpe);
-    units.back() += count(*gpt.ln_f) + (gpt.options.tie_weights ? 0 : count(*gpt.lm_head));
+    units.front() += gpt.wte->num_parameters() + gpt.wpe->num_parameters();
+    units.back() += gpt.ln_f->num_parameters() + (gpt.options.tie_weights ? 0 : gpt.lm_head->num_parameters());
   }
   const std::vector<int> split = resolve_split(std::move(blocks_per_stage), units, num_stages, "GPT", "block");
   std::vector<std::shared_ptr<PipelineStage>> out;
@@ -192,11 +187,7 @@ std::vector<std::shared_ptr<PipelineStage>> split_sequential(nn::Sequential& seq
                                                              std::vector<int> layers_per_stage) {
   const auto& layers = seq.named_children();
   std::vector<int64_t> units;
-  for (auto& [n, m] : layers) {
-    int64_t c = 0;
-    for (auto& [pn, p] : m->named_parameters()) c += p.numel();
-    units.push_back(c);
-  }
+  for (auto& [n, m] : layers) units.push_back(m->num_parameters());
   const std::vector<int> split = resolve_split(std::move(layers_per_stage), units, num_stages, "Sequential", "layer");
   std::vector<std::shared_ptr<PipelineStage>> out;
   int first = 0;
