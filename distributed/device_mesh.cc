@@ -194,7 +194,10 @@ std::shared_ptr<DeviceMesh> DeviceMesh::submesh(const std::vector<std::string>& 
                 "' is named twice for a sub-mesh");
     idx.push_back(d);
   }
+  std::lock_guard<std::mutex> lock(sub_mu_);
+  if (auto cached = subs_[dims].lock()) return cached;
   auto sub = std::shared_ptr<DeviceMesh>(new DeviceMesh());
+  subs_[dims] = sub;
   sub->root_ = root();
   sub->global_rank_ = global_rank_;
   for (int d : idx) {

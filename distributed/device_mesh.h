@@ -14,7 +14,9 @@
 // group per slice of each dimension is made, once; sub-meshes share them.
 #pragma once
 
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -64,7 +66,9 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
 
   // The mesh over `dims` (in that order) through this rank: the ranks that
   // share its coordinates on the other dimensions (torch's mesh["dp", "tp"]).
-  // Not collective: it reuses the dimensions' groups.
+  // Not collective: it reuses the dimensions' groups. The same dims give
+  // the same object while it is in use, so whatever keys on a mesh (norm
+  // domains: one reduction per mesh) sees one.
   std::shared_ptr<DeviceMesh> submesh(const std::vector<std::string>& dims) const;
 
   // The mesh this one was cut from by submesh (through any number of
@@ -85,6 +89,9 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   int global_rank_ = 0;
   std::vector<std::shared_ptr<ProcessGroup>> groups_;
   std::shared_ptr<const DeviceMesh> root_;  // null: this is a root
+  // submesh's results by dims, weakly (a sub-mesh holds its root).
+  mutable std::mutex sub_mu_;
+  mutable std::map<std::vector<std::string>, std::weak_ptr<DeviceMesh>> subs_;
 };
 
 // Checks a mesh's shape and names without making it (the same checks and

@@ -304,10 +304,41 @@ for pid, stage in ((0, 0), (1, 1)):
     names = {e["name"] for e in ev if e["pid"] == pid}
     assert f"F(mb 3, stage {stage})" in names and f"B(mb 0, stage {stage})" in names, (pid, sorted(names)[:20])
 PY
-# FSDP inside stages is refused.
-if out=$("$dir/gpt" --nproc 4 --pp 2 --dp-shard 2 "${pipe[@]}" --checkpoint-dir "$tmp/gpx" 2>&1); then
-  echo "gpt accepted --pp 2 --dp-shard 2"; exit 1; fi
-grep -q "FSDP inside pipeline stages is not built yet" <<<"$out" || { echo "$out"; exit 1; }
+# FSDP inside the stages: --pp 2 x --dp-shard 2, and the three dimensions
+# --pp 2 x --dp-shard 2 x --tp 2 (zb-h1, --ac full) on 8 ranks, and
+# --pp 2 x --dp-replicate 2 x --tp 2: the reference's losses and gradient
+# norms; the 3-D checkpoint resumes on --pp 2 x --dp-shard 2 with 2 stages
+# per rank (interleaved) and ends at the reference's validation loss.
+out=$("$dir/gpt" --nproc 4 --pp 2 --dp-shard 2 "${pipe[@]}" --checkpoint-dir "$tmp/gps" --metrics "$tmp/ps.jsonl" 2>&1)
+grep -q "mesh pp=2 dp_shard=2$" <<<"$out" || { echo "$out"; echo "no pp x dp_shard mesh line"; exit 1; }
+grep -q "FSDP FULL_SHARD inside the stages" <<<"$out" || { echo "$out"; exit 1; }
+out=$("$dir/gpt" --nproc 8 --pp 2 --dp-shard 2 --tp 2 --pp-schedule zb-h1 --ac full "${pipe[@]}" --save-every 3 \
+      --checkpoint-dir "$tmp/gp3" --metrics "$tmp/p3.jsonl" 2>&1)
+grep -q "mesh pp=2 dp_shard=2 tp=2$" <<<"$out" || { echo "$out"; echo "no 3-D mesh line"; exit 1; }
+out=$("$dir/gpt" --nproc 8 --pp 2 --dp-replicate 2 --tp 2 "${pipe[@]}" --checkpoint-dir "$tmp/gpt3r" \
+      --metrics "$tmp/p3r.jsonl" 2>&1)
+grep -q "mesh pp=2 dp_replicate=2 tp=2$" <<<"$out" || { echo "$out"; echo "no pp x dp_replicate x tp mesh line"; exit 1; }
+mkdir -p "$tmp/gp3i" && cp -r "$tmp/gp3/step_3" "$tmp/gp3i/"
+out=$("$dir/gpt" --nproc 4 --pp 2 --dp-shard 2 --pp-schedule interleaved --pp-virtual 2 "${pipe[@]}" \
+      --checkpoint-dir "$tmp/gp3i" --resume 2>&1)
+echo "$out"
+grep -q "saved by 8 ranks (.*), loading on 4 ranks" <<<"$out" || { echo "no 3-D resume line"; exit 1; }
+python3 - "$tmp/p1.jsonl" "$tmp/ps.jsonl" "$tmp/p3.jsonl" "$tmp/p3r.jsonl" \
+  "$(grep 'step 6: validation loss' "$tmp/p1.log")" "$(grep 'step 6: validation loss' <<<"$out")" <<'PY'
+import json, re, sys
+ref = [json.loads(l) for l in open(sys.argv[1])]
+for f in sys.argv[2:5]:
+    got = [json.loads(l) for l in open(f)]
+    assert len(got) == len(ref) == 6, (f, len(got))
+    for x, y in zip(ref, got):
+        assert x["batch_digest"] == y["batch_digest"], (f, x, y)
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (f, x, y)
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * x["grad_norm"], (f, x, y)
+v = [float(re.search(r"validation loss ([0-9.]+)", s).group(1)) for s in sys.argv[5:7]]
+assert abs(v[0] - v[1]) <= 1e-4 * v[0], v
+print("gpt: --pp 2 x --dp-shard 2, --pp 2 x --dp-shard 2 x --tp 2 and --pp 2 x --dp-replicate 2 x --tp 2 agree with"
+      " one rank; the 3-D checkpoint resumed on pp 2 x dp_shard 2 (interleaved) ends at", v[1])
+PY
 if out=$("$dir/gpt" --pp 2 --pp-schedule pipedream 2>&1); then echo "gpt accepted --pp-schedule pipedream"; exit 1; fi
 grep -q "pp-schedule takes gpipe, 1f1b, interleaved or zb-h1, got 'pipedream'" <<<"$out"
 # Activation checkpointing recomputes exactly: dp_shard 2 x tp 2 with

@@ -15,6 +15,7 @@
 //   bazel run -c opt //examples:gpt -- --tp 2 --sp off --metrics /tmp/m.jsonl
 //   bazel run -c opt //examples:gpt -- --pp 2 --pp-schedule zb-h1 --microbatches 8 --layers 4
 //   bazel run -c opt //examples:gpt -- --nproc 4 --pp 2 --tp 2 --pp-schedule interleaved --pp-virtual 2
+//   bazel run -c opt //examples:gpt -- --nproc 8 --pp 2 --dp-shard 2 --tp 2    # FSDP x TP inside the stages
 //   bazel run -c opt //examples:gpt -- --strategy grad_op --amp bf16
 //   bazel run -c opt //examples:gpt -- --nproc 4 --strategy hybrid --shard-size 2
 //   bazel run -c opt //examples:gpt -- --max-steps 600 --resume          # 300 more steps
@@ -541,7 +542,8 @@ struct Setup {
   std::shared_ptr<nn::Module> part;
   std::unique_ptr<distributed::pp::Pipeline> pipe, eval_pipe;
   distributed::FSDPOptions fsdp_options;
-  std::shared_ptr<distributed::FSDPModule> fsdp;  // null under a pipeline without data parallelism
+  std::shared_ptr<distributed::FSDPModule> fsdp;                     // null under a pipeline
+  std::vector<std::shared_ptr<distributed::FSDPModule>> stage_fsdp;  // a pipeline's stages, with --dp-shard
   nn::Module& model() { return part ? *part : *gpt; }
   std::unique_ptr<optim::AdamW> opt;
   std::unique_ptr<optim::SequentialLR> sched;
@@ -648,14 +650,14 @@ Setup setup(const Flags& flags, const examples::Job& job) {
   if (m.pp == 1) {
     s.fsdp = distributed::fully_shard_auto(s.gpt, {.types = {"TransformerBlock"}}, fo);
   } else {
-    EMBER_CHECK(!(m.dp_replicate > 1 && m.tp > 1), "--pp ", m.pp, " with both --dp-replicate ", m.dp_replicate,
-                " and --tp ", m.tp,
-                ": checkpoints of tensor-parallel shards replicated across pipelines are not "
-                "built yet (issue 34); use --pp with one of them");
-    EMBER_CHECK(m.dp_shard == 1, "--pp ", m.pp, " with --dp-shard ", m.dp_shard,
-                ": FSDP inside pipeline stages is not built yet (issue 34); replicate the pipeline instead "
-                "(--dp-replicate ",
-                m.dp_shard * m.dp_replicate, " --dp-shard 1)");
+    // FSDP inside the stages (torchtitan's order: after tensor parallelism
+    // and checkpointing): each stage's blocks are units, the stage the
+    // root; the pipeline keeps them gathered through a step and reduces
+    // their gradients once at its end. Replicas without sharding are the
+    // pipeline's own (PipelineOptions::dp_group).
+    if (m.dp_shard > 1)
+      for (auto& st : s.stages)
+        s.stage_fsdp.push_back(distributed::fully_shard_auto(st, {.types = {"TransformerBlock"}}, fo));
     s.part = distributed::pp::rank_part(s.stages);
     s.gpt = nullptr;  // the other ranks' stages go with it
   }
@@ -678,9 +680,10 @@ Setup setup(const Flags& flags, const examples::Job& job) {
     auto loss = [](const Tensor& logits, const Tensor& y) { return distributed::parallel_cross_entropy(logits, y); };
     s.pipe = std::make_unique<distributed::pp::Pipeline>(
         *schedule, s.stages, s.mesh->group("pp"),
-        distributed::pp::PipelineOptions{.loss = loss,
-                                         .scale_loss = [scaler](const Tensor& l) { return scaler->scale(l); },
-                                         .dp_group = m.dp_replicate > 1 ? s.mesh->group("dp_replicate") : nullptr});
+        distributed::pp::PipelineOptions{
+            .loss = loss,
+            .scale_loss = [scaler](const Tensor& l) { return scaler->scale(l); },
+            .dp_group = m.dp_replicate > 1 && s.stage_fsdp.empty() ? s.mesh->group("dp_replicate") : nullptr});
     s.eval_pipe = std::make_unique<distributed::pp::Pipeline>(
         distributed::pp::forward_schedule(m.pp, flags.pp_virtual, 1), s.stages, s.mesh->group("pp"),
         distributed::pp::PipelineOptions{.loss = loss});
@@ -722,7 +725,17 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   } else {
     sharding = ", pipeline " + s.pipe->schedule().name + " over " + std::to_string(ms.pp) + " ranks x " +
                std::to_string(s.pipe->schedule().virtual_stages) + " stage(s), " + std::to_string(s.micro_steps) +
-               " micro-batches, " + (flags.amp == "off" ? "float32" : flags.amp + " autocast (float32 parameters)");
+               " micro-batches, ";
+    if (s.stage_fsdp.empty()) {
+      sharding += flags.amp == "off" ? "float32" : flags.amp + " autocast (float32 parameters)";
+    } else {
+      int64_t units = 0, held = 0;
+      for (auto& f : s.stage_fsdp) units += static_cast<int64_t>(f->units().size()), held += f->memory().sharded_params;
+      sharding += "FSDP " + std::string(distributed::strategy_name(s.fsdp_options.strategy)) + " inside the stages (" +
+                  std::to_string(units) + " units on this rank), " +
+                  (flags.amp == "off" ? "float32" : flags.amp + " compute (float32 shards and reduction)") +
+                  "; rank 0 holds " + std::to_string(held) + " bytes of parameters";
+    }
   }
   LOG0("GPT ", flags.layers, " layers x ", flags.dim, " dims, ", flags.heads, " heads, context ", flags.seq, ": ",
        s.n_params, " parameters, vocabulary ", vocab, "; ", corpus.description, " (", corpus.train.size(), " train / ",
@@ -796,7 +809,8 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       MemoryKindScope activations(MemoryKind::Activations);
       // --amp without FSDP: autocast around the stages' forwards (their
       // backwards run in the forwards' dtypes); float32 parameters.
-      AutocastGuard amp(device.type, flags.amp == "fp16" ? DType::Float16 : DType::BFloat16, flags.amp != "off");
+      AutocastGuard amp(device.type, flags.amp == "fp16" ? DType::Float16 : DType::BFloat16,
+                        flags.amp != "off" && s.stage_fsdp.empty());
       for (const Tensor& l : s.pipe->step(xs, ys)) loss_sum += l.item();
       Tensor lt = Tensor::from_vector({loss_sum}, {1}, DType::Float64).to(device);
       s.mesh->group("pp")->allreduce(lt, distributed::ReduceOp::Sum)->wait();

@@ -34,6 +34,7 @@
 #include "core/safetensors.h"
 #include "distributed/checkpoint/checkpoint_internal.h"
 #include "distributed/checkpoint/sharded_internal.h"
+#include "distributed/checkpoint/sharded_layout.h"
 #include "distributed/comm/object_collectives.h"
 #include "distributed/sharding/shard_spec.h"
 
@@ -77,148 +78,6 @@ std::optional<DType> dtype_from_name(const std::string& s) {
                   DType::UInt8, DType::Bool})
     if (s == safetensors_dtype_name(t)) return t;
   return std::nullopt;
-}
-
-uint64_t name_hash(const std::string& s) { return XXH64(s.data(), s.size(), 0); }
-
-// One tensor of the state as this rank holds it.
-struct Held {
-  std::string name;
-  Shape shape;  // the whole tensor's
-  DType dtype = DType::Float32;
-  Region region;        // what of it is held
-  Tensor local;         // the held elements in order (any shape of that numel)
-  bool writer = false;  // this rank writes them (exactly one holder does)
-};
-
-// A parameter (or buffer) of the model: its name, whole shape, and what of
-// it this rank holds.
-struct Place {
-  std::string name;
-  Shape shape;
-  std::vector<Region> regions;  // one, or a grouped shard's blocks (their elements in order)
-  bool holds = false, writer = false;
-  Tensor local;
-  std::function<void()> before_load;
-  int64_t numel() const {
-    int64_t n = 0;
-    for (const Region& r : regions) n += r.numel;
-    return n;
-  }
-};
-
-// `local` (the elements of p's regions in order) as held pieces, one per region.
-void add_held(std::vector<Held>& out, const std::string& name, const Place& p, const Tensor& local) {
-  if (p.regions.size() == 1) {
-    out.push_back({name, p.shape, local.dtype(), p.regions[0], local, p.writer});
-    return;
-  }
-  Tensor flat = local.contiguous().view({-1});
-  int64_t off = 0;
-  for (const Region& r : p.regions) {
-    if (r.numel > 0) out.push_back({name, p.shape, local.dtype(), r, flat.narrow(0, off, r.numel), p.writer});
-    off += r.numel;
-  }
-}
-
-struct ModelLayout {
-  std::vector<Held> held;
-  std::unordered_map<const TensorImpl*, Place> by_impl;
-  std::map<std::string, Place> by_name;
-  std::string description;  // "fsdp:full_shard", "replicated", "single"
-};
-
-ModelLayout model_layout(nn::Module& model, ProcessGroup& pg) {
-  ModelLayout out;
-  const int rank = pg.rank(), world = pg.size();
-  // A parameter every rank holds whole (DDP keeps them equal) is written by
-  // one rank, chosen by name, so that the writes spread over the ranks. A
-  // buffer is rank 0's: buffers may differ between ranks (batch norm's
-  // running statistics, each rank's own batches), and rank 0's are the ones
-  // DDP broadcasts, so they are the ones training continues from.
-  // Ranks may hold different tensors (pipeline stages): the writer is one
-  // of a tensor's holders, known from one all-gather of the names.
-  std::unordered_set<const TensorImpl*> params;
-  for (const Tensor& p : model.parameters()) params.insert(p.impl_ptr().get());
-  const nn::StateDict sd = model.state_dict();
-  std::string mine;
-  for (const auto& [name, t] : sd.items())
-    if (shard_spec(t) == nullptr) mine += name + "\n";
-  std::unordered_map<std::string, std::vector<int>> holders;
-  if (world > 1) {
-    const std::vector<std::string> all = allgather_strings(pg, mine);
-    for (int r = 0; r < world; ++r) {
-      std::istringstream in(all[r]);
-      for (std::string name; std::getline(in, name);) holders[name].push_back(r);
-    }
-  }
-  auto owner = [&](const std::string& name, const Tensor& t) {
-    if (world == 1) return true;
-    const std::vector<int>& h = holders.at(name);
-    return params.count(t.impl_ptr().get()) ? h[name_hash(name) % h.size()] == rank : h.front() == rank;
-  };
-  for (const auto& [name, t] : sd.items()) {
-    Place p;
-    if (const ShardSpec* spec = shard_spec(t)) {
-      // Whoever sharded it says what this rank holds and whether it writes
-      // it. A tensor of no elements is held by none: its writer registers
-      // its shape.
-      int64_t global = 1;
-      for (int64_t d : spec->global_shape) global *= d;
-      const bool holds = spec->held_numel() > 0 || (global == 0 && spec->writes);
-      p = {name, spec->global_shape, spec->regions(), holds, holds && spec->writes, local_shard(t), spec->before_load};
-      if (out.description.empty()) out.description = spec->layout.empty() ? "sharded" : spec->layout;
-    } else {
-      p = {name, t.sizes(), {whole_region(t.sizes())}, true, owner(name, t), t, nullptr};
-    }
-    EMBER_CHECK(p.local.numel() == p.numel(), "save_sharded_checkpoint: '", name, "' holds ", p.local.numel(),
-                " elements here, its shard spec's region ", p.numel());
-    // A tensor under two names (tied weights): the first, as the optimizer's
-    // name_parameters names it, so its state is found again on load.
-    out.by_impl.emplace(t.impl_ptr().get(), p);
-    out.by_name[name] = p;
-    if (p.holds) add_held(out.held, name, p, p.local);
-  }
-  if (out.description.empty()) out.description = world > 1 ? "replicated" : "single";
-  return out;
-}
-
-// The optimizer's state, as the pieces this rank writes: each value is
-// held like its parameter, or as the part its ShardSpec describes when the
-// optimizer keeps only part of it (ZeRO-1: a run of the parameter's
-// elements, one per rank); a scalar (Adam's step) is written by the writer
-// of the parameter's first element.
-std::vector<Held> optimizer_held(const optim::Optimizer& opt, const ModelLayout& L) {
-  std::vector<Held> out;
-  for (const optim::Optimizer::LocalState& s : opt.local_state()) {
-    auto it = L.by_impl.find(s.param.impl_ptr().get());
-    EMBER_CHECK(it != L.by_impl.end(), "save_sharded_checkpoint: the optimizer holds state '", s.name,
-                "' of a parameter that is not the model's");
-    Place p = it->second;
-    if (s.part) {
-      const auto* spec = dynamic_cast<const ShardSpec*>(s.part.get());
-      EMBER_CHECK(spec != nullptr && spec->global_shape == p.shape,
-                  "save_sharded_checkpoint: the optimizer's part of '", p.name, "' is not a ShardSpec of its shape ",
-                  shape_str(p.shape));
-      p.regions = spec->regions();
-      p.holds = spec->held_numel() > 0;
-      p.writer = p.holds && spec->writes;
-    }
-    const std::string name = kOptimPrefix + p.name + "." + s.name;
-    const Tensor& t = s.value;
-    if (t.dim() == 0) {
-      int64_t global = 1;
-      for (int64_t d : p.shape) global *= d;
-      bool first = global == 0;
-      for (const Region& r : p.regions) first = first || overlap(p.shape, r, run_region(p.shape, 0, 1)) == 1;
-      if (p.holds && first && p.writer) out.push_back({name, {}, t.dtype(), whole_region({}), t, true});
-      continue;
-    }
-    EMBER_CHECK(t.numel() == p.numel(), "save_sharded_checkpoint: optimizer state '", name, "' has ", t.numel(),
-                " elements here, the parameter's region ", p.numel());
-    if (p.holds) add_held(out, name, p, t);
-  }
-  return out;
 }
 
 // Writes this rank's pieces to `path`; returns their records (name, shape,
@@ -898,8 +757,9 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
       }
       if (!error.empty()) break;
       for (const CheckpointTensor& t2 : index->tensors)
-        if (t2.name.rfind(kOptimPrefix, 0) != 0 && t2.name.rfind(kRngPrefix, 0) != 0 && !L.by_name.count(t2.name)) {
-          error = absl::StrCat(index_path, ": unexpected tensor '", t2.name, "' (the model has no such entry)");
+        if (t2.name.rfind(kOptimPrefix, 0) != 0 && t2.name.rfind(kRngPrefix, 0) != 0 && !L.anywhere.count(t2.name)) {
+          error =
+              absl::StrCat(index_path, ": unexpected tensor '", t2.name, "' (the model has no such entry on any rank)");
           break;
         }
       if (!error.empty() || !optimizer) break;

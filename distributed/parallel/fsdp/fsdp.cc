@@ -638,13 +638,23 @@ std::shared_ptr<const DTensorSpec> compose_with_tensor_parallel(const std::share
               "' is sharded by tensor parallelism on ", tp.mesh->to_string(), " but FSDP's mesh ", u.mesh->to_string(),
               " is not cut from the same DeviceMesh; make one mesh (e.g. (dp_shard, tp)) and pass its sub-meshes to ",
               "parallelize_module and fully_shard");
+  // The dimensions that lay the tensor out: FSDP's and tensor
+  // parallelism's. Another dimension of the mesh (pp: other stages hold
+  // other tensors) is none of this tensor's business, and norms and
+  // checkpoints must not combine over it.
+  std::vector<std::string> dims;
+  for (const std::string& dim : root->dim_names())
+    if (u.mesh->has_dim(dim) || tp.mesh->has_dim(dim)) dims.push_back(dim);
+  std::shared_ptr<DeviceMesh> mesh = dims.size() == static_cast<size_t>(root->ndim())
+                                         ? std::const_pointer_cast<DeviceMesh>(root)
+                                         : root->submesh(dims);
   auto spec = std::make_shared<DTensorSpec>();
-  spec->mesh = std::const_pointer_cast<DeviceMesh>(root);
+  spec->mesh = mesh;
   spec->global_shape = tp.global_shape;
-  spec->mesh_dims = root->dim_names();
-  spec->mesh_shape = root->shape();
-  spec->coord = root->coordinate();
-  for (const std::string& dim : root->dim_names()) {
+  spec->mesh_dims = mesh->dim_names();
+  spec->mesh_shape = mesh->shape();
+  spec->coord = mesh->coordinate();
+  for (const std::string& dim : mesh->dim_names()) {
     Placement p = Replicate();
     if (u.mesh->has_dim(dim)) {
       const bool shards = u.strategy == ShardingStrategy::HYBRID_SHARD ? u.mesh->dim_index(dim) == 1
@@ -908,6 +918,37 @@ void FSDPModule::set_requires_gradient_sync(bool on) {
 void FSDPModule::set_reshard_after_backward(bool on) {
   for (auto& u : units()) u->reshard_after_backward = on;
 }
+void FSDPModule::begin_micro_batches() {
+  for (auto& u : units()) {
+    EMBER_CHECK(!u->micro_batches, "FSDP(", u->type, "): begin_micro_batches() twice without end_micro_batches()");
+    u->micro_batches = Unit::Saved{u->reshard_after_forward, u->reshard_after_backward, u->requires_sync};
+    u->reshard_after_forward = u->reshard_after_backward = u->requires_sync = false;
+  }
+}
+
+void FSDPModule::end_micro_batches() {
+  // In module order, the same on every rank of a unit's groups, so the
+  // collectives line up: each unit that ran forward (gathered, or freed by
+  // a unit's own setting since) ends its backward as a synchronizing
+  // backward would have; one that did not holds nothing new.
+  std::vector<std::shared_ptr<Unit>> roots;
+  for (auto& u : units()) {
+    EMBER_CHECK(u->micro_batches.has_value(), "FSDP(", u->type, "): end_micro_batches() without begin_micro_batches()");
+    u->reshard_after_forward = u->micro_batches->reshard_after_forward;
+    u->reshard_after_backward = u->micro_batches->reshard_after_backward;
+    u->requires_sync = u->micro_batches->requires_sync;
+    u->micro_batches.reset();
+    if (u->state == Unit::State::SHARDED) continue;
+    u->post_backward_done = false;
+    u->post_backward();
+    u->expects_backward = false;
+    auto r = u->root();
+    if (std::find(roots.begin(), roots.end(), r) == roots.end()) roots.push_back(r);
+  }
+  for (auto& r : roots)
+    while (!r->pending.empty()) r->advance_pending();
+}
+
 void FSDPModule::unshard() {
   auto us = units();
   for (auto& u : us) u->start_gather();

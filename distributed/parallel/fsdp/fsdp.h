@@ -134,6 +134,19 @@ class FSDPModule {
   // While gradient sync is off: keep the gathered parameters after backward
   // too (no all-gather on the next micro-batch, full parameters held).
   void set_reshard_after_backward(bool on);
+  // Several forwards before their backwards (a pipeline's micro-batches,
+  // pp::Pipeline calls these around each step): from begin_micro_batches()
+  // every unit keeps its parameters gathered from its first forward and
+  // accumulates whole gradients, so a unit is gathered once per step, not
+  // once per micro-batch and again for its backward (torchtitan's default
+  // under pipeline parallelism; torch's pipelining turns FSDP2's gradient
+  // sync off until the last backward). end_micro_batches() then does what
+  // a synchronizing backward would, once per unit: the reduce-scatter (and
+  // replica all-reduce) of the accumulated gradients, then the reshard;
+  // the units' own settings (strategy, no_sync) are back in force after it.
+  // end is collective over each unit's groups.
+  void begin_micro_batches();
+  void end_micro_batches();
   // Gathers / frees every unit's parameters explicitly (e.g. for inference
   // outside forward, or a custom step that needs whole parameters).
   void unshard();

@@ -108,6 +108,7 @@ struct Config {
   bool prefetch = true;
   int accum = 1;  // micro-batches per step
   bool unsharded_accum = false;
+  bool micro_batches = false;  // every forward, then the backwards in reverse (a pipeline's order)
   bool clip = false;
   bool bf16 = false;
   bool offload = false;
@@ -126,6 +127,8 @@ Config parse_config(const std::string& arg) {
       c.accum = std::stoi(v);
     else if (k == "unsharded")
       c.unsharded_accum = true;
+    else if (k == "micro")
+      c.micro_batches = true;
     else if (k == "clip")
       c.clip = true;
     else if (k == "bf16")
@@ -218,7 +221,27 @@ EMBER_WORKER(equivalence) {
   optim::Optimizer& opt = *opt_ptr;
   for (int s = 0; s < c.steps; ++s) {
     opt.zero_grad();
-    for (int i = 0; i < c.accum; ++i) {
+    if (c.micro_batches) {
+      // All the forwards before any backward: each unit gathered once,
+      // whole gradients accumulated, one reduction per unit at the end.
+      fsdp->begin_micro_batches();
+      std::vector<Tensor> losses;
+      for (int i = 0; i < c.accum; ++i) {
+        auto [x, y] = batch(env.rank, s, i);
+        losses.push_back(nn::functional::mse_loss((*net)(x), y) * (1.0 / c.accum));
+      }
+      const auto during = fsdp->memory();
+      WCHECK(during.unsharded_params > 0 && during.sharded_grads == 0,
+             "between the forwards and backwards: ", during.unsharded_params, " gathered bytes, ", during.sharded_grads,
+             " sharded gradient bytes");
+      for (int i = c.accum - 1; i >= 0; --i) losses[i].backward();
+      fsdp->end_micro_batches();
+      const auto after = fsdp->memory();
+      WCHECK(after.unsharded_params == 0 && after.unsharded_grads == 0,
+             "after end_micro_batches: ", after.unsharded_params, " gathered bytes, ", after.unsharded_grads,
+             " whole gradient bytes");
+    }
+    for (int i = 0; i < (c.micro_batches ? 0 : c.accum); ++i) {
       if (c.unsharded_accum) fsdp->set_requires_gradient_sync(i == c.accum - 1);
       auto [x, y] = batch(env.rank, s, i);
       Tensor out = (*net)(x);
@@ -297,6 +320,13 @@ TEST(FullyShard, AccumulationAndClipping) {
              {2, "strategy=full,accum=2,unsharded"},
              {4, "strategy=hybrid,accum=2,unsharded,clip"},
              {2, "strategy=no_shard,accum=2,clip"}});
+}
+
+TEST(FullyShard, SeveralForwardsBeforeTheirBackwards) {
+  run_cases({{3, "strategy=full,accum=3,micro,clip"},
+             {2, "strategy=grad_op,accum=2,micro"},
+             {4, "strategy=hybrid,accum=2,micro"},
+             {2, "strategy=full,accum=2,micro,bf16"}});
 }
 
 TEST(FullyShard, Bf16ComputeMatchesAutocastWithinTolerance) {

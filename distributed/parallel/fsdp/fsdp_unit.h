@@ -74,6 +74,11 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   uint64_t fwd_version = 0;
 
   bool reshard_after_forward = true, reshard_after_backward = true, requires_sync = true;
+  // The settings begin_micro_batches() put aside, while it is in force.
+  struct Saved {
+    bool reshard_after_forward, reshard_after_backward, requires_sync;
+  };
+  std::optional<Saved> micro_batches;
   bool forward_prefetch = true, backward_prefetch = true;
   int prefetch_limit = 1;
 

@@ -331,6 +331,9 @@ std::vector<Tensor> Pipeline::step(const std::vector<Tensor>& inputs, const std:
       }
     }
   };
+  const std::vector<std::shared_ptr<FSDPModule>> fsdp =
+      schedule_.forward_only() ? std::vector<std::shared_ptr<FSDPModule>>{} : fsdp_stages();
+  for (auto& f : fsdp) f->begin_micro_batches();
   size_t at = 0;
   try {
     for (; at < list.size(); ++at) {
@@ -372,7 +375,10 @@ std::vector<Tensor> Pipeline::step(const std::vector<Tensor>& inputs, const std:
   sends_.clear();
   slots_.clear();
   if (!schedule_.forward_only()) {
+    // Tied gradients summed while FSDP's are still whole (each stage's
+    // units lay the tied tensor out differently), then reduced.
     exchange_tied_grads();
+    for (auto& f : fsdp) f->end_micro_batches();
     average_over_replicas();
   }
   if (rank_ != schedule_.rank_of(schedule_.num_stages() - 1)) losses.clear();
@@ -433,6 +439,21 @@ void Pipeline::average_over_replicas() {
     dp->allreduce(fb.flat(), ReduceOp::Avg)->wait();
     for (size_t i = 0; i < grads.size(); ++i) grads[i].second.copy_(fb.view(i));
   }
+}
+
+std::vector<std::shared_ptr<FSDPModule>> Pipeline::fsdp_stages() const {
+  std::vector<std::shared_ptr<FSDPModule>> out;
+  for (auto& st : stages_) {
+    if (auto f = fsdp_of(*st)) {
+      out.push_back(std::move(f));
+      continue;
+    }
+    for (auto& [name, m] : st->named_modules())
+      EMBER_CHECK(fsdp_of(*m) == nullptr, "pipeline: ", st->description(), " (rank ", rank_, ") holds the FSDP unit '",
+                  name, "' but is not wrapped itself; call fully_shard on the stage after its blocks, so the ",
+                  "pipeline can keep its units gathered through the step and reduce their gradients once");
+  }
+  return out;
 }
 
 std::vector<Tensor> Pipeline::parameters() const {

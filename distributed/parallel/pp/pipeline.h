@@ -27,6 +27,12 @@
 // - Tied parameters (a GPT's embedding on the first and last stage) get the
 //   sum of both stages' gradients at the end of the step; with replicas
 //   (PipelineOptions::dp_group) every gradient is then averaged over them.
+// - FSDP inside stages: a stage wrapped by fully_shard (its blocks first,
+//   then the stage as the root) is gathered once per step and its
+//   gradients accumulate whole through the micro-batches, reduce-scattered
+//   once at the end of the step (FSDPModule::begin_micro_batches; the
+//   tied gradients are summed before, on the whole tensors). HSDP's
+//   replicas average inside FSDP's reduction.
 #pragma once
 
 #include <chrono>
@@ -39,6 +45,7 @@
 
 #include "autograd/autograd.h"
 #include "distributed/comm/process_group.h"
+#include "distributed/parallel/fsdp/fsdp.h"
 #include "distributed/parallel/pp/schedule.h"
 #include "distributed/parallel/pp/stage.h"
 
@@ -118,6 +125,9 @@ class Pipeline {
   Tensor take_recv(const Action& a);
   void send(const Tensor& t, const Action& a);
   void exchange_tied_grads();
+  // The FSDP roots of this rank's stages (a stage that holds units must be
+  // one), found at each step: wrapping may follow the constructor.
+  std::vector<std::shared_ptr<FSDPModule>> fsdp_stages() const;
   void average_over_replicas();
   PipelineStage& stage(int index) const;
   int tag(const Action& a) const;

@@ -20,6 +20,7 @@
 #include "distributed/checkpoint/sharded.h"
 #include "distributed/device_mesh.h"
 #include "distributed/init.h"
+#include "distributed/parallel/fsdp/fsdp.h"
 #include "distributed/parallel/tp/gpt_plan.h"
 #include "distributed/parallel/tp/loss_parallel.h"
 #include "distributed/parallel/tp/tensor_parallel.h"
@@ -331,6 +332,146 @@ TEST(Pipeline, ReplicasAverageGradientsDp2Pp2) {
     auto r = mp::run_workers("dp_pp", 4, o);
     EXPECT_TRUE(mp::all_succeeded(r)) << arg << "\n" << mp::describe(r);
   }
+}
+
+// FSDP inside the stages: a (pp, dp_shard) mesh of 2 x 2, or with
+// "hsdp" (pp, dp_replicate, dp_shard) of 2 x 2 x 2; every block of a stage
+// a unit, the stage the root; each data-parallel rank on its own
+// micro-batches. Against one process accumulating all of them (within a
+// tolerance: the reduce-scatter sums in another order), read back whole
+// through each stage's full state dict; the units sharded again after
+// each step; evaluation through the sharded stages; a sharded checkpoint
+// that is the unsplit model's.
+EMBER_WORKER(fsdp_pp) {
+  mp::init_world(env);
+  auto o = mp::parse_arg(env.arg);
+  const std::string name = o.count("schedule") ? o["schedule"] : "1f1b";
+  const int V = o.count("V") ? std::stoi(o["V"]) : 1, M = 4, steps = 3;
+  const bool tied = o.count("tied") != 0, clip = o.count("clip") != 0, hsdp = o.count("hsdp") != 0;
+  auto mesh = hsdp ? DeviceMesh::create({2, 2, 2}, {"pp", "dp_replicate", "dp_shard"})
+                   : DeviceMesh::create({2, 2}, {"pp", "dp_shard"});
+  const int dp = hsdp ? 4 : 2;
+  const int dp_rank =
+      hsdp ? mesh->coordinate("dp_replicate") * 2 + mesh->coordinate("dp_shard") : mesh->coordinate("dp_shard");
+  const Schedule sched = make_schedule(name, 2, V, M);
+  const int64_t layers = 2 * V;
+  manual_seed(7);
+  nn::GPT ref(small_gpt(tied, layers));
+  optim::AdamW ref_opt = adamw(ref.parameters());
+  std::vector<double> ref_norms;
+  for (int step = 0; step < steps; ++step) {
+    for (int m = 0; m < dp * M; ++m) {
+      auto [x, y] = micro(step, m);
+      (lm_loss(ref(x), y) * (1.0 / (dp * M))).backward();
+    }
+    if (clip) ref_norms.push_back(optim::clip_grad_norm_(ref.parameters(), 0.3));
+    ref_opt.step();
+    ref_opt.zero_grad();
+  }
+
+  manual_seed(7);
+  nn::GPT whole(small_gpt(tied, layers));
+  auto all = split_gpt(whole, 2 * V);
+  std::vector<std::shared_ptr<PipelineStage>> mine;
+  std::vector<std::shared_ptr<FSDPModule>> roots;
+  FSDPOptions fo;
+  fo.mesh = hsdp ? mesh->submesh({"dp_replicate", "dp_shard"}) : mesh->submesh({"dp_shard"});
+  fo.strategy = hsdp ? ShardingStrategy::HYBRID_SHARD : ShardingStrategy::FULL_SHARD;
+  for (int s : sched.stages_of(mesh->coordinate("pp"))) {
+    mine.push_back(all[s]);
+    roots.push_back(fully_shard_auto(all[s], {.types = {"TransformerBlock"}}, fo));
+  }
+  Pipeline pipe(sched, mine, mesh->group("pp"), {.loss = lm_loss});
+  optim::AdamW opt = adamw(pipe.parameters());
+  for (int step = 0; step < steps; ++step) {
+    std::vector<Tensor> xs, ys;
+    for (int m = 0; m < M; ++m) {
+      auto [x, y] = micro(step, dp_rank * M + m);
+      xs.push_back(x), ys.push_back(y);
+    }
+    pipe.step(xs, ys);
+    for (auto& r : roots) {
+      const auto mem = r->memory();
+      WCHECK(mem.unsharded_params == 0 && mem.unsharded_grads == 0 && mem.sharded_grads > 0, "after step ", step,
+             " the units hold ", mem.unsharded_params, " gathered parameter bytes, ", mem.unsharded_grads,
+             " whole gradient bytes, ", mem.sharded_grads, " sharded gradient bytes");
+    }
+    if (clip) {
+      const double norm = pipe.clip_grad_norm_(0.3);
+      WCHECK(std::abs(norm - ref_norms[step]) <= 1e-5 * ref_norms[step] && ref_norms[step] > 0.3, "step ", step,
+             " norm ", norm, " vs one process ", ref_norms[step]);
+    }
+    opt.step();
+    opt.zero_grad();
+  }
+  int checked = 0;
+  for (auto& r : roots) {
+    const nn::StateDict sd = full_state_dict(*r, {.rank0_only = false});
+    for (auto& [pn, got] : sd.items()) {
+      Tensor want;
+      for (auto& [rn, rp] : ref.named_parameters())
+        if (rn == pn) want = rp;
+      if (!want.defined()) continue;  // a buffer
+      const double err = max(abs(got - want)).item();
+      WCHECK(err <= 2e-4, r->module().type_name(), ": ", pn, " differs from one process by ", err);
+      ++checked;
+    }
+  }
+  WCHECK(checked > 0, "rank ", env.rank, " checked no parameter");
+  {
+    Pipeline eval(forward_schedule(2, V, 2), mine, mesh->group("pp"), {.loss = lm_loss});
+    std::vector<Tensor> xs, ys;
+    for (int m = 0; m < 2; ++m) {
+      auto [x, y] = micro(99, m);
+      xs.push_back(x), ys.push_back(y);
+    }
+    std::vector<Tensor> losses = eval.step(xs, ys);
+    NoGradGuard ng;
+    for (size_t m = 0; m < losses.size(); ++m) {
+      const double want = lm_loss(ref(xs[m]), ys[m]).item();
+      WCHECK(std::abs(losses[m].item() - want) <= 1e-4 * want, "evaluation ", m, ": ", losses[m].item(),
+             " vs one process ", want);
+    }
+  }
+  if (o.count("save")) {
+    const std::string dir = o["save"];
+    TrainingState state;
+    state.step = steps;
+    auto st = save_sharded_checkpoint(dir, *rank_part(mine), &opt, nullptr, state, *default_group());
+    WCHECK(st.ok(), st.message());
+    if (env.rank == 0) {
+      auto index = read_checkpoint_index(dir);
+      WCHECK(index.ok(), index.status().message());
+      for (auto& [pn, want] : ref.named_parameters()) {
+        const auto* entry = index->find(pn);
+        WCHECK(entry != nullptr, pn, " is not in the checkpoint");
+        auto got = read_checkpoint_tensor(dir, *entry);
+        WCHECK(got.ok(), got.status().message());
+        WCHECK(max(abs(*got - want)).item() <= 2e-4, pn, " read back differs from one process");
+        WCHECK(index->find("optim.state." + pn + ".exp_avg") != nullptr, pn, ": no optimizer state saved");
+      }
+    }
+  }
+  default_group()->barrier()->wait();
+}
+
+TEST(Pipeline, FullyShardedStagesPp2DpShard2) {
+  const std::string dir = ::testing::TempDir() + "/pp_fsdp_ckpt";
+  for (const std::string& arg :
+       std::vector<std::string>{"schedule=1f1b,tied,clip", "schedule=zb-h1,tied,save=" + dir + "_tied",
+                                "schedule=interleaved,V=2,save=" + dir}) {
+    mp::RunOptions o;
+    o.arg = arg;
+    auto r = mp::run_workers("fsdp_pp", 4, o);
+    EXPECT_TRUE(mp::all_succeeded(r)) << arg << "\n" << mp::describe(r);
+  }
+}
+
+TEST(Pipeline, HybridShardedStagesPp2Replicate2Shard2) {
+  mp::RunOptions o;
+  o.arg = "schedule=1f1b,tied,hsdp";
+  auto r = mp::run_workers("fsdp_pp", 8, o);
+  EXPECT_TRUE(mp::all_succeeded(r)) << mp::describe(r);
 }
 
 // A valid hand-written zero-bubble schedule whose transfers interleave so
