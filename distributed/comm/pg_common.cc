@@ -203,6 +203,14 @@ std::shared_ptr<Work> ProcessGroup::recv(const Tensor& tensor, int src, int tag)
   return do_recv(tensor, src, tag);
 }
 
+void ProcessGroup::connect_p2p(const std::vector<std::pair<int, int>>& edges) {
+  const std::string w = detail::where(backend_name(), "connect_p2p", rank_, size_);
+  for (const auto& [src, dst] : edges)
+    EMBER_CHECK(src >= 0 && src < size_ && dst >= 0 && dst < size_ && src != dst, w, ": edge (", src, ", ", dst,
+                ") is not a pair of two ranks of a group of ", size_);
+  do_connect_p2p(edges);
+}
+
 #undef EMBER_PG_TENSOR
 
 namespace detail {

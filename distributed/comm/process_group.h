@@ -133,6 +133,18 @@ class ProcessGroup {
   std::shared_ptr<Work> barrier();
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag = 0);
   std::shared_ptr<Work> recv(const Tensor& tensor, int src, int tag = 0);
+  // Whether sends and receives between two ranks match in the order they
+  // are posted (NCCL, which has no tags) rather than by tag (Gloo).
+  virtual bool p2p_in_order() const { return false; }
+  // Makes the transfers of each (sender, receiver) pair in `edges` (ranks
+  // of this group) complete independently of the group's other operations
+  // and of the other pairs, each pair's in the order posted. Collective:
+  // every rank passes the same list (a pipeline's, from its schedule).
+  // Gloo's transfers already do (tags, threads of their own); an NCCL
+  // group runs all its operations on one stream in call order, where a
+  // send waits for its receive, so it gives each pair a communicator and
+  // stream of its own (ncclCommSplit) and their transfers use them.
+  void connect_p2p(const std::vector<std::pair<int, int>>& edges);
 
   // What this group has been asked to move since it was made or last
   // reset, per operation ("allreduce", "allgather", "reduce_scatter",
@@ -166,6 +178,7 @@ class ProcessGroup {
   virtual std::shared_ptr<Work> do_barrier() = 0;
   virtual std::shared_ptr<Work> do_send(const Tensor& tensor, int dst, int tag) = 0;
   virtual std::shared_ptr<Work> do_recv(const Tensor& tensor, int src, int tag) = 0;
+  virtual void do_connect_p2p(const std::vector<std::pair<int, int>>& edges) { (void)edges; }
 
   int rank_, size_;
   std::vector<int> global_ranks_;

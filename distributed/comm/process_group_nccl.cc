@@ -40,7 +40,9 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "core/cuda_check.h"
@@ -250,6 +252,12 @@ class NcclGroup : public ProcessGroup {
         ncclCommFinalize(comm_);
         ncclCommDestroy(comm_);
       }
+      for (auto& [key, e] : edges_) {
+        if (aborted_) continue;
+        ncclCommFinalize(e.comm);
+        ncclCommDestroy(e.comm);
+      }
+      edges_.clear();
       ready_event_.reset();
       comm_stream_.reset();
     } catch (...) {
@@ -384,24 +392,78 @@ class NcclGroup : public ProcessGroup {
                   });
   }
 
-  // NCCL has no tags: sends and recvs between two ranks match in call order.
+  // NCCL has no tags: sends and recvs between two ranks match in call
+  // order, on the group's stream, or on the pair's own communicator and
+  // stream once connect_p2p made one.
+  bool p2p_in_order() const override { return true; }
+
   std::shared_ptr<Work> do_send(const Tensor& tensor, int dst, int /*tag*/) override {
     Tensor t = tensor.alias();
-    return launch_op("send", false, "", {t}, [&](std::vector<Tensor>& keep) {
-      Tensor buf = dense(t);
-      keep.push_back(buf);
-      EMBER_NCCL_CHECK(ncclSend(buf.raw_data(), t.numel(), nccl_dtype(t.dtype()), dst, comm_, stream_));
-    });
+    const Edge* e = edge(rank_, dst);
+    ncclComm_t comm = e ? e->comm : comm_;
+    const int peer = e ? e->peer : dst;
+    return launch_op(
+        "send", false, "", {t},
+        [&](std::vector<Tensor>& keep) {
+          Tensor buf = dense(t);
+          keep.push_back(buf);
+          EMBER_NCCL_CHECK(ncclSend(buf.raw_data(), t.numel(), nccl_dtype(t.dtype()), peer, comm, current_stream()));
+        },
+        e);
   }
 
   std::shared_ptr<Work> do_recv(const Tensor& tensor, int src, int /*tag*/) override {
     Tensor t = tensor.alias();
-    return launch_op("recv", false, "", {t}, [&](std::vector<Tensor>& keep) {
-      Tensor buf = t.is_contiguous() ? t : Tensor::empty(t.sizes(), t.options());
-      keep.push_back(buf);
-      EMBER_NCCL_CHECK(ncclRecv(buf.raw_data(), t.numel(), nccl_dtype(t.dtype()), src, comm_, stream_));
-      write_back(t, buf);
-    });
+    const Edge* e = edge(src, rank_);
+    ncclComm_t comm = e ? e->comm : comm_;
+    const int peer = e ? e->peer : src;
+    return launch_op(
+        "recv", false, "", {t},
+        [&](std::vector<Tensor>& keep) {
+          Tensor buf = t.is_contiguous() ? t : Tensor::empty(t.sizes(), t.options());
+          keep.push_back(buf);
+          EMBER_NCCL_CHECK(ncclRecv(buf.raw_data(), t.numel(), nccl_dtype(t.dtype()), peer, comm, current_stream()));
+          write_back(t, buf);
+        },
+        e);
+  }
+
+  // One ncclCommSplit of the group's communicator per edge, in the list's
+  // order on every rank (a split is collective over the group); the two
+  // ranks of an edge get a 2-rank communicator (ranks in group order) and
+  // a stream, the others nothing. An edge already connected is skipped
+  // alike everywhere.
+  void do_connect_p2p(const std::vector<std::pair<int, int>>& edges) override {
+    std::lock_guard<std::mutex> launch_lock(launch_mu_);
+    if (std::string b = broken(); !b.empty())
+      throw Error(group_label_ + ": connect_p2p: this group can no longer be used; an earlier operation failed: " + b);
+    DeviceGuard g(device_);
+    for (size_t i = 0; i < edges.size(); ++i) {
+      const auto [src, dst] = edges[i];
+      if (std::find(edges.begin(), edges.begin() + static_cast<std::ptrdiff_t>(i), edges[i]) !=
+          edges.begin() + static_cast<std::ptrdiff_t>(i))
+        continue;  // listed twice
+      bool known = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        known = connected_.count({src, dst}) != 0;
+      }
+      if (known) continue;
+      const bool mine = rank_ == src || rank_ == dst;
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 1;
+      ncclComm_t c = nullptr;
+      EMBER_NCCL_CHECK(ncclCommSplit(comm_, mine ? static_cast<int>(i) : NCCL_SPLIT_NOCOLOR, rank_, &c, &config));
+      std::lock_guard<std::mutex> lock(mu_);
+      connected_.insert({src, dst});
+      if (!mine) continue;
+      const int other = rank_ == src ? dst : src;
+      Edge e;
+      e.comm = c;
+      e.stream = new_stream(device_);
+      e.peer = other > rank_ ? 1 : 0;
+      edges_.emplace(std::make_pair(src, dst), std::move(e));
+    }
   }
 
  private:
@@ -419,10 +481,24 @@ class NcclGroup : public ProcessGroup {
     return launch_op(op, true, std::move(signature), std::move(keep), body);
   }
 
+  // A connected pair's communicator and stream (connect_p2p).
+  struct Edge {
+    ncclComm_t comm = nullptr;
+    std::shared_ptr<const Stream> stream;
+    int peer = 0;  // the other rank in the pair's communicator
+  };
+  const Edge* edge(int src, int dst) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = edges_.find({src, dst});
+    return it == edges_.end() ? nullptr : &it->second;
+  }
+  // The stream an op is being enqueued on (launch_op makes it current).
+  cudaStream_t current_stream() const { return static_cast<cudaStream_t>(Stream::current(device_).handle); }
+
   // Runs on the calling thread: signature check, stream ordering, NCCL
   // enqueue, completion event; the watchdog takes it from there.
   std::shared_ptr<Work> launch_op(const char* op, bool collective, detail::Signature signature,
-                                  std::vector<Tensor> keep, const Enqueue& body) {
+                                  std::vector<Tensor> keep, const Enqueue& body, const Edge* on = nullptr) {
     // launch_mu_ keeps launches (sequence numbers, stream order) in call
     // order; mu_ is taken only briefly, so the store round trips of the
     // signature check never stall the watchdog.
@@ -458,7 +534,7 @@ class NcclGroup : public ProcessGroup {
     prof.transfer_started();
 
     DeviceGuard g(device_);
-    const Stream comm{device_, stream_};
+    const Stream comm = on ? *on->stream : Stream{device_, stream_};
     ready_event_->record(Stream::current(device_));
     ready_event_->block(comm);
     if (!empty) {
@@ -501,12 +577,15 @@ class NcclGroup : public ProcessGroup {
       std::string failure;
       std::shared_ptr<NcclWork> culprit;
       if (!aborted_) {
-        ncclResult_t async = ncclSuccess;
-        ncclResult_t r = ncclCommGetAsyncError(comm_, &async);
-        if (r != ncclSuccess) async = r;
-        if (async != ncclSuccess && async != ncclInProgress) {
-          failure = std::string("NCCL reported an asynchronous error: ") + ncclGetErrorString(async) + " (" +
-                    ncclGetLastError(comm_) + ")";
+        std::vector<ncclComm_t> comms{comm_};
+        for (auto& [key, e] : edges_) comms.push_back(e.comm);
+        for (ncclComm_t c : comms) {
+          ncclResult_t async = ncclSuccess;
+          ncclResult_t r = ncclCommGetAsyncError(c, &async);
+          if (r != ncclSuccess) async = r;
+          if (failure.empty() && async != ncclSuccess && async != ncclInProgress)
+            failure = std::string("NCCL reported an asynchronous error: ") + ncclGetErrorString(async) + " (" +
+                      ncclGetLastError(c) + ")";
         }
         for (auto& w : pending_) {
           if (!failure.empty()) break;
@@ -529,6 +608,7 @@ class NcclGroup : public ProcessGroup {
           w->finish(std::make_exception_ptr(Error(msg)));
         }
         ncclCommAbort(comm_);
+        for (auto& [key, e] : edges_) ncclCommAbort(e.comm);
         aborted_ = true;
         for (auto& w : pending_) w->release();
         pending_.clear();
@@ -552,6 +632,10 @@ class NcclGroup : public ProcessGroup {
   std::mutex mu_;         // pending_, broken_, aborted_, stop_
   std::condition_variable drained_cv_;
   std::vector<std::shared_ptr<NcclWork>> pending_;
+  // connect_p2p's pairs: this rank's (by (src, dst), stable addresses: a
+  // std::map's nodes do not move), and every pair split so far.
+  std::map<std::pair<int, int>, Edge> edges_;
+  std::set<std::pair<int, int>> connected_;
   int64_t next_seq_ = 0, next_p2p_ = 0;
   std::string group_label_;  // names the group in profiler events
   std::string broken_;

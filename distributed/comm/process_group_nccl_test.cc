@@ -132,6 +132,11 @@ TEST_F(NcclSingle, ArgumentErrors) {
   EXPECT_TRUE(has(error_of([&] { pg_->allgather_into_tensor(zeros({4}, cuda_device(0)), in); }),
                   "nccl allgather_into_tensor (rank 0 of 1)"));
   EXPECT_TRUE(has(error_of([&] { pg_->allgather({in, in}, in); }), "2 output tensors"));
+  // Point-to-point matches in call order; a pair needs two ranks.
+  EXPECT_TRUE(pg_->p2p_in_order());
+  pg_->connect_p2p({});
+  EXPECT_TRUE(has(error_of([&] { pg_->connect_p2p({{0, 0}}); }), "is not a pair of two ranks of a group of 1"));
+  pg_->allreduce(in)->wait();  // still usable
 }
 
 // A collective whose input is produced behind a host callback that never

@@ -5,6 +5,7 @@
 #include <functional>
 #include <limits>
 #include <optional>
+#include <set>
 #include <unordered_set>
 
 #include "core/exception.h"
@@ -18,9 +19,10 @@ namespace ember::distributed::pp {
 namespace {
 
 constexpr int kMaxDims = 8;
-constexpr int kHeaderLen = kMaxDims + 3;  // ndim, dims, dtype, magic
-constexpr int64_t kHeaderMagic = 0x5050;  // "PP": a header, not data
-constexpr int kControlTag = 1 << 29;      // above every action's tag
+constexpr int kHeaderLen = kMaxDims + 3;           // ndim, dims, dtype, magic
+constexpr int64_t kHeaderMagic = 0x5050;           // "PP": a header, not data
+constexpr int kControlTag = 1 << 29;               // above every action's tag
+constexpr int kEdgeTag = kControlTag + (1 << 20);  // ordered transfers: + the sender's rank
 
 uint64_t fnv(const std::string& s, uint64_t h = 1469598103934665603ull) {
   for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
@@ -51,14 +53,19 @@ Pipeline::Pipeline(Schedule schedule, std::vector<std::shared_ptr<PipelineStage>
               schedule_.name, " is for ", schedule_.ranks);
   EMBER_CHECK(options_.loss != nullptr, "Pipeline: PipelineOptions::loss is required (the last stage's loss)");
   rank_ = pp_->rank();
-  // NCCL runs a group's sends and receives in one stream in call order, so
-  // two stages that each send before they receive can block each other;
-  // until transfers are paired (torch's batch_isend_irecv) and run on a
-  // GPU, refuse rather than hang.
-  EMBER_CHECK(pp_->backend_name() == "gloo", "Pipeline: the pp group's backend is ", pp_->backend_name(),
-              "; pipelines run over gloo only for now (NCCL's in-order point-to-point is not yet made safe: "
-              "docs/pipeline.md)");
   validate(schedule_);
+  ordered_ = options_.ordered_transfers || pp_->p2p_in_order();
+  if (ordered_) {
+    // The schedule is every rank's: what each sender sends this rank, in
+    // the order it sends it.
+    for (int src = 0; src < schedule_.ranks; ++src)
+      for (const Action& a : schedule_.actions[src])
+        if ((a.kind == ActionKind::SendF || a.kind == ActionKind::SendB) &&
+            schedule_.rank_of(a.kind == ActionKind::SendF ? a.stage + 1 : a.stage - 1) == rank_)
+          inbound_[src].push_back(tag(a));
+    for (const Action& a : schedule_.actions[rank_])
+      if (a.kind == ActionKind::RecvF || a.kind == ActionKind::RecvB) recv_of_.emplace(tag(a), a);
+  }
   const std::vector<int> want = schedule_.stages_of(rank_);
   EMBER_CHECK(stages_.size() == want.size(), "Pipeline: pp rank ", rank_, " holds ", want.size(),
               " stage(s) under schedule ", schedule_.name, " but was given ", stages_.size());
@@ -118,6 +125,17 @@ void Pipeline::check_agreement() {
                 " runs ", name_of(o[3]), " (pp ", o[0], ", ", o[1], " virtual stage(s), ", o[2], " micro-batches)",
                 std::equal(o, o + 4, me) ? "; their action lists differ" : "");
   }
+  // Every pair of ranks the schedule moves data between (the same list on
+  // every rank): an NCCL group gives each its own communicator and stream,
+  // so one pair's transfers never wait behind another's or a collective.
+  std::set<std::pair<int, int>> edges;
+  for (int src = 0; src < schedule_.ranks; ++src)
+    for (const Action& a : schedule_.actions[src])
+      if (a.kind == ActionKind::SendF || a.kind == ActionKind::SendB) {
+        const int dst = schedule_.rank_of(a.kind == ActionKind::SendF ? a.stage + 1 : a.stage - 1);
+        if (dst != src) edges.insert({src, dst});
+      }
+  pp_->connect_p2p({edges.begin(), edges.end()});
 }
 
 void Pipeline::send(const Tensor& t, const Action& a) {
@@ -135,7 +153,7 @@ void Pipeline::send(const Tensor& t, const Action& a) {
       h[kMaxDims + 1] = static_cast<double>(static_cast<int>(c.dtype()));
       h[kMaxDims + 2] = static_cast<double>(kHeaderMagic);
       Tensor header = Tensor::from_vector(h, {kHeaderLen}, DType::Int64).to(pp_->device());
-      sends_.emplace_back(pp_->send(header, dst, kControlTag + a.stage + 1), header);
+      sends_.emplace_back(pp_->send(header, dst, ordered_ ? kEdgeTag + rank_ : kControlTag + a.stage + 1), header);
       out_meta_[a.stage + 1] = {c.sizes(), c.dtype()};
     } else {
       EMBER_CHECK(it->second.first == c.sizes() && it->second.second == c.dtype(), "pipeline: stage ", a.stage,
@@ -145,13 +163,44 @@ void Pipeline::send(const Tensor& t, const Action& a) {
                   "; every micro-batch of every step must have one shape");
     }
   }
-  sends_.emplace_back(pp_->send(c, dst, tag(a)), c);
+  sends_.emplace_back(pp_->send(c, dst, ordered_ ? kEdgeTag + rank_ : tag(a)), c);
   send_posted_[tag(a)] = seconds_since(step_start_);
 }
 
-void Pipeline::post_recv(const Action& a) {
+int Pipeline::source_of(const Action& a) const {
+  return schedule_.rank_of(a.kind == ActionKind::RecvF ? a.stage - 1 : a.stage + 1);
+}
+
+bool Pipeline::post_recv(const Action& a, bool may_block) {
   const int t = tag(a);
-  if (recvs_.count(t)) return;
+  if (recvs_.count(t)) return true;
+  if (!ordered_) {
+    post_one(t, a);
+    return true;
+  }
+  // In the sender's order: every message it sends this rank before this
+  // one is posted first. Their buffers' shapes are known by then (an
+  // activation's from its boundary's header, which comes first; a
+  // gradient's from the activation this rank sent), except a header's
+  // content, which is waited for.
+  const int src = source_of(a);
+  const std::vector<int>& order = inbound_[src];
+  size_t& next = inbound_posted_[src];
+  const size_t pos = static_cast<size_t>(std::find(order.begin(), order.end(), t) - order.begin());
+  EMBER_INTERNAL_ASSERT(pos < order.size() && pos >= next, "pipeline: ", a.str(), " is not the next of rank ", src,
+                        "'s messages to rank ", rank_);
+  if (!may_block)
+    for (size_t i = next; i <= pos; ++i) {
+      const Action& r = recv_of_.at(order[i]);
+      if ((r.kind == ActionKind::RecvF && !in_meta_.count(r.stage)) ||
+          (r.kind == ActionKind::RecvB && !out_meta_.count(r.stage + 1)))
+        return false;
+    }
+  for (; next <= pos; ++next) post_one(order[next], recv_of_.at(order[next]));
+  return true;
+}
+
+void Pipeline::post_one(int t, const Action& a) {
   Shape shape;
   DType dtype;
   if (a.kind == ActionKind::RecvF) {
@@ -160,7 +209,7 @@ void Pipeline::post_recv(const Action& a) {
       // The boundary's header, once: blocking, under the group's timeout.
       const int src = schedule_.rank_of(a.stage - 1);
       Tensor header = Tensor::empty({kHeaderLen}, DType::Int64).to(pp_->device());
-      pp_->recv(header, src, kControlTag + a.stage)->wait();
+      pp_->recv(header, src, ordered_ ? kEdgeTag + src : kControlTag + a.stage)->wait();
       Tensor h = header.to(kCPU);
       const int64_t* v = h.data<int64_t>();
       EMBER_CHECK(v[kMaxDims + 2] == kHeaderMagic && v[0] >= 0 && v[0] <= kMaxDims, "pipeline: stage ", a.stage,
@@ -169,6 +218,13 @@ void Pipeline::post_recv(const Action& a) {
       Shape s(v + 1, v + 1 + v[0]);
       it = in_meta_.emplace(a.stage, std::make_pair(s, static_cast<DType>(v[kMaxDims + 1]))).first;
     }
+    shape = it->second.first;
+    dtype = it->second.second;
+  } else if (ordered_) {
+    // The gradient of an activation this rank sent: the boundary's shape.
+    auto it = out_meta_.find(a.stage + 1);
+    EMBER_INTERNAL_ASSERT(it != out_meta_.end(), "pipeline: ", a.str(), " before any activation of stage ", a.stage,
+                          " was sent");
     shape = it->second.first;
     dtype = it->second.second;
   } else {
@@ -180,8 +236,8 @@ void Pipeline::post_recv(const Action& a) {
     dtype = sit->second->output.dtype();
   }
   Tensor buf = Tensor::empty(shape, {dtype, pp_->device()});
-  const int src = a.kind == ActionKind::RecvF ? schedule_.rank_of(a.stage - 1) : schedule_.rank_of(a.stage + 1);
-  recvs_[t] = {buf, pp_->recv(buf, src, t)};
+  const int src = source_of(a);
+  recvs_[t] = {buf, pp_->recv(buf, src, ordered_ ? kEdgeTag + src : t)};
 }
 
 Tensor Pipeline::take_recv(const Action& a) {
@@ -305,6 +361,7 @@ std::vector<Tensor> Pipeline::step(const std::vector<Tensor>& inputs, const std:
   send_posted_.clear();
   recv_done_.clear();
   slots_.clear();
+  inbound_posted_.clear();
   std::vector<Tensor> losses(schedule_.microbatches);
   const auto& list = schedule_.actions[rank_];
   // Evaluation: nothing recorded for a backward that will not come.
@@ -324,10 +381,10 @@ std::vector<Tensor> Pipeline::step(const std::vector<Tensor>& inputs, const std:
   auto prefetch = [&](size_t i) {
     for (size_t j = i + 1; j < list.size() && !list[j].is_compute(); ++j) {
       const Action& r = list[j];
-      if (r.kind == ActionKind::RecvF && in_meta_.count(r.stage)) post_recv(r);
+      if (r.kind == ActionKind::RecvF && in_meta_.count(r.stage)) post_recv(r, /*may_block=*/false);
       if (r.kind == ActionKind::RecvB) {
         auto it = slots_.find({r.mb, r.stage});
-        if (it != slots_.end() && it->second->output.defined()) post_recv(r);
+        if (it != slots_.end() && it->second->output.defined()) post_recv(r, /*may_block=*/false);
       }
     }
   };
@@ -403,8 +460,16 @@ void Pipeline::exchange_tied_grads() {
                   " but holds none by that name");
       Tensor g = p.grad().defined() ? p.grad() : zeros_like(p);
       Tensor mine = g.detach().contiguous().clone(), theirs = Tensor::empty(g.sizes(), g.options());
-      auto s = pp_->send(mine, others[0], kControlTag - 1);
-      auto r = pp_->recv(theirs, others[0], kControlTag - 1);
+      // The lower rank sends first, the higher receives first: a group that
+      // matches in call order (NCCL) pairs them without waiting on itself.
+      std::shared_ptr<Work> s, r;
+      if (rank_ < others[0]) {
+        s = pp_->send(mine, others[0], kControlTag - 1);
+        r = pp_->recv(theirs, others[0], kControlTag - 1);
+      } else {
+        r = pp_->recv(theirs, others[0], kControlTag - 1);
+        s = pp_->send(mine, others[0], kControlTag - 1);
+      }
       s->wait();
       r->wait();
       NoGradGuard ng;

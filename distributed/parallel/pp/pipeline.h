@@ -24,6 +24,9 @@
 // - Sends are asynchronous (posted, waited at the end of the step); the
 //   receives a compute action needs next are posted before the current one
 //   runs, so transfers overlap compute.
+// - Over NCCL (no tags, a pair's transfers matched in order) each pair of
+//   ranks gets its own communicator and stream (ProcessGroup::connect_p2p)
+//   and receives are posted in the sender's order (ordered_transfers).
 // - Tied parameters (a GPT's embedding on the first and last stage) get the
 //   sum of both stages' gradients at the end of the step; with replicas
 //   (PipelineOptions::dp_group) every gradient is then averaged over them.
@@ -64,6 +67,12 @@ struct PipelineOptions {
   // over this group, one all-reduce per dtype (DDP's result, without its
   // overlap with backward). Null or one rank: none.
   std::shared_ptr<ProcessGroup> dp_group = nullptr;
+  // Match each (sender, receiver) pair's transfers in the order they are
+  // sent, not by tag: what an NCCL group does (it has no tags), so it is
+  // forced there (ProcessGroup::p2p_in_order). The receiver posts its
+  // receives in the sender's order, which the schedule says; on Gloo this
+  // mode tests that ordering.
+  bool ordered_transfers = false;
 };
 
 // One compute action's time in the last step, in seconds from the start of
@@ -121,7 +130,12 @@ class Pipeline {
   void check_agreement();
   void run_action(size_t index, const std::vector<Tensor>& inputs, const std::vector<Tensor>& targets,
                   std::vector<Tensor>& losses);
-  void post_recv(const Action& a);
+  // Posts the receive of `a` (ordered: and every earlier message from its
+  // sender). False, posting nothing, when that would wait for a boundary's
+  // header and `may_block` is not set.
+  bool post_recv(const Action& a, bool may_block = true);
+  void post_one(int tag, const Action& a);
+  int source_of(const Action& a) const;
   Tensor take_recv(const Action& a);
   void send(const Tensor& t, const Action& a);
   void exchange_tied_grads();
@@ -140,6 +154,13 @@ class Pipeline {
   bool agreed_ = false;
   std::string failed_;  // set when a step fails: no further steps
   bool split_ = false;
+  bool ordered_ = false;  // PipelineOptions::ordered_transfers, or the group matches in order
+  // Ordered transfers: per sending rank, the tags of one step's messages to
+  // this rank in the order it sends them, this rank's receive of each, and
+  // how many of them this step has posted.
+  std::map<int, std::vector<int>> inbound_;
+  std::map<int, Action> recv_of_;
+  std::map<int, size_t> inbound_posted_;
   // Per stage boundary (the receiving stage): the activation's agreed shape
   // and dtype; sent once (sender) or learnt once (receiver).
   std::map<int, std::pair<Shape, DType>> in_meta_, out_meta_;

@@ -67,7 +67,8 @@ struct Spec {
   std::string schedule = "1f1b";
   int V = 1, M = 4, steps = 3;
   bool tied = false, clip = false;
-  std::string save;  // a directory: save a sharded checkpoint at the end, rank 0 reads it back
+  bool ordered = false;  // transfers matched in the sender's order (NCCL's rule) instead of by tag
+  std::string save;      // a directory: save a sharded checkpoint at the end, rank 0 reads it back
 };
 
 Spec parse(const std::string& arg) {
@@ -78,6 +79,7 @@ Spec parse(const std::string& arg) {
   if (o.count("M")) s.M = std::stoi(o["M"]);
   s.tied = o.count("tied") != 0;
   s.clip = o.count("clip") != 0;
+  s.ordered = o.count("ordered") != 0;
   if (o.count("save")) s.save = o["save"];
   return s;
 }
@@ -161,7 +163,7 @@ EMBER_WORKER(gpt) {
   auto all = split_gpt(whole, S);
   std::vector<std::shared_ptr<PipelineStage>> mine;
   for (int s : sched.stages_of(env.rank)) mine.push_back(all[s]);
-  Pipeline pipe(sched, mine, default_group(), {.loss = lm_loss});
+  Pipeline pipe(sched, mine, default_group(), {.loss = lm_loss, .ordered_transfers = spec.ordered});
   optim::AdamW opt = adamw(pipe.parameters());
   const bool last = sched.rank_of(S - 1) == env.rank;
   // Bit for bit, unless the gradients were summed in another order (tied
@@ -203,7 +205,8 @@ EMBER_WORKER(gpt) {
   {
     // Evaluation: forwards only, another shape (one sequence per
     // micro-batch), the trained weights' losses as one process's.
-    Pipeline eval(forward_schedule(P, spec.V, 3), mine, default_group(), {.loss = lm_loss});
+    Pipeline eval(forward_schedule(P, spec.V, 3), mine, default_group(),
+                  {.loss = lm_loss, .ordered_transfers = spec.ordered});
     std::vector<Tensor> xs, ys;
     for (int m = 0; m < 3; ++m) {
       auto [x, y] = micro(99, m);
@@ -262,6 +265,16 @@ TEST(Pipeline, OneRankTwoStagesHandsOverLocally) { run(1, "schedule=gpipe,V=2,M=
 TEST(Pipeline, TiedEmbeddingsAcrossFirstAndLastStage) { run(2, "schedule=1f1b,M=4,tied"); }
 TEST(Pipeline, TiedEmbeddingsZeroBubbleP4) { run(4, "schedule=zb-h1,M=4,tied"); }
 TEST(Pipeline, GlobalNormClipsAsOneProcess) { run(2, "schedule=1f1b,M=4,clip"); }
+// Transfers matched in each sender's order, as NCCL matches them (no
+// tags): every schedule, the interleaved ones with two boundaries on each
+// pair of ranks, tied weights; bit for bit as by tag.
+TEST(Pipeline, OrderedTransfersEverySchedule) {
+  run(2, "schedule=1f1b,M=4,ordered");
+  run(2, "schedule=interleaved,V=2,M=4,ordered");
+  run(4, "schedule=zb-h1,M=6,ordered");
+  run(4, "schedule=interleaved,V=2,M=8,ordered");
+  run(4, "schedule=gpipe,M=4,tied,ordered");
+}
 TEST(Pipeline, ShardedCheckpointIsTheUnsplitModels) {
   const std::string dir = ::testing::TempDir() + "/pp_ckpt";
   run(2, "schedule=interleaved,V=2,M=2,save=" + dir);
@@ -332,6 +345,60 @@ TEST(Pipeline, ReplicasAverageGradientsDp2Pp2) {
     auto r = mp::run_workers("dp_pp", 4, o);
     EXPECT_TRUE(mp::all_succeeded(r)) << arg << "\n" << mp::describe(r);
   }
+}
+
+// Over NCCL (two GPUs or more; skipped elsewhere): 1F1B and interleaved
+// 1F1B on two ranks, every transfer on its pair's own communicator and
+// stream (ProcessGroup::connect_p2p); the losses and parameters within a
+// tolerance of one process on the CPU (cuBLAS sums in another order).
+EMBER_WORKER(nccl_pp) {
+  InitOptions io;
+  io.rank = env.rank;
+  io.world_size = env.world_size;
+  io.store = env.store();
+  io.backend = "nccl";
+  init_process_group(io);
+  const Device gpu = cuda_device(env.rank);
+  for (const std::string name : {"1f1b", "interleaved"}) {
+    const int V = name == "interleaved" ? 2 : 1, M = 4, steps = 2;
+    const Schedule sched = make_schedule(name, 2, V, M);
+    manual_seed(7);
+    nn::GPT ref(small_gpt(true, 2 * V));
+    train_reference(ref, steps, backward_order(sched), 1.0 / M);
+    manual_seed(7);
+    nn::GPT whole(small_gpt(true, 2 * V));
+    whole.to(gpu);
+    auto all = split_gpt(whole, 2 * V);
+    std::vector<std::shared_ptr<PipelineStage>> mine;
+    for (int st : sched.stages_of(env.rank)) mine.push_back(all[st]);
+    Pipeline pipe(sched, mine, default_group(), {.loss = lm_loss});
+    optim::AdamW opt = adamw(pipe.parameters());
+    for (int step = 0; step < steps; ++step) {
+      std::vector<Tensor> xs, ys;
+      for (int m = 0; m < M; ++m) {
+        auto [x, y] = micro(step, m);
+        xs.push_back(x.to(gpu)), ys.push_back(y.to(gpu));
+      }
+      pipe.step(xs, ys);
+      opt.step();
+      opt.zero_grad();
+    }
+    for (auto& st : mine)
+      for (auto& [pn, p] : st->named_parameters()) {
+        Tensor want;
+        for (auto& [rn, rp] : ref.named_parameters())
+          if (rn == pn) want = rp;
+        const double err = max(abs(p.detach().to(kCPU) - want)).item();
+        WCHECK(err <= 1e-3, name, ": ", pn, " differs from one process by ", err);
+      }
+  }
+  default_group()->barrier()->wait();
+}
+
+TEST(Pipeline, OverNcclOnTwoGpus) {
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs two GPUs (NCCL puts one rank on each)";
+  auto r = mp::run_workers("nccl_pp", 2, {});
+  EXPECT_TRUE(mp::all_succeeded(r)) << mp::describe(r);
 }
 
 // FSDP inside the stages: a (pp, dp_shard) mesh of 2 x 2, or with
