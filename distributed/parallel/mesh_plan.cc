@@ -1,0 +1,384 @@
+// The mesh planner's arithmetic (mesh_plan.h): every mesh, its memory by
+// the memory planner and the schedules' simulator, its step time by the
+// formulas there, fastest feasible first.
+#include "distributed/parallel/mesh_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <sstream>
+
+#include "core/exception.h"
+#include "distributed/parallel/memory_plan.h"
+#include "distributed/parallel/pp/schedule.h"
+
+namespace ember::distributed {
+namespace {
+
+std::string gib(int64_t bytes) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f", static_cast<double>(bytes) / (1 << 30));
+  return b;
+}
+
+std::string secs(double s) {
+  char b[32];
+  if (s >= 1)
+    std::snprintf(b, sizeof b, "%.2f s", s);
+  else
+    std::snprintf(b, sizeof b, "%.1f ms", s * 1e3);
+  return b;
+}
+
+std::vector<int> divisors(int64_t n) {
+  std::vector<int> d;
+  for (int64_t k = 1; k <= n; ++k)
+    if (n % k == 0) d.push_back(static_cast<int>(k));
+  return d;
+}
+
+// A ring collective's time over `ranks` ranks: `factor` x (ranks-1)/ranks
+// of the bytes over the link's bandwidth, plus one latency per step.
+double ring(double bytes, int ranks, double factor, double bw, double latency) {
+  if (ranks <= 1 || bytes <= 0) return 0;
+  return factor * (ranks - 1) / ranks * bytes / bw + (ranks - 1) * latency;
+}
+
+}  // namespace
+
+int64_t ModelSpec::layer_params() const {
+  if (!transformer()) return 0;
+  const int64_t kv = (kv_heads > 0 ? kv_heads : heads), head_dim = dim / heads;
+  const int64_t attention = dim * dim * 2 + 2 * dim * kv * head_dim;  // q and out; k and v (grouped)
+  const int64_t hidden = ffn > 0 ? ffn : 4 * dim;
+  return attention + (swiglu ? 3 : 2) * dim * hidden;
+}
+
+int64_t ModelSpec::embedding_params() const {
+  if (!transformer()) return 0;
+  return vocab * dim + (swiglu ? 0 : seq * dim);  // GPT learns its positions; LLaMA rotates them
+}
+
+int64_t ModelSpec::num_params() const {
+  if (!transformer()) return params;
+  return layers * layer_params() + embedding_params() + (tied ? 0 : vocab * dim);
+}
+
+std::vector<std::string> model_presets() {
+  return {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-7b", "llama-13b", "llama-70b", "resnet50"};
+}
+
+ModelSpec model_preset(const std::string& name) {
+  ModelSpec m;
+  m.name = name;
+  auto gpt = [&](int64_t l, int64_t d, int64_t h) {
+    m.layers = l, m.dim = d, m.heads = h, m.vocab = 50257, m.seq = 1024, m.tied = true;
+  };
+  auto llama = [&](int64_t l, int64_t d, int64_t h, int64_t kv, int64_t ffn) {
+    m.layers = l, m.dim = d, m.heads = h, m.kv_heads = kv, m.ffn = ffn, m.vocab = 32000, m.seq = 4096;
+    m.swiglu = true;
+  };
+  if (name == "gpt2")
+    gpt(12, 768, 12);
+  else if (name == "gpt2-medium")
+    gpt(24, 1024, 16);
+  else if (name == "gpt2-large")
+    gpt(36, 1280, 20);
+  else if (name == "gpt2-xl")
+    gpt(48, 1600, 25);
+  else if (name == "llama-7b")
+    llama(32, 4096, 32, 32, 11008);
+  else if (name == "llama-13b")
+    llama(40, 5120, 40, 40, 13824);
+  else if (name == "llama-70b")
+    llama(80, 8192, 64, 8, 28672);
+  else if (name == "resnet50") {
+    // 25.6 M parameters, 4.1 GFLOPs forward per 224x224 image (x3 to
+    // train), about 100 MB of 16-bit activations kept per image.
+    m.params = 25'557'032;
+    m.flops_per_sample = 3 * 4.1e9;
+    m.activation_bytes_per_sample = 100e6;
+  } else {
+    std::string all;
+    for (const auto& n : model_presets()) all += (all.empty() ? "" : ", ") + n;
+    EMBER_CHECK(false, "plan: unknown model '", name, "' (known: ", all,
+                "; or give --layers/--dim/--heads/--vocab/--seq)");
+  }
+  return m;
+}
+
+std::string MeshCandidate::mesh() const {
+  return "dp_replicate=" + std::to_string(dp_replicate) + " dp_shard=" + std::to_string(dp_shard) +
+         " tp=" + std::to_string(tp) + " pp=" + std::to_string(pp);
+}
+
+std::string MeshCandidate::describe() const {
+  std::vector<std::string> parts;
+  if (dp_shard > 1)
+    parts.push_back(dp_replicate > 1 ? "HSDP" : "FSDP");
+  else if (dp_replicate > 1)
+    parts.push_back("DDP");
+  if (tp > 1) parts.push_back("TP");
+  if (pp > 1) parts.push_back("PP");
+  std::string s;
+  for (const auto& p : parts) s += (s.empty() ? "" : " + ") + p;
+  if (s.empty()) s = "one device";
+  if (pp > 1)
+    s += " (" + schedule + (virtual_stages > 1 ? " v" + std::to_string(virtual_stages) : "") + ", " +
+         std::to_string(microbatches) + " micro-batches)";
+  if (ac != "none") s += ", AC " + ac;
+  if (offload) s += ", CPU offload";
+  return s;
+}
+
+const MeshCandidate& MeshPlan::best() const {
+  EMBER_CHECK(!feasible.empty(), "plan: no mesh fits ", model.name, " on ", hw.gpus, " GPUs of ", gib(hw.mem_per_gpu),
+              " GiB");
+  return feasible.front();
+}
+
+MeshPlan plan_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions& o) {
+  EMBER_CHECK(hw.gpus >= 1 && hw.gpus_per_host >= 1, "plan: --gpus ", hw.gpus, " and --gpus-per-host ",
+              hw.gpus_per_host, " must be positive");
+  EMBER_CHECK(o.global_batch >= 1, "plan: --global-batch must be positive, got ", o.global_batch);
+  EMBER_CHECK(!model.transformer() || (model.dim % model.heads == 0 && model.layers >= 1), "plan: --dim ", model.dim,
+              " does not split into ", model.heads, " heads");
+  MeshPlan plan;
+  plan.model = model;
+  plan.hw = hw;
+  plan.options = o;
+  const int N = hw.gpus, G = hw.gpus_per_host;
+  const double elem = o.mixed_precision ? 2 : 4;  // bytes of a parameter, gradient or activation
+  const int64_t psi = model.num_params();
+  const double tokens = static_cast<double>(o.global_batch) * (model.transformer() ? model.seq : 1);
+  // The link a group of `size` ranks `stride` apart uses.
+  auto link = [&](int stride, int size, double* bw, double* lat) {
+    const bool across = static_cast<int64_t>(stride) * size > G;
+    *bw = across ? hw.inter_host_bw : hw.intra_host_bw;
+    *lat = across ? hw.inter_latency : hw.intra_latency;
+  };
+  for (int P : divisors(N))
+    for (int T : divisors(N / P))
+      for (int S : divisors(N / P / T)) {
+        const int R = N / P / T / S;
+        std::vector<std::pair<std::string, int>> schedules = {{"", 1}};
+        if (P > 1) schedules = {{"1f1b", 1}, {"interleaved", 2}, {"zb-h1", 1}};
+        for (const auto& [sched_name, V] : schedules)
+          for (const std::string ac : {"none", "full"})
+            for (bool offload : {false, true}) {
+              MeshCandidate c;
+              c.dp_replicate = R, c.dp_shard = S, c.tp = T, c.pp = P;
+              c.schedule = sched_name, c.virtual_stages = V, c.ac = ac, c.offload = offload;
+              auto reject = [&](const std::string& why) {
+                c.rejected = why;
+                plan.rejected.push_back(c);
+              };
+              if (offload && S == 1) continue;  // offload is FSDP's (CPUOffloadPolicy)
+              if (!model.transformer() && (T > 1 || P > 1 || ac != "none")) continue;
+              if (model.transformer()) {
+                const int64_t kv = model.kv_heads > 0 ? model.kv_heads : model.heads;
+                if (T > G) {
+                  reject("tp " + std::to_string(T) + " spans hosts (" + std::to_string(G) + " GPUs each)");
+                  continue;
+                }
+                if (model.heads % T != 0 || kv % T != 0) {
+                  reject("tp " + std::to_string(T) + " does not divide the " + std::to_string(model.heads) +
+                         " heads (" + std::to_string(kv) + " key/value heads)");
+                  continue;
+                }
+                if (model.layers < static_cast<int64_t>(P) * V) {
+                  reject(std::to_string(model.layers) + " layers cannot fill " + std::to_string(P * V) + " stages");
+                  continue;
+                }
+              }
+              const int dp = R * S;
+              if (o.global_batch % dp != 0) {
+                reject("the global batch " + std::to_string(o.global_batch) + " does not split over " +
+                       std::to_string(dp) + " data-parallel ranks");
+                continue;
+              }
+              const int64_t per_dp = o.global_batch / dp;
+              // Micro-batches: a pipeline fills with one sequence each (the
+              // least bubble, the least activation per micro-batch); without
+              // one, the whole per-rank batch at once, or accumulated one
+              // sequence at a time when that is what fits.
+              std::vector<int64_t> counts{per_dp};
+              if (P == 1 && per_dp > 1) counts = {1, per_dp};
+              for (int64_t M : counts) {
+                MeshCandidate k = c;
+                k.microbatches = M;
+                k.micro_batch = per_dp / M;
+                auto rej = [&](const std::string& why) {
+                  k.rejected = why;
+                  plan.rejected.push_back(k);
+                };
+                // The first stage's share of the parameters (the embedding
+                // with its blocks; the last stage has the head instead, the
+                // same size for these models), its tensor-parallel part.
+                double stage_params;
+                int64_t unit_params;
+                if (model.transformer()) {
+                  const double layers_here = std::ceil(static_cast<double>(model.layers) / P);
+                  const double head = (P == 1 && !model.tied) ? model.vocab * model.dim : 0;
+                  stage_params = (layers_here * model.layer_params() + model.embedding_params() + head) / T;
+                  unit_params = std::max(model.layer_params(), model.embedding_params()) / T;
+                } else {
+                  stage_params = static_cast<double>(psi);
+                  unit_params = psi;
+                }
+                const int64_t psi_r = static_cast<int64_t>(stage_params);
+                MemoryPlanOptions mo;
+                mo.optimizer = o.optimizer;
+                mo.mixed_precision = o.mixed_precision;
+                mo.world_size = S;
+                const MemoryPlan mp = plan_memory(psi_r, std::min(unit_params, psi_r), mo);
+                const MemoryPlanRow& row = mp.row(S > 1 ? "FULL_SHARD" : "DDP");
+                k.params = row.params, k.grads = row.grads, k.optimizer = row.optimizer_state,
+                k.gathered = row.gathered;
+                // Under a pipeline the units stay gathered through the step
+                // with whole gradients (FSDPModule::begin_micro_batches).
+                if (S > 1 && P > 1) k.gathered = static_cast<int64_t>(2 * elem * psi_r);
+                // Accumulating micro-batches without a pipeline, FSDP keeps
+                // whole gradients until the last one (gradient sync off
+                // until then, as //examples:gpt does).
+                if (S > 1 && P == 1 && M > 1) k.gathered += static_cast<int64_t>(elem * psi_r);
+                if (offload) {  // sharded state on the host; what is gathered stays
+                  k.params = k.grads = k.optimizer = 0;
+                }
+                // Activations of the micro-batches alive on the first rank.
+                double live_layers = 1;  // layers' worth of micro-batch activations held at the peak
+                double bubble = 0;
+                if (model.transformer()) {
+                  const double layers_per_stage = static_cast<double>(model.layers) / (P * V);
+                  if (P > 1) {
+                    try {
+                      const pp::Schedule s = pp::make_schedule(sched_name, P, V, static_cast<int>(M));
+                      pp::Costs costs;
+                      costs.f = 1, costs.b = sched_name == "zb-h1" ? 1 : 2, costs.w = sched_name == "zb-h1" ? 1 : 0;
+                      const pp::Simulation sim = pp::simulate(s, costs);
+                      bubble = sim.bubble_fraction;
+                      double live = 0;
+                      for (int st : s.stages_of(0)) live += sim.peak_live[st];
+                      live_layers = live * layers_per_stage;
+                    } catch (const Error& e) {
+                      rej(e.what());
+                      continue;
+                    }
+                  } else {
+                    live_layers = static_cast<double>(model.layers);
+                  }
+                  const double sbh = static_cast<double>(model.seq) * k.micro_batch * model.dim;
+                  // 16-bit: 34 sbh per layer (Korthikanti); float32 doubles it.
+                  const double per_layer = (ac == "full" ? 2.0 : 34.0) * sbh / T * (elem / 2);
+                  const double recompute = ac == "full" ? 34.0 * sbh / T * (elem / 2) : 0;  // one layer rebuilt
+                  const double logits = static_cast<double>(model.seq) * k.micro_batch * model.vocab / T * 4 * 2;
+                  k.activations = static_cast<int64_t>(live_layers * per_layer + recompute + (P == 1 ? logits : 0));
+                  k.buffers = static_cast<int64_t>(T > 1 ? 2 * sbh * elem : 0);
+                } else {
+                  k.activations = static_cast<int64_t>(model.activation_bytes_per_sample * k.micro_batch * (elem / 2));
+                }
+                if (dp > 1) k.buffers += int64_t{2} * 25 * 1000 * 1000;  // gradient buckets in flight
+                if (k.total() > hw.mem_per_gpu) {
+                  rej("needs " + gib(k.total()) + " GiB per GPU (" + gib(hw.mem_per_gpu) + " available)");
+                  continue;
+                }
+                // Time.
+                double flops;
+                if (model.transformer()) {
+                  flops =
+                      (ac == "full" ? 8.0 : 6.0) * psi * tokens + 12.0 * model.layers * model.dim * model.seq * tokens;
+                } else {
+                  flops = model.flops_per_sample * o.global_batch;
+                }
+                k.compute = flops / (N * hw.peak_flops * hw.efficiency);
+                k.bubble = bubble;
+                const double compute_span = k.compute / (1 - bubble);
+                double bw, lat;
+                if (model.transformer() && T > 1) {
+                  link(1, T, &bw, &lat);
+                  const double bytes = static_cast<double>(model.seq) * k.micro_batch * model.dim * elem;
+                  const double per = ring(bytes, T, 2, bw, lat);
+                  k.tp_comm = std::ceil(static_cast<double>(model.layers) / P) * M * (ac == "full" ? 6 : 4) * per;
+                }
+                const double grad_bytes = elem * psi_r;
+                if (S > 1) {
+                  link(T, S, &bw, &lat);
+                  // Gathered for every forward and backward (FULL_SHARD), once
+                  // per step under a pipeline; one reduce-scatter.
+                  const double passes = P > 1 ? 2 : 2.0 * M + 1;
+                  k.dp_comm += ring(grad_bytes, S, passes, bw, lat);
+                }
+                if (R > 1) {
+                  link(T * S, R, &bw, &lat);
+                  k.dp_comm += ring(grad_bytes / S, R, 2, bw, lat);
+                }
+                // Overlapped with the backward (two thirds of the compute),
+                // what does not fit in it is exposed.
+                k.dp_exposed = std::max(0.0, k.dp_comm - compute_span * 2 / 3);
+                if (P > 1) {
+                  link(T * S * R, P, &bw, &lat);
+                  const double bytes = static_cast<double>(model.seq) * k.micro_batch * model.dim * elem / T;
+                  k.pp_comm = 2.0 * M * V * (bytes / bw + lat);
+                }
+                if (offload) k.offload_io = (2.0 * psi_r / S * elem + 4.0 * psi_r / S) / hw.host_bw;
+                k.step = compute_span + k.tp_comm + k.dp_exposed + k.pp_comm + k.offload_io;
+                k.mfu = 6.0 * psi * tokens / (k.step * N * hw.peak_flops);
+                plan.feasible.push_back(k);
+              }
+            }
+      }
+  // Fastest first; on a tie (communication hidden alike) the simplest,
+  // fewest dimensions (FSDP before HSDP, no recompute before recompute),
+  // then the least communication (DDP before FSDP for a model that fits).
+  auto dims = [](const MeshCandidate& c) {
+    return (c.dp_shard > 1) + (c.dp_replicate > 1) + (c.tp > 1) + (c.pp > 1) + c.offload + (c.ac != "none");
+  };
+  std::stable_sort(plan.feasible.begin(), plan.feasible.end(), [&](const MeshCandidate& a, const MeshCandidate& b) {
+    if (std::abs(a.step - b.step) > 1e-3 * std::max(a.step, b.step)) return a.step < b.step;
+    if (dims(a) != dims(b)) return dims(a) < dims(b);
+    return a.dp_comm < b.dp_comm;
+  });
+  return plan;
+}
+
+std::string MeshPlan::table() const {
+  std::ostringstream os;
+  os << model.name << ": " << model.num_params() << " parameters";
+  if (model.transformer())
+    os << " (" << model.layers << " layers, dim " << model.dim << ", " << model.heads << " heads, vocab " << model.vocab
+       << ", seq " << model.seq << ")";
+  os << "; " << hw.gpus << " GPUs (" << hw.gpus_per_host << " per host, " << gib(hw.mem_per_gpu)
+     << " GiB each); global batch " << options.global_batch << ", "
+     << (options.mixed_precision ? "16-bit with float32 master" : "float32") << ", " << options.optimizer << "\n";
+  os << "| # | mesh | parallelism | GiB/rank (params+grads+optim, gathered, activations) | step | compute | bubble | "
+        "tp | "
+        "dp exposed | MFU |\n|---|---|---|---|---|---|---|---|---|---|\n";
+  for (size_t i = 0; i < feasible.size() && static_cast<int>(i) < options.top; ++i) {
+    const MeshCandidate& c = feasible[i];
+    char bub[16], mfu[16];
+    std::snprintf(bub, sizeof bub, "%.3f", c.bubble);
+    std::snprintf(mfu, sizeof mfu, "%.0f%%", 100 * c.mfu);
+    os << "| " << i + 1 << " | " << c.mesh() << " | " << c.describe() << " | " << gib(c.total()) << " ("
+       << gib(c.params + c.grads + c.optimizer) << ", " << gib(c.gathered) << ", " << gib(c.activations) << ") | "
+       << secs(c.step) << " | " << secs(c.compute) << " | " << bub << " | " << secs(c.tp_comm) << " | "
+       << secs(c.dp_exposed) << " | " << mfu << " |\n";
+  }
+  if (feasible.empty())
+    os << "no mesh fits\n";
+  else
+    os << "best: " << feasible.front().mesh() << " (" << feasible.front().describe() << ")\n";
+  // Each reason once: how many, and one mesh it rejected.
+  std::map<std::string, std::pair<int, std::string>> why;
+  for (const MeshCandidate& c : rejected) {
+    std::string key = c.rejected;
+    if (key.rfind("needs ", 0) == 0) key = "does not fit in memory";
+    auto& w = why[key];
+    if (w.first++ == 0) w.second = c.mesh() + " (" + c.describe() + "): " + c.rejected;
+  }
+  os << feasible.size() << " configurations fit, " << rejected.size() << " rejected:\n";
+  for (const auto& [reason, w] : why) os << "  " << w.first << " x " << reason << ", e.g. " << w.second << "\n";
+  return os.str();
+}
+
+}  // namespace ember::distributed

@@ -1,0 +1,113 @@
+// The mesh planner: which dp_replicate x dp_shard x tp x pp mesh (with its
+// pipeline schedule, micro-batches and activation checkpointing) to train a
+// model with on N GPUs, from per-rank memory and an estimated step time.
+// It extends the memory planner (memory_plan.h: the ZeRO paper's
+// accounting of parameters, gradients and optimizer state, applied to what
+// one rank's stage and tensor-parallel shard hold) with activations
+// (Korthikanti et al. 2022: s·b·h·34 bytes per layer and micro-batch in
+// 16 bits, divided by tp under sequence parallelism; the attention scores'
+// 5·a·s/h term is absent because attention is fused, as ember's and
+// FlashAttention's; 2·s·b·h with full recompute), times the micro-batches
+// a schedule keeps alive on its first rank (1F1B and ZB-H1: pp; interleaved:
+// pp·(1 + (pp-1)/(pp·v)); GPipe: all), and with a step time:
+//
+//   compute   6·Ψ·tokens + 12·L·h·s·tokens (PaLM), 8·Ψ with full recompute,
+//             over N GPUs at `efficiency` of their peak, stretched by the
+//             schedule's bubble (schedule.h's closed forms)
+//   tp        4 all-reduces of s·b·h per layer and micro-batch (6 with
+//             recompute), ring: 2(t-1)/t·bytes/bandwidth + latency; exposed
+//   dp        DDP: an all-reduce of the gradients (2Ψ_r); FSDP: an
+//             all-gather for each micro-batch's forward and backward and one
+//             reduce-scatter ((2M+1)Ψ_r; whole gradients held meanwhile), 2Ψ_r
+//             under a pipeline (gathered once per step); HSDP adds the
+//             replicas' all-reduce of the shard; overlapped with two thirds
+//             of the compute (the backward), what exceeds it exposed
+//   pp        2 transfers of s·b·h per micro-batch and boundary (×v)
+//
+// Each dimension's group spans hosts when its stride × size exceeds the
+// GPUs per host (tp innermost, then dp_shard, dp_replicate, pp outermost,
+// as //examples:gpt lays the mesh out): then it gets the inter-host
+// bandwidth. The communication cost model is deliberately simple
+// (bandwidth and latency per link kind, no contention); the communication
+// issue replaces it with measured fits.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace ember::distributed {
+
+// A model: a decoder-only transformer by its shape, or any other model by
+// its parameter count and per-sample costs (then only data parallelism).
+struct ModelSpec {
+  std::string name;
+  int64_t layers = 0, dim = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0, seq = 0;
+  bool swiglu = false, tied = false;
+  // Not a transformer: parameters, training FLOPs and 16-bit activation
+  // bytes per sample.
+  int64_t params = 0;
+  double flops_per_sample = 0, activation_bytes_per_sample = 0;
+  bool transformer() const { return layers > 0; }
+  int64_t layer_params() const;      // one block: attention and MLP (norms are negligible)
+  int64_t embedding_params() const;  // the token embedding (and a learned position table)
+  int64_t num_params() const;        // the whole model, an untied head included
+};
+// gpt2, gpt2-medium, gpt2-large, gpt2-xl (1.5B), llama-7b, llama-13b,
+// llama-70b, resnet50; an error lists them otherwise.
+ModelSpec model_preset(const std::string& name);
+std::vector<std::string> model_presets();
+
+struct Hardware {
+  int gpus = 8, gpus_per_host = 8;
+  int64_t mem_per_gpu = int64_t{80} << 30;
+  double peak_flops = 989e12;    // dense 16-bit (H100 SXM)
+  double efficiency = 0.5;       // of the peak a large GEMM reaches
+  double intra_host_bw = 450e9;  // bytes/s per GPU per direction (NVLink)
+  double inter_host_bw = 50e9;   // bytes/s per GPU (400 Gb/s)
+  double intra_latency = 10e-6, inter_latency = 20e-6;
+  double host_bw = 25e9;  // host <-> device (PCIe), for offload
+};
+
+struct PlanOptions {
+  int64_t global_batch = 0;     // sequences (or samples) per optimizer step
+  bool mixed_precision = true;  // 16-bit compute, float32 master in the optimizer state
+  std::string optimizer = "adamw";
+  int top = 5;  // candidates printed
+};
+
+struct MeshCandidate {
+  int dp_replicate = 1, dp_shard = 1, tp = 1, pp = 1, virtual_stages = 1;
+  std::string schedule;                       // "" without a pipeline
+  int64_t microbatches = 1, micro_batch = 1;  // per data-parallel rank and step, sequences each
+  std::string ac = "none";                    // none | full
+  bool offload = false;
+  // Per rank, bytes (the rank holding the most: the first stage).
+  int64_t params = 0, grads = 0, optimizer = 0, gathered = 0, activations = 0, buffers = 0;
+  int64_t total() const { return params + grads + optimizer + gathered + activations + buffers; }
+  // Seconds per step.
+  double compute = 0, bubble = 0, tp_comm = 0, dp_comm = 0, dp_exposed = 0, pp_comm = 0, offload_io = 0, step = 0;
+  double mfu = 0;
+  std::string rejected;  // why not, or empty
+  // "dp_replicate=1 dp_shard=8 tp=1 pp=1"
+  std::string mesh() const;
+  // "FSDP", "DDP", "HSDP", "FSDP + TP + PP (1f1b, 16 micro-batches)", ...
+  std::string describe() const;
+};
+
+struct MeshPlan {
+  ModelSpec model;
+  Hardware hw;
+  PlanOptions options;
+  std::vector<MeshCandidate> feasible;  // fastest first
+  std::vector<MeshCandidate> rejected;
+  const MeshCandidate& best() const;
+  // The best few with their memory and time breakdown, then how many were
+  // rejected and for which reasons (each reason once, with a count and an
+  // example mesh).
+  std::string table() const;
+};
+
+MeshPlan plan_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions& options);
+
+}  // namespace ember::distributed

@@ -1,0 +1,126 @@
+// The mesh planner against what is known: the models' parameter counts,
+// Korthikanti's activation bytes, and the seeds' decision matrix (ResNet-50
+// on 8 GPUs: DDP; GPT-2 1.5B on 4 small GPUs: FSDP; LLaMA-7B on 8: full
+// sharding; LLaMA-70B on 64: tensor and pipeline parallelism), with the
+// reasons meshes are rejected.
+#include "distributed/parallel/mesh_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/exception.h"
+
+namespace ember::distributed {
+namespace {
+
+Hardware h100(int gpus, int64_t gib = 80) {
+  Hardware hw;
+  hw.gpus = gpus;
+  hw.gpus_per_host = 8;
+  hw.mem_per_gpu = gib << 30;
+  return hw;
+}
+
+TEST(MeshPlan, ParameterCountsOfThePresets) {
+  // Published sizes: GPT-2 XL 1.56 B (with its position table), LLaMA 7B
+  // 6.74 B, 13B 13.0 B, 70B 69.0 B (grouped key/value heads).
+  EXPECT_NEAR(model_preset("gpt2").num_params() / 1e6, 124.4, 0.5);
+  EXPECT_NEAR(model_preset("gpt2-xl").num_params() / 1e9, 1.56, 0.01);
+  EXPECT_NEAR(model_preset("llama-7b").num_params() / 1e9, 6.74, 0.01);
+  EXPECT_NEAR(model_preset("llama-13b").num_params() / 1e9, 13.0, 0.05);
+  EXPECT_NEAR(model_preset("llama-70b").num_params() / 1e9, 69.0, 0.3);
+  EXPECT_THROW(model_preset("llama-8t"), Error);
+}
+
+TEST(MeshPlan, ActivationsFollowKorthikanti) {
+  // One GPU, no pipeline: L layers x 34 s b h bytes (16 bits), 2 s b h with
+  // full recompute plus one layer rebuilt; tp divides it (sequence
+  // parallelism). GPT-2 small, batch 1.
+  ModelSpec m = model_preset("gpt2");
+  PlanOptions o;
+  o.global_batch = 1;
+  const MeshPlan plan = plan_mesh(m, h100(1), o);
+  const double sbh = 1024.0 * 1 * 768;
+  bool none = false, full = false;
+  for (const MeshCandidate& c : plan.feasible) {
+    const double logits = 1024.0 * 50257 * 4 * 2;
+    if (c.ac == "none" && !c.offload) {
+      EXPECT_NEAR(c.activations, 12 * 34 * sbh + logits, 1e3);
+      none = true;
+    }
+    if (c.ac == "full" && !c.offload) {
+      EXPECT_NEAR(c.activations, 12 * 2 * sbh + 34 * sbh + logits, 1e3);
+      full = true;
+    }
+  }
+  EXPECT_TRUE(none && full);
+}
+
+TEST(MeshPlan, ResNet50On8GpusIsDdp) {
+  PlanOptions o;
+  o.global_batch = 256;
+  const MeshPlan plan = plan_mesh(model_preset("resnet50"), h100(8), o);
+  EXPECT_EQ(plan.best().mesh(), "dp_replicate=8 dp_shard=1 tp=1 pp=1") << plan.table();
+  EXPECT_EQ(plan.best().describe(), "DDP");
+}
+
+TEST(MeshPlan, Gpt2XlOn4SmallGpusIsFsdp) {
+  // 16 bytes per parameter (ZeRO's accounting) is 25 GB: DDP does not fit
+  // a 24 GiB GPU; 25 heads rule tensor parallelism out on 4.
+  PlanOptions o;
+  o.global_batch = 32;
+  const MeshPlan plan = plan_mesh(model_preset("gpt2-xl"), h100(4, 24), o);
+  const MeshCandidate& b = plan.best();
+  EXPECT_EQ(b.dp_shard, 4) << plan.table();
+  EXPECT_EQ(b.tp * b.pp, 1) << plan.table();
+  EXPECT_FALSE(b.offload);
+  EXPECT_NE(plan.table().find("does not divide the 25 heads"), std::string::npos) << plan.table();
+  EXPECT_NE(plan.table().find("does not fit in memory"), std::string::npos) << plan.table();
+}
+
+TEST(MeshPlan, Llama7bOn8IsFullShardingAndOffloadWhenMemoryDemands) {
+  PlanOptions o;
+  o.global_batch = 32;
+  const MeshPlan plan = plan_mesh(model_preset("llama-7b"), h100(8), o);
+  EXPECT_EQ(plan.best().mesh(), "dp_replicate=1 dp_shard=8 tp=1 pp=1") << plan.table();
+  EXPECT_FALSE(plan.best().offload);
+  // On 8 GPUs of 8 GiB nothing fits on the GPUs alone: the sharded state
+  // goes to the host.
+  const MeshPlan small = plan_mesh(model_preset("llama-7b"), h100(8, 8), o);
+  EXPECT_TRUE(small.best().offload) << small.table();
+  EXPECT_EQ(small.best().dp_shard * small.best().tp * small.best().pp, 8);
+}
+
+TEST(MeshPlan, Llama70bOn64UsesTensorAndPipelineParallelism) {
+  PlanOptions o;
+  o.global_batch = 64;
+  const MeshPlan plan = plan_mesh(model_preset("llama-70b"), h100(64), o);
+  const MeshCandidate& b = plan.best();
+  EXPECT_GT(b.tp, 1) << plan.table();
+  EXPECT_GT(b.pp, 1) << plan.table();
+  EXPECT_LE(b.tp, 8) << "tensor parallelism stays within a host";
+  EXPECT_LE(b.total(), int64_t{80} << 30);
+  // Plain FSDP over the 64 ranks fits but its gathers cross hosts: slower.
+  bool fsdp64 = false;
+  for (const MeshCandidate& c : plan.feasible)
+    if (c.dp_shard == 64 && !c.offload) {
+      fsdp64 = true;
+      EXPECT_GT(c.step, b.step);
+    }
+  EXPECT_TRUE(fsdp64) << plan.table();
+  EXPECT_NE(plan.table().find("spans hosts"), std::string::npos);
+}
+
+TEST(MeshPlan, BadInputIsNamed) {
+  PlanOptions o;
+  o.global_batch = 0;
+  EXPECT_THROW(plan_mesh(model_preset("gpt2"), h100(8), o), Error);
+  ModelSpec m = model_preset("gpt2");
+  m.heads = 7;
+  o.global_batch = 8;
+  EXPECT_THROW(plan_mesh(m, h100(8), o), Error);
+}
+
+}  // namespace
+}  // namespace ember::distributed

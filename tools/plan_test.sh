@@ -1,0 +1,25 @@
+#!/bin/bash
+# //tools:plan as a user runs it: the issue's flags, the seeds' decision
+# matrix in its "best:" line (LLaMA-70B on 64 GPUs: tp > 1 and pp > 1;
+# ResNet-50 on 8: DDP), each mesh written dp_replicate=.. dp_shard=.. tp=..
+# pp=.., the rejection reasons, a model given by its shape, and errors for
+# bad flags.
+set -euo pipefail
+plan=$1
+out=$("$plan" --model llama-70b --gpus 64 --gpus-per-host 8 --mem-per-gpu 80GiB --global-batch 64 --dtype bf16)
+grep -qE "^best: dp_replicate=[0-9]+ dp_shard=[0-9]+ tp=[2-8] pp=([2-9]|[1-9][0-9]+) " <<<"$out" || { echo "$out"; exit 1; }
+grep -q "does not fit in memory, e.g. dp_replicate=64 dp_shard=1 tp=1 pp=1 (DDP): needs" <<<"$out" || { echo "$out"; exit 1; }
+grep -q "spans hosts" <<<"$out" || { echo "$out"; exit 1; }
+out=$("$plan" --model resnet50 --gpus 8 --global-batch 256)
+grep -q "^best: dp_replicate=8 dp_shard=1 tp=1 pp=1 (DDP)$" <<<"$out" || { echo "$out"; exit 1; }
+# //examples:gpt's small model on 8 CPU ranks, float32.
+out=$("$plan" --layers 4 --dim 32 --heads 4 --vocab 114 --seq 16 --tied --gpus 8 --mem-per-gpu 1GiB --global-batch 8 \
+      --dtype fp32)
+grep -q "^| 1 | dp_replicate=" <<<"$out" || { echo "$out"; exit 1; }
+if out=$("$plan" --model llama-70b --gpus 64 2>&1); then echo "accepted no --global-batch"; exit 1; fi
+grep -q "global-batch is required" <<<"$out" || { echo "$out"; exit 1; }
+if out=$("$plan" --model llama-8t --gpus 8 --global-batch 8 2>&1); then echo "accepted llama-8t"; exit 1; fi
+grep -q "unknown model 'llama-8t'" <<<"$out" || { echo "$out"; exit 1; }
+if out=$("$plan" --model gpt2 --gpus 8 --global-batch 8 --mem-per-gpu 80XB 2>&1); then echo "accepted 80XB"; exit 1; fi
+grep -q "unknown unit 'XB'" <<<"$out" || { echo "$out"; exit 1; }
+echo "plan: decision matrix rows and errors as expected"
