@@ -705,7 +705,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     const std::string dir = flags.checkpoint_dir + "/step_" + std::to_string(at);
     examples::save_step_checkpoint(dir, s.model(), *s.opt, *s.sched, st,
                                    {{"world_size", job.world}, {"strategy", flags.strategy}, {"vocab", vocab}}, scaler,
-                                   *job.pg);
+                                   *job.pg, s.mesh->to_string());
     LOG0("saved checkpoint ", dir, " (", job.world, " rank file", job.world == 1 ? "" : "s", ")");
   };
 

@@ -79,10 +79,13 @@ inline void restore_scaler(optim::GradScaler& scaler, const nlohmann::json& extr
 // an error names the directory.
 inline void save_step_checkpoint(const std::string& dir, nn::Module& model, optim::Optimizer& opt,
                                  const optim::LRScheduler& sched, distributed::TrainingState st, nlohmann::json extra,
-                                 const optim::GradScaler& scaler, distributed::ProcessGroup& pg) {
+                                 const optim::GradScaler& scaler, distributed::ProcessGroup& pg,
+                                 const std::string& mesh = "") {
   if (scaler.is_enabled()) extra["grad_scaler"] = scaler.state_dict();
   st.extra_json = extra.dump();
-  const absl::Status s = distributed::save_sharded_checkpoint(dir, model, &opt, &sched, st, pg);
+  distributed::ShardedSaveOptions options;
+  options.mesh = mesh;
+  const absl::Status s = distributed::save_sharded_checkpoint(dir, model, &opt, &sched, st, pg, options);
   EMBER_CHECK(s.ok(), "saving checkpoint ", dir, ": ", s.message());
 }
 

@@ -1,8 +1,10 @@
 // ckpt: look into, check and consolidate sharded checkpoints
 // (distributed/checkpoint/sharded.h).
 //
-//   ckpt inspect DIR                 tensors, shapes, dtypes, pieces, sizes, and
-//                                    which rank's file holds which box of each
+//   ckpt inspect DIR                 tensors, shapes, dtypes, pieces, sizes,
+//                                    which rank's file holds which box of each,
+//                                    the mesh it was saved on and each tensor's
+//                                    placements (when the saver recorded them)
 //   ckpt verify DIR                  every checksum and the coverage of every
 //                                    tensor; exits 1 naming the file and tensor
 //                                    of the first mismatch
@@ -57,9 +59,9 @@ int inspect(const std::string& dir) {
       total += p.byte_end - p.byte_begin;
       ++pieces;
     }
-  std::printf("%s: version %d, saved by %d rank(s), layout %s; %zu tensors in %lld pieces, %s\n", dir.c_str(),
-              index->version, index->world_size, index->layout.c_str(), index->tensors.size(),
-              static_cast<long long>(pieces), human(total).c_str());
+  std::printf("%s: version %d, saved by %d rank(s)%s, layout %s; %zu tensors in %lld pieces, %s\n", dir.c_str(),
+              index->version, index->world_size, index->mesh.empty() ? "" : (" on " + index->mesh).c_str(),
+              index->layout.c_str(), index->tensors.size(), static_cast<long long>(pieces), human(total).c_str());
   std::printf("\n%-28s %8s %12s  %s\n", "file", "pieces", "data", "on disk");
   for (const auto& [f, pb] : per_file) {
     std::error_code ec;
@@ -104,6 +106,14 @@ int inspect(const std::string& dir) {
     std::printf("%-52s %-16s %-5s %10s  %zu: %s\n", t.name.c_str(), shape_str(t.shape).c_str(),
                 std::string(dtype_name(t.dtype)).substr(0, 5).c_str(), human(bytes).c_str(), t.pieces.size(),
                 where.c_str());
+  }
+  // How each tensor was laid out when saved (its optimizer state alike).
+  bool any = false;
+  for (const auto& t : index->tensors) {
+    if (t.placement.empty() || t.name.rfind("optim.state.", 0) == 0) continue;
+    if (!any) std::printf("\n%-52s %s\n", "tensor", "placements when saved");
+    any = true;
+    std::printf("%-52s %s\n", t.name.c_str(), t.placement.c_str());
   }
   return 0;
 }

@@ -392,10 +392,9 @@ absl::Status commit_dir(const std::string& tmp, const std::string& dir) {
   return absl::OkStatus();
 }
 
-
-
 absl::StatusOr<std::string> trainer_text(const nn::Module& model, const optim::Optimizer* optimizer,
-                                         const optim::LRScheduler* scheduler, const TrainingState& state) {
+                                         const optim::LRScheduler* scheduler, const TrainingState& state,
+                                         const std::vector<std::vector<std::string>>* group_names) {
   if (state.epoch < 0 || state.step < 0)
     return absl::InvalidArgumentError(absl::StrCat("save_checkpoint: epoch ", state.epoch, " and step ", state.step,
                                                    " must be >= 0"));
@@ -412,6 +411,15 @@ absl::StatusOr<std::string> trainer_text(const nn::Module& model, const optim::O
   if (optimizer) {
     opt_sd = optimizer->groups_dict();  // the state itself goes to the tensor files
     optim::name_parameters(*opt_sd, *optimizer, model.named_parameters());
+    if (group_names && group_names->size() == opt_sd->param_groups.size()) {
+      int64_t next = 0;  // indices numbered across the groups, as torch's
+      for (size_t g = 0; g < group_names->size(); ++g) {
+        auto& group = opt_sd->param_groups[g];
+        group.param_names = (*group_names)[g];
+        group.params.clear();
+        for (size_t k = 0; k < group.param_names.size(); ++k) group.params.push_back(next++);
+      }
+    }
   }
   return trainer_json(model, optimizer, scheduler, state, std::move(extra), opt_sd ? &*opt_sd : nullptr).dump(2) + "\n";
 }

@@ -23,10 +23,13 @@ std::string normalize_dir(std::string d);
 // checkpoint being saved.
 void stage(const char* name, const std::string& dir);
 
-// trainer.json's text; optimizer state names come from model's parameters.
-// Errors: a bad epoch/step or extra_json.
+// trainer.json's text; optimizer state names come from model's parameters,
+// or, given `group_names`, each group lists those (every rank's, when ranks
+// hold different parameters: pipeline stages). Errors: a bad epoch/step or
+// extra_json.
 absl::StatusOr<std::string> trainer_text(const nn::Module& model, const optim::Optimizer* optimizer,
-                                         const optim::LRScheduler* scheduler, const TrainingState& state);
+                                         const optim::LRScheduler* scheduler, const TrainingState& state,
+                                         const std::vector<std::vector<std::string>>* group_names = nullptr);
 
 // trainer.json read and checked, nothing applied. `optimizer_groups` holds
 // the parameter groups (names included) without state tensors; set when an

@@ -89,6 +89,7 @@ absl::StatusOr<json> write_rank_file(const std::string& path, const std::vector<
   for (const Held& h : held) {
     if (!h.writer) continue;
     json rec = {{"name", h.name}, {"shape", h.shape}, {"dtype", safetensors_dtype_name(h.dtype)}};
+    if (!h.placement.empty()) rec["placement"] = h.placement;
     Tensor flat = h.local.detach().contiguous().view({-1}).to(kCPU).contiguous();
     const int64_t n = flat.numel(), es = static_cast<int64_t>(dtype_size(h.dtype));
     const int64_t per = std::max<int64_t>(1, max_piece_bytes / es);
@@ -132,7 +133,7 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
 
 // Rank 0: the index of every rank's records.
 absl::StatusOr<json> build_index(const std::vector<json>& records, int world, const std::string& layout,
-                                 const std::string& where) {
+                                 const std::string& mesh, const std::string& where) {
   json tensors = json::object();
   for (int r = 0; r < world; ++r)
     for (const json& rec : records[r]) {
@@ -146,6 +147,7 @@ absl::StatusOr<json> build_index(const std::vector<json>& records, int world, co
                                                 (*it)["shape"].dump(), " ", (*it)["dtype"].dump(), " vs ",
                                                 rec.at("shape").dump(), " ", rec.at("dtype").dump(), " on rank ", r));
       }
+      if (rec.contains("placement") && !it->contains("placement")) (*it)["placement"] = rec.at("placement");
       if (!rec.contains("begin")) continue;
       (*it)["pieces"].push_back({{"file", rank_file(r)},
                                  {"offsets", rec.at("offsets")},
@@ -172,6 +174,7 @@ absl::StatusOr<json> build_index(const std::vector<json>& records, int world, co
   for (int r = 0; r < world; ++r) files.push_back(rank_file(r));
   json index = {{"format", kIndexFormat}, {"version", kIndexVersion}, {"world_size", world},
                 {"layout", layout},       {"files", files},           {"tensors", std::move(sorted)}};
+  if (!mesh.empty()) index["mesh"] = mesh;
   // The index must describe every tensor exactly once before it is written.
   CheckpointIndex check;
   if (auto s = checked_index(index, where, &check); !s.ok())
@@ -200,6 +203,7 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
   if (ws == j.end() || !ws->is_number_integer() || ws->get<int64_t>() < 1) return bad("\"world_size\" must be >= 1");
   out->world_size = ws->get<int>();
   if (auto l = j.find("layout"); l != j.end() && l->is_string()) out->layout = l->get<std::string>();
+  if (auto m = j.find("mesh"); m != j.end() && m->is_string()) out->mesh = m->get<std::string>();
   auto files = j.find("files");
   if (files == j.end() || !files->is_array()) return bad("\"files\" must be an array of file names");
   for (const json& fj : *files) {
@@ -222,6 +226,7 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
     CheckpointTensor ct;
     ct.name = name;
     if (!t.is_object()) return bad(at + " is not an object");
+    if (auto pl = t.find("placement"); pl != t.end() && pl->is_string()) ct.placement = pl->get<std::string>();
     auto shape = t.find("shape");
     if (shape == t.end() || !shape->is_array()) return bad(at + ": \"shape\" must be an array");
     int64_t numel = 1;  // with overflow checks: the file is untrusted
@@ -492,6 +497,32 @@ Staged stage_state(nn::Module& model, optim::Optimizer* optimizer, const optim::
   try {
     ModelLayout L = model_layout(model, pg);
     out.layout = L.description;
+    // trainer.json lists every rank's parameters in each optimizer group
+    // (pipeline stages hold different ones), each once, in rank order.
+    std::vector<std::vector<std::string>> group_names;
+    if (optimizer && pg.size() > 1) {
+      optim::OptimizerStateDict mine = optimizer->groups_dict();
+      optim::name_parameters(mine, *optimizer, model.named_parameters());
+      std::string text;
+      for (const auto& g : mine.param_groups) {
+        for (const auto& n : g.param_names) text += n + "\n";
+        text += "\x1e\n";  // end of a group
+      }
+      const std::vector<std::string> all = allgather_strings(pg, text);
+      group_names.resize(mine.param_groups.size());
+      std::vector<std::unordered_set<std::string>> seen(group_names.size());
+      for (const std::string& r : all) {
+        std::istringstream in(r);
+        size_t g = 0;
+        for (std::string line; std::getline(in, line);) {
+          if (line == "\x1e") {
+            ++g;
+            continue;
+          }
+          if (g < group_names.size() && seen[g].insert(line).second) group_names[g].push_back(line);
+        }
+      }
+    }
     std::vector<Held> held = L.held;
     held.push_back(
         {kRngPrefix + std::to_string(pg.rank()), {2}, DType::Int64, whole_region({2}), generator_state(), true});
@@ -503,7 +534,7 @@ Staged stage_state(nn::Module& model, optim::Optimizer* optimizer, const optim::
       if (h.writer) out.pieces.push_back(std::move(h));
     if (copy) copy_to_host(out.pieces);
     if (pg.rank() == 0) {
-      auto t = trainer_text(model, optimizer, scheduler, state);
+      auto t = trainer_text(model, optimizer, scheduler, state, group_names.empty() ? nullptr : &group_names);
       if (!t.ok()) out.error = std::string(t.status().message());
       else out.trainer = *t;
     }
@@ -573,7 +604,7 @@ absl::Status write_staged(const std::string& dir, const Staged& staged, ProcessG
     if (rank == 0) try {
       std::vector<json> per_rank;
       for (int r = 0; r < world; ++r) per_rank.push_back(json::parse(all[r]));
-      auto index = build_index(per_rank, world, staged.layout, where);
+      auto index = build_index(per_rank, world, staged.layout, options.mesh, where);
       absl::Status s = index.status();
       if (s.ok()) s = write_file_synced(tmp + "/" + kTrainerFile, staged.trainer);
       if (s.ok()) stage("sharded_before_index", dir);

@@ -62,6 +62,9 @@ struct ShardedSaveOptions {
   // Pieces are split at this size: a reader over-reads at most one piece
   // per tensor end, and a corrupted byte is located to within a piece.
   int64_t max_piece_bytes = int64_t{16} << 20;
+  // The job's mesh as it names it (DeviceMesh::to_string()), recorded in
+  // the index for //tools:ckpt inspect; empty: not recorded.
+  std::string mesh;
 };
 
 // Every rank of `pg` calls it, with its model (wrapped by fully_shard or
@@ -127,11 +130,13 @@ struct CheckpointTensor {
   Shape shape;
   DType dtype = DType::Float32;
   std::vector<CheckpointPiece> pieces;  // by box offsets, then run begin
+  std::string placement;                // how it was laid out when saved, if recorded
 };
 struct CheckpointIndex {
   int version = 0;
   int world_size = 0;
   std::string layout;
+  std::string mesh;  // the saving job's mesh, if recorded
   std::vector<std::string> files;
   std::vector<CheckpointTensor> tensors;  // by name
   const CheckpointTensor* find(const std::string& name) const;

@@ -18,15 +18,25 @@ uint64_t name_hash(const std::string& s) { return XXH64(s.data(), s.size(), 0); 
 // `local` (the elements of p's regions in order) as held pieces, one per region.
 void add_held(std::vector<Held>& out, const std::string& name, const Place& p, const Tensor& local) {
   if (p.regions.size() == 1) {
-    out.push_back({name, p.shape, local.dtype(), p.regions[0], local, p.writer});
+    out.push_back({name, p.shape, local.dtype(), p.regions[0], local, p.writer, p.placement});
     return;
   }
   Tensor flat = local.contiguous().view({-1});
   int64_t off = 0;
   for (const Region& r : p.regions) {
-    if (r.numel > 0) out.push_back({name, p.shape, local.dtype(), r, flat.narrow(0, off, r.numel), p.writer});
+    if (r.numel > 0)
+      out.push_back({name, p.shape, local.dtype(), r, flat.narrow(0, off, r.numel), p.writer, p.placement});
     off += r.numel;
   }
+}
+
+// "[Shard(0), Replicate()] on (dp_shard=2, tp=2), fsdp:full_shard".
+std::string placement_text(const ShardSpec& spec) {
+  std::string out = placements_string(spec.placements) + " on (";
+  for (size_t d = 0; d < spec.mesh_dims.size(); ++d)
+    out +=
+        (d ? ", " : "") + spec.mesh_dims[d] + "=" + std::to_string(d < spec.mesh_shape.size() ? spec.mesh_shape[d] : 0);
+  return out + ")" + (spec.layout.empty() ? "" : ", " + spec.layout);
 }
 
 }  // namespace
@@ -47,10 +57,11 @@ ModelLayout model_layout(nn::Module& model, ProcessGroup& pg) {
       int64_t global = 1;
       for (int64_t d : spec->global_shape) global *= d;
       const bool holds = spec->held_numel() > 0 || (global == 0 && spec->writes);
-      p = {name, spec->global_shape, spec->regions(), holds, holds && spec->writes, local_shard(t), spec->before_load};
+      p = {name,           spec->global_shape, spec->regions(),      holds, holds && spec->writes,
+           local_shard(t), spec->before_load,  placement_text(*spec)};
       if (out.description.empty()) out.description = spec->layout.empty() ? "sharded" : spec->layout;
     } else {
-      p = {name, t.sizes(), {whole_region(t.sizes())}, true, true, t, nullptr};
+      p = {name, t.sizes(), {whole_region(t.sizes())}, true, true, t, nullptr, world > 1 ? "whole on its holders" : ""};
     }
     EMBER_CHECK(p.local.numel() == p.numel(), "save_sharded_checkpoint: '", name, "' holds ", p.local.numel(),
                 " elements here, its shard spec's region ", p.numel());
@@ -165,6 +176,7 @@ std::vector<Held> optimizer_held(const optim::Optimizer& opt, const ModelLayout&
       p.regions = spec->regions();
       p.holds = spec->held_numel() > 0;
       p.writer = p.holds && spec->writes;
+      p.placement = placement_text(*spec);
     }
     const std::string name = kOptimPrefix + p.name + "." + s.name;
     const Tensor& t = s.value;
@@ -173,7 +185,7 @@ std::vector<Held> optimizer_held(const optim::Optimizer& opt, const ModelLayout&
       for (int64_t d : p.shape) global *= d;
       bool first = global == 0;
       for (const Region& r : p.regions) first = first || overlap(p.shape, r, run_region(p.shape, 0, 1)) == 1;
-      if (p.holds && first && p.writer) out.push_back({name, {}, t.dtype(), whole_region({}), t, true});
+      if (p.holds && first && p.writer) out.push_back({name, {}, t.dtype(), whole_region({}), t, true, ""});
       continue;
     }
     EMBER_CHECK(t.numel() == p.numel(), "save_sharded_checkpoint: optimizer state '", name, "' has ", t.numel(),

@@ -27,6 +27,9 @@ struct Held {
   Region region;        // what of it is held
   Tensor local;         // the held elements in order (any shape of that numel)
   bool writer = false;  // this rank writes them (exactly one holder does)
+  // How the tensor is laid out over the ranks, for the index ("[Shard(0),
+  // Shard(0)] on (dp_shard=2, tp=2), fsdp:full_shard+tensor_parallel").
+  std::string placement = {};
 };
 
 // A parameter (or buffer) of the model: its name, whole shape, and what of
@@ -38,6 +41,7 @@ struct Place {
   bool holds = false, writer = false;
   Tensor local;
   std::function<void()> before_load;
+  std::string placement = {};  // as Held::placement
   int64_t numel() const {
     int64_t n = 0;
     for (const Region& r : regions) n += r.numel;
