@@ -375,6 +375,17 @@ grep -qE "^h.0.attn.out_proj.weight +\[Shard\(0\), Shard\(1\)\] on \(dp_shard=2,
   --metrics "$tmp/nd8r.jsonl" > "$tmp/nd8r.log" 2>&1 || { cat "$tmp/nd8r.log"; exit 1; }
 out=$("$dir/gpt" --nproc 8 --dp-shard 2 --tp 2 --pp 2 --amp bf16 "${nd[@]}" --checkpoint-dir "$tmp/nd8b" 2>&1)
 ndb=$(grep 'step 6: validation loss' <<<"$out")
+# The mesh planner's per-rank memory for the 2 x 2 x 2 run within 10% of the measured peak (a larger GPT, so
+# the parts it models dominate what it does not).
+out=$("$dir/gpt" --nproc 8 --dp-shard 2 --tp 2 --pp 2 --dim 256 --heads 4 --seq 128 --layers 8 --max-steps 3 \
+      --global-batch 16 --microbatches 4 --sample-len 0 --eval-every 100 --checkpoint-dir "$tmp/ndm" 2>&1)
+python3 - "$(grep 'memory peak' <<<"$out")" "$(grep 'memory plan (mesh planner' <<<"$out")" <<'PY'
+import re, sys
+peak = float(re.search(r"memory peak ([0-9.]+) MiB", sys.argv[1]).group(1))
+plan = float(re.search(r"\): ([0-9.]+) MiB", sys.argv[2]).group(1))
+assert abs(plan - peak) <= 0.10 * peak, (sys.argv[1], sys.argv[2])
+print(f"gpt: 2x2x2 per-rank memory planned {plan:.1f} MiB, measured {peak:.1f} MiB")
+PY
 resumed=()
 for m in "--nproc 8 --dp-shard 8" "--nproc 8 --tp 4 --pp 2" "--nproc 1"; do
   i=$((i + 1))

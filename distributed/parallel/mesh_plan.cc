@@ -4,6 +4,7 @@
 #include "distributed/parallel/mesh_plan.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -138,17 +139,19 @@ const MeshCandidate& MeshPlan::best() const {
   return feasible.front();
 }
 
-MeshPlan plan_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions& o) {
+MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions& o, MeshCandidate k) {
   EMBER_CHECK(hw.gpus >= 1 && hw.gpus_per_host >= 1, "plan: --gpus ", hw.gpus, " and --gpus-per-host ",
               hw.gpus_per_host, " must be positive");
   EMBER_CHECK(o.global_batch >= 1, "plan: --global-batch must be positive, got ", o.global_batch);
-  EMBER_CHECK(!model.transformer() || (model.dim % model.heads == 0 && model.layers >= 1), "plan: --dim ", model.dim,
-              " does not split into ", model.heads, " heads");
-  MeshPlan plan;
-  plan.model = model;
-  plan.hw = hw;
-  plan.options = o;
-  const int N = hw.gpus, G = hw.gpus_per_host;
+  EMBER_CHECK(!model.transformer() || (model.heads >= 1 && model.dim % model.heads == 0 && model.layers >= 1),
+              "plan: --dim ", model.dim, " does not split into ", model.heads, " heads");
+  const int R = k.dp_replicate, S = k.dp_shard, T = k.tp, P = k.pp, V = k.virtual_stages;
+  const int N = R * S * T * P, G = hw.gpus_per_host;
+  EMBER_CHECK(N == hw.gpus, "plan: the mesh ", k.mesh(), " has ", N, " ranks, not ", hw.gpus);
+  auto reject = [&](const std::string& why) {
+    k.rejected = why;
+    return k;
+  };
   const double elem = o.mixed_precision ? 2 : 4;  // bytes of a parameter, gradient or activation
   const int64_t psi = model.num_params();
   const double tokens = static_cast<double>(o.global_batch) * (model.transformer() ? model.seq : 1);
@@ -158,6 +161,144 @@ MeshPlan plan_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions
     *bw = across ? hw.inter_host_bw : hw.intra_host_bw;
     *lat = across ? hw.inter_latency : hw.intra_latency;
   };
+  if (model.transformer()) {
+    const int64_t kv = model.kv_heads > 0 ? model.kv_heads : model.heads;
+    if (T > G) return reject("tp " + std::to_string(T) + " spans hosts (" + std::to_string(G) + " GPUs each)");
+    if (model.heads % T != 0 || kv % T != 0)
+      return reject("tp " + std::to_string(T) + " does not divide the " + std::to_string(model.heads) + " heads (" +
+                    std::to_string(kv) + " key/value heads)");
+    if (model.layers < static_cast<int64_t>(P) * V)
+      return reject(std::to_string(model.layers) + " layers cannot fill " + std::to_string(P * V) + " stages");
+  }
+  const int dp = R * S;
+  if (o.global_batch % (dp * k.microbatches) != 0)
+    return reject("the global batch " + std::to_string(o.global_batch) + " does not split over " + std::to_string(dp) +
+                  " data-parallel ranks x " + std::to_string(k.microbatches) + " micro-batches");
+  const int64_t M = k.microbatches;
+  k.micro_batch = o.global_batch / (dp * M);
+  // The first stage's share of the parameters (the embedding with its
+  // blocks; the last stage has the head instead, the same size for these
+  // models), its tensor-parallel part.
+  double stage_params;
+  int64_t unit_params;
+  if (model.transformer()) {
+    const double layers_here = std::ceil(static_cast<double>(model.layers) / P);
+    const double head = (P == 1 && !model.tied) ? static_cast<double>(model.vocab) * model.dim : 0;
+    stage_params = (layers_here * model.layer_params() + model.embedding_params() + head) / T;
+    unit_params = std::max(model.layer_params(), model.embedding_params()) / T;
+  } else {
+    stage_params = static_cast<double>(psi);
+    unit_params = psi;
+  }
+  const int64_t psi_r = static_cast<int64_t>(stage_params);
+  MemoryPlanOptions mo;
+  mo.optimizer = o.optimizer;
+  mo.mixed_precision = o.mixed_precision;
+  mo.world_size = S;
+  const MemoryPlan mp = plan_memory(psi_r, std::min(unit_params, psi_r), mo);
+  const MemoryPlanRow& row = mp.row(S > 1 ? "FULL_SHARD" : "DDP");
+  k.params = row.params, k.grads = row.grads, k.optimizer = row.optimizer_state, k.gathered = row.gathered;
+  // Under a pipeline the units stay gathered through the step with whole
+  // gradients (FSDPModule::begin_micro_batches).
+  if (S > 1 && P > 1) k.gathered = static_cast<int64_t>(2 * elem * psi_r);
+  // Accumulating micro-batches without a pipeline, FSDP keeps whole
+  // gradients until the last one (gradient sync off until then, as
+  // //examples:gpt does).
+  if (S > 1 && P == 1 && M > 1) k.gathered += static_cast<int64_t>(elem * psi_r);
+  // With whole gradients accumulated, the sharded ones do not exist at the
+  // peak: zero_grad freed them, and the step's one reduction makes them
+  // after the whole ones (and the activations) peaked.
+  if (S > 1 && M > 1) k.grads = 0;
+  if (k.offload) k.params = k.grads = k.optimizer = 0;  // the sharded state lives on the host
+  // Activations of the micro-batches alive on the first rank.
+  double bubble = 0;
+  if (model.transformer()) {
+    const double layers_per_stage = static_cast<double>(model.layers) / (P * V);
+    double live_layers = static_cast<double>(model.layers);  // layers' worth of micro-batch activations at the peak
+    double live_first = 1;  // micro-batches alive on the first stage (its embedding's output each)
+    if (P > 1) {
+      try {
+        const pp::Schedule sched = pp::make_schedule(k.schedule, P, V, static_cast<int>(M));
+        pp::Costs costs;
+        costs.f = 1, costs.b = k.schedule == "zb-h1" ? 1 : 2, costs.w = k.schedule == "zb-h1" ? 1 : 0;
+        const pp::Simulation sim = pp::simulate(sched, costs);
+        bubble = sim.bubble_fraction;
+        double live = 0;
+        for (int st : sched.stages_of(0)) live += sim.peak_live[st];
+        live_layers = live * layers_per_stage;
+        live_first = sim.peak_live[0];
+      } catch (const Error& e) {
+        return reject(e.what());
+      }
+    }
+    const double sbh = static_cast<double>(model.seq) * k.micro_batch * model.dim;
+    // 34 s·b·h bytes in 16 bits (Korthikanti): 17 elements, ember's GPT
+    // block keeps the same 17 (step_memory.cc).
+    const double per_layer = (k.ac == "full" ? 2.0 : 34.0) * sbh / T * (elem / 2);
+    const double recompute = k.ac == "full" ? 34.0 * sbh / T * (elem / 2) : 0;  // one layer rebuilt
+    const double logits = static_cast<double>(model.seq) * k.micro_batch * model.vocab / T * 4 * 2;
+    // The embedding's output (and the position sum) per live micro-batch;
+    // zero-bubble's pending W keeps its layers' output gradients (9 s·b·h
+    // elements per block: q, k, v, out, 4 of fc, proj) until it runs.
+    const double embedding = k.ac == "full" ? 0 : live_first * 2 * sbh / T * elem;
+    const double pending_w = k.schedule == "zb-h1" ? layers_per_stage * 9 * sbh / T * elem : 0;
+    k.activations =
+        static_cast<int64_t>(live_layers * per_layer + recompute + embedding + pending_w + (P == 1 ? logits : 0));
+    k.buffers = static_cast<int64_t>(T > 1 ? 2 * sbh * elem : 0);  // a collective's input and output
+  } else {
+    k.activations = static_cast<int64_t>(model.activation_bytes_per_sample * k.micro_batch * (elem / 2));
+  }
+  // No data-parallel buffers beside these: DDP's gradients are views of
+  // its buckets, FSDP's buffers are its gathered units, a pipeline's
+  // replicas average after the backwards, when the activations are gone.
+  if (k.total() > hw.mem_per_gpu)
+    return reject("needs " + gib(k.total()) + " GiB per GPU (" + gib(hw.mem_per_gpu) + " available)");
+  // Time.
+  const double flops = model.transformer() ? (k.ac == "full" ? 8.0 : 6.0) * psi * tokens +
+                                                 12.0 * model.layers * model.dim * model.seq * tokens
+                                           : model.flops_per_sample * o.global_batch;
+  k.compute = flops / (N * hw.peak_flops * hw.efficiency);
+  k.bubble = bubble;
+  const double compute_span = k.compute / (1 - bubble);
+  double bw, lat;
+  if (model.transformer() && T > 1) {
+    link(1, T, &bw, &lat);
+    const double bytes = static_cast<double>(model.seq) * k.micro_batch * model.dim * elem;
+    k.tp_comm =
+        std::ceil(static_cast<double>(model.layers) / P) * M * (k.ac == "full" ? 6 : 4) * ring(bytes, T, 2, bw, lat);
+  }
+  const double grad_bytes = elem * psi_r;
+  if (S > 1) {
+    link(T, S, &bw, &lat);
+    // Gathered for every forward and backward (FULL_SHARD), once per step
+    // under a pipeline; one reduce-scatter.
+    k.dp_comm += ring(grad_bytes, S, P > 1 ? 2 : 2.0 * M + 1, bw, lat);
+  }
+  if (R > 1) {
+    link(T * S, R, &bw, &lat);
+    k.dp_comm += ring(grad_bytes / S, R, 2, bw, lat);
+  }
+  // Overlapped with the backward (two thirds of the compute); what does
+  // not fit in it is exposed.
+  k.dp_exposed = std::max(0.0, k.dp_comm - compute_span * 2 / 3);
+  if (P > 1) {
+    link(T * S * R, P, &bw, &lat);
+    const double bytes = static_cast<double>(model.seq) * k.micro_batch * model.dim * elem / T;
+    k.pp_comm = 2.0 * M * V * (bytes / bw + lat);
+  }
+  if (k.offload) k.offload_io = (2.0 * psi_r / S * elem + 4.0 * psi_r / S) / hw.host_bw;
+  k.step = compute_span + k.tp_comm + k.dp_exposed + k.pp_comm + k.offload_io;
+  k.mfu = 6.0 * psi * tokens / (k.step * N * hw.peak_flops);
+  return k;
+}
+
+MeshPlan plan_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions& o) {
+  EMBER_CHECK(o.global_batch >= 1, "plan: --global-batch must be positive, got ", o.global_batch);
+  MeshPlan plan;
+  plan.model = model;
+  plan.hw = hw;
+  plan.options = o;
+  const int N = hw.gpus;
   for (int P : divisors(N))
     for (int T : divisors(N / P))
       for (int S : divisors(N / P / T)) {
@@ -167,164 +308,22 @@ MeshPlan plan_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions
         for (const auto& [sched_name, V] : schedules)
           for (const std::string ac : {"none", "full"})
             for (bool offload : {false, true}) {
+              if (offload && S == 1) continue;  // offload is FSDP's (CPUOffloadPolicy)
+              if (!model.transformer() && (T > 1 || P > 1 || ac != "none")) continue;
               MeshCandidate c;
               c.dp_replicate = R, c.dp_shard = S, c.tp = T, c.pp = P;
               c.schedule = sched_name, c.virtual_stages = V, c.ac = ac, c.offload = offload;
-              auto reject = [&](const std::string& why) {
-                c.rejected = why;
-                plan.rejected.push_back(c);
-              };
-              if (offload && S == 1) continue;  // offload is FSDP's (CPUOffloadPolicy)
-              if (!model.transformer() && (T > 1 || P > 1 || ac != "none")) continue;
-              if (model.transformer()) {
-                const int64_t kv = model.kv_heads > 0 ? model.kv_heads : model.heads;
-                if (T > G) {
-                  reject("tp " + std::to_string(T) + " spans hosts (" + std::to_string(G) + " GPUs each)");
-                  continue;
-                }
-                if (model.heads % T != 0 || kv % T != 0) {
-                  reject("tp " + std::to_string(T) + " does not divide the " + std::to_string(model.heads) +
-                         " heads (" + std::to_string(kv) + " key/value heads)");
-                  continue;
-                }
-                if (model.layers < static_cast<int64_t>(P) * V) {
-                  reject(std::to_string(model.layers) + " layers cannot fill " + std::to_string(P * V) + " stages");
-                  continue;
-                }
-              }
-              const int dp = R * S;
-              if (o.global_batch % dp != 0) {
-                reject("the global batch " + std::to_string(o.global_batch) + " does not split over " +
-                       std::to_string(dp) + " data-parallel ranks");
-                continue;
-              }
-              const int64_t per_dp = o.global_batch / dp;
               // Micro-batches: a pipeline fills with one sequence each (the
-              // least bubble, the least activation per micro-batch); without
-              // one, the whole per-rank batch at once, or accumulated one
+              // least bubble and activation per micro-batch); without one,
+              // the whole per-rank batch at once, or accumulated one
               // sequence at a time when that is what fits.
+              const int64_t per_dp = o.global_batch % (R * S) == 0 ? o.global_batch / (R * S) : 1;
               std::vector<int64_t> counts{per_dp};
               if (P == 1 && per_dp > 1) counts = {1, per_dp};
               for (int64_t M : counts) {
-                MeshCandidate k = c;
-                k.microbatches = M;
-                k.micro_batch = per_dp / M;
-                auto rej = [&](const std::string& why) {
-                  k.rejected = why;
-                  plan.rejected.push_back(k);
-                };
-                // The first stage's share of the parameters (the embedding
-                // with its blocks; the last stage has the head instead, the
-                // same size for these models), its tensor-parallel part.
-                double stage_params;
-                int64_t unit_params;
-                if (model.transformer()) {
-                  const double layers_here = std::ceil(static_cast<double>(model.layers) / P);
-                  const double head = (P == 1 && !model.tied) ? model.vocab * model.dim : 0;
-                  stage_params = (layers_here * model.layer_params() + model.embedding_params() + head) / T;
-                  unit_params = std::max(model.layer_params(), model.embedding_params()) / T;
-                } else {
-                  stage_params = static_cast<double>(psi);
-                  unit_params = psi;
-                }
-                const int64_t psi_r = static_cast<int64_t>(stage_params);
-                MemoryPlanOptions mo;
-                mo.optimizer = o.optimizer;
-                mo.mixed_precision = o.mixed_precision;
-                mo.world_size = S;
-                const MemoryPlan mp = plan_memory(psi_r, std::min(unit_params, psi_r), mo);
-                const MemoryPlanRow& row = mp.row(S > 1 ? "FULL_SHARD" : "DDP");
-                k.params = row.params, k.grads = row.grads, k.optimizer = row.optimizer_state,
-                k.gathered = row.gathered;
-                // Under a pipeline the units stay gathered through the step
-                // with whole gradients (FSDPModule::begin_micro_batches).
-                if (S > 1 && P > 1) k.gathered = static_cast<int64_t>(2 * elem * psi_r);
-                // Accumulating micro-batches without a pipeline, FSDP keeps
-                // whole gradients until the last one (gradient sync off
-                // until then, as //examples:gpt does).
-                if (S > 1 && P == 1 && M > 1) k.gathered += static_cast<int64_t>(elem * psi_r);
-                if (offload) {  // sharded state on the host; what is gathered stays
-                  k.params = k.grads = k.optimizer = 0;
-                }
-                // Activations of the micro-batches alive on the first rank.
-                double live_layers = 1;  // layers' worth of micro-batch activations held at the peak
-                double bubble = 0;
-                if (model.transformer()) {
-                  const double layers_per_stage = static_cast<double>(model.layers) / (P * V);
-                  if (P > 1) {
-                    try {
-                      const pp::Schedule s = pp::make_schedule(sched_name, P, V, static_cast<int>(M));
-                      pp::Costs costs;
-                      costs.f = 1, costs.b = sched_name == "zb-h1" ? 1 : 2, costs.w = sched_name == "zb-h1" ? 1 : 0;
-                      const pp::Simulation sim = pp::simulate(s, costs);
-                      bubble = sim.bubble_fraction;
-                      double live = 0;
-                      for (int st : s.stages_of(0)) live += sim.peak_live[st];
-                      live_layers = live * layers_per_stage;
-                    } catch (const Error& e) {
-                      rej(e.what());
-                      continue;
-                    }
-                  } else {
-                    live_layers = static_cast<double>(model.layers);
-                  }
-                  const double sbh = static_cast<double>(model.seq) * k.micro_batch * model.dim;
-                  // 16-bit: 34 sbh per layer (Korthikanti); float32 doubles it.
-                  const double per_layer = (ac == "full" ? 2.0 : 34.0) * sbh / T * (elem / 2);
-                  const double recompute = ac == "full" ? 34.0 * sbh / T * (elem / 2) : 0;  // one layer rebuilt
-                  const double logits = static_cast<double>(model.seq) * k.micro_batch * model.vocab / T * 4 * 2;
-                  k.activations = static_cast<int64_t>(live_layers * per_layer + recompute + (P == 1 ? logits : 0));
-                  k.buffers = static_cast<int64_t>(T > 1 ? 2 * sbh * elem : 0);
-                } else {
-                  k.activations = static_cast<int64_t>(model.activation_bytes_per_sample * k.micro_batch * (elem / 2));
-                }
-                if (dp > 1) k.buffers += int64_t{2} * 25 * 1000 * 1000;  // gradient buckets in flight
-                if (k.total() > hw.mem_per_gpu) {
-                  rej("needs " + gib(k.total()) + " GiB per GPU (" + gib(hw.mem_per_gpu) + " available)");
-                  continue;
-                }
-                // Time.
-                double flops;
-                if (model.transformer()) {
-                  flops =
-                      (ac == "full" ? 8.0 : 6.0) * psi * tokens + 12.0 * model.layers * model.dim * model.seq * tokens;
-                } else {
-                  flops = model.flops_per_sample * o.global_batch;
-                }
-                k.compute = flops / (N * hw.peak_flops * hw.efficiency);
-                k.bubble = bubble;
-                const double compute_span = k.compute / (1 - bubble);
-                double bw, lat;
-                if (model.transformer() && T > 1) {
-                  link(1, T, &bw, &lat);
-                  const double bytes = static_cast<double>(model.seq) * k.micro_batch * model.dim * elem;
-                  const double per = ring(bytes, T, 2, bw, lat);
-                  k.tp_comm = std::ceil(static_cast<double>(model.layers) / P) * M * (ac == "full" ? 6 : 4) * per;
-                }
-                const double grad_bytes = elem * psi_r;
-                if (S > 1) {
-                  link(T, S, &bw, &lat);
-                  // Gathered for every forward and backward (FULL_SHARD), once
-                  // per step under a pipeline; one reduce-scatter.
-                  const double passes = P > 1 ? 2 : 2.0 * M + 1;
-                  k.dp_comm += ring(grad_bytes, S, passes, bw, lat);
-                }
-                if (R > 1) {
-                  link(T * S, R, &bw, &lat);
-                  k.dp_comm += ring(grad_bytes / S, R, 2, bw, lat);
-                }
-                // Overlapped with the backward (two thirds of the compute),
-                // what does not fit in it is exposed.
-                k.dp_exposed = std::max(0.0, k.dp_comm - compute_span * 2 / 3);
-                if (P > 1) {
-                  link(T * S * R, P, &bw, &lat);
-                  const double bytes = static_cast<double>(model.seq) * k.micro_batch * model.dim * elem / T;
-                  k.pp_comm = 2.0 * M * V * (bytes / bw + lat);
-                }
-                if (offload) k.offload_io = (2.0 * psi_r / S * elem + 4.0 * psi_r / S) / hw.host_bw;
-                k.step = compute_span + k.tp_comm + k.dp_exposed + k.pp_comm + k.offload_io;
-                k.mfu = 6.0 * psi * tokens / (k.step * N * hw.peak_flops);
-                plan.feasible.push_back(k);
+                c.microbatches = M;
+                MeshCandidate k = evaluate_mesh(model, hw, o, c);
+                (k.rejected.empty() ? plan.feasible : plan.rejected).push_back(std::move(k));
               }
             }
       }
@@ -371,7 +370,11 @@ std::string MeshPlan::table() const {
   // Each reason once: how many, and one mesh it rejected.
   std::map<std::string, std::pair<int, std::string>> why;
   for (const MeshCandidate& c : rejected) {
-    std::string key = c.rejected;
+    // One line per kind of reason: its numbers as N.
+    std::string key;
+    for (char ch : c.rejected)
+      if (!std::isdigit(static_cast<unsigned char>(ch)) || key.empty() || key.back() != 'N')
+        key += std::isdigit(static_cast<unsigned char>(ch)) ? 'N' : ch;
     if (key.rfind("needs ", 0) == 0) key = "does not fit in memory";
     auto& w = why[key];
     if (w.first++ == 0) w.second = c.mesh() + " (" + c.describe() + "): " + c.rejected;

@@ -110,4 +110,10 @@ struct MeshPlan {
 
 MeshPlan plan_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions& options);
 
+// One mesh: `c` gives the dimensions, schedule, virtual stages,
+// micro-batches per data-parallel rank, AC policy and offload; the result
+// has its memory and time filled in, or `rejected` set. What plan_mesh
+// does for each candidate, and what //examples:gpt prints for its own run.
+MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions& options, MeshCandidate c);
+
 }  // namespace ember::distributed
