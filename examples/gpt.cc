@@ -856,14 +856,16 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     if (step - first == std::min<int64_t>(2, flags.max_steps - first)) {
       LOG0(mem.line("memory peak"));
       // The planner's prediction beside it, where its timeline models the run.
-      if (ms.tp == 1 && ms.pp == 1 && ms.dp_replicate == 1 && flags.amp == "off" && flags.strategy != "hybrid") {
+      if (ms.tp == 1 && ms.pp == 1 && ms.dp_replicate == 1 && flags.amp == "off" && flags.strategy != "hybrid" &&
+          s.micro_steps == 1) {
         distributed::StepPlan plan{.micro_batch = s.micro_batch,
                                    .seq = flags.seq,
                                    .world = ms.dp_shard,
                                    .strategy = flags.strategy,
                                    .ac = flags.ac};
         LOG0(distributed::predict_gpt_step_memory(model_options(flags, vocab), plan).line("memory plan"));
-      } else if (flags.ac == "none" || flags.ac == "full") {
+      } else if ((flags.ac == "none" || flags.ac == "full") &&
+                 (flags.strategy == "full" || flags.strategy == "hybrid")) {
         // The mesh planner's arithmetic (//tools:plan) for this run's mesh:
         // the ZeRO accounting of what a rank's stage and tensor-parallel
         // part hold, 17 s·b·h elements per block and live micro-batch.
@@ -894,7 +896,8 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
         else
           LOG0("memory plan (mesh planner): ", k.rejected);
       } else {
-        LOG0("memory plan: --ac ", flags.ac, " is not modelled with tensor or pipeline parallelism, HSDP or --amp");
+        LOG0("memory plan: --ac ", flags.ac, " with --strategy ", flags.strategy, " is not modelled with tensor or ",
+             "pipeline parallelism, HSDP, --amp or accumulation");
       }
     }
     if (!flags.metrics.empty()) {
