@@ -375,6 +375,9 @@ grep -qE "^h.0.attn.out_proj.weight +\[Shard\(0\), Shard\(1\)\] on \(dp_shard=2,
   --metrics "$tmp/nd8r.jsonl" > "$tmp/nd8r.log" 2>&1 || { cat "$tmp/nd8r.log"; exit 1; }
 out=$("$dir/gpt" --nproc 8 --dp-shard 2 --tp 2 --pp 2 --amp bf16 "${nd[@]}" --checkpoint-dir "$tmp/nd8b" 2>&1)
 ndb=$(grep 'step 6: validation loss' <<<"$out")
+# fp16 with the loss scaler (found-inf agreed over the whole mesh).
+out=$("$dir/gpt" --nproc 8 --dp-shard 2 --tp 2 --pp 2 --amp fp16 "${nd[@]}" --checkpoint-dir "$tmp/nd8h" 2>&1)
+ndh=$(grep 'step 6: validation loss' <<<"$out")
 # The mesh planner's per-rank memory for the 2 x 2 x 2 run within 10% of the measured peak (a larger GPT, so
 # the parts it models dominate what it does not).
 out=$("$dir/gpt" --nproc 8 --dp-shard 2 --tp 2 --pp 2 --dim 256 --heads 4 --seq 128 --layers 8 --max-steps 3 \
@@ -401,14 +404,14 @@ mkdir -p "$tmp/ndb" && cp -r "$tmp/nd1/step_3" "$tmp/ndb/"
   --metrics "$tmp/ndb.jsonl" > "$tmp/ndb.log" 2>&1 || { cat "$tmp/ndb.log"; exit 1; }
 grep -q "saved by 1 rank" "$tmp/ndb.log" || { cat "$tmp/ndb.log"; exit 1; }
 resumed+=("$tmp/ndb.jsonl")
-python3 - "$tmp/nd1.jsonl" "$(grep 'step 6: validation loss' "$tmp/nd1.log")" "$ndb" \
+python3 - "$tmp/nd1.jsonl" "$(grep 'step 6: validation loss' "$tmp/nd1.log")" "$ndb" "$ndh" \
   "${runs[@]}" "$tmp/nd8.jsonl" "$tmp/nd8r.jsonl" -- "${resumed[@]}" <<'PY'
 import json, re, sys
 args = sys.argv[1:]
 ref = [json.loads(l) for l in open(args[0])]
 val = lambda s: float(re.search(r"validation loss ([0-9.]+)", s).group(1))
-v1, vb = val(args[1]), val(args[2])
-assert abs(v1 - vb) <= 0.01 * v1, ("bf16", v1, vb)
+v1, vb, vh = val(args[1]), val(args[2]), val(args[3])
+assert abs(v1 - vb) <= 0.01 * v1 and abs(v1 - vh) <= 0.01 * v1, ("bf16, fp16", v1, vb, vh)
 sep = args.index("--")
 def same(f, rows):
     got = [json.loads(l) for l in open(f)]
@@ -417,11 +420,11 @@ def same(f, rows):
         assert x["batch_digest"] == y["batch_digest"], (f, x, y)
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (f, x, y)
         assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * x["grad_norm"], (f, x, y)
-for f in args[3:sep]:
+for f in args[4:sep]:
     same(f, ref)
 for f in args[sep + 1:]:
     same(f, ref[3:])  # steps 4-6 after resuming at 3
-print("gpt: every 2x2 pair on 4 ranks, 2x2x2 and 2x1x2x2 on 8 agree with one process; bf16 within 1%;"
+print("gpt: every 2x2 pair on 4 ranks, 2x2x2 and 2x1x2x2 on 8 agree with one process; bf16 and fp16 within 1%;"
       " 2x2x2 -> dp_shard 8, tp 4 x pp 2, one process, and one process -> 2x2x2 continue as uninterrupted")
 PY
 # Activation checkpointing recomputes exactly: dp_shard 2 x tp 2 with

@@ -23,7 +23,7 @@ const char* kUsage =
     "             [--swiglu] [--tied]) --gpus N [--gpus-per-host G] [--mem-per-gpu 80GiB] --global-batch B\n"
     "             [--dtype bf16|fp16|fp32] [--optimizer adamw|adam|sgd] [--top K]\n"
     "             [--peak-tflops T] [--efficiency E] [--intra-host-gbps B] [--inter-host-gbps B]\n"
-    "  models: gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-7b, llama-13b, llama-70b, resnet50\n"
+    "  models: gpt (= gpt2), gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-7b, llama-13b, llama-70b, resnet50\n"
     "  bandwidths in GB/s per GPU; the defaults are an H100 SXM host (989 TFLOPS bf16, NVLink 450, 400 Gb/s)\n";
 
 [[noreturn]] void usage_error(const std::string& msg) {
@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
     std::fputs(plan.table().c_str(), stdout);
     return plan.feasible.empty() ? 1 : 0;
   } catch (const ember::Error& e) {
-    std::fprintf(stderr, "plan: %s\n", e.what());
+    std::fprintf(stderr, "%s\n", e.what());  // the message starts with "plan: "
     return 1;
   }
 }

@@ -67,7 +67,7 @@ int64_t ModelSpec::num_params() const {
 }
 
 std::vector<std::string> model_presets() {
-  return {"gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-7b", "llama-13b", "llama-70b", "resnet50"};
+  return {"gpt", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-7b", "llama-13b", "llama-70b", "resnet50"};
 }
 
 ModelSpec model_preset(const std::string& name) {
@@ -80,7 +80,7 @@ ModelSpec model_preset(const std::string& name) {
     m.layers = l, m.dim = d, m.heads = h, m.kv_heads = kv, m.ffn = ffn, m.vocab = 32000, m.seq = 4096;
     m.swiglu = true;
   };
-  if (name == "gpt2")
+  if (name == "gpt2" || name == "gpt")
     gpt(12, 768, 12);
   else if (name == "gpt2-medium")
     gpt(24, 1024, 16);

@@ -53,8 +53,8 @@ struct ModelSpec {
   int64_t embedding_params() const;  // the token embedding (and a learned position table)
   int64_t num_params() const;        // the whole model, an untied head included
 };
-// gpt2, gpt2-medium, gpt2-large, gpt2-xl (1.5B), llama-7b, llama-13b,
-// llama-70b, resnet50; an error lists them otherwise.
+// gpt (= gpt2), gpt2, gpt2-medium, gpt2-large, gpt2-xl (1.5B), llama-7b,
+// llama-13b, llama-70b, resnet50; an error lists them otherwise.
 ModelSpec model_preset(const std::string& name);
 std::vector<std::string> model_presets();
 
