@@ -36,45 +36,13 @@ import torch.nn.functional as F
 import peer_common as pc
 
 
-class Attention(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.head_dim = d // heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d, d) for _ in range(4))
-
-    def forward(self, x):
-        b, t = x.shape[0], x.shape[1]
-        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(a.transpose(1, 2).reshape(b, t, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-
-
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d), MLP(d)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
 class Stage(nn.Module):
     def __init__(self, a, lo, hi, first, last):
         super().__init__()
         self.first, self.last = first, last
         if first:
             self.tok, self.pos = nn.Embedding(a.vocab, a.dim), nn.Embedding(a.seq, a.dim)
-        self.blocks = nn.ModuleDict({str(i): Block(a.dim, a.heads) for i in range(lo, hi)})
+        self.blocks = nn.ModuleDict({str(i): pc.SplitBlock(a.dim, a.heads) for i in range(lo, hi)})
         if last:
             self.ln_f, self.head = nn.LayerNorm(a.dim), nn.Linear(a.dim, a.vocab, bias=False)
 

@@ -27,44 +27,11 @@ import peer_common as pc
 LAYERS, D, HEADS, SEQ, VOCAB, BATCH = 6, 512, 8, 128, 8192, 4
 
 
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.head_dim = D // HEADS
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(D, D) for _ in range(4))
-
-    def forward(self, x):
-        b, t = x.shape[0], x.shape[1]
-        # -1: the heads this rank holds under tensor parallelism.
-        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(a.transpose(1, 2).reshape(b, t, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(D), Attention(), nn.LayerNorm(D), MLP()
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
 class GPT(nn.Module):
     def __init__(self):
         super().__init__()
         self.tok, self.pos = nn.Embedding(VOCAB, D), nn.Embedding(SEQ, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(pc.SplitBlock(D, HEADS) for _ in range(LAYERS))
         self.ln_f, self.head = nn.LayerNorm(D), nn.Linear(D, VOCAB, bias=False)
 
     def forward(self, idx, positions):
