@@ -66,9 +66,9 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
 
   // The mesh over `dims` (in that order) through this rank: the ranks that
   // share its coordinates on the other dimensions (torch's mesh["dp", "tp"]).
-  // Not collective: it reuses the dimensions' groups. The same dims give
-  // the same object while it is in use, so whatever keys on a mesh (norm
-  // domains: one reduction per mesh) sees one.
+  // Not collective: it reuses the dimensions' groups. The same dims cut
+  // from the same mesh object give the same object while it is in use, so
+  // whatever keys on a mesh (norm domains: one reduction per mesh) sees one.
   std::shared_ptr<DeviceMesh> submesh(const std::vector<std::string>& dims) const;
 
   // The mesh this one was cut from by submesh (through any number of

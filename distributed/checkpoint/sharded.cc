@@ -511,8 +511,8 @@ Staged stage_state(nn::Module& model, optim::Optimizer* optimizer, const optim::
       const std::vector<std::string> all = allgather_strings(pg, text);
       group_names.resize(mine.param_groups.size());
       std::vector<std::unordered_set<std::string>> seen(group_names.size());
-      for (const std::string& r : all) {
-        std::istringstream in(r);
+      for (size_t r = 0; r < all.size(); ++r) {
+        std::istringstream in(all[r]);
         size_t g = 0;
         for (std::string line; std::getline(in, line);) {
           if (line == "\x1e") {
@@ -521,6 +521,9 @@ Staged stage_state(nn::Module& model, optim::Optimizer* optimizer, const optim::
           }
           if (g < group_names.size() && seen[g].insert(line).second) group_names[g].push_back(line);
         }
+        if (g != group_names.size() && out.error.empty())
+          out.error = absl::StrCat("rank ", r, "'s optimizer has ", g, " parameter group(s), rank ", pg.rank(), "'s ",
+                                   group_names.size(), "; every rank's must have the same groups");
       }
     }
     std::vector<Held> held = L.held;

@@ -254,8 +254,9 @@ MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const Pl
   if (k.total() > hw.mem_per_gpu)
     return reject("needs " + gib(k.total()) + " GiB per GPU (" + gib(hw.mem_per_gpu) + " available)");
   // Time.
-  const double flops = model.transformer() ? (k.ac == "full" ? 8.0 : 6.0) * psi * tokens +
-                                                 12.0 * model.layers * model.dim * model.seq * tokens
+  // Full recompute runs every forward twice: 4/3 of forward + backward.
+  const double flops = model.transformer() ? (k.ac == "full" ? 4.0 / 3 : 1.0) *
+                                                 (6.0 * psi + 12.0 * model.layers * model.dim * model.seq) * tokens
                                            : model.flops_per_sample * o.global_batch;
   k.compute = flops / (N * hw.peak_flops * hw.efficiency);
   k.bubble = bubble;
@@ -278,9 +279,11 @@ MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const Pl
     link(T * S, R, &bw, &lat);
     k.dp_comm += ring(grad_bytes / S, R, 2, bw, lat);
   }
-  // Overlapped with the backward (two thirds of the compute); what does
-  // not fit in it is exposed.
-  k.dp_exposed = std::max(0.0, k.dp_comm - compute_span * 2 / 3);
+  // Without a pipeline, overlapped with the backward (two thirds of the
+  // compute), what does not fit in it exposed; under one, the reductions
+  // run after the last backward (end_micro_batches, the replicas'
+  // average): all exposed.
+  k.dp_exposed = P > 1 ? k.dp_comm : std::max(0.0, k.dp_comm - compute_span * 2 / 3);
   if (P > 1) {
     link(T * S * R, P, &bw, &lat);
     const double bytes = static_cast<double>(model.seq) * k.micro_batch * model.dim * elem / T;

@@ -11,7 +11,7 @@
 // a schedule keeps alive on its first rank (1F1B and ZB-H1: pp; interleaved:
 // pp·(1 + (pp-1)/(pp·v)); GPipe: all), and with a step time:
 //
-//   compute   6·Ψ·tokens + 12·L·h·s·tokens (PaLM), 8·Ψ with full recompute,
+//   compute   6·Ψ·tokens + 12·L·h·s·tokens (PaLM), 4/3 of it with full recompute,
 //             over N GPUs at `efficiency` of their peak, stretched by the
 //             schedule's bubble (schedule.h's closed forms)
 //   tp        4 all-reduces of s·b·h per layer and micro-batch (6 with
@@ -21,7 +21,8 @@
 //             reduce-scatter ((2M+1)Ψ_r; whole gradients held meanwhile), 2Ψ_r
 //             under a pipeline (gathered once per step); HSDP adds the
 //             replicas' all-reduce of the shard; overlapped with two thirds
-//             of the compute (the backward), what exceeds it exposed
+//             of the compute (the backward), what exceeds it exposed; all
+//             exposed under a pipeline (reduced after its last backward)
 //   pp        2 transfers of s·b·h per micro-batch and boundary (×v)
 //
 // Each dimension's group spans hosts when its stride × size exceeds the

@@ -390,6 +390,10 @@ std::vector<Tensor> Pipeline::step(const std::vector<Tensor>& inputs, const std:
   };
   const std::vector<std::shared_ptr<FSDPModule>> fsdp =
       schedule_.forward_only() ? std::vector<std::shared_ptr<FSDPModule>>{} : fsdp_stages();
+  EMBER_CHECK(fsdp.empty() || options_.dp_group == nullptr || options_.dp_group->size() == 1, "pipeline rank ", rank_,
+              ": PipelineOptions::dp_group averages whole gradients over replicas of a pipeline without FSDP; ",
+              "stages wrapped by fully_shard reduce their own (HSDP: a 2-D (dp_replicate, dp_shard) mesh for the ",
+              "replicas)");
   for (auto& f : fsdp) f->begin_micro_batches();
   size_t at = 0;
   try {

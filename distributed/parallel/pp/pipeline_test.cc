@@ -486,6 +486,17 @@ EMBER_WORKER(fsdp_pp) {
   }
   WCHECK(checked > 0, "rank ", env.rank, " checked no parameter");
   {
+    // Replicas averaged by the pipeline on top of FSDP's own reduction: refused.
+    Pipeline both(sched, mine, mesh->group("pp"), {.loss = lm_loss, .dp_group = fo.mesh->group(0)});
+    std::vector<Tensor> xs, ys;
+    for (int m = 0; m < M; ++m) {
+      auto [x, y] = micro(0, m);
+      xs.push_back(x), ys.push_back(y);
+    }
+    const std::string e = error_of([&] { both.step(xs, ys); });
+    WCHECK(e.find("stages wrapped by fully_shard reduce their own") != std::string::npos, e);
+  }
+  {
     Pipeline eval(forward_schedule(2, V, 2), mine, mesh->group("pp"), {.loss = lm_loss});
     std::vector<Tensor> xs, ys;
     for (int m = 0; m < 2; ++m) {
