@@ -52,6 +52,7 @@
 #include "core/ops.h"
 #include "distributed/checkpoint/checkpoint.h"
 #include "distributed/checkpoint/sharded.h"
+#include "distributed/comm/object_collectives.h"
 #include "distributed/config_check.h"
 #include "distributed/init.h"
 #include "distributed/launch/launch.h"
@@ -555,23 +556,38 @@ struct Setup {
 // run with another number of ranks or another strategy loads them
 // (distributed/checkpoint/sharded.h).
 void resume(const Flags& flags, const examples::Job& job, Setup& s) {
-  auto latest = distributed::latest_checkpoint(flags.checkpoint_dir, "step_");
-  EMBER_CHECK(latest.ok() && latest->has_value(), "--resume: no checkpoint in ", flags.checkpoint_dir);
-  auto index = distributed::read_checkpoint_index(**latest);
+  // The newest checkpoint that verifies completely (every piece against
+  // its checksum), chosen by rank 0 and taken by every rank; the newer
+  // ones skipped are named, none is touched.
+  std::string chosen, why;
+  if (job.pg->rank() == 0) {
+    std::vector<std::string> skipped;
+    auto found = distributed::newest_verified_checkpoint(flags.checkpoint_dir, "step_", &skipped);
+    for (const auto& sk : skipped) LOG0("--resume: skipping ", sk);
+    if (!found.ok())
+      why = std::string(found.status().message());
+    else if (!found->has_value())
+      why = "no checkpoint in " + flags.checkpoint_dir;
+    else
+      chosen = **found;
+  }
+  const std::vector<std::string> all = distributed::allgather_strings(*job.pg, chosen.empty() ? "!" + why : chosen);
+  EMBER_CHECK(!all[0].empty() && all[0][0] != '!', "--resume: ", all[0].substr(1));
+  const std::string path = all[0];
+  auto index = distributed::read_checkpoint_index(path);
   EMBER_CHECK(index.ok(), "--resume: ", index.status().message());
-  auto st = distributed::load_sharded_checkpoint(**latest, s.model(), s.opt.get(), s.sched.get(), *job.pg);
+  auto st = distributed::load_sharded_checkpoint(path, s.model(), s.opt.get(), s.sched.get(), *job.pg);
   EMBER_CHECK(st.ok(), "--resume: ", st.status().message(),
               " (was it written with other --layers/--dim/--heads/--seq or another corpus?)");
   s.step = st->step;
-  examples::restore_scaler(*s.scaler, nlohmann::json::parse(st->extra_json), **latest);
+  examples::restore_scaler(*s.scaler, nlohmann::json::parse(st->extra_json), path);
   std::string now = distributed::strategy_name(s.fsdp_options.strategy);  // as the index names it: "full_shard"
   for (char& c : now) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   if (s.mesh_shape.tp > 1) now += "+tensor_parallel";
   if (s.mesh_shape.pp > 1) now += "+pipeline";
   const std::string then = index->layout.rfind("fsdp:", 0) == 0 ? index->layout.substr(5) : index->layout;
-  LOG0("resumed from ", **latest, ": saved by ", index->world_size, " rank", index->world_size == 1 ? "" : "s", " (",
-       then, "), loading on ", job.world, " rank", job.world == 1 ? "" : "s", " (", now, "); ", s.step,
-       " step(s) done");
+  LOG0("resumed from ", path, ": saved by ", index->world_size, " rank", index->world_size == 1 ? "" : "s", " (", then,
+       "), loading on ", job.world, " rank", job.world == 1 ? "" : "s", " (", now, "); ", s.step, " step(s) done");
 }
 
 Setup setup(const Flags& flags, const examples::Job& job) {

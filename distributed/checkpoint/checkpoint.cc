@@ -552,8 +552,9 @@ absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir_in, nn::Mod
   return trainer->state;
 }
 
-absl::StatusOr<std::optional<std::string>> latest_checkpoint(const std::string& root, const std::string& prefix,
-                                                             bool fall_back, std::vector<std::string>* skipped) {
+absl::StatusOr<std::optional<std::string>> latest_checkpoint(
+    const std::string& root, const std::string& prefix, bool fall_back, std::vector<std::string>* skipped,
+    const std::function<absl::Status(const std::string& dir)>& verify) {
   std::error_code ec;
   std::vector<std::pair<int64_t, fs::path>> found;
   for (fs::directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
@@ -600,10 +601,16 @@ absl::StatusOr<std::optional<std::string>> latest_checkpoint(const std::string& 
             check_tensors(f.get<std::string>().c_str());
           }
       }
+    } else if (st.ok() && fs::is_regular_file(dir / "rank-00000.safetensors", fec)) {
+      // Rank files without their index: a sharded checkpoint that lost it,
+      // not a single-file one missing its model.
+      st = absl::NotFoundError(absl::StrCat((dir / "index.json").string(),
+                                            ": missing file (the directory holds a sharded checkpoint's rank files)"));
     } else {
       check_tensors(kModelFile);
       if (st.ok() && trainer->contains("optimizer") && !(*trainer)["optimizer"].is_null()) check_tensors(kOptimizerFile);
     }
+    if (st.ok() && verify) st = verify(path.string());
     if (st.ok()) return std::optional<std::string>(path.string());
     if (!fall_back)
       return absl::DataLossError(absl::StrCat("the newest checkpoint ", path.string(),

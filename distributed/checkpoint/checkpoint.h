@@ -80,11 +80,14 @@ absl::StatusOr<TrainingState> load_checkpoint(const std::string& dir, nn::Module
 // for the caller to report), and the next older one is tried; training from
 // an older checkpoint will later save over the damaged one, which is what
 // asking for the fallback means. ".tmp-"/".old-" leftovers and other names
-// are not checkpoints and are ignored.
-absl::StatusOr<std::optional<std::string>> latest_checkpoint(const std::string& root,
-                                                             const std::string& prefix = "epoch_",
-                                                             bool fall_back = false,
-                                                             std::vector<std::string>* skipped = nullptr);
+// are not checkpoints and are ignored. `verify`, when given, is a further
+// check of a checkpoint that passed these (sharded.h's
+// newest_verified_checkpoint reads every piece against its checksum): its
+// error is damage like theirs.
+absl::StatusOr<std::optional<std::string>> latest_checkpoint(
+    const std::string& root, const std::string& prefix = "epoch_", bool fall_back = false,
+    std::vector<std::string>* skipped = nullptr,
+    const std::function<absl::Status(const std::string& dir)>& verify = nullptr);
 
 namespace testing {
 // Test seam for crash-safety tests and the fault-injection harness

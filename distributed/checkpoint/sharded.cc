@@ -447,6 +447,21 @@ absl::Status verify_checkpoint(const std::string& dir_in) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<std::optional<std::string>> newest_verified_checkpoint(const std::string& root,
+                                                                      const std::string& prefix,
+                                                                      std::vector<std::string>* skipped) {
+  std::vector<std::string> mine;
+  std::vector<std::string>& skip = skipped ? *skipped : mine;
+  auto found = latest_checkpoint(root, prefix, /*fall_back=*/true, &skip, [](const std::string& dir) {
+    std::error_code ec;
+    return fs::is_regular_file(fs::path(dir) / kIndexFile, ec) ? verify_checkpoint(dir) : absl::OkStatus();
+  });
+  if (!found.ok() || found->has_value() || skip.empty()) return found;
+  std::string all;
+  for (const std::string& s : skip) all += (all.empty() ? "" : "; ") + s;
+  return absl::DataLossError(absl::StrCat("no checkpoint under ", root, " verifies (each was left untouched): ", all));
+}
+
 absl::StatusOr<Tensor> read_checkpoint_tensor(const std::string& dir, const CheckpointTensor& t) {
   Tensor out = Tensor::empty(t.shape, {t.dtype, kCPU});
   PieceReader reader(normalize_dir(dir));

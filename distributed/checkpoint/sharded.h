@@ -148,6 +148,18 @@ absl::StatusOr<CheckpointIndex> read_checkpoint_index(const std::string& dir);
 // Every piece read and its checksum compared: an error names the file, the
 // tensor and the byte range of the first mismatch.
 absl::Status verify_checkpoint(const std::string& dir);
+
+// What an unattended resume (an elastic restart) loads: the newest
+// "<prefix><N>" checkpoint under `root` that verifies completely —
+// trainer.json, and for a sharded checkpoint index.json and every piece
+// read against its checksum (verify_checkpoint); a single-file one by
+// latest_checkpoint's checks. Every newer one that does not is named with
+// its reason in `skipped`; nothing is deleted or modified. nullopt when
+// `root` holds no checkpoint at all; an error naming each checkpoint and
+// its damage when none verifies.
+absl::StatusOr<std::optional<std::string>> newest_verified_checkpoint(const std::string& root,
+                                                                      const std::string& prefix,
+                                                                      std::vector<std::string>* skipped = nullptr);
 // Whether `dir` holds a sharded checkpoint (an index.json).
 bool is_sharded_checkpoint(const std::string& dir);
 // One tensor whole (a CPU tensor of its shape), its pieces verified.

@@ -16,9 +16,13 @@
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
+#include <iterator>
+#include <map>
 #include <random>
 #include <set>
 #include <string>
@@ -456,6 +460,103 @@ class ShardedCheckpoint : public ::testing::Test {
   fs::path root_;
   int counter_ = 0;
 };
+
+// An unattended resume loads the newest checkpoint that verifies
+// completely: every way each file of the newest can be damaged makes it
+// skip to the one before, naming the damaged checkpoint and file, and
+// leaves every file as it was; when none verifies the error names each.
+TEST_F(ShardedCheckpoint, ResumeLoadsTheNewestThatVerifiesNamingEverySkippedOne) {
+  const fs::path good = save("fsdp:full", 2);
+  auto write = [](const fs::path& f, const std::string& text) {
+    std::ofstream(f, std::ios::binary | std::ios::trunc) << text;
+  };
+  auto read = [](const fs::path& f) {
+    std::ifstream in(f, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  auto flip = [&](const fs::path& f, std::streamoff at) {
+    std::string b = read(f);
+    const size_t i = at >= 0 ? static_cast<size_t>(at) : b.size() + static_cast<size_t>(at);
+    b[i] = static_cast<char>(b[i] ^ 0x5a);
+    write(f, b);
+  };
+  // Everything under a directory: names and contents.
+  auto snapshot = [&](const fs::path& d) {
+    std::map<std::string, std::string> out;
+    for (const auto& e : fs::recursive_directory_iterator(d))
+      out[e.path().string()] = e.is_regular_file() ? read(e.path()) : std::string("<dir>");
+    return out;
+  };
+  struct Damage {
+    std::string what, names;  // names: what the reason must mention
+    std::function<void(const fs::path&)> apply;
+  };
+  const std::vector<Damage> damages = {
+      {"index.json missing", "index.json: missing", [](const fs::path& d) { fs::remove(d / "index.json"); }},
+      {"index.json not JSON", "index.json", [&](const fs::path& d) { write(d / "index.json", "{\"format\": "); }},
+      {"index.json of another format", "index.json",
+       [&](const fs::path& d) { write(d / "index.json", "{\"format\": \"other\", \"files\": []}"); }},
+      {"index.json disagrees with a rank file (a piece's bytes moved)", "rank-0000",
+       [&](const fs::path& d) {
+         std::string j = read(d / "index.json");
+         const size_t at = j.find("\"bytes\": [");
+         ASSERT_NE(at, std::string::npos);
+         // Both ends 4 bytes on: the same size, other bytes of the file.
+         const size_t lo = at + std::strlen("\"bytes\": [");
+         const size_t comma = j.find(',', lo), hi = j.find_first_not_of(' ', comma + 1), close = j.find(']', hi);
+         const std::string moved = std::to_string(std::stoll(j.substr(lo, comma - lo)) + 4) + ", " +
+                                   std::to_string(std::stoll(j.substr(hi, close - hi)) + 4);
+         j.replace(lo, close - lo, moved);
+         write(d / "index.json", j);
+       }},
+      {"trainer.json missing", "trainer.json", [](const fs::path& d) { fs::remove(d / "trainer.json"); }},
+      {"trainer.json not JSON", "trainer.json", [&](const fs::path& d) { write(d / "trainer.json", "{"); }},
+      {"a rank file missing", "rank-00001.safetensors",
+       [](const fs::path& d) { fs::remove(d / "rank-00001.safetensors"); }},
+      {"a rank file cut short", "rank-00001.safetensors",
+       [&](const fs::path& d) {
+         const auto n = fs::file_size(d / "rank-00001.safetensors");
+         fs::resize_file(d / "rank-00001.safetensors", n / 2);
+       }},
+      {"a rank file's header damaged", "rank-00000.safetensors",
+       [&](const fs::path& d) { flip(d / "rank-00000.safetensors", 12); }},
+      {"a rank file's data damaged", "rank-00000.safetensors",
+       [&](const fs::path& d) { flip(d / "rank-00000.safetensors", -3); }},
+  };
+  int i = 0;
+  for (const Damage& dmg : damages) {
+    const fs::path r = root_ / ("resume_" + std::to_string(i++));
+    fs::create_directories(r);
+    fs::copy(good, r / "step_1", fs::copy_options::recursive);
+    fs::copy(good, r / "step_2", fs::copy_options::recursive);
+    dmg.apply(r / "step_2");
+    const auto before = snapshot(r);
+    std::vector<std::string> skipped;
+    auto found = newest_verified_checkpoint(r.string(), "step_", &skipped);
+    ASSERT_TRUE(found.ok()) << dmg.what << ": " << found.status();
+    ASSERT_TRUE(found->has_value()) << dmg.what;
+    EXPECT_EQ(**found, (r / "step_1").string()) << dmg.what;
+    ASSERT_EQ(skipped.size(), 1u) << dmg.what;
+    EXPECT_NE(skipped[0].find((r / "step_2").string()), std::string::npos) << dmg.what << ": " << skipped[0];
+    EXPECT_NE(skipped[0].find(dmg.names), std::string::npos) << dmg.what << ": " << skipped[0];
+    EXPECT_EQ(snapshot(r), before) << dmg.what << ": a file was modified";
+    // Both damaged: an error naming each, not "no checkpoint".
+    dmg.apply(r / "step_1");
+    skipped.clear();
+    found = newest_verified_checkpoint(r.string(), "step_", &skipped);
+    ASSERT_FALSE(found.ok()) << dmg.what;
+    const std::string msg(found.status().message());
+    EXPECT_NE(msg.find("no checkpoint under"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("step_2"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("step_1"), std::string::npos) << msg;
+  }
+  // Nothing at all: no checkpoint, not an error.
+  const fs::path empty = root_ / "empty";
+  fs::create_directories(empty);
+  auto none = newest_verified_checkpoint(empty.string(), "step_");
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_FALSE(none->has_value());
+}
 
 // The matrix: FULL_SHARD on 2 ranks into 1, 3 and 4 ranks and into
 // DDP and one process; and back from DDP and from one process into FSDP.
