@@ -885,32 +885,17 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
         // The mesh planner's arithmetic (//tools:plan) for this run's mesh:
         // the ZeRO accounting of what a rank's stage and tensor-parallel
         // part hold, 17 s·b·h elements per block and live micro-batch.
-        const nn::GPTOptions g = model_options(flags, vocab);
-        distributed::ModelSpec spec;
-        spec.name = "gpt";
-        spec.layers = g.n_layer, spec.dim = g.n_embd, spec.heads = g.n_head, spec.vocab = g.vocab_size;
-        spec.seq = flags.seq, spec.tied = g.tie_weights;
-        distributed::Hardware hw;
-        hw.gpus = job.world;
-        hw.gpus_per_host = std::max(1, job.env.local_world_size);
-        hw.mem_per_gpu = int64_t{1} << 50;
-        distributed::PlanOptions po;
-        po.global_batch = s.global_batch;
-        po.mixed_precision = flags.amp != "off";
+        const distributed::ModelSpec spec = distributed::model_spec(model_options(flags, vocab), flags.seq);
+        const distributed::Hardware hw{
+            .gpus = job.world, .gpus_per_host = std::max(1, job.env.local_world_size), .mem_per_gpu = int64_t{1} << 50};
+        const distributed::PlanOptions po{.global_batch = s.global_batch, .mixed_precision = flags.amp != "off"};
         distributed::MeshCandidate c;
         c.dp_replicate = ms.dp_replicate, c.dp_shard = ms.dp_shard, c.tp = ms.tp, c.pp = ms.pp;
         c.schedule = ms.pp > 1 ? flags.pp_schedule : "";
         c.virtual_stages = ms.pp > 1 ? flags.pp_virtual : 1;
         c.microbatches = s.micro_steps;
         c.ac = flags.ac;
-        const distributed::MeshCandidate k = distributed::evaluate_mesh(spec, hw, po, c);
-        auto mib = [](int64_t b) { return static_cast<double>(b) / (1 << 20); };
-        if (k.rejected.empty())
-          LOG0("memory plan (mesh planner, ", k.mesh(), "): ", mib(k.total()), " MiB: params+grads+optimizer ",
-               mib(k.params + k.grads + k.optimizer), ", gathered ", mib(k.gathered), ", activations ",
-               mib(k.activations), ", buffers ", mib(k.buffers));
-        else
-          LOG0("memory plan (mesh planner): ", k.rejected);
+        LOG0(distributed::evaluate_mesh(spec, hw, po, c).memory_line());
       } else {
         LOG0("memory plan: --ac ", flags.ac, " with --strategy ", flags.strategy, " is not modelled with tensor or ",
              "pipeline parallelism, HSDP, --amp or accumulation");

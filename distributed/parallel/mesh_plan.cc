@@ -133,6 +133,26 @@ std::string MeshCandidate::describe() const {
   return s;
 }
 
+std::string MeshCandidate::memory_line() const {
+  if (!rejected.empty()) return "memory plan (mesh planner): " + rejected;
+  auto mib = [](int64_t b) {
+    char s[32];
+    std::snprintf(s, sizeof s, "%.2f", static_cast<double>(b) / (1 << 20));
+    return std::string(s);
+  };
+  return "memory plan (mesh planner, " + mesh() + "): " + mib(total()) + " MiB: params+grads+optimizer " +
+         mib(params + grads + optimizer) + ", gathered " + mib(gathered) + ", activations " + mib(activations) +
+         ", buffers " + mib(buffers);
+}
+
+ModelSpec model_spec(const nn::GPTOptions& g, int64_t seq) {
+  ModelSpec m;
+  m.name = "gpt";
+  m.layers = g.n_layer, m.dim = g.n_embd, m.heads = g.n_head, m.vocab = g.vocab_size, m.seq = seq;
+  m.tied = g.tie_weights;
+  return m;
+}
+
 const MeshCandidate& MeshPlan::best() const {
   EMBER_CHECK(!feasible.empty(), "plan: no mesh fits ", model.name, " on ", hw.gpus, " GPUs of ", gib(hw.mem_per_gpu),
               " GiB");

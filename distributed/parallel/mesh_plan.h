@@ -37,6 +37,8 @@
 #include <string>
 #include <vector>
 
+#include "nn/transformer.h"
+
 namespace ember::distributed {
 
 // A model: a decoder-only transformer by its shape, or any other model by
@@ -57,6 +59,8 @@ struct ModelSpec {
 // gpt (= gpt2), gpt2, gpt2-medium, gpt2-large, gpt2-xl (1.5B), llama-7b,
 // llama-13b, llama-70b, resnet50; an error lists them otherwise.
 ModelSpec model_preset(const std::string& name);
+// An nn::GPT's shape (context `seq`).
+ModelSpec model_spec(const nn::GPTOptions& gpt, int64_t seq);
 std::vector<std::string> model_presets();
 
 struct Hardware {
@@ -94,6 +98,9 @@ struct MeshCandidate {
   std::string mesh() const;
   // "FSDP", "DDP", "HSDP", "FSDP + TP + PP (1f1b, 16 micro-batches)", ...
   std::string describe() const;
+  // "memory plan (mesh planner, <mesh>): X MiB: params+grads+optimizer A,
+  // gathered B, activations C, buffers D" (MiB), or why it was rejected.
+  std::string memory_line() const;
 };
 
 struct MeshPlan {
