@@ -26,7 +26,8 @@ constexpr int kUsageExit = 2;
 
 const char* kUsage =
     "usage: launch [--nproc_per_node=N] [--nnodes=M --node_rank=K] [--master_addr=HOST]\n"
-    "              [--master_port=PORT] [--grace_ms=MS] [--no-prefix] [--] PROGRAM [ARGS...]\n"
+    "              [--master_port=PORT] [--grace_ms=MS] [--max_restarts=K] [--no-prefix] [--]\n"
+    "              PROGRAM [ARGS...]\n"
     "\n"
     "Runs PROGRAM as N worker processes with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,\n"
     "GROUP_RANK, MASTER_ADDR and MASTER_PORT set (as torchrun does).\n"
@@ -38,7 +39,10 @@ const char* kUsage =
     "  --master_port=PORT  its port (default 29500; 0 picks a free one, single node only)\n"
     "  --grace_ms=MS       after a failure, SIGKILL workers still alive MS ms after\n"
     "                      SIGTERM (default 5000)\n"
+    "  --max_restarts=K    after a worker fails, start every worker again, up to K times, with\n"
+    "                      EMBER_RESTART_COUNT set (default 0; one node only)\n"
     "  --no-prefix         do not start worker output lines with \"[rank N]: \"\n"
+    "Flags may be spelled with - or _ (--max-restarts, --nproc-per-node).\n"
     "\n"
     "Exit status: 0 when every worker succeeds, else the first failing worker's exit code\n"
     "(128 + signal if it was killed), 2 for a bad command line.\n";
@@ -95,8 +99,8 @@ Parsed parse(int argc, char** argv) {
       p.options.prefix_output = false;
       continue;
     }
-    const bool known = name == "nproc_per_node" || name == "nnodes" || name == "node_rank" ||
-                       name == "master_addr" || name == "master_port" || name == "grace_ms";
+    const bool known = name == "nproc_per_node" || name == "nnodes" || name == "node_rank" || name == "master_addr" ||
+                       name == "master_port" || name == "grace_ms" || name == "max_restarts";
     if (!known) throw UsageError{"unknown flag " + arg.substr(0, arg.find('='))};
     if (!has_value) {
       if (i + 1 >= argc) throw UsageError{"--" + name + " needs a value"};
@@ -111,6 +115,7 @@ Parsed parse(int argc, char** argv) {
     }
     if (name == "master_port") o.master_port = parse_int(name, value, 0, 65535);
     if (name == "grace_ms") o.grace = std::chrono::milliseconds(parse_int(name, value, 0, 1 << 30));
+    if (name == "max_restarts") o.max_restarts = parse_int(name, value, 0, 1 << 20);
     if (name == "master_addr") {
       if (value.empty()) throw UsageError{"--master_addr is empty"};
       o.master_addr = value;
@@ -126,6 +131,9 @@ Parsed parse(int argc, char** argv) {
     throw UsageError{"--nnodes=" + std::to_string(o.nnodes) + " needs --node_rank on every node"};
   if (o.nnodes > 1 && o.master_port == 0)
     throw UsageError{"--master_port=0 (a free port) only works with --nnodes=1"};
+  if (o.nnodes > 1 && o.max_restarts > 0)
+    throw UsageError{"--max_restarts restarts one node's workers only; it does not go with --nnodes=" +
+                     std::to_string(o.nnodes) + " yet"};
   return p;
 }
 

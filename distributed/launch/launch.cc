@@ -348,10 +348,13 @@ int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
   EMBER_CHECK(!opt.master_addr.empty(), "launch: master_addr is empty");
   EMBER_CHECK(opt.grace.count() >= 0, "launch: grace must be >= 0 ms, got ", opt.grace.count());
   EMBER_CHECK(!argv.empty(), "launch: no program given");
+  EMBER_CHECK(opt.max_restarts >= 0, "launch: max_restarts must be >= 0, got ", opt.max_restarts);
+  EMBER_CHECK(opt.max_restarts == 0 || opt.nnodes == 1, "launch: max_restarts ", opt.max_restarts,
+              " restarts one node's workers only, and a job of ", opt.nnodes,
+              " nodes would lose the others' (agents that meet in rendezvous rounds are not built yet)");
 
   const int nproc = opt.nproc_per_node;
   const int world = nproc * opt.nnodes;
-  const int port = opt.master_port == 0 ? find_free_port() : opt.master_port;
   const std::string path = resolve_program(argv[0]);
 
   bool set_omp = nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
@@ -372,7 +375,8 @@ int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
     token = random_token();
   } else if (token.empty()) {
     say("launch: EMBER_STORE_TOKEN is not set, so the job's store serves any client that reaches MASTER_ADDR:" +
-        std::to_string(port) + "; export the same secret as EMBER_STORE_TOKEN on every node to keep others out");
+        std::to_string(opt.master_port) +
+        "; export the same secret as EMBER_STORE_TOKEN on every node to keep others out");
   }
 
   const char* pause_env = std::getenv("EMBER_LAUNCH_TEST_FORK_PAUSE_MS");
@@ -380,24 +384,6 @@ int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
   // Build every worker's argv/envp before the first fork.
   std::vector<std::string> args = argv;
   std::vector<char*> c_args = c_strings(args);
-  std::vector<std::vector<std::string>> envs(nproc);
-  std::vector<std::vector<char*>> c_envs(nproc);
-  for (int local = 0; local < nproc; ++local) {
-    std::vector<std::pair<std::string, std::string>> set = {
-        {"RANK", std::to_string(opt.node_rank * nproc + local)},
-        {"WORLD_SIZE", std::to_string(world)},
-        {"LOCAL_RANK", std::to_string(local)},
-        {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
-        {"GROUP_RANK", std::to_string(opt.node_rank)},
-        {"GROUP_WORLD_SIZE", std::to_string(opt.nnodes)},
-        {"MASTER_ADDR", opt.master_addr},
-        {"MASTER_PORT", std::to_string(port)},
-    };
-    if (set_omp) set.emplace_back("OMP_NUM_THREADS", "1");
-    if (!token.empty()) set.emplace_back("EMBER_STORE_TOKEN", token);
-    envs[local] = worker_env(set);
-    c_envs[local] = c_strings(envs[local]);
-  }
   const int max_fd = static_cast<int>(std::min<long>(::sysconf(_SC_OPEN_MAX), 1 << 16));
 
   // Our own stdio first, so nothing buffered earlier lands after worker lines.
@@ -406,163 +392,208 @@ int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
 
   SignalScope signals;
   const pid_t self = ::getpid();
-  std::vector<Worker> workers(nproc);
-  int running = 0;
-
-  auto kill_all = [&](int sig) {
-    for (auto& w : workers) signal_worker(w, sig);
-  };
-  // A failure while starting: take down whoever is already up, then throw.
-  auto abort_start = [&](std::initializer_list<int> fds) {
-    for (int fd : fds)
-      if (fd >= 0) ::close(fd);
-    kill_all(SIGKILL);
-    for (auto& v : workers)
-      if (v.running) ::waitpid(v.pid, nullptr, 0);
-    for (auto& v : workers) {
-      v.out.finish();
-      v.err.finish();
-    }
-  };
-
-  for (int local = 0; local < nproc; ++local) {
-    Worker& w = workers[local];
-    w.local_rank = local;
-    w.rank = opt.node_rank * nproc + local;
-    int out[2] = {-1, -1}, err[2] = {-1, -1};
-    if (opt.prefix_output) {
-      try {
-        make_pipe(out);
-        make_pipe(err);
-      } catch (...) {
-        abort_start({out[0], out[1], err[0], err[1]});
-        throw;
-      }
-    }
-    // Blocked around fork: see exec_child. The parent's copy is unblocked at
-    // once, and a signal that came meanwhile is handled (and forwarded) then.
-    sigset_t forwarded, prev_mask;
-    sigemptyset(&forwarded);
-    for (int sig : kForwarded) sigaddset(&forwarded, sig);
-    ::pthread_sigmask(SIG_BLOCK, &forwarded, &prev_mask);
-    pid_t pid = ::fork();
-    if (pid == 0)
-      exec_child(path.c_str(), c_args.data(), c_envs[local].data(), out[1], err[1], self, max_fd, fork_pause_ms);
-    int fork_errno = errno;
-    ::pthread_sigmask(SIG_SETMASK, &prev_mask, nullptr);
-    if (pid < 0) {
-      abort_start({out[0], out[1], err[0], err[1]});
-      EMBER_CHECK(false, "launch: fork of local rank ", local, " failed: ", std::strerror(fork_errno));
-    }
-    for (int fd : {out[1], err[1]})
-      if (fd >= 0) ::close(fd);
-    // Also from the parent: a signal sent to the group before the child got
-    // to its own setpgid must still find the group.
-    ::setpgid(pid, pid);
-    w.pid = pid;
-    w.running = true;
-    ++running;
-    std::string prefix = "[rank " + std::to_string(w.rank) + "]: ";
-    w.out = OutStream{out[0], STDOUT_FILENO, prefix, {}};
-    w.err = OutStream{err[0], STDERR_FILENO, prefix, {}};
-  }
-
-  int result = 0;
-  bool failed = false;       // the first failure (or signal) decided `result`
-  bool terminating = false;  // SIGTERM (or the forwarded signal) has gone out
-  bool killed = false;       // SIGKILL has gone out
-  Clock::time_point deadline{};
   int handled_signals = 0;
+  // One start of the workers; `by_signal`: a signal to the launcher ended it.
+  auto attempt = [&](int restart, bool* by_signal) -> int {
+    const int port = opt.master_port == 0 ? find_free_port() : opt.master_port;
+    std::vector<std::vector<std::string>> envs(nproc);
+    std::vector<std::vector<char*>> c_envs(nproc);
+    for (int local = 0; local < nproc; ++local) {
+      std::vector<std::pair<std::string, std::string>> set = {
+          {"RANK", std::to_string(opt.node_rank * nproc + local)},
+          {"WORLD_SIZE", std::to_string(world)},
+          {"LOCAL_RANK", std::to_string(local)},
+          {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
+          {"GROUP_RANK", std::to_string(opt.node_rank)},
+          {"GROUP_WORLD_SIZE", std::to_string(opt.nnodes)},
+          {"MASTER_ADDR", opt.master_addr},
+          {"MASTER_PORT", std::to_string(port)},
+      };
+      if (set_omp) set.emplace_back("OMP_NUM_THREADS", "1");
+      if (!token.empty()) set.emplace_back("EMBER_STORE_TOKEN", token);
+      // Which start this is (torchelastic's name too, for programs written for it).
+      set.emplace_back("EMBER_RESTART_COUNT", std::to_string(restart));
+      set.emplace_back("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
+      envs[local] = worker_env(set);
+      c_envs[local] = c_strings(envs[local]);
+    }
+    std::vector<Worker> workers(nproc);
+    int running = 0;
 
-  auto start_termination = [&](int sig) {
-    terminating = true;
-    kill_all(sig);
-    deadline = Clock::now() + opt.grace;
-  };
-
-  while (running > 0) {
-    // Signals to the launcher: forward the first, SIGKILL on a second.
-    int count = g_signal_count;
-    if (count > handled_signals) {
-      int sig = g_signal;
-      handled_signals = count;
-      if (!failed) {
-        failed = true;
-        result = 128 + sig;
+    auto kill_all = [&](int sig) {
+      for (auto& w : workers) signal_worker(w, sig);
+    };
+    // A failure while starting: take down whoever is already up, then throw.
+    auto abort_start = [&](std::initializer_list<int> fds) {
+      for (int fd : fds)
+        if (fd >= 0) ::close(fd);
+      kill_all(SIGKILL);
+      for (auto& v : workers)
+        if (v.running) ::waitpid(v.pid, nullptr, 0);
+      for (auto& v : workers) {
+        v.out.finish();
+        v.err.finish();
       }
-      if (!terminating) {
-        say("received signal " + std::to_string(sig) + ", forwarding it to the workers");
-        start_termination(sig);
-      } else if (!killed) {
-        say("received another signal, killing the workers");
+    };
+
+    for (int local = 0; local < nproc; ++local) {
+      Worker& w = workers[local];
+      w.local_rank = local;
+      w.rank = opt.node_rank * nproc + local;
+      int out[2] = {-1, -1}, err[2] = {-1, -1};
+      if (opt.prefix_output) {
+        try {
+          make_pipe(out);
+          make_pipe(err);
+        } catch (...) {
+          abort_start({out[0], out[1], err[0], err[1]});
+          throw;
+        }
+      }
+      // Blocked around fork: see exec_child. The parent's copy is unblocked at
+      // once, and a signal that came meanwhile is handled (and forwarded) then.
+      sigset_t forwarded, prev_mask;
+      sigemptyset(&forwarded);
+      for (int sig : kForwarded) sigaddset(&forwarded, sig);
+      ::pthread_sigmask(SIG_BLOCK, &forwarded, &prev_mask);
+      pid_t pid = ::fork();
+      if (pid == 0)
+        exec_child(path.c_str(), c_args.data(), c_envs[local].data(), out[1], err[1], self, max_fd, fork_pause_ms);
+      int fork_errno = errno;
+      ::pthread_sigmask(SIG_SETMASK, &prev_mask, nullptr);
+      if (pid < 0) {
+        abort_start({out[0], out[1], err[0], err[1]});
+        EMBER_CHECK(false, "launch: fork of local rank ", local, " failed: ", std::strerror(fork_errno));
+      }
+      for (int fd : {out[1], err[1]})
+        if (fd >= 0) ::close(fd);
+      // Also from the parent: a signal sent to the group before the child got
+      // to its own setpgid must still find the group.
+      ::setpgid(pid, pid);
+      w.pid = pid;
+      w.running = true;
+      ++running;
+      std::string prefix = "[rank " + std::to_string(w.rank) + "]: ";
+      w.out = OutStream{out[0], STDOUT_FILENO, prefix, {}};
+      w.err = OutStream{err[0], STDERR_FILENO, prefix, {}};
+    }
+
+    int result = 0;
+    bool failed = false;       // the first failure (or signal) decided `result`
+    bool terminating = false;  // SIGTERM (or the forwarded signal) has gone out
+    bool killed = false;       // SIGKILL has gone out
+    Clock::time_point deadline{};
+
+    auto start_termination = [&](int sig) {
+      terminating = true;
+      kill_all(sig);
+      deadline = Clock::now() + opt.grace;
+    };
+
+    while (running > 0) {
+      // Signals to the launcher: forward the first, SIGKILL on a second.
+      int count = g_signal_count;
+      if (count > handled_signals) {
+        int sig = g_signal;
+        handled_signals = count;
+        *by_signal = true;
+        if (!failed) {
+          failed = true;
+          result = 128 + sig;
+        }
+        if (!terminating) {
+          say("received signal " + std::to_string(sig) + ", forwarding it to the workers");
+          start_termination(sig);
+        } else if (!killed) {
+          say("received another signal, killing the workers");
+          killed = true;
+          kill_all(SIGKILL);
+        }
+      }
+
+      // Reap whoever has exited (only our own pids: the host process may have
+      // other children that are none of our business).
+      for (auto& w : workers) {
+        if (!w.running) continue;
+        int status = 0;
+        pid_t r = ::waitpid(w.pid, &status, WNOHANG);
+        if (r == 0 || (r < 0 && errno == EINTR)) continue;
+        w.running = false;
+        w.status = r == w.pid ? status : 0;
+        --running;
+        bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
+        // Whatever a failed (or stopped) worker left running in its group goes
+        // with it. Done right after the reap: the group id cannot have been
+        // reused yet.
+        if (!ok || terminating) ::kill(-w.pid, SIGKILL);
+        if (!ok && !failed) {
+          // Its last words first, then ours.
+          if (w.out.fd >= 0) w.out.pump();
+          if (w.err.fd >= 0) w.err.pump();
+          failed = true;
+          result = exit_code(w.status);
+          say("rank " + std::to_string(w.rank) + " (local rank " + std::to_string(w.local_rank) + ", pid " +
+              std::to_string(w.pid) + ") " + describe_status(w.status) +
+              (running > 0 ? "; stopping the other workers" : ""));
+          if (running > 0) start_termination(SIGTERM);
+        }
+      }
+      if (running == 0) break;
+
+      if (terminating && !killed && Clock::now() >= deadline) {
         killed = true;
+        say("workers still running " + std::to_string(opt.grace.count()) + " ms after the signal; sending SIGKILL");
         kill_all(SIGKILL);
       }
-    }
 
-    // Reap whoever has exited (only our own pids: the host process may have
-    // other children that are none of our business).
-    for (auto& w : workers) {
-      if (!w.running) continue;
-      int status = 0;
-      pid_t r = ::waitpid(w.pid, &status, WNOHANG);
-      if (r == 0 || (r < 0 && errno == EINTR)) continue;
-      w.running = false;
-      w.status = r == w.pid ? status : 0;
-      --running;
-      bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
-      // Whatever a failed (or stopped) worker left running in its group goes
-      // with it. Done right after the reap: the group id cannot have been
-      // reused yet.
-      if (!ok || terminating) ::kill(-w.pid, SIGKILL);
-      if (!ok && !failed) {
-        // Its last words first, then ours.
-        if (w.out.fd >= 0) w.out.pump();
-        if (w.err.fd >= 0) w.err.pump();
-        failed = true;
-        result = exit_code(w.status);
-        say("rank " + std::to_string(w.rank) + " (local rank " + std::to_string(w.local_rank) + ", pid " +
-            std::to_string(w.pid) + ") " + describe_status(w.status) +
-            (running > 0 ? "; stopping the other workers" : ""));
-        if (running > 0) start_termination(SIGTERM);
-      }
-    }
-    if (running == 0) break;
-
-    if (terminating && !killed && Clock::now() >= deadline) {
-      killed = true;
-      say("workers still running " + std::to_string(opt.grace.count()) + " ms after the signal; sending SIGKILL");
-      kill_all(SIGKILL);
-    }
-
-    // Wait for output, or at most kPollMs.
-    std::vector<pollfd> fds;
-    std::vector<OutStream*> streams;
-    for (auto& w : workers)
-      for (OutStream* s : {&w.out, &w.err})
-        if (s->fd >= 0) {
-          fds.push_back({s->fd, POLLIN, 0});
-          streams.push_back(s);
+      // Wait for output, or at most kPollMs.
+      std::vector<pollfd> fds;
+      std::vector<OutStream*> streams;
+      for (auto& w : workers)
+        for (OutStream* s : {&w.out, &w.err})
+          if (s->fd >= 0) {
+            fds.push_back({s->fd, POLLIN, 0});
+            streams.push_back(s);
+          }
+      int n = ::poll(fds.data(), fds.size(), kPollMs);
+      if (n <= 0) continue;  // timeout, or EINTR from a signal: loop handles both
+      for (size_t i = 0; i < fds.size(); ++i) {
+        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+        if (!streams[i]->pump()) {
+          ::close(streams[i]->fd);
+          streams[i]->fd = -1;
         }
-    int n = ::poll(fds.data(), fds.size(), kPollMs);
-    if (n <= 0) continue;  // timeout, or EINTR from a signal: loop handles both
-    for (size_t i = 0; i < fds.size(); ++i) {
-      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-      if (!streams[i]->pump()) {
-        ::close(streams[i]->fd);
-        streams[i]->fd = -1;
       }
     }
-  }
 
-  // Everyone is reaped. Drain what is left in the pipes without waiting for
-  // EOF: a grandchild holding a pipe open must not hang the launcher.
-  for (auto& w : workers) {
-    w.out.finish();
-    w.err.finish();
+    // Everyone is reaped. Drain what is left in the pipes without waiting for
+    // EOF: a grandchild holding a pipe open must not hang the launcher.
+    for (auto& w : workers) {
+      w.out.finish();
+      w.err.finish();
+    }
+    return result;
+  };
+
+  for (int restart = 0;; ++restart) {
+    bool by_signal = false;
+    const int result = attempt(restart, &by_signal);
+    if (by_signal) {
+      say("stopped by signal " + std::to_string(result - 128));
+      return result;
+    }
+    if (result == 0) return 0;
+    if (restart >= opt.max_restarts) {
+      if (opt.max_restarts > 0)
+        say("giving up after " + std::to_string(opt.max_restarts) + " restart" + (opt.max_restarts == 1 ? "" : "s") +
+            ": the last failure is above");
+      return result;
+    }
+    // Every worker is gone: start them all again (torchrun's
+    // --max-restarts); they resume from their newest checkpoint.
+    say("restarting the workers (restart " + std::to_string(restart + 1) + " of " + std::to_string(opt.max_restarts) +
+        ")");
   }
-  if (failed && result >= 128 && handled_signals > 0) say("stopped by signal " + std::to_string(result - 128));
-  return result;
 }
 
 int spawn_local_workers(int nproc, int argc, char** argv, bool prefix_output) {

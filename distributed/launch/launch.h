@@ -37,6 +37,15 @@ struct LaunchOptions {
   // After a failure (or a signal to the launcher) the other workers get
   // SIGTERM; whoever is still alive `grace` later gets SIGKILL.
   std::chrono::milliseconds grace = std::chrono::seconds(5);
+  // torchrun's --max-restarts: after a worker fails (and the others are
+  // stopped) every worker starts again, up to this many times, with
+  // EMBER_RESTART_COUNT (and TORCHELASTIC_RESTART_COUNT) set to the
+  // restart's number, 0 at first; a program resumes from its newest
+  // checkpoint. A failure that happens every time ends the job after the
+  // last restart with that failure's status. A signal to the launcher
+  // never restarts. One node only for now: the multi-node agents'
+  // rendezvous is the elastic issue's.
+  int max_restarts = 0;
 };
 
 // Runs argv (argv[0]: the program, searched in PATH when it has no '/')

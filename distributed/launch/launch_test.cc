@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <sstream>
 #include <string>
@@ -399,6 +400,36 @@ TEST(Launch, WorkersIgnoringSigtermAreKilledAfterTheGrace) {
   expect_nothing_left(dir, 2, 1);
 }
 
+// torchrun's --max-restarts: a worker that fails in the first start stops
+// the others, and every worker starts again with EMBER_RESTART_COUNT (and
+// TORCHELASTIC_RESTART_COUNT) 1; a failure in every start ends the job
+// after the last restart with its code.
+TEST(Launch, MaxRestartsStartsEveryWorkerAgain) {
+  TempDir dir;
+  LaunchOptions opt;
+  opt.nproc_per_node = 3;
+  opt.master_port = 0;
+  opt.max_restarts = 2;
+  Result r = run_launch(opt, {worker(), "restart", "1", "1", dir.path()});
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("[rank 1]: rank 1 failing in start 0\n"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("launch: restarting the workers (restart 1 of 2)"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("restart 2 of 2"), std::string::npos) << r.err;
+  for (int rank = 0; rank < 3; ++rank) {
+    std::ifstream f(dir.path() + "/restart." + std::to_string(rank));
+    std::string got((std::istreambuf_iterator<char>(f)), {});
+    EXPECT_EQ(got, "1 1") << "rank " << rank;
+  }
+
+  TempDir always;
+  Result r2 = run_launch(opt, {worker(), "restart", "2", "99", always.path()});
+  EXPECT_EQ(r2.rc, 3) << r2.err;
+  EXPECT_NE(r2.err.find("[rank 2]: rank 2 failing in start 2\n"), std::string::npos) << r2.err;
+  EXPECT_NE(r2.err.find("launch: restarting the workers (restart 2 of 2)"), std::string::npos) << r2.err;
+  EXPECT_NE(r2.err.find("launch: giving up after 2 restarts"), std::string::npos) << r2.err;
+  EXPECT_EQ(r2.err.find("restart 3"), std::string::npos) << r2.err;
+}
+
 TEST(Launch, AllSucceedingReturnsZeroAndBadOptionsThrow) {
   LaunchOptions opt;
   opt.nproc_per_node = 2;
@@ -428,6 +459,12 @@ TEST(Launch, AllSucceedingReturnsZeroAndBadOptionsThrow) {
   bad.node_rank = 0;
   bad.master_port = 0;
   EXPECT_NE(message(bad, {"true"}).find("only works with nnodes=1"), std::string::npos);
+  bad.master_port = 1234;
+  bad.max_restarts = 1;
+  EXPECT_NE(message(bad, {"true"}).find("restarts one node's workers only"), std::string::npos);
+  bad = opt;
+  bad.max_restarts = -1;
+  EXPECT_NE(message(bad, {"true"}).find("max_restarts must be >= 0, got -1"), std::string::npos);
 }
 
 TEST(SpawnLocalWorkers, ReturnsMinusOneInAWorkerEnvironment) {

@@ -46,7 +46,7 @@ bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0;
 int usage() {
   std::fprintf(stderr,
                "usage: launch_test_worker env DIR | print | log | sleep DIR | spawn N\n"
-               "       | fail FAILING_RANK CODE|sigN DIR [stubborn]\n");
+               "       | fail FAILING_RANK CODE|sigN DIR [stubborn] | restart FAILING_RANK UNTIL DIR\n");
   return 64;
 }
 
@@ -87,6 +87,23 @@ int main(int argc, char** argv) {
   if (mode == "sleep" && argc >= 3) {
     write_file(std::string(argv[2]) + "/pid." + std::to_string(rank), std::to_string(::getpid()));
     sleep_forever();
+  }
+  if (mode == "restart" && argc >= 5) {
+    // FAILING_RANK exits 3 in every start before UNTIL (EMBER_RESTART_COUNT);
+    // the others wait to be stopped. From start UNTIL on every rank writes
+    // DIR/restart.<rank> (its restart count) and succeeds.
+    const int failing = std::atoi(argv[2]), until = std::atoi(argv[3]);
+    const std::string dir = argv[4];
+    const int restart = env_int("EMBER_RESTART_COUNT");
+    if (restart < until) {
+      if (rank != failing) sleep_forever();
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the others are up
+      std::fprintf(stderr, "rank %d failing in start %d\n", rank, restart);
+      return 3;
+    }
+    write_file(dir + "/restart." + std::to_string(rank),
+               std::to_string(restart) + " " + env_str("TORCHELASTIC_RESTART_COUNT"));
+    return 0;
   }
   if (mode == "fail" && argc >= 5) {
     const int failing = std::atoi(argv[2]);
