@@ -555,7 +555,7 @@ struct Setup {
 // Sharded checkpoints: every rank writes its own shards in parallel, and a
 // run with another number of ranks or another strategy loads them
 // (distributed/checkpoint/sharded.h).
-void resume(const Flags& flags, const examples::Job& job, Setup& s) {
+void resume(const Flags& flags, const examples::Job& job, Setup& s, bool required) {
   // The newest checkpoint that verifies completely (every piece against
   // its checksum), chosen by rank 0 and taken by every rank; the newer
   // ones skipped are named, none is touched.
@@ -572,6 +572,10 @@ void resume(const Flags& flags, const examples::Job& job, Setup& s) {
       chosen = **found;
   }
   const std::vector<std::string> all = distributed::allgather_strings(*job.pg, chosen.empty() ? "!" + why : chosen);
+  if (!required && all[0] == "!no checkpoint in " + flags.checkpoint_dir) {
+    LOG0("restart: no checkpoint in ", flags.checkpoint_dir, " yet; starting from step 0");
+    return;
+  }
   EMBER_CHECK(!all[0].empty() && all[0][0] != '!', "--resume: ", all[0].substr(1));
   const std::string path = all[0];
   auto index = distributed::read_checkpoint_index(path);
@@ -705,7 +709,10 @@ Setup setup(const Flags& flags, const examples::Job& job) {
         distributed::pp::forward_schedule(m.pp, flags.pp_virtual, 1), s.stages, s.mesh->group("pp"),
         distributed::pp::PipelineOptions{.loss = loss});
   }
-  if (flags.resume) resume(flags, job, s);
+  // A restart by the launcher (--max-restarts) resumes by itself, from the
+  // newest checkpoint if there is one yet.
+  const char* restart = std::getenv("EMBER_RESTART_COUNT");
+  if (flags.resume || (restart && std::atoi(restart) > 0)) resume(flags, job, s, /*required=*/flags.resume);
   return s;
 }
 

@@ -2,7 +2,8 @@
 // build of an example (//tools:resnet_ddp_faults) rather than living in the
 // example or the library: EMBER_FAULT_CHECKPOINT=STAGE:EPOCH kills rank 0
 // with SIGKILL (as a crash or a power cut would) when the save of
-// ".../epoch_EPOCH" reaches STAGE (sharded_rank_written,
+// ".../epoch_EPOCH" (STAGE:NAME: ".../NAME", as step_4 for //examples:gpt)
+// reaches STAGE (sharded_rank_written,
 // sharded_before_index, sharded_before_rename, exchanged, old_moved_aside or
 // renamed; old_moved_aside also turns off the atomic rename exchange, so that
 // path is taken). Installed before main() through the checkpoint's test seam
@@ -23,7 +24,9 @@ bool install() {
   const std::string s = spec;
   const size_t colon = s.find(':');
   EMBER_CHECK(colon != std::string::npos, "EMBER_FAULT_CHECKPOINT=", s, " must be STAGE:EPOCH");
-  const std::string stage = s.substr(0, colon), suffix = "/epoch_" + s.substr(colon + 1);
+  const std::string stage = s.substr(0, colon), name = s.substr(colon + 1);
+  const bool number = !name.empty() && name.find_first_not_of("0123456789") == std::string::npos;
+  const std::string suffix = "/" + (number ? "epoch_" + name : name);
   ember::distributed::testing::CheckpointSaveHooks hooks;
   hooks.no_rename_exchange = stage == "old_moved_aside";
   hooks.at_stage = [stage, suffix](const std::string& at, const std::string& dir) {

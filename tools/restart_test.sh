@@ -1,0 +1,38 @@
+#!/bin/bash
+# //tools:launch --max-restarts with //examples:gpt: rank 0 is killed
+# (SIGKILL) right after step 4's checkpoint is committed; every worker
+# starts again, resumes from step 4 by itself and the run ends as the
+# uninterrupted one: the same 6 steps' batches, losses and gradient norms,
+# the same validation loss. Without --max-restarts the kill ends the job.
+set -euo pipefail
+gpt=$1
+launch=$2
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+args=(--dim 32 --heads 4 --seq 16 --layers 2 --max-steps 6 --global-batch 8 --sample-len 0 --eval-every 100
+      --save-every 2 --lr 1e-3)
+"$launch" --nproc_per_node=2 --master_port=0 -- "$gpt" "${args[@]}" --checkpoint-dir "$tmp/ref" \
+  --metrics "$tmp/ref.jsonl" > "$tmp/ref.log" 2>&1 || { cat "$tmp/ref.log"; exit 1; }
+if EMBER_FAULT_CHECKPOINT=renamed:step_4 "$launch" --nproc_per_node=2 --master_port=0 -- "$gpt" "${args[@]}" \
+     --checkpoint-dir "$tmp/once" > "$tmp/once.log" 2>&1; then
+  cat "$tmp/once.log"; echo "the killed run succeeded without restarts"; exit 1
+fi
+grep -q "rank 0 (local rank 0, pid [0-9]*) was killed by signal 9" "$tmp/once.log" || { cat "$tmp/once.log"; exit 1; }
+out=$(EMBER_FAULT_CHECKPOINT=renamed:step_4 "$launch" --nproc_per_node=2 --master_port=0 --max-restarts=1 -- "$gpt" \
+      "${args[@]}" --checkpoint-dir "$tmp/run" --metrics "$tmp/run.jsonl" 2>&1) || { echo "$out"; exit 1; }
+echo "$out"
+grep -q "launch: restarting the workers (restart 1 of 1)" <<<"$out" || { echo "no restart line"; exit 1; }
+grep -q "resumed from $tmp/run/step_4" <<<"$out" || { echo "no resume from step 4"; exit 1; }
+python3 - "$tmp/ref.jsonl" "$tmp/run.jsonl" "$(grep 'step 6: validation loss' "$tmp/ref.log")" \
+  "$(grep 'step 6: validation loss' <<<"$out")" <<'PY'
+import json, sys
+ref = [json.loads(l) for l in open(sys.argv[1])]
+run = [json.loads(l) for l in open(sys.argv[2])]
+steps = {r["step"]: r for r in run}  # the first start's steps, then the restart's from 5
+assert sorted(steps) == [r["step"] for r in ref] == list(range(1, 7)), (sorted(steps), len(run))
+for x in ref:
+    y = steps[x["step"]]
+    assert (x["batch_digest"], x["loss"], x["grad_norm"]) == (y["batch_digest"], y["loss"], y["grad_norm"]), (x, y)
+assert sys.argv[3].split("validation loss")[1] == sys.argv[4].split("validation loss")[1], sys.argv[3:]
+print("restart: killed after step 4's checkpoint, restarted, resumed at step 4, ended as the uninterrupted run")
+PY
