@@ -52,7 +52,6 @@
 #include "core/ops.h"
 #include "distributed/checkpoint/checkpoint.h"
 #include "distributed/checkpoint/sharded.h"
-#include "distributed/comm/object_collectives.h"
 #include "distributed/config_check.h"
 #include "distributed/init.h"
 #include "distributed/launch/launch.h"
@@ -557,27 +556,18 @@ struct Setup {
 // (distributed/checkpoint/sharded.h).
 void resume(const Flags& flags, const examples::Job& job, Setup& s, bool required) {
   // The newest checkpoint that verifies completely (every piece against
-  // its checksum), chosen by rank 0 and taken by every rank; the newer
-  // ones skipped are named, none is touched.
-  std::string chosen, why;
-  if (job.pg->rank() == 0) {
-    std::vector<std::string> skipped;
-    auto found = distributed::newest_verified_checkpoint(flags.checkpoint_dir, "step_", &skipped);
-    for (const auto& sk : skipped) LOG0("--resume: skipping ", sk);
-    if (!found.ok())
-      why = std::string(found.status().message());
-    else if (!found->has_value())
-      why = "no checkpoint in " + flags.checkpoint_dir;
-    else
-      chosen = **found;
-  }
-  const std::vector<std::string> all = distributed::allgather_strings(*job.pg, chosen.empty() ? "!" + why : chosen);
-  if (!required && all[0] == "!no checkpoint in " + flags.checkpoint_dir) {
+  // its checksum, on rank 0); the newer ones skipped are named, none is
+  // touched. A restart before the first save starts afresh.
+  std::vector<std::string> skipped;
+  auto found = distributed::newest_verified_checkpoint(flags.checkpoint_dir, "step_", *job.pg, &skipped);
+  for (const auto& sk : skipped) LOG0("--resume: skipping ", sk);
+  EMBER_CHECK(found.ok(), "--resume: ", found.status().message());
+  if (!found->has_value() && !required) {
     LOG0("restart: no checkpoint in ", flags.checkpoint_dir, " yet; starting from step 0");
     return;
   }
-  EMBER_CHECK(!all[0].empty() && all[0][0] != '!', "--resume: ", all[0].substr(1));
-  const std::string path = all[0];
+  EMBER_CHECK(found->has_value(), "--resume: no checkpoint in ", flags.checkpoint_dir);
+  const std::string path = **found;
   auto index = distributed::read_checkpoint_index(path);
   EMBER_CHECK(index.ok(), "--resume: ", index.status().message());
   auto st = distributed::load_sharded_checkpoint(path, s.model(), s.opt.get(), s.sched.get(), *job.pg);

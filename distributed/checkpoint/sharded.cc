@@ -462,6 +462,27 @@ absl::StatusOr<std::optional<std::string>> newest_verified_checkpoint(const std:
   return absl::DataLossError(absl::StrCat("no checkpoint under ", root, " verifies (each was left untouched): ", all));
 }
 
+absl::StatusOr<std::optional<std::string>> newest_verified_checkpoint(const std::string& root,
+                                                                      const std::string& prefix, ProcessGroup& pg,
+                                                                      std::vector<std::string>* skipped) {
+  json mine = json::object();
+  if (pg.rank() == 0) {
+    std::vector<std::string> sk;
+    auto found = newest_verified_checkpoint(root, prefix, &sk);
+    mine["skipped"] = sk;
+    if (!found.ok())
+      mine["error"] = std::string(found.status().message());
+    else if (found->has_value())
+      mine["path"] = **found;
+  }
+  const json got = json::parse(allgather_strings(pg, mine.dump())[0]);
+  if (skipped)
+    for (const auto& s : got.value("skipped", json::array())) skipped->push_back(s.get<std::string>());
+  if (got.contains("error")) return absl::DataLossError(got["error"].get<std::string>());
+  if (got.contains("path")) return std::optional<std::string>(got["path"].get<std::string>());
+  return std::optional<std::string>();
+}
+
 absl::StatusOr<Tensor> read_checkpoint_tensor(const std::string& dir, const CheckpointTensor& t) {
   Tensor out = Tensor::empty(t.shape, {t.dtype, kCPU});
   PieceReader reader(normalize_dir(dir));

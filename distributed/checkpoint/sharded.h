@@ -160,6 +160,12 @@ absl::Status verify_checkpoint(const std::string& dir);
 absl::StatusOr<std::optional<std::string>> newest_verified_checkpoint(const std::string& root,
                                                                       const std::string& prefix,
                                                                       std::vector<std::string>* skipped = nullptr);
+// The same, decided once by rank 0 of `pg` and given to every rank (the
+// answer, its error and the skipped list alike), so every rank loads the
+// same checkpoint and only one reads every piece. Collective.
+absl::StatusOr<std::optional<std::string>> newest_verified_checkpoint(const std::string& root,
+                                                                      const std::string& prefix, ProcessGroup& pg,
+                                                                      std::vector<std::string>* skipped = nullptr);
 // Whether `dir` holds a sharded checkpoint (an index.json).
 bool is_sharded_checkpoint(const std::string& dir);
 // One tensor whole (a CPU tensor of its shape), its pieces verified.
