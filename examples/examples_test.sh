@@ -75,6 +75,19 @@ grep -q "the newest checkpoint $tmp/damaged/epoch_2 is damaged and was left unto
 out=$("${ddp[@]}" --epochs 1 --checkpoint-dir "$tmp/damaged" --resume --resume-fallback 2>&1)
 grep -q "warning: skipping the damaged checkpoint $tmp/damaged/epoch_2" <<<"$out" || { echo "$out"; exit 1; }
 grep -q "resumed from $tmp/damaged/epoch_1" <<<"$out" || { echo "$out"; exit 1; }
+# Damage found only by reading the data (a flipped byte, its checksum no
+# longer the index's) is skipped too, named by file.
+mkdir -p "$tmp/flipped" && cp -r "$ckpt/epoch_1" "$tmp/flipped/" && cp -r "$ckpt/epoch_1" "$tmp/flipped/epoch_2"
+python3 - "$tmp/flipped/epoch_2/rank-00000.safetensors" <<'PY'
+import sys
+b = bytearray(open(sys.argv[1], "rb").read())
+b[-5] ^= 0x5A
+open(sys.argv[1], "wb").write(bytes(b))
+PY
+out=$("${ddp[@]}" --epochs 1 --checkpoint-dir "$tmp/flipped" --resume --resume-fallback 2>&1)
+grep -q "warning: skipping the damaged checkpoint $tmp/flipped/epoch_2 (.*rank-00000.safetensors: checksum mismatch" \
+  <<<"$out" || { echo "$out"; exit 1; }
+grep -q "resumed from $tmp/flipped/epoch_1" <<<"$out" || { echo "$out"; exit 1; }
 
 # Mixed precision: fp16 with loss scaling shows the scale, saves the scaler's
 # state, and resumes exactly (bit-identical epoch 2 and model); bf16 trains,

@@ -311,8 +311,14 @@ struct Setup {
 // Resume on every rank: each one needs the optimizer state and counters;
 // the parameters would come from rank 0's broadcast anyway.
 void resume(const Flags& flags, const examples::Job& job, Setup& s) {
+  // Falling back (asked for, or a launcher's restart: unattended), the
+  // newest checkpoint that verifies completely, every piece against its
+  // checksum (rank 0 reads them); else the newest, its damage an error.
   std::vector<std::string> skipped;
-  auto latest = distributed::latest_checkpoint(flags.checkpoint_dir, "epoch_", flags.resume_fallback, &skipped);
+  const char* restart = std::getenv("EMBER_RESTART_COUNT");
+  auto latest = flags.resume_fallback || (restart && std::atoi(restart) > 0)
+                    ? distributed::newest_verified_checkpoint(flags.checkpoint_dir, "epoch_", *job.pg, &skipped)
+                    : distributed::latest_checkpoint(flags.checkpoint_dir, "epoch_", false, &skipped);
   EMBER_CHECK(latest.ok(), "--resume: ", latest.status().message());
   for (const std::string& d : skipped) LOG0("warning: skipping the damaged checkpoint ", d, "; trying an older one");
   const std::optional<std::string>& dir = *latest;
