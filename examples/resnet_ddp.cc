@@ -322,6 +322,10 @@ void resume(const Flags& flags, const examples::Job& job, Setup& s) {
   EMBER_CHECK(latest.ok(), "--resume: ", latest.status().message());
   for (const std::string& d : skipped) LOG0("warning: skipping the damaged checkpoint ", d, "; trying an older one");
   const std::optional<std::string>& dir = *latest;
+  if (!dir.has_value() && !flags.resume) {
+    LOG0("restart: no checkpoint in ", flags.checkpoint_dir, " yet; starting from epoch 0");
+    return;
+  }
   EMBER_CHECK(dir.has_value(), "--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir ", flags.checkpoint_dir);
   // Sharded (each rank wrote its part; any number of ranks loads it), or
   // the one-file checkpoints of earlier versions.
@@ -394,7 +398,9 @@ Setup setup(const Flags& flags, const examples::Job& job) {
       *s.opt, std::vector<std::shared_ptr<optim::LRScheduler>>{warm, cosine}, std::vector<int64_t>{s.warmup});
   // fp16 needs loss scaling; bf16 has float32's range and needs none.
   s.scaler = std::make_unique<optim::GradScaler>(optim::GradScalerOptions{.enabled = flags.amp == "fp16"});
-  if (flags.resume) resume(flags, job, s);
+  // A launcher's restart (--max-restarts) resumes by itself.
+  const char* restart = std::getenv("EMBER_RESTART_COUNT");
+  if (flags.resume || (restart && std::atoi(restart) > 0)) resume(flags, job, s);
 
   if (flags.sync_bn) distributed::convert_sync_batchnorm(*s.model, job.pg);
   const auto ac = nn::ActivationCheckpointing::parse(flags.ac);

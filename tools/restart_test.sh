@@ -4,9 +4,11 @@
 # starts again, resumes from step 4 by itself and the run ends as the
 # uninterrupted one: the same 6 steps' batches, losses and gradient norms,
 # the same validation loss. Without --max-restarts the kill ends the job.
+# //examples:resnet_ddp resumes by itself after a restart too.
 set -euo pipefail
 gpt=$1
 launch=$2
+resnet=$3
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 args=(--dim 32 --heads 4 --seq 16 --layers 2 --max-steps 6 --global-batch 8 --sample-len 0 --eval-every 100
@@ -36,3 +38,10 @@ for x in ref:
 assert sys.argv[3].split("validation loss")[1] == sys.argv[4].split("validation loss")[1], sys.argv[3:]
 print("restart: killed after step 4's checkpoint, restarted, resumed at step 4, ended as the uninterrupted run")
 PY
+# //examples:resnet_ddp likewise: killed after epoch 1's checkpoint, it
+# comes back at epoch 1 and finishes epoch 2.
+out=$(EMBER_FAULT_CHECKPOINT=renamed:1 "$launch" --nproc_per_node=2 --master_port=0 --max-restarts=1 -- "$resnet" \
+      --data synthetic --epochs 2 --max-steps 2 --checkpoint-dir "$tmp/resnet" 2>&1) || { echo "$out"; exit 1; }
+grep -q "launch: restarting the workers (restart 1 of 1)" <<<"$out" || { echo "$out"; exit 1; }
+grep -q "resumed from $tmp/resnet/epoch_1" <<<"$out" || { echo "$out"; exit 1; }
+grep -q "saved checkpoint $tmp/resnet/epoch_2" <<<"$out" || { echo "$out"; exit 1; }
