@@ -440,10 +440,7 @@ class NcclGroup : public ProcessGroup {
     DeviceGuard g(device_);
     for (size_t i = 0; i < edges.size(); ++i) {
       const auto [src, dst] = edges[i];
-      if (std::find(edges.begin(), edges.begin() + static_cast<std::ptrdiff_t>(i), edges[i]) !=
-          edges.begin() + static_cast<std::ptrdiff_t>(i))
-        continue;  // listed twice
-      bool known = false;
+      bool known = false;  // connected before, or listed twice
       {
         std::lock_guard<std::mutex> lock(mu_);
         known = connected_.count({src, dst}) != 0;

@@ -60,8 +60,7 @@ Pipeline::Pipeline(Schedule schedule, std::vector<std::shared_ptr<PipelineStage>
     // the order it sends it.
     for (int src = 0; src < schedule_.ranks; ++src)
       for (const Action& a : schedule_.actions[src])
-        if ((a.kind == ActionKind::SendF || a.kind == ActionKind::SendB) &&
-            schedule_.rank_of(a.kind == ActionKind::SendF ? a.stage + 1 : a.stage - 1) == rank_)
+        if ((a.kind == ActionKind::SendF || a.kind == ActionKind::SendB) && dest_of(a) == rank_)
           inbound_[src].push_back(tag(a));
     for (const Action& a : schedule_.actions[rank_])
       if (a.kind == ActionKind::RecvF || a.kind == ActionKind::RecvB) recv_of_.emplace(tag(a), a);
@@ -132,14 +131,14 @@ void Pipeline::check_agreement() {
   for (int src = 0; src < schedule_.ranks; ++src)
     for (const Action& a : schedule_.actions[src])
       if (a.kind == ActionKind::SendF || a.kind == ActionKind::SendB) {
-        const int dst = schedule_.rank_of(a.kind == ActionKind::SendF ? a.stage + 1 : a.stage - 1);
+        const int dst = dest_of(a);
         if (dst != src) edges.insert({src, dst});
       }
   pp_->connect_p2p({edges.begin(), edges.end()});
 }
 
 void Pipeline::send(const Tensor& t, const Action& a) {
-  const int dst = a.kind == ActionKind::SendF ? schedule_.rank_of(a.stage + 1) : schedule_.rank_of(a.stage - 1);
+  const int dst = dest_of(a);
   Tensor c = t.detach().contiguous();
   if (a.kind == ActionKind::SendF) {
     auto it = out_meta_.find(a.stage + 1);
@@ -153,7 +152,7 @@ void Pipeline::send(const Tensor& t, const Action& a) {
       h[kMaxDims + 1] = static_cast<double>(static_cast<int>(c.dtype()));
       h[kMaxDims + 2] = static_cast<double>(kHeaderMagic);
       Tensor header = Tensor::from_vector(h, {kHeaderLen}, DType::Int64).to(pp_->device());
-      sends_.emplace_back(pp_->send(header, dst, ordered_ ? kEdgeTag + rank_ : kControlTag + a.stage + 1), header);
+      sends_.emplace_back(pp_->send(header, dst, wire_tag(kControlTag + a.stage + 1, rank_)), header);
       out_meta_[a.stage + 1] = {c.sizes(), c.dtype()};
     } else {
       EMBER_CHECK(it->second.first == c.sizes() && it->second.second == c.dtype(), "pipeline: stage ", a.stage,
@@ -163,9 +162,15 @@ void Pipeline::send(const Tensor& t, const Action& a) {
                   "; every micro-batch of every step must have one shape");
     }
   }
-  sends_.emplace_back(pp_->send(c, dst, ordered_ ? kEdgeTag + rank_ : tag(a)), c);
+  sends_.emplace_back(pp_->send(c, dst, wire_tag(tag(a), rank_)), c);
   send_posted_[tag(a)] = seconds_since(step_start_);
 }
+
+int Pipeline::dest_of(const Action& a) const {
+  return schedule_.rank_of(a.kind == ActionKind::SendF ? a.stage + 1 : a.stage - 1);
+}
+
+int Pipeline::wire_tag(int t, int sender) const { return ordered_ ? kEdgeTag + sender : t; }
 
 int Pipeline::source_of(const Action& a) const {
   return schedule_.rank_of(a.kind == ActionKind::RecvF ? a.stage - 1 : a.stage + 1);
@@ -209,7 +214,7 @@ void Pipeline::post_one(int t, const Action& a) {
       // The boundary's header, once: blocking, under the group's timeout.
       const int src = schedule_.rank_of(a.stage - 1);
       Tensor header = Tensor::empty({kHeaderLen}, DType::Int64).to(pp_->device());
-      pp_->recv(header, src, ordered_ ? kEdgeTag + src : kControlTag + a.stage)->wait();
+      pp_->recv(header, src, wire_tag(kControlTag + a.stage, src))->wait();
       Tensor h = header.to(kCPU);
       const int64_t* v = h.data<int64_t>();
       EMBER_CHECK(v[kMaxDims + 2] == kHeaderMagic && v[0] >= 0 && v[0] <= kMaxDims, "pipeline: stage ", a.stage,
@@ -237,7 +242,7 @@ void Pipeline::post_one(int t, const Action& a) {
   }
   Tensor buf = Tensor::empty(shape, {dtype, pp_->device()});
   const int src = source_of(a);
-  recvs_[t] = {buf, pp_->recv(buf, src, ordered_ ? kEdgeTag + src : t)};
+  recvs_[t] = {buf, pp_->recv(buf, src, wire_tag(t, src))};
 }
 
 Tensor Pipeline::take_recv(const Action& a) {

@@ -135,7 +135,11 @@ class Pipeline {
   // header and `may_block` is not set.
   bool post_recv(const Action& a, bool may_block = true);
   void post_one(int tag, const Action& a);
-  int source_of(const Action& a) const;
+  int source_of(const Action& a) const;  // a receive's sending rank
+  int dest_of(const Action& a) const;    // a send's receiving rank
+  // The tag a message of tag `t` from `sender` travels under: its own, or
+  // in ordered mode one per sender (each pair's messages in send order).
+  int wire_tag(int t, int sender) const;
   Tensor take_recv(const Action& a);
   void send(const Tensor& t, const Action& a);
   void exchange_tied_grads();
