@@ -27,9 +27,10 @@
 #              rounds; tokens/s medians into gpu_gpt.json. Needs the
 #              fortunes corpus in .gpudata/fortunes (tools/gpu_check.sh
 #              --data). About 2 minutes.
-# The speed part also runs our float32 channels-last step with
-# EMBER_CUDNN_FP32_CL_VIA_NCHW flipped (layout cl_alt), so both ways of
-# computing those convolutions are measured in the same rounds.
+# The speed part also runs our steps with EMBER_CUDNN_GRAPH flipped
+# (layouts nchw_alt and cl_alt: cuDNN's graph API against its legacy API),
+# so both ways of calling cuDNN are measured in the same rounds; the first
+# round's choices of the flipped run are in logs/ours_speed_alt.err.
 # On the GPU machine the binaries come from the gpu-bundle (.gpu/run.sh);
 # --smoke runs the whole script here instead, under the CUDA emulation
 # (bazel-bin/bench/gpu_step_emu, tiny shapes) and PyTorch on the CPU, so a
@@ -105,12 +106,15 @@ for part in "${parts[@]}"; do
       for r in $(seq 1 "$rounds"); do
         say "speed round $r: ours"
         "${ours[@]}" --configs $configs --layouts nchw,cl "${shape[@]}" 2>>"$out/logs/ours_speed.err" | tag speed "$r"
-        # The other way of computing float32 channels-last convolutions
-        # (device.h): flipped from whatever the default is.
-        alt=1; [ "${EMBER_CUDNN_FP32_CL_VIA_NCHW:-}" = 1 ] && alt=0
-        say "speed round $r: ours, fp32 channels-last with EMBER_CUDNN_FP32_CL_VIA_NCHW=$alt"
-        EMBER_CUDNN_FP32_CL_VIA_NCHW=$alt "${ours[@]}" --configs fp32 --layouts cl "${shape[@]}" \
-          2>>"$out/logs/ours_speed.err" | sed -u "s/layout=cl /layout=cl_alt via_nchw=$alt /" | tag speed "$r"
+        # The other way of calling cuDNN (device.h's cudnn_graph_api):
+        # flipped from whatever the default is, every configuration; its
+        # rows are named <layout>_alt. The first round logs its choices.
+        alt=1; [ "${EMBER_CUDNN_GRAPH:-}" = 1 ] && alt=0
+        say "speed round $r: ours with EMBER_CUDNN_GRAPH=$alt"
+        log=0; [ "$r" = 1 ] && log=1
+        EMBER_CUDNN_GRAPH=$alt EMBER_CUDNN_LOG=$log "${ours[@]}" --configs $configs --layouts nchw,cl "${shape[@]}" \
+          2>>"$out/logs/ours_speed_alt.err" | sed -u -E "s/layout=(nchw|cl) /layout=\1_alt graph=$alt /" |
+          tag speed "$r"
         say "speed round $r: torch"
         "${peer[@]}" --configs $configs --layouts nchw,cl "${shape[@]}" "${peer_extra[@]}" \
           2>>"$out/logs/torch_speed.err" | tag speed "$r"

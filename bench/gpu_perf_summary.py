@@ -94,9 +94,9 @@ def main():
     for (side, config, layout), meds in sorted(speed.items()):
         if side != "ours":
             continue
-        # cl_alt: our channels-last step computed the other way (gpu_perf.sh),
-        # beside PyTorch's channels-last.
-        theirs = speed.get(("torch", config, "cl" if layout == "cl_alt" else layout), [])
+        # <layout>_alt: our step with cuDNN called the other way (gpu_perf.sh),
+        # beside PyTorch's step in that layout.
+        theirs = speed.get(("torch", config, layout.removesuffix("_alt")), [])
         row = {"name": f"{config}/{layout}", "rounds": len(meds),
                "ours_ms": round(statistics.median(meds), 2), "ours_range_ms": [round(min(meds), 2), round(max(meds), 2)]}
         if theirs:

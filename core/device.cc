@@ -140,6 +140,11 @@ EnvSwitch& cudnn_fp32_cl_nchw() {
   return s;
 }
 
+EnvSwitch& cudnn_graph() {
+  static EnvSwitch s{"EMBER_CUDNN_GRAPH", false};
+  return s;
+}
+
 EnvSwitch& sync_checks() {
   static EnvSwitch s{"EMBER_SYNC_CHECKS", false};
   return s;
@@ -250,6 +255,8 @@ bool cudnn_allow_tf32() { return cudnn_tf32().get(); }
 void set_cudnn_allow_tf32(bool allow) { cudnn_tf32().value.store(allow, std::memory_order_relaxed); }
 bool cudnn_fp32_channels_last_via_nchw() { return cudnn_fp32_cl_nchw().get(); }
 void set_cudnn_fp32_channels_last_via_nchw(bool on) { cudnn_fp32_cl_nchw().value.store(on, std::memory_order_relaxed); }
+bool cudnn_graph_api() { return cudnn_graph().get(); }
+void set_cudnn_graph_api(bool on) { cudnn_graph().value.store(on, std::memory_order_relaxed); }
 bool matmul_allow_tf32() { return matmul_tf32().get(); }
 void set_matmul_allow_tf32(bool allow) { matmul_tf32().value.store(allow, std::memory_order_relaxed); }
 

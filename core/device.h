@@ -68,6 +68,16 @@ void set_matmul_allow_tf32(bool allow);
 // engines make the same transposes. EMBER_CUDNN_FP32_CL_VIA_NCHW=0/1.
 bool cudnn_fp32_channels_last_via_nchw();
 void set_cudnn_fp32_channels_last_via_nchw(bool on);
+// cuDNN's graph (backend) API for convolutions, as PyTorch calls cuDNN:
+// each convolution is a one-node operation graph, cuDNN's engine heuristics
+// (instant mode, then the fallback list) rank its engines, and the first
+// that our numerics allow and that builds is kept per geometry (none that
+// down-converts inputs; for float32 without TF32, none on tensor cores).
+// The legacy API's algorithms map to a few engines only. Where the graph
+// API has no engine (or under benchmark mode, which times the legacy
+// algorithms) the legacy API is used. EMBER_CUDNN_GRAPH=0/1.
+bool cudnn_graph_api();
+void set_cudnn_graph_api(bool on);
 
 // ---- Errors found on the device, raised without a host synchronisation ----
 // A kernel that finds bad input (an index out of range) cannot throw: it

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <string>
@@ -29,7 +30,10 @@ class CudaNnOps : public ::testing::Test {
     if (!cuda_is_available()) GTEST_SKIP() << cuda_unavailable_reason();
     set_cudnn_allow_tf32(false);
   }
-  void TearDown() override { set_cudnn_allow_tf32(true); }
+  void TearDown() override {
+    set_cudnn_allow_tf32(true);
+    set_cudnn_graph_api(false);
+  }
 };
 
 const std::vector<DType> kTypes = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
@@ -228,6 +232,53 @@ TEST_F(CudaNnOps, Conv2dBenchmarkModeMatchesCpu) {
                 [cl](Tensor t) { return cl ? channels_last(t) : t; });
       }
   set_cudnn_benchmark(false);
+}
+
+// The graph API (cudnn_graph_api, PyTorch's way of calling cuDNN): the same
+// convolutions as the CPU in every dtype and both layouts, through graph
+// plans (counted). float32 without TF32 stays exact: no tensor-core or
+// input-down-converting engine is taken, though the emulated cuDNN lists
+// both first (and dies running the latter); with TF32 allowed, operands are
+// rounded as tensor cores round.
+TEST_F(CudaNnOps, Conv2dGraphApiMatchesCpu) {
+  const bool emulated = cuda_device_name() == "CUDA emulation";
+  set_cudnn_graph_api(true);
+  const ConvPlanCounts before = conv_plan_counts_cuda();
+  uint64_t seed = 900;
+  for (const ConvCase& c : kConvCases)
+    for (DType dt : kTypes)
+      for (bool cl : {false, true}) {
+        if (cl && dt == DType::Float64) continue;  // as the channels-last tests: no fp64 NHWC on a GPU
+        std::vector<Tensor> in = {rnd(c.x, seed++, dt, 0.5), rnd(c.w, seed++, dt, 0.5),
+                                  c.bias ? rnd({c.w[0]}, seed++, dt) : Tensor()};
+        compare(conv_fn(c), in, tol(dt), cat("conv2d graph API x", c.x, " w", c.w, cl ? " channels-last " : " ", dt),
+                [cl](Tensor t) { return cl ? channels_last(t) : t; });
+      }
+  const ConvPlanCounts after = conv_plan_counts_cuda();
+  std::printf("graph API: %lld graph plans, %lld legacy plans\n", (long long)(after.graph - before.graph),
+              (long long)(after.legacy - before.legacy));
+  EXPECT_GT(after.graph, before.graph) << "no convolution ran through the graph API";
+  if (emulated) {
+    EXPECT_EQ(after.legacy, before.legacy) << "a pass fell back to the legacy API";
+  }
+  Tensor x = rnd({2, 16, 9, 9}, 960, DType::Float32), w = rnd({8, 16, 3, 3}, 961, DType::Float32, 0.3);
+  const Tensor ref = conv2d(x.to(DType::Float64), w.to(DType::Float64), Tensor(), {1, 1}, {1, 1});
+  auto rel_err = [&](const Tensor& got) {
+    return max(abs(got.cpu().to(DType::Float64) - ref)).item() / max(abs(ref)).item();
+  };
+  for (bool cl : {false, true}) {
+    Tensor xg = cl ? channels_last(x.cuda()) : x.cuda();
+    set_cudnn_allow_tf32(false);
+    const double exact = rel_err(conv2d(xg, w.cuda(), Tensor(), {1, 1}, {1, 1}));
+    set_cudnn_allow_tf32(true);
+    const double tf32 = rel_err(conv2d(xg, w.cuda(), Tensor(), {1, 1}, {1, 1}));
+    set_cudnn_allow_tf32(false);
+    EXPECT_LT(exact, 1e-6) << "conv2d graph API, TF32 off" << (cl ? ", channels-last" : "");
+    if (emulated) {
+      EXPECT_GT(tf32, 2e-5) << "conv2d graph API, TF32 on: operands not rounded";
+    }
+    EXPECT_LT(tf32, 5e-3) << "conv2d graph API, TF32 on";
+  }
 }
 
 // PyTorch's defaults: cuDNN may use TF32, matmul may not; the environment

@@ -12,7 +12,10 @@
 // the algorithm, its math type and its workspace, to set beside cuDNN's own
 // log (CUDNN_LOGLEVEL_DBG) or PyTorch's choices on a GPU.
 //
-// Algorithms come from cuDNN's heuristics (Get*_v7, checked and completed by
+// Under cudnn_graph_api() (EMBER_CUDNN_GRAPH=1) a pass runs through cuDNN's
+// graph (backend) API instead, as PyTorch's Conv_v8.cpp does: see "The graph
+// API" below. Otherwise, or where the graph API has no engine,
+// algorithms come from cuDNN's heuristics (Get*_v7, checked and completed by
 // pick below) or, in benchmark mode (cudnn_benchmark(), PyTorch's
 // cudnn.benchmark), from timing them all once (cudnnFind*Ex), once per
 // (device, geometry, strides, dtype, layout, pass, math, mode) and cached
@@ -28,6 +31,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <climits>
 #include <compare>
 #include <cstdio>
@@ -174,6 +178,7 @@ struct AlgoKey {
   Pass pass;
   cudnnMathType_t math;  // the call's math: TF32 on and off pick apart
   bool benchmark;        // measured (cudnnFind*Ex) or heuristic choice
+  bool graph;            // the graph API's engine (when it has one) or the legacy API's algorithm
   auto operator<=>(const AlgoKey&) const = default;
 };
 
@@ -207,12 +212,15 @@ Algo pick(const std::vector<Perf>& perf, int returned, int n_algos, DType dt, cu
 // made the step wait on the host), the algorithm and its workspace size.
 // The key holds the activations' strides, so a plan's descriptors describe
 // exactly the tensors it is used with.
+struct GraphPlan;
+
 struct Plan {
   TensorDesc a, b;  // forward (x, y); backward data (dy, dx); backward filter (x, dy)
   FilterDesc f;
   ConvDesc c;
   Algo algo{-1, CUDNN_DEFAULT_MATH};
   size_t ws = 0;
+  std::shared_ptr<const GraphPlan> graph;  // set: the pass runs through the graph API
   Plan(const Tensor& ta, const Tensor& tb, const Tensor& tw, const ConvGeom& g, const ConvTypes& ty, bool cl)
       : a(ta, ty.data), b(tb, ty.data), f(tw, ty.data, cl), c(g, ty) {}
 };
@@ -220,6 +228,7 @@ struct Plan {
 struct PlanKey {
   AlgoKey algo;
   std::array<int64_t, 8> strides;
+  std::array<int64_t, 3> align;  // the operands' address alignment: a graph plan is built for it
   auto operator<=>(const PlanKey&) const = default;
 };
 
@@ -247,13 +256,24 @@ CachedPlan cached_plan(const PlanKey& key, Make&& make) {
 
 AlgoKey algo_key(const ConvGeom& g, bool channels_last, const Tensor& x, Pass pass, cudnnMathType_t math);
 
-PlanKey plan_key(const ConvGeom& g, bool channels_last, const Tensor& t1, const Tensor& t2, Pass pass,
+// The largest power of two up to 16 that divides the address: what a graph
+// plan promises cuDNN about its operands (CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT).
+int64_t byte_alignment(const void* p) {
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  int64_t al = 16;
+  while (al > 1 && a % al != 0) al /= 2;
+  return al;
+}
+
+PlanKey plan_key(const ConvGeom& g, bool channels_last, const Tensor& t1, const Tensor& t2, const Tensor& tf, Pass pass,
                  cudnnMathType_t math) {
-  PlanKey k{algo_key(g, channels_last, t1, pass, math), {}};
+  PlanKey k{algo_key(g, channels_last, t1, pass, math), {}, {}};
   for (int d = 0; d < 4; ++d) {
     k.strides[d] = t1.stride(d);
     k.strides[4 + d] = t2.stride(d);
   }
+  if (k.algo.graph)
+    k.align = {byte_alignment(t1.raw_data()), byte_alignment(t2.raw_data()), byte_alignment(tf.raw_data())};
   return k;
 }
 
@@ -264,7 +284,8 @@ AlgoKey algo_key(const ConvGeom& g, bool channels_last, const Tensor& x, Pass pa
           channels_last,
           pass,
           math,
-          cudnn_benchmark()};
+          cudnn_benchmark(),
+          cudnn_graph_api() && !cudnn_benchmark()};
 }
 
 // Workspaces come from the caching allocator (stream-ordered).
@@ -321,22 +342,6 @@ const char* math_name(cudnnMathType_t m) {
   return "?";
 }
 
-// One line per new cache entry under EMBER_CUDNN_LOG=1 (read once).
-void log_choice(const CachedPlan& c, const char* pass, const ConvGeom& g, DType dt, bool cl) {
-  static const bool on = [] {
-    const char* e = std::getenv("EMBER_CUDNN_LOG");
-    return e && std::string(e) == "1";
-  }();
-  if (!on || !c.fresh) return;
-  std::fprintf(
-      stderr,
-      "[ember cudnn] %s x=[%lld,%lld,%lld,%lld] w=[%lld,%lld,%lld,%lld] stride=%lld pad=%lld groups=%lld %s%s: "
-      "algo %d math %s workspace %zu\n",
-      pass, (long long)g.n, (long long)g.c, (long long)g.h, (long long)g.w, (long long)g.o, (long long)(g.c / g.groups),
-      (long long)g.kh, (long long)g.kw, (long long)g.sh, (long long)g.ph, (long long)g.groups, dtype_name(dt),
-      cl ? " channels-last" : "", c.plan->algo.algo, math_name(c.plan->algo.math), c.plan->ws);
-}
-
 // The op layer lays x (dy, dx) and w out alike, so either one's strides
 // tell the layout; when both are contiguous in both senses (1x1 filters on
 // 1x1 images, say), the two layouts are the same memory and NCHW is right.
@@ -373,6 +378,14 @@ struct ForwardApi {
   static constexpr Pass kPass = Pass::Forward;
   static constexpr int kCount = CUDNN_CONVOLUTION_FWD_ALGO_COUNT;
   static constexpr const char* kName = "forward";
+  // The graph API's operation and the attributes of its operands a, b, f.
+  static constexpr cudnnBackendDescriptorType_t kOp = CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR;
+  static constexpr cudnnBackendAttributeName_t kAttrA = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X,
+                                               kAttrB = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y,
+                                               kAttrF = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W,
+                                               kAttrConv = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC,
+                                               kAttrAlpha = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA,
+                                               kAttrBeta = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA;
   static cudnnStatus_t workspace(cudnnHandle_t h, const Plan& p, AlgoT algo, size_t* ws) {
     return cudnnGetConvolutionForwardWorkspaceSize(h, p.a.get(), p.f.get(), p.c.get(), p.b.get(), algo, ws);
   }
@@ -398,6 +411,13 @@ struct BackwardDataApi {
   static constexpr Pass kPass = Pass::BackwardData;
   static constexpr int kCount = CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT;
   static constexpr const char* kName = "backward_data";
+  static constexpr cudnnBackendDescriptorType_t kOp = CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR;
+  static constexpr cudnnBackendAttributeName_t kAttrA = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY,
+                                               kAttrB = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX,
+                                               kAttrF = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W,
+                                               kAttrConv = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC,
+                                               kAttrAlpha = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA,
+                                               kAttrBeta = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA;
   static cudnnStatus_t workspace(cudnnHandle_t h, const Plan& p, AlgoT algo, size_t* ws) {
     return cudnnGetConvolutionBackwardDataWorkspaceSize(h, p.f.get(), p.a.get(), p.c.get(), p.b.get(), algo, ws);
   }
@@ -425,6 +445,13 @@ struct BackwardFilterApi {
   static constexpr Pass kPass = Pass::BackwardFilter;
   static constexpr int kCount = CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT;
   static constexpr const char* kName = "backward_filter";
+  static constexpr cudnnBackendDescriptorType_t kOp = CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR;
+  static constexpr cudnnBackendAttributeName_t kAttrA = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X,
+                                               kAttrB = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY,
+                                               kAttrF = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW,
+                                               kAttrConv = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC,
+                                               kAttrAlpha = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA,
+                                               kAttrBeta = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA;
   static cudnnStatus_t workspace(cudnnHandle_t h, const Plan& p, AlgoT algo, size_t* ws) {
     return cudnnGetConvolutionBackwardFilterWorkspaceSize(h, p.a.get(), p.b.get(), p.c.get(), p.f.get(), algo, ws);
   }
@@ -446,6 +473,213 @@ struct BackwardFilterApi {
   }
 };
 
+// ---- The graph API ----
+// cuDNN's backend API, as PyTorch calls it (Conv_v8.cpp): the pass is an
+// operation graph of one convolution node over tensors that carry their real
+// strides; cuDNN's engine heuristics rank the engines that can run it
+// (instant mode, then the fallback list), and the first one our numerics
+// allow and that builds into an execution plan is kept with the plan. The
+// filter is PyTorch's: no engine that down-converts its inputs, and for
+// float32 without TF32 no tensor-core engine. Why not only the legacy API:
+// its algorithms map onto a few engines, and for float32 channels-last
+// without TF32 those ran our ResNet-50 step 1.25x PyTorch's on an H100
+// (bench/results/gpu_resnet50.json).
+
+class BackendDesc {
+ public:
+  explicit BackendDesc(cudnnBackendDescriptorType_t t) { EMBER_CUDNN_CHECK(cudnnBackendCreateDescriptor(t, &d_)); }
+  ~BackendDesc() {
+    if (d_) cudnnBackendDestroyDescriptor(d_);
+  }
+  BackendDesc(BackendDesc&& o) noexcept : d_(o.d_) { o.d_ = nullptr; }
+  BackendDesc(const BackendDesc&) = delete;
+  BackendDesc& operator=(const BackendDesc&) = delete;
+  BackendDesc& operator=(BackendDesc&&) = delete;
+  void set(cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type, int64_t count, const void* v) {
+    EMBER_CUDNN_CHECK(cudnnBackendSetAttribute(d_, name, type, count, v));
+  }
+  void set(cudnnBackendAttributeName_t name, const BackendDesc& other) {
+    set(name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &other.d_);
+  }
+  void finalize() { EMBER_CUDNN_CHECK(cudnnBackendFinalize(d_)); }
+  cudnnBackendDescriptor_t get() const { return d_; }
+
+ private:
+  cudnnBackendDescriptor_t d_ = nullptr;
+};
+
+// The operands' unique ids in the graph and in each call's variant pack.
+constexpr int64_t kUidA = 'a', kUidB = 'b', kUidF = 'f';
+
+BackendDesc backend_tensor(const Tensor& t, cudnnDataType_t dt, int64_t uid) {
+  BackendDesc d(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
+  int64_t dims[4], strides[4];
+  for (int i = 0; i < 4; ++i) dims[i] = t.size(i), strides[i] = t.stride(i);
+  const int64_t align = byte_alignment(t.raw_data());
+  d.set(CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &dt);
+  d.set(CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims);
+  d.set(CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, strides);
+  d.set(CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid);
+  d.set(CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &align);
+  d.finalize();
+  return d;
+}
+
+// A built plan and everything it was built from (kept alive with it).
+struct GraphPlan {
+  std::vector<BackendDesc> parts;
+  std::unique_ptr<BackendDesc> plan;
+  int64_t engine = -1;  // cuDNN's global engine index, for the log
+  int64_t ws = 0;
+  bool tensor_core = false;
+};
+
+// The engine of a heuristic result, and whether our numerics allow it.
+struct EngineInfo {
+  int64_t index = -1;
+  bool allowed = false, tensor_core = false;
+};
+EngineInfo engine_info(cudnnBackendDescriptor_t cfg, const ConvTypes& ty) {
+  EngineInfo info;
+  BackendDesc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
+  cudnnBackendDescriptor_t e = engine.get();
+  int64_t n = 0;
+  if (cudnnBackendGetAttribute(cfg, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &e) !=
+          CUDNN_STATUS_SUCCESS ||
+      n != 1)
+    return info;
+  cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
+  int64_t n_notes = 0;
+  if (cudnnBackendGetAttribute(e, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
+                               CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &n_notes, notes) != CUDNN_STATUS_SUCCESS)
+    return info;
+  cudnnBackendGetAttribute(e, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &info.index);
+  info.allowed = true;
+  for (int64_t i = 0; i < std::min<int64_t>(n_notes, CUDNN_NUMERICAL_NOTE_TYPE_COUNT); ++i) {
+    if (notes[i] == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS) info.allowed = false;
+    if (notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE) {
+      info.tensor_core = true;
+      if (ty.data == CUDNN_DATA_FLOAT && ty.math == CUDNN_FMA_MATH) info.allowed = false;
+    }
+  }
+  return info;
+}
+
+// The graph plan of one pass, or null when no engine that our numerics
+// allow builds for it (the caller then takes the legacy API).
+template <typename Api>
+std::shared_ptr<const GraphPlan> make_graph_plan(cudnnHandle_t h, const ConvGeom& g, const Tensor& ta, const Tensor& tb,
+                                                 const Tensor& tf, const ConvTypes& ty) {
+  auto gp = std::make_shared<GraphPlan>();
+  auto& parts = gp->parts;
+  parts.reserve(8);
+  const BackendDesc& a = parts.emplace_back(backend_tensor(ta, ty.data, kUidA));
+  const BackendDesc& b = parts.emplace_back(backend_tensor(tb, ty.data, kUidB));
+  const BackendDesc& f = parts.emplace_back(backend_tensor(tf, ty.data, kUidF));
+  BackendDesc& conv = parts.emplace_back(CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR);
+  const cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
+  const int64_t dims = 2, dil[2] = {g.dh, g.dw}, stride[2] = {g.sh, g.sw}, pad[2] = {g.ph, g.pw};
+  conv.set(CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &ty.compute);
+  conv.set(CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &mode);
+  conv.set(CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, CUDNN_TYPE_INT64, 1, &dims);
+  conv.set(CUDNN_ATTR_CONVOLUTION_DILATIONS, CUDNN_TYPE_INT64, 2, dil);
+  conv.set(CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, CUDNN_TYPE_INT64, 2, stride);
+  conv.set(CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, CUDNN_TYPE_INT64, 2, pad);
+  conv.set(CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, CUDNN_TYPE_INT64, 2, pad);
+  conv.finalize();
+  // Groups are implied: the filter's input channels times the groups are x's.
+  BackendDesc& op = parts.emplace_back(Api::kOp);
+  op.set(Api::kAttrA, a);
+  op.set(Api::kAttrB, b);
+  op.set(Api::kAttrF, f);
+  op.set(Api::kAttrConv, conv);
+  const double d1 = 1, d0 = 0;
+  const float f1 = 1, f0 = 0;
+  const bool dbl = ty.compute == CUDNN_DATA_DOUBLE;
+  op.set(Api::kAttrAlpha, dbl ? CUDNN_TYPE_DOUBLE : CUDNN_TYPE_FLOAT, 1, dbl ? static_cast<const void*>(&d1) : &f1);
+  op.set(Api::kAttrBeta, dbl ? CUDNN_TYPE_DOUBLE : CUDNN_TYPE_FLOAT, 1, dbl ? static_cast<const void*>(&d0) : &f0);
+  op.finalize();
+  BackendDesc& graph = parts.emplace_back(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
+  graph.set(CUDNN_ATTR_OPERATIONGRAPH_OPS, op);
+  graph.set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h);
+  graph.finalize();
+  for (const cudnnBackendHeurMode_t heur_mode : {CUDNN_HEUR_MODE_INSTANT, CUDNN_HEUR_MODE_FALLBACK}) {
+    BackendDesc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
+    heur.set(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph);
+    heur.set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &heur_mode);
+    if (cudnnBackendFinalize(heur.get()) != CUDNN_STATUS_SUCCESS) continue;
+    int64_t count = 0;
+    if (cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
+                                 nullptr) != CUDNN_STATUS_SUCCESS)
+      continue;
+    std::vector<BackendDesc> cfgs;
+    std::vector<cudnnBackendDescriptor_t> raw;
+    for (int64_t i = 0; i < count; ++i) raw.push_back(cfgs.emplace_back(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR).get());
+    if (count == 0 || cudnnBackendGetAttribute(heur.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                               count, &count, raw.data()) != CUDNN_STATUS_SUCCESS)
+      continue;
+    for (int64_t i = 0; i < count; ++i) {
+      const EngineInfo info = engine_info(raw[i], ty);
+      if (!info.allowed) continue;
+      auto plan = std::make_unique<BackendDesc>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+      plan->set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &h);
+      plan->set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfgs[i]);
+      if (cudnnBackendFinalize(plan->get()) != CUDNN_STATUS_SUCCESS) continue;  // this engine cannot run it
+      int64_t n = 0;
+      EMBER_CUDNN_CHECK(cudnnBackendGetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                                                 CUDNN_TYPE_INT64, 1, &n, &gp->ws));
+      gp->plan = std::move(plan);
+      gp->engine = info.index;
+      gp->tensor_core = info.tensor_core;
+      parts.push_back(std::move(cfgs[i]));
+      return gp;
+    }
+  }
+  return nullptr;
+}
+
+// Runs a graph plan on the operands' data (a, b, f as in the plan).
+void run_graph(cudnnHandle_t h, int dev, const GraphPlan& gp, void* a, void* b, void* f) {
+  DataPtr ws = workspace(dev, static_cast<size_t>(gp.ws));
+  void* wsp = ws.get();
+  const int64_t uids[3] = {kUidA, kUidB, kUidF};
+  void* ptrs[3] = {a, b, f};
+  BackendDesc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
+  pack.set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, 3, uids);
+  pack.set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, 3, ptrs);
+  pack.set(CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &wsp);
+  pack.finalize();
+  EMBER_CUDNN_CHECK(cudnnBackendExecute(h, gp.plan->get(), pack.get()));
+}
+
+std::atomic<int64_t> g_graph_plans{0}, g_legacy_plans{0};
+
+// One line per new cache entry under EMBER_CUDNN_LOG=1 (read once).
+void log_choice(const CachedPlan& c, const char* pass, const ConvGeom& g, DType dt, bool cl) {
+  static const bool on = [] {
+    const char* e = std::getenv("EMBER_CUDNN_LOG");
+    return e && std::string(e) == "1";
+  }();
+  if (!on || !c.fresh) return;
+  if (const GraphPlan* gp = c.plan->graph.get()) {
+    std::fprintf(stderr,
+                 "[ember cudnn] %s x=[%lld,%lld,%lld,%lld] w=[%lld,%lld,%lld,%lld] stride=%lld pad=%lld groups=%lld "
+                 "%s%s: graph engine %lld math %s workspace %lld\n",
+                 pass, (long long)g.n, (long long)g.c, (long long)g.h, (long long)g.w, (long long)g.o,
+                 (long long)(g.c / g.groups), (long long)g.kh, (long long)g.kw, (long long)g.sh, (long long)g.ph,
+                 (long long)g.groups, dtype_name(dt), cl ? " channels-last" : "", (long long)gp->engine,
+                 gp->tensor_core ? "tensor_core" : "no_tensor_core", (long long)gp->ws);
+    return;
+  }
+  std::fprintf(
+      stderr,
+      "[ember cudnn] %s x=[%lld,%lld,%lld,%lld] w=[%lld,%lld,%lld,%lld] stride=%lld pad=%lld groups=%lld %s%s: "
+      "algo %d math %s workspace %zu\n",
+      pass, (long long)g.n, (long long)g.c, (long long)g.h, (long long)g.w, (long long)g.o, (long long)(g.c / g.groups),
+      (long long)g.kh, (long long)g.kw, (long long)g.sh, (long long)g.ph, (long long)g.groups, dtype_name(dt),
+      cl ? " channels-last" : "", c.plan->algo.algo, math_name(c.plan->algo.math), c.plan->ws);
+}
+
 // One pass on tensors in one layout; false when cuDNN has no algorithm for
 // it. The plan (descriptors, algorithm, workspace size) is made once per
 // key: the algorithm from benchmark mode when on and it measured one, else
@@ -455,9 +689,18 @@ bool run_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& ta, con
               bool cl) {
   using AlgoT = typename Api::AlgoT;
   const ConvTypes ty = conv_types(ta.dtype());
-  const CachedPlan cached = cached_plan(plan_key(g, cl, ta, tb, Api::kPass, ty.math), [&] {
+  const PlanKey key = plan_key(g, cl, ta, tb, tf, Api::kPass, ty.math);
+  const CachedPlan cached = cached_plan(key, [&] {
     auto plan = std::make_unique<Plan>(ta, tb, tf, g, ty, cl);
     Plan& p = *plan;
+    if (key.algo.graph) {
+      p.graph = make_graph_plan<Api>(h, g, ta, tb, tf, ty);
+      if (p.graph) {
+        g_graph_plans.fetch_add(1, std::memory_order_relaxed);
+        return plan;
+      }
+    }
+    g_legacy_plans.fetch_add(1, std::memory_order_relaxed);
     auto accepts = [&](int algo, cudnnMathType_t m) {
       p.c.set_math(m);
       size_t ws = 0;
@@ -487,8 +730,12 @@ bool run_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& ta, con
     return plan;
   });
   const Plan& p = *cached.plan;
-  if (p.algo.algo < 0) return false;
   log_choice(cached, Api::kName, g, ta.dtype(), cl);
+  if (p.graph) {
+    run_graph(h, dev, *p.graph, ta.raw_data(), tb.raw_data(), tf.raw_data());
+    return true;
+  }
+  if (p.algo.algo < 0) return false;
   DataPtr ws = workspace(dev, p.ws);
   const Blend blend(ta.dtype());
   EMBER_CUDNN_CHECK(Api::run(h, p, blend, ta.raw_data(), tb.raw_data(), tf.raw_data(), static_cast<AlgoT>(p.algo.algo),
@@ -504,6 +751,10 @@ void check_found(bool found, const char* pass, const ConvGeom& g, DType dt, bool
 }
 
 }  // namespace
+
+ConvPlanCounts conv_plan_counts_cuda() {
+  return {g_graph_plans.load(std::memory_order_relaxed), g_legacy_plans.load(std::memory_order_relaxed)};
+}
 
 void conv2d_forward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
   const int dev = x.device().index;

@@ -223,6 +223,13 @@ void conv2d_backward_cpu(const ConvGeom& g, const Tensor& x, const Tensor& w, co
 // CUDA: dx and dw (the bias gradient is a reduction, done by the op layer).
 void conv2d_backward_cuda(const ConvGeom& g, const Tensor& x, const Tensor& w, const Tensor& dy, Tensor* dx,
                           Tensor* dw);
+// How many convolution plans (one per pass and geometry) this process made
+// through cuDNN's graph API and through its legacy API (device.h's
+// cudnn_graph_api): what a test reads to know which path ran.
+struct ConvPlanCounts {
+  int64_t graph = 0, legacy = 0;
+};
+ConvPlanCounts conv_plan_counts_cuda();
 
 // Batch norm of contiguous x [N, C, H, W]. Per-channel tensors (mean, var,
 // invstd, w, b, dw, db) are contiguous [C] in the statistics dtype: float64
