@@ -51,6 +51,26 @@ TEST(Autograd, SharedSubexpressionSumsBothPaths) {
   expect_vec(x.grad(), {39});
 }
 
+// A leaf's first gradient is kept as it arrives when nothing else holds it
+// (PyTorch's AccumulateGrad steals it too) and copied when it is shared:
+// add hands one gradient to both of its inputs, so a and b must not alias,
+// and a later in-place change of one leaves the other alone. A gradient laid
+// out differently from its leaf (a transposed view) is copied into the
+// leaf's layout, not kept as a view.
+TEST(Autograd, LeafGradientsAreTheirOwnStorage) {
+  Tensor a = vec({1, 2}).requires_grad_(), b = vec({3, 4}).requires_grad_();
+  sum((a + b) * 1.0).backward();
+  ASSERT_TRUE(a.grad().defined() && b.grad().defined());
+  EXPECT_FALSE(a.grad().shares_storage(b.grad()));
+  a.grad().fill_(7.0);
+  expect_vec(b.grad(), {1, 1});
+  Tensor w = Tensor::from_vector({1, 2, 3, 4, 5, 6}, {2, 3}).requires_grad_();
+  Tensor m = Tensor::from_vector({1, 0, 0, 1, 1, 1}, {3, 2});
+  sum(w.t() * m).backward();  // w's gradient arrives as a transposed view of a [3, 2] tensor
+  EXPECT_TRUE(w.grad().is_contiguous());
+  EXPECT_TRUE(allclose(w.grad(), m.t().contiguous()));
+}
+
 TEST(Autograd, BroadcastGradientsReduceToInputShape) {
   Tensor a = ones({2, 3}, DType::Float64).requires_grad_();
   Tensor b = vec({1, 2, 3}).requires_grad_();

@@ -94,10 +94,14 @@ std::shared_ptr<Node> gradient_edge(const Tensor& t) {
 }
 
 // A gradient may alias other tensors (add passes one gradient to both
-// inputs); .grad() gets its own storage unless nothing else can see it.
-Tensor owned_copy(const Tensor& g) {
-  bool sole = g.impl_ptr().use_count() == 1 && g.impl().storage.use_count() == 1 && g.is_contiguous();
-  return sole ? g : g.clone();
+// inputs); .grad() gets its own storage unless nothing else can see it and
+// it is laid out as the leaf is (PyTorch's layout contract: a channels-last
+// weight's gradient is channels-last and is taken as it is, not copied).
+Tensor owned_copy(const Tensor& g, const Tensor& leaf) {
+  const bool sole = g.impl_ptr().use_count() == 1 && g.impl().storage.use_count() == 1;
+  const bool laid_out = g.sizes() == leaf.sizes() &&
+                        (g.is_contiguous() ? leaf.is_contiguous() || leaf.numel() <= 1 : g.strides() == leaf.strides());
+  return sole && laid_out && g.storage_offset() == 0 ? g : g.clone();
 }
 
 void accumulate_into_leaf(Node& acc, Tensor g) {
@@ -109,7 +113,8 @@ void accumulate_into_leaf(Node& acc, Tensor g) {
   }
   if (g.dtype() != leaf.dtype() || g.device() != leaf.device()) g = g.to(leaf.device(), leaf.dtype());
   if (!m.grad.defined()) {
-    m.grad = owned_copy(g);
+    m.grad = owned_copy(g, leaf);
+    g = Tensor();
     set_memory_kind(m.grad, MemoryKind::Gradients);
   } else {
     m.grad += g;
@@ -219,7 +224,7 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
           auto it = capture->find(n);
           if (it != capture->end()) it->second = it->second.defined() ? it->second + g : g;
         } else {
-          accumulate_into_leaf(*n, g);
+          accumulate_into_leaf(*n, std::move(g));  // moved: a gradient nothing else holds is kept, not copied
         }
       }
     } else if (capture && capture->count(n)) {

@@ -109,7 +109,7 @@ for part in "${parts[@]}"; do
         # The other way of calling cuDNN (device.h's cudnn_graph_api):
         # flipped from whatever the default is, every configuration; its
         # rows are named <layout>_alt. The first round logs its choices.
-        alt=1; [ "${EMBER_CUDNN_GRAPH:-}" = 1 ] && alt=0
+        alt=0; [ "${EMBER_CUDNN_GRAPH:-1}" = 0 ] && alt=1  # the graph API is the default
         say "speed round $r: ours with EMBER_CUDNN_GRAPH=$alt"
         log=0; [ "$r" = 1 ] && log=1
         EMBER_CUDNN_GRAPH=$alt EMBER_CUDNN_LOG=$log "${ours[@]}" --configs $configs --layouts nchw,cl "${shape[@]}" \

@@ -141,7 +141,7 @@ EnvSwitch& cudnn_fp32_cl_nchw() {
 }
 
 EnvSwitch& cudnn_graph() {
-  static EnvSwitch s{"EMBER_CUDNN_GRAPH", false};
+  static EnvSwitch s{"EMBER_CUDNN_GRAPH", true};
   return s;
 }
 

@@ -32,7 +32,7 @@ class CudaNnOps : public ::testing::Test {
   }
   void TearDown() override {
     set_cudnn_allow_tf32(true);
-    set_cudnn_graph_api(false);
+    set_cudnn_graph_api(true);
   }
 };
 
@@ -234,33 +234,44 @@ TEST_F(CudaNnOps, Conv2dBenchmarkModeMatchesCpu) {
   set_cudnn_benchmark(false);
 }
 
-// The graph API (cudnn_graph_api, PyTorch's way of calling cuDNN): the same
-// convolutions as the CPU in every dtype and both layouts, through graph
-// plans (counted). float32 without TF32 stays exact: no tensor-core or
-// input-down-converting engine is taken, though the emulated cuDNN lists
-// both first (and dies running the latter); with TF32 allowed, operands are
-// rounded as tensor cores round.
-TEST_F(CudaNnOps, Conv2dGraphApiMatchesCpu) {
+// Both ways of calling cuDNN (cudnn_graph_api: the graph API, PyTorch's
+// way and the default, or the legacy API): the same convolutions as the CPU
+// in every dtype and both layouts, each through its own plans (counted).
+// float32 without TF32 stays exact: no tensor-core or input-down-converting
+// engine is taken, though the emulated cuDNN lists both first (and dies
+// running the latter); with TF32 allowed, operands are rounded as tensor
+// cores round.
+TEST_F(CudaNnOps, Conv2dGraphAndLegacyApisMatchCpu) {
   const bool emulated = cuda_device_name() == "CUDA emulation";
-  set_cudnn_graph_api(true);
-  const ConvPlanCounts before = conv_plan_counts_cuda();
-  uint64_t seed = 900;
-  for (const ConvCase& c : kConvCases)
-    for (DType dt : kTypes)
-      for (bool cl : {false, true}) {
-        if (cl && dt == DType::Float64) continue;  // as the channels-last tests: no fp64 NHWC on a GPU
-        std::vector<Tensor> in = {rnd(c.x, seed++, dt, 0.5), rnd(c.w, seed++, dt, 0.5),
-                                  c.bias ? rnd({c.w[0]}, seed++, dt) : Tensor()};
-        compare(conv_fn(c), in, tol(dt), cat("conv2d graph API x", c.x, " w", c.w, cl ? " channels-last " : " ", dt),
-                [cl](Tensor t) { return cl ? channels_last(t) : t; });
+  EXPECT_TRUE(cudnn_graph_api() || std::getenv("EMBER_CUDNN_GRAPH")) << "the graph API is the default";
+  for (bool graph : {true, false}) {
+    set_cudnn_graph_api(graph);
+    const char* api = graph ? "graph API" : "legacy API";
+    const ConvPlanCounts before = conv_plan_counts_cuda();
+    uint64_t seed = 900;
+    for (const ConvCase& c : kConvCases)
+      for (DType dt : kTypes)
+        for (bool cl : {false, true}) {
+          if (cl && dt == DType::Float64) continue;  // as the channels-last tests: no fp64 NHWC on a GPU
+          std::vector<Tensor> in = {rnd(c.x, seed++, dt, 0.5), rnd(c.w, seed++, dt, 0.5),
+                                    c.bias ? rnd({c.w[0]}, seed++, dt) : Tensor()};
+          compare(conv_fn(c), in, tol(dt), cat("conv2d ", api, " x", c.x, " w", c.w, cl ? " channels-last " : " ", dt),
+                  [cl](Tensor t) { return cl ? channels_last(t) : t; });
+        }
+    const ConvPlanCounts after = conv_plan_counts_cuda();
+    std::printf("%s: %lld graph plans, %lld legacy plans\n", api, (long long)(after.graph - before.graph),
+                (long long)(after.legacy - before.legacy));
+    if (graph) {
+      EXPECT_GT(after.graph, before.graph) << "no convolution ran through the graph API";
+      if (emulated) {
+        EXPECT_EQ(after.legacy, before.legacy) << "a pass fell back to the legacy API";
       }
-  const ConvPlanCounts after = conv_plan_counts_cuda();
-  std::printf("graph API: %lld graph plans, %lld legacy plans\n", (long long)(after.graph - before.graph),
-              (long long)(after.legacy - before.legacy));
-  EXPECT_GT(after.graph, before.graph) << "no convolution ran through the graph API";
-  if (emulated) {
-    EXPECT_EQ(after.legacy, before.legacy) << "a pass fell back to the legacy API";
+    } else {
+      EXPECT_EQ(after.graph, before.graph) << "the graph API ran with it switched off";
+      EXPECT_GT(after.legacy, before.legacy);
+    }
   }
+  set_cudnn_graph_api(true);
   Tensor x = rnd({2, 16, 9, 9}, 960, DType::Float32), w = rnd({8, 16, 3, 3}, 961, DType::Float32, 0.3);
   const Tensor ref = conv2d(x.to(DType::Float64), w.to(DType::Float64), Tensor(), {1, 1}, {1, 1});
   auto rel_err = [&](const Tensor& got) {

@@ -12,9 +12,10 @@
 // the algorithm, its math type and its workspace, to set beside cuDNN's own
 // log (CUDNN_LOGLEVEL_DBG) or PyTorch's choices on a GPU.
 //
-// Under cudnn_graph_api() (EMBER_CUDNN_GRAPH=1) a pass runs through cuDNN's
-// graph (backend) API instead, as PyTorch's Conv_v8.cpp does: see "The graph
-// API" below. Otherwise, or where the graph API has no engine,
+// Under cudnn_graph_api() (on by default; EMBER_CUDNN_GRAPH=0 turns it off)
+// a pass runs through cuDNN's graph (backend) API, as PyTorch's Conv_v8.cpp
+// does: see "The graph API" below. Otherwise, or where the graph API has no
+// engine,
 // algorithms come from cuDNN's heuristics (Get*_v7, checked and completed by
 // pick below) or, in benchmark mode (cudnn_benchmark(), PyTorch's
 // cudnn.benchmark), from timing them all once (cudnnFind*Ex), once per
