@@ -907,19 +907,22 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       loss = lt.to(kCPU).item();
       if (metrics.is_open()) {
         const double secs = examples::seconds(step_start, Clock::now());
-        nlohmann::json line = {{"step", step},
-                               {"loss", loss},
-                               {"lr", lr},
-                               {"grad_norm", grad_norm},
-                               {"tokens_per_s", tokens_per_step / std::max(secs, 1e-9)},
-                               {"mem_peak_mib", mem.total()},
-                               {"mem_params_mib", mem[MemoryKind::Parameters]},
-                               {"mem_grads_mib", mem[MemoryKind::Gradients]},
-                               {"mem_optimizer_mib", mem[MemoryKind::Optimizer]},
-                               {"mem_gathered_mib", mem[MemoryKind::Gathered]},
-                               {"mem_activations_mib", mem[MemoryKind::Activations]},
-                               {"mem_other_mib", mem[MemoryKind::Other]},
-                               {"batch_digest", batch_digest(all)}};
+        nlohmann::json line = {
+            {"step", step},
+            {"loss", loss},
+            {"lr", lr},
+            {"grad_norm", grad_norm},
+            {"tokens_per_s", tokens_per_step / std::max(secs, 1e-9)},
+            {"mem_peak_mib", mem.total()},
+            {"mem_params_mib", mem[MemoryKind::Parameters]},
+            {"mem_grads_mib", mem[MemoryKind::Gradients]},
+            {"mem_optimizer_mib", mem[MemoryKind::Optimizer]},
+            {"mem_gathered_mib", mem[MemoryKind::Gathered]},
+            {"mem_activations_mib", mem[MemoryKind::Activations]},
+            {"mem_other_mib", mem[MemoryKind::Other]},
+            {"batch_digest", batch_digest(all)},
+            // wall clock: timelines of restarts across processes
+            {"time", std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count()}};
         metrics << line.dump() << "\n" << std::flush;
       }
     }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/exception.h"
+#include "distributed/launch/elastic.h"
 #include "distributed/launch/launch.h"
 
 namespace {
@@ -28,6 +29,8 @@ const char* kUsage =
     "usage: launch [--nproc_per_node=N] [--nnodes=M --node_rank=K] [--master_addr=HOST]\n"
     "              [--master_port=PORT] [--grace_ms=MS] [--max_restarts=K] [--no-prefix] [--]\n"
     "              PROGRAM [ARGS...]\n"
+    "       launch --nnodes=MIN:MAX --rdzv_endpoint=HOST:PORT --rdzv_id=JOB [--nproc_per_node=N]\n"
+    "              [--max_restarts=K] [--rdzv_conf=KEY=S,...] [--local_addr=HOST] [--] PROGRAM [ARGS...]\n"
     "\n"
     "Runs PROGRAM as N worker processes with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,\n"
     "GROUP_RANK, MASTER_ADDR and MASTER_PORT set (as torchrun does).\n"
@@ -42,6 +45,15 @@ const char* kUsage =
     "  --max_restarts=K    after a worker fails, start every worker again, up to K times, with\n"
     "                      EMBER_RESTART_COUNT set (default 0; one node only)\n"
     "  --no-prefix         do not start worker output lines with \"[rank N]: \"\n"
+    "Elastic (one agent per host, meeting in rendezvous rounds; see distributed/launch/elastic.h):\n"
+    "  --nnodes=MIN:MAX    a round starts with MAX nodes, or MIN once no other came for last_call\n"
+    "  --rdzv_endpoint=HOST:PORT  the rendezvous store (served by the first agent on HOST)\n"
+    "  --rdzv_id=JOB       the job's name; every agent of the job gives the same\n"
+    "  --rdzv_backend=c10d accepted for torchrun's command lines (the only backend)\n"
+    "  --rdzv_conf=K=S,..  last_call_timeout (default 30), join_timeout (600),\n"
+    "                      heartbeat_timeout (30), in seconds\n"
+    "  --local_addr=HOST   how other hosts reach this one (default: this host's name)\n"
+    "  --max_restarts=K    worker failures the job survives, over all nodes (default 0)\n"
     "Flags may be spelled with - or _ (--max-restarts, --nproc-per-node).\n"
     "\n"
     "Exit status: 0 when every worker succeeds, else the first failing worker's exit code\n"
@@ -66,13 +78,42 @@ int parse_int(const std::string& flag, const std::string& value, int lo, int hi)
 
 struct Parsed {
   ember::distributed::LaunchOptions options;
+  ember::distributed::ElasticOptions elastic;
+  bool is_elastic = false;
   std::vector<std::string> program;
   bool help = false;
 };
 
+// torchrun's --rdzv-conf: comma-separated key=seconds.
+void parse_rdzv_conf(const std::string& value, ember::distributed::ElasticOptions& e) {
+  size_t start = 0;
+  while (start < value.size()) {
+    size_t end = value.find(',', start);
+    if (end == std::string::npos) end = value.size();
+    const std::string item = value.substr(start, end - start);
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos) throw UsageError{"--rdzv_conf: '" + item + "' is not key=value"};
+    const std::string k = item.substr(0, eq), v = item.substr(eq + 1);
+    char* stop = nullptr;
+    const double secs = std::strtod(v.c_str(), &stop);
+    if (v.empty() || *stop != '\0' || !(secs >= 0) || secs > 1e7)
+      throw UsageError{"--rdzv_conf " + k + ": '" + v + "' is not a number of seconds"};
+    const auto ms = std::chrono::milliseconds(static_cast<long long>(secs * 1000));
+    if (k == "last_call_timeout")
+      e.last_call = ms;
+    else if (k == "join_timeout")
+      e.join_timeout = ms;
+    else if (k == "heartbeat_timeout")
+      e.heartbeat_timeout = ms;
+    else
+      throw UsageError{"--rdzv_conf: unknown key '" + k + "' (last_call_timeout, join_timeout, heartbeat_timeout)"};
+    start = end + 1;
+  }
+}
+
 Parsed parse(int argc, char** argv) {
   Parsed p;
-  bool node_rank_given = false;
+  bool node_rank_given = false, elastic_range = false;
   int i = 1;
   for (; i < argc; ++i) {
     std::string arg = argv[i];
@@ -100,7 +141,9 @@ Parsed parse(int argc, char** argv) {
       continue;
     }
     const bool known = name == "nproc_per_node" || name == "nnodes" || name == "node_rank" || name == "master_addr" ||
-                       name == "master_port" || name == "grace_ms" || name == "max_restarts";
+                       name == "master_port" || name == "grace_ms" || name == "max_restarts" ||
+                       name == "rdzv_endpoint" || name == "rdzv_id" || name == "rdzv_conf" || name == "rdzv_backend" ||
+                       name == "local_addr";
     if (!known) throw UsageError{"unknown flag " + arg.substr(0, arg.find('='))};
     if (!has_value) {
       if (i + 1 >= argc) throw UsageError{"--" + name + " needs a value"};
@@ -108,7 +151,35 @@ Parsed parse(int argc, char** argv) {
     }
     auto& o = p.options;
     if (name == "nproc_per_node") o.nproc_per_node = parse_int(name, value, 1, 1 << 16);
-    if (name == "nnodes") o.nnodes = parse_int(name, value, 1, 1 << 20);
+    auto& e = p.elastic;
+    if (name == "nnodes") {
+      if (size_t colon = value.find(':'); colon != std::string::npos) {
+        e.min_nodes = parse_int(name, value.substr(0, colon), 1, 1 << 20);
+        e.max_nodes = parse_int(name, value.substr(colon + 1), 1, 1 << 20);
+        if (e.max_nodes < e.min_nodes) throw UsageError{"--nnodes " + value + ": MAX is less than MIN"};
+        o.nnodes = e.max_nodes;
+        elastic_range = true;
+      } else {
+        o.nnodes = parse_int(name, value, 1, 1 << 20);
+        e.min_nodes = e.max_nodes = o.nnodes;
+      }
+    }
+    if (name == "rdzv_endpoint") {
+      const size_t colon = value.rfind(':');
+      if (colon == std::string::npos || colon == 0)
+        throw UsageError{"--rdzv_endpoint " + value + ": expected HOST:PORT"};
+      e.endpoint_host = value.substr(0, colon);
+      e.endpoint_port = parse_int(name, value.substr(colon + 1), 1, 65535);
+      p.is_elastic = true;
+    }
+    if (name == "rdzv_id") {
+      if (value.empty()) throw UsageError{"--rdzv_id is empty"};
+      e.rdzv_id = value;
+    }
+    if (name == "rdzv_backend" && value != "c10d")
+      throw UsageError{"--rdzv_backend " + value + ": only c10d (the store the first agent serves) is built"};
+    if (name == "local_addr") e.local_addr = value;
+    if (name == "rdzv_conf") parse_rdzv_conf(value, e);
     if (name == "node_rank") {
       o.node_rank = parse_int(name, value, 0, 1 << 20);
       node_rank_given = true;
@@ -123,6 +194,18 @@ Parsed parse(int argc, char** argv) {
   }
   for (; i < argc; ++i) p.program.emplace_back(argv[i]);
   if (p.program.empty()) throw UsageError{"no program given"};
+  if (elastic_range && !p.is_elastic)
+    throw UsageError{"--nnodes MIN:MAX needs --rdzv_endpoint HOST:PORT (where the agents meet)"};
+  if (p.is_elastic) {
+    if (node_rank_given)
+      throw UsageError{"--node_rank does not go with --rdzv_endpoint: ranks come from the rendezvous"};
+    auto& e = p.elastic;
+    e.nproc_per_node = p.options.nproc_per_node;
+    e.max_restarts = p.options.max_restarts;
+    e.grace = p.options.grace;
+    e.prefix_output = p.options.prefix_output;
+    return p;
+  }
   const auto& o = p.options;
   if (o.node_rank >= o.nnodes)
     throw UsageError{"--node_rank " + std::to_string(o.node_rank) + " is outside [0, --nnodes=" +
@@ -132,8 +215,8 @@ Parsed parse(int argc, char** argv) {
   if (o.nnodes > 1 && o.master_port == 0)
     throw UsageError{"--master_port=0 (a free port) only works with --nnodes=1"};
   if (o.nnodes > 1 && o.max_restarts > 0)
-    throw UsageError{"--max_restarts restarts one node's workers only; it does not go with --nnodes=" +
-                     std::to_string(o.nnodes) + " yet"};
+    throw UsageError{"--max_restarts with --nnodes=" + std::to_string(o.nnodes) +
+                     " needs elastic agents: add --rdzv_endpoint HOST:PORT --rdzv_id JOB"};
   return p;
 }
 
@@ -161,6 +244,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
+    if (p.is_elastic) return ember::distributed::elastic_launch(p.elastic, p.program);
     return ember::distributed::launch(p.options, p.program);
   } catch (const ember::Error& e) {
     std::fprintf(stderr, "%s\n", e.what());  // messages already start with "launch: "

@@ -29,10 +29,12 @@
 #include <vector>
 
 #include "core/exception.h"
+#include "distributed/launch/launch_internal.h"
 
 extern char** environ;
 
 namespace ember::distributed {
+namespace launch_detail {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -49,41 +51,13 @@ constexpr size_t kMaxLine = 64 * 1024;
 // the loop. Only one launch() runs at a time (documented), so one slot.
 volatile sig_atomic_t g_signal = 0;
 volatile sig_atomic_t g_signal_count = 0;
+int g_handled_signals = 0;  // how many of them the worker loop has acted on
 constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
 
 void on_signal(int sig) {
   g_signal = sig;
   g_signal_count = g_signal_count + 1;
 }
-
-// Installs the forwarding handlers and a default SIGCHLD (so waitpid works
-// even if the host process ignores it) for the lifetime of one launch().
-class SignalScope {
- public:
-  SignalScope() {
-    g_signal = 0;
-    g_signal_count = 0;
-    struct sigaction sa {};
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = 0;  // no SA_RESTART: let the signal cut poll() short
-    for (size_t i = 0; i < std::size(kForwarded); ++i) sigaction(kForwarded[i], &sa, &old_[i]);
-    struct sigaction dfl {};
-    dfl.sa_handler = SIG_DFL;
-    sigemptyset(&dfl.sa_mask);
-    sigaction(SIGCHLD, &dfl, &old_chld_);
-  }
-  ~SignalScope() {
-    for (size_t i = 0; i < std::size(kForwarded); ++i) sigaction(kForwarded[i], &old_[i], nullptr);
-    sigaction(SIGCHLD, &old_chld_, nullptr);
-  }
-  SignalScope(const SignalScope&) = delete;
-  SignalScope& operator=(const SignalScope&) = delete;
-
- private:
-  struct sigaction old_[std::size(kForwarded)];
-  struct sigaction old_chld_;
-};
 
 void write_all(int fd, const char* data, size_t n) {
   while (n > 0) {
@@ -97,10 +71,14 @@ void write_all(int fd, const char* data, size_t n) {
   }
 }
 
+}  // namespace
+
 void say(const std::string& msg) {
   std::string line = "launch: " + msg + "\n";
   write_all(STDERR_FILENO, line.data(), line.size());
 }
+
+namespace {
 
 std::string describe_status(int status) {
   if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
@@ -118,6 +96,8 @@ int exit_code(int status) {
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return 1;
 }
+
+}  // namespace
 
 // execvp's search, done in the parent: the child may only make
 // async-signal-safe calls between fork and exec, and a missing program is
@@ -143,6 +123,8 @@ std::string resolve_program(const std::string& prog) {
   EMBER_CHECK(false, "launch: program '", prog, "' not found in PATH");
   return {};
 }
+
+namespace {
 
 // One stream (stdout or stderr) of one worker, prefixed line by line.
 struct OutStream {
@@ -226,6 +208,8 @@ std::vector<char*> c_strings(std::vector<std::string>& v) {
   return out;
 }
 
+}  // namespace
+
 // The launcher's environment with the worker's variables put over it.
 // 128 random bits from the kernel, as hex: the store token of one job.
 std::string random_token() {
@@ -261,6 +245,8 @@ std::vector<std::string> worker_env(const std::vector<std::pair<std::string, std
   for (const auto& [k, v] : set) env.push_back(k + "=" + v);
   return env;
 }
+
+namespace {
 
 void make_pipe(int fds[2]) {
   EMBER_CHECK(::pipe2(fds, O_CLOEXEC) == 0, "launch: pipe failed: ", std::strerror(errno));
@@ -318,6 +304,218 @@ void make_pipe(int fds[2]) {
 
 }  // namespace
 
+SignalScope::SignalScope() {
+  g_signal = 0;
+  g_signal_count = 0;
+  g_handled_signals = 0;
+  static_assert(std::size(kForwarded) == 4, "SignalScope::old_ holds one slot per forwarded signal");
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = 0;  // no SA_RESTART: let the signal cut poll() short
+  for (size_t i = 0; i < std::size(kForwarded); ++i) sigaction(kForwarded[i], &sa, &old_[i]);
+  struct sigaction dfl {};
+  dfl.sa_handler = SIG_DFL;
+  sigemptyset(&dfl.sa_mask);
+  sigaction(SIGCHLD, &dfl, &old_chld_);
+}
+
+SignalScope::~SignalScope() {
+  for (size_t i = 0; i < std::size(kForwarded); ++i) sigaction(kForwarded[i], &old_[i], nullptr);
+  sigaction(SIGCHLD, &old_chld_, nullptr);
+}
+
+int take_signal() {
+  const int count = g_signal_count;
+  if (count <= g_handled_signals) return 0;
+  g_handled_signals = count;
+  return g_signal;
+}
+
+WorkersResult run_workers(const std::string& path, const std::vector<std::string>& argv, std::vector<WorkerSpec> specs,
+                          bool prefix, std::chrono::milliseconds grace, const std::function<bool()>& stop) {
+  WorkersResult res;
+  const pid_t self = ::getpid();
+  const char* pause_env = std::getenv("EMBER_LAUNCH_TEST_FORK_PAUSE_MS");
+  const long fork_pause_ms = pause_env ? std::strtol(pause_env, nullptr, 10) : 0;
+  const int max_fd = static_cast<int>(std::min<long>(::sysconf(_SC_OPEN_MAX), 1 << 16));
+  const int nproc = static_cast<int>(specs.size());
+  std::vector<std::string> args = argv;
+  std::vector<char*> c_args = c_strings(args);
+  std::vector<std::vector<char*>> c_envs(nproc);
+  for (int local = 0; local < nproc; ++local) c_envs[local] = c_strings(specs[local].env);
+  std::vector<Worker> workers(nproc);
+  int running = 0;
+
+  auto kill_all = [&](int sig) {
+    for (auto& w : workers) signal_worker(w, sig);
+  };
+  // A failure while starting: take down whoever is already up, then throw.
+  auto abort_start = [&](std::initializer_list<int> fds) {
+    for (int fd : fds)
+      if (fd >= 0) ::close(fd);
+    kill_all(SIGKILL);
+    for (auto& v : workers)
+      if (v.running) ::waitpid(v.pid, nullptr, 0);
+    for (auto& v : workers) {
+      v.out.finish();
+      v.err.finish();
+    }
+  };
+
+  for (int local = 0; local < nproc; ++local) {
+    Worker& w = workers[local];
+    w.local_rank = specs[local].local_rank;
+    w.rank = specs[local].rank;
+    int out[2] = {-1, -1}, err[2] = {-1, -1};
+    if (prefix) {
+      try {
+        make_pipe(out);
+        make_pipe(err);
+      } catch (...) {
+        abort_start({out[0], out[1], err[0], err[1]});
+        throw;
+      }
+    }
+    // Blocked around fork: see exec_child. The parent's copy is unblocked at
+    // once, and a signal that came meanwhile is handled (and forwarded) then.
+    sigset_t forwarded, prev_mask;
+    sigemptyset(&forwarded);
+    for (int sig : kForwarded) sigaddset(&forwarded, sig);
+    ::pthread_sigmask(SIG_BLOCK, &forwarded, &prev_mask);
+    pid_t pid = ::fork();
+    if (pid == 0)
+      exec_child(path.c_str(), c_args.data(), c_envs[local].data(), out[1], err[1], self, max_fd, fork_pause_ms);
+    int fork_errno = errno;
+    ::pthread_sigmask(SIG_SETMASK, &prev_mask, nullptr);
+    if (pid < 0) {
+      abort_start({out[0], out[1], err[0], err[1]});
+      EMBER_CHECK(false, "launch: fork of local rank ", local, " failed: ", std::strerror(fork_errno));
+    }
+    for (int fd : {out[1], err[1]})
+      if (fd >= 0) ::close(fd);
+    // Also from the parent: a signal sent to the group before the child got
+    // to its own setpgid must still find the group.
+    ::setpgid(pid, pid);
+    w.pid = pid;
+    w.running = true;
+    ++running;
+    std::string prefix = "[rank " + std::to_string(w.rank) + "]: ";
+    w.out = OutStream{out[0], STDOUT_FILENO, prefix, {}};
+    w.err = OutStream{err[0], STDERR_FILENO, prefix, {}};
+  }
+
+  int result = 0;
+  bool failed = false;       // the first failure (or signal) decided `result`
+  bool terminating = false;  // SIGTERM (or the forwarded signal) has gone out
+  bool killed = false;       // SIGKILL has gone out
+  Clock::time_point deadline{};
+
+  auto start_termination = [&](int sig) {
+    terminating = true;
+    kill_all(sig);
+    deadline = Clock::now() + grace;
+  };
+
+  while (running > 0) {
+    // Signals to the launcher: forward the first, SIGKILL on a second.
+    int count = g_signal_count;
+    if (count > g_handled_signals) {
+      int sig = g_signal;
+      g_handled_signals = count;
+      res.by_signal = true;
+      if (!failed) {
+        failed = true;
+        result = 128 + sig;
+      }
+      if (!terminating) {
+        say("received signal " + std::to_string(sig) + ", forwarding it to the workers");
+        start_termination(sig);
+      } else if (!killed) {
+        say("received another signal, killing the workers");
+        killed = true;
+        kill_all(SIGKILL);
+      }
+    }
+
+    // The caller's stop request (an elastic agent's new rendezvous round):
+    // every worker goes, none of them failed.
+    if (stop && !terminating && stop()) {
+      res.stopped = true;
+      failed = true;  // what follows is the stop, not a failure to report
+      start_termination(SIGTERM);
+    }
+
+    // Reap whoever has exited (only our own pids: the host process may have
+    // other children that are none of our business).
+    for (auto& w : workers) {
+      if (!w.running) continue;
+      int status = 0;
+      pid_t r = ::waitpid(w.pid, &status, WNOHANG);
+      if (r == 0 || (r < 0 && errno == EINTR)) continue;
+      w.running = false;
+      w.status = r == w.pid ? status : 0;
+      --running;
+      bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
+      // Whatever a failed (or stopped) worker left running in its group goes
+      // with it. Done right after the reap: the group id cannot have been
+      // reused yet.
+      if (!ok || terminating) ::kill(-w.pid, SIGKILL);
+      if (!ok && !failed) {
+        res.failed_rank = w.rank;
+        // Its last words first, then ours.
+        if (w.out.fd >= 0) w.out.pump();
+        if (w.err.fd >= 0) w.err.pump();
+        failed = true;
+        result = exit_code(w.status);
+        res.failure = "rank " + std::to_string(w.rank) + " (local rank " + std::to_string(w.local_rank) + ", pid " +
+                      std::to_string(w.pid) + ") " + describe_status(w.status);
+        say(res.failure + (running > 0 ? "; stopping the other workers" : ""));
+        if (running > 0) start_termination(SIGTERM);
+      }
+    }
+    if (running == 0) break;
+
+    if (terminating && !killed && Clock::now() >= deadline) {
+      killed = true;
+      say("workers still running " + std::to_string(grace.count()) + " ms after the signal; sending SIGKILL");
+      kill_all(SIGKILL);
+    }
+
+    // Wait for output, or at most kPollMs.
+    std::vector<pollfd> fds;
+    std::vector<OutStream*> streams;
+    for (auto& w : workers)
+      for (OutStream* s : {&w.out, &w.err})
+        if (s->fd >= 0) {
+          fds.push_back({s->fd, POLLIN, 0});
+          streams.push_back(s);
+        }
+    int n = ::poll(fds.data(), fds.size(), kPollMs);
+    if (n <= 0) continue;  // timeout, or EINTR from a signal: loop handles both
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      if (!streams[i]->pump()) {
+        ::close(streams[i]->fd);
+        streams[i]->fd = -1;
+      }
+    }
+  }
+
+  // Everyone is reaped. Drain what is left in the pipes without waiting for
+  // EOF: a grandchild holding a pipe open must not hang the launcher.
+  for (auto& w : workers) {
+    w.out.finish();
+    w.err.finish();
+  }
+  res.status = result;
+  return res;
+}
+
+}  // namespace launch_detail
+
+using namespace launch_detail;
+
 int find_free_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   EMBER_CHECK(fd >= 0, "find_free_port: socket failed: ", std::strerror(errno));
@@ -351,7 +549,8 @@ int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
   EMBER_CHECK(opt.max_restarts >= 0, "launch: max_restarts must be >= 0, got ", opt.max_restarts);
   EMBER_CHECK(opt.max_restarts == 0 || opt.nnodes == 1, "launch: max_restarts ", opt.max_restarts,
               " restarts one node's workers only, and a job of ", opt.nnodes,
-              " nodes would lose the others' (agents that meet in rendezvous rounds are not built yet)");
+              " nodes would lose the others' (elastic agents that meet in rendezvous rounds: elastic_launch, "
+              "//tools:launch --nnodes MIN:MAX --rdzv-endpoint HOST:PORT)");
 
   const int nproc = opt.nproc_per_node;
   const int world = nproc * opt.nnodes;
@@ -379,25 +578,15 @@ int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
         "; export the same secret as EMBER_STORE_TOKEN on every node to keep others out");
   }
 
-  const char* pause_env = std::getenv("EMBER_LAUNCH_TEST_FORK_PAUSE_MS");
-  const long fork_pause_ms = pause_env ? std::strtol(pause_env, nullptr, 10) : 0;
-  // Build every worker's argv/envp before the first fork.
-  std::vector<std::string> args = argv;
-  std::vector<char*> c_args = c_strings(args);
-  const int max_fd = static_cast<int>(std::min<long>(::sysconf(_SC_OPEN_MAX), 1 << 16));
-
   // Our own stdio first, so nothing buffered earlier lands after worker lines.
   std::fflush(stdout);
   std::fflush(stderr);
 
   SignalScope signals;
-  const pid_t self = ::getpid();
-  int handled_signals = 0;
   // One start of the workers; `by_signal`: a signal to the launcher ended it.
   auto attempt = [&](int restart, bool* by_signal) -> int {
     const int port = opt.master_port == 0 ? find_free_port() : opt.master_port;
-    std::vector<std::vector<std::string>> envs(nproc);
-    std::vector<std::vector<char*>> c_envs(nproc);
+    std::vector<WorkerSpec> specs(nproc);
     for (int local = 0; local < nproc; ++local) {
       std::vector<std::pair<std::string, std::string>> set = {
           {"RANK", std::to_string(opt.node_rank * nproc + local)},
@@ -414,165 +603,11 @@ int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
       // Which start this is (torchelastic's name too, for programs written for it).
       set.emplace_back("EMBER_RESTART_COUNT", std::to_string(restart));
       set.emplace_back("TORCHELASTIC_RESTART_COUNT", std::to_string(restart));
-      envs[local] = worker_env(set);
-      c_envs[local] = c_strings(envs[local]);
+      specs[local] = {opt.node_rank * nproc + local, local, worker_env(set)};
     }
-    std::vector<Worker> workers(nproc);
-    int running = 0;
-
-    auto kill_all = [&](int sig) {
-      for (auto& w : workers) signal_worker(w, sig);
-    };
-    // A failure while starting: take down whoever is already up, then throw.
-    auto abort_start = [&](std::initializer_list<int> fds) {
-      for (int fd : fds)
-        if (fd >= 0) ::close(fd);
-      kill_all(SIGKILL);
-      for (auto& v : workers)
-        if (v.running) ::waitpid(v.pid, nullptr, 0);
-      for (auto& v : workers) {
-        v.out.finish();
-        v.err.finish();
-      }
-    };
-
-    for (int local = 0; local < nproc; ++local) {
-      Worker& w = workers[local];
-      w.local_rank = local;
-      w.rank = opt.node_rank * nproc + local;
-      int out[2] = {-1, -1}, err[2] = {-1, -1};
-      if (opt.prefix_output) {
-        try {
-          make_pipe(out);
-          make_pipe(err);
-        } catch (...) {
-          abort_start({out[0], out[1], err[0], err[1]});
-          throw;
-        }
-      }
-      // Blocked around fork: see exec_child. The parent's copy is unblocked at
-      // once, and a signal that came meanwhile is handled (and forwarded) then.
-      sigset_t forwarded, prev_mask;
-      sigemptyset(&forwarded);
-      for (int sig : kForwarded) sigaddset(&forwarded, sig);
-      ::pthread_sigmask(SIG_BLOCK, &forwarded, &prev_mask);
-      pid_t pid = ::fork();
-      if (pid == 0)
-        exec_child(path.c_str(), c_args.data(), c_envs[local].data(), out[1], err[1], self, max_fd, fork_pause_ms);
-      int fork_errno = errno;
-      ::pthread_sigmask(SIG_SETMASK, &prev_mask, nullptr);
-      if (pid < 0) {
-        abort_start({out[0], out[1], err[0], err[1]});
-        EMBER_CHECK(false, "launch: fork of local rank ", local, " failed: ", std::strerror(fork_errno));
-      }
-      for (int fd : {out[1], err[1]})
-        if (fd >= 0) ::close(fd);
-      // Also from the parent: a signal sent to the group before the child got
-      // to its own setpgid must still find the group.
-      ::setpgid(pid, pid);
-      w.pid = pid;
-      w.running = true;
-      ++running;
-      std::string prefix = "[rank " + std::to_string(w.rank) + "]: ";
-      w.out = OutStream{out[0], STDOUT_FILENO, prefix, {}};
-      w.err = OutStream{err[0], STDERR_FILENO, prefix, {}};
-    }
-
-    int result = 0;
-    bool failed = false;       // the first failure (or signal) decided `result`
-    bool terminating = false;  // SIGTERM (or the forwarded signal) has gone out
-    bool killed = false;       // SIGKILL has gone out
-    Clock::time_point deadline{};
-
-    auto start_termination = [&](int sig) {
-      terminating = true;
-      kill_all(sig);
-      deadline = Clock::now() + opt.grace;
-    };
-
-    while (running > 0) {
-      // Signals to the launcher: forward the first, SIGKILL on a second.
-      int count = g_signal_count;
-      if (count > handled_signals) {
-        int sig = g_signal;
-        handled_signals = count;
-        *by_signal = true;
-        if (!failed) {
-          failed = true;
-          result = 128 + sig;
-        }
-        if (!terminating) {
-          say("received signal " + std::to_string(sig) + ", forwarding it to the workers");
-          start_termination(sig);
-        } else if (!killed) {
-          say("received another signal, killing the workers");
-          killed = true;
-          kill_all(SIGKILL);
-        }
-      }
-
-      // Reap whoever has exited (only our own pids: the host process may have
-      // other children that are none of our business).
-      for (auto& w : workers) {
-        if (!w.running) continue;
-        int status = 0;
-        pid_t r = ::waitpid(w.pid, &status, WNOHANG);
-        if (r == 0 || (r < 0 && errno == EINTR)) continue;
-        w.running = false;
-        w.status = r == w.pid ? status : 0;
-        --running;
-        bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
-        // Whatever a failed (or stopped) worker left running in its group goes
-        // with it. Done right after the reap: the group id cannot have been
-        // reused yet.
-        if (!ok || terminating) ::kill(-w.pid, SIGKILL);
-        if (!ok && !failed) {
-          // Its last words first, then ours.
-          if (w.out.fd >= 0) w.out.pump();
-          if (w.err.fd >= 0) w.err.pump();
-          failed = true;
-          result = exit_code(w.status);
-          say("rank " + std::to_string(w.rank) + " (local rank " + std::to_string(w.local_rank) + ", pid " +
-              std::to_string(w.pid) + ") " + describe_status(w.status) +
-              (running > 0 ? "; stopping the other workers" : ""));
-          if (running > 0) start_termination(SIGTERM);
-        }
-      }
-      if (running == 0) break;
-
-      if (terminating && !killed && Clock::now() >= deadline) {
-        killed = true;
-        say("workers still running " + std::to_string(opt.grace.count()) + " ms after the signal; sending SIGKILL");
-        kill_all(SIGKILL);
-      }
-
-      // Wait for output, or at most kPollMs.
-      std::vector<pollfd> fds;
-      std::vector<OutStream*> streams;
-      for (auto& w : workers)
-        for (OutStream* s : {&w.out, &w.err})
-          if (s->fd >= 0) {
-            fds.push_back({s->fd, POLLIN, 0});
-            streams.push_back(s);
-          }
-      int n = ::poll(fds.data(), fds.size(), kPollMs);
-      if (n <= 0) continue;  // timeout, or EINTR from a signal: loop handles both
-      for (size_t i = 0; i < fds.size(); ++i) {
-        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-        if (!streams[i]->pump()) {
-          ::close(streams[i]->fd);
-          streams[i]->fd = -1;
-        }
-      }
-    }
-
-    // Everyone is reaped. Drain what is left in the pipes without waiting for
-    // EOF: a grandchild holding a pipe open must not hang the launcher.
-    for (auto& w : workers) {
-      w.out.finish();
-      w.err.finish();
-    }
-    return result;
+    const WorkersResult r = run_workers(path, argv, std::move(specs), opt.prefix_output, opt.grace, nullptr);
+    *by_signal = r.by_signal;
+    return r.status;
   };
 
   for (int restart = 0;; ++restart) {

@@ -43,8 +43,8 @@ struct LaunchOptions {
   // restart's number, 0 at first; a program resumes from its newest
   // checkpoint. A failure that happens every time ends the job after the
   // last restart with that failure's status. A signal to the launcher
-  // never restarts. One node only for now: the multi-node agents'
-  // rendezvous is the elastic issue's.
+  // never restarts. One node only: several nodes restart together through
+  // the elastic agents' rendezvous (elastic.h).
   int max_restarts = 0;
 };
 

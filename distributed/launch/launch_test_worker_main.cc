@@ -46,7 +46,8 @@ bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0;
 int usage() {
   std::fprintf(stderr,
                "usage: launch_test_worker env DIR | print | log | sleep DIR | spawn N\n"
-               "       | fail FAILING_RANK CODE|sigN DIR [stubborn] | restart FAILING_RANK UNTIL DIR\n");
+               "       | fail FAILING_RANK CODE|sigN DIR [stubborn] | restart FAILING_RANK UNTIL DIR\n"
+               "       | elastic DIR STEPS\n");
   return 64;
 }
 
@@ -103,6 +104,28 @@ int main(int argc, char** argv) {
     }
     write_file(dir + "/restart." + std::to_string(rank),
                std::to_string(restart) + " " + env_str("TORCHELASTIC_RESTART_COUNT"));
+    return 0;
+  }
+  if (mode == "elastic" && argc >= 4) {
+    // A job under the elastic agents, without a process group: STEPS steps
+    // of 100 ms from the step DIR/ckpt names (rank 0 writes it after each
+    // step, as a checkpoint), each step appended to DIR/steps as
+    // "round world step". The last step writes DIR/done. It never notices a
+    // lost peer by itself: only its agent stops it.
+    const std::string dir = argv[2];
+    const int steps = std::atoi(argv[3]), world = env_int("WORLD_SIZE");
+    const int round = env_int("EMBER_RESTART_COUNT");
+    write_file(dir + "/pid." + std::to_string(rank), std::to_string(::getpid()));
+    int step = 0;
+    if (std::ifstream f(dir + "/ckpt"); f) f >> step;
+    for (; step < steps; ++step) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (rank == 0) {
+        std::ofstream(dir + "/steps", std::ios::app) << round << " " << world << " " << step << "\n";
+        write_file(dir + "/ckpt", std::to_string(step + 1));
+      }
+    }
+    if (rank == 0) write_file(dir + "/done", "round " + std::to_string(round) + " world " + std::to_string(world));
     return 0;
   }
   if (mode == "fail" && argc >= 5) {

@@ -1,0 +1,465 @@
+// The elastic agent (elastic.h): rendezvous rounds over a TCP store, the
+// workers of each round started through the launcher's run_workers, and the
+// monitoring that ends a round (a failure here, a new round asked for
+// elsewhere, a member's heartbeat gone, a late node waiting).
+//
+// Store keys, under "rdzv/<id>/":
+//   job                 the job's signature (program and node range): a second
+//                       job with the same id and endpoint is refused
+//   round               the running round's number; a new round is asked for
+//                       by compare_set(round, R, R + 1), so one request wins
+//   failures            worker failures so far (against max_restarts)
+//   failed              set when the job gave up: why
+//   agents              a counter that names each agent
+//   waiting             agents that came too late for the running round
+//   hb/<agent>          each agent's heartbeat counter
+//   r<R>/joined         arrivals in round R (node index = arrival order)
+//   r<R>/node/<i>       node i's "agent addr nproc"
+//   r<R>/closed         the round's node count, once it closed
+//   r<R>/master         node 0's "addr port token" for the workers' store
+//   exited              agents that are done with the job (the one serving
+//                       the store waits for them before it goes)
+//   done                set when the job ended well
+#include "distributed/launch/elastic.h"
+
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <thread>
+
+#include "core/exception.h"
+#include "distributed/launch/launch.h"
+#include "distributed/launch/launch_internal.h"
+#include "distributed/store/store.h"
+
+namespace ember::distributed {
+namespace {
+
+using namespace launch_detail;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr milliseconds kPoll{100};     // rendezvous waits
+constexpr milliseconds kMonitor{500};  // store checks while workers run
+
+// Raised inside the agent to end it with a status (after saying why).
+struct AgentExit {
+  int status;
+};
+
+// Whether `host` names this machine: loopback, or one of its interfaces'
+// addresses (what the first agent on the endpoint's host must serve).
+bool is_local_host(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return false;
+  std::vector<in_addr_t> want;
+  for (addrinfo* a = res; a; a = a->ai_next)
+    want.push_back(reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr.s_addr);
+  ::freeaddrinfo(res);
+  for (in_addr_t a : want)
+    if ((ntohl(a) >> 24) == 127) return true;
+  ifaddrs* ifs = nullptr;
+  if (::getifaddrs(&ifs) != 0) return false;
+  bool local = false;
+  for (ifaddrs* i = ifs; i && !local; i = i->ifa_next)
+    if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET)
+      for (in_addr_t a : want) local = local || reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr == a;
+  ::freeifaddrs(ifs);
+  return local;
+}
+
+std::string join_words(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : " ") + s;
+  return out;
+}
+
+class Agent {
+ public:
+  Agent(const ElasticOptions& o, const std::vector<std::string>& argv)
+      : o_(o), argv_(argv), path_(resolve_program(argv[0])) {
+    prefix_ = "rdzv/" + o.rdzv_id + "/";
+    local_ = is_local_host(o.endpoint_host);
+    addr_ = !o.local_addr.empty() ? o.local_addr : local_ ? o.endpoint_host : hostname();
+    token_ = std::getenv("EMBER_STORE_TOKEN") ? std::getenv("EMBER_STORE_TOKEN") : "";
+  }
+
+  int run() {
+    try {
+      connect();
+      check_job();
+      R_ = get_int("round");
+      for (;;) {
+        const std::vector<Node> nodes = rendezvous();
+        const int status = run_round(nodes);
+        if (status >= 0) return status;
+      }
+    } catch (const AgentExit& e) {
+      return e.status;
+    } catch (const Error& e) {
+      say("rendezvous " + o_.rdzv_id + " at " + endpoint() + ": " + e.what());
+      return 1;
+    }
+  }
+
+ private:
+  struct Node {
+    std::string addr;
+    int nproc = 0;
+    int64_t agent = -1;
+  };
+
+  static std::string hostname() {
+    char buf[256] = {};
+    ::gethostname(buf, sizeof buf - 1);
+    return buf;
+  }
+  std::string endpoint() const { return o_.endpoint_host + ":" + std::to_string(o_.endpoint_port); }
+  std::string key(const std::string& k) const { return prefix_ + k; }
+  std::string rkey(int64_t r, const std::string& k) const { return key("r" + std::to_string(r) + "/" + k); }
+  int64_t get_int(const std::string& k) { return store_->add(key(k), 0); }
+  std::string get_or(const std::string& full, const std::string& dflt = "") {
+    return store_->check({full}) ? store_->get_string(full) : dflt;
+  }
+
+  // Serves the store when this is the endpoint's host and nobody serves it
+  // yet; otherwise connects, waiting up to join_timeout for it to come up.
+  void connect() {
+    if (local_) {
+      try {
+        store_ = std::make_unique<TCPStore>(o_.endpoint_host, o_.endpoint_port,
+                                            TCPStoreOptions{.is_server = true, .wait_for_workers = false});
+        serving_ = true;
+        say("rendezvous " + o_.rdzv_id + ": serving the rendezvous store at " + endpoint());
+        return;
+      } catch (const Error&) {
+        // Taken: another agent on this host serves it.
+      }
+    }
+    TCPStoreOptions c;
+    c.connect_timeout = o_.join_timeout;
+    store_ = std::make_unique<TCPStore>(o_.endpoint_host, o_.endpoint_port, c);
+  }
+
+  // One job per id: the first agent records what it runs; an agent of
+  // another program, or one arriving after the job ended, is refused.
+  void check_job() {
+    const std::string sig =
+        "nodes " + std::to_string(o_.min_nodes) + ":" + std::to_string(o_.max_nodes) + " program " + join_words(argv_);
+    const Bytes got = store_->compare_set(key("job"), {}, Bytes(sig.begin(), sig.end()));
+    const std::string have(got.begin(), got.end());
+    if (have != sig) {
+      say("rendezvous id '" + o_.rdzv_id + "' at " + endpoint() + " belongs to another job (" + have +
+          "); this one is (" + sig + "): give each job its own --rdzv-id");
+      throw AgentExit{1};
+    }
+    if (store_->check({key("done")})) {
+      say("rendezvous id '" + o_.rdzv_id + "' at " + endpoint() + " is a job that already ended (" +
+          get_or(key("done")) + "): give a new job a new --rdzv-id");
+      throw AgentExit{1};
+    }
+    agent_ = store_->add(key("agents"), 1) - 1;
+  }
+
+  void heartbeat() { store_->add(key("hb/" + std::to_string(agent_)), 1); }
+
+  // Asks for the round after R_ (one request wins; the others see it).
+  void next_round() {
+    const std::string from = std::to_string(R_), to = std::to_string(R_ + 1);
+    store_->compare_set(key("round"), Bytes(from.begin(), from.end()), Bytes(to.begin(), to.end()));
+  }
+  bool round_moved() {
+    const std::string r = get_or(key("round"), "0");
+    return std::strtoll(r.c_str(), nullptr, 10) != R_;
+  }
+  void sync_round() { R_ = std::strtoll(get_or(key("round"), "0").c_str(), nullptr, 10); }
+
+  void check_failed() {
+    if (store_->check({key("failed")})) {
+      say("the job gave up on another node: " + get_or(key("failed")));
+      leave();
+      throw AgentExit{1};
+    }
+  }
+
+  // This agent is done with the job. The one serving the store stays until
+  // the other members of its last round have read what they need (each says
+  // so under "exited") or stopped beating; the others say so and go.
+  void leave() {
+    if (!serving_) {
+      try {
+        store_->add(key("exited"), 1);
+      } catch (const Error&) {
+        // The store is gone already: nothing left to tell.
+      }
+      return;
+    }
+    std::map<int64_t, std::pair<int64_t, Clock::time_point>> beats;
+    for (;;) {
+      if (take_signal() != 0) return;
+      if (get_int("exited") >= static_cast<int64_t>(last_nodes_.size()) - 1) return;
+      bool any_alive = false;
+      const auto now = Clock::now();
+      for (const Node& m : last_nodes_) {
+        if (m.agent == agent_) continue;
+        const int64_t v = get_int("hb/" + std::to_string(m.agent));
+        auto& b = beats.try_emplace(m.agent, v, now).first->second;
+        if (v != b.first) b = {v, now};
+        any_alive = any_alive || now - b.second < o_.heartbeat_timeout;
+      }
+      if (!any_alive) return;
+      std::this_thread::sleep_for(kPoll);
+    }
+  }
+  void check_signal() {
+    if (const int sig = take_signal(); sig != 0) {
+      say("received signal " + std::to_string(sig) + " while waiting for a rendezvous round; leaving");
+      throw AgentExit{128 + sig};
+    }
+  }
+
+  // Joins round R_ (or a later one when it moves on meanwhile) and returns
+  // its members once it closes with this agent among them.
+  std::vector<Node> rendezvous() {
+    const auto start = Clock::now();
+    bool waiting = false;
+    for (;;) {
+      check_failed();
+      sync_round();
+      const int64_t R = R_;
+      const int64_t idx = store_->add(rkey(R, "joined"), 1) - 1;
+      store_->set(rkey(R, "node/" + std::to_string(idx)),
+                  addr_ + " " + std::to_string(o_.nproc_per_node) + " " + std::to_string(agent_));
+      Clock::time_point min_seen{};
+      bool late = false;
+      while (!late) {
+        check_signal();
+        check_failed();
+        heartbeat();
+        if (store_->check({rkey(R, "closed")})) {
+          const int64_t n = std::strtoll(get_or(rkey(R, "closed")).c_str(), nullptr, 10);
+          if (idx < n) {
+            if (waiting) store_->add(key("waiting"), -1);
+            return members(R, n);
+          }
+          late = true;
+          break;
+        }
+        if (round_moved()) break;  // a newer round: join that one
+        const int64_t joined = store_->add(rkey(R, "joined"), 0);
+        const auto now = Clock::now();
+        if (joined >= o_.min_nodes && min_seen == Clock::time_point{}) min_seen = now;
+        const int64_t close_at = std::min<int64_t>(joined, o_.max_nodes);
+        if (joined >= o_.max_nodes || (joined >= o_.min_nodes && now - min_seen >= o_.last_call)) {
+          const std::string n = std::to_string(close_at);
+          store_->compare_set(rkey(R, "closed"), {}, Bytes(n.begin(), n.end()));
+          continue;
+        }
+        if (now - start >= o_.join_timeout) {
+          say("rendezvous round " + std::to_string(R) + ": " + std::to_string(joined) + " of at least " +
+              std::to_string(o_.min_nodes) + " nodes joined within " +
+              std::to_string(std::chrono::duration_cast<std::chrono::seconds>(o_.join_timeout).count()) +
+              " s (--nnodes " + std::to_string(o_.min_nodes) + ":" + std::to_string(o_.max_nodes) +
+              "); giving up, no worker was started");
+          throw AgentExit{1};
+        }
+        std::this_thread::sleep_for(kPoll);
+      }
+      if (late) {
+        // The round closed without us: wait for the next (the running
+        // agents start one when they see us waiting and have room).
+        if (!waiting) {
+          store_->add(key("waiting"), 1);
+          waiting = true;
+          say("rendezvous round " + std::to_string(R) + " is running without this node; waiting for the next");
+        }
+        while (!round_moved()) {
+          check_signal();
+          check_failed();
+          heartbeat();
+          std::this_thread::sleep_for(kPoll);
+        }
+      }
+    }
+  }
+
+  std::vector<Node> members(int64_t R, int64_t n) {
+    std::vector<Node> nodes(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      store_->wait({rkey(R, "node/" + std::to_string(i))});
+      std::istringstream in(store_->get_string(rkey(R, "node/" + std::to_string(i))));
+      in >> nodes[i].addr >> nodes[i].nproc >> nodes[i].agent;
+      if (nodes[i].agent == agent_) my_index_ = static_cast<int>(i);
+    }
+    return nodes;
+  }
+
+  // Runs this node's workers for round R_. Returns the agent's exit status
+  // when the job is over for it, or -1 to go on with the next round.
+  int run_round(const std::vector<Node>& nodes) {
+    const int64_t R = R_;
+    last_nodes_ = nodes;
+    int world = 0, first_rank = 0;
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      if (static_cast<int>(i) == my_index_) first_rank = world;
+      world += nodes[i].nproc;
+    }
+    std::string names;
+    for (const Node& n : nodes) names += (names.empty() ? "" : ", ") + n.addr + " x" + std::to_string(n.nproc);
+    say("rendezvous round " + std::to_string(R) + ": world size " + std::to_string(world) + " (" +
+        std::to_string(nodes.size()) + " node" + (nodes.size() == 1 ? "" : "s") + ": " + names + "; this is node " +
+        std::to_string(my_index_) + ")");
+    // Node 0 hosts the workers' store of this round on a fresh port.
+    if (my_index_ == 0) {
+      const std::string tok = token_.empty() ? random_token() : token_;
+      store_->set(rkey(R, "master"), addr_ + " " + std::to_string(find_free_port()) + " " + tok);
+    }
+    store_->wait({rkey(R, "master")});
+    std::istringstream master(store_->get_string(rkey(R, "master")));
+    std::string maddr, mport, mtoken;
+    master >> maddr >> mport >> mtoken;
+
+    const int nproc = o_.nproc_per_node;
+    const bool set_omp = nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
+    std::vector<WorkerSpec> specs(nproc);
+    for (int local = 0; local < nproc; ++local) {
+      std::vector<std::pair<std::string, std::string>> set = {
+          {"RANK", std::to_string(first_rank + local)},
+          {"WORLD_SIZE", std::to_string(world)},
+          {"LOCAL_RANK", std::to_string(local)},
+          {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
+          {"GROUP_RANK", std::to_string(my_index_)},
+          {"GROUP_WORLD_SIZE", std::to_string(nodes.size())},
+          {"MASTER_ADDR", maddr},
+          {"MASTER_PORT", mport},
+          {"EMBER_STORE_TOKEN", mtoken},
+          {"EMBER_RESTART_COUNT", std::to_string(R)},
+          {"TORCHELASTIC_RESTART_COUNT", std::to_string(R)},
+          {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o_.max_restarts)},
+          {"TORCHELASTIC_RUN_ID", o_.rdzv_id},
+      };
+      if (set_omp) set.emplace_back("OMP_NUM_THREADS", "1");
+      specs[local] = {first_rank + local, local, worker_env(set)};
+    }
+
+    // Every member's heartbeat, last value and when it last changed.
+    std::map<int64_t, std::pair<int64_t, Clock::time_point>> beats;
+    for (const Node& n : nodes) beats[n.agent] = {-1, Clock::now()};
+    auto last_check = Clock::now() - kMonitor;
+    std::string why;  // why this agent stopped its workers
+    auto stop = [&]() -> bool {
+      const auto now = Clock::now();
+      if (now - last_check < kMonitor) return false;
+      last_check = now;
+      try {
+        heartbeat();
+        if (round_moved()) {
+          why = "another node started rendezvous round " + get_or(key("round"));
+          return true;
+        }
+        if (static_cast<int>(nodes.size()) < o_.max_nodes && get_int("waiting") > 0) {
+          why = "a node is waiting to join";
+          next_round();
+          return true;
+        }
+        for (auto& [agent, beat] : beats) {
+          if (agent == agent_) continue;
+          const int64_t v = get_int("hb/" + std::to_string(agent));
+          if (v != beat.first) {
+            beat = {v, now};
+          } else if (now - beat.second >= o_.heartbeat_timeout) {
+            why = "agent " + std::to_string(agent) + "'s heartbeat stopped " +
+                  std::to_string(std::chrono::duration_cast<milliseconds>(now - beat.second).count()) + " ms ago";
+            next_round();
+            return true;
+          }
+        }
+      } catch (const Error& e) {
+        why = std::string("the rendezvous store is gone (") + e.what() + ")";
+        store_lost_ = true;
+        return true;
+      }
+      return false;
+    };
+    const WorkersResult r = run_workers(path_, argv_, std::move(specs), o_.prefix_output, o_.grace, stop);
+    if (store_lost_) {
+      say("lost the rendezvous store at " + endpoint() + " (the agent serving it ended?): " + why +
+          "; the job cannot go on");
+      return 1;
+    }
+    if (r.by_signal) {
+      say("stopped by signal " + std::to_string(r.status - 128) + "; the other nodes go on without this one");
+      next_round();
+      return r.status;
+    }
+    if (r.stopped) {
+      say("stopped the workers of round " + std::to_string(R) + ": " + why);
+      check_failed();
+      return -1;
+    }
+    if (r.status == 0) return finish();
+    const int64_t failures = store_->add(key("failures"), 1);
+    if (failures > o_.max_restarts) {
+      const std::string msg = r.failure + " on node " + addr_ + " (" + std::to_string(failures - 1) + " restart" +
+                              (failures - 1 == 1 ? "" : "s") + " used of " + std::to_string(o_.max_restarts) + ")";
+      store_->set(key("failed"), msg);
+      next_round();
+      say("giving up after " + std::to_string(o_.max_restarts) + " restart" + (o_.max_restarts == 1 ? "" : "s") +
+          ": the last failure is above");
+      leave();
+      return r.status;
+    }
+    next_round();
+    say("asking for a new rendezvous round after the failure (restart " + std::to_string(failures) + " of " +
+        std::to_string(o_.max_restarts) + ")");
+    return -1;
+  }
+
+  // This node's workers succeeded: the job is over here.
+  int finish() {
+    leave();
+    if (serving_) store_->set(key("done"), "round " + std::to_string(R_) + " finished");
+    return 0;
+  }
+
+  ElasticOptions o_;
+  std::vector<std::string> argv_;
+  std::string path_, prefix_, addr_, token_;
+  bool local_ = false, serving_ = false, store_lost_ = false;
+  std::unique_ptr<TCPStore> store_;
+  std::vector<Node> last_nodes_;  // the members of the last round this agent ran
+  int64_t agent_ = -1, R_ = 0;
+  int my_index_ = -1;
+};
+
+}  // namespace
+
+int elastic_launch(const ElasticOptions& o, const std::vector<std::string>& argv) {
+  EMBER_CHECK(o.min_nodes >= 1 && o.max_nodes >= o.min_nodes, "launch: --nnodes ", o.min_nodes, ":", o.max_nodes,
+              " needs 1 <= MIN <= MAX");
+  EMBER_CHECK(o.nproc_per_node >= 1, "launch: nproc_per_node must be >= 1, got ", o.nproc_per_node);
+  EMBER_CHECK(o.endpoint_port > 0 && o.endpoint_port <= 65535, "launch: --rdzv-endpoint port ", o.endpoint_port,
+              " is outside [1, 65535]");
+  EMBER_CHECK(!o.endpoint_host.empty(), "launch: --rdzv-endpoint has no host");
+  EMBER_CHECK(!o.rdzv_id.empty(), "launch: --rdzv-id is empty");
+  EMBER_CHECK(o.max_restarts >= 0, "launch: max_restarts must be >= 0, got ", o.max_restarts);
+  EMBER_CHECK(!argv.empty(), "launch: no program given");
+  std::fflush(stdout);
+  std::fflush(stderr);
+  SignalScope signals;
+  Agent agent(o, argv);
+  return agent.run();
+}
+
+}  // namespace ember::distributed

@@ -1,0 +1,174 @@
+#!/bin/bash
+# //tools:launch's elastic agents with //examples:gpt on one host: two agents
+# of 2 workers each ("hosts" on localhost), --nnodes 1:2, meeting at one
+# rendezvous endpoint.
+#  1. A worker is SIGKILLed right after step 4's checkpoint: a new round at
+#     4 ranks resumes it, and the run ends as the uninterrupted one (the same
+#     steps, batches, losses, gradient norms and validation loss).
+#  2. One whole agent is SIGKILLed (its workers die with it): the other goes
+#     on alone at 2 ranks; started again, the agent is let in at the next
+#     round and the job grows back to 4. Every step's global batch is the
+#     uninterrupted run's (nothing skipped; a step is redone only after a
+#     round change, from the last checkpoint), the validation loss is within
+#     1e-3 of it, and the time from the kill to training again is reported.
+#  3. Bad cases: MIN more nodes than ever come (named, nothing started); a
+#     second job on the same rendezvous id (refused, the first unharmed);
+#     restarts exhausted (the last failure named on every node). No process
+#     is left behind.
+set -euo pipefail
+gpt=$1
+launch=$2
+worker=$3
+tmp=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# Lines stamped with seconds since the epoch, for the recovery times.
+stamp() { python3 -u -c 'import sys, time
+for line in sys.stdin: sys.stdout.write("%.3f %s" % (time.time(), line)); sys.stdout.flush()'; }
+fail() { echo "FAIL: $*"; for f in "$tmp"/*.log; do echo "== $f"; tail -40 "$f"; done; exit 1; }
+
+args=(--dim 48 --heads 4 --seq 32 --layers 2 --max-steps 40 --global-batch 8 --sample-len 0 --eval-every 1000
+      --save-every 4 --lr 1e-3)
+"$launch" --nproc_per_node=4 --master_port=0 -- "$gpt" "${args[@]}" --checkpoint-dir "$tmp/ref" \
+  --metrics "$tmp/ref.jsonl" > "$tmp/ref.log" 2>&1 || fail "the uninterrupted run failed"
+
+# agent NAME RDZV_PORT RUN [extra launcher flags...]: one agent of 2 workers, in the background.
+agent() {
+  local name=$1 rport=$2 run=$3
+  shift 3
+  (set +e; "$launch" --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-endpoint 127.0.0.1:"$rport" --rdzv-id "$run" \
+     --rdzv-conf last_call_timeout=1,heartbeat_timeout=5 "$@" -- "$gpt" "${args[@]}" --checkpoint-dir "$tmp/$run" \
+     --metrics "$tmp/$run.jsonl" 2>&1 | stamp > "$tmp/$name.log"; echo "rc=${PIPESTATUS[0]}" >> "$tmp/$name.log") &
+  pids+=($!)
+}
+wait_for() {  # FILE PATTERN SECONDS
+  for _ in $(seq 1 $((${3} * 10))); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
+  fail "no '$2' in $1 within $3 s"
+}
+# The launcher process of an agent: its subshell SHELL_PID itself (bash
+# execs a lone command) or that subshell's child.
+launcher_of() { pgrep -f -- "--rdzv-id $1 " | while read -r p; do
+  [ "$(ps -o comm= -p "$p")" = launch ] && { [ "$p" = "$2" ] || [ "$(ps -o ppid= -p "$p" | tr -d ' ')" = "$2" ]; } &&
+    echo "$p"; done | head -1; }
+
+# ---- 1. a worker killed after step 4's checkpoint: a new round at 4 ranks ----
+p1=$(port)
+EMBER_FAULT_CHECKPOINT=renamed:step_4 agent a1 "$p1" kill_worker
+sleep 0.3
+agent b1 "$p1" kill_worker
+wait "${pids[@]}" || true
+for n in a1 b1; do grep -q "rc=0" "$tmp/$n.log" || fail "agent $n did not succeed"; done
+grep -q "rendezvous round 1: world size 4" "$tmp/a1.log" || fail "no round 1 at 4 ranks"
+grep -q "was killed by signal 9" "$tmp/a1.log" "$tmp/b1.log" || fail "no worker was killed"
+grep -q "resumed from $tmp/kill_worker/step_4" "$tmp/a1.log" "$tmp/b1.log" || fail "no resume from step_4"
+python3 - "$tmp/ref.jsonl" "$tmp/kill_worker.jsonl" "$tmp/ref.log" "$tmp/a1.log" "$tmp/b1.log" <<'PY' || fail "metrics differ"
+import json, re, sys
+ref = [json.loads(l) for l in open(sys.argv[1])]
+run = {}
+for l in open(sys.argv[2]):
+    r = json.loads(l)
+    run[r["step"]] = r  # the resumed round's record of a step wins
+assert sorted(run) == [r["step"] for r in ref], (sorted(run), len(ref))
+for x in ref:
+    y = run[x["step"]]
+    assert (x["batch_digest"], x["loss"], x["grad_norm"]) == (y["batch_digest"], y["loss"], y["grad_norm"]), (x, y)
+val = lambda text: re.findall(r"validation loss ([0-9.]+)", text)[-1]
+ref_val = val(open(sys.argv[3]).read())
+got = val(open(sys.argv[4]).read() + open(sys.argv[5]).read())
+assert ref_val == got, (ref_val, got)
+print(f"elastic 1: a worker killed after step 4, round 1 at 4 ranks, {len(ref)} steps as uninterrupted, "
+      f"validation {got}")
+PY
+
+# ---- 2. an agent killed (scale down to 2), then started again (back to 4) ----
+pids=()
+p2=$(port)
+agent a2 "$p2" scale
+sleep 0.3
+agent b2 "$p2" scale
+b2_shell=${pids[1]}
+wait_for "$tmp/scale.jsonl" '"step":9,' 60
+victim=$(launcher_of scale "$b2_shell")
+[ -n "$victim" ] || fail "no launcher process for agent b2"
+t_kill=$(date +%s.%N)
+kill -9 "$victim"
+wait_for "$tmp/a2.log" "rendezvous round 1: world size 2" 30
+agent b3 "$p2" scale
+wait "${pids[0]}" "${pids[2]}" || true
+grep -q "rc=0" "$tmp/a2.log" || fail "agent a2 did not succeed"
+grep -q "rc=0" "$tmp/b3.log" || fail "agent b3 did not succeed"
+grep -q "world size 4" <(grep "rendezvous round [2-9]" "$tmp/a2.log") || fail "the job did not grow back to 4"
+python3 - "$tmp/ref.jsonl" "$tmp/scale.jsonl" "$tmp/ref.log" "$tmp/a2.log" "$tmp/b3.log" "$t_kill" <<'PY' || fail "scale metrics"
+import json, re, sys
+ref = {r["step"]: r for r in map(json.loads, open(sys.argv[1]))}
+recs = [json.loads(l) for l in open(sys.argv[2])]
+steps = sorted({r["step"] for r in recs})
+assert steps == sorted(ref), ("steps", steps)
+for r in recs:  # every record, redone steps too, saw the uninterrupted run's global batch
+    assert r["batch_digest"] == ref[r["step"]]["batch_digest"], r
+redone = len(recs) - len(steps)
+assert redone <= 2 * 4, ("more steps redone than two save intervals", redone)
+val = lambda text: float(re.findall(r"validation loss ([0-9.]+)", text)[-1])
+a = open(sys.argv[4]).read()
+got, want = val(a + open(sys.argv[5]).read()), val(open(sys.argv[3]).read())
+assert abs(got - want) <= 1e-3 * want, (got, want)
+rounds = re.findall(r"^([0-9.]+) launch: rendezvous round (\d+): world size (\d+)", a, re.M)
+t_kill = float(sys.argv[6])
+# Training again: the first step finished (metrics' wall clock) in the first
+# round that started after the kill.
+after = [float(t) for t, r, w in rounds if float(t) > t_kill]
+resumed = sorted(r["time"] for r in recs if after and r["time"] > after[0])
+recover = resumed[0] - t_kill if resumed else float("nan")
+print(f"elastic 2: rounds {[(int(r), int(w)) for t, r, w in rounds]}; all {len(steps)} steps' global batches "
+      f"as uninterrupted, {redone} redone after round changes; validation {got:.5f} vs {want:.5f}; "
+      f"from the agent's kill to training again {recover:.1f} s")
+assert recover <= 15, recover
+PY
+
+# ---- 3. bad cases ----
+for bad in "--nnodes 3:2 --rdzv-endpoint 127.0.0.1:1" "--nnodes 1:2" "--nnodes 2 --node_rank 0 --rdzv-endpoint 127.0.0.1:1" \
+           "--nnodes 1:2 --rdzv-endpoint 127.0.0.1:1 --rdzv-conf bogus=1" "--nnodes 1:2 --rdzv-endpoint nowhere"; do
+  # shellcheck disable=SC2086
+  out=$("$launch" $bad -- "$worker" print 2>&1) && fail "launch $bad was accepted"
+  grep -q "^launch: .*\(MAX is less than MIN\|needs --rdzv_endpoint\|does not go with --rdzv_endpoint\|unknown key 'bogus'\|expected HOST:PORT\)" \
+    <<<"$out" || fail "launch $bad: $out"
+done
+out=$("$launch" --nnodes 2:2 --nproc-per-node 1 --rdzv-endpoint 127.0.0.1:"$(port)" --rdzv-id lonely \
+      --rdzv-conf join_timeout=2 -- "$worker" print 2>&1) && fail "a round without enough nodes started"
+grep -q "rendezvous round 0: 1 of at least 2 nodes joined within 2 s" <<<"$out" || fail "MIN: $out"
+grep -q "out line" <<<"$out" && fail "a worker ran without its round"
+p3=$(port)
+("$launch" --nnodes 1:1 --nproc-per-node 1 --rdzv-endpoint 127.0.0.1:"$p3" --rdzv-id shared -- "$worker" sleep \
+   "$tmp" > "$tmp/first.log" 2>&1) &
+first=$!
+pids+=("$first")
+wait_for "$tmp/first.log" "rendezvous round 0: world size 1" 20
+out=$("$launch" --nnodes 1:1 --nproc-per-node 1 --rdzv-endpoint 127.0.0.1:"$p3" --rdzv-id shared -- "$worker" print \
+      2>&1) && fail "a second job joined another job's rendezvous"
+grep -q "rendezvous id 'shared' at 127.0.0.1:$p3 belongs to another job" <<<"$out" || fail "reused id: $out"
+kill -0 "$first" || fail "the first job died"
+kill -TERM "$(launcher_of shared "$first")"
+wait "$first" || true
+p4=$(port)
+for n in x y; do
+  (set +e; "$launch" --nnodes 2:2 --nproc-per-node 1 --max-restarts 2 --rdzv-endpoint 127.0.0.1:"$p4" --rdzv-id broken \
+     --rdzv-conf last_call_timeout=1 -- "$worker" fail 0 7 "$tmp" > "$tmp/broken_$n.log" 2>&1
+   echo "rc=$?" >> "$tmp/broken_$n.log") &
+  pids+=($!)
+  sleep 0.2
+done
+wait "${pids[@]: -2}" || true
+grep -q "giving up after 2 restarts" "$tmp"/broken_*.log || fail "no giving up"
+grep -q "rc=7" "$tmp"/broken_*.log || fail "the failing node's status is not the worker's"
+grep -q "the job gave up on another node: rank 0 (local rank 0, pid [0-9]*) exited with code 7" "$tmp"/broken_*.log ||
+  fail "the other node does not name the failure"
+[ "$(grep -c "rendezvous round [0-9]*: world size 2" "$tmp/broken_x.log")" = 3 ] || fail "not 3 rounds"
+sleep 0.5
+left=$(pgrep -f "$tmp" || true)
+[ -z "$left" ] || fail "processes left behind: $left"
+echo "elastic 3: MIN never reached, a reused id, restarts exhausted: named; nothing left running"
