@@ -108,7 +108,7 @@ struct Flags {
   int64_t eval_every = 250;
   double lr = 3e-3;
   std::string checkpoint_dir = "/tmp/ember_gpt_fsdp";
-  bool resume = false;
+  bool resume = false, overwrite = false;
   uint64_t seed = 0;
   std::string data = kFortunes;
   bool data_given = false;
@@ -158,6 +158,7 @@ constexpr char kUsage[] =
     "                         per rank and merged (DIR/trace.json), and the top ops by self time\n"
     "  --checkpoint-dir D     where step_<N>/ checkpoints go (default /tmp/ember_gpt_fsdp)\n"
     "  --resume               continue from the newest checkpoint in --checkpoint-dir\n"
+    "  --overwrite            a fresh run may replace the checkpoints in --checkpoint-dir (else an error)\n"
     "  --seed N               initialisation and data order (default 0)\n"
     "  --data PATH            a directory of fortune files (default /usr/share/games/fortunes), a text file,\n"
     "                         or 'synthetic'\n"
@@ -173,9 +174,9 @@ Flags parse_flags(int argc, char** argv) {
   for (examples::FlagReader r(kCli, argc, argv); r.next();) {
     const std::string arg = r.flag();
     auto next = [&] { return r.value(); };
-    if (arg == "--resume") {
+    if (arg == "--resume" || arg == "--overwrite") {
       r.no_value();
-      f.resume = true;
+      (arg == "--resume" ? f.resume : f.overwrite) = true;
       continue;
     }
     if (arg == "--nproc")
@@ -286,6 +287,7 @@ Flags parse_flags(int argc, char** argv) {
   if (f.dim % f.heads != 0)
     usage_error("--dim " + std::to_string(f.dim) + " must be a multiple of --heads " + std::to_string(f.heads));
   if (f.checkpoint_dir.empty()) usage_error("--checkpoint-dir must not be empty");
+  examples::refuse_overwrite(f.checkpoint_dir, "step_", f.resume || f.overwrite);
   if (f.resume) {
     auto latest = distributed::latest_checkpoint(f.checkpoint_dir, "step_");
     if (!latest.ok()) usage_error("--resume: " + std::string(latest.status().message()));
@@ -701,8 +703,7 @@ Setup setup(const Flags& flags, const examples::Job& job) {
   }
   // A restart by the launcher (--max-restarts) resumes by itself, from the
   // newest checkpoint if there is one yet.
-  const char* restart = std::getenv("EMBER_RESTART_COUNT");
-  if (flags.resume || (restart && std::atoi(restart) > 0)) resume(flags, job, s, /*required=*/flags.resume);
+  if (flags.resume || examples::restarted()) resume(flags, job, s, /*required=*/flags.resume);
   return s;
 }
 

@@ -87,6 +87,7 @@ struct Flags {
   std::string checkpoint_dir = "/tmp/ember_resnet_ddp";
   bool resume = false;
   bool resume_fallback = false;  // a damaged newest checkpoint: use the previous one (warned)
+  bool overwrite = false;        // a fresh run may replace the checkpoints in --checkpoint-dir
   uint64_t seed = 0;
   int64_t max_steps = -1;  // optimizer steps per epoch; -1: the whole epoch (for smoke tests)
   int64_t eval_size = -1;  // test examples evaluated; -1: all
@@ -112,6 +113,7 @@ constexpr char kUsage[] =
     "  --checkpoint-dir D   where epoch_<N>/ checkpoints go (default /tmp/ember_resnet_ddp)\n"
     "  --resume             continue from the newest checkpoint in --checkpoint-dir (an error if it is damaged)\n"
     "  --resume-fallback    with --resume: if the newest checkpoint is damaged, warn and use the previous one\n"
+    "  --overwrite          a fresh run may replace the checkpoints in --checkpoint-dir (else an error)\n"
     "                       (training will then save over the damaged one)\n"
     "  --seed N             model initialisation and data order (default 0)\n"
     "  --max-steps N        stop each epoch after N optimizer steps (smoke tests)\n"
@@ -138,9 +140,12 @@ Flags parse_flags(int argc, char** argv) {
   for (examples::FlagReader r(kCli, argc, argv); r.next();) {
     const std::string arg = r.flag();
     auto next = [&] { return r.value(); };
-    if (arg == "--resume" || arg == "--resume-fallback" || arg == "--sync-bn") {
+    if (arg == "--resume" || arg == "--resume-fallback" || arg == "--sync-bn" || arg == "--overwrite") {
       r.no_value();
-      (arg == "--resume" ? f.resume : arg == "--sync-bn" ? f.sync_bn : f.resume_fallback) = true;
+      (arg == "--resume"      ? f.resume
+       : arg == "--sync-bn"   ? f.sync_bn
+       : arg == "--overwrite" ? f.overwrite
+                              : f.resume_fallback) = true;
       continue;
     }
     if (arg == "--nproc") f.nproc = static_cast<int>(kCli.parse_int(arg, next(), 1));
@@ -183,6 +188,7 @@ Flags parse_flags(int argc, char** argv) {
     usage_error("--model must be narrow, resnet18, resnet34 or resnet50, got '" + f.model + "'");
   if (f.checkpoint_dir.empty()) usage_error("--checkpoint-dir must not be empty");
   if (f.resume_fallback && !f.resume) usage_error("--resume-fallback goes with --resume");
+  examples::refuse_overwrite(f.checkpoint_dir, "epoch_", f.resume || f.overwrite);
   if (f.resume) {
     auto latest = distributed::latest_checkpoint(f.checkpoint_dir, "epoch_", f.resume_fallback);
     if (!latest.ok())
@@ -399,8 +405,7 @@ Setup setup(const Flags& flags, const examples::Job& job) {
   // fp16 needs loss scaling; bf16 has float32's range and needs none.
   s.scaler = std::make_unique<optim::GradScaler>(optim::GradScalerOptions{.enabled = flags.amp == "fp16"});
   // A launcher's restart (--max-restarts) resumes by itself.
-  const char* restart = std::getenv("EMBER_RESTART_COUNT");
-  if (flags.resume || (restart && std::atoi(restart) > 0)) resume(flags, job, s);
+  if (flags.resume || examples::restarted()) resume(flags, job, s);
 
   if (flags.sync_bn) distributed::convert_sync_batchnorm(*s.model, job.pg);
   const auto ac = nn::ActivationCheckpointing::parse(flags.ac);

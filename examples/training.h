@@ -9,6 +9,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -87,6 +88,27 @@ inline void save_step_checkpoint(const std::string& dir, nn::Module& model, opti
   options.mesh = mesh;
   const absl::Status s = distributed::save_sharded_checkpoint(dir, model, &opt, &sched, st, pg, options);
   EMBER_CHECK(s.ok(), "saving checkpoint ", dir, ": ", s.message());
+}
+
+// Whether the launcher started this worker again (--max-restarts, or an
+// elastic agent's rendezvous round after the first): it resumes by itself.
+inline bool restarted() {
+  const char* r = std::getenv("EMBER_RESTART_COUNT");
+  return r && std::atoi(r) > 0;
+}
+
+// A fresh run (not --resume, not --overwrite, not a launcher's restart)
+// must not write over another run's checkpoints (HF Trainer's
+// overwrite_output_dir rule): when `dir` already holds "<prefix><N>"
+// checkpoints (or damaged ones), it stops with an error naming the newest,
+// before anything is written.
+inline void refuse_overwrite(const std::string& dir, const std::string& prefix, bool allowed) {
+  if (allowed || restarted()) return;
+  auto latest = distributed::latest_checkpoint(dir, prefix);
+  const bool holds = !latest.ok() || latest->has_value();
+  EMBER_CHECK(!holds, "--checkpoint-dir ", dir, " already holds checkpoints of a run (",
+              latest.ok() ? "newest: " + **latest : std::string(latest.status().message()),
+              "); pass --resume to continue that run, --overwrite to replace it, or another directory");
 }
 
 // The end of every run: nobody leaves (and tears the group down) before

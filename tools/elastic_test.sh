@@ -13,8 +13,9 @@
 #     1e-3 of it, and the time from the kill to training again is reported.
 #  3. Bad cases: MIN more nodes than ever come (named, nothing started); a
 #     second job on the same rendezvous id (refused, the first unharmed);
-#     restarts exhausted (the last failure named on every node). No process
-#     is left behind.
+#     restarts exhausted (the last failure named on every node); another
+#     model's checkpoints in the directory (refused, then the mismatch named,
+#     not a byte changed). No process is left behind.
 set -euo pipefail
 gpt=$1
 launch=$2
@@ -23,6 +24,8 @@ tmp=$(mktemp -d)
 pids=()
 cleanup() {
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  # ELASTIC_TEST_KEEP=DIR keeps the logs (docs/elastic.md's timeline comes from them).
+  [ -n "${ELASTIC_TEST_KEEP:-}" ] && mkdir -p "$ELASTIC_TEST_KEEP" && cp "$tmp"/*.log "$tmp"/*.jsonl "$ELASTIC_TEST_KEEP"/
   rm -rf "$tmp"
 }
 trap cleanup EXIT
@@ -97,6 +100,7 @@ victim=$(launcher_of scale "$b2_shell")
 [ -n "$victim" ] || fail "no launcher process for agent b2"
 t_kill=$(date +%s.%N)
 kill -9 "$victim"
+echo "$t_kill killed agent b2 (SIGKILL to its launcher, pid $victim)" > "$tmp/kill.log"
 wait_for "$tmp/a2.log" "rendezvous round 1: world size 2" 30
 agent b3 "$p2" scale
 wait "${pids[0]}" "${pids[2]}" || true
@@ -168,7 +172,20 @@ grep -q "rc=7" "$tmp"/broken_*.log || fail "the failing node's status is not the
 grep -q "the job gave up on another node: rank 0 (local rank 0, pid [0-9]*) exited with code 7" "$tmp"/broken_*.log ||
   fail "the other node does not name the failure"
 [ "$(grep -c "rendezvous round [0-9]*: world size 2" "$tmp/broken_x.log")" = 3 ] || fail "not 3 rounds"
+# Another model's checkpoints in --checkpoint-dir (the scale run's, at 48
+# dims; this one has 32): round 0, a fresh start, refuses to write over them;
+# the restart's resume names the mismatch; the restarts run out; not a byte
+# of them changed.
+before=$(cd "$tmp/scale" && find . -type f -exec md5sum {} + | sort)
+other=(--dim 32 --heads 4 --seq 32 --layers 2 --max-steps 40 --global-batch 8 --sample-len 0 --save-every 4)
+out=$("$launch" --nnodes 1:1 --nproc-per-node 2 --max-restarts 1 --rdzv-endpoint 127.0.0.1:"$(port)" --rdzv-id other \
+      -- "$gpt" "${other[@]}" --checkpoint-dir "$tmp/scale" 2>&1) && fail "another model's checkpoints were taken"
+grep -q "already holds checkpoints of a run (newest: $tmp/scale/step_40)" <<<"$out" || fail "no refusal: $out"
+grep -q "is \[144\] float32 in the checkpoint, \[96\] float32 in the model" <<<"$out" || fail "no mismatch named: $out"
+grep -q "giving up after 1 restart" <<<"$out" || fail "no giving up: $out"
+[ "$before" = "$(cd "$tmp/scale" && find . -type f -exec md5sum {} + | sort)" ] || fail "the checkpoints changed"
 sleep 0.5
 left=$(pgrep -f "$tmp" || true)
 [ -z "$left" ] || fail "processes left behind: $left"
-echo "elastic 3: MIN never reached, a reused id, restarts exhausted: named; nothing left running"
+echo "elastic 3: MIN never reached, a reused id, restarts exhausted, another model's checkpoints: named; nothing" \
+  "written over, nothing left running"

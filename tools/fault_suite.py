@@ -263,8 +263,8 @@ def crash_case(case, stage):
         shutil.rmtree(os.path.join(case.ckpt, "epoch_2"))
     env = case.env({"EMBER_FAULT_CHECKPOINT": stage + ":2"})
     t0 = time.monotonic()
-    p = subprocess.run([case.suite.resnet, "--nproc", str(WORLD), *case.train_args(epochs=2, steps=4)], env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run([case.suite.resnet, "--nproc", str(WORLD), *case.train_args(epochs=2, steps=4), "--overwrite"],
+                       env=env, capture_output=True, text=True, timeout=120)
     # The fault is the save of epoch 2, near the end of the run: time from it
     # is not measurable from outside; the run's own length bounds it.
     case.exit_s = time.monotonic() - t0
