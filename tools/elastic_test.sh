@@ -11,6 +11,8 @@
 #     uninterrupted run's (nothing skipped; a step is redone only after a
 #     round change, from the last checkpoint), the validation loss is within
 #     1e-3 of it, and the time from the kill to training again is reported.
+#  Also //examples:resnet_ddp: a worker killed after epoch 1's checkpoint,
+#     the next round resumes at epoch 1 and finishes.
 #  3. Bad cases: MIN more nodes than ever come (named, nothing started); a
 #     second job on the same rendezvous id (refused, the first unharmed);
 #     restarts exhausted (the last failure named on every node); another
@@ -20,6 +22,7 @@ set -euo pipefail
 gpt=$1
 launch=$2
 worker=$3
+resnet=$4
 tmp=$(mktemp -d)
 pids=()
 cleanup() {
@@ -133,6 +136,24 @@ print(f"elastic 2: rounds {[(int(r), int(w)) for t, r, w in rounds]}; all {len(s
       f"from the agent's kill to training again {recover:.1f} s")
 assert recover <= 15, recover
 PY
+
+# ---- //examples:resnet_ddp under the agents: a worker killed after epoch 1's
+# checkpoint; the next round resumes at epoch 1 and finishes epoch 2 ----
+pids=()
+p5=$(port)
+for n in r1 r2; do
+  (set +e; EMBER_FAULT_CHECKPOINT=renamed:1 "$launch" --nnodes 1:2 --nproc-per-node 1 --max-restarts 1 \
+     --rdzv-endpoint 127.0.0.1:"$p5" --rdzv-id resnet --rdzv-conf last_call_timeout=1 -- "$resnet" --data synthetic \
+     --epochs 2 --max-steps 2 --checkpoint-dir "$tmp/resnet" > "$tmp/$n.log" 2>&1; echo "rc=$?" >> "$tmp/$n.log") &
+  pids+=($!)
+  sleep 0.2
+done
+wait "${pids[@]}" || true
+for n in r1 r2; do grep -q "rc=0" "$tmp/$n.log" || fail "resnet agent $n"; done
+grep -q "rendezvous round 1: world size 2" "$tmp/r1.log" || fail "resnet: no round 1"
+grep -q "resumed from $tmp/resnet/epoch_1" "$tmp/r1.log" "$tmp/r2.log" || fail "resnet: no resume from epoch 1"
+grep -q "saved checkpoint $tmp/resnet/epoch_2" "$tmp/r1.log" "$tmp/r2.log" || fail "resnet: epoch 2 not saved"
+echo "elastic resnet_ddp: a worker killed after epoch 1's checkpoint, round 1 resumed at epoch 1, finished epoch 2"
 
 # ---- 3. bad cases ----
 for bad in "--nnodes 3:2 --rdzv-endpoint 127.0.0.1:1" "--nnodes 1:2" "--nnodes 2 --node_rank 0 --rdzv-endpoint 127.0.0.1:1" \

@@ -79,6 +79,16 @@ bool is_local_host(const std::string& host) {
   return local;
 }
 
+bool is_loopback(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return false;
+  const bool lo = (ntohl(reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr.s_addr) >> 24) == 127;
+  ::freeaddrinfo(res);
+  return lo;
+}
+
 std::string join_words(const std::vector<std::string>& v) {
   std::string out;
   for (const auto& s : v) out += (out.empty() ? "" : " ") + s;
@@ -96,6 +106,9 @@ class Agent {
   }
 
   int run() {
+    if (token_.empty() && !is_loopback(o_.endpoint_host))
+      say("EMBER_STORE_TOKEN is not set, so the rendezvous store at " + endpoint() +
+          " serves any client that reaches it; export the same secret on every host to keep others out");
     try {
       connect();
       check_job();
@@ -136,10 +149,14 @@ class Agent {
   // Serves the store when this is the endpoint's host and nobody serves it
   // yet; otherwise connects, waiting up to join_timeout for it to come up.
   void connect() {
+    // Every call gives up after the heartbeat timeout: an agent cut off from
+    // the store learns it then, not at the default timeout.
+    const Millis timeout = std::max<Millis>(o_.heartbeat_timeout, std::chrono::seconds(1));
     if (local_) {
       try {
-        store_ = std::make_unique<TCPStore>(o_.endpoint_host, o_.endpoint_port,
-                                            TCPStoreOptions{.is_server = true, .wait_for_workers = false});
+        store_ = std::make_unique<TCPStore>(
+            o_.endpoint_host, o_.endpoint_port,
+            TCPStoreOptions{.is_server = true, .wait_for_workers = false, .timeout = timeout, .token = token_});
         serving_ = true;
         say("rendezvous " + o_.rdzv_id + ": serving the rendezvous store at " + endpoint());
         return;
@@ -148,7 +165,9 @@ class Agent {
       }
     }
     TCPStoreOptions c;
+    c.timeout = timeout;
     c.connect_timeout = o_.join_timeout;
+    c.token = token_;  // the user's EMBER_STORE_TOKEN: only this job's agents get in
     store_ = std::make_unique<TCPStore>(o_.endpoint_host, o_.endpoint_port, c);
   }
 
@@ -394,8 +413,8 @@ class Agent {
     };
     const WorkersResult r = run_workers(path_, argv_, std::move(specs), o_.prefix_output, o_.grace, stop);
     if (store_lost_) {
-      say("lost the rendezvous store at " + endpoint() + " (the agent serving it ended?): " + why +
-          "; the job cannot go on");
+      say("lost the rendezvous store at " + endpoint() +
+          " (the agent serving it ended, or its host is unreachable): " + why + "; the job cannot go on here");
       return 1;
     }
     if (r.by_signal) {
