@@ -56,6 +56,7 @@ def main():
     speed = {}  # (side, config, layout) -> [round medians]
     ops = {}    # (side, config, layout) -> rows
     algos, bench_rows, kernel_rows, launches = [], [], [], []
+    idle, gaps = {}, {}  # (config, layout) -> our GPU's idle ms in the profiled step; the ops it waited before
     gpt, gpt_mem = {}, {}  # (side, amp) -> [round tokens/s]; amp -> our peak MiB
     with open(os.path.join(d, "raw.txt")) as f:
         for line in f:
@@ -84,6 +85,11 @@ def main():
                 ops.setdefault((side[:-3],) + key, []).append(
                     {"name": kv["name"], "calls": int(kv["calls"]), "self_ms": float(kv["self_ms"]),
                      "total_ms": float(kv["total_ms"])})
+            elif side == "ours_idle":
+                idle[key] = float(kv["idle_ms"])
+            elif side == "ours_gap":
+                gaps.setdefault(key, []).append({"name": kv["name"], "calls": int(kv["calls"]),
+                                                 "gap_ms": float(kv["gap_ms"])})
             elif side == "torch_launches":
                 launches.append({"name": f"{key[0]}/{key[1]}", "torch_kernels": int(kv["kernels"]),
                                  "torch_copies": int(kv["copies"])})
@@ -140,7 +146,8 @@ def main():
                      "batch_norm_kernels": kernel_rows}
         for c, l in configs:
             breakdown["configs"].append({"name": f"{c}/{l}", "ours_top_ops": ops.get(("ours", c, l), []),
-                                         "torch_top_ops": ops.get(("torch", c, l), [])})
+                                         "torch_top_ops": ops.get(("torch", c, l), []),
+                                         "ours_gpu_idle_ms": idle.get((c, l)), "ours_idle_before": gaps.get((c, l), [])})
         with open(os.path.join(d, "gpu_breakdown.json"), "w") as f:
             json.dump(dict(head, note="ours: GPU time per op from the profiler's CUDA event pairs; "
                                      "torch: self CUDA time from torch.profiler", **breakdown), f, indent=1)
@@ -151,6 +158,9 @@ def main():
                 l = f"{a[i]['name'][:34]:34} {a[i]['self_ms']:8.2f}" if i < len(a) else " " * 43
                 rr = f"{b[i]['name'][:40]:40} {b[i]['self_ms']:8.2f}" if i < len(b) else ""
                 print(f"  {l} | {rr}")
+            if cfg["ours_gpu_idle_ms"] is not None:
+                print(f"  our GPU idle in the step: {cfg['ours_gpu_idle_ms']:.2f} ms, before: " +
+                      ", ".join(f"{g['name']} {g['gap_ms']:.2f}" for g in cfg["ours_idle_before"][:5]))
 
 
 if __name__ == "__main__":

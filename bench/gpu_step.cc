@@ -14,7 +14,9 @@
 // Prints one line per (config, layout):
 //   ours config=tf32 layout=cl batch=256 median_ms=... min_ms=... max_ms=... steps=10
 // --profile-top K profiles one more step and prints its top K ops by self
-// time as `ours_op config=.. layout=.. calls=.. self_ms=.. total_ms=.. name=..`
+// time as `ours_op config=.. layout=.. calls=.. self_ms=.. total_ms=.. name=..`,
+// then the GPU's idle time in the step (`ours_idle ... idle_ms=..`) and the
+// ops it waited before (`ours_gap ... gap_ms=.. name=..`)
 // lines: run it with CUDA_LAUNCH_BLOCKING=1 so that each op's host time is
 // its GPU time. The same binary links the CUDA emulation as gpu_step_emu, for
 // gpu_perf.sh --smoke on a machine without a GPU.
@@ -143,6 +145,19 @@ void run(const Args& a, const std::string& config, const std::string& layout) {
           "name=%s\n",
           config.c_str(), layout.c_str(), static_cast<long long>(av.calls), av.cuda_self_ns / 1e6,
           av.cuda_total_ns / 1e6, av.self_ns / 1e6, av.total_ns / 1e6, av.name.c_str());
+    }
+    // Where the GPU sat idle (the profiler's cuda_gap_ns: the stream empty
+    // before an op's work): a host-bound stretch shows at the op it held up.
+    std::stable_sort(rows.begin(), rows.end(),
+                     [](const auto& l, const auto& r) { return l.cuda_gap_ns > r.cuda_gap_ns; });
+    int64_t idle = 0;
+    for (const profiler::Average& av : rows) idle += av.cuda_gap_ns;
+    std::printf("ours_idle config=%s layout=%s idle_ms=%.3f\n", config.c_str(), layout.c_str(), idle / 1e6);
+    shown = 0;
+    for (const profiler::Average& av : rows) {
+      if (shown++ >= std::min<int64_t>(a.profile_top, 10) || av.cuda_gap_ns <= 0) break;
+      std::printf("ours_gap config=%s layout=%s calls=%lld gap_ms=%.3f name=%s\n", config.c_str(), layout.c_str(),
+                  static_cast<long long>(av.calls), av.cuda_gap_ns / 1e6, av.name.c_str());
     }
     std::fflush(stdout);
   }

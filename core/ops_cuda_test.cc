@@ -3,6 +3,7 @@
 // views. Skips (with the reason) when no GPU is present.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <functional>
 #include <string>
@@ -213,6 +214,8 @@ TEST_F(CudaOps, ProfilerRecordsGpuTimePerOp) {
   {
     EMBER_PROFILE_RANGE("outer");
     Tensor c = matmul(a, b);
+    cuda_synchronize();  // then the host dawdles: the stream sits empty before the add
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
     Tensor d = s + s;
   }
   profiler::stop();
@@ -230,6 +233,15 @@ TEST_F(CudaOps, ProfilerRecordsGpuTimePerOp) {
   EXPECT_LE(mm->cuda_self_ns, mm->cuda_ns);
   EXPECT_GE(mm->cuda_self_ns, 0);
   EXPECT_NE(profiler::summary_table(ev).find("CUDA self"), std::string::npos);
+  // The GPU's idle time before an op: none before the first; before the add,
+  // the host's 30 ms on a GPU (the emulation's clock runs only while the
+  // queue works, so there it is just >= 0).
+  EXPECT_EQ(mm->cuda_gap_ns, -1);
+  EXPECT_GE(add->cuda_gap_ns, 0);
+  if (cuda_device_name() != "CUDA emulation") {
+    EXPECT_GT(add->cuda_gap_ns, 20'000'000) << "the host's 30 ms wait is not GPU idle time";
+  }
+  EXPECT_NE(profiler::chrome_trace(ev).find("\"cuda_gap_us\":"), std::string::npos);
 
   // Self time skips scopes without GPU time: an op scope around a user range
   // around the matmul keeps little of its own; another thread's ops get none.
@@ -252,6 +264,7 @@ TEST_F(CudaOps, ProfilerRecordsGpuTimePerOp) {
   EXPECT_GE(wrapper->cuda_ns, inner->cuda_ns);
   EXPECT_LT(wrapper->cuda_self_ns, inner->cuda_ns) << profiler::summary_table(ev2);
   EXPECT_EQ(other->cuda_ns, -1);
+  EXPECT_EQ(inner->cuda_gap_ns, -1) << "a nested op's gap belongs to its parent";
   EXPECT_NE(profiler::chrome_trace(ev).find("\"cuda_us\":"), std::string::npos);
 
   profiler::Options no_cuda;

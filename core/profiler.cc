@@ -218,20 +218,30 @@ void resolve_cuda_times(std::vector<Event>& out) {
   // GPU-timed event's time leaves the self time of the nearest enclosing
   // event that has GPU time (user ranges and waits in between have none).
   std::map<uint32_t, std::vector<size_t>> open;
+  std::map<uint32_t, size_t> last_outer;  // per thread: the previous outermost GPU-timed event
   for (size_t i = 0; i < out.size(); ++i) {
-    const Event& e = out[i];
+    Event& e = out[i];
     std::vector<size_t>& chain = open[e.tid];
     while (!chain.empty()) {
       const Event& p = out[chain.back()];
       if (p.depth < e.depth && p.start_ns <= e.start_ns && e.start_ns + e.dur_ns <= p.start_ns + p.dur_ns) break;
       chain.pop_back();
     }
+    bool outer = e.cuda_ns >= 0;
     if (e.cuda_ns >= 0)
       for (size_t k = chain.size(); k-- > 0;)
         if (out[chain[k]].cuda_ns >= 0) {
           out[chain[k]].cuda_self_ns -= e.cuda_ns;
+          outer = false;
           break;
         }
+    if (outer) {
+      auto it = last_outer.find(e.tid);
+      if (it != last_outer.end())
+        e.cuda_gap_ns = std::max<int64_t>(
+            0, static_cast<int64_t>(out[it->second].cuda_span->end.elapsed_ms(e.cuda_span->start) * 1e6));
+      last_outer[e.tid] = i;
+    }
     chain.push_back(i);
   }
   for (Event& e : out)
@@ -380,6 +390,7 @@ std::string chrome_trace_events(const std::vector<Event>& events, int pid, const
        << fmt_us(e.start_ns + offset_ns) << ",\"dur\":" << fmt_us(e.dur_ns) << ",\"pid\":" << pid
        << ",\"tid\":" << e.tid << ",\"args\":{\"self_us\":" << fmt_us(e.self_ns);
     if (e.cuda_ns >= 0) os << ",\"cuda_us\":" << fmt_us(e.cuda_ns) << ",\"cuda_self_us\":" << fmt_us(e.cuda_self_ns);
+    if (e.cuda_gap_ns >= 0) os << ",\"cuda_gap_us\":" << fmt_us(e.cuda_gap_ns);
     if (!e.args.empty()) os << ',' << e.args;
     os << "}}";
   }
@@ -412,6 +423,7 @@ std::vector<Average> key_averages(const std::vector<Event>& events) {
       a.cuda_self_ns += e.cuda_self_ns;
       if (!e.nested_in_same) a.cuda_total_ns += e.cuda_ns;
     }
+    if (e.cuda_gap_ns > 0) a.cuda_gap_ns += e.cuda_gap_ns;
   }
   std::vector<Average> out;
   for (auto& [k, a] : by) out.push_back(std::move(a));

@@ -57,6 +57,12 @@ struct Event {
   // directly inside); -1 where none was recorded.
   int64_t cuda_ns = -1;
   int64_t cuda_self_ns = -1;
+  // How long the stream sat idle before this event's GPU work: from the end
+  // of the previous outermost GPU-timed event on its thread to this one's
+  // start (outermost events only: a nested one's gap is its parent's
+  // business); -1 where there is none. Where the host, not the GPU, holds a
+  // step back, the time shows up here, at the op the GPU waited for.
+  int64_t cuda_gap_ns = -1;
   std::shared_ptr<detail::CudaSpan> cuda_span;  // the unresolved pair, until events() reads it
 };
 
@@ -165,6 +171,7 @@ struct Average {
   Kind kind = Kind::User;
   int64_t calls = 0, self_ns = 0, total_ns = 0;
   int64_t cuda_self_ns = 0, cuda_total_ns = 0;  // GPU time (zero without it)
+  int64_t cuda_gap_ns = 0;                      // GPU idle before its calls (Event::cuda_gap_ns)
 };
 std::vector<Average> key_averages(const std::vector<Event>& events);
 std::string summary_table(const std::vector<Event>& events, int top = 25);
