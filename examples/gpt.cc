@@ -287,7 +287,8 @@ Flags parse_flags(int argc, char** argv) {
   if (f.dim % f.heads != 0)
     usage_error("--dim " + std::to_string(f.dim) + " must be a multiple of --heads " + std::to_string(f.heads));
   if (f.checkpoint_dir.empty()) usage_error("--checkpoint-dir must not be empty");
-  examples::refuse_overwrite(f.checkpoint_dir, "step_", f.resume || f.overwrite);
+  examples::refuse_overwrite(f.checkpoint_dir, "step_",
+                             f.resume || f.overwrite || f.checkpoint_dir == Flags{}.checkpoint_dir);
   if (f.resume) {
     auto latest = distributed::latest_checkpoint(f.checkpoint_dir, "step_");
     if (!latest.ok()) usage_error("--resume: " + std::string(latest.status().message()));

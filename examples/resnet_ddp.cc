@@ -188,7 +188,9 @@ Flags parse_flags(int argc, char** argv) {
     usage_error("--model must be narrow, resnet18, resnet34 or resnet50, got '" + f.model + "'");
   if (f.checkpoint_dir.empty()) usage_error("--checkpoint-dir must not be empty");
   if (f.resume_fallback && !f.resume) usage_error("--resume-fallback goes with --resume");
-  examples::refuse_overwrite(f.checkpoint_dir, "epoch_", f.resume || f.overwrite);
+  // The default directory is scratch that a fresh run replaces; one the user names is kept.
+  examples::refuse_overwrite(f.checkpoint_dir, "epoch_",
+                             f.resume || f.overwrite || f.checkpoint_dir == Flags{}.checkpoint_dir);
   if (f.resume) {
     auto latest = distributed::latest_checkpoint(f.checkpoint_dir, "epoch_", f.resume_fallback);
     if (!latest.ok())

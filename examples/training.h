@@ -101,7 +101,8 @@ inline bool restarted() {
 // must not write over another run's checkpoints (HF Trainer's
 // overwrite_output_dir rule): when `dir` already holds "<prefix><N>"
 // checkpoints (or damaged ones), it stops with an error naming the newest,
-// before anything is written.
+// before anything is written. `allowed`: the caller's exceptions (the
+// examples' default directory is scratch a fresh run replaces).
 inline void refuse_overwrite(const std::string& dir, const std::string& prefix, bool allowed) {
   if (allowed || restarted()) return;
   auto latest = distributed::latest_checkpoint(dir, prefix);

@@ -72,6 +72,8 @@ for n in a1 b1; do grep -q "rc=0" "$tmp/$n.log" || fail "agent $n did not succee
 grep -q "rendezvous round 1: world size 4" "$tmp/a1.log" || fail "no round 1 at 4 ranks"
 grep -q "was killed by signal 9" "$tmp/a1.log" "$tmp/b1.log" || fail "no worker was killed"
 grep -q "resumed from $tmp/kill_worker/step_4" "$tmp/a1.log" "$tmp/b1.log" || fail "no resume from step_4"
+# One crash is one restart, though the other node's workers fail with it.
+[ "$(cat "$tmp/a1.log" "$tmp/b1.log" | grep -c "after the failure (restart")" = 1 ] || fail "one crash, several restarts"
 python3 - "$tmp/ref.jsonl" "$tmp/kill_worker.jsonl" "$tmp/ref.log" "$tmp/a1.log" "$tmp/b1.log" <<'PY' || fail "metrics differ"
 import json, re, sys
 ref = [json.loads(l) for l in open(sys.argv[1])]
@@ -157,10 +159,11 @@ echo "elastic resnet_ddp: a worker killed after epoch 1's checkpoint, round 1 re
 
 # ---- 3. bad cases ----
 for bad in "--nnodes 3:2 --rdzv-endpoint 127.0.0.1:1" "--nnodes 1:2" "--nnodes 2 --node_rank 0 --rdzv-endpoint 127.0.0.1:1" \
-           "--nnodes 1:2 --rdzv-endpoint 127.0.0.1:1 --rdzv-conf bogus=1" "--nnodes 1:2 --rdzv-endpoint nowhere"; do
+           "--nnodes 1:2 --rdzv-endpoint 127.0.0.1:1 --rdzv-conf bogus=1" "--nnodes 1:2 --rdzv-endpoint nowhere" \
+           "--rdzv-id x" "--nnodes 1:2 --rdzv-endpoint 127.0.0.1:1 --master_port 5"; do
   # shellcheck disable=SC2086
   out=$("$launch" $bad -- "$worker" print 2>&1) && fail "launch $bad was accepted"
-  grep -q "^launch: .*\(MAX is less than MIN\|needs --rdzv_endpoint\|does not go with --rdzv_endpoint\|unknown key 'bogus'\|expected HOST:PORT\)" \
+  grep -q "^launch: .*\(MAX is less than MIN\|need[s]* --rdzv_endpoint\|do[es]* not go with --rdzv_endpoint\|unknown key 'bogus'\|expected HOST:PORT\)" \
     <<<"$out" || fail "launch $bad: $out"
 done
 out=$("$launch" --nnodes 2:2 --nproc-per-node 1 --rdzv-endpoint 127.0.0.1:"$(port)" --rdzv-id lonely \

@@ -113,7 +113,7 @@ void parse_rdzv_conf(const std::string& value, ember::distributed::ElasticOption
 
 Parsed parse(int argc, char** argv) {
   Parsed p;
-  bool node_rank_given = false, elastic_range = false;
+  bool node_rank_given = false, elastic_range = false, rdzv_given = false, master_given = false;
   int i = 1;
   for (; i < argc; ++i) {
     std::string arg = argv[i];
@@ -152,6 +152,8 @@ Parsed parse(int argc, char** argv) {
     auto& o = p.options;
     if (name == "nproc_per_node") o.nproc_per_node = parse_int(name, value, 1, 1 << 16);
     auto& e = p.elastic;
+    if (name == "master_addr" || name == "master_port") master_given = true;
+    if (name == "rdzv_id" || name == "rdzv_conf" || name == "rdzv_backend" || name == "local_addr") rdzv_given = true;
     if (name == "nnodes") {
       if (size_t colon = value.find(':'); colon != std::string::npos) {
         e.min_nodes = parse_int(name, value.substr(0, colon), 1, 1 << 20);
@@ -196,9 +198,14 @@ Parsed parse(int argc, char** argv) {
   if (p.program.empty()) throw UsageError{"no program given"};
   if (elastic_range && !p.is_elastic)
     throw UsageError{"--nnodes MIN:MAX needs --rdzv_endpoint HOST:PORT (where the agents meet)"};
+  if (!p.is_elastic && rdzv_given)
+    throw UsageError{"--rdzv_id, --rdzv_conf, --rdzv_backend and --local_addr need --rdzv_endpoint HOST:PORT"};
   if (p.is_elastic) {
     if (node_rank_given)
       throw UsageError{"--node_rank does not go with --rdzv_endpoint: ranks come from the rendezvous"};
+    if (master_given)
+      throw UsageError{
+          "--master_addr/--master_port do not go with --rdzv_endpoint: each round picks the workers' store"};
     auto& e = p.elastic;
     e.nproc_per_node = p.options.nproc_per_node;
     e.max_restarts = p.options.max_restarts;

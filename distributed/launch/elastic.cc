@@ -8,20 +8,25 @@
 //                       job with the same id and endpoint is refused
 //   round               the running round's number; a new round is asked for
 //                       by compare_set(round, R, R + 1), so one request wins
-//   failures            worker failures so far (against max_restarts)
+//   failures            worker failures so far (against max_restarts): one per
+//                       round at most (r<R>/failure), however many nodes'
+//                       workers went down with it
 //   failed              set when the job gave up: why
 //   agents              a counter that names each agent
-//   waiting             agents that came too late for the running round
 //   hb/<agent>          each agent's heartbeat counter
-//   r<R>/joined         arrivals in round R (node index = arrival order)
-//   r<R>/node/<i>       node i's "agent addr nproc"
-//   r<R>/closed         the round's node count, once it closed
-//   r<R>/master         node 0's "addr port token" for the workers' store
-//   exited              agents that are done with the job (the one serving
-//                       the store waits for them before it goes)
+//   exited/<agent>      the agent is done with the job (the one serving the
+//                       store waits for its last round's members)
 //   done                set when the job ended well
+//   r<R>/joined         arrivals in round R (node index = arrival order)
+//   r<R>/node/<i>       node i's "addr nproc agent"
+//   r<R>/closed         the round's node count, once it closed
+//   r<R>/late           agents that came after round R closed (scale up)
+//   r<R>/master         node 0's "addr port token" for the workers' store
+//   r<R>/failure        the agent whose workers' failure ended round R
+//   r<R>/finished[/<agent>]  a member's workers all succeeded
 #include "distributed/launch/elastic.h"
 
+#include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -50,6 +55,7 @@ using std::chrono::milliseconds;
 
 constexpr milliseconds kPoll{100};     // rendezvous waits
 constexpr milliseconds kMonitor{500};  // store checks while workers run
+using Millis = std::chrono::milliseconds;
 
 // Raised inside the agent to end it with a status (after saying why).
 struct AgentExit {
@@ -95,35 +101,64 @@ std::string join_words(const std::vector<std::string>& v) {
   return out;
 }
 
+// The address this host uses to reach `host` (a UDP socket "connected" to
+// it, read back: no packet is sent). The default for other hosts to reach
+// this one: a host's own name often resolves to a loopback address.
+std::string address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0) return {};
+  std::string out;
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_in me{};
+  socklen_t len = sizeof me;
+  if (fd >= 0 && ::connect(fd, res->ai_addr, res->ai_addrlen) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&me), &len) == 0) {
+    char buf[INET_ADDRSTRLEN] = {};
+    if (::inet_ntop(AF_INET, &me.sin_addr, buf, sizeof buf)) out = buf;
+  }
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(res);
+  return out;
+}
+
 class Agent {
  public:
   Agent(const ElasticOptions& o, const std::vector<std::string>& argv)
       : o_(o), argv_(argv), path_(resolve_program(argv[0])) {
     prefix_ = "rdzv/" + o.rdzv_id + "/";
     local_ = is_local_host(o.endpoint_host);
-    addr_ = !o.local_addr.empty() ? o.local_addr : local_ ? o.endpoint_host : hostname();
+    addr_ = o.local_addr;
+    if (addr_.empty()) addr_ = local_ ? o.endpoint_host : address_towards(o.endpoint_host, o.endpoint_port);
+    if (addr_.empty()) addr_ = hostname();
     token_ = std::getenv("EMBER_STORE_TOKEN") ? std::getenv("EMBER_STORE_TOKEN") : "";
   }
 
-  int run() {
+  // Reaches the store and checks the job: before the agent takes over the
+  // signals, so Ctrl-C works while it waits for the store to come up.
+  // Returns an exit status when that fails, else -1.
+  int open() {
     if (token_.empty() && !is_loopback(o_.endpoint_host))
       say("EMBER_STORE_TOKEN is not set, so the rendezvous store at " + endpoint() +
           " serves any client that reaches it; export the same secret on every host to keep others out");
-    try {
+    return guarded([&] {
       connect();
       check_job();
+      return -1;
+    });
+  }
+
+  int run() {
+    return guarded([&] {
       R_ = get_int("round");
       for (;;) {
         const std::vector<Node> nodes = rendezvous();
         const int status = run_round(nodes);
         if (status >= 0) return status;
       }
-    } catch (const AgentExit& e) {
-      return e.status;
-    } catch (const Error& e) {
-      say("rendezvous " + o_.rdzv_id + " at " + endpoint() + ": " + e.what());
-      return 1;
-    }
+    });
   }
 
  private:
@@ -132,6 +167,18 @@ class Agent {
     int nproc = 0;
     int64_t agent = -1;
   };
+
+  template <typename F>
+  int guarded(F&& f) {
+    try {
+      return f();
+    } catch (const AgentExit& e) {
+      return e.status;
+    } catch (const Error& e) {
+      say("rendezvous " + o_.rdzv_id + " at " + endpoint() + ": " + e.what());
+      return 1;
+    }
+  }
 
   static std::string hostname() {
     char buf[256] = {};
@@ -145,23 +192,31 @@ class Agent {
   std::string get_or(const std::string& full, const std::string& dflt = "") {
     return store_->check({full}) ? store_->get_string(full) : dflt;
   }
+  std::string me() const { return std::to_string(agent_); }
 
   // Serves the store when this is the endpoint's host and nobody serves it
-  // yet; otherwise connects, waiting up to join_timeout for it to come up.
+  // yet (the port is taken: somebody does); otherwise connects, waiting up to
+  // join_timeout for it to come up.
   void connect() {
     // Every call gives up after the heartbeat timeout: an agent cut off from
     // the store learns it then, not at the default timeout.
     const Millis timeout = std::max<Millis>(o_.heartbeat_timeout, std::chrono::seconds(1));
     if (local_) {
+      const char* all = std::getenv("EMBER_STORE_LISTEN_ALL");
       try {
-        store_ = std::make_unique<TCPStore>(
-            o_.endpoint_host, o_.endpoint_port,
-            TCPStoreOptions{.is_server = true, .wait_for_workers = false, .timeout = timeout, .token = token_});
+        store_ = std::make_unique<TCPStore>(o_.endpoint_host, o_.endpoint_port,
+                                            TCPStoreOptions{.is_server = true,
+                                                            .wait_for_workers = false,
+                                                            .timeout = timeout,
+                                                            .token = token_,
+                                                            .listen_on_all = all && std::string(all) == "1"});
         serving_ = true;
         say("rendezvous " + o_.rdzv_id + ": serving the rendezvous store at " + endpoint());
         return;
-      } catch (const Error&) {
-        // Taken: another agent on this host serves it.
+      } catch (const Error& e) {
+        // In use: another agent on this host serves it. Anything else is
+        // this agent's problem to report.
+        if (std::string(e.what()).find("in use") == std::string::npos) throw;
       }
     }
     TCPStoreOptions c;
@@ -191,18 +246,15 @@ class Agent {
     agent_ = store_->add(key("agents"), 1) - 1;
   }
 
-  void heartbeat() { store_->add(key("hb/" + std::to_string(agent_)), 1); }
+  void heartbeat() { store_->add(key("hb/" + me()), 1); }
 
-  // Asks for the round after R_ (one request wins; the others see it).
-  void next_round() {
-    const std::string from = std::to_string(R_), to = std::to_string(R_ + 1);
+  // Asks for the round after R (one request wins; the others see it).
+  void next_round_from(int64_t R) {
+    const std::string from = std::to_string(R), to = std::to_string(R + 1);
     store_->compare_set(key("round"), Bytes(from.begin(), from.end()), Bytes(to.begin(), to.end()));
   }
-  bool round_moved() {
-    const std::string r = get_or(key("round"), "0");
-    return std::strtoll(r.c_str(), nullptr, 10) != R_;
-  }
-  void sync_round() { R_ = std::strtoll(get_or(key("round"), "0").c_str(), nullptr, 10); }
+  int64_t current_round() { return std::strtoll(get_or(key("round"), "0").c_str(), nullptr, 10); }
+  bool round_moved() { return current_round() != R_; }
 
   void check_failed() {
     if (store_->check({key("failed")})) {
@@ -211,67 +263,38 @@ class Agent {
       throw AgentExit{1};
     }
   }
-
-  // This agent is done with the job. The one serving the store stays until
-  // the other members of its last round have read what they need (each says
-  // so under "exited") or stopped beating; the others say so and go.
-  void leave() {
-    if (!serving_) {
-      try {
-        store_->add(key("exited"), 1);
-      } catch (const Error&) {
-        // The store is gone already: nothing left to tell.
-      }
-      return;
-    }
-    std::map<int64_t, std::pair<int64_t, Clock::time_point>> beats;
-    for (;;) {
-      if (take_signal() != 0) return;
-      if (get_int("exited") >= static_cast<int64_t>(last_nodes_.size()) - 1) return;
-      bool any_alive = false;
-      const auto now = Clock::now();
-      for (const Node& m : last_nodes_) {
-        if (m.agent == agent_) continue;
-        const int64_t v = get_int("hb/" + std::to_string(m.agent));
-        auto& b = beats.try_emplace(m.agent, v, now).first->second;
-        if (v != b.first) b = {v, now};
-        any_alive = any_alive || now - b.second < o_.heartbeat_timeout;
-      }
-      if (!any_alive) return;
-      std::this_thread::sleep_for(kPoll);
-    }
-  }
-  void check_signal() {
+  // A signal while no worker runs: leave, moving the round on so that this
+  // agent's arrival does not hold the others' round open.
+  void check_signal(int64_t R) {
     if (const int sig = take_signal(); sig != 0) {
       say("received signal " + std::to_string(sig) + " while waiting for a rendezvous round; leaving");
+      try {
+        next_round_from(R);
+      } catch (const Error&) {
+      }
       throw AgentExit{128 + sig};
     }
   }
 
-  // Joins round R_ (or a later one when it moves on meanwhile) and returns
-  // its members once it closes with this agent among them.
+  // Joins the running round (or a later one when it moves on meanwhile) and
+  // returns its members once it closes with this agent among them.
   std::vector<Node> rendezvous() {
-    const auto start = Clock::now();
-    bool waiting = false;
     for (;;) {
       check_failed();
-      sync_round();
+      R_ = current_round();
       const int64_t R = R_;
+      const auto start = Clock::now();
       const int64_t idx = store_->add(rkey(R, "joined"), 1) - 1;
-      store_->set(rkey(R, "node/" + std::to_string(idx)),
-                  addr_ + " " + std::to_string(o_.nproc_per_node) + " " + std::to_string(agent_));
+      store_->set(rkey(R, "node/" + std::to_string(idx)), addr_ + " " + std::to_string(o_.nproc_per_node) + " " + me());
       Clock::time_point min_seen{};
       bool late = false;
-      while (!late) {
-        check_signal();
+      for (;;) {
+        check_signal(R);
         check_failed();
         heartbeat();
         if (store_->check({rkey(R, "closed")})) {
           const int64_t n = std::strtoll(get_or(rkey(R, "closed")).c_str(), nullptr, 10);
-          if (idx < n) {
-            if (waiting) store_->add(key("waiting"), -1);
-            return members(R, n);
-          }
+          if (idx < n) return members(R, n);
           late = true;
           break;
         }
@@ -279,36 +302,37 @@ class Agent {
         const int64_t joined = store_->add(rkey(R, "joined"), 0);
         const auto now = Clock::now();
         if (joined >= o_.min_nodes && min_seen == Clock::time_point{}) min_seen = now;
-        const int64_t close_at = std::min<int64_t>(joined, o_.max_nodes);
         if (joined >= o_.max_nodes || (joined >= o_.min_nodes && now - min_seen >= o_.last_call)) {
-          const std::string n = std::to_string(close_at);
+          const std::string n = std::to_string(std::min<int64_t>(joined, o_.max_nodes));
           store_->compare_set(rkey(R, "closed"), {}, Bytes(n.begin(), n.end()));
           continue;
         }
-        if (now - start >= o_.join_timeout) {
+        if (joined < o_.min_nodes && now - start >= o_.join_timeout) {
           say("rendezvous round " + std::to_string(R) + ": " + std::to_string(joined) + " of at least " +
               std::to_string(o_.min_nodes) + " nodes joined within " +
               std::to_string(std::chrono::duration_cast<std::chrono::seconds>(o_.join_timeout).count()) +
               " s (--nnodes " + std::to_string(o_.min_nodes) + ":" + std::to_string(o_.max_nodes) +
               "); giving up, no worker was started");
+          next_round_from(R);  // the others (if any come) start afresh, without this agent's arrival
           throw AgentExit{1};
         }
         std::this_thread::sleep_for(kPoll);
       }
-      if (late) {
-        // The round closed without us: wait for the next (the running
-        // agents start one when they see us waiting and have room).
-        if (!waiting) {
-          store_->add(key("waiting"), 1);
-          waiting = true;
-          say("rendezvous round " + std::to_string(R) + " is running without this node; waiting for the next");
+      if (!late) continue;
+      // The round closed without us: wait for the next (its members start
+      // one when they see us, if they have room), or for its end.
+      store_->add(rkey(R, "late"), 1);
+      say("rendezvous round " + std::to_string(R) + " is running without this node; waiting for the next");
+      while (!round_moved()) {
+        check_signal(R);
+        check_failed();
+        heartbeat();
+        if (store_->check({rkey(R, "finished")})) {
+          say("the job finished in rendezvous round " + std::to_string(R) + " without this node");
+          leave();
+          throw AgentExit{0};
         }
-        while (!round_moved()) {
-          check_signal();
-          check_failed();
-          heartbeat();
-          std::this_thread::sleep_for(kPoll);
-        }
+        std::this_thread::sleep_for(kPoll);
       }
     }
   }
@@ -316,8 +340,13 @@ class Agent {
   std::vector<Node> members(int64_t R, int64_t n) {
     std::vector<Node> nodes(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
-      store_->wait({rkey(R, "node/" + std::to_string(i))});
-      std::istringstream in(store_->get_string(rkey(R, "node/" + std::to_string(i))));
+      // Written right after the arrival it follows: wait a moment for it.
+      try {
+        store_->wait({rkey(R, "node/" + std::to_string(i))}, std::chrono::seconds(5));
+      } catch (const Error&) {
+        // Left empty: run_round names it and starts a new round.
+      }
+      std::istringstream in(get_or(rkey(R, "node/" + std::to_string(i))));
       in >> nodes[i].addr >> nodes[i].nproc >> nodes[i].agent;
       if (nodes[i].agent == agent_) my_index_ = static_cast<int>(i);
     }
@@ -330,12 +359,19 @@ class Agent {
     const int64_t R = R_;
     last_nodes_ = nodes;
     int world = 0, first_rank = 0;
+    std::string names;
     for (size_t i = 0; i < nodes.size(); ++i) {
+      // A node whose arrival was recorded without its details (an agent
+      // that died between the two writes) cannot be run with.
+      if (nodes[i].nproc <= 0) {
+        say("rendezvous round " + std::to_string(R) + ": node " + std::to_string(i) + " left no details; a new round");
+        next_round_from(R);
+        return -1;
+      }
       if (static_cast<int>(i) == my_index_) first_rank = world;
       world += nodes[i].nproc;
+      names += (names.empty() ? "" : ", ") + nodes[i].addr + " x" + std::to_string(nodes[i].nproc);
     }
-    std::string names;
-    for (const Node& n : nodes) names += (names.empty() ? "" : ", ") + n.addr + " x" + std::to_string(n.nproc);
     say("rendezvous round " + std::to_string(R) + ": world size " + std::to_string(world) + " (" +
         std::to_string(nodes.size()) + " node" + (nodes.size() == 1 ? "" : "s") + ": " + names + "; this is node " +
         std::to_string(my_index_) + ")");
@@ -344,10 +380,17 @@ class Agent {
       const std::string tok = token_.empty() ? random_token() : token_;
       store_->set(rkey(R, "master"), addr_ + " " + std::to_string(find_free_port()) + " " + tok);
     }
-    store_->wait({rkey(R, "master")});
-    std::istringstream master(store_->get_string(rkey(R, "master")));
     std::string maddr, mport, mtoken;
-    master >> maddr >> mport >> mtoken;
+    try {
+      store_->wait({rkey(R, "master")});
+      std::istringstream master(store_->get_string(rkey(R, "master")));
+      master >> maddr >> mport >> mtoken;
+    } catch (const Error& e) {
+      say("rendezvous round " + std::to_string(R) + ": node 0 (" + nodes[0].addr +
+          ") never said where its workers' store is (" + e.what() + "); a new round");
+      next_round_from(R);
+      return -1;
+    }
 
     const int nproc = o_.nproc_per_node;
     const bool set_omp = nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
@@ -372,9 +415,11 @@ class Agent {
       specs[local] = {first_rank + local, local, worker_env(set)};
     }
 
-    // Every member's heartbeat, last value and when it last changed.
+    // Every other member's heartbeat: last value and when it last changed.
+    // A member whose workers finished is not beating for this round.
     std::map<int64_t, std::pair<int64_t, Clock::time_point>> beats;
-    for (const Node& n : nodes) beats[n.agent] = {-1, Clock::now()};
+    for (const Node& n : nodes)
+      if (n.agent != agent_) beats[n.agent] = {-1, Clock::now()};
     auto last_check = Clock::now() - kMonitor;
     std::string why;  // why this agent stopped its workers
     auto stop = [&]() -> bool {
@@ -387,20 +432,20 @@ class Agent {
           why = "another node started rendezvous round " + get_or(key("round"));
           return true;
         }
-        if (static_cast<int>(nodes.size()) < o_.max_nodes && get_int("waiting") > 0) {
+        if (static_cast<int>(nodes.size()) < o_.max_nodes && store_->add(rkey(R, "late"), 0) > 0) {
           why = "a node is waiting to join";
-          next_round();
+          next_round_from(R);
           return true;
         }
         for (auto& [agent, beat] : beats) {
-          if (agent == agent_) continue;
           const int64_t v = get_int("hb/" + std::to_string(agent));
           if (v != beat.first) {
             beat = {v, now};
-          } else if (now - beat.second >= o_.heartbeat_timeout) {
+          } else if (now - beat.second >= o_.heartbeat_timeout &&
+                     !store_->check({rkey(R, "finished/" + std::to_string(agent))})) {
             why = "agent " + std::to_string(agent) + "'s heartbeat stopped " +
                   std::to_string(std::chrono::duration_cast<milliseconds>(now - beat.second).count()) + " ms ago";
-            next_round();
+            next_round_from(R);
             return true;
           }
         }
@@ -418,8 +463,13 @@ class Agent {
       return 1;
     }
     if (r.by_signal) {
-      say("stopped by signal " + std::to_string(r.status - 128) + "; the other nodes go on without this one");
-      next_round();
+      say("stopped by signal " + std::to_string(r.status - 128) +
+          (serving_ ? "; this agent served the rendezvous store, so the job ends"
+                    : "; the other nodes go on without this one"));
+      try {
+        next_round_from(R);
+      } catch (const Error&) {
+      }
       return r.status;
     }
     if (r.stopped) {
@@ -427,29 +477,73 @@ class Agent {
       check_failed();
       return -1;
     }
-    if (r.status == 0) return finish();
+    if (r.status == 0) return finish(R);
+    // One failure per round counts: the first to report it. Workers that
+    // went down with it (their peer gone) or after the round moved on do not.
+    const std::string id = me();
+    const Bytes won = store_->compare_set(rkey(R, "failure"), {}, Bytes(id.begin(), id.end()));
+    if (round_moved() || std::string(won.begin(), won.end()) != id) {
+      check_failed();
+      say("workers of round " + std::to_string(R) + " stopped after the round's failure elsewhere; joining the next");
+      return -1;
+    }
     const int64_t failures = store_->add(key("failures"), 1);
     if (failures > o_.max_restarts) {
       const std::string msg = r.failure + " on node " + addr_ + " (" + std::to_string(failures - 1) + " restart" +
                               (failures - 1 == 1 ? "" : "s") + " used of " + std::to_string(o_.max_restarts) + ")";
       store_->set(key("failed"), msg);
-      next_round();
+      next_round_from(R);
       say("giving up after " + std::to_string(o_.max_restarts) + " restart" + (o_.max_restarts == 1 ? "" : "s") +
           ": the last failure is above");
       leave();
       return r.status;
     }
-    next_round();
+    next_round_from(R);
     say("asking for a new rendezvous round after the failure (restart " + std::to_string(failures) + " of " +
         std::to_string(o_.max_restarts) + ")");
     return -1;
   }
 
   // This node's workers succeeded: the job is over here.
-  int finish() {
+  int finish(int64_t R) {
+    store_->set(rkey(R, "finished/" + me()), "1");
+    store_->set(rkey(R, "finished"), "1");
     leave();
-    if (serving_) store_->set(key("done"), "round " + std::to_string(R_) + " finished");
-    return 0;
+    if (serving_) store_->set(key("done"), "round " + std::to_string(R) + " finished");
+    return left_by_signal_ ? 128 + left_by_signal_ : 0;
+  }
+
+  // This agent is done with the job. The one serving the store stays until
+  // each other member of its last round has said so (exited/<agent>) or
+  // stopped beating, beating itself meanwhile; the others say so and go.
+  void leave() {
+    if (!serving_) {
+      try {
+        store_->set(key("exited/" + me()), "1");
+      } catch (const Error&) {
+        // The store is gone already: nothing left to tell.
+      }
+      return;
+    }
+    std::map<int64_t, std::pair<int64_t, Clock::time_point>> beats;
+    for (;;) {
+      if (const int sig = take_signal(); sig != 0) {
+        left_by_signal_ = sig;
+        return;
+      }
+      heartbeat();
+      bool waiting_for_someone = false;
+      const auto now = Clock::now();
+      for (const Node& m : last_nodes_) {
+        if (m.agent == agent_ || store_->check({key("exited/" + std::to_string(m.agent))})) continue;
+        const int64_t v = get_int("hb/" + std::to_string(m.agent));
+        auto& b = beats.try_emplace(m.agent, v, now).first->second;
+        if (v != b.first) b = {v, now};
+        waiting_for_someone = waiting_for_someone || now - b.second < o_.heartbeat_timeout;
+      }
+      if (!waiting_for_someone) return;
+      std::this_thread::sleep_for(kPoll);
+    }
   }
 
   ElasticOptions o_;
@@ -460,6 +554,7 @@ class Agent {
   std::vector<Node> last_nodes_;  // the members of the last round this agent ran
   int64_t agent_ = -1, R_ = 0;
   int my_index_ = -1;
+  int left_by_signal_ = 0;
 };
 
 }  // namespace
@@ -474,10 +569,16 @@ int elastic_launch(const ElasticOptions& o, const std::vector<std::string>& argv
   EMBER_CHECK(!o.rdzv_id.empty(), "launch: --rdzv-id is empty");
   EMBER_CHECK(o.max_restarts >= 0, "launch: max_restarts must be >= 0, got ", o.max_restarts);
   EMBER_CHECK(!argv.empty(), "launch: no program given");
+  // Below these the monitor (every 500 ms) would call live agents dead.
+  EMBER_CHECK(o.heartbeat_timeout >= std::chrono::milliseconds(1500), "launch: --rdzv-conf heartbeat_timeout ",
+              o.heartbeat_timeout.count() / 1000.0, " s is below 1.5 s (agents beat every 0.5 s)");
+  EMBER_CHECK(o.join_timeout >= std::chrono::seconds(1), "launch: --rdzv-conf join_timeout ",
+              o.join_timeout.count() / 1000.0, " s is below 1 s");
   std::fflush(stdout);
   std::fflush(stderr);
-  SignalScope signals;
   Agent agent(o, argv);
+  if (const int status = agent.open(); status >= 0) return status;
+  SignalScope signals;
   return agent.run();
 }
 

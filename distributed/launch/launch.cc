@@ -508,6 +508,13 @@ WorkersResult run_workers(const std::string& path, const std::vector<std::string
     w.out.finish();
     w.err.finish();
   }
+  // A stop that came as the last workers were exiting 0 on their own: the
+  // job is done, not interrupted.
+  if (res.stopped) {
+    bool all_ok = true;
+    for (const auto& w : workers) all_ok = all_ok && WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
+    if (all_ok) res.stopped = false;
+  }
   res.status = result;
   return res;
 }
