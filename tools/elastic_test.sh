@@ -58,9 +58,17 @@ wait_for() {  # FILE PATTERN SECONDS
 }
 # The launcher process of an agent: its subshell SHELL_PID itself (bash
 # execs a lone command) or that subshell's child.
-launcher_of() { pgrep -f -- "--rdzv-id $1 " | while read -r p; do
-  [ "$(ps -o comm= -p "$p")" = launch ] && { [ "$p" = "$2" ] || [ "$(ps -o ppid= -p "$p" | tr -d ' ')" = "$2" ]; } &&
-    echo "$p"; done | head -1; }
+# (No pipeline into head: its early exit would fail the pipeline under pipefail.)
+launcher_of() {
+  local p
+  for p in $(pgrep -f -- "--rdzv-id $1 " || true); do
+    if [ "$(ps -o comm= -p "$p" 2>/dev/null)" = launch ] &&
+       { [ "$p" = "$2" ] || [ "$(ps -o ppid= -p "$p" 2>/dev/null | tr -d ' ')" = "$2" ]; }; then
+      echo "$p"
+      return 0
+    fi
+  done
+}
 
 # ---- 1. a worker killed after step 4's checkpoint: a new round at 4 ranks ----
 p1=$(port)

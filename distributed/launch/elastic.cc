@@ -34,8 +34,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -420,12 +422,14 @@ class Agent {
     std::map<int64_t, std::pair<int64_t, Clock::time_point>> beats;
     for (const Node& n : nodes)
       if (n.agent != agent_) beats[n.agent] = {-1, Clock::now()};
-    auto last_check = Clock::now() - kMonitor;
-    std::string why;  // why this agent stopped its workers
-    auto stop = [&]() -> bool {
+    // The store is watched from a thread of its own, so a store that stops
+    // answering (a call blocks up to the heartbeat timeout) never stalls the
+    // worker loop: output, reaping, signals and the grace SIGKILL go on.
+    // The worker loop only reads the verdict.
+    std::string why;  // why this agent stopped its workers (written before `verdict`)
+    std::atomic<bool> verdict{false}, workers_done{false};
+    auto check = [&]() -> bool {
       const auto now = Clock::now();
-      if (now - last_check < kMonitor) return false;
-      last_check = now;
       try {
         heartbeat();
         if (round_moved()) {
@@ -456,7 +460,20 @@ class Agent {
       }
       return false;
     };
+    std::thread monitor([&] {
+      while (!workers_done.load()) {
+        if (check()) {
+          verdict.store(true);
+          return;
+        }
+        for (auto t = Clock::now(); Clock::now() - t < kMonitor && !workers_done.load();)
+          std::this_thread::sleep_for(milliseconds(20));
+      }
+    });
+    const std::function<bool()> stop = [&] { return verdict.load(); };
     const WorkersResult r = run_workers(path_, argv_, std::move(specs), o_.prefix_output, o_.grace, stop);
+    workers_done.store(true);
+    monitor.join();  // before the store is used here again: one thread at a time
     if (store_lost_) {
       say("lost the rendezvous store at " + endpoint() +
           " (the agent serving it ended, or its host is unreachable): " + why + "; the job cannot go on here");
