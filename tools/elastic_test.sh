@@ -38,7 +38,9 @@ stamp() { python3 -u -c 'import sys, time
 for line in sys.stdin: sys.stdout.write("%.3f %s" % (time.time(), line)); sys.stdout.flush()'; }
 fail() { echo "FAIL: $*"; for f in "$tmp"/*.log; do echo "== $f"; tail -40 "$f"; done; exit 1; }
 
-args=(--dim 48 --heads 4 --seq 32 --layers 2 --max-steps 40 --global-batch 8 --sample-len 0 --eval-every 1000
+# 120 steps: long enough that the scale scenario's lone round is still
+# running when the restarted agent comes (a loaded CI machine included).
+args=(--dim 48 --heads 4 --seq 32 --layers 2 --max-steps 120 --global-batch 8 --sample-len 0 --eval-every 1000
       --save-every 4 --lr 1e-3)
 "$launch" --nproc_per_node=4 --master_port=0 -- "$gpt" "${args[@]}" --checkpoint-dir "$tmp/ref" \
   --metrics "$tmp/ref.jsonl" > "$tmp/ref.log" 2>&1 || fail "the uninterrupted run failed"
@@ -212,7 +214,7 @@ before=$(cd "$tmp/scale" && find . -type f -exec md5sum {} + | sort)
 other=(--dim 32 --heads 4 --seq 32 --layers 2 --max-steps 40 --global-batch 8 --sample-len 0 --save-every 4)
 out=$("$launch" --nnodes 1:1 --nproc-per-node 2 --max-restarts 1 --rdzv-endpoint 127.0.0.1:"$(port)" --rdzv-id other \
       -- "$gpt" "${other[@]}" --checkpoint-dir "$tmp/scale" 2>&1) && fail "another model's checkpoints were taken"
-grep -q "already holds checkpoints of a run (newest: $tmp/scale/step_40)" <<<"$out" || fail "no refusal: $out"
+grep -q "already holds checkpoints of a run (newest: $tmp/scale/step_120)" <<<"$out" || fail "no refusal: $out"
 grep -q "is \[144\] float32 in the checkpoint, \[96\] float32 in the model" <<<"$out" || fail "no mismatch named: $out"
 grep -q "giving up after 1 restart" <<<"$out" || fail "no giving up: $out"
 [ "$before" = "$(cd "$tmp/scale" && find . -type f -exec md5sum {} + | sort)" ] || fail "the checkpoints changed"

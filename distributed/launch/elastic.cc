@@ -20,7 +20,7 @@
 //   r<R>/joined         arrivals in round R (node index = arrival order)
 //   r<R>/node/<i>       node i's "addr nproc agent"
 //   r<R>/closed         the round's node count, once it closed
-//   r<R>/late           agents that came after round R closed (scale up)
+//   r<R>/late[/<agent>] agents that came after round R closed (scale up)
 //   r<R>/master         node 0's "addr port token" for the workers' store
 //   r<R>/failure        the agent whose workers' failure ended round R
 //   r<R>/finished[/<agent>]  a member's workers all succeeded
@@ -324,6 +324,7 @@ class Agent {
       // The round closed without us: wait for the next (its members start
       // one when they see us, if they have room), or for its end.
       store_->add(rkey(R, "late"), 1);
+      store_->set(rkey(R, "late/" + me()), "1");  // the serving agent waits for it to learn the outcome too
       say("rendezvous round " + std::to_string(R) + " is running without this node; waiting for the next");
       while (!round_moved()) {
         check_signal(R);
@@ -542,6 +543,10 @@ class Agent {
       }
       return;
     }
+    // The last round's members, and the agents waiting to join it.
+    std::vector<int64_t> others;
+    for (const Node& m : last_nodes_)
+      if (m.agent != agent_) others.push_back(m.agent);
     std::map<int64_t, std::pair<int64_t, Clock::time_point>> beats;
     for (;;) {
       if (const int sig = take_signal(); sig != 0) {
@@ -549,12 +554,16 @@ class Agent {
         return;
       }
       heartbeat();
+      for (int64_t a = 0, n = get_int("agents"); a < n; ++a)
+        if (a != agent_ && std::find(others.begin(), others.end(), a) == others.end() &&
+            store_->check({rkey(R_, "late/" + std::to_string(a))}))
+          others.push_back(a);
       bool waiting_for_someone = false;
       const auto now = Clock::now();
-      for (const Node& m : last_nodes_) {
-        if (m.agent == agent_ || store_->check({key("exited/" + std::to_string(m.agent))})) continue;
-        const int64_t v = get_int("hb/" + std::to_string(m.agent));
-        auto& b = beats.try_emplace(m.agent, v, now).first->second;
+      for (const int64_t a : others) {
+        if (store_->check({key("exited/" + std::to_string(a))})) continue;
+        const int64_t v = get_int("hb/" + std::to_string(a));
+        auto& b = beats.try_emplace(a, v, now).first->second;
         if (v != b.first) b = {v, now};
         waiting_for_someone = waiting_for_someone || now - b.second < o_.heartbeat_timeout;
       }
