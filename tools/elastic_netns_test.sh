@@ -17,13 +17,8 @@
 set -uo pipefail
 launch=$(realpath "$1") gpt=$(realpath "$2")
 
-if [ "$(id -u)" != 0 ] || ! command -v ip >/dev/null || ! ip netns add "ember_probe_$$" 2>/dev/null; then
-  echo "elastic_netns_test: SKIPPED: network namespaces need root and iproute2 (ip netns); run as root to test"
-  exit 0
-fi
-ip netns del "ember_probe_$$"
-
 source "$(dirname "$0")/netns_pair.sh"
+netns_require_root elastic_netns_test
 work=$(mktemp -d "${TEST_TMPDIR:-/tmp}/ember_elastic_netns.XXXXXX")
 cleanup() {
   netns_pair_cleanup

@@ -14,13 +14,8 @@
 set -uo pipefail
 readme=$1 launch=$(realpath "$2") resnet=$(realpath "$3")
 
-if [ "$(id -u)" != 0 ] || ! command -v ip >/dev/null || ! ip netns add "ember_probe_$$" 2>/dev/null; then
-  echo "multihost_test: SKIPPED: creating network namespaces needs root and iproute2 (ip netns); run as root to test"
-  exit 0
-fi
-ip netns del "ember_probe_$$"
-
 source "$(dirname "$0")/netns_pair.sh"
+netns_require_root multihost_test
 work=$(mktemp -d "${TEST_TMPDIR:-/tmp}/ember_multihost.XXXXXX")
 cleanup() {
   netns_pair_cleanup

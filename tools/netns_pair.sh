@@ -4,6 +4,7 @@
 #   source tools/netns_pair.sh
 #   netns_pair NAME IFACE OCTET   # sets ns0 ns1 if0 if1 addr0 addr1 (10.OCTET.x.1 / .2, /24)
 #   netns_pair_cleanup            # kills whatever runs in them, deletes them
+#   netns_require_root TEST       # skips the test (exit 0) where they cannot be made
 # Needs root and iproute2; returns non-zero if the setup fails.
 
 netns_pair() {
@@ -17,6 +18,16 @@ netns_pair() {
     ip -n "$ns0" addr add "$addr0/24" dev "$if0" && ip -n "$ns1" addr add "$addr1/24" dev "$if1" &&
     ip -n "$ns0" link set "$if0" up && ip -n "$ns1" link set "$if1" up &&
     ip -n "$ns0" link set lo up && ip -n "$ns1" link set lo up
+}
+
+# netns_require_root TEST: exits 0 with a SKIPPED line where namespaces
+# cannot be made (not root, no iproute2).
+netns_require_root() {
+  if [ "$(id -u)" != 0 ] || ! command -v ip >/dev/null || ! ip netns add "ember_probe_$$" 2>/dev/null; then
+    echo "$1: SKIPPED: network namespaces need root and iproute2 (ip netns); run as root to test"
+    exit 0
+  fi
+  ip netns del "ember_probe_$$"
 }
 
 netns_pair_cleanup() {

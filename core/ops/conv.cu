@@ -662,23 +662,20 @@ void log_choice(const CachedPlan& c, const char* pass, const ConvGeom& g, DType 
     return e && std::string(e) == "1";
   }();
   if (!on || !c.fresh) return;
-  if (const GraphPlan* gp = c.plan->graph.get()) {
-    std::fprintf(stderr,
-                 "[ember cudnn] %s x=[%lld,%lld,%lld,%lld] w=[%lld,%lld,%lld,%lld] stride=%lld pad=%lld groups=%lld "
-                 "%s%s: graph engine %lld math %s workspace %lld\n",
-                 pass, (long long)g.n, (long long)g.c, (long long)g.h, (long long)g.w, (long long)g.o,
-                 (long long)(g.c / g.groups), (long long)g.kh, (long long)g.kw, (long long)g.sh, (long long)g.ph,
-                 (long long)g.groups, dtype_name(dt), cl ? " channels-last" : "", (long long)gp->engine,
-                 gp->tensor_core ? "tensor_core" : "no_tensor_core", (long long)gp->ws);
-    return;
-  }
+  char choice[96];
+  if (const GraphPlan* gp = c.plan->graph.get())
+    std::snprintf(choice, sizeof choice, "graph engine %lld math %s workspace %lld", (long long)gp->engine,
+                  gp->tensor_core ? "tensor_core" : "no_tensor_core", (long long)gp->ws);
+  else
+    std::snprintf(choice, sizeof choice, "algo %d math %s workspace %zu", c.plan->algo.algo,
+                  math_name(c.plan->algo.math), c.plan->ws);
   std::fprintf(
       stderr,
       "[ember cudnn] %s x=[%lld,%lld,%lld,%lld] w=[%lld,%lld,%lld,%lld] stride=%lld pad=%lld groups=%lld %s%s: "
-      "algo %d math %s workspace %zu\n",
+      "%s\n",
       pass, (long long)g.n, (long long)g.c, (long long)g.h, (long long)g.w, (long long)g.o, (long long)(g.c / g.groups),
       (long long)g.kh, (long long)g.kw, (long long)g.sh, (long long)g.ph, (long long)g.groups, dtype_name(dt),
-      cl ? " channels-last" : "", c.plan->algo.algo, math_name(c.plan->algo.math), c.plan->ws);
+      cl ? " channels-last" : "", choice);
 }
 
 // One pass on tensors in one layout; false when cuDNN has no algorithm for

@@ -64,37 +64,37 @@ struct AgentExit {
   int status;
 };
 
-// Whether `host` names this machine: loopback, or one of its interfaces'
-// addresses (what the first agent on the endpoint's host must serve).
-bool is_local_host(const std::string& host) {
+// The IPv4 addresses `host` resolves to (none if it does not).
+std::vector<in_addr_t> ipv4_addresses(const std::string& host) {
   addrinfo hints{};
   hints.ai_family = AF_INET;
   addrinfo* res = nullptr;
-  if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return false;
-  std::vector<in_addr_t> want;
-  for (addrinfo* a = res; a; a = a->ai_next)
-    want.push_back(reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr.s_addr);
+  std::vector<in_addr_t> out;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return out;
+  for (addrinfo* a = res; a; a = a->ai_next) out.push_back(reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr.s_addr);
   ::freeaddrinfo(res);
-  for (in_addr_t a : want)
-    if ((ntohl(a) >> 24) == 127) return true;
+  return out;
+}
+bool loopback(in_addr_t a) { return (ntohl(a) >> 24) == 127; }
+
+bool is_loopback(const std::string& host) {
+  const std::vector<in_addr_t> a = ipv4_addresses(host);
+  return !a.empty() && loopback(a.front());
+}
+
+// Whether `host` names this machine: loopback, or one of its interfaces'
+// addresses (what the first agent on the endpoint's host must serve).
+bool is_local_host(const std::string& host) {
+  const std::vector<in_addr_t> want = ipv4_addresses(host);
+  if (std::any_of(want.begin(), want.end(), loopback)) return true;
   ifaddrs* ifs = nullptr;
   if (::getifaddrs(&ifs) != 0) return false;
   bool local = false;
   for (ifaddrs* i = ifs; i && !local; i = i->ifa_next)
     if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET)
-      for (in_addr_t a : want) local = local || reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr == a;
+      local = std::count(want.begin(), want.end(), reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr) > 0;
   ::freeifaddrs(ifs);
   return local;
-}
-
-bool is_loopback(const std::string& host) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  addrinfo* res = nullptr;
-  if (::getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0) return false;
-  const bool lo = (ntohl(reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr.s_addr) >> 24) == 127;
-  ::freeaddrinfo(res);
-  return lo;
 }
 
 std::string join_words(const std::vector<std::string>& v) {
