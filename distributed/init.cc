@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <optional>
+#include <thread>
 
 #include "core/exception.h"
 #include "distributed/comm/backends.h"
@@ -259,6 +260,8 @@ ResolvedEnv resolve_env(const InitOptions& o) {
   resolve_timeout(o.rendezvous_timeout, "InitOptions::rendezvous_timeout", "EMBER_RDZV_TIMEOUT_SEC",
                   std::min(r.timeout, kDefaultRendezvousTimeout), &r.rendezvous_timeout, &r.rendezvous_timeout_from);
   if (auto t = env("EMBER_STORE_TOKEN")) r.store_token = *t;
+  // torchrun's name: the launcher's agent hosts the store, not rank 0.
+  if (auto a = env("TORCHELASTIC_USE_AGENT_STORE")) r.agent_store = *a == "True" || *a == "1";
   if (auto all = env("EMBER_STORE_LISTEN_ALL")) {
     EMBER_CHECK(*all == "0" || *all == "1", "EMBER_STORE_LISTEN_ALL=", *all, " must be 0 or 1");
     r.store_listen_all = *all == "1";
@@ -283,7 +286,28 @@ struct State {
   ProcessGroupOptions pg_options;
   ResolvedEnv env;  // what the default group was made from
   int groups_created = 0;
+  // Every group made here (the default and new_group's), so a survivor of
+  // a lost peer can abort them all (abort_for_recovery).
+  std::vector<std::weak_ptr<ProcessGroup>> made;
+  // Live recovery: the generation the groups belong to, the store
+  // connection kept across generations, and the generation a survivor
+  // waited for (the next init joins it); -1: none pending.
+  int64_t generation = 0;
+  std::shared_ptr<Store> kept_store;
+  int64_t next_generation = -1;
+  bool replacement = false;       // this process joined as a replacement and has not survived a loss since
+  bool replacement_done = false;  // it did once: a later init is a survivor's
+
+  // At exit: the store connection a survivor kept says goodbye, although
+  // the aborted groups (never freed) still hold it.
+  ~State() {
+    default_pg.reset();
+    store.reset();
+    if (kept_store) kept_store->close();
+  }
 };
+
+constexpr const char* kGenerationKey = "live_recovery/generation";
 
 State& state() {
   static State s;
@@ -361,13 +385,23 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
 
   std::shared_ptr<Store> store = options.store;
   std::shared_ptr<ProcessGroup> pg;
+  const bool live = live_recovery_enabled() && !options.store && env.world_size > 1;
+  int64_t generation = 0;
+  bool replacement = false;
+  std::shared_ptr<Store> kept;
   try {
-    if (!store) {
+    if (live && s.kept_store) {
+      // A survivor rejoining: the same connection, the generation it waited for.
+      kept = s.kept_store;
+      generation = s.next_generation;
+      store = std::make_shared<PrefixStore>("generation_" + std::to_string(generation), kept);
+      check_world_size(*store, env);
+    } else if (!store) {
       // Rank 0 hosts the store; check_world_size then has rank 0 wait for
       // every rank, which turns a missing rank into a timeout error here
       // rather than a hang in the first collective.
       store = std::make_shared<TCPStore>(env.master_addr, env.master_port,
-                                         TCPStoreOptions{.is_server = env.rank == 0,
+                                         TCPStoreOptions{.is_server = env.rank == 0 && !env.agent_store,
                                                          .num_workers = env.world_size,
                                                          .wait_for_workers = false,
                                                          .timeout = env.timeout,
@@ -375,6 +409,15 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                                                          .rank = env.rank,
                                                          .token = env.store_token,
                                                          .listen_on_all = env.store_listen_all});
+      if (live) {
+        // A replacement (connected: the store no longer counts its rank
+        // lost) opens the next generation; the survivors wait for it.
+        kept = store;
+        const char* repl = std::getenv("EMBER_LIVE_RECOVERY_REPLACEMENT");
+        replacement = repl && std::string(repl) == "1" && !s.replacement_done;
+        generation = kept->add(kGenerationKey, replacement ? 1 : 0);
+        if (generation > 0) store = std::make_shared<PrefixStore>("generation_" + std::to_string(generation), kept);
+      }
       if (env.world_size > 1) check_world_size(*store, env);
     }
     ProcessGroupOptions pg_options{.timeout = env.timeout, .local_rank = env.local_rank};
@@ -387,6 +430,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     s.pg_options = pg_options;
     s.env = env;
     s.groups_created = 0;
+    s.made = {pg};
+    s.generation = generation;
+    s.kept_store = kept;
+    s.next_generation = -1;
+    s.replacement = replacement;
+    s.replacement_done = s.replacement_done || replacement;
   } catch (const std::exception& e) {
     // Backend engines throw their own exception types; callers get ours,
     // naming the settings that locate rank 0's store when we made it.
@@ -476,6 +525,10 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std
   auto group = make_group(backend, std::make_shared<PrefixStore>("group_" + std::to_string(id), store), group_rank,
                           static_cast<int>(sorted.size()), pg_options);
   group->set_global_ranks(sorted);
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.made.push_back(group);
+  }
   return group;
 }
 
@@ -495,11 +548,105 @@ void destroy_process_group() {
     s.store = nullptr;
     s.backend.clear();
     s.groups_created = 0;
+    s.made.clear();
+    s.kept_store = nullptr;
+    s.generation = 0;
   }
   if (pg) set_log_rank(-1);
   // Released here, outside `mu`: a backend's destructor may join threads.
   pg.reset();
   store.reset();
+}
+
+// ---------------------------------------------------------------------------
+// Live recovery
+
+bool live_recovery_enabled() {
+  const char* v = std::getenv("EMBER_LIVE_RECOVERY");
+  return v && std::string(v) == "1";
+}
+
+bool is_live_replacement() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.default_pg != nullptr && s.replacement;
+}
+
+int64_t recovery_generation() {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  return s.generation;
+}
+
+bool peer_lost(Millis grace) {
+  State& s = state();
+  std::shared_ptr<Store> kept;
+  int64_t from = 0;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    kept = s.kept_store;
+    from = s.generation;
+  }
+  if (!live_recovery_enabled() || !kept) return false;
+  const auto deadline = std::chrono::steady_clock::now() + grace;
+  try {
+    for (;;) {
+      if (!kept->lost_ranks().empty() || kept->add(kGenerationKey, 0) > from) return true;
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  } catch (const Error&) {
+    return false;  // the store itself is gone: nothing to recover with
+  }
+}
+
+int64_t abort_for_recovery(Millis wait) {
+  State& s = state();
+  std::lock_guard<std::mutex> setup(s.setup_mu);
+  std::vector<std::shared_ptr<ProcessGroup>> groups;
+  std::shared_ptr<Store> kept;
+  int64_t from = 0;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    EMBER_CHECK(s.default_pg != nullptr && s.kept_store != nullptr,
+                "abort_for_recovery: no process group of a live-recovery job (EMBER_LIVE_RECOVERY=1, set by "
+                "launch --live-recovery) is initialized");
+    for (auto& w : s.made)
+      if (auto g = w.lock()) groups.push_back(std::move(g));
+    kept = s.kept_store;
+    from = s.generation;
+    s.default_pg = nullptr;
+    s.store = nullptr;
+    s.backend.clear();
+    s.groups_created = 0;
+    s.made.clear();
+    s.replacement = false;
+  }
+  // Closed first, so every peer blocked on this rank fails now and comes
+  // here too (within milliseconds, not at its timeout).
+  for (auto& g : groups) g->abort();
+  groups.clear();
+  // The replacement advances the generation once it is connected (its rank
+  // no longer counted lost, so the rendezvous's blocking calls work again).
+  // Polled with add(0), answered at once even while a rank is lost.
+  const auto deadline = std::chrono::steady_clock::now() + wait;
+  for (;;) {
+    const int64_t g = kept->add(kGenerationKey, 0);
+    if (g > from) {
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.next_generation = g;
+      return g;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.kept_store = nullptr;  // nothing to rejoin: this process ends
+  }
+  throw Error("live recovery: no replacement joined generation " + std::to_string(from + 1) + " within " +
+              std::to_string(wait.count()) + " ms (a whole node lost, or the launcher's restarts used up); the " +
+              "launcher's next rendezvous round resumes from the newest checkpoint");
 }
 
 }  // namespace ember::distributed

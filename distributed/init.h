@@ -60,6 +60,10 @@ struct ResolvedEnv {
   std::string rendezvous_timeout_from;
   std::string store_token;         // EMBER_STORE_TOKEN, empty when unset
   bool store_listen_all = false;   // EMBER_STORE_LISTEN_ALL=1
+  // TORCHELASTIC_USE_AGENT_STORE=True (torchrun's): the launcher's agent
+  // hosts the store at MASTER_ADDR:MASTER_PORT and rank 0 is a client, so
+  // the store outlives any worker (launch --live-recovery).
+  bool agent_store = false;
 };
 ResolvedEnv resolve_env(const InitOptions& options);
 
@@ -80,5 +84,40 @@ ResolvedEnv init_env();
 // such as AsyncCheckpointer's background commit.
 std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& backend = "");
 void destroy_process_group();
+
+// ---- Live recovery (torchft's), under `launch --live-recovery` ----
+//
+// A worker that dies is replaced in place by its agent (same rank; the
+// others keep running) instead of every worker restarting in a new
+// rendezvous round. The survivors' collectives fail (the dead peer's
+// sockets close, or the liveness check names it); each survivor keeps its
+// training state in memory, calls abort_for_recovery() and then
+// init_process_group() again; the replacement's init_process_group joins
+// the same new generation of groups; the state then comes to the
+// replacement from a live replica (distributed/checkpoint/live_recovery.h).
+// Generations: the store's "live_recovery/generation" counter, advanced by
+// each replacement once connected; generation g's groups use keys under
+// "generation_<g>/". The store is the agent's (agent_store), so it outlives
+// any worker.
+//
+// EMBER_LIVE_RECOVERY=1: the launcher recovers in place.
+bool live_recovery_enabled();
+// This process replaced a failed worker and has its state still to receive.
+bool is_live_replacement();
+// The generation of the groups in use (0: the first).
+int64_t recovery_generation();
+// Whether a failure is one live recovery handles: a rank of the job is lost
+// (its process died without its goodbye) or a replacement has already
+// opened the next generation. Asked of the store for up to `grace` (the
+// store hears of a death a moment after the peers' sockets do). False
+// when live recovery is off.
+bool peer_lost(Millis grace);
+// A survivor's step after a failed collective: aborts every group this
+// process made (ProcessGroup::abort: peers blocked on this rank fail at
+// once and come here too), forgets them as destroy_process_group does, and
+// waits up to `wait` for the replacement to open the next generation, which
+// it returns; the next init_process_group joins it. Throws when none comes
+// in time (a whole node lost: the agents start a new round instead).
+int64_t abort_for_recovery(Millis wait);
 
 }  // namespace ember::distributed

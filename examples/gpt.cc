@@ -51,6 +51,7 @@
 #include "core/autocast.h"
 #include "core/ops.h"
 #include "distributed/checkpoint/checkpoint.h"
+#include "distributed/checkpoint/live_recovery.h"
 #include "distributed/checkpoint/sharded.h"
 #include "distributed/config_check.h"
 #include "distributed/init.h"
@@ -68,6 +69,7 @@
 #include "distributed/parallel/tp/loss_parallel.h"
 #include "distributed/parallel/tp/tensor_parallel.h"
 #include "examples/cli.h"
+#include "examples/gpt_corpus.h"
 #include "examples/profiling.h"
 #include "examples/training.h"
 #include "nn/checkpoint.h"
@@ -82,6 +84,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using examples::Clock;
+using examples::Corpus;
+using examples::load_corpus;
+using examples::windows;
 constexpr char kFortunes[] = "/usr/share/games/fortunes";
 
 struct Flags {
@@ -301,94 +306,6 @@ Flags parse_flags(int argc, char** argv) {
   return f;
 }
 
-// ---- the corpus -----------------------------------------------------------
-
-struct Corpus {
-  std::string train, val;            // text
-  std::vector<unsigned char> chars;  // the vocabulary: every byte of the text, sorted
-  std::vector<int> id;               // byte -> token id
-  std::string description;
-  bool synthetic = false;
-};
-
-// The quotes of every fortune file in `dir` (the files without an
-// extension; ".dat" are indexes, ".u8" links), split at lines holding "%".
-std::vector<std::string> read_fortunes(const fs::path& path) {
-  std::vector<fs::path> files;
-  if (fs::is_directory(path)) {
-    for (auto& e : fs::directory_iterator(path))
-      if (e.is_regular_file() && e.path().extension().empty()) files.push_back(e.path());
-  } else {
-    files.push_back(path);
-  }
-  std::sort(files.begin(), files.end());
-  std::vector<std::string> quotes;
-  for (const auto& f : files) {
-    std::ifstream in(f, std::ios::binary);
-    EMBER_CHECK(in, "--data: cannot read ", f.string());
-    std::string line, cur;
-    while (std::getline(in, line)) {
-      if (line == "%") {
-        if (!cur.empty()) quotes.push_back(cur);
-        cur.clear();
-      } else {
-        cur += line + "\n";
-      }
-    }
-    if (!cur.empty()) quotes.push_back(cur);
-  }
-  return quotes;
-}
-
-Corpus load_corpus(const Flags& f) {
-  Corpus c;
-  std::vector<std::string> quotes;
-  if (f.data != "synthetic" && fs::exists(f.data)) {
-    quotes = read_fortunes(f.data);
-    c.description = std::to_string(quotes.size()) + " quotes from " + f.data;
-  }
-  if (quotes.empty()) {
-    if (f.data != "synthetic")
-      LOG0("WARNING: no fortunes at ", f.data,
-           ".\nWARNING: training on SYNTHETIC text instead; the losses are not a "
-           "real corpus'. Install it with `apt-get install fortunes` (tools/setup.sh does) or pass --data.");
-    // Sentences from a small grammar: learnable structure, but not language.
-    std::mt19937 g(1);
-    const char* subj[] = {"the cat", "a dog", "my friend", "the old man", "every child", "no one"};
-    const char* verb[] = {"sees", "likes", "finds", "remembers", "wants", "forgets"};
-    const char* obj[] = {"the moon", "a small house", "the red ball", "his own shadow", "the long road"};
-    for (int q = 0; q < 4000; ++q) {
-      std::string s;
-      for (int k = 0; k < 1 + static_cast<int>(g() % 3); ++k)
-        s += std::string(subj[g() % 6]) + " " + verb[g() % 6] + " " + obj[g() % 5] + ".\n";
-      quotes.push_back(s);
-    }
-    c.synthetic = true;
-    c.description = "synthetic sentences (" + std::to_string(quotes.size()) + ")";
-  }
-  // A fixed split, whatever --seed: every 20th quote is held out.
-  for (size_t i = 0; i < quotes.size(); ++i) (i % 20 == 7 ? c.val : c.train) += quotes[i] + "\n";
-  std::vector<bool> seen(256, false);
-  for (unsigned char ch : c.train + c.val) seen[ch] = true;
-  c.id.assign(256, -1);
-  for (int b = 0; b < 256; ++b)
-    if (seen[b]) c.id[b] = static_cast<int>(c.chars.size()), c.chars.push_back(static_cast<unsigned char>(b));
-  return c;
-}
-
-// Token windows: inputs [n, seq] and targets [n * seq] (the next characters).
-std::pair<Tensor, Tensor> windows(const Corpus& c, const std::string& text, const std::vector<int64_t>& starts,
-                                  int64_t seq) {
-  std::vector<double> x, y;
-  for (int64_t s : starts)
-    for (int64_t t = 0; t < seq; ++t) {
-      x.push_back(c.id[static_cast<unsigned char>(text[s + t])]);
-      y.push_back(c.id[static_cast<unsigned char>(text[s + t + 1])]);
-    }
-  const int64_t n = static_cast<int64_t>(starts.size());
-  return {Tensor::from_vector(x, {n, seq}, DType::Int64), Tensor::from_vector(y, {n * seq}, DType::Int64)};
-}
-
 // ---- training ----------------------------------------------------------------
 
 nn::GPTOptions model_options(const Flags& f, int64_t vocab) {
@@ -587,9 +504,23 @@ void resume(const Flags& flags, const examples::Job& job, Setup& s, bool require
        "), loading on ", job.world, " rank", job.world == 1 ? "" : "s", " (", now, "); ", s.step, " step(s) done");
 }
 
-Setup setup(const Flags& flags, const examples::Job& job) {
+// Live recovery (launch --live-recovery, init.h): the state this rank
+// rebuilt its objects without comes from a replica (the replacement) or
+// from what it kept (a survivor); ranks a step behind catch up.
+void recover(const examples::Job& job, Setup& s, const distributed::LiveState* kept) {
+  const auto r = distributed::recover_live_state(kept, s.model(), *s.opt, s.sched.get(), s.scaler.get(), *job.pg,
+                                                 distributed::replicas_along(*s.mesh, "dp_replicate"));
+  s.step = r.step;
+  if (r.source >= 0)
+    LOG_ALL("live recovery: received ", r.bytes_received, " bytes of training state (step ", r.step, ") from rank ",
+            r.source, ", a live replica, in ", r.seconds, " s");
+  LOG0("live recovery: generation ", distributed::recovery_generation(), ", continuing from step ", r.step,
+       " on the same mesh");
+}
+
+Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true) {
   Setup s;
-  s.corpus = load_corpus(flags);
+  s.corpus = load_corpus(flags.data);
   s.vocab = static_cast<int64_t>(s.corpus.chars.size());
   EMBER_CHECK(static_cast<int64_t>(s.corpus.train.size()) > flags.seq + 1, "the training text is shorter than --seq");
 
@@ -704,7 +635,7 @@ Setup setup(const Flags& flags, const examples::Job& job) {
   }
   // A restart by the launcher (--max-restarts) resumes by itself, from the
   // newest checkpoint if there is one yet.
-  if (flags.resume || examples::restarted()) resume(flags, job, s, /*required=*/flags.resume);
+  if (from_disk && (flags.resume || examples::restarted())) resume(flags, job, s, /*required=*/flags.resume);
   return s;
 }
 
@@ -788,8 +719,26 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   };
   std::ofstream metrics;
   if (!flags.metrics.empty() && job.rank == 0) {
+    // Steps a live recovery continues after without their line (the fault
+    // came between the optimizer step and the line): their batches, with
+    // the loss that went with the failure unknown.
+    int64_t written = 0;
+    if (s.step > 0)
+      for (std::ifstream in(flags.metrics); in;) {
+        std::string line;
+        const auto j = std::getline(in, line) ? nlohmann::json::parse(line, nullptr, false) : nlohmann::json();
+        if (j.is_object() && j.contains("step") && j["step"].is_number_integer())
+          written = std::max(written, j["step"].get<int64_t>());
+      }
     metrics.open(flags.metrics, s.step > 0 ? std::ios::app : std::ios::trunc);
     EMBER_CHECK(metrics, "--metrics: cannot write ", flags.metrics);
+    for (int64_t k = written + 1; s.step > 0 && written > 0 && k <= s.step; ++k)
+      metrics << nlohmann::json{{"step", k},
+                                {"batch_digest", batch_digest(global_starts(k - 1))},
+                                {"loss", nullptr},
+                                {"note", "trained before a failure; its line was lost with it"}}
+                     .dump()
+              << "\n";
   }
   Allocator* alloc = get_allocator(device);
 
@@ -962,32 +911,47 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
 // ---- The run: config (the flags), setup, loop ----
 
 int train(const Flags& flags) {
-  const examples::Job job = examples::start_job(flags.timeout_sec);
-  distributed::check_same_config(*job.pg, {{"--strategy", flags.strategy},
-                                           {"--shard-size", std::to_string(flags.shard_size)},
-                                           {"--dp-replicate", std::to_string(flags.dp_replicate)},
-                                           {"--dp-shard", std::to_string(flags.dp_shard)},
-                                           {"--tp", std::to_string(flags.tp)},
-                                           {"--pp", std::to_string(flags.pp)},
-                                           {"--pp-schedule", flags.pp_schedule},
-                                           {"--pp-virtual", std::to_string(flags.pp_virtual)},
-                                           {"--pp-split", flags.pp_split},
-                                           {"--microbatches", std::to_string(flags.microbatches)},
-                                           {"--sp", flags.sp},
-                                           {"--global-batch", std::to_string(flags.global_batch)},
-                                           {"--amp", flags.amp},
-                                           {"--layers", std::to_string(flags.layers)},
-                                           {"--dim", std::to_string(flags.dim)},
-                                           {"--heads", std::to_string(flags.heads)},
-                                           {"--seq", std::to_string(flags.seq)},
-                                           {"--batch-size", std::to_string(flags.batch_size)},
-                                           {"--accum-steps", std::to_string(flags.accum_steps)},
-                                           {"--lr", std::to_string(flags.lr)},
-                                           {"--max-steps", std::to_string(flags.max_steps)},
-                                           {"--seed", std::to_string(flags.seed)},
-                                           {"--resume", flags.resume ? "on" : "off"}});
-  Setup s = setup(flags, job);
-  return loop(flags, job, s);
+  // Live recovery: a survivor of a lost rank keeps its state, rebuilds its
+  // groups and objects here, and goes on (the replacement starts here).
+  distributed::LiveState kept;
+  for (;;) {
+    const examples::Job job = examples::start_job(flags.timeout_sec);
+    distributed::check_same_config(*job.pg, {{"--strategy", flags.strategy},
+                                             {"--shard-size", std::to_string(flags.shard_size)},
+                                             {"--dp-replicate", std::to_string(flags.dp_replicate)},
+                                             {"--dp-shard", std::to_string(flags.dp_shard)},
+                                             {"--tp", std::to_string(flags.tp)},
+                                             {"--pp", std::to_string(flags.pp)},
+                                             {"--pp-schedule", flags.pp_schedule},
+                                             {"--pp-virtual", std::to_string(flags.pp_virtual)},
+                                             {"--pp-split", flags.pp_split},
+                                             {"--microbatches", std::to_string(flags.microbatches)},
+                                             {"--sp", flags.sp},
+                                             {"--global-batch", std::to_string(flags.global_batch)},
+                                             {"--amp", flags.amp},
+                                             {"--layers", std::to_string(flags.layers)},
+                                             {"--dim", std::to_string(flags.dim)},
+                                             {"--heads", std::to_string(flags.heads)},
+                                             {"--seq", std::to_string(flags.seq)},
+                                             {"--batch-size", std::to_string(flags.batch_size)},
+                                             {"--accum-steps", std::to_string(flags.accum_steps)},
+                                             {"--lr", std::to_string(flags.lr)},
+                                             {"--max-steps", std::to_string(flags.max_steps)},
+                                             {"--seed", std::to_string(flags.seed)},
+                                             {"--resume", flags.resume ? "on" : "off"}});
+    const bool live = distributed::is_live_replacement() || !kept.empty();
+    Setup s = setup(flags, job, /*from_disk=*/!live);
+    if (live) recover(job, s, kept.empty() ? nullptr : &kept);
+    kept = {};
+    try {
+      return loop(flags, job, s);
+    } catch (const Error& e) {
+      if (!distributed::peer_lost(std::chrono::seconds(2))) throw;
+      LOG_ALL("live recovery: ", e.what(), "; keeping step ", s.step, "'s state, waiting for a replacement");
+      kept = distributed::capture_live_state(s.model(), *s.opt, s.sched.get(), s.scaler.get(), s.step);
+      distributed::abort_for_recovery(distributed::init_env().timeout);
+    }
+  }
 }
 
 }  // namespace

@@ -90,11 +90,13 @@ inline void save_step_checkpoint(const std::string& dir, nn::Module& model, opti
   EMBER_CHECK(s.ok(), "saving checkpoint ", dir, ": ", s.message());
 }
 
-// Whether the launcher started this worker again (--max-restarts, or an
-// elastic agent's rendezvous round after the first): it resumes by itself.
+// Whether the launcher started this worker again (--max-restarts, an
+// elastic agent's rendezvous round after the first, or a live recovery's
+// replacement): it resumes by itself.
 inline bool restarted() {
   const char* r = std::getenv("EMBER_RESTART_COUNT");
-  return r && std::atoi(r) > 0;
+  const char* live = std::getenv("EMBER_LIVE_RECOVERY_REPLACEMENT");
+  return (r && std::atoi(r) > 0) || (live && std::string(live) == "1");
 }
 
 // A fresh run (not --resume, not --overwrite, not a launcher's restart)

@@ -30,7 +30,8 @@ const char* kUsage =
     "              [--master_port=PORT] [--grace_ms=MS] [--max_restarts=K] [--no-prefix] [--]\n"
     "              PROGRAM [ARGS...]\n"
     "       launch --nnodes=MIN:MAX --rdzv_endpoint=HOST:PORT --rdzv_id=JOB [--nproc_per_node=N]\n"
-    "              [--max_restarts=K] [--rdzv_conf=KEY=S,...] [--local_addr=HOST] [--] PROGRAM [ARGS...]\n"
+    "              [--max_restarts=K] [--rdzv_conf=KEY=S,...] [--local_addr=HOST] [--live-recovery]\n"
+    "              [--] PROGRAM [ARGS...]\n"
     "\n"
     "Runs PROGRAM as N worker processes with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,\n"
     "GROUP_RANK, MASTER_ADDR and MASTER_PORT set (as torchrun does).\n"
@@ -54,6 +55,9 @@ const char* kUsage =
     "                      heartbeat_timeout (30), in seconds\n"
     "  --local_addr=HOST   how other hosts reach this one (default: this host's name)\n"
     "  --max_restarts=K    worker failures the job survives, over all nodes (default 0)\n"
+    "  --live-recovery     replace a failed worker in place (same rank) while the others keep\n"
+    "                      running; it takes the training state from a live replica\n"
+    "                      (EMBER_LIVE_RECOVERY=1 for the workers; a lost node still starts a round)\n"
     "Flags may be spelled with - or _ (--max-restarts, --nproc-per-node).\n"
     "\n"
     "Exit status: 0 when every worker succeeds, else the first failing worker's exit code\n"
@@ -113,7 +117,7 @@ void parse_rdzv_conf(const std::string& value, ember::distributed::ElasticOption
 
 Parsed parse(int argc, char** argv) {
   Parsed p;
-  bool node_rank_given = false, elastic_range = false, rdzv_given = false, master_given = false;
+  bool node_rank_given = false, elastic_range = false, rdzv_given = false, master_given = false, live_given = false;
   int i = 1;
   for (; i < argc; ++i) {
     std::string arg = argv[i];
@@ -138,6 +142,12 @@ Parsed parse(int argc, char** argv) {
     if (name == "no_prefix") {
       if (has_value) throw UsageError{"--no-prefix takes no value"};
       p.options.prefix_output = false;
+      continue;
+    }
+    if (name == "live_recovery") {
+      if (has_value) throw UsageError{"--live-recovery takes no value"};
+      p.elastic.live_recovery = true;
+      live_given = true;
       continue;
     }
     const bool known = name == "nproc_per_node" || name == "nnodes" || name == "node_rank" || name == "master_addr" ||
@@ -198,6 +208,8 @@ Parsed parse(int argc, char** argv) {
   if (p.program.empty()) throw UsageError{"no program given"};
   if (elastic_range && !p.is_elastic)
     throw UsageError{"--nnodes MIN:MAX needs --rdzv_endpoint HOST:PORT (where the agents meet)"};
+  if (!p.is_elastic && live_given)
+    throw UsageError{"--live-recovery needs elastic agents: add --rdzv_endpoint HOST:PORT --rdzv_id JOB"};
   if (!p.is_elastic && rdzv_given)
     throw UsageError{"--rdzv_id, --rdzv_conf, --rdzv_backend and --local_addr need --rdzv_endpoint HOST:PORT"};
   if (p.is_elastic) {

@@ -146,6 +146,14 @@ class ProcessGroup {
   // stream of its own (ncclCommSplit) and their transfers use them.
   void connect_p2p(const std::vector<std::pair<int, int>>& edges);
 
+  // Breaks the group on purpose (torch's ProcessGroup.abort): its
+  // connections close, so a peer blocked on this rank fails at once instead
+  // of at its timeout, and every operation here, queued or later, fails.
+  // What a survivor does before it rebuilds its groups after a peer died
+  // (live recovery, init.h). Gloo closes its sockets; NCCL aborts its
+  // communicators (ncclCommAbort). The group cannot be used again.
+  virtual void abort() {}
+
   // What this group has been asked to move since it was made or last
   // reset, per operation ("allreduce", "allgather", "reduce_scatter",
   // "all_to_all", "broadcast", "reduce", "send", "recv"): calls, and the

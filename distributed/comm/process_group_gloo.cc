@@ -262,9 +262,19 @@ class GlooGroup : public ProcessGroup {
     if (context_) liveness_ = std::thread([this] { liveness_loop(); });
   }
 
+  // Connections closed: a peer blocked on us fails now (its socket reports
+  // the close); ours fail too, and the threads are left to end by
+  // themselves (an operation blocked in Gloo may still wait out its
+  // deadline), as for a group abandoned on a dead peer.
+  void abort() override {
+    mark_broken(std::make_exception_ptr(Error("the group was aborted (ProcessGroup::abort)")));
+    aborted_.store(true);
+    if (context_) context_->closeConnections();
+  }
+
   // The deleter make_gloo_group gives its shared_ptr (see "Dead peers").
   static void destroy(GlooGroup* g) {
-    if (g->abandoned_.load() && g->running_since_.load() != 0) {
+    if (g->aborted_.load() || (g->abandoned_.load() && g->running_since_.load() != 0)) {
       g->abandon();
       return;
     }
@@ -786,6 +796,7 @@ class GlooGroup : public ProcessGroup {
   std::string group_label_;  // names the group in profiler events
   std::shared_ptr<gloo::transport::Device> device_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
+  std::atomic<bool> aborted_{false};  // abort(): never joined, see destroy
 
   std::mutex mu_;  // queue_, stop_, sequence counters
   std::condition_variable cv_;

@@ -562,6 +562,13 @@ class NcclGroup : public ProcessGroup {
     if (broken_.empty()) broken_ = msg;
   }
 
+  // The watchdog aborts the communicators as for an asynchronous error.
+  void abort() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (abort_requested_.empty()) abort_requested_ = "the group was aborted (ProcessGroup::abort)";
+    if (broken_.empty()) broken_ = abort_requested_;
+  }
+
   void watchdog_loop() {
     cudaSetDevice(device_);
     for (;;) {
@@ -594,6 +601,7 @@ class NcclGroup : public ProcessGroup {
           }
         }
       }
+      if (!aborted_ && failure.empty() && !abort_requested_.empty()) failure = abort_requested_;
       if (!failure.empty()) {
         // Fail the waiters first: ncclCommAbort can take a while (it waits
         // for what it kills), and nobody should wait longer than the timeout.
@@ -620,6 +628,7 @@ class NcclGroup : public ProcessGroup {
   ProcessGroupOptions options_;
   int device_ = 0;
   ncclComm_t comm_ = nullptr;
+  std::string abort_requested_;                // abort() was called (under mu_)
   std::shared_ptr<const Stream> comm_stream_;  // owns stream_
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<Event> ready_event_;

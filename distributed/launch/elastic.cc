@@ -31,6 +31,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -378,10 +379,20 @@ class Agent {
     say("rendezvous round " + std::to_string(R) + ": world size " + std::to_string(world) + " (" +
         std::to_string(nodes.size()) + " node" + (nodes.size() == 1 ? "" : "s") + ": " + names + "; this is node " +
         std::to_string(my_index_) + ")");
-    // Node 0 hosts the workers' store of this round on a fresh port.
+    // Node 0 hosts the workers' store of this round on a fresh port: its
+    // worker of rank 0 does, or, with live recovery, the agent itself.
+    std::unique_ptr<TCPStore> worker_store;
     if (my_index_ == 0) {
       const std::string tok = token_.empty() ? random_token() : token_;
-      store_->set(rkey(R, "master"), addr_ + " " + std::to_string(find_free_port()) + " " + tok);
+      int port = 0;
+      if (o_.live_recovery) {
+        worker_store = std::make_unique<TCPStore>(
+            addr_, 0, TCPStoreOptions{.is_server = true, .wait_for_workers = false, .token = tok});
+        port = worker_store->port();
+      } else {
+        port = find_free_port();
+      }
+      store_->set(rkey(R, "master"), addr_ + " " + std::to_string(port) + " " + tok);
     }
     std::string maddr, mport, mtoken;
     try {
@@ -415,6 +426,10 @@ class Agent {
           {"TORCHELASTIC_RUN_ID", o_.rdzv_id},
       };
       if (set_omp) set.emplace_back("OMP_NUM_THREADS", "1");
+      if (o_.live_recovery) {
+        set.emplace_back("EMBER_LIVE_RECOVERY", "1");
+        set.emplace_back("TORCHELASTIC_USE_AGENT_STORE", "True");
+      }
       specs[local] = {first_rank + local, local, worker_env(set)};
     }
 
@@ -472,7 +487,34 @@ class Agent {
       }
     });
     const std::function<bool()> stop = [&] { return verdict.load(); };
-    const WorkersResult r = run_workers(path_, argv_, std::move(specs), o_.prefix_output, o_.grace, stop);
+    // Live recovery: a worker killed by a signal (a lost process: the OOM
+    // killer, a fault, a crash) is replaced in place while restarts remain
+    // (each counts); the others are not stopped. Its environment says it is
+    // a replacement, so it takes its state from a replica. A worker that
+    // exits with an error it reported (a bug, bad data, a recovery that
+    // could not be made), or aborts (SIGABRT: an uncaught error, a failed
+    // assertion), ends the round as without live recovery.
+    ReplaceWorker replace;
+    if (o_.live_recovery)
+      replace = [&](const WorkerSpec& failed, const std::string& failure, int status) -> std::vector<std::string> {
+        // The round is ending anyway, or the worker gave up by itself.
+        if (verdict.load() || !WIFSIGNALED(status) || WTERMSIG(status) == SIGABRT) return {};
+        int64_t used = 0;
+        try {
+          if (get_int("failures") >= o_.max_restarts) return {};
+          used = store_->add(key("failures"), 1);
+        } catch (const Error&) {
+          return {};
+        }
+        say(failure + "; replacing it in place (live recovery; restart " + std::to_string(used) + " of " +
+            std::to_string(o_.max_restarts) + ")");
+        std::vector<std::string> env;
+        for (const std::string& kv : failed.env)
+          if (kv.rfind("EMBER_LIVE_RECOVERY_REPLACEMENT=", 0) != 0) env.push_back(kv);
+        env.push_back("EMBER_LIVE_RECOVERY_REPLACEMENT=1");
+        return env;
+      };
+    const WorkersResult r = run_workers(path_, argv_, std::move(specs), o_.prefix_output, o_.grace, stop, replace);
     workers_done.store(true);
     monitor.join();  // before the store is used here again: one thread at a time
     if (store_lost_) {

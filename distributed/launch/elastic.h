@@ -51,6 +51,15 @@ struct ElasticOptions {
   std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(30);
   bool prefix_output = true;
   std::chrono::milliseconds grace = std::chrono::seconds(5);
+  // --live-recovery: a worker that fails is replaced in place, with the
+  // same rank, while every other worker keeps running (torchft's recovery);
+  // the workers rebuild their groups and the replacement takes the training
+  // state from a live replica (init.h, "Live recovery"). Node 0's agent
+  // hosts the workers' store (torchrun's agent store), so losing any worker,
+  // rank 0's included, leaves it. Each replacement counts against
+  // max_restarts. A lost node, or workers that cannot recover in place,
+  // still end the round: a new one resumes from the newest checkpoint.
+  bool live_recovery = false;
 };
 
 // Runs this host's agent until the job ends. Returns 0 when this node's

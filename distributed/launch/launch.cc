@@ -333,7 +333,8 @@ int take_signal() {
 }
 
 WorkersResult run_workers(const std::string& path, const std::vector<std::string>& argv, std::vector<WorkerSpec> specs,
-                          bool prefix, std::chrono::milliseconds grace, const std::function<bool()>& stop) {
+                          bool prefix, std::chrono::milliseconds grace, const std::function<bool()>& stop,
+                          const ReplaceWorker& replace) {
   WorkersResult res;
   const pid_t self = ::getpid();
   const char* pause_env = std::getenv("EMBER_LAUNCH_TEST_FORK_PAUSE_MS");
@@ -363,10 +364,12 @@ WorkersResult run_workers(const std::string& path, const std::vector<std::string
     }
   };
 
-  for (int local = 0; local < nproc; ++local) {
+  // Starts (or, for live recovery, starts again) the worker of `local`.
+  auto start = [&](int local) {
     Worker& w = workers[local];
     w.local_rank = specs[local].local_rank;
     w.rank = specs[local].rank;
+    w.status = 0;
     int out[2] = {-1, -1}, err[2] = {-1, -1};
     if (prefix) {
       try {
@@ -403,7 +406,8 @@ WorkersResult run_workers(const std::string& path, const std::vector<std::string
     std::string prefix = "[rank " + std::to_string(w.rank) + "]: ";
     w.out = OutStream{out[0], STDOUT_FILENO, prefix, {}};
     w.err = OutStream{err[0], STDERR_FILENO, prefix, {}};
-  }
+  };
+  for (int local = 0; local < nproc; ++local) start(local);
 
   int result = 0;
   bool failed = false;       // the first failure (or signal) decided `result`
@@ -448,7 +452,8 @@ WorkersResult run_workers(const std::string& path, const std::vector<std::string
 
     // Reap whoever has exited (only our own pids: the host process may have
     // other children that are none of our business).
-    for (auto& w : workers) {
+    for (int local = 0; local < nproc; ++local) {
+      Worker& w = workers[local];
       if (!w.running) continue;
       int status = 0;
       pid_t r = ::waitpid(w.pid, &status, WNOHANG);
@@ -466,10 +471,23 @@ WorkersResult run_workers(const std::string& path, const std::vector<std::string
         // Its last words first, then ours.
         if (w.out.fd >= 0) w.out.pump();
         if (w.err.fd >= 0) w.err.pump();
+        const std::string failure = "rank " + std::to_string(w.rank) + " (local rank " + std::to_string(w.local_rank) +
+                                    ", pid " + std::to_string(w.pid) + ") " + describe_status(w.status);
+        // Live recovery: the caller may start a replacement in its place
+        // while the others go on.
+        std::vector<std::string> again =
+            replace ? replace(specs[local], failure, w.status) : std::vector<std::string>{};
+        if (!again.empty()) {
+          w.out.finish();
+          w.err.finish();
+          specs[local].env = std::move(again);
+          c_envs[local] = c_strings(specs[local].env);
+          start(local);
+          continue;
+        }
         failed = true;
         result = exit_code(w.status);
-        res.failure = "rank " + std::to_string(w.rank) + " (local rank " + std::to_string(w.local_rank) + ", pid " +
-                      std::to_string(w.pid) + ") " + describe_status(w.status);
+        res.failure = failure;
         say(res.failure + (running > 0 ? "; stopping the other workers" : ""));
         if (running > 0) start_termination(SIGTERM);
       }

@@ -51,9 +51,16 @@ struct WorkersResult {
 // runs until all have exited: output prefixed by rank when `prefix`, the
 // first failure or a signal stops the rest (SIGTERM, SIGKILL `grace` later).
 // `stop`, when set, is called about every 20 ms; true stops every worker the
-// same way. Needs a SignalScope alive.
+// same way. `replace`, when set, is asked first about each failing worker
+// (its spec, "rank R (local rank L, pid P) exited with code C", its wait
+// status): a non-empty environment starts a replacement with it in the same
+// place and the others go on (live recovery); empty: the failure stops the
+// rest. Needs a SignalScope alive.
+using ReplaceWorker =
+    std::function<std::vector<std::string>(const WorkerSpec& failed, const std::string& failure, int wait_status)>;
 WorkersResult run_workers(const std::string& path, const std::vector<std::string>& argv, std::vector<WorkerSpec> specs,
-                          bool prefix, std::chrono::milliseconds grace, const std::function<bool()>& stop);
+                          bool prefix, std::chrono::milliseconds grace, const std::function<bool()>& stop,
+                          const ReplaceWorker& replace = nullptr);
 
 void say(const std::string& msg);  // "launch: msg" on stderr
 std::string resolve_program(const std::string& prog);

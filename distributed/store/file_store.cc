@@ -201,7 +201,7 @@ FileStore::~FileStore() {
       // A destructor cannot report; the file merely stays behind.
     }
   }
-  close(impl_->fd);
+  ::close(impl_->fd);
 }
 
 void FileStore::set(const std::string& key, const Bytes& value) {

@@ -79,6 +79,11 @@ class Store {
   // stores that cannot tell (FileStore: a dead rank is found by timeout).
   // Throws when the store itself cannot be reached.
   virtual std::vector<LostRank> lost_ranks() { return {}; }
+  // Leaves for good (a TCPStore client says goodbye, so its rank is not
+  // reported lost, and never reconnects), even while other owners still
+  // hold this store (live recovery's aborted groups, left to their
+  // threads). Later calls throw. A no-op for stores without connections.
+  virtual void close() {}
 
   Millis timeout() const { return timeout_; }
   void set_timeout(Millis t) { timeout_ = t; }
@@ -134,6 +139,7 @@ class TCPStore : public Store {
   bool delete_key(const std::string& key) override;
   int64_t num_keys() override;
   std::vector<LostRank> lost_ranks() override;
+  void close() override;
   int port() const;
   const std::string& host() const;
 

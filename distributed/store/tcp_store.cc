@@ -58,6 +58,7 @@ struct TCPStore::Impl {
   std::unique_ptr<wire::Server> server;
   std::mutex mu;  // one request in flight per socket
   int fd = -1;
+  bool closed = false;  // close(): no reconnection
 
   ~Impl() {
     // Leaving on purpose: the server must not report this rank as lost.
@@ -80,7 +81,7 @@ struct TCPStore::Impl {
   }
 
   void disconnect() {
-    if (fd >= 0) close(fd);
+    if (fd >= 0) ::close(fd);
     fd = -1;
   }
 
@@ -169,7 +170,7 @@ struct TCPStore::Impl {
         }
       } else {
         *error = errno_text(errno);
-        close(s);
+        ::close(s);
       }
     }
     freeaddrinfo(res);
@@ -298,6 +299,7 @@ struct TCPStore::Impl {
   std::string roundtrip(Writer& request, Millis reply_within, const std::string& what) {
     EMBER_CHECK(request.size() <= kMaxFrame, "TCPStore ", address(), ": ", what, ": request of ", request.size(),
                 " bytes exceeds the store's limit of ", kMaxFrame, " bytes");
+    if (closed) throw Error("TCPStore " + address() + ": " + what + ": the store was closed (TCPStore::close)");
     if (fd < 0) connect_to_server(options.timeout);
     std::string frame = request.finish();
     auto deadline = deadline_after(reply_within);
@@ -434,6 +436,21 @@ TCPStore::TCPStore(std::string host, int port, TCPStoreOptions options)
 }
 
 TCPStore::~TCPStore() = default;
+
+void TCPStore::close() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  if (impl_->fd >= 0 && impl_->options.rank >= 0) {
+    try {
+      Writer w;
+      w.u8(uint8_t(Cmd::Bye));
+      impl_->roundtrip(w, Millis{2000}, "goodbye");
+    } catch (const std::exception&) {
+      // The server is gone already: nobody is left to tell.
+    }
+  }
+  impl_->disconnect();
+  impl_->closed = true;
+}
 
 int TCPStore::port() const { return impl_->port; }
 const std::string& TCPStore::host() const { return impl_->host; }
