@@ -170,10 +170,11 @@ echo "elastic resnet_ddp: a worker killed after epoch 1's checkpoint, round 1 re
 # ---- 3. bad cases ----
 for bad in "--nnodes 3:2 --rdzv-endpoint 127.0.0.1:1" "--nnodes 1:2" "--nnodes 2 --node_rank 0 --rdzv-endpoint 127.0.0.1:1" \
            "--nnodes 1:2 --rdzv-endpoint 127.0.0.1:1 --rdzv-conf bogus=1" "--nnodes 1:2 --rdzv-endpoint nowhere" \
-           "--rdzv-id x" "--nnodes 1:2 --rdzv-endpoint 127.0.0.1:1 --master_port 5"; do
+           "--rdzv-id x" "--nnodes 1:2 --rdzv-endpoint 127.0.0.1:1 --master_port 5" "--live-recovery" \
+           "--nnodes 1:2 --rdzv-endpoint 127.0.0.1:1 --live-recovery=1"; do
   # shellcheck disable=SC2086
   out=$("$launch" $bad -- "$worker" print 2>&1) && fail "launch $bad was accepted"
-  grep -q "^launch: .*\(MAX is less than MIN\|need[s]* --rdzv_endpoint\|do[es]* not go with --rdzv_endpoint\|unknown key 'bogus'\|expected HOST:PORT\)" \
+  grep -q "^launch: .*\(MAX is less than MIN\|need[s]* --rdzv_endpoint\|do[es]* not go with --rdzv_endpoint\|unknown key 'bogus'\|expected HOST:PORT\|takes no value\)" \
     <<<"$out" || fail "launch $bad: $out"
 done
 out=$("$launch" --nnodes 2:2 --nproc-per-node 1 --rdzv-endpoint 127.0.0.1:"$(port)" --rdzv-id lonely \

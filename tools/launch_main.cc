@@ -55,7 +55,7 @@ const char* kUsage =
     "                      heartbeat_timeout (30), in seconds\n"
     "  --local_addr=HOST   how other hosts reach this one (default: this host's name)\n"
     "  --max_restarts=K    worker failures the job survives, over all nodes (default 0)\n"
-    "  --live-recovery     replace a failed worker in place (same rank) while the others keep\n"
+    "  --live-recovery     replace a worker killed by a signal in place (same rank) while the others keep\n"
     "                      running; it takes the training state from a live replica\n"
     "                      (EMBER_LIVE_RECOVERY=1 for the workers; a lost node still starts a round)\n"
     "Flags may be spelled with - or _ (--max-restarts, --nproc-per-node).\n"

@@ -9,7 +9,10 @@
 #     The run ends as the uninterrupted one, bitwise: every step's global
 #     batch and loss, and the validation loss; no step is redone. The time
 #     from each kill to training again is reported.
-#  2. A mesh with no replica (dp_shard=4): the replacement cannot get its
+#  2. A whole agent (a host) killed: its workers cannot be replaced in
+#     place; the survivors wait for a replacement until their agent, seeing
+#     the lost heartbeat, starts a round at 2 ranks from the checkpoint.
+#  3. A mesh with no replica (tp=2 x dp_shard=2): the replacement cannot get its
 #     state from anyone; every rank says so, the agents start a new round
 #     and it resumes from the newest checkpoint on disk (the time reported
 #     beside case 1's).
@@ -116,7 +119,36 @@ print("live recovery 1: " + "; ".join(out) + f"; all {len(recs)} steps once, los
 PY
   fail "live recovery metrics"
 
-# ---- 2. no replica: the replacement cannot recover live; a round resumes from disk ----
+# ---- 2. a whole agent killed: no replacement in place, a round at 2 ranks ----
+pids=()
+p3=$(port)
+agent a3 "$p3" host
+sleep 0.3
+agent b3 "$p3" host
+wait_lines "$tmp/host.jsonl" 25
+b3=$(pgrep -f -- "--rdzv-id host " | while read -r p; do [ "$(ps -o comm= -p "$p")" = launch ] &&
+       [ "$(ps -o ppid= -p "$p" | tr -d ' ')" = "${pids[1]}" -o "$p" = "${pids[1]}" ] && echo "$p"; done | head -1)
+[ -n "$b3" ] || fail "no launcher of agent b3"
+kill -9 "$b3"
+t_host=$(python3 -c 'import time; print("%.3f" % time.time())')
+wait "${pids[0]}" || true
+grep -q "rc=0" "$tmp/a3.log" || fail "agent a3 did not finish alone"
+grep -q "rendezvous round 1: world size 2" "$tmp/a3.log" || fail "no round at 2 ranks after the host was lost"
+python3 - "$tmp/ref.jsonl" "$tmp/host.jsonl" "$tmp/a3.log" "$t_host" <<'PY' || fail "host-loss metrics"
+import json, re, sys
+ref = {r["step"]: r for r in map(json.loads, open(sys.argv[1]))}
+recs = [json.loads(l) for l in open(sys.argv[2])]
+assert sorted({r["step"] for r in recs}) == sorted(ref)
+for r in recs:
+    assert r["batch_digest"] == ref[r["step"]]["batch_digest"], r
+t_kill = float(sys.argv[4])
+again = min(r["time"] for r in recs if "time" in r and r["time"] > t_kill)
+print(f"live recovery 2 (a host lost): a round at 2 ranks from the checkpoint, training again "
+      f"{again - t_kill:.2f} s after the kill (the heartbeat timeout is 5 s)")
+assert again - t_kill <= 15 + 5, again - t_kill
+PY
+
+# ---- 3. no replica: the replacement cannot recover live; a round resumes from disk ----
 pids=()
 args=("${args[@]/--dp-replicate/--tp}")  # --tp 2 --dp-shard -1: tensor parallel pairs, no replica
 p2=$(port)
@@ -141,7 +173,7 @@ resumed = re.findall(r"^([0-9.]+) \[rank 0\]: resumed from \S+/step_(\d+)", open
 assert resumed, "no resume from disk"
 t_res, at = float(resumed[0][0]), int(resumed[0][1])
 again = min(r["time"] for r in recs if r["time"] > t_res)
-print(f"live recovery 2 (no replica): the replacement named it, round 1 resumed from step {at} on disk; "
+print(f"live recovery 3 (no replica): the replacement named it, round 1 resumed from step {at} on disk; "
       f"training again {again - t_kill:.2f} s after the kill, {len(recs) - len(ref)} step(s) redone")
 assert again - t_kill <= 15, again - t_kill
 PY

@@ -485,6 +485,33 @@ EMBER_WORKER(peer_dies) {
   pg.reset();
 }
 
+// The last rank aborts its group instead of joining the allreduce (live
+// recovery's first step): the others fail at once, long before their
+// timeout, though it is alive; its own later operations fail naming the
+// abort.
+EMBER_WORKER(peer_aborts) {
+  auto pg = group(env, std::chrono::seconds(60), /*check_signatures=*/false);
+  const int r = pg->rank(), victim = pg->size() - 1;
+  Tensor warm = full({10}, 1.0);
+  pg->allreduce(warm)->wait();
+  if (r == victim) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    pg->abort();
+    std::string after = error_of([&] { pg->barrier()->wait(); });
+    WCHECK(has(after, "aborted"), "an aborted group's operations fail naming the abort: ", after);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // alive while the others fail
+    pg.reset();
+    return;
+  }
+  Tensor x = full({1000}, 1.0);
+  auto start = Clock::now();
+  std::string msg = error_of([&] { pg->allreduce(x)->wait(); });
+  auto took = std::chrono::duration_cast<Millis>(Clock::now() - start);
+  WCHECK(has(msg, "allreduce (collective #1"), "allreduce with an aborted peer must fail naming it: ", msg);
+  WCHECK(took < Millis{5000}, "failed after ", took.count(), " ms: not at once (the timeout is 60 s)");
+  pg.reset();
+}
+
 // The victim never calls the collective (it sleeps past the timeout).
 EMBER_WORKER(peer_hangs) {
   const bool check = env.arg == "check";
@@ -592,6 +619,11 @@ TEST(GlooProcessGroup, PeerDyingMidAllreduceFailsTheOthers) {
       expect_survivors_pass(mp::run_workers("peer_dies", ws, failure_run(arg)), 42);
     }
   }
+}
+
+TEST(GlooProcessGroup, AbortedPeerFailsTheOthersAtOnce) {
+  auto res = mp::run_workers("peer_aborts", 3, {.deadline = std::chrono::seconds(30)});
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
 }
 
 TEST(GlooProcessGroup, MissingPeerTimesOut) {

@@ -670,6 +670,47 @@ TEST(TCPStore, ARankThatLeavesCleanlyIsNotLost) {
   EXPECT_TRUE(server.lost_ranks().empty());
 }
 
+// close(): the goodbye without the destructor (live recovery's survivors
+// leave their aborted groups holding the store), and no reconnection.
+TEST(TCPStore, ClosedIsAGoodbyeAndStaysClosed) {
+  TCPStore server("127.0.0.1", 0, server_opts(60s));
+  std::fflush(stdout);
+  std::fflush(stderr);
+  pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    TCPStoreOptions o = client_opts();
+    o.rank = 3;
+    auto* held = new std::shared_ptr<TCPStore>(std::make_shared<TCPStore>("127.0.0.1", server.port(), o));
+    (*held)->set("arrived/3", std::string("1"));
+    (*held)->close();  // never destroyed: `held` leaks, as an aborted group would
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_TRUE(server.lost_ranks().empty());
+  TCPStoreOptions o = client_opts();
+  o.rank = 4;
+  TCPStore c("127.0.0.1", server.port(), o);
+  c.close();
+  EXPECT_THAT(error_of([&] { c.set("k", std::string("v")); }), HasSubstr("the store was closed"));
+  EXPECT_TRUE(server.lost_ranks().empty());
+}
+
+// A replacement connecting with a lost rank (live recovery) clears it: waits
+// block normally again instead of failing at once.
+TEST(TCPStore, ARankThatComesBackIsNoLongerLost) {
+  TCPStore server("127.0.0.1", 0, server_opts(60s));
+  client_exits(server.port(), 2, /*goodbye=*/false);
+  ASSERT_EQ(server.lost_ranks().size(), 1u);
+  TCPStoreOptions o = client_opts();
+  o.rank = 2;
+  TCPStore replacement("127.0.0.1", server.port(), o);
+  replacement.set("back", std::string("1"));
+  EXPECT_TRUE(server.lost_ranks().empty());
+  EXPECT_THAT(error_of([&] { server.wait({"never_set"}, 300ms); }), HasSubstr("timed out after 300 ms"));
+}
+
 // ---------------------------------------------------------------------------
 // FileStore
 
