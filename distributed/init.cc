@@ -578,6 +578,29 @@ int64_t recovery_generation() {
   return s.generation;
 }
 
+void commit_point(int64_t step) {
+  State& s = state();
+  std::shared_ptr<Store> store;
+  int rank = 0, world = 1;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (!s.default_pg || !s.kept_store) return;  // live recovery off
+    store = s.store;
+    rank = s.default_pg->rank();
+    world = s.default_pg->size();
+  }
+  if (world == 1) return;
+  const std::string k = "commit/" + std::to_string(step);
+  if (store->add(k + "/arrived", 1) == world) store->set(k + "/all", "1");
+  store->wait({k + "/all"});
+  // Everyone is past the previous step's point (they all reached this one).
+  if (rank == 0 && step > 0) {
+    const std::string prev = "commit/" + std::to_string(step - 1);
+    store->delete_key(prev + "/arrived");
+    store->delete_key(prev + "/all");
+  }
+}
+
 bool peer_lost(Millis grace) {
   State& s = state();
   std::shared_ptr<Store> kept;

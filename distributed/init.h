@@ -112,6 +112,15 @@ int64_t recovery_generation();
 // store hears of a death a moment after the peers' sockets do). False
 // when live recovery is off.
 bool peer_lost(Millis grace);
+// The commit point of optimizer step `step` (torchft's should_commit),
+// called by every rank after the step's collectives and before it changes
+// any state: returns once every rank of the job got here, through the
+// store, which fails at once when a rank is lost. So a fault leaves every
+// survivor at the same step: all before the optimizer step, or all after
+// it; without it a collective can complete on some ranks and not on
+// others, and a rank's only replica may be a step behind. One store round
+// trip (two for the last rank) per step; a no-op without live recovery.
+void commit_point(int64_t step);
 // A survivor's step after a failed collective: aborts every group this
 // process made (ProcessGroup::abort: peers blocked on this rank fail at
 // once and come here too), forgets them as destroy_process_group does, and

@@ -797,6 +797,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     }
     scaler.unscale_(*s.opt);
     const double grad_norm = s.pipe ? s.pipe->clip_grad_norm_(1.0) : s.fsdp->clip_grad_norm_(1.0);
+    distributed::commit_point(step);  // live recovery: every rank steps, or none
     scaler.step(*s.opt);
     scaler.update();
     s.sched->step();

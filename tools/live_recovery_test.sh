@@ -67,8 +67,8 @@ kill_rank() {  # RANK CKPT_DIR: SIGKILL it, print the time
   local p
   p=$(worker_of "$1" "$2")
   [ -n "$p" ] || fail "no worker of rank $1"
+  date +%s.%3N | tee -a "$tmp/kills.log"
   kill -9 "$p"
-  python3 -c 'import time; print("%.3f" % time.time())'
 }
 
 # ---- 1. rank 0, then another rank, killed: replaced in place ----
@@ -129,8 +129,8 @@ wait_lines "$tmp/host.jsonl" 25
 b3=$(pgrep -f -- "--rdzv-id host " | while read -r p; do [ "$(ps -o comm= -p "$p")" = launch ] &&
        [ "$(ps -o ppid= -p "$p" | tr -d ' ')" = "${pids[1]}" -o "$p" = "${pids[1]}" ] && echo "$p"; done | head -1)
 [ -n "$b3" ] || fail "no launcher of agent b3"
+t_host=$(date +%s.%3N)
 kill -9 "$b3"
-t_host=$(python3 -c 'import time; print("%.3f" % time.time())')
 wait "${pids[0]}" || true
 grep -q "rc=0" "$tmp/a3.log" || fail "agent a3 did not finish alone"
 grep -q "rendezvous round 1: world size 2" "$tmp/a3.log" || fail "no round at 2 ranks after the host was lost"
