@@ -209,7 +209,7 @@ Parsed parse(int argc, char** argv) {
   if (elastic_range && !p.is_elastic)
     throw UsageError{"--nnodes MIN:MAX needs --rdzv_endpoint HOST:PORT (where the agents meet)"};
   if (!p.is_elastic && live_given)
-    throw UsageError{"--live-recovery needs elastic agents: add --rdzv_endpoint HOST:PORT --rdzv_id JOB"};
+    throw UsageError{"--live-recovery needs --rdzv_endpoint HOST:PORT and --rdzv_id JOB (elastic agents)"};
   if (!p.is_elastic && rdzv_given)
     throw UsageError{"--rdzv_id, --rdzv_conf, --rdzv_backend and --local_addr need --rdzv_endpoint HOST:PORT"};
   if (p.is_elastic) {
