@@ -20,6 +20,9 @@
 //   bazel run -c opt //examples:gpt -- --nproc 4 --strategy hybrid --shard-size 2
 //   bazel run -c opt //examples:gpt -- --max-steps 600 --resume          # 300 more steps
 //   bazel run -c opt //examples:gpt -- --max-steps 900 --resume --nproc 3   # resharded onto 3 ranks
+// Under `//tools:launch --live-recovery` a worker lost on a mesh with
+// replicas is replaced in place and takes its state from its replica
+// (train(); docs/elastic.md).
 // //examples:gpt_fsdp is the same program under its first name.
 //
 // The default run (2 layers, dim 128, seq 64, batch 16 per rank, 1000 steps)
