@@ -239,6 +239,11 @@ void DataLoader::worker_loop(Epoch* e) {
   }
 }
 
+void DataLoader::set_start_batch(int64_t batch) {
+  EMBER_CHECK(batch >= 0, "DataLoader::set_start_batch: batch ", batch, " is negative");
+  next_start_ = batch;
+}
+
 DataLoader::Iterator DataLoader::begin() {
   stop_epoch();
   ++generation_;
@@ -250,6 +255,8 @@ DataLoader::Iterator DataLoader::begin() {
   const int64_t n = static_cast<int64_t>(e->indices.size()), bs = options_.batch_size;
   e->num_batches = options_.drop_last ? n / bs : (n + bs - 1) / bs;
   e->max_ahead = static_cast<int64_t>(options_.num_workers) * options_.prefetch_factor;
+  e->next_claim = e->next_fetch = e->next_deliver = std::min(next_start_, e->num_batches);
+  next_start_ = 0;
   epoch_ = std::move(e);
   try {
     for (int w = 0; w < options_.num_workers && w < epoch_->num_batches; ++w)

@@ -112,6 +112,11 @@ class DataLoader {
   // (Sampler::set_epoch) and keys the random transforms.
   int64_t epoch() const { return next_epoch_; }
   void set_epoch(int64_t epoch) { next_epoch_ = epoch; }
+  // The next begin() starts its epoch at batch `batch` (the same batches
+  // from there on, the ones before never built): a run resumed in the
+  // middle of an epoch continues where it stopped, as torchdata's
+  // StatefulDataLoader does. Later epochs start at 0 again.
+  void set_start_batch(int64_t batch);
   const Sampler& sampler() const { return *sampler_; }
   const DataLoaderOptions& options() const { return options_; }
 
@@ -134,6 +139,7 @@ class DataLoader {
   std::shared_ptr<Sampler> sampler_;
   bool pin_ = false;
   int64_t next_epoch_ = 0;
+  int64_t next_start_ = 0;  // set_start_batch
   uint64_t generation_ = 0;
   std::unique_ptr<Epoch> epoch_;
   std::unique_ptr<DeviceStage> device_;

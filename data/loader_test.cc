@@ -105,6 +105,33 @@ TEST(DataLoader, EpochsAdvanceAndCanBeSet) {
   EXPECT_EQ(run_epoch(loader), e1);
 }
 
+// Resuming mid-epoch: the rest of the epoch's batches, the same as an
+// uninterrupted epoch's, for any worker count; the next epoch whole.
+TEST(DataLoader, StartBatchContinuesAnEpochInTheMiddle) {
+  auto ds = std::make_shared<SyntheticImages>(100, Shape{1, 4, 4}, 3);
+  for (int workers : {0, 2}) {
+    DataLoaderOptions o{.batch_size = 16,
+                        .shuffle = true,
+                        .num_workers = workers,
+                        .transform = compose({random_horizontal_flip(), to_float()}),
+                        .seed = 4};
+    DataLoader whole(ds, o);
+    const Epoch e0 = run_epoch(whole), e1 = run_epoch(whole);
+    DataLoader resumed(ds, o);
+    resumed.set_epoch(0);
+    resumed.set_start_batch(5);
+    Epoch tail = run_epoch(resumed);
+    ASSERT_EQ(tail.indices.size(), 2u) << workers;  // batches 5 and 6 of 7
+    EXPECT_EQ(tail.indices[0], e0.indices[5]);
+    EXPECT_EQ(tail.data[1], e0.data[6]);
+    EXPECT_EQ(run_epoch(resumed), e1);
+    resumed.set_start_batch(99);  // past the end: an empty epoch
+    EXPECT_TRUE(run_epoch(resumed).indices.empty());
+  }
+  DataLoader bad(ds, {.batch_size = 4});
+  EXPECT_THROW(bad.set_start_batch(-1), Error);
+}
+
 // Slow examples keep the workers busy when the consumer walks away.
 class SlowDataset : public Dataset {
  public:

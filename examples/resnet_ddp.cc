@@ -33,6 +33,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,7 @@
 #include "data/sampler.h"
 #include "data/transforms.h"
 #include "distributed/checkpoint/checkpoint.h"
+#include "distributed/checkpoint/live_recovery.h"
 #include "distributed/checkpoint/sharded.h"
 #include "distributed/config_check.h"
 #include "distributed/init.h"
@@ -296,7 +298,10 @@ struct Setup {
   data::TransformPtr normalize;
   std::unique_ptr<data::DataLoader> train_loader, test_loader;
   int64_t test_n = 0, start_epoch = 0, step = 0;
+  int64_t start_in_epoch = 0;   // steps of start_epoch already done (a live recovery mid-epoch)
+  bool redo_epoch_end = false;  // a live recovery at the end of epoch start_epoch - 1
   std::shared_ptr<distributed::DistributedDataParallel> ddp;
+  distributed::StepStartBuffers step_start;  // live recovery: batch norm's statistics as each step began
   std::unique_ptr<distributed::GradientAccumulator> accumulator;
 
   // drop_last: every rank sees the same number of full batches, so all of
@@ -323,8 +328,7 @@ void resume(const Flags& flags, const examples::Job& job, Setup& s) {
   // newest checkpoint that verifies completely, every piece against its
   // checksum (rank 0 reads them); else the newest, its damage an error.
   std::vector<std::string> skipped;
-  const char* restart = std::getenv("EMBER_RESTART_COUNT");
-  auto latest = flags.resume_fallback || (restart && std::atoi(restart) > 0)
+  auto latest = flags.resume_fallback || examples::restarted()
                     ? distributed::newest_verified_checkpoint(flags.checkpoint_dir, "epoch_", *job.pg, &skipped)
                     : distributed::latest_checkpoint(flags.checkpoint_dir, "epoch_", false, &skipped);
   EMBER_CHECK(latest.ok(), "--resume: ", latest.status().message());
@@ -375,7 +379,33 @@ void resume(const Flags& flags, const examples::Job& job, Setup& s) {
     LOG0("nothing to do: the checkpoint has ", s.start_epoch, " epoch(s) and --epochs is ", flags.epochs);
 }
 
-Setup setup(const Flags& flags, const examples::Job& job) {
+// Live recovery (launch --live-recovery, init.h): every DDP rank is a
+// replica, so a replacement takes its state from the lowest survivor; every
+// rank then continues the epoch at the step it stood at (the loader skips
+// the batches before it).
+void recover(const Flags& flags, const examples::Job& job, Setup& s, const distributed::LiveState* kept) {
+  std::vector<int> all(job.world);
+  for (int r = 0; r < job.world; ++r) all[r] = r;
+  const auto r = distributed::recover_live_state(kept, *s.model, *s.opt, s.sched.get(), s.scaler.get(), *job.pg,
+                                                 [all](int) { return all; });
+  s.step = r.step;
+  s.start_epoch = r.step / s.steps_per_epoch;
+  s.start_in_epoch = r.step % s.steps_per_epoch;
+  const auto extra = nlohmann::json::parse(r.extra);
+  if (const uint64_t seed = extra.value("sampler_seed", s.data_seed); seed != s.data_seed) {
+    s.data_seed = seed;
+    s.train_loader = s.make_train_loader(flags, job, s.data_seed);
+  }
+  s.train_loader->set_start_batch(s.start_in_epoch * flags.accum_steps);
+  s.redo_epoch_end = r.step > 0 && s.start_in_epoch == 0;
+  if (r.source >= 0)
+    LOG_ALL("live recovery: received ", r.bytes_received, " bytes of training state (step ", r.step, ") from rank ",
+            r.source, ", a live replica, in ", r.seconds, " s");
+  LOG0("live recovery: generation ", distributed::recovery_generation(), ", continuing from step ", r.step, " (epoch ",
+       s.start_epoch + 1, ", step ", s.start_in_epoch, " of ", s.steps_per_epoch, ")");
+}
+
+Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true) {
   Setup s;
   s.model_name = !flags.model.empty() ? flags.model : job.cuda ? "resnet18" : "narrow";
   s.ds = load_data(flags);
@@ -407,7 +437,7 @@ Setup setup(const Flags& flags, const examples::Job& job) {
   // fp16 needs loss scaling; bf16 has float32's range and needs none.
   s.scaler = std::make_unique<optim::GradScaler>(optim::GradScalerOptions{.enabled = flags.amp == "fp16"});
   // A launcher's restart (--max-restarts) resumes by itself.
-  if (flags.resume || examples::restarted()) resume(flags, job, s);
+  if (from_disk && (flags.resume || examples::restarted())) resume(flags, job, s);
 
   if (flags.sync_bn) distributed::convert_sync_batchnorm(*s.model, job.pg);
   const auto ac = nn::ActivationCheckpointing::parse(flags.ac);
@@ -450,11 +480,46 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   int64_t images_done = 0;  // global, this process's run
   optim::GradScaler& scaler = *s.scaler;
   examples::StepProfiler profile(flags.profile_dir, (flags.epochs - s.start_epoch) * s.steps_per_epoch, job.pg.get());
+  // The end of an epoch: its train loss averaged over the ranks, the test
+  // accuracy over every rank's shard, a checkpoint. Also run again by a
+  // live recovery that resumes exactly at an epoch's end (the fault may have
+  // come in this part; its train loss is then unknown).
+  auto end_of_epoch = [&](int64_t epoch, double train_loss) {
+    // Train loss averaged over ranks, test accuracy over every rank's shard.
+    Tensor loss_t = full({1}, train_loss).to(job.device);
+    job.pg->allreduce(loss_t, distributed::ReduceOp::Avg)->wait();
+    auto t_eval = Clock::now();
+    double acc = evaluate(*s.model, *s.test_loader, *job.pg, job.device);
+    eval_seconds = seconds(t_eval, Clock::now());
+    std::ostringstream mean;
+    mean << loss_t.to(kCPU).item();
+    LOG0("epoch ", epoch + 1, "/", flags.epochs, ": train loss ",
+         std::isnan(train_loss) ? std::string("unknown (lost with a fault)") : mean.str(), ", test accuracy ", acc,
+         " (", s.test_n, " images, ", job.world, " shards), ",
+         scaler.is_enabled() ? "scale " + std::to_string(static_cast<int64_t>(scaler.get_scale())) + ", " : "",
+         static_cast<int64_t>(seconds(job.started, Clock::now())), " s elapsed");
+
+    // Every rank writes its part (sharded.h): here, a share of the replicated tensors.
+    distributed::TrainingState st;
+    st.epoch = epoch + 1;
+    st.step = s.step;
+    st.rng_seed = default_generator().seed();
+    st.rng_offset = default_generator().offset();
+    const std::string dir = flags.checkpoint_dir + "/epoch_" + std::to_string(epoch + 1);
+    examples::save_step_checkpoint(dir, *s.model, *s.opt, *s.sched, st,
+                                   {{"sampler_seed", s.data_seed},
+                                    {"global_batch", s.global_batch},
+                                    {"world_size", job.world},
+                                    {"model", s.model_name}},
+                                   scaler, *job.pg);
+    LOG0("saved checkpoint ", dir);
+  };
+  if (s.redo_epoch_end) end_of_epoch(s.start_epoch - 1, std::nan(""));
   for (int64_t epoch = s.start_epoch; epoch < flags.epochs; ++epoch) {
     s.train_loader->set_epoch(epoch);  // the loader hands its epoch to the sampler and keys transforms
     s.model->train();
     double loss_sum = 0;
-    int64_t micro = 0, epoch_steps = 0;
+    int64_t micro = 0, epoch_steps = epoch == s.start_epoch ? s.start_in_epoch : 0;
     auto t_epoch = Clock::now();
     s.opt->zero_grad();
     for (data::Batch& b : *s.train_loader) {
@@ -468,6 +533,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       loss_sum += loss.item();
       ++micro;
       if (!s.accumulator->backward(scaler.scale(loss))) continue;
+      distributed::commit_point(s.step);  // live recovery: every rank steps, or none
       scaler.step(*s.opt);  // skipped when a float16 gradient overflowed; the scale then backs off
       scaler.update();
       s.sched->step();
@@ -487,31 +553,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     train_seconds += seconds(t_epoch, Clock::now());
     progress.close_line();
 
-    // Train loss averaged over ranks, test accuracy over every rank's shard.
-    Tensor loss_t = full({1}, loss_sum / std::max<int64_t>(micro, 1)).to(job.device);
-    job.pg->allreduce(loss_t, distributed::ReduceOp::Avg)->wait();
-    auto t_eval = Clock::now();
-    double acc = evaluate(*s.model, *s.test_loader, *job.pg, job.device);
-    eval_seconds = seconds(t_eval, Clock::now());
-    LOG0("epoch ", epoch + 1, "/", flags.epochs, ": train loss ", loss_t.to(kCPU).item(), ", test accuracy ", acc, " (",
-         s.test_n, " images, ", job.world, " shards), ",
-         scaler.is_enabled() ? "scale " + std::to_string(static_cast<int64_t>(scaler.get_scale())) + ", " : "",
-         static_cast<int64_t>(seconds(job.started, Clock::now())), " s elapsed");
-
-    // Every rank writes its part (sharded.h): here, a share of the replicated tensors.
-    distributed::TrainingState st;
-    st.epoch = epoch + 1;
-    st.step = s.step;
-    st.rng_seed = default_generator().seed();
-    st.rng_offset = default_generator().offset();
-    const std::string dir = flags.checkpoint_dir + "/epoch_" + std::to_string(epoch + 1);
-    examples::save_step_checkpoint(dir, *s.model, *s.opt, *s.sched, st,
-                                   {{"sampler_seed", s.data_seed},
-                                    {"global_batch", s.global_batch},
-                                    {"world_size", job.world},
-                                    {"model", s.model_name}},
-                                   scaler, *job.pg);
-    LOG0("saved checkpoint ", dir);
+    end_of_epoch(epoch, loss_sum / std::max<int64_t>(micro, 1));
   }
   return examples::finish_job(job);
 }
@@ -519,27 +561,50 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
 // ---- The run: config (the flags), setup, loop ----
 
 int train(const Flags& flags) {
-  const examples::Job job = examples::start_job(flags.timeout_sec);
-  const std::string model_name = !flags.model.empty() ? flags.model : job.cuda ? "resnet18" : "narrow";
-  // Ranks started with other flags would train diverging replicas without a
-  // word (a different batch size changes the learning-rate scaling too).
-  distributed::check_same_config(
-      *job.pg, {{"--model", model_name},
-                {"--batch-size", std::to_string(flags.batch_size)},
-                {"--lr", std::to_string(flags.lr)},
-                {"--accum-steps", std::to_string(flags.accum_steps)},
-                {"--epochs", std::to_string(flags.epochs)},
-                {"--seed", std::to_string(flags.seed)},
-                {"--sync-bn", flags.sync_bn ? "on" : "off"},
-                {"--max-steps", std::to_string(flags.max_steps)},
-                {"--resume", flags.resume ? "on" : "off"},
-                {"--amp", flags.amp},
-                {"--grad-compress", flags.grad_compress}});  // paths (--data, --checkpoint-dir) may differ by host
-  if (flags.nproc > 0 && flags.nproc != job.env.local_world_size)
-    LOG0("note: --nproc ", flags.nproc, " ignored: the launcher started ", job.env.local_world_size,
-         " processes per node");
-  Setup s = setup(flags, job);
-  return loop(flags, job, s);
+  // Live recovery: a survivor of a lost rank keeps its state, rebuilds its
+  // group and objects here, and goes on (the replacement starts here).
+  distributed::LiveState kept;
+  for (;;) {
+    const examples::Job job = examples::start_job(flags.timeout_sec);
+    const std::string model_name = !flags.model.empty() ? flags.model : job.cuda ? "resnet18" : "narrow";
+    // Ranks started with other flags would train diverging replicas without a
+    // word (a different batch size changes the learning-rate scaling too).
+    distributed::check_same_config(
+        *job.pg, {{"--model", model_name},
+                  {"--batch-size", std::to_string(flags.batch_size)},
+                  {"--lr", std::to_string(flags.lr)},
+                  {"--accum-steps", std::to_string(flags.accum_steps)},
+                  {"--epochs", std::to_string(flags.epochs)},
+                  {"--seed", std::to_string(flags.seed)},
+                  {"--sync-bn", flags.sync_bn ? "on" : "off"},
+                  {"--max-steps", std::to_string(flags.max_steps)},
+                  {"--resume", flags.resume ? "on" : "off"},
+                  {"--amp", flags.amp},
+                  {"--grad-compress", flags.grad_compress}});  // paths (--data, --checkpoint-dir) may differ by host
+    if (flags.nproc > 0 && flags.nproc != job.env.local_world_size)
+      LOG0("note: --nproc ", flags.nproc, " ignored: the launcher started ", job.env.local_world_size,
+           " processes per node");
+    const bool live = distributed::is_live_replacement() || !kept.empty();
+    Setup s = setup(flags, job, /*from_disk=*/!live);
+    if (live) recover(flags, job, s, kept.empty() ? nullptr : &kept);
+    // After DDP's own pre-hook (which broadcasts rank 0's buffers), so every
+    // rank keeps the same statistics for the step it is in.
+    if (distributed::live_recovery_enabled())
+      s.model->register_forward_pre_hook([&s](nn::Module& m, const Tensor&) {
+        if (m.is_training()) s.step_start.take(m, s.step);
+        return Tensor();
+      });
+    kept = {};
+    try {
+      return loop(flags, job, s);
+    } catch (const Error& e) {
+      if (!distributed::peer_lost(std::chrono::seconds(2))) throw;
+      LOG_ALL("live recovery: ", e.what(), "; keeping step ", s.step, "'s state, waiting for a replacement");
+      kept = distributed::capture_live_state(*s.model, *s.opt, s.sched.get(), s.scaler.get(), s.step,
+                                             nlohmann::json{{"sampler_seed", s.data_seed}}.dump(), &s.step_start);
+      distributed::abort_for_recovery(distributed::init_env().timeout);
+    }
+  }
 }
 
 }  // namespace

@@ -16,9 +16,14 @@
 #     state from anyone; every rank says so, the agents start a new round
 #     and it resumes from the newest checkpoint on disk (the time reported
 #     beside case 1's).
+#  4. //examples:resnet_ddp (DDP: every rank a replica), 2 agents of 1
+#     worker: a worker killed at a random time in epoch 2 or 3 of 3 is
+#     replaced in place and the run continues mid-epoch; the last
+#     checkpoint is byte for byte the uninterrupted run's.
 set -euo pipefail
 gpt=$1
 launch=$2
+resnet=$3
 tmp=$(mktemp -d)
 pids=()
 cleanup() {
@@ -34,6 +39,8 @@ stamp() { python3 -u -c 'import sys, time
 for line in sys.stdin: sys.stdout.write("%.3f %s" % (time.time(), line)); sys.stdout.flush()'; }
 fail() { echo "FAIL: $*"; for f in "$tmp"/*.log; do echo "== $f"; tail -30 "$f"; done; exit 1; }
 
+# One thread per worker everywhere: the uninterrupted runs and the agents compute alike.
+export OMP_NUM_THREADS=1
 steps=80
 args=(--dim 48 --heads 4 --seq 32 --layers 2 --max-steps $steps --global-batch 8 --sample-len 0 --eval-every 1000
       --save-every 10 --lr 1e-3 --dp-replicate 2 --dp-shard -1)
@@ -142,7 +149,9 @@ assert sorted({r["step"] for r in recs}) == sorted(ref)
 for r in recs:
     assert r["batch_digest"] == ref[r["step"]]["batch_digest"], r
 t_kill = float(sys.argv[4])
-again = min(r["time"] for r in recs if "time" in r and r["time"] > t_kill)
+# Training again: the first step finished in the round that followed.
+t_round = float(re.findall(r"^([0-9.]+) launch: rendezvous round 1:", open(sys.argv[3]).read(), re.M)[0])
+again = min(r["time"] for r in recs if "time" in r and r["time"] > t_round)
 print(f"live recovery 2 (a host lost): a round at 2 ranks from the checkpoint, training again "
       f"{again - t_kill:.2f} s after the kill (the heartbeat timeout is 5 s)")
 assert again - t_kill <= 15 + 5, again - t_kill
@@ -160,8 +169,8 @@ t3=$(kill_rank 1 "$tmp/flat")
 wait "${pids[@]}" || true
 for n in a2 b2; do grep -q "rc=0" "$tmp/$n.log" || fail "agent $n did not succeed"; done
 grep -q "no replica of it" "$tmp/a2.log" "$tmp/b2.log" || fail "the missing replica was not named"
-grep -q "rendezvous round 1: world size 4" "$tmp/a2.log" || fail "no round 1 after the failed live recovery"
-python3 - "$tmp/ref.jsonl" "$tmp/flat.jsonl" "$tmp/a2.log" "$t3" <<'PY' || fail "fallback metrics"
+grep -q "rendezvous round 1: world size 4" "$tmp/a2.log" "$tmp/b2.log" || fail "no round 1 after the failed live recovery"
+python3 - "$tmp/ref.jsonl" "$tmp/flat.jsonl" <(cat "$tmp/a2.log" "$tmp/b2.log") "$t3" <<'PY' || fail "fallback metrics"
 import json, re, sys
 ref = {r["step"]: r for r in map(json.loads, open(sys.argv[1]))}
 recs = [json.loads(l) for l in open(sys.argv[2])]
@@ -177,4 +186,30 @@ print(f"live recovery 3 (no replica): the replacement named it, round 1 resumed 
       f"training again {again - t_kill:.2f} s after the kill, {len(recs) - len(ref)} step(s) redone")
 assert again - t_kill <= 15, again - t_kill
 PY
+# ---- 4. resnet_ddp: a worker killed mid-run, replaced in place ----
+pids=()
+rargs=(--data synthetic --epochs 3 --max-steps 12 --eval-size 500 --batch-size 32)
+"$launch" --nproc_per_node=2 --master_port=0 -- "$resnet" "${rargs[@]}" --checkpoint-dir "$tmp/rref" \
+  > "$tmp/rref.log" 2>&1 || fail "resnet_ddp's uninterrupted run failed"
+p4=$(port)
+for n in r1 r2; do
+  (set +e; "$launch" --nnodes 1:2 --nproc-per-node 1 --max-restarts 2 --rdzv-endpoint 127.0.0.1:"$p4" --rdzv-id rlive \
+     --rdzv-conf last_call_timeout=1 --live-recovery -- "$resnet" "${rargs[@]}" --checkpoint-dir "$tmp/rlive" 2>&1 |
+     stamp > "$tmp/$n.log"; echo "rc=${PIPESTATUS[0]}" >> "$tmp/$n.log") &
+  pids+=($!)
+  sleep 0.3
+done
+for _ in $(seq 1 600); do [ -d "$tmp/rlive/epoch_1" ] && break; sleep 0.05; done
+[ -d "$tmp/rlive/epoch_1" ] || fail "resnet_ddp never saved epoch 1"
+sleep "0.$((RANDOM % 9))"
+kill_rank $((RANDOM % 2)) "$tmp/rlive" > /dev/null
+wait "${pids[@]}" || true
+for n in r1 r2; do grep -q "rc=0" "$tmp/$n.log" || fail "resnet agent $n"; done
+grep -q "replacing it in place" "$tmp/r1.log" "$tmp/r2.log" || fail "resnet: no replacement in place"
+! grep -q "rendezvous round 1" "$tmp/r1.log" "$tmp/r2.log" || fail "resnet: a round was started"
+cont=$(grep -ho "live recovery: generation 1, continuing from step [0-9]* (epoch [0-9], step [0-9]* of [0-9]*)" \
+       "$tmp/r1.log" "$tmp/r2.log")
+[ -n "$cont" ] || fail "resnet: no live recovery"
+for f in "$tmp"/rref/epoch_3/*; do cmp -s "$f" "$tmp/rlive/epoch_3/$(basename "$f")" || fail "resnet: $(basename "$f") differs"; done
+echo "live recovery 4 (resnet_ddp): $cont; the last checkpoint byte for byte the uninterrupted run's"
 echo "PASS"

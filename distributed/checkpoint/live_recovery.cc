@@ -33,7 +33,7 @@ std::vector<std::pair<std::string, Tensor>> model_tensors(nn::Module& model) {
 // numbers them (Gloo matches a send to its receive by tag and peer).
 void send_state(const LiveState& st, ProcessGroup& pg, int dst, int64_t* bytes,
                 std::vector<std::shared_ptr<Work>>* works, std::vector<Tensor>* keep) {
-  json header = {{"step", st.step}, {"meta", st.meta}, {"tensors", json::array()}};
+  json header = {{"step", st.step}, {"meta", st.meta}, {"extra", st.extra}, {"tensors", json::array()}};
   for (const auto& [name, t] : st.tensors) header["tensors"].push_back({name, static_cast<int>(t.dtype()), t.sizes()});
   const std::string text = header.dump();
   Tensor len = Tensor::from_vector({static_cast<double>(text.size())}, {1}, DType::Int64).to(pg.device());
@@ -64,6 +64,7 @@ LiveState receive_state(ProcessGroup& pg, int src, int64_t* bytes) {
   LiveState st;
   st.step = header.at("step").get<int64_t>();
   st.meta = header.at("meta").get<std::string>();
+  st.extra = header.at("extra").get<std::string>();
   for (const auto& e : header.at("tensors")) {
     const Shape shape = e.at(2).get<Shape>();
     Tensor t = empty(shape, TensorOptions(static_cast<DType>(e.at(1).get<int>()), pg.device()));
@@ -115,11 +116,26 @@ void apply_state(const LiveState& st, nn::Module& model, optim::Optimizer& opt, 
 
 }  // namespace
 
+void StepStartBuffers::take(nn::Module& model, int64_t step) {
+  if (step == step_) return;
+  NoGradGuard no_grad;
+  buffers_.clear();
+  for (auto& [name, t] : model.named_buffers()) buffers_.emplace_back(kModel + name, local_shard(t).clone());
+  step_ = step;
+}
+
 LiveState capture_live_state(nn::Module& model, const optim::Optimizer& opt, const optim::LRScheduler* sched,
-                             const optim::GradScaler* scaler, int64_t step) {
+                             const optim::GradScaler* scaler, int64_t step, std::string extra,
+                             const StepStartBuffers* start) {
   LiveState st;
   st.step = step;
+  st.extra = std::move(extra);
   st.tensors = model_tensors(model);
+  if (start && start->step() == step) {
+    std::map<std::string, Tensor> at_start(start->buffers().begin(), start->buffers().end());
+    for (auto& [name, t] : st.tensors)
+      if (auto it = at_start.find(name); it != at_start.end()) t = it->second;
+  }
   for (const auto& [key, t] : opt.state_dict().state) st.tensors.emplace_back(kOptim + key, t);
   json meta = json::object();
   if (sched) {
@@ -212,7 +228,9 @@ LiveRecovery recover_live_state(const LiveState* kept, nn::Module& model, optim:
                 source[rank], ", expected ", newest);
   }
   for (auto& w : sends) w->wait();
-  apply_state(source[rank] >= 0 ? received : *kept, model, opt, sched, scaler, rank);
+  const LiveState& applied = source[rank] >= 0 ? received : *kept;
+  apply_state(applied, model, opt, sched, scaler, rank);
+  out.extra = applied.extra;
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return out;
 }

@@ -57,14 +57,43 @@ struct LiveState {
   // The scheduler's counters, the scaler's state and the generator's seed
   // and offset, as JSON.
   std::string meta = "{}";
+  // The program's own fields (a JSON object, as a checkpoint's extra_json):
+  // a data order's seed, say; the replacement gets its replica's.
+  std::string extra = "{}";
   bool empty() const { return step < 0; }
 };
 
+// Buffers a forward changes (batch norm's running statistics): a fault in
+// the middle of a step has already changed them with its forward, and the
+// step is redone, so what a rank keeps for a step it did not finish must be
+// the buffers as they were when it began. A forward pre-hook registered
+// after DDP's takes them each step (after DDP has broadcast rank 0's, so
+// every rank holds the same), before the step's first forward:
+//
+//   StepStartBuffers start;
+//   model->register_forward_pre_hook([&](nn::Module& m, const Tensor&) { start.take(m, step); return Tensor(); });
+//   ... capture_live_state(*model, opt, &sched, &scaler, step, extra, &start);
+class StepStartBuffers {
+ public:
+  // Copies the module's buffers, once per `step` (the steps done).
+  void take(nn::Module& model, int64_t step);
+  int64_t step() const { return step_; }
+  const std::vector<std::pair<std::string, Tensor>>& buffers() const { return buffers_; }
+
+ private:
+  int64_t step_ = -1;
+  std::vector<std::pair<std::string, Tensor>> buffers_;
+};
+
+// `start`: the buffers of step `step`'s start, used when taken for it (the
+// fault came before the step's optimizer step); else the buffers as they are.
 LiveState capture_live_state(nn::Module& model, const optim::Optimizer& opt, const optim::LRScheduler* sched,
-                             const optim::GradScaler* scaler, int64_t step);
+                             const optim::GradScaler* scaler, int64_t step, std::string extra = "{}",
+                             const StepStartBuffers* start = nullptr);
 
 struct LiveRecovery {
   int64_t step = 0;          // the step every rank continues from
+  std::string extra = "{}";  // LiveState::extra of the state applied
   int source = -1;           // the rank this one received from; -1: it kept its own
   std::vector<int> sent_to;  // the ranks this one sent its state to
   int64_t bytes_received = 0, bytes_sent = 0;

@@ -121,7 +121,7 @@ EMBER_WORKER(live_recover) {
       if (env.rank == behind && s == 2) kept = deep_copy(capture_live_state(*t.net, *t.opt, t.sched.get(), nullptr, 2));
       t.step(s);
     }
-    if (env.rank != behind) kept = capture_live_state(*t.net, *t.opt, t.sched.get(), nullptr, 3);
+    if (env.rank != behind) kept = capture_live_state(*t.net, *t.opt, t.sched.get(), nullptr, 3, R"({"seed":7})");
   }  // the old model and optimizer go; `kept` holds their tensors
   Trainer fresh(99, shape);
   auto pg = default_group();
@@ -129,6 +129,7 @@ EMBER_WORKER(live_recover) {
       recover_live_state(env.rank == victim ? nullptr : &kept, *fresh.net, *fresh.opt, fresh.sched.get(), nullptr, *pg,
                          replicas_along(*fresh.mesh, "dp_replicate"));
   WCHECK(r.step == 3, "rank ", env.rank, " continues from step ", r.step);
+  WCHECK(r.extra == R"({"seed":7})", "rank ", env.rank, " got the program's fields ", r.extra);
   const int lost = victim >= 0 ? victim : behind;
   // Its replica: the same dp_shard coordinate, the other dp_replicate one.
   const int replica = lost ^ 2;
