@@ -53,6 +53,7 @@
 #include "distributed/launch/launch.h"
 #include "distributed/logging/logging.h"
 #include "distributed/parallel/ddp.h"
+#include "distributed/parallel/powersgd.h"
 #include "examples/cli.h"
 #include "examples/profiling.h"
 #include "examples/training.h"
@@ -95,7 +96,9 @@ struct Flags {
   int64_t eval_size = -1;  // test examples evaluated; -1: all
   double timeout_sec = 0;  // 0: EMBER_DIST_TIMEOUT_SEC, else 10 minutes
   std::string amp = "off";  // off | bf16 | fp16 (mixed precision; fp16 with loss scaling)
-  std::string grad_compress = "off";  // off | bf16 | fp16 (DDP's gradient-compression hook)
+  std::string grad_compress = "off";  // off | bf16 | fp16 | powersgd (DDP's gradient-compression hook)
+  int powersgd_rank = 2;              // PowerSGD's matrix approximation rank
+  int64_t powersgd_start = -1;        // steps before PowerSGD starts; -1: the learning-rate warm-up's
   std::string ac = "none";            // activation checkpointing of the residual blocks
   std::string profile_dir;  // --profile: a few steps after warm-up, Chrome traces there
 };
@@ -124,9 +127,11 @@ constexpr char kUsage[] =
     "  --ac none|full|selective|every:K\n"
     "                       activation checkpointing of the residual blocks: all, all keeping the convolutions'\n"
     "                       outputs (selective), or every K-th block (default none)\n"
-    "  --grad-compress off|bf16|fp16\n"
-    "                       allreduce gradients in bfloat16 / float16 (DDP's compression hook: half the bytes;\n"
-    "                       default off)\n"
+    "  --grad-compress off|bf16|fp16|powersgd\n"
+    "                       allreduce gradients in bfloat16 / float16 (DDP's compression hook: half the bytes),\n"
+    "                       or compress each weight matrix to rank R with PowerSGD (default off)\n"
+    "  --powersgd-rank R    PowerSGD's rank (default 2): an n x m gradient sends R (n + m) numbers\n"
+    "  --powersgd-start N   steps of plain allreduce before PowerSGD (default: the warm-up's steps)\n"
     "  --timeout SEC        rendezvous and collective timeout, for ranks alive but stuck (default:\n"
     "                       $EMBER_DIST_TIMEOUT_SEC, else 600)\n"
     "  --profile DIR        profile 3 steps after 3 warm-up steps (fewer when fewer are left): Chrome traces\n"
@@ -180,8 +185,13 @@ Flags parse_flags(int argc, char** argv) {
       }
     } else if (arg == "--grad-compress") {
       f.grad_compress = next();
-      if (f.grad_compress != "off" && f.grad_compress != "bf16" && f.grad_compress != "fp16")
-        usage_error("--grad-compress takes off, bf16 or fp16, got '" + f.grad_compress + "'");
+      if (f.grad_compress != "off" && f.grad_compress != "bf16" && f.grad_compress != "fp16" &&
+          f.grad_compress != "powersgd")
+        usage_error("--grad-compress takes off, bf16, fp16 or powersgd, got '" + f.grad_compress + "'");
+    } else if (arg == "--powersgd-rank") {
+      f.powersgd_rank = static_cast<int>(kCli.parse_int(arg, next(), 1));
+    } else if (arg == "--powersgd-start") {
+      f.powersgd_start = kCli.parse_int(arg, next(), 0);
     } else
       usage_error("unknown flag '" + arg + "'");
   }
@@ -190,6 +200,9 @@ Flags parse_flags(int argc, char** argv) {
     usage_error("--model must be narrow, resnet18, resnet34 or resnet50, got '" + f.model + "'");
   if (f.checkpoint_dir.empty()) usage_error("--checkpoint-dir must not be empty");
   if (f.resume_fallback && !f.resume) usage_error("--resume-fallback goes with --resume");
+  if ((f.powersgd_rank != Flags{}.powersgd_rank || f.powersgd_start != Flags{}.powersgd_start) &&
+      f.grad_compress != "powersgd")
+    usage_error("--powersgd-rank and --powersgd-start go with --grad-compress powersgd");
   // The default directory is scratch that a fresh run replaces; one the user names is kept.
   examples::refuse_overwrite(f.checkpoint_dir, "epoch_",
                              f.resume || f.overwrite || f.checkpoint_dir == Flags{}.checkpoint_dir);
@@ -302,6 +315,7 @@ struct Setup {
   bool redo_epoch_end = false;  // a live recovery at the end of epoch start_epoch - 1
   std::shared_ptr<distributed::DistributedDataParallel> ddp;
   distributed::StepStartBuffers step_start;  // live recovery: batch norm's statistics as each step began
+  std::shared_ptr<distributed::PowerSGDState> powersgd;  // --grad-compress powersgd
   std::unique_ptr<distributed::GradientAccumulator> accumulator;
 
   // drop_last: every rank sees the same number of full batches, so all of
@@ -445,9 +459,17 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   if (ac.mode != nn::ActivationCheckpointing::Mode::None)
     LOG0("activation checkpointing ", ac.str(), ": ", wrapped, " residual blocks");
   distributed::DDPOptions ddp_options;
-  if (flags.grad_compress != "off")
+  if (flags.grad_compress == "powersgd") {
+    // PowerSGD's state (the error feedback, the warm-start Qs) is not
+    // checkpointed: a resumed run starts it afresh, uncompressed at first.
+    s.powersgd = std::make_shared<distributed::PowerSGDState>(distributed::PowerSGDOptions{
+        .matrix_approximation_rank = flags.powersgd_rank,
+        .start_powerSGD_iter = flags.powersgd_start >= 0 ? flags.powersgd_start : s.warmup});
+    ddp_options.comm_hook = distributed::powerSGD_hook(s.powersgd);
+  } else if (flags.grad_compress != "off") {
     ddp_options.comm_hook = flags.grad_compress == "bf16" ? distributed::bf16_compress_hook()
                                                           : distributed::fp16_compress_hook();
+  }
   s.ddp = std::make_shared<distributed::DistributedDataParallel>(s.model, ddp_options);
   s.accumulator = std::make_unique<distributed::GradientAccumulator>(*s.ddp, static_cast<int>(flags.accum_steps));
 
@@ -467,8 +489,12 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
        s.steps_per_epoch, " steps per epoch; ", flags.sync_bn ? "SyncBatchNorm; " : "",
        flags.amp == "off" ? ""
                           : "mixed precision " + flags.amp + (s.scaler->is_enabled() ? " with loss scaling; " : "; "),
-       flags.grad_compress == "off" ? "" : "gradients allreduced in " + flags.grad_compress + "; ", "checkpoints in ",
-       flags.checkpoint_dir);
+       flags.grad_compress == "off" ? ""
+       : flags.grad_compress == "powersgd"
+           ? "gradients compressed by PowerSGD (rank " + std::to_string(flags.powersgd_rank) + ", from step " +
+                 std::to_string(s.powersgd->options().start_powerSGD_iter) + "); "
+           : "gradients allreduced in " + flags.grad_compress + "; ",
+       "checkpoints in ", flags.checkpoint_dir);
   return s;
 }
 
@@ -521,6 +547,8 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     double loss_sum = 0;
     int64_t micro = 0, epoch_steps = epoch == s.start_epoch ? s.start_in_epoch : 0;
     auto t_epoch = Clock::now();
+    job.pg->reset_counters();  // the epoch's gradient traffic, reported at its end
+    const int64_t steps_before = epoch_steps;
     s.opt->zero_grad();
     for (data::Batch& b : *s.train_loader) {
       if (epoch_steps >= s.steps_per_epoch) break;
@@ -553,6 +581,10 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     train_seconds += seconds(t_epoch, Clock::now());
     progress.close_line();
 
+    if (const auto ar = job.pg->counter("allreduce"); epoch_steps > steps_before)
+      LOG0("gradient traffic: ", ar.bytes / (epoch_steps - steps_before), " bytes allreduced per step and rank (",
+           ar.calls / (epoch_steps - steps_before), " allreduces)",
+           s.powersgd ? ", PowerSGD compression rate " + std::to_string(s.powersgd->stats().rate()) + " so far" : "");
     end_of_epoch(epoch, loss_sum / std::max<int64_t>(micro, 1));
   }
   return examples::finish_job(job);
@@ -580,7 +612,10 @@ int train(const Flags& flags) {
                   {"--max-steps", std::to_string(flags.max_steps)},
                   {"--resume", flags.resume ? "on" : "off"},
                   {"--amp", flags.amp},
-                  {"--grad-compress", flags.grad_compress}});  // paths (--data, --checkpoint-dir) may differ by host
+                  {"--grad-compress", flags.grad_compress},
+                  {"--powersgd-rank", std::to_string(flags.powersgd_rank)},
+                  {"--powersgd-start",
+                   std::to_string(flags.powersgd_start)}});  // paths (--data, --checkpoint-dir) may differ by host
     if (flags.nproc > 0 && flags.nproc != job.env.local_world_size)
       LOG0("note: --nproc ", flags.nproc, " ignored: the launcher started ", job.env.local_world_size,
            " processes per node");

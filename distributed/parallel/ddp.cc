@@ -158,7 +158,8 @@ class ThenWork : public Work {
 };
 
 CommHook compress_hook(DType low) {
-  return [low](ProcessGroup& pg, const Tensor& bucket, bool average) -> std::shared_ptr<Work> {
+  return [low](ProcessGroup& pg, const GradBucket& b, bool average) -> std::shared_ptr<Work> {
+    const Tensor& bucket = b.buffer;
     if (bucket.dtype() == low) return pg.allreduce(bucket, average ? ReduceOp::Avg : ReduceOp::Sum);
     NoGradGuard no_grad;
     Tensor compressed = average ? (bucket * (1.0 / pg.size())).to(low) : bucket.to(low);
@@ -173,8 +174,8 @@ CommHook compress_hook(DType low) {
 }  // namespace
 
 CommHook allreduce_hook() {
-  return [](ProcessGroup& pg, const Tensor& bucket, bool average) {
-    return pg.allreduce(bucket, average ? ReduceOp::Avg : ReduceOp::Sum);
+  return [](ProcessGroup& pg, const GradBucket& bucket, bool average) {
+    return pg.allreduce(bucket.buffer, average ? ReduceOp::Avg : ReduceOp::Sum);
   };
 }
 CommHook fp16_compress_hook() { return compress_hook(DType::Float16); }
@@ -205,7 +206,7 @@ struct Replicated::Impl {
 
   Device device;                // where the collectives' small tensors live
   bool joining = false;         // inside join_uneven_inputs
-  std::vector<Tensor> shadow;   // per bucket: zeros a joined rank contributes
+  std::vector<GradBucket> shadow;  // per bucket: zeros a joined rank contributes
 
   // Per-pass state.
   bool require_sync = true;     // false inside no_sync()
@@ -249,10 +250,17 @@ std::pair<int, bool> Replicated::Impl::join_round(bool active, bool sync) {
 
 void Replicated::Impl::shadow_backward() {
   if (shadow.empty())
-    for (auto& b : buckets) shadow.push_back(zeros_like(b.grads.flat()));
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      const FlatBuffer& g = buckets[b].grads;
+      GradBucket z{static_cast<int>(b), zeros_like(g.flat()), {}, b + 1 == buckets.size()};
+      for (size_t s = 0; s < g.size(); ++s)
+        z.gradients.push_back(
+            z.buffer.narrow(0, g.entries()[s].offset, g.entries()[s].numel).view(g.entries()[s].shape));
+      shadow.push_back(std::move(z));
+    }
   std::vector<std::shared_ptr<Work>> works;
-  for (Tensor& z : shadow) {
-    z.zero_();
+  for (GradBucket& z : shadow) {
+    z.buffer.zero_();
     works.push_back(opts.comm_hook(*pg, z, opts.average));
   }
   if (opts.find_unused_parameters && !params.empty())
@@ -387,7 +395,9 @@ void Replicated::Impl::launch_ready_buckets() {
 }
 
 void Replicated::Impl::launch(size_t b) {
-  buckets[b].work = opts.comm_hook(*pg, buckets[b].grads.flat(), opts.average);
+  const FlatBuffer& g = buckets[b].grads;
+  buckets[b].work =
+      opts.comm_hook(*pg, GradBucket{static_cast<int>(b), g.flat(), g.views(), b + 1 == buckets.size()}, opts.average);
 }
 
 void Replicated::Impl::finalize() {

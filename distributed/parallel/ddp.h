@@ -32,12 +32,25 @@
 
 namespace ember::distributed {
 
+// One gradient bucket, as a hook sees it (torch's dist.GradBucket): its
+// index (buckets are reduced in index order, the same on every rank), the
+// flat buffer in the parameters' dtype, and each parameter's gradient as a
+// view of it in its parameter's shape, in buffer order (what PowerSGD
+// compresses matrix by matrix).
+struct GradBucket {
+  int index = 0;
+  Tensor buffer;
+  std::vector<Tensor> gradients;
+  bool is_last = false;  // the last bucket of a backward pass (a hook's once-per-step work)
+};
+
 // A communication hook, as torch's DDP.register_comm_hook: reduces one
-// gradient bucket (flat, in the parameters' dtype) over the ranks of `pg`,
-// in place, averaged when `average` (else summed). It returns at once; the
-// returned Work's wait() leaves the result in `bucket`. Every rank must run
-// the same hook (the collectives' signature check names a mismatch).
-using CommHook = std::function<std::shared_ptr<Work>(ProcessGroup& pg, const Tensor& bucket, bool average)>;
+// gradient bucket over the ranks of `pg`, in place, averaged when `average`
+// (else summed). It returns at once; the returned Work's wait() leaves the
+// result in `bucket.buffer`. Every rank must run the same hook (the
+// collectives' signature check names a mismatch). A hook may keep state
+// across steps (by bucket index: PowerSGD's).
+using CommHook = std::function<std::shared_ptr<Work>(ProcessGroup& pg, const GradBucket& bucket, bool average)>;
 
 // The default: allreduce of the bucket as it is.
 CommHook allreduce_hook();
