@@ -1,9 +1,11 @@
 #!/bin/bash
 # What DDP's gradient compression (resnet_ddp --grad-compress) buys when the
 # allreduce crosses a link slower than loopback: two network namespaces
-# ("hosts") joined by a veth pair whose egress is shaped to RATE (tc tbf
-# with a queue of up to 2 s, so packets wait rather than drop and TCP does
-# not stall in retransmission timeouts),
+# ("hosts") joined by a veth pair whose egress is shaped to RATE (tc tbf,
+# a bucket of 1 ms at the rate, a queue of up to 2 s so packets wait rather
+# than drop; SHAPE="qdisc and arguments" replaces it, RATE standing for the
+# rate: SHAPE="netem limit 100000 delay 1ms rate RATE" adds latency where the
+# kernel has netem, which this machine's does not: CONFIG_NET_SCH_NETEM),
 # one rank on each, synthetic data; every mode in turn, ROUNDS interleaved
 # rounds, the img/s of each run's last progress line. Needs root (ip netns,
 # tc); not part of CI (a minute or more per rate).
@@ -48,7 +50,14 @@ run() {
 for rate in "${rates[@]}"; do
   for dev in "$ns0 $if0" "$ns1 $if1"; do
     set -- $dev
-    ip netns exec "$1" tc qdisc replace dev "$2" root tbf rate "$rate" burst 64kb latency 2s
+    # The bucket holds 1 ms at the rate (64 KB at least): a 64 KB bucket at
+    # 1 Gbit/s, refilled every 0.5 ms, stalls the allreduce's two-way bursts
+    # (see docs/ddp.md).
+    burst=$(python3 -c "import re,sys; v,u=re.fullmatch(r'([0-9.]+)([kmg]?)bit','$rate').groups()
+print(max(64000, int(float(v)*{'':1,'k':1e3,'m':1e6,'g':1e9}[u]/8/1000)))")
+    shape=${SHAPE:-"tbf rate RATE burst ${burst}b latency 2s"}
+    # shellcheck disable=SC2086
+    ip netns exec "$1" tc qdisc replace dev "$2" root ${shape//RATE/$rate}
   done
   for round in $(seq "$rounds"); do
     for cfg in ${CONFIGS:-"off,off" "bf16,off" "fp16,off" "off,bf16" "bf16,bf16"}; do
