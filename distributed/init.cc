@@ -539,7 +539,7 @@ void destroy_process_group() {
   State& s = state();
   std::lock_guard<std::mutex> setup(s.setup_mu);
   std::shared_ptr<ProcessGroup> pg;
-  std::shared_ptr<Store> store;
+  std::shared_ptr<Store> store, kept;
   {
     std::lock_guard<std::mutex> lock(s.mu);
     pg = std::move(s.default_pg);
@@ -549,6 +549,7 @@ void destroy_process_group() {
     s.backend.clear();
     s.groups_created = 0;
     s.made.clear();
+    kept = std::move(s.kept_store);
     s.kept_store = nullptr;
     s.generation = 0;
   }
@@ -556,6 +557,9 @@ void destroy_process_group() {
   // Released here, outside `mu`: a backend's destructor may join threads.
   pg.reset();
   store.reset();
+  // A survivor's store connection, held on by its aborted groups too: it
+  // says goodbye now (else the store would count the rank lost at exit).
+  if (kept) kept->close();
 }
 
 // ---------------------------------------------------------------------------
@@ -582,17 +586,39 @@ void commit_point(int64_t step) {
   State& s = state();
   std::shared_ptr<Store> store;
   int rank = 0, world = 1;
+  std::shared_ptr<Store> kept;
+  int64_t generation = 0;
+  Millis timeout{0};
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (!s.default_pg || !s.kept_store) return;  // live recovery off
     store = s.store;
+    kept = s.kept_store;
+    generation = s.generation;
+    timeout = s.env.timeout;
     rank = s.default_pg->rank();
     world = s.default_pg->size();
   }
   if (world == 1) return;
   const std::string k = "commit/" + std::to_string(step);
   if (store->add(k + "/arrived", 1) == world) store->set(k + "/all", "1");
-  store->wait({k + "/all"});
+  // In slices: a lost rank fails the wait at once, but only until its
+  // replacement connects; after that the next generation having opened
+  // says the same, and this rank must go and join it.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    try {
+      store->wait({k + "/all"}, std::chrono::milliseconds(200));
+      break;
+    } catch (const RankLostError&) {
+      throw;
+    } catch (const Error& e) {
+      if (kept->add(kGenerationKey, 0) > generation)
+        throw Error("commit point of step " + std::to_string(step) +
+                    ": a replacement opened the next generation while this rank waited (a rank was lost)");
+      if (std::chrono::steady_clock::now() >= deadline) throw;
+    }
+  }
   // Everyone is past the previous step's point (they all reached this one).
   if (rank == 0 && step > 0) {
     const std::string prev = "commit/" + std::to_string(step - 1);

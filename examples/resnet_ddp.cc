@@ -203,6 +203,12 @@ Flags parse_flags(int argc, char** argv) {
   if ((f.powersgd_rank != Flags{}.powersgd_rank || f.powersgd_start != Flags{}.powersgd_start) &&
       f.grad_compress != "powersgd")
     usage_error("--powersgd-rank and --powersgd-start go with --grad-compress powersgd");
+  // An overflowing float16 step (which loss scaling makes now and then, on
+  // purpose) would leave inf in PowerSGD's error and Q memories for good.
+  if (f.grad_compress == "powersgd" && f.amp == "fp16")
+    usage_error(
+        "--grad-compress powersgd does not go with --amp fp16 (an overflowed step would poison its "
+        "error feedback); use --amp bf16");
   // The default directory is scratch that a fresh run replaces; one the user names is kept.
   examples::refuse_overwrite(f.checkpoint_dir, "epoch_",
                              f.resume || f.overwrite || f.checkpoint_dir == Flags{}.checkpoint_dir);
@@ -314,7 +320,7 @@ struct Setup {
   int64_t start_in_epoch = 0;   // steps of start_epoch already done (a live recovery mid-epoch)
   bool redo_epoch_end = false;  // a live recovery at the end of epoch start_epoch - 1
   std::shared_ptr<distributed::DistributedDataParallel> ddp;
-  distributed::StepStartBuffers step_start;  // live recovery: batch norm's statistics as each step began
+  distributed::StepStartBuffers step_start;              // live recovery: batch norm's statistics as each step began
   std::shared_ptr<distributed::PowerSGDState> powersgd;  // --grad-compress powersgd
   std::unique_ptr<distributed::GradientAccumulator> accumulator;
 
@@ -562,7 +568,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       ++micro;
       if (!s.accumulator->backward(scaler.scale(loss))) continue;
       distributed::commit_point(s.step);  // live recovery: every rank steps, or none
-      scaler.step(*s.opt);  // skipped when a float16 gradient overflowed; the scale then backs off
+      scaler.step(*s.opt);                // skipped when a float16 gradient overflowed; the scale then backs off
       scaler.update();
       s.sched->step();
       s.opt->zero_grad();

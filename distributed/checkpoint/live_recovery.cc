@@ -152,8 +152,8 @@ ReplicaMap replicas_along(const DeviceMesh& mesh, const std::string& dim) {
   const std::vector<int> shape = mesh.shape();
   const std::vector<int> ranks = mesh.ranks();
   const int d = mesh.has_dim(dim) ? mesh.dim_index(dim) : -1;
-  const auto rank_at = [&mesh](const std::vector<int>& c) { return mesh.rank_at(c); };
-  return [shape, ranks, d, rank_at](int rank) -> std::vector<int> {
+  // Copies only: the map may outlive the mesh. ranks() is row-major.
+  return [shape, ranks, d](int rank) -> std::vector<int> {
     auto pos = std::find(ranks.begin(), ranks.end(), rank);
     EMBER_CHECK(pos != ranks.end(), "replicas_along: rank ", rank, " is not in the mesh");
     if (d < 0) return {rank};
@@ -166,7 +166,9 @@ ReplicaMap replicas_along(const DeviceMesh& mesh, const std::string& dim) {
     std::vector<int> out;
     for (int v = 0; v < shape[d]; ++v) {
       coord[d] = v;
-      out.push_back(rank_at(coord));
+      int64_t index = 0;
+      for (size_t k = 0; k < shape.size(); ++k) index = index * shape[k] + coord[k];
+      out.push_back(ranks[index]);
     }
     return out;
   };

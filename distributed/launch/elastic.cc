@@ -501,8 +501,13 @@ class Agent {
         if (verdict.load() || !WIFSIGNALED(status) || WTERMSIG(status) == SIGABRT) return {};
         int64_t used = 0;
         try {
-          if (get_int("failures") >= o_.max_restarts) return {};
+          // Counted and checked in one step: failures on two nodes at once
+          // cannot both take the last restart.
           used = store_->add(key("failures"), 1);
+          if (used > o_.max_restarts) {
+            store_->add(key("failures"), -1);  // the round's failure path counts it and gives up
+            return {};
+          }
         } catch (const Error&) {
           return {};
         }
@@ -514,7 +519,15 @@ class Agent {
         env.push_back("EMBER_LIVE_RECOVERY_REPLACEMENT=1");
         return env;
       };
-    const WorkersResult r = run_workers(path_, argv_, std::move(specs), o_.prefix_output, o_.grace, stop, replace);
+    WorkersResult r;
+    try {
+      r = run_workers(path_, argv_, std::move(specs), o_.prefix_output, o_.grace, stop, replace);
+    } catch (...) {
+      // A worker that could not be started (again): the monitor goes first.
+      workers_done.store(true);
+      monitor.join();
+      throw;
+    }
     workers_done.store(true);
     monitor.join();  // before the store is used here again: one thread at a time
     if (store_lost_) {

@@ -48,6 +48,9 @@ void orthogonalize_columns(const Tensor& out, double epsilon) {
     Tensor col = m.narrow(1, i, 1);
     Tensor norm = sqrt(sum(col * col));
     if (epsilon > 0) norm = norm + epsilon;
+    // A column of zeros (a gradient that is zero everywhere) stays zero
+    // instead of 0/0 (torch's QR, above rank 2, does not make NaN either).
+    norm = where(eq(norm, zeros_like(norm)), ones_like(norm), norm);
     col.copy_(col / norm);
     if (i + 1 < r) {
       Tensor rest = m.narrow(1, i + 1, r - i - 1);

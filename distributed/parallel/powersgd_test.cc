@@ -173,6 +173,13 @@ TEST(PowerSGD, GramSchmidtAgainstFloat64) {
     for (int64_t j = 0; j < r; ++j) EXPECT_NEAR(got[i * r + j], cols[j][i], 1e-6) << i << "," << j;
 }
 
+// A gradient that is zero everywhere: its columns stay zero, no 0/0.
+TEST(PowerSGD, ZeroColumnsStayZero) {
+  Tensor m = zeros({5, 2});
+  orthogonalize_columns(m);
+  for (double v : m.to(DType::Float64).to_vector()) EXPECT_EQ(v, 0.0);
+}
+
 TEST(PowerSGD, BadOptionsAreNamed) {
   using ::ember::testing::error_of;
   auto has = [](const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; };
