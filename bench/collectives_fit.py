@@ -77,6 +77,9 @@ def main(paths):
             errs = sorted(abs(alpha * a + beta * x - t) / t for a, x, t in pts)
             out["ops"][op][str(world)] = {
                 "alpha_s": alpha, "beta_s_per_byte": beta, "link_GBps": (1 / beta / 1e9) if beta > 0 else None,
+                # The model at this group size, as distributed/parallel/comm_cost.h evaluates it:
+                # t = latency_s + bytes * seconds_per_byte.
+                "latency_s": alpha * a_of(world), "seconds_per_byte": beta * f_of(world),
                 "points": len(pts), "median_rel_error": errs[len(errs) // 2], "max_rel_error": errs[-1]}
     json.dump(out, sys.stdout, indent=1)
     print()
