@@ -915,47 +915,39 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
 // ---- The run: config (the flags), setup, loop ----
 
 int train(const Flags& flags) {
-  // Live recovery: a survivor of a lost rank keeps its state, rebuilds its
-  // groups and objects here, and goes on (the replacement starts here).
-  distributed::LiveState kept;
-  for (;;) {
-    const examples::Job job = examples::start_job(flags.timeout_sec);
-    distributed::check_same_config(*job.pg, {{"--strategy", flags.strategy},
-                                             {"--shard-size", std::to_string(flags.shard_size)},
-                                             {"--dp-replicate", std::to_string(flags.dp_replicate)},
-                                             {"--dp-shard", std::to_string(flags.dp_shard)},
-                                             {"--tp", std::to_string(flags.tp)},
-                                             {"--pp", std::to_string(flags.pp)},
-                                             {"--pp-schedule", flags.pp_schedule},
-                                             {"--pp-virtual", std::to_string(flags.pp_virtual)},
-                                             {"--pp-split", flags.pp_split},
-                                             {"--microbatches", std::to_string(flags.microbatches)},
-                                             {"--sp", flags.sp},
-                                             {"--global-batch", std::to_string(flags.global_batch)},
-                                             {"--amp", flags.amp},
-                                             {"--layers", std::to_string(flags.layers)},
-                                             {"--dim", std::to_string(flags.dim)},
-                                             {"--heads", std::to_string(flags.heads)},
-                                             {"--seq", std::to_string(flags.seq)},
-                                             {"--batch-size", std::to_string(flags.batch_size)},
-                                             {"--accum-steps", std::to_string(flags.accum_steps)},
-                                             {"--lr", std::to_string(flags.lr)},
-                                             {"--max-steps", std::to_string(flags.max_steps)},
-                                             {"--seed", std::to_string(flags.seed)},
-                                             {"--resume", flags.resume ? "on" : "off"}});
-    const bool live = distributed::is_live_replacement() || !kept.empty();
-    Setup s = setup(flags, job, /*from_disk=*/!live);
-    if (live) recover(job, s, kept.empty() ? nullptr : &kept);
-    kept = {};
-    try {
-      return loop(flags, job, s);
-    } catch (const Error& e) {
-      if (!distributed::peer_lost(std::chrono::seconds(2))) throw;
-      LOG_ALL("live recovery: ", e.what(), "; keeping step ", s.step, "'s state, waiting for a replacement");
-      kept = distributed::capture_live_state(s.model(), *s.opt, s.sched.get(), s.scaler.get(), s.step);
-      distributed::abort_for_recovery(distributed::init_env().timeout);
-    }
-  }
+  return examples::train_recovering<Setup>(
+      flags.timeout_sec,
+      [&](const examples::Job& job, bool from_disk) {
+        distributed::check_same_config(*job.pg, {{"--strategy", flags.strategy},
+                                                 {"--shard-size", std::to_string(flags.shard_size)},
+                                                 {"--dp-replicate", std::to_string(flags.dp_replicate)},
+                                                 {"--dp-shard", std::to_string(flags.dp_shard)},
+                                                 {"--tp", std::to_string(flags.tp)},
+                                                 {"--pp", std::to_string(flags.pp)},
+                                                 {"--pp-schedule", flags.pp_schedule},
+                                                 {"--pp-virtual", std::to_string(flags.pp_virtual)},
+                                                 {"--pp-split", flags.pp_split},
+                                                 {"--microbatches", std::to_string(flags.microbatches)},
+                                                 {"--sp", flags.sp},
+                                                 {"--global-batch", std::to_string(flags.global_batch)},
+                                                 {"--amp", flags.amp},
+                                                 {"--layers", std::to_string(flags.layers)},
+                                                 {"--dim", std::to_string(flags.dim)},
+                                                 {"--heads", std::to_string(flags.heads)},
+                                                 {"--seq", std::to_string(flags.seq)},
+                                                 {"--batch-size", std::to_string(flags.batch_size)},
+                                                 {"--accum-steps", std::to_string(flags.accum_steps)},
+                                                 {"--lr", std::to_string(flags.lr)},
+                                                 {"--max-steps", std::to_string(flags.max_steps)},
+                                                 {"--seed", std::to_string(flags.seed)},
+                                                 {"--resume", flags.resume ? "on" : "off"}});
+        return setup(flags, job, from_disk);
+      },
+      [](const examples::Job& job, Setup& s, const distributed::LiveState* kept) { recover(job, s, kept); },
+      [&](const examples::Job& job, Setup& s) { return loop(flags, job, s); },
+      [](Setup& s) {
+        return distributed::capture_live_state(s.model(), *s.opt, s.sched.get(), s.scaler.get(), s.step);
+      });
 }
 
 }  // namespace

@@ -599,53 +599,47 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
 // ---- The run: config (the flags), setup, loop ----
 
 int train(const Flags& flags) {
-  // Live recovery: a survivor of a lost rank keeps its state, rebuilds its
-  // group and objects here, and goes on (the replacement starts here).
-  distributed::LiveState kept;
-  for (;;) {
-    const examples::Job job = examples::start_job(flags.timeout_sec);
-    const std::string model_name = !flags.model.empty() ? flags.model : job.cuda ? "resnet18" : "narrow";
-    // Ranks started with other flags would train diverging replicas without a
-    // word (a different batch size changes the learning-rate scaling too).
-    distributed::check_same_config(
-        *job.pg, {{"--model", model_name},
-                  {"--batch-size", std::to_string(flags.batch_size)},
-                  {"--lr", std::to_string(flags.lr)},
-                  {"--accum-steps", std::to_string(flags.accum_steps)},
-                  {"--epochs", std::to_string(flags.epochs)},
-                  {"--seed", std::to_string(flags.seed)},
-                  {"--sync-bn", flags.sync_bn ? "on" : "off"},
-                  {"--max-steps", std::to_string(flags.max_steps)},
-                  {"--resume", flags.resume ? "on" : "off"},
-                  {"--amp", flags.amp},
-                  {"--grad-compress", flags.grad_compress},
-                  {"--powersgd-rank", std::to_string(flags.powersgd_rank)},
-                  {"--powersgd-start",
-                   std::to_string(flags.powersgd_start)}});  // paths (--data, --checkpoint-dir) may differ by host
-    if (flags.nproc > 0 && flags.nproc != job.env.local_world_size)
-      LOG0("note: --nproc ", flags.nproc, " ignored: the launcher started ", job.env.local_world_size,
-           " processes per node");
-    const bool live = distributed::is_live_replacement() || !kept.empty();
-    Setup s = setup(flags, job, /*from_disk=*/!live);
-    if (live) recover(flags, job, s, kept.empty() ? nullptr : &kept);
-    // After DDP's own pre-hook (which broadcasts rank 0's buffers), so every
-    // rank keeps the same statistics for the step it is in.
-    if (distributed::live_recovery_enabled())
-      s.model->register_forward_pre_hook([&s](nn::Module& m, const Tensor&) {
-        if (m.is_training()) s.step_start.take(m, s.step);
-        return Tensor();
+  return examples::train_recovering<Setup>(
+      flags.timeout_sec,
+      [&](const examples::Job& job, bool from_disk) {
+        const std::string model_name = !flags.model.empty() ? flags.model : job.cuda ? "resnet18" : "narrow";
+        // Ranks started with other flags would train diverging replicas without a
+        // word (a different batch size changes the learning-rate scaling too).
+        distributed::check_same_config(
+            *job.pg, {{"--model", model_name},
+                      {"--batch-size", std::to_string(flags.batch_size)},
+                      {"--lr", std::to_string(flags.lr)},
+                      {"--accum-steps", std::to_string(flags.accum_steps)},
+                      {"--epochs", std::to_string(flags.epochs)},
+                      {"--seed", std::to_string(flags.seed)},
+                      {"--sync-bn", flags.sync_bn ? "on" : "off"},
+                      {"--max-steps", std::to_string(flags.max_steps)},
+                      {"--resume", flags.resume ? "on" : "off"},
+                      {"--amp", flags.amp},
+                      {"--grad-compress", flags.grad_compress},
+                      {"--powersgd-rank", std::to_string(flags.powersgd_rank)},
+                      {"--powersgd-start",
+                       std::to_string(flags.powersgd_start)}});  // paths (--data, --checkpoint-dir) may differ by host
+        if (flags.nproc > 0 && flags.nproc != job.env.local_world_size)
+          LOG0("note: --nproc ", flags.nproc, " ignored: the launcher started ", job.env.local_world_size,
+               " processes per node");
+        return setup(flags, job, from_disk);
+      },
+      [&](const examples::Job& job, Setup& s, const distributed::LiveState* kept) { recover(flags, job, s, kept); },
+      [&](const examples::Job& job, Setup& s) {
+        // After DDP's own pre-hook (which broadcasts rank 0's buffers), so
+        // every rank keeps the same statistics for the step it is in.
+        if (distributed::live_recovery_enabled())
+          s.model->register_forward_pre_hook([&s](nn::Module& m, const Tensor&) {
+            if (m.is_training()) s.step_start.take(m, s.step);
+            return Tensor();
+          });
+        return loop(flags, job, s);
+      },
+      [](Setup& s) {
+        return distributed::capture_live_state(*s.model, *s.opt, s.sched.get(), s.scaler.get(), s.step,
+                                               nlohmann::json{{"sampler_seed", s.data_seed}}.dump(), &s.step_start);
       });
-    kept = {};
-    try {
-      return loop(flags, job, s);
-    } catch (const Error& e) {
-      if (!distributed::peer_lost(std::chrono::seconds(2))) throw;
-      LOG_ALL("live recovery: ", e.what(), "; keeping step ", s.step, "'s state, waiting for a replacement");
-      kept = distributed::capture_live_state(*s.model, *s.opt, s.sched.get(), s.scaler.get(), s.step,
-                                             nlohmann::json{{"sampler_seed", s.data_seed}}.dump(), &s.step_start);
-      distributed::abort_for_recovery(distributed::init_env().timeout);
-    }
-  }
 }
 
 }  // namespace

@@ -10,12 +10,14 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 
 #include "core/device.h"
+#include "distributed/checkpoint/live_recovery.h"
 #include "distributed/checkpoint/sharded.h"
 #include "distributed/init.h"
 #include "distributed/logging/logging.h"
@@ -112,6 +114,38 @@ inline void refuse_overwrite(const std::string& dir, const std::string& prefix, 
   EMBER_CHECK(!holds, "--checkpoint-dir ", dir, " already holds checkpoints of a run (",
               latest.ok() ? "newest: " + **latest : std::string(latest.status().message()),
               "); pass --resume to continue that run, --overwrite to replace it, or another directory");
+}
+
+// A run that survives the loss of a rank in place (launch --live-recovery,
+// distributed/init.h): `build(job, kept)` makes the run's state on the job's
+// groups: from the disk or the flags when `kept` is null and this process
+// is no replacement, else afresh for `recover` (the state then comes from
+// `kept`, or from a replica for the replacement); `loop(job, state)` trains.
+// When the loop fails because a peer was lost, `capture(state)` keeps this
+// rank's state in memory, the groups are aborted, and once the replacement
+// has joined everything is built again on the new groups. Any other error
+// is the job's.
+template <typename State>
+int train_recovering(double timeout_sec, const std::function<State(const Job&, bool from_disk)>& build,
+                     const std::function<void(const Job&, State&, const distributed::LiveState*)>& recover,
+                     const std::function<int(const Job&, State&)>& loop,
+                     const std::function<distributed::LiveState(State&)>& capture) {
+  distributed::LiveState kept;
+  for (;;) {
+    const Job job = start_job(timeout_sec);
+    const bool live = distributed::is_live_replacement() || !kept.empty();
+    State state = build(job, /*from_disk=*/!live);
+    if (live) recover(job, state, kept.empty() ? nullptr : &kept);
+    kept = {};
+    try {
+      return loop(job, state);
+    } catch (const Error& e) {
+      if (!distributed::peer_lost(std::chrono::seconds(2))) throw;
+      kept = capture(state);
+      LOG_ALL("live recovery: ", e.what(), "; keeping step ", kept.step, "'s state, waiting for a replacement");
+      distributed::abort_for_recovery(distributed::init_env().timeout);
+    }
+  }
 }
 
 // The end of every run: nobody leaves (and tears the group down) before

@@ -48,17 +48,7 @@ run() {
 }
 
 for rate in "${rates[@]}"; do
-  for dev in "$ns0 $if0" "$ns1 $if1"; do
-    set -- $dev
-    # The bucket holds 1 ms at the rate (64 KB at least): a 64 KB bucket at
-    # 1 Gbit/s, refilled every 0.5 ms, stalls the allreduce's two-way bursts
-    # (see docs/ddp.md).
-    burst=$(python3 -c "import re,sys; v,u=re.fullmatch(r'([0-9.]+)([kmg]?)bit','$rate').groups()
-print(max(64000, int(float(v)*{'':1,'k':1e3,'m':1e6,'g':1e9}[u]/8/1000)))")
-    shape=${SHAPE:-"tbf rate RATE burst ${burst}b latency 2s"}
-    # shellcheck disable=SC2086
-    ip netns exec "$1" tc qdisc replace dev "$2" root ${shape//RATE/$rate}
-  done
+  netns_shape "$rate" "${SHAPE:-}" || { echo "cannot shape the link to $rate"; exit 1; }
   for round in $(seq "$rounds"); do
     for cfg in ${CONFIGS:-"off,off" "bf16,off" "fp16,off" "off,bf16" "bf16,bf16"}; do
       cfg=${cfg/,/ }

@@ -48,12 +48,7 @@ print("%.0f" % (sum(x["tokens_per_s"] for x in r) / len(r)))' "$work/m.jsonl" 2>
 }
 
 for rate in "${rates[@]}"; do
-  for dev in "$ns0 $if0" "$ns1 $if1"; do
-    set -- $dev
-    burst=$(python3 -c "import re; v,u=re.fullmatch(r'([0-9.]+)([kmg]?)bit','$rate').groups()
-print(max(64000, int(float(v)*{'':1,'k':1e3,'m':1e6,'g':1e9}[u]/8/1000)))")
-    ip netns exec "$1" tc qdisc replace dev "$2" root tbf rate "$rate" burst "${burst}b" latency 2s
-  done
+  netns_shape "$rate" || { echo "cannot shape the link to $rate"; exit 1; }
   for round in $(seq "$rounds"); do
     echo "rate $rate round $round FSDP FULL_SHARD over 4: $(run --strategy full) tokens/s"
     echo "rate $rate round $round HSDP, shard 2 x replicate 2: $(run --strategy hybrid --shard-size 2) tokens/s"

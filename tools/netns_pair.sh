@@ -1,10 +1,11 @@
-# Sourced by tools/multihost_test.sh and tools/grad_compress_bench.sh: two
-# network namespaces ("hosts") joined by a veth pair, and their cleanup.
+# Sourced by tools/multihost_test.sh and the link benches: two network
+# namespaces ("hosts") joined by a veth pair, their shaping and cleanup.
 #
 #   source tools/netns_pair.sh
 #   netns_pair NAME IFACE OCTET   # sets ns0 ns1 if0 if1 addr0 addr1 (10.OCTET.x.1 / .2, /24)
 #   netns_pair_cleanup            # kills whatever runs in them, deletes them
 #   netns_require_root TEST       # skips the test (exit 0) where they cannot be made
+#   netns_shape RATE [QDISC]      # both ends' egress shaped to RATE (e.g. 100mbit)
 # Needs root and iproute2; returns non-zero if the setup fails.
 
 netns_pair() {
@@ -36,5 +37,22 @@ netns_pair_cleanup() {
     pids=$(ip netns pids "$ns" 2>/dev/null)
     [ -n "$pids" ] && kill -9 $pids 2>/dev/null
     ip netns del "$ns" 2>/dev/null
+  done
+}
+
+# netns_shape RATE [QDISC]: both ends' egress through tc tbf at RATE, its
+# bucket holding 1 ms at the rate (64 KB at least: a 64 KB bucket at 1 Gbit/s,
+# refilled every 0.5 ms, stalls an allreduce's two-way bursts, docs/ddp.md)
+# and a queue of up to 2 s, so packets wait rather than drop. QDISC, when
+# given, replaces it ("qdisc and arguments", RATE in it standing for the rate).
+netns_shape() {
+  local rate=$1 burst shape dev
+  burst=$(python3 -c "import re; v,u=re.fullmatch(r'([0-9.]+)([kmg]?)bit','$rate').groups()
+print(max(64000, int(float(v)*{'':1,'k':1e3,'m':1e6,'g':1e9}[u]/8/1000)))") || return 1
+  shape=${2:-"tbf rate RATE burst ${burst}b latency 2s"}
+  for dev in "$ns0 $if0" "$ns1 $if1"; do
+    set -- $dev
+    # shellcheck disable=SC2086
+    ip netns exec "$1" tc qdisc replace dev "$2" root ${shape//RATE/$rate} || return 1
   done
 }
