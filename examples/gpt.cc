@@ -147,7 +147,8 @@ constexpr char kUsage[] =
     "                         and collectives' outputs (selective), or every K-th block (default none)\n"
     "  --global-batch N       sequences per optimizer step over the whole job (default: --batch-size x data-parallel\n"
     "                         ranks x --accum-steps); the per-rank micro-batch is N / (data-parallel ranks x accum)\n"
-    "  --metrics PATH         one JSON line per optimizer step (rank 0): step, loss, lr, grad_norm, tokens_per_s,\n"
+    "  --metrics PATH         one JSON line per optimizer step (rank 0): step, loss, lr, grad_norm, tokens_per_s, "
+    "step_s,\n"
     "                         mem_peak_mib (tensor bytes at the step's peak, the largest over ranks) and its parts\n"
     "                         mem_params_mib, mem_grads_mib, mem_optimizer_mib, mem_gathered_mib,\n"
     "                         mem_activations_mib, mem_other_mib (those of the rank with the largest peak),\n"
@@ -868,6 +869,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
             {"lr", lr},
             {"grad_norm", grad_norm},
             {"tokens_per_s", tokens_per_step / std::max(secs, 1e-9)},
+            {"step_s", secs},  // the step's wall time, for the step-time prediction (bench/step_predict.py)
             {"mem_peak_mib", mem.total()},
             {"mem_params_mib", mem[MemoryKind::Parameters]},
             {"mem_grads_mib", mem[MemoryKind::Gradients]},

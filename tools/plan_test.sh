@@ -22,4 +22,21 @@ if out=$("$plan" --model llama-8t --gpus 8 --global-batch 8 2>&1); then echo "ac
 grep -q "unknown model 'llama-8t'" <<<"$out" || { echo "$out"; exit 1; }
 if out=$("$plan" --model gpt2 --gpus 8 --global-batch 8 --mem-per-gpu 80XB 2>&1); then echo "accepted 80XB"; exit 1; fi
 grep -q "unknown unit 'XB'" <<<"$out" || { echo "$out"; exit 1; }
+# --explain: the best mesh's terms, summing to its step, and the failure cost.
+out=$("$plan" --model llama-70b --gpus 1024 --gpus-per-host 8 --mem-per-gpu 80GiB --global-batch 1024 --explain)
+grep -q "^| compute | " <<<"$out" || { echo "$out"; exit 1; }
+grep -q "^| step | " <<<"$out" || { echo "$out"; exit 1; }
+grep -q "^reliability: checkpoint 828 GB " <<<"$out" || { echo "$out"; exit 1; }
+# A given mesh with this machine's measurements (bench/results).
+out=$("$plan" --layers 2 --dim 128 --heads 4 --vocab 114 --seq 64 --gpus 4 --global-batch 32 --dtype fp32 \
+      --dp-shard 2 --tp 2 --step-allreduces 3 --compute-profile "$2" --comm-fit "$3")
+grep -q "^dp_replicate=1 dp_shard=2 tp=2 pp=1 (FSDP + TP), 1 micro-batch(es) of 16" <<<"$out" || { echo "$out"; exit 1; }
+grep -q "^| tp | allgather 512.0 KiB over 2 ranks x 15 | " <<<"$out" || { echo "$out"; exit 1; }
+grep -qE "^predicted step: 0\.[0-9]+ s$" <<<"$out" || { echo "$out"; exit 1; }
+if out=$("$plan" --model gpt2 --gpus 4 --global-batch 8 --tp 2 --strategy zero3 2>&1); then
+  echo "accepted --strategy zero3"; exit 1; fi
+grep -q "unknown strategy 'zero3'" <<<"$out" || { echo "$out"; exit 1; }
+if out=$("$plan" --model gpt2 --gpus 4 --global-batch 8 --compute-profile "$2" 2>&1); then
+  echo "accepted --compute-profile alone"; exit 1; fi
+grep -q "go together" <<<"$out" || { echo "$out"; exit 1; }
 echo "plan: decision matrix rows and errors as expected"

@@ -13,6 +13,7 @@
 #include "core/exception.h"
 #include "distributed/parallel/memory_plan.h"
 #include "distributed/parallel/pp/schedule.h"
+#include "distributed/parallel/step_cost.h"
 
 namespace ember::distributed {
 namespace {
@@ -37,13 +38,6 @@ std::vector<int> divisors(int64_t n) {
   for (int64_t k = 1; k <= n; ++k)
     if (n % k == 0) d.push_back(static_cast<int>(k));
   return d;
-}
-
-// A ring collective's time over `ranks` ranks: `factor` x (ranks-1)/ranks
-// of the bytes over the link's bandwidth, plus one latency per step.
-double ring(double bytes, int ranks, double factor, double bw, double latency) {
-  if (ranks <= 1 || bytes <= 0) return 0;
-  return factor * (ranks - 1) / ranks * bytes / bw + (ranks - 1) * latency;
 }
 
 }  // namespace
@@ -175,12 +169,6 @@ MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const Pl
   const double elem = o.mixed_precision ? 2 : 4;  // bytes of a parameter, gradient or activation
   const int64_t psi = model.num_params();
   const double tokens = static_cast<double>(o.global_batch) * (model.transformer() ? model.seq : 1);
-  // The link a group of `size` ranks `stride` apart uses.
-  auto link = [&](int stride, int size, double* bw, double* lat) {
-    const bool across = static_cast<int64_t>(stride) * size > G;
-    *bw = across ? hw.inter_host_bw : hw.intra_host_bw;
-    *lat = across ? hw.inter_latency : hw.intra_latency;
-  };
   if (model.transformer()) {
     const int64_t kv = model.kv_heads > 0 ? model.kv_heads : model.heads;
     if (T > G) return reject("tp " + std::to_string(T) + " spans hosts (" + std::to_string(G) + " GPUs each)");
@@ -216,19 +204,24 @@ MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const Pl
   mo.mixed_precision = o.mixed_precision;
   mo.world_size = S;
   const MemoryPlan mp = plan_memory(psi_r, std::min(unit_params, psi_r), mo);
-  const MemoryPlanRow& row = mp.row(S > 1 ? "FULL_SHARD" : "DDP");
+  const std::string strategy = !k.strategy.empty() ? k.strategy : S > 1 ? "full" : "ddp";
+  const MemoryPlanRow& row = mp.row(strategy == "full" || strategy == "hybrid" ? "FULL_SHARD"
+                                    : strategy == "grad_op"                    ? "SHARD_GRAD_OP"
+                                    : strategy == "zero1"                      ? "ZeRO-1"
+                                                                               : "DDP");
   k.params = row.params, k.grads = row.grads, k.optimizer = row.optimizer_state, k.gathered = row.gathered;
   // Under a pipeline the units stay gathered through the step with whole
   // gradients (FSDPModule::begin_micro_batches).
-  if (S > 1 && P > 1) k.gathered = static_cast<int64_t>(2 * elem * psi_r);
+  const bool fsdp = S > 1 && (strategy == "full" || strategy == "hybrid" || strategy == "grad_op");
+  if (fsdp && P > 1) k.gathered = static_cast<int64_t>(2 * elem * psi_r);
   // Accumulating micro-batches without a pipeline, FSDP keeps whole
   // gradients until the last one (gradient sync off until then, as
   // //examples:gpt does).
-  if (S > 1 && P == 1 && M > 1) k.gathered += static_cast<int64_t>(elem * psi_r);
+  if (fsdp && P == 1 && M > 1) k.gathered += static_cast<int64_t>(elem * psi_r);
   // With whole gradients accumulated, the sharded ones do not exist at the
   // peak: zero_grad freed them, and the step's one reduction makes them
   // after the whole ones (and the activations) peaked.
-  if (S > 1 && M > 1) k.grads = 0;
+  if (fsdp && M > 1) k.grads = 0;
   if (k.offload) k.params = k.grads = k.optimizer = 0;  // the sharded state lives on the host
   // Activations of the micro-batches alive on the first rank.
   double bubble = 0;
@@ -274,43 +267,14 @@ MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const Pl
   if (k.total() > hw.mem_per_gpu)
     return reject("needs " + gib(k.total()) + " GiB per GPU (" + gib(hw.mem_per_gpu) + " available)");
   // Time.
-  // Full recompute runs every forward twice: 4/3 of forward + backward.
-  const double flops = model.transformer() ? (k.ac == "full" ? 4.0 / 3 : 1.0) *
-                                                 (6.0 * psi + 12.0 * model.layers * model.dim * model.seq) * tokens
-                                           : model.flops_per_sample * o.global_batch;
-  k.compute = flops / (N * hw.peak_flops * hw.efficiency);
-  k.bubble = bubble;
-  const double compute_span = k.compute / (1 - bubble);
-  double bw, lat;
-  if (model.transformer() && T > 1) {
-    link(1, T, &bw, &lat);
-    const double bytes = static_cast<double>(model.seq) * k.micro_batch * model.dim * elem;
-    k.tp_comm =
-        std::ceil(static_cast<double>(model.layers) / P) * M * (k.ac == "full" ? 6 : 4) * ring(bytes, T, 2, bw, lat);
-  }
-  const double grad_bytes = elem * psi_r;
-  if (S > 1) {
-    link(T, S, &bw, &lat);
-    // Gathered for every forward and backward (FULL_SHARD), once per step
-    // under a pipeline; one reduce-scatter.
-    k.dp_comm += ring(grad_bytes, S, P > 1 ? 2 : 2.0 * M + 1, bw, lat);
-  }
-  if (R > 1) {
-    link(T * S, R, &bw, &lat);
-    k.dp_comm += ring(grad_bytes / S, R, 2, bw, lat);
-  }
-  // Without a pipeline, overlapped with the backward (two thirds of the
-  // compute), what does not fit in it exposed; under one, the reductions
-  // run after the last backward (end_micro_batches, the replicas'
-  // average): all exposed.
-  k.dp_exposed = P > 1 ? k.dp_comm : std::max(0.0, k.dp_comm - compute_span * 2 / 3);
-  if (P > 1) {
-    link(T * S * R, P, &bw, &lat);
-    const double bytes = static_cast<double>(model.seq) * k.micro_batch * model.dim * elem / T;
-    k.pp_comm = 2.0 * M * V * (bytes / bw + lat);
-  }
-  if (k.offload) k.offload_io = (2.0 * psi_r / S * elem + 4.0 * psi_r / S) / hw.host_bw;
-  k.step = compute_span + k.tp_comm + k.dp_exposed + k.pp_comm + k.offload_io;
+  const ComputeProfile hw_compute = ComputeProfile::from_hardware(hw);
+  const Links hw_links = Links::analytic(hw);
+  const StepTime t =
+      predict_step(model, k, o, o.compute ? *o.compute : hw_compute, o.links ? *o.links : hw_links, bubble);
+  k.compute = t.compute, k.bubble = t.bubble, k.tp_comm = t.tp_comm, k.dp_comm = t.dp_comm;
+  k.dp_exposed = t.dp_exposed, k.pp_comm = t.pp_comm, k.offload_io = t.offload_io, k.sync = t.sync;
+  k.optimizer_step = t.optimizer, k.step = t.step;
+  k.explain = t.explain();
   k.mfu = 6.0 * psi * tokens / (k.step * N * hw.peak_flops);
   return k;
 }

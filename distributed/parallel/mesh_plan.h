@@ -28,9 +28,9 @@
 // Each dimension's group spans hosts when its stride × size exceeds the
 // GPUs per host (tp innermost, then dp_shard, dp_replicate, pp outermost,
 // as //examples:gpt lays the mesh out): then it gets the inter-host
-// bandwidth. The communication cost model is deliberately simple
-// (bandwidth and latency per link kind, no contention); the communication
-// issue replaces it with measured fits.
+// bandwidth. The time is step_cost.h's predict_step: by default over
+// Hardware's peak and links (bandwidth and latency per link kind, no
+// contention), or over a measured ComputeProfile and collectives' fits.
 #pragma once
 
 #include <cstdint>
@@ -74,11 +74,21 @@ struct Hardware {
   double host_bw = 25e9;  // host <-> device (PCIe), for offload
 };
 
+struct ComputeProfile;
+class Links;
+
 struct PlanOptions {
   int64_t global_batch = 0;     // sequences (or samples) per optimizer step
   bool mixed_precision = true;  // 16-bit compute, float32 master in the optimizer state
   std::string optimizer = "adamw";
   int top = 5;  // candidates printed
+  // The training loop's own scalar all-reduces per step (the gradient
+  // norm, the loss for the log): latency on a small model.
+  int64_t step_allreduces = 0;
+  // Where the step time comes from (step_cost.h); null: Hardware's peak
+  // and efficiency, ring collectives over its links.
+  const ComputeProfile* compute = nullptr;
+  const Links* links = nullptr;
 };
 
 struct MeshCandidate {
@@ -87,12 +97,20 @@ struct MeshCandidate {
   int64_t microbatches = 1, micro_batch = 1;  // per data-parallel rank and step, sequences each
   std::string ac = "none";                    // none | full
   bool offload = false;
+  // The data-parallel strategy: "" (FSDP's FULL_SHARD over dp_shard, HSDP
+  // with dp_replicate, DDP without dp_shard), full, hybrid, grad_op
+  // (SHARD_GRAD_OP), no_shard (gradients all-reduced over dp_shard), ddp,
+  // zero1 (ZeRO-1 over dp_shard).
+  std::string strategy;
+  bool sequence_parallel = true;  // under tp (Megatron-SP)
   // Per rank, bytes (the rank holding the most: the first stage).
   int64_t params = 0, grads = 0, optimizer = 0, gathered = 0, activations = 0, buffers = 0;
   int64_t total() const { return params + grads + optimizer + gathered + activations + buffers; }
   // Seconds per step.
   double compute = 0, bubble = 0, tp_comm = 0, dp_comm = 0, dp_exposed = 0, pp_comm = 0, offload_io = 0, step = 0;
+  double sync = 0, optimizer_step = 0;
   double mfu = 0;
+  std::string explain;   // the prediction term by term (StepTime::explain)
   std::string rejected;  // why not, or empty
   // "dp_replicate=1 dp_shard=8 tp=1 pp=1"
   std::string mesh() const;
