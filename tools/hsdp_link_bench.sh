@@ -7,6 +7,8 @@
 # only the replicas' allreduce of each shard across it. Prints each run's
 # tokens/s (the mean of its steps after the second, from --metrics); ROUNDS
 # interleaved rounds. Needs root (ip netns, tc); not part of CI.
+# docs/scaling.md sets these beside //tools:plan's predictions for the same
+# meshes and links (--inter-host-gbps with --comm-fit).
 #
 #   bazel build -c opt //examples:gpt //tools:launch
 #   tools/hsdp_link_bench.sh bazel-bin/tools/launch bazel-bin/examples/gpt [ROUNDS] [RATE...]

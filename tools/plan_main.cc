@@ -48,7 +48,8 @@ const char* kUsage =
     "  --explain also prints what failures cost the best mesh: a failure rate per GPU and day (default Llama 3's,\n"
     "    419 in 54 days on 16,384 GPUs), checkpoint writes per host (GB/s, default 2), a restart (default 300 s)\n"
     "  --compute-profile, --comm-fit: this machine's measured compute and collectives (CPU ranks, --cores\n"
-    "    shared; default the profile's) instead of the GPU's peak and links\n";
+    "    shared; default the profile's) instead of the GPU's peak and links; with --inter-host-gbps, hosts of\n"
+    "    --gpus-per-host ranks joined by links of that speed (emulated hosts over a shaped veth pair)\n";
 
 [[noreturn]] void usage_error(const std::string& msg) {
   std::fprintf(stderr, "plan: %s\n%s", msg.c_str(), kUsage);
@@ -116,7 +117,7 @@ int main(int argc, char** argv) {
   Hardware hw;
   PlanOptions o;
   std::string model;
-  bool gpus_given = false, explain = false, mesh_given = false;
+  bool gpus_given = false, explain = false, mesh_given = false, inter_given = false;
   MeshCandidate given;
   given.dp_shard = -1;  // the rest
   std::string given_sp = "on", compute_path, fit_path;
@@ -176,7 +177,7 @@ int main(int argc, char** argv) {
     else if (a == "--intra-host-gbps")
       hw.intra_host_bw = number(a, value()) * 1e9;
     else if (a == "--inter-host-gbps")
-      hw.inter_host_bw = number(a, value()) * 1e9;
+      hw.inter_host_bw = number(a, value()) * 1e9, inter_given = true;
     else if (a == "--explain")
       explain = true;
     else if (a == "--dp-replicate")
@@ -244,7 +245,8 @@ int main(int argc, char** argv) {
       auto f = CommCostModel::load(fit_path);
       if (!f.ok()) usage_error(std::string(f.status().message()));
       fits = std::move(*f);
-      links = Links::measured(*fits, hw.gpus, profile.cores);
+      // --inter-host-gbps: hosts of --gpus-per-host ranks joined by such a link.
+      links = Links::measured(*fits, hw.gpus, profile.cores, inter_given ? hw.inter_host_bw : 0, hw.gpus_per_host);
       o.compute = &profile;
       o.links = &*links;
     } else if (cores > 0) {

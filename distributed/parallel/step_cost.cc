@@ -75,9 +75,13 @@ Links Links::analytic(const Hardware& hw) {
   return l;
 }
 
-Links Links::measured(const CommCostModel& fits, int job_ranks, int cores) {
+Links Links::measured(const CommCostModel& fits, int job_ranks, int cores, double inter_host_bw, int ranks_per_host) {
   EMBER_CHECK(job_ranks >= 1 && cores >= 1, "Links::measured: ", job_ranks, " ranks on ", cores, " cores");
+  EMBER_CHECK(inter_host_bw <= 0 || ranks_per_host >= 1, "Links::measured: a link between hosts of ", ranks_per_host,
+              " ranks");
   Links l;
+  l.inter_host_bw_ = inter_host_bw;
+  l.ranks_per_host_ = ranks_per_host;
   l.fits_ = &fits;
   l.job_ranks_ = job_ranks;
   l.cores_ = cores;
@@ -88,7 +92,10 @@ std::string Links::source() const {
   if (hw_)
     return "ring collectives at " + fmt("%.0f", hw_->intra_host_bw / 1e9) + " GB/s within a host, " +
            fmt("%.0f", hw_->inter_host_bw / 1e9) + " GB/s across";
-  return "measured fits, " + std::to_string(job_ranks_) + " processes on " + std::to_string(cores_) + " cores";
+  return "measured fits, " + std::to_string(job_ranks_) + " processes on " + std::to_string(cores_) + " cores" +
+         (inter_host_bw_ > 0 ? ", hosts of " + std::to_string(ranks_per_host_) + " ranks joined at " +
+                                   fmt("%.4g", inter_host_bw_ * 8 / 1e9) + " Gbit/s"
+                             : "");
 }
 
 double Links::seconds(const std::string& op, double bytes, int size, int stride) const {
@@ -98,7 +105,18 @@ double Links::seconds(const std::string& op, double bytes, int size, int stride)
     // here all the job's share them.
     const double slow =
         std::max(1.0, static_cast<double>(job_ranks_) / cores_) / std::max(1.0, static_cast<double>(size) / cores_);
-    return slow * fits_->seconds(op, static_cast<int64_t>(bytes), size);
+    const double local = slow * fits_->seconds(op, static_cast<int64_t>(bytes), size);
+    if (inter_host_bw_ <= 0 || static_cast<int64_t>(stride) * size <= ranks_per_host_) return local;
+    // Hosts the group spans, and the groups of its dimension with a member
+    // on one host: each sends its ring's share over that host's link.
+    const double p = size;
+    const double hosts = std::min(p, static_cast<double>(stride) * size / ranks_per_host_);
+    const double groups = ranks_per_host_ * hosts / p;
+    const double share = op == "allreduce"                          ? 2 * (p - 1) / p
+                         : (op == "broadcast" || op == "send_recv") ? 1.0
+                                                                    : (p - 1) / p;
+    const double wire = groups * share * bytes / inter_host_bw_;
+    return std::max(local, fits_->fit(op, size).latency_s + wire);
   }
   EMBER_CHECK(hw_ != nullptr, "Links: neither hardware nor fits");
   const bool across = static_cast<int64_t>(stride) * size > hw_->gpus_per_host;

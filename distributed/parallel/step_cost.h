@@ -92,7 +92,13 @@ class Links {
   // host.
   static Links analytic(const Hardware& hw);
   // This machine's fits; a job of `job_ranks` processes on `cores` cores.
-  static Links measured(const CommCostModel& fits, int job_ranks, int cores);
+  // With `inter_host_bw` (bytes/s each way) the job's hosts, of
+  // `ranks_per_host` ranks, are joined by such links (network namespaces
+  // over a shaped veth pair): a ring spanning hosts sends its share of the
+  // bytes over each host's link once per group with a member there, at
+  // least the fit's latency plus that transfer.
+  static Links measured(const CommCostModel& fits, int job_ranks, int cores, double inter_host_bw = 0,
+                        int ranks_per_host = 0);
   // `op`: allreduce, allgather, reduce_scatter, broadcast, all_to_all,
   // send_recv; `bytes` as the process group's counters count them.
   double seconds(const std::string& op, double bytes, int group_size, int stride) const;
@@ -102,6 +108,8 @@ class Links {
   const Hardware* hw_ = nullptr;
   const CommCostModel* fits_ = nullptr;
   int job_ranks_ = 1, cores_ = 0;
+  double inter_host_bw_ = 0;
+  int ranks_per_host_ = 0;
 };
 
 // One line of the prediction: what runs, how often, how long in all.

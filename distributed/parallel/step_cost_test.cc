@@ -168,6 +168,24 @@ TEST(PredictStep, RanksSharingCoresStretchComputeAndFits) {
   EXPECT_NE(error_of([&] { l.seconds("allgather", 1024, 3, 1); }).find("3"), std::string::npos);
 }
 
+TEST(Links, HostsJoinedByASlowLink) {
+  auto fits = CommCostModel::load("bench/results/collectives_fit.json");
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  // 4 ranks, 2 per host, 100 Mbit/s each way between the hosts.
+  const double bw = 12.5e6, B = 1 << 20;
+  const Links l = Links::measured(*fits, 4, 2, bw, 2);
+  const Links local = Links::measured(*fits, 4, 2);
+  // Within a host: the fit alone.
+  EXPECT_DOUBLE_EQ(l.seconds("allgather", B, 2, 1), local.seconds("allgather", B, 2, 1));
+  // FSDP over all 4: one ring crosses each host's link with 3/4 of the bytes.
+  EXPECT_DOUBLE_EQ(l.seconds("allgather", B, 4, 1), fits->fit("allgather", 4).latency_s + 0.75 * B / bw);
+  // HSDP's replicas (2 ranks 2 apart): both shards' pairs cross the same link.
+  EXPECT_DOUBLE_EQ(l.seconds("allreduce", B, 2, 2), fits->fit("allreduce", 2).latency_s + 2 * 1.0 * B / bw);
+  // A fast link leaves the fit.
+  const Links fast = Links::measured(*fits, 4, 2, 1e15, 2);
+  EXPECT_DOUBLE_EQ(fast.seconds("allgather", B, 4, 1), local.seconds("allgather", B, 4, 1));
+}
+
 TEST(PredictStep, ThePlannerUsesTheGivenProfile) {
   const ModelSpec m = small();
   const ComputeProfile p = profile();
