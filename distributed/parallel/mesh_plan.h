@@ -9,28 +9,16 @@
 // 5·a·s/h term is absent because attention is fused, as ember's and
 // FlashAttention's; 2·s·b·h with full recompute), times the micro-batches
 // a schedule keeps alive on its first rank (1F1B and ZB-H1: pp; interleaved:
-// pp·(1 + (pp-1)/(pp·v)); GPipe: all), and with a step time:
-//
-//   compute   6·Ψ·tokens + 12·L·h·s·tokens (PaLM), 4/3 of it with full recompute,
-//             over N GPUs at `efficiency` of their peak, stretched by the
-//             schedule's bubble (schedule.h's closed forms)
-//   tp        4 all-reduces of s·b·h per layer and micro-batch (6 with
-//             recompute), ring: 2(t-1)/t·bytes/bandwidth + latency; exposed
-//   dp        DDP: an all-reduce of the gradients (2Ψ_r); FSDP: an
-//             all-gather for each micro-batch's forward and backward and one
-//             reduce-scatter ((2M+1)Ψ_r; whole gradients held meanwhile), 2Ψ_r
-//             under a pipeline (gathered once per step); HSDP adds the
-//             replicas' all-reduce of the shard; overlapped with two thirds
-//             of the compute (the backward), what exceeds it exposed; all
-//             exposed under a pipeline (reduced after its last backward)
-//   pp        2 transfers of s·b·h per micro-batch and boundary (×v)
-//
-// Each dimension's group spans hosts when its stride × size exceeds the
-// GPUs per host (tp innermost, then dp_shard, dp_replicate, pp outermost,
-// as //examples:gpt lays the mesh out): then it gets the inter-host
-// bandwidth. The time is step_cost.h's predict_step: by default over
-// Hardware's peak and links (bandwidth and latency per link kind, no
-// contention), or over a measured ComputeProfile and collectives' fits.
+// pp·(1 + (pp-1)/(pp·v)); GPipe: all), and with a step time: step_cost.h's
+// predict_step (the last stage's compute from its FLOPs, stretched by the
+// schedule's bubble; every collective of tp, dp and pp counted, what the
+// backward hides subtracted), by default over Hardware's peak and links
+// (bandwidth and latency per link kind, no contention), or over a
+// measured ComputeProfile and collectives' fits (PlanOptions::compute,
+// links). Each dimension's group spans hosts when its stride × size
+// exceeds the GPUs per host (tp innermost, then dp_shard, dp_replicate, pp
+// outermost, as //examples:gpt lays the mesh out): then it gets the
+// inter-host link.
 #pragma once
 
 #include <cstdint>
