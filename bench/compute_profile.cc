@@ -13,6 +13,10 @@
 //              (embeddings, final norm, LM head, loss); FLOPs 6 x vocab x
 //              dim x tokens
 //   optimizer  AdamW's step, fitted as overhead_s + parameters x s_per_param
+//   models     //examples:resnet_ddp's narrow ResNet-18 (width 16, 1 x 28 x
+//              28 inputs): forward + backward over batches of 8 to 64,
+//              fitted as overhead_s + samples x s_per_sample, and its
+//              Nesterov SGD step (optimizer_s)
 //
 // Each point is the median of --reps timings after a warm-up; the fits are
 // least squares, each point weighted by 1 / its time (relative errors), and
@@ -36,6 +40,8 @@
 
 #include "core/ops.h"
 #include "distributed/parallel/tp/loss_parallel.h"
+#include "nn/functional.h"
+#include "nn/models.h"
 #include "nn/transformer.h"
 #include "optim/optimizer.h"
 
@@ -186,6 +192,36 @@ int main(int argc, char** argv) {
     return 1;
   }
   const Fit b = fit(block_pts), h = fit(head_pts), o = fit(opt_pts);
+
+  // The narrow ResNet-18 of //examples:resnet_ddp.
+  std::vector<Point> resnet_pts;
+  std::vector<double> sgd;
+  {
+    manual_seed(0);
+    auto model = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = 16});
+    model->train();
+    optim::SGD opt(model->parameters(),
+                   optim::SGDOptions{.lr = 0.1, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true});
+    for (int64_t batch : {8, 16, 32, 64}) {
+      Tensor x = randn({batch, 1, 28, 28}), y = randint(0, 10, {batch});
+      std::vector<double> fb;
+      for (int r = 0; r < reps + 2; ++r) {
+        opt.zero_grad();
+        const auto t0 = Clock::now();
+        nn::functional::cross_entropy((*model)(x), y).backward();
+        const auto t1 = Clock::now();
+        opt.step();
+        const auto t2 = Clock::now();
+        if (r >= 2) {
+          fb.push_back(std::chrono::duration<double>(t1 - t0).count());
+          sgd.push_back(std::chrono::duration<double>(t2 - t1).count());
+        }
+      }
+      resnet_pts.push_back({static_cast<double>(batch), median(fb)});
+      raw.push_back({{"model", "resnet18-narrow"}, {"micro_batch", batch}, {"fwd_bwd_s", median(fb)}});
+    }
+  }
+  const Fit rn = fit(resnet_pts);
   nlohmann::json j = {
       {"about",
        "//bench:compute_profile: forward + backward of a GPT block and of the head as overhead_s + FLOPs / "
@@ -206,6 +242,13 @@ int main(int argc, char** argv) {
         {"s_per_param", o.per_x},
         {"median_rel_error", o.median_err},
         {"max_rel_error", o.max_err}}},
+      {"models",
+       {{"resnet18-narrow",
+         {{"overhead_s", rn.a},
+          {"s_per_sample", rn.per_x},
+          {"optimizer_s", median(sgd)},
+          {"median_rel_error", rn.median_err},
+          {"max_rel_error", rn.max_err}}}}},
       {"points", raw}};
   std::ofstream f(out);
   if (!(f << j.dump(1) << "\n")) {
@@ -214,8 +257,8 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "block: %.3f ms + FLOPs / %.2f GFLOP/s (median error %.0f%%); head: %.3f ms + FLOPs / %.2f GFLOP/s "
-      "(%.0f%%); adamw: %.3f ms + %.2f ns/param (%.0f%%)\n",
+      "(%.0f%%); adamw: %.3f ms + %.2f ns/param (%.0f%%); narrow ResNet-18: %.3f ms + %.3f ms/sample (%.0f%%)\n",
       b.a * 1e3, 1e-9 / b.per_x, 100 * b.median_err, h.a * 1e3, 1e-9 / h.per_x, 100 * h.median_err, o.a * 1e3,
-      o.per_x * 1e9, 100 * o.median_err);
+      o.per_x * 1e9, 100 * o.median_err, rn.a * 1e3, rn.per_x * 1e3, 100 * rn.median_err);
   return 0;
 }

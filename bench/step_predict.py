@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """The step-time prediction against measured steps (issue 36).
 
-For each configuration //examples:gpt runs on 2, 4 and 8 CPU ranks, runs
+For each configuration //examples:gpt and //examples:resnet_ddp run on 2,
+4 and 8 CPU ranks, runs
 the example (one thread per rank, its default model: 2 layers, dim 128, 4
 heads, context 64, 16 sequences per data-parallel rank and micro-batch,
 float32, AdamW), takes the median of its steps' wall times (--metrics'
-step_s, after warm-up steps), and asks //tools:plan for the same mesh with
+step_s, after warm-up steps; resnet_ddp's "step time:" line, DDP over the
+narrow ResNet-18, 64 Fashion-MNIST images per rank), and asks //tools:plan
+for the same mesh with
 this machine's measured compute (bench/results/compute_profile.json) and
 collectives (bench/results/collectives_fit.json). Rounds interleave the
 configurations; the median over rounds is reported. Writes a JSON of every
@@ -50,6 +53,8 @@ CONFIGS = [
     (8, "--dp-replicate 2 --tp 2 --pp 2 --dp-shard 1 --microbatches 4"),
 ]
 SEQ, DIM, HEADS, BATCH, VOCAB = 64, 128, 4, 16, None
+RESNET = [2, 4, 8]  # ranks of //examples:resnet_ddp (DDP), its default 64 images per rank
+RESNET_BATCH = 64
 
 
 def flag(flags, name, default):
@@ -68,6 +73,28 @@ def run_example(gpt, ranks, flags, steps, warmup):
             sys.exit(f"step_predict: {' '.join(cmd)} failed:\n{out.stdout}{out.stderr}")
         lines = [json.loads(l) for l in open(metrics)]
         return statistics.median(l["step_s"] for l in lines[warmup:])
+
+
+def run_resnet(resnet, ranks, steps):
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [resnet, "--nproc", str(ranks), "--epochs", "1", "--max-steps", str(steps), "--eval-size", "64",
+               "--checkpoint-dir", os.path.join(tmp, "ck")]
+        out = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+        line = next((l for l in (out.stdout + out.stderr).splitlines() if "step time: median " in l), None)
+        if out.returncode != 0 or line is None:
+            sys.exit(f"step_predict: {' '.join(cmd)} failed:\n{out.stdout}{out.stderr}")
+        return float(line.split("step time: median ")[1].split()[0]) / 1e3
+
+
+def predict_resnet(plan, ranks, profile, fit):
+    cmd = [plan, "--model", "resnet18-narrow", "--gpus", str(ranks), "--gpus-per-host", str(ranks),
+           "--global-batch", str(RESNET_BATCH * ranks), "--dtype", "fp32", "--dp-replicate", str(ranks),
+           "--dp-shard", "1", "--compute-profile", profile, "--comm-fit", fit]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"step_predict: {' '.join(cmd)} failed:\n{out.stdout}{out.stderr}")
+    step = next(l for l in out.stdout.splitlines() if l.startswith("predicted step: "))
+    return float(step.split()[2]), out.stdout
 
 
 def predict(plan, ranks, flags, profile, fit, vocab):
@@ -103,6 +130,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpt", default="bazel-bin/examples/gpt")
     ap.add_argument("--plan", default="bazel-bin/tools/plan")
+    ap.add_argument("--resnet", default="bazel-bin/examples/resnet_ddp")
     ap.add_argument("--profile", default="bench/results/compute_profile.json")
     ap.add_argument("--fit", default="bench/results/collectives_fit.json")
     ap.add_argument("--rounds", type=int, default=3)
@@ -112,23 +140,28 @@ def main():
     ap.add_argument("--only", default="", help="configurations whose flags contain this")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    configs = [c for c in CONFIGS if a.only in f"{c[0]} {c[1]}"]
+    configs = [("gpt",) + c for c in CONFIGS] + [("resnet_ddp", n, "") for n in RESNET]
+    configs = [c for c in configs if a.only in f"{c[0]} {c[1]} {c[2]}"]
     measured = {c: [] for c in configs}
     for r in range(a.rounds):
         for c in configs:
-            measured[c].append(run_example(a.gpt, c[0], c[1], a.steps, a.warmup))
-            print(f"round {r + 1}: {c[0]} ranks {c[1]}: {measured[c][-1] * 1e3:.1f} ms", file=sys.stderr)
+            t = (run_example(a.gpt, c[1], c[2], a.steps, a.warmup) if c[0] == "gpt" else
+                 run_resnet(a.resnet, c[1], a.steps))
+            measured[c].append(t)
+            print(f"round {r + 1}: {c[0]} {c[1]} ranks {c[2]}: {t * 1e3:.1f} ms", file=sys.stderr)
     rows = []
     for c in configs:
-        pred, explain = predict(a.plan, c[0], c[1], a.profile, a.fit, a.vocab)
+        pred, explain = (predict(a.plan, c[1], c[2], a.profile, a.fit, a.vocab) if c[0] == "gpt" else
+                         predict_resnet(a.plan, c[1], a.profile, a.fit))
         meas = statistics.median(measured[c])
-        rows.append({"ranks": c[0], "flags": c[1], "measured_s": meas, "rounds_s": measured[c], "predicted_s": pred,
-                     "error": pred / meas - 1, "explain": explain})
-    print("| ranks | //examples:gpt flags | measured (median) | predicted | error |")
-    print("|---|---|---|---|---|")
+        rows.append({"example": c[0], "ranks": c[1], "flags": c[2], "measured_s": meas, "rounds_s": measured[c],
+                     "predicted_s": pred, "error": pred / meas - 1, "explain": explain})
+    print("| example | ranks | flags | measured (median) | predicted | error |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['ranks']} | `{r['flags']}` | {r['measured_s'] * 1e3:.1f} ms | {r['predicted_s'] * 1e3:.1f} ms | "
-              f"{100 * r['error']:+.0f}% |")
+        flags = f"`{r['flags']}`" if r["flags"] else "(DDP, the defaults)"
+        print(f"| {r['example']} | {r['ranks']} | {flags} | {r['measured_s'] * 1e3:.1f} ms | "
+              f"{r['predicted_s'] * 1e3:.1f} ms | {100 * r['error']:+.0f}% |")
     within = sum(abs(r["error"]) <= 0.25 for r in rows)
     print(f"{within} of {len(rows)} within 25 %; median |error| "
           f"{100 * statistics.median(abs(r['error']) for r in rows):.0f}%")

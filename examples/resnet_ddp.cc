@@ -555,6 +555,8 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     auto t_epoch = Clock::now();
     job.pg->reset_counters();  // the epoch's gradient traffic, reported at its end
     const int64_t steps_before = epoch_steps;
+    std::vector<double> step_seconds;  // each optimizer step's wall time, loading its batches included
+    auto t_step = Clock::now();
     s.opt->zero_grad();
     for (data::Batch& b : *s.train_loader) {
       if (epoch_steps >= s.steps_per_epoch) break;
@@ -574,6 +576,8 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       s.opt->zero_grad();
       ++epoch_steps;
       ++s.step;
+      step_seconds.push_back(seconds(t_step, Clock::now()));
+      t_step = Clock::now();
       profile.step();
       images_done += s.global_batch;
       double elapsed = train_seconds + seconds(t_epoch, Clock::now());
@@ -591,6 +595,12 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       LOG0("gradient traffic: ", ar.bytes / (epoch_steps - steps_before), " bytes allreduced per step and rank (",
            ar.calls / (epoch_steps - steps_before), " allreduces)",
            s.powersgd ? ", PowerSGD compression rate " + std::to_string(s.powersgd->stats().rate()) + " so far" : "");
+    // The median step after 3 warm-up steps (bench/step_predict.py reads it).
+    if (step_seconds.size() > 3) {
+      std::vector<double> t(step_seconds.begin() + 3, step_seconds.end());
+      std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
+      LOG0("step time: median ", t[t.size() / 2] * 1e3, " ms over ", t.size(), " steps after 3 warm-up steps");
+    }
     end_of_epoch(epoch, loss_sum / std::max<int64_t>(micro, 1));
   }
   return examples::finish_job(job);

@@ -14,6 +14,7 @@
 #include "distributed/parallel/memory_plan.h"
 #include "distributed/parallel/pp/schedule.h"
 #include "distributed/parallel/step_cost.h"
+#include "nn/models.h"
 
 namespace ember::distributed {
 namespace {
@@ -61,7 +62,8 @@ int64_t ModelSpec::num_params() const {
 }
 
 std::vector<std::string> model_presets() {
-  return {"gpt", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "llama-7b", "llama-13b", "llama-70b", "resnet50"};
+  return {"gpt",      "gpt2",      "gpt2-medium", "gpt2-large", "gpt2-xl",
+          "llama-7b", "llama-13b", "llama-70b",   "resnet50",   "resnet18-narrow"};
 }
 
 ModelSpec model_preset(const std::string& name) {
@@ -94,6 +96,18 @@ ModelSpec model_preset(const std::string& name) {
     m.params = 25'557'032;
     m.flops_per_sample = 3 * 4.1e9;
     m.activation_bytes_per_sample = 100e6;
+  } else if (name == "resnet18-narrow") {
+    // //examples:resnet_ddp's CPU model: ResNet-18 of width 16 with the
+    // small stem on 1 x 28 x 28 images, 10 classes (nn::resnet18's
+    // parameter count); 57.1 MFLOPs forward per image (the convolutions'
+    // 2·k²·Cin·Cout·H·W summed, x3 to train); about 1.2 MB of 16-bit
+    // activations kept per image (an estimate).
+    m.params = 0;
+    for (const Tensor& p :
+         nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = 16})->parameters())
+      m.params += p.numel();
+    m.flops_per_sample = 3 * 57.1e6;
+    m.activation_bytes_per_sample = 1.2e6;
   } else {
     std::string all;
     for (const auto& n : model_presets()) all += (all.empty() ? "" : ", ") + n;

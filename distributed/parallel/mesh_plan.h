@@ -45,7 +45,8 @@ struct ModelSpec {
   int64_t num_params() const;        // the whole model, an untied head included
 };
 // gpt (= gpt2), gpt2, gpt2-medium, gpt2-large, gpt2-xl (1.5B), llama-7b,
-// llama-13b, llama-70b, resnet50; an error lists them otherwise.
+// llama-13b, llama-70b, resnet50, resnet18-narrow (//examples:resnet_ddp's
+// CPU model); an error lists them otherwise.
 ModelSpec model_preset(const std::string& name);
 // An nn::GPT's shape (context `seq`).
 ModelSpec model_spec(const nn::GPTOptions& gpt, int64_t seq);

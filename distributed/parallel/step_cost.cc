@@ -65,6 +65,23 @@ absl::StatusOr<ComputeProfile> ComputeProfile::load(const std::string& path) {
   double cores = 0;
   if (auto s = field("machine", "cores", &cores, true); !s.ok()) return s;
   p.cores = static_cast<int>(cores);
+  // Optional: "models": {"<name>": {"overhead_s", "s_per_sample", "optimizer_s"}}.
+  if (j.contains("models")) {
+    if (!j["models"].is_object())
+      return absl::InvalidArgumentError("compute profile " + path + ": models is not an object");
+    for (const auto& [name, m] : j["models"].items()) {
+      ModelRate r;
+      for (auto [key, out] : {std::pair<const char*, double*>{"overhead_s", &r.overhead_s},
+                              {"s_per_sample", &r.s_per_sample},
+                              {"optimizer_s", &r.optimizer_s}}) {
+        if (!m.contains(key) || !m[key].is_number() || !(m[key].get<double>() >= 0))
+          return absl::InvalidArgumentError("compute profile " + path + ": no non-negative number at models." + name +
+                                            "." + key);
+        *out = m[key].get<double>();
+      }
+      p.models[name] = r;
+    }
+  }
   p.overlap = 0;  // the cores compute; nothing runs beside them
   return p;
 }
@@ -174,7 +191,9 @@ StepTime predict_step(const ModelSpec& model, const MeshCandidate& c, const Plan
             " micro-batches" + (stretch > 1 ? " x " + fmt("%.2g", stretch) + " (ranks per core)" : ""),
         per_mb * M * stretch, &t.compute);
   } else {
-    per_mb = cp.head_overhead_s + model.flops_per_sample * mb / cp.head_flops_per_s;
+    const auto measured = cp.models.find(model.name);
+    per_mb = measured != cp.models.end() ? measured->second.overhead_s + mb * measured->second.s_per_sample
+                                         : cp.head_overhead_s + model.flops_per_sample * mb / cp.head_flops_per_s;
     add("compute",
         "forward + backward of " + fmt("%g", mb) + " samples (" + secs(per_mb) + ") x " + std::to_string(M) +
             (stretch > 1 ? " x " + fmt("%.2g", stretch) + " (ranks per core)" : ""),
@@ -216,6 +235,11 @@ StepTime predict_step(const ModelSpec& model, const MeshCandidate& c, const Plan
                                : static_cast<double>(model.vocab) * model.dim;
     units.push_back({elem * root / T, 1});
   } else {
+    // DDP's buckets of 25 MiB. Its first bucket of 1 MiB adds one more
+    // all-reduce's latency, left out: the analytic ring charges it 2(p-1)
+    // hops, which NCCL's tree for small messages does not pay (with it DDP
+    // would lose ResNet-50 on 8 GPUs to HSDP by 0.1 ms); on CPU ranks it
+    // is about 2 % of resnet_ddp's step.
     const double bucket = 25.0 * (1 << 20), grads = elem * model.num_params();
     const double n = std::ceil(grads / bucket);
     units.push_back({grads / n, n});
@@ -266,7 +290,9 @@ StepTime predict_step(const ModelSpec& model, const MeshCandidate& c, const Plan
   const double params = (model.transformer() ? stage_layers * model.layer_params() + units.back().first / elem * T
                                              : static_cast<double>(model.num_params())) /
                         T / (sharded ? S : 1);
-  if (cp.optimizer_s_per_param > 0 || cp.optimizer_overhead_s > 0)
+  if (const auto m = cp.models.find(model.name); !model.transformer() && m != cp.models.end())
+    add("optimizer", fmt("%.3g", params) + " parameters, measured", m->second.optimizer_s * stretch, &t.optimizer);
+  else if (cp.optimizer_s_per_param > 0 || cp.optimizer_overhead_s > 0)
     add("optimizer", fmt("%.3g", params) + " parameters",
         (cp.optimizer_overhead_s + params * cp.optimizer_s_per_param) * stretch, &t.optimizer);
   if (c.offload) {

@@ -54,6 +54,7 @@
 
 #include <absl/status/statusor.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -70,6 +71,13 @@ struct ComputeProfile {
   // The embeddings, final norm, LM head and loss (a model that is not a
   // transformer: its whole forward + backward).
   double head_flops_per_s = 0, head_overhead_s = 0;
+  // Models that are not transformers, by ModelSpec::name, measured whole:
+  // forward + backward overhead_s + samples x s_per_sample, the optimizer's
+  // step optimizer_s (//bench:compute_profile's narrow ResNet-18).
+  struct ModelRate {
+    double overhead_s = 0, s_per_sample = 0, optimizer_s = 0;
+  };
+  std::map<std::string, ModelRate> models;
   // The optimizer step: optimizer_overhead_s + parameters x optimizer_s_per_param.
   double optimizer_s_per_param = 0, optimizer_overhead_s = 0;
   // The fraction of the backward the data-parallel collectives can hide

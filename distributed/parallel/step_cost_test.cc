@@ -205,6 +205,26 @@ TEST(PredictStep, ThePlannerUsesTheGivenProfile) {
   EXPECT_LT(evaluate_mesh(m, hw, o, c).compute, k.compute / 100);
 }
 
+TEST(PredictStep, AModelMeasuredWholeWithDdpBuckets) {
+  const ModelSpec m = model_preset("resnet18-narrow");
+  EXPECT_GT(m.num_params(), 100000);
+  ComputeProfile p = profile();
+  p.models["resnet18-narrow"] = {.overhead_s = 2e-3, .s_per_sample = 1e-3, .optimizer_s = 5e-4};
+  Hardware hw;
+  const Links l = Links::analytic(hw);
+  PlanOptions o;
+  o.mixed_precision = false;
+  const StepTime t = predict_step(m, mesh(4, 1, 1, 1, 1, 64), o, p, l, 0);
+  EXPECT_NEAR(t.compute, 2e-3 + 64 * 1e-3, 1e-12);
+  EXPECT_NEAR(t.optimizer, 5e-4, 1e-12);
+  // Its float32 gradients in one bucket (under 25 MiB), all-reduced over the 4 replicas.
+  EXPECT_NEAR(t.dp_comm, l.seconds("allreduce", 4.0 * m.num_params(), 4, 1), 1e-12);
+  // Without the measurement: FLOPs at the head's rate.
+  p.models.clear();
+  EXPECT_NEAR(predict_step(m, mesh(4, 1, 1, 1, 1, 64), o, p, l, 0).compute, 5e-5 + m.flops_per_sample * 64 / 40e9,
+              1e-12);
+}
+
 TEST(PredictStep, UnknownStrategyNamed) {
   MeshCandidate c = mesh(1, 2, 1, 1, 1, 1);
   c.strategy = "zero3";
@@ -221,6 +241,8 @@ TEST(ComputeProfile, LoadsTheBenchsFileAndNamesWhatIsWrong) {
   EXPECT_GT(p->block_flops_per_s, 1e9);  // a core does more than a GFLOP/s
   EXPECT_GE(p->cores, 1);
   EXPECT_EQ(p->overlap, 0);
+  ASSERT_EQ(p->models.count("resnet18-narrow"), 1u);
+  EXPECT_GT(p->models.at("resnet18-narrow").s_per_sample, 0);
   const std::string path = ::testing::TempDir() + "/profile.json";
   std::ofstream(path) << R"({"block": {"flops_per_s": 1e9, "overhead_s": 0}, "head": {"flops_per_s": -1,
     "overhead_s": 0}, "optimizer": {"s_per_param": 0, "overhead_s": 0}, "machine": {"cores": 2}})";
