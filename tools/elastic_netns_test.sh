@@ -27,17 +27,8 @@ cleanup() {
 }
 trap cleanup EXIT
 netns_pair ember_e eme 78 || { echo "elastic_netns_test: network setup failed"; exit 1; }
-fail() {
-  echo "FAIL: $*"
-  for f in "$work"/*.log; do echo "==== $f"; tail -25 "$f"; done
-  exit 1
-}
-stamp() { python3 -u -c 'import sys, time
-for line in sys.stdin: sys.stdout.write("%.3f %s" % (time.time(), line)); sys.stdout.flush()'; }
-wait_for() {  # FILE PATTERN SECONDS
-  for _ in $(seq 1 $(($3 * 10))); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
-  fail "no '$2' in $1 within $3 s"
-}
+test_logs=$work test_tail=25
+source "$(dirname "$0")/test_lib.sh"  # stamp, fail, wait_for
 
 token=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
 args=(--dim 48 --heads 4 --seq 32 --layers 2 --max-steps 300 --global-batch 8 --sample-len 0 --eval-every 100000

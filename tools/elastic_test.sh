@@ -32,11 +32,8 @@ cleanup() {
   rm -rf "$tmp"
 }
 trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-# Lines stamped with seconds since the epoch, for the recovery times.
-stamp() { python3 -u -c 'import sys, time
-for line in sys.stdin: sys.stdout.write("%.3f %s" % (time.time(), line)); sys.stdout.flush()'; }
-fail() { echo "FAIL: $*"; for f in "$tmp"/*.log; do echo "== $f"; tail -40 "$f"; done; exit 1; }
+test_logs=$tmp test_tail=40
+source "$(dirname "$0")/test_lib.sh"  # port, stamp, fail, wait_for
 
 # 120 steps: long enough that the scale scenario's lone round is still
 # running when the restarted agent comes (a loaded CI machine included).
@@ -53,10 +50,6 @@ agent() {
      --rdzv-conf last_call_timeout=1,heartbeat_timeout=5 "$@" -- "$gpt" "${args[@]}" --checkpoint-dir "$tmp/$run" \
      --metrics "$tmp/$run.jsonl" 2>&1 | stamp > "$tmp/$name.log"; echo "rc=${PIPESTATUS[0]}" >> "$tmp/$name.log") &
   pids+=($!)
-}
-wait_for() {  # FILE PATTERN SECONDS
-  for _ in $(seq 1 $((${3} * 10))); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
-  fail "no '$2' in $1 within $3 s"
 }
 # The launcher process of an agent: its subshell SHELL_PID itself (bash
 # execs a lone command) or that subshell's child.

@@ -34,10 +34,8 @@ cleanup() {
   rm -rf "$tmp"
 }
 trap cleanup EXIT
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-stamp() { python3 -u -c 'import sys, time
-for line in sys.stdin: sys.stdout.write("%.3f %s" % (time.time(), line)); sys.stdout.flush()'; }
-fail() { echo "FAIL: $*"; for f in "$tmp"/*.log; do echo "== $f"; tail -30 "$f"; done; exit 1; }
+test_logs=$tmp test_tail=30
+source "$(dirname "$0")/test_lib.sh"  # port, stamp, fail
 
 # One thread per worker everywhere: the uninterrupted runs and the agents compute alike.
 export OMP_NUM_THREADS=1
