@@ -101,7 +101,10 @@ Tensor owned_copy(const Tensor& g, const Tensor& leaf) {
   const bool sole = g.impl_ptr().use_count() == 1 && g.impl().storage.use_count() == 1;
   const bool laid_out = g.sizes() == leaf.sizes() &&
                         (g.is_contiguous() ? leaf.is_contiguous() || leaf.numel() <= 1 : g.strides() == leaf.strides());
-  return sole && laid_out && g.storage_offset() == 0 ? g : g.clone();
+  if (sole && laid_out && g.storage_offset() == 0) return g;
+  Tensor c = Tensor::empty(leaf.sizes(), g.options(), leaf.suggest_memory_format());  // the leaf's layout
+  c.copy_(g);
+  return c;
 }
 
 void accumulate_into_leaf(Node& acc, Tensor g) {

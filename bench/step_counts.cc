@@ -6,14 +6,17 @@
 //   resnet50: L launches, S host syncs per step
 //   gpt: L launches, S host syncs per step
 //   resnet50_bf16: L launches, S host syncs per step
+//   resnet50 layout copies: C per step  (and one such line per channels-last step)
 //
 // ResNet-50 (torchvision's, 1000 classes) on 2 images of 32x32, channels-
 // last, SGD with momentum and weight decay; the GPT of gpt_fsdp's defaults
 // (4 layers x 128 dims, 4 heads, context 64) on 2 sequences, AdamW; the
 // ResNet-50 step again under bfloat16 autocast. Each counts the second step
 // (the first creates algorithm caches and optimizer state), which ends with
-// the loss read: the one synchronisation a step needs. The counts do not
-// depend on the batch or image size. step_counts_test holds them to their
+// the loss read: the one synchronisation a step needs. The ResNet-50 steps
+// are channels-last throughout (input, activations, OHWI weights), so they
+// should issue no layout copies (core/device.h's cuda_layout_copies). The
+// counts do not depend on the batch or image size. step_counts_test holds them to their
 // budgets.
 #include "bench/step_counts.h"
 
@@ -21,6 +24,7 @@
 #include <optional>
 
 #include "bench/train_step.h"
+#include "core/device.h"
 #include "nn/functional.h"
 #include "nn/models.h"
 #include "nn/transformer.h"
@@ -34,9 +38,10 @@ template <typename Step>
 StepCount count(Step&& step) {
   step();  // warm-up: algorithm caches, optimizer state
   const emu::LaunchStats before = emu::launch_stats();
+  const uint64_t copies_before = cuda_layout_copies();
   step();
   const emu::LaunchStats after = emu::launch_stats();
-  return {after.launches - before.launches, after.host_syncs - before.host_syncs};
+  return {after.launches - before.launches, after.host_syncs - before.host_syncs, cuda_layout_copies() - copies_before};
 }
 
 StepCount resnet50_step(bool bf16) {

@@ -10,6 +10,7 @@ namespace ember::bench {
 struct StepCount {
   uint64_t launches = 0;
   uint64_t host_syncs = 0;
+  uint64_t layout_copies = 0;  // cuda_layout_copies(): NCHW <-> NHWC round trips
 };
 
 StepCount resnet50_counts();       // fp32, channels-last, SGD

@@ -11,11 +11,15 @@ int main() {
     const struct {
       const char* name;
       StepCount (*fn)();
-    } rows[] = {{"resnet50", resnet50_counts}, {"gpt", gpt_counts}, {"resnet50_bf16", resnet50_bf16_counts}};
+      bool channels_last;
+    } rows[] = {
+        {"resnet50", resnet50_counts, true}, {"gpt", gpt_counts, false}, {"resnet50_bf16", resnet50_bf16_counts, true}};
     for (const auto& r : rows) {
       const StepCount c = r.fn();
       std::printf("%s: %llu launches, %llu host syncs per step\n", r.name, static_cast<unsigned long long>(c.launches),
                   static_cast<unsigned long long>(c.host_syncs));
+      if (r.channels_last)
+        std::printf("%s layout copies: %llu per step\n", r.name, static_cast<unsigned long long>(c.layout_copies));
       std::fflush(stdout);
     }
   } catch (const std::exception& e) {

@@ -44,6 +44,11 @@ void cuda_synchronize();
 // The device's name as the driver reports it ("NVIDIA H100 80GB HBM3"; the
 // host emulation says "CUDA emulation").
 std::string cuda_device_name(int device = 0);
+// Layout copies issued on CUDA devices since the process started: copies
+// that transpose (read or write their innermost dimension with a stride),
+// as NCHW <-> NHWC conversions do; slices, concatenation and broadcasts are
+// not counted. A channels-last step should issue none (//bench:step_counts).
+uint64_t cuda_layout_copies();
 
 // TF32 for float32 math on Ampere and later GPUs, with PyTorch's defaults:
 // cuDNN convolutions may use it (torch.backends.cudnn.allow_tf32 = True),

@@ -18,6 +18,7 @@ Tensor empty(const Shape& sizes, TensorOptions opts = {});
 Tensor zeros(const Shape& sizes, TensorOptions opts = {});
 Tensor ones(const Shape& sizes, TensorOptions opts = {});
 Tensor full(const Shape& sizes, double value, TensorOptions opts = {});
+// In t's layout: a channels-last t gives a channels-last result.
 Tensor zeros_like(const Tensor& t);
 Tensor ones_like(const Tensor& t);
 Tensor empty_like(const Tensor& t);

@@ -316,6 +316,22 @@ TEST_F(CudaNnOps, Conv2dChannelsLastMatchesCpu) {
   Tensor x = channels_last(rnd({2, 8, 6, 6}, 150, DType::Float32).cuda());
   Tensor y = conv2d(x, rnd({4, 8, 3, 3}, 151, DType::Float32).cuda());
   EXPECT_EQ(y.stride(1), 1);
+  // A channels-last weight (Module::to(ChannelsLast)) is read as it is: no
+  // layout copy forward or backward, and its gradient is channels-last. An
+  // OIHW weight beside a channels-last input costs two (OHWI for cuDNN,
+  // and its gradient back to OIHW): the counter counts.
+  for (bool cl_weight : {true, false}) {
+    Tensor xi = channels_last(rnd({2, 8, 6, 6}, 152, DType::Float32).cuda()).requires_grad_();
+    Tensor w = rnd({4, 8, 3, 3}, 153, DType::Float32).cuda();
+    if (cl_weight) w = channels_last(w);
+    w.requires_grad_();
+    const uint64_t before = cuda_layout_copies();
+    Tensor out = conv2d(xi, w, Tensor(), {1, 1}, {1, 1});
+    sum(out * out).backward();
+    EXPECT_EQ(cuda_layout_copies() - before, cl_weight ? 0u : 2u) << (cl_weight ? "OHWI" : "OIHW") << " weight";
+    EXPECT_EQ(w.grad().strides(), w.strides());
+    EXPECT_TRUE(xi.grad().is_contiguous(MemoryFormat::ChannelsLast));
+  }
 }
 
 // Channels-last float32 computed through NCHW (the switch for cuDNN's slow
@@ -522,18 +538,36 @@ const std::vector<PoolCase> kPoolCases = {
     {{4, 8, 56, 56}, {3, 3}, {2, 2}, {1, 1}, false},  // ResNet stem size
 };
 
+// NCHW, and channels-last on the device (its native NHWC kernels) against
+// NCHW on the CPU; a channels-last pool keeps the layout, forward and back.
 TEST_F(CudaNnOps, PoolingMatchesCpu) {
   uint64_t seed = 300;
-  for (const PoolCase& c : kPoolCases)
-    for (DType dt : kTypes) {
-      const std::vector<Tensor> in = {rnd(c.x, seed++, dt)};
-      const std::string what = cat("x", c.x, " k", c.k[0], " s", c.s[0], " p", c.p[0], c.ceil ? " ceil " : " ", dt);
-      compare([&](const std::vector<Tensor>& v) { return max_pool2d(v[0], c.k, c.s, c.p, c.ceil); }, in, tol(dt),
-              cat("max_pool2d ", what));
-      for (bool include_pad : {true, false})
-        compare([&](const std::vector<Tensor>& v) { return avg_pool2d(v[0], c.k, c.s, c.p, c.ceil, include_pad); },
-                in, tol(dt), cat("avg_pool2d ", include_pad ? "incl " : "excl ", what));
-    }
+  for (bool cl : {false, true})
+    for (const PoolCase& c : kPoolCases)
+      for (DType dt : kTypes) {
+        const std::vector<Tensor> in = {rnd(c.x, seed++, dt)};
+        const std::string what = cat(cl ? "channels-last " : "", "x", c.x, " k", c.k[0], " s", c.s[0], " p", c.p[0],
+                                     c.ceil ? " ceil " : " ", dt);
+        auto layout = [cl](Tensor t) { return cl ? channels_last(t) : t; };
+        auto keeps = [&](const Tensor& y) {
+          if (cl && y.is_cuda() && y.size(1) > 1) {
+            EXPECT_TRUE(y.is_contiguous(MemoryFormat::ChannelsLast)) << what;
+          }
+          return y;
+        };
+        compare([&](const std::vector<Tensor>& v) { return keeps(max_pool2d(v[0], c.k, c.s, c.p, c.ceil)); }, in,
+                tol(dt), cat("max_pool2d ", what), layout);
+        for (bool include_pad : {true, false})
+          compare(
+              [&](const std::vector<Tensor>& v) { return keeps(avg_pool2d(v[0], c.k, c.s, c.p, c.ceil, include_pad)); },
+              in, tol(dt), cat("avg_pool2d ", include_pad ? "incl " : "excl ", what), layout);
+      }
+  // No layout copies in a channels-last pool, forward or backward.
+  Tensor x = channels_last(rnd({2, 8, 9, 9}, 390, DType::Float32).cuda()).requires_grad_();
+  const uint64_t before = cuda_layout_copies();
+  sum(max_pool2d(x, {3, 3}, {2, 2}, {1, 1}) + avg_pool2d(x, {3, 3}, {2, 2}, {1, 1})).backward();
+  EXPECT_EQ(cuda_layout_copies() - before, 0u);
+  EXPECT_TRUE(x.grad().is_contiguous(MemoryFormat::ChannelsLast));
 }
 
 }  // namespace

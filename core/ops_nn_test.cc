@@ -484,6 +484,15 @@ TEST(Pool, ForwardMatchesNaiveLoops) {
                      naive_pool(x, c.k, c.s, c.p, c.ceil, false, include_pad), tol,
                      cat("avg ", include_pad ? "incl " : "excl ", what));
     }
+  // Channels-last input pools in place (pool_offset) and stays channels-last.
+  for (const PoolCase& c : kPoolCases) {
+    Tensor x = rnd(c.x, seed++).contiguous(MemoryFormat::ChannelsLast);
+    const std::string what = cat("channels-last x", c.x, " k", c.k[0]);
+    Tensor y = max_pool2d(x, c.k, c.s, c.p, c.ceil), a = avg_pool2d(x, c.k, c.s, c.p, c.ceil, false);
+    expect_close(y, naive_pool(x, c.k, c.s, c.p, c.ceil, true, true), 1e-12, cat("max ", what));
+    expect_close(a, naive_pool(x, c.k, c.s, c.p, c.ceil, false, false), 1e-12, cat("avg ", what));
+    EXPECT_TRUE(y.is_contiguous(MemoryFormat::ChannelsLast) && a.is_contiguous(MemoryFormat::ChannelsLast)) << what;
+  }
   // Non-contiguous input.
   Tensor x = rnd({2, 6, 6, 3}, 550).permute({0, 3, 1, 2});
   expect_close(max_pool2d(x, {3, 3}, {2, 2}, {1, 1}), naive_pool(x, {3, 3}, {2, 2}, {1, 1}, false, true, true), 1e-12,
@@ -507,6 +516,12 @@ TEST(Pool, Gradcheck) {
     for (bool include_pad : {true, false})
       check_grad(cat("avg_pool2d ", what),
                  [&](auto& v) { return avg_pool2d(v[0], c.k, c.s, c.p, c.ceil, include_pad); }, {x});
+    // The channels-last kernels, forward and backward, through a layout copy.
+    const auto cl = [](const Tensor& t) { return t.contiguous(MemoryFormat::ChannelsLast); };
+    check_grad(cat("max_pool2d channels-last ", what),
+               [&](auto& v) { return max_pool2d(cl(v[0]), c.k, c.s, c.p, c.ceil); }, {x});
+    check_grad(cat("avg_pool2d channels-last ", what),
+               [&](auto& v) { return avg_pool2d(cl(v[0]), c.k, c.s, c.p, c.ceil, true); }, {x});
   }
 }
 

@@ -246,6 +246,26 @@ TEST(Reduce, AllDimSubsetsMatchReference) {
   }
 }
 
+// A channels-last input, over every subset of its 4 dims, with and without
+// keepdim: the same values as its contiguous copy, whether the plan reduces
+// it in place (H and W, C, all) or through the permuting copy (the rest).
+TEST(Reduce, ChannelsLastMatchesContiguousForEveryDimSubset) {
+  manual_seed(3);
+  Tensor plain = randn({2, 3, 4, 5}, DType::Float64), cl = plain.contiguous(MemoryFormat::ChannelsLast);
+  ASSERT_FALSE(cl.is_contiguous());
+  for (int mask = 1; mask < 16; ++mask)
+    for (bool keepdim : {false, true}) {
+      std::vector<int64_t> dims;
+      for (int d = 0; d < 4; ++d)
+        if (mask & (1 << d)) dims.push_back(d);
+      SCOPED_TRACE("dims " + shape_str(dims) + (keepdim ? " keepdim" : ""));
+      EXPECT_EQ(sum(cl, dims, keepdim).sizes(), sum(plain, dims, keepdim).sizes());
+      expect_near(sum(cl, dims, keepdim).to_vector(), sum(plain, dims, keepdim).to_vector(), 1e-12);
+      expect_near(max(cl, dims, keepdim).to_vector(), max(plain, dims, keepdim).to_vector(), 0);
+      expect_near(var(cl, dims, keepdim).to_vector(), var(plain, dims, keepdim).to_vector(), 1e-12);
+    }
+}
+
 TEST(Reduce, KeepdimDtypesAndEdgeCases) {
   Tensor x = T({1, 5, 3, 5, 2, 0}, {2, 3});
   EXPECT_EQ(sum(x, {1}).sizes(), (Shape{2}));
@@ -573,7 +593,17 @@ TEST(Foreach, SumSquaresAndMulMatchPerTensorOps) {
   std::string e = testing::error_of([] { foreach_sum_squares({ones({2}), ones({2}, DType::Float64)}); });
   EXPECT_NE(e.find("tensor 1 is float64"), std::string::npos) << e;
   e = testing::error_of([] { foreach_mul_({ones({2, 3}).t()}, 2.0); });
-  EXPECT_NE(e.find("not contiguous"), std::string::npos) << e;
+  EXPECT_NE(e.find("neither contiguous nor channels-last"), std::string::npos) << e;
+  // A channels-last tensor is walked in place as a flat array: the same
+  // sum and product as its contiguous copy, and it stays channels-last.
+  Generator g(11);
+  Tensor cl = randn({2, 3, 4, 5}, {}, &g).contiguous(MemoryFormat::ChannelsLast), plain = cl.contiguous();
+  ASSERT_FALSE(cl.is_contiguous());
+  EXPECT_NEAR(foreach_sum_squares({cl}).item(), sum(plain * plain).item(), 1e-4);
+  std::vector<Tensor> l{cl};
+  foreach_mul_(l, -0.5);
+  EXPECT_TRUE(allclose(cl, plain * -0.5, 0, 0));
+  EXPECT_TRUE(cl.is_contiguous(MemoryFormat::ChannelsLast));
 }
 }  // namespace
 }  // namespace ember

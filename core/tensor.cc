@@ -6,6 +6,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <iomanip>
@@ -460,13 +461,18 @@ Tensor Tensor::to(Device d, DType t) const {
   if (d == device() && t == dtype()) return *this;
   Device from_device = device();
   DType from_dtype = dtype();
-  return differentiable("to", {*this}, [&] {
-    Tensor out = empty(sizes(), {t, d});
-    out.copy_(*this);
-    return out;
-  }, [=](const Tensor&) {
-    return Recorded{[=](const Tensor& g) { return std::vector<Tensor>{g.to(from_device, from_dtype)}; }, {}, true};
-  });
+  return differentiable(
+      "to", {*this},
+      [&] {
+        // Keeps a channels-last tensor channels-last (PyTorch's preserve_format):
+        // a channels-last weight cast by autocast or moved to the GPU stays OHWI.
+        Tensor out = empty(sizes(), {t, d}, suggest_memory_format());
+        out.copy_(*this);
+        return out;
+      },
+      [=](const Tensor&) {
+        return Recorded{[=](const Tensor& g) { return std::vector<Tensor>{g.to(from_device, from_dtype)}; }, {}, true};
+      });
 }
 
 Tensor Tensor::pin_memory() const {
@@ -549,6 +555,22 @@ StridedIter make_iter(const Tensor& out, std::initializer_list<Tensor> inputs, c
   return it;
 }
 
+namespace {
+std::atomic<uint64_t> g_cuda_layout_copies{0};
+
+// Reads or writes the innermost dimension of the other side with a stride:
+// a transpose, not a slice (both sides step 1 inside) or a broadcast (0).
+bool is_layout_copy(const Tensor& dst, const Tensor& src) {
+  for (int64_t d = 0; d < dst.dim(); ++d) {
+    const int64_t a = dst.strides()[d], b = src.strides()[d];
+    if (dst.sizes()[d] > 1 && a != 0 && b != 0 && (a == 1) != (b == 1)) return true;
+  }
+  return false;
+}
+}  // namespace
+
+uint64_t cuda_layout_copies() { return g_cuda_layout_copies.load(std::memory_order_relaxed); }
+
 Tensor& Tensor::copy_(const Tensor& src) {
   EMBER_PROFILE_OP("copy_", *this, src);
   EMBER_CHECK(src.defined(), "copy_: source is undefined");
@@ -605,7 +627,12 @@ Tensor& Tensor::copy_(const Tensor& src) {
   if (numel() == 0) return *this;
   if (may_overlap(*this, s)) s = s.clone();
   StridedIter it = make_iter(*this, {s}, "copy_");
-  if (is_cuda()) copy_cuda(it); else copy_cpu(it);
+  if (is_cuda()) {
+    if (is_layout_copy(*this, s)) g_cuda_layout_copies.fetch_add(1, std::memory_order_relaxed);
+    copy_cuda(it);
+  } else {
+    copy_cpu(it);
+  }
   return *this;
 }
 

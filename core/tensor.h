@@ -131,6 +131,11 @@ class Tensor {
   // contiguous (C == 1 and the like); otherwise Contiguous. Ops give their
   // outputs this layout.
   MemoryFormat suggest_memory_format() const;
+  // Contiguous in one of the memory formats: its elements fill numel()
+  // consecutive slots, so a list op that treats every element alike (an
+  // optimizer step, unscaling, a norm) can walk it as a flat array, and two
+  // dense tensors with the same sizes and suggest_memory_format() line up.
+  bool is_dense() const { return is_contiguous() || is_contiguous(MemoryFormat::ChannelsLast); }
   bool is_cuda() const { return device().is_cuda(); }
   bool is_same(const Tensor& o) const { return impl_ == o.impl_; }
   bool shares_storage(const Tensor& o) const { return impl().storage == o.impl().storage; }
@@ -212,6 +217,7 @@ class Tensor {
   // A copy laid out in `format` unless already so (differentiable).
   Tensor contiguous(MemoryFormat format) const;
   Tensor clone() const;
+  // to() keeps a channels-last tensor channels-last (preserve_format).
   Tensor to(Device device) const;                     // no copy if already there
   Tensor to(DType dtype) const;                       // no copy if already that
   Tensor to(Device device, DType dtype) const;

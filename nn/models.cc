@@ -77,6 +77,9 @@ ResNet::ResNet(Block block, std::vector<int64_t> layers, ResNetOptions opts)
       if (auto* b = dynamic_cast<Bottleneck*>(&m)) init::zeros_(b->bn3->weight);
     });
   }
+  // Initialised in OIHW (the same values as a contiguous model from the
+  // same seed), then laid out once as the activations are.
+  if (options.memory_format == MemoryFormat::ChannelsLast) to(MemoryFormat::ChannelsLast);
 }
 
 std::shared_ptr<Sequential> ResNet::make_layer(Block block, int64_t planes, int64_t blocks, int64_t stride) {

@@ -21,8 +21,10 @@ struct ResNetOptions {
   bool zero_init_residual = false;
   // Layout of the activations. ChannelsLast (NHWC) is what cuDNN's tensor
   // core convolutions want; forward() converts the input and convolutions,
-  // batch norm, pooling and elementwise ops keep it. Parameters stay OIHW.
-  // On CPU the oneDNN convolutions return NCHW, so it only costs a copy there.
+  // batch norm, pooling and elementwise ops keep it. The convolution weights
+  // are stored channels-last too (OHWI memory, Module::to(MemoryFormat)), so
+  // a step converts neither. On CPU the oneDNN convolutions read and return
+  // NCHW, so it only costs copies there.
   MemoryFormat memory_format = MemoryFormat::Contiguous;
 };
 

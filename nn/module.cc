@@ -196,6 +196,18 @@ void Module::to(DType dtype) {
   for (auto& b : named_buffers()) move_tensor(b.second, std::nullopt, dtype);
 }
 
+void Module::to(MemoryFormat format) {
+  auto relayout = [format](const Tensor& t) {
+    if (!t.defined() || t.dim() != 4 || t.is_contiguous(format)) return;
+    NoGradGuard g;
+    t.set_data(t.detach().contiguous(format));
+    Tensor grad = t.grad();
+    if (grad.defined() && !grad.is_contiguous(format)) t.set_grad(grad.contiguous(format));
+  };
+  for (auto& p : named_parameters()) relayout(p.second);
+  for (auto& b : named_buffers()) relayout(b.second);
+}
+
 void Module::collect_state(const std::string& prefix, StateDict& out) const {
   for (const auto& [n, t] : params_) out.insert(prefix + n, t);
   for (const auto& b : buffers_)

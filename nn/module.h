@@ -107,6 +107,11 @@ class Module {
   void to(Device device);
   void to(DType dtype);
   void to(Device device, DType dtype);
+  // Lays every 4-D parameter and buffer (and its gradient) out in `format`,
+  // in place, as PyTorch's module.to(memory_format=...): a channels-last
+  // model keeps its convolution weights OHWI, the layout cuDNN's NHWC
+  // kernels read, so no step converts them. Other tensors are left as they are.
+  void to(MemoryFormat format);
 
   // Parameters and persistent buffers, module by module in registration order.
   StateDict state_dict() const;

@@ -8,6 +8,7 @@
 
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
+#include "core/safetensors.h"
 #include "core/testing/error_of.h"
 #include "nn/init.h"
 #include "nn/models.h"
@@ -465,10 +466,14 @@ TEST(Models, TinyResNetGradcheck) {
 // The channels-last option changes only the layout: same logits and
 // gradients as NCHW (on CPU conv returns NCHW, so this covers the switch,
 // batch norm and elementwise ops; the CUDA test covers cuDNN's NHWC path).
+// Its convolution weights are stored channels-last (OHWI memory) and their
+// gradients follow them (PyTorch's layout contract), and its state dict
+// loads into an NCHW model, and back, value for value.
 TEST(Models, ChannelsLastResNetMatchesNchw) {
   Tensor x = f64({2, 1, 8, 8}, 21);
   Tensor target = Tensor::from_vector({1, 2}, {2}, DType::Int64);
   std::vector<Tensor> logits, grads;
+  std::vector<std::shared_ptr<nn::ResNet>> nets;
   for (MemoryFormat f : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
     manual_seed(5);
     auto net = nn::resnet18({.num_classes = 3, .in_channels = 1, .small_stem = true, .width = 4, .memory_format = f});
@@ -477,11 +482,55 @@ TEST(Models, ChannelsLastResNetMatchesNchw) {
     F::cross_entropy(out, target).backward();
     logits.push_back(out.detach());
     grads.push_back(net->named_parameters()[0].second.grad());
+    nets.push_back(net);
   }
   const auto a = logits[0].to_vector(), b = logits[1].to_vector();
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-12);
   const auto ga = grads[0].to_vector(), gb = grads[1].to_vector();
   for (size_t i = 0; i < ga.size(); ++i) EXPECT_NEAR(ga[i], gb[i], 1e-12);
+
+  int conv_weights = 0;
+  for (const auto& [name, p] : nets[1]->named_parameters()) {
+    if (p.dim() != 4) {
+      EXPECT_TRUE(p.is_contiguous()) << name;
+      continue;
+    }
+    ++conv_weights;
+    EXPECT_TRUE(p.is_contiguous(MemoryFormat::ChannelsLast)) << name << " strides " << shape_str(p.strides());
+    if (p.size(1) > 1 && p.size(2) * p.size(3) > 1) {  // else both layouts are one
+      EXPECT_FALSE(p.is_contiguous()) << name;
+    }
+    ASSERT_TRUE(p.grad().defined()) << name;
+    EXPECT_EQ(p.grad().strides(), p.strides()) << name << ": the gradient is laid out as its parameter";
+  }
+  EXPECT_EQ(conv_weights, 20);  // conv1, 16 in the blocks, 3 downsamples
+  for (const auto& [name, p] : nets[0]->named_parameters()) EXPECT_TRUE(p.is_contiguous()) << name;
+
+  // Each way round, through the file format: the values, not the memory, travel.
+  for (int from : {0, 1}) {
+    auto bytes = serialize_safetensors(nets[from]->state_dict().items());
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    auto file = parse_safetensors(*bytes);
+    ASSERT_TRUE(file.ok()) << file.status();
+    manual_seed(99);  // other values, so the load has something to do
+    auto into = nn::resnet18({.num_classes = 3,
+                              .in_channels = 1,
+                              .small_stem = true,
+                              .width = 4,
+                              .memory_format = from == 0 ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous});
+    into->to(DType::Float64);
+    nn::StateDict sd;
+    for (const auto& [k, t] : file->tensors) sd.insert(k, t);
+    into->load_state_dict(sd);
+    const auto src = nets[from]->named_parameters(), dst = into->named_parameters();
+    ASSERT_EQ(src.size(), dst.size());
+    for (size_t i = 0; i < src.size(); ++i) {
+      EXPECT_EQ(src[i].second.to_vector(), dst[i].second.to_vector()) << "from " << from << ": " << src[i].first;
+      if (dst[i].second.dim() == 4 && from == 0) {
+        EXPECT_TRUE(dst[i].second.is_contiguous(MemoryFormat::ChannelsLast)) << "the load keeps the model's layout";
+      }
+    }
+  }
 }
 
 TEST(Models, ConvBatchNormReluGradcheck) {

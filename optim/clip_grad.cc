@@ -101,10 +101,10 @@ double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, doubl
   // 1 changes nothing, and a NaN coefficient still propagates.
   const double coef = max_norm / (total + 1e-6);
   if (!(coef >= 1.0)) {
-    // Contiguous float32/float64 gradients in one list op per device and dtype.
+    // Dense float32/float64 gradients in one list op per device and dtype.
     std::map<std::tuple<int, int, int>, std::vector<Tensor>> lists;
     for (Tensor& g : grads) {
-      if ((g.dtype() == DType::Float32 || g.dtype() == DType::Float64) && g.is_contiguous())
+      if ((g.dtype() == DType::Float32 || g.dtype() == DType::Float64) && g.is_dense())
         lists[{static_cast<int>(g.device().type), g.device().index, static_cast<int>(g.dtype())}].push_back(g);
       else
         g *= coef;

@@ -2,12 +2,14 @@
 // dtype, tensors spanning several chunks, misaligned views (scalar path),
 // more tensors than fit in the kernel-parameter table (device-buffer path),
 // the optimizer classes on CUDA parameters, checkpoints moved across devices,
-// and clipping. Skips (with the reason) when no GPU is present.
+// clipping, and a channels-last ResNet's training steps. Skips (with the reason) when no GPU is present.
 #include <gtest/gtest.h>
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
 #include "core/ops_optim.h"
+#include "nn/functional.h"
+#include "nn/models.h"
 #include "optim/clip_grad.h"
 #include "optim/optimizer.h"
 
@@ -238,6 +240,56 @@ TEST_F(CudaOptim, ClipGradNormMatchesCpu) {
     EXPECT_NEAR(nc, ng, 1e-5 * nc) << norm_type;
     for (size_t i = 0; i < pc.size(); ++i) expect_close(pc[i].grad(), pg[i].grad(), 1e-5, "clipped grad");
   }
+}
+
+// A channels-last ResNet (OHWI weights, NHWC activations, native NHWC
+// pooling and batch norm) trains on the device as the NCHW model does on
+// the CPU: three SGD steps with momentum and weight decay give the same
+// losses and parameters within float32 tolerance, its weights, gradients
+// and momentum buffers stay channels-last, and the steps convert no layouts.
+TEST_F(CudaOptim, ChannelsLastResNetTrainsAsNchwOnCpu) {
+  std::vector<std::shared_ptr<nn::ResNet>> nets;
+  for (MemoryFormat f : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
+    manual_seed(7);
+    nets.push_back(nn::resnet18({.num_classes = 5, .width = 8, .memory_format = f}));
+  }
+  // float32 as the CPU computes it: TF32 convolutions (the default) would
+  // round every product to 10 mantissa bits.
+  const bool tf32 = cudnn_allow_tf32();
+  set_cudnn_allow_tf32(false);
+  nets[1]->to(cuda_device(0));
+  optim::SGDOptions o{.lr = 0.01, .momentum = 0.9, .weight_decay = 1e-3};
+  optim::SGD cpu_opt(nets[0]->parameters(), o), gpu_opt(nets[1]->parameters(), o);
+  Generator gen(8);
+  Tensor x = randn({4, 3, 64, 64}, {}, &gen), y = Tensor::from_vector({0, 3, 1, 4}, {4}, DType::Int64);
+  Tensor xg = x.cuda().contiguous(MemoryFormat::ChannelsLast), yg = y.cuda();
+  auto step = [](nn::Module& net, optim::Optimizer& opt, const Tensor& in, const Tensor& target) {
+    opt.zero_grad();
+    Tensor loss = nn::functional::cross_entropy(net(in), target);
+    loss.backward();
+    opt.step();
+    return loss.detach();
+  };
+  // The first step makes the momentum buffers.
+  EXPECT_NEAR(step(*nets[0], cpu_opt, x, y).item(), step(*nets[1], gpu_opt, xg, yg).item(), 1e-4) << "step 0";
+  for (int s = 1; s < 3; ++s) {
+    const uint64_t before = cuda_layout_copies();
+    const double lg = step(*nets[1], gpu_opt, xg, yg).item();
+    EXPECT_EQ(cuda_layout_copies() - before, 0u) << "step " << s;
+    const double lc = step(*nets[0], cpu_opt, x, y).item();
+    EXPECT_NEAR(lc, lg, 1e-4) << "step " << s;
+  }
+  const auto cpu_params = nets[0]->named_parameters(), gpu_params = nets[1]->named_parameters();
+  ASSERT_EQ(cpu_params.size(), gpu_params.size());
+  for (size_t i = 0; i < cpu_params.size(); ++i) {
+    const auto& [name, p] = gpu_params[i];
+    expect_close(cpu_params[i].second, p, 2e-4, name);
+    if (p.dim() != 4) continue;
+    EXPECT_TRUE(p.is_contiguous(MemoryFormat::ChannelsLast)) << name;
+    EXPECT_TRUE(p.grad().is_contiguous(MemoryFormat::ChannelsLast)) << name;
+    EXPECT_TRUE(gpu_opt.state(p).at("momentum_buffer").is_contiguous(MemoryFormat::ChannelsLast)) << name;
+  }
+  set_cudnn_allow_tf32(tf32);
 }
 
 }  // namespace

@@ -277,6 +277,58 @@ TEST(Optimizer, SixteenBitParametersStepThroughAFloat32Master) {
   }
 }
 
+// A channels-last parameter (a convolution weight stored OHWI) steps in
+// place as a flat array: the same values as the contiguous run, element for
+// element, with its state laid out as it is, for SGD, Adam(W) and a 16-bit
+// parameter's master; a gradient in the other layout is read through a copy.
+// A parameter neither contiguous nor channels-last is a named error.
+TEST(Optimizer, ChannelsLastParametersStepAsTheContiguousRun) {
+  const Shape shape{4, 3, 2, 5};
+  for (DType dt : {DType::Float32, DType::BFloat16}) {
+    for (const char* kind : {"sgd", "adamw"}) {
+      Generator gen(3);
+      Tensor init = randn(shape, {}, &gen).to(dt);
+      Tensor plain = init.clone().requires_grad_();
+      Tensor cl = init.contiguous(MemoryFormat::ChannelsLast).requires_grad_();
+      ASSERT_FALSE(cl.is_contiguous());
+      auto make = [&](const Tensor& p) -> std::unique_ptr<Optimizer> {
+        if (std::string(kind) == "sgd")
+          return std::make_unique<SGD>(std::vector<Tensor>{p},
+                                       SGDOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-2});
+        return std::make_unique<AdamW>(std::vector<Tensor>{p}, AdamWOptions{.lr = 0.01, .amsgrad = true});
+      };
+      auto a = make(plain), b = make(cl);
+      for (int s = 0; s < 3; ++s) {
+        Tensor g = randn(shape, {}, &gen).to(dt);
+        plain.set_grad(g.clone());
+        // Step 1 in the parameter's layout, then a contiguous gradient.
+        cl.set_grad(s == 0 ? g.contiguous(MemoryFormat::ChannelsLast) : g.clone());
+        a->step();
+        b->step();
+      }
+      const std::string what = std::string(kind) + " " + dtype_name(dt);
+      EXPECT_EQ(plain.to_vector(), cl.to_vector()) << what;
+      EXPECT_TRUE(cl.is_contiguous(MemoryFormat::ChannelsLast)) << what << ": the step moved the parameter";
+      for (const auto& [name, t] : b->state(cl)) {
+        if (name == "step") continue;
+        EXPECT_TRUE(t.is_contiguous(MemoryFormat::ChannelsLast))
+            << what << " " << name << " " << shape_str(t.strides());
+        EXPECT_EQ(t.to_vector(), a->state(plain).at(name).to_vector()) << what << " " << name;
+      }
+      // A checkpoint loads into a channels-last parameter's layout.
+      Tensor again = cl.detach().clone().contiguous(MemoryFormat::ChannelsLast).requires_grad_();
+      auto c = make(again);
+      c->load_state_dict(a->state_dict());
+      for (const auto& [name, t] : c->state(again))
+        if (name != "step") EXPECT_TRUE(t.is_contiguous(MemoryFormat::ChannelsLast)) << what << " loaded " << name;
+    }
+  }
+  Tensor odd = zeros({3, 4}).t().requires_grad_();
+  SGD sgd({odd}, SGDOptions{.lr = 0.1});
+  odd.set_grad(zeros({4, 3}));
+  expect_error([&] { sgd.step(); }, "neither contiguous nor channels-last");
+}
+
 TEST(Optimizer, ATensorLearningRateFollowsTheScheduleAndSkipsWithFoundInf) {
   // A group whose learning rate is a tensor (read by the kernel) against the
   // same optimizer with the host's double, under StepLR; then

@@ -4,14 +4,15 @@
 #include "optim/optimizer.h"
 
 #include <algorithm>
+#include <optional>
 #include <set>
 #include <tuple>
 
 #include "autograd/autograd.h"
 #include "core/autograd_hook.h"
-#include "core/profiler.h"
 #include "core/ops.h"
 #include "core/ops_optim.h"
+#include "core/profiler.h"
 
 namespace ember::optim {
 namespace {
@@ -38,6 +39,14 @@ std::vector<ParamGroup> one_group(std::vector<Tensor> params) {
 bool is_low_precision(const Tensor& p) { return state_dtype(p.dtype()) != p.dtype(); }
 
 TensorOptions state_options(const Tensor& p) { return {state_dtype(p.dtype()), p.device()}; }
+// A new state tensor for p: its state dtype, laid out as p (a channels-last
+// weight's moments are channels-last), so the fused step walks both as flat
+// arrays. Uninitialised; `value` fills it when given.
+Tensor state_like(const Tensor& p, std::optional<double> value = std::nullopt) {
+  Tensor t = Tensor::empty(p.sizes(), state_options(p), p.suggest_memory_format());
+  if (value) t.fill_(*value);
+  return t;
+}
 
 // The tensor the fused step updates for `p` (its float32 master for 16-bit
 // parameters, created from p on first use) and the gradient in its dtype.
@@ -45,7 +54,9 @@ std::pair<Tensor, Tensor> step_target(const Tensor& p, const Tensor& g, Optimize
   if (!is_low_precision(p)) return {p, g};
   auto it = st.find("master_param");
   if (it == st.end()) {
-    it = st.emplace("master_param", p.to(DType::Float32).contiguous().clone()).first;
+    Tensor master = state_like(p);
+    master.copy_(p);
+    it = st.emplace("master_param", master).first;
   } else {
     // Elements written from outside since the last step no longer equal the
     // master rounded: they re-seed it (on the device, no sync).
@@ -291,7 +302,7 @@ void Optimizer::load_state_dict(const OptimizerStateDict& sd) {
   state_.clear();
   MemoryKindScope optimizer_memory(MemoryKind::Optimizer);
   for (auto& [p, name, t] : entries) {
-    Tensor copy = name == "step" ? Tensor::empty({}, {DType::Float32, p.device()}) : Tensor::empty(p.sizes(), state_options(p));
+    Tensor copy = name == "step" ? Tensor::empty({}, {DType::Float32, p.device()}) : state_like(p);
     copy.copy_(name == "step" ? t.reshape({}) : t);
     mutable_state(p)[name] = copy;
   }
@@ -440,10 +451,10 @@ void Adam::step_impl(const Tensor& found_inf) {
       auto& st = mutable_state(p);
       if (!st.count("step")) {
         st["step"] = zeros({}, {DType::Float32, p.device()});
-        st["exp_avg"] = zeros(p.sizes(), state_options(p));
-        st["exp_avg_sq"] = zeros(p.sizes(), state_options(p));
+        st["exp_avg"] = state_like(p, 0.0);
+        st["exp_avg_sq"] = state_like(p, 0.0);
       }
-      if (amsgrad && !st.count("max_exp_avg_sq")) st["max_exp_avg_sq"] = zeros(p.sizes(), state_options(p));
+      if (amsgrad && !st.count("max_exp_avg_sq")) st["max_exp_avg_sq"] = state_like(p, 0.0);
       // float32, counted in float32, as torch's step tensor, on the
       // parameter's device as its fused Adam keeps it: the kernel reads it
       // for the bias corrections and bumps it once the update went through.

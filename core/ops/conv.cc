@@ -497,8 +497,10 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias, Dims st
   const ConvGeom g = conv_geom(x, weight, bias, stride, padding, dilation, groups);
   // Channels-last input stays channels-last on CUDA (cuDNN is fastest in
   // NHWC with tensor cores), except float64, for which cuDNN has few NHWC
-  // kernels; the CPU kernels want plain NCHW.
-  const bool cl_in = x.is_cuda() && x.dtype() != DType::Float64 && is_channels_last(x);
+  // kernels; the CPU kernels want plain NCHW. As PyTorch's
+  // cudnn_conv_suggest_memory_format, a channels-last weight also decides:
+  // a 1x1 activation is both layouts, and its OHWI weight stays as it is.
+  const bool cl_in = x.is_cuda() && x.dtype() != DType::Float64 && (is_channels_last(x) || is_channels_last(weight));
   // Channels-last float32 without TF32 may compute in NCHW (device.h): the
   // result and dx go back to channels-last, so only this op sees NCHW.
   const bool via_nchw =

@@ -66,10 +66,17 @@ Tensor full(const Shape& sizes, double value, TensorOptions opts) {
 }
 Tensor zeros(const Shape& sizes, TensorOptions opts) { return full(sizes, 0.0, opts); }
 Tensor ones(const Shape& sizes, TensorOptions opts) { return full(sizes, 1.0, opts); }
-Tensor zeros_like(const Tensor& t) { return zeros(t.sizes(), t.options()); }
-Tensor ones_like(const Tensor& t) { return ones(t.sizes(), t.options()); }
-Tensor empty_like(const Tensor& t) { return empty(t.sizes(), t.options()); }
-Tensor full_like(const Tensor& t, double value) { return full(t.sizes(), value, t.options()); }
+// The *_like factories keep a channels-last tensor's layout (PyTorch's
+// preserve_format), so optimizer state and buffers made from a
+// channels-last parameter are laid out as it is.
+Tensor empty_like(const Tensor& t) { return Tensor::empty(t.sizes(), t.options(), t.suggest_memory_format()); }
+Tensor full_like(const Tensor& t, double value) {
+  Tensor out = empty_like(t);
+  out.fill_(value);
+  return out;
+}
+Tensor zeros_like(const Tensor& t) { return full_like(t, 0.0); }
+Tensor ones_like(const Tensor& t) { return full_like(t, 1.0); }
 Tensor scalar_tensor(double value, TensorOptions opts) { return full({}, value, opts); }
 
 Tensor arange(double end, TensorOptions opts) { return arange(0.0, end, 1.0, opts); }

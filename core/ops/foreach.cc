@@ -88,7 +88,7 @@ void foreach_mul_cpu(const ForeachTable& tab, DType dt, double factor) {
 Tensor foreach_sum_squares(const std::vector<Tensor>& tensors) {
   check_list("foreach_sum_squares", tensors);
   std::vector<Tensor> ts;
-  for (const Tensor& t : tensors) ts.push_back(t.contiguous());
+  for (const Tensor& t : tensors) ts.push_back(t.is_dense() ? t : t.contiguous());  // order does not matter
   const ForeachTable tab = foreach_table(ts);
   Tensor out = Tensor::empty({static_cast<int64_t>(ts.size())}, {DType::Float64, ts[0].device()});
   if (ts[0].is_cuda())
@@ -101,8 +101,8 @@ Tensor foreach_sum_squares(const std::vector<Tensor>& tensors) {
 void foreach_mul_(const std::vector<Tensor>& tensors, double factor) {
   check_list("foreach_mul_", tensors);
   for (size_t i = 0; i < tensors.size(); ++i)
-    EMBER_CHECK(tensors[i].is_contiguous(), "foreach_mul_: tensor ", i, " ", shape_str(tensors[i].sizes()),
-                " is not contiguous (in place needs its own elements)");
+    EMBER_CHECK(tensors[i].is_dense(), "foreach_mul_: tensor ", i, " ", shape_str(tensors[i].sizes()),
+                " is neither contiguous nor channels-last (in place needs its own elements)");
   const ForeachTable tab = foreach_table(tensors);
   if (tensors[0].is_cuda())
     foreach_mul_cuda(tab, tensors[0].dtype(), factor, tensors[0].device().index);

@@ -256,12 +256,37 @@ void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& me
 void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
                               const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db);
 
-// Pooling over `planes` = N * C contiguous [h, w] planes into [oh, ow].
+// Pooling over `planes` = N * C [h, w] planes into [oh, ow]. x, y, dy, dx
+// and indices are dense in one layout: NCHW (planes contiguous) or, with
+// nhwc, channels-last (the c channels interleaved), which the kernels read
+// natively so a channels-last network pools without layout copies.
 struct PoolGeom {
   int64_t planes, h, w, oh, ow, kh, kw, sh, sw, ph, pw;
   bool count_include_pad;  // avg only
+  bool nhwc = false;
+  int64_t c = 1;  // channels (planes = N * c); used by nhwc
 };
-// Max pooling also writes indices (int64, [planes, oh, ow]): the argmax's
+// Where element (plane p = n * c + ch, row r, column s) of a [N, C, rows,
+// cols] tensor laid out as g says lies in memory.
+EMBER_HD int64_t pool_offset(const PoolGeom& g, int64_t p, int64_t r, int64_t s, int64_t rows, int64_t cols) {
+  if (!g.nhwc) return (p * rows + r) * cols + s;
+  return (((p / g.c) * rows + r) * cols + s) * g.c + p % g.c;
+}
+// The inverse: the plane, row and column of memory index i.
+EMBER_HD void pool_coords(const PoolGeom& g, int64_t i, int64_t rows, int64_t cols, int64_t* p, int64_t* r,
+                          int64_t* s) {
+  if (!g.nhwc) {
+    *s = i % cols;
+    *r = (i / cols) % rows;
+    *p = i / (cols * rows);
+    return;
+  }
+  const int64_t ch = i % g.c, rest = i / g.c;
+  *s = rest % cols;
+  *r = (rest / cols) % rows;
+  *p = (rest / (cols * rows)) * g.c + ch;
+}
+// Max pooling also writes indices (int64, laid out as y): the argmax's
 // flat position h * w_in + w in its input plane; backward routes dy there.
 void max_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y, Tensor& indices);
 void max_pool2d_cuda(const PoolGeom& g, const Tensor& x, Tensor& y, Tensor& indices);

@@ -151,9 +151,13 @@ void check_param(const char* op, const Tensor& p, size_t i) {
   EMBER_CHECK(p.defined(), op, ": parameter ", i, " is undefined");
   EMBER_CHECK(is_floating(p.dtype()), op, ": parameter ", i, " ", shape_str(p.sizes()),
               " has dtype ", p.dtype(), "; only floating parameters can be optimized");
-  EMBER_CHECK(p.is_contiguous(), op, ": parameter ", i, " ", shape_str(p.sizes()), " with strides ",
-              shape_str(p.strides()), " is not contiguous; fused steps update parameters in place as flat arrays");
+  EMBER_CHECK(p.is_dense(), op, ": parameter ", i, " ", shape_str(p.sizes()), " with strides ", shape_str(p.strides()),
+              " is neither contiguous nor channels-last; fused steps update parameters in place as flat arrays");
 }
+
+// Laid out as the parameter, element for element in memory (a channels-last
+// parameter's state is channels-last), so both can be walked as flat arrays.
+bool laid_out_as(const Tensor& t, const Tensor& p) { return t.is_contiguous(p.suggest_memory_format()); }
 
 // A state tensor (or gradient) must match its parameter exactly.
 void check_operand(const char* op, const char* what, const Tensor& t, const Tensor& p, size_t i,
@@ -162,8 +166,9 @@ void check_operand(const char* op, const char* what, const Tensor& t, const Tens
   EMBER_CHECK(t.sizes() == p.sizes() && t.dtype() == p.dtype() && t.device() == p.device(), op, ": ", what, " ", i,
               " (", shape_str(t.sizes()), " ", t.dtype(), " on ", t.device(), ") does not match parameter ", i, " (",
               shape_str(p.sizes()), " ", p.dtype(), " on ", p.device(), ")");
-  EMBER_CHECK(!need_contiguous || t.is_contiguous(), op, ": ", what, " ", i, " ", shape_str(t.sizes()),
-              " is not contiguous; optimizer state is updated in place as a flat array");
+  EMBER_CHECK(!need_contiguous || laid_out_as(t, p), op, ": ", what, " ", i, " ", shape_str(t.sizes()),
+              " with strides ", shape_str(t.strides()), " is not laid out as its parameter (strides ",
+              shape_str(p.strides()), "); optimizer state is updated in place as a flat array");
 }
 
 // The device-side hyperparameters: one-element float32 tensors on the
@@ -208,8 +213,11 @@ std::vector<Tensor> pick(const std::vector<Tensor>& v, const std::vector<size_t>
   return out;
 }
 
-// Gradients are only read, so a strided one is copied rather than refused.
-Tensor readable_grad(const Tensor& g) { return g.is_contiguous() ? g : g.contiguous(); }
+// Gradients are only read, so one laid out otherwise is copied into the
+// parameter's layout rather than refused.
+Tensor readable_grad(const Tensor& g, const Tensor& p) {
+  return laid_out_as(g, p) ? g : g.contiguous(p.suggest_memory_format());
+}
 
 }  // namespace
 
@@ -229,7 +237,7 @@ void sgd_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, st
   for (size_t i = 0; i < params.size(); ++i) {
     check_param(op, params[i], i);
     check_operand(op, "gradient", grads[i], params[i], i, false);
-    g[i] = readable_grad(grads[i]);
+    g[i] = readable_grad(grads[i], params[i]);
     if (momentum) {
       if (momentum_bufs[i].defined()) {
         check_operand(op, "momentum buffer", momentum_bufs[i], params[i], i, true);
@@ -288,7 +296,7 @@ void adam_step_(std::vector<Tensor>& params, const std::vector<Tensor>& grads, s
     check_operand(op, "exp_avg", exp_avgs[i], params[i], i, true);
     check_operand(op, "exp_avg_sq", exp_avg_sqs[i], params[i], i, true);
     if (args.amsgrad) check_operand(op, "max_exp_avg_sq", max_exp_avg_sqs[i], params[i], i, true);
-    g[i] = readable_grad(grads[i]);
+    g[i] = readable_grad(grads[i], params[i]);
   }
   for (size_t i = 0; i < params.size(); ++i) {
     check_inplace(params[i], op);
@@ -341,7 +349,7 @@ void amp_unscale_(std::vector<Tensor>& grads, Tensor& found_inf, const Tensor& i
   std::vector<Tensor> dense(grads.size());
   for (size_t i = 0; i < grads.size(); ++i) {
     check_inplace(grads[i], op);
-    dense[i] = grads[i].is_contiguous() ? grads[i] : grads[i].contiguous();
+    dense[i] = grads[i].is_dense() ? grads[i] : grads[i].contiguous();
   }
   for (const auto& idx : group_by_device_dtype(dense)) {
     auto g = pick(dense, idx);

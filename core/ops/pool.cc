@@ -1,7 +1,8 @@
 // max_pool2d / avg_pool2d: CPU kernels and the op layer (pool.cu has the
 // CUDA kernels). Each N*C plane is independent, so threads split planes.
 // Windows and divisors come from pool_window / pool_covering in kernels.h,
-// shared with CUDA so both backends agree to the last element.
+// shared with CUDA so both backends agree to the last element; addresses
+// from pool_offset, so NCHW and channels-last inputs pool in place.
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -38,7 +39,6 @@ void max_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y, Tensor& indic
     int64_t* ip = indices.data<int64_t>();
     parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
-        const T* plane = xp + p * g.h * g.w;
         for (int64_t oh = 0; oh < g.oh; ++oh)
           for (int64_t ow = 0; ow < g.ow; ++ow) {
             int64_t h0, h1, w0, w1;
@@ -49,13 +49,13 @@ void max_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y, Tensor& indic
             // NaN wins (and the last NaN), as in PyTorch: a NaN input must not vanish.
             for (int64_t ih = h0; ih < h1; ++ih)
               for (int64_t iw = w0; iw < w1; ++iw) {
-                const A v = static_cast<A>(plane[ih * g.w + iw]);
+                const A v = static_cast<A>(xp[pool_offset(g, p, ih, iw, g.h, g.w)]);
                 if (v > best || is_nan(v)) {
                   best = v;
                   arg = ih * g.w + iw;
                 }
               }
-            const int64_t o = (p * g.oh + oh) * g.ow + ow;
+            const int64_t o = pool_offset(g, p, oh, ow, g.oh, g.ow);
             yp[o] = static_cast<T>(best);
             ip[o] = arg;
           }
@@ -73,8 +73,6 @@ void max_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, const Tensor& 
     T* dxp = dx.data<T>();
     parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
-        const T* gplane = gp + p * g.oh * g.ow;
-        const int64_t* iplane = ip + p * g.oh * g.ow;
         for (int64_t ih = 0; ih < g.h; ++ih) {
           int64_t oh0, oh1;
           pool_covering(ih, g.oh, g.kh, g.sh, g.ph, &oh0, &oh1);
@@ -84,9 +82,11 @@ void max_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, const Tensor& 
             const int64_t pos = ih * g.w + iw;
             A acc = 0;
             for (int64_t oh = oh0; oh < oh1; ++oh)
-              for (int64_t ow = ow0; ow < ow1; ++ow)
-                if (iplane[oh * g.ow + ow] == pos) acc += static_cast<A>(gplane[oh * g.ow + ow]);
-            dxp[p * g.h * g.w + pos] = static_cast<T>(acc);
+              for (int64_t ow = ow0; ow < ow1; ++ow) {
+                const int64_t o = pool_offset(g, p, oh, ow, g.oh, g.ow);
+                if (ip[o] == pos) acc += static_cast<A>(gp[o]);
+              }
+            dxp[pool_offset(g, p, ih, iw, g.h, g.w)] = static_cast<T>(acc);
           }
         }
       }
@@ -102,7 +102,6 @@ void avg_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y) {
     T* yp = y.data<T>();
     parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
-        const T* plane = xp + p * g.h * g.w;
         for (int64_t oh = 0; oh < g.oh; ++oh)
           for (int64_t ow = 0; ow < g.ow; ++ow) {
             int64_t h0, h1, w0, w1;
@@ -110,9 +109,9 @@ void avg_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y) {
                                  pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
             A acc = 0;
             for (int64_t ih = h0; ih < h1; ++ih)
-              for (int64_t iw = w0; iw < w1; ++iw) acc += static_cast<A>(plane[ih * g.w + iw]);
+              for (int64_t iw = w0; iw < w1; ++iw) acc += static_cast<A>(xp[pool_offset(g, p, ih, iw, g.h, g.w)]);
             const int64_t div = g.count_include_pad ? size : (h1 - h0) * (w1 - w0);
-            yp[(p * g.oh + oh) * g.ow + ow] = static_cast<T>(div > 0 ? acc / static_cast<A>(div) : A(0));
+            yp[pool_offset(g, p, oh, ow, g.oh, g.ow)] = static_cast<T>(div > 0 ? acc / static_cast<A>(div) : A(0));
           }
       }
     });
@@ -127,7 +126,6 @@ void avg_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, Tensor& dx) {
     T* dxp = dx.data<T>();
     parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
-        const T* gplane = gp + p * g.oh * g.ow;
         for (int64_t ih = 0; ih < g.h; ++ih) {
           int64_t oh0, oh1;
           pool_covering(ih, g.oh, g.kh, g.sh, g.ph, &oh0, &oh1);
@@ -141,9 +139,9 @@ void avg_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, Tensor& dx) {
                 const int64_t size = pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1) *
                                      pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
                 const int64_t div = g.count_include_pad ? size : (h1 - h0) * (w1 - w0);
-                acc += static_cast<A>(gplane[oh * g.ow + ow]) / static_cast<A>(div);
+                acc += static_cast<A>(gp[pool_offset(g, p, oh, ow, g.oh, g.ow)]) / static_cast<A>(div);
               }
-            dxp[(p * g.h + ih) * g.w + iw] = static_cast<T>(acc);
+            dxp[pool_offset(g, p, ih, iw, g.h, g.w)] = static_cast<T>(acc);
           }
         }
       }
@@ -186,78 +184,85 @@ PoolGeom pool_geom(const char* op, const Tensor& x, Dims kernel, Dims stride, Di
 }
 }  // namespace
 
-static Tensor max_pool2d_nchw(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode) {
-  const PoolGeom g = pool_geom("max_pool2d", x, kernel, stride, padding, ceil_mode, false);
-  const Shape out_shape{x.size(0), x.size(1), g.oh, g.ow};
-  Tensor xc;
-  {
-    NoGradGuard no_grad;
-    xc = x.contiguous().detach();
-  }
-  Tensor indices = Tensor::empty(out_shape, {DType::Int64, x.device()});
-  return differentiable("max_pool2d", {x}, [&] {
-    Tensor y = Tensor::empty(out_shape, x.options());
-    if (y.numel() == 0) return y;
-    if (x.is_cuda()) max_pool2d_cuda(g, xc, y, indices);
-    else max_pool2d_cpu(g, xc, y, indices);
-    return y;
-  }, [&](const Tensor&) {
-    const Shape in_shape = x.sizes();
-    BackwardFn fn = [=](const Tensor& gy) {
-      Tensor dy = gy.contiguous();
-      Tensor dx = Tensor::empty(in_shape, gy.options());
-      if (dx.numel() == 0) return std::vector<Tensor>{dx};
-      if (dy.is_cuda()) max_pool2d_backward_cuda(g, dy, indices, dx);
-      else max_pool2d_backward_cpu(g, dy, indices, dx);
-      return std::vector<Tensor>{dx};
-    };
-    return Recorded{fn, {indices}};
-  });
-}
+namespace {
+// Channels-last stays channels-last on both backends: the kernels read
+// either layout (pool_offset), so the network after the pool keeps its
+// layout with no copies; anything else is pooled as contiguous NCHW.
+bool pools_nhwc(const Tensor& x) { return x.suggest_memory_format() == MemoryFormat::ChannelsLast; }
 
-static Tensor avg_pool2d_nchw(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode,
-                              bool count_include_pad) {
-  const PoolGeom g = pool_geom("avg_pool2d", x, kernel, stride, padding, ceil_mode, count_include_pad);
-  const Shape out_shape{x.size(0), x.size(1), g.oh, g.ow};
-  Tensor xc;
-  {
-    NoGradGuard no_grad;
-    xc = x.contiguous().detach();
-  }
-  return differentiable("avg_pool2d", {x}, [&] {
-    Tensor y = Tensor::empty(out_shape, x.options());
-    if (y.numel() == 0) return y;
-    if (x.is_cuda()) avg_pool2d_cuda(g, xc, y);
-    else avg_pool2d_cpu(g, xc, y);
-    return y;
-  }, [&](const Tensor&) {
-    const Shape in_shape = x.sizes();
-    BackwardFn fn = [=](const Tensor& gy) {
-      Tensor dy = gy.contiguous();
-      Tensor dx = Tensor::empty(in_shape, gy.options());
-      if (dx.numel() == 0) return std::vector<Tensor>{dx};
-      if (dy.is_cuda()) avg_pool2d_backward_cuda(g, dy, dx);
-      else avg_pool2d_backward_cpu(g, dy, dx);
-      return std::vector<Tensor>{dx};
-    };
-    return Recorded{fn, {}};
-  });
+Tensor pool_input(const Tensor& x, bool nhwc) {
+  NoGradGuard no_grad;  // a kernel input, not a graph node
+  return (nhwc ? x : x.contiguous()).detach();
 }
+}  // namespace
 
-// The kernels walk NCHW planes. A channels-last input is pooled in NCHW and
-// the result put back in NHWC, so the network after it stays channels-last
-// (two copies of a tensor the pool shrinks; a native NHWC kernel would save them).
 Tensor max_pool2d(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode) {
-  if (x.defined() && x.suggest_memory_format() == MemoryFormat::ChannelsLast)
-    return max_pool2d_nchw(x.contiguous(), kernel, stride, padding, ceil_mode).contiguous(MemoryFormat::ChannelsLast);
-  return max_pool2d_nchw(x, kernel, stride, padding, ceil_mode);
+  PoolGeom g = pool_geom("max_pool2d", x, kernel, stride, padding, ceil_mode, false);
+  const bool nhwc = g.nhwc = pools_nhwc(x);
+  g.c = x.size(1);
+  const MemoryFormat fmt = nhwc ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
+  const Shape out_shape{x.size(0), x.size(1), g.oh, g.ow};
+  const Tensor xc = pool_input(x, nhwc);
+  Tensor indices = Tensor::empty(out_shape, {DType::Int64, x.device()}, fmt);
+  return differentiable(
+      "max_pool2d", {x},
+      [&] {
+        Tensor y = Tensor::empty(out_shape, x.options(), fmt);
+        if (y.numel() == 0) return y;
+        if (x.is_cuda())
+          max_pool2d_cuda(g, xc, y, indices);
+        else
+          max_pool2d_cpu(g, xc, y, indices);
+        return y;
+      },
+      [&](const Tensor&) {
+        const Shape in_shape = x.sizes();
+        BackwardFn fn = [=](const Tensor& gy) {
+          Tensor dy = gy.contiguous(fmt);
+          Tensor dx = Tensor::empty(in_shape, gy.options(), fmt);
+          if (dx.numel() == 0) return std::vector<Tensor>{dx};
+          if (dy.is_cuda())
+            max_pool2d_backward_cuda(g, dy, indices, dx);
+          else
+            max_pool2d_backward_cpu(g, dy, indices, dx);
+          return std::vector<Tensor>{dx};
+        };
+        return Recorded{fn, {indices}};
+      });
 }
 
 Tensor avg_pool2d(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode, bool count_include_pad) {
-  if (x.defined() && x.suggest_memory_format() == MemoryFormat::ChannelsLast)
-    return avg_pool2d_nchw(x.contiguous(), kernel, stride, padding, ceil_mode, count_include_pad)
-        .contiguous(MemoryFormat::ChannelsLast);
-  return avg_pool2d_nchw(x, kernel, stride, padding, ceil_mode, count_include_pad);
+  PoolGeom g = pool_geom("avg_pool2d", x, kernel, stride, padding, ceil_mode, count_include_pad);
+  const bool nhwc = g.nhwc = pools_nhwc(x);
+  g.c = x.size(1);
+  const MemoryFormat fmt = nhwc ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
+  const Shape out_shape{x.size(0), x.size(1), g.oh, g.ow};
+  const Tensor xc = pool_input(x, nhwc);
+  return differentiable(
+      "avg_pool2d", {x},
+      [&] {
+        Tensor y = Tensor::empty(out_shape, x.options(), fmt);
+        if (y.numel() == 0) return y;
+        if (x.is_cuda())
+          avg_pool2d_cuda(g, xc, y);
+        else
+          avg_pool2d_cpu(g, xc, y);
+        return y;
+      },
+      [&](const Tensor&) {
+        const Shape in_shape = x.sizes();
+        BackwardFn fn = [=](const Tensor& gy) {
+          Tensor dy = gy.contiguous(fmt);
+          Tensor dx = Tensor::empty(in_shape, gy.options(), fmt);
+          if (dx.numel() == 0) return std::vector<Tensor>{dx};
+          if (dy.is_cuda())
+            avg_pool2d_backward_cuda(g, dy, dx);
+          else
+            avg_pool2d_backward_cpu(g, dy, dx);
+          return std::vector<Tensor>{dx};
+        };
+        return Recorded{fn, {}};
+      });
 }
 
 }  // namespace ember

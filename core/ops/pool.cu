@@ -3,6 +3,9 @@
 // cover it: no atomics, so 16-bit gradients need no float scratch and the
 // result is deterministic). Windows and divisors come from pool_window /
 // pool_covering (kernels.h), the same functions the CPU kernels use.
+// Threads walk memory order (pool_coords / pool_offset): in channels-last,
+// neighbouring threads are neighbouring channels of one pixel, so every
+// window read is coalesced across the warp.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -22,16 +25,16 @@ __global__ void max_pool_kernel(const __grid_constant__ PoolGeom g, const T* __r
                                 int64_t* __restrict__ indices, int64_t total) {
   using A = acc_t<T>;
   cuda::grid_stride_loop(total, [&](int64_t i) {
-    const int64_t ow = i % g.ow, oh = (i / g.ow) % g.oh, p = i / (g.ow * g.oh);
+    int64_t p, oh, ow;
+    pool_coords(g, i, g.oh, g.ow, &p, &oh, &ow);
     int64_t h0, h1, w0, w1;
     pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1);
     pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
-    const T* plane = x + p * g.h * g.w;
     A best = -INFINITY;
     int64_t arg = h0 * g.w + w0;
     for (int64_t ih = h0; ih < h1; ++ih)
       for (int64_t iw = w0; iw < w1; ++iw) {
-        const A v = cast_value<A>(plane[ih * g.w + iw]);
+        const A v = cast_value<A>(x[pool_offset(g, p, ih, iw, g.h, g.w)]);
         if (v > best || v != v) {  // NaN wins, as on the CPU
           best = v;
           arg = ih * g.w + iw;
@@ -47,15 +50,16 @@ __global__ void max_pool_backward_kernel(const __grid_constant__ PoolGeom g, con
                                          const int64_t* __restrict__ indices, T* __restrict__ dx, int64_t total) {
   using A = acc_t<T>;
   cuda::grid_stride_loop(total, [&](int64_t i) {
-    const int64_t iw = i % g.w, ih = (i / g.w) % g.h, p = i / (g.w * g.h);
+    int64_t p, ih, iw;
+    pool_coords(g, i, g.h, g.w, &p, &ih, &iw);
     int64_t oh0, oh1, ow0, ow1;
     pool_covering(ih, g.oh, g.kh, g.sh, g.ph, &oh0, &oh1);
     pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);
-    const int64_t pos = ih * g.w + iw, base = p * g.oh * g.ow;
+    const int64_t pos = ih * g.w + iw;
     A acc = 0;
     for (int64_t oh = oh0; oh < oh1; ++oh)
       for (int64_t ow = ow0; ow < ow1; ++ow) {
-        const int64_t o = base + oh * g.ow + ow;
+        const int64_t o = pool_offset(g, p, oh, ow, g.oh, g.ow);
         if (indices[o] == pos) acc += cast_value<A>(dy[o]);
       }
     dx[i] = cast_value<T>(acc);
@@ -67,14 +71,14 @@ __global__ void avg_pool_kernel(const __grid_constant__ PoolGeom g, const T* __r
                                 int64_t total) {
   using A = acc_t<T>;
   cuda::grid_stride_loop(total, [&](int64_t i) {
-    const int64_t ow = i % g.ow, oh = (i / g.ow) % g.oh, p = i / (g.ow * g.oh);
+    int64_t p, oh, ow;
+    pool_coords(g, i, g.oh, g.ow, &p, &oh, &ow);
     int64_t h0, h1, w0, w1;
     const int64_t size =
         pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1) * pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
-    const T* plane = x + p * g.h * g.w;
     A acc = 0;
     for (int64_t ih = h0; ih < h1; ++ih)
-      for (int64_t iw = w0; iw < w1; ++iw) acc += cast_value<A>(plane[ih * g.w + iw]);
+      for (int64_t iw = w0; iw < w1; ++iw) acc += cast_value<A>(x[pool_offset(g, p, ih, iw, g.h, g.w)]);
     const int64_t div = g.count_include_pad ? size : (h1 - h0) * (w1 - w0);
     y[i] = cast_value<T>(div > 0 ? acc / static_cast<A>(div) : A(0));
   });
@@ -85,11 +89,11 @@ __global__ void avg_pool_backward_kernel(const __grid_constant__ PoolGeom g, con
                                          T* __restrict__ dx, int64_t total) {
   using A = acc_t<T>;
   cuda::grid_stride_loop(total, [&](int64_t i) {
-    const int64_t iw = i % g.w, ih = (i / g.w) % g.h, p = i / (g.w * g.h);
+    int64_t p, ih, iw;
+    pool_coords(g, i, g.h, g.w, &p, &ih, &iw);
     int64_t oh0, oh1, ow0, ow1;
     pool_covering(ih, g.oh, g.kh, g.sh, g.ph, &oh0, &oh1);
     pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);
-    const T* gplane = dy + p * g.oh * g.ow;
     A acc = 0;
     for (int64_t oh = oh0; oh < oh1; ++oh)
       for (int64_t ow = ow0; ow < ow1; ++ow) {
@@ -97,7 +101,7 @@ __global__ void avg_pool_backward_kernel(const __grid_constant__ PoolGeom g, con
         const int64_t size =
             pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1) * pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
         const int64_t div = g.count_include_pad ? size : (h1 - h0) * (w1 - w0);
-        acc += cast_value<A>(gplane[oh * g.ow + ow]) / static_cast<A>(div);
+        acc += cast_value<A>(dy[pool_offset(g, p, oh, ow, g.oh, g.ow)]) / static_cast<A>(div);
       }
     dx[i] = cast_value<T>(acc);
   });

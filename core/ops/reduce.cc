@@ -153,21 +153,43 @@ ReducePlan plan_reduce(const Tensor& x, std::vector<int64_t> dims, bool keepdim,
     if (!red[d]) p.out_shape.push_back(x.sizes()[d]);
     else if (keepdim) p.out_shape.push_back(1);
   }
-  int64_t first = -1, last = -1;
-  for (int64_t d = 0; d < nd; ++d)
-    if (red[d]) { if (first < 0) first = d; last = d; }
-  bool block = true;
-  for (int64_t d = first; d >= 0 && d <= last; ++d) block = block && red[d];
-  if (first < 0) {  // 0-d input
+  if (nd == 0) {  // 0-d input
     p.input = x.contiguous();
     return p;
   }
-  if (block && x.is_contiguous()) {
-    p.input = x;
-    for (int64_t d = 0; d < first; ++d) p.outer *= x.sizes()[d];
-    for (int64_t d = first; d <= last; ++d) p.r *= x.sizes()[d];
-    for (int64_t d = last + 1; d < nd; ++d) p.inner *= x.sizes()[d];
-    return p;
+  // The dims in memory order, outermost first, of a dense input (contiguous,
+  // or channels-last: N, H, W, C). It is reduced where it lies when the
+  // reduced dims are one block of that order and the kept ones stay in
+  // their logical order (the output's): a channels-last mean over H and W
+  // is [N, H*W, C] in place, with no layout copy.
+  std::vector<int64_t> order;
+  if (x.is_contiguous()) {
+    for (int64_t d = 0; d < nd; ++d) order.push_back(d);
+  } else if (x.is_contiguous(MemoryFormat::ChannelsLast)) {
+    order = {0, 2, 3, 1};
+  }
+  if (!order.empty()) {
+    int64_t first = -1, last = -1, prev_kept = -1;
+    bool in_place = true;
+    for (int64_t i = 0; i < nd; ++i) {
+      const int64_t d = order[i];
+      if (red[d]) {
+        if (first < 0) first = i;
+        last = i;
+      } else {
+        in_place = in_place && d > prev_kept;
+        prev_kept = d;
+      }
+    }
+    for (int64_t i = first; in_place && i >= 0 && i <= last; ++i) in_place = red[order[i]];
+    if (in_place) {
+      p.input = x;
+      for (int64_t i = 0; i < nd; ++i) {
+        const int64_t size = x.sizes()[order[i]];
+        (i < first ? p.outer : i <= last ? p.r : p.inner) *= size;
+      }
+      return p;
+    }
   }
   Shape perm;
   for (int64_t d = 0; d < nd; ++d) if (!red[d]) { perm.push_back(d); p.outer *= x.sizes()[d]; }

@@ -253,9 +253,7 @@ void Replicated::Impl::shadow_backward() {
     for (size_t b = 0; b < buckets.size(); ++b) {
       const FlatBuffer& g = buckets[b].grads;
       GradBucket z{static_cast<int>(b), zeros_like(g.flat()), {}, b + 1 == buckets.size()};
-      for (size_t s = 0; s < g.size(); ++s)
-        z.gradients.push_back(
-            z.buffer.narrow(0, g.entries()[s].offset, g.entries()[s].numel).view(g.entries()[s].shape));
+      for (size_t s = 0; s < g.size(); ++s) z.gradients.push_back(g.view_in(z.buffer, s));
       shadow.push_back(std::move(z));
     }
   std::vector<std::shared_ptr<Work>> works;
@@ -309,13 +307,15 @@ void Replicated::Impl::build_buckets() {
     Bucket bucket;
     bucket.members = members;
     std::vector<std::pair<std::string, Shape>> layout;
+    std::vector<MemoryFormat> formats;  // each view laid out as its parameter (PyTorch's gradient layout contract)
     for (size_t s = 0; s < members.size(); ++s) {
       layout.emplace_back(names[members[s]], params[members[s]].sizes());
+      formats.push_back(params[members[s]].suggest_memory_format());
       bucket_of[members[s]] = static_cast<int>(buckets.size());
       slot_in_bucket[members[s]] = static_cast<int>(s);
     }
     // One rank's whole gradients: no padding (allreduce needs none).
-    bucket.grads = FlatBuffer(layout, params[members.front()].options(), 1);
+    bucket.grads = FlatBuffer(layout, params[members.front()].options(), 1, formats);
     set_memory_kind(bucket.grads.flat(), MemoryKind::Gradients);  // the .grad()s are its views
     buckets.push_back(std::move(bucket));
   }

@@ -179,7 +179,9 @@ struct MlpWithReference {
 // Worker scenarios.
 
 // k SGD steps (momentum, zero_grad releasing grads) of DDP with per-rank
-// batch b against one process on the 2b/4b batch. arg: model=mlp|conv|convbn,
+// batch b against one process on the 2b/4b batch. arg: model=mlp|conv|convbn|
+// convcl (the conv net's replica channels-last: its gradients are bucket
+// views laid out as the parameters, which stay channels-last),
 // cap=<MB>, first=<MB>, overlap=0|1, layout=<expected bucket_indices>.
 EMBER_WORKER(train) {
   auto o = mp::parse_arg(env.arg);
@@ -192,6 +194,18 @@ EMBER_WORKER(train) {
   };
   auto ref = make(1);
   auto local = make(1 + r);  // rank 0's values reach the others by broadcast
+  const bool cl = model == "convcl";
+  if (cl) local->to(MemoryFormat::ChannelsLast);
+  auto expect_channels_last = [&](const char* when) {
+    if (!cl) return;
+    for (const auto& [name, p] : local->named_parameters()) {
+      if (p.dim() != 4) continue;
+      WCHECK(p.is_contiguous(MemoryFormat::ChannelsLast) && !p.is_contiguous(), when, ": ", name, " strides ",
+             shape_str(p.strides()));
+      WCHECK(!p.grad().defined() || p.grad().strides() == p.strides(), when, ": ", name, "'s gradient strides ",
+             shape_str(p.grad().strides()), " are not its ", shape_str(p.strides()));
+    }
+  };
   if (model == "convbn") {
     ref->eval();
     local->eval();
@@ -232,9 +246,11 @@ EMBER_WORKER(train) {
     loss_of(*ddp, all.rows(r * b, b)).backward();
     loss_of(*ref, all).backward();
     expect_same_grads(*local, *ref, "step " + std::to_string(step));
+    expect_channels_last("backward");
     opt_ddp.step();
     opt_ref.step();
     expect_same_params(*local, *ref, "after step " + std::to_string(step));
+    expect_channels_last("step");
   }
   // Gradients are views into the flat buckets: members of a bucket share storage.
   auto params = local->parameters();
@@ -739,6 +755,11 @@ TEST_P(DDPWorlds, MlpMatchesSingleProcessOnTheWholeBatch) {
 
 TEST_P(DDPWorlds, ConvNetMatchesSingleProcess) {
   auto res = mp::run_workers("train", GetParam(), with_arg("model=conv"));
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
+TEST_P(DDPWorlds, ChannelsLastConvNetMatchesSingleProcess) {
+  auto res = mp::run_workers("train", GetParam(), with_arg("model=convcl"));
   EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
 }
 

@@ -10,21 +10,42 @@
 
 namespace ember::distributed {
 
-FlatBuffer::FlatBuffer(const std::vector<std::pair<std::string, Shape>>& entries, TensorOptions options, int world_size)
+FlatBuffer::FlatBuffer(const std::vector<std::pair<std::string, Shape>>& entries, TensorOptions options, int world_size,
+                       const std::vector<MemoryFormat>& formats)
     : world_size_(world_size) {
   EMBER_CHECK(world_size >= 1, "FlatBuffer: world_size must be at least 1, got ", world_size);
+  EMBER_CHECK(formats.empty() || formats.size() == entries.size(), "FlatBuffer: ", formats.size(), " formats for ",
+              entries.size(), " entries");
   std::set<std::string> names;
   for (const auto& [name, shape] : entries) {
     EMBER_CHECK(names.insert(name).second, "FlatBuffer: entry '", name, "' appears twice");
     FlatEntry e{name, shape, numel_, shape_numel(shape)};
     EMBER_CHECK(e.numel >= 0, "FlatBuffer: entry '", name, "' has an invalid shape ", shape_str(shape));
+    if (!formats.empty() && formats[entries_.size()] == MemoryFormat::ChannelsLast) {
+      EMBER_CHECK(shape.size() == 4, "FlatBuffer: entry '", name, "' ", shape_str(shape),
+                  " cannot be channels-last: it is not 4-D");
+      EMBER_CHECK(world_size == 1, "FlatBuffer: entry '", name, "' is channels-last in a buffer sharded ", world_size,
+                  " ways; shards count elements in logical order, so sharded entries are contiguous");
+      e.format = MemoryFormat::ChannelsLast;
+    }
     numel_ += e.numel;
     entries_.push_back(std::move(e));
   }
   const int64_t padded = (numel_ + world_size - 1) / world_size * world_size;
   // Zeroed: the padding must stay zero (it is reduced and gathered too).
   flat_ = zeros({padded}, options);
-  for (const FlatEntry& e : entries_) views_.push_back(flat_.narrow(0, e.offset, e.numel).view(e.shape));
+  for (size_t i = 0; i < entries_.size(); ++i) views_.push_back(view_in(flat_, i));
+}
+
+Tensor FlatBuffer::view_in(const Tensor& buffer, size_t i) const {
+  EMBER_CHECK(i < entries_.size(), "FlatBuffer::view_in: entry ", i, " out of range (", entries_.size(), " entries)");
+  EMBER_CHECK(buffer.dim() == 1 && buffer.numel() == padded_numel(), "FlatBuffer::view_in: buffer ",
+              shape_str(buffer.sizes()), " is not laid out as this one (", padded_numel(), " elements)");
+  const FlatEntry& e = entries_[i];
+  Tensor piece = buffer.narrow(0, e.offset, e.numel);
+  if (e.format == MemoryFormat::Contiguous) return piece.view(e.shape);
+  // NHWC memory behind NCHW sizes, as Tensor::empty(..., ChannelsLast).
+  return piece.view({e.shape[0], e.shape[2], e.shape[3], e.shape[1]}).permute({0, 3, 1, 2});
 }
 
 FlatBuffer FlatBuffer::from_tensors(const std::vector<std::pair<std::string, Tensor>>& tensors, int world_size) {

@@ -19,6 +19,13 @@
 // (unshard), reduce_scatter() reduces it into this rank's shard. release()
 // gives the buffer's memory back while views stay valid handles (their data
 // refuses access until restore()), for FSDP's reshard after forward.
+//
+// An unsharded buffer (world size 1) may lay an entry out channels-last:
+// its view then has the strides of a channels-last tensor of its shape, so
+// DDP's gradient buckets follow channels-last parameters (PyTorch's
+// gradient layout contract) and no step converts their layout. Sharded
+// buffers keep every entry contiguous: shards and pieces count elements in
+// the entries' logical order, which checkpoints rely on.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +45,7 @@ struct FlatEntry {
   Shape shape;
   int64_t offset = 0;  // in elements, from the start of the buffer
   int64_t numel = 0;
+  MemoryFormat format = MemoryFormat::Contiguous;  // of its view (ChannelsLast: unsharded buffers only)
 };
 
 class FlatBuffer {
@@ -45,7 +53,10 @@ class FlatBuffer {
   FlatBuffer() = default;
   // Lays `entries` (name, shape) out in order in a new zeroed buffer of
   // `options`, padded to a multiple of `world_size`. Names must be unique.
-  FlatBuffer(const std::vector<std::pair<std::string, Shape>>& entries, TensorOptions options, int world_size = 1);
+  // `formats` (one per entry, or empty: all contiguous) lays entries out
+  // channels-last; only with world_size 1.
+  FlatBuffer(const std::vector<std::pair<std::string, Shape>>& entries, TensorOptions options, int world_size = 1,
+             const std::vector<MemoryFormat>& formats = {});
   // The layout of `tensors` (their names and shapes; they must share dtype
   // and device), with their current values copied in.
   static FlatBuffer from_tensors(const std::vector<std::pair<std::string, Tensor>>& tensors, int world_size = 1);
@@ -57,6 +68,9 @@ class FlatBuffer {
   size_t size() const { return entries_.size(); }
   // Entry i (or by name) as a view of its shape into flat().
   const Tensor& view(size_t i) const;
+  // Entry i's view into `buffer`, another buffer laid out as this one
+  // (padded_numel() elements), in the entry's format.
+  Tensor view_in(const Tensor& buffer, size_t i) const;
   const std::vector<Tensor>& views() const { return views_; }
   std::optional<size_t> find(const std::string& name) const;
 

@@ -92,6 +92,35 @@ TEST(FlatBuffer, ViewsAndAdoptedParametersShareTheBuffer) {
   EXPECT_TRUE(w.requires_grad() && w.is_leaf());
 }
 
+// A channels-last entry's view has a channels-last tensor's strides over
+// its slice (NHWC memory order), beside contiguous entries; values copied
+// in land in that order; view_in gives the same layout in another buffer.
+TEST(FlatBuffer, ChannelsLastEntriesLayTheirSliceOutNhwc) {
+  const Shape w{3, 2, 2, 2};  // [O, C, H, W]
+  FlatBuffer fb({{"bias", {3}}, {"conv.weight", w}, {"fc.weight", {2, 4}}}, {DType::Float32}, 1,
+                {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast, MemoryFormat::Contiguous});
+  EXPECT_EQ(fb.entries()[1].format, MemoryFormat::ChannelsLast);
+  const Tensor& v = fb.view(1);
+  EXPECT_EQ(v.sizes(), w);
+  EXPECT_EQ(v.strides(), Tensor::empty(w, {}, MemoryFormat::ChannelsLast).strides());
+  EXPECT_EQ(v.storage_offset(), 3);
+  EXPECT_TRUE(v.shares_storage(fb.flat()));
+  Tensor value = iota(24, 0).view(w);  // element (o, c, h, k) = ((o*2 + c)*2 + h)*2 + k
+  fb.copy_from({zeros({3}), value, zeros({2, 4})});
+  const std::vector<double> flat = fb.flat().to_vector();
+  for (int64_t o = 0; o < 3; ++o)
+    for (int64_t c = 0; c < 2; ++c)
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t k = 0; k < 2; ++k)  // NHWC: ((o*H + h)*W + k)*C + c
+          EXPECT_EQ(flat[static_cast<size_t>(3 + ((o * 2 + h) * 2 + k) * 2 + c)], ((o * 2 + c) * 2 + h) * 2 + k);
+  EXPECT_EQ(v.to_vector(), value.to_vector());
+  Tensor other = zeros({fb.padded_numel()});
+  Tensor ov = fb.view_in(other, 1);
+  EXPECT_EQ(ov.strides(), v.strides());
+  EXPECT_TRUE(ov.shares_storage(other));
+  EXPECT_EQ(fb.view_in(other, 2).sizes(), (Shape{2, 4}));
+}
+
 TEST(FlatBuffer, ErrorsNameTheEntry) {
   auto expect_error = [](auto&& f, const std::string& needle) {
     try {
@@ -111,6 +140,22 @@ TEST(FlatBuffer, ErrorsNameTheEntry) {
   FlatBuffer fb(layout(), {DType::Float32}, 2);
   expect_error([&] { fb.copy_from({zeros({7}), zeros({4}), zeros({1})}); }, "'b.weight' has shape [5]");
   expect_error([&] { (void)fb.shard(2); }, "rank 2 out of range");
+  expect_error(
+      [] {
+        FlatBuffer({{"w", {2, 2, 1, 1}}}, {DType::Float32}, 2, {MemoryFormat::ChannelsLast});
+      },
+      "'w' is channels-last in a buffer sharded 2 ways");
+  expect_error(
+      [] {
+        FlatBuffer({{"b", {2}}}, {DType::Float32}, 1, {MemoryFormat::ChannelsLast});
+      },
+      "'b' [2] cannot be channels-last");
+  expect_error(
+      [] {
+        FlatBuffer({{"b", {2}}}, {DType::Float32}, 1, {MemoryFormat::Contiguous, MemoryFormat::Contiguous});
+      },
+      "2 formats for 1 entries");
+  expect_error([&] { (void)fb.view_in(zeros({3}), 0); }, "view_in: buffer [3] is not laid out as this one");
 }
 
 // Rank r's shard holds r*100 + its flat index; after all_gather every rank

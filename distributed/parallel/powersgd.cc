@@ -152,7 +152,12 @@ struct PowerSGDStep {
       st->stats_.numel_before += n * cols;
       st->stats_.numel_after += worth ? (n + cols) * r : n * cols;
       if (worth) {
-        compressed.push_back({g.view({n, cols}), n, cols, r, Tensor(), Tensor()});
+        // A channels-last gradient is compressed as the matrix of its memory
+        // ([O, H*W*C], the columns permuted), a view as the plain one is.
+        const Tensor m = g.suggest_memory_format() == MemoryFormat::ChannelsLast
+                             ? g.permute({0, 2, 3, 1}).view({n, cols})
+                             : g.view({n, cols});
+        compressed.push_back({m, n, cols, r, Tensor(), Tensor()});
         p_numel += n * r;
         q_numel += cols * r;
       } else {
