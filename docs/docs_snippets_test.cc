@@ -34,6 +34,7 @@
 #include "distributed/parallel/zero.h"
 #include "nn/functional.h"
 #include "nn/layers.h"
+#include "nn/models.h"
 #include "nn/checkpoint.h"
 #include "nn/transformer.h"
 #include "optim/clip_grad.h"
@@ -94,6 +95,16 @@ model.register_full_backward_pre_hook([](nn::Module& m, const Tensor& grad_out) 
 h.remove();
     EXPECT_NE(model.state_dict().find("bn1.running_mean"), nullptr);
   }
+}
+
+// docs/gpu.md (on the CPU here: the layout is the same on any device)
+TEST(Docs, ChannelsLast) {
+  const Device device = kCPU;
+auto net = nn::resnet50({.num_classes = 1000, .memory_format = MemoryFormat::ChannelsLast});
+// or any module: net->to(MemoryFormat::ChannelsLast), as module.to(memory_format=...)
+net->to(device);  // cuda_device(0)
+  const Tensor& w = net->conv1->weight;
+  EXPECT_TRUE(w.is_contiguous(MemoryFormat::ChannelsLast) && !w.is_contiguous()) << shape_str(w.strides());
 }
 
 // docs/mixed-precision.md
