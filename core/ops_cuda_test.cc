@@ -327,6 +327,22 @@ TEST_F(CudaOps, JoinIndexCopyRandom) {
   Tensor big = randn({33, 65});
   expect_same(big.t().contiguous(), big.cuda().t().contiguous(), 0, "transpose copy");
   EXPECT_TRUE(allclose(big.cuda().to(DType::Float16).cpu(), big.to(DType::Float16), 0, 0));
+  // A channels-last tensor moves between devices as it is (to() keeps the
+  // layout; the staging buffers are laid out alike): the same values, still
+  // channels-last, and no transposing copy on the device, in either direction
+  // or through a cast.
+  Tensor cl = randn({2, 5, 3, 4}).contiguous(MemoryFormat::ChannelsLast);
+  const uint64_t before = cuda_layout_copies();
+  Tensor on = cl.cuda(), back = on.cpu(), half = on.to(DType::BFloat16);
+  EXPECT_EQ(cuda_layout_copies() - before, 0u);
+  for (const Tensor& t : {on, back, half})
+    EXPECT_TRUE(t.is_contiguous(MemoryFormat::ChannelsLast) && !t.is_contiguous());
+  EXPECT_EQ(back.to_vector(), cl.to_vector());
+  EXPECT_TRUE(allclose(half.cpu(), cl.to(DType::BFloat16), 0, 0));
+  // Into a contiguous destination, the transposes are the destination's.
+  Tensor plain = zeros({2, 5, 3, 4});
+  plain.copy_(on);
+  EXPECT_EQ(plain.to_vector(), cl.to_vector());
   // Same seed, same values on both devices (Philox on both).
   for (DType dt : kTypes) {
     Generator g1(99), g2(99);

@@ -580,11 +580,14 @@ Tensor& Tensor::copy_(const Tensor& src) {
   broadcast_shapes(sizes(), src.sizes(), "copy_");
   Tensor s = src.expand(sizes());
   if (s.device() != device()) {
-    // Cross-device: make a contiguous buffer in our dtype on the source side,
-    // move the bytes, then a same-device (possibly strided) copy.
-    Tensor staged = Tensor::empty(sizes(), {dtype(), s.device()});
+    // Cross-device: make a dense buffer in our dtype on the source side, move
+    // the bytes, then a same-device (possibly strided) copy. The buffers are
+    // laid out as the destination (channels-last when it is), so a
+    // channels-last tensor moves as it is, with no transposes on either side.
+    const MemoryFormat fmt = suggest_memory_format();
+    Tensor staged = Tensor::empty(sizes(), {dtype(), s.device()}, fmt);
     staged.copy_(s);
-    Tensor landed = (is_contiguous()) ? *this : Tensor::empty(sizes(), options());
+    Tensor landed = is_contiguous(fmt) ? *this : Tensor::empty(sizes(), options(), fmt);
 #if EMBER_WITH_CUDA  // else unreachable: no CUDA tensor can be allocated
     cudaMemcpyKind kind = s.device().is_cpu() ? cudaMemcpyHostToDevice
                           : device().is_cpu() ? cudaMemcpyDeviceToHost

@@ -197,6 +197,15 @@ void Module::to(DType dtype) {
 }
 
 void Module::to(MemoryFormat format) {
+  // A parameter that is a view into a larger buffer (fully_shard's or
+  // ZeRO's flat parameters) would be cut off from it by set_data: the
+  // buffer's gathers and updates would no longer reach the module.
+  for (const auto& [name, p] : named_parameters())
+    EMBER_CHECK(!p.defined() || p.dim() != 4 || p.is_contiguous(format) ||
+                    (p.storage_offset() == 0 && p.impl().storage->nbytes == p.nbytes()),
+                "Module::to(", format == MemoryFormat::ChannelsLast ? "ChannelsLast" : "Contiguous", "): parameter '",
+                name, "' ", shape_str(p.sizes()), " is a view into a larger buffer (a flat parameter of fully_shard ",
+                "or ZeRO?); lay the model out before wrapping it");
   auto relayout = [format](const Tensor& t) {
     if (!t.defined() || t.dim() != 4 || t.is_contiguous(format)) return;
     NoGradGuard g;

@@ -96,6 +96,36 @@ TEST(Module, ToKeepsHandlesAndTrainEvalPropagates) {
   EXPECT_TRUE(net->bn1->is_training());
 }
 
+// to(MemoryFormat) lays 4-D parameters, gradients and buffers out in place:
+// the same handles and values, channels-last strides, and back again; 1-D
+// and 2-D tensors are left alone. A parameter that is a view into a larger
+// buffer (a flat parameter) is refused by name instead of being cut off.
+TEST(Module, ToMemoryFormatKeepsHandlesAndValues) {
+  manual_seed(3);
+  auto net = nn::resnet18({.num_classes = 3, .in_channels = 2, .small_stem = true, .width = 4});
+  Tensor w = net->conv1->weight, fc = net->fc->weight;
+  w.set_grad(randn(w.sizes()));
+  const auto values = w.to_vector(), grad = w.grad().to_vector(), fc_before = fc.to_vector();
+  const Shape fc_strides = fc.strides();
+  net->to(MemoryFormat::ChannelsLast);
+  EXPECT_TRUE(w.is_same(net->conv1->weight));
+  EXPECT_TRUE(w.is_contiguous(MemoryFormat::ChannelsLast) && !w.is_contiguous()) << shape_str(w.strides());
+  EXPECT_TRUE(w.grad().is_contiguous(MemoryFormat::ChannelsLast));
+  EXPECT_EQ(w.to_vector(), values);
+  EXPECT_EQ(w.grad().to_vector(), grad);
+  EXPECT_EQ(fc.strides(), fc_strides);
+  EXPECT_EQ(fc.to_vector(), fc_before);
+  net->to(MemoryFormat::Contiguous);
+  EXPECT_TRUE(w.is_contiguous());
+  EXPECT_EQ(w.to_vector(), values);
+
+  nn::Conv2d conv(2, 3, 3);
+  Tensor flat = zeros({100});
+  conv.weight.set_data(flat.narrow(0, 10, 54).view({3, 2, 3, 3}));
+  const std::string e = error_of([&] { conv.to(MemoryFormat::ChannelsLast); });
+  EXPECT_NE(e.find("parameter 'weight' [3,2,3,3] is a view into a larger buffer"), std::string::npos) << e;
+}
+
 TEST(Module, DuplicateAndBadNamesAreRejected) {
   struct M : nn::Module {
     M() : Module("M") {

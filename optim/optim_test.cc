@@ -297,17 +297,26 @@ TEST(Optimizer, ChannelsLastParametersStepAsTheContiguousRun) {
                                        SGDOptions{.lr = 0.05, .momentum = 0.9, .weight_decay = 1e-2});
         return std::make_unique<AdamW>(std::vector<Tensor>{p}, AdamWOptions{.lr = 0.01, .amsgrad = true});
       };
-      auto a = make(plain), b = make(cl);
+      // `late` is laid out channels-last after its first step (as
+      // Module::to(ChannelsLast) does, set_data): its state follows.
+      Tensor late = init.clone().requires_grad_();
+      auto a = make(plain), b = make(cl), l = make(late);
       for (int s = 0; s < 3; ++s) {
         Tensor g = randn(shape, {}, &gen).to(dt);
         plain.set_grad(g.clone());
         // Step 1 in the parameter's layout, then a contiguous gradient.
         cl.set_grad(s == 0 ? g.contiguous(MemoryFormat::ChannelsLast) : g.clone());
+        if (s == 1) late.set_data(late.detach().contiguous(MemoryFormat::ChannelsLast));
+        late.set_grad(g.clone());
         a->step();
         b->step();
+        l->step();
       }
       const std::string what = std::string(kind) + " " + dtype_name(dt);
       EXPECT_EQ(plain.to_vector(), cl.to_vector()) << what;
+      EXPECT_EQ(plain.to_vector(), late.to_vector()) << what << ", laid out after a step";
+      for (const auto& [name, t] : l->state(late))
+        if (name != "step") EXPECT_TRUE(t.is_contiguous(MemoryFormat::ChannelsLast)) << what << " late " << name;
       EXPECT_TRUE(cl.is_contiguous(MemoryFormat::ChannelsLast)) << what << ": the step moved the parameter";
       for (const auto& [name, t] : b->state(cl)) {
         if (name == "step") continue;

@@ -50,7 +50,13 @@ Tensor state_like(const Tensor& p, std::optional<double> value = std::nullopt) {
 
 // The tensor the fused step updates for `p` (its float32 master for 16-bit
 // parameters, created from p on first use) and the gradient in its dtype.
+// State made while p had another layout (the module was laid out
+// channels-last, or back, after some steps) follows p's layout first, values
+// kept: the fused step walks p and its state as flat arrays.
 std::pair<Tensor, Tensor> step_target(const Tensor& p, const Tensor& g, Optimizer::ParamState& st) {
+  const MemoryFormat fmt = p.suggest_memory_format();
+  for (auto& [name, t] : st)
+    if (t.sizes() == p.sizes() && !t.is_contiguous(fmt)) t = t.contiguous(fmt);
   if (!is_low_precision(p)) return {p, g};
   auto it = st.find("master_param");
   if (it == st.end()) {

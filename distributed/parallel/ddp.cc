@@ -34,9 +34,13 @@ namespace {
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
+// Name, shape, dtype, and the layout: gradient buckets are laid out as the
+// parameters, so ranks that disagree on a weight's layout would add
+// unrelated elements (PyTorch checks strides across ranks for this too).
 std::string param_description(const std::string& name, const Tensor& p) {
   std::ostringstream os;
   os << "'" << name << "' " << shape_str(p.sizes()) << " " << dtype_name(p.dtype());
+  if (p.suggest_memory_format() == MemoryFormat::ChannelsLast) os << " channels-last";
   return os.str();
 }
 

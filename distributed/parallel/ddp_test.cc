@@ -447,6 +447,13 @@ EMBER_WORKER(mismatch) {
   WCHECK(has(msg, "'2.weight' [13,16]") && has(msg, "'2.weight' [12,16]"), "names the parameter and shapes: ", msg);
   WCHECK(has(msg, "rank 0") && has(msg, "rank " + std::to_string(ws - 1)), "names the ranks: ", msg);
   WCHECK(has(msg, "differing: [" + std::to_string(ws - 1) + "]"), msg);
+  // The same conv net, channels-last on the last rank only: its bucket would
+  // hold the weights' elements in another order, so it is refused by name.
+  auto conv = make_convnet(1, false);
+  if (r == ws - 1) conv->to(MemoryFormat::ChannelsLast);
+  msg = error_of([&] { DistributedDataParallel ddp(conv, opts); });
+  WCHECK(has(msg, "different parameters") && has(msg, "'0.weight' [4,2,3,3] float32 channels-last"),
+         "names the layout: ", msg);
 }
 
 // arg "error": find_unused_parameters=false, so backward fails naming the

@@ -143,6 +143,56 @@ EMBER_WORKER(wire_bytes) {
   WCHECK(stats.numel_before == all && stats.numel_after == sent, stats.numel_before, " -> ", stats.numel_after);
 }
 
+// A channels-last gradient (DDP's bucket view of a channels-last weight) is
+// compressed as the matrix of its memory, [O, H*W*C]: its columns are the
+// plain matrix's, permuted. Started from Q with its rows permuted the same
+// way, the hook gives it the plain run's result, written in place through
+// the view; and the result is a rank-2 approximation, not the plain mean.
+EMBER_WORKER(channels_last) {
+  auto pg = make_gloo_group(env.store(), env.rank, env.world_size);
+  const int64_t O = 4, C = 3, H = 2, W = 2, cols = C * H * W;
+  Generator gen(40 + static_cast<uint64_t>(env.rank));
+  const Tensor g = randn({O, C, H, W}, {}, &gen);
+  Generator qgen(99);
+  const Tensor q = randn({cols, 2}, {}, &qgen);
+  // Memory column j = (h * W + w) * C + c is logical column (c * H + h) * W + w.
+  std::vector<int64_t> logical(static_cast<size_t>(cols));
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t w = 0; w < W; ++w) logical[static_cast<size_t>((h * W + w) * C + c)] = (c * H + h) * W + w;
+  auto run = [&](bool cl) {
+    auto state = std::make_shared<PowerSGDState>(
+        PowerSGDOptions{.matrix_approximation_rank = 2, .start_powerSGD_iter = 0, .min_compression_rate = 1});
+    state->initial_q = [&](int, int64_t n, int64_t m, int r) {
+      WCHECK(n == O && m == cols && r == 2, n, "x", m, " rank ", r);
+      if (!cl) return q.clone();
+      std::vector<Tensor> rows;
+      for (int64_t j = 0; j < cols; ++j) rows.push_back(q.narrow(0, logical[static_cast<size_t>(j)], 1));
+      return cat(rows, 0);
+    };
+    Tensor buffer = zeros({O * cols});
+    Tensor view = cl ? buffer.view({O, H, W, C}).permute({0, 3, 1, 2}) : buffer.view({O, C, H, W});
+    view.copy_(g);
+    GradBucket bucket{0, buffer, {view}, true};
+    powerSGD_hook(state)(*pg, bucket, true)->wait();
+    WCHECK(state->stats().numel_after == 2 * (O + cols), "not compressed: ", state->stats().numel_after);
+    return view;
+  };
+  const Tensor plain = run(false), cl = run(true);
+  WCHECK(cl.is_contiguous(MemoryFormat::ChannelsLast) && !cl.is_contiguous(), shape_str(cl.strides()));
+  const double diff = max(abs(cl - plain)).item();
+  WCHECK(diff < 1e-5, "channels-last against plain: max difference ", diff);
+  Tensor mean = g.clone();
+  pg->allreduce(mean, ReduceOp::Avg)->wait();
+  const double from_mean = max(abs(plain - mean)).item();
+  WCHECK(from_mean > 1e-3, "the hook returned the plain mean (difference ", from_mean, "): nothing was compressed");
+}
+
+TEST(PowerSGD, ChannelsLastGradientsCompressAsTheirMemory) {
+  auto res = mp::run_workers("channels_last", 2);
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
 TEST(PowerSGD, SendsRankTimesRowsPlusColumns) {
   auto res = mp::run_workers("wire_bytes", 2);
   EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
