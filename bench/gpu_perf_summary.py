@@ -54,6 +54,7 @@ def main():
         "commit": meta.get("commit"),
     }
     speed = {}  # (side, config, layout) -> [round medians]
+    copies = {}  # (config, layout) -> our layout copies per step (the last round's)
     ops = {}    # (side, config, layout) -> rows
     algos, bench_rows, kernel_rows, launches = [], [], [], []
     idle, gaps = {}, {}  # (config, layout) -> our GPU's idle ms in the profiled step; the ops it waited before
@@ -81,6 +82,8 @@ def main():
                 continue
             if side in ("ours", "torch") and part == "speed":
                 speed.setdefault((side,) + key, []).append(float(kv["median_ms"]))
+                if side == "ours" and "layout_copies" in kv:
+                    copies[key] = float(kv["layout_copies"])
             elif side in ("ours_op", "torch_op"):
                 ops.setdefault((side[:-3],) + key, []).append(
                     {"name": kv["name"], "calls": int(kv["calls"]), "self_ms": float(kv["self_ms"]),
@@ -105,6 +108,8 @@ def main():
         theirs = speed.get(("torch", config, layout.removesuffix("_alt")), [])
         row = {"name": f"{config}/{layout}", "rounds": len(meds),
                "ours_ms": round(statistics.median(meds), 2), "ours_range_ms": [round(min(meds), 2), round(max(meds), 2)]}
+        if (config, layout) in copies:
+            row["ours_layout_copies_per_step"] = copies[(config, layout)]
         if theirs:
             row.update({"torch_ms": round(statistics.median(theirs), 2),
                         "torch_range_ms": [round(min(theirs), 2), round(max(theirs), 2)]})

@@ -12,7 +12,7 @@
 //   tf32  float32 at PyTorch's defaults (cuDNN may use TF32, matmul not);
 //   bf16  autocast to bfloat16 around forward and loss, TF32 defaults.
 // Prints one line per (config, layout):
-//   ours config=tf32 layout=cl batch=256 median_ms=... min_ms=... max_ms=... steps=10
+//   ours config=tf32 layout=cl batch=256 median_ms=... min_ms=... max_ms=... steps=10 ... layout_copies=0.0
 // --profile-top K profiles one more step and prints its top K ops by self
 // time as `ours_op config=.. layout=.. calls=.. self_ms=.. total_ms=.. name=..`,
 // then the GPU's idle time in the step (`ours_idle ... idle_ms=..`) and the
@@ -32,6 +32,7 @@
 
 #include "bench/train_step.h"
 #include "core/autocast.h"
+#include "core/device.h"
 #include "core/profiler.h"
 #include "nn/models.h"
 #include "optim/optimizer.h"
@@ -109,6 +110,7 @@ void run(const Args& a, const std::string& config, const std::string& layout) {
   for (int64_t i = 0; i < a.warmup; ++i) step();
   std::vector<double> ms;
   const AllocatorStats before = cuda_allocator(0)->stats();
+  const uint64_t copies_before = cuda_layout_copies();
   for (int64_t i = 0; i < a.steps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     step();
@@ -121,10 +123,14 @@ void run(const Args& a, const std::string& config, const std::string& layout) {
   // cudaMalloc calls during the timed steps (0 once the caching allocator is
   // warm) and what it holds: a step that keeps reaching the driver is slow.
   const AllocatorStats after = cuda_allocator(0)->stats();
-  std::printf("ours config=%s layout=%s batch=%lld median_ms=%.3f min_ms=%.3f max_ms=%.3f steps=%zu "
-              "device_allocs=%zu reserved_gib=%.1f\n",
-              config.c_str(), layout.c_str(), static_cast<long long>(a.batch), median, sorted.front(),
-              sorted.back(), n, after.num_device_allocs - before.num_device_allocs, after.reserved / 1073741824.0);
+  // Transposing copies per step (core/device.h): 0 in channels-last, where
+  // weights, activations and pooling all stay NHWC.
+  const double layout_copies = static_cast<double>(cuda_layout_copies() - copies_before) / static_cast<double>(n);
+  std::printf(
+      "ours config=%s layout=%s batch=%lld median_ms=%.3f min_ms=%.3f max_ms=%.3f steps=%zu "
+      "device_allocs=%zu reserved_gib=%.1f layout_copies=%.1f\n",
+      config.c_str(), layout.c_str(), static_cast<long long>(a.batch), median, sorted.front(), sorted.back(), n,
+      after.num_device_allocs - before.num_device_allocs, after.reserved / 1073741824.0, layout_copies);
   if (std::getenv("GPU_STEP_VERBOSE"))
     for (double t : ms) std::printf("ours_step config=%s layout=%s ms=%.3f\n", config.c_str(), layout.c_str(), t);
   std::fflush(stdout);

@@ -732,6 +732,51 @@ TEST(FullyShard, ADroppedModelFreesItsUnits) {
   EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
 }
 
+// A channels-last conv net under fully_shard trains as one contiguous
+// process on the whole batch: the flat parameters are contiguous (shards
+// count elements in logical order), the values travel by logical index, so
+// nothing mixes elements; docs/gpu.md says the layout becomes contiguous.
+EMBER_WORKER(channels_last) {
+  init_world(env);
+  auto make = [] {
+    manual_seed(3);
+    return std::make_shared<nn::Sequential>(std::vector<std::shared_ptr<nn::Module>>{
+        std::make_shared<nn::Conv2d>(2, 4, 3, 1, 1), std::make_shared<nn::ReLU>(),
+        std::make_shared<nn::Conv2d>(4, 4, 3, 2, 1), std::make_shared<nn::Flatten>(),
+        std::make_shared<nn::Linear>(64, 3)});
+  };
+  auto ref = make(), local = make();
+  local->to(MemoryFormat::ChannelsLast);
+  auto root = fully_shard(local);
+  for (const auto& [name, p] : local->named_parameters()) WCHECK(p.is_contiguous(), name, " is not contiguous");
+  optim::SGD opt(local->parameters(), {.lr = 0.1, .momentum = 0.9}),
+      opt_ref(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  const int64_t b = 2, ws = env.world_size;
+  for (int step = 0; step < 3; ++step) {
+    Generator gen(200 + static_cast<uint64_t>(step));
+    Tensor x = randn({b * ws, 2, 8, 8}, {}, &gen), y = randint(0, 3, {b * ws}, DType::Int64, &gen);
+    opt.zero_grad();
+    opt_ref.zero_grad();
+    Tensor mine = x.narrow(0, env.rank * b, b).contiguous(MemoryFormat::ChannelsLast);
+    nn::functional::cross_entropy((*local)(mine), y.narrow(0, env.rank * b, b)).backward();
+    nn::functional::cross_entropy((*ref)(x), y).backward();
+    opt.step();
+    opt_ref.step();
+  }
+  nn::StateDict got = full_state_dict(*root), want = ref->state_dict();
+  if (env.rank == 0)
+    for (auto& [name, t] : want.items()) {
+      WCHECK(got.contains(name), "missing ", name);
+      expect_close(*got.find(name), t, name, 2e-5);
+    }
+  destroy_process_group();
+}
+
+TEST(FullyShard, ChannelsLastModelTrainsAsOneProcess) {
+  auto res = mp::run_workers("channels_last", 2);
+  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+}
+
 TEST(MultiProcessWorker, Entry) {
   if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
   mp::run_if_worker();
