@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "core/autograd_hook.h"
 #include "core/ops.h"
@@ -185,84 +186,87 @@ PoolGeom pool_geom(const char* op, const Tensor& x, Dims kernel, Dims stride, Di
 }  // namespace
 
 namespace {
-// Channels-last stays channels-last on both backends: the kernels read
-// either layout (pool_offset), so the network after the pool keeps its
-// layout with no copies; anything else is pooled as contiguous NCHW.
-bool pools_nhwc(const Tensor& x) { return x.suggest_memory_format() == MemoryFormat::ChannelsLast; }
+// The op around a pool's kernels. Channels-last stays channels-last on both
+// backends: the kernels read either layout (pool_offset), so the network
+// after the pool keeps its layout with no copies; anything else is pooled
+// as contiguous NCHW. fwd(g, xc, y) and bwd(g, dy, dx) run the device's
+// kernels; `saved` is what backward reads besides dy (max's indices).
+template <typename Fwd, typename Bwd>
+Tensor pool_op(const char* name, const Tensor& x, PoolGeom g, Fwd fwd, Bwd bwd, std::vector<Tensor> saved) {
+  const MemoryFormat fmt = g.nhwc ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
+  Tensor xc;
+  {
+    NoGradGuard no_grad;  // a kernel input, not a graph node
+    xc = (g.nhwc ? x : x.contiguous()).detach();
+  }
+  const Shape out_shape{x.size(0), x.size(1), g.oh, g.ow};
+  return differentiable(
+      name, {x},
+      [&] {
+        Tensor y = Tensor::empty(out_shape, x.options(), fmt);
+        if (y.numel() > 0) fwd(g, xc, y);
+        return y;
+      },
+      [&](const Tensor&) {
+        const Shape in_shape = x.sizes();
+        BackwardFn fn = [=](const Tensor& gy) {
+          Tensor dy = gy.contiguous(fmt);
+          Tensor dx = Tensor::empty(in_shape, gy.options(), fmt);
+          if (dx.numel() > 0) bwd(g, dy, dx);
+          return std::vector<Tensor>{dx};
+        };
+        return Recorded{fn, saved};
+      });
+}
 
-Tensor pool_input(const Tensor& x, bool nhwc) {
-  NoGradGuard no_grad;  // a kernel input, not a graph node
-  return (nhwc ? x : x.contiguous()).detach();
+// pool_geom's, with the layout the kernels will read.
+PoolGeom pool_geom_for(const char* op, const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode,
+                       bool count_include_pad) {
+  PoolGeom g = pool_geom(op, x, kernel, stride, padding, ceil_mode, count_include_pad);
+  g.nhwc = x.suggest_memory_format() == MemoryFormat::ChannelsLast;
+  g.c = x.size(1);
+  return g;
 }
 }  // namespace
 
 Tensor max_pool2d(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode) {
-  PoolGeom g = pool_geom("max_pool2d", x, kernel, stride, padding, ceil_mode, false);
-  const bool nhwc = g.nhwc = pools_nhwc(x);
-  g.c = x.size(1);
-  const MemoryFormat fmt = nhwc ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
-  const Shape out_shape{x.size(0), x.size(1), g.oh, g.ow};
-  const Tensor xc = pool_input(x, nhwc);
-  Tensor indices = Tensor::empty(out_shape, {DType::Int64, x.device()}, fmt);
-  return differentiable(
-      "max_pool2d", {x},
-      [&] {
-        Tensor y = Tensor::empty(out_shape, x.options(), fmt);
-        if (y.numel() == 0) return y;
-        if (x.is_cuda())
+  const PoolGeom g = pool_geom_for("max_pool2d", x, kernel, stride, padding, ceil_mode, false);
+  Tensor indices = Tensor::empty({x.size(0), x.size(1), g.oh, g.ow}, {DType::Int64, x.device()},
+                                 g.nhwc ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous);
+  return pool_op(
+      "max_pool2d", x, g,
+      [indices](const PoolGeom& g, const Tensor& xc, Tensor& y) mutable {
+        if (xc.is_cuda())
           max_pool2d_cuda(g, xc, y, indices);
         else
           max_pool2d_cpu(g, xc, y, indices);
-        return y;
       },
-      [&](const Tensor&) {
-        const Shape in_shape = x.sizes();
-        BackwardFn fn = [=](const Tensor& gy) {
-          Tensor dy = gy.contiguous(fmt);
-          Tensor dx = Tensor::empty(in_shape, gy.options(), fmt);
-          if (dx.numel() == 0) return std::vector<Tensor>{dx};
-          if (dy.is_cuda())
-            max_pool2d_backward_cuda(g, dy, indices, dx);
-          else
-            max_pool2d_backward_cpu(g, dy, indices, dx);
-          return std::vector<Tensor>{dx};
-        };
-        return Recorded{fn, {indices}};
-      });
+      [indices](const PoolGeom& g, const Tensor& dy, Tensor& dx) {
+        if (dy.is_cuda())
+          max_pool2d_backward_cuda(g, dy, indices, dx);
+        else
+          max_pool2d_backward_cpu(g, dy, indices, dx);
+      },
+      {indices});
 }
 
 Tensor avg_pool2d(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode, bool count_include_pad) {
-  PoolGeom g = pool_geom("avg_pool2d", x, kernel, stride, padding, ceil_mode, count_include_pad);
-  const bool nhwc = g.nhwc = pools_nhwc(x);
-  g.c = x.size(1);
-  const MemoryFormat fmt = nhwc ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
-  const Shape out_shape{x.size(0), x.size(1), g.oh, g.ow};
-  const Tensor xc = pool_input(x, nhwc);
-  return differentiable(
-      "avg_pool2d", {x},
-      [&] {
-        Tensor y = Tensor::empty(out_shape, x.options(), fmt);
-        if (y.numel() == 0) return y;
-        if (x.is_cuda())
+  const PoolGeom g = pool_geom_for("avg_pool2d", x, kernel, stride, padding, ceil_mode, count_include_pad);
+  return pool_op(
+      "avg_pool2d", x, g,
+      [](const PoolGeom& g, const Tensor& xc, Tensor& y) {
+        if (xc.is_cuda())
           avg_pool2d_cuda(g, xc, y);
         else
           avg_pool2d_cpu(g, xc, y);
-        return y;
       },
-      [&](const Tensor&) {
-        const Shape in_shape = x.sizes();
-        BackwardFn fn = [=](const Tensor& gy) {
-          Tensor dy = gy.contiguous(fmt);
-          Tensor dx = Tensor::empty(in_shape, gy.options(), fmt);
-          if (dx.numel() == 0) return std::vector<Tensor>{dx};
-          if (dy.is_cuda())
-            avg_pool2d_backward_cuda(g, dy, dx);
-          else
-            avg_pool2d_backward_cpu(g, dy, dx);
-          return std::vector<Tensor>{dx};
-        };
-        return Recorded{fn, {}};
-      });
+      [](const PoolGeom& g, const Tensor& dy, Tensor& dx) {
+        if (dy.is_cuda())
+          avg_pool2d_backward_cuda(g, dy, dx);
+        else
+          avg_pool2d_backward_cpu(g, dy, dx);
+      },
+      {});
 }
 
 }  // namespace ember
