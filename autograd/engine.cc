@@ -102,7 +102,7 @@ Tensor owned_copy(const Tensor& g, const Tensor& leaf) {
   const bool laid_out = g.sizes() == leaf.sizes() &&
                         (g.is_contiguous() ? leaf.is_contiguous() || leaf.numel() <= 1 : g.strides() == leaf.strides());
   if (sole && laid_out && g.storage_offset() == 0) return g;
-  Tensor c = Tensor::empty(leaf.sizes(), g.options(), leaf.suggest_memory_format());  // the leaf's layout
+  Tensor c = empty_like(leaf);  // the leaf's layout (g already has its dtype and device)
   c.copy_(g);
   return c;
 }

@@ -191,9 +191,11 @@ namespace {
 // after the pool keeps its layout with no copies; anything else is pooled
 // as contiguous NCHW. fwd(g, xc, y) and bwd(g, dy, dx) run the device's
 // kernels; `saved` is what backward reads besides dy (max's indices).
+MemoryFormat format_of(const PoolGeom& g) { return g.nhwc ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous; }
+
 template <typename Fwd, typename Bwd>
 Tensor pool_op(const char* name, const Tensor& x, PoolGeom g, Fwd fwd, Bwd bwd, std::vector<Tensor> saved) {
-  const MemoryFormat fmt = g.nhwc ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
+  const MemoryFormat fmt = format_of(g);
   Tensor xc;
   {
     NoGradGuard no_grad;  // a kernel input, not a graph node
@@ -231,8 +233,7 @@ PoolGeom pool_geom_for(const char* op, const Tensor& x, Dims kernel, Dims stride
 
 Tensor max_pool2d(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode) {
   const PoolGeom g = pool_geom_for("max_pool2d", x, kernel, stride, padding, ceil_mode, false);
-  Tensor indices = Tensor::empty({x.size(0), x.size(1), g.oh, g.ow}, {DType::Int64, x.device()},
-                                 g.nhwc ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous);
+  Tensor indices = Tensor::empty({x.size(0), x.size(1), g.oh, g.ow}, {DType::Int64, x.device()}, format_of(g));
   return pool_op(
       "max_pool2d", x, g,
       [indices](const PoolGeom& g, const Tensor& xc, Tensor& y) mutable {
