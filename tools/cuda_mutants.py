@@ -7,7 +7,10 @@ reports which mutants they catch. A mutant is caught when a test fails
 (wrong values, or the emulator reporting misuse).
 
 Run from the repository root (a few minutes; each mutant rebuilds one object):
-    python3 tools/cuda_mutants.py [--only NAME] [--asan]
+    python3 tools/cuda_mutants.py [--only NAME[,NAME...]] [--tests TARGET[,TARGET...]] [--asan]
+--tests runs only those targets (e.g. the drawn-case tests alone,
+//core:kernels_drawn_nn_emu_test, to show that they catch a mutant without
+the hand-written cases).
 --asan runs the tests under AddressSanitizer without the caching allocator
 (as CI's third step does); mutants marked ASAN (an out-of-bounds access that
 leaves the values right) are only run then.
@@ -19,6 +22,8 @@ import sys
 import time
 
 TESTS = [
+    "//core:kernels_drawn_emu_test",
+    "//core:kernels_drawn_nn_emu_test",
     "//core:ops_cuda_emu_test",
     "//core:ops_nn_cuda_emu_test",
     "//optim:optim_cuda_emu_test",
@@ -81,6 +86,15 @@ MUTANTS = [
     ("unary_tail_write_past_end", "out-of-bounds access (ASAN)", "core/ops/unary.cu",
      "  for (int64_t i = nvec * VEC + cuda::global_thread_id(); i < n; i += cuda::grid_stride())",
      "  for (int64_t i = nvec * VEC + cuda::global_thread_id(); i <= n; i += cuda::grid_stride())"),
+    # Found by a new user's mutation round (issue: kernel tests that draw
+    # their cases): no listed case pooled with a window wider than tall,
+    # and no CUDA case fed a NaN; the drawn pooling cases catch both.
+    ("max_pool_bwd_width_window", "wrong operand", "core/ops/pool.cu",
+     "    pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);\n    const int64_t pos = ih * g.w + iw;",
+     "    pool_covering(iw, g.ow, g.kh, g.sw, g.pw, &ow0, &ow1);\n    const int64_t pos = ih * g.w + iw;"),
+    ("max_pool_nan_rule", "special value dropped", "core/ops/pool.cu",
+     "        if (v > best || v != v) {  // NaN wins, as on the CPU",
+     "        if (v > best) {"),
     ("bn_stats_launch_config", "bad launch configuration", "core/ops/batch_norm.cu",
      "stats_kernel<scalar_t, A><<<static_cast<unsigned>(d.c), cuda::kBlockSize, 0, stream>>>(",
      "stats_kernel<scalar_t, A><<<static_cast<unsigned>(d.c), 4 * cuda::kBlockSize + 32, 0, stream>>>("),
@@ -101,17 +115,20 @@ def run_tests(flags):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", help="run only the mutant of this name")
+    ap.add_argument("--only", help="run only the mutants of these names (comma-separated)")
+    ap.add_argument("--tests", help="run only these test targets (comma-separated)")
     ap.add_argument("--asan", action="store_true", help="run the tests under ASan, without memory caching")
     args = ap.parse_args()
     flags = ASAN_FLAGS if args.asan else []
+    if args.tests:
+        TESTS[:] = args.tests.split(",")
     rc, failed, secs, out = run_tests(flags)
     if rc != 0:
         sys.exit("cuda_mutants: the unmutated tests do not pass; fix them first:\n" + out[-3000:])
     print(f"baseline: {len(TESTS)} emulated test targets pass ({secs:.0f} s)")
     rows, caught = [], 0
     for name, kind, path, old, new in MUTANTS:
-        if args.only and name != args.only:
+        if args.only and name not in args.only.split(","):
             continue
         if "(ASAN)" in kind and not args.asan:
             print(f"{name:24} {kind:32} skipped: only --asan can see it")

@@ -314,7 +314,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
         const InputMeta ma(a), mb(b);  // the inputs themselves are not needed
         bool ga = a.requires_grad(), gb = b.requires_grad();
         BackwardFn fn = [=](const Tensor& g) {
-          Tensor z = zeros({}, g.dtype());
+          Tensor z = zeros({}, {g.dtype(), g.device()});  // on g's device: a CPU zero made CUDA backward throw
           return std::vector<Tensor>{ga ? grad_to(where(c, g, z), ma) : Tensor(),
                                      gb ? grad_to(where(c, z, g), mb) : Tensor()};
         };

@@ -1,0 +1,202 @@
+// The nn kernels on drawn cases (core/testing/draw.h): pooling, convolution,
+// batch and layer norm and attention, their geometries, dtypes, layouts and
+// values drawn from seeded generators rather than listed, each case run on
+// the CPU against float64 and on CUDA (a GPU, or the emulation in
+// kernels_drawn_nn_emu_test) against the CPU, forward and backward. The
+// tolerances are the measured errors of docs/design.md, Note [numerics],
+// with headroom. EMBER_TEST_DRAWS=N draws N cases per family (the default
+// is CI's budget); a failure prints the seed that replays it.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <string>
+
+#include "core/ops.h"
+#include "core/ops/kernels.h"
+#include "core/ops_nn.h"
+#include "core/testing/draw.h"
+#include "core/testing/drawn_case.h"
+
+namespace ember {
+namespace {
+
+using testing::CaseInput;
+using testing::check_case;
+using testing::Draw;
+using testing::for_each_draw;
+using testing::Specials;
+
+const std::vector<DType> kFloats = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
+
+// Tolerances relative to a tensor's scale (Note [numerics]): one 16-bit
+// rounding of a value near the scale is 2^-11 (float16) or 2^-8 (bfloat16);
+// float32 is given the family's measured error times about 10.
+double tol16(DType dt) { return dt == DType::Float16 ? 4e-3 : dt == DType::BFloat16 ? 3e-2 : 0; }
+double tol_for(DType dt, double f32) { return dt == DType::Float64 ? 1e-11 : dt == DType::Float32 ? f32 : tol16(dt); }
+
+class Drawn : public ::testing::Test {
+ protected:
+  // float32 CUDA results are compared at float32's tolerance: TF32 off
+  // (cuDNN's default, as PyTorch's) except in the draws that turn it on.
+  void SetUp() override {
+    if (cuda_is_available()) set_cudnn_allow_tf32(false);
+  }
+  void TearDown() override {
+    if (cuda_is_available()) set_cudnn_allow_tf32(true);
+  }
+};
+
+// max_pool2d and avg_pool2d: windows of any shape (height and width drawn
+// apart, so a kernel that takes one for the other fails), strides, padding
+// up to half the window, ceil mode, both divisors, every dtype and layout,
+// and NaN, infinities, ties and denormals in the input (NaN wins a max
+// window; the first of tied maxima takes the gradient).
+TEST_F(Drawn, Pooling) {
+  for_each_draw("pooling", 300, [&](Draw& d) {
+    const int64_t kh = d.integer(1, 4), kw = d.integer(1, 4), sh = d.integer(1, 3), sw = d.integer(1, 3);
+    const int64_t ph = d.integer(0, kh / 2), pw = d.integer(0, kw / 2);
+    const bool ceil = d.chance(0.5), max_pool = d.chance(0.5), include_pad = d.chance(0.5);
+    const int64_t h = d.integer(std::max<int64_t>(1, kh - 2 * ph), kh + 9);
+    const int64_t w = d.integer(std::max<int64_t>(1, kw - 2 * pw), kw + 9);
+    const Shape xs = {d.size(1, 3, true), d.size(1, 5), h, w};
+    const DType dt = d.pick(kFloats);
+    Tensor x = d.values(xs, dt, Specials::all());
+    const std::string what = detail::str_cat(max_pool ? "max_pool2d" : "avg_pool2d", " x", shape_str(xs), " k", kh, "x",
+                                             kw, " s", sh, "x", sw, " p", ph, "x", pw, ceil ? " ceil" : "",
+                                             !max_pool && !include_pad ? " count_include_pad=false" : "");
+    check_case(
+        what,
+        [=](const std::vector<Tensor>& v) {
+          return max_pool ? max_pool2d(v[0], {kh, kw}, {sh, sw}, {ph, pw}, ceil)
+                          : avg_pool2d(v[0], {kh, kw}, {sh, sw}, {ph, pw}, ceil, include_pad);
+        },
+        {{x, true}}, d, tol_for(dt, 1e-6), tol_for(dt, 1e-6));
+  });
+}
+
+// conv2d: channels, groups (depthwise among them), kernels of any shape,
+// strides, padding and dilation drawn; every dtype and layout; the weight's
+// layout drawn too (a channels-last weight takes cuDNN's NHWC path). One
+// draw in four is a Winograd-eligible layer (3x3, stride 1, >= 8 channels),
+// the CPU's default algorithm for float32 there. Some float32 draws allow
+// TF32 on CUDA, compared at TF32's tolerance.
+TEST_F(Drawn, Conv2d) {
+  for_each_draw("conv2d", 150, [&](Draw& d) {
+    const bool wino = d.chance(0.25);
+    const int64_t groups = wino ? 1 : d.pick<int64_t>({1, 1, 2, 3});
+    const int64_t cg = wino ? d.integer(8, 16) : d.integer(1, 3), og = wino ? d.integer(8, 16) : d.integer(1, 3);
+    const bool depthwise = !wino && groups > 1 && d.chance(0.3);
+    const int64_t c = groups * (depthwise ? 1 : cg), o = groups * og;
+    const int64_t kh = wino ? 3 : d.integer(1, 4), kw = wino ? 3 : d.integer(1, 4);
+    const int64_t sh = wino ? 1 : d.integer(1, 3), sw = wino ? 1 : d.integer(1, 3);
+    const int64_t dh = wino ? 1 : d.pick<int64_t>({1, 1, 2}), dw = wino ? 1 : d.pick<int64_t>({1, 1, 2});
+    const int64_t ph = d.integer(0, 2), pw = d.integer(0, 2);
+    const int64_t h = d.integer(std::max<int64_t>(1, dh * (kh - 1) + 1 - 2 * ph), dh * (kh - 1) + 8);
+    const int64_t w = d.integer(std::max<int64_t>(1, dw * (kw - 1) + 1 - 2 * pw), dw * (kw - 1) + 8);
+    const DType dt = d.pick(kFloats);
+    const bool bias = d.chance(0.5), tf32 = dt == DType::Float32 && d.chance(0.2);
+    const Shape xs = {d.size(1, 3), c, h, w}, ws = {o, c / groups, kh, kw};
+    Tensor x = d.values(xs, dt, Specials::finite(), 0.5), wt = d.values(ws, dt, Specials::finite(), 0.5);
+    Tensor b = bias ? d.values({o}, dt) : Tensor();
+    const std::string what =
+        detail::str_cat("conv2d x", shape_str(xs), " w", shape_str(ws), " s", sh, "x", sw, " p", ph, "x", pw, " d", dh,
+                        "x", dw, " groups ", groups, bias ? " bias" : "", tf32 ? " TF32" : "");
+    if (cuda_is_available()) set_cudnn_allow_tf32(tf32);
+    // float32: Winograd's rounding (Note [numerics]) and the direct sum's
+    // over up to 16*3*3 products; 16-bit: the inputs' rounding carried
+    // through the sum.
+    const double f32 = 2e-5;
+    check_case(
+        what,
+        [=](const std::vector<Tensor>& v) {
+          return conv2d(v[0], v[1], v[2], {sh, sw}, {ph, pw}, {dh, dw}, groups);
+        },
+        {{x, true}, {wt, true}, {b, true, false}}, d, tol_for(dt, f32), tf32 ? 5e-3 : tol_for(dt, f32));
+    if (cuda_is_available()) set_cudnn_allow_tf32(false);
+  });
+}
+
+// batch_norm: channel counts around the CUDA kernels' vector and tile
+// widths, planes from 1x1 up, training (batch statistics, running stats
+// updated and compared) and eval, with and without affine parameters, a
+// mean drawn far from zero (a one-pass variance would cancel), constant
+// planes (zero variance), every dtype and layout.
+TEST_F(Drawn, BatchNorm) {
+  for_each_draw("batch_norm", 100, [&](Draw& d) {
+    const int64_t c = d.pick<int64_t>({1, 3, 8, 64, 65, d.integer(1, 40)});
+    const Shape xs = {d.integer(1, 5), c, d.size(1, 9), d.size(1, 9)};
+    if (xs[0] * xs[2] * xs[3] < 2) return;  // training needs more than one value per channel
+    const DType dt = d.pick(kFloats), pt = dt == DType::Float64 ? DType::Float64 : DType::Float32;
+    const bool training = d.chance(0.6), affine = d.chance(0.7);
+    const double shift = d.pick<double>({0.0, 3.0, 100.0});
+    Tensor x = (d.values(xs, DType::Float64, Specials::finite()) + shift).to(dt);
+    Tensor wt = affine ? d.values({c}, pt) : Tensor(), b = affine ? d.values({c}, pt) : Tensor();
+    Tensor rm = d.values({c}, pt), rv = d.values({c}, pt, {}, 0.1) + 1.0;
+    const std::string what = detail::str_cat("batch_norm x", shape_str(xs), training ? " train" : " eval",
+                                             affine ? " affine" : "", " mean ", shift);
+    // The running statistics are outputs too: returned beside y (cat of
+    // flattened tensors), so check_case compares them on every backend.
+    check_case(
+        what,
+        [=](const std::vector<Tensor>& v) {
+          Tensor m = v[3].clone(), s = v[4].clone();
+          Tensor y = batch_norm(v[0], v[1], v[2], m, s, training, 0.2);
+          return training ? cat({y.flatten().to(DType::Float64), m.to(DType::Float64), s.to(DType::Float64)}) : y;
+        },
+        {{x, true}, {wt, true, false}, {b, true, false}, {rm, false, false}, {rv, false, false}}, d,
+        tol_for(dt, 2e-5) * (shift > 10 ? 4 : 1), tol_for(dt, 2e-5) * (shift > 10 ? 4 : 1));
+  });
+}
+
+// layer_norm over the last one or two dims: widths below, at and above a
+// warp, more rows than one weight-gradient tile, with and without weight
+// and bias, constant rows, float32/float64/bfloat16/float16.
+TEST_F(Drawn, LayerNorm) {
+  for_each_draw("layer_norm", 200, [&](Draw& d) {
+    const int64_t nd = d.integer(1, 2);
+    const Shape xs = d.chance(0.2) ? Shape{d.integer(100, 300), d.integer(1, 70)}
+                                   : Shape{d.size(1, 4), d.size(1, 6), d.integer(1, 70)};
+    const Shape ns(xs.end() - nd, xs.end());
+    const DType dt = d.pick(kFloats);
+    Tensor x = d.values(xs, dt, Specials::finite(), 2.0);
+    Tensor wt = d.chance(0.7) ? d.values(ns, dt) : Tensor(), b = d.chance(0.7) ? d.values(ns, dt) : Tensor();
+    check_case(
+        detail::str_cat("layer_norm x", shape_str(xs), " over ", nd, wt.defined() ? " weight" : "",
+                        b.defined() ? " bias" : ""),
+        [=](const std::vector<Tensor>& v) { return layer_norm(v[0], nd, v[1], v[2], 1e-5); },
+        {{x, true}, {wt, true, false}, {b, true, false}}, d, tol_for(dt, 2e-5), tol_for(dt, 2e-5));
+  });
+}
+
+// scaled_dot_product_attention: batch and heads, query and key lengths
+// drawn apart (causal with more or fewer keys than queries), head dims of q
+// and v apart, dropout from one seed on every backend, an explicit scale;
+// on CUDA, a drawn scratch size splits the queries into blocks.
+TEST_F(Drawn, Attention) {
+  for_each_draw("attention", 150, [&](Draw& d) {
+    const int64_t b = d.integer(1, 2), hd = d.integer(1, 3), tq = d.integer(1, 20), tk = d.integer(1, 20);
+    const int64_t e = d.integer(1, 16), ev = d.integer(1, 16);
+    const bool causal = d.chance(0.5);
+    const double p = d.chance(0.3) ? 0.25 : 0.0;
+    const DType dt = d.pick<DType>({DType::Float32, DType::Float64, DType::Float32, DType::BFloat16});
+    std::optional<double> scale;
+    if (d.chance(0.3)) scale = d.uniform() + 0.1;
+    Tensor q = d.values({b, hd, tq, e}, dt), k = d.values({b, hd, tk, e}, dt), v = d.values({b, hd, tk, ev}, dt);
+    const int64_t scratch = d.chance(0.5) ? b * hd * tk * d.integer(1, 4) : 0;
+    const uint64_t gseed = d.bits();
+    if (cuda_is_available()) set_attention_cuda_scratch(scratch);
+    check_case(
+        detail::str_cat("attention q", shape_str(q.sizes()), " k", shape_str(k.sizes()), " v", shape_str(v.sizes()),
+                        causal ? " causal" : "", " dropout ", p, scale ? " scale " : "", scale ? *scale : 0.0,
+                        " cuda scratch ", scratch),
+        [=](const std::vector<Tensor>& in) {
+          Generator g(gseed);
+          return scaled_dot_product_attention(in[0], in[1], in[2], causal, p, &g, scale);
+        },
+        {{q, true}, {k, true}, {v, true}}, d, tol_for(dt, 1e-4), tol_for(dt, 1e-4));
+    if (cuda_is_available()) set_attention_cuda_scratch(0);
+  });
+}
+
+}  // namespace
+}  // namespace ember
