@@ -2,9 +2,11 @@
 // ops call (autocast.h).
 #include "core/autocast.h"
 
+#include <memory>
 #include <unordered_map>
 #include <utility>
 
+#include "core/autograd_hook.h"
 #include "core/exception.h"
 #include "core/tensor.h"
 
@@ -15,8 +17,21 @@ struct ThreadState {
   bool enabled[2] = {false, false};                     // indexed by DeviceType
   DType dtype[2] = {DType::BFloat16, DType::Float16};   // torch's defaults: CPU bf16, CUDA fp16
   int depth = 0;                                        // live guards, for clearing the cache
-  // Leaf tensor (kept alive, so its address is not reused) -> its cast.
-  std::unordered_map<const void*, std::pair<Tensor, Tensor>> cache;
+  // Leaf tensor -> its cast (Note [caches] in docs/design.md). The key is the
+  // leaf's TensorImpl; the entry keeps the leaf alive, so that address is
+  // not reused by another tensor while cached. The value depends on the
+  // leaf's data, so a hit also needs the same storage (a weak pointer: a
+  // storage freed by set_data and another allocated at its address do not
+  // compare equal), offset and storage version (an optimizer step, copy_ or
+  // set_data inside the scope makes a fresh cast), and a cast made under
+  // no_grad (no graph) is not served to a forward that records one.
+  struct Entry {
+    Tensor source, cast;
+    std::weak_ptr<Storage> storage;
+    int64_t offset;
+    uint64_t version;
+  };
+  std::unordered_map<const void*, Entry> cache;
 };
 
 thread_local ThreadState t_state;
@@ -59,10 +74,17 @@ Tensor low(const Tensor& t) {
   const bool cacheable = t.requires_grad() && t.is_leaf();
   if (cacheable) {
     auto it = t_state.cache.find(t.impl_ptr().get());
-    if (it != t_state.cache.end() && it->second.second.dtype() == want) return it->second.second;
+    if (it != t_state.cache.end()) {
+      const ThreadState::Entry& e = it->second;
+      if (e.cast.dtype() == want && !e.storage.expired() && e.storage.lock() == t.impl().storage &&
+          e.offset == t.storage_offset() &&
+          e.version == t.storage_version() && (e.cast.requires_grad() || !GradMode::is_enabled()))
+        return e.cast;
+    }
   }
   Tensor cast = t.to(want);
-  if (cacheable) t_state.cache[t.impl_ptr().get()] = {t, cast};
+  if (cacheable)
+    t_state.cache[t.impl_ptr().get()] = {t, cast, t.impl().storage, t.storage_offset(), t.storage_version()};
   return cast;
 }
 

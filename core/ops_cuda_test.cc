@@ -23,6 +23,8 @@ class CudaOps : public ::testing::Test {
   }
 };
 
+// Tolerances: one 16-bit rounding, float32's accumulation (docs/design.md,
+// Note [numerics]).
 double tol(DType t) { return t == DType::Float16 ? 2e-3 : t == DType::BFloat16 ? 1.6e-2 : t == DType::Float32 ? 2e-5 : 1e-11; }
 const std::vector<DType> kTypes = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
 

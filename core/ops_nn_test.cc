@@ -258,7 +258,8 @@ TEST(Conv2d, Float32GradientsMatchFloat64) {
 // Auto) against the direct algorithm, both measured against float64: forward
 // and both gradients, on ResNet-like layers. Winograd's transforms round
 // more, so its error is larger; it must stay within 2e-5 of the output's
-// scale (measured: about 1e-6), where the direct algorithm is at about 3e-7 to 1e-6.
+// scale (measured: about 1e-6), where the direct algorithm is at about 3e-7 to 1e-6
+// (docs/design.md, Note [numerics], has the figures and why Winograd stays the default).
 TEST(Conv2d, WinogradMatchesDirectAndFloat64) {
   struct Case {
     Shape x;

@@ -124,6 +124,52 @@ TEST(Autocast, AParameterIsCastOncePerScope) {
   EXPECT_EQ(autocast::cached_casts(), 0) << "the cache ends with the outermost scope";
 }
 
+// The cast cache's value depends on the parameter's data (Note [caches]):
+// inside one live scope (an outer guard around a training loop keeps it
+// alive across steps), a parameter updated in place, or given new storage
+// by set_data -- freed and reallocated at the same address where the CPU
+// allocator's cache hands it back -- gets a fresh cast. Each check fails
+// on a cache keyed by the TensorImpl alone.
+TEST(Autocast, TheCastCacheFollowsTheParametersData) {
+  const Shape ws = {256, 256};  // 256 KiB: the CPU allocator's cached sizes
+  Tensor w = randn(ws).requires_grad_();
+  Tensor x = randn({2, 256});
+  auto fresh = [&](const Tensor& weight) { return linear(x.to(DType::BFloat16), weight.detach().to(DType::BFloat16)); };
+  AutocastGuard outer(DeviceType::CPU, DType::BFloat16);
+  Tensor y1 = linear(x, w);
+  EXPECT_TRUE(allclose(y1, fresh(w), 0, 0));
+  {
+    NoGradGuard g;
+    add_(w, ones(ws), 1.0);  // an optimizer step's in-place update
+  }
+  EXPECT_TRUE(allclose(linear(x, w), fresh(w), 0, 0)) << "a stale cast served after an in-place update";
+  // New storage at (likely) the same address: the old block goes back to
+  // the allocator's cache and the next tensor of its size takes it.
+  const void* before = w.raw_data();
+  w.set_data(zeros({1}));
+  Tensor next = randn(ws);
+  w.set_data(next);
+  if (w.raw_data() != before) std::printf("(the new storage landed elsewhere; the check holds either way)\n");
+  EXPECT_TRUE(allclose(linear(x, w), fresh(next), 0, 0)) << "a stale cast served after set_data";
+}
+
+// A cast made under no_grad has no graph; the next forward in the same
+// scope that records one must make its own, or the parameter gets no
+// gradient (an evaluation pass inside the training loop's scope).
+TEST(Autocast, ACastMadeUnderNoGradIsNotServedToAGradForward) {
+  Tensor w = randn({8, 4}).requires_grad_(), x = randn({2, 4});
+  AutocastGuard amp(DeviceType::CPU, DType::BFloat16);
+  {
+    NoGradGuard g;
+    linear(x, w);
+  }
+  sum(linear(x, w)).backward();
+  ASSERT_TRUE(w.grad().defined()) << "a no-grad cast served to a forward that records a graph";
+  // d sum(x w^T) / dw[o, i] = sum_n x[n, i], x rounded to bfloat16.
+  const Tensor want = sum(x.to(DType::BFloat16).to(DType::Float32), {0}, true).expand({8, 4});
+  EXPECT_TRUE(allclose(w.grad(), want, 1e-2, 1e-2)) << w.grad();
+}
+
 TEST(Autocast, ANonHalfDtypeIsANamedError) {
   for (DType bad : {DType::Float32, DType::Float64, DType::Int32}) {
     try {
