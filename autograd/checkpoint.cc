@@ -182,6 +182,17 @@ struct Region {
   // (parameters, inputs, buffers), at the versions they were read at.
   std::vector<std::pair<std::weak_ptr<Storage>, uint64_t>> read;
   std::vector<uint64_t> watch_versions;  // after the forward
+  // The leaves (parameters) the region's graph reaches, with the storage
+  // and version they had after the forward. `read` above sees the storages
+  // the ops saved, which for a parameter may be a copy (autocast's cast, a
+  // channels-last weight): a step of the parameter, or new storage given
+  // by set_data, would pass unseen there (Note [caches]).
+  struct LeafRead {
+    std::weak_ptr<TensorImpl> impl;
+    std::weak_ptr<Storage> storage;
+    uint64_t version;
+  };
+  std::vector<LeafRead> leaves;
   std::unique_ptr<KeptOutputs> kept;
 
   std::vector<Tensor> backward();
@@ -211,6 +222,21 @@ void Region::check_unchanged() const {
                 "restore it before backward");
     EMBER_CHECK(false, name, ": a tensor the region read in its forward was changed before its recompute (version ",
                 version, " -> ", s->version, ", last by '", s->last_change ? s->last_change : "an in-place op",
+                "'); the recompute would not repeat the forward. Keep in-place updates of what the region reads ",
+                "out of it, or after backward");
+  }
+  for (const LeafRead& l : leaves) {
+    const std::shared_ptr<TensorImpl> impl = l.impl.lock();
+    if (!impl || impl->storage == nullptr) continue;  // the parameter is gone: nothing reads it again
+    EMBER_CHECK(l.storage.lock() == impl->storage, name, ": a parameter ", shape_str(impl->sizes),
+                " the region read in its forward was given other storage before its recompute (set_data, or a ",
+                "module moved with to()); the recompute would not repeat the forward");
+    EMBER_CHECK(!impl->storage->freed, name, ": a parameter ", shape_str(impl->sizes),
+                " the region read in its forward has had its storage freed since; restore it before backward");
+    EMBER_CHECK(impl->storage->version == l.version, name, ": a parameter ", shape_str(impl->sizes),
+                " the region read in its forward was changed before its recompute (version ", l.version, " -> ",
+                impl->storage->version, ", last by '",
+                impl->storage->last_change ? impl->storage->last_change : "an in-place op",
                 "'); the recompute would not repeat the forward. Keep in-place updates of what the region reads ",
                 "out of it, or after backward");
   }
@@ -385,7 +411,10 @@ std::vector<Tensor> checkpoint(const RegionFn& fn, const std::vector<Tensor>& in
   auto node = std::make_shared<Node>();
   node->name = "checkpoint";
   node->next = boundary;
-  for (const auto& b : boundary) region->boundary.push_back(b.get());
+  for (const auto& b : boundary) {
+    region->boundary.push_back(b.get());
+    if (b->leaf && b->leaf->storage) region->leaves.push_back({b->leaf, b->leaf->storage, b->leaf->storage->version});
+  }
   node->sequence_nr = detail::take_sequence_nr();
   node->out_shape = {};
   node->fn = [region](const Tensor&) { return region->backward(); };

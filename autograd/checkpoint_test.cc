@@ -266,6 +266,34 @@ TEST(Checkpoint, ErrorsForRegionsThatWouldRecomputeDifferently) {
     EXPECT_NE(msg.find("a tensor the region read in its forward was changed before its recompute"), std::string::npos)
         << msg;
   }
+  // The same under autocast, where the op saved the parameter's bfloat16
+  // cast, not the parameter (Note [caches]): the parameter itself is checked.
+  {
+    Tensor x = randn({2, 4}).requires_grad_();
+    Tensor y;
+    {
+      AutocastGuard amp(DeviceType::CPU, DType::BFloat16);
+      y = checkpoint([&](const Tensor& in) { return matmul(in, w); }, x);
+    }
+    {
+      NoGradGuard ng;
+      w *= 0.5;
+    }
+    std::string msg = testing::error_of([&] { sum(y).backward(); });
+    EXPECT_NE(msg.find("a parameter [4,4] the region read in its forward was changed before its recompute"),
+              std::string::npos)
+        << msg;
+  }
+  // A parameter given new storage between forward and backward (set_data:
+  // the old storage freed, the new one perhaps at its address).
+  {
+    Tensor x = randn({2, 4}).requires_grad_();
+    Tensor y = checkpoint([&](const Tensor& in) { return matmul(in, w); }, x);
+    w.set_data(randn({4, 4}));
+    std::string msg = testing::error_of([&] { sum(y).backward(); });
+    EXPECT_NE(msg.find("a parameter [4,4] the region read in its forward was given other storage"), std::string::npos)
+        << msg;
+  }
 }
 
 }  // namespace

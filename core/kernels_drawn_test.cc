@@ -416,5 +416,43 @@ TEST_F(DrawnOps, AmpUnscale) {
   });
 }
 
+// The copy kernels: casts between every pair of float dtypes (NaN,
+// infinities, values beyond float16's range, denormals), a permuted view
+// made contiguous, cat and stack along a drawn dim, with gradients.
+TEST_F(DrawnOps, CopiesCastsAndJoins) {
+  for_each_draw("copies", 150, [&](Draw& d) {
+    const DType dt = d.pick(kFloats), to = d.pick(kFloats);
+    const int kind = static_cast<int>(d.integer(0, 3));
+    Shape s = d.shape(static_cast<int>(d.integer(1, 4)), 1, 7, true);
+    const int64_t rank = static_cast<int64_t>(s.size()), dim = d.integer(0, rank - 1);
+    Specials sp = Specials::all();
+    Tensor x = d.values(s, dt, sp, d.pick<double>({1.0, 3e4}));  // 3e4: some beyond float16's 65504
+    Shape s2 = s;
+    s2[dim] = d.size(1, 5, true);
+    Tensor y = d.values(kind == 3 ? s : s2, dt, sp);
+    Shape perm(rank);
+    for (int64_t i = 0; i < rank; ++i) perm[i] = i;
+    for (int64_t i = rank - 1; i > 0; --i) std::swap(perm[i], perm[d.integer(0, i)]);
+    const char* names[] = {"cast", "permuted contiguous", "cat", "stack"};
+    check_case(
+        detail::str_cat(names[kind], " x", shape_str(s), kind == 0 ? detail::str_cat(" to ", dtype_name(to)) : "",
+                        kind >= 2 ? detail::str_cat(" with ", shape_str(y.sizes()), " dim ", dim) : ""),
+        [&](const std::vector<Tensor>& v) {
+          switch (kind) {
+            case 0:
+              return v[0].to(to);
+            case 1:
+              return v[0].permute(perm).contiguous();
+            case 2:
+              return cat({v[0], v[1]}, dim);
+            default:
+              return stack({v[0], v[1]}, dim);
+          }
+        },
+        {{x, true}, {y, kind >= 2}}, d, tol_for(kind == 0 ? to : dt, 1e-7) + tol_for(dt, 1e-7),
+        tol_for(kind == 0 ? to : dt, 1e-7) + tol_for(dt, 1e-7));
+  });
+}
+
 }  // namespace
 }  // namespace ember
