@@ -12,10 +12,11 @@
 set -u
 here=$(cd "$(dirname "$0")/.." && pwd)
 
-TESTS="tensor_test ops_cuda_test ops_nn_cuda_test optim_cuda_test grad_scaler_test autocast_test loader_test
-safetensors_test process_group_test process_group_nccl_test"
+TESTS="tensor_test ops_cuda_test ops_nn_cuda_test kernels_drawn_test kernels_drawn_nn_test optim_cuda_test
+grad_scaler_test autocast_test loader_test safetensors_test process_group_test process_group_nccl_test"
 if [ "${1:-}" = "--targets" ]; then
-  echo //core:tensor_test //core:ops_cuda_test //core:ops_nn_cuda_test //optim:optim_cuda_test //bench:gpu_step \
+  echo //core:tensor_test //core:ops_cuda_test //core:ops_nn_cuda_test //core:kernels_drawn_test \
+    //core:kernels_drawn_nn_test //bench:numerics_cpu //optim:optim_cuda_test //bench:gpu_step \
     //optim:grad_scaler_test //nn:autocast_test //data:loader_test //core:safetensors_test \
     //distributed/comm:process_group_test //distributed/comm:process_group_nccl_test //bench:ops_cuda_bench \
     //bench:train_bench //examples:resnet_ddp //examples:gpt_fsdp //tools:ckpt
@@ -75,6 +76,12 @@ for s in $steps; do
     timeout 300 python3 "$here/bench/resnet50_cuda_peer.py" --configs fp32,tf32 >"$logs/resnet50_peer.log" 2>&1
     summary "resnet50_cuda_peer rc=$?"
     grep '^torch' "$logs/resnet50_peer.log" | tee -a "$logs/summary.txt"
+    # The numerical contract on the real cuDNN and cuBLAS (docs/design.md,
+    # Note [numerics], has the emulation's figures; numerics_cpu runs the
+    # CUDA rows whenever a GPU is present).
+    timeout 300 bash "$here/.gpu/run.sh" numerics_cpu >"$logs/numerics.log" 2>&1
+    summary "numerics rc=$?"
+    grep -E '^\| (conv2d|matmul|attention)' "$logs/numerics.log" | grep CUDA | tee -a "$logs/summary.txt"
     ;;
   examples)
     d="$here/.gpudata"
