@@ -95,13 +95,23 @@ TEST_F(Drawn, Conv2d) {
     const int64_t w = d.integer(std::max<int64_t>(1, dw * (kw - 1) + 1 - 2 * pw), dw * (kw - 1) + 8);
     const DType dt = d.pick(kFloats);
     const bool bias = d.chance(0.5), tf32 = dt == DType::Float32 && d.chance(0.2);
+    // cuDNN's ways in: the graph API (the default), the legacy API, and
+    // benchmark mode (cudnnFind*, legacy descriptors).
+    const int api = static_cast<int>(d.integer(0, 5));  // 0-2 graph, 3-4 legacy, 5 benchmark
     const Shape xs = {d.size(1, 3), c, h, w}, ws = {o, c / groups, kh, kw};
     Tensor x = d.values(xs, dt, Specials::finite(), 0.5), wt = d.values(ws, dt, Specials::finite(), 0.5);
     Tensor b = bias ? d.values({o}, dt) : Tensor();
     const std::string what =
         detail::str_cat("conv2d x", shape_str(xs), " w", shape_str(ws), " s", sh, "x", sw, " p", ph, "x", pw, " d", dh,
-                        "x", dw, " groups ", groups, bias ? " bias" : "", tf32 ? " TF32" : "");
-    if (cuda_is_available()) set_cudnn_allow_tf32(tf32);
+                        "x", dw, " groups ", groups, bias ? " bias" : "", tf32 ? " TF32" : "",
+                        api < 3   ? ""
+                        : api < 5 ? " (cuDNN legacy API)"
+                                  : " (cuDNN benchmark mode)");
+    if (cuda_is_available()) {
+      set_cudnn_allow_tf32(tf32);
+      set_cudnn_graph_api(api < 3);
+      set_cudnn_benchmark(api == 5);
+    }
     // float32: Winograd's rounding (Note [numerics]) and the direct sum's
     // over up to 16*3*3 products; 16-bit: the inputs' rounding carried
     // through the sum.
@@ -112,7 +122,11 @@ TEST_F(Drawn, Conv2d) {
           return conv2d(v[0], v[1], v[2], {sh, sw}, {ph, pw}, {dh, dw}, groups);
         },
         {{x, true}, {wt, true}, {b, true, false}}, d, tol_for(dt, f32), tf32 ? 5e-3 : tol_for(dt, f32));
-    if (cuda_is_available()) set_cudnn_allow_tf32(false);
+    if (cuda_is_available()) {
+      set_cudnn_allow_tf32(false);
+      set_cudnn_graph_api(true);
+      set_cudnn_benchmark(false);
+    }
   });
 }
 
