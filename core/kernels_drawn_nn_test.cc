@@ -143,7 +143,9 @@ TEST_F(Drawn, BatchNorm) {
     const DType dt = d.pick(kFloats), pt = dt == DType::Float64 ? DType::Float64 : DType::Float32;
     const bool training = d.chance(0.6), affine = d.chance(0.7);
     // A mean of 100 is a condition number of 100 / std for x - mean: only
-    // with enough values per channel that the std is not tiny by chance.
+    // with enough values per channel that the std is not tiny by chance,
+    // and 10x the tolerance (x's float32 rounding at 100 is 100x its
+    // rounding at 1; a 40,000-draw soak saw CUDA's dw 1e-4 from the CPU's).
     const double shift = xs[0] * xs[2] * xs[3] >= 8 ? d.pick<double>({0.0, 3.0, 100.0}) : 0.0;
     Tensor x = (d.values(xs, DType::Float64, Specials::finite()) + shift).to(dt);
     Tensor wt = affine ? d.values({c}, pt) : Tensor(), b = affine ? d.values({c}, pt) : Tensor();
@@ -163,7 +165,7 @@ TEST_F(Drawn, BatchNorm) {
           return training ? cat({y.flatten().to(DType::Float64), m.to(DType::Float64), s.to(DType::Float64)}) : y;
         },
         {{x, true}, {wt, true, false}, {b, true, false}, {rm, false, false}, {rv, false, false}}, d,
-        tol_for(dt, 2e-5) * (shift > 10 ? 4 : 1), tol_for(dt, 2e-5) * (shift > 10 ? 4 : 1));
+        tol_for(dt, 2e-5) * (shift > 10 ? 10 : 1), tol_for(dt, 2e-5) * (shift > 10 ? 10 : 1));
   });
 }
 

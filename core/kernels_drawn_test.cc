@@ -160,7 +160,11 @@ TEST_F(DrawnOps, BinaryWithBroadcast) {
     int64_t n_out = 1;
     for (int64_t v : s) n_out *= v;
     const double fan = static_cast<double>(n_out) / std::max<int64_t>(1, std::min(a.numel(), b.numel()));
-    const double grow = std::max(1.0, std::sqrt(fan) / 4);
+    // A pole op's 16-bit derivative is several ops (div's -g * a / b^2: three
+    // roundings) with b near 0.25: twice the dtype's tolerance (a 40,000-draw
+    // soak saw 3.7% in bfloat16 against 3%).
+    const bool pole16 = op.pole && (dt == DType::Float16 || dt == DType::BFloat16);
+    const double grow = std::max(1.0, std::sqrt(fan) / 4) * (pole16 ? 2.0 : 1.0);
     check_case(
         detail::str_cat(op.name, " a", shape_str(sa), " b", shape_str(sb),
                         unsq ? detail::str_cat(" unsqueezed at ", at) : ""),
