@@ -1,4 +1,4 @@
-// The measurements the communication cost model is fitted to (issue 36):
+// The measurements the communication cost model is fitted to:
 // every collective a parallelism uses, over Gloo, at sizes from 4 KiB to
 // 16 MiB, in a world of the launcher's size. Run under the launcher once per
 // world size, then fit:

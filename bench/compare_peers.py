@@ -5,7 +5,7 @@
 # ±30% between runs minutes apart, so only figures from one interleaved run
 # are compared: per round, ours, then each peer, for every workload.
 # Prints medians, ranges and the ratio ours / faster peer (time; < 1: we are
-# faster; the speed targets of issue 20 are <= 0.8), and with --out writes
+# faster; the CPU speed targets are <= 0.8), and with --out writes
 # the figures as JSON (bench/plot_scaling.py and bench/README.md's table read it).
 #
 #   bazel build -c opt //bench:train_bench //bench:ddp_scaling //bench:collectives_bench //examples:mlp_fashion

@@ -1,5 +1,5 @@
 // Holds a training step's host synchronisations and kernel launches to their
-// budgets (issue 37), counted by the CUDA emulation (step_counts.cc):
+// budgets, counted by the CUDA emulation (step_counts.cc):
 //  - one host synchronisation per step, the loss read; batch norm's running
 //    statistics, CPU scalars in arithmetic, index and target range checks
 //    and the causal mask used to add about 270 (ResNet-50) and 24 (GPT);

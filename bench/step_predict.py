@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The step-time prediction against measured steps (issue 36).
+"""The step-time prediction against measured steps (the cost model's validation).
 
 For each configuration //examples:gpt and //examples:resnet_ddp run on 2,
 4 and 8 CPU ranks, runs

@@ -8,7 +8,7 @@
 // Counters: img/s. Threads: OpenMP's default (all cores) for our kernels,
 // oneDNN and OpenBLAS alike.
 //
-// BM_ResNet50StepCuda is the GPU workload of issue 3 (ResNet-50, batch 256,
+// BM_ResNet50StepCuda is the GPU step workload (ResNet-50, batch 256,
 // 3x224x224, fp32, channels-last activations); it reports "skipped: no GPU"
 // on a machine without one.
 #include <benchmark/benchmark.h>
@@ -86,7 +86,7 @@ void BM_ResNet18StepProfiled(benchmark::State& state) {
 }
 BENCHMARK(BM_ResNet18StepProfiled)->Args({64, 64})->Args({16, 64})->Unit(benchmark::kMillisecond)->UseRealTime();
 
-// The same step in mixed precision (issue 16): mode 0 float32, 1 bfloat16
+// The same step in mixed precision: mode 0 float32, 1 bfloat16
 // autocast, 2 float16 autocast + GradScaler, as the peer's
 // `resnet18_train_step.py --amp bf16|fp16` does it (autocast around forward
 // and loss; backward and step outside). Batch 64.

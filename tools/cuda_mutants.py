@@ -86,8 +86,8 @@ MUTANTS = [
     ("unary_tail_write_past_end", "out-of-bounds access (ASAN)", "core/ops/unary.cu",
      "  for (int64_t i = nvec * VEC + cuda::global_thread_id(); i < n; i += cuda::grid_stride())",
      "  for (int64_t i = nvec * VEC + cuda::global_thread_id(); i <= n; i += cuda::grid_stride())"),
-    # Found by a new user's mutation round (issue: kernel tests that draw
-    # their cases): no listed case pooled with a window wider than tall,
+    # Found by a new user's mutation round (the round that asked for
+    # drawn kernel cases): no listed case pooled with a window wider than tall,
     # and no CUDA case fed a NaN; the drawn pooling cases catch both.
     ("max_pool_bwd_width_window", "wrong operand", "core/ops/pool.cu",
      "    pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);\n    const int64_t pos = ih * g.w + iw;",

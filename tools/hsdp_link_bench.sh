@@ -1,5 +1,5 @@
 #!/bin/bash
-# FSDP against HSDP across a slow link (issue 36): two network namespaces
+# FSDP against HSDP across a slow link (the cost model's link check): two network namespaces
 # ("hosts") joined by a veth pair shaped to RATE (tc tbf, a bucket of 1 ms at
 # the rate), 2 //examples:gpt workers in each, 4 ranks. FULL_SHARD over all 4
 # gathers every unit's parameters and reduce-scatters its gradients across

@@ -85,7 +85,7 @@ int64_t bytes(const std::string& text) {
 // failures of the job's GPUs, Young's checkpoint interval sqrt(2 x write x
 // MTBF), and the fraction of the time lost: writing, plus per failure the
 // restart and half an interval of work redone; with a live replica
-// (dp_replicate > 1, issue 35's recovery) nothing is redone.
+// (dp_replicate > 1, live recovery from a replica) nothing is redone.
 void reliability(const ember::distributed::MeshPlan& plan, double failures_per_gpu_day, double gbps_per_host,
                  double restart_s) {
   if (failures_per_gpu_day <= 0 || gbps_per_host <= 0)

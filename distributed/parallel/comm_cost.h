@@ -1,4 +1,4 @@
-// The measured cost of each collective (issue 36's cost model, its
+// The measured cost of each collective (the step-time cost model's
 // communication half): bench/collectives_fit.py fits t = alpha * a(p) +
 // beta * bytes * f(p) per collective and group size to
 // //bench:collectives_fit's timings (ring factors a, f in its docstring) and

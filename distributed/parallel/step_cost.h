@@ -1,4 +1,4 @@
-// A training step's time, predicted (issue 36's cost model): per-layer
+// A training step's time, predicted (the step-time cost model): per-layer
 // compute from a ComputeProfile, every collective the step runs from a
 // link model, and what overlaps what. One function, predict_step, used by
 // the mesh planner for every candidate (//tools:plan) and printed term by
