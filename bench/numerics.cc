@@ -119,15 +119,17 @@ std::string shape_of(const std::vector<Shape>& shapes) {
   return s;
 }
 
+// A 3x3 convolution's input and output channels.
+struct ConvLayer {
+  Shape x;
+  int64_t o;
+};
+
 void conv_rows(bool quick) {
-  struct Layer {
-    Shape x;
-    int64_t o;
-  };
-  const std::vector<Layer> layers =
-      quick ? std::vector<Layer>{{{2, 16, 14, 14}, 16}}
-            : std::vector<Layer>{{{4, 64, 28, 28}, 64}, {{4, 128, 14, 14}, 128}, {{4, 256, 7, 7}, 256}};
-  for (const Layer& l : layers) {
+  const std::vector<ConvLayer> layers =
+      quick ? std::vector<ConvLayer>{{{2, 16, 14, 14}, 16}}
+            : std::vector<ConvLayer>{{{4, 64, 28, 28}, 64}, {{4, 128, 14, 14}, 128}, {{4, 256, 7, 7}, 256}};
+  for (const ConvLayer& l : layers) {
     const Shape ws = {l.o, l.x[1], 3, 3};
     const Fn f = [](const std::vector<Tensor>& v) { return conv2d(v[0], v[1], Tensor(), {1, 1}, {1, 1}); };
     Variant direct{"CPU float32 direct", DType::Float32, false, [] { set_cpu_conv_algorithm(ConvAlgorithm::Direct); }};
@@ -294,13 +296,10 @@ void trajectory_rows(bool quick) {
 // Milliseconds per pass of the float32 CPU convolutions above, direct and
 // Winograd, the median of 5 (after a warm-up that builds the plans).
 void conv_speed_rows(bool quick) {
-  struct Layer {
-    Shape x;
-    int64_t o;
-  };
-  const std::vector<Layer> layers = quick ? std::vector<Layer>{{{2, 16, 14, 14}, 16}}
-                                          : std::vector<Layer>{{{64, 64, 28, 28}, 64}, {{64, 128, 14, 14}, 128}};
-  for (const Layer& l : layers) {
+  const std::vector<ConvLayer> layers = quick
+                                            ? std::vector<ConvLayer>{{{2, 16, 14, 14}, 16}}
+                                            : std::vector<ConvLayer>{{{64, 64, 28, 28}, 64}, {{64, 128, 14, 14}, 128}};
+  for (const ConvLayer& l : layers) {
     std::string row;
     for (ConvAlgorithm a : {ConvAlgorithm::Direct, ConvAlgorithm::Auto}) {
       set_cpu_conv_algorithm(a);

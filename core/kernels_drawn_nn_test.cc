@@ -25,14 +25,9 @@ using testing::check_case;
 using testing::Draw;
 using testing::for_each_draw;
 using testing::Specials;
+using testing::tol_for;
 
-const std::vector<DType> kFloats = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
-
-// Tolerances relative to a tensor's scale (Note [numerics]): one 16-bit
-// rounding of a value near the scale is 2^-11 (float16) or 2^-8 (bfloat16);
-// float32 is given the family's measured error times about 10.
-double tol16(DType dt) { return dt == DType::Float16 ? 4e-3 : dt == DType::BFloat16 ? 3e-2 : 0; }
-double tol_for(DType dt, double f32) { return dt == DType::Float64 ? 1e-11 : dt == DType::Float32 ? f32 : tol16(dt); }
+const std::vector<DType>& kFloats = testing::kFloatDtypes;
 
 class Drawn : public ::testing::Test {
  protected:

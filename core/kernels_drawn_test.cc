@@ -26,15 +26,9 @@ using testing::check_case;
 using testing::Draw;
 using testing::for_each_draw;
 using testing::Specials;
+using testing::tol_for;
 
-const std::vector<DType> kFloats = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
-
-// Relative to a tensor's scale (Note [numerics]): a 16-bit result is one
-// rounding of a float32 computation, so within a few of its units in the
-// last place at the scale; float32 gets the family's figure.
-double tol_for(DType dt, double f32) {
-  return dt == DType::Float64 ? 1e-11 : dt == DType::Float32 ? f32 : dt == DType::Float16 ? 4e-3 : 3e-2;
-}
+const std::vector<DType>& kFloats = testing::kFloatDtypes;
 
 class DrawnOps : public ::testing::Test {
  protected:

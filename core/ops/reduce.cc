@@ -38,20 +38,12 @@ inline C red_combine(C acc, C x) {
   else return (m_isnan(x) || x < acc) ? x : acc;
 }
 
-// Float sums run in blocks of kSumBlock terms, each block's float sum
-// carried into a double: the error of a float accumulator grows with the
-// number of terms it has taken (a sequential float sum of 10^4 positive
-// terms was 4.5e-5 off, seen by the drawn tests in a build that did not
-// vectorize; a column sum over 10^5 rows 1.3e-5), and a block bounds it
-// at kSumBlock terms at a cost too small to measure (Note [numerics]).
-constexpr int64_t kSumBlock = 256;
-
 // Sum/Max/Min of one contiguous run; OpenMP's simd reduction lets the
 // compiler keep several partial accumulators (reassociation is fine here).
 template <ReduceOp OP, typename T, typename C>
 C reduce_run(const T* p, int64_t n) {
   C acc = red_init<OP, C>();
-  if constexpr (OP == ReduceOp::Sum && std::is_same_v<C, float>) {
+  if constexpr (OP == ReduceOp::Sum && std::is_same_v<C, float>) {  // kSumBlock (cpu_loop.h)
     double total = 0;
     for (int64_t b = 0; b < n; b += kSumBlock) {
       const int64_t e = std::min(n, b + kSumBlock);
@@ -102,7 +94,7 @@ void reduce_value_cpu(const T* in, void* out_raw, int64_t outer, int64_t r, int6
       acc.assign(w, red_init<OP, C>());
       const T* base = in + o * r * inner + i0;
       if constexpr (OP == ReduceOp::Sum && std::is_same_v<C, float>) {
-        // Blocks of kSumBlock rows in float, carried into double (above).
+        // Blocks of kSumBlock rows in float, carried into double (cpu_loop.h).
         total.assign(w, 0.0);
         for (int64_t k0 = 0; k0 < r; k0 += kSumBlock) {
           const int64_t k1 = std::min(r, k0 + kSumBlock);

@@ -26,13 +26,12 @@ __attribute__((noinline)) void softmax_rows_f32(const float* __restrict x, float
 #pragma omp simd reduction(max : mx)
     for (int64_t k = 0; k < r; ++k) mx = std::max(mx, xr[k]);
     if (std::isinf(mx) && mx < 0) mx = 0;  // all -inf row: avoid inf - inf
-    // The sum of exponentials in blocks of 256 carried into a double, as
-    // reduce.cc's float sums: a float accumulator over a 50k-wide row
-    // (GPT-2's vocabulary) was 5.7e-6 off (Note [numerics]).
+    // The sum of exponentials in blocks of kSumBlock carried into a double
+    // (cpu_loop.h).
     double total = 0;
     if (log) {
-      for (int64_t b = 0; b < r; b += 256) {
-        const int64_t e = std::min(r, b + 256);
+      for (int64_t b = 0; b < r; b += kSumBlock) {
+        const int64_t e = std::min(r, b + kSumBlock);
         float block = 0;
 #pragma omp simd reduction(+ : block)
         for (int64_t k = b; k < e; ++k) block += expf(xr[k] - mx);
@@ -45,8 +44,8 @@ __attribute__((noinline)) void softmax_rows_f32(const float* __restrict x, float
 #pragma omp simd
       for (int64_t k = 0; k < r; ++k) yr[k] = (xr[k] - mx) - lse;
     } else {
-      for (int64_t b = 0; b < r; b += 256) {
-        const int64_t end = std::min(r, b + 256);
+      for (int64_t b = 0; b < r; b += kSumBlock) {
+        const int64_t end = std::min(r, b + kSumBlock);
         float block = 0;
 #pragma omp simd reduction(+ : block)
         for (int64_t k = b; k < end; ++k) {

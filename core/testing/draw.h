@@ -41,7 +41,6 @@ struct Specials {
   // a divisor, a negative power) a 16-bit gradient, composed of ops that
   // each round, is ill-conditioned beyond any useful tolerance.
   double min_abs = 0;
-  static Specials none() { return {}; }
   static Specials finite() { return {false, false, true, true, true}; }
   static Specials all() { return {true, true, true, true, true}; }
 };

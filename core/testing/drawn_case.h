@@ -20,6 +20,18 @@ namespace ember::testing {
 
 using CaseFn = std::function<Tensor(const std::vector<Tensor>&)>;
 
+// The float dtypes a case draws from.
+inline const std::vector<DType> kFloatDtypes = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
+
+// A case's tolerance relative to a tensor's scale (docs/design.md, Note
+// [numerics]): a 16-bit result is one rounding of a float32 computation, so
+// within a few units in the last place at the scale (2^-11 for float16,
+// 2^-8 for bfloat16); float32 gets its family's measured figure with
+// headroom, `f32`; float64 against itself, rounding only.
+inline double tol_for(DType dt, double f32) {
+  return dt == DType::Float64 ? 1e-11 : dt == DType::Float32 ? f32 : dt == DType::Float16 ? 4e-3 : 3e-2;
+}
+
 struct CaseInput {
   Tensor value;        // on the CPU, contiguous, in the case's dtype (or an integer dtype)
   bool grad = false;   // a leaf whose gradient is compared
