@@ -76,9 +76,8 @@ Tensor low(const Tensor& t) {
     auto it = t_state.cache.find(t.impl_ptr().get());
     if (it != t_state.cache.end()) {
       const ThreadState::Entry& e = it->second;
-      if (e.cast.dtype() == want && e.storage.lock() == t.impl().storage &&
-          e.offset == t.storage_offset() && e.version == t.storage_version() &&
-          (e.cast.requires_grad() || !GradMode::is_enabled()))
+      if (e.cast.dtype() == want && e.storage.lock() == t.impl().storage && e.offset == t.storage_offset() &&
+          e.version == t.storage_version() && (e.cast.requires_grad() || !GradMode::is_enabled()))
         return e.cast;
     }
   }
