@@ -187,6 +187,8 @@ int DeviceMesh::rank_at(const std::vector<int>& coord) const {
 
 std::shared_ptr<DeviceMesh> DeviceMesh::submesh(const std::vector<std::string>& dims) const {
   EMBER_CHECK(!dims.empty(), to_string(), ": a sub-mesh needs at least one dimension");
+  if (dims.size() == 1 && !has_dim(dims[0]))
+    if (auto flat = flattened(dims[0])) return flat;
   std::vector<int> idx;
   for (const auto& n : dims) {
     const int d = dim_index(n);
@@ -218,6 +220,83 @@ std::shared_ptr<DeviceMesh> DeviceMesh::submesh(const std::vector<std::string>& 
     sub->ranks_.push_back(rank_at(c));
   }
   return sub;
+}
+
+std::shared_ptr<DeviceMesh> DeviceMesh::flatten(const std::vector<std::string>& dims, const std::string& name) {
+  EMBER_CHECK(!dims.empty(), to_string(), ": flatten needs at least one dimension");
+  std::vector<int> idx;
+  for (const auto& n : dims) {
+    const int d = dim_index(n);
+    EMBER_CHECK(std::find(idx.begin(), idx.end(), d) == idx.end(), to_string(), ": dimension '", n,
+                "' is named twice for flatten");
+    idx.push_back(d);
+  }
+  // The slices: every combination of the other dimensions (row-major), and
+  // in each the ranks of `dims`, row-major in the order given.
+  std::vector<int> inner = shape_;
+  for (int d : idx) inner[d] = 1;
+  int span = 1;
+  for (int d : idx) span *= shape_[d];
+  std::vector<std::vector<int>> partition;
+  std::vector<int> c(shape_.size(), 0);
+  for (int s = 0; s < size() / span; ++s) {
+    for (int e = ndim() - 1, rest = s; e >= 0; --e) {
+      c[e] = inner[e] == 1 ? 0 : rest % inner[e];
+      if (inner[e] > 1) rest /= inner[e];
+    }
+    std::vector<int> members;
+    for (int k = 0; k < span; ++k) {
+      for (int j = static_cast<int>(idx.size()) - 1, rest = k; j >= 0; --j) {
+        c[idx[j]] = rest % shape_[idx[j]];
+        rest /= shape_[idx[j]];
+      }
+      members.push_back(rank_at(c));
+    }
+    partition.push_back(std::move(members));
+  }
+  // One dimension of more than one rank (or none): its group already is the
+  // view's, and no rank needs to make one.
+  int wide = -1, n_wide = 0;
+  for (int d : idx)
+    if (shape_[d] > 1) wide = d, ++n_wide;
+  if (n_wide <= 1) {
+    auto view = from_group(groups_[wide >= 0 ? wide : idx[0]], name);
+    flats_[name] = view;
+    return view;
+  }
+  return flatten(name, partition);
+}
+
+std::shared_ptr<DeviceMesh> DeviceMesh::flatten(const std::string& name,
+                                                const std::vector<std::vector<int>>& partition) {
+  EMBER_CHECK(!name.empty(), to_string(), ": flatten needs a name");
+  EMBER_CHECK(!has_dim(name), to_string(), ": flatten's name '", name, "' is already a dimension");
+  EMBER_CHECK(root_ == nullptr, to_string(), ": flatten runs on the mesh create() made, not on a sub-mesh");
+  EMBER_CHECK(!partition.empty(), to_string(), ": flatten '", name, "': an empty partition");
+  std::vector<int> seen(ranks_.size(), 0);
+  for (const auto& part : partition) {
+    EMBER_CHECK(part.size() == partition[0].size(), to_string(), ": flatten '", name,
+                "': the groups differ in size (", part.size(), " and ", partition[0].size(), ")");
+    for (int r : part) {
+      EMBER_CHECK(r >= 0 && r < static_cast<int>(seen.size()) && !seen[r]++, to_string(), ": flatten '", name,
+                  "': rank ", r, " is outside the mesh or in two groups");
+    }
+  }
+  EMBER_CHECK(partition.size() * partition[0].size() == ranks_.size(), to_string(), ": flatten '", name,
+              "': the groups cover ", partition.size() * partition[0].size(), " of ", ranks_.size(), " ranks");
+  std::shared_ptr<ProcessGroup> mine;
+  for (const auto& part : partition)  // every rank, every group, in order (new_group's rule)
+    if (auto g = new_group(part)) mine = std::move(g);
+  EMBER_INTERNAL_ASSERT(mine != nullptr, "flatten '", name, "': rank ", global_rank_, " is in no group");
+  auto view = from_group(std::move(mine), name);
+  flats_[name] = view;
+  return view;
+}
+
+std::shared_ptr<DeviceMesh> DeviceMesh::flattened(const std::string& name) const {
+  const DeviceMesh& r = *root();
+  auto it = r.flats_.find(name);
+  return it == r.flats_.end() ? nullptr : it->second;
 }
 
 std::string DeviceMesh::to_string() const { return describe(shape_, names_); }

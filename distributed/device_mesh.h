@@ -69,7 +69,28 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   // Not collective: it reuses the dimensions' groups. The same dims cut
   // from the same mesh object give the same object while it is in use, so
   // whatever keys on a mesh (norm domains: one reduction per mesh) sees one.
+  // A flattened view registered by flatten() is found by its name too
+  // (submesh({"dp"})), as torch's mesh["dp"] after _flatten("dp").
   std::shared_ptr<DeviceMesh> submesh(const std::vector<std::string>& dims) const;
+
+  // A one-dimensional view named `name` over `dims` taken together (row-major
+  // in the order given): the ranks that share this rank's coordinates on the
+  // other dimensions (torch's mesh[dims]._flatten(name)). What transforms
+  // need when a group spans several dimensions: data loading over
+  // dp_replicate x dp_shard, FSDP over dp_shard x cp. Collective over the
+  // default group when two or more of `dims` have more than one rank (a new
+  // group per slice, made by every rank in the same order); otherwise it
+  // reuses that dimension's group. Only on a mesh made by create(). The
+  // view is its own root (DTensors are not described on it) and is
+  // registered on this mesh under `name`.
+  std::shared_ptr<DeviceMesh> flatten(const std::vector<std::string>& dims, const std::string& name);
+  // The same over an explicit partition of the mesh's ranks into equal
+  // groups (every rank passes the same partition): for views that are not a
+  // product of whole dimensions, such as expert parallelism borrowing part
+  // of dp_shard.
+  std::shared_ptr<DeviceMesh> flatten(const std::string& name, const std::vector<std::vector<int>>& partition);
+  // The flattened view registered under `name`, or null.
+  std::shared_ptr<DeviceMesh> flattened(const std::string& name) const;
 
   // The mesh this one was cut from by submesh (through any number of
   // cuts), or this mesh: where parallelisms applied to different
@@ -92,6 +113,7 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   // submesh's results by dims, weakly (a sub-mesh holds its root).
   mutable std::mutex sub_mu_;
   mutable std::map<std::vector<std::string>, std::weak_ptr<DeviceMesh>> subs_;
+  std::map<std::string, std::shared_ptr<DeviceMesh>> flats_;  // flatten()'s views, by name
 };
 
 // Checks a mesh's shape and names without making it (the same checks and

@@ -1,0 +1,99 @@
+// The parallelize steps (parallelize.h): tensor parallelism, activation
+// checkpointing and FSDP/DDP on a ParallelDims mesh, whole or per stage.
+#include "distributed/parallel/recipes/parallelize.h"
+
+#include <utility>
+
+#include "core/exception.h"
+#include "nn/checkpoint.h"
+#include "optim/clip_grad.h"
+
+namespace ember::distributed {
+
+double Parallelized::clip_grad_norm_(double max_norm) {
+  if (fsdp) return fsdp->clip_grad_norm_(max_norm);
+  EMBER_CHECK(model != nullptr, "Parallelized::clip_grad_norm_: nothing was parallelized");
+  return optim::clip_grad_norm_(model->parameters(), max_norm);  // DDP: every rank holds the averaged gradients
+}
+
+void Parallelized::set_requires_gradient_sync(bool sync) {
+  if (fsdp) fsdp->set_requires_gradient_sync(sync);
+  else if (ddp && !sync && !no_sync_) no_sync_ = std::make_shared<Replicated::NoSync>(*ddp);
+  else if (sync) no_sync_.reset();
+}
+
+void apply_tp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh, const ParallelizePlan& plan) {
+  if (dims.tp == 1) return;
+  EMBER_CHECK(!plan.empty(), "parallelize: tp=", dims.tp, " but the model has no tensor-parallel plan");
+  parallelize_module(module, mesh.submesh({"tp"}), plan);
+}
+
+int apply_ac(nn::Module& module, const std::vector<std::string>& block_types, const std::string& ac) {
+  const auto policy = nn::ActivationCheckpointing::parse(ac);
+  if (policy.mode == nn::ActivationCheckpointing::Mode::None) return 0;
+  EMBER_CHECK(!block_types.empty(), "parallelize: activation checkpointing '", ac,
+              "' needs the block types to wrap (ParallelizeOptions::block_types)");
+  return nn::apply_activation_checkpointing(module, block_types, policy);
+}
+
+FSDPOptions fsdp_options(const ParallelDims& dims, const DeviceMesh& mesh, FSDPOptions o) {
+  EMBER_CHECK(o.mesh == nullptr, "parallelize: FSDPOptions::mesh is set; the mesh comes from the ParallelDims (",
+              dims.str(), ")");
+  if (dims.dp_replicate > 1 || o.strategy == ShardingStrategy::HYBRID_SHARD) {
+    EMBER_CHECK(o.strategy == ShardingStrategy::FULL_SHARD || o.strategy == ShardingStrategy::HYBRID_SHARD,
+                "parallelize: dp_replicate=", dims.dp_replicate, " replicates FULL_SHARD units (HSDP); strategy ",
+                strategy_name(o.strategy), " does not combine with it");
+    o.strategy = ShardingStrategy::HYBRID_SHARD;
+    o.mesh = mesh.submesh({"dp_replicate", "dp_shard"});
+  } else {
+    o.mesh = dims.fsdp_mesh(mesh);
+  }
+  return o;
+}
+
+std::shared_ptr<FSDPModule> apply_fsdp(const std::shared_ptr<nn::Module>& module, const ParallelDims& dims,
+                                       const DeviceMesh& mesh, const std::vector<std::string>& block_types,
+                                       FSDPOptions options) {
+  return fully_shard_auto(module, {.types = block_types}, fsdp_options(dims, mesh, std::move(options)));
+}
+
+Parallelized parallelize(const std::shared_ptr<nn::Module>& model, const ParallelDims& dims,
+                         const std::shared_ptr<DeviceMesh>& mesh, const ParallelizeOptions& o) {
+  EMBER_CHECK(model != nullptr && mesh != nullptr, "parallelize: null model or mesh");
+  EMBER_CHECK(dims.pp == 1, "parallelize: pp=", dims.pp, " (a pipeline's stages go through pipeline_parallelize)");
+  Parallelized out;
+  out.model = model;
+  apply_tp(*model, dims, *mesh, o.tp_plan);
+  out.ac_blocks = apply_ac(*model, o.block_types, o.ac);
+  if (o.ddp && dims.dp_shard == 1 && dims.cp == 1) {
+    out.ddp = replicate(model, o.ddp_options, mesh->submesh({"dp_replicate"}));
+  } else {
+    out.fsdp = apply_fsdp(model, dims, *mesh, o.block_types, o.fsdp);
+  }
+  return out;
+}
+
+PipelineParallel pipeline_parallelize(const std::vector<std::shared_ptr<pp::PipelineStage>>& all_stages,
+                                      const pp::Schedule& schedule, const ParallelDims& dims,
+                                      const std::shared_ptr<DeviceMesh>& mesh, const ParallelizeOptions& o,
+                                      pp::PipelineOptions po) {
+  EMBER_CHECK(mesh != nullptr && mesh->has_dim("pp"), "pipeline_parallelize: the mesh has no 'pp' dimension (",
+              dims.str(), "; pp > 1 puts it there)");
+  EMBER_CHECK(static_cast<int>(all_stages.size()) == schedule.num_stages(), "pipeline_parallelize: ",
+              all_stages.size(), " stages for a schedule of ", schedule.num_stages());
+  PipelineParallel out;
+  for (int st : schedule.stages_of(mesh->coordinate("pp"))) {
+    out.stages.push_back(all_stages[st]);
+    // A stage's share of the plan: the embedding's entries only where it holds the embedding.
+    apply_tp(*all_stages[st], dims, *mesh, plan_for(o.tp_plan, *all_stages[st]));
+  }
+  for (auto& st : out.stages) out.ac_blocks += apply_ac(*st, o.block_types, o.ac);
+  if (dims.dp_shard > 1)
+    for (auto& st : out.stages) out.fsdp.push_back(apply_fsdp(st, dims, *mesh, o.block_types, o.fsdp));
+  out.part = pp::rank_part(out.stages);
+  if (po.dp_group == nullptr && dims.dp_replicate > 1 && out.fsdp.empty()) po.dp_group = mesh->group("dp_replicate");
+  out.pipe = std::make_unique<pp::Pipeline>(schedule, out.stages, mesh->group("pp"), std::move(po));
+  return out;
+}
+
+}  // namespace ember::distributed

@@ -1,0 +1,149 @@
+// ParallelDims (parallel_dims.h): resolving "-1", the checks with their
+// named errors, the mesh in its one order and its flattened views.
+#include "distributed/parallel_dims.h"
+
+#include <utility>
+
+#include "core/exception.h"
+
+namespace ember::distributed {
+
+namespace {
+
+// "dp_shard=3 x tp=2": the named degrees of more than one rank (or the one
+// asked for), as an error shows them.
+std::string product(const std::vector<std::pair<const char*, int>>& dims) {
+  std::string out;
+  for (const auto& [name, v] : dims)
+    if (v != 1 && v != -1) out += (out.empty() ? "" : " x ") + std::string(name) + "=" + std::to_string(v);
+  return out.empty() ? "every degree 1" : out;
+}
+
+std::vector<std::pair<const char*, int>> degrees(const ParallelDims& d) {
+  return {{"pp", d.pp}, {"dp_replicate", d.dp_replicate}, {"dp_shard", d.dp_shard}, {"cp", d.cp}, {"tp", d.tp}};
+}
+
+}  // namespace
+
+ParallelDims ParallelDims::resolved(int world) const {
+  EMBER_CHECK(world >= 1, "ParallelDims: a world of ", world, " ranks");
+  ParallelDims d = *this;
+  int known = 1, rest = 0;
+  for (const auto& [name, v] : degrees(d)) {
+    EMBER_CHECK(v >= 1 || v == -1, "ParallelDims: ", name, "=", v, " (a degree is a positive size, or -1 for the rest)");
+    if (v == -1) ++rest;
+    else known *= v;
+  }
+  EMBER_CHECK(rest <= 1, "ParallelDims: ", rest, " degrees are -1 (", product(degrees(d)),
+              "); at most one takes the rest");
+  EMBER_CHECK(world % known == 0, "ParallelDims: ", product(degrees(d)), " does not divide a world of ", world);
+  for (int* v : {&d.pp, &d.dp_replicate, &d.dp_shard, &d.cp, &d.tp})
+    if (*v == -1) *v = world / known;
+  d.validate(world);
+  return d;
+}
+
+void ParallelDims::validate(int world) const {
+  for (const auto& [name, v] : degrees(*this))
+    EMBER_CHECK(v >= 1, "ParallelDims: ", name, "=", v, " is unresolved or not a size (resolved(world) first)");
+  EMBER_CHECK(this->world() == world, "ParallelDims: ", product(degrees(*this)), " makes ", this->world(),
+              " ranks, not a world of ", world);
+  EMBER_CHECK(ep >= 1, "ParallelDims: ep=", ep, " (expert parallelism takes a positive size)");
+  EMBER_CHECK(ep == 1 || dp_shard_cp() % ep == 0, "ParallelDims: ep=", ep,
+              " is borrowed from dp_shard x cp = ", dp_shard_cp(), " and must divide it");
+  EMBER_CHECK(ep == 1 || ep % cp == 0, "ParallelDims: ep=", ep, " must be a multiple of cp=", cp,
+              " (an expert group spans whole context-parallel groups)");
+}
+
+std::vector<std::string> ParallelDims::mesh_dim_names() const {
+  std::vector<std::string> names;
+  if (pp > 1) names.push_back("pp");
+  names.insert(names.end(), {"dp_replicate", "dp_shard"});
+  if (cp > 1) names.push_back("cp");
+  names.push_back("tp");
+  return names;
+}
+
+std::vector<int> ParallelDims::mesh_shape() const {
+  std::vector<int> shape;
+  if (pp > 1) shape.push_back(pp);
+  shape.insert(shape.end(), {dp_replicate, dp_shard});
+  if (cp > 1) shape.push_back(cp);
+  shape.push_back(tp);
+  return shape;
+}
+
+std::shared_ptr<DeviceMesh> ParallelDims::build_mesh() const {
+  auto mesh = DeviceMesh::create(mesh_shape(), mesh_dim_names());
+  validate(mesh->size());
+  // The views, every rank in the same order (each may make groups).
+  mesh->flatten({"dp_replicate", "dp_shard"}, "dp");
+  if (cp > 1) {
+    mesh->flatten({"dp_shard", "cp"}, "dp_shard_cp");
+    mesh->flatten({"dp_replicate", "dp_shard", "cp"}, "dp_cp");
+  }
+  if (ep > 1) {
+    // ep ranks: ep / cp consecutive dp_shard coordinates times the whole cp
+    // group, the other coordinates fixed (torchtitan's dp_shard_in_ep x cp).
+    const int in_ep = ep / cp;
+    std::vector<std::vector<int>> partition;
+    const auto names = mesh_dim_names();
+    const int ds = mesh->dim_index("dp_shard"), cd = cp > 1 ? mesh->dim_index("cp") : -1;
+    std::vector<int> c(names.size(), 0);
+    for (int r : mesh->ranks()) {
+      // A group is listed once, at its first rank (dp_shard % in_ep == 0, cp == 0).
+      for (int d = static_cast<int>(names.size()) - 1, rest = r; d >= 0; --d) {
+        c[d] = rest % mesh->shape()[d];
+        rest /= mesh->shape()[d];
+      }
+      if (c[ds] % in_ep != 0 || (cd >= 0 && c[cd] != 0)) continue;
+      std::vector<int> members;
+      std::vector<int> m = c;
+      for (int i = 0; i < in_ep; ++i)
+        for (int k = 0; k < cp; ++k) {
+          m[ds] = c[ds] + i;
+          if (cd >= 0) m[cd] = k;
+          members.push_back(mesh->rank_at(m));
+        }
+      partition.push_back(std::move(members));
+    }
+    mesh->flatten("ep", partition);
+  }
+  return mesh;
+}
+
+std::shared_ptr<DeviceMesh> ParallelDims::fsdp_mesh(const DeviceMesh& mesh) const {
+  const std::string shard = cp > 1 ? "dp_shard_cp" : "dp_shard";
+  if (dp_replicate > 1) {
+    EMBER_CHECK(cp == 1, "ParallelDims: HSDP (dp_replicate=", dp_replicate, ") with cp=", cp,
+                " needs a 2-D mesh over a flattened dimension, which DeviceMesh does not cut yet");
+    return mesh.submesh({"dp_replicate", "dp_shard"});
+  }
+  return mesh.submesh({shard});
+}
+
+int ParallelDims::dp_rank(const DeviceMesh& mesh) const {
+  return mesh.coordinate("dp_replicate") * dp_shard + mesh.coordinate("dp_shard");
+}
+
+std::string ParallelDims::str() const {
+  std::string out = "dp_replicate=" + std::to_string(dp_replicate) + " dp_shard=" + std::to_string(dp_shard) +
+                    " tp=" + std::to_string(tp) + " pp=" + std::to_string(pp);
+  if (cp != 1) out += " cp=" + std::to_string(cp);
+  if (ep != 1) out += " ep=" + std::to_string(ep);
+  return out;
+}
+
+std::string ParallelDims::line() const {
+  std::string out = "mesh";
+  if (pp > 1) out += " pp=" + std::to_string(pp);
+  if (dp_replicate > 1) out += " dp_replicate=" + std::to_string(dp_replicate);
+  if (dp_shard > 1 || (dp_replicate == 1 && cp == 1 && tp == 1 && pp == 1))
+    out += " dp_shard=" + std::to_string(dp_shard);
+  if (cp > 1) out += " cp=" + std::to_string(cp);
+  if (tp > 1) out += " tp=" + std::to_string(tp);
+  if (ep > 1) out += " ep=" + std::to_string(ep);
+  return out;
+}
+
+}  // namespace ember::distributed
