@@ -104,8 +104,8 @@ void reliability(const ember::distributed::MeshPlan& plan, double failures_per_g
       "(sqrt(2 x write x MTBF)); time lost %.2f%% (writing %.2f%%, per failure %.0f s restart + %.1f min redone)",
       bytes / 1e9, bytes / hosts / 1e9, write, gbps_per_host, mtbf / 3600, plan.hw.gpus, failures_per_gpu_day,
       interval / 60, 100 * lost, 100 * write / interval, restart_s, interval / 2 / 60);
-  if (best.dp_replicate > 1)
-    std::printf("; with live recovery from a replica (dp_replicate=%d) nothing is redone: %.2f%%", best.dp_replicate,
+  if (best.dims.dp_replicate > 1)
+    std::printf("; with live recovery from a replica (dp_replicate=%d) nothing is redone: %.2f%%", best.dims.dp_replicate,
                 100 * lost_live);
   std::printf("\n");
 }
@@ -120,7 +120,7 @@ int main(int argc, char** argv) {
   std::string model;
   bool gpus_given = false, explain = false, mesh_given = false, inter_given = false;
   MeshCandidate given;
-  given.dp_shard = -1;  // the rest
+  given.dims.dp_shard = -1;  // the rest
   std::string given_sp = "on", compute_path, fit_path;
   // Reliability (--explain): Llama 3's 419 unexpected interruptions in 54
   // days on 16,384 H100s (Dubey et al. 2024, section 3.3.4) per GPU and day;
@@ -182,13 +182,13 @@ int main(int argc, char** argv) {
     else if (a == "--explain")
       explain = true;
     else if (a == "--dp-replicate")
-      given.dp_replicate = static_cast<int>(integer()), mesh_given = true;
+      given.dims.dp_replicate = static_cast<int>(integer()), mesh_given = true;
     else if (a == "--dp-shard")
-      given.dp_shard = static_cast<int>(integer()), mesh_given = true;
+      given.dims.dp_shard = static_cast<int>(integer()), mesh_given = true;
     else if (a == "--tp")
-      given.tp = static_cast<int>(integer()), mesh_given = true;
+      given.dims.tp = static_cast<int>(integer()), mesh_given = true;
     else if (a == "--pp")
-      given.pp = static_cast<int>(integer()), mesh_given = true;
+      given.dims.pp = static_cast<int>(integer()), mesh_given = true;
     else if (a == "--pp-schedule")
       given.schedule = value(), mesh_given = true;
     else if (a == "--pp-virtual")
@@ -258,10 +258,13 @@ int main(int argc, char** argv) {
       if (given_sp != "on" && given_sp != "off") usage_error("--sp takes on or off, got '" + given_sp + "'");
       if (given.ac != "none" && given.ac != "full") usage_error("--ac takes none or full, got '" + given.ac + "'");
       given.sequence_parallel = given_sp == "on";
-      const int rest = given.dp_replicate * given.tp * given.pp;
-      if (given.dp_shard < 0) given.dp_shard = rest > 0 && hw.gpus % rest == 0 ? hw.gpus / rest : 0;
-      if (given.pp > 1 && given.schedule.empty()) given.schedule = "1f1b";
-      if (given.pp > 1 && given.microbatches == 1 && given.schedule != "") given.microbatches = given.pp;
+      try {
+        given.dims = given.dims.resolved(hw.gpus);
+      } catch (const std::exception& e) {
+        usage_error(e.what());
+      }
+      if (given.dims.pp > 1 && given.schedule.empty()) given.schedule = "1f1b";
+      if (given.dims.pp > 1 && given.microbatches == 1 && given.schedule != "") given.microbatches = given.dims.pp;
       const MeshCandidate k = evaluate_mesh(m, hw, o, given);
       if (!k.rejected.empty()) {
         std::fprintf(stderr, "plan: %s (%s): %s\n", k.mesh().c_str(), k.describe().c_str(), k.rejected.c_str());

@@ -117,23 +117,20 @@ ModelSpec model_preset(const std::string& name) {
   return m;
 }
 
-std::string MeshCandidate::mesh() const {
-  return "dp_replicate=" + std::to_string(dp_replicate) + " dp_shard=" + std::to_string(dp_shard) +
-         " tp=" + std::to_string(tp) + " pp=" + std::to_string(pp);
-}
-
 std::string MeshCandidate::describe() const {
   std::vector<std::string> parts;
-  if (dp_shard > 1)
-    parts.push_back(dp_replicate > 1 ? "HSDP" : "FSDP");
-  else if (dp_replicate > 1)
+  if (dims.dp_shard > 1)
+    parts.push_back(dims.dp_replicate > 1 ? "HSDP" : "FSDP");
+  else if (dims.dp_replicate > 1)
     parts.push_back("DDP");
-  if (tp > 1) parts.push_back("TP");
-  if (pp > 1) parts.push_back("PP");
+  if (dims.cp > 1) parts.push_back("CP");
+  if (dims.tp > 1) parts.push_back("TP");
+  if (dims.pp > 1) parts.push_back("PP");
+  if (dims.ep > 1) parts.push_back("EP");
   std::string s;
   for (const auto& p : parts) s += (s.empty() ? "" : " + ") + p;
   if (s.empty()) s = "one device";
-  if (pp > 1)
+  if (dims.pp > 1)
     s += " (" + schedule + (virtual_stages > 1 ? " v" + std::to_string(virtual_stages) : "") + ", " +
          std::to_string(microbatches) + " micro-batches)";
   if (ac != "none") s += ", AC " + ac;
@@ -173,13 +170,16 @@ MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const Pl
   EMBER_CHECK(o.global_batch >= 1, "plan: --global-batch must be positive, got ", o.global_batch);
   EMBER_CHECK(!model.transformer() || (model.heads >= 1 && model.dim % model.heads == 0 && model.layers >= 1),
               "plan: --dim ", model.dim, " does not split into ", model.heads, " heads");
-  const int R = k.dp_replicate, S = k.dp_shard, T = k.tp, P = k.pp, V = k.virtual_stages;
-  const int N = R * S * T * P, G = hw.gpus_per_host;
+  const int R = k.dims.dp_replicate, S = k.dims.dp_shard, T = k.dims.tp, P = k.dims.pp, V = k.virtual_stages;
+  const int N = k.dims.world(), G = hw.gpus_per_host;
   EMBER_CHECK(N == hw.gpus, "plan: the mesh ", k.mesh(), " has ", N, " ranks, not ", hw.gpus);
   auto reject = [&](const std::string& why) {
     k.rejected = why;
     return k;
   };
+  // A dimension is planned once its memory and time terms are here.
+  if (k.dims.cp > 1 || k.dims.ep > 1)
+    return reject("cp and ep have no planner terms yet (" + k.mesh() + ")");
   const double elem = o.mixed_precision ? 2 : 4;  // bytes of a parameter, gradient or activation
   const int64_t psi = model.num_params();
   const double tokens = static_cast<double>(o.global_batch) * (model.transformer() ? model.seq : 1);
@@ -312,7 +312,7 @@ MeshPlan plan_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions
               if (offload && S == 1) continue;  // offload is FSDP's (CPUOffloadPolicy)
               if (!model.transformer() && (T > 1 || P > 1 || ac != "none")) continue;
               MeshCandidate c;
-              c.dp_replicate = R, c.dp_shard = S, c.tp = T, c.pp = P;
+              c.dims = {.pp = P, .dp_replicate = R, .dp_shard = S, .tp = T};
               c.schedule = sched_name, c.virtual_stages = V, c.ac = ac, c.offload = offload;
               // Micro-batches: a pipeline fills with one sequence each (the
               // least bubble and activation per micro-batch); without one,
@@ -332,7 +332,8 @@ MeshPlan plan_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions
   // fewest dimensions (FSDP before HSDP, no recompute before recompute),
   // then the least communication (DDP before FSDP for a model that fits).
   auto dims = [](const MeshCandidate& c) {
-    return (c.dp_shard > 1) + (c.dp_replicate > 1) + (c.tp > 1) + (c.pp > 1) + c.offload + (c.ac != "none");
+    return (c.dims.dp_shard > 1) + (c.dims.dp_replicate > 1) + (c.dims.tp > 1) + (c.dims.pp > 1) + c.offload +
+           (c.ac != "none");
   };
   std::stable_sort(plan.feasible.begin(), plan.feasible.end(), [&](const MeshCandidate& a, const MeshCandidate& b) {
     if (std::abs(a.step - b.step) > 1e-3 * std::max(a.step, b.step)) return a.step < b.step;

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "distributed/parallel_dims.h"
 #include "nn/transformer.h"
 
 namespace ember::distributed {
@@ -81,7 +82,10 @@ struct PlanOptions {
 };
 
 struct MeshCandidate {
-  int dp_replicate = 1, dp_shard = 1, tp = 1, pp = 1, virtual_stages = 1;
+  // The degrees (resolved). cp and ep have no planner terms yet: a
+  // candidate with either above 1 is rejected, saying so.
+  ParallelDims dims{.dp_shard = 1};
+  int virtual_stages = 1;
   std::string schedule;                       // "" without a pipeline
   int64_t microbatches = 1, micro_batch = 1;  // per data-parallel rank and step, sequences each
   std::string ac = "none";                    // none | full
@@ -101,8 +105,8 @@ struct MeshCandidate {
   double mfu = 0;
   std::string explain;   // the prediction term by term (StepTime::explain)
   std::string rejected;  // why not, or empty
-  // "dp_replicate=1 dp_shard=8 tp=1 pp=1"
-  std::string mesh() const;
+  // "dp_replicate=1 dp_shard=8 tp=1 pp=1" (ParallelDims::str)
+  std::string mesh() const { return dims.str(); }
   // "FSDP", "DDP", "HSDP", "FSDP + TP + PP (1f1b, 16 micro-batches)", ...
   std::string describe() const;
   // "memory plan (mesh planner, <mesh>): X MiB: params+grads+optimizer A,

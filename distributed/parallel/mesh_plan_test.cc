@@ -72,8 +72,8 @@ TEST(MeshPlan, Gpt2XlOn4SmallGpusIsFsdp) {
   o.global_batch = 32;
   const MeshPlan plan = plan_mesh(model_preset("gpt2-xl"), h100(4, 24), o);
   const MeshCandidate& b = plan.best();
-  EXPECT_EQ(b.dp_shard, 4) << plan.table();
-  EXPECT_EQ(b.tp * b.pp, 1) << plan.table();
+  EXPECT_EQ(b.dims.dp_shard, 4) << plan.table();
+  EXPECT_EQ(b.dims.tp * b.dims.pp, 1) << plan.table();
   EXPECT_FALSE(b.offload);
   EXPECT_NE(plan.table().find("does not divide the 25 heads"), std::string::npos) << plan.table();
   EXPECT_NE(plan.table().find("does not fit in memory"), std::string::npos) << plan.table();
@@ -89,7 +89,7 @@ TEST(MeshPlan, Llama7bOn8IsFullShardingAndOffloadWhenMemoryDemands) {
   // goes to the host.
   const MeshPlan small = plan_mesh(model_preset("llama-7b"), h100(8, 8), o);
   EXPECT_TRUE(small.best().offload) << small.table();
-  EXPECT_EQ(small.best().dp_shard * small.best().tp * small.best().pp, 8);
+  EXPECT_EQ(small.best().dims.dp_shard * small.best().dims.tp * small.best().dims.pp, 8);
 }
 
 TEST(MeshPlan, Llama70bOn64UsesTensorAndPipelineParallelism) {
@@ -97,14 +97,14 @@ TEST(MeshPlan, Llama70bOn64UsesTensorAndPipelineParallelism) {
   o.global_batch = 64;
   const MeshPlan plan = plan_mesh(model_preset("llama-70b"), h100(64), o);
   const MeshCandidate& b = plan.best();
-  EXPECT_GT(b.tp, 1) << plan.table();
-  EXPECT_GT(b.pp, 1) << plan.table();
-  EXPECT_LE(b.tp, 8) << "tensor parallelism stays within a host";
+  EXPECT_GT(b.dims.tp, 1) << plan.table();
+  EXPECT_GT(b.dims.pp, 1) << plan.table();
+  EXPECT_LE(b.dims.tp, 8) << "tensor parallelism stays within a host";
   EXPECT_LE(b.total(), int64_t{80} << 30);
   // Plain FSDP over the 64 ranks fits but its gathers cross hosts: slower.
   bool fsdp64 = false;
   for (const MeshCandidate& c : plan.feasible)
-    if (c.dp_shard == 64 && !c.offload) {
+    if (c.dims.dp_shard == 64 && !c.offload) {
       fsdp64 = true;
       EXPECT_GT(c.step, b.step);
     }

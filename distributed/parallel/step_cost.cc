@@ -153,7 +153,7 @@ double Links::seconds(const std::string& op, double bytes, int size, int stride)
 StepTime predict_step(const ModelSpec& model, const MeshCandidate& c, const PlanOptions& o, const ComputeProfile& cp,
                       const Links& links, double bubble) {
   StepTime t;
-  const int R = c.dp_replicate, S = c.dp_shard, T = c.tp, P = c.pp, V = c.virtual_stages;
+  const int R = c.dims.dp_replicate, S = c.dims.dp_shard, T = c.dims.tp, P = c.dims.pp, V = c.virtual_stages;
   const int N = R * S * T * P;
   const int64_t M = c.microbatches;
   const double mb = static_cast<double>(c.micro_batch);

@@ -38,7 +38,8 @@ ComputeProfile profile() {
 
 MeshCandidate mesh(int R, int S, int T, int P, int64_t M, int64_t mb) {
   MeshCandidate c;
-  c.dp_replicate = R, c.dp_shard = S, c.tp = T, c.pp = P, c.microbatches = M, c.micro_batch = mb;
+  c.dims = {.pp = P, .dp_replicate = R, .dp_shard = S, .tp = T};
+  c.microbatches = M, c.micro_batch = mb;
   c.schedule = P > 1 ? "1f1b" : "";
   return c;
 }

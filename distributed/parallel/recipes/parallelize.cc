@@ -82,6 +82,7 @@ PipelineParallel pipeline_parallelize(const std::vector<std::shared_ptr<pp::Pipe
   EMBER_CHECK(static_cast<int>(all_stages.size()) == schedule.num_stages(), "pipeline_parallelize: ",
               all_stages.size(), " stages for a schedule of ", schedule.num_stages());
   PipelineParallel out;
+  for (const auto& st : all_stages) out.layout.emplace_back(st->description(), schedule.rank_of(st->index()));
   for (int st : schedule.stages_of(mesh->coordinate("pp"))) {
     out.stages.push_back(all_stages[st]);
     // A stage's share of the plan: the embedding's entries only where it holds the embedding.

@@ -97,6 +97,8 @@ struct PipelineParallel {
   std::vector<std::shared_ptr<FSDPModule>> fsdp;           // per stage, with dp_shard > 1
   std::unique_ptr<pp::Pipeline> pipe;
   int ac_blocks = 0;
+  // Every stage's description and its pp rank ("stage 1 of 4: h.2-h.4", 1), for logs.
+  std::vector<std::pair<std::string, int>> layout;
 };
 PipelineParallel pipeline_parallelize(const std::vector<std::shared_ptr<pp::PipelineStage>>& all_stages,
                                       const pp::Schedule& schedule, const ParallelDims& dims,

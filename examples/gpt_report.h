@@ -1,0 +1,241 @@
+// What //examples:gpt reports around its training step, kept out of the
+// program so that gpt.cc reads as a training script: the validation loss
+// against a unigram baseline, a sample from the trained weights, one JSON
+// line per step (--metrics), the step's memory by part beside the
+// planner's prediction, and the pipeline's bubble beside the simulator's.
+#pragma once
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "core/ops.h"
+#include "distributed/logging/logging.h"
+#include "distributed/parallel/mesh_plan.h"
+#include "distributed/parallel/pp/pipeline.h"
+#include "distributed/parallel/step_memory.h"
+#include "distributed/parallel/tp/loss_parallel.h"
+#include "distributed/parallel_dims.h"
+#include "examples/gpt_corpus.h"
+#include "nn/transformer.h"
+
+namespace ember::examples {
+
+// Mean cross-entropy (nats per character) over fixed held-out windows,
+// split evenly over the data-parallel ranks (every rank runs the same
+// number of forwards: FSDP's gathers are collectives), and the same for a
+// unigram model of the training text (add-one smoothed) on the same
+// characters.
+struct Eval {
+  std::vector<int64_t> starts;  // all ranks' windows
+  double unigram = 0;
+};
+
+inline Eval make_eval(const Corpus& c, int64_t seq, int world) {
+  Eval e;
+  const int64_t span = static_cast<int64_t>(c.val.size()) - seq - 1;
+  EMBER_CHECK(span > 0, "the validation text (", c.val.size(), " characters) is shorter than --seq ", seq);
+  const int64_t per_rank = (64 + world - 1) / world;  // world: the data-parallel ranks
+  const int64_t n = per_rank * world;
+  for (int64_t i = 0; i < n; ++i) e.starts.push_back(span * i / n);
+  std::vector<double> count(c.chars.size(), 1.0);
+  for (unsigned char ch : c.train) count[c.id[ch]] += 1;
+  double total = 0;
+  for (double v : count) total += v;
+  double nll = 0;
+  int64_t m = 0;
+  for (int64_t s : e.starts)
+    for (int64_t t = 1; t <= seq; ++t, ++m)
+      nll -= std::log(count[c.id[static_cast<unsigned char>(c.val[s + t])]] / total);
+  e.unigram = nll / m;
+  return e;
+}
+
+// The windows are split over the data-parallel ranks; the tp ranks of one
+// data-parallel rank evaluate the same windows together (each the same loss).
+inline double evaluate(nn::Module& model, distributed::pp::Pipeline* pipe, const Corpus& c, const Eval& e, int64_t seq,
+                       distributed::ProcessGroup& pg, Device device, int dp, int dp_rank, int tp) {
+  model.eval();
+  NoGradGuard ng;
+  const int64_t per_rank = static_cast<int64_t>(e.starts.size()) / dp;
+  std::vector<int64_t> mine(e.starts.begin() + dp_rank * per_rank, e.starts.begin() + (dp_rank + 1) * per_rank);
+  double local = 0;
+  // Parts of at most 16 windows; through a pipeline all of one size (its
+  // stages agree on the activation's shape once).
+  size_t chunk = 16;
+  if (pipe != nullptr)
+    while (chunk > 1 && mine.size() % chunk != 0) --chunk;
+  for (size_t i = 0; i < mine.size(); i += chunk) {
+    std::vector<int64_t> part(mine.begin() + i, mine.begin() + std::min(mine.size(), i + chunk));
+    auto [x, y] = windows(c, c.val, part, seq);
+    const Tensor yt = y.to(device).reshape({x.size(0), seq});
+    if (pipe != nullptr) {  // forwards through the stages; the last stage's ranks hold the loss
+      const std::vector<Tensor> l = pipe->step({x.to(device)}, {yt});
+      if (!l.empty()) local += l[0].item() * part.size();
+      continue;
+    }
+    Tensor logits = model(x.to(device));
+    local += distributed::parallel_cross_entropy(logits, yt).item() * part.size();
+  }
+  Tensor t = full({1}, local / static_cast<double>(e.starts.size()) / tp).to(device);
+  pg.allreduce(t, distributed::ReduceOp::Sum)->wait();
+  model.train();
+  return t.to(kCPU).item();
+}
+
+// Temperature and top-k sampling from a plain (unsharded) copy of the model.
+inline std::string generate(nn::GPT& gpt, const Corpus& c, uint64_t seed, int64_t len, int64_t seq,
+                            double temperature, int64_t top_k) {
+  gpt.eval();
+  NoGradGuard ng;
+  std::mt19937_64 g(seed + 17);
+  std::vector<int> ctx{c.id['\n']};
+  std::string out;
+  for (int64_t i = 0; i < len; ++i) {
+    std::vector<double> ids;
+    const size_t from = ctx.size() > static_cast<size_t>(seq) ? ctx.size() - seq : 0;
+    for (size_t k = from; k < ctx.size(); ++k) ids.push_back(ctx[k]);
+    Tensor x = Tensor::from_vector(ids, {1, static_cast<int64_t>(ids.size())}, DType::Int64);
+    Tensor logits = gpt(x).to(DType::Float32);
+    std::vector<double> l = logits.narrow(1, logits.size(1) - 1, 1).reshape({-1}).to_vector();
+    std::vector<size_t> order(l.size());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+    const size_t keep = std::min<size_t>(static_cast<size_t>(top_k), order.size());
+    std::partial_sort(order.begin(), order.begin() + keep, order.end(),
+                      [&](size_t a, size_t b) { return l[a] > l[b]; });
+    std::vector<double> w(keep);
+    for (size_t k = 0; k < keep; ++k) w[k] = std::exp((l[order[k]] - l[order[0]]) / temperature);
+    std::discrete_distribution<size_t> pick(w.begin(), w.end());
+    const int next = static_cast<int>(order[pick(g)]);
+    ctx.push_back(next);
+    out += static_cast<char>(c.chars[next]);
+  }
+  return out;
+}
+
+// A hash of a global batch (its token windows), so two runs can be shown to
+// have seen the same data.
+inline std::string batch_digest(const Corpus& c, const std::vector<int64_t>& starts, int64_t seq) {
+  auto [x, y] = windows(c, c.train, starts, seq);
+  const uint64_t h = XXH64(y.raw_data(), static_cast<size_t>(y.numel()) * 8, XXH64(x.raw_data(), x.numel() * 8, 0));
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
+// --metrics: one JSON line per optimizer step, written by rank 0.
+class MetricsLog {
+ public:
+  // Opens `path` (appending after a resume). Steps a live recovery continues
+  // after without their line (the fault came between the optimizer step and
+  // the line) get one with their batch's digest and a null loss.
+  MetricsLog(const std::string& path, bool writer, int64_t step,
+             const std::function<std::string(int64_t step)>& digest_of) {
+    if (path.empty() || !writer) return;
+    int64_t written = 0;
+    if (step > 0)
+      for (std::ifstream in(path); in;) {
+        std::string line;
+        const auto j = std::getline(in, line) ? nlohmann::json::parse(line, nullptr, false) : nlohmann::json();
+        if (j.is_object() && j.contains("step") && j["step"].is_number_integer())
+          written = std::max(written, j["step"].get<int64_t>());
+      }
+    out_.open(path, step > 0 ? std::ios::app : std::ios::trunc);
+    EMBER_CHECK(out_, "--metrics: cannot write ", path);
+    for (int64_t k = written + 1; step > 0 && written > 0 && k <= step; ++k)
+      out_ << nlohmann::json{{"step", k},
+                             {"batch_digest", digest_of(k - 1)},
+                             {"loss", nullptr},
+                             {"note", "trained before a failure; its line was lost with it"}}
+                  .dump()
+           << "\n";
+  }
+  bool is_open() const { return out_.is_open(); }
+  // The step's line: `mem` is the largest peak over the ranks, whose parts add up to it.
+  void write(int64_t step, double loss, double lr, double grad_norm, double tokens, double secs,
+             const distributed::StepMemory& mem, const std::string& digest) {
+    nlohmann::json line = {
+        {"step", step},
+        {"loss", loss},
+        {"lr", lr},
+        {"grad_norm", grad_norm},
+        {"tokens_per_s", tokens / std::max(secs, 1e-9)},
+        {"step_s", secs},  // the step's wall time, for the step-time prediction (bench/step_predict.py)
+        {"mem_peak_mib", mem.total()},
+        {"mem_params_mib", mem[MemoryKind::Parameters]},
+        {"mem_grads_mib", mem[MemoryKind::Gradients]},
+        {"mem_optimizer_mib", mem[MemoryKind::Optimizer]},
+        {"mem_gathered_mib", mem[MemoryKind::Gathered]},
+        {"mem_activations_mib", mem[MemoryKind::Activations]},
+        {"mem_other_mib", mem[MemoryKind::Other]},
+        {"batch_digest", digest},
+        // wall clock: timelines of restarts across processes
+        {"time", std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count()}};
+    out_ << line.dump() << "\n" << std::flush;
+  }
+
+ private:
+  std::ofstream out_;
+};
+
+// The planner's prediction of the step's memory, for the line beside the
+// measured one: the memory planner's timeline where it models the run
+// (FSDP alone, float32, no accumulation), else the mesh planner's ZeRO
+// accounting of what a rank's stage and tensor-parallel part hold.
+struct MemoryPlanInputs {
+  nn::GPTOptions model;
+  distributed::ParallelDims dims;
+  std::string strategy, ac, amp, pp_schedule;
+  int pp_virtual = 1;
+  int64_t micro_batch = 0, micro_steps = 1, global_batch = 0, seq = 0;
+  int world = 1, gpus_per_host = 1;
+};
+
+inline std::string memory_plan_line(const MemoryPlanInputs& in) {
+  const distributed::ParallelDims& d = in.dims;
+  if (d.tp == 1 && d.pp == 1 && d.dp_replicate == 1 && in.amp == "off" && in.strategy != "hybrid" &&
+      in.micro_steps == 1) {
+    distributed::StepPlan plan{
+        .micro_batch = in.micro_batch, .seq = in.seq, .world = d.dp_shard, .strategy = in.strategy, .ac = in.ac};
+    return distributed::predict_gpt_step_memory(in.model, plan).line("memory plan");
+  }
+  if ((in.ac == "none" || in.ac == "full") && (in.strategy == "full" || in.strategy == "hybrid")) {
+    // 17 s·b·h elements per block and live micro-batch.
+    const distributed::ModelSpec spec = distributed::model_spec(in.model, in.seq);
+    const distributed::Hardware hw{.gpus = in.world, .gpus_per_host = in.gpus_per_host, .mem_per_gpu = int64_t{1} << 50};
+    const distributed::PlanOptions po{.global_batch = in.global_batch, .mixed_precision = in.amp != "off"};
+    distributed::MeshCandidate c;
+    c.dims = d;
+    c.schedule = d.pp > 1 ? in.pp_schedule : "";
+    c.virtual_stages = d.pp > 1 ? in.pp_virtual : 1;
+    c.microbatches = in.micro_steps;
+    c.ac = in.ac;
+    return distributed::evaluate_mesh(spec, hw, po, c).memory_line();
+  }
+  return "memory plan: --ac " + in.ac + " with --strategy " + in.strategy + " is not modelled with tensor or " +
+         "pipeline parallelism, HSDP, --amp or accumulation";
+}
+
+// The pipeline's bubble, measured over the pp ranks beside the simulator's
+// with the measured costs. Collective over pp: every rank calls it (not
+// inside LOG0, which skips its arguments on the silent ranks).
+inline std::string bubble_line(distributed::pp::Pipeline& pipe) {
+  const auto meas = pipe.measure_last_step();
+  const auto sim = distributed::pp::simulate(pipe.schedule(), meas.costs, meas.stage_costs);
+  return ::ember::detail::str_cat("pipeline ", pipe.schedule().name, ": bubble fraction measured ",
+                                  meas.bubble_fraction, ", simulated ", sim.bubble_fraction, " (measured F ",
+                                  meas.costs.f * 1e3, " ms, B ", meas.costs.b * 1e3, " ms, W ", meas.costs.w * 1e3,
+                                  " ms per stage and micro-batch on average, transfers ", meas.costs.comm * 1e3,
+                                  " ms; step ", meas.makespan * 1e3, " ms, simulated ", sim.makespan * 1e3, " ms)");
+}
+
+}  // namespace ember::examples
