@@ -57,20 +57,35 @@ std::optional<DType> dtype_from_name(const std::string& s) {
   return std::nullopt;
 }
 
-}  // namespace
-
-namespace sharded_internal {
-
-std::string hex64(uint64_t v) {
-  char b[20];
-  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
-  return b;
-}
-
 // ---- Reading the index ----
 
-absl::Status checked_index(const json& j, const std::string& path, CheckpointIndex* out) {
-  auto bad = [&](const std::string& m) { return absl::DataLossError(absl::StrCat(path, ": ", m)); };
+absl::Status bad_index(const std::string& path, const std::string& m) {
+  return absl::DataLossError(absl::StrCat(path, ": ", m));
+}
+
+// A non-negative integer under `k`, into *x; false when it is missing or
+// not one.
+bool json_size(const json& o, const char* k, int64_t* x) {
+  auto it = o.find(k);
+  if (it == o.end() || !it->is_number_integer() || it->get<int64_t>() < 0) return false;
+  *x = it->get<int64_t>();
+  return true;
+}
+
+// `n` non-negative integers under `k`, appended to *x.
+bool json_sizes(const json& o, const char* k, size_t n, Shape* x) {
+  auto it = o.find(k);
+  if (it == o.end() || !it->is_array() || it->size() != n) return false;
+  for (const json& e : *it) {
+    if (!e.is_number_integer() || e.get<int64_t>() < 0) return false;
+    x->push_back(e.get<int64_t>());
+  }
+  return true;
+}
+
+// The index's own fields: format, version, world size, layout, mesh, files.
+absl::Status checked_header(const json& j, const std::string& path, CheckpointIndex* out) {
+  auto bad = [&](const std::string& m) { return bad_index(path, m); };
   if (!j.is_object()) return bad("not a JSON object");
   auto f = j.find("format");
   if (f == j.end() || !f->is_string() || f->get<std::string>() != kIndexFormat)
@@ -83,7 +98,6 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
                                                    " is not supported (this ember reads versions 1 and ", kIndexVersion,
                                                    ")"));
   out->version = v->get<int>();
-  const bool v1 = out->version == 1;
   auto ws = j.find("world_size");
   if (ws == j.end() || !ws->is_number_integer() || ws->get<int64_t>() < 1) return bad("\"world_size\" must be >= 1");
   out->world_size = ws->get<int>();
@@ -98,107 +112,127 @@ absl::Status checked_index(const json& j, const std::string& path, CheckpointInd
       return bad(absl::StrCat("file name '", name, "' is not a plain name in the checkpoint directory"));
     out->files.push_back(name);
   }
+  return absl::OkStatus();
+}
+
+// One piece of tensor `ct` (its shape and dtype already checked): its
+// fields, its region inside the tensor, its file among the index's, its
+// byte range the size of its elements. `at` names the tensor in errors.
+absl::Status checked_piece(const json& p, const CheckpointTensor& ct, const CheckpointIndex& index,
+                           const std::string& at, const std::string& path, CheckpointPiece* out) {
+  auto bad = [&](const std::string& m) { return bad_index(path, m); };
+  const bool v1 = index.version == 1;
+  CheckpointPiece& cp = *out;
+  int64_t b = 0, e = 0;
+  auto file = p.is_object() ? p.find("file") : p.end();
+  auto bytes = p.is_object() ? p.find("bytes") : p.end();
+  auto hash = p.is_object() ? p.find("xxh64") : p.end();
+  Region& r = cp.region;
+  const bool placed = p.is_object() && (v1 ? json_size(p, "offset", &r.begin)
+                                           : json_sizes(p, "offsets", ct.shape.size(), &r.box.offsets) &&
+                                                 json_sizes(p, "sizes", ct.shape.size(), &r.box.lengths) &&
+                                                 json_size(p, "begin", &r.begin));
+  if (v1) r.box = whole_box(ct.shape);
+  if (file == p.end() || !file->is_string() || !placed || !json_size(p, "numel", &r.numel) || bytes == p.end() ||
+      !bytes->is_array() || bytes->size() != 2 || !(*bytes)[0].is_number_integer() ||
+      !(*bytes)[1].is_number_integer() || hash == p.end() || !hash->is_string() ||
+      hash->get<std::string>().size() != 16)
+    return bad(at +
+               (v1 ? ": a piece needs \"file\", \"offset\", \"numel\", \"bytes\" [begin, end] and a 16-digit \"xxh64\""
+                   : ": a piece needs \"file\", \"offsets\" and \"sizes\" (one per dimension), \"begin\", "
+                     "\"numel\", \"bytes\" [begin, end] and a 16-digit \"xxh64\""));
+  cp.file = file->get<std::string>();
+  try {  // inside the tensor, the run inside its box (untrusted numbers: checked before any use)
+    for (size_t d = 0; d < ct.shape.size(); ++d)
+      if (r.box.offsets[d] > ct.shape[d] || r.box.lengths[d] > ct.shape[d] - r.box.offsets[d]) throw Error("outside");
+    int64_t box_numel = 1;
+    for (int64_t l : r.box.lengths)
+      if (__builtin_mul_overflow(box_numel, l, &box_numel)) throw Error("overflow");
+    if (r.begin > box_numel || r.numel > box_numel - r.begin) throw Error("outside");
+  } catch (const Error&) {
+    return bad(absl::StrCat(at, ": piece ", r.to_string(), " lies outside the tensor ", shape_str(ct.shape)));
+  }
+  if (std::find(index.files.begin(), index.files.end(), cp.file) == index.files.end())
+    return bad(absl::StrCat(at, ": piece ", r.to_string(), " is in '", cp.file, "', which \"files\" does not list"));
+  b = (*bytes)[0].get<int64_t>(), e = (*bytes)[1].get<int64_t>();
+  int64_t nbytes = 0;
+  const int64_t es = static_cast<int64_t>(dtype_size(ct.dtype));
+  if (b < 0 || e < b || __builtin_mul_overflow(r.numel, es, &nbytes) || e - b != nbytes)
+    return bad(absl::StrCat(at, ": piece ", r.to_string(), " has ", r.numel, " elements but bytes [", b, ", ", e, ")"));
+  cp.byte_begin = b, cp.byte_end = e;
+  try {
+    cp.xxh64 = std::stoull(hash->get<std::string>(), nullptr, 16);
+  } catch (...) {
+    return bad(at + ": \"xxh64\" is not hexadecimal");
+  }
+  return absl::OkStatus();
+}
+
+// One tensor of the index: shape (no overflow), dtype, and pieces that hold
+// each of its elements exactly once.
+absl::Status checked_tensor(const std::string& name, const json& t, const CheckpointIndex& index,
+                            const std::string& path, CheckpointTensor* out) {
+  auto bad = [&](const std::string& m) { return bad_index(path, m); };
+  const std::string at = absl::StrCat("tensor '", name, "'");
+  CheckpointTensor& ct = *out;
+  ct.name = name;
+  if (!t.is_object()) return bad(at + " is not an object");
+  if (auto pl = t.find("placement"); pl != t.end() && pl->is_string()) ct.placement = pl->get<std::string>();
+  auto shape = t.find("shape");
+  if (shape == t.end() || !shape->is_array()) return bad(at + ": \"shape\" must be an array");
+  int64_t numel = 1;  // with overflow checks: the file is untrusted
+  for (const json& d : *shape) {
+    if (!d.is_number_integer() || d.get<int64_t>() < 0) return bad(at + ": \"shape\" holds a non-size");
+    ct.shape.push_back(d.get<int64_t>());
+    if (__builtin_mul_overflow(numel, ct.shape.back(), &numel)) return bad(at + ": \"shape\" overflows");
+  }
+  auto dt = t.find("dtype");
+  std::optional<DType> dtype =
+      dt != t.end() && dt->is_string() ? dtype_from_name(dt->get<std::string>()) : std::nullopt;
+  if (!dtype) return bad(at + ": \"dtype\" is missing or unknown");
+  ct.dtype = *dtype;
+  auto pieces = t.find("pieces");
+  if (pieces == t.end() || !pieces->is_array()) return bad(at + ": \"pieces\" must be an array");
+  int64_t covered = 0;
+  for (const json& p : *pieces) {
+    CheckpointPiece cp;
+    if (auto s = checked_piece(p, ct, index, at, path, &cp); !s.ok()) return s;
+    const Region& r = cp.region;
+    // Exactly once: no two pieces share an element, and together they hold
+    // as many as the tensor has. Pieces of one box (a region split at
+    // max_piece_bytes) compare runs; others their common elements.
+    for (const CheckpointPiece& q : ct.pieces) {
+      const Region& o = q.region;
+      const bool shared = o.box == r.box ? std::max(o.begin, r.begin) < std::min(o.begin + o.numel, r.begin + r.numel)
+                                         : r.numel > 0 && o.numel > 0 && overlap(ct.shape, o, r) > 0;
+      if (shared)
+        return bad(absl::StrCat(at, ": pieces overlap: ", o.to_string(), " in '", q.file, "' and ", r.to_string(),
+                                " in '", cp.file, "' (each element must be in exactly one piece)"));
+    }
+    covered += r.numel;
+    ct.pieces.push_back(std::move(cp));
+  }
+  if (covered != numel) return bad(absl::StrCat(at, ": the pieces cover ", covered, " of its ", numel, " elements"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+namespace sharded_internal {
+
+std::string hex64(uint64_t v) {
+  char b[20];
+  std::snprintf(b, sizeof b, "%016llx", static_cast<unsigned long long>(v));
+  return b;
+}
+
+absl::Status checked_index(const json& j, const std::string& path, CheckpointIndex* out) {
+  if (auto s = checked_header(j, path, out); !s.ok()) return s;
   auto tensors = j.find("tensors");
-  if (tensors == j.end() || !tensors->is_object()) return bad("\"tensors\" must be an object");
-  auto integer = [](const json& o, const char* k, int64_t* x) {
-    auto it = o.find(k);
-    if (it == o.end() || !it->is_number_integer() || it->get<int64_t>() < 0) return false;
-    *x = it->get<int64_t>();
-    return true;
-  };
+  if (tensors == j.end() || !tensors->is_object()) return bad_index(path, "\"tensors\" must be an object");
   for (const auto& [name, t] : tensors->items()) {
-    const std::string at = absl::StrCat("tensor '", name, "'");
     CheckpointTensor ct;
-    ct.name = name;
-    if (!t.is_object()) return bad(at + " is not an object");
-    if (auto pl = t.find("placement"); pl != t.end() && pl->is_string()) ct.placement = pl->get<std::string>();
-    auto shape = t.find("shape");
-    if (shape == t.end() || !shape->is_array()) return bad(at + ": \"shape\" must be an array");
-    int64_t numel = 1;  // with overflow checks: the file is untrusted
-    for (const json& d : *shape) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0) return bad(at + ": \"shape\" holds a non-size");
-      ct.shape.push_back(d.get<int64_t>());
-      if (__builtin_mul_overflow(numel, ct.shape.back(), &numel)) return bad(at + ": \"shape\" overflows");
-    }
-    auto dt = t.find("dtype");
-    std::optional<DType> dtype = dt != t.end() && dt->is_string() ? dtype_from_name(dt->get<std::string>()) : std::nullopt;
-    if (!dtype) return bad(at + ": \"dtype\" is missing or unknown");
-    ct.dtype = *dtype;
-    const int64_t es = static_cast<int64_t>(dtype_size(ct.dtype));
-    auto pieces = t.find("pieces");
-    if (pieces == t.end() || !pieces->is_array()) return bad(at + ": \"pieces\" must be an array");
-    auto ints = [](const json& o, const char* k, size_t n, Shape* x) {
-      auto it = o.find(k);
-      if (it == o.end() || !it->is_array() || it->size() != n) return false;
-      for (const json& e : *it) {
-        if (!e.is_number_integer() || e.get<int64_t>() < 0) return false;
-        x->push_back(e.get<int64_t>());
-      }
-      return true;
-    };
-    int64_t covered = 0;
-    for (const json& p : *pieces) {
-      CheckpointPiece cp;
-      int64_t b = 0, e = 0;
-      auto file = p.is_object() ? p.find("file") : p.end();
-      auto bytes = p.is_object() ? p.find("bytes") : p.end();
-      auto hash = p.is_object() ? p.find("xxh64") : p.end();
-      Region& r = cp.region;
-      const bool placed = p.is_object() &&
-                          (v1 ? integer(p, "offset", &r.begin)
-                              : ints(p, "offsets", ct.shape.size(), &r.box.offsets) &&
-                                    ints(p, "sizes", ct.shape.size(), &r.box.lengths) && integer(p, "begin", &r.begin));
-      if (v1) r.box = whole_box(ct.shape);
-      if (file == p.end() || !file->is_string() || !placed || !integer(p, "numel", &r.numel) || bytes == p.end() ||
-          !bytes->is_array() || bytes->size() != 2 || !(*bytes)[0].is_number_integer() ||
-          !(*bytes)[1].is_number_integer() || hash == p.end() || !hash->is_string() ||
-          hash->get<std::string>().size() != 16)
-        return bad(
-            at +
-            (v1 ? ": a piece needs \"file\", \"offset\", \"numel\", \"bytes\" [begin, end] and a 16-digit \"xxh64\""
-                : ": a piece needs \"file\", \"offsets\" and \"sizes\" (one per dimension), \"begin\", "
-                  "\"numel\", \"bytes\" [begin, end] and a 16-digit \"xxh64\""));
-      cp.file = file->get<std::string>();
-      try {  // inside the tensor, the run inside its box (untrusted numbers: checked before any use)
-        for (size_t d = 0; d < ct.shape.size(); ++d)
-          if (r.box.offsets[d] > ct.shape[d] || r.box.lengths[d] > ct.shape[d] - r.box.offsets[d])
-            throw Error("outside");
-        int64_t box_numel = 1;
-        for (int64_t l : r.box.lengths)
-          if (__builtin_mul_overflow(box_numel, l, &box_numel)) throw Error("overflow");
-        if (r.begin > box_numel || r.numel > box_numel - r.begin) throw Error("outside");
-      } catch (const Error&) {
-        return bad(absl::StrCat(at, ": piece ", r.to_string(), " lies outside the tensor ", shape_str(ct.shape)));
-      }
-      if (std::find(out->files.begin(), out->files.end(), cp.file) == out->files.end())
-        return bad(
-            absl::StrCat(at, ": piece ", r.to_string(), " is in '", cp.file, "', which \"files\" does not list"));
-      b = (*bytes)[0].get<int64_t>(), e = (*bytes)[1].get<int64_t>();
-      int64_t nbytes = 0;
-      if (b < 0 || e < b || __builtin_mul_overflow(r.numel, es, &nbytes) || e - b != nbytes)
-        return bad(
-            absl::StrCat(at, ": piece ", r.to_string(), " has ", r.numel, " elements but bytes [", b, ", ", e, ")"));
-      cp.byte_begin = b, cp.byte_end = e;
-      try {
-        cp.xxh64 = std::stoull(hash->get<std::string>(), nullptr, 16);
-      } catch (...) {
-        return bad(at + ": \"xxh64\" is not hexadecimal");
-      }
-      // Exactly once: no two pieces share an element, and together they hold
-      // as many as the tensor has. Pieces of one box (a region split at
-      // max_piece_bytes) compare runs; others their common elements.
-      for (const CheckpointPiece& q : ct.pieces) {
-        const Region& o = q.region;
-        const bool shared = o.box == r.box ? std::max(o.begin, r.begin) < std::min(o.begin + o.numel, r.begin + r.numel)
-                                           : r.numel > 0 && o.numel > 0 && overlap(ct.shape, o, r) > 0;
-        if (shared)
-          return bad(absl::StrCat(at, ": pieces overlap: ", o.to_string(), " in '", q.file, "' and ", r.to_string(),
-                                  " in '", cp.file, "' (each element must be in exactly one piece)"));
-      }
-      covered += r.numel;
-      ct.pieces.push_back(std::move(cp));
-    }
-    if (covered != numel) return bad(absl::StrCat(at, ": the pieces cover ", covered, " of its ", numel, " elements"));
+    if (auto s = checked_tensor(name, t, *out, path, &ct); !s.ok()) return s;
     out->tensors.push_back(std::move(ct));
   }
   std::sort(out->tensors.begin(), out->tensors.end(),
@@ -378,137 +412,137 @@ absl::StatusOr<Tensor> read_checkpoint_tensor(const std::string& dir, const Chec
   if (auto s = reader.read_region(t, whole_region(t.shape), out); !s.ok()) return s;
   return out;
 }
+namespace {
+
+// What a load has read and checked before it changes anything: every
+// rank reads everything first, and changes its state only once all agree.
+struct StagedLoad {
+  std::optional<TrainerFile> trainer;
+  Tensor rng;                                           // this rank's generator, when the world size is the saver's
+  std::vector<std::pair<Tensor, Tensor>> model_copies;  // (destination, staged)
+  std::vector<std::function<void()>> before_load;       // the shard specs' hooks
+  optim::OptimizerStateDict opt_sd;
+};
+
+// The model's entries: every one, whole shape and dtype as the model has
+// them, the pieces this rank holds staged; no tensor the model lacks on
+// every rank. Returns the error, or "".
+std::string stage_model(const CheckpointIndex& index, const ModelLayout& L, PieceReader& reader,
+                        const std::string& index_path, StagedLoad& out) {
+  const std::string saved_by = absl::StrCat(" (saved by ", index.world_size, " rank(s), ", index.layout, ")");
+  for (const auto& [name, p] : L.by_name) {
+    const CheckpointTensor* src = index.find(name);
+    if (!src) return absl::StrCat(index_path, ": no tensor '", name, "' (the model has it)", saved_by);
+    if (src->shape != p.shape || src->dtype != p.local.dtype())
+      return absl::StrCat(index_path, ": tensor '", name, "' is ", shape_str(src->shape), " ", dtype_name(src->dtype),
+                          " in the checkpoint, ", shape_str(p.shape), " ", dtype_name(p.local.dtype()),
+                          " in the model");
+    if (!p.holds) continue;
+    Tensor staged;
+    if (auto s = reader.read_regions(*src, p.regions, staged); !s.ok()) return std::string(s.message());
+    out.model_copies.push_back({p.local, staged});
+  }
+  for (const CheckpointTensor& t2 : index.tensors)
+    if (t2.name.rfind(kOptimPrefix, 0) != 0 && t2.name.rfind(kRngPrefix, 0) != 0 && !L.anywhere.count(t2.name))
+      return absl::StrCat(index_path, ": unexpected tensor '", t2.name, "' (the model has no such entry on any rank)");
+  return "";
+}
+
+// The optimizer: the saved groups (names included) with each parameter's
+// state read for the piece of the parameter this rank holds. Returns the
+// error, or "".
+std::string stage_optimizer(const CheckpointIndex& index, const ModelLayout& L, PieceReader& reader,
+                            const std::string& dir, const std::string& index_path, nn::Module& model,
+                            optim::Optimizer& optimizer, StagedLoad& out) {
+  // parameter name -> (state name, its tensor)
+  std::map<std::string, std::vector<std::pair<std::string, const CheckpointTensor*>>> state_of;
+  for (const CheckpointTensor& t2 : index.tensors)
+    if (std::string param, state; split_optim_name(t2.name, &param, &state)) state_of[param].push_back({state, &t2});
+  optim::OptimizerStateDict& opt_sd = out.opt_sd;
+  opt_sd = *out.trainer->optimizer_groups;
+  // This rank's optimizer may hold other parameters than rank 0's did
+  // (pipeline stages): the saved groups' options, this rank's params.
+  {
+    optim::OptimizerStateDict mine = optimizer.groups_dict();
+    optim::name_parameters(mine, optimizer, model.named_parameters());
+    if (mine.param_groups.size() != opt_sd.param_groups.size())
+      return absl::StrCat(dir, "/", kTrainerFile, ": the checkpoint's optimizer has ", opt_sd.param_groups.size(),
+                          " parameter group(s), this one ", mine.param_groups.size());
+    for (size_t gi = 0; gi < mine.param_groups.size(); ++gi) {
+      if (opt_sd.param_groups[gi].param_names.size() != opt_sd.param_groups[gi].params.size()) continue;
+      opt_sd.param_groups[gi].params = mine.param_groups[gi].params;
+      opt_sd.param_groups[gi].param_names = mine.param_groups[gi].param_names;
+    }
+  }
+  for (const auto& g : opt_sd.param_groups) {
+    if (g.param_names.size() != g.params.size())
+      return absl::StrCat(dir, "/", kTrainerFile, ": the optimizer groups carry no parameter names");
+    for (size_t k = 0; k < g.params.size(); ++k) {
+      auto pl = L.by_name.find(g.param_names[k]);
+      if (pl == L.by_name.end())
+        return absl::StrCat(dir, "/", kTrainerFile, ": the optimizer's parameter '", g.param_names[k],
+                            "' is not in the model");
+      const Place& p = pl->second;
+      for (const auto& [sname, st] : state_of[p.name]) {
+        Tensor staged;
+        absl::Status s;
+        if (st->shape.empty()) {
+          staged = Tensor::empty({}, {st->dtype, kCPU});
+          s = reader.read_region(*st, whole_region({}), staged);
+        } else if (st->shape != p.shape) {
+          s = absl::InvalidArgumentError(absl::StrCat(index_path, ": optimizer state '", st->name, "' is ",
+                                                      shape_str(st->shape), ", its parameter ", shape_str(p.shape)));
+        } else {
+          staged = Tensor::empty({0}, {st->dtype, kCPU});
+          if (p.holds) s = reader.read_regions(*st, p.regions, staged);
+          if (s.ok()) staged = staged.view(p.local.sizes()).to(p.local.device());
+        }
+        if (!s.ok()) return std::string(s.message());
+        opt_sd.state.push_back({absl::StrCat("state.", g.params[k], ".", sname), staged});
+      }
+    }
+  }
+  return "";
+}
+
+// Reads and checks everything this rank needs into `out`, changing
+// nothing. Returns the error, or "".
+std::string stage_load(const std::string& dir, nn::Module& model, optim::Optimizer* optimizer,
+                       optim::LRScheduler* scheduler, ProcessGroup& pg, StagedLoad& out) {
+  const std::string index_path = dir + "/" + kIndexFile;
+  auto index = read_checkpoint_index(dir);
+  if (!index.ok()) return std::string(index.status().message());
+  auto t = read_trainer_file(dir + "/" + kTrainerFile, optimizer, scheduler);
+  if (!t.ok()) return std::string(t.status().message());
+  out.trainer = std::move(*t);
+  const ModelLayout L = model_layout(model, pg);
+  for (const auto& [name, p] : L.by_name)
+    if (p.before_load) out.before_load.push_back(p.before_load);
+  PieceReader reader(dir);
+  if (const CheckpointTensor* g = index->find(kRngPrefix + std::to_string(pg.rank()));
+      g && index->world_size == pg.size() && g->dtype == DType::Int64 && g->shape == Shape{2}) {
+    out.rng = Tensor::empty({2}, DType::Int64);
+    if (auto s = reader.read_region(*g, whole_region(g->shape), out.rng); !s.ok()) return std::string(s.message());
+  }
+  if (std::string error = stage_model(*index, L, reader, index_path, out); !error.empty()) return error;
+  if (!optimizer) return "";
+  return stage_optimizer(*index, L, reader, dir, index_path, model, *optimizer, out);
+}
+
+}  // namespace
+
 absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in, nn::Module& model,
                                                       optim::Optimizer* optimizer, optim::LRScheduler* scheduler,
                                                       ProcessGroup& pg) {
   profiler::Scope prof(profiler::Kind::Checkpoint, "load_sharded_checkpoint");
   const std::string dir = normalize_dir(dir_in);
-  const std::string index_path = dir + "/" + kIndexFile;
   NoGradGuard no_grad;
   try {
     // 1. Read and check everything this rank needs.
     std::string error;
-    std::optional<TrainerFile> trainer;
-    Tensor rng;  // this rank's generator, when the world size is the saver's
-    std::vector<std::pair<Tensor, Tensor>> model_copies;  // (destination, staged)
-    std::vector<std::function<void()>> before_load;       // the shard specs' hooks
-    optim::OptimizerStateDict opt_sd;
+    StagedLoad staged;
     try {
-    do {
-      auto index = read_checkpoint_index(dir);
-      if (!index.ok()) {
-        error = std::string(index.status().message());
-        break;
-      }
-      auto t = read_trainer_file(dir + "/" + kTrainerFile, optimizer, scheduler);
-      if (!t.ok()) {
-        error = std::string(t.status().message());
-        break;
-      }
-      trainer = std::move(*t);
-      const ModelLayout L = model_layout(model, pg);
-      for (const auto& [name, p] : L.by_name)
-        if (p.before_load) before_load.push_back(p.before_load);
-      PieceReader reader(dir);
-      if (const CheckpointTensor* g = index->find(kRngPrefix + std::to_string(pg.rank()));
-          g && index->world_size == pg.size() && g->dtype == DType::Int64 && g->shape == Shape{2}) {
-        rng = Tensor::empty({2}, DType::Int64);
-        if (auto s = reader.read_region(*g, whole_region(g->shape), rng); !s.ok()) {
-          error = std::string(s.message());
-          break;
-        }
-      }
-      const std::string saved_by = absl::StrCat(" (saved by ", index->world_size, " rank(s), ", index->layout, ")");
-      // Model: every entry, whole shape and dtype as the model has them.
-      for (const auto& [name, p] : L.by_name) {
-        const CheckpointTensor* src = index->find(name);
-        if (!src) {
-          error = absl::StrCat(index_path, ": no tensor '", name, "' (the model has it)", saved_by);
-          break;
-        }
-        if (src->shape != p.shape || src->dtype != p.local.dtype()) {
-          error = absl::StrCat(index_path, ": tensor '", name, "' is ", shape_str(src->shape), " ",
-                               dtype_name(src->dtype), " in the checkpoint, ", shape_str(p.shape), " ",
-                               dtype_name(p.local.dtype()), " in the model");
-          break;
-        }
-        if (!p.holds) continue;
-        Tensor staged;
-        if (auto s = reader.read_regions(*src, p.regions, staged); !s.ok()) {
-          error = std::string(s.message());
-          break;
-        }
-        model_copies.push_back({p.local, staged});
-      }
-      if (!error.empty()) break;
-      for (const CheckpointTensor& t2 : index->tensors)
-        if (t2.name.rfind(kOptimPrefix, 0) != 0 && t2.name.rfind(kRngPrefix, 0) != 0 && !L.anywhere.count(t2.name)) {
-          error =
-              absl::StrCat(index_path, ": unexpected tensor '", t2.name, "' (the model has no such entry on any rank)");
-          break;
-        }
-      if (!error.empty() || !optimizer) break;
-      // Optimizer: the saved groups (names included) with each parameter's
-      // state read for the piece of the parameter this rank holds.
-      // parameter name -> (state name, its tensor)
-      std::map<std::string, std::vector<std::pair<std::string, const CheckpointTensor*>>> state_of;
-      for (const CheckpointTensor& t2 : index->tensors)
-        if (std::string param, state; split_optim_name(t2.name, &param, &state))
-          state_of[param].push_back({state, &t2});
-      opt_sd = *trainer->optimizer_groups;
-      // This rank's optimizer may hold other parameters than rank 0's did
-      // (pipeline stages): the saved groups' options, this rank's params.
-      {
-        optim::OptimizerStateDict mine = optimizer->groups_dict();
-        optim::name_parameters(mine, *optimizer, model.named_parameters());
-        if (mine.param_groups.size() != opt_sd.param_groups.size()) {
-          error = absl::StrCat(dir, "/", kTrainerFile, ": the checkpoint's optimizer has ", opt_sd.param_groups.size(),
-                               " parameter group(s), this one ", mine.param_groups.size());
-          break;
-        }
-        for (size_t gi = 0; gi < mine.param_groups.size(); ++gi) {
-          if (opt_sd.param_groups[gi].param_names.size() != opt_sd.param_groups[gi].params.size()) continue;
-          opt_sd.param_groups[gi].params = mine.param_groups[gi].params;
-          opt_sd.param_groups[gi].param_names = mine.param_groups[gi].param_names;
-        }
-      }
-      for (const auto& g : opt_sd.param_groups) {
-        if (g.param_names.size() != g.params.size()) {
-          error = absl::StrCat(dir, "/", kTrainerFile, ": the optimizer groups carry no parameter names");
-          break;
-        }
-        for (size_t k = 0; k < g.params.size() && error.empty(); ++k) {
-          auto pl = L.by_name.find(g.param_names[k]);
-          if (pl == L.by_name.end()) {
-            error = absl::StrCat(dir, "/", kTrainerFile, ": the optimizer's parameter '", g.param_names[k],
-                                 "' is not in the model");
-            break;
-          }
-          const Place& p = pl->second;
-          for (const auto& [sname, st] : state_of[p.name]) {
-            Tensor staged;
-            absl::Status s;
-            if (st->shape.empty()) {
-              staged = Tensor::empty({}, {st->dtype, kCPU});
-              s = reader.read_region(*st, whole_region({}), staged);
-            } else if (st->shape != p.shape) {
-              s = absl::InvalidArgumentError(absl::StrCat(index_path, ": optimizer state '", st->name, "' is ",
-                                                          shape_str(st->shape), ", its parameter ", shape_str(p.shape)));
-            } else {
-              staged = Tensor::empty({0}, {st->dtype, kCPU});
-              if (p.holds) s = reader.read_regions(*st, p.regions, staged);
-              if (s.ok()) staged = staged.view(p.local.sizes()).to(p.local.device());
-            }
-            if (!s.ok()) {
-              error = std::string(s.message());
-              break;
-            }
-            opt_sd.state.push_back({absl::StrCat("state.", g.params[k], ".", sname), staged});
-          }
-        }
-        if (!error.empty()) break;
-      }
-    } while (false);
+      error = stage_load(dir, model, optimizer, scheduler, pg, staged);
     } catch (const std::exception& e) {  // reaches the agreement below all the same
       error = e.what();
     }
@@ -518,24 +552,24 @@ absl::StatusOr<TrainingState> load_sharded_checkpoint(const std::string& dir_in,
       return absl::InvalidArgumentError(absl::StrCat("load_sharded_checkpoint '", dir, "': ", failed));
     // Owners drop what they derived from the old values (FSDP's gathered
     // parameters) before anything changes, so the optimizer sees shards.
-    for (const auto& f : before_load) f();
+    for (const auto& f : staged.before_load) f();
     if (optimizer) {
       try {
-        optimizer->load_state_dict(optim::match_by_name(opt_sd, *optimizer, model.named_parameters()));
+        optimizer->load_state_dict(optim::match_by_name(staged.opt_sd, *optimizer, model.named_parameters()));
       } catch (const Error& e) {
         return absl::InvalidArgumentError(absl::StrCat("load_sharded_checkpoint '", dir, "': optimizer: ", e.what()));
       }
     }
-    for (auto& [dst, staged] : model_copies) {
+    for (auto& [dst, copy] : staged.model_copies) {
       Tensor d = dst;
-      d.copy_(staged.view(dst.sizes()));
+      d.copy_(copy.view(dst.sizes()));
     }
-    apply_trainer_file(*trainer, scheduler);  // rank 0's generator, from trainer.json
-    if (rng.defined()) {
-      default_generator().manual_seed(static_cast<uint64_t>(rng.data<int64_t>()[0]));
-      default_generator().set_offset(static_cast<uint64_t>(rng.data<int64_t>()[1]));
+    apply_trainer_file(*staged.trainer, scheduler);  // rank 0's generator, from trainer.json
+    if (staged.rng.defined()) {
+      default_generator().manual_seed(static_cast<uint64_t>(staged.rng.data<int64_t>()[0]));
+      default_generator().set_offset(static_cast<uint64_t>(staged.rng.data<int64_t>()[1]));
     }
-    return trainer->state;
+    return staged.trainer->state;
   } catch (const Error& e) {
     return absl::InternalError(absl::StrCat("load_sharded_checkpoint '", dir, "': ", e.what()));
   }

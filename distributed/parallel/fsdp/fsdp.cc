@@ -147,15 +147,9 @@ void check_same_structure(ProcessGroup& pg, const Unit& u, const FlatBuffer& lay
   EMBER_CHECK(false, msg.str());
 }
 
-}  // namespace
-
-std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& module, const FSDPOptions& options) {
-  EMBER_CHECK(module != nullptr, "fully_shard: module is null");
-  const std::string who = "fully_shard(" + module->type_name() + ")";
-  EMBER_CHECK(unit_of(module.get()) == nullptr, who, ": this module is already wrapped");
-  EMBER_CHECK(options.prefetch_limit >= 0, who, ": prefetch_limit must be at least 0, got ", options.prefetch_limit);
-  Groups groups = resolve_groups(options, who);
-
+// A new unit's settings: the options and the mesh's groups.
+std::shared_ptr<Unit> new_unit(const std::shared_ptr<nn::Module>& module, const FSDPOptions& options,
+                               const Groups& groups) {
   auto u = std::make_shared<Unit>();
   u->module = module.get();
   u->type = module->type_name();
@@ -172,9 +166,13 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
   u->prefetch_limit = options.prefetch_limit;
   u->cast_inputs = options.mp_policy.cast_forward_inputs;
   u->output_dtype = options.mp_policy.output_dtype;
+  return u;
+}
 
-  // The parameters no inner unit holds, under their names in this module.
-  // One an enclosing unit holds means the wrapping went top-down.
+// The parameters no inner unit holds, under their names in this module.
+// One an enclosing unit holds means the wrapping went top-down.
+std::vector<std::pair<std::string, Tensor>> own_parameters(const std::shared_ptr<nn::Module>& module,
+                                                           const std::string& who) {
   std::unordered_set<const TensorImpl*> inner;
   for (auto& [n, m] : module->named_modules())
     if (auto iu = unit_of(m))
@@ -194,7 +192,14 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
       if (auto inner = unit_of(m); inner && inner->is_root)
         EMBER_CHECK(false, who, ": inner unit '", n,
                     "' already ran as a root; wrap every unit before the first forward");
+  return named;
+}
 
+// Takes the parameters into the unit, checked to share one floating dtype
+// and device (the groups' device), and sets the compute and reduce dtypes
+// from the mixed-precision policy. Returns the parameters' (master) dtype.
+DType adopt_parameters(Unit& unit, const std::vector<std::pair<std::string, Tensor>>& named, const Groups& groups,
+                       const FSDPOptions& options, const std::string& who) {
   DType master = DType::Float32;
   Device device = kCPU;
   for (size_t i = 0; i < named.size(); ++i) {
@@ -208,19 +213,29 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
                   " on ", p.device(), " but '", named[0].first, "' is ", master, " on ", device,
                   "; a unit's parameters share one dtype and device (move the module with to() before wrapping)");
     }
-    u->names.push_back(named[i].first);
-    u->params.push_back(p);
-    u->trainable.push_back(p.requires_grad());
+    unit.names.push_back(named[i].first);
+    unit.params.push_back(p);
+    unit.trainable.push_back(p.requires_grad());
   }
   for (auto* g : {groups.shard.get(), groups.replicate.get()})
     if (g)
       EMBER_CHECK(g->device().type == device.type, who, ": the parameters are on ", device, " but the ",
                   g->backend_name(), " group works on ", g->device(), "; move the module first");
-  u->device = device;
-  u->compute_dtype = options.mp_policy.param_dtype.value_or(master);
-  u->reduce_dtype = options.mp_policy.reduce_dtype.value_or(u->compute_dtype);
-  EMBER_CHECK(is_floating(u->compute_dtype) && is_floating(u->reduce_dtype), who,
+  unit.device = device;
+  unit.compute_dtype = options.mp_policy.param_dtype.value_or(master);
+  unit.reduce_dtype = options.mp_policy.reduce_dtype.value_or(unit.compute_dtype);
+  EMBER_CHECK(is_floating(unit.compute_dtype) && is_floating(unit.reduce_dtype), who,
               ": param_dtype and reduce_dtype must be floating");
+  return master;
+}
+
+// The unit's flat layout and this rank's shard of it, loaded from the
+// parameters (rank 0's with sync_module_states), checked to be the same
+// unit on every rank.
+void lay_out_shards(const std::shared_ptr<Unit>& u, nn::Module& module,
+                    const std::vector<std::pair<std::string, Tensor>>& named, const Groups& groups,
+                    const FSDPOptions& options, DType master) {
+  const Device device = u->device;
   const bool offload = options.offload_policy.offload_params;
   const Device shard_device = offload ? kCPU : device;
 
@@ -239,7 +254,7 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
     for (auto* g : {groups.shard.get(), groups.replicate.get()}) {
       if (!g) continue;
       if (init.padded_numel() > 0) g->broadcast(init.flat(), 0)->wait();
-      for (auto& [n, b] : module->named_buffers())
+      for (auto& [n, b] : module.named_buffers())
         if (b.defined() && b.numel() > 0) g->broadcast(b, 0)->wait();
     }
   }
@@ -256,17 +271,11 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
     u->layout.release();
   }
   u->pieces = u->layout.pieces(u->shard_rank);
-  for (size_t i = 0; i < u->params.size(); ++i) {
-    u->params[i].set_grad(Tensor());
-    u->params[i].set_data(u->shard_view(u->shard, i));  // Note [set_data keeps identity]
-  }
-  attach_shard_specs(u);
-  u->state = Unit::State::SHARDED;
-  u->seen_shard.assign(u->params.size(), false);
-  u->seen_unsharded.assign(u->params.size(), false);
+}
 
-  module->set_transform_state(kStateKey, u);
-
+// The gradient hooks on the parameters and the forward/backward hooks on
+// the module that drive the unit's state machine (fsdp_unit.cc).
+void register_hooks(const std::shared_ptr<Unit>& u, nn::Module& module) {
   std::weak_ptr<Unit> weak = u;
   for (size_t i = 0; i < u->params.size(); ++i)
     if (u->trainable[i]) {
@@ -283,14 +292,40 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
       });
     }
   // The hooks own the unit: it lives as long as the module does.
-  u->hooks.push_back(
-      module->register_forward_pre_hook([u](nn::Module&, const Tensor& x) { return u->pre_forward(x); }));
-  u->hooks.push_back(module->register_forward_hook(
+  u->hooks.push_back(module.register_forward_pre_hook([u](nn::Module&, const Tensor& x) { return u->pre_forward(x); }));
+  u->hooks.push_back(module.register_forward_hook(
       [u](nn::Module&, const Tensor&, const Tensor& out) { return u->post_forward(out); }));
-  u->hooks.push_back(module->register_full_backward_pre_hook([u](nn::Module&, const Tensor&) {
+  u->hooks.push_back(module.register_full_backward_pre_hook([u](nn::Module&, const Tensor&) {
     u->pre_backward();
     return Tensor();
   }));
+}
+
+}  // namespace
+
+std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& module, const FSDPOptions& options) {
+  EMBER_CHECK(module != nullptr, "fully_shard: module is null");
+  const std::string who = "fully_shard(" + module->type_name() + ")";
+  EMBER_CHECK(unit_of(module.get()) == nullptr, who, ": this module is already wrapped");
+  EMBER_CHECK(options.prefetch_limit >= 0, who, ": prefetch_limit must be at least 0, got ", options.prefetch_limit);
+  Groups groups = resolve_groups(options, who);
+
+  auto u = new_unit(module, options, groups);
+  const std::vector<std::pair<std::string, Tensor>> named = own_parameters(module, who);
+  const DType master = adopt_parameters(*u, named, groups, options, who);
+  lay_out_shards(u, *module, named, groups, options, master);
+  for (size_t i = 0; i < u->params.size(); ++i) {
+    u->params[i].set_grad(Tensor());
+    u->params[i].set_data(u->shard_view(u->shard, i));  // Note [set_data keeps identity]
+  }
+  attach_shard_specs(u);
+  u->state = Unit::State::SHARDED;
+  u->seen_shard.assign(u->params.size(), false);
+  u->seen_unsharded.assign(u->params.size(), false);
+
+  module->set_transform_state(kStateKey, u);
+
+  register_hooks(u, *module);
   return std::make_shared<FSDPModule>(u);
 }
 
