@@ -163,6 +163,75 @@ struct ReadyOrder {
   bool operator()(const Node* a, const Node* b) const { return a->sequence_nr < b->sequence_nr; }
 };
 
+// How many edges into each node come from the part of the graph this pass
+// runs (not into a deferred node, not past a node outside it): a node is
+// ready once that many gradients have reached it.
+template <typename Outside, typename Deferred>
+std::unordered_map<Node*, int> count_dependencies(Node* root, const Outside& outside, const Deferred& deferred) {
+  std::unordered_map<Node*, int> deps;
+  std::vector<Node*> stack{root};
+  std::unordered_set<Node*> seen{root};
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (auto& nx : n->next) {
+      if (!nx || deferred(nx.get())) continue;
+      ++deps[nx.get()];
+      if (seen.insert(nx.get()).second && !outside(nx.get())) stack.push_back(nx.get());
+    }
+  }
+  return deps;
+}
+
+// An interior node's step of the pass: its backward function on `g` (none
+// when `g` is undefined), returning its inputs' gradients, then its saved
+// state freed unless the graph is retained or a split asks it again.
+// `owner` holds the nodes run so far under a split.
+template <typename Deferred>
+std::vector<Tensor> run_node(Node* n, const Tensor& g, bool retain_graph, Split* split, const Deferred& deferred,
+                             const std::unordered_map<Node*, std::shared_ptr<Node>>& owner) {
+  std::vector<Tensor> grads;
+  EMBER_CHECK(!n->released, "backward: trying to backward through the graph a second time (node '", n->name,
+              "'); its saved tensors were freed by the first backward. Pass retain_graph=true to the first "
+              "backward if you need to run it twice");
+  // Under a split, a node with edges off the input path is asked for
+  // the others' gradients only, and asked again at run() where it
+  // returned none for an edge off the path (it skipped that GEMM).
+  std::vector<bool> wanted;
+  const auto off_path = [&](const std::shared_ptr<Node>& nx) { return nx && deferred(nx.get()); };
+  if (split != nullptr && std::any_of(n->next.begin(), n->next.end(), off_path))
+    for (const auto& nx : n->next) wanted.push_back(nx && !off_path(nx));
+  bool asked_again = false;
+  if (g.defined()) {
+    check_saved(*n);
+    {
+      GradWantedScope scope(wanted.empty() ? nullptr : &wanted);
+      grads = n->fn(g);
+    }
+    EMBER_INTERNAL_ASSERT(grads.size() == n->next.size(), "node '", n->name, "' returned ", grads.size(),
+                          " gradients for ", n->next.size(), " inputs");
+    if (!wanted.empty()) {
+      Split::Again again{owner.at(n), g, std::vector<bool>(n->next.size(), false)};
+      bool computed = false;
+      for (size_t i = 0; i < n->next.size(); ++i) {
+        if (!n->next[i] || wanted[i]) continue;
+        if (grads[i].defined())
+          split->ready.emplace_back(n->next[i], grads[i]), computed = true;
+        else
+          again.wanted[i] = asked_again = true;
+      }
+      if (asked_again) split->again.push_back(std::move(again));
+      split->unsplit += computed;
+    }
+  }
+  if (!retain_graph && !n->stateless && !asked_again) {
+    n->fn = nullptr;
+    n->released = true;
+    n->saved_versions.clear();
+  }
+  return grads;
+}
+
 // Runs the graph under `root` with `root_grad`. When `capture` is non-empty,
 // gradients reaching those nodes are stored there instead of accumulated.
 // first_seq > 0 confines the pass to the nodes recorded from first_seq on
@@ -176,19 +245,7 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
     return first_seq > 0 && n != root.get() && (n->leaf || n->sequence_nr < first_seq);
   };
   auto deferred = [&](Node* n) { return split != nullptr && split->reaching.count(n) == 0; };
-  // Count each node's incoming edges from the part of the graph we will run.
-  std::unordered_map<Node*, int> deps;
-  std::vector<Node*> stack{root.get()};
-  std::unordered_set<Node*> seen{root.get()};
-  while (!stack.empty()) {
-    Node* n = stack.back();
-    stack.pop_back();
-    for (auto& nx : n->next) {
-      if (!nx || deferred(nx.get())) continue;
-      ++deps[nx.get()];
-      if (seen.insert(nx.get()).second && !outside(nx.get())) stack.push_back(nx.get());
-    }
-  }
+  std::unordered_map<Node*, int> deps = count_dependencies(root.get(), outside, deferred);
   NoGradGuard no_grad;
   std::unordered_map<Node*, Tensor> buffer;
   buffer[root.get()] = std::move(root_grad);
@@ -235,44 +292,7 @@ void run_backward(const std::shared_ptr<Node>& root, Tensor root_grad, bool reta
       auto& slot = (*capture)[n];
       if (g.defined()) slot = slot.defined() ? slot + g : g;
     } else {
-      EMBER_CHECK(!n->released, "backward: trying to backward through the graph a second time (node '", n->name,
-                  "'); its saved tensors were freed by the first backward. Pass retain_graph=true to the first "
-                  "backward if you need to run it twice");
-      // Under a split, a node with edges off the input path is asked for
-      // the others' gradients only, and asked again at run() where it
-      // returned none for an edge off the path (it skipped that GEMM).
-      std::vector<bool> wanted;
-      const auto off_path = [&](const std::shared_ptr<Node>& nx) { return nx && deferred(nx.get()); };
-      if (split != nullptr && std::any_of(n->next.begin(), n->next.end(), off_path))
-        for (const auto& nx : n->next) wanted.push_back(nx && !off_path(nx));
-      bool asked_again = false;
-      if (g.defined()) {
-        check_saved(*n);
-        {
-          GradWantedScope scope(wanted.empty() ? nullptr : &wanted);
-          grads = n->fn(g);
-        }
-        EMBER_INTERNAL_ASSERT(grads.size() == n->next.size(), "node '", n->name, "' returned ", grads.size(),
-                              " gradients for ", n->next.size(), " inputs");
-        if (!wanted.empty()) {
-          Split::Again again{owner.at(n), g, std::vector<bool>(n->next.size(), false)};
-          bool computed = false;
-          for (size_t i = 0; i < n->next.size(); ++i) {
-            if (!n->next[i] || wanted[i]) continue;
-            if (grads[i].defined())
-              split->ready.emplace_back(n->next[i], grads[i]), computed = true;
-            else
-              again.wanted[i] = asked_again = true;
-          }
-          if (asked_again) split->again.push_back(std::move(again));
-          split->unsplit += computed;
-        }
-      }
-      if (!retain_graph && !n->stateless && !asked_again) {
-        n->fn = nullptr;
-        n->released = true;
-        n->saved_versions.clear();
-      }
+      grads = run_node(n, g, retain_graph, split, deferred, owner);
     }
     for (size_t i = 0; i < n->next.size(); ++i) {
       const auto& nx = n->next[i];

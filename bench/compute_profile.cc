@@ -95,78 +95,103 @@ Fit fit(const std::vector<Point>& pts) {
   std::exit(2);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+struct Args {
   std::string out;
   int reps = 7;
   int64_t vocab = 114, seq = 64;  // the fortunes' characters, //examples:gpt's context
+};
+
+Args parse_args(int argc, char** argv) {
+  Args args;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (i + 1 >= argc) usage(a + " needs a value");
     const std::string v = argv[++i];
     if (a == "--out")
-      out = v;
+      args.out = v;
     else if (a == "--reps")
-      reps = std::atoi(v.c_str());
+      args.reps = std::atoi(v.c_str());
     else if (a == "--vocab")
-      vocab = std::atoll(v.c_str());
+      args.vocab = std::atoll(v.c_str());
     else if (a == "--seq")
-      seq = std::atoll(v.c_str());
+      args.seq = std::atoll(v.c_str());
     else
       usage("unknown argument '" + a + "'");
   }
-  if (out.empty()) usage("--out is required");
-  if (reps < 3 || vocab < 2 || seq < 1) usage("--reps must be at least 3, --vocab 2, --seq 1");
-  omp_set_num_threads(1);
+  if (args.out.empty()) usage("--out is required");
+  if (args.reps < 3 || args.vocab < 2 || args.seq < 1) usage("--reps must be at least 3, --vocab 2, --seq 1");
+  return args;
+}
 
-  nlohmann::json raw = nlohmann::json::array();
-  std::vector<Point> block_pts, head_pts, opt_pts;
-  struct Shape {
-    int64_t dim, heads, batch;
-  };
-  std::vector<Shape> shapes;
+struct GptShape {
+  int64_t dim, heads, batch;
+};
+
+// One GPT of `layers` blocks on one micro-batch: the median forward +
+// backward and AdamW step times, and its parameter count.
+struct GptTiming {
+  double fwd_bwd_s = 0, step_s = 0;
+  int64_t params = 0;
+};
+
+GptTiming time_gpt(const Args& args, const GptShape& sh, int64_t layers) {
+  manual_seed(0);
+  auto model = std::make_shared<nn::GPT>(nn::GPTOptions{
+      .vocab_size = args.vocab, .block_size = args.seq, .n_layer = layers, .n_head = sh.heads, .n_embd = sh.dim});
+  optim::AdamW opt(model->parameters(), optim::AdamWOptions{.lr = 1e-3, .weight_decay = 0.01});
+  Tensor x = randint(0, args.vocab, {sh.batch, args.seq}), y = randint(0, args.vocab, {sh.batch, args.seq});
+  std::vector<double> fb, st;
+  for (int r = 0; r < args.reps + 2; ++r) {
+    opt.zero_grad();
+    const auto t0 = Clock::now();
+    Tensor loss = distributed::parallel_cross_entropy((*model)(x), y);
+    loss.backward();
+    const auto t1 = Clock::now();
+    opt.step();
+    const auto t2 = Clock::now();
+    if (r >= 2) {  // warm-up: the optimizer's state, the allocator's caches
+      fb.push_back(std::chrono::duration<double>(t1 - t0).count());
+      st.push_back(std::chrono::duration<double>(t2 - t1).count());
+    }
+  }
+  GptTiming out;
+  out.fwd_bwd_s = median(fb);
+  out.step_s = median(st);
+  for (const Tensor& p : model->parameters()) out.params += p.numel();
+  return out;
+}
+
+// The GPT's points: per shape, a block's time and FLOPs from the difference
+// of a 3-layer and a 1-layer model, the head's from the rest of the 1-layer
+// one, AdamW's step against the parameter count; each shape's row in `raw`.
+struct GptPoints {
+  std::vector<Point> block, head, opt;
+};
+
+GptPoints profile_gpt(const Args& args, nlohmann::json& raw) {
+  const int64_t vocab = args.vocab, seq = args.seq;
+  GptPoints pts;
+  std::vector<GptShape> shapes;
   for (int64_t dim : {32, 64, 128, 256})
     for (int64_t batch : {1, 4, 16}) shapes.push_back({dim, std::max<int64_t>(1, dim / 32), batch});
-  for (const Shape& sh : shapes) {
+  for (const GptShape& sh : shapes) {
     double t_layers[2] = {0, 0};
     int64_t block_params = 0, total_params[2] = {0, 0};
     double t_opt[2] = {0, 0};
     for (int which = 0; which < 2; ++which) {
-      const int64_t layers = which == 0 ? 1 : 3;
-      manual_seed(0);
-      auto model = std::make_shared<nn::GPT>(nn::GPTOptions{
-          .vocab_size = vocab, .block_size = seq, .n_layer = layers, .n_head = sh.heads, .n_embd = sh.dim});
-      optim::AdamW opt(model->parameters(), optim::AdamWOptions{.lr = 1e-3, .weight_decay = 0.01});
-      Tensor x = randint(0, vocab, {sh.batch, seq}), y = randint(0, vocab, {sh.batch, seq});
-      std::vector<double> fb, st;
-      for (int r = 0; r < reps + 2; ++r) {
-        opt.zero_grad();
-        const auto t0 = Clock::now();
-        Tensor loss = distributed::parallel_cross_entropy((*model)(x), y);
-        loss.backward();
-        const auto t1 = Clock::now();
-        opt.step();
-        const auto t2 = Clock::now();
-        if (r >= 2) {  // warm-up: the optimizer's state, the allocator's caches
-          fb.push_back(std::chrono::duration<double>(t1 - t0).count());
-          st.push_back(std::chrono::duration<double>(t2 - t1).count());
-        }
-      }
-      t_layers[which] = median(fb);
-      t_opt[which] = median(st);
-      int64_t n = 0;
-      for (const Tensor& p : model->parameters()) n += p.numel();
-      total_params[which] = n;
+      const GptTiming t = time_gpt(args, sh, which == 0 ? 1 : 3);
+      t_layers[which] = t.fwd_bwd_s;
+      t_opt[which] = t.step_s;
+      total_params[which] = t.params;
       if (which == 1) block_params = (total_params[1] - total_params[0]) / 2;
     }
     const double tokens = static_cast<double>(sh.batch) * seq;
     const double block_t = (t_layers[1] - t_layers[0]) / 2, head_t = t_layers[0] - block_t;
     const double block_flops = (6.0 * block_params + 12.0 * sh.dim * seq) * tokens;
     const double head_flops = 6.0 * vocab * sh.dim * tokens;
-    if (block_t > 0) block_pts.push_back({block_flops, block_t});
-    if (head_t > 0) head_pts.push_back({head_flops, head_t});
-    for (int w = 0; w < 2; ++w) opt_pts.push_back({static_cast<double>(total_params[w]), t_opt[w]});
+    if (block_t > 0) pts.block.push_back({block_flops, block_t});
+    if (head_t > 0) pts.head.push_back({head_flops, head_t});
+    for (int w = 0; w < 2; ++w) pts.opt.push_back({static_cast<double>(total_params[w]), t_opt[w]});
     raw.push_back({{"dim", sh.dim},
                    {"heads", sh.heads},
                    {"micro_batch", sh.batch},
@@ -186,42 +211,63 @@ int main(int argc, char** argv) {
                  static_cast<long long>(sh.dim), static_cast<long long>(sh.batch), block_t * 1e3, block_flops,
                  head_t * 1e3, t_opt[1] * 1e3);
   }
-  if (block_pts.size() < 3 || head_pts.size() < 3) {
+  return pts;
+}
+
+// The narrow ResNet-18 of //examples:resnet_ddp: forward + backward per
+// batch size (its rows in `raw`) and every Nesterov SGD step's time.
+struct ResnetPoints {
+  std::vector<Point> fwd_bwd;
+  std::vector<double> sgd;
+};
+
+ResnetPoints profile_resnet(const Args& args, nlohmann::json& raw) {
+  ResnetPoints pts;
+  manual_seed(0);
+  auto model = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = 16});
+  model->train();
+  optim::SGD opt(model->parameters(),
+                 optim::SGDOptions{.lr = 0.1, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true});
+  for (int64_t batch : {8, 16, 32, 64}) {
+    Tensor x = randn({batch, 1, 28, 28}), y = randint(0, 10, {batch});
+    std::vector<double> fb;
+    for (int r = 0; r < args.reps + 2; ++r) {
+      opt.zero_grad();
+      const auto t0 = Clock::now();
+      nn::functional::cross_entropy((*model)(x), y).backward();
+      const auto t1 = Clock::now();
+      opt.step();
+      const auto t2 = Clock::now();
+      if (r >= 2) {
+        fb.push_back(std::chrono::duration<double>(t1 - t0).count());
+        pts.sgd.push_back(std::chrono::duration<double>(t2 - t1).count());
+      }
+    }
+    pts.fwd_bwd.push_back({static_cast<double>(batch), median(fb)});
+    raw.push_back({{"model", "resnet18-narrow"}, {"micro_batch", batch}, {"fwd_bwd_s", median(fb)}});
+  }
+  return pts;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = parse_args(argc, argv);
+  const std::string& out = args.out;
+  omp_set_num_threads(1);
+
+  nlohmann::json raw = nlohmann::json::array();
+  const GptPoints gpt = profile_gpt(args, raw);
+  if (gpt.block.size() < 3 || gpt.head.size() < 3) {
     std::fprintf(stderr, "compute_profile: too few positive differences (%zu block, %zu head): a noisy machine?\n",
-                 block_pts.size(), head_pts.size());
+                 gpt.block.size(), gpt.head.size());
     return 1;
   }
-  const Fit b = fit(block_pts), h = fit(head_pts), o = fit(opt_pts);
+  const Fit b = fit(gpt.block), h = fit(gpt.head), o = fit(gpt.opt);
 
-  // The narrow ResNet-18 of //examples:resnet_ddp.
-  std::vector<Point> resnet_pts;
-  std::vector<double> sgd;
-  {
-    manual_seed(0);
-    auto model = nn::resnet18({.num_classes = 10, .in_channels = 1, .small_stem = true, .width = 16});
-    model->train();
-    optim::SGD opt(model->parameters(),
-                   optim::SGDOptions{.lr = 0.1, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true});
-    for (int64_t batch : {8, 16, 32, 64}) {
-      Tensor x = randn({batch, 1, 28, 28}), y = randint(0, 10, {batch});
-      std::vector<double> fb;
-      for (int r = 0; r < reps + 2; ++r) {
-        opt.zero_grad();
-        const auto t0 = Clock::now();
-        nn::functional::cross_entropy((*model)(x), y).backward();
-        const auto t1 = Clock::now();
-        opt.step();
-        const auto t2 = Clock::now();
-        if (r >= 2) {
-          fb.push_back(std::chrono::duration<double>(t1 - t0).count());
-          sgd.push_back(std::chrono::duration<double>(t2 - t1).count());
-        }
-      }
-      resnet_pts.push_back({static_cast<double>(batch), median(fb)});
-      raw.push_back({{"model", "resnet18-narrow"}, {"micro_batch", batch}, {"fwd_bwd_s", median(fb)}});
-    }
-  }
-  const Fit rn = fit(resnet_pts);
+  const ResnetPoints resnet = profile_resnet(args, raw);
+  const std::vector<double>& sgd = resnet.sgd;
+  const Fit rn = fit(resnet.fwd_bwd);
   nlohmann::json j = {
       {"about",
        "//bench:compute_profile: forward + backward of a GPT block and of the head as overhead_s + FLOPs / "

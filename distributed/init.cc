@@ -101,9 +101,9 @@ int tasks_on_node(const std::string& var, const std::string& text, int node) {
   return 0;
 }
 
-}  // namespace
-
-ResolvedEnv resolve_env(const InitOptions& o) {
+// The options' own ranges, checked before any variable is read: a bad
+// option is the caller's bug whatever the environment says.
+void check_options(const InitOptions& o) {
   EMBER_CHECK(o.rank >= -1, "InitOptions::rank=", o.rank, " is invalid: pass a rank >= 0, or -1 to take RANK or "
               "SLURM_PROCID from the environment");
   EMBER_CHECK(o.world_size == -1 || o.world_size >= 1, "InitOptions::world_size=", o.world_size,
@@ -114,27 +114,29 @@ ResolvedEnv resolve_env(const InitOptions& o) {
               " is not a port (0-65535), or -1 to take MASTER_PORT from the environment");
   EMBER_CHECK(o.timeout >= Millis{0}, "InitOptions::timeout=", o.timeout.count(),
               " ms is invalid: pass a positive timeout, or 0 to take EMBER_DIST_TIMEOUT_SEC or the default");
+}
 
-  // One launcher speaks for the process. torchrun's variables win when
-  // present: under `srun torchrun ...` SLURM's describe the launcher (one
-  // task per node), torchrun's the worker processes it spawned.
-  const bool torchrun = env("RANK") || env("WORLD_SIZE");
-  const bool slurm = !torchrun && env("SLURM_PROCID").has_value();
+// Which launcher speaks for the process.
+struct Launcher {
+  bool torchrun = false, slurm = false;
+};
 
-  ResolvedEnv r;
+// Rank and world size, and where they came from (r.source). Returns the
+// world size's field: later messages name the setting it came from.
+Field resolve_rank_and_world(const InitOptions& o, const Launcher& l, ResolvedEnv& r) {
   Field rank, world;
   if (o.rank >= 0) {
     rank = from_option(o.rank, "InitOptions::rank");
-  } else if (torchrun && env("RANK")) {
+  } else if (l.torchrun && env("RANK")) {
     rank = from_env("RANK");
-  } else if (slurm) {
+  } else if (l.slurm) {
     rank = from_env("SLURM_PROCID");
   }
   if (o.world_size >= 1) {
     world = from_option(o.world_size, "InitOptions::world_size");
-  } else if (torchrun && env("WORLD_SIZE")) {
+  } else if (l.torchrun && env("WORLD_SIZE")) {
     world = from_env("WORLD_SIZE");
-  } else if (slurm && env("SLURM_NTASKS")) {
+  } else if (l.slurm && env("SLURM_NTASKS")) {
     world = from_env("SLURM_NTASKS");
   }
 
@@ -150,7 +152,10 @@ ResolvedEnv resolve_env(const InitOptions& o) {
     if (!rank.known && world.value == 1) rank = from_option(0, "rank");
     EMBER_CHECK(rank.known, world.name, "=", world.value,
                 " is set but the rank is not: set RANK (torchrun) or SLURM_PROCID (srun), or pass InitOptions::rank");
-    r.source = o.rank >= 0 && o.world_size >= 1 ? "explicit" : torchrun ? "torchrun env" : slurm ? "slurm" : "explicit";
+    r.source = o.rank >= 0 && o.world_size >= 1 ? "explicit"
+               : l.torchrun                     ? "torchrun env"
+               : l.slurm                        ? "slurm"
+                                                : "explicit";
   }
   EMBER_CHECK(world.value >= 1, world.name, "=", world.value, " must be at least 1");
   EMBER_CHECK(rank.value >= 0, rank.name, "=", rank.value, " must be at least 0");
@@ -158,18 +163,22 @@ ResolvedEnv resolve_env(const InitOptions& o) {
   r.rank = rank.value;
   r.world_size = world.value;
   r.world_size_from = world.name;
+  return world;
+}
 
+// The local rank and the number of ranks on this node.
+void resolve_local(const InitOptions& o, const Launcher& l, const Field& world, ResolvedEnv& r) {
   Field local_rank, local_world;
   if (o.local_rank >= 0) {
     local_rank = from_option(o.local_rank, "InitOptions::local_rank");
   } else if (env("LOCAL_RANK")) {
     local_rank = from_env("LOCAL_RANK");
-  } else if (slurm && env("SLURM_LOCALID")) {
+  } else if (l.slurm && env("SLURM_LOCALID")) {
     local_rank = from_env("SLURM_LOCALID");
   }
   if (env("LOCAL_WORLD_SIZE")) {
     local_world = from_env("LOCAL_WORLD_SIZE");
-  } else if (slurm) {
+  } else if (l.slurm) {
     // --ntasks-per-node sets the first; srun always sets the second.
     for (const char* var : {"SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
       if (!env(var)) continue;
@@ -193,17 +202,20 @@ ResolvedEnv resolve_env(const InitOptions& o) {
     // Unknown: report the smallest size consistent with the local rank.
     r.local_world_size = r.local_rank + 1;
   }
+}
 
-  // The rendezvous address matters only when there is someone to meet and no
-  // store was handed to us.
-  const bool needs_rendezvous = r.world_size > 1 && o.store == nullptr;
+// Rank 0's store address and port. They matter only when `needs_rendezvous`
+// (someone to meet and no store handed to us): otherwise a missing one
+// takes a default instead of an error.
+void resolve_master(const InitOptions& o, const Launcher& l, const Field& world, bool needs_rendezvous,
+                    ResolvedEnv& r) {
   if (!o.master_addr.empty()) {
     r.master_addr = o.master_addr;
     r.master_addr_from = "InitOptions::master_addr";
   } else if (env("MASTER_ADDR")) {
     r.master_addr = *env("MASTER_ADDR");
     r.master_addr_from = "MASTER_ADDR";
-  } else if (slurm && (env("SLURM_JOB_NODELIST") || env("SLURM_NODELIST"))) {
+  } else if (l.slurm && (env("SLURM_JOB_NODELIST") || env("SLURM_NODELIST"))) {
     const char* var = env("SLURM_JOB_NODELIST") ? "SLURM_JOB_NODELIST" : "SLURM_NODELIST";
     r.master_addr = first_host(var, *env(var));
     r.master_addr_from = std::string("the first host of ") + var;
@@ -221,7 +233,7 @@ ResolvedEnv resolve_env(const InitOptions& o) {
   } else if (env("MASTER_PORT")) {
     port = from_env("MASTER_PORT");
     EMBER_CHECK(port.value >= 0 && port.value <= 65535, "MASTER_PORT=", port.value, " is not a port (0-65535)");
-  } else if (slurm) {
+  } else if (l.slurm) {
     // torchrun's and c10d's default port; srun exports none of its own.
     port = from_option(29500, "the default port");
   } else {
@@ -234,31 +246,39 @@ ResolvedEnv resolve_env(const InitOptions& o) {
               r.world_size, ": port 0 picks a free port that the other ranks cannot know");
   r.master_port = port.value;
   r.master_port_from = port.name;
+}
 
-  // Both timeouts: the option, else the variable (seconds), else the default.
-  auto resolve_timeout = [](Millis option, const char* option_name, const char* var, Millis fallback,
-                            Millis* out, std::string* from) {
-    if (option > Millis{0}) {
-      *out = option;
-      *from = option_name;
-    } else if (auto t = env(var)) {
-      double sec = 0;
-      auto [p, ec] = std::from_chars(t->data(), t->data() + t->size(), sec);
-      EMBER_CHECK(ec == std::errc() && p == t->data() + t->size() && sec > 0 && sec <= 7 * 24 * 3600, var, "=", *t,
-                  " is not a timeout: give seconds, a number > 0 (at most a week)");
-      *out = std::max(Millis{1}, Millis{static_cast<int64_t>(sec * 1000)});
-      *from = var;
-    } else {
-      *out = fallback;
-      *from = "the default";
-    }
-  };
+// One timeout: the option, else the variable (seconds), else the default.
+void resolve_timeout(Millis option, const char* option_name, const char* var, Millis fallback, Millis* out,
+                     std::string* from) {
+  if (option > Millis{0}) {
+    *out = option;
+    *from = option_name;
+  } else if (auto t = env(var)) {
+    double sec = 0;
+    auto [p, ec] = std::from_chars(t->data(), t->data() + t->size(), sec);
+    EMBER_CHECK(ec == std::errc() && p == t->data() + t->size() && sec > 0 && sec <= 7 * 24 * 3600, var, "=", *t,
+                " is not a timeout: give seconds, a number > 0 (at most a week)");
+    *out = std::max(Millis{1}, Millis{static_cast<int64_t>(sec * 1000)});
+    *from = var;
+  } else {
+    *out = fallback;
+    *from = "the default";
+  }
+}
+
+// The collectives' timeout and the rendezvous' (capped by the first).
+void resolve_timeouts(const InitOptions& o, ResolvedEnv& r) {
   EMBER_CHECK(o.rendezvous_timeout >= Millis{0}, "InitOptions::rendezvous_timeout=", o.rendezvous_timeout.count(),
               " ms is invalid: pass a positive timeout, or 0 to take EMBER_RDZV_TIMEOUT_SEC or the default");
   resolve_timeout(o.timeout, "InitOptions::timeout", "EMBER_DIST_TIMEOUT_SEC", kDefaultTimeout, &r.timeout,
                   &r.timeout_from);
   resolve_timeout(o.rendezvous_timeout, "InitOptions::rendezvous_timeout", "EMBER_RDZV_TIMEOUT_SEC",
                   std::min(r.timeout, kDefaultRendezvousTimeout), &r.rendezvous_timeout, &r.rendezvous_timeout_from);
+}
+
+// The store's settings that only the environment gives.
+void resolve_store_settings(ResolvedEnv& r) {
   if (auto t = env("EMBER_STORE_TOKEN")) r.store_token = *t;
   // torchrun's name: the launcher's agent hosts the store, not rank 0.
   if (auto a = env("TORCHELASTIC_USE_AGENT_STORE")) r.agent_store = *a == "True" || *a == "1";
@@ -266,6 +286,26 @@ ResolvedEnv resolve_env(const InitOptions& o) {
     EMBER_CHECK(*all == "0" || *all == "1", "EMBER_STORE_LISTEN_ALL=", *all, " must be 0 or 1");
     r.store_listen_all = *all == "1";
   }
+}
+
+}  // namespace
+
+ResolvedEnv resolve_env(const InitOptions& o) {
+  check_options(o);
+  // One launcher speaks for the process. torchrun's variables win when
+  // present: under `srun torchrun ...` SLURM's describe the launcher (one
+  // task per node), torchrun's the worker processes it spawned.
+  Launcher l;
+  l.torchrun = env("RANK") || env("WORLD_SIZE");
+  l.slurm = !l.torchrun && env("SLURM_PROCID").has_value();
+
+  ResolvedEnv r;
+  const Field world = resolve_rank_and_world(o, l, r);
+  resolve_local(o, l, world, r);
+  const bool needs_rendezvous = r.world_size > 1 && o.store == nullptr;
+  resolve_master(o, l, world, needs_rendezvous, r);
+  resolve_timeouts(o, r);
+  resolve_store_settings(r);
   return r;
 }
 

@@ -115,9 +115,97 @@ void parse_rdzv_conf(const std::string& value, ember::distributed::ElasticOption
   }
 }
 
+// Which flags the command line gave, for the checks of how they combine.
+struct Given {
+  bool node_rank = false, elastic_range = false, rdzv = false, master = false, live = false;
+};
+
+// One flag that takes a value (`name` with dashes as underscores), applied
+// to `p`.
+void apply_flag(const std::string& name, const std::string& value, Parsed& p, Given& given) {
+  auto& o = p.options;
+  if (name == "nproc_per_node") o.nproc_per_node = parse_int(name, value, 1, 1 << 16);
+  auto& e = p.elastic;
+  if (name == "master_addr" || name == "master_port") given.master = true;
+  if (name == "rdzv_id" || name == "rdzv_conf" || name == "rdzv_backend" || name == "local_addr") given.rdzv = true;
+  if (name == "nnodes") {
+    if (size_t colon = value.find(':'); colon != std::string::npos) {
+      e.min_nodes = parse_int(name, value.substr(0, colon), 1, 1 << 20);
+      e.max_nodes = parse_int(name, value.substr(colon + 1), 1, 1 << 20);
+      if (e.max_nodes < e.min_nodes) throw UsageError{"--nnodes " + value + ": MAX is less than MIN"};
+      o.nnodes = e.max_nodes;
+      given.elastic_range = true;
+    } else {
+      o.nnodes = parse_int(name, value, 1, 1 << 20);
+      e.min_nodes = e.max_nodes = o.nnodes;
+    }
+  }
+  if (name == "rdzv_endpoint") {
+    const size_t colon = value.rfind(':');
+    if (colon == std::string::npos || colon == 0) throw UsageError{"--rdzv_endpoint " + value + ": expected HOST:PORT"};
+    e.endpoint_host = value.substr(0, colon);
+    e.endpoint_port = parse_int(name, value.substr(colon + 1), 1, 65535);
+    p.is_elastic = true;
+  }
+  if (name == "rdzv_id") {
+    if (value.empty()) throw UsageError{"--rdzv_id is empty"};
+    e.rdzv_id = value;
+  }
+  if (name == "rdzv_backend" && value != "c10d")
+    throw UsageError{"--rdzv_backend " + value + ": only c10d (the store the first agent serves) is built"};
+  if (name == "local_addr") e.local_addr = value;
+  if (name == "rdzv_conf") parse_rdzv_conf(value, e);
+  if (name == "node_rank") {
+    o.node_rank = parse_int(name, value, 0, 1 << 20);
+    given.node_rank = true;
+  }
+  if (name == "master_port") o.master_port = parse_int(name, value, 0, 65535);
+  if (name == "grace_ms") o.grace = std::chrono::milliseconds(parse_int(name, value, 0, 1 << 30));
+  if (name == "max_restarts") o.max_restarts = parse_int(name, value, 0, 1 << 20);
+  if (name == "master_addr") {
+    if (value.empty()) throw UsageError{"--master_addr is empty"};
+    o.master_addr = value;
+  }
+}
+
+// The checks of how the flags combine, once all are read; an elastic
+// launch also takes the per-node options into its own.
+void check_combination(Parsed& p, const Given& given) {
+  if (p.program.empty()) throw UsageError{"no program given"};
+  if (given.elastic_range && !p.is_elastic)
+    throw UsageError{"--nnodes MIN:MAX needs --rdzv_endpoint HOST:PORT (where the agents meet)"};
+  if (!p.is_elastic && given.live)
+    throw UsageError{"--live-recovery needs --rdzv_endpoint HOST:PORT and --rdzv_id JOB (elastic agents)"};
+  if (!p.is_elastic && given.rdzv)
+    throw UsageError{"--rdzv_id, --rdzv_conf, --rdzv_backend and --local_addr need --rdzv_endpoint HOST:PORT"};
+  if (p.is_elastic) {
+    if (given.node_rank)
+      throw UsageError{"--node_rank does not go with --rdzv_endpoint: ranks come from the rendezvous"};
+    if (given.master)
+      throw UsageError{
+          "--master_addr/--master_port do not go with --rdzv_endpoint: each round picks the workers' store"};
+    auto& e = p.elastic;
+    e.nproc_per_node = p.options.nproc_per_node;
+    e.max_restarts = p.options.max_restarts;
+    e.grace = p.options.grace;
+    e.prefix_output = p.options.prefix_output;
+    return;
+  }
+  const auto& o = p.options;
+  if (o.node_rank >= o.nnodes)
+    throw UsageError{"--node_rank " + std::to_string(o.node_rank) +
+                     " is outside [0, --nnodes=" + std::to_string(o.nnodes) + ")"};
+  if (o.nnodes > 1 && !given.node_rank)
+    throw UsageError{"--nnodes=" + std::to_string(o.nnodes) + " needs --node_rank on every node"};
+  if (o.nnodes > 1 && o.master_port == 0) throw UsageError{"--master_port=0 (a free port) only works with --nnodes=1"};
+  if (o.nnodes > 1 && o.max_restarts > 0)
+    throw UsageError{"--max_restarts with --nnodes=" + std::to_string(o.nnodes) +
+                     " needs elastic agents: add --rdzv_endpoint HOST:PORT --rdzv_id JOB"};
+}
+
 Parsed parse(int argc, char** argv) {
   Parsed p;
-  bool node_rank_given = false, elastic_range = false, rdzv_given = false, master_given = false, live_given = false;
+  Given given;
   int i = 1;
   for (; i < argc; ++i) {
     std::string arg = argv[i];
@@ -147,7 +235,7 @@ Parsed parse(int argc, char** argv) {
     if (name == "live_recovery") {
       if (has_value) throw UsageError{"--live-recovery takes no value"};
       p.elastic.live_recovery = true;
-      live_given = true;
+      given.live = true;
       continue;
     }
     const bool known = name == "nproc_per_node" || name == "nnodes" || name == "node_rank" || name == "master_addr" ||
@@ -159,83 +247,10 @@ Parsed parse(int argc, char** argv) {
       if (i + 1 >= argc) throw UsageError{"--" + name + " needs a value"};
       value = argv[++i];
     }
-    auto& o = p.options;
-    if (name == "nproc_per_node") o.nproc_per_node = parse_int(name, value, 1, 1 << 16);
-    auto& e = p.elastic;
-    if (name == "master_addr" || name == "master_port") master_given = true;
-    if (name == "rdzv_id" || name == "rdzv_conf" || name == "rdzv_backend" || name == "local_addr") rdzv_given = true;
-    if (name == "nnodes") {
-      if (size_t colon = value.find(':'); colon != std::string::npos) {
-        e.min_nodes = parse_int(name, value.substr(0, colon), 1, 1 << 20);
-        e.max_nodes = parse_int(name, value.substr(colon + 1), 1, 1 << 20);
-        if (e.max_nodes < e.min_nodes) throw UsageError{"--nnodes " + value + ": MAX is less than MIN"};
-        o.nnodes = e.max_nodes;
-        elastic_range = true;
-      } else {
-        o.nnodes = parse_int(name, value, 1, 1 << 20);
-        e.min_nodes = e.max_nodes = o.nnodes;
-      }
-    }
-    if (name == "rdzv_endpoint") {
-      const size_t colon = value.rfind(':');
-      if (colon == std::string::npos || colon == 0)
-        throw UsageError{"--rdzv_endpoint " + value + ": expected HOST:PORT"};
-      e.endpoint_host = value.substr(0, colon);
-      e.endpoint_port = parse_int(name, value.substr(colon + 1), 1, 65535);
-      p.is_elastic = true;
-    }
-    if (name == "rdzv_id") {
-      if (value.empty()) throw UsageError{"--rdzv_id is empty"};
-      e.rdzv_id = value;
-    }
-    if (name == "rdzv_backend" && value != "c10d")
-      throw UsageError{"--rdzv_backend " + value + ": only c10d (the store the first agent serves) is built"};
-    if (name == "local_addr") e.local_addr = value;
-    if (name == "rdzv_conf") parse_rdzv_conf(value, e);
-    if (name == "node_rank") {
-      o.node_rank = parse_int(name, value, 0, 1 << 20);
-      node_rank_given = true;
-    }
-    if (name == "master_port") o.master_port = parse_int(name, value, 0, 65535);
-    if (name == "grace_ms") o.grace = std::chrono::milliseconds(parse_int(name, value, 0, 1 << 30));
-    if (name == "max_restarts") o.max_restarts = parse_int(name, value, 0, 1 << 20);
-    if (name == "master_addr") {
-      if (value.empty()) throw UsageError{"--master_addr is empty"};
-      o.master_addr = value;
-    }
+    apply_flag(name, value, p, given);
   }
   for (; i < argc; ++i) p.program.emplace_back(argv[i]);
-  if (p.program.empty()) throw UsageError{"no program given"};
-  if (elastic_range && !p.is_elastic)
-    throw UsageError{"--nnodes MIN:MAX needs --rdzv_endpoint HOST:PORT (where the agents meet)"};
-  if (!p.is_elastic && live_given)
-    throw UsageError{"--live-recovery needs --rdzv_endpoint HOST:PORT and --rdzv_id JOB (elastic agents)"};
-  if (!p.is_elastic && rdzv_given)
-    throw UsageError{"--rdzv_id, --rdzv_conf, --rdzv_backend and --local_addr need --rdzv_endpoint HOST:PORT"};
-  if (p.is_elastic) {
-    if (node_rank_given)
-      throw UsageError{"--node_rank does not go with --rdzv_endpoint: ranks come from the rendezvous"};
-    if (master_given)
-      throw UsageError{
-          "--master_addr/--master_port do not go with --rdzv_endpoint: each round picks the workers' store"};
-    auto& e = p.elastic;
-    e.nproc_per_node = p.options.nproc_per_node;
-    e.max_restarts = p.options.max_restarts;
-    e.grace = p.options.grace;
-    e.prefix_output = p.options.prefix_output;
-    return p;
-  }
-  const auto& o = p.options;
-  if (o.node_rank >= o.nnodes)
-    throw UsageError{"--node_rank " + std::to_string(o.node_rank) + " is outside [0, --nnodes=" +
-                     std::to_string(o.nnodes) + ")"};
-  if (o.nnodes > 1 && !node_rank_given)
-    throw UsageError{"--nnodes=" + std::to_string(o.nnodes) + " needs --node_rank on every node"};
-  if (o.nnodes > 1 && o.master_port == 0)
-    throw UsageError{"--master_port=0 (a free port) only works with --nnodes=1"};
-  if (o.nnodes > 1 && o.max_restarts > 0)
-    throw UsageError{"--max_restarts with --nnodes=" + std::to_string(o.nnodes) +
-                     " needs elastic agents: add --rdzv_endpoint HOST:PORT --rdzv_id JOB"};
+  check_combination(p, given);
   return p;
 }
 

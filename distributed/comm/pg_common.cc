@@ -222,6 +222,25 @@ std::string OpInfo::describe() const {
   return os.str();
 }
 
+Error unusable_group_error(const std::string& what, const std::string& first_failure) {
+  return Error(what + ": this group can no longer be used; an earlier operation failed: " + first_failure);
+}
+
+OpInfo next_op_info(OpCounters& counters, const char* op, bool collective, const std::string& backend, int rank,
+                    int size, Millis timeout, Signature signature) {
+  OpInfo info;
+  info.op = op;
+  info.seq = collective ? counters.collectives++ : counters.p2p++;
+  info.collective = collective;
+  info.backend = backend;
+  info.rank = rank;
+  info.size = size;
+  info.timeout = timeout;
+  info.signature = std::move(signature.text);
+  info.bytes = signature.bytes;
+  return info;
+}
+
 Signature make_signature(const std::string& op, const Tensor* tensor, int64_t numel, int root, const ReduceOp* reduce) {
   std::ostringstream os;
   os << "op=" << op << " dtype=" << (tensor ? dtype_name(tensor->dtype()) : "none") << " numel=" << numel

@@ -1,7 +1,8 @@
 // Pieces both process-group backends (process_group_gloo.cc,
 // process_group_nccl.cc) share, kept out of the public headers:
 //   * OpInfo: what an operation is, so every error names the op, its
-//     sequence number, the backend, the rank and the timeout the same way;
+//     sequence number, the backend, the rank and the timeout the same way
+//     (next_op_info builds it for both backends);
 //   * CompletionWork: a Work that the backend's thread completes;
 //   * the cross-rank signature check through the store;
 //   * argument validation, identical for both engines, done on the calling
@@ -16,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/exception.h"
 #include "core/profiler.h"
 #include "core/tensor.h"
 #include "distributed/comm/process_group.h"
@@ -50,6 +52,24 @@ struct Signature {
   int64_t bytes = 0;
 };
 Signature make_signature(const std::string& op, const Tensor* tensor, int64_t numel, int root, const ReduceOp* reduce);
+
+// The numbers a group gives its operations: collectives count in one
+// sequence (the same on every rank: signature keys and transport tags are
+// keyed by it), point-to-point ops in their own (only the pair takes part).
+// Not synchronized: a backend numbers its ops under the lock that keeps
+// them in call order.
+struct OpCounters {
+  int64_t collectives = 0, p2p = 0;
+};
+
+// The OpInfo of a group's next operation, for both backends alike: the
+// op's name and number (taken from `counters`), the group's backend, rank,
+// size and timeout, and the signature and payload the ranks compare. Every
+// error and profiler event of the op reads it, so both backends describe
+// their ops the same way.
+OpInfo next_op_info(OpCounters& counters, const char* op, bool collective, const std::string& backend, int rank,
+                    int size, Millis timeout, Signature signature);
+
 // Records the profiler event of a collective (Kind::Collective) on the
 // thread that runs it: bytes, sequence number, group, and where its time
 // went: queued behind earlier ops, waiting for peers to arrive (the
@@ -97,6 +117,12 @@ class CompletionWork : public Work {
 // be asked (its host, usually rank 0, is gone), named likewise.
 std::exception_ptr op_error(const OpInfo& info, std::exception_ptr cause, Millis elapsed,
                             const std::vector<LostRank>& lost = {}, const std::string& store_error = "");
+
+// The error of an op issued on a group that an earlier failure left
+// unusable (both backends refuse every op after a group's first failure):
+// "<what>: this group can no longer be used; an earlier operation failed:
+// <first_failure>". `what` names the op (OpInfo::describe()).
+Error unusable_group_error(const std::string& what, const std::string& first_failure);
 
 // True when an engine's error says a connection to a peer broke.
 bool is_connection_loss(std::exception_ptr cause);

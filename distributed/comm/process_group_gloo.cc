@@ -509,16 +509,10 @@ class GlooGroup : public ProcessGroup {
 
   std::shared_ptr<Work> enqueue(const char* op, bool collective, detail::Signature signature, Body body) {
     std::lock_guard<std::mutex> lock(mu_);
-    OpInfo info;
-    info.op = op;
-    info.seq = collective ? next_seq_++ : next_p2p_++;
-    info.collective = collective;
-    info.backend = "gloo";
-    info.rank = rank_;
-    info.size = size_;
-    info.timeout = options_.timeout;
-    info.signature = std::move(signature.text);
-    info.bytes = signature.bytes;
+    OpInfo info =
+        detail::next_op_info(counters_, op, collective, "gloo", rank_, size_, options_.timeout, std::move(signature));
+    // The op waits in the queue for the worker thread: the profiler's
+    // queued time counts from here.
     info.enqueued = PgClock::now();
     auto work = std::make_shared<CompletionWork>(std::move(info));
     queue_.push_back({work, std::move(body)});
@@ -669,8 +663,7 @@ class GlooGroup : public ProcessGroup {
 
   void throw_if_broken(const OpInfo& info) {
     std::lock_guard<std::mutex> lock(broken_mu_);
-    if (!broken_.empty())
-      throw Error(info.describe() + ": this group can no longer be used; an earlier operation failed: " + broken_);
+    if (!broken_.empty()) throw detail::unusable_group_error(info.describe(), broken_);
   }
 
   // Allgather `in` into the contiguous `flat` (size * numel elements).
@@ -802,7 +795,7 @@ class GlooGroup : public ProcessGroup {
   std::condition_variable cv_;
   std::deque<Queued> queue_;
   bool stop_ = false;
-  int64_t next_seq_ = 0, next_p2p_ = 0;
+  detail::OpCounters counters_;
 
   std::mutex broken_mu_;
   std::string broken_;  // the first failure's message; empty while healthy

@@ -435,8 +435,7 @@ class NcclGroup : public ProcessGroup {
   // alike everywhere.
   void do_connect_p2p(const std::vector<std::pair<int, int>>& edges) override {
     std::lock_guard<std::mutex> launch_lock(launch_mu_);
-    if (std::string b = broken(); !b.empty())
-      throw Error(group_label_ + ": connect_p2p: this group can no longer be used; an earlier operation failed: " + b);
+    if (std::string b = broken(); !b.empty()) throw detail::unusable_group_error(group_label_ + ": connect_p2p", b);
     DeviceGuard g(device_);
     for (size_t i = 0; i < edges.size(); ++i) {
       const auto [src, dst] = edges[i];
@@ -500,21 +499,12 @@ class NcclGroup : public ProcessGroup {
     // order; mu_ is taken only briefly, so the store round trips of the
     // signature check never stall the watchdog.
     std::lock_guard<std::mutex> launch_lock(launch_mu_);
-    OpInfo info;
-    info.op = op;
-    info.seq = collective ? next_seq_++ : next_p2p_++;
-    info.collective = collective;
-    info.backend = "nccl";
-    info.rank = rank_;
-    info.size = size_;
-    info.timeout = options_.timeout;
-    info.signature = std::move(signature.text);
-    info.bytes = signature.bytes;
+    OpInfo info =
+        detail::next_op_info(counters_, op, collective, "nccl", rank_, size_, options_.timeout, std::move(signature));
     // The host side of the op (signature check, enqueue on the stream); the
     // GPU's transfer time is Nsight's to show, under the same NVTX name.
     detail::CollectiveEvent prof(info, group_label_);
-    if (std::string b = broken(); !b.empty())
-      throw Error(info.describe() + ": this group can no longer be used; an earlier operation failed: " + b);
+    if (std::string b = broken(); !b.empty()) throw detail::unusable_group_error(info.describe(), b);
     const bool empty = std::all_of(keep.begin(), keep.end(), [](const Tensor& t) { return t.numel() == 0; });
     if (collective && options_.check_signatures) {
       // A mismatch (or a rank that never arrives) fails this op through its
@@ -642,7 +632,7 @@ class NcclGroup : public ProcessGroup {
   // std::map's nodes do not move), and every pair split so far.
   std::map<std::pair<int, int>, Edge> edges_;
   std::set<std::pair<int, int>> connected_;
-  int64_t next_seq_ = 0, next_p2p_ = 0;
+  detail::OpCounters counters_;
   std::string group_label_;  // names the group in profiler events
   std::string broken_;
   bool aborted_ = false;

@@ -363,75 +363,14 @@ class Agent {
     const int64_t R = R_;
     last_nodes_ = nodes;
     int world = 0, first_rank = 0;
-    std::string names;
-    for (size_t i = 0; i < nodes.size(); ++i) {
-      // A node whose arrival was recorded without its details (an agent
-      // that died between the two writes) cannot be run with.
-      if (nodes[i].nproc <= 0) {
-        say("rendezvous round " + std::to_string(R) + ": node " + std::to_string(i) + " left no details; a new round");
-        next_round_from(R);
-        return -1;
-      }
-      if (static_cast<int>(i) == my_index_) first_rank = world;
-      world += nodes[i].nproc;
-      names += (names.empty() ? "" : ", ") + nodes[i].addr + " x" + std::to_string(nodes[i].nproc);
-    }
-    say("rendezvous round " + std::to_string(R) + ": world size " + std::to_string(world) + " (" +
-        std::to_string(nodes.size()) + " node" + (nodes.size() == 1 ? "" : "s") + ": " + names + "; this is node " +
-        std::to_string(my_index_) + ")");
-    // Node 0 hosts the workers' store of this round on a fresh port: its
-    // worker of rank 0 does, or, with live recovery, the agent itself.
+    if (!place_nodes(R, nodes, &world, &first_rank)) return -1;
+    // Held for the whole round: with live recovery, this agent serves the
+    // workers' store, which must outlive them.
     std::unique_ptr<TCPStore> worker_store;
-    if (my_index_ == 0) {
-      const std::string tok = token_.empty() ? random_token() : token_;
-      int port = 0;
-      if (o_.live_recovery) {
-        worker_store = std::make_unique<TCPStore>(
-            addr_, 0, TCPStoreOptions{.is_server = true, .wait_for_workers = false, .token = tok});
-        port = worker_store->port();
-      } else {
-        port = find_free_port();
-      }
-      store_->set(rkey(R, "master"), addr_ + " " + std::to_string(port) + " " + tok);
-    }
-    std::string maddr, mport, mtoken;
-    try {
-      store_->wait({rkey(R, "master")});
-      std::istringstream master(store_->get_string(rkey(R, "master")));
-      master >> maddr >> mport >> mtoken;
-    } catch (const Error& e) {
-      say("rendezvous round " + std::to_string(R) + ": node 0 (" + nodes[0].addr +
-          ") never said where its workers' store is (" + e.what() + "); a new round");
-      next_round_from(R);
-      return -1;
-    }
-
-    const int nproc = o_.nproc_per_node;
-    const bool set_omp = nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
-    std::vector<WorkerSpec> specs(nproc);
-    for (int local = 0; local < nproc; ++local) {
-      std::vector<std::pair<std::string, std::string>> set = {
-          {"RANK", std::to_string(first_rank + local)},
-          {"WORLD_SIZE", std::to_string(world)},
-          {"LOCAL_RANK", std::to_string(local)},
-          {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
-          {"GROUP_RANK", std::to_string(my_index_)},
-          {"GROUP_WORLD_SIZE", std::to_string(nodes.size())},
-          {"MASTER_ADDR", maddr},
-          {"MASTER_PORT", mport},
-          {"EMBER_STORE_TOKEN", mtoken},
-          {"EMBER_RESTART_COUNT", std::to_string(R)},
-          {"TORCHELASTIC_RESTART_COUNT", std::to_string(R)},
-          {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o_.max_restarts)},
-          {"TORCHELASTIC_RUN_ID", o_.rdzv_id},
-      };
-      if (set_omp) set.emplace_back("OMP_NUM_THREADS", "1");
-      if (o_.live_recovery) {
-        set.emplace_back("EMBER_LIVE_RECOVERY", "1");
-        set.emplace_back("TORCHELASTIC_USE_AGENT_STORE", "True");
-      }
-      specs[local] = {first_rank + local, local, worker_env(set)};
-    }
+    if (my_index_ == 0) worker_store = publish_worker_store(R);
+    WorkerStore master;
+    if (!read_worker_store(R, nodes, &master)) return -1;
+    std::vector<WorkerSpec> specs = worker_specs(R, nodes, world, first_rank, master);
 
     // Every other member's heartbeat: last value and when it last changed.
     // A member whose workers finished is not beating for this round.
@@ -444,41 +383,9 @@ class Agent {
     // The worker loop only reads the verdict.
     std::string why;  // why this agent stopped its workers (written before `verdict`)
     std::atomic<bool> verdict{false}, workers_done{false};
-    auto check = [&]() -> bool {
-      const auto now = Clock::now();
-      try {
-        heartbeat();
-        if (round_moved()) {
-          why = "another node started rendezvous round " + get_or(key("round"));
-          return true;
-        }
-        if (static_cast<int>(nodes.size()) < o_.max_nodes && store_->add(rkey(R, "late"), 0) > 0) {
-          why = "a node is waiting to join";
-          next_round_from(R);
-          return true;
-        }
-        for (auto& [agent, beat] : beats) {
-          const int64_t v = get_int("hb/" + std::to_string(agent));
-          if (v != beat.first) {
-            beat = {v, now};
-          } else if (now - beat.second >= o_.heartbeat_timeout &&
-                     !store_->check({rkey(R, "finished/" + std::to_string(agent))})) {
-            why = "agent " + std::to_string(agent) + "'s heartbeat stopped " +
-                  std::to_string(std::chrono::duration_cast<milliseconds>(now - beat.second).count()) + " ms ago";
-            next_round_from(R);
-            return true;
-          }
-        }
-      } catch (const Error& e) {
-        why = std::string("the rendezvous store is gone (") + e.what() + ")";
-        store_lost_ = true;
-        return true;
-      }
-      return false;
-    };
     std::thread monitor([&] {
       while (!workers_done.load()) {
-        if (check()) {
+        if (round_should_stop(R, nodes, beats, &why)) {
           verdict.store(true);
           return;
         }
@@ -487,37 +394,10 @@ class Agent {
       }
     });
     const std::function<bool()> stop = [&] { return verdict.load(); };
-    // Live recovery: a worker killed by a signal (a lost process: the OOM
-    // killer, a fault, a crash) is replaced in place while restarts remain
-    // (each counts); the others are not stopped. Its environment says it is
-    // a replacement, so it takes its state from a replica. A worker that
-    // exits with an error it reported (a bug, bad data, a recovery that
-    // could not be made), or aborts (SIGABRT: an uncaught error, a failed
-    // assertion), ends the round as without live recovery.
     ReplaceWorker replace;
     if (o_.live_recovery)
-      replace = [&](const WorkerSpec& failed, const std::string& failure, int status) -> std::vector<std::string> {
-        // The round is ending anyway, or the worker gave up by itself.
-        if (verdict.load() || !WIFSIGNALED(status) || WTERMSIG(status) == SIGABRT) return {};
-        int64_t used = 0;
-        try {
-          // Counted and checked in one step: failures on two nodes at once
-          // cannot both take the last restart.
-          used = store_->add(key("failures"), 1);
-          if (used > o_.max_restarts) {
-            store_->add(key("failures"), -1);  // the round's failure path counts it and gives up
-            return {};
-          }
-        } catch (const Error&) {
-          return {};
-        }
-        say(failure + "; replacing it in place (live recovery; restart " + std::to_string(used) + " of " +
-            std::to_string(o_.max_restarts) + ")");
-        std::vector<std::string> env;
-        for (const std::string& kv : failed.env)
-          if (kv.rfind("EMBER_LIVE_RECOVERY_REPLACEMENT=", 0) != 0) env.push_back(kv);
-        env.push_back("EMBER_LIVE_RECOVERY_REPLACEMENT=1");
-        return env;
+      replace = [&](const WorkerSpec& failed, const std::string& failure, int status) {
+        return replace_in_place(failed, failure, status, verdict.load());
       };
     WorkersResult r;
     try {
@@ -530,6 +410,176 @@ class Agent {
     }
     workers_done.store(true);
     monitor.join();  // before the store is used here again: one thread at a time
+    return round_outcome(R, r, why);
+  }
+
+  // The round's world from its members: this node's first rank, the world
+  // size, announced. False (a new round asked for) when a member left no
+  // details: an agent that died between the two writes of its arrival
+  // cannot be run with.
+  bool place_nodes(int64_t R, const std::vector<Node>& nodes, int* world, int* first_rank) {
+    std::string names;
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      if (nodes[i].nproc <= 0) {
+        say("rendezvous round " + std::to_string(R) + ": node " + std::to_string(i) + " left no details; a new round");
+        next_round_from(R);
+        return false;
+      }
+      if (static_cast<int>(i) == my_index_) *first_rank = *world;
+      *world += nodes[i].nproc;
+      names += (names.empty() ? "" : ", ") + nodes[i].addr + " x" + std::to_string(nodes[i].nproc);
+    }
+    say("rendezvous round " + std::to_string(R) + ": world size " + std::to_string(*world) + " (" +
+        std::to_string(nodes.size()) + " node" + (nodes.size() == 1 ? "" : "s") + ": " + names + "; this is node " +
+        std::to_string(my_index_) + ")");
+    return true;
+  }
+
+  // Where the workers of a round find their store ("master" of the round).
+  struct WorkerStore {
+    std::string addr, port, token;
+  };
+
+  // Node 0 hosts the workers' store of this round on a fresh port: its
+  // worker of rank 0 does (the port is only chosen here), or, with live
+  // recovery, the agent itself (returned, to be held for the round).
+  std::unique_ptr<TCPStore> publish_worker_store(int64_t R) {
+    std::unique_ptr<TCPStore> worker_store;
+    const std::string tok = token_.empty() ? random_token() : token_;
+    int port = 0;
+    if (o_.live_recovery) {
+      worker_store = std::make_unique<TCPStore>(
+          addr_, 0, TCPStoreOptions{.is_server = true, .wait_for_workers = false, .token = tok});
+      port = worker_store->port();
+    } else {
+      port = find_free_port();
+    }
+    store_->set(rkey(R, "master"), addr_ + " " + std::to_string(port) + " " + tok);
+    return worker_store;
+  }
+
+  // Node 0's published worker store; false (a new round asked for) when it
+  // never says.
+  bool read_worker_store(int64_t R, const std::vector<Node>& nodes, WorkerStore* out) {
+    try {
+      store_->wait({rkey(R, "master")});
+      std::istringstream master(store_->get_string(rkey(R, "master")));
+      master >> out->addr >> out->port >> out->token;
+    } catch (const Error& e) {
+      say("rendezvous round " + std::to_string(R) + ": node 0 (" + nodes[0].addr +
+          ") never said where its workers' store is (" + e.what() + "); a new round");
+      next_round_from(R);
+      return false;
+    }
+    return true;
+  }
+
+  // Each local worker's rank and environment (torchrun's variables).
+  std::vector<WorkerSpec> worker_specs(int64_t R, const std::vector<Node>& nodes, int world, int first_rank,
+                                       const WorkerStore& master) {
+    const int nproc = o_.nproc_per_node;
+    const bool set_omp = nproc > 1 && std::getenv("OMP_NUM_THREADS") == nullptr;
+    std::vector<WorkerSpec> specs(nproc);
+    for (int local = 0; local < nproc; ++local) {
+      std::vector<std::pair<std::string, std::string>> set = {
+          {"RANK", std::to_string(first_rank + local)},
+          {"WORLD_SIZE", std::to_string(world)},
+          {"LOCAL_RANK", std::to_string(local)},
+          {"LOCAL_WORLD_SIZE", std::to_string(nproc)},
+          {"GROUP_RANK", std::to_string(my_index_)},
+          {"GROUP_WORLD_SIZE", std::to_string(nodes.size())},
+          {"MASTER_ADDR", master.addr},
+          {"MASTER_PORT", master.port},
+          {"EMBER_STORE_TOKEN", master.token},
+          {"EMBER_RESTART_COUNT", std::to_string(R)},
+          {"TORCHELASTIC_RESTART_COUNT", std::to_string(R)},
+          {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o_.max_restarts)},
+          {"TORCHELASTIC_RUN_ID", o_.rdzv_id},
+      };
+      if (set_omp) set.emplace_back("OMP_NUM_THREADS", "1");
+      if (o_.live_recovery) {
+        set.emplace_back("EMBER_LIVE_RECOVERY", "1");
+        set.emplace_back("TORCHELASTIC_USE_AGENT_STORE", "True");
+      }
+      specs[local] = {first_rank + local, local, worker_env(set)};
+    }
+    return specs;
+  }
+
+  // The monitor thread's check: whether this node's workers must stop (the
+  // round moved on, a node waits to join, a member's heartbeat stopped, the
+  // store is gone), with the reason in `why`.
+  bool round_should_stop(int64_t R, const std::vector<Node>& nodes,
+                         std::map<int64_t, std::pair<int64_t, Clock::time_point>>& beats, std::string* why) {
+    const auto now = Clock::now();
+    try {
+      heartbeat();
+      if (round_moved()) {
+        *why = "another node started rendezvous round " + get_or(key("round"));
+        return true;
+      }
+      if (static_cast<int>(nodes.size()) < o_.max_nodes && store_->add(rkey(R, "late"), 0) > 0) {
+        *why = "a node is waiting to join";
+        next_round_from(R);
+        return true;
+      }
+      for (auto& [agent, beat] : beats) {
+        const int64_t v = get_int("hb/" + std::to_string(agent));
+        if (v != beat.first) {
+          beat = {v, now};
+        } else if (now - beat.second >= o_.heartbeat_timeout &&
+                   !store_->check({rkey(R, "finished/" + std::to_string(agent))})) {
+          *why = "agent " + std::to_string(agent) + "'s heartbeat stopped " +
+                 std::to_string(std::chrono::duration_cast<milliseconds>(now - beat.second).count()) + " ms ago";
+          next_round_from(R);
+          return true;
+        }
+      }
+    } catch (const Error& e) {
+      *why = std::string("the rendezvous store is gone (") + e.what() + ")";
+      store_lost_ = true;
+      return true;
+    }
+    return false;
+  }
+
+  // Live recovery: a worker killed by a signal (a lost process: the OOM
+  // killer, a fault, a crash) is replaced in place while restarts remain
+  // (each counts); the others are not stopped. Its environment says it is
+  // a replacement, so it takes its state from a replica. A worker that
+  // exits with an error it reported (a bug, bad data, a recovery that
+  // could not be made), or aborts (SIGABRT: an uncaught error, a failed
+  // assertion), ends the round as without live recovery. Returns the
+  // replacement's environment, or {} for no replacement.
+  std::vector<std::string> replace_in_place(const WorkerSpec& failed, const std::string& failure, int status,
+                                            bool round_ending) {
+    // The round is ending anyway, or the worker gave up by itself.
+    if (round_ending || !WIFSIGNALED(status) || WTERMSIG(status) == SIGABRT) return {};
+    int64_t used = 0;
+    try {
+      // Counted and checked in one step: failures on two nodes at once
+      // cannot both take the last restart.
+      used = store_->add(key("failures"), 1);
+      if (used > o_.max_restarts) {
+        store_->add(key("failures"), -1);  // the round's failure path counts it and gives up
+        return {};
+      }
+    } catch (const Error&) {
+      return {};
+    }
+    say(failure + "; replacing it in place (live recovery; restart " + std::to_string(used) + " of " +
+        std::to_string(o_.max_restarts) + ")");
+    std::vector<std::string> env;
+    for (const std::string& kv : failed.env)
+      if (kv.rfind("EMBER_LIVE_RECOVERY_REPLACEMENT=", 0) != 0) env.push_back(kv);
+    env.push_back("EMBER_LIVE_RECOVERY_REPLACEMENT=1");
+    return env;
+  }
+
+  // What the workers' end means for this agent: its exit status when the
+  // job is over for it, or -1 for the next round. A failure counts against
+  // the restarts once per round.
+  int round_outcome(int64_t R, const WorkersResult& r, const std::string& why) {
     if (store_lost_) {
       say("lost the rendezvous store at " + endpoint() +
           " (the agent serving it ended, or its host is unreachable): " + why + "; the job cannot go on here");

@@ -332,46 +332,76 @@ int take_signal() {
   return g_signal;
 }
 
-WorkersResult run_workers(const std::string& path, const std::vector<std::string>& argv, std::vector<WorkerSpec> specs,
-                          bool prefix, std::chrono::milliseconds grace, const std::function<bool()>& stop,
-                          const ReplaceWorker& replace) {
-  WorkersResult res;
-  const pid_t self = ::getpid();
-  const char* pause_env = std::getenv("EMBER_LAUNCH_TEST_FORK_PAUSE_MS");
-  const long fork_pause_ms = pause_env ? std::strtol(pause_env, nullptr, 10) : 0;
-  const int max_fd = static_cast<int>(std::min<long>(::sysconf(_SC_OPEN_MAX), 1 << 16));
-  const int nproc = static_cast<int>(specs.size());
-  std::vector<std::string> args = argv;
-  std::vector<char*> c_args = c_strings(args);
-  std::vector<std::vector<char*>> c_envs(nproc);
-  for (int local = 0; local < nproc; ++local) c_envs[local] = c_strings(specs[local].env);
-  std::vector<Worker> workers(nproc);
-  int running = 0;
+namespace {
 
-  auto kill_all = [&](int sig) {
-    for (auto& w : workers) signal_worker(w, sig);
-  };
-  // A failure while starting: take down whoever is already up, then throw.
-  auto abort_start = [&](std::initializer_list<int> fds) {
+// One run of a set of workers, from their start to the last one reaped:
+// the state the poll loop's steps share (the workers, the first failure,
+// the termination under way), so that each step (start, signals, stop,
+// reap, escalation, output) is a function of its own.
+class WorkerRun {
+ public:
+  WorkerRun(const std::string& path, const std::vector<std::string>& argv, std::vector<WorkerSpec> specs, bool prefix,
+            std::chrono::milliseconds grace, const std::function<bool()>& stop, const ReplaceWorker& replace)
+      : path_(path),
+        self_(::getpid()),
+        specs_(std::move(specs)),
+        prefix_(prefix),
+        grace_(grace),
+        stop_(stop),
+        replace_(replace) {
+    const char* pause_env = std::getenv("EMBER_LAUNCH_TEST_FORK_PAUSE_MS");
+    fork_pause_ms_ = pause_env ? std::strtol(pause_env, nullptr, 10) : 0;
+    max_fd_ = static_cast<int>(std::min<long>(::sysconf(_SC_OPEN_MAX), 1 << 16));
+    nproc_ = static_cast<int>(specs_.size());
+    args_ = argv;
+    c_args_ = c_strings(args_);
+    c_envs_.resize(nproc_);
+    for (int local = 0; local < nproc_; ++local) c_envs_[local] = c_strings(specs_[local].env);
+    workers_.resize(nproc_);
+  }
+  WorkerRun(const WorkerRun&) = delete;
+  WorkerRun& operator=(const WorkerRun&) = delete;
+
+  WorkersResult run() {
+    for (int local = 0; local < nproc_; ++local) start(local);
+    while (running_ > 0) {
+      forward_signals();
+      check_stop();
+      reap();
+      if (running_ == 0) break;
+      escalate();
+      pump_output();
+    }
+    return finish();
+  }
+
+ private:
+  void kill_all(int sig) {
+    for (auto& w : workers_) signal_worker(w, sig);
+  }
+
+  // A failure while starting: take down whoever is already up (the caller
+  // then throws).
+  void abort_start(std::initializer_list<int> fds) {
     for (int fd : fds)
       if (fd >= 0) ::close(fd);
     kill_all(SIGKILL);
-    for (auto& v : workers)
+    for (auto& v : workers_)
       if (v.running) ::waitpid(v.pid, nullptr, 0);
-    for (auto& v : workers) {
+    for (auto& v : workers_) {
       v.out.finish();
       v.err.finish();
     }
-  };
+  }
 
   // Starts (or, for live recovery, starts again) the worker of `local`.
-  auto start = [&](int local) {
-    Worker& w = workers[local];
-    w.local_rank = specs[local].local_rank;
-    w.rank = specs[local].rank;
+  void start(int local) {
+    Worker& w = workers_[local];
+    w.local_rank = specs_[local].local_rank;
+    w.rank = specs_[local].rank;
     w.status = 0;
     int out[2] = {-1, -1}, err[2] = {-1, -1};
-    if (prefix) {
+    if (prefix_) {
       try {
         make_pipe(out);
         make_pipe(err);
@@ -388,7 +418,7 @@ WorkersResult run_workers(const std::string& path, const std::vector<std::string
     ::pthread_sigmask(SIG_BLOCK, &forwarded, &prev_mask);
     pid_t pid = ::fork();
     if (pid == 0)
-      exec_child(path.c_str(), c_args.data(), c_envs[local].data(), out[1], err[1], self, max_fd, fork_pause_ms);
+      exec_child(path_.c_str(), c_args_.data(), c_envs_[local].data(), out[1], err[1], self_, max_fd_, fork_pause_ms_);
     int fork_errno = errno;
     ::pthread_sigmask(SIG_SETMASK, &prev_mask, nullptr);
     if (pid < 0) {
@@ -402,115 +432,119 @@ WorkersResult run_workers(const std::string& path, const std::vector<std::string
     ::setpgid(pid, pid);
     w.pid = pid;
     w.running = true;
-    ++running;
-    std::string prefix = "[rank " + std::to_string(w.rank) + "]: ";
-    w.out = OutStream{out[0], STDOUT_FILENO, prefix, {}};
-    w.err = OutStream{err[0], STDERR_FILENO, prefix, {}};
-  };
-  for (int local = 0; local < nproc; ++local) start(local);
+    ++running_;
+    std::string line_prefix = "[rank " + std::to_string(w.rank) + "]: ";
+    w.out = OutStream{out[0], STDOUT_FILENO, line_prefix, {}};
+    w.err = OutStream{err[0], STDERR_FILENO, line_prefix, {}};
+  }
 
-  int result = 0;
-  bool failed = false;       // the first failure (or signal) decided `result`
-  bool terminating = false;  // SIGTERM (or the forwarded signal) has gone out
-  bool killed = false;       // SIGKILL has gone out
-  Clock::time_point deadline{};
-
-  auto start_termination = [&](int sig) {
-    terminating = true;
+  void start_termination(int sig) {
+    terminating_ = true;
     kill_all(sig);
-    deadline = Clock::now() + grace;
-  };
+    deadline_ = Clock::now() + grace_;
+  }
 
-  while (running > 0) {
-    // Signals to the launcher: forward the first, SIGKILL on a second.
+  // Signals to the launcher: forward the first, SIGKILL on a second.
+  void forward_signals() {
     int count = g_signal_count;
-    if (count > g_handled_signals) {
-      int sig = g_signal;
-      g_handled_signals = count;
-      res.by_signal = true;
-      if (!failed) {
-        failed = true;
-        result = 128 + sig;
-      }
-      if (!terminating) {
-        say("received signal " + std::to_string(sig) + ", forwarding it to the workers");
-        start_termination(sig);
-      } else if (!killed) {
-        say("received another signal, killing the workers");
-        killed = true;
-        kill_all(SIGKILL);
-      }
+    if (count <= g_handled_signals) return;
+    int sig = g_signal;
+    g_handled_signals = count;
+    res_.by_signal = true;
+    if (!failed_) {
+      failed_ = true;
+      result_ = 128 + sig;
     }
+    if (!terminating_) {
+      say("received signal " + std::to_string(sig) + ", forwarding it to the workers");
+      start_termination(sig);
+    } else if (!killed_) {
+      say("received another signal, killing the workers");
+      killed_ = true;
+      kill_all(SIGKILL);
+    }
+  }
 
-    // The caller's stop request (an elastic agent's new rendezvous round):
-    // every worker goes, none of them failed.
-    if (stop && !terminating && stop()) {
-      res.stopped = true;
-      failed = true;  // what follows is the stop, not a failure to report
+  // The caller's stop request (an elastic agent's new rendezvous round):
+  // every worker goes, none of them failed.
+  void check_stop() {
+    if (stop_ && !terminating_ && stop_()) {
+      res_.stopped = true;
+      failed_ = true;  // what follows is the stop, not a failure to report
       start_termination(SIGTERM);
     }
+  }
 
-    // Reap whoever has exited (only our own pids: the host process may have
-    // other children that are none of our business).
-    for (int local = 0; local < nproc; ++local) {
-      Worker& w = workers[local];
+  // Reap whoever has exited (only our own pids: the host process may have
+  // other children that are none of our business).
+  void reap() {
+    for (int local = 0; local < nproc_; ++local) {
+      Worker& w = workers_[local];
       if (!w.running) continue;
       int status = 0;
       pid_t r = ::waitpid(w.pid, &status, WNOHANG);
       if (r == 0 || (r < 0 && errno == EINTR)) continue;
       w.running = false;
       w.status = r == w.pid ? status : 0;
-      --running;
+      --running_;
       bool ok = WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
       // Whatever a failed (or stopped) worker left running in its group goes
       // with it. Done right after the reap: the group id cannot have been
       // reused yet.
-      if (!ok || terminating) ::kill(-w.pid, SIGKILL);
-      if (!ok && !failed) {
-        res.failed_rank = w.rank;
-        // Its last words first, then ours.
-        if (w.out.fd >= 0) w.out.pump();
-        if (w.err.fd >= 0) w.err.pump();
-        const std::string failure = "rank " + std::to_string(w.rank) + " (local rank " + std::to_string(w.local_rank) +
-                                    ", pid " + std::to_string(w.pid) + ") " + describe_status(w.status);
-        // Live recovery: the caller may start a replacement in its place
-        // while the others go on.
-        std::vector<std::string> again =
-            replace ? replace(specs[local], failure, w.status) : std::vector<std::string>{};
-        if (!again.empty()) {
-          w.out.finish();
-          w.err.finish();
-          specs[local].env = std::move(again);
-          c_envs[local] = c_strings(specs[local].env);
-          start(local);
-          continue;
-        }
-        failed = true;
-        result = exit_code(w.status);
-        res.failure = failure;
-        say(res.failure + (running > 0 ? "; stopping the other workers" : ""));
-        if (running > 0) start_termination(SIGTERM);
-      }
+      if (!ok || terminating_) ::kill(-w.pid, SIGKILL);
+      if (!ok && !failed_) on_failure(local);
     }
-    if (running == 0) break;
+  }
 
-    if (terminating && !killed && Clock::now() >= deadline) {
-      killed = true;
-      say("workers still running " + std::to_string(grace.count()) + " ms after the signal; sending SIGKILL");
+  // The first failed worker: replaced in place (live recovery) when the
+  // caller says so, else the job's failure, and the others are stopped.
+  void on_failure(int local) {
+    Worker& w = workers_[local];
+    res_.failed_rank = w.rank;
+    // Its last words first, then ours.
+    if (w.out.fd >= 0) w.out.pump();
+    if (w.err.fd >= 0) w.err.pump();
+    const std::string failure = "rank " + std::to_string(w.rank) + " (local rank " + std::to_string(w.local_rank) +
+                                ", pid " + std::to_string(w.pid) + ") " + describe_status(w.status);
+    // Live recovery: the caller may start a replacement in its place
+    // while the others go on.
+    std::vector<std::string> again = replace_ ? replace_(specs_[local], failure, w.status) : std::vector<std::string>{};
+    if (!again.empty()) {
+      w.out.finish();
+      w.err.finish();
+      specs_[local].env = std::move(again);
+      c_envs_[local] = c_strings(specs_[local].env);
+      start(local);
+      return;
+    }
+    failed_ = true;
+    result_ = exit_code(w.status);
+    res_.failure = failure;
+    say(res_.failure + (running_ > 0 ? "; stopping the other workers" : ""));
+    if (running_ > 0) start_termination(SIGTERM);
+  }
+
+  // Workers that outlived the grace period after the signal get SIGKILL.
+  void escalate() {
+    if (terminating_ && !killed_ && Clock::now() >= deadline_) {
+      killed_ = true;
+      say("workers still running " + std::to_string(grace_.count()) + " ms after the signal; sending SIGKILL");
       kill_all(SIGKILL);
     }
+  }
 
-    // Wait for output, or at most kPollMs.
+  // Wait for output, or at most kPollMs; copy what came, prefixed.
+  void pump_output() {
     std::vector<pollfd> fds;
     std::vector<OutStream*> streams;
-    for (auto& w : workers)
+    for (auto& w : workers_)
       for (OutStream* s : {&w.out, &w.err})
         if (s->fd >= 0) {
           fds.push_back({s->fd, POLLIN, 0});
           streams.push_back(s);
         }
     int n = ::poll(fds.data(), fds.size(), kPollMs);
-    if (n <= 0) continue;  // timeout, or EINTR from a signal: loop handles both
+    if (n <= 0) return;  // timeout, or EINTR from a signal: the loop handles both
     for (size_t i = 0; i < fds.size(); ++i) {
       if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
       if (!streams[i]->pump()) {
@@ -520,21 +554,54 @@ WorkersResult run_workers(const std::string& path, const std::vector<std::string
     }
   }
 
-  // Everyone is reaped. Drain what is left in the pipes without waiting for
-  // EOF: a grandchild holding a pipe open must not hang the launcher.
-  for (auto& w : workers) {
-    w.out.finish();
-    w.err.finish();
+  WorkersResult finish() {
+    // Everyone is reaped. Drain what is left in the pipes without waiting for
+    // EOF: a grandchild holding a pipe open must not hang the launcher.
+    for (auto& w : workers_) {
+      w.out.finish();
+      w.err.finish();
+    }
+    // A stop that came as the last workers were exiting 0 on their own: the
+    // job is done, not interrupted.
+    if (res_.stopped) {
+      bool all_ok = true;
+      for (const auto& w : workers_) all_ok = all_ok && WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
+      if (all_ok) res_.stopped = false;
+    }
+    res_.status = result_;
+    return res_;
   }
-  // A stop that came as the last workers were exiting 0 on their own: the
-  // job is done, not interrupted.
-  if (res.stopped) {
-    bool all_ok = true;
-    for (const auto& w : workers) all_ok = all_ok && WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0;
-    if (all_ok) res.stopped = false;
-  }
-  res.status = result;
-  return res;
+
+  const std::string& path_;
+  const pid_t self_;
+  std::vector<WorkerSpec> specs_;
+  const bool prefix_;
+  const std::chrono::milliseconds grace_;
+  const std::function<bool()>& stop_;
+  const ReplaceWorker& replace_;
+  long fork_pause_ms_ = 0;
+  int max_fd_ = 0, nproc_ = 0;
+  std::vector<std::string> args_;
+  std::vector<char*> c_args_;
+  std::vector<std::vector<char*>> c_envs_;
+  std::vector<Worker> workers_;
+  int running_ = 0;
+
+  WorkersResult res_;
+  int result_ = 0;
+  bool failed_ = false;       // the first failure (or signal) decided `result_`
+  bool terminating_ = false;  // SIGTERM (or the forwarded signal) has gone out
+  bool killed_ = false;       // SIGKILL has gone out
+  Clock::time_point deadline_{};
+};
+
+}  // namespace
+
+WorkersResult run_workers(const std::string& path, const std::vector<std::string>& argv, std::vector<WorkerSpec> specs,
+                          bool prefix, std::chrono::milliseconds grace, const std::function<bool()>& stop,
+                          const ReplaceWorker& replace) {
+  WorkerRun run(path, argv, std::move(specs), prefix, grace, stop, replace);
+  return run.run();
 }
 
 }  // namespace launch_detail

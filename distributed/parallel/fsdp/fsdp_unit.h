@@ -1,5 +1,7 @@
-// FSDP's internal unit state, shared by fsdp.cc (the state machine and
-// hooks) and fsdp_state_dict.cc (full state dicts). Not part of the API.
+// FSDP's internal unit state, shared by fsdp.cc (wrapping and the handle),
+// fsdp_unit.cc (the state machine and hooks), fsdp_shard_specs.cc (each
+// parameter's ShardSpec) and fsdp_state_dict.cc (full state dicts). Not part
+// of the API.
 //
 // A unit's parameters are in one of three states:
 //   SHARDED    each parameter is its sharded view of `shard` (float32), its
@@ -141,5 +143,24 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
  private:
   std::weak_ptr<Unit> root_;
 };
+
+// What the files of the fsdp library share of one another (not the API).
+namespace fsdp_internal {
+
+// The unit lives on its module (Module::transform_state under this key):
+// no registry maps modules or parameters to units.
+inline constexpr const char* kStateKey = "fully_shard";
+
+// The live units of a root's list, in order (fsdp_unit.cc).
+std::vector<std::shared_ptr<FSDPModule::Unit>> alive(const std::vector<std::weak_ptr<FSDPModule::Unit>>& units);
+
+// The unit wrapping `m` itself, or null (fsdp_unit.cc).
+std::shared_ptr<FSDPModule::Unit> unit_of(const nn::Module* m);
+
+// Says on each of the unit's parameters what this rank holds of it
+// (fsdp_shard_specs.cc); fully_shard calls it once the unit is laid out.
+void attach_shard_specs(const std::shared_ptr<FSDPModule::Unit>& u);
+
+}  // namespace fsdp_internal
 
 }  // namespace ember::distributed

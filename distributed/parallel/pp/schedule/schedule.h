@@ -64,10 +64,13 @@ struct Schedule {
 // The names make_schedule knows, for flags and errors.
 const std::vector<std::string>& schedule_names();
 
-// A schedule by name: "gpipe", "1f1b", "interleaved" (interleaved 1F1B,
-// needs V >= 2 and M a multiple of P) and "zb-h1" (V = 1). gpipe and 1f1b
-// take V >= 1 (V stages per rank run as consecutive stages of a longer
-// pipeline). Errors name the argument that does not fit.
+// A schedule by name, and the virtual stages per rank (V) each takes:
+//   "gpipe"        any V >= 1 (a rank's V stages run as consecutive stages
+//                  of a longer pipeline, each over all micro-batches)
+//   "1f1b"         V = 1 only (for V >= 2, "interleaved")
+//   "interleaved"  interleaved 1F1B: V >= 2 only, and M a multiple of P
+//   "zb-h1"        V = 1 only
+// P and M must be at least 1. Errors name the argument that does not fit.
 Schedule make_schedule(const std::string& name, int ranks, int virtual_stages, int microbatches);
 
 // Forwards only (evaluation): every rank runs its stages' forwards in
