@@ -118,24 +118,19 @@ RanksOutcome check_workers(const std::string& scenario, int world_size, const Ru
 // runs check_workers and fails the test (EXPECT: and goes on; ASSERT: and
 // returns) with its message; `<< ...` after it adds context, as after
 // EXPECT_TRUE. `options` may be a braced RunOptions: {.arg = "x"}.
-#define EMBER_EXPECT_RANKS(scenario, world_size, ...)                                                      \
-  switch (0)                                                                                               \
-  case 0:                                                                                                  \
-  default:                                                                                                 \
-    if (const ::ember::distributed::testing::RanksOutcome ember_ranks_outcome =                            \
-            ::ember::distributed::testing::check_workers(scenario, world_size __VA_OPT__(, ) __VA_ARGS__); \
-        ember_ranks_outcome.ok) {                                                                          \
-    } else                                                                                                 \
-      ADD_FAILURE() << ember_ranks_outcome.message
-#define EMBER_ASSERT_RANKS(scenario, world_size, ...)                                                      \
-  switch (0)                                                                                               \
-  case 0:                                                                                                  \
-  default:                                                                                                 \
-    if (const ::ember::distributed::testing::RanksOutcome ember_ranks_outcome =                            \
-            ::ember::distributed::testing::check_workers(scenario, world_size __VA_OPT__(, ) __VA_ARGS__); \
-        ember_ranks_outcome.ok) {                                                                          \
-    } else                                                                                                 \
-      FAIL() << ember_ranks_outcome.message
+#define EMBER_EXPECT_RANKS(scenario, world_size, ...) \
+  EMBER_RANKS_CHECK_(ADD_FAILURE, scenario, world_size __VA_OPT__(, ) __VA_ARGS__)
+#define EMBER_ASSERT_RANKS(scenario, world_size, ...) \
+  EMBER_RANKS_CHECK_(FAIL, scenario, world_size __VA_OPT__(, ) __VA_ARGS__)
+#define EMBER_RANKS_CHECK_(fail, ...)                                           \
+  switch (0)                                                                    \
+  case 0:                                                                       \
+  default:                                                                      \
+    if (const ::ember::distributed::testing::RanksOutcome ember_ranks_outcome = \
+            ::ember::distributed::testing::check_workers(__VA_ARGS__);          \
+        ember_ranks_outcome.ok) {                                               \
+    } else                                                                      \
+      fail() << ember_ranks_outcome.message
 
 // ---- Checks inside a worker (a failed one throws, failing the worker) ----
 
