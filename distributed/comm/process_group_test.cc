@@ -590,7 +590,9 @@ TEST(GlooProcessGroup, WorkHandles) { EMBER_EXPECT_RANKS("work_api", 2); }
 // With `victim_code`: the last rank must exit with it (its own, 42/43),
 // every other rank must pass.
 mp::RunOptions failure_run(const std::string& arg, int world = 0, int victim_code = 0) {
-  mp::RunOptions o{.deadline = std::chrono::seconds(40), .arg = arg};
+  mp::RunOptions o;
+  o.arg = arg;
+  o.deadline = std::chrono::seconds(40);
   if (victim_code) o.expect_exit = {{world - 1, victim_code}};
   return o;
 }
