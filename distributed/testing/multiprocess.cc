@@ -115,6 +115,9 @@ void run_if_worker() {
   // Die with the parent: a killed test run must not leave workers behind.
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (std::to_string(getppid()) != env_or("EMBER_MP_PARENT", "")) _exit(3);
+  // Tells the parent that the entry test ran: a binary without it exits 0
+  // having run nothing.
+  if (const char* entered = std::getenv("EMBER_MP_ENTERED")) close(open(entered, O_WRONLY | O_CREAT, 0644));
 
   WorkerEnv env;
   env.scenario = env_or("EMBER_MP_SCENARIO", "");
@@ -228,6 +231,7 @@ std::vector<WorkerResult> run_workers(const std::string& scenario, int world_siz
         "EMBER_MP_STORE_HOST=127.0.0.1",
         "EMBER_MP_STORE_PORT=" + std::to_string(store.port()),
         "EMBER_MP_PARENT=" + std::to_string(getpid()),
+        "EMBER_MP_ENTERED=" + logs[r] + ".entered",
     };
     env.insert(env.end(), options.env.begin(), options.env.end());
     results[r].rank = r;
@@ -265,6 +269,15 @@ std::vector<WorkerResult> run_workers(const std::string& scenario, int world_siz
   for (int r = 0; r < world_size; ++r) {
     results[r].output = read_file(logs[r]);
     unlink(logs[r].c_str());
+    const std::string entered = logs[r] + ".entered";
+    if (access(entered.c_str(), F_OK) == 0) {
+      unlink(entered.c_str());
+    } else if (results[r].exit_code == 0) {
+      results[r].exit_code = 4;
+      results[r].output += "[rank " + std::to_string(r) +
+                           "] never reached run_if_worker: the test binary has no MultiProcessWorker.Entry (depend on "
+                           "//distributed/testing:worker_entry)\n";
+    }
   }
   return results;
 }

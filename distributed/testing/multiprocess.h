@@ -66,7 +66,8 @@ void init_world(const WorkerEnv& env, Millis timeout = Millis{0});
 bool is_worker();
 // In a worker: runs its scenario and exits the process (0 on success; 1 and
 // the exception's message on stderr when it throws; 2 for an unknown
-// scenario). Returns at once in any other process.
+// scenario; run_workers reports 4 for a worker that exited 0 without
+// getting here). Returns at once in any other process.
 void run_if_worker();
 
 struct RunOptions {

@@ -44,6 +44,13 @@ TEST(MultiProcess, ExpectedExitCodes) {
                           "rank 0: exit code 42, expected exit code 0");
 }
 
+// A binary whose workers never reach MultiProcessWorker.Entry (here: a
+// filter that selects nothing) exits 0 having run nothing: that fails.
+TEST(MultiProcess, AWorkerThatNeverReachesTheEntryFails) {
+  EXPECT_NONFATAL_FAILURE(EMBER_EXPECT_RANKS("maybe_fails", 2, {.argv = {"--gtest_filter=NoSuchTest.*"}}),
+                          "rank 1: exit code 4, expected exit code 0");
+}
+
 std::string error_of(const Tensor& got, const Tensor& want, double tol) {
   try {
     check_close(got, want, "t", tol);
