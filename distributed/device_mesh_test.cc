@@ -24,8 +24,6 @@ namespace mp = ::ember::distributed::testing;
 using ::ember::testing::error_of;
 using ::testing::HasSubstr;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 // Sum of (global rank + 1) over the group's members, by a collective.
 double group_sum(ProcessGroup& pg, int global_rank) {
   Tensor t = Tensor::from_vector({double(global_rank + 1)}, {1});
@@ -100,15 +98,9 @@ EMBER_WORKER(mesh_mismatch) {
   default_group()->barrier()->wait();
 }
 
-TEST(DeviceMesh, TwoByTwoCoordinatesGroupsAndSubmeshes) {
-  auto res = mp::run_workers("mesh_2x2", 4);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST(DeviceMesh, TwoByTwoCoordinatesGroupsAndSubmeshes) { EMBER_EXPECT_RANKS("mesh_2x2", 4); }
 
-TEST(DeviceMesh, RanksAskingForDifferentMeshesFailByDimension) {
-  auto res = mp::run_workers("mesh_mismatch", 2);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST(DeviceMesh, RanksAskingForDifferentMeshesFailByDimension) { EMBER_EXPECT_RANKS("mesh_mismatch", 2); }
 
 TEST(DeviceMesh, ShapeChecks) {
   EXPECT_THAT(error_of([] { check_mesh_shape({}, {}, 1); }), HasSubstr("the shape is empty"));
@@ -119,11 +111,6 @@ TEST(DeviceMesh, ShapeChecks) {
               HasSubstr("dimension 'tp' has size 0 in DeviceMesh(dp=2, tp=0)"));
   EXPECT_THAT(error_of([] { check_mesh_shape({4}, {""}, 4); }), HasSubstr("dimension 0 has an empty name"));
   EXPECT_EQ(error_of([] { check_mesh_shape({2, 2, 2}, {"pp", "dp", "tp"}, 8); }), "");
-}
-
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
-  mp::run_if_worker();
 }
 
 }  // namespace

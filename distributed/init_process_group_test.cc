@@ -30,8 +30,6 @@ namespace mp = ::ember::distributed::testing;
 using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 using ::ember::testing::error_of;
 
 // Rank r contributes r + 1; a group's sum is the sum over its members.
@@ -253,27 +251,23 @@ mp::RunOptions torchrun_options() {
 }
 
 TEST(InitProcessGroup, FromTorchrunEnvWithSubGroupsWorldSize3) {
-  auto res = mp::run_workers("init_from_env", 3, torchrun_options());
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("init_from_env", 3, torchrun_options());
 }
 
 TEST(InitProcessGroup, FromTorchrunEnvWithSubGroupsWorldSize2) {
-  auto res = mp::run_workers("init_from_env", 2, torchrun_options());
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("init_from_env", 2, torchrun_options());
 }
 
 TEST(InitProcessGroup, MismatchedWorldSizeIsNamedAtRendezvous) {
   for (const char* which : {"rank0_bigger", "rank1_bigger"}) {
     mp::RunOptions o = torchrun_options();
     o.arg = which;
-    auto res = mp::run_workers("world_size_mismatch", 2, o);
-    EXPECT_TRUE(mp::all_succeeded(res)) << which << ": " << mp::describe(res);
+    EMBER_EXPECT_RANKS("world_size_mismatch", 2, o);
   }
 }
 
 TEST(InitProcessGroup, DifferentTrainingConfigurationsFailOnEveryRank) {
-  auto res = mp::run_workers("config_check", 3, torchrun_options());
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("config_check", 3, torchrun_options());
 }
 
 TEST(InitProcessGroup, ADeadRankIsNamedWithinSecondsWithoutALauncher) {
@@ -282,20 +276,15 @@ TEST(InitProcessGroup, ADeadRankIsNamedWithinSecondsWithoutALauncher) {
     mp::RunOptions o = torchrun_options();
     o.arg = arg;
     o.deadline = 45s;
-    auto res = mp::run_workers("rank_dies_untended", 3, o);
-    const int victim = arg[std::string(arg).size() - 1] - '0';
-    for (const auto& r : res) EXPECT_EQ(r.exit_code, r.rank == victim ? 9 : 0) << mp::describe(res);
+    o.expect_exit = {{arg[std::string(arg).size() - 1] - '0', 9}};  // the victim, the arg's last digit
+    EMBER_EXPECT_RANKS("rank_dies_untended", 3, o);
   }
 }
 
-TEST(InitProcessGroup, ARankWithAnotherJobsTokenIsRefused) {
-  auto res = mp::run_workers("wrong_token", 2, torchrun_options());
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST(InitProcessGroup, ARankWithAnotherJobsTokenIsRefused) { EMBER_EXPECT_RANKS("wrong_token", 2, torchrun_options()); }
 
 TEST(InitProcessGroup, NewGroupWithDifferentListsFailsByName) {
-  auto res = mp::run_workers("new_group_mismatch", 2, torchrun_options());
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("new_group_mismatch", 2, torchrun_options());
 }
 
 // In-process: a world of one needs no launcher and no address.
@@ -372,11 +361,6 @@ TEST_F(SingleProcess, UnreachableMasterGivesUpAfterTheRendezvousTimeout) {
   EXPECT_THAT(msg, HasSubstr("rendezvous timeout 1000 ms (EMBER_RDZV_TIMEOUT_SEC)"));
   EXPECT_THAT(msg, HasSubstr("timeout 600000 ms (InitOptions::timeout)"));
   for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EMBER_RDZV_TIMEOUT_SEC"}) unsetenv(v);
-}
-
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
-  mp::run_if_worker();
 }
 
 }  // namespace

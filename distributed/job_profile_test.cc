@@ -30,8 +30,6 @@ namespace mp = testing;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 std::shared_ptr<nn::Module> make_mlp() {
   manual_seed(7);
   return std::make_shared<nn::Sequential>(std::vector<std::shared_ptr<nn::Module>>{
@@ -84,11 +82,6 @@ EMBER_WORKER(profiled_ddp) {
   }
 }
 
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point for worker processes";
-  mp::run_if_worker();
-}
-
 struct Ev {
   std::string name, cat;
   double ts, dur;
@@ -99,10 +92,7 @@ struct Ev {
 TEST(Trace, DdpStepOnTwoRanksGivesOneMergedTimeline) {
   const std::string dir = ::testing::TempDir() + "/trace_test_" + std::to_string(getpid());
   fs::remove_all(dir);
-  mp::RunOptions ro;
-  ro.arg = dir;
-  auto res = mp::run_workers("profiled_ddp", 2, ro);
-  ASSERT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_ASSERT_RANKS("profiled_ddp", 2, {.arg = dir});
 
   std::ifstream in(dir + "/trace.json");
   ASSERT_TRUE(in) << "no merged trace in " << dir;

@@ -28,8 +28,6 @@ namespace {
 
 namespace mp = ::ember::distributed::testing;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 class Net : public nn::Module {
  public:
   explicit Net(uint64_t seed) : nn::Module("Net") {
@@ -150,21 +148,14 @@ EMBER_WORKER(live_recover) {
               static_cast<long long>(r.bytes_sent));
 }
 
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes";
-  mp::run_if_worker();
-}
-
 TEST(LiveRecovery, ReplacementTakesItsReplicasStateAndTrainingContinuesBitwise) {
   for (const char* arg : {"victim=1", "victim=2"}) {
-    auto results = mp::run_workers("live_recover", 4, {.arg = arg});
-    EXPECT_TRUE(mp::all_succeeded(results)) << arg << "\n" << mp::describe(results);
+    EMBER_EXPECT_RANKS("live_recover", 4, {.arg = arg});
   }
 }
 
 TEST(LiveRecovery, SurvivorOneStepBehindCatchesUpFromItsReplica) {
-  auto results = mp::run_workers("live_recover", 4, {.arg = "behind=3"});
-  EXPECT_TRUE(mp::all_succeeded(results)) << mp::describe(results);
+  EMBER_EXPECT_RANKS("live_recover", 4, {.arg = "behind=3"});
 }
 
 TEST(LiveRecovery, NoReplicaIsAnErrorOnEveryRank) {

@@ -48,8 +48,6 @@ namespace {
 namespace mp = ::ember::distributed::testing;
 namespace fs = std::filesystem;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 // One fully_shard unit: sizes no world size of 2-4 divides.
 class Layer : public nn::Module {
  public:
@@ -161,11 +159,8 @@ void expect_equal(const nn::StateDict& got, const nn::StateDict& want, double to
   WCHECK(got.size() == want.size(), what, ": ", got.size(), " tensors vs ", want.size());
   for (const auto& [k, w] : want.items()) {
     const Tensor* g = got.find(k);
-    WCHECK(g && g->sizes() == w.sizes(), what, ": ", k);
-    auto gv = g->to(DType::Float64).to_vector(), wv = w.to(DType::Float64).to_vector();
-    for (size_t i = 0; i < gv.size(); ++i)
-      WCHECK(tol == 0 ? gv[i] == wv[i] : std::abs(gv[i] - wv[i]) <= tol * (1 + std::abs(wv[i])), what, ": ", k,
-             " element ", i, ": ", gv[i], " vs ", wv[i]);
+    WCHECK(g, what, ": ", k, " missing");
+    mp::check_close(*g, w, what + ": " + k, tol);
   }
 }
 
@@ -421,11 +416,6 @@ EMBER_WORKER(crash_job) {
   WCHECK(!second.ok(), "the save succeeded although rank ", victim, " died at ", stage);
 }
 
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes";
-  mp::run_if_worker();
-}
-
 class ShardedCheckpoint : public ::testing::Test {
  protected:
   // EMBER_SHARDED_TEST_DIR keeps the checkpoints there (tools/ckpt_test.sh).
@@ -443,10 +433,7 @@ class ShardedCheckpoint : public ::testing::Test {
   // Saves with `save_layout` on `n` ranks, or reuses an earlier save.
   std::string save(const std::string& layout, int n, const std::string& extra = "") {
     const std::string dir = (root_ / ("ckpt_" + std::to_string(counter_++))).string();
-    mp::RunOptions o;
-    o.arg = "phase=save,layout=" + layout + ",dir=" + dir + extra;
-    auto r = mp::run_workers("ckpt_job", n, o);
-    EXPECT_TRUE(mp::all_succeeded(r)) << mp::describe(r);
+    EMBER_EXPECT_RANKS("ckpt_job", n, {.arg = "phase=save,layout=" + layout + ",dir=" + dir + extra});
     return dir;
   }
   void load(const std::string& dir, const std::string& layout, int n) {
@@ -454,8 +441,7 @@ class ShardedCheckpoint : public ::testing::Test {
     auto index = read_checkpoint_index(dir);
     ASSERT_TRUE(index.ok()) << index.status();
     o.arg = "phase=load,layout=" + layout + ",dir=" + dir + ",saved_world=" + std::to_string(index->world_size);
-    auto r = mp::run_workers("ckpt_job", n, o);
-    EXPECT_TRUE(mp::all_succeeded(r)) << "loading into " << layout << " on " << n << " rank(s):\n" << mp::describe(r);
+    EMBER_EXPECT_RANKS("ckpt_job", n, o);
   }
   fs::path root_;
   int counter_ = 0;
@@ -612,10 +598,7 @@ TEST_F(ShardedCheckpoint, ReplicatedSavesLoadIntoShards) {
 // was called, although training went on changing it during the write.
 TEST_F(ShardedCheckpoint, AsyncSaveHoldsTheStateOfItsCall) {
   const std::string dir = (root_ / "async").string();
-  mp::RunOptions o;
-  o.arg = "phase=save_async,layout=fsdp:full,dir=" + dir;
-  auto r = mp::run_workers("ckpt_job", 2, o);
-  ASSERT_TRUE(mp::all_succeeded(r)) << mp::describe(r);
+  EMBER_ASSERT_RANKS("ckpt_job", 2, {.arg = "phase=save_async,layout=fsdp:full,dir=" + dir});
   EXPECT_TRUE(verify_checkpoint(dir).ok());
   load(dir, "fsdp:full", 3);
   load(dir, "ddp", 2);
@@ -696,10 +679,8 @@ TEST_F(ShardedCheckpoint, KilledRankLeavesThePreviousCheckpoint) {
     const std::string text((std::istreambuf_iterator<char>(trainer)), {});
     EXPECT_NE(text.find("\"step\": 1"), std::string::npos) << what << ": " << text;
     if (trial % 5 == 4) {  // a new job saves over it
-      mp::RunOptions s;
-      s.arg = "phase=save,layout=" + layout + ",dir=" + dir;
-      auto again = mp::run_workers("ckpt_job", world, s);
-      EXPECT_TRUE(mp::all_succeeded(again)) << what << ", then saving again:\n" << mp::describe(again);
+      EMBER_EXPECT_RANKS("ckpt_job", world, {.arg = "phase=save,layout=" + layout + ",dir=" + dir})
+          << what << ", then saving again";
       EXPECT_TRUE(verify_checkpoint(dir).ok()) << what;
     }
   }
@@ -770,10 +751,7 @@ TEST_F(ShardedCheckpoint, DamageIsNamed) {
 // once.
 TEST_F(ShardedCheckpoint, BoxShardedTensorsLoadInEveryLayout) {
   auto run = [&](const std::string& phase, const std::string& layout, int n, const std::string& dir) {
-    mp::RunOptions o;
-    o.arg = "phase=" + phase + ",layout=" + layout + ",dir=" + dir;
-    auto r = mp::run_workers("box_job", n, o);
-    EXPECT_TRUE(mp::all_succeeded(r)) << phase << " " << layout << " on " << n << ":\n" << mp::describe(r);
+    EMBER_EXPECT_RANKS("box_job", n, {.arg = "phase=" + phase + ",layout=" + layout + ",dir=" + dir});
   };
   const std::string boxes = (root_ / "boxes").string();
   run("save", "tp2x2", 4, boxes);

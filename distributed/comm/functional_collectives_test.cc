@@ -26,8 +26,6 @@ namespace {
 namespace mp = ::ember::distributed::testing;
 using ::ember::testing::error_of;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 // Rank r's input of `shape`, element i: a value no two (r, i) share.
 std::vector<double> input_of(int r, int64_t n) {
   std::vector<double> v;
@@ -169,15 +167,7 @@ EMBER_WORKER(functional) {
   pg->barrier()->wait();
 }
 
-TEST(FunctionalCollectives, ForwardAndBackwardOnThreeRanks) {
-  auto res = mp::run_workers("functional", 3);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
-
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
-  mp::run_if_worker();
-}
+TEST(FunctionalCollectives, ForwardAndBackwardOnThreeRanks) { EMBER_EXPECT_RANKS("functional", 3); }
 
 }  // namespace
 }  // namespace ember::distributed

@@ -32,8 +32,6 @@ using Clock = std::chrono::steady_clock;
 using Fn = std::function<double(int64_t)>;
 
 // Worker-side checks throw; the harness reports the message and line.
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 // Small integers: exact in every dtype (uint8, float16 and bfloat16
 // included), even summed over 4 ranks.
 double val(int r, int64_t i) { return static_cast<double>(i % 7 + r + 1); }
@@ -574,74 +572,55 @@ EMBER_WORKER(signature_mismatch) {
 class GlooWorlds : public ::testing::TestWithParam<int> {};
 
 TEST_P(GlooWorlds, EveryCollectiveDtypeAndSize) {
-  mp::RunOptions o;
-  o.deadline = std::chrono::seconds(240);
-  auto res = mp::run_workers("collectives", GetParam(), o);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("collectives", GetParam(), {.deadline = std::chrono::seconds(240)});
 }
 
-TEST_P(GlooWorlds, NonContiguousTensors) {
-  auto res = mp::run_workers("noncontiguous", GetParam());
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST_P(GlooWorlds, NonContiguousTensors) { EMBER_EXPECT_RANKS("noncontiguous", GetParam()); }
 
 TEST_P(GlooWorlds, SendRecv) {
   if (GetParam() < 2) GTEST_SKIP() << "send/recv needs two ranks";
-  auto res = mp::run_workers("p2p", GetParam());
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("p2p", GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, GlooWorlds, ::testing::Values(1, 2, 3, 4),
                          [](const ::testing::TestParamInfo<int>& i) { return "world" + std::to_string(i.param); });
 
-TEST(GlooProcessGroup, WorkHandles) {
-  auto res = mp::run_workers("work_api", 2);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST(GlooProcessGroup, WorkHandles) { EMBER_EXPECT_RANKS("work_api", 2); }
 
-// The victim's exit code is its own (42/43); every other rank must pass.
-void expect_survivors_pass(const std::vector<mp::WorkerResult>& res, int victim_code) {
-  for (size_t r = 0; r + 1 < res.size(); ++r) EXPECT_EQ(res[r].exit_code, 0) << mp::describe(res);
-  EXPECT_EQ(res.back().exit_code, victim_code) << mp::describe(res);
-}
-
-mp::RunOptions failure_run(const std::string& arg) {
+// With `victim_code`: the last rank must exit with it (its own, 42/43),
+// every other rank must pass.
+mp::RunOptions failure_run(const std::string& arg, int world = 0, int victim_code = 0) {
   mp::RunOptions o;
   o.arg = arg;
   o.deadline = std::chrono::seconds(40);
+  if (victim_code) o.expect_exit = {{world - 1, victim_code}};
   return o;
 }
 
 TEST(GlooProcessGroup, PeerDyingMidAllreduceFailsTheOthers) {
   for (int ws : {2, 3}) {
     for (const char* arg : {"check", "nocheck"}) {
-      SCOPED_TRACE(std::string("world ") + std::to_string(ws) + ", signatures " + arg);
-      expect_survivors_pass(mp::run_workers("peer_dies", ws, failure_run(arg)), 42);
+      EMBER_EXPECT_RANKS("peer_dies", ws, failure_run(arg, ws, 42));
     }
   }
 }
 
 TEST(GlooProcessGroup, AbortedPeerFailsTheOthersAtOnce) {
-  auto res = mp::run_workers("peer_aborts", 3, {.deadline = std::chrono::seconds(30)});
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("peer_aborts", 3, {.deadline = std::chrono::seconds(30)});
 }
 
 TEST(GlooProcessGroup, MissingPeerTimesOut) {
   for (const char* arg : {"check", "nocheck"}) {
-    SCOPED_TRACE(std::string("signatures ") + arg);
-    expect_survivors_pass(mp::run_workers("peer_hangs", 3, failure_run(arg)), 43);
+    EMBER_EXPECT_RANKS("peer_hangs", 3, failure_run(arg, 3, 43));
   }
 }
 
 TEST(GlooProcessGroup, SignatureMismatchNamesBothSides) {
-  auto res = mp::run_workers("signature_mismatch", 3, failure_run("numel"));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("signature_mismatch", 3, failure_run("numel"));
   mp::RunOptions by_env = failure_run("op");
   by_env.env = {"EMBER_DISTRIBUTED_DEBUG=DETAIL"};
-  res = mp::run_workers("signature_mismatch", 2, by_env);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-  res = mp::run_workers("signature_mismatch", 3, failure_run("dtype"));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("signature_mismatch", 2, by_env);
+  EMBER_EXPECT_RANKS("signature_mismatch", 3, failure_run("dtype"));
 }
 
 TEST(GlooProcessGroup, SignatureChecksAreOptIn) {
@@ -723,10 +702,5 @@ TEST_F(GlooSingle, CudaTensorsPointToNccl) {
 }
 
 // Where the spawned workers start (see multiprocess.h).
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
-  mp::run_if_worker();
-}
-
 }  // namespace
 }  // namespace ember::distributed

@@ -39,8 +39,6 @@ namespace {
 
 namespace mp = ::ember::distributed::testing;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 constexpr int64_t kB = 4, kT = 8, kVocab = 37;
 
 nn::GPTOptions gpt_options() {
@@ -159,12 +157,7 @@ EMBER_WORKER(compose) {
   default_group()->barrier()->wait();
 }
 
-void run(const std::string& arg) {
-  mp::RunOptions o;
-  o.arg = arg;
-  auto res = mp::run_workers("compose", 2, o);
-  EXPECT_TRUE(mp::all_succeeded(res)) << arg << "\n" << mp::describe(res);
-}
+void run(const std::string& arg) { EMBER_EXPECT_RANKS("compose", 2, {.arg = arg}); }
 
 TEST(CheckpointCompose, FsdpFull) { run("fsdp,policy=full"); }
 TEST(CheckpointCompose, FsdpSelective) { run("fsdp,policy=selective"); }
@@ -191,15 +184,7 @@ EMBER_WORKER(nested_unit) {
       msg);
 }
 
-TEST(CheckpointCompose, FsdpUnitInsideARegionIsRefused) {
-  auto res = mp::run_workers("nested_unit", 2);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
-
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes";
-  mp::run_if_worker();
-}
+TEST(CheckpointCompose, FsdpUnitInsideARegionIsRefused) { EMBER_EXPECT_RANKS("nested_unit", 2); }
 
 }  // namespace
 }  // namespace ember::distributed

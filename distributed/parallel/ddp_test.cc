@@ -42,8 +42,6 @@ namespace {
 namespace mp = ::ember::distributed::testing;
 using Clock = std::chrono::steady_clock;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 constexpr double kTol = 1e-5;
 
 std::shared_ptr<ProcessGroup> group(const mp::WorkerEnv& env, Millis timeout = std::chrono::seconds(60)) {
@@ -756,23 +754,17 @@ mp::RunOptions with_arg(const std::string& arg, int seconds = 120) {
 class DDPWorlds : public ::testing::TestWithParam<int> {};
 
 TEST_P(DDPWorlds, MlpMatchesSingleProcessOnTheWholeBatch) {
-  auto res = mp::run_workers("train", GetParam(), with_arg("model=mlp"));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("train", GetParam(), with_arg("model=mlp"));
 }
 
-TEST_P(DDPWorlds, ConvNetMatchesSingleProcess) {
-  auto res = mp::run_workers("train", GetParam(), with_arg("model=conv"));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST_P(DDPWorlds, ConvNetMatchesSingleProcess) { EMBER_EXPECT_RANKS("train", GetParam(), with_arg("model=conv")); }
 
 TEST_P(DDPWorlds, ChannelsLastConvNetMatchesSingleProcess) {
-  auto res = mp::run_workers("train", GetParam(), with_arg("model=convcl"));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("train", GetParam(), with_arg("model=convcl"));
 }
 
 TEST_P(DDPWorlds, ConvNetWithEvalBatchNormMatchesSingleProcess) {
-  auto res = mp::run_workers("train", GetParam(), with_arg("model=convbn"));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("train", GetParam(), with_arg("model=convbn"));
 }
 
 INSTANTIATE_TEST_SUITE_P(World, DDPWorlds, ::testing::Values(1, 2, 4));
@@ -780,62 +772,47 @@ INSTANTIATE_TEST_SUITE_P(World, DDPWorlds, ::testing::Values(1, 2, 4));
 // MLP parameter sizes in reverse order: 16, 192, 48, 768, 64, 512 bytes.
 // 1 KB caps (0.001 MiB = 1048.6 B): the bucket closes once it reaches the cap.
 TEST(DDP, SmallBucketsGiveTheSameResultAndLayout) {
-  auto res = mp::run_workers("train", 2, with_arg("model=mlp,cap=0.001,first=0.001,layout=[5 4 3 2 1][0]"));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("train", 2, with_arg("model=mlp,cap=0.001,first=0.001,layout=[5 4 3 2 1][0]"));
   // A smaller first bucket (524 B): [5 4 3 2] reaches it, the rest fits in 1 KB.
-  res = mp::run_workers("train", 2, with_arg("model=mlp,cap=0.001,first=0.0005,layout=[5 4 3 2][1 0]"));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("train", 2, with_arg("model=mlp,cap=0.001,first=0.0005,layout=[5 4 3 2][1 0]"));
   // Tiny caps: one parameter per bucket.
-  res = mp::run_workers("train", 2, with_arg("model=conv,cap=0.000001,first=0.000001,layout=[5][4][3][2][1][0]"));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("train", 2, with_arg("model=conv,cap=0.000001,first=0.000001,layout=[5][4][3][2][1][0]"));
   // Default caps: one bucket.
-  res = mp::run_workers("train", 2, with_arg("model=mlp,layout=[5 4 3 2 1 0]"));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("train", 2, with_arg("model=mlp,layout=[5 4 3 2 1 0]"));
 }
 
 TEST(DDP, WithoutOverlapGivesTheSameResult) {
   for (const char* arg : {"model=mlp,overlap=0", "model=conv,overlap=0,cap=0.001,first=0.001"}) {
     SCOPED_TRACE(arg);
-    auto res = mp::run_workers("train", 2, with_arg(arg));
-    EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+    EMBER_EXPECT_RANKS("train", 2, with_arg(arg));
   }
 }
 
 TEST(DDP, NoSyncAccumulatesLocallyThenSynchronizesTheSum) {
   for (int ws : {2, 3}) {
-    auto res = mp::run_workers("accumulate", ws, with_arg("no_sync"));
-    EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+    EMBER_EXPECT_RANKS("accumulate", ws, with_arg("no_sync"));
   }
 }
 
 TEST(DDP, GradientAccumulatorEqualsTheWholeBatch) {
   for (int ws : {2, 4}) {
-    auto res = mp::run_workers("accumulate", ws, with_arg("accumulator"));
-    EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+    EMBER_EXPECT_RANKS("accumulate", ws, with_arg("accumulator"));
   }
 }
 
 TEST(DDP, ParameterMismatchNamesTheParameterAndRanks) {
   for (int ws : {2, 3}) {
-    auto res = mp::run_workers("mismatch", ws, with_arg("", 60));
-    EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+    EMBER_EXPECT_RANKS("mismatch", ws, with_arg("", 60));
   }
 }
 
-TEST(DDP, UnusedParameterIsAnErrorNamingIt) {
-  auto res = mp::run_workers("unused", 2, with_arg("error", 60));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST(DDP, UnusedParameterIsAnErrorNamingIt) { EMBER_EXPECT_RANKS("unused", 2, with_arg("error", 60)); }
 
-TEST(DDP, FindUnusedParametersMatchesSingleProcess) {
-  auto res = mp::run_workers("unused", 2, with_arg("find"));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST(DDP, FindUnusedParametersMatchesSingleProcess) { EMBER_EXPECT_RANKS("unused", 2, with_arg("find")); }
 
 TEST(DDP, SyncBatchNormMatchesBatchNormOnTheWholeBatch) {
   for (int ws : {2, 3}) {
-    auto res = mp::run_workers("syncbn", ws, with_arg(""));
-    EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+    EMBER_EXPECT_RANKS("syncbn", ws, with_arg(""));
   }
 }
 
@@ -843,26 +820,22 @@ TEST(DDP, BuffersFollowRankZeroBeforeEachForwardUnlessDisabled) {
   for (const char* arg : {"1", "0"}) {
     SCOPED_TRACE(std::string("broadcast_buffers=") + arg);
     for (int ws : {2, 3}) {
-      auto res = mp::run_workers("buffers", ws, with_arg(arg));
-      EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+      EMBER_EXPECT_RANKS("buffers", ws, with_arg(arg));
     }
   }
 }
 
 TEST(DDP, DyingRankFailsTheOthersWithinTheTimeout) {
-  auto res = mp::run_workers("rank_dies", 3, with_arg("", 60));
-  ASSERT_EQ(res.size(), 3u);
-  EXPECT_EQ(res[0].exit_code, 0) << mp::describe(res);
-  EXPECT_EQ(res[1].exit_code, 0) << mp::describe(res);
-  EXPECT_EQ(res[2].exit_code, 42) << mp::describe(res);
+  mp::RunOptions o = with_arg("", 60);
+  o.expect_exit = {{2, 42}};
+  EMBER_EXPECT_RANKS("rank_dies", 3, o);
 }
 
 TEST(DDP, UnevenInputsJoinInsteadOfHanging) {
   for (int ws : {2, 3}) {
     for (const char* arg : {"plain", "accumulate"}) {
       SCOPED_TRACE(std::string("world ") + std::to_string(ws) + ", " + arg);
-      auto res = mp::run_workers("uneven", ws, with_arg(arg, 60));
-      EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+      EMBER_EXPECT_RANKS("uneven", ws, with_arg(arg, 60));
     }
   }
 }
@@ -870,8 +843,7 @@ TEST(DDP, UnevenInputsJoinInsteadOfHanging) {
 TEST(DDP, MixedPrecisionMatchesOneProcessOnTheWholeBatch) {
   for (const char* arg : {"fp16", "bf16", "fp16_accum"}) {
     SCOPED_TRACE(arg);
-    auto res = mp::run_workers("amp", 2, with_arg(arg, 60));
-    EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+    EMBER_EXPECT_RANKS("amp", 2, with_arg(arg, 60));
   }
 }
 
@@ -879,28 +851,15 @@ TEST(DDP, CompressionHooksReduceInTheLowDtype) {
   for (const char* arg : {"fp16", "bf16"})
     for (int ws : {2, 3}) {
       SCOPED_TRACE(std::string(arg) + " world " + std::to_string(ws));
-      auto res = mp::run_workers("compress", ws, with_arg(arg, 60));
-      EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+      EMBER_EXPECT_RANKS("compress", ws, with_arg(arg, 60));
     }
-  auto res = mp::run_workers("compress", 2, with_arg("bf16+join", 60));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("compress", 2, with_arg("bf16+join", 60));
 }
 
-TEST(DDP, ReplicateTransformsTheModuleInPlace) {
-  auto res = mp::run_workers("replicate_in_place", 2, with_arg("", 60));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST(DDP, ReplicateTransformsTheModuleInPlace) { EMBER_EXPECT_RANKS("replicate_in_place", 2, with_arg("", 60)); }
 
-TEST(DDP, ModelOutlivesItsWrapper) {
-  auto res = mp::run_workers("outlives_ddp", 1, with_arg("", 60));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST(DDP, ModelOutlivesItsWrapper) { EMBER_EXPECT_RANKS("outlives_ddp", 1, with_arg("", 60)); }
 
 // Where the spawned workers start (see multiprocess.h).
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
-  mp::run_if_worker();
-}
-
 }  // namespace
 }  // namespace ember::distributed

@@ -21,8 +21,6 @@ namespace {
 
 namespace mp = ::ember::distributed::testing;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 // 7 + 5 + 1 = 13 elements: divisible by none of 2, 3, 4.
 std::vector<std::pair<std::string, Shape>> layout() { return {{"a.weight", {7}}, {"b.weight", {5}}, {"c.bias", {1}}}; }
 
@@ -205,14 +203,8 @@ EMBER_WORKER(flat_collectives) {
 
 TEST(FlatBuffer, GatherAndReduceScatterAcrossRanks) {
   for (int ws : {2, 3, 4}) {
-    auto res = mp::run_workers("flat_collectives", ws);
-    EXPECT_TRUE(mp::all_succeeded(res)) << "world " << ws << "\n" << mp::describe(res);
+    EMBER_EXPECT_RANKS("flat_collectives", ws);
   }
-}
-
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
-  mp::run_if_worker();
 }
 
 }  // namespace

@@ -29,8 +29,6 @@ namespace {
 namespace mp = ::ember::distributed::testing;
 using json = nlohmann::json;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 // torch.nn.Sequential(Linear(16, 12), Tanh(), Linear(12, 8)), its names.
 class Net : public nn::Module {
  public:
@@ -102,15 +100,9 @@ EMBER_WORKER(torch_match) {
   WCHECK(state->iter() == 6, "iter ", state->iter());
 }
 
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes";
-  mp::run_if_worker();
-}
-
 TEST(PowerSGD, MatchesPyTorchsHook) {
   for (const char* r : {"2", "4"}) {
-    auto res = mp::run_workers("torch_match", 2, {.arg = r});
-    EXPECT_TRUE(mp::all_succeeded(res)) << "rank " << r << "\n" << mp::describe(res);
+    EMBER_EXPECT_RANKS("torch_match", 2, {.arg = r});
   }
 }
 
@@ -188,15 +180,9 @@ EMBER_WORKER(channels_last) {
   WCHECK(from_mean > 1e-3, "the hook returned the plain mean (difference ", from_mean, "): nothing was compressed");
 }
 
-TEST(PowerSGD, ChannelsLastGradientsCompressAsTheirMemory) {
-  auto res = mp::run_workers("channels_last", 2);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST(PowerSGD, ChannelsLastGradientsCompressAsTheirMemory) { EMBER_EXPECT_RANKS("channels_last", 2); }
 
-TEST(PowerSGD, SendsRankTimesRowsPlusColumns) {
-  auto res = mp::run_workers("wire_bytes", 2);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST(PowerSGD, SendsRankTimesRowsPlusColumns) { EMBER_EXPECT_RANKS("wire_bytes", 2); }
 
 TEST(PowerSGD, GramSchmidtAgainstFloat64) {
   const int64_t n = 7, r = 3;

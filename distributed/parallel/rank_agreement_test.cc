@@ -31,8 +31,6 @@ namespace {
 
 namespace mp = ::ember::distributed::testing;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 constexpr int kParams = 4;
 constexpr int kSteps = 5;
 constexpr int kInfStep = 2;  // the step whose gradient holds an inf, on the last rank's shard only
@@ -174,26 +172,22 @@ EMBER_WORKER(sharded_clip) {
 
 TEST(ShardedClipGradNorm, TheGlobalNormOverRanksEqualsOneProcess) {
   for (int ws : {2, 3}) {
-    auto res = mp::run_workers("sharded_clip", ws);
-    EXPECT_TRUE(mp::all_succeeded(res)) << "world " << ws << "\n" << mp::describe(res);
+    EMBER_EXPECT_RANKS("sharded_clip", ws);
   }
 }
 
 TEST(ShardedGradScaler, EveryRankSkipsWhenOneShardHoldsAnInf) {
   for (int ws : {2, 3}) {
-    auto res = mp::run_workers("sharded_scaler", ws, with_arg("sync"));
-    EXPECT_TRUE(mp::all_succeeded(res)) << "world " << ws << "\n" << mp::describe(res);
+    EMBER_EXPECT_RANKS("sharded_scaler", ws, with_arg("sync"));
   }
 }
 
 TEST(ShardedGradScaler, ARankWithoutGradientsStillTakesPartInTheAgreement) {
-  auto res = mp::run_workers("sharded_scaler", 3, with_arg("empty"));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("sharded_scaler", 3, with_arg("empty"));
 }
 
 TEST(ShardedGradScaler, WithoutTheAgreementTheRanksDiverge) {
-  auto res = mp::run_workers("sharded_scaler", 2, with_arg("nosync"));
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("sharded_scaler", 2, with_arg("nosync"));
 }
 
 TEST(ShardedGradScaler, TheHookChecksItsArgument) {
@@ -209,10 +203,5 @@ TEST(ShardedGradScaler, TheHookChecksItsArgument) {
 }
 
 // Where the spawned workers start (see multiprocess.h).
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
-  mp::run_if_worker();
-}
-
 }  // namespace
 }  // namespace ember::distributed

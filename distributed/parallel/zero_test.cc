@@ -41,8 +41,6 @@ namespace {
 namespace mp = ::ember::distributed::testing;
 using Clock = std::chrono::steady_clock;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 // Sizes that no world size of 2-4 divides (5*7+7 + 7*3+3 = 66, + 3*2+2).
 class Net : public nn::Module {
  public:
@@ -70,20 +68,13 @@ std::unique_ptr<optim::Optimizer> make_opt(const std::string& kind, std::vector<
   return std::make_unique<optim::Adam>(std::move(groups), optim::AdamOptions{.lr = 0.01, .amsgrad = true});
 }
 
-void expect_equal(const Tensor& got, const Tensor& want, const std::string& what) {
-  WCHECK(got.sizes() == want.sizes(), what, ": shape ", shape_str(got.sizes()), " vs ", shape_str(want.sizes()));
-  std::vector<double> g = got.to_vector(), w = want.to_vector();
-  for (size_t i = 0; i < g.size(); ++i)
-    WCHECK(g[i] == w[i], what, " element ", i, ": ", g[i], " (ZeRO) vs ", w[i], " (plain)");
-}
-
 void expect_same_state(const optim::OptimizerStateDict& got, const optim::OptimizerStateDict& want) {
   WCHECK(got.state.size() == want.state.size(), got.state.size(), " state entries vs ", want.state.size());
   for (size_t i = 0; i < got.state.size(); ++i) {
     WCHECK(got.state[i].first == want.state[i].first, "entry ", i, ": ", got.state[i].first, " vs ",
            want.state[i].first);
-    expect_equal(got.state[i].second.reshape(want.state[i].second.sizes()), want.state[i].second,
-                 got.state[i].first);
+    mp::check_close(got.state[i].second.reshape(want.state[i].second.sizes()), want.state[i].second, got.state[i].first,
+                    0);
   }
   WCHECK(got.param_groups.size() == want.param_groups.size(), "group count");
   for (size_t g = 0; g < got.param_groups.size(); ++g) {
@@ -173,8 +164,8 @@ EMBER_WORKER(equals_ddp) {
     }
     auto zp = zero_model->named_parameters(), pp = plain_model->named_parameters();
     for (size_t k = 0; k < zp.size(); ++k)
-      expect_equal(zp[k].second, pp[k].second, "step " + std::to_string(s) + " rank " + std::to_string(r) + " " +
-                                                   zp[k].first);
+      mp::check_close(zp[k].second, pp[k].second,
+                      "step " + std::to_string(s) + " rank " + std::to_string(r) + " " + zp[k].first, 0);
   }
   if (unused) WCHECK(!zero_model->unused->weight.grad().defined(), "the unused layer got a gradient");
   // State: consolidated onto rank 0, equal to the plain optimizer's.
@@ -231,16 +222,13 @@ EMBER_WORKER(equals_ddp) {
   fresh.step();
   plain->step();
   auto fp = fresh_model->named_parameters(), pp = plain_model->named_parameters();
-  for (size_t k = 0; k < fp.size(); ++k) expect_equal(fp[k].second, pp[k].second, "after load: " + fp[k].first);
+  for (size_t k = 0; k < fp.size(); ++k) mp::check_close(fp[k].second, pp[k].second, "after load: " + fp[k].first, 0);
 }
 
 TEST(ZeroRedundancyOptimizer, EqualsDdpWithTheUnshardedOptimizer) {
   for (int ws : {2, 3, 4})
     for (const char* opt : {"sgd", "adam", "adamw"}) {
-      mp::RunOptions o;
-      o.arg = std::string("opt=") + opt;
-      auto res = mp::run_workers("equals_ddp", ws, o);
-      EXPECT_TRUE(mp::all_succeeded(res)) << "world " << ws << " " << opt << "\n" << mp::describe(res);
+      EMBER_EXPECT_RANKS("equals_ddp", ws, {.arg = std::string("opt=") + opt});
     }
 }
 
@@ -269,18 +257,14 @@ EMBER_WORKER(state_bound) {
 
 TEST(ZeroRedundancyOptimizer, StateBytesPerRankAreAtMost1_05xFullOverN) {
   for (int ws : {1, 2, 3, 4}) {
-    auto res = mp::run_workers("state_bound", ws);
-    EXPECT_TRUE(mp::all_succeeded(res)) << "world " << ws << "\n" << mp::describe(res);
+    EMBER_EXPECT_RANKS("state_bound", ws);
   }
 }
 
 TEST(ZeroRedundancyOptimizer, WithAccumulationUnusedParametersAndASchedule) {
   for (const char* arg : {"opt=adamw,accum=3", "opt=adam,unused=1", "opt=sgd,unused=1,accum=2,sched=1",
                           "opt=adam,dtype=bf16", "opt=sgd,dtype=bf16,accum=2", "opt=adamw,scaler=1,accum=2"}) {
-    mp::RunOptions o;
-    o.arg = arg;
-    auto res = mp::run_workers("equals_ddp", 3, o);
-    EXPECT_TRUE(mp::all_succeeded(res)) << arg << "\n" << mp::describe(res);
+    EMBER_EXPECT_RANKS("equals_ddp", 3, {.arg = arg});
   }
 }
 
@@ -319,11 +303,7 @@ EMBER_WORKER(dies_in_allgather) {
 
 TEST(ZeroRedundancyOptimizer, ARankDyingInTheParameterAllGatherFailsTheOthersFast) {
   for (int ws : {2, 3}) {
-    mp::RunOptions o;
-    o.deadline = std::chrono::seconds(40);
-    auto res = mp::run_workers("dies_in_allgather", ws, o);
-    for (int r = 0; r + 1 < ws; ++r) EXPECT_EQ(res[r].exit_code, 0) << mp::describe(res);
-    EXPECT_EQ(res.back().exit_code, 42) << mp::describe(res);
+    EMBER_EXPECT_RANKS("dies_in_allgather", ws, {.deadline = std::chrono::seconds(40), .expect_exit = {{ws - 1, 42}}});
   }
 }
 
@@ -357,11 +337,6 @@ TEST(ZeroRedundancyOptimizer, ConstructionErrors) {
   }
   EXPECT_EQ(q.to_vector(), ref.to_vector());
   EXPECT_EQ(z.name(), "ZeroRedundancyOptimizer(Adam)");
-}
-
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
-  mp::run_if_worker();
 }
 
 }  // namespace

@@ -28,8 +28,6 @@ namespace {
 namespace mp = ::ember::distributed::testing;
 using ::ember::testing::error_of;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 Tensor pattern(const Shape& shape, double a, double b) {
   int64_t n = 1;
   for (int64_t s : shape) n *= s;
@@ -63,13 +61,6 @@ Tensor local_of(const Tensor& global, const DeviceMesh& mesh, const std::vector<
   return x.contiguous();
 }
 
-void expect_near(const Tensor& got, const Tensor& want, const std::string& what) {
-  WCHECK(got.sizes() == want.sizes(), what, ": shape ", shape_str(got.sizes()), " vs ", shape_str(want.sizes()));
-  const auto g = got.to(DType::Float64).to_vector(), w = want.to(DType::Float64).to_vector();
-  for (size_t i = 0; i < g.size(); ++i)
-    WCHECK(std::abs(g[i] - w[i]) <= 1e-9 * (1 + std::abs(w[i])), what, " element ", i, ": ", g[i], " vs ", w[i]);
-}
-
 // Every pair of `options` per mesh dimension, for tensors of `shape`.
 void all_pairs(const std::shared_ptr<DeviceMesh>& mesh, const Shape& shape) {
   const std::vector<Placement> one = {Replicate(), Shard(0), Shard(1), Partial()};
@@ -95,14 +86,14 @@ void all_pairs(const std::shared_ptr<DeviceMesh>& mesh, const Shape& shape) {
       bool partial = false;
       for (const Placement& p : tgt) partial = partial || p.is_partial();
       if (partial)
-        expect_near(y.full_tensor(), global, what + " (full tensor)");
+        mp::check_close(y.full_tensor(), global, what + " (full tensor)", 1e-9);
       else
-        expect_near(y.to_local(), local_of(global, *mesh, tgt), what);
+        mp::check_close(y.to_local(), local_of(global, *mesh, tgt), what, 1e-9);
       // The loss <W, y>: each rank weighs its local part by its box of W
       // (a Partial output's addends each by the whole W).
       Tensor w = box_of(W, y.spec()->region.box);
       sum(y.to_local() * w).backward();
-      expect_near(x.grad(), box_of(W, d.spec()->region.box), what + " gradient");
+      mp::check_close(x.grad(), box_of(W, d.spec()->region.box), what + " gradient", 1e-9);
     }
   }
 }
@@ -122,15 +113,9 @@ EMBER_WORKER(pairs_2d) {
   default_group()->barrier()->wait();
 }
 
-TEST(DTensor, RedistributeEveryPairOnThreeRanks) {
-  auto res = mp::run_workers("pairs_1d", 3);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST(DTensor, RedistributeEveryPairOnThreeRanks) { EMBER_EXPECT_RANKS("pairs_1d", 3); }
 
-TEST(DTensor, RedistributeEveryPairOnATwoByTwoMesh) {
-  auto res = mp::run_workers("pairs_2d", 4);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST(DTensor, RedistributeEveryPairOnATwoByTwoMesh) { EMBER_EXPECT_RANKS("pairs_2d", 4); }
 
 EMBER_WORKER(api) {
   mp::init_world(env);
@@ -140,14 +125,14 @@ EMBER_WORKER(api) {
   Tensor mine = pattern({7, 2}, 0.5, r);
   DTensor d = distribute_tensor(mine, mesh, {Shard(0)});
   const Tensor root = pattern({7, 2}, 0.5, 0);
-  expect_near(d.to_local(), box_of(root, d.spec()->region.box), "distribute_tensor");
-  expect_near(d.full_tensor(), root, "full_tensor");
+  mp::check_close(d.to_local(), box_of(root, d.spec()->region.box), "distribute_tensor", 1e-9);
+  mp::check_close(d.full_tensor(), root, "full_tensor", 1e-9);
   WCHECK(d.to_string() ==
              "DTensor([7,2] [Shard(0)] on DeviceMesh(tp=3), local " + std::string(r == 2 ? "[1,2]" : "[3,2]") + ")",
          d.to_string());
   // src_data_rank -1 keeps each rank's own values.
   DTensor own = distribute_tensor(mine, mesh, {Replicate()}, -1);
-  expect_near(own.to_local(), mine, "src_data_rank -1");
+  mp::check_close(own.to_local(), mine, "src_data_rank -1", 1e-9);
   // A local part the chunk rule does not give names the rank and shapes.
   const std::string e = error_of([&] { from_local(zeros({3, 2}), mesh, {Shard(0)}, Shape{7, 2}); });
   if (r == 2)
@@ -173,44 +158,36 @@ EMBER_WORKER(api) {
              g3.spec()->parts[2].box.offsets == Shape({6 + r, 0}),
          g3.spec()->to_string());
   for (int b = 0; b < 3; ++b)
-    expect_near(g3.to_local().narrow(0, b, 1), qkv.detach().narrow(0, 3 * b + r, 1), "grouped local");
+    mp::check_close(g3.to_local().narrow(0, b, 1), qkv.detach().narrow(0, 3 * b + r, 1), "grouped local", 1e-9);
   Tensor g3l = g3.to_local().detach().clone().requires_grad_();
   Tensor g3full = from_local(g3l, mesh, {Shard(0, 3)}, Shape{9, 2}).full_tensor();
-  expect_near(g3full, qkv.detach(), "grouped full_tensor");
+  mp::check_close(g3full, qkv.detach(), "grouped full_tensor", 1e-9);
   sum(g3full * pattern({9, 2}, 0.1, 3)).backward();
   Tensor gw = pattern({9, 2}, 0.1, 3);
-  expect_near(g3l.grad(), cat({gw.narrow(0, r, 1), gw.narrow(0, 3 + r, 1), gw.narrow(0, 6 + r, 1)}, 0),
-              "grouped gradient");
+  mp::check_close(g3l.grad(), cat({gw.narrow(0, r, 1), gw.narrow(0, 3 + r, 1), gw.narrow(0, 6 + r, 1)}, 0),
+                  "grouped gradient", 1e-9);
   DTensor g2 = distribute_tensor(pattern({6, 2}, 0.4, 0), mesh, {Shard(0, 3)});
   WCHECK(g2.to_local().size(0) == (r == 2 ? 0 : 3), g2.to_string());
-  expect_near(g2.full_tensor(), pattern({6, 2}, 0.4, 0), "grouped, uneven full_tensor");
+  mp::check_close(g2.full_tensor(), pattern({6, 2}, 0.4, 0), "grouped, uneven full_tensor", 1e-9);
   // grad_placements: Replicate -> Replicate with a Partial gradient is the
   // identity forward and an all-reduce backward (Megatron's f); the
   // reverse pair (Partial -> Replicate) all-reduces forward, and its
   // gradient passes through (g).
   Tensor x = pattern({3}, 0.2, 1.0).requires_grad_();
   DTensor f = from_local(x, mesh, {Replicate()}).redistribute({Replicate()}, std::vector<Placement>{Partial()});
-  expect_near(f.to_local(), pattern({3}, 0.2, 1.0), "f forward");
+  mp::check_close(f.to_local(), pattern({3}, 0.2, 1.0), "f forward", 1e-9);
   sum(f.to_local() * pattern({3}, 0.3, r)).backward();
   Tensor want = pattern({3}, 0.3, 0) + pattern({3}, 0.3, 1) + pattern({3}, 0.3, 2);
-  expect_near(x.grad(), want, "f backward: the sum of every rank's gradient");
+  mp::check_close(x.grad(), want, "f backward: the sum of every rank's gradient", 1e-9);
   Tensor p = pattern({3}, 0.2, r).requires_grad_();
   DTensor g = from_local(p, mesh, {Partial()}).redistribute({Replicate()});
-  expect_near(g.to_local(), pattern({3}, 0.2, 0) + pattern({3}, 0.2, 1) + pattern({3}, 0.2, 2), "g forward");
+  mp::check_close(g.to_local(), pattern({3}, 0.2, 0) + pattern({3}, 0.2, 1) + pattern({3}, 0.2, 2), "g forward", 1e-9);
   sum(g.to_local() * pattern({3}, 0.3, 7)).backward();
-  expect_near(p.grad(), pattern({3}, 0.3, 7), "g backward: the replicated gradient");
+  mp::check_close(p.grad(), pattern({3}, 0.3, 7), "g backward: the replicated gradient", 1e-9);
   default_group()->barrier()->wait();
 }
 
-TEST(DTensor, DistributeFromLocalGradPlacementsAndErrors) {
-  auto res = mp::run_workers("api", 3);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
-
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
-  mp::run_if_worker();
-}
+TEST(DTensor, DistributeFromLocalGradPlacementsAndErrors) { EMBER_EXPECT_RANKS("api", 3); }
 
 }  // namespace
 }  // namespace ember::distributed

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -47,7 +48,7 @@ const char* env_or(const char* name, const char* fallback) {
 // files belong to the parent.
 bool dropped(const std::string& kv) {
   static const char* kDrop[] = {"GTEST_SHARD_INDEX=", "GTEST_TOTAL_SHARDS=", "TEST_SHARD_STATUS_FILE=",
-                                "XML_OUTPUT_FILE=", "GTEST_OUTPUT=", "TEST_PREMATURE_EXIT_FILE=",
+                                "XML_OUTPUT_FILE=",   "GTEST_OUTPUT=",       "TEST_PREMATURE_EXIT_FILE=",
                                 "EMBER_MP_"};
   for (const char* p : kDrop)
     if (kv.rfind(p, 0) == 0) return true;
@@ -114,6 +115,9 @@ void run_if_worker() {
   // Die with the parent: a killed test run must not leave workers behind.
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (std::to_string(getppid()) != env_or("EMBER_MP_PARENT", "")) _exit(3);
+  // Tells the parent that the entry test ran: a binary without it exits 0
+  // having run nothing.
+  if (const char* entered = std::getenv("EMBER_MP_ENTERED")) close(open(entered, O_WRONLY | O_CREAT, 0644));
 
   WorkerEnv env;
   env.scenario = env_or("EMBER_MP_SCENARIO", "");
@@ -227,6 +231,7 @@ std::vector<WorkerResult> run_workers(const std::string& scenario, int world_siz
         "EMBER_MP_STORE_HOST=127.0.0.1",
         "EMBER_MP_STORE_PORT=" + std::to_string(store.port()),
         "EMBER_MP_PARENT=" + std::to_string(getpid()),
+        "EMBER_MP_ENTERED=" + logs[r] + ".entered",
     };
     env.insert(env.end(), options.env.begin(), options.env.end());
     results[r].rank = r;
@@ -264,6 +269,15 @@ std::vector<WorkerResult> run_workers(const std::string& scenario, int world_siz
   for (int r = 0; r < world_size; ++r) {
     results[r].output = read_file(logs[r]);
     unlink(logs[r].c_str());
+    const std::string entered = logs[r] + ".entered";
+    if (access(entered.c_str(), F_OK) == 0) {
+      unlink(entered.c_str());
+    } else if (results[r].exit_code == 0) {
+      results[r].exit_code = 4;
+      results[r].output += "[rank " + std::to_string(r) +
+                           "] never reached run_if_worker: the test binary has no MultiProcessWorker.Entry (depend on "
+                           "//distributed/testing:worker_entry)\n";
+    }
   }
   return results;
 }
@@ -278,13 +292,61 @@ std::string describe(const std::vector<WorkerResult>& results) {
   std::ostringstream os;
   for (const auto& r : results) {
     os << "---- rank " << r.rank << ": ";
-    if (r.killed_at_deadline) os << "KILLED at the deadline (hung?)";
-    else if (r.signal) os << "killed by signal " << r.signal << " (" << strsignal(r.signal) << ")";
-    else os << "exit code " << r.exit_code;
+    if (r.killed_at_deadline)
+      os << "KILLED at the deadline (hung?)";
+    else if (r.signal)
+      os << "killed by signal " << r.signal << " (" << strsignal(r.signal) << ")";
+    else
+      os << "exit code " << r.exit_code;
     os << " after " << r.seconds << " s\n" << r.output;
     if (!r.output.empty() && r.output.back() != '\n') os << '\n';
   }
   return os.str();
+}
+
+RanksOutcome check_workers(const std::string& scenario, int world_size, const RunOptions& options) {
+  const std::vector<WorkerResult> results = run_workers(scenario, world_size, options);
+  std::ostringstream bad;
+  for (const auto& r : results) {
+    auto it = options.expect_exit.find(r.rank);
+    const int want = it == options.expect_exit.end() ? 0 : it->second;
+    if (r.exit_code == want && !r.killed_at_deadline) continue;
+    bad << "\n  rank " << r.rank << ": ";
+    if (r.killed_at_deadline)
+      bad << "KILLED at the deadline (hung?)";
+    else if (r.signal)
+      bad << "killed by signal " << r.signal << " (" << strsignal(r.signal) << ")";
+    else
+      bad << "exit code " << r.exit_code;
+    bad << ", expected exit code " << want;
+  }
+  RanksOutcome out;
+  out.ok = bad.str().empty();
+  if (!out.ok) {
+    std::ostringstream os;
+    os << "scenario '" << scenario << "' on " << world_size << (world_size == 1 ? " rank" : " ranks");
+    if (!options.arg.empty()) os << ", arg '" << options.arg << "'";
+    os << ":" << bad.str() << "\n" << describe(results);
+    out.message = os.str();
+  }
+  return out;
+}
+
+void check_close(const Tensor& got, const Tensor& want, const std::string& what, double tol) {
+  EMBER_CHECK(got.defined() && want.defined(), what, ": got ", got.defined() ? "a tensor" : "undefined", ", want ",
+              want.defined() ? "a tensor" : "undefined");
+  EMBER_CHECK(got.sizes() == want.sizes(), what, ": shape ", shape_str(got.sizes()), " vs ", shape_str(want.sizes()));
+  const std::vector<double> g = got.to(DType::Float64).to_vector(), w = want.to(DType::Float64).to_vector();
+  size_t first = g.size(), worst = 0;
+  double max_diff = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const double d = std::fabs(g[i] - w[i]);
+    if (!(d <= tol * (1 + std::fabs(w[i]))) && first == g.size()) first = i;
+    if (d > max_diff || (std::isnan(d) && !std::isnan(max_diff))) max_diff = d, worst = i;
+  }
+  EMBER_CHECK(first == g.size(), what, ": element ", first, ": ", g[first], " vs ", w[first], " wanted, |diff| ",
+              std::fabs(g[first] - w[first]), " > ", tol, " * (1 + |want|); max |diff| ", max_diff, " at element ",
+              worst, " of ", g.size());
 }
 
 void init_world(const WorkerEnv& env, Millis timeout) {

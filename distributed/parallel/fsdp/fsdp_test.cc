@@ -47,8 +47,6 @@ namespace {
 
 namespace mp = ::ember::distributed::testing;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 class Block : public nn::Module {
  public:
   Block(int d, int h) : nn::Module("Block") {
@@ -93,14 +91,6 @@ std::vector<Tensor> trainable(nn::Module& m) {
   for (auto& p : m.parameters())
     if (p.requires_grad()) out.push_back(p);
   return out;
-}
-
-void expect_close(const Tensor& got, const Tensor& want, const std::string& what, double tol) {
-  WCHECK(got.sizes() == want.sizes(), what, ": shape ", shape_str(got.sizes()), " vs ", shape_str(want.sizes()));
-  auto g = got.to(DType::Float64).to_vector(), w = want.to(DType::Float64).to_vector();
-  for (size_t i = 0; i < g.size(); ++i)
-    WCHECK(std::abs(g[i] - w[i]) <= tol * (1.0 + std::abs(w[i])), what, " element ", i, ": ", g[i], " (FSDP) vs ", w[i],
-           " (one process)");
 }
 
 struct Config {
@@ -268,7 +258,7 @@ EMBER_WORKER(equivalence) {
     WCHECK(got.size() == want.size(), got.size(), " entries vs ", want.size());
     for (auto& [name, t] : want.items()) {
       WCHECK(got.contains(name), "missing ", name);
-      expect_close(*got.find(name), t, name, tol);
+      mp::check_close(*got.find(name), t, name, tol);
     }
     if (!c.bf16) {
       auto want_opt = ref.opt->state_dict();
@@ -277,7 +267,7 @@ EMBER_WORKER(equivalence) {
       for (size_t i = 0; i < want_opt.state.size(); ++i) {
         WCHECK(sd_opt.state[i].first == want_opt.state[i].first, sd_opt.state[i].first, " vs ",
                want_opt.state[i].first);
-        expect_close(sd_opt.state[i].second, want_opt.state[i].second, want_opt.state[i].first, 1e-4);
+        mp::check_close(sd_opt.state[i].second, want_opt.state[i].second, want_opt.state[i].first, 1e-4);
       }
       WCHECK(sd_opt.param_groups[0].param_names == want_opt.param_groups[0].param_names, "param names differ");
     }
@@ -294,10 +284,7 @@ struct Case {
 
 void run_cases(const std::vector<Case>& cases) {
   for (const auto& [ws, arg] : cases) {
-    mp::RunOptions o;
-    o.arg = arg;
-    auto res = mp::run_workers("equivalence", ws, o);
-    EXPECT_TRUE(mp::all_succeeded(res)) << ws << " ranks, " << arg << "\n" << mp::describe(res);
+    EMBER_EXPECT_RANKS("equivalence", ws, {.arg = arg});
   }
 }
 
@@ -378,7 +365,7 @@ EMBER_WORKER(state_dict_roundtrip) {
   const nn::StateDict want = ref.net->state_dict();
   for (auto& [name, t] : want.items()) {
     WCHECK(got.contains(name), "missing ", name);
-    expect_close(*got.find(name), t, name, 2e-5);
+    mp::check_close(*got.find(name), t, name, 2e-5);
   }
 
   // Errors name the entry, and nothing is written before every entry is checked.
@@ -392,16 +379,13 @@ EMBER_WORKER(state_dict_roundtrip) {
   }
   WCHECK(msg.find("b1.fc2.weight") != std::string::npos && msg.find("[2,2]") != std::string::npos, msg);
   nn::StateDict after = full_state_dict(*fsdp2, all);
-  for (auto& [name, t] : got.items()) expect_close(*after.find(name), t, name + " (after a refused load)", 0.0);
+  for (auto& [name, t] : got.items()) mp::check_close(*after.find(name), t, name + " (after a refused load)", 0.0);
   destroy_process_group();
 }
 
 TEST(FullyShard, FullStateDictsLoadIntoAnotherStrategy) {
   for (auto [ws, to] : std::vector<std::pair<int, std::string>>{{2, "grad_op"}, {3, "no_shard"}, {3, "full"}}) {
-    mp::RunOptions o;
-    o.arg = "to=" + to;
-    auto res = mp::run_workers("state_dict_roundtrip", ws, o);
-    EXPECT_TRUE(mp::all_succeeded(res)) << ws << " ranks, to " << to << "\n" << mp::describe(res);
+    EMBER_EXPECT_RANKS("state_dict_roundtrip", ws, {.arg = "to=" + to});
   }
 }
 
@@ -570,8 +554,7 @@ TEST(FullyShard, WrappingAnInnerModuleAfterItsRootIsAnError) {
 }
 
 TEST(FullyShard, MismatchedUnitsAcrossRanksFailAtWrapTimeNamingTheModule) {
-  auto res = mp::run_workers("structure_mismatch", 2);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("structure_mismatch", 2);
 }
 
 // The last rank dies in the middle of an all-gather (backward's re-gather)
@@ -606,12 +589,7 @@ EMBER_WORKER(dies) {
 
 TEST(FullyShard, ARankDyingInACollectiveFailsTheOthersFast) {
   for (std::string op : {"allgather_into_tensor", "reduce_scatter_tensor"}) {
-    mp::RunOptions o;
-    o.deadline = std::chrono::seconds(40);
-    o.arg = "op=" + op;
-    auto res = mp::run_workers("dies", 3, o);
-    for (int r = 0; r < 2; ++r) EXPECT_EQ(res[r].exit_code, 0) << op << "\n" << mp::describe(res);
-    EXPECT_EQ(res.back().exit_code, 42) << op << "\n" << mp::describe(res);
+    EMBER_EXPECT_RANKS("dies", 3, {.deadline = std::chrono::seconds(40), .arg = "op=" + op, .expect_exit = {{2, 42}}});
   }
 }
 
@@ -656,10 +634,7 @@ EMBER_WORKER(scaler) {
 
 TEST(FullyShard, GradScalerAgreesOnAnInfInOneRanksShard) {
   for (std::string arg : {"", "noagree"}) {
-    mp::RunOptions o;
-    o.arg = arg;
-    auto res = mp::run_workers("scaler", 3, o);
-    EXPECT_TRUE(mp::all_succeeded(res)) << arg << "\n" << mp::describe(res);
+    EMBER_EXPECT_RANKS("scaler", 3, {.arg = arg});
   }
 }
 
@@ -699,14 +674,13 @@ EMBER_WORKER(empty_root) {
   }
   nn::StateDict got = full_state_dict(*fsdp, {.rank0_only = false});
   const nn::StateDict want = ref->state_dict();
-  for (auto& [name, t] : want.items()) expect_close(*got.find(name), t, name, 2e-5);
+  for (auto& [name, t] : want.items()) mp::check_close(*got.find(name), t, name, 2e-5);
   destroy_process_group();
 }
 
 TEST(FullyShard, ARootWithoutParametersAndEvalForwards) {
   for (int ws : {2, 3}) {
-    auto res = mp::run_workers("empty_root", ws);
-    EXPECT_TRUE(mp::all_succeeded(res)) << ws << " ranks\n" << mp::describe(res);
+    EMBER_EXPECT_RANKS("empty_root", ws);
   }
 }
 
@@ -727,10 +701,7 @@ EMBER_WORKER(dropped_model) {
   destroy_process_group();
 }
 
-TEST(FullyShard, ADroppedModelFreesItsUnits) {
-  auto res = mp::run_workers("dropped_model", 2);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST(FullyShard, ADroppedModelFreesItsUnits) { EMBER_EXPECT_RANKS("dropped_model", 2); }
 
 // A channels-last conv net under fully_shard trains as one contiguous
 // process on the whole batch: the flat parameters are contiguous (shards
@@ -767,20 +738,12 @@ EMBER_WORKER(channels_last) {
   if (env.rank == 0)
     for (auto& [name, t] : want.items()) {
       WCHECK(got.contains(name), "missing ", name);
-      expect_close(*got.find(name), t, name, 2e-5);
+      mp::check_close(*got.find(name), t, name, 2e-5);
     }
   destroy_process_group();
 }
 
-TEST(FullyShard, ChannelsLastModelTrainsAsOneProcess) {
-  auto res = mp::run_workers("channels_last", 2);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
-
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
-  mp::run_if_worker();
-}
+TEST(FullyShard, ChannelsLastModelTrainsAsOneProcess) { EMBER_EXPECT_RANKS("channels_last", 2); }
 
 }  // namespace
 }  // namespace ember::distributed

@@ -36,8 +36,6 @@ namespace {
 namespace mp = ::ember::distributed::testing;
 using ::ember::testing::error_of;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 constexpr int64_t kMicro = 2, kT = 8;
 
 nn::GPTOptions small_gpt(bool tied, int64_t layers) {
@@ -250,12 +248,7 @@ EMBER_WORKER(gpt) {
   default_group()->barrier()->wait();
 }
 
-void run(int world, const std::string& arg) {
-  mp::RunOptions o;
-  o.arg = arg;
-  auto r = mp::run_workers("gpt", world, o);
-  EXPECT_TRUE(mp::all_succeeded(r)) << mp::describe(r);
-}
+void run(int world, const std::string& arg) { EMBER_EXPECT_RANKS("gpt", world, {.arg = arg}); }
 
 TEST(Pipeline, GPipeP2MatchesOneProcess) { run(2, "schedule=gpipe,M=4"); }
 TEST(Pipeline, OneFOneBP2MatchesOneProcess) { run(2, "schedule=1f1b,M=4"); }
@@ -312,10 +305,7 @@ EMBER_WORKER(tp_pp) {
 
 TEST(Pipeline, TensorParallelInsideStagesTp2Pp2) {
   for (const char* arg : {"schedule=1f1b", "schedule=zb-h1,sp"}) {
-    mp::RunOptions o;
-    o.arg = arg;
-    auto r = mp::run_workers("tp_pp", 4, o);
-    EXPECT_TRUE(mp::all_succeeded(r)) << arg << "\n" << mp::describe(r);
+    EMBER_EXPECT_RANKS("tp_pp", 4, {.arg = arg});
   }
 }
 
@@ -344,10 +334,7 @@ EMBER_WORKER(dp_pp) {
 
 TEST(Pipeline, ReplicasAverageGradientsDp2Pp2) {
   for (const char* arg : {"1f1b", "zb-h1"}) {
-    mp::RunOptions o;
-    o.arg = arg;
-    auto r = mp::run_workers("dp_pp", 4, o);
-    EXPECT_TRUE(mp::all_succeeded(r)) << arg << "\n" << mp::describe(r);
+    EMBER_EXPECT_RANKS("dp_pp", 4, {.arg = arg});
   }
 }
 
@@ -401,8 +388,7 @@ EMBER_WORKER(nccl_pp) {
 
 TEST(Pipeline, OverNcclOnTwoGpus) {
   if (cuda_device_count() < 2) GTEST_SKIP() << "needs two GPUs (NCCL puts one rank on each)";
-  auto r = mp::run_workers("nccl_pp", 2, {});
-  EXPECT_TRUE(mp::all_succeeded(r)) << mp::describe(r);
+  EMBER_EXPECT_RANKS("nccl_pp", 2, {});
 }
 
 // FSDP inside the stages: a (pp, dp_shard) mesh of 2 x 2, or with
@@ -538,18 +524,12 @@ TEST(Pipeline, FullyShardedStagesPp2DpShard2) {
   for (const std::string& arg :
        std::vector<std::string>{"schedule=1f1b,tied,clip", "schedule=zb-h1,tied,save=" + dir + "_tied",
                                 "schedule=interleaved,V=2,save=" + dir}) {
-    mp::RunOptions o;
-    o.arg = arg;
-    auto r = mp::run_workers("fsdp_pp", 4, o);
-    EXPECT_TRUE(mp::all_succeeded(r)) << arg << "\n" << mp::describe(r);
+    EMBER_EXPECT_RANKS("fsdp_pp", 4, {.arg = arg});
   }
 }
 
 TEST(Pipeline, HybridShardedStagesPp2Replicate2Shard2) {
-  mp::RunOptions o;
-  o.arg = "schedule=1f1b,tied,hsdp";
-  auto r = mp::run_workers("fsdp_pp", 8, o);
-  EXPECT_TRUE(mp::all_succeeded(r)) << mp::describe(r);
+  EMBER_EXPECT_RANKS("fsdp_pp", 8, {.arg = "schedule=1f1b,tied,hsdp"});
 }
 
 // A valid hand-written zero-bubble schedule whose transfers interleave so
@@ -587,10 +567,7 @@ EMBER_WORKER(hand_schedule) {
 }
 
 TEST(Pipeline, TransfersCompleteIndependently) {
-  mp::RunOptions o;
-  o.deadline = std::chrono::seconds(60);
-  auto r = mp::run_workers("hand_schedule", 2, o);
-  EXPECT_TRUE(mp::all_succeeded(r)) << mp::describe(r);
+  EMBER_EXPECT_RANKS("hand_schedule", 2, {.deadline = std::chrono::seconds(60)});
 }
 
 EMBER_WORKER(disagree) {
@@ -616,10 +593,7 @@ EMBER_WORKER(disagree) {
 
 TEST(Pipeline, StagesThatDisagreeFailAtTheFirstStep) {
   for (const char* arg : {"schedule", "microbatches"}) {
-    mp::RunOptions o;
-    o.arg = arg;
-    auto r = mp::run_workers("disagree", 2, o);
-    EXPECT_TRUE(mp::all_succeeded(r)) << mp::describe(r);
+    EMBER_EXPECT_RANKS("disagree", 2, {.arg = arg});
   }
 }
 
@@ -692,11 +666,6 @@ TEST(Pipeline, SplitsPutEveryLayerInOneStage) {
   Tensor x = randn({2, 3});
   Tensor y = seq(x), z = (*ss[1])((*ss[0])(x));
   EXPECT_EQ(max(abs(y - z)).item(), 0.0);
-}
-
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
-  mp::run_if_worker();
 }
 
 }  // namespace

@@ -33,8 +33,6 @@ namespace {
 namespace mp = ::ember::distributed::testing;
 using ::ember::testing::error_of;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 constexpr int64_t kB = 4, kT = 8;
 
 nn::GPTOptions small_gpt(bool tied, int64_t vocab = 37) {
@@ -135,12 +133,7 @@ EMBER_WORKER(equivalence) {
   default_group()->barrier()->wait();
 }
 
-void run_equivalence(int world, const std::string& arg) {
-  mp::RunOptions o;
-  o.arg = arg;
-  auto res = mp::run_workers("equivalence", world, o);
-  EXPECT_TRUE(mp::all_succeeded(res)) << arg << "\n" << mp::describe(res);
-}
+void run_equivalence(int world, const std::string& arg) { EMBER_EXPECT_RANKS("equivalence", world, {.arg = arg}); }
 
 TEST(TensorParallel, GPTMatchesOneProcessTp2) { run_equivalence(2, ""); }
 TEST(TensorParallel, GPTMatchesOneProcessTp2SequenceParallel) { run_equivalence(2, "sp"); }
@@ -211,10 +204,7 @@ EMBER_WORKER(traffic) {
 
 TEST(TensorParallel, TrafficIsMegatrons) {
   for (const char* arg : {"", "sp"}) {
-    mp::RunOptions o;
-    o.arg = arg;
-    auto res = mp::run_workers("traffic", 2, o);
-    EXPECT_TRUE(mp::all_succeeded(res)) << arg << "\n" << mp::describe(res);
+    EMBER_EXPECT_RANKS("traffic", 2, {.arg = arg});
   }
 }
 
@@ -237,10 +227,7 @@ EMBER_WORKER(check_replicated) {
 }
 
 TEST(TensorParallel, ReplicatedInputCheckNamesTheModule) {
-  mp::RunOptions o;
-  o.env = {"EMBER_TP_CHECK_REPLICATED=1"};
-  auto res = mp::run_workers("check_replicated", 2, o);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
+  EMBER_EXPECT_RANKS("check_replicated", 2, {.env = {"EMBER_TP_CHECK_REPLICATED=1"}});
 }
 
 // Dropout under SP: masks on sequence shards differ between tp ranks; on
@@ -269,10 +256,7 @@ EMBER_WORKER(dropout_masks) {
   default_group()->barrier()->wait();
 }
 
-TEST(TensorParallel, DropoutMasksDifferOnShardsAgreeOnReplicas) {
-  auto res = mp::run_workers("dropout_masks", 2);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
+TEST(TensorParallel, DropoutMasksDifferOnShardsAgreeOnReplicas) { EMBER_EXPECT_RANKS("dropout_masks", 2); }
 
 EMBER_WORKER(errors) {
   mp::init_world(env);
@@ -305,15 +289,7 @@ EMBER_WORKER(errors) {
   default_group()->barrier()->wait();
 }
 
-TEST(TensorParallel, Errors) {
-  auto res = mp::run_workers("errors", 2);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
-
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
-  mp::run_if_worker();
-}
+TEST(TensorParallel, Errors) { EMBER_EXPECT_RANKS("errors", 2); }
 
 }  // namespace
 }  // namespace ember::distributed

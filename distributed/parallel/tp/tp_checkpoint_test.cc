@@ -31,8 +31,6 @@ namespace {
 namespace fs = std::filesystem;
 namespace mp = ::ember::distributed::testing;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 constexpr int64_t kB = 12, kT = 8;  // 12 rows split evenly over 1, 2, 3 and 4 data-parallel ranks
 
 nn::GPTOptions gpt_options(int64_t vocab = 37) {
@@ -139,12 +137,7 @@ class TPCheckpoint : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(root_); }
   std::string dir(const std::string& name) const { return (root_ / name).string(); }
-  void leg(int world, const std::string& arg) {
-    mp::RunOptions o;
-    o.arg = arg;
-    auto res = mp::run_workers("leg", world, o);
-    ASSERT_TRUE(mp::all_succeeded(res)) << arg << "\n" << mp::describe(res);
-  }
+  void leg(int world, const std::string& arg) { EMBER_ASSERT_RANKS("leg", world, {.arg = arg}); }
   fs::path root_;
 };
 
@@ -200,15 +193,7 @@ EMBER_WORKER(wrong_shapes) {
 
 TEST_F(TPCheckpoint, OtherShapesAreRefused) {
   leg(2, "layout=tp,from=0,to=1,save=" + dir("a"));
-  mp::RunOptions o;
-  o.arg = dir("a");
-  auto res = mp::run_workers("wrong_shapes", 2, o);
-  EXPECT_TRUE(mp::all_succeeded(res)) << mp::describe(res);
-}
-
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes the other tests spawn";
-  mp::run_if_worker();
+  EMBER_EXPECT_RANKS("wrong_shapes", 2, {.arg = dir("a")});
 }
 
 }  // namespace
