@@ -24,8 +24,6 @@ using ::ember::testing::error_of;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-#define WCHECK(cond, ...) EMBER_CHECK(cond, "line ", __LINE__, ": check failed: " #cond ": ", __VA_ARGS__)
-
 TEST(ParallelDims, ResolvesTheRest) {
   ParallelDims d = ParallelDims{.tp = 2}.resolved(8);
   EXPECT_EQ(d.dp_shard, 4);
@@ -130,15 +128,7 @@ EMBER_WORKER(meshes_of_8) {
   }
 }
 
-TEST(ParallelDims, MeshesOfEightRanksAndTheirViews) {
-  auto results = mp::run_workers("meshes_of_8", 8);
-  EXPECT_TRUE(mp::all_succeeded(results)) << mp::describe(results);
-}
-
-TEST(MultiProcessWorker, Entry) {
-  if (!mp::is_worker()) GTEST_SKIP() << "entry point of the worker processes";
-  mp::run_if_worker();
-}
+TEST(ParallelDims, MeshesOfEightRanksAndTheirViews) { EMBER_EXPECT_RANKS("meshes_of_8", 8); }
 
 }  // namespace
 }  // namespace ember::distributed

@@ -17,7 +17,7 @@
 #include <string>
 
 #include "core/exception.h"
-#include "distributed/parallel/pp/schedule.h"
+#include "distributed/parallel/pp/schedule/schedule.h"
 
 namespace {
 

@@ -12,7 +12,7 @@
 
 #include "core/exception.h"
 #include "distributed/parallel/memory_plan.h"
-#include "distributed/parallel/pp/schedule.h"
+#include "distributed/parallel/pp/schedule/schedule.h"
 #include "distributed/parallel/step_cost.h"
 #include "nn/models.h"
 

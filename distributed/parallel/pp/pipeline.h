@@ -49,7 +49,7 @@
 #include "autograd/autograd.h"
 #include "distributed/comm/process_group.h"
 #include "distributed/parallel/fsdp/fsdp.h"
-#include "distributed/parallel/pp/schedule.h"
+#include "distributed/parallel/pp/schedule/schedule.h"
 #include "distributed/parallel/pp/stage.h"
 
 namespace ember::distributed::pp {

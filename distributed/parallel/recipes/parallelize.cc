@@ -10,6 +10,24 @@
 
 namespace ember::distributed {
 
+namespace {
+
+// The options' errors, before any step changes the model.
+void check_options(const ParallelDims& dims, const ParallelizeOptions& o) {
+  EMBER_CHECK(dims.tp == 1 || !o.tp_plan.empty(), "parallelize: tp=", dims.tp,
+              " but the model has no tensor-parallel plan (ParallelizeOptions::tp_plan)");
+  EMBER_CHECK(nn::ActivationCheckpointing::parse(o.ac).mode == nn::ActivationCheckpointing::Mode::None ||
+                  !o.block_types.empty(),
+              "parallelize: activation checkpointing '", o.ac,
+              "' needs the block types to wrap (ParallelizeOptions::block_types)");
+  EMBER_CHECK(o.fsdp.mesh == nullptr, "parallelize: FSDPOptions::mesh is set; the mesh comes from the ParallelDims (",
+              dims.str(), ")");
+  EMBER_CHECK(dims.cp == 1 && dims.ep == 1, "parallelize: cp=", dims.cp, " ep=", dims.ep,
+              ": context and expert parallelism have no transform yet");
+}
+
+}  // namespace
+
 double Parallelized::clip_grad_norm_(double max_norm) {
   if (fsdp) return fsdp->clip_grad_norm_(max_norm);
   EMBER_CHECK(model != nullptr, "Parallelized::clip_grad_norm_: nothing was parallelized");
@@ -61,6 +79,7 @@ Parallelized parallelize(const std::shared_ptr<nn::Module>& model, const Paralle
                          const std::shared_ptr<DeviceMesh>& mesh, const ParallelizeOptions& o) {
   EMBER_CHECK(model != nullptr && mesh != nullptr, "parallelize: null model or mesh");
   EMBER_CHECK(dims.pp == 1, "parallelize: pp=", dims.pp, " (a pipeline's stages go through pipeline_parallelize)");
+  check_options(dims, o);
   Parallelized out;
   out.model = model;
   apply_tp(*model, dims, *mesh, o.tp_plan);
@@ -81,6 +100,7 @@ PipelineParallel pipeline_parallelize(const std::vector<std::shared_ptr<pp::Pipe
               dims.str(), "; pp > 1 puts it there)");
   EMBER_CHECK(static_cast<int>(all_stages.size()) == schedule.num_stages(), "pipeline_parallelize: ",
               all_stages.size(), " stages for a schedule of ", schedule.num_stages());
+  check_options(dims, o);
   PipelineParallel out;
   for (const auto& st : all_stages) out.layout.emplace_back(st->description(), schedule.rank_of(st->index()));
   for (int st : schedule.stages_of(mesh->coordinate("pp"))) {

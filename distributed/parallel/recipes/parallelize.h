@@ -28,7 +28,7 @@
 #include "distributed/parallel/ddp.h"
 #include "distributed/parallel/fsdp/fsdp.h"
 #include "distributed/parallel/pp/pipeline.h"
-#include "distributed/parallel/pp/schedule.h"
+#include "distributed/parallel/pp/schedule/schedule.h"
 #include "distributed/parallel/pp/stage.h"
 #include "distributed/parallel/tp/tensor_parallel.h"
 #include "distributed/parallel_dims.h"

@@ -2,7 +2,7 @@
 // Generators produce each rank's compute order only; with_communication
 // adds the sends and receives the same way for all of them, so the
 // runtime, the checker and the simulator see one kind of list.
-#include "distributed/parallel/pp/schedule.h"
+#include "distributed/parallel/pp/schedule/schedule.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,7 +1,7 @@
 // Schedules against their closed forms (the bubble of GPipe, 1F1B,
 // interleaved 1F1B and ZB-H1; live micro-batches per stage), the drawn
 // timeline, and the checker's errors on hand-written schedules.
-#include "distributed/parallel/pp/schedule.h"
+#include "distributed/parallel/pp/schedule/schedule.h"
 
 #include <gtest/gtest.h>
 
