@@ -458,7 +458,7 @@ PY
 if out=$("$dir/gpt" --nproc 2 --ac sometimes 2>&1); then echo "gpt accepted --ac sometimes"; exit 1; fi
 grep -q "unknown policy 'sometimes'; expected none, full, selective or every:K" <<<"$out" || { echo "$out"; exit 1; }
 if out=$("$dir/gpt" --nproc 2 --tp 3 2>&1); then echo "gpt accepted --tp 3 on 2 ranks"; exit 1; fi
-grep -q "the mesh dp_replicate=1 dp_shard=-1 tp=3 does not divide the 2 ranks" <<<"$out" || { echo "$out"; exit 1; }
+grep -q "ParallelDims: tp=3 does not divide a world of 2" <<<"$out" || { echo "$out"; exit 1; }
 if out=$("$dir/gpt" --nproc 2 --tp 2 --heads 3 --dim 48 2>&1); then echo "gpt accepted 3 heads over tp 2"; exit 1; fi
 grep -q -- "--heads 3 do not split over --tp 2" <<<"$out" || { echo "$out"; exit 1; }
 

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "core/exception.h"
+#include "distributed/parallel_dims.h"
 #include "examples/cli.h"
 #include "nn/checkpoint.h"
 
@@ -232,6 +233,15 @@ inline void add_common_flags(FlagTable& t, CommonFlags& f, const std::string& un
            f.profile_dir = s;
          },
          [&f] { return f.profile_dir; }, false, false});
+}
+
+// The mesh's degrees, straight into a ParallelDims (-1: the rest; at most
+// one). A new kind of parallelism adds its row here.
+inline void add_mesh_flags(FlagTable& t, distributed::ParallelDims& d) {
+  t.integer("--pp", &d.pp, 1, "P", "pipeline parallelism over P ranks (the mesh's outermost dimension)");
+  t.integer("--dp-replicate", &d.dp_replicate, -1, "R", "replicas (DDP, or HSDP with --dp-shard); -1: the rest");
+  t.integer("--dp-shard", &d.dp_shard, -1, "S", "FSDP's sharding over S ranks; -1: the rest");
+  t.integer("--tp", &d.tp, -1, "T", "tensor parallelism over T ranks (the innermost dimension); -1: the rest");
 }
 
 }  // namespace ember::examples

@@ -1,33 +1,24 @@
 // The language-model example every parallelism extends: a character-level
-// GPT on the quotes of Debian's `fortunes` package, trained on a
-// ParallelDims mesh of (pp, dp_replicate, dp_shard, tp) ranks by the
-// library's recipes (distributed/parallel/recipes/gpt.h): pipeline stages
-// over pp (any schedule), tensor and sequence parallelism inside each tp
-// group, FSDP over dp_shard (every transformer block a unit), replicas over
-// dp_replicate. It launches its own workers (one per GPU, else 2 on the
-// CPU), evaluates on held-out quotes against a unigram baseline, writes
-// sharded checkpoints (any other mesh loads them) and ends with a sample.
-// The data of step k depends on (seed, k) only: every mesh with the same
-// --global-batch trains on the same sequences. Reporting lives in
-// examples/gpt_report.h; the step itself is train_step below.
+// GPT on the quotes of Debian's `fortunes` package, on a ParallelDims mesh
+// of (pp, dp_replicate, dp_shard, tp) ranks, parallelized by the library's
+// recipe (distributed/parallel/recipes/gpt.h). It launches its own workers
+// (one per GPU, else 2), evaluates against a unigram baseline, writes
+// sharded checkpoints any other mesh loads, and ends with a sample. Step k's
+// data depends on (seed, k) only: every mesh with the same --global-batch
+// trains on the same sequences. The step is train_step; what is reported
+// around it is examples/gpt_report.h; the flags are declare()'s table.
 //
 //   bazel run -c opt //examples:gpt                                      # 2 CPU workers, FSDP FULL_SHARD
-//   bazel run -c opt //examples:gpt -- --nproc 4 --dp-shard 2 --tp 2     # FSDP x TP (+SP) on a 2x2 mesh
-//   bazel run -c opt //examples:gpt -- --tp 2 --sp off --metrics /tmp/m.jsonl
+//   bazel run -c opt //examples:gpt -- --nproc 4 --dp-shard 2 --tp 2     # FSDP x TP (+SP)
 //   bazel run -c opt //examples:gpt -- --pp 2 --pp-schedule zb-h1 --microbatches 8 --layers 4
-//   bazel run -c opt //examples:gpt -- --nproc 4 --pp 2 --tp 2 --pp-schedule interleaved --pp-virtual 2
-//   bazel run -c opt //examples:gpt -- --nproc 8 --pp 2 --dp-shard 2 --tp 2    # FSDP x TP inside the stages
-//   bazel run -c opt //examples:gpt -- --strategy grad_op --amp bf16
-//   bazel run -c opt //examples:gpt -- --nproc 4 --strategy hybrid --shard-size 2
+//   bazel run -c opt //examples:gpt -- --nproc 8 --pp 2 --dp-shard 2 --tp 2
+//   bazel run -c opt //examples:gpt -- --nproc 4 --strategy hybrid --shard-size 2 --amp bf16
 //   bazel run -c opt //examples:gpt -- --max-steps 900 --resume --nproc 3   # resharded onto 3 ranks
-// Under `//tools:launch --live-recovery` a worker lost on a mesh with
-// replicas is replaced in place and takes its state from its replica
-// (docs/elastic.md). //examples:gpt_fsdp is the same program.
-//
-// The default run (2 layers, dim 128, seq 64, batch 16 per rank, 1000 steps)
-// took 102 s on the 2-core CI machine (-c opt, 2026-11-24) and reached a
-// validation loss of 1.954 nats per character against the unigram model's
-// 3.379 (0.58x); docs/fsdp.md ("Sharded training") shows its output.
+// Under `//tools:launch --live-recovery` a lost worker is replaced in place
+// and takes its state from a replica (docs/elastic.md). //examples:gpt_fsdp
+// is the same program. The default run took 102 s on the 2-core CI machine
+// (2026-11-24) and reached 1.954 nats per character against the unigram's
+// 3.379; docs/fsdp.md ("Sharded training") shows its output.
 #include <algorithm>
 #include <cctype>
 #include <cstdint>
@@ -49,7 +40,7 @@
 #include "distributed/init.h"
 #include "distributed/parallel/rank_agreement.h"
 #include "distributed/parallel/recipes/gpt.h"
-#include "examples/flags.h"
+#include "examples/gpt_flags.h"
 #include "examples/gpt_report.h"
 #include "examples/profiling.h"
 #include "examples/training.h"
@@ -60,108 +51,9 @@
 namespace ember {
 namespace {
 
-namespace fs = std::filesystem;
 using examples::Clock;
 using examples::Corpus;
-
-struct Flags {
-  examples::CommonFlags common{.batch_size = 16, .lr = 3e-3, .checkpoint_dir = "/tmp/ember_gpt_fsdp",
-                               .data = "/usr/share/games/fortunes"};
-  std::string strategy = "full";
-  int shard_size = 0;                // hybrid: ranks per shard group (0: ranks per node)
-  int dp_replicate = 1, dp_shard = -1, tp = 1, pp = 1;  // ParallelDims' degrees; -1: the rest
-  std::string pp_schedule = "1f1b";
-  int pp_virtual = 1;
-  std::string pp_split;
-  std::vector<int> blocks_per_stage;  // --pp-split parsed
-  int64_t microbatches = 0;  // 0: --accum-steps (pp 1) or the pp size
-  std::string sp = "auto";
-  int64_t global_batch = 0;  // 0: batch size x dp x accum
-  std::string metrics;
-  int64_t layers = 2, dim = 128, heads = 4, seq = 64;
-  int64_t max_steps = 1000, save_every = 0, eval_every = 250;
-  int64_t sample_len = 240, top_k = 20;
-  double temperature = 0.8;
-};
-
-// Every flag once: name, value, help, validation (examples/flags.h).
-void declare(examples::FlagTable& t, Flags& f) {
-  examples::add_common_flags(t, f.common, "sequences", "peak AdamW learning rate (warmup, then cosine to a tenth)");
-  t.choice("--strategy", &f.strategy, {"full", "grad_op", "no_shard", "hybrid"}, "FSDP sharding strategy");
-  t.integer("--shard-size", &f.shard_size, 1, "N",
-            "hybrid: shard within groups of N ranks, replicate across them (0: ranks per node)");
-  t.integer("--dp-replicate", &f.dp_replicate, -1, "R", "replicas (HSDP) over dp_replicate; -1: the rest");
-  t.integer("--dp-shard", &f.dp_shard, -1, "S", "FSDP over dp_shard; -1: the rest");
-  t.integer("--tp", &f.tp, -1, "T", "tensor parallelism over tp; -1: the rest");
-  t.choice("--sp", &f.sp, {"on", "off", "auto"}, "sequence parallelism inside tp (auto: on when --tp > 1)");
-  t.integer("--pp", &f.pp, 1, "P", "pipeline parallelism over P ranks (the mesh's outermost dimension)");
-  t.choice("--pp-schedule", &f.pp_schedule, distributed::pp::schedule_names(), "pipeline schedule");
-  t.integer("--pp-virtual", &f.pp_virtual, 1, "V", "stages per pp rank (interleaved)");
-  t.text("--pp-split", &f.pp_split, "A,B,...", "transformer blocks per stage (empty: balanced by parameter count)");
-  t.integer("--microbatches", &f.microbatches, 1, "M",
-            "micro-batches per optimizer step: through the pipeline with --pp, else accumulated\n"
-            "(0: --accum-steps, or P with --pp)");
-  t.integer("--global-batch", &f.global_batch, 1, "N",
-            "sequences per optimizer step over the job (0: --batch-size x data-parallel ranks x\n"
-            "--accum-steps); the per-rank micro-batch is N / (data-parallel ranks x accum)");
-  t.text("--metrics", &f.metrics, "PATH",
-         "one JSON line per optimizer step (rank 0): step, loss, lr, grad_norm, tokens_per_s,\n"
-         "step_s, mem_peak_mib and its parts mem_{params,grads,optimizer,gathered,activations,\n"
-         "other}_mib (the rank with the largest peak), batch_digest (a hash of the global batch)",
-         false);
-  t.integer("--layers", &f.layers, 1, "N", "transformer blocks");
-  t.integer("--dim", &f.dim, 1, "N", "model width");
-  t.integer("--heads", &f.heads, 1, "N", "attention heads");
-  t.integer("--seq", &f.seq, 2, "N", "context length");
-  t.integer("--max-steps", &f.max_steps, 1, "N", "optimizer steps in total, counting those before a resume");
-  t.integer("--eval-every", &f.eval_every, 1, "N", "validation every N steps and at the end");
-  t.integer("--save-every", &f.save_every, 1, "N", "checkpoint every N steps (0: only at the end)");
-  t.integer("--sample-len", &f.sample_len, 0, "N", "characters sampled at the end");
-  t.positive("--temperature", &f.temperature, "X", "the sample's temperature");
-  t.integer("--top-k", &f.top_k, 1, "N", "the sample's top-k");
-}
-
-// Parses and checks the flags together (what one flag's row cannot see).
-void parse_flags(examples::FlagTable& t, Flags& f, int argc, char** argv) {
-  t.parse(argc, argv);
-  auto error = [&t](const std::string& msg) { t.error(msg); };
-  const auto& c = f.common;
-  if (f.shard_size > 0 && f.strategy != "hybrid") error("--shard-size goes with --strategy hybrid");
-  if (f.microbatches > 0 && c.accum_steps > 1 && f.microbatches != c.accum_steps)
-    error("--microbatches " + std::to_string(f.microbatches) + " and --accum-steps " + std::to_string(c.accum_steps) +
-          " disagree (one is enough)");
-  if (f.pp > 1 && c.accum_steps > 1)
-    error("--pp " + std::to_string(f.pp) + ": the pipeline accumulates its micro-batches; give --microbatches " +
-          std::to_string(c.accum_steps) + " instead of --accum-steps");
-  // One process with --microbatches M is the reference for any pipeline
-  // run: the same micro-batches, accumulated.
-  if (f.pp == 1 && f.microbatches > 0) f.common.accum_steps = f.microbatches;
-  if (f.pp > 1 && f.microbatches == 0) f.microbatches = f.pp;
-  for (std::stringstream in(f.pp_split); in.good();) {
-    std::string item;
-    std::getline(in, item, ',');
-    if (!item.empty()) f.blocks_per_stage.push_back(static_cast<int>(t.parse_int("--pp-split", item, 1)));
-  }
-  if (f.pp_virtual > 1 && f.pp == 1) error("--pp-virtual " + std::to_string(f.pp_virtual) + " needs --pp > 1");
-  for (int v : {f.dp_replicate, f.dp_shard, f.tp})
-    if (v == 0) error("--dp-replicate, --dp-shard and --tp take a positive size or -1 (the rest)");
-  if ((f.dp_replicate == -1) + (f.dp_shard == -1) + (f.tp == -1) > 1)
-    error("only one of --dp-replicate, --dp-shard and --tp may be -1 (the rest)");
-  if (f.strategy == "hybrid" && f.dp_replicate != 1)
-    error("--strategy hybrid makes the replicas itself (--shard-size); leave --dp-replicate out");
-  if (f.dim % f.heads != 0)
-    error("--dim " + std::to_string(f.dim) + " must be a multiple of --heads " + std::to_string(f.heads));
-  if (c.checkpoint_dir.empty()) error("--checkpoint-dir must not be empty");
-  examples::refuse_overwrite(c.checkpoint_dir, "step_",
-                             c.resume || c.overwrite || c.checkpoint_dir == Flags{}.common.checkpoint_dir);
-  if (c.resume) {
-    auto latest = distributed::latest_checkpoint(c.checkpoint_dir, "step_");
-    if (!latest.ok()) error("--resume: " + std::string(latest.status().message()));
-    if (!latest->has_value()) error("--resume: no checkpoint (step_<N>/) in --checkpoint-dir " + c.checkpoint_dir);
-  }
-  if (c.data != "synthetic" && t.given("--data") && !fs::exists(c.data))
-    error("--data " + c.data + ": no such file or directory (give a fortunes directory, a text file or 'synthetic')");
-}
+using examples::Flags;
 
 nn::GPTOptions model_options(const Flags& f, int64_t vocab) {
   return {.vocab_size = vocab, .block_size = f.seq, .n_layer = f.layers, .n_head = f.heads, .n_embd = f.dim};
@@ -170,9 +62,9 @@ nn::GPTOptions model_options(const Flags& f, int64_t vocab) {
 // The flags' mesh as ParallelDims: --strategy hybrid makes shard groups of
 // --shard-size ranks (default: a node's over tp) and replicas of the rest.
 distributed::ParallelDims parallel_dims(const Flags& f, int world, int local_world) {
-  distributed::ParallelDims d{.pp = f.pp, .dp_replicate = f.dp_replicate, .dp_shard = f.dp_shard, .tp = f.tp};
+  distributed::ParallelDims d = f.mesh;
   if (f.strategy == "hybrid") {
-    d.dp_shard = f.shard_size > 0 ? f.shard_size : std::max(1, local_world / (f.tp > 0 ? f.tp : 1));
+    d.dp_shard = f.shard_size > 0 ? f.shard_size : std::max(1, local_world / (f.mesh.tp > 0 ? f.mesh.tp : 1));
     d.dp_replicate = -1;
   }
   return d.resolved(world);
@@ -379,44 +271,6 @@ std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Ten
 
 // ---- The loop: steps, evaluations, checkpoints, a sample at the end ----
 
-// "GPT 2 layers x 128 dims, ...": the run described, once.
-void describe(const Flags& flags, const examples::Job& job, Setup& s) {
-  const distributed::ParallelDims& d = s.dims;
-  const std::string amp = flags.common.amp;
-  const std::string precision = amp == "off" ? "float32" : amp + " compute (float32 shards and reduction)";
-  const std::string strategy = distributed::strategy_name(s.fsdp_options.strategy);
-  std::string sharding;
-  if (s.par.fsdp) {
-    const auto mem = s.par.fsdp->memory();
-    sharding = ", FSDP " + strategy + ", " + std::to_string(s.par.fsdp->units().size()) + " units, " + precision +
-               "; rank 0 holds " + std::to_string(mem.sharded_params) + " bytes of parameters (" +
-               std::to_string(s.n_params * 4) + " unsharded), largest unit " + std::to_string(mem.largest_unit) +
-               " bytes gathered";
-  } else {
-    sharding = ", pipeline " + s.pp.pipe->schedule().name + " over " + std::to_string(d.pp) + " ranks x " +
-               std::to_string(s.pp.pipe->schedule().virtual_stages) + " stage(s), " + std::to_string(s.micro_steps) +
-               " micro-batches, ";
-    if (s.pp.fsdp.empty()) {
-      sharding += amp == "off" ? "float32" : amp + " autocast (float32 parameters)";
-    } else {
-      int64_t units = 0, held = 0;
-      for (auto& f : s.pp.fsdp) units += static_cast<int64_t>(f->units().size()), held += f->memory().sharded_params;
-      sharding += "FSDP " + strategy + " inside the stages (" + std::to_string(units) + " units on this rank), " +
-                  precision + "; rank 0 holds " + std::to_string(held) + " bytes of parameters";
-    }
-  }
-  const Corpus& c = s.corpus;
-  LOG0("GPT ", flags.layers, " layers x ", flags.dim, " dims, ", flags.heads, " heads, context ", flags.seq, ": ",
-       s.n_params, " parameters, vocabulary ", s.vocab, "; ", c.description, " (", c.train.size(), " train / ",
-       c.val.size(), " validation characters)\n", job.world, " rank(s) on ",
-       job.cuda ? "GPUs (NCCL)" : "the CPU (Gloo)",
-       d.tp > 1 ? ", tensor parallel over " + std::to_string(d.tp) + (s.sp ? " with sequence parallelism" : "")
-                : std::string(),
-       sharding, "\n", "batch ", s.micro_batch, " x ", flags.seq, " characters per rank x ", d.dp(),
-       " data-parallel rank(s) x ", s.micro_steps, " micro-batch(es) = ", s.global_batch * flags.seq,
-       " tokens per step; ", flags.max_steps, " steps; checkpoints in ", flags.common.checkpoint_dir);
-}
-
 int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   const Corpus& corpus = s.corpus;
   const distributed::ParallelDims& d = s.dims;
@@ -432,7 +286,25 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   };
   const examples::Eval eval = examples::make_eval(corpus, flags.seq, d.dp());
   const int64_t tokens_per_step = s.global_batch * flags.seq;
-  describe(flags, job, s);
+  const examples::RunInfo info{.model = model_options(flags, s.vocab),
+                               .dims = d,
+                               .sp = s.sp,
+                               .amp = flags.common.amp,
+                               .strategy = flags.strategy,
+                               .fsdp_strategy = distributed::strategy_name(s.fsdp_options.strategy),
+                               .ac = flags.common.ac,
+                               .pp_schedule = flags.pp_schedule,
+                               .pp_virtual = flags.pp_virtual,
+                               .micro_batch = s.micro_batch,
+                               .micro_steps = s.micro_steps,
+                               .global_batch = s.global_batch,
+                               .max_steps = flags.max_steps,
+                               .n_params = s.n_params,
+                               .world = job.world,
+                               .gpus_per_host = std::max(1, job.env.local_world_size),
+                               .cuda = job.cuda,
+                               .checkpoint_dir = flags.common.checkpoint_dir};
+  LOG0(examples::describe_run(info, s.corpus, s.par.fsdp.get(), s.pp));
 
   // The global batch of step `at`: a function of (seed, step) only, never
   // of the mesh, so a run resumes on another mesh and any mesh computes the
@@ -485,19 +357,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
         distributed::largest_over_ranks(*job.pg, distributed::measured_step_memory(alloc->stats()), device);
     if (step - first == std::min<int64_t>(2, flags.max_steps - first)) {
       LOG0(mem.line("memory peak"));
-      LOG0(examples::memory_plan_line({.model = model_options(flags, s.vocab),
-                                       .dims = d,
-                                       .strategy = flags.strategy,
-                                       .ac = flags.common.ac,
-                                       .amp = flags.common.amp,
-                                       .pp_schedule = flags.pp_schedule,
-                                       .pp_virtual = flags.pp_virtual,
-                                       .micro_batch = s.micro_batch,
-                                       .micro_steps = s.micro_steps,
-                                       .global_batch = s.global_batch,
-                                       .seq = flags.seq,
-                                       .world = job.world,
-                                       .gpus_per_host = std::max(1, job.env.local_world_size)}));
+      LOG0(examples::memory_plan_line(info));
     }
     if (!flags.metrics.empty()) {
       // The mean over the global batch (tp ranks hold the same loss: the
@@ -519,24 +379,11 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   progress.close_line();
   const double val = report_eval();
   save(s.step);
-  if (flags.sample_len > 0 && job.rank == 0) {
-    // One process's copy to sample from, read whole from the checkpoint
-    // just written (whatever mesh wrote it).
-    const std::string dir = flags.common.checkpoint_dir + "/step_" + std::to_string(s.step);
-    auto index = distributed::read_checkpoint_index(dir);
-    EMBER_CHECK(index.ok(), index.status().message());
-    auto m = std::make_shared<nn::GPT>(model_options(flags, s.vocab));
-    nn::StateDict sd;
-    for (const auto& [name, t] : m->state_dict()) {
-      auto whole = distributed::read_checkpoint_tensor(dir, *index->find(name));
-      EMBER_CHECK(whole.ok(), whole.status().message());
-      sd.insert(name, *whole);
-    }
-    m->load_state_dict(sd);
+  if (flags.sample_len > 0 && job.rank == 0)  // from the checkpoint just written, whatever mesh wrote it
     LOG0("sample (temperature ", flags.temperature, ", top-k ", flags.top_k, "):\n",
-         examples::generate(*m, corpus, flags.common.seed, flags.sample_len, flags.seq, flags.temperature,
-                            flags.top_k));
-  }
+         examples::sample_from_checkpoint(flags.common.checkpoint_dir + "/step_" + std::to_string(s.step),
+                                          model_options(flags, s.vocab), corpus, flags.common.seed, flags.sample_len,
+                                          flags.temperature, flags.top_k));
   LOG0("validation loss ", val, " = ", val / eval.unigram, " x the unigram baseline");
   return examples::finish_job(job);
 }
@@ -562,7 +409,7 @@ int main(int argc, char** argv) {
   using namespace ember;
   Flags flags;
   examples::FlagTable table("gpt", "usage: gpt [flags]   (also gpt_fsdp)");
-  declare(table, flags);
-  parse_flags(table, flags, argc, argv);
+  examples::declare(table, flags);
+  examples::parse_flags(table, flags, argc, argv);
   return examples::launch_and_train(table.cli(), flags.common.nproc, argc, argv, [&] { return train(flags, table); });
 }

@@ -20,7 +20,9 @@
 #include "autograd/autograd.h"
 #include "core/ops.h"
 #include "distributed/logging/logging.h"
+#include "distributed/checkpoint/sharded.h"
 #include "distributed/parallel/mesh_plan.h"
+#include "distributed/parallel/recipes/parallelize.h"
 #include "distributed/parallel/pp/pipeline.h"
 #include "distributed/parallel/step_memory.h"
 #include "distributed/parallel/tp/loss_parallel.h"
@@ -187,30 +189,34 @@ class MetricsLog {
   std::ofstream out_;
 };
 
+// A run's shape, for the lines that describe it and predict its memory.
+struct RunInfo {
+  nn::GPTOptions model;  // block_size: the context, --seq
+  distributed::ParallelDims dims;
+  bool sp = false;
+  std::string amp, strategy, fsdp_strategy, ac, pp_schedule;  // strategy: the flag's; fsdp_strategy: "FULL_SHARD"
+  int pp_virtual = 1;
+  int64_t micro_batch = 0, micro_steps = 1, global_batch = 0, max_steps = 0, n_params = 0;
+  int world = 1, gpus_per_host = 1;
+  bool cuda = false;
+  std::string checkpoint_dir;
+};
+
 // The planner's prediction of the step's memory, for the line beside the
 // measured one: the memory planner's timeline where it models the run
 // (FSDP alone, float32, no accumulation), else the mesh planner's ZeRO
 // accounting of what a rank's stage and tensor-parallel part hold.
-struct MemoryPlanInputs {
-  nn::GPTOptions model;
-  distributed::ParallelDims dims;
-  std::string strategy, ac, amp, pp_schedule;
-  int pp_virtual = 1;
-  int64_t micro_batch = 0, micro_steps = 1, global_batch = 0, seq = 0;
-  int world = 1, gpus_per_host = 1;
-};
-
-inline std::string memory_plan_line(const MemoryPlanInputs& in) {
+inline std::string memory_plan_line(const RunInfo& in) {
   const distributed::ParallelDims& d = in.dims;
   if (d.tp == 1 && d.pp == 1 && d.dp_replicate == 1 && in.amp == "off" && in.strategy != "hybrid" &&
       in.micro_steps == 1) {
     distributed::StepPlan plan{
-        .micro_batch = in.micro_batch, .seq = in.seq, .world = d.dp_shard, .strategy = in.strategy, .ac = in.ac};
+        .micro_batch = in.micro_batch, .seq = in.model.block_size, .world = d.dp_shard, .strategy = in.strategy, .ac = in.ac};
     return distributed::predict_gpt_step_memory(in.model, plan).line("memory plan");
   }
   if ((in.ac == "none" || in.ac == "full") && (in.strategy == "full" || in.strategy == "hybrid")) {
     // 17 s·b·h elements per block and live micro-batch.
-    const distributed::ModelSpec spec = distributed::model_spec(in.model, in.seq);
+    const distributed::ModelSpec spec = distributed::model_spec(in.model, in.model.block_size);
     const distributed::Hardware hw{.gpus = in.world, .gpus_per_host = in.gpus_per_host, .mem_per_gpu = int64_t{1} << 50};
     const distributed::PlanOptions po{.global_batch = in.global_batch, .mixed_precision = in.amp != "off"};
     distributed::MeshCandidate c;
@@ -236,6 +242,62 @@ inline std::string bubble_line(distributed::pp::Pipeline& pipe) {
                                   meas.costs.f * 1e3, " ms, B ", meas.costs.b * 1e3, " ms, W ", meas.costs.w * 1e3,
                                   " ms per stage and micro-batch on average, transfers ", meas.costs.comm * 1e3,
                                   " ms; step ", meas.makespan * 1e3, " ms, simulated ", sim.makespan * 1e3, " ms)");
+}
+
+// "GPT 2 layers x 128 dims, ...": the model, the data, the ranks and how
+// the model is split over them, the batch; `fsdp` without a pipeline.
+inline std::string describe_run(const RunInfo& r, const Corpus& c, distributed::FSDPModule* fsdp,
+                                const distributed::PipelineParallel& pp) {
+  const distributed::ParallelDims& d = r.dims;
+  const std::string precision = r.amp == "off" ? "float32" : r.amp + " compute (float32 shards and reduction)";
+  std::string sharding;
+  if (fsdp != nullptr) {
+    const auto mem = fsdp->memory();
+    sharding = ", FSDP " + r.fsdp_strategy + ", " + std::to_string(fsdp->units().size()) + " units, " + precision +
+               "; rank 0 holds " + std::to_string(mem.sharded_params) + " bytes of parameters (" +
+               std::to_string(r.n_params * 4) + " unsharded), largest unit " + std::to_string(mem.largest_unit) +
+               " bytes gathered";
+  } else {
+    sharding = ", pipeline " + pp.pipe->schedule().name + " over " + std::to_string(d.pp) + " ranks x " +
+               std::to_string(pp.pipe->schedule().virtual_stages) + " stage(s), " + std::to_string(r.micro_steps) +
+               " micro-batches, ";
+    if (pp.fsdp.empty()) {
+      sharding += r.amp == "off" ? "float32" : r.amp + " autocast (float32 parameters)";
+    } else {
+      int64_t units = 0, held = 0;
+      for (auto& f : pp.fsdp) units += static_cast<int64_t>(f->units().size()), held += f->memory().sharded_params;
+      sharding += "FSDP " + r.fsdp_strategy + " inside the stages (" + std::to_string(units) + " units on this rank), " +
+                  precision + "; rank 0 holds " + std::to_string(held) + " bytes of parameters";
+    }
+  }
+  const int64_t seq = r.model.block_size;
+  return ::ember::detail::str_cat(
+      "GPT ", r.model.n_layer, " layers x ", r.model.n_embd, " dims, ", r.model.n_head, " heads, context ", seq, ": ",
+      r.n_params, " parameters, vocabulary ", r.model.vocab_size, "; ", c.description, " (", c.train.size(),
+      " train / ", c.val.size(), " validation characters)\n", r.world, " rank(s) on ",
+      r.cuda ? "GPUs (NCCL)" : "the CPU (Gloo)",
+      d.tp > 1 ? ", tensor parallel over " + std::to_string(d.tp) + (r.sp ? " with sequence parallelism" : "")
+               : std::string(),
+      sharding, "\n", "batch ", r.micro_batch, " x ", seq, " characters per rank x ", d.dp(),
+      " data-parallel rank(s) x ", r.micro_steps, " micro-batch(es) = ", r.global_batch * seq, " tokens per step; ",
+      r.max_steps, " steps; checkpoints in ", r.checkpoint_dir);
+}
+
+// A sample from one process's whole copy of the model, read from the
+// checkpoint in `dir` (whatever mesh wrote it).
+inline std::string sample_from_checkpoint(const std::string& dir, const nn::GPTOptions& options, const Corpus& c,
+                                          uint64_t seed, int64_t len, double temperature, int64_t top_k) {
+  auto index = distributed::read_checkpoint_index(dir);
+  EMBER_CHECK(index.ok(), index.status().message());
+  auto m = std::make_shared<nn::GPT>(options);
+  nn::StateDict sd;
+  for (const auto& [name, t] : m->state_dict()) {
+    auto whole = distributed::read_checkpoint_tensor(dir, *index->find(name));
+    EMBER_CHECK(whole.ok(), whole.status().message());
+    sd.insert(name, *whole);
+  }
+  m->load_state_dict(sd);
+  return generate(*m, c, seed, len, options.block_size, temperature, top_k);
 }
 
 }  // namespace ember::examples

@@ -54,7 +54,7 @@
 #include "distributed/logging/logging.h"
 #include "distributed/parallel/ddp.h"
 #include "distributed/parallel/powersgd.h"
-#include "examples/cli.h"
+#include "examples/flags.h"
 #include "examples/profiling.h"
 #include "examples/training.h"
 #include "nn/checkpoint.h"
@@ -77,151 +77,78 @@ constexpr int64_t kBaseBatch = 64;
 constexpr double kMean = 0.2860, kStd = 0.3530;  // Fashion-MNIST train-set pixel statistics
 
 struct Flags {
-  int nproc = 0;  // 0: one per GPU, else 2
+  examples::CommonFlags common{.batch_size = 64, .lr = 0.05, .checkpoint_dir = "/tmp/ember_resnet_ddp",
+                               .data = data::kFashionMnistRoot};
   std::string model;  // empty: "narrow" on the CPU, "resnet18" on GPUs
   int64_t epochs = 2;
-  int64_t batch_size = 64;  // per rank
-  double lr = 0.05;         // for kBaseBatch images per step
-  int64_t accum_steps = 1;
   bool sync_bn = false;
-  std::string data = data::kFashionMnistRoot;
-  bool data_given = false;
   int workers = 1;
-  std::string checkpoint_dir = "/tmp/ember_resnet_ddp";
-  bool resume = false;
   bool resume_fallback = false;  // a damaged newest checkpoint: use the previous one (warned)
-  bool overwrite = false;        // a fresh run may replace the checkpoints in --checkpoint-dir
-  uint64_t seed = 0;
-  int64_t max_steps = -1;  // optimizer steps per epoch; -1: the whole epoch (for smoke tests)
-  int64_t eval_size = -1;  // test examples evaluated; -1: all
-  double timeout_sec = 0;  // 0: EMBER_DIST_TIMEOUT_SEC, else 10 minutes
-  std::string amp = "off";  // off | bf16 | fp16 (mixed precision; fp16 with loss scaling)
+  int64_t max_steps = -1;        // optimizer steps per epoch; -1: the whole epoch (for smoke tests)
+  int64_t eval_size = -1;        // test examples evaluated; -1: all
   std::string grad_compress = "off";  // off | bf16 | fp16 | powersgd (DDP's gradient-compression hook)
   int powersgd_rank = 2;              // PowerSGD's matrix approximation rank
   int64_t powersgd_start = -1;        // steps before PowerSGD starts; -1: the learning-rate warm-up's
-  std::string ac = "none";            // activation checkpointing of the residual blocks
-  std::string profile_dir;  // --profile: a few steps after warm-up, Chrome traces there
+  bool data_given = false;
 };
 
-constexpr char kUsage[] =
-    "usage: resnet_ddp [flags]\n"
-    "  --nproc N            local worker processes (default: one per GPU, else 2; ignored under a launcher)\n"
-    "  --model NAME         narrow (ResNet-18, width 16) | resnet18 | resnet34 | resnet50\n"
-    "                       (small 3x3 stem; default: narrow on the CPU, resnet18 on GPUs)\n"
-    "  --epochs N           epochs in total, counting those already done when resuming (default 2)\n"
-    "  --batch-size N       images per rank per micro-batch (default 64)\n"
-    "  --lr X               learning rate for 64 images per step, scaled linearly to the global batch (default 0.05)\n"
-    "  --accum-steps K      micro-batches per optimizer step (gradient accumulation; default 1)\n"
-    "  --sync-bn            batch-norm statistics over all ranks' batches (SyncBatchNorm)\n"
-    "  --data PATH          Fashion-MNIST IDX directory, or 'synthetic' (default /usr/share/datasets/fashion-mnist)\n"
-    "  --workers N          data-loading threads per rank (default 1)\n"
-    "  --checkpoint-dir D   where epoch_<N>/ checkpoints go (default /tmp/ember_resnet_ddp)\n"
-    "  --resume             continue from the newest checkpoint in --checkpoint-dir (an error if it is damaged)\n"
-    "  --resume-fallback    with --resume: if the newest checkpoint is damaged, warn and use the previous one\n"
-    "  --overwrite          a fresh run may replace the checkpoints in --checkpoint-dir (else an error)\n"
-    "                       (training will then save over the damaged one)\n"
-    "  --seed N             model initialisation and data order (default 0)\n"
-    "  --max-steps N        stop each epoch after N optimizer steps (smoke tests)\n"
-    "  --eval-size N        evaluate on the first N test images only (smoke tests)\n"
-    "  --amp off|bf16|fp16  mixed precision: autocast to bfloat16, or to float16 with a GradScaler (default off)\n"
-    "  --ac none|full|selective|every:K\n"
-    "                       activation checkpointing of the residual blocks: all, all keeping the convolutions'\n"
-    "                       outputs (selective), or every K-th block (default none)\n"
-    "  --grad-compress off|bf16|fp16|powersgd\n"
-    "                       allreduce gradients in bfloat16 / float16 (DDP's compression hook: half the bytes),\n"
-    "                       or compress each weight matrix to rank R with PowerSGD (default off)\n"
-    "  --powersgd-rank R    PowerSGD's rank (default 2): an n x m gradient sends R (n + m) numbers\n"
-    "  --powersgd-start N   steps of plain allreduce before PowerSGD (default: the warm-up's steps)\n"
-    "  --timeout SEC        rendezvous and collective timeout, for ranks alive but stuck (default:\n"
-    "                       $EMBER_DIST_TIMEOUT_SEC, else 600)\n"
-    "  --profile DIR        profile 3 steps after 3 warm-up steps (fewer when fewer are left): Chrome traces\n"
-    "                       per rank and merged (DIR/trace.json), and the top ops by self time\n";
+// Every flag once: name, value, help, validation (examples/flags.h).
+void declare(examples::FlagTable& t, Flags& f) {
+  examples::add_common_flags(t, f.common, "images",
+                             "learning rate for 64 images per step, scaled linearly to the global batch");
+  t.add({"--model", "NAME",
+         "narrow (ResNet-18, width 16) | resnet18 | resnet34 | resnet50 (small 3x3 stem;\n"
+         "default: narrow on the CPU, resnet18 on GPUs)",
+         [&t, &f](const std::string& v) {
+           if (v != "narrow" && v != "resnet18" && v != "resnet34" && v != "resnet50")
+             t.error("--model must be narrow, resnet18, resnet34 or resnet50, got '" + v + "'");
+           f.model = v;
+         },
+         [&f] { return f.model; }});
+  t.integer("--epochs", &f.epochs, 1, "N", "epochs in total, counting those already done when resuming");
+  t.toggle("--sync-bn", &f.sync_bn, "batch-norm statistics over all ranks' batches (SyncBatchNorm)");
+  t.integer("--workers", &f.workers, 0, "N", "data-loading threads per rank", false);
+  t.toggle("--resume-fallback", &f.resume_fallback,
+           "with --resume: if the newest checkpoint is damaged, warn and use the previous one");
+  t.integer("--max-steps", &f.max_steps, 1, "N", "stop each epoch after N optimizer steps (smoke tests; -1: all)");
+  t.integer("--eval-size", &f.eval_size, 1, "N", "evaluate on the first N test images only (smoke tests; -1: all)");
+  t.choice("--grad-compress", &f.grad_compress, {"off", "bf16", "fp16", "powersgd"},
+           "allreduce gradients in bfloat16 / float16 (DDP's compression hook: half the bytes),\n"
+           "or compress each weight matrix to rank R with PowerSGD");
+  t.integer("--powersgd-rank", &f.powersgd_rank, 1, "R", "PowerSGD's rank: an n x m gradient sends R (n + m) numbers");
+  t.integer("--powersgd-start", &f.powersgd_start, 0, "N",
+            "steps of plain allreduce before PowerSGD (-1: the warm-up's steps)");
+}
 
-const examples::Cli kCli{"resnet_ddp", kUsage};
-[[noreturn]] void usage_error(const std::string& msg) { kCli.error(msg); }
-
-// Accepts "--flag value" and "--flag=value" (FlagReader). Runs in the launching process
-// before any worker starts, so a typo is reported once, not once per rank.
-Flags parse_flags(int argc, char** argv) {
-  Flags f;
-  for (examples::FlagReader r(kCli, argc, argv); r.next();) {
-    const std::string arg = r.flag();
-    auto next = [&] { return r.value(); };
-    if (arg == "--resume" || arg == "--resume-fallback" || arg == "--sync-bn" || arg == "--overwrite") {
-      r.no_value();
-      (arg == "--resume"      ? f.resume
-       : arg == "--sync-bn"   ? f.sync_bn
-       : arg == "--overwrite" ? f.overwrite
-                              : f.resume_fallback) = true;
-      continue;
-    }
-    if (arg == "--nproc") f.nproc = static_cast<int>(kCli.parse_int(arg, next(), 1));
-    else if (arg == "--model") f.model = next();
-    else if (arg == "--epochs") f.epochs = kCli.parse_int(arg, next(), 1);
-    else if (arg == "--batch-size") f.batch_size = kCli.parse_int(arg, next(), 1);
-    else if (arg == "--lr") f.lr = kCli.parse_positive(arg, next());
-    else if (arg == "--accum-steps") f.accum_steps = kCli.parse_int(arg, next(), 1);
-    else if (arg == "--data") f.data = next(), f.data_given = true;
-    else if (arg == "--workers") f.workers = static_cast<int>(kCli.parse_int(arg, next(), 0));
-    else if (arg == "--checkpoint-dir") f.checkpoint_dir = next();
-    else if (arg == "--seed") f.seed = static_cast<uint64_t>(kCli.parse_int(arg, next(), 0));
-    else if (arg == "--profile") {
-      f.profile_dir = next();
-      if (f.profile_dir.empty()) usage_error("--profile needs a directory");
-    }
-    else if (arg == "--max-steps") f.max_steps = kCli.parse_int(arg, next(), 1);
-    else if (arg == "--eval-size") f.eval_size = kCli.parse_int(arg, next(), 1);
-    else if (arg == "--timeout") f.timeout_sec = kCli.parse_positive(arg, next());
-    else if (arg == "--amp") {
-      f.amp = next();
-      if (f.amp != "off" && f.amp != "bf16" && f.amp != "fp16")
-        usage_error("--amp takes off, bf16 or fp16, got '" + f.amp + "'");
-    } else if (arg == "--ac") {
-      f.ac = next();
-      try {
-        nn::ActivationCheckpointing::parse(f.ac);
-      } catch (const Error& e) {
-        usage_error(std::string("--ac: ") + e.what());
-      }
-    } else if (arg == "--grad-compress") {
-      f.grad_compress = next();
-      if (f.grad_compress != "off" && f.grad_compress != "bf16" && f.grad_compress != "fp16" &&
-          f.grad_compress != "powersgd")
-        usage_error("--grad-compress takes off, bf16, fp16 or powersgd, got '" + f.grad_compress + "'");
-    } else if (arg == "--powersgd-rank") {
-      f.powersgd_rank = static_cast<int>(kCli.parse_int(arg, next(), 1));
-    } else if (arg == "--powersgd-start") {
-      f.powersgd_start = kCli.parse_int(arg, next(), 0);
-    } else
-      usage_error("unknown flag '" + arg + "'");
-  }
-  if (!f.model.empty() && f.model != "narrow" && f.model != "resnet18" && f.model != "resnet34" &&
-      f.model != "resnet50")
-    usage_error("--model must be narrow, resnet18, resnet34 or resnet50, got '" + f.model + "'");
-  if (f.checkpoint_dir.empty()) usage_error("--checkpoint-dir must not be empty");
-  if (f.resume_fallback && !f.resume) usage_error("--resume-fallback goes with --resume");
-  if ((f.powersgd_rank != Flags{}.powersgd_rank || f.powersgd_start != Flags{}.powersgd_start) &&
-      f.grad_compress != "powersgd")
+// Runs in the launching process before any worker starts, so a typo is
+// reported once, not once per rank; checks what one row cannot see.
+void parse_flags(examples::FlagTable& t, Flags& f, int argc, char** argv) {
+  t.parse(argc, argv);
+  auto usage_error = [&t](const std::string& msg) { t.error(msg); };
+  const examples::CommonFlags& c = f.common;
+  f.data_given = t.given("--data");
+  if (c.checkpoint_dir.empty()) usage_error("--checkpoint-dir must not be empty");
+  if (f.resume_fallback && !c.resume) usage_error("--resume-fallback goes with --resume");
+  if ((t.given("--powersgd-rank") || t.given("--powersgd-start")) && f.grad_compress != "powersgd")
     usage_error("--powersgd-rank and --powersgd-start go with --grad-compress powersgd");
   // An overflowing float16 step (which loss scaling makes now and then, on
   // purpose) would leave inf in PowerSGD's error and Q memories for good.
-  if (f.grad_compress == "powersgd" && f.amp == "fp16")
+  if (f.grad_compress == "powersgd" && c.amp == "fp16")
     usage_error(
         "--grad-compress powersgd does not go with --amp fp16 (an overflowed step would poison its "
         "error feedback); use --amp bf16");
   // The default directory is scratch that a fresh run replaces; one the user names is kept.
-  examples::refuse_overwrite(f.checkpoint_dir, "epoch_",
-                             f.resume || f.overwrite || f.checkpoint_dir == Flags{}.checkpoint_dir);
-  if (f.resume) {
-    auto latest = distributed::latest_checkpoint(f.checkpoint_dir, "epoch_", f.resume_fallback);
+  examples::refuse_overwrite(c.checkpoint_dir, "epoch_",
+                             c.resume || c.overwrite || c.checkpoint_dir == Flags{}.common.checkpoint_dir);
+  if (c.resume) {
+    auto latest = distributed::latest_checkpoint(c.checkpoint_dir, "epoch_", f.resume_fallback);
     if (!latest.ok())
       usage_error("--resume: " + std::string(latest.status().message()) + "; --resume-fallback uses the previous one");
     if (!latest->has_value())
-      usage_error("--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir " + f.checkpoint_dir);
+      usage_error("--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir " + c.checkpoint_dir);
   }
-  if (f.data != "synthetic" && f.data_given && !fs::is_directory(f.data))
-    usage_error("--data " + f.data + ": no such directory (give the Fashion-MNIST directory or 'synthetic')");
-  return f;
+  if (c.data != "synthetic" && f.data_given && !fs::is_directory(c.data))
+    usage_error("--data " + c.data + ": no such directory (give the Fashion-MNIST directory or 'synthetic')");
 }
 
 // Examples [offset, offset + size) of another dataset: the synthetic set is
@@ -248,9 +175,9 @@ struct Datasets {
 };
 
 Datasets load_data(const Flags& f) {
-  bool synthetic = f.data == "synthetic";
+  bool synthetic = f.common.data == "synthetic";
   if (!synthetic) {
-    auto train = data::load_mnist(f.data, true);
+    auto train = data::load_mnist(f.common.data, true);
     if (!train.ok() && !f.data_given) {
       // The default location is only a guess; say loudly that the numbers
       // below are not Fashion-MNIST's.
@@ -259,15 +186,15 @@ Datasets load_data(const Flags& f) {
            "Install it with `apt-get install dataset-fashion-mnist` or pass --data DIR.");
       synthetic = true;
     } else {
-      EMBER_CHECK(train.ok(), "--data ", f.data, ": ", train.status().message());
-      auto test = data::load_mnist(f.data, false);
-      EMBER_CHECK(test.ok(), "--data ", f.data, ": ", test.status().message());
+      EMBER_CHECK(train.ok(), "--data ", f.common.data, ": ", train.status().message());
+      auto test = data::load_mnist(f.common.data, false);
+      EMBER_CHECK(test.ok(), "--data ", f.common.data, ": ", test.status().message());
       return {std::make_shared<data::ImageDataset>(*train), std::make_shared<data::ImageDataset>(*test),
-              "Fashion-MNIST from " + f.data};
+              "Fashion-MNIST from " + f.common.data};
     }
   }
   // Fashion-MNIST's shapes and sizes, so timings carry over.
-  auto all = std::make_shared<data::SyntheticImages>(70000, Shape{1, 28, 28}, 10, f.seed);
+  auto all = std::make_shared<data::SyntheticImages>(70000, Shape{1, 28, 28}, 10, f.common.seed);
   return {std::make_shared<Slice>(all, 0, 60000), std::make_shared<Slice>(all, 60000, 10000),
           "synthetic images (60000 train, 10000 test)"};
 }
@@ -331,7 +258,7 @@ struct Setup {
                                                       uint64_t seed) const {
     auto sampler = std::make_shared<data::DistributedSampler>(ds.train->size(), job.world, job.rank,
                                                               /*shuffle=*/true, seed, /*drop_last=*/true);
-    return std::make_unique<data::DataLoader>(ds.train, data::DataLoaderOptions{.batch_size = flags.batch_size,
+    return std::make_unique<data::DataLoader>(ds.train, data::DataLoaderOptions{.batch_size = flags.common.batch_size,
                                                                                 .sampler = sampler,
                                                                                 .drop_last = true,
                                                                                 .num_workers = flags.workers,
@@ -349,16 +276,16 @@ void resume(const Flags& flags, const examples::Job& job, Setup& s) {
   // checksum (rank 0 reads them); else the newest, its damage an error.
   std::vector<std::string> skipped;
   auto latest = flags.resume_fallback || examples::restarted()
-                    ? distributed::newest_verified_checkpoint(flags.checkpoint_dir, "epoch_", *job.pg, &skipped)
-                    : distributed::latest_checkpoint(flags.checkpoint_dir, "epoch_", false, &skipped);
+                    ? distributed::newest_verified_checkpoint(flags.common.checkpoint_dir, "epoch_", *job.pg, &skipped)
+                    : distributed::latest_checkpoint(flags.common.checkpoint_dir, "epoch_", false, &skipped);
   EMBER_CHECK(latest.ok(), "--resume: ", latest.status().message());
   for (const std::string& d : skipped) LOG0("warning: skipping the damaged checkpoint ", d, "; trying an older one");
   const std::optional<std::string>& dir = *latest;
-  if (!dir.has_value() && !flags.resume) {
-    LOG0("restart: no checkpoint in ", flags.checkpoint_dir, " yet; starting from epoch 0");
+  if (!dir.has_value() && !flags.common.resume) {
+    LOG0("restart: no checkpoint in ", flags.common.checkpoint_dir, " yet; starting from epoch 0");
     return;
   }
-  EMBER_CHECK(dir.has_value(), "--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir ", flags.checkpoint_dir);
+  EMBER_CHECK(dir.has_value(), "--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir ", flags.common.checkpoint_dir);
   // Sharded (each rank wrote its part; any number of ranks loads it), or
   // the one-file checkpoints of earlier versions.
   std::string saved_by;
@@ -393,7 +320,7 @@ void resume(const Flags& flags, const examples::Job& job, Setup& s) {
     LOG0("note: the checkpoint was trained with a global batch of ", g, ", now ", s.global_batch,
          ": the data order and learning rate differ from an uninterrupted run");
   // The checkpoint's data order wins: that is what "continue exactly" means.
-  if (s.data_seed != flags.seed) s.train_loader = s.make_train_loader(flags, job, s.data_seed);
+  if (s.data_seed != flags.common.seed) s.train_loader = s.make_train_loader(flags, job, s.data_seed);
   LOG0("resumed from ", *dir, ": ", saved_by, s.start_epoch, " epoch(s), ", s.step, " step(s) done");
   if (s.start_epoch >= flags.epochs)
     LOG0("nothing to do: the checkpoint has ", s.start_epoch, " epoch(s) and --epochs is ", flags.epochs);
@@ -416,7 +343,7 @@ void recover(const Flags& flags, const examples::Job& job, Setup& s, const distr
     s.data_seed = seed;
     s.train_loader = s.make_train_loader(flags, job, s.data_seed);
   }
-  s.train_loader->set_start_batch(s.start_in_epoch * flags.accum_steps);
+  s.train_loader->set_start_batch(s.start_in_epoch * flags.common.accum_steps);
   s.redo_epoch_end = r.step > 0 && s.start_in_epoch == 0;
   if (r.source >= 0)
     LOG_ALL("live recovery: received ", r.bytes_received, " bytes of training state (step ", r.step, ") from rank ",
@@ -429,24 +356,24 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   Setup s;
   s.model_name = !flags.model.empty() ? flags.model : job.cuda ? "resnet18" : "narrow";
   s.ds = load_data(flags);
-  s.data_seed = flags.seed;
+  s.data_seed = flags.common.seed;
 
   // Model, optimizer and schedule, identical on every rank (DDP then
   // broadcasts rank 0's parameters anyway).
-  manual_seed(flags.seed);
+  manual_seed(flags.common.seed);
   s.model = make_model(s.model_name);
   s.model->to(job.device);
-  s.global_batch = flags.batch_size * job.world * flags.accum_steps;
-  s.lr = optim::scaled_lr(flags.lr, s.global_batch, kBaseBatch);
+  s.global_batch = flags.common.batch_size * job.world * flags.common.accum_steps;
+  s.lr = optim::scaled_lr(flags.common.lr, s.global_batch, kBaseBatch);
   s.opt = std::make_unique<optim::SGD>(
       s.model->parameters(), optim::SGDOptions{.lr = s.lr, .momentum = 0.9, .weight_decay = 5e-4, .nesterov = true});
 
   s.normalize = data::compose({data::to_float(), data::normalize({kMean}, {kStd})});
   s.train_loader = s.make_train_loader(flags, job, s.data_seed);
   const int64_t micro_per_epoch = s.train_loader->size();
-  s.steps_per_epoch = micro_per_epoch / flags.accum_steps;
-  EMBER_CHECK(s.steps_per_epoch >= 1, "an epoch has ", micro_per_epoch, " batches of ", flags.batch_size,
-              " per rank: fewer than --accum-steps ", flags.accum_steps, "; lower --batch-size or --accum-steps");
+  s.steps_per_epoch = micro_per_epoch / flags.common.accum_steps;
+  EMBER_CHECK(s.steps_per_epoch >= 1, "an epoch has ", micro_per_epoch, " batches of ", flags.common.batch_size,
+              " per rank: fewer than --accum-steps ", flags.common.accum_steps, "; lower --batch-size or --accum-steps");
   if (flags.max_steps > 0) s.steps_per_epoch = std::min(s.steps_per_epoch, flags.max_steps);
   const int64_t total_steps = flags.epochs * s.steps_per_epoch;
   s.warmup = std::min<int64_t>(200, total_steps / 10 + 1);
@@ -455,12 +382,12 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   s.sched = std::make_unique<optim::SequentialLR>(
       *s.opt, std::vector<std::shared_ptr<optim::LRScheduler>>{warm, cosine}, std::vector<int64_t>{s.warmup});
   // fp16 needs loss scaling; bf16 has float32's range and needs none.
-  s.scaler = std::make_unique<optim::GradScaler>(optim::GradScalerOptions{.enabled = flags.amp == "fp16"});
+  s.scaler = std::make_unique<optim::GradScaler>(optim::GradScalerOptions{.enabled = flags.common.amp == "fp16"});
   // A launcher's restart (--max-restarts) resumes by itself.
-  if (from_disk && (flags.resume || examples::restarted())) resume(flags, job, s);
+  if (from_disk && (flags.common.resume || examples::restarted())) resume(flags, job, s);
 
   if (flags.sync_bn) distributed::convert_sync_batchnorm(*s.model, job.pg);
-  const auto ac = nn::ActivationCheckpointing::parse(flags.ac);
+  const auto ac = nn::ActivationCheckpointing::parse(flags.common.ac);
   const int wrapped = nn::apply_activation_checkpointing(*s.model, {"BasicBlock", "Bottleneck"}, ac);
   if (ac.mode != nn::ActivationCheckpointing::Mode::None)
     LOG0("activation checkpointing ", ac.str(), ": ", wrapped, " residual blocks");
@@ -477,7 +404,7 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
                                                           : distributed::fp16_compress_hook();
   }
   s.ddp = std::make_shared<distributed::DistributedDataParallel>(s.model, ddp_options);
-  s.accumulator = std::make_unique<distributed::GradientAccumulator>(*s.ddp, static_cast<int>(flags.accum_steps));
+  s.accumulator = std::make_unique<distributed::GradientAccumulator>(*s.ddp, static_cast<int>(flags.common.accum_steps));
 
   s.test_n = flags.eval_size > 0 ? std::min(flags.eval_size, s.ds.test->size()) : s.ds.test->size();
   // Each rank's contiguous share, without the padding DistributedSampler
@@ -489,18 +416,18 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
 
   LOG0(s.model_name == "narrow" ? "narrow ResNet-18 (width 16)" : s.model_name,
        ", small stem: ", s.model->num_parameters() / 1e6, " M parameters; ", s.ds.description, "\n", job.world,
-       " rank(s) on ", job.cuda ? "GPUs (NCCL)" : "the CPU (Gloo)", ", batch ", flags.batch_size, " per rank x ",
-       job.world, " rank(s) x ", flags.accum_steps, " accumulation step(s) = ", s.global_batch, " per step; lr ", s.lr,
-       " (", flags.lr, " x ", s.global_batch, "/", kBaseBatch, "), ", s.warmup, " warmup steps then cosine; ",
+       " rank(s) on ", job.cuda ? "GPUs (NCCL)" : "the CPU (Gloo)", ", batch ", flags.common.batch_size, " per rank x ",
+       job.world, " rank(s) x ", flags.common.accum_steps, " accumulation step(s) = ", s.global_batch, " per step; lr ", s.lr,
+       " (", flags.common.lr, " x ", s.global_batch, "/", kBaseBatch, "), ", s.warmup, " warmup steps then cosine; ",
        s.steps_per_epoch, " steps per epoch; ", flags.sync_bn ? "SyncBatchNorm; " : "",
-       flags.amp == "off" ? ""
-                          : "mixed precision " + flags.amp + (s.scaler->is_enabled() ? " with loss scaling; " : "; "),
+       flags.common.amp == "off" ? ""
+                          : "mixed precision " + flags.common.amp + (s.scaler->is_enabled() ? " with loss scaling; " : "; "),
        flags.grad_compress == "off" ? ""
        : flags.grad_compress == "powersgd"
            ? "gradients compressed by PowerSGD (rank " + std::to_string(flags.powersgd_rank) + ", from step " +
                  std::to_string(s.powersgd->options().start_powerSGD_iter) + "); "
            : "gradients allreduced in " + flags.grad_compress + "; ",
-       "checkpoints in ", flags.checkpoint_dir);
+       "checkpoints in ", flags.common.checkpoint_dir);
   return s;
 }
 
@@ -511,7 +438,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   double train_seconds = 0, eval_seconds = -1;
   int64_t images_done = 0;  // global, this process's run
   optim::GradScaler& scaler = *s.scaler;
-  examples::StepProfiler profile(flags.profile_dir, (flags.epochs - s.start_epoch) * s.steps_per_epoch, job.pg.get());
+  examples::StepProfiler profile(flags.common.profile_dir, (flags.epochs - s.start_epoch) * s.steps_per_epoch, job.pg.get());
   // The end of an epoch: its train loss averaged over the ranks, the test
   // accuracy over every rank's shard, a checkpoint. Also run again by a
   // live recovery that resumes exactly at an epoch's end (the fault may have
@@ -537,7 +464,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     st.step = s.step;
     st.rng_seed = default_generator().seed();
     st.rng_offset = default_generator().offset();
-    const std::string dir = flags.checkpoint_dir + "/epoch_" + std::to_string(epoch + 1);
+    const std::string dir = flags.common.checkpoint_dir + "/epoch_" + std::to_string(epoch + 1);
     examples::save_step_checkpoint(dir, *s.model, *s.opt, *s.sched, st,
                                    {{"sampler_seed", s.data_seed},
                                     {"global_batch", s.global_batch},
@@ -563,7 +490,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       Tensor loss;
       {
         std::optional<AutocastGuard> amp;
-        if (flags.amp != "off") amp.emplace(job.device.type, flags.amp == "bf16" ? DType::BFloat16 : DType::Float16);
+        if (flags.common.amp != "off") amp.emplace(job.device.type, flags.common.amp == "bf16" ? DType::BFloat16 : DType::Float16);
         loss = nn::functional::cross_entropy((*s.ddp)(b.data), b.target);  // float32 under autocast too
       }
       loss_sum += loss.item();
@@ -608,30 +535,20 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
 
 // ---- The run: config (the flags), setup, loop ----
 
-int train(const Flags& flags) {
+int train(const Flags& flags, const examples::FlagTable& table) {
   return examples::train_recovering<Setup>(
-      flags.timeout_sec,
+      flags.common.timeout_sec,
       [&](const examples::Job& job, bool from_disk) {
         const std::string model_name = !flags.model.empty() ? flags.model : job.cuda ? "resnet18" : "narrow";
         // Ranks started with other flags would train diverging replicas without a
         // word (a different batch size changes the learning-rate scaling too).
-        distributed::check_same_config(
-            *job.pg, {{"--model", model_name},
-                      {"--batch-size", std::to_string(flags.batch_size)},
-                      {"--lr", std::to_string(flags.lr)},
-                      {"--accum-steps", std::to_string(flags.accum_steps)},
-                      {"--epochs", std::to_string(flags.epochs)},
-                      {"--seed", std::to_string(flags.seed)},
-                      {"--sync-bn", flags.sync_bn ? "on" : "off"},
-                      {"--max-steps", std::to_string(flags.max_steps)},
-                      {"--resume", flags.resume ? "on" : "off"},
-                      {"--amp", flags.amp},
-                      {"--grad-compress", flags.grad_compress},
-                      {"--powersgd-rank", std::to_string(flags.powersgd_rank)},
-                      {"--powersgd-start",
-                       std::to_string(flags.powersgd_start)}});  // paths (--data, --checkpoint-dir) may differ by host
-        if (flags.nproc > 0 && flags.nproc != job.env.local_world_size)
-          LOG0("note: --nproc ", flags.nproc, " ignored: the launcher started ", job.env.local_world_size,
+        // (paths, --nproc and --workers may differ by host; the model as resolved)
+        auto config = table.agreed_values();
+        for (auto& [flag, value] : config)
+          if (flag == "--model") value = model_name;
+        distributed::check_same_config(*job.pg, config);
+        if (flags.common.nproc > 0 && flags.common.nproc != job.env.local_world_size)
+          LOG0("note: --nproc ", flags.common.nproc, " ignored: the launcher started ", job.env.local_world_size,
                " processes per node");
         return setup(flags, job, from_disk);
       },
@@ -657,6 +574,10 @@ int train(const Flags& flags) {
 
 int main(int argc, char** argv) {
   using namespace ember;
-  Flags flags = parse_flags(argc, argv);
-  return examples::launch_and_train(kCli, flags.nproc, argc, argv, [&] { return train(flags); });
+  Flags flags;
+  examples::FlagTable table("resnet_ddp", "usage: resnet_ddp [flags]");
+  declare(table, flags);
+  parse_flags(table, flags, argc, argv);
+  return examples::launch_and_train(table.cli(), flags.common.nproc, argc, argv,
+                                    [&] { return train(flags, table); });
 }

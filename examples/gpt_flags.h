@@ -1,0 +1,116 @@
+// //examples:gpt's flags: every flag once, a row of the table
+// (examples/flags.h) with its value, help and check, the trainer's common
+// rows and the mesh's shared with the other examples; parse_flags checks
+// what one row cannot see (flags that go together or exclude each other).
+#pragma once
+
+#include <filesystem>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "distributed/checkpoint/checkpoint.h"
+#include "distributed/parallel/pp/schedule/schedule.h"
+#include "distributed/parallel_dims.h"
+#include "examples/flags.h"
+#include "examples/training.h"
+
+namespace ember::examples {
+
+struct Flags {
+  CommonFlags common{.batch_size = 16, .lr = 3e-3, .checkpoint_dir = "/tmp/ember_gpt_fsdp",
+                               .data = "/usr/share/games/fortunes"};
+  std::string strategy = "full";
+  int shard_size = 0;                // hybrid: ranks per shard group (0: ranks per node)
+  distributed::ParallelDims mesh;  // --pp --dp-replicate --dp-shard --tp; -1: the rest
+  std::string pp_schedule = "1f1b";
+  int pp_virtual = 1;
+  std::string pp_split;
+  std::vector<int> blocks_per_stage;  // --pp-split parsed
+  int64_t microbatches = 0;  // 0: --accum-steps (pp 1) or the pp size
+  std::string sp = "auto";
+  int64_t global_batch = 0;  // 0: batch size x dp x accum
+  std::string metrics;
+  int64_t layers = 2, dim = 128, heads = 4, seq = 64;
+  int64_t max_steps = 1000, save_every = 0, eval_every = 250;
+  int64_t sample_len = 240, top_k = 20;
+  double temperature = 0.8;
+};
+
+// Every flag once: name, value, help, validation (examples/flags.h).
+inline void declare(FlagTable& t, Flags& f) {
+  add_common_flags(t, f.common, "sequences", "peak AdamW learning rate (warmup, then cosine to a tenth)");
+  t.choice("--strategy", &f.strategy, {"full", "grad_op", "no_shard", "hybrid"}, "FSDP sharding strategy");
+  t.integer("--shard-size", &f.shard_size, 1, "N",
+            "hybrid: shard within groups of N ranks, replicate across them (0: ranks per node)");
+  add_mesh_flags(t, f.mesh);
+  t.choice("--sp", &f.sp, {"on", "off", "auto"}, "sequence parallelism inside tp (auto: on when --tp > 1)");
+  t.choice("--pp-schedule", &f.pp_schedule, distributed::pp::schedule_names(), "pipeline schedule");
+  t.integer("--pp-virtual", &f.pp_virtual, 1, "V", "stages per pp rank (interleaved)");
+  t.text("--pp-split", &f.pp_split, "A,B,...", "transformer blocks per stage (empty: balanced by parameter count)");
+  t.integer("--microbatches", &f.microbatches, 1, "M",
+            "micro-batches per optimizer step: through the pipeline with --pp, else accumulated\n"
+            "(0: --accum-steps, or P with --pp)");
+  t.integer("--global-batch", &f.global_batch, 1, "N",
+            "sequences per optimizer step over the job (0: --batch-size x data-parallel ranks x\n"
+            "--accum-steps); the per-rank micro-batch is N / (data-parallel ranks x accum)");
+  t.text("--metrics", &f.metrics, "PATH",
+         "one JSON line per optimizer step (rank 0): step, loss, lr, grad_norm, tokens_per_s,\n"
+         "step_s, mem_peak_mib and its parts mem_{params,grads,optimizer,gathered,activations,\n"
+         "other}_mib (the rank with the largest peak), batch_digest (a hash of the global batch)",
+         false);
+  t.integer("--layers", &f.layers, 1, "N", "transformer blocks");
+  t.integer("--dim", &f.dim, 1, "N", "model width");
+  t.integer("--heads", &f.heads, 1, "N", "attention heads");
+  t.integer("--seq", &f.seq, 2, "N", "context length");
+  t.integer("--max-steps", &f.max_steps, 1, "N", "optimizer steps in total, counting those before a resume");
+  t.integer("--eval-every", &f.eval_every, 1, "N", "validation every N steps and at the end");
+  t.integer("--save-every", &f.save_every, 1, "N", "checkpoint every N steps (0: only at the end)");
+  t.integer("--sample-len", &f.sample_len, 0, "N", "characters sampled at the end");
+  t.positive("--temperature", &f.temperature, "X", "the sample's temperature");
+  t.integer("--top-k", &f.top_k, 1, "N", "the sample's top-k");
+}
+
+// Parses and checks the flags together (what one flag's row cannot see).
+inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
+  t.parse(argc, argv);
+  auto error = [&t](const std::string& msg) { t.error(msg); };
+  const auto& c = f.common;
+  if (f.shard_size > 0 && f.strategy != "hybrid") error("--shard-size goes with --strategy hybrid");
+  if (f.microbatches > 0 && c.accum_steps > 1 && f.microbatches != c.accum_steps)
+    error("--microbatches " + std::to_string(f.microbatches) + " and --accum-steps " + std::to_string(c.accum_steps) +
+          " disagree (one is enough)");
+  if (f.mesh.pp > 1 && c.accum_steps > 1)
+    error("--pp " + std::to_string(f.mesh.pp) + ": the pipeline accumulates its micro-batches; give --microbatches " +
+          std::to_string(c.accum_steps) + " instead of --accum-steps");
+  // One process with --microbatches M is the reference for any pipeline
+  // run: the same micro-batches, accumulated.
+  if (f.mesh.pp == 1 && f.microbatches > 0) f.common.accum_steps = f.microbatches;
+  if (f.mesh.pp > 1 && f.microbatches == 0) f.microbatches = f.mesh.pp;
+  for (std::stringstream in(f.pp_split); in.good();) {
+    std::string item;
+    std::getline(in, item, ',');
+    if (!item.empty()) f.blocks_per_stage.push_back(static_cast<int>(t.parse_int("--pp-split", item, 1)));
+  }
+  if (f.pp_virtual > 1 && f.mesh.pp == 1) error("--pp-virtual " + std::to_string(f.pp_virtual) + " needs --pp > 1");
+  for (int v : {f.mesh.dp_replicate, f.mesh.dp_shard, f.mesh.tp})
+    if (v == 0) error("--dp-replicate, --dp-shard and --tp take a positive size or -1 (the rest)");
+  if ((f.mesh.dp_replicate == -1) + (f.mesh.dp_shard == -1) + (f.mesh.tp == -1) > 1)
+    error("only one of --dp-replicate, --dp-shard and --tp may be -1 (the rest)");
+  if (f.strategy == "hybrid" && f.mesh.dp_replicate != 1)
+    error("--strategy hybrid makes the replicas itself (--shard-size); leave --dp-replicate out");
+  if (f.dim % f.heads != 0)
+    error("--dim " + std::to_string(f.dim) + " must be a multiple of --heads " + std::to_string(f.heads));
+  if (c.checkpoint_dir.empty()) error("--checkpoint-dir must not be empty");
+  refuse_overwrite(c.checkpoint_dir, "step_",
+                             c.resume || c.overwrite || c.checkpoint_dir == Flags{}.common.checkpoint_dir);
+  if (c.resume) {
+    auto latest = distributed::latest_checkpoint(c.checkpoint_dir, "step_");
+    if (!latest.ok()) error("--resume: " + std::string(latest.status().message()));
+    if (!latest->has_value()) error("--resume: no checkpoint (step_<N>/) in --checkpoint-dir " + c.checkpoint_dir);
+  }
+  if (c.data != "synthetic" && t.given("--data") && !std::filesystem::exists(c.data))
+    error("--data " + c.data + ": no such file or directory (give a fortunes directory, a text file or 'synthetic')");
+}
+
+}  // namespace ember::examples
