@@ -26,9 +26,11 @@
 #include "distributed/device_mesh.h"
 #include "distributed/init.h"
 #include "distributed/job_profile.h"
+#include "distributed/parallel_dims.h"
 #include "distributed/parallel/ddp.h"
 #include "distributed/parallel/fsdp/fsdp.h"
 #include "distributed/parallel/fsdp/fsdp_state_dict.h"
+#include "distributed/parallel/recipes/parallelize.h"
 #include "distributed/parallel/tp/gpt_plan.h"
 #include "distributed/parallel/tp/loss_parallel.h"
 #include "distributed/parallel/zero.h"
@@ -282,6 +284,29 @@ optim::AdamW opt(gpt->parameters(), {.lr = 3e-4});
 Tensor loss = distributed::parallel_cross_entropy((*gpt)(tokens), targets);   // logits stay vocab-sharded
 loss.backward();
 optim::clip_grad_norm_(gpt->parameters(), 1.0);   // the norm of the global gradients
+opt.step();
+}
+
+// docs/mesh.md's block: 8 ranks, compiled only (the same calls run on 8
+// real ranks in //distributed/parallel/recipes:parallelize_test).
+[[maybe_unused]] void mesh_recipe_block(const std::function<std::shared_ptr<nn::Module>()>& make_my_transformer,
+                                        const Tensor& x, const Tensor& y) {
+auto dims = distributed::ParallelDims{.dp_replicate = 2, .dp_shard = 2, .tp = 2}.resolved(8);
+auto mesh = dims.build_mesh();   // DeviceMesh(dp_replicate=2, dp_shard=2, tp=2), with its "dp" view
+auto model = make_my_transformer();   // blocks of type "MyBlock" under "blocks"
+distributed::ParallelizeOptions options{
+    .tp_plan = {{"blocks.*.attn", distributed::ColwiseParallel{}},      // heads split over tp
+                {"blocks.*.attn.out_proj", distributed::RowwiseParallel{}},
+                {"blocks.*.ff.up", distributed::ColwiseParallel{}},
+                {"blocks.*.ff.down", distributed::RowwiseParallel{}}},
+    .block_types = {"MyBlock"},
+    .ac = "selective"};
+distributed::Parallelized par = distributed::parallelize(model, dims, mesh, options);   // TP, AC, HSDP
+optim::AdamW opt(model->parameters(), {.lr = 3e-4});
+const int64_t rows = x.size(0) / dims.dp(), first = dims.dp_rank(*mesh) * rows;   // this rank's share
+Tensor loss = nn::functional::mse_loss((*model)(x.narrow(0, first, rows)), y.narrow(0, first, rows));
+loss.backward();
+par.clip_grad_norm_(1.0);
 opt.step();
 }
 
