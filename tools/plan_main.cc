@@ -110,17 +110,23 @@ void reliability(const ember::distributed::MeshPlan& plan, double failures_per_g
   std::printf("\n");
 }
 
-}  // namespace
+using ember::distributed::Hardware;
+using ember::distributed::MeshCandidate;
+using ember::distributed::ModelSpec;
+using ember::distributed::PlanOptions;
 
-int main(int argc, char** argv) {
-  using namespace ember::distributed;
+// The command line, parsed.
+struct Args {
   ModelSpec m;
   Hardware hw;
   PlanOptions o;
   std::string model;
   bool gpus_given = false, explain = false, mesh_given = false, inter_given = false;
-  MeshCandidate given;
-  given.dims.dp_shard = -1;  // the rest
+  MeshCandidate given = [] {
+    MeshCandidate c;
+    c.dims.dp_shard = -1;  // the rest
+    return c;
+  }();
   std::string given_sp = "on", compute_path, fit_path;
   // Reliability (--explain): Llama 3's 419 unexpected interruptions in 54
   // days on 16,384 H100s (Dubey et al. 2024, section 3.3.4) per GPU and day;
@@ -128,6 +134,12 @@ int main(int argc, char** argv) {
   // rendezvous, the checkpoint read back, the warm-up).
   double failures_per_gpu_day = 419.0 / (54 * 16384), ckpt_gbps_per_host = 2, restart_s = 300;
   int cores = 0;
+};
+
+Args parse_args(int argc, char** argv) {
+  Args args;
+  auto& [m, hw, o, model, gpus_given, explain, mesh_given, inter_given, given, given_sp, compute_path, fit_path,
+         failures_per_gpu_day, ckpt_gbps_per_host, restart_s, cores] = args;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -217,11 +229,21 @@ int main(int argc, char** argv) {
       o.step_allreduces = integer();
     else if (a == "--help" || a == "-h") {
       std::fputs(kUsage, stdout);
-      return 0;
+      std::exit(0);
     } else {
       usage_error("unknown argument '" + a + "'");
     }
   }
+  return args;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace ember::distributed;
+  Args args = parse_args(argc, argv);
+  auto& [m, hw, o, model, gpus_given, explain, mesh_given, inter_given, given, given_sp, compute_path, fit_path,
+         failures_per_gpu_day, ckpt_gbps_per_host, restart_s, cores] = args;
   if (!gpus_given) usage_error("--gpus is required");
   if (o.global_batch <= 0) usage_error("--global-batch is required");
   try {

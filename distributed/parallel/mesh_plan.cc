@@ -164,7 +164,11 @@ const MeshCandidate& MeshPlan::best() const {
   return feasible.front();
 }
 
-MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions& o, MeshCandidate k) {
+namespace {
+
+// Why the mesh `k` cannot run at all (empty: it can): its shape against the
+// hardware and the model, the global batch against its data-parallel ranks.
+std::string infeasible(const ModelSpec& model, const Hardware& hw, const PlanOptions& o, const MeshCandidate& k) {
   EMBER_CHECK(hw.gpus >= 1 && hw.gpus_per_host >= 1, "plan: --gpus ", hw.gpus, " and --gpus-per-host ",
               hw.gpus_per_host, " must be positive");
   EMBER_CHECK(o.global_batch >= 1, "plan: --global-batch must be positive, got ", o.global_batch);
@@ -173,31 +177,31 @@ MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const Pl
   const int R = k.dims.dp_replicate, S = k.dims.dp_shard, T = k.dims.tp, P = k.dims.pp, V = k.virtual_stages;
   const int N = k.dims.world(), G = hw.gpus_per_host;
   EMBER_CHECK(N == hw.gpus, "plan: the mesh ", k.mesh(), " has ", N, " ranks, not ", hw.gpus);
-  auto reject = [&](const std::string& why) {
-    k.rejected = why;
-    return k;
-  };
   // A dimension is planned once its memory and time terms are here.
-  if (k.dims.cp > 1 || k.dims.ep > 1)
-    return reject("cp and ep have no planner terms yet (" + k.mesh() + ")");
-  const double elem = o.mixed_precision ? 2 : 4;  // bytes of a parameter, gradient or activation
-  const int64_t psi = model.num_params();
-  const double tokens = static_cast<double>(o.global_batch) * (model.transformer() ? model.seq : 1);
+  if (k.dims.cp > 1 || k.dims.ep > 1) return "cp and ep have no planner terms yet (" + k.mesh() + ")";
   if (model.transformer()) {
     const int64_t kv = model.kv_heads > 0 ? model.kv_heads : model.heads;
-    if (T > G) return reject("tp " + std::to_string(T) + " spans hosts (" + std::to_string(G) + " GPUs each)");
+    if (T > G) return "tp " + std::to_string(T) + " spans hosts (" + std::to_string(G) + " GPUs each)";
     if (model.heads % T != 0 || kv % T != 0)
-      return reject("tp " + std::to_string(T) + " does not divide the " + std::to_string(model.heads) + " heads (" +
-                    std::to_string(kv) + " key/value heads)");
+      return "tp " + std::to_string(T) + " does not divide the " + std::to_string(model.heads) + " heads (" +
+             std::to_string(kv) + " key/value heads)";
     if (model.layers < static_cast<int64_t>(P) * V)
-      return reject(std::to_string(model.layers) + " layers cannot fill " + std::to_string(P * V) + " stages");
+      return std::to_string(model.layers) + " layers cannot fill " + std::to_string(P * V) + " stages";
   }
   const int dp = R * S;
   if (o.global_batch % (dp * k.microbatches) != 0)
-    return reject("the global batch " + std::to_string(o.global_batch) + " does not split over " + std::to_string(dp) +
-                  " data-parallel ranks x " + std::to_string(k.microbatches) + " micro-batches");
-  const int64_t M = k.microbatches;
-  k.micro_batch = o.global_batch / (dp * M);
+    return "the global batch " + std::to_string(o.global_batch) + " does not split over " + std::to_string(dp) +
+           " data-parallel ranks x " + std::to_string(k.microbatches) + " micro-batches";
+  return "";
+}
+
+// The parameters, gradients, optimizer state and gathered units of the
+// rank holding the most (ZeRO's accounting, memory_plan.h); returns that
+// rank's stage and tensor-parallel share of the parameters.
+int64_t state_memory(const ModelSpec& model, const PlanOptions& o, MeshCandidate& k) {
+  const int S = k.dims.dp_shard, T = k.dims.tp, P = k.dims.pp;
+  const int64_t M = k.microbatches, psi = model.num_params();
+  const double elem = o.mixed_precision ? 2 : 4;  // bytes of a parameter, gradient or activation
   // The first stage's share of the parameters (the embedding with its
   // blocks; the last stage has the head instead, the same size for these
   // models), its tensor-parallel part.
@@ -237,8 +241,16 @@ MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const Pl
   // after the whole ones (and the activations) peaked.
   if (fsdp && M > 1) k.grads = 0;
   if (k.offload) k.params = k.grads = k.optimizer = 0;  // the sharded state lives on the host
-  // Activations of the micro-batches alive on the first rank.
-  double bubble = 0;
+  return psi_r;
+}
+
+// The activations of the micro-batches alive on the first rank (and a
+// collective's buffers); the schedule's bubble in `bubble`. Returns why the
+// schedule cannot run, or empty.
+std::string activation_memory(const ModelSpec& model, const PlanOptions& o, MeshCandidate& k, double* bubble) {
+  const int T = k.dims.tp, P = k.dims.pp, V = k.virtual_stages;
+  const int64_t M = k.microbatches;
+  const double elem = o.mixed_precision ? 2 : 4;
   if (model.transformer()) {
     const double layers_per_stage = static_cast<double>(model.layers) / (P * V);
     double live_layers = static_cast<double>(model.layers);  // layers' worth of micro-batch activations at the peak
@@ -249,13 +261,13 @@ MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const Pl
         pp::Costs costs;
         costs.f = 1, costs.b = k.schedule == "zb-h1" ? 1 : 2, costs.w = k.schedule == "zb-h1" ? 1 : 0;
         const pp::Simulation sim = pp::simulate(sched, costs);
-        bubble = sim.bubble_fraction;
+        *bubble = sim.bubble_fraction;
         double live = 0;
         for (int st : sched.stages_of(0)) live += sim.peak_live[st];
         live_layers = live * layers_per_stage;
         live_first = sim.peak_live[0];
       } catch (const Error& e) {
-        return reject(e.what());
+        return e.what();
       }
     }
     const double sbh = static_cast<double>(model.seq) * k.micro_batch * model.dim;
@@ -275,6 +287,24 @@ MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const Pl
   } else {
     k.activations = static_cast<int64_t>(model.activation_bytes_per_sample * k.micro_batch * (elem / 2));
   }
+  return "";
+}
+
+}  // namespace
+
+MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions& o, MeshCandidate k) {
+  auto reject = [&](const std::string& why) {
+    k.rejected = why;
+    return k;
+  };
+  if (std::string why = infeasible(model, hw, o, k); !why.empty()) return reject(why);
+  k.micro_batch = o.global_batch / (k.dims.dp() * k.microbatches);
+  const int N = k.dims.world();
+  const int64_t psi = model.num_params();
+  const double tokens = static_cast<double>(o.global_batch) * (model.transformer() ? model.seq : 1);
+  state_memory(model, o, k);
+  double bubble = 0;
+  if (std::string why = activation_memory(model, o, k, &bubble); !why.empty()) return reject(why);
   // No data-parallel buffers beside these: DDP's gradients are views of
   // its buckets, FSDP's buffers are its gathered units, a pipeline's
   // replicas average after the backwards, when the activations are gone.

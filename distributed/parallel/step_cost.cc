@@ -150,158 +150,210 @@ double Links::seconds(const std::string& op, double bytes, int size, int stride)
   EMBER_CHECK(false, "Links: unknown collective '", op, "'");
 }
 
-StepTime predict_step(const ModelSpec& model, const MeshCandidate& c, const PlanOptions& o, const ComputeProfile& cp,
-                      const Links& links, double bubble) {
-  StepTime t;
-  const int R = c.dims.dp_replicate, S = c.dims.dp_shard, T = c.dims.tp, P = c.dims.pp, V = c.virtual_stages;
-  const int N = R * S * T * P;
-  const int64_t M = c.microbatches;
-  const double mb = static_cast<double>(c.micro_batch);
-  const double elem = o.mixed_precision ? 2 : 4;
-  const bool full_ac = c.ac == "full";
-  // Ranks beyond the cores share them.
-  const double stretch = cp.cores > 0 ? std::max(1.0, static_cast<double>(N) / cp.cores) : 1.0;
-  const std::string strategy = !c.strategy.empty() ? c.strategy : S > 1 ? "full" : "ddp";
-  auto add = [&](const std::string& part, const std::string& what, double s, double* sum) {
+namespace {
+
+// One prediction's inputs, the figures every term derives from them, and
+// the StepTime the terms add to: one function per mesh dimension below.
+struct Terms {
+  const ModelSpec& model;
+  const MeshCandidate& c;
+  const PlanOptions& o;
+  const ComputeProfile& cp;
+  const Links& links;
+  StepTime& t;
+  int R, S, T, P, V, N;
+  int64_t M;
+  double mb, elem;
+  bool full_ac;
+  double stretch;  // ranks beyond the cores share them
+  std::string strategy;
+  double stage_layers;  // the last stage's blocks
+  double span = 0;      // compute and bubble
+
+  Terms(const ModelSpec& m, const MeshCandidate& k, const PlanOptions& opt, const ComputeProfile& p, const Links& l,
+        StepTime& out)
+      : model(m), c(k), o(opt), cp(p), links(l), t(out) {
+    R = c.dims.dp_replicate, S = c.dims.dp_shard, T = c.dims.tp, P = c.dims.pp, V = c.virtual_stages;
+    N = R * S * T * P;
+    M = c.microbatches;
+    mb = static_cast<double>(c.micro_batch);
+    elem = o.mixed_precision ? 2 : 4;
+    full_ac = c.ac == "full";
+    stretch = cp.cores > 0 ? std::max(1.0, static_cast<double>(N) / cp.cores) : 1.0;
+    strategy = !c.strategy.empty() ? c.strategy : S > 1 ? "full" : "ddp";
+    stage_layers = model.transformer() ? std::ceil(static_cast<double>(model.layers) / P) : 0;
+  }
+  void add(const std::string& part, const std::string& what, double s, double* sum) {
     t.terms.push_back({part, what, s});
     if (sum) *sum += s;
-  };
+  }
   // One collective, `times` times.
-  auto coll = [&](const std::string& part, const std::string& op, double bytes, int size, int stride, double times,
-                  double* sum) {
+  void coll(const std::string& part, const std::string& op, double bytes, int size, int stride, double times,
+            double* sum) {
     if (size <= 1 || times <= 0) return;
     const double s = times * links.seconds(op, bytes, size, stride);
     add(part, op + " " + size_text(bytes) + " over " + std::to_string(size) + " ranks x " + fmt("%g", times), s, sum);
-  };
-
-  // Compute: the rank with the most (the last stage: its blocks and the head).
-  const double stage_layers = model.transformer() ? std::ceil(static_cast<double>(model.layers) / P) : 0;
-  const double tokens_mb = model.transformer() ? model.seq * mb : mb;
-  double per_mb = 0;
-  if (model.transformer()) {
-    const double recompute = full_ac ? 4.0 / 3 : 1.0;  // every forward twice: 4/3 of forward + backward
-    const double block_flops = recompute * (6.0 * model.layer_params() + 12.0 * model.dim * model.seq) * tokens_mb / T;
-    const double head_flops = 6.0 * model.vocab * model.dim * tokens_mb / T;
-    const double block = cp.block_overhead_s + block_flops / cp.block_flops_per_s;
-    const double head = cp.head_overhead_s + head_flops / cp.head_flops_per_s;
-    per_mb = stage_layers * block + head;
-    add("compute",
-        fmt("%g blocks", stage_layers) + " (" + secs(block) + " each: " + fmt("%.3g", block_flops) +
-            " FLOPs) + head (" + secs(head) + ": " + fmt("%.3g", head_flops) + " FLOPs) x " + std::to_string(M) +
-            " micro-batches" + (stretch > 1 ? " x " + fmt("%.2g", stretch) + " (ranks per core)" : ""),
-        per_mb * M * stretch, &t.compute);
-  } else {
-    const auto measured = cp.models.find(model.name);
-    per_mb = measured != cp.models.end() ? measured->second.overhead_s + mb * measured->second.s_per_sample
-                                         : cp.head_overhead_s + model.flops_per_sample * mb / cp.head_flops_per_s;
-    add("compute",
-        "forward + backward of " + fmt("%g", mb) + " samples (" + secs(per_mb) + ") x " + std::to_string(M) +
-            (stretch > 1 ? " x " + fmt("%.2g", stretch) + " (ranks per core)" : ""),
-        per_mb * M * stretch, &t.compute);
   }
-  t.bubble = bubble;
-  const double span = t.compute / (1 - bubble);
-  if (bubble > 0) add("bubble", "pipeline idle " + fmt("%.1f%%", 100 * bubble), span - t.compute, nullptr);
+};
 
-  // Tensor parallelism: exposed.
-  if (model.transformer() && T > 1) {
-    const double sbh = model.seq * mb * model.dim * elem;
-    const double layers = stage_layers * M;
-    if (c.sequence_parallel) {
+// The last stage's compute (its blocks and the head, every micro-batch)
+// and the pipeline's bubble around it.
+void compute_terms(Terms& k, double bubble) {
+  const double tokens_mb = k.model.transformer() ? k.model.seq * k.mb : k.mb;
+  double per_mb = 0;
+  if (k.model.transformer()) {
+    const double recompute = k.full_ac ? 4.0 / 3 : 1.0;  // every forward twice: 4/3 of forward + backward
+    const double block_flops = recompute * (6.0 * k.model.layer_params() + 12.0 * k.model.dim * k.model.seq) * tokens_mb / k.T;
+    const double head_flops = 6.0 * k.model.vocab * k.model.dim * tokens_mb / k.T;
+    const double block = k.cp.block_overhead_s + block_flops / k.cp.block_flops_per_s;
+    const double head = k.cp.head_overhead_s + head_flops / k.cp.head_flops_per_s;
+    per_mb = k.stage_layers * block + head;
+    k.add("compute",
+        fmt("%g blocks", k.stage_layers) + " (" + secs(block) + " each: " + fmt("%.3g", block_flops) +
+            " FLOPs) + head (" + secs(head) + ": " + fmt("%.3g", head_flops) + " FLOPs) x " + std::to_string(k.M) +
+            " micro-batches" + (k.stretch > 1 ? " x " + fmt("%.2g", k.stretch) + " (ranks per core)" : ""),
+        per_mb * k.M * k.stretch, &k.t.compute);
+  } else {
+    const auto measured = k.cp.models.find(k.model.name);
+    per_mb = measured != k.cp.models.end() ? measured->second.overhead_s + k.mb * measured->second.s_per_sample
+                                         : k.cp.head_overhead_s + k.model.flops_per_sample * k.mb / k.cp.head_flops_per_s;
+    k.add("compute",
+        "forward + backward of " + fmt("%g", k.mb) + " samples (" + secs(per_mb) + ") x " + std::to_string(k.M) +
+            (k.stretch > 1 ? " x " + fmt("%.2g", k.stretch) + " (ranks per core)" : ""),
+        per_mb * k.M * k.stretch, &k.t.compute);
+  }
+  k.t.bubble = bubble;
+  k.span = k.t.compute / (1 - bubble);
+  if (bubble > 0) k.add("bubble", "pipeline idle " + fmt("%.1f%%", 100 * bubble), k.span - k.t.compute, nullptr);
+
+}
+
+// Tensor parallelism: exposed.
+void tp_terms(Terms& k) {
+  if (k.model.transformer() && k.T > 1) {
+    const double sbh = k.model.seq * k.mb * k.model.dim * k.elem;
+    const double layers = k.stage_layers * k.M;
+    if (k.c.sequence_parallel) {
       // Per block: the forward's 2 gathers and 2 scatters, their 4
       // transposes in the backward, and 2 gathers again there for the
       // weights' gradients (the gathered inputs are not kept: Megatron-SP's
       // memory saving); recompute repeats the forward's 4. The embedding's
       // scatter, the head's gather (twice) and scatter.
-      coll("tp", "allgather", sbh, T, 1, layers * (full_ac ? 8 : 6) + 2 * M + (P == 1 ? M : 0), &t.tp_comm);
-      coll("tp", "reduce_scatter", sbh, T, 1, layers * (full_ac ? 6 : 4) + M + (P == 1 ? M : 0), &t.tp_comm);
+      k.coll("tp", "allgather", sbh, k.T, 1, layers * (k.full_ac ? 8 : 6) + 2 * k.M + (k.P == 1 ? k.M : 0), &k.t.tp_comm);
+      k.coll("tp", "reduce_scatter", sbh, k.T, 1, layers * (k.full_ac ? 6 : 4) + k.M + (k.P == 1 ? k.M : 0), &k.t.tp_comm);
       // The norms' and the row-parallel biases' gradients, replicated over
       // the sequence shards: 6 per block (and the final norm's 2), once.
-      coll("tp", "allreduce", model.dim * elem, T, 1, 6 * stage_layers + 2, &t.tp_comm);
+      k.coll("tp", "allreduce", k.model.dim * k.elem, k.T, 1, 6 * k.stage_layers + 2, &k.t.tp_comm);
     } else {
       // 2 all-reduces per block forward, 2 backward (3 and 3 with
       // recompute's forward again); the embedding's and the head input's.
-      coll("tp", "allreduce", sbh, T, 1, layers * (full_ac ? 6 : 4) + M + (P == 1 ? M : 0), &t.tp_comm);
+      k.coll("tp", "allreduce", sbh, k.T, 1, layers * (k.full_ac ? 6 : 4) + k.M + (k.P == 1 ? k.M : 0), &k.t.tp_comm);
     }
-    coll("tp", "allreduce", model.seq * mb * 4, T, 1, 3 * M, &t.tp_comm);  // the parallel loss's max, sum, target
+    k.coll("tp", "allreduce", k.model.seq * k.mb * 4, k.T, 1, 3 * k.M, &k.t.tp_comm);  // the parallel loss's max, sum, target
   }
 
-  // Data parallelism: per FSDP unit (each block; the root with the
-  // embeddings and head), or DDP's buckets.
+}
+
+// Data parallelism: per FSDP unit (each block; the root with the
+// embeddings and head), or DDP's buckets; what the backward hides. Returns
+// the root unit's bytes (the optimizer's share of it).
+double dp_terms(Terms& k) {
   std::vector<std::pair<double, double>> units;  // (bytes, how many)
-  if (model.transformer()) {
-    units.push_back({elem * model.layer_params() / T, stage_layers});
-    const double root = P == 1 ? model.embedding_params() + (model.tied ? 0 : model.vocab * model.dim)
-                               : static_cast<double>(model.vocab) * model.dim;
-    units.push_back({elem * root / T, 1});
+  if (k.model.transformer()) {
+    units.push_back({k.elem * k.model.layer_params() / k.T, k.stage_layers});
+    const double root = k.P == 1 ? k.model.embedding_params() + (k.model.tied ? 0 : k.model.vocab * k.model.dim)
+                               : static_cast<double>(k.model.vocab) * k.model.dim;
+    units.push_back({k.elem * root / k.T, 1});
   } else {
     // DDP's buckets of 25 MiB. Its first bucket of 1 MiB adds one more
     // all-reduce's latency, left out: the analytic ring charges it 2(p-1)
     // hops, which NCCL's tree for small messages does not pay (with it DDP
     // would lose ResNet-50 on 8 GPUs to HSDP by 0.1 ms); on CPU ranks it
     // is about 2 % of resnet_ddp's step.
-    const double bucket = 25.0 * (1 << 20), grads = elem * model.num_params();
+    const double bucket = 25.0 * (1 << 20), grads = k.elem * k.model.num_params();
     const double n = std::ceil(grads / bucket);
     units.push_back({grads / n, n});
   }
   double dp_overlappable = 0, dp_after = 0;
   for (size_t u = 0; u < units.size(); ++u) {
     const auto [bytes, count] = units[u];
-    const bool block = model.transformer() && u == 0;
-    if (strategy == "full" || strategy == "hybrid") {
+    const bool block = k.model.transformer() && u == 0;
+    if (k.strategy == "full" || k.strategy == "hybrid") {
       // Forward and (blocks) backward per micro-batch; once per step under a pipeline.
-      const double gathers = P > 1 ? 1 : M * (block ? 2 : 1);
-      coll("dp", "allgather", bytes, S, T, count * gathers, &dp_overlappable);
-      coll("dp", "reduce_scatter", bytes, S, T, count, &dp_overlappable);
-    } else if (strategy == "grad_op") {
-      coll("dp", "allgather", bytes, S, T, count * (P > 1 ? 1 : M), &dp_overlappable);
-      coll("dp", "reduce_scatter", bytes, S, T, count, &dp_overlappable);
-    } else if (strategy == "no_shard" || strategy == "ddp") {
-      coll("dp", "allreduce", bytes, S, T, count, &dp_overlappable);
-    } else if (strategy == "zero1") {
-      coll("dp", "allreduce", bytes, S, T, count, &dp_overlappable);
-      coll("dp", "allgather", bytes, S, T, count, &dp_after);  // the updated parameters, after the step
+      const double gathers = k.P > 1 ? 1 : k.M * (block ? 2 : 1);
+      k.coll("dp", "allgather", bytes, k.S, k.T, count * gathers, &dp_overlappable);
+      k.coll("dp", "reduce_scatter", bytes, k.S, k.T, count, &dp_overlappable);
+    } else if (k.strategy == "grad_op") {
+      k.coll("dp", "allgather", bytes, k.S, k.T, count * (k.P > 1 ? 1 : k.M), &dp_overlappable);
+      k.coll("dp", "reduce_scatter", bytes, k.S, k.T, count, &dp_overlappable);
+    } else if (k.strategy == "no_shard" || k.strategy == "ddp") {
+      k.coll("dp", "allreduce", bytes, k.S, k.T, count, &dp_overlappable);
+    } else if (k.strategy == "zero1") {
+      k.coll("dp", "allreduce", bytes, k.S, k.T, count, &dp_overlappable);
+      k.coll("dp", "allgather", bytes, k.S, k.T, count, &dp_after);  // the updated parameters, after the step
     } else {
-      EMBER_CHECK(false, "predict_step: unknown strategy '", c.strategy,
+      EMBER_CHECK(false, "predict_step: unknown strategy '", k.c.strategy,
                   "' (full, hybrid, grad_op, no_shard, ddp, zero1)");
     }
     // The replicas' all-reduce: of each shard under HSDP, of the whole unit under DDP.
-    coll("dp", "allreduce", S > 1 && strategy != "no_shard" ? bytes / S : bytes, R, T * S, count, &dp_overlappable);
+    k.coll("dp", "allreduce", k.S > 1 && k.strategy != "no_shard" ? bytes / k.S : bytes, k.R, k.T * k.S, count, &dp_overlappable);
   }
-  t.dp_comm = dp_overlappable + dp_after;
+  k.t.dp_comm = dp_overlappable + dp_after;
   // Without a pipeline the collectives run beside the backward (two thirds
   // of the compute) as far as the profile lets them; under one, the
   // reductions wait for the last backward.
-  const double hidden = P > 1 ? 0 : std::min(dp_overlappable, cp.overlap * span * 2 / 3);
-  t.dp_exposed = t.dp_comm - hidden;
-  if (hidden > 0) add("dp", "hidden behind the backward", -hidden, nullptr);
+  const double hidden = k.P > 1 ? 0 : std::min(dp_overlappable, k.cp.overlap * k.span * 2 / 3);
+  k.t.dp_exposed = k.t.dp_comm - hidden;
+  if (hidden > 0) k.add("dp", "hidden behind the backward", -hidden, nullptr);
 
-  // Pipeline transfers: a send and its gradient's receive per micro-batch and virtual stage.
-  if (P > 1) {
-    const double bytes = model.transformer() ? model.seq * mb * model.dim * elem / (c.sequence_parallel ? T : 1)
-                                             : model.activation_bytes_per_sample * mb * elem / 2;
-    coll("pp", "send_recv", bytes, 2, T * S * R, 2.0 * M * V, &t.pp_comm);
+  return units.back().first;
+}
+
+// Pipeline transfers: a send and its gradient's receive per micro-batch and virtual stage.
+void pp_terms(Terms& k) {
+  if (k.P > 1) {
+    const double bytes = k.model.transformer() ? k.model.seq * k.mb * k.model.dim * k.elem / (k.c.sequence_parallel ? k.T : 1)
+                                             : k.model.activation_bytes_per_sample * k.mb * k.elem / 2;
+    k.coll("pp", "send_recv", bytes, 2, k.T * k.S * k.R, 2.0 * k.M * k.V, &k.t.pp_comm);
   }
+}
+
+// The loop's scalar all-reduces, the optimizer over the rank's parameters,
+// offload's traffic; the step's total.
+void step_terms(Terms& k, double root_bytes) {
   // The loop's scalar all-reduces over the job.
-  coll("sync", "allreduce", 8, N, 1, static_cast<double>(o.step_allreduces), &t.sync);
+  k.coll("sync", "allreduce", 8, k.N, 1, static_cast<double>(k.o.step_allreduces), &k.t.sync);
 
   // The optimizer over the rank's parameters.
-  const bool sharded = strategy == "full" || strategy == "hybrid" || strategy == "grad_op" || strategy == "zero1";
-  const double params = (model.transformer() ? stage_layers * model.layer_params() + units.back().first / elem * T
-                                             : static_cast<double>(model.num_params())) /
-                        T / (sharded ? S : 1);
-  if (const auto m = cp.models.find(model.name); !model.transformer() && m != cp.models.end())
-    add("optimizer", fmt("%.3g", params) + " parameters, measured", m->second.optimizer_s * stretch, &t.optimizer);
-  else if (cp.optimizer_s_per_param > 0 || cp.optimizer_overhead_s > 0)
-    add("optimizer", fmt("%.3g", params) + " parameters",
-        (cp.optimizer_overhead_s + params * cp.optimizer_s_per_param) * stretch, &t.optimizer);
-  if (c.offload) {
+  const bool sharded = k.strategy == "full" || k.strategy == "hybrid" || k.strategy == "grad_op" || k.strategy == "zero1";
+  const double params = (k.model.transformer() ? k.stage_layers * k.model.layer_params() + root_bytes / k.elem * k.T
+                                             : static_cast<double>(k.model.num_params())) /
+                        k.T / (sharded ? k.S : 1);
+  if (const auto m = k.cp.models.find(k.model.name); !k.model.transformer() && m != k.cp.models.end())
+    k.add("optimizer", fmt("%.3g", params) + " parameters, measured", m->second.optimizer_s * k.stretch, &k.t.optimizer);
+  else if (k.cp.optimizer_s_per_param > 0 || k.cp.optimizer_overhead_s > 0)
+    k.add("optimizer", fmt("%.3g", params) + " parameters",
+        (k.cp.optimizer_overhead_s + params * k.cp.optimizer_s_per_param) * k.stretch, &k.t.optimizer);
+  if (k.c.offload) {
     // The sharded state lives on the host: 16-bit parameters down, float32 gradients up.
-    EMBER_CHECK(cp.host_bw > 0, "predict_step: CPU offload needs the host link's bandwidth");
-    add("offload", size_text(2.0 * params * elem + 4.0 * params) + " over the host link",
-        (2.0 * params * elem + 4.0 * params) / cp.host_bw, &t.offload_io);
+    EMBER_CHECK(k.cp.host_bw > 0, "predict_step: CPU offload needs the host link's bandwidth");
+    k.add("offload", size_text(2.0 * params * k.elem + 4.0 * params) + " over the host link",
+        (2.0 * params * k.elem + 4.0 * params) / k.cp.host_bw, &k.t.offload_io);
   }
-  t.step = span + t.tp_comm + t.dp_exposed + t.pp_comm + t.sync + t.optimizer + t.offload_io;
+  k.t.step = k.span + k.t.tp_comm + k.t.dp_exposed + k.t.pp_comm + k.t.sync + k.t.optimizer + k.t.offload_io;
+}
+
+}  // namespace
+
+StepTime predict_step(const ModelSpec& model, const MeshCandidate& c, const PlanOptions& o, const ComputeProfile& cp,
+                      const Links& links, double bubble) {
+  StepTime t;
+  Terms k(model, c, o, cp, links, t);
+  compute_terms(k, bubble);
+  tp_terms(k);
+  const double root_bytes = dp_terms(k);
+  pp_terms(k);
+  step_terms(k, root_bytes);
   return t;
 }
 
