@@ -25,65 +25,58 @@ int64_t plane_grain(const PoolGeom& g) {
   return std::max<int64_t>(1, kParallelGrain / std::max<int64_t>(g.oh * g.ow * g.kh * g.kw, 1));
 }
 
-// Runs at(p, r, c) for every element (r, c) of every plane p of a [rows,
-// cols] tensor, the planes split over threads.
-template <typename At>
-void for_each_pool_element(const PoolGeom& g, int64_t rows, int64_t cols, At at) {
-  parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c) at(p, r, c);
+// For in's float dtype T: out's every element (r, c) of every plane p (of
+// [rows, cols]) = value(in's data, p, r, c, o), o its offset, the planes
+// split over threads.
+template <typename Value>
+void pool_cpu(const char* op, const PoolGeom& g, const Tensor& in, Tensor& out, int64_t rows, int64_t cols,
+              Value value) {
+  EMBER_DISPATCH_FLOAT(in.dtype(), op, [&] {
+    using T = scalar_t;
+    const T* src = in.data<T>();
+    T* dst = out.data<T>();
+    parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c) {
+            const int64_t o = pool_offset(g, p, r, c, rows, cols);
+            dst[o] = static_cast<T>(value(src, p, r, c, o));
+          }
+    });
   });
 }
+
+// The accumulation type of a kernel that reads its input through P, a const T*.
+template <typename P>
+using pool_acc_of = pool_acc_t<std::remove_cv_t<std::remove_pointer_t<P>>>;
 }  // namespace
 
 void max_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y, Tensor& indices) {
-  EMBER_DISPATCH_FLOAT(x.dtype(), "max_pool2d", [&] {
-    using T = scalar_t;
-    const T* xp = x.data<T>();
-    T* yp = y.data<T>();
-    int64_t* ip = indices.data<int64_t>();
-    for_each_pool_element(g, g.oh, g.ow, [&](int64_t p, int64_t oh, int64_t ow) {
-      const int64_t o = pool_offset(g, p, oh, ow, g.oh, g.ow);
-      int64_t arg;
-      yp[o] = static_cast<T>(max_pool_at<pool_acc_t<T>>(g, xp, p, oh, ow, &arg));
-      ip[o] = arg;
-    });
+  int64_t* ip = indices.data<int64_t>();
+  pool_cpu("max_pool2d", g, x, y, g.oh, g.ow, [&](auto xp, int64_t p, int64_t oh, int64_t ow, int64_t o) {
+    int64_t arg;
+    const auto best = max_pool_at<pool_acc_of<decltype(xp)>>(g, xp, p, oh, ow, &arg);
+    ip[o] = arg;
+    return best;
   });
 }
 
 void max_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, const Tensor& indices, Tensor& dx) {
-  EMBER_DISPATCH_FLOAT(dy.dtype(), "max_pool2d_backward", [&] {
-    using T = scalar_t;
-    const T* gp = dy.data<T>();
-    const int64_t* ip = indices.data<int64_t>();
-    T* dxp = dx.data<T>();
-    for_each_pool_element(g, g.h, g.w, [&](int64_t p, int64_t ih, int64_t iw) {
-      dxp[pool_offset(g, p, ih, iw, g.h, g.w)] =
-          static_cast<T>(max_pool_backward_at<pool_acc_t<T>>(g, gp, ip, p, ih, iw));
-    });
+  const int64_t* ip = indices.data<int64_t>();
+  pool_cpu("max_pool2d_backward", g, dy, dx, g.h, g.w, [&](auto gp, int64_t p, int64_t ih, int64_t iw, int64_t) {
+    return max_pool_backward_at<pool_acc_of<decltype(gp)>>(g, gp, ip, p, ih, iw);
   });
 }
 
 void avg_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y) {
-  EMBER_DISPATCH_FLOAT(x.dtype(), "avg_pool2d", [&] {
-    using T = scalar_t;
-    const T* xp = x.data<T>();
-    T* yp = y.data<T>();
-    for_each_pool_element(g, g.oh, g.ow, [&](int64_t p, int64_t oh, int64_t ow) {
-      yp[pool_offset(g, p, oh, ow, g.oh, g.ow)] = static_cast<T>(avg_pool_at<pool_acc_t<T>>(g, xp, p, oh, ow));
-    });
+  pool_cpu("avg_pool2d", g, x, y, g.oh, g.ow, [&](auto xp, int64_t p, int64_t oh, int64_t ow, int64_t) {
+    return avg_pool_at<pool_acc_of<decltype(xp)>>(g, xp, p, oh, ow);
   });
 }
 
 void avg_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, Tensor& dx) {
-  EMBER_DISPATCH_FLOAT(dy.dtype(), "avg_pool2d_backward", [&] {
-    using T = scalar_t;
-    const T* gp = dy.data<T>();
-    T* dxp = dx.data<T>();
-    for_each_pool_element(g, g.h, g.w, [&](int64_t p, int64_t ih, int64_t iw) {
-      dxp[pool_offset(g, p, ih, iw, g.h, g.w)] = static_cast<T>(avg_pool_backward_at<pool_acc_t<T>>(g, gp, p, ih, iw));
-    });
+  pool_cpu("avg_pool2d_backward", g, dy, dx, g.h, g.w, [&](auto gp, int64_t p, int64_t ih, int64_t iw, int64_t) {
+    return avg_pool_backward_at<pool_acc_of<decltype(gp)>>(g, gp, p, ih, iw);
   });
 }
 
