@@ -13,35 +13,26 @@
 #
 #   bazel build -c opt //bench:ac_bench
 #   python3 bench/ac_compare.py --ours bazel-out/k8-opt/bin/bench/ac_bench --rounds 3
-import argparse, datetime, json, os, statistics, subprocess, sys
+import datetime, json, statistics, sys
 
-from compare_common import LOW_MEM_ENV, peer_record
+import compare_common
+from compare_common import compare_parser
 
-PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch2", "ac_peer.py")
 POLICIES = ["none", "selective", "every:2", "full"]
 
 
 def run_ours(binary, policy):
-    env = dict(os.environ, **LOW_MEM_ENV)
-    out = subprocess.run([binary, f"--benchmark_filter=^BM_AcStep/policy:{policy}/procs:2/",
-                          "--benchmark_format=json"], capture_output=True, text=True, check=True, env=env).stdout
-    b = json.loads(out)["benchmarks"][0]
+    b = compare_common.run_ours(binary, f"^BM_AcStep/policy:{policy}/procs:2/", True)
     return dict(ms=b["step_ms_median"], held=b["fwd_held_MiB"], peak=b["step_peak_MiB"], act=b["act_MiB"])
 
 
 def run_peer(python, policy, steps):
-    env = dict(os.environ, **LOW_MEM_ENV)
-    out = subprocess.run([python, PEER, "--policy", policy, "--warmup", "1", "--steps", str(steps)],
-                         capture_output=True, text=True, check=True, env=env).stdout
-    d = peer_record(out, "ac_peer")
+    d = compare_common.run_peer(python, "ac_peer", ["--policy", policy, "--warmup", "1", "--steps", str(steps)], True)
     return dict(ms=d["step_ms_median"], held=d["fwd_held_mib"], peak=d["step_peak_mib"], torch=d["torch"])
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ours", required=True)
-    ap.add_argument("--python", default=os.path.expanduser("~/.venvs/torch2-peer/bin/python"))
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = compare_parser()
     ap.add_argument("--out", help="also write the figures as JSON")
     a = ap.parse_args()
     runs, version = {p: [] for p in POLICIES}, "?"

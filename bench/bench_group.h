@@ -45,6 +45,31 @@ inline int64_t peak_rss_bytes() {
 }
 inline double mib(int64_t b) { return static_cast<double>(b) / (1 << 20); }
 
+// The bytes of the gradients that params hold (after a backward).
+inline int64_t grad_bytes_of(const std::vector<Tensor>& params) {
+  int64_t bytes = 0;
+  for (const Tensor& p : params)
+    if (p.grad().defined()) bytes += static_cast<int64_t>(p.grad().nbytes());
+  return bytes;
+}
+
+// The model-state counters: param_MiB, grad_MiB and state_MiB (the
+// optimizer's state of params, opt.state(p) naming its tensors); returns
+// the three together, in bytes.
+template <typename Optimizer>
+int64_t model_state_counters(benchmark::State& state, const std::vector<Tensor>& params, const Optimizer& opt,
+                             int64_t grad_bytes) {
+  int64_t param_bytes = 0, state_bytes = 0;
+  for (const Tensor& p : params) {
+    param_bytes += static_cast<int64_t>(p.nbytes());
+    for (const auto& [n, t] : opt.state(p)) state_bytes += static_cast<int64_t>(t.nbytes());
+  }
+  state.counters["param_MiB"] = mib(param_bytes);
+  state.counters["grad_MiB"] = mib(grad_bytes);
+  state.counters["state_MiB"] = mib(state_bytes);
+  return param_bytes + grad_bytes + state_bytes;
+}
+
 // Set in the copies this binary starts: which rank they are and where the
 // store is.
 inline constexpr char kPortVar[] = "EMBER_DDP_BENCH_PORT";

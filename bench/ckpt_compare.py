@@ -11,7 +11,6 @@ state, ~330 MB), then prints the medians and the ratios.
 
 The peer needs bench/peers/torch2/setup-venv.sh (~/.venvs/torch2-peer).
 """
-import argparse
 import json
 import os
 import shutil
@@ -19,6 +18,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+from compare_common import compare_parser
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "peers", "torch2", "dcp_peer.py")
@@ -49,10 +50,7 @@ def peer(python, tmp):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ours", required=True)
-    ap.add_argument("--python", default=os.path.expanduser("~/.venvs/torch2-peer/bin/python"))
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = compare_parser()
     a = ap.parse_args()
     runs = {"ours": [], "dcp": []}
     for r in range(a.rounds):

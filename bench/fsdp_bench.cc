@@ -126,9 +126,7 @@ void BM_FsdpStep(benchmark::State& state, const std::string& name, const std::st
                                  : nn::functional::cross_entropy(out.reshape({-1, 8192}), y);
     }
     loss.backward();
-    if (grad_bytes == 0)
-      for (const Tensor& p : model->parameters())
-        if (p.grad().defined()) grad_bytes += static_cast<int64_t>(p.grad().nbytes());
+    if (grad_bytes == 0) grad_bytes = bench::grad_bytes_of(model->parameters());
     opt.step();
     opt.zero_grad();
     return loss;
@@ -136,15 +134,8 @@ void BM_FsdpStep(benchmark::State& state, const std::string& name, const std::st
   step();  // warmup: optimizer state, allocator caches
   cpu_allocator()->reset_peak_stats();
   const double median = bench::timed_median(state, pg && world > 1 ? pg.get() : nullptr, step);
-  int64_t param_bytes = 0, state_bytes = 0;
-  for (const Tensor& p : model->parameters()) {
-    param_bytes += static_cast<int64_t>(p.nbytes());
-    for (const auto& [n, t] : opt.state(p)) state_bytes += static_cast<int64_t>(t.nbytes());
-  }
   state.counters["step_ms_median"] = median * 1e3;
-  state.counters["param_MiB"] = mib(param_bytes);
-  state.counters["grad_MiB"] = mib(grad_bytes);
-  state.counters["state_MiB"] = mib(state_bytes);
+  bench::model_state_counters(state, model->parameters(), opt, grad_bytes);
   state.counters["peak_rss_MiB"] = mib(peak_rss_bytes() - base_rss);
   const AllocatorStats st = cpu_allocator()->stats();
   state.counters["peak_alloc_MiB"] = mib(static_cast<int64_t>(st.peak_allocated));

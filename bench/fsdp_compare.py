@@ -12,11 +12,11 @@
 #
 #   bazel build -c opt //bench:fsdp_bench
 #   python3 bench/fsdp_compare.py --ours bazel-out/k8-opt/bin/bench/fsdp_bench --rounds 3
-import argparse, datetime, json, os, statistics, subprocess, sys
+import datetime, json, statistics, sys
 
-from compare_common import LOW_MEM_ENV, peer_record
+import compare_common
+from compare_common import compare_parser, ours_model_state, peer_model_state
 
-PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch2", "fsdp_peer.py")
 # (model, our mode, procs, peer strategy)
 CONFIGS = [(m, ours, n, peer) for m in ("gpt", "mlp") for ours, n, peer in (
     ("plain", 1, "plain"), ("full", 1, "fsdp2_full"), ("ddp", 2, "ddp"), ("full", 2, "fsdp2_full"),
@@ -24,29 +24,17 @@ CONFIGS = [(m, ours, n, peer) for m in ("gpt", "mlp") for ours, n, peer in (
 
 
 def run_ours(binary, model, mode, procs, low_mem):
-    env = dict(os.environ, **(LOW_MEM_ENV if low_mem else {}))
-    out = subprocess.run([binary, f"--benchmark_filter=^BM_FsdpStep/model:{model}/mode:{mode}/procs:{procs}/",
-                          "--benchmark_format=json"], capture_output=True, text=True, check=True, env=env).stdout
-    b = json.loads(out)["benchmarks"][0]
-    return dict(ms=b["step_ms_median"], rss=b["peak_rss_MiB"], params=b["param_MiB"], grads=b["grad_MiB"],
-                state=b["state_MiB"])
+    return ours_model_state(
+        compare_common.run_ours(binary, f"^BM_FsdpStep/model:{model}/mode:{mode}/procs:{procs}/", low_mem))
 
 
 def run_peer(python, model, strategy, procs, low_mem, steps):
-    env = dict(os.environ, **(LOW_MEM_ENV if low_mem else {}))
-    out = subprocess.run([python, PEER, "--models", model, "--strategies", strategy, "--world", str(procs),
-                          "--warmup", "1", "--steps", str(steps)], capture_output=True, text=True, check=True,
-                         env=env).stdout
-    d = peer_record(out, "fsdp_peer")
-    return dict(ms=d["step_ms_median"], rss=d["peak_minus_baseline_mib"], params=d["param_mib"], grads=d["grad_mib"],
-                state=d["optim_state_mib"], torch=d["torch"])
+    args = ["--models", model, "--strategies", strategy, "--world", str(procs), "--warmup", "1", "--steps", str(steps)]
+    return peer_model_state(compare_common.run_peer(python, "fsdp_peer", args, low_mem))
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ours", required=True)
-    ap.add_argument("--python", default=os.path.expanduser("~/.venvs/torch2-peer/bin/python"))
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = compare_parser()
     ap.add_argument("--models", default="gpt,mlp")
     ap.add_argument("--out", help="also write the figures as JSON (bench/plot_scaling.py plots them)")
     a = ap.parse_args()

@@ -25,6 +25,19 @@ def subtitle(data):
     return f"{data.get('cpu') or data.get('machine', '')}, {data.get('date', '')}, {data.get('rounds', '?')} rounds"
 
 
+def errorbars(st):
+    """The medians and the error bars (min to max) of stats() figures."""
+    return dict(y=[s[0] for s in st], yerr=[[s[1] for s in st], [s[2] for s in st]])
+
+
+def save(fig, title, data, path):
+    """Titles the figure (with the run's subtitle) and writes it; True."""
+    fig.suptitle(title + subtitle(data))
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return True
+
+
 def plot_ddp(plt, data, path):
     sc = data["workloads"].get("ddp_scaling")
     if not sc:
@@ -39,8 +52,7 @@ def plot_ddp(plt, data, path):
                 continue
             ranks = [p for p, _ in pts]
             st = [stats(v) for _, v in pts]
-            axes[0][col].errorbar(ranks, [s[0] for s in st], yerr=[[s[1] for s in st], [s[2] for s in st]],
-                                  marker="o", capsize=3, label=impl, color=COLORS.get(impl))
+            axes[0][col].errorbar(ranks, **errorbars(st), marker="o", capsize=3, label=impl, color=COLORS.get(impl))
             one = dict(pts).get(1)
             if one:
                 base = statistics.median(one)
@@ -56,10 +68,7 @@ def plot_ddp(plt, data, path):
             ax.set_xticks([1, 2, 4])
             ax.grid(alpha=0.3)
             ax.legend()
-    fig.suptitle("DDP over Gloo: " + subtitle(data))
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    return True
+    return save(fig, "DDP over Gloo: ", data, path)
 
 
 def plot_collectives(plt, data, path):
@@ -75,18 +84,14 @@ def plot_collectives(plt, data, path):
             if not pts:
                 continue
             st = [stats(v) for _, v in pts]
-            ax.errorbar([p for p, _ in pts], [s[0] for s in st], yerr=[[s[1] for s in st], [s[2] for s in st]],
-                        marker="o", capsize=3, label=impl, color=COLORS.get(impl))
+            ax.errorbar([p for p, _ in pts], **errorbars(st), marker="o", capsize=3, label=impl, color=COLORS.get(impl))
         ax.set_xscale("log", base=2)
         ax.set_title(op)
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("bus bandwidth (GB/s)")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("Gloo collectives, 2 processes on localhost, float32: " + subtitle(data))
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    return True
+    return save(fig, "Gloo collectives, 2 processes on localhost, float32: ", data, path)
 
 
 def plot_peers(plt, data, path):
@@ -111,10 +116,7 @@ def plot_peers(plt, data, path):
         ax.set_title(k, fontsize=9)
         ax.set_ylabel("seconds (lower is better)")
         ax.tick_params(axis="x", labelsize=8)
-    fig.suptitle("Time per step / epoch, ours and PyTorch: " + subtitle(data))
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    return True
+    return save(fig, "Time per step / epoch, ours and PyTorch: ", data, path)
 
 
 def plot_fsdp(plt, data, path):
@@ -141,10 +143,7 @@ def plot_fsdp(plt, data, path):
         ax.set_xticklabels(labels, fontsize=8)
         ax.legend()
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"FSDP (model/strategy x processes), ours and {peer}'s fully_shard: " + subtitle(data))
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    return True
+    return save(fig, f"FSDP (model/strategy x processes), ours and {peer}'s fully_shard: ", data, path)
 
 
 def main():

@@ -67,9 +67,7 @@ void BM_TpStep(benchmark::State& state, const std::string& name, const std::stri
     Tensor loss = parallel_cross_entropy((*model)(x), y);
     act_bytes = static_cast<int64_t>(alloc->stats().requested) - before;
     loss.backward();
-    if (grad_bytes == 0)
-      for (const Tensor& p : model->parameters())
-        if (p.grad().defined()) grad_bytes += static_cast<int64_t>(p.grad().nbytes());
+    if (grad_bytes == 0) grad_bytes = bench::grad_bytes_of(model->parameters());
     opt.step();
     opt.zero_grad();
     return loss;
@@ -83,16 +81,8 @@ void BM_TpStep(benchmark::State& state, const std::string& name, const std::stri
     profiler::stop();
     std::fprintf(stderr, "%s\n", profiler::summary_table(profiler::events(), 30).c_str());
   }
-  int64_t param_bytes = 0, state_bytes = 0;
-  for (const Tensor& p : model->parameters()) {
-    param_bytes += static_cast<int64_t>(p.nbytes());
-    for (const auto& [n, t] : opt.state(p)) state_bytes += static_cast<int64_t>(t.nbytes());
-  }
   state.counters["step_ms_median"] = median * 1e3;
-  state.counters["param_MiB"] = mib(param_bytes);
-  state.counters["grad_MiB"] = mib(grad_bytes);
-  state.counters["state_MiB"] = mib(state_bytes);
-  state.counters["model_state_MiB"] = mib(param_bytes + grad_bytes + state_bytes);
+  state.counters["model_state_MiB"] = mib(bench::model_state_counters(state, model->parameters(), opt, grad_bytes));
   state.counters["act_MiB"] = mib(act_bytes);
   state.counters["peak_rss_MiB"] = mib(peak_rss_bytes() - base_rss);
   state.SetLabel(std::to_string(world) + " proc x 1 thread, gpt, " + mode);

@@ -11,37 +11,26 @@
 #
 #   bazel build -c opt //bench:tp_bench
 #   python3 bench/tp_compare.py --ours bazel-out/k8-opt/bin/bench/tp_bench --rounds 3
-import argparse, datetime, json, os, statistics, subprocess, sys
+import datetime, json, statistics, sys
 
-from compare_common import LOW_MEM_ENV, peer_record
+import compare_common
+from compare_common import compare_parser, ours_model_state, peer_model_state
 
-PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch2", "tp_peer.py")
 MODES = [("plain", 1), ("tp", 2), ("tp_sp", 2)]
 
 
 def run_ours(binary, mode, procs, low_mem):
-    env = dict(os.environ, **(LOW_MEM_ENV if low_mem else {}))
-    out = subprocess.run([binary, f"--benchmark_filter=^BM_TpStep/mode:{mode}/procs:{procs}/",
-                          "--benchmark_format=json"], capture_output=True, text=True, check=True, env=env).stdout
-    b = json.loads(out)["benchmarks"][0]
-    return dict(ms=b["step_ms_median"], rss=b["peak_rss_MiB"], params=b["param_MiB"], grads=b["grad_MiB"],
-                state=b["state_MiB"], act=b["act_MiB"])
+    b = compare_common.run_ours(binary, f"^BM_TpStep/mode:{mode}/procs:{procs}/", low_mem)
+    return dict(ours_model_state(b), act=b["act_MiB"])
 
 
 def run_peer(python, mode, procs, low_mem, steps):
-    env = dict(os.environ, **(LOW_MEM_ENV if low_mem else {}))
-    out = subprocess.run([python, PEER, "--mode", mode, "--world", str(procs), "--warmup", "1", "--steps", str(steps)],
-                         capture_output=True, text=True, check=True, env=env).stdout
-    d = peer_record(out, "tp_peer")
-    return dict(ms=d["step_ms_median"], rss=d["peak_minus_baseline_mib"], params=d["param_mib"], grads=d["grad_mib"],
-                state=d["optim_state_mib"], torch=d["torch"])
+    args = ["--mode", mode, "--world", str(procs), "--warmup", "1", "--steps", str(steps)]
+    return peer_model_state(compare_common.run_peer(python, "tp_peer", args, low_mem))
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ours", required=True)
-    ap.add_argument("--python", default=os.path.expanduser("~/.venvs/torch2-peer/bin/python"))
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = compare_parser()
     ap.add_argument("--out", help="also write the figures as JSON")
     a = ap.parse_args()
     times, mem, version = {}, {}, "?"

@@ -70,7 +70,7 @@ namespace {
 // EMBER_CPU_CACHE_MB sets the bound (default 1024; 0 turns the cache off, so
 // freed memory goes back to malloc at once, e.g. to measure live memory by
 // RSS with MALLOC_MMAP_THRESHOLD_ set, as PyTorch's CPU peers are measured).
-class CpuAllocator final : public Allocator {
+class CpuAllocator final : public LedgerAllocator {
  public:
   CpuAllocator() : cache_limit_(cache_limit_from_env()) {}
 
@@ -104,22 +104,6 @@ class CpuAllocator final : public Allocator {
     stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
     ledger_.on_alloc(p, nbytes, stats_);
     return DataPtr{{p, [this, cls, nbytes](void* q) { release(q, cls, nbytes); }}, kCPU};
-  }
-
-  AllocatorStats stats() const override {
-    std::lock_guard<std::mutex> g(mu_);
-    return stats_;
-  }
-
-  void reset_peak_stats() override {
-    std::lock_guard<std::mutex> g(mu_);
-    stats_.peak_allocated = stats_.allocated;
-    ledger_.reset_peak(stats_);
-  }
-
-  void set_memory_kind(void* ptr, MemoryKind kind) override {
-    std::lock_guard<std::mutex> g(mu_);
-    ledger_.set_kind(ptr, kind, stats_);
   }
 
   void empty_cache() override {
@@ -166,12 +150,9 @@ class CpuAllocator final : public Allocator {
     stats_.reserved -= cls;
   }
 
-  mutable std::mutex mu_;
   std::map<size_t, std::vector<void*>> cache_;
   size_t cached_ = 0;
   const size_t cache_limit_;
-  AllocatorStats stats_;
-  MemoryLedger ledger_;
 };
 
 class PinnedAllocator final : public Allocator {

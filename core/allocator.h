@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <unordered_map>
 #include <utility>
 
@@ -99,6 +100,31 @@ class Allocator {
   // Recharges the block at `ptr` (a DataPtr's get()) to `kind`; a no-op
   // where kinds are not kept.
   virtual void set_memory_kind(void* ptr, MemoryKind kind) { (void)ptr, (void)kind; }
+};
+
+// An allocator that keeps its stats and its blocks' kinds under one lock
+// (the CPU and CUDA caching allocators): the stats, peak and kind calls,
+// answered alike for every such allocator.
+class LedgerAllocator : public Allocator {
+ public:
+  AllocatorStats stats() const override {
+    std::lock_guard<std::mutex> g(mu_);
+    return stats_;
+  }
+  void reset_peak_stats() override {
+    std::lock_guard<std::mutex> g(mu_);
+    stats_.peak_allocated = stats_.allocated;
+    ledger_.reset_peak(stats_);
+  }
+  void set_memory_kind(void* ptr, MemoryKind kind) override {
+    std::lock_guard<std::mutex> g(mu_);
+    ledger_.set_kind(ptr, kind, stats_);
+  }
+
+ protected:
+  mutable std::mutex mu_;
+  AllocatorStats stats_;
+  MemoryLedger ledger_;
 };
 
 Allocator* cpu_allocator();

@@ -48,7 +48,7 @@ size_t size_class(size_t n) {
   return n < kSmallLimit ? (n + kSmall - 1) / kSmall * kSmall : (n + kLarge - 1) / kLarge * kLarge;
 }
 
-class CudaCachingAllocator final : public Allocator {
+class CudaCachingAllocator final : public LedgerAllocator {
  public:
   explicit CudaCachingAllocator(int device) : device_(device), caching_(!caching_disabled()) {}
 
@@ -79,25 +79,9 @@ class CudaCachingAllocator final : public Allocator {
                    cuda_device(device_)};
   }
 
-  AllocatorStats stats() const override {
-    std::lock_guard<std::mutex> g(mu_);
-    return stats_;
-  }
-
   void empty_cache() override {
     std::lock_guard<std::mutex> g(mu_);
     empty_cache_locked();
-  }
-
-  void reset_peak_stats() override {
-    std::lock_guard<std::mutex> g(mu_);
-    stats_.peak_allocated = stats_.allocated;
-    ledger_.reset_peak(stats_);
-  }
-
-  void set_memory_kind(void* ptr, MemoryKind kind) override {
-    std::lock_guard<std::mutex> g(mu_);
-    ledger_.set_kind(ptr, kind, stats_);
   }
 
  private:
@@ -168,10 +152,7 @@ class CudaCachingAllocator final : public Allocator {
 
   int device_;
   bool caching_;
-  mutable std::mutex mu_;
   std::map<std::pair<void*, size_t>, std::vector<void*>> free_;
-  AllocatorStats stats_;
-  MemoryLedger ledger_;
 };
 
 }  // namespace

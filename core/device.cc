@@ -121,34 +121,15 @@ struct EnvSwitch {
     }
     return v != 0;
   }
+  void set(bool on) { value.store(on, std::memory_order_relaxed); }
 };
-EnvSwitch& cudnn_tf32() {
-  static EnvSwitch s{"EMBER_CUDNN_ALLOW_TF32", true};
-  return s;
-}
-EnvSwitch& matmul_tf32() {
-  static EnvSwitch s{"EMBER_MATMUL_ALLOW_TF32", false};
-  return s;
-}
-EnvSwitch& cudnn_bench() {
-  static EnvSwitch s{"EMBER_CUDNN_BENCHMARK", false};
-  return s;
-}
-
-EnvSwitch& cudnn_fp32_cl_nchw() {
-  static EnvSwitch s{"EMBER_CUDNN_FP32_CL_VIA_NCHW", false};
-  return s;
-}
-
-EnvSwitch& cudnn_graph() {
-  static EnvSwitch s{"EMBER_CUDNN_GRAPH", true};
-  return s;
-}
-
-EnvSwitch& sync_checks() {
-  static EnvSwitch s{"EMBER_SYNC_CHECKS", false};
-  return s;
-}
+// Constant-initialized, so usable from any other static's initializer.
+constinit EnvSwitch cudnn_tf32{"EMBER_CUDNN_ALLOW_TF32", true};
+constinit EnvSwitch matmul_tf32{"EMBER_MATMUL_ALLOW_TF32", false};
+constinit EnvSwitch cudnn_bench{"EMBER_CUDNN_BENCHMARK", false};
+constinit EnvSwitch cudnn_fp32_cl_nchw{"EMBER_CUDNN_FP32_CL_VIA_NCHW", false};
+constinit EnvSwitch cudnn_graph{"EMBER_CUDNN_GRAPH", true};
+constinit EnvSwitch sync_checks{"EMBER_SYNC_CHECKS", false};
 
 // Per device: the slot in device memory and its host mirror in pinned
 // memory (so that the snapshot copy is asynchronous and rides on the
@@ -165,8 +146,8 @@ ErrorSlots& error_slots() {
 }
 }  // namespace
 
-bool cuda_sync_checks() { return sync_checks().get(); }
-void set_cuda_sync_checks(bool on) { sync_checks().value.store(on, std::memory_order_relaxed); }
+bool cuda_sync_checks() { return sync_checks.get(); }
+void set_cuda_sync_checks(bool on) { sync_checks.set(on); }
 
 int32_t cuda_error_op_code(const char* op) {
   ErrorSlots& s = error_slots();
@@ -248,16 +229,16 @@ void cuda_error_check_now(Stream stream) {
 #endif
 }
 
-bool cudnn_benchmark() { return cudnn_bench().get(); }
-void set_cudnn_benchmark(bool on) { cudnn_bench().value.store(on, std::memory_order_relaxed); }
+bool cudnn_benchmark() { return cudnn_bench.get(); }
+void set_cudnn_benchmark(bool on) { cudnn_bench.set(on); }
 
-bool cudnn_allow_tf32() { return cudnn_tf32().get(); }
-void set_cudnn_allow_tf32(bool allow) { cudnn_tf32().value.store(allow, std::memory_order_relaxed); }
-bool cudnn_fp32_channels_last_via_nchw() { return cudnn_fp32_cl_nchw().get(); }
-void set_cudnn_fp32_channels_last_via_nchw(bool on) { cudnn_fp32_cl_nchw().value.store(on, std::memory_order_relaxed); }
-bool cudnn_graph_api() { return cudnn_graph().get(); }
-void set_cudnn_graph_api(bool on) { cudnn_graph().value.store(on, std::memory_order_relaxed); }
-bool matmul_allow_tf32() { return matmul_tf32().get(); }
-void set_matmul_allow_tf32(bool allow) { matmul_tf32().value.store(allow, std::memory_order_relaxed); }
+bool cudnn_allow_tf32() { return cudnn_tf32.get(); }
+void set_cudnn_allow_tf32(bool allow) { cudnn_tf32.set(allow); }
+bool cudnn_fp32_channels_last_via_nchw() { return cudnn_fp32_cl_nchw.get(); }
+void set_cudnn_fp32_channels_last_via_nchw(bool on) { cudnn_fp32_cl_nchw.set(on); }
+bool cudnn_graph_api() { return cudnn_graph.get(); }
+void set_cudnn_graph_api(bool on) { cudnn_graph.set(on); }
+bool matmul_allow_tf32() { return matmul_tf32.get(); }
+void set_matmul_allow_tf32(bool allow) { matmul_tf32.set(allow); }
 
 }  // namespace ember

@@ -22,30 +22,44 @@ namespace ember {
 
 enum class DType : uint8_t { Float32, Float16, BFloat16, Float64, Int32, Int64, UInt8, Bool };
 
-// IEEE binary16, stored as bits; arithmetic happens in float.
-struct alignas(2) Half {
+// A float's bits and back (host branches of the 16-bit conversions).
+EMBER_HD uint32_t float_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+EMBER_HD float bits_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// What Half and BFloat16 share: 16 bits, made from and read as float by
+// the type's own from_float and to_float.
+template <typename Self>
+struct alignas(2) Float16Storage {
   uint16_t x = 0;
-  Half() = default;
-  EMBER_HD Half(float f) : x(from_float(f)) {}
-  EMBER_HD operator float() const { return to_float(x); }
+  Float16Storage() = default;
+  EMBER_HD Float16Storage(float f) : x(Self::from_float(f)) {}
+  EMBER_HD operator float() const { return Self::to_float(x); }
+};
+
+// IEEE binary16, stored as bits; arithmetic happens in float.
+struct Half : Float16Storage<Half> {
+  using Float16Storage::Float16Storage;
 
   static EMBER_HD uint16_t from_float(float f) {
 #if defined(__CUDA_ARCH__)
     return __half_as_ushort(__float2half_rn(f));
 #else
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
+    uint32_t u = float_bits(f);
     uint32_t sign = (u >> 16) & 0x8000u;
     uint32_t abs = u & 0x7fffffffu;
     if (abs >= 0x7f800000u) return sign | (abs > 0x7f800000u ? 0x7e00u : 0x7c00u);
     if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds to inf
-    if (abs < 0x38800000u) {                         // subnormal or zero
-      float af;
-      std::memcpy(&af, &abs, 4);
+    if (abs < 0x38800000u) {                        // subnormal or zero
       // Adding 0.5 puts the subnormal's bits in the low mantissa, rounded RNE.
-      af += 0.5f;
-      uint32_t r;
-      std::memcpy(&r, &af, 4);
+      const uint32_t r = float_bits(bits_float(abs) + 0.5f);
       return sign | static_cast<uint16_t>(r - 0x3f000000u);
     }
     uint32_t mant_odd = (abs >> 13) & 1u;
@@ -64,32 +78,24 @@ struct alignas(2) Half {
     if (exp == 0x1f) {
       u = sign | 0x7f800000u | (mant << 13);
     } else if (exp == 0) {
-      float f = static_cast<float>(mant) * 5.9604644775390625e-8f;  // 2^-24
-      std::memcpy(&u, &f, 4);
-      u |= sign;
+      u = float_bits(static_cast<float>(mant) * 5.9604644775390625e-8f) | sign;  // 2^-24
     } else {
       u = sign | ((exp + 112u) << 23) | (mant << 13);
     }
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
+    return bits_float(u);
 #endif
   }
 };
 
 // bfloat16: the top half of a float32, rounded to nearest even.
-struct alignas(2) BFloat16 {
-  uint16_t x = 0;
-  BFloat16() = default;
-  EMBER_HD BFloat16(float f) : x(from_float(f)) {}
-  EMBER_HD operator float() const { return to_float(x); }
+struct BFloat16 : Float16Storage<BFloat16> {
+  using Float16Storage::Float16Storage;
 
   static EMBER_HD uint16_t from_float(float f) {
 #if defined(__CUDA_ARCH__)
     return __bfloat16_as_ushort(__float2bfloat16_rn(f));
 #else
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
+    uint32_t u = float_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;  // NaN stays NaN
     u += 0x7fffu + ((u >> 16) & 1u);
     return static_cast<uint16_t>(u >> 16);
@@ -99,10 +105,7 @@ struct alignas(2) BFloat16 {
 #if defined(__CUDA_ARCH__)
     return __uint_as_float(static_cast<uint32_t>(b) << 16);
 #else
-    uint32_t u = static_cast<uint32_t>(b) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
+    return bits_float(static_cast<uint32_t>(b) << 16);
 #endif
   }
 };
@@ -227,45 +230,43 @@ template <> constexpr DType dtype_of<bool>() { return DType::Bool; }
     break;                                    \
   }
 
+// The cases of the floating dtypes, and of the integer ones (not bool).
+#define EMBER_DISPATCH_FLOAT_CASES(...)                         \
+  EMBER_DISPATCH_CASE(Float32, float, __VA_ARGS__)              \
+  EMBER_DISPATCH_CASE(Float16, ::ember::Half, __VA_ARGS__)      \
+  EMBER_DISPATCH_CASE(BFloat16, ::ember::BFloat16, __VA_ARGS__) \
+  EMBER_DISPATCH_CASE(Float64, double, __VA_ARGS__)
+#define EMBER_DISPATCH_INT_CASES(...)              \
+  EMBER_DISPATCH_CASE(Int32, int32_t, __VA_ARGS__) \
+  EMBER_DISPATCH_CASE(Int64, int64_t, __VA_ARGS__) \
+  EMBER_DISPATCH_CASE(UInt8, uint8_t, __VA_ARGS__)
+
 // EMBER_DISPATCH_ALL(dtype, "op", [&] { kernel<scalar_t>(...); });
-#define EMBER_DISPATCH_ALL(dtype, name, ...)                                   \
-  do {                                                                         \
-    switch (dtype) {                                                           \
-      EMBER_DISPATCH_CASE(Float32, float, __VA_ARGS__)                         \
-      EMBER_DISPATCH_CASE(Float16, ::ember::Half, __VA_ARGS__)                 \
-      EMBER_DISPATCH_CASE(BFloat16, ::ember::BFloat16, __VA_ARGS__)            \
-      EMBER_DISPATCH_CASE(Float64, double, __VA_ARGS__)                        \
-      EMBER_DISPATCH_CASE(Int32, int32_t, __VA_ARGS__)                         \
-      EMBER_DISPATCH_CASE(Int64, int64_t, __VA_ARGS__)                         \
-      EMBER_DISPATCH_CASE(UInt8, uint8_t, __VA_ARGS__)                         \
-      EMBER_DISPATCH_CASE(Bool, bool, __VA_ARGS__)                             \
-    }                                                                          \
+#define EMBER_DISPATCH_ALL(dtype, name, ...)       \
+  do {                                             \
+    switch (dtype) {                               \
+      EMBER_DISPATCH_FLOAT_CASES(__VA_ARGS__)      \
+      EMBER_DISPATCH_INT_CASES(__VA_ARGS__)        \
+      EMBER_DISPATCH_CASE(Bool, bool, __VA_ARGS__) \
+    }                                              \
   } while (0)
 
-#define EMBER_DISPATCH_FLOAT(dtype, name, ...)                                 \
-  do {                                                                         \
-    switch (dtype) {                                                           \
-      EMBER_DISPATCH_CASE(Float32, float, __VA_ARGS__)                         \
-      EMBER_DISPATCH_CASE(Float16, ::ember::Half, __VA_ARGS__)                 \
-      EMBER_DISPATCH_CASE(BFloat16, ::ember::BFloat16, __VA_ARGS__)            \
-      EMBER_DISPATCH_CASE(Float64, double, __VA_ARGS__)                        \
-      default:                                                                 \
-        EMBER_CHECK(false, name, ": expected a floating dtype, got ", dtype);  \
-    }                                                                          \
+#define EMBER_DISPATCH_FLOAT(dtype, name, ...)                                \
+  do {                                                                        \
+    switch (dtype) {                                                          \
+      EMBER_DISPATCH_FLOAT_CASES(__VA_ARGS__)                                 \
+      default:                                                                \
+        EMBER_CHECK(false, name, ": expected a floating dtype, got ", dtype); \
+    }                                                                         \
   } while (0)
 
 // Everything but bool: arithmetic and reductions.
-#define EMBER_DISPATCH_NUMERIC(dtype, name, ...)                               \
-  do {                                                                         \
-    switch (dtype) {                                                           \
-      EMBER_DISPATCH_CASE(Float32, float, __VA_ARGS__)                         \
-      EMBER_DISPATCH_CASE(Float16, ::ember::Half, __VA_ARGS__)                 \
-      EMBER_DISPATCH_CASE(BFloat16, ::ember::BFloat16, __VA_ARGS__)            \
-      EMBER_DISPATCH_CASE(Float64, double, __VA_ARGS__)                        \
-      EMBER_DISPATCH_CASE(Int32, int32_t, __VA_ARGS__)                         \
-      EMBER_DISPATCH_CASE(Int64, int64_t, __VA_ARGS__)                         \
-      EMBER_DISPATCH_CASE(UInt8, uint8_t, __VA_ARGS__)                         \
-      default:                                                                 \
-        EMBER_CHECK(false, name, ": not supported for dtype ", dtype);         \
-    }                                                                          \
+#define EMBER_DISPATCH_NUMERIC(dtype, name, ...)                       \
+  do {                                                                 \
+    switch (dtype) {                                                   \
+      EMBER_DISPATCH_FLOAT_CASES(__VA_ARGS__)                          \
+      EMBER_DISPATCH_INT_CASES(__VA_ARGS__)                            \
+      default:                                                         \
+        EMBER_CHECK(false, name, ": not supported for dtype ", dtype); \
+    }                                                                  \
   } while (0)

@@ -15,6 +15,7 @@
 #include "core/ops.h"
 #include "core/ops/kernels.h"
 #include "core/ops_nn.h"
+#include "core/testing/pool_cases.h"
 
 namespace ember {
 namespace {
@@ -528,17 +529,9 @@ TEST_F(CudaNnOps, ChannelsLastStemMatchesCpu) {
   }
 }
 
-struct PoolCase {
-  Shape x;
-  Dims k, s, p;
-  bool ceil;
-};
-const std::vector<PoolCase> kPoolCases = {
-    {{2, 3, 8, 8}, {2, 2}, {2, 2}, {0, 0}, false}, {{2, 2, 9, 7}, {3, 3}, {2, 2}, {1, 1}, false},
-    {{1, 2, 6, 6}, {3, 3}, {2, 2}, {1, 1}, true},  {{1, 2, 5, 5}, {3, 3}, {3, 3}, {1, 1}, true},
-    {{2, 1, 7, 7}, {2, 2}, {2, 2}, {0, 0}, true},  {{1, 3, 6, 5}, {3, 2}, {2, 1}, {1, 0}, false},
-    {{4, 8, 56, 56}, {3, 3}, {2, 2}, {1, 1}, false},  // ResNet stem size
-};
+using testing::PoolCase;
+const std::vector<PoolCase> kPoolCases =
+    testing::pool_cases({{{4, 8, 56, 56}, {3, 3}, {2, 2}, {1, 1}, false}});  // and the ResNet stem's size
 
 // NCHW, and channels-last on the device (its native NHWC kernels) against
 // NCHW on the CPU; a channels-last pool keeps the layout, forward and back.

@@ -18,6 +18,7 @@
 #include "autograd/gradcheck.h"
 #include "core/ops.h"
 #include "core/testing/error_of.h"
+#include "core/testing/pool_cases.h"
 
 namespace ember {
 namespace {
@@ -459,17 +460,8 @@ TEST(Pool, OutputSizesFollowPyTorch) {
   EXPECT_EQ(pool_output_size(112, 3, 2, 1, 1, false), 56);  // ResNet stem
 }
 
-struct PoolCase {
-  Shape x;
-  Dims k, s, p;
-  bool ceil;
-};
-const std::vector<PoolCase> kPoolCases = {
-    {{2, 3, 8, 8}, {2, 2}, {2, 2}, {0, 0}, false}, {{2, 2, 9, 7}, {3, 3}, {2, 2}, {1, 1}, false},
-    {{1, 2, 6, 6}, {3, 3}, {2, 2}, {1, 1}, true},  {{1, 2, 5, 5}, {3, 3}, {3, 3}, {1, 1}, true},
-    {{2, 1, 7, 7}, {2, 2}, {2, 2}, {0, 0}, true},  {{1, 3, 6, 5}, {3, 2}, {2, 1}, {1, 0}, false},
-    {{1, 1, 4, 4}, {4, 4}, {1, 1}, {0, 0}, false},
-};
+using testing::PoolCase;
+const std::vector<PoolCase> kPoolCases = testing::pool_cases({{{1, 1, 4, 4}, {4, 4}, {1, 1}, {0, 0}, false}});
 
 TEST(Pool, ForwardMatchesNaiveLoops) {
   uint64_t seed = 500;

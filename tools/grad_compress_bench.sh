@@ -19,16 +19,9 @@ launch=$(realpath "$1") resnet=$(realpath "$2") rounds=${3:-3}
 shift 3 2>/dev/null || shift $#
 rates=("$@")
 [ ${#rates[@]} -gt 0 ] || rates=(100mbit 1gbit)
-[ "$(id -u)" = 0 ] || { echo "grad_compress_bench: needs root (ip netns, tc)"; exit 1; }
 
 source "$(dirname "$0")/netns_pair.sh"
-work=$(mktemp -d /tmp/ember_gc.XXXXXX)
-cleanup() {
-  netns_pair_cleanup
-  rm -rf "$work"
-}
-trap cleanup EXIT
-netns_pair ember_gc egc 78 || { echo "network setup failed"; exit 1; }
+netns_bench_setup grad_compress_bench ember_gc ember_gc egc 78
 
 # run MODE AMP: one job, a rank per namespace; prints its img/s.
 run() {

@@ -17,16 +17,9 @@ launch=$(realpath "$1") gpt=$(realpath "$2") rounds=${3:-3}
 shift 3 2>/dev/null || shift $#
 rates=("$@")
 [ ${#rates[@]} -gt 0 ] || rates=(100mbit)
-[ "$(id -u)" = 0 ] || { echo "hsdp_link_bench: needs root (ip netns, tc)"; exit 1; }
 
 source "$(dirname "$0")/netns_pair.sh"
-work=$(mktemp -d /tmp/ember_hsdp.XXXXXX)
-cleanup() {
-  netns_pair_cleanup
-  rm -rf "$work"
-}
-trap cleanup EXIT
-netns_pair ember_hs ehs 79 || { echo "network setup failed"; exit 1; }
+netns_bench_setup hsdp_link_bench ember_hsdp ember_hs ehs 79
 
 steps=12
 # run STRATEGY...: one job, 2 ranks per namespace; prints its tokens/s.

@@ -6,6 +6,7 @@
 #   netns_pair_cleanup            # kills whatever runs in them, deletes them
 #   netns_require_root TEST       # skips the test (exit 0) where they cannot be made
 #   netns_shape RATE [QDISC]      # both ends' egress shaped to RATE (e.g. 100mbit)
+#   netns_bench_setup BENCH WORK NAME IFACE OCTET  # a link bench's root check, $work dir, pair
 # Needs root and iproute2; returns non-zero if the setup fails.
 
 netns_pair() {
@@ -55,4 +56,15 @@ print(max(64000, int(float(v)*{'':1,'k':1e3,'m':1e6,'g':1e9}[u]/8/1000)))") || r
     # shellcheck disable=SC2086
     ip netns exec "$1" tc qdisc replace dev "$2" root ${shape//RATE/$rate} || return 1
   done
+}
+
+# netns_bench_setup BENCH WORK NAME IFACE OCTET: what the link benches set
+# up first: exits 1 naming BENCH unless root; $work, a fresh directory
+# /tmp/WORK.XXXXXX; the pair (netns_pair NAME IFACE OCTET), exiting 1 if
+# it cannot be made; both removed when the script exits.
+netns_bench_setup() {
+  [ "$(id -u)" = 0 ] || { echo "$1: needs root (ip netns, tc)"; exit 1; }
+  work=$(mktemp -d "/tmp/$2.XXXXXX")
+  trap 'netns_pair_cleanup; rm -rf "$work"' EXIT
+  netns_pair "$3" "$4" "$5" || { echo "network setup failed"; exit 1; }
 }

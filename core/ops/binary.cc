@@ -23,38 +23,31 @@ __attribute__((noinline)) void gelu_tanh_grad_f32(float* __restrict out, const f
 }  // namespace
 
 void binary_cpu(BinaryOp op, const StridedIter& it, double alpha) {
-  EMBER_DISPATCH_ALL(it.dtypes[1], "binary", [&] {
-    using T = scalar_t;
-    using C = acc_t<T>;
-    const C al = static_cast<C>(alpha);
-    dispatch_binary(op, [&](auto op_c) {
-      constexpr BinaryOp OP = decltype(op_c)::value;
-      using O = std::conditional_t<OP >= BinaryOp::Eq, bool, T>;
-      if constexpr (std::is_same_v<T, bool> && !(OP >= BinaryOp::Eq || OP == BinaryOp::Maximum || OP == BinaryOp::Minimum)) {
-        EMBER_CHECK(false, "binary op: arithmetic on bool tensors is not supported");
+  dispatch_binary_typed(op, it.dtypes[1], alpha, [&](auto op_c, auto tag, auto al) {
+    constexpr BinaryOp OP = decltype(op_c)::value;
+    using T = decltype(tag);
+    using C = decltype(al);
+    using O = std::conditional_t<OP >= BinaryOp::Eq, bool, T>;
+    cpu_loop(it, [&](char** p, const int64_t* s, int64_t n) {
+      O* out = reinterpret_cast<O*>(p[0]);
+      const T* a = reinterpret_cast<const T*>(p[1]);
+      const T* b = reinterpret_cast<const T*>(p[2]);
+      if (s[0] == 1 && s[1] == 1 && s[2] == 1) {
+        if constexpr (OP == BinaryOp::GeluTanhGrad && std::is_same_v<T, float>) {
+          const bool apart = (out + n <= a || a + n <= out) && (out + n <= b || b + n <= out);
+          if (apart)
+            return gelu_tanh_grad_f32(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(a),
+                                      reinterpret_cast<const float*>(b), n);
+        }
+        for (int64_t i = 0; i < n; ++i)
+          store_as(out + i, binary_fn<OP, C>(static_cast<C>(a[i]), static_cast<C>(b[i]), al));
+      } else if (s[0] == 1 && s[1] == 1 && s[2] == 0) {  // tensor (op) scalar
+        const C bv = static_cast<C>(b[0]);
+        for (int64_t i = 0; i < n; ++i) store_as(out + i, binary_fn<OP, C>(static_cast<C>(a[i]), bv, al));
       } else {
-        cpu_loop(it, [&](char** p, const int64_t* s, int64_t n) {
-          O* out = reinterpret_cast<O*>(p[0]);
-          const T* a = reinterpret_cast<const T*>(p[1]);
-          const T* b = reinterpret_cast<const T*>(p[2]);
-          if (s[0] == 1 && s[1] == 1 && s[2] == 1) {
-            if constexpr (OP == BinaryOp::GeluTanhGrad && std::is_same_v<T, float>) {
-              const bool apart = (out + n <= a || a + n <= out) && (out + n <= b || b + n <= out);
-              if (apart)
-                return gelu_tanh_grad_f32(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(a),
-                                          reinterpret_cast<const float*>(b), n);
-            }
-            for (int64_t i = 0; i < n; ++i)
-              store_as(out + i, binary_fn<OP, C>(static_cast<C>(a[i]), static_cast<C>(b[i]), al));
-          } else if (s[0] == 1 && s[1] == 1 && s[2] == 0) {  // tensor (op) scalar
-            const C bv = static_cast<C>(b[0]);
-            for (int64_t i = 0; i < n; ++i) store_as(out + i, binary_fn<OP, C>(static_cast<C>(a[i]), bv, al));
-          } else {
-            for (int64_t i = 0; i < n; ++i)
-              out[i * s[0]] = static_cast<O>(
-                  binary_fn<OP, C>(static_cast<C>(a[i * s[1]]), static_cast<C>(b[i * s[2]]), al));
-          }
-        });
+        for (int64_t i = 0; i < n; ++i)
+          out[i * s[0]] =
+              static_cast<O>(binary_fn<OP, C>(static_cast<C>(a[i * s[1]]), static_cast<C>(b[i * s[2]]), al));
       }
     });
   });

@@ -103,15 +103,6 @@ __global__ void where_strided_kernel(const __grid_constant__ StridedIter it) {
 
 // ---- Launchers ----
 
-// Bool only takes ops that stay in {0, 1}: comparisons, maximum, minimum.
-// (A namespace-scope helper: nvcc's host-side rewrite of std::is_same_v<T,
-// bool> inside the dispatch lambda names std::iterator and trips gcc's
-// deprecation warning.)
-template <BinaryOp OP, typename T>
-constexpr bool supported_on() {
-  return !std::is_same_v<T, bool> || OP >= BinaryOp::Eq || OP == BinaryOp::Maximum || OP == BinaryOp::Minimum;
-}
-
 // 1-D with out dense and each input either dense or a broadcast scalar.
 bool is_dense_or_scalar(const StridedIter& it) {
   if (it.ndim != 1 || it.strides[0][0] != 1) return false;
@@ -182,18 +173,8 @@ void binary_cuda(BinaryOp op, const StridedIter& it, double alpha) {
   const int device = cuda::device_of(it);
   cuda::DeviceGuard guard(device);
   cudaStream_t stream = cuda::stream_for(device);
-  EMBER_DISPATCH_ALL(it.dtypes[1], "binary", [&] {
-    using T = scalar_t;
-    using C = acc_t<T>;
-    const C al = static_cast<C>(alpha);
-    dispatch_binary(op, [&](auto op_c) {
-      constexpr BinaryOp OP = decltype(op_c)::value;
-      if constexpr (supported_on<OP, T>()) {
-        launch_binary<OP, T>(it, al, stream);
-      } else {
-        EMBER_CHECK(false, "binary op: arithmetic on bool tensors is not supported");
-      }
-    });
+  dispatch_binary_typed(op, it.dtypes[1], alpha, [&](auto op_c, auto tag, auto al) {
+    launch_binary<decltype(op_c)::value, decltype(tag)>(it, al, stream);
   });
 }
 

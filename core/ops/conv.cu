@@ -41,6 +41,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -53,25 +54,11 @@ namespace {
 
 // ---- Handle, types, descriptors ----
 
-struct CudnnSlot {
-  std::once_flag once;
-  cudnnHandle_t handle = nullptr;
-  // Serializes cudnnSetStream + the calls that follow: the handle's stream is
-  // shared state, as with the cuBLAS handle in matmul.cu.
-  std::mutex mu;
-};
+using CudnnSlot = cuda::HandleSlot<cudnnHandle_t>;
 
 CudnnSlot& cudnn_slot(int device) {
-  EMBER_CHECK(device >= 0 && device < cuda::kMaxCudaDevices, "conv2d: CUDA device index ", device, " out of range");
-  // Leaked on purpose: cudnnDestroy at static-destruction time can run after
-  // the CUDA runtime has shut down.
-  static CudnnSlot slots[cuda::kMaxCudaDevices];
-  CudnnSlot& s = slots[device];
-  std::call_once(s.once, [&] {
-    cuda::DeviceGuard guard(device);
-    EMBER_CUDNN_CHECK(cudnnCreate(&s.handle));
-  });
-  return s;
+  return cuda::handle_slot<cudnnHandle_t>("conv2d", device,
+                                          [](cudnnHandle_t* h) { EMBER_CUDNN_CHECK(cudnnCreate(h)); });
 }
 
 struct ConvTypes {
@@ -373,7 +360,38 @@ void dispatch_conv_float(DType t, F&& f) {
 //   forward:          a = x,  b = y,  f = w   (y written)
 //   backward data:    a = dy, b = dx, f = w   (dx written)
 //   backward filter:  a = x,  b = dy, f = dw  (dw written)
-struct ForwardApi {
+// The legacy calls of a pass, the same for the three: each Api gives its
+// entry points (kWorkspace, kMaxCount, kHeuristics, kFind, kRun) and
+// `operands`, its descriptors and data in the order those take them (two
+// inputs, then the output; the convolution descriptor stands between).
+template <typename Api>
+struct LegacyCalls {
+  template <typename AlgoT>
+  static cudnnStatus_t workspace(cudnnHandle_t h, const Plan& p, AlgoT algo, size_t* ws) {
+    const auto [d0, x0, d1, x1, d2, x2] = Api::operands(p, nullptr, nullptr, nullptr);
+    return Api::kWorkspace(h, d0, d1, p.c.get(), d2, algo, ws);
+  }
+  static cudnnStatus_t max_count(cudnnHandle_t h, int* n) { return Api::kMaxCount(h, n); }
+  template <typename Perf>
+  static cudnnStatus_t heuristics(cudnnHandle_t h, const Plan& p, int req, int* ret, Perf* perf) {
+    const auto [d0, x0, d1, x1, d2, x2] = Api::operands(p, nullptr, nullptr, nullptr);
+    return Api::kHeuristics(h, d0, d1, p.c.get(), d2, req, ret, perf);
+  }
+  template <typename Perf>
+  static cudnnStatus_t find(cudnnHandle_t h, const Plan& p, void* ta, void* tb, void* tf, int req, int* ret, Perf* perf,
+                            void* ws, size_t cap) {
+    const auto [d0, x0, d1, x1, d2, x2] = Api::operands(p, ta, tb, tf);
+    return Api::kFind(h, d0, x0, d1, x1, p.c.get(), d2, x2, req, ret, perf, ws, cap);
+  }
+  template <typename AlgoT>
+  static cudnnStatus_t run(cudnnHandle_t h, const Plan& p, const Blend& bl, void* ta, void* tb, void* tf, AlgoT algo,
+                           void* ws, size_t n) {
+    const auto [d0, x0, d1, x1, d2, x2] = Api::operands(p, ta, tb, tf);
+    return Api::kRun(h, bl.one(), d0, x0, d1, x1, p.c.get(), algo, ws, n, bl.zero(), d2, x2);
+  }
+};
+
+struct ForwardApi : LegacyCalls<ForwardApi> {
   using Perf = cudnnConvolutionFwdAlgoPerf_t;
   using AlgoT = cudnnConvolutionFwdAlgo_t;
   static constexpr Pass kPass = Pass::Forward;
@@ -387,26 +405,17 @@ struct ForwardApi {
                                                kAttrConv = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC,
                                                kAttrAlpha = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA,
                                                kAttrBeta = CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA;
-  static cudnnStatus_t workspace(cudnnHandle_t h, const Plan& p, AlgoT algo, size_t* ws) {
-    return cudnnGetConvolutionForwardWorkspaceSize(h, p.a.get(), p.f.get(), p.c.get(), p.b.get(), algo, ws);
-  }
-  static cudnnStatus_t max_count(cudnnHandle_t h, int* n) { return cudnnGetConvolutionForwardAlgorithmMaxCount(h, n); }
-  static cudnnStatus_t heuristics(cudnnHandle_t h, const Plan& p, int req, int* ret, Perf* perf) {
-    return cudnnGetConvolutionForwardAlgorithm_v7(h, p.a.get(), p.f.get(), p.c.get(), p.b.get(), req, ret, perf);
-  }
-  static cudnnStatus_t find(cudnnHandle_t h, const Plan& p, void* ta, void* tb, void* tf, int req, int* ret, Perf* perf,
-                            void* ws, size_t cap) {
-    return cudnnFindConvolutionForwardAlgorithmEx(h, p.a.get(), ta, p.f.get(), tf, p.c.get(), p.b.get(), tb, req, ret,
-                                                  perf, ws, cap);
-  }
-  static cudnnStatus_t run(cudnnHandle_t h, const Plan& p, const Blend& bl, void* ta, void* tb, void* tf, AlgoT algo,
-                           void* ws, size_t n) {
-    return cudnnConvolutionForward(h, bl.one(), p.a.get(), ta, p.f.get(), tf, p.c.get(), algo, ws, n, bl.zero(),
-                                   p.b.get(), tb);
+  static constexpr auto kWorkspace = &cudnnGetConvolutionForwardWorkspaceSize;
+  static constexpr auto kMaxCount = &cudnnGetConvolutionForwardAlgorithmMaxCount;
+  static constexpr auto kHeuristics = &cudnnGetConvolutionForwardAlgorithm_v7;
+  static constexpr auto kFind = &cudnnFindConvolutionForwardAlgorithmEx;
+  static constexpr auto kRun = &cudnnConvolutionForward;
+  static auto operands(const Plan& p, void* ta, void* tb, void* tf) {
+    return std::tuple(p.a.get(), ta, p.f.get(), tf, p.b.get(), tb);  // x, w -> y
   }
 };
 
-struct BackwardDataApi {
+struct BackwardDataApi : LegacyCalls<BackwardDataApi> {
   using Perf = cudnnConvolutionBwdDataAlgoPerf_t;
   using AlgoT = cudnnConvolutionBwdDataAlgo_t;
   static constexpr Pass kPass = Pass::BackwardData;
@@ -419,28 +428,17 @@ struct BackwardDataApi {
                                                kAttrConv = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC,
                                                kAttrAlpha = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA,
                                                kAttrBeta = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA;
-  static cudnnStatus_t workspace(cudnnHandle_t h, const Plan& p, AlgoT algo, size_t* ws) {
-    return cudnnGetConvolutionBackwardDataWorkspaceSize(h, p.f.get(), p.a.get(), p.c.get(), p.b.get(), algo, ws);
-  }
-  static cudnnStatus_t max_count(cudnnHandle_t h, int* n) {
-    return cudnnGetConvolutionBackwardDataAlgorithmMaxCount(h, n);
-  }
-  static cudnnStatus_t heuristics(cudnnHandle_t h, const Plan& p, int req, int* ret, Perf* perf) {
-    return cudnnGetConvolutionBackwardDataAlgorithm_v7(h, p.f.get(), p.a.get(), p.c.get(), p.b.get(), req, ret, perf);
-  }
-  static cudnnStatus_t find(cudnnHandle_t h, const Plan& p, void* ta, void* tb, void* tf, int req, int* ret, Perf* perf,
-                            void* ws, size_t cap) {
-    return cudnnFindConvolutionBackwardDataAlgorithmEx(h, p.f.get(), tf, p.a.get(), ta, p.c.get(), p.b.get(), tb, req,
-                                                       ret, perf, ws, cap);
-  }
-  static cudnnStatus_t run(cudnnHandle_t h, const Plan& p, const Blend& bl, void* ta, void* tb, void* tf, AlgoT algo,
-                           void* ws, size_t n) {
-    return cudnnConvolutionBackwardData(h, bl.one(), p.f.get(), tf, p.a.get(), ta, p.c.get(), algo, ws, n, bl.zero(),
-                                        p.b.get(), tb);
+  static constexpr auto kWorkspace = &cudnnGetConvolutionBackwardDataWorkspaceSize;
+  static constexpr auto kMaxCount = &cudnnGetConvolutionBackwardDataAlgorithmMaxCount;
+  static constexpr auto kHeuristics = &cudnnGetConvolutionBackwardDataAlgorithm_v7;
+  static constexpr auto kFind = &cudnnFindConvolutionBackwardDataAlgorithmEx;
+  static constexpr auto kRun = &cudnnConvolutionBackwardData;
+  static auto operands(const Plan& p, void* ta, void* tb, void* tf) {
+    return std::tuple(p.f.get(), tf, p.a.get(), ta, p.b.get(), tb);  // w, dy -> dx
   }
 };
 
-struct BackwardFilterApi {
+struct BackwardFilterApi : LegacyCalls<BackwardFilterApi> {
   using Perf = cudnnConvolutionBwdFilterAlgoPerf_t;
   using AlgoT = cudnnConvolutionBwdFilterAlgo_t;
   static constexpr Pass kPass = Pass::BackwardFilter;
@@ -453,24 +451,13 @@ struct BackwardFilterApi {
                                                kAttrConv = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC,
                                                kAttrAlpha = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA,
                                                kAttrBeta = CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA;
-  static cudnnStatus_t workspace(cudnnHandle_t h, const Plan& p, AlgoT algo, size_t* ws) {
-    return cudnnGetConvolutionBackwardFilterWorkspaceSize(h, p.a.get(), p.b.get(), p.c.get(), p.f.get(), algo, ws);
-  }
-  static cudnnStatus_t max_count(cudnnHandle_t h, int* n) {
-    return cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(h, n);
-  }
-  static cudnnStatus_t heuristics(cudnnHandle_t h, const Plan& p, int req, int* ret, Perf* perf) {
-    return cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, p.a.get(), p.b.get(), p.c.get(), p.f.get(), req, ret, perf);
-  }
-  static cudnnStatus_t find(cudnnHandle_t h, const Plan& p, void* ta, void* tb, void* tf, int req, int* ret, Perf* perf,
-                            void* ws, size_t cap) {
-    return cudnnFindConvolutionBackwardFilterAlgorithmEx(h, p.a.get(), ta, p.b.get(), tb, p.c.get(), p.f.get(), tf, req,
-                                                         ret, perf, ws, cap);
-  }
-  static cudnnStatus_t run(cudnnHandle_t h, const Plan& p, const Blend& bl, void* ta, void* tb, void* tf, AlgoT algo,
-                           void* ws, size_t n) {
-    return cudnnConvolutionBackwardFilter(h, bl.one(), p.a.get(), ta, p.b.get(), tb, p.c.get(), algo, ws, n, bl.zero(),
-                                          p.f.get(), tf);
+  static constexpr auto kWorkspace = &cudnnGetConvolutionBackwardFilterWorkspaceSize;
+  static constexpr auto kMaxCount = &cudnnGetConvolutionBackwardFilterAlgorithmMaxCount;
+  static constexpr auto kHeuristics = &cudnnGetConvolutionBackwardFilterAlgorithm_v7;
+  static constexpr auto kFind = &cudnnFindConvolutionBackwardFilterAlgorithmEx;
+  static constexpr auto kRun = &cudnnConvolutionBackwardFilter;
+  static auto operands(const Plan& p, void* ta, void* tb, void* tf) {
+    return std::tuple(p.a.get(), ta, p.b.get(), tb, p.f.get(), tf);  // x, dy -> dw
   }
 };
 

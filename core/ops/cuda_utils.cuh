@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
 
 #include "core/cuda_check.h"
@@ -75,6 +76,39 @@ inline int sm_count(int device) {
     cache[device].store(v, std::memory_order_relaxed);
   }
   return v;
+}
+
+// A library's handle on one device (cuBLAS, cuDNN), and the lock that
+// serializes setting its stream and the calls that follow: the handle's
+// stream is shared state, and two threads interleaving them would launch on
+// each other's streams.
+template <typename Handle>
+struct HandleSlot {
+  std::once_flag once;
+  Handle handle = nullptr;
+  std::mutex mu;
+};
+
+// `device`'s slot of the library whose handles are Handle, the handle made
+// by create(&handle) on first use, on that device (a handle binds to the
+// device current at creation). call_once retries if creation throws, so a
+// transient failure is not sticky. The slots are leaked on purpose: a
+// library's destroy at static-destruction time can run after the CUDA
+// runtime has shut down.
+template <typename Handle>
+HandleSlot<Handle>* handle_slots() {
+  static HandleSlot<Handle> slots[kMaxCudaDevices];
+  return slots;
+}
+template <typename Handle, typename Create>
+HandleSlot<Handle>& handle_slot(const char* op, int device, Create&& create) {
+  EMBER_CHECK(device >= 0 && device < kMaxCudaDevices, op, ": CUDA device index ", device, " out of range");
+  HandleSlot<Handle>& s = handle_slots<Handle>()[device];
+  std::call_once(s.once, [&] {
+    DeviceGuard guard(device);
+    create(&s.handle);
+  });
+  return s;
 }
 
 __host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -192,21 +226,24 @@ __device__ __forceinline__ C operand_value(const StridedIter& it, int o, int64_t
 
 // Warp shuffles for the value types reductions carry: the intrinsics have no
 // bool/uint8 overloads, so narrow integers travel as int.
-template <typename V>
-__device__ __forceinline__ V shfl_down(V v, int delta) {
+enum class Shuffle { Down, Xor };
+template <Shuffle K, typename V>
+__device__ __forceinline__ V shfl(V v, int arg) {
   if constexpr (std::is_integral_v<V> && sizeof(V) < 4) {
-    return static_cast<V>(__shfl_down_sync(0xffffffffu, static_cast<int>(v), delta));
+    return static_cast<V>(shfl<K>(static_cast<int>(v), arg));
+  } else if constexpr (K == Shuffle::Down) {
+    return __shfl_down_sync(0xffffffffu, v, arg);
   } else {
-    return __shfl_down_sync(0xffffffffu, v, delta);
+    return __shfl_xor_sync(0xffffffffu, v, arg);
   }
 }
 template <typename V>
+__device__ __forceinline__ V shfl_down(V v, int delta) {
+  return shfl<Shuffle::Down>(v, delta);
+}
+template <typename V>
 __device__ __forceinline__ V shfl_xor(V v, int mask) {
-  if constexpr (std::is_integral_v<V> && sizeof(V) < 4) {
-    return static_cast<V>(__shfl_xor_sync(0xffffffffu, static_cast<int>(v), mask));
-  } else {
-    return __shfl_xor_sync(0xffffffffu, v, mask);
-  }
+  return shfl<Shuffle::Xor>(v, mask);
 }
 
 // A floating value summed (or maxed) over a warp's lanes, every lane taking

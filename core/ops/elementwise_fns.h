@@ -169,4 +169,43 @@ void dispatch_binary(BinaryOp op, F&& f) {
   }
 }
 
+// Bool only takes ops that stay in {0, 1}: comparisons, maximum, minimum.
+// (A namespace-scope helper: nvcc's host-side rewrite of std::is_same_v<T,
+// bool> inside the dispatch lambda names std::iterator and trips gcc's
+// deprecation warning.)
+template <BinaryOp OP, typename T>
+constexpr bool binary_supported_on() {
+  return !std::is_same_v<T, bool> || OP >= BinaryOp::Eq || OP == BinaryOp::Maximum || OP == BinaryOp::Minimum;
+}
+
+// The dispatch both backends' binary launchers share: runtime dtype and op
+// to compile-time ones, f(op, T{}, alpha) with op an integral_constant and
+// alpha in the compute type acc_t<T>; arithmetic on bool is an error.
+template <typename F>
+void dispatch_binary_typed(BinaryOp op, DType dtype, double alpha, F&& f) {
+  EMBER_DISPATCH_ALL(dtype, "binary", [&] {
+    using T = scalar_t;
+    const acc_t<T> al = static_cast<acc_t<T>>(alpha);
+    dispatch_binary(op, [&](auto op_c) {
+      if constexpr (binary_supported_on<decltype(op_c)::value, T>()) {
+        f(op_c, T{}, al);
+      } else {
+        EMBER_CHECK(false, "binary op: arithmetic on bool tensors is not supported");
+      }
+    });
+  });
+}
+
+// The same for the unary launchers: f(op, T{}, p0, p1), the op's scalar
+// parameters in acc_t<T>.
+template <typename F>
+void dispatch_unary_typed(UnaryOp op, DType dtype, double p0, double p1, F&& f) {
+  EMBER_DISPATCH_NUMERIC(dtype, "unary", [&] {
+    using T = scalar_t;
+    using C = acc_t<T>;
+    const C c0 = static_cast<C>(p0), c1 = static_cast<C>(p1);
+    dispatch_unary(op, [&](auto op_c) { f(op_c, T{}, c0, c1); });
+  });
+}
+
 }  // namespace ember

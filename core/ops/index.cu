@@ -197,6 +197,22 @@ void index_select_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64
   maybe_check_now(in.device().index, stream);
 }
 
+namespace {
+// gather's and scatter_add's walk over index: its sizes, and t's strides
+// but along dim, which the kernels step by the index's values.
+StridedIter index_geom(const Tensor& index, const Tensor& t, int64_t dim) {
+  StridedIter geom;
+  geom.ndim = static_cast<int>(index.dim());
+  geom.nops = 1;
+  geom.numel = index.numel();
+  for (int64_t d = 0; d < index.dim(); ++d) {
+    geom.sizes[d] = index.size(d);
+    geom.strides[0][d] = d == dim ? 0 : t.stride(d);
+  }
+  return geom;
+}
+}  // namespace
+
 void gather_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64_t dim) {
   EMBER_CHECK(index.dtype() == DType::Int64, "gather: index must be int64, got ", index.dtype());
   const int64_t nd = index.dim();
@@ -207,14 +223,7 @@ void gather_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64_t dim
   if (numel == 0) return;
   cuda::DeviceGuard guard(in);
   cudaStream_t stream = cuda::stream_for(in);
-  StridedIter geom;
-  geom.ndim = static_cast<int>(nd);
-  geom.nops = 1;
-  geom.numel = numel;
-  for (int64_t d = 0; d < nd; ++d) {
-    geom.sizes[d] = index.size(d);
-    geom.strides[0][d] = d == dim ? 0 : in.stride(d);
-  }
+  const StridedIter geom = index_geom(index, in, dim);
   const int64_t dim_size = nd == 0 ? 1 : in.size(dim), dim_stride = nd == 0 ? 0 : in.stride(dim);
   static const int32_t code = cuda_error_op_code("gather");
   const IndexError err{cuda_error_slot(in.device().index), code, dim};
@@ -311,14 +320,7 @@ void scatter_add_cuda(Tensor& out, const Tensor& index, const Tensor& src, int64
   if (numel == 0) return;
   cuda::DeviceGuard guard(out);
   cudaStream_t stream = cuda::stream_for(out);
-  StridedIter geom;
-  geom.ndim = static_cast<int>(nd);
-  geom.nops = 1;
-  geom.numel = numel;
-  for (int64_t d = 0; d < nd; ++d) {
-    geom.sizes[d] = index.size(d);
-    geom.strides[0][d] = d == dim ? 0 : out.stride(d);
-  }
+  const StridedIter geom = index_geom(index, out, dim);
   const int64_t dim_size = out.size(dim), dim_stride = out.stride(dim);
   const int64_t* idx = static_cast<const int64_t*>(index.raw_data());
   if (out.dtype() == DType::Float64) {

@@ -4,6 +4,7 @@
 // op layer; they only compute.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <utility>
@@ -313,6 +314,84 @@ EMBER_HD void pool_covering(int64_t i, int64_t out, int64_t k, int64_t s, int64_
   *lo = i + p < k ? 0 : (i + p - k) / s + 1;
   const int64_t h = (i + p) / s + 1;
   *hi = h < out ? h : out;
+}
+
+// The per-element bodies of the pooling kernels, the one definition both
+// backends run (the CPU loops over the elements, CUDA runs one a thread),
+// so they agree to the last bit. A is the accumulation type; p the plane.
+
+// Max over the window of output (oh, ow); *arg gets the argmax's position
+// in the plane. NaN wins (and the last NaN), as in PyTorch: a NaN input
+// must not vanish.
+template <typename A, typename T>
+EMBER_HD A max_pool_at(const PoolGeom& g, const T* x, int64_t p, int64_t oh, int64_t ow, int64_t* arg) {
+  int64_t h0, h1, w0, w1;
+  pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1);
+  pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
+  A best = static_cast<A>(-INFINITY);
+  *arg = h0 * g.w + w0;
+  for (int64_t ih = h0; ih < h1; ++ih)
+    for (int64_t iw = w0; iw < w1; ++iw) {
+      const A v = cast_value<A>(x[pool_offset(g, p, ih, iw, g.h, g.w)]);
+      if (v > best || v != v) {
+        best = v;
+        *arg = ih * g.w + iw;
+      }
+    }
+  return best;
+}
+
+// The gradient of input (ih, iw): the sum of dy over the outputs covering
+// it whose argmax it is.
+template <typename A, typename T>
+EMBER_HD A max_pool_backward_at(const PoolGeom& g, const T* dy, const int64_t* indices, int64_t p, int64_t ih,
+                                int64_t iw) {
+  int64_t oh0, oh1, ow0, ow1;
+  pool_covering(ih, g.oh, g.kh, g.sh, g.ph, &oh0, &oh1);
+  pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);
+  const int64_t pos = ih * g.w + iw;
+  A acc = 0;
+  for (int64_t oh = oh0; oh < oh1; ++oh)
+    for (int64_t ow = ow0; ow < ow1; ++ow) {
+      const int64_t o = pool_offset(g, p, oh, ow, g.oh, g.ow);
+      if (indices[o] == pos) acc += cast_value<A>(dy[o]);
+    }
+  return acc;
+}
+
+// The divisor of output (oh, ow)'s average; [h0, h1) x [w0, w1) its window.
+EMBER_HD int64_t avg_pool_window(const PoolGeom& g, int64_t oh, int64_t ow, int64_t* h0, int64_t* h1, int64_t* w0,
+                                 int64_t* w1) {
+  const int64_t size = pool_window(oh, g.h, g.kh, g.sh, g.ph, h0, h1) * pool_window(ow, g.w, g.kw, g.sw, g.pw, w0, w1);
+  return g.count_include_pad ? size : (*h1 - *h0) * (*w1 - *w0);
+}
+
+// The average over the window of output (oh, ow); 0 for an empty one.
+template <typename A, typename T>
+EMBER_HD A avg_pool_at(const PoolGeom& g, const T* x, int64_t p, int64_t oh, int64_t ow) {
+  int64_t h0, h1, w0, w1;
+  const int64_t div = avg_pool_window(g, oh, ow, &h0, &h1, &w0, &w1);
+  A acc = 0;
+  for (int64_t ih = h0; ih < h1; ++ih)
+    for (int64_t iw = w0; iw < w1; ++iw) acc += cast_value<A>(x[pool_offset(g, p, ih, iw, g.h, g.w)]);
+  return div > 0 ? acc / static_cast<A>(div) : A(0);
+}
+
+// The gradient of input (ih, iw): dy / divisor summed over the outputs
+// covering it.
+template <typename A, typename T>
+EMBER_HD A avg_pool_backward_at(const PoolGeom& g, const T* dy, int64_t p, int64_t ih, int64_t iw) {
+  int64_t oh0, oh1, ow0, ow1;
+  pool_covering(ih, g.oh, g.kh, g.sh, g.ph, &oh0, &oh1);
+  pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);
+  A acc = 0;
+  for (int64_t oh = oh0; oh < oh1; ++oh)
+    for (int64_t ow = ow0; ow < ow1; ++ow) {
+      int64_t h0, h1, w0, w1;
+      const int64_t div = avg_pool_window(g, oh, ow, &h0, &h1, &w0, &w1);
+      acc += cast_value<A>(dy[pool_offset(g, p, oh, ow, g.oh, g.ow)]) / static_cast<A>(div);
+    }
+  return acc;
 }
 
 }  // namespace ember

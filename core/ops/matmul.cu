@@ -21,25 +21,13 @@
 namespace ember {
 namespace {
 
-struct HandleSlot {
-  std::once_flag once;
-  cublasHandle_t handle = nullptr;
-  // Serializes cublasSetStream + launch: the handle's stream is shared state,
-  // and two threads interleaving them would launch on each other's streams.
-  std::mutex mu;
-};
+using HandleSlot = cuda::HandleSlot<cublasHandle_t>;
 
 HandleSlot& slot_for(int device) {
-  EMBER_CHECK(device >= 0 && device < cuda::kMaxCudaDevices, "matmul: CUDA device index ", device, " out of range");
-  static HandleSlot slots[cuda::kMaxCudaDevices];  // leaked on purpose, see cublas_handle.h
-  HandleSlot& s = slots[device];
-  // call_once retries if creation throws, so a transient failure is not sticky.
-  std::call_once(s.once, [&] {
-    cuda::DeviceGuard guard(device);  // a handle binds to the device current at creation
-    EMBER_CUBLAS_CHECK(cublasCreate(&s.handle));
-    EMBER_CUBLAS_CHECK(cublasSetMathMode(s.handle, CUBLAS_DEFAULT_MATH));  // TF32 via the compute type only
+  return cuda::handle_slot<cublasHandle_t>("matmul", device, [](cublasHandle_t* h) {
+    EMBER_CUBLAS_CHECK(cublasCreate(h));
+    EMBER_CUBLAS_CHECK(cublasSetMathMode(*h, CUBLAS_DEFAULT_MATH));  // TF32 via the compute type only
   });
-  return s;
 }
 
 struct GemmTypes {

@@ -25,128 +25,58 @@ int64_t plane_grain(const PoolGeom& g) {
   return std::max<int64_t>(1, kParallelGrain / std::max<int64_t>(g.oh * g.ow * g.kh * g.kw, 1));
 }
 
-template <typename A>
-bool is_nan(A v) {
-  return v != v;
+// For in's float dtype T: out's every element (r, c) of every plane p (of
+// [rows, cols]) = value(in's data, p, r, c, o), o its offset, the planes
+// split over threads.
+template <typename Value>
+void pool_cpu(const char* op, const PoolGeom& g, const Tensor& in, Tensor& out, int64_t rows, int64_t cols,
+              Value value) {
+  EMBER_DISPATCH_FLOAT(in.dtype(), op, [&] {
+    using T = scalar_t;
+    const T* src = in.data<T>();
+    T* dst = out.data<T>();
+    parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c) {
+            const int64_t o = pool_offset(g, p, r, c, rows, cols);
+            dst[o] = static_cast<T>(value(src, p, r, c, o));
+          }
+    });
+  });
 }
+
+// The accumulation type of a kernel that reads its input through P, a const T*.
+template <typename P>
+using pool_acc_of = pool_acc_t<std::remove_cv_t<std::remove_pointer_t<P>>>;
 }  // namespace
 
 void max_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y, Tensor& indices) {
-  EMBER_DISPATCH_FLOAT(x.dtype(), "max_pool2d", [&] {
-    using T = scalar_t;
-    using A = pool_acc_t<T>;
-    const T* xp = x.data<T>();
-    T* yp = y.data<T>();
-    int64_t* ip = indices.data<int64_t>();
-    parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        for (int64_t oh = 0; oh < g.oh; ++oh)
-          for (int64_t ow = 0; ow < g.ow; ++ow) {
-            int64_t h0, h1, w0, w1;
-            pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1);
-            pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
-            A best = -std::numeric_limits<A>::infinity();
-            int64_t arg = h0 * g.w + w0;
-            // NaN wins (and the last NaN), as in PyTorch: a NaN input must not vanish.
-            for (int64_t ih = h0; ih < h1; ++ih)
-              for (int64_t iw = w0; iw < w1; ++iw) {
-                const A v = static_cast<A>(xp[pool_offset(g, p, ih, iw, g.h, g.w)]);
-                if (v > best || is_nan(v)) {
-                  best = v;
-                  arg = ih * g.w + iw;
-                }
-              }
-            const int64_t o = pool_offset(g, p, oh, ow, g.oh, g.ow);
-            yp[o] = static_cast<T>(best);
-            ip[o] = arg;
-          }
-      }
-    });
+  int64_t* ip = indices.data<int64_t>();
+  pool_cpu("max_pool2d", g, x, y, g.oh, g.ow, [&](auto xp, int64_t p, int64_t oh, int64_t ow, int64_t o) {
+    int64_t arg;
+    const auto best = max_pool_at<pool_acc_of<decltype(xp)>>(g, xp, p, oh, ow, &arg);
+    ip[o] = arg;
+    return best;
   });
 }
 
 void max_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, const Tensor& indices, Tensor& dx) {
-  EMBER_DISPATCH_FLOAT(dy.dtype(), "max_pool2d_backward", [&] {
-    using T = scalar_t;
-    using A = pool_acc_t<T>;
-    const T* gp = dy.data<T>();
-    const int64_t* ip = indices.data<int64_t>();
-    T* dxp = dx.data<T>();
-    parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        for (int64_t ih = 0; ih < g.h; ++ih) {
-          int64_t oh0, oh1;
-          pool_covering(ih, g.oh, g.kh, g.sh, g.ph, &oh0, &oh1);
-          for (int64_t iw = 0; iw < g.w; ++iw) {
-            int64_t ow0, ow1;
-            pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);
-            const int64_t pos = ih * g.w + iw;
-            A acc = 0;
-            for (int64_t oh = oh0; oh < oh1; ++oh)
-              for (int64_t ow = ow0; ow < ow1; ++ow) {
-                const int64_t o = pool_offset(g, p, oh, ow, g.oh, g.ow);
-                if (ip[o] == pos) acc += static_cast<A>(gp[o]);
-              }
-            dxp[pool_offset(g, p, ih, iw, g.h, g.w)] = static_cast<T>(acc);
-          }
-        }
-      }
-    });
+  const int64_t* ip = indices.data<int64_t>();
+  pool_cpu("max_pool2d_backward", g, dy, dx, g.h, g.w, [&](auto gp, int64_t p, int64_t ih, int64_t iw, int64_t) {
+    return max_pool_backward_at<pool_acc_of<decltype(gp)>>(g, gp, ip, p, ih, iw);
   });
 }
 
 void avg_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y) {
-  EMBER_DISPATCH_FLOAT(x.dtype(), "avg_pool2d", [&] {
-    using T = scalar_t;
-    using A = pool_acc_t<T>;
-    const T* xp = x.data<T>();
-    T* yp = y.data<T>();
-    parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        for (int64_t oh = 0; oh < g.oh; ++oh)
-          for (int64_t ow = 0; ow < g.ow; ++ow) {
-            int64_t h0, h1, w0, w1;
-            const int64_t size = pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1) *
-                                 pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
-            A acc = 0;
-            for (int64_t ih = h0; ih < h1; ++ih)
-              for (int64_t iw = w0; iw < w1; ++iw) acc += static_cast<A>(xp[pool_offset(g, p, ih, iw, g.h, g.w)]);
-            const int64_t div = g.count_include_pad ? size : (h1 - h0) * (w1 - w0);
-            yp[pool_offset(g, p, oh, ow, g.oh, g.ow)] = static_cast<T>(div > 0 ? acc / static_cast<A>(div) : A(0));
-          }
-      }
-    });
+  pool_cpu("avg_pool2d", g, x, y, g.oh, g.ow, [&](auto xp, int64_t p, int64_t oh, int64_t ow, int64_t) {
+    return avg_pool_at<pool_acc_of<decltype(xp)>>(g, xp, p, oh, ow);
   });
 }
 
 void avg_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, Tensor& dx) {
-  EMBER_DISPATCH_FLOAT(dy.dtype(), "avg_pool2d_backward", [&] {
-    using T = scalar_t;
-    using A = pool_acc_t<T>;
-    const T* gp = dy.data<T>();
-    T* dxp = dx.data<T>();
-    parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        for (int64_t ih = 0; ih < g.h; ++ih) {
-          int64_t oh0, oh1;
-          pool_covering(ih, g.oh, g.kh, g.sh, g.ph, &oh0, &oh1);
-          for (int64_t iw = 0; iw < g.w; ++iw) {
-            int64_t ow0, ow1;
-            pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);
-            A acc = 0;
-            for (int64_t oh = oh0; oh < oh1; ++oh)
-              for (int64_t ow = ow0; ow < ow1; ++ow) {
-                int64_t h0, h1, w0, w1;
-                const int64_t size = pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1) *
-                                     pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
-                const int64_t div = g.count_include_pad ? size : (h1 - h0) * (w1 - w0);
-                acc += static_cast<A>(gp[pool_offset(g, p, oh, ow, g.oh, g.ow)]) / static_cast<A>(div);
-              }
-            dxp[pool_offset(g, p, ih, iw, g.h, g.w)] = static_cast<T>(acc);
-          }
-        }
-      }
-    });
+  pool_cpu("avg_pool2d_backward", g, dy, dx, g.h, g.w, [&](auto gp, int64_t p, int64_t ih, int64_t iw, int64_t) {
+    return avg_pool_backward_at<pool_acc_of<decltype(gp)>>(g, gp, p, ih, iw);
   });
 }
 

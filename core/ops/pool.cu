@@ -23,24 +23,11 @@ using cuda::cast_value;
 template <typename T>
 __global__ void max_pool_kernel(const __grid_constant__ PoolGeom g, const T* __restrict__ x, T* __restrict__ y,
                                 int64_t* __restrict__ indices, int64_t total) {
-  using A = acc_t<T>;
   cuda::grid_stride_loop(total, [&](int64_t i) {
     int64_t p, oh, ow;
     pool_coords(g, i, g.oh, g.ow, &p, &oh, &ow);
-    int64_t h0, h1, w0, w1;
-    pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1);
-    pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
-    A best = -INFINITY;
-    int64_t arg = h0 * g.w + w0;
-    for (int64_t ih = h0; ih < h1; ++ih)
-      for (int64_t iw = w0; iw < w1; ++iw) {
-        const A v = cast_value<A>(x[pool_offset(g, p, ih, iw, g.h, g.w)]);
-        if (v > best || v != v) {  // NaN wins, as on the CPU
-          best = v;
-          arg = ih * g.w + iw;
-        }
-      }
-    y[i] = cast_value<T>(best);
+    int64_t arg;
+    y[i] = cast_value<T>(max_pool_at<acc_t<T>>(g, x, p, oh, ow, &arg));
     indices[i] = arg;
   });
 }
@@ -48,62 +35,30 @@ __global__ void max_pool_kernel(const __grid_constant__ PoolGeom g, const T* __r
 template <typename T>
 __global__ void max_pool_backward_kernel(const __grid_constant__ PoolGeom g, const T* __restrict__ dy,
                                          const int64_t* __restrict__ indices, T* __restrict__ dx, int64_t total) {
-  using A = acc_t<T>;
   cuda::grid_stride_loop(total, [&](int64_t i) {
     int64_t p, ih, iw;
     pool_coords(g, i, g.h, g.w, &p, &ih, &iw);
-    int64_t oh0, oh1, ow0, ow1;
-    pool_covering(ih, g.oh, g.kh, g.sh, g.ph, &oh0, &oh1);
-    pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);
-    const int64_t pos = ih * g.w + iw;
-    A acc = 0;
-    for (int64_t oh = oh0; oh < oh1; ++oh)
-      for (int64_t ow = ow0; ow < ow1; ++ow) {
-        const int64_t o = pool_offset(g, p, oh, ow, g.oh, g.ow);
-        if (indices[o] == pos) acc += cast_value<A>(dy[o]);
-      }
-    dx[i] = cast_value<T>(acc);
+    dx[i] = cast_value<T>(max_pool_backward_at<acc_t<T>>(g, dy, indices, p, ih, iw));
   });
 }
 
 template <typename T>
 __global__ void avg_pool_kernel(const __grid_constant__ PoolGeom g, const T* __restrict__ x, T* __restrict__ y,
                                 int64_t total) {
-  using A = acc_t<T>;
   cuda::grid_stride_loop(total, [&](int64_t i) {
     int64_t p, oh, ow;
     pool_coords(g, i, g.oh, g.ow, &p, &oh, &ow);
-    int64_t h0, h1, w0, w1;
-    const int64_t size =
-        pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1) * pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
-    A acc = 0;
-    for (int64_t ih = h0; ih < h1; ++ih)
-      for (int64_t iw = w0; iw < w1; ++iw) acc += cast_value<A>(x[pool_offset(g, p, ih, iw, g.h, g.w)]);
-    const int64_t div = g.count_include_pad ? size : (h1 - h0) * (w1 - w0);
-    y[i] = cast_value<T>(div > 0 ? acc / static_cast<A>(div) : A(0));
+    y[i] = cast_value<T>(avg_pool_at<acc_t<T>>(g, x, p, oh, ow));
   });
 }
 
 template <typename T>
 __global__ void avg_pool_backward_kernel(const __grid_constant__ PoolGeom g, const T* __restrict__ dy,
                                          T* __restrict__ dx, int64_t total) {
-  using A = acc_t<T>;
   cuda::grid_stride_loop(total, [&](int64_t i) {
     int64_t p, ih, iw;
     pool_coords(g, i, g.h, g.w, &p, &ih, &iw);
-    int64_t oh0, oh1, ow0, ow1;
-    pool_covering(ih, g.oh, g.kh, g.sh, g.ph, &oh0, &oh1);
-    pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);
-    A acc = 0;
-    for (int64_t oh = oh0; oh < oh1; ++oh)
-      for (int64_t ow = ow0; ow < ow1; ++ow) {
-        int64_t h0, h1, w0, w1;
-        const int64_t size =
-            pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1) * pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
-        const int64_t div = g.count_include_pad ? size : (h1 - h0) * (w1 - w0);
-        acc += cast_value<A>(dy[pool_offset(g, p, oh, ow, g.oh, g.ow)]) / static_cast<A>(div);
-      }
-    dx[i] = cast_value<T>(acc);
+    dx[i] = cast_value<T>(avg_pool_backward_at<acc_t<T>>(g, dy, p, ih, iw));
   });
 }
 

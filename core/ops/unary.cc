@@ -29,31 +29,28 @@ __attribute__((noinline)) void exp_f32(float* __restrict out, const float* __res
 }  // namespace
 
 void unary_cpu(UnaryOp op, const StridedIter& it, double p0, double p1) {
-  EMBER_DISPATCH_NUMERIC(it.dtypes[0], "unary", [&] {
-    using T = scalar_t;
-    using C = acc_t<T>;
-    const C c0 = static_cast<C>(p0), c1 = static_cast<C>(p1);
-    dispatch_unary(op, [&](auto op_c) {
-      constexpr UnaryOp OP = decltype(op_c)::value;
-      cpu_loop(it, [&](char** p, const int64_t* s, int64_t n) {
-        T* out = reinterpret_cast<T*>(p[0]);
-        const T* in = reinterpret_cast<const T*>(p[1]);
-        if (s[0] == 1 && s[1] == 1) {
-          if constexpr (OP == UnaryOp::Exp && std::is_same_v<T, float>) {
-            if (out + n <= in || in + n <= out)
-              return exp_f32(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(in), n);
-          }
-          if constexpr (OP == UnaryOp::GeluTanh && std::is_same_v<T, float>) {
-            // (a cast, not a template: T is no template parameter here)
-            if (out + n <= in || in + n <= out)
-              return gelu_tanh_f32(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(in), n);
-          }
-          for (int64_t i = 0; i < n; ++i) store_as(out + i, unary_fn<OP, C>(static_cast<C>(in[i]), c0, c1));
-        } else {
-          for (int64_t i = 0; i < n; ++i)
-            out[i * s[0]] = static_cast<T>(unary_fn<OP, C>(static_cast<C>(in[i * s[1]]), c0, c1));
+  dispatch_unary_typed(op, it.dtypes[0], p0, p1, [&](auto op_c, auto tag, auto c0, auto c1) {
+    constexpr UnaryOp OP = decltype(op_c)::value;
+    using T = decltype(tag);
+    using C = decltype(c0);
+    cpu_loop(it, [&](char** p, const int64_t* s, int64_t n) {
+      T* out = reinterpret_cast<T*>(p[0]);
+      const T* in = reinterpret_cast<const T*>(p[1]);
+      if (s[0] == 1 && s[1] == 1) {
+        if constexpr (OP == UnaryOp::Exp && std::is_same_v<T, float>) {
+          if (out + n <= in || in + n <= out)
+            return exp_f32(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(in), n);
         }
-      });
+        if constexpr (OP == UnaryOp::GeluTanh && std::is_same_v<T, float>) {
+          // (a cast, not a template: T is no template parameter here)
+          if (out + n <= in || in + n <= out)
+            return gelu_tanh_f32(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(in), n);
+        }
+        for (int64_t i = 0; i < n; ++i) store_as(out + i, unary_fn<OP, C>(static_cast<C>(in[i]), c0, c1));
+      } else {
+        for (int64_t i = 0; i < n; ++i)
+          out[i * s[0]] = static_cast<T>(unary_fn<OP, C>(static_cast<C>(in[i * s[1]]), c0, c1));
+      }
     });
   });
 }

@@ -79,14 +79,8 @@ void unary_cuda(UnaryOp op, const StridedIter& it, double p0, double p1) {
   const int device = cuda::device_of(it);
   cuda::DeviceGuard guard(device);
   cudaStream_t stream = cuda::stream_for(device);
-  EMBER_DISPATCH_NUMERIC(it.dtypes[0], "unary", [&] {
-    using T = scalar_t;
-    using C = acc_t<T>;
-    const C c0 = static_cast<C>(p0), c1 = static_cast<C>(p1);
-    dispatch_unary(op, [&](auto op_c) {
-      constexpr UnaryOp OP = decltype(op_c)::value;
-      launch_unary<OP, T>(it, c0, c1, stream);
-    });
+  dispatch_unary_typed(op, it.dtypes[0], p0, p1, [&](auto op_c, auto tag, auto c0, auto c1) {
+    launch_unary<decltype(op_c)::value, decltype(tag)>(it, c0, c1, stream);
   });
 }
 

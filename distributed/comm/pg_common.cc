@@ -471,6 +471,13 @@ void check_defined(const Tensor& t, const std::string& where, const char* name) 
   EMBER_CHECK(t.defined(), where, ": ", name, " is an undefined tensor");
 }
 
+void check_group_args(const char* factory, const Store* store, int rank, int size, const ProcessGroupOptions& options) {
+  EMBER_CHECK(store != nullptr, factory, ": store is null");
+  EMBER_CHECK(size >= 1, factory, ": group size ", size, " must be at least 1");
+  EMBER_CHECK(rank >= 0 && rank < size, factory, ": rank ", rank, " is not in a group of size ", size);
+  EMBER_CHECK(options.timeout.count() > 0, factory, ": timeout must be positive, got ", options.timeout.count(), " ms");
+}
+
 void check_root(int root, int size, const std::string& where) {
   EMBER_CHECK(root >= 0 && root < size, where, ": root ", root, " is not a rank of a group of size ", size);
 }

@@ -157,6 +157,8 @@ void check_flat_sizes(const Tensor& big, const char* big_name, const Tensor& sma
                       const std::string& where);
 void check_allgather_list(const std::vector<Tensor>& outputs, const Tensor& input, int size, const std::string& where);
 void check_reduce_dtype(DType dtype, ReduceOp op, const std::string& where);
+// A backend factory's arguments (`factory` is e.g. "make_gloo_group").
+void check_group_args(const char* factory, const Store* store, int rank, int size, const ProcessGroupOptions& options);
 
 // Marks an in-place write so autograd can tell a saved tensor was changed.
 inline void bump_version(const Tensor& t) { t.impl().storage->bump_version("a collective's output"); }

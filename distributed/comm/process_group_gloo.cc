@@ -822,11 +822,7 @@ class GlooGroup : public ProcessGroup {
 
 std::shared_ptr<ProcessGroup> make_gloo_group(std::shared_ptr<Store> store, int rank, int size,
                                               ProcessGroupOptions options) {
-  EMBER_CHECK(store != nullptr, "make_gloo_group: store is null");
-  EMBER_CHECK(size >= 1, "make_gloo_group: group size ", size, " must be at least 1");
-  EMBER_CHECK(rank >= 0 && rank < size, "make_gloo_group: rank ", rank, " is not in a group of size ", size);
-  EMBER_CHECK(options.timeout.count() > 0, "make_gloo_group: timeout must be positive, got ", options.timeout.count(),
-              " ms");
+  detail::check_group_args("make_gloo_group", store.get(), rank, size, options);
   return std::shared_ptr<GlooGroup>(new GlooGroup(std::move(store), rank, size, options), &GlooGroup::destroy);
 }
 

@@ -97,6 +97,14 @@ pid_t read_pid(const std::string& path) {
   return s.empty() ? -1 : static_cast<pid_t>(std::atol(s.c_str()));
 }
 
+// Options for nproc workers on this node, on a free master port.
+LaunchOptions local_options(int nproc) {
+  LaunchOptions opt;
+  opt.nproc_per_node = nproc;
+  opt.master_port = 0;
+  return opt;
+}
+
 struct Result {
   int rc = -1;
   std::string out, err;
@@ -216,9 +224,7 @@ class ScopedUnset {
 TEST(Launch, EveryRankGetsItsEnvironment) {
   ScopedUnset omp("OMP_NUM_THREADS");
   TempDir dir;
-  LaunchOptions opt;
-  opt.nproc_per_node = 3;
-  opt.master_port = 0;  // a free one
+  LaunchOptions opt = local_options(3);
   Result r = run_launch(opt, {worker(), "env", dir.path()});
   ASSERT_EQ(r.rc, 0) << r.err;
   std::string port;
@@ -246,9 +252,7 @@ TEST(Launch, EveryJobGetsItsOwnStoreToken) {
   std::vector<std::string> tokens;
   for (int job = 0; job < 2; ++job) {
     TempDir dir;
-    LaunchOptions opt;
-    opt.nproc_per_node = 2;
-    opt.master_port = 0;
+    LaunchOptions opt = local_options(2);
     Result r = run_launch(opt, {worker(), "env", dir.path()});
     ASSERT_EQ(r.rc, 0) << r.err;
     auto env0 = parse_env_file(dir.file("env.0"));
@@ -261,9 +265,7 @@ TEST(Launch, EveryJobGetsItsOwnStoreToken) {
   EXPECT_NE(tokens[0], tokens[1]);
   ::setenv("EMBER_STORE_TOKEN", "users-own-secret", 1);
   TempDir dir;
-  LaunchOptions opt;
-  opt.master_port = 0;
-  ASSERT_EQ(run_launch(opt, {worker(), "env", dir.path()}).rc, 0);
+  ASSERT_EQ(run_launch(local_options(1), {worker(), "env", dir.path()}).rc, 0);
   EXPECT_EQ(parse_env_file(dir.file("env.0"))["EMBER_STORE_TOKEN"], "users-own-secret");
   ::unsetenv("EMBER_STORE_TOKEN");
 }
@@ -296,9 +298,7 @@ TEST(Launch, SecondNodeRanksAndUserOmpSetting) {
 }
 
 TEST(Launch, OutputLinesArePrefixedByRank) {
-  LaunchOptions opt;
-  opt.nproc_per_node = 2;
-  opt.master_port = 0;
+  LaunchOptions opt = local_options(2);
   Result r = run_launch(opt, {worker(), "print"});
   ASSERT_EQ(r.rc, 0) << r.err;
   for (int rank = 0; rank < 2; ++rank) {
@@ -320,9 +320,7 @@ TEST(Launch, OutputLinesArePrefixedByRank) {
 }
 
 TEST(Launch, NoPrefixPassesOutputThrough) {
-  LaunchOptions opt;
-  opt.nproc_per_node = 2;
-  opt.master_port = 0;
+  LaunchOptions opt = local_options(2);
   opt.prefix_output = false;
   Result r = run_launch(opt, {worker(), "print"});
   ASSERT_EQ(r.rc, 0) << r.err;
@@ -331,9 +329,7 @@ TEST(Launch, NoPrefixPassesOutputThrough) {
 }
 
 TEST(Launch, RankZeroLoggingUnderTheLauncher) {
-  LaunchOptions opt;
-  opt.nproc_per_node = 2;
-  opt.master_port = 0;
+  LaunchOptions opt = local_options(2);
   Result r = run_launch(opt, {worker(), "log"});
   ASSERT_EQ(r.rc, 0) << r.err;
   EXPECT_NE(r.out.find("[rank 0]: only rank 0 says this\n"), std::string::npos) << r.out;
@@ -359,9 +355,7 @@ void expect_nothing_left(const TempDir& dir, int nproc, int failing) {
 
 TEST(Launch, FailingWorkerStopsTheOthersAndReturnsItsCode) {
   TempDir dir;
-  LaunchOptions opt;
-  opt.nproc_per_node = 3;
-  opt.master_port = 0;
+  LaunchOptions opt = local_options(3);
   Result r = run_launch(opt, {worker(), "fail", "1", "3", dir.path()});
   EXPECT_EQ(r.rc, 3) << r.err;
   // The others sleep for minutes unless killed, and SIGTERM was enough: the
@@ -376,9 +370,7 @@ TEST(Launch, FailingWorkerStopsTheOthersAndReturnsItsCode) {
 
 TEST(Launch, WorkerKilledBySignalReturns128PlusSignal) {
   TempDir dir;
-  LaunchOptions opt;
-  opt.nproc_per_node = 2;
-  opt.master_port = 0;
+  LaunchOptions opt = local_options(2);
   Result r = run_launch(opt, {worker(), "fail", "0", "sig9", dir.path()});
   EXPECT_EQ(r.rc, 128 + 9) << r.err;
   EXPECT_NE(r.err.find("rank 0 (local rank 0, pid "), std::string::npos) << r.err;
@@ -388,9 +380,7 @@ TEST(Launch, WorkerKilledBySignalReturns128PlusSignal) {
 
 TEST(Launch, WorkersIgnoringSigtermAreKilledAfterTheGrace) {
   TempDir dir;
-  LaunchOptions opt;
-  opt.nproc_per_node = 2;
-  opt.master_port = 0;
+  LaunchOptions opt = local_options(2);
   opt.grace = 300ms;
   Result r = run_launch(opt, {worker(), "fail", "1", "5", dir.path(), "stubborn"});
   EXPECT_EQ(r.rc, 5) << r.err;
@@ -406,9 +396,7 @@ TEST(Launch, WorkersIgnoringSigtermAreKilledAfterTheGrace) {
 // after the last restart with its code.
 TEST(Launch, MaxRestartsStartsEveryWorkerAgain) {
   TempDir dir;
-  LaunchOptions opt;
-  opt.nproc_per_node = 3;
-  opt.master_port = 0;
+  LaunchOptions opt = local_options(3);
   opt.max_restarts = 2;
   Result r = run_launch(opt, {worker(), "restart", "1", "1", dir.path()});
   EXPECT_EQ(r.rc, 0) << r.err;
@@ -431,9 +419,7 @@ TEST(Launch, MaxRestartsStartsEveryWorkerAgain) {
 }
 
 TEST(Launch, AllSucceedingReturnsZeroAndBadOptionsThrow) {
-  LaunchOptions opt;
-  opt.nproc_per_node = 2;
-  opt.master_port = 0;
+  LaunchOptions opt = local_options(2);
   EXPECT_EQ(run_launch(opt, {"true"}).rc, 0);  // found through PATH
   EXPECT_EQ(run_launch(opt, {"false"}).rc, 1);
 

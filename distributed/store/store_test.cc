@@ -607,23 +607,32 @@ TEST(TCPStore, RefusesClientsWithoutTheJobsToken) {
 // Lost ranks: a client that speaks for a rank and disappears without its
 // goodbye fails every waiting call at once, naming the rank.
 
-// Forks a process that connects as `rank` and then ends: by _exit, as a
-// crash or kill -9 would (no goodbye), or after destroying its store.
-void client_exits(int port, int rank, bool goodbye) {
+// Runs body in a forked child that then ends by _exit (no destructors), and
+// waits for it.
+template <typename Body>
+void in_child(Body body) {
   std::fflush(stdout);
   std::fflush(stderr);
   pid_t pid = fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
+    body();
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+}
+
+// Forks a process that connects as `rank` and then ends: by _exit, as a
+// crash or kill -9 would (no goodbye), or after destroying its store.
+void client_exits(int port, int rank, bool goodbye) {
+  in_child([&] {
     TCPStoreOptions o = client_opts();
     o.rank = rank;
     auto* store = new TCPStore("127.0.0.1", port, o);
     store->set("arrived/" + std::to_string(rank), std::string("1"));
     if (goodbye) delete store;
-    _exit(0);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
+  });
 }
 
 TEST(TCPStore, ARankThatDiesFailsEveryWaitAtOnceNamingIt) {
@@ -674,20 +683,13 @@ TEST(TCPStore, ARankThatLeavesCleanlyIsNotLost) {
 // leave their aborted groups holding the store), and no reconnection.
 TEST(TCPStore, ClosedIsAGoodbyeAndStaysClosed) {
   TCPStore server("127.0.0.1", 0, server_opts(60s));
-  std::fflush(stdout);
-  std::fflush(stderr);
-  pid_t pid = fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
+  in_child([&] {
     TCPStoreOptions o = client_opts();
     o.rank = 3;
     auto* held = new std::shared_ptr<TCPStore>(std::make_shared<TCPStore>("127.0.0.1", server.port(), o));
     (*held)->set("arrived/3", std::string("1"));
     (*held)->close();  // never destroyed: `held` leaks, as an aborted group would
-    _exit(0);
-  }
-  int status = 0;
-  waitpid(pid, &status, 0);
+  });
   EXPECT_TRUE(server.lost_ranks().empty());
   TCPStoreOptions o = client_opts();
   o.rank = 4;

@@ -243,24 +243,6 @@ struct TCPStore::Impl {
                      : "; this process's EMBER_STORE_TOKEN differs from the job's (is it another job's store?)"));
   }
 
-  bool send_all(const char* p, size_t n, Clock::time_point deadline) {
-    while (n > 0) {
-      ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
-      if (w > 0) {
-        p += w;
-        n -= static_cast<size_t>(w);
-        continue;
-      }
-      if (w < 0 && errno == EINTR) continue;
-      if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        if (!wait_fd(POLLOUT, deadline)) return false;
-        continue;
-      }
-      return false;
-    }
-    return true;
-  }
-
   // False on timeout; true when the socket is ready (or has an error that
   // the next send/recv will report).
   bool wait_fd(short events, Clock::time_point deadline) {
@@ -275,9 +257,13 @@ struct TCPStore::Impl {
   }
 
   enum class RecvResult { Ok, Timeout, Closed };
-  RecvResult recv_all(char* p, size_t n, Clock::time_point deadline) {
+  // Moves n bytes at p with io(p, n) (a send or a recv, returning the bytes
+  // it moved), waiting for `events` while the socket would block: Ok, or
+  // Timeout once `deadline` passes, or Closed on an error or end of stream.
+  template <typename Char, typename Io>
+  RecvResult transfer_all(Char* p, size_t n, short events, Clock::time_point deadline, Io io) {
     while (n > 0) {
-      ssize_t r = recv(fd, p, n, 0);
+      ssize_t r = io(p, n);
       if (r > 0) {
         p += r;
         n -= static_cast<size_t>(r);
@@ -285,12 +271,19 @@ struct TCPStore::Impl {
       }
       if (r < 0 && errno == EINTR) continue;
       if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        if (!wait_fd(POLLIN, deadline)) return RecvResult::Timeout;
+        if (!wait_fd(events, deadline)) return RecvResult::Timeout;
         continue;
       }
       return RecvResult::Closed;
     }
     return RecvResult::Ok;
+  }
+  bool send_all(const char* p, size_t n, Clock::time_point deadline) {
+    return transfer_all(p, n, POLLOUT, deadline,
+                        [&](const char* q, size_t m) { return send(fd, q, m, MSG_NOSIGNAL); }) == RecvResult::Ok;
+  }
+  RecvResult recv_all(char* p, size_t n, Clock::time_point deadline) {
+    return transfer_all(p, n, POLLIN, deadline, [&](char* q, size_t m) { return recv(fd, q, m, 0); });
   }
 
   // Sends one request and returns the reply body. Any transport failure

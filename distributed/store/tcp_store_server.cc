@@ -610,29 +610,27 @@ class StoreServer : public Server {
     waiters_.push_back(std::move(w));
   }
 
-  void wake_waiters() {
+  // Answers, and unparks, the waiters `done` picks: as timed out or not.
+  template <typename Done>
+  void answer_waiters(Done done, bool timed_out) {
     for (size_t i = 0; i < waiters_.size();) {
-      if (satisfied(waiters_[i])) {
+      if (done(waiters_[i])) {
         Waiter w = std::move(waiters_[i]);
         waiters_.erase(waiters_.begin() + static_cast<std::ptrdiff_t>(i));
-        answer(conns_.at(w.fd), w.fd, w, false);
+        answer(conns_.at(w.fd), w.fd, w, timed_out);
       } else {
         ++i;
       }
     }
   }
 
+  void wake_waiters() {
+    answer_waiters([&](const Waiter& w) { return satisfied(w); }, false);
+  }
+
   void expire_waiters() {
-    auto now = Clock::now();
-    for (size_t i = 0; i < waiters_.size();) {
-      if (waiters_[i].deadline <= now) {
-        Waiter w = std::move(waiters_[i]);
-        waiters_.erase(waiters_.begin() + static_cast<std::ptrdiff_t>(i));
-        answer(conns_.at(w.fd), w.fd, w, true);
-      } else {
-        ++i;
-      }
-    }
+    const auto now = Clock::now();
+    answer_waiters([&](const Waiter& w) { return w.deadline <= now; }, true);
   }
 
   void fail_waiters_if_lost() {
