@@ -59,7 +59,7 @@
 #include <vector>
 
 #include "distributed/parallel/comm_cost.h"
-#include "distributed/parallel/mesh_plan.h"
+#include "distributed/parallel/plan_types.h"
 
 namespace ember::distributed {
 

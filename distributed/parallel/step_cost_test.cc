@@ -4,6 +4,7 @@
 // stretch of ranks sharing cores under measured fits; the planner using a
 // given profile; bad profiles and strategies named.
 #include "distributed/parallel/step_cost.h"
+#include "distributed/parallel/mesh_plan.h"
 
 #include <gtest/gtest.h>
 
