@@ -275,8 +275,8 @@ std::shared_ptr<DeviceMesh> DeviceMesh::flatten(const std::string& name,
   EMBER_CHECK(!partition.empty(), to_string(), ": flatten '", name, "': an empty partition");
   std::vector<int> seen(ranks_.size(), 0);
   for (const auto& part : partition) {
-    EMBER_CHECK(part.size() == partition[0].size(), to_string(), ": flatten '", name,
-                "': the groups differ in size (", part.size(), " and ", partition[0].size(), ")");
+    EMBER_CHECK(part.size() == partition[0].size(), to_string(), ": flatten '", name, "': the groups differ in size (",
+                part.size(), " and ", partition[0].size(), ")");
     for (int r : part) {
       EMBER_CHECK(r >= 0 && r < static_cast<int>(seen.size()) && !seen[r]++, to_string(), ": flatten '", name,
                   "': rank ", r, " is outside the mesh or in two groups");

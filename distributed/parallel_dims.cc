@@ -30,9 +30,12 @@ ParallelDims ParallelDims::resolved(int world) const {
   ParallelDims d = *this;
   int known = 1, rest = 0;
   for (const auto& [name, v] : degrees(d)) {
-    EMBER_CHECK(v >= 1 || v == -1, "ParallelDims: ", name, "=", v, " (a degree is a positive size, or -1 for the rest)");
-    if (v == -1) ++rest;
-    else known *= v;
+    EMBER_CHECK(v >= 1 || v == -1, "ParallelDims: ", name, "=", v,
+                " (a degree is a positive size, or -1 for the rest)");
+    if (v == -1)
+      ++rest;
+    else
+      known *= v;
   }
   EMBER_CHECK(rest <= 1, "ParallelDims: ", rest, " degrees are -1 (", product(degrees(d)),
               "); at most one takes the rest");

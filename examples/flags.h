@@ -109,10 +109,13 @@ class FlagTable {
     os << head_ << "\n";
     for (const Row& r : rows_) {
       std::string lead = "  " + r.name + (r.metavar.empty() ? "" : " " + r.metavar);
-      if (lead.size() < 26) lead.resize(26, ' ');
-      else lead += "\n" + std::string(26, ' ');
+      if (lead.size() < 26)
+        lead.resize(26, ' ');
+      else
+        lead += "\n" + std::string(26, ' ');
       std::string help = r.help;
-      if (!r.is_switch && !defaults_.empty() && help.find("(default") == std::string::npos) help += " (default " + shown(defaults_.at(r.name)) + ")";
+      if (!r.is_switch && !defaults_.empty() && help.find("(default") == std::string::npos)
+        help += " (default " + shown(defaults_.at(r.name)) + ")";
       // Continuation lines of a long help keep the column.
       for (size_t at = 0; (at = help.find('\n', at)) != std::string::npos; at += 27) help.insert(at + 1, 26, ' ');
       os << lead << help << "\n";
@@ -147,7 +150,8 @@ class FlagTable {
   double parse_positive(const std::string& flag, const std::string& v) const {
     char* end = nullptr;
     double x = std::strtod(v.c_str(), &end);
-    if (v.empty() || *end != '\0' || !std::isfinite(x) || x <= 0) error(flag + " needs a positive number, got '" + v + "'");
+    if (v.empty() || *end != '\0' || !std::isfinite(x) || x <= 0)
+      error(flag + " needs a positive number, got '" + v + "'");
     return x;
   }
   // The Cli (program name and usage text) launch_and_train reports with.

@@ -19,6 +19,8 @@
 // is the same program. The default run took 102 s on the 2-core CI machine
 // (2026-11-24) and reached 1.954 nats per character against the unigram's
 // 3.379; docs/fsdp.md ("Sharded training") shows its output.
+#include "distributed/parallel/recipes/gpt.h"
+
 #include <algorithm>
 #include <cctype>
 #include <cstdint>
@@ -39,7 +41,6 @@
 #include "distributed/config_check.h"
 #include "distributed/init.h"
 #include "distributed/parallel/rank_agreement.h"
-#include "distributed/parallel/recipes/gpt.h"
 #include "examples/gpt_flags.h"
 #include "examples/gpt_report.h"
 #include "examples/profiling.h"
@@ -184,12 +185,13 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
     const auto schedule = distributed::pp::make_schedule(flags.pp_schedule, d.pp, flags.pp_virtual, flags.microbatches);
     auto loss = [](const Tensor& logits, const Tensor& y) { return distributed::parallel_cross_entropy(logits, y); };
     optim::GradScaler* scaler = s.scaler.get();
-    s.pp = distributed::pipeline_gpt(s.gpt, d, s.mesh, schedule, po,
-                                     {.loss = loss, .scale_loss = [scaler](const Tensor& l) { return scaler->scale(l); }});
+    s.pp =
+        distributed::pipeline_gpt(s.gpt, d, s.mesh, schedule, po,
+                                  {.loss = loss, .scale_loss = [scaler](const Tensor& l) { return scaler->scale(l); }});
     for (const auto& [stage, rank] : s.pp.layout) LOG0("pipeline ", stage, " on pp rank ", rank);
-    s.eval_pipe = std::make_unique<distributed::pp::Pipeline>(distributed::pp::forward_schedule(d.pp, flags.pp_virtual, 1),
-                                                              s.pp.stages, s.mesh->group("pp"),
-                                                              distributed::pp::PipelineOptions{.loss = loss});
+    s.eval_pipe = std::make_unique<distributed::pp::Pipeline>(
+        distributed::pp::forward_schedule(d.pp, flags.pp_virtual, 1), s.pp.stages, s.mesh->group("pp"),
+        distributed::pp::PipelineOptions{.loss = loss});
     wrapped = s.pp.ac_blocks;
     s.gpt = nullptr;  // the other ranks' stages go with it
   } else {
@@ -338,9 +340,9 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     const double lr = s.opt->param_groups()[0].lr();
     auto batch = [&](int64_t m) {
       const int64_t from = (s.dp_rank * s.micro_steps + m) * s.micro_batch;
-      auto [x, y] = examples::windows(corpus, corpus.train,
-                                      std::vector<int64_t>(all.begin() + from, all.begin() + from + s.micro_batch),
-                                      flags.seq);
+      auto [x, y] =
+          examples::windows(corpus, corpus.train,
+                            std::vector<int64_t>(all.begin() + from, all.begin() + from + s.micro_batch), flags.seq);
       return std::pair<Tensor, Tensor>{x.to(device), y.to(device).reshape({x.size(0), flags.seq})};
     };
     auto [loss, grad_norm] = train_step(s, batch, flags.common.amp);

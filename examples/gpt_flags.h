@@ -18,16 +18,16 @@
 namespace ember::examples {
 
 struct Flags {
-  CommonFlags common{.batch_size = 16, .lr = 3e-3, .checkpoint_dir = "/tmp/ember_gpt_fsdp",
-                               .data = "/usr/share/games/fortunes"};
+  CommonFlags common{
+      .batch_size = 16, .lr = 3e-3, .checkpoint_dir = "/tmp/ember_gpt_fsdp", .data = "/usr/share/games/fortunes"};
   std::string strategy = "full";
-  int shard_size = 0;                // hybrid: ranks per shard group (0: ranks per node)
+  int shard_size = 0;              // hybrid: ranks per shard group (0: ranks per node)
   distributed::ParallelDims mesh;  // --pp --dp-replicate --dp-shard --tp; -1: the rest
   std::string pp_schedule = "1f1b";
   int pp_virtual = 1;
   std::string pp_split;
   std::vector<int> blocks_per_stage;  // --pp-split parsed
-  int64_t microbatches = 0;  // 0: --accum-steps (pp 1) or the pp size
+  int64_t microbatches = 0;           // 0: --accum-steps (pp 1) or the pp size
   std::string sp = "auto";
   int64_t global_batch = 0;  // 0: batch size x dp x accum
   std::string metrics;
@@ -103,7 +103,7 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
     error("--dim " + std::to_string(f.dim) + " must be a multiple of --heads " + std::to_string(f.heads));
   if (c.checkpoint_dir.empty()) error("--checkpoint-dir must not be empty");
   refuse_overwrite(c.checkpoint_dir, "step_",
-                             c.resume || c.overwrite || c.checkpoint_dir == Flags{}.common.checkpoint_dir);
+                   c.resume || c.overwrite || c.checkpoint_dir == Flags{}.common.checkpoint_dir);
   if (c.resume) {
     auto latest = distributed::latest_checkpoint(c.checkpoint_dir, "step_");
     if (!latest.ok()) error("--resume: " + std::string(latest.status().message()));

@@ -19,11 +19,11 @@
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
-#include "distributed/logging/logging.h"
 #include "distributed/checkpoint/sharded.h"
+#include "distributed/logging/logging.h"
 #include "distributed/parallel/mesh_plan.h"
-#include "distributed/parallel/recipes/parallelize.h"
 #include "distributed/parallel/pp/pipeline.h"
+#include "distributed/parallel/recipes/parallelize.h"
 #include "distributed/parallel/step_memory.h"
 #include "distributed/parallel/tp/loss_parallel.h"
 #include "distributed/parallel_dims.h"
@@ -95,8 +95,8 @@ inline double evaluate(nn::Module& model, distributed::pp::Pipeline* pipe, const
 }
 
 // Temperature and top-k sampling from a plain (unsharded) copy of the model.
-inline std::string generate(nn::GPT& gpt, const Corpus& c, uint64_t seed, int64_t len, int64_t seq,
-                            double temperature, int64_t top_k) {
+inline std::string generate(nn::GPT& gpt, const Corpus& c, uint64_t seed, int64_t len, int64_t seq, double temperature,
+                            int64_t top_k) {
   gpt.eval();
   NoGradGuard ng;
   std::mt19937_64 g(seed + 17);
@@ -210,14 +210,18 @@ inline std::string memory_plan_line(const RunInfo& in) {
   const distributed::ParallelDims& d = in.dims;
   if (d.tp == 1 && d.pp == 1 && d.dp_replicate == 1 && in.amp == "off" && in.strategy != "hybrid" &&
       in.micro_steps == 1) {
-    distributed::StepPlan plan{
-        .micro_batch = in.micro_batch, .seq = in.model.block_size, .world = d.dp_shard, .strategy = in.strategy, .ac = in.ac};
+    distributed::StepPlan plan{.micro_batch = in.micro_batch,
+                               .seq = in.model.block_size,
+                               .world = d.dp_shard,
+                               .strategy = in.strategy,
+                               .ac = in.ac};
     return distributed::predict_gpt_step_memory(in.model, plan).line("memory plan");
   }
   if ((in.ac == "none" || in.ac == "full") && (in.strategy == "full" || in.strategy == "hybrid")) {
     // 17 s·b·h elements per block and live micro-batch.
     const distributed::ModelSpec spec = distributed::model_spec(in.model, in.model.block_size);
-    const distributed::Hardware hw{.gpus = in.world, .gpus_per_host = in.gpus_per_host, .mem_per_gpu = int64_t{1} << 50};
+    const distributed::Hardware hw{
+        .gpus = in.world, .gpus_per_host = in.gpus_per_host, .mem_per_gpu = int64_t{1} << 50};
     const distributed::PlanOptions po{.global_batch = in.global_batch, .mixed_precision = in.amp != "off"};
     distributed::MeshCandidate c;
     c.dims = d;
@@ -266,8 +270,9 @@ inline std::string describe_run(const RunInfo& r, const Corpus& c, distributed::
     } else {
       int64_t units = 0, held = 0;
       for (auto& f : pp.fsdp) units += static_cast<int64_t>(f->units().size()), held += f->memory().sharded_params;
-      sharding += "FSDP " + r.fsdp_strategy + " inside the stages (" + std::to_string(units) + " units on this rank), " +
-                  precision + "; rank 0 holds " + std::to_string(held) + " bytes of parameters";
+      sharding += "FSDP " + r.fsdp_strategy + " inside the stages (" + std::to_string(units) +
+                  " units on this rank), " + precision + "; rank 0 holds " + std::to_string(held) +
+                  " bytes of parameters";
     }
   }
   const int64_t seq = r.model.block_size;

@@ -77,8 +77,8 @@ constexpr int64_t kBaseBatch = 64;
 constexpr double kMean = 0.2860, kStd = 0.3530;  // Fashion-MNIST train-set pixel statistics
 
 struct Flags {
-  examples::CommonFlags common{.batch_size = 64, .lr = 0.05, .checkpoint_dir = "/tmp/ember_resnet_ddp",
-                               .data = data::kFashionMnistRoot};
+  examples::CommonFlags common{
+      .batch_size = 64, .lr = 0.05, .checkpoint_dir = "/tmp/ember_resnet_ddp", .data = data::kFashionMnistRoot};
   std::string model;  // empty: "narrow" on the CPU, "resnet18" on GPUs
   int64_t epochs = 2;
   bool sync_bn = false;
@@ -285,7 +285,8 @@ void resume(const Flags& flags, const examples::Job& job, Setup& s) {
     LOG0("restart: no checkpoint in ", flags.common.checkpoint_dir, " yet; starting from epoch 0");
     return;
   }
-  EMBER_CHECK(dir.has_value(), "--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir ", flags.common.checkpoint_dir);
+  EMBER_CHECK(dir.has_value(), "--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir ",
+              flags.common.checkpoint_dir);
   // Sharded (each rank wrote its part; any number of ranks loads it), or
   // the one-file checkpoints of earlier versions.
   std::string saved_by;
@@ -373,7 +374,8 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   const int64_t micro_per_epoch = s.train_loader->size();
   s.steps_per_epoch = micro_per_epoch / flags.common.accum_steps;
   EMBER_CHECK(s.steps_per_epoch >= 1, "an epoch has ", micro_per_epoch, " batches of ", flags.common.batch_size,
-              " per rank: fewer than --accum-steps ", flags.common.accum_steps, "; lower --batch-size or --accum-steps");
+              " per rank: fewer than --accum-steps ", flags.common.accum_steps,
+              "; lower --batch-size or --accum-steps");
   if (flags.max_steps > 0) s.steps_per_epoch = std::min(s.steps_per_epoch, flags.max_steps);
   const int64_t total_steps = flags.epochs * s.steps_per_epoch;
   s.warmup = std::min<int64_t>(200, total_steps / 10 + 1);
@@ -404,7 +406,8 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
                                                           : distributed::fp16_compress_hook();
   }
   s.ddp = std::make_shared<distributed::DistributedDataParallel>(s.model, ddp_options);
-  s.accumulator = std::make_unique<distributed::GradientAccumulator>(*s.ddp, static_cast<int>(flags.common.accum_steps));
+  s.accumulator =
+      std::make_unique<distributed::GradientAccumulator>(*s.ddp, static_cast<int>(flags.common.accum_steps));
 
   s.test_n = flags.eval_size > 0 ? std::min(flags.eval_size, s.ds.test->size()) : s.ds.test->size();
   // Each rank's contiguous share, without the padding DistributedSampler
@@ -417,11 +420,12 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   LOG0(s.model_name == "narrow" ? "narrow ResNet-18 (width 16)" : s.model_name,
        ", small stem: ", s.model->num_parameters() / 1e6, " M parameters; ", s.ds.description, "\n", job.world,
        " rank(s) on ", job.cuda ? "GPUs (NCCL)" : "the CPU (Gloo)", ", batch ", flags.common.batch_size, " per rank x ",
-       job.world, " rank(s) x ", flags.common.accum_steps, " accumulation step(s) = ", s.global_batch, " per step; lr ", s.lr,
-       " (", flags.common.lr, " x ", s.global_batch, "/", kBaseBatch, "), ", s.warmup, " warmup steps then cosine; ",
-       s.steps_per_epoch, " steps per epoch; ", flags.sync_bn ? "SyncBatchNorm; " : "",
-       flags.common.amp == "off" ? ""
-                          : "mixed precision " + flags.common.amp + (s.scaler->is_enabled() ? " with loss scaling; " : "; "),
+       job.world, " rank(s) x ", flags.common.accum_steps, " accumulation step(s) = ", s.global_batch, " per step; lr ",
+       s.lr, " (", flags.common.lr, " x ", s.global_batch, "/", kBaseBatch, "), ", s.warmup,
+       " warmup steps then cosine; ", s.steps_per_epoch, " steps per epoch; ", flags.sync_bn ? "SyncBatchNorm; " : "",
+       flags.common.amp == "off"
+           ? ""
+           : "mixed precision " + flags.common.amp + (s.scaler->is_enabled() ? " with loss scaling; " : "; "),
        flags.grad_compress == "off" ? ""
        : flags.grad_compress == "powersgd"
            ? "gradients compressed by PowerSGD (rank " + std::to_string(flags.powersgd_rank) + ", from step " +
@@ -438,7 +442,8 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   double train_seconds = 0, eval_seconds = -1;
   int64_t images_done = 0;  // global, this process's run
   optim::GradScaler& scaler = *s.scaler;
-  examples::StepProfiler profile(flags.common.profile_dir, (flags.epochs - s.start_epoch) * s.steps_per_epoch, job.pg.get());
+  examples::StepProfiler profile(flags.common.profile_dir, (flags.epochs - s.start_epoch) * s.steps_per_epoch,
+                                 job.pg.get());
   // The end of an epoch: its train loss averaged over the ranks, the test
   // accuracy over every rank's shard, a checkpoint. Also run again by a
   // live recovery that resumes exactly at an epoch's end (the fault may have
@@ -490,7 +495,8 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       Tensor loss;
       {
         std::optional<AutocastGuard> amp;
-        if (flags.common.amp != "off") amp.emplace(job.device.type, flags.common.amp == "bf16" ? DType::BFloat16 : DType::Float16);
+        if (flags.common.amp != "off")
+          amp.emplace(job.device.type, flags.common.amp == "bf16" ? DType::BFloat16 : DType::Float16);
         loss = nn::functional::cross_entropy((*s.ddp)(b.data), b.target);  // float32 under autocast too
       }
       loss_sum += loss.item();
@@ -578,6 +584,5 @@ int main(int argc, char** argv) {
   examples::FlagTable table("resnet_ddp", "usage: resnet_ddp [flags]");
   declare(table, flags);
   parse_flags(table, flags, argc, argv);
-  return examples::launch_and_train(table.cli(), flags.common.nproc, argc, argv,
-                                    [&] { return train(flags, table); });
+  return examples::launch_and_train(table.cli(), flags.common.nproc, argc, argv, [&] { return train(flags, table); });
 }

@@ -105,8 +105,8 @@ void reliability(const ember::distributed::MeshPlan& plan, double failures_per_g
       bytes / 1e9, bytes / hosts / 1e9, write, gbps_per_host, mtbf / 3600, plan.hw.gpus, failures_per_gpu_day,
       interval / 60, 100 * lost, 100 * write / interval, restart_s, interval / 2 / 60);
   if (best.dims.dp_replicate > 1)
-    std::printf("; with live recovery from a replica (dp_replicate=%d) nothing is redone: %.2f%%", best.dims.dp_replicate,
-                100 * lost_live);
+    std::printf("; with live recovery from a replica (dp_replicate=%d) nothing is redone: %.2f%%",
+                best.dims.dp_replicate, 100 * lost_live);
   std::printf("\n");
 }
 

@@ -12,7 +12,6 @@
 
 namespace ember::distributed {
 
-
 int64_t ModelSpec::layer_params() const {
   if (!transformer()) return 0;
   const int64_t kv = (kv_heads > 0 ? kv_heads : heads), head_dim = dim / heads;

@@ -203,29 +203,30 @@ void compute_terms(Terms& k, double bubble) {
   double per_mb = 0;
   if (k.model.transformer()) {
     const double recompute = k.full_ac ? 4.0 / 3 : 1.0;  // every forward twice: 4/3 of forward + backward
-    const double block_flops = recompute * (6.0 * k.model.layer_params() + 12.0 * k.model.dim * k.model.seq) * tokens_mb / k.T;
+    const double block_flops =
+        recompute * (6.0 * k.model.layer_params() + 12.0 * k.model.dim * k.model.seq) * tokens_mb / k.T;
     const double head_flops = 6.0 * k.model.vocab * k.model.dim * tokens_mb / k.T;
     const double block = k.cp.block_overhead_s + block_flops / k.cp.block_flops_per_s;
     const double head = k.cp.head_overhead_s + head_flops / k.cp.head_flops_per_s;
     per_mb = k.stage_layers * block + head;
     k.add("compute",
-        fmt("%g blocks", k.stage_layers) + " (" + secs(block) + " each: " + fmt("%.3g", block_flops) +
-            " FLOPs) + head (" + secs(head) + ": " + fmt("%.3g", head_flops) + " FLOPs) x " + std::to_string(k.M) +
-            " micro-batches" + (k.stretch > 1 ? " x " + fmt("%.2g", k.stretch) + " (ranks per core)" : ""),
-        per_mb * k.M * k.stretch, &k.t.compute);
+          fmt("%g blocks", k.stage_layers) + " (" + secs(block) + " each: " + fmt("%.3g", block_flops) +
+              " FLOPs) + head (" + secs(head) + ": " + fmt("%.3g", head_flops) + " FLOPs) x " + std::to_string(k.M) +
+              " micro-batches" + (k.stretch > 1 ? " x " + fmt("%.2g", k.stretch) + " (ranks per core)" : ""),
+          per_mb * k.M * k.stretch, &k.t.compute);
   } else {
     const auto measured = k.cp.models.find(k.model.name);
-    per_mb = measured != k.cp.models.end() ? measured->second.overhead_s + k.mb * measured->second.s_per_sample
-                                         : k.cp.head_overhead_s + k.model.flops_per_sample * k.mb / k.cp.head_flops_per_s;
+    per_mb = measured != k.cp.models.end()
+                 ? measured->second.overhead_s + k.mb * measured->second.s_per_sample
+                 : k.cp.head_overhead_s + k.model.flops_per_sample * k.mb / k.cp.head_flops_per_s;
     k.add("compute",
-        "forward + backward of " + fmt("%g", k.mb) + " samples (" + secs(per_mb) + ") x " + std::to_string(k.M) +
-            (k.stretch > 1 ? " x " + fmt("%.2g", k.stretch) + " (ranks per core)" : ""),
-        per_mb * k.M * k.stretch, &k.t.compute);
+          "forward + backward of " + fmt("%g", k.mb) + " samples (" + secs(per_mb) + ") x " + std::to_string(k.M) +
+              (k.stretch > 1 ? " x " + fmt("%.2g", k.stretch) + " (ranks per core)" : ""),
+          per_mb * k.M * k.stretch, &k.t.compute);
   }
   k.t.bubble = bubble;
   k.span = k.t.compute / (1 - bubble);
   if (bubble > 0) k.add("bubble", "pipeline idle " + fmt("%.1f%%", 100 * bubble), k.span - k.t.compute, nullptr);
-
 }
 
 // Tensor parallelism: exposed.
@@ -239,8 +240,10 @@ void tp_terms(Terms& k) {
       // weights' gradients (the gathered inputs are not kept: Megatron-SP's
       // memory saving); recompute repeats the forward's 4. The embedding's
       // scatter, the head's gather (twice) and scatter.
-      k.coll("tp", "allgather", sbh, k.T, 1, layers * (k.full_ac ? 8 : 6) + 2 * k.M + (k.P == 1 ? k.M : 0), &k.t.tp_comm);
-      k.coll("tp", "reduce_scatter", sbh, k.T, 1, layers * (k.full_ac ? 6 : 4) + k.M + (k.P == 1 ? k.M : 0), &k.t.tp_comm);
+      k.coll("tp", "allgather", sbh, k.T, 1, layers * (k.full_ac ? 8 : 6) + 2 * k.M + (k.P == 1 ? k.M : 0),
+             &k.t.tp_comm);
+      k.coll("tp", "reduce_scatter", sbh, k.T, 1, layers * (k.full_ac ? 6 : 4) + k.M + (k.P == 1 ? k.M : 0),
+             &k.t.tp_comm);
       // The norms' and the row-parallel biases' gradients, replicated over
       // the sequence shards: 6 per block (and the final norm's 2), once.
       k.coll("tp", "allreduce", k.model.dim * k.elem, k.T, 1, 6 * k.stage_layers + 2, &k.t.tp_comm);
@@ -249,9 +252,9 @@ void tp_terms(Terms& k) {
       // recompute's forward again); the embedding's and the head input's.
       k.coll("tp", "allreduce", sbh, k.T, 1, layers * (k.full_ac ? 6 : 4) + k.M + (k.P == 1 ? k.M : 0), &k.t.tp_comm);
     }
-    k.coll("tp", "allreduce", k.model.seq * k.mb * 4, k.T, 1, 3 * k.M, &k.t.tp_comm);  // the parallel loss's max, sum, target
+    k.coll("tp", "allreduce", k.model.seq * k.mb * 4, k.T, 1, 3 * k.M,
+           &k.t.tp_comm);  // the parallel loss's max, sum, target
   }
-
 }
 
 // Data parallelism: per FSDP unit (each block; the root with the
@@ -262,7 +265,7 @@ double dp_terms(Terms& k) {
   if (k.model.transformer()) {
     units.push_back({k.elem * k.model.layer_params() / k.T, k.stage_layers});
     const double root = k.P == 1 ? k.model.embedding_params() + (k.model.tied ? 0 : k.model.vocab * k.model.dim)
-                               : static_cast<double>(k.model.vocab) * k.model.dim;
+                                 : static_cast<double>(k.model.vocab) * k.model.dim;
     units.push_back({k.elem * root / k.T, 1});
   } else {
     // DDP's buckets of 25 MiB. Its first bucket of 1 MiB adds one more
@@ -296,7 +299,8 @@ double dp_terms(Terms& k) {
                   "' (full, hybrid, grad_op, no_shard, ddp, zero1)");
     }
     // The replicas' all-reduce: of each shard under HSDP, of the whole unit under DDP.
-    k.coll("dp", "allreduce", k.S > 1 && k.strategy != "no_shard" ? bytes / k.S : bytes, k.R, k.T * k.S, count, &dp_overlappable);
+    k.coll("dp", "allreduce", k.S > 1 && k.strategy != "no_shard" ? bytes / k.S : bytes, k.R, k.T * k.S, count,
+           &dp_overlappable);
   }
   k.t.dp_comm = dp_overlappable + dp_after;
   // Without a pipeline the collectives run beside the backward (two thirds
@@ -312,8 +316,9 @@ double dp_terms(Terms& k) {
 // Pipeline transfers: a send and its gradient's receive per micro-batch and virtual stage.
 void pp_terms(Terms& k) {
   if (k.P > 1) {
-    const double bytes = k.model.transformer() ? k.model.seq * k.mb * k.model.dim * k.elem / (k.c.sequence_parallel ? k.T : 1)
-                                             : k.model.activation_bytes_per_sample * k.mb * k.elem / 2;
+    const double bytes = k.model.transformer()
+                             ? k.model.seq * k.mb * k.model.dim * k.elem / (k.c.sequence_parallel ? k.T : 1)
+                             : k.model.activation_bytes_per_sample * k.mb * k.elem / 2;
     k.coll("pp", "send_recv", bytes, 2, k.T * k.S * k.R, 2.0 * k.M * k.V, &k.t.pp_comm);
   }
 }
@@ -325,20 +330,22 @@ void step_terms(Terms& k, double root_bytes) {
   k.coll("sync", "allreduce", 8, k.N, 1, static_cast<double>(k.o.step_allreduces), &k.t.sync);
 
   // The optimizer over the rank's parameters.
-  const bool sharded = k.strategy == "full" || k.strategy == "hybrid" || k.strategy == "grad_op" || k.strategy == "zero1";
+  const bool sharded =
+      k.strategy == "full" || k.strategy == "hybrid" || k.strategy == "grad_op" || k.strategy == "zero1";
   const double params = (k.model.transformer() ? k.stage_layers * k.model.layer_params() + root_bytes / k.elem * k.T
-                                             : static_cast<double>(k.model.num_params())) /
+                                               : static_cast<double>(k.model.num_params())) /
                         k.T / (sharded ? k.S : 1);
   if (const auto m = k.cp.models.find(k.model.name); !k.model.transformer() && m != k.cp.models.end())
-    k.add("optimizer", fmt("%.3g", params) + " parameters, measured", m->second.optimizer_s * k.stretch, &k.t.optimizer);
+    k.add("optimizer", fmt("%.3g", params) + " parameters, measured", m->second.optimizer_s * k.stretch,
+          &k.t.optimizer);
   else if (k.cp.optimizer_s_per_param > 0 || k.cp.optimizer_overhead_s > 0)
     k.add("optimizer", fmt("%.3g", params) + " parameters",
-        (k.cp.optimizer_overhead_s + params * k.cp.optimizer_s_per_param) * k.stretch, &k.t.optimizer);
+          (k.cp.optimizer_overhead_s + params * k.cp.optimizer_s_per_param) * k.stretch, &k.t.optimizer);
   if (k.c.offload) {
     // The sharded state lives on the host: 16-bit parameters down, float32 gradients up.
     EMBER_CHECK(k.cp.host_bw > 0, "predict_step: CPU offload needs the host link's bandwidth");
     k.add("offload", size_text(2.0 * params * k.elem + 4.0 * params) + " over the host link",
-        (2.0 * params * k.elem + 4.0 * params) / k.cp.host_bw, &k.t.offload_io);
+          (2.0 * params * k.elem + 4.0 * params) / k.cp.host_bw, &k.t.offload_io);
   }
   k.t.step = k.span + k.t.tp_comm + k.t.dp_exposed + k.t.pp_comm + k.t.sync + k.t.optimizer + k.t.offload_io;
 }

@@ -4,7 +4,6 @@
 // stretch of ranks sharing cores under measured fits; the planner using a
 // given profile; bad profiles and strategies named.
 #include "distributed/parallel/step_cost.h"
-#include "distributed/parallel/mesh_plan.h"
 
 #include <gtest/gtest.h>
 
@@ -14,6 +13,7 @@
 #include <string>
 
 #include "core/testing/error_of.h"
+#include "distributed/parallel/mesh_plan.h"
 
 namespace ember::distributed {
 namespace {

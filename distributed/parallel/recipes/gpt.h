@@ -21,9 +21,9 @@
 namespace ember::distributed {
 
 struct GPTParallelOptions {
-  bool sequence_parallel = true;  // under tp (Megatron-SP)
-  std::string ac = "none";        // none | full | selective | every:K, of the transformer blocks
-  FSDPOptions fsdp;               // strategy and mixed precision (the mesh comes from the dims)
+  bool sequence_parallel = true;      // under tp (Megatron-SP)
+  std::string ac = "none";            // none | full | selective | every:K, of the transformer blocks
+  FSDPOptions fsdp;                   // strategy and mixed precision (the mesh comes from the dims)
   std::vector<int> blocks_per_stage;  // pipeline_gpt: blocks per stage; empty: balanced by parameters
 };
 

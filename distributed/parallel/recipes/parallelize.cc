@@ -35,9 +35,12 @@ double Parallelized::clip_grad_norm_(double max_norm) {
 }
 
 void Parallelized::set_requires_gradient_sync(bool sync) {
-  if (fsdp) fsdp->set_requires_gradient_sync(sync);
-  else if (ddp && !sync && !no_sync_) no_sync_ = std::make_shared<Replicated::NoSync>(*ddp);
-  else if (sync) no_sync_.reset();
+  if (fsdp)
+    fsdp->set_requires_gradient_sync(sync);
+  else if (ddp && !sync && !no_sync_)
+    no_sync_ = std::make_shared<Replicated::NoSync>(*ddp);
+  else if (sync)
+    no_sync_.reset();
 }
 
 void apply_tp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh, const ParallelizePlan& plan) {
@@ -98,8 +101,8 @@ PipelineParallel pipeline_parallelize(const std::vector<std::shared_ptr<pp::Pipe
                                       pp::PipelineOptions po) {
   EMBER_CHECK(mesh != nullptr && mesh->has_dim("pp"), "pipeline_parallelize: the mesh has no 'pp' dimension (",
               dims.str(), "; pp > 1 puts it there)");
-  EMBER_CHECK(static_cast<int>(all_stages.size()) == schedule.num_stages(), "pipeline_parallelize: ",
-              all_stages.size(), " stages for a schedule of ", schedule.num_stages());
+  EMBER_CHECK(static_cast<int>(all_stages.size()) == schedule.num_stages(), "pipeline_parallelize: ", all_stages.size(),
+              " stages for a schedule of ", schedule.num_stages());
   check_options(dims, o);
   PipelineParallel out;
   for (const auto& st : all_stages) out.layout.emplace_back(st->description(), schedule.rank_of(st->index()));

@@ -140,8 +140,8 @@ double dp_mean(const DeviceMesh& mesh, double v) {
 
 void expect_same(const Run& got, const Run& want) {
   for (int s = 0; s < kSteps; ++s) {
-    WCHECK(std::abs(got.losses[s] - want.losses[s]) <= 1e-5 * (1 + want.losses[s]), "step ", s, " loss ",
-           got.losses[s], " vs one process ", want.losses[s]);
+    WCHECK(std::abs(got.losses[s] - want.losses[s]) <= 1e-5 * (1 + want.losses[s]), "step ", s, " loss ", got.losses[s],
+           " vs one process ", want.losses[s]);
     WCHECK(std::abs(got.norms[s] - want.norms[s]) <= 1e-5 * (1 + want.norms[s]), "step ", s, " gradient norm ",
            got.norms[s], " vs one process ", want.norms[s]);
   }
@@ -174,7 +174,8 @@ EMBER_WORKER(hsdp_tp) {
   }
   NoGradGuard ng;
   auto [x, y] = batch(100);
-  got.heldout = dp_mean(*mesh, nn::functional::mse_loss((*model)(x.narrow(0, from, rows)), y.narrow(0, from, rows)).item());
+  got.heldout =
+      dp_mean(*mesh, nn::functional::mse_loss((*model)(x.narrow(0, from, rows)), y.narrow(0, from, rows)).item());
   expect_same(got, want);
 }
 
@@ -189,9 +190,9 @@ EMBER_WORKER(pp_fsdp_tp) {
   auto model = make_model();
   const auto schedule = pp::make_schedule("1f1b", dims.pp, 1, micro);
   auto loss_fn = [](const Tensor& out, const Tensor& y) { return nn::functional::mse_loss(out, y); };
-  PipelineParallel pipe = pipeline_parallelize(pp::split_sequential(*model, schedule.num_stages()), schedule, dims,
-                                               mesh, {.tp_plan = mix_plan(), .block_types = {"MixBlock"}},
-                                               {.loss = loss_fn});
+  PipelineParallel pipe =
+      pipeline_parallelize(pp::split_sequential(*model, schedule.num_stages()), schedule, dims, mesh,
+                           {.tp_plan = mix_plan(), .block_types = {"MixBlock"}}, {.loss = loss_fn});
   WCHECK(pipe.fsdp.size() == 1 && pipe.stages.size() == 1, pipe.fsdp.size());
   WCHECK(pipe.layout.size() == 2 && pipe.layout[1].second == 1, pipe.layout.size());
   optim::SGD opt(pipe.part->parameters(), {.lr = 0.05, .momentum = 0.9});
@@ -259,7 +260,8 @@ EMBER_WORKER(ddp_tp) {
   }
   NoGradGuard ng;
   auto [x, y] = batch(100);
-  got.heldout = dp_mean(*mesh, nn::functional::mse_loss((*model)(x.narrow(0, from, rows)), y.narrow(0, from, rows)).item());
+  got.heldout =
+      dp_mean(*mesh, nn::functional::mse_loss((*model)(x.narrow(0, from, rows)), y.narrow(0, from, rows)).item());
   expect_same(got, want);
 }
 
