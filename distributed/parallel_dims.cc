@@ -129,6 +129,16 @@ int ParallelDims::dp_rank(const DeviceMesh& mesh) const {
   return mesh.coordinate("dp_replicate") * dp_shard + mesh.coordinate("dp_shard");
 }
 
+const std::vector<ParallelDims::Flag>& ParallelDims::flags() {
+  static const std::vector<Flag> table = {
+      {"--pp", &ParallelDims::pp, 1, "P", "pipeline parallelism over P ranks (the mesh's outermost dimension)"},
+      {"--dp-replicate", &ParallelDims::dp_replicate, -1, "R", "replicas (DDP, or HSDP with --dp-shard); -1: the rest"},
+      {"--dp-shard", &ParallelDims::dp_shard, -1, "S", "FSDP's sharding over S ranks; -1: the rest"},
+      {"--tp", &ParallelDims::tp, -1, "T", "tensor parallelism over T ranks (the innermost dimension); -1: the rest"},
+  };
+  return table;
+}
+
 std::string ParallelDims::str() const {
   std::string out = "dp_replicate=" + std::to_string(dp_replicate) + " dp_shard=" + std::to_string(dp_shard) +
                     " tp=" + std::to_string(tp) + " pp=" + std::to_string(pp);

@@ -89,6 +89,19 @@ struct ParallelDims {
   // when there is no other), the line a training program logs.
   std::string line() const;
   bool operator==(const ParallelDims&) const = default;
+
+  // The degrees a program takes on its command line, by flag: every
+  // program with a mesh (//examples:gpt through examples/flags.h,
+  // //tools:plan) reads this one table, so a dimension's flag is its row
+  // here. cp and ep join when their transforms do.
+  struct Flag {
+    const char* name;  // "--dp-shard"
+    int ParallelDims::*degree;
+    int min;  // -1: "the rest" is accepted
+    const char* metavar;
+    const char* help;
+  };
+  static const std::vector<Flag>& flags();
 };
 
 }  // namespace ember::distributed

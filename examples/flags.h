@@ -240,12 +240,10 @@ inline void add_common_flags(FlagTable& t, CommonFlags& f, const std::string& un
 }
 
 // The mesh's degrees, straight into a ParallelDims (-1: the rest; at most
-// one). A new kind of parallelism adds its row here.
+// one): a row per entry of ParallelDims::flags().
 inline void add_mesh_flags(FlagTable& t, distributed::ParallelDims& d) {
-  t.integer("--pp", &d.pp, 1, "P", "pipeline parallelism over P ranks (the mesh's outermost dimension)");
-  t.integer("--dp-replicate", &d.dp_replicate, -1, "R", "replicas (DDP, or HSDP with --dp-shard); -1: the rest");
-  t.integer("--dp-shard", &d.dp_shard, -1, "S", "FSDP's sharding over S ranks; -1: the rest");
-  t.integer("--tp", &d.tp, -1, "T", "tensor parallelism over T ranks (the innermost dimension); -1: the rest");
+  for (const auto& flag : distributed::ParallelDims::flags())
+    t.integer(flag.name, &(d.*flag.degree), flag.min, flag.metavar, flag.help);
 }
 
 }  // namespace ember::examples

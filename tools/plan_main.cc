@@ -115,6 +115,15 @@ using ember::distributed::MeshCandidate;
 using ember::distributed::ModelSpec;
 using ember::distributed::PlanOptions;
 
+using ember::distributed::ParallelDims;
+
+// A mesh degree's flag (ParallelDims::flags: --pp, --dp-shard, ...), or null.
+const ParallelDims::Flag* mesh_flag(const std::string& name) {
+  for (const auto& f : ParallelDims::flags())
+    if (name == f.name) return &f;
+  return nullptr;
+}
+
 // The command line, parsed.
 struct Args {
   ModelSpec m;
@@ -193,14 +202,8 @@ Args parse_args(int argc, char** argv) {
       hw.inter_host_bw = number(a, value()) * 1e9, inter_given = true;
     else if (a == "--explain")
       explain = true;
-    else if (a == "--dp-replicate")
-      given.dims.dp_replicate = static_cast<int>(integer()), mesh_given = true;
-    else if (a == "--dp-shard")
-      given.dims.dp_shard = static_cast<int>(integer()), mesh_given = true;
-    else if (a == "--tp")
-      given.dims.tp = static_cast<int>(integer()), mesh_given = true;
-    else if (a == "--pp")
-      given.dims.pp = static_cast<int>(integer()), mesh_given = true;
+    else if (const ParallelDims::Flag* d = mesh_flag(a))
+      given.dims.*d->degree = static_cast<int>(integer()), mesh_given = true;
     else if (a == "--pp-schedule")
       given.schedule = value(), mesh_given = true;
     else if (a == "--pp-virtual")
