@@ -14,11 +14,8 @@
 #pragma once
 
 #include <algorithm>
-#include <cerrno>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <map>
 #include <set>
@@ -135,25 +132,13 @@ class FlagTable {
     return out;
   }
 
-  [[noreturn]] void error(const std::string& msg) const {
-    std::fprintf(stderr, "%s: %s\n%s", program_, msg.c_str(), usage().c_str());
-    std::exit(2);
-  }
+  // Errors and number parsing are the Cli's (examples/cli.h), with the
+  // table's usage.
+  [[noreturn]] void error(const std::string& msg) const { cli().error(msg); }
   int64_t parse_int(const std::string& flag, const std::string& v, int64_t min) const {
-    char* end = nullptr;
-    errno = 0;
-    long long x = std::strtoll(v.c_str(), &end, 10);
-    if (v.empty() || *end != '\0' || errno == ERANGE) error(flag + " needs an integer, got '" + v + "'");
-    if (x < min) error(flag + " must be >= " + std::to_string(min) + ", got " + v);
-    return x;
+    return cli().parse_int(flag, v, min);
   }
-  double parse_positive(const std::string& flag, const std::string& v) const {
-    char* end = nullptr;
-    double x = std::strtod(v.c_str(), &end);
-    if (v.empty() || *end != '\0' || !std::isfinite(x) || x <= 0)
-      error(flag + " needs a positive number, got '" + v + "'");
-    return x;
-  }
+  double parse_positive(const std::string& flag, const std::string& v) const { return cli().parse_positive(flag, v); }
   // The Cli (program name and usage text) launch_and_train reports with.
   const Cli& cli() const {
     usage_text_ = usage();

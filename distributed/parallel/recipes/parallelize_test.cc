@@ -151,6 +151,29 @@ void expect_same(const Run& got, const Run& want) {
   WCHECK(want.losses.back() < 0.9 * want.losses.front(), "the reference did not learn");
 }
 
+// The distributed run without a pipeline: each data-parallel rank its
+// rows of every step's batch (the tp ranks of one the same rows).
+Run train_data_parallel(nn::Module& model, Parallelized& par, const ParallelDims& dims, const DeviceMesh& mesh) {
+  optim::SGD opt(model.parameters(), {.lr = 0.05, .momentum = 0.9});
+  const int64_t rows = kB / dims.dp(), from = dims.dp_rank(mesh) * rows;
+  auto loss_of = [&](int step) {
+    auto [x, y] = batch(step);
+    return nn::functional::mse_loss(model(x.narrow(0, from, rows)), y.narrow(0, from, rows));
+  };
+  Run got;
+  for (int s = 0; s < kSteps; ++s) {
+    Tensor loss = loss_of(s);
+    loss.backward();
+    got.norms.push_back(par.clip_grad_norm_(1.0));
+    opt.step();
+    opt.zero_grad();
+    got.losses.push_back(dp_mean(mesh, loss.item()));
+  }
+  NoGradGuard ng;
+  got.heldout = dp_mean(mesh, loss_of(100).item());
+  return got;
+}
+
 // dp_replicate 2 x dp_shard 2 x tp 2: HSDP over TP, every block checkpointed.
 EMBER_WORKER(hsdp_tp) {
   mp::init_world(env);
@@ -160,23 +183,7 @@ EMBER_WORKER(hsdp_tp) {
   auto model = make_model();
   Parallelized par = parallelize(model, dims, mesh, {.tp_plan = mix_plan(), .block_types = {"MixBlock"}, .ac = "full"});
   WCHECK(par.ac_blocks == 4 && par.fsdp != nullptr && par.fsdp->units().size() == 5, "ac ", par.ac_blocks);
-  optim::SGD opt(model->parameters(), {.lr = 0.05, .momentum = 0.9});
-  const int64_t rows = kB / dims.dp(), from = dims.dp_rank(*mesh) * rows;
-  Run got;
-  for (int s = 0; s < kSteps; ++s) {
-    auto [x, y] = batch(s);
-    Tensor loss = nn::functional::mse_loss((*model)(x.narrow(0, from, rows)), y.narrow(0, from, rows));
-    loss.backward();
-    got.norms.push_back(par.clip_grad_norm_(1.0));
-    opt.step();
-    opt.zero_grad();
-    got.losses.push_back(dp_mean(*mesh, loss.item()));
-  }
-  NoGradGuard ng;
-  auto [x, y] = batch(100);
-  got.heldout =
-      dp_mean(*mesh, nn::functional::mse_loss((*model)(x.narrow(0, from, rows)), y.narrow(0, from, rows)).item());
-  expect_same(got, want);
+  expect_same(train_data_parallel(*model, par, dims, *mesh), want);
 }
 
 // pp 2 x dp_shard 2 x tp 2: the model cut into 2 stages, 1F1B over 2
@@ -246,23 +253,7 @@ EMBER_WORKER(ddp_tp) {
   auto model = make_model();
   Parallelized par = parallelize(model, dims, mesh, {.tp_plan = mix_plan(), .block_types = {"MixBlock"}, .ddp = true});
   WCHECK(par.ddp != nullptr && par.fsdp == nullptr, "DDP expected");
-  optim::SGD opt(model->parameters(), {.lr = 0.05, .momentum = 0.9});
-  const int64_t rows = kB / dims.dp(), from = dims.dp_rank(*mesh) * rows;
-  Run got;
-  for (int s = 0; s < kSteps; ++s) {
-    auto [x, y] = batch(s);
-    Tensor loss = nn::functional::mse_loss((*model)(x.narrow(0, from, rows)), y.narrow(0, from, rows));
-    loss.backward();
-    got.norms.push_back(par.clip_grad_norm_(1.0));
-    opt.step();
-    opt.zero_grad();
-    got.losses.push_back(dp_mean(*mesh, loss.item()));
-  }
-  NoGradGuard ng;
-  auto [x, y] = batch(100);
-  got.heldout =
-      dp_mean(*mesh, nn::functional::mse_loss((*model)(x.narrow(0, from, rows)), y.narrow(0, from, rows)).item());
-  expect_same(got, want);
+  expect_same(train_data_parallel(*model, par, dims, *mesh), want);
 }
 
 // The recipe's errors, each before anything is changed.
