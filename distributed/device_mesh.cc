@@ -222,7 +222,16 @@ std::shared_ptr<DeviceMesh> DeviceMesh::submesh(const std::vector<std::string>& 
   return sub;
 }
 
+// flatten's checks of the view's name, on either path.
+void DeviceMesh::check_flatten_name(const std::string& name) const {
+  EMBER_CHECK(!name.empty(), to_string(), ": flatten needs a name");
+  EMBER_CHECK(!has_dim(name), to_string(), ": flatten's name '", name, "' is already a dimension");
+  EMBER_CHECK(root_ == nullptr, to_string(), ": flatten runs on the mesh create() made, not on a sub-mesh");
+  EMBER_CHECK(flats_.count(name) == 0, to_string(), ": a view named '", name, "' is already registered");
+}
+
 std::shared_ptr<DeviceMesh> DeviceMesh::flatten(const std::vector<std::string>& dims, const std::string& name) {
+  check_flatten_name(name);
   EMBER_CHECK(!dims.empty(), to_string(), ": flatten needs at least one dimension");
   std::vector<int> idx;
   for (const auto& n : dims) {
@@ -269,9 +278,7 @@ std::shared_ptr<DeviceMesh> DeviceMesh::flatten(const std::vector<std::string>& 
 
 std::shared_ptr<DeviceMesh> DeviceMesh::flatten(const std::string& name,
                                                 const std::vector<std::vector<int>>& partition) {
-  EMBER_CHECK(!name.empty(), to_string(), ": flatten needs a name");
-  EMBER_CHECK(!has_dim(name), to_string(), ": flatten's name '", name, "' is already a dimension");
-  EMBER_CHECK(root_ == nullptr, to_string(), ": flatten runs on the mesh create() made, not on a sub-mesh");
+  check_flatten_name(name);
   EMBER_CHECK(!partition.empty(), to_string(), ": flatten '", name, "': an empty partition");
   std::vector<int> seen(ranks_.size(), 0);
   for (const auto& part : partition) {
@@ -288,6 +295,8 @@ std::shared_ptr<DeviceMesh> DeviceMesh::flatten(const std::string& name,
   for (const auto& part : partition)  // every rank, every group, in order (new_group's rule)
     if (auto g = new_group(part)) mine = std::move(g);
   EMBER_INTERNAL_ASSERT(mine != nullptr, "flatten '", name, "': rank ", global_rank_, " is in no group");
+  // As create(): every rank has connected its groups before any goes on.
+  default_group()->barrier()->wait();
   auto view = from_group(std::move(mine), name);
   flats_[name] = view;
   return view;

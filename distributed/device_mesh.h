@@ -79,8 +79,9 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   // need when a group spans several dimensions: data loading over
   // dp_replicate x dp_shard, FSDP over dp_shard x cp. Collective over the
   // default group when two or more of `dims` have more than one rank (a new
-  // group per slice, made by every rank in the same order); otherwise it
-  // reuses that dimension's group. Only on a mesh made by create(). The
+  // group per slice, made by every rank in the same order, over the default
+  // backend); otherwise it reuses that dimension's group. Only on a mesh
+  // made by create(), once per name. The
   // view is its own root (DTensors are not described on it) and is
   // registered on this mesh under `name`.
   std::shared_ptr<DeviceMesh> flatten(const std::vector<std::string>& dims, const std::string& name);
@@ -114,6 +115,7 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   mutable std::mutex sub_mu_;
   mutable std::map<std::vector<std::string>, std::weak_ptr<DeviceMesh>> subs_;
   std::map<std::string, std::shared_ptr<DeviceMesh>> flats_;  // flatten()'s views, by name
+  void check_flatten_name(const std::string& name) const;
 };
 
 // Checks a mesh's shape and names without making it (the same checks and

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "core/exception.h"
+#include "distributed/init.h"
 
 namespace ember::distributed {
 
@@ -25,20 +26,25 @@ std::vector<std::pair<const char*, int>> degrees(const ParallelDims& d) {
 
 }  // namespace
 
-ParallelDims ParallelDims::resolved(int world) const {
-  EMBER_CHECK(world >= 1, "ParallelDims: a world of ", world, " ranks");
-  ParallelDims d = *this;
-  int known = 1, rest = 0;
-  for (const auto& [name, v] : degrees(d)) {
+void ParallelDims::check_degrees() const {
+  std::string rest;
+  for (const auto& [name, v] : degrees(*this)) {
     EMBER_CHECK(v >= 1 || v == -1, "ParallelDims: ", name, "=", v,
                 " (a degree is a positive size, or -1 for the rest)");
-    if (v == -1)
-      ++rest;
-    else
-      known *= v;
+    if (v == -1) rest += (rest.empty() ? "" : " and ") + std::string(name);
   }
-  EMBER_CHECK(rest <= 1, "ParallelDims: ", rest, " degrees are -1 (", product(degrees(d)),
-              "); at most one takes the rest");
+  EMBER_CHECK(ep >= 1, "ParallelDims: ep=", ep, " (expert parallelism takes a positive size)");
+  EMBER_CHECK(rest.find(" and ") == std::string::npos, "ParallelDims: ", rest,
+              " are both -1; at most one degree takes the rest");
+}
+
+ParallelDims ParallelDims::resolved(int world) const {
+  EMBER_CHECK(world >= 1, "ParallelDims: a world of ", world, " ranks");
+  check_degrees();
+  ParallelDims d = *this;
+  int known = 1;
+  for (const auto& [name, v] : degrees(d))
+    if (v != -1) known *= v;
   EMBER_CHECK(world % known == 0, "ParallelDims: ", product(degrees(d)), " does not divide a world of ", world);
   for (int* v : {&d.pp, &d.dp_replicate, &d.dp_shard, &d.cp, &d.tp})
     if (*v == -1) *v = world / known;
@@ -77,8 +83,9 @@ std::vector<int> ParallelDims::mesh_shape() const {
 }
 
 std::shared_ptr<DeviceMesh> ParallelDims::build_mesh() const {
+  EMBER_CHECK(is_initialized(), "ParallelDims::build_mesh: init_process_group() has not run");
+  validate(default_group()->size());  // before any group is made
   auto mesh = DeviceMesh::create(mesh_shape(), mesh_dim_names());
-  validate(mesh->size());
   // The views, every rank in the same order (each may make groups).
   mesh->flatten({"dp_replicate", "dp_shard"}, "dp");
   if (cp > 1) {

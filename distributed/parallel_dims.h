@@ -55,17 +55,18 @@ struct ParallelDims {
   // Every degree >= 1, their product the world, ep dividing dp_shard x cp
   // (or equal to 1). Errors as resolved's.
   void validate(int world) const;
+  // What can be checked before the world is known (a program's flags):
+  // each degree positive or -1, at most one -1.
+  void check_degrees() const;
 
   int world() const { return pp * dp_replicate * dp_shard * cp * tp; }
   int dp() const { return dp_replicate * dp_shard; }
   int dp_shard_cp() const { return dp_shard * cp; }
   int dp_cp() const { return dp_replicate * dp_shard * cp; }
-  // Sequences over the data-parallel ranks: what a global batch divides by.
   bool pp_enabled() const { return pp > 1; }
   bool tp_enabled() const { return tp > 1; }
   bool cp_enabled() const { return cp > 1; }
   bool ep_enabled() const { return ep > 1; }
-  bool fsdp_enabled() const { return dp_shard > 1 || cp > 1; }
   bool hsdp() const { return dp_replicate > 1 && dp_shard > 1; }
 
   // The mesh's dimensions and their sizes, in the order above.

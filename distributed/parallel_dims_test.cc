@@ -41,7 +41,8 @@ TEST(ParallelDims, ResolvesTheRest) {
 TEST(ParallelDims, ErrorsNameTheDegrees) {
   EXPECT_THAT(error_of([] { ParallelDims{.dp_shard = 3, .tp = 2}.resolved(8); }),
               HasSubstr("ParallelDims: dp_shard=3 x tp=2 does not divide a world of 8"));
-  EXPECT_THAT(error_of([] { ParallelDims{.dp_shard = -1, .tp = -1}.resolved(8); }), HasSubstr("2 degrees are -1"));
+  EXPECT_THAT(error_of([] { ParallelDims{.dp_shard = -1, .tp = -1}.resolved(8); }),
+              HasSubstr("dp_shard and tp are both -1"));
   EXPECT_THAT(error_of([] { ParallelDims{.dp_shard = 0}.resolved(8); }), HasSubstr("dp_shard=0"));
   EXPECT_THAT(error_of([] { ParallelDims{.dp_shard = 2, .tp = 2}.resolved(8); }),
               HasSubstr("dp_shard=2 x tp=2 makes 4 ranks, not a world of 8"));

@@ -7,7 +7,7 @@
 //
 //   Flags f;                                           // defaults in the struct
 //   examples::FlagTable t("gpt", "usage: gpt [flags]");
-//   examples::add_common_flags(t, f.common, "sequences");
+//   examples::add_common_flags(t, f.common, "sequences", "peak learning rate");
 //   t.integer("--layers", &f.layers, 1, "N", "transformer blocks");
 //   t.choice("--sp", &f.sp, {"on", "off", "auto"}, "sequence parallelism inside tp");
 //   t.parse(argc, argv);                              // exits 2 with the usage on a bad flag
@@ -34,6 +34,9 @@ namespace ember::examples {
 class FlagTable {
  public:
   FlagTable(const char* program, std::string head) : program_(program), head_(std::move(head)) {}
+  // Rows hold pointers into the table (their checks call error()).
+  FlagTable(const FlagTable&) = delete;
+  FlagTable& operator=(const FlagTable&) = delete;
 
   // A row: `parse` sets the value from the text (and validates it, calling
   // error()); `show` gives the value as text (the default in --help, the
@@ -90,6 +93,7 @@ class FlagTable {
   // missing or bad value exits 2 with the message and the usage.
   void parse(int argc, char** argv) {
     if (defaults_.empty()) take_defaults();
+    usage_text_ = usage();  // once: cli() hands out pointers into it
     for (FlagReader r(cli(), argc, argv); r.next();) {
       const Row* row = find(r.flag());
       if (row == nullptr) error("unknown flag '" + r.flag() + "'");
@@ -141,7 +145,7 @@ class FlagTable {
   double parse_positive(const std::string& flag, const std::string& v) const { return cli().parse_positive(flag, v); }
   // The Cli (program name and usage text) launch_and_train reports with.
   const Cli& cli() const {
-    usage_text_ = usage();
+    if (usage_text_.empty()) usage_text_ = usage();
     cli_ = Cli{program_, usage_text_.c_str()};
     return cli_;
   }
@@ -188,15 +192,15 @@ struct CommonFlags {
 // `unit`: what a batch holds ("images", "sequences"); `lr_help`: what --lr means there.
 inline void add_common_flags(FlagTable& t, CommonFlags& f, const std::string& unit, const std::string& lr_help) {
   t.integer("--nproc", &f.nproc, 1, "N",
-            "local worker processes (one per GPU, else 2, when not given; ignored under a launcher)", false);
+            "local worker processes, ignored under a launcher (default: one per GPU, else 2)", false);
   t.integer("--batch-size", &f.batch_size, 1, "N", unit + " per rank per micro-batch");
   t.integer("--accum-steps", &f.accum_steps, 1, "K", "micro-batches per optimizer step (gradient accumulation)");
   t.positive("--lr", &f.lr, "X", lr_help);
   t.choice("--amp", &f.amp, {"off", "bf16", "fp16"},
            "mixed precision: bfloat16, or float16 with a loss scaler agreed across ranks");
   t.add({"--ac", "none|full|selective|every:K",
-         "activation checkpointing of the blocks: all, all keeping the matmuls' and\n"
-         "collectives' outputs (selective), or every K-th block",
+         "activation checkpointing of the blocks: all, all keeping the outputs of the costly ops\n"
+         "(matmuls, convolutions, collectives: selective), or every K-th block",
          [&t, &f](const std::string& s) {
            try {
              nn::ActivationCheckpointing::parse(s);
@@ -211,7 +215,7 @@ inline void add_common_flags(FlagTable& t, CommonFlags& f, const std::string& un
   t.toggle("--overwrite", &f.overwrite, "a fresh run may replace the checkpoints in --checkpoint-dir (else an error)");
   t.integer("--seed", &f.seed, 0, "N", "initialisation and data order");
   t.text("--data", &f.data, "PATH", "the training data, or 'synthetic'", false);
-  t.add({"--timeout", "SEC", "rendezvous and collective timeout ($EMBER_DIST_TIMEOUT_SEC, else 600, when not given)",
+  t.add({"--timeout", "SEC", "rendezvous and collective timeout (default: $EMBER_DIST_TIMEOUT_SEC, else 600)",
          [&t, &f](const std::string& s) { f.timeout_sec = t.parse_positive("--timeout", s); },
          [&f] { return f.timeout_sec > 0 ? std::to_string(f.timeout_sec) : std::string(); }, false, false});
   t.add({"--profile", "DIR",

@@ -192,7 +192,11 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
     s.eval_pipe = std::make_unique<distributed::pp::Pipeline>(
         distributed::pp::forward_schedule(d.pp, flags.pp_virtual, 1), s.pp.stages, s.mesh->group("pp"),
         distributed::pp::PipelineOptions{.loss = loss});
-    wrapped = s.pp.ac_blocks;
+    // Each stage checkpoints its own blocks (every:K counts within a stage,
+    // as torchtitan's per-model-part AC does); the log counts all stages.
+    Tensor n = Tensor::from_vector({static_cast<double>(s.pp.ac_blocks)}, {1}, DType::Float64).to(job.device);
+    s.mesh->group("pp")->allreduce(n, distributed::ReduceOp::Sum)->wait();
+    wrapped = static_cast<int>(n.to(kCPU).item());
     s.gpt = nullptr;  // the other ranks' stages go with it
   } else {
     s.par = distributed::parallelize_gpt(s.gpt, d, s.mesh, po);
@@ -221,13 +225,13 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
 // ---- The training step ----
 
 // One optimizer step on the step's micro-batches (`batch(m)`: inputs and
-// targets): forwards and backwards through the pipeline or accumulated
+// targets on the host): forwards and backwards through the pipeline or accumulated
 // (gradients reduced on the last), the gradients clipped to norm 1, the
 // optimizer and the schedule stepped. Returns the mean loss over the
 // micro-batches (this rank's; the pipeline's from its last stage) and the
 // gradient norm.
 std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Tensor, Tensor>(int64_t)>& batch,
-                                     const std::string& amp) {
+                                     const std::string& amp, Device device) {
   optim::GradScaler& scaler = *s.scaler;
   s.opt->zero_grad();
   double loss_sum = 0;
@@ -235,16 +239,16 @@ std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Ten
     std::vector<Tensor> xs, ys;
     for (int64_t m = 0; m < s.micro_steps; ++m) {
       auto [x, y] = batch(m);
-      xs.push_back(x), ys.push_back(y);
+      xs.push_back(x.to(device)), ys.push_back(y.to(device));
     }
     MemoryKindScope activations(MemoryKind::Activations);
     // --amp without FSDP: autocast around the stages' forwards (their
     // backwards run in the forwards' dtypes); float32 parameters.
-    AutocastGuard cast(xs[0].device().type, amp == "fp16" ? DType::Float16 : DType::BFloat16,
+    AutocastGuard cast(device.type, amp == "fp16" ? DType::Float16 : DType::BFloat16,
                        amp != "off" && s.pp.fsdp.empty());
     for (const Tensor& l : s.pp.pipe->step(xs, ys)) loss_sum += l.item();
     // The last stage's ranks hold the losses; shared over pp for the log.
-    Tensor lt = Tensor::from_vector({loss_sum}, {1}, DType::Float64).to(xs[0].device());
+    Tensor lt = Tensor::from_vector({loss_sum}, {1}, DType::Float64).to(device);
     s.mesh->group("pp")->allreduce(lt, distributed::ReduceOp::Sum)->wait();
     loss_sum = lt.to(kCPU).item();
   }
@@ -253,10 +257,11 @@ std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Ten
     auto [x, y] = batch(m);
     Tensor loss;
     {
-      // What the forward allocates and backward still holds is activations.
+      // What the forward allocates and backward still holds is activations
+      // (the micro-batch's copy on the device too).
       MemoryKindScope activations(MemoryKind::Activations);
       // Vocab-sharded logits under tensor parallelism: the loss is parallel.
-      loss = distributed::parallel_cross_entropy((*s.gpt)(x), y);
+      loss = distributed::parallel_cross_entropy((*s.gpt)(x.to(device)), y.to(device));
     }
     loss_sum += loss.item();
     scaler.scale(loss * (1.0 / s.micro_steps)).backward();
@@ -343,9 +348,9 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       auto [x, y] =
           examples::windows(corpus, corpus.train,
                             std::vector<int64_t>(all.begin() + from, all.begin() + from + s.micro_batch), flags.seq);
-      return std::pair<Tensor, Tensor>{x.to(device), y.to(device).reshape({x.size(0), flags.seq})};
+      return std::pair<Tensor, Tensor>{x, y.reshape({x.size(0), flags.seq})};
     };
-    auto [loss, grad_norm] = train_step(s, batch, flags.common.amp);
+    auto [loss, grad_norm] = train_step(s, batch, flags.common.amp, device);
     profile.step();
     const int64_t step = s.step;
     // Once, after warm-up steps: the pipeline's bubble beside the simulator's.
@@ -394,7 +399,11 @@ int train(const Flags& flags, const examples::FlagTable& table) {
   return examples::train_recovering<Setup>(
       flags.common.timeout_sec,
       [&](const examples::Job& job, bool from_disk) {
-        distributed::check_same_config(*job.pg, table.agreed_values());
+        auto config = table.agreed_values();
+        // Paths may differ by host, but whether there is one may not: the
+        // metrics' loss is averaged over every rank.
+        config.emplace_back("--metrics given", flags.metrics.empty() ? "no" : "yes");
+        distributed::check_same_config(*job.pg, config);
         return setup(flags, job, from_disk);
       },
       [](const examples::Job& job, Setup& s, const distributed::LiveState* kept) { recover(job, s, kept); },

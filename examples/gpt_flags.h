@@ -42,18 +42,18 @@ inline void declare(FlagTable& t, Flags& f) {
   add_common_flags(t, f.common, "sequences", "peak AdamW learning rate (warmup, then cosine to a tenth)");
   t.choice("--strategy", &f.strategy, {"full", "grad_op", "no_shard", "hybrid"}, "FSDP sharding strategy");
   t.integer("--shard-size", &f.shard_size, 1, "N",
-            "hybrid: shard within groups of N ranks, replicate across them (0: ranks per node)");
+            "hybrid: shard within groups of N ranks, replicate across them (default: ranks per node)");
   add_mesh_flags(t, f.mesh);
   t.choice("--sp", &f.sp, {"on", "off", "auto"}, "sequence parallelism inside tp (auto: on when --tp > 1)");
   t.choice("--pp-schedule", &f.pp_schedule, distributed::pp::schedule_names(), "pipeline schedule");
   t.integer("--pp-virtual", &f.pp_virtual, 1, "V", "stages per pp rank (interleaved)");
-  t.text("--pp-split", &f.pp_split, "A,B,...", "transformer blocks per stage (empty: balanced by parameter count)");
+  t.text("--pp-split", &f.pp_split, "A,B,...", "transformer blocks per stage (default: balanced by parameter count)");
   t.integer("--microbatches", &f.microbatches, 1, "M",
             "micro-batches per optimizer step: through the pipeline with --pp, else accumulated\n"
-            "(0: --accum-steps, or P with --pp)");
+            "(default: --accum-steps, or P with --pp)");
   t.integer("--global-batch", &f.global_batch, 1, "N",
-            "sequences per optimizer step over the job (0: --batch-size x data-parallel ranks x\n"
-            "--accum-steps); the per-rank micro-batch is N / (data-parallel ranks x accum)");
+            "sequences per optimizer step over the job; the per-rank micro-batch is N / (data-parallel\n"
+            "ranks x accum) (default: --batch-size x data-parallel ranks x --accum-steps)");
   t.text("--metrics", &f.metrics, "PATH",
          "one JSON line per optimizer step (rank 0): step, loss, lr, grad_norm, tokens_per_s,\n"
          "step_s, mem_peak_mib and its parts mem_{params,grads,optimizer,gathered,activations,\n"
@@ -65,7 +65,7 @@ inline void declare(FlagTable& t, Flags& f) {
   t.integer("--seq", &f.seq, 2, "N", "context length");
   t.integer("--max-steps", &f.max_steps, 1, "N", "optimizer steps in total, counting those before a resume");
   t.integer("--eval-every", &f.eval_every, 1, "N", "validation every N steps and at the end");
-  t.integer("--save-every", &f.save_every, 1, "N", "checkpoint every N steps (0: only at the end)");
+  t.integer("--save-every", &f.save_every, 1, "N", "checkpoint every N steps (default: only at the end)");
   t.integer("--sample-len", &f.sample_len, 0, "N", "characters sampled at the end");
   t.positive("--temperature", &f.temperature, "X", "the sample's temperature");
   t.integer("--top-k", &f.top_k, 1, "N", "the sample's top-k");
@@ -93,10 +93,11 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
     if (!item.empty()) f.blocks_per_stage.push_back(static_cast<int>(t.parse_int("--pp-split", item, 1)));
   }
   if (f.pp_virtual > 1 && f.mesh.pp == 1) error("--pp-virtual " + std::to_string(f.pp_virtual) + " needs --pp > 1");
-  for (int v : {f.mesh.dp_replicate, f.mesh.dp_shard, f.mesh.tp})
-    if (v == 0) error("--dp-replicate, --dp-shard and --tp take a positive size or -1 (the rest)");
-  if ((f.mesh.dp_replicate == -1) + (f.mesh.dp_shard == -1) + (f.mesh.tp == -1) > 1)
-    error("only one of --dp-replicate, --dp-shard and --tp may be -1 (the rest)");
+  try {
+    f.mesh.check_degrees();  // each positive or -1, at most one -1
+  } catch (const Error& e) {
+    error(e.what());
+  }
   if (f.strategy == "hybrid" && f.mesh.dp_replicate != 1)
     error("--strategy hybrid makes the replicas itself (--shard-size); leave --dp-replicate out");
   if (f.dim % f.heads != 0)

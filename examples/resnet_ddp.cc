@@ -110,14 +110,16 @@ void declare(examples::FlagTable& t, Flags& f) {
   t.integer("--workers", &f.workers, 0, "N", "data-loading threads per rank", false);
   t.toggle("--resume-fallback", &f.resume_fallback,
            "with --resume: if the newest checkpoint is damaged, warn and use the previous one");
-  t.integer("--max-steps", &f.max_steps, 1, "N", "stop each epoch after N optimizer steps (smoke tests; -1: all)");
-  t.integer("--eval-size", &f.eval_size, 1, "N", "evaluate on the first N test images only (smoke tests; -1: all)");
+  t.integer("--max-steps", &f.max_steps, 1, "N",
+            "stop each epoch after N optimizer steps (smoke tests; default: the whole epoch)");
+  t.integer("--eval-size", &f.eval_size, 1, "N",
+            "evaluate on the first N test images only (smoke tests; default: all)");
   t.choice("--grad-compress", &f.grad_compress, {"off", "bf16", "fp16", "powersgd"},
            "allreduce gradients in bfloat16 / float16 (DDP's compression hook: half the bytes),\n"
            "or compress each weight matrix to rank R with PowerSGD");
   t.integer("--powersgd-rank", &f.powersgd_rank, 1, "R", "PowerSGD's rank: an n x m gradient sends R (n + m) numbers");
   t.integer("--powersgd-start", &f.powersgd_start, 0, "N",
-            "steps of plain allreduce before PowerSGD (-1: the warm-up's steps)");
+            "steps of plain allreduce before PowerSGD (default: the warm-up's steps)");
 }
 
 // Runs in the launching process before any worker starts, so a typo is

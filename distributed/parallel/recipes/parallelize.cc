@@ -24,6 +24,11 @@ void check_options(const ParallelDims& dims, const ParallelizeOptions& o) {
               dims.str(), ")");
   EMBER_CHECK(dims.cp == 1 && dims.ep == 1, "parallelize: cp=", dims.cp, " ep=", dims.ep,
               ": context and expert parallelism have no transform yet");
+  const bool ddp = o.ddp && dims.dp_shard == 1 && dims.cp == 1;
+  EMBER_CHECK(dims.dp_replicate == 1 || ddp || o.fsdp.strategy == ShardingStrategy::FULL_SHARD ||
+                  o.fsdp.strategy == ShardingStrategy::HYBRID_SHARD,
+              "parallelize: dp_replicate=", dims.dp_replicate, " replicates FULL_SHARD units (HSDP); strategy ",
+              strategy_name(o.fsdp.strategy), " does not combine with it");
 }
 
 }  // namespace

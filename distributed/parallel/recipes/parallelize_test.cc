@@ -270,6 +270,18 @@ EMBER_WORKER(errors) {
   WCHECK(e.find("the mesh comes from the ParallelDims") != std::string::npos, e);
   e = error_of([&] { parallelize(make_model(), dims, mesh, {.tp_plan = mix_plan(), .ac = "full"}); });
   WCHECK(e.find("needs the block types") != std::string::npos, e);
+  // Replicas of SHARD_GRAD_OP units: refused before tensor parallelism
+  // touched the model.
+  const ParallelDims replicas = ParallelDims{.dp_replicate = 2, .dp_shard = 1, .tp = 2}.resolved(env.world_size);
+  auto rmesh = replicas.build_mesh();
+  auto fresh = make_model();
+  FSDPOptions grad_op;
+  grad_op.strategy = ShardingStrategy::SHARD_GRAD_OP;
+  e = error_of([&] {
+    parallelize(fresh, replicas, rmesh, {.tp_plan = mix_plan(), .block_types = {"MixBlock"}, .fsdp = grad_op});
+  });
+  WCHECK(e.find("does not combine with it") != std::string::npos, e);
+  for (const Tensor& p : fresh->parameters()) WCHECK(!is_dtensor(p), "the model changed before the error");
 }
 
 TEST(Parallelize, CustomTransformerHsdpTp2x2x2MatchesOneProcess) { EMBER_EXPECT_RANKS("hsdp_tp", 8); }
