@@ -90,11 +90,7 @@ std::shared_ptr<DeviceMesh> DeviceMesh::create(const std::vector<int>& shape, co
   mesh->names_ = names;
   mesh->global_rank_ = world->rank();
   for (int r = 0; r < world->size(); ++r) mesh->ranks_.push_back(r);
-  mesh->coord_.assign(shape.size(), 0);
-  for (int d = static_cast<int>(shape.size()) - 1, rest = world->rank(); d >= 0; --d) {
-    mesh->coord_[d] = rest % shape[d];
-    rest /= shape[d];
-  }
+  mesh->coord_ = mesh->coordinate_of(world->rank());
   // One group per slice, every rank calling new_group for every slice in
   // the same order (as new_group requires); a rank keeps its own slices'.
   // A dimension spanning the whole world uses the default group itself.
@@ -185,17 +181,46 @@ int DeviceMesh::rank_at(const std::vector<int>& coord) const {
   return ranks_[index];
 }
 
-std::shared_ptr<DeviceMesh> DeviceMesh::submesh(const std::vector<std::string>& dims) const {
-  EMBER_CHECK(!dims.empty(), to_string(), ": a sub-mesh needs at least one dimension");
-  if (dims.size() == 1 && !has_dim(dims[0]))
-    if (auto flat = flattened(dims[0])) return flat;
+std::vector<int> DeviceMesh::coordinate_of(int index) const {
+  EMBER_CHECK(index >= 0 && index < size(), to_string(), ": rank index ", index, " is outside [0, ", size(), ")");
+  std::vector<int> c(shape_.size(), 0);
+  for (int d = ndim() - 1, rest = index; d >= 0; --d) {
+    c[d] = rest % shape_[d];
+    rest /= shape_[d];
+  }
+  return c;
+}
+
+std::vector<int> DeviceMesh::dim_indices(const std::vector<std::string>& dims, const char* what) const {
+  EMBER_CHECK(!dims.empty(), to_string(), ": ", what, " needs at least one dimension");
   std::vector<int> idx;
   for (const auto& n : dims) {
     const int d = dim_index(n);
     EMBER_CHECK(std::find(idx.begin(), idx.end(), d) == idx.end(), to_string(), ": dimension '", n,
-                "' is named twice for a sub-mesh");
+                "' is named twice for ", what);
     idx.push_back(d);
   }
+  return idx;
+}
+
+std::vector<int> DeviceMesh::slice_ranks(const std::vector<int>& idx, std::vector<int> c) const {
+  int n = 1;
+  for (int d : idx) n *= shape_[d];
+  std::vector<int> out;
+  for (int s = 0; s < n; ++s) {
+    for (int k = static_cast<int>(idx.size()) - 1, rest = s; k >= 0; --k) {
+      c[idx[k]] = rest % shape_[idx[k]];
+      rest /= shape_[idx[k]];
+    }
+    out.push_back(rank_at(c));
+  }
+  return out;
+}
+
+std::shared_ptr<DeviceMesh> DeviceMesh::submesh(const std::vector<std::string>& dims) const {
+  if (dims.size() == 1 && !has_dim(dims[0]))
+    if (auto flat = flattened(dims[0])) return flat;
+  const std::vector<int> idx = dim_indices(dims, "a sub-mesh");
   std::lock_guard<std::mutex> lock(sub_mu_);
   if (auto cached = subs_[dims].lock()) return cached;
   auto sub = std::shared_ptr<DeviceMesh>(new DeviceMesh());
@@ -208,17 +233,7 @@ std::shared_ptr<DeviceMesh> DeviceMesh::submesh(const std::vector<std::string>& 
     sub->coord_.push_back(coord_[d]);
     sub->groups_.push_back(groups_[d]);
   }
-  // Every coordinate of the chosen dimensions, row-major, the others fixed
-  // at this rank's.
-  std::vector<int> c = coord_;
-  const int n = sub->size();
-  for (int s = 0; s < n; ++s) {
-    for (int k = static_cast<int>(idx.size()) - 1, rest = s; k >= 0; --k) {
-      c[idx[k]] = rest % shape_[idx[k]];
-      rest /= shape_[idx[k]];
-    }
-    sub->ranks_.push_back(rank_at(c));
-  }
+  sub->ranks_ = slice_ranks(idx, coord_);  // the others fixed at this rank's
   return sub;
 }
 
@@ -232,37 +247,7 @@ void DeviceMesh::check_flatten_name(const std::string& name) const {
 
 std::shared_ptr<DeviceMesh> DeviceMesh::flatten(const std::vector<std::string>& dims, const std::string& name) {
   check_flatten_name(name);
-  EMBER_CHECK(!dims.empty(), to_string(), ": flatten needs at least one dimension");
-  std::vector<int> idx;
-  for (const auto& n : dims) {
-    const int d = dim_index(n);
-    EMBER_CHECK(std::find(idx.begin(), idx.end(), d) == idx.end(), to_string(), ": dimension '", n,
-                "' is named twice for flatten");
-    idx.push_back(d);
-  }
-  // The slices: every combination of the other dimensions (row-major), and
-  // in each the ranks of `dims`, row-major in the order given.
-  std::vector<int> inner = shape_;
-  for (int d : idx) inner[d] = 1;
-  int span = 1;
-  for (int d : idx) span *= shape_[d];
-  std::vector<std::vector<int>> partition;
-  std::vector<int> c(shape_.size(), 0);
-  for (int s = 0; s < size() / span; ++s) {
-    for (int e = ndim() - 1, rest = s; e >= 0; --e) {
-      c[e] = inner[e] == 1 ? 0 : rest % inner[e];
-      if (inner[e] > 1) rest /= inner[e];
-    }
-    std::vector<int> members;
-    for (int k = 0; k < span; ++k) {
-      for (int j = static_cast<int>(idx.size()) - 1, rest = k; j >= 0; --j) {
-        c[idx[j]] = rest % shape_[idx[j]];
-        rest /= shape_[idx[j]];
-      }
-      members.push_back(rank_at(c));
-    }
-    partition.push_back(std::move(members));
-  }
+  const std::vector<int> idx = dim_indices(dims, "flatten");
   // One dimension of more than one rank (or none): its group already is the
   // view's, and no rank needs to make one.
   int wide = -1, n_wide = 0;
@@ -272,6 +257,12 @@ std::shared_ptr<DeviceMesh> DeviceMesh::flatten(const std::vector<std::string>& 
     auto view = from_group(groups_[wide >= 0 ? wide : idx[0]], name);
     flats_[name] = view;
     return view;
+  }
+  // The slices, each listed at its first rank (zero on every one of `dims`).
+  std::vector<std::vector<int>> partition;
+  for (int i = 0; i < size(); ++i) {
+    const std::vector<int> c = coordinate_of(i);
+    if (std::all_of(idx.begin(), idx.end(), [&](int d) { return c[d] == 0; })) partition.push_back(slice_ranks(idx, c));
   }
   return flatten(name, partition);
 }

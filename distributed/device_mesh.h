@@ -63,6 +63,8 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   const std::vector<int>& ranks() const { return ranks_; }
   // The global rank at `coord` (one entry per dimension).
   int rank_at(const std::vector<int>& coord) const;
+  // The coordinate of the mesh's `index`-th rank (row-major; rank_at's inverse).
+  std::vector<int> coordinate_of(int index) const;
 
   // The mesh over `dims` (in that order) through this rank: the ranks that
   // share its coordinates on the other dimensions (torch's mesh["dp", "tp"]).
@@ -116,6 +118,11 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   mutable std::map<std::vector<std::string>, std::weak_ptr<DeviceMesh>> subs_;
   std::map<std::string, std::shared_ptr<DeviceMesh>> flats_;  // flatten()'s views, by name
   void check_flatten_name(const std::string& name) const;
+  // The indices of `dims`, each named once (`what` names the caller in errors).
+  std::vector<int> dim_indices(const std::vector<std::string>& dims, const char* what) const;
+  // The ranks at every coordinate of the dimensions `idx` (row-major in
+  // that order), the other dimensions fixed at `c`'s.
+  std::vector<int> slice_ranks(const std::vector<int>& idx, std::vector<int> c) const;
 };
 
 // Checks a mesh's shape and names without making it (the same checks and

@@ -97,22 +97,17 @@ std::shared_ptr<DeviceMesh> ParallelDims::build_mesh() const {
     // group, the other coordinates fixed (torchtitan's dp_shard_in_ep x cp).
     const int in_ep = ep / cp;
     std::vector<std::vector<int>> partition;
-    const auto names = mesh_dim_names();
     const int ds = mesh->dim_index("dp_shard"), cd = cp > 1 ? mesh->dim_index("cp") : -1;
-    std::vector<int> c(names.size(), 0);
-    for (int r : mesh->ranks()) {
+    for (int i = 0; i < mesh->size(); ++i) {
       // A group is listed once, at its first rank (dp_shard % in_ep == 0, cp == 0).
-      for (int d = static_cast<int>(names.size()) - 1, rest = r; d >= 0; --d) {
-        c[d] = rest % mesh->shape()[d];
-        rest /= mesh->shape()[d];
-      }
+      const std::vector<int> c = mesh->coordinate_of(i);
       if (c[ds] % in_ep != 0 || (cd >= 0 && c[cd] != 0)) continue;
       std::vector<int> members;
       std::vector<int> m = c;
-      for (int i = 0; i < in_ep; ++i)
-        for (int k = 0; k < cp; ++k) {
-          m[ds] = c[ds] + i;
-          if (cd >= 0) m[cd] = k;
+      for (int k = 0; k < in_ep; ++k)
+        for (int j = 0; j < cp; ++j) {
+          m[ds] = c[ds] + k;
+          if (cd >= 0) m[cd] = j;
           members.push_back(mesh->rank_at(m));
         }
       partition.push_back(std::move(members));

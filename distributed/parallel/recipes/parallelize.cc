@@ -12,6 +12,14 @@ namespace ember::distributed {
 
 namespace {
 
+// HSDP replicates FULL_SHARD units: no other strategy combines with replicas.
+void check_hsdp_strategy(const ParallelDims& dims, ShardingStrategy strategy) {
+  EMBER_CHECK(
+      dims.dp_replicate == 1 || strategy == ShardingStrategy::FULL_SHARD || strategy == ShardingStrategy::HYBRID_SHARD,
+      "parallelize: dp_replicate=", dims.dp_replicate, " replicates FULL_SHARD units (HSDP); strategy ",
+      strategy_name(strategy), " does not combine with it");
+}
+
 // The options' errors, before any step changes the model.
 void check_options(const ParallelDims& dims, const ParallelizeOptions& o) {
   EMBER_CHECK(dims.tp == 1 || !o.tp_plan.empty(), "parallelize: tp=", dims.tp,
@@ -24,11 +32,7 @@ void check_options(const ParallelDims& dims, const ParallelizeOptions& o) {
               dims.str(), ")");
   EMBER_CHECK(dims.cp == 1 && dims.ep == 1, "parallelize: cp=", dims.cp, " ep=", dims.ep,
               ": context and expert parallelism have no transform yet");
-  const bool ddp = o.ddp && dims.dp_shard == 1 && dims.cp == 1;
-  EMBER_CHECK(dims.dp_replicate == 1 || ddp || o.fsdp.strategy == ShardingStrategy::FULL_SHARD ||
-                  o.fsdp.strategy == ShardingStrategy::HYBRID_SHARD,
-              "parallelize: dp_replicate=", dims.dp_replicate, " replicates FULL_SHARD units (HSDP); strategy ",
-              strategy_name(o.fsdp.strategy), " does not combine with it");
+  if (!(o.ddp && dims.dp_shard == 1 && dims.cp == 1)) check_hsdp_strategy(dims, o.fsdp.strategy);
 }
 
 }  // namespace
@@ -66,9 +70,7 @@ FSDPOptions fsdp_options(const ParallelDims& dims, const DeviceMesh& mesh, FSDPO
   EMBER_CHECK(o.mesh == nullptr, "parallelize: FSDPOptions::mesh is set; the mesh comes from the ParallelDims (",
               dims.str(), ")");
   if (dims.dp_replicate > 1 || o.strategy == ShardingStrategy::HYBRID_SHARD) {
-    EMBER_CHECK(o.strategy == ShardingStrategy::FULL_SHARD || o.strategy == ShardingStrategy::HYBRID_SHARD,
-                "parallelize: dp_replicate=", dims.dp_replicate, " replicates FULL_SHARD units (HSDP); strategy ",
-                strategy_name(o.strategy), " does not combine with it");
+    check_hsdp_strategy(dims, o.strategy);
     o.strategy = ShardingStrategy::HYBRID_SHARD;
     o.mesh = mesh.submesh({"dp_replicate", "dp_shard"});
   } else {
