@@ -148,12 +148,32 @@ def cuda_library(name, srcs, hdrs = [], deps = [], copts = [], no_cuda_srcs = []
         **kwargs
     )
 
-def ember_test(name, srcs, deps = [], backends = ["cpu"], emu_deps = [Label("//core:core_emu")], tags = [], **kwargs):
+def _named_file(name, srcs, ext = ".cc"):
+    """srcs as given, or the one file named after the target (the layout's
+    rule: foo_test is foo_test.cc), so a BUILD file names it once."""
+    return [name + ext] if srcs == None else srcs
+
+def ember_library(name, srcs = None, hdrs = None, **kwargs):
+    """A cc_library of one concept: <name>.cc and <name>.h unless srcs/hdrs
+    say otherwise (srcs = [] for a header-only library)."""
+    native.cc_library(
+        name = name,
+        srcs = _named_file(name, srcs),
+        hdrs = _named_file(name, hdrs, ".h"),
+        **kwargs
+    )
+
+def ember_binary(name, srcs = None, **kwargs):
+    """A cc_binary whose source is <name>.cc unless srcs says otherwise."""
+    native.cc_binary(name = name, srcs = _named_file(name, srcs), **kwargs)
+
+def ember_test(name, srcs = None, deps = [], backends = ["cpu"], emu_deps = [Label("//core:core_emu")], tags = [], **kwargs):
     """A GoogleTest cc_test with the project's test main, per backend.
 
     Args:
       name: the test's name (…_test).
-      srcs: test sources, compiled once and linked into each backend's test.
+      srcs: test sources, compiled once and linked into each backend's test
+        (default <name>.cc).
       deps: libraries the test uses.
       backends: "cpu" builds <name> as is (CUDA paths skip without a GPU);
         "cuda_emu" builds <name minus _test>_emu_test, linked against the
@@ -163,6 +183,7 @@ def ember_test(name, srcs, deps = [], backends = ["cpu"], emu_deps = [Label("//c
       tags: test tags; "cuda" (needs a GPU) is dropped from the emulated test.
       **kwargs: passed to the cc_test rules.
     """
+    srcs = _named_file(name, srcs)
     if "cuda" in tags:
         # Needs a GPU: skipped at build level in the CPU-only configuration.
         kwargs["target_compatible_with"] = cuda_required()
@@ -225,16 +246,17 @@ def emu_link_test(name, script, tests):
         target_compatible_with = cuda_required(),
     )
 
-def ember_benchmark(name, srcs, deps = [], **kwargs):
-    """A Google Benchmark binary (run with bazel run -c opt)."""
+def ember_benchmark(name, srcs = None, deps = [], **kwargs):
+    """A Google Benchmark binary (run with bazel run -c opt); its source is
+    <name>.cc unless srcs says otherwise."""
     native.cc_binary(
         name = name,
-        srcs = srcs,
+        srcs = _named_file(name, srcs),
         deps = deps + [Label("//third_party:benchmark_main")],
         **kwargs
     )
 
-def ember_fuzz_test(name, srcs, deps = [], corpus = None, size = "small", **kwargs):
+def ember_fuzz_test(name, srcs = None, deps = [], corpus = None, size = "small", **kwargs):
     """A fuzz target (srcs define LLVMFuzzerTestOneInput) in two forms:
 
     <name>: a test that replays the corpus (testdata/fuzz/<name>/ by default)
@@ -243,6 +265,7 @@ def ember_fuzz_test(name, srcs, deps = [], corpus = None, size = "small", **kwar
       real fuzzer, run by tools/fuzz.sh; otherwise the same replay binary.
     """
     corpus = corpus or "testdata/fuzz/" + name
+    srcs = _named_file(name, srcs)
     native.cc_library(
         name = name + "_target",
         testonly = True,
