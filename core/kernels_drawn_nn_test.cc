@@ -187,6 +187,45 @@ TEST_F(Drawn, LayerNorm) {
   });
 }
 
+// rms_norm over the last one or two dims: widths below, at and above a
+// warp, more rows than one weight-gradient tile, with and without weight,
+// constant and zero rows (eps keeps them finite), every float dtype.
+TEST_F(Drawn, RmsNorm) {
+  for_each_draw("rms_norm", 200, [&](Draw& d) {
+    const int64_t nd = d.integer(1, 2);
+    const Shape xs = d.chance(0.2) ? Shape{d.integer(100, 300), d.integer(1, 70)}
+                                   : Shape{d.size(1, 4), d.size(1, 6), d.integer(1, 70)};
+    const Shape ns(xs.end() - nd, xs.end());
+    const DType dt = d.pick(kFloats);
+    Tensor x = d.values(xs, dt, Specials::finite(), 2.0);
+    Tensor wt = d.chance(0.7) ? d.values(ns, dt) : Tensor();
+    check_case(detail::str_cat("rms_norm x", shape_str(xs), " over ", nd, wt.defined() ? " weight" : ""),
+               // eps 1e-3 as layer_norm's: a row of zeros (or tiny values)
+               // is scaled by 1/sqrt(eps).
+               [=](const std::vector<Tensor>& v) { return rms_norm(v[0], nd, v[1], 1e-3); },
+               {{x, true}, {wt, true, false}}, d, tol_for(dt, 2e-5), tol_for(dt, 2e-5));
+  });
+}
+
+// rotary_embedding: x [batch..., seq, heads, head_dim] with zero to two
+// leading dims, head dims from 2 up, angles of any size (positions far out,
+// as a context-parallel rank's chunk has), every float dtype; the tables
+// random rather than cos/sin so a kernel that mixes them up fails.
+TEST_F(Drawn, RotaryEmbedding) {
+  for_each_draw("rotary_embedding", 200, [&](Draw& d) {
+    const int64_t t = d.integer(1, 12), h = d.integer(1, 5), hd = 2 * d.integer(1, 40);
+    Shape xs;
+    for (int64_t i = d.integer(0, 2); i > 0; --i) xs.push_back(d.size(1, 3));
+    for (int64_t v : {t, h, hd}) xs.push_back(v);
+    const DType dt = d.pick(kFloats);
+    Tensor x = d.values(xs, dt, Specials::finite(), 2.0);
+    Tensor c = d.values({t, hd / 2}, dt), s = d.values({t, hd / 2}, dt);
+    check_case(detail::str_cat("rotary_embedding x", shape_str(xs)),
+               [=](const std::vector<Tensor>& v) { return rotary_embedding(v[0], v[1], v[2]); },
+               {{x, true}, {c, false, false}, {s, false, false}}, d, tol_for(dt, 1e-5), tol_for(dt, 1e-5));
+  });
+}
+
 // scaled_dot_product_attention: batch and heads, query and key lengths
 // drawn apart (causal with more or fewer keys than queries), head dims of q
 // and v apart, dropout from one seed on every backend, an explicit scale;

@@ -84,6 +84,7 @@ TEST_F(DrawnOps, Unary) {
       {"gelu", [](const Tensor& x) { return gelu(x); }, true},
       {"gelu_tanh", [](const Tensor& x) { return gelu(x, true); }, true},
       {"erf", [](const Tensor& x) { return erf(x); }, true},
+      {"silu", [](const Tensor& x) { return silu(x); }, true},
       {"pow 3", [](const Tensor& x) { return pow(x, 3.0); }, true},
       {"pow -0.5", [](const Tensor& x) { return pow(x, -0.5); }, true, true},
       {"clamp", [](const Tensor& x) { return clamp(x, -0.5, 0.75); }, true},

@@ -38,6 +38,8 @@ Tensor relu(const Tensor& x);
 Tensor sigmoid(const Tensor& x);
 Tensor tanh(const Tensor& x);
 Tensor gelu(const Tensor& x, bool tanh_approx = false);
+// x * sigmoid(x) (torch's F.silu; SwiGLU's gate).
+Tensor silu(const Tensor& x);
 Tensor erf(const Tensor& x);
 Tensor pow(const Tensor& x, double exponent);
 Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> max);
@@ -62,6 +64,8 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
 Tensor relu_backward(const Tensor& grad, const Tensor& out);
 // grad * gelu'(x) in one pass (gelu's backward; not itself differentiable).
 Tensor gelu_backward(const Tensor& grad, const Tensor& x, bool tanh_approx = false);
+// grad * silu'(x) in one pass (silu's backward; not itself differentiable).
+Tensor silu_backward(const Tensor& grad, const Tensor& x);
 // In place: out = out (op) b, b broadcast to out's shape, no dtype change.
 Tensor& add_(Tensor& out, const Tensor& b, double alpha = 1.0);
 Tensor& mul_(Tensor& out, const Tensor& b);

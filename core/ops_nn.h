@@ -40,6 +40,19 @@ ConvAlgorithm cpu_conv_algorithm();
 // runs in float32 under autocast, 16-bit inputs are computed in float32.
 Tensor layer_norm(const Tensor& x, int64_t normalized_ndim, const Tensor& weight, const Tensor& bias, double eps);
 
+// RMS normalisation over the last `normalized_ndim` dims (torch's
+// F.rms_norm, Hugging Face's LlamaRMSNorm): x / sqrt(mean(x^2) + eps) *
+// weight per row; weight (may be undefined) has the normalised shape. One
+// op with its own derivative (core/ops/rms_norm.cc); float32 under autocast.
+Tensor rms_norm(const Tensor& x, int64_t normalized_ndim, const Tensor& weight, double eps);
+
+// Rotary position embedding, Hugging Face LLaMA's "rotate half" convention:
+// x [..., seq, heads, head_dim] (head_dim even), cos/sin [seq, head_dim/2]
+// the angles of each row's position (rotary_tables in nn makes them). Per
+// head vector, y[:D/2] = x1 cos - x2 sin and y[D/2:] = x2 cos + x1 sin. One
+// op (core/ops/rope.cc); float32 under autocast.
+Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin);
+
 // Scaled-dot-product attention (torch.nn.functional.scaled_dot_product_attention):
 // q [..., Tq, D], k [..., Tk, D], v [..., Tk, Dv] -> [..., Tq, Dv] =
 // dropout(softmax(q k^T * scale [+ causal mask]), dropout_p) v, with scale

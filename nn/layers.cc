@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "autograd/checkpoint.h"
+#include "core/ops_nn.h"
 #include "core/autograd_hook.h"
 #include "nn/init.h"
 
@@ -138,6 +139,21 @@ Tensor LayerNorm::forward(const Tensor& x) {
   EMBER_CHECK(match, "LayerNorm: input ", shape_str(x.sizes()), " does not end with normalized_shape ",
               shape_str(normalized_shape));
   return functional::layer_norm(x, k, weight, bias, eps);
+}
+
+RMSNorm::RMSNorm(std::vector<int64_t> shape, double eps, bool affine)
+    : Module("RMSNorm"), normalized_shape(std::move(shape)), eps(eps) {
+  EMBER_CHECK(!normalized_shape.empty(), "RMSNorm: normalized_shape is empty");
+  if (affine) weight = register_parameter("weight", ones(normalized_shape));
+}
+
+Tensor RMSNorm::forward(const Tensor& x) {
+  const int64_t k = static_cast<int64_t>(normalized_shape.size());
+  bool match = x.dim() >= k;
+  for (int64_t i = 0; match && i < k; ++i) match = x.size(x.dim() - k + i) == normalized_shape[i];
+  EMBER_CHECK(match, "RMSNorm: input ", shape_str(x.sizes()), " does not end with normalized_shape ",
+              shape_str(normalized_shape));
+  return rms_norm(x, k, weight, eps);
 }
 
 // ---- Embedding: N(0, 1) init, as torch ----

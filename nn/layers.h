@@ -82,6 +82,17 @@ class LayerNorm : public Module {
   Tensor weight, bias;
 };
 
+// torch.nn.RMSNorm / Hugging Face's LlamaRMSNorm: x / sqrt(mean(x^2) + eps)
+// * weight over normalized_shape; "weight" starts at ones, no bias.
+class RMSNorm : public Module {
+ public:
+  explicit RMSNorm(std::vector<int64_t> normalized_shape, double eps = 1e-6, bool elementwise_affine = true);
+  Tensor forward(const Tensor& x) override;
+  std::vector<int64_t> normalized_shape;
+  double eps;
+  Tensor weight;
+};
+
 class Embedding : public Module {
  public:
   Embedding(int64_t num_embeddings, int64_t embedding_dim);

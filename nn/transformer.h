@@ -1,13 +1,21 @@
-// Transformer layers: multi-head self-attention, a pre-LayerNorm block and a
-// GPT-style language model, the model FSDP is built to shard.
+// Transformer layers: multi-head and grouped-query self-attention, the
+// GPT-2 and LLaMA feed-forwards, a pre-norm block and a decoder-only
+// language model in either family (GPTOptions::arch), the model the
+// parallelisms are built to split.
 //
 //   nn::GPT gpt({.vocab_size = 96, .block_size = 64, .n_layer = 2, .n_head = 2, .n_embd = 64});
+//   nn::GPT llama(nn::GPTOptions::llama({.vocab_size = 96, .n_layer = 2, .n_head = 4, .n_embd = 64,
+//                                        .n_kv_head = 2}));
 //   Tensor logits = gpt(tokens);   // [B, T] int64 -> [B, T, vocab]
 //
-// Names follow torch.nn.MultiheadAttention ("in_proj_weight", "in_proj_bias",
-// "out_proj.weight") and GPT-2 / nanoGPT for the rest ("wte", "wpe", "h.0.ln_1",
-// "h.0.attn", "h.0.mlp.c_fc", "h.0.mlp.c_proj", "ln_f", "lm_head"), so
-// state dicts line up with those models'.
+// Names: GPT-2's follow torch.nn.MultiheadAttention ("in_proj_weight",
+// "in_proj_bias", "out_proj.weight") and GPT-2 / nanoGPT ("wte", "wpe",
+// "h.0.ln_1", "h.0.attn", "h.0.mlp.c_fc", "h.0.mlp.c_proj", "ln_f",
+// "lm_head"). The LLaMA family keeps the model's skeleton ("wte", "h.N.ln_1",
+// "h.N.attn", "h.N.ln_2", "h.N.mlp", "ln_f", "lm_head", so recipes, plans and
+// checkpoints address both alike) with Hugging Face LLaMA's names inside
+// attention and the feed-forward ("q_proj", "k_proj", "v_proj", "o_proj",
+// "gate_proj", "up_proj", "down_proj").
 #pragma once
 
 #include <cstdint>
@@ -39,6 +47,48 @@ class MultiheadAttention : public Module {
   std::shared_ptr<Dropout> attn_drop;  // on the attention weights (inside the fused op)
 };
 
+// The angles of rotary position embeddings for head_dim-wide heads: cos and
+// sin [T, head_dim/2] of position * inv_freq[i], inv_freq[i] =
+// theta^(-2i/head_dim), computed in float32 the way Hugging Face's LLaMA
+// does (so positions far out round as theirs do). positions: int64 [T]
+// (undefined: 0..T-1 with T = `length`).
+struct RotaryTables {
+  Tensor cos, sin;
+};
+RotaryTables rotary_tables(int64_t head_dim, double theta, int64_t length, const Tensor& positions, Device device);
+
+struct AttentionOptions {
+  int64_t n_kv_head = 0;      // 0: n_head (multi-head); fewer: grouped-query
+  double rope_theta = 0;      // > 0: rotary position embeddings on q and k
+  bool bias = false;          // on the q/k/v/o projections
+  double dropout = 0.0;       // on the attention weights
+  bool causal = true;
+};
+
+// Self-attention with separate q/k/v projections, grouped-query when
+// n_kv_head < n_head (each k/v head serves n_head / n_kv_head consecutive q
+// heads, Hugging Face's repeat_kv) and rotary embeddings on q and k (HF
+// LLaMA's rotate-half). Under tensor parallelism the projections hold this
+// rank's heads (their rows say how many): forward works on whatever heads
+// they hold, as MultiheadAttention's does.
+class GroupedQueryAttention : public Module {
+ public:
+  GroupedQueryAttention(int64_t embed_dim, int64_t n_head, AttentionOptions options = {});
+  Tensor forward(const Tensor& x) override;
+  int64_t embed_dim, n_head, n_kv_head, head_dim;
+  AttentionOptions options;
+  std::shared_ptr<Linear> q_proj, k_proj, v_proj, o_proj;
+  std::shared_ptr<Dropout> attn_drop;  // on the attention weights (inside the fused op)
+  // Each row's position for the rotary embedding (int64 [T]); undefined:
+  // 0..T-1. Context parallelism sets the positions of a rank's chunks.
+  Tensor positions;
+
+ private:
+  RotaryTables tables_;  // cached for the last (T, device, positions)
+  Tensor tables_positions_;
+  int64_t tables_length_ = -1;
+};
+
 // The GPT MLP: c_fc (E -> 4E), GELU (tanh approximation, as GPT-2), c_proj
 // (4E -> E), dropout.
 class TransformerMLP : public Module {
@@ -49,14 +99,27 @@ class TransformerMLP : public Module {
   std::shared_ptr<Dropout> drop;  // "dropout", as nanoGPT's
 };
 
-// Pre-LayerNorm block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+// LLaMA's feed-forward: down_proj(silu(gate_proj(x)) * up_proj(x)), no
+// biases, then dropout (none in LLaMA's own setting).
+class SwiGLU : public Module {
+ public:
+  SwiGLU(int64_t n_embd, int64_t hidden, double dropout = 0.0);
+  Tensor forward(const Tensor& x) override;
+  std::shared_ptr<Linear> gate_proj, up_proj, down_proj;
+  std::shared_ptr<Dropout> drop;  // "dropout", as TransformerMLP's
+};
+
+struct GPTOptions;
+
+// Pre-norm block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). GPT-2:
+// LayerNorm, MultiheadAttention, TransformerMLP; LLaMA: RMSNorm,
+// GroupedQueryAttention with rotary embeddings, SwiGLU.
 class TransformerBlock : public Module {
  public:
   TransformerBlock(int64_t n_embd, int64_t n_head, double dropout = 0.0);
+  explicit TransformerBlock(const GPTOptions& options);
   Tensor forward(const Tensor& x) override;
-  std::shared_ptr<LayerNorm> ln_1, ln_2;
-  std::shared_ptr<MultiheadAttention> attn;
-  std::shared_ptr<TransformerMLP> mlp;
+  std::shared_ptr<Module> ln_1, ln_2, attn, mlp;
 };
 
 // The LM head of a model that ties it to its token embedding: logits =
@@ -70,6 +133,10 @@ class TiedLinear : public Module {
   LinearKernel kernel;
 };
 
+// The two families of decoder the options describe (see GPT).
+enum class Arch { GPT2, Llama };
+const char* arch_name(Arch arch);  // "gpt2", "llama"
+
 struct GPTOptions {
   int64_t vocab_size = 256;
   int64_t block_size = 128;  // the longest sequence (position embeddings)
@@ -82,21 +149,43 @@ struct GPTOptions {
   // parameter, and the state dict holds the shared tensor once, as
   // "wte.weight".
   bool tie_weights = false;
+  // The LLaMA family (arch = Llama; GPTOptions::llama sets it): RMSNorm
+  // (eps norm_eps), rotary embeddings (rope_theta) instead of wpe,
+  // grouped-query attention with n_kv_head k/v heads (0: n_head), SwiGLU
+  // with ffn_hidden units (0: LLaMA's rule, 2/3 of 4 n_embd rounded up to
+  // ffn_multiple_of), no biases. block_size bounds the sequence as for
+  // GPT-2 (no table depends on it).
+  Arch arch = Arch::GPT2;
+  int64_t n_kv_head = 0;
+  int64_t ffn_hidden = 0;
+  int64_t ffn_multiple_of = 256;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+
+  // `o` with arch = Llama (so designated initialisers read as a LLaMA config).
+  static GPTOptions llama(GPTOptions o) {
+    o.arch = Arch::Llama;
+    return o;
+  }
+  int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  // The feed-forward's width: 4 n_embd for GPT-2; LLaMA's rule otherwise.
+  int64_t ffn_width() const;
 };
 
-// Token + position embeddings, n_layer blocks ("h.0", "h.1", ...), a final
-// LayerNorm and a bias-free LM head (or the tied embedding). Linear and embedding weights start as
-// N(0, 0.02) (GPT-2's initialisation), biases at zero.
+// Token (+ position, GPT-2) embeddings, n_layer blocks ("h.0", "h.1", ...),
+// a final norm and a bias-free LM head (or the tied embedding). Linear and
+// embedding weights start as N(0, 0.02) (GPT-2's initialisation; LLaMA's
+// initializer_range too), biases at zero, norms at one.
 class GPT : public Module {
  public:
   explicit GPT(GPTOptions options);
   // [B, T] int64 token ids (T <= block_size) -> [B, T, vocab] logits.
   Tensor forward(const Tensor& tokens) override;
   GPTOptions options;
-  std::shared_ptr<Embedding> wte, wpe;
-  std::shared_ptr<Dropout> drop;  // on the embeddings
+  std::shared_ptr<Embedding> wte, wpe;  // wpe: GPT-2 only (null for LLaMA)
+  std::shared_ptr<Dropout> drop;        // on the embeddings
   std::shared_ptr<Sequential> h;
-  std::shared_ptr<LayerNorm> ln_f;
+  std::shared_ptr<Module> ln_f;  // LayerNorm (GPT-2) or RMSNorm (LLaMA)
   std::shared_ptr<Module> lm_head;  // a Linear, or a TiedLinear with tie_weights
 };
 

@@ -268,6 +268,10 @@ Tensor gelu_backward(const Tensor& grad, const Tensor& x, bool tanh_approx) {
   EMBER_PROFILE_OP("gelu_backward", grad, x);
   return binary_op(tanh_approx ? BinaryOp::GeluTanhGrad : BinaryOp::GeluGrad, "gelu_backward", grad, x);
 }
+Tensor silu_backward(const Tensor& grad, const Tensor& x) {
+  EMBER_PROFILE_OP("silu_backward", grad, x);
+  return binary_op(BinaryOp::SiluGrad, "silu_backward", grad, x);
+}
 namespace {
 // The comparisons are not differentiable, so they get their profiler event
 // here rather than from differentiable().

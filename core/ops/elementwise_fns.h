@@ -103,6 +103,7 @@ EMBER_HD C unary_fn(C x, C p0, C p1) {
   else if constexpr (OP == UnaryOp::Tanh) return m_tanh(x);
   else if constexpr (OP == UnaryOp::Gelu) return C(0.5) * x * (C(1) + m_erf(x * C(0.70710678118654752440)));
   else if constexpr (OP == UnaryOp::Erf) return m_erf(x);
+  else if constexpr (OP == UnaryOp::Silu) return x / (C(1) + m_exp(-x));
   else if constexpr (OP == UnaryOp::GeluTanh) {
     const C k = C(0.79788456080286535588);  // sqrt(2/pi)
     return C(0.5) * x * (C(1) + m_tanh_gelu(k * (x + C(0.044715) * x * x * x)));
@@ -136,6 +137,13 @@ EMBER_HD auto binary_fn(C a, C b, C alpha) {
       const C du = k * (C(1) + C(3 * 0.044715) * b * b);
       return C(a * (C(0.5) * (C(1) + t) + C(0.5) * b * (C(1) - t * t) * du));
     }
+  } else if constexpr (OP == BinaryOp::SiluGrad) {
+    if constexpr (!std::is_floating_point_v<C>) {
+      return a;  // float-only: the op layer computes in float
+    } else {     // s (1 + x (1 - s)), s = sigmoid(x)
+      const C s = C(1) / (C(1) + m_exp(-b));
+      return C(a * (s * (C(1) + b * (C(1) - s))));
+    }
   } else if constexpr (OP == BinaryOp::Eq)
     return a == b;
   else if constexpr (OP == BinaryOp::Ne) return a != b;
@@ -152,6 +160,7 @@ void dispatch_unary(UnaryOp op, F&& f) {
 #define EMBER_U(name) case UnaryOp::name: f(std::integral_constant<UnaryOp, UnaryOp::name>{}); break;
     EMBER_U(Neg) EMBER_U(Abs) EMBER_U(Exp) EMBER_U(Log) EMBER_U(Sqrt) EMBER_U(Rsqrt) EMBER_U(Relu)
     EMBER_U(Sigmoid) EMBER_U(Tanh) EMBER_U(Gelu) EMBER_U(GeluTanh) EMBER_U(PowScalar) EMBER_U(Clamp) EMBER_U(Erf)
+    EMBER_U(Silu)
 #undef EMBER_U
   }
 }
@@ -163,7 +172,7 @@ void dispatch_binary(BinaryOp op, F&& f) {
     // clang-format off
 #define EMBER_B(name) case BinaryOp::name: f(std::integral_constant<BinaryOp, BinaryOp::name>{}); break;
     EMBER_B(Add) EMBER_B(Sub) EMBER_B(Mul) EMBER_B(Div) EMBER_B(Pow) EMBER_B(Maximum) EMBER_B(Minimum) EMBER_B(ReluGrad)
-    EMBER_B(GeluGrad) EMBER_B(GeluTanhGrad) EMBER_B(Eq) EMBER_B(Ne) EMBER_B(Lt) EMBER_B(Le) EMBER_B(Gt) EMBER_B(Ge)
+    EMBER_B(GeluGrad) EMBER_B(GeluTanhGrad) EMBER_B(SiluGrad) EMBER_B(Eq) EMBER_B(Ne) EMBER_B(Lt) EMBER_B(Le) EMBER_B(Gt) EMBER_B(Ge)
 #undef EMBER_B
     // clang-format on
   }

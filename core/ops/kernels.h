@@ -59,9 +59,10 @@ struct StridedIter {
 
 StridedIter make_iter(const Tensor& out, std::initializer_list<Tensor> inputs, const char* op);
 
-enum class UnaryOp { Neg, Abs, Exp, Log, Sqrt, Rsqrt, Relu, Sigmoid, Tanh, Gelu, GeluTanh, PowScalar, Clamp, Erf };
+enum class UnaryOp { Neg, Abs, Exp, Log, Sqrt, Rsqrt, Relu, Sigmoid, Tanh, Gelu, GeluTanh, PowScalar, Clamp, Erf, Silu };
 // ReluGrad: a where b > 0, else 0 (relu's backward in one pass, a = grad, b = output).
 // GeluGrad, GeluTanhGrad: a * gelu'(b) (gelu's backward in one pass, a = grad, b = input).
+// SiluGrad: a * silu'(b), likewise.
 enum class BinaryOp {
   Add,
   Sub,
@@ -73,6 +74,7 @@ enum class BinaryOp {
   ReluGrad,
   GeluGrad,
   GeluTanhGrad,
+  SiluGrad,
   Eq,
   Ne,
   Lt,
@@ -148,6 +150,25 @@ void layer_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& me
                              Tensor* dx, Tensor* dw, Tensor* db);
 void layer_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd,
                               const Tensor& w, Tensor* dx, Tensor* dw, Tensor* db);
+
+// rms_norm over the rows of contiguous float32/float64 x ([rows, n], rows =
+// rstd.numel()); w (n elements) may be undefined. Backward writes dx
+// ([rows, n]) and dw (n) where given.
+void rms_norm_forward_cpu(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd);
+void rms_norm_forward_cuda(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd);
+void rms_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor* dx,
+                           Tensor* dw);
+void rms_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor* dx,
+                            Tensor* dw);
+
+// rotary_embedding of contiguous x [outer, seq, heads, head_dim] with
+// cos/sin tables [seq, head_dim/2], all float32 or all float64; inverse
+// turns the other way (the backward).
+struct RopeGeom {
+  int64_t outer = 0, seq = 0, heads = 0, head_dim = 0;
+};
+void rope_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse, const RopeGeom& g, Tensor& y);
+void rope_cuda(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse, const RopeGeom& g, Tensor& y);
 
 // A list of tensors cut into chunks (core/ops/foreach.cc): chunk c is
 // elements [chunks[c].second, + kChunk) of tensor chunks[c].first; tensor t's

@@ -139,6 +139,10 @@ Tensor gelu(const Tensor& x, bool tanh_approx) {
       // a dozen elementwise ops cost as much as the layer's matmul.
       [tanh_approx](const Tensor& g, const Tensor& x, const Tensor&) { return gelu_backward(g, x, tanh_approx); });
 }
+Tensor silu(const Tensor& x) {
+  return unary_diff(UnaryOp::Silu, "silu", x,
+                    [](const Tensor& g, const Tensor& x, const Tensor&) { return silu_backward(g, x); });
+}
 Tensor erf(const Tensor& x) {
   return unary_diff(UnaryOp::Erf, "erf", x, [](const Tensor& g, const Tensor& x, const Tensor&) {
     return g * exp(x * x * (-1.0)) * M_2_SQRTPI;

@@ -125,7 +125,7 @@ std::vector<std::shared_ptr<PipelineStage>> split_gpt(nn::GPT& gpt, int num_stag
   std::vector<int64_t> units;
   for (auto& [n, b] : blocks) units.push_back(b->num_parameters());
   if (!units.empty()) {
-    units.front() += gpt.wte->num_parameters() + gpt.wpe->num_parameters();
+    units.front() += gpt.wte->num_parameters() + (gpt.wpe ? gpt.wpe->num_parameters() : 0);
     units.back() += gpt.ln_f->num_parameters() + (gpt.options.tie_weights ? 0 : gpt.lm_head->num_parameters());
   }
   const std::vector<int> split = resolve_split(std::move(blocks_per_stage), units, num_stages, "GPT", "block");
@@ -136,7 +136,7 @@ std::vector<std::shared_ptr<PipelineStage>> split_gpt(nn::GPT& gpt, int num_stag
     const int from = first, n = split[s];
     first += n;
     std::string desc = range_text("h.", from, n);
-    if (is_first) desc = "wte, wpe, " + desc;
+    if (is_first) desc = (gpt.wpe ? "wte, wpe, " : "wte, ") + desc;
     if (is_last) desc += ", ln_f, lm_head";
     // The blocks run in order; the first stage embeds, the last normalises
     // and projects to the vocabulary (GPT::forward, cut).
@@ -156,8 +156,9 @@ std::vector<std::shared_ptr<PipelineStage>> split_gpt(nn::GPT& gpt, int num_stag
                     shape_str(in.sizes()));
         const int64_t T = in.size(1);
         EMBER_CHECK(T <= block_size, "GPT: sequence length ", T, " exceeds block_size ", block_size);
-        Tensor pos = arange(0, static_cast<double>(T), 1.0, {DType::Int64, in.device()});
-        x = (*drop)((*wte)(in) + (*wpe)(pos));
+        x = (*wte)(in);
+        if (wpe) x = x + (*wpe)(arange(0, static_cast<double>(T), 1.0, {DType::Int64, in.device()}));
+        x = (*drop)(x);
       }
       for (auto& b : mine) x = (*b)(x);
       if (is_last) x = (*head)((*ln_f)(x));
@@ -166,7 +167,7 @@ std::vector<std::shared_ptr<PipelineStage>> split_gpt(nn::GPT& gpt, int num_stag
     auto stage = std::make_shared<PipelineStage>(s, num_stages, desc, fn);
     if (is_first) {
       stage->hold("wte", gpt.wte);
-      stage->hold("wpe", gpt.wpe);
+      if (gpt.wpe) stage->hold("wpe", gpt.wpe);
       stage->hold("drop", gpt.drop);
     }
     for (int i = from; i < from + n; ++i) stage->hold("h." + blocks[i].first, blocks[i].second);

@@ -7,7 +7,10 @@
 //   h.*.mlp.c_proj      RowwiseParallel
 //   lm_head             ColwiseParallel, output left vocab-sharded for
 //                       parallel_cross_entropy (tied to wte or not)
-// With sequence parallelism the LayerNorms, dropouts and the position
+// The LLaMA family the same way: h.*.attn (q_proj, k_proj, v_proj by
+// heads; the kv heads must split over tp) and o_proj, gate_proj and
+// up_proj column-parallel, down_proj row-parallel; RMSNorms as LayerNorms.
+// With sequence parallelism the norms, dropouts and the position
 // embedding run on sequence shards (SequenceParallel), each TP region is
 // entered by an all-gather and left by a reduce-scatter instead of the
 // all-reduces, and the sequence length must divide by the tp degree.

@@ -269,9 +269,20 @@ void apply(const ColwiseParallel& s, nn::Module& m, const std::string& fqn, cons
     shard_param(attn->in_proj_weight, mesh, Shard(0, 3), fqn + ".in_proj_weight");
     if (attn->in_proj_bias.defined()) shard_param(attn->in_proj_bias, mesh, Shard(0, 3), fqn + ".in_proj_bias");
     attn->attn_drop->stream = static_cast<uint64_t>(mesh->coordinate()[0]) + 1;  // its heads are this rank's
+  } else if (auto* gqa = dynamic_cast<nn::GroupedQueryAttention*>(&m)) {
+    // q, k and v by heads: each rank keeps whole groups (its k/v heads and
+    // the q heads they serve), so kv heads must split.
+    EMBER_CHECK(gqa->n_kv_head % k == 0, "ColwiseParallel on '", fqn, "': ", gqa->n_kv_head,
+                " key/value heads do not split over tp=", k, " (grouped-query attention splits q, k and v by heads; ",
+                gqa->n_head, " q heads)");
+    for (auto& [name, lin] : {std::pair{"q_proj", gqa->q_proj}, {"k_proj", gqa->k_proj}, {"v_proj", gqa->v_proj}}) {
+      shard_param(lin->weight, mesh, Shard(0), fqn + "." + name + ".weight");
+      if (lin->bias.defined()) shard_param(lin->bias, mesh, Shard(0), fqn + "." + name + ".bias");
+    }
+    gqa->attn_drop->stream = static_cast<uint64_t>(mesh->coordinate()[0]) + 1;
   } else {
     EMBER_CHECK(false, "ColwiseParallel on '", fqn, "': a ", m.type_name(),
-                "; it applies to Linear, Embedding, TiedLinear and MultiheadAttention");
+                "; it applies to Linear, Embedding, TiedLinear, MultiheadAttention and GroupedQueryAttention");
   }
   const Placement in = s.input_layouts;
   const std::string win = where_of(fqn, "ColwiseParallel", "input");

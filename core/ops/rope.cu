@@ -1,0 +1,48 @@
+// CUDA kernel of rotary_embedding (rope.cc has the op, the convention and
+// the CPU reference): a thread per pair (x[i], x[i + D/2]) of a head
+// vector, so a warp reads a contiguous run of each half; backward is the
+// same kernel with the sine negated.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/cuda_check.h"
+#include "core/ops/cuda_utils.cuh"
+#include "core/ops/kernels.h"
+
+namespace ember {
+namespace {
+
+template <typename T>
+__global__ void rotate_kernel(const T* __restrict__ x, const T* __restrict__ cos, const T* __restrict__ sin, T sign,
+                              int64_t pairs, int64_t seq, int64_t heads, int64_t half, T* __restrict__ y) {
+  // Grid-stride: grid_for caps the blocks.
+  for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < pairs;
+       p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t v = p / half, i = p % half, t = (v / heads) % seq;
+    const T c = cos[t * half + i], s = sign * sin[t * half + i];
+    const T x1 = x[v * 2 * half + i], x2 = x[v * 2 * half + half + i];
+    y[v * 2 * half + i] = x1 * c - x2 * s;
+    y[v * 2 * half + half + i] = x2 * c + x1 * s;
+  }
+}
+
+template <typename T>
+void rotate(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse, const RopeGeom& g, Tensor& y) {
+  cuda::DeviceGuard guard(x);
+  const int64_t half = g.head_dim / 2, pairs = g.outer * g.seq * g.heads * half;
+  rotate_kernel<T><<<cuda::grid_for(pairs), cuda::kBlockSize, 0, cuda::stream_for(x)>>>(
+      x.data<T>(), cos.data<T>(), sin.data<T>(), inverse ? T(-1) : T(1), pairs, g.seq, g.heads, half, y.data<T>());
+  EMBER_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void rope_cuda(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse, const RopeGeom& g, Tensor& y) {
+  if (x.dtype() == DType::Float64)
+    rotate<double>(x, cos, sin, inverse, g, y);
+  else
+    rotate<float>(x, cos, sin, inverse, g, y);
+}
+
+}  // namespace ember
