@@ -350,6 +350,25 @@ like_reference "$tmp/p1.jsonl" 0 "$tmp/ps.jsonl" "$tmp/p3.jsonl" "$tmp/p3r.jsonl
 same_validation "$(grep 'step 6: validation loss' "$tmp/p1.log")" "$(grep 'step 6: validation loss' <<<"$out")" 1e-4
 if out=$("$dir/gpt" --pp 2 --pp-schedule pipedream 2>&1); then echo "gpt accepted --pp-schedule pipedream"; exit 1; fi
 grep -q "pp-schedule takes gpipe, 1f1b, interleaved or zb-h1, got 'pipedream'" <<<"$out"
+# The LLaMA family (--arch llama: RMSNorm, rotary embeddings, grouped-query
+# attention with 2 key/value heads for 4 query heads, SwiGLU) against one
+# process on the same global batches: --pp 2 x --dp-shard 2 x --tp 2 under
+# ZB-H1 with --ac full (one key/value head per tp rank) and --dp-replicate 2
+# x --dp-shard 2 x --tp 2; key/value heads that do not split over tp and the
+# LLaMA flags without --arch llama are named errors.
+ll=(--arch llama --kv-heads 2 --ffn 48 --dim 32 --heads 4 --seq 16 --layers 4 --max-steps 6 --global-batch 16
+    --microbatches 4 --sample-len 0 --eval-every 100 --lr 1e-3)
+"$dir/gpt" --nproc 1 "${ll[@]}" --checkpoint-dir "$tmp/ll1" --metrics "$tmp/ll1.jsonl" > "$tmp/ll1.log" 2>&1
+out=$("$dir/gpt" --nproc 8 --pp 2 --dp-shard 2 --tp 2 --pp-schedule zb-h1 --ac full "${ll[@]}" \
+      --checkpoint-dir "$tmp/ll8" --metrics "$tmp/ll8.jsonl" 2>&1)
+grep -q "LLaMA 4 layers x 32 dims, 4 heads (2 key/value), SwiGLU 48" <<<"$out" || { echo "$out"; echo "no LLaMA line"; exit 1; }
+"$dir/gpt" --nproc 8 --dp-replicate 2 --dp-shard 2 --tp 2 "${ll[@]}" --checkpoint-dir "$tmp/ll8h" \
+  --metrics "$tmp/ll8h.jsonl" > "$tmp/ll8h.log" 2>&1 || { cat "$tmp/ll8h.log"; exit 1; }
+like_reference "$tmp/ll1.jsonl" 0 "$tmp/ll8.jsonl" "$tmp/ll8h.jsonl"
+if out=$("$dir/gpt" --nproc 4 --tp 4 "${ll[@]}" --checkpoint-dir "$tmp/ll4" 2>&1); then echo "kv heads split over tp 4"; exit 1; fi
+grep -q -- "--kv-heads 2 do not split over --tp 4 (grouped-query attention splits its key/value heads)" <<<"$out"
+if out=$("$dir/gpt" --kv-heads 2 2>&1); then echo "gpt accepted --kv-heads without --arch llama"; exit 1; fi
+grep -q -- "--kv-heads goes with --arch llama" <<<"$out"
 # N-D parallelism against one process on the same global batches: every
 # pair of dimensions as 2 x 2 on 4 ranks, dp_shard x tp x pp and
 # dp_replicate x tp x pp as 2 x 2 x 2 on 8 (losses 1e-5, gradient norms

@@ -57,7 +57,14 @@ using examples::Corpus;
 using examples::Flags;
 
 nn::GPTOptions model_options(const Flags& f, int64_t vocab) {
-  return {.vocab_size = vocab, .block_size = f.seq, .n_layer = f.layers, .n_head = f.heads, .n_embd = f.dim};
+  nn::GPTOptions o{.vocab_size = vocab, .block_size = f.seq, .n_layer = f.layers, .n_head = f.heads, .n_embd = f.dim};
+  if (f.arch == "llama") {
+    o.arch = nn::Arch::Llama;
+    o.n_kv_head = f.kv_heads;
+    o.ffn_hidden = f.ffn;
+    o.rope_theta = f.rope_theta;
+  }
+  return o;
 }
 
 // The flags' mesh as ParallelDims: --strategy hybrid makes shard groups of
@@ -148,6 +155,8 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   s.sp = flags.sp == "on" || (flags.sp == "auto" && d.tp > 1);
   EMBER_CHECK(flags.heads % d.tp == 0, "--heads ", flags.heads, " do not split over --tp ", d.tp,
               " (attention is split by heads)");
+  EMBER_CHECK(flags.kv_heads == 0 || flags.kv_heads % d.tp == 0, "--kv-heads ", flags.kv_heads,
+              " do not split over --tp ", d.tp, " (grouped-query attention splits its key/value heads)");
   EMBER_CHECK(!s.sp || flags.seq % d.tp == 0, "--seq ", flags.seq, " must be a multiple of --tp ", d.tp,
               " with sequence parallelism (or --sp off)");
   s.micro_steps = d.pp > 1 ? flags.microbatches : flags.common.accum_steps;

@@ -32,6 +32,10 @@ struct Flags {
   int64_t global_batch = 0;  // 0: batch size x dp x accum
   std::string metrics;
   int64_t layers = 2, dim = 128, heads = 4, seq = 64;
+  std::string arch = "gpt2";  // gpt2 | llama (nn::Arch)
+  int64_t kv_heads = 0;       // llama: k/v heads (0: --heads)
+  int64_t ffn = 0;            // llama: SwiGLU width (0: LLaMA's rule)
+  double rope_theta = 10000.0;
   int64_t max_steps = 1000, save_every = 0, eval_every = 250;
   int64_t sample_len = 240, top_k = 20;
   double temperature = 0.8;
@@ -62,6 +66,12 @@ inline void declare(FlagTable& t, Flags& f) {
   t.integer("--layers", &f.layers, 1, "N", "transformer blocks");
   t.integer("--dim", &f.dim, 1, "N", "model width");
   t.integer("--heads", &f.heads, 1, "N", "attention heads");
+  t.choice("--arch", &f.arch, {"gpt2", "llama"},
+           "model family: gpt2 (LayerNorm, learned positions, GELU MLP, biases) or llama (RMSNorm,\n"
+           "rotary embeddings, grouped-query attention, SwiGLU, no biases)");
+  t.integer("--kv-heads", &f.kv_heads, 1, "N", "llama: key/value heads, dividing --heads (default: --heads)");
+  t.integer("--ffn", &f.ffn, 1, "N", "llama: SwiGLU hidden width (default: 2/3 of 4 x --dim, a multiple of 256)");
+  t.positive("--rope-theta", &f.rope_theta, "X", "llama: the rotary embeddings' base");
   t.integer("--seq", &f.seq, 2, "N", "context length");
   t.integer("--max-steps", &f.max_steps, 1, "N", "optimizer steps in total, counting those before a resume");
   t.integer("--eval-every", &f.eval_every, 1, "N", "validation every N steps and at the end");
@@ -102,6 +112,14 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
     error("--strategy hybrid makes the replicas itself (--shard-size); leave --dp-replicate out");
   if (f.dim % f.heads != 0)
     error("--dim " + std::to_string(f.dim) + " must be a multiple of --heads " + std::to_string(f.heads));
+  if (f.arch != "llama")
+    for (const char* name : {"--kv-heads", "--ffn", "--rope-theta"})
+      if (t.given(name)) error(std::string(name) + " goes with --arch llama");
+  if (f.kv_heads > 0 && f.heads % f.kv_heads != 0)
+    error("--heads " + std::to_string(f.heads) + " must be a multiple of --kv-heads " + std::to_string(f.kv_heads));
+  if (f.arch == "llama" && (f.dim / f.heads) % 2 != 0)
+    error("--arch llama: the head width --dim / --heads = " + std::to_string(f.dim / f.heads) +
+          " must be even (rotary embeddings turn pairs)");
   if (c.checkpoint_dir.empty()) error("--checkpoint-dir must not be empty");
   refuse_overwrite(c.checkpoint_dir, "step_",
                    c.resume || c.overwrite || c.checkpoint_dir == Flags{}.common.checkpoint_dir);

@@ -208,6 +208,8 @@ struct RunInfo {
 // accounting of what a rank's stage and tensor-parallel part hold.
 inline std::string memory_plan_line(const RunInfo& in) {
   const distributed::ParallelDims& d = in.dims;
+  // The planners' activation terms are GPT-2's (LayerNorm, GELU MLP).
+  if (in.model.arch != nn::Arch::GPT2) return "memory plan: --arch llama is not modelled by the planners yet";
   if (d.tp == 1 && d.pp == 1 && d.dp_replicate == 1 && in.amp == "off" && in.strategy != "hybrid" &&
       in.micro_steps == 1) {
     distributed::StepPlan plan{.micro_batch = in.micro_batch,
@@ -276,8 +278,12 @@ inline std::string describe_run(const RunInfo& r, const Corpus& c, distributed::
     }
   }
   const int64_t seq = r.model.block_size;
+  const bool llama = r.model.arch == nn::Arch::Llama;
   return ::ember::detail::str_cat(
-      "GPT ", r.model.n_layer, " layers x ", r.model.n_embd, " dims, ", r.model.n_head, " heads, context ", seq, ": ",
+      llama ? "LLaMA " : "GPT ", r.model.n_layer, " layers x ", r.model.n_embd, " dims, ", r.model.n_head, " heads",
+      llama ? " (" + std::to_string(r.model.kv_heads()) + " key/value), SwiGLU " + std::to_string(r.model.ffn_width())
+            : std::string(),
+      ", context ", seq, ": ",
       r.n_params, " parameters, vocabulary ", r.model.vocab_size, "; ", c.description, " (", c.train.size(),
       " train / ", c.val.size(), " validation characters)\n", r.world, " rank(s) on ",
       r.cuda ? "GPUs (NCCL)" : "the CPU (Gloo)",
