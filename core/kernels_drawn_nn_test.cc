@@ -199,11 +199,12 @@ TEST_F(Drawn, RmsNorm) {
     const DType dt = d.pick(kFloats);
     Tensor x = d.values(xs, dt, Specials::finite(), 2.0);
     Tensor wt = d.chance(0.7) ? d.values(ns, dt) : Tensor();
-    check_case(detail::str_cat("rms_norm x", shape_str(xs), " over ", nd, wt.defined() ? " weight" : ""),
-               // eps 1e-3 as layer_norm's: a row of zeros (or tiny values)
-               // is scaled by 1/sqrt(eps).
-               [=](const std::vector<Tensor>& v) { return rms_norm(v[0], nd, v[1], 1e-3); },
-               {{x, true}, {wt, true, false}}, d, tol_for(dt, 2e-5), tol_for(dt, 2e-5));
+    check_case(
+        detail::str_cat("rms_norm x", shape_str(xs), " over ", nd, wt.defined() ? " weight" : ""),
+        // eps 1e-3 as layer_norm's: a row of zeros (or tiny values)
+        // is scaled by 1/sqrt(eps).
+        [=](const std::vector<Tensor>& v) { return rms_norm(v[0], nd, v[1], 1e-3); }, {{x, true}, {wt, true, false}}, d,
+        tol_for(dt, 2e-5), tol_for(dt, 2e-5));
   });
 }
 
@@ -220,9 +221,10 @@ TEST_F(Drawn, RotaryEmbedding) {
     const DType dt = d.pick(kFloats);
     Tensor x = d.values(xs, dt, Specials::finite(), 2.0);
     Tensor c = d.values({t, hd / 2}, dt), s = d.values({t, hd / 2}, dt);
-    check_case(detail::str_cat("rotary_embedding x", shape_str(xs)),
-               [=](const std::vector<Tensor>& v) { return rotary_embedding(v[0], v[1], v[2]); },
-               {{x, true}, {c, false, false}, {s, false, false}}, d, tol_for(dt, 1e-5), tol_for(dt, 1e-5));
+    check_case(
+        detail::str_cat("rotary_embedding x", shape_str(xs)),
+        [=](const std::vector<Tensor>& v) { return rotary_embedding(v[0], v[1], v[2]); },
+        {{x, true}, {c, false, false}, {s, false, false}}, d, tol_for(dt, 1e-5), tol_for(dt, 1e-5));
   });
 }
 

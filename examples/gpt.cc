@@ -149,8 +149,9 @@ void recover(const examples::Job& job, Setup& s, const distributed::LiveState* k
 Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true) {
   Setup s;
   s.corpus = examples::load_corpus(flags.common.data);
-  s.vocab = static_cast<int64_t>(s.corpus.chars.size());
-  EMBER_CHECK(static_cast<int64_t>(s.corpus.train.size()) > flags.seq + 1, "the training text is shorter than --seq");
+  s.vocab = s.corpus.vocab;
+  EMBER_CHECK(s.corpus.train.size() > flags.seq + 1, "the training data (", s.corpus.train.size(), " ", s.corpus.unit,
+              ") is shorter than --seq ", flags.seq);
   const distributed::ParallelDims& d = s.dims = parallel_dims(flags, job.world, job.env.local_world_size);
   s.sp = flags.sp == "on" || (flags.sp == "auto" && d.tp > 1);
   EMBER_CHECK(flags.heads % d.tp == 0, "--heads ", flags.heads, " do not split over --tp ", d.tp,
@@ -326,11 +327,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   // of the mesh, so a run resumes on another mesh and any mesh computes the
   // same steps. Data-parallel rank d's micro-batch m is its slice d*accum+m.
   auto global_starts = [&](int64_t at) {
-    std::mt19937_64 g(flags.common.seed * 1000003ULL + static_cast<uint64_t>(at) * 7919ULL);
-    std::uniform_int_distribution<int64_t> pick(0, static_cast<int64_t>(corpus.train.size()) - flags.seq - 2);
-    std::vector<int64_t> starts;
-    for (int64_t i = 0; i < s.global_batch; ++i) starts.push_back(pick(g));
-    return starts;
+    return corpus.train.batch_starts(flags.common.seed, at, s.global_batch, flags.seq);
   };
   auto digest = [&](int64_t at) { return examples::batch_digest(corpus, global_starts(at), flags.seq); };
   examples::MetricsLog metrics(flags.metrics, job.rank == 0, s.step, digest);
@@ -355,8 +352,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     auto batch = [&](int64_t m) {
       const int64_t from = (s.dp_rank * s.micro_steps + m) * s.micro_batch;
       auto [x, y] =
-          examples::windows(corpus, corpus.train,
-                            std::vector<int64_t>(all.begin() + from, all.begin() + from + s.micro_batch), flags.seq);
+          corpus.train.windows(std::vector<int64_t>(all.begin() + from, all.begin() + from + s.micro_batch), flags.seq);
       return std::pair<Tensor, Tensor>{x, y.reshape({x.size(0), flags.seq})};
     };
     auto [loss, grad_norm] = train_step(s, batch, flags.common.amp, device);

@@ -1,18 +1,22 @@
-// The GPT example's corpus (examples/gpt.cc): the quotes of Debian's
-// `fortunes` package (or synthetic sentences when it is missing), split into
-// training and held-out text, a byte-level vocabulary, and the token windows
-// a step trains on.
+// The GPT example's corpus (examples/gpt.cc) as two token streams, training
+// and held out: either token shards (a directory //tools:tokenize or llm.c
+// wrote, ids from a BPE tokenizer) or, by default, the quotes of Debian's
+// `fortunes` package (synthetic sentences when it is missing) as
+// characters, every byte of the text a token. Windows, batches and the
+// unigram baseline are the streams' (data/tokens.h) either way.
 #pragma once
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "core/tensor.h"
+#include "data/tokens.h"
 #include "distributed/logging/logging.h"
 
 namespace ember::examples {
@@ -20,9 +24,12 @@ namespace ember::examples {
 namespace fs = std::filesystem;
 
 struct Corpus {
-  std::string train, val;            // text
-  std::vector<unsigned char> chars;  // the vocabulary: every byte of the text, sorted
-  std::vector<int> id;               // byte -> token id
+  data::TokenStream train, val;
+  int64_t vocab = 0;
+  // A token's text (decoding a sample), and the token a sample starts from.
+  std::function<std::string(uint32_t)> piece;
+  uint32_t start_token = 0;
+  std::string unit = "characters";  // what a token is, for the lines that count them
   std::string description;
   bool synthetic = false;
 };
@@ -56,7 +63,32 @@ inline std::vector<std::string> read_fortunes(const fs::path& path) {
   return quotes;
 }
 
+// Token shards in `dir` (*train*.bin, *val*.bin); the vocabulary is
+// `vocab` (the tokenizer's) or, when 0, the largest id + 1.
+inline Corpus load_token_corpus(const std::string& dir, int64_t vocab,
+                                std::function<std::string(uint32_t)> piece = nullptr) {
+  Corpus c;
+  auto open = [&](const char* split) {
+    auto paths = data::token_shards(dir, split);
+    EMBER_CHECK(paths.ok(), "--data: ", paths.status().message());
+    auto s = data::TokenStream::open(*paths, vocab);
+    EMBER_CHECK(s.ok(), "--data: ", s.status().message());
+    return *std::move(s);
+  };
+  c.train = open("train");
+  c.val = open("val");
+  c.vocab = vocab > 0 ? vocab : static_cast<int64_t>(std::max(c.train.max_id(), c.val.max_id())) + 1;
+  c.piece = piece ? std::move(piece) : [](uint32_t id) { return "<" + std::to_string(id) + ">"; };
+  c.unit = "tokens";
+  c.description = "token shards in " + dir + " (vocabulary " + std::to_string(c.vocab) + ")";
+  return c;
+}
+
+// `data`: a directory of token shards, a fortunes directory or file, or
+// "synthetic".
 inline Corpus load_corpus(const std::string& data) {
+  if (data != "synthetic" && fs::is_directory(data) && data::token_shards(data, "train").ok())
+    return load_token_corpus(data, 0);
   Corpus c;
   std::vector<std::string> quotes;
   if (data != "synthetic" && fs::exists(data)) {
@@ -83,26 +115,26 @@ inline Corpus load_corpus(const std::string& data) {
     c.description = "synthetic sentences (" + std::to_string(quotes.size()) + ")";
   }
   // A fixed split, whatever --seed: every 20th quote is held out.
-  for (size_t i = 0; i < quotes.size(); ++i) (i % 20 == 7 ? c.val : c.train) += quotes[i] + "\n";
+  std::string train, val;
+  for (size_t i = 0; i < quotes.size(); ++i) (i % 20 == 7 ? val : train) += quotes[i] + "\n";
+  // The vocabulary: every byte of the text, sorted.
   std::vector<bool> seen(256, false);
-  for (unsigned char ch : c.train + c.val) seen[ch] = true;
-  c.id.assign(256, -1);
+  for (unsigned char ch : train + val) seen[ch] = true;
+  std::vector<uint32_t> id(256, 0);
+  auto chars = std::make_shared<std::vector<unsigned char>>();
   for (int b = 0; b < 256; ++b)
-    if (seen[b]) c.id[b] = static_cast<int>(c.chars.size()), c.chars.push_back(static_cast<unsigned char>(b));
+    if (seen[b]) id[b] = static_cast<uint32_t>(chars->size()), chars->push_back(static_cast<unsigned char>(b));
+  auto ids = [&](const std::string& text) {
+    std::vector<uint32_t> out(text.size());
+    for (size_t i = 0; i < text.size(); ++i) out[i] = id[static_cast<unsigned char>(text[i])];
+    return out;
+  };
+  c.train = data::TokenStream::from_ids(ids(train));
+  c.val = data::TokenStream::from_ids(ids(val));
+  c.vocab = static_cast<int64_t>(chars->size());
+  c.piece = [chars](uint32_t t) { return std::string(1, static_cast<char>((*chars)[t])); };
+  c.start_token = id['\n'];
   return c;
-}
-
-// Token windows: inputs [n, seq] and targets [n * seq] (the next characters).
-inline std::pair<Tensor, Tensor> windows(const Corpus& c, const std::string& text, const std::vector<int64_t>& starts,
-                                         int64_t seq) {
-  std::vector<double> x, y;
-  for (int64_t s : starts)
-    for (int64_t t = 0; t < seq; ++t) {
-      x.push_back(c.id[static_cast<unsigned char>(text[s + t])]);
-      y.push_back(c.id[static_cast<unsigned char>(text[s + t + 1])]);
-    }
-  const int64_t n = static_cast<int64_t>(starts.size());
-  return {Tensor::from_vector(x, {n, seq}, DType::Int64), Tensor::from_vector(y, {n * seq}, DType::Int64)};
 }
 
 }  // namespace ember::examples

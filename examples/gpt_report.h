@@ -44,20 +44,21 @@ struct Eval {
 
 inline Eval make_eval(const Corpus& c, int64_t seq, int world) {
   Eval e;
-  const int64_t span = static_cast<int64_t>(c.val.size()) - seq - 1;
-  EMBER_CHECK(span > 0, "the validation text (", c.val.size(), " characters) is shorter than --seq ", seq);
+  const int64_t span = c.val.size() - seq - 1;
+  EMBER_CHECK(span > 0, "the validation data (", c.val.size(), " ", c.unit, ") is shorter than --seq ", seq);
   const int64_t per_rank = (64 + world - 1) / world;  // world: the data-parallel ranks
   const int64_t n = per_rank * world;
   for (int64_t i = 0; i < n; ++i) e.starts.push_back(span * i / n);
-  std::vector<double> count(c.chars.size(), 1.0);
-  for (unsigned char ch : c.train) count[c.id[ch]] += 1;
+  // Add-one smoothed counts over (the first 2^26 tokens of) the training data.
+  const std::vector<int64_t> counted = c.train.counts(c.vocab, int64_t{1} << 26);
+  std::vector<double> count(counted.size(), 1.0);
+  for (size_t k = 0; k < count.size(); ++k) count[k] += static_cast<double>(counted[k]);
   double total = 0;
   for (double v : count) total += v;
   double nll = 0;
   int64_t m = 0;
   for (int64_t s : e.starts)
-    for (int64_t t = 1; t <= seq; ++t, ++m)
-      nll -= std::log(count[c.id[static_cast<unsigned char>(c.val[s + t])]] / total);
+    for (int64_t t = 1; t <= seq; ++t, ++m) nll -= std::log(count[c.val[s + t]] / total);
   e.unigram = nll / m;
   return e;
 }
@@ -78,7 +79,7 @@ inline double evaluate(nn::Module& model, distributed::pp::Pipeline* pipe, const
     while (chunk > 1 && mine.size() % chunk != 0) --chunk;
   for (size_t i = 0; i < mine.size(); i += chunk) {
     std::vector<int64_t> part(mine.begin() + i, mine.begin() + std::min(mine.size(), i + chunk));
-    auto [x, y] = windows(c, c.val, part, seq);
+    auto [x, y] = c.val.windows(part, seq);
     const Tensor yt = y.to(device).reshape({x.size(0), seq});
     if (pipe != nullptr) {  // forwards through the stages; the last stage's ranks hold the loss
       const std::vector<Tensor> l = pipe->step({x.to(device)}, {yt});
@@ -100,7 +101,7 @@ inline std::string generate(nn::GPT& gpt, const Corpus& c, uint64_t seed, int64_
   gpt.eval();
   NoGradGuard ng;
   std::mt19937_64 g(seed + 17);
-  std::vector<int> ctx{c.id['\n']};
+  std::vector<uint32_t> ctx{c.start_token};
   std::string out;
   for (int64_t i = 0; i < len; ++i) {
     std::vector<double> ids;
@@ -117,9 +118,9 @@ inline std::string generate(nn::GPT& gpt, const Corpus& c, uint64_t seed, int64_
     std::vector<double> w(keep);
     for (size_t k = 0; k < keep; ++k) w[k] = std::exp((l[order[k]] - l[order[0]]) / temperature);
     std::discrete_distribution<size_t> pick(w.begin(), w.end());
-    const int next = static_cast<int>(order[pick(g)]);
+    const auto next = static_cast<uint32_t>(order[pick(g)]);
     ctx.push_back(next);
-    out += static_cast<char>(c.chars[next]);
+    out += c.piece(next);
   }
   return out;
 }
@@ -127,7 +128,7 @@ inline std::string generate(nn::GPT& gpt, const Corpus& c, uint64_t seed, int64_
 // A hash of a global batch (its token windows), so two runs can be shown to
 // have seen the same data.
 inline std::string batch_digest(const Corpus& c, const std::vector<int64_t>& starts, int64_t seq) {
-  auto [x, y] = windows(c, c.train, starts, seq);
+  auto [x, y] = c.train.windows(starts, seq);
   const uint64_t h = XXH64(y.raw_data(), static_cast<size_t>(y.numel()) * 8, XXH64(x.raw_data(), x.numel() * 8, 0));
   char buf[17];
   std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h));
@@ -283,13 +284,12 @@ inline std::string describe_run(const RunInfo& r, const Corpus& c, distributed::
       llama ? "LLaMA " : "GPT ", r.model.n_layer, " layers x ", r.model.n_embd, " dims, ", r.model.n_head, " heads",
       llama ? " (" + std::to_string(r.model.kv_heads()) + " key/value), SwiGLU " + std::to_string(r.model.ffn_width())
             : std::string(),
-      ", context ", seq, ": ",
-      r.n_params, " parameters, vocabulary ", r.model.vocab_size, "; ", c.description, " (", c.train.size(),
-      " train / ", c.val.size(), " validation characters)\n", r.world, " rank(s) on ",
+      ", context ", seq, ": ", r.n_params, " parameters, vocabulary ", r.model.vocab_size, "; ", c.description, " (",
+      c.train.size(), " train / ", c.val.size(), " validation ", c.unit, ")\n", r.world, " rank(s) on ",
       r.cuda ? "GPUs (NCCL)" : "the CPU (Gloo)",
       d.tp > 1 ? ", tensor parallel over " + std::to_string(d.tp) + (r.sp ? " with sequence parallelism" : "")
                : std::string(),
-      sharding, "\n", "batch ", r.micro_batch, " x ", seq, " characters per rank x ", d.dp(),
+      sharding, "\n", "batch ", r.micro_batch, " x ", seq, " ", c.unit, " per rank x ", d.dp(),
       " data-parallel rank(s) x ", r.micro_steps, " micro-batch(es) = ", r.global_batch * seq, " tokens per step; ",
       r.max_steps, " steps; checkpoints in ", r.checkpoint_dir);
 }

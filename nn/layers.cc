@@ -4,8 +4,8 @@
 #include <cmath>
 
 #include "autograd/checkpoint.h"
-#include "core/ops_nn.h"
 #include "core/autograd_hook.h"
+#include "core/ops_nn.h"
 #include "nn/init.h"
 
 namespace ember::nn {

@@ -34,18 +34,17 @@ TEST(RMSNorm, MatchesItsFormulaAndFiniteDifferences) {
   Tensor want = x / sqrt(mean(x * x, {-1}, true) + 1e-6) * w;
   EXPECT_TRUE(allclose(rms_norm(x, 1, w, 1e-6), want, 1e-12, 1e-12));
   RMSNorm m({7}, 1e-6);
-  EXPECT_TRUE(allclose(m(x.to(DType::Float32)), (x / sqrt(mean(x * x, {-1}, true) + 1e-6)).to(DType::Float32), 1e-5,
-                       1e-6));
+  EXPECT_TRUE(
+      allclose(m(x.to(DType::Float32)), (x / sqrt(mean(x * x, {-1}, true) + 1e-6)).to(DType::Float32), 1e-5, 1e-6));
   for (bool weighted : {true, false}) {
     Tensor xi = f64({4, 6}).requires_grad_(), wi = f64({6}).requires_grad_();
     auto r = autograd::gradcheck(
-        [&](const std::vector<Tensor>& in) { return rms_norm(in[0], 1, weighted ? in[1] : Tensor(), 1e-5); },
-        {xi, wi});
+        [&](const std::vector<Tensor>& in) { return rms_norm(in[0], 1, weighted ? in[1] : Tensor(), 1e-5); }, {xi, wi});
     EXPECT_TRUE(r.ok) << r.message;
   }
   Tensor xi = f64({2, 3, 4}).requires_grad_(), wi = f64({3, 4}).requires_grad_();
-  auto r = autograd::gradcheck([&](const std::vector<Tensor>& in) { return rms_norm(in[0], 2, in[1], 1e-5); },
-                               {xi, wi});
+  auto r =
+      autograd::gradcheck([&](const std::vector<Tensor>& in) { return rms_norm(in[0], 2, in[1], 1e-5); }, {xi, wi});
   EXPECT_TRUE(r.ok) << r.message;
 }
 
@@ -191,10 +190,16 @@ TEST(Llama, NamesCausalityAndAShortFit) {
       {.vocab_size = 13, .block_size = 8, .n_layer = 2, .n_head = 4, .n_embd = 16, .n_kv_head = 2, .ffn_hidden = 24}));
   std::vector<std::string> names;
   for (auto& [n, p] : m.named_parameters()) names.push_back(n);
-  const std::vector<std::string> want = {
-      "wte.weight",           "h.0.ln_1.weight",        "h.0.attn.q_proj.weight", "h.0.attn.k_proj.weight",
-      "h.0.attn.v_proj.weight", "h.0.attn.o_proj.weight", "h.0.ln_2.weight",        "h.0.mlp.gate_proj.weight",
-      "h.0.mlp.up_proj.weight", "h.0.mlp.down_proj.weight"};
+  const std::vector<std::string> want = {"wte.weight",
+                                         "h.0.ln_1.weight",
+                                         "h.0.attn.q_proj.weight",
+                                         "h.0.attn.k_proj.weight",
+                                         "h.0.attn.v_proj.weight",
+                                         "h.0.attn.o_proj.weight",
+                                         "h.0.ln_2.weight",
+                                         "h.0.mlp.gate_proj.weight",
+                                         "h.0.mlp.up_proj.weight",
+                                         "h.0.mlp.down_proj.weight"};
   for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(names.at(i), want[i]);
   EXPECT_EQ(names.back(), "lm_head.weight");
   EXPECT_EQ(names.size(), 1 + 2 * 9 + 2);  // no wpe, no biases
@@ -211,7 +216,8 @@ TEST(Llama, NamesCausalityAndAShortFit) {
   for (int b2 = 0; b2 < 4; ++b2)
     for (int t = 0; t < 8; ++t) ids.push_back((3 * b2 + t) % 13);
   for (double v : ids) next.push_back(std::fmod(v + 1, 13));
-  Tensor tokens = Tensor::from_vector(ids, {4, 8}, DType::Int64), targets = Tensor::from_vector(next, {32}, DType::Int64);
+  Tensor tokens = Tensor::from_vector(ids, {4, 8}, DType::Int64),
+         targets = Tensor::from_vector(next, {32}, DType::Int64);
   optim::AdamW opt(m.parameters(), {.lr = 1e-2});
   double first = 0, last = 0;
   for (int s = 0; s < 40; ++s) {

@@ -64,8 +64,9 @@ RotaryTables rotary_tables(int64_t head_dim, double theta, int64_t length, const
   const int64_t half = head_dim / 2;
   std::vector<int64_t> pos;
   if (positions.defined()) {
-    EMBER_CHECK(positions.dim() == 1 && positions.dtype() == DType::Int64, "rotary embeddings: positions must be int64 [T], got ",
-                positions.dtype(), " ", shape_str(positions.sizes()));
+    EMBER_CHECK(positions.dim() == 1 && positions.dtype() == DType::Int64,
+                "rotary embeddings: positions must be int64 [T], got ", positions.dtype(), " ",
+                shape_str(positions.sizes()));
     const Tensor p = positions.to(kCPU).contiguous();
     pos.assign(p.data<int64_t>(), p.data<int64_t>() + p.numel());
   } else {
@@ -102,8 +103,9 @@ GroupedQueryAttention::GroupedQueryAttention(int64_t embed_dim_, int64_t n_head_
   EMBER_CHECK(opts.dropout >= 0.0 && opts.dropout < 1.0, "GroupedQueryAttention: dropout must be in [0, 1), got ",
               opts.dropout);
   head_dim = embed_dim / n_head;
-  EMBER_CHECK(opts.rope_theta <= 0 || head_dim % 2 == 0, "GroupedQueryAttention: rotary embeddings need an even head_dim, got ",
-              head_dim, " (embed_dim ", embed_dim, " / n_head ", n_head, ")");
+  EMBER_CHECK(opts.rope_theta <= 0 || head_dim % 2 == 0,
+              "GroupedQueryAttention: rotary embeddings need an even head_dim, got ", head_dim, " (embed_dim ",
+              embed_dim, " / n_head ", n_head, ")");
   q_proj = register_module("q_proj", std::make_shared<Linear>(embed_dim, n_head * head_dim, opts.bias));
   k_proj = register_module("k_proj", std::make_shared<Linear>(embed_dim, n_kv_head * head_dim, opts.bias));
   v_proj = register_module("v_proj", std::make_shared<Linear>(embed_dim, n_kv_head * head_dim, opts.bias));
@@ -157,9 +159,7 @@ SwiGLU::SwiGLU(int64_t n_embd, int64_t hidden, double dropout) : Module("SwiGLU"
   drop = register_module("dropout", std::make_shared<Dropout>(dropout));
 }
 
-Tensor SwiGLU::forward(const Tensor& x) {
-  return (*drop)((*down_proj)(silu((*gate_proj)(x)) * (*up_proj)(x)));
-}
+Tensor SwiGLU::forward(const Tensor& x) { return (*drop)((*down_proj)(silu((*gate_proj)(x)) * (*up_proj)(x))); }
 
 TransformerMLP::TransformerMLP(int64_t n_embd, double dropout) : Module("TransformerMLP") {
   c_fc = register_module("c_fc", std::make_shared<Linear>(n_embd, 4 * n_embd));
@@ -182,10 +182,12 @@ TransformerBlock::TransformerBlock(const GPTOptions& o) : Module("TransformerBlo
     return;
   }
   ln_1 = register_module("ln_1", std::make_shared<RMSNorm>(shape, o.norm_eps));
-  attn = register_module("attn", std::make_shared<GroupedQueryAttention>(
-                                     o.n_embd, o.n_head,
-                                     AttentionOptions{.n_kv_head = o.kv_heads(), .rope_theta = o.rope_theta,
-                                                      .bias = false, .dropout = o.dropout, .causal = true}));
+  attn = register_module("attn", std::make_shared<GroupedQueryAttention>(o.n_embd, o.n_head,
+                                                                         AttentionOptions{.n_kv_head = o.kv_heads(),
+                                                                                          .rope_theta = o.rope_theta,
+                                                                                          .bias = false,
+                                                                                          .dropout = o.dropout,
+                                                                                          .causal = true}));
   ln_2 = register_module("ln_2", std::make_shared<RMSNorm>(shape, o.norm_eps));
   mlp = register_module("mlp", std::make_shared<SwiGLU>(o.n_embd, o.ffn_width(), o.dropout));
 }
@@ -210,8 +212,8 @@ GPT::GPT(GPTOptions opts) : Module("GPT"), options(opts) {
               ", block_size ", opts.block_size, " and n_layer ", opts.n_layer, " must be positive");
   EMBER_CHECK(opts.n_head > 0 && opts.n_embd % opts.n_head == 0, "GPT: n_embd ", opts.n_embd,
               " must be a multiple of n_head ", opts.n_head);
-  EMBER_CHECK(opts.arch == Arch::Llama || opts.n_kv_head == 0 || opts.n_kv_head == opts.n_head,
-              "GPT: n_kv_head ", opts.n_kv_head, " (grouped-query attention) needs arch llama");
+  EMBER_CHECK(opts.arch == Arch::Llama || opts.n_kv_head == 0 || opts.n_kv_head == opts.n_head, "GPT: n_kv_head ",
+              opts.n_kv_head, " (grouped-query attention) needs arch llama");
   EMBER_CHECK(opts.kv_heads() <= opts.n_head && opts.n_head % opts.kv_heads() == 0, "GPT: n_head ", opts.n_head,
               " must be a multiple of n_kv_head ", opts.kv_heads());
   const bool llama = opts.arch == Arch::Llama;

@@ -58,10 +58,10 @@ struct RotaryTables {
 RotaryTables rotary_tables(int64_t head_dim, double theta, int64_t length, const Tensor& positions, Device device);
 
 struct AttentionOptions {
-  int64_t n_kv_head = 0;      // 0: n_head (multi-head); fewer: grouped-query
-  double rope_theta = 0;      // > 0: rotary position embeddings on q and k
-  bool bias = false;          // on the q/k/v/o projections
-  double dropout = 0.0;       // on the attention weights
+  int64_t n_kv_head = 0;  // 0: n_head (multi-head); fewer: grouped-query
+  double rope_theta = 0;  // > 0: rotary position embeddings on q and k
+  bool bias = false;      // on the q/k/v/o projections
+  double dropout = 0.0;   // on the attention weights
   bool causal = true;
 };
 
@@ -185,7 +185,7 @@ class GPT : public Module {
   std::shared_ptr<Embedding> wte, wpe;  // wpe: GPT-2 only (null for LLaMA)
   std::shared_ptr<Dropout> drop;        // on the embeddings
   std::shared_ptr<Sequential> h;
-  std::shared_ptr<Module> ln_f;  // LayerNorm (GPT-2) or RMSNorm (LLaMA)
+  std::shared_ptr<Module> ln_f;     // LayerNorm (GPT-2) or RMSNorm (LLaMA)
   std::shared_ptr<Module> lm_head;  // a Linear, or a TiedLinear with tie_weights
 };
 

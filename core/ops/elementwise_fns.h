@@ -103,7 +103,8 @@ EMBER_HD C unary_fn(C x, C p0, C p1) {
   else if constexpr (OP == UnaryOp::Tanh) return m_tanh(x);
   else if constexpr (OP == UnaryOp::Gelu) return C(0.5) * x * (C(1) + m_erf(x * C(0.70710678118654752440)));
   else if constexpr (OP == UnaryOp::Erf) return m_erf(x);
-  else if constexpr (OP == UnaryOp::Silu) return x / (C(1) + m_exp(-x));
+  else if constexpr (OP == UnaryOp::Silu)
+    return x / (C(1) + m_exp(-x));
   else if constexpr (OP == UnaryOp::GeluTanh) {
     const C k = C(0.79788456080286535588);  // sqrt(2/pi)
     return C(0.5) * x * (C(1) + m_tanh_gelu(k * (x + C(0.044715) * x * x * x)));
@@ -157,11 +158,13 @@ EMBER_HD auto binary_fn(C a, C b, C alpha) {
 template <typename F>
 void dispatch_unary(UnaryOp op, F&& f) {
   switch (op) {
+    // clang-format off
 #define EMBER_U(name) case UnaryOp::name: f(std::integral_constant<UnaryOp, UnaryOp::name>{}); break;
     EMBER_U(Neg) EMBER_U(Abs) EMBER_U(Exp) EMBER_U(Log) EMBER_U(Sqrt) EMBER_U(Rsqrt) EMBER_U(Relu)
     EMBER_U(Sigmoid) EMBER_U(Tanh) EMBER_U(Gelu) EMBER_U(GeluTanh) EMBER_U(PowScalar) EMBER_U(Clamp) EMBER_U(Erf)
     EMBER_U(Silu)
 #undef EMBER_U
+    // clang-format on
   }
 }
 

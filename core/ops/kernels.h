@@ -59,7 +59,23 @@ struct StridedIter {
 
 StridedIter make_iter(const Tensor& out, std::initializer_list<Tensor> inputs, const char* op);
 
-enum class UnaryOp { Neg, Abs, Exp, Log, Sqrt, Rsqrt, Relu, Sigmoid, Tanh, Gelu, GeluTanh, PowScalar, Clamp, Erf, Silu };
+enum class UnaryOp {
+  Neg,
+  Abs,
+  Exp,
+  Log,
+  Sqrt,
+  Rsqrt,
+  Relu,
+  Sigmoid,
+  Tanh,
+  Gelu,
+  GeluTanh,
+  PowScalar,
+  Clamp,
+  Erf,
+  Silu
+};
 // ReluGrad: a where b > 0, else 0 (relu's backward in one pass, a = grad, b = output).
 // GeluGrad, GeluTanhGrad: a * gelu'(b) (gelu's backward in one pass, a = grad, b = input).
 // SiluGrad: a * silu'(b), likewise.

@@ -90,7 +90,7 @@ void backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tenso
   const int64_t rows = rstd.numel(), n = x.numel() / rows;
   if (dx) {
     dx_kernel<T><<<warp_grid(rows), cuda::kBlockSize, 0, stream>>>(dy.data<T>(), x.data<T>(), rstd.data<T>(),
-                                                                     data_or_null<T>(w), rows, n, dx->data<T>());
+                                                                   data_or_null<T>(w), rows, n, dx->data<T>());
     EMBER_CUDA_CHECK(cudaGetLastError());
   }
   if (dw) {

@@ -73,8 +73,8 @@ Tensor rotary_embedding(const Tensor& x_in, const Tensor& cos, const Tensor& sin
   const Shape table{g.seq, g.head_dim / 2};
   for (const Tensor* t : {&cos, &sin}) {
     const char* name = t == &cos ? "cos" : "sin";
-    EMBER_CHECK(t->sizes() == table, "rotary_embedding: ", name, " ", shape_str(t->sizes()), " must be [seq, head_dim/2] = ",
-                shape_str(table), " for x ", shape_str(x.sizes()));
+    EMBER_CHECK(t->sizes() == table, "rotary_embedding: ", name, " ", shape_str(t->sizes()),
+                " must be [seq, head_dim/2] = ", shape_str(table), " for x ", shape_str(x.sizes()));
     EMBER_CHECK(t->device() == x.device(), "rotary_embedding: x is on ", x.device(), " but ", name, " is on ",
                 t->device());
     EMBER_CHECK(!t->requires_grad(), "rotary_embedding: ", name, " is a table of constants and takes no gradient");

@@ -251,8 +251,8 @@ EMBER_WORKER(dropout_masks) {
   parallelize_module(plain, mesh, gpt_tp_plan(plain, false));
   WCHECK(gathered_differ(*sp_model.drop), "SP: the embedding dropout's masks must differ across tp ranks");
   WCHECK(!gathered_differ(*plain.drop), "without SP the embedding dropout is replicated: masks must agree");
-  WCHECK(gathered_differ(*static_cast<nn::MultiheadAttention&>(*static_cast<nn::TransformerBlock&>((*plain.h)[0]).attn)
-                                .attn_drop),
+  WCHECK(gathered_differ(
+             *static_cast<nn::MultiheadAttention&>(*static_cast<nn::TransformerBlock&>((*plain.h)[0]).attn).attn_drop),
          "attention heads differ per rank: their masks must too");
   default_group()->barrier()->wait();
 }
