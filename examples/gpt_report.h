@@ -209,9 +209,9 @@ struct RunInfo {
 // accounting of what a rank's stage and tensor-parallel part hold.
 inline std::string memory_plan_line(const RunInfo& in) {
   const distributed::ParallelDims& d = in.dims;
-  // The planners' activation terms are GPT-2's (LayerNorm, GELU MLP).
-  if (in.model.arch != nn::Arch::GPT2) return "memory plan: --arch llama is not modelled by the planners yet";
-  if (d.tp == 1 && d.pp == 1 && d.dp_replicate == 1 && in.amp == "off" && in.strategy != "hybrid" &&
+  // The step-memory timeline knows GPT-2's modules (LayerNorm, GELU MLP);
+  // the mesh planner's accounting covers both families.
+  if (in.model.arch == nn::Arch::GPT2 && d.tp == 1 && d.pp == 1 && d.dp_replicate == 1 && in.amp == "off" && in.strategy != "hybrid" &&
       in.micro_steps == 1) {
     distributed::StepPlan plan{.micro_batch = in.micro_batch,
                                .seq = in.model.block_size,

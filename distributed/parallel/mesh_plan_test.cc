@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "core/exception.h"
+#include "nn/transformer.h"
 
 namespace ember::distributed {
 namespace {
@@ -31,6 +32,26 @@ TEST(MeshPlan, ParameterCountsOfThePresets) {
   EXPECT_NEAR(model_preset("llama-13b").num_params() / 1e9, 13.0, 0.05);
   EXPECT_NEAR(model_preset("llama-70b").num_params() / 1e9, 69.0, 0.3);
   EXPECT_THROW(model_preset("llama-8t"), Error);
+}
+
+// The llama-* presets are nn::GPT's LLaMA family: a preset's GPTOptions
+// come back as the same spec (LLaMA-7B's ffn is what LLaMA's rule gives),
+// and a scaled-down model built from those options holds the spec's
+// parameters plus its norms' (which the planner leaves out).
+TEST(MeshPlan, LlamaPresetsDescribeTheNnModel) {
+  for (const char* name : {"llama-7b", "llama-13b", "llama-70b"}) {
+    const ModelSpec spec = model_preset(name);
+    const nn::GPTOptions o = gpt_options(spec);
+    EXPECT_EQ(o.arch, nn::Arch::Llama) << name;
+    const ModelSpec back = model_spec(o, spec.seq);
+    EXPECT_EQ(back.num_params(), spec.num_params()) << name;
+    EXPECT_EQ(back.kv_heads, spec.kv_heads) << name;
+  }
+  EXPECT_EQ(nn::GPTOptions::llama({.n_embd = 4096}).ffn_width(), model_preset("llama-7b").ffn);
+  ModelSpec small = model_preset("llama-70b");  // grouped: 64 heads, 8 kv heads
+  small.layers = 2, small.dim = 128, small.heads = 16, small.kv_heads = 2, small.ffn = 96, small.vocab = 50;
+  nn::GPT model(gpt_options(small));
+  EXPECT_EQ(model.num_parameters(), small.num_params() + (2 * small.layers + 1) * small.dim);
 }
 
 TEST(MeshPlan, ActivationsFollowKorthikanti) {

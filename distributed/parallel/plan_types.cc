@@ -121,10 +121,31 @@ std::string MeshCandidate::memory_line() const {
 
 ModelSpec model_spec(const nn::GPTOptions& g, int64_t seq) {
   ModelSpec m;
-  m.name = "gpt";
+  m.name = nn::arch_name(g.arch);
   m.layers = g.n_layer, m.dim = g.n_embd, m.heads = g.n_head, m.vocab = g.vocab_size, m.seq = seq;
   m.tied = g.tie_weights;
+  if (g.arch == nn::Arch::Llama) {
+    m.swiglu = true;
+    m.kv_heads = g.kv_heads();
+    m.ffn = g.ffn_width();
+  }
   return m;
+}
+
+nn::GPTOptions gpt_options(const ModelSpec& m) {
+  EMBER_CHECK(m.transformer(), "plan: ", m.name, " is not a transformer");
+  nn::GPTOptions o{.vocab_size = m.vocab,
+                   .block_size = m.seq,
+                   .n_layer = m.layers,
+                   .n_head = m.heads,
+                   .n_embd = m.dim,
+                   .tie_weights = m.tied};
+  if (m.swiglu) {
+    o.arch = nn::Arch::Llama;
+    o.n_kv_head = m.kv_heads;
+    o.ffn_hidden = m.ffn;
+  }
+  return o;
 }
 
 }  // namespace ember::distributed

@@ -33,8 +33,10 @@ struct ModelSpec {
 // llama-13b, llama-70b, resnet50, resnet18-narrow (//examples:resnet_ddp's
 // CPU model); an error lists them otherwise.
 ModelSpec model_preset(const std::string& name);
-// An nn::GPT's shape (context `seq`).
+// An nn::GPT's shape (context `seq`), GPT-2 or LLaMA; and back: the
+// nn::GPT a transformer preset describes (llama-* are GPTOptions::llama).
 ModelSpec model_spec(const nn::GPTOptions& gpt, int64_t seq);
+nn::GPTOptions gpt_options(const ModelSpec& spec);
 std::vector<std::string> model_presets();
 
 struct Hardware {

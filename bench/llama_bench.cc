@@ -1,0 +1,63 @@
+// One-process training step of a LLaMA-style model (nn::GPT with
+// GPTOptions::llama: RMSNorm, rotary embeddings, grouped-query attention,
+// SwiGLU, untied head): zero_grad, forward, cross-entropy, backward,
+// AdamW(lr 1e-3, weight decay 0.01), float32, on the CPU. The workload of
+// bench/peers/torch2/llama_peer.py (the same model in PyTorch eager);
+// bench/llama_compare.py runs both interleaved.
+//
+//   bazel run -c opt //bench:llama_bench
+//
+// Model: 6 blocks, d 512, 8 heads of 64, 4 key/value heads, SwiGLU 1408,
+// vocab 8192, seq 256, batch 4 (1024 tokens a step); 26.8 M parameters.
+// Counters: step_ms_median over the timed steps, tokens_per_s.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "core/ops.h"
+#include "nn/functional.h"
+#include "nn/transformer.h"
+#include "optim/optimizer.h"
+
+namespace ember {
+namespace {
+
+constexpr int64_t kLayers = 6, kDim = 512, kHeads = 8, kKvHeads = 4, kFfn = 1408, kVocab = 8192, kSeq = 256,
+                  kBatch = 4;
+
+void BM_LlamaStep(benchmark::State& state) {
+  manual_seed(0);
+  nn::GPT model(nn::GPTOptions::llama({.vocab_size = kVocab,
+                                       .block_size = kSeq,
+                                       .n_layer = kLayers,
+                                       .n_head = kHeads,
+                                       .n_embd = kDim,
+                                       .n_kv_head = kKvHeads,
+                                       .ffn_hidden = kFfn}));
+  optim::AdamW opt(model.parameters(), {.lr = 1e-3, .weight_decay = 0.01});
+  Tensor x = randint(0, kVocab, {kBatch, kSeq}), y = randint(0, kVocab, {kBatch * kSeq});
+  auto step = [&] {
+    opt.zero_grad();
+    Tensor loss = nn::functional::cross_entropy(model(x).reshape({kBatch * kSeq, kVocab}), y);
+    loss.backward();
+    opt.step();
+    return loss.item();
+  };
+  for (int i = 0; i < 2; ++i) step();  // warm-up: allocator caches, oneDNN primitives
+  std::vector<double> ms;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(step());
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  state.counters["step_ms_median"] = ms[ms.size() / 2];
+  state.counters["tokens_per_s"] = kBatch * kSeq * 1e3 / ms[ms.size() / 2];
+  state.counters["params_M"] = static_cast<double>(model.num_parameters()) / 1e6;
+}
+BENCHMARK(BM_LlamaStep)->Iterations(8)->Unit(benchmark::kMillisecond);
+
+}  // namespace
+}  // namespace ember
