@@ -10,6 +10,7 @@
 
 #include <array>
 #include <string>
+#include <tuple>
 
 #include "core/ops.h"
 #include "core/ops/kernels.h"
@@ -164,15 +165,22 @@ TEST_F(Drawn, BatchNorm) {
   });
 }
 
+// A normalisation's input: the last one or two dims normalised, widths
+// below, at and above a warp, sometimes more rows than one weight-gradient
+// tile. Returns (dims normalised, x's shape, the normalised shape).
+std::tuple<int64_t, Shape, Shape> draw_norm_shape(Draw& d) {
+  const int64_t nd = d.integer(1, 2);
+  const Shape xs = d.chance(0.2) ? Shape{d.integer(100, 300), d.integer(1, 70)}
+                                 : Shape{d.size(1, 4), d.size(1, 6), d.integer(1, 70)};
+  return {nd, xs, Shape(xs.end() - nd, xs.end())};
+}
+
 // layer_norm over the last one or two dims: widths below, at and above a
 // warp, more rows than one weight-gradient tile, with and without weight
 // and bias, constant rows, float32/float64/bfloat16/float16.
 TEST_F(Drawn, LayerNorm) {
   for_each_draw("layer_norm", 200, [&](Draw& d) {
-    const int64_t nd = d.integer(1, 2);
-    const Shape xs = d.chance(0.2) ? Shape{d.integer(100, 300), d.integer(1, 70)}
-                                   : Shape{d.size(1, 4), d.size(1, 6), d.integer(1, 70)};
-    const Shape ns(xs.end() - nd, xs.end());
+    const auto [nd, xs, ns] = draw_norm_shape(d);
     const DType dt = d.pick(kFloats);
     Tensor x = d.values(xs, dt, Specials::finite(), 2.0);
     Tensor wt = d.chance(0.7) ? d.values(ns, dt) : Tensor(), b = d.chance(0.7) ? d.values(ns, dt) : Tensor();
@@ -192,10 +200,7 @@ TEST_F(Drawn, LayerNorm) {
 // constant and zero rows (eps keeps them finite), every float dtype.
 TEST_F(Drawn, RmsNorm) {
   for_each_draw("rms_norm", 200, [&](Draw& d) {
-    const int64_t nd = d.integer(1, 2);
-    const Shape xs = d.chance(0.2) ? Shape{d.integer(100, 300), d.integer(1, 70)}
-                                   : Shape{d.size(1, 4), d.size(1, 6), d.integer(1, 70)};
-    const Shape ns(xs.end() - nd, xs.end());
+    const auto [nd, xs, ns] = draw_norm_shape(d);
     const DType dt = d.pick(kFloats);
     Tensor x = d.values(xs, dt, Specials::finite(), 2.0);
     Tensor wt = d.chance(0.7) ? d.values(ns, dt) : Tensor();

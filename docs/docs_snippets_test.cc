@@ -30,6 +30,7 @@
 #include "distributed/parallel/ddp.h"
 #include "distributed/parallel/fsdp/fsdp.h"
 #include "distributed/parallel/fsdp/fsdp_state_dict.h"
+#include "distributed/parallel/recipes/gpt.h"
 #include "distributed/parallel/recipes/parallelize.h"
 #include "distributed/parallel/tp/gpt_plan.h"
 #include "distributed/parallel/tp/loss_parallel.h"
@@ -308,6 +309,15 @@ Tensor loss = nn::functional::mse_loss((*model)(x.narrow(0, first, rows)), y.nar
 loss.backward();
 par.clip_grad_norm_(1.0);
 opt.step();
+}
+
+// docs/language-models.md's block: compiled only (the LLaMA family runs on
+// 2 x 2 x 2 meshes in //examples:examples_test).
+[[maybe_unused]] void language_models_block(const distributed::ParallelDims& dims,
+                                            const std::shared_ptr<distributed::DeviceMesh>& mesh) {
+auto llama = std::make_shared<nn::GPT>(nn::GPTOptions::llama(
+    {.vocab_size = 32000, .block_size = 2048, .n_layer = 16, .n_head = 16, .n_embd = 2048, .n_kv_head = 4}));
+distributed::Parallelized par = distributed::parallelize_gpt(llama, dims, mesh, {.sequence_parallel = true});
 }
 
 // docs/activation-checkpointing.md's block: compiled only (the same calls

@@ -122,7 +122,19 @@ Tensor BatchNorm2d::sync_forward(const Tensor& x, bool update_running) {
   return y;
 }
 
-// ---- LayerNorm ----
+// ---- LayerNorm, RMSNorm ----
+namespace {
+// How many trailing dims of x the norm covers, after checking they are its
+// normalized_shape.
+int64_t normalized_dims(const char* layer, const Tensor& x, const std::vector<int64_t>& shape) {
+  const int64_t k = static_cast<int64_t>(shape.size());
+  bool match = x.dim() >= k;
+  for (int64_t i = 0; match && i < k; ++i) match = x.size(x.dim() - k + i) == shape[i];
+  EMBER_CHECK(match, layer, ": input ", shape_str(x.sizes()), " does not end with normalized_shape ", shape_str(shape));
+  return k;
+}
+}  // namespace
+
 LayerNorm::LayerNorm(std::vector<int64_t> shape, double eps, bool affine)
     : Module("LayerNorm"), normalized_shape(std::move(shape)), eps(eps) {
   EMBER_CHECK(!normalized_shape.empty(), "LayerNorm: normalized_shape is empty");
@@ -133,12 +145,7 @@ LayerNorm::LayerNorm(std::vector<int64_t> shape, double eps, bool affine)
 }
 
 Tensor LayerNorm::forward(const Tensor& x) {
-  const int64_t k = static_cast<int64_t>(normalized_shape.size());
-  bool match = x.dim() >= k;
-  for (int64_t i = 0; match && i < k; ++i) match = x.size(x.dim() - k + i) == normalized_shape[i];
-  EMBER_CHECK(match, "LayerNorm: input ", shape_str(x.sizes()), " does not end with normalized_shape ",
-              shape_str(normalized_shape));
-  return functional::layer_norm(x, k, weight, bias, eps);
+  return functional::layer_norm(x, normalized_dims("LayerNorm", x, normalized_shape), weight, bias, eps);
 }
 
 RMSNorm::RMSNorm(std::vector<int64_t> shape, double eps, bool affine)
@@ -148,12 +155,7 @@ RMSNorm::RMSNorm(std::vector<int64_t> shape, double eps, bool affine)
 }
 
 Tensor RMSNorm::forward(const Tensor& x) {
-  const int64_t k = static_cast<int64_t>(normalized_shape.size());
-  bool match = x.dim() >= k;
-  for (int64_t i = 0; match && i < k; ++i) match = x.size(x.dim() - k + i) == normalized_shape[i];
-  EMBER_CHECK(match, "RMSNorm: input ", shape_str(x.sizes()), " does not end with normalized_shape ",
-              shape_str(normalized_shape));
-  return rms_norm(x, k, weight, eps);
+  return rms_norm(x, normalized_dims("RMSNorm", x, normalized_shape), weight, eps);
 }
 
 // ---- Embedding: N(0, 1) init, as torch ----

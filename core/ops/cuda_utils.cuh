@@ -259,6 +259,19 @@ __device__ __forceinline__ V warp_max(V v) {
   return v;
 }
 
+// Normalisations over rows (layer_norm.cu, rms_norm.cu): a warp per row
+// for the per-row passes, and the weight's gradient as per-column partial
+// sums over tiles of kNormTileRows rows (more when the tiles would pass
+// grid.y's limit) that a second kernel adds in tile order (deterministic,
+// no atomics).
+constexpr int64_t kNormTileRows = 128;
+inline unsigned warp_rows_grid(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kBlockSize / kWarpSize)); }
+struct NormTiles {
+  int64_t rows_per_tile, tiles;
+  explicit NormTiles(int64_t rows)
+      : rows_per_tile(std::max(kNormTileRows, ceil_div(rows, 65535))), tiles(ceil_div(rows, rows_per_tile)) {}
+};
+
 // Element conversions are ember::cast_value (dtype.h), shared with the CPU.
 using ::ember::cast_value;
 

@@ -167,6 +167,20 @@ void layer_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& me
 void layer_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd,
                               const Tensor& w, Tensor* dx, Tensor* dw, Tensor* db);
 
+// What a normalisation over the last `ndim` dims of x works on (layer_norm,
+// rms_norm), after checking x and its affine parameters (named, may be
+// undefined) against them: the normalised shape, the rows and their width,
+// and the compute dtype (float32, or float64 for float64).
+struct NormRows {
+  Shape norm_shape;
+  int64_t rows = 0, n = 0;
+  DType compute = DType::Float32;
+  // t in the compute dtype, contiguous (undefined stays undefined).
+  Tensor prep(const Tensor& t) const;
+};
+NormRows norm_rows(const char* op, const Tensor& x, int64_t ndim,
+                   std::initializer_list<std::pair<const char*, const Tensor*>> params);
+
 // rms_norm over the rows of contiguous float32/float64 x ([rows, n], rows =
 // rstd.numel()); w (n elements) may be undefined. Backward writes dx
 // ([rows, n]) and dw (n) where given.

@@ -123,29 +123,40 @@ void layer_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& me
 
 // ---- Op ----
 
+Tensor NormRows::prep(const Tensor& t) const {
+  if (!t.defined()) return t;
+  return (t.dtype() == compute ? t : t.to(compute)).contiguous();
+}
+
+NormRows norm_rows(const char* op, const Tensor& x, int64_t ndim,
+                   std::initializer_list<std::pair<const char*, const Tensor*>> params) {
+  EMBER_CHECK(x.defined(), op, ": input must be defined");
+  EMBER_CHECK(ndim >= 1 && ndim <= x.dim(), op, ": cannot normalise the last ", ndim, " dims of ",
+              shape_str(x.sizes()));
+  EMBER_CHECK(is_floating(x.dtype()), op, ": expected a floating input, got ", x.dtype());
+  NormRows r;
+  r.norm_shape = Shape(x.sizes().end() - ndim, x.sizes().end());
+  for (const auto& [name, p] : params) {
+    if (!p->defined()) continue;
+    EMBER_CHECK(p->sizes() == r.norm_shape, op, ": ", name, " ", shape_str(p->sizes()),
+                " must have the normalised shape ", shape_str(r.norm_shape), " of input ", shape_str(x.sizes()));
+    EMBER_CHECK(p->device() == x.device(), op, ": input is on ", x.device(), " but ", name, " is on ", p->device());
+  }
+  r.n = shape_numel(r.norm_shape);
+  r.rows = r.n ? x.numel() / r.n : 0;
+  // Float32 compute for 16-bit types (the kernels' accumulation type), as
+  // under autocast; the result and the gradients come back in each
+  // tensor's dtype.
+  r.compute = x.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
+  return r;
+}
+
 Tensor layer_norm(const Tensor& x_in, int64_t normalized_ndim, const Tensor& weight, const Tensor& bias, double eps) {
   if (Tensor c = autocast::fp32(x_in); !c.is_same(x_in)) return layer_norm(c, normalized_ndim, weight, bias, eps);
   const Tensor& x = x_in;
-  EMBER_CHECK(x.defined(), "layer_norm: input must be defined");
-  EMBER_CHECK(normalized_ndim >= 1 && normalized_ndim <= x.dim(), "layer_norm: cannot normalise the last ",
-              normalized_ndim, " dims of ", shape_str(x.sizes()));
-  EMBER_CHECK(is_floating(x.dtype()), "layer_norm: expected a floating input, got ", x.dtype());
-  const Shape norm_shape(x.sizes().end() - normalized_ndim, x.sizes().end());
-  for (const Tensor* p : {&weight, &bias}) {
-    if (!p->defined()) continue;
-    EMBER_CHECK(p->sizes() == norm_shape, "layer_norm: ", p == &weight ? "weight " : "bias ", shape_str(p->sizes()),
-                " must have the normalised shape ", shape_str(norm_shape), " of input ", shape_str(x.sizes()));
-    EMBER_CHECK(p->device() == x.device(), "layer_norm: input is on ", x.device(), " but ",
-                p == &weight ? "weight" : "bias", " is on ", p->device());
-  }
-  const int64_t n = shape_numel(norm_shape), rows = n ? x.numel() / n : 0;
-  // Float32 compute for 16-bit types (the kernels' accumulation type), as
-  // under autocast; the result and the gradients come back in each tensor's dtype.
-  const DType compute = x.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
-  auto prep = [compute](const Tensor& t) {
-    if (!t.defined()) return t;
-    return (t.dtype() == compute ? t : t.to(compute)).contiguous();
-  };
+  const NormRows nr = norm_rows("layer_norm", x, normalized_ndim, {{"weight", &weight}, {"bias", &bias}});
+  const Shape& norm_shape = nr.norm_shape;
+  const int64_t n = nr.n, rows = nr.rows;
   std::vector<Tensor> inputs{x};
   if (weight.defined()) inputs.push_back(weight);
   if (bias.defined()) inputs.push_back(bias);
@@ -153,10 +164,10 @@ Tensor layer_norm(const Tensor& x_in, int64_t normalized_ndim, const Tensor& wei
   return differentiable(
       "layer_norm", inputs,
       [&] {
-        const Tensor xc = prep(x), wc = prep(weight), bc = prep(bias);
-        Tensor y = Tensor::empty(x.sizes(), {compute, x.device()});
-        mean = Tensor::empty({rows}, {compute, x.device()});
-        rstd = Tensor::empty({rows}, {compute, x.device()});
+        const Tensor xc = nr.prep(x), wc = nr.prep(weight), bc = nr.prep(bias);
+        Tensor y = Tensor::empty(x.sizes(), {nr.compute, x.device()});
+        mean = Tensor::empty({rows}, {nr.compute, x.device()});
+        rstd = Tensor::empty({rows}, {nr.compute, x.device()});
         if (rows > 0 && n > 0) {
           if (x.is_cuda())
             layer_norm_forward_cuda(xc, wc, bc, eps, y, mean, rstd);
@@ -174,10 +185,10 @@ Tensor layer_norm(const Tensor& x_in, int64_t normalized_ndim, const Tensor& wei
         BackwardFn fn = [=](const Tensor& g) {
           std::vector<Tensor> grads(1 + has_w + has_b);
           const bool gx = gx_ && grad_wanted(0), gw = gw_ && grad_wanted(1), gb = gb_ && grad_wanted(has_w ? 2 : 1);
-          const Tensor xc = prep(sx), wc = prep(sw), gc = prep(g);
-          Tensor dx = gx ? Tensor::empty(sx.sizes(), {compute, sx.device()}) : Tensor();
-          Tensor dw = gw ? Tensor::empty(norm_shape, {compute, sx.device()}) : Tensor();
-          Tensor db = gb ? Tensor::empty(norm_shape, {compute, sx.device()}) : Tensor();
+          const Tensor xc = nr.prep(sx), wc = nr.prep(sw), gc = nr.prep(g);
+          Tensor dx = gx ? Tensor::empty(sx.sizes(), {nr.compute, sx.device()}) : Tensor();
+          Tensor dw = gw ? Tensor::empty(norm_shape, {nr.compute, sx.device()}) : Tensor();
+          Tensor db = gb ? Tensor::empty(norm_shape, {nr.compute, sx.device()}) : Tensor();
           if (rows > 0 && n > 0) {
             if (sx.is_cuda())
               layer_norm_backward_cuda(gc, xc, smu, srstd, wc, gx ? &dx : nullptr, gw ? &dw : nullptr,

@@ -2,7 +2,7 @@
 // reference). Forward and dx: a warp per row (a transformer's rows are a
 // few hundred to a few thousand wide), the row's sums reduced with
 // shuffles; the row stays in L1 between its passes. dweight and dbias:
-// blocks of kTileRows rows write per-column partial sums, and one more
+// blocks of cuda::kNormTileRows rows write per-column partial sums, and one more
 // kernel adds the partials of each column in tile order (deterministic,
 // no atomics), as batch_norm.cu's finalize does.
 #include <cuda_runtime.h>
@@ -19,14 +19,11 @@ namespace ember {
 namespace {
 
 constexpr int kWarp = cuda::kWarpSize;
-constexpr int kWarpsPerBlock = cuda::kBlockSize / kWarp;
-constexpr int64_t kTileRows = 128;
-constexpr int64_t kMaxTiles = 65535;  // grid.y
 
 template <typename T>
 __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T eps,
                                int64_t rows, int64_t n, T* __restrict__ y, T* __restrict__ mean, T* __restrict__ rstd) {
-  const int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarp;
+  const int64_t r = cuda::global_thread_id() / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (r >= rows) return;  // whole warps: blockDim is a multiple of 32
   const T* xr = x + r * n;
@@ -53,7 +50,7 @@ template <typename T>
 __global__ void dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ mean,
                           const T* __restrict__ rstd, const T* __restrict__ w, int64_t rows, int64_t n,
                           T* __restrict__ dx) {
-  const int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarp;
+  const int64_t r = cuda::global_thread_id() / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (r >= rows) return;
   const T *dyr = dy + r * n, *xr = x + r * n;
@@ -77,7 +74,7 @@ template <typename T>
 __global__ void dwdb_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ mean,
                                     const T* __restrict__ rstd, int64_t rows, int64_t n, int64_t tile_rows,
                                     T* __restrict__ pw, T* __restrict__ pb) {
-  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t j = cuda::global_thread_id();
   if (j >= n) return;
   const int64_t tile = blockIdx.y, r0 = tile * tile_rows, r1 = r0 + tile_rows < rows ? r0 + tile_rows : rows;
   T sw = 0, sb = 0;
@@ -93,7 +90,7 @@ __global__ void dwdb_partial_kernel(const T* __restrict__ dy, const T* __restric
 template <typename T>
 __global__ void dwdb_final_kernel(const T* __restrict__ pw, const T* __restrict__ pb, int64_t tiles, int64_t n,
                                   T* __restrict__ dw, T* __restrict__ db) {
-  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t j = cuda::global_thread_id();
   if (j >= n) return;
   T sw = 0, sb = 0;
   for (int64_t t = 0; t < tiles; ++t) {
@@ -104,13 +101,11 @@ __global__ void dwdb_final_kernel(const T* __restrict__ pw, const T* __restrict_
   if (db) db[j] = sb;
 }
 
-unsigned warp_grid(int64_t warps) { return static_cast<unsigned>(cuda::ceil_div(warps, kWarpsPerBlock)); }
-
 template <typename T>
 void forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor& y, Tensor& mean, Tensor& rstd) {
   cuda::DeviceGuard guard(x);
   const int64_t rows = mean.numel(), n = x.numel() / rows;
-  forward_kernel<T><<<warp_grid(rows), cuda::kBlockSize, 0, cuda::stream_for(x)>>>(
+  forward_kernel<T><<<cuda::warp_rows_grid(rows), cuda::kBlockSize, 0, cuda::stream_for(x)>>>(
       x.data<T>(), data_or_null<T>(w), data_or_null<T>(b), static_cast<T>(eps), rows, n, y.data<T>(), mean.data<T>(),
       rstd.data<T>());
   EMBER_CUDA_CHECK(cudaGetLastError());
@@ -123,14 +118,13 @@ void backward(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tenso
   cudaStream_t stream = cuda::stream_for(x);
   const int64_t rows = mean.numel(), n = x.numel() / rows;
   if (dx) {
-    dx_kernel<T><<<warp_grid(rows), cuda::kBlockSize, 0, stream>>>(
+    dx_kernel<T><<<cuda::warp_rows_grid(rows), cuda::kBlockSize, 0, stream>>>(
         dy.data<T>(), x.data<T>(), mean.data<T>(), rstd.data<T>(), data_or_null<T>(w), rows, n, dx->data<T>());
     EMBER_CUDA_CHECK(cudaGetLastError());
   }
   if (dw || db) {
-    // kTileRows rows a tile, more when the tiles would pass grid.y's limit.
-    const int64_t tile_rows = std::max(kTileRows, cuda::ceil_div(rows, kMaxTiles));
-    const int64_t tiles = cuda::ceil_div(rows, tile_rows);
+    const cuda::NormTiles nt(rows);
+    const int64_t tile_rows = nt.rows_per_tile, tiles = nt.tiles;
     Tensor pw = dw ? Tensor::empty({tiles, n}, x.options()) : Tensor();
     Tensor pb = db ? Tensor::empty({tiles, n}, x.options()) : Tensor();
     const dim3 grid(static_cast<unsigned>(cuda::ceil_div(n, cuda::kBlockSize)), static_cast<unsigned>(tiles));

@@ -102,35 +102,19 @@ void rms_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& rstd
 Tensor rms_norm(const Tensor& x_in, int64_t normalized_ndim, const Tensor& weight, double eps) {
   if (Tensor c = autocast::fp32(x_in); !c.is_same(x_in)) return rms_norm(c, normalized_ndim, weight, eps);
   const Tensor& x = x_in;
-  EMBER_CHECK(x.defined(), "rms_norm: input must be defined");
-  EMBER_CHECK(normalized_ndim >= 1 && normalized_ndim <= x.dim(), "rms_norm: cannot normalise the last ",
-              normalized_ndim, " dims of ", shape_str(x.sizes()));
-  EMBER_CHECK(is_floating(x.dtype()), "rms_norm: expected a floating input, got ", x.dtype());
   EMBER_CHECK(eps >= 0.0, "rms_norm: eps must be >= 0, got ", eps);
-  const Shape norm_shape(x.sizes().end() - normalized_ndim, x.sizes().end());
-  if (weight.defined()) {
-    EMBER_CHECK(weight.sizes() == norm_shape, "rms_norm: weight ", shape_str(weight.sizes()),
-                " must have the normalised shape ", shape_str(norm_shape), " of input ", shape_str(x.sizes()));
-    EMBER_CHECK(weight.device() == x.device(), "rms_norm: input is on ", x.device(), " but weight is on ",
-                weight.device());
-  }
-  const int64_t n = shape_numel(norm_shape), rows = n ? x.numel() / n : 0;
-  // Float32 compute for 16-bit types, as under autocast; the result and the
-  // gradients come back in each tensor's dtype.
-  const DType compute = x.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
-  auto prep = [compute](const Tensor& t) {
-    if (!t.defined()) return t;
-    return (t.dtype() == compute ? t : t.to(compute)).contiguous();
-  };
+  const NormRows nr = norm_rows("rms_norm", x, normalized_ndim, {{"weight", &weight}});
+  const Shape& norm_shape = nr.norm_shape;
+  const int64_t n = nr.n, rows = nr.rows;
   std::vector<Tensor> inputs{x};
   if (weight.defined()) inputs.push_back(weight);
   Tensor rstd;
   return differentiable(
       "rms_norm", inputs,
       [&] {
-        const Tensor xc = prep(x), wc = prep(weight);
-        Tensor y = Tensor::empty(x.sizes(), {compute, x.device()});
-        rstd = Tensor::empty({rows}, {compute, x.device()});
+        const Tensor xc = nr.prep(x), wc = nr.prep(weight);
+        Tensor y = Tensor::empty(x.sizes(), {nr.compute, x.device()});
+        rstd = Tensor::empty({rows}, {nr.compute, x.device()});
         if (rows > 0 && n > 0) {
           if (x.is_cuda())
             rms_norm_forward_cuda(xc, wc, eps, y, rstd);
@@ -147,9 +131,9 @@ Tensor rms_norm(const Tensor& x_in, int64_t normalized_ndim, const Tensor& weigh
         BackwardFn fn = [=](const Tensor& g) {
           std::vector<Tensor> grads(1 + has_w);
           const bool gx = gx_ && grad_wanted(0), gw = gw_ && grad_wanted(1);
-          const Tensor xc = prep(sx), wc = prep(sw), gc = prep(g);
-          Tensor dx = gx ? Tensor::empty(sx.sizes(), {compute, sx.device()}) : Tensor();
-          Tensor dw = gw ? Tensor::empty(norm_shape, {compute, sx.device()}) : Tensor();
+          const Tensor xc = nr.prep(sx), wc = nr.prep(sw), gc = nr.prep(g);
+          Tensor dx = gx ? Tensor::empty(sx.sizes(), {nr.compute, sx.device()}) : Tensor();
+          Tensor dw = gw ? Tensor::empty(norm_shape, {nr.compute, sx.device()}) : Tensor();
           if (rows > 0 && n > 0) {
             if (sx.is_cuda())
               rms_norm_backward_cuda(gc, xc, srstd, wc, gx ? &dx : nullptr, gw ? &dw : nullptr);

@@ -1,6 +1,6 @@
 // CUDA kernels of rms_norm (rms_norm.cc has the op, the math and the CPU
 // reference). Forward and dx: a warp per row, the row's sums reduced with
-// shuffles, as layer_norm.cu. dweight: blocks of kTileRows rows write
+// shuffles, as layer_norm.cu. dweight: blocks of cuda::kNormTileRows rows write
 // per-column partial sums and one more kernel adds each column's partials
 // in tile order (deterministic, no atomics).
 #include <cuda_runtime.h>
@@ -17,14 +17,11 @@ namespace ember {
 namespace {
 
 constexpr int kWarp = cuda::kWarpSize;
-constexpr int kWarpsPerBlock = cuda::kBlockSize / kWarp;
-constexpr int64_t kTileRows = 128;
-constexpr int64_t kMaxTiles = 65535;  // grid.y
 
 template <typename T>
 __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ w, T eps, int64_t rows, int64_t n,
                                T* __restrict__ y, T* __restrict__ rstd) {
-  const int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarp;
+  const int64_t r = cuda::global_thread_id() / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (r >= rows) return;  // whole warps: blockDim is a multiple of 32
   const T* xr = x + r * n;
@@ -39,7 +36,7 @@ __global__ void forward_kernel(const T* __restrict__ x, const T* __restrict__ w,
 template <typename T>
 __global__ void dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ rstd,
                           const T* __restrict__ w, int64_t rows, int64_t n, T* __restrict__ dx) {
-  const int64_t r = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarp;
+  const int64_t r = cuda::global_thread_id() / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (r >= rows) return;
   const T *dyr = dy + r * n, *xr = x + r * n;
@@ -55,7 +52,7 @@ __global__ void dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, con
 template <typename T>
 __global__ void dw_partial_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ rstd,
                                   int64_t rows, int64_t n, int64_t tile_rows, T* __restrict__ pw) {
-  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t j = cuda::global_thread_id();
   if (j >= n) return;
   const int64_t tile = blockIdx.y, r0 = tile * tile_rows, r1 = r0 + tile_rows < rows ? r0 + tile_rows : rows;
   T sw = 0;
@@ -65,20 +62,18 @@ __global__ void dw_partial_kernel(const T* __restrict__ dy, const T* __restrict_
 
 template <typename T>
 __global__ void dw_final_kernel(const T* __restrict__ pw, int64_t tiles, int64_t n, T* __restrict__ dw) {
-  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t j = cuda::global_thread_id();
   if (j >= n) return;
   T sw = 0;
   for (int64_t t = 0; t < tiles; ++t) sw += pw[t * n + j];
   dw[j] = sw;
 }
 
-unsigned warp_grid(int64_t warps) { return static_cast<unsigned>(cuda::ceil_div(warps, kWarpsPerBlock)); }
-
 template <typename T>
 void forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) {
   cuda::DeviceGuard guard(x);
   const int64_t rows = rstd.numel(), n = x.numel() / rows;
-  forward_kernel<T><<<warp_grid(rows), cuda::kBlockSize, 0, cuda::stream_for(x)>>>(
+  forward_kernel<T><<<cuda::warp_rows_grid(rows), cuda::kBlockSize, 0, cuda::stream_for(x)>>>(
       x.data<T>(), data_or_null<T>(w), static_cast<T>(eps), rows, n, y.data<T>(), rstd.data<T>());
   EMBER_CUDA_CHECK(cudaGetLastError());
 }
@@ -89,14 +84,13 @@ void backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tenso
   cudaStream_t stream = cuda::stream_for(x);
   const int64_t rows = rstd.numel(), n = x.numel() / rows;
   if (dx) {
-    dx_kernel<T><<<warp_grid(rows), cuda::kBlockSize, 0, stream>>>(dy.data<T>(), x.data<T>(), rstd.data<T>(),
-                                                                   data_or_null<T>(w), rows, n, dx->data<T>());
+    dx_kernel<T><<<cuda::warp_rows_grid(rows), cuda::kBlockSize, 0, stream>>>(
+        dy.data<T>(), x.data<T>(), rstd.data<T>(), data_or_null<T>(w), rows, n, dx->data<T>());
     EMBER_CUDA_CHECK(cudaGetLastError());
   }
   if (dw) {
-    // kTileRows rows a tile, more when the tiles would pass grid.y's limit.
-    const int64_t tile_rows = std::max(kTileRows, cuda::ceil_div(rows, kMaxTiles));
-    const int64_t tiles = cuda::ceil_div(rows, tile_rows);
+    const cuda::NormTiles nt(rows);
+    const int64_t tile_rows = nt.rows_per_tile, tiles = nt.tiles;
     Tensor pw = Tensor::empty({tiles, n}, x.options());
     const dim3 grid(static_cast<unsigned>(cuda::ceil_div(n, cuda::kBlockSize)), static_cast<unsigned>(tiles));
     dw_partial_kernel<T><<<grid, cuda::kBlockSize, 0, stream>>>(dy.data<T>(), x.data<T>(), rstd.data<T>(), rows, n,
