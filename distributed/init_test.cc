@@ -310,7 +310,8 @@ TEST_F(ResolveEnv, SlurmErrorsNameSlurmVariables) {
        {"SLURM_JOB_NODELIST=node[01-04 is not a valid Slurm host list"}},
       {{{"SLURM_JOB_NODELIST", "node1"}, {"SLURM_TASKS_PER_NODE", "2(x2)"}, {"SLURM_NODEID", "5"}},
        {"SLURM_TASKS_PER_NODE=2(x2) lists 2 nodes but SLURM_NODEID=5"}},
-      {{{"SLURM_TASKS_PER_NODE", nullptr}, {"SLURM_JOB_NODELIST", nullptr}}, {"MASTER_ADDR is not set", "SLURM_NTASKS=2"}},
+      {{{"SLURM_TASKS_PER_NODE", nullptr}, {"SLURM_JOB_NODELIST", nullptr}},
+       {"MASTER_ADDR is not set", "SLURM_NTASKS=2"}},
   });
 }
 
