@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "core/exception.h"
 #include "distributed/parallel/comm_cost.h"
@@ -124,6 +125,18 @@ const ParallelDims::Flag* mesh_flag(const std::string& name) {
   return nullptr;
 }
 
+// A model shape's flag (--layers, --dim, ...): the ModelSpec field it sets, or null.
+int64_t ModelSpec::*model_size_flag(const std::string& name) {
+  static const std::pair<const char*, int64_t ModelSpec::*> kFlags[] = {
+      {"--layers", &ModelSpec::layers},     {"--dim", &ModelSpec::dim}, {"--heads", &ModelSpec::heads},
+      {"--kv-heads", &ModelSpec::kv_heads}, {"--ffn", &ModelSpec::ffn}, {"--vocab", &ModelSpec::vocab},
+      {"--seq", &ModelSpec::seq},
+  };
+  for (const auto& [flag, field] : kFlags)
+    if (name == flag) return field;
+  return nullptr;
+}
+
 // The command line, parsed.
 struct Args {
   ModelSpec m;
@@ -158,20 +171,8 @@ Args parse_args(int argc, char** argv) {
     auto integer = [&]() { return static_cast<int64_t>(number(a, value())); };
     if (a == "--model")
       model = value();
-    else if (a == "--layers")
-      m.layers = integer();
-    else if (a == "--dim")
-      m.dim = integer();
-    else if (a == "--heads")
-      m.heads = integer();
-    else if (a == "--kv-heads")
-      m.kv_heads = integer();
-    else if (a == "--ffn")
-      m.ffn = integer();
-    else if (a == "--vocab")
-      m.vocab = integer();
-    else if (a == "--seq")
-      m.seq = integer();
+    else if (int64_t ModelSpec::*size = model_size_flag(a))
+      m.*size = integer();
     else if (a == "--swiglu")
       m.swiglu = true;
     else if (a == "--tied")
