@@ -53,6 +53,19 @@ inline int64_t grad_bytes_of(const std::vector<Tensor>& params) {
   return bytes;
 }
 
+// The rest of a training step after its forward: the backward, the bytes of
+// the gradients `model` then holds (noted once, while `grad_bytes` is 0),
+// the optimizer's step and zero_grad. Returns the loss, which the step
+// returns to timed_median.
+template <typename Model, typename Opt>
+Tensor backward_and_step(const Tensor& loss, Model& model, Opt& opt, int64_t& grad_bytes) {
+  loss.backward();
+  if (grad_bytes == 0) grad_bytes = grad_bytes_of(model.parameters());
+  opt.step();
+  opt.zero_grad();
+  return loss;
+}
+
 // The model-state counters: param_MiB, grad_MiB and state_MiB (the
 // optimizer's state of params, opt.state(p) naming its tensors); returns
 // the three together, in bytes.

@@ -125,11 +125,7 @@ void BM_FsdpStep(benchmark::State& state, const std::string& name, const std::st
       loss = model_name == "mlp" ? nn::functional::mse_loss(out, y)
                                  : nn::functional::cross_entropy(out.reshape({-1, 8192}), y);
     }
-    loss.backward();
-    if (grad_bytes == 0) grad_bytes = bench::grad_bytes_of(model->parameters());
-    opt.step();
-    opt.zero_grad();
-    return loss;
+    return bench::backward_and_step(loss, *model, opt, grad_bytes);
   };
   step();  // warmup: optimizer state, allocator caches
   cpu_allocator()->reset_peak_stats();

@@ -66,11 +66,7 @@ void BM_TpStep(benchmark::State& state, const std::string& name, const std::stri
     const int64_t before = static_cast<int64_t>(alloc->stats().requested);
     Tensor loss = parallel_cross_entropy((*model)(x), y);
     act_bytes = static_cast<int64_t>(alloc->stats().requested) - before;
-    loss.backward();
-    if (grad_bytes == 0) grad_bytes = bench::grad_bytes_of(model->parameters());
-    opt.step();
-    opt.zero_grad();
-    return loss;
+    return bench::backward_and_step(loss, *model, opt, grad_bytes);
   };
   step();  // warmup: optimizer state, allocator caches
   // EMBER_TP_BENCH_PROFILE=1: the top ops of the timed steps by self time (stderr).

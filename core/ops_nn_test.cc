@@ -17,6 +17,7 @@
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
 #include "core/ops.h"
+#include "core/testing/conv_cases.h"
 #include "core/testing/error_of.h"
 #include "core/testing/pool_cases.h"
 
@@ -108,22 +109,13 @@ Tensor naive_pool(const Tensor& x, Dims k, Dims s, Dims p, bool ceil_mode, bool 
 
 // ---- conv2d ----
 
-struct ConvCase {
-  Shape x, w;
-  Dims stride, pad, dil;
-  int64_t groups;
-  bool bias;
-};
-const std::vector<ConvCase> kConvCases = {
-    {{2, 3, 7, 6}, {4, 3, 3, 3}, {1, 1}, {0, 0}, {1, 1}, 1, true},   // plain 3x3
-    {{2, 3, 9, 8}, {5, 3, 3, 3}, {2, 2}, {1, 1}, {1, 1}, 1, true},   // stride 2, padding 1
-    {{1, 2, 9, 9}, {3, 2, 3, 3}, {1, 1}, {2, 2}, {2, 2}, 1, false},  // dilation 2
-    {{2, 4, 6, 7}, {6, 2, 3, 2}, {1, 1}, {1, 0}, {1, 1}, 2, false},  // groups 2, non-square kernel
-    {{2, 5, 8, 8}, {5, 1, 3, 3}, {1, 1}, {1, 1}, {1, 1}, 5, true},   // depthwise
-    {{1, 3, 6, 6}, {6, 1, 3, 3}, {2, 2}, {1, 1}, {1, 1}, 3, true},   // depthwise, multiplier 2
-    {{3, 8, 5, 5}, {4, 8, 1, 1}, {1, 1}, {0, 0}, {1, 1}, 1, true},   // 1x1
-    {{1, 2, 10, 9}, {3, 2, 4, 3}, {3, 2}, {0, 1}, {1, 2}, 1, true},  // asymmetric, stride not dividing
-};
+using testing::ConvCase;
+const std::vector<ConvCase> kConvCases = testing::conv_cases({
+    {{2, 3, 9, 8}, {5, 3, 3, 3}, {2, 2}, {1, 1}, {1, 1}, 1, true},  // stride 2, padding 1
+    {{2, 5, 8, 8}, {5, 1, 3, 3}, {1, 1}, {1, 1}, {1, 1}, 5, true},  // depthwise
+    {{1, 3, 6, 6}, {6, 1, 3, 3}, {2, 2}, {1, 1}, {1, 1}, 3, true},  // depthwise, multiplier 2
+    {{3, 8, 5, 5}, {4, 8, 1, 1}, {1, 1}, {0, 0}, {1, 1}, 1, true},  // 1x1
+});
 
 // Labels via str_cat: GCC 12 warns (-Wrestrict, falsely) on "literal" + std::string.
 template <typename... Args>

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "core/ops.h"
+#include "core/testing/error_of.h"
 #include "data/batch_memory.h"
 #include "data/readers.h"
 
@@ -198,17 +199,14 @@ TEST(DataLoader, WorkerExceptionReachesTheConsumer) {
     auto ds = std::make_shared<SlowDataset>(40, /*fail_at=*/13);
     DataLoader loader(ds, {.batch_size = 4, .num_workers = workers});
     int delivered = 0;
-    try {
+    const std::string m = ::ember::testing::error_of([&] {
       for (Batch& b : loader) {
         EXPECT_EQ(b.indices.front(), 4 * delivered);
         ++delivered;
       }
-      FAIL() << "no exception";
-    } catch (const Error& e) {
-      std::string m = e.what();
-      EXPECT_NE(m.find("example 13"), std::string::npos) << m;
-      EXPECT_NE(m.find("boom: cannot decode"), std::string::npos) << m;
-    }
+    });
+    EXPECT_NE(m.find("example 13"), std::string::npos) << m;
+    EXPECT_NE(m.find("boom: cannot decode"), std::string::npos) << m;
     EXPECT_EQ(delivered, 3);  // batches 0-2, then batch 3 (indices 12-15) fails when due
     // Other exception types arrive as they are.
     auto other = std::make_shared<SlowDataset>(40, 0, /*std_error=*/true);
@@ -227,14 +225,9 @@ class RaggedDataset : public Dataset {
 TEST(DataLoader, MismatchedExamplesNameTheExample) {
   DataLoader loader(std::make_shared<RaggedDataset>(), {.batch_size = 4, .num_workers = 2});
   auto it = loader.begin();
-  try {
-    ++it;
-    FAIL() << "no exception";
-  } catch (const Error& e) {
-    std::string m = e.what();
-    EXPECT_NE(m.find("example 5"), std::string::npos) << m;
-    EXPECT_NE(m.find("float32 [3] but the batch's first example's is float32 [2]"), std::string::npos) << m;
-  }
+  const std::string m = ::ember::testing::error_of([&] { ++it; });
+  EXPECT_NE(m.find("example 5"), std::string::npos) << m;
+  EXPECT_NE(m.find("float32 [3] but the batch's first example's is float32 [2]"), std::string::npos) << m;
   EXPECT_TRUE(it == loader.end());
 }
 

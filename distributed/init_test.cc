@@ -14,6 +14,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "core/exception.h"
 #include "core/testing/error_of.h"
@@ -46,6 +48,51 @@ class ResolveEnv : public ::testing::Test {
     for (const auto& [k, v] : saved_) setenv(k.c_str(), v.c_str(), 1);
   }
   static void set(const char* name, const std::string& value) { setenv(name, value.c_str(), 1); }
+  using Vars = std::vector<std::pair<const char*, const char*>>;
+  // Sets each variable, or unsets it where the value is nullptr.
+  static void set(const Vars& vars) {
+    for (const auto& [name, value] : vars) value ? set(name, value) : (void)unsetenv(name);
+  }
+
+  // The fields every source decides, checked together.
+  struct Want {
+    int rank, world_size, local_rank, local_world_size;
+    std::string master_addr;
+    int master_port;
+    std::string source;
+  };
+  static void expect_resolved(const ResolvedEnv& r, const Want& w) {
+    EXPECT_EQ(r.rank, w.rank);
+    EXPECT_EQ(r.world_size, w.world_size);
+    EXPECT_EQ(r.local_rank, w.local_rank);
+    EXPECT_EQ(r.local_world_size, w.local_world_size);
+    EXPECT_EQ(r.master_addr, w.master_addr);
+    EXPECT_EQ(r.master_port, w.master_port);
+    EXPECT_EQ(r.source, w.source);
+  }
+  // Exports `w` as torchrun does, so resolve_env should give `w` back.
+  static void set_torchrun(const Want& w) {
+    set("RANK", std::to_string(w.rank));
+    set("WORLD_SIZE", std::to_string(w.world_size));
+    set("LOCAL_RANK", std::to_string(w.local_rank));
+    set("LOCAL_WORLD_SIZE", std::to_string(w.local_world_size));
+    set("MASTER_ADDR", w.master_addr);
+    set("MASTER_PORT", std::to_string(w.master_port));
+  }
+
+  // One step of a scenario: variables to set on top of the earlier steps',
+  // then the substrings resolve_env's error must contain.
+  struct Step {
+    Vars vars;
+    std::vector<std::string> errors;
+  };
+  static void expect_errors(const std::vector<Step>& steps) {
+    for (const Step& step : steps) {
+      set(step.vars);
+      const std::string err = error_of({});
+      for (const std::string& want : step.errors) EXPECT_THAT(err, HasSubstr(want));
+    }
+  }
 
   static std::string error_of(const InitOptions& o) {
     try {
@@ -79,52 +126,29 @@ TEST_F(ResolveEnv, AGroupsDeviceComesFromTheLocalRank) {
 }
 
 TEST_F(ResolveEnv, NothingSetIsOneProcess) {
-  ResolvedEnv r = resolve_env({});
-  EXPECT_EQ(r.rank, 0);
-  EXPECT_EQ(r.world_size, 1);
-  EXPECT_EQ(r.local_rank, 0);
-  EXPECT_EQ(r.local_world_size, 1);
-  EXPECT_EQ(r.master_addr, "127.0.0.1");
-  EXPECT_EQ(r.master_port, 0);  // a free port: nobody else needs to find it
-  EXPECT_EQ(r.source, "default");
+  // Port 0: a free port, nobody else needs to find it.
+  expect_resolved(resolve_env({}), {0, 1, 0, 1, "127.0.0.1", 0, "default"});
 }
 
 TEST_F(ResolveEnv, TorchrunVariables) {
-  set("RANK", "6");
-  set("WORLD_SIZE", "8");
-  set("LOCAL_RANK", "2");
-  set("LOCAL_WORLD_SIZE", "4");
-  set("MASTER_ADDR", "10.1.2.3");
-  set("MASTER_PORT", "29555");
-  ResolvedEnv r = resolve_env({});
-  EXPECT_EQ(r.rank, 6);
-  EXPECT_EQ(r.world_size, 8);
-  EXPECT_EQ(r.local_rank, 2);
-  EXPECT_EQ(r.local_world_size, 4);
-  EXPECT_EQ(r.master_addr, "10.1.2.3");
-  EXPECT_EQ(r.master_port, 29555);
-  EXPECT_EQ(r.source, "torchrun env");
+  const Want torchrun{6, 8, 2, 4, "10.1.2.3", 29555, "torchrun env"};
+  set_torchrun(torchrun);
+  expect_resolved(resolve_env({}), torchrun);
 }
 
 TEST_F(ResolveEnv, SlurmVariables) {
-  set("SLURM_PROCID", "5");
-  set("SLURM_NTASKS", "8");
-  set("SLURM_LOCALID", "1");
-  set("SLURM_NTASKS_PER_NODE", "4");
-  set("SLURM_JOB_NODELIST", "gpu[07-08]");
-  ResolvedEnv r = resolve_env({});
-  EXPECT_EQ(r.rank, 5);
-  EXPECT_EQ(r.world_size, 8);
-  EXPECT_EQ(r.local_rank, 1);
-  EXPECT_EQ(r.local_world_size, 4);
-  EXPECT_EQ(r.master_addr, "gpu07");  // first host, zero padding kept
-  EXPECT_EQ(r.master_port, 29500);
-  EXPECT_EQ(r.source, "slurm");
+  set({{"SLURM_PROCID", "5"},
+       {"SLURM_NTASKS", "8"},
+       {"SLURM_LOCALID", "1"},
+       {"SLURM_NTASKS_PER_NODE", "4"},
+       {"SLURM_JOB_NODELIST", "gpu[07-08]"}});
+  // The address: the first host, zero padding kept.
+  expect_resolved(resolve_env({}), {5, 8, 1, 4, "gpu07", 29500, "slurm"});
 
   // MASTER_ADDR / MASTER_PORT exported by the job script beat the node list.
   set("MASTER_ADDR", "login-node");
   set("MASTER_PORT", "12345");
-  r = resolve_env({});
+  ResolvedEnv r = resolve_env({});
   EXPECT_EQ(r.master_addr, "login-node");
   EXPECT_EQ(r.master_port, 12345);
 }
@@ -159,23 +183,10 @@ TEST_F(ResolveEnv, SlurmNodeListsAndTasksPerNode) {
 
 TEST_F(ResolveEnv, TorchrunWinsOverSlurm) {
   // srun launching torchrun: SLURM's describe the launcher, torchrun's the worker.
-  set("SLURM_PROCID", "1");
-  set("SLURM_NTASKS", "2");
-  set("SLURM_LOCALID", "0");
-  set("SLURM_JOB_NODELIST", "n[1-2]");
-  set("RANK", "9");
-  set("WORLD_SIZE", "16");
-  set("LOCAL_RANK", "1");
-  set("LOCAL_WORLD_SIZE", "8");
-  set("MASTER_ADDR", "n1");
-  set("MASTER_PORT", "29400");
-  ResolvedEnv r = resolve_env({});
-  EXPECT_EQ(r.rank, 9);
-  EXPECT_EQ(r.world_size, 16);
-  EXPECT_EQ(r.local_rank, 1);
-  EXPECT_EQ(r.local_world_size, 8);
-  EXPECT_EQ(r.master_addr, "n1");
-  EXPECT_EQ(r.source, "torchrun env");
+  set({{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}, {"SLURM_JOB_NODELIST", "n[1-2]"}});
+  const Want torchrun{9, 16, 1, 8, "n1", 29400, "torchrun env"};
+  set_torchrun(torchrun);
+  expect_resolved(resolve_env({}), torchrun);
 }
 
 TEST_F(ResolveEnv, ExplicitOptionsWin) {
@@ -260,48 +271,29 @@ TEST_F(ResolveEnv, AGivenStoreNeedsNoAddress) {
 }
 
 TEST_F(ResolveEnv, ErrorsNameTheVariableAndValue) {
-  set("RANK", "5");
-  set("WORLD_SIZE", "4");
-  set("MASTER_ADDR", "h");
-  set("MASTER_PORT", "1234");
-  EXPECT_THAT(error_of({}), HasSubstr("RANK=5 must be below WORLD_SIZE=4"));
-  set("RANK", "-1");
-  EXPECT_THAT(error_of({}), HasSubstr("RANK=-1 must be at least 0"));
-  set("RANK", "abc");
-  EXPECT_THAT(error_of({}), HasSubstr("RANK=abc is not an integer"));
-  set("RANK", "1x");
-  EXPECT_THAT(error_of({}), HasSubstr("RANK=1x is not an integer"));
-  set("RANK", "0");
-  set("WORLD_SIZE", "0");
-  EXPECT_THAT(error_of({}), HasSubstr("WORLD_SIZE=0 must be at least 1"));
-  set("WORLD_SIZE", "4");
-  set("MASTER_PORT", "70000");
-  EXPECT_THAT(error_of({}), HasSubstr("MASTER_PORT=70000 is not a port"));
-  set("MASTER_PORT", "0");
-  EXPECT_THAT(error_of({}), HasSubstr("MASTER_PORT=0 cannot be used with WORLD_SIZE=4"));
-  set("MASTER_PORT", "1234");
-  set("LOCAL_RANK", "3");
-  set("LOCAL_WORLD_SIZE", "2");
-  EXPECT_THAT(error_of({}), HasSubstr("LOCAL_RANK=3 must be below LOCAL_WORLD_SIZE=2"));
+  expect_errors({
+      {{{"RANK", "5"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1234"}},
+       {"RANK=5 must be below WORLD_SIZE=4"}},
+      {{{"RANK", "-1"}}, {"RANK=-1 must be at least 0"}},
+      {{{"RANK", "abc"}}, {"RANK=abc is not an integer"}},
+      {{{"RANK", "1x"}}, {"RANK=1x is not an integer"}},
+      {{{"RANK", "0"}, {"WORLD_SIZE", "0"}}, {"WORLD_SIZE=0 must be at least 1"}},
+      {{{"WORLD_SIZE", "4"}, {"MASTER_PORT", "70000"}}, {"MASTER_PORT=70000 is not a port"}},
+      {{{"MASTER_PORT", "0"}}, {"MASTER_PORT=0 cannot be used with WORLD_SIZE=4"}},
+      {{{"MASTER_PORT", "1234"}, {"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"}},
+       {"LOCAL_RANK=3 must be below LOCAL_WORLD_SIZE=2"}},
+  });
 }
 
 TEST_F(ResolveEnv, MissingVariablesAreNamed) {
-  set("RANK", "1");
-  EXPECT_THAT(error_of({}), HasSubstr("RANK=1 is set but the world size is not"));
-  unsetenv("RANK");
-  set("WORLD_SIZE", "4");
-  EXPECT_THAT(error_of({}), HasSubstr("WORLD_SIZE=4 is set but the rank is not"));
-  set("RANK", "1");
-  set("MASTER_PORT", "1234");
-  std::string err = error_of({});
-  EXPECT_THAT(err, HasSubstr("MASTER_ADDR is not set"));
-  EXPECT_THAT(err, HasSubstr("rank 1 of WORLD_SIZE=4"));
-  set("MASTER_ADDR", "h");
-  unsetenv("MASTER_PORT");
-  EXPECT_THAT(error_of({}), HasSubstr("MASTER_PORT is not set"));
-  // An empty variable is as good as unset.
-  set("MASTER_PORT", "");
-  EXPECT_THAT(error_of({}), HasSubstr("MASTER_PORT is not set"));
+  expect_errors({
+      {{{"RANK", "1"}}, {"RANK=1 is set but the world size is not"}},
+      {{{"RANK", nullptr}, {"WORLD_SIZE", "4"}}, {"WORLD_SIZE=4 is set but the rank is not"}},
+      {{{"RANK", "1"}, {"MASTER_PORT", "1234"}}, {"MASTER_ADDR is not set", "rank 1 of WORLD_SIZE=4"}},
+      {{{"MASTER_ADDR", "h"}, {"MASTER_PORT", nullptr}}, {"MASTER_PORT is not set"}},
+      // An empty variable is as good as unset.
+      {{{"MASTER_PORT", ""}}, {"MASTER_PORT is not set"}},
+  });
   // A world of one needs no rendezvous address.
   set("WORLD_SIZE", "1");
   set("RANK", "0");
@@ -312,56 +304,39 @@ TEST_F(ResolveEnv, MissingVariablesAreNamed) {
 }
 
 TEST_F(ResolveEnv, SlurmErrorsNameSlurmVariables) {
-  set("SLURM_PROCID", "3");
-  set("SLURM_NTASKS", "2");
-  EXPECT_THAT(error_of({}), HasSubstr("SLURM_PROCID=3 must be below SLURM_NTASKS=2"));
-  set("SLURM_PROCID", "1");
-  set("SLURM_JOB_NODELIST", "node[01-04");
-  EXPECT_THAT(error_of({}), HasSubstr("SLURM_JOB_NODELIST=node[01-04 is not a valid Slurm host list"));
-  set("SLURM_JOB_NODELIST", "node1");
-  set("SLURM_TASKS_PER_NODE", "2(x2)");
-  set("SLURM_NODEID", "5");
-  EXPECT_THAT(error_of({}), HasSubstr("SLURM_TASKS_PER_NODE=2(x2) lists 2 nodes but SLURM_NODEID=5"));
-  unsetenv("SLURM_TASKS_PER_NODE");
-  unsetenv("SLURM_JOB_NODELIST");
-  std::string err = error_of({});
-  EXPECT_THAT(err, HasSubstr("MASTER_ADDR is not set"));
-  EXPECT_THAT(err, HasSubstr("SLURM_NTASKS=2"));
+  expect_errors({
+      {{{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "2"}}, {"SLURM_PROCID=3 must be below SLURM_NTASKS=2"}},
+      {{{"SLURM_PROCID", "1"}, {"SLURM_JOB_NODELIST", "node[01-04"}},
+       {"SLURM_JOB_NODELIST=node[01-04 is not a valid Slurm host list"}},
+      {{{"SLURM_JOB_NODELIST", "node1"}, {"SLURM_TASKS_PER_NODE", "2(x2)"}, {"SLURM_NODEID", "5"}},
+       {"SLURM_TASKS_PER_NODE=2(x2) lists 2 nodes but SLURM_NODEID=5"}},
+      {{{"SLURM_TASKS_PER_NODE", nullptr}, {"SLURM_JOB_NODELIST", nullptr}},
+       {"MASTER_ADDR is not set", "SLURM_NTASKS=2"}},
+  });
 }
 
 TEST_F(ResolveEnv, BadOptionsAreNamed) {
-  InitOptions o;
-  o.rank = -2;
-  EXPECT_THAT(error_of(o), HasSubstr("InitOptions::rank=-2 is invalid"));
-  o = {};
-  o.world_size = 0;
-  EXPECT_THAT(error_of(o), HasSubstr("InitOptions::world_size=0 is invalid"));
-  o = {};
-  o.rank = 4;
-  o.world_size = 4;
-  EXPECT_THAT(error_of(o), HasSubstr("InitOptions::rank=4 must be below InitOptions::world_size=4"));
-  o = {};
-  o.master_port = 65536;
-  EXPECT_THAT(error_of(o), HasSubstr("InitOptions::master_port=65536"));
-  o = {};
-  o.rank = 1;
-  EXPECT_THAT(error_of(o), HasSubstr("InitOptions::rank=1 is set but the world size is not"));
-  o = {};
-  o.world_size = 3;
-  EXPECT_THAT(error_of(o), HasSubstr("InitOptions::world_size=3 is set but the rank is not"));
+  // Each case: bad settings on default options, and the error naming them.
+  const std::pair<std::function<void(InitOptions&)>, const char*> cases[] = {
+      {[](InitOptions& o) { o.rank = -2; }, "InitOptions::rank=-2 is invalid"},
+      {[](InitOptions& o) { o.world_size = 0; }, "InitOptions::world_size=0 is invalid"},
+      {[](InitOptions& o) { o.rank = 4, o.world_size = 4; },
+       "InitOptions::rank=4 must be below InitOptions::world_size=4"},
+      {[](InitOptions& o) { o.master_port = 65536; }, "InitOptions::master_port=65536"},
+      {[](InitOptions& o) { o.rank = 1; }, "InitOptions::rank=1 is set but the world size is not"},
+      {[](InitOptions& o) { o.world_size = 3; }, "InitOptions::world_size=3 is set but the rank is not"},
+  };
+  for (const auto& [bad, error] : cases) {
+    InitOptions o;
+    bad(o);
+    EXPECT_THAT(error_of(o), HasSubstr(error));
+  }
 }
 
 // The accessors before init_process_group fail by name rather than crash.
 TEST_F(ResolveEnv, GroupAccessorsBeforeInit) {
   EXPECT_FALSE(is_initialized());
-  auto msg = [](auto f) -> std::string {
-    try {
-      f();
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "<no ember::Error thrown>";
-  };
+  const auto msg = ::ember::testing::error_of;
   EXPECT_THAT(msg([] { default_group(); }), HasSubstr("not initialized"));
   EXPECT_THAT(msg([] { get_rank(); }), HasSubstr("not initialized"));
   EXPECT_THAT(msg([] { get_world_size(); }), HasSubstr("not initialized"));

@@ -235,4 +235,16 @@ inline void add_mesh_flags(FlagTable& t, distributed::ParallelDims& d) {
     t.integer(flag.name, &(d.*flag.degree), flag.min, flag.metavar, flag.help);
 }
 
+// A trainer's main: its Flags declared and parsed by the declare and
+// parse_flags that argument-dependent lookup finds for them, then
+// train(flags, table) through launch_and_train (--nproc spawns the ranks).
+template <typename Flags, typename Train>
+int flags_main(const char* program, const char* usage, int argc, char** argv, Train train) {
+  Flags flags;
+  FlagTable table(program, usage);
+  declare(table, flags);
+  parse_flags(table, flags, argc, argv);
+  return launch_and_train(table.cli(), flags.common.nproc, argc, argv, [&] { return train(flags, table); });
+}
+
 }  // namespace ember::examples

@@ -423,9 +423,5 @@ int train(const Flags& flags, const examples::FlagTable& table) {
 
 int main(int argc, char** argv) {
   using namespace ember;
-  Flags flags;
-  examples::FlagTable table("gpt", "usage: gpt [flags]   (also gpt_fsdp)");
-  examples::declare(table, flags);
-  examples::parse_flags(table, flags, argc, argv);
-  return examples::launch_and_train(table.cli(), flags.common.nproc, argc, argv, [&] { return train(flags, table); });
+  return examples::flags_main<Flags>("gpt", "usage: gpt [flags]   (also gpt_fsdp)", argc, argv, train);
 }

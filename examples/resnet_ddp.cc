@@ -582,9 +582,5 @@ int train(const Flags& flags, const examples::FlagTable& table) {
 
 int main(int argc, char** argv) {
   using namespace ember;
-  Flags flags;
-  examples::FlagTable table("resnet_ddp", "usage: resnet_ddp [flags]");
-  declare(table, flags);
-  parse_flags(table, flags, argc, argv);
-  return examples::launch_and_train(table.cli(), flags.common.nproc, argc, argv, [&] { return train(flags, table); });
+  return examples::flags_main<Flags>("resnet_ddp", "usage: resnet_ddp [flags]", argc, argv, train);
 }

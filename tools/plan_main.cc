@@ -25,11 +25,13 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "core/exception.h"
 #include "distributed/parallel/comm_cost.h"
 #include "distributed/parallel/mesh_plan.h"
 #include "distributed/parallel/step_cost.h"
+#include "examples/cli.h"
 
 namespace {
 
@@ -52,16 +54,14 @@ const char* kUsage =
     "    shared; default the profile's) instead of the GPU's peak and links; with --inter-host-gbps, hosts of\n"
     "    --gpus-per-host ranks joined by links of that speed (emulated hosts over a shaped veth pair)\n";
 
-[[noreturn]] void usage_error(const std::string& msg) {
-  std::fprintf(stderr, "plan: %s\n%s", msg.c_str(), kUsage);
-  std::exit(2);
-}
+// Errors name the program and end with the usage (exit 2), as the examples' do.
+const ember::examples::Cli kCli{"plan", kUsage};
 
 double number(const std::string& flag, const std::string& text) {
   char* end = nullptr;
   const double v = std::strtod(text.c_str(), &end);
   if (end == text.c_str() || *end != '\0' || !(v >= 0))
-    usage_error(flag + " wants a non-negative number, got '" + text + "'");
+    kCli.error(flag + " wants a non-negative number, got '" + text + "'");
   return v;
 }
 
@@ -76,7 +76,7 @@ int64_t bytes(const std::string& text) {
   if (unit == "GB") return static_cast<int64_t>(v * 1e9);
   if (unit == "MiB" || unit == "M") return static_cast<int64_t>(v * (1LL << 20));
   if (unit == "MB") return static_cast<int64_t>(v * 1e6);
-  usage_error("--mem-per-gpu: unknown unit '" + unit + "' in '" + text + "' (GiB, GB, MiB, MB)");
+  kCli.error("--mem-per-gpu: unknown unit '" + unit + "' in '" + text + "' (GiB, GB, MiB, MB)");
 }
 
 // What failures cost the best mesh: its checkpoint (float32 parameters and
@@ -89,7 +89,7 @@ int64_t bytes(const std::string& text) {
 void reliability(const ember::distributed::MeshPlan& plan, double failures_per_gpu_day, double gbps_per_host,
                  double restart_s) {
   if (failures_per_gpu_day <= 0 || gbps_per_host <= 0)
-    usage_error("--failures-per-gpu-day and --ckpt-gbps-per-host must be positive");
+    kCli.error("--failures-per-gpu-day and --ckpt-gbps-per-host must be positive");
   const auto& best = plan.best();
   const double hosts = std::max(1.0, static_cast<double>(plan.hw.gpus) / plan.hw.gpus_per_host);
   const double bytes = 12.0 * plan.model.num_params();
@@ -124,6 +124,18 @@ const ParallelDims::Flag* mesh_flag(const std::string& name) {
   return nullptr;
 }
 
+// A model shape's flag (--layers, --dim, ...): the ModelSpec field it sets, or null.
+int64_t ModelSpec::*model_size_flag(const std::string& name) {
+  static const std::pair<const char*, int64_t ModelSpec::*> kFlags[] = {
+      {"--layers", &ModelSpec::layers},     {"--dim", &ModelSpec::dim}, {"--heads", &ModelSpec::heads},
+      {"--kv-heads", &ModelSpec::kv_heads}, {"--ffn", &ModelSpec::ffn}, {"--vocab", &ModelSpec::vocab},
+      {"--seq", &ModelSpec::seq},
+  };
+  for (const auto& [flag, field] : kFlags)
+    if (name == flag) return field;
+  return nullptr;
+}
+
 // The command line, parsed.
 struct Args {
   ModelSpec m;
@@ -152,26 +164,14 @@ Args parse_args(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage_error(a + " needs a value");
+      if (i + 1 >= argc) kCli.error(a + " needs a value");
       return argv[++i];
     };
     auto integer = [&]() { return static_cast<int64_t>(number(a, value())); };
     if (a == "--model")
       model = value();
-    else if (a == "--layers")
-      m.layers = integer();
-    else if (a == "--dim")
-      m.dim = integer();
-    else if (a == "--heads")
-      m.heads = integer();
-    else if (a == "--kv-heads")
-      m.kv_heads = integer();
-    else if (a == "--ffn")
-      m.ffn = integer();
-    else if (a == "--vocab")
-      m.vocab = integer();
-    else if (a == "--seq")
-      m.seq = integer();
+    else if (int64_t ModelSpec::*size = model_size_flag(a))
+      m.*size = integer();
     else if (a == "--swiglu")
       m.swiglu = true;
     else if (a == "--tied")
@@ -186,7 +186,7 @@ Args parse_args(int argc, char** argv) {
       o.global_batch = integer();
     else if (a == "--dtype") {
       const std::string d = value();
-      if (d != "bf16" && d != "fp16" && d != "fp32") usage_error("--dtype takes bf16, fp16 or fp32, got '" + d + "'");
+      if (d != "bf16" && d != "fp16" && d != "fp32") kCli.error("--dtype takes bf16, fp16 or fp32, got '" + d + "'");
       o.mixed_precision = d != "fp32";
     } else if (a == "--optimizer")
       o.optimizer = value();
@@ -234,7 +234,7 @@ Args parse_args(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       std::exit(0);
     } else {
-      usage_error("unknown argument '" + a + "'");
+      kCli.error("unknown argument '" + a + "'");
     }
   }
   return args;
@@ -247,46 +247,46 @@ int main(int argc, char** argv) {
   Args args = parse_args(argc, argv);
   auto& [m, hw, o, model, gpus_given, explain, mesh_given, inter_given, given, given_sp, compute_path, fit_path,
          failures_per_gpu_day, ckpt_gbps_per_host, restart_s, cores] = args;
-  if (!gpus_given) usage_error("--gpus is required");
-  if (o.global_batch <= 0) usage_error("--global-batch is required");
+  if (!gpus_given) kCli.error("--gpus is required");
+  if (o.global_batch <= 0) kCli.error("--global-batch is required");
   try {
     if (!model.empty()) {
-      if (m.layers || m.dim || m.heads) usage_error("give --model or --layers/--dim/--heads/..., not both");
+      if (m.layers || m.dim || m.heads) kCli.error("give --model or --layers/--dim/--heads/..., not both");
       m = model_preset(model);
     } else {
       if (m.layers <= 0 || m.dim <= 0 || m.heads <= 0 || m.vocab <= 0 || m.seq <= 0)
-        usage_error("give --model, or all of --layers, --dim, --heads, --vocab and --seq");
+        kCli.error("give --model, or all of --layers, --dim, --heads, --vocab and --seq");
       m.name = "transformer";
     }
     // This machine's measurements, or the GPU's figures.
-    if (compute_path.empty() != fit_path.empty()) usage_error("--compute-profile and --comm-fit go together");
+    if (compute_path.empty() != fit_path.empty()) kCli.error("--compute-profile and --comm-fit go together");
     ComputeProfile profile;
     std::optional<CommCostModel> fits;
     std::optional<Links> links;
     if (!compute_path.empty()) {
       auto p = ComputeProfile::load(compute_path);
-      if (!p.ok()) usage_error(std::string(p.status().message()));
+      if (!p.ok()) kCli.error(std::string(p.status().message()));
       profile = *p;
       if (cores > 0) profile.cores = cores;
       auto f = CommCostModel::load(fit_path);
-      if (!f.ok()) usage_error(std::string(f.status().message()));
+      if (!f.ok()) kCli.error(std::string(f.status().message()));
       fits = std::move(*f);
       // --inter-host-gbps: hosts of --gpus-per-host ranks joined by such a link.
       links = Links::measured(*fits, hw.gpus, profile.cores, inter_given ? hw.inter_host_bw : 0, hw.gpus_per_host);
       o.compute = &profile;
       o.links = &*links;
     } else if (cores > 0) {
-      usage_error("--cores goes with --compute-profile");
+      kCli.error("--cores goes with --compute-profile");
     }
     if (mesh_given) {
       // That mesh only: dp_shard -1 takes the ranks the others leave.
-      if (given_sp != "on" && given_sp != "off") usage_error("--sp takes on or off, got '" + given_sp + "'");
-      if (given.ac != "none" && given.ac != "full") usage_error("--ac takes none or full, got '" + given.ac + "'");
+      if (given_sp != "on" && given_sp != "off") kCli.error("--sp takes on or off, got '" + given_sp + "'");
+      if (given.ac != "none" && given.ac != "full") kCli.error("--ac takes none or full, got '" + given.ac + "'");
       given.sequence_parallel = given_sp == "on";
       try {
         given.dims = given.dims.resolved(hw.gpus);
       } catch (const std::exception& e) {
-        usage_error(e.what());
+        kCli.error(e.what());
       }
       if (given.dims.pp > 1 && given.schedule.empty()) given.schedule = "1f1b";
       if (given.dims.pp > 1 && given.microbatches == 1 && given.schedule != "") given.microbatches = given.dims.pp;

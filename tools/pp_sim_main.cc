@@ -18,6 +18,7 @@
 
 #include "core/exception.h"
 #include "distributed/parallel/pp/schedule/schedule.h"
+#include "examples/cli.h"
 
 namespace {
 
@@ -27,17 +28,15 @@ const char* kUsage =
     "  prints the timeline (one row per rank), the line 'bubble fraction X' and each stage's peak\n"
     "  number of live micro-batch activations. Without W actions a B costs tb + tw.\n";
 
-[[noreturn]] void usage_error(const std::string& msg) {
-  std::fprintf(stderr, "pp_sim: %s\n%s", msg.c_str(), kUsage);
-  std::exit(2);
-}
+// Errors name the program and end with the usage (exit 2), as the examples' do.
+const ember::examples::Cli kCli{"pp_sim", kUsage};
 
 double number(const std::string& flag, const char* text, bool whole) {
   char* end = nullptr;
   const double v = std::strtod(text, &end);
   if (end == text || *end != '\0' || !(v >= 0) || (whole && (v < 1 || v != static_cast<int>(v))))
-    usage_error(flag + " wants " + (whole ? "a positive whole number" : "a non-negative number") + ", got '" + text +
-                "'");
+    kCli.error(flag + " wants " + (whole ? "a positive whole number" : "a non-negative number") + ", got '" + text +
+               "'");
   return v;
 }
 
@@ -55,7 +54,7 @@ int main(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       return 0;
     }
-    if (i + 1 >= argc) usage_error(a + " needs a value");
+    if (i + 1 >= argc) kCli.error(a + " needs a value");
     const char* v = argv[++i];
     if (a == "--schedule")
       name = v;
@@ -74,9 +73,9 @@ int main(int argc, char** argv) {
     else if (a == "--comm")
       comm = number(a, v, false);
     else
-      usage_error("unknown flag '" + a + "'");
+      kCli.error("unknown flag '" + a + "'");
   }
-  if (name.empty() || P == 0 || M == 0) usage_error("--schedule, --stages and --microbatches are required");
+  if (name.empty() || P == 0 || M == 0) kCli.error("--schedule, --stages and --microbatches are required");
   try {
     const Schedule s = make_schedule(name, P, V, M);
     const bool split = s.split_backward();

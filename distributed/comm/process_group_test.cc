@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <string>
 #include <thread>
 
 #include "core/ops.h"
@@ -198,27 +199,20 @@ EMBER_WORKER(collectives) {
   // bool: sum/max are "any", min/product "all".
   const int r = pg->rank(), ws = pg->size();
   auto b = [](int q, int64_t i) { return static_cast<double>((i + q) % 2 == 0); };
+  for (ReduceOp op : {ReduceOp::Max, ReduceOp::Min}) {
+    const bool any = op == ReduceOp::Max;
+    Tensor t = make({33}, DType::Bool, [&](int64_t i) { return b(r, i); });
+    pg->allreduce(t, op)->wait();
+    expect_values(
+        t,
+        [&](int64_t i) {
+          double v = any ? 0 : 1;
+          for (int q = 0; q < ws; ++q) v = any ? std::max(v, b(q, i)) : std::min(v, b(q, i));
+          return v;
+        },
+        std::string("allreduce ") + reduce_op_name(op) + " bool");
+  }
   Tensor t = make({33}, DType::Bool, [&](int64_t i) { return b(r, i); });
-  pg->allreduce(t, ReduceOp::Max)->wait();
-  expect_values(
-      t,
-      [&](int64_t i) {
-        double any = 0;
-        for (int q = 0; q < ws; ++q) any = std::max(any, b(q, i));
-        return any;
-      },
-      "allreduce max bool");
-  t = make({33}, DType::Bool, [&](int64_t i) { return b(r, i); });
-  pg->allreduce(t, ReduceOp::Min)->wait();
-  expect_values(
-      t,
-      [&](int64_t i) {
-        double all = 1;
-        for (int q = 0; q < ws; ++q) all = std::min(all, b(q, i));
-        return all;
-      },
-      "allreduce min bool");
-  t = make({33}, DType::Bool, [&](int64_t i) { return b(r, i); });
   pg->broadcast(t, ws - 1)->wait();
   expect_values(
       t, [&](int64_t i) { return b(ws - 1, i); }, "broadcast bool");

@@ -111,6 +111,11 @@ struct Result {
   std::chrono::milliseconds elapsed{};
 };
 
+// Checks that launch's stderr contains each of `parts`.
+void expect_stderr_has(const Result& r, std::initializer_list<std::string> parts) {
+  for (const std::string& part : parts) EXPECT_NE(r.err.find(part), std::string::npos) << part << " in:\n" << r.err;
+}
+
 // Runs launch() in this process with fds 1 and 2 sent to files.
 Result run_launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
   TempDir dir;
@@ -221,6 +226,21 @@ class ScopedUnset {
   bool had_ = false;
 };
 
+// The placement torchrun gives a worker, to check against its env.R file.
+struct WorkerVars {
+  int rank, world_size, local_rank, local_world_size, group_rank, group_world_size;
+  std::string master_addr;
+};
+void expect_worker_vars(std::map<std::string, std::string>& env, const WorkerVars& w) {
+  EXPECT_EQ(env["RANK"], std::to_string(w.rank));
+  EXPECT_EQ(env["WORLD_SIZE"], std::to_string(w.world_size));
+  EXPECT_EQ(env["LOCAL_RANK"], std::to_string(w.local_rank));
+  EXPECT_EQ(env["LOCAL_WORLD_SIZE"], std::to_string(w.local_world_size));
+  EXPECT_EQ(env["GROUP_RANK"], std::to_string(w.group_rank));
+  EXPECT_EQ(env["GROUP_WORLD_SIZE"], std::to_string(w.group_world_size));
+  EXPECT_EQ(env["MASTER_ADDR"], w.master_addr);
+}
+
 TEST(Launch, EveryRankGetsItsEnvironment) {
   ScopedUnset omp("OMP_NUM_THREADS");
   TempDir dir;
@@ -230,13 +250,7 @@ TEST(Launch, EveryRankGetsItsEnvironment) {
   std::string port;
   for (int rank = 0; rank < 3; ++rank) {
     auto env = parse_env_file(dir.file("env." + std::to_string(rank)));
-    EXPECT_EQ(env["RANK"], std::to_string(rank));
-    EXPECT_EQ(env["WORLD_SIZE"], "3");
-    EXPECT_EQ(env["LOCAL_RANK"], std::to_string(rank));
-    EXPECT_EQ(env["LOCAL_WORLD_SIZE"], "3");
-    EXPECT_EQ(env["GROUP_RANK"], "0");
-    EXPECT_EQ(env["GROUP_WORLD_SIZE"], "1");
-    EXPECT_EQ(env["MASTER_ADDR"], "127.0.0.1");
+    expect_worker_vars(env, {rank, 3, rank, 3, 0, 1, "127.0.0.1"});
     EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
     if (rank == 0) port = env["MASTER_PORT"];
     EXPECT_EQ(env["MASTER_PORT"], port);
@@ -284,13 +298,7 @@ TEST(Launch, SecondNodeRanksAndUserOmpSetting) {
   ASSERT_EQ(r.rc, 0) << r.err;
   for (int local = 0; local < 2; ++local) {
     auto env = parse_env_file(dir.file("env." + std::to_string(2 + local)));
-    EXPECT_EQ(env["RANK"], std::to_string(2 + local));
-    EXPECT_EQ(env["WORLD_SIZE"], "4");
-    EXPECT_EQ(env["LOCAL_RANK"], std::to_string(local));
-    EXPECT_EQ(env["LOCAL_WORLD_SIZE"], "2");
-    EXPECT_EQ(env["GROUP_RANK"], "1");
-    EXPECT_EQ(env["GROUP_WORLD_SIZE"], "2");
-    EXPECT_EQ(env["MASTER_ADDR"], "10.1.2.3");
+    expect_worker_vars(env, {2 + local, 4, local, 2, 1, 2, "10.1.2.3"});
     EXPECT_EQ(env["MASTER_PORT"], "29999");
     EXPECT_EQ(env["OMP_NUM_THREADS"], "7");  // the user's choice stands
   }
@@ -362,9 +370,8 @@ TEST(Launch, FailingWorkerStopsTheOthersAndReturnsItsCode) {
   // grace period never ran out.
   EXPECT_LT(r.elapsed, 30s) << r.err;
   EXPECT_EQ(r.err.find("sending SIGKILL"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("launch: rank 1 (local rank 1, pid "), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("exited with code 3"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("[rank 1]: rank 1 failing with 3\n"), std::string::npos) << r.err;
+  expect_stderr_has(r,
+                    {"launch: rank 1 (local rank 1, pid ", "exited with code 3", "[rank 1]: rank 1 failing with 3\n"});
   expect_nothing_left(dir, 3, 1);
 }
 
@@ -373,8 +380,7 @@ TEST(Launch, WorkerKilledBySignalReturns128PlusSignal) {
   LaunchOptions opt = local_options(2);
   Result r = run_launch(opt, {worker(), "fail", "0", "sig9", dir.path()});
   EXPECT_EQ(r.rc, 128 + 9) << r.err;
-  EXPECT_NE(r.err.find("rank 0 (local rank 0, pid "), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("was killed by signal 9 (SIGKILL)"), std::string::npos) << r.err;
+  expect_stderr_has(r, {"rank 0 (local rank 0, pid ", "was killed by signal 9 (SIGKILL)"});
   expect_nothing_left(dir, 2, 0);
 }
 
@@ -400,8 +406,7 @@ TEST(Launch, MaxRestartsStartsEveryWorkerAgain) {
   opt.max_restarts = 2;
   Result r = run_launch(opt, {worker(), "restart", "1", "1", dir.path()});
   EXPECT_EQ(r.rc, 0) << r.err;
-  EXPECT_NE(r.err.find("[rank 1]: rank 1 failing in start 0\n"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("launch: restarting the workers (restart 1 of 2)"), std::string::npos) << r.err;
+  expect_stderr_has(r, {"[rank 1]: rank 1 failing in start 0\n", "launch: restarting the workers (restart 1 of 2)"});
   EXPECT_EQ(r.err.find("restart 2 of 2"), std::string::npos) << r.err;
   for (int rank = 0; rank < 3; ++rank) {
     std::ifstream f(dir.path() + "/restart." + std::to_string(rank));
@@ -412,9 +417,8 @@ TEST(Launch, MaxRestartsStartsEveryWorkerAgain) {
   TempDir always;
   Result r2 = run_launch(opt, {worker(), "restart", "2", "99", always.path()});
   EXPECT_EQ(r2.rc, 3) << r2.err;
-  EXPECT_NE(r2.err.find("[rank 2]: rank 2 failing in start 2\n"), std::string::npos) << r2.err;
-  EXPECT_NE(r2.err.find("launch: restarting the workers (restart 2 of 2)"), std::string::npos) << r2.err;
-  EXPECT_NE(r2.err.find("launch: giving up after 2 restarts"), std::string::npos) << r2.err;
+  expect_stderr_has(r2, {"[rank 2]: rank 2 failing in start 2\n", "launch: restarting the workers (restart 2 of 2)",
+                         "launch: giving up after 2 restarts"});
   EXPECT_EQ(r2.err.find("restart 3"), std::string::npos) << r2.err;
 }
 
@@ -491,14 +495,22 @@ TEST(LaunchBinary, ReturnsTheFailingWorkersCode) {
   expect_nothing_left(dir, 2, 0);
 }
 
-TEST(LaunchBinary, ForwardsSigtermToTheWorkers) {
-  TempDir dir, logs;
-  pid_t pid = start({launcher(), "--nproc_per_node=2", "--master_port=0", "--", worker(), "sleep", dir.path()}, logs);
+// Starts the launcher binary with 2 workers that sleep, and waits until
+// both have written their pids: the launcher's pid and the workers'.
+void start_sleeping_workers(const TempDir& dir, const TempDir& logs, pid_t* pid, pid_t* w0, pid_t* w1) {
+  *pid = start({launcher(), "--nproc_per_node=2", "--master_port=0", "--", worker(), "sleep", dir.path()}, logs);
   auto give_up = Clock::now() + 30s;
   while (!(exists(dir.file("pid.0")) && exists(dir.file("pid.1"))) && Clock::now() < give_up)
     std::this_thread::sleep_for(10ms);
   ASSERT_TRUE(exists(dir.file("pid.1")));
-  pid_t w0 = read_pid(dir.file("pid.0")), w1 = read_pid(dir.file("pid.1"));
+  *w0 = read_pid(dir.file("pid.0"));
+  *w1 = read_pid(dir.file("pid.1"));
+}
+
+TEST(LaunchBinary, ForwardsSigtermToTheWorkers) {
+  TempDir dir, logs;
+  pid_t pid, w0, w1;
+  ASSERT_NO_FATAL_FAILURE(start_sleeping_workers(dir, logs, &pid, &w0, &w1));
   ::kill(pid, SIGTERM);
   Result r = finish(pid, logs);
   EXPECT_EQ(r.rc, 128 + SIGTERM) << r.err;
@@ -531,12 +543,8 @@ TEST(LaunchBinary, SigtermBetweenForkAndExecIsNotLost) {
 
 TEST(LaunchBinary, KilledLauncherTakesItsWorkersAlong) {
   TempDir dir, logs;
-  pid_t pid = start({launcher(), "--nproc_per_node=2", "--master_port=0", "--", worker(), "sleep", dir.path()}, logs);
-  auto give_up = Clock::now() + 30s;
-  while (!(exists(dir.file("pid.0")) && exists(dir.file("pid.1"))) && Clock::now() < give_up)
-    std::this_thread::sleep_for(10ms);
-  ASSERT_TRUE(exists(dir.file("pid.1")));
-  pid_t w0 = read_pid(dir.file("pid.0")), w1 = read_pid(dir.file("pid.1"));
+  pid_t pid, w0, w1;
+  ASSERT_NO_FATAL_FAILURE(start_sleeping_workers(dir, logs, &pid, &w0, &w1));
   ::kill(pid, SIGKILL);  // no chance to clean up: PR_SET_PDEATHSIG does it
   finish(pid, logs);
   EXPECT_TRUE(dies_within(w0, 5s));

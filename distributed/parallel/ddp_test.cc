@@ -90,6 +90,14 @@ void expect_same_grads(nn::Module& got, nn::Module& want, const std::string& whe
   }
 }
 
+// The end of a lockstep iteration: both optimizers step, then the replica's
+// parameters must equal the reference's.
+void step_both(optim::Optimizer& opt, optim::Optimizer& opt_ref, nn::Module& local, nn::Module& ref, int step) {
+  opt.step();
+  opt_ref.step();
+  expect_same_params(local, ref, "after step " + std::to_string(step));
+}
+
 // ---- Models: built from a seed, buffers included ----
 
 std::shared_ptr<nn::Module> make_mlp(uint64_t seed, int64_t hidden2 = 12) {
@@ -152,6 +160,16 @@ Batch global_batch(bool conv, int64_t n, int step) {
 }
 
 Tensor loss_of(nn::Module& m, const Batch& b) { return nn::functional::cross_entropy(m(b.x), b.y); }
+
+// The start of a lockstep iteration: both gradients zeroed, the replica's
+// backward on rank r's b rows of `all`, the reference's on all of them.
+void backward_both(optim::Optimizer& opt, optim::Optimizer& opt_ref, nn::Module& ddp, nn::Module& ref, const Batch& all,
+                   int r, int64_t b) {
+  opt.zero_grad();
+  opt_ref.zero_grad();
+  loss_of(ddp, all.rows(r * b, b)).backward();
+  loss_of(ref, all).backward();
+}
 
 // The setup most workers share: rank r's MLP replica (seeded 1 + r, so
 // agreeing with the reference also checks DDP's initial broadcast) wrapped
@@ -239,15 +257,10 @@ EMBER_WORKER(train) {
   expect_same_params(*local, *ref, "after construction");
   for (int step = 0; step < 3; ++step) {
     Batch all = global_batch(conv, b * ws, step);
-    opt_ddp.zero_grad();
-    opt_ref.zero_grad();
-    loss_of(*ddp, all.rows(r * b, b)).backward();
-    loss_of(*ref, all).backward();
+    backward_both(opt_ddp, opt_ref, *ddp, *ref, all, r, b);
     expect_same_grads(*local, *ref, "step " + std::to_string(step));
     expect_channels_last("backward");
-    opt_ddp.step();
-    opt_ref.step();
-    expect_same_params(*local, *ref, "after step " + std::to_string(step));
+    step_both(opt_ddp, opt_ref, *local, *ref, step);
     expect_channels_last("step");
   }
   // Gradients are views into the flat buckets: members of a bucket share storage.
@@ -301,9 +314,7 @@ EMBER_WORKER(accumulate) {
     }
     loss_of(*ref, all).backward();
     expect_same_grads(*local, *ref, "step " + std::to_string(step));
-    opt_ddp.step();
-    opt_ref.step();
-    expect_same_params(*local, *ref, "after step " + std::to_string(step));
+    step_both(opt_ddp, opt_ref, *local, *ref, step);
   }
 }
 
@@ -478,15 +489,10 @@ EMBER_WORKER(unused) {
   optim::SGD opt_ref(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
   for (int step = 0; step < 3; ++step) {
     Batch all = global_batch(false, b * ws, step);
-    opt_ddp.zero_grad();
-    opt_ref.zero_grad();
-    loss_of(*ddp, all.rows(r * b, b)).backward();
-    loss_of(*ref, all).backward();
+    backward_both(opt_ddp, opt_ref, *ddp, *ref, all, r, b);
     WCHECK(!static_cast<WithUnused&>(*local).extra->weight.grad().defined(), "extra.weight got a gradient");
     expect_same_grads(*local, *ref, "step " + std::to_string(step));
-    opt_ddp.step();
-    opt_ref.step();
-    expect_same_params(*local, *ref, "after step " + std::to_string(step));
+    step_both(opt_ddp, opt_ref, *local, *ref, step);
   }
 }
 
@@ -521,9 +527,7 @@ EMBER_WORKER(syncbn) {
     auto want = ref->state_dict();
     for (auto& [name, buf] : local->named_buffers())
       expect_close(buf, *want.find(name), "step " + std::to_string(step) + ": buffer " + name);
-    opt_ddp.step();
-    opt_ref.step();
-    expect_same_params(*local, *ref, "after step " + std::to_string(step));
+    step_both(opt_ddp, opt_ref, *local, *ref, step);
   }
 }
 
@@ -672,9 +676,7 @@ EMBER_WORKER(replicate_in_place) {
     }
     loss_of(*ref, all).backward();
     expect_same_grads(*local, *ref, "step " + std::to_string(step));
-    opt.step();
-    opt_ref.step();
-    expect_same_params(*local, *ref, "after step " + std::to_string(step));
+    step_both(opt, opt_ref, *local, *ref, step);
   }
   rep->remove();
   WCHECK(replicated_of(*local) == nullptr, "remove() takes the state off");

@@ -45,6 +45,17 @@ MeshCandidate mesh(int R, int S, int T, int P, int64_t M, int64_t mb) {
   return c;
 }
 
+// What every predict_step test starts from: the small model and profile,
+// the default Hardware and options, which a test changes before it
+// predicts.
+class PredictStep : public ::testing::Test {
+ protected:
+  ModelSpec m = small();
+  ComputeProfile p = profile();
+  Hardware hw;
+  PlanOptions o;
+};
+
 TEST(Links, AnalyticRingsOverTheHostsLinks) {
   Hardware hw;  // 8 per host, NVLink 450 GB/s, 50 GB/s across, 10 and 20 us
   const Links l = Links::analytic(hw);
@@ -57,12 +68,8 @@ TEST(Links, AnalyticRingsOverTheHostsLinks) {
   EXPECT_NE(error_of([&] { l.seconds("gossip", B, 2, 1); }).find("unknown collective 'gossip'"), std::string::npos);
 }
 
-TEST(PredictStep, FsdpIsComputePlusEveryGatherAndScatter) {
-  const ModelSpec m = small();
-  const ComputeProfile p = profile();
-  Hardware hw;
+TEST_F(PredictStep, FsdpIsComputePlusEveryGatherAndScatter) {
   const Links l = Links::analytic(hw);
-  PlanOptions o;
   o.mixed_precision = false;  // 4-byte elements
   const StepTime t = predict_step(m, mesh(1, 4, 1, 1, 2, 3), o, p, l, 0);
   // Compute: 2 micro-batches of 3 x 32 tokens.
@@ -85,13 +92,9 @@ TEST(PredictStep, FsdpIsComputePlusEveryGatherAndScatter) {
   EXPECT_NE(t.explain().find("| step |"), std::string::npos);
 }
 
-TEST(PredictStep, TheBackwardHidesWhatTheProfileLets) {
-  const ModelSpec m = small();
-  ComputeProfile p = profile();
-  Hardware hw;
+TEST_F(PredictStep, TheBackwardHidesWhatTheProfileLets) {
   hw.intra_host_bw = 1e6;  // slow enough that the gathers outlast the backward
   const Links l = Links::analytic(hw);
-  PlanOptions o;
   const StepTime none = predict_step(m, mesh(2, 1, 1, 1, 1, 4), o, p, l, 0);
   p.overlap = 1;
   const StepTime all = predict_step(m, mesh(2, 1, 1, 1, 1, 4), o, p, l, 0);
@@ -108,12 +111,8 @@ TEST(PredictStep, TheBackwardHidesWhatTheProfileLets) {
   EXPECT_GE(zt.dp_exposed, after - 1e-12);
 }
 
-TEST(PredictStep, TensorParallelCollectivesAsTheGptRunsThem) {
-  const ModelSpec m = small();
-  const ComputeProfile p = profile();
-  Hardware hw;
+TEST_F(PredictStep, TensorParallelCollectivesAsTheGptRunsThem) {
   const Links l = Links::analytic(hw);
-  PlanOptions o;
   o.mixed_precision = false;
   const double sbh = 32 * 2 * 64 * 4.0;  // 2 sequences per micro-batch
   MeshCandidate c = mesh(1, 1, 2, 1, 3, 2);
@@ -135,12 +134,8 @@ TEST(PredictStep, TensorParallelCollectivesAsTheGptRunsThem) {
               1e-12);
 }
 
-TEST(PredictStep, PipelineStretchedByItsBubbleWithItsTransfers) {
-  const ModelSpec m = small();
-  const ComputeProfile p = profile();
-  Hardware hw;
+TEST_F(PredictStep, PipelineStretchedByItsBubbleWithItsTransfers) {
   const Links l = Links::analytic(hw);
-  PlanOptions o;
   const StepTime t = predict_step(m, mesh(1, 1, 1, 2, 4, 1), o, p, l, 0.2);
   // The last stage: one block and the head, 4 micro-batches.
   const double block = 1e-4 + (6.0 * m.layer_params() + 12.0 * 64 * 32) * 32 / 50e9;
@@ -150,7 +145,7 @@ TEST(PredictStep, PipelineStretchedByItsBubbleWithItsTransfers) {
   EXPECT_NEAR(t.step, t.compute / 0.8 + t.pp_comm + t.optimizer, 1e-12);
 }
 
-TEST(PredictStep, RanksSharingCoresStretchComputeAndFits) {
+TEST_F(PredictStep, RanksSharingCoresStretchComputeAndFits) {
   auto fits = CommCostModel::load("bench/results/collectives_fit.json");
   ASSERT_TRUE(fits.ok()) << fits.status();
   // 8 ranks on 2 cores: a 2-rank group's fit (measured with 2 processes)
@@ -159,12 +154,10 @@ TEST(PredictStep, RanksSharingCoresStretchComputeAndFits) {
   EXPECT_DOUBLE_EQ(l.seconds("allgather", 1 << 20, 2, 1), 4 * fits->seconds("allgather", 1 << 20, 2));
   EXPECT_DOUBLE_EQ(l.seconds("allgather", 1 << 20, 8, 1), fits->seconds("allgather", 1 << 20, 8));
   EXPECT_DOUBLE_EQ(l.seconds("allgather", 1 << 20, 4, 1), 2 * fits->seconds("allgather", 1 << 20, 4));
-  ComputeProfile p = profile();
   p.cores = 2;
-  PlanOptions o;
-  const StepTime shared = predict_step(small(), mesh(1, 8, 1, 1, 1, 1), o, p, l, 0);
+  const StepTime shared = predict_step(m, mesh(1, 8, 1, 1, 1, 1), o, p, l, 0);
   p.cores = 0;
-  const StepTime own = predict_step(small(), mesh(1, 8, 1, 1, 1, 1), o, p, l, 0);
+  const StepTime own = predict_step(m, mesh(1, 8, 1, 1, 1, 1), o, p, l, 0);
   EXPECT_NEAR(shared.compute, 4 * own.compute, 1e-12);
   // A group size never measured is named.
   EXPECT_NE(error_of([&] { l.seconds("allgather", 1024, 3, 1); }).find("3"), std::string::npos);
@@ -188,13 +181,9 @@ TEST(Links, HostsJoinedByASlowLink) {
   EXPECT_DOUBLE_EQ(fast.seconds("allgather", B, 4, 1), local.seconds("allgather", B, 4, 1));
 }
 
-TEST(PredictStep, ThePlannerUsesTheGivenProfile) {
-  const ModelSpec m = small();
-  const ComputeProfile p = profile();
-  Hardware hw;
+TEST_F(PredictStep, ThePlannerUsesTheGivenProfile) {
   hw.gpus = 4;
   const Links l = Links::analytic(hw);
-  PlanOptions o;
   o.global_batch = 8;
   o.compute = &p;
   o.links = &l;
@@ -207,14 +196,11 @@ TEST(PredictStep, ThePlannerUsesTheGivenProfile) {
   EXPECT_LT(evaluate_mesh(m, hw, o, c).compute, k.compute / 100);
 }
 
-TEST(PredictStep, AModelMeasuredWholeWithDdpBuckets) {
-  const ModelSpec m = model_preset("resnet18-narrow");
+TEST_F(PredictStep, AModelMeasuredWholeWithDdpBuckets) {
+  m = model_preset("resnet18-narrow");
   EXPECT_GT(m.num_params(), 100000);
-  ComputeProfile p = profile();
   p.models["resnet18-narrow"] = {.overhead_s = 2e-3, .s_per_sample = 1e-3, .optimizer_s = 5e-4};
-  Hardware hw;
   const Links l = Links::analytic(hw);
-  PlanOptions o;
   o.mixed_precision = false;
   const StepTime t = predict_step(m, mesh(4, 1, 1, 1, 1, 64), o, p, l, 0);
   EXPECT_NEAR(t.compute, 2e-3 + 64 * 1e-3, 1e-12);
@@ -227,13 +213,10 @@ TEST(PredictStep, AModelMeasuredWholeWithDdpBuckets) {
               1e-12);
 }
 
-TEST(PredictStep, UnknownStrategyNamed) {
+TEST_F(PredictStep, UnknownStrategyNamed) {
   MeshCandidate c = mesh(1, 2, 1, 1, 1, 1);
   c.strategy = "zero3";
-  Hardware hw;
-  EXPECT_NE(error_of([&] {
-              predict_step(small(), c, PlanOptions{}, profile(), Links::analytic(hw), 0);
-            }).find("unknown strategy 'zero3'"),
+  EXPECT_NE(error_of([&] { predict_step(m, c, o, p, Links::analytic(hw), 0); }).find("unknown strategy 'zero3'"),
             std::string::npos);
 }
 

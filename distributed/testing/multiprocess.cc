@@ -288,16 +288,23 @@ bool all_succeeded(const std::vector<WorkerResult>& results) {
   return true;
 }
 
+namespace {
+// How a worker ended, for both the full report and the list of bad ranks.
+void describe_end(std::ostream& os, const WorkerResult& r) {
+  if (r.killed_at_deadline)
+    os << "KILLED at the deadline (hung?)";
+  else if (r.signal)
+    os << "killed by signal " << r.signal << " (" << strsignal(r.signal) << ")";
+  else
+    os << "exit code " << r.exit_code;
+}
+}  // namespace
+
 std::string describe(const std::vector<WorkerResult>& results) {
   std::ostringstream os;
   for (const auto& r : results) {
     os << "---- rank " << r.rank << ": ";
-    if (r.killed_at_deadline)
-      os << "KILLED at the deadline (hung?)";
-    else if (r.signal)
-      os << "killed by signal " << r.signal << " (" << strsignal(r.signal) << ")";
-    else
-      os << "exit code " << r.exit_code;
+    describe_end(os, r);
     os << " after " << r.seconds << " s\n" << r.output;
     if (!r.output.empty() && r.output.back() != '\n') os << '\n';
   }
@@ -312,12 +319,7 @@ RanksOutcome check_workers(const std::string& scenario, int world_size, const Ru
     const int want = it == options.expect_exit.end() ? 0 : it->second;
     if (r.exit_code == want && !r.killed_at_deadline) continue;
     bad << "\n  rank " << r.rank << ": ";
-    if (r.killed_at_deadline)
-      bad << "KILLED at the deadline (hung?)";
-    else if (r.signal)
-      bad << "killed by signal " << r.signal << " (" << strsignal(r.signal) << ")";
-    else
-      bad << "exit code " << r.exit_code;
+    describe_end(bad, r);
     bad << ", expected exit code " << want;
   }
   RanksOutcome out;

@@ -121,10 +121,7 @@ def train_rank(rank, world, policy, warmup, steps, out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--policy", default="full")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--out", default=None, help="also append JSON lines to this file")
+    pc.add_run_args(ap, warmup=1, steps=4, world=2)
     a = ap.parse_args()
     try:
         pc.launch(a.world, train_rank, a.policy, a.warmup, a.steps, a.out)

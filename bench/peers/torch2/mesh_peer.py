@@ -142,9 +142,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=114)
     ap.add_argument("--global-batch", dest="global_batch", type=int, default=16)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--out", default=None)
+    pc.add_run_args(ap, warmup=1, steps=3)
     ap.add_argument("--force-fsdp", dest="force_fsdp", action="store_true")
     a = ap.parse_args()
     world = a.pp * a.dp_shard * a.tp

@@ -198,12 +198,9 @@ def train_rank(rank, world, schedule, n_mb, batch, warmup, steps, out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--out", default=None, help="also append JSON lines to this file")
+    pc.add_run_args(ap, warmup=1, steps=5, world=2)
     a = ap.parse_args()
     try:
         pc.launch(a.world, train_rank, a.schedule, a.microbatches, a.batch, a.warmup, a.steps, a.out)

@@ -122,10 +122,7 @@ def train_rank(rank, world, mode, warmup, steps, out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["plain", "tp", "tp_sp"], default="tp_sp")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--out", default=None, help="also append JSON lines to this file")
+    pc.add_run_args(ap, warmup=1, steps=5, world=2)
     a = ap.parse_args()
     world = 1 if a.mode == "plain" else a.world
     try:

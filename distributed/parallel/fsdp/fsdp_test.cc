@@ -14,9 +14,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <iostream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -107,24 +109,30 @@ struct Config {
 };
 
 Config parse_config(const std::string& arg) {
+  // The bare keys: each sets one flag.
+  struct Switch {
+    const char* key;
+    bool Config::*flag;
+    bool value;
+  };
+  static const Switch kSwitches[] = {
+      {"noprefetch", &Config::prefetch, false},
+      {"unsharded", &Config::unsharded_accum, true},
+      {"micro", &Config::micro_batches, true},
+      {"clip", &Config::clip, true},
+      {"bf16", &Config::bf16, true},
+      {"offload", &Config::offload, true},
+  };
   Config c;
   for (const auto& [k, v] : mp::parse_arg(arg)) {
-    if (k == "strategy")
+    const auto sw =
+        std::find_if(std::begin(kSwitches), std::end(kSwitches), [&](const Switch& s) { return k == s.key; });
+    if (sw != std::end(kSwitches))
+      c.*sw->flag = sw->value;
+    else if (k == "strategy")
       c.strategy = parse_strategy(v);
-    else if (k == "noprefetch")
-      c.prefetch = false;
     else if (k == "accum")
       c.accum = std::stoi(v);
-    else if (k == "unsharded")
-      c.unsharded_accum = true;
-    else if (k == "micro")
-      c.micro_batches = true;
-    else if (k == "clip")
-      c.clip = true;
-    else if (k == "bf16")
-      c.bf16 = true;
-    else if (k == "offload")
-      c.offload = true;
     else if (k == "auto")
       c.auto_wrap = v;
     else

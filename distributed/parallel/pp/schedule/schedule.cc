@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <iterator>
 #include <map>
 #include <sstream>
 #include <tuple>
@@ -112,23 +114,11 @@ Key key(const Action& a) { return {static_cast<int>(a.kind), a.mb, a.stage}; }
 }  // namespace
 
 const char* action_kind_name(ActionKind k) {
-  switch (k) {
-    case ActionKind::F:
-      return "F";
-    case ActionKind::B:
-      return "B";
-    case ActionKind::W:
-      return "W";
-    case ActionKind::SendF:
-      return "SendF";
-    case ActionKind::RecvF:
-      return "RecvF";
-    case ActionKind::SendB:
-      return "SendB";
-    case ActionKind::RecvB:
-      return "RecvB";
-  }
-  return "?";
+  // Indexed by the enumerator, in ActionKind's order.
+  static constexpr const char* kNames[] = {"F", "B", "W", "SendF", "RecvF", "SendB", "RecvB"};
+  static_assert(std::size(kNames) == static_cast<size_t>(ActionKind::RecvB) + 1, "a name for every ActionKind");
+  const auto i = static_cast<size_t>(k);
+  return i < std::size(kNames) ? kNames[i] : "?";
 }
 
 std::string Action::str() const {
