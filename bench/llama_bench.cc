@@ -24,8 +24,7 @@
 namespace ember {
 namespace {
 
-constexpr int64_t kLayers = 6, kDim = 512, kHeads = 8, kKvHeads = 4, kFfn = 1408, kVocab = 8192, kSeq = 256,
-                  kBatch = 4;
+constexpr int64_t kLayers = 6, kDim = 512, kHeads = 8, kKvHeads = 4, kFfn = 1408, kVocab = 8192, kSeq = 256, kBatch = 4;
 
 void BM_LlamaStep(benchmark::State& state) {
   manual_seed(0);

@@ -211,8 +211,8 @@ inline std::string memory_plan_line(const RunInfo& in) {
   const distributed::ParallelDims& d = in.dims;
   // The step-memory timeline knows GPT-2's modules (LayerNorm, GELU MLP);
   // the mesh planner's accounting covers both families.
-  if (in.model.arch == nn::Arch::GPT2 && d.tp == 1 && d.pp == 1 && d.dp_replicate == 1 && in.amp == "off" && in.strategy != "hybrid" &&
-      in.micro_steps == 1) {
+  if (in.model.arch == nn::Arch::GPT2 && d.tp == 1 && d.pp == 1 && d.dp_replicate == 1 && in.amp == "off" &&
+      in.strategy != "hybrid" && in.micro_steps == 1) {
     distributed::StepPlan plan{.micro_batch = in.micro_batch,
                                .seq = in.model.block_size,
                                .world = d.dp_shard,
