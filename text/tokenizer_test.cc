@@ -206,6 +206,19 @@ TEST(Tokenizer, SaveLoad) {
   EXPECT_EQ(back.vocab_size(), 400);
 }
 
+// docs/text.md's example, line for line (//docs:snippets_match_test).
+TEST(Docs, TextMdExample) {
+  const std::string path = testing::TempDir() + "/docs_tokenizer.json";
+  const Tokenizer tok = Tokenizer::from_file("text/testdata/hf_bpe.json");
+  const std::vector<int32_t> ids = tok.encode("Hello world<|endoftext|>");
+  EXPECT_EQ(tok.decode(ids), "Hello world<|endoftext|>");
+  BpeTrainer trainer(TrainOptions{.vocab_size = 800, .min_frequency = 2, .special_tokens = {"<|endoftext|>"}});
+  trainer.feed_file("text/testdata/corpus.txt");
+  const Tokenizer trained = trainer.train();  // equals Hugging Face's BpeTrainer on the same file
+  trained.save(path);                         // a tokenizer.json that tokenizers.Tokenizer.from_file loads
+  EXPECT_EQ(Tokenizer::from_file(path).encode("Hello world<|endoftext|>"), trained.encode("Hello world<|endoftext|>"));
+}
+
 // ---- named errors
 
 std::string error_of(const std::function<void()>& f) {
