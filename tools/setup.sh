@@ -22,6 +22,7 @@ PACKAGES=(
   libopenblas0-openmp  # the BLAS we link: shares OpenMP's threads (third_party/BUILD)
   nlohmann-json3-dev
   libxxhash-dev
+  libpcre2-dev         # the tokenizers' split regexes (//text): Unicode classes and JIT
   zlib1g-dev           # gzip-compressed datasets (data/readers.cc)
   dataset-fashion-mnist
   fortunes             # the corpus of //examples:gpt_fsdp (/usr/share/games/fortunes)
