@@ -320,6 +320,35 @@ TEST(HF, BadInputIsANamedError) {
   }
 }
 
+// Other spellings of the same models: GPT-2 saved from GPT2Model (no
+// "transformer." prefix, the causal-mask buffers older transformers kept,
+// as the original openai-community/gpt2 files) and a LLaMA config.json as
+// transformers 4 writes it (rope_theta and rope_scaling null, no
+// rope_parameters): the same logits.
+TEST(HF, OlderSpellingsLoadAlike) {
+  const Tensor ids = expected("ids");
+  const std::string g = copy_fixture("gpt2", "unprefixed");
+  edit_weights(g, [](auto& w) {
+    for (auto& [name, t] : w) name = name.substr(std::string("transformer.").size());
+    w.push_back({"h.0.attn.bias", ones({1, 1, 24, 24})});
+    w.push_back({"h.1.attn.masked_bias", full({}, -1e4)});
+  });
+  const std::string l = copy_fixture("llama", "transformers4");
+  edit_config(l, [](json& j) {
+    j.erase("rope_parameters");
+    j["rope_theta"] = 5000.0;
+    j["rope_scaling"] = nullptr;
+    j.erase("head_dim");
+  });
+  for (const auto& [dir, model] : {std::pair{g, "gpt2"}, std::pair{l, "llama"}}) {
+    auto hf = load_hf_pretrained(dir);
+    ASSERT_TRUE(hf.ok()) << hf.status().message();
+    GPT gpt(hf->options);
+    gpt.load_state_dict(hf->state);
+    EXPECT_LE(rel_error(gpt(ids), expected(std::string(model) + ".logits")), 1e-5) << model;
+  }
+}
+
 TEST(HF, OptionsJsonRoundTrip) {
   GPTOptions o = GPTOptions::llama({.vocab_size = 91, .block_size = 48, .n_layer = 3, .n_head = 6, .n_embd = 48});
   o.n_kv_head = 2;
