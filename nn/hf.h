@@ -95,9 +95,10 @@ absl::Status save_hf_pretrained(const StateDict& state, const GPTOptions& option
 absl::Status save_hf_pretrained(const GPT& model, const std::string& out_dir, const HFSaveOptions& save = {});
 
 // The config.json describing `options` (GPT2LMHeadModel or
-// LlamaForCausalLM); an error when Hugging Face's model cannot represent
-// them (a GPT-2 without tanh GELU's 4x MLP is always one; a LLaMA's head
-// width must be even, as ember's own).
+// LlamaForCausalLM). Every model nn::GPT builds has one (its GPT-2 is
+// always the tanh-GELU 4x MLP with biases; its LLaMA has no biases); an
+// error for options no GPT could be built from (n_embd not a multiple of
+// n_head, an odd LLaMA head width).
 absl::StatusOr<std::string> hf_config_json(const GPTOptions& options);
 
 // The state dict in Hugging Face's names and layout (GPT-2's weights
