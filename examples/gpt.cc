@@ -56,7 +56,10 @@ using examples::Clock;
 using examples::Corpus;
 using examples::Flags;
 
+// The model: the flags', or with --init-from-hf config.json's (whose
+// vocab_size setup has checked against the run's).
 nn::GPTOptions model_options(const Flags& f, int64_t vocab) {
+  if (f.hf) return *f.hf;
   nn::GPTOptions o{.vocab_size = vocab, .block_size = f.seq, .n_layer = f.layers, .n_head = f.heads, .n_embd = f.dim};
   if (f.arch == "llama") {
     o.arch = nn::Arch::Llama;
@@ -152,8 +155,14 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   s.vocab = s.corpus.vocab;
   EMBER_CHECK(s.corpus.train.size() > flags.seq + 1, "the training data (", s.corpus.train.size(), " ", s.corpus.unit,
               ") is shorter than --seq ", flags.seq);
+  EMBER_CHECK(!flags.hf || flags.hf->vocab_size == s.vocab, "--init-from-hf ", flags.init_from_hf,
+              ": config.json's vocab_size ", flags.hf ? flags.hf->vocab_size : 0, " and the run's vocabulary of ",
+              s.vocab, " tokens (", s.corpus.description, ") differ: train on data in the model's own vocabulary");
   const distributed::ParallelDims& d = s.dims = parallel_dims(flags, job.world, job.env.local_world_size);
   s.sp = flags.sp == "on" || (flags.sp == "auto" && d.tp > 1);
+  EMBER_CHECK(!flags.hf || flags.hf->kv_heads() % d.tp == 0, "--init-from-hf ", flags.init_from_hf, ": the model's ",
+              flags.hf ? flags.hf->kv_heads() : 0, " key/value heads (config.json) do not split over --tp ", d.tp,
+              " (tensor parallelism splits attention by heads)");
   EMBER_CHECK(flags.heads % d.tp == 0, "--heads ", flags.heads, " do not split over --tp ", d.tp,
               " (attention is split by heads)");
   EMBER_CHECK(flags.kv_heads == 0 || flags.kv_heads % d.tp == 0, "--kv-heads ", flags.kv_heads,
@@ -171,6 +180,14 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
 
   manual_seed(flags.common.seed);
   s.gpt = std::make_shared<nn::GPT>(model_options(flags, s.vocab));
+  if (flags.hf) {
+    // Into the whole model on every rank, before any parallelization
+    // shards it (each rank then keeps its part, as with a random init).
+    const absl::Status loaded = nn::load_hf_into(*s.gpt, flags.init_from_hf);
+    EMBER_CHECK(loaded.ok(), "--init-from-hf: ", loaded.message());
+    LOG0("initialised from ", flags.init_from_hf, " (", nn::arch_name(flags.hf->arch), ", ", s.gpt->num_parameters(),
+         " parameters)");
+  }
   s.gpt->to(job.device);
   s.n_params = s.gpt->num_parameters();
   distributed::GPTParallelOptions po{.sequence_parallel = s.sp, .ac = flags.common.ac};
@@ -296,9 +313,14 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     distributed::TrainingState st;
     st.step = at;
     const std::string dir = flags.common.checkpoint_dir + "/step_" + std::to_string(at);
-    examples::save_step_checkpoint(dir, s.model(), *s.opt, *s.sched, st,
-                                   {{"world_size", job.world}, {"strategy", flags.strategy}, {"vocab", s.vocab}},
-                                   *s.scaler, *job.pg, s.mesh->to_string());
+    examples::save_step_checkpoint(
+        dir, s.model(), *s.opt, *s.sched, st,
+        {{"world_size", job.world},
+         {"strategy", flags.strategy},
+         {"vocab", s.vocab},
+         // What `ckpt export-hf` rebuilds config.json from.
+         {"model", nlohmann::json::parse(nn::gpt_options_to_json(model_options(flags, s.vocab)))}},
+        *s.scaler, *job.pg, s.mesh->to_string());
     LOG0("saved checkpoint ", dir, " (", job.world, " rank file", job.world == 1 ? "" : "s", ")");
   };
   const examples::Eval eval = examples::make_eval(corpus, flags.seq, d.dp());

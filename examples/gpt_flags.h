@@ -4,7 +4,9 @@
 // what one row cannot see (flags that go together or exclude each other).
 #pragma once
 
+#include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "distributed/parallel_dims.h"
 #include "examples/flags.h"
 #include "examples/training.h"
+#include "nn/hf.h"
 
 namespace ember::examples {
 
@@ -36,6 +39,8 @@ struct Flags {
   int64_t kv_heads = 0;       // llama: k/v heads (0: --heads)
   int64_t ffn = 0;            // llama: SwiGLU width (0: LLaMA's rule)
   double rope_theta = 10000.0;
+  std::string init_from_hf;          // a Hugging Face GPT-2 / LLaMA directory (nn/hf.h)
+  std::optional<nn::GPTOptions> hf;  // its config.json's model, when given
   int64_t max_steps = 1000, save_every = 0, eval_every = 250;
   int64_t sample_len = 240, top_k = 20;
   double temperature = 0.8;
@@ -73,12 +78,60 @@ inline void declare(FlagTable& t, Flags& f) {
   t.integer("--ffn", &f.ffn, 1, "N", "llama: SwiGLU hidden width (default: 2/3 of 4 x --dim, a multiple of 256)");
   t.positive("--rope-theta", &f.rope_theta, "X", "llama: the rotary embeddings' base");
   t.integer("--seq", &f.seq, 2, "N", "context length");
+  t.text("--init-from-hf", &f.init_from_hf, "DIR",
+         "start from a Hugging Face GPT-2 or LLaMA directory (config.json + safetensors): the model\n"
+         "is config.json's (--arch/--layers/--dim/--heads/--kv-heads/--ffn/--rope-theta may be left\n"
+         "out or must agree) and its vocab_size must be the run's vocabulary's",
+         false);
   t.integer("--max-steps", &f.max_steps, 1, "N", "optimizer steps in total, counting those before a resume");
   t.integer("--eval-every", &f.eval_every, 1, "N", "validation every N steps and at the end");
   t.integer("--save-every", &f.save_every, 1, "N", "checkpoint every N steps (default: only at the end)");
   t.integer("--sample-len", &f.sample_len, 0, "N", "characters sampled at the end");
   t.positive("--temperature", &f.temperature, "X", "the sample's temperature");
   t.integer("--top-k", &f.top_k, 1, "N", "the sample's top-k");
+}
+
+// --init-from-hf DIR: the model is config.json's. The model flags take its
+// values; one given explicitly that disagrees is an error naming both, and
+// so is a --tp (when given) that does not divide the key/value heads (the
+// rest of the mesh is checked again once resolved, in setup). Checked here,
+// in the launching process, before any worker starts.
+inline void take_hf_model(const FlagTable& t, Flags& f) {
+  const std::string dir = f.init_from_hf;
+  auto o = nn::read_hf_config(dir);
+  if (!o.ok()) t.error("--init-from-hf: " + std::string(o.status().message()));
+  const bool llama = o->arch == nn::Arch::Llama;
+  const std::string from = "--init-from-hf " + dir + ": config.json";
+  auto agree = [&](const char* flag, const std::string& field, const std::string& given, const std::string& theirs) {
+    if (t.given(flag) && given != theirs)
+      t.error(std::string(flag) + " " + given + " disagrees with " + from + "'s " + field + " " + theirs + " (leave " +
+              flag + " out)");
+  };
+  auto num = [](double x) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%g", x);
+    return std::string(b);
+  };
+  agree("--arch", "model_type", f.arch, nn::arch_name(o->arch));
+  agree("--layers", llama ? "num_hidden_layers" : "n_layer", std::to_string(f.layers), std::to_string(o->n_layer));
+  agree("--dim", llama ? "hidden_size" : "n_embd", std::to_string(f.dim), std::to_string(o->n_embd));
+  agree("--heads", llama ? "num_attention_heads" : "n_head", std::to_string(f.heads), std::to_string(o->n_head));
+  if (llama) {
+    agree("--kv-heads", "num_key_value_heads", std::to_string(f.kv_heads), std::to_string(o->kv_heads()));
+    agree("--ffn", "intermediate_size", std::to_string(f.ffn), std::to_string(o->ffn_width()));
+    agree("--rope-theta", "rope_theta", num(f.rope_theta), num(o->rope_theta));
+  }
+  if (f.seq > o->block_size)
+    t.error("--seq " + std::to_string(f.seq) + " is longer than " + from + "'s " +
+            (llama ? "max_position_embeddings " : "n_positions ") + std::to_string(o->block_size));
+  if (f.mesh.tp > 0 && o->kv_heads() % f.mesh.tp != 0)
+    t.error("--tp " + std::to_string(f.mesh.tp) + " does not divide the " + std::to_string(o->kv_heads()) +
+            " key/value heads of " + from + " (" + (llama ? "num_key_value_heads" : "n_head") +
+            "): tensor parallelism splits attention by heads");
+  f.arch = nn::arch_name(o->arch);
+  f.layers = o->n_layer, f.dim = o->n_embd, f.heads = o->n_head;
+  if (llama) f.kv_heads = o->kv_heads(), f.ffn = o->ffn_width(), f.rope_theta = o->rope_theta;
+  f.hf = *o;
 }
 
 // Parses and checks the flags together (what one flag's row cannot see).
@@ -110,6 +163,7 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
   }
   if (f.strategy == "hybrid" && f.mesh.dp_replicate != 1)
     error("--strategy hybrid makes the replicas itself (--shard-size); leave --dp-replicate out");
+  if (!f.init_from_hf.empty()) take_hf_model(t, f);
   if (f.dim % f.heads != 0)
     error("--dim " + std::to_string(f.dim) + " must be a multiple of --heads " + std::to_string(f.heads));
   if (f.arch != "llama")

@@ -1,5 +1,6 @@
 // ckpt: look into, check and consolidate sharded checkpoints
-// (distributed/checkpoint/sharded.h).
+// (distributed/checkpoint/sharded.h), and export them as Hugging Face
+// directories (nn/hf.h).
 //
 //   ckpt inspect DIR                 tensors, shapes, dtypes, pieces, sizes,
 //                                    which rank's file holds which box of each,
@@ -11,17 +12,32 @@
 //   ckpt consolidate DIR OUT_DIR     OUT_DIR/model.safetensors (PyTorch's names),
 //                                    OUT_DIR/optimizer.safetensors, trainer.json:
 //                                    a one-process checkpoint (checkpoint.h)
+//   ckpt export-hf DIR OUT_DIR       a Hugging Face directory (nn/hf.h): config.json,
+//                                    model.safetensors and the run's tokenizer.json
+//                                    if it recorded one; from_pretrained loads it
+//   ckpt logits SRC IDS OUT          the logits of the model for token ids "3,1,4/1,5,9"
+//                                    (rows split by '/') into OUT (safetensors "ids",
+//                                    "logits"); SRC a checkpoint or a Hugging Face
+//                                    directory (what tools/hf_compare.py compares)
 //
-// DIR is one checkpoint: the directory holding index.json. Exit codes: 0 ok,
-// 1 a damaged or missing checkpoint, 2 a usage error.
+// DIR is one checkpoint: the directory holding index.json (export-hf and
+// logits also take a one-process checkpoint, checkpoint.h's). Exit codes: 0
+// ok, 1 a damaged or missing checkpoint or bad input, 2 a usage error.
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
+#include <vector>
 
+#include "core/ops.h"
+#include "core/safetensors.h"
 #include "distributed/checkpoint/sharded.h"
+#include "nn/hf.h"
 
 namespace {
 
@@ -30,6 +46,7 @@ using namespace ember::distributed;
 
 int usage() {
   std::cerr << "usage: ckpt inspect DIR | ckpt verify DIR | ckpt consolidate DIR OUT_DIR\n"
+               "       ckpt export-hf DIR OUT_DIR | ckpt logits SRC IDS OUT\n"
                "  DIR is one sharded checkpoint (the directory holding index.json)\n";
   return 2;
 }
@@ -136,6 +153,135 @@ int verify(const std::string& dir) {
   return 0;
 }
 
+// A GPT checkpoint's model: the options the run recorded in trainer.json
+// ("extra": {"model": {...}}, nn::gpt_options_to_json) and the model's
+// tensors whole: a sharded checkpoint's pieces put together as consolidate
+// does (so any mesh), or a one-process checkpoint's file.
+struct CheckpointModel {
+  nn::GPTOptions options;
+  nn::StateDict state;
+  std::string tokenizer;  // the run's tokenizer.json, if it recorded one
+};
+
+absl::StatusOr<CheckpointModel> read_checkpoint_model(const std::string& dir) {
+  namespace fs = std::filesystem;
+  CheckpointModel m;
+  const std::string trainer = (fs::path(dir) / "trainer.json").string();
+  std::ifstream in(trainer);
+  if (!in) return absl::NotFoundError(trainer + ": missing file (is " + dir + " a checkpoint?)");
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json extra;
+  try {
+    extra = nlohmann::json::parse(text.str()).at("extra");
+  } catch (const nlohmann::json::exception& e) {
+    return absl::DataLossError(trainer + ": no \"extra\" object: " + e.what());
+  }
+  if (!extra.is_object() || !extra.contains("model"))
+    return absl::InvalidArgumentError(
+        trainer +
+        ": the run recorded no model options (extra.model: arch, sizes, heads, vocab...), which config.json "
+        "is made from; //examples:gpt records them in every checkpoint it writes");
+  auto o = nn::gpt_options_from_json(extra.at("model").dump(), trainer + " extra.model");
+  if (!o.ok()) return o.status();
+  m.options = *o;
+  // The tokenizer: tokenizer.json inside the checkpoint, or the file the
+  // run recorded (extra.tokenizer, a path); neither: a model without one.
+  if (fs::is_regular_file(fs::path(dir) / "tokenizer.json")) {
+    m.tokenizer = (fs::path(dir) / "tokenizer.json").string();
+  } else if (extra.contains("tokenizer") && extra.at("tokenizer").is_string()) {
+    m.tokenizer = extra.at("tokenizer").get<std::string>();
+    if (!fs::is_regular_file(m.tokenizer))
+      return absl::NotFoundError(trainer + ": the run's tokenizer " + m.tokenizer + " (extra.tokenizer) is gone");
+  }
+  if (is_sharded_checkpoint(dir)) {
+    auto index = read_checkpoint_index(dir);
+    if (!index.ok()) return index.status();
+    for (const CheckpointTensor& t : index->tensors) {
+      // The optimizer's state and the ranks' generators are not the model's
+      // (sharded.h's names: "optim.state.*", "rng.<rank>").
+      if (t.name.rfind("optim.", 0) == 0 || t.name.rfind("rng.", 0) == 0) continue;
+      auto v = read_checkpoint_tensor(dir, t);
+      if (!v.ok()) return v.status();
+      m.state.insert(t.name, *v);
+    }
+  } else {
+    auto f = load_safetensors((fs::path(dir) / "model.safetensors").string());
+    if (!f.ok()) return f.status();
+    for (auto& [name, t] : f->tensors) m.state.insert(name, t);
+  }
+  return m;
+}
+
+int export_hf(const std::string& dir, const std::string& out) {
+  auto m = read_checkpoint_model(dir);
+  if (!m.ok()) {
+    std::cerr << "ckpt export-hf: " << m.status().message() << "\n";
+    return 1;
+  }
+  nn::HFSaveOptions save;
+  if (!m->tokenizer.empty()) save.extra_files["tokenizer.json"] = m->tokenizer;
+  if (auto s = nn::save_hf_pretrained(m->state, m->options, out, save); !s.ok()) {
+    std::cerr << "ckpt export-hf: " << s.message() << "\n";
+    return 1;
+  }
+  std::printf("wrote %s/config.json (%s, %lld layers, vocab %lld), model.safetensors%s\n", out.c_str(),
+              nn::arch_name(m->options.arch), static_cast<long long>(m->options.n_layer),
+              static_cast<long long>(m->options.vocab_size), m->tokenizer.empty() ? "" : " and tokenizer.json");
+  return 0;
+}
+
+int logits(const std::string& src, const std::string& ids_text, const std::string& out) {
+  // "3,1,4/1,5,9": rows of one length.
+  std::vector<std::vector<double>> rows(1);
+  std::string num;
+  for (char c : ids_text + ",") {
+    if (c >= '0' && c <= '9') {
+      num += c;
+      continue;
+    }
+    if (c != ',' && c != '/') {
+      std::cerr << "ckpt logits: IDS is token ids like 3,1,4/1,5,9, got '" << ids_text << "'\n";
+      return 2;
+    }
+    if (!num.empty()) rows.back().push_back(std::stod(num)), num.clear();
+    if (c == '/') rows.emplace_back();
+  }
+  for (const auto& r : rows)
+    if (r.empty() || r.size() != rows[0].size()) {
+      std::cerr << "ckpt logits: IDS rows must be non-empty and of one length, got '" << ids_text << "'\n";
+      return 2;
+    }
+  std::vector<double> flat;
+  for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
+  const Tensor ids = Tensor::from_vector(
+      flat, {static_cast<int64_t>(rows.size()), static_cast<int64_t>(rows[0].size())}, DType::Int64);
+  nn::GPTOptions options;
+  nn::StateDict state;
+  auto fail = [](const absl::Status& s) {
+    std::cerr << "ckpt logits: " << s.message() << "\n";
+    return 1;
+  };
+  if (std::filesystem::exists(std::filesystem::path(src) / "config.json")) {  // a Hugging Face directory
+    auto m = nn::load_hf_pretrained(src);
+    if (!m.ok()) return fail(m.status());
+    options = m->options, state = m->state;
+  } else {
+    auto m = read_checkpoint_model(src);
+    if (!m.ok()) return fail(m.status());
+    options = m->options, state = m->state;
+  }
+  options.dropout = 0;
+  nn::GPT gpt(options);
+  gpt.load_state_dict(state);
+  gpt.eval();
+  const Tensor y = gpt(ids);
+  if (auto s = save_safetensors(out, {{"ids", ids}, {"logits", y}}, {{"format", "pt"}}); !s.ok()) return fail(s);
+  std::printf("%s: %s logits %s, max |logit| %.6g -> %s\n", src.c_str(), nn::arch_name(options.arch),
+              shape_str(y.sizes()).c_str(), max(abs(y)).item(), out.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -151,6 +297,8 @@ int main(int argc, char** argv) try {
     std::printf("wrote %s/model.safetensors, optimizer.safetensors and trainer.json\n", argv[3]);
     return 0;
   }
+  if (cmd == "export-hf" && argc == 4) return export_hf(argv[2], argv[3]);
+  if (cmd == "logits" && argc == 5) return logits(argv[2], argv[3], argv[4]);
   return usage();
 } catch (const std::exception& e) {  // a damaged checkpoint is exit 1 with a message, never an abort
   std::cerr << "ckpt: " << e.what() << "\n";
