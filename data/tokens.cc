@@ -13,6 +13,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include <nlohmann/json.hpp>
 
 namespace ember::data {
 
@@ -167,19 +168,127 @@ uint32_t TokenStream::max_id() const {
   return m;
 }
 
+absl::StatusOr<ShardIndex> read_shard_index(const std::string& dir) {
+  const std::string path = dir + "/index.json";
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open the shard index"));
+  nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded() || !doc.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
+  auto bad = [&](const std::string& field, const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", field, ": ", why));
+  };
+  for (const char* key : {"magic", "version", "vocab_size", "total_tokens", "shards"})
+    if (!doc.contains(key)) return bad(key, "missing");
+  if (doc["magic"] != kTokenShardMagic) return bad("magic", doc["magic"].dump() + ", not 20240520");
+  ShardIndex index;
+  if (!doc["version"].is_number_integer() || (doc["version"] != 1 && doc["version"] != 2))
+    return bad("version", doc["version"].dump() + " is not known (1 = uint16, 2 = uint32)");
+  index.version = doc["version"].get<int>();
+  if (!doc["vocab_size"].is_number_integer() || doc["vocab_size"].get<int64_t>() <= 0)
+    return bad("vocab_size", doc["vocab_size"].dump() + " is not a positive integer");
+  index.vocab_size = doc["vocab_size"].get<int64_t>();
+  index.total_tokens = doc["total_tokens"].get<int64_t>();
+  if (doc.contains("tokenizer") && doc["tokenizer"].is_object()) {
+    index.tokenizer_path = doc["tokenizer"].value("path", "");
+    index.tokenizer_hash = doc["tokenizer"].value("xxh3_64", "");
+  }
+  if (!doc["shards"].is_array()) return bad("shards", "not a list");
+  int64_t sum = 0;
+  for (size_t i = 0; i < doc["shards"].size(); ++i) {
+    const auto& e = doc["shards"][i];
+    if (!e.is_object() || !e.contains("file") || !e.contains("tokens"))
+      return bad(absl::StrCat("shards[", i, "]"), "needs file and tokens");
+    index.shards.push_back({e["file"].get<std::string>(), e.value("split", "train"), e["tokens"].get<int64_t>()});
+    sum += index.shards.back().tokens;
+  }
+  if (sum != index.total_tokens)
+    return bad("total_tokens", absl::StrCat(index.total_tokens, " but the shards hold ", sum));
+  return index;
+}
+
+ShardWriter::ShardWriter(std::string dir, int64_t tokens_per_shard, int64_t vocab_size, std::string tokenizer_path,
+                         std::string tokenizer_hash)
+    : dir_(std::move(dir)), per_shard_(tokens_per_shard) {
+  EMBER_CHECK(per_shard_ > 0 && per_shard_ <= INT32_MAX, "token shards: shard size must be in [1, 2^31), got ",
+              per_shard_);
+  EMBER_CHECK(vocab_size > 0 && vocab_size <= (int64_t{1} << 32), "token shards: vocabulary size ", vocab_size,
+              " must be in [1, 2^32]");
+  index_.version = vocab_size <= 65536 ? 1 : 2;
+  index_.vocab_size = vocab_size;
+  index_.tokenizer_path = std::move(tokenizer_path);
+  index_.tokenizer_hash = std::move(tokenizer_hash);
+}
+
+absl::Status ShardWriter::add(const std::string& split, const std::vector<uint32_t>& ids) {
+  auto it = std::find_if(buffers_.begin(), buffers_.end(), [&](const auto& b) { return b.first == split; });
+  if (it == buffers_.end()) it = buffers_.insert(buffers_.end(), {split, {}});
+  for (size_t i = 0; i < ids.size();) {
+    const size_t n = std::min(ids.size() - i, static_cast<size_t>(per_shard_) - it->second.size());
+    it->second.insert(it->second.end(), ids.begin() + i, ids.begin() + i + n);
+    i += n;
+    if (static_cast<int64_t>(it->second.size()) == per_shard_)
+      if (absl::Status st = flush(split); !st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShardWriter::flush(const std::string& split) {
+  auto buf = std::find_if(buffers_.begin(), buffers_.end(), [&](const auto& b) { return b.first == split; });
+  auto count = std::find_if(counts_.begin(), counts_.end(), [&](const auto& c) { return c.first == split; });
+  if (count == counts_.end()) count = counts_.insert(counts_.end(), {split, 0});
+  char name[64];
+  std::snprintf(name, sizeof name, "%s_%06d.bin", split.c_str(), count->second++);
+  if (absl::Status st = write_token_shard(dir_ + "/" + name, buf->second, index_.version); !st.ok()) return st;
+  index_.shards.push_back({name, split, static_cast<int64_t>(buf->second.size())});
+  index_.total_tokens += static_cast<int64_t>(buf->second.size());
+  buf->second.clear();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ShardIndex> ShardWriter::finish() {
+  for (auto& [split, ids] : buffers_)
+    if (!ids.empty())
+      if (absl::Status st = flush(split); !st.ok()) return st;
+  nlohmann::ordered_json doc;
+  doc["format"] = "llm.c token shards";
+  doc["magic"] = kTokenShardMagic;
+  doc["version"] = index_.version;
+  doc["dtype"] = index_.version == 1 ? "uint16" : "uint32";
+  doc["vocab_size"] = index_.vocab_size;
+  doc["total_tokens"] = index_.total_tokens;
+  doc["tokenizer"] = {{"path", index_.tokenizer_path}, {"xxh3_64", index_.tokenizer_hash}};
+  nlohmann::ordered_json shards = nlohmann::ordered_json::array();
+  for (const auto& sh : index_.shards) shards.push_back({{"file", sh.file}, {"split", sh.split}, {"tokens", sh.tokens}});
+  doc["shards"] = std::move(shards);
+  const std::string path = dir_ + "/index.json";
+  std::ofstream out(path, std::ios::trunc);
+  out << doc.dump(2) << "\n";
+  out.close();
+  if (!out) return absl::DataLossError(absl::StrCat(path, ": writing the shard index failed"));
+  return index_;
+}
+
 absl::StatusOr<std::vector<std::string>> token_shards(const std::string& dir, const std::string& split) {
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec))
     return absl::NotFoundError(absl::StrCat(dir, ": not a directory of token shards"));
   std::vector<std::string> out;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (e.is_regular_file() && e.path().extension() == ".bin" && name.find(split) != std::string::npos)
-      out.push_back(e.path().string());
+  if (std::filesystem::exists(dir + "/index.json")) {
+    auto index = read_shard_index(dir);
+    if (!index.ok()) return index.status();
+    for (const auto& sh : index->shards)
+      if (sh.split == split) out.push_back(dir + "/" + sh.file);
+  } else {
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+      const std::string name = e.path().filename().string();
+      if (e.is_regular_file() && e.path().extension() == ".bin" && name.find(split) != std::string::npos)
+        out.push_back(e.path().string());
+    }
+    std::sort(out.begin(), out.end());
   }
-  std::sort(out.begin(), out.end());
   if (out.empty())
-    return absl::NotFoundError(absl::StrCat(dir, ": no token shards (*", split, "*.bin, as //tools:tokenize writes)"));
+    return absl::NotFoundError(absl::StrCat(dir, ": no ", split, " token shards (index.json's, or *", split,
+                                            "*.bin as llm.c names them)"));
   return out;
 }
 

@@ -89,9 +89,46 @@ class TokenStream {
   int64_t total_ = 0;
 };
 
-// The shards of a token directory (//tools:tokenize's output or llm.c's):
-// files ending in .bin whose name holds `split` ("train" or "val"), sorted.
-// NotFound naming the directory when there are none.
+// A token directory's index.json (//tools:tokenize writes it): the shards
+// in order with their split ("train", "val") and counts, the version, the
+// vocabulary size and the tokenizer's path and xxh3 hash.
+struct ShardIndex {
+  struct Shard {
+    std::string file;  // relative to the directory
+    std::string split;
+    int64_t tokens = 0;
+  };
+  int version = 1;
+  int64_t vocab_size = 0, total_tokens = 0;
+  std::string tokenizer_path, tokenizer_hash;
+  std::vector<Shard> shards;
+};
+// Errors name the file and the field.
+absl::StatusOr<ShardIndex> read_shard_index(const std::string& dir);
+
+// Cuts each split's stream of ids into shards of `tokens_per_shard` tokens
+// (<split>_000000.bin, ...) in `dir`, of the version the vocabulary needs,
+// and writes index.json at finish().
+class ShardWriter {
+ public:
+  ShardWriter(std::string dir, int64_t tokens_per_shard, int64_t vocab_size, std::string tokenizer_path,
+              std::string tokenizer_hash);
+  absl::Status add(const std::string& split, const std::vector<uint32_t>& ids);
+  absl::StatusOr<ShardIndex> finish();
+
+ private:
+  absl::Status flush(const std::string& split);
+  std::string dir_;
+  int64_t per_shard_;
+  ShardIndex index_;
+  std::vector<std::pair<std::string, std::vector<uint32_t>>> buffers_;  // per split, in first-seen order
+  std::vector<std::pair<std::string, int>> counts_;                     // shards written per split
+};
+
+// The shards of `split` in a token directory, in order: index.json's when
+// there is one, else the files ending in .bin whose name holds `split`
+// (llm.c's fineweb_train_000001.bin), sorted. NotFound naming the
+// directory when there are none.
 absl::StatusOr<std::vector<std::string>> token_shards(const std::string& dir, const std::string& split);
 
 }  // namespace ember::data

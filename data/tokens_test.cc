@@ -78,7 +78,7 @@ TEST(TokenShard, BadFilesAreNamedErrors) {
   EXPECT_NE(message(TokenShard::open(p).status()).find("shorter than the 1024-byte header"), std::string::npos);
   EXPECT_NE(message(TokenShard::open((d / "none.bin").string()).status()).find("cannot open token shard"),
             std::string::npos);
-  EXPECT_NE(message(token_shards(d.string(), "val").status()).find("no token shards (*val*.bin"), std::string::npos);
+  EXPECT_NE(message(token_shards(d.string(), "val").status()).find("no val token shards (index.json's, or *val*.bin"), std::string::npos);
   fs::remove_all(d);
 }
 
@@ -103,6 +103,43 @@ TEST(TokenStream, WindowsCrossShardsAndBatchesDependOnSeedAndStepOnly) {
   TokenStream m = TokenStream::from_ids({10, 11, 12, 13, 14, 15, 16});
   EXPECT_EQ(m.windows({1, 3}, 3).first.to_vector(), x.to_vector());
   EXPECT_EQ(s->counts(17)[13], 1);
+  fs::remove_all(d);
+}
+
+// The writer cuts each split into shards of N tokens named by split, and
+// index.json lists them; token_shards reads the split's back in order.
+TEST(ShardWriter, CutsSplitsAndIndexes) {
+  const fs::path d = tmpdir();
+  ShardWriter w(d.string(), 4, 50257, "/x/tokenizer.json", "0123456789abcdef");
+  std::vector<uint32_t> all;
+  for (uint32_t i = 0; i < 10; ++i) all.push_back(i * 100);
+  ASSERT_TRUE(w.add("train", std::vector<uint32_t>(all.begin(), all.begin() + 3)).ok());
+  ASSERT_TRUE(w.add("val", {7, 8}).ok());
+  ASSERT_TRUE(w.add("train", std::vector<uint32_t>(all.begin() + 3, all.end())).ok());
+  auto written = w.finish();
+  ASSERT_TRUE(written.ok()) << written.status();
+  auto index = read_shard_index(d.string());
+  ASSERT_TRUE(index.ok()) << index.status();
+  EXPECT_EQ(index->version, 1);
+  EXPECT_EQ(index->vocab_size, 50257);
+  EXPECT_EQ(index->total_tokens, 12);
+  EXPECT_EQ(index->tokenizer_hash, "0123456789abcdef");
+  ASSERT_EQ(index->shards.size(), 4u);  // train 4 + 4 + 2, val 2
+  auto train = token_shards(d.string(), "train");
+  ASSERT_TRUE(train.ok());
+  EXPECT_EQ(train->back(), (d / "train_000002.bin").string());
+  auto s = TokenStream::open(*train, 50257);
+  ASSERT_TRUE(s.ok());
+  std::vector<uint32_t> back;
+  for (int64_t i = 0; i < s->size(); ++i) back.push_back((*s)[i]);
+  EXPECT_EQ(back, all);
+  auto val = token_shards(d.string(), "val");
+  ASSERT_TRUE(val.ok());
+  EXPECT_EQ(val->size(), 1u);
+  // A damaged index is a named error.
+  std::ofstream(d / "index.json") << R"({"magic": 20240520, "version": 3, "vocab_size": 5, "total_tokens": 0, "shards": []})";
+  EXPECT_NE(message(read_shard_index(d.string()).status()).find("index.json: version: 3 is not known"),
+            std::string::npos);
   fs::remove_all(d);
 }
 

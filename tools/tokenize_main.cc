@@ -15,9 +15,9 @@
 #include <vector>
 
 #include "core/exception.h"
+#include "data/tokens.h"
 #include "text/bpe_trainer.h"
 #include "text/regex.h"
-#include "text/token_shards.h"
 #include "text/tokenizer.h"
 
 namespace {
@@ -28,13 +28,16 @@ using namespace ember::text;
 
 const char* kUsage =
     "usage:\n"
-    "  tokenize --tokenizer T.json --out DIR [--shard-tokens N] [--eot TOKEN] FILE...\n"
-    "      token shards in llm.c's .bin format: DIR/shard_000000.bin, ... of N tokens each (default\n"
-    "      100000000; the last one shorter) and DIR/index.json (shards, counts, vocab size, dtype, the\n"
-    "      tokenizer's path and xxh3 hash). Each FILE is one document, encoded whole; with --eot its\n"
-    "      token goes before each document (as llm.c's data scripts do). Header: 256 int32, magic\n"
-    "      20240520, version 1 = uint16 tokens (vocabularies up to 65,536), 2 = uint32 (ours), count.\n"
-    "      DIR must be new or empty; on an error nothing is left in it.\n"
+    "  tokenize --tokenizer T.json --out DIR [--shard-tokens N] [--eot TOKEN] [--split-on LINE]\n"
+    "           [--val-every K] FILE...\n"
+    "      token shards in llm.c's .bin format: DIR/train_000000.bin, ... of N tokens each (default\n"
+    "      100000000; the last one shorter), DIR/val_000000.bin, ... with --val-every, and\n"
+    "      DIR/index.json (shards, splits, counts, vocab size, dtype, the tokenizer's path and xxh3\n"
+    "      hash). Each FILE is one document, encoded whole, or, with --split-on LINE, the documents\n"
+    "      between lines equal to LINE (fortunes' \"%\"); with --val-every K every K-th document is held\n"
+    "      out for validation. With --eot its token goes before each document (as llm.c's data\n"
+    "      scripts do). Header: 256 int32, magic 20240520, version 1 = uint16 tokens (vocabularies up\n"
+    "      to 65,536), 2 = uint32 (ours), count. DIR must be new or empty; on an error nothing is left.\n"
     "  tokenize --tokenizer T.json --print [FILE...]\n"
     "      the ids of each FILE (standard input without one), space-separated, one line per input.\n"
     "  tokenize --tokenizer T.json --decode [--skip-special]\n"
@@ -87,10 +90,10 @@ std::string file_hash(const std::string& path) {
 }
 
 struct Args {
-  std::string tokenizer, out, eot;
+  std::string tokenizer, out, eot, split_on;
   bool print = false, decode = false, train = false, bench = false, skip_special = false, prefix_space = false,
        lines = false;
-  int64_t shard_tokens = 100'000'000, vocab_size = -1, merges = -1, min_frequency = 0, rounds = 5;
+  int64_t shard_tokens = 100'000'000, vocab_size = -1, merges = -1, min_frequency = 0, rounds = 5, val_every = 0;
   std::vector<std::string> specials, files;
 };
 
@@ -111,6 +114,10 @@ Args parse(int argc, char** argv) {
       a.out = value();
     } else if (f == "--eot") {
       a.eot = value();
+    } else if (f == "--split-on") {
+      a.split_on = value();
+    } else if (f == "--val-every") {
+      a.val_every = whole_number(f, value(), 2);
     } else if (f == "--shard-tokens") {
       a.shard_tokens = whole_number(f, value(), 1);
     } else if (f == "--vocab-size") {
@@ -266,20 +273,48 @@ int shards(const Tokenizer& tok, const Args& a) {
   fs::remove_all(staging);
   fs::create_directories(staging);
   try {
-    ShardWriter writer(staging.string(), a.shard_tokens, tok.vocab_size(), fs::absolute(a.tokenizer).string(),
-                       file_hash(a.tokenizer));
+    ember::data::ShardWriter writer(staging.string(), a.shard_tokens, tok.vocab_size(),
+                                    fs::absolute(a.tokenizer).string(), file_hash(a.tokenizer));
     std::vector<int32_t> ids;
-    for (const std::string& f : a.files) {
+    int64_t doc = 0;
+    auto add = [&](const std::string& text) {
       ids.clear();
       if (eot) ids.push_back(*eot);
-      tok.encode(read_text(f), ids);
-      writer.add(ids);
+      tok.encode(text, ids);
+      const bool val = a.val_every > 0 && doc % a.val_every == a.val_every - 1;
+      ++doc;
+      const absl::Status st = writer.add(val ? "val" : "train", std::vector<uint32_t>(ids.begin(), ids.end()));
+      EMBER_CHECK(st.ok(), st.message());
+    };
+    for (const std::string& f : a.files) {
+      const std::string text = read_text(f);
+      if (a.split_on.empty()) {
+        add(text);
+        continue;
+      }
+      // Documents between lines equal to --split-on, each with its lines' endings.
+      std::string cur;
+      std::istringstream in(text);
+      for (std::string line; std::getline(in, line);) {
+        if (line == a.split_on) {
+          if (!cur.empty()) add(cur);
+          cur.clear();
+        } else {
+          cur += line + "\n";
+        }
+      }
+      if (!cur.empty()) add(cur);
     }
-    const ShardIndex index = writer.finish();
+    const auto index = writer.finish();
+    EMBER_CHECK(index.ok(), index.status().message());
     if (fs::exists(out)) fs::remove(out);  // empty, checked above
     fs::rename(staging, out);
-    std::fprintf(stderr, "tokenize: %lld tokens in %zu shards (%s) -> %s\n", static_cast<long long>(index.total_tokens),
-                 index.shards.size(), index.version == 1 ? "uint16" : "uint32", a.out.c_str());
+    int64_t val_tokens = 0;
+    for (const auto& sh : index->shards) val_tokens += sh.split == "val" ? sh.tokens : 0;
+    std::fprintf(stderr, "tokenize: %lld tokens (%lld held out) from %lld documents in %zu shards (%s) -> %s\n",
+                 static_cast<long long>(index->total_tokens), static_cast<long long>(val_tokens),
+                 static_cast<long long>(doc), index->shards.size(), index->version == 1 ? "uint16" : "uint32",
+                 a.out.c_str());
   } catch (...) {
     fs::remove_all(staging);
     throw;

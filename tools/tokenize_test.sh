@@ -41,6 +41,17 @@ sample = list(map(int, open(sys.argv[2]).read().split()))
 assert tokens[0] == 0 and tokens[1:1 + len(sample)] == sample and tokens[1 + len(sample)] == 0
 PY
 
+# --split-on / --val-every: documents cut at "%" lines, every 2nd held out.
+printf 'one doc\n%%\ntwo doc\n%%\nthree\n%%\nfour\n' > $T/fort.txt
+"$TOK" --tokenizer $D/hf_bpe.json --out $T/split --split-on % --val-every 2 $T/fort.txt 2> $T/split.log
+grep -q "from 4 documents" $T/split.log || fail "--split-on: $(cat $T/split.log)"
+python3 - "$T/split" <<'PY' || fail "train/val shards wrong"
+import json, os, sys
+idx = json.load(open(os.path.join(sys.argv[1], "index.json")))
+assert sorted(s["split"] for s in idx["shards"]) == ["train", "val"], idx
+assert [s["file"] for s in idx["shards"]] == ["train_000000.bin", "val_000000.bin"], idx
+PY
+
 # Training: a tokenizer that loads and round-trips.
 "$TOK" --train --vocab-size 500 --min-frequency 2 --special '<|endoftext|>' --out $T/trained.json $D/corpus.txt 2> $T/train.log
 grep -q "500 tokens" $T/train.log || fail "--train summary: $(cat $T/train.log)"
