@@ -151,7 +151,8 @@ void recover(const examples::Job& job, Setup& s, const distributed::LiveState* k
 
 Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true) {
   Setup s;
-  s.corpus = examples::load_corpus(flags.common.data);
+  s.corpus = examples::load_corpus(flags.common.data, flags.tokenizer,
+                                   flags.common.checkpoint_dir + "/tokenizer.json", job.rank == 0);
   s.vocab = s.corpus.vocab;
   EMBER_CHECK(s.corpus.train.size() > flags.seq + 1, "the training data (", s.corpus.train.size(), " ", s.corpus.unit,
               ") is shorter than --seq ", flags.seq);
@@ -319,7 +320,8 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
          {"strategy", flags.strategy},
          {"vocab", s.vocab},
          // What `ckpt export-hf` rebuilds config.json from.
-         {"model", nlohmann::json::parse(nn::gpt_options_to_json(model_options(flags, s.vocab)))}},
+         {"model", nlohmann::json::parse(nn::gpt_options_to_json(model_options(flags, s.vocab)))},
+         {"tokenizer", s.corpus.tokenizer_path.empty() ? nlohmann::json() : nlohmann::json(s.corpus.tokenizer_path)}},
         *s.scaler, *job.pg, s.mesh->to_string());
     LOG0("saved checkpoint ", dir, " (", job.world, " rank file", job.world == 1 ? "" : "s", ")");
   };

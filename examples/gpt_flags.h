@@ -39,6 +39,7 @@ struct Flags {
   int64_t kv_heads = 0;       // llama: k/v heads (0: --heads)
   int64_t ffn = 0;            // llama: SwiGLU width (0: LLaMA's rule)
   double rope_theta = 10000.0;
+  std::string tokenizer;  // "", a tokenizer.json, or bpe:N
   std::string init_from_hf;          // a Hugging Face GPT-2 / LLaMA directory (nn/hf.h)
   std::optional<nn::GPTOptions> hf;  // its config.json's model, when given
   int64_t max_steps = 1000, save_every = 0, eval_every = 250;
@@ -77,6 +78,11 @@ inline void declare(FlagTable& t, Flags& f) {
   t.integer("--kv-heads", &f.kv_heads, 1, "N", "llama: key/value heads, dividing --heads (default: --heads)");
   t.integer("--ffn", &f.ffn, 1, "N", "llama: SwiGLU hidden width (default: 2/3 of 4 x --dim, a multiple of 256)");
   t.positive("--rope-theta", &f.rope_theta, "X", "llama: the rotary embeddings' base");
+  t.text("--tokenizer", &f.tokenizer, "T.json|bpe:N",
+         "tokens of the text: a Hugging Face tokenizer.json (byte-level BPE), or bpe:N, a BPE of N tokens\n"
+         "trained on the training text at start (saved as <checkpoint-dir>/tokenizer.json); with --data\n"
+         "of token shards, the tokenizer that wrote them (default: index.json's). Default: characters",
+         false);
   t.integer("--seq", &f.seq, 2, "N", "context length");
   t.text("--init-from-hf", &f.init_from_hf, "DIR",
          "start from a Hugging Face GPT-2 or LLaMA directory (config.json + safetensors): the model\n"
@@ -166,6 +172,11 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
   if (!f.init_from_hf.empty()) take_hf_model(t, f);
   if (f.dim % f.heads != 0)
     error("--dim " + std::to_string(f.dim) + " must be a multiple of --heads " + std::to_string(f.heads));
+  if (f.tokenizer.rfind("bpe:", 0) == 0) {
+    t.parse_int("--tokenizer bpe:N", f.tokenizer.substr(4), 258);  // 256 bytes, <|endoftext|>, a merge
+  } else if (!f.tokenizer.empty() && !std::filesystem::is_regular_file(f.tokenizer)) {
+    error("--tokenizer " + f.tokenizer + ": no such file (give a tokenizer.json or bpe:N)");
+  }
   if (f.arch != "llama")
     for (const char* name : {"--kv-heads", "--ffn", "--rope-theta"})
       if (t.given(name)) error(std::string(name) + " goes with --arch llama");
