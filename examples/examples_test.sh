@@ -262,27 +262,7 @@ PY
 # Metrics files (one JSON line per step) against the reference run's from
 # step FROM + 1 on: the same batches, losses within 1e-5 and gradient norms
 # within 1e-4 (relative). And two "validation loss X" lines within TOL.
-like_reference() {  # REF FROM FILE...
-  python3 - "$@" <<'PY'
-import json, sys
-ref = [json.loads(l) for l in open(sys.argv[1])][int(sys.argv[2]):]
-for f in sys.argv[3:]:
-    got = [json.loads(l) for l in open(f)]
-    assert len(got) == len(ref) > 0, (f, len(got), len(ref))
-    for x, y in zip(ref, got):
-        assert x["batch_digest"] == y["batch_digest"], (f, x, y)
-        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (f, x, y)
-        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * x["grad_norm"], (f, x, y)
-PY
-}
-same_validation() {  # LINE LINE TOL
-  python3 - "$@" <<'PY'
-import re, sys
-v = [float(re.search(r"validation loss ([0-9.]+)", s).group(1)) for s in sys.argv[1:3]]
-assert abs(v[0] - v[1]) <= float(sys.argv[3]) * v[0], v
-print("validation losses", v[0], v[1])
-PY
-}
+source "$dir/gpt_checks.sh"  # like_reference, same_validation
 # Pipelines: one rank accumulating --microbatches 4 is the reference for
 # --pp 2 under ZB-H1 with --ac full, for --pp 2 x --tp 2 under interleaved
 # 1F1B (2 stages per rank) and for --pp 2 x --dp-replicate 2: the same batches, losses and

@@ -1,0 +1,64 @@
+#!/bin/bash
+# The LLaMA family on real tokens, with nothing but Debian's packages: a
+# byte-level BPE trained on the fortunes corpus (//tools:tokenize --train),
+# the quotes tokenized into train/val shards (--split-on % --val-every 20),
+# and //examples:gpt --arch llama --data on them:
+#   - 200 steps on one process end at a validation loss at most 0.9x the
+#     unigram baseline's (the model learned more than token frequencies);
+#   - pp 2 x dp_shard 2 x tp 2 (8 ranks, grouped-query attention, one kv
+#     head per tp rank) equals one process step for step, and its step-3
+#     checkpoint resumed on dp_shard 2 continues as the uninterrupted run;
+#   - --tokenizer bpe:N trains the tokenizer in process, saves it beside the
+#     checkpoints, and `ckpt export-hf` ships it with the model;
+#   - shards cut with another tokenizer are a named error.
+# Skips (passing, with a message) without the fortunes package.
+set -euo pipefail
+dir=examples
+tok=tools/tokenize
+tmp="${TEST_TMPDIR:-$(mktemp -d)}"
+fortunes=/usr/share/games/fortunes
+source "$dir/gpt_checks.sh"  # like_reference
+if [[ ! -d $fortunes ]]; then echo "SKIP: no $fortunes (apt-get install fortunes)"; exit 0; fi
+mapfile -t files < <(find "$fortunes" -maxdepth 1 -type f ! -name '*.*' | sort)
+
+"$tok" --train --vocab-size 1024 --min-frequency 2 --special '<|endoftext|>' --out "$tmp/tok.json" "${files[@]}"
+"$tok" --tokenizer "$tmp/tok.json" --out "$tmp/shards" --eot '<|endoftext|>' --split-on % --val-every 20 "${files[@]}"
+
+ll=(--arch llama --kv-heads 2 --dim 64 --heads 4 --layers 4 --seq 64 --data "$tmp/shards" --sample-len 40 --lr 3e-3)
+out=$("$dir/gpt" --nproc 1 "${ll[@]}" --max-steps 200 --eval-every 100 --checkpoint-dir "$tmp/long" 2>&1)
+echo "$out" | grep -v "step [0-9]*/"
+grep -q "token shards in $tmp/shards (vocabulary 1024)" <<<"$out" || { echo "no token-shard line"; exit 1; }
+python3 - "$(grep '= .* x the unigram baseline' <<<"$out")" <<'PY'
+import re, sys
+ratio = float(re.search(r"= ([0-9.]+) x the unigram baseline", sys.argv[1]).group(1))
+assert ratio <= 0.9, f"validation loss {ratio} x the unigram baseline after 200 steps (want <= 0.9)"
+print("validation loss / unigram baseline:", ratio)
+PY
+
+short=("${ll[@]}" --max-steps 6 --global-batch 16 --microbatches 4 --eval-every 100 --sample-len 0)
+"$dir/gpt" --nproc 1 "${short[@]}" --checkpoint-dir "$tmp/ref" --metrics "$tmp/ref.jsonl" > "$tmp/ref.log" 2>&1 \
+  || { cat "$tmp/ref.log"; exit 1; }
+"$dir/gpt" --nproc 8 --pp 2 --dp-shard 2 --tp 2 "${short[@]}" --save-every 3 --checkpoint-dir "$tmp/nd" \
+  --metrics "$tmp/nd.jsonl" > "$tmp/nd.log" 2>&1 || { cat "$tmp/nd.log"; exit 1; }
+grep -q "mesh pp=2 dp_shard=2 tp=2$" "$tmp/nd.log"
+mkdir -p "$tmp/resumed" && cp -r "$tmp/nd/step_3" "$tmp/resumed/"
+"$dir/gpt" --nproc 2 "${short[@]}" --checkpoint-dir "$tmp/resumed" --resume --metrics "$tmp/resumed.jsonl" \
+  > "$tmp/resumed.log" 2>&1 || { cat "$tmp/resumed.log"; exit 1; }
+like_reference "$tmp/ref.jsonl" 0 "$tmp/nd.jsonl"
+like_reference "$tmp/ref.jsonl" 3 "$tmp/resumed.jsonl"
+
+# The tokenizer trained in process, saved, and exported with the model.
+out=$("$dir/gpt" --nproc 1 --arch llama --dim 32 --heads 2 --seq 32 --tokenizer bpe:512 --max-steps 2 --sample-len 8 \
+      --checkpoint-dir "$tmp/inproc" 2>&1)
+grep -q "BPE vocabulary 512 trained on it" <<<"$out" || { echo "$out"; echo "no in-process BPE line"; exit 1; }
+[[ -f $tmp/inproc/tokenizer.json ]] || { echo "no tokenizer.json beside the checkpoints"; exit 1; }
+tools/ckpt export-hf "$tmp/inproc/step_2" "$tmp/hf"
+cmp "$tmp/inproc/tokenizer.json" "$tmp/hf/tokenizer.json"
+
+# Shards of another tokenizer's vocabulary: named before any step.
+"$tok" --train --vocab-size 600 --out "$tmp/other.json" "${files[0]}"
+if out=$("$dir/gpt" --nproc 1 "${ll[@]}" --tokenizer "$tmp/other.json" --max-steps 1 --checkpoint-dir "$tmp/bad" 2>&1); then
+  echo "gpt trained on shards of another tokenizer"; exit 1
+fi
+grep -q "index.json's vocab_size 1024 and the tokenizer's 600 differ" <<<"$out" || { echo "$out"; exit 1; }
+echo PASS
