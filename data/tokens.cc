@@ -11,9 +11,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
-#include <nlohmann/json.hpp>
 
 namespace ember::data {
 
@@ -173,7 +173,8 @@ absl::StatusOr<ShardIndex> read_shard_index(const std::string& dir) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open the shard index"));
   nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded() || !doc.is_object()) return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
+  if (doc.is_discarded() || !doc.is_object())
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
   auto bad = [&](const std::string& field, const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", field, ": ", why));
   };
@@ -258,7 +259,8 @@ absl::StatusOr<ShardIndex> ShardWriter::finish() {
   doc["total_tokens"] = index_.total_tokens;
   doc["tokenizer"] = {{"path", index_.tokenizer_path}, {"xxh3_64", index_.tokenizer_hash}};
   nlohmann::ordered_json shards = nlohmann::ordered_json::array();
-  for (const auto& sh : index_.shards) shards.push_back({{"file", sh.file}, {"split", sh.split}, {"tokens", sh.tokens}});
+  for (const auto& sh : index_.shards)
+    shards.push_back({{"file", sh.file}, {"split", sh.split}, {"tokens", sh.tokens}});
   doc["shards"] = std::move(shards);
   const std::string path = dir_ + "/index.json";
   std::ofstream out(path, std::ios::trunc);
@@ -287,8 +289,8 @@ absl::StatusOr<std::vector<std::string>> token_shards(const std::string& dir, co
     std::sort(out.begin(), out.end());
   }
   if (out.empty())
-    return absl::NotFoundError(absl::StrCat(dir, ": no ", split, " token shards (index.json's, or *", split,
-                                            "*.bin as llm.c names them)"));
+    return absl::NotFoundError(
+        absl::StrCat(dir, ": no ", split, " token shards (index.json's, or *", split, "*.bin as llm.c names them)"));
   return out;
 }
 

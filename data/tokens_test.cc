@@ -78,7 +78,8 @@ TEST(TokenShard, BadFilesAreNamedErrors) {
   EXPECT_NE(message(TokenShard::open(p).status()).find("shorter than the 1024-byte header"), std::string::npos);
   EXPECT_NE(message(TokenShard::open((d / "none.bin").string()).status()).find("cannot open token shard"),
             std::string::npos);
-  EXPECT_NE(message(token_shards(d.string(), "val").status()).find("no val token shards (index.json's, or *val*.bin"), std::string::npos);
+  EXPECT_NE(message(token_shards(d.string(), "val").status()).find("no val token shards (index.json's, or *val*.bin"),
+            std::string::npos);
   fs::remove_all(d);
 }
 
@@ -137,7 +138,8 @@ TEST(ShardWriter, CutsSplitsAndIndexes) {
   ASSERT_TRUE(val.ok());
   EXPECT_EQ(val->size(), 1u);
   // A damaged index is a named error.
-  std::ofstream(d / "index.json") << R"({"magic": 20240520, "version": 3, "vocab_size": 5, "total_tokens": 0, "shards": []})";
+  std::ofstream(d / "index.json")
+      << R"({"magic": 20240520, "version": 3, "vocab_size": 5, "total_tokens": 0, "shards": []})";
   EXPECT_NE(message(read_shard_index(d.string()).status()).find("index.json: version: 3 is not known"),
             std::string::npos);
   fs::remove_all(d);

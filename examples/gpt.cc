@@ -151,8 +151,8 @@ void recover(const examples::Job& job, Setup& s, const distributed::LiveState* k
 
 Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true) {
   Setup s;
-  s.corpus = examples::load_corpus(flags.common.data, flags.tokenizer,
-                                   flags.common.checkpoint_dir + "/tokenizer.json", job.rank == 0);
+  s.corpus = examples::load_corpus(flags.common.data, flags.tokenizer, flags.common.checkpoint_dir + "/tokenizer.json",
+                                   job.rank == 0);
   s.vocab = s.corpus.vocab;
   EMBER_CHECK(s.corpus.train.size() > flags.seq + 1, "the training data (", s.corpus.train.size(), " ", s.corpus.unit,
               ") is shorter than --seq ", flags.seq);

@@ -19,9 +19,9 @@
 
 #include "core/tensor.h"
 #include "data/tokens.h"
+#include "distributed/logging/logging.h"
 #include "text/bpe_trainer.h"
 #include "text/tokenizer.h"
-#include "distributed/logging/logging.h"
 
 namespace ember::examples {
 

@@ -39,7 +39,7 @@ struct Flags {
   int64_t kv_heads = 0;       // llama: k/v heads (0: --heads)
   int64_t ffn = 0;            // llama: SwiGLU width (0: LLaMA's rule)
   double rope_theta = 10000.0;
-  std::string tokenizer;  // "", a tokenizer.json, or bpe:N
+  std::string tokenizer;             // "", a tokenizer.json, or bpe:N
   std::string init_from_hf;          // a Hugging Face GPT-2 / LLaMA directory (nn/hf.h)
   std::optional<nn::GPTOptions> hf;  // its config.json's model, when given
   int64_t max_steps = 1000, save_every = 0, eval_every = 250;
