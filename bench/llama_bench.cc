@@ -10,13 +10,18 @@
 // Model: 6 blocks, d 512, 8 heads of 64, 4 key/value heads, SwiGLU 1408,
 // vocab 8192, seq 256, batch 4 (1024 tokens a step); 26.8 M parameters.
 // Counters: step_ms_median over the timed steps, tokens_per_s.
+// EMBER_BENCH_PROFILE=1 prints the profiler's table of one more step
+// (where the time goes, by op).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include "core/ops.h"
+#include "core/profiler.h"
 #include "nn/functional.h"
 #include "nn/transformer.h"
 #include "optim/optimizer.h"
@@ -50,6 +55,12 @@ void BM_LlamaStep(benchmark::State& state) {
     const auto t0 = std::chrono::steady_clock::now();
     benchmark::DoNotOptimize(step());
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  if (std::getenv("EMBER_BENCH_PROFILE") != nullptr) {
+    profiler::start();
+    step();
+    profiler::stop();
+    std::fputs(profiler::summary_table(profiler::events(), 30).c_str(), stderr);
   }
   std::sort(ms.begin(), ms.end());
   state.counters["step_ms_median"] = ms[ms.size() / 2];
