@@ -47,7 +47,7 @@ std::vector<std::pair<Tensor, Tensor>> image_batches() {
 TEST(Readme, TensorScreen) {
   Tensor x = arange(6).view({2, 3});            // float32 on CPU
   Tensor y = x.t();                             // a view: strides {1, 3}, no copy
-  Tensor z = matmul(x, y) + 1.0;                // OpenBLAS; broadcasting scalar
+  Tensor z = matmul(x, y) + 1.0;                // oneDNN's sgemm; broadcasting scalar
   Tensor p = softmax(z, /*dim=*/1);
   Tensor m = mean(x, {0}, /*keepdim=*/true);    // reductions over any dims
   if (cuda_is_available()) {

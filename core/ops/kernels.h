@@ -226,6 +226,14 @@ struct GemmArgs {
   void* c; int64_t ldc, stride_c;
   double alpha = 1.0, beta = 0.0;  // C = alpha op(A) op(B) + beta C (float32/float64)
 };
+// float32 GEMM with BLAS's row-major arguments (C = alpha op(A) op(B) +
+// beta C) on oneDNN's sgemm: its AVX-512 kernels ran this machine's
+// transformer GEMMs at 1.8x OpenBLAS's as the environment pins it
+// (OPENBLAS_CORETYPE=Haswell) and 1.08x its AVX-512 kernels, and small
+// ones (attention's 64-row blocks) at 2-6x (bench/README.md). Nothing to do
+// when m, n or k is 0 (C is scaled by beta when k is 0).
+void sgemm_cpu(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+               const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 void gemm_cpu(const GemmArgs& g);
 // bfloat16/float16 on oneDNN's native kernels; false where the CPU has none
 // (the caller widens to float32 instead).
