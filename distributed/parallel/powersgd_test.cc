@@ -96,8 +96,7 @@ EMBER_WORKER(torch_match) {
       }
       const double factor = env.arg == "4" ? 4 : 2;
       WCHECK(std::sqrt(ours) <= factor * std::sqrt(theirs) + 1e-5 * std::sqrt(norm), "rank r=", env.arg, ", step ", s,
-             ", ",
-             name, ": ours ", std::sqrt(ours), " from float64, PyTorch's float32 ", std::sqrt(theirs), " (norm ",
+             ", ", name, ": ours ", std::sqrt(ours), " from float64, PyTorch's float32 ", std::sqrt(theirs), " (norm ",
              std::sqrt(norm), ")");
     }
   }
