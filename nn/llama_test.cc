@@ -129,6 +129,36 @@ TEST(GroupedQueryAttention, EqualsMultiheadWithTheKvHeadsRepeated) {
   }
 }
 
+// The rotary tables are cached between calls: positions changed in place
+// (the same tensor), a new theta and a new sequence length each give what a
+// fresh module gives.
+TEST(GroupedQueryAttention, CachedRotaryTablesFollowPositionsAndTheta) {
+  manual_seed(9);
+  GroupedQueryAttention m(16, 4, {.n_kv_head = 2, .rope_theta = 100.0});
+  auto fresh = [&](const Tensor& x) {
+    GroupedQueryAttention f(16, 4, {.n_kv_head = 2, .rope_theta = m.options.rope_theta});
+    NoGradGuard ng;
+    for (auto& [name, p] : f.named_parameters()) {
+      Tensor dst = p;
+      dst.copy_(*m.state_dict().find(name));
+    }
+    if (m.positions.defined()) f.positions = m.positions.clone();
+    return f(x);
+  };
+  Tensor x = randn({1, 4, 16});
+  m.positions = Tensor::from_vector({0, 1, 2, 3}, {4}, DType::Int64);
+  EXPECT_TRUE(allclose(m(x), fresh(x), 0, 0));
+  m.positions.copy_(Tensor::from_vector({8, 9, 10, 11}, {4}, DType::Int64));  // in place
+  const Tensor moved = m(x);
+  EXPECT_TRUE(allclose(moved, fresh(x), 0, 0));
+  m.options.rope_theta = 10000.0;
+  EXPECT_TRUE(allclose(m(x), fresh(x), 0, 0));
+  EXPECT_FALSE(allclose(m(x), moved, 1e-4, 1e-5));
+  m.positions = Tensor();
+  Tensor x6 = randn({1, 6, 16});
+  EXPECT_TRUE(allclose(m(x6), fresh(x6), 0, 0));
+}
+
 TEST(GroupedQueryAttention, WithoutRopeOrGroupsItIsMultiheadAttention) {
   manual_seed(5);
   GroupedQueryAttention gqa(12, 3, {.bias = true});

@@ -58,10 +58,10 @@ Tensor MultiheadAttention::forward(const Tensor& x) {
   return (*out_proj)(out);
 }
 
-RotaryTables rotary_tables(int64_t head_dim, double theta, int64_t length, const Tensor& positions, Device device) {
-  EMBER_CHECK(head_dim > 0 && head_dim % 2 == 0, "rotary embeddings: head_dim ", head_dim, " must be even");
-  EMBER_CHECK(theta > 0, "rotary embeddings: rope_theta must be positive, got ", theta);
-  const int64_t half = head_dim / 2;
+namespace {
+
+// The positions as values: `positions`' (int64 [T]) or 0..length-1.
+std::vector<int64_t> position_values(const Tensor& positions, int64_t length) {
   std::vector<int64_t> pos;
   if (positions.defined()) {
     EMBER_CHECK(positions.dim() == 1 && positions.dtype() == DType::Int64,
@@ -72,6 +72,13 @@ RotaryTables rotary_tables(int64_t head_dim, double theta, int64_t length, const
   } else {
     for (int64_t t = 0; t < length; ++t) pos.push_back(t);
   }
+  return pos;
+}
+
+RotaryTables tables_at(int64_t head_dim, double theta, const std::vector<int64_t>& pos, Device device) {
+  EMBER_CHECK(head_dim > 0 && head_dim % 2 == 0, "rotary embeddings: head_dim ", head_dim, " must be even");
+  EMBER_CHECK(theta > 0, "rotary embeddings: rope_theta must be positive, got ", theta);
+  const int64_t half = head_dim / 2;
   // Hugging Face's float32 arithmetic: inv_freq = 1 / theta^(float(2i) /
   // float(D)), angle = float(pos) * inv_freq, then cos and sin.
   std::vector<float> inv(static_cast<size_t>(half));
@@ -87,6 +94,12 @@ RotaryTables rotary_tables(int64_t head_dim, double theta, int64_t length, const
       sp[t * half + i] = std::sin(a);
     }
   return {c.to(device), s.to(device)};
+}
+
+}  // namespace
+
+RotaryTables rotary_tables(int64_t head_dim, double theta, int64_t length, const Tensor& positions, Device device) {
+  return tables_at(head_dim, theta, position_values(positions, length), device);
 }
 
 GroupedQueryAttention::GroupedQueryAttention(int64_t embed_dim_, int64_t n_head_, AttentionOptions opts)
@@ -124,13 +137,15 @@ Tensor GroupedQueryAttention::forward(const Tensor& x) {
   q = q.reshape({B, T, Hq, D});
   k = k.reshape({B, T, Hkv, D});
   if (options.rope_theta > 0) {
-    const bool same = positions.defined() ? positions.is_same(tables_positions_) : !tables_positions_.defined();
-    if (!same || tables_length_ != T || tables_.cos.device() != x.device()) {
-      EMBER_CHECK(!positions.defined() || positions.numel() == T, "GroupedQueryAttention: ", positions.numel(),
-                  " positions for a sequence of ", T);
-      tables_ = rotary_tables(D, options.rope_theta, T, positions, x.device());
-      tables_positions_ = positions;
-      tables_length_ = T;
+    // Keyed by what the tables depend on: the positions' values (not the
+    // tensor, which may be changed in place), theta and the device.
+    std::vector<int64_t> pos = position_values(positions, T);
+    EMBER_CHECK(static_cast<int64_t>(pos.size()) == T, "GroupedQueryAttention: ", pos.size(),
+                " positions for a sequence of ", T);
+    if (pos != tables_positions_ || options.rope_theta != tables_theta_ || tables_.cos.device() != x.device()) {
+      tables_ = tables_at(D, options.rope_theta, pos, x.device());
+      tables_positions_ = std::move(pos);
+      tables_theta_ = options.rope_theta;
     }
     q = rotary_embedding(q, tables_.cos, tables_.sin);
     k = rotary_embedding(k, tables_.cos, tables_.sin);

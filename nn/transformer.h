@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "core/ops.h"
 #include "nn/layers.h"
@@ -84,9 +85,9 @@ class GroupedQueryAttention : public Module {
   Tensor positions;
 
  private:
-  RotaryTables tables_;  // cached for the last (T, device, positions)
-  Tensor tables_positions_;
-  int64_t tables_length_ = -1;
+  RotaryTables tables_;  // for the last call's positions, theta and device
+  std::vector<int64_t> tables_positions_;
+  double tables_theta_ = 0;
 };
 
 // The GPT MLP: c_fc (E -> 4E), GELU (tanh approximation, as GPT-2), c_proj
