@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <optional>
 #include <string>
 
 #include "autograd/autograd.h"
@@ -143,6 +144,41 @@ TEST_F(CudaNnOps, AttentionMatchesCpu) {
         compare(f, in, tol(dt), cat("attention in blocks causal ", causal, " p ", p, " ", dt));
         set_attention_cuda_scratch(0);
       }
+}
+
+// The fused (flash) kernels for 16-bit q, k, v (flash_forward_kernel,
+// flash_delta_kernel, flash_backward_kernel): head dims 32, 64 and 128,
+// several query blocks and key tiles with partial last ones (65, 70, 129
+// rows; 64, 150 keys), causal with fewer and more keys than queries, an
+// explicit scale, dropout (the CPU's Philox mask); against the CPU kernel in
+// float32 (P and dS are rounded to the 16-bit type before their products,
+// as FlashAttention does, which the tolerance covers). The launch counter
+// shows the fused path ran (forward and backward), not the blocked one.
+TEST_F(CudaNnOps, FlashAttentionMatchesCpu) {
+  uint64_t seed = 900;
+  struct Case {
+    int64_t tq, tk, d;
+    bool causal;
+    double p;
+    DType dt;
+    std::optional<double> scale;
+  };
+  for (const Case& c : std::vector<Case>{{70, 70, 64, true, 0.0, DType::BFloat16, {}},
+                                         {129, 150, 32, false, 0.0, DType::Float16, 0.3},
+                                         {70, 150, 128, true, 0.3, DType::BFloat16, {}},
+                                         {129, 64, 64, true, 0.0, DType::Float16, {}},
+                                         {65, 65, 64, false, 0.2, DType::Float16, {}}}) {
+    std::vector<Tensor> in = {rnd({2, 2, c.tq, c.d}, seed++, c.dt), rnd({2, 2, c.tk, c.d}, seed++, c.dt),
+                              rnd({2, 2, c.tk, c.d}, seed++, c.dt)};
+    Fn f = [c](const std::vector<Tensor>& v) {
+      Generator g(23);
+      return scaled_dot_product_attention(v[0], v[1], v[2], c.causal, c.p, &g, c.scale);
+    };
+    const int64_t before = attention_cuda_flash_launches();
+    compare(f, in, tol(c.dt),
+            cat("flash attention tq ", c.tq, " tk ", c.tk, " d ", c.d, " causal ", c.causal, " p ", c.p, " ", c.dt));
+    EXPECT_EQ(attention_cuda_flash_launches() - before, 2) << "the fused forward and backward should have run";
+  }
 }
 
 // layer_norm's kernels: widths below, at and above a warp, one and several

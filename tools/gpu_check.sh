@@ -6,7 +6,9 @@
 #   tools/gpu_bundle.sh $(tools/gpu_check.sh --targets)
 #   tools/gpu_check.sh --data        # Fashion-MNIST and fortunes into .gpudata/
 # Then the device tool's run with carry [".gpu", ".gpudata"] and command
-#   bash tools/gpu_check.sh [tests] [sanitize] [bench] [examples]   (none: all)
+#   bash tools/gpu_check.sh [tests] [sanitize] [bench] [attention] [examples]   (none: all)
+# (attention: the fused attention test and bench/attention_compare.py; bundle
+# //core:ops_nn_cuda_test //bench:attention_cuda_bench for it.)
 # It prints one line per step (rc, failed test names) and leaves every log in
 # $OUT/logs.tgz. Steps keep going after a failure: one call shows everything.
 set -u
@@ -19,7 +21,7 @@ if [ "${1:-}" = "--targets" ]; then
     //core:kernels_drawn_nn_test //bench:numerics_cpu //optim:optim_cuda_test //bench:gpu_step \
     //optim:grad_scaler_test //nn:autocast_test //data:loader_test //core:safetensors_test \
     //distributed/comm:process_group_test //distributed/comm:process_group_nccl_test //bench:ops_cuda_bench \
-    //bench:train_bench //examples:resnet_ddp //examples:gpt_fsdp //tools:ckpt
+    //bench:train_bench //bench:attention_cuda_bench //examples:resnet_ddp //examples:gpt_fsdp //tools:ckpt
   exit 0
 fi
 if [ "${1:-}" = "--data" ]; then
@@ -31,7 +33,7 @@ if [ "${1:-}" = "--data" ]; then
   exit 0
 fi
 
-steps="${*:-tests sanitize bench examples}"
+steps="${*:-tests sanitize bench attention examples}"
 logs=/tmp/gpu_check_logs
 rm -rf "$logs" && mkdir -p "$logs"
 run() { bash "$here/.gpu/run.sh" "$@"; }
@@ -108,6 +110,17 @@ for s in $steps; do
     timeout 180 bash "$here/.gpu/run.sh" gpt_fsdp --data "$d/fortunes" --amp bf16 --checkpoint-dir /tmp/gpt16 \
       >"$logs/gpt_fsdp_bf16.log" 2>&1
     summary "gpt_fsdp bf16 rc=$? $(grep -iE 'val|step' "$logs/gpt_fsdp_bf16.log" | tail -2 | tr '\n' ' ')"
+    ;;
+  attention)
+    # The fused attention kernels on the real GPU: the CPU comparison, then
+    # TFLOP/s beside PyTorch's SDPA flash backend (gpu_attention.json in $OUT).
+    timeout 180 bash "$here/.gpu/run.sh" ops_nn_cuda_test --gtest_filter='*Attention*' >"$logs/attention_test.log" 2>&1
+    summary "ops_nn_cuda_test attention rc=$? $(grep -c '^\[       OK \]' "$logs/attention_test.log") ok" \
+      "$(grep '^\[  FAILED  \]' "$logs/attention_test.log" | sort -u | sed 's/\[  FAILED  \] //' | tr '\n' ' ')"
+    timeout 420 python3 "$here/bench/attention_compare.py" --ours "bash $here/.gpu/run.sh attention_cuda_bench" \
+      --rounds 3 --out "${OUT:-$logs}/gpu_attention.json" >"$logs/attention_compare.log" 2>&1
+    summary "attention_compare rc=$?"
+    grep -E '^(round|\{)' "$logs/attention_compare.log" | tee -a "$logs/summary.txt"
     ;;
   *) summary "unknown step $s" ;;
   esac

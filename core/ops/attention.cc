@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "core/autocast.h"
@@ -229,7 +230,19 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
   Shape out_shape = q.sizes();
   out_shape.back() = a.dv;
   const DType compute = q.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
-  auto run_forward = [a, compute, out_shape](const Tensor& q, const Tensor& k, const Tensor& v) {
+  // 16-bit q, k, v on a GPU take the fused kernels, which read them as they
+  // are and keep each row's log-sum-exp for the backward (a recompute that
+  // skipped this forward finds none and runs the kernel again for it).
+  const bool flash = q.is_cuda() && attention_flash_cuda_supports(a, q.dtype());
+  auto lse = std::make_shared<Tensor>();
+  auto run_forward = [a, compute, out_shape, flash, lse](const Tensor& q, const Tensor& k, const Tensor& v) {
+    if (flash) {
+      const Tensor qr = as_rows(q, q.dtype()), kr = as_rows(k, q.dtype()), vr = as_rows(v, q.dtype());
+      Tensor out = Tensor::empty({a.n, a.tq, a.dv}, q.options());
+      *lse = Tensor::empty({a.n, a.tq}, {DType::Float32, q.device()});
+      attention_flash_forward_cuda(a, qr, kr, vr, out, *lse);
+      return out.view(out_shape);
+    }
     Tensor out = Tensor::empty({a.n, a.tq, a.dv}, {compute, q.device()});
     if (out.numel() > 0) {
       const Tensor qr = as_rows(q, compute), kr = as_rows(k, compute), vr = as_rows(v, compute);
@@ -246,11 +259,22 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
       op, {q, k, v}, [&] { return run_forward(q, k, v); },
       [&](const Tensor& out) {
         const Tensor sq = q, sk = k, sv = v, so = out;
-        BackwardFn fn = [a, compute, sq, sk, sv, so](const Tensor& g) {
+        BackwardFn fn = [a, compute, sq, sk, sv, so, flash, lse](const Tensor& g) {
           Tensor dq = Tensor::empty({a.n, a.tq, a.d}, {compute, g.device()});
           Tensor dk = Tensor::empty({a.n, a.tk, a.d}, {compute, g.device()});
           Tensor dv = Tensor::empty({a.n, a.tk, a.dv}, {compute, g.device()});
-          if (a.n > 0 && a.tq > 0 && a.tk > 0) {
+          if (flash) {
+            const DType dt = sq.dtype();
+            const Tensor qr = as_rows(sq, dt), kr = as_rows(sk, dt), vr = as_rows(sv, dt);
+            const Tensor orr = as_rows(so, dt), gr = as_rows(g, dt);
+            Tensor l = *lse;
+            if (!l.defined()) {
+              Tensor o = Tensor::empty({a.n, a.tq, a.dv}, sq.options());
+              l = Tensor::empty({a.n, a.tq}, {DType::Float32, sq.device()});
+              attention_flash_forward_cuda(a, qr, kr, vr, o, l);
+            }
+            attention_flash_backward_cuda(a, qr, kr, vr, orr, gr, l, dq, dk, dv);
+          } else if (a.n > 0 && a.tq > 0 && a.tk > 0) {
             const Tensor qr = as_rows(sq, compute), kr = as_rows(sk, compute), vr = as_rows(sv, compute);
             const Tensor orr = as_rows(so, compute), gr = as_rows(g, compute);
             if (g.is_cuda())

@@ -272,6 +272,62 @@ struct NormTiles {
       : rows_per_tile(std::max(kNormTileRows, ceil_div(rows, 65535))), tiles(ceil_div(rows, rows_per_tile)) {}
 };
 
+// Tensor cores, one warp: C[16x8] += A[16x16] B[16x8] for 16-bit A and B
+// (Half or BFloat16 bits, two to a register) with float32 accumulation:
+// PTX's mma.sync.m16n8k16.row.col, whose fragment layouts are fixed by the
+// ISA, so kernels can move values between fragments in registers (the
+// flash-attention trick: an accumulator tile becomes the next A operand).
+// Lane l = 4 g + t holds, lower index in the lower half of each register:
+//   a[0] A(g, 2t..2t+1)  a[1] A(g+8, 2t..)  a[2] A(g, 2t+8..)  a[3] A(g+8, 2t+8..)
+//   b[0] B(2t..2t+1, g)  b[1] B(2t+8..2t+9, g)
+//   c[0..1] C(g, 2t..2t+1)  c[2..3] C(g+8, 2t..2t+1)
+// Under the host emulation (no __CUDA_ARCH__) the warp gathers every lane's
+// fragments with shuffles and each lane computes its own four outputs, so
+// the layout contract above is what the emulated tests check.
+template <typename T>
+__device__ __forceinline__ uint32_t pack16(float lo, float hi) {
+  return static_cast<uint32_t>(T::from_float(lo)) | (static_cast<uint32_t>(T::from_float(hi)) << 16);
+}
+template <typename T>
+__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, BFloat16>)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  const auto lo = [](uint32_t r) { return T::to_float(static_cast<uint16_t>(r & 0xffffu)); };
+  const auto hi = [](uint32_t r) { return T::to_float(static_cast<uint16_t>(r >> 16)); };
+  float A[16][16], B[16][8];
+  for (int src = 0; src < kWarpSize; ++src) {
+    uint32_t ra[4], rb[2];
+    for (int r = 0; r < 4; ++r) ra[r] = __shfl_sync(0xffffffffu, a[r], src);
+    for (int r = 0; r < 2; ++r) rb[r] = __shfl_sync(0xffffffffu, b[r], src);
+    const int g = src / 4, t = src % 4;
+    for (int r = 0; r < 4; ++r) {
+      const int row = g + 8 * (r % 2), col = 2 * t + 8 * (r / 2);
+      A[row][col] = lo(ra[r]), A[row][col + 1] = hi(ra[r]);
+    }
+    for (int r = 0; r < 2; ++r) B[2 * t + 8 * r][g] = lo(rb[r]), B[2 * t + 8 * r + 1][g] = hi(rb[r]);
+  }
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
+    float acc = c[e];
+    for (int kk = 0; kk < 16; ++kk) acc += A[row][kk] * B[kk][col];
+    c[e] = acc;
+  }
+#endif
+}
+
 // Element conversions are ember::cast_value (dtype.h), shared with the CPU.
 using ::ember::cast_value;
 

@@ -151,6 +151,20 @@ void attention_backward_cpu(const AttentionArgs& a, const Tensor& q, const Tenso
                             const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv);
 void attention_backward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv);
+// The fused (flash) CUDA kernels for 16-bit q, k, v of one head dim (32,
+// 64 or 128, q's equal to v's): out in q's dtype and lse [n, tq] float32 (the
+// log-sum-exp of each row's scaled scores); the backward takes them and
+// writes float32 dq, dk, dv. supports() is false without CUDA, for other
+// shapes and dtypes, and after set_attention_cuda_flash(false) (or
+// EMBER_FLASH_ATTENTION=0), which leave the blocked-GEMM kernels above.
+bool attention_flash_cuda_supports(const AttentionArgs& a, DType dt);
+void attention_flash_forward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  Tensor& out, Tensor& lse);
+void attention_flash_backward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
+                                   const Tensor& out, const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk,
+                                   Tensor& dv);
+void set_attention_cuda_flash(bool on);
+int64_t attention_cuda_flash_launches();  // kernels launched so far (tests)
 // Tests: the CUDA kernels' score scratch in elements (0: the default, 2^23),
 // small enough to split a small problem into several query blocks.
 void set_attention_cuda_scratch(int64_t elements);

@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Attention on the GPU: ours (//bench:attention_cuda_bench, the fused and
+the blocked kernels) beside PyTorch's scaled_dot_product_attention with its
+flash backend (torch.nn.attention.sdpa_kernel(FLASH_ATTENTION)), the same
+shapes (batch 8, sequence 2,048, hidden 2,048 as 32 heads of 64 or 16 of
+128, bfloat16; causal and, at d 128, not), forward and forward + backward,
+FLOPs counted as FlashAttention does (4 b h T^2 d forward, halved when
+causal; backward 2.5x). Rounds interleave ours and PyTorch; the JSON rows
+hold the medians over rounds and ours / PyTorch TFLOP/s (higher is faster).
+
+  python3 bench/attention_compare.py --ours "bash .gpu/run.sh attention_cuda_bench" \\
+      [--rounds 3] [--out gpu_attention.json] [--smoke]
+
+--smoke: tiny shapes on the CPU for PyTorch and ours read from a canned
+line, to check the script itself without a GPU.
+"""
+import argparse
+import datetime
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+
+B, T, HIDDEN = 8, 2048, 2048
+
+
+def flops(d, causal, bwd, b=B, t=T):
+    fwd = 4.0 * b * (HIDDEN // d) * t * t * d / (2 if causal else 1)
+    return fwd * (3.5 if bwd else 1.0)
+
+
+def key(d, causal, bwd):
+    return f"d{d}{' causal' if causal else ''} {'fwd+bwd' if bwd else 'fwd'}"
+
+
+def run_ours(cmd):
+    """{(impl, key): TFLOP/s} from the benchmark's JSON."""
+    out = subprocess.run(shlex.split(cmd) + ["--benchmark_format=json"], check=True, capture_output=True,
+                         text=True).stdout
+    res = {}
+    for bm in json.loads(out[out.index("{"):])["benchmarks"]:
+        if bm.get("error_occurred"):  # no GPU (--smoke)
+            continue
+        label = bm["label"].split()  # flash fwd+bwd d64 causal
+        impl, mode, d, causal = label[0], label[1], int(label[2][1:]), "causal" in label
+        res[(impl, key(d, causal, mode == "fwd+bwd"))] = bm["TFLOP/s"]
+    return res
+
+
+def run_torch(smoke):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+    dev = "cpu" if smoke else "cuda"
+    b, t = (1, 128) if smoke else (B, T)
+    res = {}
+    for d, causal in [(64, True), (128, True), (128, False)]:
+        h = HIDDEN // d
+        q, k, v, g = (torch.randn(b, h, t, d, device=dev, dtype=torch.bfloat16) for _ in range(4))
+        for bwd in (False, True):
+            for x in (q, k, v):
+                x.requires_grad_(bwd)
+
+            def step():
+                if smoke:
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                else:
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                if bwd:
+                    out.backward(g)
+
+            for _ in range(3):
+                step()
+            iters = 2 if smoke else 30
+            if smoke:
+                import time
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    step()
+                sec = (time.perf_counter() - t0) / iters
+            else:
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(iters):
+                    step()
+                end.record()
+                torch.cuda.synchronize()
+                sec = start.elapsed_time(end) / 1e3 / iters
+            res[key(d, causal, bwd)] = flops(d, causal, bwd, b, t) / sec / 1e12
+    return res, torch.__version__
+
+
+def device_meta(smoke):
+    if smoke:
+        return {"device": "cpu (smoke)"}
+    q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                       capture_output=True, text=True).stdout.strip().split(", ")
+    return {"device": q[0], "driver": q[1], "memory": q[2]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ours", required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="gpu_attention.json")
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args()
+    ours, torch_runs, version = [], [], None
+    for r in range(a.rounds):
+        ours.append(run_ours(a.ours))
+        tr, version = run_torch(a.smoke)
+        torch_runs.append(tr)
+        for k_, v_ in sorted(tr.items()):
+            print(f"round {r} {k_}: ours flash {ours[-1].get(('flash', k_), float('nan')):.1f} "
+                  f"blocked {ours[-1].get(('blocked', k_), float('nan')):.1f} torch {v_:.1f} TFLOP/s", flush=True)
+    rows = []
+    for k_ in sorted(torch_runs[0]):
+        th = [t_[k_] for t_ in torch_runs]
+        fl = [o[("flash", k_)] for o in ours if ("flash", k_) in o]
+        bl = [o[("blocked", k_)] for o in ours if ("blocked", k_) in o]
+        row = {"name": k_, "rounds": a.rounds, "torch_tflops": round(statistics.median(th), 1),
+               "torch_range": [round(min(th), 1), round(max(th), 1)]}
+        if fl:
+            row.update(ours_tflops=round(statistics.median(fl), 1), ours_range=[round(min(fl), 1), round(max(fl), 1)],
+                       ratio=round(statistics.median(fl) / statistics.median(th), 3))
+        if bl:
+            row["ours_blocked_tflops"] = round(statistics.median(bl), 1)
+        rows.append(row)
+        print(json.dumps(row))
+    doc = dict(device_meta(a.smoke), torch=version,
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               commit=os.environ.get("COMMIT", "unknown"),
+               workload=f"scaled_dot_product_attention, bfloat16, batch {B}, sequence {T}, hidden {HIDDEN}; "
+               "ours: the fused (flash) kernels and the blocked ones, through the op and autograd; torch: SDPA's "
+               "flash backend; TFLOP/s as FlashAttention counts them; ratio = ours flash / torch (higher is faster)",
+               rows=rows, command="python3 bench/attention_compare.py --ours 'bash .gpu/run.sh attention_cuda_bench' "
+               f"--rounds {a.rounds}")
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

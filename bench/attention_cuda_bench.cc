@@ -1,0 +1,59 @@
+// Attention on the GPU in TFLOP/s, the shapes FlashAttention's papers and
+// PyTorch's SDPA benchmarks use: 16k tokens a batch (batch 8 x sequence
+// 2,048), hidden 2,048 (32 heads of 64 or 16 of 128), causal, bfloat16.
+// Forward alone and forward + backward through scaled_dot_product_attention
+// (the op users call, autograd included), fused kernels ("flash") beside the
+// blocked-GEMM ones they replace ("blocked": EMBER_FLASH_ATTENTION=0's
+// path). FLOPs as FlashAttention counts them: 4 b h T^2 d for the forward,
+// halved when causal; the backward 2.5x the forward. bench/attention_compare.py
+// runs this beside PyTorch's SDPA flash backend on the same shapes.
+#include <benchmark/benchmark.h>
+
+#include "core/ops.h"
+#include "core/ops/kernels.h"
+#include "core/ops_nn.h"
+
+namespace {
+using namespace ember;
+
+constexpr int64_t kBatch = 8, kSeq = 2048, kHidden = 2048;
+
+// args: head dim, causal, backward too, fused
+void BM_Attention(benchmark::State& state) {
+  if (!cuda_is_available()) {
+    state.SkipWithError(("no GPU: " + cuda_unavailable_reason()).c_str());
+    return;
+  }
+  const int64_t d = state.range(0), heads = kHidden / d;
+  const bool causal = state.range(1) != 0, bwd = state.range(2) != 0, fused = state.range(3) != 0;
+  set_attention_cuda_flash(fused);
+  const TensorOptions o{DType::BFloat16, cuda_device()};
+  Tensor q = randn({kBatch, heads, kSeq, d}, o), k = randn({kBatch, heads, kSeq, d}, o),
+         v = randn({kBatch, heads, kSeq, d}, o), dout = randn({kBatch, heads, kSeq, d}, o);
+  if (bwd) q.requires_grad_(), k.requires_grad_(), v.requires_grad_();
+  auto step = [&] {
+    Tensor out = scaled_dot_product_attention(q, k, v, causal);
+    if (bwd) out.backward(dout);
+  };
+  step();  // first-call costs (the kernel's shared-memory opt-in, the allocator)
+  cuda_synchronize();
+  for (auto _ : state) {
+    step();
+    cuda_synchronize();
+  }
+  set_attention_cuda_flash(true);
+  const double fwd = 4.0 * kBatch * heads * kSeq * kSeq * d / (causal ? 2 : 1);
+  state.counters["TFLOP/s"] =
+      benchmark::Counter((bwd ? 3.5 : 1.0) * fwd / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(std::string(fused ? "flash" : "blocked") + (bwd ? " fwd+bwd" : " fwd") + " d" + std::to_string(d) +
+                 (causal ? " causal" : ""));
+}
+BENCHMARK(BM_Attention)
+    ->ArgsProduct({{64, 128}, {1}, {0, 1}, {1, 0}})
+    ->Args({128, 0, 0, 1})
+    ->Args({128, 0, 1, 1})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(0.3);
+
+}  // namespace
