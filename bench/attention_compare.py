@@ -35,17 +35,28 @@ def key(d, causal, bwd):
     return f"d{d}{' causal' if causal else ''} {'fwd+bwd' if bwd else 'fwd'}"
 
 
+CONFIGS = [(64, 1, 0, 1), (64, 1, 1, 1), (64, 1, 0, 0), (64, 1, 1, 0), (128, 1, 0, 1), (128, 1, 1, 1),
+           (128, 1, 0, 0), (128, 1, 1, 0), (128, 0, 0, 1), (128, 0, 1, 1)]
+
+
 def run_ours(cmd):
-    """{(impl, key): TFLOP/s} from the benchmark's JSON."""
-    out = subprocess.run(shlex.split(cmd) + ["--benchmark_format=json"], check=True, capture_output=True,
-                         text=True).stdout
+    """{(impl, key): TFLOP/s} from the benchmark's JSON, one process per
+    configuration so that one failing leaves the others measured (its
+    stderr's tail goes to ours'  stderr)."""
     res = {}
-    for bm in json.loads(out[out.index("{"):])["benchmarks"]:
-        if bm.get("error_occurred"):  # no GPU (--smoke)
+    for cfg in CONFIGS:
+        p = subprocess.run(shlex.split(cmd) + ["--benchmark_format=json",
+                                               "--benchmark_filter=BM_Attention/" + "/".join(map(str, cfg)) + "/"],
+                           capture_output=True, text=True)
+        if p.returncode != 0 or "{" not in p.stdout:
+            print(f"ours {cfg} failed (rc {p.returncode}): {p.stderr[-1500:]}", file=sys.stderr, flush=True)
             continue
-        label = bm["label"].split()  # flash fwd+bwd d64 causal
-        impl, mode, d, causal = label[0], label[1], int(label[2][1:]), "causal" in label
-        res[(impl, key(d, causal, mode == "fwd+bwd"))] = bm["TFLOP/s"]
+        for bm in json.loads(p.stdout[p.stdout.index("{"):])["benchmarks"]:
+            if bm.get("error_occurred"):  # no GPU (--smoke)
+                continue
+            label = bm["label"].split()  # flash fwd+bwd d64 causal
+            impl, mode, d, causal = label[0], label[1], int(label[2][1:]), "causal" in label
+            res[(impl, key(d, causal, mode == "fwd+bwd"))] = bm["TFLOP/s"]
     return res
 
 

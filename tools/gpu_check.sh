@@ -120,7 +120,7 @@ for s in $steps; do
     timeout 420 python3 "$here/bench/attention_compare.py" --ours "bash $here/.gpu/run.sh attention_cuda_bench" \
       --rounds 3 --out "${OUT:-$logs}/gpu_attention.json" >"$logs/attention_compare.log" 2>&1
     summary "attention_compare rc=$?"
-    grep -E '^(round|\{)' "$logs/attention_compare.log" | tee -a "$logs/summary.txt"
+    grep -E '^(round|ours|\{)' "$logs/attention_compare.log" | tee -a "$logs/summary.txt"
     ;;
   *) summary "unknown step $s" ;;
   esac
