@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <string>
 
 #include "core/cuda_check.h"
 #include "core/ops/cuda_utils.cuh"
@@ -211,45 +212,40 @@ std::atomic<bool> enabled{[] {
 }()};
 std::atomic<int64_t> launches{0};
 
-__device__ __forceinline__ uint32_t ld32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
-__device__ __forceinline__ uint32_t two(uint16_t lo, uint16_t hi) { return lo | (static_cast<uint32_t>(hi) << 16); }
-
 // Rows [r0, r0 + n) of a [t, D] matrix into a shared tile of row stride D + 8
-// (the padding spreads a fragment load's 32 lanes over distinct banks),
-// zeros past row t; 16-byte copies.
+// (the padding puts ldmatrix's eight rows on distinct banks), zeros past row
+// t, by cp.async: the caller commits and waits.
 template <int D>
 __device__ __forceinline__ void load_tile(const uint16_t* __restrict__ src, int64_t r0, int64_t t, int n,
                                           uint16_t* dst) {
-  constexpr int kVec = D / 8;
+  constexpr int kVec = D / 8;  // 16-byte pieces a row
   for (int idx = threadIdx.x; idx < n * kVec; idx += kThreads) {
     const int r = idx / kVec, c = (idx % kVec) * 8;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (r0 + r < t) val = *reinterpret_cast<const uint4*>(src + (r0 + r) * D + c);
-    *reinterpret_cast<uint4*>(dst + r * (D + 8) + c) = val;
+    const bool ok = r0 + r < t;
+    cuda::cp_async16(dst + r * (D + 8) + c, src + (ok ? (r0 + r) * D + c : 0), ok);
   }
 }
 
-// B fragment (k x n = 16 x 8) read down the columns of a row-major tile:
-// B(kk, nn) = tile[(k0 + kk) * ld + n0 + nn], the transposed read that
-// P V, dK and dQ need (two 16-bit loads a register).
-__device__ __forceinline__ void b_down(const uint16_t* tile, int ld, int k0, int n0, int g, int t, uint32_t b[2]) {
-  const uint16_t* p = tile + (k0 + 2 * t) * ld + n0 + g;
-  b[0] = two(p[0], p[ld]);
-  b[1] = two(p[8 * ld], p[9 * ld]);
+// Fragments from shared tiles by ldmatrix (the layouts of cuda::mma_16816).
+// A (16 x 16) at rows m0.., columns k0.. of a row-major tile.
+__device__ __forceinline__ void frag_a(const uint16_t* tile, int ld, int m0, int k0, int lane, uint32_t a[4]) {
+  const int i = lane / 8, r = lane % 8;
+  cuda::ldmatrix_x4<false>(a, tile + (m0 + r + 8 * (i % 2)) * ld + k0 + 8 * (i / 2));
 }
-// B fragment along rows: B(kk, nn) = tile[(n0 + nn) * ld + k0 + kk] (q k^T).
-__device__ __forceinline__ void b_across(const uint16_t* tile, int ld, int k0, int n0, int g, int t, uint32_t b[2]) {
-  const uint16_t* p = tile + (n0 + g) * ld + k0 + 2 * t;
-  b[0] = ld32(p);
-  b[1] = ld32(p + 8);
+// B of two n-tiles (n0, n0 + 8) where B(k, n) = tile[n][k]: the tile's rows
+// are B's columns (k in q k^T).
+__device__ __forceinline__ void frag_b_rows(const uint16_t* tile, int ld, int k0, int n0, int lane, uint32_t b[2][2]) {
+  const int i = lane / 8, r = lane % 8;
+  uint32_t x[4];
+  cuda::ldmatrix_x4<false>(x, tile + (n0 + r + 8 * (i / 2)) * ld + k0 + 8 * (i % 2));
+  b[0][0] = x[0], b[0][1] = x[1], b[1][0] = x[2], b[1][1] = x[3];
 }
-// A fragment (16 x 16) from rows m0.. of a row-major tile.
-__device__ __forceinline__ void a_rows(const uint16_t* tile, int ld, int m0, int k0, int g, int t, uint32_t a[4]) {
-  const uint16_t* p = tile + (m0 + g) * ld + k0 + 2 * t;
-  a[0] = ld32(p);
-  a[1] = ld32(p + 8 * ld);
-  a[2] = ld32(p + 8);
-  a[3] = ld32(p + 8 * ld + 8);
+// B of two n-tiles where B(k, n) = tile[k][n] (v in P v): the transposed read.
+__device__ __forceinline__ void frag_b_cols(const uint16_t* tile, int ld, int k0, int n0, int lane, uint32_t b[2][2]) {
+  const int i = lane / 8, r = lane % 8;
+  uint32_t x[4];
+  cuda::ldmatrix_x4<true>(x, tile + (k0 + r + 8 * (i % 2)) * ld + n0 + 8 * (i / 2));
+  b[0][0] = x[0], b[0][1] = x[1], b[1][0] = x[2], b[1][1] = x[3];
 }
 // Accumulator tiles nt = 2 kk and 2 kk + 1 (16 x 16) as the A operand of the
 // next product, rounded to T.
@@ -275,94 +271,121 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// grid (query blocks, heads); out [n, tq, D] in T, lse [n, tq] (natural log
-// of each row's sum of exp(scale q.k)).
-template <typename T, int D>
+// grid (query blocks of 64 MT rows, heads); out [n, tq, D] in T, lse [n, tq]
+// (natural log of each row's sum of exp(scale q.k)). Each warp owns MT
+// 16-row tiles, so every k and v fragment read from shared memory serves MT
+// products. The tiles are loaded asynchronously: v's while the scores are
+// computed, the next k's during P v.
+template <typename T, int D, int MT>
 __global__ void __launch_bounds__(kThreads)
     flash_forward_kernel(const AttentionArgs a, const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                          const uint16_t* __restrict__ v, uint16_t* __restrict__ out, float* __restrict__ lse) {
-  constexpr int LD = D + 8, NT = kKeys / 8, DT = D / 8;
+  constexpr int LD = D + 8, NT = kKeys / 8, DT = D / 8, BR = 64 * MT;
   extern __shared__ uint4 flash_smem[];
-  uint16_t* ks = reinterpret_cast<uint16_t*>(flash_smem);
+  uint16_t* qs = reinterpret_cast<uint16_t*>(flash_smem);
+  uint16_t* ks = qs + BR * LD;
   uint16_t* vs = ks + kKeys * LD;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t b = blockIdx.y, i0 = static_cast<int64_t>(blockIdx.x) * kRows;
-  const int64_t row[2] = {i0 + warp * 16 + g, i0 + warp * 16 + g + 8};
-  const uint16_t* qb = q + b * a.tq * D;
+  const int64_t b = blockIdx.y, i0 = static_cast<int64_t>(blockIdx.x) * BR;
+  const int wr = warp * 16 * MT;  // the warp's first row in the block
+  const int64_t wrow = i0 + wr;
   const uint16_t* kb = k + b * a.tk * D;
   const uint16_t* vb = v + b * a.tk * D;
-  uint32_t qa[D / 16][4];
-  for (int kk = 0; kk < D / 16; ++kk)
-    for (int r = 0; r < 4; ++r) {
-      const int64_t i = row[r % 2];
-      qa[kk][r] = i < a.tq ? ld32(qb + i * D + kk * 16 + 2 * t + 8 * (r / 2)) : 0u;
-    }
+  load_tile<D>(q + b * a.tq * D, i0, a.tq, BR, qs);
+  load_tile<D>(kb, 0, a.tk, kKeys, ks);
+  cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e;  // scores in log2 units: exp2 is one instruction
   const float keep_scale = a.dropout_p > 0 ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
-  float o[DT][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  const int64_t last = (i0 + kRows < a.tq ? i0 + kRows : a.tq) - 1;
+  float o[MT][DT][4] = {};
+  float m[MT][2], l[MT][2];
+  for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
+  const int64_t last = (i0 + BR < a.tq ? i0 + BR : a.tq) - 1;
   const int64_t kend = a.causal && last + 1 < a.tk ? last + 1 : a.tk;
   for (int64_t j0 = 0; j0 < kend; j0 += kKeys) {
-    __syncthreads();  // the last tile's readers are done
-    load_tile<D>(kb, j0, a.tk, kKeys, ks);
+    cuda::cp_async_wait_all();
+    __syncthreads();  // k's tile is in; every warp is done with the last v tile
     load_tile<D>(vb, j0, a.tk, kKeys, vs);
-    __syncthreads();
-    float s[NT][4] = {};
-    for (int kk = 0; kk < D / 16; ++kk)
-      for (int nt = 0; nt < NT; ++nt) {
-        uint32_t bb[2];
-        b_across(ks, LD, kk * 16, nt * 8, g, t, bb);
-        cuda::mma_16816<T>(s[nt], qa[kk], bb);
-      }
-    float mx[2] = {-INFINITY, -INFINITY};
-    for (int nt = 0; nt < NT; ++nt)
-      for (int e = 0; e < 4; ++e) {
-        const int64_t j = j0 + nt * 8 + 2 * t + e % 2, i = row[e / 2];
-        const bool ok = j < a.tk && (!a.causal || j <= i);
-        s[nt][e] = ok ? s[nt][e] * sl : -INFINITY;
-        mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
-      }
-    float base[2], alpha[2];
-    for (int h = 0; h < 2; ++h) {
-      const float mn = fmaxf(m[h], quad_max(mx[h]));
-      base[h] = mn == -INFINITY ? 0.f : mn;  // a row with no key yet: exp2(-inf) = 0, not NaN
-      alpha[h] = exp2f(m[h] - base[h]);
-      m[h] = mn;
-      l[h] *= alpha[h];
-    }
-    for (int nt = 0; nt < NT; ++nt)
-      for (int e = 0; e < 4; ++e) {
-        const float p = exp2f(s[nt][e] - base[e / 2]);
-        l[e / 2] += p;  // the lane's share; the quad adds up at the end
-        s[nt][e] = p;
-        if (a.dropout_p > 0) {
-          const int64_t j = j0 + nt * 8 + 2 * t + e % 2, i = row[e / 2];
-          s[nt][e] = i < a.tq && j < a.tk && kept(a, b, i, j) ? p * keep_scale : 0.f;
+    cuda::cp_async_commit();
+    // Warp-uniform: a warp whose rows all precede the tile (causal) or lie
+    // past the end skips its products, and only tiles on the diagonal or at
+    // the last key need the mask.
+    const bool active = wrow < a.tq && (!a.causal || j0 <= wrow + 16 * MT - 1);
+    const bool masked = j0 + kKeys > a.tk || (a.causal && j0 + kKeys - 1 > wrow);
+    float s[MT][NT][4] = {};
+    if (active) {
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t qa[MT][4];
+        for (int mt = 0; mt < MT; ++mt) frag_a(qs, LD, wr + mt * 16, kk * 16, lane, qa[mt]);
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t bb[2][2];
+          frag_b_rows(ks, LD, kk * 16, np * 16, lane, bb);
+          for (int mt = 0; mt < MT; ++mt)
+            for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(s[mt][2 * np + h], qa[mt], bb[h]);
         }
       }
-    for (int nt = 0; nt < DT; ++nt)
-      o[nt][0] *= alpha[0], o[nt][1] *= alpha[0], o[nt][2] *= alpha[1], o[nt][3] *= alpha[1];
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      uint32_t pa[4];
-      c_to_a<T>(s[2 * kk], s[2 * kk + 1], pa);
-      for (int nt = 0; nt < DT; ++nt) {
-        uint32_t bb[2];
-        b_down(vs, LD, kk * 16, nt * 8, g, t, bb);
-        cuda::mma_16816<T>(o[nt], pa, bb);
+      for (int mt = 0; mt < MT; ++mt) {
+        float mx[2] = {-INFINITY, -INFINITY};
+        for (int nt = 0; nt < NT; ++nt)
+          for (int e = 0; e < 4; ++e) {
+            float x = s[mt][nt][e] * sl;
+            if (masked) {
+              const int64_t j = j0 + nt * 8 + 2 * t + e % 2, i = wrow + mt * 16 + g + 8 * (e / 2);
+              if (j >= a.tk || (a.causal && j > i)) x = -INFINITY;
+            }
+            s[mt][nt][e] = x;
+            mx[e / 2] = fmaxf(mx[e / 2], x);
+          }
+        float base[2];
+        for (int h = 0; h < 2; ++h) {
+          const float mn = fmaxf(m[mt][h], quad_max(mx[h]));
+          base[h] = mn == -INFINITY ? 0.f : mn;  // a row with no key yet: exp2(-inf) = 0, not NaN
+          const float alpha = exp2f(m[mt][h] - base[h]);
+          m[mt][h] = mn;
+          l[mt][h] *= alpha;
+          for (int nt = 0; nt < DT; ++nt) o[mt][nt][2 * h] *= alpha, o[mt][nt][2 * h + 1] *= alpha;
+        }
+        for (int nt = 0; nt < NT; ++nt)
+          for (int e = 0; e < 4; ++e) {
+            const float p = exp2f(s[mt][nt][e] - base[e / 2]);
+            l[mt][e / 2] += p;  // the lane's share; the quad adds up at the end
+            s[mt][nt][e] = p;
+            if (a.dropout_p > 0) {
+              const int64_t j = j0 + nt * 8 + 2 * t + e % 2, i = wrow + mt * 16 + g + 8 * (e / 2);
+              s[mt][nt][e] = i < a.tq && j < a.tk && kept(a, b, i, j) ? p * keep_scale : 0.f;
+            }
+          }
       }
     }
+    cuda::cp_async_wait_all();
+    __syncthreads();  // v's tile is in; every warp is done with k's
+    if (j0 + kKeys < kend) {
+      load_tile<D>(kb, j0 + kKeys, a.tk, kKeys, ks);
+      cuda::cp_async_commit();
+    }
+    if (active)
+      for (int kk = 0; kk < kKeys / 16; ++kk) {
+        uint32_t pa[MT][4];
+        for (int mt = 0; mt < MT; ++mt) c_to_a<T>(s[mt][2 * kk], s[mt][2 * kk + 1], pa[mt]);
+        for (int np = 0; np < DT / 2; ++np) {
+          uint32_t bb[2][2];
+          frag_b_cols(vs, LD, kk * 16, np * 16, lane, bb);
+          for (int mt = 0; mt < MT; ++mt)
+            for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(o[mt][2 * np + h], pa[mt], bb[h]);
+        }
+      }
   }
-  for (int h = 0; h < 2; ++h) {
-    l[h] = quad_sum(l[h]);
-    const int64_t i = row[h];
-    if (i >= a.tq) continue;
-    const float inv = 1.f / l[h];
-    uint16_t* orow = out + (b * a.tq + i) * D;
-    for (int nt = 0; nt < DT; ++nt)
-      *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * t) = cuda::pack16<T>(o[nt][2 * h] * inv, o[nt][2 * h + 1] * inv);
-    if (t == 0) lse[b * a.tq + i] = (m[h] + log2f(l[h])) / kLog2e;
-  }
+  for (int mt = 0; mt < MT; ++mt)
+    for (int h = 0; h < 2; ++h) {
+      const float lsum = quad_sum(l[mt][h]);
+      const int64_t i = wrow + mt * 16 + g + 8 * h;
+      if (i >= a.tq) continue;
+      const float inv = 1.f / lsum;
+      uint16_t* orow = out + (b * a.tq + i) * D;
+      for (int nt = 0; nt < DT; ++nt)
+        *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * t) =
+            cuda::pack16<T>(o[mt][nt][2 * h] * inv, o[mt][nt][2 * h + 1] * inv);
+      if (t == 0) lse[b * a.tq + i] = (m[mt][h] + log2f(lsum)) / kLog2e;
+    }
 }
 
 // delta_i = dO_i . O_i in float32 from 16-bit O and dO (warp per row).
@@ -403,6 +426,7 @@ __global__ void __launch_bounds__(kThreads)
   const uint16_t* dob = dout + b * a.tq * D;
   load_tile<D>(k + b * a.tk * D, j0, a.tk, kKeys, ks);
   load_tile<D>(v + b * a.tk * D, j0, a.tk, kKeys, vs);
+  cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
   const float keep_scale = a.dropout_p > 0 ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
   float dva[DT][4] = {}, dka[DT][4] = {};
@@ -411,32 +435,35 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // the last tile's readers are done
     load_tile<D>(qb, i0, a.tq, kRows, qs);
     load_tile<D>(dob, i0, a.tq, kRows, dos);
+    cuda::cp_async_commit();
     for (int r = threadIdx.x; r < kRows; r += kThreads) {
       const int64_t i = i0 + r;
       ls[r] = i < a.tq ? lse[b * a.tq + i] * kLog2e : INFINITY;
       dl[r] = i < a.tq ? delta[b * a.tq + i] : 0.f;
     }
+    cuda::cp_async_wait_all();
     __syncthreads();
     // S^T = K Q^T for the warp's 16 keys against the tile's 64 queries.
     float st[NT][4] = {};
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t ka[4];
-      a_rows(ks, LD, warp * 16, kk * 16, g, t, ka);
-      for (int nt = 0; nt < NT; ++nt) {
-        uint32_t bb[2];
-        b_across(qs, LD, kk * 16, nt * 8, g, t, bb);
-        cuda::mma_16816<T>(st[nt], ka, bb);
+      frag_a(ks, LD, warp * 16, kk * 16, lane, ka);
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bb[2][2];
+        frag_b_rows(qs, LD, kk * 16, np * 16, lane, bb);
+        for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(st[2 * np + h], ka, bb[h]);
       }
     }
-    // P^T from the saved log-sum-exp; pd its dropped copy; mask bit e of nt
-    // kept for dS.
+    // P^T from the saved log-sum-exp; pd its dropped copy; bit nt*4+e of
+    // keep: the element was kept, for dS.
+    const bool masked = j0 + kKeys > a.tk || i0 + kRows > a.tq || (a.causal && j0 + kKeys - 1 > i0);
     float pd[NT][4];
     uint32_t keep = 0xffffffffu;
     for (int nt = 0; nt < NT; ++nt)
       for (int e = 0; e < 4; ++e) {
         const int c = nt * 8 + 2 * t + e % 2;
         const int64_t i = i0 + c, j = key[e / 2];
-        const bool ok = j < a.tk && i < a.tq && (!a.causal || j <= i);
+        const bool ok = !masked || (j < a.tk && i < a.tq && (!a.causal || j <= i));
         const float p = ok ? exp2f(st[nt][e] * sl - ls[c]) : 0.f;
         st[nt][e] = p;
         pd[nt][e] = p * keep_scale;
@@ -449,21 +476,21 @@ __global__ void __launch_bounds__(kThreads)
     for (int kk = 0; kk < kRows / 16; ++kk) {
       uint32_t pa[4];
       c_to_a<T>(pd[2 * kk], pd[2 * kk + 1], pa);
-      for (int nt = 0; nt < DT; ++nt) {
-        uint32_t bb[2];
-        b_down(dos, LD, kk * 16, nt * 8, g, t, bb);
-        cuda::mma_16816<T>(dva[nt], pa, bb);
+      for (int np = 0; np < DT / 2; ++np) {
+        uint32_t bb[2][2];
+        frag_b_cols(dos, LD, kk * 16, np * 16, lane, bb);
+        for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(dva[2 * np + h], pa, bb[h]);
       }
     }
     // dPd^T = V dO^T (into pd, free now).
     for (int nt = 0; nt < NT; ++nt) pd[nt][0] = pd[nt][1] = pd[nt][2] = pd[nt][3] = 0.f;
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t va[4];
-      a_rows(vs, LD, warp * 16, kk * 16, g, t, va);
-      for (int nt = 0; nt < NT; ++nt) {
-        uint32_t bb[2];
-        b_across(dos, LD, kk * 16, nt * 8, g, t, bb);
-        cuda::mma_16816<T>(pd[nt], va, bb);
+      frag_a(vs, LD, warp * 16, kk * 16, lane, va);
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bb[2][2];
+        frag_b_rows(dos, LD, kk * 16, np * 16, lane, bb);
+        for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(pd[2 * np + h], va, bb[h]);
       }
     }
     // dS^T = P^T (dP^T - delta) scale, dP = the kept dPd scaled; into st.
@@ -478,10 +505,10 @@ __global__ void __launch_bounds__(kThreads)
     for (int kk = 0; kk < kRows / 16; ++kk) {
       uint32_t da[4];
       c_to_a<T>(st[2 * kk], st[2 * kk + 1], da);
-      for (int nt = 0; nt < DT; ++nt) {
-        uint32_t bb[2];
-        b_down(qs, LD, kk * 16, nt * 8, g, t, bb);
-        cuda::mma_16816<T>(dka[nt], da, bb);
+      for (int np = 0; np < DT / 2; ++np) {
+        uint32_t bb[2][2];
+        frag_b_cols(qs, LD, kk * 16, np * 16, lane, bb);
+        for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(dka[2 * np + h], da, bb[h]);
       }
     }
     __syncthreads();  // every warp's dS is in dss
@@ -489,11 +516,11 @@ __global__ void __launch_bounds__(kThreads)
     float dqa[DT][4] = {};
     for (int kk = 0; kk < kKeys / 16; ++kk) {
       uint32_t da[4];
-      a_rows(dss, LDS, warp * 16, kk * 16, g, t, da);
-      for (int nt = 0; nt < DT; ++nt) {
-        uint32_t bb[2];
-        b_down(ks, LD, kk * 16, nt * 8, g, t, bb);
-        cuda::mma_16816<T>(dqa[nt], da, bb);
+      frag_a(dss, LDS, warp * 16, kk * 16, lane, da);
+      for (int np = 0; np < DT / 2; ++np) {
+        uint32_t bb[2][2];
+        frag_b_cols(ks, LD, kk * 16, np * 16, lane, bb);
+        for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(dqa[2 * np + h], da, bb[h]);
       }
     }
     for (int e = 0; e < 4; ++e) {
@@ -511,18 +538,49 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Kernels needing more than 48 KiB of shared memory must opt in, once per
+// device.
+template <auto Kernel>
+void allow_smem(size_t smem, int device) {
+  static std::atomic<uint32_t> done{0};
+  const uint32_t bit = 1u << (device % 32);
+  if (smem <= 48 * 1024 || (done.load() & bit)) return;
+  EMBER_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel),
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  done.fetch_or(bit);
+}
+
+// Query rows a forward block takes (64 or 128): EMBER_FLASH_ROWS, read once,
+// for measuring the two (bench/attention_cuda_bench); 128 by default.
+int forward_rows() {
+  static const int rows = [] {
+    const char* e = std::getenv("EMBER_FLASH_ROWS");
+    return e && std::string(e) == "64" ? 64 : 128;
+  }();
+  return rows;
+}
+
 const uint16_t* bits(const Tensor& t) { return static_cast<const uint16_t*>(t.raw_data()); }
 uint16_t* bits(Tensor& t) { return static_cast<uint16_t*>(t.raw_data()); }
 
-template <typename T, int D>
-void forward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse) {
+template <typename T, int D, int MT>
+void forward_mt(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse) {
   cuda::DeviceGuard guard(q);
-  const size_t smem = 2 * kKeys * (D + 8) * sizeof(uint16_t);
-  const dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.tq, kRows)), static_cast<unsigned>(a.n));
-  flash_forward_kernel<T, D>
+  const size_t smem = (64 * MT + 2 * kKeys) * (D + 8) * sizeof(uint16_t);
+  allow_smem<flash_forward_kernel<T, D, MT>>(smem, q.device().index);
+  const dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.tq, 64 * MT)), static_cast<unsigned>(a.n));
+  flash_forward_kernel<T, D, MT>
       <<<grid, kThreads, smem, cuda::stream_for(q)>>>(a, bits(q), bits(k), bits(v), bits(out), lse.data<float>());
   EMBER_CUDA_CHECK(cudaGetLastError());
   launches.fetch_add(1);
+}
+
+template <typename T, int D>
+void forward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse) {
+  if (forward_rows() == 64)
+    forward_mt<T, D, 1>(a, q, k, v, out, lse);
+  else
+    forward_mt<T, D, 2>(a, q, k, v, out, lse);
 }
 
 template <typename T, int D>
@@ -537,16 +595,7 @@ void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Te
   EMBER_CUDA_CHECK(cudaMemsetAsync(dq.raw_data(), 0, dq.numel() * sizeof(float), stream));
   const size_t smem =
       (2 * kRows * (D + 8) + 2 * kKeys * (D + 8) + kRows * (kKeys + 8)) * sizeof(uint16_t) + 2 * kRows * sizeof(float);
-  // Above 48 KiB a kernel must opt in, once per device.
-  static std::atomic<uint32_t> opted_in{0};
-  const uint32_t bit = 1u << (q.device().index % 32);
-  if (!(opted_in.load() & bit)) {
-    void (*fn)(AttentionArgs, const uint16_t*, const uint16_t*, const uint16_t*, const uint16_t*, const float*,
-               const float*, float*, float*, float*) = flash_backward_kernel<T, D>;
-    EMBER_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    opted_in.fetch_or(bit);
-  }
+  allow_smem<flash_backward_kernel<T, D>>(smem, q.device().index);
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.tk, kKeys)), static_cast<unsigned>(a.n));
   flash_backward_kernel<T, D><<<grid, kThreads, smem, stream>>>(a, bits(q), bits(k), bits(v), bits(dout),
                                                                 lse.data<float>(), delta.data<float>(),

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <type_traits>
 
@@ -303,14 +304,14 @@ __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
+#elif !defined(__CUDACC__)  // the emulation (nvcc's host pass compiles no body)
   const auto lo = [](uint32_t r) { return T::to_float(static_cast<uint16_t>(r & 0xffffu)); };
   const auto hi = [](uint32_t r) { return T::to_float(static_cast<uint16_t>(r >> 16)); };
   float A[16][16], B[16][8];
   for (int src = 0; src < kWarpSize; ++src) {
-    uint32_t ra[4], rb[2];
-    for (int r = 0; r < 4; ++r) ra[r] = __shfl_sync(0xffffffffu, a[r], src);
-    for (int r = 0; r < 2; ++r) rb[r] = __shfl_sync(0xffffffffu, b[r], src);
+    const uint4 va = __shfl_sync(0xffffffffu, make_uint4(a[0], a[1], a[2], a[3]), src);
+    const uint2 vb = __shfl_sync(0xffffffffu, make_uint2(b[0], b[1]), src);
+    const uint32_t ra[4] = {va.x, va.y, va.z, va.w}, rb[2] = {vb.x, vb.y};
     const int g = src / 4, t = src % 4;
     for (int r = 0; r < 4; ++r) {
       const int row = g + 8 * (r % 2), col = 2 * t + 8 * (r / 2);
@@ -325,6 +326,66 @@ __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const
     for (int kk = 0; kk < 16; ++kk) acc += A[row][kk] * B[kk][col];
     c[e] = acc;
   }
+#endif
+}
+
+// ldmatrix.x4: four 8 x 8 tiles of 16-bit values from shared memory, lane l
+// giving the address of row l % 8 of tile l / 8 (each row 16 contiguous,
+// 16-byte aligned bytes); r[i] of lane l = tile i's row l / 4, columns
+// 2 (l % 4) and + 1, or with Trans tile i's transpose there (column l / 4,
+// rows 2 (l % 4) and + 1): exactly the mma fragments above. The emulation
+// reads the rows through the lanes' shuffled addresses.
+template <bool Trans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const uint16_t* row) {
+#if defined(__CUDA_ARCH__)
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+#elif !defined(__CUDACC__)
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (Trans) {
+      const uint16_t* r0 = __shfl_sync(0xffffffffu, row, i * 8 + 2 * t);
+      const uint16_t* r1 = __shfl_sync(0xffffffffu, row, i * 8 + 2 * t + 1);
+      r[i] = static_cast<uint32_t>(r0[g]) | (static_cast<uint32_t>(r1[g]) << 16);
+    } else {
+      const uint16_t* rr = __shfl_sync(0xffffffffu, row, i * 8 + g);
+      r[i] = static_cast<uint32_t>(rr[2 * t]) | (static_cast<uint32_t>(rr[2 * t + 1]) << 16);
+    }
+  }
+#endif
+}
+
+// cp.async: 16 bytes global -> shared without holding registers, zeros
+// when !valid (src must still be a valid address); cp_async_commit() closes
+// a group and cp_async_wait_all() waits for the thread's groups (then a
+// __syncthreads publishes them to the block). The emulation copies
+// at once, so a read before the wait is a bug it cannot show.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__)
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
+#elif !defined(__CUDACC__)
+  if (valid)
+    std::memcpy(dst, src, 16);
+  else
+    std::memset(dst, 0, 16);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 #endif
 }
 
