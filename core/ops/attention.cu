@@ -276,7 +276,7 @@ __device__ __forceinline__ float quad_sum(float v) {
 // 16-row tiles, so every k and v fragment read from shared memory serves MT
 // products. The tiles are loaded asynchronously: v's while the scores are
 // computed, the next k's during P v.
-template <typename T, int D, int MT>
+template <typename T, int D, int MT, bool Drop>
 __global__ void __launch_bounds__(kThreads)
     flash_forward_kernel(const AttentionArgs a, const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                          const uint16_t* __restrict__ v, uint16_t* __restrict__ out, float* __restrict__ lse) {
@@ -295,9 +295,10 @@ __global__ void __launch_bounds__(kThreads)
   load_tile<D>(kb, 0, a.tk, kKeys, ks);
   cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e;  // scores in log2 units: exp2 is one instruction
-  const float keep_scale = a.dropout_p > 0 ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
+  const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
   float o[MT][DT][4] = {};
   float m[MT][2], l[MT][2];
+#pragma unroll
   for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
   const int64_t last = (i0 + BR < a.tq ? i0 + BR : a.tq) - 1;
   const int64_t kend = a.causal && last + 1 < a.tk ? last + 1 : a.tk;
@@ -313,19 +314,27 @@ __global__ void __launch_bounds__(kThreads)
     const bool masked = j0 + kKeys > a.tk || (a.causal && j0 + kKeys - 1 > wrow);
     float s[MT][NT][4] = {};
     if (active) {
+#pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         uint32_t qa[MT][4];
+#pragma unroll
         for (int mt = 0; mt < MT; ++mt) frag_a(qs, LD, wr + mt * 16, kk * 16, lane, qa[mt]);
+#pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
           uint32_t bb[2][2];
           frag_b_rows(ks, LD, kk * 16, np * 16, lane, bb);
+#pragma unroll
           for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
             for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(s[mt][2 * np + h], qa[mt], bb[h]);
         }
       }
+#pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
         for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
           for (int e = 0; e < 4; ++e) {
             float x = s[mt][nt][e] * sl;
             if (masked) {
@@ -336,20 +345,24 @@ __global__ void __launch_bounds__(kThreads)
             mx[e / 2] = fmaxf(mx[e / 2], x);
           }
         float base[2];
+#pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float mn = fmaxf(m[mt][h], quad_max(mx[h]));
           base[h] = mn == -INFINITY ? 0.f : mn;  // a row with no key yet: exp2(-inf) = 0, not NaN
           const float alpha = exp2f(m[mt][h] - base[h]);
           m[mt][h] = mn;
           l[mt][h] *= alpha;
+#pragma unroll
           for (int nt = 0; nt < DT; ++nt) o[mt][nt][2 * h] *= alpha, o[mt][nt][2 * h + 1] *= alpha;
         }
+#pragma unroll
         for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float p = exp2f(s[mt][nt][e] - base[e / 2]);
             l[mt][e / 2] += p;  // the lane's share; the quad adds up at the end
             s[mt][nt][e] = p;
-            if (a.dropout_p > 0) {
+            if constexpr (Drop) {
               const int64_t j = j0 + nt * 8 + 2 * t + e % 2, i = wrow + mt * 16 + g + 8 * (e / 2);
               s[mt][nt][e] = i < a.tq && j < a.tk && kept(a, b, i, j) ? p * keep_scale : 0.f;
             }
@@ -363,24 +376,32 @@ __global__ void __launch_bounds__(kThreads)
       cuda::cp_async_commit();
     }
     if (active)
+#pragma unroll
       for (int kk = 0; kk < kKeys / 16; ++kk) {
         uint32_t pa[MT][4];
+#pragma unroll
         for (int mt = 0; mt < MT; ++mt) c_to_a<T>(s[mt][2 * kk], s[mt][2 * kk + 1], pa[mt]);
+#pragma unroll
         for (int np = 0; np < DT / 2; ++np) {
           uint32_t bb[2][2];
           frag_b_cols(vs, LD, kk * 16, np * 16, lane, bb);
+#pragma unroll
           for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
             for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(o[mt][2 * np + h], pa[mt], bb[h]);
         }
       }
   }
+#pragma unroll
   for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float lsum = quad_sum(l[mt][h]);
       const int64_t i = wrow + mt * 16 + g + 8 * h;
       if (i >= a.tq) continue;
       const float inv = 1.f / lsum;
       uint16_t* orow = out + (b * a.tq + i) * D;
+#pragma unroll
       for (int nt = 0; nt < DT; ++nt)
         *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * t) =
             cuda::pack16<T>(o[mt][nt][2 * h] * inv, o[mt][nt][2 * h + 1] * inv);
@@ -404,7 +425,7 @@ __global__ void flash_delta_kernel(int64_t rows, int64_t d, const T* __restrict_
 
 // grid (key blocks, heads). dk, dv [n, tk, D] float32 written; dq [n, tq, D]
 // float32 added to (zeroed by the launcher).
-template <typename T, int D>
+template <typename T, int D, bool Drop>
 __global__ void __launch_bounds__(kThreads)
     flash_backward_kernel(const AttentionArgs a, const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                           const uint16_t* __restrict__ v, const uint16_t* __restrict__ dout,
@@ -428,7 +449,7 @@ __global__ void __launch_bounds__(kThreads)
   load_tile<D>(v + b * a.tk * D, j0, a.tk, kKeys, vs);
   cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
-  const float keep_scale = a.dropout_p > 0 ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
+  const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
   float dva[DT][4] = {}, dka[DT][4] = {};
   // Causal: only query rows i >= j0 see these keys (kRows == kKeys).
   for (int64_t i0 = a.causal ? j0 : 0; i0 < a.tq; i0 += kRows) {
@@ -445,12 +466,15 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     // S^T = K Q^T for the warp's 16 keys against the tile's 64 queries.
     float st[NT][4] = {};
+#pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t ka[4];
       frag_a(ks, LD, warp * 16, kk * 16, lane, ka);
+#pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         uint32_t bb[2][2];
         frag_b_rows(qs, LD, kk * 16, np * 16, lane, bb);
+#pragma unroll
         for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(st[2 * np + h], ka, bb[h]);
       }
     }
@@ -459,7 +483,9 @@ __global__ void __launch_bounds__(kThreads)
     const bool masked = j0 + kKeys > a.tk || i0 + kRows > a.tq || (a.causal && j0 + kKeys - 1 > i0);
     float pd[NT][4];
     uint32_t keep = 0xffffffffu;
+#pragma unroll
     for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = nt * 8 + 2 * t + e % 2;
         const int64_t i = i0 + c, j = key[e / 2];
@@ -467,73 +493,92 @@ __global__ void __launch_bounds__(kThreads)
         const float p = ok ? exp2f(st[nt][e] * sl - ls[c]) : 0.f;
         st[nt][e] = p;
         pd[nt][e] = p * keep_scale;
-        if (a.dropout_p > 0 && ok && !kept(a, b, i, j)) {
+        if (Drop && ok && !kept(a, b, i, j)) {
           pd[nt][e] = 0.f;
           keep &= ~(1u << (nt * 4 + e));
         }
       }
-    // dV += Pd^T dO.
+// dV += Pd^T dO.
+#pragma unroll
     for (int kk = 0; kk < kRows / 16; ++kk) {
       uint32_t pa[4];
       c_to_a<T>(pd[2 * kk], pd[2 * kk + 1], pa);
+#pragma unroll
       for (int np = 0; np < DT / 2; ++np) {
         uint32_t bb[2][2];
         frag_b_cols(dos, LD, kk * 16, np * 16, lane, bb);
+#pragma unroll
         for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(dva[2 * np + h], pa, bb[h]);
       }
     }
-    // dPd^T = V dO^T (into pd, free now).
+// dPd^T = V dO^T (into pd, free now).
+#pragma unroll
     for (int nt = 0; nt < NT; ++nt) pd[nt][0] = pd[nt][1] = pd[nt][2] = pd[nt][3] = 0.f;
+#pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       uint32_t va[4];
       frag_a(vs, LD, warp * 16, kk * 16, lane, va);
+#pragma unroll
       for (int np = 0; np < NT / 2; ++np) {
         uint32_t bb[2][2];
         frag_b_rows(dos, LD, kk * 16, np * 16, lane, bb);
+#pragma unroll
         for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(pd[2 * np + h], va, bb[h]);
       }
     }
-    // dS^T = P^T (dP^T - delta) scale, dP = the kept dPd scaled; into st.
+// dS^T = P^T (dP^T - delta) scale, dP = the kept dPd scaled; into st.
+#pragma unroll
     for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = nt * 8 + 2 * t + e % 2;
         const float dp = (keep >> (nt * 4 + e)) & 1u ? pd[nt][e] * keep_scale : 0.f;
         st[nt][e] = st[nt][e] * (dp - dl[c]) * scale;
         dss[c * LDS + warp * 16 + g + 8 * (e / 2)] = T::from_float(st[nt][e]);
       }
-    // dK += dS^T Q.
+// dK += dS^T Q.
+#pragma unroll
     for (int kk = 0; kk < kRows / 16; ++kk) {
       uint32_t da[4];
       c_to_a<T>(st[2 * kk], st[2 * kk + 1], da);
+#pragma unroll
       for (int np = 0; np < DT / 2; ++np) {
         uint32_t bb[2][2];
         frag_b_cols(qs, LD, kk * 16, np * 16, lane, bb);
+#pragma unroll
         for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(dka[2 * np + h], da, bb[h]);
       }
     }
     __syncthreads();  // every warp's dS is in dss
     // dQ += dS K for the warp's 16 query rows, against all 64 keys.
     float dqa[DT][4] = {};
+#pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
       uint32_t da[4];
       frag_a(dss, LDS, warp * 16, kk * 16, lane, da);
+#pragma unroll
       for (int np = 0; np < DT / 2; ++np) {
         uint32_t bb[2][2];
         frag_b_cols(ks, LD, kk * 16, np * 16, lane, bb);
+#pragma unroll
         for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(dqa[2 * np + h], da, bb[h]);
       }
     }
+#pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int64_t i = i0 + warp * 16 + g + 8 * (e / 2);
       if (i >= a.tq) continue;
       float* dqrow = dq + (b * a.tq + i) * D + 2 * t + e % 2;
+#pragma unroll
       for (int nt = 0; nt < DT; ++nt) atomicAdd(dqrow + nt * 8, dqa[nt][e]);
     }
   }
+#pragma unroll
   for (int e = 0; e < 4; ++e) {
     const int64_t j = key[e / 2];
     if (j >= a.tk) continue;
     const int64_t off = (b * a.tk + j) * D + 2 * t + e % 2;
+#pragma unroll
     for (int nt = 0; nt < DT; ++nt) dk[off + nt * 8] = dka[nt][e], dv[off + nt * 8] = dva[nt][e];
   }
 }
@@ -563,29 +608,36 @@ int forward_rows() {
 const uint16_t* bits(const Tensor& t) { return static_cast<const uint16_t*>(t.raw_data()); }
 uint16_t* bits(Tensor& t) { return static_cast<uint16_t*>(t.raw_data()); }
 
-template <typename T, int D, int MT>
+template <typename T, int D, int MT, bool Drop>
 void forward_mt(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse) {
   cuda::DeviceGuard guard(q);
   const size_t smem = (64 * MT + 2 * kKeys) * (D + 8) * sizeof(uint16_t);
-  allow_smem<flash_forward_kernel<T, D, MT>>(smem, q.device().index);
+  allow_smem<flash_forward_kernel<T, D, MT, Drop>>(smem, q.device().index);
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.tq, 64 * MT)), static_cast<unsigned>(a.n));
-  flash_forward_kernel<T, D, MT>
+  flash_forward_kernel<T, D, MT, Drop>
       <<<grid, kThreads, smem, cuda::stream_for(q)>>>(a, bits(q), bits(k), bits(v), bits(out), lse.data<float>());
   EMBER_CUDA_CHECK(cudaGetLastError());
   launches.fetch_add(1);
 }
 
+// Dropout is a template argument: its Philox draws, inlined into the
+// unrolled loops, cost registers that a kernel without dropout should not pay.
 template <typename T, int D>
 void forward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse) {
-  if (forward_rows() == 64)
-    forward_mt<T, D, 1>(a, q, k, v, out, lse);
+  const bool rows64 = forward_rows() == 64, drop = a.dropout_p > 0;
+  if (rows64 && drop)
+    forward_mt<T, D, 1, true>(a, q, k, v, out, lse);
+  else if (rows64)
+    forward_mt<T, D, 1, false>(a, q, k, v, out, lse);
+  else if (drop)
+    forward_mt<T, D, 2, true>(a, q, k, v, out, lse);
   else
-    forward_mt<T, D, 2>(a, q, k, v, out, lse);
+    forward_mt<T, D, 2, false>(a, q, k, v, out, lse);
 }
 
-template <typename T, int D>
-void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-              const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv) {
+template <typename T, int D, bool Drop>
+void backward_drop(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                   const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv) {
   cuda::DeviceGuard guard(q);
   cudaStream_t stream = cuda::stream_for(q);
   Tensor delta = Tensor::empty({a.n * a.tq}, {DType::Float32, q.device()});
@@ -595,13 +647,22 @@ void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Te
   EMBER_CUDA_CHECK(cudaMemsetAsync(dq.raw_data(), 0, dq.numel() * sizeof(float), stream));
   const size_t smem =
       (2 * kRows * (D + 8) + 2 * kKeys * (D + 8) + kRows * (kKeys + 8)) * sizeof(uint16_t) + 2 * kRows * sizeof(float);
-  allow_smem<flash_backward_kernel<T, D>>(smem, q.device().index);
+  allow_smem<flash_backward_kernel<T, D, Drop>>(smem, q.device().index);
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.tk, kKeys)), static_cast<unsigned>(a.n));
-  flash_backward_kernel<T, D><<<grid, kThreads, smem, stream>>>(a, bits(q), bits(k), bits(v), bits(dout),
-                                                                lse.data<float>(), delta.data<float>(),
-                                                                dq.data<float>(), dk.data<float>(), dv.data<float>());
+  flash_backward_kernel<T, D, Drop>
+      <<<grid, kThreads, smem, stream>>>(a, bits(q), bits(k), bits(v), bits(dout), lse.data<float>(),
+                                         delta.data<float>(), dq.data<float>(), dk.data<float>(), dv.data<float>());
   EMBER_CUDA_CHECK(cudaGetLastError());
   launches.fetch_add(1);
+}
+
+template <typename T, int D>
+void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+              const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv) {
+  if (a.dropout_p > 0)
+    backward_drop<T, D, true>(a, q, k, v, out, dout, lse, dq, dk, dv);
+  else
+    backward_drop<T, D, false>(a, q, k, v, out, dout, lse, dq, dk, dv);
 }
 
 // Calls f.template operator()<T, D>() for the tensor's 16-bit type and head dim.
