@@ -451,9 +451,8 @@ __global__ void __launch_bounds__(kThreads)
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
   const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
   float dva[DT][4] = {}, dka[DT][4] = {};
-  // Causal: only query rows i >= j0 see these keys (kRows == kKeys).
-  for (int64_t i0 = a.causal ? j0 : 0; i0 < a.tq; i0 += kRows) {
-    __syncthreads();  // the last tile's readers are done
+  // A query tile's q and dO (cp.async) and its rows' lse and delta.
+  const auto stage = [&](int64_t i0) {
     load_tile<D>(qb, i0, a.tq, kRows, qs);
     load_tile<D>(dob, i0, a.tq, kRows, dos);
     cuda::cp_async_commit();
@@ -462,8 +461,13 @@ __global__ void __launch_bounds__(kThreads)
       ls[r] = i < a.tq ? lse[b * a.tq + i] * kLog2e : INFINITY;
       dl[r] = i < a.tq ? delta[b * a.tq + i] : 0.f;
     }
+  };
+  // Causal: only query rows i >= j0 see these keys (kRows == kKeys).
+  const int64_t first = a.causal ? j0 : 0;
+  if (first < a.tq) stage(first);
+  for (int64_t i0 = first; i0 < a.tq; i0 += kRows) {
     cuda::cp_async_wait_all();
-    __syncthreads();
+    __syncthreads();  // the tile is in; every warp is done with the last dS
     // S^T = K Q^T for the warp's 16 keys against the tile's 64 queries.
     float st[NT][4] = {};
 #pragma unroll
@@ -549,7 +553,8 @@ __global__ void __launch_bounds__(kThreads)
         for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(dka[2 * np + h], da, bb[h]);
       }
     }
-    __syncthreads();  // every warp's dS is in dss
+    __syncthreads();  // every warp's dS is in dss and every warp is done with q, dO, lse, delta
+    if (i0 + kRows < a.tq) stage(i0 + kRows);  // the next tile loads behind dQ's products
     // dQ += dS K for the warp's 16 query rows, against all 64 keys.
     float dqa[DT][4] = {};
 #pragma unroll
