@@ -6,12 +6,14 @@
 //   resnet50: L launches, S host syncs per step
 //   gpt: L launches, S host syncs per step
 //   resnet50_bf16: L launches, S host syncs per step
+//   gpt_bf16: L launches, S host syncs per step
 //   resnet50 layout copies: C per step  (and one such line per channels-last step)
 //
 // ResNet-50 (torchvision's, 1000 classes) on 2 images of 32x32, channels-
 // last, SGD with momentum and weight decay; the GPT of gpt_fsdp's defaults
 // (4 layers x 128 dims, 4 heads, context 64) on 2 sequences, AdamW; the
-// ResNet-50 step again under bfloat16 autocast. Each counts the second step
+// ResNet-50 step and the GPT's again under bfloat16 autocast (the GPT's
+// attention then takes the fused kernels: head dim 32). Each counts the second step
 // (the first creates algorithm caches and optimizer state), which ends with
 // the loss read: the one synchronisation a step needs. The ResNet-50 steps
 // are channels-last throughout (input, activations, OHWI weights), so they
@@ -61,7 +63,8 @@ StepCount resnet50_step(bool bf16) {
 StepCount resnet50_counts() { return resnet50_step(false); }
 StepCount resnet50_bf16_counts() { return resnet50_step(true); }
 
-StepCount gpt_counts() {
+namespace {
+StepCount gpt_step(bool bf16) {
   manual_seed(0);
   auto gpt = std::make_shared<nn::GPT>(
       nn::GPTOptions{.vocab_size = 96, .block_size = 64, .n_layer = 4, .n_head = 4, .n_embd = 128});
@@ -71,12 +74,21 @@ StepCount gpt_counts() {
   Tensor x = randint(0, 96, {2, 64}).cuda(), y = randint(0, 96, {2 * 64}).cuda();
   return count([&] {
     opt.zero_grad();
-    Tensor logits = (*gpt)(x);
-    Tensor loss = nn::functional::cross_entropy(logits.reshape({-1, logits.size(2)}), y);
+    Tensor loss;
+    {
+      std::optional<AutocastGuard> guard;
+      if (bf16) guard.emplace(DeviceType::CUDA, DType::BFloat16);
+      Tensor logits = (*gpt)(x);
+      loss = nn::functional::cross_entropy(logits.reshape({-1, logits.size(2)}), y);
+    }
     loss.backward();
     opt.step();
     return loss.item();
   });
 }
+}  // namespace
+
+StepCount gpt_counts() { return gpt_step(false); }
+StepCount gpt_bf16_counts() { return gpt_step(true); }
 
 }  // namespace ember::bench

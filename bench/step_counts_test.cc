@@ -30,6 +30,15 @@ TEST(StepCounts, Gpt) {
   EXPECT_LE(c.launches, 195u) << "gpt launches";
 }
 
+// Under bfloat16 autocast the attention takes the fused kernels: 294
+// launches a step (334 with EMBER_FLASH_ATTENTION=0, the blocked kernels and
+// their float32 casts).
+TEST(StepCounts, GptBf16) {
+  const StepCount c = gpt_bf16_counts();
+  EXPECT_EQ(c.host_syncs, 1u) << "gpt_bf16";
+  EXPECT_LE(c.launches, 300u) << "gpt_bf16 launches";
+}
+
 TEST(StepCounts, ResNet50Bf16) {
   const StepCount c = resnet50_bf16_counts();
   EXPECT_EQ(c.host_syncs, 1u) << "resnet50_bf16";

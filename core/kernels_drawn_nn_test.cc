@@ -267,5 +267,35 @@ TEST_F(Drawn, Attention) {
   });
 }
 
+// The fused (flash) CUDA kernels' domain: 16-bit q, k, v with one head dim
+// of 32, 64 or 128; query and key lengths across tile edges (1 to 150, the
+// tiles are 64 and 128), causal with fewer or more keys, dropout, a scale,
+// inputs in drawn layouts (strided views reach the kernels as copies). On
+// the CPU these check the blocked kernel against float64; under CUDA the
+// fused kernels against the CPU.
+TEST_F(Drawn, FlashAttention) {
+  const int64_t launches = attention_cuda_flash_launches();
+  for_each_draw("flash_attention", 24, [&](Draw& d) {
+    const int64_t b = d.integer(1, 2), hd = d.integer(1, 2), tq = d.integer(1, 150), tk = d.integer(1, 150);
+    const int64_t e = d.pick<int64_t>({32, 64, 128});
+    const bool causal = d.chance(0.5);
+    const double p = d.chance(0.25) ? 0.2 : 0.0;
+    const DType dt = d.pick<DType>({DType::BFloat16, DType::Float16});
+    std::optional<double> scale;
+    if (d.chance(0.25)) scale = d.uniform() + 0.05;
+    Tensor q = d.values({b, hd, tq, e}, dt), k = d.values({b, hd, tk, e}, dt), v = d.values({b, hd, tk, e}, dt);
+    const uint64_t gseed = d.bits();
+    check_case(
+        detail::str_cat("flash attention q", shape_str(q.sizes()), " k", shape_str(k.sizes()), causal ? " causal" : "",
+                        " dropout ", p, scale ? " scale " : "", scale ? *scale : 0.0),
+        [=](const std::vector<Tensor>& in) {
+          Generator g(gseed);
+          return scaled_dot_product_attention(in[0], in[1], in[2], causal, p, &g, scale);
+        },
+        {{q, true}, {k, true}, {v, true}}, d, tol_for(dt, 1e-4) * 3, tol_for(dt, 1e-4) * 3);
+  });
+  if (cuda_is_available()) EXPECT_GT(attention_cuda_flash_launches(), launches) << "the fused kernels never ran";
+}
+
 }  // namespace
 }  // namespace ember
