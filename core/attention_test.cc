@@ -100,6 +100,64 @@ TEST(Attention, Gradcheck) {
   }
 }
 
+// The log-sum-exp variant: [..., :Dv] the attention, [..., Dv] each row's
+// log(sum_j exp(scale q_i.k_j)) over the keys it sees, both against the
+// composed float64 reference, and gradients through both parts (a
+// projection of each) against the reference's; finite differences too.
+Tensor reference_lse(const Tensor& q, const Tensor& k, bool causal) {
+  const int64_t tq = q.size(-2), tk = k.size(-2);
+  Tensor s = matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+  std::vector<double> m(static_cast<size_t>(tq * tk), 1.0);
+  if (causal)
+    for (int64_t i = 0; i < tq; ++i)
+      for (int64_t j = i + 1; j < tk; ++j) m[i * tk + j] = 0.0;
+  return log(sum(exp(s) * Tensor::from_vector(m, {tq, tk}, s.dtype()), {-1}));
+}
+
+TEST(Attention, LogSumExpVariantMatchesComposedReference) {
+  const std::vector<Case> cases = {
+      {{2, 3, 5, 4}, {2, 3, 5, 4}, {2, 3, 5, 6}, true, 0.0},
+      {{1, 2, 70, 8}, {1, 2, 70, 8}, {1, 2, 70, 8}, true, 0.0},
+      {{2, 7, 8}, {2, 131, 8}, {2, 131, 3}, false, 0.0},
+      {{2, 131, 8}, {2, 9, 8}, {2, 9, 3}, true, 0.0},
+  };
+  uint64_t seed = 40;
+  for (const Case& c : cases)
+    for (DType dt : {DType::Float64, DType::Float32}) {
+      const std::string what = shape_str(c.q) + " causal " + std::to_string(c.causal) + " " + dtype_name(dt);
+      Tensor q = rnd(c.q, seed++, dt).requires_grad_(), k = rnd(c.k, seed++, dt).requires_grad_(),
+             v = rnd(c.v, seed++, dt).requires_grad_();
+      Tensor q64 = q.detach().to(DType::Float64).requires_grad_(), k64 = k.detach().to(DType::Float64).requires_grad_(),
+             v64 = v.detach().to(DType::Float64).requires_grad_();
+      const int64_t dv = c.v.back();
+      Tensor packed = scaled_dot_product_attention_lse(q, k, v, c.causal);
+      ASSERT_EQ(packed.size(-1), dv + 1) << what;
+      Tensor y = packed.narrow(-1, 0, dv), lse = packed.select(-1, dv);
+      Tensor want = reference(q64, k64, v64, c.causal, 0.0, nullptr), want_lse = reference_lse(q64, k64, c.causal);
+      const double tol = dt == DType::Float64 ? 1e-10 : 2e-5;
+      expect_close(y, want, tol, what + " forward");
+      expect_close(lse, want_lse, tol, what + " lse");
+      Tensor p1 = rnd(y.sizes(), 98), p2 = rnd(lse.sizes(), 97);
+      (sum(y * p1.to(dt)) + sum(lse * p2.to(dt))).backward();
+      (sum(want * p1) + sum(want_lse * p2)).backward();
+      expect_close(q.grad(), q64.grad(), tol * 10, what + " dq");
+      expect_close(k.grad(), k64.grad(), tol * 10, what + " dk");
+      expect_close(v.grad(), v64.grad(), tol * 10, what + " dv");
+    }
+  for (bool causal : {false, true}) {
+    std::vector<Tensor> xs = {rnd({2, 6, 4}, 51).requires_grad_(), rnd({2, 6, 4}, 52).requires_grad_(),
+                              rnd({2, 6, 3}, 53).requires_grad_()};
+    auto r = autograd::gradcheck(
+        [causal](const std::vector<Tensor>& v) { return scaled_dot_product_attention_lse(v[0], v[1], v[2], causal); },
+        xs);
+    EXPECT_TRUE(r.ok) << "lse causal " << causal << ": " << r.message;
+  }
+  EXPECT_NE(testing::error_of([] {
+              scaled_dot_product_attention_lse(rnd({2, 3, 4}, 1), rnd({2, 0, 4}, 2), rnd({2, 0, 4}, 3));
+            }).find("scaled_dot_product_attention_lse: k [2,0,4] has no keys"),
+            std::string::npos);
+}
+
 TEST(Attention, HalfInputsComputeInFloat32) {
   Tensor q = rnd({2, 9, 8}, 21), k = rnd({2, 9, 8}, 22), v = rnd({2, 9, 8}, 23);
   Tensor want = reference(q, k, v, true, 0, nullptr);

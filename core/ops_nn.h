@@ -64,6 +64,15 @@ Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin);
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal = false,
                                     double dropout_p = 0.0, Generator* gen = nullptr,
                                     std::optional<double> scale = std::nullopt);
+// The same attention without dropout, with each row's log-sum-exp of its
+// scaled scores beside the output: [..., Tq, Dv + 1], the output in
+// [..., :Dv] and the log-sum-exp in [..., Dv], in the compute dtype (float32
+// for 16-bit inputs, as FlashAttention's logsumexp). Both are
+// differentiable, which is what merging attention over blocks of keys needs
+// (context parallelism: out = sum_b exp(lse_b - lse) out_b, lse = logsumexp
+// of the lse_b). Needs at least one key.
+Tensor scaled_dot_product_attention_lse(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal = false,
+                                        std::optional<double> scale = std::nullopt);
 
 // Normalises each channel of x [N, C, H, W]. training: by the batch
 // statistics, and, when running_mean/var are defined, updates them in place

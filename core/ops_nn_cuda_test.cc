@@ -181,6 +181,24 @@ TEST_F(CudaNnOps, FlashAttentionMatchesCpu) {
   }
 }
 
+// The log-sum-exp variant (context parallelism's merge): the blocked
+// kernels (float32, float64: probs_kernel's lse, delta_kernel's dlse) and
+// the fused ones (bfloat16, head dim 64: flash_delta_kernel's dlse) against
+// the CPU, forward and gradients through both the output and the lse.
+TEST_F(CudaNnOps, AttentionLogSumExpMatchesCpu) {
+  uint64_t seed = 950;
+  for (DType dt : {DType::Float32, DType::Float64, DType::BFloat16})
+    for (bool causal : {false, true}) {
+      const int64_t d = dt == DType::BFloat16 ? 64 : 8;
+      std::vector<Tensor> in = {rnd({2, 2, 70, d}, seed++, dt), rnd({2, 2, 75, d}, seed++, dt),
+                                rnd({2, 2, 75, d}, seed++, dt)};
+      Fn f = [causal](const std::vector<Tensor>& v) {
+        return scaled_dot_product_attention_lse(v[0], v[1], v[2], causal);
+      };
+      compare(f, in, tol(dt), cat("attention lse causal ", causal, " ", dt));
+    }
+}
+
 // layer_norm's kernels: widths below, at and above a warp, one and several
 // normalised dims, with and without weight and bias, more rows than one
 // dweight/dbias tile (128), float32 and float64, bfloat16 computed in float32.

@@ -55,7 +55,8 @@ inline bool kept(const AttentionArgs& a, int64_t b, int64_t i, int64_t j) {
 // turned into probabilities in place (zero where masked); returns nothing
 // else: the backward calls it again.
 template <typename T>
-void block_probs(const AttentionArgs& a, const T* q, const T* k, int64_t i0, int64_t i1, int64_t kmax, T* s) {
+void block_probs(const AttentionArgs& a, const T* q, const T* k, int64_t i0, int64_t i1, int64_t kmax, T* s,
+                 T* lse = nullptr) {
   const int64_t rows = i1 - i0;
   gemm<T>(false, true, rows, kmax, a.d, static_cast<T>(a.scale), q + i0 * a.d, a.d, k, a.d, T(0), s, kmax);
   for (int64_t r = 0; r < rows; ++r) {
@@ -73,6 +74,7 @@ void block_probs(const AttentionArgs& a, const T* q, const T* k, int64_t i0, int
       sum += row[j];
     }
     const T inv = T(1) / sum;
+    if (lse) lse[r] = m + std::log(sum);
 #pragma omp simd
     for (int64_t j = 0; j < lim; ++j) row[j] *= inv;
     for (int64_t j = lim; j < kmax; ++j) row[j] = T(0);
@@ -90,7 +92,7 @@ void block_dropout(const AttentionArgs& a, int64_t b, int64_t i0, int64_t i1, in
 }
 
 template <typename T>
-void forward_cpu(const AttentionArgs& a, const T* q, const T* k, const T* v, T* out) {
+void forward_cpu(const AttentionArgs& a, const T* q, const T* k, const T* v, T* out, T* lse) {
   const int64_t blocks = (a.tq + kBlock - 1) / kBlock;
   parallel_for(a.n * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> s(static_cast<size_t>(kBlock * a.tk));
@@ -100,7 +102,7 @@ void forward_cpu(const AttentionArgs& a, const T* q, const T* k, const T* v, T* 
       const T* qb = q + b * a.tq * a.d;
       const T* kb = k + b * a.tk * a.d;
       const T* vb = v + b * a.tk * a.dv;
-      block_probs(a, qb, kb, i0, i1, kmax, s.data());
+      block_probs(a, qb, kb, i0, i1, kmax, s.data(), lse ? lse + b * a.tq + i0 : nullptr);
       block_dropout(a, b, i0, i1, kmax, s.data());
       gemm<T>(false, false, i1 - i0, a.dv, kmax, T(1), s.data(), kmax, vb, a.dv, T(0), out + (b * a.tq + i0) * a.dv,
               a.dv);
@@ -110,7 +112,7 @@ void forward_cpu(const AttentionArgs& a, const T* q, const T* k, const T* v, T* 
 
 template <typename T>
 void backward_cpu(const AttentionArgs& a, const T* q, const T* k, const T* v, const T* out, const T* dout, T* dq, T* dk,
-                  T* dv) {
+                  T* dv, const T* dlse) {
   // One head per work item: dK and dV sum over the head's query blocks.
   parallel_for(a.n, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> p(static_cast<size_t>(kBlock * a.tk)), pd(p.size()), dp(p.size()), delta(kBlock);
@@ -142,6 +144,7 @@ void backward_cpu(const AttentionArgs& a, const T* q, const T* k, const T* v, co
           T dsum = 0;
 #pragma omp simd reduction(+ : dsum)
           for (int64_t e = 0; e < a.dv; ++e) dsum += dob[r * a.dv + e] * ob[r * a.dv + e];
+          if (dlse) dsum -= dlse[b * a.tq + i0 + r];  // d lse_i / d s_ij = P_ij
           T* dpr = dp.data() + r * kmax;
           const T* pr = p.data() + r * kmax;
           const int64_t lim = keys_for(a, i0 + r);
@@ -162,21 +165,25 @@ void backward_cpu(const AttentionArgs& a, const T* q, const T* k, const T* v, co
 
 }  // namespace
 
-void attention_forward_cpu(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+void attention_forward_cpu(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                           Tensor* lse) {
   if (q.dtype() == DType::Float64)
-    forward_cpu(a, q.data<double>(), k.data<double>(), v.data<double>(), out.data<double>());
+    forward_cpu(a, q.data<double>(), k.data<double>(), v.data<double>(), out.data<double>(),
+                lse ? lse->data<double>() : nullptr);
   else
-    forward_cpu(a, q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>());
+    forward_cpu(a, q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(),
+                lse ? lse->data<float>() : nullptr);
 }
 
 void attention_backward_cpu(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
-                            const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+                            const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                            const Tensor* dlse) {
   if (q.dtype() == DType::Float64)
     backward_cpu(a, q.data<double>(), k.data<double>(), v.data<double>(), out.data<double>(), dout.data<double>(),
-                 dq.data<double>(), dk.data<double>(), dv.data<double>());
+                 dq.data<double>(), dk.data<double>(), dv.data<double>(), dlse ? dlse->data<double>() : nullptr);
   else
     backward_cpu(a, q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(), dout.data<float>(),
-                 dq.data<float>(), dk.data<float>(), dv.data<float>());
+                 dq.data<float>(), dk.data<float>(), dv.data<float>(), dlse ? dlse->data<float>() : nullptr);
 }
 
 namespace {
@@ -190,10 +197,12 @@ Tensor as_rows(const Tensor& x, DType compute) {
 
 }  // namespace
 
-Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, bool is_causal,
-                                    double dropout_p, Generator* gen, std::optional<double> scale) {
-  const Tensor q = autocast::low(q_in), k = autocast::low(k_in), v = autocast::low(v_in);
-  const char* op = "scaled_dot_product_attention";
+namespace {
+
+// The op's checks (named by `op`) and its kernel arguments; advances the
+// generator when dropout is on.
+AttentionArgs attention_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal,
+                             double dropout_p, Generator* gen, std::optional<double> scale) {
   EMBER_CHECK(q.defined() && k.defined() && v.defined(), op, ": q, k and v must be defined");
   EMBER_CHECK(q.dim() >= 2 && q.dim() == k.dim() && q.dim() == v.dim(), op, ": q ", shape_str(q.sizes()), ", k ",
               shape_str(k.sizes()), " and v ", shape_str(v.sizes()), " must have the same number (>= 2) of dims");
@@ -227,6 +236,16 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
     a.seed = g.seed();
     a.offset = g.next_offset();
   }
+  return a;
+}
+
+}  // namespace
+
+Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, bool is_causal,
+                                    double dropout_p, Generator* gen, std::optional<double> scale) {
+  const Tensor q = autocast::low(q_in), k = autocast::low(k_in), v = autocast::low(v_in);
+  const char* op = "scaled_dot_product_attention";
+  const AttentionArgs a = attention_args(op, q, k, v, is_causal, dropout_p, gen, scale);
   Shape out_shape = q.sizes();
   out_shape.back() = a.dv;
   const DType compute = q.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
@@ -288,6 +307,71 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
                                      dv.view(sv.sizes()).to(sv.dtype())};
         };
         return Recorded{std::move(fn), {sq, sk, sv, so}};
+      });
+}
+
+Tensor scaled_dot_product_attention_lse(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, bool is_causal,
+                                        std::optional<double> scale) {
+  const Tensor q = autocast::low(q_in), k = autocast::low(k_in), v = autocast::low(v_in);
+  const char* op = "scaled_dot_product_attention_lse";
+  const AttentionArgs a = attention_args(op, q, k, v, is_causal, 0.0, nullptr, scale);
+  EMBER_CHECK(a.tk > 0, op, ": k ", shape_str(k.sizes()), " has no keys, so no log-sum-exp is defined");
+  Shape packed_shape = q.sizes();
+  packed_shape.back() = a.dv + 1;
+  const DType compute = q.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
+  const bool flash = q.is_cuda() && attention_flash_cuda_supports(a, q.dtype());
+  // The fused kernels' output is 16-bit; the blocked kernels' and the CPU's
+  // the compute dtype.
+  auto run = [a, compute, flash](const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse) {
+    const DType in = flash ? q.dtype() : compute;
+    const Tensor qr = as_rows(q, in), kr = as_rows(k, in), vr = as_rows(v, in);
+    out = Tensor::empty({a.n, a.tq, a.dv}, {in, q.device()});
+    lse = Tensor::empty({a.n, a.tq}, {compute, q.device()});
+    if (a.n * a.tq == 0) return;
+    if (flash)
+      attention_flash_forward_cuda(a, qr, kr, vr, out, lse);
+    else if (q.is_cuda())
+      attention_forward_cuda(a, qr, kr, vr, out, &lse);
+    else
+      attention_forward_cpu(a, qr, kr, vr, out, &lse);
+  };
+  return differentiable(
+      op, {q, k, v},
+      [&] {
+        Tensor out, lse;
+        run(q, k, v, out, lse);
+        return cat({out.to(compute), lse.unsqueeze(-1)}, -1).view(packed_shape);
+      },
+      [&](const Tensor& packed) {
+        const Tensor sq = q, sk = k, sv = v, sp = packed;
+        BackwardFn fn = [a, compute, flash, sq, sk, sv, sp, run](const Tensor& g) {
+          Tensor dq = Tensor::empty({a.n, a.tq, a.d}, {compute, g.device()});
+          Tensor dk = Tensor::empty({a.n, a.tk, a.d}, {compute, g.device()});
+          Tensor dv = Tensor::empty({a.n, a.tk, a.dv}, {compute, g.device()});
+          if (a.n * a.tq == 0) {
+            dq.zero_(), dk.zero_(), dv.zero_();
+          } else {
+            const Tensor pr = sp.reshape({a.n, a.tq, a.dv + 1}), gr = g.to(compute).reshape({a.n, a.tq, a.dv + 1});
+            const Tensor dlse = gr.select(-1, a.dv).contiguous();
+            if (flash) {
+              const DType dt = sq.dtype();
+              const Tensor o = as_rows(pr.narrow(-1, 0, a.dv), dt), go = as_rows(gr.narrow(-1, 0, a.dv), dt);
+              const Tensor lse = pr.select(-1, a.dv).contiguous();
+              attention_flash_backward_cuda(a, as_rows(sq, dt), as_rows(sk, dt), as_rows(sv, dt), o, go, lse, dq, dk,
+                                            dv, &dlse);
+            } else {
+              const Tensor o = pr.narrow(-1, 0, a.dv).contiguous(), go = gr.narrow(-1, 0, a.dv).contiguous();
+              const Tensor qr = as_rows(sq, compute), kr = as_rows(sk, compute), vr = as_rows(sv, compute);
+              if (g.is_cuda())
+                attention_backward_cuda(a, qr, kr, vr, o, go, dq, dk, dv, &dlse);
+              else
+                attention_backward_cpu(a, qr, kr, vr, o, go, dq, dk, dv, &dlse);
+            }
+          }
+          return std::vector<Tensor>{dq.view(sq.sizes()).to(sq.dtype()), dk.view(sk.sizes()).to(sk.dtype()),
+                                     dv.view(sv.sizes()).to(sv.dtype())};
+        };
+        return Recorded{std::move(fn), {sq, sk, sv, sp}};
       });
 }
 

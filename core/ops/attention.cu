@@ -50,7 +50,8 @@ __device__ __forceinline__ T drop(const AttentionArgs& a, int64_t b, int64_t i, 
 // (zero past the row's last key) to p and their dropped copy to pd, either
 // of which may be null or s itself.
 template <typename T>
-__global__ void probs_kernel(const AttentionArgs a, int64_t i0, int64_t rows, int64_t kmax, const T* s, T* p, T* pd) {
+__global__ void probs_kernel(const AttentionArgs a, int64_t i0, int64_t rows, int64_t kmax, const T* s, T* p, T* pd,
+                             T* lse) {
   const int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (w >= a.n * rows) return;  // whole warps leave together: blockDim is a multiple of 32
@@ -61,7 +62,8 @@ __global__ void probs_kernel(const AttentionArgs a, int64_t i0, int64_t rows, in
   m = cuda::warp_max(m);
   T sum = 0;
   for (int64_t j = lane; j < lim; j += kWarp) sum += exp(row[j] - m);
-  const T inv = T(1) / cuda::warp_sum(sum);
+  const T total = cuda::warp_sum(sum), inv = T(1) / total;
+  if (lse && lane == 0) lse[b * a.tq + i] = m + log(total);
   for (int64_t j = lane; j < kmax; j += kWarp) {
     const T v = j < lim ? exp(row[j] - m) * inv : T(0);
     if (p) p[w * kmax + j] = v;
@@ -72,14 +74,14 @@ __global__ void probs_kernel(const AttentionArgs a, int64_t i0, int64_t rows, in
 // delta_i = dO_i . O_i for every query row (warp per row).
 template <typename T>
 __global__ void delta_kernel(const AttentionArgs a, const T* __restrict__ out, const T* __restrict__ dout,
-                             T* __restrict__ delta) {
+                             const T* __restrict__ dlse, T* __restrict__ delta) {
   const int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (w >= a.n * a.tq) return;
   T acc = 0;
   for (int64_t e = lane; e < a.dv; e += kWarp) acc += out[w * a.dv + e] * dout[w * a.dv + e];
   acc = cuda::warp_sum(acc);
-  if (lane == 0) delta[w] = acc;
+  if (lane == 0) delta[w] = dlse ? acc - dlse[w] : acc;
 }
 
 // In place over the block's dP (gradient of the kept probabilities):
@@ -120,7 +122,7 @@ int64_t block_rows(const AttentionArgs& a) {
 unsigned warp_grid(int64_t warps) { return static_cast<unsigned>(cuda::ceil_div(warps, kRowsPerBlock)); }
 
 template <typename T>
-void forward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+void forward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor* lse) {
   cuda::DeviceGuard guard(q);
   cudaStream_t stream = cuda::stream_for(q);
   const int dev = q.device().index;
@@ -132,7 +134,8 @@ void forward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Ten
     T* sp = s.data<T>();
     bgemm(dt, dev, a.n, rows, kmax, a.d, false, true, q.data<T>() + i0 * a.d, a.d, a.tq * a.d, k.data<T>(), a.d,
           a.tk * a.d, sp, kmax, rows * kmax, a.scale);
-    probs_kernel<T><<<warp_grid(a.n * rows), cuda::kBlockSize, 0, stream>>>(a, i0, rows, kmax, sp, nullptr, sp);
+    probs_kernel<T><<<warp_grid(a.n * rows), cuda::kBlockSize, 0, stream>>>(a, i0, rows, kmax, sp, nullptr, sp,
+                                                                            lse ? lse->data<T>() : nullptr);
     EMBER_CUDA_CHECK(cudaGetLastError());
     bgemm(dt, dev, a.n, rows, a.dv, kmax, false, false, sp, kmax, rows * kmax, v.data<T>(), a.dv, a.tk * a.dv,
           out.data<T>() + i0 * a.dv, a.dv, a.tq * a.dv);
@@ -141,15 +144,15 @@ void forward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Ten
 
 template <typename T>
 void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-              const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+              const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, const Tensor* dlse) {
   cuda::DeviceGuard guard(q);
   cudaStream_t stream = cuda::stream_for(q);
   const int dev = q.device().index;
   const DType dt = q.dtype();
   const int64_t br = block_rows(a), scratch = a.n * std::min(br, a.tq) * a.tk;
   Tensor delta = Tensor::empty({a.n * a.tq}, q.options());
-  delta_kernel<T>
-      <<<warp_grid(a.n * a.tq), cuda::kBlockSize, 0, stream>>>(a, out.data<T>(), dout.data<T>(), delta.data<T>());
+  delta_kernel<T><<<warp_grid(a.n * a.tq), cuda::kBlockSize, 0, stream>>>(
+      a, out.data<T>(), dout.data<T>(), dlse ? dlse->data<T>() : nullptr, delta.data<T>());
   EMBER_CUDA_CHECK(cudaGetLastError());
   // dK and dV sum over the query blocks (and a causal block's keys stop
   // early): start from zero, every GEMM adds.
@@ -166,7 +169,7 @@ void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Te
     bgemm(dt, dev, a.n, rows, kmax, a.d, false, true, qb, a.d, a.tq * a.d, k.data<T>(), a.d, a.tk * a.d, pp, kmax, ld,
           a.scale);
     probs_kernel<T><<<warp_grid(a.n * rows), cuda::kBlockSize, 0, stream>>>(a, i0, rows, kmax, pp, pp,
-                                                                            a.dropout_p > 0 ? pdp : nullptr);
+                                                                            a.dropout_p > 0 ? pdp : nullptr, nullptr);
     EMBER_CUDA_CHECK(cudaGetLastError());
     // dV += P_drop^T dO; dP_drop = dO V^T.
     bgemm(dt, dev, a.n, kmax, a.dv, rows, true, false, pdp, kmax, ld, dob, a.dv, a.tq * a.dv, dv.data<T>(), a.dv,
@@ -412,7 +415,7 @@ __global__ void __launch_bounds__(kThreads)
 // delta_i = dO_i . O_i in float32 from 16-bit O and dO (warp per row).
 template <typename T>
 __global__ void flash_delta_kernel(int64_t rows, int64_t d, const T* __restrict__ out, const T* __restrict__ dout,
-                                   float* __restrict__ delta) {
+                                   const float* __restrict__ dlse, float* __restrict__ delta) {
   const int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (w >= rows) return;
@@ -420,7 +423,7 @@ __global__ void flash_delta_kernel(int64_t rows, int64_t d, const T* __restrict_
   for (int64_t e = lane; e < d; e += kWarp)
     acc += static_cast<float>(out[w * d + e]) * static_cast<float>(dout[w * d + e]);
   acc = cuda::warp_sum(acc);
-  if (lane == 0) delta[w] = acc;
+  if (lane == 0) delta[w] = dlse ? acc - dlse[w] : acc;
 }
 
 // grid (key blocks, heads). dk, dv [n, tk, D] float32 written; dq [n, tq, D]
@@ -642,12 +645,12 @@ void forward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Ten
 
 template <typename T, int D, bool Drop>
 void backward_drop(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                   const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv) {
+                   const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, const Tensor* dlse) {
   cuda::DeviceGuard guard(q);
   cudaStream_t stream = cuda::stream_for(q);
   Tensor delta = Tensor::empty({a.n * a.tq}, {DType::Float32, q.device()});
-  flash_delta_kernel<T><<<warp_grid(a.n * a.tq), cuda::kBlockSize, 0, stream>>>(a.n * a.tq, D, out.data<T>(),
-                                                                                dout.data<T>(), delta.data<float>());
+  flash_delta_kernel<T><<<warp_grid(a.n * a.tq), cuda::kBlockSize, 0, stream>>>(
+      a.n * a.tq, D, out.data<T>(), dout.data<T>(), dlse ? dlse->data<float>() : nullptr, delta.data<float>());
   EMBER_CUDA_CHECK(cudaGetLastError());
   EMBER_CUDA_CHECK(cudaMemsetAsync(dq.raw_data(), 0, dq.numel() * sizeof(float), stream));
   const size_t smem =
@@ -663,11 +666,11 @@ void backward_drop(const AttentionArgs& a, const Tensor& q, const Tensor& k, con
 
 template <typename T, int D>
 void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-              const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv) {
+              const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, const Tensor* dlse) {
   if (a.dropout_p > 0)
-    backward_drop<T, D, true>(a, q, k, v, out, dout, lse, dq, dk, dv);
+    backward_drop<T, D, true>(a, q, k, v, out, dout, lse, dq, dk, dv, dlse);
   else
-    backward_drop<T, D, false>(a, q, k, v, out, dout, lse, dq, dk, dv);
+    backward_drop<T, D, false>(a, q, k, v, out, dout, lse, dq, dk, dv, dlse);
 }
 
 // Calls f.template operator()<T, D>() for the tensor's 16-bit type and head dim.
@@ -698,21 +701,23 @@ void dispatch(DType dt, int64_t d, F&& f) {
 
 void set_attention_cuda_scratch(int64_t elements) { scratch_override.store(elements); }
 
-void attention_forward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+void attention_forward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                            Tensor* lse) {
   if (a.n * a.tq == 0) return;
   if (q.dtype() == DType::Float64)
-    forward<double>(a, q, k, v, out);
+    forward<double>(a, q, k, v, out, lse);
   else
-    forward<float>(a, q, k, v, out);
+    forward<float>(a, q, k, v, out, lse);
 }
 
 void attention_backward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
-                             const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+                             const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                             const Tensor* dlse) {
   if (a.n * a.tq == 0) return;
   if (q.dtype() == DType::Float64)
-    backward<double>(a, q, k, v, out, dout, dq, dk, dv);
+    backward<double>(a, q, k, v, out, dout, dq, dk, dv, dlse);
   else
-    backward<float>(a, q, k, v, out, dout, dq, dk, dv);
+    backward<float>(a, q, k, v, out, dout, dq, dk, dv, dlse);
 }
 
 bool attention_flash_cuda_supports(const AttentionArgs& a, DType dt) {
@@ -739,12 +744,12 @@ void attention_flash_forward_cuda(const AttentionArgs& a, const Tensor& q, const
 
 void attention_flash_backward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
                                    const Tensor& out, const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk,
-                                   Tensor& dv) {
+                                   Tensor& dv, const Tensor* dlse) {
   EMBER_INTERNAL_ASSERT(attention_flash_cuda_supports(a, q.dtype()), "flash attention: unsupported ", q.dtype(), " d ",
                         a.d, " dv ", a.dv);
   const Tensor qa = aligned16(q), ka = aligned16(k), va = aligned16(v), da = aligned16(dout);
   flash::dispatch(q.dtype(), a.d,
-                  [&]<typename T, int D>() { flash::backward<T, D>(a, qa, ka, va, out, da, lse, dq, dk, dv); });
+                  [&]<typename T, int D>() { flash::backward<T, D>(a, qa, ka, va, out, da, lse, dq, dk, dv, dlse); });
 }
 
 }  // namespace ember

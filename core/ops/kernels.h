@@ -145,12 +145,20 @@ struct AttentionArgs {
   double dropout_p = 0.0;
   uint64_t seed = 0, offset = 0;
 };
-void attention_forward_cpu(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
-void attention_forward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
+// q, k, v, out contiguous [n, t, d] in float32 or float64. lse, when given
+// ([n, tq], the dtype's): each row's log-sum-exp of its scaled scores. dlse,
+// when given: the gradient of that output too (the backward's delta_i =
+// dO_i . O_i - dlse_i).
+void attention_forward_cpu(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                           Tensor* lse = nullptr);
+void attention_forward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                            Tensor* lse = nullptr);
 void attention_backward_cpu(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
-                            const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv);
+                            const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                            const Tensor* dlse = nullptr);
 void attention_backward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
-                             const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv);
+                             const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
+                             const Tensor* dlse = nullptr);
 // The fused (flash) CUDA kernels for 16-bit q, k, v of one head dim (32,
 // 64 or 128, q's equal to v's): out in q's dtype and lse [n, tq] float32 (the
 // log-sum-exp of each row's scaled scores); the backward takes them and
@@ -162,7 +170,7 @@ void attention_flash_forward_cuda(const AttentionArgs& a, const Tensor& q, const
                                   Tensor& out, Tensor& lse);
 void attention_flash_backward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
                                    const Tensor& out, const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk,
-                                   Tensor& dv);
+                                   Tensor& dv, const Tensor* dlse = nullptr);
 void set_attention_cuda_flash(bool on);
 int64_t attention_cuda_flash_launches();  // kernels launched so far (tests)
 // Tests: the CUDA kernels' score scratch in elements (0: the default, 2^23),

@@ -27,14 +27,15 @@ EMBER_NO_CUDA(arange_cuda, Tensor&, double, double)
 EMBER_NO_CUDA(reduce_cuda, ReduceOp, const Tensor&, Tensor&, int64_t, int64_t, int64_t)
 EMBER_NO_CUDA(softmax_cuda, const Tensor&, Tensor&, int64_t, int64_t, int64_t, bool)
 EMBER_NO_CUDA(gemm_cuda, const GemmArgs&, int)
-EMBER_NO_CUDA(attention_forward_cuda, const AttentionArgs&, const Tensor&, const Tensor&, const Tensor&, Tensor&)
+EMBER_NO_CUDA(attention_forward_cuda, const AttentionArgs&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
+              Tensor*)
 EMBER_NO_CUDA(attention_backward_cuda, const AttentionArgs&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-              const Tensor&, Tensor&, Tensor&, Tensor&)
+              const Tensor&, Tensor&, Tensor&, Tensor&, const Tensor*)
 EMBER_NO_CUDA(set_attention_cuda_scratch, int64_t)
 EMBER_NO_CUDA(attention_flash_forward_cuda, const AttentionArgs&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
               Tensor&)
 EMBER_NO_CUDA(attention_flash_backward_cuda, const AttentionArgs&, const Tensor&, const Tensor&, const Tensor&,
-              const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor&)
+              const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor&, const Tensor*)
 EMBER_NO_CUDA(set_attention_cuda_flash, bool)
 bool attention_flash_cuda_supports(const AttentionArgs&, DType) { return false; }
 int64_t attention_cuda_flash_launches() { return 0; }
