@@ -124,6 +124,9 @@ std::shared_ptr<DeviceMesh> ParallelDims::fsdp_mesh(const DeviceMesh& mesh) cons
                 " needs a 2-D mesh over a flattened dimension, which DeviceMesh does not cut yet");
     return mesh.submesh({"dp_replicate", "dp_shard"});
   }
+  // dp_shard 1: FSDP's ranks are cp's, and cp's own dimension (cut from the
+  // mesh, unlike a flattened view) lets it compose with tensor parallelism.
+  if (cp > 1 && dp_shard == 1) return mesh.submesh({"cp"});
   return mesh.submesh({shard});
 }
 

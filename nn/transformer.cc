@@ -34,6 +34,14 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim_, int64_t num_heads_, d
   attn_drop = register_module("attn_drop", std::make_shared<Dropout>(dropout));
 }
 
+namespace {
+// The module's attention function, or the fused op.
+Tensor attend(const AttentionFn& fn, const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double p,
+              Generator* gen) {
+  return fn ? fn(q, k, v, causal, p, gen) : scaled_dot_product_attention(q, k, v, causal, p, gen);
+}
+}  // namespace
+
 Tensor MultiheadAttention::forward(const Tensor& x) {
   EMBER_CHECK(x.dim() == 3 && x.size(2) == embed_dim, "MultiheadAttention: expected input [batch, seq, ", embed_dim,
               "], got ", shape_str(x.sizes()));
@@ -51,7 +59,8 @@ Tensor MultiheadAttention::forward(const Tensor& x) {
   // nor a separate softmax / dropout / mask pass (core/ops/attention.cc).
   Generator own;
   Generator* gen = attn_drop->generator(own);
-  Tensor out = scaled_dot_product_attention(q, k, v, causal, gen ? attn_drop->p : 0.0, gen)
+  Tensor out = attend(attention, q.reshape({B, H, T, D}), k.reshape({B, H, T, D}), v.reshape({B, H, T, D}), causal,
+                      gen ? attn_drop->p : 0.0, gen)
                    .reshape({B, H, T, D})
                    .permute({0, 2, 1, 3})
                    .reshape({B, T, E});
@@ -158,8 +167,8 @@ Tensor GroupedQueryAttention::forward(const Tensor& x) {
   };
   Generator own;
   Generator* gen = attn_drop->generator(own);
-  Tensor out = scaled_dot_product_attention(heads(q, Hq), heads(k, Hkv), heads(v, Hkv), options.causal,
-                                            gen ? attn_drop->p : 0.0, gen)
+  auto four = [&](const Tensor& t, int64_t h) { return heads(t, h).reshape({B, Hq, T, D}); };
+  Tensor out = attend(attention, four(q, Hq), four(k, Hkv), four(v, Hkv), options.causal, gen ? attn_drop->p : 0.0, gen)
                    .reshape({B, Hq, T, D})
                    .permute({0, 2, 1, 3})
                    .reshape({B, T, Hq * D});
@@ -260,7 +269,12 @@ Tensor GPT::forward(const Tensor& tokens) {
   const int64_t T = tokens.size(1);
   EMBER_CHECK(T <= options.block_size, "GPT: sequence length ", T, " exceeds block_size ", options.block_size);
   Tensor x = (*wte)(tokens);
-  if (wpe) x = x + (*wpe)(arange(0, static_cast<double>(T), 1.0, {DType::Int64, tokens.device()}));  // + [T, E]
+  if (wpe) {
+    Tensor pos = positions.defined() ? positions.to(tokens.device())
+                                     : arange(0, static_cast<double>(T), 1.0, {DType::Int64, tokens.device()});
+    EMBER_CHECK(pos.dim() == 1 && pos.size(0) == T, "GPT: ", pos.numel(), " positions for a sequence of ", T);
+    x = x + (*wpe)(pos);  // + [T, E]
+  }
   x = (*drop)(x);
   x = (*h)(x);
   return (*lm_head)((*ln_f)(x));

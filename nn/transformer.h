@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -28,6 +29,14 @@
 #include "nn/module.h"
 
 namespace ember::nn {
+
+// How an attention module computes softmax(q k^T * scale [+ causal]) v once
+// it has q, k, v as [B, H, T, D] (k/v heads repeated for grouped-query
+// attention): scaled_dot_product_attention when unset. A transform that
+// computes attention another way installs its function here (context
+// parallelism: distributed/parallel/cp/context_parallel.h).
+using AttentionFn = std::function<Tensor(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                                         double dropout_p, Generator* gen)>;
 
 // Self-attention over x [B, T, E]: softmax(q k^T / sqrt(E / heads)) v per
 // head, with a causal mask (position t attends to positions <= t) when
@@ -46,6 +55,7 @@ class MultiheadAttention : public Module {
   LinearKernel in_proj_kernel;          // how in_proj is computed (layers.h)
   std::shared_ptr<Linear> out_proj;
   std::shared_ptr<Dropout> attn_drop;  // on the attention weights (inside the fused op)
+  AttentionFn attention;               // unset: scaled_dot_product_attention
 };
 
 // The angles of rotary position embeddings for head_dim-wide heads: cos and
@@ -83,6 +93,7 @@ class GroupedQueryAttention : public Module {
   // Each row's position for the rotary embedding (int64 [T]); undefined:
   // 0..T-1. Context parallelism sets the positions of a rank's chunks.
   Tensor positions;
+  AttentionFn attention;  // unset: scaled_dot_product_attention
 
  private:
   RotaryTables tables_;  // for the last call's positions, theta and device
@@ -188,6 +199,9 @@ class GPT : public Module {
   std::shared_ptr<Sequential> h;
   std::shared_ptr<Module> ln_f;     // LayerNorm (GPT-2) or RMSNorm (LLaMA)
   std::shared_ptr<Module> lm_head;  // a Linear, or a TiedLinear with tie_weights
+  // GPT-2's learned positions of the sequence's rows (int64 [T]); undefined:
+  // 0..T-1. Context parallelism sets those of a rank's chunks.
+  Tensor positions;
 };
 
 }  // namespace ember::nn

@@ -9,10 +9,12 @@
 namespace ember::distributed {
 
 ParallelizeOptions gpt_parallelize_options(const nn::GPT& gpt, const GPTParallelOptions& o) {
-  return {.tp_plan = gpt_tp_plan(gpt, o.sequence_parallel),
-          .block_types = {"TransformerBlock"},
-          .ac = o.ac,
-          .fsdp = o.fsdp};
+  ParallelizeOptions p{.tp_plan = gpt_tp_plan(gpt, o.sequence_parallel),
+                       .block_types = {"TransformerBlock"},
+                       .ac = o.ac,
+                       .fsdp = o.fsdp};
+  p.cp = o.cp;
+  return p;
 }
 
 Parallelized parallelize_gpt(const std::shared_ptr<nn::GPT>& gpt, const ParallelDims& dims,

@@ -21,10 +21,11 @@
 namespace ember::distributed {
 
 struct GPTParallelOptions {
-  bool sequence_parallel = true;      // under tp (Megatron-SP)
-  std::string ac = "none";            // none | full | selective | every:K, of the transformer blocks
-  FSDPOptions fsdp;                   // strategy and mixed precision (the mesh comes from the dims)
-  std::vector<int> blocks_per_stage;  // pipeline_gpt: blocks per stage; empty: balanced by parameters
+  bool sequence_parallel = true;       // under tp (Megatron-SP)
+  std::string ac = "none";             // none | full | selective | every:K, of the transformer blocks
+  FSDPOptions fsdp;                    // strategy and mixed precision (the mesh comes from the dims)
+  std::vector<int> blocks_per_stage;   // pipeline_gpt: blocks per stage; empty: balanced by parameters
+  cp::ContextParallelOptions cp = {};  // under cp > 1: the exchange and the whole sequence's length
 };
 
 // gpt_tp_plan (Megatron's split, vocab-parallel embedding and head),

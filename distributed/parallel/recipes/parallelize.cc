@@ -30,8 +30,9 @@ void check_options(const ParallelDims& dims, const ParallelizeOptions& o) {
               "' needs the block types to wrap (ParallelizeOptions::block_types)");
   EMBER_CHECK(o.fsdp.mesh == nullptr, "parallelize: FSDPOptions::mesh is set; the mesh comes from the ParallelDims (",
               dims.str(), ")");
-  EMBER_CHECK(dims.cp == 1 && dims.ep == 1, "parallelize: cp=", dims.cp, " ep=", dims.ep,
-              ": context and expert parallelism have no transform yet");
+  EMBER_CHECK(dims.ep == 1, "parallelize: ep=", dims.ep, ": expert parallelism has no transform yet");
+  EMBER_CHECK(dims.cp == 1 || o.cp.seq > 0, "parallelize: cp=", dims.cp,
+              " needs the sequence length its ranks split (ParallelizeOptions::cp.seq)");
   if (!(o.ddp && dims.dp_shard == 1 && dims.cp == 1)) check_hsdp_strategy(dims, o.fsdp.strategy);
 }
 
@@ -85,6 +86,11 @@ std::shared_ptr<FSDPModule> apply_fsdp(const std::shared_ptr<nn::Module>& module
   return fully_shard_auto(module, {.types = block_types}, fsdp_options(dims, mesh, std::move(options)));
 }
 
+void apply_cp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh,
+              const cp::ContextParallelOptions& o) {
+  if (dims.cp > 1) cp::apply_context_parallel(module, mesh.submesh({"cp"})->group(), o);
+}
+
 Parallelized parallelize(const std::shared_ptr<nn::Module>& model, const ParallelDims& dims,
                          const std::shared_ptr<DeviceMesh>& mesh, const ParallelizeOptions& o) {
   EMBER_CHECK(model != nullptr && mesh != nullptr, "parallelize: null model or mesh");
@@ -92,6 +98,7 @@ Parallelized parallelize(const std::shared_ptr<nn::Module>& model, const Paralle
   check_options(dims, o);
   Parallelized out;
   out.model = model;
+  apply_cp(*model, dims, *mesh, o.cp);
   apply_tp(*model, dims, *mesh, o.tp_plan);
   out.ac_blocks = apply_ac(*model, o.block_types, o.ac);
   if (o.ddp && dims.dp_shard == 1 && dims.cp == 1) {
@@ -111,6 +118,8 @@ PipelineParallel pipeline_parallelize(const std::vector<std::shared_ptr<pp::Pipe
   EMBER_CHECK(static_cast<int>(all_stages.size()) == schedule.num_stages(), "pipeline_parallelize: ", all_stages.size(),
               " stages for a schedule of ", schedule.num_stages());
   check_options(dims, o);
+  EMBER_CHECK(dims.cp == 1, "pipeline_parallelize: cp=", dims.cp,
+              ": context parallelism inside pipeline stages is not supported yet");
   PipelineParallel out;
   for (const auto& st : all_stages) out.layout.emplace_back(st->description(), schedule.rank_of(st->index()));
   for (int st : schedule.stages_of(mesh->coordinate("pp"))) {

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "distributed/parallel/cp/context_parallel.h"
 #include "distributed/parallel/ddp.h"
 #include "distributed/parallel/fsdp/fsdp.h"
 #include "distributed/parallel/pp/pipeline.h"
@@ -51,7 +52,10 @@ struct ParallelizeOptions {
   // FSDP units of one rank. Off: FSDP regardless (the GPT recipe's choice,
   // which keeps its checkpoints' layout the same on every mesh).
   bool ddp = false;
-  DDPOptions ddp_options;
+  DDPOptions ddp_options = {};
+  // Context parallelism's exchange and the whole sequence's length; applied
+  // when cp > 1 (the seq is then required). Pipelines do not take it yet.
+  cp::ContextParallelOptions cp = {};
 };
 
 // What parallelize made: one of them set.
@@ -71,6 +75,11 @@ struct Parallelized {
   std::shared_ptr<Replicated::NoSync> no_sync_;
 };
 
+// Step 0: context parallelism of `module` over mesh "cp" (every attention
+// through cp::attention, the positions of this rank's chunks); nothing
+// when cp = 1.
+void apply_cp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh,
+              const cp::ContextParallelOptions& o);
 // Step 1: tensor parallelism of `module` over mesh "tp" (a stage takes
 // plan_for(plan, stage), its share); nothing when tp = 1.
 void apply_tp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh, const ParallelizePlan& plan);
