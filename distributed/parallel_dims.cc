@@ -139,6 +139,8 @@ const std::vector<ParallelDims::Flag>& ParallelDims::flags() {
       {"--pp", &ParallelDims::pp, 1, "P", "pipeline parallelism over P ranks (the mesh's outermost dimension)"},
       {"--dp-replicate", &ParallelDims::dp_replicate, -1, "R", "replicas (DDP, or HSDP with --dp-shard); -1: the rest"},
       {"--dp-shard", &ParallelDims::dp_shard, -1, "S", "FSDP's sharding over S ranks; -1: the rest"},
+      {"--cp", &ParallelDims::cp, 1, "C",
+       "context parallelism: each sequence split over C ranks (head-tail chunks; FSDP shards over dp_shard x cp)"},
       {"--tp", &ParallelDims::tp, -1, "T", "tensor parallelism over T ranks (the innermost dimension); -1: the rest"},
   };
   return table;

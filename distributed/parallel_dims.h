@@ -94,7 +94,7 @@ struct ParallelDims {
   // The degrees a program takes on its command line, by flag: every
   // program with a mesh (//examples:gpt through examples/flags.h,
   // //tools:plan) reads this one table, so a dimension's flag is its row
-  // here. cp and ep join when their transforms do.
+  // here. ep joins when its transform does.
   struct Flag {
     const char* name;  // "--dp-shard"
     int ParallelDims::*degree;

@@ -90,6 +90,7 @@ struct Setup {
   bool sp = false;
   std::shared_ptr<distributed::DeviceMesh> mesh;
   int dp_rank = 0;
+  int cp_rank = 0;                            // this rank's head-tail chunks of every sequence (cp > 1)
   int64_t global_batch = 0, micro_batch = 0;  // sequences per step over the job, per rank per micro-batch
   int64_t micro_steps = 1;                    // micro-batches per optimizer step: the pipeline's, or accumulated
   std::shared_ptr<nn::GPT> gpt;               // the whole model; null under a pipeline (each rank keeps its stages)
@@ -177,6 +178,7 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   s.micro_batch = s.global_batch / (d.dp() * s.micro_steps);
   s.mesh = d.build_mesh();
   s.dp_rank = d.dp_rank(*s.mesh);
+  s.cp_rank = d.cp > 1 ? s.mesh->coordinate("cp") : 0;
   LOG0(d.line());
 
   manual_seed(flags.common.seed);
@@ -192,6 +194,7 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   s.gpt->to(job.device);
   s.n_params = s.gpt->num_parameters();
   distributed::GPTParallelOptions po{.sequence_parallel = s.sp, .ac = flags.common.ac};
+  po.cp = {.exchange = distributed::cp::parse_exchange(flags.cp_exchange), .seq = flags.seq};
   po.fsdp.strategy = distributed::parse_strategy(flags.strategy);
   if (d.dp_replicate > 1)
     EMBER_CHECK(flags.strategy == "full" || flags.strategy == "hybrid", "--dp-replicate ", d.dp_replicate,
@@ -363,7 +366,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   auto report_eval = [&] {
     progress.close_line();
     const double v = examples::evaluate(s.model(), s.eval_pipe.get(), corpus, eval, flags.seq, *job.pg, device, d.dp(),
-                                        s.dp_rank, d.tp);
+                                        s.dp_rank, d.tp, d.cp, s.cp_rank);
     LOG0("step ", s.step, ": validation loss ", v, " (unigram ", eval.unigram, ")");
     return v;
   };
@@ -377,7 +380,10 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       const int64_t from = (s.dp_rank * s.micro_steps + m) * s.micro_batch;
       auto [x, y] =
           corpus.train.windows(std::vector<int64_t>(all.begin() + from, all.begin() + from + s.micro_batch), flags.seq);
-      return std::pair<Tensor, Tensor>{x, y.reshape({x.size(0), flags.seq})};
+      // Under context parallelism this rank's chunks of every sequence,
+      // inputs and targets alike (the loss is a mean over tokens).
+      return std::pair<Tensor, Tensor>{examples::cp_slice(x, d.cp, s.cp_rank),
+                                       examples::cp_slice(y.reshape({x.size(0), flags.seq}), d.cp, s.cp_rank)};
     };
     auto [loss, grad_norm] = train_step(s, batch, flags.common.amp, device);
     profile.step();

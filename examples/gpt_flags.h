@@ -32,7 +32,8 @@ struct Flags {
   std::vector<int> blocks_per_stage;  // --pp-split parsed
   int64_t microbatches = 0;           // 0: --accum-steps (pp 1) or the pp size
   std::string sp = "auto";
-  int64_t global_batch = 0;  // 0: batch size x dp x accum
+  std::string cp_exchange = "ring";  // ring | allgather | alltoall (distributed/parallel/cp)
+  int64_t global_batch = 0;          // 0: batch size x dp x accum
   std::string metrics;
   int64_t layers = 2, dim = 128, heads = 4, seq = 64;
   std::string arch = "gpt2";  // gpt2 | llama (nn::Arch)
@@ -55,6 +56,8 @@ inline void declare(FlagTable& t, Flags& f) {
             "hybrid: shard within groups of N ranks, replicate across them (default: ranks per node)");
   add_mesh_flags(t, f.mesh);
   t.choice("--sp", &f.sp, {"on", "off", "auto"}, "sequence parallelism inside tp (auto: on when --tp > 1)");
+  t.choice("--cp-exchange", &f.cp_exchange, {"ring", "allgather", "alltoall"},
+           "how context parallelism (--cp > 1) exchanges keys and values");
   t.choice("--pp-schedule", &f.pp_schedule, distributed::pp::schedule_names(), "pipeline schedule");
   t.integer("--pp-virtual", &f.pp_virtual, 1, "V", "stages per pp rank (interleaved)");
   t.text("--pp-split", &f.pp_split, "A,B,...", "transformer blocks per stage (default: balanced by parameter count)");

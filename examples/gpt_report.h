@@ -21,6 +21,7 @@
 #include "core/ops.h"
 #include "distributed/checkpoint/sharded.h"
 #include "distributed/logging/logging.h"
+#include "distributed/parallel/cp/load_balance.h"
 #include "distributed/parallel/mesh_plan.h"
 #include "distributed/parallel/pp/pipeline.h"
 #include "distributed/parallel/recipes/parallelize.h"
@@ -63,10 +64,18 @@ inline Eval make_eval(const Corpus& c, int64_t seq, int world) {
   return e;
 }
 
+// A batch's [B, T] rows cut to this rank's head-tail chunks under context
+// parallelism (cp > 1); x itself otherwise.
+inline Tensor cp_slice(const Tensor& x, int cp, int cp_rank) {
+  return cp > 1 ? distributed::cp::shard(x, 1, cp, cp_rank).contiguous() : x;
+}
+
 // The windows are split over the data-parallel ranks; the tp ranks of one
-// data-parallel rank evaluate the same windows together (each the same loss).
+// data-parallel rank evaluate the same windows together (each the same
+// loss), its cp ranks each their chunks of them (the mean of theirs).
 inline double evaluate(nn::Module& model, distributed::pp::Pipeline* pipe, const Corpus& c, const Eval& e, int64_t seq,
-                       distributed::ProcessGroup& pg, Device device, int dp, int dp_rank, int tp) {
+                       distributed::ProcessGroup& pg, Device device, int dp, int dp_rank, int tp, int cp = 1,
+                       int cp_rank = 0) {
   model.eval();
   NoGradGuard ng;
   const int64_t per_rank = static_cast<int64_t>(e.starts.size()) / dp;
@@ -79,8 +88,9 @@ inline double evaluate(nn::Module& model, distributed::pp::Pipeline* pipe, const
     while (chunk > 1 && mine.size() % chunk != 0) --chunk;
   for (size_t i = 0; i < mine.size(); i += chunk) {
     std::vector<int64_t> part(mine.begin() + i, mine.begin() + std::min(mine.size(), i + chunk));
-    auto [x, y] = c.val.windows(part, seq);
-    const Tensor yt = y.to(device).reshape({x.size(0), seq});
+    auto [xw, y] = c.val.windows(part, seq);
+    const Tensor x = cp_slice(xw, cp, cp_rank);
+    const Tensor yt = cp_slice(y.reshape({xw.size(0), seq}), cp, cp_rank).to(device);
     if (pipe != nullptr) {  // forwards through the stages; the last stage's ranks hold the loss
       const std::vector<Tensor> l = pipe->step({x.to(device)}, {yt});
       if (!l.empty()) local += l[0].item() * part.size();
@@ -89,7 +99,7 @@ inline double evaluate(nn::Module& model, distributed::pp::Pipeline* pipe, const
     Tensor logits = model(x.to(device));
     local += distributed::parallel_cross_entropy(logits, yt).item() * part.size();
   }
-  Tensor t = full({1}, local / static_cast<double>(e.starts.size()) / tp).to(device);
+  Tensor t = full({1}, local / static_cast<double>(e.starts.size()) / tp / cp).to(device);
   pg.allreduce(t, distributed::ReduceOp::Sum)->wait();
   model.train();
   return t.to(kCPU).item();
@@ -209,6 +219,7 @@ struct RunInfo {
 // accounting of what a rank's stage and tensor-parallel part hold.
 inline std::string memory_plan_line(const RunInfo& in) {
   const distributed::ParallelDims& d = in.dims;
+  if (d.cp > 1) return "memory plan: none (the planner has no context-parallel terms yet)";
   // The step-memory timeline knows GPT-2's modules (LayerNorm, GELU MLP);
   // the mesh planner's accounting covers both families.
   if (in.model.arch == nn::Arch::GPT2 && d.tp == 1 && d.pp == 1 && d.dp_replicate == 1 && in.amp == "off" &&
