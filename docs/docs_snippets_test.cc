@@ -27,6 +27,7 @@
 #include "distributed/init.h"
 #include "distributed/job_profile.h"
 #include "distributed/parallel_dims.h"
+#include "distributed/parallel/cp/load_balance.h"
 #include "distributed/parallel/ddp.h"
 #include "distributed/parallel/fsdp/fsdp.h"
 #include "distributed/parallel/fsdp/fsdp_state_dict.h"
@@ -318,6 +319,23 @@ opt.step();
 auto llama = std::make_shared<nn::GPT>(nn::GPTOptions::llama(
     {.vocab_size = 32000, .block_size = 2048, .n_layer = 16, .n_head = 16, .n_embd = 2048, .n_kv_head = 4}));
 distributed::Parallelized par = distributed::parallelize_gpt(llama, dims, mesh, {.sequence_parallel = true});
+}
+
+// docs/context-parallel.md's block: compiled only (the same calls run on 4
+// ranks in //distributed/parallel/recipes:gpt_cp_test).
+[[maybe_unused]] void context_parallel_block(const std::shared_ptr<nn::GPT>& gpt, const Tensor& tokens,
+                                             const Tensor& targets) {
+auto dims = distributed::ParallelDims{.dp_shard = 2, .cp = 2}.resolved(4);
+auto mesh = dims.build_mesh();   // DeviceMesh(dp_shard=2, cp=2), with its dp_shard_cp view for FSDP
+distributed::Parallelized par = distributed::parallelize_gpt(
+    gpt, dims, mesh, {.cp = {.exchange = distributed::cp::Exchange::Ring, .seq = tokens.size(1)}});
+const int cp = dims.cp, cp_rank = mesh->coordinate("cp");
+const int64_t rows = tokens.size(0) / dims.dp(), first = dims.dp_rank(*mesh) * rows;
+Tensor x = distributed::cp::shard(tokens.narrow(0, first, rows), 1, cp, cp_rank);   // this rank's two chunks
+Tensor y = distributed::cp::shard(targets.narrow(0, first, rows), 1, cp, cp_rank);
+Tensor loss = distributed::parallel_cross_entropy((*gpt)(x), y);   // its tokens' mean; FSDP averages over dp_shard x cp
+loss.backward();
+par.clip_grad_norm_(1.0);
 }
 
 // docs/activation-checkpointing.md's block: compiled only (the same calls
