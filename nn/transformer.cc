@@ -264,17 +264,20 @@ GPT::GPT(GPTOptions opts) : Module("GPT"), options(opts) {
   }
 }
 
+Tensor SequencePositions::positions_for(int64_t T, Device device) const {
+  if (!positions.defined()) return arange(0, static_cast<double>(T), 1.0, {DType::Int64, device});
+  EMBER_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.dtype() == DType::Int64,
+              "positions: ", shape_str(positions.sizes()), " ", positions.dtype(), " for a sequence of ", T,
+              " (int64 [", T, "])");
+  return positions.to(device);
+}
+
 Tensor GPT::forward(const Tensor& tokens) {
   EMBER_CHECK(tokens.dim() == 2, "GPT: expected token ids [batch, seq], got ", shape_str(tokens.sizes()));
   const int64_t T = tokens.size(1);
   EMBER_CHECK(T <= options.block_size, "GPT: sequence length ", T, " exceeds block_size ", options.block_size);
   Tensor x = (*wte)(tokens);
-  if (wpe) {
-    Tensor pos = positions.defined() ? positions.to(tokens.device())
-                                     : arange(0, static_cast<double>(T), 1.0, {DType::Int64, tokens.device()});
-    EMBER_CHECK(pos.dim() == 1 && pos.size(0) == T, "GPT: ", pos.numel(), " positions for a sequence of ", T);
-    x = x + (*wpe)(pos);  // + [T, E]
-  }
+  if (wpe) x = x + (*wpe)(positions_for(T, tokens.device()));  // + [T, E]
   x = (*drop)(x);
   x = (*h)(x);
   return (*lm_head)((*ln_f)(x));

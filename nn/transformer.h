@@ -184,11 +184,22 @@ struct GPTOptions {
   int64_t ffn_width() const;
 };
 
+// A module that embeds a sequence's positions itself (GPT-2's learned
+// position embedding: nn::GPT, a pipeline's first stage): which positions
+// its rows are (int64 [T]); undefined: 0..T-1. Context parallelism sets
+// those of a rank's chunks.
+struct SequencePositions {
+  virtual ~SequencePositions() = default;
+  Tensor positions;
+  // positions on `device`, or 0..T-1; a named error when they are not T.
+  Tensor positions_for(int64_t T, Device device) const;
+};
+
 // Token (+ position, GPT-2) embeddings, n_layer blocks ("h.0", "h.1", ...),
 // a final norm and a bias-free LM head (or the tied embedding). Linear and
 // embedding weights start as N(0, 0.02) (GPT-2's initialisation; LLaMA's
 // initializer_range too), biases at zero, norms at one.
-class GPT : public Module {
+class GPT : public Module, public SequencePositions {
  public:
   explicit GPT(GPTOptions options);
   // [B, T] int64 token ids (T <= block_size) -> [B, T, vocab] logits.
@@ -199,9 +210,6 @@ class GPT : public Module {
   std::shared_ptr<Sequential> h;
   std::shared_ptr<Module> ln_f;     // LayerNorm (GPT-2) or RMSNorm (LLaMA)
   std::shared_ptr<Module> lm_head;  // a Linear, or a TiedLinear with tie_weights
-  // GPT-2's learned positions of the sequence's rows (int64 [T]); undefined:
-  // 0..T-1. Context parallelism sets those of a rank's chunks.
-  Tensor positions;
 };
 
 }  // namespace ember::nn

@@ -50,10 +50,12 @@ void apply_context_parallel(nn::Module& module, const std::shared_ptr<ProcessGro
                   " is an attention the transform cannot route through the context-parallel path "
                   "(MultiheadAttention and GroupedQueryAttention can)");
     }
-    if (auto* gpt = dynamic_cast<nn::GPT*>(m)) {
+    if (auto* gpt = dynamic_cast<nn::GPT*>(m))
       EMBER_CHECK(gpt->options.block_size >= o.seq, what, ": sequence ", o.seq, " exceeds the GPT's block_size ",
                   gpt->options.block_size);
-      gpt->positions = positions_t;
+    if (auto* sp = dynamic_cast<nn::SequencePositions*>(m)) {
+      sp->positions = positions_t;
+      ++routed;  // a pipeline's embedding stage may hold no attention
     }
   }
   EMBER_CHECK(routed > 0, what, ": the module has no attention to route");

@@ -149,7 +149,7 @@ std::vector<std::shared_ptr<PipelineStage>> split_gpt(nn::GPT& gpt, int num_stag
     auto ln_f = is_last ? gpt.ln_f : nullptr;
     auto head = is_last ? gpt.lm_head : nullptr;
     const int64_t block_size = gpt.options.block_size;
-    auto fn = [=](PipelineStage&, const Tensor& in) {
+    auto fn = [=](PipelineStage& st, const Tensor& in) {
       Tensor x = in;
       if (is_first) {
         EMBER_CHECK(in.dim() == 2, "pipeline stage 0 (GPT embeddings): expected token ids [batch, seq], got ",
@@ -157,7 +157,7 @@ std::vector<std::shared_ptr<PipelineStage>> split_gpt(nn::GPT& gpt, int num_stag
         const int64_t T = in.size(1);
         EMBER_CHECK(T <= block_size, "GPT: sequence length ", T, " exceeds block_size ", block_size);
         x = (*wte)(in);
-        if (wpe) x = x + (*wpe)(arange(0, static_cast<double>(T), 1.0, {DType::Int64, in.device()}));
+        if (wpe) x = x + (*wpe)(st.positions_for(T, in.device()));
         x = (*drop)(x);
       }
       for (auto& b : mine) x = (*b)(x);

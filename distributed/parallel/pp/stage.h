@@ -26,7 +26,9 @@
 
 namespace ember::distributed::pp {
 
-class PipelineStage : public nn::Module {
+// A stage embeds positions itself when it holds GPT-2's wpe (the first);
+// context parallelism sets them as on the whole GPT.
+class PipelineStage : public nn::Module, public nn::SequencePositions {
  public:
   using ForwardFn = std::function<Tensor(PipelineStage& self, const Tensor& x)>;
   PipelineStage(int index, int num_stages, std::string description, ForwardFn fn);

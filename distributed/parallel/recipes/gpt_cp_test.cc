@@ -5,7 +5,8 @@
 //   * dp_shard 2 x cp 2 (GPT-2: learned positions, MultiheadAttention; FSDP
 //     over dp_shard x cp), each exchange;
 //   * cp 2 x tp 2 (LLaMA: rotary positions, grouped-query attention,
-//     vocab-parallel loss), each exchange.
+//     vocab-parallel loss), each exchange;
+//   * pp 2 x cp 2 (GPT-2 in two 1F1B stages), each exchange.
 // Each rank takes its data-parallel rows and its head-tail slice of every
 // sequence (cp::shard of the tokens and the targets); the recipe installs
 // the exchange and the positions. Also the transform's named errors.
@@ -87,6 +88,8 @@ double mean_over(const DeviceMesh& mesh, const char* view, double v) {
   return t.item();
 }
 
+void expect_same(const Run& got, const Run& want, const std::string& what);
+
 void run_case(const mp::WorkerEnv& env, const ParallelDims& want_dims, bool llama) {
   const cp::Exchange ex = cp::parse_exchange(mp::parse_arg(env.arg).at("exchange"));
   const Run want = reference(llama);
@@ -116,7 +119,10 @@ void run_case(const mp::WorkerEnv& env, const ParallelDims& want_dims, bool llam
     NoGradGuard ng;
     got.heldout = mean_over(*mesh, "dp_cp", loss_of(100).item());
   }
-  const std::string what = dims.line() + " " + cp::exchange_name(ex) + (llama ? " llama" : " gpt2");
+  expect_same(got, want, dims.line() + " " + cp::exchange_name(ex) + (llama ? " llama" : " gpt2"));
+}
+
+void expect_same(const Run& got, const Run& want, const std::string& what) {
   for (int s = 0; s < kSteps; ++s) {
     WCHECK(std::abs(got.losses[s] - want.losses[s]) <= 2e-5 * (1 + want.losses[s]), what, " step ", s, " loss ",
            got.losses[s], " vs one process ", want.losses[s]);
@@ -138,9 +144,63 @@ EMBER_WORKER(cp_tp) {
   run_case(env, ParallelDims{.dp_shard = 1, .cp = 2, .tp = 2}, /*llama=*/true);
 }
 
+// pp 2 x cp 2: the GPT-2 cut into 2 stages (the first embeds this rank's
+// chunks' learned positions), 1F1B over 2 micro-batches, FSDP in each.
+EMBER_WORKER(pp_cp) {
+  mp::init_world(env);
+  const cp::Exchange ex = cp::parse_exchange(mp::parse_arg(env.arg).at("exchange"));
+  const Run want = reference(false);
+  const ParallelDims dims = ParallelDims{.pp = 2, .dp_shard = 1, .cp = 2}.resolved(env.world_size);
+  auto mesh = dims.build_mesh();
+  const int micro = 2;
+  const auto schedule = pp::make_schedule("1f1b", dims.pp, 1, micro);
+  auto loss_fn = [](const Tensor& out, const Tensor& y) { return lm_loss(out, y); };
+  PipelineParallel pipe =
+      pipeline_gpt(make_gpt(false), dims, mesh, schedule, {.cp = {.exchange = ex, .seq = kT}}, {.loss = loss_fn});
+  optim::AdamW opt(pipe.part->parameters(), {.lr = 1e-2});
+  const int cp = dims.cp, cp_rank = mesh->coordinate("cp");
+  const int64_t rows = kB / micro;
+  auto slices = [&](int step) {
+    auto [x, y] = batch(step);
+    std::vector<Tensor> xs, ys;
+    for (int m = 0; m < micro; ++m) {
+      xs.push_back(cp::shard(x.narrow(0, m * rows, rows), 1, cp, cp_rank).contiguous());
+      ys.push_back(cp::shard(y.narrow(0, m * rows, rows), 1, cp, cp_rank).contiguous());
+    }
+    return std::pair{xs, ys};
+  };
+  auto mean_loss = [&](const std::vector<Tensor>& losses) {
+    double total = 0;
+    for (const Tensor& l : losses) total += l.item() / micro;
+    Tensor t = Tensor::from_vector({total}, {1}, DType::Float64);
+    mesh->group("pp")->allreduce(t, ReduceOp::Sum)->wait();  // the last stage's ranks hold them
+    return mean_over(*mesh, "dp_cp", t.item());
+  };
+  Run got;
+  for (int s = 0; s < kSteps; ++s) {
+    auto [xs, ys] = slices(s);
+    got.losses.push_back(mean_loss(pipe.pipe->step(xs, ys)));
+    got.norms.push_back(pipe.pipe->clip_grad_norm_(1.0));
+    opt.step();
+    opt.zero_grad();
+  }
+  pp::Pipeline eval(pp::forward_schedule(dims.pp, 1, micro), pipe.stages, mesh->group("pp"), {.loss = loss_fn});
+  {
+    NoGradGuard ng;
+    auto [xs, ys] = slices(100);
+    got.heldout = mean_loss(eval.step(xs, ys));
+  }
+  expect_same(got, want, dims.line() + " " + cp::exchange_name(ex) + " gpt2");
+}
+
 TEST(GptContextParallel, DpShard2xCp2MatchesOneProcess) {
   for (const char* ex : {"ring", "allgather", "alltoall"})
     EMBER_EXPECT_RANKS("dp_shard_cp", 4, {.arg = std::string("exchange=") + ex}) << ex;
+}
+
+TEST(GptContextParallel, Pp2xCp2MatchesOneProcess) {
+  for (const char* ex : {"ring", "allgather", "alltoall"})
+    EMBER_EXPECT_RANKS("pp_cp", 4, {.arg = std::string("exchange=") + ex}) << ex;
 }
 
 TEST(GptContextParallel, Cp2xTp2MatchesOneProcess) {

@@ -118,17 +118,18 @@ PipelineParallel pipeline_parallelize(const std::vector<std::shared_ptr<pp::Pipe
   EMBER_CHECK(static_cast<int>(all_stages.size()) == schedule.num_stages(), "pipeline_parallelize: ", all_stages.size(),
               " stages for a schedule of ", schedule.num_stages());
   check_options(dims, o);
-  EMBER_CHECK(dims.cp == 1, "pipeline_parallelize: cp=", dims.cp,
-              ": context parallelism inside pipeline stages is not supported yet");
   PipelineParallel out;
   for (const auto& st : all_stages) out.layout.emplace_back(st->description(), schedule.rank_of(st->index()));
   for (int st : schedule.stages_of(mesh->coordinate("pp"))) {
     out.stages.push_back(all_stages[st]);
     // A stage's share of the plan: the embedding's entries only where it holds the embedding.
+    apply_cp(*all_stages[st], dims, *mesh, o.cp);
     apply_tp(*all_stages[st], dims, *mesh, plan_for(o.tp_plan, *all_stages[st]));
   }
   for (auto& st : out.stages) out.ac_blocks += apply_ac(*st, o.block_types, o.ac);
-  if (dims.dp_shard > 1)
+  // FSDP over dp_shard x cp: cp ranks hold different tokens' gradients, so
+  // they are sharded (and reduced) even when dp_shard is 1.
+  if (dims.dp_shard_cp() > 1)
     for (auto& st : out.stages) out.fsdp.push_back(apply_fsdp(st, dims, *mesh, o.block_types, o.fsdp));
   out.part = pp::rank_part(out.stages);
   if (po.dp_group == nullptr && dims.dp_replicate > 1 && out.fsdp.empty()) po.dp_group = mesh->group("dp_replicate");

@@ -54,7 +54,7 @@ struct ParallelizeOptions {
   bool ddp = false;
   DDPOptions ddp_options = {};
   // Context parallelism's exchange and the whole sequence's length; applied
-  // when cp > 1 (the seq is then required). Pipelines do not take it yet.
+  // when cp > 1 (the seq is then required), to the model or to each stage.
   cp::ContextParallelOptions cp = {};
 };
 
