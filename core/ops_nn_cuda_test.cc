@@ -147,7 +147,7 @@ TEST_F(CudaNnOps, AttentionMatchesCpu) {
 }
 
 // The fused (flash) kernels for 16-bit q, k, v (flash_forward_kernel,
-// flash_delta_kernel, flash_backward_kernel): head dims 32, 64 and 128,
+// delta_kernel, flash_backward_kernel): head dims 32, 64 and 128,
 // several query blocks and key tiles with partial last ones (65, 70, 129
 // rows; 64, 150 keys), causal with fewer and more keys than queries, an
 // explicit scale, dropout (the CPU's Philox mask); against the CPU kernel in
@@ -183,7 +183,7 @@ TEST_F(CudaNnOps, FlashAttentionMatchesCpu) {
 
 // The log-sum-exp variant (context parallelism's merge): the blocked
 // kernels (float32, float64: probs_kernel's lse, delta_kernel's dlse) and
-// the fused ones (bfloat16, head dim 64: flash_delta_kernel's dlse) against
+// the fused ones (bfloat16, head dim 64: delta_kernel's dlse) against
 // the CPU, forward and gradients through both the output and the lse.
 TEST_F(CudaNnOps, AttentionLogSumExpMatchesCpu) {
   uint64_t seed = 950;

@@ -38,11 +38,16 @@ __host__ __device__ __forceinline__ int64_t keys_for(const AttentionArgs& a, int
   return a.causal ? (i + 1 < a.tk ? i + 1 : a.tk) : a.tk;
 }
 
+// Whether dropout keeps element (b, i, j): the CPU's Philox draw at its
+// index in a [n, tq, tk] tensor (the blocked and the fused kernels alike).
+__device__ __forceinline__ bool kept(const AttentionArgs& a, int64_t b, int64_t i, int64_t j) {
+  const int64_t idx = (b * a.tq + i) * a.tk + j;
+  return random_value(RandomKind::Bernoulli, idx, 0, 0, 1.0 - a.dropout_p, a.seed, a.offset) != 0.0;
+}
+
 template <typename T>
 __device__ __forceinline__ T drop(const AttentionArgs& a, int64_t b, int64_t i, int64_t j, T x) {
-  const int64_t idx = (b * a.tq + i) * a.tk + j;
-  const bool keep = random_value(RandomKind::Bernoulli, idx, 0, 0, 1.0 - a.dropout_p, a.seed, a.offset) != 0.0;
-  return keep ? x * static_cast<T>(1.0 / (1.0 - a.dropout_p)) : T(0);
+  return kept(a, b, i, j) ? x * static_cast<T>(1.0 / (1.0 - a.dropout_p)) : T(0);
 }
 
 // One warp per row of a block (rows [i0, i0 + rows) of every head): s holds
@@ -71,15 +76,17 @@ __global__ void probs_kernel(const AttentionArgs a, int64_t i0, int64_t rows, in
   }
 }
 
-// delta_i = dO_i . O_i for every query row (warp per row).
-template <typename T>
-__global__ void delta_kernel(const AttentionArgs a, const T* __restrict__ out, const T* __restrict__ dout,
-                             const T* __restrict__ dlse, T* __restrict__ delta) {
+// delta_i = dO_i . O_i - dlse_i for each of `rows` rows of d elements (warp
+// per row), summed in Acc: the blocked kernels' (In = Acc) and the fused
+// ones' (16-bit rows, float32 sums). dlse may be null.
+template <typename In, typename Acc>
+__global__ void delta_kernel(int64_t rows, int64_t d, const In* __restrict__ out, const In* __restrict__ dout,
+                             const Acc* __restrict__ dlse, Acc* __restrict__ delta) {
   const int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarp;
   const int lane = threadIdx.x % kWarp;
-  if (w >= a.n * a.tq) return;
-  T acc = 0;
-  for (int64_t e = lane; e < a.dv; e += kWarp) acc += out[w * a.dv + e] * dout[w * a.dv + e];
+  if (w >= rows) return;
+  Acc acc = 0;
+  for (int64_t e = lane; e < d; e += kWarp) acc += static_cast<Acc>(out[w * d + e]) * static_cast<Acc>(dout[w * d + e]);
   acc = cuda::warp_sum(acc);
   if (lane == 0) delta[w] = dlse ? acc - dlse[w] : acc;
 }
@@ -151,8 +158,8 @@ void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Te
   const DType dt = q.dtype();
   const int64_t br = block_rows(a), scratch = a.n * std::min(br, a.tq) * a.tk;
   Tensor delta = Tensor::empty({a.n * a.tq}, q.options());
-  delta_kernel<T><<<warp_grid(a.n * a.tq), cuda::kBlockSize, 0, stream>>>(
-      a, out.data<T>(), dout.data<T>(), dlse ? dlse->data<T>() : nullptr, delta.data<T>());
+  delta_kernel<T, T><<<warp_grid(a.n * a.tq), cuda::kBlockSize, 0, stream>>>(
+      a.n * a.tq, a.dv, out.data<T>(), dout.data<T>(), dlse ? dlse->data<T>() : nullptr, delta.data<T>());
   EMBER_CUDA_CHECK(cudaGetLastError());
   // dK and dV sum over the query blocks (and a causal block's keys stop
   // early): start from zero, every GEMM adds.
@@ -260,9 +267,38 @@ __device__ __forceinline__ void c_to_a(const float c0[4], const float c1[4], uin
   a[3] = cuda::pack16<T>(c1[2], c1[3]);
 }
 
-__device__ __forceinline__ bool kept(const AttentionArgs& a, int64_t b, int64_t i, int64_t j) {
-  const int64_t idx = (b * a.tq + i) * a.tk + j;
-  return random_value(RandomKind::Bernoulli, idx, 0, 0, 1.0 - a.dropout_p, a.seed, a.offset) != 0.0;
+// One warp's product over K = 16 KT: acc (MT tiles of 16 rows, each N
+// tiles of 8 columns) += A B, where a_frag(kk, mt, a) gives A's fragment of
+// k-step kk for row tile mt (from shared memory or from registers), and B's
+// fragments come from the shared tile `b` by frag_b_cols (B(k, n) =
+// b[k][n]) or frag_b_rows (B(k, n) = b[n][k]), each serving all MT tiles.
+template <typename T, int KT, bool BCols, int MT, int N, typename AFrag>
+__device__ __forceinline__ void warp_mma(float (&acc)[MT][N][4], const AFrag& a_frag, const uint16_t* b, int ld,
+                                         int lane) {
+#pragma unroll
+  for (int kk = 0; kk < KT; ++kk) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) a_frag(kk, mt, a[mt]);
+#pragma unroll
+    for (int np = 0; np < N / 2; ++np) {
+      uint32_t bb[2][2];
+      if constexpr (BCols)
+        frag_b_cols(b, ld, kk * 16, np * 16, lane, bb);
+      else
+        frag_b_rows(b, ld, kk * 16, np * 16, lane, bb);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(acc[mt][2 * np + h], a[mt], bb[h]);
+    }
+  }
+}
+// The same for one row tile: acc [N][4], a_frag(kk, a).
+template <typename T, int KT, bool BCols, int N, typename AFrag>
+__device__ __forceinline__ void warp_mma(float (&acc)[N][4], const AFrag& a_frag, const uint16_t* b, int ld, int lane) {
+  warp_mma<T, KT, BCols>(
+      reinterpret_cast<float(&)[1][N][4]>(acc), [&](int kk, int, uint32_t* a) { a_frag(kk, a); }, b, ld, lane);
 }
 
 __device__ __forceinline__ float quad_max(float v) {
@@ -317,21 +353,8 @@ __global__ void __launch_bounds__(kThreads)
     const bool masked = j0 + kKeys > a.tk || (a.causal && j0 + kKeys - 1 > wrow);
     float s[MT][NT][4] = {};
     if (active) {
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t qa[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) frag_a(qs, LD, wr + mt * 16, kk * 16, lane, qa[mt]);
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-          uint32_t bb[2][2];
-          frag_b_rows(ks, LD, kk * 16, np * 16, lane, bb);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(s[mt][2 * np + h], qa[mt], bb[h]);
-        }
-      }
+      warp_mma<T, D / 16, false>(
+          s, [&](int kk, int mt, uint32_t a[4]) { frag_a(qs, LD, wr + mt * 16, kk * 16, lane, a); }, ks, LD, lane);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         float mx[2] = {-INFINITY, -INFINITY};
@@ -379,21 +402,8 @@ __global__ void __launch_bounds__(kThreads)
       cuda::cp_async_commit();
     }
     if (active)
-#pragma unroll
-      for (int kk = 0; kk < kKeys / 16; ++kk) {
-        uint32_t pa[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) c_to_a<T>(s[mt][2 * kk], s[mt][2 * kk + 1], pa[mt]);
-#pragma unroll
-        for (int np = 0; np < DT / 2; ++np) {
-          uint32_t bb[2][2];
-          frag_b_cols(vs, LD, kk * 16, np * 16, lane, bb);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(o[mt][2 * np + h], pa[mt], bb[h]);
-        }
-      }
+      warp_mma<T, kKeys / 16, true>(
+          o, [&](int kk, int mt, uint32_t a[4]) { c_to_a<T>(s[mt][2 * kk], s[mt][2 * kk + 1], a); }, vs, LD, lane);
   }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -410,20 +420,6 @@ __global__ void __launch_bounds__(kThreads)
             cuda::pack16<T>(o[mt][nt][2 * h] * inv, o[mt][nt][2 * h + 1] * inv);
       if (t == 0) lse[b * a.tq + i] = (m[mt][h] + log2f(lsum)) / kLog2e;
     }
-}
-
-// delta_i = dO_i . O_i in float32 from 16-bit O and dO (warp per row).
-template <typename T>
-__global__ void flash_delta_kernel(int64_t rows, int64_t d, const T* __restrict__ out, const T* __restrict__ dout,
-                                   const float* __restrict__ dlse, float* __restrict__ delta) {
-  const int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarp;
-  const int lane = threadIdx.x % kWarp;
-  if (w >= rows) return;
-  float acc = 0;
-  for (int64_t e = lane; e < d; e += kWarp)
-    acc += static_cast<float>(out[w * d + e]) * static_cast<float>(dout[w * d + e]);
-  acc = cuda::warp_sum(acc);
-  if (lane == 0) delta[w] = dlse ? acc - dlse[w] : acc;
 }
 
 // grid (key blocks, heads). dk, dv [n, tk, D] float32 written; dq [n, tq, D]
@@ -473,18 +469,8 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // the tile is in; every warp is done with the last dS
     // S^T = K Q^T for the warp's 16 keys against the tile's 64 queries.
     float st[NT][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t ka[4];
-      frag_a(ks, LD, warp * 16, kk * 16, lane, ka);
-#pragma unroll
-      for (int np = 0; np < NT / 2; ++np) {
-        uint32_t bb[2][2];
-        frag_b_rows(qs, LD, kk * 16, np * 16, lane, bb);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(st[2 * np + h], ka, bb[h]);
-      }
-    }
+    warp_mma<T, D / 16, false>(
+        st, [&](int kk, uint32_t a[4]) { frag_a(ks, LD, warp * 16, kk * 16, lane, a); }, qs, LD, lane);
     // P^T from the saved log-sum-exp; pd its dropped copy; bit nt*4+e of
     // keep: the element was kept, for dS.
     const bool masked = j0 + kKeys > a.tk || i0 + kRows > a.tq || (a.causal && j0 + kKeys - 1 > i0);
@@ -505,34 +491,14 @@ __global__ void __launch_bounds__(kThreads)
           keep &= ~(1u << (nt * 4 + e));
         }
       }
-// dV += Pd^T dO.
-#pragma unroll
-    for (int kk = 0; kk < kRows / 16; ++kk) {
-      uint32_t pa[4];
-      c_to_a<T>(pd[2 * kk], pd[2 * kk + 1], pa);
-#pragma unroll
-      for (int np = 0; np < DT / 2; ++np) {
-        uint32_t bb[2][2];
-        frag_b_cols(dos, LD, kk * 16, np * 16, lane, bb);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(dva[2 * np + h], pa, bb[h]);
-      }
-    }
+    // dV += Pd^T dO.
+    warp_mma<T, kRows / 16, true>(
+        dva, [&](int kk, uint32_t a[4]) { c_to_a<T>(pd[2 * kk], pd[2 * kk + 1], a); }, dos, LD, lane);
 // dPd^T = V dO^T (into pd, free now).
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) pd[nt][0] = pd[nt][1] = pd[nt][2] = pd[nt][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t va[4];
-      frag_a(vs, LD, warp * 16, kk * 16, lane, va);
-#pragma unroll
-      for (int np = 0; np < NT / 2; ++np) {
-        uint32_t bb[2][2];
-        frag_b_rows(dos, LD, kk * 16, np * 16, lane, bb);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(pd[2 * np + h], va, bb[h]);
-      }
-    }
+    warp_mma<T, D / 16, false>(
+        pd, [&](int kk, uint32_t a[4]) { frag_a(vs, LD, warp * 16, kk * 16, lane, a); }, dos, LD, lane);
 // dS^T = P^T (dP^T - delta) scale, dP = the kept dPd scaled; into st.
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -543,35 +509,15 @@ __global__ void __launch_bounds__(kThreads)
         st[nt][e] = st[nt][e] * (dp - dl[c]) * scale;
         dss[c * LDS + warp * 16 + g + 8 * (e / 2)] = T::from_float(st[nt][e]);
       }
-// dK += dS^T Q.
-#pragma unroll
-    for (int kk = 0; kk < kRows / 16; ++kk) {
-      uint32_t da[4];
-      c_to_a<T>(st[2 * kk], st[2 * kk + 1], da);
-#pragma unroll
-      for (int np = 0; np < DT / 2; ++np) {
-        uint32_t bb[2][2];
-        frag_b_cols(qs, LD, kk * 16, np * 16, lane, bb);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(dka[2 * np + h], da, bb[h]);
-      }
-    }
+    // dK += dS^T Q.
+    warp_mma<T, kRows / 16, true>(
+        dka, [&](int kk, uint32_t a[4]) { c_to_a<T>(st[2 * kk], st[2 * kk + 1], a); }, qs, LD, lane);
     __syncthreads();  // every warp's dS is in dss and every warp is done with q, dO, lse, delta
     if (i0 + kRows < a.tq) stage(i0 + kRows);  // the next tile loads behind dQ's products
     // dQ += dS K for the warp's 16 query rows, against all 64 keys.
     float dqa[DT][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      uint32_t da[4];
-      frag_a(dss, LDS, warp * 16, kk * 16, lane, da);
-#pragma unroll
-      for (int np = 0; np < DT / 2; ++np) {
-        uint32_t bb[2][2];
-        frag_b_cols(ks, LD, kk * 16, np * 16, lane, bb);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) cuda::mma_16816<T>(dqa[2 * np + h], da, bb[h]);
-      }
-    }
+    warp_mma<T, kKeys / 16, true>(
+        dqa, [&](int kk, uint32_t a[4]) { frag_a(dss, LDS, warp * 16, kk * 16, lane, a); }, ks, LD, lane);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int64_t i = i0 + warp * 16 + g + 8 * (e / 2);
@@ -649,7 +595,7 @@ void backward_drop(const AttentionArgs& a, const Tensor& q, const Tensor& k, con
   cuda::DeviceGuard guard(q);
   cudaStream_t stream = cuda::stream_for(q);
   Tensor delta = Tensor::empty({a.n * a.tq}, {DType::Float32, q.device()});
-  flash_delta_kernel<T><<<warp_grid(a.n * a.tq), cuda::kBlockSize, 0, stream>>>(
+  delta_kernel<T, float><<<warp_grid(a.n * a.tq), cuda::kBlockSize, 0, stream>>>(
       a.n * a.tq, D, out.data<T>(), dout.data<T>(), dlse ? dlse->data<float>() : nullptr, delta.data<float>());
   EMBER_CUDA_CHECK(cudaGetLastError());
   EMBER_CUDA_CHECK(cudaMemsetAsync(dq.raw_data(), 0, dq.numel() * sizeof(float), stream));

@@ -62,13 +62,23 @@ Partial merge(const Partial& a, const Partial& b) {
 // The global chunk index of local chunk h (0: head, 1: tail) on `rank`.
 int64_t chunk_of(int h, int rank, int cp) { return h == 0 ? rank : 2 * cp - 1 - rank; }
 
-// A whole sequence's k or v back in order from every rank's slice, gathered.
-Tensor gather_sequence(const Tensor& x, int64_t dim, const std::shared_ptr<ProcessGroup>& pg) {
-  const int cp = pg->size();
-  const Tensor all = functional::all_gather(x, dim, pg);
+// Natural sequence order from the rank-slice order along `dim` (cp slices
+// of equal length, rank order), and back.
+Tensor slices_to_sequence(const Tensor& x, int64_t dim, int cp) {
+  const int64_t s = x.size(dim) / cp;
   std::vector<Tensor> parts;
-  for (int r = 0; r < cp; ++r) parts.push_back(all.narrow(dim, r * x.size(dim), x.size(dim)));
+  for (int r = 0; r < cp; ++r) parts.push_back(x.narrow(dim, r * s, s));
   return unshard(parts, dim, cp);
+}
+Tensor sequence_to_slices(const Tensor& x, int64_t dim, int cp) {
+  std::vector<Tensor> parts;
+  for (int r = 0; r < cp; ++r) parts.push_back(shard(x, dim, cp, r));
+  return cat(parts, dim);
+}
+
+// A whole sequence's k or v in order from every rank's slice, gathered.
+Tensor gather_sequence(const Tensor& x, int64_t dim, const std::shared_ptr<ProcessGroup>& pg) {
+  return slices_to_sequence(functional::all_gather(x, dim, pg), dim, pg->size());
 }
 
 Tensor allgather_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
@@ -161,20 +171,6 @@ Tensor ring_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool ca
     }
   }
   return cat({acc[0].out.to(q.dtype()), acc[1].out.to(q.dtype())}, dim);
-}
-
-// Natural sequence order from the rank-slice order along `dim` (cp slices
-// of equal length, rank order), and back.
-Tensor slices_to_sequence(const Tensor& x, int64_t dim, int cp) {
-  const int64_t s = x.size(dim) / cp;
-  std::vector<Tensor> parts;
-  for (int r = 0; r < cp; ++r) parts.push_back(x.narrow(dim, r * s, s));
-  return unshard(parts, dim, cp);
-}
-Tensor sequence_to_slices(const Tensor& x, int64_t dim, int cp) {
-  std::vector<Tensor> parts;
-  for (int r = 0; r < cp; ++r) parts.push_back(shard(x, dim, cp, r));
-  return cat(parts, dim);
 }
 
 Tensor alltoall_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
