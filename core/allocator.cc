@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -72,7 +73,9 @@ namespace {
 // RSS with MALLOC_MMAP_THRESHOLD_ set, as PyTorch's CPU peers are measured).
 class CpuAllocator final : public LedgerAllocator {
  public:
-  CpuAllocator() : cache_limit_(cache_limit_from_env()) {}
+  CpuAllocator()
+      : cache_limit_(mib_from_env("EMBER_CPU_CACHE_MB", size_t{1} << 30, "0 turns the CPU allocator's cache off")),
+        limit_(mib_from_env("EMBER_CPU_MEMORY_LIMIT_MB", 0, "0 or unset: no limit")) {}
 
   DataPtr allocate(size_t nbytes) override {
     size_t cls = size_class(nbytes);
@@ -92,6 +95,14 @@ class CpuAllocator final : public LedgerAllocator {
       cached_ -= it->first;
       cls = it->first;  // the block keeps its class: freed, it returns there
     } else {
+      if (limit_ > 0 && stats_.reserved + cls > limit_) {
+        empty_cache_locked();  // as a GPU's allocator would, before it gives up
+        EMBER_CHECK(stats_.reserved + cls <= limit_, "CPU out of memory: allocating ", mib(nbytes), " MiB (",
+                    memory_kind_name(t_memory_kind), ") with ", mib(stats_.allocated), " MiB allocated by ",
+                    stats_.num_allocs, " allocations would pass EMBER_CPU_MEMORY_LIMIT_MB=", limit_ >> 20,
+                    " (the largest part now: ", memory_kind_name(largest_kind()), " ",
+                    mib(stats_.requested_by_kind[static_cast<int>(largest_kind())]), " MiB)");
+      }
       // 64-byte alignment suits AVX-512 loads and keeps cache lines unshared.
       p = std::aligned_alloc(64, cls);
       EMBER_CHECK(p != nullptr, "cpu allocator: out of memory allocating ", nbytes, " bytes");
@@ -108,6 +119,13 @@ class CpuAllocator final : public LedgerAllocator {
 
   void empty_cache() override {
     std::lock_guard<std::mutex> g(mu_);
+    empty_cache_locked();
+  }
+
+ private:
+  static constexpr size_t kLarge = 64 << 10, kMidClass = 64 << 10, kHuge = 2 << 20, kClass = 2 << 20;
+
+  void empty_cache_locked() {
     for (auto& [cls, blocks] : cache_) {
       for (void* q : blocks) std::free(q);
       stats_.reserved -= cls * blocks.size();
@@ -116,17 +134,21 @@ class CpuAllocator final : public LedgerAllocator {
     cached_ = 0;
   }
 
- private:
-  static constexpr size_t kLarge = 64 << 10, kMidClass = 64 << 10, kHuge = 2 << 20, kClass = 2 << 20;
-
-  static size_t cache_limit_from_env() {
-    const char* v = std::getenv("EMBER_CPU_CACHE_MB");
-    if (!v || !*v) return size_t{1} << 30;
+  // A size in MiB from the environment, `unset` where it is absent.
+  static size_t mib_from_env(const char* name, size_t unset, const char* meaning) {
+    const char* v = std::getenv(name);
+    if (!v || !*v) return unset;
     char* end = nullptr;
     const long long mb = std::strtoll(v, &end, 10);
-    EMBER_CHECK(*end == '\0' && mb >= 0, "EMBER_CPU_CACHE_MB=", v,
-                " is not a size in MiB (a non-negative integer; 0 turns the CPU allocator's cache off)");
+    EMBER_CHECK(*end == '\0' && mb >= 0, name, "=", v, " is not a size in MiB (a non-negative integer; ", meaning, ")");
     return static_cast<size_t>(mb) << 20;
+  }
+  static double mib(size_t bytes) { return std::round(bytes / 1048576.0 * 100) / 100; }
+  MemoryKind largest_kind() const {
+    int k = 0;
+    for (int i = 1; i < kMemoryKinds; ++i)
+      if (stats_.requested_by_kind[i] > stats_.requested_by_kind[k]) k = i;
+    return static_cast<MemoryKind>(k);
   }
 
   static size_t size_class(size_t n) {
@@ -153,6 +175,11 @@ class CpuAllocator final : public LedgerAllocator {
   std::map<size_t, std::vector<void*>> cache_;
   size_t cached_ = 0;
   const size_t cache_limit_;
+  // EMBER_CPU_MEMORY_LIMIT_MB: the bytes this process may hold from malloc
+  // for tensors (reserved: allocated + cached), a GPU's capacity on the CPU,
+  // so a run that would not fit one device fails here with a named error
+  // (the tests of context parallelism's memory use it). 0: no limit.
+  const size_t limit_;
 };
 
 class PinnedAllocator final : public Allocator {

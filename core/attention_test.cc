@@ -158,6 +158,46 @@ TEST(Attention, LogSumExpVariantMatchesComposedReference) {
             std::string::npos);
 }
 
+// Attention over keys split in blocks [0, s) (all visible) and [s, tk)
+// (causal on its diagonal, as a context-parallel rank's own chunk): the
+// block gradients, summed, are the whole attention's.
+TEST(Attention, BlockGradsSumToTheMergedAttentionsGradients) {
+  for (bool diag_causal : {false, true})
+    for (DType dt : {DType::Float64, DType::Float32}) {
+      const std::string what = std::string("causal ") + (diag_causal ? "diagonal " : "none ") + dtype_name(dt);
+      const int64_t tq = 70, s = 45;  // the CPU kernel's 64-row blocks, and a partial one
+      Tensor q = rnd({2, 3, tq, 8}, 61, dt), k = rnd({2, 3, s + tq, 8}, 62, dt), v = rnd({2, 3, s + tq, 5}, 63, dt);
+      // The merged attention: keys [0, s) plus [s, s + tq) with the diagonal's mask.
+      Tensor q64 = q.to(DType::Float64).requires_grad_(), k64 = k.to(DType::Float64).requires_grad_(),
+             v64 = v.to(DType::Float64).requires_grad_();
+      Tensor lo = scaled_dot_product_attention_lse(q64, k64.narrow(2, 0, s), v64.narrow(2, 0, s), false);
+      Tensor hi = scaled_dot_product_attention_lse(q64, k64.narrow(2, s, tq), v64.narrow(2, s, tq), diag_causal);
+      Tensor l0 = lo.select(-1, 5), l1 = hi.select(-1, 5), lse = log(exp(l0) + exp(l1));
+      Tensor out =
+          lo.narrow(-1, 0, 5) * exp(l0 - lse).unsqueeze(-1) + hi.narrow(-1, 0, 5) * exp(l1 - lse).unsqueeze(-1);
+      Tensor dout = rnd(out.sizes(), 64);
+      sum(out * dout).backward();
+      const Tensor o = out.detach().to(dt), l = lse.detach().to(dt), g = dout.to(dt);
+      auto [dq0, dk0, dv0] = scaled_dot_product_attention_block_grads(q, k.narrow(2, 0, s), v.narrow(2, 0, s), o, g, l,
+                                                                      l0.detach().to(dt), false);
+      auto [dq1, dk1, dv1] = scaled_dot_product_attention_block_grads(q, k.narrow(2, s, tq), v.narrow(2, s, tq), o, g,
+                                                                      l, l1.detach().to(dt), diag_causal);
+      const double tol = dt == DType::Float64 ? 1e-10 : 2e-4;
+      expect_close(dq0 + dq1, q64.grad(), tol, what + " dq");
+      expect_close(cat({dk0, dk1}, 2), k64.grad(), tol, what + " dk");
+      expect_close(cat({dv0, dv1}, 2), v64.grad(), tol, what + " dv");
+    }
+  const std::string msg = testing::error_of([] {
+    Tensor q = rnd({2, 4, 8}, 1);
+    scaled_dot_product_attention_block_grads(q, q, q, rnd({2, 4, 8}, 2), rnd({2, 4, 8}, 3), rnd({2, 4}, 4),
+                                             rnd({2, 3}, 5));
+  });
+  EXPECT_NE(msg.find("scaled_dot_product_attention_block_grads: for q [2,4,8] and v [2,4,8] out and dout must be "
+                     "[2,4,8] and lse, block_lse [2,4]; got"),
+            std::string::npos)
+      << msg;
+}
+
 TEST(Attention, HalfInputsComputeInFloat32) {
   Tensor q = rnd({2, 9, 8}, 21), k = rnd({2, 9, 8}, 22), v = rnd({2, 9, 8}, 23);
   Tensor want = reference(q, k, v, true, 0, nullptr);

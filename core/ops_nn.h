@@ -73,6 +73,18 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
 // of the lse_b). Needs at least one key.
 Tensor scaled_dot_product_attention_lse(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal = false,
                                         std::optional<double> scale = std::nullopt);
+// The gradients of q, k and v through one block of keys of an attention
+// merged over blocks (as above): out and lse the merged rows' output and
+// log-sum-exp, dout the gradient of out, block_lse this block's rows'
+// log-sum-exp (the [..., Dv] entry of its _lse call). FlashAttention-2's
+// backward by blocks: the block's probabilities are exp(s - lse), so no
+// block's own output is kept. Not recorded by autograd; [..., T, D] results
+// in the compute dtype, to sum over blocks. Context parallelism's ring
+// backward calls it once per block as k and v travel round again.
+std::array<Tensor, 3> scaled_dot_product_attention_block_grads(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                               const Tensor& out, const Tensor& dout, const Tensor& lse,
+                                                               const Tensor& block_lse, bool is_causal = false,
+                                                               std::optional<double> scale = std::nullopt);
 
 // Normalises each channel of x [N, C, H, W]. training: by the batch
 // statistics, and, when running_mean/var are defined, updates them in place

@@ -199,6 +199,31 @@ TEST_F(CudaNnOps, AttentionLogSumExpMatchesCpu) {
     }
 }
 
+// One key block's gradients of a merged attention (context parallelism's
+// ring backward): the blocked kernels and the fused ones (bfloat16, head dim
+// 64, which take the block's log-sum-exp instead of recomputing it) against
+// the CPU. block_lse is the block's own (the CPU's), lse that of a merge
+// with other blocks (larger).
+TEST_F(CudaNnOps, AttentionBlockGradsMatchCpu) {
+  uint64_t seed = 970;
+  for (DType dt : {DType::Float32, DType::Float64, DType::BFloat16})
+    for (bool causal : {false, true}) {
+      const int64_t d = dt == DType::BFloat16 ? 64 : 8;
+      const Tensor q = rnd({2, 2, 70, d}, seed++, dt), k = rnd({2, 2, 75, d}, seed++, dt),
+                   v = rnd({2, 2, 75, d}, seed++, dt);
+      const Tensor packed = scaled_dot_product_attention_lse(q, k, v, causal);
+      const DType compute = packed.dtype();
+      const Tensor block_lse = packed.select(-1, d).contiguous();
+      const Tensor lse = block_lse + abs(rnd(block_lse.sizes(), seed++, compute));
+      const Tensor out = rnd({2, 2, 70, d}, seed++, compute), dout = rnd({2, 2, 70, d}, seed++, compute);
+      const auto want = scaled_dot_product_attention_block_grads(q, k, v, out, dout, lse, block_lse, causal);
+      const auto got = scaled_dot_product_attention_block_grads(q.cuda(), k.cuda(), v.cuda(), out.cuda(), dout.cuda(),
+                                                                lse.cuda(), block_lse.cuda(), causal);
+      for (int i = 0; i < 3; ++i)
+        expect_same(want[i], got[i], tol(dt), cat("block grads ", i, " causal ", causal, " ", dt));
+    }
+}
+
 // layer_norm's kernels: widths below, at and above a warp, one and several
 // normalised dims, with and without weight and bias, more rows than one
 // dweight/dbias tile (128), float32 and float64, bfloat16 computed in float32.

@@ -359,6 +359,29 @@ done
 "$dir/gpt" --nproc 4 --pp 2 --cp 2 "${ll[@]}" --checkpoint-dir "$tmp/cpp" --metrics "$tmp/cpp.jsonl" \
   > "$tmp/cpp.log" 2>&1 || { cat "$tmp/cpp.log"; exit 1; }
 like_reference "$tmp/ll1.jsonl" 0 "$tmp/cpt.jsonl" "$tmp/cpdring.jsonl" "$tmp/cpdallgather.jsonl" "$tmp/cpp.jsonl"
+# Context parallelism's memory: under a 100 MiB cap (EMBER_CPU_MEMORY_LIMIT_MB)
+# a 1024-character context fails on one rank with the allocator's named
+# error and trains at --cp 4 with every exchange, each rank's activation
+# peak at most 0.3 x the one-rank run's (that run without the cap).
+cm=(--dim 128 --heads 4 --seq 1024 --layers 2 --global-batch 8 --max-steps 2 --sample-len 0 --eval-every 100)
+"$dir/gpt" --nproc 1 "${cm[@]}" --checkpoint-dir "$tmp/cm1" --metrics "$tmp/cm1.jsonl" > "$tmp/cm1.log" 2>&1 ||
+  { cat "$tmp/cm1.log"; exit 1; }
+if out=$(EMBER_CPU_MEMORY_LIMIT_MB=100 "$dir/gpt" --nproc 1 "${cm[@]}" --checkpoint-dir "$tmp/cm1c" 2>&1); then
+  echo "$out"; echo "one rank fit under the 100 MiB cap"; exit 1
+fi
+grep -q "CPU out of memory: allocating .* would pass EMBER_CPU_MEMORY_LIMIT_MB=100" <<<"$out" || { echo "$out"; exit 1; }
+for ex in ring allgather alltoall; do
+  EMBER_CPU_MEMORY_LIMIT_MB=100 "$dir/gpt" --nproc 4 --cp 4 --cp-exchange $ex "${cm[@]}" --checkpoint-dir "$tmp/cm4$ex" \
+    --metrics "$tmp/cm4$ex.jsonl" > "$tmp/cm4$ex.log" 2>&1 || { cat "$tmp/cm4$ex.log"; exit 1; }
+  python3 - "$tmp/cm1.jsonl" "$tmp/cm4$ex.jsonl" $ex <<'PY' || exit 1
+import json, sys
+one, four = ([json.loads(l) for l in open(p)][-1] for p in sys.argv[1:3])
+a1, a4 = one["mem_activations_mib"], four["mem_activations_mib"]
+print(f"cp 4 {sys.argv[3]}: activations {a4:.1f} MiB per rank, {a4 / a1:.3f} x one rank's {a1:.1f}")
+assert a4 <= 0.3 * a1, "more than 0.3 x"
+assert len(four["step_s_by_rank"]) == 4, four
+PY
+done
 if out=$("$dir/gpt" --nproc 4 --tp 4 "${ll[@]}" --checkpoint-dir "$tmp/ll4" 2>&1); then echo "kv heads split over tp 4"; exit 1; fi
 grep -q -- "--kv-heads 2 do not split over --tp 4 (grouped-query attention splits its key/value heads)" <<<"$out"
 if out=$("$dir/gpt" --kv-heads 2 2>&1); then echo "gpt accepted --kv-heads without --arch llama"; exit 1; fi

@@ -338,6 +338,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
                                .fsdp_strategy = distributed::strategy_name(s.fsdp_options.strategy),
                                .ac = flags.common.ac,
                                .pp_schedule = flags.pp_schedule,
+                               .cp_exchange = flags.cp_exchange,
                                .pp_virtual = flags.pp_virtual,
                                .micro_batch = s.micro_batch,
                                .micro_steps = s.micro_steps,
@@ -386,6 +387,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
                                        examples::cp_slice(y.reshape({x.size(0), flags.seq}), d.cp, s.cp_rank)};
     };
     auto [loss, grad_norm] = train_step(s, batch, flags.common.amp, device);
+    const double train_s = examples::seconds(step_start, Clock::now());  // this rank's, before the reports' collectives
     profile.step();
     const int64_t step = s.step;
     // Once, after warm-up steps: the pipeline's bubble beside the simulator's.
@@ -407,9 +409,15 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       Tensor lt = Tensor::from_vector({loss}, {1}, DType::Float64).to(device);
       job.pg->allreduce(lt, distributed::ReduceOp::Avg)->wait();
       loss = lt.to(kCPU).item();
+      // Every rank's own step time: the spread shows a rank that waits on
+      // the others (an unbalanced context-parallel split, a slow host).
+      Tensor secs = zeros({job.world}, {DType::Float64, kCPU});
+      secs.narrow(0, job.pg->rank(), 1).fill_(train_s);
+      Tensor on = secs.to(device);
+      job.pg->allreduce(on, distributed::ReduceOp::Sum)->wait();
       if (metrics.is_open())
         metrics.write(step, loss, lr, grad_norm, tokens_per_step, examples::seconds(step_start, Clock::now()), mem,
-                      examples::batch_digest(corpus, all, flags.seq));
+                      examples::batch_digest(corpus, all, flags.seq), on.to(kCPU).to_vector());
     }
     loss_ema = loss_ema < 0 ? loss : 0.9 * loss_ema + 0.1 * loss;
     const double rate = (step - first) * tokens_per_step / std::max(examples::seconds(t0, Clock::now()), 1e-9);

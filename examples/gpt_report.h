@@ -173,16 +173,18 @@ class MetricsLog {
            << "\n";
   }
   bool is_open() const { return out_.is_open(); }
-  // The step's line: `mem` is the largest peak over the ranks, whose parts add up to it.
+  // The step's line: `mem` is the largest peak over the ranks, whose parts
+  // add up to it; `rank_secs` each rank's own time in the training step.
   void write(int64_t step, double loss, double lr, double grad_norm, double tokens, double secs,
-             const distributed::StepMemory& mem, const std::string& digest) {
+             const distributed::StepMemory& mem, const std::string& digest, const std::vector<double>& rank_secs) {
     nlohmann::json line = {
         {"step", step},
         {"loss", loss},
         {"lr", lr},
         {"grad_norm", grad_norm},
         {"tokens_per_s", tokens / std::max(secs, 1e-9)},
-        {"step_s", secs},  // the step's wall time, for the step-time prediction (bench/step_predict.py)
+        {"step_s", secs},               // the step's wall time, for the step-time prediction (bench/step_predict.py)
+        {"step_s_by_rank", rank_secs},  // each rank's training step alone (no reports), by global rank
         {"mem_peak_mib", mem.total()},
         {"mem_params_mib", mem[MemoryKind::Parameters]},
         {"mem_grads_mib", mem[MemoryKind::Gradients]},
@@ -206,6 +208,7 @@ struct RunInfo {
   distributed::ParallelDims dims;
   bool sp = false;
   std::string amp, strategy, fsdp_strategy, ac, pp_schedule;  // strategy: the flag's; fsdp_strategy: "FULL_SHARD"
+  std::string cp_exchange = "ring";
   int pp_virtual = 1;
   int64_t micro_batch = 0, micro_steps = 1, global_batch = 0, max_steps = 0, n_params = 0;
   int world = 1, gpus_per_host = 1;
@@ -219,11 +222,10 @@ struct RunInfo {
 // accounting of what a rank's stage and tensor-parallel part hold.
 inline std::string memory_plan_line(const RunInfo& in) {
   const distributed::ParallelDims& d = in.dims;
-  if (d.cp > 1) return "memory plan: none (the planner has no context-parallel terms yet)";
   // The step-memory timeline knows GPT-2's modules (LayerNorm, GELU MLP);
-  // the mesh planner's accounting covers both families.
-  if (in.model.arch == nn::Arch::GPT2 && d.tp == 1 && d.pp == 1 && d.dp_replicate == 1 && in.amp == "off" &&
-      in.strategy != "hybrid" && in.micro_steps == 1) {
+  // the mesh planner's accounting covers both families, and cp.
+  if (in.model.arch == nn::Arch::GPT2 && d.tp == 1 && d.pp == 1 && d.cp == 1 && d.dp_replicate == 1 &&
+      in.amp == "off" && in.strategy != "hybrid" && in.micro_steps == 1) {
     distributed::StepPlan plan{.micro_batch = in.micro_batch,
                                .seq = in.model.block_size,
                                .world = d.dp_shard,
@@ -239,6 +241,7 @@ inline std::string memory_plan_line(const RunInfo& in) {
     const distributed::PlanOptions po{.global_batch = in.global_batch, .mixed_precision = in.amp != "off"};
     distributed::MeshCandidate c;
     c.dims = d;
+    c.cp_exchange = in.cp_exchange;
     c.schedule = d.pp > 1 ? in.pp_schedule : "";
     c.virtual_stages = d.pp > 1 ? in.pp_virtual : 1;
     c.microbatches = in.micro_steps;

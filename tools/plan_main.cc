@@ -1,6 +1,6 @@
 // //tools:plan: which mesh to train a model with. For every
-// dp_replicate x dp_shard x tp x pp mesh of --gpus (with its pipeline
-// schedule, micro-batches, activation checkpointing and CPU offload) it
+// dp_replicate x dp_shard x cp x tp x pp mesh of --gpus (with its pipeline
+// schedule, cp's exchange, micro-batches, activation checkpointing and CPU offload) it
 // predicts per-rank memory and the step time (distributed/parallel/
 // mesh_plan.h), prints the fastest that fit and why the others were
 // rejected.
@@ -41,7 +41,8 @@ const char* kUsage =
     "             [--dtype bf16|fp16|fp32] [--optimizer adamw|adam|sgd] [--top K]\n"
     "             [--peak-tflops T] [--efficiency E] [--intra-host-gbps B] [--inter-host-gbps B]\n"
     "             [--explain] [--dp-replicate R --dp-shard S --tp T --pp P --pp-schedule X --pp-virtual V\n"
-    "              --microbatches M --strategy full|hybrid|grad_op|no_shard|ddp|zero1 --ac none|full --sp on|off]\n"
+    "              --microbatches M --strategy full|hybrid|grad_op|no_shard|ddp|zero1 --ac none|full --sp on|off\n"
+    "              --cp C --cp-exchange ring|allgather|alltoall]\n"
     "             [--compute-profile FILE --comm-fit FILE [--cores C]] [--step-allreduces K]\n"
     "             [--failures-per-gpu-day F] [--ckpt-gbps-per-host W] [--restart-s R]\n"
     "  models: gpt (= gpt2), gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-7b, llama-13b, llama-70b, resnet50,\n"
@@ -216,7 +217,11 @@ Args parse_args(int argc, char** argv) {
       given.ac = value(), mesh_given = true;
     else if (a == "--sp")
       given_sp = value(), mesh_given = true;
-    else if (a == "--compute-profile")
+    else if (a == "--cp-exchange") {
+      given.cp_exchange = value(), mesh_given = true;
+      if (given.cp_exchange != "ring" && given.cp_exchange != "allgather" && given.cp_exchange != "alltoall")
+        kCli.error("--cp-exchange wants ring, allgather or alltoall, got '" + given.cp_exchange + "'");
+    } else if (a == "--compute-profile")
       compute_path = value();
     else if (a == "--comm-fit")
       fit_path = value();

@@ -12,6 +12,7 @@
 // the backward redraws it instead of storing it.
 #include <cblas.h>
 
+#include <array>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -310,6 +311,33 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
       });
 }
 
+namespace {
+
+// dq, dk, dv (compute dtype, [n, t, d] rows) of one lse-attention call from
+// its output o and dout (and dlse), whichever kernel served the forward:
+// the fused one recomputes the probabilities from `lse`, the others from q
+// and k.
+void lse_backward(const AttentionArgs& a, DType compute, bool flash, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const Tensor& o, const Tensor& go, const Tensor& lse, const Tensor* dlse, Tensor& dq, Tensor& dk,
+                  Tensor& dv) {
+  if (a.n * a.tq == 0) {
+    dq.zero_(), dk.zero_(), dv.zero_();
+  } else if (flash) {
+    const DType dt = q.dtype();
+    attention_flash_backward_cuda(a, as_rows(q, dt), as_rows(k, dt), as_rows(v, dt), as_rows(o, dt), as_rows(go, dt),
+                                  lse.contiguous(), dq, dk, dv, dlse);
+  } else {
+    const Tensor qr = as_rows(q, compute), kr = as_rows(k, compute), vr = as_rows(v, compute);
+    const Tensor orr = as_rows(o, compute), gr = as_rows(go, compute);
+    if (q.is_cuda())
+      attention_backward_cuda(a, qr, kr, vr, orr, gr, dq, dk, dv, dlse);
+    else
+      attention_backward_cpu(a, qr, kr, vr, orr, gr, dq, dk, dv, dlse);
+  }
+}
+
+}  // namespace
+
 Tensor scaled_dot_product_attention_lse(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, bool is_causal,
                                         std::optional<double> scale) {
   const Tensor q = autocast::low(q_in), k = autocast::low(k_in), v = autocast::low(v_in);
@@ -353,26 +381,48 @@ Tensor scaled_dot_product_attention_lse(const Tensor& q_in, const Tensor& k_in, 
           } else {
             const Tensor pr = sp.reshape({a.n, a.tq, a.dv + 1}), gr = g.to(compute).reshape({a.n, a.tq, a.dv + 1});
             const Tensor dlse = gr.select(-1, a.dv).contiguous();
-            if (flash) {
-              const DType dt = sq.dtype();
-              const Tensor o = as_rows(pr.narrow(-1, 0, a.dv), dt), go = as_rows(gr.narrow(-1, 0, a.dv), dt);
-              const Tensor lse = pr.select(-1, a.dv).contiguous();
-              attention_flash_backward_cuda(a, as_rows(sq, dt), as_rows(sk, dt), as_rows(sv, dt), o, go, lse, dq, dk,
-                                            dv, &dlse);
-            } else {
-              const Tensor o = pr.narrow(-1, 0, a.dv).contiguous(), go = gr.narrow(-1, 0, a.dv).contiguous();
-              const Tensor qr = as_rows(sq, compute), kr = as_rows(sk, compute), vr = as_rows(sv, compute);
-              if (g.is_cuda())
-                attention_backward_cuda(a, qr, kr, vr, o, go, dq, dk, dv, &dlse);
-              else
-                attention_backward_cpu(a, qr, kr, vr, o, go, dq, dk, dv, &dlse);
-            }
+            lse_backward(a, compute, flash, sq, sk, sv, pr.narrow(-1, 0, a.dv), gr.narrow(-1, 0, a.dv),
+                         pr.select(-1, a.dv), &dlse, dq, dk, dv);
           }
           return std::vector<Tensor>{dq.view(sq.sizes()).to(sq.dtype()), dk.view(sk.sizes()).to(sk.dtype()),
                                      dv.view(sv.sizes()).to(sv.dtype())};
         };
         return Recorded{std::move(fn), {sq, sk, sv, sp}};
       });
+}
+
+std::array<Tensor, 3> scaled_dot_product_attention_block_grads(const Tensor& q_in, const Tensor& k_in,
+                                                               const Tensor& v_in, const Tensor& out,
+                                                               const Tensor& dout, const Tensor& lse,
+                                                               const Tensor& block_lse, bool is_causal,
+                                                               std::optional<double> scale) {
+  const Tensor q = autocast::low(q_in), k = autocast::low(k_in), v = autocast::low(v_in);
+  const char* op = "scaled_dot_product_attention_block_grads";
+  const AttentionArgs a = attention_args(op, q, k, v, is_causal, 0.0, nullptr, scale);
+  Shape rows = q.sizes();
+  rows.pop_back();
+  Shape out_shape = q.sizes();
+  out_shape.back() = a.dv;
+  EMBER_CHECK(out.sizes() == out_shape && dout.sizes() == out_shape && lse.sizes() == rows && block_lse.sizes() == rows,
+              op, ": for q ", shape_str(q.sizes()), " and v ", shape_str(v.sizes()), " out and dout must be ",
+              shape_str(out_shape), " and lse, block_lse ", shape_str(rows), "; got out ", shape_str(out.sizes()),
+              ", dout ", shape_str(dout.sizes()), ", lse ", shape_str(lse.sizes()), ", block_lse ",
+              shape_str(block_lse.sizes()));
+  const DType compute = q.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
+  const bool flash = q.is_cuda() && attention_flash_cuda_supports(a, q.dtype());
+  NoGradGuard no_grad;
+  // The block's probabilities are its own softmax times w; the kernels
+  // recompute the former, and take dO w as the output's gradient. Their
+  // delta, rowsum(dout * out), with the merged output is w rowsum(dO O):
+  // exactly the merged attention's (the block's own output cancels).
+  const Tensor w = exp(block_lse.to(compute) - lse.to(compute)).unsqueeze(-1);
+  const Tensor go = (dout.to(compute) * w).reshape({a.n, a.tq, a.dv});
+  Tensor dq = Tensor::empty({a.n, a.tq, a.d}, {compute, q.device()});
+  Tensor dk = Tensor::empty({a.n, a.tk, a.d}, {compute, q.device()});
+  Tensor dv = Tensor::empty({a.n, a.tk, a.dv}, {compute, q.device()});
+  lse_backward(a, compute, flash, q, k, v, out.reshape({a.n, a.tq, a.dv}), go,
+               block_lse.to(compute).reshape({a.n, a.tq}), nullptr, dq, dk, dv);
+  return {dq.view(q.sizes()), dk.view(k.sizes()), dv.view(v.sizes())};
 }
 
 }  // namespace ember

@@ -59,16 +59,23 @@ std::string infeasible(const ModelSpec& model, const Hardware& hw, const PlanOpt
   EMBER_CHECK(!model.transformer() || (model.heads >= 1 && model.dim % model.heads == 0 && model.layers >= 1),
               "plan: --dim ", model.dim, " does not split into ", model.heads, " heads");
   const int R = k.dims.dp_replicate, S = k.dims.dp_shard, T = k.dims.tp, P = k.dims.pp, V = k.virtual_stages;
-  const int N = k.dims.world(), G = hw.gpus_per_host;
+  const int C = k.dims.cp, N = k.dims.world(), G = hw.gpus_per_host;
   EMBER_CHECK(N == hw.gpus, "plan: the mesh ", k.mesh(), " has ", N, " ranks, not ", hw.gpus);
   // A dimension is planned once its memory and time terms are here.
-  if (k.dims.cp > 1 || k.dims.ep > 1) return "cp and ep have no planner terms yet (" + k.mesh() + ")";
+  if (k.dims.ep > 1) return "ep has no planner terms yet (" + k.mesh() + ")";
+  if (C > 1 && !model.transformer()) return "cp splits a transformer's sequence; " + model.name + " has none";
   if (model.transformer()) {
     const int64_t kv = model.kv_heads > 0 ? model.kv_heads : model.heads;
     if (T > G) return "tp " + std::to_string(T) + " spans hosts (" + std::to_string(G) + " GPUs each)";
     if (model.heads % T != 0 || kv % T != 0)
       return "tp " + std::to_string(T) + " does not divide the " + std::to_string(model.heads) + " heads (" +
              std::to_string(kv) + " key/value heads)";
+    if (C > 1 && model.seq % (2 * C) != 0)
+      return "seq " + std::to_string(model.seq) + " does not cut into 2 x cp = " + std::to_string(2 * C) +
+             " head-tail chunks";
+    if (C > 1 && k.cp_exchange == "alltoall" && (model.heads / T) % C != 0)
+      return "alltoall: cp " + std::to_string(C) + " does not divide the " + std::to_string(model.heads / T) +
+             " heads of a tp rank";
     if (model.layers < static_cast<int64_t>(P) * V)
       return std::to_string(model.layers) + " layers cannot fill " + std::to_string(P * V) + " stages";
   }
@@ -83,7 +90,7 @@ std::string infeasible(const ModelSpec& model, const Hardware& hw, const PlanOpt
 // rank holding the most (ZeRO's accounting, memory_plan.h); returns that
 // rank's stage and tensor-parallel share of the parameters.
 int64_t state_memory(const ModelSpec& model, const PlanOptions& o, MeshCandidate& k) {
-  const int S = k.dims.dp_shard, T = k.dims.tp, P = k.dims.pp;
+  const int S = k.dims.dp_shard_cp(), T = k.dims.tp, P = k.dims.pp;  // FSDP shards over dp_shard x cp
   const int64_t M = k.microbatches, psi = model.num_params();
   const double elem = o.mixed_precision ? 2 : 4;  // bytes of a parameter, gradient or activation
   // The first stage's share of the parameters (the embedding with its
@@ -132,7 +139,7 @@ int64_t state_memory(const ModelSpec& model, const PlanOptions& o, MeshCandidate
 // collective's buffers); the schedule's bubble in `bubble`. Returns why the
 // schedule cannot run, or empty.
 std::string activation_memory(const ModelSpec& model, const PlanOptions& o, MeshCandidate& k, double* bubble) {
-  const int T = k.dims.tp, P = k.dims.pp, V = k.virtual_stages;
+  const int T = k.dims.tp, P = k.dims.pp, V = k.virtual_stages, C = k.dims.cp;
   const int64_t M = k.microbatches;
   const double elem = o.mixed_precision ? 2 : 4;
   if (model.transformer()) {
@@ -154,12 +161,13 @@ std::string activation_memory(const ModelSpec& model, const PlanOptions& o, Mesh
         return e.what();
       }
     }
-    const double sbh = static_cast<double>(model.seq) * k.micro_batch * model.dim;
+    // A rank's tokens: 1/cp of each sequence under context parallelism.
+    const double sbh = static_cast<double>(model.seq) / C * k.micro_batch * model.dim;
     // 34 s·b·h bytes in 16 bits (Korthikanti): 17 elements, ember's GPT
     // block keeps the same 17 (step_memory.cc).
     const double per_layer = (k.ac == "full" ? 2.0 : 34.0) * sbh / T * (elem / 2);
     const double recompute = k.ac == "full" ? 34.0 * sbh / T * (elem / 2) : 0;  // one layer rebuilt
-    const double logits = static_cast<double>(model.seq) * k.micro_batch * model.vocab / T * 4 * 2;
+    const double logits = static_cast<double>(model.seq) / C * k.micro_batch * model.vocab / T * 4 * 2;
     // The embedding's output (and the position sum) per live micro-batch;
     // zero-bubble's pending W keeps its layers' output gradients (9 s·b·h
     // elements per block: q, k, v, out, 4 of fc, proj) until it runs.
@@ -168,6 +176,15 @@ std::string activation_memory(const ModelSpec& model, const PlanOptions& o, Mesh
     k.activations =
         static_cast<int64_t>(live_layers * per_layer + recompute + embedding + pending_w + (P == 1 ? logits : 0));
     k.buffers = static_cast<int64_t>(T > 1 ? 2 * sbh * elem : 0);  // a collective's input and output
+    // cp's exchange in flight (its attention keeps only its own slice): the
+    // ring's k, v sent and received (float32 dk, dv in the backward); the
+    // all-gather's whole sequence of k, v and float32 dk, dv; Ulysses' q,
+    // k, v and output split by heads.
+    const double kv = 2 * sbh / T;
+    if (C > 1)
+      k.buffers += static_cast<int64_t>(k.cp_exchange == "ring"        ? 2 * kv * 4
+                                        : k.cp_exchange == "allgather" ? C * kv * (elem + 4)
+                                                                       : 4 * sbh / T * elem);
   } else {
     k.activations = static_cast<int64_t>(model.activation_bytes_per_sample * k.micro_batch * (elem / 2));
   }
@@ -199,7 +216,7 @@ MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const Pl
   const Links hw_links = Links::analytic(hw);
   const StepTime t =
       predict_step(model, k, o, o.compute ? *o.compute : hw_compute, o.links ? *o.links : hw_links, bubble);
-  k.compute = t.compute, k.bubble = t.bubble, k.tp_comm = t.tp_comm, k.dp_comm = t.dp_comm;
+  k.compute = t.compute, k.bubble = t.bubble, k.tp_comm = t.tp_comm, k.cp_comm = t.cp_comm, k.dp_comm = t.dp_comm;
   k.dp_exposed = t.dp_exposed, k.pp_comm = t.pp_comm, k.offload_io = t.offload_io, k.sync = t.sync;
   k.optimizer_step = t.optimizer, k.step = t.step;
   k.explain = t.explain();
@@ -216,38 +233,45 @@ MeshPlan plan_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions
   const int N = hw.gpus;
   for (int P : divisors(N))
     for (int T : divisors(N / P))
-      for (int S : divisors(N / P / T)) {
-        const int R = N / P / T / S;
-        std::vector<std::pair<std::string, int>> schedules = {{"", 1}};
-        if (P > 1) schedules = {{"1f1b", 1}, {"interleaved", 2}, {"zb-h1", 1}};
-        for (const auto& [sched_name, V] : schedules)
-          for (const std::string ac : {"none", "full"})
-            for (bool offload : {false, true}) {
-              if (offload && S == 1) continue;  // offload is FSDP's (CPUOffloadPolicy)
-              if (!model.transformer() && (T > 1 || P > 1 || ac != "none")) continue;
-              MeshCandidate c;
-              c.dims = {.pp = P, .dp_replicate = R, .dp_shard = S, .tp = T};
-              c.schedule = sched_name, c.virtual_stages = V, c.ac = ac, c.offload = offload;
-              // Micro-batches: a pipeline fills with one sequence each (the
-              // least bubble and activation per micro-batch); without one,
-              // the whole per-rank batch at once, or accumulated one
-              // sequence at a time when that is what fits.
-              const int64_t per_dp = o.global_batch % (R * S) == 0 ? o.global_batch / (R * S) : 1;
-              std::vector<int64_t> counts{per_dp};
-              if (P == 1 && per_dp > 1) counts = {1, per_dp};
-              for (int64_t M : counts) {
-                c.microbatches = M;
-                MeshCandidate k = evaluate_mesh(model, hw, o, c);
-                (k.rejected.empty() ? plan.feasible : plan.rejected).push_back(std::move(k));
-              }
-            }
-      }
+      for (int C : divisors(N / P / T))
+        for (int S : divisors(N / P / T / C)) {
+          const int R = N / P / T / C / S;
+          if (C > 1 && !model.transformer()) continue;
+          const std::vector<std::string> exchanges =
+              C > 1 ? std::vector<std::string>{"ring", "allgather", "alltoall"} : std::vector<std::string>{"ring"};
+          for (const std::string& exchange : exchanges) {
+            std::vector<std::pair<std::string, int>> schedules = {{"", 1}};
+            if (P > 1) schedules = {{"1f1b", 1}, {"interleaved", 2}, {"zb-h1", 1}};
+            for (const auto& [sched_name, V] : schedules)
+              for (const std::string ac : {"none", "full"})
+                for (bool offload : {false, true}) {
+                  if (offload && S * C == 1) continue;  // offload is FSDP's (CPUOffloadPolicy)
+                  if (!model.transformer() && (T > 1 || P > 1 || ac != "none")) continue;
+                  MeshCandidate c;
+                  c.dims = {.pp = P, .dp_replicate = R, .dp_shard = S, .cp = C, .tp = T};
+                  c.cp_exchange = exchange;
+                  c.schedule = sched_name, c.virtual_stages = V, c.ac = ac, c.offload = offload;
+                  // Micro-batches: a pipeline fills with one sequence each (the
+                  // least bubble and activation per micro-batch); without one,
+                  // the whole per-rank batch at once, or accumulated one
+                  // sequence at a time when that is what fits.
+                  const int64_t per_dp = o.global_batch % (R * S) == 0 ? o.global_batch / (R * S) : 1;
+                  std::vector<int64_t> counts{per_dp};
+                  if (P == 1 && per_dp > 1) counts = {1, per_dp};
+                  for (int64_t M : counts) {
+                    c.microbatches = M;
+                    MeshCandidate k = evaluate_mesh(model, hw, o, c);
+                    (k.rejected.empty() ? plan.feasible : plan.rejected).push_back(std::move(k));
+                  }
+                }
+          }
+        }
   // Fastest first; on a tie (communication hidden alike) the simplest,
   // fewest dimensions (FSDP before HSDP, no recompute before recompute),
   // then the least communication (DDP before FSDP for a model that fits).
   auto dims = [](const MeshCandidate& c) {
-    return (c.dims.dp_shard > 1) + (c.dims.dp_replicate > 1) + (c.dims.tp > 1) + (c.dims.pp > 1) + c.offload +
-           (c.ac != "none");
+    return (c.dims.dp_shard > 1) + (c.dims.dp_replicate > 1) + (c.dims.cp > 1) + (c.dims.tp > 1) + (c.dims.pp > 1) +
+           c.offload + (c.ac != "none");
   };
   std::stable_sort(plan.feasible.begin(), plan.feasible.end(), [&](const MeshCandidate& a, const MeshCandidate& b) {
     if (std::abs(a.step - b.step) > 1e-3 * std::max(a.step, b.step)) return a.step < b.step;

@@ -113,11 +113,18 @@ TEST(MeshPlan, Llama7bOn8IsFullShardingAndOffloadWhenMemoryDemands) {
   EXPECT_EQ(small.best().dims.dp_shard * small.best().dims.tp * small.best().dims.pp, 8);
 }
 
+// Without context parallelism (the seeds' decision matrix); with it, the
+// planner splits the sequence over cp where tp would be (below: cp's ring
+// hides behind the attention, tp's all-reduces do not).
 TEST(MeshPlan, Llama70bOn64UsesTensorAndPipelineParallelism) {
   PlanOptions o;
   o.global_batch = 64;
-  const MeshPlan plan = plan_mesh(model_preset("llama-70b"), h100(64), o);
+  MeshPlan plan = plan_mesh(model_preset("llama-70b"), h100(64), o);
+  const MeshCandidate with_cp = plan.best();
+  EXPECT_GT(with_cp.dims.pp, 1) << plan.table();
+  std::erase_if(plan.feasible, [](const MeshCandidate& c) { return c.dims.cp > 1; });
   const MeshCandidate& b = plan.best();
+  EXPECT_LE(with_cp.step, b.step);
   EXPECT_GT(b.dims.tp, 1) << plan.table();
   EXPECT_GT(b.dims.pp, 1) << plan.table();
   EXPECT_LE(b.dims.tp, 8) << "tensor parallelism stays within a host";
@@ -131,6 +138,86 @@ TEST(MeshPlan, Llama70bOn64UsesTensorAndPipelineParallelism) {
     }
   EXPECT_TRUE(fsdp64) << plan.table();
   EXPECT_NE(plan.table().find("spans hosts"), std::string::npos);
+}
+
+// Context parallelism: a rank holds 1/cp of each sequence, so its
+// activations are those of a cp-times-shorter sequence (the same model on
+// cp-times fewer ranks); FSDP shards over dp_shard x cp; each exchange's
+// traffic is its formula's, the ring's hidden behind the attention.
+TEST(MeshPlan, ContextParallelismDividesActivationsAndCountsItsExchanges) {
+  ModelSpec m = model_preset("llama-7b");
+  m.seq = 32768;
+  PlanOptions o;
+  o.global_batch = 2;
+  MeshCandidate c;
+  c.dims = {.dp_shard = 2, .cp = 4};
+  c.ac = "full";
+  const MeshCandidate ring = evaluate_mesh(m, h100(8), o, c);
+  ASSERT_TRUE(ring.rejected.empty()) << ring.rejected;
+  EXPECT_EQ(ring.describe(), "FSDP + CP ring, AC full");
+  ModelSpec quarter = m;
+  quarter.seq = m.seq / 4;
+  MeshCandidate two;
+  two.dims = {.dp_shard = 2};
+  two.ac = "full";
+  const MeshCandidate short_seq = evaluate_mesh(quarter, h100(2), o, two);
+  EXPECT_EQ(ring.activations, short_seq.activations);
+  // The parameters shard 8 ways (dp_shard x cp), not 2.
+  MeshCandidate eight;
+  eight.dims = {.dp_shard = 8};
+  eight.ac = "full";
+  const MeshCandidate fsdp8 = evaluate_mesh(quarter, h100(8), PlanOptions{.global_batch = 8}, eight);
+  EXPECT_EQ(ring.params + ring.grads + ring.optimizer, fsdp8.params + fsdp8.grads + fsdp8.optimizer);
+  // Exchanges in flight: the ring's k, v and float32 dk, dv sent and received.
+  const double kv = 2.0 * m.seq / 4 * 1 * m.dim;  // a rank's k and v, elements (micro-batch 1)
+  EXPECT_EQ(ring.buffers, static_cast<int64_t>(2 * kv * 4));
+  EXPECT_NE(ring.explain.find("| cp | send_recv"), std::string::npos) << ring.explain;
+  EXPECT_NE(ring.explain.find("hidden behind the blocks' attention"), std::string::npos) << ring.explain;
+  EXPECT_GE(ring.cp_comm, 0);
+  // The all-gather's: 32 blocks x (2 forwards + backward) gathers of cp x kv
+  // bytes and one reduce-scatter of float32 dk, dv, on the analytic ring.
+  c.cp_exchange = "allgather";
+  const MeshCandidate ag = evaluate_mesh(m, h100(8), o, c);
+  const Hardware hw = h100(8);
+  const double bw = hw.intra_host_bw, lat = hw.intra_latency;
+  const double gather = 0.75 * (4 * kv * 2) / bw + 3 * lat, scatter = 0.75 * (4 * kv * 4) / bw + 3 * lat;
+  EXPECT_NEAR(ag.cp_comm, 32 * (3 * gather + scatter), 1e-9 * ag.cp_comm) << ag.explain;
+  EXPECT_EQ(ag.buffers, static_cast<int64_t>(4 * kv * (2 + 4)));
+  // Ulysses: 4 all-to-alls of a rank's q, k, v, out per forward (twice
+  // under recompute) and 4 in the backward.
+  c.cp_exchange = "alltoall";
+  const MeshCandidate a2a = evaluate_mesh(m, h100(8), o, c);
+  const double one = 0.75 * (kv / 2 * 2) / bw + 3 * lat;
+  EXPECT_NEAR(a2a.cp_comm, 32 * 12 * one, 1e-9 * a2a.cp_comm) << a2a.explain;
+  // What cp cannot split, named.
+  m.seq = 32770;
+  EXPECT_EQ(evaluate_mesh(m, h100(8), o, c).rejected, "seq 32770 does not cut into 2 x cp = 8 head-tail chunks");
+  m.seq = 32768;
+  m.heads = 2, m.kv_heads = 2;
+  EXPECT_EQ(evaluate_mesh(m, h100(8), o, c).rejected, "alltoall: cp 4 does not divide the 2 heads of a tp rank");
+  MeshCandidate resnet;
+  resnet.dims = {.dp_shard = 4, .cp = 2};
+  EXPECT_NE(evaluate_mesh(model_preset("resnet50"), h100(8), o, resnet).rejected.find("cp splits a transformer's"),
+            std::string::npos);
+}
+
+// A long sequence: 128k tokens of LLaMA-7B on 8 GPUs, one sequence a step
+// (nothing for data parallelism to split). Tensor parallelism over 8 fits
+// with recompute but all-reduces every block's activations; cp's ring
+// hides behind the attention, so the planner takes cp.
+TEST(MeshPlan, ALongSequencePrefersContextParallelism) {
+  ModelSpec m = model_preset("llama-7b");
+  m.seq = 131072;
+  PlanOptions o;
+  o.global_batch = 1;
+  const MeshPlan plan = plan_mesh(m, h100(8), o);
+  EXPECT_GT(plan.best().dims.cp, 1) << plan.table();
+  const MeshCandidate* no_cp = nullptr;
+  for (const MeshCandidate& c : plan.feasible)
+    if (c.dims.cp == 1 && (no_cp == nullptr || c.step < no_cp->step)) no_cp = &c;
+  ASSERT_NE(no_cp, nullptr) << plan.table();
+  EXPECT_GT(no_cp->dims.tp, 1) << no_cp->mesh();
+  EXPECT_GT(no_cp->step, plan.best().step);
 }
 
 TEST(MeshPlan, BadInputIsNamed) {

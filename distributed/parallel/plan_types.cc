@@ -92,7 +92,7 @@ std::string MeshCandidate::describe() const {
     parts.push_back(dims.dp_replicate > 1 ? "HSDP" : "FSDP");
   else if (dims.dp_replicate > 1)
     parts.push_back("DDP");
-  if (dims.cp > 1) parts.push_back("CP");
+  if (dims.cp > 1) parts.push_back("CP " + cp_exchange);
   if (dims.tp > 1) parts.push_back("TP");
   if (dims.pp > 1) parts.push_back("PP");
   if (dims.ep > 1) parts.push_back("EP");

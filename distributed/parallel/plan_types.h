@@ -68,9 +68,10 @@ struct PlanOptions {
 };
 
 struct MeshCandidate {
-  // The degrees (resolved). cp and ep have no planner terms yet: a
-  // candidate with either above 1 is rejected, saying so.
+  // The degrees (resolved). ep has no planner terms yet: a candidate with
+  // it above 1 is rejected, saying so. FSDP shards over dp_shard x cp.
   ParallelDims dims{.dp_shard = 1};
+  std::string cp_exchange = "ring";  // under cp: ring | allgather | alltoall
   int virtual_stages = 1;
   std::string schedule;                       // "" without a pipeline
   int64_t microbatches = 1, micro_batch = 1;  // per data-parallel rank and step, sequences each
@@ -87,6 +88,7 @@ struct MeshCandidate {
   int64_t total() const { return params + grads + optimizer + gathered + activations + buffers; }
   // Seconds per step.
   double compute = 0, bubble = 0, tp_comm = 0, dp_comm = 0, dp_exposed = 0, pp_comm = 0, offload_io = 0, step = 0;
+  double cp_comm = 0;  // context parallelism's exchanges, what the ring does not hide
   double sync = 0, optimizer_step = 0;
   double mfu = 0;
   std::string explain;   // the prediction term by term (StepTime::explain)

@@ -161,7 +161,8 @@ struct Terms {
   const ComputeProfile& cp;
   const Links& links;
   StepTime& t;
-  int R, S, T, P, V, N;
+  int R, S, C, T, P, V, N;
+  int F;  // FSDP's group: dp_shard x cp (its ranks T apart)
   int64_t M;
   double mb, elem;
   bool full_ac;
@@ -173,14 +174,15 @@ struct Terms {
   Terms(const ModelSpec& m, const MeshCandidate& k, const PlanOptions& opt, const ComputeProfile& p, const Links& l,
         StepTime& out)
       : model(m), c(k), o(opt), cp(p), links(l), t(out) {
-    R = c.dims.dp_replicate, S = c.dims.dp_shard, T = c.dims.tp, P = c.dims.pp, V = c.virtual_stages;
-    N = R * S * T * P;
+    R = c.dims.dp_replicate, S = c.dims.dp_shard, C = c.dims.cp, T = c.dims.tp, P = c.dims.pp, V = c.virtual_stages;
+    N = R * S * C * T * P;
+    F = S * C;
     M = c.microbatches;
     mb = static_cast<double>(c.micro_batch);
     elem = o.mixed_precision ? 2 : 4;
     full_ac = c.ac == "full";
     stretch = cp.cores > 0 ? std::max(1.0, static_cast<double>(N) / cp.cores) : 1.0;
-    strategy = !c.strategy.empty() ? c.strategy : S > 1 ? "full" : "ddp";
+    strategy = !c.strategy.empty() ? c.strategy : F > 1 ? "full" : "ddp";
     stage_layers = model.transformer() ? std::ceil(static_cast<double>(model.layers) / P) : 0;
   }
   void add(const std::string& part, const std::string& what, double s, double* sum) {
@@ -199,7 +201,9 @@ struct Terms {
 // The last stage's compute (its blocks and the head, every micro-batch)
 // and the pipeline's bubble around it.
 void compute_terms(Terms& k, double bubble) {
-  const double tokens_mb = k.model.transformer() ? k.model.seq * k.mb : k.mb;
+  // Under cp a rank holds 1/cp of each sequence's tokens; its queries still
+  // see the whole sequence's keys (the 12·dim·seq attention term).
+  const double tokens_mb = k.model.transformer() ? k.model.seq * k.mb / k.C : k.mb;
   double per_mb = 0;
   if (k.model.transformer()) {
     const double recompute = k.full_ac ? 4.0 / 3 : 1.0;  // every forward twice: 4/3 of forward + backward
@@ -232,7 +236,7 @@ void compute_terms(Terms& k, double bubble) {
 // Tensor parallelism: exposed.
 void tp_terms(Terms& k) {
   if (k.model.transformer() && k.T > 1) {
-    const double sbh = k.model.seq * k.mb * k.model.dim * k.elem;
+    const double sbh = k.model.seq / k.C * k.mb * k.model.dim * k.elem;
     const double layers = k.stage_layers * k.M;
     if (k.c.sequence_parallel) {
       // Per block: the forward's 2 gathers and 2 scatters, their 4
@@ -252,7 +256,7 @@ void tp_terms(Terms& k) {
       // recompute's forward again); the embedding's and the head input's.
       k.coll("tp", "allreduce", sbh, k.T, 1, layers * (k.full_ac ? 6 : 4) + k.M + (k.P == 1 ? k.M : 0), &k.t.tp_comm);
     }
-    k.coll("tp", "allreduce", k.model.seq * k.mb * 4, k.T, 1, 3 * k.M,
+    k.coll("tp", "allreduce", k.model.seq / k.C * k.mb * 4, k.T, 1, 3 * k.M,
            &k.t.tp_comm);  // the parallel loss's max, sum, target
   }
 }
@@ -284,22 +288,22 @@ double dp_terms(Terms& k) {
     if (k.strategy == "full" || k.strategy == "hybrid") {
       // Forward and (blocks) backward per micro-batch; once per step under a pipeline.
       const double gathers = k.P > 1 ? 1 : k.M * (block ? 2 : 1);
-      k.coll("dp", "allgather", bytes, k.S, k.T, count * gathers, &dp_overlappable);
-      k.coll("dp", "reduce_scatter", bytes, k.S, k.T, count, &dp_overlappable);
+      k.coll("dp", "allgather", bytes, k.F, k.T, count * gathers, &dp_overlappable);
+      k.coll("dp", "reduce_scatter", bytes, k.F, k.T, count, &dp_overlappable);
     } else if (k.strategy == "grad_op") {
-      k.coll("dp", "allgather", bytes, k.S, k.T, count * (k.P > 1 ? 1 : k.M), &dp_overlappable);
-      k.coll("dp", "reduce_scatter", bytes, k.S, k.T, count, &dp_overlappable);
+      k.coll("dp", "allgather", bytes, k.F, k.T, count * (k.P > 1 ? 1 : k.M), &dp_overlappable);
+      k.coll("dp", "reduce_scatter", bytes, k.F, k.T, count, &dp_overlappable);
     } else if (k.strategy == "no_shard" || k.strategy == "ddp") {
-      k.coll("dp", "allreduce", bytes, k.S, k.T, count, &dp_overlappable);
+      k.coll("dp", "allreduce", bytes, k.F, k.T, count, &dp_overlappable);
     } else if (k.strategy == "zero1") {
-      k.coll("dp", "allreduce", bytes, k.S, k.T, count, &dp_overlappable);
-      k.coll("dp", "allgather", bytes, k.S, k.T, count, &dp_after);  // the updated parameters, after the step
+      k.coll("dp", "allreduce", bytes, k.F, k.T, count, &dp_overlappable);
+      k.coll("dp", "allgather", bytes, k.F, k.T, count, &dp_after);  // the updated parameters, after the step
     } else {
       EMBER_CHECK(false, "predict_step: unknown strategy '", k.c.strategy,
                   "' (full, hybrid, grad_op, no_shard, ddp, zero1)");
     }
     // The replicas' all-reduce: of each shard under HSDP, of the whole unit under DDP.
-    k.coll("dp", "allreduce", k.S > 1 && k.strategy != "no_shard" ? bytes / k.S : bytes, k.R, k.T * k.S, count,
+    k.coll("dp", "allreduce", k.F > 1 && k.strategy != "no_shard" ? bytes / k.F : bytes, k.R, k.T * k.F, count,
            &dp_overlappable);
   }
   k.t.dp_comm = dp_overlappable + dp_after;
@@ -313,13 +317,49 @@ double dp_terms(Terms& k) {
   return units.back().first;
 }
 
+// Context parallelism's exchanges per block and micro-batch (the forward
+// again under full recompute). kv: one rank's k and v, 2·(s/cp)·b·h/tp
+// elements; the backward's dk, dv are in float32. The ring hides its
+// shifts behind the blocks' attention (the 12·dim·seq FLOPs per token, a
+// third forward), so only what exceeds it shows; the all-gather's and the
+// all-to-alls' wait for their results.
+void cp_terms(Terms& k) {
+  if (!k.model.transformer() || k.C == 1) return;
+  const double local = k.model.seq / k.C * k.mb * k.model.dim / k.T;  // one of q, k, v, out: elements
+  const double kv = 2 * local * k.elem, dkv = 2 * local * 4;
+  const double blocks = k.stage_layers * k.M, forwards = k.full_ac ? 2 : 1;
+  const std::string& ex = k.c.cp_exchange;
+  if (ex == "ring") {
+    // Each shift runs beside a step's blocks, but the backward's last hop
+    // (the dk, dv of a slice to its owner) has nothing left to hide behind.
+    double ring = 0, last_hop = 0;
+    k.coll("cp", "send_recv", kv, k.C, k.T, blocks * (k.C - 1) * (forwards + 1), &ring);
+    k.coll("cp", "send_recv", dkv, k.C, k.T, blocks * (k.C - 1), &ring);
+    k.coll("cp", "send_recv", dkv, k.C, k.T, blocks, &last_hop);
+    const double attention_flops =
+        12.0 * k.model.dim * k.model.seq * k.model.seq / k.C * k.mb / k.T * blocks * (forwards + 2) / 3;
+    const double hidden = std::min(ring, attention_flops / k.cp.block_flops_per_s * k.stretch);
+    k.add("cp", "hidden behind the blocks' attention", -hidden, nullptr);
+    k.t.cp_comm = ring - hidden + last_hop;
+  } else if (ex == "allgather") {
+    // The gathered k, v (the output, cp x kv), again in the backward; dk, dv reduce-scattered.
+    k.coll("cp", "allgather", k.C * kv, k.C, k.T, blocks * (forwards + 1), &k.t.cp_comm);
+    k.coll("cp", "reduce_scatter", k.C * dkv, k.C, k.T, blocks, &k.t.cp_comm);
+  } else if (ex == "alltoall") {
+    // q, k, v to heads and the output back; their transposes in the backward.
+    k.coll("cp", "all_to_all", local * k.elem, k.C, k.T, blocks * 4 * (forwards + 1), &k.t.cp_comm);
+  } else {
+    EMBER_CHECK(false, "predict_step: unknown cp exchange '", ex, "' (ring, allgather, alltoall)");
+  }
+}
+
 // Pipeline transfers: a send and its gradient's receive per micro-batch and virtual stage.
 void pp_terms(Terms& k) {
   if (k.P > 1) {
     const double bytes = k.model.transformer()
-                             ? k.model.seq * k.mb * k.model.dim * k.elem / (k.c.sequence_parallel ? k.T : 1)
+                             ? k.model.seq / k.C * k.mb * k.model.dim * k.elem / (k.c.sequence_parallel ? k.T : 1)
                              : k.model.activation_bytes_per_sample * k.mb * k.elem / 2;
-    k.coll("pp", "send_recv", bytes, 2, k.T * k.S * k.R, 2.0 * k.M * k.V, &k.t.pp_comm);
+    k.coll("pp", "send_recv", bytes, 2, k.T * k.C * k.S * k.R, 2.0 * k.M * k.V, &k.t.pp_comm);
   }
 }
 
@@ -334,7 +374,7 @@ void step_terms(Terms& k, double root_bytes) {
       k.strategy == "full" || k.strategy == "hybrid" || k.strategy == "grad_op" || k.strategy == "zero1";
   const double params = (k.model.transformer() ? k.stage_layers * k.model.layer_params() + root_bytes / k.elem * k.T
                                                : static_cast<double>(k.model.num_params())) /
-                        k.T / (sharded ? k.S : 1);
+                        k.T / (sharded ? k.F : 1);
   if (const auto m = k.cp.models.find(k.model.name); !k.model.transformer() && m != k.cp.models.end())
     k.add("optimizer", fmt("%.3g", params) + " parameters, measured", m->second.optimizer_s * k.stretch,
           &k.t.optimizer);
@@ -347,7 +387,8 @@ void step_terms(Terms& k, double root_bytes) {
     k.add("offload", size_text(2.0 * params * k.elem + 4.0 * params) + " over the host link",
           (2.0 * params * k.elem + 4.0 * params) / k.cp.host_bw, &k.t.offload_io);
   }
-  k.t.step = k.span + k.t.tp_comm + k.t.dp_exposed + k.t.pp_comm + k.t.sync + k.t.optimizer + k.t.offload_io;
+  k.t.step =
+      k.span + k.t.tp_comm + k.t.cp_comm + k.t.dp_exposed + k.t.pp_comm + k.t.sync + k.t.optimizer + k.t.offload_io;
 }
 
 }  // namespace
@@ -358,6 +399,7 @@ StepTime predict_step(const ModelSpec& model, const MeshCandidate& c, const Plan
   Terms k(model, c, o, cp, links, t);
   compute_terms(k, bubble);
   tp_terms(k);
+  cp_terms(k);
   const double root_bytes = dp_terms(k);
   pp_terms(k);
   step_terms(k, root_bytes);
@@ -369,7 +411,7 @@ std::string StepTime::explain() const {
   os << "| part | what | seconds |\n|---|---|---|\n";
   for (const StepTerm& term : terms)
     os << "| " << term.part << " | " << term.what << " | " << secs(term.seconds) << " |\n";
-  os << "| step | compute / (1 - bubble) + tp + dp exposed + pp + sync + optimizer + offload | " << secs(step)
+  os << "| step | compute / (1 - bubble) + tp + cp + dp exposed + pp + sync + optimizer + offload | " << secs(step)
      << " |\n";
   return os.str();
 }

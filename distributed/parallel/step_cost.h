@@ -131,6 +131,7 @@ struct StepTime {
   double compute = 0;  // the rank's forward + backward, all its micro-batches
   double bubble = 0;   // the pipeline's idle fraction
   double tp_comm = 0, dp_comm = 0, dp_exposed = 0, pp_comm = 0, sync = 0, optimizer = 0, offload_io = 0;
+  double cp_comm = 0;  // context parallelism's exchanges, exposed
   double step = 0;
   std::vector<StepTerm> terms;
   // A table of the terms and the sum, for --explain.

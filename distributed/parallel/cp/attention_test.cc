@@ -52,7 +52,9 @@ EMBER_WORKER(cp_attention) {
     mp::check_close(out, shard(want.detach(), 2, cp, me), what + " forward", 1e-10);
     // Each rank's loss is its slice's share of the one-process loss; the
     // exchanges' backwards sum every rank's contributions.
+    pg->reset_counters();
     sum(out * shard(proj, 2, cp, me)).backward();
+    const auto back = pg->counters();
     mp::check_close(ql.grad(), shard(q.grad(), 2, cp, me), what + " dq", 1e-10);
     mp::check_close(kl.grad(), shard(k.grad(), 2, cp, me), what + " dk", 1e-10);
     mp::check_close(vl.grad(), shard(v.grad(), 2, cp, me), what + " dv", 1e-10);
@@ -63,6 +65,10 @@ EMBER_WORKER(cp_attention) {
       // k and v, cp - 1 times: (cp - 1) / cp of the whole sequence's k and v.
       WCHECK(bytes("send") == (cp - 1) * 2 * local, what, ": sent ", bytes("send"));
       WCHECK(bytes("recv") == (cp - 1) * 2 * local, what, ": received ", bytes("recv"));
+      // Backward: k and v round again, and each slice's dk, dv on with it
+      // (cp hops, the last to its owner): (2 cp - 1) x 2 slices, nothing kept.
+      const int64_t sent = back.count("send") ? back.at("send").bytes : 0;
+      WCHECK(sent == (2 * cp - 1) * 2 * local, what, ": backward sent ", sent);
     } else if (ex == Exchange::AllGather) {
       // The all-gathered k and v (the counter counts the output): of which
       // (cp - 1) / cp come from the other ranks.
