@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Context parallelism's GPT step: //examples:gpt --cp N with each exchange beside PyTorch 2.15 on
 the same model, sequence and cp ranks (bench/peers/torch2/cp_peer.py), CPU, Gloo, 1 thread per
-process, interleaved rounds; medians, the ratio, and each side's spread of step times over ranks.
+process, interleaved rounds; medians, the ratio, each side's spread of step times over ranks, and
+each rank's time in the blocks' attention kernels (from a --profile run: what the head-tail layout
+balances; the step times are equal by construction, the collectives wait for the slowest).
 
 PyTorch's own context_parallel does not run on a CPU (cp_peer.py says why, and its JSON line
 carries the error), so the peer is torch's model with the all-gather exchange written in the peer
@@ -43,15 +45,36 @@ def ours(gpt, cp, seq, exchange, steps):
     return [1e3 * max(s) for s in per_rank], [(max(s) - min(s)) / max(s) for s in per_rank]
 
 
+def attention_balance(gpt, cp, seq, exchange):
+    """Each rank's milliseconds in the blocks' attention kernels (forward and backward, 3 profiled steps):
+    the work head-tail balances, without the waits a step's wall time hides it behind."""
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [gpt, "--nproc", str(cp), "--cp", str(cp), "--cp-exchange", exchange, "--dim", str(MODEL["dim"]),
+               "--heads", str(MODEL["heads"]), "--layers", str(MODEL["layers"]), "--seq", str(seq),
+               "--global-batch", str(MODEL["global_batch"]), "--max-steps", "6", "--sample-len", "0",
+               "--eval-every", "1000", "--checkpoint-dir", d, "--profile", os.path.join(d, "prof")]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        per_rank = []
+        for r in range(cp):
+            j = json.load(open(os.path.join(d, "prof", f"trace-rank{r}.json")))
+            events = j["traceEvents"] if isinstance(j, dict) else j
+            per_rank.append(sum(e.get("dur", 0) for e in events if e.get("name") in KERNELS) / 1e3)
+    return per_rank
+
+
+KERNELS = ("scaled_dot_product_attention_lse", "scaled_dot_product_attention_block_grads")
+
+
 def peer(python, cp, seq, steps):
     out = subprocess.run([python, os.path.join(HERE, "peers/torch2/cp_peer.py"), "--cp", str(cp), "--seq", str(seq),
                           "--layers", str(MODEL["layers"]), "--dim", str(MODEL["dim"]), "--heads",
                           str(MODEL["heads"]), "--global-batch", str(MODEL["global_batch"]), "--steps", str(steps)],
                          check=True, capture_output=True, text=True, cwd=os.path.join(HERE, "peers/torch2")).stdout
-    rec = [json.loads(l) for l in out.splitlines() if l.startswith("{")][-1]
-    if rec.get("kind") != "train":
-        raise SystemExit(f"cp_peer failed: {rec}")
-    return rec
+    recs = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    train = [r for r in recs if r.get("kind") == "train"]  # an abort at exit follows a finished run's line
+    if not train:
+        raise SystemExit(f"cp_peer failed: {recs}")
+    return train[-1]
 
 
 def main():
@@ -92,6 +115,11 @@ def main():
         print(f"cp {a.cp} x seq {a.seq} GPT step, {e}: ours {o:.1f} ms, torch (all-gather) {t:.1f} ms, "
               f"ratio {o / t:.2f}; step-time spread over ranks ours {100 * statistics.median(spread[e]):.1f}%, "
               f"torch {100 * statistics.median(their_spread):.1f}%")
+    for e in [x for x in exchanges if x != "alltoall"]:  # Ulysses attends to whole sequences: nothing to balance
+        ms = attention_balance(a.gpt, a.cp, a.seq, e)
+        result["ours"][e]["attention_ms_by_rank"] = ms
+        print(f"{e}: attention kernels by rank (3 steps) {', '.join(f'{m:.1f}' for m in ms)} ms, "
+              f"spread {100 * (max(ms) - min(ms)) / max(ms):.1f}%")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)

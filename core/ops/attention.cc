@@ -26,6 +26,7 @@
 #include "core/ops/kernels.h"
 #include "core/ops/philox.h"
 #include "core/ops_nn.h"
+#include "core/profiler.h"
 
 namespace ember {
 namespace {
@@ -398,6 +399,7 @@ std::array<Tensor, 3> scaled_dot_product_attention_block_grads(const Tensor& q_i
                                                                std::optional<double> scale) {
   const Tensor q = autocast::low(q_in), k = autocast::low(k_in), v = autocast::low(v_in);
   const char* op = "scaled_dot_product_attention_block_grads";
+  profiler::Scope prof(profiler::Kind::Op, op);  // not recorded by autograd: its own event
   const AttentionArgs a = attention_args(op, q, k, v, is_causal, 0.0, nullptr, scale);
   Shape rows = q.sizes();
   rows.pop_back();

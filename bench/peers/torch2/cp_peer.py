@@ -157,6 +157,11 @@ def train_rank(rank, world, a, out):
                      step_ms_median=pc.median_ms(times), step_ms=[round(t * 1e3, 2) for t in times],
                      rank_step_ms=[round(p.item(), 2) for p in per_rank], first_loss=round(first_loss, 6),
                      peak_rss_mib=pc.mib(pc.peak_rss_bytes()), torch_cp_error=error, torch=torch.__version__), out)
+    # Freed while the group is alive (pp_peer.py: Gloo may abort at exit otherwise).
+    del model, opt, logits, loss
+    import gc
+
+    gc.collect()
     dist.barrier()
 
 
