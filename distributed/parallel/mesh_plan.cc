@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <map>
 #include <sstream>
+#include <tuple>
 
 #include "core/exception.h"
 #include "distributed/parallel/memory_plan.h"
@@ -135,6 +136,36 @@ int64_t state_memory(const ModelSpec& model, const PlanOptions& o, MeshCandidate
   return psi_r;
 }
 
+// What the schedules' simulator says of one pipeline: its bubble, the
+// micro-batches alive on the first rank's stages at its peak (summed) and
+// on stage 0, or why it cannot run.
+struct PipelinePeak {
+  double bubble = 0, live_stages = 0, live_first = 0;
+  std::string error;
+};
+
+// Simulated once per (schedule, pp, virtual stages, micro-batches): the
+// mesh search asks again for every tp, cp, dp, exchange and AC variant of
+// a pipeline (1,024 GPUs: tens of thousands of candidates).
+const PipelinePeak& pipeline_peak(const std::string& schedule, int P, int V, int64_t M) {
+  thread_local std::map<std::tuple<std::string, int, int, int64_t>, PipelinePeak> memo;
+  auto [it, fresh] = memo.try_emplace({schedule, P, V, M});
+  PipelinePeak& peak = it->second;
+  if (!fresh) return peak;
+  try {
+    const pp::Schedule sched = pp::make_schedule(schedule, P, V, static_cast<int>(M));
+    pp::Costs costs;
+    costs.f = 1, costs.b = schedule == "zb-h1" ? 1 : 2, costs.w = schedule == "zb-h1" ? 1 : 0;
+    const pp::Simulation sim = pp::simulate(sched, costs);
+    peak.bubble = sim.bubble_fraction;
+    for (int st : sched.stages_of(0)) peak.live_stages += sim.peak_live[st];
+    peak.live_first = sim.peak_live[0];
+  } catch (const Error& e) {
+    peak.error = e.what();
+  }
+  return peak;
+}
+
 // The activations of the micro-batches alive on the first rank (and a
 // collective's buffers); the schedule's bubble in `bubble`. Returns why the
 // schedule cannot run, or empty.
@@ -147,19 +178,11 @@ std::string activation_memory(const ModelSpec& model, const PlanOptions& o, Mesh
     double live_layers = static_cast<double>(model.layers);  // layers' worth of micro-batch activations at the peak
     double live_first = 1;  // micro-batches alive on the first stage (its embedding's output each)
     if (P > 1) {
-      try {
-        const pp::Schedule sched = pp::make_schedule(k.schedule, P, V, static_cast<int>(M));
-        pp::Costs costs;
-        costs.f = 1, costs.b = k.schedule == "zb-h1" ? 1 : 2, costs.w = k.schedule == "zb-h1" ? 1 : 0;
-        const pp::Simulation sim = pp::simulate(sched, costs);
-        *bubble = sim.bubble_fraction;
-        double live = 0;
-        for (int st : sched.stages_of(0)) live += sim.peak_live[st];
-        live_layers = live * layers_per_stage;
-        live_first = sim.peak_live[0];
-      } catch (const Error& e) {
-        return e.what();
-      }
+      const PipelinePeak& peak = pipeline_peak(k.schedule, P, V, M);
+      if (!peak.error.empty()) return peak.error;
+      *bubble = peak.bubble;
+      live_layers = peak.live_stages * layers_per_stage;
+      live_first = peak.live_first;
     }
     // A rank's tokens: 1/cp of each sequence under context parallelism.
     const double sbh = static_cast<double>(model.seq) / C * k.micro_batch * model.dim;
