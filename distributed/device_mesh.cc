@@ -253,18 +253,23 @@ std::shared_ptr<DeviceMesh> DeviceMesh::flatten(const std::vector<std::string>& 
   int wide = -1, n_wide = 0;
   for (int d : idx)
     if (shape_[d] > 1) wide = d, ++n_wide;
+  std::shared_ptr<DeviceMesh> view;
   if (n_wide <= 1) {
-    auto view = from_group(groups_[wide >= 0 ? wide : idx[0]], name);
+    view = from_group(groups_[wide >= 0 ? wide : idx[0]], name);
     flats_[name] = view;
-    return view;
+  } else {
+    // The slices, each listed at its first rank (zero on every one of `dims`).
+    std::vector<std::vector<int>> partition;
+    for (int i = 0; i < size(); ++i) {
+      const std::vector<int> c = coordinate_of(i);
+      if (std::all_of(idx.begin(), idx.end(), [&](int d) { return c[d] == 0; }))
+        partition.push_back(slice_ranks(idx, c));
+    }
+    view = flatten(name, partition);
   }
-  // The slices, each listed at its first rank (zero on every one of `dims`).
-  std::vector<std::vector<int>> partition;
-  for (int i = 0; i < size(); ++i) {
-    const std::vector<int> c = coordinate_of(i);
-    if (std::all_of(idx.begin(), idx.end(), [&](int d) { return c[d] == 0; })) partition.push_back(slice_ranks(idx, c));
-  }
-  return flatten(name, partition);
+  view->flat_source_ = weak_from_this();
+  view->flat_dims_ = dims;
+  return view;
 }
 
 std::shared_ptr<DeviceMesh> DeviceMesh::flatten(const std::string& name,

@@ -94,6 +94,11 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   std::shared_ptr<DeviceMesh> flatten(const std::string& name, const std::vector<std::vector<int>>& partition);
   // The flattened view registered under `name`, or null.
   std::shared_ptr<DeviceMesh> flattened(const std::string& name) const;
+  // For a view flatten(dims, name) made: the mesh it was made on and those
+  // dims (FSDP over dp_shard x cp composed with tensor parallelism
+  // describes a parameter on that mesh); null and empty otherwise.
+  std::shared_ptr<const DeviceMesh> flattened_from() const { return flat_source_.lock(); }
+  const std::vector<std::string>& flattened_dims() const { return flat_dims_; }
 
   // The mesh this one was cut from by submesh (through any number of
   // cuts), or this mesh: where parallelisms applied to different
@@ -117,6 +122,8 @@ class DeviceMesh : public std::enable_shared_from_this<DeviceMesh> {
   mutable std::mutex sub_mu_;
   mutable std::map<std::vector<std::string>, std::weak_ptr<DeviceMesh>> subs_;
   std::map<std::string, std::shared_ptr<DeviceMesh>> flats_;  // flatten()'s views, by name
+  std::weak_ptr<const DeviceMesh> flat_source_;               // weak: the source holds its views
+  std::vector<std::string> flat_dims_;
   void check_flatten_name(const std::string& name) const;
   // The indices of `dims`, each named once (`what` names the caller in errors).
   std::vector<int> dim_indices(const std::vector<std::string>& dims, const char* what) const;

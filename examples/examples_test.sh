@@ -358,23 +358,28 @@ for ex in ring allgather; do
 done
 "$dir/gpt" --nproc 4 --pp 2 --cp 2 "${ll[@]}" --checkpoint-dir "$tmp/cpp" --metrics "$tmp/cpp.jsonl" \
   > "$tmp/cpp.log" 2>&1 || { cat "$tmp/cpp.log"; exit 1; }
-like_reference "$tmp/ll1.jsonl" 0 "$tmp/cpt.jsonl" "$tmp/cpdring.jsonl" "$tmp/cpdallgather.jsonl" "$tmp/cpp.jsonl"
+"$dir/gpt" --nproc 8 --dp-shard 2 --cp 2 --tp 2 "${ll[@]}" --checkpoint-dir "$tmp/cp8" --metrics "$tmp/cp8.jsonl" \
+  > "$tmp/cp8.log" 2>&1 || { cat "$tmp/cp8.log"; exit 1; }
+like_reference "$tmp/ll1.jsonl" 0 "$tmp/cpt.jsonl" "$tmp/cpdring.jsonl" "$tmp/cpdallgather.jsonl" "$tmp/cpp.jsonl" \
+  "$tmp/cp8.jsonl"
 # Checkpoints do not change with cp (it splits no parameter): the
-# dp_shard 2 x cp 2 run's step 6 resumes on one process, and the one
-# process's under cp 2 x tp 2, both as the one process resuming its own.
+# dp_shard 2 x cp 2 and dp_shard 2 x cp 2 x tp 2 runs' step 6 resume on one
+# process, and the one process's under cp 2 x tp 2, all as the one process
+# resuming its own.
 llr=(--arch llama --kv-heads 2 --ffn 48 --dim 32 --heads 4 --seq 16 --layers 4 --max-steps 8 --global-batch 16
      --microbatches 4 --sample-len 0 --eval-every 100 --lr 1e-3)
-for r in ll1 cpdring; do mkdir -p "$tmp/cr_$r" && cp -r "$tmp/$r/step_6" "$tmp/cr_$r/"; done
+for r in ll1 cpdring cp8; do mkdir -p "$tmp/cr_$r" && cp -r "$tmp/$r/step_6" "$tmp/cr_$r/"; done
 mkdir -p "$tmp/cr_x" && cp -r "$tmp/ll1/step_6" "$tmp/cr_x/"
-for r in ll1 cpdring; do
+for r in ll1 cpdring cp8; do
   "$dir/gpt" --nproc 1 "${llr[@]}" --checkpoint-dir "$tmp/cr_$r" --resume --metrics "$tmp/cr_$r.jsonl" \
     > "$tmp/cr_$r.log" 2>&1 || { cat "$tmp/cr_$r.log"; exit 1; }
 done
 grep -q "saved by 4 ranks" "$tmp/cr_cpdring.log" || { cat "$tmp/cr_cpdring.log"; exit 1; }
+grep -q "saved by 8 ranks" "$tmp/cr_cp8.log" || { cat "$tmp/cr_cp8.log"; exit 1; }
 "$dir/gpt" --nproc 4 --cp 2 --tp 2 --cp-exchange alltoall "${llr[@]}" --checkpoint-dir "$tmp/cr_x" --resume \
   --metrics "$tmp/cr_x.jsonl" > "$tmp/cr_x.log" 2>&1 || { cat "$tmp/cr_x.log"; exit 1; }
 grep -q "saved by 1 rank" "$tmp/cr_x.log" || { cat "$tmp/cr_x.log"; exit 1; }
-like_reference "$tmp/cr_ll1.jsonl" 0 "$tmp/cr_cpdring.jsonl" "$tmp/cr_x.jsonl"
+like_reference "$tmp/cr_ll1.jsonl" 0 "$tmp/cr_cpdring.jsonl" "$tmp/cr_cp8.jsonl" "$tmp/cr_x.jsonl"
 # Context parallelism's memory: under a 100 MiB cap (EMBER_CPU_MEMORY_LIMIT_MB)
 # a 1024-character context fails on one rank with the allocator's named
 # error and trains at --cp 4 with every exchange, each rank's activation

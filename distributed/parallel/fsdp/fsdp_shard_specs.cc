@@ -63,7 +63,15 @@ std::shared_ptr<const DTensorSpec> compose_with_tensor_parallel(const std::share
                                                                 const std::string& layout, int replica) {
   const Unit& u = *up;
   const std::string name = u.names[i];
+  // FSDP over a flattened view (dp_shard x cp): its dimensions on the mesh
+  // it was flattened from, each sharding dim 0 (row-major, as the view's
+  // ranks are), the shard itself the run computed below.
   auto root = u.mesh->root();
+  std::vector<std::string> fsdp_dims = u.mesh->dim_names();
+  if (auto source = u.mesh->flattened_from()) root = source->root(), fsdp_dims = u.mesh->flattened_dims();
+  const auto fsdp_has = [&](const std::string& dim) {
+    return std::find(fsdp_dims.begin(), fsdp_dims.end(), dim) != fsdp_dims.end();
+  };
   EMBER_CHECK(tp.mesh->root() == root, "fully_shard(", u.type, "): parameter '", name,
               "' is sharded by tensor parallelism on ", tp.mesh->to_string(), " but FSDP's mesh ", u.mesh->to_string(),
               " is not cut from the same DeviceMesh; make one mesh (e.g. (dp_shard, tp)) and pass its sub-meshes to ",
@@ -74,7 +82,7 @@ std::shared_ptr<const DTensorSpec> compose_with_tensor_parallel(const std::share
   // checkpoints must not combine over it.
   std::vector<std::string> dims;
   for (const std::string& dim : root->dim_names())
-    if (u.mesh->has_dim(dim) || tp.mesh->has_dim(dim)) dims.push_back(dim);
+    if (fsdp_has(dim) || tp.mesh->has_dim(dim)) dims.push_back(dim);
   std::shared_ptr<DeviceMesh> mesh = dims.size() == static_cast<size_t>(root->ndim())
                                          ? std::const_pointer_cast<DeviceMesh>(root)
                                          : root->submesh(dims);
@@ -86,9 +94,10 @@ std::shared_ptr<const DTensorSpec> compose_with_tensor_parallel(const std::share
   spec->coord = mesh->coordinate();
   for (const std::string& dim : mesh->dim_names()) {
     Placement p = Replicate();
-    if (u.mesh->has_dim(dim)) {
-      const bool shards = u.strategy == ShardingStrategy::HYBRID_SHARD ? u.mesh->dim_index(dim) == 1
-                                                                       : u.strategy != ShardingStrategy::NO_SHARD;
+    if (fsdp_has(dim)) {
+      const bool shards = u.strategy == ShardingStrategy::HYBRID_SHARD && u.mesh->has_dim(dim)
+                              ? u.mesh->dim_index(dim) == 1
+                              : u.strategy != ShardingStrategy::NO_SHARD;
       if (shards) p = Shard(0);
     } else if (tp.mesh->has_dim(dim)) {
       p = tp.placements[tp.mesh->dim_index(dim)];

@@ -6,7 +6,9 @@
 //     over dp_shard x cp), each exchange;
 //   * cp 2 x tp 2 (LLaMA: rotary positions, grouped-query attention,
 //     vocab-parallel loss), each exchange;
-//   * pp 2 x cp 2 (GPT-2 in two 1F1B stages), each exchange.
+//   * pp 2 x cp 2 (GPT-2 in two 1F1B stages), each exchange;
+//   * dp_shard 2 x cp 2 x tp 2 (LLaMA; FSDP over dp_shard x cp composed
+//     with tensor parallelism), ring and alltoall.
 // Each rank takes its data-parallel rows and its head-tail slice of every
 // sequence (cp::shard of the tokens and the targets); the recipe installs
 // the exchange and the positions. Also the transform's named errors.
@@ -139,6 +141,14 @@ EMBER_WORKER(dp_shard_cp) {
   run_case(env, ParallelDims{.dp_shard = 2, .cp = 2}, /*llama=*/false);
 }
 
+// All three: FSDP over the flattened dp_shard x cp view composed with
+// tensor parallelism's DTensor specs (described on the whole mesh, dim 0
+// sharded by dp_shard and by cp).
+EMBER_WORKER(dp_shard_cp_tp) {
+  mp::init_world(env);
+  run_case(env, ParallelDims{.dp_shard = 2, .cp = 2, .tp = 2}, /*llama=*/true);
+}
+
 EMBER_WORKER(cp_tp) {
   mp::init_world(env);
   run_case(env, ParallelDims{.dp_shard = 1, .cp = 2, .tp = 2}, /*llama=*/true);
@@ -206,6 +216,11 @@ TEST(GptContextParallel, Pp2xCp2MatchesOneProcess) {
 TEST(GptContextParallel, Cp2xTp2MatchesOneProcess) {
   for (const char* ex : {"ring", "allgather", "alltoall"})
     EMBER_EXPECT_RANKS("cp_tp", 4, {.arg = std::string("exchange=") + ex}) << ex;
+}
+
+TEST(GptContextParallel, DpShard2xCp2xTp2MatchesOneProcess) {
+  for (const char* ex : {"ring", "alltoall"})
+    EMBER_EXPECT_RANKS("dp_shard_cp_tp", 8, {.arg = std::string("exchange=") + ex}) << ex;
 }
 
 EMBER_WORKER(cp_errors) {
