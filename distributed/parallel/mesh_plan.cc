@@ -199,14 +199,16 @@ std::string activation_memory(const ModelSpec& model, const PlanOptions& o, Mesh
     k.activations =
         static_cast<int64_t>(live_layers * per_layer + recompute + embedding + pending_w + (P == 1 ? logits : 0));
     k.buffers = static_cast<int64_t>(T > 1 ? 2 * sbh * elem : 0);  // a collective's input and output
-    // cp's exchange in flight (its attention keeps only its own slice): the
-    // ring's k, v sent and received (float32 dk, dv in the backward); the
-    // all-gather's whole sequence of k, v and float32 dk, dv; Ulysses' q,
-    // k, v and output split by heads.
-    const double kv = 2 * sbh / T;
+    // cp's exchange at its backward's peak (its attention keeps only its
+    // own slice): the ring's k, v in hand and arriving and float32 dk, dv
+    // accumulated and arriving; the all-gather's whole sequence of k, v
+    // and its float32 dk, dv twice (accumulated, then in rank order for the
+    // reduce-scatter); both with the float32 dq. Ulysses' q, k, v and
+    // output split by heads.
+    const double kv = 2 * sbh / T, dq = sbh / T * 4;
     if (C > 1)
-      k.buffers += static_cast<int64_t>(k.cp_exchange == "ring"        ? 2 * kv * 4
-                                        : k.cp_exchange == "allgather" ? C * kv * (elem + 4)
+      k.buffers += static_cast<int64_t>(k.cp_exchange == "ring"        ? 2 * kv * (elem + 4) + dq
+                                        : k.cp_exchange == "allgather" ? C * kv * (elem + 8) + dq
                                                                        : 4 * sbh / T * elem);
   } else {
     k.activations = static_cast<int64_t>(model.activation_bytes_per_sample * k.micro_batch * (elem / 2));

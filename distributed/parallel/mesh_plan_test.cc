@@ -168,9 +168,10 @@ TEST(MeshPlan, ContextParallelismDividesActivationsAndCountsItsExchanges) {
   eight.ac = "full";
   const MeshCandidate fsdp8 = evaluate_mesh(quarter, h100(8), PlanOptions{.global_batch = 8}, eight);
   EXPECT_EQ(ring.params + ring.grads + ring.optimizer, fsdp8.params + fsdp8.grads + fsdp8.optimizer);
-  // Exchanges in flight: the ring's k, v and float32 dk, dv sent and received.
+  // Exchanges at the backward's peak: the ring's 16-bit k, v and float32
+  // dk, dv, each in hand and arriving, and the float32 dq.
   const double kv = 2.0 * m.seq / 4 * 1 * m.dim;  // a rank's k and v, elements (micro-batch 1)
-  EXPECT_EQ(ring.buffers, static_cast<int64_t>(2 * kv * 4));
+  EXPECT_EQ(ring.buffers, static_cast<int64_t>(2 * kv * (2 + 4) + kv / 2 * 4));
   EXPECT_NE(ring.explain.find("| cp | send_recv"), std::string::npos) << ring.explain;
   EXPECT_NE(ring.explain.find("hidden behind the blocks' attention"), std::string::npos) << ring.explain;
   EXPECT_GE(ring.cp_comm, 0);
@@ -182,7 +183,7 @@ TEST(MeshPlan, ContextParallelismDividesActivationsAndCountsItsExchanges) {
   const double bw = hw.intra_host_bw, lat = hw.intra_latency;
   const double gather = 0.75 * (4 * kv * 2) / bw + 3 * lat, scatter = 0.75 * (4 * kv * 4) / bw + 3 * lat;
   EXPECT_NEAR(ag.cp_comm, 32 * (3 * gather + scatter), 1e-9 * ag.cp_comm) << ag.explain;
-  EXPECT_EQ(ag.buffers, static_cast<int64_t>(4 * kv * (2 + 4)));
+  EXPECT_EQ(ag.buffers, static_cast<int64_t>(4 * kv * (2 + 8) + kv / 2 * 4));
   // Ulysses: 4 all-to-alls of a rank's q, k, v, out per forward (twice
   // under recompute) and 4 in the backward.
   c.cp_exchange = "alltoall";

@@ -320,9 +320,9 @@ double dp_terms(Terms& k) {
 // Context parallelism's exchanges per block and micro-batch (the forward
 // again under full recompute). kv: one rank's k and v, 2·(s/cp)·b·h/tp
 // elements; the backward's dk, dv are in float32. The ring hides its
-// shifts behind the blocks' attention (the 12·dim·seq FLOPs per token, a
-// third forward), so only what exceeds it shows; the all-gather's and the
-// all-to-alls' wait for their results.
+// shifts behind the blocks' attention of all steps but the last (the
+// 12·dim·seq FLOPs per token, a third forward), so only what exceeds it
+// shows; the all-gather's and the all-to-alls' wait for their results.
 void cp_terms(Terms& k) {
   if (!k.model.transformer() || k.C == 1) return;
   const double local = k.model.seq / k.C * k.mb * k.model.dim / k.T;  // one of q, k, v, out: elements
@@ -338,7 +338,8 @@ void cp_terms(Terms& k) {
     k.coll("cp", "send_recv", dkv, k.C, k.T, blocks, &last_hop);
     const double attention_flops =
         12.0 * k.model.dim * k.model.seq * k.model.seq / k.C * k.mb / k.T * blocks * (forwards + 2) / 3;
-    const double hidden = std::min(ring, attention_flops / k.cp.block_flops_per_s * k.stretch);
+    // The last of the cp steps has no shift beside it.
+    const double hidden = std::min(ring, attention_flops / k.cp.block_flops_per_s * k.stretch * (k.C - 1) / k.C);
     k.add("cp", "hidden behind the blocks' attention", -hidden, nullptr);
     k.t.cp_comm = ring - hidden + last_hop;
   } else if (ex == "allgather") {

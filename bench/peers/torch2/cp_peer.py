@@ -9,8 +9,10 @@ cuDNN). The JSON line carries that error ("torch_cp_error"). So this script writ
 all-gather exchange torchtitan defaults to, on plain torch:
   - the sequence cut into 2*cp chunks, rank r holding chunks r and 2*cp-1-r (head-tail, as
     ember and torch's _HeadTailLoadBalancer), tokens, labels and learned positions alike;
-  - every layer all-gathers k and v over cp (autograd: the backward reduce-scatters dk, dv),
-    then attends its queries to the whole sequence with the causal mask of the chunks' positions;
+  - every layer all-gathers k and v over cp in one collective (autograd: the backward
+    reduce-scatters dk, dv), then each local chunk attends to the keys up to its end with a
+    bottom-right causal mask (the keys after it, which causality hides, are not computed: the
+    work ember's all-gather does);
   - FSDP2 fully_shard over the cp ranks (each block, then the root; reshard after forward),
     as ember shards over dp_shard x cp; each rank's loss is the mean over its tokens, and FSDP
     averages the gradients, which gives the global mean;
@@ -21,7 +23,8 @@ learned positions, pre-LayerNorm blocks, tanh GELU 4x MLP, untied head (peer_com
 --global-batch sequences per step (every cp rank holds its slice of each).
 
 Timing: --warmup steps, then --steps timed steps, each after a barrier, the maximum over ranks
-(and each rank's own median: the spread); rank 0 prints one JSON line.
+(and each rank's own median: the spread); rank 0 prints one JSON line, with every step's loss
+(equal at every cp: the check that the exchange is right).
 
   python cp_peer.py --cp 2 --seq 1024
 """
@@ -65,15 +68,34 @@ class GatherSeq(torch.autograd.Function):
 
 
 class CPAttention(pc.SplitAttention):
-    def __init__(self, d, heads, group, mask):
+    """Each local chunk attends only to the keys up to its end (what ember's all-gather computes: the
+    prefix fully, its own chunk causally), k and v gathered together in one all-gather."""
+
+    def __init__(self, d, heads, group, chunks, c):
         super().__init__(d, heads)
-        self.group, self.mask = group, mask
+        self.group, self.chunks, self.c = group, chunks, c  # chunks: this rank's (head, tail) chunk indices
+        self.order = None
 
     def forward(self, x):
         b, t = x.shape[0], x.shape[1]
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        k, v = GatherSeq.apply(k, self.group), GatherSeq.apply(v, self.group)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        kv = GatherSeq.apply(torch.cat([k, v], dim=-1), self.group)  # rank-major head-tail chunks
+        n, c = dist.get_world_size(self.group), self.c
+        if self.order is None:  # natural sequence order from the gathered chunks
+            where = {}
+            for r in range(n):
+                where[r], where[2 * n - 1 - r] = 2 * r, 2 * r + 1
+            self.order = torch.cat([torch.arange(where[i] * c, (where[i] + 1) * c) for i in range(2 * n)])
+        kv = kv.index_select(2, self.order)
+        outs = []
+        for h, chunk in enumerate(self.chunks):
+            end = (chunk + 1) * c
+            keys = kv[:, :, :end]
+            # Bottom-right causal: query i of the chunk (position chunk*c + i) sees keys j <= chunk*c + i.
+            mask = torch.ones(c, end, dtype=torch.bool).tril(diagonal=end - c)
+            outs.append(F.scaled_dot_product_attention(q[:, :, h * c:(h + 1) * c], keys[..., :self.head_dim],
+                                                       keys[..., self.head_dim:], attn_mask=mask))
+        a = torch.cat(outs, dim=2)
         return self.wo(a.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -115,19 +137,17 @@ def train_rank(rank, world, a, out):
     error = torch_cp_error(a, mesh)
     group, cp, r = mesh.get_group(), a.cp, mesh.get_local_rank()
     positions = head_tail(torch.arange(a.seq), cp, r, dim=0)
-    gathered = torch.cat([head_tail(torch.arange(a.seq), cp, j, dim=0) for j in range(cp)])
-    mask = gathered[None, :] <= positions[:, None]  # True: attend
     torch.manual_seed(0)
     model = GPT(a)
     for blk in model.blocks:
-        attn = CPAttention(a.dim, a.heads, group, mask)
+        attn = CPAttention(a.dim, a.heads, group, (r, 2 * cp - 1 - r), a.seq // (2 * cp))
         attn.load_state_dict(blk.attn.state_dict())
         blk.attn = attn
     for blk in model.blocks:
         fully_shard(blk, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    times, mine = [], []
+    times, mine, losses = [], [], []
     for step in range(a.warmup + a.steps):
         g = torch.Generator().manual_seed(1000 + 97 * step)
         tokens = torch.randint(0, a.vocab, (a.global_batch, a.seq + 1), generator=g)
@@ -138,10 +158,6 @@ def train_rank(rank, world, a, out):
         logits = model(x, positions.unsqueeze(0))
         loss = F.cross_entropy(logits.reshape(-1, a.vocab), y.reshape(-1))
         loss.backward()
-        if step == 0:
-            first = loss.detach().clone()
-            dist.all_reduce(first)  # every rank's mean over its tokens: the mean is the global loss
-            first_loss = first.item() / cp
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         own = time.perf_counter() - t0
@@ -150,12 +166,15 @@ def train_rank(rank, world, a, out):
         if step >= a.warmup:
             times.append(dt.item())
             mine.append(own)
+        lv = loss.detach().clone()
+        dist.all_reduce(lv)  # every rank's mean over its tokens: their mean is the global loss
+        losses.append(round(lv.item() / cp, 6))
     per_rank = [torch.zeros(1) for _ in range(world)]
     dist.all_gather(per_rank, torch.tensor([pc.median_ms(mine)]))
     if rank == 0:
         pc.emit(dict(script="cp_peer", kind="train", cp=cp, seq=a.seq, exchange="allgather (written here)",
                      step_ms_median=pc.median_ms(times), step_ms=[round(t * 1e3, 2) for t in times],
-                     rank_step_ms=[round(p.item(), 2) for p in per_rank], first_loss=round(first_loss, 6),
+                     rank_step_ms=[round(p.item(), 2) for p in per_rank], losses=losses,
                      peak_rss_mib=pc.mib(pc.peak_rss_bytes()), torch_cp_error=error, torch=torch.__version__), out)
     # Freed while the group is alive (pp_peer.py: Gloo may abort at exit otherwise).
     del model, opt, logits, loss

@@ -125,6 +125,7 @@ class BlockAttention {
                  std::optional<double> scale)
       : blocks_(std::move(blocks)),
         scale_(scale),
+        dtype_(q.dtype()),
         dim_(q.dim() - 2),
         c_(q.size(dim_) / 2),
         d_(k.size(-1)),
@@ -139,14 +140,19 @@ class BlockAttention {
       acc_[x.h] = merge(acc_[x.h], p);
     }
   }
-  // The merged output, in the compute dtype; the backward's state after it.
+  // The merged output in q's dtype (as FlashAttention keeps it; the
+  // log-sum-exps stay in the compute dtype), then the backward's state.
+  // An alias: the node keeps out_, so it must not be the output autograd
+  // records (the recorded node would own itself through it).
   Tensor finish() {
-    out_ = cat({acc_[0].out, acc_[1].out}, dim_);
+    out_ = cat({acc_[0].out, acc_[1].out}, dim_).to(dtype_);
     lse_ = cat({acc_[0].lse, acc_[1].lse}, dim_);
     acc_[0] = acc_[1] = Partial{};
     next_ = 0;
-    return out_;
+    return out_.alias();
   }
+  // Before each backward (a retained graph may run it twice): from the first block.
+  void rewind() { next_ = 0; }
   // Backward: adds the blocks of `step` to dq and to dkv, the gradient of kv.
   void grads_step(const Tensor& q, const Tensor& kv, const Tensor& g, int step, Tensor& dq, Tensor& dkv) {
     for (; next_ < blocks_.size() && blocks_[next_].step == step; ++next_) {
@@ -158,7 +164,7 @@ class BlockAttention {
       add_(dq_rows, gq), add_(dk_rows, gk), add_(dv_rows, gv);
     }
   }
-  TensorOptions acc_options() const { return out_.options(); }
+  TensorOptions acc_options() const { return lse_.options(); }  // the compute dtype
 
  private:
   Tensor keys(const Tensor& kv, const KeyBlock& x) const { return kv.narrow(dim_, x.k0, x.len).narrow(-1, 0, d_); }
@@ -166,6 +172,7 @@ class BlockAttention {
 
   const std::vector<KeyBlock> blocks_;
   const std::optional<double> scale_;
+  const DType dtype_;
   const int64_t dim_, c_, d_, dv_;
   Partial acc_[2];
   size_t next_ = 0;
@@ -186,6 +193,7 @@ Tensor block_attention(const char* op, const Tensor& q, const Tensor& k, const T
         const Tensor sq = q, sk = k, sv = v;
         BackwardFn fn = [=](const Tensor& g) {
           NoGradGuard no_grad;
+          node->rewind();
           auto [dq, dkv] = backward(*node, g.to(node->acc_options().dtype));
           return std::vector<Tensor>{dq.to(sq.dtype()), dkv.narrow(-1, 0, d).to(sk.dtype()),
                                      dkv.narrow(-1, d, dv).to(sv.dtype())};

@@ -58,6 +58,16 @@ EMBER_WORKER(cp_attention) {
     mp::check_close(ql.grad(), shard(q.grad(), 2, cp, me), what + " dq", 1e-10);
     mp::check_close(kl.grad(), shard(k.grad(), 2, cp, me), what + " dk", 1e-10);
     mp::check_close(vl.grad(), shard(v.grad(), 2, cp, me), what + " dv", 1e-10);
+    // A retained graph's second backward gives the same gradients (the
+    // ring's and the all-gather's nodes start from their first block again).
+    {
+      Tensor q2 = ql.detach().requires_grad_(), k2 = kl.detach().requires_grad_(), v2 = vl.detach().requires_grad_();
+      Tensor y = sum(attention(q2, k2, v2, causal, ex, pg) * shard(proj, 2, cp, me));
+      y.backward(Tensor(), /*retain_graph=*/true);
+      const Tensor first = k2.grad().clone();
+      y.backward();
+      mp::check_close(k2.grad(), first * 2.0, what + " dk after a second backward", 1e-10);
+    }
     // Bytes of the forward (one layer), per rank.
     const int64_t local = B * H * (2 * c) * D * 8;  // one of q, k, v, out on this rank
     const auto bytes = [&](const char* op) { return counters.count(op) ? counters.at(op).bytes : int64_t{0}; };
