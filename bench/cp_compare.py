@@ -31,38 +31,39 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = dict(layers=4, dim=256, heads=4, global_batch=2)
 
 
+def gpt_run(gpt, cp, seq, exchange, steps, d, *extra):
+    """//examples:gpt on the model, cp ranks, checkpoints in d."""
+    cmd = [gpt, "--nproc", str(cp), "--cp", str(cp), "--cp-exchange", exchange, "--dim", str(MODEL["dim"]),
+           "--heads", str(MODEL["heads"]), "--layers", str(MODEL["layers"]), "--seq", str(seq),
+           "--global-batch", str(MODEL["global_batch"]), "--max-steps", str(steps), "--sample-len", "0",
+           "--eval-every", "1000", "--checkpoint-dir", d, *extra]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
 def ours(gpt, cp, seq, exchange, steps):
     """Per step: the slowest rank's seconds, and the spread (max - min) / max over ranks."""
     with tempfile.TemporaryDirectory() as d:
         m = os.path.join(d, "m.jsonl")
-        cmd = [gpt, "--nproc", str(cp), "--cp", str(cp), "--cp-exchange", exchange, "--dim", str(MODEL["dim"]),
-               "--heads", str(MODEL["heads"]), "--layers", str(MODEL["layers"]), "--seq", str(seq),
-               "--global-batch", str(MODEL["global_batch"]), "--max-steps", str(steps), "--sample-len", "0",
-               "--eval-every", "1000", "--checkpoint-dir", d, "--metrics", m]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        gpt_run(gpt, cp, seq, exchange, steps, d, "--metrics", m)
         rows = [json.loads(l) for l in open(m)][1:]
     per_rank = [r["step_s_by_rank"] for r in rows]
     return [1e3 * max(s) for s in per_rank], [(max(s) - min(s)) / max(s) for s in per_rank]
+
+
+KERNELS = ("scaled_dot_product_attention_lse", "scaled_dot_product_attention_block_grads")
 
 
 def attention_balance(gpt, cp, seq, exchange):
     """Each rank's milliseconds in the blocks' attention kernels (forward and backward, 3 profiled steps):
     the work head-tail balances, without the waits a step's wall time hides it behind."""
     with tempfile.TemporaryDirectory() as d:
-        cmd = [gpt, "--nproc", str(cp), "--cp", str(cp), "--cp-exchange", exchange, "--dim", str(MODEL["dim"]),
-               "--heads", str(MODEL["heads"]), "--layers", str(MODEL["layers"]), "--seq", str(seq),
-               "--global-batch", str(MODEL["global_batch"]), "--max-steps", "6", "--sample-len", "0",
-               "--eval-every", "1000", "--checkpoint-dir", d, "--profile", os.path.join(d, "prof")]
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        gpt_run(gpt, cp, seq, exchange, 6, d, "--profile", os.path.join(d, "prof"))
         per_rank = []
         for r in range(cp):
             j = json.load(open(os.path.join(d, "prof", f"trace-rank{r}.json")))
             events = j["traceEvents"] if isinstance(j, dict) else j
             per_rank.append(sum(e.get("dur", 0) for e in events if e.get("name") in KERNELS) / 1e3)
     return per_rank
-
-
-KERNELS = ("scaled_dot_product_attention_lse", "scaled_dot_product_attention_block_grads")
 
 
 def peer(python, cp, seq, steps):

@@ -38,6 +38,7 @@
 #include "distributed/checkpoint/checkpoint.h"
 #include "distributed/checkpoint/live_recovery.h"
 #include "distributed/checkpoint/sharded.h"
+#include "distributed/comm/functional_collectives.h"
 #include "distributed/config_check.h"
 #include "distributed/init.h"
 #include "distributed/parallel/rank_agreement.h"
@@ -409,15 +410,14 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       Tensor lt = Tensor::from_vector({loss}, {1}, DType::Float64).to(device);
       job.pg->allreduce(lt, distributed::ReduceOp::Avg)->wait();
       loss = lt.to(kCPU).item();
-      // Every rank's own step time: the spread shows a rank that waits on
-      // the others (an unbalanced context-parallel split, a slow host).
-      Tensor secs = zeros({job.world}, {DType::Float64, kCPU});
-      secs.narrow(0, job.pg->rank(), 1).fill_(train_s);
-      Tensor on = secs.to(device);
-      job.pg->allreduce(on, distributed::ReduceOp::Sum)->wait();
+      // Every rank's own time in the training step, by global rank (its
+      // collectives keep them close: bench/cp_compare.py times each rank's
+      // attention kernels to see a context-parallel imbalance).
+      const Tensor secs = distributed::functional::all_gather(
+          Tensor::from_vector({train_s}, {1}, DType::Float64).to(device), 0, job.pg);
       if (metrics.is_open())
         metrics.write(step, loss, lr, grad_norm, tokens_per_step, examples::seconds(step_start, Clock::now()), mem,
-                      examples::batch_digest(corpus, all, flags.seq), on.to(kCPU).to_vector());
+                      examples::batch_digest(corpus, all, flags.seq), secs.to(kCPU).to_vector());
     }
     loss_ema = loss_ema < 0 ? loss : 0.9 * loss_ema + 0.1 * loss;
     const double rate = (step - first) * tokens_per_step / std::max(examples::seconds(t0, Clock::now()), 1e-9);

@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "core/exception.h"
+#include "distributed/parallel/pp/schedule/schedule.h"
 #include "nn/transformer.h"
 
 namespace ember::distributed {
@@ -125,6 +126,14 @@ TEST(MeshPlan, Llama70bOn64UsesTensorAndPipelineParallelism) {
   std::erase_if(plan.feasible, [](const MeshCandidate& c) { return c.dims.cp > 1; });
   const MeshCandidate& b = plan.best();
   EXPECT_LE(with_cp.step, b.step);
+  // Every pipeline is simulated once and its result reused for the search's
+  // other candidates: the memo's bubbles are the simulator's.
+  for (const MeshCandidate* c : {&with_cp, &b}) {
+    const pp::Schedule sched =
+        pp::make_schedule(c->schedule, c->dims.pp, c->virtual_stages, static_cast<int>(c->microbatches));
+    const pp::Costs costs{.f = 1, .b = c->schedule == "zb-h1" ? 1.0 : 2.0, .w = c->schedule == "zb-h1" ? 1.0 : 0.0};
+    EXPECT_DOUBLE_EQ(c->bubble, pp::simulate(sched, costs).bubble_fraction) << c->mesh();
+  }
   EXPECT_GT(b.dims.tp, 1) << plan.table();
   EXPECT_GT(b.dims.pp, 1) << plan.table();
   EXPECT_LE(b.dims.tp, 8) << "tensor parallelism stays within a host";
