@@ -86,6 +86,18 @@ std::array<Tensor, 3> scaled_dot_product_attention_block_grads(const Tensor& q, 
                                                                const Tensor& block_lse, bool is_causal = false,
                                                                std::optional<double> scale = std::nullopt);
 
+// Grouped matrix multiply over variable-size groups of rows (the dropless
+// mixture-of-experts GEMM, torch._grouped_mm's job): x [N, K] holds G
+// consecutive groups of group_sizes[g] rows (sum N, a size may be 0), w
+// [G, M, K] one [M, K] weight per group in nn::Linear's layout, and row i of
+// group g gives y_i = x_i w[g]^T, y [N, M]. One op with its own
+// derivative (dx_g = dy_g w[g], dw[g] = dy_g^T x_g; an empty group's weight
+// gets a zero gradient). Each group is one GEMM of the matmul backends
+// (oneDNN / OpenBLAS on the CPU, cuBLAS on CUDA); a low-precision op under
+// autocast. group_sizes live on the host: the caller has them already
+// (expert parallelism exchanges them before any token moves).
+Tensor grouped_mm(const Tensor& x, const Tensor& w, const std::vector<int64_t>& group_sizes);
+
 // Normalises each channel of x [N, C, H, W]. training: by the batch
 // statistics, and, when running_mean/var are defined, updates them in place
 // as PyTorch does (running = (1 - momentum) * running + momentum * batch, the

@@ -464,6 +464,13 @@ TEST_F(CudaNnOps, IndexSelectAndGatherBackwardMatchCpu) {
   }
 }
 
+TEST_F(CudaNnOps, GroupedMmMatchesCpu) {
+  const std::vector<int64_t> sizes{5, 0, 3, 9, 1};
+  for (DType dt : kTypes)
+    compare([&](const std::vector<Tensor>& v) { return grouped_mm(v[0], v[1], sizes); },
+            {rnd({18, 24}, 41, dt), rnd({5, 12, 24}, 42, dt, 0.2)}, tol(dt), cat("grouped_mm ", dt));
+}
+
 TEST_F(CudaNnOps, BatchNormMatchesCpu) {
   uint64_t seed = 200;
   for (DType dt : kTypes) {

@@ -600,5 +600,73 @@ TEST(ChannelsLast, BatchNormAndPoolingMatchNchwForwardAndBackward) {
   }, {x, w});
 }
 
+// ---- grouped_mm ----
+
+// Each group's rows times its own weight, through mm on narrowed slices.
+Tensor grouped_reference(const Tensor& x, const Tensor& w, const std::vector<int64_t>& sizes) {
+  std::vector<Tensor> parts;
+  int64_t row = 0;
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    parts.push_back(mm(x.narrow(0, row, sizes[g]), w.select(0, static_cast<int64_t>(g)).t()));
+    row += sizes[g];
+  }
+  return ::ember::cat(parts, 0);
+}
+
+TEST(GroupedMm, MatchesPerGroupMatmulsWithEmptyGroups) {
+  for (const std::vector<int64_t>& sizes : std::vector<std::vector<int64_t>>{{3, 0, 5, 2}, {0, 0, 4}, {6}, {0, 0}}) {
+    int64_t n = 0;
+    for (int64_t s : sizes) n += s;
+    const int64_t G = static_cast<int64_t>(sizes.size());
+    const Tensor x0 = rnd({n, 7}, 1), w0 = rnd({G, 5, 7}, 2), proj = rnd({n, 5}, 3);
+    Tensor x = leaf(x0), w = leaf(w0), xr = leaf(x0), wr = leaf(w0);
+    Tensor y = grouped_mm(x, w, sizes);
+    sum(y * proj).backward();
+    Tensor yr = n ? grouped_reference(xr, wr, sizes) : zeros({0, 5}, {DType::Float64});
+    if (n) sum(yr * proj).backward();
+    const std::string what = cat("sizes ", sizes.size(), " n ", n);
+    expect_close(y, yr, 1e-12, what + " forward");
+    if (n) expect_close(x.grad(), xr.grad(), 1e-12, what + " dx");
+    // A group of no rows gets a zero weight gradient (defined, like the others).
+    Tensor dw_ref = n ? wr.grad() : zeros({G, 5, 7}, {DType::Float64});
+    for (int64_t g = 0; g < G; ++g)
+      if (sizes[g] == 0) dw_ref.select(0, g).zero_();
+    expect_close(w.grad(), dw_ref, 1e-12, what + " dw");
+  }
+  check_grad("grouped_mm",
+             [](const std::vector<Tensor>& v) {
+               return grouped_mm(v[0], v[1], {2, 0, 3});
+             },
+             {leaf(rnd({5, 4}, 4)), leaf(rnd({3, 3, 4}, 5))});
+}
+
+TEST(GroupedMm, Float32AndHalfTypesMatchFloat64) {
+  const std::vector<int64_t> sizes{4, 1, 0, 3};
+  const Tensor x = rnd({8, 16}, 6), w = rnd({4, 8, 16}, 7);
+  const Tensor want = grouped_mm(x, w, sizes);
+  for (auto [dt, t] : {std::pair{DType::Float32, 1e-5}, {DType::BFloat16, 3e-2}, {DType::Float16, 1e-2}}) {
+    Tensor got = grouped_mm(x.to(dt), w.to(dt), sizes).to(DType::Float64);
+    expect_close(got, want, t * 4, cat("grouped_mm ", dt));
+  }
+}
+
+TEST(GroupedMm, ErrorsNameTheOpAndShapes) {
+  const Tensor x = rnd({5, 4}, 1), w = rnd({2, 3, 4}, 2);
+  EXPECT_NE(error_of([&] {
+              grouped_mm(x, w, {2, 2});
+            }).find("sum to 4 rows but x [5,4] has 5"),
+            std::string::npos)
+      << error_of([&] {
+           grouped_mm(x, w, {2, 2});
+         });
+  EXPECT_NE(error_of([&] { grouped_mm(x, w, {5}); }).find("1 group sizes for w [2,3,4] with 2 groups"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              grouped_mm(x, rnd({2, 3, 5}, 3), {2, 3});
+            }).find("inner dimensions 4 and 5"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { grouped_mm(x, w, {6, -1}); }).find("group 1 has size -1"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace ember

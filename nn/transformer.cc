@@ -196,13 +196,19 @@ Tensor TransformerMLP::forward(const Tensor& x) { return (*drop)((*c_proj)(gelu(
 TransformerBlock::TransformerBlock(int64_t n_embd, int64_t n_head, double dropout)
     : TransformerBlock(GPTOptions{.n_head = n_head, .n_embd = n_embd, .dropout = dropout}) {}
 
-TransformerBlock::TransformerBlock(const GPTOptions& o) : Module("TransformerBlock") {
+TransformerBlock::TransformerBlock(const GPTOptions& o, int64_t layer) : Module("TransformerBlock") {
   const std::vector<int64_t> shape{o.n_embd};
+  const bool moe = o.moe.num_experts > 0 && layer % std::max<int64_t>(o.moe.every, 1) == 0;
+  MoEOptions mo = o.moe;
+  if (mo.hidden == 0) mo.hidden = o.ffn_width();
   if (o.arch == Arch::GPT2) {
     ln_1 = register_module("ln_1", std::make_shared<LayerNorm>(shape, o.norm_eps));
     attn = register_module("attn", std::make_shared<MultiheadAttention>(o.n_embd, o.n_head, o.dropout, true));
     ln_2 = register_module("ln_2", std::make_shared<LayerNorm>(shape, o.norm_eps));
-    mlp = register_module("mlp", std::make_shared<TransformerMLP>(o.n_embd, o.dropout));
+    if (moe)
+      mlp = register_module("mlp", std::make_shared<MoE>(o.n_embd, mo));
+    else
+      mlp = register_module("mlp", std::make_shared<TransformerMLP>(o.n_embd, o.dropout));
     return;
   }
   ln_1 = register_module("ln_1", std::make_shared<RMSNorm>(shape, o.norm_eps));
@@ -213,7 +219,10 @@ TransformerBlock::TransformerBlock(const GPTOptions& o) : Module("TransformerBlo
                                                                                           .dropout = o.dropout,
                                                                                           .causal = true}));
   ln_2 = register_module("ln_2", std::make_shared<RMSNorm>(shape, o.norm_eps));
-  mlp = register_module("mlp", std::make_shared<SwiGLU>(o.n_embd, o.ffn_width(), o.dropout));
+  if (moe)
+    mlp = register_module("mlp", std::make_shared<MoE>(o.n_embd, mo));
+  else
+    mlp = register_module("mlp", std::make_shared<SwiGLU>(o.n_embd, o.ffn_width(), o.dropout));
 }
 
 Tensor TransformerBlock::forward(const Tensor& x) {
@@ -245,7 +254,8 @@ GPT::GPT(GPTOptions opts) : Module("GPT"), options(opts) {
   if (!llama) wpe = register_module("wpe", std::make_shared<Embedding>(opts.block_size, opts.n_embd));
   drop = register_module("drop", std::make_shared<Dropout>(opts.dropout));
   h = register_module("h", std::make_shared<Sequential>());
-  for (int64_t i = 0; i < opts.n_layer; ++i) h->push_back(std::make_shared<TransformerBlock>(opts));
+  for (int64_t i = 0; i < opts.n_layer; ++i) h->push_back(std::make_shared<TransformerBlock>(opts, i));
+  EMBER_CHECK(opts.moe.num_experts == 0 || opts.moe.every >= 1, "GPT: moe.every ", opts.moe.every, " (at least 1)");
   const std::vector<int64_t> shape{opts.n_embd};
   if (llama)
     ln_f = register_module("ln_f", std::make_shared<RMSNorm>(shape, opts.norm_eps));

@@ -27,6 +27,7 @@
 #include "core/ops.h"
 #include "nn/layers.h"
 #include "nn/module.h"
+#include "nn/moe.h"
 
 namespace ember::nn {
 
@@ -125,11 +126,13 @@ struct GPTOptions;
 
 // Pre-norm block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). GPT-2:
 // LayerNorm, MultiheadAttention, TransformerMLP; LLaMA: RMSNorm,
-// GroupedQueryAttention with rotary embeddings, SwiGLU.
+// GroupedQueryAttention with rotary embeddings, SwiGLU. With options.moe
+// (num_experts > 0) the feed-forward of block `layer` is an MoE (moe.h)
+// when layer % moe.every == 0, still named "mlp".
 class TransformerBlock : public Module {
  public:
   TransformerBlock(int64_t n_embd, int64_t n_head, double dropout = 0.0);
-  explicit TransformerBlock(const GPTOptions& options);
+  explicit TransformerBlock(const GPTOptions& options, int64_t layer = 0);
   Tensor forward(const Tensor& x) override;
   std::shared_ptr<Module> ln_1, ln_2, attn, mlp;
 };
@@ -173,6 +176,9 @@ struct GPTOptions {
   int64_t ffn_multiple_of = 256;
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
+  // Mixture-of-experts feed-forwards (num_experts 0: none); hidden 0 takes
+  // ffn_width(). The experts are SwiGLUs in either family.
+  MoEOptions moe = {};
 
   // `o` with arch = Llama (so designated initialisers read as a LLaMA config).
   static GPTOptions llama(GPTOptions o) {

@@ -1,0 +1,180 @@
+// The mixture-of-experts layer (moe.h): routing, the dropless dispatch by
+// sorting, the grouped SwiGLU experts, the weighted combine and the router
+// losses fed back through the backward.
+#include "nn/moe.h"
+
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "core/autograd_hook.h"
+#include "core/exception.h"
+#include "core/ops.h"
+#include "core/ops_nn.h"
+#include "nn/transformer.h"
+
+namespace ember::nn {
+
+const char* router_score_name(RouterScore s) { return s == RouterScore::Softmax ? "softmax" : "sigmoid"; }
+
+RouterScore parse_router_score(const std::string& s) {
+  if (s == "softmax") return RouterScore::Softmax;
+  if (s == "sigmoid") return RouterScore::Sigmoid;
+  EMBER_CHECK(false, "MoE router score '", s, "': expected softmax or sigmoid");
+  return RouterScore::Softmax;
+}
+
+namespace {
+
+void check_options(const MoEOptions& o, int64_t dim) {
+  EMBER_CHECK(o.num_experts >= 1, "MoE: num_experts ", o.num_experts, " (at least 1)");
+  EMBER_CHECK(o.top_k >= 1 && o.top_k <= o.num_experts, "MoE: top_k ", o.top_k,
+              " must be in [1, num_experts=", o.num_experts, "]");
+  EMBER_CHECK(o.hidden >= 1 && dim >= 1, "MoE: dim ", dim, " and hidden ", o.hidden, " must be positive");
+  EMBER_CHECK(o.shared_experts >= 0, "MoE: shared_experts ", o.shared_experts, " (0 or more)");
+  EMBER_CHECK(o.aux_loss_coef >= 0 && o.z_loss_coef >= 0, "MoE: aux_loss_coef ", o.aux_loss_coef, " and z_loss_coef ",
+              o.z_loss_coef, " must be >= 0");
+}
+
+// The router losses' gradient enters here: y passes through unchanged and
+// the scalar `aux` (the coefficients applied) receives 1 as its gradient whenever y's gradient
+// arrives, so a backward from any loss of y trains the router's balance.
+Tensor attach_aux_loss(const Tensor& y, const Tensor& aux) {
+  if (!aux.requires_grad()) return y;
+  return differentiable(
+      "moe_aux_loss", {y, aux}, [&] { return y.alias(); },
+      [&](const Tensor&) {
+        const TensorOptions opts = aux.options();
+        BackwardFn fn = [opts](const Tensor& g) { return std::vector<Tensor>{g, ones({}, opts)}; };
+        return Recorded{fn, {}, true};
+      });
+}
+
+}  // namespace
+
+TopKRouter::TopKRouter(int64_t dim, const MoEOptions& o) : Module("TopKRouter"), options(o) {
+  gate = register_module("gate", std::make_shared<Linear>(dim, o.num_experts, /*bias=*/false));
+}
+
+Tensor TopKRouter::forward(const Tensor& x) { return (*gate)(x); }
+
+Routing TopKRouter::route(const Tensor& x) {
+  Routing r;
+  r.logits = (*gate)(x);
+  // Scores in float32 at least (16-bit logits round the softmax's ties away).
+  const DType sdt = r.logits.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
+  Tensor l = r.logits.to(sdt);
+  r.scores = options.score == RouterScore::Softmax ? softmax(l, -1) : sigmoid(l);
+  // Top k by k argmaxes (the first maximum: ties go to the lower index),
+  // each choice masked out before the next.
+  const int64_t E = options.num_experts;
+  Tensor pick = r.scores.detach();
+  std::vector<Tensor> chosen;
+  const Tensor ninf = full({}, -std::numeric_limits<double>::infinity(), pick.options());
+  for (int64_t j = 0; j < options.top_k; ++j) {
+    Tensor idx = argmax(pick, -1, /*keepdim=*/true);  // [N, 1]
+    chosen.push_back(idx);
+    if (j + 1 < options.top_k)
+      pick = where(eq(one_hot(idx.squeeze(-1), E), ones({}, {DType::Int64, pick.device()})), ninf, pick);
+  }
+  r.experts = chosen.size() == 1 ? chosen[0] : cat(chosen, -1);
+  r.weights = gather(r.scores, -1, r.experts);
+  if (options.normalize_top_k && options.top_k > 1) r.weights = r.weights / sum(r.weights, {-1}, true);
+  return r;
+}
+
+GroupedExperts::GroupedExperts(int64_t E, int64_t dim, int64_t hidden) : Module("GroupedExperts"), num_experts(E) {
+  // N(0, 0.02) here too (the GPT re-initialises every matrix alike).
+  Generator g(0);
+  w1 = register_parameter("w1", randn({E, hidden, dim}, {}, &g) * 0.02);
+  w2 = register_parameter("w2", randn({E, dim, hidden}, {}, &g) * 0.02);
+  w3 = register_parameter("w3", randn({E, hidden, dim}, {}, &g) * 0.02);
+}
+
+Tensor GroupedExperts::run(const Tensor& x, const std::vector<int64_t>& counts) {
+  return grouped_mm(silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts), w2, counts);
+}
+
+Tensor GroupedExperts::forward(const Tensor& x) {
+  std::vector<int64_t> counts(static_cast<size_t>(w1.size(0)), 0);
+  counts[0] = x.size(0);
+  return run(x, counts);
+}
+
+MoE::MoE(int64_t dim_, MoEOptions o) : Module("MoE"), options(o), dim(dim_) {
+  check_options(o, dim_);
+  router = register_module("router", std::make_shared<TopKRouter>(dim_, o));
+  experts = register_module("experts", std::make_shared<GroupedExperts>(o.num_experts, dim_, o.hidden));
+  if (o.shared_experts > 0)
+    shared_experts = register_module("shared_experts", std::make_shared<SwiGLU>(dim_, o.shared_experts * o.hidden));
+}
+
+Tensor MoE::forward(const Tensor& input) {
+  EMBER_CHECK(input.dim() >= 1 && input.size(-1) == dim, "MoE: input ", shape_str(input.sizes()), " must end in dim ",
+              dim);
+  const Tensor x = input.reshape({-1, dim});
+  const int64_t N = x.size(0), K = options.top_k, E = options.num_experts;
+  Routing r = router->route(x);
+
+  // The (token, choice) pairs sorted by expert on the host: the counts are
+  // needed there anyway (the grouped GEMM's groups, expert parallelism's
+  // splits), and this is one small copy of N k indices.
+  const Tensor chosen = r.experts.cpu().contiguous();
+  const int64_t* ch = chosen.data<int64_t>();
+  std::vector<int64_t> counts(static_cast<size_t>(E), 0);
+  for (int64_t i = 0; i < N * K; ++i) ++counts[static_cast<size_t>(ch[i])];
+  std::vector<int64_t> start(static_cast<size_t>(E), 0);
+  for (int64_t e = 1; e < E; ++e) start[e] = start[e - 1] + counts[e - 1];
+  std::vector<double> token_of(static_cast<size_t>(N * K)), slot_of(static_cast<size_t>(N * K));
+  for (int64_t i = 0; i < N * K; ++i) {  // i = t K + j, in token order: a stable sort
+    const int64_t at = start[static_cast<size_t>(ch[i])]++;
+    token_of[static_cast<size_t>(at)] = static_cast<double>(i / K);
+    slot_of[static_cast<size_t>(i)] = static_cast<double>(at);
+  }
+  const TensorOptions idx{DType::Int64, x.device()};
+  const Tensor rows = index_select(x, 0, Tensor::from_vector(token_of, {N * K}, idx));
+  Tensor out = dispatch ? dispatch(*experts, rows, counts) : experts->run(rows, counts);
+  EMBER_INTERNAL_ASSERT(out.dim() == 2 && out.size(0) == N * K && out.size(1) == dim, "MoE: the dispatch returned ",
+                        shape_str(out.sizes()), " for ", N * K, " rows of ", dim);
+  // Back to (token, choice) order, weighted, summed over the k choices.
+  out = index_select(out, 0, Tensor::from_vector(slot_of, {N * K}, idx)).view({N, K, dim});
+  Tensor y = sum(out * r.weights.to(out.dtype()).unsqueeze(-1), {1});
+  if (shared_experts) y = y + (*shared_experts)(x);
+
+  // The router losses, over the batch's counts when balance_sum sums them
+  // (total = tokens x k, so f_e = E count_e / tokens).
+  Tensor c = Tensor::from_vector(std::vector<double>(counts.begin(), counts.end()), {E}, DType::Float64);
+  if (balance_sum) c = balance_sum(c.to(x.device())).cpu();
+  stats_.tokens_per_expert.assign(static_cast<size_t>(E), 0);
+  double total = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    stats_.tokens_per_expert[e] = static_cast<int64_t>(std::llround(c.data<double>()[e]));
+    total += c.data<double>()[e];
+  }
+  Tensor p = r.scores;
+  if (options.score == RouterScore::Sigmoid) p = p / sum(p, {-1}, true);
+  const Tensor f = (c * (static_cast<double>(E * K) / std::max(total, 1.0))).to(x.device(), p.dtype());
+  const Tensor aux = sum(mean(p, {0}) * f);
+  Tensor l = r.logits.to(p.dtype());
+  const Tensor m = max(l, {-1}, true).detach();
+  const Tensor lse = log(sum(exp(l - m), {-1})) + m.squeeze(-1);
+  const Tensor z = mean(lse * lse);
+  stats_.aux_loss = aux.item();
+  stats_.z_loss = z.item();
+  const double ca = options.aux_loss_coef * aux_grad_scale, cz = options.z_loss_coef * aux_grad_scale;
+  if (GradMode::is_enabled() && (ca != 0 || cz != 0)) y = attach_aux_loss(y, aux * ca + z * cz);
+  return y.view(input.sizes());
+}
+
+std::vector<MoE*> moe_layers(Module& model) {
+  std::vector<MoE*> out;
+  for (auto& [name, m] : model.named_modules())
+    if (auto* moe = dynamic_cast<MoE*>(m)) out.push_back(moe);
+  return out;
+}
+
+void set_moe_aux_grad_scale(Module& model, double scale) {
+  for (MoE* m : moe_layers(model)) m->aux_grad_scale = scale;
+}
+
+}  // namespace ember::nn

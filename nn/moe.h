@@ -1,0 +1,146 @@
+// Mixture of experts: a token-choice top-k router, stacked SwiGLU experts run
+// as grouped GEMMs over variable-size groups (dropless: no capacity, no
+// token dropped), the combine weighted by the router's scores, optional
+// DeepSeek-style shared experts, and the two router losses (Switch /
+// Mixtral load balancing, ST-MoE's z-loss).
+//
+//   nn::MoE moe(64, {.num_experts = 8, .top_k = 2, .hidden = 128});
+//   Tensor y = moe(x);                    // x, y [B, T, 64]
+//   moe.stats().tokens_per_expert;        // what the last forward routed
+//
+// Names follow torchtitan's MoE: "router.gate" (Linear [E, dim], no bias),
+// "experts.w1" (gate) and "experts.w3" (up) [E, hidden, dim], "experts.w2"
+// (down) [E, dim, hidden] — nn::Linear's [out, in] per expert, stacked, so a
+// checkpoint holds one tensor per layer and expert parallelism shards dim 0
+// — and "shared_experts" (an nn::SwiGLU of width shared_experts x hidden).
+//
+// Routing, per token t with router logits l = gate(x_t):
+//   scores s = softmax(l) (or sigmoid(l)); the k largest, ties to the lower
+//   expert index; weights w_j = s[e_j] (divided by their sum when
+//   normalize_top_k, Mixtral's and DeepSeek's choice); y_t = sum_j w_j
+//   expert_{e_j}(x_t) (+ shared(x_t)).
+// Dispatch: the N k (token, choice) pairs sorted by expert (stable: token
+// order within an expert), the tokens gathered in that order, one grouped
+// GEMM per projection over the experts' groups (an expert with no token is
+// an empty group), the results gathered back and combined.
+//
+// Router losses, added to the model's loss through the backward (the layer's
+// output carries a node that feeds coef * their gradient into the router;
+// Megatron's MoEAuxLossAutoScaler, DeepSeek's AddAuxiliaryLoss), so a
+// pipeline stage or a caller that only sees the language-model loss trains
+// them alike:
+//   aux = E * sum_e f_e P_e      f_e = (tokens routed to e) / N (summed over
+//                                 the k choices, Hugging Face Mixtral's
+//                                 load_balancing_loss_func), P_e = mean of
+//                                 s[e] over the tokens (s renormalised to sum
+//                                 1 for sigmoid scores, as DeepSeek-V3)
+//   z   = mean_t logsumexp(l_t)^2 (ST-MoE)
+// The term fed back is aux_loss_coef * aux + z_loss_coef * z, times
+// aux_grad_scale (set by a loop that scales its loss: 1/micro-batches for
+// gradient accumulation, a loss scaler's scale). Under data parallelism the
+// counts f_e are those of the whole batch when `balance_sum` sums them over
+// the data-parallel ranks (what one process on the whole batch computes).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nn/layers.h"
+#include "nn/module.h"
+
+namespace ember::nn {
+
+class SwiGLU;  // transformer.h, which holds MoEOptions in GPTOptions
+
+enum class RouterScore { Softmax, Sigmoid };
+const char* router_score_name(RouterScore s);  // "softmax", "sigmoid"
+RouterScore parse_router_score(const std::string& s);
+
+struct MoEOptions {
+  int64_t num_experts = 0;  // 0: no MoE (GPTOptions::moe)
+  int64_t top_k = 2;
+  int64_t hidden = 0;  // each expert's SwiGLU width; 0: the model's ffn_width()
+  RouterScore score = RouterScore::Softmax;
+  bool normalize_top_k = true;
+  int64_t shared_experts = 0;  // DeepSeek's always-on experts (one SwiGLU of this many times hidden)
+  double aux_loss_coef = 0.01;
+  double z_loss_coef = 0.0;
+  // In a model (GPTOptions::moe): block i is an MoE block when i % every == 0
+  // (Megatron's moe_layer_freq: 1 every block, 2 blocks 0, 2, 4, ...).
+  int64_t every = 1;
+};
+
+// The router: gate logits, scores, the top k and their weights.
+struct Routing {
+  Tensor logits;   // [N, E], the gate's dtype
+  Tensor scores;   // [N, E] float32 (float64 for float64 inputs)
+  Tensor experts;  // int64 [N, k], each row's choices in descending score
+  Tensor weights;  // [N, k], scores' dtype, differentiable
+};
+
+class TopKRouter : public Module {
+ public:
+  TopKRouter(int64_t dim, const MoEOptions& options);
+  Tensor forward(const Tensor& x) override;  // the logits, as Linear's
+  Routing route(const Tensor& x);            // x [N, dim]
+  MoEOptions options;
+  std::shared_ptr<Linear> gate;
+};
+
+// The experts' weights, stacked, and their grouped SwiGLU: rows of x
+// grouped by expert (counts[e] consecutive rows each, counts.size() = the
+// experts held here) -> w2_e (silu(w1_e x) * w3_e x).
+class GroupedExperts : public Module {
+ public:
+  GroupedExperts(int64_t num_experts, int64_t dim, int64_t hidden);
+  Tensor forward(const Tensor& x) override;  // every row to expert 0 (a Module needs one)
+  Tensor run(const Tensor& x, const std::vector<int64_t>& counts);
+  int64_t num_experts;  // the layer's (the weights may hold a slice: expert parallelism)
+  Tensor w1, w2, w3;
+};
+
+// How the tokens sorted by expert reach the experts and come back: given
+// the rows [R, dim] in expert order and the layer's per-expert counts
+// (every expert of the layer, global ids), the experts' outputs in the same
+// order. Unset: this process's GroupedExperts runs them all. Expert
+// parallelism (distributed/parallel/ep) installs one that exchanges tokens.
+using ExpertDispatchFn =
+    std::function<Tensor(GroupedExperts& experts, const Tensor& rows, const std::vector<int64_t>& counts)>;
+
+// What the last forward routed (read by metrics): tokens per expert over
+// the whole batch (summed over balance_sum's ranks), and the two router
+// losses' values (this rank's).
+struct MoEStats {
+  std::vector<int64_t> tokens_per_expert;
+  double aux_loss = 0, z_loss = 0;
+};
+
+class MoE : public Module {
+ public:
+  MoE(int64_t dim, MoEOptions options);
+  Tensor forward(const Tensor& x) override;  // [..., dim] -> [..., dim]
+  const MoEStats& stats() const { return stats_; }
+  MoEOptions options;
+  int64_t dim;
+  std::shared_ptr<TopKRouter> router;
+  std::shared_ptr<GroupedExperts> experts;
+  std::shared_ptr<SwiGLU> shared_experts;  // null without
+  ExpertDispatchFn dispatch;
+  // Sums a float64 [E] tensor of expert counts over the data-parallel ranks
+  // (unset: this process's own); its result must be the same on every rank.
+  std::function<Tensor(const Tensor&)> balance_sum;
+  double aux_grad_scale = 1.0;
+
+ private:
+  MoEStats stats_;
+};
+
+// Every MoE layer of `model`, in module order.
+std::vector<MoE*> moe_layers(Module& model);
+// Sets aux_grad_scale on every MoE layer of `model`.
+void set_moe_aux_grad_scale(Module& model, double scale);
+
+}  // namespace ember::nn
