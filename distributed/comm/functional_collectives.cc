@@ -149,4 +149,28 @@ Tensor all_to_all(const Tensor& x, int64_t split_in, int64_t concat_in, const st
       });
 }
 
+Tensor all_to_all_v(const Tensor& x, const std::vector<int64_t>& output_splits,
+                    const std::vector<int64_t>& input_splits, const std::shared_ptr<ProcessGroup>& pg) {
+  check_args(x, pg, "all_to_all_v");
+  EMBER_CHECK(x.dim() >= 1, "functional::all_to_all_v: a tensor of shape ", shape_str(x.sizes()), " has no rows");
+  int64_t rows = 0;
+  for (int64_t s : output_splits) rows += s;
+  Shape out_shape = x.sizes();
+  out_shape[0] = rows;
+  return differentiable(
+      "all_to_all_v", {x},
+      [&] {
+        Tensor out = Tensor::empty(out_shape, x.options());
+        pg->all_to_all_single(out, x, output_splits, input_splits)->wait();
+        return out;
+      },
+      [&](const Tensor&) {
+        std::shared_ptr<ProcessGroup> g = pg;
+        BackwardFn fn = [g, output_splits, input_splits](const Tensor& grad) {
+          return std::vector<Tensor>{all_to_all_v(grad, input_splits, output_splits, g)};
+        };
+        return Recorded{std::move(fn), {}, true};
+      });
+}
+
 }  // namespace ember::distributed::functional

@@ -14,6 +14,7 @@
 //   reduce_scatter(x,d) block r of the sum   all_gather(g, d) (divided by N for avg)
 //   all_to_all(x,s,c)   block r of every x,  all_to_all(g, c, s)
 //                       concatenated along c
+//   all_to_all_v(x,o,i) uneven rows          all_to_all_v(g, i, o)
 // Every rank of the group calls each with the same shape and dtype, and
 // again in the same order in backward (the backward collectives run when
 // autograd reaches them).
@@ -21,6 +22,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "core/tensor.h"
 #include "distributed/comm/process_group.h"
@@ -39,6 +41,14 @@ Tensor reduce_scatter(const Tensor& x, int64_t dim, ReduceOp op, const std::shar
 // the blocks received concatenated along `concat_dim` in rank order
 // (torch's all_to_all_single on a reshaped tensor; Shard(i) -> Shard(j)).
 Tensor all_to_all(const Tensor& x, int64_t split_dim, int64_t concat_dim, const std::shared_ptr<ProcessGroup>& pg);
+
+// Uneven splits along dim 0 (torch's all_to_all_single with split sizes):
+// input_splits[r] consecutive rows of x go to rank r; the result holds
+// output_splits[q] rows from each rank q in rank order. The splits must
+// agree across ranks (rank q's input_splits[r] is rank r's
+// output_splits[q]). Backward: the same exchange with the splits swapped.
+Tensor all_to_all_v(const Tensor& x, const std::vector<int64_t>& output_splits,
+                    const std::vector<int64_t>& input_splits, const std::shared_ptr<ProcessGroup>& pg);
 
 namespace detail {
 // x's n equal blocks along `dim`, each contiguous, one after another in one

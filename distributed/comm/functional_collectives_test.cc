@@ -154,6 +154,41 @@ EMBER_WORKER(functional) {
         "all_to_all " + std::to_string(split) + "->" + std::to_string(concat), s,
         [&](const Tensor& x) { return functional::all_to_all(x, split, concat, pg); }, y, g, me);
   }
+  {  // all_to_all_v: rank q sends c(q, r) rows of 2 to rank r (some none).
+    auto c = [](int q, int r) { return static_cast<int64_t>((q + 2 * r + 1) % 4); };
+    std::vector<int64_t> in_splits, out_splits;
+    int64_t in_rows = 0, out_rows = 0;
+    for (int r = 0; r < N; ++r) in_splits.push_back(c(me, r)), in_rows += c(me, r);
+    for (int q = 0; q < N; ++q) out_splits.push_back(c(q, me)), out_rows += c(q, me);
+    auto rows_of = [&](int q) {
+      int64_t n = 0;
+      for (int r = 0; r < N; ++r) n += c(q, r);
+      return n;
+    };
+    std::vector<double> y, g(static_cast<size_t>(in_rows * 2));
+    for (int q = 0; q < N; ++q) {  // y_me: from q, its block for me
+      int64_t off = 0;
+      for (int r = 0; r < me; ++r) off += c(q, r);
+      const std::vector<double> xq = input_of(q, rows_of(q) * 2);
+      for (int64_t i = 0; i < c(q, me) * 2; ++i) y.push_back(xq[static_cast<size_t>(off * 2 + i)]);
+    }
+    int64_t at = 0;
+    for (int r = 0; r < N; ++r) {  // my rows for r sit in y_r after the blocks of ranks before me
+      int64_t off = 0, yr = 0;
+      for (int q = 0; q < N; ++q) yr += c(q, r);
+      for (int q = 0; q < me; ++q) off += c(q, r);
+      const std::vector<double> wr = weights_of(r, yr * 2);
+      for (int64_t i = 0; i < c(me, r) * 2; ++i) g[static_cast<size_t>(at++)] = wr[static_cast<size_t>(off * 2 + i)];
+    }
+    check(
+        "all_to_all_v", {in_rows, 2},
+        [&](const Tensor& x) { return functional::all_to_all_v(x, out_splits, in_splits, pg); }, y, g, me);
+    WCHECK(out_rows == static_cast<int64_t>(y.size() / 2), "all_to_all_v rows");
+    const std::string bad = error_of([&] {
+      pg->all_to_all_single(zeros({2, 2}), zeros({3, 2}), {1, 1, 0}, {1, 1, 0});
+    });
+    WCHECK(bad.find("input_split_sizes sums to 2 rows but the tensor is [3,2]") != std::string::npos, bad);
+  }
   // Errors name the op and the shape, on every rank alike.
   const std::string e = error_of([&] { functional::reduce_scatter(zeros({4, 2}), 0, ReduceOp::Sum, pg); });
   WCHECK(e.find("functional::reduce_scatter: dimension 0 of [4,2] does not split into 3 equal blocks") !=

@@ -184,6 +184,46 @@ std::shared_ptr<Work> ProcessGroup::all_to_all_single(const Tensor& output, cons
   return do_all_to_all_single(output, input);
 }
 
+std::shared_ptr<Work> ProcessGroup::all_to_all_single(const Tensor& output, const Tensor& input,
+                                                      const std::vector<int64_t>& output_split_sizes,
+                                                      const std::vector<int64_t>& input_split_sizes) {
+  const std::string w = detail::where(backend_name(), "all_to_all_single (uneven splits)", rank_, size_);
+  EMBER_PG_TENSOR(output, w, "output");
+  EMBER_PG_TENSOR(input, w, "input");
+  detail::check_same_dtype(output, "output", input, "input", w);
+  EMBER_CHECK(output.dim() >= 1 && input.dim() >= 1, w, ": output ", shape_str(output.sizes()), " and input ",
+              shape_str(input.sizes()), " need a dim 0 to split");
+  const Shape out_row(output.sizes().begin() + 1, output.sizes().end()),
+      in_row(input.sizes().begin() + 1, input.sizes().end());
+  EMBER_CHECK(out_row == in_row, w, ": output ", shape_str(output.sizes()), " and input ", shape_str(input.sizes()),
+              " have rows of different shapes");
+  auto elems = [&](const std::vector<int64_t>& splits, const Tensor& t, const char* name) {
+    EMBER_CHECK(static_cast<int>(splits.size()) == size_, w, ": ", name, " has ", splits.size(),
+                " entries for a group of ", size_);
+    int64_t sum = 0;
+    for (int64_t s : splits) {
+      EMBER_CHECK(s >= 0, w, ": ", name, " has a negative size ", s);
+      sum += s;
+    }
+    EMBER_CHECK(sum == t.sizes()[0], w, ": ", name, " sums to ", sum, " rows but the tensor is ", shape_str(t.sizes()));
+    std::vector<int64_t> out;
+    const int64_t row = shape_numel(in_row);
+    for (int64_t s : splits) out.push_back(s * row);
+    return out;
+  };
+  std::vector<int64_t> out_elems = elems(output_split_sizes, output, "output_split_sizes");
+  std::vector<int64_t> in_elems = elems(input_split_sizes, input, "input_split_sizes");
+  detail::bump_version(output);
+  count("all_to_all", bytes_of(input));
+  Tensor in = input.contiguous();
+  if (output.is_contiguous()) return do_all_to_all_v(output, in, out_elems, in_elems);
+  Tensor out = Tensor::empty(output.sizes(), output.options());
+  std::shared_ptr<Work> work = do_all_to_all_v(out, in, out_elems, in_elems);
+  work->wait();
+  Tensor(output).copy_(out);
+  return work;
+}
+
 std::shared_ptr<Work> ProcessGroup::barrier() { return do_barrier(); }
 
 std::shared_ptr<Work> ProcessGroup::send(const Tensor& tensor, int dst, int tag) {

@@ -130,6 +130,17 @@ class ProcessGroup {
                                                               ReduceOp op = ReduceOp::Sum);
   // Equal splits: block r of input goes to rank r, block r of output comes from rank r.
   std::shared_ptr<Work> all_to_all_single(const Tensor& output, const Tensor& input);
+  // Uneven splits along dim 0 (torch's all_to_all_single with
+  // output_split_sizes and input_split_sizes): the first
+  // input_split_sizes[0] rows of input go to rank 0, the next
+  // input_split_sizes[1] to rank 1, ...; output's rows are those from rank
+  // 0, 1, ... in output_split_sizes. Each list has size() entries summing to
+  // its tensor's dim 0, and rank r's input_split_sizes[q] must be rank q's
+  // output_split_sizes[r] (exchange the counts first: expert parallelism's
+  // dispatch). Counted under "all_to_all" with the input's bytes.
+  std::shared_ptr<Work> all_to_all_single(const Tensor& output, const Tensor& input,
+                                          const std::vector<int64_t>& output_split_sizes,
+                                          const std::vector<int64_t>& input_split_sizes);
   std::shared_ptr<Work> barrier();
   std::shared_ptr<Work> send(const Tensor& tensor, int dst, int tag = 0);
   std::shared_ptr<Work> recv(const Tensor& tensor, int src, int tag = 0);
@@ -183,6 +194,10 @@ class ProcessGroup {
   virtual std::shared_ptr<Work> do_reduce_scatter_tensor(const Tensor& output, const Tensor& input, ReduceOp op,
                                                          bool consume_input) = 0;
   virtual std::shared_ptr<Work> do_all_to_all_single(const Tensor& output, const Tensor& input) = 0;
+  // Contiguous output and input; the splits in elements.
+  virtual std::shared_ptr<Work> do_all_to_all_v(const Tensor& output, const Tensor& input,
+                                                const std::vector<int64_t>& output_elems,
+                                                const std::vector<int64_t>& input_elems) = 0;
   virtual std::shared_ptr<Work> do_barrier() = 0;
   virtual std::shared_ptr<Work> do_send(const Tensor& tensor, int dst, int tag) = 0;
   virtual std::shared_ptr<Work> do_recv(const Tensor& tensor, int src, int tag) = 0;

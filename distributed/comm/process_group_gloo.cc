@@ -32,6 +32,7 @@
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/alltoall.h>
+#include <gloo/alltoallv.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/reduce.h>
@@ -446,6 +447,37 @@ class GlooGroup : public ProcessGroup {
                        gloo::alltoall(o);
                      }
                      write_back(out, dst);
+                     return true;
+                   });
+  }
+
+  std::shared_ptr<Work> do_all_to_all_v(const Tensor& output, const Tensor& input,
+                                        const std::vector<int64_t>& out_elems,
+                                        const std::vector<int64_t>& in_elems) override {
+    Tensor out = output.alias(), in = input.alias();
+    // The sizes differ by rank: the signature compares the dtype only.
+    detail::Signature sig = detail::make_signature("all_to_all_v", &in, -1, -1, nullptr);
+    sig.bytes = in.nbytes();
+    return enqueue("all_to_all_v", true, sig,
+                   [this, out, in, out_elems, in_elems](const std::shared_ptr<CompletionWork>& work,
+                                                        PgClock::time_point deadline) {
+                     Tensor src = out.shares_storage(in) ? in.clone() : in;
+                     if (size_ == 1) {
+                       if (src.numel()) std::memcpy(out.raw_data(), src.raw_data(), src.nbytes());
+                       return true;
+                     }
+                     // Gloo wants a buffer even where this rank sends or receives nothing.
+                     Tensor in_buf = src.numel() ? src : Tensor::empty({1}, in.dtype());
+                     Tensor out_buf = out.numel() ? out : Tensor::empty({1}, out.dtype());
+                     gloo::AlltoallvOptions o(context_);
+                     o.setTag(tag_of(work->info()));
+                     o.setTimeout(left(deadline));
+                     with_word(in.element_size(), [&](auto word) {
+                       using W = decltype(word);
+                       o.setInput<W>(static_cast<W*>(in_buf.raw_data()), in_elems);
+                       o.setOutput<W>(static_cast<W*>(out_buf.raw_data()), out_elems);
+                     });
+                     gloo::alltoallv(o);
                      return true;
                    });
   }

@@ -383,6 +383,32 @@ class NcclGroup : public ProcessGroup {
         });
   }
 
+  std::shared_ptr<Work> do_all_to_all_v(const Tensor& output, const Tensor& input,
+                                        const std::vector<int64_t>& out_elems,
+                                        const std::vector<int64_t>& in_elems) override {
+    Tensor out = output.alias(), in = input.alias();
+    detail::Signature sig = detail::make_signature("all_to_all_v", &in, -1, -1, nullptr);
+    sig.bytes = in.nbytes();
+    return launch("all_to_all_v", sig, {out, in}, [&](std::vector<Tensor>& keep) {
+      Tensor src = out.shares_storage(in) ? in.clone() : in;
+      keep.push_back(src);
+      keep.push_back(out);
+      const ncclDataType_t dt = nccl_dtype(in.dtype());
+      const size_t es = in.element_size();
+      size_t in_off = 0, out_off = 0;
+      EMBER_NCCL_CHECK(ncclGroupStart());
+      for (int r = 0; r < size_; ++r) {
+        const size_t ni = static_cast<size_t>(in_elems[r]), no = static_cast<size_t>(out_elems[r]);
+        if (ni) EMBER_NCCL_CHECK(ncclSend(static_cast<char*>(src.raw_data()) + in_off * es, ni, dt, r, comm_, stream_));
+        if (no)
+          EMBER_NCCL_CHECK(ncclRecv(static_cast<char*>(out.raw_data()) + out_off * es, no, dt, r, comm_, stream_));
+        in_off += ni;
+        out_off += no;
+      }
+      EMBER_NCCL_CHECK(ncclGroupEnd());
+    });
+  }
+
   // A one-element allreduce; wait() blocks the host, which makes it a barrier.
   std::shared_ptr<Work> do_barrier() override {
     Tensor b = barrier_buf_;

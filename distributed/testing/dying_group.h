@@ -53,6 +53,16 @@ class DyingGroup : public ProcessGroup {
   std::shared_ptr<Work> do_all_to_all_single(const Tensor& out, const Tensor& in) override {
     return inner_->all_to_all_single(out, in);
   }
+  std::shared_ptr<Work> do_all_to_all_v(const Tensor& out, const Tensor& in, const std::vector<int64_t>& out_elems,
+                                        const std::vector<int64_t>& in_elems) override {
+    auto rows = [](const std::vector<int64_t>& elems, const Tensor& t) {
+      std::vector<int64_t> r;
+      const int64_t row = t.sizes()[0] ? t.numel() / t.sizes()[0] : 1;
+      for (int64_t e : elems) r.push_back(row ? e / row : 0);
+      return r;
+    };
+    return inner_->all_to_all_single(out, in, rows(out_elems, out), rows(in_elems, in));
+  }
   std::shared_ptr<Work> do_barrier() override { return inner_->barrier(); }
   std::shared_ptr<Work> do_send(const Tensor& t, int dst, int tag) override { return inner_->send(t, dst, tag); }
   std::shared_ptr<Work> do_recv(const Tensor& t, int src, int tag) override { return inner_->recv(t, src, tag); }

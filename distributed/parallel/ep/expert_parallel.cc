@@ -1,0 +1,120 @@
+// Expert parallelism (expert_parallel.h): the split of the stacked expert
+// weights and the all-to-all dispatch installed on each MoE layer.
+#include "distributed/parallel/ep/expert_parallel.h"
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/autograd_hook.h"
+#include "core/exception.h"
+#include "core/ops.h"
+#include "distributed/comm/functional_collectives.h"
+#include "distributed/tensor/dtensor.h"
+#include "nn/moe.h"
+
+namespace ember::distributed {
+
+namespace {
+
+// Identity forward; the gradient times `s` (the experts' weights' 1/ep).
+Tensor scale_grad(const Tensor& t, double s) {
+  return differentiable(
+      "ep_grad_scale", {t}, [&] { return t.alias(); },
+      [&](const Tensor&) {
+        BackwardFn fn = [s](const Tensor& g) { return std::vector<Tensor>{g * s}; };
+        return Recorded{fn, {}, true};
+      });
+}
+
+// The layer's dispatch over `pg` (installed as nn::MoE::dispatch).
+Tensor dispatch(nn::GroupedExperts& ex, const Tensor& rows, const std::vector<int64_t>& counts,
+                const std::shared_ptr<ProcessGroup>& pg) {
+  const int n = pg->size();
+  const int64_t E = static_cast<int64_t>(counts.size()), El = E / n;
+  EMBER_INTERNAL_ASSERT(El * n == E && ex.w1.size(0) == El, "expert_parallel: ", E, " experts over ", n,
+                        " ranks holding ", ex.w1.size(0));
+  // 1. Counts: block r of mine (experts of rank r) to rank r; block q of the
+  // result is what rank q sends to each of my experts.
+  std::vector<double> mine(counts.begin(), counts.end());
+  Tensor send_counts = Tensor::from_vector(mine, {E}, {DType::Int64, pg->device()});
+  Tensor recv_counts = Tensor::empty({E}, {DType::Int64, pg->device()});
+  pg->all_to_all_single(recv_counts, send_counts)->wait();
+  const Tensor rc = recv_counts.cpu();
+  const int64_t* from = rc.data<int64_t>();  // from[q El + e]
+  std::vector<int64_t> send_splits(n, 0), recv_splits(n, 0), local(El, 0);
+  for (int r = 0; r < n; ++r)
+    for (int64_t e = 0; e < El; ++e) {
+      send_splits[r] += counts[r * El + e];
+      recv_splits[r] += from[r * El + e];
+      local[e] += from[r * El + e];
+    }
+  // 2. The tokens, grouped by source rank then expert; reordered to expert
+  // then source rank for the grouped GEMM.
+  Tensor got = functional::all_to_all_v(rows, recv_splits, send_splits, pg);
+  const int64_t R = got.size(0);
+  std::vector<double> order, inverse(static_cast<size_t>(R));
+  std::vector<int64_t> block_start(static_cast<size_t>(n * El));
+  for (int64_t at = 0, q = 0; q < n; ++q)
+    for (int64_t e = 0; e < El; ++e) block_start[q * El + e] = at, at += from[q * El + e];
+  for (int64_t e = 0; e < El; ++e)
+    for (int64_t q = 0; q < n; ++q)
+      for (int64_t i = 0; i < from[q * El + e]; ++i) {
+        inverse[static_cast<size_t>(block_start[q * El + e] + i)] = static_cast<double>(order.size());
+        order.push_back(static_cast<double>(block_start[q * El + e] + i));
+      }
+  const TensorOptions idx{DType::Int64, rows.device()};
+  Tensor x = index_select(got, 0, Tensor::from_vector(order, {R}, idx));
+  // 3. The local experts, their weights' gradient divided by ep.
+  const double s = 1.0 / n;
+  Tensor w1 = scale_grad(ex.w1, s), w2 = scale_grad(ex.w2, s), w3 = scale_grad(ex.w3, s);
+  Tensor y = grouped_mm(silu(grouped_mm(x, w1, local)) * grouped_mm(x, w3, local), w2, local);
+  // 4. Back to source order, and to the sources.
+  y = index_select(y, 0, Tensor::from_vector(inverse, {R}, idx));
+  return functional::all_to_all_v(y, send_splits, recv_splits, pg);
+}
+
+}  // namespace
+
+void expert_parallel(nn::Module& model, const std::shared_ptr<DeviceMesh>& ep_mesh) {
+  EMBER_CHECK(ep_mesh != nullptr && ep_mesh->ndim() == 1, "expert_parallel: the ep mesh must be 1-D");
+  const std::shared_ptr<ProcessGroup> pg = ep_mesh->group();
+  const int n = pg->size(), me = pg->rank();
+  std::vector<std::pair<std::string, nn::MoE*>> layers;
+  for (auto& [name, m] : model.named_modules())
+    if (auto* moe = dynamic_cast<nn::MoE*>(m)) layers.emplace_back(name, moe);
+  EMBER_CHECK(!layers.empty(), "expert_parallel: the model has no MoE layer (nn::MoE) to split");
+  for (auto& [name, moe] : layers) {
+    const int64_t E = moe->options.num_experts;
+    EMBER_CHECK(E % n == 0, "expert_parallel: ", name.empty() ? "the model" : name, " has ", E,
+                " experts, which ep=", n, " does not divide");
+    EMBER_CHECK(moe->experts->w1.size(0) == E && shard_spec(moe->experts->w1) == nullptr, "expert_parallel: ", name,
+                " is split already");
+  }
+  for (auto& [name, moe] : layers) {
+    const int64_t El = moe->options.num_experts / n;
+    for (Tensor* p : {&moe->experts->w1, &moe->experts->w2, &moe->experts->w3}) {
+      // Every rank drew the same weights (one seed); the first's are kept.
+      DTensor d = distribute_tensor(p->detach(), ep_mesh, {Shard(0)});
+      EMBER_INTERNAL_ASSERT(d.to_local().size(0) == El);
+      p->set_data(d.to_local());
+      set_shard_spec(*p, make_dtensor_spec(ep_mesh, {Shard(0)}, d.shape(), "expert_parallel"));
+    }
+    (void)me;
+    moe->dispatch = [pg](nn::GroupedExperts& ex, const Tensor& rows, const std::vector<int64_t>& counts) {
+      return dispatch(ex, rows, counts, pg);
+    };
+  }
+}
+
+void set_moe_balance_group(nn::Module& model, const std::shared_ptr<ProcessGroup>& pg) {
+  EMBER_CHECK(pg != nullptr, "set_moe_balance_group: null process group");
+  for (nn::MoE* moe : nn::moe_layers(model))
+    moe->balance_sum = [pg](const Tensor& c) {
+      Tensor t = c.to(pg->device()).clone();
+      pg->allreduce(t)->wait();
+      return t;
+    };
+}
+
+}  // namespace ember::distributed
