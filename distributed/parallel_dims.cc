@@ -38,6 +38,13 @@ void ParallelDims::check_degrees() const {
               " are both -1; at most one degree takes the rest");
 }
 
+void ParallelDims::check_experts(int64_t num_experts) const {
+  EMBER_CHECK(ep == 1 || num_experts > 0, "ParallelDims: ep=", ep,
+              " but the model has no mixture-of-experts layer (give it experts, or leave ep at 1)");
+  EMBER_CHECK(num_experts == 0 || num_experts % ep == 0, "ParallelDims: ep=", ep, " does not divide the model's ",
+              num_experts, " experts per MoE layer");
+}
+
 ParallelDims ParallelDims::resolved(int world) const {
   EMBER_CHECK(world >= 1, "ParallelDims: a world of ", world, " ranks");
   check_degrees();
@@ -92,7 +99,12 @@ std::shared_ptr<DeviceMesh> ParallelDims::build_mesh() const {
     mesh->flatten({"dp_shard", "cp"}, "dp_shard_cp");
     mesh->flatten({"dp_replicate", "dp_shard", "cp"}, "dp_cp");
   }
-  if (ep > 1) {
+  if (ep > 1 && ep == dp_shard_cp()) {
+    // The whole of dp_shard x cp: a product of whole dimensions, so a
+    // parameter expert parallelism splits is described on the mesh with
+    // them (composing with tensor parallelism's tp).
+    mesh->flatten(cp > 1 ? std::vector<std::string>{"dp_shard", "cp"} : std::vector<std::string>{"dp_shard"}, "ep");
+  } else if (ep > 1) {
     // ep ranks: ep / cp consecutive dp_shard coordinates times the whole cp
     // group, the other coordinates fixed (torchtitan's dp_shard_in_ep x cp).
     const int in_ep = ep / cp;
@@ -142,6 +154,8 @@ const std::vector<ParallelDims::Flag>& ParallelDims::flags() {
       {"--cp", &ParallelDims::cp, 1, "C",
        "context parallelism: each sequence split over C ranks (head-tail chunks; FSDP shards over dp_shard x cp)"},
       {"--tp", &ParallelDims::tp, -1, "T", "tensor parallelism over T ranks (the innermost dimension); -1: the rest"},
+      {"--ep", &ParallelDims::ep, 1, "E",
+       "expert parallelism: each MoE layer's experts split over E ranks borrowed from dp_shard x cp"},
   };
   return table;
 }

@@ -32,6 +32,7 @@
 // planner's terms (docs/mesh.md, "Adding a dimension").
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -58,6 +59,10 @@ struct ParallelDims {
   // What can be checked before the world is known (a program's flags):
   // each degree positive or -1, at most one -1.
   void check_degrees() const;
+  // A model of `num_experts` experts per MoE layer (0: none) on this
+  // layout: ep divides them, "ParallelDims: ep=4 does not divide the
+  // model's 6 experts per MoE layer"; ep > 1 without experts is an error too.
+  void check_experts(int64_t num_experts) const;
 
   int world() const { return pp * dp_replicate * dp_shard * cp * tp; }
   int dp() const { return dp_replicate * dp_shard; }
@@ -94,7 +99,7 @@ struct ParallelDims {
   // The degrees a program takes on its command line, by flag: every
   // program with a mesh (//examples:gpt through examples/flags.h,
   // //tools:plan) reads this one table, so a dimension's flag is its row
-  // here. ep joins when its transform does.
+  // here.
   struct Flag {
     const char* name;  // "--dp-shard"
     int ParallelDims::*degree;

@@ -14,8 +14,10 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <set>
@@ -63,6 +65,18 @@ class FlagTable {
   }
   FlagTable& positive(const std::string& name, double* v, const std::string& metavar, const std::string& help) {
     return add({name, metavar, help, [this, name, v](const std::string& s) { *v = parse_positive(name, s); },
+                [v] { return format_number(*v); }});
+  }
+  // Real numbers >= 0 (a coefficient that may be off).
+  FlagTable& nonnegative(const std::string& name, double* v, const std::string& metavar, const std::string& help) {
+    return add({name, metavar, help,
+                [this, name, v](const std::string& s) {
+                  char* end = nullptr;
+                  const double x = std::strtod(s.c_str(), &end);
+                  if (s.empty() || *end != '\0' || !std::isfinite(x) || x < 0)
+                    error(name + " needs a number >= 0, got '" + s + "'");
+                  *v = x;
+                },
                 [v] { return format_number(*v); }});
   }
   FlagTable& text(const std::string& name, std::string* v, const std::string& metavar, const std::string& help,

@@ -68,6 +68,15 @@ nn::GPTOptions model_options(const Flags& f, int64_t vocab) {
     o.ffn_hidden = f.ffn;
     o.rope_theta = f.rope_theta;
   }
+  if (f.moe_experts > 0)
+    o.moe = {.num_experts = f.moe_experts,
+             .top_k = f.moe_top_k,
+             .hidden = f.moe_hidden,
+             .score = nn::parse_router_score(f.moe_score),
+             .shared_experts = f.moe_shared,
+             .aux_loss_coef = f.moe_aux_coef,
+             .z_loss_coef = f.moe_z_coef,
+             .every = f.moe_every};
   return o;
 }
 
@@ -266,6 +275,10 @@ std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Ten
                                      const std::string& amp, Device device) {
   optim::GradScaler& scaler = *s.scaler;
   s.opt->zero_grad();
+  // The router losses' gradient enters in the backward, scaled as the loss
+  // is (per micro-batch, by the loss scale); their statistics are the step's.
+  nn::set_moe_aux_grad_scale(s.model(), scaler.get_scale() / static_cast<double>(s.micro_steps));
+  nn::reset_moe_stats(s.model());
   double loss_sum = 0;
   if (s.pp.pipe) {
     std::vector<Tensor> xs, ys;
@@ -354,7 +367,11 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
 
   // The global batch of step `at`: a function of (seed, step) only, never
   // of the mesh, so a run resumes on another mesh and any mesh computes the
-  // same steps. Data-parallel rank d's micro-batch m is its slice d*accum+m.
+  // same steps. Data-parallel rank d's micro-batch m is its slice m*dp+d
+  // (Megatron's order): the ranks' m-th micro-batches together are the m-th
+  // of one process accumulating the same step, so statistics taken per
+  // micro-batch over the data ranks (the MoE load balance's counts) are
+  // that process's too.
   auto global_starts = [&](int64_t at) {
     return corpus.train.batch_starts(flags.common.seed, at, s.global_batch, flags.seq);
   };
@@ -379,7 +396,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     const std::vector<int64_t> all = global_starts(s.step);
     const double lr = s.opt->param_groups()[0].lr();
     auto batch = [&](int64_t m) {
-      const int64_t from = (s.dp_rank * s.micro_steps + m) * s.micro_batch;
+      const int64_t from = (m * d.dp() + s.dp_rank) * s.micro_batch;
       auto [x, y] =
           corpus.train.windows(std::vector<int64_t>(all.begin() + from, all.begin() + from + s.micro_batch), flags.seq);
       // Under context parallelism this rank's chunks of every sequence,
@@ -415,9 +432,11 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       // attention kernels to see a context-parallel imbalance).
       const Tensor secs = distributed::functional::all_gather(
           Tensor::from_vector({train_s}, {1}, DType::Float64).to(device), 0, job.pg);
+      const nlohmann::json moe =
+          flags.moe_experts > 0 ? examples::moe_metrics(s.model(), *job.pg, device) : nlohmann::json::object();
       if (metrics.is_open())
         metrics.write(step, loss, lr, grad_norm, tokens_per_step, examples::seconds(step_start, Clock::now()), mem,
-                      examples::batch_digest(corpus, all, flags.seq), secs.to(kCPU).to_vector());
+                      examples::batch_digest(corpus, all, flags.seq), secs.to(kCPU).to_vector(), moe);
     }
     loss_ema = loss_ema < 0 ? loss : 0.9 * loss_ema + 0.1 * loss;
     const double rate = (step - first) * tokens_per_step / std::max(examples::seconds(t0, Clock::now()), 1e-9);

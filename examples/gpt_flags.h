@@ -40,6 +40,10 @@ struct Flags {
   int64_t kv_heads = 0;       // llama: k/v heads (0: --heads)
   int64_t ffn = 0;            // llama: SwiGLU width (0: LLaMA's rule)
   double rope_theta = 10000.0;
+  // Mixture of experts (nn/moe.h): 0 experts is a dense model.
+  int64_t moe_experts = 0, moe_top_k = 2, moe_every = 1, moe_hidden = 0, moe_shared = 0;
+  std::string moe_score = "softmax";
+  double moe_aux_coef = 0.01, moe_z_coef = 0.0;
   std::string tokenizer;             // "", a tokenizer.json, or bpe:N
   std::string init_from_hf;          // a Hugging Face GPT-2 / LLaMA directory (nn/hf.h)
   std::optional<nn::GPTOptions> hf;  // its config.json's model, when given
@@ -70,7 +74,9 @@ inline void declare(FlagTable& t, Flags& f) {
   t.text("--metrics", &f.metrics, "PATH",
          "one JSON line per optimizer step (rank 0): step, loss, lr, grad_norm, tokens_per_s,\n"
          "step_s, mem_peak_mib and its parts mem_{params,grads,optimizer,gathered,activations,\n"
-         "other}_mib (the rank with the largest peak), batch_digest (a hash of the global batch)",
+         "other}_mib (the rank with the largest peak), batch_digest (a hash of the global batch);\n"
+         "with --moe-experts, expert_tokens_{min,max,mean} (tokens per expert over every MoE layer)\n"
+         "and moe_aux_loss (the load-balancing loss, the mean over the MoE layers)",
          false);
   t.integer("--layers", &f.layers, 1, "N", "transformer blocks");
   t.integer("--dim", &f.dim, 1, "N", "model width");
@@ -81,6 +87,16 @@ inline void declare(FlagTable& t, Flags& f) {
   t.integer("--kv-heads", &f.kv_heads, 1, "N", "llama: key/value heads, dividing --heads (default: --heads)");
   t.integer("--ffn", &f.ffn, 1, "N", "llama: SwiGLU hidden width (default: 2/3 of 4 x --dim, a multiple of 256)");
   t.positive("--rope-theta", &f.rope_theta, "X", "llama: the rotary embeddings' base");
+  t.integer("--moe-experts", &f.moe_experts, 0, "E",
+            "mixture of experts: E SwiGLU experts per MoE block, a top-k router, dropless dispatch\n"
+            "(0: dense feed-forwards; --ep splits them over ranks)");
+  t.integer("--moe-top-k", &f.moe_top_k, 1, "K", "experts each token visits");
+  t.integer("--moe-every", &f.moe_every, 1, "N", "block i is an MoE block when i % N == 0 (Megatron's moe_layer_freq)");
+  t.integer("--moe-hidden", &f.moe_hidden, 1, "H", "each expert's SwiGLU width (default: the dense feed-forward's)");
+  t.integer("--moe-shared", &f.moe_shared, 0, "S", "DeepSeek's shared experts: S always-on experts' width added");
+  t.choice("--moe-score", &f.moe_score, {"softmax", "sigmoid"}, "the router's scores");
+  t.nonnegative("--moe-aux-coef", &f.moe_aux_coef, "X", "the load-balancing loss's coefficient (Switch/Mixtral)");
+  t.nonnegative("--moe-z-coef", &f.moe_z_coef, "X", "the router z-loss's coefficient (ST-MoE)");
   t.text("--tokenizer", &f.tokenizer, "T.json|bpe:N",
          "tokens of the text: a Hugging Face tokenizer.json (byte-level BPE), or bpe:N, a BPE of N tokens\n"
          "trained on the training text at start (saved as <checkpoint-dir>/tokenizer.json); with --data\n"
@@ -183,6 +199,19 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
   if (f.arch != "llama")
     for (const char* name : {"--kv-heads", "--ffn", "--rope-theta"})
       if (t.given(name)) error(std::string(name) + " goes with --arch llama");
+  if (f.moe_experts == 0) {
+    for (const char* name : {"--moe-top-k", "--moe-every", "--moe-hidden", "--moe-shared", "--moe-score",
+                             "--moe-aux-coef", "--moe-z-coef"})
+      if (t.given(name)) error(std::string(name) + " goes with --moe-experts");
+  } else if (f.moe_top_k > f.moe_experts) {
+    error("--moe-top-k " + std::to_string(f.moe_top_k) + " exceeds --moe-experts " + std::to_string(f.moe_experts));
+  }
+  if (f.mesh.ep > 1 && f.moe_experts == 0)
+    error("--ep " + std::to_string(f.mesh.ep) + " splits experts; give --moe-experts");
+  if (f.mesh.ep > 1 && f.moe_experts % f.mesh.ep != 0)
+    error("--ep " + std::to_string(f.mesh.ep) + " does not divide --moe-experts " + std::to_string(f.moe_experts));
+  if (f.moe_experts > 0 && !f.init_from_hf.empty())
+    error("--moe-experts with --init-from-hf: a Hugging Face dense model has no experts to load");
   if (f.kv_heads > 0 && f.heads % f.kv_heads != 0)
     error("--heads " + std::to_string(f.heads) + " must be a multiple of --kv-heads " + std::to_string(f.kv_heads));
   if (f.arch == "llama" && (f.dim / f.heads) % 2 != 0)

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -29,6 +30,7 @@
 #include "distributed/parallel/tp/loss_parallel.h"
 #include "distributed/parallel_dims.h"
 #include "examples/gpt_corpus.h"
+#include "nn/moe.h"
 #include "nn/transformer.h"
 
 namespace ember::examples {
@@ -176,7 +178,8 @@ class MetricsLog {
   // The step's line: `mem` is the largest peak over the ranks, whose parts
   // add up to it; `rank_secs` each rank's own time in the training step.
   void write(int64_t step, double loss, double lr, double grad_norm, double tokens, double secs,
-             const distributed::StepMemory& mem, const std::string& digest, const std::vector<double>& rank_secs) {
+             const distributed::StepMemory& mem, const std::string& digest, const std::vector<double>& rank_secs,
+             const nlohmann::json& extra = nlohmann::json::object()) {
     nlohmann::json line = {
         {"step", step},
         {"loss", loss},
@@ -195,12 +198,43 @@ class MetricsLog {
         {"batch_digest", digest},
         // wall clock: timelines of restarts across processes
         {"time", std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count()}};
+    for (const auto& [k, v] : extra.items()) line[k] = v;
     out_ << line.dump() << "\n" << std::flush;
   }
 
  private:
   std::ofstream out_;
 };
+
+// The step's expert load for --metrics, collective over `pg` (the world):
+// tokens per expert over every MoE layer of every stage, already summed over
+// the data ranks by each layer (its balance group), so min and max combine
+// over the world and duplicates (tp ranks) weigh alike in the mean; the
+// load-balancing loss, the mean over the layers of each layer's mean over
+// the step's micro-batches, averaged over the ranks (each holds its own
+// batch's share).
+inline nlohmann::json moe_metrics(nn::Module& part, distributed::ProcessGroup& pg, Device device) {
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo, sum = 0, experts = 0, aux = 0, layers = 0;
+  for (nn::MoE* m : nn::moe_layers(part)) {
+    const nn::MoEStats& st = m->stats();
+    for (int64_t c : st.tokens_per_expert) {
+      lo = std::min(lo, static_cast<double>(c)), hi = std::max(hi, static_cast<double>(c));
+      sum += static_cast<double>(c), experts += 1;
+    }
+    if (st.forwards > 0) aux += st.aux_loss / static_cast<double>(st.forwards), layers += 1;
+  }
+  Tensor mn = Tensor::from_vector({lo}, {1}, DType::Float64).to(device);
+  Tensor mx = Tensor::from_vector({hi}, {1}, DType::Float64).to(device);
+  Tensor sums = Tensor::from_vector({sum, experts, aux, layers}, {4}, DType::Float64).to(device);
+  pg.allreduce(mn, distributed::ReduceOp::Min)->wait();
+  pg.allreduce(mx, distributed::ReduceOp::Max)->wait();
+  pg.allreduce(sums, distributed::ReduceOp::Sum)->wait();
+  const std::vector<double> v = sums.to(kCPU).to_vector();
+  return {{"expert_tokens_min", mn.to(kCPU).item()},
+          {"expert_tokens_max", mx.to(kCPU).item()},
+          {"expert_tokens_mean", v[1] > 0 ? v[0] / v[1] : 0.0},
+          {"moe_aux_loss", v[3] > 0 ? v[2] / v[3] : 0.0}};
+}
 
 // A run's shape, for the lines that describe it and predict its memory.
 struct RunInfo {

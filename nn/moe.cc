@@ -92,7 +92,10 @@ GroupedExperts::GroupedExperts(int64_t E, int64_t dim, int64_t hidden) : Module(
 }
 
 Tensor GroupedExperts::run(const Tensor& x, const std::vector<int64_t>& counts) {
-  return grouped_mm(silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts), w2, counts);
+  // Weights a data-parallel wrapper left in float32 (FSDP's ignored
+  // parameters) compute in the tokens' dtype, as the gathered ones would.
+  const Tensor a = w1.to(x.dtype()), b = w2.to(x.dtype()), c = w3.to(x.dtype());
+  return grouped_mm(silu(grouped_mm(x, a, counts)) * grouped_mm(x, c, counts), b, counts);
 }
 
 Tensor GroupedExperts::forward(const Tensor& x) {
@@ -145,10 +148,10 @@ Tensor MoE::forward(const Tensor& input) {
   // (total = tokens x k, so f_e = E count_e / tokens).
   Tensor c = Tensor::from_vector(std::vector<double>(counts.begin(), counts.end()), {E}, DType::Float64);
   if (balance_sum) c = balance_sum(c.to(x.device())).cpu();
-  stats_.tokens_per_expert.assign(static_cast<size_t>(E), 0);
+  stats_.tokens_per_expert.resize(static_cast<size_t>(E), 0);
   double total = 0;
   for (int64_t e = 0; e < E; ++e) {
-    stats_.tokens_per_expert[e] = static_cast<int64_t>(std::llround(c.data<double>()[e]));
+    stats_.tokens_per_expert[e] += static_cast<int64_t>(std::llround(c.data<double>()[e]));
     total += c.data<double>()[e];
   }
   Tensor p = r.scores;
@@ -159,8 +162,9 @@ Tensor MoE::forward(const Tensor& input) {
   const Tensor m = max(l, {-1}, true).detach();
   const Tensor lse = log(sum(exp(l - m), {-1})) + m.squeeze(-1);
   const Tensor z = mean(lse * lse);
-  stats_.aux_loss = aux.item();
-  stats_.z_loss = z.item();
+  stats_.aux_loss += aux.item();
+  stats_.z_loss += z.item();
+  ++stats_.forwards;
   const double ca = options.aux_loss_coef * aux_grad_scale, cz = options.z_loss_coef * aux_grad_scale;
   if (GradMode::is_enabled() && (ca != 0 || cz != 0)) y = attach_aux_loss(y, aux * ca + z * cz);
   return y.view(input.sizes());
@@ -175,6 +179,10 @@ std::vector<MoE*> moe_layers(Module& model) {
 
 void set_moe_aux_grad_scale(Module& model, double scale) {
   for (MoE* m : moe_layers(model)) m->aux_grad_scale = scale;
+}
+
+void reset_moe_stats(Module& model) {
+  for (MoE* m : moe_layers(model)) m->reset_stats();
 }
 
 }  // namespace ember::nn

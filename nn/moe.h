@@ -110,12 +110,14 @@ class GroupedExperts : public Module {
 using ExpertDispatchFn =
     std::function<Tensor(GroupedExperts& experts, const Tensor& rows, const std::vector<int64_t>& counts)>;
 
-// What the last forward routed (read by metrics): tokens per expert over
-// the whole batch (summed over balance_sum's ranks), and the two router
-// losses' values (this rank's).
+// What the forwards since the last reset_stats() routed (read by metrics:
+// a step's micro-batches): tokens per expert over the whole batch (summed
+// over balance_sum's ranks), and the two router losses' values (this
+// rank's), summed over the `forwards`.
 struct MoEStats {
   std::vector<int64_t> tokens_per_expert;
   double aux_loss = 0, z_loss = 0;
+  int64_t forwards = 0;
 };
 
 class MoE : public Module {
@@ -123,6 +125,7 @@ class MoE : public Module {
   MoE(int64_t dim, MoEOptions options);
   Tensor forward(const Tensor& x) override;  // [..., dim] -> [..., dim]
   const MoEStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = {}; }
   MoEOptions options;
   int64_t dim;
   std::shared_ptr<TopKRouter> router;
@@ -142,5 +145,7 @@ class MoE : public Module {
 std::vector<MoE*> moe_layers(Module& model);
 // Sets aux_grad_scale on every MoE layer of `model`.
 void set_moe_aux_grad_scale(Module& model, double scale);
+// reset_stats() on every MoE layer of `model`.
+void reset_moe_stats(Module& model);
 
 }  // namespace ember::nn

@@ -139,6 +139,8 @@ TEST(MoE, MatchesANaiveLoopOverTokensForwardAndBackward) {
 
     // The layer, on [2, N/2, D] (a batch of sequences).
     Tensor x = in.x.clone().requires_grad_();
+    moe(x.detach());  // stats accumulate until reset
+    moe.reset_stats();
     Tensor y = moe(x.view({2, N / 2, D}));
     sum(y.view({N, D}) * proj).backward();
 

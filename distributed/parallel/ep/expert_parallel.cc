@@ -2,6 +2,7 @@
 // weights and the all-to-all dispatch installed on each MoE layer.
 #include "distributed/parallel/ep/expert_parallel.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -67,11 +68,39 @@ Tensor dispatch(nn::GroupedExperts& ex, const Tensor& rows, const std::vector<in
   Tensor x = index_select(got, 0, Tensor::from_vector(order, {R}, idx));
   // 3. The local experts, their weights' gradient divided by ep.
   const double s = 1.0 / n;
-  Tensor w1 = scale_grad(ex.w1, s), w2 = scale_grad(ex.w2, s), w3 = scale_grad(ex.w3, s);
+  Tensor w1 = scale_grad(ex.w1, s).to(x.dtype()), w2 = scale_grad(ex.w2, s).to(x.dtype()),
+         w3 = scale_grad(ex.w3, s).to(x.dtype());
   Tensor y = grouped_mm(silu(grouped_mm(x, w1, local)) * grouped_mm(x, w3, local), w2, local);
   // 4. Back to source order, and to the sources.
   y = index_select(y, 0, Tensor::from_vector(inverse, {R}, idx));
   return functional::all_to_all_v(y, send_splits, recv_splits, pg);
+}
+
+// The spec of an expert weight split over ep: Shard(0) on the ep mesh; a
+// weight tensor parallelism already marked Replicate on tp is described on
+// the mesh both were cut from, Shard(0) along ep's dimensions (dp_shard,
+// cp: the ep view's ranks in their row-major order) and Replicate along tp.
+std::shared_ptr<const DTensorSpec> expert_spec(const Tensor& p, const std::shared_ptr<DeviceMesh>& ep_mesh,
+                                               const Shape& global, const std::string& name) {
+  const auto* have = dynamic_cast<const DTensorSpec*>(shard_spec(p));
+  if (have == nullptr) return make_dtensor_spec(ep_mesh, {Shard(0)}, global, "expert_parallel");
+  const auto source = ep_mesh->flattened_from();
+  const std::vector<std::string> ep_dims = source ? ep_mesh->flattened_dims() : ep_mesh->dim_names();
+  const auto root = source ? source->root() : ep_mesh->root();
+  bool replicated = true;
+  for (const Placement& pl : have->placements) replicated = replicated && pl.is_replicate();
+  EMBER_CHECK(replicated && have->mesh->root() == root, "expert_parallel: ", name, " is already laid out (",
+              have->to_string(), ") on a mesh expert parallelism's ", ep_mesh->to_string(),
+              " is not cut from; split the experts over ep before other transforms shard them");
+  std::vector<std::string> dims;
+  std::vector<Placement> placements;
+  for (const std::string& dim : root->dim_names()) {
+    const bool in_ep = std::find(ep_dims.begin(), ep_dims.end(), dim) != ep_dims.end();
+    if (!in_ep && !have->mesh->has_dim(dim)) continue;
+    dims.push_back(dim);
+    placements.push_back(in_ep ? Placement(Shard(0)) : Placement(Replicate()));
+  }
+  return make_dtensor_spec(root->submesh(dims), placements, global, "expert_parallel");
 }
 
 }  // namespace
@@ -88,19 +117,21 @@ void expert_parallel(nn::Module& model, const std::shared_ptr<DeviceMesh>& ep_me
     const int64_t E = moe->options.num_experts;
     EMBER_CHECK(E % n == 0, "expert_parallel: ", name.empty() ? "the model" : name, " has ", E,
                 " experts, which ep=", n, " does not divide");
-    EMBER_CHECK(moe->experts->w1.size(0) == E && shard_spec(moe->experts->w1) == nullptr, "expert_parallel: ", name,
-                " is split already");
+    const ShardSpec* have = shard_spec(moe->experts->w1);
+    EMBER_CHECK(moe->experts->w1.size(0) == E && (have == nullptr || have->layout != "expert_parallel"),
+                "expert_parallel: ", name, " is split already");
   }
   for (auto& [name, moe] : layers) {
     const int64_t El = moe->options.num_experts / n;
     for (Tensor* p : {&moe->experts->w1, &moe->experts->w2, &moe->experts->w3}) {
       // Every rank drew the same weights (one seed); the first's are kept.
-      DTensor d = distribute_tensor(p->detach(), ep_mesh, {Shard(0)});
-      EMBER_INTERNAL_ASSERT(d.to_local().size(0) == El);
-      p->set_data(d.to_local());
-      set_shard_spec(*p, make_dtensor_spec(ep_mesh, {Shard(0)}, d.shape(), "expert_parallel"));
+      // This rank's experts: the ep group's rank-th slice (every rank drew
+      // the same weights from one seed; tensor parallelism, if any, has
+      // broadcast them over tp).
+      auto spec = expert_spec(*p, ep_mesh, p->sizes(), name + ".experts");
+      p->set_data(p->detach().narrow(0, me * El, El).contiguous().clone());
+      set_shard_spec(*p, std::move(spec));
     }
-    (void)me;
     moe->dispatch = [pg](nn::GroupedExperts& ex, const Tensor& rows, const std::vector<int64_t>& counts) {
       return dispatch(ex, rows, counts, pg);
     };

@@ -169,11 +169,13 @@ std::shared_ptr<Unit> new_unit(const std::shared_ptr<nn::Module>& module, const 
   return u;
 }
 
-// The parameters no inner unit holds, under their names in this module.
+// The parameters no inner unit holds and none ignored, under their names in
+// this module.
 // One an enclosing unit holds means the wrapping went top-down.
 std::vector<std::pair<std::string, Tensor>> own_parameters(const std::shared_ptr<nn::Module>& module,
-                                                           const std::string& who) {
+                                                           const std::string& who, const std::vector<Tensor>& ignored) {
   std::unordered_set<const TensorImpl*> inner;
+  for (const Tensor& p : ignored) inner.insert(p.impl_ptr().get());
   for (auto& [n, m] : module->named_modules())
     if (auto iu = unit_of(m))
       for (const Tensor& p : iu->params) inner.insert(p.impl_ptr().get());
@@ -311,7 +313,7 @@ std::shared_ptr<FSDPModule> fully_shard(const std::shared_ptr<nn::Module>& modul
   Groups groups = resolve_groups(options, who);
 
   auto u = new_unit(module, options, groups);
-  const std::vector<std::pair<std::string, Tensor>> named = own_parameters(module, who);
+  const std::vector<std::pair<std::string, Tensor>> named = own_parameters(module, who, options.ignored_params);
   const DType master = adopt_parameters(*u, named, groups, options, who);
   lay_out_shards(u, *module, named, groups, options, master);
   for (size_t i = 0; i < u->params.size(); ++i) {

@@ -111,6 +111,11 @@ struct FSDPOptions {
   // Rank 0's parameters and buffers are broadcast at wrap time (FSDP1's
   // sync_module_states), as DDP does, so ranks seeded differently agree.
   bool sync_module_states = true;
+  // Parameters no unit takes (FSDP2's ignored_params): they keep their
+  // data, gradients and shard specs, and are neither gathered nor reduced
+  // here (expert parallelism's experts, which it splits and whose
+  // gradients it reduces itself).
+  std::vector<Tensor> ignored_params = {};
 };
 
 // A wrapped unit (torch's FSDPModule). Methods act on this unit and every

@@ -5,7 +5,9 @@
 #include <utility>
 
 #include "core/exception.h"
+#include "distributed/parallel/ep/expert_parallel.h"
 #include "nn/checkpoint.h"
+#include "nn/moe.h"
 #include "optim/clip_grad.h"
 
 namespace ember::distributed {
@@ -30,7 +32,14 @@ void check_options(const ParallelDims& dims, const ParallelizeOptions& o) {
               "' needs the block types to wrap (ParallelizeOptions::block_types)");
   EMBER_CHECK(o.fsdp.mesh == nullptr, "parallelize: FSDPOptions::mesh is set; the mesh comes from the ParallelDims (",
               dims.str(), ")");
-  EMBER_CHECK(dims.ep == 1, "parallelize: ep=", dims.ep, ": expert parallelism has no transform yet");
+  // The experts are split over ep and reduced by it alone: every other
+  // data-parallel rank would hold a replica, whose reduction (FSDP over
+  // dp_shard x cp / ep, torchtitan's dp_shard_mod_ep) is not built yet.
+  EMBER_CHECK(dims.ep == 1 || (dims.dp_replicate == 1 && dims.dp_shard_cp() == dims.ep), "parallelize: ep=", dims.ep,
+              " with dp_replicate=", dims.dp_replicate, " x dp_shard x cp = ", dims.dp_shard_cp(),
+              " would replicate each expert over ", dims.dp_replicate * dims.dp_shard_cp() / dims.ep,
+              " ranks, which is not built yet (FSDP of the experts over the data-parallel ranks outside ep); give "
+              "ep = dp_shard x cp and dp_replicate 1");
   EMBER_CHECK(dims.cp == 1 || o.cp.seq > 0, "parallelize: cp=", dims.cp,
               " needs the sequence length its ranks split (ParallelizeOptions::cp.seq)");
   if (!(o.ddp && dims.dp_shard == 1 && dims.cp == 1)) check_hsdp_strategy(dims, o.fsdp.strategy);
@@ -86,6 +95,22 @@ std::shared_ptr<FSDPModule> apply_fsdp(const std::shared_ptr<nn::Module>& module
   return fully_shard_auto(module, {.types = block_types}, fsdp_options(dims, mesh, std::move(options)));
 }
 
+std::vector<Tensor> apply_ep(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh) {
+  const std::vector<nn::MoE*> layers = nn::moe_layers(module);
+  if (layers.empty()) {
+    EMBER_CHECK(dims.ep == 1, "parallelize: ep=", dims.ep, " but the model has no MoE layer (nn::MoE)");
+    return {};
+  }
+  for (nn::MoE* m : layers) dims.check_experts(m->options.num_experts);
+  // The balance loss counts the whole batch's tokens: every data rank's.
+  if (dims.dp_cp() > 1) set_moe_balance_group(module, mesh.submesh({dims.cp > 1 ? "dp_cp" : "dp"})->group());
+  if (dims.ep == 1) return {};
+  expert_parallel(module, mesh.submesh({"ep"}));
+  std::vector<Tensor> experts;
+  for (nn::MoE* m : layers) experts.insert(experts.end(), {m->experts->w1, m->experts->w2, m->experts->w3});
+  return experts;
+}
+
 void apply_cp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh,
               const cp::ContextParallelOptions& o) {
   if (dims.cp > 1) cp::apply_context_parallel(module, mesh.submesh({"cp"})->group(), o);
@@ -100,11 +125,14 @@ Parallelized parallelize(const std::shared_ptr<nn::Module>& model, const Paralle
   out.model = model;
   apply_cp(*model, dims, *mesh, o.cp);
   apply_tp(*model, dims, *mesh, o.tp_plan);
+  FSDPOptions fsdp = o.fsdp;
+  for (const Tensor& p : apply_ep(*model, dims, *mesh)) fsdp.ignored_params.push_back(p);
   out.ac_blocks = apply_ac(*model, o.block_types, o.ac);
   if (o.ddp && dims.dp_shard == 1 && dims.cp == 1) {
+    EMBER_CHECK(dims.ep == 1, "parallelize: DDP with ep=", dims.ep, " (expert parallelism goes with FSDP)");
     out.ddp = replicate(model, o.ddp_options, mesh->submesh({"dp_replicate"}));
   } else {
-    out.fsdp = apply_fsdp(model, dims, *mesh, o.block_types, o.fsdp);
+    out.fsdp = apply_fsdp(model, dims, *mesh, o.block_types, fsdp);
   }
   return out;
 }
@@ -126,11 +154,15 @@ PipelineParallel pipeline_parallelize(const std::vector<std::shared_ptr<pp::Pipe
     apply_cp(*all_stages[st], dims, *mesh, o.cp);
     apply_tp(*all_stages[st], dims, *mesh, plan_for(o.tp_plan, *all_stages[st]));
   }
+  std::vector<FSDPOptions> fsdp(out.stages.size(), o.fsdp);
+  for (size_t i = 0; i < out.stages.size(); ++i)
+    for (const Tensor& p : apply_ep(*out.stages[i], dims, *mesh)) fsdp[i].ignored_params.push_back(p);
   for (auto& st : out.stages) out.ac_blocks += apply_ac(*st, o.block_types, o.ac);
   // FSDP over dp_shard x cp: cp ranks hold different tokens' gradients, so
   // they are sharded (and reduced) even when dp_shard is 1.
   if (dims.dp_shard_cp() > 1)
-    for (auto& st : out.stages) out.fsdp.push_back(apply_fsdp(st, dims, *mesh, o.block_types, o.fsdp));
+    for (size_t i = 0; i < out.stages.size(); ++i)
+      out.fsdp.push_back(apply_fsdp(out.stages[i], dims, *mesh, o.block_types, fsdp[i]));
   out.part = pp::rank_part(out.stages);
   if (po.dp_group == nullptr && dims.dp_replicate > 1 && out.fsdp.empty()) po.dp_group = mesh->group("dp_replicate");
   out.pipe = std::make_unique<pp::Pipeline>(schedule, out.stages, mesh->group("pp"), std::move(po));

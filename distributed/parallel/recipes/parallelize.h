@@ -9,7 +9,8 @@
 //
 // The steps, each callable alone:
 //   1. tensor parallelism over "tp" (parallelize_module with the model's
-//      plan, cut to the module by plan_for), when tp > 1;
+//      plan, cut to the module by plan_for), when tp > 1; then expert
+//      parallelism of the MoE layers over "ep", when ep > 1 (apply_ep);
 //   2. activation checkpointing of the blocks (before fully_shard, so each
 //      block's gather and re-gather stay outside its region);
 //   3. fully_shard of every block and of the root over dims.fsdp_mesh:
@@ -80,6 +81,12 @@ struct Parallelized {
 // when cp = 1.
 void apply_cp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh,
               const cp::ContextParallelOptions& o);
+// Step 1b (after tensor parallelism): the MoE layers' load-balance counts
+// summed over the data ranks (dp, or dp_cp), and with ep > 1 expert
+// parallelism over mesh "ep" (ep/expert_parallel.h). Returns the expert
+// weights it split, which FSDP must leave alone (FSDPOptions::ignored_params).
+// Named errors: ep > 1 without MoE layers, ep not dividing the experts.
+std::vector<Tensor> apply_ep(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh);
 // Step 1: tensor parallelism of `module` over mesh "tp" (a stage takes
 // plan_for(plan, stage), its share); nothing when tp = 1.
 void apply_tp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh, const ParallelizePlan& plan);

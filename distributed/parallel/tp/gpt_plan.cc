@@ -1,6 +1,8 @@
 // gpt_tp_plan (gpt_plan.h): the plan as data, one entry per module kind.
 #include "distributed/parallel/tp/gpt_plan.h"
 
+#include <algorithm>
+#include <string>
 #include <vector>
 
 namespace ember::distributed {
@@ -21,11 +23,30 @@ ParallelizePlan gpt_tp_plan(const nn::GPT& model, bool sp) {
     plan.push_back({"h.*.attn", ColwiseParallel{.input_layouts = act}});
     plan.push_back({llama ? "h.*.attn.o_proj" : "h.*.attn.out_proj", RowwiseParallel{.output_layouts = act}});
     if (sp) plan.push_back({"h.*.ln_2", SequenceParallel{}});
-    for (const char* col : llama ? std::vector<const char*>{"h.*.mlp.gate_proj", "h.*.mlp.up_proj"}
-                                 : std::vector<const char*>{"h.*.mlp.c_fc"})
-      plan.push_back({col, ColwiseParallel{.input_layouts = act}});
-    plan.push_back({llama ? "h.*.mlp.down_proj" : "h.*.mlp.c_proj", RowwiseParallel{.output_layouts = act}});
-    if (sp) plan.push_back({"h.*.mlp.dropout", SequenceParallel{}});
+    // The feed-forwards: Megatron's split for dense ones (every block's
+    // when there are no experts); an MoE's runs replicated over tp (its
+    // router and experts whole on every tp rank, experts split by ep
+    // instead), entered from and left to the blocks' layout.
+    const bool moe = model.options.moe.num_experts > 0;
+    std::vector<std::string> dense, experts;
+    for (int64_t i = 0; i < model.options.n_layer; ++i) {
+      const std::string b = moe ? "h." + std::to_string(i) : "h.*";
+      const bool is_moe = moe && i % std::max<int64_t>(model.options.moe.every, 1) == 0;
+      (is_moe ? experts : dense).push_back(b);
+      if (!moe) break;
+    }
+    for (const std::string& b : dense) {
+      for (const char* col :
+           llama ? std::vector<const char*>{".mlp.gate_proj", ".mlp.up_proj"} : std::vector<const char*>{".mlp.c_fc"})
+        plan.push_back({b + col, ColwiseParallel{.input_layouts = act}});
+      plan.push_back({b + (llama ? ".mlp.down_proj" : ".mlp.c_proj"), RowwiseParallel{.output_layouts = act}});
+      if (sp) plan.push_back({b + ".mlp.dropout", SequenceParallel{}});
+    }
+    if (sp)
+      for (const std::string& b : experts) {
+        plan.push_back({b + ".mlp", PrepareModuleInput{.input_layouts = act, .desired_input_layouts = Replicate()}});
+        plan.push_back({b + ".mlp", PrepareModuleOutput{.output_layouts = Replicate(), .desired_output_layouts = act}});
+      }
   }
   if (sp) plan.push_back({"ln_f", SequenceParallel{}});
   plan.push_back({"lm_head", ColwiseParallel{.input_layouts = act, .use_local_output = false}});

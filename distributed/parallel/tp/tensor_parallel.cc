@@ -456,6 +456,15 @@ ParallelizePlan plan_for(const ParallelizePlan& plan, const nn::Module& module) 
     const std::string head = entry.first.substr(0, entry.first.find('.'));
     bool present = head == "*" || entry.first.empty();
     for (const auto& [name, child] : module.named_children()) present = present || name == head;
+    // An entry for one numbered block ("h.3.mlp") belongs to the stage that
+    // holds that block.
+    const size_t dot2 = entry.first.find('.', head.size() + 1);
+    if (present && head != "*" && dot2 != std::string::npos && entry.first.find('*') == std::string::npos) {
+      const std::string block = entry.first.substr(0, dot2);
+      bool held = false;
+      for (auto& [name, m] : const_cast<nn::Module&>(module).named_modules()) held = held || name == block;
+      present = held;
+    }
     if (present) out.push_back(entry);
   }
   return out;

@@ -112,8 +112,10 @@ std::string style_string(const ParallelStyle& style);
 void parallelize_module(nn::Module& module, const std::shared_ptr<DeviceMesh>& tp_mesh, const ParallelizePlan& plan);
 
 // The entries of `plan` whose first path component names a child of
-// `module` (or is "*"): a pipeline stage's share of the whole model's plan
-// (the embedding's entries only where the stage holds the embedding).
+// `module` (or is "*"), and whose numbered block ("h.3" of "h.3.mlp"),
+// when an entry names one, is the module's: a pipeline stage's share of
+// the whole model's plan (the embedding's entries only where the stage
+// holds the embedding).
 ParallelizePlan plan_for(const ParallelizePlan& plan, const nn::Module& module);
 
 // The tp mesh `module`'s parameters were sharded over, or null.
