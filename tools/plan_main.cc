@@ -37,12 +37,13 @@ namespace {
 
 const char* kUsage =
     "usage: plan (--model NAME | --layers L --dim D --heads H --vocab V --seq S [--kv-heads K] [--ffn F]\n"
-    "             [--swiglu] [--tied]) --gpus N [--gpus-per-host G] [--mem-per-gpu 80GiB] --global-batch B\n"
+    "             [--swiglu] [--tied]) [--moe-experts E --moe-top-k K --moe-every N --moe-hidden H --moe-shared S]\n"
+    "             --gpus N [--gpus-per-host G] [--mem-per-gpu 80GiB] --global-batch B\n"
     "             [--dtype bf16|fp16|fp32] [--optimizer adamw|adam|sgd] [--top K]\n"
     "             [--peak-tflops T] [--efficiency E] [--intra-host-gbps B] [--inter-host-gbps B]\n"
     "             [--explain] [--dp-replicate R --dp-shard S --tp T --pp P --pp-schedule X --pp-virtual V\n"
     "              --microbatches M --strategy full|hybrid|grad_op|no_shard|ddp|zero1 --ac none|full --sp on|off\n"
-    "              --cp C --cp-exchange ring|allgather|alltoall]\n"
+    "              --cp C --cp-exchange ring|allgather|alltoall --ep E]\n"
     "             [--compute-profile FILE --comm-fit FILE [--cores C]] [--step-allreduces K]\n"
     "             [--failures-per-gpu-day F] [--ckpt-gbps-per-host W] [--restart-s R]\n"
     "  models: gpt (= gpt2), gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-7b, llama-13b, llama-70b, resnet50,\n"
@@ -128,9 +129,18 @@ const ParallelDims::Flag* mesh_flag(const std::string& name) {
 // A model shape's flag (--layers, --dim, ...): the ModelSpec field it sets, or null.
 int64_t ModelSpec::*model_size_flag(const std::string& name) {
   static const std::pair<const char*, int64_t ModelSpec::*> kFlags[] = {
-      {"--layers", &ModelSpec::layers},     {"--dim", &ModelSpec::dim}, {"--heads", &ModelSpec::heads},
-      {"--kv-heads", &ModelSpec::kv_heads}, {"--ffn", &ModelSpec::ffn}, {"--vocab", &ModelSpec::vocab},
+      {"--layers", &ModelSpec::layers},
+      {"--dim", &ModelSpec::dim},
+      {"--heads", &ModelSpec::heads},
+      {"--kv-heads", &ModelSpec::kv_heads},
+      {"--ffn", &ModelSpec::ffn},
+      {"--vocab", &ModelSpec::vocab},
       {"--seq", &ModelSpec::seq},
+      {"--moe-experts", &ModelSpec::experts},
+      {"--moe-top-k", &ModelSpec::top_k},
+      {"--moe-every", &ModelSpec::moe_every},
+      {"--moe-hidden", &ModelSpec::moe_hidden},
+      {"--moe-shared", &ModelSpec::moe_shared},
   };
   for (const auto& [flag, field] : kFlags)
     if (name == flag) return field;
@@ -257,11 +267,25 @@ int main(int argc, char** argv) {
   try {
     if (!model.empty()) {
       if (m.layers || m.dim || m.heads) kCli.error("give --model or --layers/--dim/--heads/..., not both");
+      const ModelSpec moe = m;  // --moe-* apply to a preset too
       m = model_preset(model);
+      m.experts = moe.experts, m.top_k = moe.top_k, m.moe_every = moe.moe_every, m.moe_hidden = moe.moe_hidden;
+      m.moe_shared = moe.moe_shared;
     } else {
       if (m.layers <= 0 || m.dim <= 0 || m.heads <= 0 || m.vocab <= 0 || m.seq <= 0)
         kCli.error("give --model, or all of --layers, --dim, --heads, --vocab and --seq");
       m.name = "transformer";
+    }
+    if (m.experts > 0) {
+      if (!m.transformer()) kCli.error("--moe-experts needs a transformer");
+      if (m.top_k == 0) m.top_k = 2;
+      if (m.moe_every == 0) m.moe_every = 1;
+      if (m.moe_hidden == 0) m.moe_hidden = m.ffn > 0 ? m.ffn : 4 * m.dim;
+      if (m.top_k > m.experts)
+        kCli.error("--moe-top-k " + std::to_string(m.top_k) + " exceeds --moe-experts " + std::to_string(m.experts));
+      m.name += " + MoE " + std::to_string(m.experts) + "x top-" + std::to_string(m.top_k);
+    } else if (m.top_k || m.moe_hidden || m.moe_shared) {
+      kCli.error("--moe-top-k, --moe-hidden and --moe-shared go with --moe-experts");
     }
     // This machine's measurements, or the GPU's figures.
     if (compute_path.empty() != fit_path.empty()) kCli.error("--compute-profile and --comm-fit go together");

@@ -62,8 +62,13 @@ std::string infeasible(const ModelSpec& model, const Hardware& hw, const PlanOpt
   const int R = k.dims.dp_replicate, S = k.dims.dp_shard, T = k.dims.tp, P = k.dims.pp, V = k.virtual_stages;
   const int C = k.dims.cp, N = k.dims.world(), G = hw.gpus_per_host;
   EMBER_CHECK(N == hw.gpus, "plan: the mesh ", k.mesh(), " has ", N, " ranks, not ", hw.gpus);
-  // A dimension is planned once its memory and time terms are here.
-  if (k.dims.ep > 1) return "ep has no planner terms yet (" + k.mesh() + ")";
+  const int E = k.dims.ep;
+  if (E > 1 && model.experts == 0) return "ep " + std::to_string(E) + " splits experts; " + model.name + " has none";
+  if (E > 1 && model.experts % E != 0)
+    return "ep " + std::to_string(E) + " does not divide the " + std::to_string(model.experts) + " experts";
+  if (E > 1 && (E != S * C || R != 1))
+    return "ep " + std::to_string(E) + " must be dp_shard x cp = " + std::to_string(S * C) +
+           " with dp_replicate 1 (experts are not sharded over other data-parallel ranks yet)";
   if (C > 1 && !model.transformer()) return "cp splits a transformer's sequence; " + model.name + " has none";
   if (model.transformer()) {
     const int64_t kv = model.kv_heads > 0 ? model.kv_heads : model.heads;
@@ -99,11 +104,23 @@ int64_t state_memory(const ModelSpec& model, const PlanOptions& o, MeshCandidate
   // models), its tensor-parallel part.
   double stage_params;
   int64_t unit_params;
+  // Under expert parallelism the experts are EP's, not FSDP's: each rank
+  // holds ep's share whole, with whole gradients and optimizer state
+  // (replicated over tp: a token's experts run on every tp rank).
+  const bool ep = k.dims.ep > 1;
+  double expert_local = 0;
   if (model.transformer()) {
     const double layers_here = std::ceil(static_cast<double>(model.layers) / P);
     const double head = (P == 1 && !model.tied) ? static_cast<double>(model.vocab) * model.dim : 0;
-    stage_params = (layers_here * model.layer_params() + model.embedding_params() + head) / T;
-    unit_params = std::max(model.layer_params(), model.embedding_params()) / T;
+    const double fsdp_layer = model.mean_layer_params() - (ep ? model.mean_expert_params() : 0);
+    stage_params = (layers_here * fsdp_layer + model.embedding_params() + head) / T;
+    unit_params =
+        static_cast<int64_t>(std::max(model.moe_layers() > 0 ? static_cast<double>(model.moe_layer_params()) -
+                                                                   (ep ? static_cast<double>(model.expert_params()) : 0)
+                                                             : static_cast<double>(model.layer_params()),
+                                      static_cast<double>(model.embedding_params())) /
+                             T);
+    if (ep) expert_local = layers_here * model.mean_expert_params() / k.dims.ep;
   } else {
     stage_params = static_cast<double>(psi);
     unit_params = psi;
@@ -133,6 +150,13 @@ int64_t state_memory(const ModelSpec& model, const PlanOptions& o, MeshCandidate
   // after the whole ones (and the activations) peaked.
   if (fsdp && M > 1) k.grads = 0;
   if (k.offload) k.params = k.grads = k.optimizer = 0;  // the sharded state lives on the host
+  if (expert_local > 0) {
+    MemoryPlanOptions eo = mo;
+    eo.world_size = 1;
+    const int64_t n = static_cast<int64_t>(expert_local);
+    const MemoryPlanRow& whole = plan_memory(n, n, eo).row("DDP");
+    k.params += whole.params, k.grads += whole.grads, k.optimizer += whole.optimizer_state;
+  }
   return psi_r;
 }
 
@@ -196,8 +220,15 @@ std::string activation_memory(const ModelSpec& model, const PlanOptions& o, Mesh
     // elements per block: q, k, v, out, 4 of fc, proj) until it runs.
     const double embedding = k.ac == "full" ? 0 : live_first * 2 * sbh / T * elem;
     const double pending_w = k.schedule == "zb-h1" ? layers_per_stage * 9 * sbh / T * elem : 0;
-    k.activations =
-        static_cast<int64_t>(live_layers * per_layer + recompute + embedding + pending_w + (P == 1 ? logits : 0));
+    // An MoE block keeps its k copies of each token's rows (gathered by
+    // expert, and under ep the rows received) and the experts' SwiGLU
+    // inputs and products in place of the dense MLP's; taken as the
+    // dense block's plus (k - 1) copies of its MLP part (10 of the 17).
+    const double moe_extra = model.experts > 0 ? static_cast<double>(model.moe_layers()) / model.layers *
+                                                     (model.top_k - 1) * 10.0 / 17.0 * per_layer
+                                               : 0;
+    k.activations = static_cast<int64_t>(live_layers * (per_layer + moe_extra) + recompute + embedding + pending_w +
+                                         (P == 1 ? logits : 0));
     k.buffers = static_cast<int64_t>(T > 1 ? 2 * sbh * elem : 0);  // a collective's input and output
     // cp's exchange at its backward's peak (its attention keeps only its
     // own slice): the ring's k, v in hand and arriving and float32 dk, dv
@@ -226,7 +257,7 @@ MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const Pl
   if (std::string why = infeasible(model, hw, o, k); !why.empty()) return reject(why);
   k.micro_batch = o.global_batch / (k.dims.dp() * k.microbatches);
   const int N = k.dims.world();
-  const int64_t psi = model.num_params();
+  const int64_t psi = model.active_params();  // a token's FLOPs: top_k experts of an MoE block
   const double tokens = static_cast<double>(o.global_batch) * (model.transformer() ? model.seq : 1);
   state_memory(model, o, k);
   double bubble = 0;
@@ -241,7 +272,8 @@ MeshCandidate evaluate_mesh(const ModelSpec& model, const Hardware& hw, const Pl
   const Links hw_links = Links::analytic(hw);
   const StepTime t =
       predict_step(model, k, o, o.compute ? *o.compute : hw_compute, o.links ? *o.links : hw_links, bubble);
-  k.compute = t.compute, k.bubble = t.bubble, k.tp_comm = t.tp_comm, k.cp_comm = t.cp_comm, k.dp_comm = t.dp_comm;
+  k.compute = t.compute, k.bubble = t.bubble, k.tp_comm = t.tp_comm, k.cp_comm = t.cp_comm, k.ep_comm = t.ep_comm,
+  k.dp_comm = t.dp_comm;
   k.dp_exposed = t.dp_exposed, k.pp_comm = t.pp_comm, k.offload_io = t.offload_io, k.sync = t.sync;
   k.optimizer_step = t.optimizer, k.step = t.step;
   k.explain = t.explain();
@@ -274,19 +306,26 @@ MeshPlan plan_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions
                   if (!model.transformer() && (T > 1 || P > 1 || ac != "none")) continue;
                   MeshCandidate c;
                   c.dims = {.pp = P, .dp_replicate = R, .dp_shard = S, .cp = C, .tp = T};
-                  c.cp_exchange = exchange;
-                  c.schedule = sched_name, c.virtual_stages = V, c.ac = ac, c.offload = offload;
-                  // Micro-batches: a pipeline fills with one sequence each (the
-                  // least bubble and activation per micro-batch); without one,
-                  // the whole per-rank batch at once, or accumulated one
-                  // sequence at a time when that is what fits.
-                  const int64_t per_dp = o.global_batch % (R * S) == 0 ? o.global_batch / (R * S) : 1;
-                  std::vector<int64_t> counts{per_dp};
-                  if (P == 1 && per_dp > 1) counts = {1, per_dp};
-                  for (int64_t M : counts) {
-                    c.microbatches = M;
-                    MeshCandidate k = evaluate_mesh(model, hw, o, c);
-                    (k.rejected.empty() ? plan.feasible : plan.rejected).push_back(std::move(k));
+                  // An MoE model's experts split over all of dp_shard x cp,
+                  // or kept whole (FSDP's, like the rest).
+                  std::vector<int> eps{1};
+                  if (model.experts > 0 && R == 1 && S * C > 1 && model.experts % (S * C) == 0) eps.push_back(S * C);
+                  for (int E : eps) {
+                    c.dims.ep = E;
+                    c.cp_exchange = exchange;
+                    c.schedule = sched_name, c.virtual_stages = V, c.ac = ac, c.offload = offload;
+                    // Micro-batches: a pipeline fills with one sequence each (the
+                    // least bubble and activation per micro-batch); without one,
+                    // the whole per-rank batch at once, or accumulated one
+                    // sequence at a time when that is what fits.
+                    const int64_t per_dp = o.global_batch % (R * S) == 0 ? o.global_batch / (R * S) : 1;
+                    std::vector<int64_t> counts{per_dp};
+                    if (P == 1 && per_dp > 1) counts = {1, per_dp};
+                    for (int64_t M : counts) {
+                      c.microbatches = M;
+                      MeshCandidate k = evaluate_mesh(model, hw, o, c);
+                      (k.rejected.empty() ? plan.feasible : plan.rejected).push_back(std::move(k));
+                    }
                   }
                 }
           }

@@ -11,6 +11,7 @@
 
 #include "core/exception.h"
 #include "distributed/parallel/pp/schedule/schedule.h"
+#include "nn/moe.h"
 #include "nn/transformer.h"
 
 namespace ember::distributed {
@@ -209,6 +210,66 @@ TEST(MeshPlan, ContextParallelismDividesActivationsAndCountsItsExchanges) {
   resnet.dims = {.dp_shard = 4, .cp = 2};
   EXPECT_NE(evaluate_mesh(model_preset("resnet50"), h100(8), o, resnet).rejected.find("cp splits a transformer's"),
             std::string::npos);
+}
+
+// A mixture of experts (a Mixtral-like LLaMA-7B: 8 experts of 14336, top
+// 2, every block): the parameters count every expert, the FLOPs two; an
+// nn::GPT with the same options holds the spec's parameters plus its norms;
+// under ep the experts are ep's (each rank 1/ep of them, whole state), its
+// all-to-alls counted per MoE block and micro-batch; what ep cannot split
+// is named; the search offers ep.
+TEST(MeshPlan, ExpertsCountInMemoryAndEpInTime) {
+  ModelSpec m = model_preset("llama-7b");
+  m.experts = 8, m.top_k = 2, m.moe_every = 1, m.moe_hidden = 14336;
+  m.ffn = 14336;
+  const double expert = 3.0 * m.dim * m.moe_hidden;
+  EXPECT_EQ(m.moe_layers(), m.layers);
+  EXPECT_NEAR(static_cast<double>(m.num_params() - m.active_params()), m.layers * 6 * expert, 1.0);
+  ModelSpec small = m;
+  small.layers = 3, small.dim = 64, small.heads = 4, small.kv_heads = 2, small.moe_hidden = 40, small.ffn = 48;
+  small.vocab = 50, small.moe_every = 2, small.moe_shared = 1;
+  nn::GPT model(gpt_options(small));
+  EXPECT_EQ(nn::moe_layers(model).size(), 2u);
+  EXPECT_EQ(model.num_parameters(), small.num_params() + (2 * small.layers + 1) * small.dim);
+  EXPECT_EQ(model_spec(gpt_options(small), small.seq).num_params(), small.num_params());
+
+  PlanOptions o;
+  o.global_batch = 8;
+  const Hardware hw = h100(8, 160);  // 47 B parameters' state: 94 GB a rank
+  MeshCandidate c;
+  c.dims = {.dp_shard = 8, .ep = 8};
+  const MeshCandidate ep = evaluate_mesh(m, hw, o, c);
+  ASSERT_TRUE(ep.rejected.empty()) << ep.rejected;
+  EXPECT_EQ(ep.describe(), "FSDP + EP");
+  c.dims.ep = 1;
+  const MeshCandidate fsdp = evaluate_mesh(m, hw, o, c);
+  ASSERT_TRUE(fsdp.rejected.empty()) << fsdp.rejected;
+  // A rank's experts: 1/8 of every block's with their whole state under
+  // ep, FSDP's 1/8 shard of every expert's state otherwise: the same bytes.
+  const auto state = [](const MeshCandidate& k) { return static_cast<double>(k.params + k.grads + k.optimizer); };
+  EXPECT_NEAR(state(ep), state(fsdp), 1e-3 * state(fsdp));
+  EXPECT_GT(state(ep), m.layers * expert * (2 + 2 + 12));  // at least the local experts' (8 x 1/8)
+  // FSDP gathers a whole block (all 8 experts) under ep 1, not under ep 8.
+  EXPECT_GT(fsdp.gathered, ep.gathered);
+  // The all-to-alls: a rank's 1 sequence x 4096 tokens x 2 choices of 4096
+  // 16-bit values, 2 each way per block, forward and backward.
+  const double bytes = 4096.0 * 2 * m.dim * 2, one = 7.0 / 8 * bytes / hw.intra_host_bw + 7 * hw.intra_latency;
+  EXPECT_NEAR(ep.ep_comm, m.layers * 4 * one, 1e-9 * ep.ep_comm) << ep.explain;
+  EXPECT_NE(ep.explain.find("| ep | all_to_all"), std::string::npos) << ep.explain;
+  EXPECT_EQ(fsdp.ep_comm, 0);
+  // Named rejections.
+  c.dims = {.dp_shard = 4, .tp = 2, .ep = 3};
+  EXPECT_EQ(evaluate_mesh(m, hw, o, c).rejected, "ep 3 does not divide the 8 experts");
+  c.dims = {.dp_replicate = 2, .dp_shard = 4, .ep = 4};
+  EXPECT_NE(evaluate_mesh(m, hw, o, c).rejected.find("ep 4 must be dp_shard x cp = 4 with dp_replicate 1"),
+            std::string::npos);
+  c.dims = {.dp_shard = 8, .ep = 8};
+  EXPECT_EQ(evaluate_mesh(model_preset("llama-7b"), hw, o, c).rejected, "ep 8 splits experts; llama-7b has none");
+  // The search weighs ep against keeping the experts FSDP's.
+  const MeshPlan plan = plan_mesh(m, hw, o);
+  bool offered = false;
+  for (const MeshCandidate& k : plan.feasible) offered = offered || k.dims.ep > 1;
+  EXPECT_TRUE(offered) << plan.table();
 }
 
 // A long sequence: 128k tokens of LLaMA-7B on 8 GPUs, one sequence a step

@@ -25,9 +25,45 @@ int64_t ModelSpec::embedding_params() const {
   return vocab * dim + (swiglu ? 0 : seq * dim);  // GPT learns its positions; LLaMA rotates them
 }
 
+int64_t ModelSpec::moe_layers() const {
+  return transformer() && experts > 0 ? (layers + std::max<int64_t>(moe_every, 1) - 1) / std::max<int64_t>(moe_every, 1)
+                                      : 0;
+}
+
+int64_t ModelSpec::expert_params() const { return experts > 0 ? experts * 3 * dim * moe_hidden : 0; }
+
+int64_t ModelSpec::moe_layer_params() const {
+  if (experts == 0) return layer_params();
+  const int64_t kv = (kv_heads > 0 ? kv_heads : heads), head_dim = dim / heads;
+  const int64_t attention = dim * dim * 2 + 2 * dim * kv * head_dim;
+  return attention + dim * experts + expert_params() + 3 * dim * moe_shared * moe_hidden;
+}
+
+double ModelSpec::mean_layer_params() const {
+  if (!transformer()) return 0;
+  const int64_t m = moe_layers();
+  return (static_cast<double>(layers - m) * layer_params() + static_cast<double>(m) * moe_layer_params()) / layers;
+}
+
+double ModelSpec::mean_expert_params() const {
+  return transformer() ? static_cast<double>(moe_layers()) * expert_params() / layers : 0;
+}
+
+double ModelSpec::mean_active_layer_params() const {
+  if (experts == 0) return mean_layer_params();
+  return mean_layer_params() - mean_expert_params() * (1.0 - static_cast<double>(top_k) / experts);
+}
+
 int64_t ModelSpec::num_params() const {
   if (!transformer()) return params;
-  return layers * layer_params() + embedding_params() + (tied ? 0 : vocab * dim);
+  return (layers - moe_layers()) * layer_params() + moe_layers() * moe_layer_params() + embedding_params() +
+         (tied ? 0 : vocab * dim);
+}
+
+int64_t ModelSpec::active_params() const {
+  if (!transformer() || experts == 0) return num_params();
+  return num_params() -
+         static_cast<int64_t>(moe_layers() * expert_params() * (1.0 - static_cast<double>(top_k) / experts));
 }
 
 std::vector<std::string> model_presets() {
@@ -129,6 +165,11 @@ ModelSpec model_spec(const nn::GPTOptions& g, int64_t seq) {
     m.kv_heads = g.kv_heads();
     m.ffn = g.ffn_width();
   }
+  if (g.moe.num_experts > 0) {
+    m.experts = g.moe.num_experts, m.top_k = g.moe.top_k, m.moe_every = std::max<int64_t>(g.moe.every, 1);
+    m.moe_hidden = g.moe.hidden > 0 ? g.moe.hidden : g.ffn_width();
+    m.moe_shared = g.moe.shared_experts;
+  }
   return m;
 }
 
@@ -145,6 +186,12 @@ nn::GPTOptions gpt_options(const ModelSpec& m) {
     o.n_kv_head = m.kv_heads;
     o.ffn_hidden = m.ffn;
   }
+  if (m.experts > 0)
+    o.moe = {.num_experts = m.experts,
+             .top_k = m.top_k,
+             .hidden = m.moe_hidden,
+             .shared_experts = m.moe_shared,
+             .every = m.moe_every};
   return o;
 }
 

@@ -24,10 +24,26 @@ struct ModelSpec {
   // bytes per sample.
   int64_t params = 0;
   double flops_per_sample = 0, activation_bytes_per_sample = 0;
+  // Mixture of experts (experts > 0, nn/moe.h): block i is an MoE block
+  // when i % moe_every == 0: a router Linear(dim, experts), `experts`
+  // SwiGLU experts of moe_hidden (each token through top_k of them) and
+  // moe_shared shared experts' width. Expert parallelism (ParallelDims::ep)
+  // splits the experts; FSDP leaves them to it.
+  int64_t experts = 0, top_k = 0, moe_every = 1, moe_hidden = 0, moe_shared = 0;
   bool transformer() const { return layers > 0; }
-  int64_t layer_params() const;      // one block: attention and MLP (norms are negligible)
+  int64_t layer_params() const;      // one dense block: attention and MLP (norms are negligible)
+  int64_t moe_layers() const;        // MoE blocks
+  int64_t expert_params() const;     // one MoE block's routed experts, all of them
+  int64_t moe_layer_params() const;  // one MoE block: attention, router, experts, shared experts
+  // Per block on average (dense and MoE blocks mixed as the model has
+  // them): every parameter; the routed experts' alone; what one token's
+  // FLOPs see (top_k of the experts).
+  double mean_layer_params() const;
+  double mean_expert_params() const;
+  double mean_active_layer_params() const;
   int64_t embedding_params() const;  // the token embedding (and a learned position table)
-  int64_t num_params() const;        // the whole model, an untied head included
+  int64_t num_params() const;        // the whole model, an untied head included (every expert)
+  int64_t active_params() const;     // what one token's FLOPs see (top_k experts per MoE block)
 };
 // gpt (= gpt2), gpt2, gpt2-medium, gpt2-large, gpt2-xl (1.5B), llama-7b,
 // llama-13b, llama-70b, resnet50, resnet18-narrow (//examples:resnet_ddp's
@@ -68,8 +84,9 @@ struct PlanOptions {
 };
 
 struct MeshCandidate {
-  // The degrees (resolved). ep has no planner terms yet: a candidate with
-  // it above 1 is rejected, saying so. FSDP shards over dp_shard x cp.
+  // The degrees (resolved). FSDP shards over dp_shard x cp; ep (an MoE
+  // model's) splits the experts over dp_shard x cp, all of it (what the
+  // recipes build).
   ParallelDims dims{.dp_shard = 1};
   std::string cp_exchange = "ring";  // under cp: ring | allgather | alltoall
   int virtual_stages = 1;
@@ -89,6 +106,7 @@ struct MeshCandidate {
   // Seconds per step.
   double compute = 0, bubble = 0, tp_comm = 0, dp_comm = 0, dp_exposed = 0, pp_comm = 0, offload_io = 0, step = 0;
   double cp_comm = 0;  // context parallelism's exchanges, what the ring does not hide
+  double ep_comm = 0;  // expert parallelism's all-to-alls
   double sync = 0, optimizer_step = 0;
   double mfu = 0;
   std::string explain;   // the prediction term by term (StepTime::explain)

@@ -170,6 +170,11 @@ struct Terms {
   std::string strategy;
   double stage_layers;  // the last stage's blocks
   double span = 0;      // compute and bubble
+  int E;                // ep: the experts' split (over dp_shard x cp)
+  // Per block on average: what FSDP shards (the experts too unless ep
+  // splits them), and the experts ep holds instead.
+  double fsdp_layer_params() const { return model.mean_layer_params() - expert_layer_params(); }
+  double expert_layer_params() const { return E > 1 ? model.mean_expert_params() : 0; }
 
   Terms(const ModelSpec& m, const MeshCandidate& k, const PlanOptions& opt, const ComputeProfile& p, const Links& l,
         StepTime& out)
@@ -184,6 +189,7 @@ struct Terms {
     stretch = cp.cores > 0 ? std::max(1.0, static_cast<double>(N) / cp.cores) : 1.0;
     strategy = !c.strategy.empty() ? c.strategy : F > 1 ? "full" : "ddp";
     stage_layers = model.transformer() ? std::ceil(static_cast<double>(model.layers) / P) : 0;
+    E = c.dims.ep;
   }
   void add(const std::string& part, const std::string& what, double s, double* sum) {
     t.terms.push_back({part, what, s});
@@ -208,7 +214,7 @@ void compute_terms(Terms& k, double bubble) {
   if (k.model.transformer()) {
     const double recompute = k.full_ac ? 4.0 / 3 : 1.0;  // every forward twice: 4/3 of forward + backward
     const double block_flops =
-        recompute * (6.0 * k.model.layer_params() + 12.0 * k.model.dim * k.model.seq) * tokens_mb / k.T;
+        recompute * (6.0 * k.model.mean_active_layer_params() + 12.0 * k.model.dim * k.model.seq) * tokens_mb / k.T;
     const double head_flops = 6.0 * k.model.vocab * k.model.dim * tokens_mb / k.T;
     const double block = k.cp.block_overhead_s + block_flops / k.cp.block_flops_per_s;
     const double head = k.cp.head_overhead_s + head_flops / k.cp.head_flops_per_s;
@@ -267,7 +273,7 @@ void tp_terms(Terms& k) {
 double dp_terms(Terms& k) {
   std::vector<std::pair<double, double>> units;  // (bytes, how many)
   if (k.model.transformer()) {
-    units.push_back({k.elem * k.model.layer_params() / k.T, k.stage_layers});
+    units.push_back({k.elem * k.fsdp_layer_params() / k.T, k.stage_layers});
     const double root = k.P == 1 ? k.model.embedding_params() + (k.model.tied ? 0 : k.model.vocab * k.model.dim)
                                  : static_cast<double>(k.model.vocab) * k.model.dim;
     units.push_back({k.elem * root / k.T, 1});
@@ -354,6 +360,18 @@ void cp_terms(Terms& k) {
   }
 }
 
+// Expert parallelism per MoE block and micro-batch: the tokens' k copies
+// to their experts' ranks and back, forward (again under full recompute)
+// and backward; the counts' exchange is a few bytes. Nothing computes
+// beside them (each waits for its tokens).
+void ep_terms(Terms& k) {
+  if (!k.model.transformer() || k.E == 1) return;
+  const double rows = k.model.seq / k.C * k.mb * k.model.top_k;  // this rank's (token, choice) pairs
+  const double moe_blocks = k.stage_layers * k.model.moe_layers() / k.model.layers * k.M;
+  const double forwards = k.full_ac ? 2 : 1;
+  k.coll("ep", "all_to_all", rows * k.model.dim * k.elem, k.E, k.T, moe_blocks * 2 * (forwards + 1), &k.t.ep_comm);
+}
+
 // Pipeline transfers: a send and its gradient's receive per micro-batch and virtual stage.
 void pp_terms(Terms& k) {
   if (k.P > 1) {
@@ -373,9 +391,10 @@ void step_terms(Terms& k, double root_bytes) {
   // The optimizer over the rank's parameters.
   const bool sharded =
       k.strategy == "full" || k.strategy == "hybrid" || k.strategy == "grad_op" || k.strategy == "zero1";
-  const double params = (k.model.transformer() ? k.stage_layers * k.model.layer_params() + root_bytes / k.elem * k.T
+  const double params = (k.model.transformer() ? k.stage_layers * k.fsdp_layer_params() + root_bytes / k.elem * k.T
                                                : static_cast<double>(k.model.num_params())) /
-                        k.T / (sharded ? k.F : 1);
+                            k.T / (sharded ? k.F : 1) +
+                        k.stage_layers * k.expert_layer_params() / k.E;
   if (const auto m = k.cp.models.find(k.model.name); !k.model.transformer() && m != k.cp.models.end())
     k.add("optimizer", fmt("%.3g", params) + " parameters, measured", m->second.optimizer_s * k.stretch,
           &k.t.optimizer);
@@ -388,8 +407,8 @@ void step_terms(Terms& k, double root_bytes) {
     k.add("offload", size_text(2.0 * params * k.elem + 4.0 * params) + " over the host link",
           (2.0 * params * k.elem + 4.0 * params) / k.cp.host_bw, &k.t.offload_io);
   }
-  k.t.step =
-      k.span + k.t.tp_comm + k.t.cp_comm + k.t.dp_exposed + k.t.pp_comm + k.t.sync + k.t.optimizer + k.t.offload_io;
+  k.t.step = k.span + k.t.tp_comm + k.t.cp_comm + k.t.ep_comm + k.t.dp_exposed + k.t.pp_comm + k.t.sync +
+             k.t.optimizer + k.t.offload_io;
 }
 
 }  // namespace
@@ -401,6 +420,7 @@ StepTime predict_step(const ModelSpec& model, const MeshCandidate& c, const Plan
   compute_terms(k, bubble);
   tp_terms(k);
   cp_terms(k);
+  ep_terms(k);
   const double root_bytes = dp_terms(k);
   pp_terms(k);
   step_terms(k, root_bytes);
@@ -412,7 +432,7 @@ std::string StepTime::explain() const {
   os << "| part | what | seconds |\n|---|---|---|\n";
   for (const StepTerm& term : terms)
     os << "| " << term.part << " | " << term.what << " | " << secs(term.seconds) << " |\n";
-  os << "| step | compute / (1 - bubble) + tp + cp + dp exposed + pp + sync + optimizer + offload | " << secs(step)
+  os << "| step | compute / (1 - bubble) + tp + cp + ep + dp exposed + pp + sync + optimizer + offload | " << secs(step)
      << " |\n";
   return os.str();
 }

@@ -122,7 +122,7 @@ class Links {
 
 // One line of the prediction: what runs, how often, how long in all.
 struct StepTerm {
-  std::string part;    // compute | bubble | tp | dp | pp | sync | optimizer | offload
+  std::string part;    // compute | bubble | tp | cp | ep | dp | pp | sync | optimizer | offload
   std::string what;    // "allgather 1.50 MiB over 2 ranks x 9"
   double seconds = 0;  // negative: hidden behind compute
 };
@@ -132,6 +132,7 @@ struct StepTime {
   double bubble = 0;   // the pipeline's idle fraction
   double tp_comm = 0, dp_comm = 0, dp_exposed = 0, pp_comm = 0, sync = 0, optimizer = 0, offload_io = 0;
   double cp_comm = 0;  // context parallelism's exchanges, exposed
+  double ep_comm = 0;  // expert parallelism's all-to-alls, exposed
   double step = 0;
   std::vector<StepTerm> terms;
   // A table of the terms and the sum, for --explain.
