@@ -39,6 +39,7 @@
 #include "nn/functional.h"
 #include "nn/layers.h"
 #include "nn/models.h"
+#include "nn/moe.h"
 #include "nn/checkpoint.h"
 #include "nn/transformer.h"
 #include "optim/clip_grad.h"
@@ -336,6 +337,19 @@ Tensor y = distributed::cp::shard(targets.narrow(0, first, rows), 1, cp, cp_rank
 Tensor loss = distributed::parallel_cross_entropy((*gpt)(x), y);   // its tokens' mean; FSDP averages over dp_shard x cp
 loss.backward();
 par.clip_grad_norm_(1.0);
+}
+
+// docs/moe.md's blocks: compiled only (the layer runs in //nn:moe_test,
+// expert parallelism in //distributed/parallel/ep:expert_parallel_test and
+// //examples:moe_test).
+[[maybe_unused]] void moe_blocks(const Tensor& x, const std::shared_ptr<nn::GPT>& gpt) {
+nn::MoE moe(64, {.num_experts = 8, .top_k = 2, .hidden = 128, .aux_loss_coef = 0.01, .z_loss_coef = 0.001});
+Tensor y = moe(x);                                        // [B, T, 64] -> [B, T, 64]
+const nn::MoEStats& st = moe.stats();                     // tokens per expert, router losses
+auto dims = distributed::ParallelDims{.dp_shard = 2, .ep = 2}.resolved(2);
+auto mesh = dims.build_mesh();       // its "ep" view: the dp_shard ranks
+distributed::Parallelized par = distributed::parallelize_gpt(gpt, dims, mesh, {});   // EP, then FSDP
+(void)y, (void)st, (void)par;
 }
 
 // docs/activation-checkpointing.md's block: compiled only (the same calls
