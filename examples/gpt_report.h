@@ -328,6 +328,19 @@ inline std::string describe_run(const RunInfo& r, const Corpus& c, distributed::
   }
   const int64_t seq = r.model.block_size;
   const bool llama = r.model.arch == nn::Arch::Llama;
+  // The experts: which blocks, and under ep what a rank holds of them (FSDP
+  // leaves them to expert parallelism).
+  std::string moe;
+  if (const nn::MoEOptions& m = r.model.moe; m.num_experts > 0) {
+    const int64_t hidden = m.hidden > 0 ? m.hidden : r.model.ffn_width();
+    const int64_t every = std::max<int64_t>(m.every, 1), blocks = (r.model.n_layer + every - 1) / every;
+    moe = "; MoE in " + std::to_string(blocks) + " of " + std::to_string(r.model.n_layer) + " blocks (every " +
+          std::to_string(every) + "): " + std::to_string(m.num_experts) + " experts of " + std::to_string(hidden) +
+          ", top " + std::to_string(m.top_k) + " (" + nn::router_score_name(m.score) + ")";
+    if (d.ep > 1)
+      moe += ", split over ep=" + std::to_string(d.ep) + ": each rank holds " +
+             std::to_string(m.num_experts / d.ep * 3 * r.model.n_embd * hidden * 4 * blocks) + " bytes of them";
+  }
   return ::ember::detail::str_cat(
       llama ? "LLaMA " : "GPT ", r.model.n_layer, " layers x ", r.model.n_embd, " dims, ", r.model.n_head, " heads",
       llama ? " (" + std::to_string(r.model.kv_heads()) + " key/value), SwiGLU " + std::to_string(r.model.ffn_width())
@@ -337,7 +350,7 @@ inline std::string describe_run(const RunInfo& r, const Corpus& c, distributed::
       r.cuda ? "GPUs (NCCL)" : "the CPU (Gloo)",
       d.tp > 1 ? ", tensor parallel over " + std::to_string(d.tp) + (r.sp ? " with sequence parallelism" : "")
                : std::string(),
-      sharding, "\n", "batch ", r.micro_batch, " x ", seq, " ", c.unit, " per rank x ", d.dp(),
+      sharding, moe, "\n", "batch ", r.micro_batch, " x ", seq, " ", c.unit, " per rank x ", d.dp(),
       " data-parallel rank(s) x ", r.micro_steps, " micro-batch(es) = ", r.global_batch * seq, " tokens per step; ",
       r.max_steps, " steps; checkpoints in ", r.checkpoint_dir);
 }
