@@ -343,7 +343,7 @@ const std::vector<std::string>& keepable_ops() {
   // functional collectives).
   static const std::vector<std::string> ops{"linear",       "matmul",     "conv2d",         "sequence_parallel_linear",
                                             "redistribute", "all_gather", "reduce_scatter", "all_reduce",
-                                            "all_to_all"};
+                                            "all_to_all",   "grouped_mm", "all_to_all_v"};
   return ops;
 }
 

@@ -339,7 +339,8 @@ inline std::string describe_run(const RunInfo& r, const Corpus& c, distributed::
           ", top " + std::to_string(m.top_k) + " (" + nn::router_score_name(m.score) + ")";
     if (d.ep > 1)
       moe += ", split over ep=" + std::to_string(d.ep) + ": each rank holds " +
-             std::to_string(m.num_experts / d.ep * 3 * r.model.n_embd * hidden * 4 * blocks) + " bytes of them";
+             std::to_string(m.num_experts / d.ep * 3 * r.model.n_embd * hidden * 4 * blocks) + " bytes of them" +
+             (d.pp > 1 ? " over the whole model (a pipeline rank, its stages' part)" : "");
   }
   return ::ember::detail::str_cat(
       llama ? "LLaMA " : "GPT ", r.model.n_layer, " layers x ", r.model.n_embd, " dims, ", r.model.n_head, " heads",

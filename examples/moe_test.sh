@@ -6,6 +6,7 @@
 #     same batches, losses within 1e-5, gradient norms within 1e-4; the
 #     pipeline's reference accumulates the same 4 micro-batches) and end
 #     with the same parameters (the consolidated checkpoints, rel 1e-5);
+#   - pp 2 x ep 2 with MoE in the first stage only (the second all dense);
 #   - a checkpoint chain ep 4 -> ep 2 -> one process continues as the
 #     uninterrupted run (stacked expert weights resharded by their boxes);
 #   - the --metrics lines carry the expert load and the balance loss;
@@ -47,8 +48,9 @@ PY
   rm -rf "$tmp/cons_a" "$tmp/cons_b"
 }
 
-moe=(--arch llama --dim 32 --heads 4 --seq 16 --layers 4 --moe-experts 4 --moe-top-k 2 --moe-every 2 --moe-z-coef 0.001
-     --global-batch 8 --max-steps 6 --save-every 2 --sample-len 0 --eval-every 100 --lr 1e-3)
+base=(--arch llama --dim 32 --heads 4 --seq 16 --layers 4 --moe-experts 4 --moe-top-k 2 --moe-z-coef 0.001
+      --global-batch 8 --max-steps 6 --save-every 2 --sample-len 0 --eval-every 100 --lr 1e-3)
+moe=("${base[@]}" --moe-every 2)
 "$dir/gpt" --nproc 1 "${moe[@]}" --checkpoint-dir "$tmp/r1" --metrics "$tmp/r1.jsonl" > "$tmp/r1.log" 2>&1 ||
   { cat "$tmp/r1.log"; exit 1; }
 
@@ -83,6 +85,12 @@ out=$("$dir/gpt" --nproc 4 --pp 2 --dp-shard 2 --ep 2 --microbatches 4 "${moe[@]
 grep -q "mesh pp=2 dp_shard=2 ep=2$" <<<"$out" || { echo "$out"; echo "no pp x ep mesh line"; exit 1; }
 like_reference "$tmp/p1.jsonl" 0 "$tmp/p2e2.jsonl"
 same_params "$tmp/p1/step_6" "$tmp/p2e2/step_6"
+# MoE in block 0 only: the second stage holds dense blocks alone.
+sparse=("${base[@]}" --moe-every 4 --microbatches 4)
+"$dir/gpt" --nproc 1 "${sparse[@]}" --checkpoint-dir "$tmp/s1" --metrics "$tmp/s1.jsonl" > /dev/null 2>&1
+out=$("$dir/gpt" --nproc 4 --pp 2 --dp-shard 2 --ep 2 "${sparse[@]}" --checkpoint-dir "$tmp/s2" \
+      --metrics "$tmp/s2.jsonl" 2>&1) || { echo "$out"; exit 1; }
+like_reference "$tmp/s1.jsonl" 0 "$tmp/s2.jsonl"
 
 # ep 4 -> ep 2 -> one process: each resumes the previous one's checkpoint.
 "$dir/gpt" --nproc 4 --dp-shard 4 --ep 4 "${moe[@]}" --checkpoint-dir "$tmp/c4" --metrics "$tmp/c4.jsonl" > /dev/null 2>&1

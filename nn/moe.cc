@@ -7,6 +7,7 @@
 #include <limits>
 #include <utility>
 
+#include "autograd/checkpoint.h"
 #include "core/autograd_hook.h"
 #include "core/exception.h"
 #include "core/ops.h"
@@ -71,24 +72,25 @@ Routing TopKRouter::route(const Tensor& x) {
   Tensor pick = r.scores.detach();
   std::vector<Tensor> chosen;
   const Tensor ninf = full({}, -std::numeric_limits<double>::infinity(), pick.options());
-  for (int64_t j = 0; j < options.top_k; ++j) {
+  for (int64_t j = 0; j < options.top_k && pick.size(0) > 0; ++j) {
     Tensor idx = argmax(pick, -1, /*keepdim=*/true);  // [N, 1]
     chosen.push_back(idx);
     if (j + 1 < options.top_k)
       pick = where(eq(one_hot(idx.squeeze(-1), E), ones({}, {DType::Int64, pick.device()})), ninf, pick);
   }
-  r.experts = chosen.size() == 1 ? chosen[0] : cat(chosen, -1);
+  r.experts = chosen.empty()       ? empty({0, options.top_k}, {DType::Int64, pick.device()})
+              : chosen.size() == 1 ? chosen[0]
+                                   : cat(chosen, -1);
   r.weights = gather(r.scores, -1, r.experts);
   if (options.normalize_top_k && options.top_k > 1) r.weights = r.weights / sum(r.weights, {-1}, true);
   return r;
 }
 
 GroupedExperts::GroupedExperts(int64_t E, int64_t dim, int64_t hidden) : Module("GroupedExperts"), num_experts(E) {
-  // N(0, 0.02) here too (the GPT re-initialises every matrix alike).
-  Generator g(0);
-  w1 = register_parameter("w1", randn({E, hidden, dim}, {}, &g) * 0.02);
-  w2 = register_parameter("w2", randn({E, dim, hidden}, {}, &g) * 0.02);
-  w3 = register_parameter("w3", randn({E, hidden, dim}, {}, &g) * 0.02);
+  // N(0, 0.02) from the default generator, as the GPT initialises every matrix.
+  w1 = register_parameter("w1", randn({E, hidden, dim}) * 0.02);
+  w2 = register_parameter("w2", randn({E, dim, hidden}) * 0.02);
+  w3 = register_parameter("w3", randn({E, hidden, dim}) * 0.02);
 }
 
 Tensor GroupedExperts::run(const Tensor& x, const std::vector<int64_t>& counts) {
@@ -116,8 +118,9 @@ Tensor MoE::forward(const Tensor& input) {
   EMBER_CHECK(input.dim() >= 1 && input.size(-1) == dim, "MoE: input ", shape_str(input.sizes()), " must end in dim ",
               dim);
   const Tensor x = input.reshape({-1, dim});
-  const int64_t N = x.size(0), K = options.top_k, E = options.num_experts;
   Routing r = router->route(x);
+  // The router's own options decide (they are the constructor's).
+  const int64_t N = x.size(0), K = r.experts.size(1), E = router->options.num_experts;
 
   // The (token, choice) pairs sorted by expert on the host: the counts are
   // needed there anyway (the grouped GEMM's groups, expert parallelism's
@@ -137,36 +140,45 @@ Tensor MoE::forward(const Tensor& input) {
   const TensorOptions idx{DType::Int64, x.device()};
   const Tensor rows = index_select(x, 0, Tensor::from_vector(token_of, {N * K}, idx));
   Tensor out = dispatch ? dispatch(*experts, rows, counts) : experts->run(rows, counts);
-  EMBER_INTERNAL_ASSERT(out.dim() == 2 && out.size(0) == N * K && out.size(1) == dim, "MoE: the dispatch returned ",
-                        shape_str(out.sizes()), " for ", N * K, " rows of ", dim);
+  EMBER_CHECK(out.dim() == 2 && out.size(0) == N * K && out.size(1) == dim, "MoE: the dispatch",
+              dispatch ? " installed on the layer" : "", " returned ", shape_str(out.sizes()), " for ", N * K,
+              " rows of ", dim);
   // Back to (token, choice) order, weighted, summed over the k choices.
   out = index_select(out, 0, Tensor::from_vector(slot_of, {N * K}, idx)).view({N, K, dim});
   Tensor y = sum(out * r.weights.to(out.dtype()).unsqueeze(-1), {1});
   if (shared_experts) y = y + (*shared_experts)(x);
 
-  // The router losses, over the batch's counts when balance_sum sums them
-  // (total = tokens x k, so f_e = E count_e / tokens).
+  // The router losses and the statistics are the training forward's: an
+  // evaluation (no grad) skips them and the balance all-reduce (every rank
+  // evaluates alike). A checkpointed region's recompute builds the losses
+  // again (the same counts, so the all-reduce again) without counting its
+  // statistics twice. A rank with no token still takes part in the sum.
+  if (!GradMode::is_enabled()) return y.view(input.sizes());
+  const bool recompute = autograd::in_checkpoint_recompute();
+  // Over the batch's counts when balance_sum sums them (total = tokens x k,
+  // so f_e = E count_e / tokens).
   Tensor c = Tensor::from_vector(std::vector<double>(counts.begin(), counts.end()), {E}, DType::Float64);
   if (balance_sum) c = balance_sum(c.to(x.device())).cpu();
-  stats_.tokens_per_expert.resize(static_cast<size_t>(E), 0);
   double total = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    stats_.tokens_per_expert[e] += static_cast<int64_t>(std::llround(c.data<double>()[e]));
-    total += c.data<double>()[e];
+  for (int64_t e = 0; e < E; ++e) total += c.data<double>()[e];
+  if (!recompute) {
+    stats_.tokens_per_expert.resize(static_cast<size_t>(E), 0);
+    for (int64_t e = 0; e < E; ++e)
+      stats_.tokens_per_expert[e] += static_cast<int64_t>(std::llround(c.data<double>()[e]));
+    ++stats_.forwards;
   }
+  if (N == 0) return y.view(input.sizes());  // no token: no loss of this rank's
   Tensor p = r.scores;
-  if (options.score == RouterScore::Sigmoid) p = p / sum(p, {-1}, true);
+  if (router->options.score == RouterScore::Sigmoid) p = p / sum(p, {-1}, true);
   const Tensor f = (c * (static_cast<double>(E * K) / std::max(total, 1.0))).to(x.device(), p.dtype());
   const Tensor aux = sum(mean(p, {0}) * f);
   Tensor l = r.logits.to(p.dtype());
   const Tensor m = max(l, {-1}, true).detach();
   const Tensor lse = log(sum(exp(l - m), {-1})) + m.squeeze(-1);
   const Tensor z = mean(lse * lse);
-  stats_.aux_loss += aux.item();
-  stats_.z_loss += z.item();
-  ++stats_.forwards;
+  if (!recompute) stats_.aux_loss += aux.item(), stats_.z_loss += z.item();
   const double ca = options.aux_loss_coef * aux_grad_scale, cz = options.z_loss_coef * aux_grad_scale;
-  if (GradMode::is_enabled() && (ca != 0 || cz != 0)) y = attach_aux_loss(y, aux * ca + z * cz);
+  if (ca != 0 || cz != 0) y = attach_aux_loss(y, aux * ca + z * cz);
   return y.view(input.sizes());
 }
 

@@ -110,8 +110,9 @@ class GroupedExperts : public Module {
 using ExpertDispatchFn =
     std::function<Tensor(GroupedExperts& experts, const Tensor& rows, const std::vector<int64_t>& counts)>;
 
-// What the forwards since the last reset_stats() routed (read by metrics:
-// a step's micro-batches): tokens per expert over the whole batch (summed
+// What the training forwards (grad on; a checkpoint's recompute not
+// counted) since the last reset_stats() routed (read by metrics: a step's
+// micro-batches): tokens per expert over the whole batch (summed
 // over balance_sum's ranks), and the two router losses' values (this
 // rank's), summed over the `forwards`.
 struct MoEStats {
@@ -120,6 +121,10 @@ struct MoEStats {
   int64_t forwards = 0;
 };
 
+// No dropout inside (LLaMA's, Mixtral's and DeepSeek's experts have none):
+// a GPT-2 model's MoE blocks leave GPTOptions::dropout to attention and the
+// embeddings. `options` are the constructor's: the router keeps its own
+// copy, so change neither afterwards.
 class MoE : public Module {
  public:
   MoE(int64_t dim, MoEOptions options);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "autograd/autograd.h"
+#include "autograd/checkpoint.h"
 #include "core/ops.h"
 #include "core/testing/error_of.h"
 #include "nn/transformer.h"
@@ -192,6 +193,7 @@ TEST(MoE, TiesGoToTheLowerExpertAndAnEmptyExpertGetsAZeroGradient) {
 TEST(MoE, AuxGradScaleScalesOnlyTheRouterLossesGradient) {
   MoEOptions o{.num_experts = 4, .top_k = 2, .hidden = 4, .aux_loss_coef = 0.5, .z_loss_coef = 0.1};
   auto grad_of = [&](double scale, double coef) {
+    manual_seed(3);  // the same experts each time
     MoE moe(8, o);
     moe.to(DType::Float64);
     moe.options.aux_loss_coef = coef;
@@ -207,6 +209,51 @@ TEST(MoE, AuxGradScaleScalesOnlyTheRouterLossesGradient) {
   const Tensor none = grad_of(1.0, 0.0), one = grad_of(1.0, 0.5), three = grad_of(3.0, 0.5);
   expect_close(three - none, (one - none) * 3.0, 1e-10, "aux gradient scale");
   EXPECT_GT(max(abs(one - none)).item(), 1e-6);
+}
+
+// Under activation checkpointing the recompute builds the router losses
+// again (the same gradients as without) and does not count the statistics
+// twice; a forward without grad (an evaluation) counts none.
+TEST(MoE, CheckpointRecomputeAndEvaluationKeepTheStatistics) {
+  MoEOptions o{.num_experts = 4, .top_k = 2, .hidden = 4, .aux_loss_coef = 0.5, .z_loss_coef = 0.1};
+  Inputs in = make_inputs(10, 8, 4, 7);
+  auto run = [&](bool checkpointed) {
+    manual_seed(5);
+    auto moe = std::make_shared<MoE>(8, o);
+    moe->to(DType::Float64);
+    moe->router->gate->weight.detach().copy_(in.gate);
+    Tensor x = in.x.clone().requires_grad_();
+    Tensor y = checkpointed ? autograd::checkpoint([&](const Tensor& t) { return (*moe)(t); }, x) : (*moe)(x);
+    sum(y * y).backward();
+    return std::make_pair(moe, x.grad());
+  };
+  auto [plain, dx] = run(false);
+  auto [ckpt, dx_ckpt] = run(true);
+  expect_close(dx_ckpt, dx, 1e-12, "dx under checkpointing");
+  expect_close(ckpt->router->gate->weight.grad(), plain->router->gate->weight.grad(), 1e-12, "router");
+  expect_close(ckpt->experts->w2.grad(), plain->experts->w2.grad(), 1e-12, "w2");
+  EXPECT_EQ(ckpt->stats().forwards, 1);
+  EXPECT_EQ(ckpt->stats().tokens_per_expert, plain->stats().tokens_per_expert);
+  EXPECT_NEAR(ckpt->stats().aux_loss, plain->stats().aux_loss, 1e-12);
+  {
+    NoGradGuard no_grad;
+    (*plain)(in.x);
+  }
+  EXPECT_EQ(plain->stats().forwards, 1);
+}
+
+// No token (an empty batch, or a rank that routes nothing): an empty
+// output, no NaN in the statistics, a backward that works.
+TEST(MoE, NoTokens) {
+  MoE moe(8, {.num_experts = 4, .top_k = 2, .hidden = 4, .z_loss_coef = 0.1});
+  moe.to(DType::Float64);
+  Tensor x = zeros({0, 8}, {DType::Float64}).requires_grad_();
+  Tensor y = moe(x);
+  EXPECT_EQ(y.sizes(), (Shape{0, 8}));
+  EXPECT_EQ(moe.stats().aux_loss, 0.0);
+  EXPECT_EQ(moe.stats().tokens_per_expert, (std::vector<int64_t>{0, 0, 0, 0}));
+  sum(y).backward();
+  EXPECT_EQ(x.grad().sizes(), (Shape{0, 8}));
 }
 
 TEST(MoE, BadOptionsAreNamed) {

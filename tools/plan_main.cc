@@ -284,8 +284,8 @@ int main(int argc, char** argv) {
       if (m.top_k > m.experts)
         kCli.error("--moe-top-k " + std::to_string(m.top_k) + " exceeds --moe-experts " + std::to_string(m.experts));
       m.name += " + MoE " + std::to_string(m.experts) + "x top-" + std::to_string(m.top_k);
-    } else if (m.top_k || m.moe_hidden || m.moe_shared) {
-      kCli.error("--moe-top-k, --moe-hidden and --moe-shared go with --moe-experts");
+    } else if (m.top_k || m.moe_hidden || m.moe_shared || m.moe_every != 1) {
+      kCli.error("--moe-top-k, --moe-every, --moe-hidden and --moe-shared go with --moe-experts");
     }
     // This machine's measurements, or the GPU's figures.
     if (compute_path.empty() != fit_path.empty()) kCli.error("--compute-profile and --comm-fit go together");

@@ -154,6 +154,10 @@ Tensor all_to_all_v(const Tensor& x, const std::vector<int64_t>& output_splits,
   check_args(x, pg, "all_to_all_v");
   EMBER_CHECK(x.dim() >= 1, "functional::all_to_all_v: a tensor of shape ", shape_str(x.sizes()), " has no rows");
   int64_t rows = 0;
+  for (const auto* splits : {&output_splits, &input_splits})
+    for (int64_t s : *splits)
+      EMBER_CHECK(s >= 0, "functional::all_to_all_v: a split of ", s, " rows (",
+                  splits == &output_splits ? "output" : "input", "_splits)");
   for (int64_t s : output_splits) rows += s;
   Shape out_shape = x.sizes();
   out_shape[0] = rows;

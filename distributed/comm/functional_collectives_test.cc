@@ -188,6 +188,11 @@ EMBER_WORKER(functional) {
       pg->all_to_all_single(zeros({2, 2}), zeros({3, 2}), {1, 1, 0}, {1, 1, 0});
     });
     WCHECK(bad.find("input_split_sizes sums to 2 rows but the tensor is [3,2]") != std::string::npos, bad);
+    std::vector<int64_t> self_in(N, 0), self_out(N, 0);
+    self_in[me] = 1;  // one row to itself, none expected back
+    self_out[(me + 1) % N] = 1;
+    const std::string self = error_of([&] { pg->all_to_all_single(zeros({1, 2}), zeros({1, 2}), self_out, self_in); });
+    WCHECK(self.find("rows to itself but output_split_sizes") != std::string::npos, self);
   }
   // Errors name the op and the shape, on every rank alike.
   const std::string e = error_of([&] { functional::reduce_scatter(zeros({4, 2}), 0, ReduceOp::Sum, pg); });

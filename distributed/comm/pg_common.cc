@@ -213,6 +213,10 @@ std::shared_ptr<Work> ProcessGroup::all_to_all_single(const Tensor& output, cons
   };
   std::vector<int64_t> out_elems = elems(output_split_sizes, output, "output_split_sizes");
   std::vector<int64_t> in_elems = elems(input_split_sizes, input, "input_split_sizes");
+  // What this rank sends itself is what it receives from itself.
+  EMBER_CHECK(output_split_sizes[rank_] == input_split_sizes[rank_], w, ": input_split_sizes[", rank_,
+              "] = ", input_split_sizes[rank_], " rows to itself but output_split_sizes[", rank_,
+              "] = ", output_split_sizes[rank_], " from itself");
   detail::bump_version(output);
   count("all_to_all", bytes_of(input));
   Tensor in = input.contiguous();

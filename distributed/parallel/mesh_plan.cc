@@ -112,14 +112,23 @@ int64_t state_memory(const ModelSpec& model, const PlanOptions& o, MeshCandidate
   if (model.transformer()) {
     const double layers_here = std::ceil(static_cast<double>(model.layers) / P);
     const double head = (P == 1 && !model.tied) ? static_cast<double>(model.vocab) * model.dim : 0;
-    const double fsdp_layer = model.mean_layer_params() - (ep ? model.mean_expert_params() : 0);
-    stage_params = (layers_here * fsdp_layer + model.embedding_params() + head) / T;
-    unit_params =
-        static_cast<int64_t>(std::max(model.moe_layers() > 0 ? static_cast<double>(model.moe_layer_params()) -
-                                                                   (ep ? static_cast<double>(model.expert_params()) : 0)
-                                                             : static_cast<double>(model.layer_params()),
-                                      static_cast<double>(model.embedding_params())) /
-                             T);
+    // Tensor parallelism splits attention and dense feed-forwards; an MoE
+    // feed-forward runs whole on every tp rank.
+    const double moe = model.mean_moe_ffn_params();
+    const double fsdp_moe = moe - (ep ? model.mean_expert_params() : 0);
+    stage_params = (layers_here * (model.mean_layer_params() - moe) + model.embedding_params() + head) / T +
+                   layers_here * fsdp_moe;
+    // The largest unit: a dense block, an MoE block (its experts unless ep
+    // took them) or the embedding.
+    double largest = static_cast<double>(model.embedding_params()) / T;
+    if (model.moe_layers() < model.layers) largest = std::max(largest, static_cast<double>(model.layer_params()) / T);
+    if (model.moe_layers() > 0) {
+      const double dense_ffn = (model.swiglu ? 3.0 : 2.0) * model.dim * (model.ffn > 0 ? model.ffn : 4 * model.dim);
+      const double attention = static_cast<double>(model.layer_params()) - dense_ffn;
+      const double moe_ffn = static_cast<double>(model.moe_layer_params()) - attention;
+      largest = std::max(largest, attention / T + moe_ffn - (ep ? static_cast<double>(model.expert_params()) : 0));
+    }
+    unit_params = static_cast<int64_t>(largest);
     if (ep) expert_local = layers_here * model.mean_expert_params() / k.dims.ep;
   } else {
     stage_params = static_cast<double>(psi);
@@ -222,11 +231,13 @@ std::string activation_memory(const ModelSpec& model, const PlanOptions& o, Mesh
     const double pending_w = k.schedule == "zb-h1" ? layers_per_stage * 9 * sbh / T * elem : 0;
     // An MoE block keeps its k copies of each token's rows (gathered by
     // expert, and under ep the rows received) and the experts' SwiGLU
-    // inputs and products in place of the dense MLP's; taken as the
-    // dense block's plus (k - 1) copies of its MLP part (10 of the 17).
-    const double moe_extra = model.experts > 0 ? static_cast<double>(model.moe_layers()) / model.layers *
-                                                     (model.top_k - 1) * 10.0 / 17.0 * per_layer
-                                               : 0;
+    // inputs and products, whole on every tp rank, in place of the dense
+    // MLP's tp-split part: k times the MLP's 10 of the 17 elements, not
+    // divided by tp. Recompute keeps only the blocks' inputs.
+    const double moe_extra =
+        model.experts > 0 && k.ac != "full"
+            ? static_cast<double>(model.moe_layers()) / model.layers * (10.0 * model.top_k - 10.0 / T) * sbh * elem
+            : 0;
     k.activations = static_cast<int64_t>(live_layers * (per_layer + moe_extra) + recompute + embedding + pending_w +
                                          (P == 1 ? logits : 0));
     k.buffers = static_cast<int64_t>(T > 1 ? 2 * sbh * elem : 0);  // a collective's input and output

@@ -54,6 +54,18 @@ double ModelSpec::mean_active_layer_params() const {
   return mean_layer_params() - mean_expert_params() * (1.0 - static_cast<double>(top_k) / experts);
 }
 
+double ModelSpec::mean_moe_ffn_params() const {
+  if (!transformer() || experts == 0) return 0;
+  const int64_t kv = (kv_heads > 0 ? kv_heads : heads), head_dim = dim / heads;
+  const int64_t attention = dim * dim * 2 + 2 * dim * kv * head_dim;
+  return static_cast<double>(moe_layers()) * (moe_layer_params() - attention) / layers;
+}
+
+double ModelSpec::mean_moe_ffn_active_params() const {
+  if (experts == 0) return 0;
+  return mean_moe_ffn_params() - mean_expert_params() * (1.0 - static_cast<double>(top_k) / experts);
+}
+
 int64_t ModelSpec::num_params() const {
   if (!transformer()) return params;
   return (layers - moe_layers()) * layer_params() + moe_layers() * moe_layer_params() + embedding_params() +

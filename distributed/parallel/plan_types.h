@@ -41,6 +41,11 @@ struct ModelSpec {
   double mean_layer_params() const;
   double mean_expert_params() const;
   double mean_active_layer_params() const;
+  // The MoE feed-forwards' share of those (router, experts, shared
+  // experts), which tensor parallelism does not split (they run replicated
+  // over tp): every parameter, and what a token's FLOPs see.
+  double mean_moe_ffn_params() const;
+  double mean_moe_ffn_active_params() const;
   int64_t embedding_params() const;  // the token embedding (and a learned position table)
   int64_t num_params() const;        // the whole model, an untied head included (every expert)
   int64_t active_params() const;     // what one token's FLOPs see (top_k experts per MoE block)

@@ -171,9 +171,13 @@ struct Terms {
   double stage_layers;  // the last stage's blocks
   double span = 0;      // compute and bubble
   int E;                // ep: the experts' split (over dp_shard x cp)
-  // Per block on average: what FSDP shards (the experts too unless ep
-  // splits them), and the experts ep holds instead.
-  double fsdp_layer_params() const { return model.mean_layer_params() - expert_layer_params(); }
+  // Per block on average, a tp rank's: what FSDP shards (the experts too
+  // unless ep splits them; an MoE feed-forward whole on every tp rank), and
+  // the experts ep holds instead.
+  double fsdp_layer_params() const {
+    const double moe = model.mean_moe_ffn_params();
+    return (model.mean_layer_params() - moe) / T + moe - expert_layer_params();
+  }
   double expert_layer_params() const { return E > 1 ? model.mean_expert_params() : 0; }
 
   Terms(const ModelSpec& m, const MeshCandidate& k, const PlanOptions& opt, const ComputeProfile& p, const Links& l,
@@ -213,8 +217,12 @@ void compute_terms(Terms& k, double bubble) {
   double per_mb = 0;
   if (k.model.transformer()) {
     const double recompute = k.full_ac ? 4.0 / 3 : 1.0;  // every forward twice: 4/3 of forward + backward
+    // Tensor parallelism splits a block but not its MoE feed-forward (replicated over tp).
+    const double moe = k.model.mean_moe_ffn_active_params();
     const double block_flops =
-        recompute * (6.0 * k.model.mean_active_layer_params() + 12.0 * k.model.dim * k.model.seq) * tokens_mb / k.T;
+        recompute *
+        ((6.0 * (k.model.mean_active_layer_params() - moe) + 12.0 * k.model.dim * k.model.seq) / k.T + 6.0 * moe) *
+        tokens_mb;
     const double head_flops = 6.0 * k.model.vocab * k.model.dim * tokens_mb / k.T;
     const double block = k.cp.block_overhead_s + block_flops / k.cp.block_flops_per_s;
     const double head = k.cp.head_overhead_s + head_flops / k.cp.head_flops_per_s;
@@ -273,7 +281,7 @@ void tp_terms(Terms& k) {
 double dp_terms(Terms& k) {
   std::vector<std::pair<double, double>> units;  // (bytes, how many)
   if (k.model.transformer()) {
-    units.push_back({k.elem * k.fsdp_layer_params() / k.T, k.stage_layers});
+    units.push_back({k.elem * k.fsdp_layer_params(), k.stage_layers});
     const double root = k.P == 1 ? k.model.embedding_params() + (k.model.tied ? 0 : k.model.vocab * k.model.dim)
                                  : static_cast<double>(k.model.vocab) * k.model.dim;
     units.push_back({k.elem * root / k.T, 1});
@@ -391,9 +399,9 @@ void step_terms(Terms& k, double root_bytes) {
   // The optimizer over the rank's parameters.
   const bool sharded =
       k.strategy == "full" || k.strategy == "hybrid" || k.strategy == "grad_op" || k.strategy == "zero1";
-  const double params = (k.model.transformer() ? k.stage_layers * k.fsdp_layer_params() + root_bytes / k.elem * k.T
+  const double params = (k.model.transformer() ? k.stage_layers * k.fsdp_layer_params() + root_bytes / k.elem
                                                : static_cast<double>(k.model.num_params())) /
-                            k.T / (sharded ? k.F : 1) +
+                            (sharded ? k.F : 1) +
                         k.stage_layers * k.expert_layer_params() / k.E;
   if (const auto m = k.cp.models.find(k.model.name); !k.model.transformer() && m != k.cp.models.end())
     k.add("optimizer", fmt("%.3g", params) + " parameters, measured", m->second.optimizer_s * k.stretch,

@@ -124,10 +124,9 @@ void expert_parallel(nn::Module& model, const std::shared_ptr<DeviceMesh>& ep_me
   for (auto& [name, moe] : layers) {
     const int64_t El = moe->options.num_experts / n;
     for (Tensor* p : {&moe->experts->w1, &moe->experts->w2, &moe->experts->w3}) {
-      // Every rank drew the same weights (one seed); the first's are kept.
-      // This rank's experts: the ep group's rank-th slice (every rank drew
-      // the same weights from one seed; tensor parallelism, if any, has
-      // broadcast them over tp).
+      // This rank's experts: the ep group's rank-th slice. Each expert
+      // lives on one rank of the group, so the ranks need not have drawn
+      // alike (tensor parallelism, if any, has made the tp ranks agree).
       auto spec = expert_spec(*p, ep_mesh, p->sizes(), name + ".experts");
       p->set_data(p->detach().narrow(0, me * El, El).contiguous().clone());
       set_shard_spec(*p, std::move(spec));

@@ -9,7 +9,7 @@
 // all-to-all bytes of a step from the process group's counters equal the
 // formula: the counts (E int64) plus, forward and backward, the rows sent
 // (this rank's tokens x k) and the rows received (the tokens every rank
-// routed to this rank's experts), times hidden x 8 bytes.
+// routed to this rank's experts), times dim x 8 bytes (float64).
 #include "distributed/parallel/ep/expert_parallel.h"
 
 #include <gtest/gtest.h>

@@ -95,12 +95,20 @@ std::shared_ptr<FSDPModule> apply_fsdp(const std::shared_ptr<nn::Module>& module
   return fully_shard_auto(module, {.types = block_types}, fsdp_options(dims, mesh, std::move(options)));
 }
 
+namespace {
+// The whole model's MoE layers against the layout, before any step changes
+// it (every rank sees every stage, so all fail alike, none hangs).
+void check_ep(const ParallelDims& dims, const std::vector<nn::Module*>& parts) {
+  int64_t layers = 0;
+  for (nn::Module* part : parts)
+    for (nn::MoE* m : nn::moe_layers(*part)) dims.check_experts(m->options.num_experts), ++layers;
+  EMBER_CHECK(dims.ep == 1 || layers > 0, "parallelize: ep=", dims.ep, " but the model has no MoE layer (nn::MoE)");
+}
+}  // namespace
+
 std::vector<Tensor> apply_ep(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh) {
   const std::vector<nn::MoE*> layers = nn::moe_layers(module);
-  if (layers.empty()) {
-    EMBER_CHECK(dims.ep == 1, "parallelize: ep=", dims.ep, " but the model has no MoE layer (nn::MoE)");
-    return {};
-  }
+  if (layers.empty()) return {};  // a pipeline stage of dense blocks only
   for (nn::MoE* m : layers) dims.check_experts(m->options.num_experts);
   // The balance loss counts the whole batch's tokens: every data rank's.
   if (dims.dp_cp() > 1) set_moe_balance_group(module, mesh.submesh({dims.cp > 1 ? "dp_cp" : "dp"})->group());
@@ -121,6 +129,7 @@ Parallelized parallelize(const std::shared_ptr<nn::Module>& model, const Paralle
   EMBER_CHECK(model != nullptr && mesh != nullptr, "parallelize: null model or mesh");
   EMBER_CHECK(dims.pp == 1, "parallelize: pp=", dims.pp, " (a pipeline's stages go through pipeline_parallelize)");
   check_options(dims, o);
+  check_ep(dims, {model.get()});
   Parallelized out;
   out.model = model;
   apply_cp(*model, dims, *mesh, o.cp);
@@ -146,6 +155,9 @@ PipelineParallel pipeline_parallelize(const std::vector<std::shared_ptr<pp::Pipe
   EMBER_CHECK(static_cast<int>(all_stages.size()) == schedule.num_stages(), "pipeline_parallelize: ", all_stages.size(),
               " stages for a schedule of ", schedule.num_stages());
   check_options(dims, o);
+  std::vector<nn::Module*> parts;
+  for (const auto& st : all_stages) parts.push_back(st.get());
+  check_ep(dims, parts);
   PipelineParallel out;
   for (const auto& st : all_stages) out.layout.emplace_back(st->description(), schedule.rank_of(st->index()));
   for (int st : schedule.stages_of(mesh->coordinate("pp"))) {

@@ -85,7 +85,9 @@ void apply_cp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& me
 // summed over the data ranks (dp, or dp_cp), and with ep > 1 expert
 // parallelism over mesh "ep" (ep/expert_parallel.h). Returns the expert
 // weights it split, which FSDP must leave alone (FSDPOptions::ignored_params).
-// Named errors: ep > 1 without MoE layers, ep not dividing the experts.
+// Nothing for a module without MoE layers (a pipeline stage of dense
+// blocks; parallelize and pipeline_parallelize check the whole model: ep >
+// 1 without MoE layers, ep not dividing the experts, named).
 std::vector<Tensor> apply_ep(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh);
 // Step 1: tensor parallelism of `module` over mesh "tp" (a stage takes
 // plan_for(plan, stage), its share); nothing when tp = 1.
