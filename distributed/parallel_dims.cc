@@ -125,6 +125,20 @@ std::shared_ptr<DeviceMesh> ParallelDims::build_mesh() const {
       partition.push_back(std::move(members));
     }
     mesh->flatten("ep", partition);
+    // The ranks holding the same experts: one per ep group, the same place
+    // in each (torchtitan's dp_shard_mod_ep), over which FSDP shards them.
+    std::vector<std::vector<int>> mod;
+    for (int i = 0; i < mesh->size(); ++i) {
+      const std::vector<int> c = mesh->coordinate_of(i);
+      if (c[ds] >= in_ep) continue;  // listed at the first group's ranks
+      std::vector<int> members, m = c;
+      for (int g = 0; g < dp_shard / in_ep; ++g) {
+        m[ds] = g * in_ep + c[ds];
+        members.push_back(mesh->rank_at(m));
+      }
+      mod.push_back(std::move(members));
+    }
+    mesh->flatten("dp_shard_mod_ep", mod);
   }
   return mesh;
 }

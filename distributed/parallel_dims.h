@@ -27,6 +27,9 @@
 //                 sequence part still shards its parameters)
 //   dp_cp         dp_replicate x dp_shard x cp: where gradients are reduced
 //   ep            the ranks one expert group spans (ep > 1)
+//   dp_shard_mod_ep  the ranks holding the same experts, one per ep group
+//                 (ep > 1 and below dp_shard x cp): FSDP shards the experts
+//                 over them
 //
 // A new kind of parallelism is one field here, its transform, and the
 // planner's terms (docs/mesh.md, "Adding a dimension").

@@ -1,8 +1,9 @@
 #!/bin/bash
 # Mixture of experts in //examples:gpt (--moe-experts, --ep): a LLaMA of 4
 # blocks, MoE in blocks 0 and 2 (4 experts, top 2, z-loss on), 6 steps.
-#   - expert parallelism ep 2 folded over dp_shard 2, ep 2 x tp 2 (sequence
-#     parallel) and pp 2 x ep 2 each equal one process step for step (the
+#   - expert parallelism ep 2 folded over dp_shard 2, ep 2 over dp_shard 4
+#     (the experts FSDP-sharded over the 2 ranks holding them), ep 2 x tp 2
+#     (sequence parallel) and pp 2 x ep 2 each equal one process step for step (the
 #     same batches, losses within 1e-5, gradient norms within 1e-4; the
 #     pipeline's reference accumulates the same 4 micro-batches) and end
 #     with the same parameters (the consolidated checkpoints, rel 1e-5);
@@ -73,9 +74,14 @@ grep -q "mesh dp_shard=2 ep=2$" <<<"$out" || { echo "$out"; echo "no ep mesh lin
 out=$("$dir/gpt" --nproc 4 --dp-shard 2 --tp 2 --ep 2 "${moe[@]}" --checkpoint-dir "$tmp/e2t2" \
       --metrics "$tmp/e2t2.jsonl" 2>&1) || { echo "$out"; exit 1; }
 grep -q "mesh dp_shard=2 tp=2 ep=2$" <<<"$out" || { echo "$out"; echo "no ep x tp mesh line"; exit 1; }
-like_reference "$tmp/r1.jsonl" 0 "$tmp/e2.jsonl" "$tmp/e2t2.jsonl"
+# ep 2 over dp_shard 4: FSDP shards each rank's experts over the 2 ranks
+# holding the same ones (dp_shard_mod_ep).
+out=$("$dir/gpt" --nproc 4 --dp-shard 4 --ep 2 "${moe[@]}" --checkpoint-dir "$tmp/e2d4" --metrics "$tmp/e2d4.jsonl" 2>&1) ||
+  { echo "$out"; exit 1; }
+like_reference "$tmp/r1.jsonl" 0 "$tmp/e2.jsonl" "$tmp/e2t2.jsonl" "$tmp/e2d4.jsonl"
 same_params "$tmp/r1/step_6" "$tmp/e2/step_6"
 same_params "$tmp/r1/step_6" "$tmp/e2t2/step_6"
+same_params "$tmp/r1/step_6" "$tmp/e2d4/step_6"
 
 # The pipeline's reference: one process accumulating the same 4 micro-batches.
 "$dir/gpt" --nproc 1 "${moe[@]}" --microbatches 4 --checkpoint-dir "$tmp/p1" --metrics "$tmp/p1.jsonl" > "$tmp/p1.log" 2>&1 ||
@@ -92,16 +98,18 @@ out=$("$dir/gpt" --nproc 4 --pp 2 --dp-shard 2 --ep 2 "${sparse[@]}" --checkpoin
       --metrics "$tmp/s2.jsonl" 2>&1) || { echo "$out"; exit 1; }
 like_reference "$tmp/s1.jsonl" 0 "$tmp/s2.jsonl"
 
-# ep 4 -> ep 2 -> one process: each resumes the previous one's checkpoint.
+# ep 4 -> ep 2 (over dp_shard 4) -> one process: each resumes the previous
+# one's checkpoint.
 "$dir/gpt" --nproc 4 --dp-shard 4 --ep 4 "${moe[@]}" --checkpoint-dir "$tmp/c4" --metrics "$tmp/c4.jsonl" > /dev/null 2>&1
 mkdir -p "$tmp/c2" && cp -r "$tmp/c4/step_2" "$tmp/c2/"
-out=$("$dir/gpt" --nproc 2 --dp-shard 2 --ep 2 "${moe[@]}" --resume --checkpoint-dir "$tmp/c2" \
+# The middle run: ep 2 over dp_shard 4, its experts FSDP-sharded as well.
+out=$("$dir/gpt" --nproc 4 --dp-shard 4 --ep 2 "${moe[@]}" --resume --checkpoint-dir "$tmp/c2" \
       --metrics "$tmp/c2.jsonl" 2>&1) || { echo "$out"; exit 1; }
-grep -q "saved by 4 ranks (.*), loading on 2 ranks" <<<"$out" || { echo "$out"; echo "no ep 4 -> 2 resume"; exit 1; }
+grep -q "resumed from $tmp/c2/step_2" <<<"$out" || { echo "$out"; echo "no ep 4 -> 2 resume"; exit 1; }
 mkdir -p "$tmp/c1" && cp -r "$tmp/c2/step_4" "$tmp/c1/"
 out=$("$dir/gpt" --nproc 1 "${moe[@]}" --resume --checkpoint-dir "$tmp/c1" --metrics "$tmp/c1.jsonl" 2>&1) ||
   { echo "$out"; exit 1; }
-grep -q "saved by 2 ranks (.*), loading on 1 rank" <<<"$out" || { echo "$out"; echo "no ep 2 -> 1 resume"; exit 1; }
+grep -q "saved by 4 ranks (.*), loading on 1 rank" <<<"$out" || { echo "$out"; echo "no ep 2 -> 1 resume"; exit 1; }
 like_reference "$tmp/r1.jsonl" 0 "$tmp/c4.jsonl"
 like_reference "$tmp/r1.jsonl" 2 "$tmp/c2.jsonl"
 like_reference "$tmp/r1.jsonl" 4 "$tmp/c1.jsonl"
@@ -124,5 +132,6 @@ expect_error() {  # MESSAGE ARGS...
 expect_error "--ep 3 does not divide --moe-experts 4" --nproc 3 --ep 3 "${moe[@]}"
 expect_error "--ep 2 splits experts; give --moe-experts" --nproc 2 --ep 2 --max-steps 1
 expect_error "--moe-top-k 5 exceeds --moe-experts 4" "${moe[@]}" --moe-top-k 5
-expect_error "would replicate each expert over 2 ranks" --nproc 4 --dp-shard 4 --ep 2 "${moe[@]}"
+expect_error "replicas of the experts (HSDP over them) are not built yet" --nproc 4 --dp-replicate 2 --dp-shard 2 --ep 2 \
+  "${moe[@]}"
 echo "moe_test: ok"

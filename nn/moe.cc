@@ -93,17 +93,38 @@ GroupedExperts::GroupedExperts(int64_t E, int64_t dim, int64_t hidden) : Module(
   w3 = register_parameter("w3", randn({E, hidden, dim}) * 0.02);
 }
 
-Tensor GroupedExperts::run(const Tensor& x, const std::vector<int64_t>& counts) {
-  // Weights a data-parallel wrapper left in float32 (FSDP's ignored
-  // parameters) compute in the tokens' dtype, as the gathered ones would.
-  const Tensor a = w1.to(x.dtype()), b = w2.to(x.dtype()), c = w3.to(x.dtype());
-  return grouped_mm(silu(grouped_mm(x, a, counts)) * grouped_mm(x, c, counts), b, counts);
+namespace {
+// Identity forward; the gradient times `s` (expert parallelism's 1/ep on
+// the experts' weights).
+Tensor scale_grad(const Tensor& t, double s) {
+  if (s == 1.0) return t;
+  return differentiable(
+      "moe_weight_grad_scale", {t}, [&] { return t.alias(); },
+      [&](const Tensor&) {
+        BackwardFn fn = [s](const Tensor& g) { return std::vector<Tensor>{g * s}; };
+        return Recorded{fn, {}, true};
+      });
+}
+}  // namespace
+
+Tensor GroupedExperts::operator()(const Tensor& x, const std::vector<int64_t>& counts) {
+  counts_ = counts;
+  called_ = true;
+  Tensor y = Module::operator()(x);
+  called_ = false;
+  return y;
 }
 
 Tensor GroupedExperts::forward(const Tensor& x) {
-  std::vector<int64_t> counts(static_cast<size_t>(w1.size(0)), 0);
-  counts[0] = x.size(0);
-  return run(x, counts);
+  EMBER_CHECK(called_, "GroupedExperts: call experts(rows, counts): the rows' groups are needed");
+  EMBER_CHECK(static_cast<int64_t>(counts_.size()) == w1.size(0), "GroupedExperts: ", counts_.size(),
+              " group sizes for the ", w1.size(0), " experts held here");
+  // Weights a data-parallel wrapper left in float32 (FSDP's ignored
+  // parameters) compute in the tokens' dtype, as the gathered ones would.
+  const Tensor a = scale_grad(w1, weight_grad_scale).to(x.dtype());
+  const Tensor b = scale_grad(w2, weight_grad_scale).to(x.dtype());
+  const Tensor c = scale_grad(w3, weight_grad_scale).to(x.dtype());
+  return grouped_mm(silu(grouped_mm(x, a, counts_)) * grouped_mm(x, c, counts_), b, counts_);
 }
 
 MoE::MoE(int64_t dim_, MoEOptions o) : Module("MoE"), options(o), dim(dim_) {
@@ -139,7 +160,7 @@ Tensor MoE::forward(const Tensor& input) {
   }
   const TensorOptions idx{DType::Int64, x.device()};
   const Tensor rows = index_select(x, 0, Tensor::from_vector(token_of, {N * K}, idx));
-  Tensor out = dispatch ? dispatch(*experts, rows, counts) : experts->run(rows, counts);
+  Tensor out = dispatch ? dispatch(*experts, rows, counts) : (*experts)(rows, counts);
   EMBER_CHECK(out.dim() == 2 && out.size(0) == N * K && out.size(1) == dim, "MoE: the dispatch",
               dispatch ? " installed on the layer" : "", " returned ", shape_str(out.sizes()), " for ", N * K,
               " rows of ", dim);

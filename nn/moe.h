@@ -96,10 +96,19 @@ class TopKRouter : public Module {
 class GroupedExperts : public Module {
  public:
   GroupedExperts(int64_t num_experts, int64_t dim, int64_t hidden);
-  Tensor forward(const Tensor& x) override;  // every row to expert 0 (a Module needs one)
-  Tensor run(const Tensor& x, const std::vector<int64_t>& counts);
-  int64_t num_experts;  // the layer's (the weights may hold a slice: expert parallelism)
+  // Through the module's call, so its hooks run (FSDP gathers the experts
+  // around it when they are a unit of their own): forward() reads the counts.
+  Tensor operator()(const Tensor& x, const std::vector<int64_t>& counts);
+  using Module::operator();
+  Tensor forward(const Tensor& x) override;  // with the counts of the call above
+  int64_t num_experts;                       // the layer's (the weights may hold a slice: expert parallelism)
   Tensor w1, w2, w3;
+  // The weights' gradient is multiplied by this (expert parallelism's 1/ep).
+  double weight_grad_scale = 1.0;
+
+ private:
+  std::vector<int64_t> counts_;
+  bool called_ = false;
 };
 
 // How the tokens sorted by expert reach the experts and come back: given

@@ -66,9 +66,15 @@ std::string infeasible(const ModelSpec& model, const Hardware& hw, const PlanOpt
   if (E > 1 && model.experts == 0) return "ep " + std::to_string(E) + " splits experts; " + model.name + " has none";
   if (E > 1 && model.experts % E != 0)
     return "ep " + std::to_string(E) + " does not divide the " + std::to_string(model.experts) + " experts";
-  if (E > 1 && (E != S * C || R != 1))
-    return "ep " + std::to_string(E) + " must be dp_shard x cp = " + std::to_string(S * C) +
-           " with dp_replicate 1 (experts are not sharded over other data-parallel ranks yet)";
+  if (E > 1 && ((S * C) % E != 0 || E % C != 0))
+    return "ep " + std::to_string(E) + " must divide dp_shard x cp = " + std::to_string(S * C) +
+           " and be a multiple of cp = " + std::to_string(C);
+  if (E > 1 && T > 1 && E != S * C)
+    return "ep " + std::to_string(E) + " below dp_shard x cp = " + std::to_string(S * C) +
+           " with tp is not built (the experts' split and tp's meet on no one mesh)";
+  if (E > 1 && R != 1)
+    return "ep " + std::to_string(E) + " with dp_replicate " + std::to_string(R) +
+           ": replicas of the experts (HSDP over them) are not built yet";
   if (C > 1 && !model.transformer()) return "cp splits a transformer's sequence; " + model.name + " has none";
   if (model.transformer()) {
     const int64_t kv = model.kv_heads > 0 ? model.kv_heads : model.heads;
@@ -160,11 +166,17 @@ int64_t state_memory(const ModelSpec& model, const PlanOptions& o, MeshCandidate
   if (fsdp && M > 1) k.grads = 0;
   if (k.offload) k.params = k.grads = k.optimizer = 0;  // the sharded state lives on the host
   if (expert_local > 0) {
+    // Whole on the rank when ep is all of dp_shard x cp; else FSDP's
+    // shards over the ranks holding the same experts (dp_shard_mod_ep),
+    // one MoE block's gathered at a time.
+    const int mod = S / k.dims.ep;
     MemoryPlanOptions eo = mo;
-    eo.world_size = 1;
+    eo.world_size = mod;
     const int64_t n = static_cast<int64_t>(expert_local);
-    const MemoryPlanRow& whole = plan_memory(n, n, eo).row("DDP");
-    k.params += whole.params, k.grads += whole.grads, k.optimizer += whole.optimizer_state;
+    const int64_t unit = std::min<int64_t>(n, model.expert_params() / k.dims.ep);
+    const MemoryPlanRow& e = plan_memory(n, unit, eo).row(mod == 1 ? "DDP" : "FULL_SHARD");
+    k.params += e.params, k.grads += e.grads, k.optimizer += e.optimizer_state;
+    if (mod > 1) k.gathered += e.gathered;
   }
   return psi_r;
 }
@@ -317,10 +329,12 @@ MeshPlan plan_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions
                   if (!model.transformer() && (T > 1 || P > 1 || ac != "none")) continue;
                   MeshCandidate c;
                   c.dims = {.pp = P, .dp_replicate = R, .dp_shard = S, .cp = C, .tp = T};
-                  // An MoE model's experts split over all of dp_shard x cp,
-                  // or kept whole (FSDP's, like the rest).
+                  // An MoE model's experts split over ep ranks of dp_shard x
+                  // cp (sharded over the rest), or FSDP's like the rest.
                   std::vector<int> eps{1};
-                  if (model.experts > 0 && R == 1 && S * C > 1 && model.experts % (S * C) == 0) eps.push_back(S * C);
+                  if (model.experts > 0 && R == 1)
+                    for (int E : divisors(S * C))
+                      if (E > 1 && E % C == 0 && model.experts % E == 0) eps.push_back(E);
                   for (int E : eps) {
                     c.dims.ep = E;
                     c.cp_exchange = exchange;

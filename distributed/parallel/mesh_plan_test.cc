@@ -261,8 +261,15 @@ TEST(MeshPlan, ExpertsCountInMemoryAndEpInTime) {
   c.dims = {.dp_shard = 4, .tp = 2, .ep = 3};
   EXPECT_EQ(evaluate_mesh(m, hw, o, c).rejected, "ep 3 does not divide the 8 experts");
   c.dims = {.dp_replicate = 2, .dp_shard = 4, .ep = 4};
-  EXPECT_NE(evaluate_mesh(m, hw, o, c).rejected.find("ep 4 must be dp_shard x cp = 4 with dp_replicate 1"),
+  EXPECT_NE(evaluate_mesh(m, hw, o, c).rejected.find("ep 4 with dp_replicate 2: replicas of the experts"),
             std::string::npos);
+  // ep below dp_shard: FSDP shards each rank's experts over the other 2
+  // ranks holding them: the same state per rank as ep 8.
+  c.dims = {.dp_shard = 8, .ep = 4};
+  const MeshCandidate ep4 = evaluate_mesh(m, hw, o, c);
+  ASSERT_TRUE(ep4.rejected.empty()) << ep4.rejected;
+  EXPECT_NEAR(state(ep4), state(ep), 1e-3 * state(ep));
+  EXPECT_GT(ep4.ep_comm, 0);
   c.dims = {.dp_shard = 8, .ep = 8};
   EXPECT_EQ(evaluate_mesh(model_preset("llama-7b"), hw, o, c).rejected, "ep 8 splits experts; llama-7b has none");
   // The search weighs ep against keeping the experts FSDP's.

@@ -18,23 +18,14 @@ namespace ember::distributed {
 
 namespace {
 
-// Identity forward; the gradient times `s` (the experts' weights' 1/ep).
-Tensor scale_grad(const Tensor& t, double s) {
-  return differentiable(
-      "ep_grad_scale", {t}, [&] { return t.alias(); },
-      [&](const Tensor&) {
-        BackwardFn fn = [s](const Tensor& g) { return std::vector<Tensor>{g * s}; };
-        return Recorded{fn, {}, true};
-      });
-}
-
 // The layer's dispatch over `pg` (installed as nn::MoE::dispatch).
 Tensor dispatch(nn::GroupedExperts& ex, const Tensor& rows, const std::vector<int64_t>& counts,
                 const std::shared_ptr<ProcessGroup>& pg) {
   const int n = pg->size();
   const int64_t E = static_cast<int64_t>(counts.size()), El = E / n;
-  EMBER_INTERNAL_ASSERT(El * n == E && ex.w1.size(0) == El, "expert_parallel: ", E, " experts over ", n,
-                        " ranks holding ", ex.w1.size(0));
+  // (The weights' own shape is checked inside the experts' call: between
+  // calls FSDP may hold them as shards.)
+  EMBER_INTERNAL_ASSERT(El * n == E && ex.num_experts == E, "expert_parallel: ", E, " experts over ", n, " ranks");
   // 1. Counts: block r of mine (experts of rank r) to rank r; block q of the
   // result is what rank q sends to each of my experts.
   std::vector<double> mine(counts.begin(), counts.end());
@@ -66,11 +57,9 @@ Tensor dispatch(nn::GroupedExperts& ex, const Tensor& rows, const std::vector<in
       }
   const TensorOptions idx{DType::Int64, rows.device()};
   Tensor x = index_select(got, 0, Tensor::from_vector(order, {R}, idx));
-  // 3. The local experts, their weights' gradient divided by ep.
-  const double s = 1.0 / n;
-  Tensor w1 = scale_grad(ex.w1, s).to(x.dtype()), w2 = scale_grad(ex.w2, s).to(x.dtype()),
-         w3 = scale_grad(ex.w3, s).to(x.dtype());
-  Tensor y = grouped_mm(silu(grouped_mm(x, w1, local)) * grouped_mm(x, w3, local), w2, local);
+  // 3. The local experts (their weights' gradient divided by ep: set on
+  // the module), through its call so a data-parallel wrapper's hooks run.
+  Tensor y = ex(x, local);
   // 4. Back to source order, and to the sources.
   y = index_select(y, 0, Tensor::from_vector(inverse, {R}, idx));
   return functional::all_to_all_v(y, send_splits, recv_splits, pg);
@@ -87,6 +76,10 @@ std::shared_ptr<const DTensorSpec> expert_spec(const Tensor& p, const std::share
   const auto source = ep_mesh->flattened_from();
   const std::vector<std::string> ep_dims = source ? ep_mesh->flattened_dims() : ep_mesh->dim_names();
   const auto root = source ? source->root() : ep_mesh->root();
+  EMBER_CHECK(source != nullptr || have->mesh->root() == root, "expert_parallel: ", name, " is laid out by ",
+              have->layout, " (", have->to_string(), ") and the ep view ", ep_mesh->to_string(),
+              " is part of dp_shard x cp: expert parallelism over part of it with tensor parallelism is not built; "
+              "give ep = dp_shard x cp");
   bool replicated = true;
   for (const Placement& pl : have->placements) replicated = replicated && pl.is_replicate();
   EMBER_CHECK(replicated && have->mesh->root() == root, "expert_parallel: ", name, " is already laid out (",
@@ -131,6 +124,7 @@ void expert_parallel(nn::Module& model, const std::shared_ptr<DeviceMesh>& ep_me
       p->set_data(p->detach().narrow(0, me * El, El).contiguous().clone());
       set_shard_spec(*p, std::move(spec));
     }
+    moe->experts->weight_grad_scale = 1.0 / n;
     moe->dispatch = [pg](nn::GroupedExperts& ex, const Tensor& rows, const std::vector<int64_t>& counts) {
       return dispatch(ex, rows, counts, pg);
     };

@@ -121,6 +121,59 @@ std::shared_ptr<const DTensorSpec> compose_with_tensor_parallel(const std::share
   return spec;
 }
 
+// A parameter expert parallelism split over its ep view (a partition of
+// dp_shard x cp, not a mesh FSDP's is cut alongside) and FSDP shards again
+// over dp_shard_mod_ep: its regions the run of this rank's FSDP shard
+// through the expert split's boxes; its norm's partial sums combined over
+// the split's mesh, then over FSDP's shard group; written where both
+// would write.
+struct ExpertShardSpec : ShardSpec {
+  std::shared_ptr<const DTensorSpec> inner;
+  std::shared_ptr<ProcessGroup> shard_pg;
+  const void* domain = nullptr;
+  bool counts_in_norm() const override { return writes; }
+  const void* norm_domain() const override { return domain; }
+  void reduce_norm_partial(const Tensor& partial, bool max) const override {
+    inner->reduce_norm_partial(partial, max);
+    if (shard_pg) grad_norm_allreduce(shard_pg, max ? INFINITY : 2.0)(partial);
+  }
+};
+
+std::shared_ptr<const ShardSpec> compose_with_expert_parallel(const std::shared_ptr<Unit>& up, size_t i,
+                                                              const std::shared_ptr<const DTensorSpec>& ep,
+                                                              const FlatBuffer::Piece* pc, const std::string& layout,
+                                                              int replica) {
+  const Unit& u = *up;
+  auto spec = std::make_shared<ExpertShardSpec>();
+  spec->inner = ep;
+  spec->shard_pg = u.shard_pg;
+  spec->domain = u.mesh.get();
+  spec->global_shape = ep->global_shape;
+  spec->mesh_dims = ep->mesh_dims;
+  spec->mesh_dims.push_back("dp_shard_mod_ep");
+  spec->mesh_shape = ep->mesh_shape;
+  spec->mesh_shape.push_back(u.shard_size);
+  spec->coord = ep->coord;
+  spec->coord.push_back(u.shard_rank);
+  spec->placements = ep->placements;
+  spec->placements.push_back(Shard(0));
+  const int64_t begin = pc ? pc->entry_offset : 0, end = begin + (pc ? pc->numel : 0);
+  std::vector<Region> rs;
+  int64_t off = 0;
+  for (const Region& r : ep->regions()) {
+    const int64_t lo = std::max(begin, off), hi = std::min(end, off + r.numel);
+    if (hi > lo) rs.push_back(Region{r.box, r.begin + (lo - off), hi - lo});
+    off += r.numel;
+  }
+  if (rs.empty()) rs.push_back(Region{ep->region.box, 0, 0});
+  spec->region = rs.front();
+  if (rs.size() > 1) spec->parts = rs;
+  spec->layout = "fsdp:" + layout + "+expert_parallel";
+  spec->writes = ep->writes && replica == 0 && (u.layout.entries()[i].numel > 0 || u.shard_rank == 0);
+  attach_shard_data(*spec, up, i);
+  return spec;
+}
+
 }  // namespace
 
 namespace fsdp_internal {
@@ -141,7 +194,10 @@ void attach_shard_specs(const std::shared_ptr<Unit>& u) {
     for (const auto& piece : u->pieces)
       if (piece.entry == i) pc = &piece;
     if (auto tp = std::dynamic_pointer_cast<const DTensorSpec>(shard_spec_ptr(u->params[i]))) {
-      set_shard_spec(u->params[i], compose_with_tensor_parallel(u, i, *tp, pc, layout, replica));
+      if (tp->layout == "expert_parallel")
+        set_shard_spec(u->params[i], compose_with_expert_parallel(u, i, tp, pc, layout, replica));
+      else
+        set_shard_spec(u->params[i], compose_with_tensor_parallel(u, i, *tp, pc, layout, replica));
       continue;
     }
     auto spec = std::make_shared<FsdpShardSpec>();

@@ -32,14 +32,12 @@ void check_options(const ParallelDims& dims, const ParallelizeOptions& o) {
               "' needs the block types to wrap (ParallelizeOptions::block_types)");
   EMBER_CHECK(o.fsdp.mesh == nullptr, "parallelize: FSDPOptions::mesh is set; the mesh comes from the ParallelDims (",
               dims.str(), ")");
-  // The experts are split over ep and reduced by it alone: every other
-  // data-parallel rank would hold a replica, whose reduction (FSDP over
-  // dp_shard x cp / ep, torchtitan's dp_shard_mod_ep) is not built yet.
-  EMBER_CHECK(dims.ep == 1 || (dims.dp_replicate == 1 && dims.dp_shard_cp() == dims.ep), "parallelize: ep=", dims.ep,
-              " with dp_replicate=", dims.dp_replicate, " x dp_shard x cp = ", dims.dp_shard_cp(),
-              " would replicate each expert over ", dims.dp_replicate * dims.dp_shard_cp() / dims.ep,
-              " ranks, which is not built yet (FSDP of the experts over the data-parallel ranks outside ep); give "
-              "ep = dp_shard x cp and dp_replicate 1");
+  // The experts are split over ep; over the data-parallel ranks outside ep
+  // (dp_shard x cp / ep) FSDP shards them, but replicas (HSDP's) of them
+  // are not built.
+  EMBER_CHECK(dims.ep == 1 || dims.dp_replicate == 1, "parallelize: ep=", dims.ep,
+              " with dp_replicate=", dims.dp_replicate,
+              ": replicas of the experts (HSDP over them) are not built yet; give dp_replicate 1");
   EMBER_CHECK(dims.cp == 1 || o.cp.seq > 0, "parallelize: cp=", dims.cp,
               " needs the sequence length its ranks split (ParallelizeOptions::cp.seq)");
   if (!(o.ddp && dims.dp_shard == 1 && dims.cp == 1)) check_hsdp_strategy(dims, o.fsdp.strategy);
@@ -114,9 +112,19 @@ std::vector<Tensor> apply_ep(nn::Module& module, const ParallelDims& dims, const
   if (dims.dp_cp() > 1) set_moe_balance_group(module, mesh.submesh({dims.cp > 1 ? "dp_cp" : "dp"})->group());
   if (dims.ep == 1) return {};
   expert_parallel(module, mesh.submesh({"ep"}));
+  // Over all of dp_shard x cp, each expert lives on one rank: FSDP leaves
+  // them alone. Over part of it, apply_expert_fsdp shards them.
   std::vector<Tensor> experts;
-  for (nn::MoE* m : layers) experts.insert(experts.end(), {m->experts->w1, m->experts->w2, m->experts->w3});
+  if (dims.ep == dims.dp_shard_cp())
+    for (nn::MoE* m : layers) experts.insert(experts.end(), {m->experts->w1, m->experts->w2, m->experts->w3});
   return experts;
+}
+
+void apply_expert_fsdp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh, FSDPOptions o) {
+  if (dims.ep == 1 || dims.ep == dims.dp_shard_cp()) return;
+  o.mesh = mesh.submesh({"dp_shard_mod_ep"});
+  if (o.strategy == ShardingStrategy::HYBRID_SHARD) o.strategy = ShardingStrategy::FULL_SHARD;
+  for (nn::MoE* m : nn::moe_layers(module)) fully_shard(m->experts, o);
 }
 
 void apply_cp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh,
@@ -141,6 +149,7 @@ Parallelized parallelize(const std::shared_ptr<nn::Module>& model, const Paralle
     EMBER_CHECK(dims.ep == 1, "parallelize: DDP with ep=", dims.ep, " (expert parallelism goes with FSDP)");
     out.ddp = replicate(model, o.ddp_options, mesh->submesh({"dp_replicate"}));
   } else {
+    apply_expert_fsdp(*model, dims, *mesh, fsdp);
     out.fsdp = apply_fsdp(model, dims, *mesh, o.block_types, fsdp);
   }
   return out;
@@ -173,8 +182,10 @@ PipelineParallel pipeline_parallelize(const std::vector<std::shared_ptr<pp::Pipe
   // FSDP over dp_shard x cp: cp ranks hold different tokens' gradients, so
   // they are sharded (and reduced) even when dp_shard is 1.
   if (dims.dp_shard_cp() > 1)
-    for (size_t i = 0; i < out.stages.size(); ++i)
+    for (size_t i = 0; i < out.stages.size(); ++i) {
+      apply_expert_fsdp(*out.stages[i], dims, *mesh, fsdp[i]);
       out.fsdp.push_back(apply_fsdp(out.stages[i], dims, *mesh, o.block_types, fsdp[i]));
+    }
   out.part = pp::rank_part(out.stages);
   if (po.dp_group == nullptr && dims.dp_replicate > 1 && out.fsdp.empty()) po.dp_group = mesh->group("dp_replicate");
   out.pipe = std::make_unique<pp::Pipeline>(schedule, out.stages, mesh->group("pp"), std::move(po));
