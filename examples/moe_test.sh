@@ -2,7 +2,8 @@
 # Mixture of experts in //examples:gpt (--moe-experts, --ep): a LLaMA of 4
 # blocks, MoE in blocks 0 and 2 (4 experts, top 2, z-loss on), 6 steps.
 #   - expert parallelism ep 2 folded over dp_shard 2, ep 2 over dp_shard 4
-#     (the experts FSDP-sharded over the 2 ranks holding them), ep 2 x tp 2
+#     (the experts FSDP-sharded over the 2 ranks holding them), ep 2 x
+#     dp_replicate 2 (HSDP; the experts' replicas averaged), ep 2 x tp 2
 #     (sequence parallel) and pp 2 x ep 2 each equal one process step for step (the
 #     same batches, losses within 1e-5, gradient norms within 1e-4; the
 #     pipeline's reference accumulates the same 4 micro-batches) and end
@@ -78,10 +79,16 @@ grep -q "mesh dp_shard=2 tp=2 ep=2$" <<<"$out" || { echo "$out"; echo "no ep x t
 # holding the same ones (dp_shard_mod_ep).
 out=$("$dir/gpt" --nproc 4 --dp-shard 4 --ep 2 "${moe[@]}" --checkpoint-dir "$tmp/e2d4" --metrics "$tmp/e2d4.jsonl" 2>&1) ||
   { echo "$out"; exit 1; }
-like_reference "$tmp/r1.jsonl" 0 "$tmp/e2.jsonl" "$tmp/e2t2.jsonl" "$tmp/e2d4.jsonl"
+# HSDP: ep 2 over dp_shard 2, replicated over dp_replicate 2 (the experts'
+# gradients averaged over the replicas).
+out=$("$dir/gpt" --nproc 4 --dp-replicate 2 --dp-shard 2 --ep 2 "${moe[@]}" --checkpoint-dir "$tmp/e2r2" \
+      --metrics "$tmp/e2r2.jsonl" 2>&1) || { echo "$out"; exit 1; }
+grep -q "mesh dp_replicate=2 dp_shard=2 ep=2$" <<<"$out" || { echo "$out"; echo "no HSDP x ep mesh line"; exit 1; }
+like_reference "$tmp/r1.jsonl" 0 "$tmp/e2.jsonl" "$tmp/e2t2.jsonl" "$tmp/e2d4.jsonl" "$tmp/e2r2.jsonl"
 same_params "$tmp/r1/step_6" "$tmp/e2/step_6"
 same_params "$tmp/r1/step_6" "$tmp/e2t2/step_6"
 same_params "$tmp/r1/step_6" "$tmp/e2d4/step_6"
+same_params "$tmp/r1/step_6" "$tmp/e2r2/step_6"
 
 # The pipeline's reference: one process accumulating the same 4 micro-batches.
 "$dir/gpt" --nproc 1 "${moe[@]}" --microbatches 4 --checkpoint-dir "$tmp/p1" --metrics "$tmp/p1.jsonl" > "$tmp/p1.log" 2>&1 ||
@@ -132,6 +139,5 @@ expect_error() {  # MESSAGE ARGS...
 expect_error "--ep 3 does not divide --moe-experts 4" --nproc 3 --ep 3 "${moe[@]}"
 expect_error "--ep 2 splits experts; give --moe-experts" --nproc 2 --ep 2 --max-steps 1
 expect_error "--moe-top-k 5 exceeds --moe-experts 4" "${moe[@]}" --moe-top-k 5
-expect_error "replicas of the experts (HSDP over them) are not built yet" --nproc 4 --dp-replicate 2 --dp-shard 2 --ep 2 \
-  "${moe[@]}"
+expect_error "--ep 2 does not divide --moe-experts 3" --nproc 2 --dp-shard 2 --ep 2 --moe-experts 3 --max-steps 1
 echo "moe_test: ok"

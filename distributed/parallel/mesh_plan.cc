@@ -72,9 +72,9 @@ std::string infeasible(const ModelSpec& model, const Hardware& hw, const PlanOpt
   if (E > 1 && T > 1 && E != S * C)
     return "ep " + std::to_string(E) + " below dp_shard x cp = " + std::to_string(S * C) +
            " with tp is not built (the experts' split and tp's meet on no one mesh)";
-  if (E > 1 && R != 1)
-    return "ep " + std::to_string(E) + " with dp_replicate " + std::to_string(R) +
-           ": replicas of the experts (HSDP over them) are not built yet";
+  if (E > 1 && R != 1 && E != S * C)
+    return "ep " + std::to_string(E) + " below dp_shard x cp with dp_replicate " + std::to_string(R) +
+           ": HSDP of the experts is not built yet";
   if (C > 1 && !model.transformer()) return "cp splits a transformer's sequence; " + model.name + " has none";
   if (model.transformer()) {
     const int64_t kv = model.kv_heads > 0 ? model.kv_heads : model.heads;
@@ -332,9 +332,10 @@ MeshPlan plan_mesh(const ModelSpec& model, const Hardware& hw, const PlanOptions
                   // An MoE model's experts split over ep ranks of dp_shard x
                   // cp (sharded over the rest), or FSDP's like the rest.
                   std::vector<int> eps{1};
-                  if (model.experts > 0 && R == 1)
+                  if (model.experts > 0)
                     for (int E : divisors(S * C))
-                      if (E > 1 && E % C == 0 && model.experts % E == 0) eps.push_back(E);
+                      if (E > 1 && E % C == 0 && model.experts % E == 0 && ((R == 1 && T == 1) || E == S * C))
+                        eps.push_back(E);
                   for (int E : eps) {
                     c.dims.ep = E;
                     c.cp_exchange = exchange;

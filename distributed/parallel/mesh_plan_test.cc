@@ -260,9 +260,12 @@ TEST(MeshPlan, ExpertsCountInMemoryAndEpInTime) {
   // Named rejections.
   c.dims = {.dp_shard = 4, .tp = 2, .ep = 3};
   EXPECT_EQ(evaluate_mesh(m, hw, o, c).rejected, "ep 3 does not divide the 8 experts");
-  c.dims = {.dp_replicate = 2, .dp_shard = 4, .ep = 4};
-  EXPECT_NE(evaluate_mesh(m, hw, o, c).rejected.find("ep 4 with dp_replicate 2: replicas of the experts"),
+  c.dims = {.dp_replicate = 2, .dp_shard = 4, .ep = 2};
+  EXPECT_NE(evaluate_mesh(m, hw, o, c).rejected.find("ep 2 below dp_shard x cp with dp_replicate 2"),
             std::string::npos);
+  c.dims = {.dp_replicate = 2, .dp_shard = 4, .ep = 4};  // replicas of whole experts: built
+  const MeshCandidate hsdp = evaluate_mesh(m, h100(8, 320), o, c);
+  EXPECT_TRUE(hsdp.rejected.empty()) << hsdp.rejected;
   // ep below dp_shard: FSDP shards each rank's experts over the other 2
   // ranks holding them: the same state per rank as ep 8.
   c.dims = {.dp_shard = 8, .ep = 4};

@@ -121,21 +121,22 @@ std::shared_ptr<const DTensorSpec> compose_with_tensor_parallel(const std::share
   return spec;
 }
 
-// A parameter expert parallelism split over its ep view (a partition of
-// dp_shard x cp, not a mesh FSDP's is cut alongside) and FSDP shards again
-// over dp_shard_mod_ep: its regions the run of this rank's FSDP shard
-// through the expert split's boxes; its norm's partial sums combined over
-// the split's mesh, then over FSDP's shard group; written where both
-// would write.
+// A parameter expert parallelism split over its ep view and FSDP shards
+// again over dp_shard_mod_ep (or replicates over dp_replicate): its
+// regions the run of this rank's FSDP shard through the expert split's
+// boxes; its norm's partial sums combined over the split's mesh, then over
+// FSDP's groups (a replica that does not write adds nothing); written
+// where both would write.
 struct ExpertShardSpec : ShardSpec {
   std::shared_ptr<const DTensorSpec> inner;
-  std::shared_ptr<ProcessGroup> shard_pg;
+  std::shared_ptr<ProcessGroup> shard_pg, replicate_pg;
   const void* domain = nullptr;
   bool counts_in_norm() const override { return writes; }
   const void* norm_domain() const override { return domain; }
   void reduce_norm_partial(const Tensor& partial, bool max) const override {
     inner->reduce_norm_partial(partial, max);
-    if (shard_pg) grad_norm_allreduce(shard_pg, max ? INFINITY : 2.0)(partial);
+    for (const auto* g : {&shard_pg, &replicate_pg})
+      if (*g) grad_norm_allreduce(*g, max ? INFINITY : 2.0)(partial);
   }
 };
 
@@ -147,6 +148,7 @@ std::shared_ptr<const ShardSpec> compose_with_expert_parallel(const std::shared_
   auto spec = std::make_shared<ExpertShardSpec>();
   spec->inner = ep;
   spec->shard_pg = u.shard_pg;
+  spec->replicate_pg = u.replicate_pg;
   spec->domain = u.mesh.get();
   spec->global_shape = ep->global_shape;
   spec->mesh_dims = ep->mesh_dims;

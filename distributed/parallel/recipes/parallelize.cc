@@ -33,11 +33,12 @@ void check_options(const ParallelDims& dims, const ParallelizeOptions& o) {
   EMBER_CHECK(o.fsdp.mesh == nullptr, "parallelize: FSDPOptions::mesh is set; the mesh comes from the ParallelDims (",
               dims.str(), ")");
   // The experts are split over ep; over the data-parallel ranks outside ep
-  // (dp_shard x cp / ep) FSDP shards them, but replicas (HSDP's) of them
-  // are not built.
-  EMBER_CHECK(dims.ep == 1 || dims.dp_replicate == 1, "parallelize: ep=", dims.ep,
-              " with dp_replicate=", dims.dp_replicate,
-              ": replicas of the experts (HSDP over them) are not built yet; give dp_replicate 1");
+  // (dp_shard x cp / ep) FSDP shards them, or replicates them over
+  // dp_replicate when ep is all of dp_shard x cp; not both at once.
+  EMBER_CHECK(dims.ep == 1 || dims.dp_replicate == 1 || dims.ep == dims.dp_shard_cp(), "parallelize: ep=", dims.ep,
+              " below dp_shard x cp = ", dims.dp_shard_cp(), " with dp_replicate=", dims.dp_replicate,
+              ": the experts would be HSDP over (dp_replicate, dp_shard_mod_ep), which is not built yet; give ep = "
+              "dp_shard x cp or dp_replicate 1");
   EMBER_CHECK(dims.cp == 1 || o.cp.seq > 0, "parallelize: cp=", dims.cp,
               " needs the sequence length its ranks split (ParallelizeOptions::cp.seq)");
   if (!(o.ddp && dims.dp_shard == 1 && dims.cp == 1)) check_hsdp_strategy(dims, o.fsdp.strategy);
@@ -115,15 +116,22 @@ std::vector<Tensor> apply_ep(nn::Module& module, const ParallelDims& dims, const
   // Over all of dp_shard x cp, each expert lives on one rank: FSDP leaves
   // them alone. Over part of it, apply_expert_fsdp shards them.
   std::vector<Tensor> experts;
-  if (dims.ep == dims.dp_shard_cp())
+  if (dims.ep == dims.dp_shard_cp() && dims.dp_replicate == 1)
     for (nn::MoE* m : layers) experts.insert(experts.end(), {m->experts->w1, m->experts->w2, m->experts->w3});
   return experts;
 }
 
 void apply_expert_fsdp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh, FSDPOptions o) {
-  if (dims.ep == 1 || dims.ep == dims.dp_shard_cp()) return;
-  o.mesh = mesh.submesh({"dp_shard_mod_ep"});
-  if (o.strategy == ShardingStrategy::HYBRID_SHARD) o.strategy = ShardingStrategy::FULL_SHARD;
+  if (dims.ep == 1 || (dims.ep == dims.dp_shard_cp() && dims.dp_replicate == 1)) return;
+  if (dims.ep == dims.dp_shard_cp()) {
+    // Whole on each ep rank, replicated over dp_replicate (HSDP's replicas):
+    // their gradients averaged there.
+    o.mesh = mesh.submesh({"dp_replicate"});
+    o.strategy = ShardingStrategy::NO_SHARD;
+  } else {
+    o.mesh = mesh.submesh({"dp_shard_mod_ep"});
+    if (o.strategy == ShardingStrategy::HYBRID_SHARD) o.strategy = ShardingStrategy::FULL_SHARD;
+  }
   for (nn::MoE* m : nn::moe_layers(module)) fully_shard(m->experts, o);
 }
 

@@ -89,9 +89,11 @@ void apply_cp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& me
 // blocks; parallelize and pipeline_parallelize check the whole model: ep >
 // 1 without MoE layers, ep not dividing the experts, named).
 std::vector<Tensor> apply_ep(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh);
-// Step 3a (before the blocks' FSDP): with ep below dp_shard x cp, each
-// MoE layer's experts an FSDP unit of its own over "dp_shard_mod_ep" (the
-// ranks holding the same experts), `options` but that mesh; nothing else.
+// Step 3a (before the blocks' FSDP): each MoE layer's experts an FSDP
+// unit of their own, `options` but the mesh: with ep below dp_shard x cp
+// sharded over "dp_shard_mod_ep" (the ranks holding the same experts);
+// with ep all of it and dp_replicate > 1, NO_SHARD over "dp_replicate"
+// (HSDP's replicas average them); nothing otherwise.
 void apply_expert_fsdp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh, FSDPOptions options);
 // Step 1: tensor parallelism of `module` over mesh "tp" (a stage takes
 // plan_for(plan, stage), its share); nothing when tp = 1.
