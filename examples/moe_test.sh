@@ -9,6 +9,7 @@
 #     pipeline's reference accumulates the same 4 micro-batches) and end
 #     with the same parameters (the consolidated checkpoints, rel 1e-5);
 #   - pp 2 x ep 2 with MoE in the first stage only (the second all dense);
+#   - ep 2 under full activation checkpointing equals one process too;
 #   - a checkpoint chain ep 4 -> ep 2 -> one process continues as the
 #     uninterrupted run (stacked expert weights resharded by their boxes);
 #   - the --metrics lines carry the expert load and the balance loss;
@@ -75,6 +76,11 @@ grep -q "mesh dp_shard=2 ep=2$" <<<"$out" || { echo "$out"; echo "no ep mesh lin
 out=$("$dir/gpt" --nproc 4 --dp-shard 2 --tp 2 --ep 2 "${moe[@]}" --checkpoint-dir "$tmp/e2t2" \
       --metrics "$tmp/e2t2.jsonl" 2>&1) || { echo "$out"; exit 1; }
 grep -q "mesh dp_shard=2 tp=2 ep=2$" <<<"$out" || { echo "$out"; echo "no ep x tp mesh line"; exit 1; }
+# ep 2 under full activation checkpointing: the blocks' recompute runs the
+# dispatch's exchanges again.
+out=$("$dir/gpt" --nproc 2 --dp-shard 2 --ep 2 --ac full "${moe[@]}" --checkpoint-dir "$tmp/e2ac" \
+      --metrics "$tmp/e2ac.jsonl" 2>&1) || { echo "$out"; exit 1; }
+like_reference "$tmp/r1.jsonl" 0 "$tmp/e2ac.jsonl"
 # ep 2 over dp_shard 4: FSDP shards each rank's experts over the 2 ranks
 # holding the same ones (dp_shard_mod_ep).
 out=$("$dir/gpt" --nproc 4 --dp-shard 4 --ep 2 "${moe[@]}" --checkpoint-dir "$tmp/e2d4" --metrics "$tmp/e2d4.jsonl" 2>&1) ||
@@ -140,4 +146,6 @@ expect_error "--ep 3 does not divide --moe-experts 4" --nproc 3 --ep 3 "${moe[@]
 expect_error "--ep 2 splits experts; give --moe-experts" --nproc 2 --ep 2 --max-steps 1
 expect_error "--moe-top-k 5 exceeds --moe-experts 4" "${moe[@]}" --moe-top-k 5
 expect_error "--ep 2 does not divide --moe-experts 3" --nproc 2 --dp-shard 2 --ep 2 --moe-experts 3 --max-steps 1
+expect_error "activation checkpointing 'full' with ep=2 (dp_replicate=1 x dp_shard x cp = 4) is not built" \
+  --nproc 4 --dp-shard 4 --ep 2 --ac full "${moe[@]}"
 echo "moe_test: ok"

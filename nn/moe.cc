@@ -110,9 +110,11 @@ Tensor scale_grad(const Tensor& t, double s) {
 Tensor GroupedExperts::operator()(const Tensor& x, const std::vector<int64_t>& counts) {
   counts_ = counts;
   called_ = true;
-  Tensor y = Module::operator()(x);
-  called_ = false;
-  return y;
+  struct Done {
+    GroupedExperts* e;
+    ~Done() { e->called_ = false, e->counts_.clear(); }
+  } done{this};  // also when the call throws
+  return Module::operator()(x);
 }
 
 Tensor GroupedExperts::forward(const Tensor& x) {

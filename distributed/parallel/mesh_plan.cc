@@ -72,6 +72,9 @@ std::string infeasible(const ModelSpec& model, const Hardware& hw, const PlanOpt
   if (E > 1 && T > 1 && E != S * C)
     return "ep " + std::to_string(E) + " below dp_shard x cp = " + std::to_string(S * C) +
            " with tp is not built (the experts' split and tp's meet on no one mesh)";
+  if (E > 1 && k.ac != "none" && (E != S * C || R != 1))
+    return "ep " + std::to_string(E) + " with AC " + k.ac +
+           ": the experts' own FSDP unit cannot run inside a checkpointed block";
   if (E > 1 && R != 1 && E != S * C)
     return "ep " + std::to_string(E) + " below dp_shard x cp with dp_replicate " + std::to_string(R) +
            ": HSDP of the experts is not built yet";
@@ -110,9 +113,10 @@ int64_t state_memory(const ModelSpec& model, const PlanOptions& o, MeshCandidate
   // models), its tensor-parallel part.
   double stage_params;
   int64_t unit_params;
-  // Under expert parallelism the experts are EP's, not FSDP's: each rank
-  // holds ep's share whole, with whole gradients and optimizer state
-  // (replicated over tp: a token's experts run on every tp rank).
+  // Under expert parallelism the experts are EP's: each rank holds ep's
+  // share (whole with its gradients and optimizer state when ep is all of
+  // dp_shard x cp, else FSDP's shard of it over dp_shard_mod_ep), not split
+  // by tp (a token's experts run on every tp rank).
   const bool ep = k.dims.ep > 1;
   double expert_local = 0;
   if (model.transformer()) {

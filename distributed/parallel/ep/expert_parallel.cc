@@ -117,9 +117,9 @@ void expert_parallel(nn::Module& model, const std::shared_ptr<DeviceMesh>& ep_me
   for (auto& [name, moe] : layers) {
     const int64_t El = moe->options.num_experts / n;
     for (Tensor* p : {&moe->experts->w1, &moe->experts->w2, &moe->experts->w3}) {
-      // This rank's experts: the ep group's rank-th slice. Each expert
-      // lives on one rank of the group, so the ranks need not have drawn
-      // alike (tensor parallelism, if any, has made the tp ranks agree).
+      // This rank's experts: the ep group's rank-th slice. The ranks
+      // holding the same slice (dp_shard_mod_ep, replicas, tp) must have
+      // drawn alike: one seed, or FSDP's and tensor parallelism's broadcasts.
       auto spec = expert_spec(*p, ep_mesh, p->sizes(), name + ".experts");
       p->set_data(p->detach().narrow(0, me * El, El).contiguous().clone());
       set_shard_spec(*p, std::move(spec));

@@ -151,14 +151,17 @@ std::shared_ptr<const ShardSpec> compose_with_expert_parallel(const std::shared_
   spec->replicate_pg = u.replicate_pg;
   spec->domain = u.mesh.get();
   spec->global_shape = ep->global_shape;
+  // The dimension FSDP adds: its shards over dp_shard_mod_ep, or NO_SHARD's
+  // replicas over dp_replicate.
+  const bool replicas = u.shard_size == 1 && u.replicate_pg != nullptr;
   spec->mesh_dims = ep->mesh_dims;
-  spec->mesh_dims.push_back("dp_shard_mod_ep");
+  spec->mesh_dims.push_back(replicas ? "dp_replicate" : "dp_shard_mod_ep");
   spec->mesh_shape = ep->mesh_shape;
-  spec->mesh_shape.push_back(u.shard_size);
+  spec->mesh_shape.push_back(replicas ? u.replicate_pg->size() : u.shard_size);
   spec->coord = ep->coord;
-  spec->coord.push_back(u.shard_rank);
+  spec->coord.push_back(replicas ? replica : u.shard_rank);
   spec->placements = ep->placements;
-  spec->placements.push_back(Shard(0));
+  spec->placements.push_back(replicas ? Placement(Replicate()) : Placement(Shard(0)));
   const int64_t begin = pc ? pc->entry_offset : 0, end = begin + (pc ? pc->numel : 0);
   std::vector<Region> rs;
   int64_t off = 0;

@@ -39,6 +39,17 @@ void check_options(const ParallelDims& dims, const ParallelizeOptions& o) {
               " below dp_shard x cp = ", dims.dp_shard_cp(), " with dp_replicate=", dims.dp_replicate,
               ": the experts would be HSDP over (dp_replicate, dp_shard_mod_ep), which is not built yet; give ep = "
               "dp_shard x cp or dp_replicate 1");
+  EMBER_CHECK(dims.ep == 1 || dims.tp == 1 || dims.ep == dims.dp_shard_cp(), "parallelize: ep=", dims.ep,
+              " below dp_shard x cp = ", dims.dp_shard_cp(), " with tp=", dims.tp,
+              " is not built (the ep view and tp meet on no one mesh); give ep = dp_shard x cp");
+  // The experts' own FSDP unit (ep below dp_shard x cp, or replicas) would
+  // run inside a checkpointed block, which FSDP's units cannot.
+  EMBER_CHECK(dims.ep == 1 || (dims.ep == dims.dp_shard_cp() && dims.dp_replicate == 1) ||
+                  nn::ActivationCheckpointing::parse(o.ac).mode == nn::ActivationCheckpointing::Mode::None,
+              "parallelize: activation checkpointing '", o.ac, "' with ep=", dims.ep,
+              " (dp_replicate=", dims.dp_replicate, " x dp_shard x cp = ", dims.dp_shard_cp(),
+              ") is not built: the experts are an FSDP unit of their own there, which cannot run inside a "
+              "checkpointed block; give ac none, or ep = dp_shard x cp with dp_replicate 1");
   EMBER_CHECK(dims.cp == 1 || o.cp.seq > 0, "parallelize: cp=", dims.cp,
               " needs the sequence length its ranks split (ParallelizeOptions::cp.seq)");
   if (!(o.ddp && dims.dp_shard == 1 && dims.cp == 1)) check_hsdp_strategy(dims, o.fsdp.strategy);
