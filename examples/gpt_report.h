@@ -333,7 +333,9 @@ inline std::string describe_run(const RunInfo& r, const Corpus& c, distributed::
   std::string moe;
   if (const nn::MoEOptions& m = r.model.moe; m.num_experts > 0) {
     const int64_t hidden = m.hidden > 0 ? m.hidden : r.model.ffn_width();
-    const int64_t every = std::max<int64_t>(m.every, 1), blocks = (r.model.n_layer + every - 1) / every;
+    const int64_t every = std::max<int64_t>(m.every, 1);
+    int64_t blocks = 0;
+    for (int64_t i = 0; i < r.model.n_layer; ++i) blocks += r.model.is_moe_block(i);
     moe = "; MoE in " + std::to_string(blocks) + " of " + std::to_string(r.model.n_layer) + " blocks (every " +
           std::to_string(every) + "): " + std::to_string(m.num_experts) + " experts of " + std::to_string(hidden) +
           ", top " + std::to_string(m.top_k) + " (" + nn::router_score_name(m.score) + ")";

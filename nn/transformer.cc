@@ -198,7 +198,7 @@ TransformerBlock::TransformerBlock(int64_t n_embd, int64_t n_head, double dropou
 
 TransformerBlock::TransformerBlock(const GPTOptions& o, int64_t layer) : Module("TransformerBlock") {
   const std::vector<int64_t> shape{o.n_embd};
-  const bool moe = o.moe.num_experts > 0 && layer % std::max<int64_t>(o.moe.every, 1) == 0;
+  const bool moe = o.is_moe_block(layer);
   MoEOptions mo = o.moe;
   if (mo.hidden == 0) mo.hidden = o.ffn_width();
   if (o.arch == Arch::GPT2) {

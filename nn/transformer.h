@@ -186,6 +186,8 @@ struct GPTOptions {
     return o;
   }
   int64_t kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  // Whether block `layer`'s feed-forward is an MoE (moe.every's rule).
+  bool is_moe_block(int64_t layer) const { return moe.num_experts > 0 && layer % (moe.every > 0 ? moe.every : 1) == 0; }
   // The feed-forward's width: 4 n_embd for GPT-2; LLaMA's rule otherwise.
   int64_t ffn_width() const;
 };

@@ -293,6 +293,12 @@ Signature make_signature(const std::string& op, const Tensor* tensor, int64_t nu
   return {os.str(), tensor ? numel * static_cast<int64_t>(dtype_size(tensor->dtype())) : 0};
 }
 
+Signature make_uneven_signature(const std::string& op, const Tensor& input) {
+  Signature s = make_signature(op, &input, -1, -1, nullptr);
+  s.bytes = bytes_of(input);
+  return s;
+}
+
 CollectiveEvent::CollectiveEvent(const OpInfo& info, const std::string& group)
     : scope_(profiler::Kind::Collective, info.op) {
   if (!scope_.active()) return;

@@ -52,6 +52,9 @@ struct Signature {
   int64_t bytes = 0;
 };
 Signature make_signature(const std::string& op, const Tensor* tensor, int64_t numel, int root, const ReduceOp* reduce);
+// An op whose sizes differ by rank (the uneven all-to-all): the ranks
+// compare its name and dtype; the payload is `input`'s bytes.
+Signature make_uneven_signature(const std::string& op, const Tensor& input);
 
 // The numbers a group gives its operations: collectives count in one
 // sequence (the same on every rank: signature keys and transport tags are

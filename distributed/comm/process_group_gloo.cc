@@ -455,9 +455,7 @@ class GlooGroup : public ProcessGroup {
                                         const std::vector<int64_t>& out_elems,
                                         const std::vector<int64_t>& in_elems) override {
     Tensor out = output.alias(), in = input.alias();
-    // The sizes differ by rank: the signature compares the dtype only.
-    detail::Signature sig = detail::make_signature("all_to_all_v", &in, -1, -1, nullptr);
-    sig.bytes = in.nbytes();
+    detail::Signature sig = detail::make_uneven_signature("all_to_all_v", in);
     return enqueue("all_to_all_v", true, sig,
                    [this, out, in, out_elems, in_elems](const std::shared_ptr<CompletionWork>& work,
                                                         PgClock::time_point deadline) {

@@ -387,8 +387,7 @@ class NcclGroup : public ProcessGroup {
                                         const std::vector<int64_t>& out_elems,
                                         const std::vector<int64_t>& in_elems) override {
     Tensor out = output.alias(), in = input.alias();
-    detail::Signature sig = detail::make_signature("all_to_all_v", &in, -1, -1, nullptr);
-    sig.bytes = in.nbytes();
+    detail::Signature sig = detail::make_uneven_signature("all_to_all_v", in);
     return launch("all_to_all_v", sig, {out, in}, [&](std::vector<Tensor>& keep) {
       Tensor src = out.shares_storage(in) ? in.clone() : in;
       keep.push_back(src);

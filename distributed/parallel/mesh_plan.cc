@@ -133,8 +133,7 @@ int64_t state_memory(const ModelSpec& model, const PlanOptions& o, MeshCandidate
     double largest = static_cast<double>(model.embedding_params()) / T;
     if (model.moe_layers() < model.layers) largest = std::max(largest, static_cast<double>(model.layer_params()) / T);
     if (model.moe_layers() > 0) {
-      const double dense_ffn = (model.swiglu ? 3.0 : 2.0) * model.dim * (model.ffn > 0 ? model.ffn : 4 * model.dim);
-      const double attention = static_cast<double>(model.layer_params()) - dense_ffn;
+      const double attention = static_cast<double>(model.attention_params());
       const double moe_ffn = static_cast<double>(model.moe_layer_params()) - attention;
       largest = std::max(largest, attention / T + moe_ffn - (ep ? static_cast<double>(model.expert_params()) : 0));
     }

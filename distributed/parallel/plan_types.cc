@@ -12,12 +12,16 @@
 
 namespace ember::distributed {
 
-int64_t ModelSpec::layer_params() const {
+int64_t ModelSpec::attention_params() const {
   if (!transformer()) return 0;
   const int64_t kv = (kv_heads > 0 ? kv_heads : heads), head_dim = dim / heads;
-  const int64_t attention = dim * dim * 2 + 2 * dim * kv * head_dim;  // q and out; k and v (grouped)
+  return dim * dim * 2 + 2 * dim * kv * head_dim;  // q and out; k and v (grouped)
+}
+
+int64_t ModelSpec::layer_params() const {
+  if (!transformer()) return 0;
   const int64_t hidden = ffn > 0 ? ffn : 4 * dim;
-  return attention + (swiglu ? 3 : 2) * dim * hidden;
+  return attention_params() + (swiglu ? 3 : 2) * dim * hidden;
 }
 
 int64_t ModelSpec::embedding_params() const {
@@ -34,9 +38,7 @@ int64_t ModelSpec::expert_params() const { return experts > 0 ? experts * 3 * di
 
 int64_t ModelSpec::moe_layer_params() const {
   if (experts == 0) return layer_params();
-  const int64_t kv = (kv_heads > 0 ? kv_heads : heads), head_dim = dim / heads;
-  const int64_t attention = dim * dim * 2 + 2 * dim * kv * head_dim;
-  return attention + dim * experts + expert_params() + 3 * dim * moe_shared * moe_hidden;
+  return attention_params() + dim * experts + expert_params() + 3 * dim * moe_shared * moe_hidden;
 }
 
 double ModelSpec::mean_layer_params() const {
@@ -56,9 +58,7 @@ double ModelSpec::mean_active_layer_params() const {
 
 double ModelSpec::mean_moe_ffn_params() const {
   if (!transformer() || experts == 0) return 0;
-  const int64_t kv = (kv_heads > 0 ? kv_heads : heads), head_dim = dim / heads;
-  const int64_t attention = dim * dim * 2 + 2 * dim * kv * head_dim;
-  return static_cast<double>(moe_layers()) * (moe_layer_params() - attention) / layers;
+  return static_cast<double>(moe_layers()) * (moe_layer_params() - attention_params()) / layers;
 }
 
 double ModelSpec::mean_moe_ffn_active_params() const {

@@ -31,6 +31,7 @@ struct ModelSpec {
   // splits the experts; FSDP leaves them to it.
   int64_t experts = 0, top_k = 0, moe_every = 1, moe_hidden = 0, moe_shared = 0;
   bool transformer() const { return layers > 0; }
+  int64_t attention_params() const;  // one block's attention: q and out; k and v (grouped)
   int64_t layer_params() const;      // one dense block: attention and MLP (norms are negligible)
   int64_t moe_layers() const;        // MoE blocks
   int64_t expert_params() const;     // one MoE block's routed experts, all of them

@@ -54,6 +54,23 @@ void attach_shard_data(ShardSpec& spec, const std::shared_ptr<Unit>& u, size_t i
   };
 }
 
+// The run of this rank's FSDP shard of a parameter (`pc`'s part of the
+// entry; none: an empty run) through the boxes another parallelism's
+// `split` says the local tensor holds: `spec`'s region(s).
+void run_through(ShardSpec& spec, const ShardSpec& split, const FlatBuffer::Piece* pc) {
+  const int64_t begin = pc ? pc->entry_offset : 0, end = begin + (pc ? pc->numel : 0);
+  std::vector<Region> rs;
+  int64_t off = 0;
+  for (const Region& r : split.regions()) {
+    const int64_t lo = std::max(begin, off), hi = std::min(end, off + r.numel);
+    if (hi > lo) rs.push_back(Region{r.box, r.begin + (lo - off), hi - lo});
+    off += r.numel;
+  }
+  if (rs.empty()) rs.push_back(Region{split.region.box, 0, 0});
+  spec.region = rs.front();
+  if (rs.size() > 1) spec.parts = rs;
+}
+
 // A parameter tensor parallelism sharded before FSDP took its local part:
 // described on the mesh both were cut from (FSDP's dimensions, the tp
 // dimension, Replicate on any other), its regions the run of this rank's
@@ -104,17 +121,7 @@ std::shared_ptr<const DTensorSpec> compose_with_tensor_parallel(const std::share
     }
     spec->placements.push_back(p);
   }
-  const int64_t begin = pc ? pc->entry_offset : 0, end = begin + (pc ? pc->numel : 0);
-  std::vector<Region> rs;
-  int64_t off = 0;
-  for (const Region& r : tp.regions()) {
-    const int64_t lo = std::max(begin, off), hi = std::min(end, off + r.numel);
-    if (hi > lo) rs.push_back(Region{r.box, r.begin + (lo - off), hi - lo});
-    off += r.numel;
-  }
-  if (rs.empty()) rs.push_back(Region{tp.region.box, 0, 0});
-  spec->region = rs.front();
-  if (rs.size() > 1) spec->parts = rs;
+  run_through(*spec, tp, pc);
   spec->layout = "fsdp:" + layout + "+tensor_parallel";
   spec->writes = tp.writes && replica == 0 && (u.layout.entries()[i].numel > 0 || u.shard_rank == 0);
   attach_shard_data(*spec, up, i);
@@ -162,17 +169,7 @@ std::shared_ptr<const ShardSpec> compose_with_expert_parallel(const std::shared_
   spec->coord.push_back(replicas ? replica : u.shard_rank);
   spec->placements = ep->placements;
   spec->placements.push_back(replicas ? Placement(Replicate()) : Placement(Shard(0)));
-  const int64_t begin = pc ? pc->entry_offset : 0, end = begin + (pc ? pc->numel : 0);
-  std::vector<Region> rs;
-  int64_t off = 0;
-  for (const Region& r : ep->regions()) {
-    const int64_t lo = std::max(begin, off), hi = std::min(end, off + r.numel);
-    if (hi > lo) rs.push_back(Region{r.box, r.begin + (lo - off), hi - lo});
-    off += r.numel;
-  }
-  if (rs.empty()) rs.push_back(Region{ep->region.box, 0, 0});
-  spec->region = rs.front();
-  if (rs.size() > 1) spec->parts = rs;
+  run_through(*spec, *ep, pc);
   spec->layout = "fsdp:" + layout + "+expert_parallel";
   spec->writes = ep->writes && replica == 0 && (u.layout.entries()[i].numel > 0 || u.shard_rank == 0);
   attach_shard_data(*spec, up, i);

@@ -22,6 +22,11 @@ void check_hsdp_strategy(const ParallelDims& dims, ShardingStrategy strategy) {
       strategy_name(strategy), " does not combine with it");
 }
 
+// Whether each expert lives on one rank only (ep all of dp_shard x cp, no
+// replicas): FSDP leaves the experts alone; else they are an FSDP unit of
+// their own (apply_expert_fsdp).
+bool experts_on_one_rank(const ParallelDims& dims) { return dims.ep == dims.dp_shard_cp() && dims.dp_replicate == 1; }
+
 // The options' errors, before any step changes the model.
 void check_options(const ParallelDims& dims, const ParallelizeOptions& o) {
   EMBER_CHECK(dims.tp == 1 || !o.tp_plan.empty(), "parallelize: tp=", dims.tp,
@@ -44,7 +49,7 @@ void check_options(const ParallelDims& dims, const ParallelizeOptions& o) {
               " is not built (the ep view and tp meet on no one mesh); give ep = dp_shard x cp");
   // The experts' own FSDP unit (ep below dp_shard x cp, or replicas) would
   // run inside a checkpointed block, which FSDP's units cannot.
-  EMBER_CHECK(dims.ep == 1 || (dims.ep == dims.dp_shard_cp() && dims.dp_replicate == 1) ||
+  EMBER_CHECK(dims.ep == 1 || experts_on_one_rank(dims) ||
                   nn::ActivationCheckpointing::parse(o.ac).mode == nn::ActivationCheckpointing::Mode::None,
               "parallelize: activation checkpointing '", o.ac, "' with ep=", dims.ep,
               " (dp_replicate=", dims.dp_replicate, " x dp_shard x cp = ", dims.dp_shard_cp(),
@@ -127,13 +132,13 @@ std::vector<Tensor> apply_ep(nn::Module& module, const ParallelDims& dims, const
   // Over all of dp_shard x cp, each expert lives on one rank: FSDP leaves
   // them alone. Over part of it, apply_expert_fsdp shards them.
   std::vector<Tensor> experts;
-  if (dims.ep == dims.dp_shard_cp() && dims.dp_replicate == 1)
+  if (experts_on_one_rank(dims))
     for (nn::MoE* m : layers) experts.insert(experts.end(), {m->experts->w1, m->experts->w2, m->experts->w3});
   return experts;
 }
 
 void apply_expert_fsdp(nn::Module& module, const ParallelDims& dims, const DeviceMesh& mesh, FSDPOptions o) {
-  if (dims.ep == 1 || (dims.ep == dims.dp_shard_cp() && dims.dp_replicate == 1)) return;
+  if (dims.ep == 1 || experts_on_one_rank(dims)) return;
   if (dims.ep == dims.dp_shard_cp()) {
     // Whole on each ep rank, replicated over dp_replicate (HSDP's replicas):
     // their gradients averaged there.

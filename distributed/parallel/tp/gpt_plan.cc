@@ -27,13 +27,11 @@ ParallelizePlan gpt_tp_plan(const nn::GPT& model, bool sp) {
     // when there are no experts); an MoE's runs replicated over tp (its
     // router and experts whole on every tp rank, experts split by ep
     // instead), entered from and left to the blocks' layout.
-    const bool moe = model.options.moe.num_experts > 0;
-    std::vector<std::string> dense, experts;
-    for (int64_t i = 0; i < model.options.n_layer; ++i) {
-      const std::string b = moe ? "h." + std::to_string(i) : "h.*";
-      const bool is_moe = moe && i % std::max<int64_t>(model.options.moe.every, 1) == 0;
-      (is_moe ? experts : dense).push_back(b);
-      if (!moe) break;
+    std::vector<std::string> dense{"h.*"}, experts;
+    if (model.options.moe.num_experts > 0) {
+      dense.clear();
+      for (int64_t i = 0; i < model.options.n_layer; ++i)
+        (model.options.is_moe_block(i) ? experts : dense).push_back("h." + std::to_string(i));
     }
     for (const std::string& b : dense) {
       for (const char* col :
