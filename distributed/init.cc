@@ -461,8 +461,12 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
       if (env.world_size > 1) check_world_size(*store, env);
     }
     ProcessGroupOptions pg_options{.timeout = env.timeout, .local_rank = env.local_rank};
+    // The flight recorder's dumps carry the rank; SIGUSR1 dumps them.
+    fr::FlightRecorder::get().set_identity(env.rank, env.world_size);
+    fr::install_dump_signal_handler();
     pg = make_group(options.backend, std::make_shared<PrefixStore>("default_pg", store), env.rank, env.world_size,
                     pg_options);
+    pg->set_name("default");
     std::lock_guard<std::mutex> lock(s.mu);
     s.store = store;
     s.default_pg = pg;
@@ -565,6 +569,7 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std
   auto group = make_group(backend, std::make_shared<PrefixStore>("group_" + std::to_string(id), store), group_rank,
                           static_cast<int>(sorted.size()), pg_options);
   group->set_global_ranks(sorted);
+  group->set_name("group_" + std::to_string(id));
   {
     std::lock_guard<std::mutex> lock(s.mu);
     s.made.push_back(group);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -45,6 +46,26 @@ void ProcessGroup::set_global_ranks(std::vector<int> ranks) {
               size_);
   EMBER_CHECK(std::is_sorted(ranks.begin(), ranks.end()), "set_global_ranks: the ranks must ascend");
   global_ranks_ = std::move(ranks);
+}
+
+void ProcessGroup::set_name(std::string name) {
+  EMBER_CHECK(!name.empty(), backend_name(), " group: set_name needs a name");
+  std::lock_guard<std::mutex> lock(fr_mu_);
+  name_ = std::move(name);
+  fr_group_.reset();
+}
+
+std::shared_ptr<const fr::GroupDesc> ProcessGroup::fr_group() const {
+  std::lock_guard<std::mutex> lock(fr_mu_);
+  if (!fr_group_ || fr_group_->ranks != global_ranks_) {
+    auto g = std::make_shared<fr::GroupDesc>();
+    g->name = name_;
+    g->ranks = global_ranks_;
+    g->backend = backend_name();
+    g->rank = rank_;
+    fr_group_ = std::move(g);
+  }
+  return fr_group_;
 }
 
 // ---- Counters ----
@@ -91,6 +112,16 @@ namespace {
     detail::check_defined(t, w, name); \
     check_tensor(t, w, name);          \
   } while (0)
+
+// What the flight recorder learns of this call from the front (the group,
+// the tensors' sizes and dtypes, the peer, the caller's return address);
+// the backend's next_op_info records it with the sequence number. Nothing
+// is built when recording is off.
+#define EMBER_FR_CALL(inputs, outputs, peer, tag)                                                   \
+  std::optional<fr::PendingCall> fr_call;                                                           \
+  if (fr::FlightRecorder::get().enabled())                                                          \
+  fr_call.emplace(fr_group(), std::vector<fr::TensorMeta> inputs, std::vector<fr::TensorMeta> outputs, \
+                  peer, tag, __builtin_return_address(0))
 }  // namespace
 
 std::shared_ptr<Work> ProcessGroup::allreduce(const Tensor& tensor, ReduceOp op) {
@@ -99,6 +130,7 @@ std::shared_ptr<Work> ProcessGroup::allreduce(const Tensor& tensor, ReduceOp op)
   detail::check_reduce_dtype(tensor.dtype(), op, w);
   detail::bump_version(tensor);
   count("allreduce", bytes_of(tensor));
+  EMBER_FR_CALL({fr::meta(tensor)}, {fr::meta(tensor)}, -1, 0);
   return do_allreduce(tensor, op);
 }
 
@@ -108,6 +140,7 @@ std::shared_ptr<Work> ProcessGroup::broadcast(const Tensor& tensor, int root) {
   detail::check_root(root, size_, w);
   if (rank_ != root) detail::bump_version(tensor);
   count("broadcast", bytes_of(tensor));
+  EMBER_FR_CALL({fr::meta(tensor)}, {fr::meta(tensor)}, -1, 0);
   return do_broadcast(tensor, root);
 }
 
@@ -118,6 +151,7 @@ std::shared_ptr<Work> ProcessGroup::reduce(const Tensor& tensor, int root, Reduc
   detail::check_reduce_dtype(tensor.dtype(), op, w);
   if (rank_ == root) detail::bump_version(tensor);
   count("reduce", bytes_of(tensor));
+  EMBER_FR_CALL({fr::meta(tensor)}, {fr::meta(tensor)}, -1, 0);
   return do_reduce(tensor, root, op);
 }
 
@@ -133,6 +167,9 @@ std::shared_ptr<Work> ProcessGroup::allgather(const std::vector<Tensor>& outputs
   int64_t bytes = 0;
   for (const Tensor& o : outputs) bytes += bytes_of(o);
   count("allgather", bytes);
+  std::vector<fr::TensorMeta> outs;
+  for (const Tensor& o : outputs) outs.push_back(fr::meta(o));
+  EMBER_FR_CALL({fr::meta(input)}, (std::move(outs)), -1, 0);
   return do_allgather(outputs, input);
 }
 
@@ -144,6 +181,7 @@ std::shared_ptr<Work> ProcessGroup::allgather_into_tensor(const Tensor& output, 
   detail::check_flat_sizes(output, "output", input, "input", size_, w);
   detail::bump_version(output);
   count("allgather", bytes_of(output));
+  EMBER_FR_CALL({fr::meta(input)}, {fr::meta(output)}, -1, 0);
   return do_allgather_into_tensor(output, input);
 }
 
@@ -158,6 +196,7 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter_front(const Tensor& output, c
   detail::bump_version(output);
   if (consume_input) detail::bump_version(input);
   count("reduce_scatter", bytes_of(input));
+  EMBER_FR_CALL({fr::meta(input)}, {fr::meta(output)}, -1, 0);
   return do_reduce_scatter_tensor(output, input, op, consume_input);
 }
 
@@ -181,6 +220,7 @@ std::shared_ptr<Work> ProcessGroup::all_to_all_single(const Tensor& output, cons
               shape_str(input.sizes()), "), not divisible into ", size_, " equal blocks");
   detail::bump_version(output);
   count("all_to_all", bytes_of(input));
+  EMBER_FR_CALL({fr::meta(input)}, {fr::meta(output)}, -1, 0);
   return do_all_to_all_single(output, input);
 }
 
@@ -219,6 +259,7 @@ std::shared_ptr<Work> ProcessGroup::all_to_all_single(const Tensor& output, cons
               "] = ", output_split_sizes[rank_], " from itself");
   detail::bump_version(output);
   count("all_to_all", bytes_of(input));
+  EMBER_FR_CALL({fr::meta(input)}, {fr::meta(output)}, -1, 0);
   Tensor in = input.contiguous();
   if (output.is_contiguous()) return do_all_to_all_v(output, in, out_elems, in_elems);
   Tensor out = Tensor::empty(output.sizes(), output.options());
@@ -228,13 +269,17 @@ std::shared_ptr<Work> ProcessGroup::all_to_all_single(const Tensor& output, cons
   return work;
 }
 
-std::shared_ptr<Work> ProcessGroup::barrier() { return do_barrier(); }
+std::shared_ptr<Work> ProcessGroup::barrier() {
+  EMBER_FR_CALL({}, {}, -1, 0);
+  return do_barrier();
+}
 
 std::shared_ptr<Work> ProcessGroup::send(const Tensor& tensor, int dst, int tag) {
   const std::string w = detail::where(backend_name(), "send", rank_, size_);
   EMBER_PG_TENSOR(tensor, w, "tensor");
   detail::check_peer(dst, rank_, size_, w);
   count("send", bytes_of(tensor));
+  EMBER_FR_CALL({fr::meta(tensor)}, {}, global_rank(dst), tag);
   return do_send(tensor, dst, tag);
 }
 
@@ -244,6 +289,7 @@ std::shared_ptr<Work> ProcessGroup::recv(const Tensor& tensor, int src, int tag)
   detail::check_peer(src, rank_, size_, w);
   detail::bump_version(tensor);
   count("recv", bytes_of(tensor));
+  EMBER_FR_CALL({}, {fr::meta(tensor)}, global_rank(src), tag);
   return do_recv(tensor, src, tag);
 }
 
@@ -256,6 +302,7 @@ void ProcessGroup::connect_p2p(const std::vector<std::pair<int, int>>& edges) {
 }
 
 #undef EMBER_PG_TENSOR
+#undef EMBER_FR_CALL
 
 namespace detail {
 
@@ -282,6 +329,7 @@ OpInfo next_op_info(OpCounters& counters, const char* op, bool collective, const
   info.timeout = timeout;
   info.signature = std::move(signature.text);
   info.bytes = signature.bytes;
+  info.fr_id = fr::FlightRecorder::get().record_op(op, !collective, info.seq, timeout.count());
   return info;
 }
 
@@ -313,6 +361,10 @@ CollectiveEvent::CollectiveEvent(const OpInfo& info, const std::string& group)
 void CollectiveEvent::transfer_started() {
   if (scope_.active()) scope_.arg("peer_wait_us", (profiler::now_ns() - begin_ns_) / 1000);
 }
+
+namespace {
+std::string what_of(std::exception_ptr e);
+}  // namespace
 
 // ---- CompletionWork ----
 
@@ -354,6 +406,16 @@ void CompletionWork::finish(std::exception_ptr error) {
     if (done_) return;
     done_ = true;
     error_ = std::move(error);
+  }
+  // Recorded before the waiters wake, so a dump taken after wait() returns
+  // shows the op completed; the first failure of the process dumps the ring.
+  fr::FlightRecorder& recorder = fr::FlightRecorder::get();
+  if (error_) {
+    const std::string msg = what_of(error_);
+    recorder.finished(info_.fr_id, msg);
+    recorder.dump_on_failure(msg);
+  } else {
+    recorder.finished(info_.fr_id);
   }
   cv_.notify_all();
 }

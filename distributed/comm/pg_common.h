@@ -37,6 +37,7 @@ struct OpInfo {
   std::string signature;           // "op=allreduce dtype=float32 numel=1000 root=-1 reduce=sum"
   int64_t bytes = 0;               // payload per rank (the input), for the profiler
   PgClock::time_point enqueued{};  // when the caller issued it
+  int64_t fr_id = -1;              // its flight recorder entry (-1: none)
 
   // "allreduce (collective #5, gloo group rank 1 of 3, timeout 1500 ms)"
   std::string describe() const;

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "distributed/comm/flight_recorder.h"
 #include "distributed/store/store.h"
 
 namespace ember::distributed {
@@ -102,6 +103,14 @@ class ProcessGroup {
   // Set once, by whoever made the group from a larger one (new_group):
   // `ranks` has size() entries, ascending.
   void set_global_ranks(std::vector<int> ranks);
+  // The group's name in the flight recorder's entries and fr_trace's
+  // verdicts: "default" (init_process_group), "group_<k>" (new_group's k-th
+  // call), a mesh dimension ("dp_shard") or view ("dp_shard_cp") for the
+  // groups a DeviceMesh makes. Set before the group's first operation.
+  const std::string& name() const { return name_; }
+  void set_name(std::string name);
+  // What the flight recorder's entries of this group share.
+  std::shared_ptr<const fr::GroupDesc> fr_group() const;
   virtual std::string backend_name() const = 0;
   // Where this group's tensors live: the CPU for Gloo, this rank's GPU for
   // NCCL. Small control tensors of a collective go here.
@@ -205,9 +214,12 @@ class ProcessGroup {
 
   int rank_, size_;
   std::vector<int> global_ranks_;
+  std::string name_ = "unnamed";
 
  private:
   void count(const char* op, int64_t bytes);
+  mutable std::mutex fr_mu_;
+  mutable std::shared_ptr<const fr::GroupDesc> fr_group_;  // made on first use, remade after a rename
   mutable std::mutex counters_mu_;  // ops may start from several threads (DDP's hooks, FSDP's prefetch)
   std::map<std::string, OpCount> counters_;
   std::shared_ptr<Work> reduce_scatter_front(const Tensor& output, const Tensor& input, ReduceOp op,

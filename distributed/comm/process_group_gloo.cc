@@ -576,6 +576,7 @@ class GlooGroup : public ProcessGroup {
     }
     try {
       detail::CollectiveEvent prof(info, group_label_);
+      fr::FlightRecorder::get().started(info.fr_id);
       throw_if_broken(info);
       if (info.collective && options_.check_signatures) detail::check_signature(*store_, info, deadline);
       prof.transfer_started();

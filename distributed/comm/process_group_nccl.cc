@@ -560,6 +560,9 @@ class NcclGroup : public ProcessGroup {
         throw Error(msg);
       }
     }
+    // Started = on the stream (no start event: the GPU's own start is
+    // Nsight's to show, as torch without TORCH_NCCL_ENABLE_TIMING).
+    fr::FlightRecorder::get().started(info.fr_id);
     auto done = std::make_unique<Event>(device_);
     done->record(comm);
     auto work = std::make_shared<NcclWork>(std::move(info), device_, std::move(done), std::move(keep));

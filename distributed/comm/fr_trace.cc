@@ -1,0 +1,386 @@
+// fr_trace's analysis (see fr_trace.h): load the ranks' dumps (in
+// parallel: a 64-rank job's full rings are tens of MB of JSON), group the
+// entries by process group and rank, then walk each group's collectives by
+// sequence id and its transfers by pair.
+#include "distributed/comm/fr_trace.h"
+
+#include <algorithm>
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "core/json_limits.h"
+
+namespace ember::distributed::fr {
+namespace {
+
+using nlohmann::json;
+
+struct Op {
+  int64_t seq = 0;
+  std::string op;
+  int peer = -1, tag = 0;
+  std::string shape;  // "input [4] float32 output [16] float32"
+  std::string state;
+  std::string error;
+};
+
+struct Member {
+  std::map<int64_t, Op> coll;  // by sequence id
+  std::vector<Op> p2p;         // in record order
+  int64_t last_scheduled = -1, last_completed = -1;
+};
+
+struct Group {
+  std::string name;
+  std::vector<int> ranks;
+  std::map<int, Member> by_rank;  // ranks with a dump that recorded this group
+};
+
+struct Dump {
+  std::string path, error;
+  int rank = -1, world_size = -1;
+  int64_t dumped_at_ns = 0;
+  json j;
+};
+
+std::string list(const std::vector<int>& v) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  return s;
+}
+
+std::string group_label(const Group& g) { return "group " + g.name + " [" + list(g.ranks) + "]"; }
+
+std::string shapes(const json& e) {
+  std::ostringstream os;
+  auto side = [&](const char* what, const json& sizes, const json& dtypes) {
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      os << (os.tellp() > 0 ? " " : "") << what << " [";
+      const json& s = sizes[i];
+      for (size_t k = 0; k < s.size(); ++k) os << (k ? "," : "") << s[k].get<int64_t>();
+      os << "] " << (i < dtypes.size() ? dtypes[i].get<std::string>() : "?");
+    }
+  };
+  side("input", e.value("input_sizes", json::array()), e.value("input_dtypes", json::array()));
+  side("output", e.value("output_sizes", json::array()), e.value("output_dtypes", json::array()));
+  return os.str();
+}
+
+Dump load(const std::string& path) {
+  Dump d;
+  d.path = path;
+  std::ifstream f(path, std::ios::binary);
+  if (!f) {
+    d.error = path + ": cannot read";
+    return d;
+  }
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (std::string e = json_depth_error(text); !e.empty()) {
+    d.error = path + ": " + e;
+    return d;
+  }
+  try {
+    d.j = json::parse(text);
+    if (d.j.value("format", "") != "ember_flight_recorder") {
+      d.error = path + ": not a flight recorder dump (no \"format\": \"ember_flight_recorder\")";
+      return d;
+    }
+    d.rank = d.j.at("rank").get<int>();
+    d.world_size = d.j.at("world_size").get<int>();
+    d.dumped_at_ns = d.j.value("dumped_at_ns", int64_t{0});
+  } catch (const std::exception& e) {
+    d.error = path + ": " + e.what();
+  }
+  return d;
+}
+
+// Ranks joined by their key ("allreduce input [4] float32 ..."): the
+// mismatch line "ranks 0,2,3 <key>; rank 1 <other key>".
+std::string by_key(const std::map<std::string, std::vector<int>>& keys) {
+  std::string s;
+  for (const auto& [key, ranks] : keys)
+    s += (s.empty() ? "" : "; ") + std::string(ranks.size() == 1 ? "rank " : "ranks ") + list(ranks) + " " + key;
+  return s;
+}
+
+class Analysis {
+ public:
+  explicit Analysis(TraceReport& r) : r_(r) {}
+
+  void add(const Dump& d) {
+    dumped_.insert(d.rank);
+    world_ = std::max(world_, d.world_size);
+    for (const json& g : d.j.value("groups", json::array())) {
+      Member& m = member(g.at("name").get<std::string>(), g.at("ranks").get<std::vector<int>>(), d.rank);
+      m.last_scheduled = g.value("last_scheduled_seq", int64_t{-1});
+      m.last_completed = g.value("last_completed_seq", int64_t{-1});
+    }
+    for (const json& e : d.j.value("entries", json::array())) {
+      Member& m = member(e.at("group").get<std::string>(), e.at("group_ranks").get<std::vector<int>>(), d.rank);
+      Op op;
+      op.seq = e.at("seq").get<int64_t>();
+      op.op = e.at("op").get<std::string>();
+      op.peer = e.value("peer", -1);
+      op.tag = e.value("tag", 0);
+      op.shape = shapes(e);
+      op.state = e.at("state").get<std::string>();
+      op.error = e.value("error", "");
+      if (e.value("p2p", false))
+        m.p2p.push_back(std::move(op));
+      else
+        m.coll[op.seq] = std::move(op);
+    }
+  }
+
+  void run() {
+    std::set<int> without;
+    for (auto& [key, g] : groups_)
+      for (int r : g.ranks)
+        if (!dumped_.count(r)) without.insert(r);
+    for (int r = 0; r < world_; ++r)
+      if (!dumped_.count(r)) without.insert(r);
+    r_.without_dump.assign(without.begin(), without.end());
+    if (!without.empty())
+      r_.lines.push_back("no dump from rank" + std::string(without.size() == 1 ? " " : "s ") +
+                         list(r_.without_dump) +
+                         " (frozen, killed before it could dump, or never started; SIGUSR1 to a live worker dumps it)");
+    for (auto& [key, g] : groups_) {
+      collectives(g);
+      transfers(g);
+    }
+    for (auto& [key, g] : groups_) progress(g);
+    if (r_.status == 0 && !found_)
+      r_.lines.push_back("no mismatch: in every group the ranks' recorded operations agree");
+    r_.suspects.assign(suspects_.begin(), suspects_.end());
+    if (!r_.suspects.empty()) r_.lines.push_back("suspect rank(s): " + list(r_.suspects));
+  }
+
+ private:
+  Member& member(const std::string& name, const std::vector<int>& ranks, int rank) {
+    const std::string key = name + "|" + list(ranks);
+    Group& g = groups_[key];
+    g.name = name;
+    g.ranks = ranks;
+    return g.by_rank[rank];
+  }
+
+  void finding(std::string line, const std::vector<int>& suspects) {
+    r_.lines.push_back(std::move(line));
+    r_.status = 1;
+    found_ = true;
+    suspects_.insert(suspects.begin(), suspects.end());
+  }
+
+  // The first sequence id of `g` its ranks disagree on, or that some
+  // member never joined.
+  void collectives(const Group& g) {
+    std::set<int64_t> seqs;
+    for (const auto& [r, m] : g.by_rank)
+      for (const auto& [s, op] : m.coll) seqs.insert(s);
+    for (int64_t s : seqs) {
+      std::vector<int> joined, missing, no_dump, unfinished;
+      std::map<std::string, std::vector<int>> keys, ops;
+      for (int r : g.ranks) {
+        auto it = g.by_rank.find(r);
+        if (it == g.by_rank.end()) {
+          (dumped_.count(r) ? missing : no_dump).push_back(r);  // a dump without the group: never joined it
+          continue;
+        }
+        const Member& m = it->second;
+        auto e = m.coll.find(s);
+        if (e == m.coll.end()) {
+          // Scheduled but gone from the ring (it wrapped): joined, details lost.
+          if (s <= m.last_scheduled) continue;
+          missing.push_back(r);
+          continue;
+        }
+        joined.push_back(r);
+        keys[e->second.op + " " + e->second.shape].push_back(r);
+        ops[e->second.op].push_back(r);
+        if (e->second.state != "completed") unfinished.push_back(r);
+      }
+      if (joined.empty()) continue;
+      const std::string op = ops.size() == 1 ? ops.begin()->first + ", " : "";
+      const std::string head = "collective " + std::to_string(s) + " (" + op + group_label(g) + ")";
+      if (keys.size() > 1) {
+        // The ranks in the smallest camp are the odd ones out.
+        size_t fewest = SIZE_MAX;
+        for (const auto& [k, rs] : keys) fewest = std::min(fewest, rs.size());
+        std::vector<int> odd;
+        for (const auto& [k, rs] : keys)
+          if (rs.size() == fewest) odd.insert(odd.end(), rs.begin(), rs.end());
+        if (keys.size() == 2 && fewest * 2 == joined.size()) odd.clear();  // no majority: name both sides only
+        const char* what = ops.size() > 1 ? "op" : "sizes or dtypes";
+        finding(head + " mismatched " + what + ": " + by_key(keys) + miss_text(missing, no_dump), odd);
+        return;
+      }
+      if (!missing.empty() || (!no_dump.empty() && !unfinished.empty())) {
+        std::vector<int> absent = missing;
+        absent.insert(absent.end(), no_dump.begin(), no_dump.end());
+        std::sort(absent.begin(), absent.end());
+        finding(head + " joined by ranks " + list(joined) + "; missing: " + list(absent) +
+                    (no_dump.empty() ? "" : " (no dump from " + list(no_dump) + ")"),
+                absent);
+        return;
+      }
+      if (!unfinished.empty() && no_dump.empty()) {
+        // Everyone joined with the same call, yet it did not complete: the
+        // hang is elsewhere (a rank inside it is stuck on another group).
+        std::string err;
+        for (int r : unfinished)
+          if (const Op& e = g.by_rank.at(r).coll.at(s); !e.error.empty()) {
+            err = " (rank " + std::to_string(r) + ": " + e.error.substr(0, 300) + ")";
+            break;
+          }
+        r_.lines.push_back(head + " joined by every rank but not completed on ranks " + list(unfinished) + err);
+        return;
+      }
+    }
+  }
+
+  static std::string miss_text(const std::vector<int>& missing, const std::vector<int>& no_dump) {
+    std::string s;
+    if (!missing.empty()) s += "; missing: " + list(missing);
+    if (!no_dump.empty()) s += "; no dump from " + list(no_dump);
+    return s;
+  }
+
+  // Sends and receives matched by order between each pair (and tag).
+  void transfers(const Group& g) {
+    struct Side {
+      std::vector<const Op*> ops;
+    };
+    std::map<std::tuple<int, int, int>, Side> sends, recvs;  // (src, dst, tag)
+    for (const auto& [r, m] : g.by_rank)
+      for (const Op& op : m.p2p) {
+        if (op.op == "send") sends[{r, op.peer, op.tag}].ops.push_back(&op);
+        if (op.op == "recv") recvs[{op.peer, r, op.tag}].ops.push_back(&op);
+      }
+    std::set<std::tuple<int, int, int>> pairs;
+    for (const auto& [k, s] : sends) pairs.insert(k);
+    for (const auto& [k, s] : recvs) pairs.insert(k);
+    for (const auto& k : pairs) {
+      const auto [src, dst, tag] = k;
+      const std::vector<const Op*>& s = sends[k].ops;
+      const std::vector<const Op*>& v = recvs[k].ops;
+      const std::string where = " (" + group_label(g) + ", tag " + std::to_string(tag) + ", message ";
+      for (size_t i = 0; i < std::min(s.size(), v.size()); ++i)
+        if (s[i]->shape.substr(s[i]->shape.find(' ') + 1) != v[i]->shape.substr(v[i]->shape.find(' ') + 1)) {
+          finding("p2p " + std::to_string(src) + " -> " + std::to_string(dst) + where + std::to_string(i + 1) +
+                      ") mismatched sizes: rank " + std::to_string(src) + " sends " + s[i]->shape + "; rank " +
+                      std::to_string(dst) + " receives " + v[i]->shape,
+                  {src, dst});
+          break;
+        }
+      if (v.size() > s.size() && v[s.size()]->state != "completed") {
+        const bool src_dumped = dumped_.count(src);
+        finding("p2p recv by rank " + std::to_string(dst) + " from rank " + std::to_string(src) + where +
+                    std::to_string(s.size() + 1) + ", " + v[s.size()]->shape + ") never matched: " +
+                    (src_dumped ? "rank " + std::to_string(src) + " posted " + std::to_string(s.size()) +
+                                      " send(s) to rank " + std::to_string(dst)
+                                : "no dump from rank " + std::to_string(src)) +
+                    "; sender " + std::to_string(src) + ", receiver " + std::to_string(dst),
+                {src});
+        continue;
+      }
+      if (s.size() > v.size() && s[v.size()]->state != "completed") {
+        const bool dst_dumped = dumped_.count(dst);
+        finding("p2p send by rank " + std::to_string(src) + " to rank " + std::to_string(dst) + where +
+                    std::to_string(v.size() + 1) + ", " + s[v.size()]->shape + ") never received: " +
+                    (dst_dumped ? "rank " + std::to_string(dst) + " posted " + std::to_string(v.size()) +
+                                      " recv(s) from rank " + std::to_string(src)
+                                : "no dump from rank " + std::to_string(dst)) +
+                    "; sender " + std::to_string(src) + ", receiver " + std::to_string(dst),
+                {dst});
+        continue;
+      }
+    }
+  }
+
+  void progress(const Group& g) {
+    bool any = false;
+    std::string s = "  " + group_label(g) + ": last completed collective by rank:";
+    for (int r : g.ranks) {
+      auto it = g.by_rank.find(r);
+      if (it == g.by_rank.end()) {
+        s += " " + std::to_string(r) + "=?";
+        continue;
+      }
+      any = any || !it->second.coll.empty() || it->second.last_scheduled >= 0;
+      s += " " + std::to_string(r) + "=" + std::to_string(it->second.last_completed);
+    }
+    if (any) r_.lines.push_back(s);
+  }
+
+  TraceReport& r_;
+  std::map<std::string, Group> groups_;
+  std::set<int> dumped_;
+  std::set<int> suspects_;
+  int world_ = 0;
+  bool found_ = false;
+};
+
+}  // namespace
+
+TraceReport analyze_dumps(const std::string& dir, int64_t since_ns) {
+  TraceReport report;
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    report.status = 2;
+    report.lines.push_back("fr_trace: " + dir + " is not a directory");
+    return report;
+  }
+  std::vector<std::string> paths;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("ember_fr_rank", 0) == 0 && e.path().extension() == ".json") paths.push_back(e.path().string());
+  }
+  std::sort(paths.begin(), paths.end());
+  std::vector<Dump> dumps(paths.size());
+  std::atomic<size_t> next{0};
+  const unsigned n = std::max(1u, std::min<unsigned>(std::thread::hardware_concurrency(), paths.size()));
+  std::vector<std::thread> pool;
+  for (unsigned t = 0; t < n; ++t)
+    pool.emplace_back([&] {
+      for (size_t i; (i = next++) < paths.size();) dumps[i] = load(paths[i]);
+    });
+  for (auto& t : pool) t.join();
+
+  Analysis a(report);
+  std::set<int> seen;
+  for (const Dump& d : dumps) {
+    if (!d.error.empty()) {
+      report.lines.push_back("fr_trace: skipped " + d.error);
+      continue;
+    }
+    if (d.dumped_at_ns < since_ns) continue;  // an earlier job's
+    if (!seen.insert(d.rank).second) {
+      report.lines.push_back("fr_trace: skipped " + d.path + ": a second dump of rank " + std::to_string(d.rank));
+      continue;
+    }
+    try {
+      a.add(d);
+      ++report.dumps;
+    } catch (const std::exception& e) {
+      report.lines.push_back("fr_trace: skipped " + d.path + ": " + e.what());
+    }
+  }
+  if (report.dumps == 0) {
+    report.status = 2;
+    report.lines.push_back("fr_trace: no flight recorder dump (ember_fr_rank<R>.json) in " + dir);
+    return report;
+  }
+  report.lines.insert(report.lines.begin(),
+                      "fr_trace: " + std::to_string(report.dumps) + " dump(s) in " + dir + " (ranks " + list({seen.begin(), seen.end()}) + ")");
+  a.run();
+  return report;
+}
+
+}  // namespace ember::distributed::fr
