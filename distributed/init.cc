@@ -461,9 +461,10 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
       if (env.world_size > 1) check_world_size(*store, env);
     }
     ProcessGroupOptions pg_options{.timeout = env.timeout, .local_rank = env.local_rank};
-    // The flight recorder's dumps carry the rank; SIGUSR1 dumps them.
+    // The flight recorder's dumps carry the rank; SIGUSR1 and a crash by an
+    // uncaught exception dump them.
     fr::FlightRecorder::get().set_identity(env.rank, env.world_size);
-    fr::install_dump_signal_handler();
+    fr::install_dump_handlers();
     pg = make_group(options.backend, std::make_shared<PrefixStore>("default_pg", store), env.rank, env.world_size,
                     pg_options);
     pg->set_name("default");

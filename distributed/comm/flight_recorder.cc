@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -335,7 +336,7 @@ void FlightRecorder::dump_on_failure(const std::string& reason) {
     failure_dumped_ = true;
   }
   try {
-    const std::string path = dump("operation failed: " + reason);
+    const std::string path = dump(reason);
     std::fprintf(stderr, "flight recorder: rank %d dumped its last operations to %s\n", rank_ < 0 ? 0 : rank_,
                  path.c_str());
   } catch (const std::exception& e) {
@@ -380,9 +381,30 @@ void dumper_loop() {
 }
 }  // namespace
 
-void install_dump_signal_handler() {
+namespace {
+std::terminate_handler g_prev_terminate = nullptr;
+
+void on_terminate() {
+  std::string what = "std::terminate called";
+  if (std::exception_ptr e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      what = std::string("uncaught exception: ") + ex.what();
+    } catch (...) {
+      what = "uncaught exception of an unknown type";
+    }
+  }
+  FlightRecorder::get().dump_on_failure(what);
+  if (g_prev_terminate) g_prev_terminate();
+  std::abort();
+}
+}  // namespace
+
+void install_dump_handlers() {
   static std::once_flag once;
   std::call_once(once, [] {
+    g_prev_terminate = std::set_terminate(on_terminate);
     struct sigaction old {};
     if (sigaction(SIGUSR1, nullptr, &old) != 0) return;
     if (old.sa_handler != SIG_DFL || (old.sa_flags & SA_SIGINFO)) return;  // the program's own

@@ -19,6 +19,7 @@
 // is documented in docs/reliability.md), written
 //   * when an operation of any group fails (a watchdog timeout, a lost peer,
 //     a signature mismatch): once per process, at the first failure;
+//   * when the process dies of an uncaught exception (std::terminate);
 //   * on SIGUSR1 (installed by init_process_group when the program has not
 //     handled SIGUSR1 itself; the launcher forwards its own SIGUSR1 to the
 //     workers, and sends one to the survivors before it tears a failed job
@@ -131,7 +132,8 @@ class FlightRecorder {
   // file renamed) and returns the path; dir "": dump_dir(). Errors throw.
   std::string dump(const std::string& reason, const std::string& dir = "") const;
   // The first failure's dump: writes once per process, later calls do
-  // nothing; never throws (a failure to write is printed).
+  // nothing; never throws (a failure to write is printed). `reason`: what
+  // failed ("operation failed: ...", "uncaught exception: ...").
   void dump_on_failure(const std::string& reason);
 
   // Rank and world for the dump's header (init_process_group sets them).
@@ -159,7 +161,10 @@ std::string dump_path(const std::string& dir, int rank);
 // The API: dumps this process's ring now; returns the file written.
 std::string dump_flight_recorder(const std::string& reason = "dump_flight_recorder() called");
 // Makes SIGUSR1 dump the ring (from a thread of its own: the handler only
-// wakes it), unless the program handles SIGUSR1 itself. Idempotent.
-void install_dump_signal_handler();
+// wakes it), unless the program handles SIGUSR1 itself, and std::terminate
+// dump it before the previous terminate handler runs (an uncaught
+// exception: Gloo's transport threads abort the process that way when a
+// peer sends a message of another size than it expects). Idempotent.
+void install_dump_handlers();
 
 }  // namespace ember::distributed::fr

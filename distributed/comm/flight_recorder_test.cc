@@ -319,11 +319,11 @@ TEST(FrTrace, NamesUnmatchedTransfers) {
   const std::string v = job.verdict(&rep);
   EXPECT_EQ(rep.status, 1) << v;
   EXPECT_NE(v.find("p2p recv by rank 1 from rank 0 (group pp [0,1,2], tag 0, message 3, output [4,8] float32) never "
-                   "matched: rank 0 posted 2 send(s) to rank 1; sender 0, receiver 1"),
+                   "matched: rank 0 posted 2 send(s) with that tag to rank 1; sender 0, receiver 1"),
             std::string::npos)
       << v;
   EXPECT_NE(v.find("p2p send by rank 1 to rank 2 (group pp [0,1,2], tag 0, message 1, input [4,8] float32) never "
-                   "received: rank 2 posted 0 recv(s) from rank 1; sender 1, receiver 2"),
+                   "received: rank 2 posted 0 recv(s) with that tag from rank 1; sender 1, receiver 2"),
             std::string::npos)
       << v;
 }

@@ -131,6 +131,14 @@ class Analysis {
       op.shape = shapes(e);
       op.state = e.at("state").get<std::string>();
       op.error = e.value("error", "");
+      if (op.state != "completed" && !waiting_.count(d.rank)) {
+        // The rank's oldest unfinished operation: where it is blocked.
+        const std::string g = "group " + e.at("group").get<std::string>() + " [" +
+                              list(e.at("group_ranks").get<std::vector<int>>()) + "]";
+        waiting_[d.rank] = e.value("p2p", false)
+                               ? "a p2p " + op.op + " with rank " + std::to_string(op.peer) + " of " + g
+                               : "collective " + std::to_string(op.seq) + " (" + op.op + ") of " + g;
+      }
       if (e.value("p2p", false))
         m.p2p.push_back(std::move(op));
       else
@@ -154,6 +162,7 @@ class Analysis {
       collectives(g);
       transfers(g);
     }
+    r_.lines.insert(r_.lines.end(), later_.begin(), later_.end());
     for (auto& [key, g] : groups_) progress(g);
     if (r_.status == 0 && !found_)
       r_.lines.push_back("no mismatch: in every group the ranks' recorded operations agree");
@@ -170,8 +179,10 @@ class Analysis {
     return g.by_rank[rank];
   }
 
-  void finding(std::string line, const std::vector<int>& suspects) {
-    r_.lines.push_back(std::move(line));
+  // `consequence`: every rank it names as missing is blocked in another
+  // operation; such findings are listed after the others (the causes).
+  void finding(std::string line, const std::vector<int>& suspects, bool consequence = false) {
+    (consequence ? later_ : r_.lines).push_back(std::move(line));
     r_.status = 1;
     found_ = true;
     suspects_.insert(suspects.begin(), suspects.end());
@@ -224,9 +235,23 @@ class Analysis {
         std::vector<int> absent = missing;
         absent.insert(absent.end(), no_dump.begin(), no_dump.end());
         std::sort(absent.begin(), absent.end());
+        // A missing rank blocked in another operation is a victim of that
+        // one (named, not suspected); one with nothing pending skipped this
+        // collective, or is stuck outside any (compute, I/O, a deadlock).
+        std::string notes;
+        std::vector<int> suspects;
+        for (int r : absent) {
+          auto w = waiting_.find(r);
+          if (w == waiting_.end()) {
+            suspects.push_back(r);
+          } else {
+            notes += (notes.empty() ? "" : "; ") + ("rank " + std::to_string(r) + " waits in " + w->second);
+          }
+        }
+        if (!no_dump.empty()) notes += (notes.empty() ? "" : "; ") + ("no dump from " + list(no_dump));
         finding(head + " joined by ranks " + list(joined) + "; missing: " + list(absent) +
-                    (no_dump.empty() ? "" : " (no dump from " + list(no_dump) + ")"),
-                absent);
+                    (notes.empty() ? "" : " (" + notes + ")"),
+                suspects, suspects.size() < absent.size());
         return;
       }
       if (!unfinished.empty() && no_dump.empty()) {
@@ -283,7 +308,7 @@ class Analysis {
         finding("p2p recv by rank " + std::to_string(dst) + " from rank " + std::to_string(src) + where +
                     std::to_string(s.size() + 1) + ", " + v[s.size()]->shape + ") never matched: " +
                     (src_dumped ? "rank " + std::to_string(src) + " posted " + std::to_string(s.size()) +
-                                      " send(s) to rank " + std::to_string(dst)
+                                      " send(s) with that tag to rank " + std::to_string(dst)
                                 : "no dump from rank " + std::to_string(src)) +
                     "; sender " + std::to_string(src) + ", receiver " + std::to_string(dst),
                 {src});
@@ -294,7 +319,7 @@ class Analysis {
         finding("p2p send by rank " + std::to_string(src) + " to rank " + std::to_string(dst) + where +
                     std::to_string(v.size() + 1) + ", " + s[v.size()]->shape + ") never received: " +
                     (dst_dumped ? "rank " + std::to_string(dst) + " posted " + std::to_string(v.size()) +
-                                      " recv(s) from rank " + std::to_string(src)
+                                      " recv(s) with that tag from rank " + std::to_string(src)
                                 : "no dump from rank " + std::to_string(dst)) +
                     "; sender " + std::to_string(src) + ", receiver " + std::to_string(dst),
                 {dst});
@@ -322,6 +347,8 @@ class Analysis {
   std::map<std::string, Group> groups_;
   std::set<int> dumped_;
   std::set<int> suspects_;
+  std::map<int, std::string> waiting_;  // rank -> its oldest unfinished operation
+  std::vector<std::string> later_;      // findings that are consequences of others
   int world_ = 0;
   bool found_ = false;
 };

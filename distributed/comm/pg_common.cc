@@ -413,7 +413,7 @@ void CompletionWork::finish(std::exception_ptr error) {
   if (error_) {
     const std::string msg = what_of(error_);
     recorder.finished(info_.fr_id, msg);
-    recorder.dump_on_failure(msg);
+    recorder.dump_on_failure("operation failed: " + msg);
   } else {
     recorder.finished(info_.fr_id);
   }

@@ -59,6 +59,17 @@ void on_signal(int sig) {
   g_signal_count = g_signal_count + 1;
 }
 
+// SIGUSR1 to the launcher: forwarded to the workers, whose flight
+// recorders dump (flight_recorder.h); the job goes on.
+volatile sig_atomic_t g_usr1_count = 0;
+int g_handled_usr1 = 0;
+void on_usr1(int) { g_usr1_count = g_usr1_count + 1; }
+
+// How long a failed job's teardown waits for the survivors' dumps after
+// asking for them (they take milliseconds; a worker that cannot dump must
+// not hold the teardown up).
+constexpr auto kDumpWait = std::chrono::seconds(3);
+
 void write_all(int fd, const char* data, size_t n) {
   while (n > 0) {
     ssize_t w = ::write(fd, data, n);
@@ -318,11 +329,18 @@ SignalScope::SignalScope() {
   dfl.sa_handler = SIG_DFL;
   sigemptyset(&dfl.sa_mask);
   sigaction(SIGCHLD, &dfl, &old_chld_);
+  g_usr1_count = 0;
+  g_handled_usr1 = 0;
+  struct sigaction usr1 {};
+  usr1.sa_handler = on_usr1;
+  sigemptyset(&usr1.sa_mask);
+  sigaction(SIGUSR1, &usr1, &old_usr1_);
 }
 
 SignalScope::~SignalScope() {
   for (size_t i = 0; i < std::size(kForwarded); ++i) sigaction(kForwarded[i], &old_[i], nullptr);
   sigaction(SIGCHLD, &old_chld_, nullptr);
+  sigaction(SIGUSR1, &old_usr1_, nullptr);
 }
 
 int take_signal() {
@@ -353,6 +371,8 @@ class WorkerRun {
     fork_pause_ms_ = pause_env ? std::strtol(pause_env, nullptr, 10) : 0;
     max_fd_ = static_cast<int>(std::min<long>(::sysconf(_SC_OPEN_MAX), 1 << 16));
     nproc_ = static_cast<int>(specs_.size());
+    started_ns_ = system_now_ns();
+    setup_flight_recorder();
     args_ = argv;
     c_args_ = c_strings(args_);
     c_envs_.resize(nproc_);
@@ -366,7 +386,9 @@ class WorkerRun {
     for (int local = 0; local < nproc_; ++local) start(local);
     while (running_ > 0) {
       forward_signals();
+      forward_usr1();
       check_stop();
+      check_dumps();
       reap();
       if (running_ == 0) break;
       escalate();
@@ -441,6 +463,9 @@ class WorkerRun {
   void start_termination(int sig) {
     terminating_ = true;
     kill_all(sig);
+    // A stopped worker keeps the signal pending until it runs again.
+    for (const Worker& w : workers_)
+      if (w.running && is_stopped(w.pid)) signal_worker(w, SIGCONT);
     deadline_ = Clock::now() + grace_;
   }
 
@@ -513,6 +538,9 @@ class WorkerRun {
       w.out.finish();
       w.err.finish();
       specs_[local].env = std::move(again);
+      if (std::none_of(specs_[local].env.begin(), specs_[local].env.end(),
+                       [](const std::string& e) { return e.rfind("EMBER_FR_DUMP_DIR=", 0) == 0; }))
+        specs_[local].env.push_back("EMBER_FR_DUMP_DIR=" + fr_dir_);
       c_envs_[local] = c_strings(specs_[local].env);
       start(local);
       return;
@@ -521,7 +549,73 @@ class WorkerRun {
     result_ = exit_code(w.status);
     res_.failure = failure;
     say(res_.failure + (running_ > 0 ? "; stopping the other workers" : ""));
+    name_frozen_workers();
+    if (running_ > 0) ask_for_dumps();
+  }
+
+  // The flight recorder's directory: the user's EMBER_FR_DUMP_DIR, else a
+  // fresh one of this job's (default_fr_dir), given to every worker.
+  void setup_flight_recorder() {
+    const std::string key = "EMBER_FR_DUMP_DIR=";
+    for (const std::string& e : specs_.empty() ? std::vector<std::string>{} : specs_[0].env) {
+      if (e.rfind(key, 0) == 0) fr_dir_ = e.substr(key.size());
+      if (e == "EMBER_FR_BUFFER=0") fr_off_ = true;
+    }
+    if (!fr_dir_.empty()) return;
+    fr_dir_ = default_fr_dir();
+    for (WorkerSpec& spec : specs_) spec.env.push_back(key + fr_dir_);
+  }
+
+  // A worker stopped by SIGSTOP (or a debugger) is the likely cause of a
+  // failure that is another rank's timeout: say so, by name.
+  void name_frozen_workers() {
+    for (const Worker& w : workers_)
+      if (w.running && is_stopped(w.pid)) {
+        frozen_.push_back(w.rank);
+        say("rank " + std::to_string(w.rank) + " (local rank " + std::to_string(w.local_rank) + ", pid " +
+            std::to_string(w.pid) +
+            ") is frozen: stopped by a signal (SIGSTOP) or a debugger; the ranks that timed out were waiting for it");
+      }
+  }
+
+  // Before the teardown: every live, unfrozen worker dumps its flight
+  // recorder (SIGUSR1), so fr_trace sees the survivors' side of a hang too.
+  void ask_for_dumps() {
+    if (fr_off_) {
+      start_termination(SIGTERM);
+      return;
+    }
+    dump_asked_ns_ = system_now_ns();
+    for (const Worker& w : workers_)
+      if (w.running && !is_stopped(w.pid)) ::kill(w.pid, SIGUSR1);
+    dumping_ = true;
+    dump_deadline_ = Clock::now() + kDumpWait;
+  }
+
+  // The dump wait ends when every worker still running has dumped since it
+  // was asked, or at its deadline; then the teardown goes on.
+  void check_dumps() {
+    if (!dumping_) return;
+    if (terminating_) {
+      dumping_ = false;
+      return;
+    }
+    bool all = true;
+    for (const Worker& w : workers_)
+      if (w.running && !is_stopped(w.pid) && !dumped_since(fr_dir_, w.rank, dump_asked_ns_)) all = false;
+    if (!all && Clock::now() < dump_deadline_) return;
+    dumping_ = false;
     if (running_ > 0) start_termination(SIGTERM);
+  }
+
+  // SIGUSR1 to the launcher: every worker dumps; nothing stops.
+  void forward_usr1() {
+    const int count = g_usr1_count;
+    if (count <= g_handled_usr1) return;
+    g_handled_usr1 = count;
+    say("received SIGUSR1: the workers dump their flight recorders to " + fr_dir_);
+    for (const Worker& w : workers_)
+      if (w.running) ::kill(w.pid, SIGUSR1);
   }
 
   // Workers that outlived the grace period after the signal get SIGKILL.
@@ -569,6 +663,15 @@ class WorkerRun {
       if (all_ok) res_.stopped = false;
     }
     res_.status = result_;
+    // A failed job (not one stopped on purpose): what the dumps say.
+    if (result_ != 0 && !res_.by_signal && !res_.stopped) {
+      report_dumps(fr_dir_, started_ns_);
+      if (!frozen_.empty()) {
+        std::string ranks;
+        for (int r : frozen_) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+        say("the job's likely cause: frozen rank(s) " + ranks + " (the first failure above timed out waiting)");
+      }
+    }
     return res_;
   }
 
@@ -593,6 +696,14 @@ class WorkerRun {
   bool terminating_ = false;  // SIGTERM (or the forwarded signal) has gone out
   bool killed_ = false;       // SIGKILL has gone out
   Clock::time_point deadline_{};
+  // The flight recorder: where the workers dump, when this run started
+  // (older dumps are another job's), the teardown's wait for the dumps.
+  std::string fr_dir_;
+  bool fr_off_ = false;
+  int64_t started_ns_ = 0, dump_asked_ns_ = 0;
+  bool dumping_ = false;
+  Clock::time_point dump_deadline_{};
+  std::vector<int> frozen_;
 };
 
 }  // namespace

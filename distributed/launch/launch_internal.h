@@ -15,8 +15,9 @@
 namespace ember::distributed::launch_detail {
 
 // Installs the launcher's handlers for SIGINT, SIGTERM, SIGHUP and SIGQUIT
-// (recorded, then forwarded to the workers by run_workers) and a default
-// SIGCHLD for its lifetime. One at a time per process.
+// (recorded, then forwarded to the workers by run_workers), SIGUSR1
+// (forwarded, so the workers dump their flight recorders; the job goes on)
+// and a default SIGCHLD for its lifetime. One at a time per process.
 class SignalScope {
  public:
   SignalScope();
@@ -27,6 +28,7 @@ class SignalScope {
  private:
   struct sigaction old_[4];
   struct sigaction old_chld_;
+  struct sigaction old_usr1_;
 };
 
 // A signal that arrived and that no worker loop has acted on yet (the
@@ -67,5 +69,18 @@ std::string resolve_program(const std::string& prog);
 std::string random_token();
 // The launcher's environment with `set` put over it.
 std::vector<std::string> worker_env(const std::vector<std::pair<std::string, std::string>>& set);
+
+// ---- Diagnosing a failed job (launch_diagnosis.cc) ----
+// Whether process `pid` is stopped (SIGSTOP, SIGTSTP or a debugger).
+bool is_stopped(int pid);
+int64_t system_now_ns();
+// Where a job's workers dump their flight recorders when EMBER_FR_DUMP_DIR
+// is not set: ember_fr/<date>-<time>-<launcher pid> in the working directory.
+std::string default_fr_dir();
+// Whether rank `rank`'s dump in `dir` was written at or after `since_ns`.
+bool dumped_since(const std::string& dir, int rank, int64_t since_ns);
+// fr_trace's verdict on the dumps in `dir` written since `since_ns`, said
+// line by line; nothing when there are none.
+void report_dumps(const std::string& dir, int64_t since_ns);
 
 }  // namespace ember::distributed::launch_detail

@@ -400,6 +400,7 @@ void Replicated::Impl::launch_ready_buckets() {
 
 void Replicated::Impl::launch(size_t b) {
   const FlatBuffer& g = buckets[b].grads;
+  fr::CallerTag caller("DDP gradient bucket");
   buckets[b].work =
       opts.comm_hook(*pg, GradBucket{static_cast<int>(b), g.flat(), g.views(), b + 1 == buckets.size()}, opts.average);
 }

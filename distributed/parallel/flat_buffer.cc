@@ -134,6 +134,7 @@ std::shared_ptr<Work> FlatBuffer::all_gather(ProcessGroup& pg, const Tensor& loc
   check_group(pg, "all_gather");
   EMBER_CHECK(local.numel() == shard_numel(), "FlatBuffer::all_gather: rank ", pg.rank(), "'s shard has ",
               local.numel(), " elements, the layout's shards ", shard_numel());
+  fr::CallerTag caller("FlatBuffer::all_gather (FSDP / ZeRO parameters)");
   return pg.allgather_into_tensor(flat_, local);
 }
 
@@ -141,6 +142,7 @@ std::shared_ptr<Work> FlatBuffer::reduce_scatter(ProcessGroup& pg, const Tensor&
   check_group(pg, "reduce_scatter");
   EMBER_CHECK(out.numel() == shard_numel(), "FlatBuffer::reduce_scatter: rank ", pg.rank(), "'s output has ",
               out.numel(), " elements, the layout's shards ", shard_numel());
+  fr::CallerTag caller("FlatBuffer::reduce_scatter (FSDP / ZeRO gradients)");
   return pg.reduce_scatter_tensor(out, flat_, op);
 }
 
@@ -152,6 +154,7 @@ std::shared_ptr<Work> FlatBuffer::reduce_scatter(ProcessGroup& pg, const Tensor&
               " elements, the layout ", padded_numel());
   EMBER_CHECK(out.numel() == shard_numel(), "FlatBuffer::reduce_scatter: rank ", pg.rank(), "'s output has ",
               out.numel(), " elements, the layout's shards ", shard_numel());
+  fr::CallerTag caller("FlatBuffer::reduce_scatter (FSDP / ZeRO gradients)");
   return consume_input ? pg.reduce_scatter_tensor_consuming_input(out, input, op)
                        : pg.reduce_scatter_tensor(out, input, op);
 }

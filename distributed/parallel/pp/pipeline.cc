@@ -138,6 +138,7 @@ void Pipeline::check_agreement() {
 }
 
 void Pipeline::send(const Tensor& t, const Action& a) {
+  fr::CallerTag caller(a.kind == ActionKind::SendF ? "pipeline send activation" : "pipeline send gradient");
   const int dst = dest_of(a);
   Tensor c = t.detach().contiguous();
   if (a.kind == ActionKind::SendF) {
@@ -206,6 +207,7 @@ bool Pipeline::post_recv(const Action& a, bool may_block) {
 }
 
 void Pipeline::post_one(int t, const Action& a) {
+  fr::CallerTag caller(a.kind == ActionKind::RecvF ? "pipeline recv activation" : "pipeline recv gradient");
   Shape shape;
   DType dtype;
   if (a.kind == ActionKind::RecvF) {
