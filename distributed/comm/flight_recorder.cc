@@ -309,8 +309,7 @@ std::string FlightRecorder::dump(const std::string& reason, const std::string& d
   }
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  EMBER_CHECK(!ec, "flight recorder: cannot create the dump directory '", dir, "' (EMBER_FR_DUMP_DIR): ",
-              ec.message());
+  EMBER_CHECK(!ec, "flight recorder: cannot create the dump directory '", dir, "' (EMBER_FR_DUMP_DIR): ", ec.message());
   const std::string path = dump_path(dir, rank);
   // Written whole, then renamed: a reader (fr_trace, the launcher) never
   // sees half a file, and a dump interrupted by the process's death leaves

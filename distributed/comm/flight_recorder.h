@@ -58,8 +58,8 @@ const char* state_name(State s);
 struct Entry {
   int64_t id = -1;  // record id: the recorder's count, in order of scheduling
   std::shared_ptr<const GroupDesc> group;
-  int64_t seq = 0;     // collective sequence id (p2p: the group's p2p count on this rank)
-  bool p2p = false;    // send / recv
+  int64_t seq = 0;   // collective sequence id (p2p: the group's p2p count on this rank)
+  bool p2p = false;  // send / recv
   const char* op = "";
   int peer = -1;  // p2p: the other side, a rank of the default group
   int tag = 0;    // p2p tag
@@ -67,8 +67,8 @@ struct Entry {
   State state = State::Scheduled;
   int64_t created_ns = 0, started_ns = 0, completed_ns = 0;  // system clock, so ranks compare
   int64_t timeout_ms = 0;
-  std::string error;         // a failed op's message
-  const char* caller = "";   // CallerTag in force when it was issued
+  std::string error;            // a failed op's message
+  const char* caller = "";      // CallerTag in force when it was issued
   const void* frame = nullptr;  // the return address of the ProcessGroup call
 };
 

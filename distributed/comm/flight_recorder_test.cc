@@ -33,7 +33,6 @@ namespace mp = testing;
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-
 std::string fresh_dir(const std::string& name) {
   const char* tmp = std::getenv("TEST_TMPDIR");
   fs::path d = fs::path(tmp ? tmp : "/tmp") / ("fr_" + name + "_" + std::to_string(getpid()));
@@ -90,8 +89,8 @@ EMBER_WORKER(fr_records_every_op) {
   const std::string path = rec.dump("test", dir);
   WCHECK(path == fr::dump_path(dir, env.rank), path);
   json j = read_json(path);
-  WCHECK(j["format"] == "ember_flight_recorder" && j["version"] == 1 && j["rank"] == env.rank &&
-             j["world_size"] == 2 && j["reason"] == "test" && j["buffer_size"] == 2000,
+  WCHECK(j["format"] == "ember_flight_recorder" && j["version"] == 1 && j["rank"] == env.rank && j["world_size"] == 2 &&
+             j["reason"] == "test" && j["buffer_size"] == 2000,
          j.dump());
   WCHECK(j["entries"].size() == 5, "dumped entries");
   const json& e1 = j["entries"][1];
@@ -294,9 +293,10 @@ TEST(FrTrace, NamesMismatchedSizesAndOps) {
   fr::TraceReport rep;
   const std::string v = job.verdict(&rep);
   EXPECT_EQ(rep.status, 1) << v;
-  EXPECT_NE(v.find("collective 1 (allgather_into_tensor, group default [0,1,2,3]) mismatched sizes or dtypes: "
-                   "ranks 0,2,3 allgather_into_tensor input [4] float32; rank 1 allgather_into_tensor input [8] float32"),
-            std::string::npos)
+  EXPECT_NE(
+      v.find("collective 1 (allgather_into_tensor, group default [0,1,2,3]) mismatched sizes or dtypes: "
+             "ranks 0,2,3 allgather_into_tensor input [4] float32; rank 1 allgather_into_tensor input [8] float32"),
+      std::string::npos)
       << v;
   EXPECT_NE(v.find("collective 0 (group dp_shard [0,2]) mismatched op: rank 0 allreduce input [3] float32; rank 2 "
                    "barrier input [] float32"),

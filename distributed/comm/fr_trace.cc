@@ -155,8 +155,7 @@ class Analysis {
       if (!dumped_.count(r)) without.insert(r);
     r_.without_dump.assign(without.begin(), without.end());
     if (!without.empty())
-      r_.lines.push_back("no dump from rank" + std::string(without.size() == 1 ? " " : "s ") +
-                         list(r_.without_dump) +
+      r_.lines.push_back("no dump from rank" + std::string(without.size() == 1 ? " " : "s ") + list(r_.without_dump) +
                          " (frozen, killed before it could dump, or never started; SIGUSR1 to a live worker dumps it)");
     for (auto& [key, g] : groups_) {
       collectives(g);
@@ -404,8 +403,8 @@ TraceReport analyze_dumps(const std::string& dir, int64_t since_ns) {
     report.lines.push_back("fr_trace: no flight recorder dump (ember_fr_rank<R>.json) in " + dir);
     return report;
   }
-  report.lines.insert(report.lines.begin(),
-                      "fr_trace: " + std::to_string(report.dumps) + " dump(s) in " + dir + " (ranks " + list({seen.begin(), seen.end()}) + ")");
+  report.lines.insert(report.lines.begin(), "fr_trace: " + std::to_string(report.dumps) + " dump(s) in " + dir +
+                                                " (ranks " + list({seen.begin(), seen.end()}) + ")");
   a.run();
   return report;
 }

@@ -3,8 +3,9 @@
 // says, for each process group, the first operation the ranks disagree on:
 //
 //   collective 247 (allreduce, group dp_shard [0,2]) joined by ranks 0; missing: 2
-//   collective 12 (allgather_into_tensor, group default [0,1,2,3]) mismatched sizes: ranks 0,2,3 input [4] ...; rank 1 input [8] ...
-//   p2p recv by rank 1 from rank 0 (group pp [0,1], tag 0, message 3) never matched: rank 0 posted 2 sends to rank 1
+//   collective 12 (allgather_into_tensor, group default [0,1,2,3]) mismatched sizes: ranks 0,2,3 input [4] ...; rank 1
+//   input [8] ... p2p recv by rank 1 from rank 0 (group pp [0,1], tag 0, message 3) never matched: rank 0 posted 2
+//   sends to rank 1
 //
 // with each rank's last completed sequence id, and the ranks without a
 // dump (frozen, killed, never started). Collectives are matched by their

@@ -117,11 +117,11 @@ namespace {
 // the tensors' sizes and dtypes, the peer, the caller's return address);
 // the backend's next_op_info records it with the sequence number. Nothing
 // is built when recording is off.
-#define EMBER_FR_CALL(inputs, outputs, peer, tag)                                                   \
-  std::optional<fr::PendingCall> fr_call;                                                           \
-  if (fr::FlightRecorder::get().enabled())                                                          \
-  fr_call.emplace(fr_group(), std::vector<fr::TensorMeta> inputs, std::vector<fr::TensorMeta> outputs, \
-                  peer, tag, __builtin_return_address(0))
+#define EMBER_FR_CALL(inputs, outputs, peer, tag)                                                                 \
+  std::optional<fr::PendingCall> fr_call;                                                                         \
+  if (fr::FlightRecorder::get().enabled())                                                                        \
+  fr_call.emplace(fr_group(), std::vector<fr::TensorMeta> inputs, std::vector<fr::TensorMeta> outputs, peer, tag, \
+                  __builtin_return_address(0))
 }  // namespace
 
 std::shared_ptr<Work> ProcessGroup::allreduce(const Tensor& tensor, ReduceOp op) {
