@@ -95,6 +95,7 @@ PendingCall::PendingCall(std::shared_ptr<const GroupDesc> g, std::vector<TensorM
   t_call = this;
 }
 PendingCall::~PendingCall() { t_call = prev_; }
+const PendingCall* current_call() { return t_call; }
 
 TensorMeta meta(const Tensor& t) { return {t.sizes(), t.dtype()}; }
 
@@ -223,6 +224,8 @@ std::string FlightRecorder::dump_json(const std::string& reason) const {
   using nlohmann::ordered_json;
   std::vector<Entry> es = entries();
   ordered_json j;
+  std::string groups_text;
+  std::vector<const GroupDesc*> group_order;
   char host[256] = {};
   gethostname(host, sizeof host - 1);
   {
@@ -237,33 +240,45 @@ std::string FlightRecorder::dump_json(const std::string& reason) const {
     j["dumped_at_ns"] = now_ns();
     j["buffer_size"] = capacity_;
     j["recorded"] = next_id_;
-    ordered_json groups = ordered_json::array();
-    for (const auto& p : progress_) {
+    groups_text = "[";
+    for (size_t i = 0; i < progress_.size(); ++i) {
+      const GroupProgress& p = *progress_[i];
+      group_order.push_back(p.group.get());
       ordered_json g;
-      g["name"] = p->group->name;
-      g["ranks"] = p->group->ranks;
-      g["backend"] = p->group->backend;
-      g["group_rank"] = p->group->rank;
-      g["last_scheduled_seq"] = p->scheduled;
-      g["last_started_seq"] = p->started;
-      g["last_completed_seq"] = p->completed;
-      g["p2p_scheduled"] = p->p2p_scheduled;
-      g["p2p_completed"] = p->p2p_completed;
-      groups.push_back(std::move(g));
+      g["id"] = static_cast<int64_t>(i);
+      g["name"] = p.group->name;
+      g["ranks"] = p.group->ranks;
+      g["backend"] = p.group->backend;
+      g["group_rank"] = p.group->rank;
+      g["last_scheduled_seq"] = p.scheduled;
+      g["last_started_seq"] = p.started;
+      g["last_completed_seq"] = p.completed;
+      g["p2p_scheduled"] = p.p2p_scheduled;
+      g["p2p_completed"] = p.p2p_completed;
+      groups_text += (i ? ",\n  " : "\n  ") + g.dump();
     }
-    j["groups"] = std::move(groups);
+    groups_text += "\n ]";
   }
-  // The header pretty, then one entry a line: readable with grep and
-  // less, and a third the size of pretty-printed entries for fr_trace to parse.
+  // The header's fields a line each, then one group and one entry a line:
+  // readable with grep and less, and a third the size of pretty-printed
+  // entries for fr_trace to parse.
+  // Entries name their group by its index in "groups" (a 64-rank group's
+  // member list on every entry would be most of the file).
+  auto group_id = [&](const GroupDesc* g) -> int64_t {
+    for (size_t i = 0; i < group_order.size(); ++i)
+      if (group_order[i] == g) return static_cast<int64_t>(i);
+    return -1;
+  };
   std::string text = j.dump(1);
-  text.resize(text.size() - 1);  // the header's closing brace
+  text.resize(text.size() - 2);  // the header's closing "\n}"
+  text += ",\n \"groups\": " + groups_text;
   text += ",\n \"entries\": [";
   bool first = true;
   for (const Entry& e : es) {
     ordered_json x;
     x["record_id"] = e.id;
     x["group"] = e.group ? e.group->name : "";
-    x["group_ranks"] = e.group ? e.group->ranks : std::vector<int>{};
+    x["group_id"] = group_id(e.group.get());
     x["seq"] = e.seq;
     x["p2p"] = e.p2p;
     x["op"] = e.op;

@@ -107,6 +107,8 @@ class PendingCall {
   PendingCall* prev_;
 };
 TensorMeta meta(const Tensor& t);
+// The calling thread's PendingCall, or null.
+const PendingCall* current_call();
 
 class FlightRecorder {
  public:

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/exception.h"
 #include "core/json_limits.h"
 
 namespace ember::distributed::fr {
@@ -116,13 +117,22 @@ class Analysis {
   void add(const Dump& d) {
     dumped_.insert(d.rank);
     world_ = std::max(world_, d.world_size);
+    std::vector<Member*> by_id;
+    std::vector<std::string> labels;
     for (const json& g : d.j.value("groups", json::array())) {
-      Member& m = member(g.at("name").get<std::string>(), g.at("ranks").get<std::vector<int>>(), d.rank);
+      const std::vector<int> ranks = g.at("ranks").get<std::vector<int>>();
+      Member& m = member(g.at("name").get<std::string>(), ranks, d.rank);
       m.last_scheduled = g.value("last_scheduled_seq", int64_t{-1});
       m.last_completed = g.value("last_completed_seq", int64_t{-1});
+      by_id.push_back(&m);
+      labels.push_back("group " + g.at("name").get<std::string>() + " [" + list(ranks) + "]");
     }
     for (const json& e : d.j.value("entries", json::array())) {
-      Member& m = member(e.at("group").get<std::string>(), e.at("group_ranks").get<std::vector<int>>(), d.rank);
+      const int64_t id = e.value("group_id", int64_t{-1});
+      if (id < 0) continue;  // an operation of no group (none today)
+      EMBER_CHECK(id < static_cast<int64_t>(by_id.size()), "entry ", e.value("record_id", int64_t{-1}),
+                  " names group_id ", id, " but the dump lists ", by_id.size(), " groups");
+      Member& m = *by_id[static_cast<size_t>(id)];
       Op op;
       op.seq = e.at("seq").get<int64_t>();
       op.op = e.at("op").get<std::string>();
@@ -133,8 +143,7 @@ class Analysis {
       op.error = e.value("error", "");
       if (op.state != "completed" && !waiting_.count(d.rank)) {
         // The rank's oldest unfinished operation: where it is blocked.
-        const std::string g = "group " + e.at("group").get<std::string>() + " [" +
-                              list(e.at("group_ranks").get<std::vector<int>>()) + "]";
+        const std::string& g = labels[static_cast<size_t>(id)];
         waiting_[d.rank] = e.value("p2p", false)
                                ? "a p2p " + op.op + " with rank " + std::to_string(op.peer) + " of " + g
                                : "collective " + std::to_string(op.seq) + " (" + op.op + ") of " + g;

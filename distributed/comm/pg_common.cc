@@ -308,8 +308,9 @@ namespace detail {
 
 std::string OpInfo::describe() const {
   std::ostringstream os;
-  os << op << " (" << (collective ? "collective #" : "p2p op #") << seq << ", " << backend << " group rank " << rank
-     << " of " << size << ", timeout " << timeout.count() << " ms)";
+  os << op << " (" << (collective ? "collective #" : "p2p op #") << seq << ", " << backend << " group "
+     << (group.empty() ? "" : group + " ") << "rank " << rank << " of " << size << ", timeout " << timeout.count()
+     << " ms)";
   return os.str();
 }
 
@@ -330,6 +331,7 @@ OpInfo next_op_info(OpCounters& counters, const char* op, bool collective, const
   info.signature = std::move(signature.text);
   info.bytes = signature.bytes;
   info.fr_id = fr::FlightRecorder::get().record_op(op, !collective, info.seq, timeout.count());
+  if (const fr::PendingCall* call = fr::current_call(); call && call->group) info.group = call->group->name;
   return info;
 }
 

@@ -32,6 +32,7 @@ struct OpInfo {
   int64_t seq = 0;  // collective number (same on every rank); p2p ops count separately
   bool collective = true;
   std::string backend;  // "gloo" / "nccl"
+  std::string group;    // the group's name (ProcessGroup::name), when the flight recorder is on
   int rank = 0, size = 1;
   Millis timeout{0};
   std::string signature;           // "op=allreduce dtype=float32 numel=1000 root=-1 reduce=sum"
@@ -39,7 +40,7 @@ struct OpInfo {
   PgClock::time_point enqueued{};  // when the caller issued it
   int64_t fr_id = -1;              // its flight recorder entry (-1: none)
 
-  // "allreduce (collective #5, gloo group rank 1 of 3, timeout 1500 ms)"
+  // "allreduce (collective #5, gloo group dp_shard rank 1 of 3, timeout 1500 ms)"
   std::string describe() const;
 };
 

@@ -78,6 +78,22 @@ expect freeze trace "collective 3 (allreduce, group default [0,1,2,3]) joined by
 sleep 0.5
 if pgrep -f "hang_test_worker freeze" >/dev/null; then fail "freeze: a worker outlived the launcher"; fi
 
+# SIGUSR1 to the launcher: every worker dumps, the job goes on and ends well.
+rm -rf "$tmp/healthy"
+EMBER_FR_DUMP_DIR="$tmp/healthy" "$launch" --nproc_per_node=2 -- "$worker" healthy >"$tmp/healthy.out" 2>&1 &
+pid=$!
+sleep 2
+kill -USR1 "$pid"
+wait "$pid"
+rc=$?
+[ "$rc" -eq 0 ] || fail "healthy: the job exited $rc after SIGUSR1"
+expect healthy out "launch: received SIGUSR1: the workers dump their flight recorders to $tmp/healthy"
+for r in 0 1; do
+  grep -qF '"reason": "SIGUSR1"' "$tmp/healthy/ember_fr_rank$r.json" 2>/dev/null || fail "healthy: no SIGUSR1 dump of rank $r"
+done
+"$fr_trace" "$tmp/healthy" >"$tmp/healthy.trace" 2>&1
+[ $? -eq 0 ] || fail "healthy: fr_trace found a problem in a healthy job"
+
 if [ "$failures" -ne 0 ]; then
   echo "$failures check(s) failed"
   exit 1

@@ -12,6 +12,8 @@
 //                                     micro-batch 2 and never sends it
 //   hang_test_worker freeze           4 ranks: rank 1 stops itself (SIGSTOP)
 //                                     at step 3
+//   hang_test_worker healthy          all-reduces for about 4 s, then exits 0
+//                                     (the launcher's SIGUSR1 forwarding)
 #include <signal.h>
 #include <unistd.h>
 
@@ -101,6 +103,15 @@ void freeze(int rank) {
   }
 }
 
+void healthy() {
+  auto pg = default_group();
+  Tensor g = ones({64});
+  for (int step = 0; step < 40; ++step) {
+    pg->allreduce(g)->wait();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
 }  // namespace
 }  // namespace ember::distributed
 
@@ -117,6 +128,8 @@ int main(int argc, char** argv) {
     pp_no_send(rank);
   } else if (scenario == "freeze") {
     freeze(rank);
+  } else if (scenario == "healthy") {
+    healthy();
   } else {
     std::fprintf(stderr, "hang_test_worker: unknown scenario '%s'\n", scenario.c_str());
     return 2;

@@ -587,8 +587,14 @@ class WorkerRun {
     }
     dump_asked_ns_ = system_now_ns();
     for (const Worker& w : workers_)
-      if (w.running && !is_stopped(w.pid)) ::kill(w.pid, SIGUSR1);
-    dumping_ = true;
+      if (w.running && !is_stopped(w.pid) && catches_signal(w.pid, SIGUSR1)) {
+        ::kill(w.pid, SIGUSR1);
+        dumping_ = true;
+      }
+    if (!dumping_) {
+      start_termination(SIGTERM);
+      return;
+    }
     dump_deadline_ = Clock::now() + kDumpWait;
   }
 
@@ -602,7 +608,9 @@ class WorkerRun {
     }
     bool all = true;
     for (const Worker& w : workers_)
-      if (w.running && !is_stopped(w.pid) && !dumped_since(fr_dir_, w.rank, dump_asked_ns_)) all = false;
+      if (w.running && !is_stopped(w.pid) && catches_signal(w.pid, SIGUSR1) &&
+          !dumped_since(fr_dir_, w.rank, dump_asked_ns_))
+        all = false;
     if (!all && Clock::now() < dump_deadline_) return;
     dumping_ = false;
     if (running_ > 0) start_termination(SIGTERM);
@@ -615,7 +623,7 @@ class WorkerRun {
     g_handled_usr1 = count;
     say("received SIGUSR1: the workers dump their flight recorders to " + fr_dir_);
     for (const Worker& w : workers_)
-      if (w.running) ::kill(w.pid, SIGUSR1);
+      if (w.running && catches_signal(w.pid, SIGUSR1)) ::kill(w.pid, SIGUSR1);
   }
 
   // Workers that outlived the grace period after the signal get SIGKILL.

@@ -30,6 +30,17 @@ bool is_stopped(int pid) {
   return state == 'T' || state == 't';
 }
 
+bool catches_signal(int pid, int sig) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("SigCgt:", 0) == 0) {
+      const unsigned long long mask = std::strtoull(line.c_str() + 7, nullptr, 16);
+      return (mask >> (sig - 1)) & 1ULL;
+    }
+  return false;
+}
+
 int64_t system_now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();

@@ -73,6 +73,10 @@ std::vector<std::string> worker_env(const std::vector<std::pair<std::string, std
 // ---- Diagnosing a failed job (launch_diagnosis.cc) ----
 // Whether process `pid` is stopped (SIGSTOP, SIGTSTP or a debugger).
 bool is_stopped(int pid);
+// Whether process `pid` has a handler for `sig` (/proc/<pid>/status's
+// SigCgt): SIGUSR1 goes only to workers whose flight recorder catches it,
+// since its default action would kill any other program.
+bool catches_signal(int pid, int sig);
 int64_t system_now_ns();
 // Where a job's workers dump their flight recorders when EMBER_FR_DUMP_DIR
 // is not set: ember_fr/<date>-<time>-<launcher pid> in the working directory.
