@@ -215,8 +215,20 @@ grep -q "strategy takes full, grad_op, no_shard or hybrid, got 'zero3'" <<<"$out
 # run; mesh errors name the flags.
 mesh=(--dim 32 --heads 4 --seq 16 --max-steps 6 --global-batch 8 --sample-len 0 --eval-every 100 --lr 1e-3)
 out1=$("$dir/gpt" --nproc 1 "${mesh[@]}" --checkpoint-dir "$tmp/gm1" --metrics "$tmp/m1.jsonl" 2>&1)
-out=$("$dir/gpt" --nproc 4 --dp-shard 2 --tp 2 "${mesh[@]}" --checkpoint-dir "$tmp/gm4" --metrics "$tmp/m4.jsonl" 2>&1)
+out=$("$dir/gpt" --nproc 4 --dp-shard 2 --tp 2 "${mesh[@]}" --checkpoint-dir "$tmp/gm4" --metrics "$tmp/m4.jsonl" \
+  --straggler-every 3 2>&1)
 echo "$out"
+# --straggler-every 3: steps 3 and 6 carry the window's slowest rank and
+# its scores (the detector's own checks are distributed:straggler_test).
+python3 - "$tmp/m4.jsonl" <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+for d in lines:
+    has = "straggler_score" in d
+    assert has == (d["step"] % 3 == 0), d
+    if has:
+        assert d["straggler_rank"] in range(4) and d["straggler_score"] >= 1.0 and d["straggler_self_score"] >= 1.0, d
+PY
 grep -q "mesh dp_shard=2 tp=2$" <<<"$out" || { echo "no mesh line"; exit 1; }
 # The step's memory by part, once, and the planner's beside it (one rank).
 grep -qE "memory peak [0-9.]+ MiB: params [0-9.]+, grads [0-9.]+, optimizer [0-9.]+, gathered [0-9.]+, activations [0-9.]+, other [0-9.]+$" <<<"$out1" || {

@@ -42,6 +42,7 @@
 #include "distributed/config_check.h"
 #include "distributed/init.h"
 #include "distributed/parallel/rank_agreement.h"
+#include "distributed/straggler.h"
 #include "examples/gpt_flags.h"
 #include "examples/gpt_report.h"
 #include "examples/profiling.h"
@@ -112,6 +113,16 @@ struct Setup {
   std::unique_ptr<optim::AdamW> opt;
   std::unique_ptr<optim::SequentialLR> sched;
   std::unique_ptr<optim::GradScaler> scaler;
+  // --straggler-every: the step's sections are timed into it (null: off).
+  distributed::StragglerDetector* straggler = nullptr;
+};
+
+// A section of the step timed for the straggler detector, when it is on.
+struct Section {
+  Section(distributed::StragglerDetector* d, const char* name) {
+    if (d) timer.emplace(d, name);
+  }
+  std::optional<distributed::StragglerDetector::Timer> timer;
 };
 
 // Sharded checkpoints: every rank writes its own shards, and a run with
@@ -291,6 +302,7 @@ std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Ten
     // backwards run in the forwards' dtypes); float32 parameters.
     AutocastGuard cast(device.type, amp == "fp16" ? DType::Float16 : DType::BFloat16,
                        amp != "off" && s.pp.fsdp.empty());
+    Section timed(s.straggler, "pipeline");  // forwards and backwards interleaved
     for (const Tensor& l : s.pp.pipe->step(xs, ys)) loss_sum += l.item();
     // The last stage's ranks hold the losses; shared over pp for the log.
     Tensor lt = Tensor::from_vector({loss_sum}, {1}, DType::Float64).to(device);
@@ -305,12 +317,15 @@ std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Ten
       // What the forward allocates and backward still holds is activations
       // (the micro-batch's copy on the device too).
       MemoryKindScope activations(MemoryKind::Activations);
+      Section timed(s.straggler, "forward");
       // Vocab-sharded logits under tensor parallelism: the loss is parallel.
       loss = distributed::parallel_cross_entropy((*s.gpt)(x.to(device)), y.to(device));
     }
     loss_sum += loss.item();
+    Section timed(s.straggler, "backward");
     scaler.scale(loss * (1.0 / s.micro_steps)).backward();
   }
+  Section optimizer(s.straggler, "optimizer");
   scaler.unscale_(*s.opt);
   const double grad_norm = s.pp.pipe ? s.pp.pipe->clip_grad_norm_(1.0) : s.par.clip_grad_norm_(1.0);
   distributed::commit_point(s.step);  // live recovery: every rank steps, or none
@@ -390,6 +405,12 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     return v;
   };
   examples::StepProfiler profile(flags.common.profile_dir, flags.max_steps - s.step, job.pg.get());
+  std::optional<distributed::StragglerDetector> straggler;
+  if (flags.straggler_every > 0) {
+    straggler.emplace(job.pg, distributed::StragglerOptions{.every = flags.straggler_every,
+                                                            .threshold = flags.straggler_threshold});
+    s.straggler = &*straggler;
+  }
   while (s.step < flags.max_steps) {
     const auto step_start = Clock::now();
     alloc->reset_peak_stats();
@@ -408,6 +429,12 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     const double train_s = examples::seconds(step_start, Clock::now());  // this rank's, before the reports' collectives
     profile.step();
     const int64_t step = s.step;
+    // Collective on each window's last step: every rank, before the reports.
+    const std::optional<distributed::StragglerReport> slow = straggler ? straggler->step_end(step) : std::nullopt;
+    if (slow && !slow->stragglers.empty()) {
+      progress.close_line();
+      LOG0(slow->line());
+    }
     // Once, after warm-up steps: the pipeline's bubble beside the simulator's.
     if (s.pp.pipe && step - first == std::min<int64_t>(3, flags.max_steps - first)) {
       const std::string bubble = examples::bubble_line(*s.pp.pipe);  // collective: every rank, not only LOG0's
@@ -432,8 +459,13 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       // attention kernels to see a context-parallel imbalance).
       const Tensor secs = distributed::functional::all_gather(
           Tensor::from_vector({train_s}, {1}, DType::Float64).to(device), 0, job.pg);
-      const nlohmann::json moe =
+      nlohmann::json moe =
           flags.moe_experts > 0 ? examples::moe_metrics(s.model(), *job.pg, device) : nlohmann::json::object();
+      if (slow) {
+        moe["straggler_rank"] = slow->slowest;
+        moe["straggler_score"] = slow->score;
+        moe["straggler_self_score"] = slow->self_score;
+      }
       if (metrics.is_open())
         metrics.write(step, loss, lr, grad_norm, tokens_per_step, examples::seconds(step_start, Clock::now()), mem,
                       examples::batch_digest(corpus, all, flags.seq), secs.to(kCPU).to_vector(), moe);

@@ -35,6 +35,8 @@ struct Flags {
   std::string cp_exchange = "ring";  // ring | allgather | alltoall (distributed/parallel/cp)
   int64_t global_batch = 0;          // 0: batch size x dp x accum
   std::string metrics;
+  int64_t straggler_every = 0;      // 0: off (distributed/straggler.h)
+  double straggler_threshold = 1.2;
   int64_t layers = 2, dim = 128, heads = 4, seq = 64;
   std::string arch = "gpt2";  // gpt2 | llama (nn::Arch)
   int64_t kv_heads = 0;       // llama: k/v heads (0: --heads)
@@ -76,8 +78,16 @@ inline void declare(FlagTable& t, Flags& f) {
          "step_s, mem_peak_mib and its parts mem_{params,grads,optimizer,gathered,activations,\n"
          "other}_mib (the rank with the largest peak), batch_digest (a hash of the global batch);\n"
          "with --moe-experts, expert_tokens_{min,max,mean} (tokens per expert over every MoE layer)\n"
-         "and moe_aux_loss (the load-balancing loss, the mean over the MoE layers)",
+         "and moe_aux_loss (the load-balancing loss, the mean over the MoE layers); with\n"
+         "--straggler-every, straggler_rank, straggler_score and straggler_self_score on each window's step",
          false);
+  t.integer("--straggler-every", &f.straggler_every, 0, "N",
+            "straggler detection: every N steps each rank's forward, backward and optimizer time (less its\n"
+            "waits in collectives) and its time in each collective kind are gathered, and each rank is\n"
+            "scored against the median rank and its own best; a rank over --straggler-threshold is named\n"
+            "in the log (0: off)");
+  t.positive("--straggler-threshold", &f.straggler_threshold, "X",
+             "a rank whose compute per step is over X times the median rank's is a straggler");
   t.integer("--layers", &f.layers, 1, "N", "transformer blocks");
   t.integer("--dim", &f.dim, 1, "N", "model width");
   t.integer("--heads", &f.heads, 1, "N", "attention heads");

@@ -189,6 +189,7 @@ void FlightRecorder::finished(int64_t id, const std::string& error) {
   e->completed_ns = t;
   e->state = error.empty() ? State::Completed : State::Failed;
   e->error = error;
+  if (error.empty()) op_ns_[e->op] += t - e->created_ns;
   if (e->group && error.empty()) {
     GroupProgress& g = progress_of(e->group);
     if (e->p2p)
@@ -206,6 +207,13 @@ std::vector<Entry> FlightRecorder::entries() const {
   return out;
 }
 
+std::map<std::string, double> FlightRecorder::op_seconds() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<std::string, double> out;
+  for (const auto& [op, ns] : op_ns_) out[op] += static_cast<double>(ns) * 1e-9;
+  return out;
+}
+
 void FlightRecorder::set_identity(int rank, int world_size) {
   std::lock_guard<std::mutex> lock(mu_);
   rank_ = rank;
@@ -217,6 +225,7 @@ void FlightRecorder::clear() {
   for (Entry& e : ring_) e = Entry{};
   next_id_ = 0;
   progress_.clear();
+  op_ns_.clear();
   failure_dumped_ = false;
 }
 

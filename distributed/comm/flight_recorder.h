@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -128,6 +129,10 @@ class FlightRecorder {
 
   // The entries still in the ring, oldest first.
   std::vector<Entry> entries() const;
+  // Seconds from issue to completion summed over every operation that has
+  // completed since the recorder started, by op ("allreduce", "send", ...);
+  // kept beside the ring (the straggler detector's collective times).
+  std::map<std::string, double> op_seconds() const;
   // The whole dump as JSON text (docs/reliability.md), `reason` in it.
   std::string dump_json(const std::string& reason) const;
   // Writes the dump to <dir>/ember_fr_rank<rank>.json (atomically: a temp
@@ -152,6 +157,7 @@ class FlightRecorder {
   int rank_ = -1, world_size_ = -1;
   bool failure_dumped_ = false;
   std::vector<std::unique_ptr<GroupProgress>> progress_;
+  std::map<const char*, int64_t> op_ns_;  // by the op's name (string literals)
   GroupProgress& progress_of(const std::shared_ptr<const GroupDesc>& g);
   Entry* find(int64_t id);
 };

@@ -380,7 +380,29 @@ bool CompletionWork::is_success() {
   return done_ && !error_;
 }
 
+}  // namespace detail
+
+namespace {
+thread_local double t_wait_seconds = 0;
+
+// Adds the scope's duration to the thread's blocked time.
+class WaitClock {
+ public:
+  WaitClock() : start_(detail::PgClock::now()) {}
+  ~WaitClock() { t_wait_seconds += std::chrono::duration<double>(detail::PgClock::now() - start_).count(); }
+
+ private:
+  detail::PgClock::time_point start_;
+};
+}  // namespace
+
+double thread_wait_seconds() { return t_wait_seconds; }
+void detail::add_thread_wait_seconds(double s) { t_wait_seconds += s; }
+
+namespace detail {
+
 void CompletionWork::wait() {
+  WaitClock clock;
   // The caller's blocked time: with the collective's own event (on the
   // thread that ran it) this splits waiting from transferring.
   profiler::Scope prof(profiler::Kind::Wait, profiler::enabled() ? "wait " + info_.op : std::string());
@@ -391,6 +413,7 @@ void CompletionWork::wait() {
 }
 
 bool CompletionWork::wait(Millis timeout) {
+  WaitClock clock;
   std::unique_lock<std::mutex> lock(mu_);
   if (!cv_.wait_for(lock, timeout, [&] { return done_; })) return false;
   if (error_) std::rethrow_exception(error_);

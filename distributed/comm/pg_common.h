@@ -91,6 +91,10 @@ class CollectiveEvent {
   int64_t begin_ns_ = 0;
 };
 
+// Adds to the calling thread's thread_wait_seconds() (a backend's own
+// blocking wait: NCCL's).
+void add_thread_wait_seconds(double seconds);
+
 // A Work completed once, from whichever thread runs the operation.
 class CompletionWork : public Work {
  public:

@@ -57,6 +57,12 @@ class Work {
   virtual void synchronize() { wait(); }
 };
 
+// Seconds the calling thread has spent blocked in Work::wait (any group,
+// any backend) since it started: what a section timer subtracts to get the
+// thread's own compute (the straggler detector: a fast rank waits for a
+// slow one inside its collectives, and that wait is not its work).
+double thread_wait_seconds();
+
 struct ProcessGroupOptions {
   Millis timeout = kDefaultTimeout;
   // Check each collective's signature (op, dtype, numel, root) against the
