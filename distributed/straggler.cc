@@ -143,8 +143,9 @@ std::optional<StragglerReport> StragglerDetector::step_end(int64_t step) {
   r.self_score = r.ranks[static_cast<size_t>(r.slowest)].self_score;
   for (const RankScore& s : r.ranks)
     if (s.score > options_.threshold) r.stragglers.push_back(s.rank);
-  std::sort(r.stragglers.begin(), r.stragglers.end(),
-            [&](int a, int b) { return r.ranks[static_cast<size_t>(a)].score > r.ranks[static_cast<size_t>(b)].score; });
+  std::sort(r.stragglers.begin(), r.stragglers.end(), [&](int a, int b) {
+    return r.ranks[static_cast<size_t>(a)].score > r.ranks[static_cast<size_t>(b)].score;
+  });
 
   std::fill(sections_.begin(), sections_.end(), 0.0);
   steps_ = 0;
@@ -165,8 +166,8 @@ std::string StragglerReport::line() const {
   os << "straggler" << (stragglers.size() > 1 ? "s" : "") << ": ";
   for (size_t i = 0; i < stragglers.size(); ++i) {
     const RankScore& q = ranks.at(static_cast<size_t>(stragglers[i]));
-    os << (i ? "; " : "") << "rank " << q.rank << " at " << fmt(q.score, "%.2f") << "x the median rank's compute per step ("
-       << fmt(q.compute_s) << " s vs " << fmt(med) << " s:";
+    os << (i ? "; " : "") << "rank " << q.rank << " at " << fmt(q.score, "%.2f")
+       << "x the median rank's compute per step (" << fmt(q.compute_s) << " s vs " << fmt(med) << " s:";
     bool first = true;
     for (const auto& [name, secs] : q.sections) {
       os << (first ? " " : ", ") << name << " " << fmt(secs);

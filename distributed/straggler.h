@@ -33,26 +33,26 @@
 namespace ember::distributed {
 
 struct StragglerOptions {
-  int64_t every = 10;       // steps per window (a report at each window's last step)
-  double threshold = 1.2;   // a rank whose compute is over this many times the median's is named
+  int64_t every = 10;      // steps per window (a report at each window's last step)
+  double threshold = 1.2;  // a rank whose compute is over this many times the median's is named
 };
 
 struct RankScore {
   int rank = 0;
-  double compute_s = 0;     // the sections' time per step in the window
-  double score = 1;         // compute_s / the median rank's
-  double self_score = 1;    // compute_s / this rank's best window so far
+  double compute_s = 0;                       // the sections' time per step in the window
+  double score = 1;                           // compute_s / the median rank's
+  double self_score = 1;                      // compute_s / this rank's best window so far
   std::map<std::string, double> sections;     // per step, by section
   std::map<std::string, double> collectives;  // per step, by collective kind (issue to completion)
 };
 
 struct StragglerReport {
-  int64_t step = 0;                // the window's last step
-  int64_t steps = 0;               // steps in the window
-  std::vector<RankScore> ranks;    // by rank of the group
-  int slowest = 0;                 // the rank with the highest score
+  int64_t step = 0;                  // the window's last step
+  int64_t steps = 0;                 // steps in the window
+  std::vector<RankScore> ranks;      // by rank of the group
+  int slowest = 0;                   // the rank with the highest score
   double score = 1, self_score = 1;  // the slowest rank's
-  std::vector<int> stragglers;     // ranks with score > threshold, slowest first
+  std::vector<int> stragglers;       // ranks with score > threshold, slowest first
   double threshold = 1.2;
   // "straggler: rank 2 at 5.01x the median rank's compute per step (0.062 s vs 0.012 s: forward 0.055, backward
   // 0.005, optimizer 0.002; 1.00x its own best); the others wait in allreduce 0.048 s per step" or, with no
@@ -95,10 +95,10 @@ class StragglerDetector {
  private:
   std::shared_ptr<ProcessGroup> group_;
   StragglerOptions options_;
-  std::vector<double> sections_;            // this window's, by section_names()
-  std::map<std::string, double> op_base_;   // the flight recorder's op times at the window's start
+  std::vector<double> sections_;           // this window's, by section_names()
+  std::map<std::string, double> op_base_;  // the flight recorder's op times at the window's start
   int64_t steps_ = 0;
-  std::vector<double> best_;                // each rank's best compute per step so far (0: none yet)
+  std::vector<double> best_;  // each rank's best compute per step so far (0: none yet)
 };
 
 }  // namespace ember::distributed

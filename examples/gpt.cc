@@ -23,8 +23,10 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -35,6 +37,7 @@
 
 #include "core/allocator.h"
 #include "core/autocast.h"
+#include "distributed/anomaly.h"
 #include "distributed/checkpoint/checkpoint.h"
 #include "distributed/checkpoint/live_recovery.h"
 #include "distributed/checkpoint/sharded.h"
@@ -115,6 +118,17 @@ struct Setup {
   std::unique_ptr<optim::GradScaler> scaler;
   // --straggler-every: the step's sections are timed into it (null: off).
   distributed::StragglerDetector* straggler = nullptr;
+  // --detect-anomaly (null: off), --nan-rerun, and the job's world for
+  // their reports.
+  distributed::AnomalyDetector* anomaly = nullptr;
+  bool nan_rerun = false;
+  distributed::ProcessGroup* world = nullptr;
+  // --inject-nan (testing): at `step`, on every try or only the first.
+  struct {
+    int64_t step = -1;
+    bool once = false, armed = false;
+    int tries = 0;
+  } inject;
 };
 
 // A section of the step timed for the straggler detector, when it is on.
@@ -282,14 +296,18 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
 // optimizer and the schedule stepped. Returns the mean loss over the
 // micro-batches (this rank's; the pipeline's from its last stage) and the
 // gradient norm.
-std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Tensor, Tensor>(int64_t)>& batch,
-                                     const std::string& amp, Device device) {
+// The step's forwards and backwards: through the pipeline, or accumulated
+// over the micro-batches (gradients reduced on the last). Returns the sum
+// of the micro-batches' losses (this rank's; the pipeline's from its last
+// stage, shared over pp).
+double forward_backward(Setup& s, const std::function<std::pair<Tensor, Tensor>(int64_t)>& batch,
+                        const std::string& amp, Device device) {
   optim::GradScaler& scaler = *s.scaler;
-  s.opt->zero_grad();
   // The router losses' gradient enters in the backward, scaled as the loss
   // is (per micro-batch, by the loss scale); their statistics are the step's.
   nn::set_moe_aux_grad_scale(s.model(), scaler.get_scale() / static_cast<double>(s.micro_steps));
   nn::reset_moe_stats(s.model());
+  ++s.inject.tries;
   double loss_sum = 0;
   if (s.pp.pipe) {
     std::vector<Tensor> xs, ys;
@@ -325,9 +343,80 @@ std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Ten
     Section timed(s.straggler, "backward");
     scaler.scale(loss * (1.0 / s.micro_steps)).backward();
   }
-  Section optimizer(s.straggler, "optimizer");
+  return loss_sum;
+}
+
+// The ranks whose `x` is not finite (collective over the world).
+std::vector<int> nonfinite_ranks(double x, distributed::ProcessGroup& world) {
+  Tensor mine = Tensor::from_vector({x}, {1}, DType::Float64).to(world.device());
+  Tensor all = Tensor::empty({world.size()}, {DType::Float64, world.device()});
+  world.allgather_into_tensor(all, mine)->wait();
+  std::vector<int> out;
+  const std::vector<double> v = all.to(kCPU).to_vector();
+  for (int r = 0; r < world.size(); ++r)
+    if (!std::isfinite(v[static_cast<size_t>(r)])) out.push_back(r);
+  return out;
+}
+
+// What a step with a non-finite gradient norm found (collective): the
+// ranks whose loss was not finite, and with --detect-anomaly each rank's
+// first module.
+std::string nonfinite_report(Setup& s, double loss_sum) {
+  std::string msg = "the gradient norm is not finite";
+  const std::vector<int> ranks = nonfinite_ranks(loss_sum, *s.world);
+  if (!ranks.empty()) {
+    msg += "; the loss is not finite on rank";
+    msg += ranks.size() == 1 ? " " : "s ";
+    for (size_t i = 0; i < ranks.size(); ++i) msg += (i ? "," : "") + std::to_string(ranks[i]);
+  }
+  if (s.anomaly)
+    for (const distributed::NonFinite& f : distributed::gather_findings(s.anomaly->first(), *s.world))
+      msg += "; " + f.describe();
+  return msg;
+}
+
+// One optimizer step on the step's micro-batches (`batch(m)`: inputs and
+// targets on the host): forward_backward, the gradients clipped to norm 1,
+// the optimizer and the schedule stepped. A non-finite gradient norm under
+// --detect-anomaly or --nan-rerun is reported (rank, module, step); with
+// --nan-rerun the step runs again on the same batch, and a second
+// non-finite norm stops the job as persistent. Returns the mean loss over
+// the micro-batches (this rank's; the pipeline's from its last stage) and
+// the gradient norm.
+std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Tensor, Tensor>(int64_t)>& batch,
+                                     const std::string& amp, Device device) {
+  optim::GradScaler& scaler = *s.scaler;
+  const int64_t step = s.step + 1;  // as --metrics numbers it
+  s.opt->zero_grad();
+  s.inject.armed = step == s.inject.step;
+  s.inject.tries = 0;
+  if (s.anomaly) s.anomaly->begin_step(step);
+  double loss_sum = forward_backward(s, batch, amp, device);
+  std::optional<Section> optimizer(std::in_place, s.straggler, "optimizer");
   scaler.unscale_(*s.opt);
-  const double grad_norm = s.pp.pipe ? s.pp.pipe->clip_grad_norm_(1.0) : s.par.clip_grad_norm_(1.0);
+  auto clip = [&] { return s.pp.pipe ? s.pp.pipe->clip_grad_norm_(1.0) : s.par.clip_grad_norm_(1.0); };
+  double grad_norm = clip();
+  // The norm is the job's (every rank has the same): every rank decides alike.
+  if (!std::isfinite(grad_norm) && (s.anomaly || s.nan_rerun)) {
+    const std::string at = "step " + std::to_string(step) + ": ";
+    const std::string first = nonfinite_report(s, loss_sum);
+    if (!s.nan_rerun) throw Error(at + first + "; stopping (--detect-anomaly)");
+    // Megatron's rerun: the same batch, the same state (the optimizer has
+    // not stepped); the same non-finite values again are the data's or the
+    // model's, none is a fault of the hardware or a race.
+    optimizer.reset();
+    s.opt->zero_grad();
+    if (s.anomaly) s.anomaly->begin_step(step);
+    loss_sum = forward_backward(s, batch, amp, device);
+    optimizer.emplace(s.straggler, "optimizer");
+    grad_norm = clip();
+    if (!std::isfinite(grad_norm))
+      throw Error(at + nonfinite_report(s, loss_sum) + " (and so on the first try: the step re-run on the same batch " +
+                  "reproduced it): " + distributed::kNanPersistent + "; stopping (--nan-rerun)");
+    LOG0(at, first, "; gone when the step was re-run on the same batch: ", distributed::kNanTransient,
+         "; training goes on with the re-run's gradients");
+  }
+  s.inject.armed = false;
   distributed::commit_point(s.step);  // live recovery: every rank steps, or none
   scaler.step(*s.opt);
   scaler.update();
@@ -405,10 +494,31 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     return v;
   };
   examples::StepProfiler profile(flags.common.profile_dir, flags.max_steps - s.step, job.pg.get());
+  s.world = job.pg.get();
+  s.nan_rerun = flags.nan_rerun;
+  // --inject-nan: rank R's token embeddings NaN while the step is armed
+  // (before --detect-anomaly's hooks, so they see the NaN leave wte).
+  if (job.rank == flags.inject_nan_rank) {
+    nn::Module* wte = nullptr;
+    for (auto& [name, m] : s.model().named_modules())
+      if (name == "wte" || (name.size() > 4 && name.compare(name.size() - 4, 4, ".wte") == 0)) wte = m;
+    EMBER_CHECK(wte != nullptr, "--inject-nan: rank ", job.rank, " holds no token embedding (wte) to poison");
+    s.inject.step = flags.inject_nan_step;
+    s.inject.once = flags.inject_nan_once;
+    wte->register_forward_hook([&s](nn::Module&, const Tensor&, const Tensor& out) {
+      if (!s.inject.armed || (s.inject.once && s.inject.tries > 1)) return Tensor();
+      return out * std::numeric_limits<double>::quiet_NaN();
+    });
+  }
+  std::optional<distributed::AnomalyDetector> anomaly;
+  if (flags.detect_anomaly) {
+    anomaly.emplace(s.model(), job.rank);
+    s.anomaly = &*anomaly;
+  }
   std::optional<distributed::StragglerDetector> straggler;
   if (flags.straggler_every > 0) {
-    straggler.emplace(job.pg, distributed::StragglerOptions{.every = flags.straggler_every,
-                                                            .threshold = flags.straggler_threshold});
+    straggler.emplace(
+        job.pg, distributed::StragglerOptions{.every = flags.straggler_every, .threshold = flags.straggler_threshold});
     s.straggler = &*straggler;
   }
   while (s.step < flags.max_steps) {

@@ -35,8 +35,13 @@ struct Flags {
   std::string cp_exchange = "ring";  // ring | allgather | alltoall (distributed/parallel/cp)
   int64_t global_batch = 0;          // 0: batch size x dp x accum
   std::string metrics;
-  int64_t straggler_every = 0;      // 0: off (distributed/straggler.h)
+  int64_t straggler_every = 0;  // 0: off (distributed/straggler.h)
   double straggler_threshold = 1.2;
+  bool detect_anomaly = false, nan_rerun = false;  // distributed/anomaly.h
+  std::string inject_nan;                          // testing: "R:S" or "R:S:once"
+  int inject_nan_rank = -1;
+  int64_t inject_nan_step = -1;
+  bool inject_nan_once = false;
   int64_t layers = 2, dim = 128, heads = 4, seq = 64;
   std::string arch = "gpt2";  // gpt2 | llama (nn::Arch)
   int64_t kv_heads = 0;       // llama: k/v heads (0: --heads)
@@ -88,6 +93,18 @@ inline void declare(FlagTable& t, Flags& f) {
             "in the log (0: off)");
   t.positive("--straggler-threshold", &f.straggler_threshold, "X",
              "a rank whose compute per step is over X times the median rank's is a straggler");
+  t.toggle("--detect-anomaly", &f.detect_anomaly,
+           "check every module's output and the gradient into it for NaN/Inf (a host sync each: slow);\n"
+           "a step with a non-finite gradient norm names the first module, its rank and the step, and\n"
+           "stops the job (unless --nan-rerun finds it transient)");
+  t.toggle("--nan-rerun", &f.nan_rerun,
+           "a step whose gradient norm is not finite is run again on the same batch: the same again is\n"
+           "'persistent (data or model)' and stops the job, gone is 'transient (hardware or race)' and\n"
+           "training goes on with the re-run's gradients");
+  t.text("--inject-nan", &f.inject_nan, "R:S[:once]",
+         "testing: rank R's token embeddings come out NaN at step S (numbered from 1, as --metrics),\n"
+         "on every try of the step, or only the first with :once (exercises --detect-anomaly and\n"
+         "--nan-rerun)");
   t.integer("--layers", &f.layers, 1, "N", "transformer blocks");
   t.integer("--dim", &f.dim, 1, "N", "model width");
   t.integer("--heads", &f.heads, 1, "N", "attention heads");
@@ -205,6 +222,23 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
     t.parse_int("--tokenizer bpe:N", f.tokenizer.substr(4), 258);  // 256 bytes, <|endoftext|>, a merge
   } else if (!f.tokenizer.empty() && !std::filesystem::is_regular_file(f.tokenizer)) {
     error("--tokenizer " + f.tokenizer + ": no such file (give a tokenizer.json or bpe:N)");
+  }
+  if (f.nan_rerun && c.amp == "fp16")
+    error(
+        "--nan-rerun: with --amp fp16 a non-finite gradient is the loss scaler's to handle (it skips the step and "
+        "lowers the scale); use --amp bf16 or off");
+  if (!f.inject_nan.empty()) {
+    std::vector<std::string> parts;
+    for (std::stringstream in(f.inject_nan); in.good();) {
+      std::string p;
+      std::getline(in, p, ':');
+      parts.push_back(p);
+    }
+    if (parts.size() < 2 || parts.size() > 3 || (parts.size() == 3 && parts[2] != "once"))
+      error("--inject-nan " + f.inject_nan + ": give RANK:STEP or RANK:STEP:once");
+    f.inject_nan_rank = static_cast<int>(t.parse_int("--inject-nan RANK", parts[0], 0));
+    f.inject_nan_step = t.parse_int("--inject-nan STEP", parts[1], 1);
+    f.inject_nan_once = parts.size() == 3;
   }
   if (f.arch != "llama")
     for (const char* name : {"--kv-heads", "--ffn", "--rope-theta"})
