@@ -35,6 +35,7 @@
 #include "bench/bench_group.h"
 #include "core/ops.h"
 #include "distributed/comm/backends.h"
+#include "distributed/comm/flight_recorder.h"
 #include "distributed/parallel/ddp.h"
 #include "distributed/parallel/fsdp/fsdp.h"
 #include "nn/functional.h"
@@ -129,8 +130,15 @@ void BM_FsdpStep(benchmark::State& state, const std::string& name, const std::st
   };
   step();  // warmup: optimizer state, allocator caches
   cpu_allocator()->reset_peak_stats();
+  const int64_t recorded = distributed::fr::FlightRecorder::get().recorded();
   const double median = bench::timed_median(state, pg && world > 1 ? pg.get() : nullptr, step);
   state.counters["step_ms_median"] = median * 1e3;
+  // The process groups' operations a step (the flight recorder's count,
+  // with the benchmark's own per-step sync): what the recorder's per-op
+  // cost (flight_recorder_bench) multiplies.
+  state.counters["pg_ops_per_step"] =
+      static_cast<double>(distributed::fr::FlightRecorder::get().recorded() - recorded) /
+      static_cast<double>(std::max<int64_t>(1, state.iterations()));
   bench::model_state_counters(state, model->parameters(), opt, grad_bytes);
   state.counters["peak_rss_MiB"] = mib(peak_rss_bytes() - base_rss);
   const AllocatorStats st = cpu_allocator()->stats();

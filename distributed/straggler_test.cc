@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
+#include <fstream>
 #include <thread>
 
 #include "core/ops.h"
@@ -64,11 +66,14 @@ EMBER_WORKER(straggler_sleeping_rank) {
     // The others waited for it inside their all-reduce; it did not.
     for (int q : {0, 1, 3})
       WCHECK(r.ranks[q].collectives.at("allreduce") > 0.030 &&
-                 r.ranks[q].collectives.at("allreduce") > 5 * slow.collectives.at("allreduce"),
+                 r.ranks[q].collectives.at("allreduce") > 3 * slow.collectives.at("allreduce"),
              "rank ", q, " allreduce ", r.ranks[q].collectives.at("allreduce"), " vs the straggler's ",
              slow.collectives.at("allreduce"));
     const std::string line = r.line();
-    if (env.rank == 0) std::fprintf(stderr, "%s\n", line.c_str());
+    // Kept with the test's outputs (bazel's undeclared outputs): the line
+    // docs/reliability.md shows.
+    if (const char* out = std::getenv("TEST_UNDECLARED_OUTPUTS_DIR"); out && env.rank == 0)
+      std::ofstream(std::string(out) + "/straggler_lines.txt", std::ios::app) << line << "\n";
     WCHECK(line.rfind("straggler: rank 2 at ", 0) == 0, line);
     WCHECK(line.find("the others wait in allreduce") != std::string::npos, line);
   }

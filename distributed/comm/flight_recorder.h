@@ -119,6 +119,11 @@ class FlightRecorder {
   ~FlightRecorder();
 
   bool enabled() const { return capacity_ > 0; }
+  // Operations recorded since the start (or clear()).
+  int64_t recorded() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return next_id_;
+  }
   int64_t capacity() const { return capacity_; }
   // Records an operation as scheduled, with what the calling thread's
   // PendingCall knows; returns its record id (-1 when off).

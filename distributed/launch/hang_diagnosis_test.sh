@@ -19,7 +19,9 @@ fail() {
 run() {
   local name=$1 n=$2
   rm -rf "$tmp/$name"
-  EMBER_FR_DUMP_DIR="$tmp/$name" EMBER_DIST_TIMEOUT_SEC=3 \
+  # Collectives time out after 4 s; the rendezvous may take longer on a
+  # loaded machine.
+  EMBER_FR_DUMP_DIR="$tmp/$name" EMBER_DIST_TIMEOUT_SEC=4 EMBER_RDZV_TIMEOUT_SEC=60 \
     timeout 120 "$launch" --nproc_per_node="$n" -- "$worker" "$name" >"$tmp/$name.out" 2>&1
   local rc=$?
   [ "$rc" -ne 0 ] || fail "$name: the job exited 0"
@@ -82,7 +84,11 @@ if pgrep -f "hang_test_worker freeze" >/dev/null; then fail "freeze: a worker ou
 rm -rf "$tmp/healthy"
 EMBER_FR_DUMP_DIR="$tmp/healthy" "$launch" --nproc_per_node=2 -- "$worker" healthy >"$tmp/healthy.out" 2>&1 &
 pid=$!
-sleep 2
+# Once both workers are past init_process_group (their SIGUSR1 handler is in).
+for _ in $(seq 300); do
+  [ "$(grep -c "healthy: rank [01] ready" "$tmp/healthy.out")" -eq 2 ] && break
+  sleep 0.1
+done
 kill -USR1 "$pid"
 wait "$pid"
 rc=$?

@@ -103,11 +103,12 @@ void freeze(int rank) {
   }
 }
 
-void healthy() {
+void healthy(int rank) {
   auto pg = default_group();
   Tensor g = ones({64});
   for (int step = 0; step < 40; ++step) {
     pg->allreduce(g)->wait();
+    if (step == 0) std::fprintf(stderr, "healthy: rank %d ready\n", rank);
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
 }
@@ -129,7 +130,7 @@ int main(int argc, char** argv) {
   } else if (scenario == "freeze") {
     freeze(rank);
   } else if (scenario == "healthy") {
-    healthy();
+    healthy(rank);
   } else {
     std::fprintf(stderr, "hang_test_worker: unknown scenario '%s'\n", scenario.c_str());
     return 2;
