@@ -115,7 +115,7 @@ std::shared_ptr<DeviceMesh> DeviceMesh::create(const std::vector<int>& shape, co
         members.push_back(mesh->rank_at(c));
       }
       if (auto g = new_group(members, backend)) {
-        g->set_name(names[d]);  // what the flight recorder and fr_trace call it
+        g->set_name(group_name(names[d]));  // what the flight recorder and fr_trace call it
         mesh->groups_[d] = std::move(g);
       }
     }
@@ -294,7 +294,7 @@ std::shared_ptr<DeviceMesh> DeviceMesh::flatten(const std::string& name,
   for (const auto& part : partition)  // every rank, every group, in order (new_group's rule)
     if (auto g = new_group(part)) mine = std::move(g);
   EMBER_INTERNAL_ASSERT(mine != nullptr, "flatten '", name, "': rank ", global_rank_, " is in no group");
-  mine->set_name(name);
+  mine->set_name(group_name(name));
   // As create(): every rank has connected its groups before any goes on.
   default_group()->barrier()->wait();
   auto view = from_group(std::move(mine), name);

@@ -467,7 +467,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     fr::install_dump_handlers();
     pg = make_group(options.backend, std::make_shared<PrefixStore>("default_pg", store), env.rank, env.world_size,
                     pg_options);
-    pg->set_name("default");
+    pg->set_name(generation > 0 ? "default@gen" + std::to_string(generation) : "default");
     std::lock_guard<std::mutex> lock(s.mu);
     s.store = store;
     s.default_pg = pg;
@@ -524,6 +524,11 @@ ResolvedEnv init_env() {
 
 int get_world_size() { return default_group()->size(); }
 
+std::string group_name(const std::string& base) {
+  const int64_t g = recovery_generation();
+  return g > 0 ? base + "@gen" + std::to_string(g) : base;
+}
+
 std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& backend_in) {
   State& s = state();
   std::lock_guard<std::mutex> setup(s.setup_mu);
@@ -570,7 +575,7 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std
   auto group = make_group(backend, std::make_shared<PrefixStore>("group_" + std::to_string(id), store), group_rank,
                           static_cast<int>(sorted.size()), pg_options);
   group->set_global_ranks(sorted);
-  group->set_name("group_" + std::to_string(id));
+  group->set_name(group_name("group_" + std::to_string(id)));
   {
     std::lock_guard<std::mutex> lock(s.mu);
     s.made.push_back(group);

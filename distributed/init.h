@@ -84,6 +84,11 @@ ResolvedEnv init_env();
 // such as AsyncCheckpointer's background commit.
 std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, const std::string& backend = "");
 void destroy_process_group();
+// The name a group made now gets (ProcessGroup::set_name): `base`, or
+// base@gen<g> once live recovery has made generation g's groups, so the
+// flight recorder never mixes a group's sequence ids with those of the
+// group it replaced.
+std::string group_name(const std::string& base);
 
 // ---- Live recovery (torchft's), under `launch --live-recovery` ----
 //

@@ -223,10 +223,11 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
   } else if (!f.tokenizer.empty() && !std::filesystem::is_regular_file(f.tokenizer)) {
     error("--tokenizer " + f.tokenizer + ": no such file (give a tokenizer.json or bpe:N)");
   }
-  if (f.nan_rerun && c.amp == "fp16")
-    error(
-        "--nan-rerun: with --amp fp16 a non-finite gradient is the loss scaler's to handle (it skips the step and "
-        "lowers the scale); use --amp bf16 or off");
+  for (const char* flag : {"--nan-rerun", "--detect-anomaly"})
+    if (t.given(flag) && c.amp == "fp16")
+      error(std::string(flag) +
+            ": with --amp fp16 a non-finite gradient is the loss scaler's to handle (it skips "
+            "the step and lowers the scale); use --amp bf16 or off");
   if (!f.inject_nan.empty()) {
     std::vector<std::string> parts;
     for (std::stringstream in(f.inject_nan); in.good();) {

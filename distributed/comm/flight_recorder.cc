@@ -157,10 +157,12 @@ int64_t FlightRecorder::record_op(const char* op, bool p2p, int64_t seq, int64_t
   }
   if (e.group) {
     GroupProgress& g = progress_of(e.group);
-    if (p2p)
+    if (p2p) {
       ++g.p2p_scheduled;
-    else
+      e.msg = p2p_msgs_[{e.group.get(), e.peer, e.tag, std::strcmp(op, "send") == 0}]++;
+    } else {
       g.scheduled = std::max(g.scheduled, seq);
+    }
   }
   return id;
 }
@@ -226,6 +228,7 @@ void FlightRecorder::clear() {
   next_id_ = 0;
   progress_.clear();
   op_ns_.clear();
+  p2p_msgs_.clear();
   failure_dumped_ = false;
 }
 
@@ -294,6 +297,7 @@ std::string FlightRecorder::dump_json(const std::string& reason) const {
     if (e.p2p) {
       x["peer"] = e.peer;
       x["tag"] = e.tag;
+      x["msg"] = e.msg;
     }
     x["input_sizes"] = metas_json(e.inputs, true);
     x["input_dtypes"] = metas_json(e.inputs, false);
@@ -338,7 +342,8 @@ std::string FlightRecorder::dump(const std::string& reason, const std::string& d
   // Written whole, then renamed: a reader (fr_trace, the launcher) never
   // sees half a file, and a dump interrupted by the process's death leaves
   // the previous one.
-  const std::string tmp = path + ".tmp" + std::to_string(getpid());
+  std::lock_guard<std::mutex> one_at_a_time(dump_mu_);
+  const std::string tmp = path + ".tmp" + std::to_string(getpid()) + "." + std::to_string(dumps_++);
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
     EMBER_CHECK(f.good(), "flight recorder: cannot write '", tmp, "': ", std::strerror(errno));
@@ -418,7 +423,14 @@ void on_terminate() {
       what = "uncaught exception of an unknown type";
     }
   }
-  FlightRecorder::get().dump_on_failure(what);
+  // On a thread of its own, waited for at most 2 s: a thread that dies
+  // holding the recorder's lock must still end in abort, not a hang.
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  std::thread([what, done] {
+    FlightRecorder::get().dump_on_failure(what);
+    done->store(true);
+  }).detach();
+  for (int i = 0; i < 200 && !done->load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   if (g_prev_terminate) g_prev_terminate();
   std::abort();
 }

@@ -32,6 +32,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/dtype.h"
@@ -64,6 +65,10 @@ struct Entry {
   const char* op = "";
   int peer = -1;  // p2p: the other side, a rank of the default group
   int tag = 0;    // p2p tag
+  // p2p: this message's number among this rank's messages of its kind
+  // (send or recv) with `peer` and `tag` in the group, from 0: a send and
+  // the receive it meets have the same, however far the rings have wrapped.
+  int64_t msg = -1;
   std::vector<TensorMeta> inputs, outputs;
   State state = State::Scheduled;
   int64_t created_ns = 0, started_ns = 0, completed_ns = 0;  // system clock, so ranks compare
@@ -156,6 +161,8 @@ class FlightRecorder {
  private:
   struct GroupProgress;
   mutable std::mutex mu_;
+  mutable std::mutex dump_mu_;  // one dump at a time (a failure's and SIGUSR1's may meet)
+  mutable int64_t dumps_ = 0;   // temp file names
   int64_t capacity_;
   std::vector<Entry> ring_;
   int64_t next_id_ = 0;
@@ -163,6 +170,8 @@ class FlightRecorder {
   bool failure_dumped_ = false;
   std::vector<std::unique_ptr<GroupProgress>> progress_;
   std::map<const char*, int64_t> op_ns_;  // by the op's name (string literals)
+  // p2p message counts by (group, peer, tag, is a send).
+  std::map<std::tuple<const GroupDesc*, int, int, bool>, int64_t> p2p_msgs_;
   GroupProgress& progress_of(const std::shared_ptr<const GroupDesc>& g);
   Entry* find(int64_t id);
 };

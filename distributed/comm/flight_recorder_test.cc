@@ -367,6 +367,51 @@ TEST(FrTrace, AgreeingRanksAndBadInput) {
   EXPECT_NE(rep.lines[0].find("is not a directory"), std::string::npos);
 }
 
+// The uneven all-to-all's sizes differ by rank by design; a node's
+// launcher reads only its ranks' dumps and names no other rank.
+TEST(FrTrace, UnevenAllToAllAndOtherNodes) {
+  Job job("a2av", 4);
+  for (int r = 0; r < 4; ++r) {
+    job.op(r, job.world_group, "all_to_all_v", 0, {3 + r, 8});
+    job.op(r, job.world_group, "allreduce", 1, {4}, r != 3);
+  }
+  job.dump({2, 3});  // ranks 2 and 3 dump on another node
+  fr::TraceReport rep = fr::analyze_dumps(job.dir, 0, {0, 1});
+  std::string v;
+  for (const auto& l : rep.lines) v += l + "\n";
+  EXPECT_EQ(rep.status, 0) << v;
+  EXPECT_EQ(v.find("no dump"), std::string::npos) << v;
+  EXPECT_TRUE(rep.suspects.empty()) << v;
+  // All four here: rank 3 never completed the all-reduce the others did,
+  // and no all-to-all is called a mismatch.
+  job.dump();
+  rep = fr::analyze_dumps(job.dir);
+  v.clear();
+  for (const auto& l : rep.lines) v += l + "\n";
+  EXPECT_EQ(v.find("all_to_all_v"), std::string::npos) << v;
+  EXPECT_EQ(v.find("mismatched"), std::string::npos) << v;
+}
+
+// Transfers are matched by message number: rings that wrapped at different
+// points (the receiver keeps 3 of its messages, the sender all 8) still
+// pair message 8 with message 8.
+TEST(FrTrace, TransfersMatchAcrossWrappedRings) {
+  Job job("p2pwrap", 2, 8);
+  auto pp = Job::group("pp", {0, 1});
+  for (int k = 0; k < 8; ++k) job.op(0, pp, "send", k, {4}, true, true, 1);
+  for (int k = 0; k < 8; ++k) job.op(1, pp, "recv", k, {4}, true, true, 0);
+  for (int k = 0; k < 5; ++k) job.op(1, job.world_group, "allreduce", k, {1});  // rank 1's ring wraps
+  job.op(1, pp, "recv", 8, {4}, false, true, 0);                                // the 9th: never sent
+  job.dump();
+  fr::TraceReport rep;
+  const std::string v = job.verdict(&rep);
+  EXPECT_NE(v.find("p2p recv by rank 1 from rank 0 (group pp [0,1], tag 0, message 9, output [4] float32) never "
+                   "matched: rank 0 posted 8 send(s) with that tag to rank 1"),
+            std::string::npos)
+      << v;
+  EXPECT_EQ(v.find("mismatched"), std::string::npos) << v;
+}
+
 // 64 ranks, full rings of 2,000 entries each (a default group and 8 dp
 // groups of 8): rank 37 never joined its dp group's last all-reduce. The
 // time is printed (the figure //tools:fr_trace reports in docs/reliability.md

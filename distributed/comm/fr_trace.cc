@@ -26,6 +26,7 @@ struct Op {
   int64_t seq = 0;
   std::string op;
   int peer = -1, tag = 0;
+  int64_t msg = -1;   // p2p: the message's number for its peer and tag
   std::string shape;  // "input [4] float32 output [16] float32"
   std::string state;
   std::string error;
@@ -73,6 +74,13 @@ std::string shapes(const json& e) {
   return os.str();
 }
 
+std::string dtypes_only(const json& e) {
+  std::string s;
+  for (const char* k : {"input_dtypes", "output_dtypes"})
+    for (const json& d : e.value(k, json::array())) s += (s.empty() ? "" : " ") + d.get<std::string>();
+  return "dtypes " + s;
+}
+
 Dump load(const std::string& path) {
   Dump d;
   d.path = path;
@@ -112,7 +120,7 @@ std::string by_key(const std::map<std::string, std::vector<int>>& keys) {
 
 class Analysis {
  public:
-  explicit Analysis(TraceReport& r) : r_(r) {}
+  Analysis(TraceReport& r, std::vector<int> here) : r_(r), here_(here.begin(), here.end()) {}
 
   void add(const Dump& d) {
     dumped_.insert(d.rank);
@@ -138,7 +146,10 @@ class Analysis {
       op.op = e.at("op").get<std::string>();
       op.peer = e.value("peer", -1);
       op.tag = e.value("tag", 0);
-      op.shape = shapes(e);
+      op.msg = e.value("msg", int64_t{-1});
+      // The uneven all-to-all's sizes differ by rank by design: its ranks
+      // agree on the op and the dtypes.
+      op.shape = op.op == "all_to_all_v" ? dtypes_only(e) : shapes(e);
       op.state = e.at("state").get<std::string>();
       op.error = e.value("error", "");
       if (op.state != "completed" && !waiting_.count(d.rank)) {
@@ -159,9 +170,9 @@ class Analysis {
     std::set<int> without;
     for (auto& [key, g] : groups_)
       for (int r : g.ranks)
-        if (!dumped_.count(r)) without.insert(r);
+        if (!dumped_.count(r) && expected(r)) without.insert(r);
     for (int r = 0; r < world_; ++r)
-      if (!dumped_.count(r)) without.insert(r);
+      if (!dumped_.count(r) && expected(r)) without.insert(r);
     r_.without_dump.assign(without.begin(), without.end());
     if (!without.empty())
       r_.lines.push_back("no dump from rank" + std::string(without.size() == 1 ? " " : "s ") + list(r_.without_dump) +
@@ -179,6 +190,12 @@ class Analysis {
   }
 
  private:
+  // Whether rank r's dump belongs in this directory (a node's launcher
+  // sees its own ranks' only): a rank elsewhere without a dump here is
+  // unknown, never a suspect.
+  bool expected(int r) const { return here_.empty() || here_.count(r); }
+  std::string elsewhere(int r) const { return expected(r) ? "" : " (its dump is on another node)"; }
+
   Member& member(const std::string& name, const std::vector<int>& ranks, int rank) {
     const std::string key = name + "|" + list(ranks);
     Group& g = groups_[key];
@@ -239,9 +256,14 @@ class Analysis {
         finding(head + " mismatched " + what + ": " + by_key(keys) + miss_text(missing, no_dump), odd);
         return;
       }
-      if (!missing.empty() || (!no_dump.empty() && !unfinished.empty())) {
+      std::vector<int> lost;  // expected here, no dump: frozen, killed
+      for (int r : no_dump)
+        if (expected(r)) lost.push_back(r);
+      if (!missing.empty() || (!lost.empty() && !unfinished.empty())) {
+        // Ranks whose dumps are on another node are neither missing nor
+        // present here; they are only named.
         std::vector<int> absent = missing;
-        absent.insert(absent.end(), no_dump.begin(), no_dump.end());
+        absent.insert(absent.end(), lost.begin(), lost.end());
         std::sort(absent.begin(), absent.end());
         // A missing rank blocked in another operation is a victim of that
         // one (named, not suspected); one with nothing pending skipped this
@@ -256,13 +278,15 @@ class Analysis {
             notes += (notes.empty() ? "" : "; ") + ("rank " + std::to_string(r) + " waits in " + w->second);
           }
         }
-        if (!no_dump.empty()) notes += (notes.empty() ? "" : "; ") + ("no dump from " + list(no_dump));
+        if (!lost.empty()) notes += (notes.empty() ? "" : "; ") + ("no dump from " + list(lost));
+        if (lost.size() < no_dump.size())
+          notes += (notes.empty() ? "" : "; ") + std::string("other nodes' ranks unknown");
         finding(head + " joined by ranks " + list(joined) + "; missing: " + list(absent) +
                     (notes.empty() ? "" : " (" + notes + ")"),
                 suspects, suspects.size() < absent.size());
         return;
       }
-      if (!unfinished.empty() && no_dump.empty()) {
+      if (!unfinished.empty() && no_dump.empty()) {  // (with ranks elsewhere, nothing to say)
         // Everyone joined with the same call, yet it did not complete: the
         // hang is elsewhere (a rank inside it is stuck on another group).
         std::string err;
@@ -285,54 +309,60 @@ class Analysis {
   }
 
   // Sends and receives matched by order between each pair (and tag).
+  // Sends and receives matched by their message number per sender,
+  // receiver and tag (the recorder's `msg`), so rings that wrapped at
+  // different points still pair the same messages.
   void transfers(const Group& g) {
-    struct Side {
-      std::vector<const Op*> ops;
-    };
-    std::map<std::tuple<int, int, int>, Side> sends, recvs;  // (src, dst, tag)
+    using Key = std::tuple<int, int, int>;  // (src, dst, tag)
+    std::map<Key, std::map<int64_t, const Op*>> sends, recvs;
     for (const auto& [r, m] : g.by_rank)
       for (const Op& op : m.p2p) {
-        if (op.op == "send") sends[{r, op.peer, op.tag}].ops.push_back(&op);
-        if (op.op == "recv") recvs[{op.peer, r, op.tag}].ops.push_back(&op);
+        if (op.op == "send") sends[{r, op.peer, op.tag}][op.msg] = &op;
+        if (op.op == "recv") recvs[{op.peer, r, op.tag}][op.msg] = &op;
       }
-    std::set<std::tuple<int, int, int>> pairs;
+    std::set<Key> pairs;
     for (const auto& [k, s] : sends) pairs.insert(k);
     for (const auto& [k, s] : recvs) pairs.insert(k);
-    for (const auto& k : pairs) {
+    for (const Key& k : pairs) {
       const auto [src, dst, tag] = k;
-      const std::vector<const Op*>& s = sends[k].ops;
-      const std::vector<const Op*>& v = recvs[k].ops;
+      const std::map<int64_t, const Op*>& s = sends[k];
+      const std::map<int64_t, const Op*>& v = recvs[k];
+      // Each side's newest message is always in its ring: its count.
+      const int64_t sent = s.empty() ? 0 : s.rbegin()->first + 1, received = v.empty() ? 0 : v.rbegin()->first + 1;
       const std::string where = " (" + group_label(g) + ", tag " + std::to_string(tag) + ", message ";
-      for (size_t i = 0; i < std::min(s.size(), v.size()); ++i)
-        if (s[i]->shape.substr(s[i]->shape.find(' ') + 1) != v[i]->shape.substr(v[i]->shape.find(' ') + 1)) {
+      auto body = [](const std::string& shape) { return shape.substr(shape.find(' ') + 1); };
+      for (const auto& [i, op] : v)
+        if (auto it = s.find(i); it != s.end() && body(it->second->shape) != body(op->shape)) {
           finding("p2p " + std::to_string(src) + " -> " + std::to_string(dst) + where + std::to_string(i + 1) +
-                      ") mismatched sizes: rank " + std::to_string(src) + " sends " + s[i]->shape + "; rank " +
-                      std::to_string(dst) + " receives " + v[i]->shape,
+                      ") mismatched sizes: rank " + std::to_string(src) + " sends " + it->second->shape + "; rank " +
+                      std::to_string(dst) + " receives " + op->shape,
                   {src, dst});
           break;
         }
-      if (v.size() > s.size() && v[s.size()]->state != "completed") {
-        const bool src_dumped = dumped_.count(src);
-        finding("p2p recv by rank " + std::to_string(dst) + " from rank " + std::to_string(src) + where +
-                    std::to_string(s.size() + 1) + ", " + v[s.size()]->shape + ") never matched: " +
-                    (src_dumped ? "rank " + std::to_string(src) + " posted " + std::to_string(s.size()) +
-                                      " send(s) with that tag to rank " + std::to_string(dst)
-                                : "no dump from rank " + std::to_string(src)) +
-                    "; sender " + std::to_string(src) + ", receiver " + std::to_string(dst),
-                {src});
-        continue;
-      }
-      if (s.size() > v.size() && s[v.size()]->state != "completed") {
-        const bool dst_dumped = dumped_.count(dst);
-        finding("p2p send by rank " + std::to_string(src) + " to rank " + std::to_string(dst) + where +
-                    std::to_string(v.size() + 1) + ", " + s[v.size()]->shape + ") never received: " +
-                    (dst_dumped ? "rank " + std::to_string(dst) + " posted " + std::to_string(v.size()) +
-                                      " recv(s) with that tag from rank " + std::to_string(src)
-                                : "no dump from rank " + std::to_string(dst)) +
-                    "; sender " + std::to_string(src) + ", receiver " + std::to_string(dst),
-                {dst});
-        continue;
-      }
+      auto side = [&](int r, int64_t n, const char* what, const char* dir) {
+        if (!dumped_.count(r)) return "no dump from rank " + std::to_string(r) + elsewhere(r);
+        return "rank " + std::to_string(r) + " posted " + std::to_string(n) + " " + what + " with that tag " + dir +
+               " rank " + std::to_string(r == src ? dst : src);
+      };
+      auto suspects = [&](int r) { return expected(r) ? std::vector<int>{r} : std::vector<int>{}; };
+      for (const auto& [i, op] : v)
+        if (i >= sent && op->state != "completed") {
+          finding("p2p recv by rank " + std::to_string(dst) + " from rank " + std::to_string(src) + where +
+                      std::to_string(i + 1) + ", " + op->shape +
+                      ") never matched: " + side(src, sent, "send(s)", "to") + "; sender " + std::to_string(src) +
+                      ", receiver " + std::to_string(dst),
+                  suspects(src));
+          break;
+        }
+      for (const auto& [i, op] : s)
+        if (i >= received && op->state != "completed") {
+          finding("p2p send by rank " + std::to_string(src) + " to rank " + std::to_string(dst) + where +
+                      std::to_string(i + 1) + ", " + op->shape +
+                      ") never received: " + side(dst, received, "recv(s)", "from") + "; sender " +
+                      std::to_string(src) + ", receiver " + std::to_string(dst),
+                  suspects(dst));
+          break;
+        }
     }
   }
 
@@ -354,6 +384,7 @@ class Analysis {
   TraceReport& r_;
   std::map<std::string, Group> groups_;
   std::set<int> dumped_;
+  std::set<int> here_;  // empty: every rank's dump belongs here
   std::set<int> suspects_;
   std::map<int, std::string> waiting_;  // rank -> its oldest unfinished operation
   std::vector<std::string> later_;      // findings that are consequences of others
@@ -363,7 +394,7 @@ class Analysis {
 
 }  // namespace
 
-TraceReport analyze_dumps(const std::string& dir, int64_t since_ns) {
+TraceReport analyze_dumps(const std::string& dir, int64_t since_ns, const std::vector<int>& here) {
   TraceReport report;
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -388,7 +419,7 @@ TraceReport analyze_dumps(const std::string& dir, int64_t since_ns) {
     });
   for (auto& t : pool) t.join();
 
-  Analysis a(report);
+  Analysis a(report, here);
   std::set<int> seen;
   for (const Dump& d : dumps) {
     if (!d.error.empty()) {

@@ -32,7 +32,9 @@ struct TraceReport {
 };
 
 // Reads every ember_fr_rank*.json in `dir`; dumps written before
-// `since_ns` (system clock, ns) are another job's and are skipped.
-TraceReport analyze_dumps(const std::string& dir, int64_t since_ns = 0);
+// `since_ns` (system clock, ns) are another job's and are skipped. `here`:
+// the ranks whose dumps belong in `dir` (one node's, when each node dumps
+// locally); the others' absence is no finding. Empty: every rank's.
+TraceReport analyze_dumps(const std::string& dir, int64_t since_ns = 0, const std::vector<int>& here = {});
 
 }  // namespace ember::distributed::fr

@@ -168,7 +168,8 @@ std::shared_ptr<Work> ProcessGroup::allgather(const std::vector<Tensor>& outputs
   for (const Tensor& o : outputs) bytes += bytes_of(o);
   count("allgather", bytes);
   std::vector<fr::TensorMeta> outs;
-  for (const Tensor& o : outputs) outs.push_back(fr::meta(o));
+  if (fr::FlightRecorder::get().enabled())
+    for (const Tensor& o : outputs) outs.push_back(fr::meta(o));
   EMBER_FR_CALL({fr::meta(input)}, (std::move(outs)), -1, 0);
   return do_allgather(outputs, input);
 }
@@ -427,20 +428,30 @@ std::exception_ptr CompletionWork::exception() {
 
 void CompletionWork::finish(std::exception_ptr error) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (done_) return;
-    done_ = true;
-    error_ = std::move(error);
+    std::unique_lock<std::mutex> lock(mu_);
+    if (finishing_) {
+      // Another thread is finishing it (NCCL's watchdog and a poll): once
+      // that is done, so is this call.
+      cv_.wait(lock, [&] { return done_; });
+      return;
+    }
+    finishing_ = true;
   }
-  // Recorded before the waiters wake, so a dump taken after wait() returns
-  // shows the op completed; the first failure of the process dumps the ring.
+  // Recorded, and the process's first failure dumped, before the work
+  // counts as done: no waiter or poller can see the error (and let it end
+  // the process) while the dump is still being written.
   fr::FlightRecorder& recorder = fr::FlightRecorder::get();
-  if (error_) {
-    const std::string msg = what_of(error_);
+  if (error) {
+    const std::string msg = what_of(error);
     recorder.finished(info_.fr_id, msg);
     recorder.dump_on_failure("operation failed: " + msg);
   } else {
     recorder.finished(info_.fr_id);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    error_ = std::move(error);
   }
   cv_.notify_all();
 }

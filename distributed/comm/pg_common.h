@@ -114,6 +114,7 @@ class CompletionWork : public Work {
   OpInfo info_;
   std::mutex mu_;
   std::condition_variable cv_;
+  bool finishing_ = false;  // finish() has begun (recording, the failure's dump)
   bool done_ = false;
   std::exception_ptr error_;
 };

@@ -534,7 +534,11 @@ class NcclGroup : public ProcessGroup {
     // The host side of the op (signature check, enqueue on the stream); the
     // GPU's transfer time is Nsight's to show, under the same NVTX name.
     detail::CollectiveEvent prof(info, group_label_);
-    if (std::string b = broken(); !b.empty()) throw detail::unusable_group_error(info.describe(), b);
+    if (std::string b = broken(); !b.empty()) {
+      Error e = detail::unusable_group_error(info.describe(), b);
+      fr::FlightRecorder::get().finished(info.fr_id, e.what());  // not left "scheduled"
+      throw e;
+    }
     const bool empty = std::all_of(keep.begin(), keep.end(), [](const Tensor& t) { return t.numel() == 0; });
     if (collective && options_.check_signatures) {
       // A mismatch (or a rank that never arrives) fails this op through its
@@ -562,6 +566,7 @@ class NcclGroup : public ProcessGroup {
         // A failed enqueue leaves the communicator in an unknown state.
         std::string msg = info.describe() + " failed to launch: " + e.what();
         set_broken(msg);
+        fr::FlightRecorder::get().finished(info.fr_id, msg);
         throw Error(msg);
       }
     }

@@ -673,7 +673,9 @@ class WorkerRun {
     res_.status = result_;
     // A failed job (not one stopped on purpose): what the dumps say.
     if (result_ != 0 && !res_.by_signal && !res_.stopped) {
-      report_dumps(fr_dir_, started_ns_);
+      std::vector<int> here;
+      for (const WorkerSpec& spec : specs_) here.push_back(spec.rank);
+      report_dumps(fr_dir_, started_ns_, here);
       if (!frozen_.empty()) {
         std::string ranks;
         for (int r : frozen_) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);

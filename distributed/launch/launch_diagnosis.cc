@@ -63,13 +63,15 @@ bool dumped_since(const std::string& dir, int rank, int64_t since_ns) {
   const std::string path = (std::filesystem::path(dir) / ("ember_fr_rank" + std::to_string(rank) + ".json")).string();
   if (::stat(path.c_str(), &st) != 0) return false;
   const int64_t mtime = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-  return mtime >= since_ns;
+  // File times come from the kernel's coarse clock (up to a tick behind
+  // the fine one since_ns was read from).
+  return mtime >= since_ns - 100'000'000;
 }
 
-void report_dumps(const std::string& dir, int64_t since_ns) {
+void report_dumps(const std::string& dir, int64_t since_ns, const std::vector<int>& here) {
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec)) return;  // nothing recorded (a failure outside any collective)
-  const fr::TraceReport r = fr::analyze_dumps(dir, since_ns);
+  const fr::TraceReport r = fr::analyze_dumps(dir, since_ns, here);
   if (r.status == 2) return;
   say("flight recorder dumps in " + dir + " (//tools:fr_trace " + dir + " prints this again):");
   for (const std::string& line : r.lines) say(line.rfind("fr_trace: ", 0) == 0 ? line : "fr_trace: " + line);

@@ -84,7 +84,8 @@ std::string default_fr_dir();
 // Whether rank `rank`'s dump in `dir` was written at or after `since_ns`.
 bool dumped_since(const std::string& dir, int rank, int64_t since_ns);
 // fr_trace's verdict on the dumps in `dir` written since `since_ns`, said
-// line by line; nothing when there are none.
-void report_dumps(const std::string& dir, int64_t since_ns);
+// line by line; nothing when there are none. `here`: this launcher's ranks
+// (with several nodes, the others' dumps are on their nodes).
+void report_dumps(const std::string& dir, int64_t since_ns, const std::vector<int>& here);
 
 }  // namespace ember::distributed::launch_detail
