@@ -543,7 +543,7 @@ read -r first last < <(echo "$out" | awk '/^first_loss/ {print $2, $4}')
 awk -v f="$first" -v l="$last" 'BEGIN { if (!(l < 0.6 * f)) { print "mlp loss did not fall: " f " -> " l; exit 1 } }'
 out=$("$dir/resnet_fashion" --steps 8 --width 8 --batch-size 32 2>&1)
 echo "$out"
-echo "$out" | grep -q "test accuracy"
+grep -q "test accuracy" <<<"$out"
 out=$("$dir/custom_model" --steps 20 2>&1)
 echo "$out"
 acc=$(echo "$out" | sed -n 's/.*test accuracy \([0-9.]*\).*/\1/p')

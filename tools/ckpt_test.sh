@@ -17,23 +17,23 @@ dir="$work/ckpt_0"
 [ -f "$dir/index.json" ] || fail "no checkpoint at $dir"
 
 out=$("$ckpt" inspect "$dir") || fail "inspect exited $?"
-echo "$out" | grep -q "version 2, saved by 2 rank(s), layout fsdp:full_shard" || fail "inspect header: $out"
-echo "$out" | grep -q "rank-00001.safetensors" || fail "inspect files: $out"
-echo "$out" | grep -qE "^l1\.fc\.weight +\[13,9\] +float" || fail "inspect tensor line: $out"
-echo "$out" | grep -q "optim.state.l1.fc.weight.exp_avg" || fail "inspect optimizer state: $out"
+grep -q "version 2, saved by 2 rank(s), layout fsdp:full_shard" <<<"$out" || fail "inspect header: $out"
+grep -q "rank-00001.safetensors" <<<"$out" || fail "inspect files: $out"
+grep -qE "^l1\.fc\.weight +\[13,9\] +float" <<<"$out" || fail "inspect tensor line: $out"
+grep -q "optim.state.l1.fc.weight.exp_avg" <<<"$out" || fail "inspect optimizer state: $out"
 
 # Checkpoint v2's boxes: w [6,8] saved in 2-D boxes over a 2x2 mesh.
 EMBER_SHARDED_TEST_DIR="$work" "$maker" --gtest_filter=ShardedCheckpoint.BoxShardedTensorsLoadInEveryLayout \
   >"$work/maker2.log" 2>&1 || { cat "$work/maker2.log"; fail "making the box checkpoint"; }
 out=$("$ckpt" inspect "$work/boxes") || fail "inspect boxes exited $?"
-echo "$out" | grep -qE "^w +\[6,8\] +float.* 4: r0:\[0:3,0:4\] r1:\[0:3,4:8\] r2:\[3:6,0:4\] r3:\[3:6,4:8\]" ||
+grep -qE "^w +\[6,8\] +float.* 4: r0:\[0:3,0:4\] r1:\[0:3,4:8\] r2:\[3:6,0:4\] r3:\[3:6,4:8\]" <<<"$out" ||
   fail "inspect should show w's four boxes: $out"
-echo "$out" | grep -qE "^l1\.fc\.weight" && fail "the box checkpoint is another directory"
+grep -qE "^l1\.fc\.weight" <<<"$out" && fail "the box checkpoint is another directory"
 out=$("$ckpt" inspect "$dir") || fail "inspect exited $?"
-echo "$out" | grep -qE "^l1\.fc\.weight .* r0:\[0:[0-9]+,0:9\]" || fail "inspect should show FSDP's row runs: $out"
+grep -qE "^l1\.fc\.weight .* r0:\[0:[0-9]+,0:9\]" <<<"$out" || fail "inspect should show FSDP's row runs: $out"
 
 out=$("$ckpt" verify "$dir") || fail "verify of a good checkpoint exited $?: $out"
-echo "$out" | grep -q "^ok: " || fail "verify output: $out"
+grep -q "^ok: " <<<"$out" || fail "verify output: $out"
 
 "$ckpt" consolidate "$dir" "$work/flat" >/dev/null || fail "consolidate exited $?"
 for f in model.safetensors optimizer.safetensors trainer.json; do
@@ -49,7 +49,7 @@ printf "$(printf '\\%03o' $(((byte + 1) % 256)))" | dd of="$f" bs=1 seek="$pos" 
 err=$("$ckpt" verify "$dir" 2>&1)
 rc=$?
 [ "$rc" = 1 ] || fail "verify of a corrupted checkpoint exited $rc: $err"
-echo "$err" | grep -q "rank-00001.safetensors: checksum mismatch in tensor '" || fail "verify message: $err"
+grep -q "rank-00001.safetensors: checksum mismatch in tensor '" <<<"$err" || fail "verify message: $err"
 
 rm "$dir/index.json"
 "$ckpt" verify "$dir" >/dev/null 2>&1
