@@ -60,18 +60,27 @@ std::string list(const std::vector<int>& v) {
 std::string group_label(const Group& g) { return "group " + g.name + " [" + list(g.ranks) + "]"; }
 
 std::string shapes(const json& e) {
-  std::ostringstream os;
-  auto side = [&](const char* what, const json& sizes, const json& dtypes) {
-    for (size_t i = 0; i < sizes.size(); ++i) {
-      os << (os.tellp() > 0 ? " " : "") << what << " [";
-      const json& s = sizes[i];
-      for (size_t k = 0; k < s.size(); ++k) os << (k ? "," : "") << s[k].get<int64_t>();
-      os << "] " << (i < dtypes.size() ? dtypes[i].get<std::string>() : "?");
+  std::string out;
+  auto side = [&](const char* what, const char* sizes_key, const char* dtypes_key) {
+    auto sizes = e.find(sizes_key);
+    auto dtypes = e.find(dtypes_key);
+    if (sizes == e.end()) return;
+    for (size_t i = 0; i < sizes->size(); ++i) {
+      if (!out.empty()) out += ' ';
+      out += what;
+      out += " [";
+      const json& s = (*sizes)[i];
+      for (size_t k = 0; k < s.size(); ++k) {
+        if (k) out += ',';
+        out += std::to_string(s[k].get<int64_t>());
+      }
+      out += "] ";
+      out += dtypes != e.end() && i < dtypes->size() ? (*dtypes)[i].get_ref<const std::string&>() : std::string("?");
     }
   };
-  side("input", e.value("input_sizes", json::array()), e.value("input_dtypes", json::array()));
-  side("output", e.value("output_sizes", json::array()), e.value("output_dtypes", json::array()));
-  return os.str();
+  side("input", "input_sizes", "input_dtypes");
+  side("output", "output_sizes", "output_dtypes");
+  return out;
 }
 
 std::string dtypes_only(const json& e) {
@@ -95,7 +104,14 @@ Dump load(const std::string& path) {
     return d;
   }
   try {
-    d.j = json::parse(text);
+    // The entries' fields fr_trace does not read are dropped while parsing
+    // (a 64-rank job's dumps are tens of MB).
+    d.j = json::parse(text, [](int depth, json::parse_event_t event, json& parsed) {
+      if (depth != 3 || event != json::parse_event_t::key) return true;
+      const std::string& k = parsed.get_ref<const std::string&>();
+      return !(k == "frame" || k == "caller" || k == "time_created_ns" || k == "time_started_ns" ||
+               k == "time_completed_ns" || k == "timeout_ms" || k == "record_id" || k == "group");
+    });
     if (d.j.value("format", "") != "ember_flight_recorder") {
       d.error = path + ": not a flight recorder dump (no \"format\": \"ember_flight_recorder\")";
       return d;
