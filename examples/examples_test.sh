@@ -75,6 +75,16 @@ grep -q "the newest checkpoint $tmp/damaged/epoch_2 is damaged and was left unto
 out=$("${ddp[@]}" --epochs 1 --checkpoint-dir "$tmp/damaged" --resume --resume-fallback 2>&1)
 grep -q "warning: skipping the damaged checkpoint $tmp/damaged/epoch_2" <<<"$out" || { echo "$out"; exit 1; }
 grep -q "resumed from $tmp/damaged/epoch_1" <<<"$out" || { echo "$out"; exit 1; }
+# Only damaged checkpoints: --resume --resume-fallback names each one and
+# its cause (it used to say there was no checkpoint at all).
+mkdir -p "$tmp/alldamaged" && cp -r "$ckpt/epoch_1" "$tmp/alldamaged/"
+truncate -s 20 "$tmp/alldamaged/epoch_1/trainer.json"
+if out=$("${ddp[@]}" --epochs 2 --checkpoint-dir "$tmp/alldamaged" --resume --resume-fallback 2>&1); then
+  echo "$out"; echo "resnet_ddp resumed from nothing but a damaged checkpoint"; exit 1
+fi
+grep -qF -- "--resume: no usable checkpoint in --checkpoint-dir $tmp/alldamaged: every one is damaged: $tmp/alldamaged/epoch_1 (" \
+  <<<"$out" || { echo "$out"; echo "the error does not name the damaged checkpoint"; exit 1; }
+grep -qF "trainer.json: invalid JSON" <<<"$out" || { echo "$out"; echo "the error does not name the cause"; exit 1; }
 # Damage found only by reading the data (a flipped byte, its checksum no
 # longer the index's) is skipped too, named by file.
 mkdir -p "$tmp/flipped" && cp -r "$ckpt/epoch_1" "$tmp/flipped/" && cp -r "$ckpt/epoch_1" "$tmp/flipped/epoch_2"

@@ -122,6 +122,15 @@ void declare(examples::FlagTable& t, Flags& f) {
             "steps of plain allreduce before PowerSGD (default: the warm-up's steps)");
 }
 
+// --resume found nothing to load: no checkpoint at all, or (with
+// --resume-fallback) only damaged ones, each named with its cause.
+std::string no_checkpoint_message(const std::string& root, const std::vector<std::string>& skipped) {
+  if (skipped.empty()) return "--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir " + root;
+  std::string msg = "--resume: no usable checkpoint in --checkpoint-dir " + root + ": every one is damaged: ";
+  for (size_t i = 0; i < skipped.size(); ++i) msg += (i ? "; " : "") + skipped[i];
+  return msg;
+}
+
 // Runs in the launching process before any worker starts, so a typo is
 // reported once, not once per rank; checks what one row cannot see.
 void parse_flags(examples::FlagTable& t, Flags& f, int argc, char** argv) {
@@ -143,11 +152,11 @@ void parse_flags(examples::FlagTable& t, Flags& f, int argc, char** argv) {
   examples::refuse_overwrite(c.checkpoint_dir, "epoch_",
                              c.resume || c.overwrite || c.checkpoint_dir == Flags{}.common.checkpoint_dir);
   if (c.resume) {
-    auto latest = distributed::latest_checkpoint(c.checkpoint_dir, "epoch_", f.resume_fallback);
+    std::vector<std::string> skipped;
+    auto latest = distributed::latest_checkpoint(c.checkpoint_dir, "epoch_", f.resume_fallback, &skipped);
     if (!latest.ok())
       usage_error("--resume: " + std::string(latest.status().message()) + "; --resume-fallback uses the previous one");
-    if (!latest->has_value())
-      usage_error("--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir " + c.checkpoint_dir);
+    if (!latest->has_value()) usage_error(no_checkpoint_message(c.checkpoint_dir, skipped));
   }
   if (c.data != "synthetic" && f.data_given && !fs::is_directory(c.data))
     usage_error("--data " + c.data + ": no such directory (give the Fashion-MNIST directory or 'synthetic')");
@@ -287,8 +296,7 @@ void resume(const Flags& flags, const examples::Job& job, Setup& s) {
     LOG0("restart: no checkpoint in ", flags.common.checkpoint_dir, " yet; starting from epoch 0");
     return;
   }
-  EMBER_CHECK(dir.has_value(), "--resume: no checkpoint (epoch_<N>/) in --checkpoint-dir ",
-              flags.common.checkpoint_dir);
+  EMBER_CHECK(dir.has_value(), no_checkpoint_message(flags.common.checkpoint_dir, skipped));
   // Sharded (each rank wrote its part; any number of ranks loads it), or
   // the one-file checkpoints of earlier versions.
   std::string saved_by;
