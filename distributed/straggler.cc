@@ -131,6 +131,7 @@ std::optional<StragglerReport> StragglerDetector::step_end(int64_t step) {
     r.ranks.push_back(std::move(s));
   }
   const double med = median(computes);
+  r.median_s = med;
   for (RankScore& s : r.ranks) {
     s.score = med > 0 ? s.compute_s / med : 1.0;
     double& best = best_[static_cast<size_t>(s.rank)];
@@ -153,9 +154,7 @@ std::optional<StragglerReport> StragglerDetector::step_end(int64_t step) {
 }
 
 std::string StragglerReport::line() const {
-  std::vector<double> computes;
-  for (const RankScore& s : ranks) computes.push_back(s.compute_s);
-  const double med = median(computes);
+  const double med = median_s;
   const RankScore& s = ranks.at(static_cast<size_t>(slowest));
   std::ostringstream os;
   if (stragglers.empty()) {

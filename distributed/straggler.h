@@ -52,6 +52,7 @@ struct StragglerReport {
   std::vector<RankScore> ranks;      // by rank of the group
   int slowest = 0;                   // the rank with the highest score
   double score = 1, self_score = 1;  // the slowest rank's
+  double median_s = 0;               // the median rank's compute per step
   std::vector<int> stragglers;       // ranks with score > threshold, slowest first
   double threshold = 1.2;
   // "straggler: rank 2 at 5.01x the median rank's compute per step (0.062 s vs 0.012 s: forward 0.055, backward

@@ -45,7 +45,9 @@ void ProcessGroup::set_global_ranks(std::vector<int> ranks) {
   EMBER_CHECK(static_cast<int>(ranks.size()) == size_, "set_global_ranks: ", ranks.size(), " ranks for a group of ",
               size_);
   EMBER_CHECK(std::is_sorted(ranks.begin(), ranks.end()), "set_global_ranks: the ranks must ascend");
+  std::lock_guard<std::mutex> lock(fr_mu_);
   global_ranks_ = std::move(ranks);
+  fr_group_.reset();  // the recorder's description names the members
 }
 
 void ProcessGroup::set_name(std::string name) {
@@ -57,7 +59,7 @@ void ProcessGroup::set_name(std::string name) {
 
 std::shared_ptr<const fr::GroupDesc> ProcessGroup::fr_group() const {
   std::lock_guard<std::mutex> lock(fr_mu_);
-  if (!fr_group_ || fr_group_->ranks != global_ranks_) {
+  if (!fr_group_) {  // made anew after set_name or set_global_ranks
     auto g = std::make_shared<fr::GroupDesc>();
     g->name = name_;
     g->ranks = global_ranks_;
@@ -385,20 +387,10 @@ bool CompletionWork::is_success() {
 
 namespace {
 thread_local double t_wait_seconds = 0;
-
-// Adds the scope's duration to the thread's blocked time.
-class WaitClock {
- public:
-  WaitClock() : start_(detail::PgClock::now()) {}
-  ~WaitClock() { t_wait_seconds += std::chrono::duration<double>(detail::PgClock::now() - start_).count(); }
-
- private:
-  detail::PgClock::time_point start_;
-};
 }  // namespace
 
 double thread_wait_seconds() { return t_wait_seconds; }
-void detail::add_thread_wait_seconds(double s) { t_wait_seconds += s; }
+detail::WaitClock::~WaitClock() { t_wait_seconds += std::chrono::duration<double>(PgClock::now() - start_).count(); }
 
 namespace detail {
 

@@ -91,9 +91,18 @@ class CollectiveEvent {
   int64_t begin_ns_ = 0;
 };
 
-// Adds to the calling thread's thread_wait_seconds() (a backend's own
-// blocking wait: NCCL's).
-void add_thread_wait_seconds(double seconds);
+// Adds its scope's duration to the calling thread's thread_wait_seconds():
+// around every blocking Work::wait of either backend.
+class WaitClock {
+ public:
+  WaitClock() : start_(PgClock::now()) {}
+  ~WaitClock();
+  WaitClock(const WaitClock&) = delete;
+  WaitClock& operator=(const WaitClock&) = delete;
+
+ private:
+  PgClock::time_point start_;
+};
 
 // A Work completed once, from whichever thread runs the operation.
 class CompletionWork : public Work {

@@ -144,11 +144,7 @@ class NcclWork : public CompletionWork {
   }
   void wait() override { wait(Millis::max()); }
   bool wait(Millis timeout) override {
-    const auto begin = PgClock::now();
-    struct Blocked {
-      PgClock::time_point begin;
-      ~Blocked() { detail::add_thread_wait_seconds(std::chrono::duration<double>(PgClock::now() - begin).count()); }
-    } blocked{begin};
+    detail::WaitClock blocked;
     const auto until = detail::deadline_after(timeout);
     // Spin briefly (short collectives), then back off: the watchdog bounds
     // the op itself, so this loop ends when it completes or is failed.
