@@ -470,12 +470,15 @@ bool is_connection_loss(std::exception_ptr cause) {
          contains(msg, "Connection refused");
 }
 
-std::vector<LostRank> lost_ranks_within(Store& store, Millis within, std::string* store_error) {
+std::vector<LostRank> lost_ranks_within(Store& store, Millis within, std::string* store_error,
+                                        PgClock::time_point born) {
   const auto until = PgClock::now() + within;
   for (;;) {
     std::vector<LostRank> lost;
     try {
-      lost = store.lost_ranks();
+      lost = born == PgClock::time_point{}
+                 ? store.lost_ranks()
+                 : store.lost_ranks_since(std::chrono::duration_cast<Millis>(PgClock::now() - born));
     } catch (const std::exception& e) {
       if (store_error) *store_error = e.what();  // the store is gone too: its host died
       return {};

@@ -150,8 +150,12 @@ bool is_connection_loss(std::exception_ptr cause);
 // dies, the transport and the store server see its sockets close at about
 // the same moment, in either order. Empty if none is reported in time or the
 // store cannot tell. When the store cannot be reached, `store_error` (if
-// given) gets its message.
-std::vector<LostRank> lost_ranks_within(Store& store, Millis within, std::string* store_error = nullptr);
+// given) gets its message. With `born` (when the asking group was made),
+// ranks lost since then count even when a replacement has taken their
+// place already (Store::lost_ranks_since): live recovery's replacement can
+// say hello before a survivor asks.
+std::vector<LostRank> lost_ranks_within(Store& store, Millis within, std::string* store_error = nullptr,
+                                        PgClock::time_point born = {});
 
 // Before collective info.seq runs: rank 0 reads every rank's signature from
 // the store, compares it with its own and publishes a verdict that the other

@@ -22,7 +22,9 @@
 // to post its receive waits out the whole timeout (the signature checks,
 // now opt-in, used to find the dead rank first, at the store). So while an
 // operation has run for over a second, a liveness thread asks the store
-// once a second whether a rank left the job without its goodbye, or
+// four times a second whether a rank left the job without its goodbye
+// since this group was made (even if a replacement took its place since:
+// live recovery's replacement says hello within 0.2 s), or
 // whether the store itself is gone with rank 0: not on the hot path, one
 // store round trip per second of a long operation. If so it fails the
 // operation at once, naming the rank, and the group is broken. Gloo itself
@@ -238,7 +240,7 @@ void ignore_sigpipe_unless_handled() {
 class GlooGroup : public ProcessGroup {
  public:
   GlooGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options)
-      : ProcessGroup(rank, size), store_(std::move(store)), options_(options) {
+      : ProcessGroup(rank, size), store_(std::move(store)), options_(options), born_(PgClock::now()) {
     static std::atomic<int> groups{0};  // creation order: the same on every rank that makes the same groups
     group_label_ = "gloo group " + std::to_string(groups.fetch_add(1)) + ", rank " + std::to_string(rank) + " of " +
                    std::to_string(size);
@@ -600,7 +602,7 @@ class GlooGroup : public ProcessGroup {
   void liveness_loop() {
     std::unique_lock<std::mutex> lock(live_mu_);
     while (!live_stop_) {
-      live_cv_.wait_for(lock, std::chrono::seconds(1));
+      live_cv_.wait_for(lock, std::chrono::milliseconds(250));
       if (live_stop_) return;
       const int64_t since = running_since_.load();
       const auto started = PgClock::time_point(PgClock::duration(since));
@@ -609,7 +611,9 @@ class GlooGroup : public ProcessGroup {
       std::vector<LostRank> lost;
       std::string store_error;
       try {
-        lost = store_->lost_ranks();
+        // Since this group was made: a peer's replacement may have said
+        // hello already (live recovery), which takes it off lost_ranks().
+        lost = store_->lost_ranks_since(std::chrono::duration_cast<Millis>(PgClock::now() - born_));
       } catch (const std::exception& e) {
         store_error = e.what();
       }
@@ -675,7 +679,7 @@ class GlooGroup : public ProcessGroup {
     }
     std::string store_error;
     if (first && detail::is_connection_loss(cause))
-      lost = detail::lost_ranks_within(*store_, Millis{1000}, &store_error);
+      lost = detail::lost_ranks_within(*store_, Millis{1000}, &store_error, born_);
     std::exception_ptr err = detail::op_error(work->info(), cause, elapsed, lost, store_error);
     mark_broken(err);
     work->finish(err);
@@ -845,6 +849,7 @@ class GlooGroup : public ProcessGroup {
   std::mutex live_mu_;
   std::condition_variable live_cv_;
   bool live_stop_ = false;
+  const PgClock::time_point born_;  // losses before it are not this group's (lost_ranks_since)
   std::thread liveness_;
   std::atomic<bool> abandoned_{false};  // the liveness check failed an operation Gloo still blocks in
 };

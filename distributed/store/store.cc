@@ -12,7 +12,7 @@ namespace ember::distributed {
 
 std::string LostRank::describe() const {
   return "rank " + std::to_string(rank) + " (connection from " + peer + ", closed " + std::to_string(ms_ago) +
-         " ms ago)";
+         " ms ago" + (replaced ? "; a replacement has connected since" : "") + ")";
 }
 
 // Blocking calls that take no timeout (get) run under the base store's

@@ -38,6 +38,7 @@ struct LostRank {
   int rank = -1;
   std::string peer;    // the address its connection came from
   int64_t ms_ago = 0;  // when the connection closed, as seen by the server
+  bool replaced = false;  // a new process has since connected as this rank (live recovery)
   // "rank 2 (connection from 127.0.0.1:41872, closed 120 ms ago)"
   std::string describe() const;
 };
@@ -79,6 +80,16 @@ class Store {
   // stores that cannot tell (FileStore: a dead rank is found by timeout).
   // Throws when the store itself cannot be reached.
   virtual std::vector<LostRank> lost_ranks() { return {}; }
+  // The ranks lost less than `window` ago, including those a replacement
+  // process has taken over since (which lost_ranks() no longer lists, so
+  // that the new generation's waits block normally). A process group asks
+  // with its own age: a peer that died while the group lived is dead to it
+  // even once its replacement has said hello (live recovery's survivors
+  // would otherwise wait out the timeout on a peer that is gone).
+  virtual std::vector<LostRank> lost_ranks_since(Millis window) {
+    (void)window;
+    return lost_ranks();
+  }
   // Leaves for good (a TCPStore client says goodbye, so its rank is not
   // reported lost, and never reconnects), even while other owners still
   // hold this store (live recovery's aborted groups, left to their
@@ -139,6 +150,7 @@ class TCPStore : public Store {
   bool delete_key(const std::string& key) override;
   int64_t num_keys() override;
   std::vector<LostRank> lost_ranks() override;
+  std::vector<LostRank> lost_ranks_since(Millis window) override;
   void close() override;
   int port() const;
   const std::string& host() const;
@@ -187,6 +199,7 @@ class PrefixStore : public Store {
   bool delete_key(const std::string& key) override;
   int64_t num_keys() override;
   std::vector<LostRank> lost_ranks() override { return base_->lost_ranks(); }
+  std::vector<LostRank> lost_ranks_since(Millis window) override { return base_->lost_ranks_since(window); }
   const std::shared_ptr<Store>& base() const { return base_; }
 
  private:

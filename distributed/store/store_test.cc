@@ -713,6 +713,35 @@ TEST(TCPStore, ARankThatComesBackIsNoLongerLost) {
   EXPECT_THAT(error_of([&] { server.wait({"never_set"}, 300ms); }), HasSubstr("timed out after 300 ms"));
 }
 
+// ...but a group that lived when the rank died still learns of it: the
+// survivor blocked in a send to the dead rank must not miss it because the
+// replacement said hello first (issue 56's live-recovery stall).
+TEST(TCPStore, ARankReplacedStaysLostToWhatLivedWhenItDied) {
+  TCPStore server("127.0.0.1", 0, server_opts(60s));
+  std::this_thread::sleep_for(200ms);
+  const auto born = Clock::now();  // a group made before the loss
+  std::this_thread::sleep_for(100ms);
+  client_exits(server.port(), 2, /*goodbye=*/false);
+  ASSERT_EQ(server.lost_ranks_since(60s).size(), 1u);
+  EXPECT_FALSE(server.lost_ranks_since(60s)[0].replaced);
+  TCPStoreOptions o = client_opts();
+  o.rank = 2;
+  TCPStore replacement("127.0.0.1", server.port(), o);
+  replacement.set("back", std::string("1"));
+  EXPECT_TRUE(server.lost_ranks().empty());
+  const Millis age = std::chrono::duration_cast<Millis>(Clock::now() - born);
+  std::vector<LostRank> lost = PrefixStore("p", std::make_shared<TCPStore>("127.0.0.1", server.port(), client_opts()))
+                                   .lost_ranks_since(age);
+  ASSERT_EQ(lost.size(), 1u);
+  EXPECT_EQ(lost[0].rank, 2);
+  EXPECT_TRUE(lost[0].replaced);
+  EXPECT_LT(lost[0].ms_ago, age.count());
+  EXPECT_THAT(lost[0].describe(), HasSubstr("a replacement has connected since"));
+  // A group made after the loss (the new generation's) is not told of it.
+  std::this_thread::sleep_for(50ms);
+  EXPECT_TRUE(server.lost_ranks_since(10ms).empty());
+}
+
 // ---------------------------------------------------------------------------
 // FileStore
 

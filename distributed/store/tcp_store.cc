@@ -36,6 +36,7 @@
 #include <cerrno>
 #include <cstring>
 #include <mutex>
+#include <random>
 #include <string_view>
 #include <thread>
 
@@ -50,6 +51,23 @@ using namespace wire;
 
 // ---------------------------------------------------------------------------
 // Client
+
+namespace {
+// Says which process a Hello comes from: a client of this process that
+// reconnects (its socket timed out) is the same rank alive, not lost; a new
+// process with the rank is a replacement, and the old one stays lost to the
+// groups it belonged to (lost_ranks_since).
+uint64_t process_incarnation() {
+  // The pid is mixed in on every call: a child forked after a client of its
+  // parent connected is another process (it shares the parent's seed).
+  static const uint64_t seed = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  uint64_t z = seed ^ (static_cast<uint64_t>(getpid()) * 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;  // splitmix64's finaliser
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return z ? z : 1;
+}
+}  // namespace
 
 struct TCPStore::Impl {
   std::string host;
@@ -100,7 +118,7 @@ struct TCPStore::Impl {
       if (try_connect(deadline, &last_error)) {
         if (options.rank >= 0) {
           Writer w;
-          w.u8(uint8_t(Cmd::Hello)).i64(options.rank);
+          w.u8(uint8_t(Cmd::Hello)).i64(options.rank).i64(static_cast<int64_t>(process_incarnation()));
           const std::string body = roundtrip(w, remaining(deadline) + kReplyGrace, "hello");
           Reader r(body);
           if (static_cast<Status>(r.u8()) != Status::Ok)
@@ -351,6 +369,18 @@ std::vector<LostRank> read_lost(Reader& r) {
   return lost;
 }
 
+// LostSince's reply: Lost's entries, each followed by whether it was replaced.
+std::vector<LostRank> read_lost_since(Reader& r) {
+  std::vector<LostRank> lost(r.count(8 + 4 + 8 + 1));
+  for (LostRank& l : lost) {
+    l.rank = static_cast<int>(r.i64());
+    l.peer = r.str();
+    l.ms_ago = r.i64();
+    l.replaced = r.u8() != 0;
+  }
+  return lost;
+}
+
 // The server's answer to a blocking request once a rank is lost.
 [[noreturn]] void throw_rank_lost(Reader& r, const std::string& where) {
   std::vector<LostRank> lost = read_lost(r);
@@ -571,6 +601,19 @@ std::vector<LostRank> TCPStore::lost_ranks() {
     Reader r(body);
     expect_ok(r, "TCPStore " + impl_->address() + ": lost_ranks()");
     return read_lost(r);
+  });
+}
+
+std::vector<LostRank> TCPStore::lost_ranks_since(Millis window) {
+  return guarded(*impl_, "lost_ranks_since", [&]() -> std::vector<LostRank> {
+    if (impl_->fd < 0)
+      throw Error("TCPStore " + impl_->address() + ": lost_ranks_since(): the connection to the store is gone");
+    Writer w;
+    w.u8(uint8_t(Cmd::LostSince)).i64(window.count());
+    std::string body = impl_->roundtrip(w, timeout_, "lost_ranks_since()");
+    Reader r(body);
+    expect_ok(r, "TCPStore " + impl_->address() + ": lost_ranks_since()");
+    return read_lost_since(r);
   });
 }
 

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <deque>
 #include <iostream>
 #include <thread>
 #include <unordered_map>
@@ -59,6 +60,7 @@ class StoreServer : public Server {
     std::string out;
     std::string peer;  // "address:port", for logs and lost-rank reports
     int rank = -1;     // the rank it speaks for (Hello), -1 for none
+    int64_t incarnation = 0;  // the client process's id (Hello), 0 if it sent none
     bool said_bye = false;
     bool greeted = false;
     bool blocked = false;  // a parked request; later frames wait behind it
@@ -295,7 +297,7 @@ class StoreServer : public Server {
     if (c.rank >= 0 && !c.said_bye) {
       // One entry per rank however often it reconnects and drops.
       std::erase_if(lost_, [&](const Lost& l) { return l.rank == c.rank; });
-      lost_.push_back({c.rank, c.peer, Clock::now()});
+      lost_.push_back({c.rank, c.peer, Clock::now(), c.incarnation});
       std::cerr << "TCPStore server on port " << port_ << ": rank " << c.rank << " (connection from " << c.peer
                 << ") closed its connection without saying goodbye: its process exited, crashed or was killed; "
                    "failing every request that waits\n";
@@ -524,10 +526,20 @@ class StoreServer : public Server {
       }
       case Cmd::Hello: {
         int64_t rank = r.i64();
+        const int64_t incarnation = r.at_end() ? 0 : r.i64();
         r.done();
         if (rank < 0 || rank > INT32_MAX) throw ProtocolError("bad rank");
         c.rank = static_cast<int>(rank);
-        // A live client reconnecting (its own socket timed out) is not lost.
+        c.incarnation = incarnation;
+        // A live client reconnecting (its own socket timed out: the same
+        // process) is not lost. Another process with the rank replaces a lost
+        // one: the rank is no longer lost for what comes next, but the groups
+        // that lived when it died still learn of it (LostSince).
+        for (const Lost& l : lost_)
+          if (l.rank == c.rank && (l.incarnation == 0 || l.incarnation != incarnation)) {
+            replaced_.push_back(l);
+            if (replaced_.size() > kReplacedKept) replaced_.pop_front();
+          }
         std::erase_if(lost_, [&](const Lost& l) { return l.rank == c.rank; });
         reply(fd, c, w.u8(uint8_t(Status::Ok)));
         return;
@@ -542,6 +554,21 @@ class StoreServer : public Server {
         r.done();
         w.u8(uint8_t(Status::Ok));
         write_lost(w);
+        reply(fd, c, w);
+        return;
+      }
+      case Cmd::LostSince: {
+        const Millis window{r.i64()};
+        r.done();
+        const auto now = Clock::now();
+        std::vector<std::pair<const Lost*, bool>> hits;
+        for (const Lost& l : replaced_)
+          if (now - l.when <= window) hits.push_back({&l, true});
+        for (const Lost& l : lost_)
+          if (now - l.when <= window) hits.push_back({&l, false});
+        w.u8(uint8_t(Status::Ok)).u32(static_cast<uint32_t>(hits.size()));
+        for (const auto& [l, replaced] : hits)
+          w.i64(l->rank).str(l->peer).i64(std::chrono::duration_cast<Millis>(now - l->when).count()).u8(replaced);
         reply(fd, c, w);
         return;
       }
@@ -658,7 +685,10 @@ class StoreServer : public Server {
     int rank;
     std::string peer;
     Clock::time_point when;
+    int64_t incarnation;
   };
+  // Replaced losses kept for LostSince: a few recoveries' worth.
+  static constexpr size_t kReplacedKept = 256;
 
   std::vector<int> listen_fds_;
   int wake_fd_ = -1, epoll_fd_ = -1;
@@ -672,6 +702,7 @@ class StoreServer : public Server {
   std::vector<int> ready_;
   int64_t workers_seen_ = 0;
   std::vector<Lost> lost_;
+  std::deque<Lost> replaced_;  // lost ranks a new process has since taken (oldest first)
   int64_t refused_ = 0;
 };
 

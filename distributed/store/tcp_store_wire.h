@@ -37,7 +37,23 @@ constexpr uint32_t kMaxFrame = 1u << 30;
 // this much longer before concluding that the server itself is gone.
 constexpr Millis kReplyGrace{5000};
 
-enum class Cmd : uint8_t { Set = 1, Get, Add, CompareSet, Check, Wait, Delete, NumKeys, WaitWorkers, Hello, Bye, Lost };
+// LostSince: the ranks lost within a window, those a replacement has taken
+// over since included (Store::lost_ranks_since).
+enum class Cmd : uint8_t {
+  Set = 1,
+  Get,
+  Add,
+  CompareSet,
+  Check,
+  Wait,
+  Delete,
+  NumKeys,
+  WaitWorkers,
+  Hello,
+  Bye,
+  Lost,
+  LostSince
+};
 enum class Status : uint8_t { Ok = 0, Timeout = 1, Error = 2, RankLost = 3 };
 // A token is a short secret; a longer first frame is not one of our clients.
 constexpr uint32_t kMaxToken = 4096;
@@ -129,6 +145,7 @@ class Reader {
     if (n > (s_.size() - pos_) / min_bytes) throw ProtocolError("record count exceeds the frame");
     return n;
   }
+  bool at_end() const { return pos_ == s_.size(); }
   void done() const {
     if (pos_ != s_.size()) throw ProtocolError("trailing bytes in frame");
   }
