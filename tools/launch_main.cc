@@ -20,6 +20,7 @@
 #include "core/exception.h"
 #include "distributed/launch/elastic.h"
 #include "distributed/launch/launch.h"
+#include "distributed/store/etcd_store.h"
 
 namespace {
 
@@ -48,9 +49,11 @@ const char* kUsage =
     "  --no-prefix         do not start worker output lines with \"[rank N]: \"\n"
     "Elastic (one agent per host, meeting in rendezvous rounds; see distributed/launch/elastic.h):\n"
     "  --nnodes=MIN:MAX    a round starts with MAX nodes, or MIN once no other came for last_call\n"
-    "  --rdzv_endpoint=HOST:PORT  the rendezvous store (served by the first agent on HOST)\n"
+    "  --rdzv_endpoint=HOST:PORT  the rendezvous store (c10d: served by the first agent on HOST;\n"
+    "                      etcd: the cluster's members, HOST:2379,HOST2:2379,...)\n"
     "  --rdzv_id=JOB       the job's name; every agent of the job gives the same\n"
-    "  --rdzv_backend=c10d accepted for torchrun's command lines (the only backend)\n"
+    "  --rdzv_backend=B    c10d (default: a TCP store in the first agent on the endpoint's host) or\n"
+    "                      etcd (an etcd cluster: the job survives the loss of any host)\n"
     "  --rdzv_conf=K=S,..  last_call_timeout (default 30), join_timeout (600),\n"
     "                      heartbeat_timeout (30), in seconds\n"
     "  --local_addr=HOST   how other hosts reach this one (default: this host's name)\n"
@@ -84,6 +87,7 @@ struct Parsed {
   ember::distributed::LaunchOptions options;
   ember::distributed::ElasticOptions elastic;
   bool is_elastic = false;
+  std::string endpoint;  // --rdzv_endpoint as given
   std::vector<std::string> program;
   bool help = false;
 };
@@ -141,18 +145,20 @@ void apply_flag(const std::string& name, const std::string& value, Parsed& p, Gi
     }
   }
   if (name == "rdzv_endpoint") {
-    const size_t colon = value.rfind(':');
-    if (colon == std::string::npos || colon == 0) throw UsageError{"--rdzv_endpoint " + value + ": expected HOST:PORT"};
-    e.endpoint_host = value.substr(0, colon);
-    e.endpoint_port = parse_int(name, value.substr(colon + 1), 1, 65535);
+    p.endpoint = value;  // parsed once the backend is known
     p.is_elastic = true;
   }
   if (name == "rdzv_id") {
     if (value.empty()) throw UsageError{"--rdzv_id is empty"};
     e.rdzv_id = value;
   }
-  if (name == "rdzv_backend" && value != "c10d")
-    throw UsageError{"--rdzv_backend " + value + ": only c10d (the store the first agent serves) is built"};
+  if (name == "rdzv_backend") {
+    if (value != "c10d" && value != "etcd" && value != "etcd-v2")
+      throw UsageError{"--rdzv_backend " + value +
+                       ": known are c10d (the store the first agent serves) and etcd (an etcd cluster; etcd-v2 "
+                       "is accepted for torchrun's name)"};
+    e.rdzv_backend = value == "c10d" ? "c10d" : "etcd";
+  }
   if (name == "local_addr") e.local_addr = value;
   if (name == "rdzv_conf") parse_rdzv_conf(value, e);
   if (name == "node_rank") {
@@ -185,6 +191,24 @@ void check_combination(Parsed& p, const Given& given) {
       throw UsageError{
           "--master_addr/--master_port do not go with --rdzv_endpoint: each round picks the workers' store"};
     auto& e = p.elastic;
+    if (e.rdzv_backend == "etcd") {
+      try {
+        e.etcd_endpoints = ember::distributed::parse_etcd_endpoints(p.endpoint);
+      } catch (const ember::Error& err) {
+        throw UsageError{std::string("--rdzv_endpoint: ") + err.what()};
+      }
+      const std::string& first = e.etcd_endpoints.front();
+      e.endpoint_host = first.substr(0, first.rfind(':'));
+      e.endpoint_port = std::stoi(first.substr(first.rfind(':') + 1));
+    } else {
+      const std::string& v = p.endpoint;
+      const size_t colon = v.rfind(':');
+      if (v.find(',') != std::string::npos)
+        throw UsageError{"--rdzv_endpoint " + v + ": a list of endpoints needs --rdzv_backend etcd"};
+      if (colon == std::string::npos || colon == 0) throw UsageError{"--rdzv_endpoint " + v + ": expected HOST:PORT"};
+      e.endpoint_host = v.substr(0, colon);
+      e.endpoint_port = parse_int("rdzv_endpoint", v.substr(colon + 1), 1, 65535);
+    }
     e.nproc_per_node = p.options.nproc_per_node;
     e.max_restarts = p.options.max_restarts;
     e.grace = p.options.grace;

@@ -23,6 +23,7 @@ PACKAGES=(
   nlohmann-json3-dev
   libxxhash-dev
   libpcre2-dev         # the tokenizers' split regexes (//text): Unicode classes and JIT
+  libcurl4-openssl-dev # EtcdStore's requests to etcd's HTTP gateway (--rdzv-backend etcd)
   zlib1g-dev           # gzip-compressed datasets (data/readers.cc)
   dataset-fashion-mnist
   fortunes             # the corpus of //examples:gpt_fsdp (/usr/share/games/fortunes)
@@ -31,11 +32,15 @@ PACKAGES=(
 # --peers: also the PyTorch the benchmarks compare against (bench/compare_peers.py,
 # bench/peers/). A measuring stick, never a dependency of ember itself.
 # --plots: matplotlib, for bench/plot_scaling.py's PNGs (the plots of bench/README.md).
+# --etcd: an etcd server and client, for the etcd rendezvous's tests (.ci/run
+# passes it) and for users who choose --rdzv-backend etcd; curl for the test
+# cluster's health check.
 for arg in "$@"; do
   case "$arg" in
     --peers) PACKAGES+=(python3-torch) ;;
     --plots) PACKAGES+=(python3-matplotlib) ;;
-    *) echo "setup: unknown flag '$arg' (known: --peers, --plots)" >&2; exit 2 ;;
+    --etcd) PACKAGES+=(etcd-server etcd-client curl) ;;
+    *) echo "setup: unknown flag '$arg' (known: --peers, --plots, --etcd)" >&2; exit 2 ;;
   esac
 done
 

@@ -16,6 +16,9 @@
 //   hb/<agent>          each agent's heartbeat counter
 //   exited/<agent>      the agent is done with the job (the one serving the
 //                       store waits for its last round's members)
+//   alive/<token>       etcd only: each agent's key under its own lease; a
+//                       job whose keys exist with none alive is a crashed
+//                       job's leftovers, taken over by the next one
 //   done                set when the job ended well
 //   r<R>/joined         arrivals in round R (node index = arrival order)
 //   r<R>/node/<i>       node i's "addr nproc agent"
@@ -47,6 +50,7 @@
 #include "core/exception.h"
 #include "distributed/launch/launch.h"
 #include "distributed/launch/launch_internal.h"
+#include "distributed/store/etcd_store.h"
 #include "distributed/store/store.h"
 
 namespace ember::distributed {
@@ -132,6 +136,7 @@ class Agent {
   Agent(const ElasticOptions& o, const std::vector<std::string>& argv)
       : o_(o), argv_(argv), path_(resolve_program(argv[0])) {
     prefix_ = "rdzv/" + o.rdzv_id + "/";
+    etcd_backend_ = o.rdzv_backend == "etcd";
     local_ = is_local_host(o.endpoint_host);
     addr_ = o.local_addr;
     if (addr_.empty()) addr_ = local_ ? o.endpoint_host : address_towards(o.endpoint_host, o.endpoint_port);
@@ -188,7 +193,12 @@ class Agent {
     ::gethostname(buf, sizeof buf - 1);
     return buf;
   }
-  std::string endpoint() const { return o_.endpoint_host + ":" + std::to_string(o_.endpoint_port); }
+  std::string endpoint() const {
+    if (!etcd_backend_) return o_.endpoint_host + ":" + std::to_string(o_.endpoint_port);
+    std::string all;
+    for (const auto& e : o_.etcd_endpoints) all += (all.empty() ? "" : ",") + e;
+    return "etcd " + all;
+  }
   std::string key(const std::string& k) const { return prefix_ + k; }
   std::string rkey(int64_t r, const std::string& k) const { return key("r" + std::to_string(r) + "/" + k); }
   int64_t get_int(const std::string& k) { return store_->add(key(k), 0); }
@@ -204,6 +214,19 @@ class Agent {
     // Every call gives up after the heartbeat timeout: an agent cut off from
     // the store learns it then, not at the default timeout.
     const Millis timeout = std::max<Millis>(o_.heartbeat_timeout, std::chrono::seconds(1));
+    if (etcd_backend_) {
+      // No agent serves anything: the job's keys live in etcd under
+      // /ember/rdzv/<id>/, the agent's liveness under its own lease.
+      auto etcd = std::make_unique<EtcdStore>(EtcdStoreOptions{.endpoints = o_.etcd_endpoints,
+                                                               .prefix = "/ember/" + prefix_,
+                                                               .timeout = timeout,
+                                                               .connect_timeout = o_.join_timeout,
+                                                               .lease_ttl = o_.heartbeat_timeout});
+      prefix_.clear();  // the store's prefix holds the job's
+      etcd_ = etcd.get();
+      store_ = std::move(etcd);
+      return;
+    }
     if (local_) {
       const char* all = std::getenv("EMBER_STORE_LISTEN_ALL");
       try {
@@ -230,23 +253,55 @@ class Agent {
   }
 
   // One job per id: the first agent records what it runs; an agent of
-  // another program, or one arriving after the job ended, is refused.
+  // another program or worker count, or one arriving after the job ended, is
+  // refused. Under etcd a crashed job's keys outlive it: a job whose agents'
+  // leased keys are all gone is taken over (its keys deleted) instead.
   void check_job() {
-    const std::string sig =
-        "nodes " + std::to_string(o_.min_nodes) + ":" + std::to_string(o_.max_nodes) + " program " + join_words(argv_);
-    const Bytes got = store_->compare_set(key("job"), {}, Bytes(sig.begin(), sig.end()));
-    const std::string have(got.begin(), got.end());
-    if (have != sig) {
-      say("rendezvous id '" + o_.rdzv_id + "' at " + endpoint() + " belongs to another job (" + have +
-          "); this one is (" + sig + "): give each job its own --rdzv-id");
-      throw AgentExit{1};
+    const std::string sig = "nodes " + std::to_string(o_.min_nodes) + ":" + std::to_string(o_.max_nodes) + " x " +
+                            std::to_string(o_.nproc_per_node) + " workers, program " + join_words(argv_);
+    // Alive before it counts as an agent: a job with agents and no live key is a dead one.
+    if (etcd_) {
+      alive_key_ = "alive/" + random_token();
+      etcd_->set_leased(alive_key_, addr_);
     }
-    if (store_->check({key("done")})) {
-      say("rendezvous id '" + o_.rdzv_id + "' at " + endpoint() + " is a job that already ended (" +
-          get_or(key("done")) + "): give a new job a new --rdzv-id");
+    for (;;) {
+      const Bytes got = store_->compare_set(key("job"), {}, Bytes(sig.begin(), sig.end()));
+      const std::string have(got.begin(), got.end());
+      const bool ended = store_->check({key("done")});
+      if (have == sig && !ended) {
+        if (etcd_ && etcd_->count_prefix("alive/") == 1 && get_int("agents") > 0 && take_over_stale(have)) continue;
+        break;
+      }
+      if (etcd_ && !ended && take_over_stale(have)) continue;
+      if (ended) {
+        say("rendezvous id '" + o_.rdzv_id + "' at " + endpoint() + " is a job that already ended (" +
+            get_or(key("done")) + "): give a new job a new --rdzv-id");
+      } else {
+        say("rendezvous id '" + o_.rdzv_id + "' at " + endpoint() + " belongs to another job (" + have +
+            "); this one is (" + sig + "): give each job its own --rdzv-id");
+      }
       throw AgentExit{1};
     }
     agent_ = store_->add(key("agents"), 1) - 1;
+  }
+
+  // etcd: the job at this id (`what`) has no live agent but this one, or
+  // none left within a lease's TTL: a crashed job's leftovers (a stale
+  // round). Deletes them, unless another agent changed the job meanwhile,
+  // and says so; false when the job is alive.
+  bool take_over_stale(const std::string& what) {
+    const int64_t rev = etcd_->revision(key("job"));
+    const auto until = Clock::now() + o_.heartbeat_timeout + milliseconds(500);
+    while (etcd_->count_prefix("alive/") > 1) {  // others than this agent: wait out their leases
+      if (Clock::now() >= until) return false;
+      std::this_thread::sleep_for(kPoll);
+    }
+    const std::string round = get_or(key("round"), "0");
+    if (!etcd_->delete_prefix_if("", key("job"), rev)) return true;  // changed meanwhile: look again
+    say("rendezvous id '" + o_.rdzv_id + "' at " + endpoint() + ": took over the keys a crashed job left (" + what +
+        ", at round " + round + "; no agent of it alive)");
+    etcd_->set_leased(alive_key_, addr_);  // deleted with the rest
+    return true;
   }
 
   void heartbeat() { store_->add(key("hb/" + me()), 1); }
@@ -264,6 +319,15 @@ class Agent {
       say("the job gave up on another node: " + get_or(key("failed")));
       leave();
       throw AgentExit{1};
+    }
+  }
+  // Before joining a round: a job that ended (well) while this agent was
+  // away (frozen, cut off) is over for it too, as for a waiting node.
+  void check_done() {
+    if (store_->check({key("done")})) {
+      say("the job finished without this node (" + get_or(key("done")) + "); nothing left to do here");
+      leave();
+      throw AgentExit{0};
     }
   }
   // A signal while no worker runs: leave, moving the round on so that this
@@ -284,6 +348,7 @@ class Agent {
   std::vector<Node> rendezvous() {
     for (;;) {
       check_failed();
+      check_done();
       R_ = current_round();
       const int64_t R = R_;
       const auto start = Clock::now();
@@ -327,6 +392,17 @@ class Agent {
       store_->add(rkey(R, "late"), 1);
       store_->set(rkey(R, "late/" + me()), "1");  // the serving agent waits for it to learn the outcome too
       say("rendezvous round " + std::to_string(R) + " is running without this node; waiting for the next");
+      // The round's members, to see whether any is still there: a round
+      // whose members all stopped beating (a crashed job's, under etcd) is
+      // moved on by the one waiting, or it would wait forever.
+      std::map<int64_t, std::pair<int64_t, Clock::time_point>> beats;
+      const int64_t closed = std::strtoll(get_or(rkey(R, "closed"), "0").c_str(), nullptr, 10);
+      for (int64_t i = 0; i < closed; ++i) {
+        std::istringstream in(get_or(rkey(R, "node/" + std::to_string(i))));
+        Node m;
+        in >> m.addr >> m.nproc >> m.agent;
+        beats[m.agent] = {-1, Clock::now()};
+      }
       while (!round_moved()) {
         check_signal(R);
         check_failed();
@@ -335,6 +411,19 @@ class Agent {
           say("the job finished in rendezvous round " + std::to_string(R) + " without this node");
           leave();
           throw AgentExit{0};
+        }
+        const auto now = Clock::now();
+        bool any_alive = beats.empty();
+        for (auto& [agent, beat] : beats) {
+          const int64_t v = get_int("hb/" + std::to_string(agent));
+          if (v != beat.first) beat = {v, now};
+          any_alive = any_alive || now - beat.second < o_.heartbeat_timeout;
+        }
+        if (!any_alive) {
+          say("rendezvous round " + std::to_string(R) + ": none of its " + std::to_string(beats.size()) +
+              " members has beaten for " + std::to_string(o_.heartbeat_timeout.count() / 1000.0).substr(0, 4) +
+              " s (a crashed job's round); starting the next");
+          next_round_from(R);
         }
         std::this_thread::sleep_for(kPoll);
       }
@@ -582,7 +671,9 @@ class Agent {
   int round_outcome(int64_t R, const WorkersResult& r, const std::string& why) {
     if (store_lost_) {
       say("lost the rendezvous store at " + endpoint() +
-          " (the agent serving it ended, or its host is unreachable): " + why + "; the job cannot go on here");
+          (etcd_ ? " (the cluster did not serve this agent within the heartbeat timeout)"
+                 : " (the agent serving it ended, or its host is unreachable)") +
+          ": " + why + "; the job cannot go on here");
       return 1;
     }
     if (r.by_signal) {
@@ -632,7 +723,9 @@ class Agent {
     store_->set(rkey(R, "finished/" + me()), "1");
     store_->set(rkey(R, "finished"), "1");
     leave();
-    if (serving_) store_->set(key("done"), "round " + std::to_string(R) + " finished");
+    // The job's end outlives the agents (so a late or woken agent learns
+    // it): the serving agent says it, or under etcd whoever finishes.
+    if (serving_ || etcd_) store_->set(key("done"), "round " + std::to_string(R) + " finished");
     return left_by_signal_ ? 128 + left_by_signal_ : 0;
   }
 
@@ -681,7 +774,10 @@ class Agent {
   std::vector<std::string> argv_;
   std::string path_, prefix_, addr_, token_;
   bool local_ = false, serving_ = false, store_lost_ = false;
-  std::unique_ptr<TCPStore> store_;
+  std::unique_ptr<Store> store_;
+  EtcdStore* etcd_ = nullptr;  // store_, when the backend is etcd
+  std::string alive_key_;      // this agent's leased key (etcd)
+  bool etcd_backend_ = false;
   std::vector<Node> last_nodes_;  // the members of the last round this agent ran
   int64_t agent_ = -1, R_ = 0;
   int my_index_ = -1;

@@ -39,6 +39,12 @@ struct ElasticOptions {
   int nproc_per_node = 1;
   std::string endpoint_host = "127.0.0.1";
   int endpoint_port = 29400;
+  // "c10d": the agents meet over a TCP store that the first agent on the
+  // endpoint's host serves (losing that host ends the job). "etcd": over an
+  // etcd cluster at etcd_endpoints (the endpoint above is the first of them),
+  // which no agent serves: any host may be lost (EtcdStore).
+  std::string rdzv_backend = "c10d";
+  std::vector<std::string> etcd_endpoints;
   std::string rdzv_id = "none";  // agents of one job share it; another job must pick its own
   // The address other hosts reach this one at (MASTER_ADDR when this node
   // is node 0 of a round). Empty: the endpoint's host when that is this

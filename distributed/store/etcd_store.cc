@@ -125,8 +125,8 @@ std::vector<std::string> parse_etcd_endpoints(const std::string& list) {
     EMBER_CHECK(colon != std::string::npos && colon > 0 && colon + 1 < item.size(), "etcd endpoints '", list, "': '",
                 item, "' is not host:port");
     const std::string port = item.substr(colon + 1);
-    EMBER_CHECK(port.find_first_not_of("0123456789") == std::string::npos && port.size() <= 5 &&
-                    std::stoi(port) >= 1 && std::stoi(port) <= 65535,
+    EMBER_CHECK(port.find_first_not_of("0123456789") == std::string::npos && port.size() <= 5 && std::stoi(port) >= 1 &&
+                    std::stoi(port) <= 65535,
                 "etcd endpoints '", list, "': port '", port, "' of '", item, "' is not in 1-65535");
     out.push_back(item);
     if (comma == std::string::npos) break;
@@ -165,8 +165,8 @@ struct EtcdStore::Impl {
 
   // One request to one member. Returns the parsed reply; on failure sets
   // `error` and whether another member might serve it (`retry`).
-  json post_once(Conn& c, const std::string& endpoint, const std::string& path, const std::string& body,
-                 Millis timeout, std::string* error, bool* retry) {
+  json post_once(Conn& c, const std::string& endpoint, const std::string& path, const std::string& body, Millis timeout,
+                 std::string* error, bool* retry) {
     if (!c.h) c.h = curl_easy_init();
     EMBER_CHECK(c.h != nullptr, "etcd: curl_easy_init failed");
     CURL* h = c.h;
@@ -256,14 +256,18 @@ struct EtcdStore::Impl {
     for (size_t k = 0; k < n; ++k) {
       const std::string& e = last[k].empty() ? std::string("not tried in time") : last[k];
       members += (members.empty() ? "" : "; ") + o.endpoints[k] + ": " + e;
-      if (e.find("refused") != std::string::npos || e.find("resolve") != std::string::npos) ++refused;
-      else if (e.find("no reply") != std::string::npos) ++silent;
-      else if (member_cannot_serve(0, e)) ++answered_unable;
+      if (e.find("refused") != std::string::npos || e.find("resolve") != std::string::npos)
+        ++refused;
+      else if (e.find("no reply") != std::string::npos)
+        ++silent;
+      else if (member_cannot_serve(0, e))
+        ++answered_unable;
     }
     std::string hint;
     if (answered_unable > 0 || (silent > 0 && refused > 0))
-      hint = " (the members that answer cannot commit: has the cluster lost its quorum, a majority of its members "
-             "down?)";
+      hint =
+          " (the members that answer cannot commit: has the cluster lost its quorum, a majority of its members "
+          "down?)";
     else if (refused == static_cast<int>(n))
       hint = " (is etcd running there? --rdzv-endpoint lists the members' client URLs, host:2379)";
     throw Error("etcd cluster " + endpoints() + ": " + what + " failed within " + ms(within) + ": " + members + hint);
@@ -289,8 +293,8 @@ struct EtcdStore::Impl {
     lease = i64_of(g, "ID");
     EMBER_CHECK(lease != 0, "etcd cluster ", endpoints(), ": lease grant returned no lease id");
     for (const auto& [k, v] : leased)
-      call(keeper_conn, "/v3/kv/put", {{"key", b64(k)}, {"value", b64(v)}, {"lease", std::to_string(lease)}},
-           o.timeout, "put");
+      call(keeper_conn, "/v3/kv/put", {{"key", b64(k)}, {"value", b64(v)}, {"lease", std::to_string(lease)}}, o.timeout,
+           "put");
     if (!keeper.joinable()) keeper = std::thread([this] { keep_alive(); });
     return lease;
   }
@@ -366,8 +370,7 @@ void EtcdStore::set_leased(const std::string& key, const std::string& value) {
     impl_->leased[impl_->full(key)] = value;
   }
   const int64_t lease = impl_->ensure_lease();
-  impl_->call("/v3/kv/put",
-              {{"key", b64(impl_->full(key))}, {"value", b64(value)}, {"lease", std::to_string(lease)}},
+  impl_->call("/v3/kv/put", {{"key", b64(impl_->full(key))}, {"value", b64(value)}, {"lease", std::to_string(lease)}},
               "set(" + key + ")");
 }
 
@@ -393,14 +396,13 @@ int64_t EtcdStore::add(const std::string& key, int64_t delta) {
                     "'");
     }
     const std::string next = std::to_string(cur + delta);
-    json cmp = found ? json{{"key", b64(impl_->full(key))},
-                            {"result", "EQUAL"},
-                            {"target", "MOD"},
-                            {"mod_revision", std::to_string(i64_of(r["kvs"][0], "mod_revision"))}}
-                     : json{{"key", b64(impl_->full(key))},
-                            {"result", "EQUAL"},
-                            {"target", "CREATE"},
-                            {"create_revision", "0"}};
+    json cmp =
+        found
+            ? json{{"key", b64(impl_->full(key))},
+                   {"result", "EQUAL"},
+                   {"target", "MOD"},
+                   {"mod_revision", std::to_string(i64_of(r["kvs"][0], "mod_revision"))}}
+            : json{{"key", b64(impl_->full(key))}, {"result", "EQUAL"}, {"target", "CREATE"}, {"create_revision", "0"}};
     json t = impl_->call(
         "/v3/kv/txn",
         {{"compare", json::array({cmp})},
@@ -413,9 +415,8 @@ int64_t EtcdStore::add(const std::string& key, int64_t delta) {
 Bytes EtcdStore::compare_set(const std::string& key, const Bytes& expected, const Bytes& desired) {
   const std::string k = b64(impl_->full(key));
   const std::string want(expected.begin(), expected.end());
-  json cmp = expected.empty()
-                 ? json{{"key", k}, {"result", "EQUAL"}, {"target", "CREATE"}, {"create_revision", "0"}}
-                 : json{{"key", k}, {"result", "EQUAL"}, {"target", "VALUE"}, {"value", b64(want)}};
+  json cmp = expected.empty() ? json{{"key", k}, {"result", "EQUAL"}, {"target", "CREATE"}, {"create_revision", "0"}}
+                              : json{{"key", k}, {"result", "EQUAL"}, {"target", "VALUE"}, {"value", b64(want)}};
   json t = impl_->call(
       "/v3/kv/txn",
       {{"compare", json::array({cmp})},
@@ -473,15 +474,13 @@ int64_t EtcdStore::revision(const std::string& key) {
 
 bool EtcdStore::delete_prefix_if(const std::string& prefix, const std::string& key, int64_t rev) {
   const std::string p = impl_->full(prefix);
-  json cmp = {{"key", b64(impl_->full(key))},
-              {"result", "EQUAL"},
-              {"target", "MOD"},
-              {"mod_revision", std::to_string(rev)}};
-  json t = impl_->call("/v3/kv/txn",
-                       {{"compare", json::array({cmp})},
-                        {"success",
-                         json::array({{{"request_delete_range", {{"key", b64(p)}, {"range_end", b64(prefix_end(p))}}}}})}},
-                       "delete(" + prefix + "*)");
+  json cmp = {
+      {"key", b64(impl_->full(key))}, {"result", "EQUAL"}, {"target", "MOD"}, {"mod_revision", std::to_string(rev)}};
+  json t = impl_->call(
+      "/v3/kv/txn",
+      {{"compare", json::array({cmp})},
+       {"success", json::array({{{"request_delete_range", {{"key", b64(p)}, {"range_end", b64(prefix_end(p))}}}}})}},
+      "delete(" + prefix + "*)");
   return t.value("succeeded", false);
 }
 

@@ -89,7 +89,7 @@ class Cluster {
   int status_ = 1;
 };
 
-#define NEED_CLUSTER(c)                                                                            \
+#define NEED_CLUSTER(c)                                                                           \
   if ((c).missing()) GTEST_SKIP() << "etcd is not installed (tools/setup.sh --etcd installs it)"; \
   ASSERT_TRUE((c).up()) << (c).failure()
 

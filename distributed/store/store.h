@@ -36,8 +36,8 @@ inline constexpr Millis kDefaultTimeout{10 * 60 * 1000};
 // exited, crashed or was killed (see TCPStoreOptions::rank).
 struct LostRank {
   int rank = -1;
-  std::string peer;    // the address its connection came from
-  int64_t ms_ago = 0;  // when the connection closed, as seen by the server
+  std::string peer;       // the address its connection came from
+  int64_t ms_ago = 0;     // when the connection closed, as seen by the server
   bool replaced = false;  // a new process has since connected as this rank (live recovery)
   // "rank 2 (connection from 127.0.0.1:41872, closed 120 ms ago)"
   std::string describe() const;

@@ -730,8 +730,8 @@ TEST(TCPStore, ARankReplacedStaysLostToWhatLivedWhenItDied) {
   replacement.set("back", std::string("1"));
   EXPECT_TRUE(server.lost_ranks().empty());
   const Millis age = std::chrono::duration_cast<Millis>(Clock::now() - born);
-  std::vector<LostRank> lost = PrefixStore("p", std::make_shared<TCPStore>("127.0.0.1", server.port(), client_opts()))
-                                   .lost_ranks_since(age);
+  std::vector<LostRank> lost =
+      PrefixStore("p", std::make_shared<TCPStore>("127.0.0.1", server.port(), client_opts())).lost_ranks_since(age);
   ASSERT_EQ(lost.size(), 1u);
   EXPECT_EQ(lost[0].rank, 2);
   EXPECT_TRUE(lost[0].replaced);

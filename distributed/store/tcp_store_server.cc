@@ -58,8 +58,8 @@ class StoreServer : public Server {
   struct Conn {
     std::string in;
     std::string out;
-    std::string peer;  // "address:port", for logs and lost-rank reports
-    int rank = -1;     // the rank it speaks for (Hello), -1 for none
+    std::string peer;         // "address:port", for logs and lost-rank reports
+    int rank = -1;            // the rank it speaks for (Hello), -1 for none
     int64_t incarnation = 0;  // the client process's id (Hello), 0 if it sent none
     bool said_bye = false;
     bool greeted = false;
