@@ -15,7 +15,9 @@
 # case 3: every rank names the missing replica and round 1 resumes from disk;
 # there a restart round is expected and a stall is one past STALL_S + the
 # round). KEEP=DIR keeps the logs of every failed run (default /tmp/ember_soak),
-# of every run with KEEP_ALL=1.
+# of every run with KEEP_ALL=1. PAIRS=1 kills two workers at once, one on each
+# host, each with a live replica (ranks 1 and 2, or 0 and 3): both replaced in
+# one generation.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 gpt=$root/bazel-bin/examples/gpt
@@ -68,10 +70,18 @@ for run in $(seq 1 "$runs"); do
   frac="0.$((RANDOM % 10))$((RANDOM % 10))"
   sleep "$frac"
   w=$(worker_of "$rank" "$d/ckpt")
-  if [ -z "$w" ]; then echo "run $run: no worker of rank $rank after step $at; skipped"; wait "${pids[@]}"; continue; fi
+  if [ -n "${PAIRS:-}" ]; then
+    # Two workers on the two hosts at once, each with a live replica
+    # (dp_replicate=2 x dp_shard=2: rank r's replica is r+2 mod 4): 1 and 2, or 0 and 3.
+    other=$((3 - rank))
+    w="$w $(worker_of "$other" "$d/ckpt")"
+    rank="$rank and $other"
+  fi
+  if [ -z "${w// /}" ]; then echo "run $run: no worker of rank $rank after step $at; skipped"; wait "${pids[@]}"; continue; fi
   before=$(lines "$d/m.jsonl")
   t_kill=$(date +%s.%N)
-  kill -9 "$w"
+  # shellcheck disable=SC2086
+  kill -9 $w
   # Training again: a metrics line past the ones there at the kill.
   again=""
   limit=$stall_s

@@ -4,6 +4,7 @@
 #include "distributed/init.h"
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <cstdlib>
 #include <mutex>
@@ -348,6 +349,65 @@ struct State {
 };
 
 constexpr const char* kGenerationKey = "live_recovery/generation";
+// Set once every rank of generation <g> has made its default group: a
+// replacement opens the next generation only after the last one formed.
+std::string formed_key(int64_t g) { return "live_recovery/formed/" + std::to_string(g); }
+
+// The generation a replacement joins. Ranks lost together (two workers on
+// two hosts at once) must all meet in one: the first replacement opens the
+// next generation after the one that formed last, and a replacement that
+// finds a generation still forming (opened by another, the survivors on
+// their way) joins it instead of opening yet another, which would split
+// the ranks over two generations that both wait for the whole world.
+// A live-recovery generation's store while its ranks gather (the world-size
+// check, the backend's address exchange). The store fails a blocking call
+// at once while any rank is lost; here a rank that is lost is usually being
+// replaced (two lost at once: the first replacement gathers before the
+// second's agent has even noticed), so the call waits on, polling, until
+// the rank's replacement connects or the call's own timeout passes (a host
+// that is gone for good: its agent's heartbeat ends the round first).
+// gathered() ends the patience once the default group stands: a loss later
+// must fail fast again (the commit point, peer_lost).
+class GatheringStore : public PrefixStore {
+ public:
+  using PrefixStore::PrefixStore;
+  Bytes get(const std::string& key) override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout();
+    return patiently(deadline, [&] { return PrefixStore::get(key); });
+  }
+  void wait(const std::vector<std::string>& keys, Millis timeout) override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    patiently(deadline, [&] {
+      PrefixStore::wait(
+          keys, std::max(Millis{1}, std::chrono::duration_cast<Millis>(deadline - std::chrono::steady_clock::now())));
+      return 0;
+    });
+  }
+  using PrefixStore::wait;
+  void gathered() { gathering_.store(false); }
+
+ private:
+  template <typename F>
+  auto patiently(std::chrono::steady_clock::time_point deadline, F&& f) -> decltype(f()) {
+    for (;;) {
+      try {
+        return f();
+      } catch (const RankLostError&) {
+        if (!gathering_.load() || std::chrono::steady_clock::now() >= deadline) throw;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+  }
+  std::atomic<bool> gathering_{true};
+};
+
+int64_t generation_to_join(Store& kept) {
+  const int64_t g = kept.add(kGenerationKey, 0);
+  if (!kept.check({formed_key(g)})) return g;
+  const std::string from = std::to_string(g), to = std::to_string(g + 1);
+  const Bytes now = kept.compare_set(kGenerationKey, Bytes(from.begin(), from.end()), Bytes(to.begin(), to.end()));
+  return std::strtoll(std::string(now.begin(), now.end()).c_str(), nullptr, 10);
+}
 
 State& state() {
   static State s;
@@ -429,12 +489,14 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   int64_t generation = 0;
   bool replacement = false;
   std::shared_ptr<Store> kept;
+  std::shared_ptr<GatheringStore> gathering;  // a live-recovery generation's store (generation > 0)
   try {
     if (live && s.kept_store) {
       // A survivor rejoining: the same connection, the generation it waited for.
       kept = s.kept_store;
       generation = s.next_generation;
-      store = std::make_shared<PrefixStore>("generation_" + std::to_string(generation), kept);
+      gathering = std::make_shared<GatheringStore>("generation_" + std::to_string(generation), kept);
+      store = gathering;
       check_world_size(*store, env);
     } else if (!store) {
       // Rank 0 hosts the store; check_world_size then has rank 0 wait for
@@ -455,8 +517,11 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
         kept = store;
         const char* repl = std::getenv("EMBER_LIVE_RECOVERY_REPLACEMENT");
         replacement = repl && std::string(repl) == "1" && !s.replacement_done;
-        generation = kept->add(kGenerationKey, replacement ? 1 : 0);
-        if (generation > 0) store = std::make_shared<PrefixStore>("generation_" + std::to_string(generation), kept);
+        generation = replacement ? generation_to_join(*kept) : kept->add(kGenerationKey, 0);
+        if (generation > 0) {
+          gathering = std::make_shared<GatheringStore>("generation_" + std::to_string(generation), kept);
+          store = gathering;
+        }
       }
       if (env.world_size > 1) check_world_size(*store, env);
     }
@@ -468,6 +533,8 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     pg = make_group(options.backend, std::make_shared<PrefixStore>("default_pg", store), env.rank, env.world_size,
                     pg_options);
     pg->set_name(generation > 0 ? "default@gen" + std::to_string(generation) : "default");
+    if (kept) kept->set(formed_key(generation), std::string("1"));  // every rank says so: the last one counts
+    if (gathering) gathering->gathered();
     std::lock_guard<std::mutex> lock(s.mu);
     s.store = store;
     s.default_pg = pg;
