@@ -28,9 +28,10 @@
 // whether the store itself is gone with rank 0: not on the hot path, one
 // store round trip per second of a long operation. If so it fails the
 // operation at once, naming the rank, and the group is broken. Gloo itself
-// still blocks until its timeout, so a group destroyed in that state leaves
-// its threads running and the object alive for them (a deliberate leak on
-// a failed job) instead of joining them.
+// still blocks until its timeout or until the connections close, so a group
+// destroyed in that state closes them first and is freed once its threads
+// return; one whose threads stay blocked past a grace period is left to
+// them (a deliberate leak) instead of joining them for minutes.
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/alltoall.h>
@@ -276,12 +277,31 @@ class GlooGroup : public ProcessGroup {
   }
 
   // The deleter make_gloo_group gives its shared_ptr (see "Dead peers").
+  // An aborted group, or one failed by the liveness check while Gloo still
+  // blocks, has its connections closed, which fails whatever Gloo blocks
+  // in: its threads are normally idle within milliseconds, and it is freed
+  // like any other (threads joined, sockets closed: live recovery makes a
+  // set of groups per recovery). Only one whose threads are still blocked
+  // after a grace period is left to them.
   static void destroy(GlooGroup* g) {
     if (g->aborted_.load() || (g->abandoned_.load() && g->running_since_.load() != 0)) {
-      g->abandon();
-      return;
+      if (!g->aborted_.exchange(true) && g->context_) g->context_->closeConnections();
+      if (!g->settles(std::chrono::seconds(2))) {
+        g->abandon();
+        return;
+      }
     }
     delete g;
+  }
+
+  // Whether no operation runs in the worker or the p2p threads within `grace`.
+  bool settles(Millis grace) {
+    const auto until = PgClock::now() + grace;
+    for (;;) {
+      if (running_since_.load() == 0 && p2p_busy_.load() == 0) return true;
+      if (PgClock::now() >= until) return false;
+      std::this_thread::sleep_for(Millis{5});
+    }
   }
 
   ~GlooGroup() override {
@@ -803,6 +823,7 @@ class GlooGroup : public ProcessGroup {
         if (queue.empty()) return;
         p = std::move(queue.front());
         queue.pop_front();
+        p2p_busy_.fetch_add(1);
       }
       const auto start = p.deadline - capped(options_.timeout);
       try {
@@ -816,6 +837,7 @@ class GlooGroup : public ProcessGroup {
       } catch (...) {
         fail(p.work, std::current_exception(), start);
       }
+      p2p_busy_.fetch_sub(1);
     }
   }
 
@@ -839,6 +861,7 @@ class GlooGroup : public ProcessGroup {
   std::condition_variable p2p_cv_;
   std::deque<Pending> p2p_sends_, p2p_recvs_;
   bool p2p_stop_ = false;
+  std::atomic<int> p2p_busy_{0};  // transfers a p2p thread is waiting on
 
   std::thread worker_, p2p_send_thread_, p2p_recv_thread_;
 

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <string>
 #include <thread>
@@ -502,6 +503,50 @@ EMBER_WORKER(peer_aborts) {
   WCHECK(has(msg, "allreduce (collective #1"), "allreduce with an aborted peer must fail naming it: ", msg);
   WCHECK(took < Millis{5000}, "failed after ", took.count(), " ms: not at once (the timeout is 60 s)");
   pg.reset();
+}
+
+// Live recovery makes and aborts a set of groups per recovery: an aborted
+// group, destroyed, releases its threads and sockets (they are counted in
+// /proc before and after 20 rounds of: the last rank aborts, the others'
+// allreduce fails and they abort too, as abort_for_recovery does).
+int count_entries(const char* dir) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) n += e.path().filename() != "." ? 1 : 0;
+  return n;
+}
+
+EMBER_WORKER(abort_cycles) {
+  const int threads_before = count_entries("/proc/self/task"), fds_before = count_entries("/proc/self/fd");
+  for (int i = 0; i < 20; ++i) {
+    ProcessGroupOptions o;
+    o.timeout = std::chrono::seconds(60);
+    o.check_signatures = false;
+    auto pg = make_gloo_group(std::make_shared<PrefixStore>("cycle" + std::to_string(i), env.store()), env.rank,
+                              env.world_size, o);
+    Tensor x = full({100}, 1.0);
+    pg->allreduce(x)->wait();
+    if (pg->rank() == pg->size() - 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      pg->abort();
+    } else {
+      std::string msg = error_of([&] { pg->allreduce(x)->wait(); });
+      WCHECK(!msg.empty(), "cycle ", i, ": the allreduce with an aborted peer must fail");
+      pg->abort();
+    }
+    pg.reset();
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const int threads_after = count_entries("/proc/self/task"), fds_after = count_entries("/proc/self/fd");
+  WCHECK(threads_after <= threads_before + 1, "threads: ", threads_before, " before 20 aborted groups, ", threads_after,
+         " after (each group has 4-5: they must be joined, not left)");
+  WCHECK(fds_after <= fds_before + 2, "file descriptors: ", fds_before, " before 20 aborted groups, ", fds_after,
+         " after (each group's connections must be closed)");
+  std::cout << "rank " << env.rank << ": threads " << threads_before << " -> " << threads_after << ", fds "
+            << fds_before << " -> " << fds_after << " over 20 aborted groups\n";
+}
+
+TEST(GlooProcessGroup, AbortedGroupsReleaseTheirThreadsAndSockets) {
+  EMBER_EXPECT_RANKS("abort_cycles", 3, {.deadline = std::chrono::seconds(60)});
 }
 
 // The victim never calls the collective (it sleeps past the timeout).
