@@ -226,12 +226,33 @@ LiveRecovery recover_live_state(const LiveState* kept, nn::Module& model, optim:
   if (source[rank] >= 0) {
     out.source = source[rank];
     received = receive_state(pg, source[rank], &out.bytes_received);
-    EMBER_CHECK(received.step == newest, "live recovery: rank ", rank, " received step ", received.step, " from rank ",
-                source[rank], ", expected ", newest);
   }
   for (auto& w : sends) w->wait();
+  // A state that does not fit (another model or mesh) fails its checks on
+  // the receiving rank only. Every rank learns of it here, in one small
+  // collective, and stops at once naming that rank, instead of going on to
+  // its next step's collective and waiting there for a rank that never
+  // comes (until the timeout).
+  std::string failure;
   const LiveState& applied = source[rank] >= 0 ? received : *kept;
-  apply_state(applied, model, opt, sched, scaler, rank);
+  try {
+    EMBER_CHECK(source[rank] < 0 || received.step == newest, "live recovery: rank ", rank, " received step ",
+                received.step, " from rank ", source[rank], ", expected ", newest);
+    apply_state(applied, model, opt, sched, scaler, rank);
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  Tensor ok = Tensor::from_vector({failure.empty() ? 1.0 : 0.0}, {1}, DType::Int64).to(pg.device());
+  Tensor oks = empty({world}, TensorOptions(DType::Int64, pg.device()));
+  pg.allgather_into_tensor(oks, ok)->wait();
+  oks = oks.to(kCPU);
+  std::string failed;
+  for (int r = 0; r < world; ++r)
+    if (!oks.data<int64_t>()[r]) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+  if (!failure.empty()) throw Error(failure);
+  if (!failed.empty())
+    throw Error("live recovery: rank(s) " + failed + " could not take the training state of step " +
+                std::to_string(newest) + " (each names why in its own log); resume from a checkpoint instead");
   out.extra = applied.extra;
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return out;

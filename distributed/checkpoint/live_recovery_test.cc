@@ -7,9 +7,11 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/ops.h"
@@ -96,7 +98,9 @@ LiveState deep_copy(const LiveState& s) {
 }
 
 // arg: "victim=R" (that rank keeps nothing), "behind=R" (that rank keeps
-// the step before), "flat" (FSDP over all 4 ranks: no replica).
+// the step before), "flat" (FSDP over all 4 ranks: no replica), "misfit"
+// (the victim applies what it receives to a model it does not fit: an
+// unsharded copy; it then stays alive 4 s, as a slow rank would).
 EMBER_WORKER(live_recover) {
   mp::init_world(env, std::chrono::seconds(30));
   const auto arg = mp::parse_arg(env.arg);
@@ -123,6 +127,30 @@ EMBER_WORKER(live_recover) {
   }  // the old model and optimizer go; `kept` holds their tensors
   Trainer fresh(99, shape);
   auto pg = default_group();
+  if (arg.count("misfit")) {
+    Net unsharded(99);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string err;
+    try {
+      recover_live_state(env.rank == victim ? nullptr : &kept, env.rank == victim ? unsharded : *fresh.net,
+                         *fresh.opt, fresh.sched.get(), nullptr, *pg, replicas_along(*fresh.mesh, "dp_replicate"));
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (env.rank == victim) {
+      WCHECK(err.find("live recovery: rank " + std::to_string(victim) + ": ") != std::string::npos &&
+                 err.find("(another mesh or model?)") != std::string::npos,
+             "the victim names its misfit: ", err);
+      std::this_thread::sleep_for(std::chrono::seconds(4));
+    } else {
+      WCHECK(err.find("live recovery: rank(s) " + std::to_string(victim) + " could not take the training state") !=
+                 std::string::npos,
+             "rank ", env.rank, " names the rank that could not take its state: '", err, "'");
+      WCHECK(took < 2.0, "rank ", env.rank, " stopped ", took, " s after the recovery began: not at once");
+    }
+    return;
+  }
   const LiveRecovery r =
       recover_live_state(env.rank == victim ? nullptr : &kept, *fresh.net, *fresh.opt, fresh.sched.get(), nullptr, *pg,
                          replicas_along(*fresh.mesh, "dp_replicate"));
@@ -156,6 +184,13 @@ TEST(LiveRecovery, ReplacementTakesItsReplicasStateAndTrainingContinuesBitwise) 
 
 TEST(LiveRecovery, SurvivorOneStepBehindCatchesUpFromItsReplica) {
   EMBER_EXPECT_RANKS("live_recover", 4, {.arg = "behind=3"});
+}
+
+// The victim's state does not fit its model: every rank stops at once,
+// naming it, though the victim stays alive (without the shared verdict the
+// others would wait for it in their next collective).
+TEST(LiveRecovery, AStateThatDoesNotFitStopsEveryRankAtOnce) {
+  EMBER_EXPECT_RANKS("live_recover", 4, {.deadline = std::chrono::seconds(60), .arg = "victim=1,misfit=1"});
 }
 
 TEST(LiveRecovery, NoReplicaIsAnErrorOnEveryRank) {
