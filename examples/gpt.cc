@@ -521,6 +521,19 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
         job.pg, distributed::StragglerOptions{.every = flags.straggler_every, .threshold = flags.straggler_threshold});
     s.straggler = &*straggler;
   }
+  // A save that a live recovery cut short (the fault came during step
+  // `first`'s save, and the survivors kept that step's state): made now, or
+  // that step's checkpoint would be missing for good. Decided together: the
+  // save is collective, and a rank that sees it missing is enough.
+  if (flags.save_every > 0 && first > 0 && first % flags.save_every == 0 && first < flags.max_steps) {
+    const bool here = std::filesystem::exists(flags.common.checkpoint_dir + "/step_" + std::to_string(first));
+    Tensor missing = Tensor::from_vector({here ? 0.0 : 1.0}, {1}, DType::Float64).to(device);
+    job.pg->allreduce(missing, distributed::ReduceOp::Max)->wait();
+    if (missing.to(kCPU).item() > 0) {
+      LOG0("step ", first, "'s checkpoint is missing (its save was cut short); saving it now");
+      save(first);
+    }
+  }
   while (s.step < flags.max_steps) {
     const auto step_start = Clock::now();
     alloc->reset_peak_stats();

@@ -8,13 +8,17 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -147,24 +151,51 @@ inline std::string batch_digest(const Corpus& c, const std::vector<int64_t>& sta
   return buf;
 }
 
-// --metrics: one JSON line per optimizer step, written by rank 0.
+// --metrics: one JSON line per optimizer step, written by rank 0; after a
+// restart or resume still one line per step, the run's that counts.
 class MetricsLog {
  public:
-  // Opens `path` (appending after a resume). Steps a live recovery continues
-  // after without their line (the fault came between the optimizer step and
-  // the line) get one with their batch's digest and a null loss.
+  // Opens `path`. A fresh run starts it anew. A run that resumes at `step`
+  // (--resume, a launcher's restart: EMBER_RESTART_COUNT > 0, a live
+  // recovery) keeps the lines of steps up to `step` and drops those of the
+  // steps after it, which it is about to redo (the file is rewritten whole,
+  // then appended to), so no step has two lines; the lines it writes carry
+  // "restart": R, marking where restarts took over, and a step trained again
+  // "redone": true. Steps a live recovery
+  // continues after without their line (the fault came between the
+  // optimizer step and the line) get one with their batch's digest and a
+  // null loss.
   MetricsLog(const std::string& path, bool writer, int64_t step,
              const std::function<std::string(int64_t step)>& digest_of) {
     if (path.empty() || !writer) return;
+    const char* rc = std::getenv("EMBER_RESTART_COUNT");
+    restart_ = rc ? std::atoi(rc) : 0;
     int64_t written = 0;
-    if (step > 0)
+    if (step > 0 || restart_ > 0) {
+      std::vector<std::string> kept;
       for (std::ifstream in(path); in;) {
         std::string line;
-        const auto j = std::getline(in, line) ? nlohmann::json::parse(line, nullptr, false) : nlohmann::json();
-        if (j.is_object() && j.contains("step") && j["step"].is_number_integer())
-          written = std::max(written, j["step"].get<int64_t>());
+        if (!std::getline(in, line)) break;
+        const auto j = nlohmann::json::parse(line, nullptr, false);
+        if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer()) continue;
+        const int64_t k = j["step"].get<int64_t>();
+        if (k > step) {  // redone from here: the new line replaces it
+          redone_.insert(k);
+          continue;
+        }
+        written = std::max(written, k);
+        kept.push_back(line);
       }
-    out_.open(path, step > 0 ? std::ios::app : std::ios::trunc);
+      const std::string tmp = path + ".tmp";
+      {
+        std::ofstream out(tmp, std::ios::trunc);
+        for (const auto& l : kept) out << l << "\n";
+        EMBER_CHECK(out.flush(), "--metrics: cannot write ", tmp);
+      }
+      EMBER_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "--metrics: cannot replace ", path, " with ", tmp, ": ",
+                  std::strerror(errno));
+    }
+    out_.open(path, step > 0 || restart_ > 0 ? std::ios::app : std::ios::trunc);
     EMBER_CHECK(out_, "--metrics: cannot write ", path);
     for (int64_t k = written + 1; step > 0 && written > 0 && k <= step; ++k)
       out_ << nlohmann::json{{"step", k},
@@ -199,11 +230,15 @@ class MetricsLog {
         // wall clock: timelines of restarts across processes
         {"time", std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count()}};
     for (const auto& [k, v] : extra.items()) line[k] = v;
+    if (restart_ > 0) line["restart"] = restart_;
+    if (redone_.count(step)) line["redone"] = true;  // an earlier attempt had trained it too
     out_ << line.dump() << "\n" << std::flush;
   }
 
  private:
   std::ofstream out_;
+  int restart_ = 0;           // EMBER_RESTART_COUNT: the launcher's attempt that writes
+  std::set<int64_t> redone_;  // steps whose earlier line was dropped
 };
 
 // The step's expert load for --metrics, collective over `pg` (the world):

@@ -6,11 +6,14 @@
 // reaches STAGE (sharded_rank_written,
 // sharded_before_index, sharded_before_rename, exchanged, old_moved_aside or
 // renamed; old_moved_aside also turns off the atomic rename exchange, so that
-// path is taken). Installed before main() through the checkpoint's test seam
+// path is taken); with EMBER_FAULT_ONCE=FILE only the first time. Installed
+// before main() through the checkpoint's test seam
 // (distributed::testing::CheckpointSaveHooks); inert without the variable.
 #include <signal.h>
+#include <unistd.h>
 
 #include <cstdlib>
+#include <fstream>
 #include <string>
 
 #include "core/exception.h"
@@ -34,7 +37,14 @@ bool install() {
     const char* rank = std::getenv("RANK");
     const bool epoch =
         dir.size() >= suffix.size() && dir.compare(dir.size() - suffix.size(), suffix.size(), suffix) == 0;
-    if (at == stage && epoch && rank && std::string(rank) == "0") ::raise(SIGKILL);
+    if (!(at == stage && epoch && rank && std::string(rank) == "0")) return;
+    // EMBER_FAULT_ONCE=FILE: only the first time (a replacement that saves
+    // the same checkpoint again must not die too); FILE marks it done.
+    if (const char* once = std::getenv("EMBER_FAULT_ONCE"); once && *once) {
+      if (::access(once, F_OK) == 0) return;
+      std::ofstream(once) << "fired\n";
+    }
+    ::raise(SIGKILL);
   };
   ember::distributed::testing::set_checkpoint_save_hooks(std::move(hooks));
   return true;

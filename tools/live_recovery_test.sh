@@ -20,10 +20,15 @@
 #     worker: a worker killed at a random time in epoch 2 or 3 of 3 is
 #     replaced in place and the run continues mid-epoch; the last
 #     checkpoint is byte for byte the uninterrupted run's.
+#  5. Rank 0 killed in the middle of step 20's save (its pieces written,
+#     nothing committed): replaced in place, the save is made again, so
+#     step_20 is there at the end; the killed save's directory is gone and
+#     --metrics holds each step once.
 set -euo pipefail
 gpt=$1
 launch=$2
 resnet=$3
+gpt_faults=$4
 tmp=$(mktemp -d)
 pids=()
 cleanup() {
@@ -181,7 +186,7 @@ assert resumed, "no resume from disk"
 t_res, at = float(resumed[0][0]), int(resumed[0][1])
 again = min(r["time"] for r in recs if r["time"] > t_res)
 print(f"live recovery 3 (no replica): the replacement named it, round 1 resumed from step {at} on disk; "
-      f"training again {again - t_kill:.2f} s after the kill, {len(recs) - len(ref)} step(s) redone")
+      f"training again {again - t_kill:.2f} s after the kill, {sum(1 for r in recs if r.get('redone'))} step(s) redone")
 assert again - t_kill <= 15, again - t_kill
 PY
 # ---- 4. resnet_ddp: a worker killed mid-run, replaced in place ----
@@ -210,4 +215,33 @@ cont=$(grep -ho "live recovery: generation 1, continuing from step [0-9]* (epoch
 [ -n "$cont" ] || fail "resnet: no live recovery"
 for f in "$tmp"/rref/epoch_3/*; do cmp -s "$f" "$tmp/rlive/epoch_3/$(basename "$f")" || fail "resnet: $(basename "$f") differs"; done
 echo "live recovery 4 (resnet_ddp): $cont; the last checkpoint byte for byte the uninterrupted run's"
+
+# ---- 5. a save cut short by the fault: made again after the recovery ----
+pids=()
+args=("${args[@]/--tp/--dp-replicate}")  # the HSDP mesh again
+p5=$(port)
+for n in s1 s2; do
+  (set +e; EMBER_FAULT_CHECKPOINT=sharded_rank_written:step_20 EMBER_FAULT_ONCE="$tmp/fired" "$launch" --nnodes 1:2 \
+     --nproc-per-node 2 --max-restarts 3 --rdzv-endpoint 127.0.0.1:"$p5" --rdzv-id cutsave \
+     --rdzv-conf last_call_timeout=1,heartbeat_timeout=5 --live-recovery -- "$gpt_faults" "${args[@]}" --max-steps 40 \
+     --checkpoint-dir "$tmp/cutsave" --metrics "$tmp/cutsave.jsonl" 2>&1 | stamp > "$tmp/$n.log"
+   echo "rc=${PIPESTATUS[0]}" >> "$tmp/$n.log") &
+  pids+=($!)
+  sleep 0.3
+done
+wait "${pids[@]}" || true
+for n in s1 s2; do grep -q "rc=0" "$tmp/$n.log" || fail "cut save: agent $n"; done
+[ -f "$tmp/fired" ] || fail "cut save: the fault did not fire"
+grep -q "replacing it in place" "$tmp/s1.log" "$tmp/s2.log" || fail "cut save: no replacement in place"
+grep -q "step 20's checkpoint is missing (its save was cut short); saving it now" "$tmp/s1.log" "$tmp/s2.log" ||
+  fail "cut save: the save was not made again"
+[ -f "$tmp/cutsave/step_20/index.json" ] || fail "cut save: step_20 is missing"
+left=$(cd "$tmp/cutsave" && ls -d ./*.tmp-* 2>/dev/null || true)
+[ -z "$left" ] || fail "cut save: the killed save's directory was left: $left"
+python3 -c "
+import json, sys
+steps = [json.loads(l)['step'] for l in open('$tmp/cutsave.jsonl')]
+sys.exit(steps != list(range(1, 41)))" || fail "cut save: --metrics does not hold each step once"
+echo "live recovery 5: rank 0 killed mid-save of step 20, replaced in place; the save made again, the killed" \
+  "save's directory removed, each step's metrics line once"
 echo "PASS"

@@ -36,7 +36,33 @@ for x in ref:
     y = steps[x["step"]]
     assert (x["batch_digest"], x["loss"], x["grad_norm"]) == (y["batch_digest"], y["loss"], y["grad_norm"]), (x, y)
 assert sys.argv[3].split("validation loss")[1] == sys.argv[4].split("validation loss")[1], sys.argv[3:]
+# One line per step; the restart's lines marked.
+assert [(r["step"], r.get("restart", 0)) for r in run] == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 1), (6, 1)], run
 print("restart: killed after step 4's checkpoint, restarted, resumed at step 4, ended as the uninterrupted run")
+PY
+# Killed in the middle of the first save (step 2's pieces written, nothing
+# committed): the restart starts from step 0. --metrics holds one line per
+# step, the restart's, marked (the killed attempt's steps 1-2 as redone),
+# and the killed save's step_2.tmp-PID directory is removed by the next
+# successful save (its owner is provably dead).
+out=$(EMBER_FAULT_CHECKPOINT=sharded_rank_written:step_2 EMBER_FAULT_ONCE="$tmp/fired" "$launch" --nproc_per_node=2 \
+      --master_port=0 --max-restarts=1 -- "$gpt" "${args[@]}" --checkpoint-dir "$tmp/early" \
+      --metrics "$tmp/early.jsonl" 2>&1) || { echo "$out"; exit 1; }
+grep -q "launch: restarting the workers (restart 1 of 1)" <<<"$out" || { echo "$out"; echo "no restart"; exit 1; }
+[ -f "$tmp/fired" ] || { echo "the fault did not fire"; exit 1; }
+left=$(cd "$tmp/early" && ls -d ./*.tmp-* 2>/dev/null || true)
+[ -z "$left" ] || { echo "a killed save's directory was left behind: $left"; exit 1; }
+python3 - "$tmp/ref.jsonl" "$tmp/early.jsonl" <<'PY'
+import json, sys
+ref = [json.loads(l) for l in open(sys.argv[1])]
+run = [json.loads(l) for l in open(sys.argv[2])]
+assert [r["step"] for r in run] == list(range(1, 7)), ("one line per step", [r["step"] for r in run])
+assert all(r.get("restart") == 1 for r in run), run
+assert [r["step"] for r in run if r.get("redone")] == [1, 2], run
+for x, y in zip(ref, run):
+    assert (x["batch_digest"], x["loss"]) == (y["batch_digest"], y["loss"]), (x, y)
+print("restart before the first checkpoint: one line per step (steps 1-2 marked redone), the killed save's "
+      "directory removed, the run as uninterrupted")
 PY
 # //examples:resnet_ddp likewise: killed after epoch 1's checkpoint, it
 # comes back at epoch 1 and finishes epoch 2.

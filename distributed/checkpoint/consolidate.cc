@@ -79,6 +79,7 @@ absl::Status consolidate_checkpoint(const std::string& dir_in, const std::string
     const std::string tmp = out + ".tmp-" + std::to_string(::getpid());
     fs::remove_all(tmp);
     fs::create_directories(tmp);
+    checkpoint_internal::claim_tmp_dir(tmp);
     const std::map<std::string, std::string> meta = {{"format", "pt"}};
     absl::Status s = save_safetensors(tmp + "/model.safetensors", model_items, meta);
     if (s.ok() && !index_of.empty()) s = save_safetensors(tmp + "/optimizer.safetensors", opt_items, meta);

@@ -132,8 +132,8 @@ EMBER_WORKER(live_recover) {
     const auto t0 = std::chrono::steady_clock::now();
     std::string err;
     try {
-      recover_live_state(env.rank == victim ? nullptr : &kept, env.rank == victim ? unsharded : *fresh.net,
-                         *fresh.opt, fresh.sched.get(), nullptr, *pg, replicas_along(*fresh.mesh, "dp_replicate"));
+      recover_live_state(env.rank == victim ? nullptr : &kept, env.rank == victim ? unsharded : *fresh.net, *fresh.opt,
+                         fresh.sched.get(), nullptr, *pg, replicas_along(*fresh.mesh, "dp_replicate"));
     } catch (const std::exception& e) {
       err = e.what();
     }

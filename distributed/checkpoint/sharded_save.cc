@@ -271,6 +271,7 @@ absl::Status write_staged(const std::string& dir, const Staged& staged, ProcessG
       if (!parent.empty()) fs::create_directories(parent, ec);
       fs::remove_all(tmp, ec);  // a leftover of a crashed save with the same pid
       if (!fs::create_directories(tmp, ec)) error = absl::StrCat("cannot create '", tmp, "': ", ec.message());
+      if (error.empty()) checkpoint_internal::claim_tmp_dir(tmp);
     }
     if (std::string failed = agree_on_errors(pg, error); !failed.empty()) {
       remove_tmp();
