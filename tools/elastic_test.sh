@@ -143,6 +143,33 @@ print(f"elastic 2: rounds {[(int(r), int(w)) for t, r, w in rounds]}; all {len(s
 assert recover <= 15, recover
 PY
 
+# ---- an agent frozen (SIGSTOP) past the heartbeat timeout, woken after the
+# job finished without it: it exits 0 saying so, and the store it lost is
+# named as the serving agent's, not "rank 0" ----
+pids=()
+pf=$(port)
+for n in f1 f2; do
+  (set +e; "$launch" --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-endpoint 127.0.0.1:"$pf" --rdzv-id frozen \
+     --rdzv-conf last_call_timeout=1,heartbeat_timeout=2 -- "$gpt" "${args[@]}" --max-steps 300 \
+     --checkpoint-dir "$tmp/frozen" --metrics "$tmp/frozen.jsonl" > "$tmp/$n.log" 2>&1; echo "rc=$?" >> "$tmp/$n.log") &
+  pids+=($!)
+  sleep 0.3
+done
+wait_for "$tmp/frozen.jsonl" '"step":10,' 60
+victim=$(launcher_of frozen "${pids[1]}")
+[ -n "$victim" ] || fail "frozen: no launcher of the second agent"
+kill -STOP "$victim"
+wait "${pids[0]}" || true
+grep -q "rc=0" "$tmp/f1.log" || fail "frozen: the first agent did not finish alone"
+kill -CONT "$victim"
+wait "${pids[1]}" || true
+grep -q "rc=0" "$tmp/f2.log" || fail "frozen: the woken agent did not exit 0"
+grep -q "this agent was stopped for [0-9]* s .*the job finished or went on without this node" "$tmp/f2.log" ||
+  fail "frozen: the woken agent did not say why it ends"
+grep -q "did the agent serving the rendezvous store on 127.0.0.1" "$tmp/f2.log" || fail "frozen: the store not named"
+! grep "^launch:" "$tmp/f2.log" | grep -q "usually rank 0" || fail "frozen: the agent's store called rank 0's"
+echo "elastic frozen: an agent stopped past the heartbeat timeout and woken after the job ended exits 0, saying so"
+
 # ---- //examples:resnet_ddp under the agents: a worker killed after epoch 1's
 # checkpoint; the next round resumes at epoch 1 and finishes epoch 2 ----
 pids=()

@@ -183,9 +183,24 @@ class Agent {
     } catch (const AgentExit& e) {
       return e.status;
     } catch (const Error& e) {
+      if (woken_after_the_end(e.what())) return 0;
       say("rendezvous " + o_.rdzv_id + " at " + endpoint() + ": " + e.what());
       return 1;
     }
+  }
+
+  // An agent woken after the others went on without it (its heartbeat had
+  // stopped while it was frozen) that finds the TCP store gone: the store
+  // went with the job's end (its agent leaves once every live member has),
+  // or with that agent's host; either way nothing is left for this node,
+  // as for a node that waits past a round that finished (exit 0, saying
+  // so). Under etcd the store outlives the agents: the job's end is read.
+  bool woken_after_the_end(const std::string& why) {
+    if (frozen_for_.count() == 0 || serving_ || etcd_) return false;
+    say("this agent was stopped for " + std::to_string(frozen_for_.count() / 1000) +
+        " s (SIGSTOP, a debugger, or starved) and the rendezvous store at " + endpoint() + " is gone meanwhile (" +
+        why + "): the job finished or went on without this node; nothing left to do here");
+    return true;
   }
 
   static std::string hostname() {
@@ -249,6 +264,7 @@ class Agent {
     c.timeout = timeout;
     c.connect_timeout = o_.join_timeout;
     c.token = token_;  // the user's EMBER_STORE_TOKEN: only this job's agents get in
+    c.server = "the agent serving the rendezvous store on " + o_.endpoint_host + " (the job's first agent there)";
     store_ = std::make_unique<TCPStore>(o_.endpoint_host, o_.endpoint_port, c);
   }
 
@@ -473,13 +489,26 @@ class Agent {
     std::string why;  // why this agent stopped its workers (written before `verdict`)
     std::atomic<bool> verdict{false}, workers_done{false};
     std::thread monitor([&] {
+      // A gap between two wake-ups far past their period: this process was
+      // stopped (SIGSTOP, a debugger) or starved, and the others saw its
+      // heartbeat stop. Seen at the first wake-up, before the worker loop
+      // (which joins this thread) goes on.
+      auto last = Clock::now();
+      auto frozen = [&] {
+        if (const auto gap = Clock::now() - last; gap > o_.heartbeat_timeout)
+          frozen_for_ = std::max(frozen_for_, std::chrono::duration_cast<milliseconds>(gap));
+        last = Clock::now();
+      };
       while (!workers_done.load()) {
+        frozen();
         if (round_should_stop(R, nodes, beats, &why)) {
           verdict.store(true);
           return;
         }
-        for (auto t = Clock::now(); Clock::now() - t < kMonitor && !workers_done.load();)
+        for (auto t = Clock::now(); Clock::now() - t < kMonitor && !workers_done.load();) {
           std::this_thread::sleep_for(milliseconds(20));
+          frozen();
+        }
       }
     });
     const std::function<bool()> stop = [&] { return verdict.load(); };
@@ -669,6 +698,7 @@ class Agent {
   // job is over for it, or -1 for the next round. A failure counts against
   // the restarts once per round.
   int round_outcome(int64_t R, const WorkersResult& r, const std::string& why) {
+    if (store_lost_ && woken_after_the_end(why)) return 0;
     if (store_lost_) {
       say("lost the rendezvous store at " + endpoint() +
           (etcd_ ? " (the cluster did not serve this agent within the heartbeat timeout)"
@@ -774,6 +804,7 @@ class Agent {
   std::vector<std::string> argv_;
   std::string path_, prefix_, addr_, token_;
   bool local_ = false, serving_ = false, store_lost_ = false;
+  milliseconds frozen_for_{0};  // the longest this agent was found stopped while its workers ran
   std::unique_ptr<Store> store_;
   EtcdStore* etcd_ = nullptr;  // store_, when the backend is etcd
   std::string alive_key_;      // this agent's leased key (etcd)

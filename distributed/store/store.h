@@ -131,6 +131,8 @@ struct TCPStoreOptions {
   // c10d does (EMBER_STORE_LISTEN_ALL=1), for hosts whose own name resolves
   // to a loopback address that other machines cannot reach.
   bool listen_on_all = false;
+  // Who serves the store, for clients' errors ("did <server> exit?").
+  std::string server = "the process hosting it, usually rank 0";
 };
 
 // One server thread (in the process with is_server) and one socket per

@@ -141,8 +141,8 @@ struct TCPStore::Impl {
       backoff = std::min(backoff * 2, Millis{1000});
     }
     throw Error("TCPStore: could not connect to the store at " + address() + " within " +
-                std::to_string(timeout.count()) + " ms (last error: " + last_error +
-                "); is the server process (rank 0, is_server=true) running and reachable at that address?");
+                std::to_string(timeout.count()) + " ms (last error: " + last_error + "); is the store's server (" +
+                options.server + ") running and reachable at that address?");
   }
 
   bool try_connect(Clock::time_point deadline, std::string* error) {
@@ -339,13 +339,13 @@ struct TCPStore::Impl {
     if (rr == RecvResult::Timeout) {
       disconnect();
       throw Error("TCPStore " + address() + ": " + what + ": no reply from the store server within " +
-                  std::to_string(reply_within.count()) +
-                  " ms (the process hosting it, usually rank 0, is stopped or stuck, or its host is unreachable)");
+                  std::to_string(reply_within.count()) + " ms (" + options.server +
+                  " is stopped or stuck, or its host is unreachable)");
     }
     if (rr == RecvResult::Closed) {
       disconnect();
-      throw Error("TCPStore " + address() + ": " + what +
-                  ": the store server closed the connection (did the rank hosting it, usually rank 0, exit?)");
+      throw Error("TCPStore " + address() + ": " + what + ": the store server closed the connection (did " +
+                  options.server + " exit?)");
     }
     return body;
   }
