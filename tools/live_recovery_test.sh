@@ -61,6 +61,8 @@ agent() {
   pids+=($!)
 }
 lines() { [ -f "$1" ] && wc -l < "$1" || echo 0; }
+# LIVE_RECOVERY_TEST_ONLY=N runs case N alone (repeated runs of one case).
+want() { [ -z "${LIVE_RECOVERY_TEST_ONLY:-}" ] || [ "$LIVE_RECOVERY_TEST_ONLY" = "$1" ]; }
 wait_lines() {  # FILE N: until the metrics file has N lines
   for _ in $(seq 1 600); do [ "$(lines "$1")" -ge "$2" ] && return 0; sleep 0.05; done
   fail "$1 never reached $2 lines"
@@ -82,6 +84,7 @@ kill_rank() {  # RANK CKPT_DIR: SIGKILL it, print the time
 }
 
 # ---- 1. rank 0, then another rank, killed: replaced in place ----
+if want 1; then
 p1=$(port)
 agent a1 "$p1" live
 sleep 0.3
@@ -129,7 +132,10 @@ print("live recovery 1: " + "; ".join(out) + f"; all {len(recs)} steps once, los
 PY
   fail "live recovery metrics"
 
+fi
+
 # ---- 2. a whole agent killed: no replacement in place, a round at 2 ranks ----
+if want 2; then
 pids=()
 p3=$(port)
 agent a3 "$p3" host
@@ -160,7 +166,10 @@ print(f"live recovery 2 (a host lost): a round at 2 ranks from the checkpoint, t
 assert again - t_kill <= 15 + 5, again - t_kill
 PY
 
+fi
+
 # ---- 3. no replica: the replacement cannot recover live; a round resumes from disk ----
+if want 3; then
 pids=()
 args=("${args[@]/--dp-replicate/--tp}")  # --tp 2 --dp-shard -1: tensor parallel pairs, no replica
 p2=$(port)
@@ -189,7 +198,10 @@ print(f"live recovery 3 (no replica): the replacement named it, round 1 resumed 
       f"training again {again - t_kill:.2f} s after the kill, {sum(1 for r in recs if r.get('redone'))} step(s) redone")
 assert again - t_kill <= 15, again - t_kill
 PY
+fi
+
 # ---- 4. resnet_ddp: a worker killed mid-run, replaced in place ----
+if want 4; then
 pids=()
 rargs=(--data synthetic --epochs 3 --max-steps 12 --eval-size 500 --batch-size 32)
 "$launch" --nproc_per_node=2 --master_port=0 -- "$resnet" "${rargs[@]}" --checkpoint-dir "$tmp/rref" \
@@ -216,7 +228,10 @@ cont=$(grep -ho "live recovery: generation 1, continuing from step [0-9]* (epoch
 for f in "$tmp"/rref/epoch_3/*; do cmp -s "$f" "$tmp/rlive/epoch_3/$(basename "$f")" || fail "resnet: $(basename "$f") differs"; done
 echo "live recovery 4 (resnet_ddp): $cont; the last checkpoint byte for byte the uninterrupted run's"
 
+fi
+
 # ---- 5. a save cut short by the fault: made again after the recovery ----
+if want 5; then
 pids=()
 args=("${args[@]/--tp/--dp-replicate}")  # the HSDP mesh again
 p5=$(port)
@@ -244,4 +259,5 @@ steps = [json.loads(l)['step'] for l in open('$tmp/cutsave.jsonl')]
 sys.exit(steps != list(range(1, 41)))" || fail "cut save: --metrics does not hold each step once"
 echo "live recovery 5: rank 0 killed mid-save of step 20, replaced in place; the save made again, the killed" \
   "save's directory removed, each step's metrics line once"
+fi
 echo "PASS"

@@ -241,7 +241,7 @@ void ignore_sigpipe_unless_handled() {
 class GlooGroup : public ProcessGroup {
  public:
   GlooGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options)
-      : ProcessGroup(rank, size), store_(std::move(store)), options_(options), born_(PgClock::now()) {
+      : ProcessGroup(rank, size), store_(std::move(store)), options_(options) {
     static std::atomic<int> groups{0};  // creation order: the same on every rank that makes the same groups
     group_label_ = "gloo group " + std::to_string(groups.fetch_add(1)) + ", rank " + std::to_string(rank) + " of " +
                    std::to_string(size);
@@ -254,6 +254,9 @@ class GlooGroup : public ProcessGroup {
         context_->setTimeout(capped(options_.timeout));
         auto gloo_store = make_gloo_store(std::make_shared<PrefixStore>("gloo", store_));
         context_->connectFullMesh(*gloo_store, device_);
+        // Born once connected: a rank lost (and replaced) while the group
+        // formed is not one of its peers.
+        born_ = PgClock::now();
       } catch (const std::exception& e) {
         throw Error(::ember::detail::str_cat("make_gloo_group: rank ", rank, " of ", size,
                                              " could not connect to its peers within ", options_.timeout.count(),
@@ -298,7 +301,12 @@ class GlooGroup : public ProcessGroup {
   bool settles(Millis grace) {
     const auto until = PgClock::now() + grace;
     for (;;) {
-      if (running_since_.load() == 0 && p2p_busy_.load() == 0) return true;
+      bool queued = false;
+      {
+        std::lock_guard<std::mutex> lock(p2p_mu_);
+        queued = !p2p_sends_.empty() || !p2p_recvs_.empty();
+      }
+      if (running_since_.load() == 0 && p2p_busy_.load() == 0 && !queued) return true;
       if (PgClock::now() >= until) return false;
       std::this_thread::sleep_for(Millis{5});
     }
@@ -872,7 +880,7 @@ class GlooGroup : public ProcessGroup {
   std::mutex live_mu_;
   std::condition_variable live_cv_;
   bool live_stop_ = false;
-  const PgClock::time_point born_;  // losses before it are not this group's (lost_ranks_since)
+  PgClock::time_point born_ = PgClock::now();  // losses before it are not this group's (lost_ranks_since)
   std::thread liveness_;
   std::atomic<bool> abandoned_{false};  // the liveness check failed an operation Gloo still blocks in
 };

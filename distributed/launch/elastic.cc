@@ -197,6 +197,11 @@ class Agent {
   // so). Under etcd the store outlives the agents: the job's end is read.
   bool woken_after_the_end(const std::string& why) {
     if (frozen_for_.count() == 0 || serving_ || etcd_) return false;
+    // Only the store's loss: any other error is reported as such.
+    const bool store_gone = why.find("store server closed the connection") != std::string::npos ||
+                            why.find("could not connect to the store") != std::string::npos ||
+                            why.find("connection to the store is gone") != std::string::npos;
+    if (!store_gone) return false;
     say("this agent was stopped for " + std::to_string(frozen_for_.count() / 1000) +
         " s (SIGSTOP, a debugger, or starved) and the rendezvous store at " + endpoint() + " is gone meanwhile (" +
         why + "): the job finished or went on without this node; nothing left to do here");
@@ -306,14 +311,17 @@ class Agent {
   // round). Deletes them, unless another agent changed the job meanwhile,
   // and says so; false when the job is alive.
   bool take_over_stale(const std::string& what) {
-    const int64_t rev = etcd_->revision(key("job"));
+    // Read before the count: an agent of the new job that registers (or
+    // counts itself an agent) after it makes the delete below fail.
+    const int64_t rev = etcd_->revision(key("job")), agents_rev = etcd_->revision(key("agents"));
     const auto until = Clock::now() + o_.heartbeat_timeout + milliseconds(500);
     while (etcd_->count_prefix("alive/") > 1) {  // others than this agent: wait out their leases
       if (Clock::now() >= until) return false;
       std::this_thread::sleep_for(kPoll);
     }
     const std::string round = get_or(key("round"), "0");
-    if (!etcd_->delete_prefix_if("", key("job"), rev)) return true;  // changed meanwhile: look again
+    if (!etcd_->delete_prefix_if("", {{key("job"), rev}, {key("agents"), agents_rev}}))
+      return true;  // changed meanwhile: look again
     say("rendezvous id '" + o_.rdzv_id + "' at " + endpoint() + ": took over the keys a crashed job left (" + what +
         ", at round " + round + "; no agent of it alive)");
     etcd_->set_leased(alive_key_, addr_);  // deleted with the rest
@@ -466,6 +474,7 @@ class Agent {
   // when the job is over for it, or -1 to go on with the next round.
   int run_round(const std::vector<Node>& nodes) {
     const int64_t R = R_;
+    frozen_for_ = milliseconds{0};  // a stop counts for the round it happened in
     last_nodes_ = nodes;
     int world = 0, first_rank = 0;
     if (!place_nodes(R, nodes, &world, &first_rank)) return -1;

@@ -1,5 +1,6 @@
 // Elastic launching (torchrun's elastic agent): one agent per host, all
-// meeting in rendezvous rounds over a TCP store at a known endpoint.
+// meeting in rendezvous rounds over a TCP store at a known endpoint, or an
+// etcd cluster.
 //
 //   # on each host (or twice on one, as two "hosts"):
 //   launch --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 \
@@ -22,10 +23,12 @@
 // the round changes: survivors never sit in a collective until its timeout.
 // A host that is gone simply does not join the next round (scale down).
 //
-// The store: the agent that can listen on the endpoint (the first on that
-// host) serves it; the others connect. Losing the host of that agent ends
-// the job (the others report it and exit), as with torchrun's c10d
-// rendezvous backend; every other host may come and go.
+// The store (rdzv_backend "c10d"): the agent that can listen on the
+// endpoint (the first on that host) serves it; the others connect. Losing
+// the host of that agent ends the job (the others report it and exit), as
+// with torchrun's c10d rendezvous backend; every other host may come and
+// go. With "etcd" the agents meet in an etcd cluster (EtcdStore) that no
+// agent serves: any host may be lost, and a minority of etcd's members.
 #pragma once
 
 #include <chrono>

@@ -14,6 +14,7 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <thread>
 
 #include "core/exception.h"
@@ -102,6 +103,9 @@ void global_init() {
 
 std::string ms(Millis m) { return std::to_string(m.count()) + " ms"; }
 
+// Under the store's prefix: each writer's last add (see add()), not counted as keys.
+constexpr const char* kAddMarks = ".adds/";
+
 // An etcd error that another member may not have (a member without a
 // leader, or one that could not commit in time): try the next one.
 bool member_cannot_serve(int code, const std::string& msg) {
@@ -156,6 +160,15 @@ struct EtcdStore::Impl {
   bool stopping = false;
   int64_t lease = 0;
   std::map<std::string, std::string> leased;  // full key -> value, put again under a new lease
+  std::string writer = random_id();           // names this store's add marks
+  std::atomic<int64_t> adds{0};
+
+  static std::string random_id() {
+    std::random_device rd;
+    char buf[17];
+    std::snprintf(buf, sizeof buf, "%08x%08x", rd(), rd());
+    return buf;
+  }
 
   std::string endpoints() const {
     std::string s;
@@ -206,9 +219,17 @@ struct EtcdStore::Impl {
       return nullptr;
     }
     if (status != 200 || j.contains("error")) {
-      const std::string msg = j.value("message", j.value("error", std::string("HTTP ") + std::to_string(status)));
+      // Unary calls answer {"error": "...", "code": N, "message": "..."};
+      // streaming ones (lease keepalive) {"error": {"code": N, "message": ...}}.
+      const json& e = j.contains("error") && j["error"].is_object() ? j["error"] : j;
+      std::string msg = "HTTP " + std::to_string(status);
+      if (e.contains("message") && e["message"].is_string())
+        msg = e["message"].get<std::string>();
+      else if (e.contains("error") && e["error"].is_string())
+        msg = e["error"].get<std::string>();
+      const int code = e.contains("code") && e["code"].is_number_integer() ? e["code"].get<int>() : 0;
       *error = msg;
-      *retry = member_cannot_serve(static_cast<int>(i64_of(j, "code")), msg);
+      *retry = member_cannot_serve(code, msg);
       return nullptr;
     }
     return j;
@@ -299,6 +320,17 @@ struct EtcdStore::Impl {
     return lease;
   }
 
+  void put_leased_keys(int64_t id) {
+    std::map<std::string, std::string> keys;
+    {
+      std::lock_guard<std::mutex> lock(lease_mu);
+      keys = leased;
+    }
+    for (const auto& [k, v] : keys)
+      call(keeper_conn, "/v3/kv/put", {{"key", b64(k)}, {"value", b64(v)}, {"lease", std::to_string(id)}}, o.timeout,
+           "put");
+  }
+
   void keep_alive() {
     std::unique_lock<std::mutex> lock(lease_mu);
     const Millis every = std::max<Millis>(Millis{100}, o.lease_ttl / 3);
@@ -310,9 +342,10 @@ struct EtcdStore::Impl {
       bool lapsed = false;
       try {
         json r = call(keeper_conn, "/v3/lease/keepalive", {{"ID", std::to_string(id)}}, every, "lease keepalive");
-        const json& res = r.contains("result") ? r["result"] : r;
+        const json& res = r.contains("result") && r["result"].is_object() ? r["result"] : r;
         lapsed = i64_of(res, "TTL") <= 0;  // expired: etcd answers without a TTL
-      } catch (const Error&) {
+        if (!lapsed) put_leased_keys(id);  // back if something deleted them (a takeover racing this agent's start)
+      } catch (const std::exception&) {
         // The cluster is unreachable for now: try again at the next tick
         // (the lease may still be alive when it is back).
       }
@@ -322,7 +355,7 @@ struct EtcdStore::Impl {
         lock.unlock();
         try {
           ensure_lease();
-        } catch (const Error&) {
+        } catch (const std::exception&) {
         }
         lock.lock();
       }
@@ -369,9 +402,21 @@ void EtcdStore::set_leased(const std::string& key, const std::string& value) {
     std::lock_guard<std::mutex> lock(impl_->lease_mu);
     impl_->leased[impl_->full(key)] = value;
   }
-  const int64_t lease = impl_->ensure_lease();
-  impl_->call("/v3/kv/put", {{"key", b64(impl_->full(key))}, {"value", b64(value)}, {"lease", std::to_string(lease)}},
-              "set(" + key + ")");
+  for (int attempt = 0;; ++attempt) {
+    const int64_t lease = impl_->ensure_lease();
+    try {
+      impl_->call("/v3/kv/put",
+                  {{"key", b64(impl_->full(key))}, {"value", b64(value)}, {"lease", std::to_string(lease)}},
+                  "set(" + key + ")");
+      return;
+    } catch (const Error& e) {
+      // The lease lapsed (this process was stopped past its TTL) and the
+      // keeper has not granted the next yet: grant it here, once.
+      if (attempt > 0 || std::string(e.what()).find("lease not found") == std::string::npos) throw;
+      std::lock_guard<std::mutex> lock(impl_->lease_mu);
+      if (impl_->lease == lease) impl_->lease = 0;
+    }
+  }
 }
 
 Bytes EtcdStore::get(const std::string& key) {
@@ -382,33 +427,62 @@ Bytes EtcdStore::get(const std::string& key) {
 }
 
 int64_t EtcdStore::add(const std::string& key, int64_t delta) {
+  auto parse = [&](const std::pair<bool, std::string>& kv) -> int64_t {
+    if (!kv.first) return 0;
+    char* end = nullptr;
+    const int64_t v = std::strtoll(kv.second.c_str(), &end, 10);
+    if (kv.second.empty() || *end != '\0')
+      throw Error("etcd cluster " + endpoints() + ": add(" + key + "): the value stored is not an integer: '" +
+                  kv.second + "'");
+    return v;
+  };
+  // add(k, 0) of a key that exists reads: the agents poll counters so, and
+  // a write per poll would grow etcd's history and make the writers'
+  // transactions retry. A missing key is created as "0", as TCPStore does
+  // (compare_set on it relies on that).
+  if (delta == 0) {
+    const auto kv = value_of(impl_->range(key, "add(" + key + ")"));
+    if (kv.first) return parse(kv);
+    compare_set(key, {}, Bytes{'0'});
+    return parse(value_of(impl_->range(key, "add(" + key + ")")));
+  }
   // A transaction on the revision read: another writer in between makes it
-  // fail, and the add is tried again on the new value.
-  for (;;) {
+  // fail, and the add is tried again on the new value. The same transaction
+  // also writes this writer's mark (its own sequence number): a call that
+  // went in on an attempt the client could not confirm (a member that
+  // committed, then timed out) and was sent again fails its comparison the
+  // second time, and the mark tells that apart from another writer's add,
+  // so nothing is counted twice.
+  const std::string k = b64(impl_->full(key));
+  const std::string mark = b64(impl_->o.prefix + kAddMarks + key + "/" + impl_->writer);
+  const std::string seq = std::to_string(impl_->adds.fetch_add(1) + 1);
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  for (int tries = 1;; ++tries) {
     json r = impl_->range(key, "add(" + key + ")");
-    auto [found, v] = value_of(r);
-    int64_t cur = 0;
-    if (found) {
-      char* end = nullptr;
-      cur = std::strtoll(v.c_str(), &end, 10);
-      if (v.empty() || *end != '\0')
-        throw Error("etcd cluster " + endpoints() + ": add(" + key + "): the value stored is not an integer: '" + v +
-                    "'");
-    }
+    const auto kv = value_of(r);
+    const int64_t cur = parse(kv);
     const std::string next = std::to_string(cur + delta);
-    json cmp =
-        found
-            ? json{{"key", b64(impl_->full(key))},
-                   {"result", "EQUAL"},
-                   {"target", "MOD"},
-                   {"mod_revision", std::to_string(i64_of(r["kvs"][0], "mod_revision"))}}
-            : json{{"key", b64(impl_->full(key))}, {"result", "EQUAL"}, {"target", "CREATE"}, {"create_revision", "0"}};
+    json cmp = kv.first ? json{{"key", k},
+                               {"result", "EQUAL"},
+                               {"target", "MOD"},
+                               {"mod_revision", std::to_string(i64_of(r["kvs"][0], "mod_revision"))}}
+                        : json{{"key", k}, {"result", "EQUAL"}, {"target", "CREATE"}, {"create_revision", "0"}};
+    // Not under the lease: one that lapsed (this process stopped past its
+    // TTL) would fail the add. A mark per writer and counter: a job's few.
+    json put_mark = {{"key", mark}, {"value", b64(seq)}};
     json t = impl_->call(
         "/v3/kv/txn",
         {{"compare", json::array({cmp})},
-         {"success", json::array({{{"request_put", {{"key", b64(impl_->full(key))}, {"value", b64(next)}}}}})}},
+         {"success", json::array({{{"request_put", {{"key", k}, {"value", b64(next)}}}}, {{"request_put", put_mark}}})},
+         {"failure", json::array({{{"request_range", {{"key", mark}}}}})}},
         "add(" + key + ")");
     if (t.value("succeeded", false)) return cur + delta;
+    const json& resp = t.contains("responses") && !t["responses"].empty() ? t["responses"][0] : json::object();
+    if (resp.contains("response_range") && value_of(resp["response_range"]) == std::make_pair(true, seq))
+      return cur + delta;  // ours went in before: cur is what it added to (its comparison held)
+    if (std::chrono::steady_clock::now() >= deadline)
+      throw Error("etcd cluster " + endpoints() + ": add(" + key + "): " + std::to_string(tries) +
+                  " tries lost to other writers within " + ms(timeout_));
   }
 }
 
@@ -464,7 +538,7 @@ int64_t EtcdStore::count_prefix(const std::string& prefix) {
   return i64_of(r, "count");
 }
 
-int64_t EtcdStore::num_keys() { return count_prefix(""); }
+int64_t EtcdStore::num_keys() { return count_prefix("") - count_prefix(kAddMarks); }
 
 int64_t EtcdStore::revision(const std::string& key) {
   json r = impl_->range(key, "revision(" + key + ")");
@@ -472,13 +546,18 @@ int64_t EtcdStore::revision(const std::string& key) {
   return kvs == r.end() || kvs->empty() ? 0 : i64_of((*kvs)[0], "mod_revision");
 }
 
-bool EtcdStore::delete_prefix_if(const std::string& prefix, const std::string& key, int64_t rev) {
+bool EtcdStore::delete_prefix_if(const std::string& prefix,
+                                 const std::vector<std::pair<std::string, int64_t>>& unchanged) {
   const std::string p = impl_->full(prefix);
-  json cmp = {
-      {"key", b64(impl_->full(key))}, {"result", "EQUAL"}, {"target", "MOD"}, {"mod_revision", std::to_string(rev)}};
+  json cmps = json::array();
+  for (const auto& [key, rev] : unchanged)
+    cmps.push_back({{"key", b64(impl_->full(key))},
+                    {"result", "EQUAL"},
+                    {"target", "MOD"},
+                    {"mod_revision", std::to_string(rev)}});
   json t = impl_->call(
       "/v3/kv/txn",
-      {{"compare", json::array({cmp})},
+      {{"compare", cmps},
        {"success", json::array({{{"request_delete_range", {{"key", b64(p)}, {"range_end", b64(prefix_end(p))}}}}})}},
       "delete(" + prefix + "*)");
   return t.value("succeeded", false);

@@ -20,6 +20,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "distributed/store/store.h"
@@ -63,10 +64,10 @@ class EtcdStore : public Store {
   int64_t count_prefix(const std::string& prefix);
   // The key's modification revision, 0 when it does not exist.
   int64_t revision(const std::string& key);
-  // Deletes every key under `prefix` if `key` is still at `revision` (one
-  // transaction: a caller that saw stale state deletes nothing newer);
-  // returns whether it did.
-  bool delete_prefix_if(const std::string& prefix, const std::string& key, int64_t revision);
+  // Deletes every key under `prefix` if each key of `unchanged` is still at
+  // its revision (0: still absent), in one transaction: a caller that saw
+  // stale state deletes nothing newer. Returns whether it did.
+  bool delete_prefix_if(const std::string& prefix, const std::vector<std::pair<std::string, int64_t>>& unchanged);
   // "127.0.0.1:2379,127.0.0.1:2381" for messages.
   std::string endpoints() const;
 

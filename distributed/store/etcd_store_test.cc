@@ -122,6 +122,11 @@ TEST_F(EtcdStoreTest, StoreSemantics) {
   EXPECT_EQ(s.add("n", 5), 5);
   EXPECT_EQ(s.add("n", -2), 3);
   EXPECT_EQ(s.add("n", 0), 3);
+  const int64_t rev = s.revision("n");
+  EXPECT_EQ(s.add("n", 0), 3);
+  EXPECT_EQ(s.revision("n"), rev) << "add(k, 0) is a read: the agents poll counters so";
+  EXPECT_EQ(s.add("zero", 0), 0);  // ...but creates a missing key, as TCPStore does
+  EXPECT_EQ(s.get_string("zero"), "0");
   EXPECT_THAT(error_of([&] { s.add("a2", 0), s.set("a2", std::string("x")), s.add("a2", 1); }),
               HasSubstr("add(a2): the value stored is not an integer: 'x'"));
   // compare_set: "" expected creates; a mismatch returns what is there.
@@ -151,7 +156,7 @@ TEST_F(EtcdStoreTest, StoreSemantics) {
   EXPECT_THAT(error_of([&] { s.wait({"never"}, 300ms); }), HasSubstr("wait(never) timed out after 300 ms"));
   EXPECT_TRUE(s.delete_key("a"));
   EXPECT_FALSE(s.delete_key("a"));
-  EXPECT_EQ(s.num_keys(), 5);  // n, a2, c, bin, late: nothing of another prefix
+  EXPECT_EQ(s.num_keys(), 6);  // n, zero, a2, c, bin, late: nothing of another prefix (nor add's marks)
   EXPECT_EQ(s.count_prefix("l"), 1);
 }
 
@@ -218,9 +223,10 @@ TEST_F(EtcdStoreTest, LeasedKeysVanishWithTheirProcess) {
   const int64_t rev = watcher.revision("job/guard");
   EXPECT_GT(rev, 0);
   watcher.set("job/guard", std::string("b"));
-  EXPECT_FALSE(watcher.delete_prefix_if("job/", "job/guard", rev));
+  EXPECT_FALSE(watcher.delete_prefix_if("job/", {{"job/guard", rev}}));
   EXPECT_TRUE(watcher.check({"job/x"}));
-  EXPECT_TRUE(watcher.delete_prefix_if("job/", "job/guard", watcher.revision("job/guard")));
+  EXPECT_FALSE(watcher.delete_prefix_if("job/", {{"job/guard", watcher.revision("job/guard")}, {"job/none", 5}}));
+  EXPECT_TRUE(watcher.delete_prefix_if("job/", {{"job/guard", watcher.revision("job/guard")}, {"job/none", 0}}));
   EXPECT_EQ(watcher.count_prefix("job/"), 0);
   EXPECT_EQ(watcher.revision("job/guard"), 0);
 }
