@@ -88,7 +88,7 @@ stop = [(t, why) for t, why in re.findall(r"^([0-9.]+) launch: stopped the worke
         if float(t) > t_cut]
 print(f"elastic_netns: rounds {[(int(r), int(w)) for t, r, w in rounds]}; host 0 stopped its workers "
       f"{float(stop[0][0]) - t_cut:.1f} s after the cut ({stop[0][1]}); training again after "
-      f"{resumed[0] - t_cut:.1f} s; {sum(1 for r in recs if r.get("redone"))} steps redone; all 300 steps' global batches agree")
+      f"{resumed[0] - t_cut:.1f} s; {sum(1 for r in recs if r.get('redone'))} steps redone; all 300 steps' global batches agree")
 assert resumed[0] - t_cut <= 15, resumed[0] - t_cut
 PY
 [ $? = 0 ] || exit 1
