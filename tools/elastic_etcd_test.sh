@@ -224,9 +224,9 @@ nothing_left again
 # An agent frozen, then woken after the job ended without it: exits 0.
 # A longer run and a short heartbeat timeout: the job must outlive the freeze.
 pids=()
-GPT_EXTRA="--max-steps 400" agent a frozen --rdzv-conf heartbeat_timeout=2
+GPT_EXTRA="--max-steps 500" agent a frozen --rdzv-conf heartbeat_timeout=3
 sleep 0.3
-GPT_EXTRA="--max-steps 400" agent b frozen --rdzv-conf heartbeat_timeout=2
+GPT_EXTRA="--max-steps 500" agent b frozen --rdzv-conf heartbeat_timeout=3
 wait_lines "$tmp/frozen.jsonl" 10
 fb=$(launcher_of frozen "${pids[1]}")
 kill -STOP "$fb"

@@ -236,7 +236,10 @@ struct EtcdStore::Impl {
   }
 
   // A request to the cluster: the member that last answered first, then
-  // the others in turn, until one serves it or `within` has passed.
+  // the others in turn, until one serves it or `within` has passed; but
+  // every member is tried once before giving up (up to a second each), so a
+  // call that this process's own stop (SIGSTOP, a starved CPU) ran past its
+  // deadline still gets its answer rather than blaming the cluster.
   json call(Conn& c, const std::string& path, const json& request, Millis within, const std::string& what) {
     global_init();
     std::lock_guard<std::mutex> lock(c.mu);
@@ -250,8 +253,9 @@ struct EtcdStore::Impl {
     for (;;) {
       for (size_t i = 0; i < n; ++i) {
         const size_t k = (c.current + i) % n;
-        const Millis left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
-        if (left <= Millis{0}) break;
+        Millis left = std::chrono::duration_cast<Millis>(deadline - Clock::now());
+        if (left <= Millis{0} && !last[k].empty()) continue;
+        if (left <= Millis{0}) left = std::min<Millis>(Millis{1000}, attempt_cap);  // its one try
         std::string error;
         bool retry = true;
         json j = post_once(c, o.endpoints[k], path, body, std::min(left, attempt_cap), &error, &retry);

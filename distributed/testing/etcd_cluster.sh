@@ -7,7 +7,7 @@
 #                                   # ("127.0.0.1:P1,127.0.0.1:P2,...") and
 #                                   # DIR/m<i>/{pid,client,log}
 #   etcd_cluster.sh restart DIR I   # member I again (after a kill), same ports and data
-#   etcd_cluster.sh stop DIR        # every member, SIGKILL; the data stays
+#   etcd_cluster.sh stop DIR        # every member, SIGKILL; its data in /dev/shm removed
 #
 # Exits 3 with a message when etcd is not installed (tools/setup.sh --etcd
 # installs Debian's etcd-server); the tests skip on that.
@@ -55,7 +55,12 @@ case "$cmd" in
     token="t$$-$RANDOM"
     for i in $(seq 0 $((n - 1))); do
       c=$(cat "$dir/m$i/client") p=$(cat "$dir/m$i/peer")
-      echo "--name m$i --data-dir $dir/m$i/data --listen-client-urls http://127.0.0.1:$c" \
+      # The data in memory where it can be (/dev/shm): each write is an fsync,
+      # which a loaded CI disk can stretch past the agents' timeouts.
+      data=$dir/m$i/data
+      if [ -d /dev/shm ] && [ -w /dev/shm ]; then data=$(mktemp -d /dev/shm/ember-etcd.XXXXXX); fi
+      echo "$data" > "$dir/m$i/datadir"
+      echo "--name m$i --data-dir $data --listen-client-urls http://127.0.0.1:$c" \
         "--advertise-client-urls http://127.0.0.1:$c --listen-peer-urls http://127.0.0.1:$p" \
         "--initial-advertise-peer-urls http://127.0.0.1:$p --initial-cluster $cluster" \
         "--initial-cluster-state new --initial-cluster-token $token --heartbeat-interval 50 --election-timeout 500" \
@@ -71,6 +76,8 @@ case "$cmd" in
     ;;
   stop)
     for f in "$dir"/m*/pid; do [ -f "$f" ] && kill -9 "$(cat "$f")" 2> /dev/null || true; done
+    sleep 0.1
+    for f in "$dir"/m*/datadir; do [ -f "$f" ] && case $(cat "$f") in /dev/shm/ember-etcd.*) rm -rf "$(cat "$f")" ;; esac; done
     ;;
   *) echo "etcd_cluster: unknown command $cmd" >&2; exit 2 ;;
 esac

@@ -107,6 +107,9 @@ EMBER_WORKER(cp_attention_errors) {
     attention(even, rnd({1, 3, 6, 4}, 3), even, true, Exchange::AllGather, pg);
   });
   WCHECK(e3.find("must share every dim but the last") != std::string::npos, e3);
+  // The checks are local: without this a rank could exit while its peer is
+  // still connecting the group (a "Connection closed by peer" in its init).
+  pg->barrier()->wait();
 }
 
 TEST(ContextParallelAttention, NamedErrors) {
