@@ -350,7 +350,10 @@ absl::Status write_checkpoint(const std::string& dir, const std::vector<std::pai
   if (auto s = write_file_synced(tmp + "/" + kTrainerFile, trainer); !s.ok()) return fail(s);
   if (auto s = fsync_dir(tmp); !s.ok()) return fail(s);
   stage("tmp_complete", dir);
-  return commit_dir(tmp, dir);
+  absl::Status committed = commit_dir(tmp, dir);
+  // Once this save is committed, the directories of saves killed earlier go.
+  if (committed.ok()) remove_dead_tmp_dirs(dir);
+  return committed;
 }
 
 absl::Status commit_dir(const std::string& tmp, const std::string& dir) {
@@ -363,21 +366,12 @@ absl::Status commit_dir(const std::string& tmp, const std::string& dir) {
   const std::string parent_str = fs::path(dir).parent_path().string();
   std::error_code ec;
   unclaim_tmp_dir(tmp);  // the checkpoint does not carry it
-  // Once this save is committed, the directories of saves killed earlier go.
-  struct Sweep {
-    const std::string& dir;
-    bool committed = false;
-    ~Sweep() {
-      if (committed) remove_dead_tmp_dirs(dir);
-    }
-  } sweep{dir};
   if (fs::exists(dir, ec)) {
     if (rename_exchange(tmp, dir)) {
       // <dir> is the new checkpoint; tmp holds the previous one.
       if (auto s = fsync_dir(parent_str); !s.ok()) return s;
       stage("exchanged", dir);
       fs::remove_all(tmp, ec);
-      sweep.committed = true;
       return absl::OkStatus();
     }
     // No RENAME_EXCHANGE on this filesystem: move the old one aside first.
@@ -394,14 +388,12 @@ absl::Status commit_dir(const std::string& tmp, const std::string& dir) {
     if (auto s = fsync_dir(parent_str); !s.ok()) return s;
     stage("renamed", dir);
     fs::remove_all(old, ec);
-    sweep.committed = true;
     return absl::OkStatus();
   }
   if (::rename(tmp.c_str(), dir.c_str()) != 0)
     return fail(errno_status(absl::StrCat("save_checkpoint: renaming '", tmp, "' to '", dir, "'"), errno));
   if (auto s = fsync_dir(parent_str); !s.ok()) return s;
   stage("renamed", dir);
-  sweep.committed = true;
   return absl::OkStatus();
 }
 

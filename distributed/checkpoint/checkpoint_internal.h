@@ -59,9 +59,10 @@ absl::Status fsync_dir(const std::string& dir);
 absl::Status commit_dir(const std::string& tmp, const std::string& dir);
 
 // tmp_dirs.cc. A save's temporary directory records its owner (this
-// process) when made, and drops the record before it is committed;
-// commit_dir then removes the sibling temporary directories that killed
-// saves left (their owner on this host and gone), returning their paths.
+// process) when made, and drops the record before it is committed; once a
+// save is committed (and, sharded, agreed), its saver removes the sibling
+// temporary directories that killed saves left (their owner on this host,
+// in this pid namespace, and gone), returning their paths.
 void claim_tmp_dir(const std::string& tmp);
 void unclaim_tmp_dir(const std::string& tmp);
 std::vector<std::string> remove_dead_tmp_dirs(const std::string& dir);

@@ -89,7 +89,9 @@ absl::Status consolidate_checkpoint(const std::string& dir_in, const std::string
       fs::remove_all(tmp);
       return s;
     }
-    return commit_dir(tmp, out);
+    s = commit_dir(tmp, out);
+    if (s.ok()) remove_dead_tmp_dirs(out);
+    return s;
   } catch (const fs::filesystem_error& e) {
     return absl::InternalError(absl::StrCat("consolidate '", dir, "' into '", out, "': ", e.what()));
   }

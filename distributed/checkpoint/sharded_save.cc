@@ -328,6 +328,9 @@ absl::Status write_staged(const std::string& dir, const Staged& staged, ProcessG
       }
     if (std::string f = agree_on_errors(pg, commit_error); !f.empty())
       return absl::InternalError(absl::StrCat(where, ": ", f));
+    // Committed and agreed: rank 0 removes what saves killed earlier left,
+    // with no rank waiting on it in a collective.
+    if (rank == 0) remove_dead_tmp_dirs(dir);
     return absl::OkStatus();
   } catch (const std::exception& e) {  // a collective failed: a rank died or timed out
     remove_tmp();

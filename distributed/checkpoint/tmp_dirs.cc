@@ -2,11 +2,12 @@
 // one, and removing those whose owner is provably dead. A save killed
 // mid-write (SIGKILL, a lost host, a live recovery) leaves its directory
 // behind; nothing else would ever remove it. The owner is recorded in the
-// directory (.owner: host, boot id, pid, the process's start time) and the
-// file is dropped before the commit, so a checkpoint never carries it. A
-// leftover is removed only when its owner ran on this host since its last
-// boot and that process is gone (no such pid, or a pid reused by a process
-// started at another time): one of another host, or without the file, stays.
+// directory (.owner: host, boot id, pid namespace, pid, the process's start
+// time) and the file is dropped before the commit, so a checkpoint never
+// carries it. A leftover is removed only when its owner ran on this host
+// since its last boot, in this pid namespace, and that process is gone (no
+// such pid, or a pid reused by a process started at another time): one of
+// another host or container, or without the file, stays.
 #include <unistd.h>
 
 #include <filesystem>
@@ -48,8 +49,17 @@ std::string start_time(const std::string& pid) {
   return field;
 }
 
+// This process's pid namespace ("pid:[4026531836]"): a pid means nothing
+// outside it (containers on one host share its name and boot id).
+std::string pid_namespace() {
+  std::error_code ec;
+  const fs::path ns = fs::read_symlink("/proc/self/ns/pid", ec);
+  return ec ? std::string("unknown") : ns.string();
+}
+
 std::string identity(const std::string& pid) {
-  return host_name() + " " + read_first_line("/proc/sys/kernel/random/boot_id") + " " + pid + " " + start_time(pid);
+  return host_name() + " " + read_first_line("/proc/sys/kernel/random/boot_id") + " " + pid_namespace() + " " + pid +
+         " " + start_time(pid);
 }
 
 }  // namespace
@@ -75,9 +85,11 @@ std::vector<std::string> remove_dead_tmp_dirs(const std::string& dir) {
     const std::string pid = name.substr(at + 5);
     if (pid.empty() || pid.find_first_not_of("0123456789") != std::string::npos || pid == me) continue;
     std::istringstream owner(read_first_line(e.path().string() + "/" + kOwnerFile));
-    std::string host, boot, owner_pid, started;
-    if (!(owner >> host >> boot >> owner_pid >> started) || owner_pid != pid) continue;  // cannot prove it
-    if (host != host_name() || boot != read_first_line("/proc/sys/kernel/random/boot_id")) continue;
+    std::string host, boot, ns, owner_pid, started;
+    if (!(owner >> host >> boot >> ns >> owner_pid >> started) || owner_pid != pid) continue;  // cannot prove it
+    if (host != host_name() || boot != read_first_line("/proc/sys/kernel/random/boot_id") || ns != pid_namespace() ||
+        ns == "unknown")
+      continue;
     if (start_time(pid) == started) continue;  // its process still runs (a save in progress)
     fs::remove_all(e.path(), ec);
     if (!ec) removed.push_back(e.path().string());
