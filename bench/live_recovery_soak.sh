@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # live_recovery_soak.sh: many randomized kills under live recovery, counting
-# stalls and restart rounds (issue 56's "50 randomized kills, 0 stalls").
+# stalls and restart rounds.
 # Each run: two elastic agents of 2 //examples:gpt workers on localhost with
 # --live-recovery; a random rank is SIGKILLed at a random moment (after a
 # random step, plus a random fraction of a step). A run passes when the job
@@ -37,17 +37,7 @@ case "$mesh" in
   noreplica) args+=(--tp 2) ;;
   *) echo "live_recovery_soak: MESH is replica or noreplica, not '$mesh'" >&2; exit 2 ;;
 esac
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-stamp() { python3 -u -c 'import sys, time
-for line in sys.stdin: sys.stdout.write("%.3f %s" % (time.time(), line)); sys.stdout.flush()'; }
-lines() { [ -f "$1" ] && wc -l < "$1" || echo 0; }
-worker_of() {  # RANK DIR: the pid of that rank's worker
-  local p
-  for p in $(pgrep -f -- "--checkpoint-dir $2( |$)" || true); do
-    [ "$(ps -o comm= -p "$p" 2>/dev/null)" = launch ] && continue
-    tr '\0' '\n' < /proc/"$p"/environ 2>/dev/null | grep -qx "RANK=$1" && { echo "$p"; return 0; }
-  done
-}
+source "$root/tools/test_lib.sh"  # port, stamp, lines, worker_of
 
 stalls=0 rounds=0 bad=0
 times=()

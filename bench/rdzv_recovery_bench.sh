@@ -23,8 +23,7 @@ trap 'pkill -9 -f -- "--checkpoint-dir $tmp/" 2>/dev/null; bash "$root/distribut
 bash "$root/distributed/testing/etcd_cluster.sh" start "$tmp/etcd" 3 || exit 1
 eps=$(cat "$tmp/etcd/endpoints")
 export OMP_NUM_THREADS=1
-port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-lines() { [ -f "$1" ] && wc -l < "$1" || echo 0; }
+source "$root/tools/test_lib.sh"  # port, lines, worker_of
 
 run() {  # BACKEND FAULT ROUND: prints the seconds from the kill to training again
   local backend=$1 fault=$2 r=$3 d=$tmp/$1_$2_$3 endpoint extra=() gargs=() pids=()
@@ -42,11 +41,7 @@ run() {  # BACKEND FAULT ROUND: prints the seconds from the kill to training aga
   for _ in $(seq 1 600); do [ "$(lines "$d/m.jsonl")" -ge 22 ] && break; sleep 0.05; done
   local victim=""
   case $fault in
-    worker | live)
-      for p in $(pgrep -f -- "--checkpoint-dir $d/ck( |$)"); do
-        [ "$(ps -o comm= -p "$p")" = launch ] && continue
-        tr '\0' '\n' < /proc/"$p"/environ | grep -qx RANK=2 && victim=$p
-      done ;;
+    worker | live) victim=$(worker_of 2 "$d/ck") ;;
     host) victim=${pids[1]} ;;
     first) victim=${pids[0]} ;;
   esac

@@ -33,7 +33,7 @@ cleanup() {
 }
 trap cleanup EXIT
 test_logs=$tmp test_tail=40
-source "$(dirname "$0")/test_lib.sh"  # port, stamp, fail, wait_for
+source "$(dirname "$0")/test_lib.sh"  # port, stamp, fail, wait_for, lines, wait_lines, worker_of, launcher_of
 
 set +e
 "$cluster_sh" start "$tmp/etcd" 3 > "$tmp/etcd_start.log" 2>&1
@@ -59,28 +59,6 @@ agent() {
      --checkpoint-dir "$tmp/$run" --metrics "$tmp/$run.jsonl" 2>&1 | stamp > "$tmp/$name.log"
    echo "rc=${PIPESTATUS[0]}" >> "$tmp/$name.log") &
   pids+=($!)
-}
-launcher_of() {  # RUN SHELL_PID: the launcher process of that agent
-  local p
-  for p in $(pgrep -f -- "--rdzv-id $1 " || true); do
-    if [ "$(ps -o comm= -p "$p" 2>/dev/null)" = launch ] &&
-       { [ "$p" = "$2" ] || [ "$(ps -o ppid= -p "$p" 2>/dev/null | tr -d ' ')" = "$2" ]; }; then
-      echo "$p"
-      return 0
-    fi
-  done
-}
-worker_of() {  # RANK RUN: the pid of that rank's worker
-  local p
-  for p in $(pgrep -f -- "--checkpoint-dir $tmp/$2( |$)" || true); do
-    [ "$(ps -o comm= -p "$p" 2>/dev/null)" = launch ] && continue
-    tr '\0' '\n' < /proc/"$p"/environ 2>/dev/null | grep -qx "RANK=$1" && { echo "$p"; return 0; }
-  done
-}
-lines() { [ -f "$1" ] && wc -l < "$1" || echo 0; }
-wait_lines() {
-  for _ in $(seq 1 1200); do [ "$(lines "$1")" -ge "$2" ] && return 0; sleep 0.05; done
-  fail "$1 never reached $2 lines"
 }
 # same_batches RUN: every record's global batch is the uninterrupted run's, every step there.
 same_batches() {
@@ -156,8 +134,8 @@ agent a two
 sleep 0.3
 agent b two
 wait_lines "$tmp/two.jsonl" 12
-w1=$(worker_of 1 two)
-w2=$(worker_of 2 two)
+w1=$(worker_of 1 "$tmp/two")
+w2=$(worker_of 2 "$tmp/two")
 [ -n "$w1" ] && [ -n "$w2" ] || fail "two: no workers of ranks 1 and 2"
 kill -9 "$w1" "$w2"
 wait "${pids[@]}" || true

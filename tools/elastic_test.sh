@@ -33,7 +33,7 @@ cleanup() {
 }
 trap cleanup EXIT
 test_logs=$tmp test_tail=40
-source "$(dirname "$0")/test_lib.sh"  # port, stamp, fail, wait_for
+source "$(dirname "$0")/test_lib.sh"  # port, stamp, fail, wait_for, launcher_of
 
 # 120 steps: long enough that the scale scenario's lone round is still
 # running when the restarted agent comes (a loaded CI machine included).
@@ -50,19 +50,6 @@ agent() {
      --rdzv-conf last_call_timeout=1,heartbeat_timeout=5 "$@" -- "$gpt" "${args[@]}" --checkpoint-dir "$tmp/$run" \
      --metrics "$tmp/$run.jsonl" 2>&1 | stamp > "$tmp/$name.log"; echo "rc=${PIPESTATUS[0]}" >> "$tmp/$name.log") &
   pids+=($!)
-}
-# The launcher process of an agent: its subshell SHELL_PID itself (bash
-# execs a lone command) or that subshell's child.
-# (No pipeline into head: its early exit would fail the pipeline under pipefail.)
-launcher_of() {
-  local p
-  for p in $(pgrep -f -- "--rdzv-id $1 " || true); do
-    if [ "$(ps -o comm= -p "$p" 2>/dev/null)" = launch ] &&
-       { [ "$p" = "$2" ] || [ "$(ps -o ppid= -p "$p" 2>/dev/null | tr -d ' ')" = "$2" ]; }; then
-      echo "$p"
-      return 0
-    fi
-  done
 }
 
 # ---- 1. a worker killed after step 4's checkpoint: a new round at 4 ranks ----

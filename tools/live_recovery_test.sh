@@ -40,7 +40,7 @@ cleanup() {
 }
 trap cleanup EXIT
 test_logs=$tmp test_tail=30
-source "$(dirname "$0")/test_lib.sh"  # port, stamp, fail
+source "$(dirname "$0")/test_lib.sh"  # port, stamp, fail, lines, wait_lines, worker_of
 
 # One thread per worker everywhere: the uninterrupted runs and the agents compute alike.
 export OMP_NUM_THREADS=1
@@ -60,21 +60,8 @@ agent() {
    echo "rc=${PIPESTATUS[0]}" >> "$tmp/$name.log") &
   pids+=($!)
 }
-lines() { [ -f "$1" ] && wc -l < "$1" || echo 0; }
 # LIVE_RECOVERY_TEST_ONLY=N runs case N alone (repeated runs of one case).
 want() { [ -z "${LIVE_RECOVERY_TEST_ONLY:-}" ] || [ "$LIVE_RECOVERY_TEST_ONLY" = "$1" ]; }
-wait_lines() {  # FILE N: until the metrics file has N lines
-  for _ in $(seq 1 600); do [ "$(lines "$1")" -ge "$2" ] && return 0; sleep 0.05; done
-  fail "$1 never reached $2 lines"
-}
-# The pid of the worker of RANK in the job writing to CKPT_DIR (its environment says).
-worker_of() {
-  local p
-  for p in $(pgrep -f -- "--checkpoint-dir $2( |$)" || true); do
-    [ "$(ps -o comm= -p "$p" 2>/dev/null)" = launch ] && continue
-    tr '\0' '\n' < /proc/"$p"/environ 2>/dev/null | grep -qx "RANK=$1" && { echo "$p"; return 0; }
-  done
-}
 kill_rank() {  # RANK CKPT_DIR: SIGKILL it, print the time
   local p
   p=$(worker_of "$1" "$2")

@@ -1,7 +1,9 @@
 #!/bin/bash
-# Helpers the multi-process shell tests share (elastic_test, live_recovery_test,
-# elastic_netns_test): sourced after the test sets test_logs (the directory
-# whose *.log files a failure prints) and, optionally, test_tail (lines of each).
+# Helpers the multi-process shell tests share (elastic_test, elastic_etcd_test,
+# live_recovery_test, elastic_netns_test) and the fault benchmarks
+# (bench/live_recovery_soak.sh, bench/rdzv_recovery_bench.sh): sourced after
+# the test sets test_logs (the directory whose *.log files a failure prints)
+# and, optionally, test_tail (lines of each).
 
 # A free TCP port on localhost.
 port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -21,4 +23,38 @@ fail() {
 wait_for() {
   for _ in $(seq 1 $(($3 * 10))); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
   fail "no '$2' in $1 within $3 s"
+}
+
+# Lines in FILE (0 while it does not exist).
+lines() { [ -f "$1" ] && wc -l < "$1" || echo 0; }
+
+# wait_lines FILE N: until FILE (a --metrics file) has N lines, or fail (60 s).
+wait_lines() {
+  for _ in $(seq 1 1200); do [ "$(lines "$1")" -ge "$2" ] && return 0; sleep 0.05; done
+  fail "$1 never reached $2 lines"
+}
+
+# worker_of RANK CKPT_DIR: the pid of the worker of RANK in the job writing
+# to CKPT_DIR (its environment says); nothing if there is none.
+worker_of() {
+  local p
+  for p in $(pgrep -f -- "--checkpoint-dir $2( |$)" || true); do
+    [ "$(ps -o comm= -p "$p" 2>/dev/null)" = launch ] && continue
+    tr '\0' '\n' < /proc/"$p"/environ 2>/dev/null | grep -qx "RANK=$1" && { echo "$p"; return 0; }
+  done
+}
+
+# launcher_of RUN SHELL_PID: the launcher process of the agent of rendezvous
+# id RUN started in the background subshell SHELL_PID: that subshell itself
+# (bash execs a lone command) or its child. (No pipeline into head: its
+# early exit would fail the pipeline under pipefail.)
+launcher_of() {
+  local p
+  for p in $(pgrep -f -- "--rdzv-id $1 " || true); do
+    if [ "$(ps -o comm= -p "$p" 2>/dev/null)" = launch ] &&
+       { [ "$p" = "$2" ] || [ "$(ps -o ppid= -p "$p" 2>/dev/null | tr -d ' ')" = "$2" ]; }; then
+      echo "$p"
+      return 0
+    fi
+  done
 }

@@ -715,7 +715,7 @@ TEST(TCPStore, ARankThatComesBackIsNoLongerLost) {
 
 // ...but a group that lived when the rank died still learns of it: the
 // survivor blocked in a send to the dead rank must not miss it because the
-// replacement said hello first (issue 56's live-recovery stall).
+// replacement said hello first (a live-recovery survivor waited out its timeout so).
 TEST(TCPStore, ARankReplacedStaysLostToWhatLivedWhenItDied) {
   TCPStore server("127.0.0.1", 0, server_opts(60s));
   std::this_thread::sleep_for(200ms);
