@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <limits>
 #include <string>
 #include <tuple>
 
@@ -210,6 +211,55 @@ TEST_F(Drawn, RmsNorm) {
         // is scaled by 1/sqrt(eps).
         [=](const std::vector<Tensor>& v) { return rms_norm(v[0], nd, v[1], 1e-3); }, {{x, true}, {wt, true, false}}, d,
         tol_for(dt, 2e-5), tol_for(dt, 2e-5));
+  });
+}
+
+// cross_entropy_rows: class counts below a warp, across warps and the
+// multi-warp rows of a larger vocabulary (up to 3000), rows whose target is
+// ignore_index, label smoothing, int32 and int64 targets, masked (-inf)
+// logits, every float dtype. The float64 reference is the composition the
+// op replaced (log_softmax, gather, the smoothing mean, a where for the
+// ignored rows); on CUDA the fused kernels are compared with the CPU's.
+TEST_F(Drawn, CrossEntropy) {
+  for_each_draw("cross_entropy", 200, [&](Draw& d) {
+    const int64_t n = d.size(1, 40, true), c = d.chance(0.3) ? d.integer(500, 3000) : d.integer(1, 70);
+    const double ls = d.chance(0.4) ? 0.5 * d.uniform() : 0.0;
+    const int64_t ignore = d.pick<int64_t>({-100, -1, 0});
+    const bool some_ignored = d.chance(0.4), masked = ls == 0 && c > 1 && d.chance(0.4);
+    std::vector<double> tv(static_cast<size_t>(n)), keep(static_cast<size_t>(n)), safe(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t t = d.integer(0, c - 1);
+      if (t == ignore || (some_ignored && d.chance(0.3))) t = ignore;
+      tv[i] = static_cast<double>(t);
+      keep[i] = t == ignore ? 0.0 : 1.0;
+      safe[i] = t == ignore ? 0.0 : static_cast<double>(t);
+    }
+    const DType tdt = d.chance(0.5) ? DType::Int64 : DType::Int32;
+    const DType dt = d.pick(kFloats);
+    Tensor x = d.values({n, c}, dt, Specials::finite(), 4.0);
+    if (masked) {  // a few non-target logits at -inf, as a masked vocabulary
+      std::vector<double> m(static_cast<size_t>(n * c), 0.0);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t k = 0; k < 1 + c / 8; ++k) {
+          const int64_t j = d.integer(0, c - 1);
+          if (j != static_cast<int64_t>(tv[i])) m[i * c + j] = -std::numeric_limits<double>::infinity();
+        }
+      x = (x.to(DType::Float64) + Tensor::from_vector(m, {n, c}, DType::Float64)).to(dt);
+    }
+    const Tensor target = Tensor::from_vector(tv, {n}, tdt);
+    const Tensor keep_t = Tensor::from_vector(keep, {n}, DType::Float64);
+    const Tensor safe_t = Tensor::from_vector(safe, {n, 1}, DType::Int64);
+    check_case(
+        detail::str_cat("cross_entropy x", shape_str(x.sizes()), " label_smoothing ", ls, " ignore_index ", ignore,
+                        some_ignored ? " (some rows)" : "", masked ? " masked" : "", " target ", dtype_name(tdt)),
+        [=](const std::vector<Tensor>& v) {
+          if (v[0].dtype() != DType::Float64 || v[0].is_cuda()) return cross_entropy_rows(v[0], v[1], ls, ignore);
+          Tensor logp = log_softmax(v[0], 1);
+          Tensor rows = neg(gather(logp, 1, safe_t).squeeze(1));
+          if (ls > 0) rows = rows * (1.0 - ls) + neg(mean(logp, {1})) * ls;
+          return where(keep_t.to(DType::Bool), rows, zeros_like(rows));
+        },
+        {{x, true}, {target, false, false}}, d, tol_for(dt, 2e-5), tol_for(dt, 2e-5));
   });
 }
 

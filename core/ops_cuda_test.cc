@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "core/ops.h"
+#include "core/ops_nn.h"
 #include "core/profiler.h"
 #include "core/stream.h"
 
@@ -153,6 +154,19 @@ TEST_F(CudaOps, DeviceErrorsRaiseAtTheNextSynchronisation) {
   });
   EXPECT_NE(m3.find("Embedding: value 9"), std::string::npos) << m3;
   EXPECT_EQ(message([&] { sum(a).item(); }), "no error");
+  // cross_entropy's forward kernel checks its targets itself; ignore_index
+  // passes, anything else out of [0, C) is named at the synchronisation.
+  const Tensor logits = Tensor::from_vector(std::vector<double>(15, 0.5), {3, 5}, DType::Float32).cuda();
+  const std::string m5 = message([&] {
+    cross_entropy_rows(logits, Tensor::from_vector({1, -100, 5}, {3}, DType::Int64).cuda());
+    cuda_synchronize();
+  });
+  EXPECT_NE(m5.find("cross_entropy: value 5 is out of the range [0, 5)"), std::string::npos) << m5;
+  EXPECT_EQ(message([&] {
+              cross_entropy_rows(logits, Tensor::from_vector({1, -100, 4}, {3}, DType::Int32).cuda());
+              cuda_synchronize();
+            }),
+            "no error");
   // Sync checks: the error comes from the op.
   set_cuda_sync_checks(true);
   const std::string m4 = message([&] { index_select(a, 1, Tensor::from_vector({-7}, {1}, DType::Int64).cuda()); });

@@ -46,6 +46,20 @@ Tensor layer_norm(const Tensor& x, int64_t normalized_ndim, const Tensor& weight
 // op with its own derivative (core/ops/rms_norm.cc); float32 under autocast.
 Tensor rms_norm(const Tensor& x, int64_t normalized_ndim, const Tensor& weight, double eps);
 
+// The cross-entropy of each row of logits [N, C] against class indices
+// target [N] (int64 or int32), as F.cross_entropy(reduction="none"): the
+// row's log-sum-exp minus its target's logit, with label smoothing (the
+// mean over classes of -log_softmax mixed in at label_smoothing) and 0 for
+// a row whose target is ignore_index. One op with its own derivative
+// (core/ops/cross_entropy.cc): it keeps the logits and one float per row,
+// never a softmax the size of the logits, and reads 16-bit logits as they
+// are. Returns float32 [N] (float64 for float64 logits); `counted`, when
+// given, receives float32 [N], 1 where the row counts (the denominator of
+// the mean). A target out of [0, C) that is not ignore_index is an error
+// naming it (on a GPU at the next synchronisation, as index errors are).
+Tensor cross_entropy_rows(const Tensor& logits, const Tensor& target, double label_smoothing = 0.0,
+                          int64_t ignore_index = -100, Tensor* counted = nullptr);
+
 // Rotary position embedding, Hugging Face LLaMA's "rotate half" convention:
 // x [..., seq, heads, head_dim] (head_dim even), cos/sin [seq, head_dim/2]
 // the angles of each row's position (rotary_tables in nn makes them). Per

@@ -26,12 +26,16 @@ Tensor reduce(const Tensor& loss, Reduction r) {
   return loss;
 }
 
-void check_targets(const char* op, const Tensor& input, const Tensor& target) {
+void check_target_shape(const char* op, const Tensor& input, const Tensor& target) {
   EMBER_CHECK(input.dim() == 2, op, ": expected input [N, C], got ", shape_str(input.sizes()));
   EMBER_CHECK(target.dim() == 1 && target.size(0) == input.size(0), op, ": target ", shape_str(target.sizes()),
               " does not match input ", shape_str(input.sizes()), " (expected [", input.size(0), "])");
   EMBER_CHECK(target.dtype() == DType::Int64 || target.dtype() == DType::Int32, op,
               ": target must hold class indices (int64), got ", target.dtype());
+}
+
+void check_targets(const char* op, const Tensor& input, const Tensor& target) {
+  check_target_shape(op, input, target);
   if (target.numel() == 0) return;
   if (target.is_cuda()) {  // checked on the device: no host synchronisation
     check_index_range(target, 0, input.size(1), op);
@@ -51,46 +55,24 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction reducti
   return reduce(neg(picked), reduction);
 }
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing, Reduction reduction) {
-  if (Tensor c = autocast::fp32(logits); !c.is_same(logits)) return cross_entropy(c, target, label_smoothing, reduction);
-  check_targets("cross_entropy", logits, target);
-  EMBER_CHECK(label_smoothing >= 0 && label_smoothing <= 1, "cross_entropy: label_smoothing must be in [0, 1], got ",
-              label_smoothing);
-  // One op: it keeps log_softmax(logits) for backward and forms the
-  // gradient (softmax - smoothed one-hot) * g in one buffer, in place,
-  // rather than back through gather, neg, the smoothing terms and
-  // log_softmax's own backward, whose [N, C] temporaries (4 of them, 128 MiB
-  // for a 1024 x 8192 batch of logits) were a step's peak.
-  const Tensor ids = target.to(DType::Int64).unsqueeze(1);
-  const double ls = label_smoothing;
-  Tensor logp;
-  Tensor rows = differentiable(
-      "cross_entropy", {logits},
-      [&] {
-        logp = log_softmax(logits, 1);
-        Tensor nll = neg(gather(logp, 1, ids).squeeze(1));
-        return ls == 0 ? nll : nll * (1.0 - ls) + neg(mean(logp, {1})) * ls;
-      },
-      [&](const Tensor&) {
-        const Tensor lp = logp, t = ids;
-        BackwardFn fn = [lp, t, ls](const Tensor& g) {
-          NoGradGuard ng;
-          const int64_t c = lp.size(1);
-          Tensor w = g.to(lp.dtype()).unsqueeze(1);  // [N, 1]
-          Tensor grad = exp(lp);
-          mul_(grad, w);
-          if (ls > 0) add_(grad, w, -ls / static_cast<double>(c));
-          Tensor hit = w * (ls - 1.0);
-          if (!grad.is_contiguous() || (grad.dtype() != DType::Float32 && grad.dtype() != DType::Float64)) {
-            grad = grad.contiguous().to(DType::Float32);
-            hit = hit.to(DType::Float32);
-          }
-          scatter_add_(grad, 1, t, hit.contiguous());
-          return std::vector<Tensor>{grad.to(lp.dtype())};
-        };
-        return Recorded{std::move(fn), {lp}};
-      });
-  return reduce(rows, reduction);
+// One core op (core/ops/cross_entropy.cc) reads the logits in their own
+// dtype and computes in float32, so under autocast the 16-bit logits are
+// not cast first (PyTorch's policy casts them: an exact widening, so the
+// values are the same) and nothing the size of the logits is kept in
+// float32. Outside autocast the loss takes the logits' dtype, as PyTorch's.
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing, Reduction reduction,
+                     int64_t ignore_index) {
+  EMBER_CHECK(logits.defined() && target.defined(), "cross_entropy: logits and target must be defined");
+  check_target_shape("cross_entropy", logits, target);
+  const bool mean = reduction == Reduction::Mean;
+  Tensor counted;
+  Tensor rows = cross_entropy_rows(logits, target, label_smoothing, ignore_index, mean ? &counted : nullptr);
+  // The mean over the rows that count (PyTorch's with ignore_index: NaN
+  // when none does), the count summed on the device: no synchronisation.
+  Tensor loss = mean ? div(sum(rows), sum(counted).to(rows.dtype())) : reduce(rows, reduction);
+  const bool keep_fp32 =
+      (logits.dtype() == DType::BFloat16 || logits.dtype() == DType::Float16) && autocast_enabled(logits.device().type);
+  return loss.dtype() == logits.dtype() || keep_fp32 ? loss : loss.to(logits.dtype());
 }
 
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) {

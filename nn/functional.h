@@ -17,10 +17,12 @@ enum class Reduction { Mean, Sum, None };
 // training; the identity otherwise.
 Tensor dropout(const Tensor& x, double p, bool training, Generator* gen = nullptr);
 
-// logits [N, C], target int64 [N] in [0, C). label_smoothing as in PyTorch:
-// (1 - eps) * nll + eps * mean over classes of -log p.
+// logits [N, C], target int64 [N] in [0, C) or ignore_index. label_smoothing
+// as in PyTorch: (1 - eps) * nll + eps * mean over classes of -log p. Rows
+// whose target is ignore_index (PyTorch's default -100) count for nothing:
+// loss 0, gradient 0, and the mean is over the other rows.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, double label_smoothing = 0.0,
-                     Reduction reduction = Reduction::Mean);
+                     Reduction reduction = Reduction::Mean, int64_t ignore_index = -100);
 Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction reduction = Reduction::Mean);
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean);
 

@@ -194,15 +194,19 @@ class Sequential : public Module {
 // ---- Losses ----
 class CrossEntropyLoss : public Module {
  public:
-  explicit CrossEntropyLoss(double label_smoothing = 0.0,
-                            functional::Reduction reduction = functional::Reduction::Mean)
-      : Module("CrossEntropyLoss"), label_smoothing(label_smoothing), reduction(reduction) {}
+  explicit CrossEntropyLoss(double label_smoothing = 0.0, functional::Reduction reduction = functional::Reduction::Mean,
+                            int64_t ignore_index = -100)
+      : Module("CrossEntropyLoss"),
+        label_smoothing(label_smoothing),
+        reduction(reduction),
+        ignore_index(ignore_index) {}
   Tensor forward(const Tensor& logits, const Tensor& target) {
-    return functional::cross_entropy(logits, target, label_smoothing, reduction);
+    return functional::cross_entropy(logits, target, label_smoothing, reduction, ignore_index);
   }
   Tensor operator()(const Tensor& logits, const Tensor& target) { return forward(logits, target); }
   double label_smoothing;
   functional::Reduction reduction;
+  int64_t ignore_index;
 };
 
 class NLLLoss : public Module {

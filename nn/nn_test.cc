@@ -8,6 +8,8 @@
 
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
+#include "core/allocator.h"
+#include "core/autocast.h"
 #include "core/safetensors.h"
 #include "core/testing/error_of.h"
 #include "nn/init.h"
@@ -271,7 +273,9 @@ TEST(Layers, CrossEntropyAgainstFloat64Reference) {
   EXPECT_NEAR(F::cross_entropy(logits, target, 0, F::Reduction::Sum).item(),
               4 * F::cross_entropy(logits, target).item(), 1e-12);
   std::string e = error_of([&] { F::cross_entropy(logits, Tensor::from_vector({0, 5, 1, 1}, {4}, DType::Int64)); });
-  EXPECT_NE(e.find("target values must be in [0, 5)"), std::string::npos) << e;
+  EXPECT_NE(e.find("cross_entropy: target 5 of row 1 is out of the range [0, 5) and is not ignore_index (-100)"),
+            std::string::npos)
+      << e;
   e = error_of([&] { F::cross_entropy(logits, Tensor::from_vector({0, 1}, {2}, DType::Int64)); });
   EXPECT_NE(e.find("does not match input [4,5]"), std::string::npos) << e;
   Tensor lg = logits.detach().requires_grad_();
@@ -284,6 +288,86 @@ TEST(Layers, CrossEntropyAgainstFloat64Reference) {
   Tensor wts = Tensor::from_vector({0.5, -1.0, 2.0, 3.0}, {4}, DType::Float64);
   r = autograd::gradcheck([&](auto& v) { return F::cross_entropy(v[0], target, 0.2, F::Reduction::None) * wts; }, {lg});
   EXPECT_TRUE(r.ok) << r.message;
+}
+
+// ignore_index as PyTorch documents it: an ignored row adds 0 to the loss
+// and nothing to the gradient, and the mean divides by the rows that count
+// (with label smoothing too); every row ignored gives NaN (0 / 0); int32
+// targets work as int64 ones; a 16-bit loss outside autocast is in the
+// logits' dtype, computed from the same float32 sums.
+TEST(Layers, CrossEntropyIgnoreIndex) {
+  Tensor logits = f64({5, 4}, 3);
+  Tensor target = Tensor::from_vector({1, -100, 3, 0, -100}, {5}, DType::Int64);
+  Tensor kept_logits = cat({logits.narrow(0, 0, 1), logits.narrow(0, 2, 2)}, 0);
+  Tensor kept_target = Tensor::from_vector({1, 3, 0}, {3}, DType::Int64);
+  for (double eps : {0.0, 0.3}) {
+    EXPECT_NEAR(F::cross_entropy(logits, target, eps).item(), F::cross_entropy(kept_logits, kept_target, eps).item(),
+                1e-12);
+    EXPECT_NEAR(F::cross_entropy(logits, target, eps, F::Reduction::Sum).item(),
+                F::cross_entropy(kept_logits, kept_target, eps, F::Reduction::Sum).item(), 1e-12);
+    auto rows = F::cross_entropy(logits, target, eps, F::Reduction::None).to_vector();
+    EXPECT_EQ(rows[1], 0.0);
+    EXPECT_EQ(rows[4], 0.0);
+  }
+  EXPECT_NEAR(F::cross_entropy(logits, target.to(DType::Int32)).item(), F::cross_entropy(logits, target).item(), 1e-15);
+  Tensor other = Tensor::from_vector({1, 2, 3, 0, 2}, {5}, DType::Int64);
+  EXPECT_NEAR(F::cross_entropy(logits, other, 0, F::Reduction::Mean, 2).item(),
+              F::cross_entropy(kept_logits, kept_target).item(), 1e-12)
+      << "ignore_index 2 ignores the rows whose target is 2";
+  EXPECT_TRUE(std::isnan(F::cross_entropy(logits, full({5}, -100, {DType::Int64})).item()));
+  Tensor lg = logits.detach().requires_grad_();
+  F::cross_entropy(lg, target, 0.2).backward();
+  auto g = lg.grad().to_vector();
+  for (int c = 0; c < 4; ++c) {
+    EXPECT_EQ(g[1 * 4 + c], 0.0) << "ignored row 1";
+    EXPECT_EQ(g[4 * 4 + c], 0.0) << "ignored row 4";
+  }
+  Tensor lk = kept_logits.detach().requires_grad_();
+  F::cross_entropy(lk, kept_target, 0.2).backward();
+  auto gk = lk.grad().to_vector();
+  for (int c = 0; c < 4; ++c) {
+    EXPECT_NEAR(g[c], gk[c], 1e-15);
+    EXPECT_NEAR(g[8 + c], gk[4 + c], 1e-15);
+    EXPECT_NEAR(g[12 + c], gk[8 + c], 1e-15);
+  }
+  auto r = autograd::gradcheck([&](auto& v) { return F::cross_entropy(v[0], target, 0.1); }, {lg});
+  EXPECT_TRUE(r.ok) << r.message;
+  Tensor half_logits = logits.to(DType::BFloat16);
+  Tensor h = F::cross_entropy(half_logits, other);
+  EXPECT_EQ(h.dtype(), DType::BFloat16);
+  EXPECT_NEAR(h.to(DType::Float64).item(), F::cross_entropy(half_logits.to(DType::Float64), other).item(), 1e-2);
+}
+
+// The loss of 16-bit logits under autocast keeps one float per row for the
+// backward, not the logits in float32 (PyTorch's policy casts them, and the
+// composition kept log_softmax of the cast: 8 bytes a logit), and its
+// backward allocates the gradient in the logits' dtype and nothing else
+// the size of the logits. Counted by the CPU allocator's requested bytes.
+TEST(Layers, CrossEntropyKeepsNoFloat32Logits) {
+  const int64_t n = 256, v = 8192;
+  const size_t logit_bytes = static_cast<size_t>(n * v) * 2;  // bfloat16
+  Generator g(11);
+  Tensor logits = randn({n, v}, {DType::Float32}, &g).to(DType::BFloat16).requires_grad_();
+  Tensor target = randint(0, v, {n}, {DType::Int64}, &g);
+  Allocator* a = cpu_allocator();
+  const size_t base = a->stats().requested;
+  a->reset_peak_stats();
+  Tensor loss;
+  {
+    AutocastGuard amp(DeviceType::CPU, DType::BFloat16);
+    loss = F::cross_entropy(logits, target);
+  }
+  EXPECT_EQ(loss.dtype(), DType::Float32);
+  const size_t kept = a->stats().requested - base, fwd_peak = a->stats().peak_requested - base;
+  loss.backward();
+  const size_t peak = a->stats().peak_requested - base;
+  std::printf(
+      "cross_entropy of %lld x %lld bf16 logits: kept %zu bytes, forward peak %zu, step peak %zu (logits %zu)\n",
+      static_cast<long long>(n), static_cast<long long>(v), kept, fwd_peak, peak, logit_bytes);
+  EXPECT_LE(kept, static_cast<size_t>(n) * 16 + 256) << "kept for the backward: per-row floats only";
+  EXPECT_LE(fwd_peak, static_cast<size_t>(n) * 16 + 256) << "the forward allocates nothing the size of the logits";
+  EXPECT_LE(peak, logit_bytes + static_cast<size_t>(n) * 16 + 256) << "the backward: the bf16 gradient only";
+  EXPECT_EQ(logits.grad().dtype(), DType::BFloat16);
 }
 
 // Sizes that do not divide: PyTorch's overlapping bins

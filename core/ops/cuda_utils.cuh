@@ -260,6 +260,24 @@ __device__ __forceinline__ V warp_max(V v) {
   return v;
 }
 
+// Errors a kernel finds in its input (an index or target out of range;
+// device.h's DeviceErrorSlot): the first thread to find one claims the
+// device's slot and fills it in, and the op returns without waiting.
+__device__ __forceinline__ void record_error(DeviceErrorSlot* slot, int32_t op, int32_t kind, int64_t value, int64_t a,
+                                             int64_t b) {
+  if (atomicCAS(&slot->op, 0, op) == 0) {
+    slot->kind = kind;
+    slot->value = value;
+    slot->a = a;
+    slot->b = b;
+  }
+}
+// After such a launch: nothing to wait for, unless EMBER_SYNC_CHECKS asks
+// for the error at the op.
+inline void maybe_check_now(int device, cudaStream_t stream) {
+  if (cuda_sync_checks()) cuda_error_check_now(Stream{device, stream});
+}
+
 // Normalisations over rows (layer_norm.cu, rms_norm.cu): a warp per row
 // for the per-row passes, and the weight's gradient as per-column partial
 // sums over tiles of kNormTileRows rows (more when the tiles would pass

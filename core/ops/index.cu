@@ -29,17 +29,6 @@ struct IndexError {
   int64_t dim;
 };
 
-// The first thread to find an error claims the slot and fills it in.
-__device__ __forceinline__ void record_error(DeviceErrorSlot* slot, int32_t op, int32_t kind, int64_t value,
-                                             int64_t a, int64_t b) {
-  if (atomicCAS(&slot->op, 0, op) == 0) {
-    slot->kind = kind;
-    slot->value = value;
-    slot->a = a;
-    slot->b = b;
-  }
-}
-
 // Raw unit of a given byte width; copying bits needs no dtype.
 template <int BYTES> struct Unit;
 template <> struct Unit<1> { using type = uint8_t; };
@@ -55,7 +44,7 @@ __device__ __forceinline__ bool wrap_index(int64_t& idx, int64_t size, const Ind
     if (idx < 0) idx += size;
     return true;
   }
-  record_error(err.slot, err.op, 0, idx, err.dim, size);
+  cuda::record_error(err.slot, err.op, 0, idx, err.dim, size);
   return false;
 }
 
@@ -65,7 +54,7 @@ __global__ void check_range_kernel(const I* __restrict__ idx, int64_t n, int64_t
                                    DeviceErrorSlot* slot, int32_t op) {
   cuda::grid_stride_loop(n, [&](int64_t i) {
     const int64_t v = static_cast<int64_t>(idx[i]);
-    if (v < lo || v >= hi) record_error(slot, op, 1, v, lo, hi);
+    if (v < lo || v >= hi) cuda::record_error(slot, op, 1, v, lo, hi);
   });
 }
 
@@ -116,12 +105,6 @@ __global__ void gather_kernel(const __grid_constant__ StridedIter geom, const U*
 }
 
 // ---- Launchers ----
-
-// After a launch: nothing to wait for, unless EMBER_SYNC_CHECKS asks for the
-// error at the op.
-void maybe_check_now(int device, cudaStream_t stream) {
-  if (cuda_sync_checks()) cuda_error_check_now(Stream{device, stream});
-}
 
 // Widest unit that divides the slice and both base addresses.
 int unit_bytes(int64_t slice_bytes, const void* a, const void* b) {
@@ -194,7 +177,7 @@ void index_select_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64
     case 2: launch_index_select<2>(src, idx, dst, outer, n, src_size, inner_bytes, err, stream); break;
     default: launch_index_select<1>(src, idx, dst, outer, n, src_size, inner_bytes, err, stream); break;
   }
-  maybe_check_now(in.device().index, stream);
+  cuda::maybe_check_now(in.device().index, stream);
 }
 
 namespace {
@@ -236,7 +219,7 @@ void gather_cuda(const Tensor& in, const Tensor& index, Tensor& out, int64_t dim
     case 2: launch_gather<2>(geom, src, idx, dst, dim_stride, dim_size, err, stream); break;
     default: launch_gather<1>(geom, src, idx, dst, dim_stride, dim_size, err, stream); break;
   }
-  maybe_check_now(in.device().index, stream);
+  cuda::maybe_check_now(in.device().index, stream);
 }
 
 void check_index_range_cuda(const Tensor& index, int64_t lo, int64_t hi, const char* op) {
@@ -257,7 +240,7 @@ void check_index_range_cuda(const Tensor& index, int64_t lo, int64_t hi, const c
     check_range_kernel<int32_t><<<cuda::grid_for(n), cuda::kBlockSize, 0, stream>>>(
         static_cast<const int32_t*>(idx.raw_data()), n, lo, hi, slot, code);
   EMBER_CUDA_CHECK(cudaGetLastError());
-  maybe_check_now(device, stream);
+  cuda::maybe_check_now(device, stream);
 }
 
 // ---- Accumulating adjoints (float / double; atomics because indices repeat) ----

@@ -213,6 +213,26 @@ void rms_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& rstd
 void rms_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor* dx,
                             Tensor* dw);
 
+// cross_entropy over the rows of contiguous logits [rows, classes] (any
+// float dtype) against contiguous int64/int32 target [rows]: loss and lse
+// [rows] in float32 (float64 for float64 logits), and where given counted
+// (float32 [rows]): 1 for a row whose target is not ignore_index, else 0.
+// Backward writes grad [rows, classes] in the logits' dtype from grad_loss
+// (the loss's dtype).
+struct CrossEntropyArgs {
+  int64_t rows = 0, classes = 0;
+  double label_smoothing = 0;
+  int64_t ignore_index = -100;
+};
+void cross_entropy_forward_cpu(const CrossEntropyArgs& a, const Tensor& logits, const Tensor& target, Tensor& loss,
+                               Tensor& lse, Tensor* counted);
+void cross_entropy_forward_cuda(const CrossEntropyArgs& a, const Tensor& logits, const Tensor& target, Tensor& loss,
+                                Tensor& lse, Tensor* counted);
+void cross_entropy_backward_cpu(const CrossEntropyArgs& a, const Tensor& grad_loss, const Tensor& logits,
+                                const Tensor& target, const Tensor& lse, Tensor& grad);
+void cross_entropy_backward_cuda(const CrossEntropyArgs& a, const Tensor& grad_loss, const Tensor& logits,
+                                 const Tensor& target, const Tensor& lse, Tensor& grad);
+
 // rotary_embedding of contiguous x [outer, seq, heads, head_dim] with
 // cos/sin tables [seq, head_dim/2], all float32 or all float64; inverse
 // turns the other way (the backward).

@@ -46,6 +46,10 @@ EMBER_NO_CUDA(layer_norm_backward_cuda, const Tensor&, const Tensor&, const Tens
               Tensor*, Tensor*, Tensor*)
 EMBER_NO_CUDA(rms_norm_forward_cuda, const Tensor&, const Tensor&, double, Tensor&, Tensor&)
 EMBER_NO_CUDA(rms_norm_backward_cuda, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor*, Tensor*)
+EMBER_NO_CUDA(cross_entropy_forward_cuda, const CrossEntropyArgs&, const Tensor&, const Tensor&, Tensor&, Tensor&,
+              Tensor*)
+EMBER_NO_CUDA(cross_entropy_backward_cuda, const CrossEntropyArgs&, const Tensor&, const Tensor&, const Tensor&,
+              const Tensor&, Tensor&)
 EMBER_NO_CUDA(rope_cuda, const Tensor&, const Tensor&, const Tensor&, bool, const RopeGeom&, Tensor&)
 EMBER_NO_CUDA(index_select_cuda, const Tensor&, const Tensor&, Tensor&, int64_t, int64_t, int64_t)
 EMBER_NO_CUDA(gather_cuda, const Tensor&, const Tensor&, Tensor&, int64_t)
