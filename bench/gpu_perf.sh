@@ -27,7 +27,9 @@
 #              rounds; tokens/s medians into gpu_gpt.json. Needs the
 #              fortunes corpus in .gpudata/fortunes (tools/gpu_check.sh
 #              --data). About 2 minutes.
-# The speed part also runs our steps with EMBER_CUDNN_GRAPH flipped
+# The speed part also replays our steps as one CUDA graph each (gpu_step
+# --cuda-graph 1, rows <layout>_cudagraph, with the host's share of the
+# step as ours_host_fraction), and runs them with EMBER_CUDNN_GRAPH flipped
 # (layouts nchw_alt and cl_alt: cuDNN's graph API against its legacy API),
 # so both ways of calling cuDNN are measured in the same rounds; the first
 # round's choices of the flipped run are in logs/ours_speed_alt.err.
@@ -114,6 +116,12 @@ for part in "${parts[@]}"; do
         log=0; [ "$r" = 1 ] && log=1
         EMBER_CUDNN_GRAPH=$alt EMBER_CUDNN_LOG=$log "${ours[@]}" --configs $configs --layouts nchw,cl "${shape[@]}" \
           2>>"$out/logs/ours_speed_alt.err" | sed -u -E "s/layout=(nchw|cl) /layout=\1_alt graph=$alt /" |
+          tag speed "$r"
+        # The same steps captured once and replayed as one CUDA graph
+        # (gpu_step --cuda-graph 1); rows named <layout>_cudagraph.
+        say "speed round $r: ours replaying a CUDA graph"
+        "${ours[@]}" --configs $configs --layouts nchw,cl --cuda-graph 1 "${shape[@]}" \
+          2>>"$out/logs/ours_speed_graph.err" | sed -u -E "s/layout=(nchw|cl) /layout=\1_cudagraph /" |
           tag speed "$r"
         say "speed round $r: torch"
         "${peer[@]}" --configs $configs --layouts nchw,cl "${shape[@]}" "${peer_extra[@]}" \

@@ -58,6 +58,7 @@ def main():
     ops = {}    # (side, config, layout) -> rows
     algos, bench_rows, kernel_rows, launches = [], [], [], []
     idle, gaps = {}, {}  # (config, layout) -> our GPU's idle ms in the profiled step; the ops it waited before
+    host = {}  # (config, layout) -> our rounds' median host ms to issue a step
     gpt, gpt_mem = {}, {}  # (side, amp) -> [round tokens/s]; amp -> our peak MiB
     with open(os.path.join(d, "raw.txt")) as f:
         for line in f:
@@ -84,6 +85,8 @@ def main():
                 speed.setdefault((side,) + key, []).append(float(kv["median_ms"]))
                 if side == "ours" and "layout_copies" in kv:
                     copies[key] = float(kv["layout_copies"])
+                if side == "ours" and "host_ms" in kv:
+                    host.setdefault(key, []).append(float(kv["host_ms"]))
             elif side in ("ours_op", "torch_op"):
                 ops.setdefault((side[:-3],) + key, []).append(
                     {"name": kv["name"], "calls": int(kv["calls"]), "self_ms": float(kv["self_ms"]),
@@ -104,12 +107,16 @@ def main():
         if side != "ours":
             continue
         # <layout>_alt: our step with cuDNN called the other way (gpu_perf.sh),
-        # beside PyTorch's step in that layout.
-        theirs = speed.get(("torch", config, layout.removesuffix("_alt")), [])
+        # <layout>_cudagraph: our step replayed as one CUDA graph; each beside
+        # PyTorch's eager step in that layout.
+        theirs = speed.get(("torch", config, layout.removesuffix("_alt").removesuffix("_cudagraph")), [])
         row = {"name": f"{config}/{layout}", "rounds": len(meds),
                "ours_ms": round(statistics.median(meds), 2), "ours_range_ms": [round(min(meds), 2), round(max(meds), 2)]}
         if (config, layout) in copies:
             row["ours_layout_copies_per_step"] = copies[(config, layout)]
+        if (config, layout) in host:
+            row["ours_host_ms"] = round(statistics.median(host[(config, layout)]), 3)
+            row["ours_host_fraction"] = round(row["ours_host_ms"] / row["ours_ms"], 3)
         if theirs:
             row.update({"torch_ms": round(statistics.median(theirs), 2),
                         "torch_range_ms": [round(min(theirs), 2), round(max(theirs), 2)]})

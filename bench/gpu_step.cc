@@ -6,6 +6,7 @@
 //
 //   gpu_step [--configs fp32,tf32,bf16] [--layouts nchw,cl] [--batch 256]
 //            [--image 224] [--warmup 3] [--steps 10] [--profile-top K]
+//            [--cuda-graph 0|1]
 //
 // Configurations, as PyTorch names them:
 //   fp32  float32, TF32 off (torch.backends.cudnn.allow_tf32 = False);
@@ -13,6 +14,10 @@
 //   bf16  autocast to bfloat16 around forward and loss, TF32 defaults.
 // Prints one line per (config, layout):
 //   ours config=tf32 layout=cl batch=256 median_ms=... min_ms=... max_ms=... steps=10 ... layout_copies=0.0
+//   cuda_graph=0 host_ms=...
+// host_ms is the median host time to issue a step (until the loss read
+// starts waiting). --cuda-graph 1 captures the step once after the warm-up
+// (core/cuda_graph.h) and times its replays: the host issues one launch.
 // --profile-top K profiles one more step and prints its top K ops by self
 // time as `ours_op config=.. layout=.. calls=.. self_ms=.. total_ms=.. name=..`,
 // then the GPU's idle time in the step (`ours_idle ... idle_ms=..`) and the
@@ -32,6 +37,7 @@
 
 #include "bench/train_step.h"
 #include "core/autocast.h"
+#include "core/cuda_graph.h"
 #include "core/device.h"
 #include "core/profiler.h"
 #include "nn/models.h"
@@ -52,12 +58,13 @@ struct Args {
   std::vector<std::string> configs = {"fp32", "tf32", "bf16"};
   std::vector<std::string> layouts = {"nchw", "cl"};
   int64_t batch = 256, image = 224, warmup = 3, steps = 10, profile_top = 0;
+  bool cuda_graph = false;
 };
 
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "gpu_step: %s\nusage: gpu_step [--configs fp32,tf32,bf16] [--layouts nchw,cl] [--batch N] [--image S] "
-               "[--warmup N] [--steps N] [--profile-top K]\n",
+               "[--warmup N] [--steps N] [--profile-top K] [--cuda-graph 0|1]\n",
                why.c_str());
   std::exit(2);
 }
@@ -82,13 +89,20 @@ Args parse(int argc, char** argv) {
     else if (f == "--warmup") a.warmup = positive("--warmup", v);
     else if (f == "--steps") a.steps = positive("--steps", v);
     else if (f == "--profile-top") a.profile_top = positive("--profile-top", v);
-    else usage("unknown flag " + f);
+    else if (f == "--cuda-graph") {
+      if (std::string(v) != "0" && std::string(v) != "1")
+        usage(std::string("--cuda-graph expects 0 or 1, got '") + v + "'");
+      a.cuda_graph = std::string(v) == "1";
+    } else
+      usage("unknown flag " + f);
   }
   for (const auto& c : a.configs)
     if (c != "fp32" && c != "tf32" && c != "bf16") usage("unknown config '" + c + "' (fp32, tf32, bf16)");
   for (const auto& l : a.layouts)
     if (l != "nchw" && l != "cl") usage("unknown layout '" + l + "' (nchw, cl)");
   if (a.steps == 0 || a.batch == 0 || a.image < 32) usage("--steps and --batch must be positive, --image at least 32");
+  if (a.cuda_graph && a.warmup == 0)
+    usage("--cuda-graph 1 needs --warmup 1 or more (the optimizer's state is made eagerly)");
   return a;
 }
 
@@ -108,14 +122,37 @@ void run(const Args& a, const std::string& config, const std::string& layout) {
   const std::optional<DType> amp_dtype = amp ? std::optional<DType>(DType::BFloat16) : std::nullopt;
   auto step = [&] { return bench::train_step_autocast(*model, opt, x, y, amp_dtype); };
   for (int64_t i = 0; i < a.warmup; ++i) step();
-  std::vector<double> ms;
+  // The step's launches without its loss read: what the host issues, and
+  // what a CUDA graph captures.
+  Tensor loss;
+  auto issue = [&] {
+    opt.zero_grad();
+    std::optional<AutocastGuard> guard;
+    if (amp_dtype) guard.emplace(DeviceType::CUDA, *amp_dtype);
+    loss = nn::functional::cross_entropy((*model)(x), y);
+    guard.reset();
+    loss.backward();
+    opt.step();
+  };
+  std::optional<CudaGraph> graph;
+  if (a.cuda_graph) {
+    graph.emplace(0);
+    graph->capture(issue);
+  }
+  std::vector<double> ms, host_ms;
   const AllocatorStats before = cuda_allocator(0)->stats();
   const uint64_t copies_before = cuda_layout_copies();
   for (int64_t i = 0; i < a.steps; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    step();
+    if (graph)
+      graph->replay();
+    else
+      issue();
+    host_ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    (void)loss.item();
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
+  std::sort(host_ms.begin(), host_ms.end());
   std::vector<double> sorted = ms;
   std::sort(sorted.begin(), sorted.end());
   const size_t n = sorted.size();
@@ -128,13 +165,14 @@ void run(const Args& a, const std::string& config, const std::string& layout) {
   const double layout_copies = static_cast<double>(cuda_layout_copies() - copies_before) / static_cast<double>(n);
   std::printf(
       "ours config=%s layout=%s batch=%lld median_ms=%.3f min_ms=%.3f max_ms=%.3f steps=%zu "
-      "device_allocs=%zu reserved_gib=%.1f layout_copies=%.1f\n",
+      "device_allocs=%zu reserved_gib=%.1f layout_copies=%.1f cuda_graph=%d host_ms=%.3f\n",
       config.c_str(), layout.c_str(), static_cast<long long>(a.batch), median, sorted.front(), sorted.back(), n,
-      after.num_device_allocs - before.num_device_allocs, after.reserved / 1073741824.0, layout_copies);
+      after.num_device_allocs - before.num_device_allocs, after.reserved / 1073741824.0, layout_copies,
+      a.cuda_graph ? 1 : 0, host_ms[n / 2]);
   if (std::getenv("GPU_STEP_VERBOSE"))
     for (double t : ms) std::printf("ours_step config=%s layout=%s ms=%.3f\n", config.c_str(), layout.c_str(), t);
   std::fflush(stdout);
-  if (a.profile_top > 0) {
+  if (a.profile_top > 0 && !graph) {
     profiler::start();
     step();
     profiler::stop();
@@ -167,6 +205,7 @@ void run(const Args& a, const std::string& config, const std::string& layout) {
     }
     std::fflush(stdout);
   }
+  graph.reset();
   model.reset();
   cuda_allocator(0)->empty_cache();  // the next configuration starts from what this one freed
 }

@@ -132,4 +132,11 @@ Allocator* pinned_allocator();          // page-locked host memory (needs CUDA)
 Allocator* cuda_allocator(int device);  // caching allocator for one GPU
 Allocator* get_allocator(Device d);
 
+// CUDA graphs (cuda_graph.h): the blocks the caching allocator keeps for
+// `stream` are a graph's pool while `live` (empty_cache leaves them, since
+// replays write into them); live = false waits for the stream and frees
+// them. Whether the device's allocator caches (a graph needs it to).
+void cuda_graph_pool(int device, void* stream, bool live);
+bool cuda_allocator_caching(int device);
+
 }  // namespace ember

@@ -14,6 +14,7 @@
 // allocation, which is what the emulated tests under AddressSanitizer (and
 // compute-sanitizer on a GPU) need to see it.
 #include "core/allocator.h"
+#include "core/cuda_graph.h"
 #include "core/device.h"
 #include "core/exception.h"
 
@@ -25,6 +26,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -84,6 +86,30 @@ class CudaCachingAllocator final : public LedgerAllocator {
     empty_cache_locked();
   }
 
+  bool caching() const { return caching_; }
+
+  void set_graph_pool(void* stream, bool live) {
+    if (live) {
+      std::lock_guard<std::mutex> g(mu_);
+      graph_streams_.insert(stream);
+      return;
+    }
+    EMBER_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+    std::lock_guard<std::mutex> g(mu_);
+    graph_streams_.erase(stream);
+    for (auto it = free_.begin(); it != free_.end();) {
+      if (it->first.first != stream) {
+        ++it;
+        continue;
+      }
+      for (void* p : it->second) {
+        cudaFree(p);
+        stats_.reserved -= it->first.second;
+      }
+      it = free_.erase(it);
+    }
+  }
+
  private:
   DataPtr allocate_uncached(size_t nbytes) {
     const size_t n = std::max<size_t>(nbytes, 1);
@@ -112,13 +138,20 @@ class CudaCachingAllocator final : public LedgerAllocator {
     EMBER_CUDA_CHECK(cudaGetDevice(&prev));
     EMBER_CUDA_CHECK(cudaSetDevice(device_));
     void* p = nullptr;
+    // cudaMalloc is not stream-ordered, so a capture in progress (a CUDA
+    // graph's region allocating its pool) would refuse it in the default
+    // global mode; this thread's call is safe, so it relaxes the mode, as
+    // PyTorch's allocator does.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    EMBER_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
     cudaError_t err = cudaMalloc(&p, cls);
-    if (err == cudaErrorMemoryAllocation) {
+    if (err == cudaErrorMemoryAllocation && !cuda_graph_capturing()) {
       cudaGetLastError();
       std::lock_guard<std::mutex> g(mu_);
       empty_cache_locked();
       err = cudaMalloc(&p, cls);
     }
+    cudaThreadExchangeStreamCaptureMode(&mode);
     cudaSetDevice(prev);
     if (err != cudaSuccess) {
       cudaGetLastError();
@@ -140,8 +173,12 @@ class CudaCachingAllocator final : public LedgerAllocator {
     free_[{stream, cls}].push_back(p);
   }
 
+  // Leaves the pools of live CUDA graphs, whose replays write into them,
+  // and everything while this thread captures (cudaFree cannot be captured).
   void empty_cache_locked() {
+    if (cuda_graph_capturing()) return;
     for (auto& [key, blocks] : free_) {
+      if (graph_streams_.count(key.first)) continue;
       for (void* p : blocks) {
         cudaFree(p);
         stats_.reserved -= key.second;
@@ -153,10 +190,24 @@ class CudaCachingAllocator final : public LedgerAllocator {
   int device_;
   bool caching_;
   std::map<std::pair<void*, size_t>, std::vector<void*>> free_;
+  std::set<void*> graph_streams_;  // streams of live CUDA graphs: their blocks are the graphs' pools
 };
 
 }  // namespace
 #endif  // EMBER_WITH_CUDA
+
+#if EMBER_WITH_CUDA
+namespace {
+CudaCachingAllocator& caching_allocator(int device) {
+  return *static_cast<CudaCachingAllocator*>(cuda_allocator(device));
+}
+}  // namespace
+void cuda_graph_pool(int device, void* stream, bool live) { caching_allocator(device).set_graph_pool(stream, live); }
+bool cuda_allocator_caching(int device) { return caching_allocator(device).caching(); }
+#else
+void cuda_graph_pool(int, void*, bool) {}
+bool cuda_allocator_caching(int) { return false; }
+#endif
 
 Allocator* cuda_allocator(int device) {
   EMBER_CHECK(cuda_is_available(), "cuda allocator: no CUDA device: ", cuda_unavailable_reason());

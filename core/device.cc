@@ -17,6 +17,7 @@
 #if EMBER_WITH_CUDA
 #include "core/cuda_check.h"
 #endif
+#include "core/cuda_graph.h"
 #include "core/exception.h"
 
 namespace ember {
@@ -92,6 +93,7 @@ std::string cuda_device_name(int device) {
 void cuda_synchronize() {
 #if EMBER_WITH_CUDA
   if (!cuda_is_available()) return;
+  check_not_capturing("cuda_synchronize()");
   int device = 0;
   EMBER_CUDA_CHECK(cudaGetDevice(&device));
   const Stream stream = Stream::current(device);
@@ -223,6 +225,7 @@ void cuda_error_raise_if_set(Stream stream) {
 
 void cuda_error_check_now(Stream stream) {
 #if EMBER_WITH_CUDA
+  check_not_capturing("EMBER_SYNC_CHECKS=1's check at the op");
   cuda_error_snapshot(stream);
   EMBER_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle)));
   cuda_error_raise_if_set(stream);

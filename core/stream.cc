@@ -7,6 +7,7 @@
 
 #include "core/cuda_check.h"
 #endif
+#include "core/cuda_graph.h"
 #include "core/exception.h"
 
 namespace ember {
@@ -92,7 +93,10 @@ bool Event::query() const {
   return true;
 }
 
-void Event::synchronize() const { EMBER_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(handle_))); }
+void Event::synchronize() const {
+  check_not_capturing("Event::synchronize()");
+  EMBER_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(handle_)));
+}
 
 double Event::elapsed_ms(const Event& end) const {
   end.synchronize();

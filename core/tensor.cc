@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "core/autograd_hook.h"
+#include "core/cuda_graph.h"
 #if EMBER_WITH_CUDA
 #include "core/cuda_check.h"
 #endif
@@ -593,6 +594,13 @@ Tensor& Tensor::copy_(const Tensor& src) {
                           : device().is_cpu() ? cudaMemcpyDeviceToHost
                                               : cudaMemcpyDeviceToDevice;
     if (nbytes() > 0) {
+      check_not_capturing(s.device().is_cpu() ? "a copy from the CPU to the GPU"
+                          : device().is_cpu() ? "a copy from the GPU to the CPU (item(), cpu(), to_vector())"
+                                              : "a copy between two GPUs",
+                          s.device().is_cpu() || device().is_cpu()
+                              ? "a graph can neither wait for host memory nor stage it (make the tensor on the "
+                                "device before capture and copy_ new values into it between replays)"
+                              : nullptr);
       // Issue on the source GPU's stream (the destination's for H2D) with that
       // GPU current; for D2D, the destination's pending work is waited first.
       int gpu = s.is_cuda() ? s.device().index : device().index;

@@ -18,6 +18,7 @@
 
 #include "autograd/autograd.h"
 #include "autograd/checkpoint.h"
+#include "core/cuda_graph.h"
 #include "core/ops.h"
 #include "core/profiler.h"
 #include "data/loader.h"
@@ -110,6 +111,39 @@ auto net = nn::resnet50({.num_classes = 1000, .memory_format = MemoryFormat::Cha
 net->to(device);  // cuda_device(0)
   const Tensor& w = net->conv1->weight;
   EXPECT_TRUE(w.is_contiguous(MemoryFormat::ChannelsLast) && !w.is_contiguous()) << shape_str(w.strides());
+}
+
+// docs/gpu.md's CUDA graph: compiled here, run where there is a GPU (the
+// emulated runs of the same recipe are //optim:cuda_graph_step_test's).
+TEST(Docs, CudaGraph) {
+  if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
+  nn::Linear lin(4, 3);
+  lin.to(cuda_device(0));
+  auto model = [&](const Tensor& x) { return lin(x); };
+  optim::SGD optimizer(lin.parameters(), {.lr = 0.1, .momentum = 0.9});
+  auto loss_fn = [](const Tensor& logits, const Tensor& y) { return nn::functional::cross_entropy(logits, y); };
+  const Tensor x0 = randn({2, 4}).cuda(), y0 = Tensor::from_vector({0, 2}, {2}, DType::Int64).cuda();
+  std::vector<std::pair<Tensor, Tensor>> batches{{x0 * 2.0, y0}, {x0 * 3.0, y0}};
+  std::vector<double> logged;
+  auto log = [&](double v) { logged.push_back(v); };
+optimizer.zero_grad();                      // warm-up: one eager step makes the optimizer's state
+loss_fn(model(x0), y0).backward();
+optimizer.step();
+Tensor static_x = x0.clone(), static_y = y0.clone(), loss;
+CudaGraph graph(0);
+graph.capture([&] {                         // records, runs nothing
+  optimizer.zero_grad();
+  loss = loss_fn(model(static_x), static_y);
+  loss.backward();
+  optimizer.step();
+});
+for (auto& [x, y] : batches) {
+  static_x.copy_(x);                        // new inputs into the tensors the graph reads
+  static_y.copy_(y);
+  graph.replay();                           // forward, backward and step: one launch
+  log(loss.item());                         // read results after the replay
+}
+  EXPECT_EQ(logged.size(), 2u);
 }
 
 // docs/mixed-precision.md

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "core/autograd_hook.h"
+#include "core/cuda_graph.h"
 #include "core/exception.h"
 #include "core/ops.h"
 #include "core/ops_optim.h"
@@ -35,6 +36,10 @@ GradScaler::GradScaler(GradScalerOptions options) : options_(options), pending_s
 
 void GradScaler::lazy_init(const Device& device) {
   if (scale_.defined()) return;
+  if (device.is_cuda())
+    check_not_capturing("GradScaler making its scale",
+                        "the first scale() fills it, and every replay would fill it again; run one step before "
+                        "capture (a warm-up)");
   scale_ = full({1}, pending_scale_, {DType::Float32, device});
   growth_tracker_ = full({1}, static_cast<double>(pending_tracker_), {DType::Int32, device});
 }
@@ -101,6 +106,9 @@ bool GradScaler::step(Optimizer& opt) {
   }
   EMBER_CHECK(per_optimizer_[&opt].stage != Stage::Stepped,
               "GradScaler::step: already called on this optimizer since the last update()");
+  check_not_capturing("GradScaler::step",
+                      "it reads on the host whether the gradients hold an inf; step_async() skips the step on the "
+                      "device instead");
   if (per_optimizer_[&opt].stage == Stage::Ready) unscale_(opt);
   PerOptimizer& st = per_optimizer_[&opt];
   double found = 0;
@@ -138,6 +146,9 @@ void GradScaler::step_async(Optimizer& opt) {
     if (st.found_inf.size() == 1) flag = st.found_inf[0];
   }
   if (!flag.defined() || !opt.skips_on_device()) {
+    check_not_capturing("GradScaler::step_async",
+                        "this optimizer (or its several devices' flags) cannot skip its step on the device, so the "
+                        "scaler would read the flag on the host");
     (void)step(opt);
     return;
   }

@@ -10,6 +10,7 @@
 
 #include "autograd/autograd.h"
 #include "core/autograd_hook.h"
+#include "core/cuda_graph.h"
 #include "core/ops.h"
 #include "core/ops_optim.h"
 #include "core/profiler.h"
@@ -385,6 +386,10 @@ void SGD::step_impl(const Tensor& found_inf) {
       if (args.momentum != 0.0) {
         auto& st = mutable_state(p);
         auto it = st.find("momentum_buffer");
+        if (it == st.end() && p.is_cuda())
+          check_not_capturing("SGD.step making its momentum buffers",
+                              "the first step makes them from the gradients, and every replay would make them "
+                              "again; run one step before capture (a warm-up, as PyTorch's CUDA graph recipe does)");
         bufs.push_back(it == st.end() ? Tensor() : it->second);
       }
     }
@@ -455,6 +460,12 @@ void Adam::step_impl(const Tensor& found_inf) {
       Tensor g = p.grad();
       if (!g.defined()) continue;
       auto& st = mutable_state(p);
+      if (!st.count("step") || (amsgrad && !st.count("max_exp_avg_sq")))
+        if (p.is_cuda())
+          check_not_capturing((name() + ".step making its state").c_str(),
+                              "the first step makes its step count and moments (zeros), and every replay would "
+                              "reset them; run one step before capture (a warm-up, as PyTorch's CUDA graph "
+                              "recipe does)");
       if (!st.count("step")) {
         st["step"] = zeros({}, {DType::Float32, p.device()});
         st["exp_avg"] = state_like(p, 0.0);

@@ -20,6 +20,7 @@
 
 #include "core/autocast.h"
 #include "core/autograd_hook.h"
+#include "core/cuda_graph.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
 #include "core/ops/elementwise_fns.h"
@@ -234,6 +235,10 @@ AttentionArgs attention_args(const char* op, const Tensor& q, const Tensor& k, c
   // selective checkpoint's recompute, which takes the kept output instead
   // of running that forward, advances it the same.
   if (dropout_p > 0) {
+    if (q.is_cuda())
+      check_not_capturing("attention dropout on the GPU",
+                          "the generator's offset is a host number the graph would freeze, so every replay would "
+                          "drop the same elements");
     Generator& g = gen ? *gen : default_generator();
     a.seed = g.seed();
     a.offset = g.next_offset();

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/cuda_graph.h"
 #include "core/ops.h"
 #include "core/ops/cuda_utils.cuh"
 #include "core/ops_optim.h"
@@ -177,9 +178,16 @@ struct AmpUnscaleFn {
 // After an Adam step with device counts: each count + 1, unless skipped. One
 // thread per count; launched after the step on the same stream, so every
 // block of the step has read the old count.
-__global__ void bump_steps_kernel(float* const* steps, int n, const float* found_inf) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n && !found_inf_set(found_inf)) *steps[i] += 1.0f;
+// The counts' addresses travel in the kernel's parameters, kStepPtrs a
+// launch: no table to copy from the host (which a CUDA graph could not
+// replay).
+constexpr int kStepPtrs = 128;
+struct StepPtrs {
+  float* p[kStepPtrs];
+};
+__global__ void bump_steps_kernel(const __grid_constant__ StepPtrs steps, int n, const float* found_inf) {
+  const int i = threadIdx.x;
+  if (i < n && !found_inf_set(found_inf)) *steps.p[i] += 1.0f;
 }
 
 __global__ void amp_update_scale_kernel(float* scale, int32_t* growth_tracker, const float* found_inf,
@@ -236,6 +244,24 @@ void launch(const std::vector<const std::vector<Tensor>*>& lists, const std::vec
     ArgTable table;
     std::copy(entries.begin(), entries.end(), table.e);
     mta_param_kernel<T, DEPTH, F><<<grid, cuda::kBlockSize, 0, stream>>>(table, n, nchunks, f);
+  } else if (cuda_graph_capturing()) {
+    // A CUDA graph cannot copy the table from pageable memory (its replay
+    // would need those host bytes to stay): one parameter-space launch per
+    // kArgEntries tensors instead, each slice's chunks counted from 0.
+    for (size_t i0 = 0; i0 < entries.size(); i0 += kArgEntries) {
+      const size_t i1 = std::min(entries.size(), i0 + static_cast<size_t>(kArgEntries));
+      const int64_t base = entries[i0].chunk_begin;
+      const int64_t end = i1 < entries.size() ? entries[i1].chunk_begin : nchunks;
+      ArgTable table;
+      for (size_t i = i0; i < i1; ++i) {
+        table.e[i - i0] = entries[i];
+        table.e[i - i0].chunk_begin -= base;
+      }
+      const unsigned g = static_cast<unsigned>(std::min<int64_t>(end - base, cuda::kMaxGridBlocks));
+      mta_param_kernel<T, DEPTH, F>
+          <<<g, cuda::kBlockSize, 0, stream>>>(table, static_cast<int>(i1 - i0), end - base, f);
+      EMBER_CUDA_CHECK(cudaGetLastError());
+    }
   } else {
     // Pageable source: the driver stages it before returning, so `entries`
     // may be freed; the buffer's block is reused only after this stream's
@@ -282,17 +308,15 @@ void adam_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>
   });
   if (steps.empty()) return;
   // Counts of empty parameters too: they took part in the step.
-  std::vector<float*> ptrs;
-  for (const Tensor& t : steps) ptrs.push_back(static_cast<float*>(t.raw_data()));
   cuda::DeviceGuard guard(params[0]);
   cudaStream_t stream = cuda::stream_for(params[0]);
-  const size_t bytes = ptrs.size() * sizeof(float*);
-  Tensor table = Tensor::empty({static_cast<int64_t>(bytes)}, {DType::UInt8, params[0].device()});
-  EMBER_CUDA_CHECK(cudaMemcpyAsync(table.raw_data(), ptrs.data(), bytes, cudaMemcpyHostToDevice, stream));
-  const int n = static_cast<int>(ptrs.size());
-  bump_steps_kernel<<<static_cast<unsigned>(cuda::ceil_div(n, 256)), 256, 0, stream>>>(
-      static_cast<float* const*>(table.raw_data()), n, a.dev.found_inf);
-  EMBER_CUDA_CHECK(cudaGetLastError());
+  for (size_t i0 = 0; i0 < steps.size(); i0 += kStepPtrs) {
+    const int n = static_cast<int>(std::min(steps.size() - i0, static_cast<size_t>(kStepPtrs)));
+    StepPtrs ptrs{};
+    for (int i = 0; i < n; ++i) ptrs.p[i] = static_cast<float*>(steps[i0 + i].raw_data());
+    bump_steps_kernel<<<1, kStepPtrs, 0, stream>>>(ptrs, n, a.dev.found_inf);
+    EMBER_CUDA_CHECK(cudaGetLastError());
+  }
 }
 
 void amp_unscale_cuda(const std::vector<Tensor>& grads, const Tensor& found_inf, const Tensor& inv_scale) {

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/autograd_hook.h"
+#include "core/cuda_graph.h"
 #include "core/ops.h"
 #include "core/ops/cpu_loop.h"
 #include "core/ops/philox.h"
@@ -50,6 +51,10 @@ namespace {
 void run_random(RandomKind kind, Tensor& out, double a, double b, Generator* gen, const Tensor& p = Tensor()) {
   check_inplace(out, "random");
   Generator& g = gen ? *gen : default_generator();
+  if (out.is_cuda())
+    check_not_capturing("random numbers on the GPU",
+                        "the generator's offset is a host number the graph would freeze, so every replay would "
+                        "draw the same numbers");
   uint64_t offset = g.next_offset();
   if (out.numel() == 0) return;
   if (out.is_contiguous()) {

@@ -41,6 +41,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -97,6 +98,7 @@ struct Op {
   const char* what;
   std::vector<std::pair<StreamRef, uint64_t>> deps;  // streams to run up to these counts first
 };
+struct Capture;
 struct Stream {
   Stream(int d, bool l, bool b) : device(d), legacy(l), blocking(b) {}
   int device;
@@ -104,9 +106,30 @@ struct Stream {
   std::deque<Op> q;
   uint64_t enqueued = 0, done = 0;
   bool running = false;
+  std::shared_ptr<Capture> capture;  // set while the stream is being captured
+};
+// A stream capture (cudaStreamBeginCapture .. cudaStreamEndCapture): the
+// work pushed on the origin stream and on every stream that joined it (by
+// waiting on an event recorded inside it), in issue order. Issue order is
+// one valid order of the graph's nodes, and the only one the emulation runs.
+struct Capture {
+  std::vector<Op> ops;
+  StreamRef origin;
+  std::vector<StreamRef> joined;
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
+  std::thread::id thread;             // the thread that began it
+  cudaError_t invalid = cudaSuccess;  // the first violation, which invalidates it
+  std::string why;
+};
+struct Graph {
+  std::vector<Op> ops;
+};
+struct GraphExec {
+  std::shared_ptr<const std::vector<Op>> ops;
 };
 struct Event {
   StreamRef stream;  // null until recorded
+  std::shared_ptr<Capture> captured;  // recorded inside this capture (no runnable point)
   uint64_t seq = 0;
   int not_ready_answers = 0;
   bool timing = true;  // false: cudaEventDisableTiming
@@ -144,8 +167,50 @@ StreamRef resolve(cudaStream_t s, const char* fn) {
   return it->second;
 }
 
+// Captures in progress, and this thread's capture mode
+// (cudaThreadExchangeStreamCaptureMode).
+std::vector<std::shared_ptr<Capture>> g_captures;
+thread_local cudaStreamCaptureMode g_thread_mode = cudaStreamCaptureModeGlobal;
+
+void invalidate(Capture& c, cudaError_t e, const std::string& why) {
+  if (c.invalid != cudaSuccess) return;
+  c.invalid = e;
+  c.why = why;
+  if (std::getenv("EMU_VERBOSE")) std::fprintf(stderr, "[cuda-emu] capture invalidated: %s\n", why.c_str());
+}
+
+// A call CUDA refuses while a capture is under way (cudaMalloc, cudaFree,
+// a synchronous copy or memset, a device synchronisation: "potentially
+// unsafe"), by the calling thread's mode (cudaThreadExchangeStreamCaptureMode):
+// relaxed, never; thread-local, while this thread has a capture that was
+// not begun relaxed; global (the default), that or while any thread has a
+// global-mode capture. Returns the error, having invalidated the
+// captures concerned, or cudaSuccess.
+cudaError_t unsafe_during_capture(const char* fn) {
+  if (g_thread_mode == cudaStreamCaptureModeRelaxed) return cudaSuccess;
+  cudaError_t e = cudaSuccess;
+  const std::thread::id me = std::this_thread::get_id();
+  for (auto& c : g_captures) {
+    const bool mine = c->thread == me && c->mode != cudaStreamCaptureModeRelaxed;
+    const bool global_other = g_thread_mode == cudaStreamCaptureModeGlobal && c->mode == cudaStreamCaptureModeGlobal;
+    if (mine || global_other) {
+      invalidate(*c, cudaErrorStreamCaptureUnsupported, std::string(fn) + " during a stream capture");
+      e = cudaErrorStreamCaptureUnsupported;
+    }
+  }
+  return e;
+}
+
 void push(const StreamRef& s, Op op) {
+  if (s->capture) {  // recorded into the graph, not run; no cross-stream deps inside it
+    op.deps.clear();
+    s->capture->ops.push_back(std::move(op));
+    return;
+  }
   if (s->legacy) {
+    for (auto& c : g_captures)  // the legacy stream would wait for a capturing blocking stream
+      if (c->origin->device == s->device && c->origin->blocking)
+        invalidate(*c, cudaErrorStreamCaptureImplicit, std::string(op.what) + " on the legacy default stream");
     for (auto& [h, t] : g_streams)
       if (t->device == s->device && t->blocking && t->enqueued > t->done) op.deps.emplace_back(t, t->enqueued);
   } else if (s->blocking) {
@@ -203,6 +268,17 @@ constexpr ErrorText kErrors[] = {
     {cudaErrorInvalidDevice, "cudaErrorInvalidDevice", "invalid device ordinal"},
     {cudaErrorInvalidResourceHandle, "cudaErrorInvalidResourceHandle", "invalid resource handle"},
     {cudaErrorNotReady, "cudaErrorNotReady", "device not ready"},
+    {cudaErrorStreamCaptureUnsupported, "cudaErrorStreamCaptureUnsupported",
+     "operation not permitted when stream is capturing"},
+    {cudaErrorStreamCaptureInvalidated, "cudaErrorStreamCaptureInvalidated",
+     "operation failed due to a previous error during capture"},
+    {cudaErrorStreamCaptureUnmatched, "cudaErrorStreamCaptureUnmatched",
+     "capture was not ended in the same stream as it began"},
+    {cudaErrorStreamCaptureIsolation, "cudaErrorStreamCaptureIsolation",
+     "dependency created on uncaptured work in another stream"},
+    {cudaErrorStreamCaptureImplicit, "cudaErrorStreamCaptureImplicit",
+     "operation would make the legacy stream depend on a capturing blocking stream"},
+    {cudaErrorIllegalState, "cudaErrorIllegalState", "the operation is not permitted in the current state"},
 };
 const ErrorText& error_text(cudaError_t e) {
   static constexpr ErrorText kUnknown{cudaErrorUnknown, "cudaErrorUnknown", "unknown error"};
@@ -284,6 +360,7 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int* n, const
 cudaError_t cudaDeviceSynchronize(void) {
   g_host_syncs++;
   auto l = api("cudaDeviceSynchronize");
+  if (cudaError_t e = unsafe_during_capture("cudaDeviceSynchronize")) return set_error(e);
   run_all();
   return cudaSuccess;
 }
@@ -291,6 +368,10 @@ cudaError_t cudaDeviceSynchronize(void) {
 // ---- Memory ----
 cudaError_t cudaMalloc(void** p, size_t n) {
   *p = nullptr;
+  {
+    auto l = api("cudaMalloc");
+    if (cudaError_t e = unsafe_during_capture("cudaMalloc")) return set_error(e);
+  }
   if (n == 0) return cudaSuccess;
   if (posix_memalign(p, 256, n) != 0) return set_error(cudaErrorMemoryAllocation);
   std::memset(*p, 0xFF, n);
@@ -301,6 +382,7 @@ cudaError_t cudaMalloc(void** p, size_t n) {
 static cudaError_t free_in(std::map<uintptr_t, Alloc>& m, void* p, const char* fn) {
   if (!p) return cudaSuccess;
   auto l = api(fn);
+  if (cudaError_t e = unsafe_during_capture(fn)) return set_error(e);
   run_all();  // queued work may still use p
   {
     std::lock_guard<std::mutex> g(g_mem_mu);
@@ -311,6 +393,10 @@ static cudaError_t free_in(std::map<uintptr_t, Alloc>& m, void* p, const char* f
 }
 cudaError_t cudaFree(void* p) { return free_in(g_dev, p, "cudaFree"); }
 cudaError_t cudaHostAlloc(void** p, size_t n, unsigned int) {
+  {
+    auto l = api("cudaHostAlloc");
+    if (cudaError_t e = unsafe_during_capture("cudaHostAlloc")) return set_error(e);
+  }
   if (posix_memalign(p, 256, std::max<size_t>(n, 1)) != 0) return set_error(cudaErrorMemoryAllocation);
   std::memset(*p, 0xFF, n);
   std::lock_guard<std::mutex> l(g_mem_mu);
@@ -352,6 +438,7 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind k) {
   if (cudaError_t e = check_copy(dst, src, n, k)) return e;
   g_host_syncs++;
   auto l = api("cudaMemcpy");
+  if (cudaError_t e = unsafe_during_capture("cudaMemcpy")) return set_error(e);
   run_now(copy_op(dst, src, n, "cudaMemcpy"));
   return cudaSuccess;
 }
@@ -368,6 +455,12 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
   if (cudaError_t e = check_copy(dst, src, n, k)) return e;
   auto l = api("cudaMemcpyAsync");
   StreamRef st = resolve(s, "cudaMemcpyAsync");
+  if (st->capture && n > 0 && (is_pageable(src, n) || is_pageable(dst, n))) {
+    // A graph's copy node replays from its addresses; pageable memory is
+    // staged or waited for at the call, which a graph cannot do.
+    invalidate(*st->capture, cudaErrorStreamCaptureUnsupported, "cudaMemcpyAsync with pageable host memory");
+    return set_error(cudaErrorStreamCaptureUnsupported);
+  }
   if (n > 0 && is_pageable(src, n) && !is_pageable(dst, n)) {
     auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src), static_cast<const char*>(src) + n);
     push(st, Op{[=] { std::memcpy(dst, staged->data(), n); }, "cudaMemcpyAsync", {}});
@@ -392,6 +485,7 @@ cudaError_t cudaMemset(void* p, int v, size_t n) {
   if (cudaError_t e = check_memset(p, n, n, 1)) return e;
   g_host_syncs++;
   auto l = api("cudaMemset");
+  if (cudaError_t e = unsafe_during_capture("cudaMemset")) return set_error(e);
   run_now(memset_op(p, n, v, n, 1, "cudaMemset"));
   return cudaSuccess;
 }
@@ -430,6 +524,10 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   g_host_syncs++;
   auto l = api("cudaStreamSynchronize");
   StreamRef st = resolve(s, "cudaStreamSynchronize");
+  if (st->capture) {
+    invalidate(*st->capture, cudaErrorStreamCaptureUnsupported, "cudaStreamSynchronize of the capturing stream");
+    return set_error(cudaErrorStreamCaptureUnsupported);
+  }
   // The legacy stream also waits for earlier blocking-stream work: a marker
   // item carries that dependency.
   if (st->legacy) push(st, Op{{}, "cudaStreamSynchronize", {}});
@@ -472,8 +570,12 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
       *when = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
                   .count();
     };
+  if (st->capture) {  // a point inside the graph: other streams may join by waiting on it
+    *ev = Event{nullptr, st->capture, 0, 0, ev->timing, when};
+    return cudaSuccess;
+  }
   push(st, std::move(op));
-  *ev = Event{st, st->enqueued, 0, ev->timing, when};
+  *ev = Event{st, nullptr, st->enqueued, 0, ev->timing, when};
   return cudaSuccess;
 }
 // The time between two recorded points as the emulated device ran them
@@ -493,12 +595,21 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   g_host_syncs++;
   auto l = api("cudaEventSynchronize");
   Event* ev = event(e, "cudaEventSynchronize");
+  if (ev->captured) {
+    invalidate(*ev->captured, cudaErrorStreamCaptureUnsupported,
+               "cudaEventSynchronize of an event recorded in a capture");
+    return set_error(cudaErrorStreamCaptureUnsupported);
+  }
   if (ev->stream) run_until(ev->stream, ev->seq);
   return cudaSuccess;
 }
 cudaError_t cudaEventQuery(cudaEvent_t e) {
   auto l = api("cudaEventQuery");
   Event* ev = event(e, "cudaEventQuery");
+  if (ev->captured) {
+    invalidate(*ev->captured, cudaErrorStreamCaptureUnsupported, "cudaEventQuery of an event recorded in a capture");
+    return set_error(cudaErrorStreamCaptureUnsupported);
+  }
   if (!ev->stream || ev->stream->done >= ev->seq) return cudaSuccess;
   if (++ev->not_ready_answers < kQueryPatience) return cudaErrorNotReady;
   run_until(ev->stream, ev->seq);
@@ -507,9 +618,111 @@ cudaError_t cudaEventQuery(cudaEvent_t e) {
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
   auto l = api("cudaStreamWaitEvent");
   Event* ev = event(e, "cudaStreamWaitEvent");
+  StreamRef st = resolve(s, "cudaStreamWaitEvent");
+  if (ev->captured) {
+    if (!st->capture) {  // the stream joins the capture (a fork)
+      if (st->legacy) {
+        invalidate(*ev->captured, cudaErrorStreamCaptureImplicit, "the legacy stream waiting on a captured event");
+        return set_error(cudaErrorStreamCaptureImplicit);
+      }
+      st->capture = ev->captured;
+      ev->captured->joined.push_back(st);
+      return cudaSuccess;
+    }
+    if (st->capture != ev->captured) {
+      invalidate(*st->capture, cudaErrorStreamCaptureIsolation, "waiting on an event of another capture");
+      invalidate(*ev->captured, cudaErrorStreamCaptureIsolation, "waiting on an event of another capture");
+      return set_error(cudaErrorStreamCaptureIsolation);
+    }
+    return cudaSuccess;  // inside one capture, issue order already orders it
+  }
+  if (st->capture && ev->stream) {  // CUDA: only with cudaEventWaitExternal, which nothing here uses
+    invalidate(*st->capture, cudaErrorStreamCaptureIsolation, "a capturing stream waiting on an uncaptured event");
+    return set_error(cudaErrorStreamCaptureIsolation);
+  }
   Op op{{}, "cudaStreamWaitEvent", {}};
   if (ev->stream) op.deps.emplace_back(ev->stream, ev->seq);
-  push(resolve(s, "cudaStreamWaitEvent"), std::move(op));
+  push(st, std::move(op));
+  return cudaSuccess;
+}
+
+// ---- Stream capture and graphs ----
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
+  auto l = api("cudaStreamBeginCapture");
+  StreamRef st = resolve(s, "cudaStreamBeginCapture");
+  if (st->legacy) return set_error(cudaErrorStreamCaptureUnsupported);  // the legacy stream cannot be captured
+  if (st->capture) return set_error(cudaErrorIllegalState);
+  auto c = std::make_shared<Capture>();
+  c->origin = st;
+  c->mode = mode;
+  c->thread = std::this_thread::get_id();
+  st->capture = c;
+  g_captures.push_back(c);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
+  auto l = api("cudaStreamEndCapture");
+  *graph = nullptr;
+  StreamRef st = resolve(s, "cudaStreamEndCapture");
+  if (!st->capture) return set_error(cudaErrorIllegalState);
+  std::shared_ptr<Capture> c = st->capture;
+  if (c->origin != st) {
+    invalidate(*c, cudaErrorStreamCaptureUnmatched, "cudaStreamEndCapture on a stream that joined the capture");
+    return set_error(cudaErrorStreamCaptureUnmatched);
+  }
+  st->capture = nullptr;
+  for (auto& j : c->joined) j->capture = nullptr;
+  g_captures.erase(std::find(g_captures.begin(), g_captures.end(), c));
+  if (c->invalid != cudaSuccess) return set_error(cudaErrorStreamCaptureInvalidated);
+  *graph = reinterpret_cast<cudaGraph_t>(new Graph{std::move(c->ops)});
+  return cudaSuccess;
+}
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  auto l = api("cudaStreamIsCapturing");
+  StreamRef st = resolve(s, "cudaStreamIsCapturing");
+  *status = !st->capture                          ? cudaStreamCaptureStatusNone
+            : st->capture->invalid == cudaSuccess ? cudaStreamCaptureStatusActive
+                                                  : cudaStreamCaptureStatusInvalidated;
+  return cudaSuccess;
+}
+cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
+  std::swap(*mode, g_thread_mode);
+  return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+  auto l = api("cudaGraphInstantiate");
+  if (!graph) return set_error(cudaErrorInvalidValue);
+  auto ops = std::make_shared<const std::vector<Op>>(reinterpret_cast<Graph*>(graph)->ops);
+  *exec = reinterpret_cast<cudaGraphExec_t>(new GraphExec{std::move(ops)});
+  return cudaSuccess;
+}
+// One item on the stream runs every node, in capture order: the launch
+// arguments, copy and memset addresses and library calls exactly as they
+// were captured, as a GPU replays them.
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+  auto l = api("cudaGraphLaunch");
+  if (!exec) return set_error(cudaErrorInvalidValue);
+  std::shared_ptr<const std::vector<Op>> ops = reinterpret_cast<GraphExec*>(exec)->ops;
+  push(resolve(s, "cudaGraphLaunch"), Op{[ops] {
+                                           for (const Op& op : *ops)
+                                             if (op.fn) {
+                                               g_running = op.what;
+                                               op.fn();
+                                             }
+                                           g_running = "cudaGraphLaunch";
+                                         },
+                                         "cudaGraphLaunch",
+                                         {}});
+  return cudaSuccess;
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  auto l = api("cudaGraphExecDestroy");
+  delete reinterpret_cast<GraphExec*>(exec);  // a launch still queued holds the nodes
+  return cudaSuccess;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  auto l = api("cudaGraphDestroy");
+  delete reinterpret_cast<Graph*>(graph);
   return cudaSuccess;
 }
 }  // extern "C"

@@ -1,0 +1,118 @@
+// CUDA graph capture and replay (cuda_graph.h) over the runtime's stream
+// capture: cudaStreamBeginCapture on a stream of the graph's own, the
+// region's ops launching on it, cudaStreamEndCapture, one instantiation,
+// cudaGraphLaunch per replay. The graph's memory pool is the caching
+// allocator's free list of that stream (cuda_allocator.cc keys its blocks
+// by stream), kept out of empty_cache() while the graph lives.
+#include "core/cuda_graph.h"
+
+#include <exception>
+#include <string>
+
+#include "core/allocator.h"
+#include "core/device.h"
+#include "core/exception.h"
+
+#if EMBER_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "core/cuda_check.h"
+#endif
+
+namespace ember {
+
+namespace {
+thread_local int t_capturing = -1;  // the device this thread captures on, or -1
+}  // namespace
+
+bool cuda_graph_capturing() { return t_capturing >= 0; }
+
+void check_not_capturing(const char* what, const char* why) {
+  if (t_capturing < 0) return;
+  EMBER_CHECK(false, what, " inside a CUDA graph capture (cuda:", t_capturing,
+              "): ", why ? why : "it waits for the GPU, which a captured region cannot do",
+              "; do it outside the captured region (before capture(), or after replay())");
+}
+
+#if EMBER_WITH_CUDA
+CudaGraph::CudaGraph(int device) : device_(device) {
+  EMBER_CHECK(cuda_is_available(), "CudaGraph: no CUDA device: ", cuda_unavailable_reason());
+  EMBER_CHECK(device >= 0 && device < cuda_device_count(), "CudaGraph: device cuda:", device, " does not exist (",
+              cuda_device_count(), " devices)");
+  stream_ = new_stream(device);
+  cuda_graph_pool(device, stream_->handle, true);
+}
+
+CudaGraph::~CudaGraph() {
+  if (exec_) {
+    // The last replay may still be running on the pool's memory.
+    cudaDeviceSynchronize();
+    cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
+  }
+  cuda_graph_pool(device_, stream_->handle, false);
+}
+
+void CudaGraph::capture(const std::function<void()>& region) {
+  EMBER_CHECK(!exec_, "CudaGraph::capture: this graph already holds a capture (make a new graph to capture again)");
+  EMBER_CHECK(t_capturing < 0, "CudaGraph::capture: this thread is already capturing a graph (captures do not nest)");
+  EMBER_CHECK(cuda_allocator_caching(device_),
+              "CudaGraph::capture: CUDA graphs need the caching allocator, whose blocks are the graph's pool "
+              "(EMBER_NO_CUDA_MEMORY_CACHING is set)");
+  // The graph starts from everything queued before it: its stream does not
+  // order itself after other streams' work, and capture cannot wait.
+  cuda_synchronize();
+  int prev = 0;
+  EMBER_CUDA_CHECK(cudaGetDevice(&prev));
+  EMBER_CUDA_CHECK(cudaSetDevice(device_));
+  auto stream = static_cast<cudaStream_t>(stream_->handle);
+  EMBER_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  t_capturing = device_;
+  std::exception_ptr failure;
+  try {
+    StreamGuard on(*stream_);
+    region();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  t_capturing = -1;
+  cudaGraph_t graph = nullptr;
+  const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+  if (end != cudaSuccess) cudaGetLastError();
+  cudaSetDevice(prev);
+  if (failure) {
+    if (graph) cudaGraphDestroy(graph);
+    std::rethrow_exception(failure);
+  }
+  EMBER_CHECK(end == cudaSuccess && graph != nullptr, "CudaGraph::capture: CUDA ended the capture with ",
+              cudaGetErrorName(end), " (", cudaGetErrorString(end),
+              "): something in the region made a call a capture cannot hold (a synchronisation, an allocation "
+              "outside the caching allocator, a copy with pageable host memory, the legacy default stream)");
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  EMBER_CUDA_CHECK(inst);
+  exec_ = exec;
+}
+
+void CudaGraph::replay() {
+  EMBER_CHECK(exec_, "CudaGraph::replay: nothing captured (call capture() first)");
+  check_not_capturing("CudaGraph::replay", "a graph replays outside captures");
+  int prev = 0;
+  EMBER_CUDA_CHECK(cudaGetDevice(&prev));
+  EMBER_CUDA_CHECK(cudaSetDevice(device_));
+  const cudaError_t err =
+      cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_), static_cast<cudaStream_t>(Stream::current(device_).handle));
+  cudaSetDevice(prev);
+  EMBER_CUDA_CHECK(err);
+  ++replays_;
+}
+#else
+CudaGraph::CudaGraph(int device) : device_(device) {
+  EMBER_CHECK(false, "CudaGraph: ember was built without CUDA (CPU-only configuration)");
+}
+CudaGraph::~CudaGraph() = default;
+void CudaGraph::capture(const std::function<void()>&) { EMBER_CHECK(false, "CudaGraph: built without CUDA"); }
+void CudaGraph::replay() { EMBER_CHECK(false, "CudaGraph: built without CUDA"); }
+#endif
+
+}  // namespace ember

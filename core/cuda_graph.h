@@ -1,0 +1,70 @@
+// CUDA graphs (torch.cuda.CUDAGraph): the GPU work of a region captured
+// once and replayed with one launch, so a step's hundreds of kernel
+// launches cost the host one call.
+//
+//   CudaGraph graph(0);
+//   graph.capture([&] { loss = step(static_x, static_y); });  // records, runs nothing
+//   for (...) {
+//     static_x.copy_(next_x);   // new inputs into the tensors the graph reads
+//     graph.replay();           // the whole step, one launch
+//   }
+//
+// A replay repeats exactly what was captured: the same kernels, on the same
+// memory, with the same arguments. So:
+//  - the tensors the region read and made are the graph's (static inputs
+//    and outputs): write new inputs into them, read results from them;
+//  - memory the region allocated comes from the graph's own pool (the
+//    caching allocator's blocks of the graph's stream) and stays the
+//    graph's until it is destroyed, even where the region freed it;
+//  - every host number the region passed to a kernel is frozen at its
+//    captured value (a learning rate, a loss scale, a random offset).
+// What a capture cannot hold is refused with an error naming it, raised
+// in the region: anything that waits for the GPU (item(), cpu(), a
+// synchronisation), a copy between the CPU and the GPU, random numbers
+// (their Philox offset would repeat at every replay) and optimizers whose
+// step reads host state that changes from step to step.
+#pragma once
+
+#include <functional>
+#include <memory>
+
+#include "core/stream.h"
+
+namespace ember {
+
+class CudaGraph {
+ public:
+  explicit CudaGraph(int device = 0);
+  // Waits for the graph's last replay, then gives its pool back.
+  ~CudaGraph();
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+
+  // Runs `region` with this graph's stream current on its device and
+  // records its GPU work instead of running it; once only. Work queued
+  // before is finished first (a synchronisation), so the graph starts
+  // from it. An error inside the region (or a capture CUDA invalidated)
+  // ends the capture, leaves the graph empty and is rethrown.
+  void capture(const std::function<void()>& region);
+  // Queues the captured work on the device's current stream.
+  void replay();
+  bool captured() const { return exec_ != nullptr; }
+  int device() const { return device_; }
+  // Replays queued so far.
+  int64_t replays() const { return replays_; }
+
+ private:
+  int device_;
+  std::shared_ptr<const Stream> stream_;  // the capture stream; its cached blocks are the graph's pool
+  void* exec_ = nullptr;                  // cudaGraphExec_t
+  int64_t replays_ = 0;
+};
+
+// Whether this thread is capturing a CUDA graph (on any device).
+bool cuda_graph_capturing();
+// Raises an error naming `what` when this thread is capturing: called by
+// what a graph cannot hold (a host synchronisation, a host copy, random
+// numbers, a step of host state). `why` says what it would need.
+void check_not_capturing(const char* what, const char* why = nullptr);
+
+}  // namespace ember

@@ -1,0 +1,154 @@
+// CUDA graphs (cuda_graph.h): a captured region runs nothing until
+// replayed, a replay repeats its kernels on the graph's memory with new
+// values written into its static inputs, memory freed inside the region
+// stays the graph's, and what a capture cannot hold (a host
+// synchronisation, a host copy, random numbers) is refused with an error
+// naming it, leaving the device usable. On a GPU (skips without one) and
+// under the emulation (cuda_graph_emu_test), which models stream capture:
+// work on a capturing stream is recorded, not run, and the calls CUDA
+// refuses during a capture are refused (third_party/cuda_emu/README.md).
+#include "core/cuda_graph.h"
+
+#include <gtest/gtest.h>
+
+#if EMBER_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/allocator.h"
+#include "core/device.h"
+#include "core/ops.h"
+#include "core/ops_nn.h"
+#include "core/testing/error_of.h"
+
+namespace ember {
+namespace {
+
+class CudaGraphTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
+  }
+  static Tensor dev(const std::vector<double>& v) {
+    return Tensor::from_vector(v, {static_cast<int64_t>(v.size())}, DType::Float32).cuda();
+  }
+};
+
+TEST_F(CudaGraphTest, ReplayRepeatsTheRegionOnNewInputs) {
+  Tensor x = dev({1, 2, 3});
+  Tensor y;
+  CudaGraph g(0);
+  EXPECT_FALSE(g.captured());
+  g.capture([&] {
+    Tensor t = x * 2.0;  // a temporary freed inside the region: its block stays the graph's
+    y = exp(t - 2.0) + x;
+  });
+  ASSERT_TRUE(g.captured());
+  x.copy_(dev({0.5, 1, -1}));
+  g.replay();
+  const std::vector<double> want{std::exp(-1.0) + 0.5, std::exp(0.0) + 1, std::exp(-4.0) - 1};
+  std::vector<double> got = y.to_vector();
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-6) << i;
+  // Memory allocated after the capture does not take the graph's blocks:
+  // a replay after it still finds its temporaries intact.
+  Tensor other = dev({7, 7, 7}) * 3.0;
+  x.copy_(dev({1, 1, 1}));
+  g.replay();
+  got = y.to_vector();
+  for (double v : got) EXPECT_NEAR(v, 1.0 + 1.0, 1e-6);
+  EXPECT_EQ(other.to_vector(), (std::vector<double>{21, 21, 21}));
+  EXPECT_EQ(g.replays(), 2);
+  // empty_cache() leaves the graph's pool alone.
+  cuda_allocator(0)->empty_cache();
+  x.copy_(dev({2, 2, 2}));
+  g.replay();
+  for (double v : y.to_vector()) EXPECT_NEAR(v, std::exp(2.0) + 2.0, 1e-5);
+}
+
+// Nothing runs at capture: the outputs hold what they held (poison under
+// the emulation) until the first replay.
+TEST_F(CudaGraphTest, CaptureRunsNothing) {
+  Tensor x = dev({1, 2});
+  Tensor acc = dev({10, 10});
+  CudaGraph g(0);
+  g.capture([&] { add_(acc, x); });
+  EXPECT_EQ(acc.to_vector(), (std::vector<double>{10, 10})) << "the capture ran the add";
+  g.replay();
+  g.replay();
+  EXPECT_EQ(acc.to_vector(), (std::vector<double>{12, 14}));
+}
+
+TEST_F(CudaGraphTest, WhatACaptureCannotHoldIsNamed) {
+  Tensor x = dev({1, 2, 3});
+  auto failing = [&](const std::function<void()>& region) {
+    CudaGraph g(0);
+    std::string e = testing::error_of([&] { g.capture(region); });
+    EXPECT_FALSE(g.captured()) << e;
+    EXPECT_NE(testing::error_of([&] { g.replay(); }).find("nothing captured"), std::string::npos);
+    return e;
+  };
+  std::string e = failing([&] { (void)sum(x * 2.0).item(); });
+  EXPECT_NE(e.find("a copy from the GPU to the CPU (item(), cpu(), to_vector()) inside a CUDA graph capture (cuda:0)"),
+            std::string::npos)
+      << e;
+  e = failing([&] { cuda_synchronize(); });
+  EXPECT_NE(e.find("cuda_synchronize() inside a CUDA graph capture"), std::string::npos) << e;
+  e = failing([&] { (void)Tensor::from_vector({1.0}, {1}, DType::Float32).cuda(); });
+  EXPECT_NE(e.find("a copy from the CPU to the GPU inside a CUDA graph capture"), std::string::npos) << e;
+  EXPECT_NE(e.find("copy_ new values into it between replays"), std::string::npos) << e;
+  e = failing([&] { (void)rand({4}, {DType::Float32, cuda_device(0)}); });
+  EXPECT_NE(e.find("random numbers on the GPU inside a CUDA graph capture"), std::string::npos) << e;
+  e = failing([&] {
+    CudaGraph inner(0);
+    inner.capture([] {});
+  });
+  EXPECT_NE(e.find("captures do not nest"), std::string::npos) << e;
+  // The device works on afterwards, and a fresh graph captures.
+  EXPECT_EQ((x + 1.0).to_vector(), (std::vector<double>{2, 3, 4}));
+  Tensor y;
+  CudaGraph g(0);
+  g.capture([&] { y = x * 3.0; });
+  g.replay();
+  EXPECT_EQ(y.to_vector(), (std::vector<double>{3, 6, 9}));
+  EXPECT_NE(testing::error_of([&] { g.capture([] {}); }).find("already holds a capture"), std::string::npos);
+}
+
+// A capture the runtime invalidates behind ember's checks (a raw device
+// synchronisation) is an error at the end of the capture, not a graph that
+// replays half a region; empty_cache() inside a region frees nothing (a
+// cudaFree would invalidate the capture).
+TEST_F(CudaGraphTest, ARuntimeInvalidatedCaptureIsAnError) {
+  Tensor x = dev({1});
+#if EMBER_WITH_CUDA
+  CudaGraph bad(0);
+  const std::string e = testing::error_of([&] {
+    bad.capture([&] {
+      (void)(x * 2.0);
+      (void)cudaDeviceSynchronize();
+    });
+  });
+  EXPECT_NE(e.find("CudaGraph::capture: CUDA ended the capture with cudaErrorStreamCaptureInvalidated"),
+            std::string::npos)
+      << e;
+  EXPECT_FALSE(bad.captured());
+  cudaGetLastError();
+#endif
+  CudaGraph g(0);
+  Tensor y;
+  g.capture([&] {
+    Tensor t = x * 2.0;
+    t = Tensor();
+    cuda_allocator(0)->empty_cache();
+    y = x + 1.0;
+  });
+  g.replay();
+  EXPECT_EQ(y.to_vector(), (std::vector<double>{2}));
+}
+
+}  // namespace
+}  // namespace ember
