@@ -56,6 +56,9 @@ TEST(Gradcheck, BinaryWithBroadcasting) {
   check("pow", [](auto& v) { return pow(v[0], v[1]); }, {bp, c});
   check("maximum", [](auto& v) { return maximum(v[0], v[1]); }, {a, b});
   check("minimum", [](auto& v) { return minimum(v[0], v[1]); }, {a, b});
+  Tensor gate = input({2, 3, 4}, 8, -4.0, 4.0);
+  check("swiglu", [](auto& v) { return swiglu(v[0], v[1]); }, {gate, a});
+  check("swiglu_broadcast", [](auto& v) { return swiglu(v[0], v[1]); }, {a, b});  // the composition
   check("where", [](auto& v) { return where(gt(v[0], zeros({}, DType::Float64)), v[0], v[1]); }, {a, b});
   check("scalar_ops", [](auto& v) { return (2.0 - v[0]) / 3.0 + 1.0 / (v[1] + 3.0); }, {a, b});
 }

@@ -7,6 +7,7 @@
 //   gpt: L launches, S host syncs per step
 //   resnet50_bf16: L launches, S host syncs per step
 //   gpt_bf16: L launches, S host syncs per step
+//   llama_bf16: L launches, S host syncs per step
 //   resnet50 layout copies: C per step  (and one such line per channels-last step)
 //
 // ResNet-50 (torchvision's, 1000 classes) on 2 images of 32x32, channels-
@@ -90,5 +91,34 @@ StepCount gpt_step(bool bf16) {
 
 StepCount gpt_counts() { return gpt_step(false); }
 StepCount gpt_bf16_counts() { return gpt_step(true); }
+
+// The LLaMA arrangement of the same size (RMSNorm, rotary grouped-query
+// attention with 2 key/value heads, SwiGLU) with bfloat16 parameters and
+// no autocast, as FSDP's mixed precision runs a block (AdamW keeps
+// float32 masters): the norms, rotary embeddings and the SwiGLU gate read
+// and write bfloat16 as it is.
+StepCount llama_bf16_counts() {
+  manual_seed(0);
+  auto m = std::make_shared<nn::GPT>(nn::GPTOptions{.vocab_size = 96,
+                                                    .block_size = 64,
+                                                    .n_layer = 4,
+                                                    .n_head = 4,
+                                                    .n_embd = 128,
+                                                    .arch = nn::Arch::Llama,
+                                                    .n_kv_head = 2});
+  m->to(cuda_device(0));
+  m->to(DType::BFloat16);
+  m->train();
+  optim::AdamW opt(m->parameters(), optim::AdamWOptions{.lr = 3e-4});
+  Tensor x = randint(0, 96, {2, 64}).cuda(), y = randint(0, 96, {2 * 64}).cuda();
+  return count([&] {
+    opt.zero_grad();
+    Tensor logits = (*m)(x);
+    Tensor loss = nn::functional::cross_entropy(logits.reshape({-1, logits.size(2)}), y);
+    loss.backward();
+    opt.step();
+    return loss.item();
+  });
+}
 
 }  // namespace ember::bench

@@ -17,5 +17,6 @@ StepCount resnet50_counts();       // fp32, channels-last, SGD
 StepCount resnet50_bf16_counts();  // the same under bfloat16 autocast
 StepCount gpt_counts();            // gpt_fsdp's default model, AdamW
 StepCount gpt_bf16_counts();       // the same under bfloat16 autocast (fused attention)
+StepCount llama_bf16_counts();     // its LLaMA arrangement, bfloat16 parameters, AdamW
 
 }  // namespace ember::bench

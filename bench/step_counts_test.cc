@@ -39,6 +39,16 @@ TEST(StepCounts, GptBf16) {
   EXPECT_LE(c.launches, 300u) << "gpt_bf16 launches";
 }
 
+// bfloat16 parameters without autocast (FSDP's mixed precision): RMSNorm,
+// the rotary embeddings and the SwiGLU gate read and write bfloat16 as it
+// is and the gate is one op each way: 403 launches a step (511 with the
+// norms' and rotations' float32 copies and the gate as silu and mul).
+TEST(StepCounts, LlamaBf16) {
+  const StepCount c = llama_bf16_counts();
+  EXPECT_EQ(c.host_syncs, 1u) << "llama_bf16";
+  EXPECT_LE(c.launches, 425u) << "llama_bf16 launches";
+}
+
 TEST(StepCounts, ResNet50Bf16) {
   const StepCount c = resnet50_bf16_counts();
   EXPECT_EQ(c.host_syncs, 1u) << "resnet50_bf16";

@@ -58,7 +58,12 @@ class CudaCachingAllocator final : public LedgerAllocator {
     EMBER_CHECK(cuda_is_available(), "cuda allocator: no CUDA device: ", cuda_unavailable_reason());
     if (!caching_) return allocate_uncached(nbytes);
     const size_t cls = size_class(nbytes);
-    void* stream = Stream::current(device_).handle;
+    // While this thread captures a CUDA graph on this device, every block
+    // is the graph's (its stream's free list), whatever stream the region
+    // made current: a block filed under another stream could be handed to
+    // eager work, or freed, while the graph's replays still write into it.
+    void* pool = cuda_graph_capture_pool(device_);
+    void* stream = pool ? pool : Stream::current(device_).handle;
     void* p = nullptr;
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -88,24 +93,26 @@ class CudaCachingAllocator final : public LedgerAllocator {
 
   bool caching() const { return caching_; }
 
+  // Never throws: a CudaGraph's destructor calls it. The caller has
+  // waited for the graph's replays.
   void set_graph_pool(void* stream, bool live) {
+    std::lock_guard<std::mutex> g(mu_);
     if (live) {
-      std::lock_guard<std::mutex> g(mu_);
       graph_streams_.insert(stream);
+      retired_.erase(stream);  // a new stream with a handle a graph had
       return;
     }
-    EMBER_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
-    std::lock_guard<std::mutex> g(mu_);
     graph_streams_.erase(stream);
+    // The graph's stream is destroyed with it: blocks still held by tensors
+    // (its static outputs) come back under a handle nothing orders work
+    // on, so release() frees them instead of caching them.
+    retired_.insert(stream);
     for (auto it = free_.begin(); it != free_.end();) {
       if (it->first.first != stream) {
         ++it;
         continue;
       }
-      for (void* p : it->second) {
-        cudaFree(p);
-        stats_.reserved -= it->first.second;
-      }
+      for (void* p : it->second) free_block(p, it->first.second);
       it = free_.erase(it);
     }
   }
@@ -170,27 +177,53 @@ class CudaCachingAllocator final : public LedgerAllocator {
     stats_.allocated -= cls;
     stats_.requested -= nbytes;
     ledger_.on_free(p, nbytes, stats_);
+    if (retired_.count(stream)) {
+      free_block(p, cls);
+      return;
+    }
     free_[{stream, cls}].push_back(p);
+  }
+
+  // cudaFree (which waits for the device), or, where the runtime refuses
+  // it (a capture under way on another thread), kept for a later
+  // empty_cache(): never dropped while still reserved.
+  void free_block(void* p, size_t cls) {
+    if (cudaFree(p) == cudaSuccess) {
+      stats_.reserved -= cls;
+      return;
+    }
+    cudaGetLastError();
+    orphans_.emplace_back(p, cls);
   }
 
   // Leaves the pools of live CUDA graphs, whose replays write into them,
   // and everything while this thread captures (cudaFree cannot be captured).
   void empty_cache_locked() {
     if (cuda_graph_capturing()) return;
+    std::vector<std::pair<void*, size_t>> orphans;
+    orphans.swap(orphans_);
+    for (auto& [p, cls] : orphans) free_block(p, cls);
     for (auto& [key, blocks] : free_) {
       if (graph_streams_.count(key.first)) continue;
+      std::vector<void*> kept;
       for (void* p : blocks) {
-        cudaFree(p);
-        stats_.reserved -= key.second;
+        if (cudaFree(p) == cudaSuccess) {
+          stats_.reserved -= key.second;
+        } else {  // refused (another thread is capturing): still reserved, kept
+          cudaGetLastError();
+          kept.push_back(p);
+        }
       }
-      blocks.clear();
+      blocks.swap(kept);
     }
   }
 
   int device_;
   bool caching_;
   std::map<std::pair<void*, size_t>, std::vector<void*>> free_;
-  std::set<void*> graph_streams_;  // streams of live CUDA graphs: their blocks are the graphs' pools
+  std::set<void*> graph_streams_;                  // streams of live CUDA graphs: their blocks are the graphs' pools
+  std::set<void*> retired_;                        // streams of destroyed graphs: blocks released under them are freed
+  std::vector<std::pair<void*, size_t>> orphans_;  // blocks cudaFree refused, for the next empty_cache
 };
 
 }  // namespace

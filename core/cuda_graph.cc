@@ -22,10 +22,12 @@
 namespace ember {
 
 namespace {
-thread_local int t_capturing = -1;  // the device this thread captures on, or -1
+thread_local int t_capturing = -1;    // the device this thread captures on, or -1
+thread_local void* t_pool = nullptr;  // that graph's stream (its pool)
 }  // namespace
 
 bool cuda_graph_capturing() { return t_capturing >= 0; }
+void* cuda_graph_capture_pool(int device) { return t_capturing == device ? t_pool : nullptr; }
 
 void check_not_capturing(const char* what, const char* why) {
   if (t_capturing < 0) return;
@@ -35,21 +37,40 @@ void check_not_capturing(const char* what, const char* why) {
 }
 
 #if EMBER_WITH_CUDA
+namespace {
+// `device` current for the scope; the caller's device restored after,
+// without throwing (destructors use it).
+struct OnDevice {
+  explicit OnDevice(int device) {
+    if (cudaGetDevice(&prev) != cudaSuccess) cudaGetLastError();
+    if (prev != device) EMBER_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~OnDevice() { cudaSetDevice(prev); }
+  int prev = 0;
+};
+}  // namespace
+
 CudaGraph::CudaGraph(int device) : device_(device) {
   EMBER_CHECK(cuda_is_available(), "CudaGraph: no CUDA device: ", cuda_unavailable_reason());
   EMBER_CHECK(device >= 0 && device < cuda_device_count(), "CudaGraph: device cuda:", device, " does not exist (",
               cuda_device_count(), " devices)");
+  // The device's error slot is made on first use with cudaMalloc, which a
+  // capture would refuse: made now, so an index check in the region works.
+  (void)cuda_error_slot(device);
   stream_ = new_stream(device);
   cuda_graph_pool(device, stream_->handle, true);
 }
 
 CudaGraph::~CudaGraph() {
-  if (exec_) {
-    // The last replay may still be running on the pool's memory.
-    cudaDeviceSynchronize();
-    cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
+  try {
+    OnDevice on(device_);
+    // The last replay may still be running on the pool's memory, on
+    // whichever stream it was queued.
+    if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
+    if (exec_) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
+    cuda_graph_pool(device_, stream_->handle, false);
+  } catch (...) {  // a destructor does not throw: a sticky device error is reported by the next call
   }
-  cuda_graph_pool(device_, stream_->handle, false);
 }
 
 void CudaGraph::capture(const std::function<void()>& region) {
@@ -58,27 +79,26 @@ void CudaGraph::capture(const std::function<void()>& region) {
   EMBER_CHECK(cuda_allocator_caching(device_),
               "CudaGraph::capture: CUDA graphs need the caching allocator, whose blocks are the graph's pool "
               "(EMBER_NO_CUDA_MEMORY_CACHING is set)");
+  OnDevice on(device_);
   // The graph starts from everything queued before it: its stream does not
   // order itself after other streams' work, and capture cannot wait.
   cuda_synchronize();
-  int prev = 0;
-  EMBER_CUDA_CHECK(cudaGetDevice(&prev));
-  EMBER_CUDA_CHECK(cudaSetDevice(device_));
   auto stream = static_cast<cudaStream_t>(stream_->handle);
   EMBER_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   t_capturing = device_;
+  t_pool = stream_->handle;
   std::exception_ptr failure;
   try {
-    StreamGuard on(*stream_);
+    StreamGuard guard(*stream_);
     region();
   } catch (...) {
     failure = std::current_exception();
   }
   t_capturing = -1;
+  t_pool = nullptr;
   cudaGraph_t graph = nullptr;
   const cudaError_t end = cudaStreamEndCapture(stream, &graph);
   if (end != cudaSuccess) cudaGetLastError();
-  cudaSetDevice(prev);
   if (failure) {
     if (graph) cudaGraphDestroy(graph);
     std::rethrow_exception(failure);
@@ -86,7 +106,8 @@ void CudaGraph::capture(const std::function<void()>& region) {
   EMBER_CHECK(end == cudaSuccess && graph != nullptr, "CudaGraph::capture: CUDA ended the capture with ",
               cudaGetErrorName(end), " (", cudaGetErrorString(end),
               "): something in the region made a call a capture cannot hold (a synchronisation, an allocation "
-              "outside the caching allocator, a copy with pageable host memory, the legacy default stream)");
+              "outside the caching allocator, a copy with pageable host memory, the legacy default stream, a "
+              "side stream that did not rejoin the capture)");
   cudaGraphExec_t exec = nullptr;
   const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);
@@ -97,13 +118,9 @@ void CudaGraph::capture(const std::function<void()>& region) {
 void CudaGraph::replay() {
   EMBER_CHECK(exec_, "CudaGraph::replay: nothing captured (call capture() first)");
   check_not_capturing("CudaGraph::replay", "a graph replays outside captures");
-  int prev = 0;
-  EMBER_CUDA_CHECK(cudaGetDevice(&prev));
-  EMBER_CUDA_CHECK(cudaSetDevice(device_));
-  const cudaError_t err =
-      cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_), static_cast<cudaStream_t>(Stream::current(device_).handle));
-  cudaSetDevice(prev);
-  EMBER_CUDA_CHECK(err);
+  OnDevice on(device_);
+  EMBER_CUDA_CHECK(
+      cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_), static_cast<cudaStream_t>(Stream::current(device_).handle)));
   ++replays_;
 }
 #else

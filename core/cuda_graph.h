@@ -14,8 +14,12 @@
 //  - the tensors the region read and made are the graph's (static inputs
 //    and outputs): write new inputs into them, read results from them;
 //  - memory the region allocated comes from the graph's own pool (the
-//    caching allocator's blocks of the graph's stream) and stays the
-//    graph's until it is destroyed, even where the region freed it;
+//    caching allocator's blocks of the graph's stream, whatever stream
+//    the region used) and stays the graph's until it is destroyed, even
+//    where the region freed it;
+//  - tensors made before the capture that the region reads must stay
+//    alive while the graph is replayed: a replay reads their memory,
+//    which would otherwise go back to the allocator (PyTorch's rule too);
 //  - every host number the region passed to a kernel is frozen at its
 //    captured value (a learning rate, a loss scale, a random offset).
 // What a capture cannot hold is refused with an error naming it, raised
@@ -62,6 +66,10 @@ class CudaGraph {
 
 // Whether this thread is capturing a CUDA graph (on any device).
 bool cuda_graph_capturing();
+// The stream whose blocks are the pool of the graph this thread captures
+// on `device`, or null: the caching allocator files every block allocated
+// in the region there, whatever stream is current.
+void* cuda_graph_capture_pool(int device);
 // Raises an error naming `what` when this thread is capturing: called by
 // what a graph cannot hold (a host synchronisation, a host copy, random
 // numbers, a step of host state). `why` says what it would need.

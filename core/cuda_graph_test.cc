@@ -118,6 +118,66 @@ TEST_F(CudaGraphTest, WhatACaptureCannotHoldIsNamed) {
   EXPECT_NE(testing::error_of([&] { g.capture([] {}); }).find("already holds a capture"), std::string::npos);
 }
 
+// A side stream forked inside the region (by waiting on an event of the
+// capturing stream) joins the capture: its work is the graph's, its
+// allocations come from the graph's pool, and it must be joined back
+// before the capture ends, else CUDA refuses the capture.
+TEST_F(CudaGraphTest, ASideStreamForkedInTheRegionJoinsTheGraph) {
+  Tensor x = dev({1, 2, 3});
+  std::shared_ptr<const Stream> side = new_stream(0);
+  Tensor y, z;
+  CudaGraph g(0);
+  g.capture([&] {
+    const Stream main = Stream::current(0);
+    Event forked(0), joined(0);
+    forked.record(main);
+    forked.block(*side);
+    {
+      StreamGuard on(*side);
+      // A temporary freed in the region while the side stream is current:
+      // its block must stay the graph's, not go to the side stream's cache.
+      Tensor t = x * 10.0;
+      y = t + 0.0;
+    }
+    joined.record(*side);
+    joined.block(main);
+    z = y + x;
+  });
+  x.copy_(dev({1, 1, 1}));
+  g.replay();
+  EXPECT_EQ(z.to_vector(), (std::vector<double>{11, 11, 11}));
+  // Eager work on the side stream after the capture, with blocks of the
+  // temporary's size: none may be the graph's, which replays write.
+  const Tensor base = dev({5, 5, 5});
+  cuda_synchronize();
+  Tensor after, twice;
+  {
+    StreamGuard on(*side);
+    after = base * 2.0;
+    twice = base + base;
+  }
+  cuda_synchronize();
+  x.copy_(dev({2, 2, 2}));
+  g.replay();
+  EXPECT_EQ(z.to_vector(), (std::vector<double>{22, 22, 22}));
+  EXPECT_EQ(after.to_vector(), (std::vector<double>{10, 10, 10})) << "a replay wrote into an eager tensor";
+  EXPECT_EQ(twice.to_vector(), (std::vector<double>{10, 10, 10})) << "a replay wrote into an eager tensor";
+#if EMBER_WITH_CUDA
+  CudaGraph unjoined(0);
+  const std::string e = testing::error_of([&] {
+    unjoined.capture([&] {
+      Event forked(0);
+      forked.record(Stream::current(0));
+      forked.block(*side);
+      StreamGuard on(*side);
+      (void)(x * 2.0);  // never joined back
+    });
+  });
+  EXPECT_NE(e.find("cudaErrorStreamCaptureUnjoined"), std::string::npos) << e;
+  cudaGetLastError();
+#endif
+}
+
 // A capture the runtime invalidates behind ember's checks (a raw device
 // synchronisation) is an error at the end of the capture, not a graph that
 // replays half a region; empty_cache() inside a region frees nothing (a

@@ -263,6 +263,26 @@ TEST_F(Drawn, CrossEntropy) {
   });
 }
 
+// swiglu: one to four dims (a LLaMA block's [batch, seq, hidden] and the
+// experts' flat rows), sizes across the vector width and its tails, every
+// float dtype, values wide enough to saturate the sigmoid. The float64
+// reference is the composition silu(a) * b the op replaces; on CUDA the
+// fused kernels are compared with the CPU's.
+TEST_F(Drawn, Swiglu) {
+  for_each_draw("swiglu", 200, [&](Draw& d) {
+    const Shape s = d.shape(d.integer(1, 4), 1, 37, true);
+    const DType dt = d.pick(kFloats);
+    Tensor a = d.values(s, dt, Specials::finite(), 8.0), b = d.values(s, dt, Specials::finite(), 2.0);
+    check_case(
+        detail::str_cat("swiglu ", shape_str(s)),
+        [](const std::vector<Tensor>& v) {
+          if (v[0].dtype() == DType::Float64 && !v[0].is_cuda()) return silu(v[0]) * v[1];
+          return swiglu(v[0], v[1]);
+        },
+        {{a, true}, {b, true}}, d, tol_for(dt, 1e-5), tol_for(dt, 1e-5));
+  });
+}
+
 // rotary_embedding: x [batch..., seq, heads, head_dim] with zero to two
 // leading dims, head dims from 2 up, angles of any size (positions far out,
 // as a context-parallel rank's chunk has), every float dtype; the tables

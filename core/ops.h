@@ -40,6 +40,10 @@ Tensor tanh(const Tensor& x);
 Tensor gelu(const Tensor& x, bool tanh_approx = false);
 // x * sigmoid(x) (torch's F.silu; SwiGLU's gate).
 Tensor silu(const Tensor& x);
+// silu(a) * b, LLaMA's gated feed-forward, as one op (one kernel each way,
+// a and b kept for the backward, not silu(a)); core/ops/swiglu.cc. Inputs
+// of different shapes or dtypes take the composition.
+Tensor swiglu(const Tensor& a, const Tensor& b);
 Tensor erf(const Tensor& x);
 Tensor pow(const Tensor& x, double exponent);
 Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> max);

@@ -126,7 +126,7 @@ Tensor GroupedExperts::forward(const Tensor& x) {
   const Tensor a = scale_grad(w1, weight_grad_scale).to(x.dtype());
   const Tensor b = scale_grad(w2, weight_grad_scale).to(x.dtype());
   const Tensor c = scale_grad(w3, weight_grad_scale).to(x.dtype());
-  return grouped_mm(silu(grouped_mm(x, a, counts_)) * grouped_mm(x, c, counts_), b, counts_);
+  return grouped_mm(swiglu(grouped_mm(x, a, counts_), grouped_mm(x, c, counts_)), b, counts_);
 }
 
 MoE::MoE(int64_t dim_, MoEOptions o) : Module("MoE"), options(o), dim(dim_) {

@@ -183,7 +183,7 @@ SwiGLU::SwiGLU(int64_t n_embd, int64_t hidden, double dropout) : Module("SwiGLU"
   drop = register_module("dropout", std::make_shared<Dropout>(dropout));
 }
 
-Tensor SwiGLU::forward(const Tensor& x) { return (*drop)((*down_proj)(silu((*gate_proj)(x)) * (*up_proj)(x))); }
+Tensor SwiGLU::forward(const Tensor& x) { return (*drop)((*down_proj)(swiglu((*gate_proj)(x), (*up_proj)(x)))); }
 
 TransformerMLP::TransformerMLP(int64_t n_embd, double dropout) : Module("TransformerMLP") {
   c_fc = register_module("c_fc", std::make_shared<Linear>(n_embd, 4 * n_embd));

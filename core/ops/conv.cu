@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/cuda_graph.h"
 #include "core/device.h"
 #include "core/ops/cuda_utils.cuh"
 #include "core/ops/kernels.h"
@@ -297,6 +298,9 @@ size_t benchmark_workspace_cap() {
 // caller falls back to the heuristics.
 template <typename Perf, typename Find, typename Accepts>
 Algo find_algo(int dev, int n_algos, cudnnMathType_t want, Find&& find, Accepts&& accepts) {
+  check_not_capturing("cuDNN benchmark mode timing a convolution's algorithms",
+                      "timing runs and waits for kernels; run a step before capture so each geometry's choice "
+                      "is cached (a warm-up)");
   size_t cap = benchmark_workspace_cap();
   DataPtr ws;
   try {

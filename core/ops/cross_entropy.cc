@@ -261,7 +261,7 @@ Tensor cross_entropy_rows(const Tensor& logits, const Tensor& target, double lab
           }
           return std::vector<Tensor>{dx};
         };
-        return Recorded{std::move(fn), {sx, slse}};
+        return Recorded{std::move(fn), {sx, st, slse}};
       });
   if (counted) *counted = cnt;
   return rows;

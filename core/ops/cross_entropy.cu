@@ -93,14 +93,16 @@ __global__ void __launch_bounds__(kMaxRowThreads)
     loss[row] = lse[row] = std::numeric_limits<C>::quiet_NaN();
     return;
   }
-  const C l = st.m + m_log(st.s);
-  C v = l - static_cast<C>(p[t]);
+  // (m - x_t) + log(sum), not lse - x_t: a large max would round away a
+  // small loss's digits (as the CPU kernel).
+  const C log_sum = m_log(st.s);
+  C v = (st.m - static_cast<C>(p[t])) + log_sum;
   if (smooth) {
     const C ls = static_cast<C>(a.label_smoothing);
-    v = v * (C(1) - ls) + (l - sx / static_cast<C>(a.classes)) * ls;
+    v = v * (C(1) - ls) + ((st.m - sx / static_cast<C>(a.classes)) + log_sum) * ls;
   }
   loss[row] = v;
-  lse[row] = l;
+  lse[row] = st.m + log_sum;
 }
 
 template <typename T, typename I, int VEC>

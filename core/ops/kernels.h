@@ -179,7 +179,9 @@ void set_attention_cuda_scratch(int64_t elements);
 
 // layer_norm over the rows of contiguous float32/float64 x ([rows, n], rows =
 // mean.numel()); w and b (n elements) may be undefined. Backward writes any
-// of dx ([rows, n]), dw and db (n) that is given.
+// of dx ([rows, n]), dw and db (n) that is given. The CUDA kernels also take
+// 16-bit x, w, b, y, dy and the gradients (one dtype) with float32 mean and
+// rstd.
 void layer_norm_forward_cpu(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor& y, Tensor& mean,
                             Tensor& rstd);
 void layer_norm_forward_cuda(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor& y, Tensor& mean,
@@ -205,7 +207,8 @@ NormRows norm_rows(const char* op, const Tensor& x, int64_t ndim,
 
 // rms_norm over the rows of contiguous float32/float64 x ([rows, n], rows =
 // rstd.numel()); w (n elements) may be undefined. Backward writes dx
-// ([rows, n]) and dw (n) where given.
+// ([rows, n]) and dw (n) where given. The CUDA kernels also take 16-bit x,
+// w, y, dy, dx and dw (one dtype) with float32 rstd.
 void rms_norm_forward_cpu(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd);
 void rms_norm_forward_cuda(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd);
 void rms_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor* dx,
@@ -233,9 +236,17 @@ void cross_entropy_backward_cpu(const CrossEntropyArgs& a, const Tensor& grad_lo
 void cross_entropy_backward_cuda(const CrossEntropyArgs& a, const Tensor& grad_loss, const Tensor& logits,
                                  const Tensor& target, const Tensor& lse, Tensor& grad);
 
+// swiglu (silu(a) * b) over contiguous a, b of one shape and float dtype:
+// y, and where given da and db from the output gradient g.
+void swiglu_forward_cpu(const Tensor& a, const Tensor& b, Tensor& y);
+void swiglu_forward_cuda(const Tensor& a, const Tensor& b, Tensor& y);
+void swiglu_backward_cpu(const Tensor& g, const Tensor& a, const Tensor& b, Tensor* da, Tensor* db);
+void swiglu_backward_cuda(const Tensor& g, const Tensor& a, const Tensor& b, Tensor* da, Tensor* db);
+
 // rotary_embedding of contiguous x [outer, seq, heads, head_dim] with
 // cos/sin tables [seq, head_dim/2], all float32 or all float64; inverse
-// turns the other way (the backward).
+// turns the other way (the backward). The CUDA kernel also takes 16-bit x
+// and y with float32 tables.
 struct RopeGeom {
   int64_t outer = 0, seq = 0, heads = 0, head_dim = 0;
 };

@@ -50,6 +50,8 @@ EMBER_NO_CUDA(cross_entropy_forward_cuda, const CrossEntropyArgs&, const Tensor&
               Tensor*)
 EMBER_NO_CUDA(cross_entropy_backward_cuda, const CrossEntropyArgs&, const Tensor&, const Tensor&, const Tensor&,
               const Tensor&, Tensor&)
+EMBER_NO_CUDA(swiglu_forward_cuda, const Tensor&, const Tensor&, Tensor&)
+EMBER_NO_CUDA(swiglu_backward_cuda, const Tensor&, const Tensor&, const Tensor&, Tensor*, Tensor*)
 EMBER_NO_CUDA(rope_cuda, const Tensor&, const Tensor&, const Tensor&, bool, const RopeGeom&, Tensor&)
 EMBER_NO_CUDA(index_select_cuda, const Tensor&, const Tensor&, Tensor&, int64_t, int64_t, int64_t)
 EMBER_NO_CUDA(gather_cuda, const Tensor&, const Tensor&, Tensor&, int64_t)

@@ -26,7 +26,7 @@ using cuda::VecN;
 
 constexpr int kMaxDepth = 5;            // param, grad, up to three state tensors
 constexpr int64_t kChunk = 16384;       // elements per block visit: 64 per thread
-constexpr int kArgEntries = 384;        // 384 * 64 B = 24 KB of kernel parameters
+constexpr int kArgEntries = 384;        // 384 * 72 B = 27 KB of kernel parameters
 
 struct TensorEntry {
   void* ptr[kMaxDepth];
@@ -40,6 +40,9 @@ struct TensorEntry {
 struct ArgTable {
   TensorEntry e[kArgEntries];
 };
+// CUDA's limit on a launch's parameters is 32764 bytes; the table's
+// neighbours (counts and the step's functor) take at most a few hundred.
+static_assert(sizeof(ArgTable) + 1024 <= 32764, "the multi-tensor table outgrew a launch's parameters");
 
 // The tensor owning global chunk c: the last entry whose first chunk is <= c.
 __device__ __forceinline__ int find_tensor(const TensorEntry* entries, int n, int64_t c) {

@@ -83,8 +83,12 @@ Tensor rotary_embedding(const Tensor& x_in, const Tensor& cos, const Tensor& sin
   auto prep = [compute](const Tensor& t) { return (t.dtype() == compute ? t : t.to(compute)).contiguous(); };
   const Tensor c = prep(cos), s = prep(sin);
   auto rotate = [g, c, s, compute](const Tensor& in, bool inverse, DType out_dtype) {
-    const Tensor xc = (in.dtype() == compute ? in : in.to(compute)).contiguous();
-    Tensor y = Tensor::empty(in.sizes(), {compute, in.device()});
+    // 16-bit on a GPU: the kernel reads and writes it as it is (no float32
+    // copies around it); elsewhere a float32 copy.
+    const bool native = in.is_cuda() && (in.dtype() == DType::BFloat16 || in.dtype() == DType::Float16);
+    const DType io = native ? in.dtype() : compute;
+    const Tensor xc = (in.dtype() == io ? in : in.to(io)).contiguous();
+    Tensor y = Tensor::empty(in.sizes(), {io, in.device()});
     if (y.numel() > 0) {
       if (in.is_cuda())
         rope_cuda(xc, c, s, inverse, g, y);

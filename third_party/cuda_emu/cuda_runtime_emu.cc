@@ -107,6 +107,10 @@ struct Stream {
   uint64_t enqueued = 0, done = 0;
   bool running = false;
   std::shared_ptr<Capture> capture;  // set while the stream is being captured
+  // Inside a capture: work recorded from this stream, and how much of it a
+  // wait on one of its events has joined back (cudaErrorStreamCaptureUnjoined
+  // at the end otherwise, for a stream that joined the capture).
+  uint64_t captured_ops = 0, joined_upto = 0;
 };
 // A stream capture (cudaStreamBeginCapture .. cudaStreamEndCapture): the
 // work pushed on the origin stream and on every stream that joined it (by
@@ -130,6 +134,8 @@ struct GraphExec {
 struct Event {
   StreamRef stream;  // null until recorded
   std::shared_ptr<Capture> captured;  // recorded inside this capture (no runnable point)
+  StreamRef captured_on;              // the stream it was recorded on, and its captured_ops then
+  uint64_t captured_at = 0;
   uint64_t seq = 0;
   int not_ready_answers = 0;
   bool timing = true;  // false: cudaEventDisableTiming
@@ -205,6 +211,7 @@ void push(const StreamRef& s, Op op) {
   if (s->capture) {  // recorded into the graph, not run; no cross-stream deps inside it
     op.deps.clear();
     s->capture->ops.push_back(std::move(op));
+    s->captured_ops++;
     return;
   }
   if (s->legacy) {
@@ -279,6 +286,8 @@ constexpr ErrorText kErrors[] = {
     {cudaErrorStreamCaptureImplicit, "cudaErrorStreamCaptureImplicit",
      "operation would make the legacy stream depend on a capturing blocking stream"},
     {cudaErrorIllegalState, "cudaErrorIllegalState", "the operation is not permitted in the current state"},
+    {cudaErrorStreamCaptureUnjoined, "cudaErrorStreamCaptureUnjoined",
+     "capture a stream that was forked from the origin stream without joining it back"},
 };
 const ErrorText& error_text(cudaError_t e) {
   static constexpr ErrorText kUnknown{cudaErrorUnknown, "cudaErrorUnknown", "unknown error"};
@@ -296,7 +305,11 @@ cudaError_t set_error(cudaError_t e) {
 
 void enqueue(cudaStream_t stream, std::function<void()> fn, const char* what) {
   auto l = api(what);
-  push(resolve(stream, what), Op{std::move(fn), what, {}});
+  StreamRef s = resolve(stream, what);
+  // Work on a stream whose capture was invalidated fails, as CUDA's next
+  // call there does (the launch's cudaGetLastError sees it).
+  if (s->capture && s->capture->invalid != cudaSuccess) set_error(cudaErrorStreamCaptureInvalidated);
+  push(s, Op{std::move(fn), what, {}});
 }
 
 void check_kernel_pointer(const void* p, const char* kernel, int arg) {
@@ -571,11 +584,11 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
                   .count();
     };
   if (st->capture) {  // a point inside the graph: other streams may join by waiting on it
-    *ev = Event{nullptr, st->capture, 0, 0, ev->timing, when};
+    *ev = Event{nullptr, st->capture, st, st->captured_ops, 0, 0, ev->timing, when};
     return cudaSuccess;
   }
   push(st, std::move(op));
-  *ev = Event{st, nullptr, st->enqueued, 0, ev->timing, when};
+  *ev = Event{st, nullptr, nullptr, 0, st->enqueued, 0, ev->timing, when};
   return cudaSuccess;
 }
 // The time between two recorded points as the emulated device ran them
@@ -626,6 +639,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
         return set_error(cudaErrorStreamCaptureImplicit);
       }
       st->capture = ev->captured;
+      st->captured_ops = st->joined_upto = 0;
       ev->captured->joined.push_back(st);
       return cudaSuccess;
     }
@@ -634,7 +648,10 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
       invalidate(*ev->captured, cudaErrorStreamCaptureIsolation, "waiting on an event of another capture");
       return set_error(cudaErrorStreamCaptureIsolation);
     }
-    return cudaSuccess;  // inside one capture, issue order already orders it
+    // Inside one capture, issue order already orders it; the wait joins
+    // the recording stream's work up to the event back.
+    if (ev->captured_on) ev->captured_on->joined_upto = std::max(ev->captured_on->joined_upto, ev->captured_at);
+    return cudaSuccess;
   }
   if (st->capture && ev->stream) {  // CUDA: only with cudaEventWaitExternal, which nothing here uses
     invalidate(*st->capture, cudaErrorStreamCaptureIsolation, "a capturing stream waiting on an uncaptured event");
@@ -671,8 +688,22 @@ cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
     return set_error(cudaErrorStreamCaptureUnmatched);
   }
   st->capture = nullptr;
-  for (auto& j : c->joined) j->capture = nullptr;
+  for (auto& j : c->joined) {
+    if (j->captured_ops > j->joined_upto)
+      invalidate(*c, cudaErrorStreamCaptureUnjoined, "a stream that joined the capture did not rejoin it");
+    j->capture = nullptr;
+  }
+  // Its events are points of the graph, not of any stream: a wait on one
+  // after the capture orders nothing (CUDA: they name no work to wait for).
+  for (cudaEvent_t e : g_events) {
+    Event* ev = reinterpret_cast<Event*>(e);
+    if (ev->captured == c) {
+      ev->captured = nullptr;
+      ev->captured_on = nullptr;
+    }
+  }
   g_captures.erase(std::find(g_captures.begin(), g_captures.end(), c));
+  if (c->invalid == cudaErrorStreamCaptureUnjoined) return set_error(cudaErrorStreamCaptureUnjoined);
   if (c->invalid != cudaSuccess) return set_error(cudaErrorStreamCaptureInvalidated);
   *graph = reinterpret_cast<cudaGraph_t>(new Graph{std::move(c->ops)});
   return cudaSuccess;
