@@ -58,15 +58,20 @@ class CudaCachingAllocator final : public LedgerAllocator {
     EMBER_CHECK(cuda_is_available(), "cuda allocator: no CUDA device: ", cuda_unavailable_reason());
     if (!caching_) return allocate_uncached(nbytes);
     const size_t cls = size_class(nbytes);
-    // While this thread captures a CUDA graph on this device, every block
-    // is the graph's (its stream's free list), whatever stream the region
-    // made current: a block filed under another stream could be handed to
-    // eager work, or freed, while the graph's replays still write into it.
-    void* pool = cuda_graph_capture_pool(device_);
-    void* stream = pool ? pool : Stream::current(device_).handle;
+    void* const pool = cuda_graph_capture_pool(device_);
+    void* const current = Stream::current(device_).handle;
+    void* stream = current;  // the key the block is filed under
     void* p = nullptr;
     {
       std::lock_guard<std::mutex> g(mu_);
+      // While this thread captures a CUDA graph on this device, every block
+      // is the graph's, whatever stream the region made current: filed
+      // under another stream's key it could be handed to eager work, or
+      // freed, while the graph's replays still write into it. Each stream
+      // of the region keeps a key of its own inside the pool, so a block
+      // is reused only in its stream's order, as outside graphs.
+      if (pool) stream = pool_key(pool, current);
+      if (live_keys_.count(stream)) outstanding_[stream]++;
       stats_.num_allocs++;
       auto it = free_.find({stream, cls});
       if (it != free_.end() && !it->second.empty()) {
@@ -98,23 +103,33 @@ class CudaCachingAllocator final : public LedgerAllocator {
   void set_graph_pool(void* stream, bool live) {
     std::lock_guard<std::mutex> g(mu_);
     if (live) {
-      graph_streams_.insert(stream);
+      graph_keys_[stream] = {stream};
+      live_keys_.insert(stream);
       retired_.erase(stream);  // a new stream with a handle a graph had
       return;
     }
-    graph_streams_.erase(stream);
-    // The graph's stream is destroyed with it: blocks still held by tensors
-    // (its static outputs) come back under a handle nothing orders work
-    // on, so release() frees them instead of caching them.
-    retired_.insert(stream);
-    for (auto it = free_.begin(); it != free_.end();) {
-      if (it->first.first != stream) {
-        ++it;
-        continue;
+    auto keys = graph_keys_.find(stream);
+    if (keys == graph_keys_.end()) return;
+    for (void* key : keys->second) {
+      live_keys_.erase(key);
+      for (auto it = free_.begin(); it != free_.end();) {
+        if (it->first.first != key) {
+          ++it;
+          continue;
+        }
+        for (void* p : it->second) free_block(p, it->first.second);
+        it = free_.erase(it);
       }
-      for (void* p : it->second) free_block(p, it->first.second);
-      it = free_.erase(it);
+      // Blocks still held by tensors (the graph's static outputs) come back
+      // under a key nothing orders work on any more (the stream is
+      // destroyed with the graph): release() frees them, and the key is
+      // forgotten with its last block (a new stream may get the handle).
+      if (outstanding_[key] > 0)
+        retired_.insert(key);
+      else
+        outstanding_.erase(key);
     }
+    graph_keys_.erase(keys);
   }
 
  private:
@@ -152,7 +167,7 @@ class CudaCachingAllocator final : public LedgerAllocator {
     cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
     EMBER_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
     cudaError_t err = cudaMalloc(&p, cls);
-    if (err == cudaErrorMemoryAllocation && !cuda_graph_capturing()) {
+    if (err == cudaErrorMemoryAllocation && !cuda_graph_capture_active()) {
       cudaGetLastError();
       std::lock_guard<std::mutex> g(mu_);
       empty_cache_locked();
@@ -179,16 +194,22 @@ class CudaCachingAllocator final : public LedgerAllocator {
     ledger_.on_free(p, nbytes, stats_);
     if (retired_.count(stream)) {
       free_block(p, cls);
+      if (--outstanding_[stream] <= 0) {
+        retired_.erase(stream);
+        outstanding_.erase(stream);
+      }
       return;
     }
+    if (live_keys_.count(stream)) outstanding_[stream]--;
     free_[{stream, cls}].push_back(p);
   }
 
-  // cudaFree (which waits for the device), or, where the runtime refuses
-  // it (a capture under way on another thread), kept for a later
-  // empty_cache(): never dropped while still reserved.
+  // cudaFree (which waits for the device); while any thread captures a
+  // graph (cudaFree would invalidate the capture) or where the runtime
+  // refuses it, kept for a later empty_cache(): never dropped while still
+  // reserved.
   void free_block(void* p, size_t cls) {
-    if (cudaFree(p) == cudaSuccess) {
+    if (!cuda_graph_capture_active() && cudaFree(p) == cudaSuccess) {
       stats_.reserved -= cls;
       return;
     }
@@ -196,15 +217,29 @@ class CudaCachingAllocator final : public LedgerAllocator {
     orphans_.emplace_back(p, cls);
   }
 
+  // The key a block allocated on `current` during the capture of the
+  // graph whose stream is `pool` is filed under: the pool's stream itself,
+  // or a tag of this (graph, stream) pair that the graph's keys list.
+  void* pool_key(void* pool, void* current) {
+    if (current == pool) return pool;
+    std::unique_ptr<char>& tag = tags_[{pool, current}];
+    if (!tag) {
+      tag = std::make_unique<char>();
+      graph_keys_[pool].push_back(tag.get());
+      live_keys_.insert(tag.get());
+    }
+    return tag.get();
+  }
+
   // Leaves the pools of live CUDA graphs, whose replays write into them,
   // and everything while this thread captures (cudaFree cannot be captured).
   void empty_cache_locked() {
-    if (cuda_graph_capturing()) return;
+    if (cuda_graph_capture_active()) return;
     std::vector<std::pair<void*, size_t>> orphans;
     orphans.swap(orphans_);
     for (auto& [p, cls] : orphans) free_block(p, cls);
     for (auto& [key, blocks] : free_) {
-      if (graph_streams_.count(key.first)) continue;
+      if (live_keys_.count(key.first)) continue;
       std::vector<void*> kept;
       for (void* p : blocks) {
         if (cudaFree(p) == cudaSuccess) {
@@ -221,8 +256,13 @@ class CudaCachingAllocator final : public LedgerAllocator {
   int device_;
   bool caching_;
   std::map<std::pair<void*, size_t>, std::vector<void*>> free_;
-  std::set<void*> graph_streams_;                  // streams of live CUDA graphs: their blocks are the graphs' pools
-  std::set<void*> retired_;                        // streams of destroyed graphs: blocks released under them are freed
+  // CUDA graphs' pools. A live graph's keys (its stream, and a tag per
+  // other stream its region allocated on): their blocks are the graph's.
+  std::map<void*, std::vector<void*>> graph_keys_;
+  std::set<void*> live_keys_;
+  std::map<std::pair<void*, void*>, std::unique_ptr<char>> tags_;  // (graph stream, stream) -> tag
+  std::map<void*, int64_t> outstanding_;                           // blocks of a graph key held by tensors
+  std::set<void*> retired_;                        // keys of destroyed graphs with blocks still held: freed on release
   std::vector<std::pair<void*, size_t>> orphans_;  // blocks cudaFree refused, for the next empty_cache
 };
 

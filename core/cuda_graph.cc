@@ -6,6 +6,7 @@
 // by stream), kept out of empty_cache() while the graph lives.
 #include "core/cuda_graph.h"
 
+#include <atomic>
 #include <exception>
 #include <string>
 
@@ -22,11 +23,13 @@
 namespace ember {
 
 namespace {
-thread_local int t_capturing = -1;    // the device this thread captures on, or -1
-thread_local void* t_pool = nullptr;  // that graph's stream (its pool)
+thread_local int t_capturing = -1;      // the device this thread captures on, or -1
+thread_local void* t_pool = nullptr;    // that graph's stream (its pool)
+std::atomic<int> g_active_captures{0};  // captures under way, any thread
 }  // namespace
 
 bool cuda_graph_capturing() { return t_capturing >= 0; }
+bool cuda_graph_capture_active() { return g_active_captures.load() > 0; }
 void* cuda_graph_capture_pool(int device) { return t_capturing == device ? t_pool : nullptr; }
 
 void check_not_capturing(const char* what, const char* why) {
@@ -42,10 +45,15 @@ namespace {
 // without throwing (destructors use it).
 struct OnDevice {
   explicit OnDevice(int device) {
-    if (cudaGetDevice(&prev) != cudaSuccess) cudaGetLastError();
+    if (cudaGetDevice(&prev) != cudaSuccess) {
+      cudaGetLastError();
+      prev = -1;  // unknown: nothing to restore
+    }
     if (prev != device) EMBER_CUDA_CHECK(cudaSetDevice(device));
   }
-  ~OnDevice() { cudaSetDevice(prev); }
+  ~OnDevice() {
+    if (prev >= 0) cudaSetDevice(prev);
+  }
   int prev = 0;
 };
 }  // namespace
@@ -61,15 +69,18 @@ CudaGraph::CudaGraph(int device) : device_(device) {
   cuda_graph_pool(device, stream_->handle, true);
 }
 
+// Never throws: a sticky device error is reported by the next call.
 CudaGraph::~CudaGraph() {
+  int prev = -1;
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+  // The last replay may still be running on the pool's memory, on
+  // whichever stream it was queued.
+  if (cudaSetDevice(device_) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
+  if (exec_) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
+  if (prev >= 0) cudaSetDevice(prev);
   try {
-    OnDevice on(device_);
-    // The last replay may still be running on the pool's memory, on
-    // whichever stream it was queued.
-    if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
-    if (exec_) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
     cuda_graph_pool(device_, stream_->handle, false);
-  } catch (...) {  // a destructor does not throw: a sticky device error is reported by the next call
+  } catch (...) {
   }
 }
 
@@ -85,6 +96,7 @@ void CudaGraph::capture(const std::function<void()>& region) {
   cuda_synchronize();
   auto stream = static_cast<cudaStream_t>(stream_->handle);
   EMBER_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  g_active_captures++;
   t_capturing = device_;
   t_pool = stream_->handle;
   std::exception_ptr failure;
@@ -98,6 +110,7 @@ void CudaGraph::capture(const std::function<void()>& region) {
   t_pool = nullptr;
   cudaGraph_t graph = nullptr;
   const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+  g_active_captures--;
   if (end != cudaSuccess) cudaGetLastError();
   if (failure) {
     if (graph) cudaGraphDestroy(graph);

@@ -66,6 +66,9 @@ class CudaGraph {
 
 // Whether this thread is capturing a CUDA graph (on any device).
 bool cuda_graph_capturing();
+// Whether any thread is (the allocator then frees nothing: a cudaFree
+// would invalidate a global-mode capture, whichever thread calls it).
+bool cuda_graph_capture_active();
 // The stream whose blocks are the pool of the graph this thread captures
 // on `device`, or null: the caching allocator files every block allocated
 // in the region there, whatever stream is current.

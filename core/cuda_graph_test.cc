@@ -178,6 +178,29 @@ TEST_F(CudaGraphTest, ASideStreamForkedInTheRegionJoinsTheGraph) {
 #endif
 }
 
+// A destroyed graph's outputs still held by tensors are freed when those
+// go, not cached under its dead stream; one that goes inside another
+// graph's capture is kept for later instead (a cudaFree there would
+// invalidate the capture).
+TEST_F(CudaGraphTest, ADestroyedGraphsOutputFreedInsideAnotherCapture) {
+  Tensor x = dev({1, 2});
+  Tensor out;
+  {
+    CudaGraph a(0);
+    a.capture([&] { out = x * 2.0; });
+    a.replay();
+    EXPECT_EQ(out.to_vector(), (std::vector<double>{2, 4}));
+  }
+  EXPECT_EQ(out.to_vector(), (std::vector<double>{2, 4})) << "the output outlives its graph";
+  const size_t reserved = cuda_allocator(0)->stats().reserved;
+  CudaGraph b(0);
+  b.capture([&] { out = x * 3.0; });  // the first graph's output is released inside this capture
+  b.replay();
+  EXPECT_EQ(out.to_vector(), (std::vector<double>{3, 6}));
+  cuda_allocator(0)->empty_cache();  // the block kept during the capture is freed now
+  EXPECT_LE(cuda_allocator(0)->stats().reserved, reserved + 1024) << "a released block was neither freed nor reused";
+}
+
 // A capture the runtime invalidates behind ember's checks (a raw device
 // synchronisation) is an error at the end of the capture, not a graph that
 // replays half a region; empty_cache() inside a region frees nothing (a

@@ -468,6 +468,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
   if (cudaError_t e = check_copy(dst, src, n, k)) return e;
   auto l = api("cudaMemcpyAsync");
   StreamRef st = resolve(s, "cudaMemcpyAsync");
+  if (st->capture && st->capture->invalid != cudaSuccess) return set_error(cudaErrorStreamCaptureInvalidated);
   if (st->capture && n > 0 && (is_pageable(src, n) || is_pageable(dst, n))) {
     // A graph's copy node replays from its addresses; pageable memory is
     // staged or waited for at the call, which a graph cannot do.
@@ -505,13 +506,17 @@ cudaError_t cudaMemset(void* p, int v, size_t n) {
 cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s) {
   if (cudaError_t e = check_memset(p, n, n, 1)) return e;
   auto l = api("cudaMemsetAsync");
-  push(resolve(s, "cudaMemsetAsync"), memset_op(p, n, v, n, 1, "cudaMemsetAsync"));
+  StreamRef st = resolve(s, "cudaMemsetAsync");
+  if (st->capture && st->capture->invalid != cudaSuccess) return set_error(cudaErrorStreamCaptureInvalidated);
+  push(st, memset_op(p, n, v, n, 1, "cudaMemsetAsync"));
   return cudaSuccess;
 }
 cudaError_t cudaMemset2DAsync(void* p, size_t pitch, int v, size_t w, size_t h, cudaStream_t s) {
   if (cudaError_t e = check_memset(p, pitch, w, h)) return e;
   auto l = api("cudaMemset2DAsync");
-  push(resolve(s, "cudaMemset2DAsync"), memset_op(p, pitch, v, w, h, "cudaMemset2DAsync"));
+  StreamRef st = resolve(s, "cudaMemset2DAsync");
+  if (st->capture && st->capture->invalid != cudaSuccess) return set_error(cudaErrorStreamCaptureInvalidated);
+  push(st, memset_op(p, pitch, v, w, h, "cudaMemset2DAsync"));
   return cudaSuccess;
 }
 
