@@ -33,7 +33,12 @@ class CudaGraphTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
+    // The AddressSanitizer run turns caching off (exact-size allocations);
+    // a graph's pool is the cache's (NeedsTheCachingAllocator below).
+    if (!cuda_allocator_caching(0) && !allow_uncached_)
+      GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: CUDA graphs need the caching allocator";
   }
+  bool allow_uncached_ = false;
   static Tensor dev(const std::vector<double>& v) {
     return Tensor::from_vector(v, {static_cast<int64_t>(v.size())}, DType::Float32).cuda();
   }
@@ -199,6 +204,23 @@ TEST_F(CudaGraphTest, ADestroyedGraphsOutputFreedInsideAnotherCapture) {
   EXPECT_EQ(out.to_vector(), (std::vector<double>{3, 6}));
   cuda_allocator(0)->empty_cache();  // the block kept during the capture is freed now
   EXPECT_LE(cuda_allocator(0)->stats().reserved, reserved + 1024) << "a released block was neither freed nor reused";
+}
+
+class CudaGraphUncached : public CudaGraphTest {
+ protected:
+  void SetUp() override {
+    allow_uncached_ = true;
+    CudaGraphTest::SetUp();
+  }
+};
+
+// Without the caching allocator a capture is refused by name (each free
+// would be a cudaFree inside it); with it, this test has nothing to check.
+TEST_F(CudaGraphUncached, NeedsTheCachingAllocator) {
+  if (cuda_allocator_caching(0)) GTEST_SKIP() << "the caching allocator is on";
+  CudaGraph g(0);
+  const std::string e = testing::error_of([&] { g.capture([] {}); });
+  EXPECT_NE(e.find("CUDA graphs need the caching allocator"), std::string::npos) << e;
 }
 
 // A capture the runtime invalidates behind ember's checks (a raw device
