@@ -278,6 +278,28 @@ inline void maybe_check_now(int device, cudaStream_t stream) {
   if (cuda_sync_checks()) cuda_error_check_now(Stream{device, stream});
 }
 
+// Kernels templated on <T, C>: T the tensors' dtype, read and written as
+// it is, C the dtype they compute in (float32 for 16-bit and float32
+// tensors, float64 for float64): f.operator()<T, C>() for dt (the norms,
+// the rotary embedding).
+template <typename F>
+void dispatch_io(DType dt, F&& f) {
+  switch (dt) {
+    case DType::Float64:
+      f.template operator()<double, double>();
+      break;
+    case DType::BFloat16:
+      f.template operator()<BFloat16, float>();
+      break;
+    case DType::Float16:
+      f.template operator()<Half, float>();
+      break;
+    default:
+      f.template operator()<float, float>();
+      break;
+  }
+}
+
 // Normalisations over rows (layer_norm.cu, rms_norm.cu): a warp per row
 // for the per-row passes, and the weight's gradient as per-column partial
 // sums over tiles of kNormTileRows rows (more when the tiles would pass

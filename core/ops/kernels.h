@@ -199,7 +199,13 @@ struct NormRows {
   Shape norm_shape;
   int64_t rows = 0, n = 0;
   DType compute = DType::Float32;
-  // t in the compute dtype, contiguous (undefined stays undefined).
+  // The dtype the kernels read and write x, the parameters, y and the
+  // gradients in: x's own when x is 16-bit on a GPU and every parameter
+  // has its dtype (the CUDA kernels compute in float32 inside, so no
+  // float32 copies are made around them), else `compute`. Statistics are
+  // always `compute`.
+  DType io = DType::Float32;
+  // t in the io dtype, contiguous (undefined stays undefined).
   Tensor prep(const Tensor& t) const;
 };
 NormRows norm_rows(const char* op, const Tensor& x, int64_t ndim,

@@ -125,7 +125,7 @@ void layer_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& me
 
 Tensor NormRows::prep(const Tensor& t) const {
   if (!t.defined()) return t;
-  return (t.dtype() == compute ? t : t.to(compute)).contiguous();
+  return (t.dtype() == io ? t : t.to(io)).contiguous();
 }
 
 NormRows norm_rows(const char* op, const Tensor& x, int64_t ndim,
@@ -148,6 +148,9 @@ NormRows norm_rows(const char* op, const Tensor& x, int64_t ndim,
   // under autocast; the result and the gradients come back in each
   // tensor's dtype.
   r.compute = x.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
+  bool native = x.is_cuda() && (x.dtype() == DType::BFloat16 || x.dtype() == DType::Float16);
+  for (const auto& [name, p] : params) native = native && (!p->defined() || p->dtype() == x.dtype());
+  r.io = native ? x.dtype() : r.compute;
   return r;
 }
 
@@ -160,20 +163,12 @@ Tensor layer_norm(const Tensor& x_in, int64_t normalized_ndim, const Tensor& wei
   std::vector<Tensor> inputs{x};
   if (weight.defined()) inputs.push_back(weight);
   if (bias.defined()) inputs.push_back(bias);
-  // 16-bit x (weight and bias alike) on a GPU: the CUDA kernels read and
-  // write them as they are, computing in float32, so no float32 copy is
-  // made around them; the CPU computes from float32 copies (nr.prep).
-  const bool native = x.is_cuda() && (x.dtype() == DType::BFloat16 || x.dtype() == DType::Float16) &&
-                      (!weight.defined() || weight.dtype() == x.dtype()) &&
-                      (!bias.defined() || bias.dtype() == x.dtype());
-  const DType io = native ? x.dtype() : nr.compute;
-  auto in = [nr, native](const Tensor& t) { return native && t.defined() ? t.contiguous() : nr.prep(t); };
   Tensor mean, rstd;
   return differentiable(
       "layer_norm", inputs,
       [&] {
-        const Tensor xc = in(x), wc = in(weight), bc = in(bias);
-        Tensor y = Tensor::empty(x.sizes(), {io, x.device()});
+        const Tensor xc = nr.prep(x), wc = nr.prep(weight), bc = nr.prep(bias);
+        Tensor y = Tensor::empty(x.sizes(), {nr.io, x.device()});
         mean = Tensor::empty({rows}, {nr.compute, x.device()});
         rstd = Tensor::empty({rows}, {nr.compute, x.device()});
         if (rows > 0 && n > 0) {
@@ -193,10 +188,10 @@ Tensor layer_norm(const Tensor& x_in, int64_t normalized_ndim, const Tensor& wei
         BackwardFn fn = [=](const Tensor& g) {
           std::vector<Tensor> grads(1 + has_w + has_b);
           const bool gx = gx_ && grad_wanted(0), gw = gw_ && grad_wanted(1), gb = gb_ && grad_wanted(has_w ? 2 : 1);
-          const Tensor xc = in(sx), wc = in(sw), gc = native ? g.to(io).contiguous() : nr.prep(g);
-          Tensor dx = gx ? Tensor::empty(sx.sizes(), {io, sx.device()}) : Tensor();
-          Tensor dw = gw ? Tensor::empty(norm_shape, {io, sx.device()}) : Tensor();
-          Tensor db = gb ? Tensor::empty(norm_shape, {io, sx.device()}) : Tensor();
+          const Tensor xc = nr.prep(sx), wc = nr.prep(sw), gc = nr.prep(g);
+          Tensor dx = gx ? Tensor::empty(sx.sizes(), {nr.io, sx.device()}) : Tensor();
+          Tensor dw = gw ? Tensor::empty(norm_shape, {nr.io, sx.device()}) : Tensor();
+          Tensor db = gb ? Tensor::empty(norm_shape, {nr.io, sx.device()}) : Tensor();
           if (rows > 0 && n > 0) {
             if (sx.is_cuda())
               layer_norm_backward_cuda(gc, xc, smu, srstd, wc, gx ? &dx : nullptr, gw ? &dw : nullptr,

@@ -141,36 +141,16 @@ void backward(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tenso
   }
 }
 
-// x's dtype picks the kernels: float64 and float32 compute in their own
-// type, 16-bit tensors in float32.
-template <typename F>
-void dispatch(DType dt, F&& f) {
-  switch (dt) {
-    case DType::Float64:
-      f.template operator()<double, double>();
-      break;
-    case DType::BFloat16:
-      f.template operator()<BFloat16, float>();
-      break;
-    case DType::Float16:
-      f.template operator()<Half, float>();
-      break;
-    default:
-      f.template operator()<float, float>();
-      break;
-  }
-}
-
 }  // namespace
 
 void layer_norm_forward_cuda(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor& y, Tensor& mean,
                              Tensor& rstd) {
-  dispatch(x.dtype(), [&]<typename T, typename C>() { forward<T, C>(x, w, b, eps, y, mean, rstd); });
+  cuda::dispatch_io(x.dtype(), [&]<typename T, typename C>() { forward<T, C>(x, w, b, eps, y, mean, rstd); });
 }
 
 void layer_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd,
                               const Tensor& w, Tensor* dx, Tensor* dw, Tensor* db) {
-  dispatch(x.dtype(), [&]<typename T, typename C>() { backward<T, C>(dy, x, mean, rstd, w, dx, dw, db); });
+  cuda::dispatch_io(x.dtype(), [&]<typename T, typename C>() { backward<T, C>(dy, x, mean, rstd, w, dx, dw, db); });
 }
 
 }  // namespace ember

@@ -108,20 +108,12 @@ Tensor rms_norm(const Tensor& x_in, int64_t normalized_ndim, const Tensor& weigh
   const int64_t n = nr.n, rows = nr.rows;
   std::vector<Tensor> inputs{x};
   if (weight.defined()) inputs.push_back(weight);
-  // 16-bit x (and weight) on a GPU: the CUDA kernels read and write them as
-  // they are, computing in float32, so no float32 copy is made around them
-  // (two casts forward and four backward per norm); the CPU computes from
-  // float32 copies (nr.prep).
-  const bool native = x.is_cuda() && (x.dtype() == DType::BFloat16 || x.dtype() == DType::Float16) &&
-                      (!weight.defined() || weight.dtype() == x.dtype());
-  const DType io = native ? x.dtype() : nr.compute;
-  auto in = [nr, native](const Tensor& t) { return native && t.defined() ? t.contiguous() : nr.prep(t); };
   Tensor rstd;
   return differentiable(
       "rms_norm", inputs,
       [&] {
-        const Tensor xc = in(x), wc = in(weight);
-        Tensor y = Tensor::empty(x.sizes(), {io, x.device()});
+        const Tensor xc = nr.prep(x), wc = nr.prep(weight);
+        Tensor y = Tensor::empty(x.sizes(), {nr.io, x.device()});
         rstd = Tensor::empty({rows}, {nr.compute, x.device()});
         if (rows > 0 && n > 0) {
           if (x.is_cuda())
@@ -139,9 +131,9 @@ Tensor rms_norm(const Tensor& x_in, int64_t normalized_ndim, const Tensor& weigh
         BackwardFn fn = [=](const Tensor& g) {
           std::vector<Tensor> grads(1 + has_w);
           const bool gx = gx_ && grad_wanted(0), gw = gw_ && grad_wanted(1);
-          const Tensor xc = in(sx), wc = in(sw), gc = native ? g.to(io).contiguous() : nr.prep(g);
-          Tensor dx = gx ? Tensor::empty(sx.sizes(), {io, sx.device()}) : Tensor();
-          Tensor dw = gw ? Tensor::empty(norm_shape, {io, sx.device()}) : Tensor();
+          const Tensor xc = nr.prep(sx), wc = nr.prep(sw), gc = nr.prep(g);
+          Tensor dx = gx ? Tensor::empty(sx.sizes(), {nr.io, sx.device()}) : Tensor();
+          Tensor dw = gw ? Tensor::empty(norm_shape, {nr.io, sx.device()}) : Tensor();
           if (rows > 0 && n > 0) {
             if (sx.is_cuda())
               rms_norm_backward_cuda(gc, xc, srstd, wc, gx ? &dx : nullptr, gw ? &dw : nullptr);

@@ -112,35 +112,15 @@ void backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tenso
   }
 }
 
-// x's dtype picks the kernels: float64 and float32 compute in their own
-// type, 16-bit tensors in float32.
-template <typename F>
-void dispatch(DType dt, F&& f) {
-  switch (dt) {
-    case DType::Float64:
-      f.template operator()<double, double>();
-      break;
-    case DType::BFloat16:
-      f.template operator()<BFloat16, float>();
-      break;
-    case DType::Float16:
-      f.template operator()<Half, float>();
-      break;
-    default:
-      f.template operator()<float, float>();
-      break;
-  }
-}
-
 }  // namespace
 
 void rms_norm_forward_cuda(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) {
-  dispatch(x.dtype(), [&]<typename T, typename C>() { forward<T, C>(x, w, eps, y, rstd); });
+  cuda::dispatch_io(x.dtype(), [&]<typename T, typename C>() { forward<T, C>(x, w, eps, y, rstd); });
 }
 
 void rms_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor* dx,
                             Tensor* dw) {
-  dispatch(x.dtype(), [&]<typename T, typename C>() { backward<T, C>(dy, x, rstd, w, dx, dw); });
+  cuda::dispatch_io(x.dtype(), [&]<typename T, typename C>() { backward<T, C>(dy, x, rstd, w, dx, dw); });
 }
 
 }  // namespace ember

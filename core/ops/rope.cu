@@ -42,20 +42,7 @@ void rotate(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse,
 }  // namespace
 
 void rope_cuda(const Tensor& x, const Tensor& cos, const Tensor& sin, bool inverse, const RopeGeom& g, Tensor& y) {
-  switch (x.dtype()) {
-    case DType::Float64:
-      rotate<double, double>(x, cos, sin, inverse, g, y);
-      break;
-    case DType::BFloat16:
-      rotate<BFloat16, float>(x, cos, sin, inverse, g, y);
-      break;
-    case DType::Float16:
-      rotate<Half, float>(x, cos, sin, inverse, g, y);
-      break;
-    default:
-      rotate<float, float>(x, cos, sin, inverse, g, y);
-      break;
-  }
+  cuda::dispatch_io(x.dtype(), [&]<typename T, typename C>() { rotate<T, C>(x, cos, sin, inverse, g, y); });
 }
 
 }  // namespace ember
