@@ -80,7 +80,9 @@ else
   peer_extra=()
   configs=fp32,tf32,bf16
   gpt_ours=(bash "$here/.gpu/run.sh" gpt_fsdp)
-  gpt_shape=(--layers 12 --dim 768 --heads 12 --seq 256 --batch-size 16)
+  # GPT-2 blocks at 352 M parameters (12 x 28 x 1024^2 outside the small
+  # character embeddings): the size the MFU and 1.1x targets are set for.
+  gpt_shape=(${GPT_SHAPE:---layers 28 --dim 1024 --heads 16 --seq 1024 --batch-size 8})
   gpt_steps=25
   gpt_amps="off bf16"
   gpt_data=(--data "$here/.gpudata/fortunes")
@@ -158,21 +160,38 @@ for part in "${parts[@]}"; do
     gpt)
       # Ours reports tokens/s per step in --metrics; the median over the
       # steps after the first five is the round's figure, as the peer's.
+      # bf16 also as one CUDA graph (--cuda-graph 1: amp bf16_cudagraph,
+      # beside the same torch bf16 run), with the host's share of a step.
+      # Each line carries the model's shape and parameter count for the MFU.
       for r in $(seq 1 "$rounds"); do
         for amp in $gpt_amps; do
-          say "gpt round $r amp $amp: ours"
+          graph_runs="0"
+          [ "$amp" = bf16 ] && graph_runs="0 1"
+          for g in $graph_runs; do
+          name=$amp
+          [ "$g" = 1 ] && name=${amp}_cudagraph
+          say "gpt round $r amp $name: ours"
           rm -rf /tmp/gpu_perf_gpt && mkdir -p /tmp/gpu_perf_gpt
           "${gpt_ours[@]}" --nproc 1 "${gpt_shape[@]}" --max-steps $gpt_steps --eval-every 1000000 --sample-len 0 \
-            --amp $amp --checkpoint-dir /tmp/gpu_perf_gpt/ckpt --metrics /tmp/gpu_perf_gpt/m.jsonl "${gpt_data[@]}" \
-            >"$out/logs/ours_gpt_$amp.log" 2>&1
-          vocab=$(sed -n 's/.*vocabulary \([0-9]*\).*/\1/p' "$out/logs/ours_gpt_$amp.log" | head -1)
-          "$py" - "$amp" /tmp/gpu_perf_gpt/m.jsonl <<'PY' | tag gpt "$r"
-import json, statistics, sys
+            --amp $amp --cuda-graph $g --checkpoint-dir /tmp/gpu_perf_gpt/ckpt --metrics /tmp/gpu_perf_gpt/m.jsonl \
+            "${gpt_data[@]}" >"$out/logs/ours_gpt_$name.log" 2>&1
+          vocab=$(sed -n 's/.*vocabulary \([0-9]*\).*/\1/p' "$out/logs/ours_gpt_$name.log" | head -1)
+          "$py" - "$name" /tmp/gpu_perf_gpt/m.jsonl "$out/logs/ours_gpt_$name.log" "${gpt_shape[*]}" <<'PY' | tag gpt "$r"
+import json, re, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[2]) if l.strip()]
 rates = [r["tokens_per_s"] for r in rows if r["step"] > 5]
+log = open(sys.argv[3]).read()
+shape = dict(zip(sys.argv[4].split()[0::2], sys.argv[4].split()[1::2]))
+params = re.search(r": (\d+) parameters, vocabulary (\d+)", log)
+graph = re.search(r"cuda graph: .* host_ms=([\d.e+-]+) step_ms=([\d.e+-]+)", log)
+extra = f" params={params.group(1)} vocab={params.group(2)}" if params else ""
+extra += "".join(f" {k.strip('-')}={v}" for k, v in shape.items() if k in ("--layers", "--dim", "--seq"))
+if graph:
+    extra += f" host_fraction={float(graph.group(1)) / float(graph.group(2)):.4f}"
 print(f"ours_gpt amp={sys.argv[1]} tokens_per_s={statistics.median(rates):.1f} steps={len(rates)} "
-      f"mem_peak_mib={max(r['mem_peak_mib'] for r in rows):.1f}")
+      f"mem_peak_mib={max(r['mem_peak_mib'] for r in rows):.1f}{extra}")
 PY
+          done
           say "gpt round $r amp $amp: torch (vocabulary ${vocab:-?})"
           "$gpt_py" "$here/bench/gpt_cuda_peer.py" "${gpt_shape[@]}" --vocab "${vocab:-96}" --steps $((gpt_steps - 5)) \
             --amp $amp "${peer_extra[@]}" 2>>"$out/logs/torch_gpt.err" | tag gpt "$r"

@@ -7,6 +7,11 @@ gpu_resnet50.json: device, driver, torch and cuDNN versions, date, commit,
 and rows: one per configuration (name = config/layout) with ours_ms and
 torch_ms (the median over rounds of each round's median step), their
 ranges over rounds, and ratio = ours_ms / torch_ms.
+gpu_gpt.json: one row per precision (gpt_fsdp/<amp>, <amp>_cudagraph for
+the step replayed as one CUDA graph) with params, mfu (model FLOPs from
+PaLM's formula over the device's dense bf16 peak), ours_tokens_per_s,
+torch_tokens_per_s, ratio = ours / torch tokens per second, and with the
+graph ours_host_fraction (the host's time to queue a step over the step's).
 gpu_breakdown.json: per configuration, the top ops of one profiled step,
 ours beside PyTorch's; the convolution algorithms ours chose;
 and both steps in benchmark mode; bn_cuda_bench's rows when run.
@@ -30,6 +35,33 @@ def parse_kv(line):
             k, v = tok.split("=", 1)
             out[k] = v
     return out
+
+
+# Dense bf16 tensor-core peaks (FLOP/s, no sparsity) by device name, for
+# the GPT rows' model FLOPs utilisation: NVIDIA's data sheets (H100 SXM and
+# H200 989.4 TFLOP/s, H100 PCIe 756, A100 312).
+DENSE_BF16_PEAK = [("H200", 989.4e12), ("H100 PCIe", 756.0e12), ("H100", 989.4e12), ("A100", 312.0e12)]
+
+
+def dense_bf16_peak(device):
+    for name, peak in DENSE_BF16_PEAK:
+        if name in device:
+            return peak
+    return None
+
+
+def model_flops_per_token(kv):
+    """PaLM's model FLOPs per token, 6 N + 12 L d T (forward and backward,
+    attention's products counted whole, as torchtitan and nanoGPT count them;
+    a causal kernel skips half of them, which MFU does not credit), with N the
+    parameters outside the embeddings (vocabulary x d tokens, T x d
+    positions), as torchtitan takes it. None without the line's shape."""
+    try:
+        n, vocab = int(kv["params"]), int(kv["vocab"])
+        layers, dim, seq = int(kv["layers"]), int(kv["dim"]), int(kv["seq"])
+    except (KeyError, ValueError):
+        return None
+    return 6 * (n - vocab * dim - seq * dim) + 12 * layers * dim * seq
 
 
 def main():
@@ -60,6 +92,7 @@ def main():
     idle, gaps = {}, {}  # (config, layout) -> our GPU's idle ms in the profiled step; the ops it waited before
     host = {}  # (config, layout) -> our rounds' median host ms to issue a step
     gpt, gpt_mem = {}, {}  # (side, amp) -> [round tokens/s]; amp -> our peak MiB
+    gpt_model, gpt_host = {}, {}  # amp -> our line's fields (params, shape); amp -> [round host fractions]
     with open(os.path.join(d, "raw.txt")) as f:
         for line in f:
             line = line.rstrip("\n")
@@ -80,6 +113,10 @@ def main():
                 gpt.setdefault((side.split("_")[0], kv["amp"]), []).append(float(kv["tokens_per_s"]))
                 if "mem_peak_mib" in kv:
                     gpt_mem[kv["amp"]] = float(kv["mem_peak_mib"])
+                if side == "ours_gpt":
+                    gpt_model[kv["amp"]] = kv
+                    if "host_fraction" in kv:
+                        gpt_host.setdefault(kv["amp"], []).append(float(kv["host_fraction"]))
                 continue
             if side in ("ours", "torch") and part == "speed":
                 speed.setdefault((side,) + key, []).append(float(kv["median_ms"]))
@@ -133,11 +170,22 @@ def main():
     if gpt:
         grows = []
         for amp in sorted({a for (_, a) in gpt}):
-            o, t = gpt.get(("ours", amp), []), gpt.get(("torch", amp), [])
+            # <amp>_cudagraph: our step replayed as one CUDA graph, beside
+            # PyTorch's eager step in that precision.
+            o, t = gpt.get(("ours", amp), []), gpt.get(("torch", amp.removesuffix("_cudagraph")), [])
             row = {"name": f"gpt_fsdp/{amp}", "rounds": len(o)}
+            model = gpt_model.get(amp, {})
+            if "params" in model:
+                row["params"] = int(model["params"])
             if o:
                 row.update({"ours_tokens_per_s": round(statistics.median(o), 1),
                             "ours_range": [round(min(o), 1), round(max(o), 1)], "ours_peak_mib": gpt_mem.get(amp)})
+                flops = model_flops_per_token(model)
+                peak = dense_bf16_peak(head.get("device", ""))
+                if flops and peak:
+                    row["mfu"] = round(row["ours_tokens_per_s"] * flops / peak, 4)
+            if amp in gpt_host:
+                row["ours_host_fraction"] = round(statistics.median(gpt_host[amp]), 4)
             if t:
                 row.update({"torch_tokens_per_s": round(statistics.median(t), 1),
                             "torch_range": [round(min(t), 1), round(max(t), 1)]})
@@ -148,9 +196,9 @@ def main():
             json.dump(dict(head, workload="GPT, one GPU, FULL_SHARD (ours) / FSDP2 fully_shard (torch), AdamW, "
                                          "clip 1.0; ratio = ours / torch tokens per second (higher is faster)",
                            rows=grows), f, indent=1)
-        print(f"\n{'gpt':16} {'ours tok/s':>12} {'torch tok/s':>12} {'ratio':>7}")
+        print(f"\n{'gpt':24} {'ours tok/s':>12} {'torch tok/s':>12} {'ratio':>7}")
         for r in grows:
-            print(f"{r['name']:16} {r.get('ours_tokens_per_s', float('nan')):12.1f} "
+            print(f"{r['name']:24} {r.get('ours_tokens_per_s', float('nan')):12.1f} "
                   f"{r.get('torch_tokens_per_s', float('nan')):12.1f} {r.get('ratio', float('nan')):7.3f}")
     if ops or algos or kernel_rows:
         configs = sorted({(c, l) for (_, c, l) in ops})

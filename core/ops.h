@@ -112,10 +112,13 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor
 // ---- Over lists of tensors (torch's _foreach_*) ----
 // One dtype (float32 or float64) and device per call, a few kernels for the
 // whole list: each tensor's sum of squares as a float64 [n] tensor on the
-// tensors' device, and an in-place multiply of every (contiguous) tensor.
+// tensors' device, and an in-place multiply of every (contiguous) tensor,
+// by a number or by a one-element tensor on the tensors' device (read
+// there: nothing waits for the GPU, and a CUDA graph can capture it).
 // Not differentiable (gradient clipping's building blocks).
 Tensor foreach_sum_squares(const std::vector<Tensor>& tensors);
 void foreach_mul_(const std::vector<Tensor>& tensors, double factor);
+void foreach_mul_(const std::vector<Tensor>& tensors, const Tensor& factor);
 
 // ---- Joining and indexing ----
 Tensor cat(const std::vector<Tensor>& tensors, int64_t dim = 0);

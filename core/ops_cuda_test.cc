@@ -202,7 +202,10 @@ TEST_F(CudaOps, StreamsAndEventsOrderWork) {
 }
 
 // The list ops' kernels against the CPU's: several chunks per tensor, an
-// empty tensor, both dtypes.
+// empty tensor, both dtypes, a factor on the device; and more tensors than
+// one launch's parameter table holds (1024: the later slices' chunks and
+// sums counted from their own first tensor), empty tensors at a slice's
+// edges.
 TEST_F(CudaOps, ForeachMatchesCpu) {
   for (DType dt : {DType::Float32, DType::Float64}) {
     std::vector<Tensor> cpu, gpu;
@@ -216,7 +219,21 @@ TEST_F(CudaOps, ForeachMatchesCpu) {
     foreach_mul_(cpu, -1.5);
     foreach_mul_(gpu, -1.5);
     for (size_t i = 0; i < cpu.size(); ++i) expect_same(cpu[i], gpu[i], 0, "foreach_mul_");
+    foreach_mul_(cpu, full({}, 0.3, {DType::Float32}));
+    foreach_mul_(gpu, full({}, 0.3, {DType::Float32}).cuda());
+    for (size_t i = 0; i < cpu.size(); ++i) expect_same(cpu[i], gpu[i], 0, "foreach_mul_ by a tensor");
   }
+  std::vector<Tensor> cpu, gpu;
+  Generator g(41);
+  for (int i = 0; i < 2500; ++i) {
+    const int64_t n = i == 1023 || i == 1024 || i == 2047 ? 0 : i % 700 == 5 ? 20000 : 1 + i % 37;
+    cpu.push_back(randn({n}, {DType::Float32}, &g));
+    gpu.push_back(cpu.back().cuda());
+  }
+  expect_same(foreach_sum_squares(cpu), foreach_sum_squares(gpu), 1e-12, "foreach_sum_squares over 2500 tensors");
+  foreach_mul_(cpu, 2.5);
+  foreach_mul_(gpu, full({}, 2.5, {DType::Float64}).cuda());
+  for (size_t i = 0; i < cpu.size(); ++i) expect_same(cpu[i], gpu[i], 0, "foreach_mul_ over 2500 tensors");
 }
 
 // GPU time per op: each op's event pair brackets its kernels, so a 512^3

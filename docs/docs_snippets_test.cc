@@ -45,6 +45,7 @@
 #include "nn/transformer.h"
 #include "optim/clip_grad.h"
 #include "optim/grad_scaler.h"
+#include "optim/graphed_step.h"
 #include "optim/lr_scheduler.h"
 #include "optim/optimizer.h"
 
@@ -144,6 +145,40 @@ for (auto& [x, y] : batches) {
   log(loss.item());                         // read results after the replay
 }
   EXPECT_EQ(logged.size(), 2u);
+}
+
+// docs/gpu.md's GraphedStep: compiled here, run where there is a GPU (and
+// under the emulation by //optim:graphed_step_test's own steps).
+TEST(Docs, GraphedStep) {
+  if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
+  nn::Linear lin(4, 3);
+  lin.to(cuda_device(0));
+  auto model = [&](const Tensor& x) { return lin(x); };
+  const std::vector<Tensor> parameters = lin.parameters();
+  optim::AdamW optimizer(parameters, {.lr = 0.1});
+  optim::StepLR schedule(optimizer, 1, 0.5);
+  auto loss_fn = [](const Tensor& logits, const Tensor& y) { return nn::functional::cross_entropy(logits, y); };
+  const Tensor x0 = randn({2, 4}), y0 = Tensor::from_vector({0, 2}, {2}, DType::Int64);
+  std::vector<std::pair<Tensor, Tensor>> batches{{x0, y0}, {x0 * 2.0, y0}, {x0 * 3.0, y0}};
+  std::vector<double> logged;
+  auto log = [&](double v) { logged.push_back(v); };
+optim::GraphedStep step(
+    [&](const std::vector<Tensor>& in) {
+      optimizer.zero_grad();
+      Tensor loss = loss_fn(model(in[0]), in[1]);
+      loss.backward();
+      Tensor norm = optim::clip_grad_norm_async_(parameters, 1.0);  // stays on the device
+      optimizer.step();
+      return std::vector<Tensor>{loss.detach(), norm};
+    },
+    {.device = 0, .warmup = 1, .optimizers = {&optimizer}});
+for (auto& [x, y] : batches) {
+  std::vector<Tensor> out = step({x, y});   // eager, then captured, then replayed
+  schedule.step();                          // the learning rate is on the device: the replays see it
+  log(out[0].item());                       // the step's one wait, when wanted
+}
+  EXPECT_EQ(logged.size(), 3u);
+  EXPECT_TRUE(step.captured());
 }
 
 // docs/mixed-precision.md

@@ -51,6 +51,7 @@
 #include "examples/profiling.h"
 #include "examples/training.h"
 #include "optim/grad_scaler.h"
+#include "optim/graphed_step.h"
 #include "optim/lr_scheduler.h"
 #include "optim/optimizer.h"
 
@@ -123,6 +124,10 @@ struct Setup {
   distributed::AnomalyDetector* anomaly = nullptr;
   bool nan_rerun = false;
   distributed::ProcessGroup* world = nullptr;
+  // --cuda-graph 1: the step as one CUDA graph, and the host's time (input
+  // copies and the replay's launch) and the whole step's, per replayed step.
+  std::unique_ptr<optim::GraphedStep> graphed;
+  std::vector<double> graph_host_s, graph_step_s;
   // --inject-nan (testing): at `step`, on every try or only the first.
   struct {
     int64_t step = -1;
@@ -425,6 +430,84 @@ std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Ten
   return {loss_sum / s.micro_steps, grad_norm};
 }
 
+// --cuda-graph 1: train_step's work (forwards and backwards over the
+// micro-batches, the loss scaler's unscale, clipping to norm 1, the
+// optimizer, the scaler's update) as one function of the micro-batches'
+// inputs and targets, which GraphedStep runs eagerly for three warm-up
+// steps (FSDP's lazy setup, the optimizer's and the scaler's state) and
+// then captures and replays. Nothing in it waits for the GPU: the losses
+// add up on the device, the norm stays there (clip_grad_norm_async_), the
+// scaler skips an overflowing step there (step_async), the learning rate
+// is read there (the schedule writes it between steps).
+void make_graphed_step(Setup& s, int device) {
+  auto fn = [&s](const std::vector<Tensor>& in) {
+    optim::GradScaler& scaler = *s.scaler;
+    s.opt->zero_grad();
+    Tensor loss_sum;
+    for (int64_t m = 0; m < s.micro_steps; ++m) {
+      s.par.set_requires_gradient_sync(m == s.micro_steps - 1);
+      Tensor loss;
+      {
+        MemoryKindScope activations(MemoryKind::Activations);
+        loss = distributed::parallel_cross_entropy((*s.gpt)(in[2 * m]), in[2 * m + 1]);
+      }
+      loss_sum = loss_sum.defined() ? loss_sum + loss.detach() : loss.detach();
+      scaler.scale(loss * (1.0 / s.micro_steps)).backward();
+    }
+    scaler.unscale_(*s.opt);
+    Tensor norm = s.par.clip_grad_norm_async_(1.0);
+    scaler.step_async(*s.opt);
+    scaler.update();
+    return std::vector<Tensor>{loss_sum, norm};
+  };
+  s.graphed = std::make_unique<optim::GraphedStep>(
+      fn, optim::GraphedStepOptions{.device = device, .warmup = 3, .optimizers = {s.opt.get()}});
+}
+
+// train_step through the graph: the micro-batches' inputs copied into the
+// graph's, one replay, then the step's one wait (its loss and norm, for
+// the log), the schedule stepped.
+std::pair<double, double> graphed_train_step(Setup& s, const std::function<std::pair<Tensor, Tensor>(int64_t)>& batch) {
+  const auto start = Clock::now();
+  std::vector<Tensor> in;
+  for (int64_t m = 0; m < s.micro_steps; ++m) {
+    auto [x, y] = batch(m);
+    in.push_back(x), in.push_back(y);
+  }
+  distributed::commit_point(s.step);
+  const bool replay = s.graphed->captured();
+  const std::vector<Tensor> out = (*s.graphed)(in);
+  const double host_s = examples::seconds(start, Clock::now());
+  const double loss_sum = out[0].to(kCPU).item(), grad_norm = out[1].to(kCPU).item();
+  if (replay) {
+    s.graph_host_s.push_back(host_s);
+    s.graph_step_s.push_back(examples::seconds(start, Clock::now()));
+  }
+  s.sched->step();
+  ++s.step;
+  return {loss_sum / s.micro_steps, grad_norm};
+}
+
+// The end of a --cuda-graph 1 run: where the capture came and the host's
+// share of a replayed step (medians).
+std::string graph_line(const Setup& s, int64_t first) {
+  auto median = [](std::vector<double> v) {
+    if (v.empty()) return 0.0;
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    return v[v.size() / 2];
+  };
+  std::ostringstream o;
+  if (!s.graphed->captured()) {
+    o << "cuda graph: not captured (the run ended within the " << s.graphed->calls() << " warm-up steps)";
+    return o.str();
+  }
+  const double host = median(s.graph_host_s), step = median(s.graph_step_s);
+  o << "cuda graph: captured at step " << first + s.graphed->captured_at() << ", " << s.graph_host_s.size()
+    << " steps replayed; host " << host * 1e3 << " ms of a " << step * 1e3 << " ms step (" << 100.0 * host / step
+    << " %, medians) host_ms=" << host * 1e3 << " step_ms=" << step * 1e3;
+  return o.str();
+}
+
 // ---- The loop: steps, evaluations, checkpoints, a sample at the end ----
 
 int loop(const Flags& flags, const examples::Job& job, Setup& s) {
@@ -534,6 +617,12 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       save(first);
     }
   }
+  if (flags.cuda_graph == 1) {
+    EMBER_CHECK(job.cuda, "--cuda-graph 1 needs a GPU: ", cuda_unavailable_reason());
+    EMBER_CHECK(job.world == 1, "--cuda-graph 1 captures one process's step; this job has ", job.world,
+                " ranks (--nproc 1): collectives inside a captured step are not supported yet");
+    make_graphed_step(s, device.index);
+  }
   while (s.step < flags.max_steps) {
     const auto step_start = Clock::now();
     alloc->reset_peak_stats();
@@ -548,7 +637,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       return std::pair<Tensor, Tensor>{examples::cp_slice(x, d.cp, s.cp_rank),
                                        examples::cp_slice(y.reshape({x.size(0), flags.seq}), d.cp, s.cp_rank)};
     };
-    auto [loss, grad_norm] = train_step(s, batch, flags.common.amp, device);
+    auto [loss, grad_norm] = s.graphed ? graphed_train_step(s, batch) : train_step(s, batch, flags.common.amp, device);
     const double train_s = examples::seconds(step_start, Clock::now());  // this rank's, before the reports' collectives
     profile.step();
     const int64_t step = s.step;
@@ -601,6 +690,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     if (flags.save_every > 0 && step % flags.save_every == 0 && step < flags.max_steps) save(step);
   }
   progress.close_line();
+  if (s.graphed) LOG0(graph_line(s, first));
   const double val = report_eval();
   save(s.step);
   if (flags.sample_len > 0 && job.rank == 0)  // from the checkpoint just written, whatever mesh wrote it

@@ -57,6 +57,7 @@ struct Flags {
   int64_t max_steps = 1000, save_every = 0, eval_every = 250;
   int64_t sample_len = 240, top_k = 20;
   double temperature = 0.8;
+  int cuda_graph = 0;  // 1: the step as one CUDA graph (optim/graphed_step.h)
 };
 
 // Every flag once: name, value, help, validation (examples/flags.h).
@@ -139,6 +140,10 @@ inline void declare(FlagTable& t, Flags& f) {
   t.integer("--eval-every", &f.eval_every, 1, "N", "validation every N steps and at the end");
   t.integer("--save-every", &f.save_every, 1, "N", "checkpoint every N steps (default: only at the end)");
   t.integer("--sample-len", &f.sample_len, 0, "N", "characters sampled at the end");
+  t.integer("--cuda-graph", &f.cuda_graph, 0, "0|1",
+            "1: after three eager warm-up steps, the training step (forwards, backwards, clipping, the\n"
+            "optimizer, the loss scaler's checks) is captured as one CUDA graph and replayed, one launch a\n"
+            "step; one process on a GPU (--nproc 1); the end of the run prints the host's share of a step");
   t.positive("--temperature", &f.temperature, "X", "the sample's temperature");
   t.integer("--top-k", &f.top_k, 1, "N", "the sample's top-k");
 }
@@ -262,6 +267,24 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
   if (f.arch == "llama" && (f.dim / f.heads) % 2 != 0)
     error("--arch llama: the head width --dim / --heads = " + std::to_string(f.dim / f.heads) +
           " must be even (rotary embeddings turn pairs)");
+  if (f.cuda_graph > 1) error("--cuda-graph " + std::to_string(f.cuda_graph) + ": give 0 or 1");
+  if (f.cuda_graph == 1) {
+    // Each of these runs host code inside the step every time (a check
+    // that reads the GPU's numbers, a hook, a host-side statistic), which
+    // a replayed graph would skip.
+    for (const char* flag : {"--detect-anomaly", "--nan-rerun", "--inject-nan", "--straggler-every"})
+      if (t.given(flag))
+        error(std::string(flag) + " with --cuda-graph 1: it runs host code inside every step, which a replayed " +
+              "graph skips; use one or the other");
+    if (f.moe_experts > 0)
+      error("--moe-experts with --cuda-graph 1: the router's statistics and its loss's scale are host numbers set " +
+            std::string("every step, which a replayed graph would freeze"));
+    if (f.mesh.pp > 1) error("--pp with --cuda-graph 1: a pipeline's schedule runs on the host between its stages");
+    if (c.nproc > 1)
+      error("--nproc " + std::to_string(c.nproc) +
+            " with --cuda-graph 1: it captures one process's step (--nproc 1); " +
+            "collectives inside a captured step are not supported yet");
+  }
   if (c.checkpoint_dir.empty()) error("--checkpoint-dir must not be empty");
   refuse_overwrite(c.checkpoint_dir, "step_",
                    c.resume || c.overwrite || c.checkpoint_dir == Flags{}.common.checkpoint_dir);

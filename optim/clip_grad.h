@@ -33,4 +33,16 @@ namespace ember::optim {
 double clip_grad_norm_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
                        const std::function<void(const Tensor& partial)>& reduce_partial = nullptr);
 
+// The same clipping with nothing waiting for the GPU, as torch's
+// clip_grad_norm_ does it: the norm is a 0-dim float64 tensor on the
+// gradients' device (one device for all), and every gradient is multiplied
+// there by clamp(max_norm / (norm + 1e-6), max=1) (by exactly 1 when
+// unclipped, which changes no value). So a CUDA graph can capture it
+// (optim/graphed_step.h), and a step need not stop for the norm before the
+// optimizer. `reduce_partial` receives a one-element float64 tensor on that
+// device. The norm is the one clip_grad_norm_ returns, up to the order of
+// its float64 sums.
+Tensor clip_grad_norm_async_(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0,
+                             const std::function<void(const Tensor& partial)>& reduce_partial = nullptr);
+
 }  // namespace ember::optim

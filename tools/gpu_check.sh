@@ -16,14 +16,14 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 
 TESTS="tensor_test ops_cuda_test ops_nn_cuda_test kernels_drawn_test kernels_drawn_nn_test optim_cuda_test
 grad_scaler_test autocast_test loader_test safetensors_test process_group_test process_group_nccl_test
-cuda_graph_test cuda_graph_step_test"
+cuda_graph_test cuda_graph_step_test graphed_step_test"
 if [ "${1:-}" = "--targets" ]; then
   echo //core:tensor_test //core:ops_cuda_test //core:ops_nn_cuda_test //core:kernels_drawn_test \
     //core:kernels_drawn_nn_test //bench:numerics_cpu //optim:optim_cuda_test //bench:gpu_step \
     //optim:grad_scaler_test //nn:autocast_test //data:loader_test //core:safetensors_test \
     //distributed/comm:process_group_test //distributed/comm:process_group_nccl_test //bench:ops_cuda_bench \
     //bench:train_bench //bench:attention_cuda_bench //examples:resnet_ddp //examples:gpt_fsdp //tools:ckpt \
-    //core:cuda_graph_test //optim:cuda_graph_step_test
+    //core:cuda_graph_test //optim:cuda_graph_step_test //optim:graphed_step_test
   exit 0
 fi
 if [ "${1:-}" = "--data" ]; then
@@ -112,6 +112,14 @@ for s in $steps; do
     timeout 180 bash "$here/.gpu/run.sh" gpt_fsdp --data "$d/fortunes" --amp bf16 --checkpoint-dir /tmp/gpt16 \
       >"$logs/gpt_fsdp_bf16.log" 2>&1
     summary "gpt_fsdp bf16 rc=$? $(grep -iE 'val|step' "$logs/gpt_fsdp_bf16.log" | tail -2 | tr '\n' ' ')"
+    # The step as one CUDA graph beside the same run eager: the losses agree
+    # up to the rounding of the learning rate (float32 on the device) and of
+    # the norm's sums; the graph's line gives the host's share of a step.
+    for g in 0 1; do
+      timeout 180 bash "$here/.gpu/run.sh" gpt_fsdp --nproc 1 --data "$d/fortunes" --amp bf16 --max-steps 100 \
+        --eval-every 1000 --sample-len 0 --cuda-graph $g --checkpoint-dir /tmp/gptg$g >"$logs/gpt_graph$g.log" 2>&1
+      summary "gpt_fsdp --cuda-graph $g rc=$? $(grep -E 'cuda graph:|validation loss' "$logs/gpt_graph$g.log" | tail -2 | tr '\n' ' ')"
+    done
     ;;
   attention)
     # The fused attention kernels on the real GPU: the CPU comparison, then

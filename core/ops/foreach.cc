@@ -4,7 +4,9 @@
 // an H200 about 600 launches. The list is cut into chunks of kChunk
 // elements (chunk i: tensor, first element), the same table for both
 // backends; the CUDA kernels run one block per chunk (foreach.cu), the sums
-// of a tensor's chunks are added in chunk order (deterministic).
+// of a tensor's chunks are added in chunk order (deterministic). Neither
+// backend copies a table to the device nor waits for it: a CUDA graph
+// captures them (clip_grad_norm_async_ inside a captured step).
 #include <cmath>
 #include <vector>
 
@@ -98,17 +100,38 @@ Tensor foreach_sum_squares(const std::vector<Tensor>& tensors) {
   return out;
 }
 
-void foreach_mul_(const std::vector<Tensor>& tensors, double factor) {
+namespace {
+
+// factor_t: null, or a one-element tensor on the tensors' device.
+void mul_list(const std::vector<Tensor>& tensors, double factor, const Tensor* factor_t) {
   check_list("foreach_mul_", tensors);
   for (size_t i = 0; i < tensors.size(); ++i)
     EMBER_CHECK(tensors[i].is_dense(), "foreach_mul_: tensor ", i, " ", shape_str(tensors[i].sizes()),
                 " is neither contiguous nor channels-last (in place needs its own elements)");
   const ForeachTable tab = foreach_table(tensors);
-  if (tensors[0].is_cuda())
-    foreach_mul_cuda(tab, tensors[0].dtype(), factor, tensors[0].device().index);
-  else
-    foreach_mul_cpu(tab, tensors[0].dtype(), factor);
+  if (tensors[0].is_cuda()) {
+    Tensor f;  // float64 on the device, made there (no host copy)
+    if (factor_t) f = factor_t->to(DType::Float64).contiguous();
+    foreach_mul_cuda(tab, tensors[0].dtype(), factor, f.defined() ? f.data<double>() : nullptr,
+                     tensors[0].device().index);
+  } else {
+    foreach_mul_cpu(tab, tensors[0].dtype(), factor_t ? factor_t->item() : factor);
+  }
   for (const Tensor& t : tensors) t.impl().storage->bump_version("foreach_mul_");
+}
+
+}  // namespace
+
+void foreach_mul_(const std::vector<Tensor>& tensors, double factor) { mul_list(tensors, factor, nullptr); }
+
+void foreach_mul_(const std::vector<Tensor>& tensors, const Tensor& factor) {
+  EMBER_CHECK(factor.defined() && factor.numel() == 1, "foreach_mul_: the factor must be a one-element tensor, got ",
+              factor.defined() ? shape_str(factor.sizes()) : "an undefined tensor");
+  EMBER_CHECK(tensors.empty() || factor.device() == tensors[0].device(), "foreach_mul_: the factor is on ",
+              factor.device(), ", the tensors on ", tensors[0].device(), " (it is read where they are)");
+  EMBER_CHECK(factor.dtype() == DType::Float32 || factor.dtype() == DType::Float64,
+              "foreach_mul_: the factor must be float32 or float64, got ", factor.dtype());
+  mul_list(tensors, 0.0, &factor);
 }
 
 }  // namespace ember

@@ -1,9 +1,16 @@
 // CUDA kernels of the list ops (foreach.cc has the chunk table and the CPU
-// reference): the table goes to the device in one host-to-device copy (no
-// wait: the caller's host vectors are staged by the copy), then one block
-// per chunk; the sums add each tensor's chunk partials in chunk order.
+// reference). The tensors' pointers and sizes ride in the kernel's
+// parameter space (kEntries tensors a launch, more in further launches):
+// no host-to-device copy of a table, so nothing to wait for and nothing a
+// CUDA graph could not replay (a copy from pageable memory cannot be
+// captured), which gradient clipping inside a captured step needs. A
+// block visits chunks b, b + grid, ... and finds its tensor by binary
+// search over the entries' first chunks, as the optimizers' multi-tensor
+// apply does; the sums add each tensor's chunk partials in chunk order
+// (deterministic, the CPU's order).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -14,67 +21,95 @@
 namespace ember {
 namespace {
 
-// Device copy of a ForeachTable: [ptr, numel] per tensor, [tensor, start]
-// per chunk, first_chunk per tensor + 1, as int64 in one buffer.
-struct DeviceTable {
-  Tensor buf;
-  const int64_t *tensors = nullptr, *chunks = nullptr, *first = nullptr;
-};
+constexpr int kEntries = 1024;  // 24 KB of the 32 KB a launch's parameters may take
 
-DeviceTable upload(const ForeachTable& tab, Device dev) {
-  const int64_t nt = static_cast<int64_t>(tab.ptrs.size()), nc = static_cast<int64_t>(tab.chunks.size());
-  Tensor host = Tensor::empty({2 * nt + 2 * nc + nt + 1}, {DType::Int64, kCPU});
-  int64_t* h = host.data<int64_t>();
-  for (int64_t t = 0; t < nt; ++t) {
-    h[2 * t] = reinterpret_cast<int64_t>(tab.ptrs[t]);
-    h[2 * t + 1] = tab.numel[t];
+struct Entry {
+  void* ptr;
+  int64_t numel;
+  int64_t chunk;  // the tensor's first chunk, counted within its slice
+};
+struct Slice {
+  Entry e[kEntries];
+};
+static_assert(sizeof(Slice) + 1024 <= 32764, "the list ops' table outgrew a launch's parameters");
+
+// The entry owning chunk c of the slice: the last whose first chunk is <= c.
+__device__ __forceinline__ int find_entry(const Slice& s, int n, int64_t c) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (s.e[mid].chunk <= c)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
-  for (int64_t c = 0; c < nc; ++c) {
-    h[2 * nt + 2 * c] = tab.chunks[c].first;
-    h[2 * nt + 2 * c + 1] = tab.chunks[c].second;
-  }
-  for (int64_t t = 0; t <= nt; ++t) h[2 * nt + 2 * nc + t] = tab.first_chunk[t];
-  DeviceTable d;
-  d.buf = host.to(dev);
-  d.tensors = d.buf.data<int64_t>();
-  d.chunks = d.tensors + 2 * nt;
-  d.first = d.chunks + 2 * nc;
-  return d;
+  return lo;
 }
 
+// Each chunk's sum of squares into partial[c] (c counted within the slice).
 template <typename T>
-__global__ void sum_squares_kernel(const int64_t* __restrict__ tensors, const int64_t* __restrict__ chunks,
+__global__ void sum_squares_kernel(const __grid_constant__ Slice s, int n, int64_t nchunks,
                                    double* __restrict__ partial) {
   __shared__ double smem[cuda::kBlockSize];
-  const int64_t t = chunks[2 * blockIdx.x], s = chunks[2 * blockIdx.x + 1];
-  const T* p = reinterpret_cast<const T*>(tensors[2 * t]) + s;
-  const int64_t n = tensors[2 * t + 1] - s < ForeachTable::kChunk ? tensors[2 * t + 1] - s : ForeachTable::kChunk;
-  double acc = 0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) acc += static_cast<double>(p[i]) * static_cast<double>(p[i]);
-  smem[threadIdx.x] = acc;
-  __syncthreads();
-  for (int w = blockDim.x / 2; w > 0; w /= 2) {  // blockDim is a power of two
-    if (static_cast<int>(threadIdx.x) < w) smem[threadIdx.x] += smem[threadIdx.x + w];
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const Entry& e = s.e[find_entry(s, n, c)];
+    const int64_t start = (c - e.chunk) * ForeachTable::kChunk;
+    const T* p = static_cast<const T*>(e.ptr) + start;
+    const int64_t m = e.numel - start < ForeachTable::kChunk ? e.numel - start : ForeachTable::kChunk;
+    double acc = 0;
+    for (int64_t i = threadIdx.x; i < m; i += blockDim.x) acc += static_cast<double>(p[i]) * static_cast<double>(p[i]);
+    smem[threadIdx.x] = acc;
     __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w /= 2) {  // blockDim is a power of two
+      if (static_cast<int>(threadIdx.x) < w) smem[threadIdx.x] += smem[threadIdx.x + w];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[c] = smem[0];
+    __syncthreads();  // smem is rewritten for the next chunk
   }
-  if (threadIdx.x == 0) partial[blockIdx.x] = smem[0];
 }
 
-__global__ void sum_partials_kernel(const int64_t* __restrict__ first, int64_t nt, const double* __restrict__ partial,
+// out[t] = the sum of tensor t's chunk partials, in chunk order.
+__global__ void sum_partials_kernel(const __grid_constant__ Slice s, int n, const double* __restrict__ partial,
                                     double* __restrict__ out) {
-  const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (t >= nt) return;
+  const int t = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (t >= n) return;
+  const int64_t chunks = cuda::ceil_div(s.e[t].numel, ForeachTable::kChunk);
   double acc = 0;
-  for (int64_t c = first[t]; c < first[t + 1]; ++c) acc += partial[c];
+  for (int64_t c = 0; c < chunks; ++c) acc += partial[s.e[t].chunk + c];
   out[t] = acc;
 }
 
+// factor: a host number, or (by_device) the float64 one `f` points at.
 template <typename T>
-__global__ void mul_kernel(const int64_t* __restrict__ tensors, const int64_t* __restrict__ chunks, T factor) {
-  const int64_t t = chunks[2 * blockIdx.x], s = chunks[2 * blockIdx.x + 1];
-  T* p = reinterpret_cast<T*>(tensors[2 * t]) + s;
-  const int64_t n = tensors[2 * t + 1] - s < ForeachTable::kChunk ? tensors[2 * t + 1] - s : ForeachTable::kChunk;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) p[i] *= factor;
+__global__ void mul_kernel(const __grid_constant__ Slice s, int n, int64_t nchunks, T factor,
+                           const double* __restrict__ f) {
+  const T k = f ? static_cast<T>(*f) : factor;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const Entry& e = s.e[find_entry(s, n, c)];
+    const int64_t start = (c - e.chunk) * ForeachTable::kChunk;
+    T* p = static_cast<T*>(e.ptr) + start;
+    const int64_t m = e.numel - start < ForeachTable::kChunk ? e.numel - start : ForeachTable::kChunk;
+    for (int64_t i = threadIdx.x; i < m; i += blockDim.x) p[i] *= k;
+  }
+}
+
+// Calls launch(slice, tensors in it, chunks in it, index of its first
+// tensor, global number of its first chunk) for each kEntries tensors.
+template <typename F>
+void for_each_slice(const ForeachTable& tab, const F& launch) {
+  const int64_t nt = static_cast<int64_t>(tab.ptrs.size());
+  for (int64_t t0 = 0; t0 < nt; t0 += kEntries) {
+    const int n = static_cast<int>(std::min<int64_t>(kEntries, nt - t0));
+    Slice s;
+    const int64_t base = tab.first_chunk[t0];
+    for (int i = 0; i < n; ++i) s.e[i] = {tab.ptrs[t0 + i], tab.numel[t0 + i], tab.first_chunk[t0 + i] - base};
+    launch(s, n, tab.first_chunk[t0 + n] - base, t0, base);
+  }
+}
+
+unsigned grid_of(int64_t nchunks) {
+  return static_cast<unsigned>(std::clamp<int64_t>(nchunks, 1, cuda::kMaxGridBlocks));
 }
 
 }  // namespace
@@ -82,34 +117,35 @@ __global__ void mul_kernel(const int64_t* __restrict__ tensors, const int64_t* _
 void foreach_sum_squares_cuda(const ForeachTable& tab, DType dt, Tensor& out) {
   cuda::DeviceGuard guard(out);
   cudaStream_t stream = cuda::stream_for(out);
-  const int64_t nt = static_cast<int64_t>(tab.ptrs.size()), nc = static_cast<int64_t>(tab.chunks.size());
-  const DeviceTable d = upload(tab, out.device());
-  Tensor partial = Tensor::empty({std::max<int64_t>(nc, 1)}, {DType::Float64, out.device()});
-  if (nc > 0) {
-    if (dt == DType::Float64)
-      sum_squares_kernel<double>
-          <<<static_cast<unsigned>(nc), cuda::kBlockSize, 0, stream>>>(d.tensors, d.chunks, partial.data<double>());
-    else
-      sum_squares_kernel<float>
-          <<<static_cast<unsigned>(nc), cuda::kBlockSize, 0, stream>>>(d.tensors, d.chunks, partial.data<double>());
+  Tensor partial =
+      Tensor::empty({std::max<int64_t>(static_cast<int64_t>(tab.chunks.size()), 1)}, {DType::Float64, out.device()});
+  for_each_slice(tab, [&](const Slice& s, int n, int64_t nchunks, int64_t t0, int64_t base) {
+    double* part = partial.data<double>() + base;
+    if (nchunks > 0) {
+      if (dt == DType::Float64)
+        sum_squares_kernel<double><<<grid_of(nchunks), cuda::kBlockSize, 0, stream>>>(s, n, nchunks, part);
+      else
+        sum_squares_kernel<float><<<grid_of(nchunks), cuda::kBlockSize, 0, stream>>>(s, n, nchunks, part);
+      EMBER_CUDA_CHECK(cudaGetLastError());
+    }
+    sum_partials_kernel<<<cuda::grid_for(n), cuda::kBlockSize, 0, stream>>>(s, n, part, out.data<double>() + t0);
     EMBER_CUDA_CHECK(cudaGetLastError());
-  }
-  sum_partials_kernel<<<cuda::grid_for(nt), cuda::kBlockSize, 0, stream>>>(d.first, nt, partial.data<double>(),
-                                                                           out.data<double>());
-  EMBER_CUDA_CHECK(cudaGetLastError());
+  });
 }
 
-void foreach_mul_cuda(const ForeachTable& tab, DType dt, double factor, int device) {
+void foreach_mul_cuda(const ForeachTable& tab, DType dt, double factor, const double* device_factor, int device) {
   if (tab.chunks.empty()) return;
   cuda::DeviceGuard guard(device);
   cudaStream_t stream = cuda::stream_for(device);
-  const DeviceTable d = upload(tab, Device(DeviceType::CUDA, device));
-  const unsigned nc = static_cast<unsigned>(tab.chunks.size());
-  if (dt == DType::Float64)
-    mul_kernel<double><<<nc, cuda::kBlockSize, 0, stream>>>(d.tensors, d.chunks, factor);
-  else
-    mul_kernel<float><<<nc, cuda::kBlockSize, 0, stream>>>(d.tensors, d.chunks, static_cast<float>(factor));
-  EMBER_CUDA_CHECK(cudaGetLastError());
+  for_each_slice(tab, [&](const Slice& s, int n, int64_t nchunks, int64_t, int64_t) {
+    if (nchunks == 0) return;
+    if (dt == DType::Float64)
+      mul_kernel<double><<<grid_of(nchunks), cuda::kBlockSize, 0, stream>>>(s, n, nchunks, factor, device_factor);
+    else
+      mul_kernel<float>
+          <<<grid_of(nchunks), cuda::kBlockSize, 0, stream>>>(s, n, nchunks, static_cast<float>(factor), device_factor);
+    EMBER_CUDA_CHECK(cudaGetLastError());
+  });
 }
 
 }  // namespace ember

@@ -273,7 +273,8 @@ ForeachTable foreach_table(const std::vector<Tensor>& ts);
 void foreach_sum_squares_cpu(const ForeachTable& tab, DType dt, Tensor& out);
 void foreach_sum_squares_cuda(const ForeachTable& tab, DType dt, Tensor& out);
 void foreach_mul_cpu(const ForeachTable& tab, DType dt, double factor);
-void foreach_mul_cuda(const ForeachTable& tab, DType dt, double factor, int device);
+// device_factor: null, or the float64 factor on the device (then `factor` is unused).
+void foreach_mul_cuda(const ForeachTable& tab, DType dt, double factor, const double* device_factor, int device);
 
 // Row-major batched GEMM: C[b] = op(A[b]) @ op(B[b]), C contiguous [batch, m, n].
 struct GemmArgs {

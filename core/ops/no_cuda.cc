@@ -40,7 +40,7 @@ EMBER_NO_CUDA(set_attention_cuda_flash, bool)
 bool attention_flash_cuda_supports(const AttentionArgs&, DType) { return false; }
 int64_t attention_cuda_flash_launches() { return 0; }
 EMBER_NO_CUDA(foreach_sum_squares_cuda, const ForeachTable&, DType, Tensor&)
-EMBER_NO_CUDA(foreach_mul_cuda, const ForeachTable&, DType, double, int)
+EMBER_NO_CUDA(foreach_mul_cuda, const ForeachTable&, DType, double, const double*, int)
 EMBER_NO_CUDA(layer_norm_forward_cuda, const Tensor&, const Tensor&, const Tensor&, double, Tensor&, Tensor&, Tensor&)
 EMBER_NO_CUDA(layer_norm_backward_cuda, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
               Tensor*, Tensor*, Tensor*)

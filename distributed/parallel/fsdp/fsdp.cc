@@ -444,4 +444,8 @@ double FSDPModule::clip_grad_norm_(double max_norm, double norm_type) {
   return optim::clip_grad_norm_(unit_->module->parameters(), max_norm, norm_type);
 }
 
+Tensor FSDPModule::clip_grad_norm_async_(double max_norm, double norm_type) {
+  return optim::clip_grad_norm_async_(unit_->module->parameters(), max_norm, norm_type);
+}
+
 }  // namespace ember::distributed

@@ -170,6 +170,8 @@ class FSDPModule {
   // optim::clip_grad_norm_ over parameters() with the norm reduced over the
   // shard group (each element counted once). Every rank calls it.
   double clip_grad_norm_(double max_norm, double norm_type = 2.0);
+  // The same on the device, waiting for nothing (optim::clip_grad_norm_async_).
+  Tensor clip_grad_norm_async_(double max_norm, double norm_type = 2.0);
 
  private:
   std::shared_ptr<Unit> unit_;

@@ -68,6 +68,12 @@ double Parallelized::clip_grad_norm_(double max_norm) {
   return optim::clip_grad_norm_(model->parameters(), max_norm);  // DDP: every rank holds the averaged gradients
 }
 
+Tensor Parallelized::clip_grad_norm_async_(double max_norm) {
+  if (fsdp) return fsdp->clip_grad_norm_async_(max_norm);
+  EMBER_CHECK(model != nullptr, "Parallelized::clip_grad_norm_async_: nothing was parallelized");
+  return optim::clip_grad_norm_async_(model->parameters(), max_norm);
+}
+
 void Parallelized::set_requires_gradient_sync(bool sync) {
   if (fsdp)
     fsdp->set_requires_gradient_sync(sync);

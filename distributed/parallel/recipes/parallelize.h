@@ -68,6 +68,9 @@ struct Parallelized {
   // Clips the gradients to a global norm, whichever it is (collective under
   // FSDP, whose shards make the norm); returns the norm.
   double clip_grad_norm_(double max_norm);
+  // The same with the norm on the device and nothing waiting for it
+  // (optim::clip_grad_norm_async_): what a captured step (GraphedStep) uses.
+  Tensor clip_grad_norm_async_(double max_norm);
   // Off: the next backwards only accumulate (FSDP keeps unsharded
   // gradients, DDP is inside no_sync); on: the next one reduces.
   void set_requires_gradient_sync(bool sync);
