@@ -433,32 +433,15 @@ std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Ten
 // --cuda-graph 1: train_step's work (forwards and backwards over the
 // micro-batches, the loss scaler's unscale, clipping to norm 1, the
 // optimizer, the scaler's update) as one function of the micro-batches'
-// inputs and targets, which GraphedStep runs eagerly for three warm-up
-// steps (FSDP's lazy setup, the optimizer's and the scaler's state) and
-// then captures and replays. Nothing in it waits for the GPU: the losses
+// inputs and targets (the recipe's gpt_step_on_device), which GraphedStep
+// runs eagerly for three warm-up steps (FSDP's lazy setup, the optimizer's
+// and the scaler's state) and then captures and replays. Nothing in it waits for the GPU: the losses
 // add up on the device, the norm stays there (clip_grad_norm_async_), the
 // scaler skips an overflowing step there (step_async), the learning rate
 // is read there (the schedule writes it between steps).
 void make_graphed_step(Setup& s, int device) {
   auto fn = [&s](const std::vector<Tensor>& in) {
-    optim::GradScaler& scaler = *s.scaler;
-    s.opt->zero_grad();
-    Tensor loss_sum;
-    for (int64_t m = 0; m < s.micro_steps; ++m) {
-      s.par.set_requires_gradient_sync(m == s.micro_steps - 1);
-      Tensor loss;
-      {
-        MemoryKindScope activations(MemoryKind::Activations);
-        loss = distributed::parallel_cross_entropy((*s.gpt)(in[2 * m]), in[2 * m + 1]);
-      }
-      loss_sum = loss_sum.defined() ? loss_sum + loss.detach() : loss.detach();
-      scaler.scale(loss * (1.0 / s.micro_steps)).backward();
-    }
-    scaler.unscale_(*s.opt);
-    Tensor norm = s.par.clip_grad_norm_async_(1.0);
-    scaler.step_async(*s.opt);
-    scaler.update();
-    return std::vector<Tensor>{loss_sum, norm};
+    return distributed::gpt_step_on_device(*s.gpt, s.par, *s.opt, *s.scaler, in, 1.0);
   };
   s.graphed = std::make_unique<optim::GraphedStep>(
       fn, optim::GraphedStepOptions{.device = device, .warmup = 3, .optimizers = {s.opt.get()}});

@@ -4,7 +4,9 @@
 
 #include <utility>
 
+#include "core/allocator.h"
 #include "distributed/parallel/tp/gpt_plan.h"
+#include "distributed/parallel/tp/loss_parallel.h"
 
 namespace ember::distributed {
 
@@ -27,6 +29,31 @@ PipelineParallel pipeline_gpt(const std::shared_ptr<nn::GPT>& gpt, const Paralle
                               const GPTParallelOptions& o, pp::PipelineOptions po) {
   const auto stages = pp::split_gpt(*gpt, schedule.num_stages(), o.blocks_per_stage);
   return pipeline_parallelize(stages, schedule, dims, mesh, gpt_parallelize_options(*gpt, o), std::move(po));
+}
+
+std::vector<Tensor> gpt_step_on_device(nn::GPT& gpt, Parallelized& par, optim::Optimizer& opt,
+                                       optim::GradScaler& scaler, const std::vector<Tensor>& in, double max_norm) {
+  EMBER_CHECK(!in.empty() && in.size() % 2 == 0, "gpt_step_on_device: expected (tokens, targets) pairs, got ",
+              in.size(), " tensors");
+  const int64_t micro = static_cast<int64_t>(in.size() / 2);
+  opt.zero_grad();
+  Tensor loss_sum;
+  for (int64_t m = 0; m < micro; ++m) {
+    par.set_requires_gradient_sync(m == micro - 1);
+    Tensor loss;
+    {
+      // What the forward allocates and the backward still holds.
+      MemoryKindScope activations(MemoryKind::Activations);
+      loss = parallel_cross_entropy(gpt(in[2 * m]), in[2 * m + 1]);
+    }
+    loss_sum = loss_sum.defined() ? loss_sum + loss.detach() : loss.detach();
+    scaler.scale(loss * (1.0 / static_cast<double>(micro))).backward();
+  }
+  scaler.unscale_(opt);
+  Tensor norm = par.clip_grad_norm_async_(max_norm);
+  scaler.step_async(opt);
+  scaler.update();
+  return {loss_sum, norm};
 }
 
 }  // namespace ember::distributed

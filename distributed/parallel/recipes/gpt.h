@@ -17,6 +17,8 @@
 
 #include "distributed/parallel/recipes/parallelize.h"
 #include "nn/transformer.h"
+#include "optim/grad_scaler.h"
+#include "optim/optimizer.h"
 
 namespace ember::distributed {
 
@@ -44,5 +46,17 @@ Parallelized parallelize_gpt(const std::shared_ptr<nn::GPT>& gpt, const Parallel
 PipelineParallel pipeline_gpt(const std::shared_ptr<nn::GPT>& gpt, const ParallelDims& dims,
                               const std::shared_ptr<DeviceMesh>& mesh, const pp::Schedule& schedule,
                               const GPTParallelOptions& options, pp::PipelineOptions pipeline_options);
+
+// One optimizer step of a parallelize_gpt model that waits for nothing on
+// the GPU, as a function of the micro-batches (in = {tokens 0, targets 0,
+// tokens 1, targets 1, ...}, on the model's device): zero_grad, each
+// micro-batch's forward (parallel_cross_entropy) and backward of
+// scale(loss / micro-batches), the gradients reduced on the last, the
+// scaler's unscale_, clipping to max_norm on the device, the scaler's
+// step_async and update. Returns {the micro-batches' summed loss, the
+// gradient norm}, 0-dim tensors on the device. What //examples:gpt
+// --cuda-graph 1 captures (optim::GraphedStep).
+std::vector<Tensor> gpt_step_on_device(nn::GPT& gpt, Parallelized& par, optim::Optimizer& opt,
+                                       optim::GradScaler& scaler, const std::vector<Tensor>& in, double max_norm = 1.0);
 
 }  // namespace ember::distributed
