@@ -166,6 +166,62 @@ TEST_F(Drawn, BatchNorm) {
   });
 }
 
+// batch_norm_relu against the two ops it fuses, relu(batch_norm(...)), on
+// each backend: the same values bit for bit, forward, running statistics
+// and every gradient (the fused kernels add the ReLU to the normalising
+// pass and its mask to the backward's reads), over batch_norm's draws of
+// channels, planes, dtypes, training and eval, affine or not, and a
+// channels-last layout. (Against float64 a ReLU's kink flips where the
+// dtype's rounding crosses 0, which bit equality with the unfused pair,
+// itself checked against float64 above, does not need.)
+TEST_F(Drawn, BatchNormRelu) {
+  for_each_draw("batch_norm_relu", 60, [&](Draw& d) {
+    const int64_t c = d.pick<int64_t>({1, 3, 8, 64, 65, d.integer(1, 40)});
+    const Shape xs = {d.integer(1, 5), c, d.size(1, 9), d.size(1, 9)};
+    if (xs[0] * xs[2] * xs[3] < 2) return;
+    const DType dt = d.pick(kFloats), pt = dt == DType::Float64 ? DType::Float64 : DType::Float32;
+    const bool training = d.chance(0.6), affine = d.chance(0.7), cl = d.chance(0.5);
+    Tensor x = d.values(xs, dt, Specials::finite());
+    Tensor wt = affine ? d.values({c}, pt) : Tensor(), b = affine ? d.values({c}, pt) : Tensor();
+    Tensor rm = d.values({c}, pt), rv = d.values({c}, pt, {}, 0.1) + 1.0, proj = d.values(xs, dt);
+    const std::string what =
+        detail::str_cat("batch_norm_relu x", shape_str(xs), " ", dtype_name(dt), training ? " train" : " eval",
+                        affine ? " affine" : "", cl ? " channels-last" : "");
+    auto same = [](const Tensor& a, const Tensor& e) {
+      if (a.defined() != e.defined()) return false;
+      if (!a.defined()) return true;
+      const std::vector<double> u = a.cpu().to_vector(), v = e.cpu().to_vector();
+      for (size_t i = 0; i < u.size(); ++i)
+        if (!(u[i] == v[i] || (u[i] != u[i] && v[i] != v[i]))) return false;
+      return u.size() == v.size();
+    };
+    for (bool cuda : {false, true}) {
+      if (cuda && !cuda_is_available()) continue;
+      auto on = [cuda](const Tensor& t) { return !t.defined() ? t : cuda ? t.cuda() : t.clone(); };
+      std::vector<Tensor> y(2), grads(6), stats(4);
+      for (int fused = 0; fused < 2; ++fused) {
+        Tensor xi = on(x);
+        if (cl) xi = xi.contiguous(MemoryFormat::ChannelsLast);
+        xi = xi.detach().requires_grad_();
+        Tensor wi = affine ? on(wt).requires_grad_() : Tensor(), bi = affine ? on(b).requires_grad_() : Tensor();
+        Tensor rmi = on(rm), rvi = on(rv);
+        y[fused] = fused ? batch_norm_relu(xi, wi, bi, rmi, rvi, training, 0.2, 1e-3)
+                         : relu(batch_norm(xi, wi, bi, rmi, rvi, training, 0.2, 1e-3));
+        sum(y[fused] * on(proj)).backward();
+        grads[3 * fused] = xi.grad();
+        grads[3 * fused + 1] = affine ? wi.grad() : Tensor();
+        grads[3 * fused + 2] = affine ? bi.grad() : Tensor();
+        stats[2 * fused] = rmi;
+        stats[2 * fused + 1] = rvi;
+      }
+      const std::string w = detail::str_cat(what, cuda ? " (cuda)" : " (cpu)");
+      EXPECT_TRUE(same(y[1], y[0])) << w << ": forward";
+      EXPECT_TRUE(same(stats[2], stats[0]) && same(stats[3], stats[1])) << w << ": running statistics";
+      for (int i = 0; i < 3; ++i) EXPECT_TRUE(same(grads[3 + i], grads[i])) << w << ": gradient " << i;
+    }
+  });
+}
+
 // A normalisation's input: the last one or two dims normalised, widths
 // below, at and above a warp, sometimes more rows than one weight-gradient
 // tile. Returns (dims normalised, x's shape, the normalised shape).

@@ -119,6 +119,12 @@ Tensor grouped_mm(const Tensor& x, const Tensor& w, const std::vector<int64_t>& 
 // weight and bias ([C]) are optional (1 and 0).
 Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
                   const Tensor& running_var, bool training, double momentum = 0.1, double eps = 1e-5);
+// relu(batch_norm(...)) as one op (cuDNN's BN_ACTIVATION, which PyTorch's
+// eager step runs as two): the ReLU in the normalising pass, its backward
+// folded into batch norm's reads of the gradient. The same values bit for
+// bit as the two ops, one pass over the activation fewer each way.
+Tensor batch_norm_relu(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                       const Tensor& running_var, bool training, double momentum = 0.1, double eps = 1e-5);
 
 // Padding counts as -inf; padding must be at most half the kernel.
 Tensor max_pool2d(const Tensor& x, std::array<int64_t, 2> kernel, std::array<int64_t, 2> stride,

@@ -451,13 +451,13 @@ void make_graphed_step(Setup& s, int device) {
 // graph's, one replay, then the step's one wait (its loss and norm, for
 // the log), the schedule stepped.
 std::pair<double, double> graphed_train_step(Setup& s, const std::function<std::pair<Tensor, Tensor>(int64_t)>& batch) {
-  const auto start = Clock::now();
   std::vector<Tensor> in;
   for (int64_t m = 0; m < s.micro_steps; ++m) {
     auto [x, y] = batch(m);
     in.push_back(x), in.push_back(y);
   }
   distributed::commit_point(s.step);
+  const auto start = Clock::now();  // the host's part: the inputs' copies and the launch
   const bool replay = s.graphed->captured();
   const std::vector<Tensor> out = (*s.graphed)(in);
   const double host_s = examples::seconds(start, Clock::now());
@@ -482,6 +482,10 @@ std::string graph_line(const Setup& s, int64_t first) {
   std::ostringstream o;
   if (!s.graphed->captured()) {
     o << "cuda graph: not captured (the run ended within the " << s.graphed->calls() << " warm-up steps)";
+    return o.str();
+  }
+  if (s.graph_host_s.empty()) {
+    o << "cuda graph: captured at step " << first + s.graphed->captured_at() << ", no step replayed after it";
     return o.str();
   }
   const double host = median(s.graph_host_s), step = median(s.graph_step_s);

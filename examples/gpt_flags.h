@@ -270,9 +270,10 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
   if (f.cuda_graph > 1) error("--cuda-graph " + std::to_string(f.cuda_graph) + ": give 0 or 1");
   if (f.cuda_graph == 1) {
     // Each of these runs host code inside the step every time (a check
-    // that reads the GPU's numbers, a hook, a host-side statistic), which
-    // a replayed graph would skip.
-    for (const char* flag : {"--detect-anomaly", "--nan-rerun", "--inject-nan", "--straggler-every"})
+    // that reads the GPU's numbers, a hook, a host-side statistic, the
+    // profiler's op scopes and their events), which a replayed graph would
+    // skip.
+    for (const char* flag : {"--detect-anomaly", "--nan-rerun", "--inject-nan", "--straggler-every", "--profile"})
       if (t.given(flag))
         error(std::string(flag) + " with --cuda-graph 1: it runs host code inside every step, which a replayed " +
               "graph skips; use one or the other");

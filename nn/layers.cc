@@ -74,20 +74,25 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
   EMBER_CHECK(x.dim() == 4 && x.size(1) == num_features, "BatchNorm2d: expected input [N, ", num_features,
               ", H, W], got ", shape_str(x.sizes()));
   bool use_batch_stats = is_training() || !running_mean.defined();
+  auto* bn = fused_relu ? &batch_norm_relu : &batch_norm;
+  auto sync = [&](bool update_running) {
+    Tensor y = sync_forward(x, update_running);
+    return fused_relu ? relu(y) : y;
+  };
   // A checkpointed region's recompute (nn/checkpoint.h): the forward already
   // updated the running statistics; the recompute normalises with the same
   // batch statistics and leaves them alone.
   if (is_training() && autograd::in_checkpoint_recompute()) {
-    if (cross_replica_sum) return sync_forward(x, false);
-    return batch_norm(x, weight, bias, Tensor(), Tensor(), true, momentum, eps);
+    if (cross_replica_sum) return sync(false);
+    return bn(x, weight, bias, Tensor(), Tensor(), true, momentum, eps);
   }
   if (is_training() && num_batches_tracked.defined()) {
     NoGradGuard g;
     Tensor n = num_batches_tracked.detach();
     n += ones({}, DType::Int64);
   }
-  if (is_training() && cross_replica_sum) return sync_forward(x);
-  return batch_norm(x, weight, bias, running_mean, running_var, use_batch_stats, momentum, eps);
+  if (is_training() && cross_replica_sum) return sync(true);
+  return bn(x, weight, bias, running_mean, running_var, use_batch_stats, momentum, eps);
 }
 
 // Batch statistics over all replicas from one cross-replica sum of

@@ -61,6 +61,11 @@ class BatchNorm2d : public Module {
   int64_t num_features;
   double eps, momentum;
   Tensor weight, bias, running_mean, running_var, num_batches_tracked;
+  // The module's output is relu(batch norm): one op (batch_norm_relu), the
+  // ReLU inside batch norm's passes, the same values as the two. ResNet's
+  // blocks set it where a ReLU follows (its forward hooks then see the
+  // ReLU's output); the state dict is unchanged.
+  bool fused_relu = false;
   // SyncBatchNorm: when set, training-mode forward computes the batch
   // statistics over every replica. It receives this replica's per-channel
   // [sum(x), sum(x^2), count] packed as [2C + 1] (float64) and must return

@@ -18,13 +18,14 @@ BasicBlock::BasicBlock(int64_t in, int64_t planes, int64_t stride, std::shared_p
     : Module("BasicBlock") {
   conv1 = register_module("conv1", conv3x3(in, planes, stride));
   bn1 = register_module("bn1", std::make_shared<BatchNorm2d>(planes));
+  bn1->fused_relu = true;  // relu(bn1(...)) as one op
   conv2 = register_module("conv2", conv3x3(planes, planes, 1));
   bn2 = register_module("bn2", std::make_shared<BatchNorm2d>(planes));
   if (ds) downsample = register_module("downsample", ds);
 }
 
 Tensor BasicBlock::forward(const Tensor& x) {
-  Tensor out = relu((*bn1)((*conv1)(x)));
+  Tensor out = (*bn1)((*conv1)(x));  // with its ReLU
   out = (*bn2)((*conv2)(out));
   return relu(out + (downsample ? (*downsample)(x) : x));
 }
@@ -35,14 +36,15 @@ Bottleneck::Bottleneck(int64_t in, int64_t planes, int64_t stride, std::shared_p
   bn1 = register_module("bn1", std::make_shared<BatchNorm2d>(planes));
   conv2 = register_module("conv2", conv3x3(planes, planes, stride));
   bn2 = register_module("bn2", std::make_shared<BatchNorm2d>(planes));
+  bn1->fused_relu = bn2->fused_relu = true;  // relu(bn(...)) as one op
   conv3 = register_module("conv3", conv1x1(planes, planes * kExpansion, 1));
   bn3 = register_module("bn3", std::make_shared<BatchNorm2d>(planes * kExpansion));
   if (ds) downsample = register_module("downsample", ds);
 }
 
 Tensor Bottleneck::forward(const Tensor& x) {
-  Tensor out = relu((*bn1)((*conv1)(x)));
-  out = relu((*bn2)((*conv2)(out)));
+  Tensor out = (*bn1)((*conv1)(x));  // bn1 and bn2 with their ReLUs
+  out = (*bn2)((*conv2)(out));
   out = (*bn3)((*conv3)(out));
   return relu(out + (downsample ? (*downsample)(x) : x));
 }
@@ -58,6 +60,7 @@ ResNet::ResNet(Block block, std::vector<int64_t> layers, ResNetOptions opts)
     conv1 = register_module("conv1", std::make_shared<Conv2d>(opts.in_channels, opts.width, 7, 2, 3, false));
   }
   bn1 = register_module("bn1", std::make_shared<BatchNorm2d>(opts.width));
+  bn1->fused_relu = true;                                                // relu(bn1(...)) as one op
   if (!opts.small_stem) maxpool = std::make_shared<MaxPool2d>(3, 2, 1);  // no parameters: not registered
   const int64_t w = opts.width;
   layer1 = register_module("layer1", make_layer(block, w, layers[0], 1));
@@ -104,7 +107,7 @@ Tensor ResNet::forward(const Tensor& x) {
   EMBER_CHECK(x.dim() == 4 && x.size(1) == options.in_channels, "ResNet: expected input [N, ", options.in_channels,
               ", H, W], got ", shape_str(x.sizes()));
   const Tensor in = options.memory_format == MemoryFormat::ChannelsLast ? x.contiguous(MemoryFormat::ChannelsLast) : x;
-  Tensor h = relu((*bn1)((*conv1)(in)));
+  Tensor h = (*bn1)((*conv1)(in));  // with its ReLU
   if (maxpool) h = (*maxpool)(h);
   h = (*layer4)((*layer3)((*layer2)((*layer1)(h))));
   h = mean(h, {2, 3});  // adaptive average pool to 1x1, then flatten

@@ -68,9 +68,11 @@ class GraphedStep {
  private:
   Fn fn_;
   GraphedStepOptions options_;
-  std::unique_ptr<CudaGraph> graph_;
   std::vector<Tensor> inputs_, outputs_;  // the graph's static inputs and outputs
   int64_t calls_ = 0, captured_at_ = 0;
+  // Last: destroyed first, its destructor waits for the last replay before
+  // the static inputs (outside its pool) go back to the allocator.
+  std::unique_ptr<CudaGraph> graph_;
 };
 
 }  // namespace ember::optim

@@ -16,14 +16,15 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 
 TESTS="tensor_test ops_cuda_test ops_nn_cuda_test kernels_drawn_test kernels_drawn_nn_test optim_cuda_test
 grad_scaler_test autocast_test loader_test safetensors_test process_group_test process_group_nccl_test
-cuda_graph_test cuda_graph_step_test graphed_step_test"
+cuda_graph_test cuda_graph_step_test graphed_step_test gpt_graph_test"
 if [ "${1:-}" = "--targets" ]; then
   echo //core:tensor_test //core:ops_cuda_test //core:ops_nn_cuda_test //core:kernels_drawn_test \
     //core:kernels_drawn_nn_test //bench:numerics_cpu //optim:optim_cuda_test //bench:gpu_step \
     //optim:grad_scaler_test //nn:autocast_test //data:loader_test //core:safetensors_test \
     //distributed/comm:process_group_test //distributed/comm:process_group_nccl_test //bench:ops_cuda_bench \
     //bench:train_bench //bench:attention_cuda_bench //examples:resnet_ddp //examples:gpt_fsdp //tools:ckpt \
-    //core:cuda_graph_test //optim:cuda_graph_step_test //optim:graphed_step_test
+    //core:cuda_graph_test //optim:cuda_graph_step_test //optim:graphed_step_test \
+    //distributed/parallel/recipes:gpt_graph_test
   exit 0
 fi
 if [ "${1:-}" = "--data" ]; then

@@ -39,6 +39,13 @@ const S* opt_ptr(const Tensor& t) {
 }
 
 // Dispatches on the input type T and the statistics type S.
+// relu's value (elementwise_fns.h): NaN kept. Rounding to a 16-bit output
+// after it or before gives the same bits (it keeps signs and zeros).
+template <typename S>
+S relu_of(S v) {
+  return v > S(0) ? v : (v != v ? v : S(0));
+}
+
 template <typename F>
 void bn_dispatch(DType t, F&& f) {
   EMBER_DISPATCH_FLOAT(t, "batch_norm", [&] { f(scalar_t{}, elem_t<scalar_t>{}); });
@@ -87,8 +94,8 @@ void batch_norm_stats_cpu(const Tensor& x, Tensor& mean, Tensor& var) {
   });
 }
 
-void batch_norm_apply_cpu(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w,
-                          const Tensor& b, Tensor& y) {
+void batch_norm_apply_cpu(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w, const Tensor& b,
+                          Tensor& y, bool relu) {
   const BnShape sh = bn_shape(x);
   bn_dispatch(x.dtype(), [&](auto t, auto s) {
     using T = decltype(t);
@@ -105,20 +112,36 @@ void batch_norm_apply_cpu(const Tensor& x, const Tensor& mean, const Tensor& inv
                      const S shift = at_or(bp, c, S(0)) - mp[c] * scale;
                      const T* xr = xp + p * sh.s;
                      T* yr = yp + p * sh.s;
+                     if (relu) {
 #pragma omp simd
-                     for (int64_t i = 0; i < sh.s; ++i) store_as(yr + i, load_as<S>(xr + i) * scale + shift);
+                       for (int64_t i = 0; i < sh.s; ++i) store_as(yr + i, relu_of(load_as<S>(xr + i) * scale + shift));
+                     } else {
+#pragma omp simd
+                       for (int64_t i = 0; i < sh.s; ++i) store_as(yr + i, load_as<S>(xr + i) * scale + shift);
+                     }
                    }
                  });
   });
 }
 
 void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
-                             const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db) {
+                             const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db, const Tensor* relu_out) {
   const BnShape sh = bn_shape(x);
   bn_dispatch(x.dtype(), [&](auto t, auto s) {
     using T = decltype(t);
     using S = decltype(s);
     const T *xp = x.data<T>(), *gp = dy.data<T>();
+    // ReLU's backward, relu_backward's rule: dy where the output is > 0.
+    Tensor masked;
+    if (relu_out) {
+      masked = Tensor::empty(dy.sizes(), dy.options());
+      const T* yp = relu_out->data<T>();
+      T* mp_ = masked.data<T>();
+      parallel_for(dy.numel(), kParallelGrain, [&](int64_t b0, int64_t e0) {
+        for (int64_t i = b0; i < e0; ++i) store_as(mp_ + i, load_as<S>(yp + i) > S(0) ? load_as<S>(gp + i) : S(0));
+      });
+      gp = mp_;
+    }
     const S *mp = mean.data<S>(), *ip = invstd.data<S>(), *wp = opt_ptr<S>(w);
     T* dxp = dx ? dx->data<T>() : nullptr;
     S* dwp = dw ? dw->data<S>() : nullptr;
@@ -183,10 +206,9 @@ void check_channel_param(const Tensor& t, const Tensor& x, const char* what) {
 
 // A [C] parameter as the kernels want it: contiguous, statistics dtype.
 Tensor as_stat(const Tensor& t, DType sd) { return t.defined() ? t.detach().to(sd).contiguous() : Tensor(); }
-}  // namespace
 
-Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
-                  const Tensor& running_var, bool training, double momentum, double eps) {
+Tensor batch_norm_op(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                     const Tensor& running_var, bool training, double momentum, double eps, bool relu) {
   EMBER_CHECK(x.defined(), "batch_norm: input is undefined");
   EMBER_CHECK(x.dim() == 4, "batch_norm: expected a 4-D input [N, C, H, W], got ", shape_str(x.sizes()));
   EMBER_CHECK(is_floating(x.dtype()), "batch_norm: expected a floating input, got ", x.dtype());
@@ -254,41 +276,62 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, con
       invstd = rsqrt(running_var.detach().to(sd) + eps).contiguous();
     }
   }
-  return differentiable("batch_norm", {x, weight, bias}, [&] {
-    Tensor y = Tensor::empty(xc.sizes(), xc.options());
-    if (y.numel() == 0) return from_kernel(y);
-    if (x.is_cuda()) batch_norm_apply_cuda(xc, mean, invstd, wc, bc, y);
-    else batch_norm_apply_cpu(xc, mean, invstd, wc, bc, y);
-    return from_kernel(y);
-  }, [&](const Tensor&) {
-    const bool need_x = x.requires_grad();
-    const bool need_w = weight.defined() && weight.requires_grad(), need_b = bias.defined() && bias.requires_grad();
-    const DType wdt = weight.defined() ? weight.dtype() : sd, bdt = bias.defined() ? bias.dtype() : sd;
-    BackwardFn fn = [=](const Tensor& gy) {
-      Tensor dy = to_kernel(gy);
-      Tensor dx = need_x ? Tensor::empty(xc.sizes(), xc.options()) : Tensor();
-      // The CUDA kernels write every element; the CPU ones skip an empty batch.
-      auto make = [&](bool need) {
-        if (!need) return Tensor();
-        return xc.is_cuda() ? Tensor::empty({xc.size(1)}, {sd, xc.device()}) : zeros({xc.size(1)}, {sd, xc.device()});
-      };
-      Tensor dw = make(need_w), db = make(need_b);
-      if (xc.is_cuda() && xc.numel() == 0) {
-        if (dw.defined()) dw.zero_();
-        if (db.defined()) db.zero_();
-      }
-      if (xc.numel() > 0) {
-        if (xc.is_cuda())
-          batch_norm_backward_cuda(xc, dy, mean, invstd, wc, training, need_x ? &dx : nullptr, need_w ? &dw : nullptr,
-                                   need_b ? &db : nullptr);
+  return differentiable(
+      relu ? "batch_norm_relu" : "batch_norm", {x, weight, bias},
+      [&] {
+        Tensor y = Tensor::empty(xc.sizes(), xc.options());
+        if (y.numel() == 0) return from_kernel(y);
+        if (x.is_cuda())
+          batch_norm_apply_cuda(xc, mean, invstd, wc, bc, y, relu);
         else
-          batch_norm_backward_cpu(xc, dy, mean, invstd, wc, training, need_x ? &dx : nullptr, need_w ? &dw : nullptr,
-                                  need_b ? &db : nullptr);
-      }
-      return std::vector<Tensor>{need_x ? from_kernel(dx) : dx, need_w ? dw.to(wdt) : dw, need_b ? db.to(bdt) : db};
-    };
-    return Recorded{fn, {xc, wc}};
-  });
+          batch_norm_apply_cpu(xc, mean, invstd, wc, bc, y, relu);
+        return from_kernel(y);
+      },
+      [&](const Tensor& out) {
+        // With the ReLU, its output masks the gradient (relu_backward's rule).
+        const Tensor yk = relu ? to_kernel(out) : Tensor();
+        const bool need_x = x.requires_grad();
+        const bool need_w = weight.defined() && weight.requires_grad(), need_b = bias.defined() && bias.requires_grad();
+        const DType wdt = weight.defined() ? weight.dtype() : sd, bdt = bias.defined() ? bias.dtype() : sd;
+        BackwardFn fn = [=](const Tensor& gy) {
+          Tensor dy = to_kernel(gy);
+          Tensor dx = need_x ? Tensor::empty(xc.sizes(), xc.options()) : Tensor();
+          // The CUDA kernels write every element; the CPU ones skip an empty batch.
+          auto make = [&](bool need) {
+            if (!need) return Tensor();
+            return xc.is_cuda() ? Tensor::empty({xc.size(1)}, {sd, xc.device()})
+                                : zeros({xc.size(1)}, {sd, xc.device()});
+          };
+          Tensor dw = make(need_w), db = make(need_b);
+          if (xc.is_cuda() && xc.numel() == 0) {
+            if (dw.defined()) dw.zero_();
+            if (db.defined()) db.zero_();
+          }
+          if (xc.numel() > 0) {
+            const Tensor* mask = relu ? &yk : nullptr;
+            if (xc.is_cuda())
+              batch_norm_backward_cuda(xc, dy, mean, invstd, wc, training, need_x ? &dx : nullptr,
+                                       need_w ? &dw : nullptr, need_b ? &db : nullptr, mask);
+            else
+              batch_norm_backward_cpu(xc, dy, mean, invstd, wc, training, need_x ? &dx : nullptr,
+                                      need_w ? &dw : nullptr, need_b ? &db : nullptr, mask);
+          }
+          return std::vector<Tensor>{need_x ? from_kernel(dx) : dx, need_w ? dw.to(wdt) : dw, need_b ? db.to(bdt) : db};
+        };
+        return relu ? Recorded{fn, {xc, wc, out}} : Recorded{fn, {xc, wc}};
+      });
+}
+
+}  // namespace
+
+Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                  const Tensor& running_var, bool training, double momentum, double eps) {
+  return batch_norm_op(x, weight, bias, running_mean, running_var, training, momentum, eps, false);
+}
+
+Tensor batch_norm_relu(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                       const Tensor& running_var, bool training, double momentum, double eps) {
+  return batch_norm_op(x, weight, bias, running_mean, running_var, training, momentum, eps, true);
 }
 
 }  // namespace ember

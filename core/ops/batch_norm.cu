@@ -18,7 +18,9 @@
 // coefficients in registers and walks rows; in NCHW a vector's channel costs
 // one 32-bit division and one set of coefficient loads.
 // Accumulation is in acc_t: float for 16-bit and float32 input, double for
-// double.
+// double. Batch norm fused with ReLU adds the ReLU to the normalising pass
+// and reads the gradient through the fused output's mask (dy where y > 0)
+// in both backward passes: no ReLU kernel either way.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -145,15 +147,19 @@ struct StatsOp {
   }
 };
 
-template <typename T, typename A>
+// MASK (batch norm fused with ReLU): dy counts where the fused output y is
+// > 0, relu_backward's rule, so the sums are those of the unfused pair.
+template <typename T, typename A, bool MASK = false>
 struct BackwardSumsOp {
   using State = Sums2<A>;
   using Acc = Sums2<A>;
   const T* x;
   const T* dy;
+  const T* y;  // MASK only
   __device__ __forceinline__ static State finish(const Acc& a) { return a; }
   __device__ __forceinline__ void load(State& st, int64_t i, A mean) const {
-    const A g = cast_value<A>(dy[i]);
+    A g = cast_value<A>(dy[i]);
+    if constexpr (MASK) g = cast_value<A>(y[i]) > A(0) ? g : A(0);
     st.a += g;
     st.b += g * (cast_value<A>(x[i]) - mean);
   }
@@ -161,10 +167,13 @@ struct BackwardSumsOp {
   __device__ __forceinline__ void load_vec(State* st, int64_t i, const A* mean, bool same_channel) const {
     const VecN<T, VEC> vx = *reinterpret_cast<const VecN<T, VEC>*>(x + i);
     const VecN<T, VEC> vg = *reinterpret_cast<const VecN<T, VEC>*>(dy + i);
+    VecN<T, VEC> vy;
+    if constexpr (MASK) vy = *reinterpret_cast<const VecN<T, VEC>*>(y + i);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const int k = same_channel ? 0 : j;
-      const A g = cast_value<A>(vg.v[j]);
+      A g = cast_value<A>(vg.v[j]);
+      if constexpr (MASK) g = cast_value<A>(vy.v[j]) > A(0) ? g : A(0);
       st[k].a += g;
       st[k].b += g * (cast_value<A>(vx.v[j]) - mean[k]);
     }
@@ -351,14 +360,24 @@ struct DxCoef {
   }
 };
 
+// What the elementwise passes add for batch norm fused with ReLU: the ReLU
+// on the output (the forward), or u (dy) taken only where m (the fused
+// output) is > 0 (the backward's dx).
+enum Epilogue { kPlain = 0, kRelu = 1, kMaskU = 2 };
+
+template <typename A>
+__device__ __forceinline__ A relu_of(A v) {
+  return v > A(0) ? v : (v != v ? v : A(0));  // NaN kept, as relu
+}
+
 // NCHW (s > 1): grid-stride over VEC-wide vectors. A vector's first channel
 // costs one division (32-bit where the tensor allows); planes whose size is
 // not a multiple of VEC (7x7, 14x14 at 16 bits) end inside a vector, and the
 // lanes past the boundary move on to the next channel(s) without dividing.
-// v is read only when HAS_V.
-template <typename T, typename A, int VEC, bool HAS_V, typename I, typename Coef>
-__global__ void affine_planes_kernel(const T* __restrict__ u, const T* __restrict__ v, Coef coef, T* __restrict__ out,
-                                     int64_t total, int64_t c, int64_t s) {
+// v is read only when HAS_V, m only when EPI is kMaskU.
+template <typename T, typename A, int VEC, bool HAS_V, int EPI, typename I, typename Coef>
+__global__ void affine_planes_kernel(const T* __restrict__ u, const T* __restrict__ v, const T* __restrict__ m,
+                                     Coef coef, T* __restrict__ out, int64_t total, int64_t c, int64_t s) {
   const int64_t nvec = total / VEC;
   for (int64_t vi = cuda::global_thread_id(); vi < nvec; vi += cuda::grid_stride()) {
     const int64_t i = vi * VEC;
@@ -369,8 +388,9 @@ __global__ void affine_planes_kernel(const T* __restrict__ u, const T* __restric
     A p, q, mu, k;
     coef.at(ch, p, q, mu, k);
     const VecN<T, VEC> uv = *reinterpret_cast<const VecN<T, VEC>*>(u + i);
-    VecN<T, VEC> vv;
+    VecN<T, VEC> vv, mv;
     if constexpr (HAS_V) vv = *reinterpret_cast<const VecN<T, VEC>*>(v + i);
+    if constexpr (EPI == kMaskU) mv = *reinterpret_cast<const VecN<T, VEC>*>(m + i);
     VecN<T, VEC> r;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -379,8 +399,11 @@ __global__ void affine_planes_kernel(const T* __restrict__ u, const T* __restric
         next += s;
         coef.at(ch, p, q, mu, k);
       }
-      A o = p * cast_value<A>(uv.v[j]) + k;
+      A uu = cast_value<A>(uv.v[j]);
+      if constexpr (EPI == kMaskU) uu = cast_value<A>(mv.v[j]) > A(0) ? uu : A(0);
+      A o = p * uu + k;
       if constexpr (HAS_V) o += q * (cast_value<A>(vv.v[j]) - mu);
+      if constexpr (EPI == kRelu) o = relu_of(o);
       r.v[j] = cast_value<T>(o);
     }
     *reinterpret_cast<VecN<T, VEC>*>(out + i) = r;
@@ -390,9 +413,9 @@ __global__ void affine_planes_kernel(const T* __restrict__ u, const T* __restric
 // NHWC (s == 1, tensors [m, c]): each thread owns VEC consecutive channels
 // (threadIdx.x and blockIdx.x), keeps their coefficients in registers, and
 // walks rows (threadIdx.y, blockIdx.y); a block's row segment is contiguous.
-template <typename T, typename A, int VEC, bool HAS_V, typename Coef>
-__global__ void affine_rows_kernel(const T* __restrict__ u, const T* __restrict__ v, Coef coef, T* __restrict__ out,
-                                   int64_t m, int64_t c) {
+template <typename T, typename A, int VEC, bool HAS_V, int EPI, typename Coef>
+__global__ void affine_rows_kernel(const T* __restrict__ u, const T* __restrict__ v, const T* __restrict__ mask,
+                                   Coef coef, T* __restrict__ out, int64_t m, int64_t c) {
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * VEC;
   if (c0 >= c) return;
   A p[VEC], q[VEC], mu[VEC], k[VEC];
@@ -403,13 +426,17 @@ __global__ void affine_rows_kernel(const T* __restrict__ u, const T* __restrict_
        r += static_cast<int64_t>(gridDim.y) * blockDim.y) {
     const int64_t i = r * c + c0;
     const VecN<T, VEC> uv = *reinterpret_cast<const VecN<T, VEC>*>(u + i);
-    VecN<T, VEC> vv;
+    VecN<T, VEC> vv, mv;
     if constexpr (HAS_V) vv = *reinterpret_cast<const VecN<T, VEC>*>(v + i);
+    if constexpr (EPI == kMaskU) mv = *reinterpret_cast<const VecN<T, VEC>*>(mask + i);
     VecN<T, VEC> o;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      A val = p[j] * cast_value<A>(uv.v[j]) + k[j];
+      A uu = cast_value<A>(uv.v[j]);
+      if constexpr (EPI == kMaskU) uu = cast_value<A>(mv.v[j]) > A(0) ? uu : A(0);
+      A val = p[j] * uu + k[j];
       if constexpr (HAS_V) val += q[j] * (cast_value<A>(vv.v[j]) - mu[j]);
+      if constexpr (EPI == kRelu) val = relu_of(val);
       o.v[j] = cast_value<T>(val);
     }
     *reinterpret_cast<VecN<T, VEC>*>(out + i) = o;
@@ -464,12 +491,13 @@ RowsGeometry rows_geometry(int64_t m, int64_t c, int vec, int device) {
 }
 
 template <typename T>
-ReducePlan plan_reduce(const Dims3& d, const void* p0, const void* p1, int device) {
+ReducePlan plan_reduce(const Dims3& d, const void* p0, const void* p1, int device, const void* p2 = nullptr) {
   constexpr int V = cuda::vec_width<T>();
   ReducePlan pl{};
   if (d.s == 1) {
     pl.rows = true;
-    const bool vec_ok = d.c % V == 0 && cuda::is_aligned_for<T, V>(p0) && (!p1 || cuda::is_aligned_for<T, V>(p1));
+    const bool vec_ok = d.c % V == 0 && cuda::is_aligned_for<T, V>(p0) && (!p1 || cuda::is_aligned_for<T, V>(p1)) &&
+                        (!p2 || cuda::is_aligned_for<T, V>(p2));
     pl.vec = vec_ok ? V : 1;
     const RowsGeometry g = rows_geometry(d.n, d.c, pl.vec, device);
     pl.grid = g.grid;
@@ -477,9 +505,11 @@ ReducePlan plan_reduce(const Dims3& d, const void* p0, const void* p1, int devic
     pl.chunks = g.chunks;
   } else {
     pl.rows = false;
-    // for_each_aligned aligns the loads on x; dy must then be aligned alike.
-    const uintptr_t a0 = reinterpret_cast<uintptr_t>(p0), a1 = reinterpret_cast<uintptr_t>(p1 ? p1 : p0);
-    pl.vec = (a0 - a1) % (sizeof(T) * V) == 0 ? V : 1;
+    // for_each_aligned aligns the loads on x; dy (and y) must then be
+    // aligned alike.
+    const uintptr_t a0 = reinterpret_cast<uintptr_t>(p0), a1 = reinterpret_cast<uintptr_t>(p1 ? p1 : p0),
+                    a2 = reinterpret_cast<uintptr_t>(p2 ? p2 : p0);
+    pl.vec = (a0 - a1) % (sizeof(T) * V) == 0 && (a0 - a2) % (sizeof(T) * V) == 0 ? V : 1;
     pl.chunks = std::clamp<int64_t>(cuda::ceil_div(target_blocks(device), d.c), 1, std::min<int64_t>(d.n, 65535));
     pl.ppc = cuda::ceil_div(d.n, pl.chunks);
     pl.chunks = cuda::ceil_div(d.n, pl.ppc);
@@ -509,28 +539,30 @@ void launch_reduce(const ReducePlan& pl, const Op& op, const A* mean, A* part, c
 // pointers are aligned and the vectors tile the tensor (NCHW: total % V ==
 // 0, planes may end inside a vector) or its rows (NHWC: c % V == 0); v may
 // be null.
-template <typename T, typename A, typename Coef>
-void launch_affine(const Dims3& d, const T* u, const T* v, const Coef& coef, T* out, int device,
+// EPI (Epilogue): kRelu on the output, or kMaskU with m the mask's tensor.
+template <typename T, typename A, int EPI, typename Coef>
+void launch_affine(const Dims3& d, const T* u, const T* v, const T* m, const Coef& coef, T* out, int device,
                    cudaStream_t stream) {
   constexpr int V = cuda::vec_width<T>();
   const int64_t total = d.n * d.c * d.s;
   bool vec_ok = d.s == 1 ? d.c % V == 0 : total % V == 0;
-  for (const void* p : {static_cast<const void*>(u), static_cast<const void*>(v), static_cast<const void*>(out)})
+  for (const void* p : {static_cast<const void*>(u), static_cast<const void*>(v), static_cast<const void*>(m),
+                        static_cast<const void*>(out)})
     vec_ok = vec_ok && (!p || cuda::is_aligned_for<T, V>(p));
   auto go = [&](auto vec_c, auto has_v) {
     constexpr int VEC = decltype(vec_c)::value;
     constexpr bool HV = decltype(has_v)::value;
     if (d.s == 1) {
       const RowsGeometry g = rows_geometry(d.n, d.c, VEC, device);
-      affine_rows_kernel<T, A, VEC, HV, Coef><<<g.grid, g.block, 0, stream>>>(u, v, coef, out, d.n, d.c);
+      affine_rows_kernel<T, A, VEC, HV, EPI, Coef><<<g.grid, g.block, 0, stream>>>(u, v, m, coef, out, d.n, d.c);
     } else if (total < (int64_t{1} << 31)) {
-      affine_planes_kernel<T, A, VEC, HV, uint32_t, Coef>
-          <<<cuda::grid_for(total, cuda::kBlockSize, VEC), cuda::kBlockSize, 0, stream>>>(u, v, coef, out, total,
-                                                                                           d.c, d.s);
+      affine_planes_kernel<T, A, VEC, HV, EPI, uint32_t, Coef>
+          <<<cuda::grid_for(total, cuda::kBlockSize, VEC), cuda::kBlockSize, 0, stream>>>(u, v, m, coef, out, total,
+                                                                                          d.c, d.s);
     } else {
-      affine_planes_kernel<T, A, VEC, HV, int64_t, Coef>
-          <<<cuda::grid_for(total, cuda::kBlockSize, VEC), cuda::kBlockSize, 0, stream>>>(u, v, coef, out, total,
-                                                                                           d.c, d.s);
+      affine_planes_kernel<T, A, VEC, HV, EPI, int64_t, Coef>
+          <<<cuda::grid_for(total, cuda::kBlockSize, VEC), cuda::kBlockSize, 0, stream>>>(u, v, m, coef, out, total,
+                                                                                          d.c, d.s);
     }
   };
   using One = std::integral_constant<int, 1>;
@@ -572,8 +604,8 @@ void batch_norm_stats_cuda(const Tensor& x, Tensor& mean, Tensor& invstd, double
   });
 }
 
-void batch_norm_apply_cuda(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w,
-                           const Tensor& b, Tensor& y) {
+void batch_norm_apply_cuda(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w, const Tensor& b,
+                           Tensor& y, bool relu) {
   const Dims3 d = dims_of(x);
   const int64_t total = x.numel();
   if (total == 0) return;
@@ -584,13 +616,17 @@ void batch_norm_apply_cuda(const Tensor& x, const Tensor& mean, const Tensor& in
     using A = acc_t<T>;
     const ApplyCoef<A> coef{static_cast<const A*>(mean.raw_data()), static_cast<const A*>(invstd.raw_data()),
                             opt_ptr<A>(w), opt_ptr<A>(b)};
-    launch_affine<T, A>(d, static_cast<const T*>(x.raw_data()), nullptr, coef, static_cast<T*>(y.raw_data()),
-                        x.device().index, stream);
+    const T* xp = static_cast<const T*>(x.raw_data());
+    T* yp = static_cast<T*>(y.raw_data());
+    if (relu)
+      launch_affine<T, A, kRelu>(d, xp, nullptr, nullptr, coef, yp, x.device().index, stream);
+    else
+      launch_affine<T, A, kPlain>(d, xp, nullptr, nullptr, coef, yp, x.device().index, stream);
   });
 }
 
 void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
-                              const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db) {
+                              const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db, const Tensor* relu_out) {
   const Dims3 d = dims_of(x);
   const int64_t total = x.numel();
   if (total == 0 || d.c == 0) return;
@@ -605,15 +641,19 @@ void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& m
     constexpr int V = cuda::vec_width<T>();
     const T* xp = static_cast<const T*>(x.raw_data());
     const T* gp = static_cast<const T*>(dy.raw_data());
+    const T* yp = relu_out ? static_cast<const T*>(relu_out->raw_data()) : nullptr;
     const A* mp = static_cast<const A*>(mean.raw_data());
     Tensor part, coef_t;
     int64_t chunks = 0;
     if (need_sums) {
-      const ReducePlan pl = plan_reduce<T>(d, xp, gp, dev);
+      const ReducePlan pl = plan_reduce<T>(d, xp, gp, dev, yp);
       chunks = pl.chunks;
       part = Tensor::empty({2, chunks, d.c}, mean.options());
-      const BackwardSumsOp<T, A> op{xp, gp};
-      launch_reduce<BackwardSumsOp<T, A>, A, V>(pl, op, mp, static_cast<A*>(part.raw_data()), d, stream);
+      A* pp = static_cast<A*>(part.raw_data());
+      if (yp)
+        launch_reduce<BackwardSumsOp<T, A, true>, A, V>(pl, {xp, gp, yp}, mp, pp, d, stream);
+      else
+        launch_reduce<BackwardSumsOp<T, A>, A, V>(pl, {xp, gp, nullptr}, mp, pp, d, stream);
     }
     if (dx) coef_t = Tensor::empty({3, d.c}, mean.options());
     backward_finalize_kernel<A><<<cuda::grid_for(d.c, kFinalizeChannels), cuda::kBlockSize, 0, stream>>>(
@@ -623,7 +663,11 @@ void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& m
     EMBER_CUDA_CHECK(cudaGetLastError());
     if (!dx) return;
     const DxCoef<A> coef{mp, static_cast<const A*>(coef_t.raw_data()), d.c, train};
-    launch_affine<T, A>(d, gp, train ? xp : nullptr, coef, static_cast<T*>(dx->raw_data()), dev, stream);
+    T* dxp = static_cast<T*>(dx->raw_data());
+    if (yp)
+      launch_affine<T, A, kMaskU>(d, gp, train ? xp : nullptr, yp, coef, dxp, dev, stream);
+    else
+      launch_affine<T, A, kPlain>(d, gp, train ? xp : nullptr, nullptr, coef, dxp, dev, stream);
   });
 }
 

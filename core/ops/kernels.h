@@ -363,18 +363,24 @@ void batch_norm_stats_cpu(const Tensor& x, Tensor& mean, Tensor& var);
 // running_mean and running_var: contiguous [C] in the statistics dtype.
 void batch_norm_stats_cuda(const Tensor& x, Tensor& mean, Tensor& invstd, double eps, Tensor* running_mean,
                            Tensor* running_var, double momentum);
-// y = (x - mean) * invstd * w + b, y contiguous like x.
-void batch_norm_apply_cpu(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w,
-                          const Tensor& b, Tensor& y);
-void batch_norm_apply_cuda(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w,
-                           const Tensor& b, Tensor& y);
+// y = (x - mean) * invstd * w + b, y contiguous like x; relu: then
+// max(y, 0) in the same pass (NaN kept, as relu keeps it).
+void batch_norm_apply_cpu(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w, const Tensor& b,
+                          Tensor& y, bool relu = false);
+void batch_norm_apply_cuda(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w, const Tensor& b,
+                           Tensor& y, bool relu = false);
 // dw = sum(dy * xhat), db = sum(dy); dx through the batch statistics when
 // train, else dy * w * invstd. Non-null outputs are preallocated and fully
-// written (their contents on entry do not matter).
+// written (their contents on entry do not matter). relu_out (batch norm
+// fused with ReLU): the fused op's output, and dy counts only where it is
+// > 0 (relu's backward folded into the reads: the same values as
+// relu_backward then batch norm's backward).
 void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
-                             const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db);
+                             const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db,
+                             const Tensor* relu_out = nullptr);
 void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
-                              const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db);
+                              const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db,
+                              const Tensor* relu_out = nullptr);
 
 // Pooling over `planes` = N * C [h, w] planes into [oh, ow]. x, y, dy, dx
 // and indices are dense in one layout: NCHW (planes contiguous) or, with

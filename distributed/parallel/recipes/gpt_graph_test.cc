@@ -48,8 +48,8 @@ struct Case {
   int micro;
 };
 
-Trainer make(const Case& c, bool graphed) {
-  Trainer t;
+// In place: the step's function keeps pointers into `t`.
+void make(Trainer& t, const Case& c, bool graphed) {
   manual_seed(5);
   nn::GPTOptions o{.vocab_size = kVocab, .block_size = kSeq, .n_layer = 2, .n_head = 2, .n_embd = 32};
   o.arch = c.arch;
@@ -76,7 +76,6 @@ Trainer make(const Case& c, bool graphed) {
   t.step = std::make_unique<optim::GraphedStep>(
       [=](const std::vector<Tensor>& in) { return gpt_step_on_device(*gpt, *par, *opt, *scaler, in, 0.5); },
       optim::GraphedStepOptions{.device = 0, .warmup = 3, .optimizers = {t.opt.get()}, .enabled = graphed});
-  return t;
 }
 
 void train(Trainer& t, const Case& c, int steps) {
@@ -116,9 +115,10 @@ class GptGraph : public ::testing::TestWithParam<Case> {
 TEST_P(GptGraph, ReplayedStepsEqualEagerStepsBitForBit) {
   const Case c = GetParam();
   constexpr int kSteps = 7;
-  Trainer eager = make(c, false);
+  Trainer eager, graphed;
+  make(eager, c, false);
   train(eager, c, kSteps);
-  Trainer graphed = make(c, true);
+  make(graphed, c, true);
   train(graphed, c, kSteps);
   ASSERT_TRUE(graphed.step->captured());
   EXPECT_EQ(graphed.step->captured_at(), 4);
