@@ -61,6 +61,7 @@
 #include "nn/functional.h"
 #include "nn/models.h"
 #include "optim/grad_scaler.h"
+#include "optim/graphed_step.h"
 #include "optim/lr_scheduler.h"
 #include "optim/optimizer.h"
 
@@ -89,6 +90,7 @@ struct Flags {
   std::string grad_compress = "off";  // off | bf16 | fp16 | powersgd (DDP's gradient-compression hook)
   int powersgd_rank = 2;              // PowerSGD's matrix approximation rank
   int64_t powersgd_start = -1;        // steps before PowerSGD starts; -1: the learning-rate warm-up's
+  int cuda_graph = 0;                 // 1: the step as one CUDA graph (optim/graphed_step.h)
   bool data_given = false;
 };
 
@@ -120,6 +122,10 @@ void declare(examples::FlagTable& t, Flags& f) {
   t.integer("--powersgd-rank", &f.powersgd_rank, 1, "R", "PowerSGD's rank: an n x m gradient sends R (n + m) numbers");
   t.integer("--powersgd-start", &f.powersgd_start, 0, "N",
             "steps of plain allreduce before PowerSGD (default: the warm-up's steps)");
+  t.integer("--cuda-graph", &f.cuda_graph, 0, "0|1",
+            "1: after three eager warm-up steps, the training step (forward, backward, the optimizer, the\n"
+            "loss scaler's checks) is captured as one CUDA graph and replayed, one launch a step; one\n"
+            "process on a GPU (--nproc 1), one micro-batch a step; each epoch prints the host's share");
 }
 
 // --resume found nothing to load: no checkpoint at all, or (with
@@ -148,6 +154,22 @@ void parse_flags(examples::FlagTable& t, Flags& f, int argc, char** argv) {
     usage_error(
         "--grad-compress powersgd does not go with --amp fp16 (an overflowed step would poison its "
         "error feedback); use --amp bf16");
+  if (f.cuda_graph > 1) usage_error("--cuda-graph " + std::to_string(f.cuda_graph) + ": give 0 or 1");
+  if (f.cuda_graph == 1) {
+    // Host code inside every step, which a replayed graph would skip: a
+    // compression hook's state, SyncBatchNorm's collective, the profiler's
+    // op scopes; and steps of several micro-batches or processes.
+    if (f.grad_compress != "off")
+      usage_error("--grad-compress " + f.grad_compress + " with --cuda-graph 1: its hook keeps host state per step");
+    if (f.sync_bn) usage_error("--sync-bn with --cuda-graph 1: it captures one process's step (no collectives)");
+    if (t.given("--profile")) usage_error("--profile with --cuda-graph 1: a replayed step runs no op scopes to time");
+    if (c.accum_steps > 1)
+      usage_error("--accum-steps " + std::to_string(c.accum_steps) +
+                  " with --cuda-graph 1: a captured step is one micro-batch here");
+    if (c.nproc > 1)
+      usage_error("--nproc " + std::to_string(c.nproc) + " with --cuda-graph 1: it captures one process's step " +
+                  "(--nproc 1); collectives inside a captured step are not supported yet");
+  }
   // The default directory is scratch that a fresh run replaces; one the user names is kept.
   examples::refuse_overwrite(c.checkpoint_dir, "epoch_",
                              c.resume || c.overwrite || c.checkpoint_dir == Flags{}.common.checkpoint_dir);
@@ -261,6 +283,10 @@ struct Setup {
   distributed::StepStartBuffers step_start;              // live recovery: batch norm's statistics as each step began
   std::shared_ptr<distributed::PowerSGDState> powersgd;  // --grad-compress powersgd
   std::unique_ptr<distributed::GradientAccumulator> accumulator;
+  // --cuda-graph 1: the step as one CUDA graph; the host's time (the
+  // inputs' copies and the replay's launch) and the step's, per replay.
+  std::unique_ptr<optim::GraphedStep> graphed;
+  std::vector<double> graph_host_s, graph_step_s;
 
   // drop_last: every rank sees the same number of full batches, so all of
   // them run the same number of synchronizing backward passes. The seed
@@ -447,11 +473,50 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
 
 // ---- The loop: epochs of steps, an evaluation and a checkpoint each ----
 
+// --cuda-graph 1: the loop's step (forward under autocast, backward through
+// DDP, which at one rank reduces nothing, the scaler's step_async and
+// update) as one function of the batch, run eagerly for three warm-up steps
+// (the momentum buffers, the scale, cuDNN's plans) and then captured and
+// replayed by GraphedStep; the schedule reaches it through the learning
+// rate on the device.
+void make_graphed_step(const Flags& flags, const examples::Job& job, Setup& s) {
+  EMBER_CHECK(job.cuda, "--cuda-graph 1 needs a GPU: ", cuda_unavailable_reason());
+  EMBER_CHECK(job.world == 1, "--cuda-graph 1 captures one process's step; this job has ", job.world,
+              " ranks (--nproc 1): collectives inside a captured step are not supported yet");
+  EMBER_CHECK(!distributed::live_recovery_enabled(),
+              "--cuda-graph 1 under live recovery: its per-step hook (batch norm's statistics as the step began) "
+              "is host code a replayed graph would skip");
+  const std::string amp = flags.common.amp;
+  const Device device = job.device;
+  auto fn = [&s, amp, device](const std::vector<Tensor>& in) {
+    s.opt->zero_grad();
+    Tensor loss;
+    {
+      std::optional<AutocastGuard> cast;
+      if (amp != "off") cast.emplace(device.type, amp == "bf16" ? DType::BFloat16 : DType::Float16);
+      loss = nn::functional::cross_entropy((*s.ddp)(in[0]), in[1]);
+    }
+    s.accumulator->backward(s.scaler->scale(loss));
+    s.scaler->step_async(*s.opt);
+    s.scaler->update();
+    return std::vector<Tensor>{loss.detach()};
+  };
+  // Under float16 the first steps may overflow and be skipped before SGD
+  // has made its momentum buffers, which a capture cannot make: eager
+  // until they exist.
+  optim::SGD* opt = s.opt.get();
+  s.graphed = std::make_unique<optim::GraphedStep>(
+      fn, optim::GraphedStepOptions{.device = device.index, .warmup = 3, .optimizers = {opt}, .ready = [opt] {
+                                      return opt->skips_on_device();
+                                    }});
+}
+
 int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   examples::Progress progress(job.rank == 0);
   double train_seconds = 0, eval_seconds = -1;
   int64_t images_done = 0;  // global, this process's run
   optim::GradScaler& scaler = *s.scaler;
+  if (flags.cuda_graph == 1) make_graphed_step(flags, job, s);
   examples::StepProfiler profile(flags.common.profile_dir, (flags.epochs - s.start_epoch) * s.steps_per_epoch,
                                  job.pg.get());
   // The end of an epoch: its train loss averaged over the ranks, the test
@@ -502,19 +567,35 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     s.opt->zero_grad();
     for (data::Batch& b : *s.train_loader) {
       if (epoch_steps >= s.steps_per_epoch) break;
-      Tensor loss;
-      {
-        std::optional<AutocastGuard> amp;
-        if (flags.common.amp != "off")
-          amp.emplace(job.device.type, flags.common.amp == "bf16" ? DType::BFloat16 : DType::Float16);
-        loss = nn::functional::cross_entropy((*s.ddp)(b.data), b.target);  // float32 under autocast too
+      if (s.graphed) {
+        // The graph's step (the eager one's work, below, with the scaler's
+        // skip on the device), then its one wait: the loss.
+        distributed::commit_point(s.step);
+        const auto host_start = Clock::now();
+        const bool replay = s.graphed->captured();
+        const std::vector<Tensor> out = (*s.graphed)({b.data, b.target});
+        const double host_s = seconds(host_start, Clock::now());
+        loss_sum += out[0].item();
+        if (replay) {
+          s.graph_host_s.push_back(host_s);
+          s.graph_step_s.push_back(seconds(host_start, Clock::now()));
+        }
+        ++micro;
+      } else {
+        Tensor loss;
+        {
+          std::optional<AutocastGuard> amp;
+          if (flags.common.amp != "off")
+            amp.emplace(job.device.type, flags.common.amp == "bf16" ? DType::BFloat16 : DType::Float16);
+          loss = nn::functional::cross_entropy((*s.ddp)(b.data), b.target);  // float32 under autocast too
+        }
+        loss_sum += loss.item();
+        ++micro;
+        if (!s.accumulator->backward(scaler.scale(loss))) continue;
+        distributed::commit_point(s.step);  // live recovery: every rank steps, or none
+        scaler.step(*s.opt);                // skipped when a float16 gradient overflowed; the scale then backs off
+        scaler.update();
       }
-      loss_sum += loss.item();
-      ++micro;
-      if (!s.accumulator->backward(scaler.scale(loss))) continue;
-      distributed::commit_point(s.step);  // live recovery: every rank steps, or none
-      scaler.step(*s.opt);                // skipped when a float16 gradient overflowed; the scale then backs off
-      scaler.update();
       s.sched->step();
       s.opt->zero_grad();
       ++epoch_steps;
@@ -538,6 +619,18 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       LOG0("gradient traffic: ", ar.bytes / (epoch_steps - steps_before), " bytes allreduced per step and rank (",
            ar.calls / (epoch_steps - steps_before), " allreduces)",
            s.powersgd ? ", PowerSGD compression rate " + std::to_string(s.powersgd->stats().rate()) + " so far" : "");
+    if (s.graphed && !s.graph_host_s.empty()) {
+      auto median = [](std::vector<double> v) {
+        std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+        return v[v.size() / 2];
+      };
+      const double host = median(s.graph_host_s), step = median(s.graph_step_s);
+      LOG0("cuda graph: captured at step ", s.graphed->captured_at(), ", ", s.graph_host_s.size(),
+           " steps replayed; host ", host * 1e3, " ms of a ", step * 1e3, " ms step (", 100.0 * host / step,
+           " %, medians) host_ms=", host * 1e3, " step_ms=", step * 1e3);
+      s.graph_host_s.clear();
+      s.graph_step_s.clear();
+    }
     // The median step after 3 warm-up steps (bench/step_predict.py reads it).
     if (step_seconds.size() > 3) {
       std::vector<double> t(step_seconds.begin() + 3, step_seconds.end());

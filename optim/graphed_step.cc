@@ -41,7 +41,7 @@ std::vector<Tensor> GraphedStep::operator()(const std::vector<Tensor>& inputs) {
   }
   std::vector<Tensor> on_device;
   for (const Tensor& t : inputs) on_device.push_back(t.defined() ? t.to(device) : t);
-  if (!options_.enabled || calls_ <= options_.warmup) return fn_(on_device);
+  if (!options_.enabled || calls_ <= options_.warmup || (options_.ready && !options_.ready())) return fn_(on_device);
   // The static inputs: this call's, in memory of their own made before the
   // capture (they outlive it, as the graph reads them at every replay).
   for (const Tensor& t : on_device) {

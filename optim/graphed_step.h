@@ -47,6 +47,12 @@ struct GraphedStepOptions {
   // device (lr_tensor) at construction.
   std::vector<Optimizer*> optimizers;
   bool enabled = true;  // false: every call runs eagerly (same numbers, for comparison)
+  // Optional: after the warm-up, the step is captured at the first call
+  // where this says it can be, and runs eagerly until then. E.g. SGD with
+  // momentum under a loss scaler makes its buffers on its first step that
+  // is not skipped, which an overflowing start can put off: then
+  // [&] { return sgd.skips_on_device(); }.
+  std::function<bool()> ready;
 };
 
 class GraphedStep {

@@ -16,7 +16,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 
 TESTS="tensor_test ops_cuda_test ops_nn_cuda_test kernels_drawn_test kernels_drawn_nn_test optim_cuda_test
 grad_scaler_test autocast_test loader_test safetensors_test process_group_test process_group_nccl_test
-cuda_graph_test cuda_graph_step_test graphed_step_test gpt_graph_test"
+cuda_graph_test cuda_graph_step_test graphed_step_test gpt_graph_test ddp_graph_test"
 if [ "${1:-}" = "--targets" ]; then
   echo //core:tensor_test //core:ops_cuda_test //core:ops_nn_cuda_test //core:kernels_drawn_test \
     //core:kernels_drawn_nn_test //bench:numerics_cpu //optim:optim_cuda_test //bench:gpu_step \
@@ -24,7 +24,7 @@ if [ "${1:-}" = "--targets" ]; then
     //distributed/comm:process_group_test //distributed/comm:process_group_nccl_test //bench:ops_cuda_bench \
     //bench:train_bench //bench:attention_cuda_bench //examples:resnet_ddp //examples:gpt_fsdp //tools:ckpt \
     //core:cuda_graph_test //optim:cuda_graph_step_test //optim:graphed_step_test \
-    //distributed/parallel/recipes:gpt_graph_test
+    //distributed/parallel/recipes:gpt_graph_test //distributed/parallel:ddp_graph_test
   exit 0
 fi
 if [ "${1:-}" = "--data" ]; then
@@ -113,6 +113,9 @@ for s in $steps; do
     timeout 180 bash "$here/.gpu/run.sh" gpt_fsdp --data "$d/fortunes" --amp bf16 --checkpoint-dir /tmp/gpt16 \
       >"$logs/gpt_fsdp_bf16.log" 2>&1
     summary "gpt_fsdp bf16 rc=$? $(grep -iE 'val|step' "$logs/gpt_fsdp_bf16.log" | tail -2 | tr '\n' ' ')"
+    timeout 120 bash "$here/.gpu/run.sh" resnet_ddp --nproc 1 --data "$d/fashion" --epochs 1 --max-steps 300 \
+      --amp bf16 --cuda-graph 1 --checkpoint-dir /tmp/rng >"$logs/resnet_ddp_graph.log" 2>&1
+    summary "resnet_ddp --cuda-graph 1 rc=$? $(grep -E 'cuda graph:|epoch 1/1' "$logs/resnet_ddp_graph.log" | tr '\n' ' ')"
     # The step as one CUDA graph beside the same run eager: the losses agree
     # up to the rounding of the learning rate (float32 on the device) and of
     # the norm's sums; the graph's line gives the host's share of a step.

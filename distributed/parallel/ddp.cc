@@ -177,8 +177,21 @@ CommHook compress_hook(DType low) {
 
 }  // namespace
 
+// A Work done before it is returned.
+class DoneWork : public Work {
+ public:
+  bool is_completed() override { return true; }
+  bool is_success() override { return true; }
+  void wait() override {}
+  bool wait(Millis) override { return true; }
+  std::exception_ptr exception() override { return nullptr; }
+};
+
 CommHook allreduce_hook() {
-  return [](ProcessGroup& pg, const GradBucket& bucket, bool average) {
+  return [](ProcessGroup& pg, const GradBucket& bucket, bool average) -> std::shared_ptr<Work> {
+    // The sum or average over one rank is the bucket itself: no collective
+    // (none for a one-process step's CUDA graph to capture either).
+    if (pg.size() == 1) return std::make_shared<DoneWork>();
     return pg.allreduce(bucket.buffer, average ? ReduceOp::Avg : ReduceOp::Sum);
   };
 }
