@@ -131,66 +131,71 @@ void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& me
     using T = decltype(t);
     using S = decltype(s);
     const T *xp = x.data<T>(), *gp = dy.data<T>();
-    // ReLU's backward, relu_backward's rule: dy where the output is > 0.
-    Tensor masked;
-    if (relu_out) {
-      masked = Tensor::empty(dy.sizes(), dy.options());
-      const T* yp = relu_out->data<T>();
-      T* mp_ = masked.data<T>();
-      parallel_for(dy.numel(), kParallelGrain, [&](int64_t b0, int64_t e0) {
-        for (int64_t i = b0; i < e0; ++i) store_as(mp_ + i, load_as<S>(yp + i) > S(0) ? load_as<S>(gp + i) : S(0));
-      });
-      gp = mp_;
-    }
+    // With the ReLU: dy counts where its output is > 0 (relu_backward's
+    // rule), read in both loops below, none of it materialised.
+    const T* yp = relu_out ? relu_out->data<T>() : nullptr;
     const S *mp = mean.data<S>(), *ip = invstd.data<S>(), *wp = opt_ptr<S>(w);
     T* dxp = dx ? dx->data<T>() : nullptr;
     S* dwp = dw ? dw->data<S>() : nullptr;
     S* dbp = db ? db->data<S>() : nullptr;
     const double m = static_cast<double>(sh.n * sh.s);
-    parallel_for(sh.c, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) {
-        const double mu = mp[c], inv = ip[c];
-        // Per-row SIMD sums in S, rows in double (see batch_norm_stats_cpu).
-        double sum_dy = 0, sum_dy_xc = 0;
-        const S mu_f = static_cast<S>(mu);
-        for (int64_t n = 0; n < sh.n; ++n) {
-          // Row pointers as locals: read through the lambda's captures, gcc
-          // reloads them each iteration and cannot vectorize.
-          const T* gr = gp + (n * sh.c + c) * sh.s;
-          const T* xr = xp + (n * sh.c + c) * sh.s;
-          S a_dy = 0, a_dyx = 0;
+    auto run = [&](auto masked) {
+      constexpr bool kMask = decltype(masked)::value;
+      parallel_for(sh.c, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t c = begin; c < end; ++c) {
+          const double mu = mp[c], inv = ip[c];
+          // Per-row SIMD sums in S, rows in double (see batch_norm_stats_cpu).
+          double sum_dy = 0, sum_dy_xc = 0;
+          const S mu_f = static_cast<S>(mu);
+          for (int64_t n = 0; n < sh.n; ++n) {
+            // Row pointers as locals: read through the lambda's captures, gcc
+            // reloads them each iteration and cannot vectorize.
+            const int64_t off = (n * sh.c + c) * sh.s;
+            const T* gr = gp + off;
+            const T* xr = xp + off;
+            const T* yr = kMask ? yp + off : nullptr;
+            S a_dy = 0, a_dyx = 0;
 #pragma omp simd reduction(+ : a_dy, a_dyx)
-          for (int64_t i = 0; i < sh.s; ++i) {
-            const S g = load_as<S>(gr + i);
-            a_dy += g;
-            a_dyx += g * (load_as<S>(xr + i) - mu_f);
+            for (int64_t i = 0; i < sh.s; ++i) {
+              S g = load_as<S>(gr + i);
+              if constexpr (kMask) g = load_as<S>(yr + i) > S(0) ? g : S(0);
+              a_dy += g;
+              a_dyx += g * (load_as<S>(xr + i) - mu_f);
+            }
+            sum_dy += a_dy;
+            sum_dy_xc += a_dyx;
           }
-          sum_dy += a_dy;
-          sum_dy_xc += a_dyx;
-        }
-        const double sum_dy_xhat = sum_dy_xc * inv;
-        if (dwp) dwp[c] = static_cast<S>(sum_dy_xhat);
-        if (dbp) dbp[c] = static_cast<S>(sum_dy);
-        if (!dxp) continue;
-        const double wc = at_or(wp, c, S(1));
-        // train: dx = w * invstd / M * (M * dy - sum(dy) - xhat * sum(dy * xhat)),
-        // written as a * dy + b * xhat + k; eval: dx = w * invstd * dy.
-        const S a = static_cast<S>(wc * inv);
-        const S bx = train ? static_cast<S>(-wc * inv * sum_dy_xhat / m) : S(0);
-        const S k = train ? static_cast<S>(-wc * inv * sum_dy / m) : S(0);
-        const S mu_s = static_cast<S>(mu), inv_s = static_cast<S>(inv);
-        for (int64_t n = 0; n < sh.n; ++n) {
-          const int64_t off = (n * sh.c + c) * sh.s;
-          const T *gr = gp + off, *xr = xp + off;
-          T* dr = dxp + off;
+          const double sum_dy_xhat = sum_dy_xc * inv;
+          if (dwp) dwp[c] = static_cast<S>(sum_dy_xhat);
+          if (dbp) dbp[c] = static_cast<S>(sum_dy);
+          if (!dxp) continue;
+          const double wc = at_or(wp, c, S(1));
+          // train: dx = w * invstd / M * (M * dy - sum(dy) - xhat * sum(dy * xhat)),
+          // written as a * dy + b * xhat + k; eval: dx = w * invstd * dy.
+          const S a = static_cast<S>(wc * inv);
+          const S bx = train ? static_cast<S>(-wc * inv * sum_dy_xhat / m) : S(0);
+          const S k = train ? static_cast<S>(-wc * inv * sum_dy / m) : S(0);
+          const S mu_s = static_cast<S>(mu), inv_s = static_cast<S>(inv);
+          for (int64_t n = 0; n < sh.n; ++n) {
+            const int64_t off = (n * sh.c + c) * sh.s;
+            const T *gr = gp + off, *xr = xp + off;
+            const T* yr = kMask ? yp + off : nullptr;
+            T* dr = dxp + off;
 #pragma omp simd
-          for (int64_t i = 0; i < sh.s; ++i) {
-            const S xhat = (load_as<S>(xr + i) - mu_s) * inv_s;
-            store_as(dr + i, a * load_as<S>(gr + i) + bx * xhat + k);
+            for (int64_t i = 0; i < sh.s; ++i) {
+              S g = load_as<S>(gr + i);
+              if constexpr (kMask) g = load_as<S>(yr + i) > S(0) ? g : S(0);
+              const S xhat = (load_as<S>(xr + i) - mu_s) * inv_s;
+              store_as(dr + i, a * g + bx * xhat + k);
+            }
           }
         }
-      }
-    });
+      });
+    };
+    if (yp)
+      run(std::true_type{});
+    else
+      run(std::false_type{});
   });
 }
 
