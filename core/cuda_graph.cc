@@ -13,6 +13,8 @@
 #include "core/allocator.h"
 #include "core/device.h"
 #include "core/exception.h"
+#include "core/ops.h"
+#include "core/ops/kernels.h"
 
 #if EMBER_WITH_CUDA
 #include <cuda_runtime.h>
@@ -23,10 +25,44 @@
 namespace ember {
 
 namespace {
-thread_local int t_capturing = -1;      // the device this thread captures on, or -1
-thread_local void* t_pool = nullptr;    // that graph's stream (its pool)
-std::atomic<int> g_active_captures{0};  // captures under way, any thread
+thread_local int t_capturing = -1;          // the device this thread captures on, or -1
+thread_local void* t_pool = nullptr;        // that graph's stream (its pool)
+thread_local CudaGraph* t_graph = nullptr;  // the graph capturing
+std::atomic<int> g_active_captures{0};      // captures under way, any thread
 }  // namespace
+
+struct CapturedRngAccess {
+  static std::optional<CapturedRng> draw(CudaGraph& graph, Generator& g) {
+    CudaGraph::RngSlot* slot = nullptr;
+    for (auto& s : graph.rng_)
+      if (s.gen == &g) slot = &s;
+    if (!slot) {
+      // A slot of the buffer made before the capture: not the graph's pool,
+      // whose blocks the region's earlier kernels (replayed before the
+      // draw) may have used and would overwrite.
+      const size_t i = graph.rng_.size();
+      EMBER_CHECK(i < CudaGraph::kRngSlots, "CudaGraph::capture: the region draws random numbers from more than ",
+                  CudaGraph::kRngSlots, " generators");
+      graph.rng_.push_back({&g, graph.rng_state_.narrow(0, 2 * static_cast<int64_t>(i), 2), g.offset(), 0});
+      slot = &graph.rng_.back();
+    }
+    const uint64_t at = g.next_offset();
+    EMBER_INTERNAL_ASSERT(at >= slot->base, "cuda_graph_rng: the generator went back before the capture began");
+    return CapturedRng{static_cast<const uint64_t*>(slot->state.raw_data()), at - slot->base};
+  }
+  // The capture's end: each generator's draws, and the generator put back.
+  static void close(CudaGraph& graph) {
+    for (auto& s : graph.rng_) {
+      s.draws = s.gen->offset() - s.base;
+      s.gen->set_offset(s.base);
+    }
+  }
+};
+
+std::optional<CapturedRng> cuda_graph_rng(Generator& g, int device) {
+  if (t_graph == nullptr || t_capturing != device) return std::nullopt;
+  return CapturedRngAccess::draw(*t_graph, g);
+}
 
 bool cuda_graph_capturing() { return t_capturing >= 0; }
 bool cuda_graph_capture_active() { return g_active_captures.load() > 0; }
@@ -79,6 +115,8 @@ CudaGraph::~CudaGraph() {
   if (exec_) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
   if (prev >= 0) cudaSetDevice(prev);
   try {
+    rng_.clear();
+    rng_state_ = Tensor();
     cuda_graph_pool(device_, stream_->handle, false);
   } catch (...) {
   }
@@ -91,6 +129,10 @@ void CudaGraph::capture(const std::function<void()>& region) {
               "CudaGraph::capture: CUDA graphs need the caching allocator, whose blocks are the graph's pool "
               "(EMBER_NO_CUDA_MEMORY_CACHING is set)");
   OnDevice on(device_);
+  // The generators' states the region's random kernels will read, outside
+  // the graph's pool (a block the region frees and reuses is rewritten by
+  // its earlier kernels at every replay).
+  rng_state_ = Tensor::empty({2 * static_cast<int64_t>(kRngSlots)}, {DType::Int64, Device(DeviceType::CUDA, device_)});
   // The graph starts from everything queued before it: its stream does not
   // order itself after other streams' work, and capture cannot wait.
   cuda_synchronize();
@@ -99,6 +141,7 @@ void CudaGraph::capture(const std::function<void()>& region) {
   g_active_captures++;
   t_capturing = device_;
   t_pool = stream_->handle;
+  t_graph = this;
   std::exception_ptr failure;
   try {
     StreamGuard guard(*stream_);
@@ -108,12 +151,15 @@ void CudaGraph::capture(const std::function<void()>& region) {
   }
   t_capturing = -1;
   t_pool = nullptr;
+  t_graph = nullptr;
+  CapturedRngAccess::close(*this);
   cudaGraph_t graph = nullptr;
   const cudaError_t end = cudaStreamEndCapture(stream, &graph);
   g_active_captures--;
   if (end != cudaSuccess) cudaGetLastError();
   if (failure) {
     if (graph) cudaGraphDestroy(graph);
+    rng_.clear();
     std::rethrow_exception(failure);
   }
   EMBER_CHECK(end == cudaSuccess && graph != nullptr, "CudaGraph::capture: CUDA ended the capture with ",
@@ -132,6 +178,12 @@ void CudaGraph::replay() {
   EMBER_CHECK(exec_, "CudaGraph::replay: nothing captured (call capture() first)");
   check_not_capturing("CudaGraph::replay", "a graph replays outside captures");
   OnDevice on(device_);
+  // The draws of this replay: the generators' state now, then advanced by
+  // what the region draws (an eager run of it would have).
+  for (RngSlot& s : rng_) {
+    write_rng_state_cuda(static_cast<uint64_t*>(s.state.raw_data()), s.gen->seed(), s.gen->offset(), device_);
+    s.gen->set_offset(s.gen->offset() + s.draws);
+  }
   EMBER_CUDA_CHECK(
       cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_), static_cast<cudaStream_t>(Stream::current(device_).handle)));
   ++replays_;

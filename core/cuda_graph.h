@@ -21,20 +21,31 @@
 //    alive while the graph is replayed: a replay reads their memory,
 //    which would otherwise go back to the allocator (PyTorch's rule too);
 //  - every host number the region passed to a kernel is frozen at its
-//    captured value (a learning rate, a loss scale, a random offset).
+//    captured value (a learning rate, a loss scale);
+//  - random numbers (dropout, attention dropout, rand/bernoulli) are drawn
+//    anew at every replay, as the same eager steps would draw them (torch's
+//    graph-safe Philox): their kernels read the generator's seed and offset
+//    on the device, which replay() writes, and replay() advances the
+//    generator by the draws the region made; the capture itself draws
+//    nothing and leaves the generator as it was.
 // What a capture cannot hold is refused with an error naming it, raised
 // in the region: anything that waits for the GPU (item(), cpu(), a
-// synchronisation), a copy between the CPU and the GPU, random numbers
-// (their Philox offset would repeat at every replay) and optimizers whose
-// step reads host state that changes from step to step.
+// synchronisation), a copy between the CPU and the GPU, and optimizers
+// whose step reads host state that changes from step to step.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <vector>
 
 #include "core/stream.h"
+#include "core/tensor.h"
 
 namespace ember {
+
+class Generator;
 
 class CudaGraph {
  public:
@@ -62,7 +73,32 @@ class CudaGraph {
   std::shared_ptr<const Stream> stream_;  // the capture stream; its cached blocks are the graph's pool
   void* exec_ = nullptr;                  // cudaGraphExec_t
   int64_t replays_ = 0;
+  // Each generator the region drew from: its {seed, offset base} on the
+  // device (a slot of rng_state_), the generator's offset when the capture
+  // first drew from it, and how far the region advanced it (what a replay
+  // advances it by).
+  struct RngSlot {
+    Generator* gen;
+    Tensor state;
+    uint64_t base = 0, draws = 0;
+  };
+  std::vector<RngSlot> rng_;
+  static constexpr size_t kRngSlots = 8;  // generators one region may draw from
+  Tensor rng_state_;                      // their {seed, offset base}, [2 * kRngSlots] int64
+  friend struct CapturedRngAccess;
 };
+
+// Random numbers inside a capture: where the kernel reads the generator's
+// {seed, offset base} on the device, and the draw's offset relative to it.
+struct CapturedRng {
+  const uint64_t* state;
+  uint64_t offset;
+};
+// While this thread captures on `device`: the next draw from `g` in the
+// capturing graph (the generator advances as an eager draw would, so
+// activation checkpointing's save and restore of its offset keep working;
+// the capture's end puts it back). Otherwise nullopt: draw eagerly.
+std::optional<CapturedRng> cuda_graph_rng(Generator& g, int device);
 
 // Whether this thread is capturing a CUDA graph (on any device).
 bool cuda_graph_capturing();

@@ -235,13 +235,16 @@ AttentionArgs attention_args(const char* op, const Tensor& q, const Tensor& k, c
   // selective checkpoint's recompute, which takes the kept output instead
   // of running that forward, advances it the same.
   if (dropout_p > 0) {
-    if (q.is_cuda())
-      check_not_capturing("attention dropout on the GPU",
-                          "the generator's offset is a host number the graph would freeze, so every replay would "
-                          "drop the same elements");
     Generator& g = gen ? *gen : default_generator();
     a.seed = g.seed();
-    a.offset = g.next_offset();
+    // Inside a CUDA graph the kernels read the generator's state on the
+    // device, which each replay writes (cuda_graph.h).
+    if (const auto captured = q.is_cuda() ? cuda_graph_rng(g, q.device().index) : std::nullopt) {
+      a.offset = captured->offset;
+      a.rng = captured->state;
+    } else {
+      a.offset = g.next_offset();
+    }
   }
   return a;
 }

@@ -40,9 +40,11 @@ __host__ __device__ __forceinline__ int64_t keys_for(const AttentionArgs& a, int
 
 // Whether dropout keeps element (b, i, j): the CPU's Philox draw at its
 // index in a [n, tq, tk] tensor (the blocked and the fused kernels alike).
+// Inside a CUDA graph the generator's state is read on the device (a.rng).
 __device__ __forceinline__ bool kept(const AttentionArgs& a, int64_t b, int64_t i, int64_t j) {
   const int64_t idx = (b * a.tq + i) * a.tk + j;
-  return random_value(RandomKind::Bernoulli, idx, 0, 0, 1.0 - a.dropout_p, a.seed, a.offset) != 0.0;
+  const uint64_t seed = a.rng ? a.rng[0] : a.seed, offset = a.rng ? a.rng[1] + a.offset : a.offset;
+  return random_value(RandomKind::Bernoulli, idx, 0, 0, 1.0 - a.dropout_p, seed, offset) != 0.0;
 }
 
 template <typename T>

@@ -144,6 +144,9 @@ struct AttentionArgs {
   bool causal = false;
   double dropout_p = 0.0;
   uint64_t seed = 0, offset = 0;
+  // Inside a CUDA graph (cuda_graph_rng): {seed, offset base} on the device,
+  // written before each replay; the draw is then (rng[0], rng[1] + offset).
+  const uint64_t* rng = nullptr;
 };
 // q, k, v, out contiguous [n, t, d] in float32 or float64. lse, when given
 // ([n, tq], the dtype's): each row's log-sum-exp of its scaled scores. dlse,
@@ -320,7 +323,13 @@ void scatter_add_cuda(Tensor& out, const Tensor& index, const Tensor& src, int64
 // = (i, offset)), identically on CPU and CUDA. For Bernoulli_Tensor, `p`
 // holds per-element probabilities (same numel, contiguous, float dtype).
 void random_cpu(RandomKind kind, Tensor& out, double a, double b, uint64_t seed, uint64_t offset, const Tensor& p);
-void random_cuda(RandomKind kind, Tensor& out, double a, double b, uint64_t seed, uint64_t offset, const Tensor& p);
+// rng: null, or (inside a CUDA graph) the device's {seed, offset base}: the
+// draw is then (rng[0], rng[1] + offset) and `seed` is unused.
+void random_cuda(RandomKind kind, Tensor& out, double a, double b, uint64_t seed, uint64_t offset, const Tensor& p,
+                 const uint64_t* rng = nullptr);
+// Writes {seed, offset} to a graph's device state (two uint64), in a kernel
+// on the device's current stream: no copy from the host to wait for.
+void write_rng_state_cuda(uint64_t* state, uint64_t seed, uint64_t offset, int device);
 
 // ---- Neural-network ops (conv.cc/.cu, batch_norm.cc/.cu, pool.cc/.cu) ----
 // One 2-D convolution; the op layer has checked it and computed oh, ow.

@@ -51,19 +51,21 @@ namespace {
 void run_random(RandomKind kind, Tensor& out, double a, double b, Generator* gen, const Tensor& p = Tensor()) {
   check_inplace(out, "random");
   Generator& g = gen ? *gen : default_generator();
-  if (out.is_cuda())
-    check_not_capturing("random numbers on the GPU",
-                        "the generator's offset is a host number the graph would freeze, so every replay would "
-                        "draw the same numbers");
-  uint64_t offset = g.next_offset();
+  // Inside a CUDA graph the kernel reads the generator's state on the
+  // device, which each replay writes (cuda_graph.h).
+  const std::optional<CapturedRng> captured = out.is_cuda() ? cuda_graph_rng(g, out.device().index) : std::nullopt;
+  const uint64_t offset = captured ? captured->offset : g.next_offset();
+  const uint64_t* rng = captured ? captured->state : nullptr;
   if (out.numel() == 0) return;
   if (out.is_contiguous()) {
-    if (out.is_cuda()) random_cuda(kind, out, a, b, g.seed(), offset, p);
+    if (out.is_cuda())
+      random_cuda(kind, out, a, b, g.seed(), offset, p, rng);
     else random_cpu(kind, out, a, b, g.seed(), offset, p);
     return;
   }
   Tensor tmp = Tensor::empty(out.sizes(), out.options());
-  if (out.is_cuda()) random_cuda(kind, tmp, a, b, g.seed(), offset, p);
+  if (out.is_cuda())
+    random_cuda(kind, tmp, a, b, g.seed(), offset, p, rng);
   else random_cpu(kind, tmp, a, b, g.seed(), offset, p);
   out.copy_(tmp);
 }

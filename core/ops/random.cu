@@ -36,7 +36,12 @@ __device__ __forceinline__ double load_prob(const void* p, DType t, int64_t i) {
 
 template <typename T>
 __global__ void random_kernel(T* __restrict__ out, int64_t n, RandomKind kind, double a, double b, uint64_t seed,
-                              uint64_t offset, const void* __restrict__ p, DType p_dtype) {
+                              uint64_t offset, const void* __restrict__ p, DType p_dtype,
+                              const uint64_t* __restrict__ rng) {
+  if (rng) {  // inside a CUDA graph: the generator's state as the replay began
+    seed = rng[0];
+    offset += rng[1];
+  }
   cuda::grid_stride_loop(n, [&](int64_t i) {
     const double pi = kind == RandomKind::Bernoulli_Tensor ? load_prob(p, p_dtype, i) : a;
     T t = cuda::cast_value<T, double>(random_value(kind, i, a, b, pi, seed, offset));
@@ -48,11 +53,23 @@ __global__ void random_kernel(T* __restrict__ out, int64_t n, RandomKind kind, d
   });
 }
 
+__global__ void rng_state_kernel(uint64_t* state, uint64_t seed, uint64_t offset) {
+  state[0] = seed;
+  state[1] = offset;
+}
+
 }  // namespace
 
-// ---- Launcher ----
+// ---- Launchers ----
 
-void random_cuda(RandomKind kind, Tensor& out, double a, double b, uint64_t seed, uint64_t offset, const Tensor& p) {
+void write_rng_state_cuda(uint64_t* state, uint64_t seed, uint64_t offset, int device) {
+  cuda::DeviceGuard guard(device);
+  rng_state_kernel<<<1, 1, 0, cuda::stream_for(device)>>>(state, seed, offset);
+  EMBER_CUDA_CHECK(cudaGetLastError());
+}
+
+void random_cuda(RandomKind kind, Tensor& out, double a, double b, uint64_t seed, uint64_t offset, const Tensor& p,
+                 const uint64_t* rng) {
   const int64_t n = out.numel();
   if (n == 0) return;
   EMBER_CHECK(out.is_contiguous(), "random: output must be contiguous");
@@ -73,8 +90,8 @@ void random_cuda(RandomKind kind, Tensor& out, double a, double b, uint64_t seed
   EMBER_DISPATCH_ALL(out.dtype(), "random", [&] {
     using T = scalar_t;
     const int block = cuda::kBlockSize;
-    random_kernel<T><<<cuda::grid_for(n, block), block, 0, stream>>>(static_cast<T*>(out.raw_data()), n, kind, a,
-                                                                     b, seed, offset, pp, p_dtype);
+    random_kernel<T><<<cuda::grid_for(n, block), block, 0, stream>>>(static_cast<T*>(out.raw_data()), n, kind, a, b,
+                                                                     seed, offset, pp, p_dtype, rng);
     EMBER_CUDA_CHECK(cudaGetLastError());
   });
 }
