@@ -129,6 +129,7 @@ void CudaGraph::capture(const std::function<void()>& region) {
               "CudaGraph::capture: CUDA graphs need the caching allocator, whose blocks are the graph's pool "
               "(EMBER_NO_CUDA_MEMORY_CACHING is set)");
   OnDevice on(device_);
+  rng_.clear();  // a capture that failed before left its slots
   // The generators' states the region's random kernels will read, outside
   // the graph's pool (a block the region frees and reuses is rewritten by
   // its earlier kernels at every replay).

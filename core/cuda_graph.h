@@ -27,7 +27,9 @@
 //    graph-safe Philox): their kernels read the generator's seed and offset
 //    on the device, which replay() writes, and replay() advances the
 //    generator by the draws the region made; the capture itself draws
-//    nothing and leaves the generator as it was.
+//    nothing and leaves the generator as it was. A generator drawn from in
+//    the region must outlive the graph and not be drawn from by another
+//    thread while it captures or replays;
 // What a capture cannot hold is refused with an error naming it, raised
 // in the region: anything that waits for the GPU (item(), cpu(), a
 // synchronisation), a copy between the CPU and the GPU, and optimizers

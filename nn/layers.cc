@@ -5,6 +5,7 @@
 
 #include "autograd/checkpoint.h"
 #include "core/autograd_hook.h"
+#include "core/cuda_graph.h"
 #include "core/ops_nn.h"
 #include "nn/init.h"
 
@@ -192,6 +193,10 @@ Generator* Dropout::generator(Generator& own) const {
   if (!is_training() || p == 0) return nullptr;
   Generator& g = default_generator();
   if (stream == 0) return &g;
+  // `own` lives for this call only, and its offset is a host number: a
+  // CUDA graph would freeze it and keep a pointer to it.
+  check_not_capturing("Dropout with a stream of its own (tensor parallelism's shards)",
+                      "its per-call generator starts at a host offset the graph would freeze");
   own.manual_seed(g.seed() ^ (0x9E3779B97F4A7C15ULL * stream));
   own.set_offset(g.next_offset());
   return &own;

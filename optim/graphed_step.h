@@ -20,7 +20,7 @@
 //   }
 //
 // What the step may do is what core/cuda_graph.h allows; what it may not
-// (an item(), a host copy, random numbers, a GradScaler::step instead of
+// (an item(), a host copy, a GradScaler::step instead of
 // step_async) is refused by name at the capture, and the step stays
 // eager-runnable. The optimizers' learning rates live on the device from
 // the start (ParamGroup::lr_tensor), so a schedule's changes reach the

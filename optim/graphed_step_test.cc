@@ -268,5 +268,21 @@ TEST_F(GraphedStepTest, AStepThatWaitsForTheGpuIsRefusedAtTheCapture) {
   EXPECT_FALSE(step.captured());
 }
 
+// A Dropout drawing from a stream of its own (tensor parallelism's shards)
+// makes a generator per call from a host offset: refused inside a capture
+// by name rather than kept as a pointer the replays would read.
+TEST_F(GraphedStepTest, ADropoutWithAStreamOfItsOwnIsRefusedInACapture) {
+  nn::Dropout drop(0.5);
+  drop.stream = 1;
+  const Tensor x = ones({8}).cuda();
+  (void)drop(x);  // eagerly: fine
+  CudaGraph g(0);
+  const std::string e = error_of([&] { g.capture([&] { (void)drop(x); }); });
+  EXPECT_NE(e.find("Dropout with a stream of its own (tensor parallelism's shards) inside a CUDA graph capture"),
+            std::string::npos)
+      << e;
+  EXPECT_FALSE(g.captured());
+}
+
 }  // namespace
 }  // namespace ember::optim

@@ -354,6 +354,15 @@ bool SGD::skips_on_device() const {
   return true;
 }
 
+bool SGD::momentum_buffers_made() const {
+  for (const auto& group : param_groups()) {
+    if (group.options.at("momentum") == 0.0) continue;
+    for (const Tensor& p : group.params)
+      if (p.requires_grad() && !state(p).count("momentum_buffer")) return false;
+  }
+  return true;
+}
+
 void SGD::step_unless_inf(const Tensor& found_inf) {
   EMBER_CHECK(found_inf.defined(), name(), "::step_unless_inf: found_inf is undefined");
   if (!skips_on_device()) {

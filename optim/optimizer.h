@@ -188,6 +188,11 @@ class SGD : public Optimizer {
   // Once every momentum buffer exists (a first step with momentum must run
   // to set it, so it is decided on the host).
   bool skips_on_device() const override;
+  // Whether every trainable parameter of a group with momentum has its
+  // buffer (made on its first step that was not skipped): what a CUDA
+  // graph of the step needs first (GraphedStepOptions::ready), gradients
+  // present or not.
+  bool momentum_buffers_made() const;
   std::vector<std::string> state_names() const override { return {"momentum_buffer", "master_param"}; }
 
  protected:

@@ -74,7 +74,7 @@ void make(Trainer& t, const std::string& amp, bool graphed) {
   optim::SGD* opt = t.opt.get();
   t.step = std::make_unique<optim::GraphedStep>(
       fn, optim::GraphedStepOptions{.device = 0, .warmup = 3, .optimizers = {opt}, .enabled = graphed, .ready = [opt] {
-                                      return opt->skips_on_device();
+                                      return opt->momentum_buffers_made();
                                     }});
 }
 
@@ -85,6 +85,7 @@ void train(Trainer& t, int steps) {
     Tensor y = randint(0, 5, {4}, DType::Int64, &g).cuda();
     t.losses.push_back((*t.step)({x, y})[0].cpu().item());
     t.sched->step();
+    t.opt->zero_grad();  // as the example's loop does: ready() must not need the gradients
   }
 }
 
