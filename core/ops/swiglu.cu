@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "core/ops/cuda_utils.cuh"
@@ -74,11 +75,17 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ g, const T* __restr
   });
 }
 
-template <typename T>
-bool aligned(std::initializer_list<const void*> ptrs) {
-  for (const void* p : ptrs)
-    if (p && !cuda::is_aligned_for<T, cuda::vec_width<T>()>(p)) return false;
-  return true;
+// Calls launch(VEC, grid) with VEC the 16-byte width where every non-null
+// pointer is aligned for it, else 1, and the grid for n elements at VEC.
+template <typename T, typename F>
+void with_vec_width(int64_t n, std::initializer_list<const void*> ptrs, const F& launch) {
+  constexpr int V = cuda::vec_width<T>();
+  bool ok = true;
+  for (const void* p : ptrs) ok = ok && (!p || cuda::is_aligned_for<T, V>(p));
+  if (ok)
+    launch(std::integral_constant<int, V>{}, cuda::grid_for(n, cuda::kBlockSize, V));
+  else
+    launch(std::integral_constant<int, 1>{}, cuda::grid_for(n));
 }
 
 }  // namespace
@@ -89,14 +96,12 @@ void swiglu_forward_cuda(const Tensor& a, const Tensor& b, Tensor& y) {
   const int64_t n = a.numel();
   EMBER_DISPATCH_FLOAT(a.dtype(), "swiglu", [&] {
     using T = scalar_t;
-    constexpr int VEC = cuda::vec_width<T>();
     const T *ap = a.data<T>(), *bp = b.data<T>();
     T* yp = y.data<T>();
-    if (aligned<T>({ap, bp, yp}))
-      swiglu_forward_kernel<T, VEC>
-          <<<cuda::grid_for(n, cuda::kBlockSize, VEC), cuda::kBlockSize, 0, stream>>>(ap, bp, yp, n);
-    else
-      swiglu_forward_kernel<T, 1><<<cuda::grid_for(n), cuda::kBlockSize, 0, stream>>>(ap, bp, yp, n);
+    with_vec_width<T>(n, {ap, bp, yp}, [&](auto vec, unsigned grid) {
+      constexpr int VEC = decltype(vec)::value;
+      swiglu_forward_kernel<T, VEC><<<grid, cuda::kBlockSize, 0, stream>>>(ap, bp, yp, n);
+    });
   });
   EMBER_CUDA_CHECK(cudaGetLastError());
 }
@@ -107,15 +112,13 @@ void swiglu_backward_cuda(const Tensor& g, const Tensor& a, const Tensor& b, Ten
   const int64_t n = a.numel();
   EMBER_DISPATCH_FLOAT(a.dtype(), "swiglu", [&] {
     using T = scalar_t;
-    constexpr int VEC = cuda::vec_width<T>();
     const T *gp = g.data<T>(), *ap = a.data<T>(), *bp = b.data<T>();
     T* dap = da ? da->data<T>() : nullptr;
     T* dbp = db ? db->data<T>() : nullptr;
-    if (aligned<T>({gp, ap, bp, dap, dbp}))
-      swiglu_backward_kernel<T, VEC>
-          <<<cuda::grid_for(n, cuda::kBlockSize, VEC), cuda::kBlockSize, 0, stream>>>(gp, ap, bp, dap, dbp, n);
-    else
-      swiglu_backward_kernel<T, 1><<<cuda::grid_for(n), cuda::kBlockSize, 0, stream>>>(gp, ap, bp, dap, dbp, n);
+    with_vec_width<T>(n, {gp, ap, bp, dap, dbp}, [&](auto vec, unsigned grid) {
+      constexpr int VEC = decltype(vec)::value;
+      swiglu_backward_kernel<T, VEC><<<grid, cuda::kBlockSize, 0, stream>>>(gp, ap, bp, dap, dbp, n);
+    });
   });
   EMBER_CUDA_CHECK(cudaGetLastError());
 }

@@ -21,6 +21,7 @@
 #include "core/ops.h"
 #include "distributed/init.h"
 #include "distributed/parallel/ddp.h"
+#include "distributed/testing/world_of_one.h"
 #include "nn/functional.h"
 #include "nn/models.h"
 #include "optim/grad_scaler.h"
@@ -94,13 +95,7 @@ class DdpGraph : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
     if (!cuda_allocator_caching(0)) GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: graphs need the caching";
-    setenv("RANK", "0", 1);
-    setenv("WORLD_SIZE", "1", 1);
-    setenv("MASTER_ADDR", "127.0.0.1", 1);
-    setenv("MASTER_PORT", "0", 1);
-    InitOptions o;
-    o.backend = "gloo";  // a world of one: DDP's buckets need no collective
-    init_process_group(o);
+    testing::init_world_of_one();  // DDP's buckets need no collective
   }
   void TearDown() override {
     if (cuda_is_available() && cuda_allocator_caching(0)) destroy_process_group();

@@ -26,6 +26,7 @@
 #include "core/ops.h"
 #include "distributed/init.h"
 #include "distributed/parallel/recipes/gpt.h"
+#include "distributed/testing/world_of_one.h"
 #include "optim/graphed_step.h"
 #include "optim/lr_scheduler.h"
 
@@ -105,13 +106,7 @@ class GptGraph : public ::testing::TestWithParam<Case> {
   void SetUp() override {
     if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
     if (!cuda_allocator_caching(0)) GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: graphs need the caching";
-    setenv("RANK", "0", 1);
-    setenv("WORLD_SIZE", "1", 1);
-    setenv("MASTER_ADDR", "127.0.0.1", 1);
-    setenv("MASTER_PORT", "0", 1);
-    InitOptions o;
-    o.backend = "gloo";
-    init_process_group(o);  // a world of one: FSDP drops its groups
+    testing::init_world_of_one();  // FSDP drops its one-rank groups
   }
   void TearDown() override {
     if (cuda_is_available() && cuda_allocator_caching(0)) destroy_process_group();
