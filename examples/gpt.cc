@@ -127,7 +127,7 @@ struct Setup {
   // --cuda-graph 1: the step as one CUDA graph, and the host's time (input
   // copies and the replay's launch) and the whole step's, per replayed step.
   std::unique_ptr<optim::GraphedStep> graphed;
-  std::vector<double> graph_host_s, graph_step_s;
+  examples::GraphTimes graph_times;
   // --inject-nan (testing): at `step`, on every try or only the first.
   struct {
     int64_t step = -1;
@@ -463,36 +463,14 @@ std::pair<double, double> graphed_train_step(Setup& s, const std::function<std::
   const double host_s = examples::seconds(start, Clock::now());
   const double loss_sum = out[0].to(kCPU).item(), grad_norm = out[1].to(kCPU).item();
   if (replay) {
-    s.graph_host_s.push_back(host_s);
-    s.graph_step_s.push_back(examples::seconds(start, Clock::now()));
+    s.graph_times.host_s.push_back(host_s);
+    s.graph_times.step_s.push_back(examples::seconds(start, Clock::now()));
+  } else if (s.graphed->captured()) {
+    s.graph_times.captured_step = s.step + 1;  // as --metrics numbers it
   }
   s.sched->step();
   ++s.step;
   return {loss_sum / s.micro_steps, grad_norm};
-}
-
-// The end of a --cuda-graph 1 run: where the capture came and the host's
-// share of a replayed step (medians).
-std::string graph_line(const Setup& s, int64_t first) {
-  auto median = [](std::vector<double> v) {
-    if (v.empty()) return 0.0;
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    return v[v.size() / 2];
-  };
-  std::ostringstream o;
-  if (!s.graphed->captured()) {
-    o << "cuda graph: not captured (the run ended within the " << s.graphed->calls() << " warm-up steps)";
-    return o.str();
-  }
-  if (s.graph_host_s.empty()) {
-    o << "cuda graph: captured at step " << first + s.graphed->captured_at() << ", no step replayed after it";
-    return o.str();
-  }
-  const double host = median(s.graph_host_s), step = median(s.graph_step_s);
-  o << "cuda graph: captured at step " << first + s.graphed->captured_at() << ", " << s.graph_host_s.size()
-    << " steps replayed; host " << host * 1e3 << " ms of a " << step * 1e3 << " ms step (" << 100.0 * host / step
-    << " %, medians) host_ms=" << host * 1e3 << " step_ms=" << step * 1e3;
-  return o.str();
 }
 
 // ---- The loop: steps, evaluations, checkpoints, a sample at the end ----
@@ -677,7 +655,7 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
     if (flags.save_every > 0 && step % flags.save_every == 0 && step < flags.max_steps) save(step);
   }
   progress.close_line();
-  if (s.graphed) LOG0(graph_line(s, first));
+  if (s.graphed) LOG0(s.graph_times.line());
   const double val = report_eval();
   save(s.step);
   if (flags.sample_len > 0 && job.rank == 0)  // from the checkpoint just written, whatever mesh wrote it

@@ -286,8 +286,7 @@ struct Setup {
   // --cuda-graph 1: the step as one CUDA graph; the host's time (the
   // inputs' copies and the replay's launch) and the step's, per replay.
   std::unique_ptr<optim::GraphedStep> graphed;
-  std::vector<double> graph_host_s, graph_step_s;
-  int64_t graph_captured_step = 0;
+  examples::GraphTimes graph_times;
 
   // drop_last: every rank sees the same number of full batches, so all of
   // them run the same number of synchronizing backward passes. The seed
@@ -576,11 +575,11 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
         const bool replay = s.graphed->captured();
         const std::vector<Tensor> out = (*s.graphed)({b.data, b.target});
         const double host_s = seconds(host_start, Clock::now());
-        if (!replay && s.graphed->captured()) s.graph_captured_step = s.step + 1;  // as the log numbers steps
+        if (!replay && s.graphed->captured()) s.graph_times.captured_step = s.step + 1;  // as the log numbers steps
         loss_sum += out[0].item();
         if (replay) {
-          s.graph_host_s.push_back(host_s);
-          s.graph_step_s.push_back(seconds(host_start, Clock::now()));
+          s.graph_times.host_s.push_back(host_s);
+          s.graph_times.step_s.push_back(seconds(host_start, Clock::now()));
         }
         ++micro;
       } else {
@@ -621,23 +620,15 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
       LOG0("gradient traffic: ", ar.bytes / (epoch_steps - steps_before), " bytes allreduced per step and rank (",
            ar.calls / (epoch_steps - steps_before), " allreduces)",
            s.powersgd ? ", PowerSGD compression rate " + std::to_string(s.powersgd->stats().rate()) + " so far" : "");
-    if (s.graphed && !s.graph_host_s.empty()) {
-      auto median = [](std::vector<double> v) {
-        std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-        return v[v.size() / 2];
-      };
-      const double host = median(s.graph_host_s), step = median(s.graph_step_s);
-      LOG0("cuda graph: captured at step ", s.graph_captured_step, ", ", s.graph_host_s.size(),
-           " steps replayed; host ", host * 1e3, " ms of a ", step * 1e3, " ms step (", 100.0 * host / step,
-           " %, medians) host_ms=", host * 1e3, " step_ms=", step * 1e3);
-      s.graph_host_s.clear();
-      s.graph_step_s.clear();
+    if (s.graphed && !s.graph_times.host_s.empty()) {  // this epoch's replays
+      LOG0(s.graph_times.line());
+      s.graph_times.host_s.clear();
+      s.graph_times.step_s.clear();
     }
     // The median step after 3 warm-up steps (bench/step_predict.py reads it).
     if (step_seconds.size() > 3) {
-      std::vector<double> t(step_seconds.begin() + 3, step_seconds.end());
-      std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
-      LOG0("step time: median ", t[t.size() / 2] * 1e3, " ms over ", t.size(), " steps after 3 warm-up steps");
+      const std::vector<double> t(step_seconds.begin() + 3, step_seconds.end());
+      LOG0("step time: median ", examples::median(t) * 1e3, " ms over ", t.size(), " steps after 3 warm-up steps");
     }
     end_of_epoch(epoch, loss_sum / std::max<int64_t>(micro, 1));
   }

@@ -8,13 +8,16 @@
 //   return examples::finish_job(job);                             // every rank done, "done in N s"
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "core/device.h"
 #include "distributed/checkpoint/live_recovery.h"
@@ -27,6 +30,32 @@ namespace ember::examples {
 
 using Clock = std::chrono::steady_clock;
 inline double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+// The median of v (the upper one of an even count; 0 when empty).
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
+
+// --cuda-graph 1's bookkeeping: for each replayed step, the host's time to
+// queue it (the inputs' copies and the replay's launch) and the whole
+// step's; line() reports their medians, the line bench/gpu_perf.sh reads
+// (host_ms=, step_ms=).
+struct GraphTimes {
+  int64_t captured_step = 0;  // as the log numbers steps; 0: not captured
+  std::vector<double> host_s, step_s;
+  std::string line() const {
+    std::ostringstream o;
+    if (captured_step == 0) return "cuda graph: not captured (the run ended before the capture)";
+    o << "cuda graph: captured at step " << captured_step;
+    if (host_s.empty()) return o.str() + ", no step replayed after it";
+    const double host = median(host_s), step = median(step_s);
+    o << ", " << host_s.size() << " steps replayed; host " << host * 1e3 << " ms of a " << step * 1e3 << " ms step ("
+      << 100.0 * host / step << " %, medians) host_ms=" << host * 1e3 << " step_ms=" << step * 1e3;
+    return o.str();
+  }
+};
 
 // A worker's place in the job: the default process group (NCCL on GPUs,
 // else Gloo), its rank, world and device, and what the launcher said.
