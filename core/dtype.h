@@ -1,5 +1,6 @@
-// Element types: the DType enum, the 16-bit float types usable on host and
-// device, and EMBER_DISPATCH, which turns a runtime DType into a C++ type.
+// Element types: the DType enum, the 16-bit and 8-bit float types usable on
+// host and device, and EMBER_DISPATCH, which turns a runtime DType into a C++
+// type.
 #pragma once
 
 #include <cstdint>
@@ -20,7 +21,11 @@
 
 namespace ember {
 
-enum class DType : uint8_t { Float32, Float16, BFloat16, Float64, Int32, Int64, UInt8, Bool };
+// Float8E4M3 and Float8E5M2 are torch.float8_e4m3fn and torch.float8_e5m2:
+// storage formats for scaled matmuls (core/ops/float8.cc). As in PyTorch, only
+// casts, copies, views and scaled_mm take them; every other op refuses them
+// by name (is_floating is false for them, and EMBER_DISPATCH_ALL's default).
+enum class DType : uint8_t { Float32, Float16, BFloat16, Float64, Int32, Int64, UInt8, Bool, Float8E4M3, Float8E5M2 };
 
 // A float's bits and back (host branches of the 16-bit conversions).
 EMBER_HD uint32_t float_bits(float f) {
@@ -110,11 +115,80 @@ struct BFloat16 : Float16Storage<BFloat16> {
   }
 };
 
+// The OCP 8-bit floats, E exponent and M mantissa bits: e4m3fn (E=4, M=3:
+// bias 7, no infinities, S.1111.111 is NaN, largest 448) and e5m2 (E=5,
+// M=2: IEEE-like, bias 15, infinities, largest 57344). One software
+// conversion on host and device, so the CUDA kernels and the CPU reference
+// round the same way and the emulation tests the device's code.
+template <int E, int M>
+struct Float8Format {
+  static constexpr int kBias = (1 << (E - 1)) - 1;
+  static constexpr bool kFiniteOnly = E == 4;  // e4m3fn
+  static constexpr uint32_t kMaxCode = kFiniteOnly ? 0x7eu : 0x7bu;
+  static constexpr float kMax = kFiniteOnly ? 448.0f : 57344.0f;
+
+  // Round to nearest even. Past the largest finite value: the largest
+  // (`saturate`, as torchao's scaled casts clamp), else NaN for e4m3fn and
+  // infinity for e5m2 (c10's Float8_e4m3fn / Float8_e5m2 conversions).
+  static EMBER_HD uint8_t from_float(float f, bool saturate = false) {
+    const uint32_t u = float_bits(f);
+    const uint32_t sign = (u >> 24) & 0x80u;
+    uint32_t abs = u & 0x7fffffffu;
+    if (abs > 0x7f800000u) return static_cast<uint8_t>(sign | 0x7fu);  // NaN stays NaN
+    constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 + 1 - kBias) << 23;
+    uint32_t code;
+    if (abs < kMinNormal) {
+      // Subnormal or zero: multiples of 2^(1-bias-M). Adding a float whose
+      // ulp is that spacing rounds (RNE) in the FPU, and the count of
+      // spacings is the code (a count of 2^M is the smallest normal's).
+      constexpr float kMagic = static_cast<float>(1u << (1 - kBias - M + 23));
+      code = float_bits(bits_float(abs) + kMagic) - float_bits(kMagic);
+    } else {
+      // Rebias the exponent and round the mantissa RNE; a carry moves into
+      // the exponent, and infinity lands past the largest code.
+      const uint32_t odd = (abs >> (23 - M)) & 1u;
+      abs += (static_cast<uint32_t>(kBias - 127) << 23) + ((1u << (22 - M)) - 1u) + odd;
+      code = abs >> (23 - M);
+    }
+    if (code > kMaxCode) code = saturate ? kMaxCode : (kFiniteOnly ? 0x7fu : 0x7cu);
+    return static_cast<uint8_t>(sign | code);
+  }
+  static EMBER_HD float to_float(uint8_t b) {
+    const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
+    const uint32_t exp = (b >> M) & ((1u << E) - 1u), mant = b & ((1u << M) - 1u);
+    if (kFiniteOnly ? (b & 0x7fu) == 0x7fu : exp == (1u << E) - 1u)
+      return bits_float(sign | (kFiniteOnly || mant ? 0x7fc00000u : 0x7f800000u));
+    if (exp == 0)  // subnormal: mant * 2^(1-bias-M), exact in float
+      return bits_float(float_bits(static_cast<float>(mant) / static_cast<float>(1u << (M - 1 + kBias))) | sign);
+    return bits_float(sign | ((exp + 127u - kBias) << 23) | (mant << (23 - M)));
+  }
+};
+
+// One byte, made from and read as float (RNE, overflow to NaN/infinity).
+template <typename Self, typename Format>
+struct alignas(1) Float8Storage {
+  using format = Format;
+  uint8_t x = 0;
+  Float8Storage() = default;
+  EMBER_HD Float8Storage(float f) : x(Format::from_float(f)) {}
+  EMBER_HD operator float() const { return Format::to_float(x); }
+  static EMBER_HD uint8_t from_float(float f) { return Format::from_float(f); }
+  static EMBER_HD float to_float(uint8_t b) { return Format::to_float(b); }
+};
+struct Float8E4M3 : Float8Storage<Float8E4M3, Float8Format<4, 3>> {
+  using Float8Storage::Float8Storage;
+};
+struct Float8E5M2 : Float8Storage<Float8E5M2, Float8Format<5, 2>> {
+  using Float8Storage::Float8Storage;
+};
+
 // The type arithmetic happens in: float for the 16-bit floats (so half and
 // bfloat16 kernels accumulate in fp32), the type itself otherwise.
 template <typename T> struct AccType { using type = T; };
 template <> struct AccType<Half> { using type = float; };
 template <> struct AccType<BFloat16> { using type = float; };
+template <> struct AccType<Float8E4M3> { using type = float; };
+template <> struct AccType<Float8E5M2> { using type = float; };
 template <> struct AccType<bool> { using type = bool; };
 template <typename T> using acc_t = typename AccType<T>::type;
 
@@ -124,14 +198,19 @@ template <typename T> using acc_t = typename AccType<T>::type;
 // of an out-of-range value is UB and differs between x86 and PTX.
 template <typename T>
 constexpr bool is_half_like_v = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
+template <typename T>
+constexpr bool is_float8_v = std::is_same_v<T, Float8E4M3> || std::is_same_v<T, Float8E5M2>;
+// Floats stored as bits (x), converted through float (from_float/to_float).
+template <typename T>
+constexpr bool is_bits_float_v = is_half_like_v<T> || is_float8_v<T>;
 
 template <typename D, typename S>
 EMBER_HD D cast_value(S s) {
   if constexpr (std::is_same_v<D, S>) {
     return s;
-  } else if constexpr (is_half_like_v<S>) {
+  } else if constexpr (is_bits_float_v<S>) {
     return cast_value<D, float>(static_cast<float>(s));
-  } else if constexpr (is_half_like_v<D>) {
+  } else if constexpr (is_bits_float_v<D>) {
     return D(static_cast<float>(s));
   } else if constexpr (std::is_same_v<D, bool>) {
     return s != S(0);
@@ -148,7 +227,7 @@ EMBER_HD D cast_value(S s) {
 // the bfloat16 batch-norm loops ran scalar, 25% of a narrow ResNet step).
 template <typename T, typename V>
 EMBER_HD void store_as(T* p, V v) {
-  if constexpr (is_half_like_v<T>) p->x = T::from_float(static_cast<float>(v));
+  if constexpr (is_bits_float_v<T>) p->x = T::from_float(static_cast<float>(v));
   else *p = static_cast<T>(v);
 }
 
@@ -156,7 +235,7 @@ EMBER_HD void store_as(T* p, V v) {
 // (a load of the 2-byte struct itself has no vector type for gcc).
 template <typename A, typename T>
 EMBER_HD A load_as(const T* p) {
-  if constexpr (is_half_like_v<T>) return static_cast<A>(T::to_float(p->x));
+  if constexpr (is_bits_float_v<T>) return static_cast<A>(T::to_float(p->x));
   else return static_cast<A>(*p);
 }
 
@@ -165,7 +244,7 @@ inline size_t dtype_size(DType t) {
     case DType::Float32: case DType::Int32: return 4;
     case DType::Float16: case DType::BFloat16: return 2;
     case DType::Float64: case DType::Int64: return 8;
-    case DType::UInt8: case DType::Bool: return 1;
+    case DType::UInt8: case DType::Bool: case DType::Float8E4M3: case DType::Float8E5M2: return 1;
   }
   return 0;
 }
@@ -180,6 +259,8 @@ inline const char* dtype_name(DType t) {
     case DType::Int64: return "int64";
     case DType::UInt8: return "uint8";
     case DType::Bool: return "bool";
+    case DType::Float8E4M3: return "float8_e4m3fn";
+    case DType::Float8E5M2: return "float8_e5m2";
   }
   return "?";
 }
@@ -190,10 +271,15 @@ inline bool is_floating(DType t) {
   return t == DType::Float32 || t == DType::Float16 || t == DType::BFloat16 || t == DType::Float64;
 }
 
+inline bool is_float8(DType t) { return t == DType::Float8E4M3 || t == DType::Float8E5M2; }
+
 // PyTorch's promotion lattice, reduced to our types: bool < integers <
 // floats; within a category the wider wins; float16 with bfloat16 is float32.
+// The float8 types promote with nothing (as in PyTorch).
 inline DType promote_types(DType a, DType b) {
   if (a == b) return a;
+  EMBER_CHECK(!is_float8(a) && !is_float8(b), "type promotion of ", dtype_name(a), " with ", dtype_name(b),
+              " is not supported: cast the float8 tensor first (.to(float32))");
   auto rank = [](DType t) {
     switch (t) {
       case DType::Bool: return 0;
@@ -203,6 +289,7 @@ inline DType promote_types(DType a, DType b) {
       case DType::Float16: case DType::BFloat16: return 4;
       case DType::Float32: return 5;
       case DType::Float64: return 6;
+      case DType::Float8E4M3: case DType::Float8E5M2: return 7;  // refused above
     }
     return 0;
   };
@@ -220,6 +307,8 @@ template <> constexpr DType dtype_of<int32_t>() { return DType::Int32; }
 template <> constexpr DType dtype_of<int64_t>() { return DType::Int64; }
 template <> constexpr DType dtype_of<uint8_t>() { return DType::UInt8; }
 template <> constexpr DType dtype_of<bool>() { return DType::Bool; }
+template <> constexpr DType dtype_of<Float8E4M3>() { return DType::Float8E4M3; }
+template <> constexpr DType dtype_of<Float8E5M2>() { return DType::Float8E5M2; }
 
 }  // namespace ember
 
@@ -241,13 +330,31 @@ template <> constexpr DType dtype_of<bool>() { return DType::Bool; }
   EMBER_DISPATCH_CASE(Int64, int64_t, __VA_ARGS__) \
   EMBER_DISPATCH_CASE(UInt8, uint8_t, __VA_ARGS__)
 
-// EMBER_DISPATCH_ALL(dtype, "op", [&] { kernel<scalar_t>(...); });
-#define EMBER_DISPATCH_ALL(dtype, name, ...)       \
+#define EMBER_DISPATCH_FLOAT8_CASES(...)                            \
+  EMBER_DISPATCH_CASE(Float8E4M3, ::ember::Float8E4M3, __VA_ARGS__) \
+  EMBER_DISPATCH_CASE(Float8E5M2, ::ember::Float8E5M2, __VA_ARGS__)
+
+// EMBER_DISPATCH_ALL(dtype, "op", [&] { kernel<scalar_t>(...); }): every
+// dtype but the float8 ones, which only casts take (EMBER_DISPATCH_CAST).
+#define EMBER_DISPATCH_ALL(dtype, name, ...)                           \
+  do {                                                                 \
+    switch (dtype) {                                                   \
+      EMBER_DISPATCH_FLOAT_CASES(__VA_ARGS__)                          \
+      EMBER_DISPATCH_INT_CASES(__VA_ARGS__)                            \
+      EMBER_DISPATCH_CASE(Bool, bool, __VA_ARGS__)                     \
+      default:                                                         \
+        EMBER_CHECK(false, name, ": not supported for dtype ", dtype); \
+    }                                                                  \
+  } while (0)
+
+// Every dtype: the element conversions of copy/to.
+#define EMBER_DISPATCH_CAST(dtype, name, ...)      \
   do {                                             \
     switch (dtype) {                               \
       EMBER_DISPATCH_FLOAT_CASES(__VA_ARGS__)      \
       EMBER_DISPATCH_INT_CASES(__VA_ARGS__)        \
       EMBER_DISPATCH_CASE(Bool, bool, __VA_ARGS__) \
+      EMBER_DISPATCH_FLOAT8_CASES(__VA_ARGS__)     \
     }                                              \
   } while (0)
 

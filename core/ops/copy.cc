@@ -17,9 +17,9 @@ void copy_cpu(const StridedIter& it) {
     });
     return;
   }
-  EMBER_DISPATCH_ALL(it.dtypes[0], "copy_", [&] {
+  EMBER_DISPATCH_CAST(it.dtypes[0], "copy_", [&] {
     using To = scalar_t;
-    EMBER_DISPATCH_ALL(it.dtypes[1], "copy_", [&] {
+    EMBER_DISPATCH_CAST(it.dtypes[1], "copy_", [&] {
       using From = scalar_t;
       cpu_loop(it, [&](char** p, const int64_t* s, int64_t n) {
         To* out = reinterpret_cast<To*>(p[0]);
@@ -38,7 +38,7 @@ void copy_cpu(const StridedIter& it) {
 }
 
 void fill_cpu(const StridedIter& it, double value) {
-  EMBER_DISPATCH_ALL(it.dtypes[0], "fill_", [&] {
+  EMBER_DISPATCH_CAST(it.dtypes[0], "fill_", [&] {
     using T = scalar_t;
     const T v = cast_value<T, double>(value);
     cpu_loop(it, [&](char** p, const int64_t* s, int64_t n) {

@@ -137,9 +137,9 @@ void copy_cuda(const StridedIter& it) {
     }
     EMBER_CHECK(false, "copy: unsupported element size ", es, " for dtype ", dt);
   }
-  EMBER_DISPATCH_ALL(dt, "copy", [&] {
+  EMBER_DISPATCH_CAST(dt, "copy", [&] {
     using D = scalar_t;
-    EMBER_DISPATCH_ALL(st, "copy", [&] {
+    EMBER_DISPATCH_CAST(st, "copy", [&] {
       using S = scalar_t;
       launch_cast<D, S>(it, l);
     });
@@ -151,7 +151,7 @@ void fill_cuda(const StridedIter& it, double value) {
   const int device = cuda::device_of(it);
   cuda::DeviceGuard guard(device);
   Launch l{cuda::stream_for(device)};
-  EMBER_DISPATCH_ALL(it.dtypes[0], "fill", [&] {
+  EMBER_DISPATCH_CAST(it.dtypes[0], "fill", [&] {
     using T = scalar_t;
     launch_fill<T>(it, cuda::cast_value<T, double>(value), l);
   });

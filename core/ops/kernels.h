@@ -245,6 +245,23 @@ void cross_entropy_backward_cpu(const CrossEntropyArgs& a, const Tensor& grad_lo
 void cross_entropy_backward_cuda(const CrossEntropyArgs& a, const Tensor& grad_loss, const Tensor& logits,
                                  const Tensor& target, const Tensor& lse, Tensor& grad);
 
+// Float8 (ops_float8.h). float8_scale: x contiguous float32/bf16/fp16, out
+// float32 [3] = {scale, 1/scale, amax}. to_float8: x contiguous, scale a
+// float32 scalar, out contiguous float8 of x's shape. scaled_mm: checked by
+// the op (a row-major, b column-major, k and n multiples of 16), out [m, n].
+void float8_scale_cpu(const Tensor& x, DType fp8, Tensor& out);
+void float8_scale_cuda(const Tensor& x, DType fp8, Tensor& out);
+void to_float8_cpu(const Tensor& x, const Tensor& scale, Tensor& out);
+void to_float8_cuda(const Tensor& x, const Tensor& scale, Tensor& out);
+void scaled_mm_cuda(const Tensor& a, const Tensor& b, const Tensor& scale_a, const Tensor& scale_b, bool fast_accum,
+                    Tensor& out);
+// max_fp8 / max(amax, 1e-12) in float64, rounded to float32 (torchao's
+// amax_to_scale); a NaN amax gives a NaN scale. Both backends use it.
+EMBER_HD float float8_scale_of(float amax, float max_fp8) {
+  const double a = static_cast<double>(amax);
+  return static_cast<float>(static_cast<double>(max_fp8) / (a < 1e-12 ? 1e-12 : a));
+}
+
 // swiglu (silu(a) * b) over contiguous a, b of one shape and float dtype:
 // y, and where given da and db from the output gradient g.
 void swiglu_forward_cpu(const Tensor& a, const Tensor& b, Tensor& y);

@@ -52,7 +52,7 @@ constexpr uintmax_t kMaxIndexBytes = uintmax_t{1} << 30;
 
 std::optional<DType> dtype_from_name(const std::string& s) {
   for (DType t : {DType::Float32, DType::Float16, DType::BFloat16, DType::Float64, DType::Int32, DType::Int64,
-                  DType::UInt8, DType::Bool})
+                  DType::UInt8, DType::Bool, DType::Float8E4M3, DType::Float8E5M2})
     if (s == safetensors_dtype_name(t)) return t;
   return std::nullopt;
 }

@@ -78,11 +78,16 @@ ncclDataType_t nccl_dtype(DType t) {
       return ncclUint8;
     case DType::Bool:
       return ncclUint8;  // 0/1 bytes; reductions mapped below
+    case DType::Float8E4M3:
+    case DType::Float8E5M2:
+      return ncclUint8;  // moved as bytes (all-gather, broadcast); reductions refused below
   }
   return ncclUint8;
 }
 
 ncclRedOp_t nccl_op(ReduceOp op, DType t) {
+  EMBER_CHECK(!is_float8(t), "ProcessGroupNCCL: reductions of ", t,
+              " are not supported (all-gather and broadcast move it as bytes)");
   if (t == DType::Bool) {
     // any / all over 0-1 bytes.
     return (op == ReduceOp::Sum || op == ReduceOp::Max) ? ncclMax : ncclMin;

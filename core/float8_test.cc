@@ -1,0 +1,394 @@
+// Float8: the e4m3fn/e5m2 conversions against a nearest-even search over
+// every code (computed in double, another way than the bit arithmetic of
+// dtype.h), the scale and scaled cast against their formulas, scaled_mm
+// against float64 on the widened operands, float8_linear against float32
+// (torchao's SQNR bounds) and against its own three GEMMs recomputed in
+// float64; then every CUDA kernel against the CPU one (on a GPU, and under
+// the emulation as float8_emu_test: bit for bit for the scales and casts).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "core/autocast.h"
+#include "core/ops.h"
+#include "core/ops_float8.h"
+#include "core/testing/error_of.h"
+
+namespace ember {
+namespace {
+
+using ember::testing::error_of;
+
+// ---- The formats, from their definitions ----
+
+// The value of a code by the OCP formulas, in double.
+template <int E, int M>
+double decode(uint8_t b) {
+  constexpr int bias = (1 << (E - 1)) - 1;
+  const int sign = b & 0x80 ? -1 : 1;
+  const int exp = (b >> M) & ((1 << E) - 1), mant = b & ((1 << M) - 1);
+  if (E == 4 && (b & 0x7f) == 0x7f) return std::numeric_limits<double>::quiet_NaN();
+  if (E == 5 && exp == 31) return mant ? std::numeric_limits<double>::quiet_NaN() : sign * INFINITY;
+  if (exp == 0) return sign * std::ldexp(mant, 1 - bias - M);
+  return sign * std::ldexp(1.0 + std::ldexp(mant, -M), exp - bias);
+}
+
+// Nearest code to f, ties to the even code, by a search over the finite
+// codes of f's sign plus the one step past the largest (which means
+// overflow: the largest when saturating, else NaN / infinity).
+template <int E, int M>
+uint8_t nearest(float f, bool saturate) {
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+  if (std::isnan(f)) return sign | 0x7f;
+  const uint8_t max_code = E == 4 ? 0x7e : 0x7b;
+  const double a = std::fabs(static_cast<double>(f));
+  const double past = decode<E, M>(max_code) + (decode<E, M>(max_code) - decode<E, M>(max_code - 1));
+  int best = -1;
+  double best_d = INFINITY;
+  for (int c = 0; c <= max_code + 1; ++c) {
+    const double v = c <= max_code ? decode<E, M>(static_cast<uint8_t>(c)) : past;
+    const double d = std::fabs(v - a);
+    if (d < best_d || (d == best_d && (c & 1) == 0)) best = c, best_d = d;
+  }
+  if (best > max_code || a > past) return sign | (saturate ? max_code : (E == 4 ? 0x7f : 0x7c));
+  return static_cast<uint8_t>(sign | best);
+}
+
+template <typename F8, int E, int M>
+void check_format(const char* name) {
+  using Format = typename F8::format;
+  // Every code reads as its formula's value.
+  for (int c = 0; c < 256; ++c) {
+    const double want = decode<E, M>(static_cast<uint8_t>(c));
+    const float got = Format::to_float(static_cast<uint8_t>(c));
+    if (std::isnan(want))
+      EXPECT_TRUE(std::isnan(got)) << name << " code " << c;
+    else
+      EXPECT_EQ(static_cast<double>(got), want) << name << " code " << c;
+  }
+  // Floats on and around every code and every midpoint, both signs, and
+  // random floats over the whole range, both modes.
+  std::vector<float> probes{0.0f, -0.0f, INFINITY, -INFINITY, NAN, 1e-30f, 1e30f, 3.4e38f};
+  for (int c = 0; c < 0x7f; ++c) {
+    const double v = decode<E, M>(static_cast<uint8_t>(c)), next = decode<E, M>(static_cast<uint8_t>(c + 1));
+    if (std::isnan(v)) continue;
+    const float mid = static_cast<float>((v + (std::isfinite(next) && !std::isnan(next) ? next : 2 * v)) / 2);
+    for (float p : {static_cast<float>(v), mid})
+      for (float q : {p, std::nextafter(p, 0.0f), std::nextafter(p, INFINITY)}) probes.insert(probes.end(), {q, -q});
+  }
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> expo(-30.0f, 20.0f), mant(1.0f, 2.0f);
+  for (int i = 0; i < 20000; ++i) probes.push_back((i % 2 ? -1 : 1) * std::ldexp(mant(rng), static_cast<int>(expo(rng))));
+  for (float f : probes)
+    for (bool sat : {false, true})
+      ASSERT_EQ(static_cast<int>(Format::from_float(f, sat)), static_cast<int>(nearest<E, M>(f, sat)))
+          << name << " from " << f << (sat ? " saturating" : "");
+}
+
+TEST(Float8, E4M3MatchesTheFormatBitForBit) { check_format<Float8E4M3, 4, 3>("e4m3fn"); }
+TEST(Float8, E5M2MatchesTheFormatBitForBit) { check_format<Float8E5M2, 5, 2>("e5m2"); }
+
+TEST(Float8, CastsAndRefusals) {
+  const Tensor x = Tensor::from_vector({0.1f, -3.0f, 448.0f, 500.0f, 1e-3f, NAN}, {6});
+  const Tensor e4 = x.to(DType::Float8E4M3);
+  EXPECT_EQ(e4.dtype(), DType::Float8E4M3);
+  EXPECT_EQ(e4.nbytes(), 6u);
+  const std::vector<double> back = e4.to(DType::Float32).to_vector();
+  for (int i = 0; i < 6; ++i) {
+    const float want = Float8E4M3::format::to_float(Float8E4M3::format::from_float(static_cast<float>(x.to_vector()[i])));
+    if (std::isnan(want))
+      EXPECT_TRUE(std::isnan(back[i])) << i;
+    else
+      EXPECT_EQ(back[i], want) << i;
+  }
+  EXPECT_TRUE(std::isnan(back[3]));  // 500 is past e4m3fn's range: NaN unless saturating (c10's cast)
+  // A float8 view copies as bytes, and transposes.
+  const Tensor m = randn({4, 6}).to(DType::Float8E5M2);
+  EXPECT_TRUE(allclose(m.t().contiguous().to(DType::Float32), m.to(DType::Float32).t(), 0, 0));
+  // Arithmetic and promotion refuse float8 by name.
+  EXPECT_NE(error_of([&] { (void)(e4 + e4); }).find("float8_e4m3fn"), std::string::npos);
+  EXPECT_NE(error_of([&] { (void)(e4 + x); }).find("type promotion of float8_e4m3fn with float32"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { (void)sum(e4); }).find("float8_e4m3fn"), std::string::npos);
+}
+
+// ---- The scale and the scaled cast ----
+
+TEST(Float8, ScaleIsTheFormula) {
+  manual_seed(3);
+  for (DType dt : {DType::Float32, DType::BFloat16, DType::Float16})
+    for (DType f8 : {DType::Float8E4M3, DType::Float8E5M2}) {
+      const Tensor x = (randn({33, 17}) * 7.0).to(dt);
+      const std::vector<double> s = float8_scale(x, f8).to_vector();
+      double amax = 0;
+      for (float v : x.to(DType::Float32).to_vector()) amax = std::max(amax, std::fabs(double(v)));
+      const double fmax = f8 == DType::Float8E4M3 ? 448.0 : 57344.0;
+      EXPECT_EQ(s[2], static_cast<float>(amax)) << dt;
+      EXPECT_EQ(s[0], static_cast<float>(fmax / amax)) << dt;
+      EXPECT_EQ(s[1], 1.0f / static_cast<float>(s[0])) << dt;
+    }
+  // All zeros: amax clamped at 1e-12; a NaN anywhere: NaN scale.
+  EXPECT_EQ(float8_scale(zeros({5}), DType::Float8E4M3).to_vector()[0], static_cast<float>(448.0 / 1e-12));
+  const Tensor with_nan = Tensor::from_vector({1.0f, NAN, 2.0f}, {3});
+  EXPECT_TRUE(std::isnan(float8_scale(with_nan, DType::Float8E4M3).to_vector()[0]));
+}
+
+TEST(Float8, ScaledCastSaturates) {
+  manual_seed(4);
+  const Tensor x = randn({64}) * 3.0;
+  const Tensor s = float8_scale(x, DType::Float8E4M3);
+  const Tensor q = to_float8(x, s.select(0, 0), DType::Float8E4M3);
+  const std::vector<double> xs = x.to_vector();
+  const std::vector<double> qs = q.to(DType::Float32).to_vector();
+  const float scale = s.to_vector()[0];
+  double qmax = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const float scaled = static_cast<float>(xs[i]) * scale;
+    EXPECT_EQ(qs[i], Float8E4M3::format::to_float(Float8E4M3::format::from_float(scaled, true))) << i;
+    qmax = std::max(qmax, std::fabs(qs[i]));
+  }
+  EXPECT_EQ(qmax, 448.0);  // the amax lands on the format's largest value
+  // Past the range it saturates (a doubled scale), where a plain cast is NaN.
+  const Tensor twice = to_float8(x, s.select(0, 0) * 2.0, DType::Float8E4M3).to(DType::Float32);
+  EXPECT_EQ(max(abs(twice)).item<float>(), 448.0f);
+  EXPECT_NE(error_of([&] { (void)to_float8(x, s, DType::Float8E4M3); }).find("scale must be a float32 scalar"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { (void)to_float8(x, s.select(0, 0), DType::BFloat16); }).find("float8_e4m3fn or"),
+            std::string::npos);
+}
+
+// ---- scaled_mm ----
+
+// (a * sa) @ (b * sb) in float64 from the widened operands.
+std::vector<double> reference_mm(const Tensor& a, const Tensor& b, float sa, float sb) {
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  const std::vector<double> av = a.to(DType::Float32).contiguous().to_vector();
+  const std::vector<double> bv = b.to(DType::Float32).contiguous().to_vector();
+  std::vector<double> out(m * n);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double acc = 0;
+      for (int64_t p = 0; p < k; ++p) acc += double(av[i * k + p]) * bv[p * n + j];
+      out[i * n + j] = acc * double(sa) * double(sb);
+    }
+  return out;
+}
+
+// a [m, k] e4m3 row-major, b [k, n] column-major of `bt`, and their scales.
+struct MmCase {
+  Tensor a, b, sa, sb;
+};
+MmCase mm_case(int64_t m, int64_t k, int64_t n, DType at, DType bt, Device dev = Device(DeviceType::CPU)) {
+  const Tensor x = randn({m, k}) * 2.0, w = randn({n, k}) * 0.05;
+  const Tensor xs = float8_scale(x, at), ws = float8_scale(w, bt);
+  MmCase c;
+  c.a = to_float8(x, xs.select(0, 0), at).to(dev);
+  c.b = to_float8(w, ws.select(0, 0), bt).to(dev).t();
+  c.sa = xs.select(0, 1).to(dev);
+  c.sb = ws.select(0, 1).to(dev);
+  return c;
+}
+
+void expect_near_reference(const Tensor& out, const MmCase& c, double rel, const std::string& what) {
+  const std::vector<double> ref =
+      reference_mm(c.a.cpu(), c.b.cpu(), c.sa.cpu().item<float>(), c.sb.cpu().item<float>());
+  const std::vector<double> got = out.to(DType::Float32).cpu().to_vector();
+  double scale = 0;
+  for (double r : ref) scale = std::max(scale, std::fabs(r));
+  for (size_t i = 0; i < ref.size(); ++i)
+    ASSERT_NEAR(got[i], ref[i], rel * scale + 1e-30) << what << " element " << i;
+}
+
+TEST(Float8, ScaledMmIsTheWidenedProduct) {
+  manual_seed(5);
+  for (DType out : {DType::Float32, DType::BFloat16, DType::Float16}) {
+    const MmCase c = mm_case(7, 48, 32, DType::Float8E4M3, DType::Float8E4M3);
+    const Tensor y = scaled_mm(c.a, c.b, c.sa, c.sb, out);
+    EXPECT_EQ(y.dtype(), out);
+    EXPECT_EQ(y.sizes(), (Shape{7, 32}));
+    expect_near_reference(y, c, out == DType::Float32 ? 1e-6 : out == DType::Float16 ? 1e-3 : 8e-3, "cpu");
+  }
+  const MmCase g = mm_case(5, 32, 16, DType::Float8E5M2, DType::Float8E4M3);
+  expect_near_reference(scaled_mm(g.a, g.b, g.sa, g.sb, DType::Float32), g, 1e-6, "e5m2 x e4m3");
+}
+
+TEST(Float8, ScaledMmRefusesLayoutsByName) {
+  manual_seed(6);
+  const MmCase c = mm_case(4, 32, 16, DType::Float8E4M3, DType::Float8E4M3);
+  auto err = [&](auto&& f) { return error_of(f); };
+  EXPECT_NE(err([&] { (void)scaled_mm(c.a, c.b.contiguous(), c.sa, c.sb, DType::Float32); }).find("column-major"),
+            std::string::npos);
+  EXPECT_NE(err([&] { (void)scaled_mm(c.a.t().contiguous().t(), c.b, c.sa, c.sb, DType::Float32); }).find("row-major"),
+            std::string::npos);
+  const MmCase odd = mm_case(4, 24, 16, DType::Float8E4M3, DType::Float8E4M3);
+  EXPECT_NE(err([&] { (void)scaled_mm(odd.a, odd.b, odd.sa, odd.sb, DType::Float32); }).find("multiples of 16"),
+            std::string::npos);
+  const MmCase both = mm_case(4, 32, 16, DType::Float8E5M2, DType::Float8E5M2);
+  EXPECT_NE(err([&] { (void)scaled_mm(both.a, both.b, both.sa, both.sb, DType::Float32); }).find("both be float8_e5m2"),
+            std::string::npos);
+  EXPECT_NE(err([&] { (void)scaled_mm(c.a.to(DType::Float32), c.b, c.sa, c.sb, DType::Float32); }).find("must be float8"),
+            std::string::npos);
+  EXPECT_NE(err([&] { (void)scaled_mm(c.a, c.b, c.sa, c.sb, DType::Float64); }).find("out_dtype"), std::string::npos);
+}
+
+// ---- float8_linear ----
+
+// torchao's compute_error: 20 log10(|ref| / |ref - x|).
+double sqnr(const Tensor& ref, const Tensor& x) {
+  const Tensor r = ref.to(DType::Float64), d = r - x.to(DType::Float64);
+  return 20 * std::log10(std::sqrt(sum(r * r).item<double>()) / std::sqrt(sum(d * d).item<double>()));
+}
+
+struct LinearRun {
+  Tensor y, dx, dw, db;
+};
+LinearRun run_linear(bool fp8, const Tensor& x0, const Tensor& w0, const Tensor& b0, const Tensor& g) {
+  Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
+  Tensor y = fp8 ? float8_linear(x, w, b) : linear(x, w, b);
+  y.backward(g);
+  return {y.detach(), x.grad(), w.grad(), b.grad()};
+}
+
+void check_linear_against_float32(Device dev) {
+  manual_seed(8);
+  const Tensor x = randn({4, 8, 64}).to(dev), w = (randn({48, 64}) * 0.1).to(dev), b = randn({48}).to(dev);
+  const Tensor g = randn({4, 8, 48}).to(dev);
+  const LinearRun ref = run_linear(false, x, w, b, g), f8 = run_linear(true, x, w, b, g);
+  // torchao's bounds for its float8 linear: output 18 dB, weight gradient
+  // 17 dB; the input gradient (e5m2 x e4m3) 12 dB as its MX test's.
+  EXPECT_GE(sqnr(ref.y, f8.y), 18.0);
+  EXPECT_GE(sqnr(ref.dw, f8.dw), 17.0);
+  EXPECT_GE(sqnr(ref.dx, f8.dx), 12.0);
+  EXPECT_TRUE(allclose(f8.db, ref.db, 1e-5, 1e-5));  // the bias gradient is the float32 sum
+  // And it is not float32's: the casts did happen.
+  EXPECT_LT(sqnr(ref.y, f8.y), 60.0);
+}
+
+TEST(Float8, LinearIsWithinTorchaosBoundsOfFloat32) { check_linear_against_float32(Device(DeviceType::CPU)); }
+
+// The three GEMMs recomputed from the casts float8_linear makes: a wrong
+// scale or a swapped operand shows here at float32 precision.
+TEST(Float8, LinearIsItsThreeScaledGemms) {
+  manual_seed(9);
+  const Tensor x0 = randn({32, 32}), w0 = randn({16, 32}) * 0.2, g = randn({32, 16});
+  Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_();
+  Tensor y = float8_linear(x, w);
+  y.backward(g);
+  const DType e4 = DType::Float8E4M3, e5 = DType::Float8E5M2;
+  const Tensor xs = float8_scale(x0, e4), ws = float8_scale(w0, e4), gs = float8_scale(g, e5);
+  const Tensor xq = to_float8(x0, xs.select(0, 0), e4), wq = to_float8(w0, ws.select(0, 0), e4);
+  const Tensor gq = to_float8(g, gs.select(0, 0), e5);
+  const float sx = xs.to_vector()[1], sw = ws.to_vector()[1], sg = gs.to_vector()[1];
+  auto close = [](const Tensor& got, const std::vector<double>& ref, const char* what) {
+    const std::vector<double> v = got.contiguous().to_vector();
+    ASSERT_EQ(v.size(), ref.size()) << what;
+    for (size_t i = 0; i < v.size(); ++i) ASSERT_NEAR(v[i], ref[i], 1e-5 * (1 + std::fabs(ref[i]))) << what << " " << i;
+  };
+  close(y, reference_mm(xq, wq.t(), sx, sw), "y = x w^T");
+  close(x.grad(), reference_mm(gq, wq, sg, sw), "dx = g w");
+  close(w.grad(), reference_mm(gq.t(), xq, sg, sx), "dw = g^T x");
+}
+
+TEST(Float8, LinearRefusals) {
+  const Tensor w = randn({24, 32}, DType::Float32).requires_grad_();
+  EXPECT_NE(error_of([&] { (void)float8_linear(randn({16, 32}), w); }).find("multiples of 16"), std::string::npos);
+  const Tensor w2 = randn({16, 32}).requires_grad_();
+  EXPECT_NE(error_of([&] { (void)float8_linear(randn({3, 32}), w2); }).find("3 rows"), std::string::npos);
+  {
+    NoGradGuard no_grad;  // no weight gradient: any number of rows
+    EXPECT_EQ(float8_linear(randn({3, 32}), w2).sizes(), (Shape{3, 16}));
+  }
+  EXPECT_NE(error_of([&] { (void)float8_linear(randn({16, 32}, DType::Float64), w2.to(DType::Float64)); })
+                .find("float32, bfloat16 or float16"),
+            std::string::npos);
+}
+
+TEST(Float8, LinearUnderAutocastIsBfloat16) {
+  manual_seed(10);
+  const Tensor x = randn({16, 32}).requires_grad_(), w = randn({16, 32}).requires_grad_();
+  Tensor y;
+  {
+    AutocastGuard amp(DeviceType::CPU, DType::BFloat16);
+    y = float8_linear(x, w);
+  }
+  EXPECT_EQ(y.dtype(), DType::BFloat16);
+  sum(y).backward();
+  EXPECT_EQ(w.grad().dtype(), DType::Float32);  // through autocast's cast back to the leaf
+}
+
+// ---- CUDA against the CPU ----
+
+class Float8Cuda : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
+  }
+};
+
+void expect_bits_equal(const Tensor& cpu, const Tensor& gpu, const std::string& what) {
+  ASSERT_EQ(cpu.dtype(), gpu.dtype()) << what;
+  ASSERT_EQ(cpu.nbytes(), gpu.nbytes()) << what;
+  const Tensor g = gpu.cpu().contiguous(), c = cpu.contiguous();
+  ASSERT_EQ(std::memcmp(c.raw_data(), g.raw_data(), c.nbytes()), 0) << what;
+}
+
+TEST_F(Float8Cuda, ScaleAndCastAreTheCpusBitForBit) {
+  manual_seed(12);
+  for (int64_t n : {int64_t{1}, int64_t{37}, int64_t{4099}, int64_t{70000}})
+    for (DType dt : {DType::Float32, DType::BFloat16, DType::Float16})
+      for (DType f8 : {DType::Float8E4M3, DType::Float8E5M2}) {
+        Tensor x = (randn({n + 1}) * 100.0).to(dt);
+        x = x.narrow(0, 1, n);  // off the vector alignment
+        const std::string what = std::to_string(n) + " " + dtype_name(dt) + " -> " + dtype_name(f8);
+        const Tensor s = float8_scale(x, f8), sg = float8_scale(x.cuda(), f8);
+        expect_bits_equal(s, sg, what + " scale");
+        expect_bits_equal(to_float8(x, s.select(0, 0), f8), to_float8(x.cuda(), sg.select(0, 0), f8), what);
+        const Tensor aligned = x.contiguous();
+        expect_bits_equal(to_float8(aligned, s.select(0, 0) * 3.0, f8),
+                          to_float8(aligned.cuda(), sg.select(0, 0) * 3.0, f8), what + " saturating");
+        // Plain casts both ways.
+        expect_bits_equal(aligned.to(f8), aligned.cuda().to(f8), what + " cast");
+        expect_bits_equal(aligned.to(f8).to(dt), aligned.to(f8).cuda().to(dt), what + " cast back");
+      }
+  const Tensor with_nan = Tensor::from_vector({1.0f, NAN, 2.0f}, {3});
+  EXPECT_TRUE(std::isnan(float8_scale(with_nan.cuda(), DType::Float8E4M3).cpu().to_vector()[0]));
+}
+
+TEST_F(Float8Cuda, ScaledMmMatchesTheReference) {
+  manual_seed(13);
+  struct Shape3 {
+    int64_t m, k, n;
+  };
+  for (Shape3 s : {Shape3{1, 16, 16}, Shape3{33, 48, 32}, Shape3{64, 32, 80}})
+    for (auto [at, bt] : {std::pair{DType::Float8E4M3, DType::Float8E4M3}, std::pair{DType::Float8E5M2, DType::Float8E4M3},
+                          std::pair{DType::Float8E4M3, DType::Float8E5M2}})
+      for (DType out : {DType::Float32, DType::BFloat16, DType::Float16})
+        for (bool fast : {false, true}) {
+          const MmCase c = mm_case(s.m, s.k, s.n, at, bt, cuda_device(0));
+          const Tensor y = scaled_mm(c.a, c.b, c.sa, c.sb, out, fast);
+          ASSERT_TRUE(y.is_cuda());
+          expect_near_reference(y, c, out == DType::Float32 ? 1e-6 : out == DType::Float16 ? 1e-3 : 8e-3,
+                                std::to_string(s.m) + "x" + std::to_string(s.k) + "x" + std::to_string(s.n) + " " +
+                                    dtype_name(at) + " x " + dtype_name(bt) + " -> " + dtype_name(out));
+        }
+}
+
+TEST_F(Float8Cuda, LinearMatchesTheCpu) {
+  check_linear_against_float32(cuda_device(0));
+  manual_seed(14);
+  const Tensor x = randn({2, 16, 64}), w = randn({32, 64}) * 0.1, b = randn({32}), g = randn({2, 16, 32});
+  const LinearRun cpu = run_linear(true, x, w, b, g);
+  const LinearRun gpu = run_linear(true, x.cuda(), w.cuda(), b.cuda(), g.cuda());
+  // The casts are bit-equal (above), so only the float32 sums' order differs.
+  EXPECT_TRUE(allclose(gpu.y.cpu(), cpu.y, 1e-5, 1e-5));
+  EXPECT_TRUE(allclose(gpu.dx.cpu(), cpu.dx, 1e-5, 1e-5));
+  EXPECT_TRUE(allclose(gpu.dw.cpu(), cpu.dw, 1e-5, 1e-5));
+  EXPECT_TRUE(allclose(gpu.db.cpu(), cpu.db, 1e-5, 1e-5));
+}
+
+}  // namespace
+}  // namespace ember

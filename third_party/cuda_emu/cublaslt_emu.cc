@@ -1,0 +1,212 @@
+// cublaslt_emu.cc: the cuBLASLt calls ember makes (scaled_mm's float8
+// matmul), as a naive loop on host memory, holding the calls to the rules
+// the real library documents for float8 operands, so float8.cu's mapping of
+// a row-major product onto cuBLASLt is what gets tested: the "TN" layout
+// (A transposed, B not), leading dimensions and pointers multiples of 16
+// bytes, no e5m2 x e5m2, float32 compute and scale types, C and D of one
+// type among float32/bfloat16/float16. The scale pointers are device
+// pointers read when the matmul runs on its stream (as a captured graph
+// replays them). Anything else ember does not use answers
+// CUBLAS_STATUS_NOT_SUPPORTED, loudly.
+#include <cublasLt.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+
+#include "core/dtype.h"
+#include "third_party/cuda_emu/emu_runtime.h"
+
+namespace {
+
+struct Desc {
+  cublasComputeType_t compute;
+  cudaDataType_t scale;
+  int32_t transa = CUBLAS_OP_N, transb = CUBLAS_OP_N;
+  const float* a_scale = nullptr;
+  const float* b_scale = nullptr;
+  int8_t fast_accum = 0;
+};
+struct Layout {
+  cudaDataType type;
+  uint64_t rows, cols;
+  int64_t ld;
+};
+struct Pref {
+  uint64_t max_workspace = 0;
+};
+// What the emulated heuristic asks for: a small workspace, so the caller's
+// workspace path runs and is range-checked.
+constexpr uint64_t kEmuWorkspace = 4096;
+
+cublasStatus_t fail(const char* why) {
+  std::fprintf(stderr, "[cublaslt-emu] %s\n", why);
+  return CUBLAS_STATUS_INVALID_VALUE;
+}
+cublasStatus_t unsupported(const char* what) {
+  std::fprintf(stderr, "[cublaslt-emu] %s is not emulated\n", what);
+  return CUBLAS_STATUS_NOT_SUPPORTED;
+}
+
+bool is_fp8(cudaDataType t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
+size_t elem_size(cudaDataType t) {
+  return is_fp8(t) ? 1 : t == CUDA_R_32F ? 4 : t == CUDA_R_16BF || t == CUDA_R_16F ? 2 : 0;
+}
+double ld(const void* p, cudaDataType t, int64_t i) {
+  switch (t) {
+    case CUDA_R_8F_E4M3: return float(static_cast<const ember::Float8E4M3*>(p)[i]);
+    case CUDA_R_8F_E5M2: return float(static_cast<const ember::Float8E5M2*>(p)[i]);
+    default: return 0;
+  }
+}
+void st(void* p, cudaDataType t, int64_t i, float v) {
+  switch (t) {
+    case CUDA_R_32F: static_cast<float*>(p)[i] = v; break;
+    case CUDA_R_16F: static_cast<ember::Half*>(p)[i] = ember::Half(v); break;
+    case CUDA_R_16BF: static_cast<ember::BFloat16*>(p)[i] = ember::BFloat16(v); break;
+    default: break;
+  }
+}
+
+// The float8 rules (cuBLASLt's documentation of cublasLtMatmul for FP8).
+cublasStatus_t check_fp8(const Desc& d, const Layout& a, const Layout& b, const Layout& c, const Layout& dd,
+                         const void* pa, const void* pb, const void* pd) {
+  if (!is_fp8(a.type) || !is_fp8(b.type)) return unsupported("cublasLtMatmul without float8 A and B");
+  if (a.type == CUDA_R_8F_E5M2 && b.type == CUDA_R_8F_E5M2) return fail("float8: A and B both e5m2");
+  if (d.transa != CUBLAS_OP_T || d.transb != CUBLAS_OP_N) return fail("float8 matmuls must be TN (A transposed)");
+  if (d.compute != CUBLAS_COMPUTE_32F || d.scale != CUDA_R_32F) return fail("float8: compute/scale type not 32F");
+  if (c.type != dd.type || elem_size(dd.type) < 2) return fail("float8: C and D must be one of 32F, 16BF, 16F");
+  if (a.ld % 16 || b.ld % 16) return fail("float8: lda and ldb must be multiples of 16");
+  if (reinterpret_cast<uintptr_t>(pa) % 16 || reinterpret_cast<uintptr_t>(pb) % 16 ||
+      reinterpret_cast<uintptr_t>(pd) % 16)
+    return fail("float8: A, B and D must be 16-byte aligned");
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+void check_matrix(const void* p, const Layout& l, const char* what) {
+  if (l.rows == 0 || l.cols == 0) return;
+  const uint64_t elems = (l.cols - 1) * static_cast<uint64_t>(l.ld) + l.rows;
+  emu::check_device_range(p, elems * elem_size(l.type), what);
+}
+
+}  // namespace
+
+extern "C" {
+cublasStatus_t cublasLtCreate(cublasLtHandle_t* h) {
+  *h = reinterpret_cast<cublasLtHandle_t>(new int(0));
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtDestroy(cublasLtHandle_t h) {
+  delete reinterpret_cast<int*>(h);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* d, cublasComputeType_t compute, cudaDataType_t scale) {
+  *d = reinterpret_cast<cublasLtMatmulDesc_t>(new Desc{compute, scale});
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
+  delete reinterpret_cast<Desc*>(d);
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t dp, cublasLtMatmulDescAttributes_t attr,
+                                              const void* buf, size_t size) {
+  Desc& d = *reinterpret_cast<Desc*>(dp);
+  auto take = [&](auto& field) {
+    if (size != sizeof(field)) return fail("cublasLtMatmulDescSetAttribute: wrong size for the attribute");
+    std::memcpy(&field, buf, size);
+    return CUBLAS_STATUS_SUCCESS;
+  };
+  switch (attr) {
+    case CUBLASLT_MATMUL_DESC_TRANSA: return take(d.transa);
+    case CUBLASLT_MATMUL_DESC_TRANSB: return take(d.transb);
+    case CUBLASLT_MATMUL_DESC_A_SCALE_POINTER: return take(d.a_scale);
+    case CUBLASLT_MATMUL_DESC_B_SCALE_POINTER: return take(d.b_scale);
+    case CUBLASLT_MATMUL_DESC_FAST_ACCUM: return take(d.fast_accum);
+    default: return unsupported("this cublasLtMatmulDesc attribute");
+  }
+}
+
+cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* l, cudaDataType type, uint64_t rows, uint64_t cols,
+                                          int64_t ld) {
+  if (ld < static_cast<int64_t>(rows > 1 ? rows : 1)) return fail("cublasLtMatrixLayoutCreate: ld < rows");
+  *l = reinterpret_cast<cublasLtMatrixLayout_t>(new Layout{type, rows, cols, ld});
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t l) {
+  delete reinterpret_cast<Layout*>(l);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* p) {
+  *p = reinterpret_cast<cublasLtMatmulPreference_t>(new Pref);
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
+  delete reinterpret_cast<Pref*>(p);
+  return CUBLAS_STATUS_SUCCESS;
+}
+cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
+                                                    cublasLtMatmulPreferenceAttributes_t attr, const void* buf,
+                                                    size_t size) {
+  if (attr != CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES) return unsupported("this preference attribute");
+  if (size != sizeof(uint64_t)) return fail("CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES takes a uint64_t");
+  std::memcpy(&reinterpret_cast<Pref*>(p)->max_workspace, buf, size);
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDesc_t, cublasLtMatrixLayout_t,
+                                              cublasLtMatrixLayout_t, cublasLtMatrixLayout_t, cublasLtMatrixLayout_t,
+                                              cublasLtMatmulPreference_t pref, int requested,
+                                              cublasLtMatmulHeuristicResult_t* results, int* count) {
+  if (requested < 1) return fail("cublasLtMatmulAlgoGetHeuristic: requestedAlgoCount < 1");
+  const uint64_t ws = reinterpret_cast<Pref*>(pref)->max_workspace;
+  std::memset(&results[0], 0, sizeof(results[0]));
+  results[0].workspaceSize = ws < kEmuWorkspace ? ws : kEmuWorkspace;
+  results[0].algo.data[0] = results[0].workspaceSize;  // what cublasLtMatmul will need
+  results[0].state = CUBLAS_STATUS_SUCCESS;
+  results[0].wavesCount = 1.0f;
+  *count = 1;
+  return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t dp, const void* alpha, const void* A,
+                              cublasLtMatrixLayout_t al, const void* B, cublasLtMatrixLayout_t bl, const void* beta,
+                              const void* C, cublasLtMatrixLayout_t cl, void* D, cublasLtMatrixLayout_t dl,
+                              const cublasLtMatmulAlgo_t* algo, void* workspace, size_t workspace_bytes,
+                              cudaStream_t stream) {
+  const Desc d = *reinterpret_cast<Desc*>(dp);
+  const Layout a = *reinterpret_cast<Layout*>(al), b = *reinterpret_cast<Layout*>(bl);
+  const Layout c = *reinterpret_cast<Layout*>(cl), dd = *reinterpret_cast<Layout*>(dl);
+  if (cublasStatus_t s = check_fp8(d, a, b, c, dd, A, B, D); s != CUBLAS_STATUS_SUCCESS) return s;
+  // TN: op(A) = A^T is a.cols x a.rows, op(B) = B is b.rows x b.cols.
+  const uint64_t m = a.cols, k = a.rows, n = b.cols;
+  if (b.rows != k || dd.rows != m || dd.cols != n || c.rows != m || c.cols != n)
+    return fail("cublasLtMatmul: layouts do not form op(A) op(B) = D");
+  if (algo == nullptr || workspace_bytes < algo->data[0]) return fail("cublasLtMatmul: workspace below the algo's");
+  const float al_v = *static_cast<const float*>(alpha), be_v = *static_cast<const float*>(beta);
+  if (be_v != 0 || C != D) return unsupported("cublasLtMatmul with beta != 0 or C != D");
+  const char* what = "cublasLtMatmul";
+  check_matrix(A, a, what);
+  check_matrix(B, b, what);
+  check_matrix(D, dd, what);
+  if (workspace_bytes > 0) emu::check_device_range(workspace, workspace_bytes, what);
+  if (d.a_scale) emu::check_device_range(d.a_scale, sizeof(float), what);
+  if (d.b_scale) emu::check_device_range(d.b_scale, sizeof(float), what);
+  emu::enqueue(
+      stream,
+      [=] {
+        // The products of two float8 values are exact; the sum runs in
+        // double and is rounded once (the tensor cores' order differs).
+        const float scale = al_v * (d.a_scale ? *d.a_scale : 1.0f) * (d.b_scale ? *d.b_scale : 1.0f);
+        for (uint64_t j = 0; j < n; ++j)
+          for (uint64_t i = 0; i < m; ++i) {
+            double acc = 0;
+            for (uint64_t p = 0; p < k; ++p) acc += ld(A, a.type, p + i * a.ld) * ld(B, b.type, p + j * b.ld);
+            st(D, dd.type, i + j * dd.ld, static_cast<float>(acc) * scale);
+          }
+      },
+      what);
+  return CUBLAS_STATUS_SUCCESS;
+}
+}
