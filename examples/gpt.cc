@@ -234,6 +234,7 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   s.gpt->to(job.device);
   s.n_params = s.gpt->num_parameters();
   distributed::GPTParallelOptions po{.sequence_parallel = s.sp, .ac = flags.common.ac};
+  po.float8 = flags.float8 == 1;
   po.cp = {.exchange = distributed::cp::parse_exchange(flags.cp_exchange), .seq = flags.seq};
   po.fsdp.strategy = distributed::parse_strategy(flags.strategy);
   if (d.dp_replicate > 1)

@@ -58,6 +58,7 @@ struct Flags {
   int64_t sample_len = 240, top_k = 20;
   double temperature = 0.8;
   int cuda_graph = 0;  // 1: the step as one CUDA graph (optim/graphed_step.h)
+  int float8 = 0;      // 1: the blocks' linear layers in float8 (nn/float8.h)
 };
 
 // Every flag once: name, value, help, validation (examples/flags.h).
@@ -144,6 +145,10 @@ inline void declare(FlagTable& t, Flags& f) {
             "1: after three eager warm-up steps, the training step (forwards, backwards, clipping, the\n"
             "optimizer, the loss scaler's checks) is captured as one CUDA graph and replayed, one launch a\n"
             "step; one process on a GPU (--nproc 1); the end of the run prints the host's share of a step");
+  t.integer("--float8", &f.float8, 0, "0|1",
+            "1: the transformer blocks' linear layers train in float8 (tensorwise dynamic scaling: e4m3\n"
+            "forward, e5m2 gradients, as torchao's float8 training); the LM head stays in high precision;\n"
+            "not with --tp > 1; fastest on H100/H200 with --amp bf16");
   t.positive("--temperature", &f.temperature, "X", "the sample's temperature");
   t.integer("--top-k", &f.top_k, 1, "N", "the sample's top-k");
 }
@@ -268,6 +273,11 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
     error("--arch llama: the head width --dim / --heads = " + std::to_string(f.dim / f.heads) +
           " must be even (rotary embeddings turn pairs)");
   if (f.cuda_graph > 1) error("--cuda-graph " + std::to_string(f.cuda_graph) + ": give 0 or 1");
+  if (f.float8 > 1) error("--float8 " + std::to_string(f.float8) + ": give 0 or 1");
+  if (f.float8 == 1 && f.mesh.tp > 1)
+    error("--float8 1 with --tp " + std::to_string(f.mesh.tp) + ": tensor parallelism in float8 is not supported");
+  if (f.float8 == 1 && f.moe_experts > 0)
+    error("--float8 1 with --moe-experts: the experts' grouped matmuls have no float8 path");
   if (f.cuda_graph == 1) {
     // Each of these runs host code inside the step every time (a check
     // that reads the GPU's numbers, a hook, a host-side statistic, the

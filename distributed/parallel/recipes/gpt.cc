@@ -7,6 +7,7 @@
 #include "core/allocator.h"
 #include "distributed/parallel/tp/gpt_plan.h"
 #include "distributed/parallel/tp/loss_parallel.h"
+#include "nn/float8.h"
 
 namespace ember::distributed {
 
@@ -19,14 +20,28 @@ ParallelizeOptions gpt_parallelize_options(const nn::GPT& gpt, const GPTParallel
   return p;
 }
 
+namespace {
+
+// GPTParallelOptions::float8, before any parallelism touches the layers.
+void convert_float8(nn::GPT& gpt, const ParallelDims& dims, const GPTParallelOptions& o) {
+  if (!o.float8) return;
+  EMBER_CHECK(dims.tp == 1, "float8 with tensor parallelism (tp = ", dims.tp,
+              ") is not supported: float8 linear layers take whole weights (tp 1)");
+  nn::convert_to_float8_training(gpt);
+}
+
+}  // namespace
+
 Parallelized parallelize_gpt(const std::shared_ptr<nn::GPT>& gpt, const ParallelDims& dims,
                              const std::shared_ptr<DeviceMesh>& mesh, const GPTParallelOptions& o) {
+  convert_float8(*gpt, dims, o);
   return parallelize(gpt, dims, mesh, gpt_parallelize_options(*gpt, o));
 }
 
 PipelineParallel pipeline_gpt(const std::shared_ptr<nn::GPT>& gpt, const ParallelDims& dims,
                               const std::shared_ptr<DeviceMesh>& mesh, const pp::Schedule& schedule,
                               const GPTParallelOptions& o, pp::PipelineOptions po) {
+  convert_float8(*gpt, dims, o);
   const auto stages = pp::split_gpt(*gpt, schedule.num_stages(), o.blocks_per_stage);
   return pipeline_parallelize(stages, schedule, dims, mesh, gpt_parallelize_options(*gpt, o), std::move(po));
 }

@@ -28,6 +28,11 @@ struct GPTParallelOptions {
   FSDPOptions fsdp;                    // strategy and mixed precision (the mesh comes from the dims)
   std::vector<int> blocks_per_stage;   // pipeline_gpt: blocks per stage; empty: balanced by parameters
   cp::ContextParallelOptions cp = {};  // under cp > 1: the exchange and the whole sequence's length
+  // The blocks' linear layers in float8 (nn/float8.h's
+  // convert_to_float8_training: tensorwise dynamic scaling, the LM head kept
+  // in high precision), applied first, as torchtitan's float8 converter;
+  // tensor parallelism in float8 is refused (tp must be 1).
+  bool float8 = false;
 };
 
 // gpt_tp_plan (Megatron's split, vocab-parallel embedding and head),

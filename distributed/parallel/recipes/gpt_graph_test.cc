@@ -51,6 +51,7 @@ struct Case {
   int micro;
   double dropout = 0.0;     // embeddings, attention, residuals: drawn anew at every replay
   std::string ac = "none";  // activation checkpointing: the recompute redraws the forward's dropout
+  bool float8 = false;      // the blocks' linears in float8: scales computed and read on the device
 };
 
 // In place: the step's function keeps pointers into `t`.
@@ -64,6 +65,7 @@ void make(Trainer& t, const Case& c, bool graphed) {
   const ParallelDims dims = ParallelDims{}.resolved(1);
   GPTParallelOptions po;
   po.ac = c.ac;
+  po.float8 = c.float8;
   if (c.amp != "off") {
     po.fsdp.mp_policy.param_dtype = c.amp == "bf16" ? DType::BFloat16 : DType::Float16;
     po.fsdp.mp_policy.reduce_dtype = DType::Float32;
@@ -147,11 +149,12 @@ TEST_P(GptGraph, ReplayedStepsEqualEagerStepsBitForBit) {
 INSTANTIATE_TEST_SUITE_P(Recipes, GptGraph,
                          ::testing::Values(Case{nn::Arch::GPT2, "off", 2}, Case{nn::Arch::Llama, "bf16", 1},
                                            Case{nn::Arch::GPT2, "fp16", 1}, Case{nn::Arch::GPT2, "bf16", 2, 0.2},
-                                           Case{nn::Arch::GPT2, "off", 1, 0.2, "full"}),
+                                           Case{nn::Arch::GPT2, "off", 1, 0.2, "full"},
+                                           Case{nn::Arch::Llama, "bf16", 2, 0.0, "none", true}),
                          [](const auto& info) {
                            const Case& c = info.param;
                            return std::string(nn::arch_name(c.arch)) + "_" + c.amp + (c.dropout > 0 ? "_dropout" : "") +
-                                  (c.ac != "none" ? "_ac_" + c.ac : "");
+                                  (c.ac != "none" ? "_ac_" + c.ac : "") + (c.float8 ? "_float8" : "");
                          });
 
 }  // namespace

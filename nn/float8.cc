@@ -1,0 +1,44 @@
+// convert_to_float8_training: sets the kernel hook of each chosen linear
+// layer (layers.h's LinearKernel) to float8_linear.
+#include "nn/float8.h"
+
+#include "core/ops_float8.h"
+#include "nn/layers.h"
+#include "nn/transformer.h"
+
+namespace ember::nn {
+namespace {
+
+bool skipped(const std::string& fqn, const std::vector<std::string>& skip) {
+  for (const std::string& s : skip) {
+    if (fqn == s) return true;
+    if (fqn.size() > s.size() && fqn.compare(fqn.size() - s.size(), s.size(), s) == 0 &&
+        fqn[fqn.size() - s.size() - 1] == '.')
+      return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::vector<std::string> convert_to_float8_training(Module& root, const Float8Options& options) {
+  std::vector<std::string> converted;
+  for (auto& [fqn, m] : root.named_modules()) {
+    LinearKernel* kernel = nullptr;
+    Tensor weight;
+    if (auto* lin = dynamic_cast<Linear*>(m)) kernel = &lin->kernel, weight = lin->weight;
+    if (auto* tied = dynamic_cast<TiedLinear*>(m)) kernel = &tied->kernel, weight = tied->weight;
+    if (auto* attn = dynamic_cast<MultiheadAttention*>(m)) kernel = &attn->in_proj_kernel, weight = attn->in_proj_weight;
+    if (kernel == nullptr || skipped(fqn, options.skip_fqns)) continue;
+    if (options.filter && !options.filter(fqn, *m)) continue;
+    if (weight.dim() != 2 || weight.size(0) % 16 != 0 || weight.size(1) % 16 != 0) continue;
+    EMBER_CHECK(!*kernel, "convert_to_float8_training: '", fqn, "' (", m->type_name(),
+                ") already has a linear kernel of its own (tensor parallelism's?): convert to float8 before "
+                "parallelizing; tensor parallelism in float8 is not supported");
+    *kernel = [](const Tensor& x, const Tensor& w, const Tensor& b) { return float8_linear(x, w, b); };
+    converted.push_back(fqn);
+  }
+  return converted;
+}
+
+}  // namespace ember::nn
