@@ -161,19 +161,24 @@ for part in "${parts[@]}"; do
       # Ours reports tokens/s per step in --metrics; the median over the
       # steps after the first five is the round's figure, as the peer's.
       # bf16 also as one CUDA graph (--cuda-graph 1: amp bf16_cudagraph,
-      # beside the same torch bf16 run), with the host's share of a step.
+      # beside the same torch bf16 run), with the host's share of a step,
+      # and with the blocks' linear layers in float8 (--float8 1: amp
+      # bf16_float8, beside torch's bf16 eager step: the model is the same).
       # Each line carries the model's shape and parameter count for the MFU.
       for r in $(seq 1 "$rounds"); do
         for amp in $gpt_amps; do
-          graph_runs="0"
-          [ "$amp" = bf16 ] && graph_runs="0 1"
-          for g in $graph_runs; do
-          name=$amp
-          [ "$g" = 1 ] && name=${amp}_cudagraph
+          variants="plain"
+          [ "$amp" = bf16 ] && variants="plain cudagraph float8"
+          for v in $variants; do
+          name=$amp g=0 f8=0
+          case $v in
+            cudagraph) name=${amp}_cudagraph g=1 ;;
+            float8) name=${amp}_float8 f8=1 ;;
+          esac
           say "gpt round $r amp $name: ours"
           rm -rf /tmp/gpu_perf_gpt && mkdir -p /tmp/gpu_perf_gpt
           "${gpt_ours[@]}" --nproc 1 "${gpt_shape[@]}" --max-steps $gpt_steps --eval-every 1000000 --sample-len 0 \
-            --amp $amp --cuda-graph $g --checkpoint-dir /tmp/gpu_perf_gpt/ckpt --metrics /tmp/gpu_perf_gpt/m.jsonl \
+            --amp $amp --cuda-graph $g --float8 $f8 --checkpoint-dir /tmp/gpu_perf_gpt/ckpt --metrics /tmp/gpu_perf_gpt/m.jsonl \
             "${gpt_data[@]}" >"$out/logs/ours_gpt_$name.log" 2>&1
           vocab=$(sed -n 's/.*vocabulary \([0-9]*\).*/\1/p' "$out/logs/ours_gpt_$name.log" | head -1)
           "$py" - "$name" /tmp/gpu_perf_gpt/m.jsonl "$out/logs/ours_gpt_$name.log" "${gpt_shape[*]}" <<'PY' | tag gpt "$r"

@@ -8,7 +8,8 @@ and rows: one per configuration (name = config/layout) with ours_ms and
 torch_ms (the median over rounds of each round's median step), their
 ranges over rounds, and ratio = ours_ms / torch_ms.
 gpu_gpt.json: one row per precision (gpt_fsdp/<amp>, <amp>_cudagraph for
-the step replayed as one CUDA graph) with params, mfu (model FLOPs from
+the step replayed as one CUDA graph, <amp>_float8 for the blocks' linear
+layers in float8, each beside torch's <amp> eager step) with params, mfu (model FLOPs from
 PaLM's formula over the device's dense bf16 peak), ours_tokens_per_s,
 torch_tokens_per_s, ratio = ours / torch tokens per second, and with the
 graph ours_host_fraction (the host's time to queue a step over the step's).
@@ -170,9 +171,11 @@ def main():
     if gpt:
         grows = []
         for amp in sorted({a for (_, a) in gpt}):
-            # <amp>_cudagraph: our step replayed as one CUDA graph, beside
-            # PyTorch's eager step in that precision.
-            o, t = gpt.get(("ours", amp), []), gpt.get(("torch", amp.removesuffix("_cudagraph")), [])
+            # <amp>_cudagraph: our step replayed as one CUDA graph; <amp>_float8:
+            # our blocks' linears in float8 (MFU still over the bf16 peak, as
+            # torchtitan reports it); each beside PyTorch's eager step in <amp>.
+            base = amp.removesuffix("_cudagraph").removesuffix("_float8")
+            o, t = gpt.get(("ours", amp), []), gpt.get(("torch", base), [])
             row = {"name": f"gpt_fsdp/{amp}", "rounds": len(o)}
             model = gpt_model.get(amp, {})
             if "params" in model:

@@ -235,6 +235,9 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   s.n_params = s.gpt->num_parameters();
   distributed::GPTParallelOptions po{.sequence_parallel = s.sp, .ac = flags.common.ac};
   po.float8 = flags.float8 == 1;
+  if (po.float8)
+    LOG0("float8: the blocks' linear layers train in float8 (e4m3 forward, e5m2 gradients, tensorwise dynamic ",
+         "scales); the LM head does not");
   po.cp = {.exchange = distributed::cp::parse_exchange(flags.cp_exchange), .seq = flags.seq};
   po.fsdp.strategy = distributed::parse_strategy(flags.strategy);
   if (d.dp_replicate > 1)

@@ -16,7 +16,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 
 TESTS="tensor_test ops_cuda_test ops_nn_cuda_test kernels_drawn_test kernels_drawn_nn_test optim_cuda_test
 grad_scaler_test autocast_test loader_test safetensors_test process_group_test process_group_nccl_test
-cuda_graph_test cuda_graph_step_test graphed_step_test gpt_graph_test ddp_graph_test"
+cuda_graph_test cuda_graph_step_test graphed_step_test gpt_graph_test ddp_graph_test float8_test"
 if [ "${1:-}" = "--targets" ]; then
   echo //core:tensor_test //core:ops_cuda_test //core:ops_nn_cuda_test //core:kernels_drawn_test \
     //core:kernels_drawn_nn_test //bench:numerics_cpu //optim:optim_cuda_test //bench:gpu_step \
@@ -24,7 +24,7 @@ if [ "${1:-}" = "--targets" ]; then
     //distributed/comm:process_group_test //distributed/comm:process_group_nccl_test //bench:ops_cuda_bench \
     //bench:train_bench //bench:attention_cuda_bench //examples:resnet_ddp //examples:gpt_fsdp //tools:ckpt \
     //core:cuda_graph_test //optim:cuda_graph_step_test //optim:graphed_step_test \
-    //distributed/parallel/recipes:gpt_graph_test //distributed/parallel:ddp_graph_test
+    //distributed/parallel/recipes:gpt_graph_test //distributed/parallel:ddp_graph_test //core:float8_test
   exit 0
 fi
 if [ "${1:-}" = "--data" ]; then
@@ -124,6 +124,11 @@ for s in $steps; do
         --eval-every 1000 --sample-len 0 --cuda-graph $g --checkpoint-dir /tmp/gptg$g >"$logs/gpt_graph$g.log" 2>&1
       summary "gpt_fsdp --cuda-graph $g rc=$? $(grep -E 'cuda graph:|validation loss' "$logs/gpt_graph$g.log" | tail -2 | tr '\n' ' ')"
     done
+    # The blocks' linears in float8 (cuBLASLt's float8 matmuls on the real
+    # library): its validation loss beside the bf16 run's above.
+    timeout 180 bash "$here/.gpu/run.sh" gpt_fsdp --nproc 1 --data "$d/fortunes" --amp bf16 --max-steps 100 \
+      --eval-every 1000 --sample-len 0 --float8 1 --checkpoint-dir /tmp/gptf8 >"$logs/gpt_float8.log" 2>&1
+    summary "gpt_fsdp --float8 1 rc=$? $(grep -E 'float8|validation loss' "$logs/gpt_float8.log" | tail -2 | tr '\n' ' ')"
     ;;
   attention)
     # The fused attention kernels on the real GPU: the CPU comparison, then
