@@ -42,6 +42,7 @@
 #include "nn/models.h"
 #include "nn/moe.h"
 #include "nn/checkpoint.h"
+#include "nn/float8.h"
 #include "nn/transformer.h"
 #include "optim/clip_grad.h"
 #include "optim/grad_scaler.h"
@@ -191,6 +192,13 @@ scaler.scale(loss).backward();
 scaler.unscale_(opt);                     // optional, e.g. before clip_grad_norm_
 scaler.step(opt);                         // skipped when a gradient is inf or NaN
 scaler.update();
+}
+
+TEST(Docs, Float8Training) {
+nn::GPT model(nn::GPTOptions::llama({.vocab_size = 256, .n_layer = 2, .n_head = 4, .n_embd = 64}));
+std::vector<std::string> converted = nn::convert_to_float8_training(model);  // every projection, not lm_head
+  EXPECT_EQ(converted.size(), 14u);  // q, k, v, o and the three SwiGLU projections, twice
+  EXPECT_EQ(converted.back(), "h.1.mlp.down_proj");
 }
 
 // A world of one, as torchrun's variables would give it, in a fresh
