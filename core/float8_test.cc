@@ -346,6 +346,12 @@ TEST_F(Float8Cuda, ScaleAndCastAreTheCpusBitForBit) {
         const std::string what = std::to_string(n) + " " + dtype_name(dt) + " -> " + dtype_name(f8);
         const Tensor s = float8_scale(x, f8), sg = float8_scale(x.cuda(), f8);
         expect_bits_equal(s, sg, what + " scale");
+        // Aligned, and with the largest magnitude last: in the vector loop's
+        // tail, and in a warp and block other than the first.
+        Tensor spiked = x.contiguous();
+        spiked.narrow(0, n - 1, 1).fill_(-8192.0);  // exact in every input dtype
+        expect_bits_equal(float8_scale(spiked, f8), float8_scale(spiked.cuda(), f8), what + " spiked scale");
+        EXPECT_EQ(float8_scale(spiked.cuda(), f8).cpu().to_vector()[2], 8192.0) << what;
         expect_bits_equal(to_float8(x, s.select(0, 0), f8), to_float8(x.cuda(), sg.select(0, 0), f8), what);
         const Tensor aligned = x.contiguous();
         expect_bits_equal(to_float8(aligned, s.select(0, 0) * 3.0, f8),
