@@ -22,9 +22,12 @@
 namespace ember {
 
 // Float8E4M3 and Float8E5M2 are torch.float8_e4m3fn and torch.float8_e5m2:
-// storage formats for scaled matmuls (core/ops/float8.cc). As in PyTorch, only
-// casts, copies, views and scaled_mm take them; every other op refuses them
-// by name (is_floating is false for them, and EMBER_DISPATCH_ALL's default).
+// storage formats for scaled matmuls (core/ops/float8.cc). As in PyTorch,
+// casts, copies, views, reading and printing and scaled_mm take them;
+// arithmetic refuses them by name (EMBER_DISPATCH_ALL's default,
+// promote_types), except the float-only unary ops, which widen a
+// non-floating input to float32 first as they do integers (is_floating is
+// false for them).
 enum class DType : uint8_t { Float32, Float16, BFloat16, Float64, Int32, Int64, UInt8, Bool, Float8E4M3, Float8E5M2 };
 
 // A float's bits and back (host branches of the 16-bit conversions).
@@ -187,8 +190,14 @@ struct Float8E5M2 : Float8Storage<Float8E5M2, Float8Format<5, 2>> {
 template <typename T> struct AccType { using type = T; };
 template <> struct AccType<Half> { using type = float; };
 template <> struct AccType<BFloat16> { using type = float; };
-template <> struct AccType<Float8E4M3> { using type = float; };
-template <> struct AccType<Float8E5M2> { using type = float; };
+template <>
+struct AccType<Float8E4M3> {
+  using type = float;
+};
+template <>
+struct AccType<Float8E5M2> {
+  using type = float;
+};
 template <> struct AccType<bool> { using type = bool; };
 template <typename T> using acc_t = typename AccType<T>::type;
 
@@ -227,7 +236,8 @@ EMBER_HD D cast_value(S s) {
 // the bfloat16 batch-norm loops ran scalar, 25% of a narrow ResNet step).
 template <typename T, typename V>
 EMBER_HD void store_as(T* p, V v) {
-  if constexpr (is_bits_float_v<T>) p->x = T::from_float(static_cast<float>(v));
+  if constexpr (is_bits_float_v<T>)
+    p->x = T::from_float(static_cast<float>(v));
   else *p = static_cast<T>(v);
 }
 
@@ -235,7 +245,8 @@ EMBER_HD void store_as(T* p, V v) {
 // (a load of the 2-byte struct itself has no vector type for gcc).
 template <typename A, typename T>
 EMBER_HD A load_as(const T* p) {
-  if constexpr (is_bits_float_v<T>) return static_cast<A>(T::to_float(p->x));
+  if constexpr (is_bits_float_v<T>)
+    return static_cast<A>(T::to_float(p->x));
   else return static_cast<A>(*p);
 }
 
@@ -244,7 +255,11 @@ inline size_t dtype_size(DType t) {
     case DType::Float32: case DType::Int32: return 4;
     case DType::Float16: case DType::BFloat16: return 2;
     case DType::Float64: case DType::Int64: return 8;
-    case DType::UInt8: case DType::Bool: case DType::Float8E4M3: case DType::Float8E5M2: return 1;
+    case DType::UInt8:
+    case DType::Bool:
+    case DType::Float8E4M3:
+    case DType::Float8E5M2:
+      return 1;
   }
   return 0;
 }
@@ -259,8 +274,10 @@ inline const char* dtype_name(DType t) {
     case DType::Int64: return "int64";
     case DType::UInt8: return "uint8";
     case DType::Bool: return "bool";
-    case DType::Float8E4M3: return "float8_e4m3fn";
-    case DType::Float8E5M2: return "float8_e5m2";
+    case DType::Float8E4M3:
+      return "float8_e4m3fn";
+    case DType::Float8E5M2:
+      return "float8_e5m2";
   }
   return "?";
 }
@@ -289,7 +306,9 @@ inline DType promote_types(DType a, DType b) {
       case DType::Float16: case DType::BFloat16: return 4;
       case DType::Float32: return 5;
       case DType::Float64: return 6;
-      case DType::Float8E4M3: case DType::Float8E5M2: return 7;  // refused above
+      case DType::Float8E4M3:
+      case DType::Float8E5M2:
+        return 7;  // refused above
     }
     return 0;
   };
@@ -307,8 +326,14 @@ template <> constexpr DType dtype_of<int32_t>() { return DType::Int32; }
 template <> constexpr DType dtype_of<int64_t>() { return DType::Int64; }
 template <> constexpr DType dtype_of<uint8_t>() { return DType::UInt8; }
 template <> constexpr DType dtype_of<bool>() { return DType::Bool; }
-template <> constexpr DType dtype_of<Float8E4M3>() { return DType::Float8E4M3; }
-template <> constexpr DType dtype_of<Float8E5M2>() { return DType::Float8E5M2; }
+template <>
+constexpr DType dtype_of<Float8E4M3>() {
+  return DType::Float8E4M3;
+}
+template <>
+constexpr DType dtype_of<Float8E5M2>() {
+  return DType::Float8E5M2;
+}
 
 }  // namespace ember
 

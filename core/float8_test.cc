@@ -82,7 +82,8 @@ void check_format(const char* name) {
   }
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> expo(-30.0f, 20.0f), mant(1.0f, 2.0f);
-  for (int i = 0; i < 20000; ++i) probes.push_back((i % 2 ? -1 : 1) * std::ldexp(mant(rng), static_cast<int>(expo(rng))));
+  for (int i = 0; i < 20000; ++i)
+    probes.push_back((i % 2 ? -1 : 1) * std::ldexp(mant(rng), static_cast<int>(expo(rng))));
   for (float f : probes)
     for (bool sat : {false, true})
       ASSERT_EQ(static_cast<int>(Format::from_float(f, sat)), static_cast<int>(nearest<E, M>(f, sat)))
@@ -99,20 +100,21 @@ TEST(Float8, CastsAndRefusals) {
   EXPECT_EQ(e4.nbytes(), 6u);
   const std::vector<double> back = e4.to(DType::Float32).to_vector();
   for (int i = 0; i < 6; ++i) {
-    const float want = Float8E4M3::format::to_float(Float8E4M3::format::from_float(static_cast<float>(x.to_vector()[i])));
+    const float want =
+        Float8E4M3::format::to_float(Float8E4M3::format::from_float(static_cast<float>(x.to_vector()[i])));
     if (std::isnan(want))
       EXPECT_TRUE(std::isnan(back[i])) << i;
     else
       EXPECT_EQ(back[i], want) << i;
   }
-  EXPECT_TRUE(std::isnan(back[3]));  // 500 is past e4m3fn's range: NaN unless saturating (c10's cast)
+  EXPECT_TRUE(std::isnan(back[3]));    // 500 is past e4m3fn's range: NaN unless saturating (c10's cast)
+  EXPECT_EQ(e4.to_vector()[1], -3.0);  // read directly, as item() and printing do
   // A float8 view copies as bytes, and transposes.
   const Tensor m = randn({4, 6}).to(DType::Float8E5M2);
   EXPECT_TRUE(allclose(m.t().contiguous().to(DType::Float32), m.to(DType::Float32).t(), 0, 0));
   // Arithmetic and promotion refuse float8 by name.
   EXPECT_NE(error_of([&] { (void)(e4 + e4); }).find("float8_e4m3fn"), std::string::npos);
-  EXPECT_NE(error_of([&] { (void)(e4 + x); }).find("type promotion of float8_e4m3fn with float32"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { (void)(e4 + x); }).find("type promotion of float8_e4m3fn with float32"), std::string::npos);
   EXPECT_NE(error_of([&] { (void)sum(e4); }).find("float8_e4m3fn"), std::string::npos);
 }
 
@@ -199,8 +201,7 @@ void expect_near_reference(const Tensor& out, const MmCase& c, double rel, const
   const std::vector<double> got = out.to(DType::Float32).cpu().to_vector();
   double scale = 0;
   for (double r : ref) scale = std::max(scale, std::fabs(r));
-  for (size_t i = 0; i < ref.size(); ++i)
-    ASSERT_NEAR(got[i], ref[i], rel * scale + 1e-30) << what << " element " << i;
+  for (size_t i = 0; i < ref.size(); ++i) ASSERT_NEAR(got[i], ref[i], rel * scale + 1e-30) << what << " element " << i;
 }
 
 TEST(Float8, ScaledMmIsTheWidenedProduct) {
@@ -230,9 +231,19 @@ TEST(Float8, ScaledMmRefusesLayoutsByName) {
   const MmCase both = mm_case(4, 32, 16, DType::Float8E5M2, DType::Float8E5M2);
   EXPECT_NE(err([&] { (void)scaled_mm(both.a, both.b, both.sa, both.sb, DType::Float32); }).find("both be float8_e5m2"),
             std::string::npos);
-  EXPECT_NE(err([&] { (void)scaled_mm(c.a.to(DType::Float32), c.b, c.sa, c.sb, DType::Float32); }).find("must be float8"),
-            std::string::npos);
+  EXPECT_NE(
+      err([&] { (void)scaled_mm(c.a.to(DType::Float32), c.b, c.sa, c.sb, DType::Float32); }).find("must be float8"),
+      std::string::npos);
   EXPECT_NE(err([&] { (void)scaled_mm(c.a, c.b, c.sa, c.sb, DType::Float64); }).find("out_dtype"), std::string::npos);
+  // One row of a that is a column of a wider matrix: strides [1, 2].
+  const Tensor wide = to_float8(randn({32, 2}), c.sa * 0.0 + 1.0, DType::Float8E4M3);
+  EXPECT_NE(err([&] { (void)scaled_mm(wide.narrow(1, 0, 1).t(), c.b, c.sa, c.sb, DType::Float32); }).find("row-major"),
+            std::string::npos);
+  // An empty sum is zeros.
+  const Tensor a0 = Tensor::empty({2, 0}, DType::Float8E4M3), b0 = Tensor::empty({16, 0}, DType::Float8E4M3).t();
+  const Tensor z = scaled_mm(a0, b0, c.sa, c.sb, DType::Float32);
+  EXPECT_EQ(z.sizes(), (Shape{2, 16}));
+  EXPECT_EQ(sum(abs(z)).item(), 0.0);
 }
 
 // ---- float8_linear ----
@@ -302,8 +313,9 @@ TEST(Float8, LinearRefusals) {
     NoGradGuard no_grad;  // no weight gradient: any number of rows
     EXPECT_EQ(float8_linear(randn({3, 32}), w2).sizes(), (Shape{3, 16}));
   }
-  EXPECT_NE(error_of([&] { (void)float8_linear(randn({16, 32}, DType::Float64), w2.to(DType::Float64)); })
-                .find("float32, bfloat16 or float16"),
+  EXPECT_NE(error_of([&] {
+              (void)float8_linear(randn({16, 32}, DType::Float64), w2.to(DType::Float64));
+            }).find("float32, bfloat16 or float16"),
             std::string::npos);
 }
 
@@ -370,14 +382,18 @@ TEST_F(Float8Cuda, ScaledMmMatchesTheReference) {
     int64_t m, k, n;
   };
   for (Shape3 s : {Shape3{1, 16, 16}, Shape3{33, 48, 32}, Shape3{64, 32, 80}})
-    for (auto [at, bt] : {std::pair{DType::Float8E4M3, DType::Float8E4M3}, std::pair{DType::Float8E5M2, DType::Float8E4M3},
-                          std::pair{DType::Float8E4M3, DType::Float8E5M2}})
+    for (auto [at, bt] :
+         {std::pair{DType::Float8E4M3, DType::Float8E4M3}, std::pair{DType::Float8E5M2, DType::Float8E4M3},
+          std::pair{DType::Float8E4M3, DType::Float8E5M2}})
       for (DType out : {DType::Float32, DType::BFloat16, DType::Float16})
         for (bool fast : {false, true}) {
           const MmCase c = mm_case(s.m, s.k, s.n, at, bt, cuda_device(0));
           const Tensor y = scaled_mm(c.a, c.b, c.sa, c.sb, out, fast);
           ASSERT_TRUE(y.is_cuda());
-          expect_near_reference(y, c, out == DType::Float32 ? 1e-6 : out == DType::Float16 ? 1e-3 : 8e-3,
+          // Hopper's float8 tensor cores keep fewer bits in their sums than
+          // float32 (and the emulation sums in double): 2e-3 of the largest
+          // output still fails any operand or scale mapped wrongly.
+          expect_near_reference(y, c, out == DType::BFloat16 ? 8e-3 : 2e-3,
                                 std::to_string(s.m) + "x" + std::to_string(s.k) + "x" + std::to_string(s.n) + " " +
                                     dtype_name(at) + " x " + dtype_name(bt) + " -> " + dtype_name(out));
         }
@@ -389,10 +405,11 @@ TEST_F(Float8Cuda, LinearMatchesTheCpu) {
   const Tensor x = randn({2, 16, 64}), w = randn({32, 64}) * 0.1, b = randn({32}), g = randn({2, 16, 32});
   const LinearRun cpu = run_linear(true, x, w, b, g);
   const LinearRun gpu = run_linear(true, x.cuda(), w.cuda(), b.cuda(), g.cuda());
-  // The casts are bit-equal (above), so only the float32 sums' order differs.
-  EXPECT_TRUE(allclose(gpu.y.cpu(), cpu.y, 1e-5, 1e-5));
-  EXPECT_TRUE(allclose(gpu.dx.cpu(), cpu.dx, 1e-5, 1e-5));
-  EXPECT_TRUE(allclose(gpu.dw.cpu(), cpu.dw, 1e-5, 1e-5));
+  // The casts are bit-equal (above), so only the sums differ: their order,
+  // and on Hopper the tensor cores' narrower float8 accumulation.
+  EXPECT_TRUE(allclose(gpu.y.cpu(), cpu.y, 2e-3, 2e-3));
+  EXPECT_TRUE(allclose(gpu.dx.cpu(), cpu.dx, 2e-3, 2e-3));
+  EXPECT_TRUE(allclose(gpu.dw.cpu(), cpu.dw, 2e-3, 2e-3));
   EXPECT_TRUE(allclose(gpu.db.cpu(), cpu.db, 1e-5, 1e-5));
 }
 

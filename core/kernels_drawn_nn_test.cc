@@ -339,6 +339,27 @@ TEST_F(Drawn, Swiglu) {
   });
 }
 
+// bias_gelu: x of one to four dims with a bias over the last, widths across
+// the vector width and its tails (so the bias's column in a vector wraps
+// nowhere), both GELU forms, every float dtype, values wide enough for both
+// tails of GELU. The float64 reference is gelu(x + bias), the composition
+// the op replaces; on CUDA the fused kernels are compared with the CPU's.
+TEST_F(Drawn, BiasGelu) {
+  for_each_draw("bias_gelu", 200, [&](Draw& d) {
+    const Shape s = d.shape(d.integer(1, 4), 1, 37, true);
+    const DType dt = d.pick(kFloats);
+    const bool tanh_approx = d.chance(0.5);
+    Tensor x = d.values(s, dt, Specials::finite(), 6.0), b = d.values({s.back()}, dt, Specials::finite(), 2.0);
+    check_case(
+        detail::str_cat("bias_gelu ", shape_str(s), tanh_approx ? " tanh" : " erf"),
+        [=](const std::vector<Tensor>& v) {
+          if (v[0].dtype() == DType::Float64 && !v[0].is_cuda()) return gelu(v[0] + v[1], tanh_approx);
+          return bias_gelu(v[0], v[1], tanh_approx);
+        },
+        {{x, true}, {b, true}}, d, tol_for(dt, 1e-5), tol_for(dt, 1e-5));
+  });
+}
+
 // rotary_embedding: x [batch..., seq, heads, head_dim] with zero to two
 // leading dims, head dims from 2 up, angles of any size (positions far out,
 // as a context-parallel rank's chunk has), every float dtype; the tables

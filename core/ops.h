@@ -38,6 +38,10 @@ Tensor relu(const Tensor& x);
 Tensor sigmoid(const Tensor& x);
 Tensor tanh(const Tensor& x);
 Tensor gelu(const Tensor& x, bool tanh_approx = false);
+// gelu(x + bias) with bias [x.size(-1)], as one op (core/ops/bias_gelu.cc):
+// a linear layer's bias and GELU in one pass each way, equal to the
+// composition bit for bit (GPT-2's MLP: Linear::activation).
+Tensor bias_gelu(const Tensor& x, const Tensor& bias, bool tanh_approx = false);
 // x * sigmoid(x) (torch's F.silu; SwiGLU's gate).
 Tensor silu(const Tensor& x);
 // silu(a) * b, LLaMA's gated feed-forward, as one op (one kernel each way,

@@ -34,13 +34,14 @@ struct DTypeName {
   DType dtype;
 };
 constexpr DTypeName kDTypes[] = {
-    {"F32", DType::Float32}, {"F16", DType::Float16}, {"BF16", DType::BFloat16}, {"F64", DType::Float64},
-    {"I32", DType::Int32},   {"I64", DType::Int64},   {"U8", DType::UInt8},      {"BOOL", DType::Bool},
+    {"F32", DType::Float32},        {"F16", DType::Float16},        {"BF16", DType::BFloat16}, {"F64", DType::Float64},
+    {"I32", DType::Int32},          {"I64", DType::Int64},          {"U8", DType::UInt8},      {"BOOL", DType::Bool},
     {"F8_E4M3", DType::Float8E4M3}, {"F8_E5M2", DType::Float8E5M2},
 };
 // In the format but without an ember dtype: named as unsupported rather than
 // unknown, so the user knows the file is fine and ember is the limit.
-constexpr const char* kForeignDTypes[] = {"I8", "I16", "U16", "U32", "U64", "C64", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"};
+constexpr const char* kForeignDTypes[] = {"I8",  "I16",     "U16",     "U32",     "U64",
+                                          "C64", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4"};
 
 // The safetensors format caps the JSON header at 100 MB (as the reference
 // implementation does); a larger one is not a safetensors file.

@@ -28,7 +28,8 @@ std::vector<std::string> convert_to_float8_training(Module& root, const Float8Op
     Tensor weight;
     if (auto* lin = dynamic_cast<Linear*>(m)) kernel = &lin->kernel, weight = lin->weight;
     if (auto* tied = dynamic_cast<TiedLinear*>(m)) kernel = &tied->kernel, weight = tied->weight;
-    if (auto* attn = dynamic_cast<MultiheadAttention*>(m)) kernel = &attn->in_proj_kernel, weight = attn->in_proj_weight;
+    if (auto* attn = dynamic_cast<MultiheadAttention*>(m))
+      kernel = &attn->in_proj_kernel, weight = attn->in_proj_weight;
     if (kernel == nullptr || skipped(fqn, options.skip_fqns)) continue;
     if (options.filter && !options.filter(fqn, *m)) continue;
     if (weight.dim() != 2 || weight.size(0) % 16 != 0 || weight.size(1) % 16 != 0) continue;

@@ -22,8 +22,8 @@ namespace ember::nn {
 namespace {
 
 GPTOptions llama_options() {
-  return GPTOptions::llama({.vocab_size = 32, .block_size = 16, .n_layer = 2, .n_head = 4, .n_embd = 64,
-                            .n_kv_head = 2, .ffn_hidden = 128});
+  return GPTOptions::llama(
+      {.vocab_size = 32, .block_size = 16, .n_layer = 2, .n_head = 4, .n_embd = 64, .n_kv_head = 2, .ffn_hidden = 128});
 }
 
 std::string error_of(const std::function<void()>& f) {
@@ -43,16 +43,17 @@ TEST(Float8Training, ConvertsTheProjectionsOfLlama) {
   const std::vector<std::string> got = convert_to_float8_training(m);
   std::vector<std::string> want;
   for (int l = 0; l < 2; ++l)
-    for (const char* p : {"attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-                          "mlp.down_proj"})
+    for (const char* p :
+         {"attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"})
       want.push_back("h." + std::to_string(l) + "." + p);
   EXPECT_EQ(got, want);  // not lm_head
   std::vector<std::string> names_after;
   for (auto& [n, p] : m.named_parameters()) names_after.push_back(n);
   EXPECT_EQ(names_after, names_before);
   // A second conversion finds every layer taken.
-  EXPECT_NE(error_of([&] { convert_to_float8_training(m); }).find("'h.0.attn.q_proj' (Linear) already has a linear "
-                                                                  "kernel"),
+  EXPECT_NE(error_of([&] { convert_to_float8_training(m); })
+                .find("'h.0.attn.q_proj' (Linear) already has a linear "
+                      "kernel"),
             std::string::npos);
 }
 
@@ -111,8 +112,7 @@ TEST(Float8Training, FitTracksFloat32) {
   };
   const std::vector<double> ref = fit(false), f8 = fit(true);
   EXPECT_LT(f8.back(), 0.3 * f8.front()) << f8.front() << " -> " << f8.back();
-  for (size_t s = 0; s < ref.size(); ++s)
-    EXPECT_NEAR(f8[s], ref[s], 0.05 * ref[s] + 0.02) << "step " << s;
+  for (size_t s = 0; s < ref.size(); ++s) EXPECT_NEAR(f8[s], ref[s], 0.05 * ref[s] + 0.02) << "step " << s;
   EXPECT_NE(f8[5], ref[5]);
 }
 

@@ -27,7 +27,12 @@ void Linear::reset_parameters() {
   }
 }
 
-Tensor Linear::forward(const Tensor& x) { return apply_linear(kernel, x, weight, bias); }
+Tensor Linear::forward(const Tensor& x) {
+  if (activation == LinearActivation::None) return apply_linear(kernel, x, weight, bias);
+  const bool tanh_approx = activation == LinearActivation::GeluTanh;
+  const Tensor h = apply_linear(kernel, x, weight, Tensor());
+  return bias.defined() ? bias_gelu(h, bias, tanh_approx) : gelu(h, tanh_approx);
+}
 
 // ---- Conv2d: same rule as Linear over fan_in = in/groups * kh * kw ----
 Conv2d::Conv2d(int64_t in, int64_t out, std::array<int64_t, 2> k, Conv2dOptions opts)

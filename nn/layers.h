@@ -22,6 +22,13 @@ inline Tensor apply_linear(const LinearKernel& k, const Tensor& x, const Tensor&
   return k ? k(x, w, b) : linear(x, w, b);
 }
 
+// What a Linear applies after its bias, fused with it (bias_gelu: one pass
+// over the output each way instead of the bias add's and GELU's). Set by
+// the models that follow a layer with GELU (GPT-2's MLP sets GeluTanh on
+// c_fc); the parameters and the values are those of linear then gelu, and
+// the layer's forward hooks see the activation's output.
+enum class LinearActivation { None, Gelu, GeluTanh };
+
 class Linear : public Module {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias = true);
@@ -30,6 +37,7 @@ class Linear : public Module {
   int64_t in_features, out_features;
   Tensor weight, bias;  // [out, in], [out]
   LinearKernel kernel;
+  LinearActivation activation = LinearActivation::None;
 };
 
 struct Conv2dOptions {

@@ -30,6 +30,7 @@ TESTS = [
     "//optim:grad_scaler_emu_test",
     "//data:loader_emu_test",
     "//core:float8_emu_test",
+    "//core:bias_gelu_emu_test",
 ]
 
 # (name, kind, file, exact original text, replacement). Not here: dropping
@@ -137,6 +138,12 @@ MUTANTS = [
     ("float8_lt_layout", "wrong cuBLASLt argument", "core/ops/float8.cu",
      "set_attr(call.desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);",
      "set_attr(call.desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N);"),
+    ("bias_gelu_bias_column", "wrong index", "core/ops/bias_gelu.cu",
+     "    const int64_t c0 = (v * VEC) % cols;\n    const VecN<T, VEC> xv = reinterpret_cast<const VecN<T, VEC>*>(x)[v];\n    const VecN<T, VEC> bv",
+     "    const int64_t c0 = v % cols;\n    const VecN<T, VEC> xv = reinterpret_cast<const VecN<T, VEC>*>(x)[v];\n    const VecN<T, VEC> bv"),
+    ("bias_gelu_backward_unbiased", "dropped operand", "core/ops/bias_gelu.cu",
+     "      out.v[j] = static_cast<T>(binary_fn<OP, C>(static_cast<C>(gv.v[j]), biased<T, C>(xv.v[j], bv.v[j]), C(1)));",
+     "      out.v[j] = static_cast<T>(binary_fn<OP, C>(static_cast<C>(gv.v[j]), static_cast<C>(xv.v[j]), C(1)));"),
     ("bn_relu_mask_sums", "mask off by the boundary", "core/ops/batch_norm.cu",
      "    if constexpr (MASK) g = cast_value<A>(y[i]) > A(0) ? g : A(0);",
      "    if constexpr (MASK) g = cast_value<A>(y[i]) >= A(0) ? g : A(0);"),

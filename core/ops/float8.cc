@@ -5,6 +5,7 @@
 // so its products are the exact ones the tensor cores form and only the
 // order of the float32 sum differs from cuBLASLt's.
 #include <cmath>
+#include <cstdint>
 #include <mutex>
 
 #include "core/autocast.h"
@@ -40,9 +41,7 @@ float amax_cpu(const T* x, int64_t n) {
   return result;
 }
 
-float max_of(DType fp8) {
-  return fp8 == DType::Float8E4M3 ? Float8E4M3::format::kMax : Float8E5M2::format::kMax;
-}
+float max_of(DType fp8) { return fp8 == DType::Float8E4M3 ? Float8E4M3::format::kMax : Float8E5M2::format::kMax; }
 
 template <typename T, typename F8>
 void to_float8_cpu_t(const T* x, float scale, F8* out, int64_t n) {
@@ -82,8 +81,8 @@ void check_float8_dtype(DType fp8, const char* op) {
 
 void check_scale(const Tensor& scale, const Tensor& like, const char* op, const char* name) {
   EMBER_CHECK(scale.defined() && scale.dim() == 0 && scale.dtype() == DType::Float32, op, ": ", name,
-              " must be a float32 scalar tensor, got ", scale.defined() ? shape_str(scale.sizes()) : "undefined",
-              " ", scale.defined() ? dtype_name(scale.dtype()) : "");
+              " must be a float32 scalar tensor, got ", scale.defined() ? shape_str(scale.sizes()) : "undefined", " ",
+              scale.defined() ? dtype_name(scale.dtype()) : "");
   EMBER_CHECK(scale.device() == like.device(), op, ": ", name, " is on ", scale.device(), " but the input on ",
               like.device());
 }
@@ -128,8 +127,8 @@ Tensor scaled_mm(const Tensor& a, const Tensor& b, const Tensor& scale_a, const 
   EMBER_CHECK(a.defined() && b.defined(), op, ": an input is undefined");
   EMBER_CHECK(a.dim() == 2 && b.dim() == 2, op, ": a and b must be 2-D, got ", shape_str(a.sizes()), " and ",
               shape_str(b.sizes()));
-  EMBER_CHECK(is_float8(a.dtype()) && is_float8(b.dtype()), op, ": a and b must be float8, got ", a.dtype(),
-              " and ", b.dtype());
+  EMBER_CHECK(is_float8(a.dtype()) && is_float8(b.dtype()), op, ": a and b must be float8, got ", a.dtype(), " and ",
+              b.dtype());
   EMBER_CHECK(!(a.dtype() == DType::Float8E5M2 && b.dtype() == DType::Float8E5M2), op,
               ": a and b cannot both be float8_e5m2 (cuBLASLt has no e5m2 x e5m2 matmul)");
   EMBER_CHECK(a.device() == b.device(), op, ": a is on ", a.device(), " and b on ", b.device());
@@ -138,18 +137,24 @@ Tensor scaled_mm(const Tensor& a, const Tensor& b, const Tensor& scale_a, const 
               ": inner dimensions differ");
   EMBER_CHECK(k % 16 == 0 && n % 16 == 0, op, ": ", shape_str(a.sizes()), " x ", shape_str(b.sizes()),
               ": k and n must be multiples of 16 (float8 matmul layouts)");
-  EMBER_CHECK(m <= 1 || a.strides()[1] == 1, op, ": a ", shape_str(a.sizes()), " must be row-major (stride [k, 1]), ",
+  EMBER_CHECK(out_dtype == DType::Float32 || out_dtype == DType::BFloat16 || out_dtype == DType::Float16, op,
+              ": out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
+  check_scale(scale_a, a, op, "scale_a");
+  check_scale(scale_b, b, op, "scale_b");
+  // An empty sum is zeros, whatever the strides of the empty operands (and
+  // cuBLASLt has no layout of zero rows).
+  if (k == 0) return zeros({m, n}, TensorOptions(out_dtype, a.device()));
+  EMBER_CHECK(a.strides()[1] == 1 || k <= 1, op, ": a ", shape_str(a.sizes()), " must be row-major (stride [k, 1]), ",
               "got strides ", shape_str(a.strides()));
   EMBER_CHECK(a.strides()[0] == k || m <= 1, op, ": a ", shape_str(a.sizes()), " must be row-major, got strides ",
               shape_str(a.strides()));
   EMBER_CHECK(b.strides()[0] == 1 && (b.strides()[1] == k || n <= 1), op, ": b ", shape_str(b.sizes()),
               " must be column-major (b.t() contiguous, strides [1, k]), got strides ", shape_str(b.strides()));
-  EMBER_CHECK(out_dtype == DType::Float32 || out_dtype == DType::BFloat16 || out_dtype == DType::Float16, op,
-              ": out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
-  check_scale(scale_a, a, op, "scale_a");
-  check_scale(scale_b, b, op, "scale_b");
   NoGradGuard no_grad;
   if (a.is_cuda()) {
+    for (const Tensor* t : {&a, &b})
+      EMBER_CHECK(reinterpret_cast<uintptr_t>(t->raw_data()) % 16 == 0, op, ": ", t == &a ? "a" : "b", " ",
+                  shape_str(t->sizes()), " must start on a 16-byte boundary on CUDA (float8 matmuls); copy the view");
     Tensor out = Tensor::empty({m, n}, TensorOptions(out_dtype, a.device()));
     if (m > 0 && n > 0) scaled_mm_cuda(a, b, scale_a.contiguous(), scale_b.contiguous(), fast_accum, out);
     return out;
@@ -167,9 +172,9 @@ Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias) 
     return float8_linear(lx, lw, lb);
   EMBER_CHECK(x.defined() && weight.defined(), op, ": an input is undefined");
   EMBER_CHECK(weight.dim() == 2, op, ": weight must be [out, in], got ", shape_str(weight.sizes()));
-  EMBER_CHECK(x.device() == weight.device() && x.dtype() == weight.dtype(), op, ": input ", shape_str(x.sizes()),
-              " ", x.dtype(), " on ", x.device(), " and weight ", shape_str(weight.sizes()), " ", weight.dtype(),
-              " on ", weight.device(), " must share dtype and device");
+  EMBER_CHECK(x.device() == weight.device() && x.dtype() == weight.dtype(), op, ": input ", shape_str(x.sizes()), " ",
+              x.dtype(), " on ", x.device(), " and weight ", shape_str(weight.sizes()), " ", weight.dtype(), " on ",
+              weight.device(), " must share dtype and device");
   EMBER_CHECK(x.dtype() == DType::Float32 || x.dtype() == DType::BFloat16 || x.dtype() == DType::Float16, op,
               ": input must be float32, bfloat16 or float16, got ", x.dtype());
   const int64_t in = weight.sizes()[1], out_features = weight.sizes()[0];
@@ -178,10 +183,10 @@ Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias) 
   EMBER_CHECK(in % 16 == 0 && out_features % 16 == 0, op, ": weight ", shape_str(weight.sizes()),
               ": in and out features must be multiples of 16 for float8 matmuls (keep this layer in high precision)");
   if (bias.defined())
-    EMBER_CHECK(bias.dim() == 1 && bias.sizes()[0] == out_features && bias.dtype() == x.dtype() &&
-                    bias.device() == x.device(),
-                op, ": bias ", shape_str(bias.sizes()), " ", bias.dtype(), " does not match weight ",
-                shape_str(weight.sizes()), " ", weight.dtype());
+    EMBER_CHECK(
+        bias.dim() == 1 && bias.sizes()[0] == out_features && bias.dtype() == x.dtype() && bias.device() == x.device(),
+        op, ": bias ", shape_str(bias.sizes()), " ", bias.dtype(), " does not match weight ", shape_str(weight.sizes()),
+        " ", weight.dtype());
   Shape out_shape(x.sizes().begin(), x.sizes().end() - 1);
   const int64_t rows = shape_numel(out_shape);
   out_shape.push_back(out_features);

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "core/ops/cuda_utils.cuh"
@@ -93,21 +94,27 @@ unsigned pass_grid(int64_t n, int vec, int device) {
 
 cudaDataType lt_type(DType t) {
   switch (t) {
-    case DType::Float8E4M3: return CUDA_R_8F_E4M3;
-    case DType::Float8E5M2: return CUDA_R_8F_E5M2;
-    case DType::Float32: return CUDA_R_32F;
-    case DType::BFloat16: return CUDA_R_16BF;
-    case DType::Float16: return CUDA_R_16F;
-    default: break;
+    case DType::Float8E4M3:
+      return CUDA_R_8F_E4M3;
+    case DType::Float8E5M2:
+      return CUDA_R_8F_E5M2;
+    case DType::Float32:
+      return CUDA_R_32F;
+    case DType::BFloat16:
+      return CUDA_R_16BF;
+    case DType::Float16:
+      return CUDA_R_16F;
+    default:
+      break;
   }
   EMBER_CHECK(false, "scaled_mm: dtype ", t, " has no cuBLASLt type here");
   return CUDA_R_32F;
 }
 
 cublasLtHandle_t lt_handle(int device) {
-  return cuda::handle_slot<cublasLtHandle_t>("scaled_mm", device, [](cublasLtHandle_t* h) {
-           EMBER_CUBLAS_CHECK(cublasLtCreate(h));
-         }).handle;
+  return cuda::handle_slot<cublasLtHandle_t>("scaled_mm", device,
+                                             [](cublasLtHandle_t* h) { EMBER_CUBLAS_CHECK(cublasLtCreate(h)); })
+      .handle;
 }
 
 // The descriptors of one call, destroyed on every path out.
@@ -127,6 +134,13 @@ struct LtCall {
 template <typename V>
 void set_attr(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const V& v) {
   EMBER_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &v, sizeof(v)));
+}
+
+// The largest power of two up to 256 that divides p's address.
+uint32_t alignment_of(const void* p) {
+  uint32_t a = 1;
+  while (a < 256 && reinterpret_cast<uintptr_t>(p) % (2 * a) == 0) a *= 2;
+  return a;
 }
 
 // Hopper's cuBLASLt workspace (PyTorch's size for sm_90), from the caching
@@ -171,8 +185,8 @@ void to_float8_cuda(const Tensor& x, const Tensor& scale, Tensor& out) {
       using F8 = std::remove_pointer_t<decltype(op)>;
       constexpr int V = cuda::vec_width<T>();
       if (cuda::is_aligned_for<T, V>(xp) && cuda::is_aligned_for<F8, V>(op))
-        to_float8_kernel<T, F8, V><<<cuda::grid_for(n, cuda::kBlockSize, V), cuda::kBlockSize, 0, stream>>>(xp, s, op,
-                                                                                                             n);
+        to_float8_kernel<T, F8, V>
+            <<<cuda::grid_for(n, cuda::kBlockSize, V), cuda::kBlockSize, 0, stream>>>(xp, s, op, n);
       else
         to_float8_kernel<T, F8, 1><<<cuda::grid_for(n), cuda::kBlockSize, 0, stream>>>(xp, s, op, n);
     };
@@ -210,19 +224,30 @@ void scaled_mm_cuda(const Tensor& a, const Tensor& b, const Tensor& scale_a, con
   EMBER_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&call.pref));
   EMBER_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(call.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                           &kLtWorkspace, sizeof(kLtWorkspace)));
+  // The operands' real alignment (the preference defaults to 256 bytes; an
+  // algorithm chosen for more than a view has would read wrongly), as
+  // torch's cuBLASLt calls set it.
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, const void*> aligns[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, b.raw_data()},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a.raw_data()},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, out.raw_data()},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, out.raw_data()}};
+  for (const auto& [attr, p] : aligns) {
+    const uint32_t bytes = alignment_of(p);
+    EMBER_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(call.pref, attr, &bytes, sizeof(bytes)));
+  }
   cublasLtMatmulHeuristicResult_t heuristic{};
   int found = 0;
-  EMBER_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, call.desc, call.a, call.b, call.c, call.c, call.pref, 1,
-                                                    &heuristic, &found));
-  EMBER_CHECK(found > 0, "scaled_mm: cuBLASLt has no float8 algorithm for [", m, ", ", k, "] ", a.dtype(), " x [",
-              k, ", ", n, "] ", b.dtype(), " -> ", out.dtype());
-  const Tensor workspace = Tensor::empty({static_cast<int64_t>(heuristic.workspaceSize)},
-                                         TensorOptions(DType::UInt8, a.device()));
+  EMBER_CUBLAS_CHECK(
+      cublasLtMatmulAlgoGetHeuristic(lt, call.desc, call.a, call.b, call.c, call.c, call.pref, 1, &heuristic, &found));
+  EMBER_CHECK(found > 0, "scaled_mm: cuBLASLt has no float8 algorithm for [", m, ", ", k, "] ", a.dtype(), " x [", k,
+              ", ", n, "] ", b.dtype(), " -> ", out.dtype());
+  const Tensor workspace =
+      Tensor::empty({static_cast<int64_t>(heuristic.workspaceSize)}, TensorOptions(DType::UInt8, a.device()));
   const float alpha = 1.0f, beta = 0.0f;
-  EMBER_CUBLAS_CHECK(cublasLtMatmul(lt, call.desc, &alpha, b.raw_data(), call.a, a.raw_data(), call.b, &beta,
-                                    out.raw_data(), call.c, out.raw_data(), call.c, &heuristic.algo,
-                                    workspace.numel() ? workspace.raw_data() : nullptr, heuristic.workspaceSize,
-                                    stream));
+  EMBER_CUBLAS_CHECK(cublasLtMatmul(
+      lt, call.desc, &alpha, b.raw_data(), call.a, a.raw_data(), call.b, &beta, out.raw_data(), call.c, out.raw_data(),
+      call.c, &heuristic.algo, workspace.numel() ? workspace.raw_data() : nullptr, heuristic.workspaceSize, stream));
 }
 
 }  // namespace ember

@@ -262,6 +262,13 @@ EMBER_HD float float8_scale_of(float amax, float max_fp8) {
   return static_cast<float>(static_cast<double>(max_fp8) / (a < 1e-12 ? 1e-12 : a));
 }
 
+// bias_gelu: x contiguous [rows, cols] (any leading shape), bias [cols] of
+// x's dtype; y = gelu(x + bias), and backward dx = g gelu'(x + bias).
+void bias_gelu_forward_cpu(const Tensor& x, const Tensor& bias, bool tanh_approx, Tensor& y);
+void bias_gelu_forward_cuda(const Tensor& x, const Tensor& bias, bool tanh_approx, Tensor& y);
+void bias_gelu_backward_cpu(const Tensor& g, const Tensor& x, const Tensor& bias, bool tanh_approx, Tensor& dx);
+void bias_gelu_backward_cuda(const Tensor& g, const Tensor& x, const Tensor& bias, bool tanh_approx, Tensor& dx);
+
 // swiglu (silu(a) * b) over contiguous a, b of one shape and float dtype:
 // y, and where given da and db from the output gradient g.
 void swiglu_forward_cpu(const Tensor& a, const Tensor& b, Tensor& y);

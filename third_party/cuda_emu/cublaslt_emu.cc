@@ -34,6 +34,7 @@ struct Layout {
 };
 struct Pref {
   uint64_t max_workspace = 0;
+  uint32_t min_align[4] = {256, 256, 256, 256};  // A, B, C, D: the library's default
 };
 // What the emulated heuristic asks for: a small workspace, so the caller's
 // workspace path runs and is range-checked.
@@ -54,17 +55,27 @@ size_t elem_size(cudaDataType t) {
 }
 double ld(const void* p, cudaDataType t, int64_t i) {
   switch (t) {
-    case CUDA_R_8F_E4M3: return float(static_cast<const ember::Float8E4M3*>(p)[i]);
-    case CUDA_R_8F_E5M2: return float(static_cast<const ember::Float8E5M2*>(p)[i]);
-    default: return 0;
+    case CUDA_R_8F_E4M3:
+      return float(static_cast<const ember::Float8E4M3*>(p)[i]);
+    case CUDA_R_8F_E5M2:
+      return float(static_cast<const ember::Float8E5M2*>(p)[i]);
+    default:
+      return 0;
   }
 }
 void st(void* p, cudaDataType t, int64_t i, float v) {
   switch (t) {
-    case CUDA_R_32F: static_cast<float*>(p)[i] = v; break;
-    case CUDA_R_16F: static_cast<ember::Half*>(p)[i] = ember::Half(v); break;
-    case CUDA_R_16BF: static_cast<ember::BFloat16*>(p)[i] = ember::BFloat16(v); break;
-    default: break;
+    case CUDA_R_32F:
+      static_cast<float*>(p)[i] = v;
+      break;
+    case CUDA_R_16F:
+      static_cast<ember::Half*>(p)[i] = ember::Half(v);
+      break;
+    case CUDA_R_16BF:
+      static_cast<ember::BFloat16*>(p)[i] = ember::BFloat16(v);
+      break;
+    default:
+      break;
   }
 }
 
@@ -118,12 +129,18 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t dp, cublasLtM
     return CUBLAS_STATUS_SUCCESS;
   };
   switch (attr) {
-    case CUBLASLT_MATMUL_DESC_TRANSA: return take(d.transa);
-    case CUBLASLT_MATMUL_DESC_TRANSB: return take(d.transb);
-    case CUBLASLT_MATMUL_DESC_A_SCALE_POINTER: return take(d.a_scale);
-    case CUBLASLT_MATMUL_DESC_B_SCALE_POINTER: return take(d.b_scale);
-    case CUBLASLT_MATMUL_DESC_FAST_ACCUM: return take(d.fast_accum);
-    default: return unsupported("this cublasLtMatmulDesc attribute");
+    case CUBLASLT_MATMUL_DESC_TRANSA:
+      return take(d.transa);
+    case CUBLASLT_MATMUL_DESC_TRANSB:
+      return take(d.transb);
+    case CUBLASLT_MATMUL_DESC_A_SCALE_POINTER:
+      return take(d.a_scale);
+    case CUBLASLT_MATMUL_DESC_B_SCALE_POINTER:
+      return take(d.b_scale);
+    case CUBLASLT_MATMUL_DESC_FAST_ACCUM:
+      return take(d.fast_accum);
+    default:
+      return unsupported("this cublasLtMatmulDesc attribute");
   }
 }
 
@@ -149,9 +166,30 @@ cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
 cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p,
                                                     cublasLtMatmulPreferenceAttributes_t attr, const void* buf,
                                                     size_t size) {
-  if (attr != CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES) return unsupported("this preference attribute");
-  if (size != sizeof(uint64_t)) return fail("CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES takes a uint64_t");
-  std::memcpy(&reinterpret_cast<Pref*>(p)->max_workspace, buf, size);
+  Pref& pr = *reinterpret_cast<Pref*>(p);
+  int slot = -1;
+  switch (attr) {
+    case CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES:
+      if (size != sizeof(uint64_t)) return fail("CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES takes a uint64_t");
+      std::memcpy(&pr.max_workspace, buf, size);
+      return CUBLAS_STATUS_SUCCESS;
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES:
+      slot = 0;
+      break;
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES:
+      slot = 1;
+      break;
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES:
+      slot = 2;
+      break;
+    case CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES:
+      slot = 3;
+      break;
+    default:
+      return unsupported("this preference attribute");
+  }
+  if (size != sizeof(uint32_t)) return fail("CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES take a uint32_t");
+  std::memcpy(&pr.min_align[slot], buf, size);
   return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -164,6 +202,10 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
   std::memset(&results[0], 0, sizeof(results[0]));
   results[0].workspaceSize = ws < kEmuWorkspace ? ws : kEmuWorkspace;
   results[0].algo.data[0] = results[0].workspaceSize;  // what cublasLtMatmul will need
+  // The alignments the algorithm assumes: the caller's promised ones
+  // (algo.data[1..4]); cublasLtMatmul checks the pointers against them, as
+  // an algorithm chosen for an alignment the data lacks reads wrongly.
+  for (int i = 0; i < 4; ++i) results[0].algo.data[1 + i] = reinterpret_cast<Pref*>(pref)->min_align[i];
   results[0].state = CUBLAS_STATUS_SUCCESS;
   results[0].wavesCount = 1.0f;
   *count = 1;
@@ -184,6 +226,10 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t dp, const v
   if (b.rows != k || dd.rows != m || dd.cols != n || c.rows != m || c.cols != n)
     return fail("cublasLtMatmul: layouts do not form op(A) op(B) = D");
   if (algo == nullptr || workspace_bytes < algo->data[0]) return fail("cublasLtMatmul: workspace below the algo's");
+  const void* ptrs[4] = {A, B, C, D};
+  for (int i = 0; i < 4; ++i)
+    if (reinterpret_cast<uintptr_t>(ptrs[i]) % algo->data[1 + i] != 0)
+      return fail("cublasLtMatmul: a pointer is less aligned than the preference the algorithm was chosen for");
   const float al_v = *static_cast<const float*>(alpha), be_v = *static_cast<const float*>(beta);
   if (be_v != 0 || C != D) return unsupported("cublasLtMatmul with beta != 0 or C != D");
   const char* what = "cublasLtMatmul";

@@ -27,6 +27,8 @@ void convert_float8(nn::GPT& gpt, const ParallelDims& dims, const GPTParallelOpt
   if (!o.float8) return;
   EMBER_CHECK(dims.tp == 1, "float8 with tensor parallelism (tp = ", dims.tp,
               ") is not supported: float8 linear layers take whole weights (tp 1)");
+  EMBER_CHECK(gpt.options.moe.num_experts == 0, "float8 with mixture-of-experts blocks (", gpt.options.moe.num_experts,
+              " experts) is not supported: the experts' grouped matmuls have no float8 path");
   nn::convert_to_float8_training(gpt);
 }
 
