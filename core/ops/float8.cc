@@ -152,11 +152,12 @@ Tensor scaled_mm(const Tensor& a, const Tensor& b, const Tensor& scale_a, const 
               " must be column-major (b.t() contiguous, strides [1, k]), got strides ", shape_str(b.strides()));
   NoGradGuard no_grad;
   if (a.is_cuda()) {
+    Tensor out = Tensor::empty({m, n}, TensorOptions(out_dtype, a.device()));
+    if (m == 0 || n == 0) return out;
     for (const Tensor* t : {&a, &b})
       EMBER_CHECK(reinterpret_cast<uintptr_t>(t->raw_data()) % 16 == 0, op, ": ", t == &a ? "a" : "b", " ",
                   shape_str(t->sizes()), " must start on a 16-byte boundary on CUDA (float8 matmuls); copy the view");
-    Tensor out = Tensor::empty({m, n}, TensorOptions(out_dtype, a.device()));
-    if (m > 0 && n > 0) scaled_mm_cuda(a, b, scale_a.contiguous(), scale_b.contiguous(), fast_accum, out);
+    scaled_mm_cuda(a, b, scale_a.contiguous(), scale_b.contiguous(), fast_accum, out);
     return out;
   }
   autocast::DisabledScope no_autocast;

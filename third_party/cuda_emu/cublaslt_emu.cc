@@ -189,7 +189,10 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t p
       return unsupported("this preference attribute");
   }
   if (size != sizeof(uint32_t)) return fail("CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES take a uint32_t");
-  std::memcpy(&pr.min_align[slot], buf, size);
+  uint32_t a;
+  std::memcpy(&a, buf, size);
+  if (a == 0 || (a & (a - 1)) != 0) return fail("CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES: not a power of two");
+  pr.min_align[slot] = a;
   return CUBLAS_STATUS_SUCCESS;
 }
 

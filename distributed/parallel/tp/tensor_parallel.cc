@@ -319,6 +319,11 @@ void apply(const RowwiseParallel& s, nn::Module& m, const std::string& fqn, cons
   const bool local = s.use_local_output;
   const std::string wout = where_of(fqn, "RowwiseParallel", "output");
   if (auto* lin = dynamic_cast<nn::Linear*>(&m)) {
+    // An activation fused after the bias would run on each rank's partial
+    // sum, before the reduction: not the layer's function.
+    EMBER_CHECK(lin->activation == nn::LinearActivation::None, "RowwiseParallel on '", fqn,
+                "': a Linear with a fused activation (Linear::activation) cannot be split by rows; use "
+                "ColwiseParallel for it or clear the activation");
     shard_param(lin->weight, mesh, Shard(1), fqn + ".weight");
     if (lin->bias.defined()) {
       // Added once, after the partial sums are reduced: forward runs

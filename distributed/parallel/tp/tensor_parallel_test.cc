@@ -280,6 +280,12 @@ EMBER_WORKER(errors) {
   parallelize_module(model, mesh, {{"h.0.mlp.c_fc", ColwiseParallel{}}});
   e = error_of([&] { parallelize_module(model, mesh, {{"h.0.mlp.c_fc", RowwiseParallel{}}}); });
   WCHECK(e.find("h.0.mlp.c_fc.weight is already sharded") != std::string::npos, e);
+  // A GELU fused after a Linear's bias would act on each rank's partial sum
+  // if the Linear were split by rows.
+  nn::Linear fused(8, 8);
+  fused.activation = nn::LinearActivation::GeluTanh;
+  e = error_of([&] { parallelize_module(fused, mesh, {{"", RowwiseParallel{}}}); });
+  WCHECK(e.find("a Linear with a fused activation") != std::string::npos, e);
   // SP needs a sequence length the tp degree divides.
   nn::GPT sp_model(small_gpt(false));
   parallelize_module(sp_model, mesh, gpt_tp_plan(sp_model, true));
