@@ -24,42 +24,33 @@ namespace ember {
 // ---- CPU kernels ----
 namespace {
 
-// v rounded to T and read back: what linear's bias add leaves in memory.
-template <typename T, typename C>
-inline C rounded(C v) {
-  return static_cast<C>(static_cast<T>(v));
+// f(r, c, t) over [rows, cols] split by rows across threads, with t =
+// x + bias rounded to T as linear's bias add leaves it (the loop vectorizes
+// along the row).
+template <typename T, typename F>
+void each_biased(const T* x, const T* b, int64_t rows, int64_t cols, F&& f) {
+  using C = acc_t<T>;
+  parallel_for(rows, std::max<int64_t>(1, kParallelGrain / std::max<int64_t>(cols, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * cols;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c)
+        f(r * cols + c, static_cast<C>(static_cast<T>(load_as<C>(xr + c) + load_as<C>(b + c))));
+    }
+  });
 }
 
 template <typename T, UnaryOp OP>
 void forward_cpu(const T* x, const T* b, T* y, int64_t rows, int64_t cols) {
   using C = acc_t<T>;
-  parallel_for(rows, std::max<int64_t>(1, kParallelGrain / std::max<int64_t>(cols, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * cols;
-      T* yr = y + r * cols;
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) {
-        const C t = rounded<T>(load_as<C>(xr + c) + load_as<C>(b + c));
-        store_as(yr + c, unary_fn<OP, C>(t, C(0), C(0)));
-      }
-    }
-  });
+  each_biased(x, b, rows, cols, [&](int64_t i, C t) { store_as(y + i, unary_fn<OP, C>(t, C(0), C(0))); });
 }
 
 template <typename T, BinaryOp OP>
 void backward_cpu(const T* g, const T* x, const T* b, T* dx, int64_t rows, int64_t cols) {
   using C = acc_t<T>;
-  parallel_for(rows, std::max<int64_t>(1, kParallelGrain / std::max<int64_t>(cols, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T *gr = g + r * cols, *xr = x + r * cols;
-      T* dr = dx + r * cols;
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) {
-        const C t = rounded<T>(load_as<C>(xr + c) + load_as<C>(b + c));
-        store_as(dr + c, binary_fn<OP, C>(load_as<C>(gr + c), t, C(1)));
-      }
-    }
-  });
+  each_biased(x, b, rows, cols,
+              [&](int64_t i, C t) { store_as(dx + i, binary_fn<OP, C>(load_as<C>(g + i), t, C(1))); });
 }
 
 }  // namespace

@@ -56,19 +56,6 @@ __global__ void bias_gelu_backward_kernel(const T* __restrict__ g, const T* __re
   });
 }
 
-// Calls launch(VEC) with the 16-byte vector width when cols is a multiple
-// of it and every pointer is aligned for it, else 1.
-template <typename T, typename F>
-void with_width(int64_t cols, std::initializer_list<const void*> ptrs, const F& launch) {
-  constexpr int V = cuda::vec_width<T>();
-  bool ok = cols % V == 0;
-  for (const void* p : ptrs) ok = ok && cuda::is_aligned_for<T, V>(p);
-  if (ok)
-    launch(std::integral_constant<int, V>{});
-  else
-    launch(std::integral_constant<int, 1>{});
-}
-
 }  // namespace
 
 void bias_gelu_forward_cuda(const Tensor& x, const Tensor& bias, bool tanh_approx, Tensor& y) {
@@ -79,14 +66,18 @@ void bias_gelu_forward_cuda(const Tensor& x, const Tensor& bias, bool tanh_appro
     using T = scalar_t;
     const T *xp = x.data<T>(), *bp = bias.data<T>();
     T* yp = y.data<T>();
-    with_width<T>(cols, {xp, bp, yp}, [&](auto vec) {
-      constexpr int VEC = decltype(vec)::value;
-      const unsigned grid = cuda::grid_for(n, cuda::kBlockSize, VEC);
-      if (tanh_approx)
-        bias_gelu_forward_kernel<T, UnaryOp::GeluTanh, VEC><<<grid, cuda::kBlockSize, 0, stream>>>(xp, bp, yp, n, cols);
-      else
-        bias_gelu_forward_kernel<T, UnaryOp::Gelu, VEC><<<grid, cuda::kBlockSize, 0, stream>>>(xp, bp, yp, n, cols);
-    });
+    // A vector lies inside one row when the width divides cols.
+    cuda::with_vec_width<T>(
+        n, {xp, bp, yp},
+        [&](auto vec, unsigned grid) {
+          constexpr int VEC = decltype(vec)::value;
+          if (tanh_approx)
+            bias_gelu_forward_kernel<T, UnaryOp::GeluTanh, VEC>
+                <<<grid, cuda::kBlockSize, 0, stream>>>(xp, bp, yp, n, cols);
+          else
+            bias_gelu_forward_kernel<T, UnaryOp::Gelu, VEC><<<grid, cuda::kBlockSize, 0, stream>>>(xp, bp, yp, n, cols);
+        },
+        cols % cuda::vec_width<T>() == 0);
   });
   EMBER_CUDA_CHECK(cudaGetLastError());
 }
@@ -99,16 +90,18 @@ void bias_gelu_backward_cuda(const Tensor& g, const Tensor& x, const Tensor& bia
     using T = scalar_t;
     const T *gp = g.data<T>(), *xp = x.data<T>(), *bp = bias.data<T>();
     T* dp = dx.data<T>();
-    with_width<T>(cols, {gp, xp, bp, dp}, [&](auto vec) {
-      constexpr int VEC = decltype(vec)::value;
-      const unsigned grid = cuda::grid_for(n, cuda::kBlockSize, VEC);
-      if (tanh_approx)
-        bias_gelu_backward_kernel<T, BinaryOp::GeluTanhGrad, VEC>
-            <<<grid, cuda::kBlockSize, 0, stream>>>(gp, xp, bp, dp, n, cols);
-      else
-        bias_gelu_backward_kernel<T, BinaryOp::GeluGrad, VEC>
-            <<<grid, cuda::kBlockSize, 0, stream>>>(gp, xp, bp, dp, n, cols);
-    });
+    cuda::with_vec_width<T>(
+        n, {gp, xp, bp, dp},
+        [&](auto vec, unsigned grid) {
+          constexpr int VEC = decltype(vec)::value;
+          if (tanh_approx)
+            bias_gelu_backward_kernel<T, BinaryOp::GeluTanhGrad, VEC>
+                <<<grid, cuda::kBlockSize, 0, stream>>>(gp, xp, bp, dp, n, cols);
+          else
+            bias_gelu_backward_kernel<T, BinaryOp::GeluGrad, VEC>
+                <<<grid, cuda::kBlockSize, 0, stream>>>(gp, xp, bp, dp, n, cols);
+        },
+        cols % cuda::vec_width<T>() == 0);
   });
   EMBER_CUDA_CHECK(cudaGetLastError());
 }

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <mutex>
 #include <type_traits>
 
@@ -151,6 +152,22 @@ constexpr int vec_width() { return sizeof(T) >= 16 ? 1 : static_cast<int>(16 / s
 template <typename T, int N>
 inline bool is_aligned_for(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * N) == 0;
+}
+
+// Calls launch(VEC, grid) with VEC the 16-byte width of T where `divisible`
+// holds and every non-null pointer is aligned for it, else 1, and the grid
+// for n elements at VEC: the elementwise kernels' choice of vector loads.
+// `divisible`: a kernel whose vectors must not straddle something (a row of
+// a bias, say) passes whether the vector width divides it.
+template <typename T, typename F>
+void with_vec_width(int64_t n, std::initializer_list<const void*> ptrs, const F& launch, bool divisible = true) {
+  constexpr int V = vec_width<T>();
+  bool ok = divisible;
+  for (const void* p : ptrs) ok = ok && (!p || is_aligned_for<T, V>(p));
+  if (ok)
+    launch(std::integral_constant<int, V>{}, grid_for(n, kBlockSize, V));
+  else
+    launch(std::integral_constant<int, 1>{}, grid_for(n));
 }
 
 // Visits [b, e) of an array starting at p, split among nt threads (this one

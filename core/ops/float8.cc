@@ -75,8 +75,13 @@ void to_float8_cpu(const Tensor& x, const Tensor& scale, Tensor& out) {
 // ---- Ops ----
 namespace {
 
-void check_float8_dtype(DType fp8, const char* op) {
+// What float8_scale and to_float8 take: a defined float32/bf16/fp16 input
+// and a float8 target.
+void check_cast(const Tensor& x, DType fp8, const char* op) {
+  EMBER_CHECK(x.defined(), op, ": undefined input");
   EMBER_CHECK(is_float8(fp8), op, ": the target dtype must be float8_e4m3fn or float8_e5m2, got ", fp8);
+  EMBER_CHECK(is_floating(x.dtype()) && x.dtype() != DType::Float64, op, ": input must be float32, ",
+              "bfloat16 or float16, got ", x.dtype());
 }
 
 void check_scale(const Tensor& scale, const Tensor& like, const char* op, const char* name) {
@@ -90,10 +95,7 @@ void check_scale(const Tensor& scale, const Tensor& like, const char* op, const 
 }  // namespace
 
 Tensor float8_scale(const Tensor& x, DType fp8) {
-  EMBER_CHECK(x.defined(), "float8_scale: undefined input");
-  check_float8_dtype(fp8, "float8_scale");
-  EMBER_CHECK(is_floating(x.dtype()) && x.dtype() != DType::Float64, "float8_scale: input must be float32, ",
-              "bfloat16 or float16, got ", x.dtype());
+  check_cast(x, fp8, "float8_scale");
   NoGradGuard no_grad;
   const Tensor xc = x.contiguous();
   Tensor out = Tensor::empty({3}, TensorOptions(DType::Float32, x.device()));
@@ -105,10 +107,7 @@ Tensor float8_scale(const Tensor& x, DType fp8) {
 }
 
 Tensor to_float8(const Tensor& x, const Tensor& scale, DType fp8) {
-  EMBER_CHECK(x.defined(), "to_float8: undefined input");
-  check_float8_dtype(fp8, "to_float8");
-  EMBER_CHECK(is_floating(x.dtype()) && x.dtype() != DType::Float64, "to_float8: input must be float32, ",
-              "bfloat16 or float16, got ", x.dtype());
+  check_cast(x, fp8, "to_float8");
   check_scale(scale, x, "to_float8", "scale");
   NoGradGuard no_grad;
   const Tensor xc = x.contiguous(), sc = scale.contiguous();

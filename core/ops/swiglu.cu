@@ -75,19 +75,6 @@ __global__ void swiglu_backward_kernel(const T* __restrict__ g, const T* __restr
   });
 }
 
-// Calls launch(VEC, grid) with VEC the 16-byte width where every non-null
-// pointer is aligned for it, else 1, and the grid for n elements at VEC.
-template <typename T, typename F>
-void with_vec_width(int64_t n, std::initializer_list<const void*> ptrs, const F& launch) {
-  constexpr int V = cuda::vec_width<T>();
-  bool ok = true;
-  for (const void* p : ptrs) ok = ok && (!p || cuda::is_aligned_for<T, V>(p));
-  if (ok)
-    launch(std::integral_constant<int, V>{}, cuda::grid_for(n, cuda::kBlockSize, V));
-  else
-    launch(std::integral_constant<int, 1>{}, cuda::grid_for(n));
-}
-
 }  // namespace
 
 void swiglu_forward_cuda(const Tensor& a, const Tensor& b, Tensor& y) {
@@ -98,7 +85,7 @@ void swiglu_forward_cuda(const Tensor& a, const Tensor& b, Tensor& y) {
     using T = scalar_t;
     const T *ap = a.data<T>(), *bp = b.data<T>();
     T* yp = y.data<T>();
-    with_vec_width<T>(n, {ap, bp, yp}, [&](auto vec, unsigned grid) {
+    cuda::with_vec_width<T>(n, {ap, bp, yp}, [&](auto vec, unsigned grid) {
       constexpr int VEC = decltype(vec)::value;
       swiglu_forward_kernel<T, VEC><<<grid, cuda::kBlockSize, 0, stream>>>(ap, bp, yp, n);
     });
@@ -115,7 +102,7 @@ void swiglu_backward_cuda(const Tensor& g, const Tensor& a, const Tensor& b, Ten
     const T *gp = g.data<T>(), *ap = a.data<T>(), *bp = b.data<T>();
     T* dap = da ? da->data<T>() : nullptr;
     T* dbp = db ? db->data<T>() : nullptr;
-    with_vec_width<T>(n, {gp, ap, bp, dap, dbp}, [&](auto vec, unsigned grid) {
+    cuda::with_vec_width<T>(n, {gp, ap, bp, dap, dbp}, [&](auto vec, unsigned grid) {
       constexpr int VEC = decltype(vec)::value;
       swiglu_backward_kernel<T, VEC><<<grid, cuda::kBlockSize, 0, stream>>>(gp, ap, bp, dap, dbp, n);
     });
