@@ -402,6 +402,53 @@ TEST_F(Float8Cuda, ScaledMmMatchesTheReference) {
         }
 }
 
+// float8_linear with the weight's cast given (FSDP's float8 all-gather
+// hands the layer one) is float8_linear casting the weight itself, bit for
+// bit, and never reads the weight's data: here a placeholder whose memory
+// is freed, whose gradient it still fills.
+void check_given_cast(Device dev) {
+  manual_seed(15);
+  const DType e4 = DType::Float8E4M3;
+  const Tensor x0 = randn({2, 16, 48}).to(dev), w0 = (randn({32, 48}) * 0.1).to(dev), b0 = randn({32}).to(dev);
+  const Tensor g = randn({2, 16, 32}).to(dev);
+  Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
+  const Tensor y = float8_linear(x, w, b);
+  y.backward(g);
+  const Tensor s = float8_scale(w0, e4);
+  const Float8Weight cast{to_float8(w0, s.select(0, 0), e4), s};
+  Tensor ghost = Tensor::empty({32, 48}, TensorOptions(DType::Float32, dev));
+  ghost.free_storage("a placeholder");
+  ghost.requires_grad_();
+  Tensor x2 = x0.clone().requires_grad_(), b2 = b0.clone().requires_grad_();
+  const Tensor y2 = float8_linear(x2, ghost, b2, cast);
+  y2.backward(g);
+  expect_bits_equal(y, y2, "y");
+  expect_bits_equal(x.grad(), x2.grad(), "dx");
+  expect_bits_equal(w.grad(), ghost.grad(), "dw");
+  expect_bits_equal(b.grad(), b2.grad(), "db");
+  EXPECT_NE(error_of([&] { (void)ghost.to_vector(); }).find("freed: a placeholder"), std::string::npos);
+  // Under autocast the cast stands for the float32 weight: bfloat16 out,
+  // its gradient float32, the same forward as the cast of the same bytes.
+  Tensor y3;
+  {
+    AutocastGuard amp(dev.type, DType::BFloat16);
+    y3 = float8_linear(x0, ghost, b0, cast);
+  }
+  EXPECT_EQ(y3.dtype(), DType::BFloat16);
+  sum(y3).backward();
+  EXPECT_EQ(ghost.grad().dtype(), DType::Float32);
+  // A cast that is not the weight's is refused by name.
+  const Float8Weight wrong{to_float8(w0.t().contiguous(), s.select(0, 0), e4), s};
+  EXPECT_NE(error_of([&] { (void)float8_linear(x0, ghost, b0, wrong); }).find("the weight's cast must be"),
+            std::string::npos);
+  const Float8Weight bad_scales{cast.q, s.narrow(0, 0, 2)};
+  EXPECT_NE(error_of([&] { (void)float8_linear(x0, ghost, b0, bad_scales); }).find("scales must be float32 [3]"),
+            std::string::npos);
+}
+
+TEST(Float8, LinearWithTheWeightsCastGivenIsItsOwnBitForBit) { check_given_cast(Device(DeviceType::CPU)); }
+TEST_F(Float8Cuda, LinearWithTheWeightsCastGivenIsItsOwnBitForBit) { check_given_cast(cuda_device(0)); }
+
 TEST_F(Float8Cuda, LinearMatchesTheCpu) {
   check_linear_against_float32(cuda_device(0));
   manual_seed(14);

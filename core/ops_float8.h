@@ -50,4 +50,19 @@ Tensor scaled_mm(const Tensor& a, const Tensor& b, const Tensor& scale_a, const 
 // gradient: each is the leading dimension of one of the three GEMMs.
 Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
 
+// A weight already cast to e4m3, as float8_linear would cast it: `q` the
+// e4m3 tensor of the weight's shape, `scales` float32 [3] on its device,
+// float8_scale's {scale, 1 / scale, amax}. FSDP's float8 all-gather makes
+// one from the sharded master weight (nn/float8.h).
+struct Float8Weight {
+  Tensor q, scales;
+};
+
+// float8_linear with the weight's cast given (when `cast.q` is undefined,
+// the plain float8_linear): `weight` is where its gradient goes (its
+// shape, dtype and device are checked) but its data is never read, so it
+// may be a placeholder whose memory is freed. The weight's gradient has
+// the weight's dtype; under autocast x and the bias are cast, not it.
+Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Float8Weight& cast);
+
 }  // namespace ember

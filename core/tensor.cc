@@ -131,11 +131,12 @@ MemoryFormat Tensor::suggest_memory_format() const {
                                                                                       : MemoryFormat::Contiguous;
 }
 
-void Tensor::free_storage() const {
+void Tensor::free_storage(const char* why) const {
   Storage& s = *impl().storage;
   if (s.freed) return;
   s.data.ptr.reset();
   s.freed = true;
+  s.freed_why = why;
   s.bump_version("free_storage");
 }
 
@@ -144,11 +145,16 @@ void Tensor::restore_storage() const {
   if (!s.freed) return;
   s.data = get_allocator(s.data.device)->allocate(s.nbytes);
   s.freed = false;
+  s.freed_why = nullptr;
   s.bump_version("restore_storage");
 }
 
 void* Tensor::raw_data() const {
-  EMBER_CHECK(!impl().storage->freed, "tensor ", shape_str(sizes()), " ", dtype(), " on ", device(),
+  const Storage& s = *impl().storage;
+  if (s.freed && s.freed_why)
+    EMBER_CHECK(false, "tensor ", shape_str(sizes()), " ", dtype(), " on ", device(),
+                ": its storage was freed: ", s.freed_why);
+  EMBER_CHECK(!s.freed, "tensor ", shape_str(sizes()), " ", dtype(), " on ", device(),
               ": its storage was freed (free_storage) and not restored; call restore_storage() before using it");
   return static_cast<char*>(impl().storage->data.get()) + impl().offset * static_cast<int64_t>(element_size());
 }

@@ -38,8 +38,10 @@ struct Storage {
   uint64_t version = 0;
   const char* last_change = nullptr;
   // The memory was given back (Tensor::free_storage); every view of it
-  // refuses data access until restore_storage.
+  // refuses data access until restore_storage, with `freed_why` (when the
+  // caller gave one) as the reason in the error.
   bool freed = false;
+  const char* freed_why = nullptr;
   Device device() const { return data.device; }
   void bump_version(const char* why) {
     ++version;
@@ -172,8 +174,9 @@ class Tensor {
   // all stay; only the memory goes. Each bumps the version, so a backward
   // that saved the tensor before fails with "freed" or "restored" rather
   // than reading lost or uninitialized memory. ----
-  // Returns the memory to its allocator; a no-op when already freed.
-  void free_storage() const;
+  // Returns the memory to its allocator; a no-op when already freed. `why`
+  // (a string that outlives the storage) is what a read of it is told.
+  void free_storage(const char* why = nullptr) const;
   // Allocates the storage's size again on its device; the contents are
   // uninitialized until written (e.g. by an all-gather).
   void restore_storage() const;

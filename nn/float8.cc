@@ -1,5 +1,6 @@
 // convert_to_float8_training: sets the kernel hook of each chosen linear
-// layer (layers.h's LinearKernel) to float8_linear.
+// layer (layers.h's LinearKernel) to float8_linear, and keeps the layer's
+// Float8LinearState on it.
 #include "nn/float8.h"
 
 #include "core/ops_float8.h"
@@ -36,7 +37,16 @@ std::vector<std::string> convert_to_float8_training(Module& root, const Float8Op
     EMBER_CHECK(!*kernel, "convert_to_float8_training: '", fqn, "' (", m->type_name(),
                 ") already has a linear kernel of its own (tensor parallelism's?): convert to float8 before "
                 "parallelizing; tensor parallelism in float8 is not supported");
-    *kernel = [](const Tensor& x, const Tensor& w, const Tensor& b) { return float8_linear(x, w, b); };
+    // A tied layer's weight is another module's too (the embedding reads
+    // it whole), so it is gathered as it is.
+    const bool tied = dynamic_cast<TiedLinear*>(m) != nullptr;
+    auto state = std::make_shared<Float8LinearState>(Float8LinearState{
+        .weight = weight, .all_gather_in_float8 = options.enable_fsdp_float8_all_gather && !tied, .cast = {}});
+    m->set_transform_state(kFloat8StateKey, state);
+    // The state, not the module: the kernel lives on the module.
+    *kernel = [state](const Tensor& x, const Tensor& w, const Tensor& b) {
+      return float8_linear(x, w, b, w.is_same(state->weight) ? state->cast : Float8Weight{});
+    };
     converted.push_back(fqn);
   }
   return converted;

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/ops_float8.h"
 #include "nn/module.h"
 
 namespace ember::nn {
@@ -23,7 +24,29 @@ struct Float8Options {
   std::vector<std::string> skip_fqns = {"lm_head"};
   // Further choice, on the fqn and the module; unset: every candidate.
   std::function<bool(const std::string& fqn, const Module& m)> filter;
+  // Under fully_shard, gather these layers' weights already cast to e4m3
+  // (torchao's enable_fsdp_float8_all_gather): each rank casts its shard of
+  // the float32 master weight with the scale of the whole weight (the max
+  // of the ranks' amaxes, one all-reduce per unit), so the all-gather moves
+  // a byte per element instead of param_dtype's two or four, and the layer
+  // computes with the gathered cast as it would with its own. The scale is
+  // of the master weight, as torchao's, so under a bfloat16 param_dtype it
+  // may differ from the one of the bfloat16 weight a plain gather gives.
+  bool enable_fsdp_float8_all_gather = false;
 };
+
+// What conversion keeps on each converted module (Module::transform_state
+// under kFloat8StateKey), for the parallelisms around it: the weight
+// parameter, whether it may be gathered in float8, and the cast a
+// parallelism gathered (FSDP sets it while the weight is gathered so and
+// clears it when it reshards). While `cast` is set the layer computes
+// with it instead of casting the weight, whose data it does not read.
+struct Float8LinearState {
+  Tensor weight;
+  bool all_gather_in_float8 = false;
+  Float8Weight cast;
+};
+inline constexpr const char* kFloat8StateKey = "float8";
 
 // Converts the linear layers under `root` and returns their fqns. Layers
 // whose in or out features are not multiples of 16 are skipped (float8

@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -70,6 +71,46 @@ TEST(Float8Training, ConvertsGpt2AndSkipsWhatIsAsked) {
   // Off the multiple of 16: left in high precision.
   Linear odd(24, 32);
   EXPECT_TRUE(convert_to_float8_training(odd).empty());
+}
+
+// What conversion leaves on each layer for FSDP's float8 all-gather: the
+// weight parameter itself, the flag (never on a tied layer, whose weight
+// the embedding reads whole), and the cast the layer computes with once a
+// gather sets it.
+TEST(Float8Training, KeepsEachLayersStateForTheFloat8AllGather) {
+  manual_seed(3);
+  GPT m(GPTOptions{.vocab_size = 32, .block_size = 16, .n_layer = 1, .n_head = 2, .n_embd = 32, .tie_weights = true});
+  Float8Options o;
+  o.skip_fqns = {};  // the tied LM head too
+  o.enable_fsdp_float8_all_gather = true;
+  const std::vector<std::string> got = convert_to_float8_training(m, o);
+  ASSERT_EQ(got.back(), "lm_head");
+  for (auto& [fqn, mod] : m.named_modules()) {
+    auto st = mod->transform_state_as<Float8LinearState>(kFloat8StateKey);
+    if (std::find(got.begin(), got.end(), fqn) == got.end()) {
+      EXPECT_EQ(st, nullptr) << fqn;
+      continue;
+    }
+    ASSERT_NE(st, nullptr) << fqn;
+    EXPECT_EQ(st->all_gather_in_float8, fqn != "lm_head") << fqn;
+  }
+  auto* fc = m.named_modules()[0].second;
+  for (auto& [fqn, mod] : m.named_modules())
+    if (fqn == "h.0.mlp.c_fc") fc = mod;
+  auto& lin = dynamic_cast<Linear&>(*fc);
+  auto st = lin.transform_state_as<Float8LinearState>(kFloat8StateKey);
+  EXPECT_TRUE(st->weight.is_same(lin.weight));
+  // With a cast set, the layer computes with it: a cast of other values
+  // (the weight doubled) doubles the matmul's part of the output.
+  const Tensor x = randn({16, 32});
+  NoGradGuard ng;
+  const Tensor plain = lin(x);
+  const Tensor s = float8_scale(lin.weight * 2.0, DType::Float8E4M3);
+  st->cast = Float8Weight{to_float8(lin.weight * 2.0, s.select(0, 0), DType::Float8E4M3), s};
+  const Tensor doubled = lin(x);
+  st->cast = Float8Weight{};
+  EXPECT_TRUE(allclose(doubled - lin.bias, (plain - lin.bias) * 2.0, 1e-5, 1e-5));
+  EXPECT_TRUE(allclose(lin(x), plain, 0, 0));
 }
 
 // The same weights, float32 and float8: close logits, not equal ones.

@@ -166,17 +166,37 @@ Tensor scaled_mm(const Tensor& a, const Tensor& b, const Tensor& scale_a, const 
 }
 
 Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  return float8_linear(x, weight, bias, Float8Weight{});
+}
+
+Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Float8Weight& cast) {
   const char* op = "float8_linear";
-  if (Tensor lx = autocast::low(x), lw = autocast::low(weight), lb = autocast::low(bias);
+  const bool precast = cast.q.defined();
+  // A given cast stands for the weight: the weight itself is not cast (its
+  // data may be absent), only x and the bias.
+  if (Tensor lx = autocast::low(x), lw = precast ? weight : autocast::low(weight), lb = autocast::low(bias);
       !lx.is_same(x) || !lw.is_same(weight) || (bias.defined() && !lb.is_same(bias)))
-    return float8_linear(lx, lw, lb);
+    return float8_linear(lx, lw, lb, cast);
   EMBER_CHECK(x.defined() && weight.defined(), op, ": an input is undefined");
   EMBER_CHECK(weight.dim() == 2, op, ": weight must be [out, in], got ", shape_str(weight.sizes()));
-  EMBER_CHECK(x.device() == weight.device() && x.dtype() == weight.dtype(), op, ": input ", shape_str(x.sizes()), " ",
-              x.dtype(), " on ", x.device(), " and weight ", shape_str(weight.sizes()), " ", weight.dtype(), " on ",
-              weight.device(), " must share dtype and device");
-  EMBER_CHECK(x.dtype() == DType::Float32 || x.dtype() == DType::BFloat16 || x.dtype() == DType::Float16, op,
-              ": input must be float32, bfloat16 or float16, got ", x.dtype());
+  EMBER_CHECK(x.device() == weight.device() && (precast || x.dtype() == weight.dtype()), op, ": input ",
+              shape_str(x.sizes()), " ", x.dtype(), " on ", x.device(), " and weight ", shape_str(weight.sizes()), " ",
+              weight.dtype(), " on ", weight.device(), " must share dtype and device");
+  for (DType t : {x.dtype(), weight.dtype()})
+    EMBER_CHECK(t == DType::Float32 || t == DType::BFloat16 || t == DType::Float16, op,
+                ": input and weight must be float32, bfloat16 or float16, got ", x.dtype(), " and ", weight.dtype());
+  if (precast) {
+    EMBER_CHECK(cast.q.dtype() == DType::Float8E4M3 && cast.q.sizes() == weight.sizes() && cast.q.is_contiguous() &&
+                    cast.q.device() == weight.device(),
+                op, ": the weight's cast must be a contiguous float8_e4m3fn ", shape_str(weight.sizes()), " on ",
+                weight.device(), " (the weight's shape), got ", shape_str(cast.q.sizes()), " ", cast.q.dtype(), " on ",
+                cast.q.device());
+    EMBER_CHECK(cast.scales.defined() && cast.scales.dtype() == DType::Float32 && cast.scales.sizes() == Shape{3} &&
+                    cast.scales.device() == weight.device(),
+                op, ": the weight's cast scales must be float32 [3] on ", weight.device(),
+                " ({scale, 1/scale, amax}), got ",
+                cast.scales.defined() ? shape_str(cast.scales.sizes()) : "undefined");
+  }
   const int64_t in = weight.sizes()[1], out_features = weight.sizes()[0];
   EMBER_CHECK(x.dim() >= 1 && x.size(-1) == in, op, ": input ", shape_str(x.sizes()), " has last dim ",
               (x.dim() ? x.size(-1) : 0), " but weight ", shape_str(weight.sizes()), " expects ", in);
@@ -185,8 +205,8 @@ Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias) 
   if (bias.defined())
     EMBER_CHECK(
         bias.dim() == 1 && bias.sizes()[0] == out_features && bias.dtype() == x.dtype() && bias.device() == x.device(),
-        op, ": bias ", shape_str(bias.sizes()), " ", bias.dtype(), " does not match weight ", shape_str(weight.sizes()),
-        " ", weight.dtype());
+        op, ": bias ", shape_str(bias.sizes()), " ", bias.dtype(), " does not match the output ", out_features, " ",
+        x.dtype());
   Shape out_shape(x.sizes().begin(), x.sizes().end() - 1);
   const int64_t rows = shape_numel(out_shape);
   out_shape.push_back(out_features);
@@ -204,8 +224,12 @@ Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias) 
         const Tensor x2 = x.reshape({rows, in});
         x_scales = float8_scale(x2, kE4M3);
         xq = to_float8(x2, x_scales.select(0, 0), kE4M3);
-        w_scales = float8_scale(weight, kE4M3);
-        wq = to_float8(weight, w_scales.select(0, 0), kE4M3);
+        if (precast) {
+          w_scales = cast.scales, wq = cast.q;
+        } else {
+          w_scales = float8_scale(weight, kE4M3);
+          wq = to_float8(weight, w_scales.select(0, 0), kE4M3);
+        }
         Tensor out = scaled_mm(xq, wq.t(), x_scales.select(0, 1), w_scales.select(0, 1), x.dtype(),
                                /*fast_accum=*/true);
         if (bias.defined()) add_(out, bias);
@@ -215,7 +239,7 @@ Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias) 
         const bool gx_ = x.requires_grad(), gw_ = weight.requires_grad(), gb_ = bias.defined() && bias.requires_grad();
         const bool has_bias = bias.defined();
         const Shape x_shape = x.sizes();
-        const DType dt = x.dtype();
+        const DType dt = x.dtype(), wdt = weight.dtype();
         BackwardFn fn = [=](const Tensor& g) {
           std::vector<Tensor> grads(has_bias ? 3 : 2);
           const bool gx = gx_ && grad_wanted(0), gw = gw_ && grad_wanted(1), gb = gb_ && grad_wanted(2);
@@ -230,7 +254,7 @@ Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias) 
             // dw [out, in] = g^T [out, rows] @ x [rows, in]: x as column-major.
             if (gw)
               grads[1] = scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(), g_scales.select(0, 1),
-                                   x_scales.select(0, 1), dt);
+                                   x_scales.select(0, 1), wdt);
           }
           if (gb) grads[2] = sum(g2, {0});
           return grads;

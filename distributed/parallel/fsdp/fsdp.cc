@@ -431,6 +431,10 @@ FSDPModule::Memory FSDPModule::memory() const {
     if (Tensor g = u->live_shard_grad(); g.defined())
       m.sharded_grads += g.numel() * static_cast<int64_t>(dtype_size(g.dtype()));
     if (!u->shares_storage && !u->layout.released()) m.unsharded_params += u->layout.padded_numel() * es;
+    // A float8 gather's two buffers (nn/float8.h's all-gather in float8).
+    if (u->f8.hp_full.defined() && !u->f8.hp_full.storage_freed())
+      m.unsharded_params += static_cast<int64_t>(u->f8.hp_full.nbytes());
+    if (u->f8.f8_full.defined()) m.unsharded_params += static_cast<int64_t>(u->f8.f8_full.nbytes());
     if (u->grad_flat.defined()) m.unsharded_grads += u->grad_flat.numel() * es;
     m.largest_unit = std::max(m.largest_unit, u->layout.padded_numel() * es);
   }

@@ -140,9 +140,14 @@ void Unit::hold_shard_grad_weakly() {
   shard_grad = Tensor();
 }
 
-void Unit::start_gather() {
+void Unit::start_gather(bool compute) {
   if (state == State::UNSHARDED || gathering) return;
   if (shares_storage) return;  // the shard is the whole buffer: nothing to gather
+  if (compute && float8_gather_applies()) {
+    start_float8_gather();
+    return;
+  }
+  f8.active = false;
   NoGradGuard ng;
   MemoryKindScope gathered_memory(MemoryKind::Gathered);
   if (layout.released()) layout.restore();
@@ -162,25 +167,32 @@ void Unit::start_gather() {
 void Unit::finish_gather() {
   if (!gathering) return;
   gathering = false;
+  if (f8.active) {
+    finish_float8_gather();
+    return;
+  }
   auto w = std::move(gather_work);
   gather_src = Tensor();
   w->synchronize();
 }
 
-void Unit::unshard() {
+void Unit::unshard(bool compute) {
   if (state == State::UNSHARDED) return;
-  start_gather();
+  start_gather(compute);
   finish_gather();
   if (state == State::SHARDED) {
     // The sharded gradients the parameters carry now (honouring a
     // zero_grad since) are kept aside while the parameters are whole.
     shard_grad = reconcile(live_shard_grad(), true, shard_numel(), master_options());
     shard_grad_weak.reset();
-    for (size_t i = 0; i < params.size(); ++i) {
+    for (size_t i = 0; i < params.size(); ++i)
       if (trainable[i]) seen_shard[i] = params[i].grad().defined();
-      params[i].set_data(full_view(layout.flat(), i));
-    }
+    point_params_at_gathered();
     expose_grads(grad_flat, false);
+  } else if (!shares_storage) {
+    // FREED: the same buffers again, unless this gather is of the other
+    // kind (float8 or not) than the forward's.
+    point_params_at_gathered();
   }
   state = State::UNSHARDED;
 }
@@ -188,7 +200,10 @@ void Unit::unshard() {
 void Unit::free_unsharded() {
   if (state != State::UNSHARDED || shares_storage) return;
   finish_gather();
-  layout.release();
+  if (f8.active)
+    drop_float8_gathered();
+  else
+    layout.release();
   state = State::FREED;
 }
 
@@ -199,6 +214,8 @@ void Unit::reshard() {
   for (size_t i = 0; i < params.size(); ++i) params[i].set_data(shard_view(shard, i));
   expose_grads(shard_grad, true);
   if (!shares_storage && !layout.released()) layout.release();
+  drop_float8_gathered();
+  f8.active = false;
   state = State::SHARDED;
   hold_shard_grad_weakly();
 }
@@ -377,12 +394,13 @@ Tensor Unit::pre_forward(const Tensor& input) {
   expects_backward = false;
   post_backward_done = false;
   r->fwd_order.push_back(shared_from_this());
-  unshard();
-  if (!shares_storage) fwd_version = layout.flat().storage_version();
+  unshard(/*compute=*/true);
+  if (!shares_storage) fwd_version = gathered_storage().storage_version();
   if (forward_prefetch) {
     const std::vector<std::shared_ptr<Unit>> order = alive(r->prev_fwd_order);
     auto it = std::find(order.begin(), order.end(), shared_from_this());
-    for (int k = 0; it != order.end() && k < prefetch_limit && ++it != order.end(); ++k) (*it)->start_gather();
+    for (int k = 0; it != order.end() && k < prefetch_limit && ++it != order.end(); ++k)
+      (*it)->start_gather(/*compute=*/true);
   }
   Tensor in = input;
   if (cast_inputs && in.defined() && is_floating(in.dtype()) && in.dtype() != compute_dtype) in = in.to(compute_dtype);
@@ -431,11 +449,11 @@ void Unit::pre_backward() {
     });
   }
   if (post_backward_done || !expects_backward) return;
-  unshard();
+  unshard(/*compute=*/true);
   // The forward saved these parameters at fwd_version; they hold the same
   // values again (gathered from the unchanged shards). See Note [storage
   // version after a re-gather] (docs/design.md).
-  if (!shares_storage) layout.flat().unsafe_set_storage_version(fwd_version);
+  if (!shares_storage) gathered_storage().unsafe_set_storage_version(fwd_version);
   if (num_trainable() > 0) {
     // Gradients accumulated before (unsharded accumulation) stay; a new
     // buffer waits for the first gradient (ensure_grad_buffer): this hook
@@ -469,7 +487,7 @@ void Unit::prefetch_backward() {
     Unit& next = **it;
     if (!next.expects_backward || next.post_backward_done || next.gathering || next.state == State::UNSHARDED) continue;
     if (live() >= 1 + anchor->prefetch_limit) break;
-    next.start_gather();
+    next.start_gather(/*compute=*/true);
   }
 }
 }  // namespace ember::distributed

@@ -24,6 +24,7 @@
 
 #include "distributed/parallel/flat_buffer.h"
 #include "distributed/parallel/fsdp/fsdp.h"
+#include "nn/float8.h"
 
 namespace ember::distributed {
 
@@ -33,6 +34,43 @@ struct PendingReduce {
   Tensor output;           // its shard, reduced
   std::vector<bool> seen;  // which parameters it holds a gradient of
   std::shared_ptr<Work> rs, ar;
+};
+
+// A unit's float8 all-gather (fsdp_float8.cc; nn/float8.h's
+// enable_fsdp_float8_all_gather): which of its entries are float8 layers'
+// weights, and how every rank's shard splits into the part gathered in
+// param_dtype and the part gathered in e4m3. While a unit is gathered so,
+// its high-precision parameters are views of `hp_full` and the float8
+// weights views of `ghost` (a freed buffer whose reads say why), their
+// casts views of `f8_full` handed to their layers' Float8LinearState.
+struct Float8Gather {
+  bool planned = false;
+  // Per layout entry: the index of its float8 layer in `states`, or -1;
+  // and its offset in hp_full or f8_full (compact: entries of one kind
+  // back to back, in layout order).
+  std::vector<int> f8_index;
+  std::vector<int64_t> compact;
+  std::vector<size_t> f8_entry;  // per float8 layer: its layout entry
+  std::vector<std::shared_ptr<nn::Float8LinearState>> states;
+  int64_t hp_numel = 0, f8_numel = 0;
+  // Elements per rank in each all-gather: the most any rank holds of each
+  // kind (the others pad).
+  int64_t hp_seg = 0, f8_seg = 0;
+  // A run of elements one copy moves: from rank `rank`'s segment of a kind
+  // (or, packing, from this rank's shard) to its compact place.
+  struct Run {
+    int f8 = -1;  // the float8 layer (packing: its scale), -1: high precision
+    int rank = 0;
+    int64_t shard_offset = 0, seg_offset = 0, compact_offset = 0, numel = 0;
+  };
+  std::vector<Run> pack;    // this rank's shard into the send buffers
+  std::vector<Run> unpack;  // every rank's segments into hp_full / f8_full
+  Tensor hp_full, f8_full, ghost;
+  std::vector<Tensor> scales;  // per float8 layer: float32 [3], while gathered
+  // In flight.
+  Tensor hp_send, f8_send, hp_recv, f8_recv;
+  std::shared_ptr<Work> hp_work, f8_work;
+  bool active = false;  // the unit's gathered (or gathering) parameters are these
 };
 
 struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
@@ -74,6 +112,7 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   std::shared_ptr<Work> gather_work;
   Tensor gather_src;
   uint64_t fwd_version = 0;
+  Float8Gather f8;
 
   bool reshard_after_forward = true, reshard_after_backward = true, requires_sync = true;
   // The settings begin_micro_batches() put aside, while it is in force.
@@ -118,10 +157,25 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   void hold_shard_grad_weakly();
   int64_t shard_offset_of(size_t i) const;
 
-  void start_gather();
+  // `compute`: the gather is for the unit's forward or backward, which
+  // may take float8 layers' weights in float8; otherwise (an explicit
+  // unshard) every parameter is gathered as it is.
+  void start_gather(bool compute = false);
   void finish_gather();
-  void unshard();
+  void unshard(bool compute = false);
   void free_unsharded();
+  // The tensor whose storage holds the gathered parameters the forward
+  // saves (layout.flat(), or the float8 gather's hp_full).
+  Tensor gathered_storage() const;
+  // fsdp_float8.cc: whether this unit gathers float8 weights in float8
+  // (planned once: the float8 layers among its parameters, shard group > 1);
+  // the two halves of such a gather; pointing the parameters at what was
+  // gathered; letting it go.
+  bool float8_gather_applies();
+  void start_float8_gather();
+  void finish_float8_gather();
+  void point_params_at_gathered();
+  void drop_float8_gathered();
   void reshard();
   void accumulate_shard_grad(const Tensor& reduced, const std::vector<bool>& seen);
   void issue_reduce(const Tensor& grads);

@@ -1,0 +1,199 @@
+// FSDP's float8 all-gather (nn/float8.h's enable_fsdp_float8_all_gather, as
+// torchao's with FSDP2): the weights of a unit's float8 layers travel as
+// e4m3, a byte per element, cast on each rank from its shard of the master
+// weight with the scale of the whole weight, and the layers compute with
+// the gathered cast (their Float8LinearState) instead of casting a gathered
+// high-precision copy. Everything else in the unit travels in param_dtype.
+//
+// Why the result equals a plain gather's float8 layer: the amax of a weight
+// is the max of its shards' amaxes (a max is exact), so every rank derives
+// the same scale the unsharded layer would, and casting elementwise with
+// it gives the same bytes wherever the element sits. One all-reduce (max)
+// per unit carries the amaxes of all its float8 weights.
+//
+// The layout stays the one FlatBuffer every other part of FSDP reads
+// (shards, pieces, gradients, checkpoints); only the gather differs. Rank
+// r's shard splits into its high-precision pieces and its float8 pieces;
+// each kind goes into one all-gather whose per-rank segment is the most
+// any rank holds of that kind, and runs of elements are copied from the
+// segments into two compact buffers (hp_full in param_dtype, f8_full in
+// e4m3), entries of a kind back to back in layout order.
+#include <algorithm>
+
+#include "autograd/autograd.h"
+#include "core/ops.h"
+#include "core/ops_float8.h"
+#include "distributed/parallel/fsdp/fsdp_unit.h"
+
+namespace ember::distributed {
+
+using Unit = FSDPModule::Unit;
+
+namespace {
+
+constexpr DType kE4M3 = DType::Float8E4M3;
+
+// What reading a float8-gathered weight's high-precision data says.
+constexpr const char* kGhostWhy =
+    "this weight of a float8 layer is gathered in float8 (FSDP's float8 all-gather, "
+    "enable_fsdp_float8_all_gather): between its unit's gather and reshard only its layer reads it, "
+    "through the gathered cast; call FSDPModule::unshard() outside forward and backward for the whole weight";
+
+// Appends `run`, or extends the last run when it continues it in both the
+// source and the destination (and `merge` allows).
+void add_run(std::vector<Float8Gather::Run>& runs, const Float8Gather::Run& run, bool merge) {
+  if (merge && !runs.empty()) {
+    Float8Gather::Run& last = runs.back();
+    if (last.rank == run.rank && (last.f8 < 0) == (run.f8 < 0) && last.seg_offset + last.numel == run.seg_offset &&
+        last.compact_offset + last.numel == run.compact_offset && last.shard_offset + last.numel == run.shard_offset) {
+      last.numel += run.numel;
+      return;
+    }
+  }
+  runs.push_back(run);
+}
+
+}  // namespace
+
+bool Unit::float8_gather_applies() {
+  if (f8.planned) return !f8.states.empty();
+  f8.planned = true;
+  if (shard_size == 1 || shares_storage || !shard_pg) return false;
+  const size_t n = params.size();
+  std::vector<std::shared_ptr<nn::Float8LinearState>> state_of(n);
+  for (const auto& named : module->named_modules()) {
+    auto st = named.second->transform_state_as<nn::Float8LinearState>(nn::kFloat8StateKey);
+    if (!st || !st->all_gather_in_float8) continue;
+    for (size_t i = 0; i < n; ++i)
+      if (params[i].is_same(st->weight)) state_of[i] = st;
+  }
+  const DType master = shard.dtype();
+  if (master != DType::Float32 && master != DType::BFloat16 && master != DType::Float16) return false;
+  f8.f8_index.assign(n, -1);
+  f8.compact.assign(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t numel = layout.entries()[i].numel;
+    if (state_of[i]) {
+      f8.f8_index[i] = static_cast<int>(f8.states.size());
+      f8.states.push_back(state_of[i]);
+      f8.f8_entry.push_back(i);
+      f8.compact[i] = f8.f8_numel;
+      f8.f8_numel += numel;
+    } else {
+      f8.compact[i] = f8.hp_numel;
+      f8.hp_numel += numel;
+    }
+  }
+  if (f8.states.empty()) return false;
+  for (int r = 0; r < shard_size; ++r) {
+    int64_t hp_off = 0, f8_off = 0;
+    for (const FlatBuffer::Piece& pc : layout.pieces(r)) {
+      const int j = f8.f8_index[pc.entry];
+      int64_t& seg = j < 0 ? hp_off : f8_off;
+      const Float8Gather::Run run{.f8 = j,
+                                  .rank = r,
+                                  .shard_offset = pc.shard_offset,
+                                  .seg_offset = seg,
+                                  .compact_offset = f8.compact[pc.entry] + pc.entry_offset,
+                                  .numel = pc.numel};
+      seg += pc.numel;
+      if (pc.numel == 0) continue;
+      // Packing casts each float8 piece with its own weight's scale.
+      if (r == shard_rank) add_run(f8.pack, run, /*merge=*/j < 0);
+      add_run(f8.unpack, run, /*merge=*/true);
+    }
+    f8.hp_seg = std::max(f8.hp_seg, hp_off);
+    f8.f8_seg = std::max(f8.f8_seg, f8_off);
+  }
+  // The float8 weights' parameters while gathered: the right shape and
+  // dtype for autograd, no memory, and a reason for whoever reads them.
+  f8.ghost = Tensor::empty({f8.f8_numel}, compute_options());
+  f8.ghost.free_storage(kGhostWhy);
+  return true;
+}
+
+void Unit::start_float8_gather() {
+  NoGradGuard ng;
+  MemoryKindScope gathered_memory(MemoryKind::Gathered);
+  if (!f8.hp_full.defined())
+    f8.hp_full = Tensor::empty({f8.hp_numel}, compute_options());
+  else if (f8.hp_full.storage_freed())
+    f8.hp_full.restore_storage();
+  f8.f8_full = Tensor::empty({f8.f8_numel}, TensorOptions{kE4M3, device});
+  const Tensor src = shard.device() == device ? shard : shard.to(device);
+  // Each weight's amax over the ranks, then its scale, as float8_scale of
+  // the whole weight would give.
+  const size_t nf = f8.states.size();
+  std::vector<Tensor> amax(nf);
+  for (const auto& run : f8.pack)
+    if (run.f8 >= 0) amax[run.f8] = float8_scale(src.narrow(0, run.shard_offset, run.numel), kE4M3).narrow(0, 2, 1);
+  for (Tensor& a : amax)
+    if (!a.defined()) a = zeros({1}, TensorOptions{DType::Float32, device});
+  const Tensor amaxes = cat(amax, 0);
+  shard_pg->allreduce(amaxes, ReduceOp::Max)->synchronize();
+  f8.scales.resize(nf);
+  for (size_t j = 0; j < nf; ++j) f8.scales[j] = float8_scale(amaxes.narrow(0, static_cast<int64_t>(j), 1), kE4M3);
+  // Pack this rank's shard; a segment's tail past what this rank holds is
+  // padding nobody reads.
+  f8.hp_send = Tensor::empty({f8.hp_seg}, compute_options());
+  f8.f8_send = Tensor::empty({f8.f8_seg}, TensorOptions{kE4M3, device});
+  for (const auto& run : f8.pack) {
+    const Tensor from = src.narrow(0, run.shard_offset, run.numel);
+    if (run.f8 < 0)
+      f8.hp_send.narrow(0, run.seg_offset, run.numel).copy_(from);
+    else
+      f8.f8_send.narrow(0, run.seg_offset, run.numel).copy_(to_float8(from, f8.scales[run.f8].select(0, 0), kE4M3));
+  }
+  f8.hp_recv = Tensor::empty({f8.hp_seg * shard_size}, compute_options());
+  f8.f8_recv = Tensor::empty({f8.f8_seg * shard_size}, TensorOptions{kE4M3, device});
+  if (f8.hp_seg > 0) f8.hp_work = shard_pg->allgather_into_tensor(f8.hp_recv, f8.hp_send);
+  if (f8.f8_seg > 0) f8.f8_work = shard_pg->allgather_into_tensor(f8.f8_recv, f8.f8_send);
+  f8.active = true;
+  gathering = true;
+}
+
+void Unit::finish_float8_gather() {
+  NoGradGuard ng;
+  for (auto* w : {&f8.hp_work, &f8.f8_work})
+    if (auto work = std::move(*w)) work->synchronize();
+  for (const auto& run : f8.unpack) {
+    const bool is_f8 = run.f8 >= 0;
+    const Tensor& recv = is_f8 ? f8.f8_recv : f8.hp_recv;
+    const int64_t seg = is_f8 ? f8.f8_seg : f8.hp_seg;
+    (is_f8 ? f8.f8_full : f8.hp_full)
+        .narrow(0, run.compact_offset, run.numel)
+        .copy_(recv.narrow(0, run.rank * seg + run.seg_offset, run.numel));
+  }
+  f8.hp_send = f8.f8_send = f8.hp_recv = f8.f8_recv = Tensor();
+  for (size_t j = 0; j < f8.states.size(); ++j) {
+    const FlatEntry& e = layout.entries()[f8.f8_entry[j]];
+    f8.states[j]->cast =
+        Float8Weight{f8.f8_full.narrow(0, f8.compact[f8.f8_entry[j]], e.numel).view(e.shape), f8.scales[j]};
+  }
+}
+
+void Unit::point_params_at_gathered() {
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!f8.active) {
+      params[i].set_data(full_view(layout.flat(), i));
+      continue;
+    }
+    const FlatEntry& e = layout.entries()[i];
+    const Tensor& buffer = f8.f8_index[i] >= 0 ? f8.ghost : f8.hp_full;
+    params[i].set_data(buffer.narrow(0, f8.compact[i], e.numel).view(e.shape));
+  }
+}
+
+void Unit::drop_float8_gathered() {
+  if (!f8.active) return;
+  // The layers' backward keeps the casts it used (f8_full's memory) until
+  // it runs; the unit lets go of them here.
+  for (auto& st : f8.states) st->cast = Float8Weight{};
+  f8.f8_full = Tensor();
+  f8.scales.clear();
+  if (f8.hp_full.defined()) f8.hp_full.free_storage();
+}
+
+Tensor Unit::gathered_storage() const { return f8.active ? f8.hp_full : layout.flat(); }
+
+}  // namespace ember::distributed
