@@ -235,9 +235,10 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   s.n_params = s.gpt->num_parameters();
   distributed::GPTParallelOptions po{.sequence_parallel = s.sp, .ac = flags.common.ac};
   po.float8 = flags.float8 == 1;
+  po.float8_all_gather = flags.float8_all_gather == 1;
   if (po.float8)
     LOG0("float8: the blocks' linear layers train in float8 (e4m3 forward, e5m2 gradients, tensorwise dynamic ",
-         "scales); the LM head does not");
+         "scales); the LM head does not", po.float8_all_gather ? "; FSDP gathers their weights in float8" : "");
   po.cp = {.exchange = distributed::cp::parse_exchange(flags.cp_exchange), .seq = flags.seq};
   po.fsdp.strategy = distributed::parse_strategy(flags.strategy);
   if (d.dp_replicate > 1)

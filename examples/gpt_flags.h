@@ -57,8 +57,9 @@ struct Flags {
   int64_t max_steps = 1000, save_every = 0, eval_every = 250;
   int64_t sample_len = 240, top_k = 20;
   double temperature = 0.8;
-  int cuda_graph = 0;  // 1: the step as one CUDA graph (optim/graphed_step.h)
-  int float8 = 0;      // 1: the blocks' linear layers in float8 (nn/float8.h)
+  int cuda_graph = 0;         // 1: the step as one CUDA graph (optim/graphed_step.h)
+  int float8 = 0;             // 1: the blocks' linear layers in float8 (nn/float8.h)
+  int float8_all_gather = 0;  // 1: FSDP gathers their weights in float8
 };
 
 // Every flag once: name, value, help, validation (examples/flags.h).
@@ -149,6 +150,9 @@ inline void declare(FlagTable& t, Flags& f) {
             "1: the transformer blocks' linear layers train in float8 (tensorwise dynamic scaling: e4m3\n"
             "forward, e5m2 gradients, as torchao's float8 training); the LM head stays in high precision;\n"
             "not with --tp > 1; fastest on H100/H200 with --amp bf16");
+  t.integer("--float8-all-gather", &f.float8_all_gather, 0, "0|1",
+            "1 (with --float8 1): FSDP gathers those layers' weights already cast to float8, a byte per\n"
+            "element (torchao's enable_fsdp_float8_all_gather), scaled from the float32 master weights");
   t.positive("--temperature", &f.temperature, "X", "the sample's temperature");
   t.integer("--top-k", &f.top_k, 1, "N", "the sample's top-k");
 }
@@ -274,6 +278,8 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
           " must be even (rotary embeddings turn pairs)");
   if (f.cuda_graph > 1) error("--cuda-graph " + std::to_string(f.cuda_graph) + ": give 0 or 1");
   if (f.float8 > 1) error("--float8 " + std::to_string(f.float8) + ": give 0 or 1");
+  if (f.float8_all_gather > 1) error("--float8-all-gather " + std::to_string(f.float8_all_gather) + ": give 0 or 1");
+  if (f.float8_all_gather == 1 && f.float8 != 1) error("--float8-all-gather 1 needs --float8 1");
   if (f.float8 == 1 && f.mesh.tp > 1)
     error("--float8 1 with --tp " + std::to_string(f.mesh.tp) + ": tensor parallelism in float8 is not supported");
   if (f.float8 == 1 && f.moe_experts > 0)

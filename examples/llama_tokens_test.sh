@@ -9,7 +9,8 @@
 #     head per tp rank) equals one process step for step, and its step-3
 #     checkpoint resumed on dp_shard 2 continues as the uninterrupted run;
 #   - --float8 1 tracks the reference's losses within 3 % on the same
-#     batches, and its checkpoint resumes in high precision;
+#     batches, and its checkpoint resumes in high precision; with
+#     --float8-all-gather 1 its losses are the same, bit for bit;
 #   - --tokenizer bpe:N trains the tokenizer in process, saves it beside the
 #     checkpoints, and `ckpt export-hf` ships it with the model;
 #   - shards cut with another tokenizer are a named error.
@@ -65,6 +66,19 @@ for x, y in zip(ref, got):
     assert abs(x["loss"] - y["loss"]) <= 0.03 * x["loss"], ("float8 loss off the reference", x, y)
 assert any(x["loss"] != y["loss"] for x, y in zip(ref, got)), "float8 run equals the reference: no casts?"
 print("float8 losses", [round(y["loss"], 4) for y in got], "reference", [round(x["loss"], 4) for x in ref])
+PY
+# The same with FSDP gathering those weights in float8: the same scales and
+# bytes as casting the gathered float32 weights, so the same losses.
+"$dir/gpt" --nproc 2 "${short[@]}" --float8 1 --float8-all-gather 1 --checkpoint-dir "$tmp/f8ag" \
+  --metrics "$tmp/f8ag.jsonl" > "$tmp/f8ag.log" 2>&1 || { cat "$tmp/f8ag.log"; exit 1; }
+grep -q "FSDP gathers their weights in float8" "$tmp/f8ag.log" || { cat "$tmp/f8ag.log"; exit 1; }
+python3 - "$tmp/f8.jsonl" "$tmp/f8ag.jsonl" <<'PY'
+import json, sys
+plain, ag = ([json.loads(l) for l in open(f)] for f in sys.argv[1:3])
+assert len(plain) == len(ag) > 0, (len(plain), len(ag))
+for x, y in zip(plain, ag):
+    assert x["loss"] == y["loss"], ("float8 all-gather changed a loss", x, y)
+print("float8 all-gather losses equal the float32 gather's:", [round(y["loss"], 4) for y in ag])
 PY
 mkdir -p "$tmp/f8_resumed" && cp -r "$tmp/f8/step_3" "$tmp/f8_resumed/"
 "$dir/gpt" --nproc 1 "${short[@]}" --checkpoint-dir "$tmp/f8_resumed" --resume > "$tmp/f8_resumed.log" 2>&1 \

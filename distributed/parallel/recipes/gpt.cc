@@ -24,12 +24,15 @@ namespace {
 
 // GPTParallelOptions::float8, before any parallelism touches the layers.
 void convert_float8(nn::GPT& gpt, const ParallelDims& dims, const GPTParallelOptions& o) {
+  EMBER_CHECK(o.float8 || !o.float8_all_gather, "float8_all_gather without float8: nothing is in float8 to gather so");
   if (!o.float8) return;
   EMBER_CHECK(dims.tp == 1, "float8 with tensor parallelism (tp = ", dims.tp,
               ") is not supported: float8 linear layers take whole weights (tp 1)");
   EMBER_CHECK(gpt.options.moe.num_experts == 0, "float8 with mixture-of-experts blocks (", gpt.options.moe.num_experts,
               " experts) is not supported: the experts' grouped matmuls have no float8 path");
-  nn::convert_to_float8_training(gpt);
+  nn::Float8Options f8;
+  f8.enable_fsdp_float8_all_gather = o.float8_all_gather;
+  nn::convert_to_float8_training(gpt, f8);
 }
 
 }  // namespace

@@ -33,6 +33,10 @@ struct GPTParallelOptions {
   // in high precision), applied first, as torchtitan's float8 converter;
   // tensor parallelism in float8 is refused (tp must be 1).
   bool float8 = false;
+  // With float8: FSDP gathers those layers' weights in float8 (nn/float8.h's
+  // enable_fsdp_float8_all_gather, torchtitan's
+  // float8.enable_fsdp_float8_all_gather), a byte per element.
+  bool float8_all_gather = false;
 };
 
 // gpt_tp_plan (Megatron's split, vocab-parallel embedding and head),
