@@ -96,13 +96,13 @@ TEST(Float8Training, KeepsEachLayersStateForTheFloat8AllGather) {
   }
   auto* fc = m.named_modules()[0].second;
   for (auto& [fqn, mod] : m.named_modules())
-    if (fqn == "h.0.mlp.c_fc") fc = mod;
+    if (fqn == "h.0.mlp.c_proj") fc = mod;
   auto& lin = dynamic_cast<Linear&>(*fc);
   auto st = lin.transform_state_as<Float8LinearState>(kFloat8StateKey);
   EXPECT_TRUE(st->weight.is_same(lin.weight));
   // With a cast set, the layer computes with it: a cast of other values
   // (the weight doubled) doubles the matmul's part of the output.
-  const Tensor x = randn({16, 32});
+  const Tensor x = randn({16, 128});
   NoGradGuard ng;
   const Tensor plain = lin(x);
   const Tensor s = float8_scale(lin.weight * 2.0, DType::Float8E4M3);

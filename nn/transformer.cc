@@ -187,16 +187,13 @@ Tensor SwiGLU::forward(const Tensor& x) { return (*drop)((*down_proj)(swiglu((*g
 
 TransformerMLP::TransformerMLP(int64_t n_embd, double dropout) : Module("TransformerMLP") {
   c_fc = register_module("c_fc", std::make_shared<Linear>(n_embd, 4 * n_embd));
+  c_fc->activation = LinearActivation::GeluTanh;
   c_proj = register_module("c_proj", std::make_shared<Linear>(4 * n_embd, n_embd));
   drop = register_module("dropout", std::make_shared<Dropout>(dropout));
 }
 
-// c_fc's bias and the GELU stay two ops here: with c_fc->activation =
-// GeluTanh (bias_gelu, one launch less per block) c_proj's input is freed
-// earlier in backward, which moves the measured peak off what
-// step_memory.cc's GPT model predicts (step_memory_test); the model is to
-// learn that first.
-Tensor TransformerMLP::forward(const Tensor& x) { return (*drop)((*c_proj)(gelu((*c_fc)(x), /*tanh_approx=*/true))); }
+// c_fc's bias and GPT-2's tanh GELU are one op each way (bias_gelu).
+Tensor TransformerMLP::forward(const Tensor& x) { return (*drop)((*c_proj)((*c_fc)(x))); }
 
 TransformerBlock::TransformerBlock(int64_t n_embd, int64_t n_head, double dropout)
     : TransformerBlock(GPTOptions{.n_head = n_head, .n_embd = n_embd, .dropout = dropout}) {}

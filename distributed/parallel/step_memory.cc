@@ -120,6 +120,7 @@ struct ModelSpec {
   std::vector<UnitSpec> blocks;  // one FSDP unit each
   double inputs = 0;             // bytes the caller holds (tokens, targets)
   double head_saved = 0;         // elements the head and the loss keep
+  double loss_saved = 0;         // of those, the loss's own (freed by its backward, before the head's)
   double head_fwd_extra = 0;     // the loss's forward transient (the logits)
   double loss_grad = 0;          // the loss's gradient buffer
   double head_bwd_extra = 0;     // the head's backward transient
@@ -175,13 +176,17 @@ StepMemory simulate(const ModelSpec& m, const StepPlan& plan) {
     if (sharded && plan.strategy == "full") t.free(gathered[i]), gathered[i] = -1;
   }
   // The last block's output, the head's and the loss's activations.
-  const int head =
-      t.add(MemoryKind::Activations, (m.blocks.empty() ? 0 : m.blocks.back().input) * f + m.head_saved * f);
+  const int head = t.add(MemoryKind::Activations,
+                         (m.blocks.empty() ? 0 : m.blocks.back().input) * f + (m.head_saved - m.loss_saved) * f);
+  const int loss_act = t.add(MemoryKind::Activations, m.loss_saved * f);
   t.touch(MemoryKind::Activations, m.head_fwd_extra * f);
 
   // Backward: the loss's gradient, the head (its weight's gradient into the
   // root's gradient buffer), then the blocks in reverse.
   const int lg = t.add(MemoryKind::Other, m.loss_grad * f);
+  // The loss's backward has read its log-softmax by the time the head's
+  // backward makes the root's gradient buffer.
+  t.free(loss_act);
   const int root_grads = t.add(MemoryKind::Gradients, padded(m.root.numel, n) * f);
   t.touch(MemoryKind::Other, (m.root.largest + m.head_bwd_extra) * f);
   t.free(head);
@@ -259,7 +264,8 @@ StepMemory predict_gpt_step_memory(const nn::GPTOptions& g, const StepPlan& plan
   }
   m.inputs = 2 * bt * 8 + T * 8;         // tokens, targets (int64), positions
   m.head_saved = 2 * bt + btc + bt * V;  // ln_f's statistics and output; the loss's log-softmax
-  m.head_fwd_extra = bt * V;             // the logits
+  m.loss_saved = bt * V;
+  m.head_fwd_extra = bt * V;  // the logits
   m.loss_grad = bt * V;
   m.head_bwd_extra = btc;
   return simulate(m, plan);

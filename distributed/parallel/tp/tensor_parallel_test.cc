@@ -277,9 +277,12 @@ EMBER_WORKER(errors) {
   WCHECK(e.find("ColwiseParallel on 'h.0.attn': 3 attention heads do not split over tp=2") != std::string::npos, e);
   e = error_of([&] { parallelize_module(model, mesh, {{"h.0.ln_1", ColwiseParallel{}}}); });
   WCHECK(e.find("ColwiseParallel on 'h.0.ln_1': a LayerNorm") != std::string::npos, e);
-  parallelize_module(model, mesh, {{"h.0.mlp.c_fc", ColwiseParallel{}}});
+  parallelize_module(model, mesh, {{"h.0.mlp.c_proj", RowwiseParallel{}}});
+  e = error_of([&] { parallelize_module(model, mesh, {{"h.0.mlp.c_proj", ColwiseParallel{}}}); });
+  WCHECK(e.find("h.0.mlp.c_proj.weight is already sharded") != std::string::npos, e);
+  // GPT-2's c_fc carries its GELU (bias_gelu): split by rows, it is refused.
   e = error_of([&] { parallelize_module(model, mesh, {{"h.0.mlp.c_fc", RowwiseParallel{}}}); });
-  WCHECK(e.find("h.0.mlp.c_fc.weight is already sharded") != std::string::npos, e);
+  WCHECK(e.find("RowwiseParallel on 'h.0.mlp.c_fc': a Linear with a fused activation") != std::string::npos, e);
   // A GELU fused after a Linear's bias would act on each rank's partial sum
   // if the Linear were split by rows.
   nn::Linear fused(8, 8);
