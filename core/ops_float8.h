@@ -61,8 +61,11 @@ struct Float8Weight {
 // float8_linear with the weight's cast given (when `cast.q` is undefined,
 // the plain float8_linear): `weight` is where its gradient goes (its
 // shape, dtype and device are checked) but its data is never read, so it
-// may be a placeholder whose memory is freed. The weight's gradient has
-// the weight's dtype; under autocast x and the bias are cast, not it.
+// may be a placeholder whose memory is freed. Under autocast x and the bias
+// are cast, not the weight, and the weight's gradient comes out of its
+// float8 matmul in the weight's dtype (float32 for a float32 weight, where
+// the plain op's goes through bfloat16): with a cast of the float32 weight
+// the two differ by bfloat16 rounding, and bit for bit without autocast.
 Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Float8Weight& cast);
 
 }  // namespace ember

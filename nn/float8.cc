@@ -43,9 +43,12 @@ std::vector<std::string> convert_to_float8_training(Module& root, const Float8Op
     auto state = std::make_shared<Float8LinearState>(Float8LinearState{
         .weight = weight, .all_gather_in_float8 = options.enable_fsdp_float8_all_gather && !tied, .cast = {}});
     m->set_transform_state(kFloat8StateKey, state);
-    // The state, not the module: the kernel lives on the module.
+    // The state, not the module: the kernel lives on the module. A cast
+    // stands for the weight only while the weight's own data is absent (a
+    // gather's placeholder): a real weight is never shadowed by a stale one.
     *kernel = [state](const Tensor& x, const Tensor& w, const Tensor& b) {
-      return float8_linear(x, w, b, w.is_same(state->weight) ? state->cast : Float8Weight{});
+      const bool cast = state->cast.q.defined() && w.is_same(state->weight) && w.storage_freed();
+      return float8_linear(x, w, b, cast ? state->cast : Float8Weight{});
     };
     converted.push_back(fqn);
   }

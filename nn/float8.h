@@ -39,8 +39,9 @@ struct Float8Options {
 // under kFloat8StateKey), for the parallelisms around it: the weight
 // parameter, whether it may be gathered in float8, and the cast a
 // parallelism gathered (FSDP sets it while the weight is gathered so and
-// clears it when it reshards). While `cast` is set the layer computes
-// with it instead of casting the weight, whose data it does not read.
+// clears it when it reshards). While `cast` is set and the weight's data
+// is absent (its storage freed: the gather's placeholder), the layer
+// computes with the cast.
 struct Float8LinearState {
   Tensor weight;
   bool all_gather_in_float8 = false;

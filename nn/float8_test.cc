@@ -100,15 +100,23 @@ TEST(Float8Training, KeepsEachLayersStateForTheFloat8AllGather) {
   auto& lin = dynamic_cast<Linear&>(*fc);
   auto st = lin.transform_state_as<Float8LinearState>(kFloat8StateKey);
   EXPECT_TRUE(st->weight.is_same(lin.weight));
-  // With a cast set, the layer computes with it: a cast of other values
-  // (the weight doubled) doubles the matmul's part of the output.
+  // With a cast set while the weight's data is absent (a gather's
+  // placeholder), the layer computes with the cast: a cast of other values
+  // (the weight doubled) doubles the matmul's part of the output. A real
+  // weight is never shadowed by a cast left behind.
   const Tensor x = randn({16, 128});
   NoGradGuard ng;
   const Tensor plain = lin(x);
-  const Tensor s = float8_scale(lin.weight * 2.0, DType::Float8E4M3);
-  st->cast = Float8Weight{to_float8(lin.weight * 2.0, s.select(0, 0), DType::Float8E4M3), s};
+  const Tensor w = lin.weight.detach().clone();
+  const Tensor s = float8_scale(w * 2.0, DType::Float8E4M3);
+  st->cast = Float8Weight{to_float8(w * 2.0, s.select(0, 0), DType::Float8E4M3), s};
+  EXPECT_TRUE(allclose(lin(x), plain, 0, 0));
+  Tensor placeholder = Tensor::empty(w.sizes());
+  placeholder.free_storage("the test's placeholder");
+  lin.weight.set_data(placeholder);
   const Tensor doubled = lin(x);
   st->cast = Float8Weight{};
+  lin.weight.set_data(w);
   EXPECT_TRUE(allclose(doubled - lin.bias, (plain - lin.bias) * 2.0, 1e-5, 1e-5));
   EXPECT_TRUE(allclose(lin(x), plain, 0, 0));
 }

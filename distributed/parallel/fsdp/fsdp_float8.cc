@@ -23,6 +23,7 @@
 #include "autograd/autograd.h"
 #include "core/ops.h"
 #include "core/ops_float8.h"
+#include "distributed/comm/flight_recorder.h"
 #include "distributed/parallel/fsdp/fsdp_unit.h"
 
 namespace ember::distributed {
@@ -36,8 +37,35 @@ constexpr DType kE4M3 = DType::Float8E4M3;
 // What reading a float8-gathered weight's high-precision data says.
 constexpr const char* kGhostWhy =
     "this weight of a float8 layer is gathered in float8 (FSDP's float8 all-gather, "
-    "enable_fsdp_float8_all_gather): between its unit's gather and reshard only its layer reads it, "
-    "through the gathered cast; call FSDPModule::unshard() outside forward and backward for the whole weight";
+    "enable_fsdp_float8_all_gather): while its unit is gathered for forward and backward only its float8 "
+    "layers read it, through the gathered cast; once the unit is resharded (after the step), "
+    "FSDPModule::unshard() gathers the whole weight";
+
+// A tensor of `numel` elements whose storage is freed from the start (no
+// memory is ever allocated for it): reads fail with `why`.
+Tensor freed_placeholder(int64_t numel, TensorOptions o, const char* why) {
+  auto storage = std::make_shared<Storage>();
+  storage->data.device = o.device;
+  storage->nbytes = static_cast<size_t>(numel) * dtype_size(o.dtype);
+  storage->freed = true;
+  storage->freed_why = why;
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::move(storage);
+  impl->sizes = {numel};
+  impl->strides = {1};
+  impl->dtype = o.dtype;
+  return Tensor(std::move(impl));
+}
+
+// A flat e4m3 tensor over `storage` (what a kept f8_full was).
+Tensor flat_over(std::shared_ptr<Storage> storage, int64_t numel) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::move(storage);
+  impl->sizes = {numel};
+  impl->strides = {1};
+  impl->dtype = kE4M3;
+  return Tensor(std::move(impl));
+}
 
 // Appends `run`, or extends the last run when it continues it in both the
 // source and the destination (and `merge` allows).
@@ -60,12 +88,14 @@ bool Unit::float8_gather_applies() {
   f8.planned = true;
   if (shard_size == 1 || shares_storage || !shard_pg) return false;
   const size_t n = params.size();
-  std::vector<std::shared_ptr<nn::Float8LinearState>> state_of(n);
+  // The layers computing with each parameter (a weight two float8 layers
+  // share gets its cast handed to both).
+  std::vector<std::vector<std::shared_ptr<nn::Float8LinearState>>> state_of(n);
   for (const auto& named : module->named_modules()) {
     auto st = named.second->transform_state_as<nn::Float8LinearState>(nn::kFloat8StateKey);
     if (!st || !st->all_gather_in_float8) continue;
     for (size_t i = 0; i < n; ++i)
-      if (params[i].is_same(st->weight)) state_of[i] = st;
+      if (params[i].is_same(st->weight)) state_of[i].push_back(st);
   }
   const DType master = shard.dtype();
   if (master != DType::Float32 && master != DType::BFloat16 && master != DType::Float16) return false;
@@ -73,7 +103,7 @@ bool Unit::float8_gather_applies() {
   f8.compact.assign(n, 0);
   for (size_t i = 0; i < n; ++i) {
     const int64_t numel = layout.entries()[i].numel;
-    if (state_of[i]) {
+    if (!state_of[i].empty()) {
       f8.f8_index[i] = static_cast<int>(f8.states.size());
       f8.states.push_back(state_of[i]);
       f8.f8_entry.push_back(i);
@@ -107,47 +137,57 @@ bool Unit::float8_gather_applies() {
   }
   // The float8 weights' parameters while gathered: the right shape and
   // dtype for autograd, no memory, and a reason for whoever reads them.
-  f8.ghost = Tensor::empty({f8.f8_numel}, compute_options());
-  f8.ghost.free_storage(kGhostWhy);
+  f8.ghost = freed_placeholder(f8.f8_numel, compute_options(), kGhostWhy);
   return true;
 }
 
 void Unit::start_float8_gather() {
   NoGradGuard ng;
   MemoryKindScope gathered_memory(MemoryKind::Gathered);
+  fr::CallerTag caller("FSDP float8 all-gather (parameters)");
   if (!f8.hp_full.defined())
     f8.hp_full = Tensor::empty({f8.hp_numel}, compute_options());
   else if (f8.hp_full.storage_freed())
     f8.hp_full.restore_storage();
-  f8.f8_full = Tensor::empty({f8.f8_numel}, TensorOptions{kE4M3, device});
   const Tensor src = shard.device() == device ? shard : shard.to(device);
-  // Each weight's amax over the ranks, then its scale, as float8_scale of
-  // the whole weight would give.
-  const size_t nf = f8.states.size();
-  std::vector<Tensor> amax(nf);
-  for (const auto& run : f8.pack)
-    if (run.f8 >= 0) amax[run.f8] = float8_scale(src.narrow(0, run.shard_offset, run.numel), kE4M3).narrow(0, 2, 1);
-  for (Tensor& a : amax)
-    if (!a.defined()) a = zeros({1}, TensorOptions{DType::Float32, device});
-  const Tensor amaxes = cat(amax, 0);
-  shard_pg->allreduce(amaxes, ReduceOp::Max)->synchronize();
-  f8.scales.resize(nf);
-  for (size_t j = 0; j < nf; ++j) f8.scales[j] = float8_scale(amaxes.narrow(0, static_cast<int64_t>(j), 1), kE4M3);
+  // The backward of the forward that gathered last: its float8 layers still
+  // hold the casts (unless they are recomputed), so only the rest travels.
+  std::shared_ptr<Storage> kept = f8.kept_generation == generation ? f8.kept_f8.lock() : nullptr;
+  f8.kept_f8.reset();
+  if (kept) {
+    f8.f8_full = flat_over(std::move(kept), f8.f8_numel);
+    f8.scales = std::move(f8.kept_scales);
+  } else {
+    f8.f8_full = Tensor::empty({f8.f8_numel}, TensorOptions{kE4M3, device});
+    // Each weight's amax over the ranks, then its scale, as float8_scale of
+    // the whole weight would give.
+    const size_t nf = f8.states.size();
+    std::vector<Tensor> amax(nf);
+    for (const auto& run : f8.pack)
+      if (run.f8 >= 0) amax[run.f8] = float8_scale(src.narrow(0, run.shard_offset, run.numel), kE4M3).narrow(0, 2, 1);
+    for (Tensor& a : amax)
+      if (!a.defined()) a = zeros({1}, TensorOptions{DType::Float32, device});
+    const Tensor amaxes = cat(amax, 0);
+    shard_pg->allreduce(amaxes, ReduceOp::Max)->synchronize();
+    f8.scales.resize(nf);
+    for (size_t j = 0; j < nf; ++j) f8.scales[j] = float8_scale(amaxes.narrow(0, static_cast<int64_t>(j), 1), kE4M3);
+    f8.f8_send = Tensor::empty({f8.f8_seg}, TensorOptions{kE4M3, device});
+    f8.f8_recv = Tensor::empty({f8.f8_seg * shard_size}, TensorOptions{kE4M3, device});
+  }
+  f8.kept_scales.clear();
   // Pack this rank's shard; a segment's tail past what this rank holds is
   // padding nobody reads.
   f8.hp_send = Tensor::empty({f8.hp_seg}, compute_options());
-  f8.f8_send = Tensor::empty({f8.f8_seg}, TensorOptions{kE4M3, device});
+  f8.hp_recv = Tensor::empty({f8.hp_seg * shard_size}, compute_options());
   for (const auto& run : f8.pack) {
     const Tensor from = src.narrow(0, run.shard_offset, run.numel);
     if (run.f8 < 0)
       f8.hp_send.narrow(0, run.seg_offset, run.numel).copy_(from);
-    else
+    else if (f8.f8_send.defined())
       f8.f8_send.narrow(0, run.seg_offset, run.numel).copy_(to_float8(from, f8.scales[run.f8].select(0, 0), kE4M3));
   }
-  f8.hp_recv = Tensor::empty({f8.hp_seg * shard_size}, compute_options());
-  f8.f8_recv = Tensor::empty({f8.f8_seg * shard_size}, TensorOptions{kE4M3, device});
   if (f8.hp_seg > 0) f8.hp_work = shard_pg->allgather_into_tensor(f8.hp_recv, f8.hp_send);
-  if (f8.f8_seg > 0) f8.f8_work = shard_pg->allgather_into_tensor(f8.f8_recv, f8.f8_send);
+  if (f8.f8_seg > 0 && f8.f8_send.defined()) f8.f8_work = shard_pg->allgather_into_tensor(f8.f8_recv, f8.f8_send);
   f8.active = true;
   gathering = true;
 }
@@ -158,6 +198,7 @@ void Unit::finish_float8_gather() {
     if (auto work = std::move(*w)) work->synchronize();
   for (const auto& run : f8.unpack) {
     const bool is_f8 = run.f8 >= 0;
+    if (is_f8 && !f8.f8_recv.defined()) continue;  // kept from the forward
     const Tensor& recv = is_f8 ? f8.f8_recv : f8.hp_recv;
     const int64_t seg = is_f8 ? f8.f8_seg : f8.hp_seg;
     (is_f8 ? f8.f8_full : f8.hp_full)
@@ -167,8 +208,8 @@ void Unit::finish_float8_gather() {
   f8.hp_send = f8.f8_send = f8.hp_recv = f8.f8_recv = Tensor();
   for (size_t j = 0; j < f8.states.size(); ++j) {
     const FlatEntry& e = layout.entries()[f8.f8_entry[j]];
-    f8.states[j]->cast =
-        Float8Weight{f8.f8_full.narrow(0, f8.compact[f8.f8_entry[j]], e.numel).view(e.shape), f8.scales[j]};
+    const Float8Weight cast{f8.f8_full.narrow(0, f8.compact[f8.f8_entry[j]], e.numel).view(e.shape), f8.scales[j]};
+    for (auto& st : f8.states[j]) st->cast = cast;
   }
 }
 
@@ -184,11 +225,18 @@ void Unit::point_params_at_gathered() {
   }
 }
 
-void Unit::drop_float8_gathered() {
+void Unit::drop_float8_gathered(bool keep) {
   if (!f8.active) return;
-  // The layers' backward keeps the casts it used (f8_full's memory) until
-  // it runs; the unit lets go of them here.
-  for (auto& st : f8.states) st->cast = Float8Weight{};
+  for (auto& states : f8.states)
+    for (auto& st : states) st->cast = Float8Weight{};
+  if (keep && f8.f8_full.defined()) {
+    f8.kept_f8 = f8.f8_full.impl().storage;
+    f8.kept_scales = f8.scales;
+    f8.kept_generation = generation;
+  } else {
+    f8.kept_f8.reset();
+    f8.kept_scales.clear();
+  }
   f8.f8_full = Tensor();
   f8.scales.clear();
   if (f8.hp_full.defined()) f8.hp_full.free_storage();

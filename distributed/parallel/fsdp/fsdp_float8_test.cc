@@ -21,6 +21,7 @@
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
+#include "core/testing/error_of.h"
 #include "distributed/comm/backends.h"
 #include "distributed/init.h"
 #include "distributed/parallel/fsdp/fsdp.h"
@@ -80,6 +81,12 @@ std::pair<Tensor, Tensor> batch(int r, int s) {
 struct Config {
   ShardingStrategy strategy = ShardingStrategy::FULL_SHARD;
   bool bf16 = false, ac = false;
+  // Two micro-batches a step: all forwards, then the backwards
+  // (begin/end_micro_batches: each unit gathered once a step).
+  bool micro = false;
+  // Step 1 starts with an explicit unshard(): that step's forward and
+  // backward run on the whole float32 weights, the others in float8.
+  bool explicit_unshard = false;
 };
 
 Config parse(const std::string& arg) {
@@ -91,6 +98,10 @@ Config parse(const std::string& arg) {
       c.bf16 = true;
     else if (k == "ac")
       c.ac = true;
+    else if (k == "micro")
+      c.micro = true;
+    else if (k == "explicit")
+      c.explicit_unshard = true;
     else
       EMBER_CHECK(false, "bad config key '", k, "'");
   }
@@ -115,6 +126,8 @@ Model make(const Config& c, bool sharded, bool all_gather_in_float8) {
   if (sharded) {
     FSDPOptions o;
     o.strategy = c.strategy;
+    if (c.strategy == ShardingStrategy::HYBRID_SHARD)  // (dp_replicate, dp_shard): shards of 2 ranks
+      o.mesh = DeviceMesh::create({get_world_size() / 2, 2}, {"dp_replicate", "dp_shard"});
     if (c.bf16)
       o.mp_policy = {.param_dtype = DType::BFloat16, .reduce_dtype = DType::Float32, .output_dtype = DType::Float32};
     fully_shard(m.net->b0, o);
@@ -133,17 +146,23 @@ Model make(const Config& c, bool sharded, bool all_gather_in_float8) {
 nn::StateDict full_of(Model& m) { return m.fsdp ? full_state_dict(*m.fsdp) : m.net->state_dict(); }
 
 // What one step's all-gathers move under the float8 gather: each unit with
-// float8 layers once for forward, and again for backward unless it stays
-// gathered (SHARD_GRAD_OP, the root); per gather every rank's segment of
-// each kind (float8 elements at one byte).
-int64_t float8_gather_bytes(const FSDPModule& root, ShardingStrategy strategy) {
+// float8 layers once for forward, every rank's segment of each kind (float8
+// elements at one byte); and again for backward unless it stays gathered
+// (SHARD_GRAD_OP, the root, micro-batches), where the float8 part travels
+// only if nothing kept the forward's casts (activation checkpointing
+// recomputes the layers).
+int64_t float8_gather_bytes(const FSDPModule& root, const Config& c) {
   int64_t bytes = 0;
   for (const auto& u : root.units()) {
     const int64_t es = static_cast<int64_t>(dtype_size(u->compute_dtype));
-    const int gathers = u->is_root || strategy == ShardingStrategy::SHARD_GRAD_OP ? 1 : 2;
-    const int64_t per =
-        u->f8.states.empty() ? u->layout.padded_numel() * es : (u->f8.hp_seg * es + u->f8.f8_seg) * u->shard_size;
-    bytes += gathers * per;
+    const bool twice = !u->is_root && !c.micro && c.strategy != ShardingStrategy::SHARD_GRAD_OP;
+    if (u->f8.states.empty()) {
+      bytes += (twice ? 2 : 1) * u->layout.padded_numel() * es;
+      continue;
+    }
+    const int64_t hp = u->f8.hp_seg * es * u->shard_size, f8 = u->f8.f8_seg * u->shard_size;
+    bytes += hp + f8;
+    if (twice) bytes += hp + (c.ac ? f8 : 0);
   }
   return bytes;
 }
@@ -154,47 +173,56 @@ EMBER_WORKER(float8_gather) {
   Model f8 = make(c, true, true), plain = make(c, true, false), one = make(c, false, false);
   WCHECK(f8.converted == (std::vector<std::string>{"inp", "b0.fc1", "b0.fc2", "b1.fc1", "b1.fc2"}), "converted ",
          f8.converted.size(), " layers");
-  ProcessGroup& pg = *default_group();
   const bool exact = !c.bf16;
+  const int accum = c.micro ? 2 : 1;
   for (int s = 0; s < 3; ++s) {
-    auto [x, y] = batch(env.rank, s);
-    double losses[2];
+    double losses[2] = {0, 0};
     int64_t gathered[2];
     for (int k = 0; k < 2; ++k) {
       Model& m = k == 0 ? f8 : plain;
+      ProcessGroup& pg = *m.fsdp->shard_group();
       m.opt->zero_grad();
       pg.reset_counters();
-      Tensor loss = nn::functional::mse_loss((*m.net)(x), y);
+      if (c.explicit_unshard && s == 1) m.fsdp->unshard();
+      if (c.micro) m.fsdp->begin_micro_batches();
+      std::vector<Tensor> loss(accum);
+      for (int i = 0; i < accum; ++i) {
+        auto [x, y] = batch(env.rank * accum + i, s);
+        loss[i] = nn::functional::mse_loss((*m.net)(x), y) * (1.0 / accum);
+      }
       if (k == 0 && c.strategy == ShardingStrategy::SHARD_GRAD_OP && !c.ac) {
         // Between forward and backward the float8 weights are gathered as
-        // float8 only: their float32 data is not there, and says so.
+        // float8 only: their float32 data is not there, and says so; an
+        // explicit unshard now is refused by name.
         const auto mem_f8 = f8.fsdp->memory();
-        bool threw = false;
-        try {
-          (void)f8.net->b0->fc1->weight.to_vector();
-        } catch (const Error& e) {
-          threw = std::string(e.what()).find("gathered in float8") != std::string::npos;
-        }
-        WCHECK(threw, "reading a float8-gathered weight did not fail naming the float8 gather");
+        WCHECK(::ember::testing::error_of([&] {
+                 (void)f8.net->b0->fc1->weight.to_vector();
+               }).find("gathered in float8") != std::string::npos,
+               "reading a float8-gathered weight did not fail naming the float8 gather");
+        const std::string e = ::ember::testing::error_of([&] { f8.fsdp->unshard(); });
+        WCHECK(e.find("is gathered in float8 for its forward and backward") != std::string::npos, e);
         // Gathered: the float8 gather holds about a quarter of the float32 one.
         const int64_t full = f8.net->num_parameters() * 4;
         WCHECK(mem_f8.unsharded_params < full / 2, mem_f8.unsharded_params, " gathered bytes of ", full);
       }
-      loss.backward();
+      for (int i = accum - 1; i >= 0; --i) loss[i].backward();
+      if (c.micro) m.fsdp->end_micro_batches();
       gathered[k] = pg.counter("allgather").bytes;
       m.opt->step();
-      losses[k] = loss.item<double>();
+      for (const Tensor& l : loss) losses[k] += l.item<double>();
     }
-    // The plain gather moves every unit whole in param_dtype; the float8
-    // one what its segments say, a fraction of it.
-    const int64_t want = float8_gather_bytes(*f8.fsdp, c.strategy);
-    WCHECK(gathered[0] == want, "float8 gather moved ", gathered[0], " bytes, its segments say ", want);
-    WCHECK(gathered[0] < gathered[1] * (c.bf16 ? 0.65 : 0.4), "float8 gather moved ", gathered[0],
-           " bytes, the float32 one ", gathered[1]);
+    if (!(c.explicit_unshard && s == 1)) {
+      // The plain gather moves every unit whole in param_dtype; the float8
+      // one what its segments say, a fraction of it.
+      const int64_t want = float8_gather_bytes(*f8.fsdp, c);
+      WCHECK(gathered[0] == want, "float8 gather moved ", gathered[0], " bytes, its segments say ", want);
+      WCHECK(gathered[0] < gathered[1] * (c.bf16 ? 0.65 : 0.4), "float8 gather moved ", gathered[0],
+             " bytes, the float32 one ", gathered[1]);
+    }
     if (exact) WCHECK(losses[0] == losses[1], "step ", s, ": loss ", losses[0], " (float8 gather) vs ", losses[1]);
     // The one process on every rank's rows.
     std::vector<Tensor> xs, ys;
-    for (int r = 0; r < env.world_size; ++r) {
+    for (int r = 0; r < env.world_size * accum; ++r) {
       auto [xr, yr] = batch(r, s);
       xs.push_back(xr), ys.push_back(yr);
     }
@@ -230,6 +258,15 @@ EMBER_WORKER(float8_gather) {
 TEST(FSDPFloat8, GatherInFloat8EqualsTheFloat32GatherBitForBit) {
   for (const char* arg : {"strategy=full", "strategy=grad_op"}) EMBER_EXPECT_RANKS("float8_gather", 2, {.arg = arg});
   EMBER_EXPECT_RANKS("float8_gather", 3, {.arg = "strategy=full"});
+}
+
+// Micro-batches (each unit gathered once a step), an explicit unshard()
+// before a step (that step in float32, its backward gathering the same
+// way), and HYBRID_SHARD (2 x 2: amaxes over the shard group).
+TEST(FSDPFloat8, MicroBatchesExplicitUnshardAndHybrid) {
+  EMBER_EXPECT_RANKS("float8_gather", 2, {.arg = "strategy=full,micro"});
+  EMBER_EXPECT_RANKS("float8_gather", 2, {.arg = "strategy=full,explicit,ac"});
+  EMBER_EXPECT_RANKS("float8_gather", 4, {.arg = "strategy=hybrid"});
 }
 
 TEST(FSDPFloat8, UnderActivationCheckpointingTheRecomputeUsesTheGatheredCast) {

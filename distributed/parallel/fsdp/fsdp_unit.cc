@@ -140,13 +140,23 @@ void Unit::hold_shard_grad_weakly() {
   shard_grad = Tensor();
 }
 
+namespace {
+const char* const kUnshardOverFloat8 =
+    " is gathered in float8 for its forward and backward (enable_fsdp_float8_all_gather): its float8 layers' "
+    "weights are casts only; call unshard() once the unit is resharded (after the step's backward, or "
+    "reshard() first)";
+}  // namespace
+
 void Unit::start_gather(bool compute) {
+  EMBER_CHECK(compute || !f8.active || state == State::SHARDED, "FSDPModule::unshard(): unit ", type,
+              kUnshardOverFloat8);
   if (state == State::UNSHARDED || gathering) return;
   if (shares_storage) return;  // the shard is the whole buffer: nothing to gather
   if (compute && float8_gather_applies()) {
     start_float8_gather();
     return;
   }
+  drop_float8_gathered();
   f8.active = false;
   NoGradGuard ng;
   MemoryKindScope gathered_memory(MemoryKind::Gathered);
@@ -177,6 +187,13 @@ void Unit::finish_gather() {
 }
 
 void Unit::unshard(bool compute) {
+  if (!compute && f8.active) {
+    EMBER_CHECK(state == State::SHARDED, "FSDPModule::unshard(): unit ", type, kUnshardOverFloat8);
+    // A float8 prefetch in flight: let it land, then gather as asked.
+    finish_gather();
+    drop_float8_gathered();
+    f8.active = false;
+  }
   if (state == State::UNSHARDED) return;
   start_gather(compute);
   finish_gather();
@@ -201,7 +218,7 @@ void Unit::free_unsharded() {
   if (state != State::UNSHARDED || shares_storage) return;
   finish_gather();
   if (f8.active)
-    drop_float8_gathered();
+    drop_float8_gathered(/*keep=*/true);  // for this forward's backward
   else
     layout.release();
   state = State::FREED;
@@ -209,7 +226,11 @@ void Unit::free_unsharded() {
 
 void Unit::reshard() {
   finish_gather();
-  if (state == State::SHARDED) return;
+  if (state == State::SHARDED) {
+    drop_float8_gathered();  // a float8 prefetch that landed: nothing computes with it
+    f8.active = false;
+    return;
+  }
   grad_flat = reconcile(grad_flat, false, layout.padded_numel(), compute_options());
   for (size_t i = 0; i < params.size(); ++i) params[i].set_data(shard_view(shard, i));
   expose_grads(shard_grad, true);
@@ -395,6 +416,7 @@ Tensor Unit::pre_forward(const Tensor& input) {
   post_backward_done = false;
   r->fwd_order.push_back(shared_from_this());
   unshard(/*compute=*/true);
+  fwd_float8 = f8.active;
   if (!shares_storage) fwd_version = gathered_storage().storage_version();
   if (forward_prefetch) {
     const std::vector<std::shared_ptr<Unit>> order = alive(r->prev_fwd_order);
@@ -449,7 +471,7 @@ void Unit::pre_backward() {
     });
   }
   if (post_backward_done || !expects_backward) return;
-  unshard(/*compute=*/true);
+  unshard(/*compute=*/fwd_float8);
   // The forward saved these parameters at fwd_version; they hold the same
   // values again (gathered from the unchanged shards). See Note [storage
   // version after a re-gather] (docs/design.md).
@@ -487,7 +509,7 @@ void Unit::prefetch_backward() {
     Unit& next = **it;
     if (!next.expects_backward || next.post_backward_done || next.gathering || next.state == State::UNSHARDED) continue;
     if (live() >= 1 + anchor->prefetch_limit) break;
-    next.start_gather(/*compute=*/true);
+    next.start_gather(/*compute=*/next.fwd_float8);
   }
 }
 }  // namespace ember::distributed

@@ -50,8 +50,9 @@ struct Float8Gather {
   // back to back, in layout order).
   std::vector<int> f8_index;
   std::vector<int64_t> compact;
-  std::vector<size_t> f8_entry;  // per float8 layer: its layout entry
-  std::vector<std::shared_ptr<nn::Float8LinearState>> states;
+  std::vector<size_t> f8_entry;  // per float8 weight: its layout entry
+  // Per float8 weight: the layers computing with it (one, unless layers share it).
+  std::vector<std::vector<std::shared_ptr<nn::Float8LinearState>>> states;
   int64_t hp_numel = 0, f8_numel = 0;
   // Elements per rank in each all-gather: the most any rank holds of each
   // kind (the others pad).
@@ -66,7 +67,15 @@ struct Float8Gather {
   std::vector<Run> pack;    // this rank's shard into the send buffers
   std::vector<Run> unpack;  // every rank's segments into hp_full / f8_full
   Tensor hp_full, f8_full, ghost;
-  std::vector<Tensor> scales;  // per float8 layer: float32 [3], while gathered
+  std::vector<Tensor> scales;  // per float8 weight: float32 [3], while gathered
+  // What the last forward's float8 gather left when the unit was freed:
+  // f8_full's memory, alive while that forward's float8 layers keep their
+  // casts for backward (they do unless recomputed), and its scales. The
+  // backward's gather of the same forward (`kept_generation`) takes them
+  // instead of gathering the float8 part again.
+  std::weak_ptr<Storage> kept_f8;
+  std::vector<Tensor> kept_scales;
+  uint64_t kept_generation = 0;
   // In flight.
   Tensor hp_send, f8_send, hp_recv, f8_recv;
   std::shared_ptr<Work> hp_work, f8_work;
@@ -113,6 +122,9 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   Tensor gather_src;
   uint64_t fwd_version = 0;
   Float8Gather f8;
+  // The last forward gathered in float8: its backward gathers the same kind
+  // (the saved parameters are views of that kind's buffers).
+  bool fwd_float8 = false;
 
   bool reshard_after_forward = true, reshard_after_backward = true, requires_sync = true;
   // The settings begin_micro_batches() put aside, while it is in force.
@@ -157,9 +169,10 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   void hold_shard_grad_weakly();
   int64_t shard_offset_of(size_t i) const;
 
-  // `compute`: the gather is for the unit's forward or backward, which
-  // may take float8 layers' weights in float8; otherwise (an explicit
-  // unshard) every parameter is gathered as it is.
+  // `compute`: the gather is for the unit's forward (or the backward of a
+  // forward gathered so), which may take float8 layers' weights in float8;
+  // otherwise every parameter is gathered as it is, and an explicit unshard
+  // of a unit gathered in float8 for its forward is refused by name.
   void start_gather(bool compute = false);
   void finish_gather();
   void unshard(bool compute = false);
@@ -175,7 +188,9 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   void start_float8_gather();
   void finish_float8_gather();
   void point_params_at_gathered();
-  void drop_float8_gathered();
+  // Lets the gathered float8 buffers and the layers' casts go; `keep`:
+  // remember f8_full for this forward's backward (Float8Gather::kept_f8).
+  void drop_float8_gathered(bool keep = false);
   void reshard();
   void accumulate_shard_grad(const Tensor& reduced, const std::vector<bool>& seen);
   void issue_reduce(const Tensor& grads);
