@@ -123,6 +123,9 @@ struct Setup {
   // their reports.
   distributed::AnomalyDetector* anomaly = nullptr;
   bool nan_rerun = false;
+  // --float8-all-gather 1: the next gathers' scales precomputed after each
+  // optimizer step, one all-reduce (torchtitan's precompute).
+  bool precompute_float8 = false;
   distributed::ProcessGroup* world = nullptr;
   // --cuda-graph 1: the step as one CUDA graph, and the host's time (input
   // copies and the replay's launch) and the whole step's, per replayed step.
@@ -236,6 +239,7 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   distributed::GPTParallelOptions po{.sequence_parallel = s.sp, .ac = flags.common.ac};
   po.float8 = flags.float8 == 1;
   po.float8_all_gather = flags.float8_all_gather == 1;
+  s.precompute_float8 = po.float8_all_gather;
   if (po.float8)
     LOG0("float8: the blocks' linear layers train in float8 (e4m3 forward, e5m2 gradients, tensorwise dynamic ",
          "scales); the LM head does not", po.float8_all_gather ? "; FSDP gathers their weights in float8" : "");
@@ -430,6 +434,10 @@ std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Ten
   distributed::commit_point(s.step);  // live recovery: every rank steps, or none
   scaler.step(*s.opt);
   scaler.update();
+  if (s.precompute_float8) {
+    if (s.par.fsdp) s.par.fsdp->precompute_float8_dynamic_scale_for_fsdp();
+    for (const auto& f : s.pp.fsdp) f->precompute_float8_dynamic_scale_for_fsdp();
+  }
   s.sched->step();
   ++s.step;
   return {loss_sum / s.micro_steps, grad_norm};

@@ -157,6 +157,16 @@ class FSDPModule {
   void unshard();
   void reshard();
 
+  // torchao's precompute_float8_dynamic_scale_for_fsdp: with float8
+  // all-gathers (nn/float8.h), the scales of every float8 weight of the
+  // units in this subtree from one all-reduce of all their amaxes (one per
+  // shard group), for the next gathers to use instead of an all-reduce
+  // each: call it after optimizer.step(), every rank. A unit whose shard
+  // changed since (its storage's version) computes its scales itself, so a
+  // stale precompute costs an all-reduce, never a wrong scale. No-op
+  // without float8 all-gathers.
+  void precompute_float8_dynamic_scale_for_fsdp();
+
   // Bytes this rank holds now of sharded parameters, sharded gradients and
   // gathered (unsharded) parameters, over the units of this subtree.
   struct Memory {

@@ -152,25 +152,28 @@ void Unit::start_float8_gather() {
   const Tensor src = shard.device() == device ? shard : shard.to(device);
   // The backward of the forward that gathered last: its float8 layers still
   // hold the casts (unless they are recomputed), so only the rest travels.
-  std::shared_ptr<Storage> kept = f8.kept_generation == generation ? f8.kept_f8.lock() : nullptr;
+  // (The shards have not changed since that forward: its scales hold.)
+  const bool same_forward = f8.kept_generation == generation && !f8.kept_scales.empty();
+  std::shared_ptr<Storage> kept = same_forward ? f8.kept_f8.lock() : nullptr;
   f8.kept_f8.reset();
   if (kept) {
     f8.f8_full = flat_over(std::move(kept), f8.f8_numel);
     f8.scales = std::move(f8.kept_scales);
   } else {
     f8.f8_full = Tensor::empty({f8.f8_numel}, TensorOptions{kE4M3, device});
-    // Each weight's amax over the ranks, then its scale, as float8_scale of
-    // the whole weight would give.
-    const size_t nf = f8.states.size();
-    std::vector<Tensor> amax(nf);
-    for (const auto& run : f8.pack)
-      if (run.f8 >= 0) amax[run.f8] = float8_scale(src.narrow(0, run.shard_offset, run.numel), kE4M3).narrow(0, 2, 1);
-    for (Tensor& a : amax)
-      if (!a.defined()) a = zeros({1}, TensorOptions{DType::Float32, device});
-    const Tensor amaxes = cat(amax, 0);
-    shard_pg->allreduce(amaxes, ReduceOp::Max)->synchronize();
-    f8.scales.resize(nf);
-    for (size_t j = 0; j < nf; ++j) f8.scales[j] = float8_scale(amaxes.narrow(0, static_cast<int64_t>(j), 1), kE4M3);
+    if (same_forward) {
+      f8.scales = std::move(f8.kept_scales);
+    } else if (!f8.pre_scales.empty() && f8.pre_version == shard.storage_version()) {
+      f8.scales = f8.pre_scales;
+    } else {
+      // Each weight's amax over the ranks, then its scale, as float8_scale
+      // of the whole weight would give.
+      const Tensor amaxes = local_float8_amaxes(src);
+      shard_pg->allreduce(amaxes, ReduceOp::Max)->synchronize();
+      f8.scales.resize(f8.states.size());
+      for (size_t j = 0; j < f8.scales.size(); ++j)
+        f8.scales[j] = float8_scale(amaxes.narrow(0, static_cast<int64_t>(j), 1), kE4M3);
+    }
     f8.f8_send = Tensor::empty({f8.f8_seg}, TensorOptions{kE4M3, device});
     f8.f8_recv = Tensor::empty({f8.f8_seg * shard_size}, TensorOptions{kE4M3, device});
   }
@@ -190,6 +193,43 @@ void Unit::start_float8_gather() {
   if (f8.f8_seg > 0 && f8.f8_send.defined()) f8.f8_work = shard_pg->allgather_into_tensor(f8.f8_recv, f8.f8_send);
   f8.active = true;
   gathering = true;
+}
+
+Tensor Unit::local_float8_amaxes(const Tensor& src) const {
+  std::vector<Tensor> amax(f8.states.size());
+  for (const auto& run : f8.pack)
+    if (run.f8 >= 0) amax[run.f8] = float8_scale(src.narrow(0, run.shard_offset, run.numel), kE4M3).narrow(0, 2, 1);
+  for (Tensor& a : amax)
+    if (!a.defined()) a = zeros({1}, TensorOptions{DType::Float32, device});
+  return cat(amax, 0);
+}
+
+void FSDPModule::precompute_float8_dynamic_scale_for_fsdp() {
+  NoGradGuard ng;
+  fr::CallerTag caller("FSDP precompute_float8_dynamic_scale_for_fsdp");
+  // The units gathering in float8, by shard group, in module order (the
+  // same on every rank of a group).
+  std::vector<std::pair<ProcessGroup*, std::vector<Unit*>>> groups;
+  for (auto& u : units()) {
+    if (u->state != Unit::State::SHARDED || !u->float8_gather_applies()) continue;
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == u->shard_pg.get(); });
+    if (it == groups.end()) it = groups.insert(groups.end(), {u->shard_pg.get(), {}});
+    it->second.push_back(u.get());
+  }
+  for (auto& [pg, us] : groups) {
+    std::vector<Tensor> parts;
+    for (Unit* u : us)
+      parts.push_back(u->local_float8_amaxes(u->shard.device() == u->device ? u->shard : u->shard.to(u->device)));
+    const Tensor amaxes = cat(parts, 0);
+    pg->allreduce(amaxes, ReduceOp::Max)->synchronize();
+    int64_t at = 0;
+    for (Unit* u : us) {
+      u->f8.pre_scales.clear();
+      for (size_t j = 0; j < u->f8.states.size(); ++j)
+        u->f8.pre_scales.push_back(float8_scale(amaxes.narrow(0, at++, 1), kE4M3));
+      u->f8.pre_version = u->shard.storage_version();
+    }
+  }
 }
 
 void Unit::finish_float8_gather() {

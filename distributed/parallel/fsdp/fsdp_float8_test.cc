@@ -87,6 +87,9 @@ struct Config {
   // Step 1 starts with an explicit unshard(): that step's forward and
   // backward run on the whole float32 weights, the others in float8.
   bool explicit_unshard = false;
+  // precompute_float8_dynamic_scale_for_fsdp after step 0 (used by step 1)
+  // and not after step 1 (step 2's shards changed since: stale).
+  bool precompute = false;
 };
 
 Config parse(const std::string& arg) {
@@ -102,6 +105,8 @@ Config parse(const std::string& arg) {
       c.micro = true;
     else if (k == "explicit")
       c.explicit_unshard = true;
+    else if (k == "pre")
+      c.precompute = true;
     else
       EMBER_CHECK(false, "bad config key '", k, "'");
   }
@@ -208,7 +213,16 @@ EMBER_WORKER(float8_gather) {
       for (int i = accum - 1; i >= 0; --i) loss[i].backward();
       if (c.micro) m.fsdp->end_micro_batches();
       gathered[k] = pg.counter("allgather").bytes;
+      if (k == 0 && !c.explicit_unshard && !c.micro) {
+        // One amax all-reduce per float8 unit's forward gather (b0, b1, the
+        // root; backwards reuse their forward's scales), none while a
+        // precompute holds.
+        const int64_t want = c.precompute && s == 1 ? 0 : 3;
+        WCHECK(pg.counter("allreduce").calls == want, "step ", s, ": ", pg.counter("allreduce").calls,
+               " all-reduces in forward and backward, want ", want);
+      }
       m.opt->step();
+      if (k == 0 && c.precompute && s == 0) m.fsdp->precompute_float8_dynamic_scale_for_fsdp();
       for (const Tensor& l : loss) losses[k] += l.item<double>();
     }
     if (!(c.explicit_unshard && s == 1)) {
@@ -262,11 +276,13 @@ TEST(FSDPFloat8, GatherInFloat8EqualsTheFloat32GatherBitForBit) {
 
 // Micro-batches (each unit gathered once a step), an explicit unshard()
 // before a step (that step in float32, its backward gathering the same
-// way), and HYBRID_SHARD (2 x 2: amaxes over the shard group).
+// way), HYBRID_SHARD (2 x 2: amaxes over the shard group), and scales
+// precomputed after a step (used by the next; stale after another step).
 TEST(FSDPFloat8, MicroBatchesExplicitUnshardAndHybrid) {
   EMBER_EXPECT_RANKS("float8_gather", 2, {.arg = "strategy=full,micro"});
   EMBER_EXPECT_RANKS("float8_gather", 2, {.arg = "strategy=full,explicit,ac"});
   EMBER_EXPECT_RANKS("float8_gather", 4, {.arg = "strategy=hybrid"});
+  EMBER_EXPECT_RANKS("float8_gather", 2, {.arg = "strategy=full,pre"});
 }
 
 TEST(FSDPFloat8, UnderActivationCheckpointingTheRecomputeUsesTheGatheredCast) {

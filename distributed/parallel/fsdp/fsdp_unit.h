@@ -76,6 +76,10 @@ struct Float8Gather {
   std::weak_ptr<Storage> kept_f8;
   std::vector<Tensor> kept_scales;
   uint64_t kept_generation = 0;
+  // FSDPModule::precompute_float8_dynamic_scale_for_fsdp's scales, valid
+  // while the shard's storage version is `pre_version`.
+  std::vector<Tensor> pre_scales;
+  uint64_t pre_version = 0;
   // In flight.
   Tensor hp_send, f8_send, hp_recv, f8_recv;
   std::shared_ptr<Work> hp_work, f8_work;
@@ -186,6 +190,9 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   // gathered; letting it go.
   bool float8_gather_applies();
   void start_float8_gather();
+  // This rank's amax of each float8 weight (float32 [weights], 0 where it
+  // holds none of it), and the scales of the ranks' max of them.
+  Tensor local_float8_amaxes(const Tensor& src) const;
   void finish_float8_gather();
   void point_params_at_gathered();
   // Lets the gathered float8 buffers and the layers' casts go; `keep`:
