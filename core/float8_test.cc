@@ -16,6 +16,7 @@
 #include "autograd/autograd.h"
 #include "core/autocast.h"
 #include "core/ops.h"
+#include "core/ops/kernels.h"
 #include "core/ops_float8.h"
 #include "core/testing/error_of.h"
 
@@ -448,6 +449,35 @@ void check_given_cast(Device dev) {
 
 TEST(Float8, LinearWithTheWeightsCastGivenIsItsOwnBitForBit) { check_given_cast(Device(DeviceType::CPU)); }
 TEST_F(Float8Cuda, LinearWithTheWeightsCastGivenIsItsOwnBitForBit) { check_given_cast(cuda_device(0)); }
+
+// scaled_mm keeps each problem's cuBLASLt plan: the same problem again
+// finds it and reads this call's scales, not the first call's; another
+// alignment of an operand is another problem.
+TEST_F(Float8Cuda, ScaledMmReusesItsPlanWithEachCallsScales) {
+  const Device dev = cuda_device(0);
+  const DType e4 = DType::Float8E4M3;
+  manual_seed(16);
+  const Tensor a32 = randn({32, 64}).to(dev), w32 = randn({48, 64}).to(dev);
+  const Tensor sa = float8_scale(a32, e4), sw = float8_scale(w32, e4);
+  const Tensor aq = to_float8(a32, sa.select(0, 0), e4), wq = to_float8(w32, sw.select(0, 0), e4);
+  const ScaledMmPlanStats s0 = scaled_mm_plan_stats();
+  const Tensor y1 = scaled_mm(aq, wq.t(), sa.select(0, 1), sw.select(0, 1), DType::Float32);
+  const ScaledMmPlanStats s1 = scaled_mm_plan_stats();
+  EXPECT_EQ(s1.hits + s1.misses, s0.hits + s0.misses + 1);
+  const Tensor twice = sa.select(0, 1) * 2.0;
+  const Tensor y2 = scaled_mm(aq, wq.t(), twice, sw.select(0, 1), DType::Float32);
+  const ScaledMmPlanStats s2 = scaled_mm_plan_stats();
+  EXPECT_EQ(s2.hits, s1.hits + 1);
+  EXPECT_EQ(s2.misses, s1.misses);
+  EXPECT_TRUE(allclose(y2.cpu(), y1.cpu() * 2.0, 1e-6, 1e-6)) << "the cached plan read the first call's scale";
+  // a at a 64-byte offset: a plan for that alignment, the same product.
+  Tensor big = zeros({34, 64}, TensorOptions(e4, dev));
+  big.narrow(0, 1, 32).copy_(aq);
+  const Tensor y3 = scaled_mm(big.narrow(0, 1, 32), wq.t(), sa.select(0, 1), sw.select(0, 1), DType::Float32);
+  const ScaledMmPlanStats s3 = scaled_mm_plan_stats();
+  EXPECT_EQ(s3.misses, s2.misses + 1);
+  EXPECT_TRUE(allclose(y3.cpu(), y1.cpu(), 1e-5, 1e-5));
+}
 
 TEST_F(Float8Cuda, LinearMatchesTheCpu) {
   check_linear_against_float32(cuda_device(0));

@@ -6,7 +6,11 @@
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
+#include <map>
+#include <memory>
+#include <tuple>
 #include <utility>
 
 #include "core/cuda_check.h"
@@ -147,6 +151,60 @@ uint32_t alignment_of(const void* p) {
 // allocator: stream-ordered, and inside a capture from the graph's pool.
 constexpr uint64_t kLtWorkspace = uint64_t{32} << 20;
 
+// One problem's descriptors and the algorithm the heuristic chose for it.
+// What differs between calls of one problem (the operands, the scale
+// pointers) is set per call; everything the choice depends on is the key:
+// the device, m, n, k, the three dtypes, fast accumulation, and the
+// alignments the algorithm may assume of A, B, C and D.
+using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, DType, DType, DType, bool, uint32_t, uint32_t, uint32_t>;
+struct Plan {
+  LtCall call;
+  cublasLtMatmulHeuristicResult_t heuristic{};
+};
+// Per thread: no lock on the hot path, and a descriptor whose scale
+// pointers are set for one call is not shared with another thread's.
+// Bounded: a workload of ever-new shapes starts over past 256 plans.
+constexpr size_t kMaxPlans = 256;
+thread_local std::map<PlanKey, std::unique_ptr<Plan>> t_plans;
+std::atomic<uint64_t> g_plan_hits{0}, g_plan_misses{0};
+
+// The descriptors and heuristic choice of one problem (see scaled_mm_cuda
+// for the layout mapping).
+std::unique_ptr<Plan> make_plan(cublasLtHandle_t lt, int64_t m, int64_t k, int64_t n, DType at, DType bt, DType ot,
+                                bool fast_accum, const uint32_t (&align)[4], const void* lt_a_scale,
+                                const void* lt_b_scale) {
+  auto plan = std::make_unique<Plan>();
+  LtCall& call = plan->call;
+  EMBER_CUBLAS_CHECK(cublasLtMatmulDescCreate(&call.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  set_attr(call.desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
+  set_attr(call.desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
+  set_attr(call.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(fast_accum ? 1 : 0));
+  EMBER_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.a, lt_type(bt), k, n, k));
+  EMBER_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.b, lt_type(at), k, m, k));
+  EMBER_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.c, lt_type(ot), n, m, n));
+  EMBER_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&call.pref));
+  EMBER_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(call.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                          &kLtWorkspace, sizeof(kLtWorkspace)));
+  // The operands' real alignment (the preference defaults to 256 bytes; an
+  // algorithm chosen for more than a view has would read wrongly), as
+  // torch's cuBLASLt calls set it.
+  const cublasLtMatmulPreferenceAttributes_t attrs[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; ++i)
+    EMBER_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(call.pref, attrs[i], &align[i], sizeof(align[i])));
+  // The scale pointers' presence is part of the problem; each call sets
+  // its own (this first call's for the query).
+  set_attr(call.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, lt_a_scale);
+  set_attr(call.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, lt_b_scale);
+  int found = 0;
+  EMBER_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt, call.desc, call.a, call.b, call.c, call.c, call.pref, 1,
+                                                    &plan->heuristic, &found));
+  EMBER_CHECK(found > 0, "scaled_mm: cuBLASLt has no float8 algorithm for [", m, ", ", k, "] ", at, " x [", k, ", ", n,
+              "] ", bt, " -> ", ot);
+  return plan;
+}
+
 }  // namespace
 
 void float8_scale_cuda(const Tensor& x, DType fp8, Tensor& out) {
@@ -208,46 +266,37 @@ void scaled_mm_cuda(const Tensor& a, const Tensor& b, const Tensor& scale_a, con
   const int64_t m = a.sizes()[0], k = a.sizes()[1], n = b.sizes()[1];
   cuda::DeviceGuard guard(a);
   cudaStream_t stream = cuda::stream_for(a);
-  cublasLtHandle_t lt = lt_handle(a.device().index);
-  LtCall call;
-  EMBER_CUBLAS_CHECK(cublasLtMatmulDescCreate(&call.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  set_attr(call.desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
-  set_attr(call.desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
-  const void* lt_a_scale = scale_b.raw_data();
-  const void* lt_b_scale = scale_a.raw_data();
-  set_attr(call.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, lt_a_scale);
-  set_attr(call.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, lt_b_scale);
-  set_attr(call.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(fast_accum ? 1 : 0));
-  EMBER_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.a, lt_type(b.dtype()), k, n, k));
-  EMBER_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.b, lt_type(a.dtype()), k, m, k));
-  EMBER_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.c, lt_type(out.dtype()), n, m, n));
-  EMBER_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&call.pref));
-  EMBER_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(call.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                          &kLtWorkspace, sizeof(kLtWorkspace)));
-  // The operands' real alignment (the preference defaults to 256 bytes; an
-  // algorithm chosen for more than a view has would read wrongly), as
-  // torch's cuBLASLt calls set it.
-  const std::pair<cublasLtMatmulPreferenceAttributes_t, const void*> aligns[] = {
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, b.raw_data()},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a.raw_data()},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, out.raw_data()},
-      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, out.raw_data()}};
-  for (const auto& [attr, p] : aligns) {
-    const uint32_t bytes = alignment_of(p);
-    EMBER_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(call.pref, attr, &bytes, sizeof(bytes)));
+  const int device = a.device().index;
+  cublasLtHandle_t lt = lt_handle(device);
+  // cuBLASLt's A is b's memory, its B a's, C and D the output.
+  const uint32_t align[4] = {alignment_of(b.raw_data()), alignment_of(a.raw_data()), alignment_of(out.raw_data()),
+                             alignment_of(out.raw_data())};
+  const PlanKey key{device, m, n, k, a.dtype(), b.dtype(), out.dtype(), fast_accum, align[0], align[1], align[2]};
+  auto it = t_plans.find(key);
+  if (it == t_plans.end()) {
+    if (t_plans.size() >= kMaxPlans) t_plans.clear();
+    it = t_plans
+             .emplace(key, make_plan(lt, m, k, n, a.dtype(), b.dtype(), out.dtype(), fast_accum, align,
+                                     scale_b.raw_data(), scale_a.raw_data()))
+             .first;
+    g_plan_misses.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    g_plan_hits.fetch_add(1, std::memory_order_relaxed);
   }
-  cublasLtMatmulHeuristicResult_t heuristic{};
-  int found = 0;
-  EMBER_CUBLAS_CHECK(
-      cublasLtMatmulAlgoGetHeuristic(lt, call.desc, call.a, call.b, call.c, call.c, call.pref, 1, &heuristic, &found));
-  EMBER_CHECK(found > 0, "scaled_mm: cuBLASLt has no float8 algorithm for [", m, ", ", k, "] ", a.dtype(), " x [", k,
-              ", ", n, "] ", b.dtype(), " -> ", out.dtype());
-  const Tensor workspace =
-      Tensor::empty({static_cast<int64_t>(heuristic.workspaceSize)}, TensorOptions(DType::UInt8, a.device()));
+  Plan& plan = *it->second;
+  // This call's scales: read by the device when the matmul runs.
+  set_attr(plan.call.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scale_b.raw_data());
+  set_attr(plan.call.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, scale_a.raw_data());
+  const uint64_t ws = plan.heuristic.workspaceSize;
+  const Tensor workspace = Tensor::empty({static_cast<int64_t>(ws)}, TensorOptions(DType::UInt8, a.device()));
   const float alpha = 1.0f, beta = 0.0f;
-  EMBER_CUBLAS_CHECK(cublasLtMatmul(
-      lt, call.desc, &alpha, b.raw_data(), call.a, a.raw_data(), call.b, &beta, out.raw_data(), call.c, out.raw_data(),
-      call.c, &heuristic.algo, workspace.numel() ? workspace.raw_data() : nullptr, heuristic.workspaceSize, stream));
+  EMBER_CUBLAS_CHECK(cublasLtMatmul(lt, plan.call.desc, &alpha, b.raw_data(), plan.call.a, a.raw_data(), plan.call.b,
+                                    &beta, out.raw_data(), plan.call.c, out.raw_data(), plan.call.c,
+                                    &plan.heuristic.algo, ws ? workspace.raw_data() : nullptr, ws, stream));
+}
+
+ScaledMmPlanStats scaled_mm_plan_stats() {
+  return {g_plan_hits.load(std::memory_order_relaxed), g_plan_misses.load(std::memory_order_relaxed)};
 }
 
 }  // namespace ember

@@ -255,6 +255,15 @@ void to_float8_cpu(const Tensor& x, const Tensor& scale, Tensor& out);
 void to_float8_cuda(const Tensor& x, const Tensor& scale, Tensor& out);
 void scaled_mm_cuda(const Tensor& a, const Tensor& b, const Tensor& scale_a, const Tensor& scale_b, bool fast_accum,
                     Tensor& out);
+// scaled_mm_cuda keeps, per thread, the cuBLASLt descriptors and the
+// algorithm it chose for each problem (shapes, dtypes, fast accumulation,
+// the operands' alignments): a repeated matmul skips the heuristic query
+// and the descriptors' setup. How many calls found their plan, and how
+// many made one (zeros without CUDA).
+struct ScaledMmPlanStats {
+  uint64_t hits = 0, misses = 0;
+};
+ScaledMmPlanStats scaled_mm_plan_stats();
 // max_fp8 / max(amax, 1e-12) in float64, rounded to float32 (torchao's
 // amax_to_scale); a NaN amax gives a NaN scale. Both backends use it.
 EMBER_HD float float8_scale_of(float amax, float max_fp8) {

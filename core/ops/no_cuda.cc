@@ -53,6 +53,7 @@ EMBER_NO_CUDA(cross_entropy_backward_cuda, const CrossEntropyArgs&, const Tensor
 EMBER_NO_CUDA(float8_scale_cuda, const Tensor&, DType, Tensor&)
 EMBER_NO_CUDA(to_float8_cuda, const Tensor&, const Tensor&, Tensor&)
 EMBER_NO_CUDA(scaled_mm_cuda, const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool, Tensor&)
+ScaledMmPlanStats scaled_mm_plan_stats() { return {}; }
 EMBER_NO_CUDA(bias_gelu_forward_cuda, const Tensor&, const Tensor&, bool, Tensor&)
 EMBER_NO_CUDA(bias_gelu_backward_cuda, const Tensor&, const Tensor&, const Tensor&, bool, Tensor&)
 EMBER_NO_CUDA(swiglu_forward_cuda, const Tensor&, const Tensor&, Tensor&)
