@@ -464,12 +464,13 @@ TEST_F(Float8Cuda, ScaledMmReusesItsPlanWithEachCallsScales) {
   const Tensor y1 = scaled_mm(aq, wq.t(), sa.select(0, 1), sw.select(0, 1), DType::Float32);
   const ScaledMmPlanStats s1 = scaled_mm_plan_stats();
   EXPECT_EQ(s1.hits + s1.misses, s0.hits + s0.misses + 1);
-  const Tensor twice = sa.select(0, 1) * 2.0;
-  const Tensor y2 = scaled_mm(aq, wq.t(), twice, sw.select(0, 1), DType::Float32);
+  // Both scales new (cuBLASLt's A scale is w's, its B scale a's).
+  const Tensor twice = sa.select(0, 1) * 2.0, four = sw.select(0, 1) * 4.0;
+  const Tensor y2 = scaled_mm(aq, wq.t(), twice, four, DType::Float32);
   const ScaledMmPlanStats s2 = scaled_mm_plan_stats();
   EXPECT_EQ(s2.hits, s1.hits + 1);
   EXPECT_EQ(s2.misses, s1.misses);
-  EXPECT_TRUE(allclose(y2.cpu(), y1.cpu() * 2.0, 1e-6, 1e-6)) << "the cached plan read the first call's scale";
+  EXPECT_TRUE(allclose(y2.cpu(), y1.cpu() * 8.0, 1e-6, 1e-6)) << "the cached plan read a first call's scale";
   // a at a 64-byte offset: a plan for that alignment, the same product.
   Tensor big = zeros({34, 64}, TensorOptions(e4, dev));
   big.narrow(0, 1, 32).copy_(aq);

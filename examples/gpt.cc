@@ -123,8 +123,8 @@ struct Setup {
   // their reports.
   distributed::AnomalyDetector* anomaly = nullptr;
   bool nan_rerun = false;
-  // --float8-all-gather 1: the next gathers' scales precomputed after each
-  // optimizer step, one all-reduce (torchtitan's precompute).
+  // --float8-all-gather 1: each step's float8 scales precomputed before its
+  // forward, one all-reduce (torchtitan's precompute).
   bool precompute_float8 = false;
   distributed::ProcessGroup* world = nullptr;
   // --cuda-graph 1: the step as one CUDA graph, and the host's time (input
@@ -405,6 +405,12 @@ std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Ten
   s.inject.armed = step == s.inject.step;
   s.inject.tries = 0;
   if (s.anomaly) s.anomaly->begin_step(step);
+  if (s.precompute_float8) {
+    // Just before the forward, so nothing (a resume, a live recovery's
+    // restore) writes the parameters between the scales and their use.
+    if (s.par.fsdp) s.par.fsdp->precompute_float8_dynamic_scale_for_fsdp();
+    for (const auto& f : s.pp.fsdp) f->precompute_float8_dynamic_scale_for_fsdp();
+  }
   double loss_sum = forward_backward(s, batch, amp, device);
   std::optional<Section> optimizer(std::in_place, s.straggler, "optimizer");
   scaler.unscale_(*s.opt);
@@ -434,10 +440,6 @@ std::pair<double, double> train_step(Setup& s, const std::function<std::pair<Ten
   distributed::commit_point(s.step);  // live recovery: every rank steps, or none
   scaler.step(*s.opt);
   scaler.update();
-  if (s.precompute_float8) {
-    if (s.par.fsdp) s.par.fsdp->precompute_float8_dynamic_scale_for_fsdp();
-    for (const auto& f : s.pp.fsdp) f->precompute_float8_dynamic_scale_for_fsdp();
-  }
   s.sched->step();
   ++s.step;
   return {loss_sum / s.micro_steps, grad_norm};

@@ -153,7 +153,7 @@ inline void declare(FlagTable& t, Flags& f) {
   t.integer("--float8-all-gather", &f.float8_all_gather, 0, "0|1",
             "1 (with --float8 1): FSDP gathers those layers' weights already cast to float8, a byte per\n"
             "element (torchao's enable_fsdp_float8_all_gather), scaled from the float32 master weights,\n"
-            "their scales precomputed after each optimizer step in one all-reduce");
+            "their scales precomputed before each step's forward in one all-reduce");
   t.positive("--temperature", &f.temperature, "X", "the sample's temperature");
   t.integer("--top-k", &f.top_k, 1, "N", "the sample's top-k");
 }

@@ -160,11 +160,12 @@ class FSDPModule {
   // torchao's precompute_float8_dynamic_scale_for_fsdp: with float8
   // all-gathers (nn/float8.h), the scales of every float8 weight of the
   // units in this subtree from one all-reduce of all their amaxes (one per
-  // shard group), for the next gathers to use instead of an all-reduce
-  // each: call it after optimizer.step(), every rank. A unit whose shard
-  // changed since (its storage's version) computes its scales itself, so a
-  // stale precompute costs an all-reduce, never a wrong scale. No-op
-  // without float8 all-gathers.
+  // shard group), for each unit's next float8 gather to use instead of an
+  // all-reduce of its own. Every rank calls it, after optimizer.step() (or
+  // just before the next forward). A unit's parameters written between it
+  // and that gather (a checkpoint load, say) are an error naming the unit:
+  // the scales would be stale, and whether to use them must be decided
+  // alike on every rank. No-op without float8 all-gathers.
   void precompute_float8_dynamic_scale_for_fsdp();
 
   // Bytes this rank holds now of sharded parameters, sharded gradients and

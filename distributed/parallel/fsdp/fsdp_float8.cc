@@ -163,8 +163,16 @@ void Unit::start_float8_gather() {
     f8.f8_full = Tensor::empty({f8.f8_numel}, TensorOptions{kE4M3, device});
     if (same_forward) {
       f8.scales = std::move(f8.kept_scales);
-    } else if (!f8.pre_scales.empty() && f8.pre_version == shard.storage_version()) {
-      f8.scales = f8.pre_scales;
+    } else if (!f8.pre_scales.empty()) {
+      // Every rank precomputed, so every rank takes them here. A shard
+      // written since would make them stale: refused, not silently used
+      // (an all-reduce on this rank alone would not line up).
+      EMBER_CHECK(f8.pre_version == shard.storage_version(), "FSDP(", type,
+                  "): its parameters were written after precompute_float8_dynamic_scale_for_fsdp() and before "
+                  "the float8 all-gather that uses its scales; call it after the last write (after "
+                  "optimizer.step() and any checkpoint load)");
+      f8.scales = std::move(f8.pre_scales);
+      f8.pre_scales.clear();
     } else {
       // Each weight's amax over the ranks, then its scale, as float8_scale
       // of the whole weight would give.

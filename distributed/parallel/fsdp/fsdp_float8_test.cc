@@ -266,6 +266,18 @@ EMBER_WORKER(float8_gather) {
          " ", w.dtype());
   if (env.rank == 0) mp::check_close(w.to(DType::Float32), *a.find("b1.fc2.weight"), "unsharded b1.fc2.weight", 1e-2);
   f8.fsdp->reshard();
+  if (c.precompute) {
+    // Scales precomputed, then the parameters written: the gather that
+    // would use them refuses, naming the unit (on every rank alike).
+    f8.fsdp->precompute_float8_dynamic_scale_for_fsdp();
+    {
+      NoGradGuard ng;
+      for (auto& p : f8.net->parameters()) p *= 1.0;
+    }
+    auto [x, y] = batch(env.rank, 9);
+    const std::string e = ::ember::testing::error_of([&] { (void)(*f8.net)(x); });
+    WCHECK(e.find("were written after precompute_float8_dynamic_scale_for_fsdp()") != std::string::npos, e);
+  }
   destroy_process_group();
 }
 

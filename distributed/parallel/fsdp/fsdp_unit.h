@@ -76,8 +76,9 @@ struct Float8Gather {
   std::weak_ptr<Storage> kept_f8;
   std::vector<Tensor> kept_scales;
   uint64_t kept_generation = 0;
-  // FSDPModule::precompute_float8_dynamic_scale_for_fsdp's scales, valid
-  // while the shard's storage version is `pre_version`.
+  // FSDPModule::precompute_float8_dynamic_scale_for_fsdp's scales, for the
+  // unit's next float8 gather (which takes them: one use, decided alike on
+  // every rank), and the shard's storage version they were computed at.
   std::vector<Tensor> pre_scales;
   uint64_t pre_version = 0;
   // In flight.
