@@ -118,7 +118,8 @@ class FlatBuffer {
   // that use the buffer have completed (wait(), or synchronize() before
   // freeing on the stream that waited): the memory goes straight back to
   // the allocator.
-  void release() const { flat_.free_storage(); }
+  // `why` (a string that outlives the buffer): what a read of a view says.
+  void release(const char* why = nullptr) const { flat_.free_storage(why); }
   void restore() const { flat_.restore_storage(); }
   bool released() const { return flat_.defined() && flat_.storage_freed(); }
 

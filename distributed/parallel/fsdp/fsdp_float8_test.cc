@@ -195,6 +195,11 @@ EMBER_WORKER(float8_gather) {
         auto [x, y] = batch(env.rank * accum + i, s);
         loss[i] = nn::functional::mse_loss((*m.net)(x), y) * (1.0 / accum);
       }
+      if (k == 1 && c.strategy == ShardingStrategy::FULL_SHARD && !c.micro && !c.explicit_unshard && s == 0) {
+        // FULL_SHARD freed the plain gather after the forward: a read says so.
+        const std::string e = ::ember::testing::error_of([&] { (void)plain.net->b0->ln->weight.to_vector(); });
+        WCHECK(e.find("freed the gathered parameters after the forward") != std::string::npos, e);
+      }
       if (k == 0 && c.strategy == ShardingStrategy::SHARD_GRAD_OP && !c.ac) {
         // Between forward and backward the float8 weights are gathered as
         // float8 only: their float32 data is not there, and says so; an

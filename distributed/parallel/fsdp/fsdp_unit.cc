@@ -220,7 +220,9 @@ void Unit::free_unsharded() {
   if (f8.active)
     drop_float8_gathered(/*keep=*/true);  // for this forward's backward
   else
-    layout.release();
+    layout.release(
+        "its FSDP unit freed the gathered parameters after the forward (FULL_SHARD) and gathers them again for "
+        "backward; after the step the parameters are shards (FSDPModule::unshard() gathers them whole)");
   state = State::FREED;
 }
 
