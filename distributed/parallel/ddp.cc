@@ -467,6 +467,15 @@ void Replicated::Impl::finalize() {
     for (int i : unused)
       if (zero_attached[i] && counts[i] == 0) params[i].set_grad(Tensor());
   }
+  // Under live recovery the step a rank commits must be the same on every
+  // rank, buffers included. Each rank's forward updated its own (batch
+  // norm's running statistics from its own batch) and only the next
+  // forward's broadcast makes rank 0's everyone's: were rank 0 lost in
+  // between, a survivor would hand on its own statistics. So rank 0's go
+  // out now too (the same values the next forward sends again: nothing
+  // changes buffers between a backward and the next forward).
+  if (opts.broadcast_buffers && !buffers.empty() && pg->size() > 1 && !joining && live_recovery_enabled())
+    broadcast_coalesced(*pg, buffers, 0);
 }
 
 namespace {

@@ -588,6 +588,34 @@ EMBER_WORKER(buffers) {
   }
 }
 
+// Under live recovery (EMBER_LIVE_RECOVERY=1, arg "1") a synchronizing
+// backward leaves every rank with rank 0's buffers, so a step committed on
+// any rank is the same step: batch norm's running statistics, updated by
+// each rank's forward from its own batch, are rank 0's again before the
+// next forward (a survivor of rank 0 hands on these, not its own). Without
+// it (arg "0") they differ until the next forward: the check can fail.
+EMBER_WORKER(buffers_at_commit) {
+  setenv("EMBER_LIVE_RECOVERY", env.arg == "1" ? "1" : "0", 1);
+  auto pg = group(env);
+  const int r = env.rank, ws = env.world_size;
+  DDPOptions opts;
+  opts.process_group = pg;
+  auto ddp = std::make_shared<DistributedDataParallel>(make_convnet(1, true), opts);
+  Batch all = global_batch(true, 4 * ws, 3);
+  loss_of(*ddp, all.rows(4 * r, 4)).backward();
+  double worst = 0;
+  for (auto& [name, buf] : ddp->module().named_buffers()) {
+    if (!has(name, "running")) continue;
+    Tensor mine = buf.clone(), root = buf.clone();
+    pg->broadcast(root, 0)->wait();
+    worst = std::max(worst, max_abs_diff(mine, root));
+  }
+  if (env.arg == "1")
+    WCHECK(worst == 0, "rank ", r, ": running statistics differ from rank 0's by ", worst, " after the backward");
+  else
+    WCHECK(r == 0 || worst > 1e-4, "rank ", r, ": running statistics equal rank 0's without the broadcast");
+}
+
 // The last rank dies before its second backward: the others' backward
 // fails within the group's timeout, naming the allreduce.
 EMBER_WORKER(rank_dies) {
@@ -824,6 +852,13 @@ TEST(DDP, BuffersFollowRankZeroBeforeEachForwardUnlessDisabled) {
     for (int ws : {2, 3}) {
       EMBER_EXPECT_RANKS("buffers", ws, with_arg(arg));
     }
+  }
+}
+
+TEST(DDP, UnderLiveRecoveryABackwardLeavesRankZerosBuffersEverywhere) {
+  for (const char* arg : {"1", "0"}) {
+    SCOPED_TRACE(std::string("live recovery ") + arg);
+    EMBER_EXPECT_RANKS("buffers_at_commit", 2, with_arg(arg));
   }
 }
 
