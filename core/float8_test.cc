@@ -459,7 +459,8 @@ TEST_F(Float8Cuda, ScaledMmReusesItsPlanWithEachCallsScales) {
   manual_seed(16);
   const Tensor a32 = randn({32, 64}).to(dev), w32 = randn({48, 64}).to(dev);
   const Tensor sa = float8_scale(a32, e4), sw = float8_scale(w32, e4);
-  const Tensor aq = to_float8(a32, sa.select(0, 0), e4), wq = to_float8(w32, sw.select(0, 0), e4);
+  Tensor aq = to_float8(a32, sa.select(0, 0), e4);
+  const Tensor wq = to_float8(w32, sw.select(0, 0), e4);
   const ScaledMmPlanStats s0 = scaled_mm_plan_stats();
   const Tensor y1 = scaled_mm(aq, wq.t(), sa.select(0, 1), sw.select(0, 1), DType::Float32);
   const ScaledMmPlanStats s1 = scaled_mm_plan_stats();
@@ -478,6 +479,12 @@ TEST_F(Float8Cuda, ScaledMmReusesItsPlanWithEachCallsScales) {
   const ScaledMmPlanStats s3 = scaled_mm_plan_stats();
   EXPECT_EQ(s3.misses, s2.misses + 1);
   EXPECT_TRUE(allclose(y3.cpu(), y1.cpu(), 1e-5, 1e-5));
+  // The same operand rewritten in place (same address, same plan): the
+  // matmul reads the new values (negated exactly in e4m3).
+  aq.copy_(to_float8(a32 * -1.0, sa.select(0, 0), e4));
+  const Tensor y4 = scaled_mm(aq, wq.t(), sa.select(0, 1), sw.select(0, 1), DType::Float32);
+  EXPECT_EQ(scaled_mm_plan_stats().hits, s3.hits + 1);
+  EXPECT_TRUE(allclose(y4.cpu(), y1.cpu() * -1.0, 1e-6, 1e-6));
 }
 
 TEST_F(Float8Cuda, LinearMatchesTheCpu) {

@@ -121,7 +121,7 @@ cublasLtHandle_t lt_handle(int device) {
       .handle;
 }
 
-// The descriptors of one call, destroyed on every path out.
+// A problem's descriptors (a cached Plan's), destroyed with it, on every path out.
 struct LtCall {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;

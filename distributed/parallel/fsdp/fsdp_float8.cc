@@ -41,6 +41,16 @@ constexpr const char* kGhostWhy =
     "layers read it, through the gathered cast; once the unit is resharded (after the step), "
     "FSDPModule::unshard() gathers the whole weight";
 
+// A flat tensor of `numel` elements of `dtype` over `storage`.
+Tensor flat_over(std::shared_ptr<Storage> storage, int64_t numel, DType dtype) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::move(storage);
+  impl->sizes = {numel};
+  impl->strides = {1};
+  impl->dtype = dtype;
+  return Tensor(std::move(impl));
+}
+
 // A tensor of `numel` elements whose storage is freed from the start (no
 // memory is ever allocated for it): reads fail with `why`.
 Tensor freed_placeholder(int64_t numel, TensorOptions o, const char* why) {
@@ -49,22 +59,14 @@ Tensor freed_placeholder(int64_t numel, TensorOptions o, const char* why) {
   storage->nbytes = static_cast<size_t>(numel) * dtype_size(o.dtype);
   storage->freed = true;
   storage->freed_why = why;
-  auto impl = std::make_shared<TensorImpl>();
-  impl->storage = std::move(storage);
-  impl->sizes = {numel};
-  impl->strides = {1};
-  impl->dtype = o.dtype;
-  return Tensor(std::move(impl));
+  return flat_over(std::move(storage), numel, o.dtype);
 }
 
-// A flat e4m3 tensor over `storage` (what a kept f8_full was).
-Tensor flat_over(std::shared_ptr<Storage> storage, int64_t numel) {
-  auto impl = std::make_shared<TensorImpl>();
-  impl->storage = std::move(storage);
-  impl->sizes = {numel};
-  impl->strides = {1};
-  impl->dtype = kE4M3;
-  return Tensor(std::move(impl));
+// The scales of `count` weights from their amaxes at [from, from + count).
+std::vector<Tensor> scales_of(const Tensor& amaxes, int64_t from, size_t count) {
+  std::vector<Tensor> scales;
+  for (size_t j = 0; j < count; ++j) scales.push_back(float8_scale(amaxes.narrow(0, from++, 1), kE4M3));
+  return scales;
 }
 
 // Appends `run`, or extends the last run when it continues it in both the
@@ -149,7 +151,7 @@ void Unit::start_float8_gather() {
     f8.hp_full = Tensor::empty({f8.hp_numel}, compute_options());
   else if (f8.hp_full.storage_freed())
     f8.hp_full.restore_storage();
-  const Tensor src = shard.device() == device ? shard : shard.to(device);
+  const Tensor src = shard_on_device();
   // The backward of the forward that gathered last: its float8 layers still
   // hold the casts (unless they are recomputed), so only the rest travels.
   // (The shards have not changed since that forward: its scales hold.)
@@ -157,7 +159,7 @@ void Unit::start_float8_gather() {
   std::shared_ptr<Storage> kept = same_forward ? f8.kept_f8.lock() : nullptr;
   f8.kept_f8.reset();
   if (kept) {
-    f8.f8_full = flat_over(std::move(kept), f8.f8_numel);
+    f8.f8_full = flat_over(std::move(kept), f8.f8_numel, kE4M3);
     f8.scales = std::move(f8.kept_scales);
   } else {
     f8.f8_full = Tensor::empty({f8.f8_numel}, TensorOptions{kE4M3, device});
@@ -178,9 +180,7 @@ void Unit::start_float8_gather() {
       // of the whole weight would give.
       const Tensor amaxes = local_float8_amaxes(src);
       shard_pg->allreduce(amaxes, ReduceOp::Max)->synchronize();
-      f8.scales.resize(f8.states.size());
-      for (size_t j = 0; j < f8.scales.size(); ++j)
-        f8.scales[j] = float8_scale(amaxes.narrow(0, static_cast<int64_t>(j), 1), kE4M3);
+      f8.scales = scales_of(amaxes, 0, f8.states.size());
     }
     f8.f8_send = Tensor::empty({f8.f8_seg}, TensorOptions{kE4M3, device});
     f8.f8_recv = Tensor::empty({f8.f8_seg * shard_size}, TensorOptions{kE4M3, device});
@@ -226,15 +226,13 @@ void FSDPModule::precompute_float8_dynamic_scale_for_fsdp() {
   }
   for (auto& [pg, us] : groups) {
     std::vector<Tensor> parts;
-    for (Unit* u : us)
-      parts.push_back(u->local_float8_amaxes(u->shard.device() == u->device ? u->shard : u->shard.to(u->device)));
+    for (Unit* u : us) parts.push_back(u->local_float8_amaxes(u->shard_on_device()));
     const Tensor amaxes = cat(parts, 0);
     pg->allreduce(amaxes, ReduceOp::Max)->synchronize();
     int64_t at = 0;
     for (Unit* u : us) {
-      u->f8.pre_scales.clear();
-      for (size_t j = 0; j < u->f8.states.size(); ++j)
-        u->f8.pre_scales.push_back(float8_scale(amaxes.narrow(0, at++, 1), kE4M3));
+      u->f8.pre_scales = scales_of(amaxes, at, u->f8.states.size());
+      at += static_cast<int64_t>(u->f8.states.size());
       u->f8.pre_version = u->shard.storage_version();
     }
   }
@@ -288,7 +286,11 @@ void Unit::drop_float8_gathered(bool keep) {
   f8.f8_full = Tensor();
   f8.scales.clear();
   if (f8.hp_full.defined()) f8.hp_full.free_storage();
+  // Kept for the backward, the parameters stay what the float8 gather made them.
+  f8.active = keep;
 }
+
+Tensor Unit::shard_on_device() const { return shard.device() == device ? shard : shard.to(device); }
 
 Tensor Unit::gathered_storage() const { return f8.active ? f8.hp_full : layout.flat(); }
 

@@ -26,6 +26,7 @@
 #include "distributed/init.h"
 #include "distributed/parallel/fsdp/fsdp.h"
 #include "distributed/parallel/fsdp/fsdp_state_dict.h"
+#include "distributed/parallel/fsdp/fsdp_test_block.h"
 #include "distributed/parallel/fsdp/fsdp_unit.h"
 #include "distributed/testing/multiprocess.h"
 #include "nn/checkpoint.h"
@@ -39,17 +40,7 @@ namespace {
 
 namespace mp = ::ember::distributed::testing;
 
-class Block : public nn::Module {
- public:
-  Block(int d, int h) : nn::Module("Block") {
-    ln = register_module("ln", std::make_shared<nn::LayerNorm>(std::vector<int64_t>{d}));
-    fc1 = register_module("fc1", std::make_shared<nn::Linear>(d, h));
-    fc2 = register_module("fc2", std::make_shared<nn::Linear>(h, d));
-  }
-  Tensor forward(const Tensor& x) override { return x + (*fc2)(tanh((*fc1)((*ln)(x)))); }
-  std::shared_ptr<nn::LayerNorm> ln;
-  std::shared_ptr<nn::Linear> fc1, fc2;
-};
+using testing::Block;
 
 // Float8 layers in two blocks and in the root unit ("inp"); the head's 8
 // outputs are no multiple of 16, so it stays in float32; "scale" is frozen.

@@ -32,6 +32,7 @@
 #include "distributed/comm/backends.h"
 #include "distributed/init.h"
 #include "distributed/parallel/fsdp/fsdp_state_dict.h"
+#include "distributed/parallel/fsdp/fsdp_test_block.h"
 #include "distributed/parallel/fsdp/fsdp_unit.h"
 #include "distributed/parallel/rank_agreement.h"
 #include "distributed/store/store.h"
@@ -49,17 +50,7 @@ namespace {
 
 namespace mp = ::ember::distributed::testing;
 
-class Block : public nn::Module {
- public:
-  Block(int d, int h) : nn::Module("Block") {
-    ln = register_module("ln", std::make_shared<nn::LayerNorm>(std::vector<int64_t>{d}));
-    fc1 = register_module("fc1", std::make_shared<nn::Linear>(d, h));
-    fc2 = register_module("fc2", std::make_shared<nn::Linear>(h, d));
-  }
-  Tensor forward(const Tensor& x) override { return x + (*fc2)(tanh((*fc1)((*ln)(x)))); }
-  std::shared_ptr<nn::LayerNorm> ln;
-  std::shared_ptr<nn::Linear> fc1, fc2;
-};
+using testing::Block;
 
 // Sizes no world size of 2-4 divides; a frozen parameter ("scale") and one
 // that never gets a gradient ("unused") in the root unit.

@@ -157,12 +157,10 @@ void Unit::start_gather(bool compute) {
     return;
   }
   drop_float8_gathered();
-  f8.active = false;
   NoGradGuard ng;
   MemoryKindScope gathered_memory(MemoryKind::Gathered);
   if (layout.released()) layout.restore();
-  Tensor src = shard;
-  if (src.device() != device) src = src.to(device);
+  Tensor src = shard_on_device();
   if (src.dtype() != compute_dtype) src = src.to(compute_dtype);
   if (shard_size == 1) {
     Tensor flat = layout.flat();
@@ -192,7 +190,6 @@ void Unit::unshard(bool compute) {
     // A float8 prefetch in flight: let it land, then gather as asked.
     finish_gather();
     drop_float8_gathered();
-    f8.active = false;
   }
   if (state == State::UNSHARDED) return;
   start_gather(compute);
@@ -230,7 +227,6 @@ void Unit::reshard() {
   finish_gather();
   if (state == State::SHARDED) {
     drop_float8_gathered();  // a float8 prefetch that landed: nothing computes with it
-    f8.active = false;
     return;
   }
   grad_flat = reconcile(grad_flat, false, layout.padded_numel(), compute_options());
@@ -238,7 +234,6 @@ void Unit::reshard() {
   expose_grads(shard_grad, true);
   if (!shares_storage && !layout.released()) layout.release();
   drop_float8_gathered();
-  f8.active = false;
   state = State::SHARDED;
   hold_shard_grad_weakly();
 }

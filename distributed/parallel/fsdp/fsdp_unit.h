@@ -192,13 +192,17 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   bool float8_gather_applies();
   void start_float8_gather();
   // This rank's amax of each float8 weight (float32 [weights], 0 where it
-  // holds none of it), and the scales of the ranks' max of them.
+  // holds none of it), from `src`, the shard on the compute device.
   Tensor local_float8_amaxes(const Tensor& src) const;
   void finish_float8_gather();
   void point_params_at_gathered();
-  // Lets the gathered float8 buffers and the layers' casts go; `keep`:
-  // remember f8_full for this forward's backward (Float8Gather::kept_f8).
+  // Lets the gathered float8 buffers and the layers' casts go, and the
+  // unit leaves float8 mode; `keep` (a FREED unit between its forward and
+  // backward): it stays in it, and f8_full is remembered for the backward
+  // (Float8Gather::kept_f8).
   void drop_float8_gathered(bool keep = false);
+  // The master shard on the compute device (a copy under CPU offload).
+  Tensor shard_on_device() const;
   void reshard();
   void accumulate_shard_grad(const Tensor& reduced, const std::vector<bool>& seen);
   void issue_reduce(const Tensor& grads);
