@@ -37,7 +37,7 @@ case "$mesh" in
   noreplica) args+=(--tp 2) ;;
   *) echo "live_recovery_soak: MESH is replica or noreplica, not '$mesh'" >&2; exit 2 ;;
 esac
-source "$root/tools/test_lib.sh"  # port, stamp, lines, worker_of
+source "$root/tools/test_lib.sh"  # port, stamp, lines, worker_of, full_round, rounds_after
 
 stalls=0 rounds=0 bad=0
 times=()
@@ -56,6 +56,7 @@ for run in $(seq 1 "$runs"); do
   done
   at=$((3 + RANDOM % 55))  # not near the end: a kill after the last step is not a recovery
   rank=$((RANDOM % 4))
+  r0=$(full_round "$d/a.log" 4)  # the round the job runs in at 4 ranks
   for _ in $(seq 1 1200); do [ "$(lines "$d/m.jsonl")" -ge "$at" ] && break; sleep 0.05; done
   frac="0.$((RANDOM % 10))$((RANDOM % 10))"
   sleep "$frac"
@@ -97,7 +98,7 @@ for run in $(seq 1 "$runs"); do
   fi
   wait "${pids[@]}"
   for n in a b; do grep -q "rc=0" "$d/$n.log" || { [ "$verdict" = ok ] && verdict="agent $n failed"; }; done
-  if grep -q "rendezvous round 1" "$d/a.log" "$d/b.log"; then
+  if [ -n "$(rounds_after "$r0" "$d/a.log" "$d/b.log")" ]; then
     rounds=$((rounds + 1))
     [ "$mesh" = replica ] && [ "$verdict" = ok ] && verdict="restart round"
   fi

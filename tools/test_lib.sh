@@ -12,10 +12,13 @@ port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0));
 stamp() { python3 -u -c 'import sys, time
 for line in sys.stdin: sys.stdout.write("%.3f %s" % (time.time(), line)); sys.stdout.flush()'; }
 
-# The failure, then the tail of every log.
+# The failure, then the tail of every log: on stderr, so that a failure in a
+# command substitution (x=$(wait_for ...)) is seen, not captured and lost.
 fail() {
-  echo "FAIL: $*"
-  for f in "$test_logs"/*.log; do echo "== $f"; tail -"${test_tail:-30}" "$f"; done
+  {
+    echo "FAIL: $*"
+    for f in "$test_logs"/*.log; do echo "== $f"; tail -"${test_tail:-30}" "$f"; done
+  } >&2
   exit 1
 }
 
@@ -23,6 +26,35 @@ fail() {
 wait_for() {
   for _ in $(seq 1 $(($3 * 10))); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.1; done
   fail "no '$2' in $1 within $3 s"
+}
+
+# rounds LOG...: "ROUND WORLD" for each rendezvous round the agents' logs name,
+# once each, in order.
+rounds() {
+  cat "$@" 2>/dev/null | sed -n 's/.* rendezvous round \([0-9]*\): world size \([0-9]*\) .*/\1 \2/p' |
+    sort -n -k1,1 -u
+}
+# full_round LOG WORLD: the number of the latest round in LOG at WORLD ranks,
+# waiting for one (60 s). It is not always round 0: an agent started after the
+# first one's last call (a loaded machine) joins in round 1. Faults are judged
+# by the rounds after the one the job ran in when they came (rounds_after).
+full_round() {
+  wait_for "$1" "rendezvous round [0-9]*: world size $2 " 60
+  rounds "$1" | awk -v w="$2" '$2 == w { n = $1 } END { print n }'
+}
+# rounds_after N LOG...: the rounds numbered above N, as rounds prints them.
+rounds_after() {
+  local n=$1
+  shift
+  rounds "$@" | awk -v n="$n" '$1 > n'
+}
+# wait_round N WORLD SECONDS LOG: until LOG names a round above N at WORLD ranks, or fail.
+wait_round() {
+  for _ in $(seq 1 $(($3 * 10))); do
+    rounds_after "$1" "$4" | awk -v w="$2" '$2 == w { f = 1 } END { exit !f }' && return 0
+    sleep 0.1
+  done
+  fail "no rendezvous round after round $1 at world size $2 in $4 within $3 s"
 }
 
 # Lines in FILE (0 while it does not exist).

@@ -103,6 +103,10 @@ void global_init() {
 
 std::string ms(Millis m) { return std::to_string(m.count()) + " ms"; }
 
+// How long every member that answers may say it has no leader before a call
+// calls the quorum lost (etcd elects within about two election timeouts, 1 s each by default).
+constexpr Millis kLeaderlessGrace{5000};
+
 // Under the store's prefix: each writer's last add (see add()), not counted as keys.
 constexpr const char* kAddMarks = ".adds/";
 
@@ -235,11 +239,28 @@ struct EtcdStore::Impl {
     return j;
   }
 
+  // Whether the member at `endpoint` says it has no leader (its status'
+  // errors), asked with a short timeout: a member that cannot commit
+  // answers a request only after etcd's own request timeout (~6 s).
+  bool says_no_leader(Conn& c, const std::string& endpoint) {
+    std::string error;
+    bool retry = true;
+    const json st = post_once(c, endpoint, "/v3/maintenance/status", "{}", Millis{1000}, &error, &retry);
+    if (st.is_null() || !st.contains("errors") || !st["errors"].is_array()) return false;
+    for (const auto& e : st["errors"])
+      if (e.is_string() && e.get<std::string>().find("no leader") != std::string::npos) return true;
+    return false;
+  }
+
   // A request to the cluster: the member that last answered first, then
   // the others in turn, until one serves it or `within` has passed; but
   // every member is tried once before giving up (up to a second each), so a
   // call that this process's own stop (SIGSTOP, a starved CPU) ran past its
   // deadline still gets its answer rather than blaming the cluster.
+  // A cluster that lost its quorum is named sooner than `within` (a join
+  // timeout is 600 s by default): once every member that answers has said
+  // for kLeaderlessGrace that it has no leader (an election takes a second
+  // or two), waiting longer only hides the fault.
   json call(Conn& c, const std::string& path, const json& request, Millis within, const std::string& what) {
     global_init();
     std::lock_guard<std::mutex> lock(c.mu);
@@ -250,6 +271,8 @@ struct EtcdStore::Impl {
     const Millis attempt_cap = std::max<Millis>(Millis{1000}, within / 3);
     std::vector<std::string> last(n);
     Millis backoff{20};
+    bool leaderless = false;  // since leaderless_since
+    Clock::time_point leaderless_since;
     for (;;) {
       for (size_t i = 0; i < n; ++i) {
         const size_t k = (c.current + i) % n;
@@ -273,14 +296,29 @@ struct EtcdStore::Impl {
         if (!retry) throw Error("etcd " + o.endpoints[k] + ": " + what + ": " + error);
       }
       if (Clock::now() >= deadline) break;
+      // No member served this pass: do those that answered all lack a leader?
+      bool answered = false, all_leaderless = true;
+      for (size_t k = 0; k < n && all_leaderless; ++k) {
+        if (!member_cannot_serve(0, last[k])) continue;
+        answered = true;
+        all_leaderless = says_no_leader(c, o.endpoints[k]);
+      }
+      if (!answered || !all_leaderless) {
+        leaderless = false;
+      } else if (!leaderless) {
+        leaderless = true;
+        leaderless_since = Clock::now();
+      } else if (Clock::now() - leaderless_since >= kLeaderlessGrace) {
+        throw Error("etcd cluster " + endpoints() + ": " + what + " failed: the members that answer have had no " +
+                    "leader for " + ms(std::chrono::duration_cast<Millis>(Clock::now() - leaderless_since)) + ": " +
+                    members_said(last) + " (the cluster has lost its quorum: a majority of its members down?)");
+      }
       std::this_thread::sleep_for(std::min(backoff, std::chrono::duration_cast<Millis>(deadline - Clock::now())));
       backoff = std::min(backoff * 2, Millis{250});
     }
-    std::string members;
     int refused = 0, answered_unable = 0, silent = 0;
     for (size_t k = 0; k < n; ++k) {
       const std::string& e = last[k].empty() ? std::string("not tried in time") : last[k];
-      members += (members.empty() ? "" : "; ") + o.endpoints[k] + ": " + e;
       if (e.find("refused") != std::string::npos || e.find("resolve") != std::string::npos)
         ++refused;
       else if (e.find("no reply") != std::string::npos)
@@ -295,7 +333,17 @@ struct EtcdStore::Impl {
           "down?)";
     else if (refused == static_cast<int>(n))
       hint = " (is etcd running there? --rdzv-endpoint lists the members' client URLs, host:2379)";
-    throw Error("etcd cluster " + endpoints() + ": " + what + " failed within " + ms(within) + ": " + members + hint);
+    throw Error("etcd cluster " + endpoints() + ": " + what + " failed within " + ms(within) + ": " +
+                members_said(last) + hint);
+  }
+
+  // "endpoint: its last error; ..." for every member.
+  std::string members_said(const std::vector<std::string>& last) const {
+    std::string members;
+    for (size_t k = 0; k < last.size(); ++k)
+      members +=
+          (members.empty() ? "" : "; ") + o.endpoints[k] + ": " + (last[k].empty() ? "not tried in time" : last[k]);
+    return members;
   }
 
   json call(const std::string& path, const json& request, const std::string& what) {

@@ -270,6 +270,30 @@ TEST(EtcdStoreFaults, ALostQuorumIsNamed) {
   EXPECT_THAT(err, HasSubstr(c.endpoints()[1] + ": connection refused"));
 }
 
+// The same with a long timeout (a join timeout is 600 s by default): the
+// members that answer say they have no leader, so the call gives up after
+// the leaderless grace (5 s) past etcd's own request timeout (~6 s a try),
+// not at its timeout; a new store against that cluster too.
+TEST(EtcdStoreFaults, ALostQuorumIsNamedBeforeALongTimeout) {
+  Cluster c;
+  NEED_CLUSTER(c);
+  EtcdStore s(c.options(120s));
+  s.set("k", std::string("1"));
+  c.signal_member(1, SIGKILL);
+  c.signal_member(2, SIGKILL);
+  auto t0 = Clock::now();
+  std::string err = error_of([&] { s.add("n", 1); });
+  EXPECT_LT(ms_since(t0), 30000);
+  EXPECT_THAT(err, HasSubstr("add(n) failed: the members that answer have had no leader for"));
+  EXPECT_THAT(err, HasSubstr("lost its quorum"));
+  EXPECT_THAT(err, HasSubstr(c.endpoints()[0] + ": etcdserver: request timed out"));
+  EXPECT_THAT(err, HasSubstr(c.endpoints()[1] + ": connection refused"));
+  t0 = Clock::now();
+  err = error_of([&] { EtcdStore late(c.options(120s)); });
+  EXPECT_LT(ms_since(t0), 30000);
+  EXPECT_THAT(err, HasSubstr("reaching the cluster failed: the members that answer have had no leader"));
+}
+
 // Nothing listening: each endpoint named, within the connect timeout.
 TEST(EtcdStoreFaults, EndpointsThatDoNotAnswerAreNamed) {
   EtcdStoreOptions o;
