@@ -8,6 +8,8 @@
 // a float8 step can be captured in a CUDA graph.
 #pragma once
 
+#include <functional>
+
 #include "core/ops.h"
 #include "core/tensor.h"
 
@@ -58,6 +60,17 @@ struct Float8Weight {
   Tensor q, scales;
 };
 
+// How float8_linear's tensorwise scales see operands split across ranks
+// (tensor parallelism): a set hook takes the float32 [1] amax of this
+// rank's part and replaces it, in place, with the max over the ranks that
+// hold the other parts, so every rank casts its part with the scale of the
+// whole tensor, as one process would (torchao's float8 under DTensor). An
+// operand whose hook is unset is whole on this rank. grad_output's runs in
+// backward: every rank of the group must run that backward.
+struct Float8AmaxSync {
+  std::function<void(Tensor&amax)> input, weight, grad_output;
+};
+
 // float8_linear with the weight's cast given (when `cast.q` is undefined,
 // the plain float8_linear): `weight` is where its gradient goes (its
 // shape, dtype and device are checked) but its data is never read, so it
@@ -66,6 +79,9 @@ struct Float8Weight {
 // float8 matmul in the weight's dtype (float32 for a float32 weight, where
 // the plain op's goes through bfloat16): with a cast of the float32 weight
 // the two differ by bfloat16 rounding, and bit for bit without autocast.
-Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Float8Weight& cast);
+// `sync` makes the scales of split operands the whole tensors' (a given
+// cast's scales are used as they are).
+Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Float8Weight& cast,
+                     const Float8AmaxSync& sync = {});
 
 }  // namespace ember

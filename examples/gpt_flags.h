@@ -149,7 +149,8 @@ inline void declare(FlagTable& t, Flags& f) {
   t.integer("--float8", &f.float8, 0, "0|1",
             "1: the transformer blocks' linear layers train in float8 (tensorwise dynamic scaling: e4m3\n"
             "forward, e5m2 gradients, as torchao's float8 training); the LM head stays in high precision;\n"
-            "not with --tp > 1; fastest on H100/H200 with --amp bf16");
+            "under --tp the scales of split operands are the whole tensors' (as one process); fastest\n"
+            "on H100/H200 with --amp bf16");
   t.integer("--float8-all-gather", &f.float8_all_gather, 0, "0|1",
             "1 (with --float8 1): FSDP gathers those layers' weights already cast to float8, a byte per\n"
             "element (torchao's enable_fsdp_float8_all_gather), scaled from the float32 master weights,\n"
@@ -281,8 +282,9 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
   if (f.float8 > 1) error("--float8 " + std::to_string(f.float8) + ": give 0 or 1");
   if (f.float8_all_gather > 1) error("--float8-all-gather " + std::to_string(f.float8_all_gather) + ": give 0 or 1");
   if (f.float8_all_gather == 1 && f.float8 != 1) error("--float8-all-gather 1 needs --float8 1");
-  if (f.float8 == 1 && f.mesh.tp > 1)
-    error("--float8 1 with --tp " + std::to_string(f.mesh.tp) + ": tensor parallelism in float8 is not supported");
+  if (f.float8_all_gather == 1 && f.mesh.tp > 1)
+    error("--float8-all-gather 1 with --tp " + std::to_string(f.mesh.tp) +
+          ": FSDP's float8 all-gather under tensor parallelism is not supported (--float8 1 with --tp is)");
   if (f.float8 == 1 && f.moe_experts > 0)
     error("--float8 1 with --moe-experts: the experts' grouped matmuls have no float8 path");
   if (f.cuda_graph == 1) {

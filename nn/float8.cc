@@ -36,7 +36,7 @@ std::vector<std::string> convert_to_float8_training(Module& root, const Float8Op
     if (weight.dim() != 2 || weight.size(0) % 16 != 0 || weight.size(1) % 16 != 0) continue;
     EMBER_CHECK(!*kernel, "convert_to_float8_training: '", fqn, "' (", m->type_name(),
                 ") already has a linear kernel of its own (tensor parallelism's?): convert to float8 before "
-                "parallelizing; tensor parallelism in float8 is not supported");
+                "parallelizing (tensor parallelism keeps a float8 layer's kernel)");
     // A tied layer's weight is another module's too (the embedding reads
     // it whole), so it is gathered as it is.
     const bool tied = dynamic_cast<TiedLinear*>(m) != nullptr;
@@ -48,7 +48,7 @@ std::vector<std::string> convert_to_float8_training(Module& root, const Float8Op
     // gather's placeholder): a real weight is never shadowed by a stale one.
     *kernel = [state](const Tensor& x, const Tensor& w, const Tensor& b) {
       const bool cast = state->cast.q.defined() && w.is_same(state->weight) && w.storage_freed();
-      return float8_linear(x, w, b, cast ? state->cast : Float8Weight{});
+      return float8_linear(x, w, b, cast ? state->cast : Float8Weight{}, state->sync);
     };
     converted.push_back(fqn);
   }

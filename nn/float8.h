@@ -42,10 +42,14 @@ struct Float8Options {
 // clears it when it reshards). While `cast` is set and the weight's data
 // is absent (its storage freed: the gather's placeholder), the layer
 // computes with the cast.
+// Tensor parallelism sets `sync` when it splits the layer: the amaxes of
+// the operands it splits are maxed over its group, so the scales are the
+// whole tensors' and the layer computes what it would in one process.
 struct Float8LinearState {
   Tensor weight;
   bool all_gather_in_float8 = false;
   Float8Weight cast;
+  Float8AmaxSync sync;
 };
 inline constexpr const char* kFloat8StateKey = "float8";
 
@@ -53,7 +57,8 @@ inline constexpr const char* kFloat8StateKey = "float8";
 // whose in or out features are not multiples of 16 are skipped (float8
 // matmuls need it). A layer that already has a kernel of its own (tensor
 // parallelism's sequence-gathering linear) is refused by name: convert
-// before parallelizing, and tensor parallelism in float8 is not supported.
+// before parallelizing (tensor parallelism then keeps the float8 kernel and
+// sets the state's sync), as torchao's float8 with torchtitan's plans.
 std::vector<std::string> convert_to_float8_training(Module& root, const Float8Options& options = {});
 
 }  // namespace ember::nn

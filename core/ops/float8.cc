@@ -169,14 +169,30 @@ Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias) 
   return float8_linear(x, weight, bias, Float8Weight{});
 }
 
-Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Float8Weight& cast) {
+namespace {
+
+// float8_scale of `t`, one rank's part of a tensor when `sync` is set: the
+// part's amax becomes the whole's (a max over the ranks) before the scale
+// is made from it.
+Tensor part_scales(const Tensor& t, DType fp8, const std::function<void(Tensor&)>& sync) {
+  Tensor s = float8_scale(t, fp8);
+  if (!sync) return s;
+  Tensor amax = s.narrow(0, 2, 1).clone();
+  sync(amax);
+  return float8_scale(amax, fp8);
+}
+
+}  // namespace
+
+Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Float8Weight& cast,
+                     const Float8AmaxSync& sync) {
   const char* op = "float8_linear";
   const bool precast = cast.q.defined();
   // A given cast stands for the weight: the weight itself is not cast (its
   // data may be absent), only x and the bias.
   if (Tensor lx = autocast::low(x), lw = precast ? weight : autocast::low(weight), lb = autocast::low(bias);
       !lx.is_same(x) || !lw.is_same(weight) || (bias.defined() && !lb.is_same(bias)))
-    return float8_linear(lx, lw, lb, cast);
+    return float8_linear(lx, lw, lb, cast, sync);
   EMBER_CHECK(x.defined() && weight.defined(), op, ": an input is undefined");
   EMBER_CHECK(weight.dim() == 2, op, ": weight must be [out, in], got ", shape_str(weight.sizes()));
   EMBER_CHECK(x.device() == weight.device() && (precast || x.dtype() == weight.dtype()), op, ": input ",
@@ -222,12 +238,12 @@ Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, 
       op, inputs,
       [&] {
         const Tensor x2 = x.reshape({rows, in});
-        x_scales = float8_scale(x2, kE4M3);
+        x_scales = part_scales(x2, kE4M3, sync.input);
         xq = to_float8(x2, x_scales.select(0, 0), kE4M3);
         if (precast) {
           w_scales = cast.scales, wq = cast.q;
         } else {
-          w_scales = float8_scale(weight, kE4M3);
+          w_scales = part_scales(weight, kE4M3, sync.weight);
           wq = to_float8(weight, w_scales.select(0, 0), kE4M3);
         }
         Tensor out = scaled_mm(xq, wq.t(), x_scales.select(0, 1), w_scales.select(0, 1), x.dtype(),
@@ -240,12 +256,13 @@ Tensor float8_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, 
         const bool has_bias = bias.defined();
         const Shape x_shape = x.sizes();
         const DType dt = x.dtype(), wdt = weight.dtype();
+        const std::function<void(Tensor&)> sync_g = sync.grad_output;
         BackwardFn fn = [=](const Tensor& g) {
           std::vector<Tensor> grads(has_bias ? 3 : 2);
           const bool gx = gx_ && grad_wanted(0), gw = gw_ && grad_wanted(1), gb = gb_ && grad_wanted(2);
           const Tensor g2 = g.to(dt).reshape({rows, out_features});
           if (gx || gw) {
-            const Tensor g_scales = float8_scale(g2, kE5M2);
+            const Tensor g_scales = part_scales(g2, kE5M2, sync_g);
             const Tensor gq = to_float8(g2, g_scales.select(0, 0), kE5M2);
             // dx [rows, in] = g [rows, out] @ w [out, in]: w as column-major.
             if (gx)

@@ -96,8 +96,15 @@ bool Unit::float8_gather_applies() {
   for (const auto& named : module->named_modules()) {
     auto st = named.second->transform_state_as<nn::Float8LinearState>(nn::kFloat8StateKey);
     if (!st || !st->all_gather_in_float8) continue;
-    for (size_t i = 0; i < n; ++i)
-      if (params[i].is_same(st->weight)) state_of[i].push_back(st);
+    for (size_t i = 0; i < n; ++i) {
+      if (!params[i].is_same(st->weight)) continue;
+      // Its scale would be of this tp rank's part only: the unit's amaxes
+      // are maxed over the shard group, not over tp.
+      EMBER_CHECK(!st->sync.weight, "fully_shard: '", named.first,
+                  "' is a float8 layer split by tensor parallelism too; its float8 all-gather is not supported (set "
+                  "Float8Options::enable_fsdp_float8_all_gather to false: it computes in float8 all the same)");
+      state_of[i].push_back(st);
+    }
   }
   const DType master = shard.dtype();
   if (master != DType::Float32 && master != DType::BFloat16 && master != DType::Float16) return false;

@@ -274,6 +274,20 @@ EMBER_WORKER(float8_gather) {
     const std::string e = ::ember::testing::error_of([&] { (void)(*f8.net)(x); });
     WCHECK(e.find("were written after precompute_float8_dynamic_scale_for_fsdp()") != std::string::npos, e);
   }
+  if (c.strategy == ShardingStrategy::FULL_SHARD && !c.micro && !c.ac && !c.bf16 && !c.precompute) {
+    // A layer tensor parallelism splits too (its state's sync set, as the
+    // plan's styles set it): its amax would be maxed over the shard group
+    // only, so its float8 gather is refused by name.
+    auto net = std::make_shared<Net>();
+    nn::convert_to_float8_training(*net, {.skip_fqns = {}, .filter = nullptr, .enable_fsdp_float8_all_gather = true});
+    net->b0->fc1->transform_state_as<nn::Float8LinearState>(nn::kFloat8StateKey)->sync.weight = [](Tensor&) {};
+    fully_shard(net->b0, {});
+    fully_shard(net->b1, {});
+    fully_shard(net, {});
+    auto [x, y] = batch(env.rank, 9);
+    const std::string e = ::ember::testing::error_of([&] { (void)(*net)(x); });
+    WCHECK(e.find("'fc1' is a float8 layer split by tensor parallelism too") != std::string::npos, e);
+  }
   destroy_process_group();
 }
 

@@ -26,12 +26,22 @@ namespace {
 void convert_float8(nn::GPT& gpt, const ParallelDims& dims, const GPTParallelOptions& o) {
   EMBER_CHECK(o.float8 || !o.float8_all_gather, "float8_all_gather without float8: nothing is in float8 to gather so");
   if (!o.float8) return;
-  EMBER_CHECK(dims.tp == 1, "float8 with tensor parallelism (tp = ", dims.tp,
-              ") is not supported: float8 linear layers take whole weights (tp 1)");
+  EMBER_CHECK(dims.tp == 1 || !o.float8_all_gather, "float8_all_gather with tensor parallelism (tp = ", dims.tp,
+              ") is not supported: gather the float8 layers' weights in param_dtype (float8 compute under tp is)");
   EMBER_CHECK(gpt.options.moe.num_experts == 0, "float8 with mixture-of-experts blocks (", gpt.options.moe.num_experts,
               " experts) is not supported: the experts' grouped matmuls have no float8 path");
   nn::Float8Options f8;
   f8.enable_fsdp_float8_all_gather = o.float8_all_gather;
+  // Under tp a layer's part must still be float8-sized: one whose features
+  // are not multiples of 16 x tp stays in high precision (the plan splits
+  // one of the two; both are held to it).
+  if (dims.tp > 1)
+    f8.filter = [m = 16 * dims.tp](const std::string&, const nn::Module& mod) {
+      Tensor w;
+      if (auto* lin = dynamic_cast<const nn::Linear*>(&mod)) w = lin->weight;
+      if (auto* attn = dynamic_cast<const nn::MultiheadAttention*>(&mod)) w = attn->in_proj_weight;
+      return !w.defined() || (w.size(0) % m == 0 && w.size(1) % m == 0);
+    };
   nn::convert_to_float8_training(gpt, f8);
 }
 

@@ -31,11 +31,12 @@ struct GPTParallelOptions {
   // The blocks' linear layers in float8 (nn/float8.h's
   // convert_to_float8_training: tensorwise dynamic scaling, the LM head kept
   // in high precision), applied first, as torchtitan's float8 converter;
-  // tensor parallelism in float8 is refused (tp must be 1).
+  // tensor parallelism splits them with whole-tensor scales (the amaxes of
+  // split operands maxed over tp).
   bool float8 = false;
   // With float8: FSDP gathers those layers' weights in float8 (nn/float8.h's
   // enable_fsdp_float8_all_gather, torchtitan's
-  // float8.enable_fsdp_float8_all_gather), a byte per element.
+  // float8.enable_fsdp_float8_all_gather), a byte per element; not with tp > 1.
   bool float8_all_gather = false;
 };
 

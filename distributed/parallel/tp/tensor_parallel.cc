@@ -18,6 +18,7 @@
 #include "autograd/autograd.h"
 #include "core/exception.h"
 #include "core/ops.h"
+#include "nn/float8.h"
 #include "nn/layers.h"
 #include "nn/transformer.h"
 
@@ -241,6 +242,25 @@ nn::LinearKernel gathered_linear(const std::shared_ptr<DeviceMesh>& mesh, int se
   };
 }
 
+// A float8 layer (nn/float8.h) split over the mesh: the amaxes of the
+// operands split are maxed over it, so each rank casts its part with the
+// whole tensor's scale. Returns whether `m` is one. Its part must still
+// meet float8 matmuls' multiples of 16, said here rather than mid-forward.
+bool split_float8(nn::Module& m, const std::shared_ptr<DeviceMesh>& mesh, bool input, bool grad_output,
+                  const std::string& where) {
+  auto st = m.transform_state_as<nn::Float8LinearState>(nn::kFloat8StateKey);
+  if (!st) return false;
+  EMBER_CHECK(st->weight.size(0) % 16 == 0 && st->weight.size(1) % 16 == 0, where, ": a float8 layer's part ",
+              shape_str(st->weight.sizes()), " over tp=", mesh->size(),
+              " is not a float8 matmul's (in and out features multiples of 16); use fewer tp ranks or keep the "
+              "layer in high precision (Float8Options::filter)");
+  auto max_over = [pg = mesh->group()](Tensor& amax) { pg->allreduce(amax, ReduceOp::Max)->synchronize(); };
+  st->sync.weight = max_over;
+  if (input) st->sync.input = max_over;
+  if (grad_output) st->sync.grad_output = max_over;
+  return true;
+}
+
 std::string where_of(const std::string& fqn, const char* style, const char* what) {
   return std::string(style) + " on '" + fqn + "' (" + what + ")";
 }
@@ -278,6 +298,7 @@ void apply(const ColwiseParallel& s, nn::Module& m, const std::string& fqn, cons
     for (auto& [name, lin] : {std::pair{"q_proj", gqa->q_proj}, {"k_proj", gqa->k_proj}, {"v_proj", gqa->v_proj}}) {
       shard_param(lin->weight, mesh, Shard(0), fqn + "." + name + ".weight");
       if (lin->bias.defined()) shard_param(lin->bias, mesh, Shard(0), fqn + "." + name + ".bias");
+      split_float8(*lin, mesh, /*input=*/false, /*grad_output=*/true, "ColwiseParallel on '" + fqn + "." + name + "'");
     }
     gqa->attn_drop->stream = static_cast<uint64_t>(mesh->coordinate()[0]) + 1;
   } else {
@@ -286,12 +307,15 @@ void apply(const ColwiseParallel& s, nn::Module& m, const std::string& fqn, cons
   }
   const Placement in = s.input_layouts;
   const std::string win = where_of(fqn, "ColwiseParallel", "input");
-  // A sequence-sharded input is gathered inside the linear op itself.
+  // A sequence-sharded input is gathered inside the linear op itself; a
+  // float8 layer keeps its kernel (its input gathered before it), its
+  // weight and output gradient split: their scales are maxed over tp.
+  const bool f8 = split_float8(m, mesh, /*input=*/false, /*grad_output=*/true, "ColwiseParallel on '" + fqn + "'");
   nn::LinearKernel* kernel = nullptr;
   if (auto* lin = dynamic_cast<nn::Linear*>(&m)) kernel = &lin->kernel;
   if (auto* tied = dynamic_cast<nn::TiedLinear*>(&m)) kernel = &tied->kernel;
   if (auto* attn = dynamic_cast<nn::MultiheadAttention*>(&m)) kernel = &attn->in_proj_kernel;
-  if (in.is_shard() && kernel != nullptr) {
+  if (in.is_shard() && kernel != nullptr && !f8) {
     *kernel = gathered_linear(mesh, in.dim);
   } else {
     st->hooks.push_back(m.register_forward_pre_hook(
@@ -325,6 +349,8 @@ void apply(const RowwiseParallel& s, nn::Module& m, const std::string& fqn, cons
                 "': a Linear with a fused activation (Linear::activation) cannot be split by rows; use "
                 "ColwiseParallel for it or clear the activation");
     shard_param(lin->weight, mesh, Shard(1), fqn + ".weight");
+    // Input and weight split by columns.
+    split_float8(m, mesh, /*input=*/true, /*grad_output=*/false, "RowwiseParallel on '" + fqn + "'");
     if (lin->bias.defined()) {
       // Added once, after the partial sums are reduced: forward runs
       // without it (the parameter stays registered; the state dict is
