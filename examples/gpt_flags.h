@@ -282,9 +282,6 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
   if (f.float8 > 1) error("--float8 " + std::to_string(f.float8) + ": give 0 or 1");
   if (f.float8_all_gather > 1) error("--float8-all-gather " + std::to_string(f.float8_all_gather) + ": give 0 or 1");
   if (f.float8_all_gather == 1 && f.float8 != 1) error("--float8-all-gather 1 needs --float8 1");
-  if (f.float8_all_gather == 1 && f.mesh.tp > 1)
-    error("--float8-all-gather 1 with --tp " + std::to_string(f.mesh.tp) +
-          ": FSDP's float8 all-gather under tensor parallelism is not supported (--float8 1 with --tp is)");
   if (f.float8 == 1 && f.moe_experts > 0)
     error("--float8 1 with --moe-experts: the experts' grouped matmuls have no float8 path");
   if (f.cuda_graph == 1) {

@@ -11,7 +11,8 @@
 #   - --float8 1 tracks the reference's losses within 3 % on the same
 #     batches, and its checkpoint resumes in high precision; with
 #     --float8-all-gather 1 its losses are the same, bit for bit; under
-#     --tp 2 they are one float8 process's within 1e-3 (summation order);
+#     --tp 2 they are one float8 process's within 1e-3 (summation order),
+#     and on dp_shard 2 x tp 2 the float8 all-gather's equal the plain one's;
 #   - --tokenizer bpe:N trains the tokenizer in process, saves it beside the
 #     checkpoints, and `ckpt export-hf` ships it with the model;
 #   - shards cut with another tokenizer are a named error.
@@ -109,8 +110,23 @@ for x, y in zip(one, tp):
 print("float8 under tp 2 losses", [round(y["loss"], 5) for y in tp], "one process's", [round(x["loss"], 5) for x in one],
       "largest gap %.1e" % gap)
 PY
-out=$("$dir/gpt" --nproc 2 --tp 2 "${short[@]}" --float8 1 --float8-all-gather 1 2>&1) && { echo "$out"; exit 1; }
-grep -q "FSDP's float8 all-gather under tensor parallelism is not supported" <<<"$out" || { echo "$out"; exit 1; }
+# FSDP x tp (dp_shard 2 x tp 2) gathering the split weights in float8: the
+# amaxes maxed over the shard group and then over tp, so the scales and
+# bytes are the plain gather's, and so are the losses, bit for bit.
+for ag in 0 1; do
+  "$dir/gpt" --nproc 4 --dp-shard 2 --tp 2 "${short[@]}" --float8 1 --float8-all-gather $ag \
+    --checkpoint-dir "$tmp/f8ag2d$ag" --metrics "$tmp/f8ag2d$ag.jsonl" > "$tmp/f8ag2d$ag.log" 2>&1 ||
+    { cat "$tmp/f8ag2d$ag.log"; exit 1; }
+done
+grep -q "FSDP gathers their weights in float8" "$tmp/f8ag2d1.log" || { cat "$tmp/f8ag2d1.log"; exit 1; }
+python3 - "$tmp/f8ag2d0.jsonl" "$tmp/f8ag2d1.jsonl" <<'PY'
+import json, sys
+plain, ag = ([json.loads(l) for l in open(f)] for f in sys.argv[1:3])
+assert len(plain) == len(ag) > 0, (len(plain), len(ag))
+for x, y in zip(plain, ag):
+    assert x["loss"] == y["loss"], ("float8 all-gather under tp changed a loss", x, y)
+print("dp_shard 2 x tp 2: float8 all-gather losses equal the plain gather's:", [round(y["loss"], 5) for y in ag])
+PY
 
 # The tokenizer trained in process, saved, and exported with the model.
 out=$("$dir/gpt" --nproc 1 --arch llama --dim 32 --heads 2 --seq 32 --tokenizer bpe:512 --max-steps 2 --sample-len 8 \

@@ -96,15 +96,8 @@ bool Unit::float8_gather_applies() {
   for (const auto& named : module->named_modules()) {
     auto st = named.second->transform_state_as<nn::Float8LinearState>(nn::kFloat8StateKey);
     if (!st || !st->all_gather_in_float8) continue;
-    for (size_t i = 0; i < n; ++i) {
-      if (!params[i].is_same(st->weight)) continue;
-      // Its scale would be of this tp rank's part only: the unit's amaxes
-      // are maxed over the shard group, not over tp.
-      EMBER_CHECK(!st->sync.weight, "fully_shard: '", named.first,
-                  "' is a float8 layer split by tensor parallelism too; its float8 all-gather is not supported (set "
-                  "Float8Options::enable_fsdp_float8_all_gather to false: it computes in float8 all the same)");
-      state_of[i].push_back(st);
-    }
+    for (size_t i = 0; i < n; ++i)
+      if (params[i].is_same(st->weight)) state_of[i].push_back(st);
   }
   const DType master = shard.dtype();
   if (master != DType::Float32 && master != DType::BFloat16 && master != DType::Float16) return false;
@@ -185,8 +178,9 @@ void Unit::start_float8_gather() {
     } else {
       // Each weight's amax over the ranks, then its scale, as float8_scale
       // of the whole weight would give.
-      const Tensor amaxes = local_float8_amaxes(src);
+      Tensor amaxes = local_float8_amaxes(src);
       shard_pg->allreduce(amaxes, ReduceOp::Max)->synchronize();
+      float8_amaxes_over_tp(amaxes);
       f8.scales = scales_of(amaxes, 0, f8.states.size());
     }
     f8.f8_send = Tensor::empty({f8.f8_seg}, TensorOptions{kE4M3, device});
@@ -219,6 +213,16 @@ Tensor Unit::local_float8_amaxes(const Tensor& src) const {
   return cat(amax, 0);
 }
 
+bool Unit::float8_amaxes_over_tp(Tensor& amaxes) const {
+  for (const auto& layers : f8.states)
+    for (const auto& st : layers)
+      if (st->sync.weight) {
+        st->sync.weight(amaxes);  // elementwise: every weight's amax at once
+        return true;
+      }
+  return false;
+}
+
 void FSDPModule::precompute_float8_dynamic_scale_for_fsdp() {
   NoGradGuard ng;
   fr::CallerTag caller("FSDP precompute_float8_dynamic_scale_for_fsdp");
@@ -234,8 +238,12 @@ void FSDPModule::precompute_float8_dynamic_scale_for_fsdp() {
   for (auto& [pg, us] : groups) {
     std::vector<Tensor> parts;
     for (Unit* u : us) parts.push_back(u->local_float8_amaxes(u->shard_on_device()));
-    const Tensor amaxes = cat(parts, 0);
+    Tensor amaxes = cat(parts, 0);
     pg->allreduce(amaxes, ReduceOp::Max)->synchronize();
+    // Over tp too where layers are split, the whole group's at once (every
+    // rank of a tp group holds the same units).
+    for (Unit* u : us)
+      if (u->float8_amaxes_over_tp(amaxes)) break;
     int64_t at = 0;
     for (Unit* u : us) {
       u->f8.pre_scales = scales_of(amaxes, at, u->f8.states.size());

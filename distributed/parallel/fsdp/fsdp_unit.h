@@ -194,6 +194,11 @@ struct FSDPModule::Unit : std::enable_shared_from_this<FSDPModule::Unit> {
   // This rank's amax of each float8 weight (float32 [weights], 0 where it
   // holds none of it), from `src`, the shard on the compute device.
   Tensor local_float8_amaxes(const Tensor& src) const;
+  // Makes amaxes all-reduced over the shard group the whole weights' where
+  // tensor parallelism splits them too (their states' sync: a max over tp
+  // of the whole vector, a no-op for a weight tp does not split); nothing
+  // when none of this unit's is split. Returns whether it did.
+  bool float8_amaxes_over_tp(Tensor& amaxes) const;
   void finish_float8_gather();
   void point_params_at_gathered();
   // Lets the gathered float8 buffers and the layers' casts go, and the

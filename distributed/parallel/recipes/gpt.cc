@@ -26,8 +26,6 @@ namespace {
 void convert_float8(nn::GPT& gpt, const ParallelDims& dims, const GPTParallelOptions& o) {
   EMBER_CHECK(o.float8 || !o.float8_all_gather, "float8_all_gather without float8: nothing is in float8 to gather so");
   if (!o.float8) return;
-  EMBER_CHECK(dims.tp == 1 || !o.float8_all_gather, "float8_all_gather with tensor parallelism (tp = ", dims.tp,
-              ") is not supported: gather the float8 layers' weights in param_dtype (float8 compute under tp is)");
   EMBER_CHECK(gpt.options.moe.num_experts == 0, "float8 with mixture-of-experts blocks (", gpt.options.moe.num_experts,
               " experts) is not supported: the experts' grouped matmuls have no float8 path");
   nn::Float8Options f8;

@@ -36,7 +36,7 @@ struct GPTParallelOptions {
   bool float8 = false;
   // With float8: FSDP gathers those layers' weights in float8 (nn/float8.h's
   // enable_fsdp_float8_all_gather, torchtitan's
-  // float8.enable_fsdp_float8_all_gather), a byte per element; not with tp > 1.
+  // float8.enable_fsdp_float8_all_gather), a byte per element.
   bool float8_all_gather = false;
 };
 
