@@ -56,7 +56,8 @@ for run in $(seq 1 "$runs"); do
   done
   at=$((3 + RANDOM % 55))  # not near the end: a kill after the last step is not a recovery
   rank=$((RANDOM % 4))
-  r0=$(full_round "$d/a.log" 4)  # the round the job runs in at 4 ranks
+  # The round the job runs in at 4 ranks (-1 if none came: every round then counts).
+  r0=$(test_logs=$d full_round "$d/a.log" 4) || r0=-1
   for _ in $(seq 1 1200); do [ "$(lines "$d/m.jsonl")" -ge "$at" ] && break; sleep 0.05; done
   frac="0.$((RANDOM % 10))$((RANDOM % 10))"
   sleep "$frac"

@@ -50,6 +50,7 @@
 #include "examples/gpt_report.h"
 #include "examples/profiling.h"
 #include "examples/training.h"
+#include "nn/float8.h"
 #include "optim/grad_scaler.h"
 #include "optim/graphed_step.h"
 #include "optim/lr_scheduler.h"
@@ -240,9 +241,6 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   po.float8 = flags.float8 == 1;
   po.float8_all_gather = flags.float8_all_gather == 1;
   s.precompute_float8 = po.float8_all_gather;
-  if (po.float8)
-    LOG0("float8: the blocks' linear layers train in float8 (e4m3 forward, e5m2 gradients, tensorwise dynamic ",
-         "scales); the LM head does not", po.float8_all_gather ? "; FSDP gathers their weights in float8" : "");
   po.cp = {.exchange = distributed::cp::parse_exchange(flags.cp_exchange), .seq = flags.seq};
   po.fsdp.strategy = distributed::parse_strategy(flags.strategy);
   if (d.dp_replicate > 1)
@@ -281,6 +279,17 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   } else {
     s.par = distributed::parallelize_gpt(s.gpt, d, s.mesh, po);
     wrapped = s.par.ac_blocks;
+  }
+  if (po.float8) {
+    // Counted on the model as converted: under tp the recipe keeps a layer
+    // whose features are not multiples of 16 x tp in high precision.
+    int converted = 0;
+    for (const auto& [fqn, m] : s.model().named_modules())
+      converted += m->transform_state(nn::kFloat8StateKey) != nullptr;
+    LOG0("float8: the blocks' linear layers train in float8 (", converted, " layers",
+         d.pp > 1 ? " in rank 0's stage" : "", d.tp > 1 ? ", those whose features are multiples of 16 x tp" : "",
+         "; e4m3 forward, e5m2 gradients, tensorwise dynamic scales); the LM head does not",
+         po.float8_all_gather ? "; FSDP gathers their weights in float8" : "");
   }
   if (flags.common.ac != "none")
     LOG0("activation checkpointing ", nn::ActivationCheckpointing::parse(flags.common.ac).str(), ": ", wrapped, " of ",

@@ -246,10 +246,25 @@ struct EtcdStore::Impl {
     std::string error;
     bool retry = true;
     const json st = post_once(c, endpoint, "/v3/maintenance/status", "{}", Millis{1000}, &error, &retry);
+    // A fresh connection for the request that follows, as after any failure.
+    curl_easy_cleanup(c.h);
+    c.h = nullptr;
     if (st.is_null() || !st.contains("errors") || !st["errors"].is_array()) return false;
     for (const auto& e : st["errors"])
       if (e.is_string() && e.get<std::string>().find("no leader") != std::string::npos) return true;
     return false;
+  }
+
+  // Whether every member that answered `last` (with an error saying it
+  // cannot serve) says it has no leader, and at least one answered.
+  bool answering_leaderless(Conn& c, const std::vector<std::string>& last) {
+    bool answered = false;
+    for (size_t k = 0; k < last.size(); ++k) {
+      if (!member_cannot_serve(0, last[k])) continue;
+      answered = true;
+      if (!says_no_leader(c, o.endpoints[k])) return false;
+    }
+    return answered;
   }
 
   // A request to the cluster: the member that last answered first, then
@@ -258,9 +273,10 @@ struct EtcdStore::Impl {
   // call that this process's own stop (SIGSTOP, a starved CPU) ran past its
   // deadline still gets its answer rather than blaming the cluster.
   // A cluster that lost its quorum is named sooner than `within` (a join
-  // timeout is 600 s by default): once every member that answers has said
-  // for kLeaderlessGrace that it has no leader (an election takes a second
-  // or two), waiting longer only hides the fault.
+  // timeout is 600 s by default): when every member that answers says it
+  // has no leader, and keeps saying so each second for kLeaderlessGrace
+  // (an election takes a second or two), waiting longer only hides the
+  // fault. Only a call with more than that grace left watches so.
   json call(Conn& c, const std::string& path, const json& request, Millis within, const std::string& what) {
     global_init();
     std::lock_guard<std::mutex> lock(c.mu);
@@ -271,8 +287,6 @@ struct EtcdStore::Impl {
     const Millis attempt_cap = std::max<Millis>(Millis{1000}, within / 3);
     std::vector<std::string> last(n);
     Millis backoff{20};
-    bool leaderless = false;  // since leaderless_since
-    Clock::time_point leaderless_since;
     for (;;) {
       for (size_t i = 0; i < n; ++i) {
         const size_t k = (c.current + i) % n;
@@ -296,22 +310,19 @@ struct EtcdStore::Impl {
         if (!retry) throw Error("etcd " + o.endpoints[k] + ": " + what + ": " + error);
       }
       if (Clock::now() >= deadline) break;
-      // No member served this pass: do those that answered all lack a leader?
-      bool answered = false, all_leaderless = true;
-      for (size_t k = 0; k < n && all_leaderless; ++k) {
-        if (!member_cannot_serve(0, last[k])) continue;
-        answered = true;
-        all_leaderless = says_no_leader(c, o.endpoints[k]);
-      }
-      if (!answered || !all_leaderless) {
-        leaderless = false;
-      } else if (!leaderless) {
-        leaderless = true;
-        leaderless_since = Clock::now();
-      } else if (Clock::now() - leaderless_since >= kLeaderlessGrace) {
-        throw Error("etcd cluster " + endpoints() + ": " + what + " failed: the members that answer have had no " +
-                    "leader for " + ms(std::chrono::duration_cast<Millis>(Clock::now() - leaderless_since)) + ": " +
-                    members_said(last) + " (the cluster has lost its quorum: a majority of its members down?)");
+      // No member served this pass: do those that answered all lack a
+      // leader, and go on lacking one, polled each second?
+      if (deadline - Clock::now() > kLeaderlessGrace + Millis{2000} && answering_leaderless(c, last)) {
+        const auto since = Clock::now();
+        bool still = true;
+        while (still && Clock::now() - since < kLeaderlessGrace) {
+          std::this_thread::sleep_for(Millis{1000});
+          still = answering_leaderless(c, last);
+        }
+        if (still)
+          throw Error("etcd cluster " + endpoints() + ": " + what + " failed: the members that answer have had no " +
+                      "leader for " + ms(std::chrono::duration_cast<Millis>(Clock::now() - since)) + ": " +
+                      members_said(last) + " (the cluster has lost its quorum: a majority of its members down?)");
       }
       std::this_thread::sleep_for(std::min(backoff, std::chrono::duration_cast<Millis>(deadline - Clock::now())));
       backoff = std::min(backoff * 2, Millis{250});

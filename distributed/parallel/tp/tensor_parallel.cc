@@ -250,10 +250,19 @@ bool split_float8(nn::Module& m, const std::shared_ptr<DeviceMesh>& mesh, bool i
                   const std::string& where) {
   auto st = m.transform_state_as<nn::Float8LinearState>(nn::kFloat8StateKey);
   if (!st) return false;
-  EMBER_CHECK(st->weight.size(0) % 16 == 0 && st->weight.size(1) % 16 == 0, where, ": a float8 layer's part ",
-              shape_str(st->weight.sizes()), " over tp=", mesh->size(),
-              " is not a float8 matmul's (in and out features multiples of 16); use fewer tp ranks or keep the "
-              "layer in high precision (Float8Options::filter)");
+  // Judged on the whole shape, so every rank decides alike (uneven chunks
+  // would leave one rank's part fit and the others' not).
+  const ShardSpec* spec = shard_spec(st->weight);
+  const int k = mesh->size();
+  bool fits = spec != nullptr;
+  for (int64_t d = 0; fits && d < st->weight.dim(); ++d) {
+    const int64_t whole = spec->global_shape[d], part = st->weight.size(d);
+    fits = (part == whole || part * k == whole) && part % 16 == 0;
+  }
+  EMBER_CHECK(fits, where, ": a float8 layer's part ", shape_str(st->weight.sizes()), " of ",
+              spec ? shape_str(spec->global_shape) : std::string("?"), " over tp=", k,
+              " is not a float8 matmul's (an even split, in and out features multiples of 16); use fewer tp ranks "
+              "or keep the layer in high precision (Float8Options::filter)");
   auto max_over = [pg = mesh->group()](Tensor& amax) { pg->allreduce(amax, ReduceOp::Max)->synchronize(); };
   st->sync.weight = max_over;
   if (input) st->sync.input = max_over;

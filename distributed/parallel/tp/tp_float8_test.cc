@@ -162,14 +162,26 @@ EMBER_WORKER(float8_tp_errors) {
   nn::GPT model(small(false));
   nn::convert_to_float8_training(model);
   const std::string err = error_of([&] { parallelize_module(model, mesh, gpt_tp_plan(model, false)); });
-  WCHECK(err.find("ColwiseParallel on 'h.0.attn': a float8 layer's part [24,32] over tp=4 is not a float8 "
-                  "matmul's") != std::string::npos,
+  WCHECK(err.find("ColwiseParallel on 'h.0.attn': a float8 layer's part [24,32] of [96,32] over "
+                  "tp=4 is not a float8 matmul's") != std::string::npos,
          err);
   // Converting after parallelizing: the sequence-gathering kernel is named.
   nn::GPT late(small(false, 64));
   parallelize_module(late, mesh, gpt_tp_plan(late, /*sp=*/true));
   const std::string e2 = error_of([&] { nn::convert_to_float8_training(late); });
   WCHECK(e2.find("already has a linear kernel of its own") != std::string::npos, e2);
+  default_group()->barrier()->wait();
+}
+
+// Uneven chunks (64 rows over 3 ranks: 22, 22, 20): every rank refuses
+// alike, none goes on into a collective the others never join.
+EMBER_WORKER(float8_tp_uneven) {
+  mp::init_world(env);
+  auto mesh = DeviceMesh::create({env.world_size}, {"tp"});
+  auto lin = std::make_shared<nn::Linear>(32, 64);
+  WCHECK(nn::convert_to_float8_training(*lin, {.skip_fqns = {}}).size() == 1, "the layer converted");
+  const std::string err = error_of([&] { parallelize_module(*lin, mesh, {{"", ColwiseParallel{}}}); });
+  WCHECK(err.find("of [64,32] over tp=3 is not a float8 matmul's (an even split") != std::string::npos, err);
   default_group()->barrier()->wait();
 }
 
@@ -180,7 +192,10 @@ TEST(TensorParallelFloat8, GPTMatchesOneFloat8ProcessTp2SequenceParallel) { run(
 TEST(TensorParallelFloat8, LlamaMatchesOneFloat8ProcessTp2SequenceParallel) { run(2, "sp,llama"); }
 TEST(TensorParallelFloat8, GPTMatchesOneFloat8ProcessTp2Bf16) { run(2, "sp,bf16"); }
 TEST(TensorParallelFloat8, EachRanksOwnScalesDoNot) { run(2, "sp,own_scales"); }
-TEST(TensorParallelFloat8, PartsFloat8CannotTakeAreNamed) { EMBER_EXPECT_RANKS("float8_tp_errors", 4, {}); }
+TEST(TensorParallelFloat8, PartsFloat8CannotTakeAreNamed) {
+  EMBER_EXPECT_RANKS("float8_tp_errors", 4, {});
+  EMBER_EXPECT_RANKS("float8_tp_uneven", 3, {});
+}
 
 }  // namespace
 }  // namespace ember::distributed
