@@ -22,7 +22,7 @@ dir=examples
 tok=tools/tokenize
 tmp="${TEST_TMPDIR:-$(mktemp -d)}"
 fortunes=/usr/share/games/fortunes
-source "$dir/gpt_checks.sh"  # like_reference
+source "$dir/gpt_checks.sh"  # like_reference, same_losses
 if [[ ! -d $fortunes ]]; then echo "SKIP: no $fortunes (apt-get install fortunes)"; exit 0; fi
 mapfile -t files < <(find "$fortunes" -maxdepth 1 -type f ! -name '*.*' | sort)
 
@@ -74,14 +74,7 @@ PY
 "$dir/gpt" --nproc 2 "${short[@]}" --float8 1 --float8-all-gather 1 --checkpoint-dir "$tmp/f8ag" \
   --metrics "$tmp/f8ag.jsonl" > "$tmp/f8ag.log" 2>&1 || { cat "$tmp/f8ag.log"; exit 1; }
 grep -q "FSDP gathers their weights in float8" "$tmp/f8ag.log" || { cat "$tmp/f8ag.log"; exit 1; }
-python3 - "$tmp/f8.jsonl" "$tmp/f8ag.jsonl" <<'PY'
-import json, sys
-plain, ag = ([json.loads(l) for l in open(f)] for f in sys.argv[1:3])
-assert len(plain) == len(ag) > 0, (len(plain), len(ag))
-for x, y in zip(plain, ag):
-    assert x["loss"] == y["loss"], ("float8 all-gather changed a loss", x, y)
-print("float8 all-gather losses equal the float32 gather's:", [round(y["loss"], 4) for y in ag])
-PY
+same_losses "$tmp/f8.jsonl" "$tmp/f8ag.jsonl" "the float8 all-gather (against the float32 gather)"
 mkdir -p "$tmp/f8_resumed" && cp -r "$tmp/f8/step_3" "$tmp/f8_resumed/"
 "$dir/gpt" --nproc 1 "${short[@]}" --checkpoint-dir "$tmp/f8_resumed" --resume > "$tmp/f8_resumed.log" 2>&1 \
   || { cat "$tmp/f8_resumed.log"; exit 1; }
@@ -119,14 +112,7 @@ for ag in 0 1; do
     { cat "$tmp/f8ag2d$ag.log"; exit 1; }
 done
 grep -q "FSDP gathers their weights in float8" "$tmp/f8ag2d1.log" || { cat "$tmp/f8ag2d1.log"; exit 1; }
-python3 - "$tmp/f8ag2d0.jsonl" "$tmp/f8ag2d1.jsonl" <<'PY'
-import json, sys
-plain, ag = ([json.loads(l) for l in open(f)] for f in sys.argv[1:3])
-assert len(plain) == len(ag) > 0, (len(plain), len(ag))
-for x, y in zip(plain, ag):
-    assert x["loss"] == y["loss"], ("float8 all-gather under tp changed a loss", x, y)
-print("dp_shard 2 x tp 2: float8 all-gather losses equal the plain gather's:", [round(y["loss"], 5) for y in ag])
-PY
+same_losses "$tmp/f8ag2d0.jsonl" "$tmp/f8ag2d1.jsonl" "dp_shard 2 x tp 2: the float8 all-gather under tp"
 
 # The tokenizer trained in process, saved, and exported with the model.
 out=$("$dir/gpt" --nproc 1 --arch llama --dim 32 --heads 2 --seq 32 --tokenizer bpe:512 --max-steps 2 --sample-len 8 \
