@@ -8,8 +8,10 @@
 #include <array>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <optional>
+#include <random>
 #include <string>
 
 #include "autograd/autograd.h"
@@ -447,9 +449,9 @@ TEST_F(CudaNnOps, Conv2dEmptyInputsAgreeWithCpu) {
   }
 }
 
-// The adjoints of index_select and gather run index_add_kernel and
-// scatter_add_kernel, whose atomics add several gradients into one element
-// when an index repeats (as here).
+// The adjoints of index_select and gather run sort_by_key_kernel, then
+// index_add_sorted_kernel and scatter_add_sorted_kernel, which add several
+// gradients into one element when an index repeats (as here).
 TEST_F(CudaNnOps, IndexSelectAndGatherBackwardMatchCpu) {
   const Tensor idx = Tensor::from_vector({5, 0, 3, 3, 5, 1}, {6}, DType::Int64);
   Generator g(21);
@@ -462,6 +464,95 @@ TEST_F(CudaNnOps, IndexSelectAndGatherBackwardMatchCpu) {
     compare([&](const std::vector<Tensor>& v) { return gather(v[0], 1, v[0].is_cuda() ? gidx.cuda() : gidx); },
             {rnd({6, 5}, 33, dt)}, tol(dt), cat("gather ", dt));
   }
+}
+
+// Values of many magnitudes (10^-3 .. 10^3), so that a sum's order shows in
+// its last bits.
+Tensor spread(const Shape& s, uint64_t seed, DType dt) {
+  Generator g(seed);
+  const Tensor mag = rand(s, {DType::Float64}, &g) * 6.0 - 3.0;
+  return (randn(s, {DType::Float64}, &g) * pow(full(s, 10.0, {DType::Float64}), mag)).to(dt);
+}
+
+// Indices in [-size, size) (negative ones counting from the end), a share
+// `hot` of them naming row 3 (as 3 or as 3 - size).
+Tensor draw_indices(const Shape& s, int64_t size, double hot, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  int64_t n = 1;
+  for (int64_t v : s) n *= v;
+  std::vector<double> v(static_cast<size_t>(n));
+  for (double& x : v) {
+    const bool is_hot = size > 3 && std::uniform_real_distribution<double>(0, 1)(rng) < hot;
+    const int64_t k = is_hot ? 3 : std::uniform_int_distribution<int64_t>(0, size - 1)(rng);
+    x = static_cast<double>(rng() % 2 ? k : k - size);
+  }
+  return Tensor::from_vector(v, s, DType::Int64);
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  if (a.sizes() != b.sizes() || a.dtype() != b.dtype()) return false;
+  const Tensor x = a.cpu().contiguous(), y = b.cpu().contiguous();
+  return std::memcmp(x.raw_data(), y.raw_data(), static_cast<size_t>(x.numel()) * x.element_size()) == 0;
+}
+
+// The adjoints' sums are the CPU kernels' bit for bit: each element adds its
+// items in index order, starting from its value (out starts random here),
+// whatever the number of sort passes (keys of 0, 1, 5, 7, 12 and 17 bits),
+// tiles (up to 9000 items, three tiles of 4096) and repeats (half the items
+// on one row). Summing the hot row in the opposite order changes its last
+// bits, so the check can fail.
+TEST_F(CudaNnOps, IndexAddAndScatterAddAreTheCpuSumsBitForBit) {
+  struct AddCase {
+    int64_t outer, size, inner, n;
+    double hot;
+  };
+  const std::vector<AddCase> adds = {{1, 1, 5, 7, 0},         {1, 2, 3, 9, 0},      {1, 96, 128, 640, 0.3},
+                                     {3, 17, 4, 50, 0.2},     {2, 300, 1, 4096, 0}, {1, 4000, 3, 4097, 0.1},
+                                     {1, 70000, 2, 9000, 0.5}};
+  uint64_t seed = 500;
+  for (DType dt : {DType::Float32, DType::Float64})
+    for (const AddCase& c : adds) {
+      const std::string what =
+          cat("index_add outer ", c.outer, " size ", c.size, " inner ", c.inner, " n ", c.n, " ", dt);
+      const Tensor idx = draw_indices({c.n}, c.size, c.hot, seed++);
+      const Tensor src = spread({c.outer, c.n, c.inner}, seed++, dt);
+      const Tensor init = spread({c.outer, c.size, c.inner}, seed++, dt);
+      Tensor want = init.clone(), got = init.cuda();
+      index_add_cpu(want, idx, src, c.outer, c.size, c.inner);
+      index_add_cuda(got, idx.cuda(), src.cuda(), c.outer, c.size, c.inner);
+      EXPECT_TRUE(bitwise_equal(want, got))
+          << what << ": largest difference " << max(abs(want - got.cpu())).item<double>();
+      if (c.hot >= 0.5 && dt == DType::Float32) {
+        std::vector<double> back(static_cast<size_t>(c.n));
+        for (int64_t j = 0; j < c.n; ++j) back[static_cast<size_t>(j)] = static_cast<double>(c.n - 1 - j);
+        const Tensor rev = Tensor::from_vector(back, {c.n}, DType::Int64);
+        Tensor reversed = init.clone();
+        index_add_cpu(reversed, index_select(idx, 0, rev), index_select(src, 1, rev), c.outer, c.size, c.inner);
+        EXPECT_FALSE(bitwise_equal(want, reversed)) << what << ": the order does not show; the check cannot fail";
+      }
+    }
+  struct ScatterCase {
+    Shape out, index;
+    int64_t dim;
+    double hot;
+  };
+  const std::vector<ScatterCase> scatters = {{{6, 5}, {6, 5}, 1, 0},
+                                             {{4}, {9}, 0, 0.3},
+                                             {{3, 8, 5}, {3, 20, 5}, 1, 0.2},
+                                             {{3, 40000}, {3, 3000}, 1, 0.5},
+                                             {{9, 2}, {700, 2}, 0, 0.1}};
+  for (DType dt : {DType::Float32, DType::Float64})
+    for (const ScatterCase& c : scatters) {
+      const std::string what =
+          cat("scatter_add out ", shape_str(c.out), " index ", shape_str(c.index), " dim ", c.dim, " ", dt);
+      const Tensor idx = draw_indices(c.index, c.out[static_cast<size_t>(c.dim)], c.hot, seed++);
+      const Tensor src = spread(c.index, seed++, dt), init = spread(c.out, seed++, dt);
+      Tensor want = init.clone(), got = init.cuda();
+      scatter_add_cpu(want, idx, src, c.dim);
+      scatter_add_cuda(got, idx.cuda(), src.cuda(), c.dim);
+      EXPECT_TRUE(bitwise_equal(want, got))
+          << what << ": largest difference " << max(abs(want - got.cpu())).item<double>();
+    }
 }
 
 TEST_F(CudaNnOps, GroupedMmMatchesCpu) {

@@ -90,13 +90,16 @@ MUTANTS = [
      "  for (int64_t i = nvec * VEC + cuda::global_thread_id(); i <= n; i += cuda::grid_stride())"),
     # Found by a new user's mutation round (the round that asked for
     # drawn kernel cases): no listed case pooled with a window wider than tall,
-    # and no CUDA case fed a NaN; the drawn pooling cases catch both.
-    ("max_pool_bwd_width_window", "wrong operand", "core/ops/pool.cu",
-     "    pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);\n    const int64_t pos = ih * g.w + iw;",
-     "    pool_covering(iw, g.ow, g.kh, g.sw, g.pw, &ow0, &ow1);\n    const int64_t pos = ih * g.w + iw;"),
-    ("max_pool_nan_rule", "special value dropped", "core/ops/pool.cu",
-     "        if (v > best || v != v) {  // NaN wins, as on the CPU",
-     "        if (v > best) {"),
+    # and no CUDA case fed a NaN; the drawn pooling cases catch both. The
+    # pooling bodies have since moved to kernels.h, shared by the CPU and
+    # CUDA kernels, so these change the reference too: what catches them is
+    # the CPU's own tests (//core:ops_nn_test: NaN propagation, gradcheck).
+    ("max_pool_bwd_width_window", "wrong operand", "core/ops/kernels.h",
+     "  pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);\n  const int64_t pos = ih * g.w + iw;",
+     "  pool_covering(iw, g.ow, g.kh, g.sw, g.pw, &ow0, &ow1);\n  const int64_t pos = ih * g.w + iw;"),
+    ("max_pool_nan_rule", "special value dropped", "core/ops/kernels.h",
+     "      if (v > best || v != v) {\n        best = v;",
+     "      if (v > best) {\n        best = v;"),
     # The round's other six, which hand-written cases caught too; the drawn
     # cases must catch them alone (--tests with the kernels_drawn targets).
     ("attention_ds_no_delta", "dropped term", "core/ops/attention.cu",
@@ -154,6 +157,16 @@ MUTANTS = [
     ("bn_relu_rows_epilogue", "dropped epilogue", "core/ops/batch_norm.cu",
      "      if constexpr (EPI == kRelu) val = relu_of(val);",
      "      (void)val;"),
+    ("index_sort_unstable", "unstable sort (ties out of item order)", "core/ops/index.cu",
+     "      for (int j = 0; j < kSortItems; ++j) {\n        if (first + j >= n) break;\n",
+     "      for (int jj = 0; jj < kSortItems; ++jj) {\n        const int j = kSortItems - 1 - jj;\n"
+     "        if (first + j >= n) continue;\n"),
+    ("index_sort_scan_barrier", "dropped barrier", "core/ops/index.cu",
+     "        partial[t] += v;\n        __syncthreads();\n",
+     "        partial[t] += v;\n"),
+    ("index_sort_thread_rank", "wrong rank (a neighbour's)", "core/ops/index.cu",
+     "for (int d = 0; d < kDigits; ++d) rank[d] = counts[d * kSortThreads + t] - counts[d * kSortThreads];",
+     "for (int d = 0; d < kDigits; ++d) rank[d] = counts[d * kSortThreads + (t ^ 1)] - counts[d * kSortThreads];"),
     ("bn_stats_launch_config", "bad launch configuration", "core/ops/batch_norm.cu",
      "stats_finalize_kernel<A><<<cuda::grid_for(d.c, kFinalizeChannels), cuda::kBlockSize, 0, stream>>>(",
      "stats_finalize_kernel<A><<<cuda::grid_for(d.c, kFinalizeChannels), 4 * cuda::kBlockSize + 32, 0, stream>>>("),

@@ -1,4 +1,6 @@
-// CUDA launchers for index_select and gather. Both only move bytes, so the
+// CUDA launchers for index_select and gather, and for their adjoints
+// (index_add, scatter_add: a sort, then sums in the CPU's order; see the
+// section's comment). index_select and gather only move bytes, so their
 // kernels are instantiated per element width rather than per dtype, and
 // index_select copies whole slices in the widest unit (up to 16 bytes) that
 // the slice size and pointer alignment allow: embedding lookups are exactly
@@ -11,6 +13,7 @@
 // (cross-entropy targets, embedding indices).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "core/cuda_check.h"
@@ -243,78 +246,266 @@ void check_index_range_cuda(const Tensor& index, int64_t lo, int64_t hi, const c
   cuda::maybe_check_now(device, stream);
 }
 
-// ---- Accumulating adjoints (float / double; atomics because indices repeat) ----
+// ---- Accumulating adjoints: a stable sort, then each element's sum in order ----
+//
+// index_add (index_select's and the embedding's backward) and scatter_add
+// (gather's) add several source values into one element when an index
+// repeats. Atomics would add them in whatever order the threads arrive, so a
+// step's gradients would change from run to run. Instead the items are sorted
+// by the element they add to, ties kept in item order, and one thread per
+// element adds its items in that order, starting from the element's value:
+// the CPU kernels' order, so both backends give the same sums bit for bit
+// (as PyTorch's embedding backward sorts; its index_add_ uses atomics).
 namespace {
-template <typename T>
-__global__ void index_add_kernel(T* __restrict__ out, const int64_t* __restrict__ index, const T* __restrict__ src,
-                                 int64_t outer, int64_t n, int64_t dst_size, int64_t inner) {
-  const int64_t total = outer * n * inner;
-  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < total; p += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t i = p % inner, j = (p / inner) % n, o = p / (inner * n);
-    int64_t k = index[j];
-    if (k < 0) k += dst_size;
-    atomicAdd(out + (o * dst_size + k) * inner + i, src[p]);
-  }
-}
+constexpr int kSortThreads = 512, kSortItems = 8, kDigitBits = 4, kDigits = 1 << kDigitBits;
+constexpr int64_t kSortTile = int64_t{kSortThreads} * kSortItems;
 
-template <typename T>
-__global__ void scatter_add_kernel(const __grid_constant__ StridedIter geom, T* __restrict__ out,
-                                   const int64_t* __restrict__ index, const T* __restrict__ src, int64_t dim_stride,
-                                   int64_t dim_size) {
-  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < geom.numel;
-       p += int64_t(gridDim.x) * blockDim.x) {
-    int64_t rem = p, off = 0;
-    for (int d = geom.ndim - 1; d >= 0; --d) {
-      off += (rem % geom.sizes[d]) * geom.strides[0][d];
-      rem /= geom.sizes[d];
-    }
+// Item j of index_add adds to row index[j] (negative counting from the end).
+struct IndexKeys {
+  const int64_t* index;
+  int64_t size;
+  __device__ int64_t operator()(int64_t j) const {
+    const int64_t k = index[j];
+    return k < 0 ? k + size : k;
+  }
+};
+
+// Item p of scatter_add adds to the element of out at this offset: p's
+// coordinates with `dim` replaced by index[p].
+struct ScatterKeys {
+  StridedIter geom;  // the index's sizes, out's strides, 0 at dim
+  const int64_t* index;
+  int64_t dim_stride, dim_size;
+  __device__ int64_t operator()(int64_t p) const {
+    int64_t off[1];
+    cuda::strided_offsets<1>(geom, p, off);
     int64_t k = index[p];
     if (k < 0) k += dim_size;
-    atomicAdd(out + off + k * dim_stride, src[p]);
+    return off[0] + k * dim_stride;
+  }
+};
+
+// Two key and two item buffers; pass p reads pair (p - 1) & 1, writes p & 1.
+struct SortBuffers {
+  int64_t* keys[2];
+  int64_t* items[2];
+};
+
+// A least-significant-digit radix sort of (key_of(j), j) for j < n by key,
+// four bits a pass, ties in item order, in one block: the index lists of a
+// training step are small (tokens a rank sees), and one block needs no
+// global histogram between launches, so the sort is one launch. Each pass
+// counts the digits of the whole list, then walks it in tiles of kSortTile:
+// thread t holds the tile's items [t * kSortItems, (t + 1) * kSortItems), so
+// a scan of the per-thread digit counts in digit-major order gives every
+// item its place with earlier items first (a stable pass). No atomics: the
+// order is the same on every run.
+template <typename KeyFn>
+__global__ void __launch_bounds__(kSortThreads)
+    sort_by_key_kernel(const __grid_constant__ KeyFn key_of, int64_t n, int passes, SortBuffers buf) {
+  __shared__ int counts[kDigits * kSortThreads];  // [digit][thread], then its exclusive scan
+  __shared__ int partial[kSortThreads];
+  __shared__ int64_t start[kDigits];  // the pass's first slot of each digit
+  __shared__ int64_t seen[kDigits];   // items of each digit placed by earlier tiles
+  __shared__ int tile_total;
+  const int t = threadIdx.x;
+  for (int pass = 0; pass < passes; ++pass) {
+    const int shift = pass * kDigitBits;
+    const int64_t* keys_in = pass == 0 ? nullptr : buf.keys[(pass - 1) & 1];
+    const int64_t* items_in = pass == 0 ? nullptr : buf.items[(pass - 1) & 1];
+    int64_t* keys_out = buf.keys[pass & 1];
+    int64_t* items_out = buf.items[pass & 1];
+    auto key_at = [&](int64_t i) { return pass == 0 ? key_of(i) : keys_in[i]; };
+    auto digit_of = [&](int64_t key) { return static_cast<int>((key >> shift) & (kDigits - 1)); };
+
+    // The whole list's count of each digit, summed over the threads.
+    int c[kDigits];
+#pragma unroll
+    for (int d = 0; d < kDigits; ++d) c[d] = 0;
+    for (int64_t i = t; i < n; i += kSortThreads) {
+      const int dig = digit_of(key_at(i));
+#pragma unroll
+      for (int d = 0; d < kDigits; ++d) c[d] += dig == d;
+    }
+#pragma unroll
+    for (int d = 0; d < kDigits; ++d) counts[d * kSortThreads + t] = c[d];
+    __syncthreads();
+    for (int s = kSortThreads / 2; s > 0; s /= 2) {
+      if (t < s)
+        for (int d = 0; d < kDigits; ++d) counts[d * kSortThreads + t] += counts[d * kSortThreads + t + s];
+      __syncthreads();
+    }
+    if (t == 0) {
+      int64_t at = 0;
+      for (int d = 0; d < kDigits; ++d) {
+        start[d] = at;
+        seen[d] = 0;
+        at += counts[d * kSortThreads];
+      }
+    }
+    __syncthreads();
+
+    for (int64_t tile = 0; tile < n; tile += kSortTile) {
+      const int64_t first = tile + int64_t{t} * kSortItems;
+      int64_t key[kSortItems];
+#pragma unroll
+      for (int d = 0; d < kDigits; ++d) c[d] = 0;
+#pragma unroll
+      for (int j = 0; j < kSortItems; ++j) {
+        key[j] = first + j < n ? key_at(first + j) : 0;
+        const int dig = first + j < n ? digit_of(key[j]) : -1;
+#pragma unroll
+        for (int d = 0; d < kDigits; ++d) c[d] += dig == d;
+      }
+#pragma unroll
+      for (int d = 0; d < kDigits; ++d) counts[d * kSortThreads + t] = c[d];
+      __syncthreads();
+      // Exclusive scan of counts[] read flat: thread t scans entries
+      // [t * kDigits, (t + 1) * kDigits) itself, then the threads' sums
+      // are scanned across the block (Hillis-Steele).
+      int* mine = counts + t * kDigits;
+      int run = 0;
+      for (int e = 0; e < kDigits; ++e) {
+        const int v = mine[e];
+        mine[e] = run;
+        run += v;
+      }
+      partial[t] = run;
+      __syncthreads();
+      for (int s = 1; s < kSortThreads; s *= 2) {
+        const int v = t >= s ? partial[t - s] : 0;
+        __syncthreads();
+        partial[t] += v;
+        __syncthreads();
+      }
+      const int before = partial[t] - run;  // exclusive
+      for (int e = 0; e < kDigits; ++e) mine[e] += before;
+      if (t == kSortThreads - 1) tile_total = partial[t];
+      __syncthreads();
+      // counts[d][t] now holds the tile's items of digit < d plus those of
+      // digit d held by threads before t; counts[d][0] the first part alone.
+      int rank[kDigits];
+#pragma unroll
+      for (int d = 0; d < kDigits; ++d) rank[d] = counts[d * kSortThreads + t] - counts[d * kSortThreads];
+#pragma unroll
+      for (int j = 0; j < kSortItems; ++j) {
+        if (first + j >= n) break;
+        const int dig = digit_of(key[j]);
+        int r = 0;
+#pragma unroll
+        for (int d = 0; d < kDigits; ++d)
+          if (dig == d) r = rank[d]++;
+        const int64_t slot = start[dig] + seen[dig] + r;
+        keys_out[slot] = key[j];
+        items_out[slot] = pass == 0 ? first + j : items_in[first + j];
+      }
+      __syncthreads();
+      if (t < kDigits) {
+        const int next = t + 1 < kDigits ? counts[(t + 1) * kSortThreads] : tile_total;
+        seen[t] += next - counts[t * kSortThreads];
+      }
+      __syncthreads();  // seen[] and counts[] are read and rewritten by the next tile
+    }
   }
 }
 
-int blocks_for(int64_t n) {
-  return static_cast<int>(std::min<int64_t>((n + cuda::kBlockSize - 1) / cuda::kBlockSize, cuda::kMaxGridBlocks));
+// Element k's sum: one thread per (outer, sorted item, column), of which
+// the first item of each run of equal keys adds the whole run in item order.
+template <typename T>
+__global__ void index_add_sorted_kernel(T* __restrict__ out, const int64_t* __restrict__ keys,
+                                        const int64_t* __restrict__ items, const T* __restrict__ src, int64_t outer,
+                                        int64_t n, int64_t dst_size, int64_t inner) {
+  cuda::grid_stride_loop(outer * n * inner, [&](int64_t p) {
+    const int64_t i = p % inner, q = (p / inner) % n, o = p / (inner * n);
+    const int64_t k = keys[q];
+    if (q > 0 && keys[q - 1] == k) return;
+    T* dst = out + (o * dst_size + k) * inner + i;
+    T acc = *dst;
+    for (int64_t r = q; r < n && keys[r] == k; ++r) acc += src[(o * n + items[r]) * inner + i];
+    *dst = acc;
+  });
+}
+
+template <typename T>
+__global__ void scatter_add_sorted_kernel(T* __restrict__ out, const int64_t* __restrict__ keys,
+                                          const int64_t* __restrict__ items, const T* __restrict__ src, int64_t n) {
+  cuda::grid_stride_loop(n, [&](int64_t q) {
+    const int64_t k = keys[q];
+    if (q > 0 && keys[q - 1] == k) return;
+    T acc = out[k];
+    for (int64_t r = q; r < n && keys[r] == k; ++r) acc += src[items[r]];
+    out[k] = acc;
+  });
+}
+
+// The n items sorted by key (every key below key_limit), ties in item
+// order: `sorted` holds [keys | items] as two halves of one int64 tensor.
+template <typename KeyFn>
+Tensor sort_by_key(const KeyFn& key_of, int64_t n, int64_t key_limit, Device device, cudaStream_t stream) {
+  int bits = 0;
+  while (bits < 63 && (int64_t{1} << bits) < key_limit) ++bits;
+  const int passes = std::max(1, (bits + kDigitBits - 1) / kDigitBits);
+  Tensor scratch = Tensor::empty({4, n}, {DType::Int64, device});
+  int64_t* base = static_cast<int64_t*>(scratch.raw_data());
+  const SortBuffers buf{{base, base + 2 * n}, {base + n, base + 3 * n}};
+  sort_by_key_kernel<KeyFn><<<1, kSortThreads, 0, stream>>>(key_of, n, passes, buf);
+  EMBER_CUDA_CHECK(cudaGetLastError());
+  return scratch.narrow(0, (passes - 1) & 1 ? 2 : 0, 2);
+}
+
+template <typename T>
+void launch_index_add(Tensor& out, const Tensor& sorted, const Tensor& src, int64_t outer, int64_t n, int64_t dst_size,
+                      int64_t inner, cudaStream_t stream) {
+  const int64_t* keys = static_cast<const int64_t*>(sorted.raw_data());
+  index_add_sorted_kernel<T><<<cuda::grid_for(outer * n * inner), cuda::kBlockSize, 0, stream>>>(
+      out.data<T>(), keys, keys + n, src.data<T>(), outer, n, dst_size, inner);
+  EMBER_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void launch_scatter_add(Tensor& out, const Tensor& sorted, const Tensor& src, int64_t n, cudaStream_t stream) {
+  const int64_t* keys = static_cast<const int64_t*>(sorted.raw_data());
+  scatter_add_sorted_kernel<T>
+      <<<cuda::grid_for(n), cuda::kBlockSize, 0, stream>>>(out.data<T>(), keys, keys + n, src.data<T>(), n);
+  EMBER_CUDA_CHECK(cudaGetLastError());
 }
 }  // namespace
 
 void index_add_cuda(Tensor& out, const Tensor& index, const Tensor& src, int64_t outer, int64_t dst_size,
                     int64_t inner) {
-  const int64_t n = index.numel(), total = outer * n * inner;
-  if (total == 0) return;
+  const int64_t n = index.numel();
+  if (outer * n * inner == 0) return;
+  EMBER_CHECK(out.dtype() == DType::Float32 || out.dtype() == DType::Float64,
+              "index_add: expected float32 or float64, got ", out.dtype());
   cuda::DeviceGuard guard(out);
   cudaStream_t stream = cuda::stream_for(out);
-  const int64_t* idx = static_cast<const int64_t*>(index.raw_data());
-  if (out.dtype() == DType::Float64) {
-    index_add_kernel<double><<<blocks_for(total), cuda::kBlockSize, 0, stream>>>(
-        out.data<double>(), idx, src.data<double>(), outer, n, dst_size, inner);
-  } else {
-    EMBER_CHECK(out.dtype() == DType::Float32, "index_add: expected float32 or float64, got ", out.dtype());
-    index_add_kernel<float><<<blocks_for(total), cuda::kBlockSize, 0, stream>>>(
-        out.data<float>(), idx, src.data<float>(), outer, n, dst_size, inner);
-  }
-  EMBER_CUDA_CHECK(cudaGetLastError());
+  const IndexKeys keys{static_cast<const int64_t*>(index.raw_data()), dst_size};
+  const Tensor sorted = sort_by_key(keys, n, dst_size, out.device(), stream);
+  if (out.dtype() == DType::Float64)
+    launch_index_add<double>(out, sorted, src, outer, n, dst_size, inner, stream);
+  else
+    launch_index_add<float>(out, sorted, src, outer, n, dst_size, inner, stream);
 }
 
 void scatter_add_cuda(Tensor& out, const Tensor& index, const Tensor& src, int64_t dim) {
-  const int64_t nd = index.dim(), numel = index.numel();
+  const int64_t nd = index.dim(), n = index.numel();
   EMBER_CHECK(nd <= kMaxDims, "scatter_add: at most ", kMaxDims, " dims supported, got ", nd);
-  if (numel == 0) return;
+  if (n == 0) return;
+  EMBER_CHECK(out.dtype() == DType::Float32 || out.dtype() == DType::Float64,
+              "scatter_add: expected float32 or float64, got ", out.dtype());
   cuda::DeviceGuard guard(out);
   cudaStream_t stream = cuda::stream_for(out);
-  const StridedIter geom = index_geom(index, out, dim);
-  const int64_t dim_size = out.size(dim), dim_stride = out.stride(dim);
-  const int64_t* idx = static_cast<const int64_t*>(index.raw_data());
-  if (out.dtype() == DType::Float64) {
-    scatter_add_kernel<double><<<blocks_for(numel), cuda::kBlockSize, 0, stream>>>(
-        geom, out.data<double>(), idx, src.data<double>(), dim_stride, dim_size);
-  } else {
-    EMBER_CHECK(out.dtype() == DType::Float32, "scatter_add: expected float32 or float64, got ", out.dtype());
-    scatter_add_kernel<float><<<blocks_for(numel), cuda::kBlockSize, 0, stream>>>(
-        geom, out.data<float>(), idx, src.data<float>(), dim_stride, dim_size);
-  }
-  EMBER_CUDA_CHECK(cudaGetLastError());
+  // Keys are offsets into out: below 1 + the sum of (size - 1) * stride.
+  int64_t limit = 1;
+  for (int64_t d = 0; d < out.dim(); ++d) limit += (out.size(d) - 1) * out.stride(d);
+  const bool scalar = out.dim() == 0;
+  const ScatterKeys keys{index_geom(index, out, dim), static_cast<const int64_t*>(index.raw_data()),
+                         scalar ? 0 : out.stride(dim), scalar ? 1 : out.size(dim)};
+  const Tensor sorted = sort_by_key(keys, n, limit, out.device(), stream);
+  if (out.dtype() == DType::Float64)
+    launch_scatter_add<double>(out, sorted, src, n, stream);
+  else
+    launch_scatter_add<float>(out, sorted, src, n, stream);
 }
 
 }  // namespace ember
