@@ -132,6 +132,7 @@ constinit EnvSwitch cudnn_bench{"EMBER_CUDNN_BENCHMARK", false};
 constinit EnvSwitch cudnn_fp32_cl_nchw{"EMBER_CUDNN_FP32_CL_VIA_NCHW", false};
 constinit EnvSwitch cudnn_graph{"EMBER_CUDNN_GRAPH", true};
 constinit EnvSwitch sync_checks{"EMBER_SYNC_CHECKS", false};
+constinit EnvSwitch deterministic{"EMBER_DETERMINISTIC", false};
 
 // Per device: the slot in device memory and its host mirror in pinned
 // memory (so that the snapshot copy is asynchronous and rides on the
@@ -241,6 +242,8 @@ bool cudnn_fp32_channels_last_via_nchw() { return cudnn_fp32_cl_nchw.get(); }
 void set_cudnn_fp32_channels_last_via_nchw(bool on) { cudnn_fp32_cl_nchw.set(on); }
 bool cudnn_graph_api() { return cudnn_graph.get(); }
 void set_cudnn_graph_api(bool on) { cudnn_graph.set(on); }
+bool deterministic_algorithms() { return deterministic.get(); }
+void set_deterministic_algorithms(bool on) { deterministic.set(on); }
 bool matmul_allow_tf32() { return matmul_tf32.get(); }
 void set_matmul_allow_tf32(bool allow) { matmul_tf32.set(allow); }
 

@@ -86,6 +86,20 @@ void set_cudnn_fp32_channels_last_via_nchw(bool on);
 // the legacy API is used. EMBER_CUDNN_GRAPH=0/1.
 bool cudnn_graph_api();
 void set_cudnn_graph_api(bool on);
+// Deterministic algorithms (PyTorch's torch.use_deterministic_algorithms
+// with torch.backends.cudnn.deterministic): every CUDA kernel of a step
+// gives the same bits on every run with the same inputs on the same GPU.
+// Most of ours do anyway (reductions merge partials in a fixed order, the
+// index adjoints sort); this switch changes the two places where the fast
+// choice is not: the fused attention's backward computes dQ in a pass of
+// its own instead of adding the key blocks' parts with atomics, and cuDNN
+// convolutions take only algorithms and engines that cuDNN marks
+// deterministic (its fastest weight-gradient kernels often add with
+// atomics). Off by default (PyTorch's default); EMBER_DETERMINISTIC=1 turns
+// it on. Choices are cached per mode, so switching takes effect at the next
+// call.
+bool deterministic_algorithms();
+void set_deterministic_algorithms(bool on);
 
 // ---- Errors found on the device, raised without a host synchronisation ----
 // A kernel that finds bad input (an index out of range) cannot throw: it

@@ -38,6 +38,8 @@ class CudaNnOps : public ::testing::Test {
   void TearDown() override {
     set_cudnn_allow_tf32(true);
     set_cudnn_graph_api(true);
+    set_cudnn_benchmark(false);
+    set_deterministic_algorithms(false);
   }
 };
 
@@ -68,6 +70,12 @@ void expect_same(const Tensor& cpu, const Tensor& gpu, double t, const std::stri
   ASSERT_EQ(cpu.sizes(), gpu.sizes()) << what;
   ASSERT_EQ(cpu.dtype(), gpu.dtype()) << what;
   EXPECT_TRUE(allclose(gpu.cpu(), cpu, t, t)) << what << "\ncpu: " << cpu << "\ncuda: " << gpu.cpu();
+}
+
+bool bitwise_equal(const Tensor& a, const Tensor& b) {
+  if (a.sizes() != b.sizes() || a.dtype() != b.dtype()) return false;
+  const Tensor x = a.cpu().contiguous(), y = b.cpu().contiguous();
+  return std::memcmp(x.raw_data(), y.raw_data(), static_cast<size_t>(x.numel()) * x.element_size()) == 0;
 }
 
 struct Outcome {
@@ -181,6 +189,60 @@ TEST_F(CudaNnOps, FlashAttentionMatchesCpu) {
             cat("flash attention tq ", c.tq, " tk ", c.tk, " d ", c.d, " causal ", c.causal, " p ", c.p, " ", c.dt));
     EXPECT_EQ(attention_cuda_flash_launches() - before, 2) << "the fused forward and backward should have run";
   }
+}
+
+// Under deterministic_algorithms() the fused backward leaves dQ to a pass of
+// its own (flash_dq_kernel: each block sums its rows' parts in key order
+// instead of the key blocks adding theirs with atomics): the same cases
+// against the CPU, three launches (forward, backward, dQ pass), dQ within
+// the tolerance of the atomic path's, and two runs bit for bit the same
+// (on a GPU the atomic path's last bits vary from run to run). The
+// log-sum-exp variant (a gradient through lse too) takes the same pass.
+TEST_F(CudaNnOps, FlashAttentionDeterministicDqMatchesCpu) {
+  struct Case {
+    int64_t tq, tk, d;
+    bool causal;
+    double p;
+    DType dt;
+  };
+  uint64_t seed = 1900;
+  for (const Case& c : std::vector<Case>{{70, 70, 64, true, 0.0, DType::BFloat16},
+                                         {129, 150, 32, false, 0.0, DType::Float16},
+                                         {70, 150, 128, true, 0.3, DType::BFloat16},
+                                         {129, 64, 64, true, 0.0, DType::Float16},
+                                         {200, 130, 64, false, 0.2, DType::BFloat16}}) {
+    const std::string what =
+        cat("deterministic flash attention tq ", c.tq, " tk ", c.tk, " d ", c.d, " causal ", c.causal, " p ", c.p);
+    std::vector<Tensor> in = {rnd({2, 2, c.tq, c.d}, seed++, c.dt), rnd({2, 2, c.tk, c.d}, seed++, c.dt),
+                              rnd({2, 2, c.tk, c.d}, seed++, c.dt)};
+    Fn f = [c](const std::vector<Tensor>& v) {
+      Generator g(23);
+      return scaled_dot_product_attention(v[0], v[1], v[2], c.causal, c.p, &g);
+    };
+    const Outcome atomic = run(f, in, true);
+    set_deterministic_algorithms(true);
+    const int64_t before = attention_cuda_flash_launches();
+    compare(f, in, tol(c.dt), what);
+    EXPECT_EQ(attention_cuda_flash_launches() - before, 3) << what << ": forward, backward and the dQ pass";
+    const Outcome first = run(f, in, true), second = run(f, in, true);
+    set_deterministic_algorithms(false);
+    for (size_t i = 0; i < 3; ++i) {
+      expect_same(atomic.grads[i].cpu(), first.grads[i], tol(c.dt), cat(what, " against the atomic path, grad ", i));
+      EXPECT_TRUE(bitwise_equal(first.grads[i], second.grads[i])) << what << ": grad " << i << " changed between runs";
+    }
+  }
+  set_deterministic_algorithms(true);
+  for (bool causal : {false, true}) {
+    std::vector<Tensor> in = {rnd({2, 2, 70, 64}, seed++, DType::BFloat16),
+                              rnd({2, 2, 75, 64}, seed++, DType::BFloat16),
+                              rnd({2, 2, 75, 64}, seed++, DType::BFloat16)};
+    const int64_t before = attention_cuda_flash_launches();
+    compare(
+        [causal](const std::vector<Tensor>& v) { return scaled_dot_product_attention_lse(v[0], v[1], v[2], causal); },
+        in, tol(DType::BFloat16), cat("deterministic attention lse causal ", causal));
+    EXPECT_EQ(attention_cuda_flash_launches() - before, 3) << "lse causal " << causal;
+  }
+  set_deterministic_algorithms(false);
 }
 
 // The log-sum-exp variant (context parallelism's merge): the blocked
@@ -306,6 +368,56 @@ TEST_F(CudaNnOps, Conv2dBenchmarkModeMatchesCpu) {
                                   c.bias ? rnd({c.w[0]}, seed++, dt) : Tensor()};
         compare(conv_fn(c), in, tol(dt), cat("conv2d benchmark mode x", c.x, " w", c.w, cl ? " channels-last " : " ", dt),
                 [cl](Tensor t) { return cl ? channels_last(t) : t; });
+      }
+  set_cudnn_benchmark(false);
+}
+
+// Under deterministic_algorithms() a convolution's gradients come out the
+// same bit for bit on every run, through the graph API, the legacy API's
+// heuristics and benchmark mode, in float32 with TF32, bfloat16 and float16,
+// NCHW and channels-last, and still match the CPU. The emulated cuDNN models
+// what makes this matter (third_party/cuda_emu): its graph API lists a
+// nondeterministic weight-gradient engine first, benchmark mode measures
+// the nondeterministic legacy algorithms fastest, and each changes the last
+// bits of its result from run to run; so without the switch two runs
+// differ there, and the check can fail.
+TEST_F(CudaNnOps, Conv2dDeterministicAlgorithmsRepeatBitForBit) {
+  const bool emulated = cuda_device_name() == "CUDA emulation";
+  struct Mode {
+    const char* name;
+    bool graph, benchmark, varies;  // varies: the emulated cuDNN's choice without the switch is nondeterministic
+  };
+  const ConvCase& c = kConvCases[0];
+  uint64_t seed = 1300;
+  for (const Mode& m : {Mode{"graph API", true, false, true}, Mode{"legacy heuristics", false, false, false},
+                        Mode{"benchmark mode", false, true, true}})
+    for (DType dt : {DType::Float32, DType::BFloat16, DType::Float16})
+      for (bool cl : {false, true}) {
+        set_cudnn_graph_api(m.graph);
+        set_cudnn_benchmark(m.benchmark);
+        set_cudnn_allow_tf32(true);  // float32 on tensor cores, where the nondeterministic engine is
+        const std::string what = cat("conv2d ", m.name, " ", dt, cl ? " channels-last" : "");
+        std::vector<Tensor> in = {rnd(c.x, seed++, dt, 0.5), rnd(c.w, seed++, dt, 0.5),
+                                  c.bias ? rnd({c.w[0]}, seed++, dt) : Tensor()};
+        const auto layout = [cl](Tensor t) { return cl ? channels_last(t) : t; };
+        const auto grads = [&] { return run(conv_fn(c), in, true, layout).grads; };
+        const auto same = [](const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+          for (size_t i = 0; i < a.size(); ++i)
+            if (a[i].defined() && !bitwise_equal(a[i], b[i])) return false;
+          return true;
+        };
+        set_deterministic_algorithms(true);
+        const std::vector<Tensor> first = grads(), second = grads();
+        EXPECT_TRUE(same(first, second)) << what << ": deterministic algorithms gave two different gradients";
+        set_cudnn_allow_tf32(dt != DType::Float32);  // the CPU comparison at float32's tolerance
+        compare(conv_fn(c), in, tol(dt), what + " deterministic", layout);
+        set_deterministic_algorithms(false);
+        if (emulated && m.varies) {
+          set_cudnn_allow_tf32(true);
+          const std::vector<Tensor> a = grads(), b = grads();
+          EXPECT_FALSE(same(a, b)) << what << ": without deterministic algorithms the emulated cuDNN's choice "
+                                   << "should change its last bits between runs";
+        }
       }
   set_cudnn_benchmark(false);
 }
@@ -487,12 +599,6 @@ Tensor draw_indices(const Shape& s, int64_t size, double hot, uint64_t seed) {
     x = static_cast<double>(rng() % 2 ? k : k - size);
   }
   return Tensor::from_vector(v, s, DType::Int64);
-}
-
-bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  if (a.sizes() != b.sizes() || a.dtype() != b.dtype()) return false;
-  const Tensor x = a.cpu().contiguous(), y = b.cpu().contiguous();
-  return std::memcmp(x.raw_data(), y.raw_data(), static_cast<size_t>(x.numel()) * x.element_size()) == 0;
 }
 
 // The adjoints' sums are the CPU kernels' bit for bit: each element adds its

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/device.h"
 #include "core/exception.h"
 #include "distributed/parallel_dims.h"
 #include "examples/cli.h"
@@ -196,7 +197,7 @@ struct CommonFlags {
   std::string amp = "off";
   std::string ac = "none";
   std::string checkpoint_dir;
-  bool resume = false, overwrite = false;
+  bool resume = false, overwrite = false, deterministic = false;
   uint64_t seed = 0;
   std::string data;
   double timeout_sec = 0;
@@ -228,6 +229,9 @@ inline void add_common_flags(FlagTable& t, CommonFlags& f, const std::string& un
   t.toggle("--resume", &f.resume, "continue from the newest checkpoint in --checkpoint-dir");
   t.toggle("--overwrite", &f.overwrite, "a fresh run may replace the checkpoints in --checkpoint-dir (else an error)");
   t.integer("--seed", &f.seed, 0, "N", "initialisation and data order");
+  t.toggle("--deterministic", &f.deterministic,
+           "the same bits on every run on the same GPU: attention's dQ in a pass of its own, only\n"
+           "deterministic cuDNN algorithms (set_deterministic_algorithms; the CPU always is)");
   t.text("--data", &f.data, "PATH", "the training data, or 'synthetic'", false);
   t.add({"--timeout", "SEC", "rendezvous and collective timeout (default: $EMBER_DIST_TIMEOUT_SEC, else 600)",
          [&t, &f](const std::string& s) { f.timeout_sec = t.parse_positive("--timeout", s); },
@@ -258,7 +262,10 @@ int flags_main(const char* program, const char* usage, int argc, char** argv, Tr
   FlagTable table(program, usage);
   declare(table, flags);
   parse_flags(table, flags, argc, argv);
-  return launch_and_train(table.cli(), flags.common.nproc, argc, argv, [&] { return train(flags, table); });
+  return launch_and_train(table.cli(), flags.common.nproc, argc, argv, [&] {
+    if (flags.common.deterministic) set_deterministic_algorithms(true);
+    return train(flags, table);
+  });
 }
 
 }  // namespace ember::examples

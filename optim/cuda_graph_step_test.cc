@@ -93,13 +93,18 @@ void check_graph_matches_eager(const MakeOpt& make_opt) {
   EXPECT_NE(eager_losses.front(), eager_losses.back()) << "the steps trained nothing";
 }
 
+// Bit for bit needs deterministic algorithms: cuDNN's fastest weight
+// gradients add with atomics (the emulated cuDNN's too, by design), which
+// change the last bits between the eager and the replayed steps.
 class CudaGraphStep : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
     if (!cuda_allocator_caching(0))  // the AddressSanitizer run's exact-size allocations
       GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: CUDA graphs need the caching allocator";
+    set_deterministic_algorithms(true);
   }
+  void TearDown() override { set_deterministic_algorithms(false); }
 };
 
 TEST_F(CudaGraphStep, SgdWithMomentumMatchesEagerBitForBit) {

@@ -22,6 +22,7 @@
 #include <string>
 
 #include "core/cuda_check.h"
+#include "core/device.h"
 #include "core/ops/cuda_utils.cuh"
 #include "core/ops/kernels.h"
 #include "core/ops/philox.h"
@@ -425,8 +426,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // grid (key blocks, heads). dk, dv [n, tk, D] float32 written; dq [n, tq, D]
-// float32 added to (zeroed by the launcher).
-template <typename T, int D, bool Drop>
+// float32 added to (zeroed by the launcher) when DQ, else left to
+// flash_dq_kernel (deterministic_algorithms()).
+template <typename T, int D, bool Drop, bool DQ>
 __global__ void __launch_bounds__(kThreads)
     flash_backward_kernel(const AttentionArgs a, const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                           const uint16_t* __restrict__ v, const uint16_t* __restrict__ dout,
@@ -509,13 +511,14 @@ __global__ void __launch_bounds__(kThreads)
         const int c = nt * 8 + 2 * t + e % 2;
         const float dp = (keep >> (nt * 4 + e)) & 1u ? pd[nt][e] * keep_scale : 0.f;
         st[nt][e] = st[nt][e] * (dp - dl[c]) * scale;
-        dss[c * LDS + warp * 16 + g + 8 * (e / 2)] = T::from_float(st[nt][e]);
+        if constexpr (DQ) dss[c * LDS + warp * 16 + g + 8 * (e / 2)] = T::from_float(st[nt][e]);
       }
     // dK += dS^T Q.
     warp_mma<T, kRows / 16, true>(
         dka, [&](int kk, uint32_t a[4]) { c_to_a<T>(st[2 * kk], st[2 * kk + 1], a); }, qs, LD, lane);
     __syncthreads();  // every warp's dS is in dss and every warp is done with q, dO, lse, delta
     if (i0 + kRows < a.tq) stage(i0 + kRows);  // the next tile loads behind dQ's products
+    if constexpr (!DQ) continue;
     // dQ += dS K for the warp's 16 query rows, against all 64 keys.
     float dqa[DT][4] = {};
     warp_mma<T, kKeys / 16, true>(
@@ -536,6 +539,90 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t off = (b * a.tk + j) * D + 2 * t + e % 2;
 #pragma unroll
     for (int nt = 0; nt < DT; ++nt) dk[off + nt * 8] = dka[nt][e], dv[off + nt * 8] = dva[nt][e];
+  }
+}
+
+// grid (query blocks of kRows, heads); dq [n, tq, D] float32 written. The
+// deterministic alternative to the backward kernel's dQ atomics (used under
+// deterministic_algorithms()): each block owns its 64 query rows and walks
+// the keys they see, recomputing P (from the saved log-sum-exp) and dS as
+// the backward kernel does, and adds dS K in registers in key order, so the
+// sum's order is fixed. It costs the recomputation of S and dP: three
+// products a tile where the backward kernel's atomics cost one.
+template <typename T, int D, bool Drop>
+__global__ void __launch_bounds__(kThreads)
+    flash_dq_kernel(const AttentionArgs a, const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
+                    const uint16_t* __restrict__ v, const uint16_t* __restrict__ dout, const float* __restrict__ lse,
+                    const float* __restrict__ delta, float* __restrict__ dq) {
+  constexpr int LD = D + 8, NT = kKeys / 8, DT = D / 8;
+  extern __shared__ uint4 flash_smem[];
+  uint16_t* qs = reinterpret_cast<uint16_t*>(flash_smem);
+  uint16_t* dos = qs + kRows * LD;
+  uint16_t* ks = dos + kRows * LD;
+  uint16_t* vs = ks + kKeys * LD;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t b = blockIdx.y, i0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const int64_t wrow = i0 + warp * 16;  // the warp's first row
+  const uint16_t* kb = k + b * a.tk * D;
+  const uint16_t* vb = v + b * a.tk * D;
+  load_tile<D>(q + b * a.tq * D, i0, a.tq, kRows, qs);
+  load_tile<D>(dout + b * a.tq * D, i0, a.tq, kRows, dos);
+  cuda::cp_async_commit();
+  const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
+  const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
+  // The lane's two rows (g and g + 8 of the warp's 16): lse in log2 units, delta.
+  float ls[2], dl[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t i = wrow + g + 8 * h;
+    ls[h] = i < a.tq ? lse[b * a.tq + i] * kLog2e : INFINITY;
+    dl[h] = i < a.tq ? delta[b * a.tq + i] : 0.f;
+  }
+  float dqa[DT][4] = {};
+  const int64_t last = (i0 + kRows < a.tq ? i0 + kRows : a.tq) - 1;
+  const int64_t kend = a.causal && last + 1 < a.tk ? last + 1 : a.tk;
+  const bool active = wrow < a.tq;
+  for (int64_t j0 = 0; j0 < kend; j0 += kKeys) {
+    __syncthreads();  // every warp is done with the last tile's k and v
+    load_tile<D>(kb, j0, a.tk, kKeys, ks);
+    load_tile<D>(vb, j0, a.tk, kKeys, vs);
+    cuda::cp_async_commit();
+    cuda::cp_async_wait_all();
+    __syncthreads();  // the tiles (and, the first time, q and dO) are in
+    // A warp whose rows all precede the tile (causal) has nothing to add.
+    if (!active || (a.causal && j0 > wrow + 15)) continue;
+    const bool masked = j0 + kKeys > a.tk || wrow + 16 > a.tq || (a.causal && j0 + kKeys - 1 > wrow);
+    // S = Q K^T and dPd = dO V^T for the warp's 16 rows against the tile's keys.
+    float s[NT][4] = {}, dp[NT][4] = {};
+    warp_mma<T, D / 16, false>(
+        s, [&](int kk, uint32_t f[4]) { frag_a(qs, LD, warp * 16, kk * 16, lane, f); }, ks, LD, lane);
+    warp_mma<T, D / 16, false>(
+        dp, [&](int kk, uint32_t f[4]) { frag_a(dos, LD, warp * 16, kk * 16, lane, f); }, vs, LD, lane);
+    // dS = P (dP - delta) scale, dP the kept dPd scaled (the backward
+    // kernel's formula, transposed).
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t j = j0 + nt * 8 + 2 * t + e % 2, i = wrow + g + 8 * (e / 2);
+        const bool ok = !masked || (j < a.tk && i < a.tq && (!a.causal || j <= i));
+        const float p = ok ? exp2f(s[nt][e] * sl - ls[e / 2]) : 0.f;
+        float d = dp[nt][e] * keep_scale;
+        if (Drop && ok && !kept(a, b, i, j)) d = 0.f;
+        s[nt][e] = p * (d - dl[e / 2]) * scale;
+      }
+    // dQ += dS K, dS rounded to T as the backward kernel's shared copy is.
+    warp_mma<T, kKeys / 16, true>(
+        dqa, [&](int kk, uint32_t f[4]) { c_to_a<T>(s[2 * kk], s[2 * kk + 1], f); }, ks, LD, lane);
+  }
+  if (!active) return;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int64_t i = wrow + g + 8 * (e / 2);
+    if (i >= a.tq) continue;
+    float* dqrow = dq + (b * a.tq + i) * D + 2 * t + e % 2;
+#pragma unroll
+    for (int nt = 0; nt < DT; ++nt) dqrow[nt * 8] = dqa[nt][e];
   }
 }
 
@@ -600,16 +687,31 @@ void backward_drop(const AttentionArgs& a, const Tensor& q, const Tensor& k, con
   delta_kernel<T, float><<<warp_grid(a.n * a.tq), cuda::kBlockSize, 0, stream>>>(
       a.n * a.tq, D, out.data<T>(), dout.data<T>(), dlse ? dlse->data<float>() : nullptr, delta.data<float>());
   EMBER_CUDA_CHECK(cudaGetLastError());
-  EMBER_CUDA_CHECK(cudaMemsetAsync(dq.raw_data(), 0, dq.numel() * sizeof(float), stream));
   const size_t smem =
       (2 * kRows * (D + 8) + 2 * kKeys * (D + 8) + kRows * (kKeys + 8)) * sizeof(uint16_t) + 2 * kRows * sizeof(float);
-  allow_smem<flash_backward_kernel<T, D, Drop>>(smem, q.device().index);
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.tk, kKeys)), static_cast<unsigned>(a.n));
-  flash_backward_kernel<T, D, Drop>
+  if (!deterministic_algorithms()) {
+    EMBER_CUDA_CHECK(cudaMemsetAsync(dq.raw_data(), 0, dq.numel() * sizeof(float), stream));
+    allow_smem<flash_backward_kernel<T, D, Drop, true>>(smem, q.device().index);
+    flash_backward_kernel<T, D, Drop, true>
+        <<<grid, kThreads, smem, stream>>>(a, bits(q), bits(k), bits(v), bits(dout), lse.data<float>(),
+                                           delta.data<float>(), dq.data<float>(), dk.data<float>(), dv.data<float>());
+    EMBER_CUDA_CHECK(cudaGetLastError());
+    launches.fetch_add(1);
+    return;
+  }
+  allow_smem<flash_backward_kernel<T, D, Drop, false>>(smem, q.device().index);
+  flash_backward_kernel<T, D, Drop, false>
       <<<grid, kThreads, smem, stream>>>(a, bits(q), bits(k), bits(v), bits(dout), lse.data<float>(),
-                                         delta.data<float>(), dq.data<float>(), dk.data<float>(), dv.data<float>());
+                                         delta.data<float>(), nullptr, dk.data<float>(), dv.data<float>());
   EMBER_CUDA_CHECK(cudaGetLastError());
-  launches.fetch_add(1);
+  const size_t dq_smem = (2 * kRows + 2 * kKeys) * (D + 8) * sizeof(uint16_t);
+  allow_smem<flash_dq_kernel<T, D, Drop>>(dq_smem, q.device().index);
+  const dim3 dq_grid(static_cast<unsigned>(cuda::ceil_div(a.tq, kRows)), static_cast<unsigned>(a.n));
+  flash_dq_kernel<T, D, Drop><<<dq_grid, kThreads, dq_smem, stream>>>(
+      a, bits(q), bits(k), bits(v), bits(dout), lse.data<float>(), delta.data<float>(), dq.data<float>());
+  EMBER_CUDA_CHECK(cudaGetLastError());
+  launches.fetch_add(2);
 }
 
 template <typename T, int D>

@@ -168,6 +168,7 @@ struct AlgoKey {
   cudnnMathType_t math;  // the call's math: TF32 on and off pick apart
   bool benchmark;        // measured (cudnnFind*Ex) or heuristic choice
   bool graph;            // the graph API's engine (when it has one) or the legacy API's algorithm
+  bool deterministic;    // deterministic_algorithms(): only what cuDNN marks deterministic
   auto operator<=>(const AlgoKey&) const = default;
 };
 
@@ -176,22 +177,32 @@ struct Algo {
   cudnnMathType_t math;
 };
 
+// The legacy algorithms cuDNN documents as nondeterministic (they add
+// partial results with atomics): backward data's algorithm 0, backward
+// filter's 0 and 3. Every forward algorithm is deterministic.
+bool nondeterministic_algo(Pass pass, int algo) {
+  return (pass == Pass::BackwardData && algo == 0) || (pass == Pass::BackwardFilter && (algo == 0 || algo == 3));
+}
+
 // The algorithm of one pass: cuDNN's heuristic candidates in their order,
 // then every algorithm of the pass, the first that cuDNN accepts for this
 // geometry under the math we need (`accepts` asks for its workspace size,
 // which answers NOT_SUPPORTED otherwise). float32 without TF32 runs every
 // candidate with FMA math, whatever math it was listed with. Both steps are
 // needed: cuDNN's heuristics may list no FMA candidate for float32, and
-// algorithm 0 does not take every layout.
+// algorithm 0 does not take every layout. Under deterministic_algorithms()
+// a candidate cuDNN marks nondeterministic is skipped.
 template <typename Perf, typename Accepts>
-Algo pick(const std::vector<Perf>& perf, int returned, int n_algos, DType dt, cudnnMathType_t want, Accepts&& accepts) {
+Algo pick(const std::vector<Perf>& perf, int returned, int n_algos, Pass pass, bool deterministic, cudnnMathType_t want,
+          Accepts&& accepts) {
   for (int i = 0; i < returned; ++i) {
     if (perf[i].status != CUDNN_STATUS_SUCCESS) continue;
+    if (deterministic && perf[i].determinism == CUDNN_NON_DETERMINISTIC) continue;
     const cudnnMathType_t m = want == CUDNN_FMA_MATH ? CUDNN_FMA_MATH : perf[i].mathType;
     if (accepts(static_cast<int>(perf[i].algo), m)) return {static_cast<int>(perf[i].algo), m};
   }
   for (int a = 0; a < n_algos; ++a)
-    if (accepts(a, want)) return {a, want};
+    if (!(deterministic && nondeterministic_algo(pass, a)) && accepts(a, want)) return {a, want};
   return {-1, want};  // none: the caller names the error
 }
 
@@ -274,7 +285,8 @@ AlgoKey algo_key(const ConvGeom& g, bool channels_last, const Tensor& x, Pass pa
           pass,
           math,
           cudnn_benchmark(),
-          cudnn_graph_api() && !cudnn_benchmark()};
+          cudnn_graph_api() && !cudnn_benchmark(),
+          deterministic_algorithms()};
 }
 
 // Workspaces come from the caching allocator (stream-ordered).
@@ -297,7 +309,7 @@ size_t benchmark_workspace_cap() {
 // wins. {-1}: nothing measured (no memory for the workspace, say), and the
 // caller falls back to the heuristics.
 template <typename Perf, typename Find, typename Accepts>
-Algo find_algo(int dev, int n_algos, cudnnMathType_t want, Find&& find, Accepts&& accepts) {
+Algo find_algo(int dev, int n_algos, bool deterministic, cudnnMathType_t want, Find&& find, Accepts&& accepts) {
   check_not_capturing("cuDNN benchmark mode timing a convolution's algorithms",
                       "timing runs and waits for kernels; run a step before capture so each geometry's choice "
                       "is cached (a warm-up)");
@@ -313,6 +325,7 @@ Algo find_algo(int dev, int n_algos, cudnnMathType_t want, Find&& find, Accepts&
   if (find(n_algos, &returned, perf.data(), ws.get(), cap) != CUDNN_STATUS_SUCCESS) return {-1, want};
   for (int i = 0; i < returned; ++i) {  // sorted by time; failures last
     if (perf[i].status != CUDNN_STATUS_SUCCESS || perf[i].memory > cap) continue;
+    if (deterministic && perf[i].determinism == CUDNN_NON_DETERMINISTIC) continue;
     const cudnnMathType_t m = want == CUDNN_FMA_MATH ? CUDNN_FMA_MATH : perf[i].mathType;
     if (want == CUDNN_FMA_MATH && perf[i].mathType == CUDNN_TENSOR_OP_MATH) continue;
     if (accepts(static_cast<int>(perf[i].algo), m)) return {static_cast<int>(perf[i].algo), m};
@@ -471,8 +484,9 @@ struct BackwardFilterApi : LegacyCalls<BackwardFilterApi> {
 // strides; cuDNN's engine heuristics rank the engines that can run it
 // (instant mode, then the fallback list), and the first one our numerics
 // allow and that builds into an execution plan is kept with the plan. The
-// filter is PyTorch's: no engine that down-converts its inputs, and for
-// float32 without TF32 no tensor-core engine. Why not only the legacy API:
+// filter is PyTorch's: no engine that down-converts its inputs, for float32
+// without TF32 no tensor-core engine, and under deterministic_algorithms()
+// none that cuDNN notes as nondeterministic. Why not only the legacy API:
 // its algorithms map onto a few engines, and for float32 channels-last
 // without TF32 those ran our ResNet-50 step 1.25x PyTorch's on an H100
 // (bench/results/gpu_resnet50.json).
@@ -531,7 +545,7 @@ struct EngineInfo {
   int64_t index = -1;
   bool allowed = false, tensor_core = false;
 };
-EngineInfo engine_info(cudnnBackendDescriptor_t cfg, const ConvTypes& ty) {
+EngineInfo engine_info(cudnnBackendDescriptor_t cfg, const ConvTypes& ty, bool deterministic) {
   EngineInfo info;
   BackendDesc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
   cudnnBackendDescriptor_t e = engine.get();
@@ -549,6 +563,7 @@ EngineInfo engine_info(cudnnBackendDescriptor_t cfg, const ConvTypes& ty) {
   info.allowed = true;
   for (int64_t i = 0; i < std::min<int64_t>(n_notes, CUDNN_NUMERICAL_NOTE_TYPE_COUNT); ++i) {
     if (notes[i] == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS) info.allowed = false;
+    if (notes[i] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC && deterministic) info.allowed = false;
     if (notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE) {
       info.tensor_core = true;
       if (ty.data == CUDNN_DATA_FLOAT && ty.math == CUDNN_FMA_MATH) info.allowed = false;
@@ -561,7 +576,7 @@ EngineInfo engine_info(cudnnBackendDescriptor_t cfg, const ConvTypes& ty) {
 // allow builds for it (the caller then takes the legacy API).
 template <typename Api>
 std::shared_ptr<const GraphPlan> make_graph_plan(cudnnHandle_t h, const ConvGeom& g, const Tensor& ta, const Tensor& tb,
-                                                 const Tensor& tf, const ConvTypes& ty) {
+                                                 const Tensor& tf, const ConvTypes& ty, bool deterministic) {
   auto gp = std::make_shared<GraphPlan>();
   auto& parts = gp->parts;
   parts.reserve(8);
@@ -611,7 +626,7 @@ std::shared_ptr<const GraphPlan> make_graph_plan(cudnnHandle_t h, const ConvGeom
                                                count, &count, raw.data()) != CUDNN_STATUS_SUCCESS)
       continue;
     for (int64_t i = 0; i < count; ++i) {
-      const EngineInfo info = engine_info(raw[i], ty);
+      const EngineInfo info = engine_info(raw[i], ty, deterministic);
       if (!info.allowed) continue;
       auto plan = std::make_unique<BackendDesc>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
       plan->set(CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &h);
@@ -683,7 +698,7 @@ bool run_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& ta, con
     auto plan = std::make_unique<Plan>(ta, tb, tf, g, ty, cl);
     Plan& p = *plan;
     if (key.algo.graph) {
-      p.graph = make_graph_plan<Api>(h, g, ta, tb, tf, ty);
+      p.graph = make_graph_plan<Api>(h, g, ta, tb, tf, ty, key.algo.deterministic);
       if (p.graph) {
         g_graph_plans.fetch_add(1, std::memory_order_relaxed);
         return plan;
@@ -699,7 +714,7 @@ bool run_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& ta, con
       if (cudnn_benchmark()) {
         p.c.set_math(ty.math);
         const Algo f = find_algo<typename Api::Perf>(
-            dev, Api::kCount, ty.math,
+            dev, Api::kCount, key.algo.deterministic, ty.math,
             [&](int req, int* ret, typename Api::Perf* perf, void* ws, size_t cap) {
               return Api::find(h, p, ta.raw_data(), tb.raw_data(), tf.raw_data(), req, ret, perf, ws, cap);
             },
@@ -710,7 +725,7 @@ bool run_pass(cudnnHandle_t h, int dev, const ConvGeom& g, const Tensor& ta, con
       EMBER_CUDNN_CHECK(Api::max_count(h, &max_count));
       std::vector<typename Api::Perf> perf(max_count);
       EMBER_CUDNN_CHECK(Api::heuristics(h, p, max_count, &returned, perf.data()));
-      return pick(perf, returned, Api::kCount, ta.dtype(), ty.math, accepts);
+      return pick(perf, returned, Api::kCount, Api::kPass, key.algo.deterministic, ty.math, accepts);
     }();
     if (p.algo.algo >= 0) {
       p.c.set_math(p.algo.math);

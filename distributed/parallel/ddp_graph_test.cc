@@ -96,8 +96,12 @@ class DdpGraph : public ::testing::TestWithParam<std::string> {
     if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
     if (!cuda_allocator_caching(0)) GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: graphs need the caching";
     testing::init_world_of_one();  // DDP's buckets need no collective
+    // Bit for bit needs deterministic algorithms: cuDNN's fastest weight
+    // gradients add with atomics (the emulated cuDNN's too, by design).
+    set_deterministic_algorithms(true);
   }
   void TearDown() override {
+    set_deterministic_algorithms(false);
     if (cuda_is_available() && cuda_allocator_caching(0)) destroy_process_group();
   }
 };

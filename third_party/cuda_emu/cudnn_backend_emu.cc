@@ -19,7 +19,13 @@
 //   engine 1  TENSOR_CORE (not for double): float data rounded to TF32 (the
 //             legacy API's default math), 16-bit data as the legacy API.
 //   engine 0  no notes: exact float math (the legacy API's FMA math).
-// The fallback mode lists engine 0 alone. Each engine runs as the legacy
+//   engine 3  TENSOR_CORE + NONDETERMINISTIC, for weight gradients only,
+//             listed before engine 1 (cuDNN's fastest weight-gradient
+//             kernels add split partial sums with atomics): runs as the
+//             legacy algorithm 0, whose results change in the last bit from
+//             run to run here (cudnn_emu.cc), so a caller needing the same
+//             bits twice must filter it out (deterministic algorithms).
+// The fallback mode lists engine 0 alone. Engines 0 to 2 run as the legacy
 // implicit-GEMM algorithm 1, so a plan has a workspace to pass.
 #include <cudnn.h>
 
@@ -146,7 +152,7 @@ const Rule* rule(Type t, Name n) {
 }
 
 enum Pass { kFwd, kBwdData, kBwdFilter };
-constexpr int kDownConvert = 2, kTensorCore = 1, kExact = 0;
+constexpr int kNondeterministic = 3, kDownConvert = 2, kTensorCore = 1, kExact = 0;
 
 struct Obj {
   Type type;
@@ -266,7 +272,10 @@ std::vector<int> engines_for(const Obj& graph, cudnnBackendHeurMode_t mode) {
   const Obj& op = *graph_op(graph);
   const cudnnDataType_t dt = tensor_type(*op.ref(op_names(op.type)->x));
   if (mode == CUDNN_HEUR_MODE_FALLBACK || dt == CUDNN_DATA_DOUBLE) return {kExact};
+  const bool wgrad = op_names(op.type)->pass == kBwdFilter;
+  if (dt == CUDNN_DATA_FLOAT && wgrad) return {kDownConvert, kNondeterministic, kTensorCore, kExact};
   if (dt == CUDNN_DATA_FLOAT) return {kDownConvert, kTensorCore, kExact};
+  if (wgrad) return {kNondeterministic, kTensorCore, kExact};
   return {kTensorCore, kExact};
 }
 
@@ -487,6 +496,7 @@ cudnnStatus_t cudnnBackendGetAttribute(cudnnBackendDescriptor_t const d, cudnnBa
       std::vector<cudnnBackendNumericalNote_t> notes;
       if (o->engine != kExact) notes.push_back(CUDNN_NUMERICAL_NOTE_TENSOR_CORE);
       if (o->engine == kDownConvert) notes.push_back(CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS);
+      if (o->engine == kNondeterministic) notes.push_back(CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC);
       return put(fn, CUDNN_TYPE_NUMERICAL_NOTE, type, requested, count, out, notes);
     }
   }
@@ -548,8 +558,10 @@ cudnnStatus_t cudnnBackendExecute(cudnnHandle_t handle, cudnnBackendDescriptor_t
       return cudnnConvolutionBackwardData(handle, pa, plan->wd, data[1], plan->yd, data[2], plan->cd,
                                           CUDNN_CONVOLUTION_BWD_DATA_ALGO_1, ws, plan->ws, pb, plan->xd, data[0]);
     default:
-      return cudnnConvolutionBackwardFilter(handle, pa, plan->xd, data[0], plan->yd, data[2], plan->cd,
-                                            CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1, ws, plan->ws, pb, plan->wd, data[1]);
+      return cudnnConvolutionBackwardFilter(
+          handle, pa, plan->xd, data[0], plan->yd, data[2], plan->cd,
+          plan->engine == kNondeterministic ? CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 : CUDNN_CONVOLUTION_BWD_FILTER_ALGO_1,
+          ws, plan->ws, pb, plan->wd, data[1]);
   }
 }
 

@@ -19,6 +19,7 @@
 #include <cudnn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdarg>
 #include <cstdint>
@@ -291,6 +292,15 @@ cudnnStatus_t check_algo(const char* fn, Pass pass, int algo, const Problem& p) 
   return CUDNN_STATUS_SUCCESS;
 }
 
+// The algorithms cuDNN documents as nondeterministic (split reductions
+// added with atomics): backward data 0, backward filter 0 and 3. A run of
+// one flips the last bit of one output element, a different element each
+// run (nondeterministic_run), so their results change from run to run as
+// on a GPU, and a caller that needs the same bits twice must skip them.
+bool nondeterministic(Pass pass, int algo) {
+  return (pass == kBwdData && algo == 0) || (pass == kBwdFilter && (algo == 0 || algo == 3));
+}
+
 // The Get*Algorithm_v7 heuristics. For 16/32-bit floats the top entry is a
 // tensor-op (TF32 for float) variant, as cuDNN ranks them on Ampere+, so a
 // caller that needs exact float math must skip it; the rest use FMA math for
@@ -308,8 +318,7 @@ cudnnStatus_t heuristics(const char* fn, Pass pass, const Problem& p, int reques
     r.status = algo_supported(pass, algo, p) ? CUDNN_STATUS_SUCCESS : CUDNN_STATUS_NOT_SUPPORTED;
     r.time = -1;  // a heuristic, not a measurement
     r.memory = r.status == CUDNN_STATUS_SUCCESS ? workspace_bytes(pass, algo, p) : 0;
-    const bool nondet = (pass == kBwdData && algo == 0) || (pass == kBwdFilter && (algo == 0 || algo == 3));
-    r.determinism = nondet ? CUDNN_NON_DETERMINISTIC : CUDNN_DETERMINISTIC;
+    r.determinism = nondeterministic(pass, algo) ? CUDNN_NON_DETERMINISTIC : CUDNN_DETERMINISTIC;
     r.mathType = math;
     list[count++] = r;
   };
@@ -425,6 +434,9 @@ cudnnStatus_t execute(const char* fn, Pass pass, cudnnHandle_t handle, const voi
   const double a = dbl ? *static_cast<const double*>(alpha) : *static_cast<const float*>(alpha);
   const double b = dbl ? *static_cast<const double*>(beta) : *static_cast<const float*>(beta);
   void *px = const_cast<void*>(x), *pw = const_cast<void*>(w), *py = const_cast<void*>(y);
+  void* out = pass == kFwd ? py : pass == kBwdData ? px : pw;
+  const size_t out_bytes = views[o]->extent() * es;
+  const bool nondet = nondeterministic(pass, algo);
   cudaStream_t stream = lookup<HandleObj>(handle)->stream;
   emu::enqueue(
       stream,
@@ -438,6 +450,7 @@ cudnnStatus_t execute(const char* fn, Pass pass, cudnnHandle_t handle, const voi
           case CUDNN_DATA_HALF: Conv<ember::Half>{p, float(a), float(b)}.run(pass, px, pw, py); break;
           default: Conv<ember::BFloat16>{p, float(a), float(b)}.run(pass, px, pw, py); break;
         }
+        if (nondet) emu::nondeterministic_run(out, out_bytes, es);
       },
       fn);
   return CUDNN_STATUS_SUCCESS;
@@ -460,9 +473,11 @@ cudnnStatus_t algo_query(const char* fn, Pass pass, cudnnHandle_t handle, cudnnT
 }
 
 // The Find*AlgorithmEx calls: every candidate "timed" (the heuristics'
-// order stands in for measured times, 1 ms apart), those that need more
-// workspace than given reported as CUDNN_STATUS_ALLOC_FAILED, tensor-op
-// candidates dropped when the descriptor asks for FMA math, failures last.
+// order stands in for measured times, 1 ms apart, except that the
+// nondeterministic algorithms come first, as cuDNN often measures its
+// atomics-based ones fastest), those that need more workspace than given
+// reported as CUDNN_STATUS_ALLOC_FAILED, tensor-op candidates dropped when
+// the descriptor asks for FMA math, failures last.
 template <typename Perf, typename Algo>
 cudnnStatus_t find_query(const char* fn, Pass pass, cudnnHandle_t handle, cudnnTensorDescriptor_t xd,
                          cudnnFilterDescriptor_t wd, cudnnConvolutionDescriptor_t cd, cudnnTensorDescriptor_t yd,
@@ -474,6 +489,7 @@ cudnnStatus_t find_query(const char* fn, Pass pass, cudnnHandle_t handle, cudnnT
   int n = 0;
   TRY((heuristics<Perf, Algo>(fn, pass, p, 16, &n, list)));
   const bool fma = p.dt == CUDNN_DATA_FLOAT && !p.tf32;
+  std::stable_partition(list, list + n, [](const Perf& r) { return r.determinism == CUDNN_NON_DETERMINISTIC; });
   int kept = 0;
   for (int i = 0; i < n; ++i) {
     Perf r = list[i];
@@ -727,3 +743,17 @@ cudnnStatus_t cudnnConvolutionBackwardFilter(cudnnHandle_t handle, const void* a
 }
 
 }  // extern "C"
+
+namespace emu {
+// Element r % n of run r (n elements of es bytes in [out, out + bytes))
+// gets its lowest bit flipped: the little-endian lowest mantissa bit, one
+// unit in the last place of every float type. Consecutive runs differ
+// whenever there are two elements.
+void nondeterministic_run(void* out, size_t bytes, size_t es) {
+  static std::atomic<uint64_t> runs{0};
+  const size_t n = bytes / es;
+  if (n == 0) return;
+  const uint64_t r = runs.fetch_add(1, std::memory_order_relaxed);
+  static_cast<unsigned char*>(out)[(r % n) * es] ^= 1u;
+}
+}  // namespace emu

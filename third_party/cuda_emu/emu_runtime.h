@@ -42,6 +42,12 @@ inline float round_tf32(float v) {
   return v;
 }
 
+// Called, in stream order, by an emulated algorithm or engine that cuDNN
+// marks nondeterministic: flips the last bit of one of the n = bytes / es
+// elements at out, element r % n at the r-th call, as atomics' changing
+// order changes a GPU's last bits from run to run (cudnn_emu.cc).
+void nondeterministic_run(void* out, size_t bytes, size_t es);
+
 // Kernel launches accepted so far (configuration errors excluded) and the
 // distinct kernel names among them, sorted: a test's coverage figure.
 // host_syncs counts the calls that made the host wait for the device:
