@@ -35,8 +35,11 @@ def key(d, causal, bwd):
     return f"d{d}{' causal' if causal else ''} {'fwd+bwd' if bwd else 'fwd'}"
 
 
-CONFIGS = [(64, 1, 0, 1), (64, 1, 1, 1), (64, 1, 0, 0), (64, 1, 1, 0), (128, 1, 0, 1), (128, 1, 1, 1),
-           (128, 1, 0, 0), (128, 1, 1, 0), (128, 0, 0, 1), (128, 0, 1, 1)]
+# (head dim, causal, backward, fused, deterministic): the last two are the
+# fused backward with its dQ pass (deterministic_algorithms) instead of atomics.
+CONFIGS = [(64, 1, 0, 1, 0), (64, 1, 1, 1, 0), (64, 1, 0, 0, 0), (64, 1, 1, 0, 0), (128, 1, 0, 1, 0),
+           (128, 1, 1, 1, 0), (128, 1, 0, 0, 0), (128, 1, 1, 0, 0), (128, 0, 0, 1, 0), (128, 0, 1, 1, 0),
+           (64, 1, 1, 1, 1), (128, 1, 1, 1, 1)]
 
 
 def run_ours(cmd):
@@ -54,7 +57,7 @@ def run_ours(cmd):
         for bm in json.loads(p.stdout[p.stdout.index("{"):])["benchmarks"]:
             if bm.get("error_occurred"):  # no GPU (--smoke)
                 continue
-            label = bm["label"].split()  # flash fwd+bwd d64 causal
+            label = bm["label"].split()  # flash fwd+bwd d64 causal (flash-det: deterministic)
             impl, mode, d, causal = label[0], label[1], int(label[2][1:]), "causal" in label
             res[(impl, key(d, causal, mode == "fwd+bwd"))] = bm["TFLOP/s"]
     return res
@@ -133,6 +136,7 @@ def main():
         th = [t_[k_] for t_ in torch_runs]
         fl = [o[("flash", k_)] for o in ours if ("flash", k_) in o]
         bl = [o[("blocked", k_)] for o in ours if ("blocked", k_) in o]
+        dt = [o[("flash-det", k_)] for o in ours if ("flash-det", k_) in o]
         row = {"name": k_, "rounds": a.rounds, "torch_tflops": round(statistics.median(th), 1),
                "torch_range": [round(min(th), 1), round(max(th), 1)]}
         if fl:
@@ -140,13 +144,16 @@ def main():
                        ratio=round(statistics.median(fl) / statistics.median(th), 3))
         if bl:
             row["ours_blocked_tflops"] = round(statistics.median(bl), 1)
+        if dt:
+            row["ours_deterministic_tflops"] = round(statistics.median(dt), 1)
         rows.append(row)
         print(json.dumps(row))
     doc = dict(device_meta(a.smoke), torch=version,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                commit=os.environ.get("COMMIT", "unknown"),
                workload=f"scaled_dot_product_attention, bfloat16, batch {B}, sequence {T}, hidden {HIDDEN}; "
-               "ours: the fused (flash) kernels and the blocked ones, through the op and autograd; torch: SDPA's "
+               "ours: the fused (flash) kernels and the blocked ones, through the op and autograd (deterministic: "
+               "the fused backward with its dQ pass instead of atomics); torch: SDPA's "
                "flash backend; TFLOP/s as FlashAttention counts them; ratio = ours flash / torch (higher is faster)",
                rows=rows, command="python3 bench/attention_compare.py --ours 'bash .gpu/run.sh attention_cuda_bench' "
                f"--rounds {a.rounds}")

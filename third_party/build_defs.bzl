@@ -22,9 +22,10 @@ load("@cuda//:defs.bzl", "CUDA_FOUND", "CUDA_PATH")
 CUDA_ARCH_FLAGS = "-gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90"
 
 # The env of a test that compares two emulated runs bit for bit: one
-# emulator thread, so atomics (index_add's, the fused attention backward's
-# dq) add in one order in both runs and the comparison tests what it means
-# to, not their order. Real GPUs order atomics as they like.
+# emulator thread, so atomics (the fused attention backward's dq, unless
+# deterministic_algorithms() is on) add in one order in both runs and the
+# comparison tests what it means to, not their order. Real GPUs order
+# atomics as they like.
 EMU_ONE_THREAD = {"EMU_THREADS": "1"}
 
 def if_cuda(if_true, if_false = []):

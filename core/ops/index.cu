@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 
 #include "core/cuda_check.h"
 #include "core/device.h"
@@ -410,7 +411,11 @@ __global__ void __launch_bounds__(kSortThreads)
 }
 
 // Element k's sum: one thread per (outer, sorted item, column), of which
-// the first item of each run of equal keys adds the whole run in item order.
+// the first item of each run of equal keys adds the whole run in item order
+// (the CPU's order, so the same bits). The cost is a run's length in
+// dependent adds: a token on every row of a long batch (padding, say) is a
+// chain of that many; splitting runs into partial sums, as PyTorch does,
+// would be faster there but no longer equal to the CPU.
 template <typename T>
 __global__ void index_add_sorted_kernel(T* __restrict__ out, const int64_t* __restrict__ keys,
                                         const int64_t* __restrict__ items, const T* __restrict__ src, int64_t outer,
@@ -442,6 +447,9 @@ __global__ void scatter_add_sorted_kernel(T* __restrict__ out, const int64_t* __
 // order: `sorted` holds [keys | items] as two halves of one int64 tensor.
 template <typename KeyFn>
 Tensor sort_by_key(const KeyFn& key_of, int64_t n, int64_t key_limit, Device device, cudaStream_t stream) {
+  // The sort counts in int: a digit's count must fit.
+  EMBER_CHECK(n <= std::numeric_limits<int32_t>::max(), "index_add/scatter_add on CUDA: ", n,
+              " indices; at most 2^31 - 1 are supported");
   int bits = 0;
   while (bits < 63 && (int64_t{1} << bits) < key_limit) ++bits;
   const int passes = std::max(1, (bits + kDigitBits - 1) / kDigitBits);

@@ -294,9 +294,10 @@ cudnnStatus_t check_algo(const char* fn, Pass pass, int algo, const Problem& p) 
 
 // The algorithms cuDNN documents as nondeterministic (split reductions
 // added with atomics): backward data 0, backward filter 0 and 3. A run of
-// one flips the last bit of one output element, a different element each
-// run (nondeterministic_run), so their results change from run to run as
-// on a GPU, and a caller that needs the same bits twice must skip them.
+// one flips the lowest bit (one unit in the last place, little-endian) of
+// output element r % n at the r-th such run (next_nondeterministic_run), so
+// consecutive runs differ, as atomics' order makes a GPU's last bits differ,
+// and a caller that needs the same bits twice must skip them.
 bool nondeterministic(Pass pass, int algo) {
   return (pass == kBwdData && algo == 0) || (pass == kBwdFilter && (algo == 0 || algo == 3));
 }
@@ -435,7 +436,7 @@ cudnnStatus_t execute(const char* fn, Pass pass, cudnnHandle_t handle, const voi
   const double b = dbl ? *static_cast<const double*>(beta) : *static_cast<const float*>(beta);
   void *px = const_cast<void*>(x), *pw = const_cast<void*>(w), *py = const_cast<void*>(y);
   void* out = pass == kFwd ? py : pass == kBwdData ? px : pw;
-  const size_t out_bytes = views[o]->extent() * es;
+  const View out_view = *views[o];
   const bool nondet = nondeterministic(pass, algo);
   cudaStream_t stream = lookup<HandleObj>(handle)->stream;
   emu::enqueue(
@@ -450,7 +451,13 @@ cudnnStatus_t execute(const char* fn, Pass pass, cudnnHandle_t handle, const voi
           case CUDNN_DATA_HALF: Conv<ember::Half>{p, float(a), float(b)}.run(pass, px, pw, py); break;
           default: Conv<ember::BFloat16>{p, float(a), float(b)}.run(pass, px, pw, py); break;
         }
-        if (nondet) emu::nondeterministic_run(out, out_bytes, es);
+        if (nondet) {  // one element of the output, another each run, by its coordinates (views may have gaps)
+          const int64_t* d = out_view.dim;
+          int64_t r = static_cast<int64_t>(emu::next_nondeterministic_run() % uint64_t(d[0] * d[1] * d[2] * d[3]));
+          int64_t c[4];
+          for (int i = 3; i >= 0; --i) c[i] = r % d[i], r /= d[i];
+          static_cast<unsigned char*>(out)[out_view.at(c[0], c[1], c[2], c[3]) * int64_t(es)] ^= 1u;
+        }
       },
       fn);
   return CUDNN_STATUS_SUCCESS;
@@ -745,15 +752,8 @@ cudnnStatus_t cudnnConvolutionBackwardFilter(cudnnHandle_t handle, const void* a
 }  // extern "C"
 
 namespace emu {
-// Element r % n of run r (n elements of es bytes in [out, out + bytes))
-// gets its lowest bit flipped: the little-endian lowest mantissa bit, one
-// unit in the last place of every float type. Consecutive runs differ
-// whenever there are two elements.
-void nondeterministic_run(void* out, size_t bytes, size_t es) {
+uint64_t next_nondeterministic_run() {
   static std::atomic<uint64_t> runs{0};
-  const size_t n = bytes / es;
-  if (n == 0) return;
-  const uint64_t r = runs.fetch_add(1, std::memory_order_relaxed);
-  static_cast<unsigned char*>(out)[(r % n) * es] ^= 1u;
+  return runs.fetch_add(1, std::memory_order_relaxed);
 }
 }  // namespace emu

@@ -42,11 +42,11 @@ inline float round_tf32(float v) {
   return v;
 }
 
-// Called, in stream order, by an emulated algorithm or engine that cuDNN
-// marks nondeterministic: flips the last bit of one of the n = bytes / es
-// elements at out, element r % n at the r-th call, as atomics' changing
-// order changes a GPU's last bits from run to run (cudnn_emu.cc).
-void nondeterministic_run(void* out, size_t bytes, size_t es);
+// r at the r-th call: which output element an emulated cuDNN algorithm or
+// engine marked nondeterministic disturbs in its run (cudnn_emu.cc), so
+// that its results change from run to run as atomics' order changes a
+// GPU's last bits.
+uint64_t next_nondeterministic_run();
 
 // Kernel launches accepted so far (configuration errors excluded) and the
 // distinct kernel names among them, sorted: a test's coverage figure.
