@@ -35,11 +35,14 @@ def key(d, causal, bwd):
     return f"d{d}{' causal' if causal else ''} {'fwd+bwd' if bwd else 'fwd'}"
 
 
-# (head dim, causal, backward, fused, deterministic): the last two are the
-# fused backward with its dQ pass (deterministic_algorithms) instead of atomics.
-CONFIGS = [(64, 1, 0, 1, 0), (64, 1, 1, 1, 0), (64, 1, 0, 0, 0), (64, 1, 1, 0, 0), (128, 1, 0, 1, 0),
-           (128, 1, 1, 1, 0), (128, 1, 0, 0, 0), (128, 1, 1, 0, 0), (128, 0, 0, 1, 0), (128, 0, 1, 1, 0),
-           (64, 1, 1, 1, 1), (128, 1, 1, 1, 1)]
+# (head dim, causal, backward, fused, deterministic, key tiles): (.., 1, 1, 0)
+# is the fused backward with its dQ pass (deterministic_algorithms) instead
+# of atomics; key tiles 64 the fused kernels with 64-key tiles instead of the
+# default 128 (set_attention_cuda_flash_tiles).
+CONFIGS = [(64, 1, 0, 1, 0, 0), (64, 1, 1, 1, 0, 0), (64, 1, 0, 0, 0, 0), (64, 1, 1, 0, 0, 0), (128, 1, 0, 1, 0, 0),
+           (128, 1, 1, 1, 0, 0), (128, 1, 0, 0, 0, 0), (128, 1, 1, 0, 0, 0), (128, 0, 0, 1, 0, 0), (128, 0, 1, 1, 0, 0),
+           (64, 1, 1, 1, 1, 0), (128, 1, 1, 1, 1, 0), (64, 1, 0, 1, 0, 64), (64, 1, 1, 1, 0, 64), (128, 1, 1, 1, 0, 64),
+           (128, 0, 1, 1, 0, 64)]
 
 
 def run_ours(cmd):
@@ -57,7 +60,7 @@ def run_ours(cmd):
         for bm in json.loads(p.stdout[p.stdout.index("{"):])["benchmarks"]:
             if bm.get("error_occurred"):  # no GPU (--smoke)
                 continue
-            label = bm["label"].split()  # flash fwd+bwd d64 causal (flash-det: deterministic)
+            label = bm["label"].split()  # flash fwd+bwd d64 causal (flash-det: deterministic, flash-k64: 64-key tiles)
             impl, mode, d, causal = label[0], label[1], int(label[2][1:]), "causal" in label
             res[(impl, key(d, causal, mode == "fwd+bwd"))] = bm["TFLOP/s"]
     return res
@@ -137,6 +140,7 @@ def main():
         fl = [o[("flash", k_)] for o in ours if ("flash", k_) in o]
         bl = [o[("blocked", k_)] for o in ours if ("blocked", k_) in o]
         dt = [o[("flash-det", k_)] for o in ours if ("flash-det", k_) in o]
+        k64 = [o[("flash-k64", k_)] for o in ours if ("flash-k64", k_) in o]
         row = {"name": k_, "rounds": a.rounds, "torch_tflops": round(statistics.median(th), 1),
                "torch_range": [round(min(th), 1), round(max(th), 1)]}
         if fl:
@@ -146,6 +150,8 @@ def main():
             row["ours_blocked_tflops"] = round(statistics.median(bl), 1)
         if dt:
             row["ours_deterministic_tflops"] = round(statistics.median(dt), 1)
+        if k64:
+            row["ours_k64_tflops"] = round(statistics.median(k64), 1)
         rows.append(row)
         print(json.dumps(row))
     doc = dict(device_meta(a.smoke), torch=version,
@@ -153,7 +159,7 @@ def main():
                commit=os.environ.get("COMMIT", "unknown"),
                workload=f"scaled_dot_product_attention, bfloat16, batch {B}, sequence {T}, hidden {HIDDEN}; "
                "ours: the fused (flash) kernels and the blocked ones, through the op and autograd (deterministic: "
-               "the fused backward with its dQ pass instead of atomics); torch: SDPA's "
+               "the fused backward with its dQ pass instead of atomics; k64: 64-key tiles instead of 128); torch: SDPA's "
                "flash backend; TFLOP/s as FlashAttention counts them; ratio = ours flash / torch (higher is faster)",
                rows=rows, command="python3 bench/attention_compare.py --ours 'bash .gpu/run.sh attention_cuda_bench' "
                f"--rounds {a.rounds}")

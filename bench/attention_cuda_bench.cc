@@ -4,8 +4,11 @@
 // Forward alone and forward + backward through scaled_dot_product_attention
 // (the op users call, autograd included), fused kernels ("flash") beside the
 // blocked-GEMM ones they replace ("blocked": EMBER_FLASH_ATTENTION=0's
-// path), and the fused backward under deterministic_algorithms() ("flash-det":
-// dQ in a pass of its own instead of atomics). FLOPs as FlashAttention counts them: 4 b h T^2 d for the forward,
+// path), the fused backward under deterministic_algorithms() ("flash-det":
+// dQ in a pass of its own instead of atomics), and the fused kernels with
+// 64-key tiles instead of the default 128 ("flash-k64":
+// set_attention_cuda_flash_tiles; head dim 128's forward takes 64 either
+// way). FLOPs as FlashAttention counts them: 4 b h T^2 d for the forward,
 // halved when causal; the backward 2.5x the forward. bench/attention_compare.py
 // runs this beside PyTorch's SDPA flash backend on the same shapes.
 #include <benchmark/benchmark.h>
@@ -19,7 +22,7 @@ using namespace ember;
 
 constexpr int64_t kBatch = 8, kSeq = 2048, kHidden = 2048;
 
-// args: head dim, causal, backward too, fused, deterministic
+// args: head dim, causal, backward too, fused, deterministic, key tiles (0: the default)
 void BM_Attention(benchmark::State& state) {
   if (!cuda_is_available()) {
     state.SkipWithError(("no GPU: " + cuda_unavailable_reason()).c_str());
@@ -28,8 +31,10 @@ void BM_Attention(benchmark::State& state) {
   const int64_t d = state.range(0), heads = kHidden / d;
   const bool causal = state.range(1) != 0, bwd = state.range(2) != 0, fused = state.range(3) != 0;
   const bool det = state.range(4) != 0;
+  const int keys = static_cast<int>(state.range(5));
   set_attention_cuda_flash(fused);
   set_deterministic_algorithms(det);
+  set_attention_cuda_flash_tiles({keys, keys});
   const TensorOptions o{DType::BFloat16, cuda_device()};
   Tensor q = randn({kBatch, heads, kSeq, d}, o), k = randn({kBatch, heads, kSeq, d}, o),
          v = randn({kBatch, heads, kSeq, d}, o), dout = randn({kBatch, heads, kSeq, d}, o);
@@ -46,18 +51,22 @@ void BM_Attention(benchmark::State& state) {
   }
   set_attention_cuda_flash(true);
   set_deterministic_algorithms(false);
+  set_attention_cuda_flash_tiles({});
   const double fwd = 4.0 * kBatch * heads * kSeq * kSeq * d / (causal ? 2 : 1);
   state.counters["TFLOP/s"] =
       benchmark::Counter((bwd ? 3.5 : 1.0) * fwd / 1e12, benchmark::Counter::kIsIterationInvariantRate);
-  state.SetLabel(std::string(fused ? (det ? "flash-det" : "flash") : "blocked") + (bwd ? " fwd+bwd" : " fwd") + " d" +
-                 std::to_string(d) + (causal ? " causal" : ""));
+  const std::string impl = !fused ? "blocked" : det ? "flash-det" : keys ? "flash-k" + std::to_string(keys) : "flash";
+  state.SetLabel(impl + (bwd ? " fwd+bwd" : " fwd") + " d" + std::to_string(d) + (causal ? " causal" : ""));
 }
 BENCHMARK(BM_Attention)
-    ->ArgsProduct({{64, 128}, {1}, {0, 1}, {1, 0}, {0}})
-    ->Args({128, 0, 0, 1, 0})
-    ->Args({128, 0, 1, 1, 0})
-    ->Args({64, 1, 1, 1, 1})
-    ->Args({128, 1, 1, 1, 1})
+    ->ArgsProduct({{64, 128}, {1}, {0, 1}, {1, 0}, {0}, {0}})
+    ->Args({128, 0, 0, 1, 0, 0})
+    ->Args({128, 0, 1, 1, 0, 0})
+    ->Args({64, 1, 1, 1, 1, 0})
+    ->Args({128, 1, 1, 1, 1, 0})
+    ->ArgsProduct({{64, 128}, {1}, {0, 1}, {1}, {0}, {64}})
+    ->Args({128, 0, 0, 1, 0, 64})
+    ->Args({128, 0, 1, 1, 0, 64})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
     ->MinTime(0.3);

@@ -164,6 +164,10 @@ TEST_F(CudaNnOps, AttentionMatchesCpu) {
 // float32 (P and dS are rounded to the 16-bit type before their products,
 // as FlashAttention does, which the tolerance covers). The launch counter
 // shows the fused path ran (forward and backward), not the blocked one.
+// Every case runs with both key tiles: 64 (forward tiles, 4-warp backward
+// blocks) and the default 128 (8-warp backward blocks whose dQ products
+// split the columns in two; the 140 x 200 causal case leaves warps of the
+// last key block idle, past the causal edge or past the last key).
 TEST_F(CudaNnOps, FlashAttentionMatchesCpu) {
   uint64_t seed = 900;
   struct Case {
@@ -173,22 +177,38 @@ TEST_F(CudaNnOps, FlashAttentionMatchesCpu) {
     DType dt;
     std::optional<double> scale;
   };
-  for (const Case& c : std::vector<Case>{{70, 70, 64, true, 0.0, DType::BFloat16, {}},
-                                         {129, 150, 32, false, 0.0, DType::Float16, 0.3},
-                                         {70, 150, 128, true, 0.3, DType::BFloat16, {}},
-                                         {129, 64, 64, true, 0.0, DType::Float16, {}},
-                                         {65, 65, 64, false, 0.2, DType::Float16, {}}}) {
-    std::vector<Tensor> in = {rnd({2, 2, c.tq, c.d}, seed++, c.dt), rnd({2, 2, c.tk, c.d}, seed++, c.dt),
-                              rnd({2, 2, c.tk, c.d}, seed++, c.dt)};
-    Fn f = [c](const std::vector<Tensor>& v) {
-      Generator g(23);
-      return scaled_dot_product_attention(v[0], v[1], v[2], c.causal, c.p, &g, c.scale);
-    };
-    const int64_t before = attention_cuda_flash_launches();
-    compare(f, in, tol(c.dt),
-            cat("flash attention tq ", c.tq, " tk ", c.tk, " d ", c.d, " causal ", c.causal, " p ", c.p, " ", c.dt));
-    EXPECT_EQ(attention_cuda_flash_launches() - before, 2) << "the fused forward and backward should have run";
-  }
+  for (const int keys : {64, 0})
+    for (const Case& c : std::vector<Case>{{70, 70, 64, true, 0.0, DType::BFloat16, {}},
+                                           {129, 150, 32, false, 0.0, DType::Float16, 0.3},
+                                           {70, 150, 128, true, 0.3, DType::BFloat16, {}},
+                                           {129, 64, 64, true, 0.0, DType::Float16, {}},
+                                           {65, 65, 64, false, 0.2, DType::Float16, {}},
+                                           {140, 200, 32, true, 0.0, DType::BFloat16, {}}}) {
+      set_attention_cuda_flash_tiles({keys, keys});
+      std::vector<Tensor> in = {rnd({2, 2, c.tq, c.d}, seed++, c.dt), rnd({2, 2, c.tk, c.d}, seed++, c.dt),
+                                rnd({2, 2, c.tk, c.d}, seed++, c.dt)};
+      Fn f = [c](const std::vector<Tensor>& v) {
+        Generator g(23);
+        return scaled_dot_product_attention(v[0], v[1], v[2], c.causal, c.p, &g, c.scale);
+      };
+      const int64_t before = attention_cuda_flash_launches();
+      compare(f, in, tol(c.dt),
+              cat("flash attention tq ", c.tq, " tk ", c.tk, " d ", c.d, " causal ", c.causal, " p ", c.p, " ", c.dt,
+                  " key tiles ", keys ? keys : 128));
+      EXPECT_EQ(attention_cuda_flash_launches() - before, 2) << "the fused forward and backward should have run";
+    }
+  set_attention_cuda_flash_tiles({});
+  // A negative scale: the fused kernels take the maximum of the unscaled
+  // scores, so they decline it and the blocked kernels answer.
+  std::vector<Tensor> in = {rnd({1, 2, 40, 64}, seed++, DType::BFloat16), rnd({1, 2, 50, 64}, seed++, DType::BFloat16),
+                            rnd({1, 2, 50, 64}, seed++, DType::BFloat16)};
+  const int64_t before = attention_cuda_flash_launches();
+  compare(
+      [](const std::vector<Tensor>& v) {
+        return scaled_dot_product_attention(v[0], v[1], v[2], true, 0.0, nullptr, -0.4);
+      },
+      in, tol(DType::BFloat16), "attention with a negative scale");
+  EXPECT_EQ(attention_cuda_flash_launches(), before) << "a negative scale should not reach the fused kernels";
 }
 
 // Under deterministic_algorithms() the fused backward leaves dQ to a pass of

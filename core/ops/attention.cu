@@ -200,22 +200,29 @@ void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Te
 // ---- The fused ("flash") kernels: 16-bit q, k, v on tensor cores ----
 //
 // FlashAttention-2's schedule (Dao, 2023) on mma.sync: a block of 4 warps
-// takes 64 query rows (16 a warp, q's fragments held in registers) and
-// walks the keys in tiles of 64 staged in shared memory; scores never leave
-// registers, the softmax is online (running max and sum per row, the output
-// rescaled when the max moves), probabilities become the A operand of P V
-// without a trip through memory, and the output is written once, with the
-// row's log-sum-exp for the backward. The backward gives each block 64 keys
-// (dK and dV accumulate in registers), walks the query tiles that can see
-// them, recomputes P from the saved log-sum-exp, and adds its share of dQ
-// with float atomics (FlashAttention-2's dQ accumulator). Dropout redraws
-// the CPU's Philox mask element by element. Operands are rounded to the
-// input's 16-bit type before each product (P and dS too, as FlashAttention
-// does); sums are float32.
+// takes 128 query rows (32 a warp) and walks the keys in tiles of KEYS
+// staged in shared memory; scores never leave registers, the softmax is
+// online (running max and sum per row, the output rescaled when the max
+// moves), probabilities become the A operand of P V without a trip through
+// memory, and the output is written once, with the row's log-sum-exp for
+// the backward. The backward gives each block KEYS keys (16 a warp; dK and
+// dV accumulate in registers), walks the query tiles of 64 rows that can
+// see them, recomputes P from the saved log-sum-exp, and adds its share of
+// dQ with float atomics (FlashAttention-2's dQ accumulator). Dropout
+// redraws the CPU's Philox mask element by element. Operands are rounded to
+// the input's 16-bit type before each product (P and dS too, as
+// FlashAttention does); sums are float32.
+//
+// Tile sizes follow FlashAttention-2's choices for sm80/sm90 (forward 128
+// keys a tile for head dims up to 64 without dropout, else 64, where 128
+// would spill the scores' registers: fwd_keys; backward 128 keys a block,
+// 8 warps, so each query tile's loads and dQ atomics serve twice the keys
+// of a 64-key block); set_attention_cuda_flash_tiles (EMBER_FLASH_KEYS,
+// EMBER_FLASH_BWD_KEYS) picks the 64-key ones, for measuring.
 namespace flash {
 
-constexpr int kRows = 64;  // query rows per block: 4 warps x 16
-constexpr int kKeys = 64;  // keys per shared-memory tile
+constexpr int kRows = 64;  // query rows of a backward tile and of a dQ-pass block
+constexpr int kKeys = 64;  // keys of a dQ-pass tile
 constexpr int kThreads = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -227,12 +234,13 @@ std::atomic<int64_t> launches{0};
 
 // Rows [r0, r0 + n) of a [t, D] matrix into a shared tile of row stride D + 8
 // (the padding puts ldmatrix's eight rows on distinct banks), zeros past row
-// t, by cp.async: the caller commits and waits.
-template <int D>
+// t, by cp.async from a block of Threads threads: the caller commits and
+// waits.
+template <int D, int Threads = kThreads>
 __device__ __forceinline__ void load_tile(const uint16_t* __restrict__ src, int64_t r0, int64_t t, int n,
                                           uint16_t* dst) {
   constexpr int kVec = D / 8;  // 16-byte pieces a row
-  for (int idx = threadIdx.x; idx < n * kVec; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < n * kVec; idx += Threads) {
     const int r = idx / kVec, c = (idx % kVec) * 8;
     const bool ok = r0 + r < t;
     cuda::cp_async16(dst + r * (D + 8) + c, src + (ok ? (r0 + r) * D + c : 0), ok);
@@ -244,6 +252,12 @@ __device__ __forceinline__ void load_tile(const uint16_t* __restrict__ src, int6
 __device__ __forceinline__ void frag_a(const uint16_t* tile, int ld, int m0, int k0, int lane, uint32_t a[4]) {
   const int i = lane / 8, r = lane % 8;
   cuda::ldmatrix_x4<false>(a, tile + (m0 + r + 8 * (i % 2)) * ld + k0 + 8 * (i / 2));
+}
+// A (16 x 16) at rows m0.., columns k0.. where A(m, k) = tile[k][m] (a
+// tile stored transposed): ldmatrix's transposed read.
+__device__ __forceinline__ void frag_a_cols(const uint16_t* tile, int ld, int m0, int k0, int lane, uint32_t a[4]) {
+  const int i = lane / 8, r = lane % 8;
+  cuda::ldmatrix_x4<true>(a, tile + (k0 + r + 8 * (i / 2)) * ld + m0 + 8 * (i % 2));
 }
 // B of two n-tiles (n0, n0 + 8) where B(k, n) = tile[n][k]: the tile's rows
 // are B's columns (k in q k^T).
@@ -316,17 +330,18 @@ __device__ __forceinline__ float quad_sum(float v) {
 // grid (query blocks of 64 MT rows, heads); out [n, tq, D] in T, lse [n, tq]
 // (natural log of each row's sum of exp(scale q.k)). Each warp owns MT
 // 16-row tiles, so every k and v fragment read from shared memory serves MT
-// products. The tiles are loaded asynchronously: v's while the scores are
+// products (MT = 2: one tile a warp measured 5-15% slower on an H200). Key
+// tiles hold KEYS keys, loaded asynchronously: v's while the scores are
 // computed, the next k's during P v.
-template <typename T, int D, int MT, bool Drop>
+template <typename T, int D, int MT, int KEYS, bool Drop>
 __global__ void __launch_bounds__(kThreads)
     flash_forward_kernel(const AttentionArgs a, const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                          const uint16_t* __restrict__ v, uint16_t* __restrict__ out, float* __restrict__ lse) {
-  constexpr int LD = D + 8, NT = kKeys / 8, DT = D / 8, BR = 64 * MT;
+  constexpr int LD = D + 8, NT = KEYS / 8, DT = D / 8, BR = 64 * MT;
   extern __shared__ uint4 flash_smem[];
   uint16_t* qs = reinterpret_cast<uint16_t*>(flash_smem);
   uint16_t* ks = qs + BR * LD;
-  uint16_t* vs = ks + kKeys * LD;
+  uint16_t* vs = ks + KEYS * LD;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t b = blockIdx.y, i0 = static_cast<int64_t>(blockIdx.x) * BR;
   const int wr = warp * 16 * MT;  // the warp's first row in the block
@@ -334,9 +349,12 @@ __global__ void __launch_bounds__(kThreads)
   const uint16_t* kb = k + b * a.tk * D;
   const uint16_t* vb = v + b * a.tk * D;
   load_tile<D>(q + b * a.tq * D, i0, a.tq, BR, qs);
-  load_tile<D>(kb, 0, a.tk, kKeys, ks);
+  load_tile<D>(kb, 0, a.tk, KEYS, ks);
   cuda::cp_async_commit();
-  const float sl = static_cast<float>(a.scale) * kLog2e;  // scores in log2 units: exp2 is one instruction
+  // Scores stay unscaled until the exponent, exp2(s sl - m sl) with sl the
+  // scale in log2 units: one FFMA and one MUFU a score (scale > 0, so the
+  // maximum of the unscaled scores is the scaled ones').
+  const float sl = static_cast<float>(a.scale) * kLog2e;
   const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
   float o[MT][DT][4] = {};
   float m[MT][2], l[MT][2];
@@ -344,18 +362,27 @@ __global__ void __launch_bounds__(kThreads)
   for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
   const int64_t last = (i0 + BR < a.tq ? i0 + BR : a.tq) - 1;
   const int64_t kend = a.causal && last + 1 < a.tk ? last + 1 : a.tk;
-  for (int64_t j0 = 0; j0 < kend; j0 += kKeys) {
+  for (int64_t j0 = 0; j0 < kend; j0 += KEYS) {
     cuda::cp_async_wait_all();
     __syncthreads();  // k's tile is in; every warp is done with the last v tile
-    load_tile<D>(vb, j0, a.tk, kKeys, vs);
+    load_tile<D>(vb, j0, a.tk, KEYS, vs);
     cuda::cp_async_commit();
     // Warp-uniform: a warp whose rows all precede the tile (causal) or lie
     // past the end skips its products, and only tiles on the diagonal or at
     // the last key need the mask.
     const bool active = wrow < a.tq && (!a.causal || j0 <= wrow + 16 * MT - 1);
-    const bool masked = j0 + kKeys > a.tk || (a.causal && j0 + kKeys - 1 > wrow);
-    float s[MT][NT][4] = {};
+    const bool masked = j0 + KEYS > a.tk || (a.causal && j0 + KEYS - 1 > wrow);
+    // P rounded to T and packed in pairs as P v's A fragments take them,
+    // as soon as it is known: the float scores' registers are free before
+    // the tile's wait, which they would otherwise span (half the registers
+    // P takes; 128-key tiles spill without it).
+    uint32_t pk[MT][NT][2];
     if (active) {
+      float s[MT][NT][4] = {};
+      // Key jl of the tile is past the end from keys_left on, and after row
+      // il of the warp (causal) when jl > il + diag; masked bounds both.
+      const int keys_left = static_cast<int>(a.tk - j0 < KEYS ? a.tk - j0 : KEYS);
+      const int diag = static_cast<int>(masked && a.causal ? (wrow - j0 < KEYS ? wrow - j0 : KEYS) : 0);
       warp_mma<T, D / 16, false>(
           s, [&](int kk, int mt, uint32_t a[4]) { frag_a(qs, LD, wr + mt * 16, kk * 16, lane, a); }, ks, LD, lane);
 #pragma unroll
@@ -365,10 +392,10 @@ __global__ void __launch_bounds__(kThreads)
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float x = s[mt][nt][e] * sl;
-            if (masked) {
-              const int64_t j = j0 + nt * 8 + 2 * t + e % 2, i = wrow + mt * 16 + g + 8 * (e / 2);
-              if (j >= a.tk || (a.causal && j > i)) x = -INFINITY;
+            float x = s[mt][nt][e];
+            if (masked) {  // in the tile's coordinates: 32-bit arithmetic, fewer registers
+              const int jl = nt * 8 + 2 * t + e % 2, il = mt * 16 + g + 8 * (e / 2);
+              if (jl >= keys_left || (a.causal && jl > il + diag)) x = -INFINITY;
             }
             s[mt][nt][e] = x;
             mx[e / 2] = fmaxf(mx[e / 2], x);
@@ -377,36 +404,45 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float mn = fmaxf(m[mt][h], quad_max(mx[h]));
-          base[h] = mn == -INFINITY ? 0.f : mn;  // a row with no key yet: exp2(-inf) = 0, not NaN
-          const float alpha = exp2f(m[mt][h] - base[h]);
+          base[h] = mn == -INFINITY ? 0.f : mn * sl;  // a row with no key yet: exp2(-inf) = 0, not NaN
+          const float alpha = cuda::exp2_ftz(m[mt][h] * sl - base[h]);
           m[mt][h] = mn;
           l[mt][h] *= alpha;
 #pragma unroll
           for (int nt = 0; nt < DT; ++nt) o[mt][nt][2 * h] *= alpha, o[mt][nt][2 * h + 1] *= alpha;
         }
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt) {
+          float pe[4];
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float p = exp2f(s[mt][nt][e] - base[e / 2]);
+            const float p = cuda::exp2_ftz(fmaf(s[mt][nt][e], sl, -base[e / 2]));
             l[mt][e / 2] += p;  // the lane's share; the quad adds up at the end
-            s[mt][nt][e] = p;
+            pe[e] = p;
             if constexpr (Drop) {
               const int64_t j = j0 + nt * 8 + 2 * t + e % 2, i = wrow + mt * 16 + g + 8 * (e / 2);
-              s[mt][nt][e] = i < a.tq && j < a.tk && kept(a, b, i, j) ? p * keep_scale : 0.f;
+              pe[e] = i < a.tq && j < a.tk && kept(a, b, i, j) ? p * keep_scale : 0.f;
             }
           }
+          pk[mt][nt][0] = cuda::pack16<T>(pe[0], pe[1]);
+          pk[mt][nt][1] = cuda::pack16<T>(pe[2], pe[3]);
+        }
       }
     }
     cuda::cp_async_wait_all();
     __syncthreads();  // v's tile is in; every warp is done with k's
-    if (j0 + kKeys < kend) {
-      load_tile<D>(kb, j0 + kKeys, a.tk, kKeys, ks);
+    if (j0 + KEYS < kend) {
+      load_tile<D>(kb, j0 + KEYS, a.tk, KEYS, ks);
       cuda::cp_async_commit();
     }
     if (active)
-      warp_mma<T, kKeys / 16, true>(
-          o, [&](int kk, int mt, uint32_t a[4]) { c_to_a<T>(s[mt][2 * kk], s[mt][2 * kk + 1], a); }, vs, LD, lane);
+      warp_mma<T, KEYS / 16, true>(
+          o,
+          [&](int kk, int mt, uint32_t a[4]) {
+            a[0] = pk[mt][2 * kk][0], a[1] = pk[mt][2 * kk][1];
+            a[2] = pk[mt][2 * kk + 1][0], a[3] = pk[mt][2 * kk + 1][1];
+          },
+          vs, LD, lane);
   }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -421,115 +457,139 @@ __global__ void __launch_bounds__(kThreads)
       for (int nt = 0; nt < DT; ++nt)
         *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * t) =
             cuda::pack16<T>(o[mt][nt][2 * h] * inv, o[mt][nt][2 * h + 1] * inv);
-      if (t == 0) lse[b * a.tq + i] = (m[mt][h] + log2f(lsum)) / kLog2e;
+      if (t == 0) lse[b * a.tq + i] = (m[mt][h] * sl + log2f(lsum)) / kLog2e;
     }
 }
 
-// grid (key blocks, heads). dk, dv [n, tk, D] float32 written; dq [n, tq, D]
-// float32 added to (zeroed by the launcher) when DQ, else left to
-// flash_dq_kernel (deterministic_algorithms()).
-template <typename T, int D, bool Drop, bool DQ>
-__global__ void __launch_bounds__(kThreads)
+// grid (key blocks of KEYS, heads), KEYS / 16 warps, each owning 16 keys.
+// dk, dv [n, tk, D] float32 written; dq [n, tq, D] float32 added to (zeroed
+// by the launcher) when DQ, else left to flash_dq_kernel
+// (deterministic_algorithms()).
+template <typename T, int D, int KEYS, bool Drop, bool DQ>
+__global__ void __launch_bounds__(2 * KEYS)
     flash_backward_kernel(const AttentionArgs a, const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                           const uint16_t* __restrict__ v, const uint16_t* __restrict__ dout,
                           const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
                           float* __restrict__ dk, float* __restrict__ dv) {
-  constexpr int LD = D + 8, LDS = kKeys + 8, NT = kRows / 8, DT = D / 8;
+  static_assert(KEYS == 64 || KEYS == 128, "4 or 8 warps: dQ's products split as 4 row tiles x KEYS / 64 column parts");
+  constexpr int Threads = 2 * KEYS, LD = D + 8, LDS = kRows + 8, NT = kRows / 8, DT = D / 8;
+  constexpr int CP = KEYS / 64, DQT = DT / CP;  // dQ: column parts, and 8-column tiles a part
   extern __shared__ uint4 flash_smem[];
   uint16_t* qs = reinterpret_cast<uint16_t*>(flash_smem);
   uint16_t* dos = qs + kRows * LD;
   uint16_t* ks = dos + kRows * LD;
-  uint16_t* vs = ks + kKeys * LD;
-  uint16_t* dss = vs + kKeys * LD;  // dS of the tile as [query][key]
-  float* ls = reinterpret_cast<float*>(dss + kRows * LDS);
+  uint16_t* vs = ks + KEYS * LD;
+  uint16_t* dss = vs + KEYS * LD;  // dS^T of the tile as [key][query]: the accumulators' layout, pairs stored whole
+  float* ls = reinterpret_cast<float*>(dss + KEYS * LDS);
   float* dl = ls + kRows;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t b = blockIdx.y, j0 = static_cast<int64_t>(blockIdx.x) * kKeys;
-  const int64_t key[2] = {j0 + warp * 16 + g, j0 + warp * 16 + g + 8};
+  const int64_t b = blockIdx.y, j0 = static_cast<int64_t>(blockIdx.x) * KEYS, wk = j0 + warp * 16;
+  const int64_t key[2] = {wk + g, wk + g + 8};
   const uint16_t* qb = q + b * a.tq * D;
   const uint16_t* dob = dout + b * a.tq * D;
-  load_tile<D>(k + b * a.tk * D, j0, a.tk, kKeys, ks);
-  load_tile<D>(v + b * a.tk * D, j0, a.tk, kKeys, vs);
+  load_tile<D, Threads>(k + b * a.tk * D, j0, a.tk, KEYS, ks);
+  load_tile<D, Threads>(v + b * a.tk * D, j0, a.tk, KEYS, vs);
   cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
   const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
   float dva[DT][4] = {}, dka[DT][4] = {};
   // A query tile's q and dO (cp.async) and its rows' lse and delta.
   const auto stage = [&](int64_t i0) {
-    load_tile<D>(qb, i0, a.tq, kRows, qs);
-    load_tile<D>(dob, i0, a.tq, kRows, dos);
+    load_tile<D, Threads>(qb, i0, a.tq, kRows, qs);
+    load_tile<D, Threads>(dob, i0, a.tq, kRows, dos);
     cuda::cp_async_commit();
-    for (int r = threadIdx.x; r < kRows; r += kThreads) {
+    for (int r = threadIdx.x; r < kRows; r += Threads) {
       const int64_t i = i0 + r;
       ls[r] = i < a.tq ? lse[b * a.tq + i] * kLog2e : INFINITY;
       dl[r] = i < a.tq ? delta[b * a.tq + i] : 0.f;
     }
   };
-  // Causal: only query rows i >= j0 see these keys (kRows == kKeys).
+  // Causal: only query rows i >= j0 see these keys (j0 is a multiple of kRows).
   const int64_t first = a.causal ? j0 : 0;
   if (first < a.tq) stage(first);
   for (int64_t i0 = first; i0 < a.tq; i0 += kRows) {
     cuda::cp_async_wait_all();
     __syncthreads();  // the tile is in; every warp is done with the last dS
-    // S^T = K Q^T for the warp's 16 keys against the tile's 64 queries.
-    float st[NT][4] = {};
-    warp_mma<T, D / 16, false>(
-        st, [&](int kk, uint32_t a[4]) { frag_a(ks, LD, warp * 16, kk * 16, lane, a); }, qs, LD, lane);
-    // P^T from the saved log-sum-exp; pd its dropped copy; bit nt*4+e of
-    // keep: the element was kept, for dS.
-    const bool masked = j0 + kKeys > a.tk || i0 + kRows > a.tq || (a.causal && j0 + kKeys - 1 > i0);
-    float pd[NT][4];
-    uint32_t keep = 0xffffffffu;
+    // Warp-uniform: a warp whose keys lie past the end, or (causal) after
+    // the tile's last row, has only zeros to add; its dS columns are zero.
+    if (wk >= a.tk || (a.causal && wk > i0 + kRows - 1)) {
+      if constexpr (DQ)
+        for (int idx = lane; idx < 16 * kRows; idx += 32) dss[(warp * 16 + idx / kRows) * LDS + idx % kRows] = 0;
+    } else {
+      // S^T = K Q^T for the warp's 16 keys against the tile's 64 queries.
+      float st[NT][4] = {};
+      warp_mma<T, D / 16, false>(
+          st, [&](int kk, uint32_t a[4]) { frag_a(ks, LD, warp * 16, kk * 16, lane, a); }, qs, LD, lane);
+      // P^T from the saved log-sum-exp; pd its dropped copy; bit nt*4+e of
+      // keep: the element was kept, for dS.
+      const bool masked = wk + 16 > a.tk || i0 + kRows > a.tq || (a.causal && wk + 15 > i0);
+      // In the tile's 32-bit coordinates (key row kr of the block, query
+      // column c of the tile), as the forward masks: kr < keys_left,
+      // c < rows_left, and (causal) kr - c <= diag.
+      const int keys_left = static_cast<int>(a.tk - j0 < KEYS ? a.tk - j0 : KEYS);
+      const int rows_left = static_cast<int>(a.tq - i0 < kRows ? a.tq - i0 : kRows);
+      const int diag = static_cast<int>(a.causal && i0 - j0 < KEYS ? i0 - j0 : KEYS);
+      float pd[NT][4];
+      uint32_t keep = 0xffffffffu;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = nt * 8 + 2 * t + e % 2;
-        const int64_t i = i0 + c, j = key[e / 2];
-        const bool ok = !masked || (j < a.tk && i < a.tq && (!a.causal || j <= i));
-        const float p = ok ? exp2f(st[nt][e] * sl - ls[c]) : 0.f;
-        st[nt][e] = p;
-        pd[nt][e] = p * keep_scale;
-        if (Drop && ok && !kept(a, b, i, j)) {
-          pd[nt][e] = 0.f;
-          keep &= ~(1u << (nt * 4 + e));
+        for (int e = 0; e < 4; ++e) {
+          const int c = nt * 8 + 2 * t + e % 2, kr = warp * 16 + g + 8 * (e / 2);
+          const bool ok = !masked || (kr < keys_left && c < rows_left && kr - c <= diag);
+          const float p = ok ? cuda::exp2_ftz(fmaf(st[nt][e], sl, -ls[c])) : 0.f;
+          st[nt][e] = p;
+          pd[nt][e] = p * keep_scale;
+          if (Drop && ok && !kept(a, b, i0 + c, j0 + kr)) {
+            pd[nt][e] = 0.f;
+            keep &= ~(1u << (nt * 4 + e));
+          }
         }
+      // dV += Pd^T dO.
+      warp_mma<T, kRows / 16, true>(
+          dva, [&](int kk, uint32_t a[4]) { c_to_a<T>(pd[2 * kk], pd[2 * kk + 1], a); }, dos, LD, lane);
+      // dPd^T = V dO^T (into pd, free now).
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) pd[nt][0] = pd[nt][1] = pd[nt][2] = pd[nt][3] = 0.f;
+      warp_mma<T, D / 16, false>(
+          pd, [&](int kk, uint32_t a[4]) { frag_a(vs, LD, warp * 16, kk * 16, lane, a); }, dos, LD, lane);
+      // dS^T = P^T (dP^T - delta) scale, dP = the kept dPd scaled; into st.
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int c = nt * 8 + 2 * t + e % 2;
+          const float dp = (keep >> (nt * 4 + e)) & 1u ? pd[nt][e] * keep_scale : 0.f;
+          st[nt][e] = st[nt][e] * (dp - dl[c]) * scale;
+        }
+      if constexpr (DQ) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<uint32_t*>(dss + (warp * 16 + g + 8 * h) * LDS + nt * 8 + 2 * t) =
+                cuda::pack16<T>(st[nt][2 * h], st[nt][2 * h + 1]);
       }
-    // dV += Pd^T dO.
-    warp_mma<T, kRows / 16, true>(
-        dva, [&](int kk, uint32_t a[4]) { c_to_a<T>(pd[2 * kk], pd[2 * kk + 1], a); }, dos, LD, lane);
-// dPd^T = V dO^T (into pd, free now).
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) pd[nt][0] = pd[nt][1] = pd[nt][2] = pd[nt][3] = 0.f;
-    warp_mma<T, D / 16, false>(
-        pd, [&](int kk, uint32_t a[4]) { frag_a(vs, LD, warp * 16, kk * 16, lane, a); }, dos, LD, lane);
-// dS^T = P^T (dP^T - delta) scale, dP = the kept dPd scaled; into st.
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = nt * 8 + 2 * t + e % 2;
-        const float dp = (keep >> (nt * 4 + e)) & 1u ? pd[nt][e] * keep_scale : 0.f;
-        st[nt][e] = st[nt][e] * (dp - dl[c]) * scale;
-        if constexpr (DQ) dss[c * LDS + warp * 16 + g + 8 * (e / 2)] = T::from_float(st[nt][e]);
-      }
-    // dK += dS^T Q.
-    warp_mma<T, kRows / 16, true>(
-        dka, [&](int kk, uint32_t a[4]) { c_to_a<T>(st[2 * kk], st[2 * kk + 1], a); }, qs, LD, lane);
+      // dK += dS^T Q.
+      warp_mma<T, kRows / 16, true>(
+          dka, [&](int kk, uint32_t a[4]) { c_to_a<T>(st[2 * kk], st[2 * kk + 1], a); }, qs, LD, lane);
+    }
     __syncthreads();  // every warp's dS is in dss and every warp is done with q, dO, lse, delta
     if (i0 + kRows < a.tq) stage(i0 + kRows);  // the next tile loads behind dQ's products
     if constexpr (!DQ) continue;
-    // dQ += dS K for the warp's 16 query rows, against all 64 keys.
-    float dqa[DT][4] = {};
-    warp_mma<T, kKeys / 16, true>(
-        dqa, [&](int kk, uint32_t a[4]) { frag_a(dss, LDS, warp * 16, kk * 16, lane, a); }, ks, LD, lane);
+    // dQ += dS K: warp w takes the tile's rows 16 (w % 4).. and columns
+    // c0.. (a D / CP part) against all KEYS keys.
+    const int rt = warp % 4, c0 = warp / 4 * (D / CP);
+    float dqa[DQT][4] = {};
+    warp_mma<T, KEYS / 16, true>(
+        dqa, [&](int kk, uint32_t a[4]) { frag_a_cols(dss, LDS, rt * 16, kk * 16, lane, a); }, ks + c0, LD, lane);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int64_t i = i0 + warp * 16 + g + 8 * (e / 2);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t i = i0 + rt * 16 + g + 8 * h;
       if (i >= a.tq) continue;
-      float* dqrow = dq + (b * a.tq + i) * D + 2 * t + e % 2;
+      float* dqrow = dq + (b * a.tq + i) * D + c0 + 2 * t;
 #pragma unroll
-      for (int nt = 0; nt < DT; ++nt) atomicAdd(dqrow + nt * 8, dqa[nt][e]);
+      for (int nt = 0; nt < DQT; ++nt) cuda::atomic_add2(dqrow + nt * 8, dqa[nt][2 * h], dqa[nt][2 * h + 1]);
     }
   }
 #pragma unroll
@@ -606,7 +666,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < 4; ++e) {
         const int64_t j = j0 + nt * 8 + 2 * t + e % 2, i = wrow + g + 8 * (e / 2);
         const bool ok = !masked || (j < a.tk && i < a.tq && (!a.causal || j <= i));
-        const float p = ok ? exp2f(s[nt][e] * sl - ls[e / 2]) : 0.f;
+        const float p = ok ? cuda::exp2_ftz(fmaf(s[nt][e], sl, -ls[e / 2])) : 0.f;
         float d = dp[nt][e] * keep_scale;
         if (Drop && ok && !kept(a, b, i, j)) d = 0.f;
         s[nt][e] = p * (d - dl[e / 2]) * scale;
@@ -638,26 +698,43 @@ void allow_smem(size_t smem, int device) {
   done.fetch_or(bit);
 }
 
-// Query rows a forward block takes (64 or 128): EMBER_FLASH_ROWS, read once,
-// for measuring the two (bench/attention_cuda_bench); 128 by default.
-int forward_rows() {
-  static const int rows = [] {
-    const char* e = std::getenv("EMBER_FLASH_ROWS");
-    return e && std::string(e) == "64" ? 64 : 128;
-  }();
-  return rows;
+// Tile sizes: set_attention_cuda_flash_tiles, else EMBER_FLASH_KEYS and
+// EMBER_FLASH_BWD_KEYS (read once), else FlashAttention-2's (0 below).
+int env_keys(const char* name) {
+  const char* e = std::getenv(name);
+  if (!e || !*e) return 0;
+  const std::string s(e);
+  EMBER_CHECK(s == "64" || s == "128", name, "=", s, ": the fused attention's key tiles are 64 or 128");
+  return std::stoi(s);
+}
+std::atomic<int> fwd_keys_set{0}, bwd_keys_set{0};  // 0: not set
+// ptxas -v (sm_90, bf16): without dropout, 128-key forward tiles fit in
+// 255 registers at head dims 32 and 64, not at 128; with dropout (its Philox
+// draws inlined) they spill at 32 and 64 too (108 and 356 bytes), where 64
+// keys do not.
+int fwd_keys(int d, bool drop) {
+  static const int env = env_keys("EMBER_FLASH_KEYS");
+  const int set = fwd_keys_set.load(), keys = set ? set : env;
+  if (d > 64) return 64;
+  return keys ? keys : drop ? 64 : 128;
+}
+int bwd_keys() {
+  static const int env = env_keys("EMBER_FLASH_BWD_KEYS");
+  const int set = bwd_keys_set.load(), keys = set ? set : env;
+  return keys ? keys : 128;
 }
 
 const uint16_t* bits(const Tensor& t) { return static_cast<const uint16_t*>(t.raw_data()); }
 uint16_t* bits(Tensor& t) { return static_cast<uint16_t*>(t.raw_data()); }
 
-template <typename T, int D, int MT, bool Drop>
-void forward_mt(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse) {
+template <typename T, int D, int KEYS, bool Drop>
+void forward_keys(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse) {
+  constexpr int MT = 2;
   cuda::DeviceGuard guard(q);
-  const size_t smem = (64 * MT + 2 * kKeys) * (D + 8) * sizeof(uint16_t);
-  allow_smem<flash_forward_kernel<T, D, MT, Drop>>(smem, q.device().index);
+  const size_t smem = (64 * MT + 2 * KEYS) * (D + 8) * sizeof(uint16_t);
+  allow_smem<flash_forward_kernel<T, D, MT, KEYS, Drop>>(smem, q.device().index);
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.tq, 64 * MT)), static_cast<unsigned>(a.n));
-  flash_forward_kernel<T, D, MT, Drop>
+  flash_forward_kernel<T, D, MT, KEYS, Drop>
       <<<grid, kThreads, smem, cuda::stream_for(q)>>>(a, bits(q), bits(k), bits(v), bits(out), lse.data<float>());
   EMBER_CUDA_CHECK(cudaGetLastError());
   launches.fetch_add(1);
@@ -667,42 +744,44 @@ void forward_mt(const AttentionArgs& a, const Tensor& q, const Tensor& k, const 
 // unrolled loops, cost registers that a kernel without dropout should not pay.
 template <typename T, int D>
 void forward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse) {
-  const bool rows64 = forward_rows() == 64, drop = a.dropout_p > 0;
-  if (rows64 && drop)
-    forward_mt<T, D, 1, true>(a, q, k, v, out, lse);
-  else if (rows64)
-    forward_mt<T, D, 1, false>(a, q, k, v, out, lse);
-  else if (drop)
-    forward_mt<T, D, 2, true>(a, q, k, v, out, lse);
+  const bool drop = a.dropout_p > 0;
+  if constexpr (D <= 64) {
+    if (fwd_keys(D, drop) == 128) {
+      if (drop)
+        forward_keys<T, D, 128, true>(a, q, k, v, out, lse);
+      else
+        forward_keys<T, D, 128, false>(a, q, k, v, out, lse);
+      return;
+    }
+  }
+  if (drop)
+    forward_keys<T, D, 64, true>(a, q, k, v, out, lse);
   else
-    forward_mt<T, D, 2, false>(a, q, k, v, out, lse);
+    forward_keys<T, D, 64, false>(a, q, k, v, out, lse);
 }
 
-template <typename T, int D, bool Drop>
-void backward_drop(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                   const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, const Tensor* dlse) {
-  cuda::DeviceGuard guard(q);
+template <typename T, int D, int KEYS, bool Drop>
+void backward_keys(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout,
+                   const Tensor& lse, const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv) {
   cudaStream_t stream = cuda::stream_for(q);
-  Tensor delta = Tensor::empty({a.n * a.tq}, {DType::Float32, q.device()});
-  delta_kernel<T, float><<<warp_grid(a.n * a.tq), cuda::kBlockSize, 0, stream>>>(
-      a.n * a.tq, D, out.data<T>(), dout.data<T>(), dlse ? dlse->data<float>() : nullptr, delta.data<float>());
-  EMBER_CUDA_CHECK(cudaGetLastError());
   const size_t smem =
-      (2 * kRows * (D + 8) + 2 * kKeys * (D + 8) + kRows * (kKeys + 8)) * sizeof(uint16_t) + 2 * kRows * sizeof(float);
-  const dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.tk, kKeys)), static_cast<unsigned>(a.n));
+      (2 * kRows * (D + 8) + 2 * KEYS * (D + 8) + KEYS * (kRows + 8)) * sizeof(uint16_t) + 2 * kRows * sizeof(float);
+  const dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.tk, KEYS)), static_cast<unsigned>(a.n));
   if (!deterministic_algorithms()) {
+    EMBER_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(dq.raw_data()) % 8 == 0,
+                          "flash attention: dq not 8-byte aligned");
     EMBER_CUDA_CHECK(cudaMemsetAsync(dq.raw_data(), 0, dq.numel() * sizeof(float), stream));
-    allow_smem<flash_backward_kernel<T, D, Drop, true>>(smem, q.device().index);
-    flash_backward_kernel<T, D, Drop, true>
-        <<<grid, kThreads, smem, stream>>>(a, bits(q), bits(k), bits(v), bits(dout), lse.data<float>(),
+    allow_smem<flash_backward_kernel<T, D, KEYS, Drop, true>>(smem, q.device().index);
+    flash_backward_kernel<T, D, KEYS, Drop, true>
+        <<<grid, 2 * KEYS, smem, stream>>>(a, bits(q), bits(k), bits(v), bits(dout), lse.data<float>(),
                                            delta.data<float>(), dq.data<float>(), dk.data<float>(), dv.data<float>());
     EMBER_CUDA_CHECK(cudaGetLastError());
     launches.fetch_add(1);
     return;
   }
-  allow_smem<flash_backward_kernel<T, D, Drop, false>>(smem, q.device().index);
-  flash_backward_kernel<T, D, Drop, false>
-      <<<grid, kThreads, smem, stream>>>(a, bits(q), bits(k), bits(v), bits(dout), lse.data<float>(),
+  allow_smem<flash_backward_kernel<T, D, KEYS, Drop, false>>(smem, q.device().index);
+  flash_backward_kernel<T, D, KEYS, Drop, false>
+      <<<grid, 2 * KEYS, smem, stream>>>(a, bits(q), bits(k), bits(v), bits(dout), lse.data<float>(),
                                          delta.data<float>(), nullptr, dk.data<float>(), dv.data<float>());
   EMBER_CUDA_CHECK(cudaGetLastError());
   const size_t dq_smem = (2 * kRows + 2 * kKeys) * (D + 8) * sizeof(uint16_t);
@@ -717,10 +796,20 @@ void backward_drop(const AttentionArgs& a, const Tensor& q, const Tensor& k, con
 template <typename T, int D>
 void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
               const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, const Tensor* dlse) {
-  if (a.dropout_p > 0)
-    backward_drop<T, D, true>(a, q, k, v, out, dout, lse, dq, dk, dv, dlse);
+  cuda::DeviceGuard guard(q);
+  Tensor delta = Tensor::empty({a.n * a.tq}, {DType::Float32, q.device()});
+  delta_kernel<T, float><<<warp_grid(a.n * a.tq), cuda::kBlockSize, 0, cuda::stream_for(q)>>>(
+      a.n * a.tq, D, out.data<T>(), dout.data<T>(), dlse ? dlse->data<float>() : nullptr, delta.data<float>());
+  EMBER_CUDA_CHECK(cudaGetLastError());
+  const bool drop = a.dropout_p > 0, wide = bwd_keys() == 128;
+  if (wide && drop)
+    backward_keys<T, D, 128, true>(a, q, k, v, dout, lse, delta, dq, dk, dv);
+  else if (wide)
+    backward_keys<T, D, 128, false>(a, q, k, v, dout, lse, delta, dq, dk, dv);
+  else if (drop)
+    backward_keys<T, D, 64, true>(a, q, k, v, dout, lse, delta, dq, dk, dv);
   else
-    backward_drop<T, D, false>(a, q, k, v, out, dout, lse, dq, dk, dv, dlse);
+    backward_keys<T, D, 64, false>(a, q, k, v, dout, lse, delta, dq, dk, dv);
 }
 
 // Calls f.template operator()<T, D>() for the tensor's 16-bit type and head dim.
@@ -771,11 +860,18 @@ void attention_backward_cuda(const AttentionArgs& a, const Tensor& q, const Tens
 }
 
 bool attention_flash_cuda_supports(const AttentionArgs& a, DType dt) {
-  return flash::enabled.load() && (dt == DType::BFloat16 || dt == DType::Float16) && a.d == a.dv &&
+  return flash::enabled.load() && (dt == DType::BFloat16 || dt == DType::Float16) && a.d == a.dv && a.scale > 0 &&
          (a.d == 32 || a.d == 64 || a.d == 128) && a.n > 0 && a.n <= 65535 && a.tq > 0 && a.tk > 0;
 }
 
 void set_attention_cuda_flash(bool on) { flash::enabled.store(on); }
+void set_attention_cuda_flash_tiles(FlashTiles tiles) {
+  for (int keys : {tiles.fwd_keys, tiles.bwd_keys})
+    EMBER_CHECK(keys == 0 || keys == 64 || keys == 128, "set_attention_cuda_flash_tiles: ", keys,
+                " keys: a tile holds 64 or 128 (0: the default)");
+  flash::fwd_keys_set.store(tiles.fwd_keys);
+  flash::bwd_keys_set.store(tiles.bwd_keys);
+}
 int64_t attention_cuda_flash_launches() { return flash::launches.load(); }
 
 namespace {

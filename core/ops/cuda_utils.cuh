@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -443,6 +444,35 @@ __device__ __forceinline__ void cp_async_commit() {
 __device__ __forceinline__ void cp_async_wait_all() {
 #if defined(__CUDA_ARCH__)
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// 2^x as one MUFU.EX2 (PTX ex2.approx.ftz: relative error about 2^-22,
+// subnormal inputs and results flushed to zero), what nvcc's exp2f becomes
+// under --use_fast_math, which FlashAttention builds with; without it
+// exp2f adds a range check and two multiplies for subnormals, on the
+// softmax's every score. The emulation computes it exactly and flushes
+// the same.
+__device__ __forceinline__ float exp2_ftz(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#else
+  const float y = std::exp2(std::fpclassify(x) == FP_SUBNORMAL ? 0.f : x);
+  return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;
+#endif
+}
+
+// p[0] += x, p[1] += y atomically per element, p 8-byte aligned: one
+// vector reduction on sm_90 (atomicAdd on float2, half the instructions of
+// two scalar ones), two scalar atomics elsewhere and under the emulation.
+__device__ __forceinline__ void atomic_add2(float* p, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(p), make_float2(x, y));
+#else
+  atomicAdd(p, x);
+  atomicAdd(p + 1, y);
 #endif
 }
 

@@ -166,8 +166,10 @@ void attention_backward_cuda(const AttentionArgs& a, const Tensor& q, const Tens
 // 64 or 128, q's equal to v's): out in q's dtype and lse [n, tq] float32 (the
 // log-sum-exp of each row's scaled scores); the backward takes them and
 // writes float32 dq, dk, dv. supports() is false without CUDA, for other
-// shapes and dtypes, and after set_attention_cuda_flash(false) (or
-// EMBER_FLASH_ATTENTION=0), which leave the blocked-GEMM kernels above.
+// shapes and dtypes, for a scale that is not positive (the kernels take
+// the maximum of the unscaled scores), and after
+// set_attention_cuda_flash(false) (or EMBER_FLASH_ATTENTION=0), which leave
+// the blocked-GEMM kernels above.
 bool attention_flash_cuda_supports(const AttentionArgs& a, DType dt);
 void attention_flash_forward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
                                   Tensor& out, Tensor& lse);
@@ -176,6 +178,15 @@ void attention_flash_backward_cuda(const AttentionArgs& a, const Tensor& q, cons
                                    Tensor& dv, const Tensor* dlse = nullptr);
 void set_attention_cuda_flash(bool on);
 int64_t attention_cuda_flash_launches();  // kernels launched so far (tests)
+// The fused kernels' key tiles, for measuring and tests (0: the default,
+// EMBER_FLASH_KEYS / EMBER_FLASH_BWD_KEYS if set, else FlashAttention-2's
+// 128; other values are refused): keys a forward tile holds (64 or 128;
+// head dim 128 always takes 64, and dropout 64 unless set) and keys a
+// backward block owns (64 or 128, 4 or 8 warps).
+struct FlashTiles {
+  int fwd_keys = 0, bwd_keys = 0;
+};
+void set_attention_cuda_flash_tiles(FlashTiles tiles);
 // Tests: the CUDA kernels' score scratch in elements (0: the default, 2^23),
 // small enough to split a small problem into several query blocks.
 void set_attention_cuda_scratch(int64_t elements);

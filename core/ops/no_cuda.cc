@@ -37,6 +37,7 @@ EMBER_NO_CUDA(attention_flash_forward_cuda, const AttentionArgs&, const Tensor&,
 EMBER_NO_CUDA(attention_flash_backward_cuda, const AttentionArgs&, const Tensor&, const Tensor&, const Tensor&,
               const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor&, const Tensor*)
 EMBER_NO_CUDA(set_attention_cuda_flash, bool)
+EMBER_NO_CUDA(set_attention_cuda_flash_tiles, FlashTiles)
 bool attention_flash_cuda_supports(const AttentionArgs&, DType) { return false; }
 int64_t attention_cuda_flash_launches() { return 0; }
 EMBER_NO_CUDA(foreach_sum_squares_cuda, const ForeachTable&, DType, Tensor&)
