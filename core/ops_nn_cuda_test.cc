@@ -40,6 +40,7 @@ class CudaNnOps : public ::testing::Test {
     set_cudnn_graph_api(true);
     set_cudnn_benchmark(false);
     set_deterministic_algorithms(false);
+    set_attention_cuda_flash_tiles({});
   }
 };
 
@@ -198,11 +199,19 @@ TEST_F(CudaNnOps, FlashAttentionMatchesCpu) {
       EXPECT_EQ(attention_cuda_flash_launches() - before, 2) << "the fused forward and backward should have run";
     }
   set_attention_cuda_flash_tiles({});
-  // A negative scale: the fused kernels take the maximum of the unscaled
-  // scores, so they decline it and the blocked kernels answer.
+  // A negative scale, and one that is 0 in float: the fused kernels take
+  // the maximum of the unscaled scores, so they decline both and the
+  // blocked kernels answer.
   std::vector<Tensor> in = {rnd({1, 2, 40, 64}, seed++, DType::BFloat16), rnd({1, 2, 50, 64}, seed++, DType::BFloat16),
                             rnd({1, 2, 50, 64}, seed++, DType::BFloat16)};
-  const int64_t before = attention_cuda_flash_launches();
+  int64_t before = attention_cuda_flash_launches();
+  compare(
+      [](const std::vector<Tensor>& v) {
+        return scaled_dot_product_attention(v[0], v[1], v[2], false, 0.0, nullptr, 1e-50);
+      },
+      in, tol(DType::BFloat16), "attention with a scale of 1e-50");
+  EXPECT_EQ(attention_cuda_flash_launches(), before) << "a scale that is 0 in float should not reach the fused kernels";
+  before = attention_cuda_flash_launches();
   compare(
       [](const std::vector<Tensor>& v) {
         return scaled_dot_product_attention(v[0], v[1], v[2], true, 0.0, nullptr, -0.4);
@@ -217,7 +226,8 @@ TEST_F(CudaNnOps, FlashAttentionMatchesCpu) {
 // against the CPU, three launches (forward, backward, dQ pass), and two runs
 // bit for bit the same (on a GPU the atomic path's last bits vary from run
 // to run). The log-sum-exp variant (a gradient through lse too) takes the
-// same pass.
+// same pass. Every other case runs the backward with 64-key blocks (its dQ
+// pass keeps 64-key tiles either way).
 TEST_F(CudaNnOps, FlashAttentionDeterministicDqMatchesCpu) {
   struct Case {
     int64_t tq, tk, d;
@@ -226,13 +236,16 @@ TEST_F(CudaNnOps, FlashAttentionDeterministicDqMatchesCpu) {
     DType dt;
   };
   uint64_t seed = 1900;
+  int index = 0;
   for (const Case& c : std::vector<Case>{{70, 70, 64, true, 0.0, DType::BFloat16},
                                          {129, 150, 32, false, 0.0, DType::Float16},
                                          {70, 150, 128, true, 0.3, DType::BFloat16},
                                          {129, 64, 64, true, 0.0, DType::Float16},
                                          {200, 130, 64, false, 0.2, DType::BFloat16}}) {
-    const std::string what =
-        cat("deterministic flash attention tq ", c.tq, " tk ", c.tk, " d ", c.d, " causal ", c.causal, " p ", c.p);
+    const int keys = index++ % 2 ? 64 : 0;
+    set_attention_cuda_flash_tiles({keys, keys});
+    const std::string what = cat("deterministic flash attention tq ", c.tq, " tk ", c.tk, " d ", c.d, " causal ",
+                                 c.causal, " p ", c.p, " key tiles ", keys ? keys : 128);
     // Three heads: blockIdx.y past one, fewer than the other test's four (five runs a case here).
     std::vector<Tensor> in = {rnd({1, 3, c.tq, c.d}, seed++, c.dt), rnd({1, 3, c.tk, c.d}, seed++, c.dt),
                               rnd({1, 3, c.tk, c.d}, seed++, c.dt)};
@@ -253,6 +266,7 @@ TEST_F(CudaNnOps, FlashAttentionDeterministicDqMatchesCpu) {
       EXPECT_TRUE(bitwise_equal(first.grads[i], second.grads[i])) << what << ": grad " << i << " changed between runs";
     }
   }
+  set_attention_cuda_flash_tiles({});
   set_deterministic_algorithms(true);
   for (bool causal : {false, true}) {
     std::vector<Tensor> in = {rnd({2, 2, 70, 64}, seed++, DType::BFloat16),

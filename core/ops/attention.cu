@@ -860,8 +860,12 @@ void attention_backward_cuda(const AttentionArgs& a, const Tensor& q, const Tens
 }
 
 bool attention_flash_cuda_supports(const AttentionArgs& a, DType dt) {
-  return flash::enabled.load() && (dt == DType::BFloat16 || dt == DType::Float16) && a.d == a.dv && a.scale > 0 &&
-         (a.d == 32 || a.d == 64 || a.d == 128) && a.n > 0 && a.n <= 65535 && a.tq > 0 && a.tk > 0;
+  // The kernels' scale in log2 units (float) must be positive and finite:
+  // a scale below float's smallest would make it 0 and the first rescale
+  // exp2(-inf * 0), NaN.
+  const float sl = static_cast<float>(a.scale) * flash::kLog2e;
+  return flash::enabled.load() && (dt == DType::BFloat16 || dt == DType::Float16) && a.d == a.dv && sl > 0 &&
+         std::isfinite(sl) && (a.d == 32 || a.d == 64 || a.d == 128) && a.n > 0 && a.n <= 65535 && a.tq > 0 && a.tk > 0;
 }
 
 void set_attention_cuda_flash(bool on) { flash::enabled.store(on); }
