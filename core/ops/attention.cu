@@ -232,18 +232,30 @@ std::atomic<bool> enabled{[] {
 }()};
 std::atomic<int64_t> launches{0};
 
-// Rows [r0, r0 + n) of a [t, D] matrix into a shared tile of row stride D + 8
+// Rows [r0, r0 + N) of a [t, D] matrix into a shared tile of row stride D + 8
 // (the padding puts ldmatrix's eight rows on distinct banks), zeros past row
 // t, by cp.async from a block of Threads threads: the caller commits and
-// waits.
-template <int D, int Threads = kThreads>
-__device__ __forceinline__ void load_tile(const uint16_t* __restrict__ src, int64_t r0, int64_t t, int n,
-                                          uint16_t* dst) {
-  constexpr int kVec = D / 8;  // 16-byte pieces a row
-  for (int idx = threadIdx.x; idx < n * kVec; idx += Threads) {
-    const int r = idx / kVec, c = (idx % kVec) * 8;
-    const bool ok = r0 + r < t;
-    cuda::cp_async16(dst + r * (D + 8) + c, src + (ok ? (r0 + r) * D + c : 0), ok);
+// waits. Each thread copies one 16-byte column of rows Threads / (D / 8)
+// apart, so the loop unrolls into copies at constant offsets from one
+// address (a loop over threadIdx.x-dependent trip counts compiled to a
+// branchy loop with 64-bit index arithmetic per piece).
+template <int D, int N, int Threads = kThreads>
+__device__ __forceinline__ void load_tile(const uint16_t* __restrict__ src, int64_t r0, int64_t t, uint16_t* dst) {
+  constexpr int kVec = D / 8, kStep = Threads / kVec;  // 16-byte pieces a row; rows a pass
+  static_assert(Threads % kVec == 0 && N % kStep == 0, "load_tile: whole passes of the block");
+  const int r = threadIdx.x / kVec, c = threadIdx.x % kVec * 8;
+  const int left = t - r0 < N ? static_cast<int>(t - r0) : N;  // rows in range
+  const uint16_t* from = src + (r0 + r) * D + c;
+  dst += r * (D + 8) + c;
+  if (left == N) {  // the whole tile, as every tile but a matrix's last: no tests, offsets in the instructions
+#pragma unroll
+    for (int it = 0; it < N / kStep; ++it) cuda::cp_async16(dst + it * kStep * (D + 8), from + it * kStep * D, true);
+    return;
+  }
+#pragma unroll
+  for (int it = 0; it < N / kStep; ++it) {
+    const bool ok = r + it * kStep < left;
+    cuda::cp_async16(dst + it * kStep * (D + 8), ok ? from + it * kStep * D : src, ok);
   }
 }
 
@@ -348,8 +360,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t wrow = i0 + wr;
   const uint16_t* kb = k + b * a.tk * D;
   const uint16_t* vb = v + b * a.tk * D;
-  load_tile<D>(q + b * a.tq * D, i0, a.tq, BR, qs);
-  load_tile<D>(kb, 0, a.tk, KEYS, ks);
+  load_tile<D, BR>(q + b * a.tq * D, i0, a.tq, qs);
+  load_tile<D, KEYS>(kb, 0, a.tk, ks);
   cuda::cp_async_commit();
   // Scores stay unscaled until the exponent, exp2(s sl - m sl) with sl the
   // scale in log2 units: one FFMA and one MUFU a score (scale > 0, so the
@@ -365,13 +377,11 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t j0 = 0; j0 < kend; j0 += KEYS) {
     cuda::cp_async_wait_all();
     __syncthreads();  // k's tile is in; every warp is done with the last v tile
-    load_tile<D>(vb, j0, a.tk, KEYS, vs);
+    load_tile<D, KEYS>(vb, j0, a.tk, vs);
     cuda::cp_async_commit();
     // Warp-uniform: a warp whose rows all precede the tile (causal) or lie
-    // past the end skips its products, and only tiles on the diagonal or at
-    // the last key need the mask.
+    // past the end skips its products.
     const bool active = wrow < a.tq && (!a.causal || j0 <= wrow + 16 * MT - 1);
-    const bool masked = j0 + KEYS > a.tk || (a.causal && j0 + KEYS - 1 > wrow);
     // P rounded to T and packed in pairs as P v's A fragments take them,
     // as soon as it is known: the float scores' registers are free before
     // the tile's wait, which they would otherwise span (half the registers
@@ -379,27 +389,35 @@ __global__ void __launch_bounds__(kThreads)
     uint32_t pk[MT][NT][2];
     if (active) {
       float s[MT][NT][4] = {};
-      // Key jl of the tile is past the end from keys_left on, and after row
-      // il of the warp (causal) when jl > il + diag; masked bounds both.
-      const int keys_left = static_cast<int>(a.tk - j0 < KEYS ? a.tk - j0 : KEYS);
-      const int diag = static_cast<int>(masked && a.causal ? (wrow - j0 < KEYS ? wrow - j0 : KEYS) : 0);
       warp_mma<T, D / 16, false>(
           s, [&](int kk, int mt, uint32_t a[4]) { frag_a(qs, LD, wr + mt * 16, kk * 16, lane, a); }, ks, LD, lane);
+      // Only tiles on the diagonal or at the last key need the mask, and
+      // they alone run its tests: a branch a tile (FlashAttention keeps
+      // them in a loop of their own), not a test predicated into every
+      // score of every tile, which cost 270 of the 1,470 instructions of a
+      // d 128 tile. Key jl of the tile is past the end from keys_left on,
+      // and after row il of the warp (causal) when jl > il + diag: in the
+      // tile's 32-bit coordinates, fewer registers.
+      if (j0 + KEYS > a.tk || (a.causal && j0 + KEYS - 1 > wrow)) {
+        const int keys_left = static_cast<int>(a.tk - j0 < KEYS ? a.tk - j0 : KEYS);
+        const int diag = static_cast<int>(a.causal ? (wrow - j0 < KEYS ? wrow - j0 : KEYS) : KEYS);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int jl = nt * 8 + 2 * t + e % 2, il = mt * 16 + g + 8 * (e / 2);
+              if (jl >= keys_left || jl > il + diag) s[mt][nt][e] = -INFINITY;
+            }
+      }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float x = s[mt][nt][e];
-            if (masked) {  // in the tile's coordinates: 32-bit arithmetic, fewer registers
-              const int jl = nt * 8 + 2 * t + e % 2, il = mt * 16 + g + 8 * (e / 2);
-              if (jl >= keys_left || (a.causal && jl > il + diag)) x = -INFINITY;
-            }
-            s[mt][nt][e] = x;
-            mx[e / 2] = fmaxf(mx[e / 2], x);
-          }
+          for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[mt][nt][e]);
         float base[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -432,7 +450,7 @@ __global__ void __launch_bounds__(kThreads)
     cuda::cp_async_wait_all();
     __syncthreads();  // v's tile is in; every warp is done with k's
     if (j0 + KEYS < kend) {
-      load_tile<D>(kb, j0 + KEYS, a.tk, KEYS, ks);
+      load_tile<D, KEYS>(kb, j0 + KEYS, a.tk, ks);
       cuda::cp_async_commit();
     }
     if (active)
@@ -461,44 +479,61 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-// grid (key blocks of KEYS, heads), KEYS / 16 warps, each owning 16 keys.
-// dk, dv [n, tk, D] float32 written; dq [n, tq, D] float32 added to (zeroed
-// by the launcher) when DQ, else left to flash_dq_kernel
-// (deterministic_algorithms()).
+// grid (key blocks of KEYS, heads), W = KEYS / 16 warps. dk, dv [n, tk, D]
+// float32 written; dq [n, tq, D] float32 added to (zeroed by the launcher)
+// when DQ, else left to flash_dq_kernel (deterministic_algorithms()).
+//
+// FlashAttention-2's backward layout: for each query tile of kRows, every
+// product is split over the warps in two dimensions, with P and dS passed
+// through shared memory. S and dP: each warp a 32-query x 32-key block;
+// dV and dK: 32 keys x D / 2; dQ: 16 or 32 queries x the rest of D. The
+// first version gave each warp 16 keys against the whole tile, so every
+// warp read all of q and dO for each of its four products: 184 ldmatrix a
+// tile at d 128, 128 keys (0.58 a tensor-core instruction) against these
+// 144 (0.45), shared memory's bandwidth being what the backward runs at.
 template <typename T, int D, int KEYS, bool Drop, bool DQ>
 __global__ void __launch_bounds__(2 * KEYS)
     flash_backward_kernel(const AttentionArgs a, const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                           const uint16_t* __restrict__ v, const uint16_t* __restrict__ dout,
                           const float* __restrict__ lse, const float* __restrict__ delta, float* __restrict__ dq,
                           float* __restrict__ dk, float* __restrict__ dv) {
-  static_assert(KEYS == 64 || KEYS == 128, "4 or 8 warps: dQ's products split as 4 row tiles x KEYS / 64 column parts");
-  constexpr int Threads = 2 * KEYS, LD = D + 8, LDS = kRows + 8, NT = kRows / 8, DT = D / 8;
-  constexpr int CP = KEYS / 64, DQT = DT / CP;  // dQ: column parts, and 8-column tiles a part
+  static_assert(KEYS == 64 || KEYS == 128, "4 or 8 warps");
+  constexpr int W = KEYS / 16, Threads = 32 * W, LD = D + 8, LDP = KEYS + 8;
+  // dK and dV: KG groups of 32 keys x 2 halves of D. dQ: QM warps along the
+  // tile's rows (MQ row tiles each) x W / QM along D (QN column tiles each).
+  constexpr int KG = KEYS / 32, DN = D / 16;
+  constexpr int QM = D / (W / 2) >= 16 ? 2 : 4, MQ = kRows / 16 / QM, QN = D / (W / QM) / 8;
+  static_assert(QN % 2 == 0 && DN % 2 == 0, "ldmatrix reads B two 8-column tiles at a time");
+  static_assert(((2 * kRows + 2 * KEYS) * LD + 2 * kRows * LDP) % 8 == 0 && Threads >= kRows,
+                "lse and delta 16-byte aligned; a thread a row to stage them");
   extern __shared__ uint4 flash_smem[];
   uint16_t* qs = reinterpret_cast<uint16_t*>(flash_smem);
   uint16_t* dos = qs + kRows * LD;
   uint16_t* ks = dos + kRows * LD;
   uint16_t* vs = ks + KEYS * LD;
-  uint16_t* dss = vs + KEYS * LD;  // dS^T of the tile as [key][query]: the accumulators' layout, pairs stored whole
-  float* ls = reinterpret_cast<float*>(dss + KEYS * LDS);
+  uint16_t* ps = vs + KEYS * LD;     // P, dropped, as [query][key]: dV's A
+  uint16_t* dss = ps + kRows * LDP;  // dS as [query][key]: dK's A (transposed read) and dQ's
+  float* ls = reinterpret_cast<float*>(dss + kRows * LDP);
   float* dl = ls + kRows;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t b = blockIdx.y, j0 = static_cast<int64_t>(blockIdx.x) * KEYS, wk = j0 + warp * 16;
-  const int64_t key[2] = {wk + g, wk + g + 8};
+  const int sq = warp % 2 * 32, sk = warp / 2 * 32;                 // S, dP: first query, first key
+  const int vk = warp % KG * 32, vd = warp / KG * (D / 2);          // dV, dK: first key, first column
+  const int qq = warp % QM * (16 * MQ), qd = warp / QM * (QN * 8);  // dQ: first row, first column
+  const int64_t b = blockIdx.y, j0 = static_cast<int64_t>(blockIdx.x) * KEYS;
   const uint16_t* qb = q + b * a.tq * D;
   const uint16_t* dob = dout + b * a.tq * D;
-  load_tile<D, Threads>(k + b * a.tk * D, j0, a.tk, KEYS, ks);
-  load_tile<D, Threads>(v + b * a.tk * D, j0, a.tk, KEYS, vs);
+  load_tile<D, KEYS, Threads>(k + b * a.tk * D, j0, a.tk, ks);
+  load_tile<D, KEYS, Threads>(v + b * a.tk * D, j0, a.tk, vs);
   cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
   const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
-  float dva[DT][4] = {}, dka[DT][4] = {};
+  float dva[2][DN][4] = {}, dka[2][DN][4] = {};
   // A query tile's q and dO (cp.async) and its rows' lse and delta.
   const auto stage = [&](int64_t i0) {
-    load_tile<D, Threads>(qb, i0, a.tq, kRows, qs);
-    load_tile<D, Threads>(dob, i0, a.tq, kRows, dos);
+    load_tile<D, kRows, Threads>(qb, i0, a.tq, qs);
+    load_tile<D, kRows, Threads>(dob, i0, a.tq, dos);
     cuda::cp_async_commit();
-    for (int r = threadIdx.x; r < kRows; r += Threads) {
+    if (const int r = threadIdx.x; r < kRows) {
       const int64_t i = i0 + r;
       ls[r] = i < a.tq ? lse[b * a.tq + i] * kLog2e : INFINITY;
       dl[r] = i < a.tq ? delta[b * a.tq + i] : 0.f;
@@ -509,99 +544,114 @@ __global__ void __launch_bounds__(2 * KEYS)
   if (first < a.tq) stage(first);
   for (int64_t i0 = first; i0 < a.tq; i0 += kRows) {
     cuda::cp_async_wait_all();
-    __syncthreads();  // the tile is in; every warp is done with the last dS
-    // Warp-uniform: a warp whose keys lie past the end, or (causal) after
-    // the tile's last row, has only zeros to add; its dS columns are zero.
-    if (wk >= a.tk || (a.causal && wk > i0 + kRows - 1)) {
-      if constexpr (DQ)
-        for (int idx = lane; idx < 16 * kRows; idx += 32) dss[(warp * 16 + idx / kRows) * LDS + idx % kRows] = 0;
-    } else {
-      // S^T = K Q^T for the warp's 16 keys against the tile's 64 queries.
-      float st[NT][4] = {};
+    __syncthreads();  // the tile is in; every warp is done with the last P and dS
+    {
+      // S = Q K^T and dPd = dO V^T for the warp's 32 queries x 32 keys.
+      float s[2][4][4] = {}, dp[2][4][4] = {};
       warp_mma<T, D / 16, false>(
-          st, [&](int kk, uint32_t a[4]) { frag_a(ks, LD, warp * 16, kk * 16, lane, a); }, qs, LD, lane);
-      // P^T from the saved log-sum-exp; pd its dropped copy; bit nt*4+e of
-      // keep: the element was kept, for dS.
-      const bool masked = wk + 16 > a.tk || i0 + kRows > a.tq || (a.causal && wk + 15 > i0);
-      // In the tile's 32-bit coordinates (key row kr of the block, query
-      // column c of the tile), as the forward masks: kr < keys_left,
-      // c < rows_left, and (causal) kr - c <= diag.
-      const int keys_left = static_cast<int>(a.tk - j0 < KEYS ? a.tk - j0 : KEYS);
-      const int rows_left = static_cast<int>(a.tq - i0 < kRows ? a.tq - i0 : kRows);
-      const int diag = static_cast<int>(a.causal && i0 - j0 < KEYS ? i0 - j0 : KEYS);
-      float pd[NT][4];
-      uint32_t keep = 0xffffffffu;
+          s, [&](int kk, int mt, uint32_t f[4]) { frag_a(qs, LD, sq + mt * 16, kk * 16, lane, f); }, ks + sk * LD, LD,
+          lane);
+      // The lane's rows mt * 16 + g + 8 h of the warp's 32: lse in log2 units, delta.
+      float lr[2][2], dr[2][2];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = nt * 8 + 2 * t + e % 2, kr = warp * 16 + g + 8 * (e / 2);
-          const bool ok = !masked || (kr < keys_left && c < rows_left && kr - c <= diag);
-          const float p = ok ? cuda::exp2_ftz(fmaf(st[nt][e], sl, -ls[c])) : 0.f;
-          st[nt][e] = p;
-          pd[nt][e] = p * keep_scale;
-          if (Drop && ok && !kept(a, b, i0 + c, j0 + kr)) {
-            pd[nt][e] = 0.f;
-            keep &= ~(1u << (nt * 4 + e));
-          }
-        }
-      // dV += Pd^T dO.
-      warp_mma<T, kRows / 16, true>(
-          dva, [&](int kk, uint32_t a[4]) { c_to_a<T>(pd[2 * kk], pd[2 * kk + 1], a); }, dos, LD, lane);
-      // dPd^T = V dO^T (into pd, free now).
+        for (int h = 0; h < 2; ++h) lr[mt][h] = ls[sq + mt * 16 + g + 8 * h], dr[mt][h] = dl[sq + mt * 16 + g + 8 * h];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) pd[nt][0] = pd[nt][1] = pd[nt][2] = pd[nt][3] = 0.f;
-      warp_mma<T, D / 16, false>(
-          pd, [&](int kk, uint32_t a[4]) { frag_a(vs, LD, warp * 16, kk * 16, lane, a); }, dos, LD, lane);
-      // dS^T = P^T (dP^T - delta) scale, dP = the kept dPd scaled; into st.
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = nt * 8 + 2 * t + e % 2;
-          const float dp = (keep >> (nt * 4 + e)) & 1u ? pd[nt][e] * keep_scale : 0.f;
-          st[nt][e] = st[nt][e] * (dp - dl[c]) * scale;
-        }
-      if constexpr (DQ) {
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] = cuda::exp2_ftz(fmaf(s[mt][nt][e], sl, -lr[mt][e / 2]));
+      // Only tiles on the diagonal or at the last row or key run the mask's
+      // tests, in the tile's 32-bit coordinates (query c, key kr): c <
+      // rows_left, kr < keys_left, and (causal) kr - c <= diag. A select,
+      // not a branch around the exp2: that was a branch a score.
+      if (j0 + KEYS > a.tk || i0 + kRows > a.tq || (a.causal && j0 + KEYS - 1 > i0)) {
+        const int keys_left = static_cast<int>(a.tk - j0 < KEYS ? a.tk - j0 : KEYS);
+        const int rows_left = static_cast<int>(a.tq - i0 < kRows ? a.tq - i0 : kRows);
+        const int diag = static_cast<int>(a.causal && i0 - j0 < KEYS ? i0 - j0 : KEYS);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            *reinterpret_cast<uint32_t*>(dss + (warp * 16 + g + 8 * h) * LDS + nt * 8 + 2 * t) =
-                cuda::pack16<T>(st[nt][2 * h], st[nt][2 * h + 1]);
+          for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int c = sq + mt * 16 + g + 8 * (e / 2), kr = sk + nt * 8 + 2 * t + e % 2;
+              if (!(kr < keys_left && c < rows_left && kr - c <= diag)) s[mt][nt][e] = 0.f;
+            }
       }
-      // dK += dS^T Q.
-      warp_mma<T, kRows / 16, true>(
-          dka, [&](int kk, uint32_t a[4]) { c_to_a<T>(st[2 * kk], st[2 * kk + 1], a); }, qs, LD, lane);
+      warp_mma<T, D / 16, false>(
+          dp, [&](int kk, int mt, uint32_t f[4]) { frag_a(dos, LD, sq + mt * 16, kk * 16, lane, f); }, vs + sk * LD, LD,
+          lane);
+      // Pd = P dropped and scaled, into ps; dS = P (dP - delta) scale with dP
+      // the kept dPd scaled, into dss: both rounded to T, pairs stored whole.
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float pd[2], ds[2];
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+              const int e = 2 * h + x;
+              const float p = s[mt][nt][e];
+              float d = dp[mt][nt][e] * keep_scale;
+              pd[x] = p * keep_scale;
+              if (Drop && !kept(a, b, i0 + sq + mt * 16 + g + 8 * h, j0 + sk + nt * 8 + 2 * t + x)) pd[x] = d = 0.f;
+              ds[x] = p * (d - dr[mt][h]) * scale;
+            }
+            const int off = (sq + mt * 16 + g + 8 * h) * LDP + sk + nt * 8 + 2 * t;
+            *reinterpret_cast<uint32_t*>(ps + off) = cuda::pack16<T>(pd[0], pd[1]);
+            *reinterpret_cast<uint32_t*>(dss + off) = cuda::pack16<T>(ds[0], ds[1]);
+          }
     }
-    __syncthreads();  // every warp's dS is in dss and every warp is done with q, dO, lse, delta
-    if (i0 + kRows < a.tq) stage(i0 + kRows);  // the next tile loads behind dQ's products
-    if constexpr (!DQ) continue;
-    // dQ += dS K: warp w takes the tile's rows 16 (w % 4).. and columns
-    // c0.. (a D / CP part) against all KEYS keys.
-    const int rt = warp % 4, c0 = warp / 4 * (D / CP);
-    float dqa[DQT][4] = {};
-    warp_mma<T, KEYS / 16, true>(
-        dqa, [&](int kk, uint32_t a[4]) { frag_a_cols(dss, LDS, rt * 16, kk * 16, lane, a); }, ks + c0, LD, lane);
+    __syncthreads();  // P and dS are whole
+    // dV += Pd^T dO and dK += dS^T Q for the warp's 32 keys x D / 2.
+    warp_mma<T, kRows / 16, true>(
+        dva, [&](int kk, int mt, uint32_t f[4]) { frag_a_cols(ps, LDP, vk + mt * 16, kk * 16, lane, f); }, dos + vd, LD,
+        lane);
+    warp_mma<T, kRows / 16, true>(
+        dka, [&](int kk, int mt, uint32_t f[4]) { frag_a_cols(dss, LDP, vk + mt * 16, kk * 16, lane, f); }, qs + vd, LD,
+        lane);
+    if constexpr (DQ) {
+      __syncthreads();                           // every warp is done with q, dO, lse and delta
+      if (i0 + kRows < a.tq) stage(i0 + kRows);  // the next tile loads behind dQ's products
+      // dQ += dS K for the warp's MQ row tiles x QN column tiles.
+      float dqa[MQ][QN][4] = {};
+      warp_mma<T, KEYS / 16, true>(
+          dqa, [&](int kk, int mt, uint32_t f[4]) { frag_a(dss, LDP, qq + mt * 16, kk * 16, lane, f); }, ks + qd, LD,
+          lane);
+#pragma unroll
+      for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t i = i0 + qq + mt * 16 + g + 8 * h;
+          if (i >= a.tq) continue;
+          float* dqrow = dq + (b * a.tq + i) * D + qd + 2 * t;
+#pragma unroll
+          for (int nt = 0; nt < QN; ++nt) cuda::atomic_add2(dqrow + nt * 8, dqa[mt][nt][2 * h], dqa[mt][nt][2 * h + 1]);
+        }
+    } else {
+      __syncthreads();
+      if (i0 + kRows < a.tq) stage(i0 + kRows);
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t i = i0 + rt * 16 + g + 8 * h;
-      if (i >= a.tq) continue;
-      float* dqrow = dq + (b * a.tq + i) * D + c0 + 2 * t;
+      const int64_t j = j0 + vk + mt * 16 + g + 8 * h;
+      if (j >= a.tk) continue;
+      const int64_t off = (b * a.tk + j) * D + vd + 2 * t;
 #pragma unroll
-      for (int nt = 0; nt < DQT; ++nt) cuda::atomic_add2(dqrow + nt * 8, dqa[nt][2 * h], dqa[nt][2 * h + 1]);
+      for (int nt = 0; nt < DN; ++nt) {
+        *reinterpret_cast<float2*>(dk + off + nt * 8) = make_float2(dka[mt][nt][2 * h], dka[mt][nt][2 * h + 1]);
+        *reinterpret_cast<float2*>(dv + off + nt * 8) = make_float2(dva[mt][nt][2 * h], dva[mt][nt][2 * h + 1]);
+      }
     }
-  }
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int64_t j = key[e / 2];
-    if (j >= a.tk) continue;
-    const int64_t off = (b * a.tk + j) * D + 2 * t + e % 2;
-#pragma unroll
-    for (int nt = 0; nt < DT; ++nt) dk[off + nt * 8] = dka[nt][e], dv[off + nt * 8] = dva[nt][e];
-  }
 }
-
 // grid (query blocks of kRows, heads); dq [n, tq, D] float32 written. The
 // deterministic alternative to the backward kernel's dQ atomics (used under
 // deterministic_algorithms()): each block owns its 64 query rows and walks
@@ -625,8 +675,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t wrow = i0 + warp * 16;  // the warp's first row
   const uint16_t* kb = k + b * a.tk * D;
   const uint16_t* vb = v + b * a.tk * D;
-  load_tile<D>(q + b * a.tq * D, i0, a.tq, kRows, qs);
-  load_tile<D>(dout + b * a.tq * D, i0, a.tq, kRows, dos);
+  load_tile<D, kRows>(q + b * a.tq * D, i0, a.tq, qs);
+  load_tile<D, kRows>(dout + b * a.tq * D, i0, a.tq, dos);
   cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
   const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
@@ -644,8 +694,8 @@ __global__ void __launch_bounds__(kThreads)
   const bool active = wrow < a.tq;
   for (int64_t j0 = 0; j0 < kend; j0 += kKeys) {
     __syncthreads();  // every warp is done with the last tile's k and v
-    load_tile<D>(kb, j0, a.tk, kKeys, ks);
-    load_tile<D>(vb, j0, a.tk, kKeys, vs);
+    load_tile<D, kKeys>(kb, j0, a.tk, ks);
+    load_tile<D, kKeys>(vb, j0, a.tk, vs);
     cuda::cp_async_commit();
     cuda::cp_async_wait_all();
     __syncthreads();  // the tiles (and, the first time, q and dO) are in
@@ -659,7 +709,7 @@ __global__ void __launch_bounds__(kThreads)
     warp_mma<T, D / 16, false>(
         dp, [&](int kk, uint32_t f[4]) { frag_a(dos, LD, warp * 16, kk * 16, lane, f); }, vs, LD, lane);
     // dS = P (dP - delta) scale, dP the kept dPd scaled (the backward
-    // kernel's formula, transposed).
+    // kernel's formula).
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -764,9 +814,12 @@ template <typename T, int D, int KEYS, bool Drop>
 void backward_keys(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout,
                    const Tensor& lse, const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv) {
   cudaStream_t stream = cuda::stream_for(q);
-  const size_t smem =
-      (2 * kRows * (D + 8) + 2 * KEYS * (D + 8) + KEYS * (kRows + 8)) * sizeof(uint16_t) + 2 * kRows * sizeof(float);
+  const size_t smem = (2 * kRows * (D + 8) + 2 * KEYS * (D + 8) + 2 * kRows * (KEYS + 8)) * sizeof(uint16_t) +
+                      2 * kRows * sizeof(float);
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.tk, KEYS)), static_cast<unsigned>(a.n));
+  EMBER_INTERNAL_ASSERT(
+      reinterpret_cast<uintptr_t>(dk.raw_data()) % 8 == 0 && reinterpret_cast<uintptr_t>(dv.raw_data()) % 8 == 0,
+      "flash attention: dk, dv not 8-byte aligned");
   if (!deterministic_algorithms()) {
     EMBER_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(dq.raw_data()) % 8 == 0,
                           "flash attention: dq not 8-byte aligned");

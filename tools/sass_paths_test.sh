@@ -1,0 +1,39 @@
+#!/bin/bash
+# tools/sass_paths.py on a hand-written SASS listing (a stand-in cuobjdump
+# prints it): a loop whose masked block is branched around, with a loop
+# inside it, and a kernel the pattern leaves out. The full-tile iteration is
+# the header (3), the inner loop's body once (2) and the tail (2): 7
+# instructions, 2 tensor-core, not the masked block's 2 more.
+set -euo pipefail
+tool=$1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+cat >"$tmp/listing" <<'SASS'
+	code for sm_90
+		Function : _Z6kernelPf
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDSM.16.M88.4 R4, [R2] ;
+        /*0020*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;
+        /*0030*/              @P0 BRA 0x60 ;
+        /*0040*/                   ISETP.GE.AND P1, PT, R3, 0x1, PT ;
+        /*0050*/                   FSEL R8, R8, -INF , !P1 ;
+        /*0060*/                   MUFU.EX2 R9, R8 ;
+        /*0070*/              @P3 BRA 0x60 ;
+        /*0080*/                   HMMA.16816.F32.BF16 R10, R4, R6, R10 ;
+        /*0090*/              @P2 BRA 0x10 ;
+        /*00a0*/                   EXIT ;
+        /*00b0*/                   BRA 0xb0;
+		Function : _Z5otherPf
+        /*0000*/                   EXIT ;
+SASS
+printf '#!/bin/bash\ncat %q\n' "$tmp/listing" >"$tmp/cuobjdump"
+chmod +x "$tmp/cuobjdump"
+out=$(python3 "$tool" --cuobjdump "$tmp/cuobjdump" fake.cubin '^kernel')
+grep -q "^kernel(float\*)$" <<<"$out" || { echo "$out"; exit 1; }
+grep -q "kernel: 12 instructions, 2 tensor-core" <<<"$out" || { echo "$out"; exit 1; }
+grep -q "loop 0x0010-0x0090 (9 instructions): full-tile iteration 7 instructions, 2 tensor-core, 3.50 a tensor-core instruction (a loop inside counted once: 1)" <<<"$out" || { echo "$out"; exit 1; }
+grep -q "    control 3, ldsm 1, mufu 1$" <<<"$out" || { echo "$out"; exit 1; }
+if grep -q "other" <<<"$out"; then echo "$out"; exit 1; fi
+if out=$(python3 "$tool" --cuobjdump "$tmp/cuobjdump" fake.cubin 'nothing' 2>&1); then echo "accepted a pattern matching nothing"; exit 1; fi
+grep -q "no kernel of fake.cubin matches 'nothing' (2 kernels)" <<<"$out" || { echo "$out"; exit 1; }
+echo "sass_paths: ok"
