@@ -7,7 +7,7 @@
 #     (sequence parallel) and pp 2 x ep 2 each equal one process step for step (the
 #     same batches, losses within 1e-5, gradient norms within 1e-4; the
 #     pipeline's reference accumulates the same 4 micro-batches) and end
-#     with the same parameters (the consolidated checkpoints, rel 1e-5);
+#     with the same parameters (the consolidated checkpoints, rel 3e-5);
 #   - pp 2 x ep 2 with MoE in the first stage only (the second all dense);
 #   - ep 2 under full activation checkpointing equals one process too;
 #   - a checkpoint chain ep 4 -> ep 2 -> one process continues as the
@@ -20,8 +20,11 @@ ckpt=tools/ckpt
 tmp="${TEST_TMPDIR:-$(mktemp -d)}"
 source "$dir/gpt_checks.sh"  # like_reference, same_validation
 
-# The final parameters of two checkpoints, consolidated, equal within 1e-5
-# of each tensor's largest value.
+# The final parameters of two checkpoints, consolidated, equal within 3e-5
+# of each tensor's largest value: six AdamW steps turn the last bits that
+# tensor parallelism's other summation order leaves in a gradient into
+# 1.2e-5 of a dense weight's largest value on one CPU (1e-5 failed there);
+# a layout that mixed up shards is off by whole values.
 same_params() {  # CKPT CKPT
   "$ckpt" consolidate "$1" "$tmp/cons_a" > /dev/null
   "$ckpt" consolidate "$2" "$tmp/cons_b" > /dev/null
@@ -44,7 +47,7 @@ for k in x:
     assert x[k][0] == y[k][0], (k, x[k][0], y[k][0])
     scale = max(max(abs(v) for v in x[k][1]), 1e-6)
     worst = max(abs(p - q) for p, q in zip(x[k][1], y[k][1]))
-    assert worst <= 1e-5 * scale, (k, worst, scale)
+    assert worst <= 3e-5 * scale, (k, worst, scale)
 assert any(".mlp.experts.w1" in k for k in x), "no stacked expert weights"
 print("same parameters:", len(x), "tensors")
 PY

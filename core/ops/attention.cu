@@ -638,6 +638,7 @@ __global__ void __launch_bounds__(2 * KEYS)
       if (i0 + kRows < a.tq) stage(i0 + kRows);
     }
   }
+  cuda::cp_async_wait_all();  // a causal block past the last row waited for no copy
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -810,12 +811,32 @@ void forward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Ten
     forward_keys<T, D, 64, false>(a, q, k, v, out, lse);
 }
 
+// The backward block's shared memory: q, dO, k, v, P, dS and the rows'
+// statistics.
+size_t backward_smem(int d, int keys) {
+  return (2 * kRows * (d + 8) + 2 * keys * (d + 8) + 2 * kRows * (keys + 8)) * sizeof(uint16_t) +
+         2 * kRows * sizeof(float);
+}
+// The most shared memory a block of the device may opt in to, asked once:
+// 227 KiB on sm_90 and sm_100, 99 KiB on sm_86, sm_89 and sm_120, which run
+// the sm_90 PTX (sm_120) and where the 128-key backward at head dim 128
+// (137 KiB) cannot launch.
+int smem_optin(int device) {
+  static std::atomic<int> known[64] = {};  // 0: not asked yet
+  std::atomic<int>& slot = known[device % 64];
+  int v = slot.load();
+  if (v == 0) {
+    EMBER_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    slot.store(v);
+  }
+  return v;
+}
+
 template <typename T, int D, int KEYS, bool Drop>
 void backward_keys(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout,
                    const Tensor& lse, const Tensor& delta, Tensor& dq, Tensor& dk, Tensor& dv) {
   cudaStream_t stream = cuda::stream_for(q);
-  const size_t smem = (2 * kRows * (D + 8) + 2 * KEYS * (D + 8) + 2 * kRows * (KEYS + 8)) * sizeof(uint16_t) +
-                      2 * kRows * sizeof(float);
+  const size_t smem = backward_smem(D, KEYS);
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.tk, KEYS)), static_cast<unsigned>(a.n));
   EMBER_INTERNAL_ASSERT(
       reinterpret_cast<uintptr_t>(dk.raw_data()) % 8 == 0 && reinterpret_cast<uintptr_t>(dv.raw_data()) % 8 == 0,
@@ -854,7 +875,8 @@ void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Te
   delta_kernel<T, float><<<warp_grid(a.n * a.tq), cuda::kBlockSize, 0, cuda::stream_for(q)>>>(
       a.n * a.tq, D, out.data<T>(), dout.data<T>(), dlse ? dlse->data<float>() : nullptr, delta.data<float>());
   EMBER_CUDA_CHECK(cudaGetLastError());
-  const bool drop = a.dropout_p > 0, wide = bwd_keys() == 128;
+  const bool drop = a.dropout_p > 0,
+             wide = bwd_keys() == 128 && backward_smem(D, 128) <= static_cast<size_t>(smem_optin(q.device().index));
   if (wide && drop)
     backward_keys<T, D, 128, true>(a, q, k, v, dout, lse, delta, dq, dk, dv);
   else if (wide)

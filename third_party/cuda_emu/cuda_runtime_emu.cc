@@ -362,7 +362,11 @@ cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int) {
   return cudaSuccess;
 }
 cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
-  *v = a == cudaDevAttrMultiProcessorCount ? 4 : a == cudaDevAttrMaxThreadsPerBlock ? 1024 : a == cudaDevAttrWarpSize ? 32 : 0;
+  *v = a == cudaDevAttrMultiProcessorCount            ? 4
+       : a == cudaDevAttrMaxThreadsPerBlock           ? 1024
+       : a == cudaDevAttrWarpSize                     ? 32
+       : a == cudaDevAttrMaxSharedMemoryPerBlockOptin ? 227 * 1024  // sm_90's, as cudaFuncSetAttribute's limit here
+                                                      : 0;
   return cudaSuccess;
 }
 cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const void*, int, size_t) { *n = 4; return cudaSuccess; }
