@@ -608,8 +608,6 @@ int loop(const Flags& flags, const examples::Job& job, Setup& s) {
   }
   if (flags.cuda_graph == 1) {
     EMBER_CHECK(job.cuda, "--cuda-graph 1 needs a GPU: ", cuda_unavailable_reason());
-    EMBER_CHECK(job.world == 1, "--cuda-graph 1 captures one process's step; this job has ", job.world,
-                " ranks (--nproc 1): collectives inside a captured step are not supported yet");
     make_graphed_step(s, device.index);
   }
   while (s.step < flags.max_steps) {

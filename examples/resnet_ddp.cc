@@ -157,18 +157,18 @@ void parse_flags(examples::FlagTable& t, Flags& f, int argc, char** argv) {
   if (f.cuda_graph > 1) usage_error("--cuda-graph " + std::to_string(f.cuda_graph) + ": give 0 or 1");
   if (f.cuda_graph == 1) {
     // Host code inside every step, which a replayed graph would skip: a
-    // compression hook's state, SyncBatchNorm's collective, the profiler's
-    // op scopes; and steps of several micro-batches or processes.
+    // compression hook's state, the profiler's op scopes; and steps of
+    // several micro-batches. SyncBatchNorm's collectives inside the graph
+    // have no test yet. DDP's bucket allreduces and buffer broadcasts are
+    // captured (NCCL), so any --nproc goes.
     if (f.grad_compress != "off")
       usage_error("--grad-compress " + f.grad_compress + " with --cuda-graph 1: its hook keeps host state per step");
-    if (f.sync_bn) usage_error("--sync-bn with --cuda-graph 1: it captures one process's step (no collectives)");
+    if (f.sync_bn)
+      usage_error("--sync-bn with --cuda-graph 1: SyncBatchNorm inside a captured step is not supported yet");
     if (t.given("--profile")) usage_error("--profile with --cuda-graph 1: a replayed step runs no op scopes to time");
     if (c.accum_steps > 1)
       usage_error("--accum-steps " + std::to_string(c.accum_steps) +
                   " with --cuda-graph 1: a captured step is one micro-batch here");
-    if (c.nproc > 1)
-      usage_error("--nproc " + std::to_string(c.nproc) + " with --cuda-graph 1: it captures one process's step " +
-                  "(--nproc 1); collectives inside a captured step are not supported yet");
   }
   // The default directory is scratch that a fresh run replaces; one the user names is kept.
   examples::refuse_overwrite(c.checkpoint_dir, "epoch_",
@@ -474,15 +474,13 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
 // ---- The loop: epochs of steps, an evaluation and a checkpoint each ----
 
 // --cuda-graph 1: the loop's step (forward under autocast, backward through
-// DDP, which at one rank reduces nothing, the scaler's step_async and
+// DDP, whose NCCL allreduces the graph holds, the scaler's step_async and
 // update) as one function of the batch, run eagerly for three warm-up steps
 // (the momentum buffers, the scale, cuDNN's plans) and then captured and
 // replayed by GraphedStep; the schedule reaches it through the learning
 // rate on the device.
 void make_graphed_step(const Flags& flags, const examples::Job& job, Setup& s) {
   EMBER_CHECK(job.cuda, "--cuda-graph 1 needs a GPU: ", cuda_unavailable_reason());
-  EMBER_CHECK(job.world == 1, "--cuda-graph 1 captures one process's step; this job has ", job.world,
-              " ranks (--nproc 1): collectives inside a captured step are not supported yet");
   EMBER_CHECK(!distributed::live_recovery_enabled(),
               "--cuda-graph 1 under live recovery: its per-step hook (batch norm's statistics as the step began) "
               "is host code a replayed graph would skip");

@@ -16,15 +16,26 @@
 // collectives overlap compute (FSDP).
 //
 // Safety nets. A watchdog thread polls every pending op's event and
-// ncclCommGetAsyncError. An op still running past options.timeout, or an
-// asynchronous NCCL error (a peer died, a network failure), aborts the
+// ncclCommGetAsyncError. A Work whose event fired checks its communicator's
+// asynchronous error too (as PyTorch's WorkNCCL::isCompleted checks it), so
+// a collective that a peer's failure ended early never reads as a success.
+// An op still running past options.timeout, or an asynchronous NCCL error (a peer died, a network failure), aborts the
 // communicator (ncclCommAbort, which also kills kernels stuck waiting for
 // peers) and fails every pending op with an error naming the op, its
 // sequence number and the timeout; the group is unusable afterwards.
 // Tensors an op uses stay referenced until its event completes, so the
 // caching allocator cannot hand their memory out while NCCL still uses it.
 //
-// Compiled wherever CUDA is built; only runs where a GPU is present. The
+// CUDA graphs. A collective issued while this thread captures a graph
+// (core/cuda_graph.h) is recorded into it: the comm stream joins the capture
+// through the ready event, and the caller's wait() or synchronize() joins it
+// back (the current stream waits for the done event; the host cannot wait
+// for work that only the replays run). Such an op is not the watchdog's:
+// querying an event recorded in a capture would invalidate it, and a replay
+// runs the collective again without a new Work.
+//
+// Compiled wherever CUDA is built; only runs where a GPU is present (or
+// under the emulation, third_party/cuda_emu/nccl_emu.cc). The
 // CPU-only configuration keeps make_nccl_group, as an error naming the cause.
 #include "core/device.h"
 #include "distributed/comm/backends.h"
@@ -46,6 +57,7 @@
 #include <thread>
 
 #include "core/cuda_check.h"
+#include "core/cuda_graph.h"
 #include "core/device.h"
 #include "core/tensor.h"
 #include "distributed/comm/pg_common.h"
@@ -130,11 +142,45 @@ void write_back(const Tensor& dst, const Tensor& buf) {
   d.copy_(buf);
 }
 
+// A communicator as the Works of its ops see it: the watchdog marks it
+// aborted (under mu) before ncclCommAbort frees it, so a Work polling from
+// another thread never reads a freed communicator.
+struct CommRef {
+  explicit CommRef(ncclComm_t c) : comm(c) {}
+  std::mutex mu;
+  ncclComm_t comm;
+  bool aborted = false;
+  // "" or the communicator's asynchronous error, described.
+  std::string async_error() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (aborted || comm == nullptr) return "";
+    ncclResult_t async = ncclSuccess;
+    ncclResult_t r = ncclCommGetAsyncError(comm, &async);
+    if (r != ncclSuccess) async = r;
+    if (async == ncclSuccess || async == ncclInProgress) return "";
+    return std::string("NCCL reported an asynchronous error: ") + ncclGetErrorString(async) + " (" +
+           ncclGetLastError(comm) + ")";
+  }
+  void abort() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (aborted) return;
+    aborted = true;
+    ncclCommAbort(comm);
+  }
+  // Before ncclCommDestroy: a Work that outlives its group asks nothing.
+  void forget() {
+    std::lock_guard<std::mutex> lock(mu);
+    aborted = true;
+  }
+};
+
 class NcclWork : public CompletionWork {
  public:
-  NcclWork(OpInfo info, int device, std::unique_ptr<Event> done, std::vector<Tensor> keep)
+  NcclWork(OpInfo info, int device, std::shared_ptr<CommRef> comm, std::unique_ptr<Event> done,
+           std::vector<Tensor> keep)
       : CompletionWork(std::move(info)),
         device_(device),
+        comm_(std::move(comm)),
         done_event_(std::move(done)),
         keep_(std::move(keep)),
         start_(PgClock::now()) {}
@@ -170,12 +216,19 @@ class NcclWork : public CompletionWork {
     done_event_->block(Stream::current(device_));
   }
 
-  // True once done; completes the work when its event has fired.
+  // True once done; completes the work when its event has fired, failed if
+  // its communicator reports an asynchronous error by then (an op that a
+  // peer's failure ended early fires its event with its output unwritten).
+  // An op whose event has not fired is the watchdog's to fail: it drops the
+  // tensors only once the abort has stopped NCCL's kernels.
   bool poll() {
     if (CompletionWork::is_completed()) return true;
     try {
       if (!done_event_->query()) return false;
-      finish();
+      if (std::string async = comm_->async_error(); !async.empty())
+        finish(std::make_exception_ptr(Error(info_.describe() + ": " + async)));
+      else
+        finish();
     } catch (const Error& e) {
       cudaGetLastError();
       finish(std::make_exception_ptr(Error(info_.describe() + ": CUDA error while running: " + e.what())));
@@ -191,10 +244,36 @@ class NcclWork : public CompletionWork {
 
  private:
   int device_;
+  std::shared_ptr<CommRef> comm_;
   std::unique_ptr<Event> done_event_;
   std::mutex keep_mu_;
   std::vector<Tensor> keep_;
   PgClock::time_point start_;
+};
+
+// A collective recorded into a CUDA graph: done as far as the host is
+// concerned; waiting for it orders the capturing stream after it.
+class CapturedWork : public CompletionWork {
+ public:
+  CapturedWork(OpInfo info, int device, std::unique_ptr<Event> done)
+      : CompletionWork(std::move(info)), device_(device), done_event_(std::move(done)) {
+    finish();
+  }
+  void wait() override { synchronize(); }
+  bool wait(Millis) override {
+    synchronize();
+    return true;
+  }
+  void synchronize() override {
+    EMBER_CHECK(cuda_graph_capturing(), info_.describe(),
+                " was captured in a CUDA graph: it runs in the graph's replays, and only work captured with it "
+                "can wait for it");
+    done_event_->block(Stream::current(device_));
+  }
+
+ private:
+  int device_;
+  std::unique_ptr<Event> done_event_;
 };
 
 class NcclGroup : public ProcessGroup {
@@ -237,6 +316,7 @@ class NcclGroup : public ProcessGroup {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 1;
     EMBER_NCCL_CHECK(ncclCommInitRankConfig(&comm_, size, id, rank, &config));
+    comm_ref_ = std::make_shared<CommRef>(comm_);
     comm_stream_ = new_stream(device_);
     stream_ = static_cast<cudaStream_t>(comm_stream_->handle);
     ready_event_ = std::make_unique<Event>(device_);
@@ -254,6 +334,8 @@ class NcclGroup : public ProcessGroup {
       }
       watchdog_.join();
       DeviceGuard g(device_);
+      comm_ref_->forget();
+      for (auto& [key, e] : edges_) e.ref->forget();
       if (!aborted_) {
         ncclCommFinalize(comm_);
         ncclCommDestroy(comm_);
@@ -487,6 +569,7 @@ class NcclGroup : public ProcessGroup {
       const int other = rank_ == src ? dst : src;
       Edge e;
       e.comm = c;
+      e.ref = std::make_shared<CommRef>(c);
       e.stream = new_stream(device_);
       e.peer = other > rank_ ? 1 : 0;
       edges_.emplace(std::make_pair(src, dst), std::move(e));
@@ -511,6 +594,7 @@ class NcclGroup : public ProcessGroup {
   // A connected pair's communicator and stream (connect_p2p).
   struct Edge {
     ncclComm_t comm = nullptr;
+    std::shared_ptr<CommRef> ref;
     std::shared_ptr<const Stream> stream;
     int peer = 0;  // the other rank in the pair's communicator
   };
@@ -535,6 +619,9 @@ class NcclGroup : public ProcessGroup {
     // The host side of the op (signature check, enqueue on the stream); the
     // GPU's transfer time is Nsight's to show, under the same NVTX name.
     detail::CollectiveEvent prof(info, group_label_);
+    // An asynchronous error the watchdog has not acted on yet breaks the
+    // group now: an op queued behind it would not run.
+    if (std::string a = (on ? on->ref : comm_ref_)->async_error(); !a.empty()) set_broken(a);
     if (std::string b = broken(); !b.empty()) {
       Error e = detail::unusable_group_error(info.describe(), b);
       fr::FlightRecorder::get().finished(info.fr_id, e.what());  // not left "scheduled"
@@ -576,7 +663,12 @@ class NcclGroup : public ProcessGroup {
     fr::FlightRecorder::get().started(info.fr_id);
     auto done = std::make_unique<Event>(device_);
     done->record(comm);
-    auto work = std::make_shared<NcclWork>(std::move(info), device_, std::move(done), std::move(keep));
+    if (cuda_graph_capturing()) {
+      // The graph's memory pool keeps the tensors; no watchdog (see the top).
+      return std::make_shared<CapturedWork>(std::move(info), device_, std::move(done));
+    }
+    auto work = std::make_shared<NcclWork>(std::move(info), device_, on ? on->ref : comm_ref_, std::move(done),
+                                           std::move(keep));
     std::lock_guard<std::mutex> lock(mu_);
     pending_.push_back(work);
     return work;
@@ -610,16 +702,10 @@ class NcclGroup : public ProcessGroup {
       std::string failure;
       std::shared_ptr<NcclWork> culprit;
       if (!aborted_) {
-        std::vector<ncclComm_t> comms{comm_};
-        for (auto& [key, e] : edges_) comms.push_back(e.comm);
-        for (ncclComm_t c : comms) {
-          ncclResult_t async = ncclSuccess;
-          ncclResult_t r = ncclCommGetAsyncError(c, &async);
-          if (r != ncclSuccess) async = r;
-          if (failure.empty() && async != ncclSuccess && async != ncclInProgress)
-            failure = std::string("NCCL reported an asynchronous error: ") + ncclGetErrorString(async) + " (" +
-                      ncclGetLastError(c) + ")";
-        }
+        std::vector<CommRef*> comms{comm_ref_.get()};
+        for (auto& [key, e] : edges_) comms.push_back(e.ref.get());
+        for (CommRef* c : comms)
+          if (failure.empty()) failure = c->async_error();
         for (auto& w : pending_) {
           if (!failure.empty()) break;
           auto ran = std::chrono::duration_cast<Millis>(PgClock::now() - w->start());
@@ -641,8 +727,8 @@ class NcclGroup : public ProcessGroup {
           std::string msg = w == culprit ? failure : w->info().describe() + ": aborted: " + failure;
           w->finish(std::make_exception_ptr(Error(msg)));
         }
-        ncclCommAbort(comm_);
-        for (auto& [key, e] : edges_) ncclCommAbort(e.comm);
+        comm_ref_->abort();
+        for (auto& [key, e] : edges_) e.ref->abort();
         aborted_ = true;
         for (auto& w : pending_) w->release();
         pending_.clear();
@@ -657,6 +743,7 @@ class NcclGroup : public ProcessGroup {
   ProcessGroupOptions options_;
   int device_ = 0;
   ncclComm_t comm_ = nullptr;
+  std::shared_ptr<CommRef> comm_ref_;          // comm_ as its Works see it
   std::string abort_requested_;                // abort() was called (under mu_)
   std::shared_ptr<const Stream> comm_stream_;  // owns stream_
   cudaStream_t stream_ = nullptr;

@@ -4,8 +4,11 @@
 // a warm-up schedule, autocast with the loss scaler skipping on the device,
 // captured through optim::GraphedStep after three eager steps and
 // replayed, gives the eager steps' losses, parameters and batch-norm
-// statistics bit for bit. On a GPU (skips without one) and under the
-// emulation (ddp_graph_emu_test).
+// statistics bit for bit. The same across 2 ranks over NCCL, whose bucket
+// allreduces and buffer broadcasts the graph captures: each rank's replayed
+// steps equal its eager ones, and the ranks' replicas stay equal. On a GPU
+// (skips without one, and the 2 ranks without 2 GPUs) and under the
+// emulation (ddp_graph_emu_test, with the emulated NCCL).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -21,6 +24,7 @@
 #include "core/ops.h"
 #include "distributed/init.h"
 #include "distributed/parallel/ddp.h"
+#include "distributed/testing/multiprocess.h"
 #include "distributed/testing/world_of_one.h"
 #include "nn/functional.h"
 #include "nn/models.h"
@@ -79,9 +83,10 @@ void make(Trainer& t, const std::string& amp, bool graphed) {
                                     }});
 }
 
-void train(Trainer& t, int steps) {
+// `rank`'s batches differ from every other rank's.
+void train(Trainer& t, int steps, int rank = 0) {
   for (int s = 0; s < steps; ++s) {
-    Generator g(500 + s);
+    Generator g(500 + s + 1000 * rank);
     Tensor x = randn({4, 1, 8, 8}, {DType::Float32}, &g).cuda();
     Tensor y = randint(0, 5, {4}, DType::Int64, &g).cuda();
     t.losses.push_back((*t.step)({x, y})[0].cpu().item());
@@ -137,6 +142,51 @@ TEST_P(DdpGraph, ReplayedStepsEqualEagerStepsBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(Ddp, DdpGraph, ::testing::Values("off", "bf16", "fp16"),
                          [](const auto& info) { return info.param; });
+
+// Each rank trains on its own batches, eagerly and graphed; its arg is the
+// precision.
+EMBER_WORKER(ddp_graph_ranks) {
+  InitOptions io;
+  io.backend = "nccl";
+  io.rank = env.rank;
+  io.world_size = env.world_size;
+  io.store = env.store();
+  init_process_group(io);
+  set_deterministic_algorithms(true);
+  constexpr int kSteps = 7;
+  Trainer eager, graphed;
+  make(eager, env.arg, false);
+  train(eager, kSteps, env.rank);
+  make(graphed, env.arg, true);
+  train(graphed, kSteps, env.rank);
+  WCHECK(graphed.step->captured() && graphed.step->captured_at() == 4, "captured at step 4, not ",
+         graphed.step->captured_at());
+  for (size_t i = 0; i < eager.losses.size(); ++i)
+    WCHECK(graphed.losses[i] == eager.losses[i], "rank ", env.rank, " step ", i + 1, ": ", graphed.losses[i], " vs ",
+           eager.losses[i]);
+  const auto se = eager.model->state_dict().items(), sg = graphed.model->state_dict().items();
+  for (size_t i = 0; i < se.size(); ++i)
+    WCHECK(sg[i].second.cpu().to_vector() == se[i].second.cpu().to_vector(), "rank ", env.rank, ": ", se[i].first);
+  // Replicas agree: had a replay skipped its allreduces, each rank's own
+  // batches would have moved its parameters apart. (Not the batch norms'
+  // running statistics: each rank's last forward updated its own.)
+  auto pg = default_group();
+  for (const auto& [name, p] : graphed.model->named_parameters()) {
+    Tensor theirs = p.clone();
+    pg->broadcast(theirs, 0)->wait();
+    WCHECK(theirs.cpu().to_vector() == p.cpu().to_vector(), "rank ", env.rank, " differs from rank 0: ", name);
+  }
+  WCHECK(eager.losses[kSteps - 1] != eager.losses[0], "the steps trained nothing");
+  set_deterministic_algorithms(false);
+  destroy_process_group();
+}
+
+TEST(DdpGraphRanks, TwoRanksOverNcclReplayedEqualEager) {
+  if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
+  if (cuda_device_name() != "CUDA emulation" && cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  if (!cuda_allocator_caching(0)) GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: graphs need the caching";
+  for (const char* amp : {"off", "bf16"}) EMBER_EXPECT_RANKS("ddp_graph_ranks", 2, {.arg = amp}) << amp;
+}
 
 }  // namespace
 }  // namespace ember::distributed

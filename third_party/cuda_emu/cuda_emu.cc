@@ -8,8 +8,14 @@
 //
 // Environment (read at start-up):
 //   EMU_ORDER=fwd|rev|shuffle  order in which a block's threads run between
-//                              barriers (default fwd). rev and shuffle expose a
-//                              missing __syncthreads; shuffle is seeded per
+//                              barriers (default fwd). fwd and rev run warp
+//                              by warp (first to last, or last to first):
+//                              each warp runs as far as it can, to a
+//                              __syncthreads or its end, before the next
+//                              starts, so a missing __syncthreads between
+//                              warps that share memory shows. shuffle
+//                              interleaves every thread at each barrier, a
+//                              warp's included, in an order seeded per
 //                              launch and block, so a run is reproducible.
 //   EMU_THREADS=N              OS threads running the blocks of a grid
 //                              (default min(hardware threads, 4)).
@@ -340,22 +346,39 @@ void run_block(Block& b, const Grid& g, uint64_t block_linear) {
   if (g.smem) std::memset(W.dynamic_smem, 0xFF, g.smem);
   const auto order = static_cast<Order>(g_order.load());
   std::mt19937_64 rng(g.id * 0x9E3779B97F4A7C15ull + block_linear);
-  std::vector<int> idx(n);
-  for (int i = 0; i < n; ++i) idx[i] = order == Order::kReverse ? n - 1 - i : i;
+  std::vector<int> idx(n);  // shuffle's order
+  for (int i = 0; i < n; ++i) idx[i] = i;
   W.blk = &b;
+  // Runs thread i until it waits or ends, if it can run; true if it ran.
+  auto step = [&](int i) {
+    Fiber& f = b.f[i];
+    if (f.st == St::Done) return false;
+    if (f.st == St::WaitBlock && b.gen == f.wait_gen) return false;
+    if (f.st == St::WaitWarp && b.warps[i / 32].gen == f.wait_gen) return false;
+    f.st = St::Ready;
+    threadIdx = f.tid;
+    W.cur = &f;
+    enter_fiber(f);
+    return true;
+  };
+  const int warps = (n + 31) / 32;
   while (b.live > 0) {
-    if (order == Order::kShuffle) std::shuffle(idx.begin(), idx.end(), rng);
     bool progressed = false;
-    for (int i : idx) {
-      Fiber& f = b.f[i];
-      if (f.st == St::Done) continue;
-      if (f.st == St::WaitBlock && b.gen == f.wait_gen) continue;
-      if (f.st == St::WaitWarp && b.warps[i / 32].gen == f.wait_gen) continue;
-      f.st = St::Ready;
-      threadIdx = f.tid;
-      W.cur = &f;
-      enter_fiber(f);
-      progressed = true;
+    if (order == Order::kShuffle) {
+      std::shuffle(idx.begin(), idx.end(), rng);
+      for (int i : idx) progressed |= step(i);
+    } else {
+      // A warp's lanes take turns until none of them can go on; then the
+      // next warp (last to first, lanes too, under rev).
+      const bool rev = order == Order::kReverse;
+      for (int k = 0; k < warps; ++k) {
+        const int w = rev ? warps - 1 - k : k, lo = w * 32, hi = std::min(n, lo + 32);
+        for (bool again = true; again;) {
+          again = false;
+          for (int j = 0; j < hi - lo; ++j) again |= step(rev ? hi - 1 - j : lo + j);
+          progressed |= again;
+        }
+      }
     }
     if (!progressed) {
       std::string m = std::string(b.name) + ": deadlock in block: ";

@@ -8,9 +8,13 @@
 // LLaMA with bf16 parameters under FSDP's policy, and float16 with the loss
 // scaler skipping an overflowing step on the device; with dropout (drawn
 // anew at every replay, as eagerly), also under full activation
-// checkpointing (whose recompute redraws the forward's masks). What //examples:gpt
-// --cuda-graph 1 runs, on a GPU (skips without one) and under the emulation
-// (gpt_graph_emu_test), where nothing else can run the example's step.
+// checkpointing (whose recompute redraws the forward's masks). Also 2
+// ranks over NCCL (FSDP FULL_SHARD across them: the units' all-gathers and
+// reduce-scatters, the gradient norm's allreduce inside the graph), each on
+// its own batches, its replayed steps equal to its eager ones. What
+// //examples:gpt --cuda-graph 1 runs, on a GPU (skips without one; the 2
+// ranks without 2 GPUs) and under the emulation (gpt_graph_emu_test, with the
+// emulated NCCL), where nothing else can run the example's step.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -26,6 +30,7 @@
 #include "core/ops.h"
 #include "distributed/init.h"
 #include "distributed/parallel/recipes/gpt.h"
+#include "distributed/testing/multiprocess.h"
 #include "distributed/testing/world_of_one.h"
 #include "optim/graphed_step.h"
 #include "optim/lr_scheduler.h"
@@ -54,15 +59,16 @@ struct Case {
   bool float8 = false;      // the blocks' linears in float8: scales computed and read on the device
 };
 
-// In place: the step's function keeps pointers into `t`.
-void make(Trainer& t, const Case& c, bool graphed) {
+// In place: the step's function keeps pointers into `t`. `world`: FSDP
+// shards over that many ranks (the default group's).
+void make(Trainer& t, const Case& c, bool graphed, int world = 1) {
   manual_seed(5);
   nn::GPTOptions o{.vocab_size = kVocab, .block_size = kSeq, .n_layer = 2, .n_head = 2, .n_embd = 32};
   o.arch = c.arch;
   o.dropout = c.dropout;
   t.gpt = std::make_shared<nn::GPT>(o);
   t.gpt->to(Device(DeviceType::CUDA, 0));
-  const ParallelDims dims = ParallelDims{}.resolved(1);
+  const ParallelDims dims = ParallelDims{}.resolved(world);
   GPTParallelOptions po;
   po.ac = c.ac;
   po.float8 = c.float8;
@@ -87,9 +93,10 @@ void make(Trainer& t, const Case& c, bool graphed) {
       optim::GraphedStepOptions{.device = 0, .warmup = 3, .optimizers = {t.opt.get()}, .enabled = graphed});
 }
 
-void train(Trainer& t, const Case& c, int steps) {
+// `rank`'s batches differ from every other rank's.
+void train(Trainer& t, const Case& c, int steps, int rank = 0) {
   for (int s = 0; s < steps; ++s) {
-    Generator g(300 + s);
+    Generator g(300 + s + 1000 * rank);
     std::vector<Tensor> in;
     for (int m = 0; m < c.micro; ++m) {
       in.push_back(randint(0, kVocab, {kBatch, kSeq}, DType::Int64, &g));
@@ -156,6 +163,42 @@ INSTANTIATE_TEST_SUITE_P(Recipes, GptGraph,
                            return std::string(nn::arch_name(c.arch)) + "_" + c.amp + (c.dropout > 0 ? "_dropout" : "") +
                                   (c.ac != "none" ? "_ac_" + c.ac : "") + (c.float8 ? "_float8" : "");
                          });
+
+// 2 ranks over NCCL; the arg picks the case: "gpt2_off" (two micro-batches)
+// or "llama_bf16".
+EMBER_WORKER(gpt_graph_ranks) {
+  InitOptions io;
+  io.backend = "nccl";
+  io.rank = env.rank;
+  io.world_size = env.world_size;
+  io.store = env.store();
+  init_process_group(io);
+  const Case c = env.arg == "llama_bf16" ? Case{nn::Arch::Llama, "bf16", 1} : Case{nn::Arch::GPT2, "off", 2};
+  constexpr int kSteps = 6;
+  Trainer eager, graphed;
+  make(eager, c, false, env.world_size);
+  train(eager, c, kSteps, env.rank);
+  make(graphed, c, true, env.world_size);
+  train(graphed, c, kSteps, env.rank);
+  WCHECK(graphed.step->captured() && graphed.step->captured_at() == 4, "captured at step 4, not ",
+         graphed.step->captured_at());
+  WCHECK(graphed.losses == eager.losses, "rank ", env.rank, ": the replayed losses differ");
+  WCHECK(graphed.norms == eager.norms, "rank ", env.rank, ": the replayed gradient norms differ");
+  // Each rank holds its shards: equal to the eager run's, which needed every
+  // rank's gradients (the reduce-scatters) and parameters (the all-gathers).
+  const auto pe = eager.gpt->named_parameters(), pg = graphed.gpt->named_parameters();
+  for (size_t i = 0; i < pe.size(); ++i)
+    WCHECK(pg[i].second.cpu().to_vector() == pe[i].second.cpu().to_vector(), "rank ", env.rank, ": ", pe[i].first);
+  WCHECK(eager.losses.back() != eager.losses.front(), "the steps changed nothing");
+  destroy_process_group();
+}
+
+TEST(GptGraphRanks, TwoRanksOverNcclReplayedEqualEager) {
+  if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
+  if (cuda_device_name() != "CUDA emulation" && cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  if (!cuda_allocator_caching(0)) GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: graphs need the caching";
+  for (const char* c : {"gpt2_off", "llama_bf16"}) EMBER_EXPECT_RANKS("gpt_graph_ranks", 2, {.arg = c}) << c;
+}
 
 }  // namespace
 }  // namespace ember::distributed
