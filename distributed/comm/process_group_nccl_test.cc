@@ -17,6 +17,7 @@
 #include <functional>
 #include <thread>
 
+#include "core/allocator.h"
 #include "core/cuda_graph.h"
 #include "core/ops.h"
 #include "core/testing/error_of.h"
@@ -382,6 +383,7 @@ EMBER_WORKER(nccl_captured) {
 TEST(NcclRanks, CollectivesCapturedInAGraph) {
   if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
   if (cuda_device_name() != "CUDA emulation" && cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  if (!cuda_allocator_caching(0)) GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: graphs need the caching";
   EMBER_EXPECT_RANKS("nccl_captured", 2);
 }
 
