@@ -7,13 +7,14 @@
 // loopback TCP port that the id carries). Every rank of a communicator made
 // from that id, or split from one, connects to it twice: a data connection
 // that the stream work uses, and a control connection for the blocking host
-// calls (ncclCommSplit, ncclCommDestroy), so a split never waits behind a
-// collective that is itself waiting for a peer. The hub gathers a
+// call (ncclCommSplit), so a split never waits behind a collective that is
+// itself waiting for a peer. The hub gathers a
 // collective's contributions, checks that every rank called the same one
 // (kind, count, type, operation, root: NCCL would hang or corrupt memory),
-// reduces them in rank order (16-bit and 8-bit floats through float, rounded
-// after each rank, as NCCL's reduction kernels do) and answers each rank its
-// part. Sends wait at the hub for their receive, in call order per pair.
+// reduces them in rank order (16-bit and 8-bit floats through float,
+// rounded to their type after each rank) and answers each rank its part.
+// Sends are held at the hub until their receive takes them, in call order
+// per pair.
 //
 // Order. A communicator numbers its collectives when they run, not when they
 // are called, so a captured graph that replays a collective meets its
