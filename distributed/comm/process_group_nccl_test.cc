@@ -227,7 +227,7 @@ EMBER_WORKER(nccl_collectives) {
 TEST(NcclRanks, EveryCollectiveAcrossRanks) {
   if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
   for (int ws : {2, 3}) {
-    if (cuda_device_name() != "CUDA emulation" && cuda_device_count() < ws) continue;
+    if (!testing::nccl_ranks_runnable(ws)) continue;
     EMBER_EXPECT_RANKS("nccl_collectives", ws) << ws << " ranks";
   }
 }
@@ -289,7 +289,7 @@ EMBER_WORKER(nccl_p2p) {
 TEST(NcclRanks, PointToPoint) {
   if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
   for (int ws : {2, 3}) {
-    if (cuda_device_name() != "CUDA emulation" && cuda_device_count() < ws) continue;
+    if (!testing::nccl_ranks_runnable(ws)) continue;
     EMBER_EXPECT_RANKS("nccl_p2p", ws) << ws << " ranks";
   }
 }
@@ -316,8 +316,7 @@ EMBER_WORKER(nccl_peer_dies) {
 }
 
 TEST(NcclRanks, APeerThatDiesFailsTheCollective) {
-  if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
-  if (cuda_device_name() != "CUDA emulation" && cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  if (!testing::nccl_ranks_runnable(2)) GTEST_SKIP() << "needs 2 GPUs (or the emulation)";
   EMBER_EXPECT_RANKS("nccl_peer_dies", 2, {.expect_exit = {{1, 42}}});
 }
 
@@ -381,8 +380,7 @@ EMBER_WORKER(nccl_captured) {
 }
 
 TEST(NcclRanks, CollectivesCapturedInAGraph) {
-  if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
-  if (cuda_device_name() != "CUDA emulation" && cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  if (!testing::nccl_ranks_runnable(2)) GTEST_SKIP() << "needs 2 GPUs (or the emulation)";
   if (!cuda_allocator_caching(0)) GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: graphs need the caching";
   EMBER_EXPECT_RANKS("nccl_captured", 2);
 }

@@ -146,12 +146,7 @@ INSTANTIATE_TEST_SUITE_P(Ddp, DdpGraph, ::testing::Values("off", "bf16", "fp16")
 // Each rank trains on its own batches, eagerly and graphed; its arg is the
 // precision.
 EMBER_WORKER(ddp_graph_ranks) {
-  InitOptions io;
-  io.backend = "nccl";
-  io.rank = env.rank;
-  io.world_size = env.world_size;
-  io.store = env.store();
-  init_process_group(io);
+  testing::init_world(env, Millis{0}, "nccl");
   set_deterministic_algorithms(true);
   constexpr int kSteps = 7;
   Trainer eager, graphed;
@@ -182,8 +177,7 @@ EMBER_WORKER(ddp_graph_ranks) {
 }
 
 TEST(DdpGraphRanks, TwoRanksOverNcclReplayedEqualEager) {
-  if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
-  if (cuda_device_name() != "CUDA emulation" && cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  if (!testing::nccl_ranks_runnable(2)) GTEST_SKIP() << "needs 2 GPUs (or the emulation)";
   if (!cuda_allocator_caching(0)) GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: graphs need the caching";
   for (const char* amp : {"off", "bf16"}) EMBER_EXPECT_RANKS("ddp_graph_ranks", 2, {.arg = amp}) << amp;
 }

@@ -23,6 +23,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/device.h"
 #include "core/exception.h"
 #include "distributed/init.h"
 
@@ -351,13 +352,18 @@ void check_close(const Tensor& got, const Tensor& want, const std::string& what,
               worst, " of ", g.size());
 }
 
-void init_world(const WorkerEnv& env, Millis timeout) {
+void init_world(const WorkerEnv& env, Millis timeout, const std::string& backend) {
   InitOptions io;
+  io.backend = backend;
   io.rank = env.rank;
   io.world_size = env.world_size;
   io.store = env.store();
   io.timeout = timeout;
   init_process_group(io);
+}
+
+bool nccl_ranks_runnable(int world) {
+  return cuda_is_available() && (cuda_device_name() == "CUDA emulation" || cuda_device_count() >= world);
 }
 
 }  // namespace ember::distributed::testing

@@ -59,8 +59,13 @@ bool register_worker(const std::string& name, WorkerFn fn);
   static void ember_worker_##name(const ::ember::distributed::testing::WorkerEnv& env)
 
 // In a worker: init_process_group for its rank at the parent's store (the
-// default group the scenario then uses). `timeout` 0: the default.
-void init_world(const WorkerEnv& env, Millis timeout = Millis{0});
+// default group the scenario then uses). `timeout` 0: the default;
+// `backend` "gloo" or "nccl".
+void init_world(const WorkerEnv& env, Millis timeout = Millis{0}, const std::string& backend = "gloo");
+
+// Whether `world` ranks of the nccl backend can run here: a GPU each, or
+// the emulation (each worker process its own emulated device).
+bool nccl_ranks_runnable(int world);
 
 // True in a process started by run_workers.
 bool is_worker();

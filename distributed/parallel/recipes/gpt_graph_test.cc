@@ -167,12 +167,7 @@ INSTANTIATE_TEST_SUITE_P(Recipes, GptGraph,
 // 2 ranks over NCCL; the arg picks the case: "gpt2_off" (two micro-batches)
 // or "llama_bf16".
 EMBER_WORKER(gpt_graph_ranks) {
-  InitOptions io;
-  io.backend = "nccl";
-  io.rank = env.rank;
-  io.world_size = env.world_size;
-  io.store = env.store();
-  init_process_group(io);
+  testing::init_world(env, Millis{0}, "nccl");
   const Case c = env.arg == "llama_bf16" ? Case{nn::Arch::Llama, "bf16", 1} : Case{nn::Arch::GPT2, "off", 2};
   constexpr int kSteps = 6;
   Trainer eager, graphed;
@@ -194,8 +189,7 @@ EMBER_WORKER(gpt_graph_ranks) {
 }
 
 TEST(GptGraphRanks, TwoRanksOverNcclReplayedEqualEager) {
-  if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
-  if (cuda_device_name() != "CUDA emulation" && cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  if (!testing::nccl_ranks_runnable(2)) GTEST_SKIP() << "needs 2 GPUs (or the emulation)";
   if (!cuda_allocator_caching(0)) GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: graphs need the caching";
   for (const char* c : {"gpt2_off", "llama_bf16"}) EMBER_EXPECT_RANKS("gpt_graph_ranks", 2, {.arg = c}) << c;
 }
