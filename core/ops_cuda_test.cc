@@ -154,6 +154,12 @@ TEST_F(CudaOps, DeviceErrorsRaiseAtTheNextSynchronisation) {
   });
   EXPECT_NE(m3.find("Embedding: value 9"), std::string::npos) << m3;
   EXPECT_EQ(message([&] { sum(a).item(); }), "no error");
+  // one_hot with its num_classes given checks on the device too (no wait:
+  // the vocabulary-parallel loss's backward runs it inside captured steps).
+  Tensor oh;
+  EXPECT_NO_THROW(oh = one_hot(Tensor::from_vector({2, 6, 0}, {3}, DType::Int64).cuda(), 6));
+  const std::string m6 = message([&] { oh.cpu(); });
+  EXPECT_NE(m6.find("one_hot: value 6 is out of the range [0, 6)"), std::string::npos) << m6;
   // cross_entropy's forward kernel checks its targets itself; ignore_index
   // passes, anything else out of [0, C) is named at the synchronisation.
   const Tensor logits = Tensor::from_vector(std::vector<double>(15, 0.5), {3, 5}, DType::Float32).cuda();

@@ -297,12 +297,9 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
       error("--moe-experts with --cuda-graph 1: the router's statistics and its loss's scale are host numbers set " +
             std::string("every step, which a replayed graph would freeze"));
     if (f.mesh.pp > 1) error("--pp with --cuda-graph 1: a pipeline's schedule runs on the host between its stages");
-    // Data parallelism's collectives (FSDP's all-gathers and reduce-scatters,
-    // HSDP's allreduces, the norm's) are captured; tensor and context
-    // parallelism's inside a graph have no test yet.
-    if (f.mesh.tp > 1 || f.mesh.cp > 1)
-      error(std::string(f.mesh.tp > 1 ? "--tp" : "--cp") +
-            " with --cuda-graph 1: only data parallelism's collectives are captured in a step so far");
+    // Every other dimension's collectives are captured with the step:
+    // FSDP's all-gathers and reduce-scatters, HSDP's allreduces, tensor
+    // parallelism's activations and loss, context parallelism's exchanges.
   }
   if (c.checkpoint_dir.empty()) error("--checkpoint-dir must not be empty");
   refuse_overwrite(c.checkpoint_dir, "step_",

@@ -158,13 +158,11 @@ void parse_flags(examples::FlagTable& t, Flags& f, int argc, char** argv) {
   if (f.cuda_graph == 1) {
     // Host code inside every step, which a replayed graph would skip: a
     // compression hook's state, the profiler's op scopes; and steps of
-    // several micro-batches. SyncBatchNorm's collectives inside the graph
-    // have no test yet. DDP's bucket allreduces and buffer broadcasts are
-    // captured (NCCL), so any --nproc goes.
+    // several micro-batches. DDP's bucket allreduces and buffer broadcasts
+    // and SyncBatchNorm's statistics are captured (NCCL), so any --nproc
+    // goes, with or without --sync-bn.
     if (f.grad_compress != "off")
       usage_error("--grad-compress " + f.grad_compress + " with --cuda-graph 1: its hook keeps host state per step");
-    if (f.sync_bn)
-      usage_error("--sync-bn with --cuda-graph 1: SyncBatchNorm inside a captured step is not supported yet");
     if (t.given("--profile")) usage_error("--profile with --cuda-graph 1: a replayed step runs no op scopes to time");
     if (c.accum_steps > 1)
       usage_error("--accum-steps " + std::to_string(c.accum_steps) +

@@ -115,16 +115,24 @@ Tensor BatchNorm2d::sync_forward(const Tensor& x, bool update_running) {
   EMBER_CHECK(total.defined() && total.sizes() == packed.sizes(), "BatchNorm2d: cross_replica_sum returned ",
               total.defined() ? shape_str(total.sizes()) : "an undefined tensor", ", expected ",
               shape_str(packed.sizes()));
-  const double n = total.narrow(0, 2 * c, 1).item();
-  EMBER_CHECK(n > 1, "BatchNorm2d: expected more than 1 value per channel across replicas when training, got ", n,
-              " (input ", shape_str(x.sizes()), ")");
+  // The global count stays on the device: reading it would cost every
+  // layer a wait for the GPU and keep the step out of a CUDA graph. Only a
+  // replica with at most one value per channel reads it, for the check
+  // (as PyTorch's SyncBatchNorm checks only when it cannot know).
+  const Tensor n = total.narrow(0, 2 * c, 1).detach();
+  if (local_count <= 1) {
+    const double all = n.item();
+    EMBER_CHECK(all > 1, "BatchNorm2d: expected more than 1 value per channel across replicas when training, got ", all,
+                " (input ", shape_str(x.sizes()), ")");
+  }
   Tensor mean = total.narrow(0, 0, c) / n;
   Tensor var = clamp(total.narrow(0, c, c) / n - mean * mean, 0.0, std::nullopt);
   if (running_mean.defined() && update_running) {
     NoGradGuard g;
     Tensor rm = running_mean.detach(), rv = running_var.detach();
+    const Tensor unbiased = (n * momentum) / (n - 1.0);  // momentum * n / (n - 1), on the device
     rm.copy_(rm * (1.0 - momentum) + mean.detach().to(rm.dtype()) * momentum);
-    rv.copy_(rv * (1.0 - momentum) + var.detach().to(rv.dtype()) * (momentum * n / (n - 1.0)));
+    rv.copy_(rv * (1.0 - momentum) + var.detach().to(rv.dtype()) * unbiased.to(rv.dtype()));
   }
   const DType dt = x.dtype();
   Tensor y = (x - mean.to(dt).view({1, c, 1, 1})) * rsqrt(var + eps).to(dt).view({1, c, 1, 1});

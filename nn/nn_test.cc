@@ -547,6 +547,26 @@ TEST(Layers, BatchNormCrossReplicaSumMatchesBatchNorm) {
   bn.cross_replica_sum = [](const Tensor&) -> Tensor { throw Error("called in eval"); };
   bn.eval();
   EXPECT_NO_THROW(bn(x));
+
+  // One value per channel here: the global count decides. Other replicas
+  // adding values (their counts in the sum) pass; none is a named error.
+  nn::BatchNorm2d one(3);
+  const Tensor single = randn({1, 3, 1, 1});
+  one.cross_replica_sum = [](const Tensor& t) {
+    Tensor more = t.clone();
+    more.narrow(0, 6, 1).fill_(4.0);  // 3 more values per channel elsewhere
+    return more;
+  };
+  EXPECT_NO_THROW(one(single));
+  one.cross_replica_sum = [](const Tensor& t) { return t; };
+  try {
+    one(single);
+    ADD_FAILURE() << "one value per channel across replicas was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expected more than 1 value per channel across replicas when training, got 1"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(Models, ResNetForwardBackwardShapes) {

@@ -281,7 +281,12 @@ Tensor SequencePositions::positions_for(int64_t T, Device device) const {
   EMBER_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.dtype() == DType::Int64,
               "positions: ", shape_str(positions.sizes()), " ", positions.dtype(), " for a sequence of ", T,
               " (int64 [", T, "])");
-  return positions.to(device);
+  if (positions.device() == device) return positions;
+  if (!copy_.defined() || !copied_from_.is_same(positions) || copy_.device() != device) {
+    copy_ = positions.to(device);
+    copied_from_ = positions;
+  }
+  return copy_;
 }
 
 Tensor GPT::forward(const Tensor& tokens) {

@@ -200,7 +200,14 @@ struct SequencePositions {
   virtual ~SequencePositions() = default;
   Tensor positions;
   // positions on `device`, or 0..T-1; a named error when they are not T.
+  // The copy on the device is kept for the next call: a step captured in a
+  // CUDA graph cannot copy from the host, and the positions set once for
+  // every step need not travel again (so give new positions by assigning
+  // the member, not by writing into its tensor).
   Tensor positions_for(int64_t T, Device device) const;
+
+ private:
+  mutable Tensor copied_from_, copy_;  // positions (as set) and its copy on copy_'s device
 };
 
 // Token (+ position, GPT-2) embeddings, n_layer blocks ("h.0", "h.1", ...),

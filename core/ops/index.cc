@@ -296,11 +296,10 @@ Tensor one_hot(const Tensor& indices, int64_t num_classes) {
     EMBER_CHECK(indices.numel() > 0, "one_hot: cannot infer num_classes from an empty tensor");
     num_classes = static_cast<int64_t>(max(indices).item()) + 1;
   }
-  if (indices.numel() > 0) {
-    int64_t lo = static_cast<int64_t>(min(indices).item()), hi = static_cast<int64_t>(max(indices).item());
-    EMBER_CHECK(lo >= 0 && hi < num_classes, "one_hot: class values must be in [0, ", num_classes, "), got [", lo,
-                ", ", hi, "]");
-  }
+  // On the GPU the range is checked there (the device error slot), not
+  // read back: a given num_classes costs no wait, so one_hot can run inside
+  // a captured step (the vocabulary-parallel loss's backward).
+  check_index_range(indices, 0, num_classes, "one_hot");
   Tensor classes = arange(0.0, static_cast<double>(num_classes), 1.0, {indices.dtype(), indices.device()});
   return eq(indices.unsqueeze(-1), classes).to(DType::Int64);
 }

@@ -6,7 +6,9 @@
 // replayed, gives the eager steps' losses, parameters and batch-norm
 // statistics bit for bit. The same across 2 ranks over NCCL, whose bucket
 // allreduces and buffer broadcasts the graph captures: each rank's replayed
-// steps equal its eager ones, and the ranks' replicas stay equal. On a GPU
+// steps equal its eager ones, and the ranks' replicas stay equal; with
+// SyncBatchNorm too (its statistics' allreduces in the graph, the running
+// statistics equal across the ranks). On a GPU
 // (skips without one, and the 2 ranks without 2 GPUs) and under the
 // emulation (ddp_graph_emu_test, with the emulated NCCL).
 #include <gtest/gtest.h>
@@ -46,8 +48,10 @@ struct Trainer {
   std::vector<double> losses;
 };
 
-// In place: the step's function keeps pointers into `t`.
-void make(Trainer& t, const std::string& amp, bool graphed) {
+// In place: the step's function keeps pointers into `t`. `sync_bn`: the
+// batch norms' statistics summed over the default group's ranks
+// (convert_sync_batchnorm), their allreduces inside the graph.
+void make(Trainer& t, const std::string& amp, bool graphed, bool sync_bn = false) {
   manual_seed(9);
   t.model = nn::resnet18({.num_classes = 5,
                           .in_channels = 1,
@@ -55,6 +59,7 @@ void make(Trainer& t, const std::string& amp, bool graphed) {
                           .width = 4,
                           .memory_format = MemoryFormat::ChannelsLast});
   t.model->to(Device(DeviceType::CUDA, 0));
+  if (sync_bn) convert_sync_batchnorm(*t.model, nullptr);
   t.ddp = std::make_shared<DistributedDataParallel>(t.model);
   t.acc = std::make_unique<GradientAccumulator>(*t.ddp, 1);
   t.opt = std::make_unique<optim::SGD>(
@@ -144,15 +149,17 @@ INSTANTIATE_TEST_SUITE_P(Ddp, DdpGraph, ::testing::Values("off", "bf16", "fp16")
                          [](const auto& info) { return info.param; });
 
 // Each rank trains on its own batches, eagerly and graphed; its arg is the
-// precision.
+// precision, "+sync_bn" after it for SyncBatchNorm.
 EMBER_WORKER(ddp_graph_ranks) {
   testing::init_world(env, Millis{0}, "nccl");
   set_deterministic_algorithms(true);
+  const bool sync_bn = env.arg.find("+sync_bn") != std::string::npos;
+  const std::string amp = env.arg.substr(0, env.arg.find('+'));
   constexpr int kSteps = 7;
   Trainer eager, graphed;
-  make(eager, env.arg, false);
+  make(eager, amp, false, sync_bn);
   train(eager, kSteps, env.rank);
-  make(graphed, env.arg, true);
+  make(graphed, amp, true, sync_bn);
   train(graphed, kSteps, env.rank);
   WCHECK(graphed.step->captured() && graphed.step->captured_at() == 4, "captured at step 4, not ",
          graphed.step->captured_at());
@@ -163,10 +170,14 @@ EMBER_WORKER(ddp_graph_ranks) {
   for (size_t i = 0; i < se.size(); ++i)
     WCHECK(sg[i].second.cpu().to_vector() == se[i].second.cpu().to_vector(), "rank ", env.rank, ": ", se[i].first);
   // Replicas agree: had a replay skipped its allreduces, each rank's own
-  // batches would have moved its parameters apart. (Not the batch norms'
-  // running statistics: each rank's last forward updated its own.)
+  // batches would have moved its parameters apart. The batch norms'
+  // running statistics too under SyncBatchNorm, whose statistics are every
+  // rank's batches' (otherwise each rank's last forward updated its own).
   auto pg = default_group();
-  for (const auto& [name, p] : graphed.model->named_parameters()) {
+  std::vector<std::pair<std::string, Tensor>> shared = graphed.model->named_parameters();
+  if (sync_bn)
+    for (const auto& nb : graphed.model->named_buffers()) shared.push_back(nb);
+  for (const auto& [name, p] : shared) {
     Tensor theirs = p.clone();
     pg->broadcast(theirs, 0)->wait();
     WCHECK(theirs.cpu().to_vector() == p.cpu().to_vector(), "rank ", env.rank, " differs from rank 0: ", name);
@@ -179,7 +190,7 @@ EMBER_WORKER(ddp_graph_ranks) {
 TEST(DdpGraphRanks, TwoRanksOverNcclReplayedEqualEager) {
   if (!testing::nccl_ranks_runnable(2)) GTEST_SKIP() << "needs 2 GPUs (or the emulation)";
   if (!cuda_allocator_caching(0)) GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: graphs need the caching";
-  for (const char* amp : {"off", "bf16"}) EMBER_EXPECT_RANKS("ddp_graph_ranks", 2, {.arg = amp}) << amp;
+  for (const char* arg : {"off", "bf16", "bf16+sync_bn"}) EMBER_EXPECT_RANKS("ddp_graph_ranks", 2, {.arg = arg}) << arg;
 }
 
 }  // namespace

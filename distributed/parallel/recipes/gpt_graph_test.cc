@@ -11,7 +11,10 @@
 // checkpointing (whose recompute redraws the forward's masks). Also 2
 // ranks over NCCL (FSDP FULL_SHARD across them: the units' all-gathers and
 // reduce-scatters, the gradient norm's allreduce inside the graph), each on
-// its own batches, its replayed steps equal to its eager ones. What
+// its own batches, its replayed steps equal to its eager ones; and tensor
+// parallelism (sequence parallel, the vocabulary-parallel loss), context
+// parallelism (ring and all-to-all) across 2 ranks, dp_shard x tp and
+// cp x tp across 4, every dimension's collectives inside the graph. What
 // //examples:gpt --cuda-graph 1 runs, on a GPU (skips without one; the 2
 // ranks without 2 GPUs) and under the emulation (gpt_graph_emu_test, with the
 // emulated NCCL), where nothing else can run the example's step.
@@ -29,6 +32,7 @@
 #include "core/device.h"
 #include "core/ops.h"
 #include "distributed/init.h"
+#include "distributed/parallel/cp/load_balance.h"
 #include "distributed/parallel/recipes/gpt.h"
 #include "distributed/testing/multiprocess.h"
 #include "distributed/testing/world_of_one.h"
@@ -57,6 +61,8 @@ struct Case {
   double dropout = 0.0;     // embeddings, attention, residuals: drawn anew at every replay
   std::string ac = "none";  // activation checkpointing: the recompute redraws the forward's dropout
   bool float8 = false;      // the blocks' linears in float8: scales computed and read on the device
+  int tp = 1, cp = 1;       // over 2 ranks: tensor or context parallelism instead of FSDP's sharding
+  cp::Exchange exchange = cp::Exchange::Ring;
 };
 
 // In place: the step's function keeps pointers into `t`. `world`: FSDP
@@ -68,8 +74,9 @@ void make(Trainer& t, const Case& c, bool graphed, int world = 1) {
   o.dropout = c.dropout;
   t.gpt = std::make_shared<nn::GPT>(o);
   t.gpt->to(Device(DeviceType::CUDA, 0));
-  const ParallelDims dims = ParallelDims{}.resolved(world);
+  const ParallelDims dims = ParallelDims{.cp = c.cp, .tp = c.tp}.resolved(world);
   GPTParallelOptions po;
+  po.cp = {.exchange = c.exchange, .seq = kSeq};
   po.ac = c.ac;
   po.float8 = c.float8;
   if (c.amp != "off") {
@@ -93,14 +100,19 @@ void make(Trainer& t, const Case& c, bool graphed, int world = 1) {
       optim::GraphedStepOptions{.device = 0, .warmup = 3, .optimizers = {t.opt.get()}, .enabled = graphed});
 }
 
-// `rank`'s batches differ from every other rank's.
+// `rank`'s batches differ from every other data-parallel rank's; the
+// ranks of a tp group train on the same batches, those of a cp group on
+// their head-tail chunks of the same sequences.
 void train(Trainer& t, const Case& c, int steps, int rank = 0) {
+  // The mesh is [dp_shard, cp, tp], row-major over the ranks.
+  const int dp_rank = rank / (c.cp * c.tp), cp_rank = rank / c.tp % c.cp;
+  auto slice = [&](const Tensor& x) { return c.cp > 1 ? cp::shard(x, 1, c.cp, cp_rank).contiguous() : x; };
   for (int s = 0; s < steps; ++s) {
-    Generator g(300 + s + 1000 * rank);
+    Generator g(300 + s + 1000 * dp_rank);
     std::vector<Tensor> in;
     for (int m = 0; m < c.micro; ++m) {
-      in.push_back(randint(0, kVocab, {kBatch, kSeq}, DType::Int64, &g));
-      in.push_back(randint(0, kVocab, {kBatch, kSeq}, DType::Int64, &g));
+      in.push_back(slice(randint(0, kVocab, {kBatch, kSeq}, DType::Int64, &g)));
+      in.push_back(slice(randint(0, kVocab, {kBatch, kSeq}, DType::Int64, &g)));
     }
     const std::vector<Tensor> out = (*t.step)(in);
     t.losses.push_back(out[0].cpu().item());
@@ -164,11 +176,28 @@ INSTANTIATE_TEST_SUITE_P(Recipes, GptGraph,
                                   (c.ac != "none" ? "_ac_" + c.ac : "") + (c.float8 ? "_float8" : "");
                          });
 
-// 2 ranks over NCCL; the arg picks the case: "gpt2_off" (two micro-batches)
-// or "llama_bf16".
+// The 2-rank cases, by name: FSDP FULL_SHARD across the ranks, tensor
+// parallelism (Megatron's split with sequence parallelism: its all-gathers
+// and reduce-scatters of activations, the vocabulary-parallel loss's
+// allreduces), context parallelism (keys and values around the ring, or
+// all-gathered, or heads exchanged all-to-all, and their gradients back).
+Case ranks_case(const std::string& name) {
+  Case c{nn::Arch::GPT2, "off", 2};
+  if (name == "llama_bf16") c = Case{nn::Arch::Llama, "bf16", 1};
+  if (name == "gpt2_tp") c.tp = 2;
+  if (name == "llama_bf16_tp") c = Case{nn::Arch::Llama, "bf16", 1}, c.tp = 2;
+  if (name == "llama_cp_ring") c = Case{nn::Arch::Llama, "off", 1}, c.cp = 2;
+  if (name == "gpt2_bf16_cp_alltoall")
+    c = Case{nn::Arch::GPT2, "bf16", 2}, c.cp = 2, c.exchange = cp::Exchange::AllToAll;
+  if (name == "gpt2_fsdp_tp") c.tp = 2;                                                 // on 4 ranks: dp_shard 2 x tp 2
+  if (name == "llama_cp_tp") c = Case{nn::Arch::Llama, "bf16", 1}, c.cp = 2, c.tp = 2;  // on 4 ranks
+  return c;
+}
+
+// 2 ranks over NCCL; the arg names the case (ranks_case).
 EMBER_WORKER(gpt_graph_ranks) {
   testing::init_world(env, Millis{0}, "nccl");
-  const Case c = env.arg == "llama_bf16" ? Case{nn::Arch::Llama, "bf16", 1} : Case{nn::Arch::GPT2, "off", 2};
+  const Case c = ranks_case(env.arg);
   constexpr int kSteps = 6;
   Trainer eager, graphed;
   make(eager, c, false, env.world_size);
@@ -191,7 +220,38 @@ EMBER_WORKER(gpt_graph_ranks) {
 TEST(GptGraphRanks, TwoRanksOverNcclReplayedEqualEager) {
   if (!testing::nccl_ranks_runnable(2)) GTEST_SKIP() << "needs 2 GPUs (or the emulation)";
   if (!cuda_allocator_caching(0)) GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: graphs need the caching";
-  for (const char* c : {"gpt2_off", "llama_bf16"}) EMBER_EXPECT_RANKS("gpt_graph_ranks", 2, {.arg = c}) << c;
+  for (const char* c : {"gpt2_off", "llama_bf16", "gpt2_tp", "llama_bf16_tp", "llama_cp_ring", "gpt2_bf16_cp_alltoall"})
+    EMBER_EXPECT_RANKS("gpt_graph_ranks", 2, {.arg = c}) << c;
+  EMBER_EXPECT_RANKS("gpt_graph_tp_check", 2, {.env = {"EMBER_TP_CHECK_REPLICATED=1"}});
+}
+
+// EMBER_TP_CHECK_REPLICATED reads hashes back to the host, which a capture
+// cannot: the capture fails naming the check, on every rank alike.
+EMBER_WORKER(gpt_graph_tp_check) {
+  testing::init_world(env, Millis{0}, "nccl");
+  Case c{nn::Arch::GPT2, "off", 1};
+  c.tp = 2;
+  Trainer graphed;
+  make(graphed, c, true, env.world_size);
+  std::string error = "none";
+  try {
+    train(graphed, c, 4, env.rank);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  WCHECK(error.find("EMBER_TP_CHECK_REPLICATED") != std::string::npos &&
+             error.find("is being captured in a CUDA graph") != std::string::npos,
+         "rank ", env.rank, ": ", error);
+  WCHECK(graphed.losses.size() == 3,
+         "the eager warm-up steps ran (checked), the capture failed: ", graphed.losses.size(), " steps");
+  destroy_process_group();
+}
+
+// Two dimensions, each with its communicator's collectives in the graph.
+TEST(GptGraphRanks, FourRanksTwoDimensionsReplayedEqualEager) {
+  if (!testing::nccl_ranks_runnable(4)) GTEST_SKIP() << "needs 4 GPUs (or the emulation)";
+  if (!cuda_allocator_caching(0)) GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: graphs need the caching";
+  for (const char* c : {"gpt2_fsdp_tp", "llama_cp_tp"}) EMBER_EXPECT_RANKS("gpt_graph_ranks", 4, {.arg = c}) << c;
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <unordered_set>
 
 #include "autograd/autograd.h"
+#include "core/cuda_graph.h"
 #include "core/exception.h"
 #include "core/ops.h"
 #include "nn/float8.h"
@@ -58,6 +59,9 @@ bool check_replicated_enabled() {
 // compared; the first rank that differs from rank 0 is named.
 void check_replicated(const Tensor& x, const DeviceMesh& mesh, const std::string& where) {
   if (!check_replicated_enabled()) return;
+  EMBER_CHECK(!cuda_graph_capturing(), "tensor parallel check (EMBER_TP_CHECK_REPLICATED): ", where,
+              " is being captured in a CUDA graph, and the check reads its hash back to the host; unset "
+              "EMBER_TP_CHECK_REPLICATED or run the step uncaptured (without --cuda-graph)");
   const auto& pg = mesh.group();
   Tensor host = x.detach().contiguous().to(kCPU).contiguous();
   const uint64_t h = XXH64(host.raw_data(), static_cast<size_t>(host.numel()) * dtype_size(host.dtype()), 0);
