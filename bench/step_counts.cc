@@ -8,6 +8,7 @@
 //   resnet50_bf16: L launches, S host syncs per step
 //   gpt_bf16: L launches, S host syncs per step
 //   llama_bf16: L launches, S host syncs per step
+//   moe_bf16: L launches, S host syncs per step
 //   resnet50 layout copies: C per step  (and one such line per channels-last step)
 //
 // ResNet-50 (torchvision's, 1000 classes) on 2 images of 32x32, channels-
@@ -97,7 +98,8 @@ StepCount gpt_bf16_counts() { return gpt_step(true); }
 // no autocast, as FSDP's mixed precision runs a block (AdamW keeps
 // float32 masters): the norms, rotary embeddings and the SwiGLU gate read
 // and write bfloat16 as it is.
-StepCount llama_bf16_counts() {
+namespace {
+StepCount llama_bf16_step(const nn::MoEOptions& moe) {
   manual_seed(0);
   auto m = std::make_shared<nn::GPT>(nn::GPTOptions{.vocab_size = 96,
                                                     .block_size = 64,
@@ -105,7 +107,8 @@ StepCount llama_bf16_counts() {
                                                     .n_head = 4,
                                                     .n_embd = 128,
                                                     .arch = nn::Arch::Llama,
-                                                    .n_kv_head = 2});
+                                                    .n_kv_head = 2,
+                                                    .moe = moe});
   m->to(cuda_device(0));
   m->to(DType::BFloat16);
   m->train();
@@ -119,6 +122,15 @@ StepCount llama_bf16_counts() {
     opt.step();
     return loss.item();
   });
+}
+}  // namespace
+
+StepCount llama_bf16_counts() { return llama_bf16_step({}); }
+
+// Every block's feed-forward a mixture of 8 SwiGLU experts, top 2, with
+// both router losses: routing, the dropless dispatch, the grouped GEMMs.
+StepCount moe_bf16_counts() {
+  return llama_bf16_step({.num_experts = 8, .top_k = 2, .hidden = 128, .z_loss_coef = 1e-3});
 }
 
 }  // namespace ember::bench

@@ -18,5 +18,6 @@ StepCount resnet50_bf16_counts();  // the same under bfloat16 autocast
 StepCount gpt_counts();            // gpt_fsdp's default model, AdamW
 StepCount gpt_bf16_counts();       // the same under bfloat16 autocast (fused attention)
 StepCount llama_bf16_counts();     // its LLaMA arrangement, bfloat16 parameters, AdamW
+StepCount moe_bf16_counts();       // the same with mixture-of-experts feed-forwards
 
 }  // namespace ember::bench

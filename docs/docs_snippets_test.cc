@@ -422,7 +422,7 @@ par.clip_grad_norm_(1.0);
 [[maybe_unused]] void moe_blocks(const Tensor& x, const std::shared_ptr<nn::GPT>& gpt) {
 nn::MoE moe(64, {.num_experts = 8, .top_k = 2, .hidden = 128, .aux_loss_coef = 0.01, .z_loss_coef = 0.001});
 Tensor y = moe(x);                                        // [B, T, 64] -> [B, T, 64]
-const nn::MoEStats& st = moe.stats();                     // tokens per expert, router losses
+const nn::MoEStats st = moe.stats();                      // tokens per expert, router losses
 auto dims = distributed::ParallelDims{.dp_shard = 2, .ep = 2}.resolved(2);
 auto mesh = dims.build_mesh();       // its "ep" view: the dp_shard ranks
 distributed::Parallelized par = distributed::parallelize_gpt(gpt, dims, mesh, {});   // EP, then FSDP

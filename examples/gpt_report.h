@@ -251,7 +251,7 @@ class MetricsLog {
 inline nlohmann::json moe_metrics(nn::Module& part, distributed::ProcessGroup& pg, Device device) {
   double lo = std::numeric_limits<double>::infinity(), hi = -lo, sum = 0, experts = 0, aux = 0, layers = 0;
   for (nn::MoE* m : nn::moe_layers(part)) {
-    const nn::MoEStats& st = m->stats();
+    const nn::MoEStats st = m->stats();  // reads the layer's sums back
     for (int64_t c : st.tokens_per_expert) {
       lo = std::min(lo, static_cast<double>(c)), hi = std::max(hi, static_cast<double>(c));
       sum += static_cast<double>(c), experts += 1;

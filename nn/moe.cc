@@ -179,30 +179,48 @@ Tensor MoE::forward(const Tensor& input) {
   if (!GradMode::is_enabled()) return y.view(input.sizes());
   const bool recompute = autograd::in_checkpoint_recompute();
   // Over the batch's counts when balance_sum sums them (total = tokens x k,
-  // so f_e = E count_e / tokens).
-  Tensor c = Tensor::from_vector(std::vector<double>(counts.begin(), counts.end()), {E}, DType::Float64);
-  if (balance_sum) c = balance_sum(c.to(x.device())).cpu();
-  double total = 0;
-  for (int64_t e = 0; e < E; ++e) total += c.data<double>()[e];
+  // so f_e = E count_e / tokens). Kept on the device from here on: reading
+  // the sum or the losses back would cost a wait per layer.
+  Tensor c = Tensor::from_vector(std::vector<double>(counts.begin(), counts.end()), {E},
+                                 TensorOptions{DType::Float64, x.device()});
+  if (balance_sum) c = balance_sum(c);
   if (!recompute) {
-    stats_.tokens_per_expert.resize(static_cast<size_t>(E), 0);
-    for (int64_t e = 0; e < E; ++e)
-      stats_.tokens_per_expert[e] += static_cast<int64_t>(std::llround(c.data<double>()[e]));
-    ++stats_.forwards;
+    tokens_sum_ = tokens_sum_.defined() ? tokens_sum_ + c : c;  // c is this forward's own
+    ++forwards_;
   }
   if (N == 0) return y.view(input.sizes());  // no token: no loss of this rank's
   Tensor p = r.scores;
   if (router->options.score == RouterScore::Sigmoid) p = p / sum(p, {-1}, true);
-  const Tensor f = (c * (static_cast<double>(E * K) / std::max(total, 1.0))).to(x.device(), p.dtype());
+  const Tensor share = full({}, static_cast<double>(E * K), c.options()) / clamp(sum(c), 1.0, std::nullopt);
+  const Tensor f = (c * share).to(p.dtype());
   const Tensor aux = sum(mean(p, {0}) * f);
   Tensor l = r.logits.to(p.dtype());
   const Tensor m = max(l, {-1}, true).detach();
   const Tensor lse = log(sum(exp(l - m), {-1})) + m.squeeze(-1);
   const Tensor z = mean(lse * lse);
-  if (!recompute) stats_.aux_loss += aux.item(), stats_.z_loss += z.item();
+  if (!recompute) {
+    aux_sum_ = aux_sum_.defined() ? aux_sum_ + aux.detach() : aux.detach();
+    z_sum_ = z_sum_.defined() ? z_sum_ + z.detach() : z.detach();
+  }
   const double ca = options.aux_loss_coef * aux_grad_scale, cz = options.z_loss_coef * aux_grad_scale;
   if (ca != 0 || cz != 0) y = attach_aux_loss(y, aux * ca + z * cz);
   return y.view(input.sizes());
+}
+
+MoEStats MoE::stats() const {
+  MoEStats st;
+  st.forwards = forwards_;
+  if (tokens_sum_.defined()) {
+    const Tensor t = tokens_sum_.cpu().contiguous();
+    for (int64_t e = 0; e < t.numel(); ++e) st.tokens_per_expert.push_back(std::llround(t.data<double>()[e]));
+  }
+  if (aux_sum_.defined()) st.aux_loss = aux_sum_.item(), st.z_loss = z_sum_.item();
+  return st;
+}
+
+void MoE::reset_stats() {
+  tokens_sum_ = aux_sum_ = z_sum_ = Tensor();
+  forwards_ = 0;
 }
 
 std::vector<MoE*> moe_layers(Module& model) {

@@ -6,7 +6,7 @@
 //
 //   nn::MoE moe(64, {.num_experts = 8, .top_k = 2, .hidden = 128});
 //   Tensor y = moe(x);                    // x, y [B, T, 64]
-//   moe.stats().tokens_per_expert;        // what the last forward routed
+//   moe.stats().tokens_per_expert;        // what the forwards since reset_stats() routed
 //
 // Names follow torchtitan's MoE: "router.gate" (Linear [E, dim], no bias),
 // "experts.w1" (gate) and "experts.w3" (up) [E, hidden, dim], "experts.w2"
@@ -123,7 +123,8 @@ using ExpertDispatchFn =
 // counted) since the last reset_stats() routed (read by metrics: a step's
 // micro-batches): tokens per expert over the whole batch (summed
 // over balance_sum's ranks), and the two router losses' values (this
-// rank's), summed over the `forwards`.
+// rank's), summed over the `forwards`. The sums stay on the layer's device
+// until stats() reads them, so a forward waits for nothing to keep them.
 struct MoEStats {
   std::vector<int64_t> tokens_per_expert;
   double aux_loss = 0, z_loss = 0;
@@ -138,8 +139,10 @@ class MoE : public Module {
  public:
   MoE(int64_t dim, MoEOptions options);
   Tensor forward(const Tensor& x) override;  // [..., dim] -> [..., dim]
-  const MoEStats& stats() const { return stats_; }
-  void reset_stats() { stats_ = {}; }
+  // The sums read back (a synchronisation with the device: a step's
+  // metrics, not its forward).
+  MoEStats stats() const;
+  void reset_stats();
   MoEOptions options;
   int64_t dim;
   std::shared_ptr<TopKRouter> router;
@@ -152,7 +155,9 @@ class MoE : public Module {
   double aux_grad_scale = 1.0;
 
  private:
-  MoEStats stats_;
+  Tensor tokens_sum_;       // float64 [E], on the device, since reset_stats(); undefined: no forward
+  Tensor aux_sum_, z_sum_;  // 0-dim in the scores' dtype, likewise; undefined: no loss computed
+  int64_t forwards_ = 0;
 };
 
 // Every MoE layer of `model`, in module order.
