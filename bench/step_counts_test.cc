@@ -54,16 +54,18 @@ TEST(StepCounts, LlamaBf16) {
 }
 
 // The same with every feed-forward a mixture of 8 experts (top 2, both
-// router losses): 784 launches and 5 synchronisations a step, the loss's
-// and one per MoE layer, where the host reads the routing for the grouped
-// GEMMs' group sizes (a grouped GEMM taking them on the device would make
-// it none). The router losses and the statistics stay on the device (13
-// synchronisations when they were read back, 21 when one_hot checked its
-// classes on the host).
+// router losses): 832 launches and the one synchronisation, the loss's.
+// The routing stays on the device (group_order's counting sort, the
+// experts' grouped GEMMs taking its offsets there: one kernel a product
+// where cuBLAS took one call per expert, which the emulation does not count
+// as launches), as do the router losses and the statistics. When the host
+// read the routing for the group sizes it was 5 synchronisations (784
+// launches plus 72 cuBLAS calls a layer); 13 when the losses and the
+// counts were read back too, 21 when one_hot checked its classes there.
 TEST(StepCounts, MoeBf16) {
   const StepCount c = moe_bf16_counts();
-  EXPECT_EQ(c.host_syncs, 5u) << "moe_bf16: the loss, and each of the 4 layers' routing";
-  EXPECT_LE(c.launches, 825u) << "moe_bf16 launches";
+  EXPECT_EQ(c.host_syncs, 1u) << "moe_bf16: the loss read is the only synchronisation";
+  EXPECT_LE(c.launches, 875u) << "moe_bf16 launches";
 }
 
 TEST(StepCounts, ResNet50Bf16) {

@@ -111,6 +111,25 @@ std::array<Tensor, 3> scaled_dot_product_attention_block_grads(const Tensor& q, 
 // autocast. group_sizes live on the host: the caller has them already
 // (expert parallelism exchanges them before any token moves).
 Tensor grouped_mm(const Tensor& x, const Tensor& w, const std::vector<int64_t>& group_sizes);
+// The same with the groups as `offsets`, int64 [G] on x's device: group g's
+// rows end at offsets[g] (cumulative, non-decreasing, the last N: torch's
+// _grouped_mm `offs`). 16-bit CUDA operands with K and M multiples of 8 run
+// on the device (grouped_matmul.cu: no wait, so a CUDA graph can capture
+// it; bad offsets are named at the next synchronisation); anything else
+// reads the offsets (a wait on CUDA) and takes the loop above.
+Tensor grouped_mm(const Tensor& x, const Tensor& w, const Tensor& offsets);
+
+// The dropless mixture-of-experts dispatch's stable counting sort: ids
+// int64 [N, K] (row n's K choices, each in [0, groups)) put in group order,
+// ties in (row, choice) order. rows [N K]: the row each position in that
+// order holds; positions [N, K]: where each choice went; offsets [groups]:
+// each group's end (cumulative), grouped_mm's offsets. All int64 on ids'
+// device, made there (no wait); an id out of range is named (on CUDA at
+// the next synchronisation). Not differentiable.
+struct GroupOrder {
+  Tensor rows, positions, offsets;
+};
+GroupOrder group_order(const Tensor& ids, int64_t groups);
 
 // Normalises each channel of x [N, C, H, W]. training: by the batch
 // statistics, and, when running_mean/var are defined, updates them in place

@@ -13,12 +13,14 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 
 #include "autograd/autograd.h"
 #include "core/ops.h"
 #include "core/ops/kernels.h"
 #include "core/ops_nn.h"
 #include "core/testing/conv_cases.h"
+#include "core/testing/error_of.h"
 #include "core/testing/pool_cases.h"
 
 namespace ember {
@@ -702,6 +704,42 @@ TEST_F(CudaNnOps, GroupedMmMatchesCpu) {
   for (DType dt : kTypes)
     compare([&](const std::vector<Tensor>& v) { return grouped_mm(v[0], v[1], sizes); },
             {rnd({18, 24}, 41, dt), rnd({5, 12, 24}, 42, dt, 0.2)}, tol(dt), cat("grouped_mm ", dt));
+}
+
+// The groups as offsets on the device: 16-bit operands take the grouped
+// kernels (row tiles across groups, an empty group, a group of more than
+// one 64-row tile, M past one 64-column tile, K not a multiple of the 32
+// k-step), float32 reads the offsets and takes the loop; forward and both
+// gradients against the CPU's loop. Bad offsets are named at the next
+// synchronisation.
+TEST_F(CudaNnOps, GroupedMmOffsetsMatchesCpu) {
+  const Tensor offsets = Tensor::from_vector({70, 70, 73, 82, 146, 147}, {6}, DType::Int64);
+  for (DType dt : {DType::BFloat16, DType::Float16, DType::Float32})
+    compare([&](const std::vector<Tensor>& v) { return grouped_mm(v[0], v[1], offsets.to(v[0].device())); },
+            {rnd({147, 40}, 43, dt), rnd({6, 72, 40}, 44, dt, 0.2)}, tol(dt), cat("grouped_mm offsets ", dt));
+  const Tensor x = rnd({10, 16}, 45, DType::BFloat16).cuda(), w = rnd({2, 8, 16}, 46, DType::BFloat16).cuda();
+  Tensor y;
+  EXPECT_NO_THROW(y = grouped_mm(x, w, Tensor::from_vector({6, 4}, {2}, DType::Int64).cuda()));
+  const std::string e = testing::error_of([&] { y.cpu(); });
+  EXPECT_NE(e.find("grouped_mm (group offsets): value 4 is out of the range [6, 11)"), std::string::npos) << e;
+}
+
+// group_order's kernel against the CPU's loop, exactly; an id out of range
+// named at the next synchronisation.
+TEST_F(CudaNnOps, GroupOrderMatchesCpu) {
+  Generator g(47);
+  for (auto [n, k, groups] : {std::tuple<int64_t, int64_t, int64_t>{300, 2, 8}, {5, 3, 7}, {0, 2, 3}, {1000, 1, 1}}) {
+    const Tensor ids = randint(0, groups, {n, k}, DType::Int64, &g);
+    const GroupOrder want = group_order(ids, groups), got = group_order(ids.cuda(), groups);
+    const std::string what = cat("group_order n ", n, " k ", k, " groups ", groups);
+    EXPECT_TRUE(bitwise_equal(want.rows, got.rows)) << what << " rows";
+    EXPECT_TRUE(bitwise_equal(want.positions, got.positions)) << what << " positions";
+    EXPECT_TRUE(bitwise_equal(want.offsets, got.offsets)) << what << " offsets";
+  }
+  GroupOrder bad;
+  EXPECT_NO_THROW(bad = group_order(Tensor::from_vector({1, 9}, {1, 2}, DType::Int64).cuda(), 4));
+  const std::string e = testing::error_of([&] { bad.rows.cpu(); });
+  EXPECT_NE(e.find("group_order: value 9 is out of the range [0, 4)"), std::string::npos) << e;
 }
 
 TEST_F(CudaNnOps, BatchNormMatchesCpu) {

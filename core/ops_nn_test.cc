@@ -7,12 +7,16 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <functional>
 #include <limits>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
@@ -648,6 +652,66 @@ TEST(GroupedMm, Float32AndHalfTypesMatchFloat64) {
     Tensor got = grouped_mm(x.to(dt), w.to(dt), sizes).to(DType::Float64);
     expect_close(got, want, t * 4, cat("grouped_mm ", dt));
   }
+}
+
+// The groups as offsets (cumulative row ends), read where the CPU has them:
+// the same values and gradients as the sizes, bit for bit; bad offsets named.
+TEST(GroupedMm, OffsetsMatchSizes) {
+  const std::vector<int64_t> sizes{3, 0, 5, 2};
+  const Tensor offsets = Tensor::from_vector({3, 3, 8, 10}, {4}, DType::Int64);
+  const Tensor x0 = rnd({10, 7}, 11), w0 = rnd({4, 5, 7}, 12), proj = rnd({10, 5}, 13);
+  Tensor x = leaf(x0), w = leaf(w0), xs = leaf(x0), ws = leaf(w0);
+  Tensor y = grouped_mm(x, w, offsets), ys = grouped_mm(xs, ws, sizes);
+  sum(y * proj).backward();
+  sum(ys * proj).backward();
+  expect_close(y, ys, 0, "forward");
+  expect_close(x.grad(), xs.grad(), 0, "dx");
+  expect_close(w.grad(), ws.grad(), 0, "dw");
+  const auto offs = [](std::vector<double> v) {
+    const int64_t n = static_cast<int64_t>(v.size());
+    return Tensor::from_vector(v, {n}, DType::Int64);
+  };
+  EXPECT_NE(error_of([&] {
+              grouped_mm(x0, w0, offs({3, 2, 8, 10}));
+            }).find("group 1 ends at 2 after 3"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              grouped_mm(x0, w0, offs({3, 3, 8, 9}));
+            }).find("end at 9 but x has 10 rows"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { grouped_mm(x0, w0, offs({3, 10})); }).find("offsets must be int64 [4]"), std::string::npos);
+  EXPECT_NE(error_of([&] { grouped_mm(x0, w0, offsets.to(DType::Int32)); }).find("got [4] int32"), std::string::npos);
+}
+
+// group_order against a sort by (group, position in the input): rows,
+// positions and offsets, empty groups and no rows included.
+TEST(GroupOrder, StableCountingSort) {
+  Generator g(21);
+  for (auto [n, k, groups] : {std::tuple<int64_t, int64_t, int64_t>{9, 2, 4}, {1, 3, 5}, {0, 2, 3}, {40, 1, 1}}) {
+    const Tensor ids = randint(0, groups, {n, k}, DType::Int64, &g);
+    const GroupOrder o = group_order(ids, groups);
+    std::vector<std::pair<int64_t, int64_t>> keyed;  // (group, item)
+    for (int64_t i = 0; i < n * k; ++i) keyed.emplace_back(ids.data<int64_t>()[i], i);
+    std::sort(keyed.begin(), keyed.end());
+    const std::string what = cat("n ", n, " k ", k, " groups ", groups);
+    ASSERT_EQ(o.rows.numel(), n * k) << what;
+    ASSERT_EQ(o.positions.sizes(), (Shape{n, k})) << what;
+    for (int64_t at = 0; at < n * k; ++at) {
+      EXPECT_EQ(o.rows.data<int64_t>()[at], keyed[at].second / k) << what << " position " << at;
+      EXPECT_EQ(o.positions.data<int64_t>()[keyed[at].second], at) << what << " item " << keyed[at].second;
+    }
+    int64_t end = 0;
+    for (int64_t e = 0; e < groups; ++e) {
+      for (const auto& [grp, item] : keyed) end += grp == e;
+      EXPECT_EQ(o.offsets.data<int64_t>()[e], end) << what << " group " << e;
+    }
+  }
+  EXPECT_NE(error_of([] {
+              group_order(Tensor::from_vector({0, 4}, {1, 2}, DType::Int64), 4);
+            }).find("group_order: values must be in [0, 4), got [0, 4]"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { group_order(zeros({3}, {DType::Int64}), 4); }).find("ids must be int64 [rows, choices]"),
+            std::string::npos);
 }
 
 TEST(GroupedMm, ErrorsNameTheOpAndShapes) {

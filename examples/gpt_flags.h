@@ -293,9 +293,14 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
       if (t.given(flag))
         error(std::string(flag) + " with --cuda-graph 1: it runs host code inside every step, which a replayed " +
               "graph skips; use one or the other");
-    if (f.moe_experts > 0)
-      error("--moe-experts with --cuda-graph 1: the router's statistics and its loss's scale are host numbers set " +
-            std::string("every step, which a replayed graph would freeze"));
+    // MoE routes on the device (group_order) and runs its experts there in
+    // 16 bits (grouped_mm's offsets); float32 experts read their groups on
+    // the host, and float16's router losses take the loss scale, read there.
+    if (f.moe_experts > 0 && c.amp != "bf16")
+      error("--moe-experts with --cuda-graph 1 needs --amp bf16 (got " + c.amp +
+            "): float32 experts read their token counts on the host, and float16's router losses the loss scale");
+    if (f.moe_experts > 0 && f.mesh.ep > 1)
+      error("--ep with --cuda-graph 1: expert parallelism's token exchange sizes its splits on the host every step");
     if (f.mesh.pp > 1) error("--pp with --cuda-graph 1: a pipeline's schedule runs on the host between its stages");
     // Every other dimension's collectives are captured with the step:
     // FSDP's all-gathers and reduce-scatters, HSDP's allreduces, tensor

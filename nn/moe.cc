@@ -109,24 +109,36 @@ Tensor scale_grad(const Tensor& t, double s) {
 
 Tensor GroupedExperts::operator()(const Tensor& x, const std::vector<int64_t>& counts) {
   counts_ = counts;
+  return call(x);
+}
+
+Tensor GroupedExperts::operator()(const Tensor& x, const Tensor& offsets) {
+  offsets_ = offsets;
+  return call(x);
+}
+
+Tensor GroupedExperts::call(const Tensor& x) {
   called_ = true;
   struct Done {
     GroupedExperts* e;
-    ~Done() { e->called_ = false, e->counts_.clear(); }
+    ~Done() { e->called_ = false, e->counts_.clear(), e->offsets_ = Tensor(); }
   } done{this};  // also when the call throws
   return Module::operator()(x);
 }
 
 Tensor GroupedExperts::forward(const Tensor& x) {
-  EMBER_CHECK(called_, "GroupedExperts: call experts(rows, counts): the rows' groups are needed");
-  EMBER_CHECK(static_cast<int64_t>(counts_.size()) == w1.size(0), "GroupedExperts: ", counts_.size(),
-              " group sizes for the ", w1.size(0), " experts held here");
+  EMBER_CHECK(called_, "GroupedExperts: call experts(rows, counts or offsets): the rows' groups are needed");
+  const int64_t groups = offsets_.defined() ? offsets_.numel() : static_cast<int64_t>(counts_.size());
+  EMBER_CHECK(groups == w1.size(0), "GroupedExperts: ", groups, " groups for the ", w1.size(0), " experts held here");
   // Weights a data-parallel wrapper left in float32 (FSDP's ignored
   // parameters) compute in the tokens' dtype, as the gathered ones would.
   const Tensor a = scale_grad(w1, weight_grad_scale).to(x.dtype());
   const Tensor b = scale_grad(w2, weight_grad_scale).to(x.dtype());
   const Tensor c = scale_grad(w3, weight_grad_scale).to(x.dtype());
-  return grouped_mm(swiglu(grouped_mm(x, a, counts_), grouped_mm(x, c, counts_)), b, counts_);
+  const auto mm = [&](const Tensor& in, const Tensor& w) {
+    return offsets_.defined() ? grouped_mm(in, w, offsets_) : grouped_mm(in, w, counts_);
+  };
+  return mm(swiglu(mm(x, a), mm(x, c)), b);
 }
 
 MoE::MoE(int64_t dim_, MoEOptions o) : Module("MoE"), options(o), dim(dim_) {
@@ -145,29 +157,25 @@ Tensor MoE::forward(const Tensor& input) {
   // The router's own options decide (they are the constructor's).
   const int64_t N = x.size(0), K = r.experts.size(1), E = router->options.num_experts;
 
-  // The (token, choice) pairs sorted by expert on the host: the counts are
-  // needed there anyway (the grouped GEMM's groups, expert parallelism's
-  // splits), and this is one small copy of N k indices.
-  const Tensor chosen = r.experts.cpu().contiguous();
-  const int64_t* ch = chosen.data<int64_t>();
-  std::vector<int64_t> counts(static_cast<size_t>(E), 0);
-  for (int64_t i = 0; i < N * K; ++i) ++counts[static_cast<size_t>(ch[i])];
-  std::vector<int64_t> start(static_cast<size_t>(E), 0);
-  for (int64_t e = 1; e < E; ++e) start[e] = start[e - 1] + counts[e - 1];
-  std::vector<double> token_of(static_cast<size_t>(N * K)), slot_of(static_cast<size_t>(N * K));
-  for (int64_t i = 0; i < N * K; ++i) {  // i = t K + j, in token order: a stable sort
-    const int64_t at = start[static_cast<size_t>(ch[i])]++;
-    token_of[static_cast<size_t>(at)] = static_cast<double>(i / K);
-    slot_of[static_cast<size_t>(i)] = static_cast<double>(at);
+  // The (token, choice) pairs sorted by expert where they are (group_order:
+  // a counting sort, ties in token order), so nothing waits for the device
+  // unless expert parallelism needs the counts on the host for its splits.
+  const GroupOrder order = group_order(r.experts, E);
+  const Tensor rows = index_select(x, 0, order.rows);
+  Tensor out;
+  if (dispatch) {
+    const Tensor ends = order.offsets.cpu().contiguous();
+    std::vector<int64_t> counts(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) counts[e] = ends.data<int64_t>()[e] - (e > 0 ? ends.data<int64_t>()[e - 1] : 0);
+    out = dispatch(*experts, rows, counts);
+  } else {
+    out = (*experts)(rows, order.offsets);
   }
-  const TensorOptions idx{DType::Int64, x.device()};
-  const Tensor rows = index_select(x, 0, Tensor::from_vector(token_of, {N * K}, idx));
-  Tensor out = dispatch ? dispatch(*experts, rows, counts) : (*experts)(rows, counts);
   EMBER_CHECK(out.dim() == 2 && out.size(0) == N * K && out.size(1) == dim, "MoE: the dispatch",
               dispatch ? " installed on the layer" : "", " returned ", shape_str(out.sizes()), " for ", N * K,
               " rows of ", dim);
   // Back to (token, choice) order, weighted, summed over the k choices.
-  out = index_select(out, 0, Tensor::from_vector(slot_of, {N * K}, idx)).view({N, K, dim});
+  out = index_select(out, 0, order.positions.reshape({N * K})).view({N, K, dim});
   Tensor y = sum(out * r.weights.to(out.dtype()).unsqueeze(-1), {1});
   if (shared_experts) y = y + (*shared_experts)(x);
 
@@ -181,8 +189,8 @@ Tensor MoE::forward(const Tensor& input) {
   // Over the batch's counts when balance_sum sums them (total = tokens x k,
   // so f_e = E count_e / tokens). Kept on the device from here on: reading
   // the sum or the losses back would cost a wait per layer.
-  Tensor c = Tensor::from_vector(std::vector<double>(counts.begin(), counts.end()), {E},
-                                 TensorOptions{DType::Float64, x.device()});
+  const Tensor ends = order.offsets;
+  Tensor c = cast(E > 1 ? ends - cat({zeros({1}, ends.options()), ends.narrow(0, 0, E - 1)}) : ends, DType::Float64);
   if (balance_sum) c = balance_sum(c);
   if (!recompute) {
     tokens_sum_ = tokens_sum_.defined() ? tokens_sum_ + c : c;  // c is this forward's own

@@ -97,8 +97,11 @@ class GroupedExperts : public Module {
  public:
   GroupedExperts(int64_t num_experts, int64_t dim, int64_t hidden);
   // Through the module's call, so its hooks run (FSDP gathers the experts
-  // around it when they are a unit of their own): forward() reads the counts.
+  // around it when they are a unit of their own): forward() reads the
+  // groups, as counts on the host or as cumulative row ends on x's device
+  // (group_order's offsets: nothing read back, grouped_mm on the device).
   Tensor operator()(const Tensor& x, const std::vector<int64_t>& counts);
+  Tensor operator()(const Tensor& x, const Tensor& offsets);
   using Module::operator();
   Tensor forward(const Tensor& x) override;  // with the counts of the call above
   int64_t num_experts;                       // the layer's (the weights may hold a slice: expert parallelism)
@@ -107,15 +110,18 @@ class GroupedExperts : public Module {
   double weight_grad_scale = 1.0;
 
  private:
+  Tensor call(const Tensor& x);
   std::vector<int64_t> counts_;
+  Tensor offsets_;
   bool called_ = false;
 };
 
 // How the tokens sorted by expert reach the experts and come back: given
 // the rows [R, dim] in expert order and the layer's per-expert counts
 // (every expert of the layer, global ids), the experts' outputs in the same
-// order. Unset: this process's GroupedExperts runs them all. Expert
-// parallelism (distributed/parallel/ep) installs one that exchanges tokens.
+// order. Unset: this process's GroupedExperts runs them all, its groups
+// never leaving the device. Expert parallelism (distributed/parallel/ep)
+// installs one that exchanges tokens, its splits read on the host.
 using ExpertDispatchFn =
     std::function<Tensor(GroupedExperts& experts, const Tensor& rows, const std::vector<int64_t>& counts)>;
 

@@ -40,6 +40,19 @@ TESTS = [
 # gemm_cuda's k == 0 branch: the op layer answers an empty inner dimension
 # with zero_() before reaching it, so no test can see it.
 MUTANTS = [
+    ("grouped_input_b_orientation", "wrong stride", "core/ops/grouped_matmul.cu",
+     "        cuda::warp_mma<T, BK / 16, true>(acc, a_frag, bs[buf] + wn, BN + 8, lane);",
+     "        cuda::warp_mma<T, BK / 16, false>(acc, a_frag, bs[buf] + wn * (BK + 8), BK + 8, lane);"),
+    ("grouped_row_tile_base", "wrong stride", "core/ops/grouped_matmul.cu",
+     "    row0 = start + t * BM;", "    row0 = t * BM;"),
+    ("grouped_weight_rows_end", "off-by-one bound", "core/ops/grouped_matmul.cu",
+     "      load_tile<BK, BN>(bs[buf], p.b, p.K, start + k0, end, n0, p.K);",
+     "      load_tile<BK, BN>(bs[buf], p.b, p.K, start + k0, end + 1, n0, p.K);"),
+    ("grouped_stage_barrier", "dropped barrier", "core/ops/grouped_matmul.cu",
+     "    cuda::cp_async_wait_all();\n    __syncthreads();  // step s is in",
+     "    cuda::cp_async_wait_all();\n    // step s is in"),
+    ("group_order_scan_barrier", "dropped barrier", "core/ops/grouped_matmul.cu",
+     "      __syncthreads();\n      scan[tid] += add;", "      scan[tid] += add;"),
     ("bn_block_sum_barrier", "dropped barrier", "core/ops/batch_norm.cu",
      "  if (lane == 0) warp_states[warp] = merged;\n  __syncthreads();\n",
      "  if (lane == 0) warp_states[warp] = merged;\n"),

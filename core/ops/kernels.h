@@ -346,6 +346,14 @@ void gemm_cpu(const GemmArgs& g);
 // (the caller widens to float32 instead).
 bool gemm_cpu_native_16bit(const GemmArgs& g);
 void gemm_cuda(const GemmArgs& g, int device);
+// grouped_mm with its groups as cumulative row ends on the device (offsets
+// int64 [G]): product 0 Forward, 1 Input, 2 Weight (grouped_matmul.cc);
+// contiguous 16-bit a, b and out, rows multiples of 8 elements, 16-byte
+// aligned. out needs no zeroing (an empty group's weight block is written 0).
+void grouped_gemm_offsets_cuda(int product, const Tensor& a, const Tensor& b, const Tensor& offsets, Tensor& out);
+// group_order's counting sort (ops_nn.h): ids int64 [N, K] contiguous;
+// rows [N K], positions [N, K] and offsets [G] written.
+void group_order_cuda(const Tensor& ids, int64_t groups, Tensor& rows, Tensor& positions, Tensor& offsets);
 
 // index_select on contiguous [outer, src_size, inner] -> [outer, n_index, inner].
 void index_select_cpu(const Tensor& in, const Tensor& index, Tensor& out, int64_t outer, int64_t src_size, int64_t inner);

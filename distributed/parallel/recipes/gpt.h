@@ -63,9 +63,10 @@ PipelineParallel pipeline_gpt(const std::shared_ptr<nn::GPT>& gpt, const Paralle
 // micro-batch's forward (parallel_cross_entropy) and backward of
 // scale(loss / micro-batches), the gradients reduced on the last, the
 // scaler's unscale_, clipping to max_norm on the device, the scaler's
-// step_async and update. Returns {the micro-batches' summed loss, the
-// gradient norm}, 0-dim tensors on the device. What //examples:gpt
-// --cuda-graph 1 captures (optim::GraphedStep).
+// step_async and update; MoE layers' router losses scaled per micro-batch
+// and their statistics reset for the step. Returns {the micro-batches'
+// summed loss, the gradient norm}, 0-dim tensors on the device. What
+// //examples:gpt --cuda-graph 1 captures (optim::GraphedStep).
 std::vector<Tensor> gpt_step_on_device(nn::GPT& gpt, Parallelized& par, optim::Optimizer& opt,
                                        optim::GradScaler& scaler, const std::vector<Tensor>& in, double max_norm = 1.0);
 
