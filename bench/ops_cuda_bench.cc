@@ -3,16 +3,20 @@
 // matmul (fp32, fp16, bf16) beside cuBLAS called directly, the fused
 // cross-entropy's forward and backward over a LLaMA-3 vocabulary in GB/s
 // (each pass reads the bf16 logits once; the backward also writes the
-// gradient) beside the same copy ceiling. Every benchmark
-// reports an error and skips when no GPU is present.
+// gradient) beside the same copy ceiling, and the mixture of experts'
+// grouped GEMMs with their groups on the device beside one cuBLAS call per
+// expert. Every benchmark reports an error and skips when no GPU is present.
 #include <benchmark/benchmark.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+
+#include <vector>
 
 #include "core/cuda_check.h"
 #include "core/ops.h"
 #include "core/ops/cublas_handle.h"
 #include "core/ops/kernels.h"
+#include "core/ops_nn.h"
 
 namespace {
 using namespace ember;
@@ -115,5 +119,33 @@ void MatmulArgs(benchmark::internal::Benchmark* b) {
 }
 BENCHMARK(BM_CudaMatmul)->Apply(MatmulArgs)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_CublasDirect)->Apply(MatmulArgs)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// The mixture of experts' grouped GEMMs, forward and both gradients of
+// grouped_mm (x [16384, 2048] over G experts' [1536, 2048] weights, bf16,
+// balanced groups): the groups as offsets on the device (arg 1 = 0:
+// grouped_matmul.cu's kernels, one launch a product) or as sizes on the host
+// (1: one cuBLAS call per expert and product). TFLOP/s of the three
+// products; what routing on the device costs or saves against cuBLAS.
+void BM_CudaGroupedMm(benchmark::State& state) {
+  if (!need_gpu(state)) return;
+  const int64_t G = state.range(0), N = 16384, K = 2048, M = 1536;
+  const bool host = state.range(1) == 1;
+  Tensor x = (randn({N, K}, {DType::Float32, cuda_device()}) * 0.1).to(DType::BFloat16).requires_grad_();
+  Tensor w = (randn({G, M, K}, {DType::Float32, cuda_device()}) * 0.02).to(DType::BFloat16).requires_grad_();
+  std::vector<int64_t> sizes(static_cast<size_t>(G), N / G);
+  std::vector<double> ends;
+  for (int64_t g = 1; g <= G; ++g) ends.push_back(static_cast<double>(g * (N / G)));
+  const Tensor offsets = Tensor::from_vector(ends, {G}, DType::Int64).cuda();
+  Tensor gy = full({N, M}, 1e-3, {DType::BFloat16, cuda_device()});
+  for (auto _ : state) {
+    Tensor y = host ? grouped_mm(x, w, sizes) : grouped_mm(x, w, offsets);
+    y.backward(gy);
+    cuda_synchronize();
+  }
+  state.SetLabel(host ? "sizes on the host (cuBLAS per expert)" : "offsets on the device");
+  state.counters["TFLOP/s"] =
+      benchmark::Counter(3.0 * 2.0 * N * M * K / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_CudaGroupedMm)->ArgsProduct({{8, 64}, {0, 1}})->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace

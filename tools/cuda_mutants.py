@@ -41,8 +41,8 @@ TESTS = [
 # with zero_() before reaching it, so no test can see it.
 MUTANTS = [
     ("grouped_input_b_orientation", "wrong stride", "core/ops/grouped_matmul.cu",
-     "        cuda::warp_mma<T, BK / 16, true>(acc, a_frag, bs[buf] + wn, BN + 8, lane);",
-     "        cuda::warp_mma<T, BK / 16, false>(acc, a_frag, bs[buf] + wn * (BK + 8), BK + 8, lane);"),
+     "        cuda::warp_mma<T, BK / 16, true>(acc, a_frag, bs(buf) + wn, BN + 8, lane);",
+     "        cuda::warp_mma<T, BK / 16, false>(acc, a_frag, bs(buf) + wn * (BK + 8), BK + 8, lane);"),
     ("grouped_row_tile_base", "wrong stride", "core/ops/grouped_matmul.cu",
      "    row0 = start + t * BM;", "    row0 = t * BM;"),
     ("grouped_weight_rows_end", "off-by-one bound", "core/ops/grouped_matmul.cu",

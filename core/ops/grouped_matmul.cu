@@ -78,8 +78,10 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(const GroupedArg
   __shared__ uint4 smem_a[2][BM * (BK + 8) / 8];
   __shared__ uint4 smem_b[2][BN * (BK + 8) / 8];
   static_assert(BK * (BM + 8) <= BM * (BK + 8) && BK * (BN + 8) <= BN * (BK + 8), "either orientation fits");
-  uint16_t* as[2] = {reinterpret_cast<uint16_t*>(smem_a[0]), reinterpret_cast<uint16_t*>(smem_a[1])};
-  uint16_t* bs[2] = {reinterpret_cast<uint16_t*>(smem_b[0]), reinterpret_cast<uint16_t*>(smem_b[1])};
+  // (Pointers computed where used: an array of them indexed by the stage
+  // went to local memory.)
+  const auto as = [&](int buf) { return reinterpret_cast<uint16_t*>(smem_a[buf]); };
+  const auto bs = [&](int buf) { return reinterpret_cast<uint16_t*>(smem_b[buf]); };
   if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
     int64_t prev = 0;
     for (int64_t g = 0; g < p.G; ++g) {
@@ -115,14 +117,14 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(const GroupedArg
   const auto load = [&](int64_t s, int buf) {
     const int64_t k0 = s * BK;
     if constexpr (P == 0) {
-      load_tile<BM, BK>(as[buf], p.a, p.K, row0, end, k0, p.K);
-      load_tile<BN, BK>(bs[buf], bg, p.K, n0, p.M, k0, p.K);
+      load_tile<BM, BK>(as(buf), p.a, p.K, row0, end, k0, p.K);
+      load_tile<BN, BK>(bs(buf), bg, p.K, n0, p.M, k0, p.K);
     } else if constexpr (P == 1) {
-      load_tile<BM, BK>(as[buf], p.a, p.M, row0, end, k0, p.M);
-      load_tile<BK, BN>(bs[buf], bg, p.K, k0, p.M, n0, p.K);
+      load_tile<BM, BK>(as(buf), p.a, p.M, row0, end, k0, p.M);
+      load_tile<BK, BN>(bs(buf), bg, p.K, k0, p.M, n0, p.K);
     } else {
-      load_tile<BK, BM>(as[buf], p.a, p.M, start + k0, end, row0, p.M);
-      load_tile<BK, BN>(bs[buf], p.b, p.K, start + k0, end, n0, p.K);
+      load_tile<BK, BM>(as(buf), p.a, p.M, start + k0, end, row0, p.M);
+      load_tile<BK, BN>(bs(buf), p.b, p.K, start + k0, end, n0, p.K);
     }
     cuda::cp_async_commit();
   };
@@ -137,16 +139,16 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(const GroupedArg
     if constexpr (P == 2) {
       cuda::warp_mma<T, BK / 16, true>(
           acc,
-          [&](int kk, int mt, uint32_t f[4]) { cuda::frag_a_cols(as[buf], BM + 8, wm + mt * 16, kk * 16, lane, f); },
-          bs[buf] + wn, BN + 8, lane);
+          [&](int kk, int mt, uint32_t f[4]) { cuda::frag_a_cols(as(buf), BM + 8, wm + mt * 16, kk * 16, lane, f); },
+          bs(buf) + wn, BN + 8, lane);
     } else {
       const auto a_frag = [&](int kk, int mt, uint32_t f[4]) {
-        cuda::frag_a(as[buf], BK + 8, wm + mt * 16, kk * 16, lane, f);
+        cuda::frag_a(as(buf), BK + 8, wm + mt * 16, kk * 16, lane, f);
       };
       if constexpr (P == 0)
-        cuda::warp_mma<T, BK / 16, false>(acc, a_frag, bs[buf] + wn * (BK + 8), BK + 8, lane);
+        cuda::warp_mma<T, BK / 16, false>(acc, a_frag, bs(buf) + wn * (BK + 8), BK + 8, lane);
       else
-        cuda::warp_mma<T, BK / 16, true>(acc, a_frag, bs[buf] + wn, BN + 8, lane);
+        cuda::warp_mma<T, BK / 16, true>(acc, a_frag, bs(buf) + wn, BN + 8, lane);
     }
   }
   cuda::cp_async_wait_all();
