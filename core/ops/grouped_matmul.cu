@@ -13,8 +13,8 @@
 //   Input    c_g [n_g, K] = a_g [n_g, M] b[g]      rows of a and c cut
 //   Weight   c[g] [M, K]  = a_g^T b_g              the reduction cut
 // A block of the first two finds its group and row tile by walking the
-// offsets (the grid covers the most tiles any grouping can need: N / 64 +
-// G); a Weight block is one group's (M, K) tile and reduces over that
+// offsets (the grid's x covers the most tiles any grouping can need: N / 64
+// + G); a Weight block is one group's (M, K) tile and reduces over that
 // group's rows, zero for an empty group. The offsets are checked on the
 // device (non-decreasing, ending at N; an error names them at the next
 // synchronisation) and clamped, so bad ones cannot send a copy out of range.
@@ -93,13 +93,15 @@ __global__ void __launch_bounds__(kThreads) grouped_gemm_kernel(const GroupedArg
   }
   // The block's group, its rows (or reduction range) and its output tile.
   int64_t g = 0, start = 0, end = 0, row0 = 0;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * BN;
+  // Forward and Input: row tiles along x (2^31 of them), column tiles along
+  // y; Weight: column tiles along x, row tiles along y, groups along z.
+  const int64_t n0 = static_cast<int64_t>(P == 2 ? blockIdx.x : blockIdx.y) * BN;
   if constexpr (P == 2) {
     g = blockIdx.z;
     group_rows(p, g, start, end);
     row0 = static_cast<int64_t>(blockIdx.y) * BM;
   } else {
-    int64_t t = blockIdx.y;
+    int64_t t = blockIdx.x;
     for (g = 0; g < p.G; ++g) {
       group_rows(p, g, start, end);
       const int64_t tiles = (end - start + BM - 1) / BM;
@@ -233,14 +235,15 @@ void grouped_gemm_offsets_cuda(int product, const Tensor& a, const Tensor& b, co
   p.K = product == 2 ? b.size(1) : b.size(2);
   p.slot = cuda_error_slot(device);
   p.code = cuda_error_op_code("grouped_mm (group offsets)");
-  const int64_t cols = product == 0 ? p.M : p.K;
-  dim3 grid(static_cast<unsigned>(cuda::ceil_div(cols, BN)), 1, 1);
-  if (product == 2) {
-    grid.y = static_cast<unsigned>(cuda::ceil_div(p.M, BM));
-    grid.z = static_cast<unsigned>(p.G);
-  } else {
-    grid.y = static_cast<unsigned>(cuda::ceil_div(p.N, BM) + p.G);  // the most row tiles a grouping needs
-  }
+  const int64_t cols = product == 0 ? p.M : p.K, col_tiles = cuda::ceil_div(cols, BN);
+  EMBER_CHECK(col_tiles <= 65535 && (product != 2 || (cuda::ceil_div(p.M, BM) <= 65535 && p.G <= 65535)),
+              "grouped_mm: ", p.G, " groups of [", p.M, ", ", p.K, "] weights exceed the grouped kernel's grid");
+  dim3 grid;
+  if (product == 2)
+    grid = dim3(static_cast<unsigned>(col_tiles), static_cast<unsigned>(cuda::ceil_div(p.M, BM)),
+                static_cast<unsigned>(p.G));
+  else  // the most row tiles a grouping of N rows into G groups needs
+    grid = dim3(static_cast<unsigned>(cuda::ceil_div(p.N, BM) + p.G), static_cast<unsigned>(col_tiles), 1);
   const auto launch = [&](auto t) {
     using T = decltype(t);
     if (product == 0) grouped_gemm_kernel<T, 0><<<grid, kThreads, 0, stream>>>(p);
