@@ -299,6 +299,11 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
     if (f.moe_experts > 0 && c.amp != "bf16")
       error("--moe-experts with --cuda-graph 1 needs --amp bf16 (got " + c.amp +
             "): float32 experts read their token counts on the host, and float16's router losses the loss scale");
+    if (f.moe_experts > 0 && (f.dim % 8 != 0 || f.moe_hidden % 8 != 0))
+      error("--moe-experts with --cuda-graph 1: --dim " + std::to_string(f.dim) + " and --moe-hidden " +
+            std::to_string(f.moe_hidden) +
+            " must be multiples of 8 (the experts' grouped kernels copy 16 bytes "
+            "at a time; other widths read their token counts on the host)");
     if (f.moe_experts > 0 && f.mesh.ep > 1)
       error("--ep with --cuda-graph 1: expert parallelism's token exchange sizes its splits on the host every step");
     if (f.mesh.pp > 1) error("--pp with --cuda-graph 1: a pipeline's schedule runs on the host between its stages");

@@ -89,10 +89,12 @@ void check_operands(const Tensor& x, const Tensor& w) {
 }
 
 // The host's group sizes from device offsets (a wait on CUDA), checked.
-std::vector<int64_t> sizes_of(const Tensor& offsets, int64_t rows, DType dtype) {
-  EMBER_CHECK(!offsets.is_cuda() || !cuda_graph_capturing(), "grouped_mm: ", dtype_name(dtype),
-              " operands (or K or M not a multiple of 8) take the per-group loop, which reads the group offsets on the "
-              "host: not inside a CUDA graph capture (16-bit operands with K and M multiples of 8 run on the device)");
+std::vector<int64_t> sizes_of(const Tensor& offsets, const Tensor& x, const Tensor& w) {
+  EMBER_CHECK(!offsets.is_cuda() || !cuda_graph_capturing(), "grouped_mm: ", dtype_name(x.dtype()), " x ",
+              shape_str(x.sizes()), " and w ", shape_str(w.sizes()),
+              " take the per-group loop, which reads the group offsets on the host: not inside a CUDA graph capture "
+              "(bf16 or fp16 operands whose K and M are multiples of 8 run on the device)");
+  const int64_t rows = x.sizes()[0];
   const Tensor o = offsets.to(kCPU).contiguous();
   std::vector<int64_t> sizes;
   int64_t prev = 0;
@@ -184,7 +186,9 @@ Tensor grouped_mm(const Tensor& x, const Tensor& w, const Tensor& offsets) {
               ": the offsets must be on x's device");
   const bool device = x.is_cuda() && (x.dtype() == DType::BFloat16 || x.dtype() == DType::Float16) &&
                       x.sizes()[1] % 8 == 0 && w.sizes()[1] % 8 == 0;
-  if (!device) return grouped_mm(x, w, sizes_of(offsets, x.sizes()[0], x.dtype()));
+  if (!device) return grouped_mm(x, w, sizes_of(offsets, x, w));
+  EMBER_CHECK(w.sizes()[0] > 0 || x.sizes()[0] == 0, "grouped_mm: x ", shape_str(x.sizes()), " has rows but w ",
+              shape_str(w.sizes()), " no group to take them");
   const Tensor offs = offsets.contiguous();
   return grouped_op(
       x, w, [offs](const Tensor& a, const Tensor& b, Product p) { return grouped_gemm_device(a, b, offs, p); }, offs);
