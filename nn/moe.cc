@@ -162,12 +162,17 @@ Tensor MoE::forward(const Tensor& input) {
   // unless expert parallelism needs the counts on the host for its splits.
   const GroupOrder order = group_order(r.experts, E);
   const Tensor rows = index_select(x, 0, order.rows);
+  // Tokens per expert, on the device (the load balance's and expert
+  // parallelism's), made only when one of them needs them.
+  Tensor counts;
+  if (dispatch || GradMode::is_enabled()) {
+    const Tensor& ends = order.offsets;
+    counts = E > 1 ? ends - cat({zeros({1}, ends.options()), ends.narrow(0, 0, E - 1)}) : ends;
+  }
   Tensor out;
   if (dispatch) {
-    const Tensor ends = order.offsets.cpu().contiguous();
-    std::vector<int64_t> counts(static_cast<size_t>(E));
-    for (int64_t e = 0; e < E; ++e) counts[e] = ends.data<int64_t>()[e] - (e > 0 ? ends.data<int64_t>()[e - 1] : 0);
-    out = dispatch(*experts, rows, counts);
+    const Tensor host = counts.cpu().contiguous();
+    out = dispatch(*experts, rows, std::vector<int64_t>(host.data<int64_t>(), host.data<int64_t>() + E));
   } else {
     out = (*experts)(rows, order.offsets);
   }
@@ -189,8 +194,7 @@ Tensor MoE::forward(const Tensor& input) {
   // Over the batch's counts when balance_sum sums them (total = tokens x k,
   // so f_e = E count_e / tokens). Kept on the device from here on: reading
   // the sum or the losses back would cost a wait per layer.
-  const Tensor ends = order.offsets;
-  Tensor c = cast(E > 1 ? ends - cat({zeros({1}, ends.options()), ends.narrow(0, 0, E - 1)}) : ends, DType::Float64);
+  Tensor c = cast(counts, DType::Float64);
   if (balance_sum) c = balance_sum(c);
   if (!recompute) {
     tokens_sum_ = tokens_sum_.defined() ? tokens_sum_ + c : c;  // c is this forward's own
