@@ -341,7 +341,8 @@ struct NormTiles {
 //   b[0] B(2t..2t+1, g)  b[1] B(2t+8..2t+9, g)
 //   c[0..1] C(g, 2t..2t+1)  c[2..3] C(g+8, 2t..2t+1)
 // Under the host emulation (no __CUDA_ARCH__) the warp gathers every lane's
-// fragments with shuffles and each lane computes its own four outputs, so
+// fragments (one warp barrier, emu::warp_gather: 32 shuffles' worth) and
+// each lane computes its own four outputs, so
 // the layout contract above is what the emulated tests check.
 template <typename T>
 __device__ __forceinline__ uint32_t pack16(float lo, float hi) {
@@ -366,10 +367,12 @@ __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const
   const auto lo = [](uint32_t r) { return T::to_float(static_cast<uint16_t>(r & 0xffffu)); };
   const auto hi = [](uint32_t r) { return T::to_float(static_cast<uint16_t>(r >> 16)); };
   float A[16][16], B[16][8];
+  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  const unsigned char* all = ::emu::warp_gather(0xffffffffu, mine, sizeof mine, EMU_SITE);
   for (int src = 0; src < kWarpSize; ++src) {
-    const uint4 va = __shfl_sync(0xffffffffu, make_uint4(a[0], a[1], a[2], a[3]), src);
-    const uint2 vb = __shfl_sync(0xffffffffu, make_uint2(b[0], b[1]), src);
-    const uint32_t ra[4] = {va.x, va.y, va.z, va.w}, rb[2] = {vb.x, vb.y};
+    uint32_t frag[6];
+    std::memcpy(frag, all + src * ::emu::kGatherBytes, sizeof frag);
+    const uint32_t *ra = frag, *rb = frag + 4;
     const int g = src / 4, t = src % 4;
     for (int r = 0; r < 4; ++r) {
       const int row = g + 8 * (r % 2), col = 2 * t + 8 * (r / 2);
@@ -392,7 +395,7 @@ __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const
 // 16-byte aligned bytes); r[i] of lane l = tile i's row l / 4, columns
 // 2 (l % 4) and + 1, or with Trans tile i's transpose there (column l / 4,
 // rows 2 (l % 4) and + 1): exactly the mma fragments above. The emulation
-// reads the rows through the lanes' shuffled addresses.
+// reads the rows through the lanes' gathered addresses.
 template <bool Trans>
 __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const uint16_t* row) {
 #if defined(__CUDA_ARCH__)
@@ -407,13 +410,19 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const uint16_t* row) 
                  : "r"(addr));
 #elif !defined(__CUDACC__)
   const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
+  const unsigned char* all = ::emu::warp_gather(0xffffffffu, &row, sizeof row, EMU_SITE);
+  const auto row_of = [all](int src) {
+    const uint16_t* p;
+    std::memcpy(&p, all + src * ::emu::kGatherBytes, sizeof p);
+    return p;
+  };
   for (int i = 0; i < 4; ++i) {
     if constexpr (Trans) {
-      const uint16_t* r0 = __shfl_sync(0xffffffffu, row, i * 8 + 2 * t);
-      const uint16_t* r1 = __shfl_sync(0xffffffffu, row, i * 8 + 2 * t + 1);
+      const uint16_t* r0 = row_of(i * 8 + 2 * t);
+      const uint16_t* r1 = row_of(i * 8 + 2 * t + 1);
       r[i] = static_cast<uint32_t>(r0[g]) | (static_cast<uint32_t>(r1[g]) << 16);
     } else {
-      const uint16_t* rr = __shfl_sync(0xffffffffu, row, i * 8 + g);
+      const uint16_t* rr = row_of(i * 8 + g);
       r[i] = static_cast<uint32_t>(rr[2 * t]) | (static_cast<uint32_t>(rr[2 * t + 1]) << 16);
     }
   }

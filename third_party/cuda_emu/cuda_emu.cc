@@ -55,10 +55,10 @@
 #include <sanitizer/common_interface_defs.h>
 #endif
 
-thread_local uint3 threadIdx;
-thread_local uint3 blockIdx;
-thread_local dim3 blockDim;
-thread_local dim3 gridDim;
+thread_local uint3 threadIdx EMU_TLS;
+thread_local uint3 blockIdx EMU_TLS;
+thread_local dim3 blockDim EMU_TLS;
+thread_local dim3 gridDim EMU_TLS;
 
 // Saves the callee-saved registers and the SSE/x87 control words on the
 // current stack, stores its pointer in *save_sp and resumes load_sp.
@@ -102,7 +102,8 @@ int env_int(const char* n, int d) {
   return v && *v ? std::atoi(v) : d;
 }
 std::string where(Site s) { return std::string(s.file) + ":" + std::to_string(s.line); }
-bool same(Site a, Site b) { return a.line == b.line && std::strcmp(a.file, b.file) == 0; }
+// (One site is one string literal nearly always: the pointers compare first.)
+bool same(Site a, Site b) { return a.line == b.line && (a.file == b.file || std::strcmp(a.file, b.file) == 0); }
 
 std::atomic<int> g_order{[] {
   const std::string o = std::getenv("EMU_ORDER") ? std::getenv("EMU_ORDER") : "fwd";
@@ -140,7 +141,7 @@ struct Warp {
   unsigned existing = 0, exited = 0, arrived = 0, mask = 0;
   uint64_t gen = 0;
   Site site{};
-  alignas(16) unsigned char slot[2][32][16];
+  alignas(16) unsigned char slot[2][32][kGatherBytes];
 };
 struct Block {
   std::vector<Fiber> f;
@@ -538,6 +539,15 @@ const void* warp_exchange(unsigned mask, const void* v, size_t bytes, int src, S
     die(std::string(W.blk->name) + ": shuffle at " + where(s) + " reads lane " + std::to_string(src) +
         " outside its mask (undefined value)");
   return w.slot[g & 1][src];
+}
+
+const unsigned char* warp_gather(unsigned mask, const void* v, size_t bytes, Site s) {
+  if (!W.blk) die("warp gather outside a kernel at " + where(s));
+  if (bytes > kGatherBytes) die("warp gather of " + std::to_string(bytes) + " bytes at " + where(s));
+  Warp& w = W.blk->warps[W.cur->lin / 32];
+  std::memcpy(w.slot[w.gen & 1][W.cur->lin % 32], v, bytes);
+  const uint64_t g = warp_barrier(mask, s, "warp gather");
+  return w.slot[g & 1][0];
 }
 
 void shared_init(void* p, size_t bytes) {

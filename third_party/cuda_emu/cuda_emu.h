@@ -46,10 +46,13 @@
 #define __shared__ _Pragma("GCC error \"__shared__ outside a .cu rewritten by cu2emu.py (move it into the .cu)\"")
 
 // Per OS thread; a block runs on one OS thread, so these are its values.
-extern thread_local uint3 threadIdx;
-extern thread_local uint3 blockIdx;
-extern thread_local dim3 blockDim;
-extern thread_local dim3 gridDim;
+// Initial-exec: the emulated libraries are linked, never dlopen'd, and every
+// kernel statement that names threadIdx would otherwise call __tls_get_addr.
+#define EMU_TLS __attribute__((tls_model("initial-exec")))
+extern thread_local uint3 threadIdx EMU_TLS;
+extern thread_local uint3 blockIdx EMU_TLS;
+extern thread_local dim3 blockDim EMU_TLS;
+extern thread_local dim3 gridDim EMU_TLS;
 constexpr int warpSize = 32;
 
 namespace emu {
@@ -63,6 +66,14 @@ void syncwarp(Site s, unsigned mask = 0xffffffffu);
 // Exchanges `bytes` of `v` within the warp; returns lane src's value.
 const void* warp_exchange(unsigned mask, const void* v, size_t bytes, int src_lane, Site s);
 int lane_id();
+// Every lane of `mask` gives `bytes` (at most kGatherBytes) of `v`; after one
+// warp barrier the caller reads lane i's bytes at result + i * kGatherBytes
+// (lanes outside the mask: stale bytes), until the caller's next warp
+// barrier. What 32 shuffles of one value from each lane return, for one
+// barrier instead of 32: the emulated tensor-core primitives gather their
+// operands' fragments with it.
+constexpr size_t kGatherBytes = 32;
+const unsigned char* warp_gather(unsigned mask, const void* v, size_t bytes, Site s);
 
 template <typename T>
 T shfl(unsigned mask, T v, int src, Site s) {

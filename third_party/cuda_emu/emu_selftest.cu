@@ -47,6 +47,35 @@ __global__ void divergent_barrier(int* out) {
 __global__ void shuffle_outside_mask(int* out) {
   if (threadIdx.x < 16) out[threadIdx.x] = __shfl_sync(0x0000ffffu, int(threadIdx.x), 20);
 }
+// emu::warp_gather, what the emulated tensor-core primitives use: three
+// gathers in a row (both halves of the double buffer, a shuffle between)
+// give every lane every other lane's 24 bytes; out[t] counts the lanes
+// whose values arrived intact.
+__global__ void gather_rounds(int* out) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int ok = 0;
+  for (int round = 0; round < 3; ++round) {
+    const int mine[6] = {lane, warp, round, lane * 7, -lane, round + lane};
+    const unsigned char* all = ::emu::warp_gather(0xffffffffu, mine, sizeof mine, EMU_SITE);
+    for (int src = 0; src < 32; ++src) {
+      int v[6];
+      memcpy(v, all + src * ::emu::kGatherBytes, sizeof v);
+      ok += v[0] == src && v[1] == warp && v[2] == round && v[3] == src * 7 && v[4] == -src && v[5] == round + src;
+    }
+    ok += __shfl_sync(0xffffffffu, lane, (lane + 1) % 32) == (lane + 1) % 32;
+  }
+  out[threadIdx.x] = ok;
+}
+__global__ void divergent_gather(int* out) {
+  const int v = threadIdx.x;
+  const unsigned char* all = nullptr;
+  if (threadIdx.x < 16) {
+    all = ::emu::warp_gather(0xffffffffu, &v, sizeof v, EMU_SITE);
+  } else {
+    all = ::emu::warp_gather(0xffffffffu, &v, sizeof v, EMU_SITE);
+  }
+  out[threadIdx.x] = all[0];
+}
 // Each thread reads its left neighbour's value: correct only with the barrier.
 __global__ void neighbour(int* out, bool barrier) {
   __shared__ int s[64];
@@ -158,6 +187,20 @@ TEST_F(Emu, ShuffleOutsideMaskDies) {
         cudaDeviceSynchronize();
       },
       "shuffle at .*emu_selftest.cu:[0-9]+ reads lane 20 outside its mask");
+}
+
+TEST_F(Emu, WarpGatherGivesEveryLanesBytesAndDiesOnDivergence) {
+  int* out = dev<int>(64);
+  gather_rounds<<<1, 64>>>(out);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(peek(out, 64), std::vector<int>(64, 3 * 33));
+  EXPECT_DEATH(
+      {
+        divergent_gather<<<1, 32>>>(out);
+        cudaDeviceSynchronize();
+      },
+      "divergent_gather: warp gather at .*emu_selftest.cu:[0-9]+: .*divergent: other lanes wait at "
+      ".*emu_selftest.cu:[0-9]+");
 }
 
 TEST_F(Emu, HostPointerPassedToKernelDies) {
