@@ -1,6 +1,6 @@
-// The mixture-of-experts layer (moe.h): routing, the dropless dispatch by
-// sorting, the grouped SwiGLU experts, the weighted combine and the router
-// losses fed back through the backward.
+// The mixture-of-experts layer (moe.h): routing, the dispatch by sorting
+// (dropless, or padded to a capacity), the grouped SwiGLU experts, the
+// weighted combine and the router losses fed back through the backward.
 #include "nn/moe.h"
 
 #include <cmath>
@@ -35,6 +35,8 @@ void check_options(const MoEOptions& o, int64_t dim) {
   EMBER_CHECK(o.shared_experts >= 0, "MoE: shared_experts ", o.shared_experts, " (0 or more)");
   EMBER_CHECK(o.aux_loss_coef >= 0 && o.z_loss_coef >= 0, "MoE: aux_loss_coef ", o.aux_loss_coef, " and z_loss_coef ",
               o.z_loss_coef, " must be >= 0");
+  EMBER_CHECK(std::isfinite(o.capacity_factor) && o.capacity_factor >= 0, "MoE: capacity_factor ", o.capacity_factor,
+              " must be finite and >= 0 (0: dropless)");
 }
 
 // The router losses' gradient enters here: y passes through unchanged and
@@ -52,6 +54,12 @@ Tensor attach_aux_loss(const Tensor& y, const Tensor& aux) {
 }
 
 }  // namespace
+
+int64_t expert_capacity(const MoEOptions& o, int64_t tokens) {
+  EMBER_CHECK(o.capacity_factor > 0, "expert_capacity: a dropless MoE (capacity_factor 0) has no capacity");
+  return static_cast<int64_t>(
+      std::ceil(o.capacity_factor * static_cast<double>(tokens * o.top_k) / static_cast<double>(o.num_experts)));
+}
 
 TopKRouter::TopKRouter(int64_t dim, const MoEOptions& o) : Module("TopKRouter"), options(o) {
   gate = register_module("gate", std::make_shared<Linear>(dim, o.num_experts, /*bias=*/false));
@@ -117,24 +125,43 @@ Tensor GroupedExperts::operator()(const Tensor& x, const Tensor& offsets) {
   return call(x);
 }
 
+Tensor GroupedExperts::padded(const Tensor& x, int64_t capacity) {
+  EMBER_CHECK(capacity >= 0, "GroupedExperts: capacity ", capacity);
+  capacity_ = capacity;
+  return call(x);
+}
+
 Tensor GroupedExperts::call(const Tensor& x) {
   called_ = true;
   struct Done {
     GroupedExperts* e;
-    ~Done() { e->called_ = false, e->counts_.clear(), e->offsets_ = Tensor(); }
+    ~Done() { e->called_ = false, e->counts_.clear(), e->offsets_ = Tensor(), e->capacity_ = -1; }
   } done{this};  // also when the call throws
   return Module::operator()(x);
 }
 
 Tensor GroupedExperts::forward(const Tensor& x) {
-  EMBER_CHECK(called_, "GroupedExperts: call experts(rows, counts or offsets): the rows' groups are needed");
-  const int64_t groups = offsets_.defined() ? offsets_.numel() : static_cast<int64_t>(counts_.size());
-  EMBER_CHECK(groups == w1.size(0), "GroupedExperts: ", groups, " groups for the ", w1.size(0), " experts held here");
+  EMBER_CHECK(called_,
+              "GroupedExperts: call experts(rows, counts or offsets) or experts.padded(rows, capacity): the rows' "
+              "groups are needed");
+  const int64_t G = w1.size(0);
+  if (capacity_ >= 0) {
+    EMBER_CHECK(x.dim() == 2 && x.size(0) == G * capacity_, "GroupedExperts: rows ", shape_str(x.sizes()), " for ", G,
+                " experts of ", capacity_, " rows each");
+  } else {
+    const int64_t groups = offsets_.defined() ? offsets_.numel() : static_cast<int64_t>(counts_.size());
+    EMBER_CHECK(groups == G, "GroupedExperts: ", groups, " groups for the ", G, " experts held here");
+  }
   // Weights a data-parallel wrapper left in float32 (FSDP's ignored
   // parameters) compute in the tokens' dtype, as the gathered ones would.
   const Tensor a = scale_grad(w1, weight_grad_scale).to(x.dtype());
   const Tensor b = scale_grad(w2, weight_grad_scale).to(x.dtype());
   const Tensor c = scale_grad(w3, weight_grad_scale).to(x.dtype());
+  if (capacity_ >= 0) {  // [G, C, dim] x [G, dim, hidden]: cuBLAS's strided batches
+    const auto bmm = [](const Tensor& in, const Tensor& w) { return matmul(in, w.transpose(1, 2)); };
+    const Tensor xb = x.view({G, capacity_, x.size(1)});
+    return bmm(swiglu(bmm(xb, a), bmm(xb, c)), b).reshape({G * capacity_, x.size(1)});
+  }
   const auto mm = [&](const Tensor& in, const Tensor& w) {
     return offsets_.defined() ? grouped_mm(in, w, offsets_) : grouped_mm(in, w, counts_);
   };
@@ -159,28 +186,58 @@ Tensor MoE::forward(const Tensor& input) {
 
   // The (token, choice) pairs sorted by expert where they are (group_order:
   // a counting sort, ties in token order), so nothing waits for the device
-  // unless expert parallelism needs the counts on the host for its splits.
+  // unless a dropless expert parallelism needs the counts on the host for
+  // its splits.
   const GroupOrder order = group_order(r.experts, E);
-  const Tensor rows = index_select(x, 0, order.rows);
-  // Tokens per expert, on the device (the load balance's and expert
-  // parallelism's), made only when one of them needs them.
+  const bool padded = router->options.capacity_factor > 0;
+  // Tokens per expert, on the device (the load balance's, the capacity's
+  // and expert parallelism's), made only when one of them needs them.
   Tensor counts;
-  if (dispatch || GradMode::is_enabled()) {
+  if (dispatch || padded || GradMode::is_enabled()) {
     const Tensor& ends = order.offsets;
     counts = E > 1 ? ends - cat({zeros({1}, ends.options()), ends.narrow(0, 0, E - 1)}) : ends;
   }
-  Tensor out;
-  if (dispatch) {
-    const Tensor host = counts.cpu().contiguous();
-    out = dispatch(*experts, rows, std::vector<int64_t>(host.data<int64_t>(), host.data<int64_t>() + E));
+  Tensor out, dropped;
+  if (padded) {
+    // Expert e's slot j (of C) takes the j-th choice routed to e, or a zero
+    // row (index N of x with a zero row appended) past its count; a choice
+    // whose rank within its expert reaches C reads the zero row appended to
+    // the experts' output instead (dropped).
+    const int64_t C = expert_capacity(router->options, N);
+    const TensorOptions io = counts.options();
+    const Tensor c_t = full({}, static_cast<double>(C), io);
+    const Tensor starts = order.offsets - counts;
+    const Tensor j = arange(static_cast<double>(C), io).unsqueeze(0);  // [1, C]
+    const Tensor at = minimum(starts.unsqueeze(1) + j, full({}, static_cast<double>(std::max<int64_t>(N * K - 1, 0)), io));
+    const Tensor src = where(lt(j, counts.unsqueeze(1)), index_select(order.rows, 0, at.reshape({E * C})).view({E, C}),
+                             full({}, static_cast<double>(N), io));
+    const Tensor rows = index_select(cat({x, zeros({1, dim}, x.options())}), 0, src.reshape({E * C}));
+    out = dispatch ? dispatch(*experts, rows, ExpertGroups{.capacity = C}) : experts->padded(rows, C);
+    EMBER_CHECK(out.dim() == 2 && out.size(0) == E * C && out.size(1) == dim, "MoE: the dispatch",
+                dispatch ? " installed on the layer" : "", " returned ", shape_str(out.sizes()), " for ", E, " x ", C,
+                " rows of ", dim);
+    const Tensor e_of = r.experts.reshape({N * K});
+    const Tensor within = order.positions.reshape({N * K}) - index_select(starts, 0, e_of);
+    const Tensor kept = lt(within, c_t);
+    const Tensor slot = where(kept, e_of * c_t + within, full({}, static_cast<double>(E * C), io));
+    out = index_select(cat({out, zeros({1, dim}, out.options())}), 0, slot).view({N, K, dim});
+    dropped = sum(cast(ge(within, c_t), DType::Float64));
   } else {
-    out = (*experts)(rows, order.offsets);
+    const Tensor rows = index_select(x, 0, order.rows);
+    if (dispatch) {
+      const Tensor host = counts.cpu().contiguous();
+      out = dispatch(*experts, rows,
+                     ExpertGroups{.counts = std::vector<int64_t>(host.data<int64_t>(), host.data<int64_t>() + E)});
+    } else {
+      out = (*experts)(rows, order.offsets);
+    }
+    EMBER_CHECK(out.dim() == 2 && out.size(0) == N * K && out.size(1) == dim, "MoE: the dispatch",
+                dispatch ? " installed on the layer" : "", " returned ", shape_str(out.sizes()), " for ", N * K,
+                " rows of ", dim);
+    // Back to (token, choice) order.
+    out = index_select(out, 0, order.positions.reshape({N * K})).view({N, K, dim});
   }
-  EMBER_CHECK(out.dim() == 2 && out.size(0) == N * K && out.size(1) == dim, "MoE: the dispatch",
-              dispatch ? " installed on the layer" : "", " returned ", shape_str(out.sizes()), " for ", N * K,
-              " rows of ", dim);
-  // Back to (token, choice) order, weighted, summed over the k choices.
-  out = index_select(out, 0, order.positions.reshape({N * K})).view({N, K, dim});
+  // Weighted, summed over the k choices.
   Tensor y = sum(out * r.weights.to(out.dtype()).unsqueeze(-1), {1});
   if (shared_experts) y = y + (*shared_experts)(x);
 
@@ -199,6 +256,8 @@ Tensor MoE::forward(const Tensor& input) {
   if (!recompute) {
     tokens_sum_ = tokens_sum_.defined() ? tokens_sum_ + c : c;  // c is this forward's own
     ++forwards_;
+    routed_ += N * K;
+    if (dropped.defined()) dropped_sum_ = dropped_sum_.defined() ? dropped_sum_ + dropped : dropped;
   }
   if (N == 0) return y.view(input.sizes());  // no token: no loss of this rank's
   Tensor p = r.scores;
@@ -227,12 +286,14 @@ MoEStats MoE::stats() const {
     for (int64_t e = 0; e < t.numel(); ++e) st.tokens_per_expert.push_back(std::llround(t.data<double>()[e]));
   }
   if (aux_sum_.defined()) st.aux_loss = aux_sum_.item(), st.z_loss = z_sum_.item();
+  st.routed = routed_;
+  if (dropped_sum_.defined()) st.dropped = std::llround(dropped_sum_.item());
   return st;
 }
 
 void MoE::reset_stats() {
-  tokens_sum_ = aux_sum_ = z_sum_ = Tensor();
-  forwards_ = 0;
+  tokens_sum_ = aux_sum_ = z_sum_ = dropped_sum_ = Tensor();
+  forwards_ = routed_ = 0;
 }
 
 std::vector<MoE*> moe_layers(Module& model) {

@@ -1,8 +1,9 @@
 // Mixture of experts: a token-choice top-k router, stacked SwiGLU experts run
-// as grouped GEMMs over variable-size groups (dropless: no capacity, no
-// token dropped), the combine weighted by the router's scores, optional
-// DeepSeek-style shared experts, and the two router losses (Switch /
-// Mixtral load balancing, ST-MoE's z-loss).
+// as grouped GEMMs over variable-size groups (dropless by default: no token
+// dropped; or with a capacity per expert, GShard's and Megatron's token
+// dropping, every group padded to it), the combine weighted by the router's
+// scores, optional DeepSeek-style shared experts, and the two router losses
+// (Switch / Mixtral load balancing, ST-MoE's z-loss).
 //
 //   nn::MoE moe(64, {.num_experts = 8, .top_k = 2, .hidden = 128});
 //   Tensor y = moe(x);                    // x, y [B, T, 64]
@@ -23,6 +24,17 @@
 // order within an expert), the tokens gathered in that order, one grouped
 // GEMM per projection over the experts' groups (an expert with no token is
 // an empty group), the results gathered back and combined.
+// With a capacity (MoEOptions::capacity_factor), each expert takes at most
+// C = ceil(capacity_factor N k / E) of the forward's N k choices, the first
+// in that order (Megatron's "position" drop policy, GShard's); every group
+// is padded to C rows with zeros, one batched GEMM per projection runs all
+// of them, and a dropped choice adds nothing to its token's output (the
+// block's residual carries the token) and receives no gradient. Every
+// shape then follows from N alone: nothing is read on the host, and
+// expert parallelism's exchange has even splits, so a captured step
+// (CUDA graphs) holds the layer in every dtype, expert parallelism
+// included. The load-balancing loss counts every routed choice, dropped or
+// not (Megatron's).
 //
 // Router losses, added to the model's loss through the backward (the layer's
 // output carries a node that feeds coef * their gradient into the router;
@@ -71,7 +83,15 @@ struct MoEOptions {
   // In a model (GPTOptions::moe): block i is an MoE block when i % every == 0
   // (Megatron's moe_layer_freq: 1 every block, 2 blocks 0, 2, 4, ...).
   int64_t every = 1;
+  // > 0: each expert's capacity per forward, as a multiple of its even
+  // share of the choices (Megatron's moe_expert_capacity_factor with
+  // moe_pad_expert_input_to_capacity; 1.25 is common); 0: dropless.
+  double capacity_factor = 0.0;
 };
+
+// An expert's rows per forward of `tokens` tokens under `o`'s capacity
+// factor: ceil(capacity_factor tokens top_k / num_experts); 0 for no token.
+int64_t expert_capacity(const MoEOptions& o, int64_t tokens);
 
 // The router: gate logits, scores, the top k and their weights.
 struct Routing {
@@ -102,8 +122,11 @@ class GroupedExperts : public Module {
   // (group_order's offsets: nothing read back, grouped_mm on the device).
   Tensor operator()(const Tensor& x, const std::vector<int64_t>& counts);
   Tensor operator()(const Tensor& x, const Tensor& offsets);
+  // Every group exactly `capacity` rows (padding included): x [G capacity,
+  // dim], one batched matmul per projection.
+  Tensor padded(const Tensor& x, int64_t capacity);
   using Module::operator();
-  Tensor forward(const Tensor& x) override;  // with the counts of the call above
+  Tensor forward(const Tensor& x) override;  // with the groups of the calls above
   int64_t num_experts;                       // the layer's (the weights may hold a slice: expert parallelism)
   Tensor w1, w2, w3;
   // The weights' gradient is multiplied by this (expert parallelism's 1/ep).
@@ -113,28 +136,39 @@ class GroupedExperts : public Module {
   Tensor call(const Tensor& x);
   std::vector<int64_t> counts_;
   Tensor offsets_;
+  int64_t capacity_ = -1;
   bool called_ = false;
 };
 
+// The groups of the rows a dispatch receives: dropless, each expert's count
+// (read on the host); with a capacity, every expert's group that many rows.
+struct ExpertGroups {
+  std::vector<int64_t> counts;  // every expert of the layer (global ids); empty with a capacity
+  int64_t capacity = -1;        // >= 0: padded groups of this many rows
+};
+
 // How the tokens sorted by expert reach the experts and come back: given
-// the rows [R, dim] in expert order and the layer's per-expert counts
-// (every expert of the layer, global ids), the experts' outputs in the same
-// order. Unset: this process's GroupedExperts runs them all, its groups
-// never leaving the device. Expert parallelism (distributed/parallel/ep)
-// installs one that exchanges tokens, its splits read on the host.
+// the rows [R, dim] in expert order and their groups, the experts' outputs
+// in the same order. Unset: this process's GroupedExperts runs them all,
+// its groups never leaving the device. Expert parallelism
+// (distributed/parallel/ep) installs one that exchanges tokens: its splits
+// read on the host when dropless, even with a capacity.
 using ExpertDispatchFn =
-    std::function<Tensor(GroupedExperts& experts, const Tensor& rows, const std::vector<int64_t>& counts)>;
+    std::function<Tensor(GroupedExperts& experts, const Tensor& rows, const ExpertGroups& groups)>;
 
 // What the training forwards (grad on; a checkpoint's recompute not
 // counted) since the last reset_stats() routed (read by metrics: a step's
 // micro-batches): tokens per expert over the whole batch (summed
 // over balance_sum's ranks), and the two router losses' values (this
-// rank's), summed over the `forwards`. The sums stay on the layer's device
-// until stats() reads them, so a forward waits for nothing to keep them.
+// rank's), summed over the `forwards`; with a capacity, how many of this
+// rank's `routed` (token, choice) pairs were `dropped`. The sums stay on
+// the layer's device until stats() reads them, so a forward waits for
+// nothing to keep them.
 struct MoEStats {
   std::vector<int64_t> tokens_per_expert;
   double aux_loss = 0, z_loss = 0;
   int64_t forwards = 0;
+  int64_t routed = 0, dropped = 0;
 };
 
 // No dropout inside (LLaMA's, Mixtral's and DeepSeek's experts have none):
@@ -163,7 +197,8 @@ class MoE : public Module {
  private:
   Tensor tokens_sum_;       // float64 [E], on the device, since reset_stats(); undefined: no forward
   Tensor aux_sum_, z_sum_;  // 0-dim in the scores' dtype, likewise; undefined: no loss computed
-  int64_t forwards_ = 0;
+  Tensor dropped_sum_;      // float64 0-dim, likewise; undefined: no capacity or no forward
+  int64_t forwards_ = 0, routed_ = 0;
 };
 
 // Every MoE layer of `model`, in module order.

@@ -68,14 +68,18 @@ Inputs make_inputs(int64_t N, int64_t D, int64_t E, uint64_t seed) {
 struct Ref {
   Tensor y, aux, z;
   std::vector<int64_t> counts;
+  int64_t dropped = 0;
 };
 
+// `capacity` >= 0: each expert takes the first `capacity` choices in
+// (token, choice) order, the later ones add nothing.
 Ref naive(const Tensor& x, const Tensor& gate, const Tensor& w1, const Tensor& w2, const Tensor& w3,
-          const std::shared_ptr<SwiGLU>& shared, const Case& c) {
+          const std::shared_ptr<SwiGLU>& shared, const Case& c, int64_t capacity = -1) {
   const int64_t N = x.size(0);
   std::vector<Tensor> ys, score_rows, lses;
   Ref r;
   r.counts.assign(static_cast<size_t>(c.E), 0);
+  std::vector<int64_t> taken(static_cast<size_t>(c.E), 0);
   for (int64_t t = 0; t < N; ++t) {
     Tensor xt = x.select(0, t);
     Tensor logits = matmul(gate, xt);  // [E]
@@ -92,6 +96,10 @@ Ref naive(const Tensor& x, const Tensor& gate, const Tensor& w1, const Tensor& w
     for (int64_t j = 0; j < c.K; ++j) {
       const int64_t e = order[j];
       ++r.counts[e];
+      if (capacity >= 0 && taken[e]++ >= capacity) {
+        ++r.dropped;
+        continue;
+      }
       Tensor h = silu(matmul(w1.select(0, e), xt)) * matmul(w3.select(0, e), xt);
       Tensor o = matmul(w2.select(0, e), h);
       yt = yt + o * (c.normalize && c.K > 1 ? w[j] / wsum : w[j]);
@@ -173,6 +181,90 @@ TEST(MoE, MatchesANaiveLoopOverTokensForwardAndBackward) {
       expect_close(moe.shared_experts->gate_proj->weight.grad(), shared->gate_proj->weight.grad(), tol,
                    what + ": shared");
   }
+}
+
+// A capacity: each expert takes its first C = ceil(f N k / E) choices in
+// (token, choice) order, the rest dropped (GShard's and Megatron's
+// "position" policy), against the naive loop told the same C: outputs,
+// every gradient, the losses (over every routed choice) and the dropped
+// count. A factor of E / k (C = N, nothing to drop) gives the dropless
+// layer's numbers.
+TEST(MoE, CapacityDropsTheLaterChoicesAsANaiveLoop) {
+  const int64_t N = 14, D = 8, H = 6;
+  struct CapCase {
+    Case c;
+    double factor;
+  };
+  const std::vector<CapCase> cases = {{{4, 1, RouterScore::Softmax, true, 0}, 1.0},
+                                      {{4, 2, RouterScore::Softmax, true, 0}, 0.5},
+                                      {{6, 2, RouterScore::Sigmoid, true, 1}, 1.25},
+                                      {{6, 2, RouterScore::Softmax, false, 0}, 3.0},
+                                      {{4, 3, RouterScore::Softmax, true, 0}, 4.0 / 3.0}};
+  for (const auto& [c, factor] : cases) {
+    const std::string what = "E " + std::to_string(c.E) + " k " + std::to_string(c.K) + " capacity factor " +
+                             std::to_string(factor) + " " + router_score_name(c.score);
+    MoEOptions o{.num_experts = c.E,
+                 .top_k = c.K,
+                 .hidden = H,
+                 .score = c.score,
+                 .normalize_top_k = c.normalize,
+                 .shared_experts = c.shared,
+                 .aux_loss_coef = 0.3,
+                 .z_loss_coef = 0.05,
+                 .capacity_factor = factor};
+    const int64_t C = expert_capacity(o, N);
+    EXPECT_EQ(C, static_cast<int64_t>(std::ceil(factor * N * c.K / c.E - 1e-9))) << what;
+    MoE moe(D, o);
+    moe.to(DType::Float64);
+    Inputs in = make_inputs(N, D, c.E, 40 + c.E * 3 + c.K);
+    moe.router->gate->weight.detach().copy_(in.gate);
+    const Tensor proj = rnd({N, D}, 98);
+    Tensor x = in.x.clone().requires_grad_();
+    Tensor y = moe(x.view({2, N / 2, D}));
+    sum(y.view({N, D}) * proj).backward();
+
+    auto copy = [](const Tensor& t) { return t.detach().clone().requires_grad_(); };
+    Tensor xr = in.x.clone().requires_grad_(), gr = copy(moe.router->gate->weight);
+    Tensor w1 = copy(moe.experts->w1), w2 = copy(moe.experts->w2), w3 = copy(moe.experts->w3);
+    std::shared_ptr<SwiGLU> shared;
+    if (c.shared) {
+      shared = std::make_shared<SwiGLU>(D, c.shared * H);
+      shared->to(DType::Float64);
+      shared->load_state_dict(moe.shared_experts->state_dict());
+    }
+    Ref r = naive(xr, gr, w1, w2, w3, shared, c, C);
+    (sum(r.y * proj) + r.aux * o.aux_loss_coef + r.z * o.z_loss_coef).backward();
+
+    const double tol = 1e-10;
+    expect_close(y.view({N, D}), r.y, tol, what + ": output");
+    const MoEStats st = moe.stats();
+    EXPECT_EQ(st.tokens_per_expert, r.counts) << what << ": every routed choice, dropped or not";
+    EXPECT_EQ(st.routed, N * c.K) << what;
+    EXPECT_EQ(st.dropped, r.dropped) << what;
+    if (factor * c.K < c.E)
+      EXPECT_GT(r.dropped, 0) << what << ": the case should drop choices";
+    else
+      EXPECT_EQ(r.dropped, 0) << what << ": C = N leaves nothing to drop";
+    EXPECT_NEAR(st.aux_loss, r.aux.item(), tol) << what;
+    EXPECT_NEAR(st.z_loss, r.z.item(), tol) << what;
+    expect_close(x.grad(), xr.grad(), tol, what + ": dx");
+    expect_close(moe.router->gate->weight.grad(), gr.grad(), tol, what + ": router");
+    expect_close(moe.experts->w1.grad(), w1.grad(), tol, what + ": w1");
+    expect_close(moe.experts->w2.grad(), w2.grad(), tol, what + ": w2");
+    expect_close(moe.experts->w3.grad(), w3.grad(), tol, what + ": w3");
+    if (c.shared)
+      expect_close(moe.shared_experts->gate_proj->weight.grad(), shared->gate_proj->weight.grad(), tol,
+                   what + ": shared");
+  }
+  // No token: capacity 0, an empty output, a backward that works.
+  MoE moe(8, {.num_experts = 4, .top_k = 2, .hidden = 4, .capacity_factor = 1.0});
+  moe.to(DType::Float64);
+  Tensor x = zeros({0, 8}, {DType::Float64}).requires_grad_();
+  Tensor y = moe(x);
+  EXPECT_EQ(y.sizes(), (Shape{0, 8}));
+  sum(y).backward();
+  EXPECT_EQ(x.grad().sizes(), (Shape{0, 8}));
+  EXPECT_EQ(moe.stats().dropped, 0);
 }
 
 TEST(MoE, TiesGoToTheLowerExpertAndAnEmptyExpertGetsAZeroGradient) {
@@ -261,6 +353,8 @@ TEST(MoE, BadOptionsAreNamed) {
   EXPECT_NE(error_of([] { MoE(8, {.num_experts = 4, .top_k = 5, .hidden = 4}); }).find("top_k 5"), std::string::npos);
   EXPECT_NE(error_of([] { MoE(8, {.num_experts = 0, .hidden = 4}); }).find("num_experts 0"), std::string::npos);
   EXPECT_NE(error_of([] { parse_router_score("relu"); }).find("'relu'"), std::string::npos);
+  EXPECT_NE(error_of([] { MoE(8, {.num_experts = 4, .hidden = 4, .capacity_factor = -1}); }).find("capacity_factor -1"),
+            std::string::npos);
   MoE moe(8, {.num_experts = 4, .hidden = 4});
   EXPECT_NE(error_of([&] { moe(zeros({3, 7})); }).find("must end in dim 8"), std::string::npos);
 }

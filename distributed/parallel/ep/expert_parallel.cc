@@ -3,6 +3,7 @@
 #include "distributed/parallel/ep/expert_parallel.h"
 
 #include <algorithm>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,7 +19,39 @@ namespace ember::distributed {
 
 namespace {
 
-// The layer's dispatch over `pg` (installed as nn::MoE::dispatch).
+// The padded dispatch (a capacity of C rows per expert): rows [E C, dim] in
+// expert order, so rank r's experts are one contiguous block of El C rows;
+// even splits, nothing read on the host. Received as [source q][expert e]
+// [C], run as [e][q][C] (each local expert's n C rows one batch), sent back
+// in the source's order. Every ep rank must pad to the same C (the same
+// tokens per forward): the ranks check that once per new C (`agreed`),
+// outside a capture as long as the shapes settle in its warm-up steps.
+Tensor dispatch_padded(nn::GroupedExperts& ex, const Tensor& rows, int64_t C, const std::shared_ptr<ProcessGroup>& pg,
+                       std::set<int64_t>& agreed) {
+  const int n = pg->size();
+  const int64_t E = ex.num_experts, El = E / n, dim = rows.size(1);
+  EMBER_INTERNAL_ASSERT(El * n == E && rows.size(0) == E * C, "expert_parallel: rows ", shape_str(rows.sizes()), " for ",
+                        E, " experts of ", C);
+  if (!agreed.count(C)) {
+    Tensor mine = Tensor::from_vector({static_cast<double>(C)}, {1}, {DType::Int64, pg->device()});
+    Tensor all = Tensor::empty({n}, {DType::Int64, pg->device()});
+    pg->allgather_into_tensor(all, mine)->wait();
+    const Tensor h = all.cpu().contiguous();
+    for (int q = 0; q < n; ++q)
+      EMBER_CHECK(h.data<int64_t>()[q] == C, "expert_parallel: ep rank ", q, " pads each expert's tokens to ",
+                  h.data<int64_t>()[q], " rows and ep rank ", pg->rank(), " to ", C,
+                  ": with a capacity factor every rank of an ep group must route as many tokens per forward "
+                  "(the same micro-batch size and sequence length)");
+    agreed.insert(C);
+  }
+  const std::vector<int64_t> splits(static_cast<size_t>(n), El * C);
+  const Tensor got = functional::all_to_all_v(rows, splits, splits, pg);
+  const Tensor x = got.view({n, El, C, dim}).transpose(0, 1).contiguous().view({El * n * C, dim});
+  const Tensor y = ex.padded(x, n * C).view({El, n, C, dim}).transpose(0, 1).contiguous().view({n * El * C, dim});
+  return functional::all_to_all_v(y, splits, splits, pg);
+}
+
+// The layer's dropless dispatch over `pg` (installed as nn::MoE::dispatch).
 Tensor dispatch(nn::GroupedExperts& ex, const Tensor& rows, const std::vector<int64_t>& counts,
                 const std::shared_ptr<ProcessGroup>& pg) {
   const int n = pg->size();
@@ -125,8 +158,10 @@ void expert_parallel(nn::Module& model, const std::shared_ptr<DeviceMesh>& ep_me
       set_shard_spec(*p, std::move(spec));
     }
     moe->experts->weight_grad_scale = 1.0 / n;
-    moe->dispatch = [pg](nn::GroupedExperts& ex, const Tensor& rows, const std::vector<int64_t>& counts) {
-      return dispatch(ex, rows, counts, pg);
+    auto agreed = std::make_shared<std::set<int64_t>>();  // the capacities the ep ranks agreed on
+    moe->dispatch = [pg, agreed](nn::GroupedExperts& ex, const Tensor& rows, const nn::ExpertGroups& groups) {
+      return groups.capacity >= 0 ? dispatch_padded(ex, rows, groups.capacity, pg, *agreed)
+                                  : dispatch(ex, rows, groups.counts, pg);
     };
   }
 }

@@ -20,6 +20,13 @@
 //   3. the local experts' grouped GEMMs;
 //   4. the results reordered back and returned by the reverse all_to_all_v.
 // The backward runs the same exchanges in reverse (functional::all_to_all_v).
+// With a capacity (MoEOptions::capacity_factor) the counts are not sent:
+// every expert's group is C rows, padding included, so each all-to-all has
+// even splits of E/ep x C rows and nothing is read on the host (a captured
+// step holds it); each rank drops its own choices past C before sending
+// (Megatron's capacity per rank), so a rank's output is what one process
+// gives for its tokens alone. The ep ranks check once per C that they pad
+// alike (they must route as many tokens per forward).
 //
 // Gradients: the experts' weights receive the gradient of the sum of the
 // ep ranks' losses (tokens from every rank meet there), and are divided by

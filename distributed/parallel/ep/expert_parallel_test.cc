@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "autograd/autograd.h"
@@ -135,6 +136,89 @@ TEST(ExpertParallel, EqualsOneProcessAtEp124) {
     for (int ep : {1, 2, 4}) EMBER_EXPECT_RANKS("ep_layer", 4, {.arg = "ep=" + std::to_string(ep) + "," + ek}) << ek;
 }
 
+// With a capacity each rank drops its own choices past C before the
+// exchange (Megatron's capacity per rank), so rank r's output is what one
+// process gives for rank r's tokens alone; the reference runs every rank's
+// tokens through one layer, one forward per rank (its losses' gradient
+// scaled by 1/W, as the mean of the ranks' losses). The exchanges: 4
+// all-to-alls of E C rows, even splits, no counts.
+EMBER_WORKER(ep_capacity) {
+  mp::init_world(env);
+  auto world = default_group();
+  const int W = env.world_size, me = env.rank;
+  const auto args = mp::parse_arg(env.arg);
+  const int ep = std::stoi(args.at("ep"));
+  const int64_t E = std::stoi(args.at("E")), K = std::stoi(args.at("k"));
+  const double factor = std::stod(args.at("f"));
+  const int64_t D = 6, H = 5, N = 10;
+  const nn::MoEOptions o{.num_experts = E,
+                         .top_k = K,
+                         .hidden = H,
+                         .shared_experts = 1,
+                         .aux_loss_coef = 0.2,
+                         .z_loss_coef = 0.05,
+                         .capacity_factor = factor};
+  const std::string what = "capacity factor " + args.at("f") + " ep " + std::to_string(ep) + " E " +
+                           std::to_string(E) + " k " + std::to_string(K) + " rank " + std::to_string(me);
+  Tensor X = rnd({W * N, D}, 31), P = rnd({W * N, D}, 32);
+  auto ref = make_layer(D, o);
+  ref->aux_grad_scale = 1.0 / W;
+  Tensor Xr = X.clone().requires_grad_();
+  int64_t ref_dropped_mine = 0;
+  Tensor Y_mine;
+  for (int r = 0; r < W; ++r) {
+    Tensor Yr = (*ref)(Xr.narrow(0, r * N, N));
+    sum(Yr * P.narrow(0, r * N, N) * (1.0 / W)).backward();
+    const int64_t dropped = ref->stats().dropped;
+    if (r == me) Y_mine = Yr.detach(), ref_dropped_mine = dropped;
+    ref->reset_stats();
+  }
+
+  auto mesh = DeviceMesh::create({W / ep, ep}, {"rest", "ep"});
+  auto moe = make_layer(D, o);
+  if (ep > 1) expert_parallel(*moe, mesh->submesh({"ep"}));
+  Tensor x = X.narrow(0, me * N, N).clone().requires_grad_();
+  auto ep_pg = mesh->group("ep");
+  Tensor y = (*moe)(x);  // the first forward at this C: the ranks agree on it
+  ep_pg->reset_counters();
+  moe->reset_stats();
+  moe->zero_grad();
+  y = (*moe)(x);
+  mp::check_close(y, Y_mine, what + " forward", 1e-10);
+  WCHECK(moe->stats().dropped == ref_dropped_mine, what, ": dropped ", moe->stats().dropped, ", one process ",
+         ref_dropped_mine);
+  sum(y * P.narrow(0, me * N, N)).backward();
+  mp::check_close(x.grad() * (1.0 / W), Xr.grad().narrow(0, me * N, N), what + " dx", 1e-10);
+  mp::check_close(avg(moe->router->gate->weight.grad(), world), ref->router->gate->weight.grad(), what + " router",
+                  1e-10);
+  mp::check_close(avg(moe->shared_experts->down_proj->weight.grad(), world),
+                  ref->shared_experts->down_proj->weight.grad(), what + " shared", 1e-10);
+  const int64_t El = E / ep, first = mesh->coordinate("ep") * El;
+  auto rest = mesh->group("rest");
+  for (auto [name, got, want] : {std::tuple{"w1", moe->experts->w1, ref->experts->w1},
+                                 std::tuple{"w2", moe->experts->w2, ref->experts->w2},
+                                 std::tuple{"w3", moe->experts->w3, ref->experts->w3}})
+    mp::check_close(avg(got.grad(), rest), want.grad().narrow(0, first, El), what + " " + name, 1e-10);
+  // Some rank dropped choices at the smaller factor (the counts agree on
+  // every rank: one allreduce of the dropped counts).
+  Tensor d = Tensor::from_vector({static_cast<double>(moe->stats().dropped)}, {1}, DType::Float64);
+  world->allreduce(d)->wait();
+  if (factor < 1) WCHECK(d.item() > 0, what, ": no rank dropped a choice");
+  if (ep > 1) {
+    const int64_t C = nn::expert_capacity(o, N);
+    const int64_t want_bytes = 4 * E * C * D * 8;
+    WCHECK(ep_pg->counter("all_to_all").bytes == want_bytes && ep_pg->counter("all_to_all").calls == 4, what,
+           ": all-to-alls ", ep_pg->counter("all_to_all").calls, " of ", ep_pg->counter("all_to_all").bytes,
+           " bytes, expected 4 of ", want_bytes, " in all (E C rows each, forward and backward)");
+  }
+  world->barrier()->wait();
+}
+
+TEST(ExpertParallel, WithACapacityEachRankIsOneProcessOnItsTokens) {
+  for (const char* ek : {"E=4,k=2,f=0.75", "E=8,k=1,f=1.5", "E=8,k=2,f=4"})
+    for (int ep : {2, 4}) EMBER_EXPECT_RANKS("ep_capacity", 4, {.arg = "ep=" + std::to_string(ep) + "," + ek}) << ek;
+}
+
 EMBER_WORKER(ep_errors) {
   mp::init_world(env);
   auto mesh = DeviceMesh::create({2}, {"ep"});
@@ -144,6 +228,15 @@ EMBER_WORKER(ep_errors) {
   nn::Linear plain(4, 4);
   const std::string none = ::ember::testing::error_of([&] { expert_parallel(plain, mesh); });
   WCHECK(none.find("no MoE layer") != std::string::npos, none);
+  // With a capacity, ranks that route different numbers of tokens pad to
+  // different capacities: named on both before any token moves.
+  auto padded = make_layer(4, {.num_experts = 4, .top_k = 1, .hidden = 4, .capacity_factor = 1.0});
+  expert_parallel(*padded, mesh);
+  const std::string uneven =
+      ::ember::testing::error_of([&] { (*padded)(rnd({env.rank == 0 ? 4 : 8, 4}, 3 + env.rank)); });
+  WCHECK(uneven.find("pads each expert's tokens to") != std::string::npos &&
+             uneven.find("must route as many tokens per forward") != std::string::npos,
+         uneven);
   default_group()->barrier()->wait();
 }
 
