@@ -82,7 +82,8 @@ nn::GPTOptions model_options(const Flags& f, int64_t vocab) {
              .shared_experts = f.moe_shared,
              .aux_loss_coef = f.moe_aux_coef,
              .z_loss_coef = f.moe_z_coef,
-             .every = f.moe_every};
+             .every = f.moe_every,
+             .capacity_factor = f.moe_capacity_factor};
   return o;
 }
 

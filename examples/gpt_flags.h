@@ -50,7 +50,7 @@ struct Flags {
   // Mixture of experts (nn/moe.h): 0 experts is a dense model.
   int64_t moe_experts = 0, moe_top_k = 2, moe_every = 1, moe_hidden = 0, moe_shared = 0;
   std::string moe_score = "softmax";
-  double moe_aux_coef = 0.01, moe_z_coef = 0.0;
+  double moe_aux_coef = 0.01, moe_z_coef = 0.0, moe_capacity_factor = 0.0;
   std::string tokenizer;             // "", a tokenizer.json, or bpe:N
   std::string init_from_hf;          // a Hugging Face GPT-2 / LLaMA directory (nn/hf.h)
   std::optional<nn::GPTOptions> hf;  // its config.json's model, when given
@@ -86,7 +86,8 @@ inline void declare(FlagTable& t, Flags& f) {
          "step_s, mem_peak_mib and its parts mem_{params,grads,optimizer,gathered,activations,\n"
          "other}_mib (the rank with the largest peak), batch_digest (a hash of the global batch);\n"
          "with --moe-experts, expert_tokens_{min,max,mean} (tokens per expert over every MoE layer)\n"
-         "and moe_aux_loss (the load-balancing loss, the mean over the MoE layers); with\n"
+         "and moe_aux_loss (the load-balancing loss, the mean over the MoE layers), with\n"
+         "--moe-capacity-factor moe_dropped_frac (the share of expert choices dropped); with\n"
          "--straggler-every, straggler_rank, straggler_score and straggler_self_score on each window's step",
          false);
   t.integer("--straggler-every", &f.straggler_every, 0, "N",
@@ -127,6 +128,9 @@ inline void declare(FlagTable& t, Flags& f) {
   t.choice("--moe-score", &f.moe_score, {"softmax", "sigmoid"}, "the router's scores");
   t.nonnegative("--moe-aux-coef", &f.moe_aux_coef, "X", "the load-balancing loss's coefficient (Switch/Mixtral)");
   t.nonnegative("--moe-z-coef", &f.moe_z_coef, "X", "the router z-loss's coefficient (ST-MoE)");
+  t.nonnegative("--moe-capacity-factor", &f.moe_capacity_factor, "F",
+                "each expert takes at most ceil(F x tokens x K / E) choices per forward, the later ones\n"
+                "dropped, every expert's group padded to that (Megatron's capacity factor; 0: dropless)");
   t.text("--tokenizer", &f.tokenizer, "T.json|bpe:N",
          "tokens of the text: a Hugging Face tokenizer.json (byte-level BPE), or bpe:N, a BPE of N tokens\n"
          "trained on the training text at start (saved as <checkpoint-dir>/tokenizer.json); with --data\n"
@@ -262,7 +266,7 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
       if (t.given(name)) error(std::string(name) + " goes with --arch llama");
   if (f.moe_experts == 0) {
     for (const char* name : {"--moe-top-k", "--moe-every", "--moe-hidden", "--moe-shared", "--moe-score",
-                             "--moe-aux-coef", "--moe-z-coef"})
+                             "--moe-aux-coef", "--moe-z-coef", "--moe-capacity-factor"})
       if (t.given(name)) error(std::string(name) + " goes with --moe-experts");
   } else if (f.moe_top_k > f.moe_experts) {
     error("--moe-top-k " + std::to_string(f.moe_top_k) + " exceeds --moe-experts " + std::to_string(f.moe_experts));
@@ -293,19 +297,27 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
       if (t.given(flag))
         error(std::string(flag) + " with --cuda-graph 1: it runs host code inside every step, which a replayed " +
               "graph skips; use one or the other");
-    // MoE routes on the device (group_order) and runs its experts there in
-    // 16 bits (grouped_mm's offsets); float32 experts read their groups on
-    // the host, and float16's router losses take the loss scale, read there.
-    if (f.moe_experts > 0 && c.amp != "bf16")
-      error("--moe-experts with --cuda-graph 1 needs --amp bf16 (got " + c.amp +
-            "): float32 experts read their token counts on the host, and float16's router losses the loss scale");
-    if (f.moe_experts > 0 && (f.dim % 8 != 0 || f.moe_hidden % 8 != 0))
-      error("--moe-experts with --cuda-graph 1: --dim " + std::to_string(f.dim) + " and --moe-hidden " +
-            std::to_string(f.moe_hidden) +
-            " must be multiples of 8 (the experts' grouped kernels copy 16 bytes "
-            "at a time; other widths read their token counts on the host)");
-    if (f.moe_experts > 0 && f.mesh.ep > 1)
-      error("--ep with --cuda-graph 1: expert parallelism's token exchange sizes its splits on the host every step");
+    // MoE routes on the device (group_order). Dropless, it runs its experts
+    // there in 16 bits (grouped_mm's offsets); float32 experts read their
+    // groups on the host, and expert parallelism its splits. With a
+    // capacity every shape is fixed: any dtype, and --ep. float16's router
+    // losses take the loss scale, read on the host.
+    if (f.moe_experts > 0 && c.amp == "fp16")
+      error("--moe-experts with --cuda-graph 1 and --amp fp16: the router losses' gradient takes the loss scale, "
+            "read on the host every step (use bf16 or float32)");
+    if (f.moe_experts > 0 && f.moe_capacity_factor == 0) {
+      if (c.amp != "bf16")
+        error("--moe-experts with --cuda-graph 1 needs --amp bf16 or --moe-capacity-factor (got --amp " + c.amp +
+              "): dropless float32 experts read their token counts on the host");
+      if (f.dim % 8 != 0 || f.moe_hidden % 8 != 0)
+        error("--moe-experts with --cuda-graph 1: --dim " + std::to_string(f.dim) + " and --moe-hidden " +
+              std::to_string(f.moe_hidden) +
+              " must be multiples of 8 (the experts' grouped kernels copy 16 bytes at a time; other widths read "
+              "their token counts on the host), or give --moe-capacity-factor");
+      if (f.mesh.ep > 1)
+        error("--ep with --cuda-graph 1: dropless expert parallelism sizes its token exchange on the host every "
+              "step; give --moe-capacity-factor (even splits)");
+    }
     if (f.mesh.pp > 1) error("--pp with --cuda-graph 1: a pipeline's schedule runs on the host between its stages");
     // Every other dimension's collectives are captured with the step:
     // FSDP's all-gathers and reduce-scatters, HSDP's allreduces, tensor

@@ -247,11 +247,16 @@ class MetricsLog {
 // over the world and duplicates (tp ranks) weigh alike in the mean; the
 // load-balancing loss, the mean over the layers of each layer's mean over
 // the step's micro-batches, averaged over the ranks (each holds its own
-// batch's share).
+// batch's share); with a capacity, the share of the (token, choice) pairs
+// dropped, over every layer and rank.
 inline nlohmann::json moe_metrics(nn::Module& part, distributed::ProcessGroup& pg, Device device) {
   double lo = std::numeric_limits<double>::infinity(), hi = -lo, sum = 0, experts = 0, aux = 0, layers = 0;
+  double routed = 0, dropped = 0;
+  bool capacity = false;
   for (nn::MoE* m : nn::moe_layers(part)) {
     const nn::MoEStats st = m->stats();  // reads the layer's sums back
+    capacity = capacity || m->options.capacity_factor > 0;
+    routed += static_cast<double>(st.routed), dropped += static_cast<double>(st.dropped);
     for (int64_t c : st.tokens_per_expert) {
       lo = std::min(lo, static_cast<double>(c)), hi = std::max(hi, static_cast<double>(c));
       sum += static_cast<double>(c), experts += 1;
@@ -260,15 +265,17 @@ inline nlohmann::json moe_metrics(nn::Module& part, distributed::ProcessGroup& p
   }
   Tensor mn = Tensor::from_vector({lo}, {1}, DType::Float64).to(device);
   Tensor mx = Tensor::from_vector({hi}, {1}, DType::Float64).to(device);
-  Tensor sums = Tensor::from_vector({sum, experts, aux, layers}, {4}, DType::Float64).to(device);
+  Tensor sums = Tensor::from_vector({sum, experts, aux, layers, routed, dropped}, {6}, DType::Float64).to(device);
   pg.allreduce(mn, distributed::ReduceOp::Min)->wait();
   pg.allreduce(mx, distributed::ReduceOp::Max)->wait();
   pg.allreduce(sums, distributed::ReduceOp::Sum)->wait();
   const std::vector<double> v = sums.to(kCPU).to_vector();
-  return {{"expert_tokens_min", mn.to(kCPU).item()},
-          {"expert_tokens_max", mx.to(kCPU).item()},
-          {"expert_tokens_mean", v[1] > 0 ? v[0] / v[1] : 0.0},
-          {"moe_aux_loss", v[3] > 0 ? v[2] / v[3] : 0.0}};
+  nlohmann::json out = {{"expert_tokens_min", mn.to(kCPU).item()},
+                        {"expert_tokens_max", mx.to(kCPU).item()},
+                        {"expert_tokens_mean", v[1] > 0 ? v[0] / v[1] : 0.0},
+                        {"moe_aux_loss", v[3] > 0 ? v[2] / v[3] : 0.0}};
+  if (capacity) out["moe_dropped_frac"] = v[4] > 0 ? v[5] / v[4] : 0.0;
+  return out;
 }
 
 // A run's shape, for the lines that describe it and predict its memory.

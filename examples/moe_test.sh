@@ -12,6 +12,8 @@
 #   - ep 2 under full activation checkpointing equals one process too;
 #   - a checkpoint chain ep 4 -> ep 2 -> one process continues as the
 #     uninterrupted run (stacked expert weights resharded by their boxes);
+#   - a capacity factor of E / k equals the dropless run; a factor of 1
+#     drops choices (alone and with ep 2), the metrics saying how many;
 #   - the --metrics lines carry the expert load and the balance loss;
 #   - bad layouts are named errors.
 set -euo pipefail
@@ -71,6 +73,27 @@ for j in lines:
     assert j["expert_tokens_min"] <= 64.0 <= j["expert_tokens_max"], j
     assert 1.9 < j["moe_aux_loss"] < 2.5, j
 print("expert load:", [(j["expert_tokens_min"], j["expert_tokens_max"]) for j in lines])
+PY
+
+# A capacity: factor 2 = E / k leaves every expert room for every choice
+# (C = the tokens), so the run is the dropless one loss for loss (padded
+# batched GEMMs instead of grouped ones); factor 1 drops choices, named in
+# the metrics, with ep 2 too (even splits, each rank dropping its own).
+"$dir/gpt" --nproc 1 "${moe[@]}" --moe-capacity-factor 2 --checkpoint-dir "$tmp/cf2" --metrics "$tmp/cf2.jsonl" \
+  > "$tmp/cf2.log" 2>&1 || { cat "$tmp/cf2.log"; exit 1; }
+"$dir/gpt" --nproc 2 --dp-shard 2 --ep 2 "${moe[@]}" --moe-capacity-factor 1 --checkpoint-dir "$tmp/cf1" \
+  --metrics "$tmp/cf1.jsonl" > "$tmp/cf1.log" 2>&1 || { cat "$tmp/cf1.log"; exit 1; }
+python3 - "$tmp/r1.jsonl" "$tmp/cf2.jsonl" "$tmp/cf1.jsonl" <<'PY'
+import json, sys
+r1, cf2, cf1 = ([json.loads(l) for l in open(p)] for p in sys.argv[1:])
+assert len(r1) == len(cf2) == len(cf1) == 6
+for a, b in zip(r1, cf2):
+    assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (a["loss"], b["loss"])
+    assert b["moe_dropped_frac"] == 0.0, b
+    assert "moe_dropped_frac" not in a, a
+for j in cf1:
+    assert 0.0 < j["moe_dropped_frac"] < 0.5, j
+print("capacity 2 = dropless; capacity 1 dropped:", [round(j["moe_dropped_frac"], 3) for j in cf1])
 PY
 
 out=$("$dir/gpt" --nproc 2 --dp-shard 2 --ep 2 "${moe[@]}" --checkpoint-dir "$tmp/e2" --metrics "$tmp/e2.jsonl" 2>&1) ||
@@ -148,6 +171,7 @@ expect_error() {  # MESSAGE ARGS...
 expect_error "--ep 3 does not divide --moe-experts 4" --nproc 3 --ep 3 "${moe[@]}"
 expect_error "--ep 2 splits experts; give --moe-experts" --nproc 2 --ep 2 --max-steps 1
 expect_error "--moe-top-k 5 exceeds --moe-experts 4" "${moe[@]}" --moe-top-k 5
+expect_error "--moe-capacity-factor goes with --moe-experts" --moe-capacity-factor 1 --max-steps 1
 expect_error "--ep 2 does not divide --moe-experts 3" --nproc 2 --dp-shard 2 --ep 2 --moe-experts 3 --max-steps 1
 expect_error "activation checkpointing 'full' with ep=2 (dp_replicate=1 x dp_shard x cp = 4) is not built" \
   --nproc 4 --dp-shard 4 --ep 2 --ac full "${moe[@]}"
