@@ -16,7 +16,9 @@
 // parallelism (ring and all-to-all) across 2 ranks, dp_shard x tp and
 // cp x tp across 4, every dimension's collectives inside the graph; and a
 // mixture of experts, routed and run on the device (group_order, grouped_mm
-// with offsets), its statistics replayed with the step. What
+// with offsets), its statistics replayed with the step; with a capacity,
+// float32 experts (padded groups, batched GEMMs, choices dropped) and expert
+// parallelism across 2 ranks (even all-to-alls inside the graph). What
 // //examples:gpt --cuda-graph 1 runs, on a GPU (skips without one; the 2
 // ranks without 2 GPUs) and under the emulation (gpt_graph_emu_test, with the
 // emulated NCCL), where nothing else can run the example's step.
@@ -66,6 +68,8 @@ struct Case {
   int tp = 1, cp = 1;       // over 2 ranks: tensor or context parallelism instead of FSDP's sharding
   cp::Exchange exchange = cp::Exchange::Ring;
   int experts = 0;  // every block's feed-forward a mixture of this many experts (top 2), routed on the device
+  double capacity = 0;  // the experts' capacity factor (0: dropless): padded groups, any dtype, ep's even splits
+  int ep = 1;           // expert parallelism over the FSDP ranks
 };
 
 // In place: the step's function keeps pointers into `t`. `world`: FSDP
@@ -75,10 +79,11 @@ void make(Trainer& t, const Case& c, bool graphed, int world = 1) {
   nn::GPTOptions o{.vocab_size = kVocab, .block_size = kSeq, .n_layer = 2, .n_head = 2, .n_embd = 32};
   o.arch = c.arch;
   o.dropout = c.dropout;
-  if (c.experts > 0) o.moe = {.num_experts = c.experts, .top_k = 2, .hidden = 32, .z_loss_coef = 1e-3};
+  if (c.experts > 0)
+    o.moe = {.num_experts = c.experts, .top_k = 2, .hidden = 32, .z_loss_coef = 1e-3, .capacity_factor = c.capacity};
   t.gpt = std::make_shared<nn::GPT>(o);
   t.gpt->to(Device(DeviceType::CUDA, 0));
-  const ParallelDims dims = ParallelDims{.cp = c.cp, .tp = c.tp}.resolved(world);
+  const ParallelDims dims = ParallelDims{.cp = c.cp, .tp = c.tp, .ep = c.ep}.resolved(world);
   GPTParallelOptions po;
   po.cp = {.exchange = c.exchange, .seq = kSeq};
   po.ac = c.ac;
@@ -167,6 +172,8 @@ TEST_P(GptGraph, ReplayedStepsEqualEagerStepsBitForBit) {
       EXPECT_EQ(mg[i]->stats().tokens_per_expert, me[i]->stats().tokens_per_expert) << "MoE layer " << i;
       EXPECT_EQ(mg[i]->stats().forwards, c.micro) << "MoE layer " << i;
       EXPECT_EQ(mg[i]->stats().aux_loss, me[i]->stats().aux_loss) << "MoE layer " << i;
+      EXPECT_EQ(mg[i]->stats().dropped, me[i]->stats().dropped) << "MoE layer " << i;
+      if (c.capacity > 0 && c.capacity < 1) EXPECT_GT(me[i]->stats().dropped, 0) << "MoE layer " << i;
     }
   }
   if (c.amp == "fp16") {
@@ -185,12 +192,15 @@ INSTANTIATE_TEST_SUITE_P(Recipes, GptGraph,
                                            Case{nn::Arch::GPT2, "fp16", 1}, Case{nn::Arch::GPT2, "bf16", 2, 0.2},
                                            Case{nn::Arch::GPT2, "off", 1, 0.2, "full"},
                                            Case{nn::Arch::Llama, "bf16", 2, 0.0, "none", true},
-                                           Case{.arch = nn::Arch::Llama, .amp = "bf16", .micro = 2, .experts = 4}),
+                                           Case{.arch = nn::Arch::Llama, .amp = "bf16", .micro = 2, .experts = 4},
+                                           // float32 experts: capacity-padded, one batched GEMM
+                                           Case{.arch = nn::Arch::Llama, .amp = "off", .micro = 2, .experts = 4,
+                                                .capacity = 0.75}),
                          [](const auto& info) {
                            const Case& c = info.param;
                            return std::string(nn::arch_name(c.arch)) + "_" + c.amp + (c.dropout > 0 ? "_dropout" : "") +
                                   (c.ac != "none" ? "_ac_" + c.ac : "") + (c.float8 ? "_float8" : "") +
-                                  (c.experts > 0 ? "_moe" : "");
+                                  (c.experts > 0 ? "_moe" : "") + (c.capacity > 0 ? "_capacity" : "");
                          });
 
 // The 2-rank cases, by name: FSDP FULL_SHARD across the ranks, tensor
@@ -209,6 +219,8 @@ Case ranks_case(const std::string& name) {
   if (name == "gpt2_fsdp_tp") c.tp = 2;                                                 // on 4 ranks: dp_shard 2 x tp 2
   if (name == "llama_cp_tp") c = Case{nn::Arch::Llama, "bf16", 1}, c.cp = 2, c.tp = 2;  // on 4 ranks
   if (name == "llama_bf16_moe") c = Case{nn::Arch::Llama, "bf16", 2}, c.experts = 4;    // FSDP
+  if (name == "llama_moe_ep_capacity")  // experts split over 2 ranks, even all-to-alls
+    c = Case{nn::Arch::Llama, "off", 2}, c.experts = 4, c.capacity = 1.0, c.ep = 2;
   return c;
 }
 
@@ -239,7 +251,7 @@ TEST(GptGraphRanks, TwoRanksOverNcclReplayedEqualEager) {
   if (!testing::nccl_ranks_runnable(2)) GTEST_SKIP() << "needs 2 GPUs (or the emulation)";
   if (!cuda_allocator_caching(0)) GTEST_SKIP() << "EMBER_NO_CUDA_MEMORY_CACHING is set: graphs need the caching";
   for (const char* c : {"gpt2_off", "llama_bf16", "gpt2_tp", "llama_bf16_tp", "llama_cp_ring", "gpt2_bf16_cp_alltoall",
-                        "llama_bf16_moe"})
+                        "llama_bf16_moe", "llama_moe_ep_capacity"})
     EMBER_EXPECT_RANKS("gpt_graph_ranks", 2, {.arg = c}) << c;
   EMBER_EXPECT_RANKS("gpt_graph_tp_check", 2, {.env = {"EMBER_TP_CHECK_REPLICATED=1"}});
 }
