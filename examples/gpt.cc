@@ -329,7 +329,7 @@ double forward_backward(Setup& s, const std::function<std::pair<Tensor, Tensor>(
   optim::GradScaler& scaler = *s.scaler;
   // The router losses' gradient enters in the backward, scaled as the loss
   // is (per micro-batch, by the loss scale); their statistics are the step's.
-  nn::set_moe_aux_grad_scale(s.model(), scaler.get_scale() / static_cast<double>(s.micro_steps));
+  nn::set_moe_aux_grad_scale(s.model(), 1.0 / static_cast<double>(s.micro_steps), scaler.scale_tensor(device));
   nn::reset_moe_stats(s.model());
   ++s.inject.tries;
   double loss_sum = 0;

@@ -300,15 +300,11 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
     // MoE routes on the device (group_order). Dropless, it runs its experts
     // there in 16 bits (grouped_mm's offsets); float32 experts read their
     // groups on the host, and expert parallelism its splits. With a
-    // capacity every shape is fixed: any dtype, and --ep. float16's router
-    // losses take the loss scale, read on the host.
-    if (f.moe_experts > 0 && c.amp == "fp16")
-      error("--moe-experts with --cuda-graph 1 and --amp fp16: the router losses' gradient takes the loss scale, "
-            "read on the host every step (use bf16 or float32)");
+    // capacity every shape is fixed: any dtype, and --ep.
     if (f.moe_experts > 0 && f.moe_capacity_factor == 0) {
-      if (c.amp != "bf16")
-        error("--moe-experts with --cuda-graph 1 needs --amp bf16 or --moe-capacity-factor (got --amp " + c.amp +
-              "): dropless float32 experts read their token counts on the host");
+      if (c.amp != "bf16" && c.amp != "fp16")
+        error("--moe-experts with --cuda-graph 1 needs --amp bf16, fp16 or --moe-capacity-factor (got --amp " +
+              c.amp + "): dropless float32 experts read their token counts on the host");
       if (f.dim % 8 != 0 || f.moe_hidden % 8 != 0)
         error("--moe-experts with --cuda-graph 1: --dim " + std::to_string(f.dim) + " and --moe-hidden " +
               std::to_string(f.moe_hidden) +

@@ -274,7 +274,12 @@ Tensor MoE::forward(const Tensor& input) {
     z_sum_ = z_sum_.defined() ? z_sum_ + z.detach() : z.detach();
   }
   const double ca = options.aux_loss_coef * aux_grad_scale, cz = options.z_loss_coef * aux_grad_scale;
-  if (ca != 0 || cz != 0) y = attach_aux_loss(y, aux * ca + z * cz);
+  if (ca != 0 || cz != 0) {
+    Tensor term = aux * ca + z * cz;
+    if (aux_grad_scale_tensor.defined())
+      term = term * aux_grad_scale_tensor.detach().to(term.device(), term.dtype()).reshape({});
+    y = attach_aux_loss(y, term);
+  }
   return y.view(input.sizes());
 }
 
@@ -303,8 +308,8 @@ std::vector<MoE*> moe_layers(Module& model) {
   return out;
 }
 
-void set_moe_aux_grad_scale(Module& model, double scale) {
-  for (MoE* m : moe_layers(model)) m->aux_grad_scale = scale;
+void set_moe_aux_grad_scale(Module& model, double scale, const Tensor& device_scale) {
+  for (MoE* m : moe_layers(model)) m->aux_grad_scale = scale, m->aux_grad_scale_tensor = device_scale;
 }
 
 void reset_moe_stats(Module& model) {

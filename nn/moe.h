@@ -193,6 +193,10 @@ class MoE : public Module {
   // (unset: this process's own); its result must be the same on every rank.
   std::function<Tensor(const Tensor&)> balance_sum;
   double aux_grad_scale = 1.0;
+  // Multiplies aux_grad_scale on the device when defined (a loss scaler's
+  // live scale, GradScaler::scale_tensor): read by nothing on the host, so
+  // a captured float16 step scales the router losses as eagerly.
+  Tensor aux_grad_scale_tensor;
 
  private:
   Tensor tokens_sum_;       // float64 [E], on the device, since reset_stats(); undefined: no forward
@@ -203,8 +207,9 @@ class MoE : public Module {
 
 // Every MoE layer of `model`, in module order.
 std::vector<MoE*> moe_layers(Module& model);
-// Sets aux_grad_scale on every MoE layer of `model`.
-void set_moe_aux_grad_scale(Module& model, double scale);
+// Sets aux_grad_scale (and aux_grad_scale_tensor: undefined for none) on
+// every MoE layer of `model`.
+void set_moe_aux_grad_scale(Module& model, double scale, const Tensor& device_scale = Tensor());
 // reset_stats() on every MoE layer of `model`.
 void reset_moe_stats(Module& model);
 

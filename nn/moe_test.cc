@@ -284,13 +284,14 @@ TEST(MoE, TiesGoToTheLowerExpertAndAnEmptyExpertGetsAZeroGradient) {
 
 TEST(MoE, AuxGradScaleScalesOnlyTheRouterLossesGradient) {
   MoEOptions o{.num_experts = 4, .top_k = 2, .hidden = 4, .aux_loss_coef = 0.5, .z_loss_coef = 0.1};
-  auto grad_of = [&](double scale, double coef) {
+  auto grad_of = [&](double scale, double coef, double on_device = 0) {
     manual_seed(3);  // the same experts each time
     MoE moe(8, o);
     moe.to(DType::Float64);
     moe.options.aux_loss_coef = coef;
     moe.options.z_loss_coef = coef / 5;
-    moe.aux_grad_scale = scale;
+    // A loss scaler's live scale: float32 [1], multiplying the host's.
+    set_moe_aux_grad_scale(moe, scale, on_device ? full({1}, on_device, {DType::Float32}) : Tensor());
     Inputs in = make_inputs(10, 8, 4, 5);
     moe.router->gate->weight.detach().copy_(in.gate);
     Tensor x = in.x;
@@ -301,6 +302,8 @@ TEST(MoE, AuxGradScaleScalesOnlyTheRouterLossesGradient) {
   const Tensor none = grad_of(1.0, 0.0), one = grad_of(1.0, 0.5), three = grad_of(3.0, 0.5);
   expect_close(three - none, (one - none) * 3.0, 1e-10, "aux gradient scale");
   EXPECT_GT(max(abs(one - none)).item(), 1e-6);
+  // The device tensor multiplies the host scale: 0.5 x 6 is 3.
+  expect_close(grad_of(0.5, 0.5, 6.0) - none, (one - none) * 3.0, 1e-10, "aux gradient scale on the device");
 }
 
 // Under activation checkpointing the recompute builds the router losses

@@ -182,6 +182,14 @@ void GradScaler::update(double new_scale) {
   per_optimizer_.clear();
 }
 
+Tensor GradScaler::scale_tensor(const Device& device) {
+  if (!options_.enabled) return Tensor();
+  lazy_init(device);
+  EMBER_CHECK(scale_.device() == device, "GradScaler::scale_tensor: the scale lives on ", scale_.device().str(),
+              ", asked for on ", device.str());
+  return scale_;
+}
+
 double GradScaler::get_scale() const {
   if (!options_.enabled) return 1.0;
   return scale_.defined() ? scale_.cpu().item() : pending_scale_;

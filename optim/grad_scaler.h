@@ -78,6 +78,12 @@ class GradScaler {
   void update(double new_scale);
 
   double get_scale() const;  // 1 when disabled; reads the device value
+  // The live scale, float32 [1] on `device` (made there when no scale() ran
+  // yet): the tensor update() changes in place, so a term that enters the
+  // backward on its own scales as the loss does without a read (an MoE's
+  // router losses, Megatron's MoEAuxLossAutoScaler.set_loss_scale).
+  // Undefined when disabled.
+  Tensor scale_tensor(const Device& device);
   int64_t growth_tracker() const;
   bool is_enabled() const { return options_.enabled; }
   const GradScalerOptions& options() const { return options_; }

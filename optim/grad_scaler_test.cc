@@ -201,6 +201,26 @@ TEST(GradScaler, DisabledPassesEverythingThrough) {
   EXPECT_EQ(p.to_vector(), (std::vector<double>{0.0, 0.0}));
   EXPECT_EQ(off.get_scale(), 1.0);
   EXPECT_TRUE(off.state_dict().empty());
+  EXPECT_FALSE(off.scale_tensor(kCPU).defined());
+}
+
+// scale_tensor: the live scale before any scale() (made there), the tensor
+// scale() multiplies by and update() changes in place (so a holder of it
+// follows a skipped step's back-off without reading it); asked for on
+// another device than the one it lives on, a named error.
+TEST(GradScaler, ScaleTensorIsTheLiveScale) {
+  GradScaler s({.init_scale = 1024.0, .backoff_factor = 0.25});
+  Tensor live = s.scale_tensor(kCPU);
+  EXPECT_EQ(live.to_vector(), (std::vector<double>{1024.0}));
+  Tensor p = zeros({2}, {DType::Float32}).requires_grad_();
+  SGD opt({p}, {.lr = 0.5});
+  EXPECT_FALSE(scaled_step(s, opt, p, {1.0, kInf}, kCPU));  // an inf: backed off
+  EXPECT_EQ(live.to_vector(), (std::vector<double>{256.0}));
+  EXPECT_TRUE(s.scale_tensor(kCPU).is_same(live));
+  s.update(8.0);
+  EXPECT_EQ(live.to_vector(), (std::vector<double>{8.0}));
+  const std::string wrong = ::ember::testing::error_of([&] { s.scale_tensor(Device(DeviceType::CUDA, 0)); });
+  EXPECT_NE(wrong.find("the scale lives on cpu"), std::string::npos) << wrong;
 }
 
 // Why scaling exists: a float16 gradient of 1e-8 is below float16's

@@ -66,15 +66,11 @@ std::vector<Tensor> gpt_step_on_device(nn::GPT& gpt, Parallelized& par, optim::O
               in.size(), " tensors");
   const int64_t micro = static_cast<int64_t>(in.size() / 2);
   // MoE layers: the router losses' gradient scaled as each micro-batch's
-  // loss is, and the step's own statistics (reset here, so a captured step
-  // replays into the same sums: stats() after a replay reads that step's).
-  // A float16 loss scaler's scale is read on the host, which a capture
-  // cannot do.
+  // loss is (a float16 loss scaler's live scale on the device), and the
+  // step's own statistics (reset here, so a captured step replays into the
+  // same sums: stats() after a replay reads that step's).
   if (!nn::moe_layers(gpt).empty()) {
-    EMBER_CHECK(!scaler.is_enabled() || !cuda_graph_capturing(),
-                "gpt_step_on_device: a mixture of experts under a float16 loss scaler inside a CUDA graph: the "
-                "router losses' gradient takes the scale, read on the host every step (bf16 or float32 need none)");
-    nn::set_moe_aux_grad_scale(gpt, (scaler.is_enabled() ? scaler.get_scale() : 1.0) / static_cast<double>(micro));
+    nn::set_moe_aux_grad_scale(gpt, 1.0 / static_cast<double>(micro), scaler.scale_tensor(in[0].device()));
     nn::reset_moe_stats(gpt);
   }
   opt.zero_grad();

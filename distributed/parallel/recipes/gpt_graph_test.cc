@@ -97,9 +97,10 @@ void make(Trainer& t, const Case& c, bool graphed, int world = 1) {
   t.opt = std::make_unique<optim::AdamW>(t.gpt->parameters(), optim::AdamWOptions{.lr = 3e-3, .weight_decay = 0.1});
   t.sched = std::make_unique<optim::LinearLR>(*t.opt, 0.2, 1.0, 5);
   // float16: a scale that overflows at first, so the scaler skips steps
-  // and backs off on the device, replays included.
-  t.scaler = std::make_unique<optim::GradScaler>(
-      optim::GradScalerOptions{.init_scale = 16777216.0, .backoff_factor = 1.0 / 64, .enabled = c.amp == "fp16"});
+  // and backs off on the device, and grows every second clean step,
+  // replays included (an MoE's router losses follow it there).
+  t.scaler = std::make_unique<optim::GradScaler>(optim::GradScalerOptions{
+      .init_scale = 16777216.0, .backoff_factor = 1.0 / 64, .growth_interval = 2, .enabled = c.amp == "fp16"});
   nn::GPT* gpt = t.gpt.get();
   Parallelized* par = &t.par;
   optim::AdamW* opt = t.opt.get();
@@ -182,6 +183,7 @@ TEST_P(GptGraph, ReplayedStepsEqualEagerStepsBitForBit) {
     EXPECT_FALSE(std::isfinite(eager.norms.front())) << "the first step overflows";
     EXPECT_TRUE(std::isfinite(eager.norms.back())) << "a later one does not";
     EXPECT_LT(eager.scales.back(), 16777216.0);
+    EXPECT_NE(eager.scales[3], eager.scales.back()) << "the scale should change in the replayed steps";
   } else if (c.dropout == 0) {  // (dropout's noise can outweigh 7 steps' progress)
     EXPECT_LT(eager.losses.back(), eager.losses.front()) << "it trained";
   }
@@ -193,6 +195,8 @@ INSTANTIATE_TEST_SUITE_P(Recipes, GptGraph,
                                            Case{nn::Arch::GPT2, "off", 1, 0.2, "full"},
                                            Case{nn::Arch::Llama, "bf16", 2, 0.0, "none", true},
                                            Case{.arch = nn::Arch::Llama, .amp = "bf16", .micro = 2, .experts = 4},
+                                           // float16: the router losses take the scaler's live scale
+                                           Case{.arch = nn::Arch::Llama, .amp = "fp16", .micro = 2, .experts = 4},
                                            // float32 experts: capacity-padded, one batched GEMM
                                            Case{.arch = nn::Arch::Llama, .amp = "off", .micro = 2, .experts = 4,
                                                 .capacity = 0.75}),
