@@ -9,6 +9,7 @@
 //   gpt_bf16: L launches, S host syncs per step
 //   llama_bf16: L launches, S host syncs per step
 //   moe_bf16: L launches, S host syncs per step
+//   moe_capacity_bf16: L launches, S host syncs per step
 //   resnet50 layout copies: C per step  (and one such line per channels-last step)
 //
 // ResNet-50 (torchvision's, 1000 classes) on 2 images of 32x32, channels-
@@ -131,6 +132,12 @@ StepCount llama_bf16_counts() { return llama_bf16_step({}); }
 // both router losses: routing, the dropless dispatch, the grouped GEMMs.
 StepCount moe_bf16_counts() {
   return llama_bf16_step({.num_experts = 8, .top_k = 2, .hidden = 128, .z_loss_coef = 1e-3});
+}
+
+// The same experts with a capacity of 1.25 times the even share: padded
+// groups, batched GEMMs, the later choices dropped.
+StepCount moe_capacity_bf16_counts() {
+  return llama_bf16_step({.num_experts = 8, .top_k = 2, .hidden = 128, .z_loss_coef = 1e-3, .capacity_factor = 1.25});
 }
 
 }  // namespace ember::bench

@@ -19,5 +19,6 @@ StepCount gpt_counts();            // gpt_fsdp's default model, AdamW
 StepCount gpt_bf16_counts();       // the same under bfloat16 autocast (fused attention)
 StepCount llama_bf16_counts();     // its LLaMA arrangement, bfloat16 parameters, AdamW
 StepCount moe_bf16_counts();       // the same with mixture-of-experts feed-forwards
+StepCount moe_capacity_bf16_counts();  // the same experts with a capacity (padded, dropping)
 
 }  // namespace ember::bench

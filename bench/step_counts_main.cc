@@ -12,9 +12,13 @@ int main() {
       const char* name;
       StepCount (*fn)();
       bool channels_last;
-    } rows[] = {{"resnet50", resnet50_counts, true},           {"gpt", gpt_counts, false},
-                {"resnet50_bf16", resnet50_bf16_counts, true}, {"gpt_bf16", gpt_bf16_counts, false},
-                {"llama_bf16", llama_bf16_counts, false},      {"moe_bf16", moe_bf16_counts, false}};
+    } rows[] = {{"resnet50", resnet50_counts, true},
+                {"gpt", gpt_counts, false},
+                {"resnet50_bf16", resnet50_bf16_counts, true},
+                {"gpt_bf16", gpt_bf16_counts, false},
+                {"llama_bf16", llama_bf16_counts, false},
+                {"moe_bf16", moe_bf16_counts, false},
+                {"moe_capacity_bf16", moe_capacity_bf16_counts, false}};
     for (const auto& r : rows) {
       const StepCount c = r.fn();
       std::printf("%s: %llu launches, %llu host syncs per step\n", r.name, static_cast<unsigned long long>(c.launches),

@@ -68,6 +68,16 @@ TEST(StepCounts, MoeBf16) {
   EXPECT_LE(c.launches, 875u) << "moe_bf16 launches";
 }
 
+// The same experts with a capacity (1.25): 892 launches, the dispatch's
+// slots and drops on the device (about 15 elementwise and index launches a
+// layer more than the dropless dispatch; its batched GEMMs are cuBLAS calls,
+// uncounted), and still the loss's synchronisation alone.
+TEST(StepCounts, MoeCapacityBf16) {
+  const StepCount c = moe_capacity_bf16_counts();
+  EXPECT_EQ(c.host_syncs, 1u) << "moe_capacity_bf16: the loss read is the only synchronisation";
+  EXPECT_LE(c.launches, 935u) << "moe_capacity_bf16 launches";
+}
+
 TEST(StepCounts, ResNet50Bf16) {
   const StepCount c = resnet50_bf16_counts();
   EXPECT_EQ(c.host_syncs, 1u) << "resnet50_bf16";

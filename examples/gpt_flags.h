@@ -303,16 +303,17 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
     // capacity every shape is fixed: any dtype, and --ep.
     if (f.moe_experts > 0 && f.moe_capacity_factor == 0) {
       if (c.amp != "bf16" && c.amp != "fp16")
-        error("--moe-experts with --cuda-graph 1 needs --amp bf16, fp16 or --moe-capacity-factor (got --amp " +
-              c.amp + "): dropless float32 experts read their token counts on the host");
+        error("--moe-experts with --cuda-graph 1 needs --amp bf16, fp16 or --moe-capacity-factor (got --amp " + c.amp +
+              "): dropless float32 experts read their token counts on the host");
       if (f.dim % 8 != 0 || f.moe_hidden % 8 != 0)
         error("--moe-experts with --cuda-graph 1: --dim " + std::to_string(f.dim) + " and --moe-hidden " +
               std::to_string(f.moe_hidden) +
               " must be multiples of 8 (the experts' grouped kernels copy 16 bytes at a time; other widths read "
               "their token counts on the host), or give --moe-capacity-factor");
       if (f.mesh.ep > 1)
-        error("--ep with --cuda-graph 1: dropless expert parallelism sizes its token exchange on the host every "
-              "step; give --moe-capacity-factor (even splits)");
+        error(
+            "--ep with --cuda-graph 1: dropless expert parallelism sizes its token exchange on the host every "
+            "step; give --moe-capacity-factor (even splits)");
     }
     if (f.mesh.pp > 1) error("--pp with --cuda-graph 1: a pipeline's schedule runs on the host between its stages");
     // Every other dimension's collectives are captured with the step:

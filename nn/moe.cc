@@ -208,7 +208,8 @@ Tensor MoE::forward(const Tensor& input) {
     const Tensor c_t = full({}, static_cast<double>(C), io);
     const Tensor starts = order.offsets - counts;
     const Tensor j = arange(static_cast<double>(C), io).unsqueeze(0);  // [1, C]
-    const Tensor at = minimum(starts.unsqueeze(1) + j, full({}, static_cast<double>(std::max<int64_t>(N * K - 1, 0)), io));
+    const Tensor at =
+        minimum(starts.unsqueeze(1) + j, full({}, static_cast<double>(std::max<int64_t>(N * K - 1, 0)), io));
     const Tensor src = where(lt(j, counts.unsqueeze(1)), index_select(order.rows, 0, at.reshape({E * C})).view({E, C}),
                              full({}, static_cast<double>(N), io));
     const Tensor rows = index_select(cat({x, zeros({1, dim}, x.options())}), 0, src.reshape({E * C}));

@@ -153,8 +153,7 @@ struct ExpertGroups {
 // its groups never leaving the device. Expert parallelism
 // (distributed/parallel/ep) installs one that exchanges tokens: its splits
 // read on the host when dropless, even with a capacity.
-using ExpertDispatchFn =
-    std::function<Tensor(GroupedExperts& experts, const Tensor& rows, const ExpertGroups& groups)>;
+using ExpertDispatchFn = std::function<Tensor(GroupedExperts& experts, const Tensor& rows, const ExpertGroups& groups)>;
 
 // What the training forwards (grad on; a checkpoint's recompute not
 // counted) since the last reset_stats() routed (read by metrics: a step's

@@ -30,8 +30,8 @@ Tensor dispatch_padded(nn::GroupedExperts& ex, const Tensor& rows, int64_t C, co
                        std::set<int64_t>& agreed) {
   const int n = pg->size();
   const int64_t E = ex.num_experts, El = E / n, dim = rows.size(1);
-  EMBER_INTERNAL_ASSERT(El * n == E && rows.size(0) == E * C, "expert_parallel: rows ", shape_str(rows.sizes()), " for ",
-                        E, " experts of ", C);
+  EMBER_INTERNAL_ASSERT(El * n == E && rows.size(0) == E * C, "expert_parallel: rows ", shape_str(rows.sizes()),
+                        " for ", E, " experts of ", C);
   if (!agreed.count(C)) {
     Tensor mine = Tensor::from_vector({static_cast<double>(C)}, {1}, {DType::Int64, pg->device()});
     Tensor all = Tensor::empty({n}, {DType::Int64, pg->device()});

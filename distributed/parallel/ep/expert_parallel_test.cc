@@ -158,8 +158,8 @@ EMBER_WORKER(ep_capacity) {
                          .aux_loss_coef = 0.2,
                          .z_loss_coef = 0.05,
                          .capacity_factor = factor};
-  const std::string what = "capacity factor " + args.at("f") + " ep " + std::to_string(ep) + " E " +
-                           std::to_string(E) + " k " + std::to_string(K) + " rank " + std::to_string(me);
+  const std::string what = "capacity factor " + args.at("f") + " ep " + std::to_string(ep) + " E " + std::to_string(E) +
+                           " k " + std::to_string(K) + " rank " + std::to_string(me);
   Tensor X = rnd({W * N, D}, 31), P = rnd({W * N, D}, 32);
   auto ref = make_layer(D, o);
   ref->aux_grad_scale = 1.0 / W;
@@ -195,9 +195,9 @@ EMBER_WORKER(ep_capacity) {
                   ref->shared_experts->down_proj->weight.grad(), what + " shared", 1e-10);
   const int64_t El = E / ep, first = mesh->coordinate("ep") * El;
   auto rest = mesh->group("rest");
-  for (auto [name, got, want] : {std::tuple{"w1", moe->experts->w1, ref->experts->w1},
-                                 std::tuple{"w2", moe->experts->w2, ref->experts->w2},
-                                 std::tuple{"w3", moe->experts->w3, ref->experts->w3}})
+  for (auto [name, got, want] :
+       {std::tuple{"w1", moe->experts->w1, ref->experts->w1}, std::tuple{"w2", moe->experts->w2, ref->experts->w2},
+        std::tuple{"w3", moe->experts->w3, ref->experts->w3}})
     mp::check_close(avg(got.grad(), rest), want.grad().narrow(0, first, El), what + " " + name, 1e-10);
   // Some rank dropped choices at the smaller factor (the counts agree on
   // every rank: one allreduce of the dropped counts).
@@ -232,8 +232,9 @@ EMBER_WORKER(ep_errors) {
   // different capacities: named on both before any token moves.
   auto padded = make_layer(4, {.num_experts = 4, .top_k = 1, .hidden = 4, .capacity_factor = 1.0});
   expert_parallel(*padded, mesh);
-  const std::string uneven =
-      ::ember::testing::error_of([&] { (*padded)(rnd({env.rank == 0 ? 4 : 8, 4}, 3 + env.rank)); });
+  const std::string uneven = ::ember::testing::error_of([&] {
+    (*padded)(rnd({env.rank == 0 ? 4 : 8, 4}, 3 + env.rank));
+  });
   WCHECK(uneven.find("pads each expert's tokens to") != std::string::npos &&
              uneven.find("must route as many tokens per forward") != std::string::npos,
          uneven);

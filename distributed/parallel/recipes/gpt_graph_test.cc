@@ -189,23 +189,22 @@ TEST_P(GptGraph, ReplayedStepsEqualEagerStepsBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Recipes, GptGraph,
-                         ::testing::Values(Case{nn::Arch::GPT2, "off", 2}, Case{nn::Arch::Llama, "bf16", 1},
-                                           Case{nn::Arch::GPT2, "fp16", 1}, Case{nn::Arch::GPT2, "bf16", 2, 0.2},
-                                           Case{nn::Arch::GPT2, "off", 1, 0.2, "full"},
-                                           Case{nn::Arch::Llama, "bf16", 2, 0.0, "none", true},
-                                           Case{.arch = nn::Arch::Llama, .amp = "bf16", .micro = 2, .experts = 4},
-                                           // float16: the router losses take the scaler's live scale
-                                           Case{.arch = nn::Arch::Llama, .amp = "fp16", .micro = 2, .experts = 4},
-                                           // float32 experts: capacity-padded, one batched GEMM
-                                           Case{.arch = nn::Arch::Llama, .amp = "off", .micro = 2, .experts = 4,
-                                                .capacity = 0.75}),
-                         [](const auto& info) {
-                           const Case& c = info.param;
-                           return std::string(nn::arch_name(c.arch)) + "_" + c.amp + (c.dropout > 0 ? "_dropout" : "") +
-                                  (c.ac != "none" ? "_ac_" + c.ac : "") + (c.float8 ? "_float8" : "") +
-                                  (c.experts > 0 ? "_moe" : "") + (c.capacity > 0 ? "_capacity" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Recipes, GptGraph,
+    ::testing::Values(Case{nn::Arch::GPT2, "off", 2}, Case{nn::Arch::Llama, "bf16", 1}, Case{nn::Arch::GPT2, "fp16", 1},
+                      Case{nn::Arch::GPT2, "bf16", 2, 0.2}, Case{nn::Arch::GPT2, "off", 1, 0.2, "full"},
+                      Case{nn::Arch::Llama, "bf16", 2, 0.0, "none", true},
+                      Case{.arch = nn::Arch::Llama, .amp = "bf16", .micro = 2, .experts = 4},
+                      // float16: the router losses take the scaler's live scale
+                      Case{.arch = nn::Arch::Llama, .amp = "fp16", .micro = 2, .experts = 4},
+                      // float32 experts: capacity-padded, one batched GEMM
+                      Case{.arch = nn::Arch::Llama, .amp = "off", .micro = 2, .experts = 4, .capacity = 0.75}),
+    [](const auto& info) {
+      const Case& c = info.param;
+      return std::string(nn::arch_name(c.arch)) + "_" + c.amp + (c.dropout > 0 ? "_dropout" : "") +
+             (c.ac != "none" ? "_ac_" + c.ac : "") + (c.float8 ? "_float8" : "") + (c.experts > 0 ? "_moe" : "") +
+             (c.capacity > 0 ? "_capacity" : "");
+    });
 
 // The 2-rank cases, by name: FSDP FULL_SHARD across the ranks, tensor
 // parallelism (Megatron's split with sequence parallelism: its all-gathers
