@@ -67,7 +67,7 @@ struct Case {
   bool float8 = false;      // the blocks' linears in float8: scales computed and read on the device
   int tp = 1, cp = 1;       // over 2 ranks: tensor or context parallelism instead of FSDP's sharding
   cp::Exchange exchange = cp::Exchange::Ring;
-  int experts = 0;  // every block's feed-forward a mixture of this many experts (top 2), routed on the device
+  int experts = 0;      // every block's feed-forward a mixture of this many experts (top 2), routed on the device
   double capacity = 0;  // the experts' capacity factor (0: dropless): padded groups, any dtype, ep's even splits
   int ep = 1;           // expert parallelism over the FSDP ranks
 };
