@@ -284,10 +284,13 @@ Setup setup(const Flags& flags, const examples::Job& job, bool from_disk = true)
   if (po.float8) {
     // Counted on the model as converted: under tp the recipe keeps a layer
     // whose features are not multiples of 16 x tp in high precision.
-    int converted = 0;
-    for (const auto& [fqn, m] : s.model().named_modules())
+    int converted = 0, experts = 0;
+    for (const auto& [fqn, m] : s.model().named_modules()) {
       converted += m->transform_state(nn::kFloat8StateKey) != nullptr;
+      if (auto* ex = dynamic_cast<nn::GroupedExperts*>(m)) experts += static_cast<bool>(ex->kernel);
+    }
     LOG0("float8: the blocks' linear layers train in float8 (", converted, " layers",
+         experts > 0 ? ", " + std::to_string(experts) + " MoE layers' experts on padded groups" : std::string(),
          d.pp > 1 ? " in rank 0's stage" : "", d.tp > 1 ? ", those whose features are multiples of 16 x tp" : "",
          "; e4m3 forward, e5m2 gradients, tensorwise dynamic scales); the LM head does not",
          po.float8_all_gather ? "; FSDP gathers their weights in float8" : "");

@@ -286,8 +286,8 @@ inline void parse_flags(FlagTable& t, Flags& f, int argc, char** argv) {
   if (f.float8 > 1) error("--float8 " + std::to_string(f.float8) + ": give 0 or 1");
   if (f.float8_all_gather > 1) error("--float8-all-gather " + std::to_string(f.float8_all_gather) + ": give 0 or 1");
   if (f.float8_all_gather == 1 && f.float8 != 1) error("--float8-all-gather 1 needs --float8 1");
-  if (f.float8 == 1 && f.moe_experts > 0)
-    error("--float8 1 with --moe-experts: the experts' grouped matmuls have no float8 path");
+  if (f.float8 == 1 && f.moe_experts > 0 && f.moe_capacity_factor == 0)
+    error("--float8 1 with dropless --moe-experts: float8 experts run on padded groups; give --moe-capacity-factor");
   if (f.cuda_graph == 1) {
     // Each of these runs host code inside the step every time (a check
     // that reads the GPU's numbers, a hook, a host-side statistic, the

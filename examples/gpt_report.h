@@ -254,8 +254,8 @@ inline nlohmann::json moe_metrics(nn::Module& part, distributed::ProcessGroup& p
   double routed = 0, dropped = 0;
   bool capacity = false;
   for (nn::MoE* m : nn::moe_layers(part)) {
-    const nn::MoEStats st = m->stats();  // reads the layer's sums back
-    capacity = capacity || m->options.capacity_factor > 0;
+    const nn::MoEStats st = m->stats();                             // reads the layer's sums back
+    capacity = capacity || m->router->options.capacity_factor > 0;  // the forward's copy
     routed += static_cast<double>(st.routed), dropped += static_cast<double>(st.dropped);
     for (int64_t c : st.tokens_per_expert) {
       lo = std::min(lo, static_cast<double>(c)), hi = std::max(hi, static_cast<double>(c));

@@ -14,6 +14,7 @@
 #     uninterrupted run (stacked expert weights resharded by their boxes);
 #   - a capacity factor of E / k equals the dropless run; a factor of 1
 #     drops choices (alone and with ep 2), the metrics saying how many;
+#     float8 experts on padded groups track the float32 run;
 #   - the --metrics lines carry the expert load and the balance loss;
 #   - bad layouts are named errors.
 set -euo pipefail
@@ -96,6 +97,22 @@ for j in cf1:
 print("capacity 2 = dropless; capacity 1 dropped:", [round(j["moe_dropped_frac"], 3) for j in cf1])
 PY
 
+# Float8 experts (padded groups, expert by expert through float8_linear):
+# the run at capacity 2 in float8 tracks the float32 one (within 5 %) and
+# says which layers it converted.
+"$dir/gpt" --nproc 1 "${moe[@]}" --moe-capacity-factor 2 --float8 1 --checkpoint-dir "$tmp/cf2f8" \
+  --metrics "$tmp/cf2f8.jsonl" > "$tmp/cf2f8.log" 2>&1 || { cat "$tmp/cf2f8.log"; exit 1; }
+grep -q "float8: .*, 2 MoE layers' experts on padded groups" "$tmp/cf2f8.log" ||
+  { cat "$tmp/cf2f8.log"; echo "no float8 experts line"; exit 1; }
+python3 - "$tmp/cf2.jsonl" "$tmp/cf2f8.jsonl" <<'PY'
+import json, sys
+a, b = ([json.loads(l) for l in open(p)] for p in sys.argv[1:])
+for x, y in zip(a, b):
+    assert abs(x["loss"] - y["loss"]) <= 0.05 * x["loss"], (x["loss"], y["loss"])
+assert any(x["loss"] != y["loss"] for x, y in zip(a, b)), "float8 changed nothing"
+print("float8 experts track float32:", [(round(x["loss"], 4), round(y["loss"], 4)) for x, y in zip(a, b)])
+PY
+
 out=$("$dir/gpt" --nproc 2 --dp-shard 2 --ep 2 "${moe[@]}" --checkpoint-dir "$tmp/e2" --metrics "$tmp/e2.jsonl" 2>&1) ||
   { echo "$out"; exit 1; }
 grep -q "mesh dp_shard=2 ep=2$" <<<"$out" || { echo "$out"; echo "no ep mesh line"; exit 1; }
@@ -172,6 +189,7 @@ expect_error "--ep 3 does not divide --moe-experts 4" --nproc 3 --ep 3 "${moe[@]
 expect_error "--ep 2 splits experts; give --moe-experts" --nproc 2 --ep 2 --max-steps 1
 expect_error "--moe-top-k 5 exceeds --moe-experts 4" "${moe[@]}" --moe-top-k 5
 expect_error "--moe-capacity-factor goes with --moe-experts" --moe-capacity-factor 1 --max-steps 1
+expect_error "--float8 1 with dropless --moe-experts" "${moe[@]}" --float8 1
 expect_error "--ep 2 does not divide --moe-experts 3" --nproc 2 --dp-shard 2 --ep 2 --moe-experts 3 --max-steps 1
 expect_error "activation checkpointing 'full' with ep=2 (dp_replicate=1 x dp_shard x cp = 4) is not built" \
   --nproc 4 --dp-shard 4 --ep 2 --ac full "${moe[@]}"

@@ -5,6 +5,7 @@
 
 #include "core/ops_float8.h"
 #include "nn/layers.h"
+#include "nn/moe.h"
 #include "nn/transformer.h"
 
 namespace ember::nn {
@@ -25,6 +26,17 @@ bool skipped(const std::string& fqn, const std::vector<std::string>& skip) {
 std::vector<std::string> convert_to_float8_training(Module& root, const Float8Options& options) {
   std::vector<std::string> converted;
   for (auto& [fqn, m] : root.named_modules()) {
+    // A mixture's stacked experts: each expert's projections of its padded
+    // group in float8 (the layer needs a capacity; tensorwise scales per
+    // expert). Their weights are gathered as they are.
+    if (auto* ex = dynamic_cast<GroupedExperts*>(m)) {
+      if (skipped(fqn, options.skip_fqns) || (options.filter && !options.filter(fqn, *m))) continue;
+      if (ex->w1.size(1) % 16 != 0 || ex->w1.size(2) % 16 != 0) continue;
+      EMBER_CHECK(!ex->kernel, "convert_to_float8_training: the experts '", fqn, "' are converted already");
+      ex->kernel = [](const Tensor& x, const Tensor& w, const Tensor& b) { return float8_linear(x, w, b); };
+      converted.push_back(fqn);
+      continue;
+    }
     LinearKernel* kernel = nullptr;
     Tensor weight;
     if (auto* lin = dynamic_cast<Linear*>(m)) kernel = &lin->kernel, weight = lin->weight;

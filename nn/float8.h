@@ -1,7 +1,9 @@
 // Float8 training for a model's linear layers (torchao's
 // convert_to_float8_training with tensorwise dynamic scaling): every Linear,
 // TiedLinear and attention in-projection it converts computes through
-// float8_linear (core/ops_float8.h), e4m3 forward and e5m2 for gradients.
+// float8_linear (core/ops_float8.h), e4m3 forward and e5m2 for gradients;
+// so do a mixture of experts' stacked experts (GroupedExperts::kernel),
+// expert by expert over padded groups (the MoE needs a capacity_factor).
 // The parameters stay as they are (names, dtypes, state dicts), so a
 // checkpoint moves between float8 and high-precision runs, and FSDP, mixed
 // precision, activation checkpointing and CUDA graphs compose with it.

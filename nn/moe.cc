@@ -55,10 +55,14 @@ Tensor attach_aux_loss(const Tensor& y, const Tensor& aux) {
 
 }  // namespace
 
-int64_t expert_capacity(const MoEOptions& o, int64_t tokens) {
+int64_t expert_capacity(const MoEOptions& o, int64_t tokens, int64_t multiple) {
   EMBER_CHECK(o.capacity_factor > 0, "expert_capacity: a dropless MoE (capacity_factor 0) has no capacity");
-  return static_cast<int64_t>(
-      std::ceil(o.capacity_factor * static_cast<double>(tokens * o.top_k) / static_cast<double>(o.num_experts)));
+  EMBER_CHECK(multiple >= 1, "expert_capacity: multiple ", multiple);
+  // (1 - 1e-12): a product that is a whole number in exact arithmetic may
+  // land just above it in double (1.1 x 100 / 2 is 55.000000000000014).
+  const double q = o.capacity_factor * static_cast<double>(tokens * o.top_k) / static_cast<double>(o.num_experts);
+  const auto c = static_cast<int64_t>(std::ceil(q * (1 - 1e-12)));
+  return (c + multiple - 1) / multiple * multiple;
 }
 
 TopKRouter::TopKRouter(int64_t dim, const MoEOptions& o) : Module("TopKRouter"), options(o) {
@@ -158,10 +162,18 @@ Tensor GroupedExperts::forward(const Tensor& x) {
   const Tensor b = scale_grad(w2, weight_grad_scale).to(x.dtype());
   const Tensor c = scale_grad(w3, weight_grad_scale).to(x.dtype());
   if (capacity_ >= 0) {  // [G, C, dim] x [G, dim, hidden]: cuBLAS's strided batches
-    const auto bmm = [](const Tensor& in, const Tensor& w) { return matmul(in, w.transpose(1, 2)); };
+    const auto bmm = [&](const Tensor& in, const Tensor& w) {
+      if (!kernel || capacity_ == 0) return matmul(in, w.transpose(1, 2));
+      std::vector<Tensor> each;  // the kernel (float8_linear) expert by expert
+      for (int64_t e = 0; e < G; ++e) each.push_back(kernel(in.select(0, e), w.select(0, e), Tensor()));
+      return stack(each, 0);
+    };
     const Tensor xb = x.view({G, capacity_, x.size(1)});
     return bmm(swiglu(bmm(xb, a), bmm(xb, c)), b).reshape({G * capacity_, x.size(1)});
   }
+  EMBER_CHECK(!kernel,
+              "GroupedExperts: experts with a kernel of their own (float8 training's) need padded groups: "
+              "give the MoE a capacity_factor (dropless groups have sizes only the device knows)");
   const auto mm = [&](const Tensor& in, const Tensor& w) {
     return offsets_.defined() ? grouped_mm(in, w, offsets_) : grouped_mm(in, w, counts_);
   };
@@ -203,7 +215,7 @@ Tensor MoE::forward(const Tensor& input) {
     // row (index N of x with a zero row appended) past its count; a choice
     // whose rank within its expert reaches C reads the zero row appended to
     // the experts' output instead (dropped).
-    const int64_t C = expert_capacity(router->options, N);
+    const int64_t C = expert_capacity(router->options, N, experts->kernel ? 16 : 1);
     const TensorOptions io = counts.options();
     const Tensor c_t = full({}, static_cast<double>(C), io);
     const Tensor starts = order.offsets - counts;

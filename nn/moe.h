@@ -29,7 +29,8 @@
 // in that order (Megatron's "position" drop policy, GShard's); every group
 // is padded to C rows with zeros, one batched GEMM per projection runs all
 // of them, and a dropped choice adds nothing to its token's output (the
-// block's residual carries the token) and receives no gradient. Every
+// block's residual carries the token) and its expert gets no gradient from
+// it (its score still counts in normalize_top_k's sum). Every
 // shape then follows from N alone: nothing is read on the host, and
 // expert parallelism's exchange has even splits, so a captured step
 // (CUDA graphs) holds the layer in every dtype, expert parallelism
@@ -90,8 +91,9 @@ struct MoEOptions {
 };
 
 // An expert's rows per forward of `tokens` tokens under `o`'s capacity
-// factor: ceil(capacity_factor tokens top_k / num_experts); 0 for no token.
-int64_t expert_capacity(const MoEOptions& o, int64_t tokens);
+// factor: ceil(capacity_factor tokens top_k / num_experts), rounded up to a
+// multiple of `multiple`; 0 for no token.
+int64_t expert_capacity(const MoEOptions& o, int64_t tokens, int64_t multiple = 1);
 
 // The router: gate logits, scores, the top k and their weights.
 struct Routing {
@@ -131,6 +133,13 @@ class GroupedExperts : public Module {
   Tensor w1, w2, w3;
   // The weights' gradient is multiplied by this (expert parallelism's 1/ep).
   double weight_grad_scale = 1.0;
+  // Set: each expert's projection of padded groups runs through it (rows
+  // [C, in], that expert's weight [out, in], no bias) instead of the batched
+  // matmul: convert_to_float8_training sets float8_linear, and the layer
+  // then rounds its capacity up to a multiple of 16 (float8 GEMMs' rows,
+  // Megatron's moe_router_padding_for_fp8). Dropless groups, whose sizes
+  // only the device knows, cannot take it: a named error.
+  LinearKernel kernel;
 
  private:
   Tensor call(const Tensor& x);

@@ -12,12 +12,14 @@
 #include <cmath>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "autograd/autograd.h"
 #include "autograd/checkpoint.h"
 #include "core/ops.h"
 #include "core/testing/error_of.h"
+#include "nn/float8.h"
 #include "nn/transformer.h"
 
 namespace ember::nn {
@@ -214,6 +216,9 @@ TEST(MoE, CapacityDropsTheLaterChoicesAsANaiveLoop) {
                  .capacity_factor = factor};
     const int64_t C = expert_capacity(o, N);
     EXPECT_EQ(C, static_cast<int64_t>(std::ceil(factor * N * c.K / c.E - 1e-9))) << what;
+    // A whole number in exact arithmetic that double puts just above it.
+    EXPECT_EQ(expert_capacity({.num_experts = 2, .top_k = 1, .capacity_factor = 1.1}, 100), 55);
+    EXPECT_EQ(expert_capacity({.num_experts = 2, .top_k = 1, .capacity_factor = 1.11}, 100), 56);
     MoE moe(D, o);
     moe.to(DType::Float64);
     Inputs in = make_inputs(N, D, c.E, 40 + c.E * 3 + c.K);
@@ -265,6 +270,49 @@ TEST(MoE, CapacityDropsTheLaterChoicesAsANaiveLoop) {
   sum(y).backward();
   EXPECT_EQ(x.grad().sizes(), (Shape{0, 8}));
   EXPECT_EQ(moe.stats().dropped, 0);
+}
+
+// Float8 experts (convert_to_float8_training): each expert's projections
+// of its padded group through float8_linear, the capacity rounded up to 16
+// rows (10 tokens x 2 / 4 experts x 2 = 10, then 16). Against the same layer
+// in float32 with a capacity that drops nothing either way: close outputs
+// and gradients, not equal ones (the casts happened). Dropless float8
+// experts are a named error.
+TEST(MoE, Float8ExpertsRunOnPaddedGroups) {
+  const MoEOptions o{.num_experts = 4, .top_k = 2, .hidden = 32, .aux_loss_coef = 0.1, .capacity_factor = 2.0};
+  EXPECT_EQ(expert_capacity(o, 10), 10);
+  EXPECT_EQ(expert_capacity(o, 10, 16), 16);
+  manual_seed(8);
+  MoE ref(32, o), f8(32, o);
+  f8.load_state_dict(ref.state_dict());
+  EXPECT_EQ(convert_to_float8_training(f8), std::vector<std::string>{"experts"}) << "the gate's 4 outputs stay";
+  const Tensor x0 = randn({10, 32}), proj = randn({10, 32});
+  auto run = [&](MoE& m) {
+    Tensor x = x0.clone().requires_grad_();
+    Tensor y = m(x);
+    sum(y * proj).backward();
+    return std::make_pair(y.detach(), x.grad());
+  };
+  const auto [y_ref, dx_ref] = run(ref);
+  const auto [y_f8, dx_f8] = run(f8);
+  EXPECT_EQ(f8.stats().dropped, 0);
+  const auto rel = [](const Tensor& a, const Tensor& b) {
+    return std::sqrt(sum((a - b) * (a - b)).item() / sum(b * b).item());
+  };
+  for (const auto& [what, got, want] :
+       {std::tuple{"output", y_f8, y_ref}, std::tuple{"dx", dx_f8, dx_ref},
+        std::tuple{"w1 grad", f8.experts->w1.grad(), ref.experts->w1.grad()},
+        std::tuple{"w2 grad", f8.experts->w2.grad(), ref.experts->w2.grad()},
+        std::tuple{"router grad", f8.router->gate->weight.grad(), ref.router->gate->weight.grad()}}) {
+    const double err = rel(got, want);
+    EXPECT_GT(err, 1e-5) << what << ": the casts should show";
+    EXPECT_LT(err, 0.1) << what << ": within float8's error";
+  }
+  MoE dropless(32, {.num_experts = 4, .top_k = 2, .hidden = 32});
+  convert_to_float8_training(dropless);
+  EXPECT_NE(
+      ::ember::testing::error_of([&] { dropless(x0); }).find("need padded groups: give the MoE a capacity_factor"),
+      std::string::npos);
 }
 
 TEST(MoE, TiesGoToTheLowerExpertAndAnEmptyExpertGetsAZeroGradient) {

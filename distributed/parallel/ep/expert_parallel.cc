@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/autograd_hook.h"
+#include "core/cuda_graph.h"
 #include "core/exception.h"
 #include "core/ops.h"
 #include "distributed/comm/functional_collectives.h"
@@ -21,18 +22,25 @@ namespace {
 
 // The padded dispatch (a capacity of C rows per expert): rows [E C, dim] in
 // expert order, so rank r's experts are one contiguous block of El C rows;
-// even splits, nothing read on the host. Received as [source q][expert e]
-// [C], run as [e][q][C] (each local expert's n C rows one batch), sent back
-// in the source's order. Every ep rank must pad to the same C (the same
-// tokens per forward): the ranks check that once per new C (`agreed`),
-// outside a capture as long as the shapes settle in its warm-up steps.
+// even splits. Received as [source q][expert e][C], run as [e][q][C] (each
+// local expert's n C rows one batch), sent back in the source's order.
+// Every ep rank must pad to the same C (the same tokens per forward), or
+// the exchange's splits would not match (a hang, or rows cut short): an
+// eager forward checks it every time (an all-gather of C, read on the
+// host); a captured one cannot read, and needs no check when its C was
+// checked in the warm-up (`agreed`): a replay runs the captured shapes,
+// whatever its inputs.
 Tensor dispatch_padded(nn::GroupedExperts& ex, const Tensor& rows, int64_t C, const std::shared_ptr<ProcessGroup>& pg,
                        std::set<int64_t>& agreed) {
   const int n = pg->size();
   const int64_t E = ex.num_experts, El = E / n, dim = rows.size(1);
   EMBER_INTERNAL_ASSERT(El * n == E && rows.size(0) == E * C, "expert_parallel: rows ", shape_str(rows.sizes()),
                         " for ", E, " experts of ", C);
-  if (!agreed.count(C)) {
+  if (cuda_graph_capturing()) {
+    EMBER_CHECK(agreed.count(C), "expert_parallel: a capacity of ", C,
+                " rows per expert first met inside a CUDA graph capture, where the ep ranks cannot check that they "
+                "agree on it; run the same shapes eagerly first (the capture's warm-up steps)");
+  } else {
     Tensor mine = Tensor::from_vector({static_cast<double>(C)}, {1}, {DType::Int64, pg->device()});
     Tensor all = Tensor::empty({n}, {DType::Int64, pg->device()});
     pg->allgather_into_tensor(all, mine)->wait();

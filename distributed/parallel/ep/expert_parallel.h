@@ -25,8 +25,10 @@
 // even splits of E/ep x C rows and nothing is read on the host (a captured
 // step holds it); each rank drops its own choices past C before sending
 // (Megatron's capacity per rank), so a rank's output is what one process
-// gives for its tokens alone. The ep ranks check once per C that they pad
-// alike (they must route as many tokens per forward).
+// gives for its tokens alone. The ep ranks must pad alike (route as many
+// tokens per forward): an eager forward checks it (an all-gather of C, read
+// on the host: the one wait of the padded exchange), a captured step relies
+// on its warm-up's checks (a replay cannot change a shape).
 //
 // Gradients: the experts' weights receive the gradient of the sum of the
 // ep ranks' losses (tokens from every rank meet there), and are divided by

@@ -229,9 +229,12 @@ EMBER_WORKER(ep_errors) {
   const std::string none = ::ember::testing::error_of([&] { expert_parallel(plain, mesh); });
   WCHECK(none.find("no MoE layer") != std::string::npos, none);
   // With a capacity, ranks that route different numbers of tokens pad to
-  // different capacities: named on both before any token moves.
+  // different capacities: named on both before any token moves, also after
+  // forwards that agreed (4 and 8 tokens on both: each C seen before).
   auto padded = make_layer(4, {.num_experts = 4, .top_k = 1, .hidden = 4, .capacity_factor = 1.0});
   expert_parallel(*padded, mesh);
+  (*padded)(rnd({4, 4}, 1));
+  (*padded)(rnd({8, 4}, 2));
   const std::string uneven = ::ember::testing::error_of([&] {
     (*padded)(rnd({env.rank == 0 ? 4 : 8, 4}, 3 + env.rank));
   });

@@ -27,8 +27,9 @@ namespace {
 void convert_float8(nn::GPT& gpt, const ParallelDims& dims, const GPTParallelOptions& o) {
   EMBER_CHECK(o.float8 || !o.float8_all_gather, "float8_all_gather without float8: nothing is in float8 to gather so");
   if (!o.float8) return;
-  EMBER_CHECK(gpt.options.moe.num_experts == 0, "float8 with mixture-of-experts blocks (", gpt.options.moe.num_experts,
-              " experts) is not supported: the experts' grouped matmuls have no float8 path");
+  EMBER_CHECK(gpt.options.moe.num_experts == 0 || gpt.options.moe.capacity_factor > 0,
+              "float8 with dropless mixture-of-experts blocks (", gpt.options.moe.num_experts,
+              " experts): float8 experts run on padded groups; give the MoE a capacity_factor");
   nn::Float8Options f8;
   f8.enable_fsdp_float8_all_gather = o.float8_all_gather;
   // Under tp a layer's part must still be float8-sized: one whose features

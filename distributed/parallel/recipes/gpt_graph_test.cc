@@ -174,6 +174,7 @@ TEST_P(GptGraph, ReplayedStepsEqualEagerStepsBitForBit) {
       EXPECT_EQ(mg[i]->stats().forwards, c.micro) << "MoE layer " << i;
       EXPECT_EQ(mg[i]->stats().aux_loss, me[i]->stats().aux_loss) << "MoE layer " << i;
       EXPECT_EQ(mg[i]->stats().dropped, me[i]->stats().dropped) << "MoE layer " << i;
+      EXPECT_EQ(static_cast<bool>(mg[i]->experts->kernel), c.float8) << "MoE layer " << i << ": float8 experts";
       if (c.capacity > 0 && c.capacity < 1) EXPECT_GT(me[i]->stats().dropped, 0) << "MoE layer " << i;
     }
   }
@@ -191,14 +192,17 @@ TEST_P(GptGraph, ReplayedStepsEqualEagerStepsBitForBit) {
 
 INSTANTIATE_TEST_SUITE_P(
     Recipes, GptGraph,
-    ::testing::Values(Case{nn::Arch::GPT2, "off", 2}, Case{nn::Arch::Llama, "bf16", 1}, Case{nn::Arch::GPT2, "fp16", 1},
-                      Case{nn::Arch::GPT2, "bf16", 2, 0.2}, Case{nn::Arch::GPT2, "off", 1, 0.2, "full"},
-                      Case{nn::Arch::Llama, "bf16", 2, 0.0, "none", true},
-                      Case{.arch = nn::Arch::Llama, .amp = "bf16", .micro = 2, .experts = 4},
-                      // float16: the router losses take the scaler's live scale
-                      Case{.arch = nn::Arch::Llama, .amp = "fp16", .micro = 2, .experts = 4},
-                      // float32 experts: capacity-padded, one batched GEMM
-                      Case{.arch = nn::Arch::Llama, .amp = "off", .micro = 2, .experts = 4, .capacity = 0.75}),
+    ::testing::Values(
+        Case{nn::Arch::GPT2, "off", 2}, Case{nn::Arch::Llama, "bf16", 1}, Case{nn::Arch::GPT2, "fp16", 1},
+        Case{nn::Arch::GPT2, "bf16", 2, 0.2}, Case{nn::Arch::GPT2, "off", 1, 0.2, "full"},
+        Case{nn::Arch::Llama, "bf16", 2, 0.0, "none", true},
+        Case{.arch = nn::Arch::Llama, .amp = "bf16", .micro = 2, .experts = 4},
+        // float16: the router losses take the scaler's live scale
+        Case{.arch = nn::Arch::Llama, .amp = "fp16", .micro = 2, .experts = 4},
+        // float32 experts: capacity-padded, one batched GEMM
+        Case{.arch = nn::Arch::Llama, .amp = "off", .micro = 2, .experts = 4, .capacity = 0.75},
+        // float8 experts, expert by expert on padded groups
+        Case{.arch = nn::Arch::Llama, .amp = "bf16", .micro = 1, .float8 = true, .experts = 4, .capacity = 1.0}),
     [](const auto& info) {
       const Case& c = info.param;
       return std::string(nn::arch_name(c.arch)) + "_" + c.amp + (c.dropout > 0 ? "_dropout" : "") +
