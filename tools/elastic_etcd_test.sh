@@ -77,9 +77,15 @@ PY
 }
 nothing_left() {  # RUN
   sleep 0.3
-  local left
-  left=$(pgrep -f -- "--rdzv-id $1 |--checkpoint-dir $tmp/$1( |$)" || true)
-  [ -z "$left" ] || fail "$1: processes left behind: $(ps -o pid,args -p "${left//$'\n'/,}")"
+  local left="" pid args
+  # This run's processes only (its etcd's endpoints or its directory in
+  # their arguments): another test on the machine may use the same id, as
+  # //tools:elastic_test's c10d "frozen" run does.
+  for pid in $(pgrep -f -- "--rdzv-id $1 |--checkpoint-dir $tmp/$1( |$)" || true); do
+    args=$(ps -o args= -p "$pid" 2>/dev/null) || continue
+    case "$args" in *"$eps"* | *"$tmp"*) left+="${left:+,}$pid" ;; esac
+  done
+  [ -z "$left" ] || fail "$1: processes left behind: $(ps -o pid,args -p "$left")"
 }
 
 # ---- 1. the first host killed at a random step (3 seeds), then back ----
