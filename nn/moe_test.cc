@@ -123,8 +123,66 @@ Ref naive(const Tensor& x, const Tensor& gate, const Tensor& w1, const Tensor& w
   return r;
 }
 
+// The layer (float64, on [2, N/2, D]: a batch of sequences) against the
+// naive loop on copies of its parameters, `capacity` told to both (-1:
+// dropless): outputs, the statistics, both losses and every gradient
+// within 1e-10. A first forward's statistics are reset before: they
+// accumulate until then. Returns the reference.
+Ref check_like_naive(const Case& c, double factor, int64_t N, uint64_t seed, const std::string& what) {
+  const int64_t D = 8, H = 6;
+  MoEOptions o{.num_experts = c.E,
+               .top_k = c.K,
+               .hidden = H,
+               .score = c.score,
+               .normalize_top_k = c.normalize,
+               .shared_experts = c.shared,
+               .aux_loss_coef = 0.3,
+               .z_loss_coef = 0.05,
+               .capacity_factor = factor};
+  MoE moe(D, o);
+  moe.to(DType::Float64);
+  Inputs in = make_inputs(N, D, c.E, seed);
+  moe.router->gate->weight.detach().copy_(in.gate);
+  const Tensor proj = rnd({N, D}, seed + 77);
+  Tensor x = in.x.clone().requires_grad_();
+  moe(x.detach());
+  moe.reset_stats();
+  Tensor y = moe(x.view({2, N / 2, D}));
+  sum(y.view({N, D}) * proj).backward();
+
+  auto copy = [](const Tensor& t) { return t.detach().clone().requires_grad_(); };
+  Tensor xr = in.x.clone().requires_grad_(), gr = copy(moe.router->gate->weight);
+  Tensor w1 = copy(moe.experts->w1), w2 = copy(moe.experts->w2), w3 = copy(moe.experts->w3);
+  std::shared_ptr<SwiGLU> shared;
+  if (c.shared) {
+    shared = std::make_shared<SwiGLU>(D, c.shared * H);
+    shared->to(DType::Float64);
+    shared->load_state_dict(moe.shared_experts->state_dict());
+  }
+  Ref r = naive(xr, gr, w1, w2, w3, shared, c, factor > 0 ? expert_capacity(o, N) : -1);
+  (sum(r.y * proj) + r.aux * o.aux_loss_coef + r.z * o.z_loss_coef).backward();
+
+  const double tol = 1e-10;
+  expect_close(y.view({N, D}), r.y, tol, what + ": output");
+  const MoEStats st = moe.stats();
+  EXPECT_EQ(st.tokens_per_expert, r.counts) << what << ": every routed choice, dropped or not";
+  EXPECT_EQ(st.tokens_per_expert[c.E - 2], 0) << what << ": the expert no token picks";
+  EXPECT_EQ(st.routed, N * c.K) << what;
+  EXPECT_EQ(st.dropped, r.dropped) << what;
+  EXPECT_NEAR(st.aux_loss, r.aux.item(), tol) << what;
+  EXPECT_NEAR(st.z_loss, r.z.item(), tol) << what;
+  expect_close(x.grad(), xr.grad(), tol, what + ": dx");
+  expect_close(moe.router->gate->weight.grad(), gr.grad(), tol, what + ": router");
+  expect_close(moe.experts->w1.grad(), w1.grad(), tol, what + ": w1");
+  expect_close(moe.experts->w2.grad(), w2.grad(), tol, what + ": w2");
+  expect_close(moe.experts->w3.grad(), w3.grad(), tol, what + ": w3");
+  if (c.shared)
+    expect_close(moe.shared_experts->gate_proj->weight.grad(), shared->gate_proj->weight.grad(), tol,
+                 what + ": shared");
+  return r;
+}
+
 TEST(MoE, MatchesANaiveLoopOverTokensForwardAndBackward) {
-  const int64_t N = 14, D = 8, H = 6;
   const std::vector<Case> cases = {
       {4, 1, RouterScore::Softmax, true, 0},  {4, 2, RouterScore::Softmax, true, 0},
       {6, 2, RouterScore::Softmax, false, 1}, {6, 1, RouterScore::Sigmoid, true, 0},
@@ -134,54 +192,8 @@ TEST(MoE, MatchesANaiveLoopOverTokensForwardAndBackward) {
     const std::string what = "E " + std::to_string(c.E) + " k " + std::to_string(c.K) + " " +
                              router_score_name(c.score) + (c.normalize ? " normalised" : "") +
                              (c.shared ? " shared " + std::to_string(c.shared) : "");
-    MoEOptions o{.num_experts = c.E,
-                 .top_k = c.K,
-                 .hidden = H,
-                 .score = c.score,
-                 .normalize_top_k = c.normalize,
-                 .shared_experts = c.shared,
-                 .aux_loss_coef = 0.3,
-                 .z_loss_coef = 0.05};
-    MoE moe(D, o);
-    moe.to(DType::Float64);
-    Inputs in = make_inputs(N, D, c.E, 10 + c.E * 3 + c.K);
-    moe.router->gate->weight.detach().copy_(in.gate);
-    const Tensor proj = rnd({N, D}, 99);
-
-    // The layer, on [2, N/2, D] (a batch of sequences).
-    Tensor x = in.x.clone().requires_grad_();
-    moe(x.detach());  // stats accumulate until reset
-    moe.reset_stats();
-    Tensor y = moe(x.view({2, N / 2, D}));
-    sum(y.view({N, D}) * proj).backward();
-
-    // The reference, on copies of the same parameters.
-    auto copy = [](const Tensor& t) { return t.detach().clone().requires_grad_(); };
-    Tensor xr = in.x.clone().requires_grad_(), gr = copy(moe.router->gate->weight);
-    Tensor w1 = copy(moe.experts->w1), w2 = copy(moe.experts->w2), w3 = copy(moe.experts->w3);
-    std::shared_ptr<SwiGLU> shared;
-    if (c.shared) {
-      shared = std::make_shared<SwiGLU>(D, c.shared * H);
-      shared->to(DType::Float64);
-      shared->load_state_dict(moe.shared_experts->state_dict());
-    }
-    Ref r = naive(xr, gr, w1, w2, w3, shared, c);
-    (sum(r.y * proj) + r.aux * o.aux_loss_coef + r.z * o.z_loss_coef).backward();
-
-    const double tol = 1e-10;
-    expect_close(y.view({N, D}), r.y, tol, what + ": output");
-    EXPECT_EQ(moe.stats().tokens_per_expert, r.counts) << what;
-    EXPECT_EQ(moe.stats().tokens_per_expert[c.E - 2], 0) << what << ": the expert no token picks";
-    EXPECT_NEAR(moe.stats().aux_loss, r.aux.item(), tol) << what;
-    EXPECT_NEAR(moe.stats().z_loss, r.z.item(), tol) << what;
-    expect_close(x.grad(), xr.grad(), tol, what + ": dx");
-    expect_close(moe.router->gate->weight.grad(), gr.grad(), tol, what + ": router");
-    expect_close(moe.experts->w1.grad(), w1.grad(), tol, what + ": w1");
-    expect_close(moe.experts->w2.grad(), w2.grad(), tol, what + ": w2");
-    expect_close(moe.experts->w3.grad(), w3.grad(), tol, what + ": w3");
-    if (c.shared)
-      expect_close(moe.shared_experts->gate_proj->weight.grad(), shared->gate_proj->weight.grad(), tol,
-                   what + ": shared");
+    const Ref r = check_like_naive(c, 0.0, 14, 10 + c.E * 3 + c.K, what);
+    EXPECT_EQ(r.dropped, 0) << what;
   }
 }
 
@@ -192,7 +204,10 @@ TEST(MoE, MatchesANaiveLoopOverTokensForwardAndBackward) {
 // count. A factor of E / k (C = N, nothing to drop) gives the dropless
 // layer's numbers.
 TEST(MoE, CapacityDropsTheLaterChoicesAsANaiveLoop) {
-  const int64_t N = 14, D = 8, H = 6;
+  const int64_t N = 14;
+  // A whole number in exact arithmetic that double puts just above it.
+  EXPECT_EQ(expert_capacity({.num_experts = 2, .top_k = 1, .capacity_factor = 1.1}, 100), 55);
+  EXPECT_EQ(expert_capacity({.num_experts = 2, .top_k = 1, .capacity_factor = 1.11}, 100), 56);
   struct CapCase {
     Case c;
     double factor;
@@ -205,61 +220,13 @@ TEST(MoE, CapacityDropsTheLaterChoicesAsANaiveLoop) {
   for (const auto& [c, factor] : cases) {
     const std::string what = "E " + std::to_string(c.E) + " k " + std::to_string(c.K) + " capacity factor " +
                              std::to_string(factor) + " " + router_score_name(c.score);
-    MoEOptions o{.num_experts = c.E,
-                 .top_k = c.K,
-                 .hidden = H,
-                 .score = c.score,
-                 .normalize_top_k = c.normalize,
-                 .shared_experts = c.shared,
-                 .aux_loss_coef = 0.3,
-                 .z_loss_coef = 0.05,
-                 .capacity_factor = factor};
-    const int64_t C = expert_capacity(o, N);
-    EXPECT_EQ(C, static_cast<int64_t>(std::ceil(factor * N * c.K / c.E - 1e-9))) << what;
-    // A whole number in exact arithmetic that double puts just above it.
-    EXPECT_EQ(expert_capacity({.num_experts = 2, .top_k = 1, .capacity_factor = 1.1}, 100), 55);
-    EXPECT_EQ(expert_capacity({.num_experts = 2, .top_k = 1, .capacity_factor = 1.11}, 100), 56);
-    MoE moe(D, o);
-    moe.to(DType::Float64);
-    Inputs in = make_inputs(N, D, c.E, 40 + c.E * 3 + c.K);
-    moe.router->gate->weight.detach().copy_(in.gate);
-    const Tensor proj = rnd({N, D}, 98);
-    Tensor x = in.x.clone().requires_grad_();
-    Tensor y = moe(x.view({2, N / 2, D}));
-    sum(y.view({N, D}) * proj).backward();
-
-    auto copy = [](const Tensor& t) { return t.detach().clone().requires_grad_(); };
-    Tensor xr = in.x.clone().requires_grad_(), gr = copy(moe.router->gate->weight);
-    Tensor w1 = copy(moe.experts->w1), w2 = copy(moe.experts->w2), w3 = copy(moe.experts->w3);
-    std::shared_ptr<SwiGLU> shared;
-    if (c.shared) {
-      shared = std::make_shared<SwiGLU>(D, c.shared * H);
-      shared->to(DType::Float64);
-      shared->load_state_dict(moe.shared_experts->state_dict());
-    }
-    Ref r = naive(xr, gr, w1, w2, w3, shared, c, C);
-    (sum(r.y * proj) + r.aux * o.aux_loss_coef + r.z * o.z_loss_coef).backward();
-
-    const double tol = 1e-10;
-    expect_close(y.view({N, D}), r.y, tol, what + ": output");
-    const MoEStats st = moe.stats();
-    EXPECT_EQ(st.tokens_per_expert, r.counts) << what << ": every routed choice, dropped or not";
-    EXPECT_EQ(st.routed, N * c.K) << what;
-    EXPECT_EQ(st.dropped, r.dropped) << what;
+    const MoEOptions o{.num_experts = c.E, .top_k = c.K, .capacity_factor = factor};
+    EXPECT_EQ(expert_capacity(o, N), static_cast<int64_t>(std::ceil(factor * N * c.K / c.E - 1e-9))) << what;
+    const Ref r = check_like_naive(c, factor, N, 40 + c.E * 3 + c.K, what);
     if (factor * c.K < c.E)
       EXPECT_GT(r.dropped, 0) << what << ": the case should drop choices";
     else
       EXPECT_EQ(r.dropped, 0) << what << ": C = N leaves nothing to drop";
-    EXPECT_NEAR(st.aux_loss, r.aux.item(), tol) << what;
-    EXPECT_NEAR(st.z_loss, r.z.item(), tol) << what;
-    expect_close(x.grad(), xr.grad(), tol, what + ": dx");
-    expect_close(moe.router->gate->weight.grad(), gr.grad(), tol, what + ": router");
-    expect_close(moe.experts->w1.grad(), w1.grad(), tol, what + ": w1");
-    expect_close(moe.experts->w2.grad(), w2.grad(), tol, what + ": w2");
-    expect_close(moe.experts->w3.grad(), w3.grad(), tol, what + ": w3");
-    if (c.shared)
-      expect_close(moe.shared_experts->gate_proj->weight.grad(), shared->gate_proj->weight.grad(), tol,
-                   what + ": shared");
   }
   // No token: capacity 0, an empty output, a backward that works.
   MoE moe(8, {.num_experts = 4, .top_k = 2, .hidden = 4, .capacity_factor = 1.0});
