@@ -34,6 +34,27 @@ namespace {
 
 constexpr int64_t kLayers = 6, kDim = 512, kHeads = 8, kKvHeads = 4, kFfn = 1408, kVocab = 8192, kSeq = 256, kBatch = 4;
 
+// One step: zero_grad, forward, cross-entropy, backward, AdamW; the loss.
+double train_step(nn::GPT& model, optim::AdamW& opt, const Tensor& x, const Tensor& y) {
+  opt.zero_grad();
+  Tensor loss = nn::functional::cross_entropy(model(x).reshape({kBatch * kSeq, kVocab}), y);
+  loss.backward();
+  opt.step();
+  return loss.item();
+}
+
+// The benchmark's iterations of `step`, each one's milliseconds.
+template <typename F>
+std::vector<double> timed_steps(benchmark::State& state, F&& step) {
+  std::vector<double> ms;
+  for (auto _ : state) {
+    const auto t0 = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(step());
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return ms;
+}
+
 void BM_LlamaStep(benchmark::State& state) {
   manual_seed(0);
   nn::GPT model(nn::GPTOptions::llama({.vocab_size = kVocab,
@@ -45,20 +66,9 @@ void BM_LlamaStep(benchmark::State& state) {
                                        .ffn_hidden = kFfn}));
   optim::AdamW opt(model.parameters(), {.lr = 1e-3, .weight_decay = 0.01});
   Tensor x = randint(0, kVocab, {kBatch, kSeq}), y = randint(0, kVocab, {kBatch * kSeq});
-  auto step = [&] {
-    opt.zero_grad();
-    Tensor loss = nn::functional::cross_entropy(model(x).reshape({kBatch * kSeq, kVocab}), y);
-    loss.backward();
-    opt.step();
-    return loss.item();
-  };
+  auto step = [&] { return train_step(model, opt, x, y); };
   for (int i = 0; i < 2; ++i) step();  // warm-up: allocator caches, oneDNN primitives
-  std::vector<double> ms;
-  for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    benchmark::DoNotOptimize(step());
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
+  std::vector<double> ms = timed_steps(state, step);
   if (std::getenv("EMBER_BENCH_PROFILE") != nullptr) {
     profiler::start();
     step();
@@ -91,21 +101,10 @@ void BM_MoEStep(benchmark::State& state) {
   nn::GPT model(o);
   optim::AdamW opt(model.parameters(), {.lr = 1e-3, .weight_decay = 0.01});
   Tensor x = randint(0, kVocab, {kBatch, kSeq}), y = randint(0, kVocab, {kBatch * kSeq});
-  auto step = [&] {
-    opt.zero_grad();
-    Tensor loss = nn::functional::cross_entropy(model(x).reshape({kBatch * kSeq, kVocab}), y);
-    loss.backward();
-    opt.step();
-    return loss.item();
-  };
+  auto step = [&] { return train_step(model, opt, x, y); };
   for (int i = 0; i < 2; ++i) step();
   nn::reset_moe_stats(model);
-  std::vector<double> ms;
-  for (auto _ : state) {
-    const auto t0 = std::chrono::steady_clock::now();
-    benchmark::DoNotOptimize(step());
-    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
+  std::vector<double> ms = timed_steps(state, step);
   double routed = 0, dropped = 0;
   for (nn::MoE* m : nn::moe_layers(model)) {
     const nn::MoEStats st = m->stats();

@@ -54,6 +54,28 @@ Tensor avg(const Tensor& t, const std::shared_ptr<ProcessGroup>& pg) {
   return c;
 }
 
+// Every gradient of this rank's layer against the one-process `ref`'s:
+// x's (this rank's rows `at`, the loss a mean over the W ranks), the
+// router's and the shared experts' averaged over the world, and this
+// rank's slice of the stacked experts averaged over the ranks holding it
+// ("rest": those outside its ep group), rel 1e-10.
+void check_grads(nn::MoE& moe, nn::MoE& ref, const Tensor& x, const Tensor& xr, int64_t at, const DeviceMesh& mesh,
+                 const std::string& what) {
+  auto world = default_group();
+  const int W = world->size();
+  const int64_t N = x.size(0), El = moe.experts->w1.size(0), first = mesh.coordinate("ep") * El;
+  mp::check_close(x.grad() * (1.0 / W), xr.grad().narrow(0, at, N), what + " dx", 1e-10);
+  mp::check_close(avg(moe.router->gate->weight.grad(), world), ref.router->gate->weight.grad(), what + " router",
+                  1e-10);
+  mp::check_close(avg(moe.shared_experts->down_proj->weight.grad(), world),
+                  ref.shared_experts->down_proj->weight.grad(), what + " shared", 1e-10);
+  auto rest = mesh.group("rest");
+  for (auto [name, got, want] :
+       {std::tuple{"w1", moe.experts->w1, ref.experts->w1}, std::tuple{"w2", moe.experts->w2, ref.experts->w2},
+        std::tuple{"w3", moe.experts->w3, ref.experts->w3}})
+    mp::check_close(avg(got.grad(), rest), want.grad().narrow(0, first, El), what + " " + name, 1e-10);
+}
+
 EMBER_WORKER(ep_layer) {
   mp::init_world(env);
   auto world = default_group();
@@ -94,21 +116,8 @@ EMBER_WORKER(ep_layer) {
   WCHECK(moe->stats().tokens_per_expert == ref->stats().tokens_per_expert, what, ": global expert counts differ");
   sum(y * P.narrow(0, me * N, N)).backward();
 
-  // Gradients, averaged over the data ranks (the experts over the ranks
-  // not in their ep group: each group's slice).
-  mp::check_close(x.grad() * (1.0 / W), Xr.grad().narrow(0, me * N, N), what + " dx", 1e-10);
-  mp::check_close(avg(moe->router->gate->weight.grad(), world), ref->router->gate->weight.grad(), what + " router",
-                  1e-10);
-  mp::check_close(avg(moe->shared_experts->down_proj->weight.grad(), world),
-                  ref->shared_experts->down_proj->weight.grad(), what + " shared", 1e-10);
+  check_grads(*moe, *ref, x, Xr, me * N, *mesh, what);
   const int64_t El = E / ep, first = mesh->coordinate("ep") * El;
-  auto rest = mesh->group("rest");
-  mp::check_close(avg(moe->experts->w1.grad(), rest), ref->experts->w1.grad().narrow(0, first, El), what + " w1",
-                  1e-10);
-  mp::check_close(avg(moe->experts->w2.grad(), rest), ref->experts->w2.grad().narrow(0, first, El), what + " w2",
-                  1e-10);
-  mp::check_close(avg(moe->experts->w3.grad(), rest), ref->experts->w3.grad().narrow(0, first, El), what + " w3",
-                  1e-10);
 
   if (ep > 1) {
     // Bytes: the rows this rank sends (its N k choices) and receives (every
@@ -188,17 +197,7 @@ EMBER_WORKER(ep_capacity) {
   WCHECK(moe->stats().dropped == ref_dropped_mine, what, ": dropped ", moe->stats().dropped, ", one process ",
          ref_dropped_mine);
   sum(y * P.narrow(0, me * N, N)).backward();
-  mp::check_close(x.grad() * (1.0 / W), Xr.grad().narrow(0, me * N, N), what + " dx", 1e-10);
-  mp::check_close(avg(moe->router->gate->weight.grad(), world), ref->router->gate->weight.grad(), what + " router",
-                  1e-10);
-  mp::check_close(avg(moe->shared_experts->down_proj->weight.grad(), world),
-                  ref->shared_experts->down_proj->weight.grad(), what + " shared", 1e-10);
-  const int64_t El = E / ep, first = mesh->coordinate("ep") * El;
-  auto rest = mesh->group("rest");
-  for (auto [name, got, want] :
-       {std::tuple{"w1", moe->experts->w1, ref->experts->w1}, std::tuple{"w2", moe->experts->w2, ref->experts->w2},
-        std::tuple{"w3", moe->experts->w3, ref->experts->w3}})
-    mp::check_close(avg(got.grad(), rest), want.grad().narrow(0, first, El), what + " " + name, 1e-10);
+  check_grads(*moe, *ref, x, Xr, me * N, *mesh, what);
   // Some rank dropped choices at the smaller factor (the counts agree on
   // every rank: one allreduce of the dropped counts).
   Tensor d = Tensor::from_vector({static_cast<double>(moe->stats().dropped)}, {1}, DType::Float64);
