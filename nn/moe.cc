@@ -209,6 +209,12 @@ Tensor MoE::forward(const Tensor& input) {
     const Tensor& ends = order.offsets;
     counts = E > 1 ? ends - cat({zeros({1}, ends.options()), ends.narrow(0, 0, E - 1)}) : ends;
   }
+  // What the dispatch (or the experts) gave back: `rows` rows of dim.
+  const auto check_out = [&](const Tensor& out, int64_t rows) {
+    EMBER_CHECK(out.dim() == 2 && out.size(0) == rows && out.size(1) == dim, "MoE: the dispatch",
+                dispatch ? " installed on the layer" : "", " returned ", shape_str(out.sizes()), " for ", rows,
+                " rows of ", dim);
+  };
   Tensor out, dropped;
   if (padded) {
     // Expert e's slot j (of C) takes the j-th choice routed to e, or a zero
@@ -226,9 +232,7 @@ Tensor MoE::forward(const Tensor& input) {
                              full({}, static_cast<double>(N), io));
     const Tensor rows = index_select(cat({x, zeros({1, dim}, x.options())}), 0, src.reshape({E * C}));
     out = dispatch ? dispatch(*experts, rows, ExpertGroups{.capacity = C}) : experts->padded(rows, C);
-    EMBER_CHECK(out.dim() == 2 && out.size(0) == E * C && out.size(1) == dim, "MoE: the dispatch",
-                dispatch ? " installed on the layer" : "", " returned ", shape_str(out.sizes()), " for ", E, " x ", C,
-                " rows of ", dim);
+    check_out(out, E * C);
     const Tensor e_of = r.experts.reshape({N * K});
     const Tensor within = order.positions.reshape({N * K}) - index_select(starts, 0, e_of);
     const Tensor kept = lt(within, c_t);
@@ -244,9 +248,7 @@ Tensor MoE::forward(const Tensor& input) {
     } else {
       out = (*experts)(rows, order.offsets);
     }
-    EMBER_CHECK(out.dim() == 2 && out.size(0) == N * K && out.size(1) == dim, "MoE: the dispatch",
-                dispatch ? " installed on the layer" : "", " returned ", shape_str(out.sizes()), " for ", N * K,
-                " rows of ", dim);
+    check_out(out, N * K);
     // Back to (token, choice) order.
     out = index_select(out, 0, order.positions.reshape({N * K})).view({N, K, dim});
   }
