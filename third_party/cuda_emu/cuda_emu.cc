@@ -529,25 +529,29 @@ void syncwarp(Site s, unsigned mask) {
   warp_barrier(mask, s, "__syncwarp");
 }
 
-const void* warp_exchange(unsigned mask, const void* v, size_t bytes, int src, Site s) {
-  if (!W.blk) die("shuffle outside a kernel at " + where(s));
+namespace {
+// Every lane of `mask` leaves `bytes` of v in its slot; after the warp's
+// barrier, the slots of that barrier's generation (lane i's at i).
+const unsigned char* deposit_and_wait(unsigned mask, const void* v, size_t bytes, Site s, const char* what) {
+  if (!W.blk) die(std::string(what) + " outside a kernel at " + where(s));
+  if (bytes > kGatherBytes) die(std::string(what) + " of " + std::to_string(bytes) + " bytes at " + where(s));
   Warp& w = W.blk->warps[W.cur->lin / 32];
-  const int lane = W.cur->lin % 32;
-  std::memcpy(w.slot[w.gen & 1][lane], v, bytes);
-  const uint64_t g = warp_barrier(mask, s, "__shfl_*_sync");
+  std::memcpy(w.slot[w.gen & 1][W.cur->lin % 32], v, bytes);
+  const uint64_t g = warp_barrier(mask, s, what);
+  return w.slot[g & 1][0];
+}
+}  // namespace
+
+const void* warp_exchange(unsigned mask, const void* v, size_t bytes, int src, Site s) {
+  const unsigned char* all = deposit_and_wait(mask, v, bytes, s, "__shfl_*_sync");
   if (!(mask & (1u << src)))
     die(std::string(W.blk->name) + ": shuffle at " + where(s) + " reads lane " + std::to_string(src) +
         " outside its mask (undefined value)");
-  return w.slot[g & 1][src];
+  return all + src * kGatherBytes;
 }
 
 const unsigned char* warp_gather(unsigned mask, const void* v, size_t bytes, Site s) {
-  if (!W.blk) die("warp gather outside a kernel at " + where(s));
-  if (bytes > kGatherBytes) die("warp gather of " + std::to_string(bytes) + " bytes at " + where(s));
-  Warp& w = W.blk->warps[W.cur->lin / 32];
-  std::memcpy(w.slot[w.gen & 1][W.cur->lin % 32], v, bytes);
-  const uint64_t g = warp_barrier(mask, s, "warp gather");
-  return w.slot[g & 1][0];
+  return deposit_and_wait(mask, v, bytes, s, "warp gather");
 }
 
 void shared_init(void* p, size_t bytes) {
