@@ -137,7 +137,11 @@ PY
 
 # ---- an agent frozen (SIGSTOP) past the heartbeat timeout, woken after the
 # job finished without it: it exits 0 saying so, and the store it lost is
-# named as the serving agent's, not "rank 0" ----
+# named as the serving agent's, not "rank 0". The stop lands inside one of
+# its store calls (the hardest case: the call's reply, then the store's
+# loss, come after the wake-up): the serving agent is stopped first for
+# 1.2 s, less than the heartbeat timeout, so that the other's checks (every
+# 0.5 s) block on it, and that one is stopped while they do ----
 pids=()
 pf=$(port)
 for n in f1 f2; do
@@ -148,19 +152,28 @@ for n in f1 f2; do
   sleep 0.3
 done
 wait_for "$tmp/frozen.jsonl" '"step":10,' 60
-victim=$(launcher_of frozen "${pids[1]}")
-[ -n "$victim" ] || fail "frozen: no launcher of the second agent"
-kill -STOP "$victim"
-wait "${pids[0]}" || true
-grep -q "rc=0" "$tmp/f1.log" || fail "frozen: the first agent did not finish alone"
-kill -CONT "$victim"
-wait "${pids[1]}" || true
-grep -q "rc=0" "$tmp/f2.log" || fail "frozen: the woken agent did not exit 0"
-grep -q "this agent was stopped for [0-9]* s .*the job finished or went on without this node" "$tmp/f2.log" ||
+# Which agent serves the store: the first started, unless a loaded machine
+# let the second bind the port first.
+server=0 victim=1
+grep -q "serving the rendezvous store" "$tmp/f2.log" && server=1 victim=0
+spid=$(launcher_of frozen "${pids[$server]}")
+vpid=$(launcher_of frozen "${pids[$victim]}")
+[ -n "$spid" ] && [ -n "$vpid" ] || fail "frozen: no launchers of the two agents"
+kill -STOP "$spid"
+sleep 1.2
+kill -STOP "$vpid"
+kill -CONT "$spid"
+wait "${pids[$server]}" || true
+slog=$tmp/f$((server + 1)).log vlog=$tmp/f$((victim + 1)).log
+grep -q "rc=0" "$slog" || fail "frozen: the serving agent did not finish alone"
+kill -CONT "$vpid"
+wait "${pids[$victim]}" || true
+grep -q "rc=0" "$vlog" || fail "frozen: the woken agent did not exit 0"
+grep -q "this agent was stopped for [0-9]* s .*the job finished or went on without this node" "$vlog" ||
   fail "frozen: the woken agent did not say why it ends"
-grep -q "did the agent serving the rendezvous store on 127.0.0.1" "$tmp/f2.log" || fail "frozen: the store not named"
-! grep "^launch:" "$tmp/f2.log" | grep -q "usually rank 0" || fail "frozen: the agent's store called rank 0's"
-echo "elastic frozen: an agent stopped past the heartbeat timeout and woken after the job ended exits 0, saying so"
+grep -q "did the agent serving the rendezvous store on 127.0.0.1" "$vlog" || fail "frozen: the store not named"
+! grep "^launch:" "$vlog" | grep -q "usually rank 0" || fail "frozen: the agent's store called rank 0's"
+echo "elastic frozen: an agent stopped (inside a store call) past the heartbeat timeout and woken after the job ended exits 0, saying so"
 
 # ---- //examples:resnet_ddp under the agents: a worker killed after epoch 1's
 # checkpoint; the next round resumes at epoch 1 and finishes epoch 2 ----

@@ -200,7 +200,8 @@ class Agent {
     // Only the store's loss: any other error is reported as such.
     const bool store_gone = why.find("store server closed the connection") != std::string::npos ||
                             why.find("could not connect to the store") != std::string::npos ||
-                            why.find("connection to the store is gone") != std::string::npos;
+                            why.find("connection to the store is gone") != std::string::npos ||
+                            why.find("lost the connection to the store server") != std::string::npos;
     if (!store_gone) return false;
     say("this agent was stopped for " + std::to_string(frozen_for_.count() / 1000) +
         " s (SIGSTOP, a debugger, or starved) and the rendezvous store at " + endpoint() + " is gone meanwhile (" +
@@ -226,6 +227,8 @@ class Agent {
     return store_->check({full}) ? store_->get_string(full) : dflt;
   }
   std::string me() const { return std::to_string(agent_); }
+  // How long one store call may block.
+  Millis store_call_timeout() const { return std::max<Millis>(o_.heartbeat_timeout, std::chrono::seconds(1)); }
 
   // Serves the store when this is the endpoint's host and nobody serves it
   // yet (the port is taken: somebody does); otherwise connects, waiting up to
@@ -233,7 +236,7 @@ class Agent {
   void connect() {
     // Every call gives up after the heartbeat timeout: an agent cut off from
     // the store learns it then, not at the default timeout.
-    const Millis timeout = std::max<Millis>(o_.heartbeat_timeout, std::chrono::seconds(1));
+    const Millis timeout = store_call_timeout();
     if (etcd_backend_) {
       // No agent serves anything: the job's keys live in etcd under
       // /ember/rdzv/<id>/, the agent's liveness under its own lease.
@@ -501,22 +504,28 @@ class Agent {
       // A gap between two wake-ups far past their period: this process was
       // stopped (SIGSTOP, a debugger) or starved, and the others saw its
       // heartbeat stop. Seen at the first wake-up, before the worker loop
-      // (which joins this thread) goes on.
+      // (which joins this thread) goes on. A stop can also land inside the
+      // store checks, whose first call after the wake-up finds the store
+      // gone: that span is measured too, allowing it the one call that may
+      // block up to its timeout (a store that stops answering is not a
+      // stopped agent).
       auto last = Clock::now();
-      auto frozen = [&] {
-        if (const auto gap = Clock::now() - last; gap > o_.heartbeat_timeout)
+      auto frozen = [&](Clock::duration allowed) {
+        if (const auto gap = Clock::now() - last; gap > o_.heartbeat_timeout + allowed)
           frozen_for_ = std::max(frozen_for_, std::chrono::duration_cast<milliseconds>(gap));
         last = Clock::now();
       };
       while (!workers_done.load()) {
-        frozen();
-        if (round_should_stop(R, nodes, beats, &why)) {
+        frozen(Clock::duration::zero());
+        const bool stop_now = round_should_stop(R, nodes, beats, &why);
+        frozen(store_call_timeout());
+        if (stop_now) {
           verdict.store(true);
           return;
         }
         for (auto t = Clock::now(); Clock::now() - t < kMonitor && !workers_done.load();) {
           std::this_thread::sleep_for(milliseconds(20));
-          frozen();
+          frozen(Clock::duration::zero());
         }
       }
     });
