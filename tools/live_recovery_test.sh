@@ -134,15 +134,18 @@ sleep 0.3
 agent b3 "$p3" host
 r=$(full_round "$tmp/a3.log" 4)
 wait_lines "$tmp/host.jsonl" 25
-b3=$(pgrep -f -- "--rdzv-id host " | while read -r p; do [ "$(ps -o comm= -p "$p")" = launch ] &&
-       [ "$(ps -o ppid= -p "$p" | tr -d ' ')" = "${pids[1]}" -o "$p" = "${pids[1]}" ] && echo "$p"; done | head -1)
-[ -n "$b3" ] || fail "no launcher of agent b3"
+# The agent lost is the one not serving the rendezvous store (the second
+# started, unless a loaded machine let it bind the port first).
+keep=a3 lose=b3 keep_shell=${pids[0]} lose_shell=${pids[1]}
+grep -q "serving the rendezvous store" "$tmp/b3.log" && keep=b3 lose=a3 keep_shell=${pids[1]} lose_shell=${pids[0]}
+victim=$(launcher_of host "$lose_shell")
+[ -n "$victim" ] || fail "no launcher of agent $lose"
 t_host=$(date +%s.%3N)
-kill -9 "$b3"
-wait "${pids[0]}" || true
-grep -q "rc=0" "$tmp/a3.log" || fail "agent a3 did not finish alone"
-[ "$(rounds_after "$r" "$tmp/a3.log" | head -1)" = "$((r + 1)) 2" ] || fail "no round at 2 ranks after the host was lost"
-python3 - "$tmp/ref.jsonl" "$tmp/host.jsonl" "$tmp/a3.log" "$t_host" "$((r + 1))" <<'PY' || fail "host-loss metrics"
+kill -9 "$victim"
+wait "$keep_shell" || true
+grep -q "rc=0" "$tmp/$keep.log" || fail "agent $keep did not finish alone"
+[ "$(rounds_after "$r" "$tmp/$keep.log" | head -1)" = "$((r + 1)) 2" ] || fail "no round at 2 ranks after the host was lost"
+python3 - "$tmp/ref.jsonl" "$tmp/host.jsonl" "$tmp/$keep.log" "$t_host" "$((r + 1))" <<'PY' || fail "host-loss metrics"
 import json, re, sys
 ref = {r["step"]: r for r in map(json.loads, open(sys.argv[1]))}
 recs = [json.loads(l) for l in open(sys.argv[2])]
