@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -234,6 +235,15 @@ std::vector<WorkerResult> run_workers(const std::string& scenario, int world_siz
         "EMBER_MP_PARENT=" + std::to_string(getpid()),
         "EMBER_MP_ENTERED=" + logs[r] + ".entered",
     };
+    // One OpenMP thread a worker unless the test or the caller says
+    // otherwise, as //tools:launch and torchrun give several workers on one
+    // host: N workers of a machine's thread count each oversubscribe it, and
+    // OpenMP's spinning waits then take the time (a 4-rank pipeline test ran
+    // 2.8x longer on 2 cores).
+    if (world_size > 1 && std::getenv("OMP_NUM_THREADS") == nullptr &&
+        std::none_of(options.env.begin(), options.env.end(),
+                     [](const std::string& kv) { return kv.rfind("OMP_NUM_THREADS=", 0) == 0; }))
+      env.push_back("OMP_NUM_THREADS=1");
     env.insert(env.end(), options.env.begin(), options.env.end());
     results[r].rank = r;
     pids[r] = spawn_self(options.argv, env, logs[r]);

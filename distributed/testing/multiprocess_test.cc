@@ -1,6 +1,6 @@
 // The harness's own checks: EMBER_EXPECT_RANKS passes when every rank
 // exits 0 (or with its expected code) and fails otherwise, naming the rank;
-// check_close's tolerance and message.
+// the workers' OpenMP threads; check_close's tolerance and message.
 #include "distributed/testing/multiprocess.h"
 
 #include <gtest/gtest-spi.h>
@@ -42,6 +42,24 @@ TEST(MultiProcess, ExpectedExitCodes) {
                           "rank 1: exit code 0, expected exit code 42");
   EXPECT_NONFATAL_FAILURE(EMBER_EXPECT_RANKS("maybe_fails", 2, {.arg = "exit=0", .expect_exit = {{1, 42}}}),
                           "rank 0: exit code 42, expected exit code 0");
+}
+
+// arg: the OMP_NUM_THREADS the worker must see ("unset": none).
+EMBER_WORKER(omp_threads) {
+  const char* got = std::getenv("OMP_NUM_THREADS");
+  WCHECK(env.arg == (got ? got : "unset"), "rank ", env.rank, " of ", env.world_size, ": OMP_NUM_THREADS ",
+         got ? got : "unset", ", expected ", env.arg);
+}
+
+// Several workers get one OpenMP thread each unless the test's environment
+// or the caller sets one (as //tools:launch and torchrun); a lone worker
+// keeps the machine's.
+TEST(MultiProcess, WorkersGetOneOpenMPThreadUnlessTold) {
+  const char* outer = std::getenv("OMP_NUM_THREADS");
+  const std::string inherited = outer ? outer : "unset";
+  EMBER_EXPECT_RANKS("omp_threads", 2, {.arg = outer ? inherited : "1"});
+  EMBER_EXPECT_RANKS("omp_threads", 1, {.arg = inherited});
+  EMBER_EXPECT_RANKS("omp_threads", 2, {.arg = "3", .env = {"OMP_NUM_THREADS=3"}});
 }
 
 // A binary whose workers never reach MultiProcessWorker.Entry (here: a
