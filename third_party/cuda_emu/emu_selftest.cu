@@ -124,6 +124,17 @@ __device__ int recurse(int d) {
 __global__ void overflow_stack(int* out) { out[0] = recurse(0); }
 #if defined(__SANITIZE_ADDRESS__)
 __global__ void write_past_end(int* p, int n) { p[n + threadIdx.x] = 1; }
+// Locals with redzones around them, on stacks earlier fibers left.
+__global__ void stack_locals(int* out, int n) {
+  volatile int a[8];
+  for (int i = 0; i < 8; ++i) a[i] = i + n;
+  out[threadIdx.x] = a[(n + threadIdx.x) % 8];
+}
+__global__ void stack_past_end(int* out, int n) {
+  volatile int a[8] = {};
+  a[n] = 1;
+  out[0] = a[0];
+}
 #endif
 
 // ---- Helpers ----
@@ -512,6 +523,25 @@ TEST_F(Emu, OutOfBoundsAccessIsCaughtByAsan) {
       },
       "heap-buffer-overflow.*write_past_end.*emu_selftest.cu:[0-9]+.*"
       "\\[cuda-emu\\] in kernel write_past_end, block \\(0,0,0\\) thread \\(0,0,0\\)");
+}
+
+// A fiber stack's shadow is cleared only where its last fiber's frames
+// were still live (init_fiber): reused stacks give no false report, and an
+// overflow of a local on one is still caught.
+TEST_F(Emu, StackOutOfBoundsIsCaughtByAsanOnAReusedStack) {
+  int* out = dev<int>(64);
+  for (int n = 0; n < 3; ++n) stack_locals<<<2, 64>>>(out, n);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<int> host(64);
+  cudaMemcpy(host.data(), out, 64 * sizeof(int), cudaMemcpyDeviceToHost);
+  for (int t = 0; t < 64; ++t) EXPECT_EQ(host[t], (2 + t) % 8 + 2) << t;
+  EXPECT_DEATH(
+      {
+        stack_locals<<<1, 64>>>(out, 0);
+        stack_past_end<<<1, 1>>>(out, 8);
+        cudaDeviceSynchronize();
+      },
+      "stack-buffer-overflow.*stack_past_end.*emu_selftest.cu:[0-9]+");
 }
 #endif
 
