@@ -144,13 +144,15 @@ PY
 # named as the serving agent's, not "rank 0". The stop lands inside one of
 # its store calls (the hardest case: the call's reply, then the store's
 # loss, come after the wake-up): the serving agent is stopped first for
-# 1.2 s, less than the heartbeat timeout, so that the other's checks (every
-# 0.5 s) block on it, and that one is stopped while they do ----
+# 1.2 s, well under the heartbeat timeout (3 s: a loaded machine's late
+# wake-ups must not make that stop look like a lost agent), so that the
+# other's checks (every 0.5 s) block on it, and that one is stopped while
+# they do ----
 pids=()
 pf=$(port)
 for n in f1 f2; do
   (set +e; "$launch" --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-endpoint 127.0.0.1:"$pf" --rdzv-id frozen \
-     --rdzv-conf last_call_timeout=1,heartbeat_timeout=2 -- "$gpt" "${args[@]}" --max-steps 300 \
+     --rdzv-conf last_call_timeout=1,heartbeat_timeout=3 -- "$gpt" "${args[@]}" --max-steps 300 \
      --checkpoint-dir "$tmp/frozen" --metrics "$tmp/frozen.jsonl" > "$tmp/$n.log" 2>&1; echo "rc=$?" >> "$tmp/$n.log") &
   pids+=($!)
   sleep 0.3
