@@ -94,11 +94,11 @@ sleep 0.3
 agent b2 "$p2" scale
 r=$(full_round "$tmp/a2.log" 4)
 wait_for "$tmp/scale.jsonl" '"step":9,' 60
-# The killed agent is the one not serving the rendezvous store (the second
-# started, unless a loaded machine let it bind the port first); the other
+# The killed agent is the one not serving the rendezvous store; the other
 # goes on.
-keep=a2 kill=b2 keep_shell=${pids[0]} kill_shell=${pids[1]}
-grep -q "serving the rendezvous store" "$tmp/b2.log" && keep=b2 kill=a2 keep_shell=${pids[1]} kill_shell=${pids[0]}
+names=(a2 b2)
+s=$(serving_index "$tmp/a2.log" "$tmp/b2.log")
+keep=${names[s]} kill=${names[1 - s]} keep_shell=${pids[s]} kill_shell=${pids[1 - s]}
 victim=$(launcher_of scale "$kill_shell")
 [ -n "$victim" ] || fail "no launcher process for agent $kill"
 t_kill=$(date +%s.%N)
@@ -158,10 +158,8 @@ for n in f1 f2; do
   sleep 0.3
 done
 wait_for "$tmp/frozen.jsonl" '"step":10,' 60
-# Which agent serves the store: the first started, unless a loaded machine
-# let the second bind the port first.
-server=0 victim=1
-grep -q "serving the rendezvous store" "$tmp/f2.log" && server=1 victim=0
+server=$(serving_index "$tmp/f1.log" "$tmp/f2.log")
+victim=$((1 - server))
 spid=$(launcher_of frozen "${pids[$server]}")
 vpid=$(launcher_of frozen "${pids[$victim]}")
 [ -n "$spid" ] && [ -n "$vpid" ] || fail "frozen: no launchers of the two agents"

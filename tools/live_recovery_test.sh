@@ -134,10 +134,10 @@ sleep 0.3
 agent b3 "$p3" host
 r=$(full_round "$tmp/a3.log" 4)
 wait_lines "$tmp/host.jsonl" 25
-# The agent lost is the one not serving the rendezvous store (the second
-# started, unless a loaded machine let it bind the port first).
-keep=a3 lose=b3 keep_shell=${pids[0]} lose_shell=${pids[1]}
-grep -q "serving the rendezvous store" "$tmp/b3.log" && keep=b3 lose=a3 keep_shell=${pids[1]} lose_shell=${pids[0]}
+# The agent lost is the one not serving the rendezvous store.
+names=(a3 b3)
+s=$(serving_index "$tmp/a3.log" "$tmp/b3.log")
+keep=${names[s]} lose=${names[1 - s]} keep_shell=${pids[s]} lose_shell=${pids[1 - s]}
 victim=$(launcher_of host "$lose_shell")
 [ -n "$victim" ] || fail "no launcher of agent $lose"
 t_host=$(date +%s.%3N)

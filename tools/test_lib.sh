@@ -76,6 +76,12 @@ worker_of() {
   done
 }
 
+# serving_index LOG0 LOG1: which of two agents (0 or 1, by their logs)
+# serves the rendezvous store: the first started, unless a loaded machine
+# let the second bind the port first. A test that kills or stops "the other
+# agent" must not pick the server: the job would end with it.
+serving_index() { if grep -q "serving the rendezvous store" "$2"; then echo 1; else echo 0; fi; }
+
 # launcher_of RUN SHELL_PID: the launcher process of the agent of rendezvous
 # id RUN started in the background subshell SHELL_PID: that subshell itself
 # (bash execs a lone command) or its child. (No pipeline into head: its
