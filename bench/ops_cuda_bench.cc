@@ -5,11 +5,13 @@
 // (each pass reads the bf16 logits once; the backward also writes the
 // gradient) beside the same copy ceiling, and the mixture of experts'
 // grouped GEMMs with their groups on the device beside one cuBLAS call per
-// expert. Every benchmark reports an error and skips when no GPU is present.
+// expert, and a GPT-2 block's linear layers with their bias and GELU in
+// cuBLASLt's epilogue beside the separate ops. Every benchmark reports an error and skips when no GPU is present.
 #include <benchmark/benchmark.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <string>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -147,5 +149,44 @@ void BM_CudaGroupedMm(benchmark::State& state) {
       benchmark::Counter(3.0 * 2.0 * N * M * K / 1e12, benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_CudaGroupedMm)->ArgsProduct({{8, 64}, {0, 1}})->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The linear layers of one GPT-2 block at 352 M parameters' width (8192
+// tokens, dim 1024, bf16: c_attn, attn c_proj, c_fc with tanh GELU,
+// mlp c_proj), forward and backward: arg 1 with the bias, GELU and the
+// bias's gradient in cuBLASLt's epilogues (the default), 0 the separate
+// ops (EMBER_CUBLASLT_EPILOGUE=0: bias add, bias_gelu, column sums).
+// TFLOP/s of the 12 products; the label counts the epilogue calls per
+// iteration (8 when every one was taken).
+void BM_CudaGptLinears(benchmark::State& state) {
+  if (!need_gpu(state)) return;
+  const bool fused = state.range(0) == 1;
+  const int64_t T = 8192, E = 1024;
+  const TensorOptions o{DType::BFloat16, cuda_device()};
+  auto param = [&](std::vector<int64_t> shape) {
+    return (randn(shape, {DType::Float32, cuda_device()}) * 0.02).to(DType::BFloat16).requires_grad_();
+  };
+  Tensor x = param({T, E});
+  Tensor w_attn = param({3 * E, E}), b_attn = param({3 * E}), w_proj = param({E, E}), b_proj = param({E});
+  Tensor w_fc = param({4 * E, E}), b_fc = param({4 * E}), w_mp = param({E, 4 * E}), b_mp = param({E});
+  const Tensor gy = full({T, E}, 1e-3, o), ga = full({T, 3 * E}, 1e-3, o);
+  set_cublaslt_epilogues(fused);
+  const GemmEpilogueStats s0 = gemm_epilogue_stats();
+  for (auto _ : state) {
+    Tensor qkv = linear(x, w_attn, b_attn);
+    Tensor a = linear(x, w_proj, b_proj);
+    Tensor h = linear_gelu(a, w_fc, b_fc, true);
+    Tensor y = linear(h, w_mp, b_mp);
+    y.backward(gy);
+    qkv.backward(ga);
+    cuda_synchronize();
+  }
+  const GemmEpilogueStats s1 = gemm_epilogue_stats();
+  set_cublaslt_epilogues(true);
+  const double per_iter = static_cast<double>(s1.fused - s0.fused) / static_cast<double>(state.iterations());
+  state.SetLabel((fused ? "epilogues, " : "separate ops, ") + std::to_string(per_iter) + " fused calls an iteration");
+  const double flops = 3.0 * 2.0 * T * E * E * (3 + 1 + 4 + 4);
+  state.counters["TFLOP/s"] = benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_CudaGptLinears)->Arg(1)->Arg(0)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace

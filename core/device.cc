@@ -133,6 +133,7 @@ constinit EnvSwitch cudnn_fp32_cl_nchw{"EMBER_CUDNN_FP32_CL_VIA_NCHW", false};
 constinit EnvSwitch cudnn_graph{"EMBER_CUDNN_GRAPH", true};
 constinit EnvSwitch sync_checks{"EMBER_SYNC_CHECKS", false};
 constinit EnvSwitch deterministic{"EMBER_DETERMINISTIC", false};
+constinit EnvSwitch lt_epilogues{"EMBER_CUBLASLT_EPILOGUE", true};
 
 // Per device: the slot in device memory and its host mirror in pinned
 // memory (so that the snapshot copy is asynchronous and rides on the
@@ -246,5 +247,7 @@ bool deterministic_algorithms() { return deterministic.get(); }
 void set_deterministic_algorithms(bool on) { deterministic.set(on); }
 bool matmul_allow_tf32() { return matmul_tf32.get(); }
 void set_matmul_allow_tf32(bool allow) { matmul_tf32.set(allow); }
+bool cublaslt_epilogues() { return lt_epilogues.get(); }
+void set_cublaslt_epilogues(bool on) { lt_epilogues.set(on); }
 
 }  // namespace ember

@@ -66,6 +66,14 @@ bool cudnn_allow_tf32();
 void set_cudnn_allow_tf32(bool allow);
 bool matmul_allow_tf32();
 void set_matmul_allow_tf32(bool allow);
+// A linear layer's bias, its gradient, and GPT-2's tanh GELU after c_fc
+// computed inside the GEMM on CUDA, by cuBLASLt's epilogues (as torch's
+// addmm adds its bias): a pass over the output fewer each way per layer,
+// and the bias added to the float32 sum before the one rounding. On by
+// default; EMBER_CUBLASLT_EPILOGUE=0 runs the separate ops (the bias add,
+// bias_gelu, the column sum), for comparison.
+bool cublaslt_epilogues();
+void set_cublaslt_epilogues(bool on);
 // Channels-last float32 convolutions without TF32 (FMA math) computed in
 // NCHW: the operands are transposed to NCHW, cuDNN runs its NCHW kernels and
 // the results are transposed back, so the layers around stay channels-last.

@@ -110,8 +110,14 @@ Tensor log_softmax(const Tensor& x, int64_t dim);
 Tensor matmul(const Tensor& a, const Tensor& b);
 Tensor mm(const Tensor& a, const Tensor& b);
 Tensor bmm(const Tensor& a, const Tensor& b);
-// x @ weight^T + bias, weight [out, in].
+// x @ weight^T + bias, weight [out, in]. On CUDA the bias is added in the
+// GEMM's epilogue (cuBLASLt, as torch's addmm; cublaslt_epilogues()).
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+// gelu(linear(x, weight, bias)) as one op: on CUDA with the tanh
+// approximation one cuBLASLt GEMM whose epilogue adds the bias and applies
+// GELU (torch's _addmm_activation with use_gelu); otherwise linear without
+// the bias, then bias_gelu. bias is required.
+Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, bool tanh_approx = false);
 
 // ---- Over lists of tensors (torch's _foreach_*) ----
 // One dtype (float32 or float64) and device per call, a few kernels for the

@@ -30,6 +30,9 @@ void Linear::reset_parameters() {
 Tensor Linear::forward(const Tensor& x) {
   if (activation == LinearActivation::None) return apply_linear(kernel, x, weight, bias);
   const bool tanh_approx = activation == LinearActivation::GeluTanh;
+  // A layer of the default kernel takes the fused op (one cuBLASLt GEMM on
+  // CUDA); a parallelism's or float8's kernel runs its own product first.
+  if (!kernel && bias.defined()) return linear_gelu(x, weight, bias, tanh_approx);
   const Tensor h = apply_linear(kernel, x, weight, Tensor());
   return bias.defined() ? bias_gelu(h, bias, tanh_approx) : gelu(h, tanh_approx);
 }

@@ -22,8 +22,9 @@ inline Tensor apply_linear(const LinearKernel& k, const Tensor& x, const Tensor&
   return k ? k(x, w, b) : linear(x, w, b);
 }
 
-// What a Linear applies after its bias, fused with it (bias_gelu: one pass
-// over the output each way instead of the bias add's and GELU's). Set by
+// What a Linear applies after its bias, fused with it (linear_gelu: on
+// CUDA in the GEMM's epilogue; elsewhere bias_gelu, one pass over the
+// output each way instead of the bias add's and GELU's). Set by
 // the models that follow a layer with GELU (GPT-2's MLP sets GeluTanh on
 // c_fc); the parameters and the values are those of linear then gelu, and
 // the layer's forward hooks see the activation's output.

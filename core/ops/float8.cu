@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "core/cuda_check.h"
+#include "core/ops/cublaslt.cuh"
 #include "core/ops/cuda_utils.cuh"
 #include "core/ops/kernels.h"
 
@@ -115,66 +116,21 @@ cudaDataType lt_type(DType t) {
   return CUDA_R_32F;
 }
 
-cublasLtHandle_t lt_handle(int device) {
-  return cuda::handle_slot<cublasLtHandle_t>("scaled_mm", device,
-                                             [](cublasLtHandle_t* h) { EMBER_CUBLAS_CHECK(cublasLtCreate(h)); })
-      .handle;
-}
-
-// A problem's descriptors (a cached Plan's), destroyed with it, on every path out.
-struct LtCall {
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  ~LtCall() {
-    if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (c) cublasLtMatrixLayoutDestroy(c);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (desc) cublasLtMatmulDescDestroy(desc);
-  }
-};
-
-template <typename V>
-void set_attr(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const V& v) {
-  EMBER_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(d, attr, &v, sizeof(v)));
-}
-
-// The largest power of two up to 256 that divides p's address.
-uint32_t alignment_of(const void* p) {
-  uint32_t a = 1;
-  while (a < 256 && reinterpret_cast<uintptr_t>(p) % (2 * a) == 0) a *= 2;
-  return a;
-}
-
-// Hopper's cuBLASLt workspace (PyTorch's size for sm_90), from the caching
-// allocator: stream-ordered, and inside a capture from the graph's pool.
-constexpr uint64_t kLtWorkspace = uint64_t{32} << 20;
-
-// One problem's descriptors and the algorithm the heuristic chose for it.
-// What differs between calls of one problem (the operands, the scale
-// pointers) is set per call; everything the choice depends on is the key:
-// the device, m, n, k, the three dtypes, fast accumulation, and the
-// alignments the algorithm may assume of A, B, C and D.
+// One problem's plan key: everything the heuristic's choice depends on
+// (the device, m, n, k, the three dtypes, fast accumulation, the alignments
+// of A, B and C/D). What differs between calls of one problem (the
+// operands, the scale pointers) is set per call.
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, DType, DType, DType, bool, uint32_t, uint32_t, uint32_t>;
-struct Plan {
-  LtCall call;
-  cublasLtMatmulHeuristicResult_t heuristic{};
-};
-// Per thread: no lock on the hot path, and a descriptor whose scale
-// pointers are set for one call is not shared with another thread's.
-// Bounded: a workload of ever-new shapes starts over past 256 plans.
-constexpr size_t kMaxPlans = 256;
-thread_local std::map<PlanKey, std::unique_ptr<Plan>> t_plans;
-std::atomic<uint64_t> g_plan_hits{0}, g_plan_misses{0};
+cuda::LtPlanCache<PlanKey> g_plans;
 
 // The descriptors and heuristic choice of one problem (see scaled_mm_cuda
 // for the layout mapping).
-std::unique_ptr<Plan> make_plan(cublasLtHandle_t lt, int64_t m, int64_t k, int64_t n, DType at, DType bt, DType ot,
-                                bool fast_accum, const uint32_t (&align)[4], const void* lt_a_scale,
-                                const void* lt_b_scale) {
-  auto plan = std::make_unique<Plan>();
-  LtCall& call = plan->call;
+std::unique_ptr<cuda::LtPlan> make_plan(cublasLtHandle_t lt, int64_t m, int64_t k, int64_t n, DType at, DType bt,
+                                        DType ot, bool fast_accum, const uint32_t (&align)[4], const void* lt_a_scale,
+                                        const void* lt_b_scale) {
+  using cuda::set_attr;
+  auto plan = std::make_unique<cuda::LtPlan>();
+  cuda::LtCall& call = plan->call;
   EMBER_CUBLAS_CHECK(cublasLtMatmulDescCreate(&call.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   set_attr(call.desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T);
   set_attr(call.desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
@@ -182,17 +138,7 @@ std::unique_ptr<Plan> make_plan(cublasLtHandle_t lt, int64_t m, int64_t k, int64
   EMBER_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.a, lt_type(bt), k, n, k));
   EMBER_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.b, lt_type(at), k, m, k));
   EMBER_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.c, lt_type(ot), n, m, n));
-  EMBER_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&call.pref));
-  EMBER_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(call.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                          &kLtWorkspace, sizeof(kLtWorkspace)));
-  // The operands' real alignment (the preference defaults to 256 bytes; an
-  // algorithm chosen for more than a view has would read wrongly), as
-  // torch's cuBLASLt calls set it.
-  const cublasLtMatmulPreferenceAttributes_t attrs[4] = {
-      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
-  for (int i = 0; i < 4; ++i)
-    EMBER_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(call.pref, attrs[i], &align[i], sizeof(align[i])));
+  cuda::set_preference(call, align);
   // The scale pointers' presence is part of the problem; each call sets
   // its own (this first call's for the query).
   set_attr(call.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, lt_a_scale);
@@ -202,6 +148,7 @@ std::unique_ptr<Plan> make_plan(cublasLtHandle_t lt, int64_t m, int64_t k, int64
                                                     &plan->heuristic, &found));
   EMBER_CHECK(found > 0, "scaled_mm: cuBLASLt has no float8 algorithm for [", m, ", ", k, "] ", at, " x [", k, ", ", n,
               "] ", bt, " -> ", ot);
+  plan->found = true;
   return plan;
 }
 
@@ -267,26 +214,19 @@ void scaled_mm_cuda(const Tensor& a, const Tensor& b, const Tensor& scale_a, con
   cuda::DeviceGuard guard(a);
   cudaStream_t stream = cuda::stream_for(a);
   const int device = a.device().index;
-  cublasLtHandle_t lt = lt_handle(device);
+  cublasLtHandle_t lt = cuda::lt_handle(device);
   // cuBLASLt's A is b's memory, its B a's, C and D the output.
+  using cuda::alignment_of;
   const uint32_t align[4] = {alignment_of(b.raw_data()), alignment_of(a.raw_data()), alignment_of(out.raw_data()),
                              alignment_of(out.raw_data())};
   const PlanKey key{device, m, n, k, a.dtype(), b.dtype(), out.dtype(), fast_accum, align[0], align[1], align[2]};
-  auto it = t_plans.find(key);
-  if (it == t_plans.end()) {
-    if (t_plans.size() >= kMaxPlans) t_plans.clear();
-    it = t_plans
-             .emplace(key, make_plan(lt, m, k, n, a.dtype(), b.dtype(), out.dtype(), fast_accum, align,
-                                     scale_b.raw_data(), scale_a.raw_data()))
-             .first;
-    g_plan_misses.fetch_add(1, std::memory_order_relaxed);
-  } else {
-    g_plan_hits.fetch_add(1, std::memory_order_relaxed);
-  }
-  Plan& plan = *it->second;
+  cuda::LtPlan& plan = g_plans.get(key, [&] {
+    return make_plan(lt, m, k, n, a.dtype(), b.dtype(), out.dtype(), fast_accum, align, scale_b.raw_data(),
+                     scale_a.raw_data());
+  });
   // This call's scales: read by the device when the matmul runs.
-  set_attr(plan.call.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scale_b.raw_data());
-  set_attr(plan.call.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, scale_a.raw_data());
+  cuda::set_attr(plan.call.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scale_b.raw_data());
+  cuda::set_attr(plan.call.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, scale_a.raw_data());
   const uint64_t ws = plan.heuristic.workspaceSize;
   const Tensor workspace = Tensor::empty({static_cast<int64_t>(ws)}, TensorOptions(DType::UInt8, a.device()));
   const float alpha = 1.0f, beta = 0.0f;
@@ -295,8 +235,6 @@ void scaled_mm_cuda(const Tensor& a, const Tensor& b, const Tensor& scale_a, con
                                     &plan.heuristic.algo, ws ? workspace.raw_data() : nullptr, ws, stream));
 }
 
-ScaledMmPlanStats scaled_mm_plan_stats() {
-  return {g_plan_hits.load(std::memory_order_relaxed), g_plan_misses.load(std::memory_order_relaxed)};
-}
+ScaledMmPlanStats scaled_mm_plan_stats() { return {g_plans.hits(), g_plans.misses()}; }
 
 }  // namespace ember

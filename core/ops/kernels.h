@@ -346,6 +346,24 @@ void gemm_cpu(const GemmArgs& g);
 // (the caller widens to float32 instead).
 bool gemm_cpu_native_16bit(const GemmArgs& g);
 void gemm_cuda(const GemmArgs& g, int device);
+// A GEMM with what follows it fused into cuBLASLt's epilogue (matmul.cc's
+// linear and linear_gelu; row-major terms, batch 1, alpha 1, beta 0):
+//   Bias:         C[i, j] = (A B)[i, j] + vec[j], vec [n] of C's dtype;
+//   GeluTanhAux:  aux = (A B) + vec as Bias's C, C = gelu_tanh(aux), aux
+//                 contiguous like C (n a multiple of 8);
+//   BiasGradA:    C = A B, and vec [m] = the sum of op(A)'s rows over k
+//                 (linear's weight gradient g^T x gives the bias's too).
+// The bias is added and GELU applied to the float32 sum before the one
+// rounding to C's dtype. Returns false where cuBLASLt offers no algorithm
+// for the problem (the caller runs the unfused ops); float32, float16 and
+// bfloat16 only.
+enum class GemmEpilogue { Bias, GeluTanhAux, BiasGradA };
+bool gemm_epilogue_cuda(const GemmArgs& g, GemmEpilogue e, void* vec, void* aux, int device);
+struct GemmEpilogueStats {
+  uint64_t fused;     // calls that ran with their epilogue
+  uint64_t declined;  // calls cuBLASLt had no algorithm for (run unfused)
+};
+GemmEpilogueStats gemm_epilogue_stats();
 // grouped_mm with its groups as cumulative row ends on the device (offsets
 // int64 [G]): product 0 Forward, 1 Input, 2 Weight (grouped_matmul.cc);
 // contiguous 16-bit a, b and out, rows multiples of 8 elements, 16-byte

@@ -288,6 +288,77 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   return out.view(out_shape);
 }
 
+// ---- linear ----
+namespace {
+
+// a [1, m, k] @ b [1, k, n] into out [1, m, n] through one cuBLASLt call
+// whose epilogue does `e` with vec (and aux): kernels.h's GemmEpilogue.
+// False where it is not taken: not CUDA, switched off
+// (cublaslt_epilogues), a dtype or shape the epilogue has no algorithm
+// for; the caller then runs the separate ops.
+bool gemm_with_epilogue(const Tensor& a, const Tensor& b, Tensor& out, GemmEpilogue e, const Tensor& vec,
+                        Tensor* aux = nullptr) {
+  const DType t = a.dtype();
+  if (!a.is_cuda() || !cublaslt_epilogues() || !(t == DType::Float32 || t == DType::Float16 || t == DType::BFloat16))
+    return false;
+  const int64_t m = a.sizes()[1], k = a.sizes()[2], n = b.sizes()[2];
+  if (m == 0 || n == 0 || k == 0 || !vec.is_contiguous() || vec.dtype() != t) return false;
+  if (aux != nullptr && n % 8 != 0) return false;  // cuBLASLt's aux leading dimension: a multiple of 8
+  MatrixOperand A = describe(a), B = describe(b);
+  GemmArgs g{t, 1, m, n, k, A.trans, B.trans, A.ptr, A.ld, 0, B.ptr, B.ld, 0, out.raw_data(), n, m * n};
+  return gemm_epilogue_cuda(g, e, vec.raw_data(), aux ? aux->raw_data() : nullptr, a.device().index);
+}
+
+// x [rows, in] W^T + bias into [1, rows, out]: the bias in the GEMM's
+// epilogue where it can be, else added after.
+Tensor linear_forward(const Tensor& x2, const Tensor& weight, const Tensor& bias) {
+  const Tensor wt = weight.t().unsqueeze(0);
+  if (bias.defined()) {
+    Tensor out = Tensor::empty({1, x2.sizes()[1], weight.sizes()[0]}, x2.options());
+    if (gemm_with_epilogue(x2, wt, out, GemmEpilogue::Bias, bias)) return out;
+  }
+  Tensor out = batched_gemm_impl(x2, wt);
+  if (bias.defined()) add_(out, bias);
+  return out;
+}
+
+// linear's gradients from g2 [1, rows, out] (the output's, or for
+// linear_gelu the pre-activation's): dx = g W, dW = g^T x ([out, in],
+// contiguous like the weight), dbias = g's column sums, the last through
+// the weight gradient's epilogue where it can be.
+std::vector<Tensor> linear_grads(const Tensor& g2, const Tensor& x2, const Tensor& weight, const Shape& x_shape,
+                                 bool has_bias, bool gx, bool gw, bool gb) {
+  std::vector<Tensor> grads(has_bias ? 3 : 2);
+  if (gx) grads[0] = batched_gemm_impl(g2, weight.unsqueeze(0)).view(x_shape);
+  const Tensor gt = g2.transpose(1, 2);
+  if (gw && gb) {
+    Tensor dw = Tensor::empty({1, weight.sizes()[0], weight.sizes()[1]}, g2.options());
+    Tensor db = Tensor::empty({weight.sizes()[0]}, g2.options());
+    if (gemm_with_epilogue(gt, x2, dw, GemmEpilogue::BiasGradA, db)) {
+      grads[1] = dw.squeeze(0);
+      grads[2] = db;
+      return grads;
+    }
+  }
+  if (gw) grads[1] = batched_gemm_impl(gt, x2).squeeze(0);
+  if (gb) grads[2] = sum(g2, {0, 1});
+  return grads;
+}
+
+void check_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const char* op) {
+  check_pair(x, weight, op);
+  EMBER_CHECK(weight.dim() == 2, op, ": weight must be [out, in], got ", shape_str(weight.sizes()));
+  EMBER_CHECK(x.dim() >= 1 && x.size(-1) == weight.sizes()[1], op, ": input ", shape_str(x.sizes()), " has last dim ",
+              (x.dim() ? x.size(-1) : 0), " but weight ", shape_str(weight.sizes()), " expects ", weight.sizes()[1]);
+  if (bias.defined()) {
+    check_pair(x, bias, op);
+    EMBER_CHECK(bias.dim() == 1 && bias.sizes()[0] == weight.sizes()[0], op, ": bias ", shape_str(bias.sizes()),
+                " does not match weight ", shape_str(weight.sizes()));
+  }
+}
+
+}  // namespace
+
 // x [..., in] W^T [in, out] + b as one op with its own derivative: the
 // weight's gradient comes out as g^T x, [out, in] and contiguous like the
 // weight. Through matmul(x, W.t()) it would be a transposed view, which the
@@ -297,16 +368,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   if (Tensor lx = autocast::low(x), lw = autocast::low(weight), lb = autocast::low(bias);
       !lx.is_same(x) || !lw.is_same(weight) || (bias.defined() && !lb.is_same(bias)))
     return linear(lx, lw, lb);
-  check_pair(x, weight, "linear");
-  EMBER_CHECK(weight.dim() == 2, "linear: weight must be [out, in], got ", shape_str(weight.sizes()));
-  EMBER_CHECK(x.dim() >= 1 && x.size(-1) == weight.sizes()[1], "linear: input ", shape_str(x.sizes()),
-              " has last dim ", (x.dim() ? x.size(-1) : 0), " but weight ", shape_str(weight.sizes()), " expects ",
-              weight.sizes()[1]);
-  if (bias.defined()) {
-    check_pair(x, bias, "linear");
-    EMBER_CHECK(bias.dim() == 1 && bias.sizes()[0] == weight.sizes()[0], "linear: bias ", shape_str(bias.sizes()),
-                " does not match weight ", shape_str(weight.sizes()));
-  }
+  check_linear(x, weight, bias, "linear");
   const int64_t in = weight.sizes()[1], out_features = weight.sizes()[0];
   Shape out_shape(x.sizes().begin(), x.sizes().end() - 1);
   const int64_t rows = shape_numel(out_shape);
@@ -316,9 +378,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   return differentiable(
       "linear", inputs,
       [&] {
-        Tensor out = batched_gemm_impl(x.reshape({1, rows, in}), weight.t().unsqueeze(0));
-        if (bias.defined()) add_(out, bias);
-        return out.view(out_shape);
+        return linear_forward(x.reshape({1, rows, in}), weight, bias).view(out_shape);
       },
       [&](const Tensor&) {
         Tensor sx = x, sw = weight;
@@ -326,15 +386,59 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
         const bool has_bias = bias.defined();
         const Shape x_shape = x.sizes();
         BackwardFn fn = [=](const Tensor& g) {
-          Tensor g2 = g.reshape({1, rows, out_features});
-          std::vector<Tensor> grads(has_bias ? 3 : 2);
-          const bool gx = gx_ && grad_wanted(0), gw = gw_ && grad_wanted(1), gb = gb_ && grad_wanted(2);
-          if (gx) grads[0] = batched_gemm_impl(g2, sw.unsqueeze(0)).view(x_shape);
-          if (gw) grads[1] = batched_gemm_impl(g2.transpose(1, 2), sx.reshape({1, rows, in})).squeeze(0);
-          if (gb) grads[2] = sum(g2, {0, 1});
-          return grads;
+          return linear_grads(g.reshape({1, rows, out_features}), sx.reshape({1, rows, in}), sw, x_shape, has_bias,
+                              gx_ && grad_wanted(0), gw_ && grad_wanted(1), has_bias && gb_ && grad_wanted(2));
         };
         return Recorded{fn, {sx, sw}};
+      });
+}
+
+// gelu(x W^T + b) on CUDA with the tanh approximation: one GEMM whose
+// epilogue adds the bias, keeps the sum (aux, rounded to x's dtype) and
+// applies GELU; backward one gelu_backward pass over aux, then the two
+// products, the bias's gradient in the weight product's epilogue. Where
+// that cannot run (the CPU, erf's GELU, switched off, inside an activation
+// checkpoint region, whose policies keep linear's output by name and
+// would recompute this op's GEMM), the ops it fuses: linear, bias_gelu.
+Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, bool tanh_approx) {
+  if (Tensor lx = autocast::low(x), lw = autocast::low(weight), lb = autocast::low(bias);
+      !lx.is_same(x) || !lw.is_same(weight) || !lb.is_same(bias))
+    return linear_gelu(lx, lw, lb, tanh_approx);
+  EMBER_CHECK(bias.defined(), "linear_gelu: needs a bias (without one, gelu(linear(x, w)))");
+  check_linear(x, weight, bias, "linear_gelu");
+  const int64_t in = weight.sizes()[1], out_features = weight.sizes()[0];
+  Shape out_shape(x.sizes().begin(), x.sizes().end() - 1);
+  const int64_t rows = shape_numel(out_shape);
+  out_shape.push_back(out_features);
+  const DType t = x.dtype();
+  const bool fused = tanh_approx && x.is_cuda() && cublaslt_epilogues() && saved_op_outputs() == nullptr &&
+                     (t == DType::Float32 || t == DType::Float16 || t == DType::BFloat16) && rows > 0 && in > 0 &&
+                     out_features % 8 == 0;
+  if (!fused) return bias_gelu(linear(x, weight, Tensor()), bias, tanh_approx);
+  Tensor aux;
+  return differentiable(
+      "linear_gelu", {x, weight, bias},
+      [&] {
+        const Tensor x2 = x.reshape({1, rows, in}), wt = weight.t().unsqueeze(0);
+        Tensor y = Tensor::empty({1, rows, out_features}, x.options());
+        aux = Tensor::empty({1, rows, out_features}, x.options());
+        // cuBLASLt may still have no algorithm: the same values in steps.
+        if (!gemm_with_epilogue(x2, wt, y, GemmEpilogue::GeluTanhAux, bias, &aux)) {
+          aux = linear_forward(x2, weight, bias);
+          y = gelu(aux, true);
+        }
+        return y.view(out_shape);
+      },
+      [&](const Tensor&) {
+        Tensor sx = x, sw = weight, saux = aux;
+        const bool gx_ = x.requires_grad(), gw_ = weight.requires_grad(), gb_ = bias.requires_grad();
+        const Shape x_shape = x.sizes();
+        BackwardFn fn = [=](const Tensor& g) {
+          const Tensor dh = gelu_backward(g.reshape({1, rows, out_features}), saux, true);
+          return linear_grads(dh, sx.reshape({1, rows, in}), sw, x_shape, true, gx_ && grad_wanted(0),
+                              gw_ && grad_wanted(1), gb_ && grad_wanted(2));
+        };
+        return Recorded{fn, {sx, sw, saux}};
       });
 }
 

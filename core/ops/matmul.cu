@@ -4,7 +4,9 @@
 // column-major is its transpose, so C = op(A) op(B) is computed as
 // C^T = op(B)^T op(A)^T with the operands swapped: no data moves. All
 // floating types accumulate in fp32 (fp64 for double) without TF32, the
-// precision PyTorch gives by default.
+// precision PyTorch gives by default. gemm_epilogue_cuda runs the same
+// mapping through cuBLASLt with a fused epilogue (bias, GELU, the bias's
+// gradient), as torch's addmm does its bias through cuBLASLt.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -12,9 +14,11 @@
 #include <climits>
 #include <cstdint>
 #include <mutex>
+#include <tuple>
 
 #include "core/cuda_check.h"
 #include "core/ops/cublas_handle.h"
+#include "core/ops/cublaslt.cuh"
 #include "core/ops/cuda_utils.cuh"
 #include "core/ops/kernels.h"
 
@@ -109,6 +113,102 @@ void gemm_cuda(const GemmArgs& g, int device) {
                                                      types.data, ldc, g.stride_c, g.batch, types.compute,
                                                      CUBLAS_GEMM_DEFAULT));
   }
+}
+
+// ---- cuBLASLt with an epilogue ----
+namespace {
+
+// Everything the heuristic's choice depends on: the device, dtype and
+// compute type, the shape, transposes and leading dimensions, the
+// epilogue, and the alignments of cuBLASLt's A, B and D. The bias and aux
+// pointers are set per call.
+using EpiKey = std::tuple<int, DType, int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, int,
+                          uint32_t, uint32_t, uint32_t>;
+cuda::LtPlanCache<EpiKey> g_epi_plans;
+std::atomic<uint64_t> g_epi_fused{0}, g_epi_declined{0};
+
+cublasLtEpilogue_t lt_epilogue(GemmEpilogue e) {
+  switch (e) {
+    case GemmEpilogue::Bias:
+      return CUBLASLT_EPILOGUE_BIAS;
+    case GemmEpilogue::GeluTanhAux:
+      return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    case GemmEpilogue::BiasGradA:
+      return CUBLASLT_EPILOGUE_BGRADB;
+  }
+  return CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+// gemm_cuda's mapping in cuBLASLt's terms: D (n x m, column-major) =
+// op(A') op(B') with A' our B and B' our A. Our column vector (a bias over
+// C's columns) is D's row vector, which BIAS and GELU_AUX_BIAS broadcast;
+// the sum over our op(A)'s rows is BGRADB's over B' along k.
+std::unique_ptr<cuda::LtPlan> make_epilogue_plan(const GemmArgs& g, GemmEpilogue e, const GemmTypes& t,
+                                                 const uint32_t (&align)[4], cublasLtHandle_t lt, void* vec,
+                                                 void* aux) {
+  using cuda::set_attr;
+  auto plan = std::make_unique<cuda::LtPlan>();
+  cuda::LtCall& call = plan->call;
+  EMBER_CUBLAS_CHECK(cublasLtMatmulDescCreate(&call.desc, t.compute, CUDA_R_32F));
+  set_attr(call.desc, CUBLASLT_MATMUL_DESC_TRANSA, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
+  set_attr(call.desc, CUBLASLT_MATMUL_DESC_TRANSB, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);
+  set_attr(call.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(e));
+  set_attr(call.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(vec));
+  if (e == GemmEpilogue::GeluTanhAux) {
+    set_attr(call.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<const void*>(aux));
+    set_attr(call.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(g.ldc));
+  }
+  const uint64_t a_rows = g.trans_b ? g.k : g.n, a_cols = g.trans_b ? g.n : g.k;
+  const uint64_t b_rows = g.trans_a ? g.m : g.k, b_cols = g.trans_a ? g.k : g.m;
+  EMBER_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.a, t.data, a_rows, a_cols, g.ldb));
+  EMBER_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.b, t.data, b_rows, b_cols, g.lda));
+  EMBER_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&call.c, t.data, g.n, g.m, g.ldc));
+  cuda::set_preference(call, align);
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, call.desc, call.a, call.b, call.c, call.c, call.pref, 1,
+                                                           &plan->heuristic, &found);
+  plan->found = st == CUBLAS_STATUS_SUCCESS && found > 0;
+  return plan;
+}
+
+}  // namespace
+
+bool gemm_epilogue_cuda(const GemmArgs& g, GemmEpilogue e, void* vec, void* aux, int device) {
+  EMBER_INTERNAL_ASSERT(g.batch == 1 && g.alpha == 1.0 && g.beta == 0.0 && g.k > 0 && g.m > 0 && g.n > 0);
+  EMBER_INTERNAL_ASSERT(vec != nullptr && (e != GemmEpilogue::GeluTanhAux || aux != nullptr));
+  if (g.dtype == DType::Float64) return false;
+  const GemmTypes types = gemm_types(g.dtype);
+  cuda::DeviceGuard guard(device);
+  cudaStream_t stream = cuda::stream_for(device);
+  cublasLtHandle_t lt = cuda::lt_handle(device);
+  using cuda::alignment_of;
+  const uint32_t align[4] = {alignment_of(g.b), alignment_of(g.a), alignment_of(g.c), alignment_of(g.c)};
+  const EpiKey key{device,    g.dtype,   static_cast<int>(types.compute),
+                   g.m,       g.n,       g.k,
+                   g.trans_a, g.trans_b, g.lda,
+                   g.ldb,     g.ldc,     static_cast<int>(e),
+                   align[0],  align[1],  align[2]};
+  cuda::LtPlan& plan = g_epi_plans.get(key, [&] { return make_epilogue_plan(g, e, types, align, lt, vec, aux); });
+  if (!plan.found) {
+    g_epi_declined.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  // This call's vectors: read (or written) by the device when the GEMM runs.
+  cuda::set_attr(plan.call.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(vec));
+  if (e == GemmEpilogue::GeluTanhAux)
+    cuda::set_attr(plan.call.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<const void*>(aux));
+  const uint64_t ws = plan.heuristic.workspaceSize;
+  const Tensor workspace = Tensor::empty({static_cast<int64_t>(ws)}, TensorOptions(DType::UInt8, cuda_device(device)));
+  const float alpha = 1.0f, beta = 0.0f;
+  EMBER_CUBLAS_CHECK(cublasLtMatmul(lt, plan.call.desc, &alpha, g.b, plan.call.a, g.a, plan.call.b, &beta, g.c,
+                                    plan.call.c, g.c, plan.call.c, &plan.heuristic.algo,
+                                    ws ? workspace.raw_data() : nullptr, ws, stream));
+  g_epi_fused.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+GemmEpilogueStats gemm_epilogue_stats() {
+  return {g_epi_fused.load(std::memory_order_relaxed), g_epi_declined.load(std::memory_order_relaxed)};
 }
 
 }  // namespace ember

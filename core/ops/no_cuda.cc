@@ -27,6 +27,8 @@ EMBER_NO_CUDA(arange_cuda, Tensor&, double, double)
 EMBER_NO_CUDA(reduce_cuda, ReduceOp, const Tensor&, Tensor&, int64_t, int64_t, int64_t)
 EMBER_NO_CUDA(softmax_cuda, const Tensor&, Tensor&, int64_t, int64_t, int64_t, bool)
 EMBER_NO_CUDA(gemm_cuda, const GemmArgs&, int)
+bool gemm_epilogue_cuda(const GemmArgs&, GemmEpilogue, void*, void*, int) { no_cuda("gemm_epilogue_cuda"); }
+GemmEpilogueStats gemm_epilogue_stats() { return {0, 0}; }
 EMBER_NO_CUDA(grouped_gemm_offsets_cuda, int, const Tensor&, const Tensor&, const Tensor&, Tensor&)
 EMBER_NO_CUDA(group_order_cuda, const Tensor&, int64_t, Tensor&, Tensor&, Tensor&)
 EMBER_NO_CUDA(attention_forward_cuda, const AttentionArgs&, const Tensor&, const Tensor&, const Tensor&, Tensor&,

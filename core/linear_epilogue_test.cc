@@ -1,0 +1,280 @@
+// linear's bias and linear_gelu's bias and tanh GELU in cuBLASLt's epilogue
+// (matmul.cu's gemm_epilogue_cuda): forward and gradients against float64
+// references computed on the CPU from the same rounded inputs, against the
+// separate ops within one rounding, the epilogue counted as taken (or
+// declined), and every path that must not take it: the CPU (linear_gelu
+// equal to linear then bias_gelu bit for bit), erf's GELU, widths the aux
+// matrix cannot have, the switch off, an activation checkpoint region, a
+// heuristic without an algorithm (the emulation's knob). Under the
+// emulation as linear_epilogue_emu_test.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "autograd/checkpoint.h"
+#include "core/autocast.h"
+#include "core/ops.h"
+#include "core/ops/kernels.h"
+#include "core/testing/error_of.h"
+
+namespace ember {
+namespace {
+
+struct Grads {
+  Tensor y, dx, dw, db;
+};
+
+// y = f(x, w, b) and its gradients for g, on the inputs' device.
+template <typename F>
+Grads run(F&& f, const Tensor& x0, const Tensor& w0, const Tensor& b0, const Tensor& g) {
+  Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
+  Tensor y = f(x, w, b);
+  y.backward(g);
+  return {y.detach(), x.grad(), w.grad(), b.grad()};
+}
+
+double gelu_tanh(double t) { return 0.5 * t * (1 + std::tanh(0.7978845608028654 * (t + 0.044715 * t * t * t))); }
+double gelu_tanh_grad(double t) {
+  const double u = 0.7978845608028654 * (t + 0.044715 * t * t * t), th = std::tanh(u);
+  return 0.5 * (1 + th) + 0.5 * t * (1 - th * th) * 0.7978845608028654 * (1 + 3 * 0.044715 * t * t);
+}
+
+// The float64 reference from the same (rounded) inputs: y = act(x W^T + b)
+// and its gradients for g, with act the identity or tanh's GELU.
+Grads reference(bool gelu, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& g) {
+  const Tensor x64 = x.cpu().to(DType::Float64).reshape({-1, x.size(-1)}), w64 = w.cpu().to(DType::Float64);
+  const Tensor b64 = b.cpu().to(DType::Float64), g64 = g.cpu().to(DType::Float64).reshape({x64.size(0), -1});
+  const Tensor h = matmul(x64, w64.t()) + b64;
+  Tensor y = h, dh = g64;
+  if (gelu) {
+    std::vector<double> hv = h.to_vector(), gv = g64.to_vector(), yv(hv.size()), dv(hv.size());
+    for (size_t i = 0; i < hv.size(); ++i) yv[i] = gelu_tanh(hv[i]), dv[i] = gv[i] * gelu_tanh_grad(hv[i]);
+    y = Tensor::from_vector(yv, h.sizes(), DType::Float64);
+    dh = Tensor::from_vector(dv, h.sizes(), DType::Float64);
+  }
+  return {y.reshape(g.sizes()), matmul(dh, w64).reshape(x.sizes()), matmul(dh.t(), x64), sum(dh, {0})};
+}
+
+double tolerance(DType t) { return t == DType::Float32 ? 2e-5 : t == DType::Float16 ? 4e-3 : 2e-2; }
+
+void expect_near(const Tensor& got, const Tensor& want, double tol, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  const Tensor w64 = want.cpu().to(DType::Float64);
+  const double miss = max(abs(got.cpu().to(DType::Float64) - w64)).item();
+  const double scale = std::max(1.0, max(abs(w64)).item());
+  EXPECT_LE(miss, tol * scale) << what;
+}
+
+void expect_bits(const Tensor& a, const Tensor& b, const std::string& what) {
+  ASSERT_EQ(a.dtype(), b.dtype()) << what;
+  ASSERT_EQ(a.sizes(), b.sizes()) << what;
+  const Tensor ac = a.cpu().contiguous(), bc = b.cpu().contiguous();
+  EXPECT_EQ(std::memcmp(ac.raw_data(), bc.raw_data(), ac.nbytes()), 0) << what;
+}
+
+Tensor plain_linear_gelu(const Tensor& x, const Tensor& w, const Tensor& b, bool tanh_approx) {
+  return bias_gelu(linear(x, w), b, tanh_approx);
+}
+
+TEST(LinearGelu, IsLinearThenBiasGeluOnTheCpu) {
+  manual_seed(31);
+  for (DType dt : {DType::Float32, DType::BFloat16, DType::Float64})
+    for (bool tanh_approx : {true, false}) {
+      const Tensor x = randn({2, 3, 16}).to(dt), w = (randn({24, 16}) * 0.3).to(dt), b = randn({24}).to(dt);
+      const Tensor g = randn({2, 3, 24}).to(dt);
+      auto fused = [&](const Tensor& x, const Tensor& w, const Tensor& b) { return linear_gelu(x, w, b, tanh_approx); };
+      auto plain = [&](const Tensor& x, const Tensor& w, const Tensor& b) {
+        return plain_linear_gelu(x, w, b, tanh_approx);
+      };
+      const Grads got = run(fused, x, w, b, g), want = run(plain, x, w, b, g);
+      const std::string what = std::string(dtype_name(dt)) + (tanh_approx ? " tanh" : " erf");
+      expect_bits(got.y, want.y, what + " y");
+      expect_bits(got.dx, want.dx, what + " dx");
+      expect_bits(got.dw, want.dw, what + " dw");
+      expect_bits(got.db, want.db, what + " db");
+    }
+}
+
+TEST(LinearGelu, NamesBadInput) {
+  const Tensor x = randn({4, 8}), w = randn({6, 8}), b = randn({6});
+  EXPECT_NE(testing::error_of([&] { linear_gelu(x, w, Tensor(), true); }).find("linear_gelu: needs a bias"),
+            std::string::npos);
+  EXPECT_NE(testing::error_of([&] {
+              linear_gelu(randn({4, 7}), w, b, true);
+            }).find("linear_gelu: input [4,7] has last dim 7 but weight [6,8] expects 8"),
+            std::string::npos);
+  EXPECT_NE(testing::error_of([&] {
+              linear_gelu(x, w, randn({5}), true);
+            }).find("linear_gelu: bias [5] does not match weight [6,8]"),
+            std::string::npos);
+}
+
+class LinearEpilogueCuda : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_is_available()) GTEST_SKIP() << "no GPU: " << cuda_unavailable_reason();
+    set_cublaslt_epilogues(true);
+  }
+  void TearDown() override { set_cublaslt_epilogues(true); }
+};
+
+struct Counts {
+  int64_t fused, declined;
+};
+Counts since(const GemmEpilogueStats& s0) {
+  const GemmEpilogueStats s = gemm_epilogue_stats();
+  return {static_cast<int64_t>(s.fused - s0.fused), static_cast<int64_t>(s.declined - s0.declined)};
+}
+
+// Forward and backward through the epilogues: against float64, against the
+// separate ops within one rounding, and two epilogue calls (forward, and
+// the weight gradient's with the bias's).
+void check_fused(bool gelu, DType dt, int64_t in, int64_t out, const std::string& what) {
+  const Tensor x = randn({3, 5, in}).to(dt), w = (randn({out, in}) * 0.3).to(dt), b = randn({out}).to(dt);
+  const Tensor g = randn({3, 5, out}).to(dt);
+  auto op = [&](const Tensor& x, const Tensor& w, const Tensor& b) {
+    return gelu ? linear_gelu(x, w, b, true) : linear(x, w, b);
+  };
+  const GemmEpilogueStats s0 = gemm_epilogue_stats();
+  const Grads got = run(op, x.cuda(), w.cuda(), b.cuda(), g.cuda());
+  const Counts c = since(s0);
+  EXPECT_EQ(c.fused, 2) << what << ": the forward's epilogue and the weight gradient's";
+  EXPECT_EQ(c.declined, 0) << what;
+  const Grads want = reference(gelu, x, w, b, g);
+  const double tol = tolerance(dt);
+  expect_near(got.y, want.y, tol, what + " y");
+  expect_near(got.dx, want.dx, tol, what + " dx");
+  expect_near(got.dw, want.dw, tol, what + " dw");
+  expect_near(got.db, want.db, tol, what + " db");
+  // The separate ops round the product before the bias: one rounding apart.
+  set_cublaslt_epilogues(false);
+  auto plain = [&](const Tensor& x, const Tensor& w, const Tensor& b) {
+    return gelu ? plain_linear_gelu(x, w, b, true) : linear(x, w, b);
+  };
+  const GemmEpilogueStats s1 = gemm_epilogue_stats();
+  const Grads sep = run(plain, x.cuda(), w.cuda(), b.cuda(), g.cuda());
+  EXPECT_EQ(since(s1).fused, 0) << what << ": switched off";
+  set_cublaslt_epilogues(true);
+  expect_near(got.y, sep.y, tol, what + " y against the separate ops");
+  expect_near(got.db, sep.db, tol, what + " db against the separate ops");
+}
+
+TEST_F(LinearEpilogueCuda, LinearBiasMatchesFloat64) {
+  manual_seed(32);
+  for (DType dt : {DType::Float32, DType::BFloat16, DType::Float16})
+    for (auto [in, out] : {std::pair<int64_t, int64_t>{16, 24}, {12, 13}})  // widths off any vector too
+      check_fused(false, dt, in, out, std::string("linear ") + dtype_name(dt) + " " + std::to_string(out));
+}
+
+TEST_F(LinearEpilogueCuda, LinearGeluMatchesFloat64) {
+  manual_seed(33);
+  for (DType dt : {DType::Float32, DType::BFloat16, DType::Float16})
+    check_fused(true, dt, 16, 24, std::string("linear_gelu ") + dtype_name(dt));
+}
+
+// The bias joins the float32 sum before the one rounding: each fused
+// element is the float64 value's rounding to bf16 (half a unit in the last
+// place, and a hair for the float32 sum). The separate ops round the
+// product first, then the sum with a small bias: some element misses by
+// more.
+TEST_F(LinearEpilogueCuda, BiasRoundsOnceWithTheProduct) {
+  manual_seed(34);
+  const Tensor x = (randn({64, 32}) * 3).to(DType::BFloat16), w = (randn({48, 32}) * 3).to(DType::BFloat16);
+  const Tensor b = (randn({48}) * 0.5).to(DType::BFloat16);
+  const std::vector<double> want =
+      (matmul(x.to(DType::Float64), w.to(DType::Float64).t()) + b.to(DType::Float64)).to_vector();
+  const std::vector<double> got = linear(x.cuda(), w.cuda(), b.cuda()).cpu().to(DType::Float64).to_vector();
+  set_cublaslt_epilogues(false);
+  const std::vector<double> sep = linear(x.cuda(), w.cuda(), b.cuda()).cpu().to(DType::Float64).to_vector();
+  set_cublaslt_epilogues(true);
+  double worst_fused = 0, worst_sep = 0;  // in units in the last place of bf16
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (want[i] == 0) continue;
+    const double ulp = std::ldexp(1.0, static_cast<int>(std::floor(std::log2(std::fabs(want[i])))) - 7);
+    worst_fused = std::max(worst_fused, std::fabs(got[i] - want[i]) / ulp);
+    worst_sep = std::max(worst_sep, std::fabs(sep[i] - want[i]) / ulp);
+  }
+  EXPECT_LE(worst_fused, 0.501);
+  EXPECT_GT(worst_sep, 0.501) << "the product rounded alone first";
+}
+
+TEST_F(LinearEpilogueCuda, PathsWithoutTheEpilogue) {
+  manual_seed(35);
+  const Tensor x = randn({4, 16}).cuda(), b24 = randn({24}).cuda(), w24 = randn({24, 16}).cuda();
+  const Tensor b13 = randn({13}).cuda(), w13 = randn({13, 16}).cuda();
+  auto fused_calls = [](auto&& f) {
+    const GemmEpilogueStats s0 = gemm_epilogue_stats();
+    f();
+    return since(s0).fused;
+  };
+  // erf's GELU: the product's bias-free GEMM, then bias_gelu.
+  EXPECT_EQ(fused_calls([&] { linear_gelu(x, w24, b24, false); }), 0);
+  EXPECT_TRUE(allclose(linear_gelu(x, w24, b24, false), bias_gelu(linear(x, w24), b24), 0, 0));
+  // 13 columns: no aux matrix of a leading dimension a multiple of 8.
+  EXPECT_EQ(fused_calls([&] { linear_gelu(x, w13, b13, true); }), 0);
+  EXPECT_EQ(fused_calls([&] { linear_gelu(x, w24, b24, true); }), 1);
+  // float64 has no epilogue here: the separate ops.
+  EXPECT_EQ(fused_calls([&] { linear(x.to(DType::Float64), w24.to(DType::Float64), b24.to(DType::Float64)); }), 0);
+  // Inside an activation checkpoint region linear keeps its name (the
+  // policies keep "linear"), so the fused GELU is not taken; the bias's
+  // epilogue is.
+  const Tensor xr = x.clone().requires_grad_();
+  const int64_t in_region =
+      fused_calls([&] { autograd::checkpoint([&](const Tensor& t) { return linear_gelu(t, w24, b24, true); }, xr); });
+  EXPECT_EQ(in_region, 0) << "linear without bias, then bias_gelu";
+}
+
+// The heuristic may have no algorithm for a problem: the same values by the
+// separate ops, counted as declined. The emulation's knob plays that answer.
+TEST_F(LinearEpilogueCuda, DeclinedByTheHeuristic) {
+  if (cuda_device_name(0) != "CUDA emulation") GTEST_SKIP() << "the decline is the emulation's knob";
+  manual_seed(36);
+  const DType dt = DType::BFloat16;
+  const Tensor x = randn({2, 7, 40}).to(dt), w = (randn({56, 40}) * 0.3).to(dt), b = randn({56}).to(dt);
+  const Tensor g = randn({2, 7, 56}).to(dt);
+  ASSERT_EQ(setenv("EMU_CUBLASLT_DECLINE_EPILOGUES", "1", 1), 0);
+  const GemmEpilogueStats s0 = gemm_epilogue_stats();
+  auto op = [&](const Tensor& x, const Tensor& w, const Tensor& b) { return linear_gelu(x, w, b, true); };
+  const Grads got = run(op, x.cuda(), w.cuda(), b.cuda(), g.cuda());
+  const Grads lin = run([](const Tensor& x, const Tensor& w, const Tensor& b) { return linear(x, w, b); }, x.cuda(),
+                        w.cuda(), b.cuda(), g.cuda());
+  unsetenv("EMU_CUBLASLT_DECLINE_EPILOGUES");
+  const Counts c = since(s0);
+  EXPECT_EQ(c.fused, 0);
+  // linear_gelu's GELU and then its bias, the weight gradient's; linear's
+  // bias and weight gradient's.
+  EXPECT_EQ(c.declined, 5);
+  const Grads want = reference(true, x, w, b, g), want_lin = reference(false, x, w, b, g);
+  for (auto [r, ref, name] : {std::tuple{got, want, "linear_gelu"}, std::tuple{lin, want_lin, "linear"}}) {
+    expect_near(r.y, ref.y, tolerance(dt), std::string(name) + " y");
+    expect_near(r.dx, ref.dx, tolerance(dt), std::string(name) + " dx");
+    expect_near(r.dw, ref.dw, tolerance(dt), std::string(name) + " dw");
+    expect_near(r.db, ref.db, tolerance(dt), std::string(name) + " db");
+  }
+}
+
+TEST_F(LinearEpilogueCuda, UnderAutocast) {
+  manual_seed(37);
+  const Tensor x = randn({4, 16}).cuda(), w = randn({24, 16}).cuda().requires_grad_();
+  const Tensor b = randn({24}).cuda().requires_grad_();
+  Tensor y;
+  {
+    AutocastGuard amp(DeviceType::CUDA, DType::BFloat16);
+    y = linear_gelu(x, w, b, true);
+  }
+  EXPECT_EQ(y.dtype(), DType::BFloat16);
+  sum(y).backward();
+  EXPECT_EQ(w.grad().dtype(), DType::Float32) << "the parameter's gradient in its own dtype";
+  EXPECT_EQ(b.grad().dtype(), DType::Float32);
+}
+
+}  // namespace
+}  // namespace ember
