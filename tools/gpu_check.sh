@@ -16,7 +16,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 
 TESTS="tensor_test ops_cuda_test ops_nn_cuda_test kernels_drawn_test kernels_drawn_nn_test optim_cuda_test
 grad_scaler_test autocast_test loader_test safetensors_test process_group_test process_group_nccl_test
-cuda_graph_test cuda_graph_step_test graphed_step_test gpt_graph_test ddp_graph_test float8_test"
+cuda_graph_test cuda_graph_step_test graphed_step_test gpt_graph_test ddp_graph_test float8_test linear_epilogue_test"
 if [ "${1:-}" = "--targets" ]; then
   echo //core:tensor_test //core:ops_cuda_test //core:ops_nn_cuda_test //core:kernels_drawn_test \
     //core:kernels_drawn_nn_test //bench:numerics_cpu //optim:optim_cuda_test //bench:gpu_step \
@@ -24,7 +24,8 @@ if [ "${1:-}" = "--targets" ]; then
     //distributed/comm:process_group_test //distributed/comm:process_group_nccl_test //bench:ops_cuda_bench \
     //bench:train_bench //bench:attention_cuda_bench //examples:resnet_ddp //examples:gpt_fsdp //tools:ckpt \
     //core:cuda_graph_test //optim:cuda_graph_step_test //optim:graphed_step_test \
-    //distributed/parallel/recipes:gpt_graph_test //distributed/parallel:ddp_graph_test //core:float8_test
+    //distributed/parallel/recipes:gpt_graph_test //distributed/parallel:ddp_graph_test //core:float8_test \
+    //core:linear_epilogue_test
   exit 0
 fi
 if [ "${1:-}" = "--data" ]; then
