@@ -206,6 +206,34 @@ TEST_F(LinearEpilogueCuda, BiasRoundsOnceWithTheProduct) {
   EXPECT_GT(worst_sep, 0.501) << "the product rounded alone first";
 }
 
+// A plan is built once per problem and kept: each call must hand it its
+// own bias, aux matrix and bias gradient, not the first call's.
+TEST_F(LinearEpilogueCuda, AReusedPlanTakesEachCallsVectors) {
+  manual_seed(38);
+  const DType dt = DType::Float32;
+  const Tensor x = randn({6, 16}), w = randn({24, 16}) * 0.3;
+  const Tensor b1 = randn({24}), b2 = randn({24}), g1 = randn({6, 24}), g2 = randn({6, 24});
+  auto op = [&](const Tensor& x, const Tensor& w, const Tensor& b) { return linear_gelu(x, w, b, true); };
+  auto lin = [&](const Tensor& x, const Tensor& w, const Tensor& b) { return linear(x, w, b); };
+  for (bool gelu : {false, true}) {
+    // Both forwards before either backward: the first backward reads its
+    // own call's aux matrix after the second call has run.
+    Tensor xa = x.cuda().requires_grad_(), xb = x.cuda().requires_grad_();
+    Tensor wa = w.cuda().requires_grad_(), wb = w.cuda().requires_grad_();
+    Tensor ba = b1.cuda().requires_grad_(), bb = b2.cuda().requires_grad_();
+    Tensor ya = gelu ? op(xa, wa, ba) : lin(xa, wa, ba), yb = gelu ? op(xb, wb, bb) : lin(xb, wb, bb);
+    ya.backward(g1.cuda());
+    yb.backward(g2.cuda());
+    const std::string what = gelu ? "linear_gelu" : "linear";
+    const Grads want_a = reference(gelu, x, w, b1, g1), want_b = reference(gelu, x, w, b2, g2);
+    expect_near(ya, want_a.y, tolerance(dt), what + " first y");
+    expect_near(yb, want_b.y, tolerance(dt), what + " second y");
+    expect_near(xa.grad(), want_a.dx, tolerance(dt), what + " first dx");
+    expect_near(ba.grad(), want_a.db, tolerance(dt), what + " first db");
+    expect_near(bb.grad(), want_b.db, tolerance(dt), what + " second db");
+  }
+}
+
 TEST_F(LinearEpilogueCuda, PathsWithoutTheEpilogue) {
   manual_seed(35);
   const Tensor x = randn({4, 16}).cuda(), b24 = randn({24}).cuda(), w24 = randn({24, 16}).cuda();
