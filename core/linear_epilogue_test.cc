@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -146,8 +147,16 @@ void check_fused(bool gelu, DType dt, int64_t in, int64_t out, const std::string
   const GemmEpilogueStats s0 = gemm_epilogue_stats();
   const Grads got = run(op, x.cuda(), w.cuda(), b.cuda(), g.cuda());
   const Counts c = since(s0);
-  EXPECT_EQ(c.fused, 2) << what << ": the forward's epilogue and the weight gradient's";
-  EXPECT_EQ(c.declined, 0) << what;
+  // The forward's epilogue and the weight gradient's. The emulation takes
+  // both; a GPU's cuBLASLt may have no algorithm for a problem (then the
+  // separate ops run, and the log says which).
+  if (cuda_device_name(0) == "CUDA emulation") {
+    EXPECT_EQ(c.fused, 2) << what;
+  } else {
+    EXPECT_EQ(c.fused + c.declined, 2) << what;
+    std::printf("[epilogues] %s: %lld fused, %lld declined\n", what.c_str(), static_cast<long long>(c.fused),
+                static_cast<long long>(c.declined));
+  }
   const Grads want = reference(gelu, x, w, b, g);
   const double tol = tolerance(dt);
   expect_near(got.y, want.y, tol, what + " y");
@@ -195,15 +204,20 @@ TEST_F(LinearEpilogueCuda, BiasRoundsOnceWithTheProduct) {
   set_cublaslt_epilogues(false);
   const std::vector<double> sep = linear(x.cuda(), w.cuda(), b.cuda()).cpu().to(DType::Float64).to_vector();
   set_cublaslt_epilogues(true);
-  double worst_fused = 0, worst_sep = 0;  // in units in the last place of bf16
+  // Each element's float32 sum may be off by k eps32 sum |x||w| before the
+  // rounding (a GPU's summation order; the emulation sums in double).
+  const std::vector<double> mag = matmul(abs(x.to(DType::Float64)), abs(w.to(DType::Float64)).t()).to_vector();
+  double worst_fused = 0;  // the excess over half a unit in the last place of bf16, in units
+  int sep_beyond = 0;
   for (size_t i = 0; i < want.size(); ++i) {
     if (want[i] == 0) continue;
     const double ulp = std::ldexp(1.0, static_cast<int>(std::floor(std::log2(std::fabs(want[i])))) - 7);
-    worst_fused = std::max(worst_fused, std::fabs(got[i] - want[i]) / ulp);
-    worst_sep = std::max(worst_sep, std::fabs(sep[i] - want[i]) / ulp);
+    const double allowed = 0.5 + 32 * std::ldexp(1.0, -24) * (mag[i] + std::fabs(want[i])) / ulp;
+    worst_fused = std::max(worst_fused, std::fabs(got[i] - want[i]) / ulp - allowed);
+    sep_beyond += std::fabs(sep[i] - want[i]) / ulp > allowed;
   }
-  EXPECT_LE(worst_fused, 0.501);
-  EXPECT_GT(worst_sep, 0.501) << "the product rounded alone first";
+  EXPECT_LE(worst_fused, 0.0);
+  EXPECT_GT(sep_beyond, 0) << "the product rounded alone first";
 }
 
 // A plan is built once per problem and kept: each call must hand it its
@@ -234,6 +248,45 @@ TEST_F(LinearEpilogueCuda, AReusedPlanTakesEachCallsVectors) {
   }
 }
 
+// A plan is chosen for the alignments of the vectors it was asked with: a
+// bias at an odd offset (a view into a flat buffer) after an aligned one of
+// the same shape gets a plan of its own, not one that assumes 256 bytes.
+TEST_F(LinearEpilogueCuda, ABiasViewOfLessAlignment) {
+  manual_seed(39);
+  const Tensor x = randn({5, 16}).to(DType::BFloat16), w = (randn({24, 16}) * 0.3).to(DType::BFloat16);
+  const Tensor flat = randn({25}).to(DType::BFloat16), aligned = randn({24}).to(DType::BFloat16);
+  const Tensor g = randn({5, 24}).to(DType::BFloat16);
+  auto lin = [](const Tensor& x, const Tensor& w, const Tensor& b) { return linear(x, w, b); };
+  auto op = [](const Tensor& x, const Tensor& w, const Tensor& b) { return linear_gelu(x, w, b, true); };
+  for (bool gelu : {false, true}) {
+    run(gelu ? op : lin, x.cuda(), w.cuda(), aligned.cuda(), g.cuda());
+    const Tensor flat_cuda = flat.cuda(), view = flat_cuda.narrow(0, 1, 24);  // 2 bytes past the buffer's start
+    Tensor xv = x.cuda().requires_grad_(), wv = w.cuda().requires_grad_();
+    Tensor y = gelu ? linear_gelu(xv, wv, view, true) : linear(xv, wv, view);
+    y.backward(g.cuda());
+    const Grads want = reference(gelu, x, w, flat.narrow(0, 1, 24), g);
+    expect_near(y, want.y, tolerance(DType::BFloat16), gelu ? "linear_gelu y" : "linear y");
+    expect_near(xv.grad(), want.dx, tolerance(DType::BFloat16), gelu ? "linear_gelu dx" : "linear dx");
+  }
+}
+
+// Without a backward to come nothing keeps the sum before GELU: one
+// GELU_BIAS call.
+TEST_F(LinearEpilogueCuda, NoGradKeepsNoAux) {
+  manual_seed(40);
+  const Tensor x = randn({3, 16}), w = randn({24, 16}) * 0.3, b = randn({24});
+  const GemmEpilogueStats s0 = gemm_epilogue_stats();
+  Tensor y;
+  {
+    NoGradGuard no_grad;
+    y = linear_gelu(x.cuda(), w.cuda(), b.cuda(), true);
+  }
+  const Counts c = since(s0);
+  EXPECT_EQ(c.fused + c.declined, 1);
+  const Tensor g = zeros({3, 24});
+  expect_near(y, reference(true, x, w, b, g).y, tolerance(DType::Float32), "y");
+}
+
 TEST_F(LinearEpilogueCuda, PathsWithoutTheEpilogue) {
   manual_seed(35);
   const Tensor x = randn({4, 16}).cuda(), b24 = randn({24}).cuda(), w24 = randn({24, 16}).cuda();
@@ -252,8 +305,8 @@ TEST_F(LinearEpilogueCuda, PathsWithoutTheEpilogue) {
   // float64 has no epilogue here: the separate ops.
   EXPECT_EQ(fused_calls([&] { linear(x.to(DType::Float64), w24.to(DType::Float64), b24.to(DType::Float64)); }), 0);
   // Inside an activation checkpoint region linear keeps its name (the
-  // policies keep "linear"), so the fused GELU is not taken; the bias's
-  // epilogue is.
+  // policies keep "linear"), so the fused GELU is not taken: a linear
+  // without bias, then bias_gelu.
   const Tensor xr = x.clone().requires_grad_();
   const int64_t in_region =
       fused_calls([&] { autograd::checkpoint([&](const Tensor& t) { return linear_gelu(t, w24, b24, true); }, xr); });

@@ -82,7 +82,8 @@ struct LtPlan {
 // Plans by key, per thread: no lock on the hot path, and a descriptor whose
 // per-call pointers (scales, bias) are set for one call is not shared with
 // another thread's. Bounded: a workload of ever-new shapes starts over past
-// 256 plans. `make` builds a plan on a miss.
+// 256 plans. `make` builds a plan on a miss. The plans are per key type
+// (a static member): each cache has a key type of its own.
 template <typename Key>
 class LtPlanCache {
  public:

@@ -415,12 +415,16 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, bo
                      (t == DType::Float32 || t == DType::Float16 || t == DType::BFloat16) && rows > 0 && in > 0 &&
                      out_features % 8 == 0;
   if (!fused) return bias_gelu(linear(x, weight, Tensor()), bias, tanh_approx);
+  // The sum before GELU is kept only for a backward to come.
+  const bool keep = needs_grad_list({x, weight, bias});
   Tensor aux;
   return differentiable(
       "linear_gelu", {x, weight, bias},
       [&] {
         const Tensor x2 = x.reshape({1, rows, in}), wt = weight.t().unsqueeze(0);
         Tensor y = Tensor::empty({1, rows, out_features}, x.options());
+        // Without an aux matrix: GELU_BIAS (matmul.cu).
+        if (!keep && gemm_with_epilogue(x2, wt, y, GemmEpilogue::GeluTanhAux, bias)) return y.view(out_shape);
         aux = Tensor::empty({1, rows, out_features}, x.options());
         // cuBLASLt may still have no algorithm: the same values in steps.
         if (!gemm_with_epilogue(x2, wt, y, GemmEpilogue::GeluTanhAux, bias, &aux)) {

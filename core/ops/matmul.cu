@@ -120,14 +120,19 @@ namespace {
 
 // Everything the heuristic's choice depends on: the device, dtype and
 // compute type, the shape, transposes and leading dimensions, the
-// epilogue, and the alignments of cuBLASLt's A, B and D. The bias and aux
-// pointers are set per call.
+// epilogue, and the alignments of cuBLASLt's A, B and D and of the bias
+// and aux vectors (cuBLASLt's header: the heuristic takes the alignment it
+// may expect from the pointers set at the query). The pointers themselves
+// are set per call.
 using EpiKey = std::tuple<int, DType, int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, int,
-                          uint32_t, uint32_t, uint32_t>;
+                          uint32_t, uint32_t, uint32_t, uint32_t, uint32_t>;
 cuda::LtPlanCache<EpiKey> g_epi_plans;
 std::atomic<uint64_t> g_epi_fused{0}, g_epi_declined{0};
 
-cublasLtEpilogue_t lt_epilogue(GemmEpilogue e) {
+// GeluTanhAux without an aux matrix (a forward nothing will differentiate)
+// is GELU_BIAS: nothing kept.
+cublasLtEpilogue_t lt_epilogue(GemmEpilogue e, bool has_aux) {
+  if (e == GemmEpilogue::GeluTanhAux && !has_aux) return CUBLASLT_EPILOGUE_GELU_BIAS;
   switch (e) {
     case GemmEpilogue::Bias:
       return CUBLASLT_EPILOGUE_BIAS;
@@ -152,9 +157,9 @@ std::unique_ptr<cuda::LtPlan> make_epilogue_plan(const GemmArgs& g, GemmEpilogue
   EMBER_CUBLAS_CHECK(cublasLtMatmulDescCreate(&call.desc, t.compute, CUDA_R_32F));
   set_attr(call.desc, CUBLASLT_MATMUL_DESC_TRANSA, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N);
   set_attr(call.desc, CUBLASLT_MATMUL_DESC_TRANSB, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N);
-  set_attr(call.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(e));
+  set_attr(call.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, lt_epilogue(e, aux != nullptr));
   set_attr(call.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(vec));
-  if (e == GemmEpilogue::GeluTanhAux) {
+  if (aux != nullptr) {
     set_attr(call.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<const void*>(aux));
     set_attr(call.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, static_cast<int64_t>(g.ldc));
   }
@@ -167,15 +172,20 @@ std::unique_ptr<cuda::LtPlan> make_epilogue_plan(const GemmArgs& g, GemmEpilogue
   int found = 0;
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt, call.desc, call.a, call.b, call.c, call.c, call.pref, 1,
                                                            &plan->heuristic, &found);
+  // No algorithm for the problem is an answer (the caller takes the
+  // separate ops); anything else is a mistake in the call, raised.
+  if (st != CUBLAS_STATUS_NOT_SUPPORTED) EMBER_CUBLAS_CHECK(st);
   plan->found = st == CUBLAS_STATUS_SUCCESS && found > 0;
   return plan;
 }
 
 }  // namespace
 
+// kernels.h's contract; GeluTanhAux may also come without aux (GELU_BIAS,
+// for a forward with no backward to come).
 bool gemm_epilogue_cuda(const GemmArgs& g, GemmEpilogue e, void* vec, void* aux, int device) {
   EMBER_INTERNAL_ASSERT(g.batch == 1 && g.alpha == 1.0 && g.beta == 0.0 && g.k > 0 && g.m > 0 && g.n > 0);
-  EMBER_INTERNAL_ASSERT(vec != nullptr && (e != GemmEpilogue::GeluTanhAux || aux != nullptr));
+  EMBER_INTERNAL_ASSERT(vec != nullptr && (e == GemmEpilogue::GeluTanhAux || aux == nullptr));
   if (g.dtype == DType::Float64) return false;
   const GemmTypes types = gemm_types(g.dtype);
   cuda::DeviceGuard guard(device);
@@ -183,11 +193,23 @@ bool gemm_epilogue_cuda(const GemmArgs& g, GemmEpilogue e, void* vec, void* aux,
   cublasLtHandle_t lt = cuda::lt_handle(device);
   using cuda::alignment_of;
   const uint32_t align[4] = {alignment_of(g.b), alignment_of(g.a), alignment_of(g.c), alignment_of(g.c)};
-  const EpiKey key{device,    g.dtype,   static_cast<int>(types.compute),
-                   g.m,       g.n,       g.k,
-                   g.trans_a, g.trans_b, g.lda,
-                   g.ldb,     g.ldc,     static_cast<int>(e),
-                   align[0],  align[1],  align[2]};
+  const EpiKey key{device,
+                   g.dtype,
+                   static_cast<int>(types.compute),
+                   g.m,
+                   g.n,
+                   g.k,
+                   g.trans_a,
+                   g.trans_b,
+                   g.lda,
+                   g.ldb,
+                   g.ldc,
+                   static_cast<int>(e),
+                   align[0],
+                   align[1],
+                   align[2],
+                   alignment_of(vec),
+                   aux ? alignment_of(aux) : 0u};
   cuda::LtPlan& plan = g_epi_plans.get(key, [&] { return make_epilogue_plan(g, e, types, align, lt, vec, aux); });
   if (!plan.found) {
     g_epi_declined.fetch_add(1, std::memory_order_relaxed);
@@ -195,7 +217,7 @@ bool gemm_epilogue_cuda(const GemmArgs& g, GemmEpilogue e, void* vec, void* aux,
   }
   // This call's vectors: read (or written) by the device when the GEMM runs.
   cuda::set_attr(plan.call.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, static_cast<const void*>(vec));
-  if (e == GemmEpilogue::GeluTanhAux)
+  if (aux != nullptr)
     cuda::set_attr(plan.call.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, static_cast<const void*>(aux));
   const uint64_t ws = plan.heuristic.workspaceSize;
   const Tensor workspace = Tensor::empty({static_cast<int64_t>(ws)}, TensorOptions(DType::UInt8, cuda_device(device)));

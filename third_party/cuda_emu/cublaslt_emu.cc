@@ -9,11 +9,13 @@
 //   when the matmul runs on its stream (as a captured graph replays them).
 // - a GEMM with an epilogue (matmul.cu's gemm_epilogue_cuda): A, B, C and D
 //   of one type among float32/bfloat16/float16, either transpose, float32
-//   compute (TF32 allowed) and scale; BIAS and GELU_AUX_BIAS add a vector
-//   of D's rows' length and type (GELU's tanh form after it, the sum before
-//   GELU kept in the aux matrix, whose leading dimension must be a multiple
-//   of 8 and at least D's rows), BGRADB writes B's sums over k (a vector of
-//   D's columns' length). EMU_CUBLASLT_DECLINE_EPILOGUES=1 makes the
+//   compute (TF32 allowed) and scale; BIAS, GELU_BIAS and GELU_AUX_BIAS add
+//   a vector of D's rows' length and type (GELU's tanh form after it; for
+//   GELU_AUX_BIAS the sum before GELU kept in the aux matrix, whose leading
+//   dimension must be a multiple of 8 and at least D's rows), BGRADB
+//   writes B's sums over k (a vector of D's columns' length). The bias and
+//   aux pointers must be as aligned as the ones the heuristic was asked
+//   with (the header's rule). EMU_CUBLASLT_DECLINE_EPILOGUES=1 makes the
 //   heuristic find no algorithm for any epilogue, as the library may for a
 //   problem, so the caller's other path can be tested.
 // Anything else ember does not use answers CUBLAS_STATUS_NOT_SUPPORTED,
@@ -132,6 +134,12 @@ cublasStatus_t check_algo(const cublasLtMatmulAlgo_t* algo, size_t workspace_byt
   return CUBLAS_STATUS_SUCCESS;
 }
 
+uint64_t alignment(const void* p) {
+  uint64_t a = 1;
+  while (a < 256 && reinterpret_cast<uintptr_t>(p) % (2 * a) == 0) a *= 2;
+  return a;
+}
+
 float gelu_tanh(float x) {
   const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
   return 0.5f * x * (1.0f + std::tanh(inner));
@@ -160,12 +168,16 @@ cublasStatus_t matmul_epilogue(const Desc& d, const void* alpha, const void* A, 
   const float al_v = *static_cast<const float*>(alpha), be_v = *static_cast<const float*>(beta);
   if (be_v != 0 || C != D) return unsupported("cublasLtMatmul with beta != 0 or C != D");
   const uint32_t ep = d.epilogue;
-  const bool bias_in = ep == CUBLASLT_EPILOGUE_BIAS || ep == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
-  const bool bgrad = ep == CUBLASLT_EPILOGUE_BGRADB, gelu = ep == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+  const bool keep_aux = ep == CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+  const bool gelu = keep_aux || ep == CUBLASLT_EPILOGUE_GELU_BIAS;
+  const bool bias_in = gelu || ep == CUBLASLT_EPILOGUE_BIAS, bgrad = ep == CUBLASLT_EPILOGUE_BGRADB;
   if (!bias_in && !bgrad && ep != CUBLASLT_EPILOGUE_DEFAULT) return unsupported("this epilogue");
   const char* what = "cublasLtMatmul";
   if ((bias_in || bgrad) && d.bias == nullptr) return fail("cublasLtMatmul: the epilogue needs BIAS_POINTER");
-  if (gelu) {
+  if ((algo->data[5] && reinterpret_cast<uintptr_t>(d.bias) % algo->data[5]) ||
+      (algo->data[6] && reinterpret_cast<uintptr_t>(d.aux) % algo->data[6]))
+    return fail("cublasLtMatmul: the bias or aux pointer is less aligned than the one the algorithm was chosen with");
+  if (keep_aux) {
     if (d.aux == nullptr) return fail("cublasLtMatmul: GELU_AUX_BIAS needs EPILOGUE_AUX_POINTER");
     if (d.aux_ld % 8 != 0 || d.aux_ld < static_cast<int64_t>(m))
       return fail("cublasLtMatmul: EPILOGUE_AUX_LD must be a multiple of 8 and at least D's rows");
@@ -176,7 +188,7 @@ cublasStatus_t matmul_epilogue(const Desc& d, const void* alpha, const void* A, 
   // The vector is D's type (BIAS_DATA_TYPE left at its default).
   if (bias_in) emu::check_device_range(d.bias, m * elem_size(t), what);
   if (bgrad) emu::check_device_range(d.bias, n * elem_size(t), what);
-  if (gelu) check_matrix(d.aux, Layout{t, m, n, d.aux_ld}, what);
+  if (keep_aux) check_matrix(d.aux, Layout{t, m, n, d.aux_ld}, what);
   if (workspace_bytes > 0) emu::check_device_range(workspace, workspace_bytes, what);
   const void* bias = d.bias;
   void* aux = const_cast<void*>(d.aux);
@@ -192,10 +204,8 @@ cublasStatus_t matmul_epilogue(const Desc& d, const void* alpha, const void* A, 
             for (uint64_t p = 0; p < k; ++p) acc += at(i, p) * bt(p, j);
             float v = static_cast<float>(acc) * al_v;
             if (bias_in) v += static_cast<float>(ld(bias, t, i));
-            if (gelu) {
-              st(aux, t, i + j * aux_ld, v);
-              v = gelu_tanh(v);
-            }
+            if (keep_aux) st(aux, t, i + j * aux_ld, v);
+            if (gelu) v = gelu_tanh(v);
             st(D, t, i + j * dd.ld, v);
           }
         if (bgrad)
@@ -332,6 +342,11 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
   // (algo.data[1..4]); cublasLtMatmul checks the pointers against them, as
   // an algorithm chosen for an alignment the data lacks reads wrongly.
   for (int i = 0; i < 4; ++i) results[0].algo.data[1 + i] = reinterpret_cast<Pref*>(pref)->min_align[i];
+  // The bias and aux pointers' alignments at the query: the library's
+  // header says the heuristic expects at least those of later calls.
+  const Desc& d = *reinterpret_cast<Desc*>(dp);
+  results[0].algo.data[5] = d.bias ? alignment(d.bias) : 0;
+  results[0].algo.data[6] = d.aux ? alignment(d.aux) : 0;
   results[0].state = CUBLAS_STATUS_SUCCESS;
   results[0].wavesCount = 1.0f;
   *count = 1;
