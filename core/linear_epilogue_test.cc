@@ -24,6 +24,7 @@
 #include "core/autocast.h"
 #include "core/ops.h"
 #include "core/ops/kernels.h"
+#include "core/profiler.h"
 #include "core/testing/error_of.h"
 
 namespace ember {
@@ -285,6 +286,43 @@ TEST_F(LinearEpilogueCuda, NoGradKeepsNoAux) {
   EXPECT_EQ(c.fused + c.declined, 1);
   const Tensor g = zeros({3, 24});
   expect_near(y, reference(true, x, w, b, g).y, tolerance(DType::Float32), "y");
+}
+
+// A zero-bubble pipeline's split backward asks linear_gelu for dx first
+// (backward_input) and for dW and db later (run()): GELU's gradient pass
+// runs once, kept between the two calls, and the gradients are one
+// backward's bit for bit. A mutant that computes it in each call fails the
+// count.
+TEST_F(LinearEpilogueCuda, SplitBackwardRunsGeluBackwardOnce) {
+  manual_seed(41);
+  const Tensor x0 = randn({3, 16}).cuda(), w0 = (randn({24, 16}) * 0.3).cuda(), b0 = randn({24}).cuda();
+  const Tensor g = randn({3, 24}).cuda();
+  auto op = [](const Tensor& x, const Tensor& w, const Tensor& b) { return linear_gelu(x, w, b, true); };
+  const Grads whole = run(op, x0, w0, b0, g);
+  for (bool split : {false, true}) {
+    const std::string what = split ? "split" : "whole";
+    Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(), b = b0.clone().requires_grad_();
+    const GemmEpilogueStats s0 = gemm_epilogue_stats();
+    Tensor y = op(x, w, b);
+    profiler::start();
+    if (split) {
+      autograd::DeferredBackward rest = autograd::backward_input(y, g, {x});
+      EXPECT_EQ(rest.split_ops(), 1);
+      EXPECT_TRUE(x.grad().defined());
+      EXPECT_FALSE(w.grad().defined() || b.grad().defined());
+      rest.run();
+    } else {
+      y.backward(g);
+    }
+    profiler::stop();
+    int passes = 0;
+    for (const auto& e : profiler::events()) passes += e.name == "gelu_backward";
+    EXPECT_EQ(passes, 1) << what;
+    if (cuda_device_name(0) == "CUDA emulation") EXPECT_EQ(since(s0).fused, 2) << what;
+    expect_bits(x.grad(), whole.dx, what + " dx");
+    expect_bits(w.grad(), whole.dw, what + " dw");
+    expect_bits(b.grad(), whole.db, what + " db");
+  }
 }
 
 TEST_F(LinearEpilogueCuda, PathsWithoutTheEpilogue) {

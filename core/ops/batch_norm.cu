@@ -360,6 +360,20 @@ struct DxCoef {
   }
 };
 
+// p * u + k with one rounding. The normalising pass's p * x and k = b -
+// mean * p are both of x's magnitude: with a large mean (x near 1e4) the
+// product rounded on its own loses the output's low bits (a unit of 1e4's
+// last place, 1e-3, in an output near 1). nvcc contracts the expression
+// into an FMA anyway; written out, a host compiler that does not (gcc
+// below -O2, the emulation under ASan) computes the same.
+template <typename A>
+__device__ __forceinline__ A fma_of(A p, A u, A k) {
+  if constexpr (sizeof(A) == sizeof(float))
+    return fmaf(p, u, k);
+  else
+    return fma(p, u, k);
+}
+
 // What the elementwise passes add for batch norm fused with ReLU: the ReLU
 // on the output (the forward), or u (dy) taken only where m (the fused
 // output) is > 0 (the backward's dx).
@@ -401,7 +415,7 @@ __global__ void affine_planes_kernel(const T* __restrict__ u, const T* __restric
       }
       A uu = cast_value<A>(uv.v[j]);
       if constexpr (EPI == kMaskU) uu = cast_value<A>(mv.v[j]) > A(0) ? uu : A(0);
-      A o = p * uu + k;
+      A o = fma_of(p, uu, k);
       if constexpr (HAS_V) o += q * (cast_value<A>(vv.v[j]) - mu);
       if constexpr (EPI == kRelu) o = relu_of(o);
       r.v[j] = cast_value<T>(o);
@@ -434,7 +448,7 @@ __global__ void affine_rows_kernel(const T* __restrict__ u, const T* __restrict_
     for (int j = 0; j < VEC; ++j) {
       A uu = cast_value<A>(uv.v[j]);
       if constexpr (EPI == kMaskU) uu = cast_value<A>(mv.v[j]) > A(0) ? uu : A(0);
-      A val = p[j] * uu + k[j];
+      A val = fma_of(p[j], uu, k[j]);
       if constexpr (HAS_V) val += q[j] * (cast_value<A>(vv.v[j]) - mu[j]);
       if constexpr (EPI == kRelu) val = relu_of(val);
       o.v[j] = cast_value<T>(val);

@@ -291,21 +291,26 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 // ---- linear ----
 namespace {
 
+// Whether x's GEMMs may take cuBLASLt's epilogue at all: on CUDA, switched
+// on (cublaslt_epilogues), float32, float16 or bfloat16. A call may still
+// be declined (gemm_with_epilogue).
+bool epilogue_eligible(const Tensor& x) {
+  const DType t = x.dtype();
+  return x.is_cuda() && cublaslt_epilogues() && (t == DType::Float32 || t == DType::Float16 || t == DType::BFloat16);
+}
+
 // a [1, m, k] @ b [1, k, n] into out [1, m, n] through one cuBLASLt call
 // whose epilogue does `e` with vec (and aux): kernels.h's GemmEpilogue.
-// False where it is not taken: not CUDA, switched off
-// (cublaslt_epilogues), a dtype or shape the epilogue has no algorithm
-// for; the caller then runs the separate ops.
+// False where it is not taken: not eligible, a problem the epilogue has no
+// algorithm for; the caller then runs the separate ops.
 bool gemm_with_epilogue(const Tensor& a, const Tensor& b, Tensor& out, GemmEpilogue e, const Tensor& vec,
                         Tensor* aux = nullptr) {
-  const DType t = a.dtype();
-  if (!a.is_cuda() || !cublaslt_epilogues() || !(t == DType::Float32 || t == DType::Float16 || t == DType::BFloat16))
-    return false;
+  if (!epilogue_eligible(a)) return false;
   const int64_t m = a.sizes()[1], k = a.sizes()[2], n = b.sizes()[2];
-  if (m == 0 || n == 0 || k == 0 || !vec.is_contiguous() || vec.dtype() != t) return false;
+  if (m == 0 || n == 0 || k == 0 || !vec.is_contiguous() || vec.dtype() != a.dtype()) return false;
   if (aux != nullptr && n % 8 != 0) return false;  // cuBLASLt's aux leading dimension: a multiple of 8
   MatrixOperand A = describe(a), B = describe(b);
-  GemmArgs g{t, 1, m, n, k, A.trans, B.trans, A.ptr, A.ld, 0, B.ptr, B.ld, 0, out.raw_data(), n, m * n};
+  GemmArgs g{a.dtype(), 1, m, n, k, A.trans, B.trans, A.ptr, A.ld, 0, B.ptr, B.ld, 0, out.raw_data(), n, m * n};
   return gemm_epilogue_cuda(g, e, vec.raw_data(), aux ? aux->raw_data() : nullptr, a.device().index);
 }
 
@@ -345,7 +350,14 @@ std::vector<Tensor> linear_grads(const Tensor& g2, const Tensor& x2, const Tenso
   return grads;
 }
 
-void check_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const char* op) {
+// x [..., in] and W [out, in] as linear sees them: rows = the product of
+// x's leading dims, the output [..., out].
+struct LinearShape {
+  int64_t in, out, rows;
+  Shape out_shape;
+};
+
+LinearShape check_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const char* op) {
   check_pair(x, weight, op);
   EMBER_CHECK(weight.dim() == 2, op, ": weight must be [out, in], got ", shape_str(weight.sizes()));
   EMBER_CHECK(x.dim() >= 1 && x.size(-1) == weight.sizes()[1], op, ": input ", shape_str(x.sizes()), " has last dim ",
@@ -355,6 +367,10 @@ void check_linear(const Tensor& x, const Tensor& weight, const Tensor& bias, con
     EMBER_CHECK(bias.dim() == 1 && bias.sizes()[0] == weight.sizes()[0], op, ": bias ", shape_str(bias.sizes()),
                 " does not match weight ", shape_str(weight.sizes()));
   }
+  LinearShape s{weight.sizes()[1], weight.sizes()[0], 0, Shape(x.sizes().begin(), x.sizes().end() - 1)};
+  s.rows = shape_numel(s.out_shape);
+  s.out_shape.push_back(s.out);
+  return s;
 }
 
 }  // namespace
@@ -368,25 +384,22 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   if (Tensor lx = autocast::low(x), lw = autocast::low(weight), lb = autocast::low(bias);
       !lx.is_same(x) || !lw.is_same(weight) || (bias.defined() && !lb.is_same(bias)))
     return linear(lx, lw, lb);
-  check_linear(x, weight, bias, "linear");
-  const int64_t in = weight.sizes()[1], out_features = weight.sizes()[0];
-  Shape out_shape(x.sizes().begin(), x.sizes().end() - 1);
-  const int64_t rows = shape_numel(out_shape);
-  out_shape.push_back(out_features);
+  const LinearShape s = check_linear(x, weight, bias, "linear");
   std::vector<Tensor> inputs{x, weight};
   if (bias.defined()) inputs.push_back(bias);
   return differentiable(
       "linear", inputs,
       [&] {
-        return linear_forward(x.reshape({1, rows, in}), weight, bias).view(out_shape);
+        return linear_forward(x.reshape({1, s.rows, s.in}), weight, bias).view(s.out_shape);
       },
       [&](const Tensor&) {
         Tensor sx = x, sw = weight;
         const bool gx_ = x.requires_grad(), gw_ = weight.requires_grad(), gb_ = bias.defined() && bias.requires_grad();
         const bool has_bias = bias.defined();
         const Shape x_shape = x.sizes();
+        const int64_t rows = s.rows, in = s.in, out = s.out;
         BackwardFn fn = [=](const Tensor& g) {
-          return linear_grads(g.reshape({1, rows, out_features}), sx.reshape({1, rows, in}), sw, x_shape, has_bias,
+          return linear_grads(g.reshape({1, rows, out}), sx.reshape({1, rows, in}), sw, x_shape, has_bias,
                               gx_ && grad_wanted(0), gw_ && grad_wanted(1), has_bias && gb_ && grad_wanted(2));
         };
         return Recorded{fn, {sx, sw}};
@@ -405,15 +418,9 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, bo
       !lx.is_same(x) || !lw.is_same(weight) || !lb.is_same(bias))
     return linear_gelu(lx, lw, lb, tanh_approx);
   EMBER_CHECK(bias.defined(), "linear_gelu: needs a bias (without one, gelu(linear(x, w)))");
-  check_linear(x, weight, bias, "linear_gelu");
-  const int64_t in = weight.sizes()[1], out_features = weight.sizes()[0];
-  Shape out_shape(x.sizes().begin(), x.sizes().end() - 1);
-  const int64_t rows = shape_numel(out_shape);
-  out_shape.push_back(out_features);
-  const DType t = x.dtype();
-  const bool fused = tanh_approx && x.is_cuda() && cublaslt_epilogues() && saved_op_outputs() == nullptr &&
-                     (t == DType::Float32 || t == DType::Float16 || t == DType::BFloat16) && rows > 0 && in > 0 &&
-                     out_features % 8 == 0;
+  const LinearShape s = check_linear(x, weight, bias, "linear_gelu");
+  const bool fused =
+      tanh_approx && epilogue_eligible(x) && saved_op_outputs() == nullptr && s.rows > 0 && s.in > 0 && s.out % 8 == 0;
   if (!fused) return bias_gelu(linear(x, weight, Tensor()), bias, tanh_approx);
   // The sum before GELU is kept only for a backward to come.
   const bool keep = needs_grad_list({x, weight, bias});
@@ -421,28 +428,48 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, bo
   return differentiable(
       "linear_gelu", {x, weight, bias},
       [&] {
-        const Tensor x2 = x.reshape({1, rows, in}), wt = weight.t().unsqueeze(0);
-        Tensor y = Tensor::empty({1, rows, out_features}, x.options());
+        const Tensor x2 = x.reshape({1, s.rows, s.in}), wt = weight.t().unsqueeze(0);
+        Tensor y = Tensor::empty({1, s.rows, s.out}, x.options());
         // Without an aux matrix: GELU_BIAS (matmul.cu).
-        if (!keep && gemm_with_epilogue(x2, wt, y, GemmEpilogue::GeluTanhAux, bias)) return y.view(out_shape);
-        aux = Tensor::empty({1, rows, out_features}, x.options());
+        if (!keep && gemm_with_epilogue(x2, wt, y, GemmEpilogue::GeluTanhAux, bias)) return y.view(s.out_shape);
+        aux = Tensor::empty({1, s.rows, s.out}, x.options());
         // cuBLASLt may still have no algorithm: the same values in steps.
         if (!gemm_with_epilogue(x2, wt, y, GemmEpilogue::GeluTanhAux, bias, &aux)) {
           aux = linear_forward(x2, weight, bias);
           y = gelu(aux, true);
         }
-        return y.view(out_shape);
+        return y.view(s.out_shape);
       },
       [&](const Tensor&) {
-        Tensor sx = x, sw = weight, saux = aux;
+        // The three gradients start from GELU's, dh = gelu'(aux) g. A
+        // zero-bubble split backward (grad_wanted) asks for dx now and for
+        // dW, db later: the first call keeps dh for the second and lets aux
+        // go, so the pass runs once and the memory held between the calls
+        // stays one [rows, out] tensor. aux is this op's own (nothing else
+        // can write it), so it is not among the saved tensors whose
+        // versions backward checks.
+        struct Between {
+          Tensor aux, dh;
+        };
+        auto st = std::make_shared<Between>(Between{aux, Tensor()});
+        Tensor sx = x, sw = weight;
         const bool gx_ = x.requires_grad(), gw_ = weight.requires_grad(), gb_ = bias.requires_grad();
         const Shape x_shape = x.sizes();
+        const int64_t rows = s.rows, in = s.in, out = s.out;
         BackwardFn fn = [=](const Tensor& g) {
-          const Tensor dh = gelu_backward(g.reshape({1, rows, out_features}), saux, true);
-          return linear_grads(dh, sx.reshape({1, rows, in}), sw, x_shape, true, gx_ && grad_wanted(0),
-                              gw_ && grad_wanted(1), gb_ && grad_wanted(2));
+          const bool gx = gx_ && grad_wanted(0), gw = gw_ && grad_wanted(1), gb = gb_ && grad_wanted(2);
+          Tensor dh = st->dh;
+          st->dh = Tensor();
+          if (!dh.defined()) {
+            dh = gelu_backward(g.reshape({1, rows, out}), st->aux, true);
+            if (gx_ != gx || gw_ != gw || gb_ != gb) {  // asked again later for the rest
+              st->dh = dh;
+              st->aux = Tensor();
+            }
+          }
+          return linear_grads(dh, sx.reshape({1, rows, in}), sw, x_shape, true, gx, gw, gb);
         };
-        return Recorded{fn, {sx, sw, saux}};
+        return Recorded{fn, {sx, sw}};
       });
 }
 
