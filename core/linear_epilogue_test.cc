@@ -325,6 +325,21 @@ TEST_F(LinearEpilogueCuda, SplitBackwardRunsGeluBackwardOnce) {
   }
 }
 
+// A split left unfinished (its DeferredBackward dropped without run())
+// and then a backward through the op with another gradient: a named error,
+// where the GELU gradient kept from the first would give this backward the
+// first one's values.
+TEST_F(LinearEpilogueCuda, AnUnfinishedSplitIsNamed) {
+  manual_seed(42);
+  Tensor x = randn({3, 16}).cuda().requires_grad_(), w = (randn({24, 16}) * 0.3).cuda().requires_grad_();
+  Tensor b = randn({24}).cuda().requires_grad_();
+  Tensor h = linear_gelu(x, w, b, true);
+  { autograd::DeferredBackward dropped = autograd::backward_input(sum(h * 2.0), Tensor(), {x}); }
+  EXPECT_NE(
+      testing::error_of([&] { sum(h * 3.0).backward(); }).find("linear_gelu: backward through a node whose split"),
+      std::string::npos);
+}
+
 TEST_F(LinearEpilogueCuda, PathsWithoutTheEpilogue) {
   manual_seed(35);
   const Tensor x = randn({4, 16}).cuda(), b24 = randn({24}).cuda(), w24 = randn({24, 16}).cuda();

@@ -334,6 +334,20 @@ __global__ void backward_finalize_kernel(const A* __restrict__ part, int64_t chu
 
 // ---- Elementwise kernels ----
 
+// p * u + k with one rounding, as nvcc contracts it anyway; written out,
+// a host compiler that does not contract (gcc below -O2: the emulation
+// under ASan) computes the same. It matters for the normalising pass: p * x
+// and k = b - mean * p are both of x's magnitude, and with a large mean (x
+// near 1e4) a product rounded on its own loses the output's low bits (a
+// unit of 1e4's last place, 1e-3, in an output near 1).
+template <typename A>
+__device__ __forceinline__ A fma_of(A p, A u, A k) {
+  if constexpr (sizeof(A) == sizeof(float))
+    return fmaf(p, u, k);
+  else
+    return fma(p, u, k);
+}
+
 // Both elementwise passes are out = p * u + q * (v - mu) + k per channel:
 // normalise (u = x, q = 0: p = invstd * w, k = b - mean * p) and dx (u = dy,
 // v = x: p, q, k from backward's finalize, mu = mean; q = k = 0 in eval).
@@ -342,7 +356,7 @@ struct ApplyCoef {
   const A *mean, *invstd, *w, *b;
   __device__ __forceinline__ void at(int64_t ch, A& p, A& q, A& mu, A& k) const {
     p = invstd[ch] * (w ? w[ch] : A(1));
-    k = (b ? b[ch] : A(0)) - mean[ch] * p;
+    k = fma_of(-mean[ch], p, b ? b[ch] : A(0));
     q = A(0);
     mu = A(0);
   }
@@ -359,20 +373,6 @@ struct DxCoef {
     mu = train ? mean[ch] : A(0);
   }
 };
-
-// p * u + k with one rounding. The normalising pass's p * x and k = b -
-// mean * p are both of x's magnitude: with a large mean (x near 1e4) the
-// product rounded on its own loses the output's low bits (a unit of 1e4's
-// last place, 1e-3, in an output near 1). nvcc contracts the expression
-// into an FMA anyway; written out, a host compiler that does not (gcc
-// below -O2, the emulation under ASan) computes the same.
-template <typename A>
-__device__ __forceinline__ A fma_of(A p, A u, A k) {
-  if constexpr (sizeof(A) == sizeof(float))
-    return fmaf(p, u, k);
-  else
-    return fma(p, u, k);
-}
 
 // What the elementwise passes add for batch norm fused with ReLU: the ReLU
 // on the output (the forward), or u (dy) taken only where m (the fused
@@ -416,7 +416,7 @@ __global__ void affine_planes_kernel(const T* __restrict__ u, const T* __restric
       A uu = cast_value<A>(uv.v[j]);
       if constexpr (EPI == kMaskU) uu = cast_value<A>(mv.v[j]) > A(0) ? uu : A(0);
       A o = fma_of(p, uu, k);
-      if constexpr (HAS_V) o += q * (cast_value<A>(vv.v[j]) - mu);
+      if constexpr (HAS_V) o = fma_of(q, cast_value<A>(vv.v[j]) - mu, o);
       if constexpr (EPI == kRelu) o = relu_of(o);
       r.v[j] = cast_value<T>(o);
     }
@@ -449,7 +449,7 @@ __global__ void affine_rows_kernel(const T* __restrict__ u, const T* __restrict_
       A uu = cast_value<A>(uv.v[j]);
       if constexpr (EPI == kMaskU) uu = cast_value<A>(mv.v[j]) > A(0) ? uu : A(0);
       A val = fma_of(p[j], uu, k[j]);
-      if constexpr (HAS_V) val += q[j] * (cast_value<A>(vv.v[j]) - mu[j]);
+      if constexpr (HAS_V) val = fma_of(q[j], cast_value<A>(vv.v[j]) - mu[j], val);
       if constexpr (EPI == kRelu) val = relu_of(val);
       o.v[j] = cast_value<T>(val);
     }

@@ -443,27 +443,33 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, bo
       [&](const Tensor&) {
         // The three gradients start from GELU's, dh = gelu'(aux) g. A
         // zero-bubble split backward (grad_wanted) asks for dx now and for
-        // dW, db later: the first call keeps dh for the second and lets aux
-        // go, so the pass runs once and the memory held between the calls
-        // stays one [rows, out] tensor. aux is this op's own (nothing else
-        // can write it), so it is not among the saved tensors whose
-        // versions backward checks.
+        // dW, db later with the same g: the first call keeps dh for the
+        // second and lets aux go, so the pass runs once and the memory held
+        // between the calls stays one [rows, out] tensor. A split left
+        // unfinished (its DeferredBackward dropped without run()) leaves
+        // nothing to compute dh from for another g: a named error, not a
+        // stale dh. aux is this op's own (nothing else can write it), so it
+        // is not among the saved tensors whose versions backward checks.
         struct Between {
-          Tensor aux, dh;
+          Tensor aux, dh, g;  // g: the gradient dh was computed from
         };
-        auto st = std::make_shared<Between>(Between{aux, Tensor()});
+        auto st = std::make_shared<Between>(Between{aux, Tensor(), Tensor()});
         Tensor sx = x, sw = weight;
         const bool gx_ = x.requires_grad(), gw_ = weight.requires_grad(), gb_ = bias.requires_grad();
         const Shape x_shape = x.sizes();
         const int64_t rows = s.rows, in = s.in, out = s.out;
         BackwardFn fn = [=](const Tensor& g) {
           const bool gx = gx_ && grad_wanted(0), gw = gw_ && grad_wanted(1), gb = gb_ && grad_wanted(2);
-          Tensor dh = st->dh;
-          st->dh = Tensor();
+          Tensor dh = st->dh.defined() && g.is_same(st->g) ? st->dh : Tensor();
+          st->dh = st->g = Tensor();
           if (!dh.defined()) {
+            EMBER_CHECK(st->aux.defined(),
+                        "linear_gelu: backward through a node whose split backward "
+                        "(backward_input) was not finished: run() the DeferredBackward it returned first");
             dh = gelu_backward(g.reshape({1, rows, out}), st->aux, true);
             if (gx_ != gx || gw_ != gw || gb_ != gb) {  // asked again later for the rest
               st->dh = dh;
+              st->g = g;
               st->aux = Tensor();
             }
           }
