@@ -272,7 +272,9 @@ TEST_F(LinearEpilogueCuda, ABiasViewOfLessAlignment) {
 }
 
 // Without a backward to come nothing keeps the sum before GELU: one
-// GELU_BIAS call.
+// GELU_BIAS call. Then the same shapes with a backward: the plan cache
+// must not hand that call GELU_BIAS's plan (the key tells the two apart by
+// the aux matrix), or the kept sum, and so every gradient, would be wrong.
 TEST_F(LinearEpilogueCuda, NoGradKeepsNoAux) {
   manual_seed(40);
   const Tensor x = randn({3, 16}), w = randn({24, 16}) * 0.3, b = randn({24});
@@ -284,8 +286,14 @@ TEST_F(LinearEpilogueCuda, NoGradKeepsNoAux) {
   }
   const Counts c = since(s0);
   EXPECT_EQ(c.fused + c.declined, 1);
-  const Tensor g = zeros({3, 24});
-  expect_near(y, reference(true, x, w, b, g).y, tolerance(DType::Float32), "y");
+  const Tensor g = randn({3, 24});
+  const Grads want = reference(true, x, w, b, g);
+  expect_near(y, want.y, tolerance(DType::Float32), "y");
+  const Grads got = run([](const Tensor& x, const Tensor& w, const Tensor& b) { return linear_gelu(x, w, b, true); },
+                        x.cuda(), w.cuda(), b.cuda(), g.cuda());
+  expect_near(got.y, want.y, tolerance(DType::Float32), "y with a backward");
+  expect_near(got.dx, want.dx, tolerance(DType::Float32), "dx after a GELU_BIAS call of the same shapes");
+  expect_near(got.dw, want.dw, tolerance(DType::Float32), "dw after a GELU_BIAS call of the same shapes");
 }
 
 // A zero-bubble pipeline's split backward asks linear_gelu for dx first
