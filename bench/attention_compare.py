@@ -9,7 +9,11 @@ causal; backward 2.5x). Rounds interleave ours and PyTorch; the JSON rows
 hold the medians over rounds and ours / PyTorch TFLOP/s (higher is faster).
 
   python3 bench/attention_compare.py --ours "bash .gpu/run.sh attention_cuda_bench" \\
-      [--rounds 3] [--out gpu_attention.json] [--smoke]
+      [--rounds 3] [--out gpu_attention.json] [--lean] [--smoke]
+
+--lean: only our fused kernels with their default tiles (the rows the
+ratio is set on), not the blocked, deterministic and 64-key ones: 6 of the
+16 runs of ours a round.
 
 --smoke: tiny shapes on the CPU for PyTorch and ours read from a canned
 line, to check the script itself without a GPU.
@@ -45,12 +49,25 @@ CONFIGS = [(64, 1, 0, 1, 0, 0), (64, 1, 1, 1, 0, 0), (64, 1, 0, 0, 0, 0), (64, 1
            (128, 0, 1, 1, 0, 64)]
 
 
-def run_ours(cmd):
+def lean(cfg):
+    """The fused kernels with their default tiles and dQ atomics."""
+    return cfg[3] == 1 and cfg[4] == 0 and cfg[5] == 0
+
+
+def commit():
+    """COMMIT, else the bundle's stamp (tools/gpu_bundle.sh), else unknown."""
+    stamp = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".gpu", "COMMIT")
+    if os.environ.get("COMMIT"):
+        return os.environ["COMMIT"]
+    return open(stamp).read().strip() if os.path.exists(stamp) else "unknown"
+
+
+def run_ours(cmd, configs):
     """{(impl, key): TFLOP/s} from the benchmark's JSON, one process per
     configuration so that one failing leaves the others measured (its
     stderr's tail goes to ours'  stderr)."""
     res = {}
-    for cfg in CONFIGS:
+    for cfg in configs:
         p = subprocess.run(shlex.split(cmd) + ["--benchmark_format=json",
                                                "--benchmark_filter=BM_Attention/" + "/".join(map(str, cfg)) + "/"],
                            capture_output=True, text=True)
@@ -119,21 +136,9 @@ def device_meta(smoke):
     return {"device": q[0], "driver": q[1], "memory": q[2]}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ours", required=True)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default="gpu_attention.json")
-    ap.add_argument("--smoke", action="store_true")
-    a = ap.parse_args()
-    ours, torch_runs, version = [], [], None
-    for r in range(a.rounds):
-        ours.append(run_ours(a.ours))
-        tr, version = run_torch(a.smoke)
-        torch_runs.append(tr)
-        for k_, v_ in sorted(tr.items()):
-            print(f"round {r} {k_}: ours flash {ours[-1].get(('flash', k_), float('nan')):.1f} "
-                  f"blocked {ours[-1].get(('blocked', k_), float('nan')):.1f} torch {v_:.1f} TFLOP/s", flush=True)
+def write(a, ours, torch_runs, version, final):
+    """The JSON of the rounds so far: written after each round, so a run
+    cut short by its time limit still leaves the finished rounds."""
     rows = []
     for k_ in sorted(torch_runs[0]):
         th = [t_[k_] for t_ in torch_runs]
@@ -141,7 +146,7 @@ def main():
         bl = [o[("blocked", k_)] for o in ours if ("blocked", k_) in o]
         dt = [o[("flash-det", k_)] for o in ours if ("flash-det", k_) in o]
         k64 = [o[("flash-k64", k_)] for o in ours if ("flash-k64", k_) in o]
-        row = {"name": k_, "rounds": a.rounds, "torch_tflops": round(statistics.median(th), 1),
+        row = {"name": k_, "rounds": len(th), "torch_tflops": round(statistics.median(th), 1),
                "torch_range": [round(min(th), 1), round(max(th), 1)]}
         if fl:
             row.update(ours_tflops=round(statistics.median(fl), 1), ours_range=[round(min(fl), 1), round(max(fl), 1)],
@@ -153,19 +158,40 @@ def main():
         if k64:
             row["ours_k64_tflops"] = round(statistics.median(k64), 1)
         rows.append(row)
-        print(json.dumps(row))
+        if final:
+            print(json.dumps(row))
     doc = dict(device_meta(a.smoke), torch=version,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               commit=os.environ.get("COMMIT", "unknown"),
+               commit=commit(),
                workload=f"scaled_dot_product_attention, bfloat16, batch {B}, sequence {T}, hidden {HIDDEN}; "
                "ours: the fused (flash) kernels and the blocked ones, through the op and autograd (deterministic: "
                "the fused backward with its dQ pass instead of atomics; k64: 64-key tiles instead of 128); torch: SDPA's "
                "flash backend; TFLOP/s as FlashAttention counts them; ratio = ours flash / torch (higher is faster)",
                rows=rows, command="python3 bench/attention_compare.py --ours 'bash .gpu/run.sh attention_cuda_bench' "
-               f"--rounds {a.rounds}")
+               f"--rounds {a.rounds}" + (" --lean" if a.lean else ""))
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ours", required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="gpu_attention.json")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--lean", action="store_true")
+    a = ap.parse_args()
+    configs = [c for c in CONFIGS if lean(c)] if a.lean else CONFIGS
+    ours, torch_runs, version = [], [], None
+    for r in range(a.rounds):
+        ours.append(run_ours(a.ours, configs))
+        tr, version = run_torch(a.smoke)
+        torch_runs.append(tr)
+        for k_, v_ in sorted(tr.items()):
+            print(f"round {r} {k_}: ours flash {ours[-1].get(('flash', k_), float('nan')):.1f} "
+                  f"blocked {ours[-1].get(('blocked', k_), float('nan')):.1f} torch {v_:.1f} TFLOP/s", flush=True)
+        write(a, ours, torch_runs, version, r == a.rounds - 1)
 
 
 if __name__ == "__main__":

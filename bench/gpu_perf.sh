@@ -4,7 +4,7 @@
 # spends its time. Writes gpu_resnet50.json and gpu_breakdown.json into the
 # output folder (commit them as bench/results/).
 #
-#   bench/gpu_perf.sh [--smoke] [--rounds N] [--out DIR] [speed] [breakdown] [benchmark] [kernels] [gpt]
+#   bench/gpu_perf.sh [--smoke] [--lean] [--rounds N] [--out DIR] [speed] [breakdown] [benchmark] [kernels] [gpt]
 #
 # Parts (none named: speed and breakdown):
 #   speed      N rounds (default 3), each ours then PyTorch, every process
@@ -33,24 +33,30 @@
 # (layouts nchw_alt and cl_alt: cuDNN's graph API against its legacy API),
 # so both ways of calling cuDNN are measured in the same rounds; the first
 # round's choices of the flipped run are in logs/ours_speed_alt.err.
+# --lean: only the rows a lease's must-have figures need, in about half the
+# time: speed without the flipped cuDNN runs and the graph replays (ours
+# eager beside PyTorch eager), gpt without the float8 variant.
 # On the GPU machine the binaries come from the gpu-bundle (.gpu/run.sh);
 # --smoke runs the whole script here instead, under the CUDA emulation
 # (bazel-bin/bench/gpu_step_emu, tiny shapes) and PyTorch on the CPU, so a
 # script bug costs no GPU minute. COMMIT names the commit in the JSON
-# (default: git rev-parse HEAD, where .git exists).
+# (default: the bundle's .gpu/COMMIT, which gpu_bundle.sh writes, else git
+# rev-parse HEAD where .git exists).
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 smoke=0
+lean=0
 rounds=3
 out=${OUT:-/tmp/gpu_perf}
 parts=()
 while [ $# -gt 0 ]; do
   case $1 in
     --smoke) smoke=1 ;;
+    --lean) lean=1 ;;
     --rounds) rounds=$2; shift ;;
     --out) out=$2; shift ;;
     speed | breakdown | benchmark | kernels | gpt) parts+=("$1") ;;
-    *) echo "gpu_perf: unknown argument '$1' (--smoke, --rounds N, --out DIR, speed, breakdown, benchmark, kernels, gpt)" >&2; exit 2 ;;
+    *) echo "gpu_perf: unknown argument '$1' (--smoke, --lean, --rounds N, --out DIR, speed, breakdown, benchmark, kernels, gpt)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -97,7 +103,7 @@ say() { echo "== $*" | tee -a "$out/logs/steps.txt"; }
 
 {
   echo "date=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit=${COMMIT:-$(git -C "$here" rev-parse HEAD 2>/dev/null || echo unknown)}"
+  echo "commit=${COMMIT:-$(cat "$here/.gpu/COMMIT" 2>/dev/null || git -C "$here" rev-parse HEAD 2>/dev/null || echo unknown)}"
   if [ $smoke = 1 ]; then echo "device=CUDA emulation (smoke run, tiny shapes; not a measurement)"
   else nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/device=/'; fi
   "$py" -c 'import torch; print("torch=" + torch.__version__); print("cudnn=" + str(torch.backends.cudnn.version()))'
@@ -110,21 +116,23 @@ for part in "${parts[@]}"; do
       for r in $(seq 1 "$rounds"); do
         say "speed round $r: ours"
         "${ours[@]}" --configs $configs --layouts nchw,cl "${shape[@]}" 2>>"$out/logs/ours_speed.err" | tag speed "$r"
-        # The other way of calling cuDNN (device.h's cudnn_graph_api):
-        # flipped from whatever the default is, every configuration; its
-        # rows are named <layout>_alt. The first round logs its choices.
-        alt=0; [ "${EMBER_CUDNN_GRAPH:-1}" = 0 ] && alt=1  # the graph API is the default
-        say "speed round $r: ours with EMBER_CUDNN_GRAPH=$alt"
-        log=0; [ "$r" = 1 ] && log=1
-        EMBER_CUDNN_GRAPH=$alt EMBER_CUDNN_LOG=$log "${ours[@]}" --configs $configs --layouts nchw,cl "${shape[@]}" \
-          2>>"$out/logs/ours_speed_alt.err" | sed -u -E "s/layout=(nchw|cl) /layout=\1_alt graph=$alt /" |
-          tag speed "$r"
-        # The same steps captured once and replayed as one CUDA graph
-        # (gpu_step --cuda-graph 1); rows named <layout>_cudagraph.
-        say "speed round $r: ours replaying a CUDA graph"
-        "${ours[@]}" --configs $configs --layouts nchw,cl --cuda-graph 1 "${shape[@]}" \
-          2>>"$out/logs/ours_speed_graph.err" | sed -u -E "s/layout=(nchw|cl) /layout=\1_cudagraph /" |
-          tag speed "$r"
+        if [ $lean = 0 ]; then
+          # The other way of calling cuDNN (device.h's cudnn_graph_api):
+          # flipped from whatever the default is, every configuration; its
+          # rows are named <layout>_alt. The first round logs its choices.
+          alt=0; [ "${EMBER_CUDNN_GRAPH:-1}" = 0 ] && alt=1  # the graph API is the default
+          say "speed round $r: ours with EMBER_CUDNN_GRAPH=$alt"
+          log=0; [ "$r" = 1 ] && log=1
+          EMBER_CUDNN_GRAPH=$alt EMBER_CUDNN_LOG=$log "${ours[@]}" --configs $configs --layouts nchw,cl "${shape[@]}" \
+            2>>"$out/logs/ours_speed_alt.err" | sed -u -E "s/layout=(nchw|cl) /layout=\1_alt graph=$alt /" |
+            tag speed "$r"
+          # The same steps captured once and replayed as one CUDA graph
+          # (gpu_step --cuda-graph 1); rows named <layout>_cudagraph.
+          say "speed round $r: ours replaying a CUDA graph"
+          "${ours[@]}" --configs $configs --layouts nchw,cl --cuda-graph 1 "${shape[@]}" \
+            2>>"$out/logs/ours_speed_graph.err" | sed -u -E "s/layout=(nchw|cl) /layout=\1_cudagraph /" |
+            tag speed "$r"
+        fi
         say "speed round $r: torch"
         "${peer[@]}" --configs $configs --layouts nchw,cl "${shape[@]}" "${peer_extra[@]}" \
           2>>"$out/logs/torch_speed.err" | tag speed "$r"
@@ -169,6 +177,7 @@ for part in "${parts[@]}"; do
         for amp in $gpt_amps; do
           variants="plain"
           [ "$amp" = bf16 ] && variants="plain cudagraph float8"
+          [ "$amp" = bf16 ] && [ $lean = 1 ] && variants="plain cudagraph"
           for v in $variants; do
           name=$amp g=0 f8=0
           case $v in

@@ -7,8 +7,8 @@
 #   tools/gpu_bundle.sh //core:ops_nn_cuda_test //examples:resnet_ddp
 # It builds the targets with -c opt, copies each binary (and its .runfiles, if
 # any) plus every shared library it needs that is not part of CUDA/cuDNN/NCCL/
-# cuBLAS or glibc into .gpu/bundle.tar.xz, writes .gpu/run.sh, and makes sure
-# .gpu/ is git-ignored locally. Then call the device tool's `run` with
+# cuBLAS or glibc into .gpu/bundle.tar.xz, writes .gpu/run.sh and .gpu/COMMIT
+# (the commit built), and makes sure .gpu/ is git-ignored locally. Then call the device tool's `run` with
 #   carry: [".gpu"]
 #   command: "bash .gpu/run.sh resnet_ddp --epochs 1"      (binary name, then args)
 # Several binaries in one call: "bash .gpu/run.sh a && bash .gpu/run.sh b".
@@ -19,7 +19,15 @@ set -euo pipefail
 [ $# -ge 1 ] || { sed -n '2,20p' "$0"; exit 2; }
 root=$(git rev-parse --show-toplevel)
 cd "$root"
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # a fresh clone may have no info/ folder
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
+# The commit the binaries are built from (with +dirty for uncommitted
+# changes), read before the build: gpu_perf.sh and attention_compare.py put
+# it in their JSON (the binaries measured are the bundle's, whatever the
+# tree's HEAD, and the tree's copy on the GPU machine need not carry .git).
+built_from=$(git rev-parse --short HEAD)
+[ -z "$(git status --porcelain --untracked-files=no)" ] || built_from="$built_from+dirty"
 # shellcheck disable=SC2086
 bazel build -c opt ${BAZEL_FLAGS:-} "$@"
 stage=$(mktemp -d)
@@ -68,5 +76,6 @@ fi
 exec "$bin" "$@"
 RUN
 chmod +x .gpu/run.sh
+echo "$built_from" > .gpu/COMMIT
 ls -la .gpu
 echo "gpu_bundle: carry [\".gpu\"], command \"bash .gpu/run.sh <binary> [args]\" ($(du -sh .gpu | cut -f1) to carry; limit 64 MiB)"

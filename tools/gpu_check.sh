@@ -9,6 +9,11 @@
 #   bash tools/gpu_check.sh [tests] [sanitize] [bench] [attention] [examples]   (none: all)
 # (attention: the fused attention test and bench/attention_compare.py; bundle
 # //core:ops_nn_cuda_test //bench:attention_cuda_bench for it.)
+# A lease of 15 device minutes does not hold all of them (the tests alone
+# take minutes, memcheck up to 15). Its must-have figures come from two
+# calls instead (docs/gpu.md, "A lease's figures"):
+#   bash tools/gpu_check.sh figures          gates, then attention and the GPT beside PyTorch
+#   bash tools/gpu_check.sh resnet_figures   ResNet-50 beside PyTorch, every configuration
 # It prints one line per step (rc, failed test names) and leaves every log in
 # $OUT/logs.tgz. Steps keep going after a failure: one call shows everything.
 set -u
@@ -32,12 +37,16 @@ if [ "${1:-}" = "--data" ]; then
   mkdir -p "$here/.gpudata/fashion" "$here/.gpudata/fortunes"
   cp /usr/share/datasets/fashion-mnist/*.gz "$here/.gpudata/fashion/"
   cp -r /usr/share/games/fortunes/. "$here/.gpudata/fortunes/"
-  grep -qx '/.gpudata/' "$here/.git/info/exclude" || echo '/.gpudata/' >>"$here/.git/info/exclude"
+  exclude=$(git -C "$here" rev-parse --git-path info/exclude)  # a fresh clone may have no info/ folder
+  case $exclude in /*) ;; *) exclude="$here/$exclude" ;; esac
+  mkdir -p "$(dirname "$exclude")"
+  grep -qx '/.gpudata/' "$exclude" 2>/dev/null || echo '/.gpudata/' >>"$exclude"
   du -sh "$here/.gpudata"
   exit 0
 fi
 
-steps="${*:-tests sanitize bench attention examples}"
+if [ $# -eq 0 ]; then set -- tests sanitize bench attention examples; fi
+steps="$*"
 logs=/tmp/gpu_check_logs
 rm -rf "$logs" && mkdir -p "$logs"
 run() { bash "$here/.gpu/run.sh" "$@"; }
@@ -46,6 +55,30 @@ finish() {
   if [ -n "${OUT:-}" ]; then tar -C "$logs" -czf "$OUT/logs.tgz" . && cp "$logs/summary.txt" "$OUT/"; fi
 }
 trap finish EXIT
+# gtest LABEL SECONDS BINARY [ARGS]: one test binary, its log as LABEL.log,
+# a summary line with its counts and the failed tests' names.
+gtest() {
+  local label=$1 secs=$2 log="$logs/$1.log"
+  shift 2
+  timeout "$secs" bash "$here/.gpu/run.sh" "$@" >"$log" 2>&1
+  summary "$label rc=$? $(grep -c '^\[       OK \]' "$log") ok $(grep -c '^\[  SKIPPED \]' "$log") skipped" \
+    "$(grep '^\[  FAILED  \]' "$log" | sort -u | sed 's/\[  FAILED  \] //' | tr '\n' ' ')"
+}
+# perf_part PART JSON SECONDS: bench/gpu_perf.sh --lean's PART, 3 interleaved
+# rounds, within SECONDS; JSON (which it writes) goes to $OUT and its rows to
+# the summary. Cut short, the rounds that finished still make the JSON (its
+# rows say how many rounds they hold).
+perf_part() {
+  local dir=/tmp/gpu_check_perf_$1  # not gpu_perf.sh's own scratch (/tmp/gpu_perf_gpt)
+  timeout "$3" bash "$here/bench/gpu_perf.sh" --lean --rounds 3 --out "$dir" "$1" >"$logs/gpu_perf_$1.log" 2>&1
+  local rc=$?
+  [ $rc = 124 ] && python3 "$here/bench/gpu_perf_summary.py" "$dir" >>"$logs/gpu_perf_$1.log" 2>&1
+  summary "gpu_perf --lean $1 rc=$rc"
+  cp "$dir/$2" "${OUT:-$logs}/" 2>/dev/null
+  tar -C "$dir" -cf "$logs/gpu_perf_$1.tar" logs raw.txt meta.txt 2>/dev/null
+  python3 -c 'import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]: print(json.dumps(r))' "${OUT:-$logs}/$2" 2>&1 | tee -a "$logs/summary.txt"
+}
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$logs/gpu.txt"
 run tensor_test --gtest_list_tests >/dev/null 2>&1 # unpack the bundle once, outside any timing
@@ -53,12 +86,7 @@ run tensor_test --gtest_list_tests >/dev/null 2>&1 # unpack the bundle once, out
 for s in $steps; do
   case $s in
   tests)
-    for t in $TESTS; do
-      timeout 180 bash "$here/.gpu/run.sh" "$t" >"$logs/$t.log" 2>&1
-      rc=$?
-      summary "$t rc=$rc $(grep -c '^\[       OK \]' "$logs/$t.log") ok $(grep -c '^\[  SKIPPED \]' "$logs/$t.log") skipped" \
-        "$(grep '^\[  FAILED  \]' "$logs/$t.log" | sort -u | sed 's/\[  FAILED  \] //' | tr '\n' ' ')"
-    done
+    for t in $TESTS; do gtest "$t" 180 "$t"; done
     ;;
   sanitize)
     # memcheck catches out-of-bounds and misaligned device accesses the
@@ -134,13 +162,33 @@ for s in $steps; do
   attention)
     # The fused attention kernels on the real GPU: the CPU comparison, then
     # TFLOP/s beside PyTorch's SDPA flash backend (gpu_attention.json in $OUT).
-    timeout 180 bash "$here/.gpu/run.sh" ops_nn_cuda_test --gtest_filter='*Attention*' >"$logs/attention_test.log" 2>&1
-    summary "ops_nn_cuda_test attention rc=$? $(grep -c '^\[       OK \]' "$logs/attention_test.log") ok" \
-      "$(grep '^\[  FAILED  \]' "$logs/attention_test.log" | sort -u | sed 's/\[  FAILED  \] //' | tr '\n' ' ')"
+    gtest attention_test 180 ops_nn_cuda_test --gtest_filter='*Attention*'
     timeout 420 python3 "$here/bench/attention_compare.py" --ours "bash $here/.gpu/run.sh attention_cuda_bench" \
       --rounds 3 --out "${OUT:-$logs}/gpu_attention.json" >"$logs/attention_compare.log" 2>&1
     summary "attention_compare rc=$?"
     grep -E '^(round|ours|\{)' "$logs/attention_compare.log" | tee -a "$logs/summary.txt"
+    ;;
+  figures)
+    # Gates first (a figure of a kernel that computes wrong values is no
+    # figure): the fused attention's and the GEMM epilogues' tests. Then
+    # the lean measurements, each with its own time limit so that one
+    # running long leaves the others measured: attention beside SDPA's
+    # flash backend (gpu_attention.json) and the GPT beside PyTorch's FSDP2
+    # (gpu_gpt.json, 3 interleaved rounds each); their JSON files land in
+    # $OUT beside logs.tgz.
+    gtest attention_test 90 ops_nn_cuda_test --gtest_filter='*Attention*'
+    gtest linear_epilogue_test 45 linear_epilogue_test
+    grep '^\[epilogues\]' "$logs/linear_epilogue_test.log" | sort -u | head -5 | tee -a "$logs/summary.txt"
+    timeout 150 python3 "$here/bench/attention_compare.py" --ours "bash $here/.gpu/run.sh attention_cuda_bench" \
+      --rounds 3 --lean --out "${OUT:-$logs}/gpu_attention.json" >"$logs/attention_compare.log" 2>&1
+    summary "attention_compare --lean rc=$?"
+    grep -E '^\{' "$logs/attention_compare.log" | tee -a "$logs/summary.txt"
+    perf_part gpt gpu_gpt.json 300
+    ;;
+  resnet_figures)
+    # ResNet-50's six configurations, ours eager beside PyTorch eager, 3
+    # interleaved rounds (gpu_perf.sh --lean speed): gpu_resnet50.json in $OUT.
+    perf_part speed gpu_resnet50.json 420
     ;;
   *) summary "unknown step $s" ;;
   esac

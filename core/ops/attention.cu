@@ -265,6 +265,16 @@ __device__ __forceinline__ void load_tile(const uint16_t* __restrict__ src, int6
   }
 }
 
+// This block's query block. Under a causal mask a query block's work grows
+// with its index (it reads the keys up to its last row), so the grid runs
+// them heaviest first: GPUs hand out blocks in the order of their index, and
+// the longest-first order leaves the shortest blocks for the end, where
+// they fill the SMs that finish early, instead of the longest blocks of the
+// last heads running alone (a tail of up to one whole block's time). The
+// backward's key blocks are heaviest first already (key block 0 meets
+// every query).
+__device__ __forceinline__ int64_t query_block(bool causal) { return causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x; }
+
 __device__ __forceinline__ float quad_max(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
@@ -290,7 +300,7 @@ __global__ void __launch_bounds__(kThreads)
   uint16_t* ks = qs + BR * LD;
   uint16_t* vs = ks + KEYS * LD;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t b = blockIdx.y, i0 = static_cast<int64_t>(blockIdx.x) * BR;
+  const int64_t b = blockIdx.y, i0 = query_block(a.causal) * BR;
   const int wr = warp * 16 * MT;  // the warp's first row in the block
   const int64_t wrow = i0 + wr;
   const uint16_t* kb = k + b * a.tk * D;
@@ -607,7 +617,7 @@ __global__ void __launch_bounds__(kThreads)
   uint16_t* ks = dos + kRows * LD;
   uint16_t* vs = ks + kKeys * LD;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t b = blockIdx.y, i0 = static_cast<int64_t>(blockIdx.x) * kRows;
+  const int64_t b = blockIdx.y, i0 = query_block(a.causal) * kRows;
   const int64_t wrow = i0 + warp * 16;  // the warp's first row
   const uint16_t* kb = k + b * a.tk * D;
   const uint16_t* vb = v + b * a.tk * D;
