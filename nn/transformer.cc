@@ -3,11 +3,13 @@
 // one fused op over [B * heads, T, D].
 #include "nn/transformer.h"
 
+#include <array>
 #include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "autograd/autograd.h"
 #include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops_nn.h"
@@ -40,6 +42,66 @@ Tensor attend(const AttentionFn& fn, const Tensor& q, const Tensor& k, const Ten
               Generator* gen) {
   return fn ? fn(q, k, v, causal, p, gen) : scaled_dot_product_attention(q, k, v, causal, p, gen);
 }
+
+// The heads of column block `which` of qkv [B, T, 3E]: a [B, H, T, D] view.
+Tensor heads_of(const Tensor& qkv, int64_t which, int64_t H) {
+  const int64_t B = qkv.size(0), T = qkv.size(1), E = qkv.size(2) / 3;
+  return qkv.narrow(2, which * E, E).view({B, T, H, E / H}).permute({0, 2, 1, 3});
+}
+
+// What attend_qkv's node keeps: the attention's own graph, from q, k and v
+// (leaves of it) to its output.
+struct AttentionGraph {
+  std::array<Tensor, 3> qkv;
+  Tensor out;
+};
+
+// Attention over the heads of the in-projection's output qkv [B, T, 3E]:
+// [B, H, T, D]. q, k and v are contiguous copies of qkv's three column
+// blocks, attended as before; the gradient is one node from qkv, whose
+// backward writes qkv's gradient once, each head's gradient into its
+// columns. Taken as three views of qkv (narrow), each view's backward
+// copied its gradient out of the heads' layout, built a zero-filled
+// gradient of qkv's whole size and copied into it, and the engine added the
+// three: 13 passes of qkv's size a layer against these 2 (a 352 M GPT-2's
+// bf16 step about 15 GB of memory traffic), where PyTorch's split is one
+// node whose backward is a cat. The node runs the attention's own backward
+// nested (autograd::grad over the graph from the copies), so any attention
+// function (the fused op, context parallelism's) keeps its derivative.
+Tensor attend_qkv(const AttentionFn& fn, const Tensor& qkv, int64_t H, bool causal, double p, Generator* gen) {
+  if (!needs_grad({qkv}))
+    return attend(fn, heads_of(qkv, 0, H).contiguous(), heads_of(qkv, 1, H).contiguous(),
+                  heads_of(qkv, 2, H).contiguous(), causal, p, gen);
+  auto graph = std::make_shared<AttentionGraph>();
+  const Tensor src = qkv.detach();
+  for (int64_t i = 0; i < 3; ++i) {
+    graph->qkv[i] = heads_of(src, i, H).contiguous();
+    graph->qkv[i].requires_grad_(true);
+  }
+  graph->out = attend(fn, graph->qkv[0], graph->qkv[1], graph->qkv[2], causal, p, gen);
+  Tensor out = graph->out.detach();
+  const Shape shape = qkv.sizes();
+  const TensorOptions options = qkv.options();
+  BackwardFn backward = [graph, shape, options, H](const Tensor& g) {
+    // retain_graph: a second backward through this node (retain_graph on
+    // the outer pass) runs the attention's again; the graph goes with this
+    // node's closure.
+    const std::vector<Tensor> d =
+        autograd::grad(graph->out, {graph->qkv[0], graph->qkv[1], graph->qkv[2]}, g, /*retain_graph=*/true);
+    Tensor dqkv = Tensor::empty(shape, options);
+    for (int64_t i = 0; i < 3; ++i) {
+      Tensor part = heads_of(dqkv, i, H);
+      if (d[i].defined())
+        part.copy_(d[i]);
+      else
+        part.zero_();
+    }
+    return std::vector<Tensor>{dqkv};
+  };
+  autograd_recorder()->record("attention_qkv", {qkv}, out, std::move(backward), {}, false);
+  return out;
+}
+
 }  // namespace
 
 Tensor MultiheadAttention::forward(const Tensor& x) {
@@ -50,20 +112,12 @@ Tensor MultiheadAttention::forward(const Tensor& x) {
   // sequence shard inside it.
   Tensor qkv = apply_linear(in_proj_kernel, x, in_proj_weight, in_proj_bias);  // [B, T, 3E]
   const int64_t E = in_proj_weight.size(0) / 3, D = embed_dim / num_heads, B = qkv.size(0), T = qkv.size(1), H = E / D;
-  // [B, T, E] -> [B * H, T, D]
-  auto heads = [&](int64_t which) {
-    return qkv.narrow(2, which * E, E).reshape({B, T, H, D}).permute({0, 2, 1, 3}).reshape({B * H, T, D});
-  };
-  Tensor q = heads(0), k = heads(1), v = heads(2);
   // One fused op: the [T, T] probabilities are neither stored for backward
   // nor a separate softmax / dropout / mask pass (core/ops/attention.cc).
   Generator own;
   Generator* gen = attn_drop->generator(own);
-  Tensor out = attend(attention, q.reshape({B, H, T, D}), k.reshape({B, H, T, D}), v.reshape({B, H, T, D}), causal,
-                      gen ? attn_drop->p : 0.0, gen)
-                   .reshape({B, H, T, D})
-                   .permute({0, 2, 1, 3})
-                   .reshape({B, T, E});
+  Tensor out =
+      attend_qkv(attention, qkv, H, causal, gen ? attn_drop->p : 0.0, gen).permute({0, 2, 1, 3}).reshape({B, T, E});
   return (*out_proj)(out);
 }
 

@@ -110,6 +110,66 @@ TEST(MultiheadAttention, FiniteDifferencesThroughAttentionAndABlock) {
   EXPECT_TRUE(rb.ok) << rb.message;
 }
 
+// The attention's q, k and v come from the in-projection through one node
+// (attend_qkv) whose backward writes qkv's gradient once. The reference is
+// the composition it replaces, three narrow views of qkv, each a zero-filled
+// gradient of qkv's size that the engine sums: the same values bit for bit
+// (x + 0 is x), forward and every gradient, with dropout drawing the same
+// mask from the same generator; and a second backward through the same
+// graph (retain_graph) gives the same gradients again.
+TEST(MultiheadAttention, OneNodeFromQkvEqualsThreeViews) {
+  for (bool causal : {true, false}) {
+    manual_seed(4);
+    MultiheadAttention m(12, 3, 0.25, causal);
+    m.train();
+    const Tensor x0 = randn({2, 7, 12}), w = randn({2, 7, 12});
+    auto grads = [&](bool views, int backwards) {
+      manual_seed(11);  // the dropout mask's draws
+      m.zero_grad();
+      Tensor x = x0.clone().requires_grad_();
+      Tensor y;
+      if (views) {
+        const int64_t B = 2, T = 7, E = 12, H = 3, D = 4;
+        Tensor qkv = linear(x, m.in_proj_weight, m.in_proj_bias);
+        auto heads = [&](int64_t i) {
+          return qkv.narrow(2, i * E, E).reshape({B, T, H, D}).permute({0, 2, 1, 3}).reshape({B, H, T, D});
+        };
+        Generator own;
+        Tensor a =
+            scaled_dot_product_attention(heads(0), heads(1), heads(2), causal, 0.25, m.attn_drop->generator(own));
+        y = (*m.out_proj)(a.permute({0, 2, 1, 3}).reshape({B, T, E}));
+      } else {
+        y = m(x);
+      }
+      Tensor loss = sum(y * w);
+      for (int i = 0; i < backwards; ++i) loss.backward(Tensor(), /*retain_graph=*/i + 1 < backwards);
+      return std::vector<std::vector<double>>{y.to_vector(), x.grad().to_vector(), m.in_proj_weight.grad().to_vector(),
+                                              m.in_proj_bias.grad().to_vector(), m.out_proj->weight.grad().to_vector()};
+    };
+    const auto want = grads(true, 1), got = grads(false, 1), twice = grads(false, 2);
+    const char* what[] = {"output", "x", "in_proj_weight", "in_proj_bias", "out_proj.weight"};
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(got[i], want[i]) << what[i] << " causal " << causal;
+      if (i == 0) continue;
+      std::vector<double> doubled = want[i];
+      for (double& v : doubled) v *= 2;  // two backwards accumulate: exactly twice (x + x)
+      EXPECT_EQ(twice[i], doubled) << what[i] << " after two backwards, causal " << causal;
+    }
+  }
+}
+
+// Without grad the module takes no node and gives the same output.
+TEST(MultiheadAttention, NoGradGivesTheSameOutput) {
+  manual_seed(5);
+  MultiheadAttention m(8, 2);
+  const Tensor x = randn({2, 5, 8});
+  const std::vector<double> with = m(x).to_vector();
+  NoGradGuard g;
+  Tensor y = m(x);
+  EXPECT_FALSE(y.requires_grad());
+  EXPECT_EQ(y.to_vector(), with);
+}
+
 // Tied weights: lm_head holds no parameter, and the embedding's gradient is the sum of what
 // an untied copy gives its embedding and its head holding the same values.
 TEST(GPT, TiedWeightsShareTheEmbeddingAndSumBothGradients) {
