@@ -65,9 +65,9 @@ struct AttentionGraph {
 // gradient of qkv's whole size and copied into it, and the engine added the
 // three: 13 passes of qkv's size a layer against these 2 (a 352 M GPT-2's
 // bf16 step about 15 GB of memory traffic), where PyTorch's split is one
-// node whose backward is a cat. The node runs the attention's own backward
-// nested (autograd::grad over the graph from the copies), so any attention
-// function (the fused op, context parallelism's) keeps its derivative.
+// node whose backward is a cat. It runs the attention's backward nested
+// (autograd::grad to the copies alone): an AttentionFn must read nothing but
+// q, k and v (as the fused op and cp's do), or the rest gets no gradient.
 Tensor attend_qkv(const AttentionFn& fn, const Tensor& qkv, int64_t H, bool causal, double p, Generator* gen) {
   if (!needs_grad({qkv}))
     return attend(fn, heads_of(qkv, 0, H).contiguous(), heads_of(qkv, 1, H).contiguous(),
