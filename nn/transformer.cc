@@ -65,11 +65,15 @@ struct AttentionGraph {
 // gradient of qkv's whole size and copied into it, and the engine added the
 // three: 13 passes of qkv's size a layer against these 2 (a 352 M GPT-2's
 // bf16 step about 15 GB of memory traffic), where PyTorch's split is one
-// node whose backward is a cat. It runs the attention's backward nested
-// (autograd::grad to the copies alone): an AttentionFn must read nothing but
-// q, k and v (as the fused op and cp's do), or the rest gets no gradient.
+// node whose backward is a cat. The node runs the fused op's backward
+// nested (autograd::grad to the copies) and keeps the copies, which the op
+// keeps anyway. An attention function of the module's own (context
+// parallelism's) takes the three views instead: it may not keep q, k and v
+// (Ulysses' all-to-all sends them away; kept by this node, a cp 4 rank's
+// activations grew from under 0.3 to 0.317 of one rank's), and it may read
+// tensors besides them, whose gradients a nested pass to the copies drops.
 Tensor attend_qkv(const AttentionFn& fn, const Tensor& qkv, int64_t H, bool causal, double p, Generator* gen) {
-  if (!needs_grad({qkv}))
+  if (fn || !needs_grad({qkv}))
     return attend(fn, heads_of(qkv, 0, H).contiguous(), heads_of(qkv, 1, H).contiguous(),
                   heads_of(qkv, 2, H).contiguous(), causal, p, gen);
   auto graph = std::make_shared<AttentionGraph>();
@@ -78,7 +82,7 @@ Tensor attend_qkv(const AttentionFn& fn, const Tensor& qkv, int64_t H, bool caus
     graph->qkv[i] = heads_of(src, i, H).contiguous();
     graph->qkv[i].requires_grad_(true);
   }
-  graph->out = attend(fn, graph->qkv[0], graph->qkv[1], graph->qkv[2], causal, p, gen);
+  graph->out = scaled_dot_product_attention(graph->qkv[0], graph->qkv[1], graph->qkv[2], causal, p, gen);
   Tensor out = graph->out.detach();
   const Shape shape = qkv.sizes();
   const TensorOptions options = qkv.options();

@@ -158,6 +158,34 @@ TEST(MultiheadAttention, OneNodeFromQkvEqualsThreeViews) {
   }
 }
 
+// A module's own attention function (context parallelism's) takes q, k and
+// v as views of qkv, not attend_qkv's node: what the function reads besides
+// them gets its gradient (a nested pass to q, k and v alone would drop it),
+// here a scale on q, against finite differences' reference d/ds sum(y w).
+TEST(MultiheadAttention, AnAttentionFunctionsOtherInputsGetTheirGradients) {
+  manual_seed(6);
+  MultiheadAttention m(8, 2);
+  m.to(kCPU, DType::Float64);
+  Tensor s = full({1}, 1.5, DType::Float64).requires_grad_();
+  m.attention = [&](const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double p, Generator* gen) {
+    return scaled_dot_product_attention(q * s, k, v, causal, p, gen);
+  };
+  const Tensor x = randn({2, 5, 8}, DType::Float64), w = randn({2, 5, 8}, DType::Float64);
+  Tensor loss = sum(m(x) * w);
+  loss.backward();
+  ASSERT_TRUE(s.grad().defined()) << "the function's own input got no gradient";
+  auto at = [&](double v) {
+    NoGradGuard g;
+    Tensor s2 = full({1}, v, DType::Float64);
+    m.attention = [&](const Tensor& q, const Tensor& k, const Tensor& vv, bool causal, double p, Generator* gen) {
+      return scaled_dot_product_attention(q * s2, k, vv, causal, p, gen);
+    };
+    return sum(m(x) * w).item();
+  };
+  const double h = 1e-6, want = (at(1.5 + h) - at(1.5 - h)) / (2 * h);
+  EXPECT_NEAR(s.grad().item(), want, 1e-6 * std::max(1.0, std::abs(want)));
+}
+
 // Without grad the module takes no node and gives the same output.
 TEST(MultiheadAttention, NoGradGivesTheSameOutput) {
   manual_seed(5);
