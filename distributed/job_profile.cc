@@ -22,19 +22,39 @@ absl::Status write_text(const std::string& path, const std::string& text) {
 }
 }  // namespace
 
+// Rounds of the clock agreement: the narrowest of them is taken.
+constexpr int kClockRounds = 8;
+
 absl::StatusOr<ProfileFiles> write_profile(const std::string& dir, ProcessGroup* pg, int top) {
   const std::vector<profiler::Event> events = profiler::events();
   const int rank = pg ? pg->rank() : 0;
   const int world = pg ? pg->size() : 1;
-  int64_t offset = 0;
+  int64_t offset = 0, error = 0;
   std::vector<std::string> bodies;
   std::string mine;
   try {
+    // Each round: t0 on this rank's clock, a barrier, every rank reads its
+    // clock, an allgather of the readings, t1. Rank 0 read its clock after
+    // leaving the barrier (so after this rank entered it, at t0) and before
+    // its allgather could finish here (at t1): on one clock its reading
+    // lies in [t0, t1], and reading - (t0 + t1) / 2 is the offset within
+    // (t1 - t0) / 2. One round's barrier skew is the error of taking the
+    // readings as simultaneous: a rank descheduled there (a loaded host)
+    // had its track shifted by the delay, milliseconds, where the steps
+    // being compared may take one. The narrowest of the rounds is kept.
     if (world > 1) {
-      pg->barrier()->wait();
-      const int64_t here = profiler::now_ns();
-      const std::vector<std::string> clocks = allgather_strings(*pg, std::to_string(here));
-      offset = std::stoll(clocks[0]) - here;
+      for (int r = 0; r < kClockRounds; ++r) {
+        const int64_t t0 = profiler::now_ns();
+        pg->barrier()->wait();
+        const int64_t here = profiler::now_ns();
+        const std::vector<std::string> clocks = allgather_strings(*pg, std::to_string(here));
+        const int64_t t1 = profiler::now_ns(), half = (t1 - t0 + 1) / 2;
+        if (rank == 0) continue;  // its own clock: offset 0, exactly
+        if (r == 0 || half < error) {
+          offset = std::stoll(clocks[0]) - (t0 + half);
+          error = half;
+        }
+      }
     }
     mine = profiler::chrome_trace_events(events, rank, "rank " + std::to_string(rank), offset);
     bodies = world > 1 ? allgather_strings(*pg, mine) : std::vector<std::string>{mine};
@@ -43,6 +63,8 @@ absl::StatusOr<ProfileFiles> write_profile(const std::string& dir, ProcessGroup*
   }
   ProfileFiles f;
   f.events = events.size();
+  f.clock_offset_ns = offset;
+  f.clock_error_ns = error;
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("write_profile: cannot create '", dir, "': ", ec.message()));

@@ -6,9 +6,12 @@
 //   auto out = distributed::write_profile("prof", pg.get());   // every rank calls it
 //   // prof/trace.json (rank 0: every rank), prof/trace-rank<N>.json, prof/summary-rank<N>.txt
 //
-// Clocks: ranks meet at a barrier and each notes its steady clock there;
-// rank N's events are shifted by (rank 0's note - its own), so hosts whose
-// clocks differ still line up (to the barrier's skew, tens of µs on a LAN).
+// Clocks: rank N's events are shifted by its offset to rank 0's steady
+// clock, so hosts whose clocks differ still line up. The offset comes from
+// rounds of a barrier and an exchange of clock readings, each bounding rank
+// 0's reading between two of this rank's; the narrowest round is kept
+// (clock_error_ns: its half-width, tens of µs on a LAN; a single reading
+// at a barrier was off by a descheduled rank's delay on a loaded host).
 #pragma once
 
 #include <string>
@@ -24,6 +27,9 @@ struct ProfileFiles {
   std::string summary;  // this rank's key_averages table (also returned in `table`)
   std::string table;
   size_t events = 0;
+  // Added to this rank's clock for rank 0's (0 on rank 0), and how far off
+  // it can be: the true offset is within clock_error_ns of it.
+  int64_t clock_offset_ns = 0, clock_error_ns = 0;
 };
 
 // The events profiler::events() holds now. `pg` may be null (one process).
