@@ -8,7 +8,8 @@
 # It builds the targets with -c opt, copies each binary (and its .runfiles, if
 # any) plus every shared library it needs that is not part of CUDA/cuDNN/NCCL/
 # cuBLAS or glibc into .gpu/bundle.tar.xz, writes .gpu/run.sh and .gpu/COMMIT
-# (the commit built), and makes sure .gpu/ is git-ignored locally. Then call the device tool's `run` with
+# (the commit built), and makes sure .gpu/ is git-ignored locally. Then call
+# the device tool's `run` with
 #   carry: [".gpu"]
 #   command: "bash .gpu/run.sh resnet_ddp --epochs 1"      (binary name, then args)
 # Several binaries in one call: "bash .gpu/run.sh a && bash .gpu/run.sh b".

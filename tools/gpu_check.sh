@@ -45,8 +45,7 @@ if [ "${1:-}" = "--data" ]; then
   exit 0
 fi
 
-if [ $# -eq 0 ]; then set -- tests sanitize bench attention examples; fi
-steps="$*"
+steps="${*:-tests sanitize bench attention examples}"
 logs=/tmp/gpu_check_logs
 rm -rf "$logs" && mkdir -p "$logs"
 run() { bash "$here/.gpu/run.sh" "$@"; }
@@ -63,6 +62,14 @@ gtest() {
   timeout "$secs" bash "$here/.gpu/run.sh" "$@" >"$log" 2>&1
   summary "$label rc=$? $(grep -c '^\[       OK \]' "$log") ok $(grep -c '^\[  SKIPPED \]' "$log") skipped" \
     "$(grep '^\[  FAILED  \]' "$log" | sort -u | sed 's/\[  FAILED  \] //' | tr '\n' ' ')"
+}
+# compare_attention SECONDS [--lean]: bench/attention_compare.py, 3 rounds,
+# gpu_attention.json into $OUT and its rows to the summary.
+compare_attention() {
+  timeout "$1" python3 "$here/bench/attention_compare.py" --ours "bash $here/.gpu/run.sh attention_cuda_bench" \
+    --rounds 3 "${@:2}" --out "${OUT:-$logs}/gpu_attention.json" >"$logs/attention_compare.log" 2>&1
+  summary "attention_compare ${*:2} rc=$?"
+  grep -E '^(round|ours|\{)' "$logs/attention_compare.log" | tee -a "$logs/summary.txt"
 }
 # perf_part PART JSON SECONDS: bench/gpu_perf.sh --lean's PART, 3 interleaved
 # rounds, within SECONDS; JSON (which it writes) goes to $OUT and its rows to
@@ -163,10 +170,7 @@ for s in $steps; do
     # The fused attention kernels on the real GPU: the CPU comparison, then
     # TFLOP/s beside PyTorch's SDPA flash backend (gpu_attention.json in $OUT).
     gtest attention_test 180 ops_nn_cuda_test --gtest_filter='*Attention*'
-    timeout 420 python3 "$here/bench/attention_compare.py" --ours "bash $here/.gpu/run.sh attention_cuda_bench" \
-      --rounds 3 --out "${OUT:-$logs}/gpu_attention.json" >"$logs/attention_compare.log" 2>&1
-    summary "attention_compare rc=$?"
-    grep -E '^(round|ours|\{)' "$logs/attention_compare.log" | tee -a "$logs/summary.txt"
+    compare_attention 420
     ;;
   figures)
     # Gates first (a figure of a kernel that computes wrong values is no
@@ -180,10 +184,7 @@ for s in $steps; do
     gtest attention_test 75 ops_nn_cuda_test --gtest_filter='*Attention*'
     gtest linear_epilogue_test 40 linear_epilogue_test
     grep '^\[epilogues\]' "$logs/linear_epilogue_test.log" | sort -u | head -5 | tee -a "$logs/summary.txt"
-    timeout 150 python3 "$here/bench/attention_compare.py" --ours "bash $here/.gpu/run.sh attention_cuda_bench" \
-      --rounds 3 --lean --out "${OUT:-$logs}/gpu_attention.json" >"$logs/attention_compare.log" 2>&1
-    summary "attention_compare --lean rc=$?"
-    grep -E '^\{' "$logs/attention_compare.log" | tee -a "$logs/summary.txt"
+    compare_attention 150 --lean
     perf_part gpt gpu_gpt.json 300
     ;;
   resnet_figures)
