@@ -14,6 +14,8 @@
 # calls instead (docs/gpu.md, "A lease's figures"):
 #   bash tools/gpu_check.sh figures          gates, then attention and the GPT beside PyTorch
 #   bash tools/gpu_check.sh resnet_figures   ResNet-50 beside PyTorch, every configuration
+# and, where the lease has time left after figures (about 2 minutes):
+#   bash tools/gpu_check.sh attention_profile   ncu on our attention and PyTorch's
 # It prints one line per step (rc, failed test names) and leaves every log in
 # $OUT/logs.tgz. Steps keep going after a failure: one call shows everything.
 set -u
@@ -186,6 +188,20 @@ for s in $steps; do
     grep '^\[epilogues\]' "$logs/linear_epilogue_test.log" | sort -u | head -5 | tee -a "$logs/summary.txt"
     compare_attention 150 --lean
     perf_part gpt gpu_gpt.json 300
+    ;;
+  attention_profile)
+    # Where the fused attention's cycles go beside FlashAttention-2's (what
+    # TFLOP/s alone cannot say): Nsight Compute on one forward + backward
+    # step of ours and of PyTorch's SDPA flash backend, head dim 64 causal,
+    # 128 causal and 128 (bench/attention_profile.py). The summary lines
+    # hold issue slots, warps, stall reasons and tensor-pipe use side by
+    # side; gpu_attention_profile.json (with the most stalled SASS) lands in
+    # $OUT, ncu's CSV pages in logs.tgz.
+    timeout 240 python3 "$here/bench/attention_profile.py" --ours "bash $here/.gpu/run.sh attention_cuda_bench" \
+      --dir "$logs/attention_profile" --json "${OUT:-$logs}/gpu_attention_profile.json" \
+      >"$logs/attention_profile.log" 2>&1
+    summary "attention_profile rc=$?"
+    grep -E '^(==|  [a-z])' "$logs/attention_profile.log" | tee -a "$logs/summary.txt"
     ;;
   resnet_figures)
     # ResNet-50's six configurations, ours eager beside PyTorch eager, 3
