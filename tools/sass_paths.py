@@ -10,7 +10,10 @@ is nearly every iteration. A mask test predicated into every score, a
 conditional exp2 compiled to a branch a score, or a tile load looping over
 thread-dependent trip counts all show up here as instructions the path issues
 for no tensor-core work; the loop's static size (both copies of a branch)
-does not say that.
+does not say that. For a loop with exponentials (MUFU) it also counts
+those issued among tensor-core instructions (one within four instructions
+on either side, no barrier between): an attention kernel whose softmax runs
+in a stretch of its own leaves the tensor pipe idle for it.
 
     nvcc ... -cubin -o attention.cubin core/ops/attention.cu
     tools/sass_paths.py attention.cubin 'flash_forward_kernel<ember::BFloat16, 128,'
@@ -159,6 +162,22 @@ def classify(ins, idx):
     return h
 
 
+def _tensor_near(ins, path, k, step, reach=4):
+    """Whether a tensor-core instruction lies within `reach` instructions of
+    path[k] in direction `step`, with no barrier between: a MUFU so placed
+    issues while the tensor pipe works (an exponential among the products),
+    not in a run of its own while the tensor pipe idles."""
+    for j in range(k + step, k + step * (reach + 1), step):
+        if not 0 <= j < len(path):
+            return False
+        base = decode(ins[path[j]][1])[0]
+        if base in TENSOR:
+            return True
+        if base == "BAR":
+            return False
+    return False
+
+
 def report(name, ins):
     index = {a: i for i, (a, _) in enumerate(ins)}
     loops = []
@@ -186,6 +205,10 @@ def report(name, ins):
         print(f"  loop {ins[lo][0]:#06x}-{ins[hi][0]:#06x} ({hi - lo + 1} instructions): full-tile iteration "
               f"{len(path)} instructions, {h['tensor']} tensor-core, {len(path) / t:.2f} a tensor-core instruction{note}")
         print(f"    {detail}")
+        mufu = [k for k, i in enumerate(path) if decode(ins[i][1])[0] == "MUFU"]
+        if mufu and h["tensor"]:
+            beside = sum(1 for k in mufu if _tensor_near(ins, path, k, -1) and _tensor_near(ins, path, k, 1))
+            print(f"    mufu beside tensor-core instructions: {beside} of {len(mufu)}")
 
 
 def main():

@@ -3,7 +3,8 @@
 # prints it): a loop whose masked block is branched around, with a loop
 # inside it, and a kernel the pattern leaves out. The full-tile iteration is
 # the header (3), the inner loop's body once (2) and the tail (2): 7
-# instructions, 2 tensor-core, not the masked block's 2 more.
+# instructions, 2 tensor-core, not the masked block's 2 more. Then the
+# exponentials among tensor-core instructions: one behind a barrier is not.
 set -euo pipefail
 tool=$1
 tmp=$(mktemp -d)
@@ -25,6 +26,16 @@ cat >"$tmp/listing" <<'SASS'
         /*00b0*/                   BRA 0xb0;
 		Function : _Z5otherPf
         /*0000*/                   EXIT ;
+		Function : _Z4softPf
+        /*0000*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;
+        /*0010*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0020*/                   MUFU.EX2 R9, R8 ;
+        /*0030*/                   HMMA.16816.F32.BF16 R10, R4, R6, R10 ;
+        /*0040*/                   MUFU.EX2 R9, R8 ;
+        /*0050*/                   FADD R9, R9, R9 ;
+        /*0060*/                   HMMA.16816.F32.BF16 R10, R4, R6, R10 ;
+        /*0070*/              @P2 BRA 0x0 ;
+        /*0080*/                   EXIT ;
 SASS
 printf '#!/bin/bash\ncat %q\n' "$tmp/listing" >"$tmp/cuobjdump"
 chmod +x "$tmp/cuobjdump"
@@ -33,7 +44,12 @@ grep -q "^kernel(float\*)$" <<<"$out" || { echo "$out"; exit 1; }
 grep -q "kernel: 12 instructions, 2 tensor-core" <<<"$out" || { echo "$out"; exit 1; }
 grep -q "loop 0x0010-0x0090 (9 instructions): full-tile iteration 7 instructions, 2 tensor-core, 3.50 a tensor-core instruction (a loop inside counted once: 1)" <<<"$out" || { echo "$out"; exit 1; }
 grep -q "    control 3, ldsm 1, mufu 1$" <<<"$out" || { echo "$out"; exit 1; }
+# The MUFU between the two HMMAs is beside them; in soft(), the one behind
+# a barrier is not, the one among the products is.
+grep -q "    mufu beside tensor-core instructions: 1 of 1$" <<<"$out" || { echo "$out"; exit 1; }
+out=$(python3 "$tool" --cuobjdump "$tmp/cuobjdump" fake.cubin '^soft')
+grep -q "    mufu beside tensor-core instructions: 1 of 2$" <<<"$out" || { echo "$out"; exit 1; }
 if grep -q "other" <<<"$out"; then echo "$out"; exit 1; fi
 if out=$(python3 "$tool" --cuobjdump "$tmp/cuobjdump" fake.cubin 'nothing' 2>&1); then echo "accepted a pattern matching nothing"; exit 1; fi
-grep -q "no kernel of fake.cubin matches 'nothing' (2 kernels)" <<<"$out" || { echo "$out"; exit 1; }
+grep -q "no kernel of fake.cubin matches 'nothing' (3 kernels)" <<<"$out" || { echo "$out"; exit 1; }
 echo "sass_paths: ok"

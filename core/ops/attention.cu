@@ -289,7 +289,8 @@ __device__ __forceinline__ float quad_sum(float v) {
 // 16-row tiles, so every k and v fragment read from shared memory serves MT
 // products (MT = 2: one tile a warp measured 5-15% slower on an H200). Key
 // tiles hold KEYS keys, loaded asynchronously: v's while the scores are
-// computed, the next k's during P v.
+// computed, the next k's during the softmax and P v (during P v alone with
+// dropout).
 template <typename T, int D, int MT, int KEYS, bool Drop>
 __global__ void __launch_bounds__(kThreads)
     flash_forward_kernel(const AttentionArgs a, const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
@@ -327,15 +328,34 @@ __global__ void __launch_bounds__(kThreads)
     // Warp-uniform: a warp whose rows all precede the tile (causal) or lie
     // past the end skips its products.
     const bool active = wrow < a.tq && (!a.causal || j0 <= wrow + 16 * MT - 1);
-    // P rounded to T and packed in pairs as P v's A fragments take them,
-    // as soon as it is known: the float scores' registers are free before
-    // the tile's wait, which they would otherwise span (half the registers
-    // P takes; 128-key tiles spill without it).
-    uint32_t pk[MT][NT][2];
-    if (active) {
-      float s[MT][NT][4] = {};
+    // Without dropout, FlashAttention-2's order: the scores' products, then
+    // the wait for v's tile and the block's barrier, then the softmax and P
+    // v with no barrier between them, so the scheduler can issue the
+    // exponentials of later keys beside the products of earlier ones (a d
+    // 64 tile's 132 MUFU, at 16 results a clock an SM, take time comparable
+    // with its 256 tensor-core instructions; with the barrier between the
+    // softmax and P v, the warp's tensor pipe idled through the softmax).
+    // The cost is a small spill (ptxas: 56 bytes at d 128, 16 at d 64). The
+    // next k tile's load starts earlier too. With dropout, whose Philox
+    // draws need registers of their own, that overlap spills more (d 128:
+    // 176 bytes against 16), so the barrier stays after the softmax.
+    const auto next_tile = [&] {
+      cuda::cp_async_wait_all();
+      __syncthreads();  // v's tile is in; every warp is done with k's
+      if (j0 + KEYS < kend) {
+        load_tile<D, KEYS>(kb, j0 + KEYS, a.tk, ks);
+        cuda::cp_async_commit();
+      }
+    };
+    float s[MT][NT][4] = {};
+    if (active)
       warp_mma<T, D / 16, false>(
           s, [&](int kk, int mt, uint32_t a[4]) { frag_a(qs, LD, wr + mt * 16, kk * 16, lane, a); }, ks, LD, lane);
+    if constexpr (!Drop) next_tile();
+    // P rounded to T and packed in pairs as P v's A fragments take them,
+    // as soon as it is known (half the registers of the float scores).
+    uint32_t pk[MT][NT][2];
+    if (active) {
       // Only tiles on the diagonal or at the last key need the mask, and
       // they alone run its tests: a branch a tile (FlashAttention keeps
       // them in a loop of their own), not a test predicated into every
@@ -392,12 +412,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
-    cuda::cp_async_wait_all();
-    __syncthreads();  // v's tile is in; every warp is done with k's
-    if (j0 + KEYS < kend) {
-      load_tile<D, KEYS>(kb, j0 + KEYS, a.tk, ks);
-      cuda::cp_async_commit();
-    }
+    if constexpr (Drop) next_tile();
     if (active)
       warp_mma<T, KEYS / 16, true>(
           o,
@@ -496,6 +511,13 @@ __global__ void __launch_bounds__(2 * KEYS)
       warp_mma<T, D / 16, false>(
           s, [&](int kk, int mt, uint32_t f[4]) { frag_a(qs, LD, sq + mt * 16, kk * 16, lane, f); }, ks + sk * LD, LD,
           lane);
+      // dPd's products before the exponentials of P, in the same basic block
+      // (the mask's branch follows them), so the scheduler can issue the
+      // MUFU and the tensor-core instructions side by side; after the mask
+      // they ran back to back (27 MUFU in a row, the tensor pipe idle).
+      warp_mma<T, D / 16, false>(
+          dp, [&](int kk, int mt, uint32_t f[4]) { frag_a(dos, LD, sq + mt * 16, kk * 16, lane, f); }, vs + sk * LD, LD,
+          lane);
       // The lane's rows mt * 16 + g + 8 h of the warp's 32: lse in log2 units, delta.
       float lr[2][2], dr[2][2];
 #pragma unroll
@@ -526,9 +548,6 @@ __global__ void __launch_bounds__(2 * KEYS)
               if (!(kr < keys_left && c < rows_left && kr - c <= diag)) s[mt][nt][e] = 0.f;
             }
       }
-      warp_mma<T, D / 16, false>(
-          dp, [&](int kk, int mt, uint32_t f[4]) { frag_a(dos, LD, sq + mt * 16, kk * 16, lane, f); }, vs + sk * LD, LD,
-          lane);
       // Pd = P dropped and scaled, into ps; dS = P (dP - delta) scale with dP
       // the kept dPd scaled, into dss: both rounded to T, pairs stored whole.
 #pragma unroll
