@@ -56,6 +56,9 @@ METRICS = [
     ("shared_bank_conflicts", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum"),
     ("shared_wavefronts", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum"),
     ("dram_bytes", "dram__bytes.sum"),
+    # Spills: local memory's loads and stores (a kernel at 255 registers).
+    ("local_load_bytes", "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum"),
+    ("local_store_bytes", "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"),
 ]
 # Tensor-pipe utilisation: whichever of these columns the section wrote.
 TENSOR = re.compile(r"^sm__pipe_tensor\w*cycles_active\.avg\.pct_of_peak_sustained_(active|elapsed)$|"
@@ -228,7 +231,7 @@ def summarize(d):
 def print_table(rows):
     keys = ["duration_us", "tflops", "issue_active_pct", "warps_active_per_scheduler", "warps_eligible_per_scheduler",
             "cycles_per_issued_instruction", "registers_per_thread", "achieved_occupancy_pct", "instructions",
-            "shared_bank_conflicts", "shared_wavefronts"]
+            "shared_bank_conflicts", "shared_wavefronts", "local_load_bytes", "local_store_bytes"]
     for row in rows:
         for part in ("fwd", "bwd"):
             o, t = row.get(f"ours_{part}"), row.get(f"torch_{part}")

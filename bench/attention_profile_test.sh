@@ -27,22 +27,22 @@ while [ $# -gt 0 ]; do
 done
 NCU
 chmod +x "$tmp/ncu"
-H='"ID","Process ID","Process Name","Host Name","Kernel Name","gpu__time_duration.sum","smsp__issue_active.avg.pct_of_peak_sustained_active","launch__registers_per_thread","sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active","smsp__pcsamp_warps_issue_stalled_long_scoreboard","smsp__pcsamp_warps_issue_stalled_long_scoreboard_not_issued","smsp__pcsamp_warps_issue_stalled_barrier"'
-U='"","","","","","nsecond","%","register/thread","%","","",""'
+H='"ID","Process ID","Process Name","Host Name","Kernel Name","gpu__time_duration.sum","smsp__issue_active.avg.pct_of_peak_sustained_active","launch__registers_per_thread","sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active","smsp__pcsamp_warps_issue_stalled_long_scoreboard","smsp__pcsamp_warps_issue_stalled_long_scoreboard_not_issued","smsp__pcsamp_warps_issue_stalled_barrier","l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"'
+U='"","","","","","nsecond","%","register/thread","%","","","","byte"'
 cat >"$tmp/ours_raw.csv" <<CSV
 ==PROF== Disconnected from process 1
 $H
 $U
-"0","1","attention_cuda_bench","h","flash_forward_kernel","1,000,000","41.5","255","30.25","30","29","10"
-"1","1","attention_cuda_bench","h","flash_backward_kernel","5,000,000","38","255","25","5","5","15"
+"0","1","attention_cuda_bench","h","flash_forward_kernel","1,000,000","41.5","255","30.25","30","29","10","4,096"
+"1","1","attention_cuda_bench","h","flash_backward_kernel","5,000,000","38","255","25","5","5","15","0"
 CSV
 cat >"$tmp/torch_raw.csv" <<CSV
 $H
 $U
-"0","2","python3","h","flash_fwd_kernel","500,000","60","255","55","10","10","30"
-"1","2","python3","h","flash_bwd_dot_do_o_kernel","20,000","10","40","0","1","1","0"
-"2","2","python3","h","flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel","2,000,000","55","255","50","3","3","9"
-"3","2","python3","h","flash_bwd_convert_dq_kernel","30,000","10","32","0","1","1","0"
+"0","2","python3","h","flash_fwd_kernel","500,000","60","255","55","10","10","30","0"
+"1","2","python3","h","flash_bwd_dot_do_o_kernel","20,000","10","40","0","1","1","0","0"
+"2","2","python3","h","flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel","2,000,000","55","255","50","3","3","9","0"
+"3","2","python3","h","flash_bwd_convert_dq_kernel","30,000","10","32","0","1","1","0","0"
 CSV
 S='"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","stall_long_sb","stall_barrier"'
 cat >"$tmp/ours_source.csv" <<CSV
@@ -76,6 +76,7 @@ assert r["torch_bwd"]["kernel"].startswith("flash_bwd_dq_dk_dv"), r["torch_bwd"]
 assert r["ours_bwd"]["tflops"] == round(137.4e9 * 2.5 / 5e-3 / 1e12, 1), r["ours_bwd"]
 assert r["ours_fwd"]["stall_share"] == {"long_scoreboard": 0.75, "barrier": 0.25}, r["ours_fwd"]["stall_share"]
 assert r["ours_fwd"]["issue_active_pct"] == 41.5 and r["ours_fwd"]["registers_per_thread"] == 255
+assert r["ours_fwd"]["local_store_bytes"] == 4096 and r["torch_fwd"]["local_store_bytes"] == 0
 assert list(r["ours_fwd"]["tensor_pipe_pct"].values()) == [30.25]
 sass = r["ours_fwd"]["sass"]
 assert sass["samples"] == 50 and sass["by_opcode"]["HMMA.16816.F32.BF16"] == 0.6, sass
