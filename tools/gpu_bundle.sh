@@ -20,9 +20,7 @@ set -euo pipefail
 [ $# -ge 1 ] || { sed -n '2,20p' "$0"; exit 2; }
 root=$(git rev-parse --show-toplevel)
 cd "$root"
-exclude=$(git rev-parse --git-path info/exclude)  # a fresh clone may have no info/ folder
-mkdir -p "$(dirname "$exclude")"
-grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
+tools/exclude_locally.sh /.gpu/
 # The commit the binaries are built from (with +dirty for uncommitted
 # changes), read before the build: gpu_perf.sh and attention_compare.py put
 # it in their JSON (the binaries measured are the bundle's, whatever the

@@ -39,10 +39,7 @@ if [ "${1:-}" = "--data" ]; then
   mkdir -p "$here/.gpudata/fashion" "$here/.gpudata/fortunes"
   cp /usr/share/datasets/fashion-mnist/*.gz "$here/.gpudata/fashion/"
   cp -r /usr/share/games/fortunes/. "$here/.gpudata/fortunes/"
-  exclude=$(git -C "$here" rev-parse --git-path info/exclude)  # a fresh clone may have no info/ folder
-  case $exclude in /*) ;; *) exclude="$here/$exclude" ;; esac
-  mkdir -p "$(dirname "$exclude")"
-  grep -qx '/.gpudata/' "$exclude" 2>/dev/null || echo '/.gpudata/' >>"$exclude"
+  "$here/tools/exclude_locally.sh" /.gpudata/
   du -sh "$here/.gpudata"
   exit 0
 fi
