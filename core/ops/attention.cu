@@ -337,8 +337,8 @@ __global__ void __launch_bounds__(kThreads)
     // softmax and P v, the warp's tensor pipe idled through the softmax).
     // The cost is a small spill (ptxas: 56 bytes at d 128, 16 at d 64). The
     // next k tile's load starts earlier too. With dropout, whose Philox
-    // draws need registers of their own, that overlap spills more (d 128:
-    // 176 bytes against 16), so the barrier stays after the softmax.
+    // draws need registers of their own, the overlap spills more (d 128: 176
+    // bytes, 16 with the barrier after the softmax), so the barrier stays there.
     const auto next_tile = [&] {
       cuda::cp_async_wait_all();
       __syncthreads();  // v's tile is in; every warp is done with k's
@@ -723,10 +723,10 @@ int env_keys(const char* name) {
   return std::stoi(s);
 }
 std::atomic<int> fwd_keys_set{0}, bwd_keys_set{0};  // 0: not set
-// ptxas -v (sm_90, bf16): without dropout, 128-key forward tiles fit in
-// 255 registers at head dims 32 and 64, not at 128; with dropout (its Philox
-// draws inlined) they spill at 32 and 64 too (108 and 356 bytes), where 64
-// keys do not.
+// ptxas -v (sm_90, bf16, spill stores): without dropout, 128-key forward
+// tiles fit in 255 registers at head dim 32, spill 16 bytes at 64 (the
+// softmax beside P v) and are not used at 128; with dropout (its Philox
+// draws inlined) they spill 204 bytes at 64, where 64 keys do not.
 int fwd_keys(int d, bool drop) {
   static const int env = env_keys("EMBER_FLASH_KEYS");
   const int set = fwd_keys_set.load(), keys = set ? set : env;
