@@ -68,6 +68,13 @@ TENSOR = re.compile(r"^sm__pipe_tensor\w*cycles_active\.avg\.pct_of_peak_sustain
 STALL = re.compile(r"^smsp__pcsamp_warps_issue_stalled_(\w+?)(\.sum)?$")
 
 
+def not_issued(column):
+    """The not-issued variant of a stall column (smsp__..._not_issued on the
+    raw page, "stall_... (Not Issued)" on the SASS page): the same samples
+    again, restricted."""
+    return "not_issued" in re.sub(r"[ -]+", "_", column.lower())
+
+
 def flops(d, causal):
     return 4.0 * B * (HIDDEN // d) * T * T * d / (2 if causal else 1)
 
@@ -107,10 +114,22 @@ def number(s):
 
 
 def kernel_rows(raw_csv):
-    """The raw page's kernels in launch order (dicts of column -> value) and
-    its units row (column -> unit)."""
+    """The raw page's kernels in launch order (dicts of column -> value),
+    its header and its units (column -> unit). The raw page is wide (a
+    column a metric, a units row under the header); a page in the long
+    form (a row a metric: Metric Name, Metric Unit, Metric Value) is
+    turned wide."""
     header, rows = read_table(raw_csv, ["Kernel Name"])
-    units = next((r for r in rows if number(r.get("ID")) is None), {})
+    if "Metric Name" in header and "Metric Value" in header:
+        wide, units = {}, {}
+        for r in rows:
+            k = wide.setdefault(r["ID"], {"ID": r["ID"], "Kernel Name": r["Kernel Name"]})
+            k[r["Metric Name"]] = r["Metric Value"]
+            units[r["Metric Name"]] = r.get("Metric Unit", "")
+        names = list(dict.fromkeys(m for k in wide.values() for m in k))
+        rows, header = list(wide.values()), names
+    else:
+        units = next((r for r in rows if number(r.get("ID")) is None), {})
     ks = sorted((r for r in rows if number(r.get("ID")) is not None), key=lambda r: number(r["ID"]))
     return header, ks, units
 
@@ -150,7 +169,7 @@ def kernel_summary(header, r, units):
     stalls = {}
     for h in header:
         m = STALL.match(h)
-        if m and "not_issued" not in h and number(r.get(h)):
+        if m and not not_issued(h) and number(r.get(h)):
             stalls[m.group(1)] = stalls.get(m.group(1), 0) + number(r[h])
     total = sum(stalls.values())
     if total:
@@ -181,7 +200,7 @@ def source_summary(table, top=25):
     all_col = next((h for h in header if h.startswith("Warp Stall Sampling (All")), None)
     if all_col is None or not rows:
         return None
-    reasons = [h for h in header if (h.startswith("stall_") or STALL.match(h)) and "not_issued" not in h]
+    reasons = [h for h in header if (h.startswith("stall_") or STALL.match(h)) and not not_issued(h)]
     by_op, items = {}, []
     for r in rows:
         n = number(r.get(all_col)) or 0.0

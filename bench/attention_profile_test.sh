@@ -36,23 +36,38 @@ $U
 "0","1","attention_cuda_bench","h","flash_forward_kernel","1,000,000","41.5","255","30.25","30","29","10","4,096"
 "1","1","attention_cuda_bench","h","flash_backward_kernel","5,000,000","38","255","25","5","5","15","0"
 CSV
-cat >"$tmp/torch_raw.csv" <<CSV
-$H
-$U
-"0","2","python3","h","flash_fwd_kernel","500,000","60","255","55","10","10","30","0"
-"1","2","python3","h","flash_bwd_dot_do_o_kernel","20,000","10","40","0","1","1","0","0"
-"2","2","python3","h","flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel","2,000,000","55","255","50","3","3","9","0"
-"3","2","python3","h","flash_bwd_convert_dq_kernel","30,000","10","32","0","1","1","0","0"
-CSV
-S='"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","stall_long_sb","stall_barrier"'
+# PyTorch's page in the long form (a row a metric), as the details page
+# prints them: the summary turns it wide.
+L='"ID","Process ID","Process Name","Host Name","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
+{
+  echo "$L"
+  n=0
+  for k in "flash_fwd_kernel 500,000 60 55 10 30" "flash_bwd_dot_do_o_kernel 20,000 10 0 1 0" \
+    "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel 2,000,000 55 50 3 9" "flash_bwd_convert_dq_kernel 30,000 10 0 1 0"; do
+    set -- $k
+    for m in "gpu__time_duration.sum,nsecond,$2" "smsp__issue_active.avg.pct_of_peak_sustained_active,%,$3" \
+      "launch__registers_per_thread,register/thread,255" \
+      "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,%,$4" \
+      "smsp__pcsamp_warps_issue_stalled_long_scoreboard,,$5" "smsp__pcsamp_warps_issue_stalled_long_scoreboard_not_issued,,$5" \
+      "smsp__pcsamp_warps_issue_stalled_barrier,,$6" "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum,byte,0"; do
+      IFS=, read -r name unit value <<<"${m/2,000,000/2000000}"
+      value=${value/500,000/500000}
+      echo "\"$n\",\"2\",\"python3\",\"h\",\"$1\",\"s\",\"$name\",\"$unit\",\"$value\""
+    done
+    n=$((n + 1))
+  done
+} >"$tmp/torch_raw.csv"
+S='"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)","stall_long_sb","stall_long_sb (Not Issued)","stall_barrier"'
 cat >"$tmp/ours_source.csv" <<CSV
+"Kernel Name","flash_forward_kernel"
 $S
-"0x10","LDSM.16.M88.4 R4, [R2]","5","5","0","0"
-"0x20","HMMA.16816.F32.BF16 R8, R4, R6, R8","30","28","27","0"
-"0x30","BAR.SYNC.DEFER_BLOCKING 0x0","15","15","0","15"
+"0x10","LDSM.16.M88.4 R4, [R2]","5","5","0","0","0"
+"0x20","HMMA.16816.F32.BF16 R8, R4, R6, R8","30","28","27","27","0"
+"0x30","BAR.SYNC.DEFER_BLOCKING 0x0","15","15","0","0","15"
+"Kernel Name","flash_backward_kernel"
 $S
-"0x10","@P0 BAR.SYNC 0x0","40","40","0","40"
-"0x20","HMMA.16816.F32.BF16 R8, R4, R6, R8","10","10","5","0"
+"0x10","@P0 BAR.SYNC 0x0","40","40","0","0","40"
+"0x20","HMMA.16816.F32.BF16 R8, R4, R6, R8","10","10","5","5","0"
 CSV
 mkdir "$tmp/out"
 out=$(python3 "$tool" --ncu "$tmp/ncu" --ours "bench --x" --dir "$tmp/out" --json "$tmp/p.json")
@@ -82,7 +97,7 @@ sass = r["ours_fwd"]["sass"]
 assert sass["samples"] == 50 and sass["by_opcode"]["HMMA.16816.F32.BF16"] == 0.6, sass
 assert sass["top_instructions"][0]["stalls"] == ["long_sb 27"], sass["top_instructions"][0]
 assert r["ours_bwd"]["sass"]["by_opcode"]["BAR.SYNC"] == 0.8, r["ours_bwd"]["sass"]
-# PyTorch's page has no SASS tables here: four kernels, none to pair with.
+# PyTorch's SASS page is missing here: no tables to pair with its kernels.
 assert "sass" not in r["torch_fwd"]
 PY
 grep -q "issue_active_pct .* 41.5 .* 60.0" <<<"$out" || fail "table"
