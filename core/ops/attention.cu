@@ -246,11 +246,11 @@ std::atomic<int64_t> launches{0};
 // address (a loop over threadIdx.x-dependent trip counts compiled to a
 // branchy loop with 64-bit index arithmetic per piece).
 template <int D, int N, int Threads = kThreads>
-__device__ __forceinline__ void load_tile(const uint16_t* __restrict__ src, int64_t r0, int64_t t, uint16_t* dst) {
+__device__ __forceinline__ void load_tile(const uint16_t* __restrict__ src, int r0, int t, uint16_t* dst) {
   constexpr int kVec = D / 8, kStep = Threads / kVec;  // 16-byte pieces a row; rows a pass
   static_assert(Threads % kVec == 0 && N % kStep == 0, "load_tile: whole passes of the block");
   const int r = threadIdx.x / kVec, c = threadIdx.x % kVec * 8;
-  const int left = t - r0 < N ? static_cast<int>(t - r0) : N;  // rows in range
+  const int left = t - r0 < N ? t - r0 : N;  // rows in range
   const uint16_t* from = src + (r0 + r) * D + c;
   dst += r * (D + 8) + c;
   if (left == N) {  // the whole tile, as every tile but a matrix's last: no tests, offsets in the instructions
@@ -301,13 +301,17 @@ __global__ void __launch_bounds__(kThreads)
   uint16_t* ks = qs + BR * LD;
   uint16_t* vs = ks + KEYS * LD;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t b = blockIdx.y, i0 = query_block(a.causal) * BR;
+  // Row and key indices in 32 bits (attention_flash_cuda_supports: tq and
+  // tk times D below 2^31): 64-bit ones took registers the loop spilled.
+  const int tq = static_cast<int>(a.tq), tk = static_cast<int>(a.tk);
+  const int64_t b = blockIdx.y;
+  const int i0 = static_cast<int>(query_block(a.causal)) * BR;
   const int wr = warp * 16 * MT;  // the warp's first row in the block
-  const int64_t wrow = i0 + wr;
+  const int wrow = i0 + wr;
   const uint16_t* kb = k + b * a.tk * D;
   const uint16_t* vb = v + b * a.tk * D;
-  load_tile<D, BR>(q + b * a.tq * D, i0, a.tq, qs);
-  load_tile<D, KEYS>(kb, 0, a.tk, ks);
+  load_tile<D, BR>(q + b * a.tq * D, i0, tq, qs);
+  load_tile<D, KEYS>(kb, 0, tk, ks);
   cuda::cp_async_commit();
   // Scores stay unscaled until the exponent, exp2(s sl - m sl) with sl the
   // scale in log2 units: one FFMA and one MUFU a score (scale > 0, so the
@@ -318,16 +322,16 @@ __global__ void __launch_bounds__(kThreads)
   float m[MT][2], l[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
-  const int64_t last = (i0 + BR < a.tq ? i0 + BR : a.tq) - 1;
-  const int64_t kend = a.causal && last + 1 < a.tk ? last + 1 : a.tk;
-  for (int64_t j0 = 0; j0 < kend; j0 += KEYS) {
+  const int last = (i0 + BR < tq ? i0 + BR : tq) - 1;
+  const int kend = a.causal && last + 1 < tk ? last + 1 : tk;
+  for (int j0 = 0; j0 < kend; j0 += KEYS) {
     cuda::cp_async_wait_all();
     __syncthreads();  // k's tile is in; every warp is done with the last v tile
-    load_tile<D, KEYS>(vb, j0, a.tk, vs);
+    load_tile<D, KEYS>(vb, j0, tk, vs);
     cuda::cp_async_commit();
     // Warp-uniform: a warp whose rows all precede the tile (causal) or lie
     // past the end skips its products.
-    const bool active = wrow < a.tq && (!a.causal || j0 <= wrow + 16 * MT - 1);
+    const bool active = wrow < tq && (!a.causal || j0 <= wrow + 16 * MT - 1);
     // Without dropout, FlashAttention-2's order: the scores' products, then
     // the wait for v's tile and the block's barrier, then the softmax and P
     // v with no barrier between them, so the scheduler can issue the
@@ -335,15 +339,15 @@ __global__ void __launch_bounds__(kThreads)
     // 64 tile's 132 MUFU, at 16 results a clock an SM, take time comparable
     // with its 256 tensor-core instructions; with the barrier between the
     // softmax and P v, the warp's tensor pipe idled through the softmax).
-    // The cost is a small spill (ptxas: 56 bytes at d 128, 16 at d 64). The
-    // next k tile's load starts earlier too. With dropout, whose Philox
-    // draws need registers of their own, the overlap spills more (d 128: 176
-    // bytes, 16 with the barrier after the softmax), so the barrier stays there.
+    // The cost at d 128 is a small spill (ptxas: 56 bytes; none at d 64).
+    // The next k tile's load starts earlier too. With dropout, whose Philox
+    // draws need registers of their own, the barrier stays after the
+    // softmax: there the overlap spilled 176 bytes at d 128.
     const auto next_tile = [&] {
       cuda::cp_async_wait_all();
       __syncthreads();  // v's tile is in; every warp is done with k's
       if (j0 + KEYS < kend) {
-        load_tile<D, KEYS>(kb, j0 + KEYS, a.tk, ks);
+        load_tile<D, KEYS>(kb, j0 + KEYS, tk, ks);
         cuda::cp_async_commit();
       }
     };
@@ -363,9 +367,9 @@ __global__ void __launch_bounds__(kThreads)
       // d 128 tile. Key jl of the tile is past the end from keys_left on,
       // and after row il of the warp (causal) when jl > il + diag: in the
       // tile's 32-bit coordinates, fewer registers.
-      if (j0 + KEYS > a.tk || (a.causal && j0 + KEYS - 1 > wrow)) {
-        const int keys_left = static_cast<int>(a.tk - j0 < KEYS ? a.tk - j0 : KEYS);
-        const int diag = static_cast<int>(a.causal ? (wrow - j0 < KEYS ? wrow - j0 : KEYS) : KEYS);
+      if (j0 + KEYS > tk || (a.causal && j0 + KEYS - 1 > wrow)) {
+        const int keys_left = tk - j0 < KEYS ? tk - j0 : KEYS;
+        const int diag = a.causal ? (wrow - j0 < KEYS ? wrow - j0 : KEYS) : KEYS;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -403,8 +407,8 @@ __global__ void __launch_bounds__(kThreads)
             l[mt][e / 2] += p;  // the lane's share; the quad adds up at the end
             pe[e] = p;
             if constexpr (Drop) {
-              const int64_t j = j0 + nt * 8 + 2 * t + e % 2, i = wrow + mt * 16 + g + 8 * (e / 2);
-              pe[e] = i < a.tq && j < a.tk && kept(a, b, i, j) ? p * keep_scale : 0.f;
+              const int j = j0 + nt * 8 + 2 * t + e % 2, i = wrow + mt * 16 + g + 8 * (e / 2);
+              pe[e] = i < tq && j < tk && kept(a, b, i, j) ? p * keep_scale : 0.f;
             }
           }
           pk[mt][nt][0] = cuda::pack16<T>(pe[0], pe[1]);
@@ -428,7 +432,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int h = 0; h < 2; ++h) {
       const float lsum = quad_sum(l[mt][h]);
       const int64_t i = wrow + mt * 16 + g + 8 * h;
-      if (i >= a.tq) continue;
+      if (i >= tq) continue;
       const float inv = 1.f / lsum;
       uint16_t* orow = out + (b * a.tq + i) * D;
 #pragma unroll
@@ -482,16 +486,16 @@ __global__ void __launch_bounds__(2 * KEYS)
   const int64_t b = blockIdx.y, j0 = static_cast<int64_t>(blockIdx.x) * KEYS;
   const uint16_t* qb = q + b * a.tq * D;
   const uint16_t* dob = dout + b * a.tq * D;
-  load_tile<D, KEYS, Threads>(k + b * a.tk * D, j0, a.tk, ks);
-  load_tile<D, KEYS, Threads>(v + b * a.tk * D, j0, a.tk, vs);
+  load_tile<D, KEYS, Threads>(k + b * a.tk * D, static_cast<int>(j0), static_cast<int>(a.tk), ks);
+  load_tile<D, KEYS, Threads>(v + b * a.tk * D, static_cast<int>(j0), static_cast<int>(a.tk), vs);
   cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
   const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
   float dva[2][DN][4] = {}, dka[2][DN][4] = {};
   // A query tile's q and dO (cp.async) and its rows' lse and delta.
   const auto stage = [&](int64_t i0) {
-    load_tile<D, kRows, Threads>(qb, i0, a.tq, qs);
-    load_tile<D, kRows, Threads>(dob, i0, a.tq, dos);
+    load_tile<D, kRows, Threads>(qb, static_cast<int>(i0), static_cast<int>(a.tq), qs);
+    load_tile<D, kRows, Threads>(dob, static_cast<int>(i0), static_cast<int>(a.tq), dos);
     cuda::cp_async_commit();
     if (const int r = threadIdx.x; r < kRows) {
       const int64_t i = i0 + r;
@@ -640,8 +644,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t wrow = i0 + warp * 16;  // the warp's first row
   const uint16_t* kb = k + b * a.tk * D;
   const uint16_t* vb = v + b * a.tk * D;
-  load_tile<D, kRows>(q + b * a.tq * D, i0, a.tq, qs);
-  load_tile<D, kRows>(dout + b * a.tq * D, i0, a.tq, dos);
+  load_tile<D, kRows>(q + b * a.tq * D, static_cast<int>(i0), static_cast<int>(a.tq), qs);
+  load_tile<D, kRows>(dout + b * a.tq * D, static_cast<int>(i0), static_cast<int>(a.tq), dos);
   cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
   const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
@@ -659,8 +663,8 @@ __global__ void __launch_bounds__(kThreads)
   const bool active = wrow < a.tq;
   for (int64_t j0 = 0; j0 < kend; j0 += kKeys) {
     __syncthreads();  // every warp is done with the last tile's k and v
-    load_tile<D, kKeys>(kb, j0, a.tk, ks);
-    load_tile<D, kKeys>(vb, j0, a.tk, vs);
+    load_tile<D, kKeys>(kb, static_cast<int>(j0), static_cast<int>(a.tk), ks);
+    load_tile<D, kKeys>(vb, static_cast<int>(j0), static_cast<int>(a.tk), vs);
     cuda::cp_async_commit();
     cuda::cp_async_wait_all();
     __syncthreads();  // the tiles (and, the first time, q and dO) are in
@@ -723,10 +727,9 @@ int env_keys(const char* name) {
   return std::stoi(s);
 }
 std::atomic<int> fwd_keys_set{0}, bwd_keys_set{0};  // 0: not set
-// ptxas -v (sm_90, bf16, spill stores): without dropout, 128-key forward
-// tiles fit in 255 registers at head dim 32, spill 16 bytes at 64 (the
-// softmax beside P v) and are not used at 128; with dropout (its Philox
-// draws inlined) they spill 204 bytes at 64, where 64 keys do not.
+// ptxas -v (sm_90, bf16): without dropout, 128-key forward tiles fit in
+// 255 registers at head dims 32 and 64 (not used at 128); with dropout (its
+// Philox draws inlined) they spill at 64 (8 bytes), where 64 keys do not.
 int fwd_keys(int d, bool drop) {
   static const int env = env_keys("EMBER_FLASH_KEYS");
   const int set = fwd_keys_set.load(), keys = set ? set : env;
@@ -904,7 +907,9 @@ bool attention_flash_cuda_supports(const AttentionArgs& a, DType dt) {
   // exp2(-inf * 0), NaN.
   const float sl = static_cast<float>(a.scale) * flash::kLog2e;
   return flash::enabled.load() && (dt == DType::BFloat16 || dt == DType::Float16) && a.d == a.dv && sl > 0 &&
-         std::isfinite(sl) && (a.d == 32 || a.d == 64 || a.d == 128) && a.n > 0 && a.n <= 65535 && a.tq > 0 && a.tk > 0;
+         std::isfinite(sl) && (a.d == 32 || a.d == 64 || a.d == 128) && a.n > 0 && a.n <= 65535 && a.tq > 0 &&
+         a.tk > 0 && a.tq * a.d < (int64_t{1} << 31) &&
+         a.tk * a.d < (int64_t{1} << 31);  // the kernels' 32-bit row offsets
 }
 
 void set_attention_cuda_flash(bool on) { flash::enabled.store(on); }
