@@ -223,17 +223,18 @@ TEST_F(CudaNnOps, FlashAttentionMatchesCpu) {
 }
 
 // The fused kernels keep a head's row offsets in 32 bits: sequences whose
-// rows times the head dim reach 2^31 elements are left to the blocked
-// kernels (asked of the check itself: such tensors take 4 GiB each).
+// rows (with a 128-row tile past the last) times the head dim reach 2^31
+// elements are left to the blocked kernels (asked of the check itself:
+// such tensors take 4 GiB each).
 TEST_F(CudaNnOps, FlashAttentionRowOffsetsFitIn32Bits) {
   AttentionArgs a;
-  a.n = 1, a.d = a.dv = 128, a.scale = 0.125, a.tq = 16, a.tk = (int64_t{1} << 24) - 1;
+  a.n = 1, a.d = a.dv = 128, a.scale = 0.125, a.tq = 16, a.tk = (int64_t{1} << 24) - 129;
   EXPECT_TRUE(attention_flash_cuda_supports(a, DType::BFloat16));
-  a.tk = int64_t{1} << 24;
-  EXPECT_FALSE(attention_flash_cuda_supports(a, DType::BFloat16)) << "keys x head dim = 2^31";
-  a.tk = 16, a.tq = int64_t{1} << 24;
-  EXPECT_FALSE(attention_flash_cuda_supports(a, DType::BFloat16)) << "queries x head dim = 2^31";
-  a.tq = (int64_t{1} << 25) - 1, a.d = a.dv = 64;
+  a.tk += 1;
+  EXPECT_FALSE(attention_flash_cuda_supports(a, DType::BFloat16)) << "(keys + 128) x head dim = 2^31";
+  a.tk = 16, a.tq = (int64_t{1} << 24) - 128;
+  EXPECT_FALSE(attention_flash_cuda_supports(a, DType::BFloat16)) << "(queries + 128) x head dim = 2^31";
+  a.tq = (int64_t{1} << 25) - 129, a.d = a.dv = 64;
   EXPECT_TRUE(attention_flash_cuda_supports(a, DType::BFloat16));
 }
 

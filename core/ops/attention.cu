@@ -302,7 +302,8 @@ __global__ void __launch_bounds__(kThreads)
   uint16_t* vs = ks + KEYS * LD;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   // Row and key indices in 32 bits (attention_flash_cuda_supports: tq and
-  // tk times D below 2^31): 64-bit ones took registers the loop spilled.
+  // tk, plus a tile, times D below 2^31): 64-bit ones took registers the
+  // loop spilled.
   const int tq = static_cast<int>(a.tq), tk = static_cast<int>(a.tk);
   const int64_t b = blockIdx.y;
   const int i0 = static_cast<int>(query_block(a.causal)) * BR;
@@ -908,8 +909,9 @@ bool attention_flash_cuda_supports(const AttentionArgs& a, DType dt) {
   const float sl = static_cast<float>(a.scale) * flash::kLog2e;
   return flash::enabled.load() && (dt == DType::BFloat16 || dt == DType::Float16) && a.d == a.dv && sl > 0 &&
          std::isfinite(sl) && (a.d == 32 || a.d == 64 || a.d == 128) && a.n > 0 && a.n <= 65535 && a.tq > 0 &&
-         a.tk > 0 && a.tq * a.d < (int64_t{1} << 31) &&
-         a.tk * a.d < (int64_t{1} << 31);  // the kernels' 32-bit row offsets
+         a.tk > 0 &&
+         // The kernels' 32-bit row offsets, a tile's rows past the end included.
+         (a.tq + 128) * a.d < (int64_t{1} << 31) && (a.tk + 128) * a.d < (int64_t{1} << 31);
 }
 
 void set_attention_cuda_flash(bool on) { flash::enabled.store(on); }
