@@ -35,7 +35,10 @@ import shutil
 import subprocess
 import sys
 
-B, T, HIDDEN = 8, 2048, 2048
+# The shapes, FLOP count, bundle commit and device line of attention_compare.py,
+# whose figures this explains.
+from attention_compare import B, HIDDEN, T, commit, device_meta, flops
+
 CONFIGS = [(64, True), (128, True), (128, False)]  # head dim, causal: forward + backward each
 
 # The ncu raw page's metrics this summary reads, by the start of their
@@ -73,10 +76,6 @@ def not_issued(column):
     raw page, "stall_... (Not Issued)" on the SASS page): the same samples
     again, restricted."""
     return "not_issued" in re.sub(r"[ -]+", "_", column.lower())
-
-
-def flops(d, causal):
-    return 4.0 * B * (HIDDEN // d) * T * T * d / (2 if causal else 1)
 
 
 def label(d, causal):
@@ -147,9 +146,8 @@ def pick_kernels(rows, side):
     if side == "ours":
         return longest(lambda n: "flash_forward_kernel" in n), longest(lambda n: "flash_backward_kernel" in n)
     fwd, bwd = longest(lambda n: "fwd" in n), longest(lambda n: "bwd" in n and "dq_dk_dv" in n)
-    if fwd is None or bwd is None:
-        two = sorted(sorted(rows, key=dur)[-2:], key=lambda r: number(r["ID"]))
-        fwd, bwd = (two + [None, None])[:2] if len(two) == 2 else (fwd, bwd)
+    if (fwd is None or bwd is None) and len(rows) >= 2:
+        fwd, bwd = sorted(sorted(rows, key=dur)[-2:], key=lambda r: number(r["ID"]))
     return fwd, bwd
 
 
@@ -163,14 +161,15 @@ def kernel_summary(header, r, units):
         if key_ == "duration_us":
             v *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(units.get(col, "nsecond"), 1e-3)
         s[key_] = round(v, 3)
-    tensor = {h: number(r[h]) for h in header if TENSOR.match(h) and number(r.get(h)) is not None}
+    values = {h: number(r.get(h)) for h in header}
+    tensor = {h: round(v, 2) for h, v in values.items() if TENSOR.match(h) and v is not None}
     if tensor:
-        s["tensor_pipe_pct"] = {h: round(v, 2) for h, v in tensor.items()}
+        s["tensor_pipe_pct"] = tensor
     stalls = {}
-    for h in header:
+    for h, v in values.items():
         m = STALL.match(h)
-        if m and not not_issued(h) and number(r.get(h)):
-            stalls[m.group(1)] = stalls.get(m.group(1), 0) + number(r[h])
+        if m and not not_issued(h) and v:
+            stalls[m.group(1)] = stalls.get(m.group(1), 0) + v
     total = sum(stalls.values())
     if total:
         s["stall_share"] = {k: round(v / total, 4) for k, v in sorted(stalls.items(), key=lambda kv: -kv[1]) if v / total >= 0.005}
@@ -224,7 +223,7 @@ def source_summary(table, top=25):
 def summarize(d):
     rows = []
     for hd, causal in CONFIGS:
-        row = {"name": label(hd, causal), "forward_flop": flops(hd, causal)}
+        row = {"name": label(hd, causal), "forward_flop": flops(hd, causal, False)}
         for side in ("ours", "torch"):
             base = os.path.join(d, f"{side}_{tag(hd, causal)}")
             header, ks, units = kernel_rows(base + "_raw.csv")
@@ -340,13 +339,6 @@ def profile(a):
             print(f"profiled {label(hd, causal)}", flush=True)
 
 
-def commit():
-    stamp = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".gpu", "COMMIT")
-    if os.environ.get("COMMIT"):
-        return os.environ["COMMIT"]
-    return open(stamp).read().strip() if os.path.exists(stamp) else "unknown"
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ours", help="the command that runs //bench:attention_cuda_bench")
@@ -368,11 +360,7 @@ def main():
         print(f"attention_profile: no kernel found in {d}'s CSV pages", file=sys.stderr)
         return 1
     if a.json:
-        meta = {}
-        if not a.summarize and shutil.which("nvidia-smi"):
-            q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True).stdout.strip().split(", ")
-            meta = {"device": q[0], "driver": q[-1]}
+        meta = device_meta(False) if not a.summarize and shutil.which("nvidia-smi") else {}
         doc = dict(meta, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                    commit=commit(),
                    workload=f"ncu --set full, one forward + backward step, bf16, batch {B}, sequence {T}, hidden "
