@@ -2,7 +2,7 @@
 // (matmul, mask, softmax, dropout, matmul) in float64, with the dropout
 // mask dropout() draws from the same generator; finite differences through
 // it; shapes several blocks long (the CPU kernel's 64-row blocks), 16-bit
-// inputs, and the errors.
+// inputs, the packed projection's op, and the errors.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -206,6 +206,37 @@ TEST(Attention, HalfInputsComputeInFloat32) {
     EXPECT_EQ(y.dtype(), dt);
     expect_close(y.to(DType::Float64), want, dt == DType::BFloat16 ? 3e-2 : 5e-3, dtype_name(dt));
   }
+}
+
+// The packed projection's op is attention of its three column blocks'
+// heads, transposed back: against the composed reference on those views
+// (their gradients assembled by narrow's and permute's backward), forward
+// and qkv's gradient, causal and not, with dropout from one seed.
+TEST(Attention, PackedQkvIsAttentionOfItsHeads) {
+  const int64_t B = 2, T = 70, H = 3, D = 4, E = H * D;
+  for (bool causal : {false, true})
+    for (double p : {0.0, 0.25}) {
+      const Tensor base = rnd({B, T, 3 * E}, 31);
+      Tensor qkv = base.clone().requires_grad_(), qkv_ref = base.clone().requires_grad_();
+      Generator g1(5), g2(5);
+      const Tensor y = scaled_dot_product_attention_qkvpacked(qkv, H, causal, p, &g1);
+      const auto heads = [&](int64_t i) {
+        return qkv_ref.narrow(2, i * E, E).view({B, T, H, D}).permute({0, 2, 1, 3});
+      };
+      const Tensor want = reference(heads(0), heads(1), heads(2), causal, p, &g2).permute({0, 2, 1, 3});
+      const std::string what = detail::str_cat("packed causal ", causal, " p ", p);
+      ASSERT_EQ(y.sizes(), Shape({B, T, H, D})) << what;
+      expect_close(y, want, 1e-10, what);
+      const Tensor r = rnd({B, T, H, D}, 32);
+      sum(y * r).backward();
+      sum(want * r).backward();
+      expect_close(qkv.grad(), qkv_ref.grad(), 1e-10, what + " grad");
+    }
+  const auto msg = testing::error_of([] { scaled_dot_product_attention_qkvpacked(ones({2, 3, 10}), 2); });
+  EXPECT_NE(msg.find("scaled_dot_product_attention_qkvpacked: qkv must be [B, T, 3 E] with E a multiple of heads (2), "
+                     "got [2,3,10]"),
+            std::string::npos)
+      << msg;
 }
 
 TEST(Attention, Errors) {

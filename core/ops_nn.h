@@ -78,6 +78,17 @@ Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin);
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal = false,
                                     double dropout_p = 0.0, Generator* gen = nullptr,
                                     std::optional<double> scale = std::nullopt);
+// Attention over a packed projection, FlashAttention's qkvpacked layout:
+// qkv [B, T, 3 E] holds q, k and v as its three column blocks of `heads`
+// heads each ([B, T, 3, heads, E / heads]), as an in-projection writes them.
+// Returns [B, T, heads, E / heads]: scaled_dot_product_attention of the three
+// [B, heads, T, D] heads, transposed back, with one gradient for qkv. The
+// fused CUDA kernels read q, k and v where they lie, write the output in this
+// layout and the gradients into qkv's; elsewhere the heads are copied out
+// and their gradients copied in.
+Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv, int64_t heads, bool is_causal = false,
+                                              double dropout_p = 0.0, Generator* gen = nullptr,
+                                              std::optional<double> scale = std::nullopt);
 // The same attention without dropout, with each row's log-sum-exp of its
 // scaled scores beside the output: [..., Tq, Dv + 1], the output in
 // [..., :Dv] and the log-sum-exp in [..., Dv], in the compute dtype (float32

@@ -20,6 +20,7 @@
 #include "core/ops/kernels.h"
 #include "core/ops_nn.h"
 #include "core/testing/conv_cases.h"
+#include "core/testing/cuda_compare.h"
 #include "core/testing/error_of.h"
 #include "core/testing/pool_cases.h"
 
@@ -27,7 +28,7 @@ namespace ember {
 namespace {
 
 using Dims = std::array<int64_t, 2>;
-using Fn = std::function<Tensor(const std::vector<Tensor>&)>;
+using namespace testing::cuda_compare;
 
 class CudaNnOps : public ::testing::Test {
  protected:
@@ -42,78 +43,11 @@ class CudaNnOps : public ::testing::Test {
     set_cudnn_graph_api(true);
     set_cudnn_benchmark(false);
     set_deterministic_algorithms(false);
-    set_attention_cuda_flash_tiles({});
   }
 };
-
-const std::vector<DType> kTypes = {DType::Float32, DType::Float64, DType::Float16, DType::BFloat16};
-// Tolerances: docs/design.md, Note [numerics] (float32 convolutions 1e-6 to
-// 2e-6 of the scale; TF32 3e-4, which 1e-4 fails).
-double tol(DType t) {
-  return t == DType::Float16 ? 1e-2 : t == DType::BFloat16 ? 3e-2 : t == DType::Float32 ? 1e-4 : 1e-9;
-}
-
-template <typename... Args>
-std::string cat(const Args&... args) {
-  return detail::str_cat(args...);
-}
-
-Tensor rnd(const Shape& s, uint64_t seed, DType dt, double scale = 1.0) {
-  Generator g(seed);
-  return (randn(s, {DType::Float64}, &g) * scale).to(dt);
-}
 
 // x.permute to NHWC memory, viewed back as NCHW.
 Tensor channels_last(const Tensor& x) { return x.permute({0, 2, 3, 1}).contiguous().permute({0, 3, 1, 2}); }
-
-void expect_same(const Tensor& cpu, const Tensor& gpu, double t, const std::string& what) {
-  ASSERT_EQ(cpu.defined(), gpu.defined()) << what;
-  if (!cpu.defined()) return;
-  ASSERT_TRUE(gpu.is_cuda()) << what;
-  ASSERT_EQ(cpu.sizes(), gpu.sizes()) << what;
-  ASSERT_EQ(cpu.dtype(), gpu.dtype()) << what;
-  EXPECT_TRUE(allclose(gpu.cpu(), cpu, t, t)) << what << "\ncpu: " << cpu << "\ncuda: " << gpu.cpu();
-}
-
-bool bitwise_equal(const Tensor& a, const Tensor& b) {
-  if (a.sizes() != b.sizes() || a.dtype() != b.dtype()) return false;
-  const Tensor x = a.cpu().contiguous(), y = b.cpu().contiguous();
-  return std::memcmp(x.raw_data(), y.raw_data(), static_cast<size_t>(x.numel()) * x.element_size()) == 0;
-}
-
-struct Outcome {
-  Tensor y;
-  std::vector<Tensor> grads;
-};
-
-// f on copies of `inputs` moved to the device (defined floating ones are
-// leaves requiring grad; `layout` may restride them), then backward of
-// sum(y * r) for a fixed random r.
-Outcome run(const Fn& f, const std::vector<Tensor>& inputs, bool cuda, const std::function<Tensor(Tensor)>& layout = {}) {
-  std::vector<Tensor> in;
-  for (const Tensor& t : inputs) {
-    if (!t.defined()) {
-      in.push_back(t);
-      continue;
-    }
-    Tensor d = cuda ? t.cuda() : t.clone();
-    if (layout && d.dim() == 4) d = layout(d);
-    in.push_back(d.detach().requires_grad_());
-  }
-  Outcome r;
-  r.y = f(in);
-  Tensor proj = rnd(r.y.sizes(), 77, r.y.dtype());
-  sum(r.y * (cuda ? proj.cuda() : proj)).backward();
-  for (const Tensor& t : in) r.grads.push_back(t.defined() ? t.grad() : Tensor());
-  return r;
-}
-
-void compare(const Fn& f, const std::vector<Tensor>& inputs, double t, const std::string& what,
-             const std::function<Tensor(Tensor)>& cuda_layout = {}) {
-  Outcome c = run(f, inputs, false), g = run(f, inputs, true, cuda_layout);
-  expect_same(c.y, g.y, t, cat(what, " forward"));
-  for (size_t i = 0; i < c.grads.size(); ++i) expect_same(c.grads[i], g.grads[i], t, cat(what, " grad ", i));
-}
 
 using testing::ConvCase;
 const std::vector<ConvCase> kConvCases = testing::conv_cases({
@@ -133,212 +67,6 @@ TEST_F(CudaNnOps, Conv2dMatchesCpu) {
       std::vector<Tensor> in = {rnd(c.x, seed++, dt, 0.5), rnd(c.w, seed++, dt, 0.5),
                                 c.bias ? rnd({c.w[0]}, seed++, dt) : Tensor()};
       compare(conv_fn(c), in, tol(dt), cat("conv2d x", c.x, " w", c.w, " g", c.groups, " ", dt));
-    }
-}
-
-// Fused attention: causal and not, more keys than queries, dropout (the
-// same Philox mask on both backends), forward and the three gradients.
-TEST_F(CudaNnOps, AttentionMatchesCpu) {
-  uint64_t seed = 300;
-  for (bool causal : {false, true})
-    for (double p : {0.0, 0.3})
-      for (DType dt : {DType::Float32, DType::Float64}) {
-        const int64_t tk = causal ? 9 : 13;
-        std::vector<Tensor> in = {rnd({2, 3, 9, 8}, seed++, dt), rnd({2, 3, tk, 8}, seed++, dt),
-                                  rnd({2, 3, tk, 5}, seed++, dt)};
-        Fn f = [causal, p](const std::vector<Tensor>& v) {
-          Generator g(17);
-          return scaled_dot_product_attention(v[0], v[1], v[2], causal, p, &g);
-        };
-        compare(f, in, tol(dt), cat("attention causal ", causal, " p ", p, " ", dt));
-        // A scratch of 4 query rows per head splits the 9 rows into blocks
-        // of 4, 4 and 1: dK and dV sum over blocks, a causal block stops early.
-        set_attention_cuda_scratch(6 * tk * 4);
-        compare(f, in, tol(dt), cat("attention in blocks causal ", causal, " p ", p, " ", dt));
-        set_attention_cuda_scratch(0);
-      }
-}
-
-// The fused (flash) kernels for 16-bit q, k, v (flash_forward_kernel,
-// delta_kernel, flash_backward_kernel): head dims 32, 64 and 128,
-// several query blocks and key tiles with partial last ones (65, 70, 129
-// rows; 64, 150 keys), causal with fewer and more keys than queries, an
-// explicit scale, dropout (the CPU's Philox mask); against the CPU kernel in
-// float32 (P and dS are rounded to the 16-bit type before their products,
-// as FlashAttention does, which the tolerance covers). The launch counter
-// shows the fused path ran (forward and backward), not the blocked one.
-// Every case runs with both key tiles: 64 (forward tiles, 4-warp backward
-// blocks) and the default 128 (8-warp backward blocks whose dQ products
-// split the columns in two; the 140 x 200 causal case leaves warps of the
-// last key block idle, past the causal edge or past the last key).
-TEST_F(CudaNnOps, FlashAttentionMatchesCpu) {
-  uint64_t seed = 900;
-  struct Case {
-    int64_t tq, tk, d;
-    bool causal;
-    double p;
-    DType dt;
-    std::optional<double> scale;
-  };
-  for (const int keys : {64, 0})
-    for (const Case& c : std::vector<Case>{{70, 70, 64, true, 0.0, DType::BFloat16, {}},
-                                           {129, 150, 32, false, 0.0, DType::Float16, 0.3},
-                                           {70, 150, 128, true, 0.3, DType::BFloat16, {}},
-                                           {129, 64, 64, true, 0.0, DType::Float16, {}},
-                                           {65, 65, 64, false, 0.2, DType::Float16, {}},
-                                           {140, 200, 32, true, 0.0, DType::BFloat16, {}}}) {
-      set_attention_cuda_flash_tiles({keys, keys});
-      std::vector<Tensor> in = {rnd({2, 2, c.tq, c.d}, seed++, c.dt), rnd({2, 2, c.tk, c.d}, seed++, c.dt),
-                                rnd({2, 2, c.tk, c.d}, seed++, c.dt)};
-      Fn f = [c](const std::vector<Tensor>& v) {
-        Generator g(23);
-        return scaled_dot_product_attention(v[0], v[1], v[2], c.causal, c.p, &g, c.scale);
-      };
-      const int64_t before = attention_cuda_flash_launches();
-      compare(f, in, tol(c.dt),
-              cat("flash attention tq ", c.tq, " tk ", c.tk, " d ", c.d, " causal ", c.causal, " p ", c.p, " ", c.dt,
-                  " key tiles ", keys ? keys : 128));
-      EXPECT_EQ(attention_cuda_flash_launches() - before, 2) << "the fused forward and backward should have run";
-    }
-  set_attention_cuda_flash_tiles({});
-  // A negative scale, and one that is 0 in float: the fused kernels take
-  // the maximum of the unscaled scores, so they decline both and the
-  // blocked kernels answer.
-  std::vector<Tensor> in = {rnd({1, 2, 40, 64}, seed++, DType::BFloat16), rnd({1, 2, 50, 64}, seed++, DType::BFloat16),
-                            rnd({1, 2, 50, 64}, seed++, DType::BFloat16)};
-  int64_t before = attention_cuda_flash_launches();
-  compare(
-      [](const std::vector<Tensor>& v) {
-        return scaled_dot_product_attention(v[0], v[1], v[2], false, 0.0, nullptr, 1e-50);
-      },
-      in, tol(DType::BFloat16), "attention with a scale of 1e-50");
-  EXPECT_EQ(attention_cuda_flash_launches(), before) << "a scale that is 0 in float should not reach the fused kernels";
-  before = attention_cuda_flash_launches();
-  compare(
-      [](const std::vector<Tensor>& v) {
-        return scaled_dot_product_attention(v[0], v[1], v[2], true, 0.0, nullptr, -0.4);
-      },
-      in, tol(DType::BFloat16), "attention with a negative scale");
-  EXPECT_EQ(attention_cuda_flash_launches(), before) << "a negative scale should not reach the fused kernels";
-}
-
-// The fused kernels keep a head's row offsets in 32 bits: sequences whose
-// rows (with a 128-row tile past the last) times the head dim reach 2^31
-// elements are left to the blocked kernels (asked of the check itself:
-// such tensors take 4 GiB each).
-TEST_F(CudaNnOps, FlashAttentionRowOffsetsFitIn32Bits) {
-  AttentionArgs a;
-  a.n = 1, a.d = a.dv = 128, a.scale = 0.125, a.tq = 16, a.tk = (int64_t{1} << 24) - 129;
-  EXPECT_TRUE(attention_flash_cuda_supports(a, DType::BFloat16));
-  a.tk += 1;
-  EXPECT_FALSE(attention_flash_cuda_supports(a, DType::BFloat16)) << "(keys + 128) x head dim = 2^31";
-  a.tk = 16, a.tq = (int64_t{1} << 24) - 128;
-  EXPECT_FALSE(attention_flash_cuda_supports(a, DType::BFloat16)) << "(queries + 128) x head dim = 2^31";
-  a.tq = (int64_t{1} << 25) - 129, a.d = a.dv = 64;
-  EXPECT_TRUE(attention_flash_cuda_supports(a, DType::BFloat16));
-}
-
-// Under deterministic_algorithms() the fused backward leaves dQ to a pass of
-// its own (flash_dq_kernel: each block sums its rows' parts in key order
-// instead of the key blocks adding theirs with atomics): the same cases
-// against the CPU, three launches (forward, backward, dQ pass), and two runs
-// bit for bit the same (on a GPU the atomic path's last bits vary from run
-// to run). The log-sum-exp variant (a gradient through lse too) takes the
-// same pass. Every other case runs the backward with 64-key blocks (its dQ
-// pass keeps 64-key tiles either way).
-TEST_F(CudaNnOps, FlashAttentionDeterministicDqMatchesCpu) {
-  struct Case {
-    int64_t tq, tk, d;
-    bool causal;
-    double p;
-    DType dt;
-  };
-  uint64_t seed = 1900;
-  int index = 0;
-  for (const Case& c : std::vector<Case>{{70, 70, 64, true, 0.0, DType::BFloat16},
-                                         {129, 150, 32, false, 0.0, DType::Float16},
-                                         {70, 150, 128, true, 0.3, DType::BFloat16},
-                                         {129, 64, 64, true, 0.0, DType::Float16},
-                                         {200, 130, 64, false, 0.2, DType::BFloat16}}) {
-    const int keys = index++ % 2 ? 64 : 0;
-    set_attention_cuda_flash_tiles({keys, keys});
-    const std::string what = cat("deterministic flash attention tq ", c.tq, " tk ", c.tk, " d ", c.d, " causal ",
-                                 c.causal, " p ", c.p, " key tiles ", keys ? keys : 128);
-    // Three heads: blockIdx.y past one, fewer than the other test's four (five runs a case here).
-    std::vector<Tensor> in = {rnd({1, 3, c.tq, c.d}, seed++, c.dt), rnd({1, 3, c.tk, c.d}, seed++, c.dt),
-                              rnd({1, 3, c.tk, c.d}, seed++, c.dt)};
-    Fn f = [c](const std::vector<Tensor>& v) {
-      Generator g(23);
-      return scaled_dot_product_attention(v[0], v[1], v[2], c.causal, c.p, &g);
-    };
-    const Outcome cpu = run(f, in, false);
-    set_deterministic_algorithms(true);
-    const int64_t before = attention_cuda_flash_launches();
-    const Outcome first = run(f, in, true);
-    EXPECT_EQ(attention_cuda_flash_launches() - before, 3) << what << ": forward, backward and the dQ pass";
-    const Outcome second = run(f, in, true);
-    set_deterministic_algorithms(false);
-    expect_same(cpu.y, first.y, tol(c.dt), what + " forward");
-    for (size_t i = 0; i < 3; ++i) {
-      expect_same(cpu.grads[i], first.grads[i], tol(c.dt), cat(what, " grad ", i));
-      EXPECT_TRUE(bitwise_equal(first.grads[i], second.grads[i])) << what << ": grad " << i << " changed between runs";
-    }
-  }
-  set_attention_cuda_flash_tiles({});
-  set_deterministic_algorithms(true);
-  for (bool causal : {false, true}) {
-    std::vector<Tensor> in = {rnd({2, 2, 70, 64}, seed++, DType::BFloat16),
-                              rnd({2, 2, 75, 64}, seed++, DType::BFloat16),
-                              rnd({2, 2, 75, 64}, seed++, DType::BFloat16)};
-    const int64_t before = attention_cuda_flash_launches();
-    compare(
-        [causal](const std::vector<Tensor>& v) { return scaled_dot_product_attention_lse(v[0], v[1], v[2], causal); },
-        in, tol(DType::BFloat16), cat("deterministic attention lse causal ", causal));
-    EXPECT_EQ(attention_cuda_flash_launches() - before, 3) << "lse causal " << causal;
-  }
-  set_deterministic_algorithms(false);
-}
-
-// The log-sum-exp variant (context parallelism's merge): the blocked
-// kernels (float32, float64: probs_kernel's lse, delta_kernel's dlse) and
-// the fused ones (bfloat16, head dim 64: delta_kernel's dlse) against
-// the CPU, forward and gradients through both the output and the lse.
-TEST_F(CudaNnOps, AttentionLogSumExpMatchesCpu) {
-  uint64_t seed = 950;
-  for (DType dt : {DType::Float32, DType::Float64, DType::BFloat16})
-    for (bool causal : {false, true}) {
-      const int64_t d = dt == DType::BFloat16 ? 64 : 8;
-      std::vector<Tensor> in = {rnd({2, 2, 70, d}, seed++, dt), rnd({2, 2, 75, d}, seed++, dt),
-                                rnd({2, 2, 75, d}, seed++, dt)};
-      Fn f = [causal](const std::vector<Tensor>& v) {
-        return scaled_dot_product_attention_lse(v[0], v[1], v[2], causal);
-      };
-      compare(f, in, tol(dt), cat("attention lse causal ", causal, " ", dt));
-    }
-}
-
-// One key block's gradients of a merged attention (context parallelism's
-// ring backward): the blocked kernels and the fused ones (bfloat16, head dim
-// 64, which take the block's log-sum-exp instead of recomputing it) against
-// the CPU. block_lse is the block's own (the CPU's), lse that of a merge
-// with other blocks (larger).
-TEST_F(CudaNnOps, AttentionBlockGradsMatchCpu) {
-  uint64_t seed = 970;
-  for (DType dt : {DType::Float32, DType::Float64, DType::BFloat16})
-    for (bool causal : {false, true}) {
-      const int64_t d = dt == DType::BFloat16 ? 64 : 8;
-      const Tensor q = rnd({2, 2, 70, d}, seed++, dt), k = rnd({2, 2, 75, d}, seed++, dt),
-                   v = rnd({2, 2, 75, d}, seed++, dt);
-      const Tensor packed = scaled_dot_product_attention_lse(q, k, v, causal);
-      const DType compute = packed.dtype();
-      const Tensor block_lse = packed.select(-1, d).contiguous();
-      const Tensor lse = block_lse + abs(rnd(block_lse.sizes(), seed++, compute));
-      const Tensor out = rnd({2, 2, 70, d}, seed++, compute), dout = rnd({2, 2, 70, d}, seed++, compute);
-      const auto want = scaled_dot_product_attention_block_grads(q, k, v, out, dout, lse, block_lse, causal);
-      const auto got = scaled_dot_product_attention_block_grads(q.cuda(), k.cuda(), v.cuda(), out.cuda(), dout.cuda(),
-                                                                lse.cuda(), block_lse.cuda(), causal);
-      for (int i = 0; i < 3; ++i)
-        expect_same(want[i], got[i], tol(dt), cat("block grads ", i, " causal ", causal, " ", dt));
     }
 }
 

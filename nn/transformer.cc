@@ -1,16 +1,14 @@
 // Multi-head and grouped-query attention, the feed-forwards, the pre-norm
 // block and the GPT / LLaMA model (see transformer.h). Attention runs as
-// one fused op over [B * heads, T, D].
+// one fused op over views of the projections' heads (no copies on the
+// fused CUDA kernels).
 #include "nn/transformer.h"
 
-#include <array>
 #include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
 
-#include "autograd/autograd.h"
-#include "core/autograd_hook.h"
 #include "core/ops.h"
 #include "core/ops_nn.h"
 #include "nn/functional.h"
@@ -37,73 +35,27 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim_, int64_t num_heads_, d
 }
 
 namespace {
-// The module's attention function, or the fused op.
-Tensor attend(const AttentionFn& fn, const Tensor& q, const Tensor& k, const Tensor& v, bool causal, double p,
-              Generator* gen) {
-  return fn ? fn(q, k, v, causal, p, gen) : scaled_dot_product_attention(q, k, v, causal, p, gen);
-}
-
 // The heads of column block `which` of qkv [B, T, 3E]: a [B, H, T, D] view.
 Tensor heads_of(const Tensor& qkv, int64_t which, int64_t H) {
   const int64_t B = qkv.size(0), T = qkv.size(1), E = qkv.size(2) / 3;
   return qkv.narrow(2, which * E, E).view({B, T, H, E / H}).permute({0, 2, 1, 3});
 }
 
-// What attend_qkv's node keeps: the attention's own graph, from q, k and v
-// (leaves of it) to its output.
-struct AttentionGraph {
-  std::array<Tensor, 3> qkv;
-  Tensor out;
-};
-
 // Attention over the heads of the in-projection's output qkv [B, T, 3E]:
-// [B, H, T, D]. q, k and v are contiguous copies of qkv's three column
-// blocks, attended as before; the gradient is one node from qkv, whose
-// backward writes qkv's gradient once, each head's gradient into its
-// columns. Taken as three views of qkv (narrow), each view's backward
-// copied its gradient out of the heads' layout, built a zero-filled
-// gradient of qkv's whole size and copied into it, and the engine added the
-// three: 13 passes of qkv's size a layer against these 2 (a 352 M GPT-2's
-// bf16 step about 15 GB of memory traffic), where PyTorch's split is one
-// node whose backward is a cat. The node runs the fused op's backward
-// nested (autograd::grad to the copies) and keeps the copies, which the op
-// keeps anyway. An attention function of the module's own (context
-// parallelism's) takes the three views instead: it may not keep q, k and v
-// (Ulysses' all-to-all sends them away; kept by this node, a cp 4 rank's
-// activations grew from under 0.3 to 0.317 of one rank's), and it may read
-// tensors besides them, whose gradients a nested pass to the copies drops.
+// [B, T, H, D]. The packed op reads q, k and v where they lie in qkv (the
+// fused kernels; the others copy them out) and writes one gradient for qkv.
+// Taken as three views of qkv (narrow), each view's backward copied its
+// gradient out of the heads' layout, built a zero-filled gradient of qkv's
+// whole size and copied into it, and the engine added the three: 13 passes
+// of qkv's size a layer (a 352 M GPT-2's bf16 step about 15 GB of memory
+// traffic), where PyTorch's split is one node whose backward is a cat. An
+// attention function of the module's own (context parallelism's) takes
+// three copies.
 Tensor attend_qkv(const AttentionFn& fn, const Tensor& qkv, int64_t H, bool causal, double p, Generator* gen) {
-  if (fn || !needs_grad({qkv}))
-    return attend(fn, heads_of(qkv, 0, H).contiguous(), heads_of(qkv, 1, H).contiguous(),
-                  heads_of(qkv, 2, H).contiguous(), causal, p, gen);
-  auto graph = std::make_shared<AttentionGraph>();
-  const Tensor src = qkv.detach();
-  for (int64_t i = 0; i < 3; ++i) {
-    graph->qkv[i] = heads_of(src, i, H).contiguous();
-    graph->qkv[i].requires_grad_(true);
-  }
-  graph->out = scaled_dot_product_attention(graph->qkv[0], graph->qkv[1], graph->qkv[2], causal, p, gen);
-  Tensor out = graph->out.detach();
-  const Shape shape = qkv.sizes();
-  const TensorOptions options = qkv.options();
-  BackwardFn backward = [graph, shape, options, H](const Tensor& g) {
-    // retain_graph: a second backward through this node (retain_graph on
-    // the outer pass) runs the attention's again; the graph goes with this
-    // node's closure.
-    const std::vector<Tensor> d =
-        autograd::grad(graph->out, {graph->qkv[0], graph->qkv[1], graph->qkv[2]}, g, /*retain_graph=*/true);
-    Tensor dqkv = Tensor::empty(shape, options);
-    for (int64_t i = 0; i < 3; ++i) {
-      Tensor part = heads_of(dqkv, i, H);
-      if (d[i].defined())
-        part.copy_(d[i]);
-      else
-        part.zero_();
-    }
-    return std::vector<Tensor>{dqkv};
-  };
-  autograd_recorder()->record("attention_qkv", {qkv}, out, std::move(backward), {}, false);
-  return out;
+  if (!fn) return scaled_dot_product_attention_qkvpacked(qkv, H, causal, p, gen);
+  return fn(heads_of(qkv, 0, H).contiguous(), heads_of(qkv, 1, H).contiguous(), heads_of(qkv, 2, H).contiguous(),
+            causal, p, gen)
+      .permute({0, 2, 1, 3});
 }
 
 }  // namespace
@@ -120,8 +72,7 @@ Tensor MultiheadAttention::forward(const Tensor& x) {
   // nor a separate softmax / dropout / mask pass (core/ops/attention.cc).
   Generator own;
   Generator* gen = attn_drop->generator(own);
-  Tensor out =
-      attend_qkv(attention, qkv, H, causal, gen ? attn_drop->p : 0.0, gen).permute({0, 2, 1, 3}).reshape({B, T, E});
+  Tensor out = attend_qkv(attention, qkv, H, causal, gen ? attn_drop->p : 0.0, gen).reshape({B, T, E});
   return (*out_proj)(out);
 }
 
@@ -217,19 +168,32 @@ Tensor GroupedQueryAttention::forward(const Tensor& x) {
     q = rotary_embedding(q, tables_.cos, tables_.sin);
     k = rotary_embedding(k, tables_.cos, tables_.sin);
   }
-  // [B, T, H, D] -> [B * H, T, D]; each k/v head repeated for its q heads.
-  auto heads = [&](const Tensor& t, int64_t h) {
-    Tensor r = t.reshape({B, T, h, D}).permute({0, 2, 1, 3});
-    if (h != Hq) r = r.unsqueeze(2).expand({B, h, Hq / h, T, D});
-    return r.reshape({B * Hq, T, D});
-  };
   Generator own;
   Generator* gen = attn_drop->generator(own);
-  auto four = [&](const Tensor& t, int64_t h) { return heads(t, h).reshape({B, Hq, T, D}); };
-  Tensor out = attend(attention, four(q, Hq), four(k, Hkv), four(v, Hkv), options.causal, gen ? attn_drop->p : 0.0, gen)
-                   .reshape({B, Hq, T, D})
-                   .permute({0, 2, 1, 3})
-                   .reshape({B, T, Hq * D});
+  const double p = gen ? attn_drop->p : 0.0;
+  Tensor out;
+  if (!attention) {
+    // [B, Hkv, groups, T, D] views: q's heads split by the k/v head they
+    // share, k and v expanded over their groups (a zero stride), which the
+    // fused kernels read where they lie (no copy of q, no repeats of k and
+    // v; the other kernels copy them).
+    const int64_t G = Hq / Hkv;
+    const auto kv = [&](const Tensor& t) {
+      return t.reshape({B, T, Hkv, D}).permute({0, 2, 1, 3}).unsqueeze(2).expand({B, Hkv, G, T, D});
+    };
+    out = scaled_dot_product_attention(q.reshape({B, T, Hkv, G, D}).permute({0, 2, 3, 1, 4}), kv(k), kv(v),
+                                       options.causal, p, gen);
+  } else {
+    // [B, T, H, D] -> [B, Hq, T, D] copies, each k/v head repeated for its q
+    // heads: what an attention function of the module's own takes.
+    auto four = [&](const Tensor& t, int64_t h) {
+      Tensor r = t.reshape({B, T, h, D}).permute({0, 2, 1, 3});
+      if (h != Hq) r = r.unsqueeze(2).expand({B, h, Hq / h, T, D});
+      return r.reshape({B * Hq, T, D}).reshape({B, Hq, T, D});
+    };
+    out = attention(four(q, Hq), four(k, Hkv), four(v, Hkv), options.causal, p, gen);
+  }
+  out = out.reshape({B, Hq, T, D}).permute({0, 2, 1, 3}).reshape({B, T, Hq * D});
   return (*o_proj)(out);
 }
 

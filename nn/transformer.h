@@ -33,7 +33,7 @@ namespace ember::nn {
 
 // How an attention module computes softmax(q k^T * scale [+ causal]) v once
 // it has q, k, v as [B, H, T, D] (k/v heads repeated for grouped-query
-// attention): scaled_dot_product_attention when unset. A transform that
+// attention): the fused ops on views of the projections when unset. A transform that
 // computes attention another way installs its function here (context
 // parallelism: distributed/parallel/cp/context_parallel.h).
 using AttentionFn = std::function<Tensor(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
@@ -56,7 +56,7 @@ class MultiheadAttention : public Module {
   LinearKernel in_proj_kernel;          // how in_proj is computed (layers.h)
   std::shared_ptr<Linear> out_proj;
   std::shared_ptr<Dropout> attn_drop;  // on the attention weights (inside the fused op)
-  AttentionFn attention;               // unset: scaled_dot_product_attention
+  AttentionFn attention;               // unset: scaled_dot_product_attention_qkvpacked
 };
 
 // The angles of rotary position embeddings for head_dim-wide heads: cos and

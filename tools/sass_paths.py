@@ -15,7 +15,7 @@ those issued among tensor-core instructions (one within four instructions
 on either side, no barrier between): an attention kernel whose softmax runs
 in a stretch of its own leaves the tensor pipe idle for it.
 
-    nvcc ... -cubin -o attention.cubin core/ops/attention.cu
+    nvcc ... -cubin -o attention.cubin core/ops/attention_flash.cu
     tools/sass_paths.py attention.cubin 'flash_forward_kernel<ember::BFloat16, 128,'
 
 The pattern is a regular expression searched in each demangled kernel name.

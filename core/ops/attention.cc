@@ -249,6 +249,16 @@ AttentionArgs attention_args(const char* op, const Tensor& q, const Tensor& k, c
   return a;
 }
 
+// The fused forward's log-sum-exps for the backward: those it kept, or, when
+// a recompute took the op's output without running it, from the kernel again.
+Tensor flash_lse(const AttentionArgs& a, const Tensor& kept, const Tensor& q, const Tensor& k, const Tensor& v) {
+  if (kept.defined()) return kept;
+  Tensor o = Tensor::empty({a.n, a.tq, a.dv}, q.options());
+  Tensor l = Tensor::empty({a.n, a.tq}, {DType::Float32, q.device()});
+  attention_flash_forward_cuda(a, q, k, v, o, l);
+  return l;
+}
+
 }  // namespace
 
 Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, bool is_causal,
@@ -266,11 +276,10 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
   auto lse = std::make_shared<Tensor>();
   auto run_forward = [a, compute, out_shape, flash, lse](const Tensor& q, const Tensor& k, const Tensor& v) {
     if (flash) {
-      const Tensor qr = as_rows(q, q.dtype()), kr = as_rows(k, q.dtype()), vr = as_rows(v, q.dtype());
-      Tensor out = Tensor::empty({a.n, a.tq, a.dv}, q.options());
+      Tensor out = Tensor::empty(out_shape, q.options());
       *lse = Tensor::empty({a.n, a.tq}, {DType::Float32, q.device()});
-      attention_flash_forward_cuda(a, qr, kr, vr, out, *lse);
-      return out.view(out_shape);
+      attention_flash_forward_cuda(a, q, k, v, out, *lse);
+      return out;
     }
     Tensor out = Tensor::empty({a.n, a.tq, a.dv}, {compute, q.device()});
     if (out.numel() > 0) {
@@ -289,21 +298,18 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
       [&](const Tensor& out) {
         const Tensor sq = q, sk = k, sv = v, so = out;
         BackwardFn fn = [a, compute, sq, sk, sv, so, flash, lse](const Tensor& g) {
+          if (flash) {
+            // The kernels read the tensors where they lie and write the
+            // gradients in q's dtype (dk and dv from their registers).
+            Tensor dq = Tensor::empty(sq.sizes(), sq.options()), dk = Tensor::empty(sk.sizes(), sk.options());
+            Tensor dv = Tensor::empty(sv.sizes(), sv.options());
+            attention_flash_backward_cuda(a, sq, sk, sv, so, g, flash_lse(a, *lse, sq, sk, sv), dq, dk, dv);
+            return std::vector<Tensor>{dq, dk, dv};
+          }
           Tensor dq = Tensor::empty({a.n, a.tq, a.d}, {compute, g.device()});
           Tensor dk = Tensor::empty({a.n, a.tk, a.d}, {compute, g.device()});
           Tensor dv = Tensor::empty({a.n, a.tk, a.dv}, {compute, g.device()});
-          if (flash) {
-            const DType dt = sq.dtype();
-            const Tensor qr = as_rows(sq, dt), kr = as_rows(sk, dt), vr = as_rows(sv, dt);
-            const Tensor orr = as_rows(so, dt), gr = as_rows(g, dt);
-            Tensor l = *lse;
-            if (!l.defined()) {
-              Tensor o = Tensor::empty({a.n, a.tq, a.dv}, sq.options());
-              l = Tensor::empty({a.n, a.tq}, {DType::Float32, sq.device()});
-              attention_flash_forward_cuda(a, qr, kr, vr, o, l);
-            }
-            attention_flash_backward_cuda(a, qr, kr, vr, orr, gr, l, dq, dk, dv);
-          } else if (a.n > 0 && a.tq > 0 && a.tk > 0) {
+          if (a.n > 0 && a.tq > 0 && a.tk > 0) {
             const Tensor qr = as_rows(sq, compute), kr = as_rows(sk, compute), vr = as_rows(sv, compute);
             const Tensor orr = as_rows(so, compute), gr = as_rows(g, compute);
             if (g.is_cuda())
@@ -320,6 +326,82 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
       });
 }
 
+Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv_in, int64_t heads, bool is_causal, double dropout_p,
+                                              Generator* gen, std::optional<double> scale) {
+  const Tensor qkv = autocast::low(qkv_in);
+  const char* op = "scaled_dot_product_attention_qkvpacked";
+  EMBER_CHECK(qkv.defined() && qkv.dim() == 3 && heads > 0 && qkv.size(2) % (3 * heads) == 0, op,
+              ": qkv must be [B, T, 3 E] with E a multiple of heads (", heads, "), got ",
+              qkv.defined() ? shape_str(qkv.sizes()) : std::string("an undefined tensor"));
+  const int64_t B = qkv.size(0), T = qkv.size(1), E = qkv.size(2) / 3, H = heads, D = E / H;
+  // Column block i's heads: a [B, H, T, D] view.
+  const auto part = [B, T, E, H, D](const Tensor& x, int64_t i) {
+    return x.narrow(2, i * E, E).view({B, T, H, D}).permute({0, 2, 1, 3});
+  };
+  const Tensor src = qkv.detach();
+  const AttentionArgs a =
+      attention_args(op, part(src, 0), part(src, 1), part(src, 2), is_causal, dropout_p, gen, scale);
+  const DType compute = qkv.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
+  const bool flash = qkv.is_cuda() && attention_flash_cuda_supports(a, qkv.dtype());
+  auto lse = std::make_shared<Tensor>();
+  // The other kernels' [n, T, D] copies of q, k and v, kept for the backward.
+  auto rows = std::make_shared<std::array<Tensor, 3>>();
+  const auto run_forward = [&] {
+    if (flash) {
+      // Read where they lie; the output written in [B, T, H, D].
+      Tensor out = Tensor::empty({B, T, H, D}, qkv.options());
+      Tensor heads_view = out.permute({0, 2, 1, 3});
+      *lse = Tensor::empty({a.n, a.tq}, {DType::Float32, qkv.device()});
+      attention_flash_forward_cuda(a, part(src, 0), part(src, 1), part(src, 2), heads_view, *lse);
+      return out;
+    }
+    for (int64_t i = 0; i < 3; ++i) (*rows)[i] = as_rows(part(src, i), compute);
+    Tensor o = Tensor::empty({a.n, T, D}, {compute, qkv.device()});
+    if (o.numel() > 0) {
+      if (qkv.is_cuda())
+        attention_forward_cuda(a, (*rows)[0], (*rows)[1], (*rows)[2], o);
+      else
+        attention_forward_cpu(a, (*rows)[0], (*rows)[1], (*rows)[2], o);
+    }
+    Tensor out = Tensor::empty({B, T, H, D}, qkv.options());
+    out.copy_(o.view({B, H, T, D}).permute({0, 2, 1, 3}));
+    return out;
+  };
+  return differentiable(op, {qkv}, run_forward, [&](const Tensor& out) {
+    const Tensor so = out;
+    BackwardFn fn = [a, compute, flash, src, so, lse, rows, part, B, T, E](const Tensor& g) {
+      // One gradient for qkv, each block's heads written into its columns.
+      Tensor dqkv = Tensor::empty({B, T, 3 * E}, src.options());
+      Tensor dq = part(dqkv, 0), dk = part(dqkv, 1), dv = part(dqkv, 2);
+      const Tensor go = g.permute({0, 2, 1, 3}), oo = so.permute({0, 2, 1, 3});
+      if (flash) {
+        const Tensor q = part(src, 0), k = part(src, 1), v = part(src, 2);
+        attention_flash_backward_cuda(a, q, k, v, oo, go, flash_lse(a, *lse, q, k, v), dq, dk, dv);
+      } else if (a.n * a.tq > 0) {
+        const auto& r = *rows;
+        EMBER_INTERNAL_ASSERT(r[0].defined(), "scaled_dot_product_attention_qkvpacked: no kept q, k, v");
+        std::array<Tensor, 3> d;
+        for (int64_t i = 0; i < 3; ++i) d[i] = Tensor::empty(r[i].sizes(), r[i].options());
+        const Tensor orr = as_rows(oo, compute), gr = as_rows(go, compute);
+        if (src.is_cuda())
+          attention_backward_cuda(a, r[0], r[1], r[2], orr, gr, d[0], d[1], d[2]);
+        else
+          attention_backward_cpu(a, r[0], r[1], r[2], orr, gr, d[0], d[1], d[2]);
+        dq.copy_(d[0].view(dq.sizes())), dk.copy_(d[1].view(dk.sizes())), dv.copy_(d[2].view(dv.sizes()));
+      } else {
+        dqkv.zero_();
+      }
+      return std::vector<Tensor>{dqkv};
+    };
+    std::vector<Tensor> saved{so};
+    if (flash)
+      saved.push_back(src);
+    else
+      saved.insert(saved.end(), rows->begin(), rows->end());
+    return Recorded{std::move(fn), std::move(saved)};
+  });
+}
+
 namespace {
 
 // dq, dk, dv (compute dtype, [n, t, d] rows) of one lse-attention call from
@@ -332,9 +414,8 @@ void lse_backward(const AttentionArgs& a, DType compute, bool flash, const Tenso
   if (a.n * a.tq == 0) {
     dq.zero_(), dk.zero_(), dv.zero_();
   } else if (flash) {
-    const DType dt = q.dtype();
-    attention_flash_backward_cuda(a, as_rows(q, dt), as_rows(k, dt), as_rows(v, dt), as_rows(o, dt), as_rows(go, dt),
-                                  lse.contiguous(), dq, dk, dv, dlse);
+    // o and go come in the compute dtype: the kernels read q's.
+    attention_flash_backward_cuda(a, q, k, v, o.to(q.dtype()), go.to(q.dtype()), lse.contiguous(), dq, dk, dv, dlse);
   } else {
     const Tensor qr = as_rows(q, compute), kr = as_rows(k, compute), vr = as_rows(v, compute);
     const Tensor orr = as_rows(o, compute), gr = as_rows(go, compute);

@@ -1,4 +1,4 @@
-// Warp-level tensor-core tiles for the 16-bit kernels (attention.cu's
+// Warp-level tensor-core tiles for the 16-bit kernels (attention_flash.cu's
 // fused attention, grouped_matmul.cu's grouped GEMMs): mma.m16n8k16
 // fragments read from shared-memory tiles by ldmatrix in either
 // orientation, and one warp's product over a K range. Header-only, like

@@ -1,0 +1,368 @@
+// Attention on CUDA against the CPU kernels, forward and gradients: the
+// blocked kernels (float32, float64) and the fused ones (16-bit q, k, v),
+// with q, k, v, the output and the gradients where they lie (strided views,
+// a packed projection's heads, keys expanded over groups of query heads),
+// the deterministic dQ pass, and the log-sum-exp variants of context
+// parallelism. Skips (with the reason) when no GPU is present.
+#include <gtest/gtest.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "autograd/autograd.h"
+#include "core/ops.h"
+#include "core/ops/kernels.h"
+#include "core/ops_nn.h"
+#include "core/testing/bitwise.h"
+#include "core/testing/cuda_compare.h"
+
+namespace ember {
+namespace {
+
+using namespace testing::cuda_compare;
+
+class CudaAttention : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_is_available()) GTEST_SKIP() << cuda_unavailable_reason();
+  }
+  void TearDown() override {
+    set_deterministic_algorithms(false);
+    set_attention_cuda_flash_tiles({});
+    set_attention_cuda_scratch(0);
+  }
+};
+
+// Fused attention: causal and not, more keys than queries, dropout (the
+// same Philox mask on both backends), forward and the three gradients.
+TEST_F(CudaAttention, AttentionMatchesCpu) {
+  uint64_t seed = 300;
+  for (bool causal : {false, true})
+    for (double p : {0.0, 0.3})
+      for (DType dt : {DType::Float32, DType::Float64}) {
+        const int64_t tk = causal ? 9 : 13;
+        std::vector<Tensor> in = {rnd({2, 3, 9, 8}, seed++, dt), rnd({2, 3, tk, 8}, seed++, dt),
+                                  rnd({2, 3, tk, 5}, seed++, dt)};
+        Fn f = [causal, p](const std::vector<Tensor>& v) {
+          Generator g(17);
+          return scaled_dot_product_attention(v[0], v[1], v[2], causal, p, &g);
+        };
+        compare(f, in, tol(dt), cat("attention causal ", causal, " p ", p, " ", dt));
+        // A scratch of 4 query rows per head splits the 9 rows into blocks
+        // of 4, 4 and 1: dK and dV sum over blocks, a causal block stops early.
+        set_attention_cuda_scratch(6 * tk * 4);
+        compare(f, in, tol(dt), cat("attention in blocks causal ", causal, " p ", p, " ", dt));
+        set_attention_cuda_scratch(0);
+      }
+}
+
+// The fused (flash) kernels for 16-bit q, k, v (flash_forward_kernel,
+// delta_kernel, flash_backward_kernel): head dims 32, 64 and 128,
+// several query blocks and key tiles with partial last ones (65, 70, 129
+// rows; 64, 150 keys), causal with fewer and more keys than queries, an
+// explicit scale, dropout (the CPU's Philox mask); against the CPU kernel in
+// float32 (P and dS are rounded to the 16-bit type before their products,
+// as FlashAttention does, which the tolerance covers). The launch counter
+// shows the fused path ran (forward and backward), not the blocked one.
+// Every case runs with both key tiles: 64 (forward tiles, 4-warp backward
+// blocks) and the default 128 (8-warp backward blocks whose dQ products
+// split the columns in two; the 140 x 200 causal case leaves warps of the
+// last key block idle, past the causal edge or past the last key).
+TEST_F(CudaAttention, FlashAttentionMatchesCpu) {
+  uint64_t seed = 900;
+  struct Case {
+    int64_t tq, tk, d;
+    bool causal;
+    double p;
+    DType dt;
+    std::optional<double> scale;
+  };
+  for (const int keys : {64, 0})
+    for (const Case& c : std::vector<Case>{{70, 70, 64, true, 0.0, DType::BFloat16, {}},
+                                           {129, 150, 32, false, 0.0, DType::Float16, 0.3},
+                                           {70, 150, 128, true, 0.3, DType::BFloat16, {}},
+                                           {129, 64, 64, true, 0.0, DType::Float16, {}},
+                                           {65, 65, 64, false, 0.2, DType::Float16, {}},
+                                           {140, 200, 32, true, 0.0, DType::BFloat16, {}}}) {
+      set_attention_cuda_flash_tiles({keys, keys});
+      std::vector<Tensor> in = {rnd({2, 2, c.tq, c.d}, seed++, c.dt), rnd({2, 2, c.tk, c.d}, seed++, c.dt),
+                                rnd({2, 2, c.tk, c.d}, seed++, c.dt)};
+      Fn f = [c](const std::vector<Tensor>& v) {
+        Generator g(23);
+        return scaled_dot_product_attention(v[0], v[1], v[2], c.causal, c.p, &g, c.scale);
+      };
+      const int64_t before = attention_cuda_flash_launches();
+      compare(f, in, tol(c.dt),
+              cat("flash attention tq ", c.tq, " tk ", c.tk, " d ", c.d, " causal ", c.causal, " p ", c.p, " ", c.dt,
+                  " key tiles ", keys ? keys : 128));
+      EXPECT_EQ(attention_cuda_flash_launches() - before, 2) << "the fused forward and backward should have run";
+    }
+  set_attention_cuda_flash_tiles({});
+  // A negative scale, and one that is 0 in float: the fused kernels take
+  // the maximum of the unscaled scores, so they decline both and the
+  // blocked kernels answer.
+  std::vector<Tensor> in = {rnd({1, 2, 40, 64}, seed++, DType::BFloat16), rnd({1, 2, 50, 64}, seed++, DType::BFloat16),
+                            rnd({1, 2, 50, 64}, seed++, DType::BFloat16)};
+  int64_t before = attention_cuda_flash_launches();
+  compare(
+      [](const std::vector<Tensor>& v) {
+        return scaled_dot_product_attention(v[0], v[1], v[2], false, 0.0, nullptr, 1e-50);
+      },
+      in, tol(DType::BFloat16), "attention with a scale of 1e-50");
+  EXPECT_EQ(attention_cuda_flash_launches(), before) << "a scale that is 0 in float should not reach the fused kernels";
+  before = attention_cuda_flash_launches();
+  compare(
+      [](const std::vector<Tensor>& v) {
+        return scaled_dot_product_attention(v[0], v[1], v[2], true, 0.0, nullptr, -0.4);
+      },
+      in, tol(DType::BFloat16), "attention with a negative scale");
+  EXPECT_EQ(attention_cuda_flash_launches(), before) << "a negative scale should not reach the fused kernels";
+}
+
+// The fused kernels keep a head's row offsets in 32 bits: sequences whose
+// rows (with a 128-row tile past the last) times the head dim reach 2^31
+// elements are left to the blocked kernels (asked of the check itself:
+// such tensors take 4 GiB each).
+TEST_F(CudaAttention, FlashAttentionRowOffsetsFitIn32Bits) {
+  AttentionArgs a;
+  a.n = 1, a.d = a.dv = 128, a.scale = 0.125, a.tq = 16, a.tk = (int64_t{1} << 24) - 129;
+  EXPECT_TRUE(attention_flash_cuda_supports(a, DType::BFloat16));
+  a.tk += 1;
+  EXPECT_FALSE(attention_flash_cuda_supports(a, DType::BFloat16)) << "(keys + 128) x head dim = 2^31";
+  a.tk = 16, a.tq = (int64_t{1} << 24) - 128;
+  EXPECT_FALSE(attention_flash_cuda_supports(a, DType::BFloat16)) << "(queries + 128) x head dim = 2^31";
+  a.tq = (int64_t{1} << 25) - 129, a.d = a.dv = 64;
+  EXPECT_TRUE(attention_flash_cuda_supports(a, DType::BFloat16));
+}
+
+// Under deterministic_algorithms() the fused backward leaves dQ to a pass of
+// its own (flash_dq_kernel: each block sums its rows' parts in key order
+// instead of the key blocks adding theirs with atomics): the same cases
+// against the CPU, three launches (forward, backward, dQ pass), and two runs
+// bit for bit the same (on a GPU the atomic path's last bits vary from run
+// to run). The log-sum-exp variant (a gradient through lse too) takes the
+// same pass. Every other case runs the backward with 64-key blocks (its dQ
+// pass keeps 64-key tiles either way).
+TEST_F(CudaAttention, FlashAttentionDeterministicDqMatchesCpu) {
+  struct Case {
+    int64_t tq, tk, d;
+    bool causal;
+    double p;
+    DType dt;
+  };
+  uint64_t seed = 1900;
+  int index = 0;
+  for (const Case& c : std::vector<Case>{{70, 70, 64, true, 0.0, DType::BFloat16},
+                                         {129, 150, 32, false, 0.0, DType::Float16},
+                                         {70, 150, 128, true, 0.3, DType::BFloat16},
+                                         {129, 64, 64, true, 0.0, DType::Float16},
+                                         {200, 130, 64, false, 0.2, DType::BFloat16}}) {
+    const int keys = index++ % 2 ? 64 : 0;
+    set_attention_cuda_flash_tiles({keys, keys});
+    const std::string what = cat("deterministic flash attention tq ", c.tq, " tk ", c.tk, " d ", c.d, " causal ",
+                                 c.causal, " p ", c.p, " key tiles ", keys ? keys : 128);
+    // Three heads: blockIdx.y past one, fewer than the other test's four (five runs a case here).
+    std::vector<Tensor> in = {rnd({1, 3, c.tq, c.d}, seed++, c.dt), rnd({1, 3, c.tk, c.d}, seed++, c.dt),
+                              rnd({1, 3, c.tk, c.d}, seed++, c.dt)};
+    Fn f = [c](const std::vector<Tensor>& v) {
+      Generator g(23);
+      return scaled_dot_product_attention(v[0], v[1], v[2], c.causal, c.p, &g);
+    };
+    const Outcome cpu = run(f, in, false);
+    set_deterministic_algorithms(true);
+    const int64_t before = attention_cuda_flash_launches();
+    const Outcome first = run(f, in, true);
+    EXPECT_EQ(attention_cuda_flash_launches() - before, 3) << what << ": forward, backward and the dQ pass";
+    const Outcome second = run(f, in, true);
+    set_deterministic_algorithms(false);
+    expect_same(cpu.y, first.y, tol(c.dt), what + " forward");
+    for (size_t i = 0; i < 3; ++i) {
+      expect_same(cpu.grads[i], first.grads[i], tol(c.dt), cat(what, " grad ", i));
+      EXPECT_TRUE(bitwise_equal(first.grads[i], second.grads[i])) << what << ": grad " << i << " changed between runs";
+    }
+  }
+  set_attention_cuda_flash_tiles({});
+  set_deterministic_algorithms(true);
+  for (bool causal : {false, true}) {
+    std::vector<Tensor> in = {rnd({2, 2, 70, 64}, seed++, DType::BFloat16),
+                              rnd({2, 2, 75, 64}, seed++, DType::BFloat16),
+                              rnd({2, 2, 75, 64}, seed++, DType::BFloat16)};
+    const int64_t before = attention_cuda_flash_launches();
+    compare(
+        [causal](const std::vector<Tensor>& v) { return scaled_dot_product_attention_lse(v[0], v[1], v[2], causal); },
+        in, tol(DType::BFloat16), cat("deterministic attention lse causal ", causal));
+    EXPECT_EQ(attention_cuda_flash_launches() - before, 3) << "lse causal " << causal;
+  }
+  set_deterministic_algorithms(false);
+}
+
+// The log-sum-exp variant (context parallelism's merge): the blocked
+// kernels (float32, float64: probs_kernel's lse, delta_kernel's dlse) and
+// the fused ones (bfloat16, head dim 64: delta_kernel's dlse) against
+// the CPU, forward and gradients through both the output and the lse.
+TEST_F(CudaAttention, AttentionLogSumExpMatchesCpu) {
+  uint64_t seed = 950;
+  for (DType dt : {DType::Float32, DType::Float64, DType::BFloat16})
+    for (bool causal : {false, true}) {
+      const int64_t d = dt == DType::BFloat16 ? 64 : 8;
+      std::vector<Tensor> in = {rnd({2, 2, 70, d}, seed++, dt), rnd({2, 2, 75, d}, seed++, dt),
+                                rnd({2, 2, 75, d}, seed++, dt)};
+      Fn f = [causal](const std::vector<Tensor>& v) {
+        return scaled_dot_product_attention_lse(v[0], v[1], v[2], causal);
+      };
+      compare(f, in, tol(dt), cat("attention lse causal ", causal, " ", dt));
+    }
+}
+
+// One key block's gradients of a merged attention (context parallelism's
+// ring backward): the blocked kernels and the fused ones (bfloat16, head dim
+// 64, which take the block's log-sum-exp instead of recomputing it) against
+// the CPU. block_lse is the block's own (the CPU's), lse that of a merge
+// with other blocks (larger).
+TEST_F(CudaAttention, AttentionBlockGradsMatchCpu) {
+  uint64_t seed = 970;
+  for (DType dt : {DType::Float32, DType::Float64, DType::BFloat16})
+    for (bool causal : {false, true}) {
+      const int64_t d = dt == DType::BFloat16 ? 64 : 8;
+      const Tensor q = rnd({2, 2, 70, d}, seed++, dt), k = rnd({2, 2, 75, d}, seed++, dt),
+                   v = rnd({2, 2, 75, d}, seed++, dt);
+      const Tensor packed = scaled_dot_product_attention_lse(q, k, v, causal);
+      const DType compute = packed.dtype();
+      const Tensor block_lse = packed.select(-1, d).contiguous();
+      const Tensor lse = block_lse + abs(rnd(block_lse.sizes(), seed++, compute));
+      const Tensor out = rnd({2, 2, 70, d}, seed++, compute), dout = rnd({2, 2, 70, d}, seed++, compute);
+      const auto want = scaled_dot_product_attention_block_grads(q, k, v, out, dout, lse, block_lse, causal);
+      const auto got = scaled_dot_product_attention_block_grads(q.cuda(), k.cuda(), v.cuda(), out.cuda(), dout.cuda(),
+                                                                lse.cuda(), block_lse.cuda(), causal);
+      for (int i = 0; i < 3; ++i)
+        expect_same(want[i], got[i], tol(dt), cat("block grads ", i, " causal ", causal, " ", dt));
+    }
+}
+
+// The packed projection's op (MultiheadAttention's): qkv [B, T, 3 E] with
+// H heads of head dim 32, 64 or 128, against the CPU kernels (float32 from
+// the same 16-bit values), causal and not, dropout, rows across the tiles'
+// edges; the fused kernels read the heads where they lie in qkv, write the
+// output [B, T, H, D] and dk, dv into qkv's gradient (the launch counter
+// shows the fused forward and backward ran). float32 takes the blocked
+// kernels on copies of the heads.
+TEST_F(CudaAttention, PackedQkvMatchesCpu) {
+  uint64_t seed = 1200;
+  struct Case {
+    int64_t b, t, h, d;
+    bool causal;
+    double p;
+    DType dt;
+  };
+  for (const Case& c : std::vector<Case>{{2, 70, 3, 64, true, 0.0, DType::BFloat16},
+                                         {1, 129, 2, 32, false, 0.0, DType::Float16},
+                                         {2, 65, 2, 128, true, 0.2, DType::BFloat16},
+                                         {1, 40, 2, 64, false, 0.3, DType::Float16},
+                                         {2, 33, 2, 8, true, 0.0, DType::Float32}}) {
+    const std::vector<Tensor> in = {rnd({c.b, c.t, 3 * c.h * c.d}, seed++, c.dt)};
+    const Fn f = [c](const std::vector<Tensor>& v) {
+      Generator g(41);
+      return scaled_dot_product_attention_qkvpacked(v[0], c.h, c.causal, c.p, &g);
+    };
+    const int64_t before = attention_cuda_flash_launches();
+    compare(f, in, tol(c.dt),
+            cat("packed attention B ", c.b, " T ", c.t, " H ", c.h, " D ", c.d, " causal ", c.causal, " p ", c.p, " ",
+                c.dt));
+    EXPECT_EQ(attention_cuda_flash_launches() - before, c.dt == DType::Float32 ? 0 : 2)
+        << "the fused kernels (16-bit) or the blocked ones (float32) should have run, D " << c.d;
+  }
+}
+
+// The fused kernels read q, k and v where they lie: heads of a [B, T, H, D]
+// tensor (rows H D apart), keys and values expanded over groups of query
+// heads ([B, Hkv, groups, T, D], a zero stride; queries a 5-D view of
+// [B, T, Hkv groups, D]), a view whose rows have padding past the head dim,
+// and one that starts off 16-byte alignment (copied first). Each f builds
+// the views from contiguous leaves on both devices, so the gradients come
+// back through the views to the leaves; the launch counter shows the fused
+// kernels ran, not the blocked ones on copies.
+TEST_F(CudaAttention, FlashAttentionReadsViewsWhereTheyLie) {
+  uint64_t seed = 1300;
+  const int64_t B = 2, T = 70, D = 64;
+  const DType dt = DType::BFloat16;
+  struct Case {
+    const char* what;
+    std::vector<Tensor> in;
+    Fn f;
+  };
+  const std::vector<Case> cases = {
+      {"heads of [B, T, H, D]",
+       {rnd({B, T, 3, D}, seed++, dt), rnd({B, T, 3, D}, seed++, dt), rnd({B, T, 3, D}, seed++, dt)},
+       [](const std::vector<Tensor>& v) {
+         return scaled_dot_product_attention(v[0].permute({0, 2, 1, 3}), v[1].permute({0, 2, 1, 3}),
+                                             v[2].permute({0, 2, 1, 3}), true);
+       }},
+      {"keys expanded over 3 query heads each",
+       {rnd({B, T, 6, D}, seed++, dt), rnd({B, 2, T, D}, seed++, dt), rnd({B, 2, T, D}, seed++, dt)},
+       [B, T, D](const std::vector<Tensor>& v) {
+         const Tensor q = v[0].view({B, T, 2, 3, D}).permute({0, 2, 3, 1, 4});
+         const auto expanded = [B, T, D](const Tensor& x) { return x.unsqueeze(2).expand({B, 2, 3, T, D}); };
+         return scaled_dot_product_attention(q, expanded(v[1]), expanded(v[2]), true);
+       }},
+      {"rows padded past the head dim",
+       {rnd({B, 2, T, D + 16}, seed++, dt), rnd({B, 2, T, D + 8}, seed++, dt), rnd({B, 2, T, D + 8}, seed++, dt)},
+       [D](const std::vector<Tensor>& v) {
+         return scaled_dot_product_attention(v[0].narrow(-1, 16, D), v[1].narrow(-1, 8, D), v[2].narrow(-1, 0, D),
+                                             false);
+       }},
+      {"a view off 16-byte alignment",
+       {rnd({B, 2, T, D + 1}, seed++, dt), rnd({B, 2, T, D}, seed++, dt), rnd({B, 2, T, D}, seed++, dt)},
+       [D](const std::vector<Tensor>& v) {
+         return scaled_dot_product_attention(v[0].narrow(-1, 1, D), v[1], v[2], true);
+       }},
+  };
+  for (const Case& c : cases) {
+    const int64_t before = attention_cuda_flash_launches();
+    compare(c.f, c.in, tol(dt), cat("flash attention on ", c.what));
+    EXPECT_EQ(attention_cuda_flash_launches() - before, 2) << c.what << ": the fused forward and backward";
+  }
+}
+
+// Outputs the kernels cannot write where they lie (a view off 16-byte
+// alignment) are written to a contiguous stand-in and copied: the same bits
+// as a contiguous output, forward (out) and backward (dk, dv from the
+// registers in 16 bits; dq through its float32 sum).
+TEST_F(CudaAttention, FlashOutputsOffAlignmentAreCopiedIn) {
+  AttentionArgs a;
+  a.n = 2, a.tq = 70, a.tk = 90, a.d = a.dv = 64, a.scale = 0.125, a.causal = true;
+  const DType dt = DType::BFloat16;
+  const auto dev = [&](uint64_t seed) { return rnd({a.n, a.tk, a.d}, seed, dt).cuda(); };
+  const Tensor q = rnd({a.n, a.tq, a.d}, 1400, dt).cuda(), k = dev(1401), v = dev(1402);
+  const Tensor dout = rnd({a.n, a.tq, a.d}, 1403, dt).cuda();
+  const auto off = [&](int64_t t) {  // a [n, t, d] view one element into its buffer
+    return Tensor::empty({a.n, t, a.d + 1}, {dt, q.device()}).narrow(-1, 1, a.d);
+  };
+  ASSERT_TRUE(attention_flash_cuda_supports(a, dt));
+  Tensor out = Tensor::empty({a.n, a.tq, a.d}, q.options()), out_off = off(a.tq);
+  Tensor lse = Tensor::empty({a.n, a.tq}, {DType::Float32, q.device()}), lse2 = empty_like(lse);
+  attention_flash_forward_cuda(a, q, k, v, out, lse);
+  attention_flash_forward_cuda(a, q, k, v, out_off, lse2);
+  testing::expect_bitwise(out, out_off, "out written through a stand-in");
+  const auto grads = [&](Tensor& dq, Tensor& dk, Tensor& dv) {
+    attention_flash_backward_cuda(a, q, k, v, out, dout, lse, dq, dk, dv);
+  };
+  Tensor dq = Tensor::empty(q.sizes(), q.options()), dk = Tensor::empty(k.sizes(), k.options());
+  Tensor dv = Tensor::empty(v.sizes(), v.options());
+  Tensor dq_off = off(a.tq), dk_off = off(a.tk), dv_off = off(a.tk);
+  grads(dq, dk, dv);
+  grads(dq_off, dk_off, dv_off);
+  testing::expect_bitwise(dk, dk_off, "dk");
+  testing::expect_bitwise(dv, dv_off, "dv");
+  expect_same(dq.cpu().to(DType::Float32), dq_off.to(DType::Float32), tol(dt), "dq");
+  // float32 gradients (context parallelism's block sums) are written as they are.
+  Tensor dq32 = Tensor::empty(q.sizes(), {DType::Float32, q.device()});
+  Tensor dk32 = Tensor::empty(k.sizes(), {DType::Float32, q.device()});
+  Tensor dv32 = Tensor::empty(v.sizes(), {DType::Float32, q.device()});
+  grads(dq32, dk32, dv32);
+  expect_same(dk.cpu().to(DType::Float32), dk32, tol(dt), "dk in float32");
+  expect_same(dv.cpu().to(DType::Float32), dv32, tol(dt), "dv in float32");
+}
+
+}  // namespace
+}  // namespace ember
