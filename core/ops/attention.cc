@@ -344,8 +344,9 @@ Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv_in, int64_t head
   const DType compute = qkv.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
   const bool flash = qkv.is_cuda() && attention_flash_cuda_supports(a, qkv.dtype());
   auto lse = std::make_shared<Tensor>();
-  // The other kernels' [n, T, D] copies of q, k and v, kept for the backward.
-  auto rows = std::make_shared<std::array<Tensor, 3>>();
+  // The other kernels' [n, T, D] copies of q, k and v and their output in
+  // the compute dtype, kept for the backward.
+  auto rows = std::make_shared<std::array<Tensor, 4>>();
   const auto run_forward = [&] {
     if (flash) {
       // Read where they lie; the output written in [B, T, H, D].
@@ -356,7 +357,7 @@ Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv_in, int64_t head
       return out;
     }
     for (int64_t i = 0; i < 3; ++i) (*rows)[i] = as_rows(part(src, i), compute);
-    Tensor o = Tensor::empty({a.n, T, D}, {compute, qkv.device()});
+    Tensor& o = (*rows)[3] = Tensor::empty({a.n, T, D}, {compute, qkv.device()});
     if (o.numel() > 0) {
       if (qkv.is_cuda())
         attention_forward_cuda(a, (*rows)[0], (*rows)[1], (*rows)[2], o);
@@ -373,20 +374,21 @@ Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv_in, int64_t head
       // One gradient for qkv, each block's heads written into its columns.
       Tensor dqkv = Tensor::empty({B, T, 3 * E}, src.options());
       Tensor dq = part(dqkv, 0), dk = part(dqkv, 1), dv = part(dqkv, 2);
-      const Tensor go = g.permute({0, 2, 1, 3}), oo = so.permute({0, 2, 1, 3});
+      const Tensor go = g.permute({0, 2, 1, 3});
       if (flash) {
         const Tensor q = part(src, 0), k = part(src, 1), v = part(src, 2);
-        attention_flash_backward_cuda(a, q, k, v, oo, go, flash_lse(a, *lse, q, k, v), dq, dk, dv);
+        attention_flash_backward_cuda(a, q, k, v, so.permute({0, 2, 1, 3}), go, flash_lse(a, *lse, q, k, v), dq, dk,
+                                      dv);
       } else if (a.n * a.tq > 0) {
         const auto& r = *rows;
         EMBER_INTERNAL_ASSERT(r[0].defined(), "scaled_dot_product_attention_qkvpacked: no kept q, k, v");
         std::array<Tensor, 3> d;
         for (int64_t i = 0; i < 3; ++i) d[i] = Tensor::empty(r[i].sizes(), r[i].options());
-        const Tensor orr = as_rows(oo, compute), gr = as_rows(go, compute);
+        const Tensor gr = as_rows(go, compute);
         if (src.is_cuda())
-          attention_backward_cuda(a, r[0], r[1], r[2], orr, gr, d[0], d[1], d[2]);
+          attention_backward_cuda(a, r[0], r[1], r[2], r[3], gr, d[0], d[1], d[2]);
         else
-          attention_backward_cpu(a, r[0], r[1], r[2], orr, gr, d[0], d[1], d[2]);
+          attention_backward_cpu(a, r[0], r[1], r[2], r[3], gr, d[0], d[1], d[2]);
         dq.copy_(d[0].view(dq.sizes())), dk.copy_(d[1].view(dk.sizes())), dv.copy_(d[2].view(dv.sizes()));
       } else {
         dqkv.zero_();
