@@ -355,6 +355,13 @@ TEST_F(CudaAttention, FlashOutputsOffAlignmentAreCopiedIn) {
   testing::expect_bitwise(dk, dk_off, "dk");
   testing::expect_bitwise(dv, dv_off, "dv");
   expect_same(dq.cpu().to(DType::Float32), dq_off.to(DType::Float32), tol(dt), "dq");
+  // A float32 dq that is dense but 4 bytes off the 8 the atomics' float2s
+  // need: summed apart and copied in.
+  Tensor dq_odd =
+      Tensor::empty({dq.numel() + 1}, {DType::Float32, q.device()}).narrow(0, 1, dq.numel()).view(dq.sizes());
+  Tensor dk_f = Tensor::empty(k.sizes(), {DType::Float32, q.device()}), dv_f = empty_like(dk_f);
+  grads(dq_odd, dk_f, dv_f);
+  expect_same(dq.cpu().to(DType::Float32), dq_odd, tol(dt), "dq in float32 off 8-byte alignment");
   // float32 gradients (context parallelism's block sums) are written as they are.
   Tensor dq32 = Tensor::empty(q.sizes(), {DType::Float32, q.device()});
   Tensor dk32 = Tensor::empty(k.sizes(), {DType::Float32, q.device()});

@@ -232,6 +232,14 @@ TEST(Attention, PackedQkvIsAttentionOfItsHeads) {
       sum(want * r).backward();
       expect_close(qkv.grad(), qkv_ref.grad(), 1e-10, what + " grad");
     }
+  // No positions, or no batch: empty outputs and gradients.
+  for (const Shape& s : std::vector<Shape>{{2, 0, 3 * E}, {0, 5, 3 * E}}) {
+    Tensor qkv = zeros(s).requires_grad_();
+    const Tensor y = scaled_dot_product_attention_qkvpacked(qkv, H, true);
+    ASSERT_EQ(y.sizes(), Shape({s[0], s[1], H, D}));
+    sum(y).backward();
+    EXPECT_EQ(qkv.grad().sizes(), s);
+  }
   const auto msg = testing::error_of([] { scaled_dot_product_attention_qkvpacked(ones({2, 3, 10}), 2); });
   EXPECT_NE(msg.find("scaled_dot_product_attention_qkvpacked: qkv must be [B, T, 3 E] with E a multiple of heads (2), "
                      "got [2,3,10]"),

@@ -303,7 +303,8 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
             // gradients in q's dtype (dk and dv from their registers).
             Tensor dq = Tensor::empty(sq.sizes(), sq.options()), dk = Tensor::empty(sk.sizes(), sk.options());
             Tensor dv = Tensor::empty(sv.sizes(), sv.options());
-            attention_flash_backward_cuda(a, sq, sk, sv, so, g, flash_lse(a, *lse, sq, sk, sv), dq, dk, dv);
+            attention_flash_backward_cuda(a, sq, sk, sv, so, g.to(sq.dtype()), flash_lse(a, *lse, sq, sk, sv), dq, dk,
+                                          dv);
             return std::vector<Tensor>{dq, dk, dv};
           }
           Tensor dq = Tensor::empty({a.n, a.tq, a.d}, {compute, g.device()});
@@ -343,62 +344,66 @@ Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv_in, int64_t head
       attention_args(op, part(src, 0), part(src, 1), part(src, 2), is_causal, dropout_p, gen, scale);
   const DType compute = qkv.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
   const bool flash = qkv.is_cuda() && attention_flash_cuda_supports(a, qkv.dtype());
+  const bool empty = B * T * E == 0;
   auto lse = std::make_shared<Tensor>();
-  // The other kernels' [n, T, D] copies of q, k and v and their output in
-  // the compute dtype, kept for the backward.
+  // The other kernels' [n, T, D] copies of q, k and v and their output, in
+  // qkv's dtype (converted to the compute dtype where they are used), kept
+  // for the backward instead of qkv.
   auto rows = std::make_shared<std::array<Tensor, 4>>();
   const auto run_forward = [&] {
+    Tensor out = Tensor::empty({B, T, H, D}, qkv.options());
+    if (empty) return out;
     if (flash) {
       // Read where they lie; the output written in [B, T, H, D].
-      Tensor out = Tensor::empty({B, T, H, D}, qkv.options());
       Tensor heads_view = out.permute({0, 2, 1, 3});
       *lse = Tensor::empty({a.n, a.tq}, {DType::Float32, qkv.device()});
       attention_flash_forward_cuda(a, part(src, 0), part(src, 1), part(src, 2), heads_view, *lse);
       return out;
     }
-    for (int64_t i = 0; i < 3; ++i) (*rows)[i] = as_rows(part(src, i), compute);
-    Tensor& o = (*rows)[3] = Tensor::empty({a.n, T, D}, {compute, qkv.device()});
-    if (o.numel() > 0) {
-      if (qkv.is_cuda())
-        attention_forward_cuda(a, (*rows)[0], (*rows)[1], (*rows)[2], o);
-      else
-        attention_forward_cpu(a, (*rows)[0], (*rows)[1], (*rows)[2], o);
-    }
-    Tensor out = Tensor::empty({B, T, H, D}, qkv.options());
-    out.copy_(o.view({B, H, T, D}).permute({0, 2, 1, 3}));
+    auto& r = *rows;
+    for (int64_t i = 0; i < 3; ++i) r[i] = as_rows(part(src, i), qkv.dtype());
+    const Tensor qr = as_rows(r[0], compute), kr = as_rows(r[1], compute), vr = as_rows(r[2], compute);
+    Tensor o = Tensor::empty({a.n, T, D}, {compute, qkv.device()});
+    if (qkv.is_cuda())
+      attention_forward_cuda(a, qr, kr, vr, o);
+    else
+      attention_forward_cpu(a, qr, kr, vr, o);
+    r[3] = o.to(qkv.dtype());
+    out.copy_(r[3].view({B, H, T, D}).permute({0, 2, 1, 3}));
     return out;
   };
   return differentiable(op, {qkv}, run_forward, [&](const Tensor& out) {
-    const Tensor so = out;
-    BackwardFn fn = [a, compute, flash, src, so, lse, rows, part, B, T, E](const Tensor& g) {
+    const Tensor so = out, kept_qkv = flash ? src : Tensor();
+    const TensorOptions options = qkv.options();
+    BackwardFn fn = [a, compute, flash, empty, kept_qkv, options, so, lse, rows, part, B, T, E](const Tensor& g) {
       // One gradient for qkv, each block's heads written into its columns.
-      Tensor dqkv = Tensor::empty({B, T, 3 * E}, src.options());
+      Tensor dqkv = Tensor::empty({B, T, 3 * E}, options);
+      if (empty) return std::vector<Tensor>{dqkv};
       Tensor dq = part(dqkv, 0), dk = part(dqkv, 1), dv = part(dqkv, 2);
-      const Tensor go = g.permute({0, 2, 1, 3});
       if (flash) {
-        const Tensor q = part(src, 0), k = part(src, 1), v = part(src, 2);
-        attention_flash_backward_cuda(a, q, k, v, so.permute({0, 2, 1, 3}), go, flash_lse(a, *lse, q, k, v), dq, dk,
-                                      dv);
-      } else if (a.n * a.tq > 0) {
-        const auto& r = *rows;
-        EMBER_INTERNAL_ASSERT(r[0].defined(), "scaled_dot_product_attention_qkvpacked: no kept q, k, v");
-        std::array<Tensor, 3> d;
-        for (int64_t i = 0; i < 3; ++i) d[i] = Tensor::empty(r[i].sizes(), r[i].options());
-        const Tensor gr = as_rows(go, compute);
-        if (src.is_cuda())
-          attention_backward_cuda(a, r[0], r[1], r[2], r[3], gr, d[0], d[1], d[2]);
-        else
-          attention_backward_cpu(a, r[0], r[1], r[2], r[3], gr, d[0], d[1], d[2]);
-        dq.copy_(d[0].view(dq.sizes())), dk.copy_(d[1].view(dk.sizes())), dv.copy_(d[2].view(dv.sizes()));
-      } else {
-        dqkv.zero_();
+        const Tensor q = part(kept_qkv, 0), k = part(kept_qkv, 1), v = part(kept_qkv, 2);
+        attention_flash_backward_cuda(a, q, k, v, so.permute({0, 2, 1, 3}), g.to(options.dtype).permute({0, 2, 1, 3}),
+                                      flash_lse(a, *lse, q, k, v), dq, dk, dv);
+        return std::vector<Tensor>{dqkv};
       }
+      const auto& r = *rows;
+      EMBER_INTERNAL_ASSERT(r[0].defined(), "scaled_dot_product_attention_qkvpacked: no kept q, k, v");
+      std::array<Tensor, 4> c;
+      for (int64_t i = 0; i < 4; ++i) c[i] = as_rows(r[i], compute);
+      std::array<Tensor, 3> d;
+      for (int64_t i = 0; i < 3; ++i) d[i] = Tensor::empty(c[i].sizes(), c[i].options());
+      const Tensor gr = as_rows(g.permute({0, 2, 1, 3}), compute);
+      if (options.device.is_cuda())
+        attention_backward_cuda(a, c[0], c[1], c[2], c[3], gr, d[0], d[1], d[2]);
+      else
+        attention_backward_cpu(a, c[0], c[1], c[2], c[3], gr, d[0], d[1], d[2]);
+      dq.copy_(d[0].view(dq.sizes())), dk.copy_(d[1].view(dk.sizes())), dv.copy_(d[2].view(dv.sizes()));
       return std::vector<Tensor>{dqkv};
     };
     std::vector<Tensor> saved{so};
     if (flash)
-      saved.push_back(src);
-    else
+      saved.push_back(kept_qkv);
+    else if (!empty)
       saved.insert(saved.end(), rows->begin(), rows->end());
     return Recorded{std::move(fn), std::move(saved)};
   });

@@ -27,8 +27,12 @@ constexpr int kRowsPerBlock = cuda::kBlockSize / kWarp;
 struct Rows {
   int64_t s0 = 0, s1 = 0, s2 = 0;
   int h1 = 1, h2 = 1, row = 0;
+  // In 32 bits where there are heads to divide by (the fused kernels' n is
+  // at most 65535): a 64-bit division is a routine of about 70 instructions.
   __host__ __device__ __forceinline__ int64_t head(int64_t b) const {
-    return b / (h1 * h2) * s0 + b / h2 % h1 * s1 + b % h2 * s2;
+    if (h1 * h2 == 1) return b * s0;
+    const int i = static_cast<int>(b);
+    return i / (h1 * h2) * s0 + i / h2 % h1 * s1 + i % h2 * s2;
   }
 };
 

@@ -589,7 +589,8 @@ int bwd_keys() {
 // before them merged, else reshape copies), with dense rows, 16-byte aligned
 // (cp.async's pieces) strides and address, and rows within the kernels'
 // 32-bit offsets. nullopt when a check fails, or for an output (`write`)
-// whose view would be a copy or would write one place twice.
+// whose view would be a copy or has a zero stride (a broadcast; the ops
+// hand the kernels no other overlapping outputs).
 struct Operand {
   Tensor t;  // viewed [N, h1, h2, t, d]
   Rows r;
@@ -748,8 +749,10 @@ void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Te
                             (dq.dtype() == DType::Float32 || dq.dtype() == q.dtype()),
                         "flash attention: gradients in float32 or ", q.dtype(), ", got dq ", dq.dtype(), ", dk ",
                         dk.dtype(), ", dv ", dv.dtype());
-  // dQ's sum: dq itself when it is dense float32.
-  const bool dq_direct = dq.dtype() == DType::Float32 && dq.is_contiguous();
+  // dQ's sum: dq itself when it is dense float32 (8-byte aligned: the
+  // atomics add float2s).
+  const bool dq_direct =
+      dq.dtype() == DType::Float32 && dq.is_contiguous() && reinterpret_cast<uintptr_t>(dq.raw_data()) % 8 == 0;
   BackwardOperands o{input(q),
                      input(k),
                      input(v),
