@@ -24,16 +24,24 @@ constexpr int kRowsPerBlock = cuda::kBlockSize / kWarp;
 // [B, T, 3, H, D] (rows 3 H D apart), an output laid out [B, T, H, D], keys
 // expanded over their query heads [B, Hkv, groups, T, D] (s2 = 0), as
 // FlashAttention-2 does, instead of copying each into [n, t, d] first.
+// Head b's index along the leading dims [N, h1, h2], which every operand of
+// one call shares (their shapes agree), so a kernel divides once for all.
+struct HeadIndex {
+  int64_t i0;
+  int i1, i2;
+};
 struct Rows {
   int64_t s0 = 0, s1 = 0, s2 = 0;
   int h1 = 1, h2 = 1, row = 0;
   // In 32 bits where there are heads to divide by (the fused kernels' n is
   // at most 65535): a 64-bit division is a routine of about 70 instructions.
-  __host__ __device__ __forceinline__ int64_t head(int64_t b) const {
-    if (h1 * h2 == 1) return b * s0;
+  __host__ __device__ __forceinline__ HeadIndex index(int64_t b) const {
+    if (h1 * h2 == 1) return {b, 0, 0};
     const int i = static_cast<int>(b);
-    return i / (h1 * h2) * s0 + i / h2 % h1 * s1 + i % h2 * s2;
+    return {i / (h1 * h2), i / h2 % h1, i % h2};
   }
+  __host__ __device__ __forceinline__ int64_t at(HeadIndex h) const { return h.i0 * s0 + h.i1 * s1 + h.i2 * s2; }
+  bool same_heads(const Rows& o) const { return h1 == o.h1 && h2 == o.h2; }
 };
 
 // Whether dropout keeps element (b, i, j): the CPU's Philox draw at its
@@ -56,8 +64,9 @@ __global__ void delta_kernel(int64_t rows, int64_t t, int64_t d, const In* __res
   const int64_t w = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (w >= rows) return;
-  const In* o = out + ro.head(w / t) + w % t * ro.row;
-  const In* g = dout + rd.head(w / t) + w % t * rd.row;
+  const HeadIndex h = ro.index(w / t);
+  const In* o = out + ro.at(h) + w % t * ro.row;
+  const In* g = dout + rd.at(h) + w % t * rd.row;
   Acc acc = 0;
   for (int64_t e = lane; e < d; e += kWarp) acc += static_cast<Acc>(o[e]) * static_cast<Acc>(g[e]);
   acc = cuda::warp_sum(acc);

@@ -43,6 +43,7 @@ namespace ember {
 namespace {
 
 using attention_cuda::delta_kernel;
+using attention_cuda::HeadIndex;
 using attention_cuda::kept;
 using attention_cuda::Rows;
 using attention_cuda::warp_grid;
@@ -138,9 +139,10 @@ __global__ void __launch_bounds__(kThreads)
   const int i0 = static_cast<int>(query_block(a.causal)) * BR;
   const int wr = warp * 16 * MT;  // the warp's first row in the block
   const int wrow = i0 + wr;
-  const uint16_t* kb = k + rk.head(b);
-  const uint16_t* vb = v + rv.head(b);
-  load_tile<D, BR>(q + rq.head(b), rq.row, i0, tq, qs);
+  const HeadIndex hb = rq.index(b);  // the operands' heads agree (the launcher checks)
+  const uint16_t* kb = k + rk.at(hb);
+  const uint16_t* vb = v + rv.at(hb);
+  load_tile<D, BR>(q + rq.at(hb), rq.row, i0, tq, qs);
   load_tile<D, KEYS>(kb, rk.row, 0, tk, ks);
   cuda::cp_async_commit();
   // Scores stay unscaled until the exponent, exp2(s sl - m sl) with sl the
@@ -264,7 +266,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t i = wrow + mt * 16 + g + 8 * h;
       if (i >= tq) continue;
       const float inv = 1.f / lsum;
-      uint16_t* orow = out + ro.head(b) + i * ro.row;
+      uint16_t* orow = out + ro.at(hb) + i * ro.row;
 #pragma unroll
       for (int nt = 0; nt < DT; ++nt)
         *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * t) =
@@ -315,10 +317,11 @@ __global__ void __launch_bounds__(2 * KEYS)
   const int vk = warp % KG * 32, vd = warp / KG * (D / 2);          // dV, dK: first key, first column
   const int qq = warp % QM * (16 * MQ), qd = warp / QM * (QN * 8);  // dQ: first row, first column
   const int64_t b = blockIdx.y, j0 = static_cast<int64_t>(blockIdx.x) * KEYS;
-  const uint16_t* qb = q + rq.head(b);
-  const uint16_t* dob = dout + rdo.head(b);
-  load_tile<D, KEYS, Threads>(k + rk.head(b), rk.row, static_cast<int>(j0), static_cast<int>(a.tk), ks);
-  load_tile<D, KEYS, Threads>(v + rv.head(b), rv.row, static_cast<int>(j0), static_cast<int>(a.tk), vs);
+  const HeadIndex hb = rq.index(b);  // the operands' heads agree (the launcher checks)
+  const uint16_t* qb = q + rq.at(hb);
+  const uint16_t* dob = dout + rdo.at(hb);
+  load_tile<D, KEYS, Threads>(k + rk.at(hb), rk.row, static_cast<int>(j0), static_cast<int>(a.tk), ks);
+  load_tile<D, KEYS, Threads>(v + rv.at(hb), rv.row, static_cast<int>(j0), static_cast<int>(a.tk), vs);
   cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
   const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
@@ -440,7 +443,7 @@ __global__ void __launch_bounds__(2 * KEYS)
   cuda::cp_async_wait_all();  // a causal block past the last row waited for no copy
   // dK and dV in float32, or rounded to T from the registers (FlashAttention-2's
   // way: a float32 copy and a pass converting it cost 6 bytes an element more).
-  const int64_t dk0 = rdk.head(b), dv0 = rdv.head(b);
+  const int64_t dk0 = rdk.at(hb), dv0 = rdv.at(hb);
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -484,10 +487,11 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t b = blockIdx.y, i0 = query_block(a.causal) * kRows;
   const int64_t wrow = i0 + warp * 16;  // the warp's first row
-  const uint16_t* kb = k + rk.head(b);
-  const uint16_t* vb = v + rv.head(b);
-  load_tile<D, kRows>(q + rq.head(b), rq.row, static_cast<int>(i0), static_cast<int>(a.tq), qs);
-  load_tile<D, kRows>(dout + rdo.head(b), rdo.row, static_cast<int>(i0), static_cast<int>(a.tq), dos);
+  const HeadIndex hb = rq.index(b);     // the operands' heads agree (the launcher checks)
+  const uint16_t* kb = k + rk.at(hb);
+  const uint16_t* vb = v + rv.at(hb);
+  load_tile<D, kRows>(q + rq.at(hb), rq.row, static_cast<int>(i0), static_cast<int>(a.tq), qs);
+  load_tile<D, kRows>(dout + rdo.at(hb), rdo.row, static_cast<int>(i0), static_cast<int>(a.tq), dos);
   cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
   const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
@@ -585,8 +589,9 @@ int bwd_keys() {
 }
 
 // A [..., t, d] operand of the kernels where it lies: its leading dims viewed
-// as [N, h1, h2] (h1 and h2 its dims -4 and -3, 1 where it has none; the dims
-// before them merged, else reshape copies), with dense rows, 16-byte aligned
+// as [N, h1, h2] (h1 and h2 q's dims -4 and -3, 1 where it has none, for
+// every operand of a call, whose kernels then divide a head's index once;
+// reshape copies where the dims do not split or merge so), with dense rows, 16-byte aligned
 // (cp.async's pieces) strides and address, and rows within the kernels'
 // 32-bit offsets. nullopt when a check fails, or for an output (`write`)
 // whose view would be a copy or has a zero stride (a broadcast; the ops
@@ -595,9 +600,12 @@ struct Operand {
   Tensor t;  // viewed [N, h1, h2, t, d]
   Rows r;
 };
-std::optional<Operand> addressed(const Tensor& x, bool write) {
-  const int64_t nd = x.dim(), t = x.size(-2), d = x.size(-1);
-  const int64_t h2 = nd >= 3 ? x.size(-3) : 1, h1 = nd >= 4 ? x.size(-4) : 1;
+struct Heads {
+  int64_t h1 = 1, h2 = 1;
+};
+Heads heads_of(const Tensor& q) { return {q.dim() >= 4 ? q.size(-4) : 1, q.dim() >= 3 ? q.size(-3) : 1}; }
+std::optional<Operand> addressed(const Tensor& x, Heads heads, bool write) {
+  const int64_t t = x.size(-2), d = x.size(-1), h1 = heads.h1, h2 = heads.h2;
   Operand o{x.detach().reshape({-1, h1, h2, t, d}), {}};
   const auto stride = [&](int dim) { return o.t.size(dim) == 1 ? 0 : o.t.stride(dim); };
   o.r.s0 = stride(0), o.r.s1 = stride(1), o.r.s2 = stride(2);
@@ -614,11 +622,11 @@ std::optional<Operand> addressed(const Tensor& x, bool write) {
   return o;
 }
 // An input: where it lies, or a contiguous copy.
-Operand input(const Tensor& x) {
-  if (auto o = addressed(x, false)) return *std::move(o);
+Operand input(const Tensor& x, Heads heads) {
+  if (auto o = addressed(x, heads, false)) return *std::move(o);
   Tensor c = Tensor::empty(x.sizes(), x.options());
   c.copy_(x.detach());
-  auto o = addressed(c, false);
+  auto o = addressed(c, heads, false);
   EMBER_INTERNAL_ASSERT(o.has_value(), "flash attention: a contiguous ", shape_str(x.sizes()), " not addressable");
   return *std::move(o);
 }
@@ -627,11 +635,11 @@ Operand input(const Tensor& x) {
 struct Output {
   Tensor& x;
   Operand o;
-  explicit Output(Tensor& x_) : x(x_) {
-    if (auto w = addressed(x, true)) {
+  Output(Tensor& x_, Heads heads) : x(x_) {
+    if (auto w = addressed(x, heads, true)) {
       o = *std::move(w);
     } else {
-      o = input(Tensor::empty(x.sizes(), x.options()));
+      o = input(Tensor::empty(x.sizes(), x.options()), heads);
     }
   }
   void done() {
@@ -660,8 +668,11 @@ void forward_keys(const AttentionArgs& a, const Operand& q, const Operand& k, co
 template <typename T, int D>
 void forward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse) {
   cuda::DeviceGuard guard(q);
-  const Operand qo = input(q), ko = input(k), vo = input(v);
-  Output oo(out);
+  const Heads heads = heads_of(q);
+  const Operand qo = input(q, heads), ko = input(k, heads), vo = input(v, heads);
+  Output oo(out, heads);
+  EMBER_INTERNAL_ASSERT(qo.r.same_heads(ko.r) && qo.r.same_heads(vo.r) && qo.r.same_heads(oo.o.r),
+                        "flash attention: the operands' leading dims differ");
   const bool drop = a.dropout_p > 0;
   const auto run = [&]<int KEYS>() {
     if (drop)
@@ -753,15 +764,19 @@ void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Te
   // atomics add float2s).
   const bool dq_direct =
       dq.dtype() == DType::Float32 && dq.is_contiguous() && reinterpret_cast<uintptr_t>(dq.raw_data()) % 8 == 0;
-  BackwardOperands o{input(q),
-                     input(k),
-                     input(v),
-                     input(dout),
-                     Output(dk),
-                     Output(dv),
+  const Heads heads = heads_of(q);
+  BackwardOperands o{input(q, heads),
+                     input(k, heads),
+                     input(v, heads),
+                     input(dout, heads),
+                     Output(dk, heads),
+                     Output(dv, heads),
                      dq_direct ? dq : Tensor::empty({a.n, a.tq, a.d}, {DType::Float32, q.device()}),
                      dk.dtype() == DType::Float32};
-  const Operand oo = input(out);
+  const Operand oo = input(out, heads);
+  EMBER_INTERNAL_ASSERT(o.q.r.same_heads(o.k.r) && o.q.r.same_heads(o.v.r) && o.q.r.same_heads(o.dout.r) &&
+                            o.q.r.same_heads(o.dk.o.r) && o.q.r.same_heads(o.dv.o.r) && o.q.r.same_heads(oo.r),
+                        "flash attention: the operands' leading dims differ");
   Tensor delta = Tensor::empty({a.n * a.tq}, {DType::Float32, q.device()});
   delta_kernel<T, float><<<warp_grid(a.n * a.tq), cuda::kBlockSize, 0, cuda::stream_for(q)>>>(
       a.n * a.tq, a.tq, D, oo.t.data<T>(), oo.r, o.dout.t.data<T>(), o.dout.r, dlse ? dlse->data<float>() : nullptr,
