@@ -4,7 +4,9 @@
 //  - elementwise add and a full sum in GB/s beside memcpy of the same bytes
 //    (1 and all threads);
 //  - batch norm then ReLU, forward and backward on a ResNet activation, as
-//    two ops (/0) and as batch_norm_relu (/1).
+//    two ops (/0) and as batch_norm_relu (/1);
+//  - AdamW on bfloat16 parameters through float32 masters, op by op (/0)
+//    and in the fused step's one pass (/1).
 // Bytes counted are bytes moved: add reads 2N and writes N floats; memcpy of
 // S bytes moves 2S.
 #include <benchmark/benchmark.h>
@@ -14,6 +16,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "bench/master_step.h"
 #include "core/ops.h"
 #include "core/ops_nn.h"
 
@@ -171,6 +174,19 @@ void BM_BiasGelu(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * h0.numel() * 4);
 }
 BENCHMARK(BM_BiasGelu)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// AdamW's step over 16 bfloat16 parameters of 1 M elements with float32
+// masters: op by op (0) or fused (1). GB/s counts the fused pass's bytes
+// (30 an element) for both, so the ratio of the two is the speedup.
+void BM_AdamWMasters(benchmark::State& state) {
+  const bool fused = state.range(0) == 1;
+  bench::MasterStep s = bench::make_master_step(16, 1 << 20, DType::BFloat16, kCPU);
+  for (auto _ : state) bench::master_step(s, fused);
+  state.counters["GB/s"] =
+      benchmark::Counter(16.0 * (1 << 20) * bench::kMasterStepBytes, benchmark::Counter::kIsIterationInvariantRate,
+                         benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_AdamWMasters)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 void BM_Memcpy(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));

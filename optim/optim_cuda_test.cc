@@ -193,6 +193,64 @@ TEST_F(CudaOptim, ManyTensorsUseTheDeviceTable) {
   for (size_t i = 0; i < p.size(); ++i) expect_close(p[i], pg[i], 1e-5, "tensor " + std::to_string(i));
 }
 
+// Float32 masters of 16-bit parameters (model_params) in the one kernel:
+// the same masters, state and parameters as the CPU's pass, elements
+// written from outside re-seeded on both; awkward sizes and a view off
+// alignment (scalar path) in one call with bfloat16 and float16, then more
+// tensors than the parameter table holds (device-buffer path).
+TEST_F(CudaOptim, MastersMatchCpu) {
+  for (int many = 0; many < 2; ++many) {
+    std::vector<Tensor> low, master;
+    if (many) {
+      manual_seed(6);
+      for (int i = 0; i < 500; ++i) low.push_back(randn({1 + (i * 37) % 300}).to(DType::BFloat16));
+    } else {
+      for (DType dt : {DType::BFloat16, DType::Float16})
+        for (const Tensor& t : make_params(dt, kCPU, 1)) low.push_back(t);
+    }
+    for (const Tensor& l : low) master.push_back(l.to(DType::Float32) * (1.0 + 1e-4));
+    const std::vector<Tensor> low_g = to_cuda(low), master_g = to_cuda(master);
+    std::vector<Tensor> lc = low, mc = master, lg = low_g, mg = master_g;
+    auto zeros_for = [](const std::vector<Tensor>& v) {
+      std::vector<Tensor> z;
+      for (const Tensor& t : v) z.push_back(zeros_like(t));
+      return z;
+    };
+    std::vector<Tensor> m = zeros_for(mc), v = zeros_for(mc), x = zeros_for(mc), b(mc.size());
+    std::vector<Tensor> m_g = zeros_for(mg), v_g = zeros_for(mg), x_g = zeros_for(mg), b_g(mg.size());
+    for (int64_t step = 1; step <= 3; ++step) {
+      if (step == 2)
+        for (std::vector<Tensor>* l : {&lc, &lg})
+          for (Tensor& t : *l) t.narrow(0, 0, 1).fill_(0.375);
+      std::vector<Tensor> g, g_g;
+      for (size_t i = 0; i < lc.size(); ++i) {
+        g.push_back(randn(lc[i].sizes(), DType::Float64).to(lc[i].dtype()));
+        g_g.push_back(g.back().cuda());
+      }
+      AdamArgs a{.lr = 0.01, .weight_decay = 0.05, .decoupled = true, .amsgrad = true, .step = step};
+      AdamArgs ag = a;
+      a.model_params = lc;
+      ag.model_params = lg;
+      adam_step_(mc, g, m, v, x, a);
+      adam_step_(mg, g_g, m_g, v_g, x_g, ag);
+      SgdArgs s{{.lr = 0.01, .momentum = 0.9}};
+      SgdArgs sg = s;
+      s.model_params = lc;
+      sg.model_params = lg;
+      sgd_step_(mc, g, b, s);
+      sgd_step_(mg, g_g, b_g, sg);
+    }
+    for (size_t i = 0; i < lc.size(); ++i) {
+      const std::string what =
+          std::string(many ? "many " : "") + "tensor " + std::to_string(i) + " " + dtype_name(lc[i].dtype());
+      expect_close(mc[i], mg[i], 1e-5, what + " master");
+      expect_close(lc[i], lg[i], tol(lc[i].dtype()), what + " parameter");
+      expect_close(v[i], v_g[i], 1e-5, what + " exp_avg_sq");
+      expect_close(b[i], b_g[i], 1e-5, what + " momentum");
+    }
+  }
+}
+
 TEST_F(CudaOptim, OptimizersOnCudaParamsAndCrossDeviceCheckpoint) {
   auto fresh = [](Device d) {
     Generator gen(9);

@@ -277,6 +277,141 @@ TEST(Optimizer, SixteenBitParametersStepThroughAFloat32Master) {
   }
 }
 
+// Within rel of each other element for element (relative to the larger
+// magnitude, at least 1), NaN for NaN.
+void expect_near_nan(const Tensor& got, const Tensor& want, double rel, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  ASSERT_EQ(got.dtype(), want.dtype()) << what;
+  const V a = got.to_vector(), b = want.to_vector();
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) || std::isnan(b[i])) {
+      ASSERT_TRUE(std::isnan(a[i]) && std::isnan(b[i])) << what << " element " << i << ": " << a[i] << " vs " << b[i];
+      continue;
+    }
+    ASSERT_LE(std::abs(a[i] - b[i]), rel * std::max({1.0, std::abs(a[i]), std::abs(b[i])}))
+        << what << " element " << i << ": " << a[i] << " vs " << b[i];
+  }
+}
+
+// The fused steps' float32 masters (model_params) against the op-by-op
+// composition they replace: the master re-seeded where its 16-bit
+// parameter was written from outside (a value and a NaN), the gradient
+// cast to float32, a float32 step, the master copied back rounded. The same
+// float32 arithmetic in the same order, up to the compiler's contraction
+// into FMAs, which differs between the two loops (a float32 ulp or two; a
+// 16-bit parameter rounded across a boundary: one of its ulps). One call holds a
+// bfloat16 and a float16 master and a float32 parameter of its own; a
+// found_inf step moves nothing.
+TEST(Optimizer, MastersStepInOnePassAsTheOpByOpComposition) {
+  for (const char* kind : {"adam", "sgd"}) {
+    Generator gen(11);
+    const std::vector<DType> lows = {DType::BFloat16, DType::Float32, DType::Float16};
+    const std::vector<int64_t> sizes = {7, 5, 70001};  // the last split between threads, in stages
+    std::vector<Tensor> low, master, plain_ref, master_ref, low_ref;
+    for (size_t i = 0; i < lows.size(); ++i) {
+      Tensor x = randn({sizes[i]}, {}, &gen).to(lows[i]);
+      low.push_back(x);
+      low_ref.push_back(x.clone());
+      // A master a little off its parameter, as after real steps.
+      Tensor m = x.to(DType::Float32) + randn({sizes[i]}, {}, &gen) * 1e-4;
+      if (lows[i] == DType::Float32)
+        m = x;  // no master: the parameter steps itself
+      else
+        m = where(eq(m.to(lows[i]).to(DType::Float32), x.to(DType::Float32)), m, x.to(DType::Float32));
+      master.push_back(m);
+      master_ref.push_back(m.clone());
+      // A float32 parameter is its own "master".
+      if (lows[i] == DType::Float32) low_ref.back() = master_ref.back();
+    }
+    std::vector<Tensor> model(lows.size());
+    for (size_t i = 0; i < lows.size(); ++i)
+      if (lows[i] != DType::Float32) model[i] = low[i];
+    auto state = [&] {
+      std::vector<Tensor> v;
+      for (const Tensor& m : master) v.push_back(zeros_like(m));
+      return v;
+    };
+    std::vector<Tensor> m = state(), v = state(), x = state(), m_ref = state(), v_ref = state(), x_ref = state();
+    std::vector<Tensor> buf(lows.size()), buf_ref(lows.size());
+    for (int step = 1; step <= 4; ++step) {
+      if (step == 3) {
+        // Written from outside: a value and a NaN.
+        for (size_t i = 0; i < lows.size(); ++i) {
+          if (lows[i] == DType::Float32) continue;
+          for (Tensor* t : {&low[i], &low_ref[i]}) {
+            t->narrow(0, 1, 2).fill_(0.375);
+            t->narrow(0, 4, 1).fill_(std::nan(""));
+          }
+        }
+      }
+      std::vector<Tensor> g, g_ref;
+      for (size_t i = 0; i < lows.size(); ++i) {
+        g.push_back(randn({sizes[i]}, {}, &gen).to(lows[i]));
+        g_ref.push_back(g.back().to(DType::Float32));
+      }
+      const Tensor found_inf = full({}, step == 2 ? 1.0 : 0.0, DType::Float32);
+      // The composition, on the masters' copies.
+      if (step != 2) {
+        for (size_t i = 0; i < lows.size(); ++i) {
+          if (lows[i] == DType::Float32) continue;
+          Tensor& mr = master_ref[i];
+          mr.copy_(where(ne(low_ref[i], mr.to(lows[i])), low_ref[i].to(DType::Float32), mr));
+        }
+      }
+      std::vector<Tensor> ref_params = master_ref;
+      const uint64_t version = low[0].storage_version();
+      if (std::string(kind) == "adam") {
+        AdamArgs a{.lr = 1e-2, .weight_decay = 0.1, .decoupled = true, .amsgrad = true};
+        a.found_inf = found_inf;
+        a.step = step;
+        adam_step_(ref_params, g_ref, m_ref, v_ref, x_ref, a);
+        a.model_params = model;
+        adam_step_(master, g, m, v, x, a);
+      } else {
+        SgdArgs a{{.lr = 1e-2, .momentum = 0.9, .weight_decay = 0.01}};
+        if (step > 1) a.found_inf = found_inf;  // the first step makes the buffers
+        sgd_step_(ref_params, g_ref, buf_ref, a);
+        a.model_params = model;
+        sgd_step_(master, g, buf, a);
+      }
+      EXPECT_GT(low[0].storage_version(), version) << kind << ": the step wrote the 16-bit parameter";
+      if (step != 2)
+        for (size_t i = 0; i < lows.size(); ++i)
+          if (lows[i] != DType::Float32) low_ref[i].copy_(master_ref[i]);
+      for (size_t i = 0; i < lows.size(); ++i) {
+        const std::string what = std::string(kind) + " step " + std::to_string(step) + " tensor " + std::to_string(i);
+        const double ulp = lows[i] == DType::BFloat16 ? 0x1p-7 : lows[i] == DType::Float16 ? 0x1p-10 : 1e-6;
+        expect_near_nan(master[i], master_ref[i], 1e-6, what + " master");
+        expect_near_nan(low[i], low_ref[i], ulp, what + " parameter");
+        if (std::string(kind) == "adam") {
+          expect_near_nan(m[i], m_ref[i], 1e-6, what + " exp_avg");
+          expect_near_nan(x[i], x_ref[i], 1e-6, what + " max_exp_avg_sq");
+        } else {
+          expect_near_nan(buf[i], buf_ref[i], 1e-6, what + " momentum");
+        }
+      }
+    }
+    // The NaN written from outside went into the master; the value too.
+    EXPECT_TRUE(std::isnan(master[0].to_vector()[4])) << kind;
+    EXPECT_NE(master[2].to_vector()[1], 0.375) << kind << ": stepped after the re-seed";
+  }
+  // What the masters' arguments must be, named.
+  std::vector<Tensor> p{zeros({3})}, g{zeros({3}, DType::BFloat16)}, m{zeros({3})}, v{zeros({3})}, none;
+  AdamArgs a;
+  a.model_params = {zeros({3})};
+  expect_error([&] { adam_step_(p, g, m, v, none, a); }, "model_params 0 has dtype float32; only float16 and bfloat16");
+  a.model_params = {zeros({4}, DType::BFloat16)};
+  expect_error([&] { adam_step_(p, g, m, v, none, a); }, "model_params 0 ([4] on cpu) does not match its master");
+  a.model_params = {zeros({3}, DType::BFloat16), zeros({3}, DType::BFloat16)};
+  expect_error([&] { adam_step_(p, g, m, v, none, a); }, "expected one entry of model_params per parameter (1), got 2");
+  a.model_params = {zeros({3}, DType::Float16)};
+  expect_error([&] { adam_step_(p, g, m, v, none, a); }, "gradient 0 ([3] bfloat16 on cpu) does not match parameter 0");
+  std::vector<Tensor> p64{zeros({3}, DType::Float64)}, m64{zeros({3}, DType::Float64)}, v64{zeros({3}, DType::Float64)};
+  a.model_params = {zeros({3}, DType::BFloat16)};
+  expect_error([&] { adam_step_(p64, g, m64, v64, none, a); },
+               "parameter 0 is the master of a bfloat16 model parameter and must be float32, got float64");
+}
+
 // A channels-last parameter (a convolution weight stored OHWI) steps in
 // place as a flat array: the same values as the contiguous run, element for
 // element, with its state laid out as it is, for SGD, Adam(W) and a 16-bit

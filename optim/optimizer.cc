@@ -49,29 +49,29 @@ Tensor state_like(const Tensor& p, std::optional<double> value = std::nullopt) {
   return t;
 }
 
-// The tensor the fused step updates for `p` (its float32 master for 16-bit
-// parameters, created from p on first use) and the gradient in its dtype.
+// The tensor the fused step updates for `p`: p itself, or for a 16-bit
+// parameter its float32 master (created from p on first use), which the
+// step re-seeds from p where p was written from outside, steps and writes
+// back rounded, reading p's gradient as it is (ops_optim.h's model_params).
 // State made while p had another layout (the module was laid out
 // channels-last, or back, after some steps) follows p's layout first, values
 // kept: the fused step walks p and its state as flat arrays.
-std::pair<Tensor, Tensor> step_target(const Tensor& p, const Tensor& g, Optimizer::ParamState& st) {
+Tensor step_target(const Tensor& p, Optimizer::ParamState& st) {
   const MemoryFormat fmt = p.suggest_memory_format();
   for (auto& [name, t] : st)
     if (t.sizes() == p.sizes() && !t.is_contiguous(fmt)) t = t.contiguous(fmt);
-  if (!is_low_precision(p)) return {p, g};
+  if (!is_low_precision(p)) return p;
   auto it = st.find("master_param");
   if (it == st.end()) {
     Tensor master = state_like(p);
     master.copy_(p);
     it = st.emplace("master_param", master).first;
-  } else {
-    // Elements written from outside since the last step no longer equal the
-    // master rounded: they re-seed it (on the device, no sync).
-    Tensor master = it->second;
-    master.copy_(where(ne(p, master.to(p.dtype())), p.to(DType::Float32), master));
   }
-  return {it->second, g.to(DType::Float32)};
+  return it->second;
 }
+
+// The fused step's `model_params` entry for p stepped through `target`.
+Tensor model_param(const Tensor& p, const Tensor& target) { return target.is_same(p) ? Tensor() : p; }
 
 }  // namespace
 
@@ -388,10 +388,11 @@ void SGD::step_impl(const Tensor& found_inf) {
     for (const Tensor& p : group.params) {
       Tensor g = p.grad();
       if (!g.defined()) continue;
-      auto [target, tg] = step_target(p, g, mutable_state(p));
+      const Tensor target = step_target(p, mutable_state(p));
       owners.push_back(p);
       params.push_back(target);
-      grads.push_back(tg);
+      grads.push_back(g);
+      args.model_params.push_back(model_param(p, target));
       if (args.momentum != 0.0) {
         auto& st = mutable_state(p);
         auto it = st.find("momentum_buffer");
@@ -406,8 +407,6 @@ void SGD::step_impl(const Tensor& found_inf) {
     sgd_step_(params, grads, bufs, args);
     // New buffers were allocated by the step (torch's first-step clone).
     for (size_t i = 0; i < bufs.size(); ++i) mutable_state(owners[i])["momentum_buffer"] = bufs[i];
-    for (size_t i = 0; i < owners.size(); ++i)
-      if (!owners[i].is_same(params[i])) owners[i].copy_(params[i]);
   }
 }
 
@@ -463,8 +462,7 @@ void Adam::step_impl(const Tensor& found_inf) {
   for (auto& group : param_groups()) {
     const Options& o = group.options;
     const bool amsgrad = flag(o, "amsgrad");
-    std::vector<Tensor> P, G, M, V, VMAX, steps;
-    std::vector<std::pair<Tensor, Tensor>> masters;  // (16-bit parameter, its float32 master)
+    std::vector<Tensor> P, G, M, V, VMAX, steps, low;
     for (const Tensor& p : group.params) {
       Tensor g = p.grad();
       if (!g.defined()) continue;
@@ -485,10 +483,10 @@ void Adam::step_impl(const Tensor& found_inf) {
       // parameter's device as its fused Adam keeps it: the kernel reads it
       // for the bias corrections and bumps it once the update went through.
       if (st["step"].device() != p.device()) st["step"] = st["step"].to(p.device());
-      auto [target, tg] = step_target(p, g, st);
+      const Tensor target = step_target(p, st);
       P.push_back(target);
-      G.push_back(tg);
-      if (!target.is_same(p)) masters.emplace_back(p, target);
+      G.push_back(g);
+      low.push_back(model_param(p, target));
       M.push_back(st["exp_avg"]);
       V.push_back(st["exp_avg_sq"]);
       if (amsgrad) VMAX.push_back(st["max_exp_avg_sq"]);
@@ -500,11 +498,8 @@ void Adam::step_impl(const Tensor& found_inf) {
     args.lr_tensor = group.lr_tensor;
     args.found_inf = found_inf;
     args.steps = steps;
+    args.model_params = low;
     adam_step_(P, G, M, V, VMAX, args);
-    for (auto& [p, master] : masters) {
-      Tensor dst = p;
-      dst.copy_(master);
-    }
   }
 }
 

@@ -24,9 +24,9 @@ namespace {
 
 using cuda::VecN;
 
-constexpr int kMaxDepth = 5;            // param, grad, up to three state tensors
+constexpr int kMaxDepth = 6;            // param, grad, up to three state tensors, a master's 16-bit parameter
 constexpr int64_t kChunk = 16384;       // elements per block visit: 64 per thread
-constexpr int kArgEntries = 384;        // 384 * 72 B = 27 KB of kernel parameters
+constexpr int kArgEntries = 384;        // 384 * 80 B = 30 KB of kernel parameters
 
 struct TensorEntry {
   void* ptr[kMaxDepth];
@@ -56,9 +56,13 @@ __device__ __forceinline__ int find_tensor(const TensorEntry* entries, int n, in
 }
 
 // Applies the per-tensor functor f.at(entry) to every element, x[o] the
-// element of operand o in compute type C. Operand 1 (the gradient) is
-// read-only and not stored. Nothing at all when f.skip() (found_inf).
-template <typename T, int DEPTH, typename F>
+// element of operand o in compute type C. Operand 1 (the gradient) is of
+// type G (T, or a master's 16-bit parameter's type), read-only and not
+// stored; the others are T. With LOW, operand 0 is the float32 master of the
+// 16-bit parameter in the entry's operand DEPTH: re-seeded from it before f
+// (optim_fns::master_value) and written to it, rounded, after. Nothing at
+// all when f.skip() (found_inf).
+template <typename T, int DEPTH, typename F, typename G = T, bool LOW = false>
 __device__ __forceinline__ void multi_tensor_apply(const TensorEntry* entries, int ntensors, int64_t nchunks,
                                                    const F& f) {
   using C = acc_t<T>;
@@ -72,37 +76,48 @@ __device__ __forceinline__ void multi_tensor_apply(const TensorEntry* entries, i
     T* ptr[DEPTH];
 #pragma unroll
     for (int o = 0; o < DEPTH; ++o) ptr[o] = static_cast<T*>(e.ptr[o]) + start;
+    const G* grad = DEPTH > 1 ? static_cast<const G*>(e.ptr[1]) + start : nullptr;
+    G* low = LOW ? static_cast<G*>(e.ptr[DEPTH]) + start : nullptr;
     int64_t done = 0;
     if (e.aligned) {
       const int64_t nvec = n / VEC;
       for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
         VecN<T, VEC> r[DEPTH];
+        VecN<G, VEC> rg, rl;
 #pragma unroll
-        for (int o = 0; o < DEPTH; ++o) r[o] = reinterpret_cast<const VecN<T, VEC>*>(ptr[o])[v];
+        for (int o = 0; o < DEPTH; ++o)
+          if (o != 1) r[o] = reinterpret_cast<const VecN<T, VEC>*>(ptr[o])[v];
+        if constexpr (DEPTH > 1) rg = reinterpret_cast<const VecN<G, VEC>*>(grad)[v];
+        if constexpr (LOW) rl = reinterpret_cast<const VecN<G, VEC>*>(low)[v];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
           C x[DEPTH];
 #pragma unroll
-          for (int o = 0; o < DEPTH; ++o) x[o] = static_cast<C>(r[o].v[j]);
+          for (int o = 0; o < DEPTH; ++o) x[o] = o == 1 ? static_cast<C>(rg.v[j]) : static_cast<C>(r[o].v[j]);
+          if constexpr (LOW) x[0] = optim_fns::master_value(x[0], rl.v[j]);
           g(x);
 #pragma unroll
           for (int o = 0; o < DEPTH; ++o)
             if (o != 1) r[o].v[j] = static_cast<T>(x[o]);
+          if constexpr (LOW) rl.v[j] = static_cast<G>(x[0]);
         }
 #pragma unroll
         for (int o = 0; o < DEPTH; ++o)
           if (o != 1) reinterpret_cast<VecN<T, VEC>*>(ptr[o])[v] = r[o];
+        if constexpr (LOW) reinterpret_cast<VecN<G, VEC>*>(low)[v] = rl;
       }
       done = nvec * VEC;
     }
     for (int64_t i = done + threadIdx.x; i < n; i += blockDim.x) {
       C x[DEPTH];
 #pragma unroll
-      for (int o = 0; o < DEPTH; ++o) x[o] = static_cast<C>(ptr[o][i]);
+      for (int o = 0; o < DEPTH; ++o) x[o] = o == 1 ? static_cast<C>(grad[i]) : static_cast<C>(ptr[o][i]);
+      if constexpr (LOW) x[0] = optim_fns::master_value(x[0], low[i]);
       g(x);
 #pragma unroll
       for (int o = 0; o < DEPTH; ++o)
         if (o != 1) ptr[o][i] = static_cast<T>(x[o]);
+      if constexpr (LOW) low[i] = static_cast<G>(x[0]);
     }
   }
 }
@@ -201,23 +216,26 @@ __global__ void amp_update_scale_kernel(float* scale, int32_t* growth_tracker, c
 
 // The table in parameter space: __grid_constant__ lets the binary search
 // index it at run time without copying it to local memory.
-template <typename T, int DEPTH, typename F>
+template <typename T, int DEPTH, typename F, typename G, bool LOW>
 __global__ void __launch_bounds__(cuda::kBlockSize)
     mta_param_kernel(const __grid_constant__ ArgTable table, int ntensors, int64_t nchunks, F f) {
-  multi_tensor_apply<T, DEPTH>(table.e, ntensors, nchunks, f);
+  multi_tensor_apply<T, DEPTH, F, G, LOW>(table.e, ntensors, nchunks, f);
 }
 
-template <typename T, int DEPTH, typename F>
+template <typename T, int DEPTH, typename F, typename G, bool LOW>
 __global__ void __launch_bounds__(cuda::kBlockSize)
     mta_buffer_kernel(const TensorEntry* __restrict__ entries, int ntensors, int64_t nchunks, F f) {
-  multi_tensor_apply<T, DEPTH>(entries, ntensors, nchunks, f);
+  multi_tensor_apply<T, DEPTH, F, G, LOW>(entries, ntensors, nchunks, f);
 }
 
-// Builds the table for operand lists (one list per operand, same length) and
-// launches once on the tensors' device and current stream.
-template <typename T, int DEPTH, typename F>
+// Builds the table for operand lists (one list per operand, same length;
+// with LOW one more: the masters' 16-bit parameters) and launches once on
+// the tensors' device and current stream.
+template <typename T, int DEPTH, typename F, typename G = T, bool LOW = false>
 void launch(const std::vector<const std::vector<Tensor>*>& lists, const std::vector<bool>& init, const F& f,
             const std::vector<Tensor>& steps = {}) {
+  EMBER_INTERNAL_ASSERT(lists.size() == static_cast<size_t>(DEPTH + LOW), "multi-tensor apply: ", lists.size(),
+                        " operand lists for depth ", DEPTH, LOW ? " and masters" : "");
   const std::vector<Tensor>& params = *lists[0];
   std::vector<TensorEntry> entries;
   entries.reserve(params.size());
@@ -227,9 +245,11 @@ void launch(const std::vector<const std::vector<Tensor>*>& lists, const std::vec
     if (n == 0) continue;
     TensorEntry e{};
     e.aligned = true;
-    for (int o = 0; o < DEPTH; ++o) {
+    for (int o = 0; o < DEPTH + LOW; ++o) {
       e.ptr[o] = (*lists[o])[i].raw_data();
-      e.aligned = e.aligned && cuda::is_aligned_for<T, cuda::vec_width<T>()>(e.ptr[o]);
+      // The gradient and a 16-bit parameter are G, loaded VEC at a time too.
+      e.aligned = e.aligned && (o == 1 || o == DEPTH ? cuda::is_aligned_for<G, cuda::vec_width<T>()>(e.ptr[o])
+                                                     : cuda::is_aligned_for<T, cuda::vec_width<T>()>(e.ptr[o]));
     }
     e.numel = n;
     e.chunk_begin = nchunks;
@@ -246,7 +266,7 @@ void launch(const std::vector<const std::vector<Tensor>*>& lists, const std::vec
   if (entries.size() <= static_cast<size_t>(kArgEntries)) {
     ArgTable table;
     std::copy(entries.begin(), entries.end(), table.e);
-    mta_param_kernel<T, DEPTH, F><<<grid, cuda::kBlockSize, 0, stream>>>(table, n, nchunks, f);
+    mta_param_kernel<T, DEPTH, F, G, LOW><<<grid, cuda::kBlockSize, 0, stream>>>(table, n, nchunks, f);
   } else if (cuda_graph_capturing()) {
     // A CUDA graph cannot copy the table from pageable memory (its replay
     // would need those host bytes to stay): one parameter-space launch per
@@ -261,7 +281,7 @@ void launch(const std::vector<const std::vector<Tensor>*>& lists, const std::vec
         table.e[i - i0].chunk_begin -= base;
       }
       const unsigned g = static_cast<unsigned>(std::min<int64_t>(end - base, cuda::kMaxGridBlocks));
-      mta_param_kernel<T, DEPTH, F>
+      mta_param_kernel<T, DEPTH, F, G, LOW>
           <<<g, cuda::kBlockSize, 0, stream>>>(table, static_cast<int>(i1 - i0), end - base, f);
       EMBER_CUDA_CHECK(cudaGetLastError());
     }
@@ -272,42 +292,66 @@ void launch(const std::vector<const std::vector<Tensor>*>& lists, const std::vec
     const size_t bytes = entries.size() * sizeof(TensorEntry);
     Tensor buf = Tensor::empty({static_cast<int64_t>(bytes)}, {DType::UInt8, params[0].device()});
     EMBER_CUDA_CHECK(cudaMemcpyAsync(buf.raw_data(), entries.data(), bytes, cudaMemcpyHostToDevice, stream));
-    mta_buffer_kernel<T, DEPTH, F><<<grid, cuda::kBlockSize, 0, stream>>>(
-        static_cast<const TensorEntry*>(buf.raw_data()), n, nchunks, f);
+    mta_buffer_kernel<T, DEPTH, F, G, LOW>
+        <<<grid, cuda::kBlockSize, 0, stream>>>(static_cast<const TensorEntry*>(buf.raw_data()), n, nchunks, f);
   }
   EMBER_CUDA_CHECK(cudaGetLastError());
+}
+
+// Calls f.template operator()<T, G, LOW>(): T the parameters' type, G the
+// gradients' (a master's 16-bit parameter's type where `low` holds them).
+template <typename F>
+void dispatch_masters(DType param, const std::vector<Tensor>& low, const char* op, const F& f) {
+  if (low.empty()) {
+    EMBER_DISPATCH_FLOAT(param, op, [&] { f.template operator()<scalar_t, scalar_t, false>(); });
+    return;
+  }
+  EMBER_INTERNAL_ASSERT(param == DType::Float32, op, ": masters must be float32, got ", param);
+  if (low[0].dtype() == DType::BFloat16)
+    f.template operator()<float, BFloat16, true>();
+  else
+    f.template operator()<float, Half, true>();
+}
+
+// An op's operand lists, with the masters' 16-bit parameters last when LOW.
+template <bool LOW>
+std::vector<const std::vector<Tensor>*> operands(std::vector<const std::vector<Tensor>*> lists,
+                                                 const std::vector<Tensor>& low) {
+  if (LOW) lists.push_back(&low);
+  return lists;
 }
 
 }  // namespace
 
 void sgd_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads, const std::vector<Tensor>& bufs,
-                   const std::vector<bool>& init, const SgdOptions& a, DeviceHyper dev) {
+                   const std::vector<bool>& init, const SgdOptions& a, DeviceHyper dev,
+                   const std::vector<Tensor>& low) {
   if (params.empty()) return;
-  EMBER_DISPATCH_FLOAT(params[0].dtype(), "sgd_step_", [&] {
-    using T = scalar_t;
+  dispatch_masters(params[0].dtype(), low, "sgd_step_", [&]<typename T, typename G, bool LOW>() {
     using C = acc_t<T>;
     const auto s = optim_fns::sgd_scalars<C>(a);
     if (s.has_momentum)
-      launch<T, 3>({&params, &grads, &bufs}, init, SgdFn<C, 3>{s, dev});
+      launch<T, 3, SgdFn<C, 3>, G, LOW>(operands<LOW>({&params, &grads, &bufs}, low), init, SgdFn<C, 3>{s, dev});
     else
-      launch<T, 2>({&params, &grads}, {}, SgdFn<C, 2>{s, dev});
+      launch<T, 2, SgdFn<C, 2>, G, LOW>(operands<LOW>({&params, &grads}, low), {}, SgdFn<C, 2>{s, dev});
   });
 }
 
 void adam_step_cuda(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
                     const std::vector<Tensor>& exp_avgs, const std::vector<Tensor>& exp_avg_sqs,
                     const std::vector<Tensor>& max_exp_avg_sqs, const std::vector<Tensor>& steps,
-                    const AdamKernelArgs& a) {
+                    const AdamKernelArgs& a, const std::vector<Tensor>& low) {
   if (params.empty()) return;
-  EMBER_DISPATCH_FLOAT(params[0].dtype(), "adam_step_", [&] {
-    using T = scalar_t;
+  dispatch_masters(params[0].dtype(), low, "adam_step_", [&]<typename T, typename G, bool LOW>() {
     using C = acc_t<T>;
     const auto s = optim_fns::adam_scalars<C>(a);
     if (s.amsgrad)
-      launch<T, 5>({&params, &grads, &exp_avgs, &exp_avg_sqs, &max_exp_avg_sqs}, {}, AdamFn<C, 5>{s, a.dev, a.step},
-                   steps);
+      launch<T, 5, AdamFn<C, 5>, G, LOW>(
+          operands<LOW>({&params, &grads, &exp_avgs, &exp_avg_sqs, &max_exp_avg_sqs}, low), {},
+          AdamFn<C, 5>{s, a.dev, a.step}, steps);
     else
-      launch<T, 4>({&params, &grads, &exp_avgs, &exp_avg_sqs}, {}, AdamFn<C, 4>{s, a.dev, a.step}, steps);
+      launch<T, 4, AdamFn<C, 4>, G, LOW>(operands<LOW>({&params, &grads, &exp_avgs, &exp_avg_sqs}, low), {},
+                                         AdamFn<C, 4>{s, a.dev, a.step}, steps);
   });
   if (steps.empty()) return;
   // Counts of empty parameters too: they took part in the step.
