@@ -324,6 +324,35 @@ TEST_F(CudaAttention, FlashAttentionReadsViewsWhereTheyLie) {
   }
 }
 
+// The fused path lays its output out as q lies and each gradient as its
+// input lies (PyTorch's flash SDPA allocates its output as q's [B, T, H, D]):
+// heads of [B, T, H, D] give an output whose transpose back is contiguous,
+// and gradients that are [B, T, H, D] too, with the values of contiguous
+// inputs bit for bit (the kernels do the same work wherever the operands lie).
+TEST_F(CudaAttention, FlashOutputAndGradientsLieAsTheirInputs) {
+  const int64_t B = 2, T = 70, H = 3, D = 64;
+  const DType dt = DType::BFloat16;
+  const auto heads = [&](uint64_t seed) {
+    return rnd({B, T, H, D}, seed, dt).cuda().permute({0, 2, 1, 3}).detach().requires_grad_();
+  };
+  const Tensor q = heads(1500), k = heads(1501), v = heads(1502);
+  const Tensor qc = q.detach().contiguous().requires_grad_(), kc = k.detach().contiguous().requires_grad_();
+  const Tensor vc = v.detach().contiguous().requires_grad_();
+  ASSERT_FALSE(q.is_contiguous());
+  const Tensor dout = rnd({B, H, T, D}, 1503, dt).cuda();
+  const Tensor out = scaled_dot_product_attention(q, k, v, true), outc = scaled_dot_product_attention(qc, kc, vc, true);
+  EXPECT_TRUE(out.permute({0, 2, 1, 3}).is_contiguous()) << "out strides " << shape_str(out.strides());
+  EXPECT_TRUE(outc.is_contiguous());
+  testing::expect_bitwise(out.contiguous(), outc, "out");
+  const std::vector<Tensor> g = autograd::grad(out, {q, k, v}, dout);
+  const std::vector<Tensor> gc = autograd::grad(outc, {qc, kc, vc}, dout);
+  const char* names[] = {"dq", "dk", "dv"};
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(g[i].permute({0, 2, 1, 3}).is_contiguous()) << names[i] << " strides " << shape_str(g[i].strides());
+    testing::expect_bitwise(g[i].contiguous(), gc[i], names[i]);
+  }
+}
+
 // Outputs the kernels cannot write where they lie (a view off 16-byte
 // alignment) are written to a contiguous stand-in and copied: the same bits
 // as a contiguous output, forward (out) and backward (dk, dv from the

@@ -266,6 +266,63 @@ TEST(Reduce, ChannelsLastMatchesContiguousForEveryDimSubset) {
     }
 }
 
+// Every permutation of a 4-d tensor's dims, over every subset of dims,
+// with and without keepdim: the same values as the contiguous copy's
+// reduction; where the reduced dims are one block of the order the dims lie
+// in memory, the output lies as the kept dims lie in the input (no copy in
+// or out), else contiguous (through the permuting copy). A size-1
+// dim anywhere and argmax too.
+TEST(Reduce, PermutedInputsReduceWhereTheyLie) {
+  manual_seed(4);
+  Tensor base = randn({2, 3, 4, 5}, DType::Float64);
+  std::vector<int64_t> perm = {0, 1, 2, 3};
+  int laid_out = 0;
+  do {
+    const Tensor x = base.permute(perm), plain = x.contiguous();
+    for (int mask = 1; mask < 16; ++mask)
+      for (bool keepdim : {false, true}) {
+        std::vector<int64_t> dims;
+        for (int d = 0; d < 4; ++d)
+          if (mask & (1 << d)) dims.push_back(d);
+        SCOPED_TRACE("perm " + shape_str(perm) + " dims " + shape_str(dims) + (keepdim ? " keepdim" : ""));
+        const Tensor s = sum(x, dims, keepdim);
+        ASSERT_EQ(s.sizes(), sum(plain, dims, keepdim).sizes());
+        expect_near(s.to_vector(), sum(plain, dims, keepdim).to_vector(), 1e-12);
+        expect_near(max(x, dims, keepdim).to_vector(), max(plain, dims, keepdim).to_vector(), 0);
+        // Memory positions of x's dims (x's dim d is base's perm[d]), and
+        // whether the reduced ones are one block of them.
+        int lo = 4, hi = -1;
+        for (int64_t d : dims)
+          lo = std::min<int>(lo, static_cast<int>(perm[d])), hi = std::max<int>(hi, static_cast<int>(perm[d]));
+        const bool block = hi - lo + 1 == static_cast<int>(dims.size());
+        // The output's kept dims, in x's order, with base's position each.
+        std::vector<std::pair<int64_t, int64_t>> kept;  // (output dim, memory position)
+        for (int64_t d = 0, o = 0; d < 4; ++d) {
+          const bool reduced = (mask & (1 << d)) != 0;
+          if (!reduced) kept.push_back({o, perm[d]});
+          if (!reduced || keepdim) ++o;
+        }
+        bool ordered = true;  // the kept dims lie in their logical order
+        for (size_t i = 1; i < kept.size(); ++i) ordered = ordered && kept[i - 1].second < kept[i].second;
+        if (!block || ordered) {
+          EXPECT_TRUE(s.is_contiguous()) << shape_str(s.strides());
+          continue;
+        }
+        ++laid_out;
+        for (const auto& [oa, pa] : kept)
+          for (const auto& [ob, pb] : kept)
+            if (pa < pb) EXPECT_GT(s.strides()[oa], s.strides()[ob]) << "output dims " << oa << ", " << ob;
+      }
+  } while (std::next_permutation(perm.begin(), perm.end()));
+  EXPECT_GT(laid_out, 50) << "permuted outputs seen";
+  // A size-1 dim between reduced ones, and argmax's indices.
+  Tensor y = randn({3, 1, 4, 5}, DType::Float64).permute({2, 1, 0, 3});  // [4, 1, 3, 5]
+  expect_near(sum(y, {0, 2}).to_vector(), sum(y.contiguous(), {0, 2}).to_vector(), 1e-12);
+  expect_near(sum(y, {0, 1, 2}, true).to_vector(), sum(y.contiguous(), {0, 1, 2}, true).to_vector(), 1e-12);
+  EXPECT_EQ(argmax(y, 2).to_vector(), argmax(y.contiguous(), 2).to_vector());
+  EXPECT_EQ(argmax(y, 0, true).to_vector(), argmax(y.contiguous(), 0, true).to_vector());
+}
+
 TEST(Reduce, KeepdimDtypesAndEdgeCases) {
   Tensor x = T({1, 5, 3, 5, 2, 0}, {2, 3});
   EXPECT_EQ(sum(x, {1}).sizes(), (Shape{2}));

@@ -12,10 +12,12 @@
 // the backward redraws it instead of storing it.
 #include <cblas.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <vector>
 
 #include "core/autocast.h"
@@ -249,6 +251,28 @@ AttentionArgs attention_args(const char* op, const Tensor& q, const Tensor& k, c
   return a;
 }
 
+// An empty tensor of `sizes` whose dims lie in memory in the order of
+// like's strides, the last innermost (stable: equal strides, as size-1 and
+// expanded dims have, keep their order). The fused kernels write the output
+// and the gradients where they lie, so, as PyTorch's flash SDPA allocates
+// its output as q's [B, T, H, D] and hands it back transposed, a module's
+// transpose back to [B, T, H * D] is a view, and the gradients reach the
+// projections in their layout: no copy either way.
+Tensor empty_ordered_as(const Tensor& like, const Shape& sizes, TensorOptions options) {
+  const int64_t nd = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> order(static_cast<size_t>(nd - 1));
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return like.stride(a) > like.stride(b); });
+  order.push_back(nd - 1);
+  Shape lying(static_cast<size_t>(nd));
+  std::vector<int64_t> back(static_cast<size_t>(nd));
+  for (int64_t i = 0; i < nd; ++i) {
+    lying[i] = sizes[order[i]];
+    back[order[i]] = i;
+  }
+  return Tensor::empty(lying, options).permute(back);
+}
+
 // The fused forward's log-sum-exps for the backward: those it kept, or, when
 // a recompute took the op's output without running it, from the kernel again.
 Tensor flash_lse(const AttentionArgs& a, const Tensor& kept, const Tensor& q, const Tensor& k, const Tensor& v) {
@@ -276,7 +300,7 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
   auto lse = std::make_shared<Tensor>();
   auto run_forward = [a, compute, out_shape, flash, lse](const Tensor& q, const Tensor& k, const Tensor& v) {
     if (flash) {
-      Tensor out = Tensor::empty(out_shape, q.options());
+      Tensor out = empty_ordered_as(q, out_shape, q.options());
       *lse = Tensor::empty({a.n, a.tq}, {DType::Float32, q.device()});
       attention_flash_forward_cuda(a, q, k, v, out, *lse);
       return out;
@@ -300,9 +324,11 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
         BackwardFn fn = [a, compute, sq, sk, sv, so, flash, lse](const Tensor& g) {
           if (flash) {
             // The kernels read the tensors where they lie and write the
-            // gradients in q's dtype (dk and dv from their registers).
-            Tensor dq = Tensor::empty(sq.sizes(), sq.options()), dk = Tensor::empty(sk.sizes(), sk.options());
-            Tensor dv = Tensor::empty(sv.sizes(), sv.options());
+            // gradients in q's dtype (dk and dv from their registers), each
+            // laid out as its input.
+            Tensor dq = empty_ordered_as(sq, sq.sizes(), sq.options());
+            Tensor dk = empty_ordered_as(sk, sk.sizes(), sk.options());
+            Tensor dv = empty_ordered_as(sv, sv.sizes(), sv.options());
             attention_flash_backward_cuda(a, sq, sk, sv, so, g.to(sq.dtype()), flash_lse(a, *lse, sq, sk, sv), dq, dk,
                                           dv);
             return std::vector<Tensor>{dq, dk, dv};

@@ -1,7 +1,8 @@
 // Reductions over any set of dims with keepdim: sum, mean, max, min, var,
 // argmax, argmin. The op layer views the input as [outer, r, inner] (free
-// when the reduced dims form one contiguous block, else one permuting copy),
-// so the CPU and CUDA kernels only ever reduce a middle axis.
+// when the reduced dims form one block of the order its dims lie in memory,
+// else one permuting copy), so the CPU and CUDA kernels only ever reduce a
+// middle axis.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -159,10 +160,37 @@ void reduce_cpu(ReduceOp op, const Tensor& in, Tensor& out, int64_t outer, int64
 namespace {
 
 struct ReducePlan {
-  Tensor input;  // contiguous, viewed as [outer, r, inner]
+  Tensor input;  // viewed as [outer, r, inner] in memory
   int64_t outer = 1, r = 1, inner = 1;
   Shape out_shape;
+  // The output as the kernels write it (contiguous, `lying`), and the
+  // permutation that makes it out_shape: the kept dims in the order they
+  // lie in the input.
+  Shape lying;
+  std::vector<int64_t> back;
 };
+
+// The dims of a dense input (its elements fill one block of memory with
+// its dims in some order: contiguous, channels-last, a transposed or
+// permuted view) outermost first; empty when it is not dense (a gap, an
+// expanded dim). A size-1 dim lies nowhere in particular: it sorts where a
+// contiguous layout would put it, so a contiguous input's order is its own.
+std::vector<int64_t> memory_order(const Tensor& x) {
+  const int64_t nd = x.dim();
+  std::vector<int64_t> key(static_cast<size_t>(nd)), order(static_cast<size_t>(nd));
+  for (int64_t d = nd - 1; d >= 0; --d)
+    key[d] = x.sizes()[d] != 1 ? x.strides()[d] : d + 1 < nd ? key[d + 1] * x.sizes()[d + 1] : 1;
+  for (int64_t d = 0; d < nd; ++d) order[d] = d;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return key[a] > key[b]; });
+  int64_t expected = 1;
+  for (int64_t i = nd - 1; i >= 0; --i) {
+    const int64_t d = order[i];
+    if (x.sizes()[d] == 1) continue;
+    if (x.strides()[d] != expected) return {};
+    expected *= x.sizes()[d];
+  }
+  return order;
+}
 
 ReducePlan plan_reduce(const Tensor& x, std::vector<int64_t> dims, bool keepdim, const char* op) {
   EMBER_CHECK(x.defined(), op, ": input is undefined");
@@ -179,40 +207,51 @@ ReducePlan plan_reduce(const Tensor& x, std::vector<int64_t> dims, bool keepdim,
     if (!red[d]) p.out_shape.push_back(x.sizes()[d]);
     else if (keepdim) p.out_shape.push_back(1);
   }
+  p.lying = p.out_shape;
+  for (size_t i = 0; i < p.out_shape.size(); ++i) p.back.push_back(static_cast<int64_t>(i));
   if (nd == 0) {  // 0-d input
     p.input = x.contiguous();
     return p;
   }
-  // The dims in memory order, outermost first, of a dense input (contiguous,
-  // or channels-last: N, H, W, C). It is reduced where it lies when the
-  // reduced dims are one block of that order and the kept ones stay in
-  // their logical order (the output's): a channels-last mean over H and W
-  // is [N, H*W, C] in place, with no layout copy.
-  std::vector<int64_t> order;
-  if (x.is_contiguous()) {
-    for (int64_t d = 0; d < nd; ++d) order.push_back(d);
-  } else if (x.is_contiguous(MemoryFormat::ChannelsLast)) {
-    order = {0, 2, 3, 1};
-  }
+  // A dense input is reduced where it lies when its reduced dims (of more
+  // than one element) are one block of its memory order: a channels-last
+  // mean over H and W is [N, H*W, C] in place, a sum over a transposed
+  // view's middle dim [outer, r, inner] as it lies. The output is laid out
+  // as the kept dims lie in the input (PyTorch's reductions keep their
+  // input's layout too), so it is contiguous when they lie in their logical
+  // order, and a permuted input's reduction leaves no copy behind.
+  const std::vector<int64_t> order = memory_order(x);
   if (!order.empty()) {
-    int64_t first = -1, last = -1, prev_kept = -1;
-    bool in_place = true;
+    int64_t first = -1, last = -1;
     for (int64_t i = 0; i < nd; ++i) {
-      const int64_t d = order[i];
-      if (red[d]) {
-        if (first < 0) first = i;
-        last = i;
-      } else {
-        in_place = in_place && d > prev_kept;
-        prev_kept = d;
-      }
+      if (!red[order[i]] || x.sizes()[order[i]] == 1) continue;
+      if (first < 0) first = i;
+      last = i;
     }
-    for (int64_t i = first; in_place && i >= 0 && i <= last; ++i) in_place = red[order[i]];
+    bool in_place = true;
+    for (int64_t i = first; i >= 0 && i <= last; ++i)
+      in_place = in_place && (red[order[i]] || x.sizes()[order[i]] == 1);
     if (in_place) {
       p.input = x;
+      // Reduced size-1 dims sit anywhere: outside the block they multiply
+      // nothing. With no reduced dim of more than one element, r is 1.
       for (int64_t i = 0; i < nd; ++i) {
-        const int64_t size = x.sizes()[order[i]];
-        (i < first ? p.outer : i <= last ? p.r : p.inner) *= size;
+        const int64_t d = order[i], size = x.sizes()[d];
+        if (red[d])
+          p.r *= size;
+        else
+          (first >= 0 && i > last ? p.inner : p.outer) *= size;
+      }
+      // The output's dims (those kept, or all with keepdim) in memory order.
+      std::vector<int64_t> out_index(static_cast<size_t>(nd), -1);
+      for (int64_t d = 0, k = 0; d < nd; ++d)
+        if (!red[d] || keepdim) out_index[d] = k++;
+      p.lying.clear();
+      for (int64_t i = 0; i < nd; ++i) {
+        const int64_t d = order[i];
+        if (out_index[d] < 0) continue;
+        p.back[out_index[d]] = static_cast<int64_t>(p.lying.size());
+        p.lying.push_back(p.out_shape[out_index[d]]);
       }
       return p;
     }
@@ -231,15 +270,18 @@ Tensor run_reduce(ReduceOp op, const char* name, const Tensor& x, const std::vec
   DType out_t = (op == ReduceOp::ArgMax || op == ReduceOp::ArgMin) ? DType::Int64
                 : (op == ReduceOp::Sum && !is_floating(src.dtype())) ? DType::Int64
                                                                        : src.dtype();
-  Tensor out = Tensor::empty(p.out_shape, {out_t, x.device()});
+  Tensor lying = Tensor::empty(p.lying, {out_t, x.device()});
+  Tensor out = lying.permute(p.back);
   if (out.numel() == 0) return out;
   if (p.r == 0) {
     EMBER_CHECK(op == ReduceOp::Sum, name, ": cannot reduce over a zero-size dimension of ", shape_str(x.sizes()),
                 " (no identity)");
     return out.fill_(0.0);
   }
-  if (x.is_cuda()) reduce_cuda(op, p.input, out, p.outer, p.r, p.inner);
-  else reduce_cpu(op, p.input, out, p.outer, p.r, p.inner);
+  if (x.is_cuda())
+    reduce_cuda(op, p.input, lying, p.outer, p.r, p.inner);
+  else
+    reduce_cpu(op, p.input, lying, p.outer, p.r, p.inner);
   return out;
 }
 
