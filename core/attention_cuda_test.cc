@@ -213,6 +213,19 @@ TEST_F(CudaAttention, AttentionLogSumExpMatchesCpu) {
       };
       compare(f, in, tol(dt), cat("attention lse causal ", causal, " ", dt));
     }
+  // Context parallelism's views, which the fused kernels read where they
+  // lie: a block of q's rows, k and v the two halves of one kv.
+  for (bool causal : {false, true}) {
+    std::vector<Tensor> in = {rnd({2, 2, 140, 64}, seed++, DType::BFloat16),
+                              rnd({2, 2, 75, 128}, seed++, DType::BFloat16)};
+    Fn f = [causal](const std::vector<Tensor>& v) {
+      return scaled_dot_product_attention_lse(v[0].narrow(2, 70, 70), v[1].narrow(-1, 0, 64), v[1].narrow(-1, 64, 64),
+                                              causal);
+    };
+    const int64_t before = attention_cuda_flash_launches();
+    compare(f, in, tol(DType::BFloat16), cat("attention lse on views causal ", causal));
+    EXPECT_EQ(attention_cuda_flash_launches() - before, 2) << "the fused forward and backward";
+  }
 }
 
 // One key block's gradients of a merged attention (context parallelism's
@@ -350,6 +363,33 @@ TEST_F(CudaAttention, FlashOutputAndGradientsLieAsTheirInputs) {
   for (int i = 0; i < 3; ++i) {
     EXPECT_TRUE(g[i].permute({0, 2, 1, 3}).is_contiguous()) << names[i] << " strides " << shape_str(g[i].strides());
     testing::expect_bitwise(g[i].contiguous(), gc[i], names[i]);
+  }
+  // GroupedQueryAttention's arrangement: q's heads grouped by the key/value
+  // head they share, k and v expanded over the groups (a zero stride). The
+  // keys' and values' gradients are the sums over the groups, taken where
+  // the kernels laid them out ([B, T, Hkv, G, D]), so they land in
+  // [B, T, Hkv, D] as k and v lie.
+  const int64_t Hkv = 2, G = 3;
+  const auto grouped = [&](uint64_t seed, int64_t h) {
+    return rnd({B, T, h, D}, seed, dt).cuda().permute({0, 2, 1, 3}).detach().requires_grad_();
+  };
+  const Tensor q5 = rnd({B, T, Hkv, G, D}, 1510, dt).cuda().permute({0, 2, 3, 1, 4}).detach().requires_grad_();
+  const Tensor k4 = grouped(1511, Hkv), v4 = grouped(1512, Hkv);
+  const auto expanded = [&](const Tensor& x) { return x.unsqueeze(2).expand({B, Hkv, G, T, D}); };
+  const Tensor q5c = q5.detach().contiguous().requires_grad_(), k4c = k4.detach().contiguous().requires_grad_();
+  const Tensor v4c = v4.detach().contiguous().requires_grad_();
+  const Tensor o5 = scaled_dot_product_attention(q5, expanded(k4), expanded(v4), true);
+  const Tensor o5c = scaled_dot_product_attention(q5c, expanded(k4c), expanded(v4c), true);
+  EXPECT_TRUE(o5.permute({0, 3, 1, 2, 4}).is_contiguous()) << "grouped out strides " << shape_str(o5.strides());
+  const Tensor dout5 = rnd({B, Hkv, G, T, D}, 1513, dt).cuda();
+  const std::vector<Tensor> g5 = autograd::grad(o5, {q5, k4, v4}, dout5);
+  const std::vector<Tensor> g5c = autograd::grad(o5c, {q5c, k4c, v4c}, dout5);
+  EXPECT_TRUE(g5[0].permute({0, 3, 1, 2, 4}).is_contiguous()) << "grouped dq strides " << shape_str(g5[0].strides());
+  testing::expect_bitwise(g5[0].contiguous(), g5c[0], "grouped dq");
+  for (int i = 1; i < 3; ++i) {
+    EXPECT_TRUE(g5[i].permute({0, 2, 1, 3}).is_contiguous())
+        << "grouped " << names[i] << " strides " << shape_str(g5[i].strides());
+    expect_same(g5c[i].cpu(), g5[i].contiguous(), tol(dt), cat("grouped ", names[i]));
   }
 }
 

@@ -92,6 +92,10 @@ Tensor operator*(double s, const Tensor& a);
 Tensor operator/(double s, const Tensor& a);
 
 // ---- Reductions: over `dims` (empty = all), keepdim as in PyTorch ----
+// The output is laid out as the kept dims lie in the input when the input
+// is dense and its reduced dims are one block of its memory order (as
+// PyTorch's reductions keep their input's layout): a permuted input's sum
+// may be a permuted (dense) output; view() it only after contiguous().
 Tensor sum(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 Tensor mean(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);
 Tensor max(const Tensor& x, const std::vector<int64_t>& dims = {}, bool keepdim = false);

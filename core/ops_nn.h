@@ -89,6 +89,9 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
 Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv, int64_t heads, bool is_causal = false,
                                               double dropout_p = 0.0, Generator* gen = nullptr,
                                               std::optional<double> scale = std::nullopt);
+// The heads of column block `which` (0 q, 1 k, 2 v) of such a qkv: a
+// [B, heads, T, E / heads] view.
+Tensor qkv_heads(const Tensor& qkv, int64_t which, int64_t heads);
 // The same attention without dropout, with each row's log-sum-exp of its
 // scaled scores beside the output: [..., Tq, Dv + 1], the output in
 // [..., :Dv] and the log-sum-exp in [..., Dv], in the compute dtype (float32

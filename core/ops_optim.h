@@ -23,7 +23,9 @@
 // same pass each master element whose 16-bit element no longer equals it
 // rounded (written from outside since the last step) first takes that
 // element's value, then steps, and is written back rounded. An undefined
-// entry leaves parameter i stepped as above. This is what re-seeding the
+// entry leaves parameter i stepped as above. A step that found_inf skips
+// moves nothing, masters included: an outside write is taken at the next
+// step that runs. This is what re-seeding the
 // master, casting the gradient, stepping and copying the master back did
 // op by op: six more kernels and a copy a tensor, and 78 bytes an element
 // of memory traffic for Adam where this pass moves 30.

@@ -35,12 +35,6 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim_, int64_t num_heads_, d
 }
 
 namespace {
-// The heads of column block `which` of qkv [B, T, 3E]: a [B, H, T, D] view.
-Tensor heads_of(const Tensor& qkv, int64_t which, int64_t H) {
-  const int64_t B = qkv.size(0), T = qkv.size(1), E = qkv.size(2) / 3;
-  return qkv.narrow(2, which * E, E).view({B, T, H, E / H}).permute({0, 2, 1, 3});
-}
-
 // Attention over the heads of the in-projection's output qkv [B, T, 3E]:
 // [B, T, H, D]. The packed op reads q, k and v where they lie in qkv (the
 // fused kernels; the others copy them out) and writes one gradient for qkv.
@@ -53,7 +47,7 @@ Tensor heads_of(const Tensor& qkv, int64_t which, int64_t H) {
 // three copies.
 Tensor attend_qkv(const AttentionFn& fn, const Tensor& qkv, int64_t H, bool causal, double p, Generator* gen) {
   if (!fn) return scaled_dot_product_attention_qkvpacked(qkv, H, causal, p, gen);
-  return fn(heads_of(qkv, 0, H).contiguous(), heads_of(qkv, 1, H).contiguous(), heads_of(qkv, 2, H).contiguous(),
+  return fn(qkv_heads(qkv, 0, H).contiguous(), qkv_heads(qkv, 1, H).contiguous(), qkv_heads(qkv, 2, H).contiguous(),
             causal, p, gen)
       .permute({0, 2, 1, 3});
 }

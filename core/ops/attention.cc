@@ -200,6 +200,23 @@ Tensor as_rows(const Tensor& x, DType compute) {
   return c.contiguous().reshape({-1, x.size(-2), x.size(-1)});
 }
 
+// The blocked kernels, CUDA's or the CPU's by q's device, on [n, t, d] rows
+// in the compute dtype: every path the fused kernels do not take.
+void blocked_forward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                     Tensor* lse = nullptr) {
+  if (q.is_cuda())
+    attention_forward_cuda(a, q, k, v, out, lse);
+  else
+    attention_forward_cpu(a, q, k, v, out, lse);
+}
+void blocked_backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                      const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, const Tensor* dlse = nullptr) {
+  if (q.is_cuda())
+    attention_backward_cuda(a, q, k, v, out, dout, dq, dk, dv, dlse);
+  else
+    attention_backward_cpu(a, q, k, v, out, dout, dq, dk, dv, dlse);
+}
+
 }  // namespace
 
 namespace {
@@ -310,10 +327,8 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
       const Tensor qr = as_rows(q, compute), kr = as_rows(k, compute), vr = as_rows(v, compute);
       if (a.tk == 0)
         out.zero_();
-      else if (q.is_cuda())
-        attention_forward_cuda(a, qr, kr, vr, out);
       else
-        attention_forward_cpu(a, qr, kr, vr, out);
+        blocked_forward(a, qr, kr, vr, out);
     }
     return out.view(out_shape).to(q.dtype());
   };
@@ -339,10 +354,7 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
           if (a.n > 0 && a.tq > 0 && a.tk > 0) {
             const Tensor qr = as_rows(sq, compute), kr = as_rows(sk, compute), vr = as_rows(sv, compute);
             const Tensor orr = as_rows(so, compute), gr = as_rows(g, compute);
-            if (g.is_cuda())
-              attention_backward_cuda(a, qr, kr, vr, orr, gr, dq, dk, dv);
-            else
-              attention_backward_cpu(a, qr, kr, vr, orr, gr, dq, dk, dv);
+            blocked_backward(a, qr, kr, vr, orr, gr, dq, dk, dv);
           } else {
             dq.zero_(), dk.zero_(), dv.zero_();
           }
@@ -353,6 +365,11 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
       });
 }
 
+Tensor qkv_heads(const Tensor& qkv, int64_t which, int64_t heads) {
+  const int64_t B = qkv.size(0), T = qkv.size(1), E = qkv.size(2) / 3;
+  return qkv.narrow(2, which * E, E).view({B, T, heads, E / heads}).permute({0, 2, 1, 3});
+}
+
 Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv_in, int64_t heads, bool is_causal, double dropout_p,
                                               Generator* gen, std::optional<double> scale) {
   const Tensor qkv = autocast::low(qkv_in);
@@ -361,10 +378,7 @@ Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv_in, int64_t head
               ": qkv must be [B, T, 3 E] with E a multiple of heads (", heads, "), got ",
               qkv.defined() ? shape_str(qkv.sizes()) : std::string("an undefined tensor"));
   const int64_t B = qkv.size(0), T = qkv.size(1), E = qkv.size(2) / 3, H = heads, D = E / H;
-  // Column block i's heads: a [B, H, T, D] view.
-  const auto part = [B, T, E, H, D](const Tensor& x, int64_t i) {
-    return x.narrow(2, i * E, E).view({B, T, H, D}).permute({0, 2, 1, 3});
-  };
+  const auto part = [H](const Tensor& x, int64_t i) { return qkv_heads(x, i, H); };
   const Tensor src = qkv.detach();
   const AttentionArgs a =
       attention_args(op, part(src, 0), part(src, 1), part(src, 2), is_causal, dropout_p, gen, scale);
@@ -390,10 +404,7 @@ Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv_in, int64_t head
     for (int64_t i = 0; i < 3; ++i) r[i] = as_rows(part(src, i), qkv.dtype());
     const Tensor qr = as_rows(r[0], compute), kr = as_rows(r[1], compute), vr = as_rows(r[2], compute);
     Tensor o = Tensor::empty({a.n, T, D}, {compute, qkv.device()});
-    if (qkv.is_cuda())
-      attention_forward_cuda(a, qr, kr, vr, o);
-    else
-      attention_forward_cpu(a, qr, kr, vr, o);
+    blocked_forward(a, qr, kr, vr, o);
     r[3] = o.to(qkv.dtype());
     out.copy_(r[3].view({B, H, T, D}).permute({0, 2, 1, 3}));
     return out;
@@ -419,10 +430,7 @@ Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv_in, int64_t head
       std::array<Tensor, 3> d;
       for (int64_t i = 0; i < 3; ++i) d[i] = Tensor::empty(c[i].sizes(), c[i].options());
       const Tensor gr = as_rows(g.permute({0, 2, 1, 3}), compute);
-      if (options.device.is_cuda())
-        attention_backward_cuda(a, c[0], c[1], c[2], c[3], gr, d[0], d[1], d[2]);
-      else
-        attention_backward_cpu(a, c[0], c[1], c[2], c[3], gr, d[0], d[1], d[2]);
+      blocked_backward(a, c[0], c[1], c[2], c[3], gr, d[0], d[1], d[2]);
       dq.copy_(d[0].view(dq.sizes())), dk.copy_(d[1].view(dk.sizes())), dv.copy_(d[2].view(dv.sizes()));
       return std::vector<Tensor>{dqkv};
     };
@@ -452,10 +460,7 @@ void lse_backward(const AttentionArgs& a, DType compute, bool flash, const Tenso
   } else {
     const Tensor qr = as_rows(q, compute), kr = as_rows(k, compute), vr = as_rows(v, compute);
     const Tensor orr = as_rows(o, compute), gr = as_rows(go, compute);
-    if (q.is_cuda())
-      attention_backward_cuda(a, qr, kr, vr, orr, gr, dq, dk, dv, dlse);
-    else
-      attention_backward_cpu(a, qr, kr, vr, orr, gr, dq, dk, dv, dlse);
+    blocked_backward(a, qr, kr, vr, orr, gr, dq, dk, dv, dlse);
   }
 }
 
@@ -472,19 +477,20 @@ Tensor scaled_dot_product_attention_lse(const Tensor& q_in, const Tensor& k_in, 
   const DType compute = q.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
   const bool flash = q.is_cuda() && attention_flash_cuda_supports(a, q.dtype());
   // The fused kernels' output is 16-bit; the blocked kernels' and the CPU's
-  // the compute dtype.
+  // the compute dtype. The fused kernels read q, k and v where they lie
+  // (context parallelism's views: a block's rows of q, k and v as the two
+  // halves of one concatenated kv); the others take [n, t, d] copies.
   auto run = [a, compute, flash](const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse) {
     const DType in = flash ? q.dtype() : compute;
-    const Tensor qr = as_rows(q, in), kr = as_rows(k, in), vr = as_rows(v, in);
     out = Tensor::empty({a.n, a.tq, a.dv}, {in, q.device()});
     lse = Tensor::empty({a.n, a.tq}, {compute, q.device()});
     if (a.n * a.tq == 0) return;
-    if (flash)
-      attention_flash_forward_cuda(a, qr, kr, vr, out, lse);
-    else if (q.is_cuda())
-      attention_forward_cuda(a, qr, kr, vr, out, &lse);
-    else
-      attention_forward_cpu(a, qr, kr, vr, out, &lse);
+    if (flash) {
+      attention_flash_forward_cuda(a, q, k, v, out, lse);
+      return;
+    }
+    const Tensor qr = as_rows(q, in), kr = as_rows(k, in), vr = as_rows(v, in);
+    blocked_forward(a, qr, kr, vr, out, &lse);
   };
   return differentiable(
       op, {q, k, v},

@@ -355,7 +355,9 @@ void gemm_cuda(const GemmArgs& g, int device);
 // linear and linear_gelu; row-major terms, batch 1, alpha 1, beta 0):
 //   Bias:         C[i, j] = (A B)[i, j] + vec[j], vec [n] of C's dtype;
 //   GeluTanhAux:  aux = (A B) + vec as Bias's C, C = gelu_tanh(aux), aux
-//                 contiguous like C (n a multiple of 8);
+//                 contiguous like C (n a multiple of 8); a null aux (a
+//                 forward nothing will differentiate) keeps no aux: C alone
+//                 (cuBLASLt's GELU_BIAS);
 //   BiasGradA:    C = A B, and vec [m] = the sum of op(A)'s rows over k
 //                 (linear's weight gradient g^T x gives the bias's too).
 // The bias is added and GELU applied to the float32 sum before the one

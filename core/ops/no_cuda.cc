@@ -83,10 +83,10 @@ EMBER_NO_CUDA(max_pool2d_backward_cuda, const PoolGeom&, const Tensor&, const Te
 EMBER_NO_CUDA(avg_pool2d_cuda, const PoolGeom&, const Tensor&, Tensor&)
 EMBER_NO_CUDA(avg_pool2d_backward_cuda, const PoolGeom&, const Tensor&, Tensor&)
 EMBER_NO_CUDA(sgd_step_cuda, const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-              const std::vector<bool>&, const SgdOptions&, DeviceHyper)
+              const std::vector<bool>&, const SgdOptions&, DeviceHyper, const std::vector<Tensor>&)
 EMBER_NO_CUDA(adam_step_cuda, const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-              const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-              const AdamKernelArgs&)
+              const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&, const AdamKernelArgs&,
+              const std::vector<Tensor>&)
 EMBER_NO_CUDA(amp_unscale_cuda, const std::vector<Tensor>&, const Tensor&, const Tensor&)
 EMBER_NO_CUDA(amp_update_scale_cuda, const Tensor&, const Tensor&, const Tensor&, const AmpScaleArgs&)
 

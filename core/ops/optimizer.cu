@@ -75,7 +75,7 @@ __device__ __forceinline__ void multi_tensor_apply(const TensorEntry* entries, i
     const auto g = f.at(e);
     T* ptr[DEPTH];
 #pragma unroll
-    for (int o = 0; o < DEPTH; ++o) ptr[o] = static_cast<T*>(e.ptr[o]) + start;
+    for (int o = 0; o < DEPTH; ++o) ptr[o] = o == 1 ? nullptr : static_cast<T*>(e.ptr[o]) + start;  // 1: `grad`
     const G* grad = DEPTH > 1 ? static_cast<const G*>(e.ptr[1]) + start : nullptr;
     G* low = LOW ? static_cast<G*>(e.ptr[DEPTH]) + start : nullptr;
     int64_t done = 0;
