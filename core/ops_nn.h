@@ -149,15 +149,20 @@ GroupOrder group_order(const Tensor& ids, int64_t groups);
 // statistics, and, when running_mean/var are defined, updates them in place
 // as PyTorch does (running = (1 - momentum) * running + momentum * batch, the
 // variance unbiased). Otherwise by running_mean/var, which must be defined.
-// weight and bias ([C]) are optional (1 and 0).
+// weight and bias ([C]) are optional (1 and 0). num_batches_tracked
+// (BatchNorm2d's counter: one int64 element on x's device), when given, is
+// incremented with each update of the running statistics: on a GPU by the
+// statistics kernel itself, where a separate add was a launch a layer.
 Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
-                  const Tensor& running_var, bool training, double momentum = 0.1, double eps = 1e-5);
+                  const Tensor& running_var, bool training, double momentum = 0.1, double eps = 1e-5,
+                  const Tensor& num_batches_tracked = Tensor());
 // relu(batch_norm(...)) as one op (cuDNN's BN_ACTIVATION, which PyTorch's
 // eager step runs as two): the ReLU in the normalising pass, its backward
 // folded into batch norm's reads of the gradient. The same values bit for
 // bit as the two ops, one pass over the activation fewer each way.
 Tensor batch_norm_relu(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
-                       const Tensor& running_var, bool training, double momentum = 0.1, double eps = 1e-5);
+                       const Tensor& running_var, bool training, double momentum = 0.1, double eps = 1e-5,
+                       const Tensor& num_batches_tracked = Tensor());
 
 // Padding counts as -inf; padding must be at most half the kernel.
 Tensor max_pool2d(const Tensor& x, std::array<int64_t, 2> kernel, std::array<int64_t, 2> stride,

@@ -496,14 +496,23 @@ TEST_F(CudaNnOps, BatchNormMatchesCpu) {
     Tensor rm = rnd({3}, seed++, pt), rv = rnd({3}, seed++, pt, 0.1) + 1.0;
     for (bool training : {true, false}) {
       Tensor rm_c = rm.clone(), rv_c = rv.clone(), rm_g = rm.cuda(), rv_g = rv.cuda();
-      Fn cpu_f = [&](const std::vector<Tensor>& v) { return batch_norm(v[0], v[1], v[2], rm_c, rv_c, training, 0.2); };
-      Fn gpu_f = [&](const std::vector<Tensor>& v) { return batch_norm(v[0], v[1], v[2], rm_g, rv_g, training, 0.2); };
+      // BatchNorm2d's counter, at 5: +1 for each training call (the GPU's in
+      // the statistics kernel), none in eval.
+      Tensor n_c = full({}, 5, DType::Int64), n_g = n_c.cuda();
+      Fn cpu_f = [&](const std::vector<Tensor>& v) {
+        return batch_norm(v[0], v[1], v[2], rm_c, rv_c, training, 0.2, 1e-5, n_c);
+      };
+      Fn gpu_f = [&](const std::vector<Tensor>& v) {
+        return batch_norm(v[0], v[1], v[2], rm_g, rv_g, training, 0.2, 1e-5, n_g);
+      };
       Outcome c = run(cpu_f, {x, w, b}, false), g = run(gpu_f, {x, w, b}, true);
       const std::string what = cat("batch_norm ", training ? "train " : "eval ", dt);
       expect_same(c.y, g.y, tol(dt), what + " forward");
       for (size_t i = 0; i < 3; ++i) expect_same(c.grads[i], g.grads[i], tol(dt) * 4, cat(what, " grad ", i));
       expect_same(rm_c, rm_g, tol(pt), what + " running_mean");
       expect_same(rv_c, rv_g, tol(pt), what + " running_var");
+      EXPECT_EQ(n_c.item(), training ? 6.0 : 5.0) << what << " num_batches_tracked (cpu)";
+      EXPECT_EQ(n_g.cpu().item(), training ? 6.0 : 5.0) << what << " num_batches_tracked";
     }
     // No affine parameters, no running statistics.
     Fn f = [](const std::vector<Tensor>& v) { return batch_norm(v[0], Tensor(), Tensor(), Tensor(), Tensor(), true); };

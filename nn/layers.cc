@@ -93,15 +93,20 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
   // batch statistics and leaves them alone.
   if (is_training() && autograd::in_checkpoint_recompute()) {
     if (cross_replica_sum) return sync(false);
-    return bn(x, weight, bias, Tensor(), Tensor(), true, momentum, eps);
+    return bn(x, weight, bias, Tensor(), Tensor(), true, momentum, eps, Tensor());
   }
-  if (is_training() && num_batches_tracked.defined()) {
-    NoGradGuard g;
-    Tensor n = num_batches_tracked.detach();
-    n += ones({}, DType::Int64);
+  if (is_training() && cross_replica_sum) {
+    if (num_batches_tracked.defined()) {
+      NoGradGuard g;
+      Tensor n = num_batches_tracked.detach();
+      n += ones({}, DType::Int64);
+    }
+    return sync(true);
   }
-  if (is_training() && cross_replica_sum) return sync(true);
-  return bn(x, weight, bias, running_mean, running_var, use_batch_stats, momentum, eps);
+  // Training, the op counts the batch with its running statistics' update
+  // (on a GPU inside the statistics kernel: a launch fewer a layer).
+  return bn(x, weight, bias, running_mean, running_var, use_batch_stats, momentum, eps,
+            is_training() ? num_batches_tracked : Tensor());
 }
 
 // Batch statistics over all replicas from one cross-replica sum of

@@ -213,7 +213,8 @@ void check_channel_param(const Tensor& t, const Tensor& x, const char* what) {
 Tensor as_stat(const Tensor& t, DType sd) { return t.defined() ? t.detach().to(sd).contiguous() : Tensor(); }
 
 Tensor batch_norm_op(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
-                     const Tensor& running_var, bool training, double momentum, double eps, bool relu) {
+                     const Tensor& running_var, bool training, double momentum, double eps, bool relu,
+                     const Tensor& counter) {
   EMBER_CHECK(x.defined(), "batch_norm: input is undefined");
   EMBER_CHECK(x.dim() == 4, "batch_norm: expected a 4-D input [N, C, H, W], got ", shape_str(x.sizes()));
   EMBER_CHECK(is_floating(x.dtype()), "batch_norm: expected a floating input, got ", x.dtype());
@@ -226,6 +227,13 @@ Tensor batch_norm_op(const Tensor& x, const Tensor& weight, const Tensor& bias, 
   EMBER_CHECK(training || running_mean.defined(),
               "batch_norm: eval mode (training=false) needs running_mean and running_var; input ",
               shape_str(x.sizes()));
+  if (counter.defined())
+    EMBER_CHECK(counter.numel() == 1 && counter.dtype() == DType::Int64 && counter.device() == x.device(),
+                "batch_norm: num_batches_tracked must be one int64 element on the input's device (", x.device(),
+                "), got ", shape_str(counter.sizes()), " ", counter.dtype(), " on ", counter.device());
+  // Counted with each update of the running statistics, as BatchNorm2d does.
+  const bool count = counter.defined() && training && running_mean.defined();
+  bool counted = false;
   const int64_t m = x.size(0) * x.size(2) * x.size(3);
   EMBER_CHECK(!training || m > 1, "batch_norm: expected more than 1 value per channel when training, got input ",
               shape_str(x.sizes()));
@@ -258,8 +266,11 @@ Tensor batch_norm_op(const Tensor& x, const Tensor& weight, const Tensor& bias, 
                             running_mean.is_contiguous() && running_var.is_contiguous();
       Tensor rm = running_mean.defined() ? running_mean.detach() : Tensor();
       Tensor rv = running_var.defined() ? running_var.detach() : Tensor();
+      Tensor n = count ? counter.detach() : Tensor();
+      counted = count && x.numel() > 0;
       if (x.numel() > 0)
-        batch_norm_stats_cuda(xc, mean, invstd, eps, in_place ? &rm : nullptr, in_place ? &rv : nullptr, momentum);
+        batch_norm_stats_cuda(xc, mean, invstd, eps, in_place ? &rm : nullptr, in_place ? &rv : nullptr, momentum,
+                              counted ? &n : nullptr);
       if (running_mean.defined() && !in_place && x.numel() > 0) {
         Tensor var = 1.0 / (invstd * invstd) - eps;  // back from invstd = 1 / sqrt(var + eps)
         rm.copy_(rm * (1.0 - momentum) + mean.to(rm.dtype()) * momentum);
@@ -279,6 +290,11 @@ Tensor batch_norm_op(const Tensor& x, const Tensor& weight, const Tensor& bias, 
     } else {
       mean = as_stat(running_mean, sd);
       invstd = rsqrt(running_var.detach().to(sd) + eps).contiguous();
+    }
+    if (count) {
+      Tensor n = counter.detach();
+      check_inplace(n, "batch_norm");
+      if (!counted) n += ones({}, DType::Int64);  // the CPU's, or an empty batch's
     }
   }
   return differentiable(
@@ -330,13 +346,15 @@ Tensor batch_norm_op(const Tensor& x, const Tensor& weight, const Tensor& bias, 
 }  // namespace
 
 Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
-                  const Tensor& running_var, bool training, double momentum, double eps) {
-  return batch_norm_op(x, weight, bias, running_mean, running_var, training, momentum, eps, false);
+                  const Tensor& running_var, bool training, double momentum, double eps,
+                  const Tensor& num_batches_tracked) {
+  return batch_norm_op(x, weight, bias, running_mean, running_var, training, momentum, eps, false, num_batches_tracked);
 }
 
 Tensor batch_norm_relu(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
-                       const Tensor& running_var, bool training, double momentum, double eps) {
-  return batch_norm_op(x, weight, bias, running_mean, running_var, training, momentum, eps, true);
+                       const Tensor& running_var, bool training, double momentum, double eps,
+                       const Tensor& num_batches_tracked) {
+  return batch_norm_op(x, weight, bias, running_mean, running_var, training, momentum, eps, true, num_batches_tracked);
 }
 
 }  // namespace ember

@@ -282,8 +282,8 @@ constexpr int kFinalizeChannels = cuda::kBlockSize / kWarp;  // per block
 // variance (var * m / (m - 1)) in running_var, as torch.
 template <typename A>
 __global__ void stats_finalize_kernel(const A* __restrict__ part, int64_t chunks, int64_t c, A* __restrict__ mean,
-                                      A* __restrict__ invstd, A eps, A* __restrict__ rm, A* __restrict__ rv,
-                                      A keep, A momentum, A unbias_momentum) {
+                                      A* __restrict__ invstd, A eps, A* __restrict__ rm, A* __restrict__ rv, A keep,
+                                      A momentum, A unbias_momentum, int64_t* __restrict__ count) {
   const int64_t ch = static_cast<int64_t>(blockIdx.x) * kFinalizeChannels + threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   if (ch >= c) return;  // whole warps: the shuffles below see all 32 lanes
@@ -299,6 +299,7 @@ __global__ void stats_finalize_kernel(const A* __restrict__ part, int64_t chunks
     rm[ch] = rm[ch] * keep + w.mean * momentum;
     rv[ch] = rv[ch] * keep + var * unbias_momentum;
   }
+  if (count && ch == 0) *count += 1;  // BatchNorm2d's num_batches_tracked: one thread
 }
 
 // dw = sum(dy * xhat), db = sum(dy); dx = a * dy + b * (x - mean) + k, with
@@ -594,7 +595,7 @@ void launch_affine(const Dims3& d, const T* u, const T* v, const T* m, const Coe
 }  // namespace
 
 void batch_norm_stats_cuda(const Tensor& x, Tensor& mean, Tensor& invstd, double eps, Tensor* running_mean,
-                           Tensor* running_var, double momentum) {
+                           Tensor* running_var, double momentum, Tensor* num_batches_tracked) {
   const Dims3 d = dims_of(x);
   if (d.c == 0) return;
   const int dev = x.device().index;
@@ -613,7 +614,8 @@ void batch_norm_stats_cuda(const Tensor& x, Tensor& mean, Tensor& invstd, double
         static_cast<const A*>(part.raw_data()), pl.chunks, d.c, static_cast<A*>(mean.raw_data()),
         static_cast<A*>(invstd.raw_data()), static_cast<A>(eps), opt_mut<A>(running_mean), opt_mut<A>(running_var),
         static_cast<A>(1.0 - momentum), static_cast<A>(momentum),
-        static_cast<A>(m > 1 ? momentum * m / (m - 1.0) : momentum));
+        static_cast<A>(m > 1 ? momentum * m / (m - 1.0) : momentum),
+        num_batches_tracked ? num_batches_tracked->data<int64_t>() : nullptr);
     EMBER_CUDA_CHECK(cudaGetLastError());
   });
 }

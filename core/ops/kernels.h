@@ -448,7 +448,7 @@ void batch_norm_stats_cpu(const Tensor& x, Tensor& mean, Tensor& var);
 // so that a training step's batch norms never synchronise with the host.
 // running_mean and running_var: contiguous [C] in the statistics dtype.
 void batch_norm_stats_cuda(const Tensor& x, Tensor& mean, Tensor& invstd, double eps, Tensor* running_mean,
-                           Tensor* running_var, double momentum);
+                           Tensor* running_var, double momentum, Tensor* num_batches_tracked = nullptr);
 // y = (x - mean) * invstd * w + b, y contiguous like x; relu: then
 // max(y, 0) in the same pass (NaN kept, as relu keeps it).
 void batch_norm_apply_cpu(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w, const Tensor& b,

@@ -73,7 +73,7 @@ EMBER_NO_CUDA(random_cuda, RandomKind, Tensor&, double, double, uint64_t, uint64
 EMBER_NO_CUDA(write_rng_state_cuda, uint64_t*, uint64_t, uint64_t, int)
 EMBER_NO_CUDA(conv2d_forward_cuda, const ConvGeom&, const Tensor&, const Tensor&, const Tensor&, Tensor&)
 EMBER_NO_CUDA(conv2d_backward_cuda, const ConvGeom&, const Tensor&, const Tensor&, const Tensor&, Tensor*, Tensor*)
-EMBER_NO_CUDA(batch_norm_stats_cuda, const Tensor&, Tensor&, Tensor&, double, Tensor*, Tensor*, double)
+EMBER_NO_CUDA(batch_norm_stats_cuda, const Tensor&, Tensor&, Tensor&, double, Tensor*, Tensor*, double, Tensor*)
 EMBER_NO_CUDA(batch_norm_apply_cuda, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
               bool)
 EMBER_NO_CUDA(batch_norm_backward_cuda, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool,
