@@ -36,13 +36,22 @@ void staged_masters(float* p, const L* g, L* low, int64_t lo, int64_t hi, const 
   }
 }
 
-// Calls f(L{}) with the masters' 16-bit type.
-template <typename F>
-void dispatch_low(const std::vector<Tensor>& low, const F& f) {
-  if (low[0].dtype() == DType::BFloat16)
-    f(BFloat16{});
-  else
-    f(Half{});
+// Runs loop(j0, g, n) over a parameter's n elements, split across threads:
+// on its gradient as it is, or, for a master (`low` defined), staged as above.
+template <typename T, typename Loop>
+void step_elements(T* p, const Tensor& grad, const Tensor& low, int64_t n, const Loop& loop) {
+  parallel_for(n, kParallelGrain, [&](int64_t lo, int64_t hi) {
+    if (!low.defined()) {
+      loop(lo, grad.data<T>() + lo, hi - lo);
+      return;
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      if (low.dtype() == DType::BFloat16)
+        staged_masters(p, grad.data<BFloat16>(), low.data<BFloat16>(), lo, hi, loop);
+      else
+        staged_masters(p, grad.data<Half>(), low.data<Half>(), lo, hi, loop);
+    }
+  });
 }
 }  // namespace
 
@@ -73,17 +82,7 @@ void sgd_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>& 
           if (b) b[j] = static_cast<T>(bv);
         }
       };
-      parallel_for(params[i].numel(), kParallelGrain, [&](int64_t lo, int64_t hi) {
-        if (low.empty()) {
-          loop(lo, grads[i].data<T>() + lo, hi - lo);
-          return;
-        }
-        if constexpr (std::is_same_v<T, float>)
-          dispatch_low(low, [&](auto l) {
-            using L = decltype(l);
-            staged_masters(p, grads[i].data<L>(), low[i].data<L>(), lo, hi, loop);
-          });
-      });
+      step_elements(p, grads[i], low.empty() ? Tensor() : low[i], params[i].numel(), loop);
     }
   });
 }
@@ -157,17 +156,7 @@ void adam_step_cpu(const std::vector<Tensor>& params, const std::vector<Tensor>&
       const auto loop = [&](int64_t j0, const T* g, int64_t n) {
         elements(p + j0, g, m + j0, v + j0, vmax ? vmax + j0 : nullptr, 0, n, s);
       };
-      parallel_for(params[i].numel(), kParallelGrain, [&](int64_t lo, int64_t hi) {
-        if (low.empty()) {
-          loop(lo, grads[i].data<T>() + lo, hi - lo);
-          return;
-        }
-        if constexpr (std::is_same_v<T, float>)
-          dispatch_low(low, [&](auto l) {
-            using L = decltype(l);
-            staged_masters(p, grads[i].data<L>(), low[i].data<L>(), lo, hi, loop);
-          });
-      });
+      step_elements(p, grads[i], low.empty() ? Tensor() : low[i], params[i].numel(), loop);
       if (count) *count += 1.0f;
     }
   });
