@@ -44,6 +44,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -482,9 +483,11 @@ class Agent {
     int world = 0, first_rank = 0;
     if (!place_nodes(R, nodes, &world, &first_rank)) return -1;
     // Held for the whole round: with live recovery, this agent serves the
-    // workers' store, which must outlive them.
+    // workers' store, which must outlive them; without, the port its rank 0
+    // will listen on stays reserved for it.
     std::unique_ptr<TCPStore> worker_store;
-    if (my_index_ == 0) worker_store = publish_worker_store(R);
+    std::optional<ReservedPort> worker_port;
+    if (my_index_ == 0) worker_store = publish_worker_store(R, &worker_port);
     WorkerStore master;
     if (!read_worker_store(R, nodes, &master)) return -1;
     std::vector<WorkerSpec> specs = worker_specs(R, nodes, world, first_rank, master);
@@ -577,9 +580,10 @@ class Agent {
   };
 
   // Node 0 hosts the workers' store of this round on a fresh port: its
-  // worker of rank 0 does (the port is only chosen here), or, with live
-  // recovery, the agent itself (returned, to be held for the round).
-  std::unique_ptr<TCPStore> publish_worker_store(int64_t R) {
+  // worker of rank 0 does (the port is reserved here, in `reserved`), or,
+  // with live recovery, the agent itself (returned). Both are held for the
+  // round.
+  std::unique_ptr<TCPStore> publish_worker_store(int64_t R, std::optional<ReservedPort>* reserved) {
     std::unique_ptr<TCPStore> worker_store;
     const std::string tok = token_.empty() ? random_token() : token_;
     int port = 0;
@@ -588,7 +592,7 @@ class Agent {
           addr_, 0, TCPStoreOptions{.is_server = true, .wait_for_workers = false, .token = tok});
       port = worker_store->port();
     } else {
-      port = find_free_port();
+      port = reserved->emplace().port();
     }
     store_->set(rkey(R, "master"), addr_ + " " + std::to_string(port) + " " + tok);
     return worker_store;

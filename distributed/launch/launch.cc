@@ -24,6 +24,7 @@
 #include <ctime>
 #include <initializer_list>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -729,20 +730,44 @@ WorkersResult run_workers(const std::string& path, const std::vector<std::string
 
 using namespace launch_detail;
 
-int find_free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  EMBER_CHECK(fd >= 0, "find_free_port: socket failed: ", std::strerror(errno));
+ReservedPort::ReservedPort() {
+  fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  EMBER_CHECK(fd_ >= 0, "launch: cannot reserve a port for the store: socket failed: ", std::strerror(errno));
+  // SO_REUSEADDR before the bind: the store's listener (which sets it too)
+  // can then bind the same port while this socket holds it. A bind to port
+  // 0 never shares a port, whatever the flag.
+  int one = 1;
+  ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_ANY);
   addr.sin_port = 0;
   socklen_t len = sizeof addr;
-  bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
-            ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  int err = errno;
-  ::close(fd);
-  EMBER_CHECK(ok, "find_free_port: bind failed: ", std::strerror(err));
-  return ntohs(addr.sin_port);
+  const bool ok = ::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+                  ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const int err = errno;
+  if (!ok) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+  EMBER_CHECK(ok, "launch: cannot reserve a port for the store: bind failed: ", std::strerror(err));
+  port_ = ntohs(addr.sin_port);
+}
+
+ReservedPort::~ReservedPort() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+ReservedPort::ReservedPort(ReservedPort&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)), port_(std::exchange(other.port_, 0)) {}
+
+ReservedPort& ReservedPort::operator=(ReservedPort&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = std::exchange(other.fd_, -1);
+    port_ = std::exchange(other.port_, 0);
+  }
+  return *this;
 }
 
 int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
@@ -798,7 +823,10 @@ int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
   SignalScope signals;
   // One start of the workers; `by_signal`: a signal to the launcher ended it.
   auto attempt = [&](int restart, bool* by_signal) -> int {
-    const int port = opt.master_port == 0 ? find_free_port() : opt.master_port;
+    // Held until the workers are gone: rank 0's store binds it meanwhile.
+    std::optional<ReservedPort> reserved;
+    if (opt.master_port == 0) reserved.emplace();
+    const int port = reserved ? reserved->port() : opt.master_port;
     std::vector<WorkerSpec> specs(nproc);
     for (int local = 0; local < nproc; ++local) {
       std::vector<std::pair<std::string, std::string>> set = {

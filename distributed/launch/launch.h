@@ -80,8 +80,27 @@ int launch(const LaunchOptions& options, const std::vector<std::string>& argv);
 // progress bar redrawn with '\r' on a terminal needs that).
 int spawn_local_workers(int nproc, int argc, char** argv, bool prefix_output = true);
 
-// A free TCP port on this host (bind to port 0, read it back). Another
-// process may take it before it is used; good enough for local jobs and tests.
-int find_free_port();
+// A free TCP port on this host, held until the store that will listen on
+// it is up: bound (not listening) with SO_REUSEADDR for as long as this
+// object lives. A port merely found free and closed again (bind to 0, read
+// it back, close) is up for grabs until rank 0 binds it: any connect() on
+// the host may draw it as its ephemeral source port, and the store's bind
+// then fails with EADDRINUSE. Held bound, Linux never hands it to a
+// connect() (ports bound explicitly are skipped by the ephemeral search)
+// nor to another bind to port 0, while the store's SO_REUSEADDR listener
+// may still bind it (neither socket of the pair listens before it does).
+class ReservedPort {
+ public:
+  ReservedPort();  // throws when no socket can be bound
+  ~ReservedPort();
+  ReservedPort(ReservedPort&& other) noexcept;
+  ReservedPort& operator=(ReservedPort&& other) noexcept;
+  ReservedPort(const ReservedPort&) = delete;
+  ReservedPort& operator=(const ReservedPort&) = delete;
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1, port_ = 0;
+};
 
 }  // namespace ember::distributed

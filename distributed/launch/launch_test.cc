@@ -6,11 +6,14 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -257,6 +260,55 @@ TEST(Launch, EveryRankGetsItsEnvironment) {
   }
   EXPECT_GT(std::atoi(port.c_str()), 0);
   EXPECT_NE(r.err.find("Setting OMP_NUM_THREADS environment variable"), std::string::npos) << r.err;
+}
+
+// 0 when 127.0.0.1:port binds (and listens) as a socket with or without
+// SO_REUSEADDR, else the errno.
+int bind_error(int port, bool reuse) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  EXPECT_GE(fd, 0);
+  int one = 1;
+  if (reuse) ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const int err = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::listen(fd, 4) == 0 ? 0 : errno;
+  ::close(fd);
+  return err;
+}
+
+// A reserved port is held against everyone but the store's own listener
+// (SO_REUSEADDR, as the TCPStore server binds), and released with the
+// object: a port found free and closed again (what the launcher did before)
+// would bind plainly too, so a connect() or another job could take it
+// before rank 0's store listens.
+TEST(ReservedPort, HoldsThePortForTheStoresListenerOnly) {
+  int port = 0;
+  {
+    ReservedPort held;
+    port = held.port();
+    ASSERT_GT(port, 0);
+    EXPECT_EQ(bind_error(port, false), EADDRINUSE) << "a plain bind of the reserved port " << port;
+    EXPECT_EQ(bind_error(port, true), 0) << "the store's bind of the reserved port " << port;
+    ReservedPort other;
+    EXPECT_NE(other.port(), port) << "a second reservation got the same port";
+    ReservedPort moved = std::move(held);
+    EXPECT_EQ(moved.port(), port);
+    EXPECT_EQ(bind_error(port, false), EADDRINUSE) << "held by the moved-to reservation";
+  }
+  EXPECT_EQ(bind_error(port, false), 0) << "port " << port << " stays held after its reservation is gone";
+}
+
+// Under the launcher (MASTER_PORT 0: a free one), the port is held while
+// the workers run, and rank 0 can listen on it as the store does.
+TEST(Launch, TheStorePortIsHeldWhileTheWorkersRun) {
+  TempDir dir;
+  Result r = run_launch(local_options(2), {worker(), "listen", dir.path()});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  std::ifstream f(dir.file("listen"));
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, std::string("plain=") + std::strerror(EADDRINUSE) + " store=ok");
 }
 
 // The store's job token: one fresh secret per job, the same for its ranks;

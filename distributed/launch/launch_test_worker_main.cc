@@ -2,12 +2,16 @@
 // the launcher must handle (see the usage below). Files it writes go to a
 // directory the test names, written under a temporary name and renamed, so
 // the test never reads half a file.
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -47,7 +51,7 @@ int usage() {
   std::fprintf(stderr,
                "usage: launch_test_worker env DIR | print | log | sleep DIR | spawn N\n"
                "       | fail FAILING_RANK CODE|sigN DIR [stubborn] | restart FAILING_RANK UNTIL DIR\n"
-               "       | elastic DIR STEPS\n");
+               "       | elastic DIR STEPS | listen DIR\n");
   return 64;
 }
 
@@ -71,6 +75,30 @@ int main(int argc, char** argv) {
                              "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "EMBER_STORE_TOKEN"})
       text += std::string(name) + "=" + env_str(name) + "\n";
     write_file(std::string(argv[2]) + "/env." + std::to_string(rank), text);
+    return 0;
+  }
+  if (mode == "listen" && argc >= 3) {
+    // Rank 0 binds MASTER_PORT on 127.0.0.1 as a plain socket, then as the
+    // store's listener does (SO_REUSEADDR), and writes DIR/listen with each
+    // outcome: "plain=<errno text or ok> store=<errno text or ok>".
+    auto try_bind = [](bool reuse) -> std::string {
+      const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd < 0) return std::strerror(errno);
+      int one = 1;
+      if (reuse) ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      a.sin_port = htons(static_cast<uint16_t>(env_int("MASTER_PORT")));
+      const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 && ::listen(fd, 4) == 0;
+      const std::string out = ok ? "ok" : std::strerror(errno);
+      ::close(fd);
+      return out;
+    };
+    if (rank == 0) {
+      const std::string plain = try_bind(false), store = try_bind(true);
+      write_file(std::string(argv[2]) + "/listen", "plain=" + plain + " store=" + store);
+    }
     return 0;
   }
   if (mode == "print") {
