@@ -12,8 +12,8 @@ hold the medians over rounds and ours / PyTorch TFLOP/s (higher is faster).
       [--rounds 3] [--out gpu_attention.json] [--lean] [--smoke]
 
 --lean: only our fused kernels with their default tiles (the rows the
-ratio is set on), not the blocked, deterministic and 64-key ones: 6 of the
-16 runs of ours a round.
+ratio is set on), not the blocked, deterministic, 64-key and one-stage
+ones: 6 of the 18 runs of ours a round.
 
 --smoke: tiny shapes on the CPU for PyTorch and ours read from a canned
 line, to check the script itself without a GPU.
@@ -39,19 +39,22 @@ def key(d, causal, bwd):
     return f"d{d}{' causal' if causal else ''} {'fwd+bwd' if bwd else 'fwd'}"
 
 
-# (head dim, causal, backward, fused, deterministic, key tiles): (.., 1, 1, 0)
-# is the fused backward with its dQ pass (deterministic_algorithms) instead
-# of atomics; key tiles 64 the fused kernels with 64-key tiles instead of the
-# default 128 (set_attention_cuda_flash_tiles).
-CONFIGS = [(64, 1, 0, 1, 0, 0), (64, 1, 1, 1, 0, 0), (64, 1, 0, 0, 0, 0), (64, 1, 1, 0, 0, 0), (128, 1, 0, 1, 0, 0),
-           (128, 1, 1, 1, 0, 0), (128, 1, 0, 0, 0, 0), (128, 1, 1, 0, 0, 0), (128, 0, 0, 1, 0, 0), (128, 0, 1, 1, 0, 0),
-           (64, 1, 1, 1, 1, 0), (128, 1, 1, 1, 1, 0), (64, 1, 0, 1, 0, 64), (64, 1, 1, 1, 0, 64), (128, 1, 1, 1, 0, 64),
-           (128, 0, 1, 1, 0, 64)]
+# (head dim, causal, backward, fused, deterministic, key tiles, backward
+# stages): (.., 1, 1, 0, 0) is the fused backward with its dQ pass
+# (deterministic_algorithms) instead of atomics; key tiles 64 the fused
+# kernels with 64-key tiles instead of the default 128, stages 1 the fused
+# backward loading its query tiles in one stage instead of two
+# (set_attention_cuda_flash_tiles).
+CONFIGS = [(64, 1, 0, 1, 0, 0, 0), (64, 1, 1, 1, 0, 0, 0), (64, 1, 0, 0, 0, 0, 0), (64, 1, 1, 0, 0, 0, 0),
+           (128, 1, 0, 1, 0, 0, 0), (128, 1, 1, 1, 0, 0, 0), (128, 1, 0, 0, 0, 0, 0), (128, 1, 1, 0, 0, 0, 0),
+           (128, 0, 0, 1, 0, 0, 0), (128, 0, 1, 1, 0, 0, 0), (64, 1, 1, 1, 1, 0, 0), (128, 1, 1, 1, 1, 0, 0),
+           (64, 1, 0, 1, 0, 64, 0), (64, 1, 1, 1, 0, 64, 0), (128, 1, 1, 1, 0, 64, 0), (128, 0, 1, 1, 0, 64, 0),
+           (64, 1, 1, 1, 0, 0, 1), (128, 1, 1, 1, 0, 0, 1)]
 
 
 def lean(cfg):
-    """The fused kernels with their default tiles and dQ atomics."""
-    return cfg[3] == 1 and cfg[4] == 0 and cfg[5] == 0
+    """The fused kernels with their default tiles and stages and dQ atomics."""
+    return cfg[3] == 1 and cfg[4] == 0 and cfg[5] == 0 and cfg[6] == 0
 
 
 def commit():
@@ -77,7 +80,8 @@ def run_ours(cmd, configs):
         for bm in json.loads(p.stdout[p.stdout.index("{"):])["benchmarks"]:
             if bm.get("error_occurred"):  # no GPU (--smoke)
                 continue
-            label = bm["label"].split()  # flash fwd+bwd d64 causal (flash-det: deterministic, flash-k64: 64-key tiles)
+            # flash fwd+bwd d64 causal (flash-det: deterministic, flash-k64: 64-key tiles, flash-s1: one stage)
+            label = bm["label"].split()
             impl, mode, d, causal = label[0], label[1], int(label[2][1:]), "causal" in label
             res[(impl, key(d, causal, mode == "fwd+bwd"))] = bm["TFLOP/s"]
     return res
@@ -146,6 +150,7 @@ def write(a, ours, torch_runs, version, final):
         bl = [o[("blocked", k_)] for o in ours if ("blocked", k_) in o]
         dt = [o[("flash-det", k_)] for o in ours if ("flash-det", k_) in o]
         k64 = [o[("flash-k64", k_)] for o in ours if ("flash-k64", k_) in o]
+        s1 = [o[("flash-s1", k_)] for o in ours if ("flash-s1", k_) in o]
         row = {"name": k_, "rounds": len(th), "torch_tflops": round(statistics.median(th), 1),
                "torch_range": [round(min(th), 1), round(max(th), 1)]}
         if fl:
@@ -157,6 +162,8 @@ def write(a, ours, torch_runs, version, final):
             row["ours_deterministic_tflops"] = round(statistics.median(dt), 1)
         if k64:
             row["ours_k64_tflops"] = round(statistics.median(k64), 1)
+        if s1:
+            row["ours_s1_tflops"] = round(statistics.median(s1), 1)
         rows.append(row)
         if final:
             print(json.dumps(row))
@@ -165,7 +172,8 @@ def write(a, ours, torch_runs, version, final):
                commit=commit(),
                workload=f"scaled_dot_product_attention, bfloat16, batch {B}, sequence {T}, hidden {HIDDEN}; "
                "ours: the fused (flash) kernels and the blocked ones, through the op and autograd (deterministic: "
-               "the fused backward with its dQ pass instead of atomics; k64: 64-key tiles instead of 128); torch: SDPA's "
+               "the fused backward with its dQ pass instead of atomics; k64: 64-key tiles instead of 128; s1: the backward's "
+               "query tiles in one stage instead of two); torch: SDPA's "
                "flash backend; TFLOP/s as FlashAttention counts them; ratio = ours flash / torch (higher is faster)",
                rows=rows, command="python3 bench/attention_compare.py --ours 'bash .gpu/run.sh attention_cuda_bench' "
                f"--rounds {a.rounds}" + (" --lean" if a.lean else ""))

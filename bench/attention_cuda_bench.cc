@@ -8,7 +8,8 @@
 // dQ in a pass of its own instead of atomics), and the fused kernels with
 // 64-key tiles instead of the default 128 ("flash-k64":
 // set_attention_cuda_flash_tiles; head dim 128's forward takes 64 either
-// way). FLOPs as FlashAttention counts them: 4 b h T^2 d for the forward,
+// way), and the fused backward loading its query tiles in one stage
+// instead of two ("flash-s1"). FLOPs as FlashAttention counts them: 4 b h T^2 d for the forward,
 // halved when causal; the backward 2.5x the forward. bench/attention_compare.py
 // runs this beside PyTorch's SDPA flash backend on the same shapes.
 #include <benchmark/benchmark.h>
@@ -22,7 +23,8 @@ using namespace ember;
 
 constexpr int64_t kBatch = 8, kSeq = 2048, kHidden = 2048;
 
-// args: head dim, causal, backward too, fused, deterministic, key tiles (0: the default)
+// args: head dim, causal, backward too, fused, deterministic, key tiles (0: the default), backward stages (0: the
+// default)
 void BM_Attention(benchmark::State& state) {
   if (!cuda_is_available()) {
     state.SkipWithError(("no GPU: " + cuda_unavailable_reason()).c_str());
@@ -31,10 +33,10 @@ void BM_Attention(benchmark::State& state) {
   const int64_t d = state.range(0), heads = kHidden / d;
   const bool causal = state.range(1) != 0, bwd = state.range(2) != 0, fused = state.range(3) != 0;
   const bool det = state.range(4) != 0;
-  const int keys = static_cast<int>(state.range(5));
+  const int keys = static_cast<int>(state.range(5)), stages = static_cast<int>(state.range(6));
   set_attention_cuda_flash(fused);
   set_deterministic_algorithms(det);
-  set_attention_cuda_flash_tiles({keys, keys});
+  set_attention_cuda_flash_tiles({keys, keys, stages});
   const TensorOptions o{DType::BFloat16, cuda_device()};
   Tensor q = randn({kBatch, heads, kSeq, d}, o), k = randn({kBatch, heads, kSeq, d}, o),
          v = randn({kBatch, heads, kSeq, d}, o), dout = randn({kBatch, heads, kSeq, d}, o);
@@ -55,19 +57,25 @@ void BM_Attention(benchmark::State& state) {
   const double fwd = 4.0 * kBatch * heads * kSeq * kSeq * d / (causal ? 2 : 1);
   state.counters["TFLOP/s"] =
       benchmark::Counter((bwd ? 3.5 : 1.0) * fwd / 1e12, benchmark::Counter::kIsIterationInvariantRate);
-  const std::string impl = !fused ? "blocked" : det ? "flash-det" : keys ? "flash-k" + std::to_string(keys) : "flash";
+  const std::string impl = !fused   ? "blocked"
+                           : det    ? "flash-det"
+                           : keys   ? "flash-k" + std::to_string(keys)
+                           : stages ? "flash-s" + std::to_string(stages)
+                                    : "flash";
   state.SetLabel(impl + (bwd ? " fwd+bwd" : " fwd") + " d" + std::to_string(d) + (causal ? " causal" : ""));
 }
 BENCHMARK(BM_Attention)
-    ->ArgsProduct({{64, 128}, {1}, {0, 1}, {1, 0}, {0}, {0}})
-    ->Args({128, 0, 0, 1, 0, 0})
-    ->Args({128, 0, 1, 1, 0, 0})
-    ->Args({64, 1, 1, 1, 1, 0})
-    ->Args({128, 1, 1, 1, 1, 0})
-    ->Args({64, 1, 0, 1, 0, 64})  // head dim 128's forward takes 64-key tiles either way
-    ->Args({64, 1, 1, 1, 0, 64})
-    ->Args({128, 1, 1, 1, 0, 64})
-    ->Args({128, 0, 1, 1, 0, 64})
+    ->ArgsProduct({{64, 128}, {1}, {0, 1}, {1, 0}, {0}, {0}, {0}})
+    ->Args({128, 0, 0, 1, 0, 0, 0})
+    ->Args({128, 0, 1, 1, 0, 0, 0})
+    ->Args({64, 1, 1, 1, 1, 0, 0})
+    ->Args({128, 1, 1, 1, 1, 0, 0})
+    ->Args({64, 1, 0, 1, 0, 64, 0})  // head dim 128's forward takes 64-key tiles either way
+    ->Args({64, 1, 1, 1, 0, 64, 0})
+    ->Args({128, 1, 1, 1, 0, 64, 0})
+    ->Args({128, 0, 1, 1, 0, 64, 0})
+    ->Args({64, 1, 1, 1, 0, 0, 1})
+    ->Args({128, 1, 1, 1, 0, 0, 1})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime()
     ->MinTime(0.3);

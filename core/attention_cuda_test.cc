@@ -66,9 +66,11 @@ TEST_F(CudaAttention, AttentionMatchesCpu) {
 // as FlashAttention does, which the tolerance covers). The launch counter
 // shows the fused path ran (forward and backward), not the blocked one.
 // Every case runs with both key tiles: 64 (forward tiles, 4-warp backward
-// blocks) and the default 128 (8-warp backward blocks whose dQ products
-// split the columns in two; the 140 x 200 causal case leaves warps of the
-// last key block idle, past the causal edge or past the last key).
+// blocks, whose query tiles load in one stage, behind dQ's products) and
+// the default 128 (8-warp backward blocks whose dQ products split the
+// columns in two, query tiles in two stages that alternate: 129 and 140
+// rows are three tiles; the 140 x 200 causal case leaves warps of the last
+// key block idle, past the causal edge or past the last key).
 TEST_F(CudaAttention, FlashAttentionMatchesCpu) {
   uint64_t seed = 900;
   struct Case {
@@ -85,7 +87,7 @@ TEST_F(CudaAttention, FlashAttentionMatchesCpu) {
                                            {129, 64, 64, true, 0.0, DType::Float16, {}},
                                            {65, 65, 64, false, 0.2, DType::Float16, {}},
                                            {140, 200, 32, true, 0.0, DType::BFloat16, {}}}) {
-      set_attention_cuda_flash_tiles({keys, keys});
+      set_attention_cuda_flash_tiles({keys, keys, keys ? 1 : 0});
       std::vector<Tensor> in = {rnd({2, 2, c.tq, c.d}, seed++, c.dt), rnd({2, 2, c.tk, c.d}, seed++, c.dt),
                                 rnd({2, 2, c.tk, c.d}, seed++, c.dt)};
       Fn f = [c](const std::vector<Tensor>& v) {
@@ -95,7 +97,7 @@ TEST_F(CudaAttention, FlashAttentionMatchesCpu) {
       const int64_t before = attention_cuda_flash_launches();
       compare(f, in, tol(c.dt),
               cat("flash attention tq ", c.tq, " tk ", c.tk, " d ", c.d, " causal ", c.causal, " p ", c.p, " ", c.dt,
-                  " key tiles ", keys ? keys : 128));
+                  " key tiles ", keys ? keys : 128, " stages ", keys ? 1 : 2));
       EXPECT_EQ(attention_cuda_flash_launches() - before, 2) << "the fused forward and backward should have run";
     }
   set_attention_cuda_flash_tiles({});
@@ -142,8 +144,10 @@ TEST_F(CudaAttention, FlashAttentionRowOffsetsFitIn32Bits) {
 // against the CPU, three launches (forward, backward, dQ pass), and two runs
 // bit for bit the same (on a GPU the atomic path's last bits vary from run
 // to run). The log-sum-exp variant (a gradient through lse too) takes the
-// same pass. Every other case runs the backward with 64-key blocks (its dQ
-// pass keeps 64-key tiles either way).
+// same pass. Every other case runs the backward with 64-key blocks in two
+// stages (its dQ pass keeps 64-key tiles either way), the others with
+// 128-key blocks in one stage: with the other test's, every pair of key
+// blocks and stages, with and without the atomics.
 TEST_F(CudaAttention, FlashAttentionDeterministicDqMatchesCpu) {
   struct Case {
     int64_t tq, tk, d;
@@ -159,9 +163,9 @@ TEST_F(CudaAttention, FlashAttentionDeterministicDqMatchesCpu) {
                                          {129, 64, 64, true, 0.0, DType::Float16},
                                          {200, 130, 64, false, 0.2, DType::BFloat16}}) {
     const int keys = index++ % 2 ? 64 : 0;
-    set_attention_cuda_flash_tiles({keys, keys});
+    set_attention_cuda_flash_tiles({keys, keys, keys ? 2 : 1});
     const std::string what = cat("deterministic flash attention tq ", c.tq, " tk ", c.tk, " d ", c.d, " causal ",
-                                 c.causal, " p ", c.p, " key tiles ", keys ? keys : 128);
+                                 c.causal, " p ", c.p, " key tiles ", keys ? keys : 128, " stages ", keys ? 2 : 1);
     // Three heads: blockIdx.y past one, fewer than the other test's four (five runs a case here).
     std::vector<Tensor> in = {rnd({1, 3, c.tq, c.d}, seed++, c.dt), rnd({1, 3, c.tk, c.d}, seed++, c.dt),
                               rnd({1, 3, c.tk, c.d}, seed++, c.dt)};

@@ -422,7 +422,7 @@ TEST_F(Drawn, Attention) {
 // inputs in drawn layouts (strided views reach the kernels as copies). On
 // the CPU these check the blocked kernel against float64; under CUDA the
 // fused kernels against the CPU, with key tiles of 64 or 128 drawn for the
-// forward and the backward apart.
+// forward and the backward apart, and the backward's query-tile stages.
 TEST_F(Drawn, FlashAttention) {
   const int64_t launches = attention_cuda_flash_launches();
   for_each_draw("flash_attention", 24, [&](Draw& d) {
@@ -435,12 +435,12 @@ TEST_F(Drawn, FlashAttention) {
     if (d.chance(0.25)) scale = d.uniform() + 0.05;
     Tensor q = d.values({b, hd, tq, e}, dt), k = d.values({b, hd, tk, e}, dt), v = d.values({b, hd, tk, e}, dt);
     const uint64_t gseed = d.bits();
-    const FlashTiles tiles{d.pick<int>({64, 128}), d.pick<int>({64, 128})};
+    const FlashTiles tiles{d.pick<int>({64, 128}), d.pick<int>({64, 128}), d.pick<int>({1, 2})};
     if (cuda_is_available()) set_attention_cuda_flash_tiles(tiles);
     check_case(
         detail::str_cat("flash attention q", shape_str(q.sizes()), " k", shape_str(k.sizes()), causal ? " causal" : "",
                         " dropout ", p, scale ? " scale " : "", scale ? *scale : 0.0, " key tiles ", tiles.fwd_keys,
-                        "/", tiles.bwd_keys),
+                        "/", tiles.bwd_keys, " stages ", tiles.bwd_stages),
         [=](const std::vector<Tensor>& in) {
           Generator g(gseed);
           return scaled_dot_product_attention(in[0], in[1], in[2], causal, p, &g, scale);

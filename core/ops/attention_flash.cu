@@ -10,8 +10,10 @@
 // memory, and the output is written once, with the row's log-sum-exp for
 // the backward. The backward gives each block KEYS keys (16 a warp; dK and
 // dV accumulate in registers), walks the query tiles of 64 rows that can
-// see them, recomputes P from the saved log-sum-exp, and adds its share of
-// dQ with float atomics (FlashAttention-2's dQ accumulator). Dropout
+// see them (each loading while the one before is worked on, in two
+// shared-memory stages where the device has room), recomputes P from the
+// saved log-sum-exp, and adds its share of dQ with float atomics
+// (FlashAttention-2's dQ accumulator). Dropout
 // redraws the CPU's Philox mask element by element. Operands are rounded to
 // the input's 16-bit type before each product (P and dS too, as
 // FlashAttention does); sums are float32.
@@ -28,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
@@ -293,7 +296,7 @@ __global__ void __launch_bounds__(2 * KEYS)
                           const uint16_t* __restrict__ k, const Rows rk, const uint16_t* __restrict__ v, const Rows rv,
                           const uint16_t* __restrict__ dout, const Rows rdo, const float* __restrict__ lse,
                           const float* __restrict__ delta, float* __restrict__ dq, void* __restrict__ dk,
-                          const Rows rdk, void* __restrict__ dv, const Rows rdv, const bool wide) {
+                          const Rows rdk, void* __restrict__ dv, const Rows rdv, const bool wide, const bool two) {
   static_assert(KEYS == 64 || KEYS == 128, "4 or 8 warps");
   constexpr int W = KEYS / 16, Threads = 32 * W, LD = D + 8, LDP = KEYS + 8;
   // dK and dV: KG groups of 32 keys x 2 halves of D. dQ: QM warps along the
@@ -301,17 +304,22 @@ __global__ void __launch_bounds__(2 * KEYS)
   constexpr int KG = KEYS / 32, DN = D / 16;
   constexpr int QM = D / (W / 2) >= 16 ? 2 : 4, MQ = kRows / 16 / QM, QN = D / (W / QM) / 8;
   static_assert(QN % 2 == 0 && DN % 2 == 0, "ldmatrix reads B two 8-column tiles at a time");
-  static_assert(((2 * kRows + 2 * KEYS) * LD + 2 * kRows * LDP) % 8 == 0 && Threads >= kRows,
-                "lse and delta 16-byte aligned; a thread a row to stage them");
+  static_assert(
+      ((2 * kRows + 2 * KEYS) * LD + 2 * kRows * LDP) % 8 == 0 && 2 * kRows * LD % 8 == 0 && Threads >= 2 * kRows,
+      "lse and delta 16-byte aligned; a thread an element to stage them");
+  // Shared memory: `two` (backward_smem) stages of a query tile (q, dO,
+  // then their rows' lse and delta), k, v, P and dS. With two, the next
+  // tile loads into the other stage while every product of this one runs
+  // (FlashAttention-2's double-buffered q); with one, it loads behind dQ's
+  // products alone, after a barrier of its own.
   extern __shared__ uint4 flash_smem[];
-  uint16_t* qs = reinterpret_cast<uint16_t*>(flash_smem);
-  uint16_t* dos = qs + kRows * LD;
-  uint16_t* ks = dos + kRows * LD;
+  constexpr int QS = 2 * kRows * LD;  // a stage's q and dO, in elements
+  uint16_t* const q0 = reinterpret_cast<uint16_t*>(flash_smem);
+  uint16_t* ks = q0 + (two ? 2 : 1) * QS;
   uint16_t* vs = ks + KEYS * LD;
   uint16_t* ps = vs + KEYS * LD;     // P, dropped, as [query][key]: dV's A
   uint16_t* dss = ps + kRows * LDP;  // dS as [query][key]: dK's A (transposed read) and dQ's
-  float* ls = reinterpret_cast<float*>(dss + kRows * LDP);
-  float* dl = ls + kRows;
+  float* const l0 = reinterpret_cast<float*>(dss + kRows * LDP);  // a stage's lse, then delta
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int sq = warp % 2 * 32, sk = warp / 2 * 32;                 // S, dP: first query, first key
   const int vk = warp % KG * 32, vd = warp / KG * (D / 2);          // dV, dK: first key, first column
@@ -326,23 +334,34 @@ __global__ void __launch_bounds__(2 * KEYS)
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
   const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
   float dva[2][DN][4] = {}, dka[2][DN][4] = {};
-  // A query tile's q and dO (cp.async) and its rows' lse and delta.
-  const auto stage = [&](int64_t i0) {
-    load_tile<D, kRows, Threads>(qb, rq.row, static_cast<int>(i0), static_cast<int>(a.tq), qs);
-    load_tile<D, kRows, Threads>(dob, rdo.row, static_cast<int>(i0), static_cast<int>(a.tq), dos);
-    cuda::cp_async_commit();
-    if (const int r = threadIdx.x; r < kRows) {
-      const int64_t i = i0 + r;
-      ls[r] = i < a.tq ? lse[b * a.tq + i] * kLog2e : INFINITY;
-      dl[r] = i < a.tq ? delta[b * a.tq + i] : 0.f;
+  // A query tile's q and dO and its rows' lse and delta (zeros past the
+  // last row, which the mask's tiles drop) into stage st, all by cp.async:
+  // a plain load of lse stalled its warp until it arrived.
+  const auto stage = [&](int64_t i0, int st) {
+    uint16_t* qd = q0 + st * QS;
+    load_tile<D, kRows, Threads>(qb, rq.row, static_cast<int>(i0), static_cast<int>(a.tq), qd);
+    load_tile<D, kRows, Threads>(dob, rdo.row, static_cast<int>(i0), static_cast<int>(a.tq), qd + kRows * LD);
+    if (const int r = threadIdx.x; r < 2 * kRows) {
+      const int64_t i = i0 + r % kRows;
+      const float* src = (r < kRows ? lse : delta) + b * a.tq + i;
+      cuda::cp_async4(l0 + st * 2 * kRows + r, i < a.tq ? src : lse, i < a.tq);
     }
+    cuda::cp_async_commit();
   };
   // Causal: only query rows i >= j0 see these keys (j0 is a multiple of kRows).
   const int64_t first = a.causal ? j0 : 0;
-  if (first < a.tq) stage(first);
-  for (int64_t i0 = first; i0 < a.tq; i0 += kRows) {
+  if (first < a.tq) stage(first, 0);
+  for (int64_t i0 = first, it = 0; i0 < a.tq; i0 += kRows, ++it) {
+    const int st = two ? static_cast<int>(it & 1) : 0;
+    const uint16_t* qs = q0 + st * QS;
+    const uint16_t* dos = qs + kRows * LD;
+    const float* ls = l0 + st * 2 * kRows;
+    const float* dl = ls + kRows;
     cuda::cp_async_wait_all();
-    __syncthreads();  // the tile is in; every warp is done with the last P and dS
+    // The tile is in; every warp is done with the last P and dS, and with
+    // the other stage (the last tile's).
+    __syncthreads();
+    if (two && i0 + kRows < a.tq) stage(i0 + kRows, st ^ 1);
     {
       // S = Q K^T and dPd = dO V^T for the warp's 32 queries x 32 keys.
       float s[2][4][4] = {}, dp[2][4][4] = {};
@@ -361,7 +380,8 @@ __global__ void __launch_bounds__(2 * KEYS)
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) lr[mt][h] = ls[sq + mt * 16 + g + 8 * h], dr[mt][h] = dl[sq + mt * 16 + g + 8 * h];
+        for (int h = 0; h < 2; ++h)
+          lr[mt][h] = ls[sq + mt * 16 + g + 8 * h] * kLog2e, dr[mt][h] = dl[sq + mt * 16 + g + 8 * h];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -417,9 +437,11 @@ __global__ void __launch_bounds__(2 * KEYS)
     warp_mma<T, kRows / 16, true>(
         dka, [&](int kk, int mt, uint32_t f[4]) { frag_a_cols(dss, LDP, vk + mt * 16, kk * 16, lane, f); }, qs + vd, LD,
         lane);
+    if (!two) {
+      __syncthreads();                              // every warp is done with q, dO, lse and delta
+      if (i0 + kRows < a.tq) stage(i0 + kRows, 0);  // the next tile loads behind dQ's products
+    }
     if constexpr (DQ) {
-      __syncthreads();                           // every warp is done with q, dO, lse and delta
-      if (i0 + kRows < a.tq) stage(i0 + kRows);  // the next tile loads behind dQ's products
       // dQ += dS K for the warp's MQ row tiles x QN column tiles.
       float dqa[MQ][QN][4] = {};
       warp_mma<T, KEYS / 16, true>(
@@ -435,9 +457,6 @@ __global__ void __launch_bounds__(2 * KEYS)
 #pragma unroll
           for (int nt = 0; nt < QN; ++nt) cuda::atomic_add2(dqrow + nt * 8, dqa[mt][nt][2 * h], dqa[mt][nt][2 * h + 1]);
         }
-    } else {
-      __syncthreads();
-      if (i0 + kRows < a.tq) stage(i0 + kRows);
     }
   }
   cuda::cp_async_wait_all();  // a causal block past the last row waited for no copy
@@ -551,16 +570,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Kernels needing more than 48 KiB of shared memory must opt in, once per
-// device.
+// Kernels needing more than 48 KiB of shared memory must opt in, per device,
+// to the most they are launched with (the backward's size depends on its
+// stages).
 template <auto Kernel>
 void allow_smem(size_t smem, int device) {
-  static std::atomic<uint32_t> done{0};
-  const uint32_t bit = 1u << (device % 32);
-  if (smem <= 48 * 1024 || (done.load() & bit)) return;
+  static std::atomic<size_t> allowed[64] = {};
+  std::atomic<size_t>& slot = allowed[device % 64];
+  if (smem <= 48 * 1024 || smem <= slot.load()) return;
+  static std::mutex mu;  // so that a smaller size set later never undoes a larger one
+  std::lock_guard<std::mutex> lock(mu);
+  if (smem <= slot.load()) return;
   EMBER_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel),
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  done.fetch_or(bit);
+  slot.store(smem);
 }
 
 // Tile sizes: set_attention_cuda_flash_tiles, else EMBER_FLASH_KEYS and
@@ -586,6 +609,23 @@ int bwd_keys() {
   static const int env = env_keys("EMBER_FLASH_BWD_KEYS");
   const int set = bwd_keys_set.load(), keys = set ? set : env;
   return keys ? keys : 128;
+}
+// The backward's query-tile stages: set_attention_cuda_flash_tiles, else
+// EMBER_FLASH_BWD_STAGES, else two where they fit (`two_fit`: 171 KiB at
+// head dim 128 with 128 keys; a device of 99 KiB a block runs one stage of
+// 64-key blocks). Two asked for where they do not fit run one.
+std::atomic<int> bwd_stages_set{0};  // 0: not set
+int bwd_stages(bool two_fit) {
+  static const int env = [] {
+    const char* e = std::getenv("EMBER_FLASH_BWD_STAGES");
+    if (!e || !*e) return 0;
+    const std::string s(e);
+    EMBER_CHECK(s == "1" || s == "2", "EMBER_FLASH_BWD_STAGES=", s,
+                ": the fused attention backward loads its query tiles in 1 or 2 stages");
+    return std::stoi(s);
+  }();
+  const int set = bwd_stages_set.load(), stages = set ? set : env ? env : 2;
+  return stages == 2 && two_fit ? 2 : 1;
 }
 
 // A [..., t, d] operand of the kernels where it lies: its leading dims viewed
@@ -691,11 +731,11 @@ void forward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Ten
   oo.done();
 }
 
-// The backward block's shared memory: q, dO, k, v, P, dS and the rows'
-// statistics.
-size_t backward_smem(int d, int keys) {
-  return (2 * kRows * (d + 8) + 2 * keys * (d + 8) + 2 * kRows * (keys + 8)) * sizeof(uint16_t) +
-         2 * kRows * sizeof(float);
+// The backward block's shared memory: `stages` of a query tile's q, dO and
+// its rows' statistics, then k, v, P and dS.
+size_t backward_smem(int d, int keys, int stages) {
+  return (stages * 2 * kRows * (d + 8) + 2 * keys * (d + 8) + 2 * kRows * (keys + 8)) * sizeof(uint16_t) +
+         stages * 2 * kRows * sizeof(float);
 }
 // The most shared memory a block of the device may opt in to, asked once:
 // 227 KiB on sm_90 and sm_100, 99 KiB on sm_86, sm_89 and sm_120, which run
@@ -722,17 +762,18 @@ struct BackwardOperands {
 };
 
 template <typename T, int D, int KEYS, bool Drop>
-void backward_keys(const AttentionArgs& a, BackwardOperands& o, const Tensor& lse, const Tensor& delta) {
+void backward_keys(const AttentionArgs& a, BackwardOperands& o, const Tensor& lse, const Tensor& delta, int stages) {
   const Tensor& q = o.q.t;
   cudaStream_t stream = cuda::stream_for(q);
-  const size_t smem = backward_smem(D, KEYS);
+  const size_t smem = backward_smem(D, KEYS, stages);
   const dim3 grid(static_cast<unsigned>(cuda::ceil_div(a.tk, KEYS)), static_cast<unsigned>(a.n));
   if (!deterministic_algorithms()) {
     EMBER_CUDA_CHECK(cudaMemsetAsync(o.dq.raw_data(), 0, o.dq.numel() * sizeof(float), stream));
     allow_smem<flash_backward_kernel<T, D, KEYS, Drop, true>>(smem, q.device().index);
     flash_backward_kernel<T, D, KEYS, Drop, true><<<grid, 2 * KEYS, smem, stream>>>(
         a, bits(q), o.q.r, bits(o.k.t), o.k.r, bits(o.v.t), o.v.r, bits(o.dout.t), o.dout.r, lse.data<float>(),
-        delta.data<float>(), o.dq.data<float>(), o.dk.o.t.raw_data(), o.dk.o.r, o.dv.o.t.raw_data(), o.dv.o.r, o.wide);
+        delta.data<float>(), o.dq.data<float>(), o.dk.o.t.raw_data(), o.dk.o.r, o.dv.o.t.raw_data(), o.dv.o.r, o.wide,
+        stages == 2);
     EMBER_CUDA_CHECK(cudaGetLastError());
     launches.fetch_add(1);
     return;
@@ -740,7 +781,7 @@ void backward_keys(const AttentionArgs& a, BackwardOperands& o, const Tensor& ls
   allow_smem<flash_backward_kernel<T, D, KEYS, Drop, false>>(smem, q.device().index);
   flash_backward_kernel<T, D, KEYS, Drop, false><<<grid, 2 * KEYS, smem, stream>>>(
       a, bits(q), o.q.r, bits(o.k.t), o.k.r, bits(o.v.t), o.v.r, bits(o.dout.t), o.dout.r, lse.data<float>(),
-      delta.data<float>(), nullptr, o.dk.o.t.raw_data(), o.dk.o.r, o.dv.o.t.raw_data(), o.dv.o.r, o.wide);
+      delta.data<float>(), nullptr, o.dk.o.t.raw_data(), o.dk.o.r, o.dv.o.t.raw_data(), o.dv.o.r, o.wide, stages == 2);
   EMBER_CUDA_CHECK(cudaGetLastError());
   const size_t dq_smem = (2 * kRows + 2 * kKeys) * (D + 8) * sizeof(uint16_t);
   allow_smem<flash_dq_kernel<T, D, Drop>>(dq_smem, q.device().index);
@@ -782,16 +823,19 @@ void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Te
       a.n * a.tq, a.tq, D, oo.t.data<T>(), oo.r, o.dout.t.data<T>(), o.dout.r, dlse ? dlse->data<float>() : nullptr,
       delta.data<float>());
   EMBER_CUDA_CHECK(cudaGetLastError());
-  const bool drop = a.dropout_p > 0,
-             wide = bwd_keys() == 128 && backward_smem(D, 128) <= static_cast<size_t>(smem_optin(q.device().index));
+  // 128-key blocks where the device gives a block their shared memory with
+  // one stage; two stages where it has room for them (bwd_stages).
+  const size_t optin = static_cast<size_t>(smem_optin(q.device().index));
+  const bool drop = a.dropout_p > 0, wide = bwd_keys() == 128 && backward_smem(D, 128, 1) <= optin;
+  const int stages = bwd_stages(backward_smem(D, wide ? 128 : 64, 2) <= optin);
   if (wide && drop)
-    backward_keys<T, D, 128, true>(a, o, lse, delta);
+    backward_keys<T, D, 128, true>(a, o, lse, delta, stages);
   else if (wide)
-    backward_keys<T, D, 128, false>(a, o, lse, delta);
+    backward_keys<T, D, 128, false>(a, o, lse, delta, stages);
   else if (drop)
-    backward_keys<T, D, 64, true>(a, o, lse, delta);
+    backward_keys<T, D, 64, true>(a, o, lse, delta, stages);
   else
-    backward_keys<T, D, 64, false>(a, o, lse, delta);
+    backward_keys<T, D, 64, false>(a, o, lse, delta, stages);
   o.dk.done(), o.dv.done();
   if (!dq_direct) dq.copy_(o.dq.view(dq.sizes()));
 }
@@ -839,8 +883,11 @@ void set_attention_cuda_flash_tiles(FlashTiles tiles) {
   for (int keys : {tiles.fwd_keys, tiles.bwd_keys})
     EMBER_CHECK(keys == 0 || keys == 64 || keys == 128, "set_attention_cuda_flash_tiles: ", keys,
                 " keys: a tile holds 64 or 128 (0: the default)");
+  EMBER_CHECK(tiles.bwd_stages >= 0 && tiles.bwd_stages <= 2, "set_attention_cuda_flash_tiles: ", tiles.bwd_stages,
+              " backward stages: 1 or 2 (0: the default)");
   flash::fwd_keys_set.store(tiles.fwd_keys);
   flash::bwd_keys_set.store(tiles.bwd_keys);
+  flash::bwd_stages_set.store(tiles.bwd_stages);
 }
 int64_t attention_cuda_flash_launches() { return flash::launches.load(); }
 

@@ -445,6 +445,19 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
     std::memset(dst, 0, 16);
 #endif
 }
+// The same for 4 bytes (cp.async.ca: .cg takes 16 only), for rows of
+// scalars without 16-byte alignment.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__)
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 4 : 0));
+#elif !defined(__CUDACC__)
+  if (valid)
+    std::memcpy(dst, src, 4);
+  else
+    std::memset(dst, 0, 4);
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__)
   asm volatile("cp.async.commit_group;\n" ::: "memory");

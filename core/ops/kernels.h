@@ -187,9 +187,13 @@ int64_t attention_cuda_flash_launches();  // kernels launched so far (tests)
 // EMBER_FLASH_KEYS / EMBER_FLASH_BWD_KEYS if set, else FlashAttention-2's
 // 128; other values are refused): keys a forward tile holds (64 or 128;
 // head dim 128 always takes 64, and dropout 64 unless set) and keys a
-// backward block owns (64 or 128, 4 or 8 warps).
+// backward block owns (64 or 128, 4 or 8 warps); and the query tiles the
+// backward stages in shared memory (0: EMBER_FLASH_BWD_STAGES if set, else
+// 2 where the device has room; 1: the next tile loads only behind dQ's
+// products; 2: behind all of a tile's products, as FlashAttention-2's
+// double-buffered q).
 struct FlashTiles {
-  int fwd_keys = 0, bwd_keys = 0;
+  int fwd_keys = 0, bwd_keys = 0, bwd_stages = 0;
 };
 void set_attention_cuda_flash_tiles(FlashTiles tiles);
 // Tests: the CUDA kernels' score scratch in elements (0: the default, 2^23),
