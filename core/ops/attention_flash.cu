@@ -490,27 +490,34 @@ __global__ void __launch_bounds__(2 * KEYS)
 // the keys they see, recomputing P (from the saved log-sum-exp) and dS as
 // the backward kernel does, and adds dS K in registers in key order, so the
 // sum's order is fixed. It costs the recomputation of S and dP: three
-// products a tile where the backward kernel's atomics cost one.
+// products a tile where the backward kernel's atomics cost one. The key
+// tiles take `two` (dq_smem) shared-memory stages as the backward's query
+// tiles do: the next tile's k and v load while this one's products run.
 template <typename T, int D, bool Drop>
 __global__ void __launch_bounds__(kThreads)
     flash_dq_kernel(const AttentionArgs a, const uint16_t* __restrict__ q, const Rows rq,
                     const uint16_t* __restrict__ k, const Rows rk, const uint16_t* __restrict__ v, const Rows rv,
                     const uint16_t* __restrict__ dout, const Rows rdo, const float* __restrict__ lse,
-                    const float* __restrict__ delta, float* __restrict__ dq) {
-  constexpr int LD = D + 8, NT = kKeys / 8, DT = D / 8;
+                    const float* __restrict__ delta, float* __restrict__ dq, const bool two) {
+  constexpr int LD = D + 8, NT = kKeys / 8, DT = D / 8, KS = 2 * kKeys * LD;  // a stage's k and v
   extern __shared__ uint4 flash_smem[];
   uint16_t* qs = reinterpret_cast<uint16_t*>(flash_smem);
   uint16_t* dos = qs + kRows * LD;
-  uint16_t* ks = dos + kRows * LD;
-  uint16_t* vs = ks + kKeys * LD;
+  uint16_t* const k0 = dos + kRows * LD;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int64_t b = blockIdx.y, i0 = query_block(a.causal) * kRows;
   const int64_t wrow = i0 + warp * 16;  // the warp's first row
   const HeadIndex hb = rq.index(b);     // the operands' heads agree (the launcher checks)
   const uint16_t* kb = k + rk.at(hb);
   const uint16_t* vb = v + rv.at(hb);
+  // Key tile j's k and v into stage st.
+  const auto stage = [&](int64_t j, int st) {
+    load_tile<D, kKeys>(kb, rk.row, static_cast<int>(j), static_cast<int>(a.tk), k0 + st * KS);
+    load_tile<D, kKeys>(vb, rv.row, static_cast<int>(j), static_cast<int>(a.tk), k0 + st * KS + kKeys * LD);
+  };
   load_tile<D, kRows>(q + rq.at(hb), rq.row, static_cast<int>(i0), static_cast<int>(a.tq), qs);
   load_tile<D, kRows>(dout + rdo.at(hb), rdo.row, static_cast<int>(i0), static_cast<int>(a.tq), dos);
+  stage(0, 0);
   cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
   const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
@@ -526,13 +533,23 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t last = (i0 + kRows < a.tq ? i0 + kRows : a.tq) - 1;
   const int64_t kend = a.causal && last + 1 < a.tk ? last + 1 : a.tk;
   const bool active = wrow < a.tq;
-  for (int64_t j0 = 0; j0 < kend; j0 += kKeys) {
-    __syncthreads();  // every warp is done with the last tile's k and v
-    load_tile<D, kKeys>(kb, rk.row, static_cast<int>(j0), static_cast<int>(a.tk), ks);
-    load_tile<D, kKeys>(vb, rv.row, static_cast<int>(j0), static_cast<int>(a.tk), vs);
-    cuda::cp_async_commit();
+  for (int64_t j0 = 0, it = 0; j0 < kend; j0 += kKeys, ++it) {
+    const int st = two ? static_cast<int>(it & 1) : 0;
+    const uint16_t* ks = k0 + st * KS;
+    const uint16_t* vs = ks + kKeys * LD;
+    if (!two && it > 0) {
+      __syncthreads();  // every warp is done with the last tile's k and v
+      stage(j0, 0);
+      cuda::cp_async_commit();
+    }
     cuda::cp_async_wait_all();
-    __syncthreads();  // the tiles (and, the first time, q and dO) are in
+    // The tiles (and, the first time, q and dO) are in; with two stages,
+    // every warp is done with the other one (the last tile's).
+    __syncthreads();
+    if (two && j0 + kKeys < kend) {
+      stage(j0 + kKeys, st ^ 1);
+      cuda::cp_async_commit();
+    }
     // A warp whose rows all precede the tile (causal) has nothing to add.
     if (!active || (a.causal && j0 > wrow + 15)) continue;
     const bool masked = j0 + kKeys > a.tk || wrow + 16 > a.tq || (a.causal && j0 + kKeys - 1 > wrow);
@@ -737,6 +754,8 @@ size_t backward_smem(int d, int keys, int stages) {
   return (stages * 2 * kRows * (d + 8) + 2 * keys * (d + 8) + 2 * kRows * (keys + 8)) * sizeof(uint16_t) +
          stages * 2 * kRows * sizeof(float);
 }
+// The dQ pass's: q and dO, then `stages` of a key tile's k and v.
+size_t dq_smem(int d, int stages) { return (2 * kRows + stages * 2 * kKeys) * (d + 8) * sizeof(uint16_t); }
 // The most shared memory a block of the device may opt in to, asked once:
 // 227 KiB on sm_90 and sm_100, 99 KiB on sm_86, sm_89 and sm_120, which run
 // the sm_90 PTX (sm_120) and where the 128-key backward at head dim 128
@@ -783,12 +802,14 @@ void backward_keys(const AttentionArgs& a, BackwardOperands& o, const Tensor& ls
       a, bits(q), o.q.r, bits(o.k.t), o.k.r, bits(o.v.t), o.v.r, bits(o.dout.t), o.dout.r, lse.data<float>(),
       delta.data<float>(), nullptr, o.dk.o.t.raw_data(), o.dk.o.r, o.dv.o.t.raw_data(), o.dv.o.r, o.wide, stages == 2);
   EMBER_CUDA_CHECK(cudaGetLastError());
-  const size_t dq_smem = (2 * kRows + 2 * kKeys) * (D + 8) * sizeof(uint16_t);
-  allow_smem<flash_dq_kernel<T, D, Drop>>(dq_smem, q.device().index);
+  // The dQ pass's key tiles in two stages where the device has room for
+  // them (102 KiB at head dim 128), as the backward's query tiles.
+  const int dq_stages = bwd_stages(dq_smem(D, 2) <= static_cast<size_t>(smem_optin(q.device().index)));
+  allow_smem<flash_dq_kernel<T, D, Drop>>(dq_smem(D, dq_stages), q.device().index);
   const dim3 dq_grid(static_cast<unsigned>(cuda::ceil_div(a.tq, kRows)), static_cast<unsigned>(a.n));
-  flash_dq_kernel<T, D, Drop><<<dq_grid, kThreads, dq_smem, stream>>>(
+  flash_dq_kernel<T, D, Drop><<<dq_grid, kThreads, dq_smem(D, dq_stages), stream>>>(
       a, bits(q), o.q.r, bits(o.k.t), o.k.r, bits(o.v.t), o.v.r, bits(o.dout.t), o.dout.r, lse.data<float>(),
-      delta.data<float>(), o.dq.data<float>());
+      delta.data<float>(), o.dq.data<float>(), dq_stages == 2);
   EMBER_CUDA_CHECK(cudaGetLastError());
   launches.fetch_add(2);
 }
