@@ -161,12 +161,14 @@ void Unit::start_gather(bool compute) {
   MemoryKindScope gathered_memory(MemoryKind::Gathered);
   if (layout.released()) layout.restore();
   Tensor src = shard_on_device();
-  if (src.dtype() != compute_dtype) src = src.to(compute_dtype);
   if (shard_size == 1) {
+    // The cast to the compute dtype within the copy: one pass, no
+    // temporary the unit's size.
     Tensor flat = layout.flat();
     flat.copy_(src);
     return;
   }
+  if (src.dtype() != compute_dtype) src = src.to(compute_dtype);
   gather_src = src;
   gather_work = layout.all_gather(*shard_pg, src);
   gathering = true;
