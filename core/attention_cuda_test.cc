@@ -122,6 +122,25 @@ TEST_F(CudaAttention, FlashAttentionMatchesCpu) {
   EXPECT_EQ(attention_cuda_flash_launches(), before) << "a negative scale should not reach the fused kernels";
 }
 
+// One backward kernel launched with one stage (137 KiB of shared memory at
+// head dim 128) and then two (171 KiB): its opt-in follows the larger size
+// (the emulation refuses a launch past it, as a GPU does). float16 with
+// dropout at head dim 128 is a kernel no other case here launches, so the
+// one-stage launch is its first.
+TEST_F(CudaAttention, FlashBackwardOptsInToTheLargerStages) {
+  uint64_t seed = 1500;
+  std::vector<Tensor> in = {rnd({1, 2, 70, 128}, seed++, DType::Float16), rnd({1, 2, 70, 128}, seed++, DType::Float16),
+                            rnd({1, 2, 70, 128}, seed++, DType::Float16)};
+  Fn f = [](const std::vector<Tensor>& v) {
+    Generator g(23);
+    return scaled_dot_product_attention(v[0], v[1], v[2], false, 0.2, &g);
+  };
+  for (const int stages : {1, 2}) {
+    set_attention_cuda_flash_tiles({0, 0, stages});
+    compare(f, in, tol(DType::Float16), cat("flash attention d 128 float16 dropout, stages ", stages));
+  }
+}
+
 // The fused kernels keep a head's row offsets in 32 bits: sequences whose
 // rows (with a 128-row tile past the last) times the head dim reach 2^31
 // elements are left to the blocked kernels (asked of the check itself:

@@ -87,13 +87,13 @@ __device__ __forceinline__ void load_tile(const uint16_t* __restrict__ src, int 
   dst += r * (D + 8) + c;
   if (left == N) {  // the whole tile, as every tile but a matrix's last: no tests
 #pragma unroll
-    for (int it = 0; it < N / kStep; ++it) cuda::cp_async16(dst + it * kStep * (D + 8), from + it * step, true);
+    for (int it = 0; it < N / kStep; ++it) cuda::cp_async<16>(dst + it * kStep * (D + 8), from + it * step, true);
     return;
   }
 #pragma unroll
   for (int it = 0; it < N / kStep; ++it) {
     const bool ok = r + it * kStep < left;
-    cuda::cp_async16(dst + it * kStep * (D + 8), ok ? from + it * step : src, ok);
+    cuda::cp_async<16>(dst + it * kStep * (D + 8), ok ? from + it * step : src, ok);
   }
 }
 
@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(2 * KEYS)
     if (const int r = threadIdx.x; r < 2 * kRows) {
       const int64_t i = i0 + r % kRows;
       const float* src = (r < kRows ? lse : delta) + b * a.tq + i;
-      cuda::cp_async4(l0 + st * 2 * kRows + r, i < a.tq ? src : lse, i < a.tq);
+      cuda::cp_async<4>(l0 + st * 2 * kRows + r, i < a.tq ? src : lse, i < a.tq);
     }
     cuda::cp_async_commit();
   };

@@ -429,33 +429,27 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const uint16_t* row) 
 #endif
 }
 
-// cp.async: 16 bytes global -> shared without holding registers, zeros
-// when !valid (src must still be a valid address); cp_async_commit() closes
-// a group and cp_async_wait_all() waits for the thread's groups (then a
-// __syncthreads publishes them to the block). The emulation copies
-// at once, so a read before the wait is a bug it cannot show.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+// cp.async: N bytes global -> shared without holding registers, zeros
+// when !valid (src must still be a valid address): 16 (.cg, past L1) for
+// tiles, 4 or 8 (.ca: .cg takes 16 only) for rows of scalars without
+// 16-byte alignment. cp_async_commit() closes a group and
+// cp_async_wait_all() waits for the thread's groups (then a __syncthreads
+// publishes them to the block). The emulation copies at once, so a read
+// before the wait is a bug it cannot show.
+template <int N>
+__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
+  static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
 #if defined(__CUDA_ARCH__)
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
+  if constexpr (N == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 16 : 0));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(addr), "l"(src), "n"(N), "r"(valid ? N : 0));
 #elif !defined(__CUDACC__)
   if (valid)
-    std::memcpy(dst, src, 16);
+    std::memcpy(dst, src, N);
   else
-    std::memset(dst, 0, 16);
-#endif
-}
-// The same for 4 bytes (cp.async.ca: .cg takes 16 only), for rows of
-// scalars without 16-byte alignment.
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
-#if defined(__CUDA_ARCH__)
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(addr), "l"(src), "r"(valid ? 4 : 0));
-#elif !defined(__CUDACC__)
-  if (valid)
-    std::memcpy(dst, src, 4);
-  else
-    std::memset(dst, 0, 4);
+    std::memset(dst, 0, N);
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {

@@ -47,7 +47,7 @@ __device__ __forceinline__ void load_tile(uint16_t* dst, const uint16_t* src, in
     const int rr = r + it * kStep;
     const int64_t row = r0 + rr, col = c0 + c;
     const bool ok = row < row_end && col < col_end;
-    cuda::cp_async16(dst + rr * (COLS + 8) + c, ok ? src + row * ld + col : src, ok);
+    cuda::cp_async<16>(dst + rr * (COLS + 8) + c, ok ? src + row * ld + col : src, ok);
   }
 }
 

@@ -761,15 +761,6 @@ ReservedPort::~ReservedPort() {
 ReservedPort::ReservedPort(ReservedPort&& other) noexcept
     : fd_(std::exchange(other.fd_, -1)), port_(std::exchange(other.port_, 0)) {}
 
-ReservedPort& ReservedPort::operator=(ReservedPort&& other) noexcept {
-  if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = std::exchange(other.fd_, -1);
-    port_ = std::exchange(other.port_, 0);
-  }
-  return *this;
-}
-
 int launch(const LaunchOptions& opt, const std::vector<std::string>& argv) {
   EMBER_CHECK(opt.nproc_per_node >= 1, "launch: nproc_per_node must be >= 1, got ", opt.nproc_per_node);
   EMBER_CHECK(opt.nnodes >= 1, "launch: nnodes must be >= 1, got ", opt.nnodes);

@@ -94,7 +94,7 @@ class ReservedPort {
   ReservedPort();  // throws when no socket can be bound
   ~ReservedPort();
   ReservedPort(ReservedPort&& other) noexcept;
-  ReservedPort& operator=(ReservedPort&& other) noexcept;
+  ReservedPort& operator=(ReservedPort&&) = delete;
   ReservedPort(const ReservedPort&) = delete;
   ReservedPort& operator=(const ReservedPort&) = delete;
   int port() const { return port_; }
