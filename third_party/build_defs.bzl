@@ -188,6 +188,9 @@ def ember_test(name, srcs = None, deps = [], backends = ["cpu"], emu_deps = [Lab
       emu_deps: the emulated twins of the cuda_library targets the test
         reaches (today only //core has .cu files).
       tags: test tags; "cuda" (needs a GPU) is dropped from the emulated test.
+        "gpu": CUDA paths that run where a GPU is present and skip elsewhere,
+        with no emulated twin. tools/gpu_check.sh runs, on a GPU, every test
+        with the "cuda_emu" backend or either tag (tools/gpu_tests.py).
       **kwargs: passed to the cc_test rules.
     """
     srcs = _named_file(name, srcs)

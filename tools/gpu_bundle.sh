@@ -12,7 +12,8 @@
 # the device tool's `run` with
 #   carry: [".gpu"]
 #   command: "bash .gpu/run.sh resnet_ddp --epochs 1"      (binary name, then args)
-# Several binaries in one call: "bash .gpu/run.sh a && bash .gpu/run.sh b".
+# Several binaries in one call: "bash .gpu/run.sh a && bash .gpu/run.sh b";
+# "bash .gpu/run.sh --unpack" unpacks and runs nothing.
 # run.sh unpacks once into /tmp/gpu-bundle, finds the machine's libcudnn,
 # libnccl, libcublas and libcudart (system CUDA or the Python venv's nvidia
 # packages) and runs the binary with them. Extra bazel flags: BAZEL_FLAGS env.
@@ -64,6 +65,7 @@ if [ ! -f "$dest/.ldpath" ]; then
   echo "$dirs" > "$dest/.ldpath"
 fi
 export LD_LIBRARY_PATH="$dest/lib$(cat "$dest/.ldpath")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+[ "$1" = "--unpack" ] && exit 0  # unpacked, nothing to run
 name=$1; shift
 bin="$dest/bin/$name"
 [ -x "$bin" ] || { echo "run.sh: no binary '$name' in the bundle; have: $(ls "$dest/bin" | grep -v runfiles | tr '\n' ' ')" >&2; exit 2; }

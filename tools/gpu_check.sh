@@ -8,12 +8,13 @@
 # Then the device tool's run with carry [".gpu", ".gpudata"] and command
 #   bash tools/gpu_check.sh [tests] [sanitize] [bench] [attention] [examples]   (none: all)
 # (attention: the fused attention test and bench/attention_compare.py; bundle
-# //core:ops_nn_cuda_test //bench:attention_cuda_bench for it.)
+# //core:attention_cuda_test //bench:attention_cuda_bench for it.)
 # A lease of 15 device minutes does not hold all of them (the tests alone
 # take minutes, memcheck up to 15). Its must-have figures come from two
 # calls instead (docs/gpu.md, "A lease's figures"):
 #   bash tools/gpu_check.sh figures          gates, then attention and the GPT beside PyTorch
 #   bash tools/gpu_check.sh resnet_figures   ResNet-50 beside PyTorch, every configuration
+# from a bundle of their binaries alone (--targets figures; --data figures),
 # and, where the lease has time left after figures (about 2 minutes):
 #   bash tools/gpu_check.sh attention_profile   ncu on our attention and PyTorch's
 # It prints one line per step (rc, failed test names) and leaves every log in
@@ -21,23 +22,32 @@
 set -u
 here=$(cd "$(dirname "$0")/.." && pwd)
 
-TESTS="tensor_test ops_cuda_test ops_nn_cuda_test kernels_drawn_test kernels_drawn_nn_test optim_cuda_test
-grad_scaler_test autocast_test loader_test safetensors_test process_group_test process_group_nccl_test
-cuda_graph_test cuda_graph_step_test graphed_step_test gpt_graph_test ddp_graph_test float8_test linear_epilogue_test"
-if [ "${1:-}" = "--targets" ]; then
-  echo //core:tensor_test //core:ops_cuda_test //core:ops_nn_cuda_test //core:kernels_drawn_test \
-    //core:kernels_drawn_nn_test //bench:numerics_cpu //optim:optim_cuda_test //bench:gpu_step \
-    //optim:grad_scaler_test //nn:autocast_test //data:loader_test //core:safetensors_test \
-    //distributed/comm:process_group_test //distributed/comm:process_group_nccl_test //bench:ops_cuda_bench \
-    //bench:train_bench //bench:attention_cuda_bench //examples:resnet_ddp //examples:gpt_fsdp //tools:ckpt \
-    //core:cuda_graph_test //optim:cuda_graph_step_test //optim:graphed_step_test \
-    //distributed/parallel/recipes:gpt_graph_test //distributed/parallel:ddp_graph_test //core:float8_test \
-    //core:linear_epilogue_test
+# The tests: every one with CUDA paths, read off the BUILD files
+# (tools/gpu_tests.py: the "cuda_emu" backend, or the "cuda" or "gpu" tag),
+# here for the bundle and there for the runs (the tree travels, Bazel does not).
+# --targets figures: what the figures and resnet_figures steps run, alone (a
+# smaller bundle, built sooner, where a lease is for the figures).
+if [ "${1:-}" = "--targets" ] && [ "${2:-}" = "figures" ]; then
+  echo //core:attention_cuda_test //core:linear_epilogue_test //bench:attention_cuda_bench //bench:gpu_step \
+    //examples:gpt_fsdp
   exit 0
 fi
+if [ "${1:-}" = "--targets" ]; then
+  tests=$(python3 "$here/tools/gpu_tests.py") || exit 1
+  echo $tests //bench:numerics_cpu //bench:gpu_step //bench:ops_cuda_bench //bench:train_bench \
+    //bench:attention_cuda_bench //examples:resnet_ddp //examples:gpt_fsdp //tools:ckpt
+  exit 0
+fi
+TESTS=$(python3 "$here/tools/gpu_tests.py" --names) || exit 1
+# --data figures: fortunes alone (the GPT's corpus; ResNet-50's step runs on
+# made-up batches), 3 MB of the 64 MiB a call carries instead of 33.
 if [ "${1:-}" = "--data" ]; then
-  mkdir -p "$here/.gpudata/fashion" "$here/.gpudata/fortunes"
-  cp /usr/share/datasets/fashion-mnist/*.gz "$here/.gpudata/fashion/"
+  rm -rf "$here/.gpudata"
+  mkdir -p "$here/.gpudata/fortunes"
+  if [ "${2:-}" != "figures" ]; then
+    mkdir -p "$here/.gpudata/fashion"
+    cp /usr/share/datasets/fashion-mnist/*.gz "$here/.gpudata/fashion/"
+  fi
   cp -r /usr/share/games/fortunes/. "$here/.gpudata/fortunes/"
   "$here/tools/exclude_locally.sh" /.gpudata/
   du -sh "$here/.gpudata"
@@ -54,12 +64,16 @@ finish() {
 }
 trap finish EXIT
 # gtest LABEL SECONDS BINARY [ARGS]: one test binary, its log as LABEL.log,
-# a summary line with its counts and the failed tests' names.
+# a summary line with its counts and the failed tests' names; "NONE RAN"
+# where no test passed (a filter that matches nothing, a binary that
+# skipped everything): a gate that checked nothing says so.
 gtest() {
   local label=$1 secs=$2 log="$logs/$1.log"
   shift 2
   timeout "$secs" bash "$here/.gpu/run.sh" "$@" >"$log" 2>&1
-  summary "$label rc=$? $(grep -c '^\[       OK \]' "$log") ok $(grep -c '^\[  SKIPPED \]' "$log") skipped" \
+  local rc=$? ok
+  ok=$(grep -c '^\[       OK \]' "$log")
+  summary "$label rc=$rc $ok ok $(grep -c '^\[  SKIPPED \]' "$log") skipped$([ "$ok" = 0 ] && echo ' NONE RAN')" \
     "$(grep '^\[  FAILED  \]' "$log" | sort -u | sed 's/\[  FAILED  \] //' | tr '\n' ' ')"
 }
 # compare_attention SECONDS [--lean]: bench/attention_compare.py, 3 rounds,
@@ -87,7 +101,8 @@ for r in json.load(open(sys.argv[1]))["rows"]: print(json.dumps(r))' "${OUT:-$lo
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$logs/gpu.txt"
-run tensor_test --gtest_list_tests >/dev/null 2>&1 # unpack the bundle once, outside any timing
+[ -f "$here/.gpu/run.sh" ] || { echo "gpu_check: no bundle in $here/.gpu: tools/gpu_bundle.sh, then carry [\".gpu\"]"; exit 1; }
+run --unpack || exit 1 # unpack the bundle once, outside any timing
 
 for s in $steps; do
   case $s in
@@ -98,10 +113,16 @@ for s in $steps; do
     # memcheck catches out-of-bounds and misaligned device accesses the
     # emulator's bounds checks cannot see (real addresses, real warps).
     cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
-    for t in ops_cuda_test ops_nn_cuda_test optim_cuda_test; do
+    for t in ops_cuda_test ops_nn_cuda_test attention_cuda_test optim_cuda_test; do
       timeout 900 "$cs" --tool memcheck --error-exitcode 7 bash "$here/.gpu/run.sh" "$t" >"$logs/memcheck_$t.log" 2>&1
       summary "memcheck $t rc=$? $(grep -m1 'ERROR SUMMARY' "$logs/memcheck_$t.log")"
     done
+    # racecheck: shared-memory hazards between a block's threads, which the
+    # emulation's copies (done at once) and its ordered threads cannot show:
+    # the fused attention's cp.async stages and their barriers.
+    timeout 900 "$cs" --tool racecheck --racecheck-report hazard --error-exitcode 7 bash "$here/.gpu/run.sh" \
+      attention_cuda_test --gtest_filter='*Flash*:-*RowOffsets*' >"$logs/racecheck_attention.log" 2>&1
+    summary "racecheck attention_cuda_test rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$logs/racecheck_attention.log")"
     ;;
   bench)
     timeout 600 bash "$here/.gpu/run.sh" ops_cuda_bench --benchmark_format=console >"$logs/ops_cuda_bench.log" 2>&1
@@ -168,7 +189,7 @@ for s in $steps; do
   attention)
     # The fused attention kernels on the real GPU: the CPU comparison, then
     # TFLOP/s beside PyTorch's SDPA flash backend (gpu_attention.json in $OUT).
-    gtest attention_test 180 ops_nn_cuda_test --gtest_filter='*Attention*'
+    gtest attention_test 180 attention_cuda_test
     compare_attention 420
     ;;
   figures)
@@ -180,7 +201,7 @@ for s in $steps; do
     # (gpu_gpt.json, 3 interleaved rounds each); their JSON files land in
     # $OUT beside logs.tgz. The limits add up to 565 s, inside a 600 s call
     # with the bundle's unpacking.
-    gtest attention_test 75 ops_nn_cuda_test --gtest_filter='*Attention*'
+    gtest attention_test 75 attention_cuda_test
     gtest linear_epilogue_test 40 linear_epilogue_test
     grep '^\[epilogues\]' "$logs/linear_epilogue_test.log" | sort -u | head -5 | tee -a "$logs/summary.txt"
     compare_attention 150 --lean

@@ -5,6 +5,8 @@
 #     and old code is not churned; prints the diff that would fix it.
 #   * line budget: no source file (C++, CUDA, Python, shell, Starlark) over
 #     1,000 lines; split a file by concern before it gets there.
+#   * GPU tests: every test whose sources ask cuda_is_available() is one
+#     that tools/gpu_check.sh runs on a GPU (tools/gpu_tests.py --check).
 # Exit 1 naming what failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,4 +38,5 @@ if [ -n "$over" ]; then
 else
   echo "lint: every source file within 1,000 lines"
 fi
+python3 tools/gpu_tests.py --check || rc=1
 exit "$rc"
