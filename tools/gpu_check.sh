@@ -6,7 +6,7 @@
 #   tools/gpu_bundle.sh $(tools/gpu_check.sh --targets)
 #   tools/gpu_check.sh --data        # Fashion-MNIST and fortunes into .gpudata/
 # Then the device tool's run with carry [".gpu", ".gpudata"] and command
-#   bash tools/gpu_check.sh [tests] [sanitize] [bench] [attention] [examples]   (none: all)
+#   bash tools/gpu_check.sh [--within SECONDS] [tests] [sanitize] [bench] [attention] [examples]   (none: all)
 # (attention: the fused attention test and bench/attention_compare.py; bundle
 # //core:attention_cuda_test //bench:attention_cuda_bench for it.)
 # A lease of 15 device minutes does not hold all of them (the tests alone
@@ -54,6 +54,22 @@ if [ "${1:-}" = "--data" ]; then
   exit 0
 fi
 
+# --within SECONDS (before the steps): every time limit below is cut to what
+# is left of SECONDS, less 20 for the summaries and the logs' archive, so the
+# call ends with its files written before the device tool's timeout_s (set
+# it a little above) or the lease's last minutes: a cut benchmark part still
+# writes the JSON of the rounds it finished, and a step with no time left
+# says so (rc=124) rather than the call being killed with nothing back.
+within=0
+if [ "${1:-}" = "--within" ]; then
+  case ${2:-} in '' | *[!0-9]*) echo "gpu_check: --within expects whole seconds, got '${2:-}'" >&2; exit 2 ;; esac
+  within=$2
+  shift 2
+fi
+limit() {
+  local left=$((within - SECONDS - 20))
+  if [ "$within" = 0 ]; then echo "$1"; elif [ "$left" -lt 1 ]; then echo 1; else echo $(($1 < left ? $1 : left)); fi
+}
 steps="${*:-tests sanitize bench attention examples}"
 logs=/tmp/gpu_check_logs
 rm -rf "$logs" && mkdir -p "$logs"
@@ -70,7 +86,7 @@ trap finish EXIT
 gtest() {
   local label=$1 secs=$2 log="$logs/$1.log"
   shift 2
-  timeout "$secs" bash "$here/.gpu/run.sh" "$@" >"$log" 2>&1
+  timeout "$(limit "$secs")" bash "$here/.gpu/run.sh" "$@" >"$log" 2>&1
   local rc=$? ok
   ok=$(grep -c '^\[       OK \]' "$log")
   summary "$label rc=$rc $ok ok $(grep -c '^\[  SKIPPED \]' "$log") skipped$([ "$ok" = 0 ] && echo ' NONE RAN')" \
@@ -79,7 +95,7 @@ gtest() {
 # compare_attention SECONDS [--lean]: bench/attention_compare.py, 3 rounds,
 # gpu_attention.json into $OUT and its rows to the summary.
 compare_attention() {
-  timeout "$1" python3 "$here/bench/attention_compare.py" --ours "bash $here/.gpu/run.sh attention_cuda_bench" \
+  timeout "$(limit "$1")" python3 "$here/bench/attention_compare.py" --ours "bash $here/.gpu/run.sh attention_cuda_bench" \
     --rounds 3 "${@:2}" --out "${OUT:-$logs}/gpu_attention.json" >"$logs/attention_compare.log" 2>&1
   summary "attention_compare ${*:2} rc=$?"
   grep -E '^(round|ours|\{)' "$logs/attention_compare.log" | tee -a "$logs/summary.txt"
@@ -90,7 +106,7 @@ compare_attention() {
 # rows say how many rounds they hold).
 perf_part() {
   local dir=/tmp/gpu_check_perf_$1  # not gpu_perf.sh's own scratch (/tmp/gpu_perf_gpt)
-  timeout "$3" bash "$here/bench/gpu_perf.sh" --lean --rounds 3 --out "$dir" "$1" >"$logs/gpu_perf_$1.log" 2>&1
+  timeout "$(limit "$3")" bash "$here/bench/gpu_perf.sh" --lean --rounds 3 --out "$dir" "$1" >"$logs/gpu_perf_$1.log" 2>&1
   local rc=$?
   [ $rc = 124 ] && python3 "$here/bench/gpu_perf_summary.py" "$dir" >>"$logs/gpu_perf_$1.log" 2>&1
   summary "gpu_perf --lean $1 rc=$rc"
@@ -114,75 +130,75 @@ for s in $steps; do
     # emulator's bounds checks cannot see (real addresses, real warps).
     cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
     for t in ops_cuda_test ops_nn_cuda_test attention_cuda_test optim_cuda_test; do
-      timeout 900 "$cs" --tool memcheck --error-exitcode 7 bash "$here/.gpu/run.sh" "$t" >"$logs/memcheck_$t.log" 2>&1
+      timeout "$(limit 900)" "$cs" --tool memcheck --error-exitcode 7 bash "$here/.gpu/run.sh" "$t" >"$logs/memcheck_$t.log" 2>&1
       summary "memcheck $t rc=$? $(grep -m1 'ERROR SUMMARY' "$logs/memcheck_$t.log")"
     done
     # racecheck: shared-memory hazards between a block's threads, which the
     # emulation's copies (done at once) and its ordered threads cannot show:
     # the fused attention's cp.async stages and their barriers.
-    timeout 900 "$cs" --tool racecheck --racecheck-report hazard --error-exitcode 7 bash "$here/.gpu/run.sh" \
+    timeout "$(limit 900)" "$cs" --tool racecheck --racecheck-report hazard --error-exitcode 7 bash "$here/.gpu/run.sh" \
       attention_cuda_test --gtest_filter='*Flash*:-*RowOffsets*' >"$logs/racecheck_attention.log" 2>&1
     summary "racecheck attention_cuda_test rc=$? $(grep -m1 'RACECHECK SUMMARY\|ERROR SUMMARY' "$logs/racecheck_attention.log")"
     ;;
   bench)
-    timeout 600 bash "$here/.gpu/run.sh" ops_cuda_bench --benchmark_format=console >"$logs/ops_cuda_bench.log" 2>&1
+    timeout "$(limit 600)" bash "$here/.gpu/run.sh" ops_cuda_bench --benchmark_format=console >"$logs/ops_cuda_bench.log" 2>&1
     summary "ops_cuda_bench rc=$?"
-    timeout 300 bash "$here/.gpu/run.sh" train_bench --benchmark_filter=Cuda --benchmark_repetitions=3 \
+    timeout "$(limit 300)" bash "$here/.gpu/run.sh" train_bench --benchmark_filter=Cuda --benchmark_repetitions=3 \
       --benchmark_report_aggregates_only=true >"$logs/train_bench.log" 2>&1
     summary "train_bench (cuda) rc=$?"
     cat "$logs/ops_cuda_bench.log" "$logs/train_bench.log" | grep -E '^BM_' | grep -v -E '_(stddev|cv|mean) ' |
       tee -a "$logs/summary.txt"
     # PyTorch on the same GPU, the same step (the machine's python3 has torch);
     # bench/gpu_perf.sh is the full comparison (rounds, breakdown, kernels).
-    timeout 300 python3 "$here/bench/resnet50_cuda_peer.py" --configs fp32,tf32 >"$logs/resnet50_peer.log" 2>&1
+    timeout "$(limit 300)" python3 "$here/bench/resnet50_cuda_peer.py" --configs fp32,tf32 >"$logs/resnet50_peer.log" 2>&1
     summary "resnet50_cuda_peer rc=$?"
     grep '^torch' "$logs/resnet50_peer.log" | tee -a "$logs/summary.txt"
     # The numerical contract on the real cuDNN and cuBLAS (docs/design.md,
     # Note [numerics], has the emulation's figures; numerics_cpu runs the
     # CUDA rows whenever a GPU is present).
-    timeout 300 bash "$here/.gpu/run.sh" numerics_cpu >"$logs/numerics.log" 2>&1
+    timeout "$(limit 300)" bash "$here/.gpu/run.sh" numerics_cpu >"$logs/numerics.log" 2>&1
     summary "numerics rc=$?"
     grep -E '^\| (conv2d|matmul|attention)' "$logs/numerics.log" | grep CUDA | tee -a "$logs/summary.txt"
     ;;
   examples)
     d="$here/.gpudata"
-    timeout 240 bash "$here/.gpu/run.sh" resnet_ddp --data "$d/fashion" --epochs 1 --checkpoint-dir /tmp/rn \
+    timeout "$(limit 240)" bash "$here/.gpu/run.sh" resnet_ddp --data "$d/fashion" --epochs 1 --checkpoint-dir /tmp/rn \
       >"$logs/resnet_ddp.log" 2>&1
     summary "resnet_ddp fp32 rc=$? $(grep -iE 'epoch|accuracy' "$logs/resnet_ddp.log" | tail -2 | tr '\n' ' ')"
-    timeout 120 bash "$here/.gpu/run.sh" resnet_ddp --data "$d/fashion" --epochs 1 --max-steps 300 --amp bf16 --checkpoint-dir /tmp/rn16 \
+    timeout "$(limit 120)" bash "$here/.gpu/run.sh" resnet_ddp --data "$d/fashion" --epochs 1 --max-steps 300 --amp bf16 --checkpoint-dir /tmp/rn16 \
       >"$logs/resnet_ddp_bf16.log" 2>&1
     summary "resnet_ddp bf16 rc=$? $(grep -iE 'epoch|accuracy' "$logs/resnet_ddp_bf16.log" | tail -2 | tr '\n' ' ')"
-    timeout 120 bash "$here/.gpu/run.sh" resnet_ddp --data "$d/fashion" --epochs 1 --max-steps 300 --amp fp16 --checkpoint-dir /tmp/rnh \
+    timeout "$(limit 120)" bash "$here/.gpu/run.sh" resnet_ddp --data "$d/fashion" --epochs 1 --max-steps 300 --amp fp16 --checkpoint-dir /tmp/rnh \
       >"$logs/resnet_ddp_fp16.log" 2>&1
     summary "resnet_ddp fp16 rc=$? $(grep -iE 'epoch|accuracy' "$logs/resnet_ddp_fp16.log" | tail -2 | tr '\n' ' ')"
-    timeout 180 bash "$here/.gpu/run.sh" gpt_fsdp --data "$d/fortunes" --checkpoint-dir /tmp/gpt >"$logs/gpt_fsdp.log" 2>&1
+    timeout "$(limit 180)" bash "$here/.gpu/run.sh" gpt_fsdp --data "$d/fortunes" --checkpoint-dir /tmp/gpt >"$logs/gpt_fsdp.log" 2>&1
     summary "gpt_fsdp rc=$? $(grep -iE 'val|step' "$logs/gpt_fsdp.log" | tail -2 | tr '\n' ' ')"
     # Sharded checkpoints over NCCL: resume both examples from what they saved.
-    timeout 120 bash "$here/.gpu/run.sh" gpt_fsdp --data "$d/fortunes" --checkpoint-dir /tmp/gpt --max-steps 1100 \
+    timeout "$(limit 120)" bash "$here/.gpu/run.sh" gpt_fsdp --data "$d/fortunes" --checkpoint-dir /tmp/gpt --max-steps 1100 \
       --resume >"$logs/gpt_fsdp_resume.log" 2>&1
     summary "gpt_fsdp resume rc=$? $(grep -E 'resumed from|done in' "$logs/gpt_fsdp_resume.log" | tr '\n' ' ')"
     bash "$here/.gpu/run.sh" ckpt verify /tmp/gpt/step_1100 >"$logs/ckpt_verify.log" 2>&1
     summary "ckpt verify rc=$? $(cat "$logs/ckpt_verify.log")"
-    timeout 120 bash "$here/.gpu/run.sh" resnet_ddp --data "$d/fashion" --epochs 2 --checkpoint-dir /tmp/rn \
+    timeout "$(limit 120)" bash "$here/.gpu/run.sh" resnet_ddp --data "$d/fashion" --epochs 2 --checkpoint-dir /tmp/rn \
       --resume >"$logs/resnet_ddp_resume.log" 2>&1
     summary "resnet_ddp resume rc=$? $(grep -E 'resumed from|epoch 2/2:' "$logs/resnet_ddp_resume.log" | tr '\n' ' ')"
-    timeout 180 bash "$here/.gpu/run.sh" gpt_fsdp --data "$d/fortunes" --amp bf16 --checkpoint-dir /tmp/gpt16 \
+    timeout "$(limit 180)" bash "$here/.gpu/run.sh" gpt_fsdp --data "$d/fortunes" --amp bf16 --checkpoint-dir /tmp/gpt16 \
       >"$logs/gpt_fsdp_bf16.log" 2>&1
     summary "gpt_fsdp bf16 rc=$? $(grep -iE 'val|step' "$logs/gpt_fsdp_bf16.log" | tail -2 | tr '\n' ' ')"
-    timeout 120 bash "$here/.gpu/run.sh" resnet_ddp --nproc 1 --data "$d/fashion" --epochs 1 --max-steps 300 \
+    timeout "$(limit 120)" bash "$here/.gpu/run.sh" resnet_ddp --nproc 1 --data "$d/fashion" --epochs 1 --max-steps 300 \
       --amp bf16 --cuda-graph 1 --checkpoint-dir /tmp/rng >"$logs/resnet_ddp_graph.log" 2>&1
     summary "resnet_ddp --cuda-graph 1 rc=$? $(grep -E 'cuda graph:|epoch 1/1' "$logs/resnet_ddp_graph.log" | tr '\n' ' ')"
     # The step as one CUDA graph beside the same run eager: the losses agree
     # up to the rounding of the learning rate (float32 on the device) and of
     # the norm's sums; the graph's line gives the host's share of a step.
     for g in 0 1; do
-      timeout 180 bash "$here/.gpu/run.sh" gpt_fsdp --nproc 1 --data "$d/fortunes" --amp bf16 --max-steps 100 \
+      timeout "$(limit 180)" bash "$here/.gpu/run.sh" gpt_fsdp --nproc 1 --data "$d/fortunes" --amp bf16 --max-steps 100 \
         --eval-every 1000 --sample-len 0 --cuda-graph $g --checkpoint-dir /tmp/gptg$g >"$logs/gpt_graph$g.log" 2>&1
       summary "gpt_fsdp --cuda-graph $g rc=$? $(grep -E 'cuda graph:|validation loss' "$logs/gpt_graph$g.log" | tail -2 | tr '\n' ' ')"
     done
     # The blocks' linears in float8 (cuBLASLt's float8 matmuls on the real
     # library): its validation loss beside the bf16 run's above.
-    timeout 180 bash "$here/.gpu/run.sh" gpt_fsdp --nproc 1 --data "$d/fortunes" --amp bf16 --max-steps 100 \
+    timeout "$(limit 180)" bash "$here/.gpu/run.sh" gpt_fsdp --nproc 1 --data "$d/fortunes" --amp bf16 --max-steps 100 \
       --eval-every 1000 --sample-len 0 --float8 1 --checkpoint-dir /tmp/gptf8 >"$logs/gpt_float8.log" 2>&1
     summary "gpt_fsdp --float8 1 rc=$? $(grep -E 'float8|validation loss' "$logs/gpt_float8.log" | tail -2 | tr '\n' ' ')"
     ;;
@@ -215,7 +231,7 @@ for s in $steps; do
     # hold issue slots, warps, stall reasons and tensor-pipe use side by
     # side; gpu_attention_profile.json (with the most stalled SASS) lands in
     # $OUT, ncu's CSV pages in logs.tgz.
-    timeout 240 python3 "$here/bench/attention_profile.py" --ours "bash $here/.gpu/run.sh attention_cuda_bench" \
+    timeout "$(limit 240)" python3 "$here/bench/attention_profile.py" --ours "bash $here/.gpu/run.sh attention_cuda_bench" \
       --dir "$logs/attention_profile" --json "${OUT:-$logs}/gpu_attention_profile.json" \
       >"$logs/attention_profile.log" 2>&1
     summary "attention_profile rc=$?"

@@ -4,8 +4,9 @@
 # reads off the BUILD files (not a plain test), a summary line a binary
 # with its counts and failures, and NONE RAN beside a binary in which no
 # test passed; --targets lists them with the tools' binaries; --targets
-# figures the figures' five; a missing bundle stops the run with a named
-# error rather than a page of failed steps.
+# figures the figures' five; --within cuts every limit to what is left of
+# its seconds; a missing bundle stops the run with a named error rather than
+# a page of failed steps.
 set -euo pipefail
 check=$(realpath "$1")
 tests_py=$(realpath "$2")
@@ -45,6 +46,16 @@ targets=$(bash "$tmp/repo/tools/gpu_check.sh" --targets)
 grep -q '^//core:good_test //core:skips_test //bench:numerics_cpu ' <<<"$targets" || fail "--targets: $targets"
 grep -q cpu_only <<<"$targets" && fail "--targets took a test without GPU paths: $targets"
 [ "$(bash "$tmp/repo/tools/gpu_check.sh" --targets figures | wc -w)" = 5 ] || fail "--targets figures"
+# --within: the limits cut to what is left (25 s, less 20 for the
+# summaries): a binary that would run 60 s is stopped after about 5.
+echo 'ember_test(name = "slow_test", tags = ["gpu"])' >>"$tmp/repo/core/BUILD"
+sed -i 's/^\*) echo/slow_test) sleep 60 ;;\n*) echo/' "$tmp/repo/.gpu/run.sh"
+start=$SECONDS
+bash "$tmp/repo/tools/gpu_check.sh" --within 25 tests >"$tmp/log" 2>&1 || fail "--within: $(cat "$tmp/log")"
+[ $((SECONDS - start)) -lt 20 ] || fail "--within 25 ran $((SECONDS - start)) s"
+grep -q '^slow_test rc=124 0 ok' "$OUT/summary.txt" || fail "slow_test's line: $(cat "$OUT/summary.txt")"
+if bash "$tmp/repo/tools/gpu_check.sh" --within soon tests >"$tmp/log" 2>&1; then fail "--within soon accepted"; fi
+grep -q "expects whole seconds, got 'soon'" "$tmp/log" || fail "--within soon: $(cat "$tmp/log")"
 rm "$tmp/repo/.gpu/run.sh"
 if bash "$tmp/repo/tools/gpu_check.sh" tests >"$tmp/log" 2>&1; then fail "ran without a bundle"; fi
 grep -q 'gpu_check: no bundle in' "$tmp/log" || fail "the missing bundle not named: $(cat "$tmp/log")"
