@@ -7,6 +7,9 @@ shapes (batch 8, sequence 2,048, hidden 2,048 as 32 heads of 64 or 16 of
 FLOPs counted as FlashAttention does (4 b h T^2 d forward, halved when
 causal; backward 2.5x). Rounds interleave ours and PyTorch; the JSON rows
 hold the medians over rounds and ours / PyTorch TFLOP/s (higher is faster).
+The float32 rows (names ending "float32": head dim 64 causal, the GPT's, and
+128) put the path our op takes for float32 beside SDPA's efficient backend,
+PyTorch's for float32 (three TF32 tensor-core products a product).
 
   python3 bench/attention_compare.py --ours "bash .gpu/run.sh attention_cuda_bench" \\
       [--rounds 3] [--out gpu_attention.json] [--lean] [--smoke]
@@ -35,25 +38,31 @@ def flops(d, causal, bwd, b=B, t=T):
     return fwd * (3.5 if bwd else 1.0)
 
 
-def key(d, causal, bwd):
-    return f"d{d}{' causal' if causal else ''} {'fwd+bwd' if bwd else 'fwd'}"
+def key(d, causal, bwd, f32=False):
+    return f"d{d}{' causal' if causal else ''} {'fwd+bwd' if bwd else 'fwd'}{' float32' if f32 else ''}"
 
 
 # (head dim, causal, backward, fused, deterministic, key tiles, backward
-# stages): (.., 1, 1, 0, 0) is the fused backward with its dQ pass
-# (deterministic_algorithms) instead of atomics; key tiles 64 the fused
+# stages, float32): (.., 1, 1, 0, 0, 0) is the fused backward with its dQ
+# pass (deterministic_algorithms) instead of atomics; key tiles 64 the fused
 # kernels with 64-key tiles instead of the default 128, stages 1 the fused
 # backward loading its query tiles in one stage instead of two
-# (set_attention_cuda_flash_tiles).
-CONFIGS = [(64, 1, 0, 1, 0, 0, 0), (64, 1, 1, 1, 0, 0, 0), (64, 1, 0, 0, 0, 0, 0), (64, 1, 1, 0, 0, 0, 0),
-           (128, 1, 0, 1, 0, 0, 0), (128, 1, 1, 1, 0, 0, 0), (128, 1, 0, 0, 0, 0, 0), (128, 1, 1, 0, 0, 0, 0),
-           (128, 0, 0, 1, 0, 0, 0), (128, 0, 1, 1, 0, 0, 0), (64, 1, 1, 1, 1, 0, 0), (128, 1, 1, 1, 1, 0, 0),
-           (64, 1, 0, 1, 0, 64, 0), (64, 1, 1, 1, 0, 64, 0), (128, 1, 1, 1, 0, 64, 0), (128, 0, 1, 1, 0, 64, 0),
-           (64, 1, 1, 1, 0, 0, 1), (128, 1, 1, 1, 0, 0, 1)]
+# (set_attention_cuda_flash_tiles); float32 1 float32 q, k, v on the op's
+# default path.
+CONFIGS = [(64, 1, 0, 1, 0, 0, 0, 0), (64, 1, 1, 1, 0, 0, 0, 0), (64, 1, 0, 0, 0, 0, 0, 0), (64, 1, 1, 0, 0, 0, 0, 0),
+           (128, 1, 0, 1, 0, 0, 0, 0), (128, 1, 1, 1, 0, 0, 0, 0), (128, 1, 0, 0, 0, 0, 0, 0),
+           (128, 1, 1, 0, 0, 0, 0, 0), (128, 0, 0, 1, 0, 0, 0, 0), (128, 0, 1, 1, 0, 0, 0, 0),
+           (64, 1, 1, 1, 1, 0, 0, 0), (128, 1, 1, 1, 1, 0, 0, 0), (64, 1, 0, 1, 0, 64, 0, 0),
+           (64, 1, 1, 1, 0, 64, 0, 0), (128, 1, 1, 1, 0, 64, 0, 0), (128, 0, 1, 1, 0, 64, 0, 0),
+           (64, 1, 1, 1, 0, 0, 1, 0), (128, 1, 1, 1, 0, 0, 1, 0),
+           (64, 1, 0, 1, 0, 0, 0, 1), (64, 1, 1, 1, 0, 0, 0, 1), (128, 1, 1, 1, 0, 0, 0, 1)]
+# PyTorch's side of the float32 rows: (head dim, causal, backward).
+TORCH_F32 = [(64, True, False), (64, True, True), (128, True, True)]
 
 
 def lean(cfg):
-    """The fused kernels with their default tiles and stages and dQ atomics."""
+    """The fused kernels with their default tiles and stages and dQ atomics,
+    and the float32 rows (the op's default path for float32)."""
     return cfg[3] == 1 and cfg[4] == 0 and cfg[5] == 0 and cfg[6] == 0
 
 
@@ -80,10 +89,12 @@ def run_ours(cmd, configs):
         for bm in json.loads(p.stdout[p.stdout.index("{"):])["benchmarks"]:
             if bm.get("error_occurred"):  # no GPU (--smoke)
                 continue
-            # flash fwd+bwd d64 causal (flash-det: deterministic, flash-k64: 64-key tiles, flash-s1: one stage)
+            # flash fwd+bwd d64 causal (flash-det: deterministic, flash-k64: 64-key tiles, flash-s1: one stage;
+            # f32: float32 on the op's default path, the row's ours beside torch's float32)
             label = bm["label"].split()
             impl, mode, d, causal = label[0], label[1], int(label[2][1:]), "causal" in label
-            res[(impl, key(d, causal, mode == "fwd+bwd"))] = bm["TFLOP/s"]
+            f32 = impl == "f32"
+            res[("flash" if f32 else impl, key(d, causal, mode == "fwd+bwd", f32))] = bm["TFLOP/s"]
     return res
 
 
@@ -94,41 +105,43 @@ def run_torch(smoke):
     dev = "cpu" if smoke else "cuda"
     b, t = (1, 128) if smoke else (B, T)
     res = {}
-    for d, causal in [(64, True), (128, True), (128, False)]:
+    runs = [(d, causal, bwd, False) for d, causal in [(64, True), (128, True), (128, False)] for bwd in (False, True)]
+    runs += [(d, causal, bwd, True) for d, causal, bwd in TORCH_F32]
+    for d, causal, bwd, f32 in runs:
         h = HIDDEN // d
-        q, k, v, g = (torch.randn(b, h, t, d, device=dev, dtype=torch.bfloat16) for _ in range(4))
-        for bwd in (False, True):
-            for x in (q, k, v):
-                x.requires_grad_(bwd)
+        q, k, v, g = (torch.randn(b, h, t, d, device=dev, dtype=torch.float32 if f32 else torch.bfloat16)
+                      for _ in range(4))
+        for x in (q, k, v):
+            x.requires_grad_(bwd)
 
-            def step():
-                if smoke:
-                    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                else:
-                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                if bwd:
-                    out.backward(g)
-
-            for _ in range(3):
-                step()
-            iters = 2 if smoke else 30
+        def step():
             if smoke:
-                import time
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    step()
-                sec = (time.perf_counter() - t0) / iters
-            else:
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    step()
-                end.record()
-                torch.cuda.synchronize()
-                sec = start.elapsed_time(end) / 1e3 / iters
-            res[key(d, causal, bwd)] = flops(d, causal, bwd, b, t) / sec / 1e12
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            else:  # flash takes 16-bit inputs alone; float32 goes to the efficient backend
+                with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION if f32 else SDPBackend.FLASH_ATTENTION):
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            if bwd:
+                out.backward(g)
+
+        for _ in range(3):
+            step()
+        iters = 2 if smoke else 30
+        if smoke:
+            import time
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            sec = (time.perf_counter() - t0) / iters
+        else:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+            sec = start.elapsed_time(end) / 1e3 / iters
+        res[key(d, causal, bwd, f32)] = flops(d, causal, bwd, b, t) / sec / 1e12
     return res, torch.__version__
 
 
@@ -170,11 +183,12 @@ def write(a, ours, torch_runs, version, final):
     doc = dict(device_meta(a.smoke), torch=version,
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                commit=commit(),
-               workload=f"scaled_dot_product_attention, bfloat16, batch {B}, sequence {T}, hidden {HIDDEN}; "
+               workload=f"scaled_dot_product_attention, bfloat16 (float32 in the rows so named), batch {B}, "
+               f"sequence {T}, hidden {HIDDEN}; "
                "ours: the fused (flash) kernels and the blocked ones, through the op and autograd (deterministic: "
                "the fused backward with its dQ pass instead of atomics; k64: 64-key tiles instead of 128; s1: the backward's "
-               "query tiles in one stage instead of two); torch: SDPA's "
-               "flash backend; TFLOP/s as FlashAttention counts them; ratio = ours flash / torch (higher is faster)",
+               "query tiles in one stage instead of two; float32 rows: the op's path for float32); torch: SDPA's "
+               "flash backend (float32: its efficient backend); TFLOP/s as FlashAttention counts them; ratio = ours flash / torch (higher is faster)",
                rows=rows, command="python3 bench/attention_compare.py --ours 'bash .gpu/run.sh attention_cuda_bench' "
                f"--rounds {a.rounds}" + (" --lean" if a.lean else ""))
     with open(a.out, "w") as f:

@@ -328,7 +328,7 @@ def profile(a):
             # (launches 3 and 4 of the two kernels: --launch-skip counts the
             # kernels the name filter lets through).
             run_ncu(ncu, a.dir, "ours", hd, causal,
-                    shlex.split(a.ours) + [f"--benchmark_filter=^BM_Attention/{hd}/{int(causal)}/1/1/0/0/0/"],
+                    shlex.split(a.ours) + [f"--benchmark_filter=^BM_Attention/{hd}/{int(causal)}/1/1/0/0/0/0/"],
                     ["--kernel-name", "regex:flash_(forward|backward)_kernel", "--launch-skip", "2", "--launch-count",
                      "2"], log)
             # Theirs: every kernel between cudaProfilerStart and Stop (one

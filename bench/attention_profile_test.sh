@@ -75,7 +75,7 @@ fail() { echo "$out"; echo "attention_profile_test: $*"; exit 1; }
 # Three configurations, ours and torch's each: 6 profiles, 3 pages each.
 [ "$(grep -c -- ' -o ' "$tmp/calls")" = 6 ] || fail "not 6 profiles: $(cat "$tmp/calls")"
 [ "$(grep -c -- '^--import ' "$tmp/calls")" = 18 ] || fail "not 18 page exports"
-grep -q -- "--clock-control none .*--set full .*--kernel-name regex:flash_(forward|backward)_kernel --launch-skip 2 --launch-count 2 bench --x --benchmark_filter=^BM_Attention/128/0/1/1/0/0/0/$" "$tmp/calls" || fail "ours' call"
+grep -q -- "--clock-control none .*--set full .*--kernel-name regex:flash_(forward|backward)_kernel --launch-skip 2 --launch-count 2 bench --x --benchmark_filter=^BM_Attention/128/0/1/1/0/0/0/0/$" "$tmp/calls" || fail "ours' call"
 grep -q -- "--profile-from-start off --launch-count 12 .*torch_step.py 64 1$" "$tmp/calls" || fail "torch's call"
 [ -z "$(ls "$tmp/out"/*.ncu-rep 2>/dev/null)" ] || fail "reports left behind"
 python3 - "$tmp/p.json" <<'PY' || fail "summary"

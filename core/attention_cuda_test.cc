@@ -1,11 +1,13 @@
 // Attention on CUDA against the CPU kernels, forward and gradients: the
-// blocked kernels (float32, float64) and the fused ones (16-bit q, k, v),
+// blocked kernels (float64, and float32 where the fused ones decline) and
+// the fused ones (16-bit and float32 q, k, v),
 // with q, k, v, the output and the gradients where they lie (strided views,
 // a packed projection's heads, keys expanded over groups of query heads),
 // the deterministic dQ pass, and the log-sum-exp variants of context
 // parallelism. Skips (with the reason) when no GPU is present.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <vector>
@@ -141,6 +143,56 @@ TEST_F(CudaAttention, FlashBackwardOptsInToTheLargerStages) {
   }
 }
 
+// The fused kernels for float32 (attention_tf32.cuh, 3xTF32): the
+// 16-bit test's shapes (head dims 32, 64, 128; partial tiles; causal with
+// fewer and more keys than queries; an explicit scale; dropout) against the
+// CPU kernel in float32, and the output and gradients against the CPU in
+// float64 within 2e-5 of their largest value: float32's accuracy, which one
+// TF32 product a product (10 mantissa bits) misses by two orders (the small
+// parts' products dropped fail it). Two launches: the fused forward and
+// backward. Under deterministic_algorithms() the backward runs the blocked
+// kernels (no float32 twin of the dQ pass): one launch, the same values.
+TEST_F(CudaAttention, FlashFloat32MatchesFloat64) {
+  uint64_t seed = 1700;
+  struct Case {
+    int64_t tq, tk, d;
+    bool causal;
+    double p;
+    std::optional<double> scale;
+  };
+  const auto close = [](const Tensor& want, const Tensor& got, const std::string& what) {
+    const double top = std::max(1.0, max(abs(want)).item<double>());
+    const double err = max(abs(got.cpu().to(DType::Float64) - want)).item<double>();
+    EXPECT_LE(err, 2e-5 * top) << what << ": largest error " << err << " of values up to " << top;
+  };
+  for (const bool det : {false, true})
+    for (const Case& c : std::vector<Case>{{70, 70, 64, true, 0.0, {}},
+                                           {129, 150, 32, false, 0.0, 0.3},
+                                           {70, 150, 128, true, 0.3, {}},
+                                           {65, 65, 64, false, 0.2, {}},
+                                           {140, 200, 32, true, 0.0, {}}}) {
+      if (det && c.d != 64) continue;  // the blocked backward: two cases
+      set_deterministic_algorithms(det);
+      std::vector<Tensor> in = {rnd({2, 2, c.tq, c.d}, seed++, DType::Float32),
+                                rnd({2, 2, c.tk, c.d}, seed++, DType::Float32),
+                                rnd({2, 2, c.tk, c.d}, seed++, DType::Float32)};
+      Fn f = [c](const std::vector<Tensor>& v) {
+        Generator g(23);
+        return scaled_dot_product_attention(v[0], v[1], v[2], c.causal, c.p, &g, c.scale);
+      };
+      const std::string what = cat("float32 flash attention tq ", c.tq, " tk ", c.tk, " d ", c.d, " causal ", c.causal,
+                                   " p ", c.p, " deterministic ", det);
+      const int64_t before = attention_cuda_flash_launches();
+      compare(f, in, tol(DType::Float32), what);
+      EXPECT_EQ(attention_cuda_flash_launches() - before, det ? 1 : 2) << what << ": the fused forward and backward";
+      std::vector<Tensor> wide;
+      for (const Tensor& t : in) wide.push_back(t.to(DType::Float64));
+      const Outcome want = run(f, wide, false), got = run(f, in, true);
+      close(want.y, got.y, what + " forward");
+      for (int i = 0; i < 3; ++i) close(want.grads[i], got.grads[i], cat(what, " grad ", i));
+    }
+}
+
 // The fused kernels keep a head's row offsets in 32 bits: sequences whose
 // rows (with a 128-row tile past the last) times the head dim reach 2^31
 // elements are left to the blocked kernels (asked of the check itself:
@@ -154,6 +206,12 @@ TEST_F(CudaAttention, FlashAttentionRowOffsetsFitIn32Bits) {
   a.tk = 16, a.tq = (int64_t{1} << 24) - 128;
   EXPECT_FALSE(attention_flash_cuda_supports(a, DType::BFloat16)) << "(queries + 128) x head dim = 2^31";
   a.tq = (int64_t{1} << 25) - 129, a.d = a.dv = 64;
+  EXPECT_TRUE(attention_flash_cuda_supports(a, DType::BFloat16));
+  // float32's rows are addressed as twice as many 16-bit elements.
+  a.tq = 16, a.d = a.dv = 128, a.tk = (int64_t{1} << 23) - 129;
+  EXPECT_TRUE(attention_flash_cuda_supports(a, DType::Float32));
+  a.tk += 1;
+  EXPECT_FALSE(attention_flash_cuda_supports(a, DType::Float32)) << "(keys + 128) x head dim x 2 = 2^31";
   EXPECT_TRUE(attention_flash_cuda_supports(a, DType::BFloat16));
 }
 

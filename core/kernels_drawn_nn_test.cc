@@ -416,7 +416,8 @@ TEST_F(Drawn, Attention) {
   });
 }
 
-// The fused (flash) CUDA kernels' domain: 16-bit q, k, v with one head dim
+// The fused (flash) CUDA kernels' domain: 16-bit and float32 (3xTF32) q,
+// k, v with one head dim
 // of 32, 64 or 128; query and key lengths across tile edges (1 to 150, the
 // tiles are 64 and 128), causal with fewer or more keys, dropout, a scale,
 // inputs in drawn layouts (strided views reach the kernels as copies). On
@@ -430,7 +431,7 @@ TEST_F(Drawn, FlashAttention) {
     const int64_t e = d.pick<int64_t>({32, 64, 128});
     const bool causal = d.chance(0.5);
     const double p = d.chance(0.25) ? 0.2 : 0.0;
-    const DType dt = d.pick<DType>({DType::BFloat16, DType::Float16});
+    const DType dt = d.pick<DType>({DType::BFloat16, DType::Float16, DType::Float32});
     std::optional<double> scale;
     if (d.chance(0.25)) scale = d.uniform() + 0.05;
     Tensor q = d.values({b, hd, tq, e}, dt), k = d.values({b, hd, tk, e}, dt), v = d.values({b, hd, tk, e}, dt);

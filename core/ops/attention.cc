@@ -310,9 +310,10 @@ Tensor scaled_dot_product_attention(const Tensor& q_in, const Tensor& k_in, cons
   Shape out_shape = q.sizes();
   out_shape.back() = a.dv;
   const DType compute = q.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
-  // 16-bit q, k, v on a GPU take the fused kernels, which read them as they
-  // are and keep each row's log-sum-exp for the backward (a recompute that
-  // skipped this forward finds none and runs the kernel again for it).
+  // 16-bit and float32 q, k, v on a GPU take the fused kernels, which read
+  // them as they are and keep each row's log-sum-exp for the backward (a
+  // recompute that skipped this forward finds none and runs the kernel
+  // again for it).
   const bool flash = q.is_cuda() && attention_flash_cuda_supports(a, q.dtype());
   auto lse = std::make_shared<Tensor>();
   auto run_forward = [a, compute, out_shape, flash, lse](const Tensor& q, const Tensor& k, const Tensor& v) {
@@ -476,7 +477,7 @@ Tensor scaled_dot_product_attention_lse(const Tensor& q_in, const Tensor& k_in, 
   packed_shape.back() = a.dv + 1;
   const DType compute = q.dtype() == DType::Float64 ? DType::Float64 : DType::Float32;
   const bool flash = q.is_cuda() && attention_flash_cuda_supports(a, q.dtype());
-  // The fused kernels' output is 16-bit; the blocked kernels' and the CPU's
+  // The fused kernels' output is in q's dtype; the blocked kernels' and the CPU's
   // the compute dtype. The fused kernels read q, k and v where they lie
   // (context parallelism's views: a block's rows of q, k and v as the two
   // halves of one concatenated kv); the others take [n, t, d] copies.

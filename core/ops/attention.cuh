@@ -1,12 +1,16 @@
-// What attention's two CUDA files share (attention.cu, the blocked kernels
-// for float32 and float64; attention_flash.cu, the fused ones for 16-bit
-// inputs): where an operand's rows lie, the dropout mask's draw, and the
-// backward's per-row delta.
+// What attention's CUDA kernels share (attention.cu, the blocked kernels for
+// float64 and what the fused ones do not take; attention_flash.cu, the fused
+// ones for 16-bit inputs; attention_tf32.cu, the fused ones for float32):
+// where an operand's rows lie, the dropout mask's draw, the backward's
+// per-row delta, and the fused kernels' tile loads and row reductions.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
+#include <mutex>
 
 #include "core/ops/cuda_utils.cuh"
 #include "core/ops/kernels.h"
@@ -75,4 +79,100 @@ __global__ void delta_kernel(int64_t rows, int64_t t, int64_t d, const In* __res
 
 inline unsigned warp_grid(int64_t warps) { return static_cast<unsigned>(cuda::ceil_div(warps, kRowsPerBlock)); }
 
+// ---- The fused kernels' (attention_flash.cu, attention_tf32.cu) ----
+
+// Kernels needing more than 48 KiB of shared memory must opt in, per device,
+// to the most they are launched with (the backward's size depends on its
+// stages).
+template <auto Kernel>
+inline void allow_smem(size_t smem, int device) {
+  static std::atomic<size_t> allowed[64] = {};
+  std::atomic<size_t>& slot = allowed[device % 64];
+  if (smem <= 48 * 1024 || smem <= slot.load()) return;
+  static std::mutex mu;  // so that a smaller size set later never undoes a larger one
+  std::lock_guard<std::mutex> lock(mu);
+  if (smem <= slot.load()) return;
+  EMBER_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel),
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  slot.store(smem);
+}
+
+constexpr int kFlashThreads = 128;  // a forward block's threads
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Rows [r0, r0 + N) of a [t, D] matrix whose rows lie `row` elements apart
+// into a shared tile of row stride D + 8 (the padding puts ldmatrix's eight
+// rows on distinct banks), zeros past row t, by cp.async from a block of
+// Threads threads: the caller commits and waits. Each thread copies one
+// 16-byte column of rows Threads / (D / 8) apart, so the loop unrolls into
+// copies at constant multiples of the row stride from one address (a loop
+// over threadIdx.x-dependent trip counts compiled to a branchy loop with
+// 64-bit index arithmetic per piece).
+template <int D, int N, int Threads = kFlashThreads>
+__device__ __forceinline__ void load_tile(const uint16_t* __restrict__ src, int row, int r0, int t, uint16_t* dst) {
+  constexpr int kVec = D / 8, kStep = Threads / kVec;  // 16-byte pieces a row; rows a pass
+  static_assert(Threads % kVec == 0 && N % kStep == 0, "load_tile: whole passes of the block");
+  const int r = threadIdx.x / kVec, c = threadIdx.x % kVec * 8;
+  const int left = t - r0 < N ? t - r0 : N;  // rows in range
+  const uint16_t* from = src + (r0 + r) * row + c;
+  const int step = kStep * row;
+  dst += r * (D + 8) + c;
+  if (left == N) {  // the whole tile, as every tile but a matrix's last: no tests
+#pragma unroll
+    for (int it = 0; it < N / kStep; ++it) cuda::cp_async<16>(dst + it * kStep * (D + 8), from + it * step, true);
+    return;
+  }
+#pragma unroll
+  for (int it = 0; it < N / kStep; ++it) {
+    const bool ok = r + it * kStep < left;
+    cuda::cp_async<16>(dst + it * kStep * (D + 8), ok ? from + it * step : src, ok);
+  }
+}
+
+// The same for a float32 matrix, into a tile of row stride D + 4 floats:
+// its 16-bit view, rows of 2 D elements.
+template <int D, int N, int Threads = kFlashThreads>
+__device__ __forceinline__ void load_tile(const float* __restrict__ src, int row, int r0, int t, float* dst) {
+  load_tile<2 * D, N, Threads>(reinterpret_cast<const uint16_t*>(src), 2 * row, r0, t,
+                               reinterpret_cast<uint16_t*>(dst));
+}
+
+// This block's query block. Under a causal mask a query block's work grows
+// with its index (it reads the keys up to its last row), so the grid runs
+// them heaviest first: GPUs hand out blocks in the order of their index, and
+// the longest-first order leaves the shortest blocks for the end, where
+// they fill the SMs that finish early, instead of the longest blocks of the
+// last heads running alone (a tail of up to one whole block's time). The
+// backward's key blocks are heaviest first already (key block 0 meets
+// every query).
+__device__ __forceinline__ int64_t query_block(bool causal) { return causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x; }
+
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
 }  // namespace ember::attention_cuda
+
+namespace ember {
+
+// attention_tf32.cu's fused kernels for float32 (attention_flash.cu's
+// launchers run them): operands where their Rows say, head dim 32, 64 or
+// 128; lse float32 [n, tq]; dq a float32 [n, tq, d] sum (zeroed here), dk
+// and dv float32. The backward's block takes backward_smem(d) bytes of
+// shared memory.
+void attention_tf32_forward(const AttentionArgs& a, const float* q, const attention_cuda::Rows& rq, const float* k,
+                            const attention_cuda::Rows& rk, const float* v, const attention_cuda::Rows& rv, float* out,
+                            const attention_cuda::Rows& ro, float* lse, int device, cudaStream_t stream);
+void attention_tf32_backward(const AttentionArgs& a, const float* q, const attention_cuda::Rows& rq, const float* k,
+                             const attention_cuda::Rows& rk, const float* v, const attention_cuda::Rows& rv,
+                             const float* dout, const attention_cuda::Rows& rdo, const float* lse, const float* delta,
+                             float* dq, float* dk, const attention_cuda::Rows& rdk, float* dv,
+                             const attention_cuda::Rows& rdv, int device, cudaStream_t stream);
+size_t attention_tf32_backward_smem(int d);
+
+}  // namespace ember

@@ -33,6 +33,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "core/cuda_check.h"
@@ -59,62 +60,18 @@ using cuda::warp_mma;
 
 constexpr int kRows = 64;  // query rows of a backward tile and of a dQ-pass block
 constexpr int kKeys = 64;  // keys of a dQ-pass tile
-constexpr int kThreads = 128;
-constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kThreads = attention_cuda::kFlashThreads;
+using attention_cuda::kLog2e;
+using attention_cuda::load_tile;
+using attention_cuda::quad_max;
+using attention_cuda::quad_sum;
+using attention_cuda::query_block;
 
 std::atomic<bool> enabled{[] {
   const char* e = std::getenv("EMBER_FLASH_ATTENTION");
   return !(e && e[0] == '0');
 }()};
 std::atomic<int64_t> launches{0};
-
-// Rows [r0, r0 + N) of a [t, D] matrix whose rows lie `row` elements apart
-// into a shared tile of row stride D + 8 (the padding puts ldmatrix's eight
-// rows on distinct banks), zeros past row t, by cp.async from a block of
-// Threads threads: the caller commits and waits. Each thread copies one
-// 16-byte column of rows Threads / (D / 8) apart, so the loop unrolls into
-// copies at constant multiples of the row stride from one address (a loop
-// over threadIdx.x-dependent trip counts compiled to a branchy loop with
-// 64-bit index arithmetic per piece).
-template <int D, int N, int Threads = kThreads>
-__device__ __forceinline__ void load_tile(const uint16_t* __restrict__ src, int row, int r0, int t, uint16_t* dst) {
-  constexpr int kVec = D / 8, kStep = Threads / kVec;  // 16-byte pieces a row; rows a pass
-  static_assert(Threads % kVec == 0 && N % kStep == 0, "load_tile: whole passes of the block");
-  const int r = threadIdx.x / kVec, c = threadIdx.x % kVec * 8;
-  const int left = t - r0 < N ? t - r0 : N;  // rows in range
-  const uint16_t* from = src + (r0 + r) * row + c;
-  const int step = kStep * row;
-  dst += r * (D + 8) + c;
-  if (left == N) {  // the whole tile, as every tile but a matrix's last: no tests
-#pragma unroll
-    for (int it = 0; it < N / kStep; ++it) cuda::cp_async<16>(dst + it * kStep * (D + 8), from + it * step, true);
-    return;
-  }
-#pragma unroll
-  for (int it = 0; it < N / kStep; ++it) {
-    const bool ok = r + it * kStep < left;
-    cuda::cp_async<16>(dst + it * kStep * (D + 8), ok ? from + it * step : src, ok);
-  }
-}
-
-// This block's query block. Under a causal mask a query block's work grows
-// with its index (it reads the keys up to its last row), so the grid runs
-// them heaviest first: GPUs hand out blocks in the order of their index, and
-// the longest-first order leaves the shortest blocks for the end, where
-// they fill the SMs that finish early, instead of the longest blocks of the
-// last heads running alone (a tail of up to one whole block's time). The
-// backward's key blocks are heaviest first already (key block 0 meets
-// every query).
-__device__ __forceinline__ int64_t query_block(bool causal) { return causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x; }
-
-__device__ __forceinline__ float quad_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
 
 // grid (query blocks of 64 MT rows, heads); out [n, tq, D] in T, lse [n, tq]
 // (natural log of each row's sum of exp(scale q.k)). Each warp owns MT
@@ -587,21 +544,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Kernels needing more than 48 KiB of shared memory must opt in, per device,
-// to the most they are launched with (the backward's size depends on its
-// stages).
-template <auto Kernel>
-void allow_smem(size_t smem, int device) {
-  static std::atomic<size_t> allowed[64] = {};
-  std::atomic<size_t>& slot = allowed[device % 64];
-  if (smem <= 48 * 1024 || smem <= slot.load()) return;
-  static std::mutex mu;  // so that a smaller size set later never undoes a larger one
-  std::lock_guard<std::mutex> lock(mu);
-  if (smem <= slot.load()) return;
-  EMBER_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel),
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  slot.store(smem);
-}
+using attention_cuda::allow_smem;
 
 // Tile sizes: set_attention_cuda_flash_tiles, else EMBER_FLASH_KEYS and
 // EMBER_FLASH_BWD_KEYS (read once), else FlashAttention-2's (0 below).
@@ -706,6 +649,8 @@ struct Output {
 
 const uint16_t* bits(const Tensor& t) { return static_cast<const uint16_t*>(t.raw_data()); }
 uint16_t* bits(Tensor& t) { return static_cast<uint16_t*>(t.raw_data()); }
+const float* f32(const Tensor& t) { return static_cast<const float*>(t.raw_data()); }
+float* f32(Tensor& t) { return static_cast<float*>(t.raw_data()); }
 
 template <typename T, int D, int KEYS, bool Drop>
 void forward_keys(const AttentionArgs& a, const Operand& q, const Operand& k, const Operand& v, Operand& out,
@@ -737,7 +682,11 @@ void forward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Ten
     else
       forward_keys<T, D, KEYS, false>(a, qo, ko, vo, oo.o, lse);
   };
-  if constexpr (D <= 64) {
+  if constexpr (std::is_same_v<T, float>) {  // attention_tf32.cu's kernel
+    attention_tf32_forward(a, f32(qo.t), qo.r, f32(ko.t), ko.r, f32(vo.t), vo.r, f32(oo.o.t), oo.o.r, lse.data<float>(),
+                           q.device().index, cuda::stream_for(q));
+    launches.fetch_add(1);
+  } else if constexpr (D <= 64) {
     if (fwd_keys(D, drop) == 128)
       run.template operator()<128>();
     else
@@ -814,10 +763,34 @@ void backward_keys(const AttentionArgs& a, BackwardOperands& o, const Tensor& ls
   launches.fetch_add(2);
 }
 
+// Float32 where its fused backward does not run: under
+// deterministic_algorithms() (its dQ sums by atomics; the 16-bit kernels'
+// deterministic dQ pass has no float32 twin), or on a device without the
+// shared memory of its block (109 KiB at head dim 128: sm_86, sm_89 and
+// sm_120 have 99). The blocked kernels on [n, t, d] copies, as the op runs
+// them; they recompute P and need no lse.
+void blocked_f32_backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                          const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv, const Tensor* dlse) {
+  const auto rows = [&](const Tensor& x, int64_t t) { return x.detach().reshape({a.n, t, a.d}).contiguous(); };
+  Tensor gq = Tensor::empty({a.n, a.tq, a.d}, q.options()), gk = Tensor::empty({a.n, a.tk, a.d}, q.options()),
+         gv = Tensor::empty({a.n, a.tk, a.d}, q.options());
+  const Tensor dl = dlse ? dlse->reshape({a.n * a.tq}).contiguous() : Tensor();
+  attention_backward_cuda(a, rows(q, a.tq), rows(k, a.tk), rows(v, a.tk), rows(out, a.tq), rows(dout, a.tq), gq, gk, gv,
+                          dlse ? &dl : nullptr);
+  dq.copy_(gq.view(dq.sizes()));
+  dk.copy_(gk.view(dk.sizes()));
+  dv.copy_(gv.view(dv.sizes()));
+}
+
 template <typename T, int D>
 void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
               const Tensor& dout, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv, const Tensor* dlse) {
   cuda::DeviceGuard guard(q);
+  if constexpr (std::is_same_v<T, float>) {
+    if (deterministic_algorithms() ||
+        attention_tf32_backward_smem(D) > static_cast<size_t>(smem_optin(q.device().index)))
+      return blocked_f32_backward(a, q, k, v, out, dout, dq, dk, dv, dlse);
+  }
   EMBER_INTERNAL_ASSERT(dk.dtype() == dv.dtype() && (dk.dtype() == DType::Float32 || dk.dtype() == q.dtype()) &&
                             (dq.dtype() == DType::Float32 || dq.dtype() == q.dtype()),
                         "flash attention: gradients in float32 or ", q.dtype(), ", got dq ", dq.dtype(), ", dk ",
@@ -849,7 +822,12 @@ void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Te
   const size_t optin = static_cast<size_t>(smem_optin(q.device().index));
   const bool drop = a.dropout_p > 0, wide = bwd_keys() == 128 && backward_smem(D, 128, 1) <= optin;
   const int stages = bwd_stages(backward_smem(D, wide ? 128 : 64, 2) <= optin);
-  if (wide && drop)
+  if constexpr (std::is_same_v<T, float>) {  // attention_tf32.cu's kernel, dQ summed by atomics
+    attention_tf32_backward(a, f32(o.q.t), o.q.r, f32(o.k.t), o.k.r, f32(o.v.t), o.v.r, f32(o.dout.t), o.dout.r,
+                            lse.data<float>(), delta.data<float>(), o.dq.data<float>(), f32(o.dk.o.t), o.dk.o.r,
+                            f32(o.dv.o.t), o.dv.o.r, q.device().index, cuda::stream_for(q));
+    launches.fetch_add(1);
+  } else if (wide && drop)
     backward_keys<T, D, 128, true>(a, o, lse, delta, stages);
   else if (wide)
     backward_keys<T, D, 128, false>(a, o, lse, delta, stages);
@@ -861,7 +839,8 @@ void backward(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Te
   if (!dq_direct) dq.copy_(o.dq.view(dq.sizes()));
 }
 
-// Calls f.template operator()<T, D>() for the tensor's 16-bit type and head dim.
+// Calls f.template operator()<T, D>() for the tensor's type (16-bit, or float
+// for float32) and head dim.
 template <typename F>
 void dispatch(DType dt, int64_t d, F&& f) {
   const auto by_dim = [&](auto tag) {
@@ -879,6 +858,8 @@ void dispatch(DType dt, int64_t d, F&& f) {
   };
   if (dt == DType::BFloat16)
     by_dim(BFloat16{});
+  else if (dt == DType::Float32)
+    by_dim(float{});
   else
     by_dim(Half{});
 }
@@ -892,11 +873,13 @@ bool attention_flash_cuda_supports(const AttentionArgs& a, DType dt) {
   // a scale below float's smallest would make it 0 and the first rescale
   // exp2(-inf * 0), NaN.
   const float sl = static_cast<float>(a.scale) * flash::kLog2e;
-  return flash::enabled.load() && (dt == DType::BFloat16 || dt == DType::Float16) && a.d == a.dv && sl > 0 &&
-         std::isfinite(sl) && (a.d == 32 || a.d == 64 || a.d == 128) && a.n > 0 && a.n <= 65535 && a.tq > 0 &&
-         a.tk > 0 &&
+  // Float32's tile loads address its rows as 16-bit elements, twice as many.
+  const int64_t wide = dt == DType::Float32 ? 2 : 1;
+  return flash::enabled.load() && (dt == DType::BFloat16 || dt == DType::Float16 || dt == DType::Float32) &&
+         a.d == a.dv && sl > 0 && std::isfinite(sl) && (a.d == 32 || a.d == 64 || a.d == 128) && a.n > 0 &&
+         a.n <= 65535 && a.tq > 0 && a.tk > 0 &&
          // The kernels' 32-bit row offsets, a tile's rows past the end included.
-         (a.tq + 128) * a.d < (int64_t{1} << 31) && (a.tk + 128) * a.d < (int64_t{1} << 31);
+         (a.tq + 128) * a.d * wide < (int64_t{1} << 31) && (a.tk + 128) * a.d * wide < (int64_t{1} << 31);
 }
 
 void set_attention_cuda_flash(bool on) { flash::enabled.store(on); }

@@ -162,14 +162,15 @@ void attention_backward_cpu(const AttentionArgs& a, const Tensor& q, const Tenso
 void attention_backward_cuda(const AttentionArgs& a, const Tensor& q, const Tensor& k, const Tensor& v,
                              const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv,
                              const Tensor* dlse = nullptr);
-// The fused (flash) CUDA kernels for 16-bit q, k, v of one head dim (32,
-// 64 or 128, q's equal to v's): out in q's dtype and lse [n, tq] float32 (the
+// The fused (flash) CUDA kernels for 16-bit or float32 q, k, v of one head
+// dim (32, 64 or 128, q's equal to v's; float32 on TF32 tensor cores in
+// 3xTF32, float32's accuracy): out in q's dtype and lse [n, tq] float32 (the
 // log-sum-exp of each row's scaled scores); the backward takes them (out and
 // dout in q's dtype) and writes dq, dk, dv in float32 or in q's dtype (dk and
-// dv one of the two). Every tensor is [..., t, d] with the n heads its
-// leading dims in order, read and written where it lies when its rows are
-// dense and its strides 16-byte multiples (the heads of a packed [B, T, 3,
-// H, D] projection, of a [B, T, H, D] output, keys expanded over groups of
+// dv one of the two). Float32's backward runs the blocked kernels under
+// deterministic_algorithms() and where a block's shared memory does not fit. Every tensor is [..., t, d] with the n
+// heads its leading dims in order, read and written where it lies when its rows are dense and its strides 16-byte
+// multiples (the heads of a packed [B, T, 3, H, D] projection, of a [B, T, H, D] output, keys expanded over groups of
 // query heads), else through a contiguous copy. supports() is false without CUDA, for other
 // shapes and dtypes, for a scale that is not positive (the kernels take
 // the maximum of the unscaled scores), and after

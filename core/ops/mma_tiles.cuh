@@ -1,16 +1,100 @@
 // Warp-level tensor-core tiles for the 16-bit kernels (attention_flash.cu's
 // fused attention, grouped_matmul.cu's grouped GEMMs): mma.m16n8k16
 // fragments read from shared-memory tiles by ldmatrix in either
-// orientation, and one warp's product over a K range. Header-only, like
+// orientation, and one warp's product over a K range; and the TF32
+// tensor-core product (mma.m16n8k8) with float32's 3xTF32 split, which the
+// float32 fused attention runs (attention_tf32.cuh). Header-only, like
 // cuda_utils.cuh, whose mma_16816 and ldmatrix_x4 these compose (and whose
 // emulation they share).
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "core/ops/cuda_utils.cuh"
 
 namespace ember::cuda {
+
+// TF32 tensor cores, one warp: C[16x8] += A[16x8] B[8x8] on float32 bits
+// read as TF32 (the high 19: sign, exponent, 10 mantissa bits), float32
+// accumulation: PTX's mma.sync.m16n8k8.row.col.f32.tf32.tf32.f32. Lane
+// l = 4 g + t holds
+//   a[0] A(g, t)  a[1] A(g+8, t)  a[2] A(g, t+4)  a[3] A(g+8, t+4)
+//   b[0] B(t, g)  b[1] B(t+4, g)
+//   c as mma_16816's: c[0..1] C(g, 2t..2t+1)  c[2..3] C(g+8, 2t..2t+1).
+// Unlike m16n8k16's, an accumulator is not an A fragment as it lies: a
+// kernel that feeds one to the next product permutes that product's k
+// (column t of A and row t of B mean k = 2t, column t + 4 means 2t + 1).
+__device__ __forceinline__ void mma_1688_tf32(float c[4], const uint32_t a[4], const uint32_t b[2]) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#elif !defined(__CUDACC__)
+  const auto tf32 = [](uint32_t r) {
+    r &= ~0x1fffu;  // the bits the tensor core reads
+    float f;
+    std::memcpy(&f, &r, 4);
+    return f;
+  };
+  float A[16][8], B[8][8];
+  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  const unsigned char* all = ::emu::warp_gather(0xffffffffu, mine, sizeof mine, EMU_SITE);
+  for (int src = 0; src < kWarpSize; ++src) {
+    uint32_t frag[6];
+    std::memcpy(frag, all + src * ::emu::kGatherBytes, sizeof frag);
+    const int g = src / 4, t = src % 4;
+    for (int r = 0; r < 4; ++r) A[g + 8 * (r % 2)][t + 4 * (r / 2)] = tf32(frag[r]);
+    for (int r = 0; r < 2; ++r) B[t + 4 * r][g] = tf32(frag[4 + r]);
+  }
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
+    float acc = c[e];
+    for (int kk = 0; kk < 8; ++kk) acc += A[row][kk] * B[kk][col];
+    c[e] = acc;
+  }
+#endif
+}
+// x rounded to TF32, nearest with ties away from zero (cvt.rna.tf32.f32):
+// float32 bits whose low 13 are zero.
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+#if defined(__CUDA_ARCH__)
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+#else
+  std::memcpy(&r, &x, 4);
+  if ((r & 0x7f800000u) != 0x7f800000u) r = (r + 0x1000u) & ~0x1fffu;  // inf and NaN as they are
+#endif
+  return r;
+}
+// 3xTF32: x as big + small, both TF32 (big holds x's 11 high significant
+// bits, small the next 11 or so), so that a product's three partial products
+// big big + big small + small big (the fourth is below float32's rounding)
+// give float32's accuracy on TF32 tensor cores, at a third of their rate:
+// CUTLASS's OpMultiplyAddFastF32, which PyTorch's efficient attention runs
+// for float32.
+struct Tf32x2 {
+  uint32_t big, small;
+};
+__device__ __forceinline__ Tf32x2 split_tf32(float x) {
+  const uint32_t big = to_tf32(x);
+#if defined(__CUDA_ARCH__)
+  const float b = __uint_as_float(big);
+#else
+  float b;
+  std::memcpy(&b, &big, 4);
+#endif
+  return {big, to_tf32(x - b)};
+}
+// c += A B in 3xTF32 from split fragments, the small partial products first.
+__device__ __forceinline__ void mma_1688_3xtf32(float c[4], const uint32_t a_big[4], const uint32_t a_small[4],
+                                                const uint32_t b_big[2], const uint32_t b_small[2]) {
+  mma_1688_tf32(c, a_small, b_big);
+  mma_1688_tf32(c, a_big, b_small);
+  mma_1688_tf32(c, a_big, b_big);
+}
 
 // Fragments from shared tiles by ldmatrix (the layouts of mma_16816).
 // A (16 x 16) at rows m0.., columns k0.. of a row-major tile.
