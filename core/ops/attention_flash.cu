@@ -611,8 +611,10 @@ std::optional<Operand> addressed(const Tensor& x, Heads heads, bool write) {
   o.r.s0 = stride(0), o.r.s1 = stride(1), o.r.s2 = stride(2);
   o.r.h1 = static_cast<int>(h1), o.r.h2 = static_cast<int>(h2);
   const int64_t row = t == 1 ? d : o.t.stride(3);
+  // Tile loads address rows in 16-bit elements: float32's count twice.
+  const int64_t units = x.element_size() / 2;
   bool ok = o.t.stride(4) == 1 && row % 8 == 0 && o.r.s0 % 8 == 0 && o.r.s1 % 8 == 0 && o.r.s2 % 8 == 0 && row >= 0 &&
-            o.r.s0 >= 0 && o.r.s1 >= 0 && o.r.s2 >= 0 && (t + 128) * row < (int64_t{1} << 31) &&
+            o.r.s0 >= 0 && o.r.s1 >= 0 && o.r.s2 >= 0 && (t + 128) * row * units < (int64_t{1} << 31) &&
             reinterpret_cast<uintptr_t>(o.t.raw_data()) % 16 == 0;
   if (write)
     ok = ok && o.t.raw_data() == x.raw_data() && row >= d && (t == 1 || row > 0) && (h1 == 1 || o.r.s1 > 0) &&

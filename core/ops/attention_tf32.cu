@@ -9,7 +9,8 @@
 // Tiles lie in shared memory as float32, rows D + 4 apart, and fragments
 // come by 32-bit loads (ldmatrix moves 16-bit elements): with that padding
 // a warp's A and B reads (rows g, columns t) and the reads of a permuted B
-// (rows 2t and 2t + 1, columns g) fall on 32 distinct banks. The
+// (rows 2t and 2t + 1, columns g) fall on 32 distinct banks; dQ's reads of
+// k (rows t, columns g) and the dS stores meet two to a bank. The
 // accumulator of m16n8k8 is not its A fragment as it lies, so the products
 // whose A is one (P V, dV, dK) take their k in the order 2t, 2t + 1 of
 // each 8 (frag_b_pairs), as do their B rows.
@@ -121,8 +122,9 @@ __device__ __forceinline__ void mma(float c[4], const FragA& a, const FragB& b) 
   mma_1688_3xtf32(c, a.big, a.small, b.big, b.small);
 }
 
-// Forward keys a tile: 64 up to head dim 64, 32 at 128 (qs, ks, vs: 67.6
-// KiB, where 64 keys would take 101 and not launch on a 99 KiB device).
+// Forward keys a tile: 64 up to head dim 64, 32 at 128 (qs, ks, vs: 66
+// KiB; 64 keys would take all 99 KiB of an sm_86, sm_89 or sm_120 block,
+// and 8 n-tiles of scores more registers).
 template <int D>
 constexpr int forward_keys() {
   return D <= 64 ? 64 : 32;

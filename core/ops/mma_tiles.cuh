@@ -3,7 +3,7 @@
 // fragments read from shared-memory tiles by ldmatrix in either
 // orientation, and one warp's product over a K range; and the TF32
 // tensor-core product (mma.m16n8k8) with float32's 3xTF32 split, which the
-// float32 fused attention runs (attention_tf32.cuh). Header-only, like
+// float32 fused attention runs (attention_tf32.cu). Header-only, like
 // cuda_utils.cuh, whose mma_16816 and ldmatrix_x4 these compose (and whose
 // emulation they share).
 #pragma once
