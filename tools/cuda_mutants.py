@@ -15,6 +15,9 @@ the hand-written cases).
 (as CI's third step does); mutants marked ASAN (an out-of-bounds access that
 leaves the values right) are only run then.
 The file under test is restored after every mutant, also on Ctrl-C.
+--check builds nothing: it checks that every mutant's original text occurs
+once in its file (tools/lint.sh runs it, so a mutant whose code changed is
+named when it changes, not when someone next runs the mutants).
 """
 import argparse
 import subprocess
@@ -163,7 +166,7 @@ MUTANTS = [
      "set_attr(call.desc, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_N);"),
     ("float8_plan_stale_scales", "a cached cuBLASLt plan keeps its first call's scale pointers",
      "core/ops/float8.cu",
-     "  set_attr(plan.call.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scale_b.raw_data());\n",
+     "  cuda::set_attr(plan.call.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scale_b.raw_data());\n",
      ""),
     ("bias_gelu_bias_column", "wrong index", "core/ops/bias_gelu.cu",
      "    const int64_t c0 = (v * VEC) % cols;\n    const VecN<T, VEC> xv = reinterpret_cast<const VecN<T, VEC>*>(x)[v];\n    const VecN<T, VEC> bv",
@@ -215,8 +218,8 @@ MUTANTS = [
      "    cuda::cp_async_wait_all();\n"),
     ("tf32_fwd_causal_diag", "off by one (the causal mask lets each row see the next key)",
      "core/ops/attention_tf32.cu",
-     "          if (jl >= keys_left || jl > il + diag) s[nt][e] = -INFINITY;",
-     "          if (jl >= keys_left || jl > il + diag + 1) s[nt][e] = -INFINITY;"),
+     "      mask_scores(s, keys_left, diag, 0, g, t);",
+     "      mask_scores(s, keys_left, diag + 1, 0, g, t);"),
     ("flash_dq_next_stage_same", "wrong buffer (two stages: the next key tile loaded over the one being worked on)",
      "core/ops/attention_flash.cu",
      "      stage(j0 + kKeys, st ^ 1);",
@@ -234,8 +237,8 @@ MUTANTS = [
      "    if (two && i0 + kRows < a.tq) stage(i0 + kRows, st);"),
     ("flash_bwd_stage_not_alternating", "wrong buffer (two stages: every tile read from the first)",
      "core/ops/attention_flash.cu",
-     "    const int st = two ? static_cast<int>(it & 1) : 0;",
-     "    const int st = 0 * it;"),
+     "    const int st = two ? static_cast<int>(it & 1) : 0;\n    const uint16_t* qs = q0 + st * QS;",
+     "    const int st = 0 * it;\n    const uint16_t* qs = q0 + st * QS;"),
     ("flash_bwd_row_lse", "wrong row's statistics", "core/ops/attention_flash.cu",
      "lr[mt][h] = ls[sq + mt * 16 + g + 8 * h] * kLog2e, dr[mt][h] = dl[sq + mt * 16 + g + 8 * h];",
      "lr[mt][h] = ls[sq + mt * 16 + g] * kLog2e, dr[mt][h] = dl[sq + mt * 16 + g + 8 * h];"),
@@ -252,16 +255,28 @@ MUTANTS = [
     ("flash_bwd_tile_causal_mask", "mask dropped (the diagonal tiles taken as whole)", "core/ops/attention_flash.cu",
      "(a.causal && j0 + KEYS - 1 > i0)) {",
      "(a.causal && j0 > i0)) {"),
-    ("flash_fwd_causal_edge", "off-by-one mask", "core/ops/attention_flash.cu",
-     "if (jl >= keys_left || jl > il + diag) s[mt][nt][e] = -INFINITY;",
-     "if (jl >= keys_left || jl > il + diag + 1) s[mt][nt][e] = -INFINITY;"),
-    ("flash_fwd_keys_left", "off-by-one bound", "core/ops/attention_flash.cu",
-     "if (jl >= keys_left || jl > il + diag) s[mt][nt][e] = -INFINITY;",
-     "if (jl > keys_left || jl > il + diag) s[mt][nt][e] = -INFINITY;"),
+    ("flash_fwd_causal_edge", "off-by-one mask (both forwards' mask_scores)", "core/ops/attention.cuh",
+     "if (jl >= keys_left || jl > il + diag) s[nt][e] = -INFINITY;",
+     "if (jl >= keys_left || jl > il + diag + 1) s[nt][e] = -INFINITY;"),
+    ("flash_fwd_keys_left", "off-by-one bound (both forwards' mask_scores)", "core/ops/attention.cuh",
+     "if (jl >= keys_left || jl > il + diag) s[nt][e] = -INFINITY;",
+     "if (jl > keys_left || jl > il + diag) s[nt][e] = -INFINITY;"),
+    ("flash_fwd_row_tile_mask", "wrong index (a warp's second row tile masked as its first)",
+     "core/ops/attention_flash.cu",
+     "mask_scores(s[mt], keys_left, diag, 16 * mt, g, t);",
+     "mask_scores(s[mt], keys_left, diag, 0 * mt, g, t);"),
+    ("flash_fwd_softmax_rescale", "dropped rescale (the output kept at an old maximum's scale)",
+     "core/ops/attention.cuh",
+     "for (int nt = 0; nt < DT; ++nt) o[nt][2 * h] *= alpha, o[nt][2 * h + 1] *= alpha;",
+     "for (int nt = 0; nt < DT; ++nt) o[nt][2 * h] *= 1.f, o[nt][2 * h + 1] *= 1.f;"),
+    ("flash_fwd_row_tile_lse", "wrong row (a warp's second row tile's statistics at its first's rows)",
+     "core/ops/attention_flash.cu",
+     "finish_rows(m[mt], l[mt], sl, a, b, tq, wrow + 16 * mt, g, t, lse,",
+     "finish_rows(m[mt], l[mt], sl, a, b, tq, wrow + 0 * mt, g, t, lse,"),
     ("flash_bwd_causal_edge", "off-by-one mask", "core/ops/attention_flash.cu",
      "if (!(kr < keys_left && c < rows_left && kr - c <= diag)) s[mt][nt][e] = 0.f;",
      "if (!(kr < keys_left && c < rows_left && kr - c < diag)) s[mt][nt][e] = 0.f;"),
-    ("flash_tile_row_stride", "wrong stride (rows taken as dense)", "core/ops/attention_flash.cu",
+    ("flash_tile_row_stride", "wrong stride (rows taken as dense)", "core/ops/attention.cuh",
      "  const uint16_t* from = src + (r0 + r) * row + c;",
      "  const uint16_t* from = src + (r0 + r) * D + c;"),
     ("flash_head_group_stride", "wrong stride (the expanded keys' groups)", "core/ops/attention.cuh",
@@ -296,7 +311,16 @@ def main():
     ap.add_argument("--only", help="run only the mutants of these names (comma-separated)")
     ap.add_argument("--tests", help="run only these test targets (comma-separated)")
     ap.add_argument("--asan", action="store_true", help="run the tests under ASan, without memory caching")
+    ap.add_argument("--check", action="store_true",
+                    help="only check that every mutant's original text occurs once in its file (no builds)")
     args = ap.parse_args()
+    if args.check:
+        stale = [f"{name}: {path} holds its original text {open(path).read().count(old)} times"
+                 for name, _, path, old, _ in MUTANTS if open(path).read().count(old) != 1]
+        if stale:
+            sys.exit("cuda_mutants: mutants whose code changed (update them):\n  " + "\n  ".join(stale))
+        print(f"cuda_mutants: all {len(MUTANTS)} mutants apply")
+        return
     flags = ASAN_FLAGS if args.asan else []
     if args.tests:
         TESTS[:] = args.tests.split(",")

@@ -7,6 +7,8 @@
 #     1,000 lines; split a file by concern before it gets there.
 #   * GPU tests: every test whose sources ask cuda_is_available() is one
 #     that tools/gpu_check.sh runs on a GPU (tools/gpu_tests.py --check).
+#   * mutants: every mutant of tools/cuda_mutants.py still applies (its
+#     original text once in its file; cuda_mutants.py --check).
 # Exit 1 naming what failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,4 +41,5 @@ else
   echo "lint: every source file within 1,000 lines"
 fi
 python3 tools/gpu_tests.py --check || rc=1
+python3 tools/cuda_mutants.py --check || rc=1
 exit "$rc"

@@ -13,7 +13,10 @@ for no tensor-core work; the loop's static size (both copies of a branch)
 does not say that. For a loop with exponentials (MUFU) it also counts
 those issued among tensor-core instructions (one within four instructions
 on either side, no barrier between): an attention kernel whose softmax runs
-in a stretch of its own leaves the tensor pipe idle for it.
+in a stretch of its own leaves the tensor pipe idle for it. Where the
+listing carries each instruction's control bits (cuobjdump prints them), it
+models one warp issuing the iteration alone: stall counts and scoreboard
+waits, with assumed latencies (issue_model).
 
     nvcc ... -cubin -o attention.cubin core/ops/attention_flash.cu
     tools/sass_paths.py attention.cubin 'flash_forward_kernel<ember::BFloat16, 128,'
@@ -58,18 +61,70 @@ def demangle(names):
 
 
 def functions(cuobjdump, cubin):
-    """{mangled name: [(address, instruction text)]} of every kernel in the cubin."""
+    """({mangled name: [(address, instruction text)]}, {mangled name: [control
+    bits or None]}) of every kernel in the cubin: the control bits are the
+    instruction's second 64-bit word, which cuobjdump prints on the next line."""
     text = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    funcs, cur = {}, None
+    funcs, ctls, cur, cur_ctl = {}, {}, None, None
     for line in text.splitlines():
         m = re.match(r"\s*Function : (\S+)", line)
         if m:
             cur = funcs.setdefault(m.group(1), [])
+            cur_ctl = ctls.setdefault(m.group(1), [])
             continue
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
         if m and cur is not None:
             cur.append((int(m.group(1), 16), m.group(2)))
-    return funcs
+            cur_ctl.append(None)
+            continue
+        m = re.match(r"\s*/\* (0x[0-9a-f]{16}) \*/\s*$", line)
+        if m and cur_ctl:
+            cur_ctl[-1] = int(m.group(1), 16)
+    return funcs, ctls
+
+
+# Control bits (Volta and later: bits 105-125 of an instruction, 41-61 of
+# its second word): cycles to stall before the warp's next instruction, the
+# scoreboard this one's result sets (variable-latency instructions), the one
+# its operands' reads release, and the scoreboards it waits on.
+def control(word):
+    c = word >> 41
+    return {"stall": c & 0xF, "write": (c >> 5) & 7, "read": (c >> 8) & 7, "wait": (c >> 11) & 0x3F}
+
+
+# Assumed latencies (cycles) of the instructions that set a scoreboard, from
+# published Hopper microbenchmarks; read scoreboards free after READ_RELEASE.
+LATENCY = {"LDSM": 33, "LDS": 30, "LDL": 40, "LDG": 500, "LDGSTS": 20, "MUFU": 20, "SHFL": 25, "S2R": 25,
+           "LDC": 20, "HMMA": 34, "REDG": 20, "ATOMS": 30}
+READ_RELEASE = 4
+
+
+def issue_model(ins, ctl, path, rounds=3):
+    """One warp issuing the path alone, again and again: an instruction
+    issues when the warp's last one's stall count has passed and every
+    scoreboard it waits on is ready. Returns (cycles of the last round,
+    the path's sum of stall counts, cycles spent waiting on scoreboards in
+    it), or None where the listing has no control bits. No other warp, no
+    pipe's throughput: a measure of the order in which a kernel's
+    instructions meet their operands, not of its speed."""
+    if any(ctl[i] is None for i in path):
+        return None
+    ready = [0] * 6
+    t, cycles, waited = 0, 0, 0
+    for _ in range(rounds):
+        start, waited = t, 0
+        for i in path:
+            c = control(ctl[i])
+            due = max([ready[b] for b in range(6) if c["wait"] >> b & 1] + [t])
+            waited += due - t
+            t = due
+            if c["write"] != 7:
+                ready[c["write"]] = t + LATENCY.get(decode(ins[i][1])[0], 6)
+            if c["read"] != 7:
+                ready[c["read"]] = max(ready[c["read"]], t + READ_RELEASE)
+            t += max(c["stall"], 1)
+        cycles = t - start
+    return cycles, sum(max(control(ctl[i])["stall"], 1) for i in path), waited
 
 
 def decode(txt):
@@ -178,7 +233,7 @@ def _tensor_near(ins, path, k, step, reach=4):
     return False
 
 
-def report(name, ins):
+def report(name, ins, ctl=None):
     index = {a: i for i, (a, _) in enumerate(ins)}
     loops = []
     for i, (a, txt) in enumerate(ins):
@@ -205,6 +260,10 @@ def report(name, ins):
         print(f"  loop {ins[lo][0]:#06x}-{ins[hi][0]:#06x} ({hi - lo + 1} instructions): full-tile iteration "
               f"{len(path)} instructions, {h['tensor']} tensor-core, {len(path) / t:.2f} a tensor-core instruction{note}")
         print(f"    {detail}")
+        model = issue_model(ins, ctl, path) if ctl else None
+        if model:
+            print(f"    one warp alone: {model[0]} cycles an iteration (stall counts {model[1]}, "
+                  f"scoreboard waits {model[2]})")
         mufu = [k for k, i in enumerate(path) if decode(ins[i][1])[0] == "MUFU"]
         if mufu and h["tensor"]:
             beside = sum(1 for k in mufu if _tensor_near(ins, path, k, -1) and _tensor_near(ins, path, k, 1))
@@ -219,13 +278,13 @@ def main():
     args = p.parse_args()
     if not args.cuobjdump or not os.path.exists(args.cuobjdump):
         sys.exit("sass_paths: no cuobjdump (--cuobjdump PATH or $CUOBJDUMP): it comes with the full CUDA toolkit")
-    funcs = functions(args.cuobjdump, args.cubin)
+    funcs, ctls = functions(args.cuobjdump, args.cubin)
     names = list(funcs)
     found = 0
     for mangled, pretty in zip(names, demangle(names)):
         if re.search(args.pattern, pretty):
             found += 1
-            report(pretty, funcs[mangled])
+            report(pretty, funcs[mangled], ctls[mangled])
     if not found:
         sys.exit(f"sass_paths: no kernel of {args.cubin} matches {args.pattern!r} ({len(names)} kernels)")
 

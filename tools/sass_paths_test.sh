@@ -36,6 +36,17 @@ cat >"$tmp/listing" <<'SASS'
         /*0060*/                   HMMA.16816.F32.BF16 R10, R4, R6, R10 ;
         /*0070*/              @P2 BRA 0x0 ;
         /*0080*/                   EXIT ;
+		Function : _Z5timedPf
+        /*0000*/                   LDSM.16.M88.4 R4, [R2] ;                 /* 0x000000000204783b */
+                                                                            /* 0x000e020000000000 */
+        /*0010*/                   FADD R9, R9, R9 ;                        /* 0x0000000909097221 */
+                                                                            /* 0x000fc40000000000 */
+        /*0020*/                   HMMA.16816.F32.BF16 R8, R4, R6, R8 ;     /* 0x000000060408723c */
+                                                                            /* 0x001fc20000000000 */
+        /*0030*/              @P2 BRA 0x0 ;                                 /* 0xfffffffc00002947 */
+                                                                            /* 0x000fca0000000000 */
+        /*0040*/                   EXIT ;                                   /* 0x000000000000794d */
+                                                                            /* 0x000fca0000000000 */
 SASS
 printf '#!/bin/bash\ncat %q\n' "$tmp/listing" >"$tmp/cuobjdump"
 chmod +x "$tmp/cuobjdump"
@@ -50,6 +61,16 @@ grep -q "    mufu beside tensor-core instructions: 1 of 1$" <<<"$out" || { echo 
 out=$(python3 "$tool" --cuobjdump "$tmp/cuobjdump" fake.cubin '^soft')
 grep -q "    mufu beside tensor-core instructions: 1 of 2$" <<<"$out" || { echo "$out"; exit 1; }
 if grep -q "other" <<<"$out"; then echo "$out"; exit 1; fi
+# No control bits in kernel()'s listing: no issue model.
+out=$(python3 "$tool" --cuobjdump "$tmp/cuobjdump" fake.cubin '^kernel')
+if grep -q "one warp alone" <<<"$out"; then echo "$out"; exit 1; fi
+# timed(): the LDSM (stall 1, sets scoreboard 0), the FADD (stall 2), the
+# HMMA waiting on scoreboard 0 (it issues 33 cycles after the LDSM, having
+# waited 30 of them), the branch (stall 5): 33 + 1 + 5 = 39 cycles a round;
+# the stall counts alone sum to 9.
+out=$(python3 "$tool" --cuobjdump "$tmp/cuobjdump" fake.cubin '^timed')
+grep -q "    one warp alone: 39 cycles an iteration (stall counts 9, scoreboard waits 30)$" <<<"$out" ||
+  { echo "$out"; exit 1; }
 if out=$(python3 "$tool" --cuobjdump "$tmp/cuobjdump" fake.cubin 'nothing' 2>&1); then echo "accepted a pattern matching nothing"; exit 1; fi
-grep -q "no kernel of fake.cubin matches 'nothing' (3 kernels)" <<<"$out" || { echo "$out"; exit 1; }
+grep -q "no kernel of fake.cubin matches 'nothing' (4 kernels)" <<<"$out" || { echo "$out"; exit 1; }
 echo "sass_paths: ok"

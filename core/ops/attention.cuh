@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -154,6 +155,89 @@ __device__ __forceinline__ float quad_max(float v) {
 __device__ __forceinline__ float quad_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// The forwards' softmax over one warp's 16-row tile, shared by the 16-bit
+// and the float32 kernels. Scores lie in the accumulators' layout: lane
+// (g, t)'s element e of n-tile nt is key nt 8 + 2t + e % 2 of row
+// g + 8 (e / 2).
+//
+// Scores of keys past the tile's end (key >= keys_left) or, causal, after
+// their row (key > row + diag, rows counted from the warp's first, this
+// tile's from r0) set to -inf, in the tile's 32-bit coordinates: only tiles on the diagonal or at the last key call
+// this (a branch a tile; the test predicated into every score of every tile cost 270 of the 1,470 instructions of a d
+// 128 tile).
+template <int NT>
+__device__ __forceinline__ void mask_scores(float (&s)[NT][4], int keys_left, int diag, int r0, int g, int t) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int jl = nt * 8 + 2 * t + e % 2, il = r0 + g + 8 * (e / 2);
+      if (jl >= keys_left || jl > il + diag) s[nt][e] = -INFINITY;
+    }
+}
+// One key tile's step of the online softmax (FlashAttention-2's): s the
+// tile's unscaled scores, m each row's running maximum (unscaled; the
+// scale is positive), l the lane's share of each row's sum, o the output's
+// accumulators, rescaled when the maximum moves. Probabilities are
+// exp2(s sl - m sl), sl the scale in log2 units (one FFMA and one MUFU a
+// score); emit(nt, p) takes each n-tile's four as soon as they are known
+// (the 16-bit kernel packs them, half the registers of the float scores),
+// dropped and scaled with dropout (the CPU's Philox mask; rows from i0,
+// keys from j0; l sums them before the drop).
+template <bool Drop, int NT, int DT, typename Emit>
+__device__ __forceinline__ void online_softmax(const float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&o)[DT][4],
+                                               float sl, const AttentionArgs& a, int64_t b, int i0, int j0,
+                                               float keep_scale, int g, int t, Emit&& emit) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
+  float base[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float mn = fmaxf(m[h], quad_max(mx[h]));
+    base[h] = mn == -INFINITY ? 0.f : mn * sl;  // a row with no key yet: exp2(-inf) = 0, not NaN
+    const float alpha = cuda::exp2_ftz(m[h] * sl - base[h]);
+    m[h] = mn;
+    l[h] *= alpha;
+#pragma unroll
+    for (int nt = 0; nt < DT; ++nt) o[nt][2 * h] *= alpha, o[nt][2 * h + 1] *= alpha;
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    float pe[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float p = cuda::exp2_ftz(fmaf(s[nt][e], sl, -base[e / 2]));
+      l[e / 2] += p;  // the lane's share; the quad adds up at the end
+      pe[e] = p;
+      if constexpr (Drop) {
+        const int j = j0 + nt * 8 + 2 * t + e % 2, i = i0 + g + 8 * (e / 2);
+        pe[e] = i < static_cast<int>(a.tq) && j < static_cast<int>(a.tk) && kept(a, b, i, j) ? p * keep_scale : 0.f;
+      }
+    }
+    emit(nt, pe);
+  }
+}
+// The tile's rows once every key is in: store(h, i, inv) writes row i (g +
+// 8 h of the tile, rows from i0, those before tq) scaled by inv, 1 / its
+// sum, and the quad's first lane writes the row's log-sum-exp (natural log)
+// to lse [n, tq] for the backward.
+template <typename Store>
+__device__ __forceinline__ void finish_rows(const float (&m)[2], const float (&l)[2], float sl, const AttentionArgs& a,
+                                            int64_t b, int tq, int i0, int g, int t, float* __restrict__ lse,
+                                            Store&& store) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float lsum = quad_sum(l[h]);
+    const int64_t i = i0 + g + 8 * h;
+    if (i >= tq) continue;  // tq as the kernel keeps it (a.tq, reloaded after the loop, spilled more at d 128)
+    store(h, i, 1.f / lsum);
+    if (t == 0) lse[b * a.tq + i] = (m[h] * sl + log2f(lsum)) / kLog2e;
+  }
 }
 
 }  // namespace ember::attention_cuda

@@ -61,10 +61,11 @@ using cuda::warp_mma;
 constexpr int kRows = 64;  // query rows of a backward tile and of a dQ-pass block
 constexpr int kKeys = 64;  // keys of a dQ-pass tile
 constexpr int kThreads = attention_cuda::kFlashThreads;
+using attention_cuda::finish_rows;
 using attention_cuda::kLog2e;
 using attention_cuda::load_tile;
-using attention_cuda::quad_max;
-using attention_cuda::quad_sum;
+using attention_cuda::mask_scores;
+using attention_cuda::online_softmax;
 using attention_cuda::query_block;
 
 std::atomic<bool> enabled{[] {
@@ -153,60 +154,22 @@ __global__ void __launch_bounds__(kThreads)
     uint32_t pk[MT][NT][2];
     if (active) {
       // Only tiles on the diagonal or at the last key need the mask, and
-      // they alone run its tests: a branch a tile (FlashAttention keeps
-      // them in a loop of their own), not a test predicated into every
-      // score of every tile, which cost 270 of the 1,470 instructions of a
-      // d 128 tile. Key jl of the tile is past the end from keys_left on,
-      // and after row il of the warp (causal) when jl > il + diag: in the
-      // tile's 32-bit coordinates, fewer registers.
+      // they alone run its tests (FlashAttention keeps them in a loop of
+      // their own). Key jl of the tile is past the end from keys_left on,
+      // and after row il of the warp (causal) when jl > il + diag.
       if (j0 + KEYS > tk || (a.causal && j0 + KEYS - 1 > wrow)) {
         const int keys_left = tk - j0 < KEYS ? tk - j0 : KEYS;
         const int diag = a.causal ? (wrow - j0 < KEYS ? wrow - j0 : KEYS) : KEYS;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int jl = nt * 8 + 2 * t + e % 2, il = mt * 16 + g + 8 * (e / 2);
-              if (jl >= keys_left || jl > il + diag) s[mt][nt][e] = -INFINITY;
-            }
+        for (int mt = 0; mt < MT; ++mt) mask_scores(s[mt], keys_left, diag, 16 * mt, g, t);
       }
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[mt][nt][e]);
-        float base[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float mn = fmaxf(m[mt][h], quad_max(mx[h]));
-          base[h] = mn == -INFINITY ? 0.f : mn * sl;  // a row with no key yet: exp2(-inf) = 0, not NaN
-          const float alpha = cuda::exp2_ftz(m[mt][h] * sl - base[h]);
-          m[mt][h] = mn;
-          l[mt][h] *= alpha;
-#pragma unroll
-          for (int nt = 0; nt < DT; ++nt) o[mt][nt][2 * h] *= alpha, o[mt][nt][2 * h + 1] *= alpha;
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          float pe[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float p = cuda::exp2_ftz(fmaf(s[mt][nt][e], sl, -base[e / 2]));
-            l[mt][e / 2] += p;  // the lane's share; the quad adds up at the end
-            pe[e] = p;
-            if constexpr (Drop) {
-              const int j = j0 + nt * 8 + 2 * t + e % 2, i = wrow + mt * 16 + g + 8 * (e / 2);
-              pe[e] = i < tq && j < tk && kept(a, b, i, j) ? p * keep_scale : 0.f;
-            }
-          }
-          pk[mt][nt][0] = cuda::pack16<T>(pe[0], pe[1]);
-          pk[mt][nt][1] = cuda::pack16<T>(pe[2], pe[3]);
-        }
-      }
+      for (int mt = 0; mt < MT; ++mt)
+        online_softmax<Drop>(s[mt], m[mt], l[mt], o[mt], sl, a, b, wrow + 16 * mt, j0, keep_scale, g, t,
+                             [&](int nt, const float(&pe)[4]) {
+                               pk[mt][nt][0] = cuda::pack16<T>(pe[0], pe[1]);
+                               pk[mt][nt][1] = cuda::pack16<T>(pe[2], pe[3]);
+                             });
     }
     if constexpr (Drop) next_tile();
     if (active)
@@ -220,19 +183,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float lsum = quad_sum(l[mt][h]);
-      const int64_t i = wrow + mt * 16 + g + 8 * h;
-      if (i >= tq) continue;
-      const float inv = 1.f / lsum;
+    finish_rows(m[mt], l[mt], sl, a, b, tq, wrow + 16 * mt, g, t, lse, [&](int h, int64_t i, float inv) {
       uint16_t* orow = out + ro.at(hb) + i * ro.row;
 #pragma unroll
       for (int nt = 0; nt < DT; ++nt)
         *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * t) =
             cuda::pack16<T>(o[mt][nt][2 * h] * inv, o[mt][nt][2 * h + 1] * inv);
-      if (t == 0) lse[b * a.tq + i] = (m[mt][h] * sl + log2f(lsum)) / kLog2e;
-    }
+    });
 }
 
 // grid (key blocks of KEYS, heads), W = KEYS / 16 warps. dk, dv [n, tk, D]

@@ -36,12 +36,13 @@ namespace ember {
 namespace {
 namespace tf32 {
 
+using attention_cuda::finish_rows;
 using attention_cuda::HeadIndex;
 using attention_cuda::kept;
 using attention_cuda::kLog2e;
 using attention_cuda::load_tile;
-using attention_cuda::quad_max;
-using attention_cuda::quad_sum;
+using attention_cuda::mask_scores;
+using attention_cuda::online_softmax;
 using attention_cuda::query_block;
 using attention_cuda::Rows;
 using cuda::mma_1688_3xtf32;
@@ -187,43 +188,14 @@ __global__ void __launch_bounds__(kThreads)
     if (j0 + KEYS > tk || (a.causal && j0 + KEYS - 1 > wrow)) {
       const int keys_left = tk - j0 < KEYS ? tk - j0 : KEYS;
       const int diag = a.causal ? (wrow - j0 < KEYS ? wrow - j0 : KEYS) : KEYS;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int jl = nt * 8 + 2 * t + e % 2, il = g + 8 * (e / 2);
-          if (jl >= keys_left || jl > il + diag) s[nt][e] = -INFINITY;
-        }
+      mask_scores(s, keys_left, diag, 0, g, t);
     }
-    float mx[2] = {-INFINITY, -INFINITY};
+    // The probabilities in place of the scores (P V's A comes from them).
+    online_softmax<Drop>(s, m, l, o, sl, a, b, wrow, j0, keep_scale, g, t, [&](int nt, const float(&p)[4]) {
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
-    float base[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float mn = fmaxf(m[h], quad_max(mx[h]));
-      base[h] = mn == -INFINITY ? 0.f : mn * sl;  // a row with no key yet: exp2(-inf) = 0, not NaN
-      const float alpha = cuda::exp2_ftz(m[h] * sl - base[h]);
-      m[h] = mn;
-      l[h] *= alpha;
-#pragma unroll
-      for (int nt = 0; nt < DT; ++nt) o[nt][2 * h] *= alpha, o[nt][2 * h + 1] *= alpha;
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = cuda::exp2_ftz(fmaf(s[nt][e], sl, -base[e / 2]));
-        l[e / 2] += p;
-        s[nt][e] = p;
-        if constexpr (Drop) {
-          const int j = j0 + nt * 8 + 2 * t + e % 2, i = wrow + g + 8 * (e / 2);
-          s[nt][e] = i < tq && j < tk && kept(a, b, i, j) ? p * keep_scale : 0.f;
-        }
-      }
-      // O += P V: P's key tile kk (8 keys) as A, v's rows in the same order.
+      for (int e = 0; e < 4; ++e) s[nt][e] = p[e];
+    });
+    // O += P V: P's key tile kk (8 keys) as A, v's rows in the same order.
 #pragma unroll
     for (int kk = 0; kk < NT; ++kk) {
       const FragA fa = frag_a_acc(s[kk]);
@@ -232,18 +204,12 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   cuda::cp_async_wait_all();  // a warp past the last row waited for no copy
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float lsum = quad_sum(l[h]);
-    const int64_t i = wrow + g + 8 * h;
-    if (i >= tq) continue;
-    const float inv = 1.f / lsum;
+  finish_rows(m, l, sl, a, b, tq, wrow, g, t, lse, [&](int h, int64_t i, float inv) {
     float* orow = out + ro.at(hb) + i * ro.row;
 #pragma unroll
     for (int nt = 0; nt < DT; ++nt)
       *reinterpret_cast<float2*>(orow + nt * 8 + 2 * t) = make_float2(o[nt][2 * h] * inv, o[nt][2 * h + 1] * inv);
-    if (t == 0) lse[b * a.tq + i] = (m[h] * sl + log2f(lsum)) / kLog2e;
-  }
+  });
 }
 
 // Backward query rows a tile: 64 up to head dim 64, 32 at 128 (registers:
