@@ -234,7 +234,7 @@ __device__ __forceinline__ void finish_rows(const float (&m)[2], const float (&l
   for (int h = 0; h < 2; ++h) {
     const float lsum = quad_sum(l[h]);
     const int64_t i = i0 + g + 8 * h;
-    if (i >= tq) continue;  // tq as the kernel keeps it (a.tq, reloaded after the loop, spilled more at d 128)
+    if (i >= tq) continue;  // tq as the kernel holds it in a register (a.tq would be reloaded from the parameters)
     store(h, i, 1.f / lsum);
     if (t == 0) lse[b * a.tq + i] = (m[h] * sl + log2f(lsum)) / kLog2e;
   }
