@@ -422,7 +422,9 @@ TEST(Matmul, HalfTypesMatchFloat64OnEveryLayout) {
     const double rel = dt == DType::BFloat16 ? 8e-3 : 1e-3;
     auto r = [&](Shape s) { return randn(s, DType::Float64).to(dt); };
     auto f64 = [](const Tensor& t) { return t.to(DType::Float64); };
-    for (auto [m, k, n] : {std::array<int64_t, 3>{7, 5, 9}, {64, 96, 80}, {1, 33, 17}}) {
+    // [1, 26] x [26, 60] and [1, 63] x [63, 60]: shapes oneDNN 2.6's AMX
+    // kernels got wrong or died on (onednn::cap_isa), on CPUs that have AMX.
+    for (auto [m, k, n] : {std::array<int64_t, 3>{7, 5, 9}, {64, 96, 80}, {1, 33, 17}, {1, 26, 60}, {1, 63, 60}}) {
       const std::string dims = std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n);
       Tensor a = r({m, k}), b = r({k, n}), at = r({k, m}), bt = r({n, k});
       check(mm(a, b), mm(f64(a), f64(b)), rel, dims + " plain");

@@ -34,6 +34,7 @@ void sgemm_cpu(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, floa
       for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.f ? 0.f : beta * c[i * ldc + j];
     return;
   }
+  onednn::cap_isa();
   const dnnl_status_t st =
       dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   EMBER_INTERNAL_ASSERT(st == dnnl_success, "dnnl_sgemm failed (status ", static_cast<int>(st), ") for m ", m, " n ", n,

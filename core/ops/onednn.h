@@ -2,6 +2,7 @@
 // oneDNN primitives (conv.cc, matmul.cc), and our dtypes in its terms.
 #pragma once
 
+#include <cstdlib>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <string>
 #include <vector>
@@ -11,8 +12,27 @@
 
 namespace ember::onednn {
 
+// oneDNN's kernels capped at AVX-512 with BF16, unless the user names a cap
+// (ONEDNN_MAX_CPU_ISA): the AMX kernels of Debian's oneDNN 2.6 (Sapphire
+// Rapids and later) get 16-bit products wrong for some shapes (every output
+// of a bf16 [1, 26] x [26, 60] matmul with transposed weights) and die of an
+// illegal instruction on others ([1, 63] x [63, 60]), where the AVX-512 BF16
+// kernels got every one of a sweep's 17,920 shapes right (M up to 64, N up
+// to 128, K 1-80, either operand transposed). oneDNN takes a cap only before
+// it generates its first kernel, so everything here that calls oneDNN calls
+// this first; a refusal (some other library ran oneDNN before us) leaves
+// oneDNN's default.
+inline void cap_isa() {
+  static const bool capped = [] {
+    for (const char* name : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"})
+      if (const char* e = std::getenv(name); e != nullptr && *e != '\0') return false;
+    return dnnl_set_max_cpu_isa(dnnl_cpu_isa_avx512_core_bf16) == dnnl_success;
+  }();
+  (void)capped;
+}
+
 inline dnnl::engine& cpu_engine() {
-  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  static dnnl::engine engine = (cap_isa(), dnnl::engine(dnnl::engine::kind::cpu, 0));
   return engine;
 }
 // A CPU stream only names the engine; one per thread avoids sharing it.
