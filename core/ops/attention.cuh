@@ -148,6 +148,45 @@ __device__ __forceinline__ void load_tile(const float* __restrict__ src, int row
 // every query).
 __device__ __forceinline__ int64_t query_block(bool causal) { return causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x; }
 
+// A forward block's start, both fused forwards' (E: uint16_t or float): the
+// query rows [i0, i0 + BR) it owns, its head, how many keys it reads (kend:
+// through its last row when causal), and q's tile and k's first on their
+// way into qs and ks (committed; the loop's first wait takes them). Row and
+// key indices in 32 bits (attention_flash_cuda_supports: tq and tk, plus a
+// tile, times D below 2^31): 64-bit ones took registers the loop spilled.
+template <typename E>
+struct ForwardBlock {
+  int tq, tk, i0, kend;
+  int64_t b;
+  HeadIndex hb;  // every operand's (the launcher checks that their heads agree)
+  const E* kb;   // this head's keys and values
+  const E* vb;
+  // Scores stay unscaled until the exponent, exp2(s sl - m sl) with sl the
+  // scale in log2 units: one FFMA and one MUFU a score (scale > 0, so the
+  // maximum of the unscaled scores is the scaled ones').
+  float sl;
+  float keep_scale;  // 1 / (1 - p) with dropout, else 1
+};
+template <int D, int BR, int KEYS, bool Drop, typename E>
+__device__ __forceinline__ ForwardBlock<E> forward_block(const AttentionArgs& a, const E* q, const Rows& rq, const E* k,
+                                                         const Rows& rk, const E* v, const Rows& rv, E* qs, E* ks) {
+  ForwardBlock<E> f;
+  f.tq = static_cast<int>(a.tq), f.tk = static_cast<int>(a.tk);
+  f.b = blockIdx.y;
+  f.i0 = static_cast<int>(query_block(a.causal)) * BR;
+  f.hb = rq.index(f.b);
+  f.kb = k + rk.at(f.hb);
+  f.vb = v + rv.at(f.hb);
+  load_tile<D, BR>(q + rq.at(f.hb), rq.row, f.i0, f.tq, qs);
+  load_tile<D, KEYS>(f.kb, rk.row, 0, f.tk, ks);
+  cuda::cp_async_commit();
+  f.sl = static_cast<float>(a.scale) * kLog2e;
+  f.keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
+  const int last = (f.i0 + BR < f.tq ? f.i0 + BR : f.tq) - 1;
+  f.kend = a.causal && last + 1 < f.tk ? last + 1 : f.tk;
+  return f;
+}
+
 __device__ __forceinline__ float quad_max(float v) {
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
@@ -176,6 +215,15 @@ __device__ __forceinline__ void mask_scores(float (&s)[NT][4], int keys_left, in
       const int jl = nt * 8 + 2 * t + e % 2, il = r0 + g + 8 * (e / 2);
       if (jl >= keys_left || jl > il + diag) s[nt][e] = -INFINITY;
     }
+}
+// Calls mask(keys_left, diag), mask_scores' bounds, where the warp whose
+// first row is wrow needs the mask on key tile [j0, j0 + KEYS): the last
+// tile (past tk) and, causal, those reaching past wrow. Only they run the
+// mask's tests (FlashAttention keeps them in a loop of their own).
+template <int KEYS, typename Mask>
+__device__ __forceinline__ void mask_edge_tile(int tk, int j0, int wrow, bool causal, Mask&& mask) {
+  if (j0 + KEYS > tk || (causal && j0 + KEYS - 1 > wrow))
+    mask(tk - j0 < KEYS ? tk - j0 : KEYS, causal ? (wrow - j0 < KEYS ? wrow - j0 : KEYS) : KEYS);
 }
 // One key tile's step of the online softmax (FlashAttention-2's): s the
 // tile's unscaled scores, m each row's running maximum (unscaled; the

@@ -64,6 +64,7 @@ constexpr int kThreads = attention_cuda::kFlashThreads;
 using attention_cuda::finish_rows;
 using attention_cuda::kLog2e;
 using attention_cuda::load_tile;
+using attention_cuda::mask_edge_tile;
 using attention_cuda::mask_scores;
 using attention_cuda::online_softmax;
 using attention_cuda::query_block;
@@ -92,39 +93,21 @@ __global__ void __launch_bounds__(kThreads)
   uint16_t* ks = qs + BR * LD;
   uint16_t* vs = ks + KEYS * LD;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  // Row and key indices in 32 bits (attention_flash_cuda_supports: tq and
-  // tk, plus a tile, times D below 2^31): 64-bit ones took registers the
-  // loop spilled.
-  const int tq = static_cast<int>(a.tq), tk = static_cast<int>(a.tk);
-  const int64_t b = blockIdx.y;
-  const int i0 = static_cast<int>(query_block(a.causal)) * BR;
+  const auto f = attention_cuda::forward_block<D, BR, KEYS, Drop>(a, q, rq, k, rk, v, rv, qs, ks);
   const int wr = warp * 16 * MT;  // the warp's first row in the block
-  const int wrow = i0 + wr;
-  const HeadIndex hb = rq.index(b);  // the operands' heads agree (the launcher checks)
-  const uint16_t* kb = k + rk.at(hb);
-  const uint16_t* vb = v + rv.at(hb);
-  load_tile<D, BR>(q + rq.at(hb), rq.row, i0, tq, qs);
-  load_tile<D, KEYS>(kb, rk.row, 0, tk, ks);
-  cuda::cp_async_commit();
-  // Scores stay unscaled until the exponent, exp2(s sl - m sl) with sl the
-  // scale in log2 units: one FFMA and one MUFU a score (scale > 0, so the
-  // maximum of the unscaled scores is the scaled ones').
-  const float sl = static_cast<float>(a.scale) * kLog2e;
-  const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
+  const int wrow = f.i0 + wr;
   float o[MT][DT][4] = {};
   float m[MT][2], l[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
-  const int last = (i0 + BR < tq ? i0 + BR : tq) - 1;
-  const int kend = a.causal && last + 1 < tk ? last + 1 : tk;
-  for (int j0 = 0; j0 < kend; j0 += KEYS) {
+  for (int j0 = 0; j0 < f.kend; j0 += KEYS) {
     cuda::cp_async_wait_all();
     __syncthreads();  // k's tile is in; every warp is done with the last v tile
-    load_tile<D, KEYS>(vb, rv.row, j0, tk, vs);
+    load_tile<D, KEYS>(f.vb, rv.row, j0, f.tk, vs);
     cuda::cp_async_commit();
     // Warp-uniform: a warp whose rows all precede the tile (causal) or lie
     // past the end skips its products.
-    const bool active = wrow < tq && (!a.causal || j0 <= wrow + 16 * MT - 1);
+    const bool active = wrow < f.tq && (!a.causal || j0 <= wrow + 16 * MT - 1);
     // Without dropout, FlashAttention-2's order: the scores' products, then
     // the wait for v's tile and the block's barrier, then the softmax and P
     // v with no barrier between them, so the scheduler can issue the
@@ -139,8 +122,8 @@ __global__ void __launch_bounds__(kThreads)
     const auto next_tile = [&] {
       cuda::cp_async_wait_all();
       __syncthreads();  // v's tile is in; every warp is done with k's
-      if (j0 + KEYS < kend) {
-        load_tile<D, KEYS>(kb, rk.row, j0 + KEYS, tk, ks);
+      if (j0 + KEYS < f.kend) {
+        load_tile<D, KEYS>(f.kb, rk.row, j0 + KEYS, f.tk, ks);
         cuda::cp_async_commit();
       }
     };
@@ -153,19 +136,13 @@ __global__ void __launch_bounds__(kThreads)
     // as soon as it is known (half the registers of the float scores).
     uint32_t pk[MT][NT][2];
     if (active) {
-      // Only tiles on the diagonal or at the last key need the mask, and
-      // they alone run its tests (FlashAttention keeps them in a loop of
-      // their own). Key jl of the tile is past the end from keys_left on,
-      // and after row il of the warp (causal) when jl > il + diag.
-      if (j0 + KEYS > tk || (a.causal && j0 + KEYS - 1 > wrow)) {
-        const int keys_left = tk - j0 < KEYS ? tk - j0 : KEYS;
-        const int diag = a.causal ? (wrow - j0 < KEYS ? wrow - j0 : KEYS) : KEYS;
+      mask_edge_tile<KEYS>(f.tk, j0, wrow, a.causal, [&](int keys_left, int diag) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) mask_scores(s[mt], keys_left, diag, 16 * mt, g, t);
-      }
+      });
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
-        online_softmax<Drop>(s[mt], m[mt], l[mt], o[mt], sl, a, b, wrow + 16 * mt, j0, keep_scale, g, t,
+        online_softmax<Drop>(s[mt], m[mt], l[mt], o[mt], f.sl, a, f.b, wrow + 16 * mt, j0, f.keep_scale, g, t,
                              [&](int nt, const float(&pe)[4]) {
                                pk[mt][nt][0] = cuda::pack16<T>(pe[0], pe[1]);
                                pk[mt][nt][1] = cuda::pack16<T>(pe[2], pe[3]);
@@ -183,8 +160,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
-    finish_rows(m[mt], l[mt], sl, a, b, tq, wrow + 16 * mt, g, t, lse, [&](int h, int64_t i, float inv) {
-      uint16_t* orow = out + ro.at(hb) + i * ro.row;
+    finish_rows(m[mt], l[mt], f.sl, a, f.b, f.tq, wrow + 16 * mt, g, t, lse, [&](int h, int64_t i, float inv) {
+      uint16_t* orow = out + ro.at(f.hb) + i * ro.row;
 #pragma unroll
       for (int nt = 0; nt < DT; ++nt)
         *reinterpret_cast<uint32_t*>(orow + nt * 8 + 2 * t) =

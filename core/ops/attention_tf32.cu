@@ -41,9 +41,9 @@ using attention_cuda::HeadIndex;
 using attention_cuda::kept;
 using attention_cuda::kLog2e;
 using attention_cuda::load_tile;
+using attention_cuda::mask_edge_tile;
 using attention_cuda::mask_scores;
 using attention_cuda::online_softmax;
-using attention_cuda::query_block;
 using attention_cuda::Rows;
 using cuda::mma_1688_3xtf32;
 using cuda::split_tf32;
@@ -63,25 +63,23 @@ __device__ __forceinline__ void put(const float v, uint32_t& big, uint32_t& smal
   const cuda::Tf32x2 p = split_tf32(v);
   big = p.big, small = p.small;
 }
+// A (16 x 8) whose lane (g, t) element (g, t) lies at p, rows (m) dm and
+// columns (k) dk elements apart.
+__device__ __forceinline__ FragA frag_a_at(const float* p, int dm, int dk) {
+  FragA f;
+  put(p[0], f.big[0], f.small[0]);
+  put(p[8 * dm], f.big[1], f.small[1]);
+  put(p[4 * dk], f.big[2], f.small[2]);
+  put(p[8 * dm + 4 * dk], f.big[3], f.small[3]);
+  return f;
+}
 // A (16 x 8) at rows m0.., columns k0.. of a row-major tile.
 __device__ __forceinline__ FragA frag_a(const float* tile, int ld, int m0, int k0, int g, int t) {
-  FragA f;
-  const float* p = tile + (m0 + g) * ld + k0 + t;
-  put(p[0], f.big[0], f.small[0]);
-  put(p[8 * ld], f.big[1], f.small[1]);
-  put(p[4], f.big[2], f.small[2]);
-  put(p[8 * ld + 4], f.big[3], f.small[3]);
-  return f;
+  return frag_a_at(tile + (m0 + g) * ld + k0 + t, ld, 1);
 }
 // A (16 x 8) where A(m, k) = tile[k][m] (stored transposed): dS for dQ.
 __device__ __forceinline__ FragA frag_a_cols(const float* tile, int ld, int m0, int k0, int g, int t) {
-  FragA f;
-  const float* p = tile + (k0 + t) * ld + m0 + g;
-  put(p[0], f.big[0], f.small[0]);
-  put(p[8], f.big[1], f.small[1]);
-  put(p[4 * ld], f.big[2], f.small[2]);
-  put(p[4 * ld + 8], f.big[3], f.small[3]);
-  return f;
+  return frag_a_at(tile + (k0 + t) * ld + m0 + g, 1, ld);
 }
 // A from an accumulator pair's worth of registers: the C tile c (16 x 8,
 // mma_1688_tf32's C layout) as an A fragment with k permuted (fragment
@@ -94,30 +92,25 @@ __device__ __forceinline__ FragA frag_a_acc(const float c[4]) {
   put(c[3], f.big[3], f.small[3]);
   return f;
 }
-// B (8 x 8) where B(k, n) = tile[n][k]: the tile's rows are B's columns.
-__device__ __forceinline__ FragB frag_b_rows(const float* tile, int ld, int k0, int n0, int g, int t) {
+// B (8 x 8) whose lane's two elements lie at p and p + dk.
+__device__ __forceinline__ FragB frag_b_at(const float* p, int dk) {
   FragB f;
-  const float* p = tile + (n0 + g) * ld + k0 + t;
   put(p[0], f.big[0], f.small[0]);
-  put(p[4], f.big[1], f.small[1]);
+  put(p[dk], f.big[1], f.small[1]);
   return f;
+}
+// B where B(k, n) = tile[n][k]: the tile's rows are B's columns.
+__device__ __forceinline__ FragB frag_b_rows(const float* tile, int ld, int k0, int n0, int g, int t) {
+  return frag_b_at(tile + (n0 + g) * ld + k0 + t, 4);
 }
 // B where B(k, n) = tile[k][n], rows t and t + 4 (k as it lies).
 __device__ __forceinline__ FragB frag_b_cols(const float* tile, int ld, int k0, int n0, int g, int t) {
-  FragB f;
-  const float* p = tile + (k0 + t) * ld + n0 + g;
-  put(p[0], f.big[0], f.small[0]);
-  put(p[4 * ld], f.big[1], f.small[1]);
-  return f;
+  return frag_b_at(tile + (k0 + t) * ld + n0 + g, 4 * ld);
 }
 // B where B(k, n) = tile[k][n] with k permuted as frag_a_acc's: rows 2t and
 // 2t + 1.
 __device__ __forceinline__ FragB frag_b_pairs(const float* tile, int ld, int k0, int n0, int g, int t) {
-  FragB f;
-  const float* p = tile + (k0 + 2 * t) * ld + n0 + g;
-  put(p[0], f.big[0], f.small[0]);
-  put(p[ld], f.big[1], f.small[1]);
-  return f;
+  return frag_b_at(tile + (k0 + 2 * t) * ld + n0 + g, ld);
 }
 __device__ __forceinline__ void mma(float c[4], const FragA& a, const FragB& b) {
   mma_1688_3xtf32(c, a.big, a.small, b.big, b.small);
@@ -145,28 +138,16 @@ __global__ void __launch_bounds__(kThreads)
   float* ks = qs + kRows * LD;
   float* vs = ks + KEYS * LD;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int tq = static_cast<int>(a.tq), tk = static_cast<int>(a.tk);
-  const int64_t b = blockIdx.y;
-  const int i0 = static_cast<int>(query_block(a.causal)) * kRows;
-  const int wr = warp * 16, wrow = i0 + wr;
-  const HeadIndex hb = rq.index(b);
-  const float* kb = k + rk.at(hb);
-  const float* vb = v + rv.at(hb);
-  load_tile<D, kRows>(q + rq.at(hb), rq.row, i0, tq, qs);
-  load_tile<D, KEYS>(kb, rk.row, 0, tk, ks);
-  cuda::cp_async_commit();
-  const float sl = static_cast<float>(a.scale) * kLog2e;
-  const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
+  const auto f = attention_cuda::forward_block<D, kRows, KEYS, Drop>(a, q, rq, k, rk, v, rv, qs, ks);
+  const int wr = warp * 16, wrow = f.i0 + wr;
   float o[DT][4] = {};
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  const int last = (i0 + kRows < tq ? i0 + kRows : tq) - 1;
-  const int kend = a.causal && last + 1 < tk ? last + 1 : tk;
-  for (int j0 = 0; j0 < kend; j0 += KEYS) {
+  for (int j0 = 0; j0 < f.kend; j0 += KEYS) {
     cuda::cp_async_wait_all();
     __syncthreads();  // k's tile is in; every warp is done with the last v tile
-    load_tile<D, KEYS>(vb, rv.row, j0, tk, vs);
+    load_tile<D, KEYS>(f.vb, rv.row, j0, f.tk, vs);
     cuda::cp_async_commit();
-    const bool active = wrow < tq && (!a.causal || j0 <= wrow + 15);
+    const bool active = wrow < f.tq && (!a.causal || j0 <= wrow + 15);
     float s[NT][4] = {};
     if (active) {
 #pragma unroll
@@ -178,20 +159,16 @@ __global__ void __launch_bounds__(kThreads)
     }
     cuda::cp_async_wait_all();
     __syncthreads();  // v's tile is in; every warp is done with k's
-    if (j0 + KEYS < kend) {
-      load_tile<D, KEYS>(kb, rk.row, j0 + KEYS, tk, ks);
+    if (j0 + KEYS < f.kend) {
+      load_tile<D, KEYS>(f.kb, rk.row, j0 + KEYS, f.tk, ks);
       cuda::cp_async_commit();
     }
     if (!active) continue;
-    // The mask where a tile needs it, in the tile's coordinates (as the
-    // 16-bit forward): key jl past the end, or after row il (causal).
-    if (j0 + KEYS > tk || (a.causal && j0 + KEYS - 1 > wrow)) {
-      const int keys_left = tk - j0 < KEYS ? tk - j0 : KEYS;
-      const int diag = a.causal ? (wrow - j0 < KEYS ? wrow - j0 : KEYS) : KEYS;
-      mask_scores(s, keys_left, diag, 0, g, t);
-    }
+    // The mask where a tile needs it, as the 16-bit forward's.
+    mask_edge_tile<KEYS>(f.tk, j0, wrow, a.causal,
+                         [&](int keys_left, int diag) { mask_scores(s, keys_left, diag, 0, g, t); });
     // The probabilities in place of the scores (P V's A comes from them).
-    online_softmax<Drop>(s, m, l, o, sl, a, b, wrow, j0, keep_scale, g, t, [&](int nt, const float(&p)[4]) {
+    online_softmax<Drop>(s, m, l, o, f.sl, a, f.b, wrow, j0, f.keep_scale, g, t, [&](int nt, const float(&p)[4]) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = p[e];
     });
@@ -204,8 +181,8 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   cuda::cp_async_wait_all();  // a warp past the last row waited for no copy
-  finish_rows(m, l, sl, a, b, tq, wrow, g, t, lse, [&](int h, int64_t i, float inv) {
-    float* orow = out + ro.at(hb) + i * ro.row;
+  finish_rows(m, l, f.sl, a, f.b, f.tq, wrow, g, t, lse, [&](int h, int64_t i, float inv) {
+    float* orow = out + ro.at(f.hb) + i * ro.row;
 #pragma unroll
     for (int nt = 0; nt < DT; ++nt)
       *reinterpret_cast<float2*>(orow + nt * 8 + 2 * t) = make_float2(o[nt][2 * h] * inv, o[nt][2 * h + 1] * inv);

@@ -341,13 +341,37 @@ struct NormTiles {
 //   b[0] B(2t..2t+1, g)  b[1] B(2t+8..2t+9, g)
 //   c[0..1] C(g, 2t..2t+1)  c[2..3] C(g+8, 2t..2t+1)
 // Under the host emulation (no __CUDA_ARCH__) the warp gathers every lane's
-// fragments (one warp barrier, emu::warp_gather: 32 shuffles' worth) and
-// each lane computes its own four outputs, so
+// fragments and each lane computes its own four outputs (emulated_mma), so
 // the layout contract above is what the emulated tests check.
 template <typename T>
 __device__ __forceinline__ uint32_t pack16(float lo, float hi) {
   return static_cast<uint32_t>(T::from_float(lo)) | (static_cast<uint32_t>(T::from_float(hi)) << 16);
 }
+#if !defined(__CUDA_ARCH__) && !defined(__CUDACC__)
+// One warp's m16n8kK product under the emulation (this one and mma_tiles.cuh's
+// TF32 one): every lane's four A and two B registers gathered (one warp
+// barrier, emu::warp_gather: 32 shuffles' worth), unpack(g, t, regs, A, B)
+// placing lane (g, t)'s into A [16][K] and B [K][8] as the ISA lays them
+// out, then this lane's four outputs (C's layout, shared by both shapes).
+template <int K, typename Unpack>
+inline void emulated_mma(float c[4], const uint32_t a[4], const uint32_t b[2], const Unpack& unpack, ::emu::Site site) {
+  float A[16][K], B[K][8];
+  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  const unsigned char* all = ::emu::warp_gather(0xffffffffu, mine, sizeof mine, site);
+  for (int src = 0; src < kWarpSize; ++src) {
+    uint32_t regs[6];
+    std::memcpy(regs, all + src * ::emu::kGatherBytes, sizeof regs);
+    unpack(src / 4, src % 4, regs, A, B);
+  }
+  const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
+    float acc = c[e];
+    for (int kk = 0; kk < K; ++kk) acc += A[row][kk] * B[kk][col];
+    c[e] = acc;
+  }
+}
+#endif
 template <typename T>
 __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const uint32_t b[2]) {
 #if defined(__CUDA_ARCH__)
@@ -366,27 +390,16 @@ __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], const
 #elif !defined(__CUDACC__)  // the emulation (nvcc's host pass compiles no body)
   const auto lo = [](uint32_t r) { return T::to_float(static_cast<uint16_t>(r & 0xffffu)); };
   const auto hi = [](uint32_t r) { return T::to_float(static_cast<uint16_t>(r >> 16)); };
-  float A[16][16], B[16][8];
-  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
-  const unsigned char* all = ::emu::warp_gather(0xffffffffu, mine, sizeof mine, EMU_SITE);
-  for (int src = 0; src < kWarpSize; ++src) {
-    uint32_t frag[6];
-    std::memcpy(frag, all + src * ::emu::kGatherBytes, sizeof frag);
-    const uint32_t *ra = frag, *rb = frag + 4;
-    const int g = src / 4, t = src % 4;
-    for (int r = 0; r < 4; ++r) {
-      const int row = g + 8 * (r % 2), col = 2 * t + 8 * (r / 2);
-      A[row][col] = lo(ra[r]), A[row][col + 1] = hi(ra[r]);
-    }
-    for (int r = 0; r < 2; ++r) B[2 * t + 8 * r][g] = lo(rb[r]), B[2 * t + 8 * r + 1][g] = hi(rb[r]);
-  }
-  const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
-    float acc = c[e];
-    for (int kk = 0; kk < 16; ++kk) acc += A[row][kk] * B[kk][col];
-    c[e] = acc;
-  }
+  emulated_mma<16>(
+      c, a, b,
+      [&](int g, int t, const uint32_t* regs, float(&A)[16][16], float(&B)[16][8]) {
+        for (int r = 0; r < 4; ++r) {
+          const int row = g + 8 * (r % 2), col = 2 * t + 8 * (r / 2);
+          A[row][col] = lo(regs[r]), A[row][col + 1] = hi(regs[r]);
+        }
+        for (int r = 0; r < 2; ++r) B[2 * t + 8 * r][g] = lo(regs[4 + r]), B[2 * t + 8 * r + 1][g] = hi(regs[4 + r]);
+      },
+      EMU_SITE);
 #endif
 }
 

@@ -38,23 +38,13 @@ __device__ __forceinline__ void mma_1688_tf32(float c[4], const uint32_t a[4], c
     std::memcpy(&f, &r, 4);
     return f;
   };
-  float A[16][8], B[8][8];
-  const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
-  const unsigned char* all = ::emu::warp_gather(0xffffffffu, mine, sizeof mine, EMU_SITE);
-  for (int src = 0; src < kWarpSize; ++src) {
-    uint32_t frag[6];
-    std::memcpy(frag, all + src * ::emu::kGatherBytes, sizeof frag);
-    const int g = src / 4, t = src % 4;
-    for (int r = 0; r < 4; ++r) A[g + 8 * (r % 2)][t + 4 * (r / 2)] = tf32(frag[r]);
-    for (int r = 0; r < 2; ++r) B[t + 4 * r][g] = tf32(frag[4 + r]);
-  }
-  const int lane = static_cast<int>(threadIdx.x % kWarpSize), g = lane / 4, t = lane % 4;
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e / 2), col = 2 * t + e % 2;
-    float acc = c[e];
-    for (int kk = 0; kk < 8; ++kk) acc += A[row][kk] * B[kk][col];
-    c[e] = acc;
-  }
+  emulated_mma<8>(
+      c, a, b,
+      [&](int g, int t, const uint32_t* regs, float(&A)[16][8], float(&B)[8][8]) {
+        for (int r = 0; r < 4; ++r) A[g + 8 * (r % 2)][t + 4 * (r / 2)] = tf32(regs[r]);
+        for (int r = 0; r < 2; ++r) B[t + 4 * r][g] = tf32(regs[4 + r]);
+      },
+      EMU_SITE);
 #endif
 }
 // x rounded to TF32, nearest with ties away from zero (cvt.rna.tf32.f32):
