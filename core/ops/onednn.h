@@ -18,10 +18,14 @@ namespace ember::onednn {
 // of a bf16 [1, 26] x [26, 60] matmul with transposed weights) and die of an
 // illegal instruction on others ([1, 63] x [63, 60]), where the AVX-512 BF16
 // kernels got every one of a sweep's 17,920 shapes right (M up to 64, N up
-// to 128, K 1-80, either operand transposed). oneDNN takes a cap only before
-// it generates its first kernel, so everything here that calls oneDNN calls
-// this first; a refusal (some other library ran oneDNN before us) leaves
-// oneDNN's default.
+// to 128, K 1-80, either operand transposed). Both failing shapes have K not
+// a multiple of 32, the AMX tile's depth; oneDNN's tracker has the same class
+// of bug (uxlfoundation/oneDNN#1661: illegal instruction on a bf16 matmul with
+// K = 63; #5717: the AMX bf16 K tail reading other rows, still in v3.14 and
+// fixed in July 2026), so a newer oneDNN alone does not retire this cap.
+// oneDNN takes a cap only before it generates its first kernel, so everything
+// here that calls oneDNN calls this first; a refusal (some other library ran
+// oneDNN before us) leaves oneDNN's default.
 inline void cap_isa() {
   static const bool capped = [] {
     for (const char* name : {"ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"})
