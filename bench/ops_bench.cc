@@ -4,7 +4,9 @@
 //  - elementwise add and a full sum in GB/s beside memcpy of the same bytes
 //    (1 and all threads);
 //  - batch norm then ReLU, forward and backward on a ResNet activation, as
-//    two ops (/0) and as batch_norm_relu (/1);
+//    two ops (/0) and as batch_norm_relu (/1); a residual block's tail,
+//    relu(batch_norm(x) + residual), as three ops (/0) and as
+//    batch_norm_add_relu (/1);
 //  - AdamW on bfloat16 parameters through float32 masters, op by op (/0)
 //    and in the fused step's one pass (/1).
 // Bytes counted are bytes moved: add reads 2N and writes N floats; memcpy of
@@ -149,6 +151,27 @@ void BM_BatchNormRelu(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * x0.numel() * 4);
 }
 BENCHMARK(BM_BatchNormRelu)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// A residual block's tail on the same activation, relu(batch_norm(x) +
+// residual), forward then backward (the residual's gradient too): as three
+// ops (/0) and as batch_norm_add_relu (/1).
+void BM_BatchNormAddRelu(benchmark::State& state) {
+  const bool fused = state.range(0) == 1;
+  Generator g(3);
+  const Tensor x0 = randn({32, 64, 56, 56}, {DType::Float32}, &g), r0 = randn({32, 64, 56, 56}, {DType::Float32}, &g);
+  const Tensor dy = randn({32, 64, 56, 56}, {DType::Float32}, &g);
+  Tensor w = ones({64}).requires_grad_(), b = zeros({64}).requires_grad_();
+  Tensor rm = zeros({64}), rv = ones({64});
+  for (auto _ : state) {
+    Tensor x = x0.detach().requires_grad_(), r = r0.detach().requires_grad_();
+    Tensor y = fused ? batch_norm_add_relu(x, r, w, b, rm, rv, true) : relu(batch_norm(x, w, b, rm, rv, true) + r);
+    y.backward(dy);
+    benchmark::DoNotOptimize(x.grad().data<float>());
+    benchmark::DoNotOptimize(r.grad().data<float>());
+  }
+  state.SetBytesProcessed(state.iterations() * x0.numel() * 4);
+}
+BENCHMARK(BM_BatchNormAddRelu)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // GPT-2's MLP activation at 124M width and 8 x 1024 tokens ([8192, 3072]
 // float32): the bias add and tanh GELU forward, then backward of a fixed

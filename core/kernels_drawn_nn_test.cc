@@ -168,27 +168,33 @@ TEST_F(Drawn, BatchNorm) {
   });
 }
 
-// batch_norm_relu against the two ops it fuses, relu(batch_norm(...)), on
-// each backend: the same values bit for bit, forward, running statistics
-// and every gradient (the fused kernels add the ReLU to the normalising
-// pass and its mask to the backward's reads), over batch_norm's draws of
-// channels, planes, dtypes, training and eval, affine or not, and a
-// channels-last layout. (Against float64 a ReLU's kink flips where the
-// dtype's rounding crosses 0, which bit equality with the unfused pair,
-// itself checked against float64 above, does not need.)
+// batch_norm_relu against the two ops it fuses, relu(batch_norm(...)), and
+// batch_norm_add_relu against its three, relu(batch_norm(...) + residual),
+// on each backend: the same values bit for bit, forward, running statistics
+// and every gradient (the fused kernels add the ReLU, and the residual, to
+// the normalising pass and the mask to the backward's reads; the residual's
+// gradient is written by the sums pass), over batch_norm's draws of
+// channels, planes, dtypes, training and eval, affine or not, a
+// channels-last input, and a residual in its own layout (copied to x's).
+// (Against float64 a ReLU's kink flips where the dtype's rounding crosses
+// 0, which bit equality with the unfused ops, themselves checked against
+// float64 above, does not need.)
 TEST_F(Drawn, BatchNormRelu) {
-  for_each_draw("batch_norm_relu", 60, [&](Draw& d) {
+  for_each_draw("batch_norm_relu", 80, [&](Draw& d) {
     const int64_t c = d.pick<int64_t>({1, 3, 8, 64, 65, d.integer(1, 40)});
     const Shape xs = {d.integer(1, 5), c, d.size(1, 9), d.size(1, 9)};
     if (xs[0] * xs[2] * xs[3] < 2) return;
     const DType dt = d.pick(kFloats), pt = dt == DType::Float64 ? DType::Float64 : DType::Float32;
     const bool training = d.chance(0.6), affine = d.chance(0.7), cl = d.chance(0.5);
+    const bool add = d.chance(0.5), r_cl = d.chance(0.5), r_grad = d.chance(0.8);
     Tensor x = d.values(xs, dt, Specials::finite());
     Tensor wt = affine ? d.values({c}, pt) : Tensor(), b = affine ? d.values({c}, pt) : Tensor();
     Tensor rm = d.values({c}, pt), rv = d.values({c}, pt, {}, 0.1) + 1.0, proj = d.values(xs, dt);
-    const std::string what =
-        detail::str_cat("batch_norm_relu x", shape_str(xs), " ", dtype_name(dt), training ? " train" : " eval",
-                        affine ? " affine" : "", cl ? " channels-last" : "");
+    Tensor res = add ? d.values(xs, dt, Specials::finite()) : Tensor();
+    const std::string what = detail::str_cat(
+        add ? "batch_norm_add_relu x" : "batch_norm_relu x", shape_str(xs), " ", dtype_name(dt),
+        training ? " train" : " eval", affine ? " affine" : "", cl ? " channels-last" : "",
+        add ? (r_cl ? ", residual channels-last" : ", residual NCHW") : "", add && !r_grad ? " (no grad)" : "");
     auto same = [](const Tensor& a, const Tensor& e) {
       if (a.defined() != e.defined()) return false;
       if (!a.defined()) return true;
@@ -200,26 +206,37 @@ TEST_F(Drawn, BatchNormRelu) {
     for (bool cuda : {false, true}) {
       if (cuda && !cuda_is_available()) continue;
       auto on = [cuda](const Tensor& t) { return !t.defined() ? t : cuda ? t.cuda() : t.clone(); };
-      std::vector<Tensor> y(2), grads(6), stats(4);
+      std::vector<Tensor> y(2), grads(8), stats(4);
       for (int fused = 0; fused < 2; ++fused) {
         Tensor xi = on(x);
         if (cl) xi = xi.contiguous(MemoryFormat::ChannelsLast);
         xi = xi.detach().requires_grad_();
         Tensor wi = affine ? on(wt).requires_grad_() : Tensor(), bi = affine ? on(b).requires_grad_() : Tensor();
-        Tensor rmi = on(rm), rvi = on(rv);
-        y[fused] = fused ? batch_norm_relu(xi, wi, bi, rmi, rvi, training, 0.2, 1e-3)
-                         : relu(batch_norm(xi, wi, bi, rmi, rvi, training, 0.2, 1e-3));
+        Tensor rmi = on(rm), rvi = on(rv), ri;
+        if (add) {
+          ri = on(res);
+          if (r_cl) ri = ri.contiguous(MemoryFormat::ChannelsLast);
+          ri = ri.detach().requires_grad_(r_grad);
+        }
+        if (fused)
+          y[1] = add ? batch_norm_add_relu(xi, ri, wi, bi, rmi, rvi, training, 0.2, 1e-3)
+                     : batch_norm_relu(xi, wi, bi, rmi, rvi, training, 0.2, 1e-3);
+        else {
+          Tensor z = batch_norm(xi, wi, bi, rmi, rvi, training, 0.2, 1e-3);
+          y[0] = relu(add ? z + ri : z);
+        }
         sum(y[fused] * on(proj)).backward();
-        grads[3 * fused] = xi.grad();
-        grads[3 * fused + 1] = affine ? wi.grad() : Tensor();
-        grads[3 * fused + 2] = affine ? bi.grad() : Tensor();
+        grads[4 * fused] = xi.grad();
+        grads[4 * fused + 1] = affine ? wi.grad() : Tensor();
+        grads[4 * fused + 2] = affine ? bi.grad() : Tensor();
+        grads[4 * fused + 3] = add && r_grad ? ri.grad() : Tensor();
         stats[2 * fused] = rmi;
         stats[2 * fused + 1] = rvi;
       }
       const std::string w = detail::str_cat(what, cuda ? " (cuda)" : " (cpu)");
       EXPECT_TRUE(same(y[1], y[0])) << w << ": forward";
       EXPECT_TRUE(same(stats[2], stats[0]) && same(stats[3], stats[1])) << w << ": running statistics";
-      for (int i = 0; i < 3; ++i) EXPECT_TRUE(same(grads[3 + i], grads[i])) << w << ": gradient " << i;
+      for (int i = 0; i < 4; ++i) EXPECT_TRUE(same(grads[4 + i], grads[i])) << w << ": gradient " << i;
     }
   });
 }

@@ -163,6 +163,18 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, con
 Tensor batch_norm_relu(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
                        const Tensor& running_var, bool training, double momentum = 0.1, double eps = 1e-5,
                        const Tensor& num_batches_tracked = Tensor());
+// relu(batch_norm(x, ...) + residual) as one op: a residual block's tail
+// (cuDNN's BN_ADD_ACTIVATION, three ops in PyTorch's eager step). The add
+// and the ReLU in the normalising pass, which reads x and the residual and
+// writes the output (the three ops read 5 tensors and write 3); the
+// backward writes the residual's gradient, the masked dy, in the pass that
+// reads it, and its dx pass reads that in place of dy and the mask. The
+// same values bit for bit as the three ops (batch norm's output rounded to
+// x's dtype before the add). residual: x's shape, dtype and device, any
+// layout (copied to x's where it differs).
+Tensor batch_norm_add_relu(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
+                           const Tensor& running_mean, const Tensor& running_var, bool training, double momentum = 0.1,
+                           double eps = 1e-5, const Tensor& num_batches_tracked = Tensor());
 
 // Padding counts as -inf; padding must be at most half the kernel.
 Tensor max_pool2d(const Tensor& x, std::array<int64_t, 2> kernel, std::array<int64_t, 2> stride,

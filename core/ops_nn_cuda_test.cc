@@ -529,58 +529,67 @@ bool same_values(const Tensor& a, const Tensor& b) {
   return true;
 }
 
-// batch_norm_relu is relu(batch_norm(...)) bit for bit, forward and every
-// gradient, on each backend (the CUDA kernels fold the ReLU into the
-// normalising pass and its mask into both backward passes; the CPU ones
-// likewise): every dtype, NCHW and channels-last, channel counts on and off
-// the vector width, an unaligned 7x7 plane, training and eval, with and
-// without affine parameters; and the two backends agree as batch_norm does.
-// Over a tenth of the outputs are 0, so the mask matters.
+// batch_norm_relu is relu(batch_norm(...)) bit for bit, and
+// batch_norm_add_relu is relu(batch_norm(...) + residual), forward and every
+// gradient (the residual's too), on each backend (the CUDA kernels fold the
+// ReLU, and the residual's add, into the normalising pass and the mask into
+// both backward passes, the residual's gradient written by the sums pass and
+// read back by the dx pass; the CPU ones likewise): every dtype, NCHW and
+// channels-last, channel counts on and off the vector width, an unaligned
+// 7x7 plane, training and eval, with and without affine parameters; and the
+// two backends agree as batch_norm does. Over a tenth of the outputs are 0,
+// so the mask matters.
 TEST_F(CudaNnOps, BatchNormReluIsTheTwoOpsBitForBit) {
   uint64_t seed = 900;
-  for (DType dt : kTypes)
-    for (const Shape& xs : {Shape{4, 8, 5, 6}, Shape{2, 65, 3, 3}, Shape{3, 3, 7, 7}})
-      for (bool cl : {false, true})
-        for (bool training : {true, false})
-          for (bool affine : {true, false}) {
-            const DType pt = dt == DType::Float64 ? DType::Float64 : DType::Float32;
-            Tensor x = rnd(xs, seed++, dt, 2.0) + 0.5;
-            Tensor w = affine ? rnd({xs[1]}, seed++, pt) : Tensor(), b = affine ? rnd({xs[1]}, seed++, pt) : Tensor();
-            Tensor rm = rnd({xs[1]}, seed++, pt), rv = rnd({xs[1]}, seed++, pt, 0.1) + 1.0;
-            const std::string what = cat("batch_norm_relu x", shape_str(xs), " ", dt, cl ? " channels-last" : "",
-                                         training ? " train" : " eval", affine ? " affine" : "");
-            std::vector<Outcome> fused, unfused;
-            for (bool cuda : {false, true}) {
-              Tensor rm1 = cuda ? rm.cuda() : rm.clone(), rv1 = cuda ? rv.cuda() : rv.clone();
-              Tensor rm2 = rm1.clone(), rv2 = rv1.clone();
-              auto layout = [cl](Tensor t) { return cl ? channels_last(t) : t; };
-              fused.push_back(run(
-                  [&](const std::vector<Tensor>& v) {
-                    return batch_norm_relu(v[0], v[1], v[2], rm1, rv1, training, 0.2);
-                  },
-                  {x, w, b}, cuda, layout));
-              unfused.push_back(run(
-                  [&](const std::vector<Tensor>& v) {
-                    return relu(batch_norm(v[0], v[1], v[2], rm2, rv2, training, 0.2));
-                  },
-                  {x, w, b}, cuda, layout));
-              ASSERT_TRUE(same_values(rm1, rm2) && same_values(rv1, rv2)) << what << " running stats";
-              const std::string on = cat(what, cuda ? " (cuda)" : " (cpu)");
-              ASSERT_TRUE(same_values(fused.back().y, unfused.back().y)) << on << " forward";
-              EXPECT_EQ(fused.back().y.suggest_memory_format(), unfused.back().y.suggest_memory_format()) << on;
-              for (size_t i = 0; i < 3; ++i) {
-                const Tensor& a = fused.back().grads[i];
-                const Tensor& u = unfused.back().grads[i];
-                ASSERT_EQ(a.defined(), u.defined()) << on << " grad " << i;
-                if (a.defined()) EXPECT_TRUE(same_values(a, u)) << on << " grad " << i << "\n" << a << "\n" << u;
+  for (bool add : {false, true})
+    for (DType dt : kTypes)
+      for (const Shape& xs : {Shape{4, 8, 5, 6}, Shape{2, 65, 3, 3}, Shape{3, 3, 7, 7}})
+        for (bool cl : {false, true})
+          for (bool training : {true, false})
+            for (bool affine : {true, false}) {
+              const DType pt = dt == DType::Float64 ? DType::Float64 : DType::Float32;
+              Tensor x = rnd(xs, seed++, dt, 2.0) + 0.5;
+              Tensor w = affine ? rnd({xs[1]}, seed++, pt) : Tensor(), b = affine ? rnd({xs[1]}, seed++, pt) : Tensor();
+              Tensor rm = rnd({xs[1]}, seed++, pt), rv = rnd({xs[1]}, seed++, pt, 0.1) + 1.0;
+              Tensor r = add ? rnd(xs, seed++, dt) : Tensor();
+              const std::string what =
+                  cat(add ? "batch_norm_add_relu x" : "batch_norm_relu x", shape_str(xs), " ", dt,
+                      cl ? " channels-last" : "", training ? " train" : " eval", affine ? " affine" : "");
+              const std::vector<Tensor> inputs = add ? std::vector<Tensor>{x, w, b, r} : std::vector<Tensor>{x, w, b};
+              std::vector<Outcome> fused, unfused;
+              for (bool cuda : {false, true}) {
+                Tensor rm1 = cuda ? rm.cuda() : rm.clone(), rv1 = cuda ? rv.cuda() : rv.clone();
+                Tensor rm2 = rm1.clone(), rv2 = rv1.clone();
+                auto layout = [cl](Tensor t) { return cl ? channels_last(t) : t; };
+                fused.push_back(run(
+                    [&](const std::vector<Tensor>& v) {
+                      return add ? batch_norm_add_relu(v[0], v[3], v[1], v[2], rm1, rv1, training, 0.2)
+                                 : batch_norm_relu(v[0], v[1], v[2], rm1, rv1, training, 0.2);
+                    },
+                    inputs, cuda, layout));
+                unfused.push_back(run(
+                    [&](const std::vector<Tensor>& v) {
+                      Tensor y = batch_norm(v[0], v[1], v[2], rm2, rv2, training, 0.2);
+                      return relu(add ? y + v[3] : y);
+                    },
+                    inputs, cuda, layout));
+                ASSERT_TRUE(same_values(rm1, rm2) && same_values(rv1, rv2)) << what << " running stats";
+                const std::string on = cat(what, cuda ? " (cuda)" : " (cpu)");
+                ASSERT_TRUE(same_values(fused.back().y, unfused.back().y)) << on << " forward";
+                EXPECT_EQ(fused.back().y.suggest_memory_format(), unfused.back().y.suggest_memory_format()) << on;
+                for (size_t i = 0; i < inputs.size(); ++i) {
+                  const Tensor& a = fused.back().grads[i];
+                  const Tensor& u = unfused.back().grads[i];
+                  ASSERT_EQ(a.defined(), u.defined()) << on << " grad " << i;
+                  if (a.defined()) EXPECT_TRUE(same_values(a, u)) << on << " grad " << i << "\n" << a << "\n" << u;
+                }
               }
+              const double zeros = sum(eq(fused[0].y, zeros_like(fused[0].y))).item();
+              EXPECT_GT(zeros, 0.1 * static_cast<double>(x.numel())) << what << ": the ReLU never acted";
+              expect_same(fused[0].y, fused[1].y, tol(dt), what + " cpu vs cuda forward");
+              for (size_t i = 0; i < inputs.size(); ++i)
+                expect_same(fused[0].grads[i], fused[1].grads[i], tol(dt) * 4, cat(what, " cpu vs cuda grad ", i));
             }
-            const double zeros = sum(eq(fused[0].y, zeros_like(fused[0].y))).item();
-            EXPECT_GT(zeros, 0.1 * static_cast<double>(x.numel())) << what << ": the ReLU never acted";
-            expect_same(fused[0].y, fused[1].y, tol(dt), what + " cpu vs cuda forward");
-            for (size_t i = 0; i < 3; ++i)
-              expect_same(fused[0].grads[i], fused[1].grads[i], tol(dt) * 4, cat(what, " cpu vs cuda grad ", i));
-          }
 }
 
 // The reduction kernels at the shapes that exercise their geometry: one and

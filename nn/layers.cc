@@ -79,11 +79,29 @@ BatchNorm2d::BatchNorm2d(int64_t c, double eps, double momentum, bool affine, bo
   }
 }
 
-Tensor BatchNorm2d::forward(const Tensor& x) {
+Tensor BatchNorm2d::add_relu(const Tensor& x, const Tensor& residual) {
+  EMBER_CHECK(!fused_relu,
+              "BatchNorm2d::add_relu: fused_relu is set, so the ReLU would come before the residual's add");
+  EMBER_CHECK(residual.defined(), "BatchNorm2d::add_relu: the residual is undefined");
+  const bool fusable = plain_call() && !cross_replica_sum && x.defined() && residual.sizes() == x.sizes() &&
+                       residual.dtype() == x.dtype() && residual.device() == x.device();
+  if (!fusable) return relu((*this)(x) + residual);
+  return normalize(x, residual);
+}
+
+Tensor BatchNorm2d::forward(const Tensor& x) { return normalize(x, Tensor()); }
+
+Tensor BatchNorm2d::normalize(const Tensor& x, const Tensor& residual) {
   EMBER_CHECK(x.dim() == 4 && x.size(1) == num_features, "BatchNorm2d: expected input [N, ", num_features,
               ", H, W], got ", shape_str(x.sizes()));
   bool use_batch_stats = is_training() || !running_mean.defined();
-  auto* bn = fused_relu ? &batch_norm_relu : &batch_norm;
+  // The op: batch norm, with the ReLU (fused_relu), or with the residual's
+  // add and the ReLU (add_relu, which never reaches the sync path).
+  auto bn = [&](const Tensor& rm, const Tensor& rv, bool train, const Tensor& counter) {
+    if (residual.defined())
+      return batch_norm_add_relu(x, residual, weight, bias, rm, rv, train, momentum, eps, counter);
+    return (fused_relu ? &batch_norm_relu : &batch_norm)(x, weight, bias, rm, rv, train, momentum, eps, counter);
+  };
   auto sync = [&](bool update_running) {
     Tensor y = sync_forward(x, update_running);
     return fused_relu ? relu(y) : y;
@@ -93,7 +111,7 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
   // batch statistics and leaves them alone.
   if (is_training() && autograd::in_checkpoint_recompute()) {
     if (cross_replica_sum) return sync(false);
-    return bn(x, weight, bias, Tensor(), Tensor(), true, momentum, eps, Tensor());
+    return bn(Tensor(), Tensor(), true, Tensor());
   }
   if (is_training() && cross_replica_sum) {
     if (num_batches_tracked.defined()) {
@@ -105,8 +123,7 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
   }
   // Training, the op counts the batch with its running statistics' update
   // (on a GPU inside the statistics kernel: a launch fewer a layer).
-  return bn(x, weight, bias, running_mean, running_var, use_batch_stats, momentum, eps,
-            is_training() ? num_batches_tracked : Tensor());
+  return bn(running_mean, running_var, use_batch_stats, is_training() ? num_batches_tracked : Tensor());
 }
 
 // Batch statistics over all replicas from one cross-replica sum of

@@ -75,6 +75,13 @@ class BatchNorm2d : public Module {
   // blocks set it where a ReLU follows (its forward hooks then see the
   // ReLU's output); the state dict is unchanged.
   bool fused_relu = false;
+  // relu(this(x) + residual), a residual block's tail (ResNet's blocks call
+  // it): one op, batch_norm_add_relu, the add and the ReLU inside batch
+  // norm's passes, where this call is forward alone (plain_call()), there
+  // is no cross-replica sum and the residual is laid over x (shape, dtype,
+  // device); else the three ops. The same values either way; fused_relu
+  // must be off (its ReLU would come before the add).
+  Tensor add_relu(const Tensor& x, const Tensor& residual);
   // SyncBatchNorm: when set, training-mode forward computes the batch
   // statistics over every replica. It receives this replica's per-channel
   // [sum(x), sum(x^2), count] packed as [2C + 1] (float64) and must return
@@ -85,6 +92,7 @@ class BatchNorm2d : public Module {
 
  private:
   Tensor sync_forward(const Tensor& x, bool update_running = true);
+  Tensor normalize(const Tensor& x, const Tensor& residual);
 };
 
 class LayerNorm : public Module {

@@ -25,9 +25,8 @@ BasicBlock::BasicBlock(int64_t in, int64_t planes, int64_t stride, std::shared_p
 }
 
 Tensor BasicBlock::forward(const Tensor& x) {
-  Tensor out = (*bn1)((*conv1)(x));  // with its ReLU
-  out = (*bn2)((*conv2)(out));
-  return relu(out + (downsample ? (*downsample)(x) : x));
+  Tensor out = (*bn1)((*conv1)(x));                                        // with its ReLU
+  return bn2->add_relu((*conv2)(out), downsample ? (*downsample)(x) : x);  // relu(bn2(...) + identity)
 }
 
 Bottleneck::Bottleneck(int64_t in, int64_t planes, int64_t stride, std::shared_ptr<Sequential> ds)
@@ -45,8 +44,7 @@ Bottleneck::Bottleneck(int64_t in, int64_t planes, int64_t stride, std::shared_p
 Tensor Bottleneck::forward(const Tensor& x) {
   Tensor out = (*bn1)((*conv1)(x));  // bn1 and bn2 with their ReLUs
   out = (*bn2)((*conv2)(out));
-  out = (*bn3)((*conv3)(out));
-  return relu(out + (downsample ? (*downsample)(x) : x));
+  return bn3->add_relu((*conv3)(out), downsample ? (*downsample)(x) : x);  // relu(bn3(...) + identity), one op
 }
 
 ResNet::ResNet(Block block, std::vector<int64_t> layers, ResNetOptions opts)

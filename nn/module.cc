@@ -89,6 +89,11 @@ Tensor Module::operator()(const Tensor& x) {
   return out;
 }
 
+bool Module::plain_call() const {
+  return hooks_->pre.empty() && hooks_->post.empty() && hooks_->backward_pre.empty() &&
+         (transform_states_.empty() || !transform_state("activation_checkpoint"));
+}
+
 Tensor Module::forward(const Tensor&) {
   EMBER_CHECK(false, type_name_, ": this module has no single-tensor forward(); call its own forward signature");
   return Tensor();

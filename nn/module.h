@@ -82,6 +82,11 @@ class Module {
   // The call entry: forward pre-hooks, forward, forward hooks, then the
   // backward pre-hooks armed on the output.
   Tensor operator()(const Tensor& x);
+  // Whether operator() is forward() alone: no hooks of any kind and no
+  // checkpointed region of its own. A module's fused entry that computes
+  // more than its forward (BatchNorm2d::add_relu) is taken only then, since
+  // a hook would see the fused op's output in place of the module's.
+  bool plain_call() const;
 
   // Hooks run in registration order; see the top of this file.
   HookHandle register_forward_pre_hook(ForwardPreHook hook);

@@ -681,5 +681,70 @@ TEST(Models, ConvBatchNormReluGradcheck) {
   EXPECT_TRUE(r4.ok) << "bn x " << r4.message;
 }
 
+// BatchNorm2d::add_relu, a residual block's tail: the one op
+// (batch_norm_add_relu) where its call is forward alone, the three ops
+// where a hook must see the module's own output or the residual is of
+// another dtype; the same outputs, gradients (x, residual, weight, bias),
+// running statistics and batch count as relu(bn(x) + residual) on a twin,
+// in training and eval; finite differences in float64 through both inputs.
+TEST(Models, BatchNormAddReluIsTheThreeOps) {
+  for (bool training : {true, false})
+    for (int variant = 0; variant < 3; ++variant) {  // fused, a forward hook, a float64 residual
+      nn::BatchNorm2d bn(3), twin(3);
+      Generator g(31 + variant);
+      for (nn::BatchNorm2d* m : {&bn, &twin}) {
+        m->weight.detach().copy_(Tensor::from_vector({0.5, -1.5, 2.0}, {3}));
+        m->bias.detach().copy_(Tensor::from_vector({0.1, 0.3, -0.2}, {3}));
+        m->running_mean.detach().fill_(0.25);
+        m->train(training);
+      }
+      Tensor seen;
+      if (variant == 1)
+        bn.register_forward_hook([&](nn::Module&, const Tensor&, const Tensor& out) {
+          seen = out;
+          return Tensor();
+        });
+      const Tensor x0 = randn({4, 3, 5, 5}, {}, &g);
+      const Tensor r0 = randn({4, 3, 5, 5}, {variant == 2 ? DType::Float64 : DType::Float32}, &g);
+      Tensor x1 = x0.clone().requires_grad_(), r1 = r0.clone().requires_grad_();
+      Tensor x2 = x0.clone().requires_grad_(), r2 = r0.clone().requires_grad_();
+      const std::string what = detail::str_cat(training ? "train" : "eval", " variant ", variant);
+      const Tensor y = bn.add_relu(x1, r1), normed = twin(x2), want = relu(normed + r2);
+      EXPECT_EQ(autograd::grad_fn_name(y), variant == 0 ? "batch_norm_add_relu" : "relu") << what;
+      if (variant == 1) {
+        ASSERT_TRUE(seen.defined()) << what << ": the hook ran";
+        EXPECT_EQ(seen.to_vector(), normed.to_vector()) << what << ": the hook saw batch norm's own output";
+      }
+      ASSERT_EQ(y.dtype(), want.dtype()) << what;
+      EXPECT_EQ(y.to_vector(), want.to_vector()) << what;
+      const double zeros = sum(eq(y, zeros_like(y))).item();
+      EXPECT_GT(zeros, 10) << what << ": the ReLU acted";
+      const Tensor proj = randn(y.sizes(), {y.dtype()}, &g);
+      sum(y * proj).backward();
+      sum(want * proj).backward();
+      EXPECT_EQ(x1.grad().to_vector(), x2.grad().to_vector()) << what;
+      EXPECT_EQ(r1.grad().to_vector(), r2.grad().to_vector()) << what;
+      EXPECT_EQ(bn.weight.grad().to_vector(), twin.weight.grad().to_vector()) << what;
+      EXPECT_EQ(bn.bias.grad().to_vector(), twin.bias.grad().to_vector()) << what;
+      EXPECT_EQ(bn.running_mean.to_vector(), twin.running_mean.to_vector()) << what;
+      EXPECT_EQ(bn.running_var.to_vector(), twin.running_var.to_vector()) << what;
+      EXPECT_EQ(bn.num_batches_tracked.item(), twin.num_batches_tracked.item()) << what;
+    }
+
+  nn::BatchNorm2d bn(3);
+  bn.to(DType::Float64);
+  Tensor x = f64({4, 3, 5, 5}, 21).requires_grad_(), r = f64({4, 3, 5, 5}, 22).requires_grad_();
+  auto check = autograd::gradcheck([&](auto& v) { return bn.add_relu(v[0], v[1]); }, {x, r});
+  EXPECT_TRUE(check.ok) << check.message;
+
+  bn.fused_relu = true;
+  const std::string e = error_of([&] { bn.add_relu(x, r); });
+  EXPECT_NE(e.find("fused_relu is set"), std::string::npos) << e;
+  const std::string shape = error_of([&] { batch_norm_add_relu(x, r.narrow(3, 0, 4), {}, {}, {}, {}, true); });
+  EXPECT_NE(shape.find("batch_norm_add_relu: the residual must be laid over the input: residual [4,3,5,4] float64"),
+            std::string::npos)
+      << shape;
+}
+
 }  // namespace
 }  // namespace ember

@@ -46,6 +46,16 @@ S relu_of(S v) {
   return v > S(0) ? v : (v != v ? v : S(0));
 }
 
+// v rounded to T and read back: batch norm's output as the unfused op stores
+// it, before a fused residual add (for float and double, v itself).
+template <typename T, typename S>
+S round_to(S v) {
+  if constexpr (is_bits_float_v<T>)
+    return static_cast<S>(T::to_float(T::from_float(static_cast<float>(v))));
+  else
+    return static_cast<S>(static_cast<T>(v));
+}
+
 template <typename F>
 void bn_dispatch(DType t, F&& f) {
   EMBER_DISPATCH_FLOAT(t, "batch_norm", [&] { f(scalar_t{}, elem_t<scalar_t>{}); });
@@ -95,12 +105,13 @@ void batch_norm_stats_cpu(const Tensor& x, Tensor& mean, Tensor& var) {
 }
 
 void batch_norm_apply_cpu(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w, const Tensor& b,
-                          Tensor& y, bool relu) {
+                          Tensor& y, bool relu, const Tensor* residual) {
   const BnShape sh = bn_shape(x);
   bn_dispatch(x.dtype(), [&](auto t, auto s) {
     using T = decltype(t);
     using S = decltype(s);
     const T* xp = x.data<T>();
+    const T* rp = residual ? residual->data<T>() : nullptr;
     T* yp = y.data<T>();
     const S *mp = mean.data<S>(), *ip = invstd.data<S>(), *wp = opt_ptr<S>(w), *bp = opt_ptr<S>(b);
     // Planes, not channels, so a small C still fills every thread.
@@ -112,7 +123,13 @@ void batch_norm_apply_cpu(const Tensor& x, const Tensor& mean, const Tensor& inv
                      const S shift = at_or(bp, c, S(0)) - mp[c] * scale;
                      const T* xr = xp + p * sh.s;
                      T* yr = yp + p * sh.s;
-                     if (relu) {
+                     if (rp) {
+                       const T* rr = rp + p * sh.s;
+#pragma omp simd
+                       for (int64_t i = 0; i < sh.s; ++i)
+                         store_as(yr + i,
+                                  relu_of(round_to<T>(load_as<S>(xr + i) * scale + shift) + load_as<S>(rr + i)));
+                     } else if (relu) {
 #pragma omp simd
                        for (int64_t i = 0; i < sh.s; ++i) store_as(yr + i, relu_of(load_as<S>(xr + i) * scale + shift));
                      } else {
@@ -125,7 +142,9 @@ void batch_norm_apply_cpu(const Tensor& x, const Tensor& mean, const Tensor& inv
 }
 
 void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
-                             const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db, const Tensor* relu_out) {
+                             const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db, const Tensor* relu_out,
+                             Tensor* dres) {
+  EMBER_INTERNAL_ASSERT(!dres || relu_out, "batch_norm_backward_cpu: dres without relu_out");
   const BnShape sh = bn_shape(x);
   bn_dispatch(x.dtype(), [&](auto t, auto s) {
     using T = decltype(t);
@@ -136,6 +155,7 @@ void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& me
     const T* yp = relu_out ? relu_out->data<T>() : nullptr;
     const S *mp = mean.data<S>(), *ip = invstd.data<S>(), *wp = opt_ptr<S>(w);
     T* dxp = dx ? dx->data<T>() : nullptr;
+    T* drp = dres ? dres->data<T>() : nullptr;
     S* dwp = dw ? dw->data<S>() : nullptr;
     S* dbp = db ? db->data<S>() : nullptr;
     const double m = static_cast<double>(sh.n * sh.s);
@@ -168,6 +188,18 @@ void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& me
           const double sum_dy_xhat = sum_dy_xc * inv;
           if (dwp) dwp[c] = static_cast<S>(sum_dy_xhat);
           if (dbp) dbp[c] = static_cast<S>(sum_dy);
+          // The residual's gradient, the masked dy, is written by the dx loop
+          // below, which computes it anyway (a store in the sums' loop changed
+          // gcc's vector width there, and with it the sums' bits at 16 bits).
+          if (!dxp && drp)
+            for (int64_t n = 0; n < sh.n; ++n) {
+              const int64_t off = (n * sh.c + c) * sh.s;
+              const T *gr = gp + off, *yr = yp + off;
+              T* rr = drp + off;
+#pragma omp simd
+              for (int64_t i = 0; i < sh.s; ++i)
+                store_as(rr + i, load_as<S>(yr + i) > S(0) ? load_as<S>(gr + i) : S(0));
+            }
           if (!dxp) continue;
           const double wc = at_or(wp, c, S(1));
           // train: dx = w * invstd / M * (M * dy - sum(dy) - xhat * sum(dy * xhat)),
@@ -181,6 +213,17 @@ void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& me
             const T *gr = gp + off, *xr = xp + off;
             const T* yr = kMask ? yp + off : nullptr;
             T* dr = dxp + off;
+            if (drp) {
+              T* rr = drp + off;
+#pragma omp simd
+              for (int64_t i = 0; i < sh.s; ++i) {
+                const S g = load_as<S>(yr + i) > S(0) ? load_as<S>(gr + i) : S(0);
+                store_as(rr + i, g);
+                const S xhat = (load_as<S>(xr + i) - mu_s) * inv_s;
+                store_as(dr + i, a * g + bx * xhat + k);
+              }
+              continue;
+            }
 #pragma omp simd
             for (int64_t i = 0; i < sh.s; ++i) {
               S g = load_as<S>(gr + i);
@@ -214,8 +257,13 @@ Tensor as_stat(const Tensor& t, DType sd) { return t.defined() ? t.detach().to(s
 
 Tensor batch_norm_op(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
                      const Tensor& running_var, bool training, double momentum, double eps, bool relu,
-                     const Tensor& counter) {
+                     const Tensor& counter, const Tensor& residual = Tensor()) {
   EMBER_CHECK(x.defined(), "batch_norm: input is undefined");
+  if (residual.defined())
+    EMBER_CHECK(residual.sizes() == x.sizes() && residual.dtype() == x.dtype() && residual.device() == x.device(),
+                "batch_norm_add_relu: the residual must be laid over the input: residual ", shape_str(residual.sizes()),
+                " ", residual.dtype(), " on ", residual.device(), ", input ", shape_str(x.sizes()), " ", x.dtype(),
+                " on ", x.device());
   EMBER_CHECK(x.dim() == 4, "batch_norm: expected a 4-D input [N, C, H, W], got ", shape_str(x.sizes()));
   EMBER_CHECK(is_floating(x.dtype()), "batch_norm: expected a floating input, got ", x.dtype());
   check_channel_param(weight, x, "weight");
@@ -250,10 +298,14 @@ Tensor batch_norm_op(const Tensor& x, const Tensor& weight, const Tensor& bias, 
   auto from_kernel = [cl, xs](const Tensor& t) {
     return cl ? t.view({xs[0], xs[2], xs[3], xs[1]}).permute({0, 3, 1, 2}) : t;
   };
-  Tensor xc, wc, bc, mean, invstd;
+  const bool add = residual.defined();
+  relu = relu || add;
+  const char* name = add ? "batch_norm_add_relu" : relu ? "batch_norm_relu" : "batch_norm";
+  Tensor xc, rc, wc, bc, mean, invstd;
   {
     NoGradGuard no_grad;  // statistics and copies are not part of the graph
     xc = to_kernel(x).detach();
+    if (add) rc = to_kernel(residual).detach();  // laid out as x is
     wc = as_stat(weight, sd);
     bc = as_stat(bias, sd);
     if (training && x.is_cuda()) {
@@ -297,26 +349,31 @@ Tensor batch_norm_op(const Tensor& x, const Tensor& weight, const Tensor& bias, 
       if (!counted) n += ones({}, DType::Int64);  // the CPU's, or an empty batch's
     }
   }
+  std::vector<Tensor> inputs = {x, weight, bias};
+  if (add) inputs.push_back(residual);
   return differentiable(
-      relu ? "batch_norm_relu" : "batch_norm", {x, weight, bias},
+      name, inputs,
       [&] {
         Tensor y = Tensor::empty(xc.sizes(), xc.options());
         if (y.numel() == 0) return from_kernel(y);
         if (x.is_cuda())
-          batch_norm_apply_cuda(xc, mean, invstd, wc, bc, y, relu);
+          batch_norm_apply_cuda(xc, mean, invstd, wc, bc, y, relu, add ? &rc : nullptr);
         else
-          batch_norm_apply_cpu(xc, mean, invstd, wc, bc, y, relu);
+          batch_norm_apply_cpu(xc, mean, invstd, wc, bc, y, relu, add ? &rc : nullptr);
         return from_kernel(y);
       },
       [&](const Tensor& out) {
-        // With the ReLU, its output masks the gradient (relu_backward's rule).
+        // With the ReLU, its output masks the gradient (relu_backward's rule);
+        // the residual's gradient is that masked gradient.
         const Tensor yk = relu ? to_kernel(out) : Tensor();
+        const bool need_r = add && residual.requires_grad();
         const bool need_x = x.requires_grad();
         const bool need_w = weight.defined() && weight.requires_grad(), need_b = bias.defined() && bias.requires_grad();
         const DType wdt = weight.defined() ? weight.dtype() : sd, bdt = bias.defined() ? bias.dtype() : sd;
         BackwardFn fn = [=](const Tensor& gy) {
           Tensor dy = to_kernel(gy);
           Tensor dx = need_x ? Tensor::empty(xc.sizes(), xc.options()) : Tensor();
+          Tensor dr = need_r ? Tensor::empty(xc.sizes(), xc.options()) : Tensor();
           // The CUDA kernels write every element; the CPU ones skip an empty batch.
           auto make = [&](bool need) {
             if (!need) return Tensor();
@@ -332,12 +389,15 @@ Tensor batch_norm_op(const Tensor& x, const Tensor& weight, const Tensor& bias, 
             const Tensor* mask = relu ? &yk : nullptr;
             if (xc.is_cuda())
               batch_norm_backward_cuda(xc, dy, mean, invstd, wc, training, need_x ? &dx : nullptr,
-                                       need_w ? &dw : nullptr, need_b ? &db : nullptr, mask);
+                                       need_w ? &dw : nullptr, need_b ? &db : nullptr, mask, need_r ? &dr : nullptr);
             else
               batch_norm_backward_cpu(xc, dy, mean, invstd, wc, training, need_x ? &dx : nullptr,
-                                      need_w ? &dw : nullptr, need_b ? &db : nullptr, mask);
+                                      need_w ? &dw : nullptr, need_b ? &db : nullptr, mask, need_r ? &dr : nullptr);
           }
-          return std::vector<Tensor>{need_x ? from_kernel(dx) : dx, need_w ? dw.to(wdt) : dw, need_b ? db.to(bdt) : db};
+          std::vector<Tensor> grads = {need_x ? from_kernel(dx) : dx, need_w ? dw.to(wdt) : dw,
+                                       need_b ? db.to(bdt) : db};
+          if (add) grads.push_back(need_r ? from_kernel(dr) : dr);
+          return grads;
         };
         return relu ? Recorded{fn, {xc, wc, out}} : Recorded{fn, {xc, wc}};
       });
@@ -355,6 +415,15 @@ Tensor batch_norm_relu(const Tensor& x, const Tensor& weight, const Tensor& bias
                        const Tensor& running_var, bool training, double momentum, double eps,
                        const Tensor& num_batches_tracked) {
   return batch_norm_op(x, weight, bias, running_mean, running_var, training, momentum, eps, true, num_batches_tracked);
+}
+
+Tensor batch_norm_add_relu(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
+                           const Tensor& running_mean, const Tensor& running_var, bool training, double momentum,
+                           double eps, const Tensor& num_batches_tracked) {
+  EMBER_CHECK(residual.defined(), "batch_norm_add_relu: the residual is undefined (input ",
+              x.defined() ? shape_str(x.sizes()) : std::string("undefined"), ")");
+  return batch_norm_op(x, weight, bias, running_mean, running_var, training, momentum, eps, true, num_batches_tracked,
+                       residual);
 }
 
 }  // namespace ember

@@ -20,7 +20,10 @@
 // Accumulation is in acc_t: float for 16-bit and float32 input, double for
 // double. Batch norm fused with ReLU adds the ReLU to the normalising pass
 // and reads the gradient through the fused output's mask (dy where y > 0)
-// in both backward passes: no ReLU kernel either way.
+// in both backward passes: no ReLU kernel either way. With a residual block's
+// add as well, the normalising pass reads the residual, and the backward's
+// sums pass writes the masked dy (the residual's gradient), which its dx
+// pass then reads: no add or ReLU kernel, no relu_backward.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -149,17 +152,23 @@ struct StatsOp {
 
 // MASK (batch norm fused with ReLU): dy counts where the fused output y is
 // > 0, relu_backward's rule, so the sums are those of the unfused pair.
-template <typename T, typename A, bool MASK = false>
+// STORE (and a residual added before the ReLU): that masked dy is also
+// written to dz, the residual's gradient, as the pass reads it (every
+// element is loaded exactly once).
+template <typename T, typename A, bool MASK = false, bool STORE = false>
 struct BackwardSumsOp {
+  static_assert(MASK || !STORE, "the stored gradient is the masked one");
   using State = Sums2<A>;
   using Acc = Sums2<A>;
   const T* x;
   const T* dy;
   const T* y;  // MASK only
+  T* dz;       // STORE only
   __device__ __forceinline__ static State finish(const Acc& a) { return a; }
   __device__ __forceinline__ void load(State& st, int64_t i, A mean) const {
     A g = cast_value<A>(dy[i]);
     if constexpr (MASK) g = cast_value<A>(y[i]) > A(0) ? g : A(0);
+    if constexpr (STORE) dz[i] = cast_value<T>(g);
     st.a += g;
     st.b += g * (cast_value<A>(x[i]) - mean);
   }
@@ -167,16 +176,18 @@ struct BackwardSumsOp {
   __device__ __forceinline__ void load_vec(State* st, int64_t i, const A* mean, bool same_channel) const {
     const VecN<T, VEC> vx = *reinterpret_cast<const VecN<T, VEC>*>(x + i);
     const VecN<T, VEC> vg = *reinterpret_cast<const VecN<T, VEC>*>(dy + i);
-    VecN<T, VEC> vy;
+    VecN<T, VEC> vy, vz;
     if constexpr (MASK) vy = *reinterpret_cast<const VecN<T, VEC>*>(y + i);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const int k = same_channel ? 0 : j;
       A g = cast_value<A>(vg.v[j]);
       if constexpr (MASK) g = cast_value<A>(vy.v[j]) > A(0) ? g : A(0);
+      if constexpr (STORE) vz.v[j] = cast_value<T>(g);
       st[k].a += g;
       st[k].b += g * (cast_value<A>(vx.v[j]) - mean[k]);
     }
+    if constexpr (STORE) *reinterpret_cast<VecN<T, VEC>*>(dz + i) = vz;
   }
 };
 
@@ -374,11 +385,22 @@ struct DxCoef {
     mu = train ? mean[ch] : A(0);
   }
 };
+// out = u (with kMaskU: the masked gradient alone, a residual's gradient
+// where no backward sums are taken).
+template <typename A>
+struct IdentityCoef {
+  __device__ __forceinline__ void at(int64_t, A& p, A& q, A& mu, A& k) const {
+    p = A(1);
+    q = mu = k = A(0);
+  }
+};
 
 // What the elementwise passes add for batch norm fused with ReLU: the ReLU
 // on the output (the forward), or u (dy) taken only where m (the fused
-// output) is > 0 (the backward's dx).
-enum Epilogue { kPlain = 0, kRelu = 1, kMaskU = 2 };
+// output) is > 0 (the backward's dx); with a residual block's add too, m is
+// the residual, added to the output rounded to T (where the unfused batch
+// norm stores it) and then the ReLU.
+enum Epilogue { kPlain = 0, kRelu = 1, kMaskU = 2, kAddRelu = 3 };
 
 template <typename A>
 __device__ __forceinline__ A relu_of(A v) {
@@ -405,7 +427,7 @@ __global__ void affine_planes_kernel(const T* __restrict__ u, const T* __restric
     const VecN<T, VEC> uv = *reinterpret_cast<const VecN<T, VEC>*>(u + i);
     VecN<T, VEC> vv, mv;
     if constexpr (HAS_V) vv = *reinterpret_cast<const VecN<T, VEC>*>(v + i);
-    if constexpr (EPI == kMaskU) mv = *reinterpret_cast<const VecN<T, VEC>*>(m + i);
+    if constexpr (EPI == kMaskU || EPI == kAddRelu) mv = *reinterpret_cast<const VecN<T, VEC>*>(m + i);
     VecN<T, VEC> r;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -419,6 +441,7 @@ __global__ void affine_planes_kernel(const T* __restrict__ u, const T* __restric
       A o = fma_of(p, uu, k);
       if constexpr (HAS_V) o = fma_of(q, cast_value<A>(vv.v[j]) - mu, o);
       if constexpr (EPI == kRelu) o = relu_of(o);
+      if constexpr (EPI == kAddRelu) o = relu_of(cast_value<A>(cast_value<T>(o)) + cast_value<A>(mv.v[j]));
       r.v[j] = cast_value<T>(o);
     }
     *reinterpret_cast<VecN<T, VEC>*>(out + i) = r;
@@ -443,7 +466,7 @@ __global__ void affine_rows_kernel(const T* __restrict__ u, const T* __restrict_
     const VecN<T, VEC> uv = *reinterpret_cast<const VecN<T, VEC>*>(u + i);
     VecN<T, VEC> vv, mv;
     if constexpr (HAS_V) vv = *reinterpret_cast<const VecN<T, VEC>*>(v + i);
-    if constexpr (EPI == kMaskU) mv = *reinterpret_cast<const VecN<T, VEC>*>(mask + i);
+    if constexpr (EPI == kMaskU || EPI == kAddRelu) mv = *reinterpret_cast<const VecN<T, VEC>*>(mask + i);
     VecN<T, VEC> o;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -452,6 +475,7 @@ __global__ void affine_rows_kernel(const T* __restrict__ u, const T* __restrict_
       A val = fma_of(p[j], uu, k[j]);
       if constexpr (HAS_V) val = fma_of(q[j], cast_value<A>(vv.v[j]) - mu[j], val);
       if constexpr (EPI == kRelu) val = relu_of(val);
+      if constexpr (EPI == kAddRelu) val = relu_of(cast_value<A>(cast_value<T>(val)) + cast_value<A>(mv.v[j]));
       o.v[j] = cast_value<T>(val);
     }
     *reinterpret_cast<VecN<T, VEC>*>(out + i) = o;
@@ -506,13 +530,14 @@ RowsGeometry rows_geometry(int64_t m, int64_t c, int vec, int device) {
 }
 
 template <typename T>
-ReducePlan plan_reduce(const Dims3& d, const void* p0, const void* p1, int device, const void* p2 = nullptr) {
+ReducePlan plan_reduce(const Dims3& d, const void* p0, const void* p1, int device, const void* p2 = nullptr,
+                       const void* p3 = nullptr) {
   constexpr int V = cuda::vec_width<T>();
   ReducePlan pl{};
   if (d.s == 1) {
     pl.rows = true;
     const bool vec_ok = d.c % V == 0 && cuda::is_aligned_for<T, V>(p0) && (!p1 || cuda::is_aligned_for<T, V>(p1)) &&
-                        (!p2 || cuda::is_aligned_for<T, V>(p2));
+                        (!p2 || cuda::is_aligned_for<T, V>(p2)) && (!p3 || cuda::is_aligned_for<T, V>(p3));
     pl.vec = vec_ok ? V : 1;
     const RowsGeometry g = rows_geometry(d.n, d.c, pl.vec, device);
     pl.grid = g.grid;
@@ -520,11 +545,12 @@ ReducePlan plan_reduce(const Dims3& d, const void* p0, const void* p1, int devic
     pl.chunks = g.chunks;
   } else {
     pl.rows = false;
-    // for_each_aligned aligns the loads on x; dy (and y) must then be
+    // for_each_aligned aligns the loads on x; dy (and y, dz) must then be
     // aligned alike.
     const uintptr_t a0 = reinterpret_cast<uintptr_t>(p0), a1 = reinterpret_cast<uintptr_t>(p1 ? p1 : p0),
-                    a2 = reinterpret_cast<uintptr_t>(p2 ? p2 : p0);
-    pl.vec = (a0 - a1) % (sizeof(T) * V) == 0 && (a0 - a2) % (sizeof(T) * V) == 0 ? V : 1;
+                    a2 = reinterpret_cast<uintptr_t>(p2 ? p2 : p0), a3 = reinterpret_cast<uintptr_t>(p3 ? p3 : p0);
+    const uintptr_t width = sizeof(T) * V;
+    pl.vec = (a0 - a1) % width == 0 && (a0 - a2) % width == 0 && (a0 - a3) % width == 0 ? V : 1;
     pl.chunks = std::clamp<int64_t>(cuda::ceil_div(target_blocks(device), d.c), 1, std::min<int64_t>(d.n, 65535));
     pl.ppc = cuda::ceil_div(d.n, pl.chunks);
     pl.chunks = cuda::ceil_div(d.n, pl.ppc);
@@ -621,7 +647,7 @@ void batch_norm_stats_cuda(const Tensor& x, Tensor& mean, Tensor& invstd, double
 }
 
 void batch_norm_apply_cuda(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w, const Tensor& b,
-                           Tensor& y, bool relu) {
+                           Tensor& y, bool relu, const Tensor* residual) {
   const Dims3 d = dims_of(x);
   const int64_t total = x.numel();
   if (total == 0) return;
@@ -634,7 +660,10 @@ void batch_norm_apply_cuda(const Tensor& x, const Tensor& mean, const Tensor& in
                             opt_ptr<A>(w), opt_ptr<A>(b)};
     const T* xp = static_cast<const T*>(x.raw_data());
     T* yp = static_cast<T*>(y.raw_data());
-    if (relu)
+    if (residual)
+      launch_affine<T, A, kAddRelu>(d, xp, nullptr, static_cast<const T*>(residual->raw_data()), coef, yp,
+                                    x.device().index, stream);
+    else if (relu)
       launch_affine<T, A, kRelu>(d, xp, nullptr, nullptr, coef, yp, x.device().index, stream);
     else
       launch_affine<T, A, kPlain>(d, xp, nullptr, nullptr, coef, yp, x.device().index, stream);
@@ -642,7 +671,9 @@ void batch_norm_apply_cuda(const Tensor& x, const Tensor& mean, const Tensor& in
 }
 
 void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
-                              const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db, const Tensor* relu_out) {
+                              const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db, const Tensor* relu_out,
+                              Tensor* dres) {
+  EMBER_INTERNAL_ASSERT(!dres || relu_out, "batch_norm_backward_cuda: dres without relu_out");
   const Dims3 d = dims_of(x);
   const int64_t total = x.numel();
   if (total == 0 || d.c == 0) return;
@@ -658,18 +689,25 @@ void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& m
     const T* xp = static_cast<const T*>(x.raw_data());
     const T* gp = static_cast<const T*>(dy.raw_data());
     const T* yp = relu_out ? static_cast<const T*>(relu_out->raw_data()) : nullptr;
+    T* zp = dres ? static_cast<T*>(dres->raw_data()) : nullptr;
     const A* mp = static_cast<const A*>(mean.raw_data());
     Tensor part, coef_t;
     int64_t chunks = 0;
     if (need_sums) {
-      const ReducePlan pl = plan_reduce<T>(d, xp, gp, dev, yp);
+      const ReducePlan pl = plan_reduce<T>(d, xp, gp, dev, yp, zp);
       chunks = pl.chunks;
       part = Tensor::empty({2, chunks, d.c}, mean.options());
       A* pp = static_cast<A*>(part.raw_data());
-      if (yp)
-        launch_reduce<BackwardSumsOp<T, A, true>, A, V>(pl, {xp, gp, yp}, mp, pp, d, stream);
+      if (zp)
+        launch_reduce<BackwardSumsOp<T, A, true, true>, A, V>(pl, {xp, gp, yp, zp}, mp, pp, d, stream);
+      else if (yp)
+        launch_reduce<BackwardSumsOp<T, A, true>, A, V>(pl, {xp, gp, yp, nullptr}, mp, pp, d, stream);
       else
-        launch_reduce<BackwardSumsOp<T, A>, A, V>(pl, {xp, gp, nullptr}, mp, pp, d, stream);
+        launch_reduce<BackwardSumsOp<T, A>, A, V>(pl, {xp, gp, nullptr, nullptr}, mp, pp, d, stream);
+    } else if (zp) {
+      // No sums to take (eval, no parameter gradients): the residual's
+      // gradient in a pass of its own.
+      launch_affine<T, A, kMaskU>(d, gp, nullptr, yp, IdentityCoef<A>{}, zp, dev, stream);
     }
     if (dx) coef_t = Tensor::empty({3, d.c}, mean.options());
     backward_finalize_kernel<A><<<cuda::grid_for(d.c, kFinalizeChannels), cuda::kBlockSize, 0, stream>>>(
@@ -680,7 +718,9 @@ void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& m
     if (!dx) return;
     const DxCoef<A> coef{mp, static_cast<const A*>(coef_t.raw_data()), d.c, train};
     T* dxp = static_cast<T*>(dx->raw_data());
-    if (yp)
+    if (zp)  // the masked dy, just written: two reads (dz, x) where dy, y, x were three
+      launch_affine<T, A, kPlain>(d, zp, train ? xp : nullptr, nullptr, coef, dxp, dev, stream);
+    else if (yp)
       launch_affine<T, A, kMaskU>(d, gp, train ? xp : nullptr, yp, coef, dxp, dev, stream);
     else
       launch_affine<T, A, kPlain>(d, gp, train ? xp : nullptr, nullptr, coef, dxp, dev, stream);

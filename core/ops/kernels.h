@@ -455,23 +455,29 @@ void batch_norm_stats_cpu(const Tensor& x, Tensor& mean, Tensor& var);
 void batch_norm_stats_cuda(const Tensor& x, Tensor& mean, Tensor& invstd, double eps, Tensor* running_mean,
                            Tensor* running_var, double momentum, Tensor* num_batches_tracked = nullptr);
 // y = (x - mean) * invstd * w + b, y contiguous like x; relu: then
-// max(y, 0) in the same pass (NaN kept, as relu keeps it).
+// max(y, 0) in the same pass (NaN kept, as relu keeps it). residual (a
+// residual block's tail, which implies relu): y = relu(bn + residual), bn
+// rounded to x's dtype before the add, so the values are those of the three
+// ops batch_norm, add, relu; residual is laid out as x.
 void batch_norm_apply_cpu(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w, const Tensor& b,
-                          Tensor& y, bool relu = false);
+                          Tensor& y, bool relu = false, const Tensor* residual = nullptr);
 void batch_norm_apply_cuda(const Tensor& x, const Tensor& mean, const Tensor& invstd, const Tensor& w, const Tensor& b,
-                           Tensor& y, bool relu = false);
+                           Tensor& y, bool relu = false, const Tensor* residual = nullptr);
 // dw = sum(dy * xhat), db = sum(dy); dx through the batch statistics when
 // train, else dy * w * invstd. Non-null outputs are preallocated and fully
 // written (their contents on entry do not matter). relu_out (batch norm
 // fused with ReLU): the fused op's output, and dy counts only where it is
 // > 0 (relu's backward folded into the reads: the same values as
-// relu_backward then batch norm's backward).
+// relu_backward then batch norm's backward). dres (with relu_out; the
+// residual's gradient when the op added one): that masked dy, written by
+// the pass that reads it, and on CUDA read back by the dx pass in place of
+// dy and the mask.
 void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
                              const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db,
-                             const Tensor* relu_out = nullptr);
+                             const Tensor* relu_out = nullptr, Tensor* dres = nullptr);
 void batch_norm_backward_cuda(const Tensor& x, const Tensor& dy, const Tensor& mean, const Tensor& invstd,
                               const Tensor& w, bool train, Tensor* dx, Tensor* dw, Tensor* db,
-                              const Tensor* relu_out = nullptr);
+                              const Tensor* relu_out = nullptr, Tensor* dres = nullptr);
 
 // Pooling over `planes` = N * C [h, w] planes into [oh, ow]. x, y, dy, dx
 // and indices are dense in one layout: NCHW (planes contiguous) or, with

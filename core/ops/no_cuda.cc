@@ -75,9 +75,9 @@ EMBER_NO_CUDA(conv2d_forward_cuda, const ConvGeom&, const Tensor&, const Tensor&
 EMBER_NO_CUDA(conv2d_backward_cuda, const ConvGeom&, const Tensor&, const Tensor&, const Tensor&, Tensor*, Tensor*)
 EMBER_NO_CUDA(batch_norm_stats_cuda, const Tensor&, Tensor&, Tensor&, double, Tensor*, Tensor*, double, Tensor*)
 EMBER_NO_CUDA(batch_norm_apply_cuda, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, Tensor&,
-              bool)
+              bool, const Tensor*)
 EMBER_NO_CUDA(batch_norm_backward_cuda, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, bool,
-              Tensor*, Tensor*, Tensor*, const Tensor*)
+              Tensor*, Tensor*, Tensor*, const Tensor*, Tensor*)
 EMBER_NO_CUDA(max_pool2d_cuda, const PoolGeom&, const Tensor&, Tensor&, Tensor&)
 EMBER_NO_CUDA(max_pool2d_backward_cuda, const PoolGeom&, const Tensor&, const Tensor&, Tensor&)
 EMBER_NO_CUDA(avg_pool2d_cuda, const PoolGeom&, const Tensor&, Tensor&)
