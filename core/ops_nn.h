@@ -167,11 +167,16 @@ Tensor batch_norm_relu(const Tensor& x, const Tensor& weight, const Tensor& bias
 // (cuDNN's BN_ADD_ACTIVATION, three ops in PyTorch's eager step). The add
 // and the ReLU in the normalising pass, which reads x and the residual and
 // writes the output (the three ops read 5 tensors and write 3); the
-// backward writes the residual's gradient, the masked dy, in the pass that
-// reads it, and its dx pass reads that in place of dy and the mask. The
-// same values bit for bit as the three ops (batch norm's output rounded to
-// x's dtype before the add). residual: x's shape, dtype and device, any
-// layout (copied to x's where it differs).
+// backward writes the residual's gradient, the masked dy, in a pass that
+// reads it anyway (on CUDA the sums pass, whose dx pass then reads it in
+// place of dy and the mask; on the CPU the dx loop). The same values bit for
+// bit as the three ops (batch norm's output rounded to x's dtype before the
+// add) where the gradient lies as x does (a misaligned one can change the
+// CUDA sums' vector width, and so their order, as for batch_norm_relu).
+// residual: x's shape, dtype and device, any layout (copied to x's where it
+// differs); the output is laid out as x, where the add would have taken a
+// channels-last residual's layout (BatchNorm2d::add_relu fuses only where
+// the two agree).
 Tensor batch_norm_add_relu(const Tensor& x, const Tensor& residual, const Tensor& weight, const Tensor& bias,
                            const Tensor& running_mean, const Tensor& running_var, bool training, double momentum = 0.1,
                            double eps = 1e-5, const Tensor& num_batches_tracked = Tensor());

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -590,6 +591,39 @@ TEST_F(CudaNnOps, BatchNormReluIsTheTwoOpsBitForBit) {
               for (size_t i = 0; i < inputs.size(); ++i)
                 expect_same(fused[0].grads[i], fused[1].grads[i], tol(dt) * 4, cat(what, " cpu vs cuda grad ", i));
             }
+}
+
+// The residual's gradient where batch_norm_add_relu takes no backward sums
+// (eval, no affine parameters, x without a gradient: a masked copy of its
+// own) keeps a -0 gradient's sign where the output is positive, as
+// relu_backward does, and is +0 where the ReLU cut: bits, not just values,
+// against the three ops, on the CPU and on CUDA, NCHW and channels-last.
+TEST_F(CudaNnOps, BatchNormAddReluResidualGradientKeepsNegativeZero) {
+  for (bool cuda : {false, true})
+    for (bool cl : {false, true}) {
+      Tensor x = rnd({2, 8, 3, 3}, 41, DType::Float32), r0 = rnd({2, 8, 3, 3}, 42, DType::Float32);
+      Tensor rm = rnd({8}, 43, DType::Float32), rv = rnd({8}, 44, DType::Float32, 0.1) + 1.0;
+      if (cuda) x = x.cuda(), r0 = r0.cuda(), rm = rm.cuda(), rv = rv.cuda();
+      if (cl) x = channels_last(x), r0 = channels_last(r0);
+      std::vector<Tensor> y(2), grad(2);
+      for (int fused = 0; fused < 2; ++fused) {
+        Tensor r = r0.detach().requires_grad_();
+        y[fused] =
+            fused ? batch_norm_add_relu(x, r, {}, {}, rm, rv, false) : relu(batch_norm(x, {}, {}, rm, rv, false) + r);
+        y[fused].backward(full_like(y[fused], -0.0));
+        grad[fused] = r.grad().cpu().contiguous();
+      }
+      const std::string what = cat(cuda ? "cuda" : "cpu", cl ? " channels-last" : "");
+      const std::vector<double> got = grad[1].to_vector(), want = grad[0].to_vector();
+      const std::vector<double> out = y[1].cpu().contiguous().to_vector();
+      int64_t positive = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(std::signbit(got[i]), std::signbit(want[i])) << what << " element " << i;
+        positive += out[i] > 0;
+      }
+      EXPECT_GT(positive, 10) << what << ": some outputs positive, so some -0 gradients pass";
+      EXPECT_TRUE(std::signbit(want[0]) || out[0] <= 0) << what << ": the unfused ops keep -0";
+    }
 }
 
 // The reduction kernels at the shapes that exercise their geometry: one and

@@ -83,8 +83,11 @@ Tensor BatchNorm2d::add_relu(const Tensor& x, const Tensor& residual) {
   EMBER_CHECK(!fused_relu,
               "BatchNorm2d::add_relu: fused_relu is set, so the ReLU would come before the residual's add");
   EMBER_CHECK(residual.defined(), "BatchNorm2d::add_relu: the residual is undefined");
-  const bool fusable = plain_call() && !cross_replica_sum && x.defined() && residual.sizes() == x.sizes() &&
-                       residual.dtype() == x.dtype() && residual.device() == x.device();
+  // The op lays its output out as x; the add would take a channels-last
+  // residual's layout, so a residual laid out otherwise takes the three ops.
+  const bool fusable = plain_call() && (!cross_replica_sum || !is_training()) && x.defined() &&
+                       residual.sizes() == x.sizes() && residual.dtype() == x.dtype() &&
+                       residual.device() == x.device() && residual.suggest_memory_format() == x.suggest_memory_format();
   if (!fusable) return relu((*this)(x) + residual);
   return normalize(x, residual);
 }

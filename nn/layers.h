@@ -77,9 +77,10 @@ class BatchNorm2d : public Module {
   bool fused_relu = false;
   // relu(this(x) + residual), a residual block's tail (ResNet's blocks call
   // it): one op, batch_norm_add_relu, the add and the ReLU inside batch
-  // norm's passes, where this call is forward alone (plain_call()), there
-  // is no cross-replica sum and the residual is laid over x (shape, dtype,
-  // device); else the three ops. The same values either way; fused_relu
+  // norm's passes, where this call is forward alone (plain_call(): no hooks,
+  // not checkpointed by itself), no cross-replica sum runs (training with
+  // one) and the residual is laid over x (shape, dtype, device, memory
+  // format); else the three ops. The same values either way; fused_relu
   // must be off (its ReLU would come before the add).
   Tensor add_relu(const Tensor& x, const Tensor& residual);
   // SyncBatchNorm: when set, training-mode forward computes the batch

@@ -731,6 +731,17 @@ TEST(Models, BatchNormAddReluIsTheThreeOps) {
       EXPECT_EQ(bn.num_batches_tracked.item(), twin.num_batches_tracked.item()) << what;
     }
 
+  // A channels-last residual over an NCHW input takes the three ops, whose
+  // add lays the output out as the residual; a cross-replica sum is not
+  // used in eval, so an eval call fuses.
+  nn::BatchNorm2d lay(3);
+  const Tensor xn = randn({2, 3, 4, 4}), rn = randn({2, 3, 4, 4}), rc = rn.contiguous(MemoryFormat::ChannelsLast);
+  const Tensor mixed = lay.add_relu(xn, rc);
+  EXPECT_EQ(autograd::grad_fn_name(mixed), "relu");
+  EXPECT_EQ(mixed.suggest_memory_format(), MemoryFormat::ChannelsLast);
+  lay.cross_replica_sum = [](const Tensor&) -> Tensor { throw Error("called in eval"); };
+  lay.eval();
+  EXPECT_EQ(autograd::grad_fn_name(lay.add_relu(xn, rn)), "batch_norm_add_relu");
   nn::BatchNorm2d bn(3);
   bn.to(DType::Float64);
   Tensor x = f64({4, 3, 5, 5}, 21).requires_grad_(), r = f64({4, 3, 5, 5}, 22).requires_grad_();

@@ -386,12 +386,14 @@ struct DxCoef {
   }
 };
 // out = u (with kMaskU: the masked gradient alone, a residual's gradient
-// where no backward sums are taken).
+// where no backward sums are taken). k is -0, not +0: u + -0 is u for every
+// u, where u + +0 would turn a -0 gradient into +0 (relu_backward keeps it).
 template <typename A>
 struct IdentityCoef {
   __device__ __forceinline__ void at(int64_t, A& p, A& q, A& mu, A& k) const {
     p = A(1);
-    q = mu = k = A(0);
+    q = mu = A(0);
+    k = -A(0);
   }
 };
 
@@ -411,7 +413,8 @@ __device__ __forceinline__ A relu_of(A v) {
 // costs one division (32-bit where the tensor allows); planes whose size is
 // not a multiple of VEC (7x7, 14x14 at 16 bits) end inside a vector, and the
 // lanes past the boundary move on to the next channel(s) without dividing.
-// v is read only when HAS_V, m only when EPI is kMaskU.
+// v is read only when HAS_V, m only when EPI is kMaskU (the mask) or
+// kAddRelu (the residual).
 template <typename T, typename A, int VEC, bool HAS_V, int EPI, typename I, typename Coef>
 __global__ void affine_planes_kernel(const T* __restrict__ u, const T* __restrict__ v, const T* __restrict__ m,
                                      Coef coef, T* __restrict__ out, int64_t total, int64_t c, int64_t s) {
@@ -580,7 +583,8 @@ void launch_reduce(const ReducePlan& pl, const Op& op, const A* mean, A* part, c
 // pointers are aligned and the vectors tile the tensor (NCHW: total % V ==
 // 0, planes may end inside a vector) or its rows (NHWC: c % V == 0); v may
 // be null.
-// EPI (Epilogue): kRelu on the output, or kMaskU with m the mask's tensor.
+// EPI (Epilogue): kRelu on the output, kMaskU with m the mask's tensor, or
+// kAddRelu with m the residual.
 template <typename T, typename A, int EPI, typename Coef>
 void launch_affine(const Dims3& d, const T* u, const T* v, const T* m, const Coef& coef, T* out, int device,
                    cudaStream_t stream) {
