@@ -47,7 +47,8 @@ S relu_of(S v) {
 }
 
 // v rounded to T and read back: batch norm's output as the unfused op stores
-// it, before a fused residual add (for float and double, v itself).
+// it, before a fused residual add (for float and double, v itself): the
+// conversions store_as and load_as make, on a value.
 template <typename T, typename S>
 S round_to(S v) {
   if constexpr (is_bits_float_v<T>)
@@ -159,8 +160,11 @@ void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& me
     S* dwp = dw ? dw->data<S>() : nullptr;
     S* dbp = db ? db->data<S>() : nullptr;
     const double m = static_cast<double>(sh.n * sh.s);
-    auto run = [&](auto masked) {
+    // kStore: the residual's gradient (the masked dy) written as the dx loop
+    // reads it.
+    auto run = [&](auto masked, auto store) {
       constexpr bool kMask = decltype(masked)::value;
+      constexpr bool kStore = decltype(store)::value;
       parallel_for(sh.c, 1, [&](int64_t begin, int64_t end) {
         for (int64_t c = begin; c < end; ++c) {
           const double mu = mp[c], inv = ip[c];
@@ -191,7 +195,8 @@ void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& me
           // The residual's gradient, the masked dy, is written by the dx loop
           // below, which computes it anyway (a store in the sums' loop changed
           // gcc's vector width there, and with it the sums' bits at 16 bits).
-          if (!dxp && drp)
+          // Without dx, a loop of its own.
+          if (!dxp && kStore)
             for (int64_t n = 0; n < sh.n; ++n) {
               const int64_t off = (n * sh.c + c) * sh.s;
               const T *gr = gp + off, *yr = yp + off;
@@ -213,21 +218,12 @@ void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& me
             const T *gr = gp + off, *xr = xp + off;
             const T* yr = kMask ? yp + off : nullptr;
             T* dr = dxp + off;
-            if (drp) {
-              T* rr = drp + off;
-#pragma omp simd
-              for (int64_t i = 0; i < sh.s; ++i) {
-                const S g = load_as<S>(yr + i) > S(0) ? load_as<S>(gr + i) : S(0);
-                store_as(rr + i, g);
-                const S xhat = (load_as<S>(xr + i) - mu_s) * inv_s;
-                store_as(dr + i, a * g + bx * xhat + k);
-              }
-              continue;
-            }
+            T* rr = kStore ? drp + off : nullptr;
 #pragma omp simd
             for (int64_t i = 0; i < sh.s; ++i) {
               S g = load_as<S>(gr + i);
               if constexpr (kMask) g = load_as<S>(yr + i) > S(0) ? g : S(0);
+              if constexpr (kStore) store_as(rr + i, g);
               const S xhat = (load_as<S>(xr + i) - mu_s) * inv_s;
               store_as(dr + i, a * g + bx * xhat + k);
             }
@@ -235,10 +231,12 @@ void batch_norm_backward_cpu(const Tensor& x, const Tensor& dy, const Tensor& me
         }
       });
     };
-    if (yp)
-      run(std::true_type{});
+    if (drp)
+      run(std::true_type{}, std::true_type{});
+    else if (yp)
+      run(std::true_type{}, std::false_type{});
     else
-      run(std::false_type{});
+      run(std::false_type{}, std::false_type{});
   });
 }
 
