@@ -13,7 +13,9 @@ for no tensor-core work; the loop's static size (both copies of a branch)
 does not say that. For a loop with exponentials (MUFU) it also counts
 those issued among tensor-core instructions (one within four instructions
 on either side, no barrier between): an attention kernel whose softmax runs
-in a stretch of its own leaves the tensor pipe idle for it. Where the
+in a stretch of its own leaves the tensor pipe idle for it. The runs of
+consecutive tensor-core instructions (average, longest) and how many of
+them reuse an operand register say the same of the products' side. Where the
 listing carries each instruction's control bits (cuobjdump prints them), it
 models one warp issuing the iteration alone: stall counts and scoreboard
 waits, with assumed latencies (issue_model).
@@ -233,6 +235,26 @@ def _tensor_near(ins, path, k, step, reach=4):
     return False
 
 
+def tensor_runs(ins, path):
+    """(lengths of the runs of consecutive tensor-core instructions along
+    the path, how many of them reuse an operand register (.reuse)). Long
+    runs mean the products come in blocks of their own, with the softmax's
+    instructions in stretches between them: the tensor pipe works and
+    idles by turns unless other warps fill the gaps."""
+    runs, cur, reuse = [], 0, 0
+    for i in path:
+        txt = ins[i][1]
+        if decode(txt)[0] in TENSOR:
+            cur += 1
+            reuse += ".reuse" in txt
+        elif cur:
+            runs.append(cur)
+            cur = 0
+    if cur:
+        runs.append(cur)
+    return runs, reuse
+
+
 def report(name, ins, ctl=None):
     index = {a: i for i, (a, _) in enumerate(ins)}
     loops = []
@@ -264,6 +286,10 @@ def report(name, ins, ctl=None):
         if model:
             print(f"    one warp alone: {model[0]} cycles an iteration (stall counts {model[1]}, "
                   f"scoreboard waits {model[2]})")
+        if h["tensor"]:
+            runs, reuse = tensor_runs(ins, path)
+            print(f"    tensor-core runs: {sum(runs) / len(runs):.1f} on average, {max(runs)} longest; "
+                  f"{reuse} of {h['tensor']} reuse an operand register")
         mufu = [k for k, i in enumerate(path) if decode(ins[i][1])[0] == "MUFU"]
         if mufu and h["tensor"]:
             beside = sum(1 for k in mufu if _tensor_near(ins, path, k, -1) and _tensor_near(ins, path, k, 1))

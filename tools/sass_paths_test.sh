@@ -33,9 +33,10 @@ cat >"$tmp/listing" <<'SASS'
         /*0030*/                   HMMA.16816.F32.BF16 R10, R4, R6, R10 ;
         /*0040*/                   MUFU.EX2 R9, R8 ;
         /*0050*/                   FADD R9, R9, R9 ;
-        /*0060*/                   HMMA.16816.F32.BF16 R10, R4, R6, R10 ;
-        /*0070*/              @P2 BRA 0x0 ;
-        /*0080*/                   EXIT ;
+        /*0060*/                   HMMA.16816.F32.BF16 R10, R4.reuse, R6, R10 ;
+        /*0070*/                   HMMA.16816.F32.BF16 R12, R4, R7, R12 ;
+        /*0080*/              @P2 BRA 0x0 ;
+        /*0090*/                   EXIT ;
 		Function : _Z5timedPf
         /*0000*/                   LDSM.16.M88.4 R4, [R2] ;                 /* 0x000000000204783b */
                                                                             /* 0x000e020000000000 */
@@ -60,6 +61,9 @@ grep -q "    control 3, ldsm 1, mufu 1$" <<<"$out" || { echo "$out"; exit 1; }
 grep -q "    mufu beside tensor-core instructions: 1 of 1$" <<<"$out" || { echo "$out"; exit 1; }
 out=$(python3 "$tool" --cuobjdump "$tmp/cuobjdump" fake.cubin '^soft')
 grep -q "    mufu beside tensor-core instructions: 1 of 2$" <<<"$out" || { echo "$out"; exit 1; }
+# Its products come one, one, then two in a row; one reuses a register.
+grep -q "    tensor-core runs: 1.3 on average, 2 longest; 1 of 4 reuse an operand register$" <<<"$out" ||
+  { echo "$out"; exit 1; }
 if grep -q "other" <<<"$out"; then echo "$out"; exit 1; fi
 # No control bits in kernel()'s listing: no issue model.
 out=$(python3 "$tool" --cuobjdump "$tmp/cuobjdump" fake.cubin '^kernel')

@@ -225,25 +225,27 @@ __device__ __forceinline__ void mask_edge_tile(int tk, int j0, int wrow, bool ca
   if (j0 + KEYS > tk || (causal && j0 + KEYS - 1 > wrow))
     mask(tk - j0 < KEYS ? tk - j0 : KEYS, causal ? (wrow - j0 < KEYS ? wrow - j0 : KEYS) : KEYS);
 }
-// One key tile's step of the online softmax (FlashAttention-2's): s the
-// tile's unscaled scores, m each row's running maximum (unscaled; the
-// scale is positive), l the lane's share of each row's sum, o the output's
-// accumulators, rescaled when the maximum moves. Probabilities are
-// exp2(s sl - m sl), sl the scale in log2 units (one FFMA and one MUFU a
-// score); emit(nt, p) takes each n-tile's four as soon as they are known
-// (the 16-bit kernel packs them, half the registers of the float scores),
-// dropped and scaled with dropout (the CPU's Philox mask; rows from i0,
-// keys from j0; l sums them before the drop).
-template <bool Drop, int NT, int DT, typename Emit>
-__device__ __forceinline__ void online_softmax(const float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&o)[DT][4],
-                                               float sl, const AttentionArgs& a, int64_t b, int i0, int j0,
-                                               float keep_scale, int g, int t, Emit&& emit) {
+// One key tile's step of the online softmax (FlashAttention-2's), in two
+// parts that online_softmax below runs back to back:
+//  - softmax_rescale: s the tile's unscaled scores, m each row's running
+//    maximum (unscaled; the scale is positive), l the lane's share of each
+//    row's sum, o the output's accumulators, rescaled when the maximum
+//    moves; returns in base each row's new maximum in log2 units;
+//  - probabilities: n-tile nt's four probabilities exp2(s sl - base), sl
+//    the scale in log2 units (one FFMA and one MUFU a score), added to l
+//    (before the drop) and, with dropout, dropped and scaled (the CPU's
+//    Philox mask; rows from i0, keys from j0).
+// Apart, a kernel can take each n-tile's probabilities just before the
+// products that read them (the 16-bit forward's interleaved P v), so that
+// the exponentials of later keys issue among the products of earlier ones.
+template <int NT, int DT>
+__device__ __forceinline__ void softmax_rescale(const float (&s)[NT][4], float (&m)[2], float (&l)[2],
+                                                float (&o)[DT][4], float sl, float (&base)[2]) {
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
-  float base[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float mn = fmaxf(m[h], quad_max(mx[h]));
@@ -254,19 +256,35 @@ __device__ __forceinline__ void online_softmax(const float (&s)[NT][4], float (&
 #pragma unroll
     for (int nt = 0; nt < DT; ++nt) o[nt][2 * h] *= alpha, o[nt][2 * h + 1] *= alpha;
   }
+}
+template <bool Drop>
+__device__ __forceinline__ void probabilities(const float (&s)[4], const float (&base)[2], float (&l)[2], float sl,
+                                              const AttentionArgs& a, int64_t b, int i0, int j0, int nt,
+                                              float keep_scale, int g, int t, float (&pe)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float p = cuda::exp2_ftz(fmaf(s[e], sl, -base[e / 2]));
+    l[e / 2] += p;  // the lane's share; the quad adds up at the end
+    pe[e] = p;
+    if constexpr (Drop) {
+      const int j = j0 + nt * 8 + 2 * t + e % 2, i = i0 + g + 8 * (e / 2);
+      pe[e] = i < static_cast<int>(a.tq) && j < static_cast<int>(a.tk) && kept(a, b, i, j) ? p * keep_scale : 0.f;
+    }
+  }
+}
+// Both parts for the whole tile: emit(nt, p) takes each n-tile's four as
+// soon as they are known (the 16-bit kernel packs them, half the registers
+// of the float scores).
+template <bool Drop, int NT, int DT, typename Emit>
+__device__ __forceinline__ void online_softmax(const float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&o)[DT][4],
+                                               float sl, const AttentionArgs& a, int64_t b, int i0, int j0,
+                                               float keep_scale, int g, int t, Emit&& emit) {
+  float base[2];
+  softmax_rescale(s, m, l, o, sl, base);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     float pe[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float p = cuda::exp2_ftz(fmaf(s[nt][e], sl, -base[e / 2]));
-      l[e / 2] += p;  // the lane's share; the quad adds up at the end
-      pe[e] = p;
-      if constexpr (Drop) {
-        const int j = j0 + nt * 8 + 2 * t + e % 2, i = i0 + g + 8 * (e / 2);
-        pe[e] = i < static_cast<int>(a.tq) && j < static_cast<int>(a.tk) && kept(a, b, i, j) ? p * keep_scale : 0.f;
-      }
-    }
+    probabilities<Drop>(s[nt], base, l, sl, a, b, i0, j0, nt, keep_scale, g, t, pe);
     emit(nt, pe);
   }
 }

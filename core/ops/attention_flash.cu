@@ -67,7 +67,9 @@ using attention_cuda::load_tile;
 using attention_cuda::mask_edge_tile;
 using attention_cuda::mask_scores;
 using attention_cuda::online_softmax;
+using attention_cuda::probabilities;
 using attention_cuda::query_block;
+using attention_cuda::softmax_rescale;
 
 std::atomic<bool> enabled{[] {
   const char* e = std::getenv("EMBER_FLASH_ATTENTION");
@@ -93,6 +95,12 @@ __global__ void __launch_bounds__(kThreads)
   uint16_t* ks = qs + BR * LD;
   uint16_t* vs = ks + KEYS * LD;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  // P v interleaved with the softmax's exponentials (below) where a tile
+  // holds 256 tensor-core instructions a warp (d 64 x 128 keys, d 128 x 64):
+  // by tools/sass_paths.py's static measures it gains there and loses on
+  // the smaller tiles (bench/README.md). Dropout keeps the whole softmax
+  // before the barrier.
+  constexpr bool Interleave = !Drop && D * KEYS >= 64 * 128;
   const auto f = attention_cuda::forward_block<D, BR, KEYS, Drop>(a, q, rq, k, rk, v, rv, qs, ks);
   const int wr = warp * 16 * MT;  // the warp's first row in the block
   const int wrow = f.i0 + wr;
@@ -115,7 +123,6 @@ __global__ void __launch_bounds__(kThreads)
     // 64 tile's 132 MUFU, at 16 results a clock an SM, take time comparable
     // with its 256 tensor-core instructions; with the barrier between the
     // softmax and P v, the warp's tensor pipe idled through the softmax).
-    // The cost at d 128 is a small spill (ptxas: 56 bytes; none at d 64).
     // The next k tile's load starts earlier too. With dropout, whose Philox
     // draws need registers of their own, the barrier stays after the
     // softmax: there the overlap spilled 176 bytes at d 128.
@@ -132,31 +139,57 @@ __global__ void __launch_bounds__(kThreads)
       warp_mma<T, D / 16, false>(
           s, [&](int kk, int mt, uint32_t a[4]) { frag_a(qs, LD, wr + mt * 16, kk * 16, lane, a); }, ks, LD, lane);
     if constexpr (!Drop) next_tile();
-    // P rounded to T and packed in pairs as P v's A fragments take them,
-    // as soon as it is known (half the registers of the float scores).
-    uint32_t pk[MT][NT][2];
-    if (active) {
+    if (active)
       mask_edge_tile<KEYS>(f.tk, j0, wrow, a.causal, [&](int keys_left, int diag) {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) mask_scores(s[mt], keys_left, diag, 16 * mt, g, t);
       });
+    if constexpr (Interleave) {
+      // Each row tile's maximum and rescale first, then P v with each pair
+      // of n-tiles' probabilities computed (rounded to T and packed as the
+      // A fragment takes them) just before the products that read them. l
+      // adds each row tile's n-tiles in online_softmax's order: the output
+      // is bitwise the same.
+      if (active) {
+        float base[MT][2];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        online_softmax<Drop>(s[mt], m[mt], l[mt], o[mt], f.sl, a, f.b, wrow + 16 * mt, j0, f.keep_scale, g, t,
-                             [&](int nt, const float(&pe)[4]) {
-                               pk[mt][nt][0] = cuda::pack16<T>(pe[0], pe[1]);
-                               pk[mt][nt][1] = cuda::pack16<T>(pe[2], pe[3]);
-                             });
+        for (int mt = 0; mt < MT; ++mt) softmax_rescale(s[mt], m[mt], l[mt], o[mt], f.sl, base[mt]);
+        warp_mma<T, KEYS / 16, true>(
+            o,
+            [&](int kk, int mt, uint32_t af[4]) {
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                float pe[4];
+                probabilities<false>(s[mt][2 * kk + h], base[mt], l[mt], f.sl, a, f.b, wrow + 16 * mt, j0, 2 * kk + h,
+                                     f.keep_scale, g, t, pe);
+                af[2 * h] = cuda::pack16<T>(pe[0], pe[1]);
+                af[2 * h + 1] = cuda::pack16<T>(pe[2], pe[3]);
+              }
+            },
+            vs, LD, lane);
+      }
+    } else {
+      // P rounded to T and packed in pairs as P v's A fragments take them,
+      // as soon as it is known (half the registers of the float scores).
+      uint32_t pk[MT][NT][2];
+      if (active)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          online_softmax<Drop>(s[mt], m[mt], l[mt], o[mt], f.sl, a, f.b, wrow + 16 * mt, j0, f.keep_scale, g, t,
+                               [&](int nt, const float(&pe)[4]) {
+                                 pk[mt][nt][0] = cuda::pack16<T>(pe[0], pe[1]);
+                                 pk[mt][nt][1] = cuda::pack16<T>(pe[2], pe[3]);
+                               });
+      if constexpr (Drop) next_tile();
+      if (active)
+        warp_mma<T, KEYS / 16, true>(
+            o,
+            [&](int kk, int mt, uint32_t af[4]) {
+              af[0] = pk[mt][2 * kk][0], af[1] = pk[mt][2 * kk][1];
+              af[2] = pk[mt][2 * kk + 1][0], af[3] = pk[mt][2 * kk + 1][1];
+            },
+            vs, LD, lane);
     }
-    if constexpr (Drop) next_tile();
-    if (active)
-      warp_mma<T, KEYS / 16, true>(
-          o,
-          [&](int kk, int mt, uint32_t a[4]) {
-            a[0] = pk[mt][2 * kk][0], a[1] = pk[mt][2 * kk][1];
-            a[2] = pk[mt][2 * kk + 1][0], a[3] = pk[mt][2 * kk + 1][1];
-          },
-          vs, LD, lane);
   }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
