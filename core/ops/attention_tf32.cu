@@ -1,10 +1,11 @@
 // The fused ("flash") attention kernels for float32 q, k, v and their
 // launches: the 16-bit kernels' schedule (attention_flash.cu, whose
-// launchers run these for float32) on TF32 tensor cores in 3xTF32, each product as three TF32 ones
-// (mma_tiles.cuh's mma_1688_3xtf32), which keeps float32's accuracy. That
-// is the path PyTorch's efficient attention takes for float32 (CUTLASS's
-// OpMultiplyAddFastF32); ours ran float32 through the blocked kernels
-// (attention.cu: cuBLAS's SGEMM, the scores in memory).
+// launchers run these for float32) on TF32 tensor cores in 3xTF32, each
+// product as three TF32 ones (mma_tiles.cuh's split_tf32 and
+// mma_1688_3xtf32; mma_row below), which keeps nearly float32's accuracy.
+// That is the path PyTorch's efficient attention takes for float32
+// (CUTLASS's OpMultiplyAddFastF32); ours ran float32 through the blocked
+// kernels (attention.cu: cuBLAS's SGEMM, the scores in memory).
 //
 // Tiles lie in shared memory as float32, rows D + 4 apart, and fragments
 // come by 32-bit loads (ldmatrix moves 16-bit elements): with that padding
@@ -115,6 +116,23 @@ __device__ __forceinline__ FragB frag_b_pairs(const float* tile, int ld, int k0,
 __device__ __forceinline__ void mma(float c[4], const FragA& a, const FragB& b) {
   mma_1688_3xtf32(c, a.big, a.small, b.big, b.small);
 }
+// c[n] += A B(n) for N n-tiles, B(n) = b_frag(n): the three partial
+// products in three passes over the n-tiles, each pass's N products
+// independent, where one n-tile's three in a row would each wait for the
+// one before (a chain the split's instructions no longer fill). Each
+// c[n] sums in mma's order: the same results.
+template <int N, typename BFrag>
+__device__ __forceinline__ void mma_row(float (&c)[N][4], const FragA& a, BFrag&& b_frag) {
+  FragB b[N];
+#pragma unroll
+  for (int n = 0; n < N; ++n) b[n] = b_frag(n);
+#pragma unroll
+  for (int n = 0; n < N; ++n) cuda::mma_1688_tf32(c[n], a.small, b[n].big);
+#pragma unroll
+  for (int n = 0; n < N; ++n) cuda::mma_1688_tf32(c[n], a.big, b[n].small);
+#pragma unroll
+  for (int n = 0; n < N; ++n) cuda::mma_1688_tf32(c[n], a.big, b[n].big);
+}
 
 // Forward keys a tile: 64 up to head dim 64, 32 at 128 (qs, ks, vs: 66
 // KiB; 64 keys would take all 99 KiB of an sm_86, sm_89 or sm_120 block,
@@ -152,9 +170,7 @@ __global__ void __launch_bounds__(kThreads)
     if (active) {
 #pragma unroll
       for (int kk = 0; kk < D / 8; ++kk) {
-        const FragA fa = frag_a(qs, LD, wr, kk * 8, g, t);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma(s[nt], fa, frag_b_rows(ks, LD, kk * 8, nt * 8, g, t));
+        mma_row(s, frag_a(qs, LD, wr, kk * 8, g, t), [&](int nt) { return frag_b_rows(ks, LD, kk * 8, nt * 8, g, t); });
       }
     }
     cuda::cp_async_wait_all();
@@ -175,9 +191,7 @@ __global__ void __launch_bounds__(kThreads)
     // O += P V: P's key tile kk (8 keys) as A, v's rows in the same order.
 #pragma unroll
     for (int kk = 0; kk < NT; ++kk) {
-      const FragA fa = frag_a_acc(s[kk]);
-#pragma unroll
-      for (int nt = 0; nt < DT; ++nt) mma(o[nt], fa, frag_b_pairs(vs, LD, kk * 8, nt * 8, g, t));
+      mma_row(o, frag_a_acc(s[kk]), [&](int nt) { return frag_b_pairs(vs, LD, kk * 8, nt * 8, g, t); });
     }
   }
   cuda::cp_async_wait_all();  // a warp past the last row waited for no copy

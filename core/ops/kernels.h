@@ -164,7 +164,7 @@ void attention_backward_cuda(const AttentionArgs& a, const Tensor& q, const Tens
                              const Tensor* dlse = nullptr);
 // The fused (flash) CUDA kernels for 16-bit or float32 q, k, v of one head
 // dim (32, 64 or 128, q's equal to v's; float32 on TF32 tensor cores in
-// 3xTF32, float32's accuracy): out in q's dtype and lse [n, tq] float32 (the
+// 3xTF32, nearly float32's accuracy): out in q's dtype and lse [n, tq] float32 (the
 // log-sum-exp of each row's scaled scores); the backward takes them (out and
 // dout in q's dtype) and writes dq, dk, dv in float32 or in q's dtype (dk and
 // dv one of the two). Float32's backward runs the blocked kernels under

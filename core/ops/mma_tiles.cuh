@@ -47,36 +47,32 @@ __device__ __forceinline__ void mma_1688_tf32(float c[4], const uint32_t a[4], c
       EMU_SITE);
 #endif
 }
-// x rounded to TF32, nearest with ties away from zero (cvt.rna.tf32.f32):
-// float32 bits whose low 13 are zero.
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-#if defined(__CUDA_ARCH__)
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-#else
-  std::memcpy(&r, &x, 4);
-  if ((r & 0x7f800000u) != 0x7f800000u) r = (r + 0x1000u) & ~0x1fffu;  // inf and NaN as they are
-#endif
-  return r;
-}
-// 3xTF32: x as big + small, both TF32 (big holds x's 11 high significant
-// bits, small the next 11 or so), so that a product's three partial products
-// big big + big small + small big (the fourth is below float32's rounding)
-// give float32's accuracy on TF32 tensor cores, at a third of their rate:
+// 3xTF32: x as big + small, both read as TF32 by the tensor core, so that
+// a product's three partial products big big + big small + small big give
+// nearly float32's accuracy on TF32 tensor cores, at a third of their rate:
 // CUTLASS's OpMultiplyAddFastF32, which PyTorch's efficient attention runs
-// for float32.
+// for float32. big is x's high 19 bits (x truncated: one AND), small is
+// x - big (exact in float32, at most 2^-10 |x|), passed whole: the tensor
+// core reads its high 19 bits too, truncating it as the emulated
+// mma_1688_tf32 does. Two instructions an element where rounding both
+// parts (cvt.rna.tf32.f32, on sm_90 a test for inf and NaN, a predicated
+// add and an AND) took six with the subtraction. Error of a product: the two
+// truncated smalls and the dropped small small, each below 2^-20 |a b|,
+// against about 2^-22 each with big and small rounded and 2^-11 for one
+// TF32 product. Inf and NaN give NaN as before (small = inf - inf); a
+// finite x near FLT_MAX stays finite (rounding big up made it inf).
 struct Tf32x2 {
   uint32_t big, small;
 };
 __device__ __forceinline__ Tf32x2 split_tf32(float x) {
-  const uint32_t big = to_tf32(x);
-#if defined(__CUDA_ARCH__)
-  const float b = __uint_as_float(big);
-#else
+  uint32_t xb, sb;
+  std::memcpy(&xb, &x, 4);  // a register move on the device
+  const uint32_t big = xb & ~0x1fffu;
   float b;
   std::memcpy(&b, &big, 4);
-#endif
-  return {big, to_tf32(x - b)};
+  const float small = x - b;
+  std::memcpy(&sb, &small, 4);
+  return {big, sb};
 }
 // c += A B in 3xTF32 from split fragments, the small partial products first.
 __device__ __forceinline__ void mma_1688_3xtf32(float c[4], const uint32_t a_big[4], const uint32_t a_small[4],
