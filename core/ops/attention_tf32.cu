@@ -308,9 +308,8 @@ __global__ void __launch_bounds__(kThreads)
     float dqa[QDT][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kKeys / 8; ++kk) {
-      const FragA fs = frag_a_cols(dst, LDS, qm, kk * 8, g, t);
-#pragma unroll
-      for (int nt = 0; nt < QDT; ++nt) mma(dqa[nt], fs, frag_b_cols(ks, LD, kk * 8, qd + nt * 8, g, t));
+      mma_row(dqa, frag_a_cols(dst, LDS, qm, kk * 8, g, t),
+              [&](int nt) { return frag_b_cols(ks, LD, kk * 8, qd + nt * 8, g, t); });
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
