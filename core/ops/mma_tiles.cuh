@@ -49,25 +49,30 @@ __device__ __forceinline__ void mma_1688_tf32(float c[4], const uint32_t a[4], c
 }
 // 3xTF32: x as big + small, both read as TF32 by the tensor core, so that
 // a product's three partial products big big + big small + small big give
-// nearly float32's accuracy on TF32 tensor cores, at a third of their rate:
-// CUTLASS's OpMultiplyAddFastF32, which PyTorch's efficient attention runs
-// for float32. big is x's high 19 bits (x truncated: one AND), small is
-// x - big (exact in float32, at most 2^-10 |x|), passed whole: the tensor
-// core reads its high 19 bits too, truncating it as the emulated
-// mma_1688_tf32 does. Two instructions an element where rounding both
-// parts (cvt.rna.tf32.f32, on sm_90 a test for inf and NaN, a predicated
-// add and an AND) took six with the subtraction. Error of a product: the two
-// truncated smalls and the dropped small small, each below 2^-20 |a b|,
-// against about 2^-22 each with big and small rounded and 2^-11 for one
-// TF32 product. Inf and NaN give NaN as before (small = inf - inf); a
-// finite x near FLT_MAX stays finite (rounding big up made it inf).
+// nearly float32's accuracy on TF32 tensor cores, at a third of their rate
+// (CUTLASS's OpMultiplyAddFastF32, which PyTorch's efficient attention
+// runs for float32). big is x rounded to the nearest TF32 (ties away from
+// zero: add half a TF32 ulp to the bits, clear the low 13), small is
+// x - big (exact in float32, at most 2^-11 |x|, of either sign), passed
+// whole: the tensor core reads the high 19 bits of each operand, as the
+// emulated mma_1688_tf32 does (ptxas relies on it too: it passes x + half
+// an ulp where the code passes big). Three instructions an element, where
+// cvt.rna.tf32.f32 for both parts (on sm_90 a test for inf and NaN, a
+// predicated add and an AND) took six with the subtraction. Error of a
+// product: the truncated smalls, each below 2^-21 |a b| and of either
+// sign (truncating big instead, as CUTLASS does, halves the work again
+// but leaves every error with the sign of a b, so they add up along k),
+// and the dropped small small, below 2^-22; one TF32 product is about
+// 2^-10 off. Inf stays inf as big (small NaN, so the sums are NaN), NaN
+// gives NaN, and a finite x within half a TF32 ulp of overflow rounds to
+// inf as cvt.rna rounds it: the same special values as before.
 struct Tf32x2 {
   uint32_t big, small;
 };
 __device__ __forceinline__ Tf32x2 split_tf32(float x) {
   uint32_t xb, sb;
   std::memcpy(&xb, &x, 4);  // a register move on the device
-  const uint32_t big = xb & ~0x1fffu;
+  const uint32_t big = (xb + 0x1000u) & ~0x1fffu;
   float b;
   std::memcpy(&b, &big, 4);
   const float small = x - b;
