@@ -51,10 +51,18 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, T alpha, const T* a
 // The keys row i of a block may see: all, or j <= i.
 inline int64_t keys_for(const AttentionArgs& a, int64_t i) { return a.causal ? std::min(i + 1, a.tk) : a.tk; }
 
-inline bool kept(const AttentionArgs& a, int64_t b, int64_t i, int64_t j) {
-  const int64_t idx = (b * a.tq + i) * a.tk + j;
-  return random_value(RandomKind::Bernoulli, idx, 0, 0, 1.0 - a.dropout_p, a.seed, a.offset) != 0.0;
-}
+// Dropout's mask as bernoulli(1 - p) fills [n, tq, tk], drawn in index
+// order: one Philox call for each four keys (philox.h).
+class Mask {
+ public:
+  explicit Mask(const AttentionArgs& a) : a_(a), draws_{a.seed, a.offset}, keep_(keep_threshold(1.0 - a.dropout_p)) {}
+  bool kept(int64_t b, int64_t i, int64_t j) { return draws_.word((b * a_.tq + i) * a_.tk + j) < keep_; }
+
+ private:
+  const AttentionArgs& a_;
+  BernoulliDraws draws_;
+  uint64_t keep_;
+};
 
 // Scores of rows [i0, i1) of head b against keys [0, kmax) into s (ld kmax),
 // turned into probabilities in place (zero where masked); returns nothing
@@ -91,9 +99,10 @@ template <typename T>
 void block_dropout(const AttentionArgs& a, int64_t b, int64_t i0, int64_t i1, int64_t kmax, T* s) {
   if (a.dropout_p <= 0) return;
   const T scale = static_cast<T>(1.0 / (1.0 - a.dropout_p));
+  Mask mask(a);
   for (int64_t r = 0; r < i1 - i0; ++r)
     for (int64_t j = 0; j < keys_for(a, i0 + r); ++j)
-      s[r * kmax + j] = kept(a, b, i0 + r, j) ? s[r * kmax + j] * scale : T(0);
+      s[r * kmax + j] = mask.kept(b, i0 + r, j) ? s[r * kmax + j] * scale : T(0);
 }
 
 template <typename T>
@@ -153,9 +162,10 @@ void backward_cpu(const AttentionArgs& a, const T* q, const T* k, const T* v, co
           T* dpr = dp.data() + r * kmax;
           const T* pr = p.data() + r * kmax;
           const int64_t lim = keys_for(a, i0 + r);
+          Mask mask(a);
           for (int64_t j = 0; j < lim; ++j) {
             T g = dpr[j];
-            if (a.dropout_p > 0) g = kept(a, b, i0 + r, j) ? g * keep_scale : T(0);
+            if (a.dropout_p > 0) g = mask.kept(b, i0 + r, j) ? g * keep_scale : T(0);
             dpr[j] = pr[j] * (g - dsum) * static_cast<T>(a.scale);
           }
           for (int64_t j = lim; j < kmax; ++j) dpr[j] = T(0);

@@ -49,13 +49,89 @@ struct Rows {
   bool same_heads(const Rows& o) const { return h1 == o.h1 && h2 == o.h2; }
 };
 
-// Whether dropout keeps element (b, i, j): the CPU's Philox draw at its
-// index in a [n, tq, tk] tensor (the blocked and the fused kernels alike).
-// Inside a CUDA graph the generator's state is read on the device (a.rng).
+// Dropout keeps element (b, i, j) as bernoulli(1 - p) fills a [n, tq, tk]
+// tensor: the Philox word of index (b tq + i) tk + j (philox.h's
+// bernoulli_word) below the threshold of 1 - p. A kernel reads it once
+// (dropout_of): inside a CUDA graph the generator's state is on the device
+// (a.rng), and reading it where each mask is drawn was a global load an
+// n-tile.
+struct Dropout {
+  float scale = 1.f;  // 1 / (1 - p) with dropout, else 1
+  uint64_t seed = 0, offset = 0;
+  // keep_threshold(1 - p) - 1, the largest word kept: 1 - p > 0 puts the
+  // threshold in [1, 2^32], so a 32-bit compare where 64 bits took two.
+  uint32_t last = 0;
+  // Philox's four words at the index of (b, i, j), j a multiple of 4 and tk
+  // too, as bits: bit w for key j + w.
+  __device__ __forceinline__ uint32_t group(const AttentionArgs& a, int64_t b, int64_t i, int64_t j) const {
+    const Philox4 r = philox4x32_10(static_cast<uint64_t>((b * a.tq + i) * a.tk + j) / 4, offset, seed);
+    uint32_t bits = 0;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) bits |= static_cast<uint32_t>(r.v[w] <= last) << w;
+    return bits;
+  }
+  __device__ __forceinline__ bool kept(const AttentionArgs& a, int64_t b, int64_t i, int64_t j) const {
+    return bernoulli_word((b * a.tq + i) * a.tk + j, seed, offset) <= last;
+  }
+};
+template <bool Drop>
+__device__ __forceinline__ Dropout dropout_of(const AttentionArgs& a) {
+  Dropout d;
+  if constexpr (Drop) {
+    d.scale = static_cast<float>(1.0 / (1.0 - a.dropout_p));
+    d.seed = a.rng ? a.rng[0] : a.seed;
+    d.offset = a.rng ? a.rng[1] + a.offset : a.offset;
+    d.last = static_cast<uint32_t>(keep_threshold(1.0 - a.dropout_p) - 1);
+  }
+  return d;
+}
+// The blocked kernels' draw, an element at a time.
 __device__ __forceinline__ bool kept(const AttentionArgs& a, int64_t b, int64_t i, int64_t j) {
-  const int64_t idx = (b * a.tq + i) * a.tk + j;
-  const uint64_t seed = a.rng ? a.rng[0] : a.seed, offset = a.rng ? a.rng[1] + a.offset : a.offset;
-  return random_value(RandomKind::Bernoulli, idx, 0, 0, 1.0 - a.dropout_p, seed, offset) != 0.0;
+  return dropout_of<true>(a).kept(a, b, i, j);
+}
+// The keep bits of a lane's four elements of an 8-column tile in the mma
+// accumulator layout (lane 4 g + t): rows i and i + 8 (i the lane's row g),
+// keys j and j + 1 (j = the tile's first key, a multiple of 8, + 2 t); bit
+// 2 h + x for row i + 8 h, key j + x. A row's four keys from a multiple of
+// 4 share one Philox call when tk is a multiple of 4: lanes t and t ^ 1
+// hold its halves, so each draws the group of one of the two rows and the
+// pair trades the other's halves by a shuffle, one call for four elements
+// where kept() takes one an element. Every lane of the warp calls it.
+__device__ __forceinline__ uint32_t keep_bits(const AttentionArgs& a, const Dropout& d, int64_t b, int64_t i, int64_t j,
+                                              int t) {
+  if (a.tk % 4 != 0) {
+    uint32_t bits = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) bits |= static_cast<uint32_t>(d.kept(a, b, i + 8 * (e / 2), j + e % 2)) << e;
+    return bits;
+  }
+  const int h = t & 1;  // the row this lane draws; its partner draws the other
+  const uint32_t own = d.group(a, b, i + 8 * h, j - 2 * h);
+  // The pair's keys are words 0, 1 (t even) and 2, 3 (t odd) of each group.
+  const uint32_t mine = own >> (2 * h) & 3u, other = __shfl_xor_sync(0xffffffffu, own >> (2 - 2 * h) & 3u, 1);
+  return h ? other | mine << 2 : mine | other << 2;
+}
+// The same for a transposed tile (rows keys, columns queries: the float32
+// backward's S^T): the lane's keys j and j + 8 (j the lane's key g, the
+// tile's first key a multiple of 8), queries i and i + 1 (i = the first
+// query + 2 t); bit 2 h + x for key j + 8 h, query i + x. A query's four
+// keys lie in the four lanes g % 4 = 0..3 of a t; lane c = g % 4 draws the
+// group of query i + c % 2, keys from j - c + 8 (c / 2), and three
+// shuffles bring each lane its key's bit of the other three groups.
+__device__ __forceinline__ uint32_t keep_bits_t(const AttentionArgs& a, const Dropout& d, int64_t b, int64_t i,
+                                                int64_t j, int g) {
+  if (a.tk % 4 != 0) {
+    uint32_t bits = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) bits |= static_cast<uint32_t>(d.kept(a, b, i + e % 2, j + 8 * (e / 2))) << e;
+    return bits;
+  }
+  const int c = g % 4;
+  const uint32_t own = d.group(a, b, i + c % 2, j - c + 8 * (c / 2));
+  uint32_t bits = (own >> c & 1u) << c;
+#pragma unroll
+  for (int m = 1; m < 4; ++m) bits |= (__shfl_xor_sync(0xffffffffu, own, 4 * m) >> c & 1u) << (c ^ m);
+  return bits;
 }
 
 // delta_i = dO_i . O_i - dlse_i for each of the n t rows of d elements (a
@@ -165,7 +241,7 @@ struct ForwardBlock {
   // scale in log2 units: one FFMA and one MUFU a score (scale > 0, so the
   // maximum of the unscaled scores is the scaled ones').
   float sl;
-  float keep_scale;  // 1 / (1 - p) with dropout, else 1
+  Dropout drop;
 };
 template <int D, int BR, int KEYS, bool Drop, typename E>
 __device__ __forceinline__ ForwardBlock<E> forward_block(const AttentionArgs& a, const E* q, const Rows& rq, const E* k,
@@ -181,7 +257,7 @@ __device__ __forceinline__ ForwardBlock<E> forward_block(const AttentionArgs& a,
   load_tile<D, KEYS>(f.kb, rk.row, 0, f.tk, ks);
   cuda::cp_async_commit();
   f.sl = static_cast<float>(a.scale) * kLog2e;
-  f.keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
+  f.drop = dropout_of<Drop>(a);
   const int last = (f.i0 + BR < f.tq ? f.i0 + BR : f.tq) - 1;
   f.kend = a.causal && last + 1 < f.tk ? last + 1 : f.tk;
   return f;
@@ -260,15 +336,19 @@ __device__ __forceinline__ void softmax_rescale(const float (&s)[NT][4], float (
 template <bool Drop>
 __device__ __forceinline__ void probabilities(const float (&s)[4], const float (&base)[2], float (&l)[2], float sl,
                                               const AttentionArgs& a, int64_t b, int i0, int j0, int nt,
-                                              float keep_scale, int g, int t, float (&pe)[4]) {
+                                              const Dropout& dr, int g, int t, float (&pe)[4]) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     const float p = cuda::exp2_ftz(fmaf(s[e], sl, -base[e / 2]));
     l[e / 2] += p;  // the lane's share; the quad adds up at the end
     pe[e] = p;
-    if constexpr (Drop) {
+  }
+  if constexpr (Drop) {
+    const uint32_t keep = keep_bits(a, dr, b, i0 + g, j0 + nt * 8 + 2 * t, t);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
       const int j = j0 + nt * 8 + 2 * t + e % 2, i = i0 + g + 8 * (e / 2);
-      pe[e] = i < static_cast<int>(a.tq) && j < static_cast<int>(a.tk) && kept(a, b, i, j) ? p * keep_scale : 0.f;
+      pe[e] = i < static_cast<int>(a.tq) && j < static_cast<int>(a.tk) && (keep >> e & 1u) ? pe[e] * dr.scale : 0.f;
     }
   }
 }
@@ -278,13 +358,13 @@ __device__ __forceinline__ void probabilities(const float (&s)[4], const float (
 template <bool Drop, int NT, int DT, typename Emit>
 __device__ __forceinline__ void online_softmax(const float (&s)[NT][4], float (&m)[2], float (&l)[2], float (&o)[DT][4],
                                                float sl, const AttentionArgs& a, int64_t b, int i0, int j0,
-                                               float keep_scale, int g, int t, Emit&& emit) {
+                                               const Dropout& dr, int g, int t, Emit&& emit) {
   float base[2];
   softmax_rescale(s, m, l, o, sl, base);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     float pe[4];
-    probabilities<Drop>(s[nt], base, l, sl, a, b, i0, j0, nt, keep_scale, g, t, pe);
+    probabilities<Drop>(s[nt], base, l, sl, a, b, i0, j0, nt, dr, g, t, pe);
     emit(nt, pe);
   }
 }

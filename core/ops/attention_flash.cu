@@ -47,8 +47,10 @@ namespace ember {
 namespace {
 
 using attention_cuda::delta_kernel;
+using attention_cuda::Dropout;
+using attention_cuda::dropout_of;
 using attention_cuda::HeadIndex;
-using attention_cuda::kept;
+using attention_cuda::keep_bits;
 using attention_cuda::Rows;
 using attention_cuda::warp_grid;
 namespace flash {
@@ -162,7 +164,7 @@ __global__ void __launch_bounds__(kThreads)
               for (int h = 0; h < 2; ++h) {
                 float pe[4];
                 probabilities<false>(s[mt][2 * kk + h], base[mt], l[mt], f.sl, a, f.b, wrow + 16 * mt, j0, 2 * kk + h,
-                                     f.keep_scale, g, t, pe);
+                                     f.drop, g, t, pe);
                 af[2 * h] = cuda::pack16<T>(pe[0], pe[1]);
                 af[2 * h + 1] = cuda::pack16<T>(pe[2], pe[3]);
               }
@@ -176,7 +178,7 @@ __global__ void __launch_bounds__(kThreads)
       if (active)
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-          online_softmax<Drop>(s[mt], m[mt], l[mt], o[mt], f.sl, a, f.b, wrow + 16 * mt, j0, f.keep_scale, g, t,
+          online_softmax<Drop>(s[mt], m[mt], l[mt], o[mt], f.sl, a, f.b, wrow + 16 * mt, j0, f.drop, g, t,
                                [&](int nt, const float(&pe)[4]) {
                                  pk[mt][nt][0] = cuda::pack16<T>(pe[0], pe[1]);
                                  pk[mt][nt][1] = cuda::pack16<T>(pe[2], pe[3]);
@@ -257,7 +259,7 @@ __global__ void __launch_bounds__(2 * KEYS)
   load_tile<D, KEYS, Threads>(v + rv.at(hb), rv.row, static_cast<int>(j0), static_cast<int>(a.tk), vs);
   cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
-  const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
+  const Dropout drop = dropout_of<Drop>(a);
   float dva[2][DN][4] = {}, dka[2][DN][4] = {};
   // A query tile's q and dO and its rows' lse and delta (zeros past the
   // last row, which the mask's tiles drop) into stage st, all by cp.async:
@@ -336,7 +338,8 @@ __global__ void __launch_bounds__(2 * KEYS)
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
+        for (int nt = 0; nt < 4; ++nt) {
+          const uint32_t keep = Drop ? keep_bits(a, drop, b, i0 + sq + mt * 16 + g, j0 + sk + nt * 8 + 2 * t, t) : 0u;
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             float pd[2], ds[2];
@@ -344,15 +347,16 @@ __global__ void __launch_bounds__(2 * KEYS)
             for (int x = 0; x < 2; ++x) {
               const int e = 2 * h + x;
               const float p = s[mt][nt][e];
-              float d = dp[mt][nt][e] * keep_scale;
-              pd[x] = p * keep_scale;
-              if (Drop && !kept(a, b, i0 + sq + mt * 16 + g + 8 * h, j0 + sk + nt * 8 + 2 * t + x)) pd[x] = d = 0.f;
+              float d = dp[mt][nt][e] * drop.scale;
+              pd[x] = p * drop.scale;
+              if (Drop && !(keep >> e & 1u)) pd[x] = d = 0.f;
               ds[x] = p * (d - dr[mt][h]) * scale;
             }
             const int off = (sq + mt * 16 + g + 8 * h) * LDP + sk + nt * 8 + 2 * t;
             *reinterpret_cast<uint32_t*>(ps + off) = cuda::pack16<T>(pd[0], pd[1]);
             *reinterpret_cast<uint32_t*>(dss + off) = cuda::pack16<T>(ds[0], ds[1]);
           }
+        }
     }
     __syncthreads();  // P and dS are whole
     // dV += Pd^T dO and dK += dS^T Q for the warp's 32 keys x D / 2.
@@ -445,7 +449,7 @@ __global__ void __launch_bounds__(kThreads)
   stage(0, 0);
   cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
-  const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
+  const Dropout drop = dropout_of<Drop>(a);
   // The lane's two rows (g and g + 8 of the warp's 16): lse in log2 units, delta.
   float ls[2], dl[2];
 #pragma unroll
@@ -487,16 +491,18 @@ __global__ void __launch_bounds__(kThreads)
     // dS = P (dP - delta) scale, dP the kept dPd scaled (the backward
     // kernel's formula).
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint32_t keep = Drop ? keep_bits(a, drop, b, wrow + g, j0 + nt * 8 + 2 * t, t) : 0u;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int64_t j = j0 + nt * 8 + 2 * t + e % 2, i = wrow + g + 8 * (e / 2);
         const bool ok = !masked || (j < a.tk && i < a.tq && (!a.causal || j <= i));
         const float p = ok ? cuda::exp2_ftz(fmaf(s[nt][e], sl, -ls[e / 2])) : 0.f;
-        float d = dp[nt][e] * keep_scale;
-        if (Drop && ok && !kept(a, b, i, j)) d = 0.f;
+        float d = dp[nt][e] * drop.scale;
+        if (Drop && !(keep >> e & 1u)) d = 0.f;
         s[nt][e] = p * (d - dl[e / 2]) * scale;
       }
+    }
     // dQ += dS K, dS rounded to T as the backward kernel's shared copy is.
     warp_mma<T, kKeys / 16, true>(
         dqa, [&](int kk, uint32_t f[4]) { c_to_a<T>(s[2 * kk], s[2 * kk + 1], f); }, ks, LD, lane);

@@ -37,9 +37,11 @@ namespace ember {
 namespace {
 namespace tf32 {
 
+using attention_cuda::Dropout;
+using attention_cuda::dropout_of;
 using attention_cuda::finish_rows;
 using attention_cuda::HeadIndex;
-using attention_cuda::kept;
+using attention_cuda::keep_bits_t;
 using attention_cuda::kLog2e;
 using attention_cuda::load_tile;
 using attention_cuda::mask_edge_tile;
@@ -184,7 +186,7 @@ __global__ void __launch_bounds__(kThreads)
     mask_edge_tile<KEYS>(f.tk, j0, wrow, a.causal,
                          [&](int keys_left, int diag) { mask_scores(s, keys_left, diag, 0, g, t); });
     // The probabilities in place of the scores (P V's A comes from them).
-    online_softmax<Drop>(s, m, l, o, f.sl, a, f.b, wrow, j0, f.keep_scale, g, t, [&](int nt, const float(&p)[4]) {
+    online_softmax<Drop>(s, m, l, o, f.sl, a, f.b, wrow, j0, f.drop, g, t, [&](int nt, const float(&p)[4]) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = p[e];
     });
@@ -247,7 +249,7 @@ __global__ void __launch_bounds__(kThreads)
   load_tile<D, kKeys>(v + rv.at(hb), rv.row, j0, tk, vs);
   cuda::cp_async_commit();
   const float sl = static_cast<float>(a.scale) * kLog2e, scale = static_cast<float>(a.scale);
-  const float keep_scale = Drop ? static_cast<float>(1.0 / (1.0 - a.dropout_p)) : 1.f;
+  const Dropout drop = dropout_of<Drop>(a);
   float dva[DT][4] = {}, dka[DT][4] = {};
   // Causal: only query rows i >= j0 see these keys (j0 is a multiple of QR).
   for (int i0 = a.causal ? j0 : 0; i0 < tq; i0 += QR) {
@@ -280,20 +282,22 @@ __global__ void __launch_bounds__(kThreads)
     // st becomes P dropped and scaled (dV's A), dpt dS = P (dP - delta)
     // scale with dP the kept dPd scaled (dK's A, then dQ's through dst).
 #pragma unroll
-    for (int nt = 0; nt < NQ; ++nt)
+    for (int nt = 0; nt < NQ; ++nt) {
+      const uint32_t keep = Drop ? keep_bits_t(a, drop, b, i0 + nt * 8 + 2 * t, j0 + wk + g, g) : 0u;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = nt * 8 + 2 * t + e % 2, r = wk + g + 8 * (e / 2);
         const int i = i0 + c, j = j0 + r;
         const bool in = i < tq && j < tk && (!a.causal || j <= i);
         const float p = in ? cuda::exp2_ftz(fmaf(st[nt][e], sl, -ls[c] * kLog2e)) : 0.f;
-        float d = dpt[nt][e] * keep_scale, pd = p * keep_scale;
-        if (Drop && in && !kept(a, b, i, j)) pd = d = 0.f;
+        float d = dpt[nt][e] * drop.scale, pd = p * drop.scale;
+        if (Drop && !(keep >> e & 1u)) pd = d = 0.f;
         st[nt][e] = pd;
         dpt[nt][e] = p * (d - dl[c]) * scale;
         dst[r * LDS + c] = dpt[nt][e];
       }
-      // dV += Pd^T dO and dK += dS^T Q: the queries as k, in the accumulators' order.
+    }
+    // dV += Pd^T dO and dK += dS^T Q: the queries as k, in the accumulators' order.
 #pragma unroll
     for (int kk = 0; kk < NQ; ++kk) {
       const FragA fp = frag_a_acc(st[kk]), fs = frag_a_acc(dpt[kk]);

@@ -25,14 +25,17 @@ void random_cpu(RandomKind kind, Tensor& out, double a, double b, uint64_t seed,
       });
       return v;
     };
+    const bool bern = kind == RandomKind::Bernoulli || kind == RandomKind::Bernoulli_Tensor;
     parallel_for(n, 4096, [&](int64_t s, int64_t e) {
+      BernoulliDraws draws{seed, offset};  // one Philox call for each four elements
       for (int64_t i = s; i < e; ++i) {
-        double v = random_value(kind == RandomKind::Bernoulli_Tensor ? RandomKind::Bernoulli : kind, i, a, b,
-                                prob(i), seed, offset);
+        const double v = bern ? (draws.word(i) < keep_threshold(prob(i)) ? 1.0 : 0.0)
+                              : random_value(kind, i, a, b, 0.0, seed, offset);
         T t = cast_value<T, double>(v);
         if constexpr (std::is_floating_point_v<acc_t<T>>) {
           // Rounding to a narrow type can reach the open upper bound.
-          if (kind == RandomKind::Uniform && static_cast<double>(static_cast<acc_t<T>>(t)) >= b) t = static_cast<T>(static_cast<acc_t<T>>(a));
+          if (kind == RandomKind::Uniform && static_cast<double>(static_cast<acc_t<T>>(t)) >= b)
+            t = static_cast<T>(static_cast<acc_t<T>>(a));
         }
         y[i] = t;
       }

@@ -2,7 +2,8 @@
 // per-element probability). Element i is random_value(kind, i, ...) from
 // philox.h, the function the CPU kernel calls, so a (seed, offset) pair gives
 // bit-identical tensors on both devices regardless of launch geometry: each
-// thread derives its element's Philox counter from i alone. The double draw
+// thread derives its element's Philox counter from i alone (bernoulli's
+// threads take the four elements of a call, whose counter is i / 4). The double draw
 // is rounded to the output dtype; a uniform draw that rounds up to b in a
 // floating output is replaced by a, keeping the range [a, b) (as random.cc).
 #include <cuda_runtime.h>
@@ -42,9 +43,23 @@ __global__ void random_kernel(T* __restrict__ out, int64_t n, RandomKind kind, d
     seed = rng[0];
     offset += rng[1];
   }
+  if (kind == RandomKind::Bernoulli || kind == RandomKind::Bernoulli_Tensor) {
+    // A thread takes the four elements of one Philox call.
+    const uint64_t keep = keep_threshold(a);
+    cuda::grid_stride_loop((n + 3) / 4, [&](int64_t c) {
+      const Philox4 r = philox4x32_10(static_cast<uint64_t>(c), offset, seed);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const int64_t i = 4 * c + w;
+        if (i >= n) break;
+        const uint64_t ki = kind == RandomKind::Bernoulli_Tensor ? keep_threshold(load_prob(p, p_dtype, i)) : keep;
+        out[i] = cuda::cast_value<T, double>(r.v[w] < ki ? 1.0 : 0.0);
+      }
+    });
+    return;
+  }
   cuda::grid_stride_loop(n, [&](int64_t i) {
-    const double pi = kind == RandomKind::Bernoulli_Tensor ? load_prob(p, p_dtype, i) : a;
-    T t = cuda::cast_value<T, double>(random_value(kind, i, a, b, pi, seed, offset));
+    T t = cuda::cast_value<T, double>(random_value(kind, i, a, b, 0.0, seed, offset));
     if constexpr (clamps_uniform<T>) {
       if (kind == RandomKind::Uniform && static_cast<double>(static_cast<acc_t<T>>(t)) >= b)
         t = cuda::cast_value<T, double>(a);
@@ -90,8 +105,9 @@ void random_cuda(RandomKind kind, Tensor& out, double a, double b, uint64_t seed
   EMBER_DISPATCH_ALL(out.dtype(), "random", [&] {
     using T = scalar_t;
     const int block = cuda::kBlockSize;
-    random_kernel<T><<<cuda::grid_for(n, block), block, 0, stream>>>(static_cast<T*>(out.raw_data()), n, kind, a, b,
-                                                                     seed, offset, pp, p_dtype, rng);
+    const bool bern = kind == RandomKind::Bernoulli || kind == RandomKind::Bernoulli_Tensor;
+    random_kernel<T><<<cuda::grid_for(bern ? (n + 3) / 4 : n, block), block, 0, stream>>>(
+        static_cast<T*>(out.raw_data()), n, kind, a, b, seed, offset, pp, p_dtype, rng);
     EMBER_CUDA_CHECK(cudaGetLastError());
   });
 }
