@@ -51,10 +51,10 @@ struct Rows {
 
 // Dropout keeps element (b, i, j) as bernoulli(1 - p) fills a [n, tq, tk]
 // tensor: the Philox word of index (b tq + i) tk + j (philox.h's
-// bernoulli_word) below the threshold of 1 - p. A kernel reads it once
-// (dropout_of): inside a CUDA graph the generator's state is on the device
-// (a.rng), and reading it where each mask is drawn was a global load an
-// n-tile.
+// bernoulli_word) below the threshold of 1 - p. A fused kernel reads it
+// once (dropout_of): inside a CUDA graph the generator's state is on the
+// device (a.rng), and reading it where each mask is drawn was a global load
+// an n-tile (the blocked kernels' kept() still reads it an element).
 struct Dropout {
   float scale = 1.f;  // 1 / (1 - p) with dropout, else 1
   uint64_t seed = 0, offset = 0;

@@ -14,7 +14,8 @@
 // shared-memory stages where the device has room), recomputes P from the
 // saved log-sum-exp, and adds its share of dQ with float atomics
 // (FlashAttention-2's dQ accumulator). Dropout
-// redraws the CPU's Philox mask element by element. Operands are rounded to
+// redraws the CPU's Philox mask (bernoulli()'s, four keys a Philox call:
+// attention.cuh's keep_bits). Operands are rounded to
 // the input's 16-bit type before each product (P and dS too, as
 // FlashAttention does); sums are float32.
 //

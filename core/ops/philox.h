@@ -1,7 +1,9 @@
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
 // 3", SC'11): a counter-based RNG, so element i of a random op can be drawn
 // independently by any thread on any device. The CPU and CUDA random kernels
-// both call random_value(), which is why a seed gives the same tensor on both.
+// both draw through the functions here (random_value(), and bernoulli_word's
+// four words a call for Bernoulli draws), which is why a seed gives the same
+// tensor on both.
 #pragma once
 
 #include <cmath>
@@ -60,8 +62,9 @@ EMBER_HD uint32_t bernoulli_word(int64_t i, uint64_t seed, uint64_t offset) {
   return word_of(philox4x32_10(static_cast<uint64_t>(i) / 4, offset, seed), i % 4);
 }
 // A word w is kept (1) when w < keep_threshold(p): ceil(p 2^32), exact in
-// double (p scaled by a power of two), 2^32 when p is 1. p in [0, 1].
-EMBER_HD uint64_t keep_threshold(double p) { return static_cast<uint64_t>(::ceil(p * 4294967296.0)); }
+// double (p scaled by a power of two), 2^32 when p is 1. p in [0, 1]; a
+// NaN keeps nothing (as u < NaN), where the cast would be undefined.
+EMBER_HD uint64_t keep_threshold(double p) { return p > 0 ? static_cast<uint64_t>(::ceil(p * 4294967296.0)) : 0; }
 
 // Bernoulli draws in index order, one Philox call for each four: the CPU
 // loops' and the blocked kernels' way to draw a mask element by element.

@@ -1,10 +1,9 @@
 // CUDA launcher for random fills (uniform, normal, bernoulli with a scalar or
-// per-element probability). Element i is random_value(kind, i, ...) from
-// philox.h, the function the CPU kernel calls, so a (seed, offset) pair gives
-// bit-identical tensors on both devices regardless of launch geometry: each
-// thread derives its element's Philox counter from i alone (bernoulli's
-// threads take the four elements of a call, whose counter is i / 4). The double draw
-// is rounded to the output dtype; a uniform draw that rounds up to b in a
+// per-element probability). Element i is drawn as the CPU kernel draws it
+// (philox.h: random_value, or for bernoulli word i % 4 of the call at
+// counter i / 4, a thread taking the four elements of a call), so a (seed,
+// offset) pair gives bit-identical tensors on both devices regardless of
+// launch geometry. The double draw is rounded to the output dtype; a uniform draw that rounds up to b in a
 // floating output is replaced by a, keeping the range [a, b) (as random.cc).
 #include <cuda_runtime.h>
 
@@ -51,7 +50,7 @@ __global__ void random_kernel(T* __restrict__ out, int64_t n, RandomKind kind, d
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
         const int64_t i = 4 * c + w;
-        if (i >= n) break;
+        if (i >= n) continue;  // not break: the loop stays unrolled, r in registers
         const uint64_t ki = kind == RandomKind::Bernoulli_Tensor ? keep_threshold(load_prob(p, p_dtype, i)) : keep;
         out[i] = cuda::cast_value<T, double>(r.v[w] < ki ? 1.0 : 0.0);
       }
