@@ -46,6 +46,15 @@ EMBER_HD double uniform01(uint32_t hi, uint32_t lo) {
   return static_cast<double>(bits) * (1.0 / 9007199254740992.0);
 }
 
+// Word w of a call, by selects: an array indexed at run time would live in
+// a kernel's local memory.
+EMBER_HD uint32_t word_of(const Philox4& r, int64_t w) {
+  return w == 0 ? r.v[0] : w == 1 ? r.v[1] : w == 2 ? r.v[2] : r.v[3];
+}
+
+EMBER_HD bool is_bernoulli(RandomKind kind) {
+  return kind == RandomKind::Bernoulli || kind == RandomKind::Bernoulli_Tensor;
+}
 // Bernoulli draws take 32 bits each, four from one Philox call (PyTorch's
 // CUDA kernels draw four values a call too): element i reads word i % 4 of
 // the call at counter i / 4, and is 1 when that word w is below p 2^32
@@ -53,11 +62,6 @@ EMBER_HD double uniform01(uint32_t hi, uint32_t lo) {
 // 24). One call an element, 53 bits of it used, left a dropout mask bound
 // by its ten Philox rounds: in the fused attention kernels it tripled the
 // instructions of a tile (bench/README.md).
-// Word w of a call, by selects: an array indexed at run time would live in
-// a kernel's local memory.
-EMBER_HD uint32_t word_of(const Philox4& r, int64_t w) {
-  return w == 0 ? r.v[0] : w == 1 ? r.v[1] : w == 2 ? r.v[2] : r.v[3];
-}
 EMBER_HD uint32_t bernoulli_word(int64_t i, uint64_t seed, uint64_t offset) {
   return word_of(philox4x32_10(static_cast<uint64_t>(i) / 4, offset, seed), i % 4);
 }
@@ -84,8 +88,7 @@ struct BernoulliDraws {
 // probability p, from bernoulli_word.
 EMBER_HD double random_value(RandomKind kind, int64_t i, double a, double b, double p, uint64_t seed,
                              uint64_t offset) {
-  if (kind == RandomKind::Bernoulli || kind == RandomKind::Bernoulli_Tensor)
-    return bernoulli_word(i, seed, offset) < keep_threshold(p) ? 1.0 : 0.0;
+  if (is_bernoulli(kind)) return bernoulli_word(i, seed, offset) < keep_threshold(p) ? 1.0 : 0.0;
   Philox4 r = philox4x32_10(static_cast<uint64_t>(i), offset, seed);
   const double u = uniform01(r.v[0], r.v[1]);
   if (kind == RandomKind::Normal) {

@@ -25,7 +25,7 @@ void random_cpu(RandomKind kind, Tensor& out, double a, double b, uint64_t seed,
       });
       return v;
     };
-    const bool bern = kind == RandomKind::Bernoulli || kind == RandomKind::Bernoulli_Tensor;
+    const bool bern = is_bernoulli(kind);
     parallel_for(n, 4096, [&](int64_t s, int64_t e) {
       BernoulliDraws draws{seed, offset};  // one Philox call for each four elements
       for (int64_t i = s; i < e; ++i) {

@@ -3,8 +3,9 @@
 // (philox.h: random_value, or for bernoulli word i % 4 of the call at
 // counter i / 4, a thread taking the four elements of a call), so a (seed,
 // offset) pair gives bit-identical tensors on both devices regardless of
-// launch geometry. The double draw is rounded to the output dtype; a uniform draw that rounds up to b in a
-// floating output is replaced by a, keeping the range [a, b) (as random.cc).
+// launch geometry. The double draw is rounded to the output dtype; a
+// uniform draw that rounds up to b in a floating output is replaced by a,
+// keeping the range [a, b) (as random.cc).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -42,7 +43,7 @@ __global__ void random_kernel(T* __restrict__ out, int64_t n, RandomKind kind, d
     seed = rng[0];
     offset += rng[1];
   }
-  if (kind == RandomKind::Bernoulli || kind == RandomKind::Bernoulli_Tensor) {
+  if (is_bernoulli(kind)) {
     // A thread takes the four elements of one Philox call.
     const uint64_t keep = keep_threshold(a);
     cuda::grid_stride_loop((n + 3) / 4, [&](int64_t c) {
@@ -104,8 +105,7 @@ void random_cuda(RandomKind kind, Tensor& out, double a, double b, uint64_t seed
   EMBER_DISPATCH_ALL(out.dtype(), "random", [&] {
     using T = scalar_t;
     const int block = cuda::kBlockSize;
-    const bool bern = kind == RandomKind::Bernoulli || kind == RandomKind::Bernoulli_Tensor;
-    random_kernel<T><<<cuda::grid_for(bern ? (n + 3) / 4 : n, block), block, 0, stream>>>(
+    random_kernel<T><<<cuda::grid_for(is_bernoulli(kind) ? (n + 3) / 4 : n, block), block, 0, stream>>>(
         static_cast<T*>(out.raw_data()), n, kind, a, b, seed, offset, pp, p_dtype, rng);
     EMBER_CUDA_CHECK(cudaGetLastError());
   });
