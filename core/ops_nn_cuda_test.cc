@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -771,6 +772,37 @@ TEST_F(CudaNnOps, PoolingMatchesCpu) {
   sum(max_pool2d(x, {3, 3}, {2, 2}, {1, 1}) + avg_pool2d(x, {3, 3}, {2, 2}, {1, 1})).backward();
   EXPECT_EQ(cuda_layout_copies() - before, 0u);
   EXPECT_TRUE(x.grad().is_contiguous(MemoryFormat::ChannelsLast));
+}
+
+// The kernels index in 32 bits with multiply-high divisors where the tensors
+// fit and in 64 bits otherwise: the two paths, and the CPU, give the same
+// bits forward and backward (max and avg, both layouts, indices in one
+// byte and in four). The 64-bit path runs on these small tensors with the
+// 32-bit limit lowered to nothing.
+TEST_F(CudaNnOps, PoolingIndexWidthsAgreeBitForBit) {
+  uint64_t seed = 800;
+  for (bool cl : {false, true})
+    for (const PoolCase& c : kPoolCases)
+      for (DType dt : {DType::Float32, DType::BFloat16}) {
+        const std::string what = cat(cl ? "channels-last " : "", "x", c.x, " k", c.k[0], "x", c.k[1], " ", dt);
+        Tensor x = rnd(c.x, seed++, dt), x_cl = cl ? channels_last(x) : x;
+        for (bool max : {true, false}) {
+          std::vector<Tensor> outs;
+          for (int path = 0; path < 3; ++path) {  // CPU, CUDA 32-bit, CUDA 64-bit
+            set_pool_cuda_index32_limit(path == 2 ? 0 : INT64_MAX);
+            Tensor xi = (path == 0 ? x_cl : x_cl.cuda()).detach().requires_grad_();
+            Tensor y = max ? max_pool2d(xi, c.k, c.s, c.p, c.ceil) : avg_pool2d(xi, c.k, c.s, c.p, c.ceil, false);
+            sum(y * y).backward();
+            outs.push_back(y.cpu().contiguous());
+            outs.push_back(xi.grad().cpu().contiguous());
+          }
+          set_pool_cuda_index32_limit(INT64_MAX);
+          for (int path = 1; path < 3; ++path)
+            for (int k = 0; k < 2; ++k)
+              EXPECT_TRUE(allclose(outs[2 * path + k], outs[k], 0, 0))
+                  << (max ? "max " : "avg ") << what << (k ? " dx" : " y") << (path == 2 ? ", 64-bit" : ", 32-bit");
+        }
+      }
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "autograd/autograd.h"
 #include "autograd/gradcheck.h"
 #include "core/ops.h"
+#include "core/ops/int_div.h"
 #include "core/testing/conv_cases.h"
 #include "core/testing/error_of.h"
 #include "core/testing/pool_cases.h"
@@ -488,6 +489,41 @@ TEST(Pool, ForwardMatchesNaiveLoops) {
                "max permuted");
   expect_close(avg_pool2d(x, {2, 2}, {1, 1}), naive_pool(x, {2, 2}, {1, 1}, {0, 0}, false, false, true), 1e-12,
                "avg permuted");
+}
+
+// The multiply-high division the pooling kernels index with, against `/`:
+// divisors of every bit length with their neighbours, numerators at the
+// multiples' edges and at the top of the range, and drawn pairs.
+TEST(IntDiv, MatchesDivision) {
+  std::vector<int64_t> divisors;
+  for (int b = 0; b < 31; ++b)
+    for (int64_t d : {(int64_t{1} << b) - 1, int64_t{1} << b, (int64_t{1} << b) + 1})
+      if (d >= 1 && d < (int64_t{1} << 31)) divisors.push_back(d);
+  for (int64_t d : {3, 5, 7, 56, 64, 112, 3136, 12544, 802816, 2147483647}) divisors.push_back(d);
+  uint64_t state = 42;
+  const auto next = [&] {  // splitmix64
+    state += 0x9e3779b97f4a7c15ull;
+    uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  };
+  for (int i = 0; i < 200; ++i) divisors.push_back(1 + static_cast<int64_t>(next() % ((uint64_t{1} << 31) - 1)));
+  const int64_t top = (int64_t{1} << 31) - 1;
+  for (int64_t d : divisors) {
+    const IntDiv<int32_t> by(d);
+    std::vector<int64_t> ns = {0, 1, top, top - 1, top / d * d, top / d * d - 1};
+    for (int64_t q : {int64_t{1}, int64_t{2}, int64_t{3}, top / d / 2, top / d - 1})
+      for (int64_t e : {-1, 0, 1}) ns.push_back(q * d + e);
+    for (int i = 0; i < 200; ++i) ns.push_back(static_cast<int64_t>(next() % (uint64_t{1} << 31)));
+    for (int64_t n : ns) {
+      if (n < 0 || n > top) continue;
+      ASSERT_EQ(by.div(static_cast<int32_t>(n)), n / d) << n << " / " << d;
+    }
+  }
+  EXPECT_EQ(IntDiv<int64_t>(7).div(int64_t{1} << 40), (int64_t{1} << 40) / 7);
+  EXPECT_TRUE(fits_int_div32(top));
+  EXPECT_FALSE(fits_int_div32(top + 1));
 }
 
 TEST(Pool, MaxPropagatesNaN) {

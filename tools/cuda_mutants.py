@@ -114,15 +114,24 @@ MUTANTS = [
     # Found by a new user's mutation round (the round that asked for
     # drawn kernel cases): no listed case pooled with a window wider than tall,
     # and no CUDA case fed a NaN; the drawn pooling cases catch both. The
-    # pooling bodies have since moved to kernels.h, shared by the CPU and
+    # pooling bodies have since moved to pool.h, shared by the CPU and
     # CUDA kernels, so these change the reference too: what catches them is
     # the CPU's own tests (//core:ops_nn_test: NaN propagation, gradcheck).
-    ("max_pool_bwd_width_window", "wrong operand", "core/ops/kernels.h",
-     "  pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);\n  const int64_t pos = ih * g.w + iw;",
-     "  pool_covering(iw, g.ow, g.kh, g.sw, g.pw, &ow0, &ow1);\n  const int64_t pos = ih * g.w + iw;"),
-    ("max_pool_nan_rule", "special value dropped", "core/ops/kernels.h",
+    ("max_pool_bwd_width_window", "wrong operand", "core/ops/pool.h",
+     "  pool_covering(iw, g.ow, g.kw, g.by_sw, g.pw, &ow0, &ow1);\n  A acc = 0;\n  for (I oh = oh0; oh < oh1; ++oh) {",
+     "  pool_covering(iw, g.ow, g.kh, g.by_sw, g.pw, &ow0, &ow1);\n  A acc = 0;\n  for (I oh = oh0; oh < oh1; ++oh) {"),
+    ("max_pool_nan_rule", "special value dropped", "core/ops/pool.h",
      "      if (v > best || v != v) {\n        best = v;",
      "      if (v > best) {\n        best = v;"),
+    # The 32-bit index path's divisions (int_div.h), which only the CUDA
+    # kernels take: the 33rd bit of the multiplier dropped, and the window
+    # place's column taken with the row's stride (the shared body: the CPU's
+    # own tests catch it, strides (2, 1) in the pooling cases).
+    ("int_div32_multiplier_high_bit", "wrong value (a quotient without the multiplier's 33rd bit)",
+     "core/ops/int_div.h",
+     "    return static_cast<int32_t>((hi + u) >> s);", "    return static_cast<int32_t>(hi >> s);"),
+    ("max_pool_bwd_place_stride", "wrong operand (the window place's column by the row stride)", "core/ops/pool.h",
+     "      if (static_cast<I>(indices[o]) == row - ow * g.sw)", "      if (static_cast<I>(indices[o]) == row - ow * g.sh)"),
     # The round's other six, which hand-written cases caught too; the drawn
     # cases must catch them alone (--tests with the kernels_drawn targets).
     ("attention_ds_no_delta", "dropped term", "core/ops/attention.cu",

@@ -489,28 +489,9 @@ struct PoolGeom {
   bool nhwc = false;
   int64_t c = 1;  // channels (planes = N * c); used by nhwc
 };
-// Where element (plane p = n * c + ch, row r, column s) of a [N, C, rows,
-// cols] tensor laid out as g says lies in memory.
-EMBER_HD int64_t pool_offset(const PoolGeom& g, int64_t p, int64_t r, int64_t s, int64_t rows, int64_t cols) {
-  if (!g.nhwc) return (p * rows + r) * cols + s;
-  return (((p / g.c) * rows + r) * cols + s) * g.c + p % g.c;
-}
-// The inverse: the plane, row and column of memory index i.
-EMBER_HD void pool_coords(const PoolGeom& g, int64_t i, int64_t rows, int64_t cols, int64_t* p, int64_t* r,
-                          int64_t* s) {
-  if (!g.nhwc) {
-    *s = i % cols;
-    *r = (i / cols) % rows;
-    *p = i / (cols * rows);
-    return;
-  }
-  const int64_t ch = i % g.c, rest = i / g.c;
-  *s = rest % cols;
-  *r = (rest / cols) % rows;
-  *p = (rest / (cols * rows)) * g.c + ch;
-}
-// Max pooling also writes indices (int64, laid out as y): the argmax's
-// flat position h * w_in + w in its input plane; backward routes dy there.
+// Max pooling also writes indices (laid out as y; pool_index_dtype): each
+// argmax's place in its window; backward routes dy there. The bodies the
+// kernels run are pool.h's.
 void max_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y, Tensor& indices);
 void max_pool2d_cuda(const PoolGeom& g, const Tensor& x, Tensor& y, Tensor& indices);
 // dx is fully written (not accumulated into).
@@ -520,100 +501,14 @@ void avg_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y);
 void avg_pool2d_cuda(const PoolGeom& g, const Tensor& x, Tensor& y);
 void avg_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, Tensor& dx);
 void avg_pool2d_backward_cuda(const PoolGeom& g, const Tensor& dy, Tensor& dx);
-// Window of output `o` along one dim of an input of size `in`, clipped to
-// the input: [*begin, *end). Returns its size clipped only to the padded
-// input, which is avg pooling's count_include_pad divisor (as PyTorch).
-EMBER_HD int64_t pool_window(int64_t o, int64_t in, int64_t k, int64_t s, int64_t p, int64_t* begin, int64_t* end) {
-  const int64_t b = o * s - p, e = b + k < in + p ? b + k : in + p;
-  *begin = b < 0 ? 0 : b;
-  *end = e < in ? e : in;
-  return e - b;
-}
-// The outputs whose windows contain input index i: [*lo, *hi). Backward
-// kernels gather over these, so each dx element has one writer (no atomics,
-// deterministic, the same sums on CPU and CUDA).
-EMBER_HD void pool_covering(int64_t i, int64_t out, int64_t k, int64_t s, int64_t p, int64_t* lo, int64_t* hi) {
-  *lo = i + p < k ? 0 : (i + p - k) / s + 1;
-  const int64_t h = (i + p) / s + 1;
-  *hi = h < out ? h : out;
-}
-
-// The per-element bodies of the pooling kernels, the one definition both
-// backends run (the CPU loops over the elements, CUDA runs one a thread),
-// so they agree to the last bit. A is the accumulation type; p the plane.
-
-// Max over the window of output (oh, ow); *arg gets the argmax's position
-// in the plane. NaN wins (and the last NaN), as in PyTorch: a NaN input
-// must not vanish.
-template <typename A, typename T>
-EMBER_HD A max_pool_at(const PoolGeom& g, const T* x, int64_t p, int64_t oh, int64_t ow, int64_t* arg) {
-  int64_t h0, h1, w0, w1;
-  pool_window(oh, g.h, g.kh, g.sh, g.ph, &h0, &h1);
-  pool_window(ow, g.w, g.kw, g.sw, g.pw, &w0, &w1);
-  A best = static_cast<A>(-INFINITY);
-  *arg = h0 * g.w + w0;
-  for (int64_t ih = h0; ih < h1; ++ih)
-    for (int64_t iw = w0; iw < w1; ++iw) {
-      const A v = cast_value<A>(x[pool_offset(g, p, ih, iw, g.h, g.w)]);
-      if (v > best || v != v) {
-        best = v;
-        *arg = ih * g.w + iw;
-      }
-    }
-  return best;
-}
-
-// The gradient of input (ih, iw): the sum of dy over the outputs covering
-// it whose argmax it is.
-template <typename A, typename T>
-EMBER_HD A max_pool_backward_at(const PoolGeom& g, const T* dy, const int64_t* indices, int64_t p, int64_t ih,
-                                int64_t iw) {
-  int64_t oh0, oh1, ow0, ow1;
-  pool_covering(ih, g.oh, g.kh, g.sh, g.ph, &oh0, &oh1);
-  pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);
-  const int64_t pos = ih * g.w + iw;
-  A acc = 0;
-  for (int64_t oh = oh0; oh < oh1; ++oh)
-    for (int64_t ow = ow0; ow < ow1; ++ow) {
-      const int64_t o = pool_offset(g, p, oh, ow, g.oh, g.ow);
-      if (indices[o] == pos) acc += cast_value<A>(dy[o]);
-    }
-  return acc;
-}
-
-// The divisor of output (oh, ow)'s average; [h0, h1) x [w0, w1) its window.
-EMBER_HD int64_t avg_pool_window(const PoolGeom& g, int64_t oh, int64_t ow, int64_t* h0, int64_t* h1, int64_t* w0,
-                                 int64_t* w1) {
-  const int64_t size = pool_window(oh, g.h, g.kh, g.sh, g.ph, h0, h1) * pool_window(ow, g.w, g.kw, g.sw, g.pw, w0, w1);
-  return g.count_include_pad ? size : (*h1 - *h0) * (*w1 - *w0);
-}
-
-// The average over the window of output (oh, ow); 0 for an empty one.
-template <typename A, typename T>
-EMBER_HD A avg_pool_at(const PoolGeom& g, const T* x, int64_t p, int64_t oh, int64_t ow) {
-  int64_t h0, h1, w0, w1;
-  const int64_t div = avg_pool_window(g, oh, ow, &h0, &h1, &w0, &w1);
-  A acc = 0;
-  for (int64_t ih = h0; ih < h1; ++ih)
-    for (int64_t iw = w0; iw < w1; ++iw) acc += cast_value<A>(x[pool_offset(g, p, ih, iw, g.h, g.w)]);
-  return div > 0 ? acc / static_cast<A>(div) : A(0);
-}
-
-// The gradient of input (ih, iw): dy / divisor summed over the outputs
-// covering it.
-template <typename A, typename T>
-EMBER_HD A avg_pool_backward_at(const PoolGeom& g, const T* dy, int64_t p, int64_t ih, int64_t iw) {
-  int64_t oh0, oh1, ow0, ow1;
-  pool_covering(ih, g.oh, g.kh, g.sh, g.ph, &oh0, &oh1);
-  pool_covering(iw, g.ow, g.kw, g.sw, g.pw, &ow0, &ow1);
-  A acc = 0;
-  for (int64_t oh = oh0; oh < oh1; ++oh)
-    for (int64_t ow = ow0; ow < ow1; ++ow) {
-      int64_t h0, h1, w0, w1;
-      const int64_t div = avg_pool_window(g, oh, ow, &h0, &h1, &w0, &w1);
-      acc += cast_value<A>(dy[pool_offset(g, p, oh, ow, g.oh, g.ow)]) / static_cast<A>(div);
-    }
-  return acc;
-}
+// Max pooling's indices: an argmax's place (row * kw + column) in its
+// kh x kw window, in one byte where the window has at most 256 places
+// (PyTorch stores the position in the plane in 8 bytes: the pool's
+// backward reads them all again), in four otherwise.
+inline DType pool_index_dtype(const PoolGeom& g) { return g.kh * g.kw <= 256 ? DType::UInt8 : DType::Int32; }
+// The CUDA pooling kernels index in 32 bits below this many elements (and
+// where pool_fits_int32 allows): tests lower it to run the 64-bit path on
+// small tensors. INT64_MAX restores the default.
+void set_pool_cuda_index32_limit(int64_t numel);
 
 }  // namespace ember

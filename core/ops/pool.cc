@@ -1,8 +1,10 @@
 // max_pool2d / avg_pool2d: CPU kernels and the op layer (pool.cu has the
 // CUDA kernels). Each N*C plane is independent, so threads split planes.
-// Windows and divisors come from pool_window / pool_covering in kernels.h,
-// shared with CUDA so both backends agree to the last element; addresses
-// from pool_offset, so NCHW and channels-last inputs pool in place.
+// The per-element bodies are pool.h's, shared with CUDA so both backends
+// agree to the last element; addresses come from pool_offset, so NCHW and
+// channels-last inputs pool in place.
+#include "core/ops/pool.h"
+
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -27,15 +29,17 @@ int64_t plane_grain(const PoolGeom& g) {
 
 // For in's float dtype T: out's every element (r, c) of every plane p (of
 // [rows, cols]) = value(in's data, p, r, c, o), o its offset, the planes
-// split over threads.
+// split over threads. The CPU indexes in 64 bits (its division is cheap
+// beside the GPU's).
 template <typename Value>
-void pool_cpu(const char* op, const PoolGeom& g, const Tensor& in, Tensor& out, int64_t rows, int64_t cols,
+void pool_cpu(const char* op, const PoolGeom& pg, const Tensor& in, Tensor& out, int64_t rows, int64_t cols,
               Value value) {
+  const PoolIndex<int64_t> g(pg);
   EMBER_DISPATCH_FLOAT(in.dtype(), op, [&] {
     using T = scalar_t;
     const T* src = in.data<T>();
     T* dst = out.data<T>();
-    parallel_for(g.planes, plane_grain(g), [&](int64_t begin, int64_t end) {
+    parallel_for(pg.planes, plane_grain(pg), [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p)
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t c = 0; c < cols; ++c) {
@@ -51,31 +55,50 @@ template <typename P>
 using pool_acc_of = pool_acc_t<std::remove_cv_t<std::remove_pointer_t<P>>>;
 }  // namespace
 
-void max_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y, Tensor& indices) {
-  int64_t* ip = indices.data<int64_t>();
-  pool_cpu("max_pool2d", g, x, y, g.oh, g.ow, [&](auto xp, int64_t p, int64_t oh, int64_t ow, int64_t o) {
-    int64_t arg;
-    const auto best = max_pool_at<pool_acc_of<decltype(xp)>>(g, xp, p, oh, ow, &arg);
-    ip[o] = arg;
-    return best;
+// Calls f(J{}) for the index tensor's element type J (pool_index_dtype).
+template <typename F>
+void with_index_type(const Tensor& indices, F&& f) {
+  if (indices.dtype() == DType::UInt8)
+    f(uint8_t{});
+  else
+    f(int32_t{});
+}
+
+void max_pool2d_cpu(const PoolGeom& pg, const Tensor& x, Tensor& y, Tensor& indices) {
+  const PoolIndex<int64_t> g(pg);
+  with_index_type(indices, [&](auto tag) {
+    using J = decltype(tag);
+    J* ip = indices.data<J>();
+    pool_cpu("max_pool2d", pg, x, y, pg.oh, pg.ow, [&](auto xp, int64_t p, int64_t oh, int64_t ow, int64_t o) {
+      int64_t arg;
+      const auto best = max_pool_at<pool_acc_of<decltype(xp)>>(g, xp, p, oh, ow, &arg);
+      ip[o] = static_cast<J>(arg);
+      return best;
+    });
   });
 }
 
-void max_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, const Tensor& indices, Tensor& dx) {
-  const int64_t* ip = indices.data<int64_t>();
-  pool_cpu("max_pool2d_backward", g, dy, dx, g.h, g.w, [&](auto gp, int64_t p, int64_t ih, int64_t iw, int64_t) {
-    return max_pool_backward_at<pool_acc_of<decltype(gp)>>(g, gp, ip, p, ih, iw);
+void max_pool2d_backward_cpu(const PoolGeom& pg, const Tensor& dy, const Tensor& indices, Tensor& dx) {
+  const PoolIndex<int64_t> g(pg);
+  with_index_type(indices, [&](auto tag) {
+    using J = decltype(tag);
+    const J* ip = indices.data<J>();
+    pool_cpu("max_pool2d_backward", pg, dy, dx, pg.h, pg.w, [&](auto gp, int64_t p, int64_t ih, int64_t iw, int64_t) {
+      return max_pool_backward_at<pool_acc_of<decltype(gp)>>(g, gp, ip, p, ih, iw);
+    });
   });
 }
 
-void avg_pool2d_cpu(const PoolGeom& g, const Tensor& x, Tensor& y) {
-  pool_cpu("avg_pool2d", g, x, y, g.oh, g.ow, [&](auto xp, int64_t p, int64_t oh, int64_t ow, int64_t) {
+void avg_pool2d_cpu(const PoolGeom& pg, const Tensor& x, Tensor& y) {
+  const PoolIndex<int64_t> g(pg);
+  pool_cpu("avg_pool2d", pg, x, y, pg.oh, pg.ow, [&](auto xp, int64_t p, int64_t oh, int64_t ow, int64_t) {
     return avg_pool_at<pool_acc_of<decltype(xp)>>(g, xp, p, oh, ow);
   });
 }
 
-void avg_pool2d_backward_cpu(const PoolGeom& g, const Tensor& dy, Tensor& dx) {
-  pool_cpu("avg_pool2d_backward", g, dy, dx, g.h, g.w, [&](auto gp, int64_t p, int64_t ih, int64_t iw, int64_t) {
+void avg_pool2d_backward_cpu(const PoolGeom& pg, const Tensor& dy, Tensor& dx) {
+  const PoolIndex<int64_t> g(pg);
+  pool_cpu("avg_pool2d_backward", pg, dy, dx, pg.h, pg.w, [&](auto gp, int64_t p, int64_t ih, int64_t iw, int64_t) {
     return avg_pool_backward_at<pool_acc_of<decltype(gp)>>(g, gp, p, ih, iw);
   });
 }
@@ -163,7 +186,7 @@ PoolGeom pool_geom_for(const char* op, const Tensor& x, Dims kernel, Dims stride
 
 Tensor max_pool2d(const Tensor& x, Dims kernel, Dims stride, Dims padding, bool ceil_mode) {
   const PoolGeom g = pool_geom_for("max_pool2d", x, kernel, stride, padding, ceil_mode, false);
-  Tensor indices = Tensor::empty({x.size(0), x.size(1), g.oh, g.ow}, {DType::Int64, x.device()}, format_of(g));
+  Tensor indices = Tensor::empty({x.size(0), x.size(1), g.oh, g.ow}, {pool_index_dtype(g), x.device()}, format_of(g));
   return pool_op(
       "max_pool2d", x, g,
       [indices](const PoolGeom& g, const Tensor& xc, Tensor& y) mutable {

@@ -29,6 +29,9 @@ inline std::vector<PoolCase> pool_cases(const std::vector<PoolCase>& more) {
       // Wider than tall: a backward covering the columns by the window's height
       // misses some (a taller window only adds outputs that cannot be argmaxes).
       {{1, 2, 5, 8}, {2, 3}, {1, 2}, {0, 1}, false},
+      // A window of more than 256 places: max pooling's indices in 4 bytes,
+      // not one (pool_index_dtype).
+      {{1, 2, 19, 18}, {17, 16}, {1, 2}, {0, 0}, false},
   };
   cases.insert(cases.end(), more.begin(), more.end());
   return cases;
