@@ -2,7 +2,7 @@
 // launches: the 16-bit kernels' schedule (attention_flash.cu, whose
 // launchers run these for float32) on TF32 tensor cores in 3xTF32, each
 // product as three TF32 ones (mma_tiles.cuh's split_tf32 and
-// mma_1688_3xtf32; mma_row below), which keeps nearly float32's accuracy.
+// mma_row_3xtf32), which keeps nearly float32's accuracy.
 // That is the path PyTorch's efficient attention takes for float32
 // (CUTLASS's OpMultiplyAddFastF32); ours ran float32 through the blocked
 // kernels (attention.cu: cuBLAS's SGEMM, the scores in memory).
@@ -49,19 +49,16 @@ using attention_cuda::mask_scores;
 using attention_cuda::online_softmax;
 using attention_cuda::Rows;
 using cuda::mma_1688_3xtf32;
+using cuda::mma_row_3xtf32;
 using cuda::split_tf32;
+using FragA = cuda::Tf32A;
+using FragB = cuda::Tf32B;
 
 constexpr int kThreads = 128;  // 4 warps, forward and backward
 constexpr int kRows = 64;      // a forward block's query rows
 constexpr int kKeys = 64;      // a backward block's keys
 
 // Fragments split for 3xTF32 from float tiles of row stride ld (elements).
-struct FragA {
-  uint32_t big[4], small[4];
-};
-struct FragB {
-  uint32_t big[2], small[2];
-};
 __device__ __forceinline__ void put(const float v, uint32_t& big, uint32_t& small) {
   const cuda::Tf32x2 p = split_tf32(v);
   big = p.big, small = p.small;
@@ -115,27 +112,6 @@ __device__ __forceinline__ FragB frag_b_cols(const float* tile, int ld, int k0, 
 __device__ __forceinline__ FragB frag_b_pairs(const float* tile, int ld, int k0, int n0, int g, int t) {
   return frag_b_at(tile + (k0 + 2 * t) * ld + n0 + g, ld);
 }
-__device__ __forceinline__ void mma(float c[4], const FragA& a, const FragB& b) {
-  mma_1688_3xtf32(c, a.big, a.small, b.big, b.small);
-}
-// c[n] += A B(n) for N n-tiles, B(n) = b_frag(n): the three partial
-// products in three passes over the n-tiles, each pass's N products
-// independent, where one n-tile's three in a row would each wait for the
-// one before (a chain the split's instructions no longer fill). Each
-// c[n] sums in mma's order: the same results.
-template <int N, typename BFrag>
-__device__ __forceinline__ void mma_row(float (&c)[N][4], const FragA& a, BFrag&& b_frag) {
-  FragB b[N];
-#pragma unroll
-  for (int n = 0; n < N; ++n) b[n] = b_frag(n);
-#pragma unroll
-  for (int n = 0; n < N; ++n) cuda::mma_1688_tf32(c[n], a.small, b[n].big);
-#pragma unroll
-  for (int n = 0; n < N; ++n) cuda::mma_1688_tf32(c[n], a.big, b[n].small);
-#pragma unroll
-  for (int n = 0; n < N; ++n) cuda::mma_1688_tf32(c[n], a.big, b[n].big);
-}
-
 // Forward keys a tile: 64 up to head dim 64, 32 at 128 (qs, ks, vs: 66
 // KiB; 64 keys would take all 99 KiB of an sm_86, sm_89 or sm_120 block,
 // and 8 n-tiles of scores more registers).
@@ -172,7 +148,8 @@ __global__ void __launch_bounds__(kThreads)
     if (active) {
 #pragma unroll
       for (int kk = 0; kk < D / 8; ++kk) {
-        mma_row(s, frag_a(qs, LD, wr, kk * 8, g, t), [&](int nt) { return frag_b_rows(ks, LD, kk * 8, nt * 8, g, t); });
+        mma_row_3xtf32(s, frag_a(qs, LD, wr, kk * 8, g, t),
+                       [&](int nt) { return frag_b_rows(ks, LD, kk * 8, nt * 8, g, t); });
       }
     }
     cuda::cp_async_wait_all();
@@ -193,7 +170,7 @@ __global__ void __launch_bounds__(kThreads)
     // O += P V: P's key tile kk (8 keys) as A, v's rows in the same order.
 #pragma unroll
     for (int kk = 0; kk < NT; ++kk) {
-      mma_row(o, frag_a_acc(s[kk]), [&](int nt) { return frag_b_pairs(vs, LD, kk * 8, nt * 8, g, t); });
+      mma_row_3xtf32(o, frag_a_acc(s[kk]), [&](int nt) { return frag_b_pairs(vs, LD, kk * 8, nt * 8, g, t); });
     }
   }
   cuda::cp_async_wait_all();  // a warp past the last row waited for no copy
@@ -274,8 +251,8 @@ __global__ void __launch_bounds__(kThreads)
       const FragA fv = frag_a(vs, LD, wk, kk * 8, g, t);
 #pragma unroll
       for (int nt = 0; nt < NQ; ++nt) {
-        mma(st[nt], fk, frag_b_rows(qs, LD, kk * 8, nt * 8, g, t));
-        mma(dpt[nt], fv, frag_b_rows(dos, LD, kk * 8, nt * 8, g, t));
+        mma_1688_3xtf32(st[nt], fk, frag_b_rows(qs, LD, kk * 8, nt * 8, g, t));
+        mma_1688_3xtf32(dpt[nt], fv, frag_b_rows(dos, LD, kk * 8, nt * 8, g, t));
       }
     }
     // P and dS, key r = wk + g + 8 (e / 2) against query c = nt 8 + 2t + e % 2:
@@ -303,8 +280,8 @@ __global__ void __launch_bounds__(kThreads)
       const FragA fp = frag_a_acc(st[kk]), fs = frag_a_acc(dpt[kk]);
 #pragma unroll
       for (int nt = 0; nt < DT; ++nt) {
-        mma(dva[nt], fp, frag_b_pairs(dos, LD, kk * 8, nt * 8, g, t));
-        mma(dka[nt], fs, frag_b_pairs(qs, LD, kk * 8, nt * 8, g, t));
+        mma_1688_3xtf32(dva[nt], fp, frag_b_pairs(dos, LD, kk * 8, nt * 8, g, t));
+        mma_1688_3xtf32(dka[nt], fs, frag_b_pairs(qs, LD, kk * 8, nt * 8, g, t));
       }
     }
     __syncthreads();  // dS^T is whole
@@ -312,8 +289,8 @@ __global__ void __launch_bounds__(kThreads)
     float dqa[QDT][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kKeys / 8; ++kk) {
-      mma_row(dqa, frag_a_cols(dst, LDS, qm, kk * 8, g, t),
-              [&](int nt) { return frag_b_cols(ks, LD, kk * 8, qd + nt * 8, g, t); });
+      mma_row_3xtf32(dqa, frag_a_cols(dst, LDS, qm, kk * 8, g, t),
+                     [&](int nt) { return frag_b_cols(ks, LD, kk * 8, qd + nt * 8, g, t); });
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

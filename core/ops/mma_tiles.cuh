@@ -79,12 +79,36 @@ __device__ __forceinline__ Tf32x2 split_tf32(float x) {
   std::memcpy(&sb, &small, 4);
   return {big, sb};
 }
-// c += A B in 3xTF32 from split fragments, the small partial products first.
-__device__ __forceinline__ void mma_1688_3xtf32(float c[4], const uint32_t a_big[4], const uint32_t a_small[4],
-                                                const uint32_t b_big[2], const uint32_t b_small[2]) {
-  mma_1688_tf32(c, a_small, b_big);
-  mma_1688_tf32(c, a_big, b_small);
-  mma_1688_tf32(c, a_big, b_big);
+// Fragments of m16n8k8 split for 3xTF32 (split_tf32): A's four registers
+// or B's two, each as its big and its small part.
+template <int R>
+struct Tf32Frag {
+  uint32_t big[R], small[R];
+};
+using Tf32A = Tf32Frag<4>;
+using Tf32B = Tf32Frag<2>;
+// c[n] += A B(n) in 3xTF32 for N n-tiles, B(n) = b_frag(n): the three
+// partial products in three passes over the n-tiles, the small ones first,
+// each pass's N products independent, where one n-tile's three in a row
+// would each wait for the one before (a chain the split's few instructions
+// do not fill). Each c[n] sums the same three products in the same order
+// as a lone n-tile's: the same results. (Passes in chunks of n-tiles, fewer
+// B fragments live, measured no faster in the float32 backward.)
+template <int N, typename BFrag>
+__device__ __forceinline__ void mma_row_3xtf32(float (&c)[N][4], const Tf32A& a, BFrag&& b_frag) {
+  Tf32B b[N];
+#pragma unroll
+  for (int n = 0; n < N; ++n) b[n] = b_frag(n);
+#pragma unroll
+  for (int n = 0; n < N; ++n) mma_1688_tf32(c[n], a.small, b[n].big);
+#pragma unroll
+  for (int n = 0; n < N; ++n) mma_1688_tf32(c[n], a.big, b[n].small);
+#pragma unroll
+  for (int n = 0; n < N; ++n) mma_1688_tf32(c[n], a.big, b[n].big);
+}
+// c += A B in 3xTF32: the row of one n-tile.
+__device__ __forceinline__ void mma_1688_3xtf32(float c[4], const Tf32A& a, const Tf32B& b) {
+  mma_row_3xtf32(reinterpret_cast<float(&)[1][4]>(*c), a, [&](int) { return b; });
 }
 
 // Fragments from shared tiles by ldmatrix (the layouts of mma_16816).
