@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "core/ops.h"
+#include "core/ops/int_div.h"
 #include "core/ops/kernels.h"
 #include "core/ops_nn.h"
 #include "core/testing/draw.h"
@@ -380,22 +381,27 @@ TEST_F(Drawn, BiasGelu) {
 }
 
 // rotary_embedding: x [batch..., seq, heads, head_dim] with zero to two
-// leading dims, head dims from 2 up, angles of any size (positions far out,
+// leading dims, head dims from 2 up (halves that take the CUDA kernel's
+// vectors and halves that do not), angles of any size (positions far out,
 // as a context-parallel rank's chunk has), every float dtype; the tables
-// random rather than cos/sin so a kernel that mixes them up fails.
+// random rather than cos/sin so a kernel that mixes them up fails. On CUDA
+// the 64-bit index path is drawn too.
 TEST_F(Drawn, RotaryEmbedding) {
   for_each_draw("rotary_embedding", 200, [&](Draw& d) {
     const int64_t t = d.integer(1, 12), h = d.integer(1, 5), hd = 2 * d.integer(1, 40);
+    const bool index64 = d.chance(0.3);
     Shape xs;
     for (int64_t i = d.integer(0, 2); i > 0; --i) xs.push_back(d.size(1, 3));
     for (int64_t v : {t, h, hd}) xs.push_back(v);
     const DType dt = d.pick(kFloats);
     Tensor x = d.values(xs, dt, Specials::finite(), 2.0);
     Tensor c = d.values({t, hd / 2}, dt), s = d.values({t, hd / 2}, dt);
+    set_int_div32_limit(index64 ? 0 : INT64_MAX);
     check_case(
-        detail::str_cat("rotary_embedding x", shape_str(xs)),
+        detail::str_cat("rotary_embedding x", shape_str(xs), index64 ? ", 64-bit index" : ""),
         [=](const std::vector<Tensor>& v) { return rotary_embedding(v[0], v[1], v[2]); },
-        {{x, true}, {c, false, false}, {s, false, false}}, d, tol_for(dt, 1e-5), tol_for(dt, 1e-5));
+        {{x, true}, {c, false, true}, {s, false, true}}, d, tol_for(dt, 1e-5), tol_for(dt, 1e-5));
+    set_int_div32_limit(INT64_MAX);
   });
 }
 

@@ -132,6 +132,10 @@ MUTANTS = [
      "    return static_cast<int32_t>((hi + u) >> s);", "    return static_cast<int32_t>(hi >> s);"),
     ("max_pool_bwd_place_stride", "wrong operand (the window place's column by the row stride)", "core/ops/pool.h",
      "      if (static_cast<I>(indices[o]) == row - ow * g.sw)", "      if (static_cast<I>(indices[o]) == row - ow * g.sh)"),
+    ("rope_vec_table_offset", "wrong index (a vector's tables read at its pair's chunk, not its pair)",
+     "core/ops/rope.cu", "to = t * g.half + i;", "to = t * g.half + i / V;"),
+    ("rope_position_of_row", "wrong index (the position taken as the row's batch index)", "core/ops/rope.cu",
+     "const I t = r - g.by_seq.div(r) * g.by_seq.d;", "const I t = g.by_seq.div(r);"),
     # The round's other six, which hand-written cases caught too; the drawn
     # cases must catch them alone (--tests with the kernels_drawn targets).
     ("attention_ds_no_delta", "dropped term", "core/ops/attention.cu",

@@ -61,4 +61,11 @@ struct IntDiv<int32_t> {
 // operation, plus what its index math adds to them) fit IntDiv<int32_t>.
 inline bool fits_int_div32(int64_t extent) { return extent < (int64_t{1} << 31); }
 
+// The kernels' choice (pooling, the rotary embedding on CUDA): 32-bit index
+// math where the extent fits and lies below the limit that
+// set_int_div32_limit sets (int_div.cc; INT64_MAX unless a test lowers it
+// to run the 64-bit paths on small tensors).
+bool use_int_div32(int64_t extent);
+void set_int_div32_limit(int64_t extent);
+
 }  // namespace ember

@@ -506,9 +506,5 @@ void avg_pool2d_backward_cuda(const PoolGeom& g, const Tensor& dy, Tensor& dx);
 // (PyTorch stores the position in the plane in 8 bytes: the pool's
 // backward reads them all again), in four otherwise.
 inline DType pool_index_dtype(const PoolGeom& g) { return g.kh * g.kw <= 256 ? DType::UInt8 : DType::Int32; }
-// The CUDA pooling kernels index in 32 bits below this many elements (and
-// where pool_fits_int32 allows): tests lower it to run the 64-bit path on
-// small tensors. INT64_MAX restores the default.
-void set_pool_cuda_index32_limit(int64_t numel);
 
 }  // namespace ember

@@ -82,7 +82,6 @@ EMBER_NO_CUDA(max_pool2d_cuda, const PoolGeom&, const Tensor&, Tensor&, Tensor&)
 EMBER_NO_CUDA(max_pool2d_backward_cuda, const PoolGeom&, const Tensor&, const Tensor&, Tensor&)
 EMBER_NO_CUDA(avg_pool2d_cuda, const PoolGeom&, const Tensor&, Tensor&)
 EMBER_NO_CUDA(avg_pool2d_backward_cuda, const PoolGeom&, const Tensor&, Tensor&)
-EMBER_NO_CUDA(set_pool_cuda_index32_limit, int64_t)
 EMBER_NO_CUDA(sgd_step_cuda, const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,
               const std::vector<bool>&, const SgdOptions&, DeviceHyper, const std::vector<Tensor>&)
 EMBER_NO_CUDA(adam_step_cuda, const std::vector<Tensor>&, const std::vector<Tensor>&, const std::vector<Tensor>&,

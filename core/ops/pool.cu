@@ -69,15 +69,13 @@ __global__ void avg_pool_backward_kernel(const __grid_constant__ PoolIndex<I> g,
 
 // Runs launch(scalar_t{}, PoolIndex<I>, stream) on t's device for its float
 // dtype, I int32_t where the larger of the operation's element counts
-// (numel) allows it (pool_fits_int32; below pool_index32_limit, which
-// tests lower to run the 64-bit path on small tensors).
-int64_t index32_limit = INT64_MAX;
+// (numel) allows it (pool_fits_int32).
 template <typename F>
 void launch_on(const Tensor& t, const PoolGeom& g, int64_t numel, const char* op, F&& launch) {
   cuda::DeviceGuard guard(t);
   cudaStream_t stream = cuda::stream_for(t);
   EMBER_DISPATCH_FLOAT(t.dtype(), op, [&] {
-    if (pool_fits_int32(g, numel) && numel < index32_limit)
+    if (pool_fits_int32(g, numel))
       launch(scalar_t{}, PoolIndex<int32_t>(g), stream);
     else
       launch(scalar_t{}, PoolIndex<int64_t>(g), stream);
@@ -94,8 +92,6 @@ void with_index_type(const Tensor& indices, F&& f) {
 }
 
 }  // namespace
-
-void set_pool_cuda_index32_limit(int64_t numel) { index32_limit = numel; }
 
 void max_pool2d_cuda(const PoolGeom& g, const Tensor& x, Tensor& y, Tensor& indices) {
   const int64_t total = y.numel();

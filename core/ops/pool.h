@@ -50,7 +50,7 @@ struct PoolIndex {
 // is below numel, and the covering outputs' bounds add at most a window to
 // an input coordinate.
 inline bool pool_fits_int32(const PoolGeom& g, int64_t numel) {
-  return fits_int_div32(numel + g.kh + g.kw + g.ph + g.pw);
+  return use_int_div32(numel + g.kh + g.kw + g.ph + g.pw);
 }
 
 // Where element (plane p, row r, column s) of a [N, C, rows, cols] tensor

@@ -124,10 +124,19 @@ class Draw {
   }
 
   // x (contiguous) in a drawn layout with the same values: as it is,
-  // channels-last (4-D), or a view into a larger buffer (an offset and a
-  // step along one dim), as the strided kernels see them.
+  // channels-last (4-D), a view into a larger buffer (an offset and a step
+  // along one dim), as the strided kernels see them, or contiguous one
+  // element into its buffer, as a slice of a batch is: a kernel's vector
+  // path must see that the pointer is not aligned for it.
   Tensor layout(const Tensor& x, std::string* how = nullptr) {
-    const int64_t which = integer(0, 2);
+    const int64_t which = integer(0, 3);
+    if (which == 3 && x.numel() > 0) {
+      Tensor buf = full({x.numel() + 1}, std::numeric_limits<double>::quiet_NaN(), {x.dtype(), x.device()});
+      Tensor view = buf.slice(0, 1, x.numel() + 1).view(x.sizes());
+      view.copy_(x);
+      if (how) *how = "contiguous at an offset of one element";
+      return view;
+    }
     if (which == 1 && x.dim() == 4) {
       if (how) *how = "channels-last";
       return x.contiguous(MemoryFormat::ChannelsLast);
