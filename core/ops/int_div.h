@@ -10,6 +10,7 @@
 // operation fits in 31 bits, and IntDiv<int64_t> (a plain `/`) otherwise.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 #include "core/dtype.h"
@@ -62,10 +63,14 @@ struct IntDiv<int32_t> {
 inline bool fits_int_div32(int64_t extent) { return extent < (int64_t{1} << 31); }
 
 // The kernels' choice (pooling, the rotary embedding on CUDA): 32-bit index
-// math where the extent fits and lies below the limit that
-// set_int_div32_limit sets (int_div.cc; INT64_MAX unless a test lowers it
-// to run the 64-bit paths on small tensors).
-bool use_int_div32(int64_t extent);
-void set_int_div32_limit(int64_t extent);
+// math where the extent fits and lies below the limit, INT64_MAX unless a
+// test lowers it (set_int_div32_limit) to run the 64-bit paths on small
+// tensors. Inline, with no .cc: the CUDA kernels' archive links after the
+// library's other objects and could not reach a definition among them.
+inline std::atomic<int64_t> int_div32_limit{INT64_MAX};
+inline bool use_int_div32(int64_t extent) {
+  return fits_int_div32(extent) && extent < int_div32_limit.load(std::memory_order_relaxed);
+}
+inline void set_int_div32_limit(int64_t extent) { int_div32_limit.store(extent, std::memory_order_relaxed); }
 
 }  // namespace ember
