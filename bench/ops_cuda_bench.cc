@@ -253,4 +253,29 @@ BENCHMARK(BM_CudaMaxPool)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
+// Strided copies at the 352 M GPT's attention shape (batch 8, 1,024
+// tokens, 16 heads of 64): the fused backward's float32 dQ sum [B H, T, D]
+// cast into q's bf16 columns of the packed qkv gradient [B, T, 3 E]
+// (cast 1), and a bf16 transpose of heads [B, H, T, D] to [B, T, H, D]
+// (cast 0). Both were one element a thread with a division a dim; the
+// copy's vectors along D take one index decomposition for 4 or 8 elements
+// and 16-byte accesses. GB/s counts the bytes read and written once.
+void BM_CudaStridedCopy(benchmark::State& state) {
+  if (!need_gpu(state)) return;
+  const bool cast = state.range(0) == 1;
+  const int64_t b = 8, h = 16, t = 1024, d = 64, e = h * d;
+  const DType src_dt = cast ? DType::Float32 : DType::BFloat16;
+  Tensor src = randn({b, h, t, d}, {src_dt, cuda_device()});
+  Tensor qkv = zeros({b, t, 3 * e}, {DType::BFloat16, cuda_device()});
+  Tensor dst = qkv.narrow(2, 0, e).view({b, t, h, d}).permute({0, 2, 1, 3});  // q's heads where they lie
+  for (auto _ : state) {
+    dst.copy_(src);
+    cuda_synchronize();
+  }
+  const double bytes = static_cast<double>(src.numel()) * static_cast<double>(dtype_size(src_dt) + 2);
+  state.counters["GB/s"] =
+      benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_CudaStridedCopy)->ArgNames({"cast"})->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
 }  // namespace

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "core/ops.h"
+#include "core/ops/int_div.h"
 #include "core/ops_optim.h"
 #include "core/testing/draw.h"
 #include "core/testing/drawn_case.h"
@@ -417,12 +418,17 @@ TEST_F(DrawnOps, AmpUnscale) {
 
 // The copy kernels: casts between every pair of float dtypes (NaN,
 // infinities, values beyond float16's range, denormals), a permuted view
-// made contiguous, cat and stack along a drawn dim, with gradients.
+// made contiguous, cat and stack along a drawn dim, and attention's
+// transpose of heads ([B, H, T, D] to [B, T, H, D], cast or not), whose
+// head dims (multiples of 8 among them) let the CUDA copy take its vectors
+// along D; with gradients. On CUDA the 64-bit index path is drawn too.
 TEST_F(DrawnOps, CopiesCastsAndJoins) {
   for_each_draw("copies", 150, [&](Draw& d) {
     const DType dt = d.pick(kFloats), to = d.pick(kFloats);
-    const int kind = static_cast<int>(d.integer(0, 3));
-    Shape s = d.shape(static_cast<int>(d.integer(1, 4)), 1, 7, true);
+    const int kind = static_cast<int>(d.integer(0, 4));
+    const bool index64 = d.chance(0.3);
+    Shape s = kind == 4 ? Shape{d.size(1, 3), d.size(1, 4), d.size(1, 5), d.pick<int64_t>({2, 4, 8, 16, 24})}
+                        : d.shape(static_cast<int>(d.integer(1, 4)), 1, 7, true);
     const int64_t rank = static_cast<int64_t>(s.size()), dim = d.integer(0, rank - 1);
     Specials sp = Specials::all();
     Tensor x = d.values(s, dt, sp, d.pick<double>({1.0, 3e4}));  // 3e4: some beyond float16's 65504
@@ -432,10 +438,13 @@ TEST_F(DrawnOps, CopiesCastsAndJoins) {
     Shape perm(rank);
     for (int64_t i = 0; i < rank; ++i) perm[i] = i;
     for (int64_t i = rank - 1; i > 0; --i) std::swap(perm[i], perm[d.integer(0, i)]);
-    const char* names[] = {"cast", "permuted contiguous", "cat", "stack"};
+    const char* names[] = {"cast", "permuted contiguous", "cat", "stack", "heads transposed"};
+    set_int_div32_limit(index64 ? 0 : INT64_MAX);
     check_case(
-        detail::str_cat(names[kind], " x", shape_str(s), kind == 0 ? detail::str_cat(" to ", dtype_name(to)) : "",
-                        kind >= 2 ? detail::str_cat(" with ", shape_str(y.sizes()), " dim ", dim) : ""),
+        detail::str_cat(names[kind], " x", shape_str(s),
+                        kind == 0 || kind == 4 ? detail::str_cat(" to ", dtype_name(to)) : "",
+                        kind == 2 || kind == 3 ? detail::str_cat(" with ", shape_str(y.sizes()), " dim ", dim) : "",
+                        index64 ? ", 64-bit index" : ""),
         [&](const std::vector<Tensor>& v) {
           switch (kind) {
             case 0:
@@ -444,12 +453,18 @@ TEST_F(DrawnOps, CopiesCastsAndJoins) {
               return v[0].permute(perm).contiguous();
             case 2:
               return cat({v[0], v[1]}, dim);
-            default:
+            case 3:
               return stack({v[0], v[1]}, dim);
+            default: {
+              const Tensor heads = v[0].transpose(1, 2);
+              return to == dt ? heads.contiguous() : heads.to(to);
+            }
           }
         },
-        {{x, true}, {y, kind >= 2}}, d, tol_for(kind == 0 ? to : dt, 1e-7) + tol_for(dt, 1e-7),
-        tol_for(kind == 0 ? to : dt, 1e-7) + tol_for(dt, 1e-7));
+        {{x, true}, {y, kind == 2 || kind == 3}}, d,
+        tol_for(kind == 0 || kind == 4 ? to : dt, 1e-7) + tol_for(dt, 1e-7),
+        tol_for(kind == 0 || kind == 4 ? to : dt, 1e-7) + tol_for(dt, 1e-7));
+    set_int_div32_limit(INT64_MAX);
   });
 }
 

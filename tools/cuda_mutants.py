@@ -91,8 +91,8 @@ MUTANTS = [
      "    const int64_t ch = (i / inner) % c;\n    y[i] = cuda::cast_value<T, A>(static_cast<A>(y[i]) + static_cast<A>(b[ch]));",
      "    const int64_t ch = (i / inner) % c;\n    y[i] = cuda::cast_value<T, A>(static_cast<A>(y[i]) + static_cast<A>(b[ch > 0 ? ch - 1 : 0]));"),
     ("strided_offsets_stride", "wrong stride", "core/ops/cuda_utils.cuh",
-     "      for (int o = 0; o < NOPS; ++o) off[o] += static_cast<int64_t>(c) * it.strides[o][d];",
-     "      for (int o = 0; o < NOPS; ++o) off[o] += static_cast<int64_t>(c) * it.strides[o][d > 0 ? d - 1 : d];"),
+     "        off[o] = static_cast<int64_t>(static_cast<uint64_t>(off[o]) + cu * static_cast<uint64_t>(it.strides[o][d]));",
+     "        off[o] = static_cast<int64_t>(static_cast<uint64_t>(off[o]) + cu * static_cast<uint64_t>(it.strides[o][d > 0 ? d - 1 : d]));"),
     ("cudnn_tensor_strides", "wrong stride", "core/ops/conv.cu",
      "to_int(st[0]), to_int(st[1]), to_int(st[2]), to_int(st[3])",
      "to_int(st[0]), to_int(st[1]), to_int(st[3]), to_int(st[2])"),
@@ -141,6 +141,12 @@ MUTANTS = [
      "core/ops/rope.cu", "to = t * g.half + i;", "to = t * g.half + i / V;"),
     ("rope_position_of_row", "wrong index (the position taken as the row's batch index)", "core/ops/rope.cu",
      "const I t = r - g.by_seq.div(r) * g.by_seq.d;", "const I t = g.by_seq.div(r);"),
+    ("copy_vec_outer_strides", "wrong stride (a vector copy's outer strides left in elements)", "core/ops/copy.cu",
+     "      for (int d = 0; d < in; ++d) v.strides[o][d] /= VEC;", "      for (int d = 0; d < in; ++d) (void)v;"),
+    ("copy_vec_stride_check", "missing check (an outer stride VEC does not divide)", "core/ops/copy.cu",
+     "        if (it.strides[o][d] % VEC != 0) return std::nullopt;", "        (void)d;"),
+    ("size_divs_dim", "wrong index (each dim divided by its outer neighbour's size)", "core/ops/cuda_utils.cuh",
+     "s.size[d] = IntDiv<int32_t>(it.sizes[d]);", "s.size[d] = IntDiv<int32_t>(it.sizes[d - 1]);"),
     # The round's other six, which hand-written cases caught too; the drawn
     # cases must catch them alone (--tests with the kernels_drawn targets).
     ("attention_ds_no_delta", "dropped term", "core/ops/attention.cu",

@@ -61,12 +61,13 @@ __global__ void binary_contig_kernel(out_t<OP, T>* __restrict__ out, const T* __
 }
 
 template <BinaryOp OP, typename T>
-__global__ void binary_strided_kernel(const __grid_constant__ StridedIter it, acc_t<T> alpha) {
+__global__ void binary_strided_kernel(const __grid_constant__ StridedIter it,
+                                      const __grid_constant__ cuda::SizeDivs divs, acc_t<T> alpha) {
   using C = acc_t<T>;
   using O = out_t<OP, T>;
   cuda::grid_stride_loop(it.numel, [&](int64_t i) {
     int64_t off[3];
-    cuda::strided_offsets<3>(it, i, off);
+    cuda::strided_offsets<3>(it, divs, i, off);
     const C x = cuda::operand_value<T, C>(it, 1, off[1]);
     const C y = cuda::operand_value<T, C>(it, 2, off[2]);
     *cuda::operand_ptr<O>(it, 0, off[0]) = static_cast<O>(binary_fn<OP, C>(x, y, alpha));
@@ -91,10 +92,11 @@ __global__ void where_contig_kernel(T* __restrict__ out, const bool* __restrict_
 }
 
 template <typename T>
-__global__ void where_strided_kernel(const __grid_constant__ StridedIter it) {
+__global__ void where_strided_kernel(const __grid_constant__ StridedIter it,
+                                     const __grid_constant__ cuda::SizeDivs divs) {
   cuda::grid_stride_loop(it.numel, [&](int64_t i) {
     int64_t off[4];
-    cuda::strided_offsets<4>(it, i, off);
+    cuda::strided_offsets<4>(it, divs, i, off);
     const bool c = *cuda::operand_ptr<const bool>(it, 1, off[1]);
     *cuda::operand_ptr<T>(it, 0, off[0]) =
         c ? *cuda::operand_ptr<const T>(it, 2, off[2]) : *cuda::operand_ptr<const T>(it, 3, off[3]);
@@ -137,7 +139,7 @@ void launch_binary(const StridedIter& it, acc_t<T> alpha, cudaStream_t stream) {
                                                                                      n, alpha, ah, av, bh, bv);
     }
   } else {
-    binary_strided_kernel<OP, T><<<cuda::grid_for(n, block), block, 0, stream>>>(it, alpha);
+    binary_strided_kernel<OP, T><<<cuda::grid_for(n, block), block, 0, stream>>>(it, cuda::size_divs(it), alpha);
   }
   EMBER_CUDA_CHECK(cudaGetLastError());
 }
@@ -161,7 +163,7 @@ void launch_where(const StridedIter& it, cudaStream_t stream) {
       where_contig_kernel<T, 1><<<cuda::grid_for(n, block), block, 0, stream>>>(out, c, a, b, n);
     }
   } else {
-    where_strided_kernel<T><<<cuda::grid_for(n, block), block, 0, stream>>>(it);
+    where_strided_kernel<T><<<cuda::grid_for(n, block), block, 0, stream>>>(it, cuda::size_divs(it));
   }
   EMBER_CUDA_CHECK(cudaGetLastError());
 }

@@ -2,11 +2,16 @@
 // dense buffers of one dtype become a cudaMemcpyAsync (the copy engine beats
 // any kernel); same-dtype strided copies move raw bytes through one kernel
 // per element size, so the 8x8 dtype instantiation is reserved for real
-// conversions. Conversions use cuda::cast_value, the rule the CPU copy uses:
-// 16-bit floats via float, bool as "non-zero".
+// conversions. Where both operands' innermost dim is dense, the copy moves
+// 16-byte vectors along it (in_vectors): a transpose of attention's heads
+// or a slice of a packed buffer as much as a contiguous cast. Conversions
+// use cuda::cast_value, the rule the CPU copy uses: 16-bit floats via
+// float, bool as "non-zero".
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <optional>
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "core/ops/cuda_utils.cuh"
@@ -31,12 +36,20 @@ __global__ void cast_contig_kernel(D* __restrict__ out, const S* __restrict__ in
   cuda::grid_stride_loop(n, [&](int64_t i) { out[i] = cuda::cast_value<D, S>(in[i]); });
 }
 
-template <typename D, typename S>
-__global__ void cast_strided_kernel(const __grid_constant__ StridedIter it) {
+// VEC elements an index: the launcher's iteration space then counts vectors
+// (in_vectors), so one decomposition of the index serves VEC elements and
+// the wider operand moves 16 bytes a load or store.
+template <typename D, typename S, int VEC>
+__global__ void cast_strided_kernel(const __grid_constant__ StridedIter it,
+                                    const __grid_constant__ cuda::SizeDivs divs) {
   cuda::grid_stride_loop(it.numel, [&](int64_t i) {
     int64_t off[2];
-    cuda::strided_offsets<2>(it, i, off);
-    *cuda::operand_ptr<D>(it, 0, off[0]) = cuda::cast_value<D, S>(*cuda::operand_ptr<const S>(it, 1, off[1]));
+    cuda::strided_offsets<2>(it, divs, i, off);
+    const VecN<S, VEC> x = reinterpret_cast<const VecN<S, VEC>*>(it.data[1])[off[1]];
+    VecN<D, VEC> y;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) y.v[j] = cuda::cast_value<D, S>(x.v[j]);
+    reinterpret_cast<VecN<D, VEC>*>(it.data[0])[off[0]] = y;
   });
 }
 
@@ -52,10 +65,11 @@ __global__ void fill_contig_kernel(T* __restrict__ out, T value, int64_t n) {
 }
 
 template <typename T>
-__global__ void fill_strided_kernel(const __grid_constant__ StridedIter it, T value) {
+__global__ void fill_strided_kernel(const __grid_constant__ StridedIter it, const __grid_constant__ cuda::SizeDivs divs,
+                                    T value) {
   cuda::grid_stride_loop(it.numel, [&](int64_t i) {
     int64_t off[1];
-    cuda::strided_offsets<1>(it, i, off);
+    cuda::strided_offsets<1>(it, divs, i, off);
     *cuda::operand_ptr<T>(it, 0, off[0]) = value;
   });
 }
@@ -75,14 +89,61 @@ struct Launch {
   int block = cuda::kBlockSize;
 };
 
+// Vectors of 16 bytes of the wider type, for raw copies and conversions
+// among the float types a training step casts between; others (integers,
+// float64, float8) go an element at a time, which keeps the pairs' kernels
+// few.
+template <typename T>
+constexpr bool kStepFloat = std::is_same_v<T, float> || std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
+template <typename D, typename S>
+constexpr int cast_vec_width() {
+  constexpr bool raw = std::is_same_v<D, S> && std::is_unsigned_v<D> && !std::is_same_v<D, bool>;  // Bits<N>
+  if constexpr (!raw && !(kStepFloat<D> && kStepFloat<S>))
+    return 1;
+  else
+    return static_cast<int>(16 / (sizeof(D) > sizeof(S) ? sizeof(D) : sizeof(S)));
+}
+
+// it's iteration space in vectors of VEC elements: where both operands'
+// innermost dim is dense (stride 1), VEC divides its size and every other
+// stride, and both pointers are aligned for a vector, every vector lies
+// whole and aligned in both. So a contiguous tensor is one dim of vectors,
+// and a head-split transpose ([B, H, T, D] to [B, T, H, D]) or a slice of a
+// packed buffer (q's columns of qkv) keeps its rows' vectors. nullopt where
+// the layout does not allow it.
+template <typename D, typename S, int VEC>
+std::optional<StridedIter> in_vectors(const StridedIter& it) {
+  if constexpr (VEC == 1) {
+    return std::nullopt;
+  } else {
+    const int in = it.ndim - 1;
+    if (it.ndim < 1 || it.sizes[in] % VEC != 0) return std::nullopt;
+    for (int o = 0; o < 2; ++o) {
+      if (it.strides[o][in] != 1) return std::nullopt;
+      for (int d = 0; d < in; ++d)
+        if (it.strides[o][d] % VEC != 0) return std::nullopt;
+    }
+    if (!cuda::is_aligned_for<D, VEC>(it.data[0]) || !cuda::is_aligned_for<S, VEC>(it.data[1])) return std::nullopt;
+    StridedIter v = it;
+    v.numel /= VEC;
+    v.sizes[in] /= VEC;
+    for (int o = 0; o < 2; ++o)
+      for (int d = 0; d < in; ++d) v.strides[o][d] /= VEC;
+    return v;
+  }
+}
+
 template <typename D, typename S>
 void launch_cast(const StridedIter& it, Launch l) {
-  const unsigned grid = cuda::grid_for(it.numel, l.block);
-  if (it.all_contiguous()) {
-    cast_contig_kernel<D, S><<<grid, l.block, 0, l.stream>>>(reinterpret_cast<D*>(it.data[0]),
-                                                             reinterpret_cast<const S*>(it.data[1]), it.numel);
+  constexpr int VEC = cast_vec_width<D, S>();
+  if (const std::optional<StridedIter> v = in_vectors<D, S, VEC>(it)) {
+    cast_strided_kernel<D, S, VEC>
+        <<<cuda::grid_for(v->numel, l.block), l.block, 0, l.stream>>>(*v, cuda::size_divs(*v));
+  } else if (it.all_contiguous()) {
+    cast_contig_kernel<D, S><<<cuda::grid_for(it.numel, l.block), l.block, 0, l.stream>>>(
+        reinterpret_cast<D*>(it.data[0]), reinterpret_cast<const S*>(it.data[1]), it.numel);
   } else {
-    cast_strided_kernel<D, S><<<grid, l.block, 0, l.stream>>>(it);
+    cast_strided_kernel<D, S, 1><<<cuda::grid_for(it.numel, l.block), l.block, 0, l.stream>>>(it, cuda::size_divs(it));
   }
   EMBER_CUDA_CHECK(cudaGetLastError());
 }
@@ -108,7 +169,7 @@ void launch_fill(const StridedIter& it, T value, Launch l) {
       fill_contig_kernel<T, 1><<<cuda::grid_for(it.numel, l.block), l.block, 0, l.stream>>>(out, value, it.numel);
     }
   } else {
-    fill_strided_kernel<T><<<cuda::grid_for(it.numel, l.block), l.block, 0, l.stream>>>(it, value);
+    fill_strided_kernel<T><<<cuda::grid_for(it.numel, l.block), l.block, 0, l.stream>>>(it, cuda::size_divs(it), value);
   }
   EMBER_CUDA_CHECK(cudaGetLastError());
 }

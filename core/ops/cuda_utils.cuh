@@ -21,6 +21,7 @@
 #include "core/cuda_check.h"
 #include "core/device.h"
 #include "core/dtype.h"
+#include "core/ops/int_div.h"
 #include "core/ops/kernels.h"
 #include "core/tensor.h"
 
@@ -189,34 +190,63 @@ __device__ __forceinline__ void for_each_aligned(const T* p, int64_t b, int64_t 
   for (int64_t i = vb + nvec * VEC + tid; i < e; i += nt) scalar(i);
 }
 
+// The iteration space's sizes as divisors made once a launch on the host
+// (int_div.h): a strided kernel decomposes each element's linear index into
+// coordinates, one division a dim. `narrow` where every linear index fits
+// IntDiv<int32_t> (use_int_div32): a multiply-high, an add and a shift a
+// dim, where `/` of 32 bits took about twenty instructions and one of 64
+// bits a subroutine of about seventy.
+struct SizeDivs {
+  IntDiv<int32_t> size[kMaxDims];
+  bool narrow = false;
+};
+inline SizeDivs size_divs(const StridedIter& it) {
+  SizeDivs s;
+  s.narrow = use_int_div32(it.numel);
+  if (s.narrow)
+    for (int d = 1; d < it.ndim; ++d) s.size[d] = IntDiv<int32_t>(it.sizes[d]);  // dim 0 needs none
+  return s;
+}
+
 // Element offsets (in elements, per operand) of linear index `linear` in the
 // iteration space, innermost dim last. The loops run over the compile-time
 // bound kMaxDims so every index into the parameter-space arrays is constant:
 // a runtime index would make the compiler copy the whole StridedIter to local
-// memory. Division uses 32 bits when the space fits, which is several times
-// cheaper than the 64-bit division subroutine.
+// memory. The outermost coordinate is what is left: no division.
 template <int NOPS>
-__device__ __forceinline__ void strided_offsets(const StridedIter& it, int64_t linear, int64_t (&off)[NOPS]) {
+__device__ __forceinline__ void strided_offsets(const StridedIter& it, const SizeDivs& divs, int64_t linear,
+                                                int64_t (&off)[NOPS]) {
 #pragma unroll
   for (int o = 0; o < NOPS; ++o) off[o] = 0;
-  if (it.numel <= static_cast<int64_t>(UINT32_MAX)) {
-    uint32_t rem = static_cast<uint32_t>(linear);
+  if (divs.narrow) {
+    // The coordinate zero-extended and the products taken modulo 2^64 (right
+    // for negative strides too): a 32 x 64-bit multiply-add is two
+    // instructions, where a sign-extended one took four.
+    int32_t rem = static_cast<int32_t>(linear);
 #pragma unroll
     for (int d = kMaxDims - 1; d >= 0; --d) {
       if (d >= it.ndim) continue;
-      uint32_t size = static_cast<uint32_t>(it.sizes[d]);
-      uint32_t c = rem % size;
-      rem /= size;
+      int32_t c = rem;
+      if (d > 0) {
+        const int32_t q = divs.size[d].div(rem);
+        c = rem - q * divs.size[d].d;
+        rem = q;
+      }
+      const uint64_t cu = static_cast<uint32_t>(c);
 #pragma unroll
-      for (int o = 0; o < NOPS; ++o) off[o] += static_cast<int64_t>(c) * it.strides[o][d];
+      for (int o = 0; o < NOPS; ++o)
+        off[o] = static_cast<int64_t>(static_cast<uint64_t>(off[o]) + cu * static_cast<uint64_t>(it.strides[o][d]));
     }
   } else {
     int64_t rem = linear;
 #pragma unroll
     for (int d = kMaxDims - 1; d >= 0; --d) {
       if (d >= it.ndim) continue;
-      int64_t c = rem % it.sizes[d];
-      rem /= it.sizes[d];
+      int64_t c = rem;
+      if (d > 0) {
+        c = rem % it.sizes[d];
+        rem /= it.sizes[d];
+      }
 #pragma unroll
       for (int o = 0; o < NOPS; ++o) off[o] += c * it.strides[o][d];
     }

@@ -97,12 +97,12 @@ __global__ void index_select_flat_kernel(const U* __restrict__ in, const int64_t
 // geom: the index/out shape with `in`'s strides, except 0 at `dim` (whose
 // coordinate comes from the index instead).
 template <typename U>
-__global__ void gather_kernel(const __grid_constant__ StridedIter geom, const U* __restrict__ in,
-                              const int64_t* __restrict__ index, U* __restrict__ out, int64_t dim_stride,
-                              int64_t dim_size, IndexError err) {
+__global__ void gather_kernel(const __grid_constant__ StridedIter geom, const __grid_constant__ cuda::SizeDivs divs,
+                              const U* __restrict__ in, const int64_t* __restrict__ index, U* __restrict__ out,
+                              int64_t dim_stride, int64_t dim_size, IndexError err) {
   cuda::grid_stride_loop(geom.numel, [&](int64_t i) {
     int64_t off[1];
-    cuda::strided_offsets<1>(geom, i, off);
+    cuda::strided_offsets<1>(geom, divs, i, off);
     int64_t idx = index[i];
     if (wrap_index(idx, dim_size, err)) out[i] = in[off[0] + idx * dim_stride];
   });
@@ -142,7 +142,7 @@ void launch_gather(const StridedIter& geom, const void* in, const int64_t* index
                    int64_t dim_size, IndexError err, cudaStream_t stream) {
   using U = typename Unit<BYTES>::type;
   gather_kernel<U><<<cuda::grid_for(geom.numel), cuda::kBlockSize, 0, stream>>>(
-      geom, static_cast<const U*>(in), index, static_cast<U*>(out), dim_stride, dim_size, err);
+      geom, cuda::size_divs(geom), static_cast<const U*>(in), index, static_cast<U*>(out), dim_stride, dim_size, err);
   EMBER_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -274,12 +274,13 @@ struct IndexKeys {
 // Item p of scatter_add adds to the element of out at this offset: p's
 // coordinates with `dim` replaced by index[p].
 struct ScatterKeys {
-  StridedIter geom;  // the index's sizes, out's strides, 0 at dim
+  StridedIter geom;     // the index's sizes, out's strides, 0 at dim
+  cuda::SizeDivs divs;  // geom's
   const int64_t* index;
   int64_t dim_stride, dim_size;
   __device__ int64_t operator()(int64_t p) const {
     int64_t off[1];
-    cuda::strided_offsets<1>(geom, p, off);
+    cuda::strided_offsets<1>(geom, divs, p, off);
     int64_t k = index[p];
     if (k < 0) k += dim_size;
     return off[0] + k * dim_stride;
@@ -507,7 +508,8 @@ void scatter_add_cuda(Tensor& out, const Tensor& index, const Tensor& src, int64
   int64_t limit = 1;
   for (int64_t d = 0; d < out.dim(); ++d) limit += (out.size(d) - 1) * out.stride(d);
   const bool scalar = out.dim() == 0;
-  const ScatterKeys keys{index_geom(index, out, dim), static_cast<const int64_t*>(index.raw_data()),
+  const StridedIter geom = index_geom(index, out, dim);
+  const ScatterKeys keys{geom, cuda::size_divs(geom), static_cast<const int64_t*>(index.raw_data()),
                          scalar ? 0 : out.stride(dim), scalar ? 1 : out.size(dim)};
   const Tensor sorted = sort_by_key(keys, n, limit, out.device(), stream);
   if (out.dtype() == DType::Float64)

@@ -41,11 +41,12 @@ __global__ void unary_contig_kernel(T* __restrict__ out, const T* __restrict__ i
 }
 
 template <UnaryOp OP, typename T>
-__global__ void unary_strided_kernel(const __grid_constant__ StridedIter it, acc_t<T> p0, acc_t<T> p1) {
+__global__ void unary_strided_kernel(const __grid_constant__ StridedIter it,
+                                     const __grid_constant__ cuda::SizeDivs divs, acc_t<T> p0, acc_t<T> p1) {
   using C = acc_t<T>;
   cuda::grid_stride_loop(it.numel, [&](int64_t i) {
     int64_t off[2];
-    cuda::strided_offsets<2>(it, i, off);
+    cuda::strided_offsets<2>(it, divs, i, off);
     const T x = *cuda::operand_ptr<const T>(it, 1, off[1]);
     *cuda::operand_ptr<T>(it, 0, off[0]) = static_cast<T>(unary_fn<OP, C>(static_cast<C>(x), p0, p1));
   });
@@ -67,7 +68,7 @@ void launch_unary(const StridedIter& it, acc_t<T> p0, acc_t<T> p1, cudaStream_t 
       unary_contig_kernel<OP, T, 1><<<cuda::grid_for(it.numel, block), block, 0, stream>>>(out, in, it.numel, p0, p1);
     }
   } else {
-    unary_strided_kernel<OP, T><<<cuda::grid_for(it.numel, block), block, 0, stream>>>(it, p0, p1);
+    unary_strided_kernel<OP, T><<<cuda::grid_for(it.numel, block), block, 0, stream>>>(it, cuda::size_divs(it), p0, p1);
   }
   EMBER_CUDA_CHECK(cudaGetLastError());
 }
