@@ -101,7 +101,7 @@ constexpr int cast_vec_width() {
   if constexpr (!raw && !(kStepFloat<D> && kStepFloat<S>))
     return 1;
   else
-    return static_cast<int>(16 / (sizeof(D) > sizeof(S) ? sizeof(D) : sizeof(S)));
+    return cuda::vec_width<D>() < cuda::vec_width<S>() ? cuda::vec_width<D>() : cuda::vec_width<S>();
 }
 
 // it's iteration space in vectors of VEC elements: where both operands'
