@@ -396,12 +396,11 @@ TEST_F(Drawn, RotaryEmbedding) {
     const DType dt = d.pick(kFloats);
     Tensor x = d.values(xs, dt, Specials::finite(), 2.0);
     Tensor c = d.values({t, hd / 2}, dt), s = d.values({t, hd / 2}, dt);
-    set_int_div32_limit(index64 ? 0 : INT64_MAX);
+    const IntDiv32LimitScope index_path(index64 ? 0 : INT64_MAX);
     check_case(
         detail::str_cat("rotary_embedding x", shape_str(xs), index64 ? ", 64-bit index" : ""),
         [=](const std::vector<Tensor>& v) { return rotary_embedding(v[0], v[1], v[2]); },
         {{x, true}, {c, false, true}, {s, false, true}}, d, tol_for(dt, 1e-5), tol_for(dt, 1e-5));
-    set_int_div32_limit(INT64_MAX);
   });
 }
 

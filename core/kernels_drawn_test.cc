@@ -439,7 +439,7 @@ TEST_F(DrawnOps, CopiesCastsAndJoins) {
     for (int64_t i = 0; i < rank; ++i) perm[i] = i;
     for (int64_t i = rank - 1; i > 0; --i) std::swap(perm[i], perm[d.integer(0, i)]);
     const char* names[] = {"cast", "permuted contiguous", "cat", "stack", "heads transposed"};
-    set_int_div32_limit(index64 ? 0 : INT64_MAX);
+    const IntDiv32LimitScope index_path(index64 ? 0 : INT64_MAX);
     check_case(
         detail::str_cat(names[kind], " x", shape_str(s),
                         kind == 0 || kind == 4 ? detail::str_cat(" to ", dtype_name(to)) : "",
@@ -464,7 +464,6 @@ TEST_F(DrawnOps, CopiesCastsAndJoins) {
         {{x, true}, {y, kind == 2 || kind == 3}}, d,
         tol_for(kind == 0 || kind == 4 ? to : dt, 1e-7) + tol_for(dt, 1e-7),
         tol_for(kind == 0 || kind == 4 ? to : dt, 1e-7) + tol_for(dt, 1e-7));
-    set_int_div32_limit(INT64_MAX);
   });
 }
 

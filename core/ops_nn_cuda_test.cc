@@ -790,14 +790,13 @@ TEST_F(CudaNnOps, PoolingIndexWidthsAgreeBitForBit) {
         for (bool max : {true, false}) {
           std::vector<Tensor> outs;
           for (int path = 0; path < 3; ++path) {  // CPU, CUDA 32-bit, CUDA 64-bit
-            set_int_div32_limit(path == 2 ? 0 : INT64_MAX);
+            const IntDiv32LimitScope index_path(path == 2 ? 0 : INT64_MAX);
             Tensor xi = (path == 0 ? x_cl : x_cl.cuda()).detach().requires_grad_();
             Tensor y = max ? max_pool2d(xi, c.k, c.s, c.p, c.ceil) : avg_pool2d(xi, c.k, c.s, c.p, c.ceil, false);
             sum(y * y).backward();
             outs.push_back(y.cpu().contiguous());
             outs.push_back(xi.grad().cpu().contiguous());
           }
-          set_int_div32_limit(INT64_MAX);
           for (int path = 1; path < 3; ++path)
             for (int k = 0; k < 2; ++k)
               EXPECT_TRUE(allclose(outs[2 * path + k], outs[k], 0, 0))

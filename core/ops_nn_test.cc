@@ -12,6 +12,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -524,6 +525,26 @@ TEST(IntDiv, MatchesDivision) {
   EXPECT_EQ(IntDiv<int64_t>(7).div(int64_t{1} << 40), (int64_t{1} << 40) / 7);
   EXPECT_TRUE(fits_int_div32(top));
   EXPECT_FALSE(fits_int_div32(top + 1));
+}
+
+// The tests' switch to the 64-bit paths is undone when its scope ends,
+// a check's exception included, and scopes nest.
+TEST(IntDiv, LimitScopeRestoresTheLimitBefore) {
+  ASSERT_TRUE(use_int_div32(1000));
+  try {
+    const IntDiv32LimitScope outer(0);
+    EXPECT_FALSE(use_int_div32(1000));
+    {
+      const IntDiv32LimitScope inner(2000);
+      EXPECT_TRUE(use_int_div32(1000));
+      EXPECT_FALSE(use_int_div32(2000));
+    }
+    EXPECT_FALSE(use_int_div32(1000));
+    throw std::runtime_error("a failed check");
+  } catch (const std::runtime_error&) {
+  }
+  EXPECT_TRUE(use_int_div32(1000));
+  EXPECT_TRUE(use_int_div32((int64_t{1} << 31) - 1));
 }
 
 TEST(Pool, MaxPropagatesNaN) {

@@ -202,7 +202,7 @@ struct SizeDivs {
 };
 inline SizeDivs size_divs(const StridedIter& it) {
   SizeDivs s;
-  s.narrow = use_int_div32(it.numel);
+  s.narrow = it.numel > 0 && use_int_div32(it.numel);  // an empty space may hold a size 0: no divisor
   if (s.narrow)
     for (int d = 1; d < it.ndim; ++d) s.size[d] = IntDiv<int32_t>(it.sizes[d]);  // dim 0 needs none
   return s;
@@ -477,8 +477,10 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const uint16_t* row) 
 // tiles, 4 or 8 (.ca: .cg takes 16 only) for rows of scalars without
 // 16-byte alignment. cp_async_commit() closes a group and
 // cp_async_wait_all() waits for the thread's groups (then a __syncthreads
-// publishes them to the block). The emulation copies at once, so a read
-// before the wait is a bug it cannot show.
+// publishes them to the block). The emulation is asynchronous too: a copy
+// lands at its thread's wait, and its destination holds poison until then
+// (cuda_emu.h), so a read before the wait or a load over a tile still read
+// shows as NaNs.
 template <int N>
 __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
   static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
@@ -489,20 +491,21 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid)
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(addr), "l"(src), "n"(N), "r"(valid ? N : 0));
 #elif !defined(__CUDACC__)
-  if (valid)
-    std::memcpy(dst, src, N);
-  else
-    std::memset(dst, 0, N);
+  ::emu::cp_async(dst, src, N, valid, EMU_SITE);
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__)
   asm volatile("cp.async.commit_group;\n" ::: "memory");
+#elif !defined(__CUDACC__)
+  ::emu::cp_async_commit();
 #endif
 }
 __device__ __forceinline__ void cp_async_wait_all() {
 #if defined(__CUDA_ARCH__)
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#elif !defined(__CUDACC__)
+  ::emu::cp_async_wait(0);
 #endif
 }
 

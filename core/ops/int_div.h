@@ -72,5 +72,19 @@ inline bool use_int_div32(int64_t extent) {
   return fits_int_div32(extent) && extent < int_div32_limit.load(std::memory_order_relaxed);
 }
 inline void set_int_div32_limit(int64_t extent) { int_div32_limit.store(extent, std::memory_order_relaxed); }
+// set_int_div32_limit for a scope: the limit before it is restored at its
+// end, also when a test's check throws out of it.
+class IntDiv32LimitScope {
+ public:
+  explicit IntDiv32LimitScope(int64_t extent) : before_(int_div32_limit.load(std::memory_order_relaxed)) {
+    set_int_div32_limit(extent);
+  }
+  ~IntDiv32LimitScope() { set_int_div32_limit(before_); }
+  IntDiv32LimitScope(const IntDiv32LimitScope&) = delete;
+  IntDiv32LimitScope& operator=(const IntDiv32LimitScope&) = delete;
+
+ private:
+  int64_t before_;
+};
 
 }  // namespace ember

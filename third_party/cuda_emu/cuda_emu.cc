@@ -128,6 +128,13 @@ void print_summary() {
 const bool g_summary_registered = g_verbose > 0 && std::atexit(print_summary) == 0;
 
 enum class St { Ready, WaitBlock, WaitWarp, Done };
+// A cp.async in flight: its bytes, read at issue, land at its thread's wait.
+struct AsyncCopy {
+  void* dst;
+  uint64_t group;  // the thread's commits before it: its group's number
+  size_t bytes;
+  unsigned char data[16];
+};
 struct Fiber {
   void* sp;
   char* stack_lo;
@@ -136,6 +143,8 @@ struct Fiber {
   int lin;
   St st;
   uint64_t wait_gen;
+  std::vector<AsyncCopy> in_flight;  // issue order, so groups ascend
+  uint64_t commits;
 };
 struct Warp {
   unsigned existing = 0, exited = 0, arrived = 0, mask = 0;
@@ -323,6 +332,8 @@ void init_fiber(Fiber& f, char* lo) {
 #endif
   f.stack_lo = lo;
   f.asan_fake_stack = nullptr;
+  f.in_flight.clear();  // a previous block's copies never landed: its shared memory is gone
+  f.commits = 0;
   auto* sp = reinterpret_cast<uint64_t*>(reinterpret_cast<uintptr_t>(lo + g_stack) & ~uintptr_t{15});
   *--sp = 0;                                        // fake return address of fiber_main
   *--sp = reinterpret_cast<uint64_t>(&fiber_main);  // emu_switch's ret target
@@ -490,6 +501,38 @@ void run_grid(Grid& g) {
 }  // namespace
 
 int lane_id() { return W.cur->lin % 32; }
+
+void cp_async(void* dst, const void* src, size_t bytes, bool valid, Site s) {
+  if (!W.blk) die("cp.async outside a kernel at " + where(s));
+  Fiber& f = *W.cur;
+  if (bytes == 0 || bytes > sizeof(AsyncCopy::data))
+    die("cp.async of " + std::to_string(bytes) + " bytes at " + where(s));
+  const auto misaligned = [&](const void* p) { return reinterpret_cast<uintptr_t>(p) % bytes != 0; };
+  if (misaligned(dst) || misaligned(src))
+    die(std::string(W.blk->name) + ": cp.async of " + std::to_string(bytes) + " bytes at " + where(s) + ": " +
+        tid_str(f) + ": " + (misaligned(dst) ? "shared" : "global") + " address not aligned to " +
+        std::to_string(bytes) + " bytes (misaligned address on a GPU)");
+  AsyncCopy c{dst, f.commits, bytes, {}};
+  if (valid) std::memcpy(c.data, src, bytes);
+  std::memset(dst, 0xFF, bytes);
+  f.in_flight.push_back(c);
+}
+
+void cp_async_commit() {
+  if (!W.blk) die("cp.async.commit_group outside a kernel");
+  W.cur->commits++;
+}
+
+void cp_async_wait(int n) {
+  if (!W.blk) die("cp.async.wait_group outside a kernel");
+  Fiber& f = *W.cur;
+  // Groups [0, done) land: all committed ones but the n most recent.
+  const uint64_t done = f.commits > static_cast<uint64_t>(n) ? f.commits - n : 0;
+  size_t k = 0;
+  for (; k < f.in_flight.size() && f.in_flight[k].group < done; ++k)
+    std::memcpy(f.in_flight[k].dst, f.in_flight[k].data, f.in_flight[k].bytes);
+  f.in_flight.erase(f.in_flight.begin(), f.in_flight.begin() + static_cast<std::ptrdiff_t>(k));
+}
 
 void syncthreads(Site s) {
   if (!W.blk) die("__syncthreads outside a kernel at " + where(s));

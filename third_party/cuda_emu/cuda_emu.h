@@ -91,6 +91,21 @@ void shared_init(void* p, size_t bytes);
 // at block start, 16-byte aligned; null when the launch asked for none.
 void* dynamic_shared();
 
+// cp.async (cuda_utils.cuh's cp_async, cp_async_commit, cp_async_wait_all),
+// asynchronous as on a GPU: the `bytes` (at most 16) are read from src at
+// the call, or zeros when !valid, but land in dst only when the issuing
+// thread waits for their group; until then dst holds poison (0xFF bytes:
+// NaN for floats). A tile read before its wait, or a copy issued over a
+// tile that another warp still reads (a missing barrier before the next
+// stage's load), reads poison. Both pointers must be aligned to `bytes`
+// (PTX's rule; a GPU faults), checked at the call.
+void cp_async(void* dst, const void* src, size_t bytes, bool valid, Site s);
+// cp.async.commit_group: the thread's copies since the last commit are a group.
+void cp_async_commit();
+// cp.async.wait_group n: every group of the thread's but its n most recent
+// lands; copies not yet committed stay in flight, as PTX has it.
+void cp_async_wait(int n);
+
 using Thunk = void (*)(void* ctx);
 // Dies unless p is null or inside a cudaMalloc/cudaHostAlloc block: a host
 // pointer passed to a kernel is an illegal address on a GPU.

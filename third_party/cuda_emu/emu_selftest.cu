@@ -100,6 +100,53 @@ __global__ void reverse_dynamic(const float* in, float* out, float* before) {
   __syncthreads();
   out[blockIdx.x * n + t] = dyn[n - 1 - t];
 }
+// cp.async as cuda_utils.cuh issues it: each thread copies 4 floats of `in`
+// into shared memory in two groups (floats 0-1, then 2-3) and one copy it
+// never commits (float 4 of a 5-float row: stays in flight). `out` gets
+// what the thread sees of its row after wait_group `n` (n < 0: before any
+// wait), then, after wait_group 0 and a barrier, its neighbour's row.
+__global__ void async_rows(const float* in, float* out, int n) {
+  extern __shared__ float rows[];  // [32][8], 16-byte aligned
+  const int t = threadIdx.x;
+  float* mine = rows + t * 8;
+  ::emu::cp_async(mine, in + t * 8, 8, true, EMU_SITE);
+  ::emu::cp_async_commit();
+  ::emu::cp_async(mine + 2, in + t * 8 + 2, 8, true, EMU_SITE);
+  ::emu::cp_async(mine + 4, in, 4, false, EMU_SITE);  // zeros
+  ::emu::cp_async_commit();
+  ::emu::cp_async(mine + 5, in + t * 8 + 5, 4, true, EMU_SITE);  // never committed
+  if (n >= 0) ::emu::cp_async_wait(n);
+  for (int k = 0; k < 6; ++k) out[t * 12 + k] = mine[k];
+  ::emu::cp_async_wait(0);
+  __syncthreads();
+  for (int k = 0; k < 6; ++k) out[t * 12 + 6 + k] = rows[(t + 1) % 32 * 8 + k];
+}
+// Two stages of a pipeline: step s + 1's tile loads into the stage step
+// s - 1 read. Issued after the step's barrier, every warp is done with it;
+// issued before (`barrier_first` false), warp 0 overwrites the stage while
+// warp 1 still reads step s - 1 from it.
+__global__ void async_stages(const float* in, float* out, int steps, bool barrier_first) {
+  __shared__ float stage[2][64];
+  const int t = threadIdx.x;
+  const auto load = [&](int s) {
+    ::emu::cp_async(&stage[s % 2][t], in + s * 64 + t, 4, true, EMU_SITE);
+    ::emu::cp_async_commit();
+  };
+  load(0);
+  float acc = 0;
+  for (int s = 0; s < steps; ++s) {
+    ::emu::cp_async_wait(0);
+    if (!barrier_first && s + 1 < steps) load(s + 1);
+    __syncthreads();  // step s is in; every warp is done with step s - 1
+    if (barrier_first && s + 1 < steps) load(s + 1);
+    acc += stage[s % 2][63 - t];  // another warp's element
+  }
+  out[t] = acc;
+}
+__global__ void async_misaligned(const float* in) {
+  extern __shared__ float tile[];
+  ::emu::cp_async(tile + 1, in, 16, true, EMU_SITE);
+}
 // Per-block tree sum in shared memory, plus which OS thread ran the block.
 __global__ void block_sums(const float* in, float* sums, size_t* os_thread) {
   __shared__ float s[128];
@@ -469,6 +516,65 @@ TEST_F(Emu, DynamicSharedMemoryIsPerBlockAndPoisoned) {
     }
   reverse_dynamic<<<1, n, 64 * 1024>>>(in, out, before);
   EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue) << "over the 48 KiB default limit";
+}
+
+TEST_F(Emu, AsyncCopiesLandAtTheirThreadsWait) {
+  float* in = dev<float>(32 * 8);
+  float* out = dev<float>(32 * 12);
+  for (int k = 0; k < 32 * 8; ++k) in[k] = float(k + 1);
+  // What thread t sees of its own row [f0, f1, f2, f3, 0, f5] after each wait.
+  for (int n : {-1, 2, 1, 0}) {
+    async_rows<<<1, 32, 32 * 8 * sizeof(float)>>>(in, out, n);
+    cudaDeviceSynchronize();
+    for (int t = 0; t < 32; ++t) {
+      const float* row = in + t * 8;
+      for (int k = 0; k < 6; ++k) {
+        const float seen = out[t * 12 + k];
+        const bool landed = k < 2 ? n >= 0 && n <= 1 : k < 5 ? n == 0 : false;
+        if (!landed)
+          EXPECT_TRUE(std::isnan(seen)) << "wait_group " << n << " thread " << t << " float " << k;
+        else
+          EXPECT_EQ(seen, k == 4 ? 0.0f : row[k]) << "wait_group " << n << " thread " << t << " float " << k;
+      }
+      // After wait_group 0 and the barrier: the neighbour's committed copies,
+      // not its uncommitted one.
+      const float* next = in + (t + 1) % 32 * 8;
+      for (int k = 0; k < 5; ++k) EXPECT_EQ(out[t * 12 + 6 + k], k == 4 ? 0.0f : next[k]) << t << " " << k;
+      EXPECT_TRUE(std::isnan(out[t * 12 + 11])) << t;
+    }
+  }
+}
+
+TEST_F(Emu, AsyncCopyOverAStageStillReadShows) {
+  const int steps = 5;
+  float* in = dev<float>(steps * 64);
+  float* out = dev<float>(64);
+  for (int k = 0; k < steps * 64; ++k) in[k] = float(k % 7);
+  async_stages<<<1, 64>>>(in, out, steps, true);
+  cudaDeviceSynchronize();
+  for (int t = 0; t < 64; ++t) {
+    float want = 0;
+    for (int s = 0; s < steps; ++s) want += in[s * 64 + 63 - t];
+    EXPECT_EQ(out[t], want) << t;
+  }
+  // The load before the barrier: warp 0 reaches step s + 1's load before
+  // warp 1 has read step s - 1's stage.
+  async_stages<<<1, 64>>>(in, out, steps, false);
+  cudaDeviceSynchronize();
+  int poisoned = 0;
+  for (int t = 0; t < 64; ++t) poisoned += std::isnan(out[t]);
+  EXPECT_GT(poisoned, 0);
+}
+
+TEST_F(Emu, MisalignedAsyncCopyDies) {
+  float* in = dev<float>(8);
+  EXPECT_DEATH(
+      {
+        async_misaligned<<<1, 1, 32>>>(in);
+        cudaDeviceSynchronize();
+      },
+      "async_misaligned: cp.async of 16 bytes at .*emu_selftest.cu:[0-9]+: block \\(0,0,0\\) thread \\(0,0,0\\): "
+      "shared address not aligned to 16 bytes");
 }
 
 // ---- Worker pool ----
