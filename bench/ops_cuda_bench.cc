@@ -9,7 +9,8 @@
 // cuBLASLt's epilogue beside the separate ops, and AdamW over bfloat16
 // parameters with float32 masters op by op beside the fused step's one
 // kernel, and ResNet-50's max pool (the stem's, batch 256) in GB/s beside the
-// copy ceiling. Every benchmark reports an error and skips when no GPU is present.
+// copy ceiling, and layer_norm and rms_norm at a GPT's activation shape in
+// GB/s. Every benchmark reports an error and skips when no GPU is present.
 #include <benchmark/benchmark.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -277,5 +278,47 @@ void BM_CudaStridedCopy(benchmark::State& state) {
       benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
 }
 BENCHMARK(BM_CudaStridedCopy)->ArgNames({"cast"})->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// The row normalisations at the 352 M GPT's activation shape (8 x 1,024
+// tokens of width 1,024): layer_norm (rms 0) or rms_norm (rms 1), forward
+// or backward (dx with the weight's and the bias's gradients), bfloat16 or
+// float32, through the CUDA kernels alone. GB/s counts what the op must
+// move at least: x read and y written (forward); dy and x read and dx
+// written (backward; the weight-gradient partials read dy and x again).
+void BM_CudaRowNorm(benchmark::State& state) {
+  if (!need_gpu(state)) return;
+  const bool rms = state.range(0) == 1, bwd = state.range(1) == 1, bf16 = state.range(2) == 1;
+  const int64_t rows = 8 * 1024, n = 1024;
+  const DType dt = bf16 ? DType::BFloat16 : DType::Float32;
+  const TensorOptions io{dt, cuda_device()}, f32{DType::Float32, cuda_device()};
+  Tensor x = randn({rows, n}, io), w = randn({n}, io), b = randn({n}, io), dy = randn({rows, n}, io);
+  Tensor y = Tensor::empty({rows, n}, io), dx = Tensor::empty({rows, n}, io);
+  Tensor dw = Tensor::empty({n}, io), db = Tensor::empty({n}, io);
+  Tensor mean = Tensor::empty({rows}, f32), rstd = Tensor::empty({rows}, f32);
+  const auto forward = [&] {
+    if (rms)
+      rms_norm_forward_cuda(x, w, 1e-5, y, rstd);
+    else
+      layer_norm_forward_cuda(x, w, b, 1e-5, y, mean, rstd);
+  };
+  forward();  // the statistics the backward reads
+  for (auto _ : state) {
+    if (!bwd)
+      forward();
+    else if (rms)
+      rms_norm_backward_cuda(dy, x, rstd, w, &dx, &dw);
+    else
+      layer_norm_backward_cuda(dy, x, mean, rstd, w, &dx, &dw, &db);
+    cuda_synchronize();
+  }
+  const double bytes = static_cast<double>(rows * n) * static_cast<double>(dtype_size(dt)) * (bwd ? 3 : 2);
+  state.counters["GB/s"] =
+      benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+BENCHMARK(BM_CudaRowNorm)
+    ->ArgNames({"rms", "bwd", "bf16"})
+    ->ArgsProduct({{0, 1}, {0, 1}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 
 }  // namespace

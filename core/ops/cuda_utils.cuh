@@ -348,19 +348,6 @@ void dispatch_io(DType dt, F&& f) {
   }
 }
 
-// Normalisations over rows (layer_norm.cu, rms_norm.cu): a warp per row
-// for the per-row passes, and the weight's gradient as per-column partial
-// sums over tiles of kNormTileRows rows (more when the tiles would pass
-// grid.y's limit) that a second kernel adds in tile order (deterministic,
-// no atomics).
-constexpr int64_t kNormTileRows = 128;
-inline unsigned warp_rows_grid(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kBlockSize / kWarpSize)); }
-struct NormTiles {
-  int64_t rows_per_tile, tiles;
-  explicit NormTiles(int64_t rows)
-      : rows_per_tile(std::max(kNormTileRows, ceil_div(rows, 65535))), tiles(ceil_div(rows, rows_per_tile)) {}
-};
-
 // Tensor cores, one warp: C[16x8] += A[16x16] B[16x8] for 16-bit A and B
 // (Half or BFloat16 bits, two to a register) with float32 accumulation:
 // PTX's mma.sync.m16n8k16.row.col, whose fragment layouts are fixed by the

@@ -214,6 +214,11 @@ void layer_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& me
                              Tensor* dx, Tensor* dw, Tensor* db);
 void layer_norm_backward_cuda(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd,
                               const Tensor& w, Tensor* dx, Tensor* dw, Tensor* db);
+// The weight's and the bias's gradients of layer_norm (mean given) and
+// rms_norm (mean null: xhat = x rstd): dw = sum over rows of dy xhat, db =
+// sum of dy, either may be null (layer_norm.cu).
+void norm_weight_grads_cuda(const Tensor& dy, const Tensor& x, const Tensor* mean, const Tensor& rstd, Tensor* dw,
+                            Tensor* db);
 
 // What a normalisation over the last `ndim` dims of x works on (layer_norm,
 // rms_norm), after checking x and its affine parameters (named, may be
