@@ -176,15 +176,15 @@ __global__ void weight_grads_partial_kernel(const T* __restrict__ dy, const T* _
 template <typename T, typename C>
 __global__ void weight_grads_final_kernel(const C* __restrict__ pw, const C* __restrict__ pb, int64_t tiles, int64_t n,
                                           T* __restrict__ dw, T* __restrict__ db) {
-  const int64_t j = cuda::global_thread_id();
-  if (j >= n) return;
-  C sw = 0, sb = 0;
-  for (int64_t t = 0; t < tiles; ++t) {
-    if (pw) sw += pw[t * n + j];
-    if (pb) sb += pb[t * n + j];
-  }
-  if (dw) dw[j] = static_cast<T>(sw);
-  if (db) db[j] = static_cast<T>(sb);
+  cuda::grid_stride_loop(n, [&](int64_t j) {  // grid_for caps the blocks
+    C sw = 0, sb = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      if (pw) sw += pw[t * n + j];
+      if (pb) sb += pb[t * n + j];
+    }
+    if (dw) dw[j] = static_cast<T>(sw);
+    if (db) db[j] = static_cast<T>(sb);
+  });
 }
 
 template <typename T, typename C>

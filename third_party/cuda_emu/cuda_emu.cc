@@ -512,6 +512,11 @@ void cp_async(void* dst, const void* src, size_t bytes, bool valid, Site s) {
     die(std::string(W.blk->name) + ": cp.async of " + std::to_string(bytes) + " bytes at " + where(s) + ": " +
         tid_str(f) + ": " + (misaligned(dst) ? "shared" : "global") + " address not aligned to " +
         std::to_string(bytes) + " bytes (misaligned address on a GPU)");
+  // src-size 0 reads nothing, but PTX still wants a valid address (the
+  // kernels pass a tile's base): one outside the device's memory dies.
+  if (!valid)
+    check_device_range(src, bytes,
+                       (std::string(W.blk->name) + ": cp.async's zero fill at " + where(s) + ": source").c_str());
   AsyncCopy c{dst, f.commits, bytes, {}};
   if (valid) std::memcpy(c.data, src, bytes);
   std::memset(dst, 0xFF, bytes);
@@ -532,6 +537,10 @@ void cp_async_wait(int n) {
   for (; k < f.in_flight.size() && f.in_flight[k].group < done; ++k)
     std::memcpy(f.in_flight[k].dst, f.in_flight[k].data, f.in_flight[k].bytes);
   f.in_flight.erase(f.in_flight.begin(), f.in_flight.begin() + static_cast<std::ptrdiff_t>(k));
+  // A copy still in flight over bytes one that landed wrote leaves them
+  // undefined until it lands too (a ring of stages waited one short).
+  if (k > 0)
+    for (const AsyncCopy& c : f.in_flight) std::memset(c.dst, 0xFF, c.bytes);
 }
 
 void syncthreads(Site s) {

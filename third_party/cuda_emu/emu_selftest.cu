@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <functional>
 #include <set>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -109,6 +110,7 @@ __global__ void async_rows(const float* in, float* out, int n) {
   extern __shared__ float rows[];  // [32][8], 16-byte aligned
   const int t = threadIdx.x;
   float* mine = rows + t * 8;
+  for (int k = 0; k < 8; ++k) mine[k] = -1.0f;  // not poison: a NaN below is the copy's
   ::emu::cp_async(mine, in + t * 8, 8, true, EMU_SITE);
   ::emu::cp_async_commit();
   ::emu::cp_async(mine + 2, in + t * 8 + 2, 8, true, EMU_SITE);
@@ -143,9 +145,27 @@ __global__ void async_stages(const float* in, float* out, int steps, bool barrie
   }
   out[t] = acc;
 }
-__global__ void async_misaligned(const float* in) {
+// Two groups copying to the same bytes: after wait_group 1 the first has
+// landed but the second is in flight, so the bytes are undefined (NaN);
+// after wait_group 0, the second's.
+__global__ void async_overlap(const float* in, float* out) {
+  extern __shared__ float x[];
+  ::emu::cp_async(x, in, 16, true, EMU_SITE);
+  ::emu::cp_async_commit();
+  ::emu::cp_async(x, in + 4, 16, true, EMU_SITE);
+  ::emu::cp_async_commit();
+  ::emu::cp_async_wait(1);
+  for (int k = 0; k < 4; ++k) out[k] = x[k];
+  ::emu::cp_async_wait(0);
+  for (int k = 0; k < 4; ++k) out[4 + k] = x[k];
+}
+// what: 0 a misaligned shared address, 1 a misaligned global one, 2 a zero
+// fill from an address outside the device's memory.
+__global__ void async_misused(const float* in, int what) {
   extern __shared__ float tile[];
-  ::emu::cp_async(tile + 1, in, 16, true, EMU_SITE);
+  if (what == 0) ::emu::cp_async(tile + 1, in, 16, true, EMU_SITE);
+  if (what == 1) ::emu::cp_async(tile, in + 1, 16, true, EMU_SITE);
+  if (what == 2) ::emu::cp_async(tile, in + 64, 16, false, EMU_SITE);
 }
 // Per-block tree sum in shared memory, plus which OS thread ran the block.
 __global__ void block_sums(const float* in, float* sums, size_t* os_thread) {
@@ -523,7 +543,7 @@ TEST_F(Emu, AsyncCopiesLandAtTheirThreadsWait) {
   float* out = dev<float>(32 * 12);
   for (int k = 0; k < 32 * 8; ++k) in[k] = float(k + 1);
   // What thread t sees of its own row [f0, f1, f2, f3, 0, f5] after each wait.
-  for (int n : {-1, 2, 1, 0}) {
+  for (int n : {-1, 3, 2, 1, 0}) {  // 3: more than the groups committed, nothing to wait for
     async_rows<<<1, 32, 32 * 8 * sizeof(float)>>>(in, out, n);
     cudaDeviceSynchronize();
     for (int t = 0; t < 32; ++t) {
@@ -566,15 +586,41 @@ TEST_F(Emu, AsyncCopyOverAStageStillReadShows) {
   EXPECT_GT(poisoned, 0);
 }
 
-TEST_F(Emu, MisalignedAsyncCopyDies) {
+TEST_F(Emu, AsyncCopyInFlightOverALandedOneLeavesItsBytesUndefined) {
   float* in = dev<float>(8);
+  float* out = dev<float>(8);
+  for (int k = 0; k < 8; ++k) in[k] = float(k + 1);
+  async_overlap<<<1, 1, 16>>>(in, out);
+  cudaDeviceSynchronize();
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_TRUE(std::isnan(out[k])) << k;
+    EXPECT_EQ(out[4 + k], float(k + 5)) << k;
+  }
+}
+
+TEST_F(Emu, MisusedAsyncCopyDies) {
+  float* in = dev<float>(64);
+  const char* at =
+      "async_misused: cp.async of 16 bytes at .*emu_selftest.cu:[0-9]+: block \\(0,0,0\\) thread \\(0,0,0\\): ";
   EXPECT_DEATH(
       {
-        async_misaligned<<<1, 1, 32>>>(in);
+        async_misused<<<1, 1, 32>>>(in, 0);
         cudaDeviceSynchronize();
       },
-      "async_misaligned: cp.async of 16 bytes at .*emu_selftest.cu:[0-9]+: block \\(0,0,0\\) thread \\(0,0,0\\): "
-      "shared address not aligned to 16 bytes");
+      std::string(at) + "shared address not aligned to 16 bytes");
+  EXPECT_DEATH(
+      {
+        async_misused<<<1, 1, 32>>>(in, 1);
+        cudaDeviceSynchronize();
+      },
+      std::string(at) + "global address not aligned to 16 bytes");
+  EXPECT_DEATH(
+      {
+        async_misused<<<1, 1, 32>>>(in, 2);
+        cudaDeviceSynchronize();
+      },
+      "async_misused: cp.async's zero fill at .*emu_selftest.cu:[0-9]+: source: 16 bytes at .* are not inside one "
+      "device allocation");
 }
 
 // ---- Worker pool ----
