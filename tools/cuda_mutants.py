@@ -389,10 +389,10 @@ MUTANTS = [
      "    __syncthreads();  // step s is in"),
     # The row normalisations' register chunks and weight-gradient tiles.
     ("norm_fwd_chunk_reload", "stale registers (a wide row's output pass from its last chunk)",
-     "core/ops/layer_norm.cu",
+     "core/ops/norm_rows.cuh",
      "  T* yr = y + r * n;\n  for (int64_t c0 = 0; c0 < n; c0 += Chunk::kCols) {\n    if (!one) xs.load(xr, n, c0, lane);\n",
      "  T* yr = y + r * n;\n  for (int64_t c0 = 0; c0 < n; c0 += Chunk::kCols) {\n"),
-    ("rms_dx_chunk_reload", "stale registers (a wide row's dx pass from its last chunk)", "core/ops/rms_norm.cu",
+    ("norm_dx_chunk_reload", "stale registers (a wide row's dx pass from its last chunk)", "core/ops/norm_rows.cuh",
      "    if (!one) {\n      dys.load(dyr, n, c0, lane);\n      xs.load(xr, n, c0, lane);\n    }\n",
      ""),
     ("norm_wgrad_tile_end", "off-by-one bound (a partial tile's last row summed twice)", "core/ops/layer_norm.cu",

@@ -469,7 +469,12 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const uint16_t* row) 
 // (cuda_emu.h), so a read before the wait or a load over a tile still read
 // shows as NaNs.
 template <int N>
-__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
+__device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid
+#if !defined(__CUDA_ARCH__) && !defined(__CUDACC__)
+                                         ,  // the emulation's reports name the caller's line
+                                         ::emu::Site site = {__builtin_FILE(), __builtin_LINE()}
+#endif
+) {
   static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
 #if defined(__CUDA_ARCH__)
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
@@ -478,7 +483,7 @@ __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid)
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(addr), "l"(src), "n"(N), "r"(valid ? N : 0));
 #elif !defined(__CUDACC__)
-  ::emu::cp_async(dst, src, N, valid, EMU_SITE);
+  ::emu::cp_async(dst, src, N, valid, site);
 #endif
 }
 __device__ __forceinline__ void cp_async_commit() {
