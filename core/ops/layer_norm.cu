@@ -79,6 +79,20 @@ __global__ void weight_grads_final_kernel(const C* __restrict__ pw, const C* __r
   });
 }
 
+template <typename T, typename C>
+void forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor& y, Tensor& mean, Tensor& rstd) {
+  cuda::DeviceGuard guard(x);
+  const int64_t rows = mean.numel(), n = x.numel() / rows;
+  cuda::with_row_vec<T>(n, {x.raw_data(), y.raw_data(), data_or_null<T>(w), data_or_null<T>(b)}, [&](auto vec) {
+    constexpr int VEC = decltype(vec)::value;
+    cuda::norm_rows_forward_kernel<T, C, VEC, true>
+        <<<cuda::warp_rows_grid(rows), cuda::kBlockSize, 0, cuda::stream_for(x)>>>(
+            x.data<T>(), data_or_null<T>(w), data_or_null<T>(b), static_cast<C>(eps), rows, n, y.data<T>(),
+            mean.data<C>(), rstd.data<C>());
+  });
+  EMBER_CUDA_CHECK(cudaGetLastError());
+}
+
 // dw and db of either norm (mean null: rms_norm's xhat, x rstd).
 template <typename T, typename C>
 void weight_grads(const Tensor& dy, const Tensor& x, const Tensor* mean, const Tensor& rstd, Tensor* dw, Tensor* db) {
@@ -103,20 +117,6 @@ void weight_grads(const Tensor& dy, const Tensor& x, const Tensor* mean, const T
 }
 
 template <typename T, typename C>
-void forward(const Tensor& x, const Tensor& w, const Tensor& b, double eps, Tensor& y, Tensor& mean, Tensor& rstd) {
-  cuda::DeviceGuard guard(x);
-  const int64_t rows = mean.numel(), n = x.numel() / rows;
-  cuda::with_row_vec<T>(n, {x.raw_data(), y.raw_data(), data_or_null<T>(w), data_or_null<T>(b)}, [&](auto vec) {
-    constexpr int VEC = decltype(vec)::value;
-    cuda::norm_rows_forward_kernel<T, C, VEC, /*kMean=*/true>
-        <<<cuda::warp_rows_grid(rows), cuda::kBlockSize, 0, cuda::stream_for(x)>>>(
-            x.data<T>(), data_or_null<T>(w), data_or_null<T>(b), static_cast<C>(eps), rows, n, y.data<T>(),
-            mean.data<C>(), rstd.data<C>());
-  });
-  EMBER_CUDA_CHECK(cudaGetLastError());
-}
-
-template <typename T, typename C>
 void backward(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& w, Tensor* dx,
               Tensor* dw, Tensor* db) {
   cuda::DeviceGuard guard(x);
@@ -124,7 +124,7 @@ void backward(const Tensor& dy, const Tensor& x, const Tensor& mean, const Tenso
   if (dx) {
     cuda::with_row_vec<T>(n, {dy.raw_data(), x.raw_data(), dx->raw_data(), data_or_null<T>(w)}, [&](auto vec) {
       constexpr int VEC = decltype(vec)::value;
-      cuda::norm_rows_dx_kernel<T, C, VEC, /*kMean=*/true>
+      cuda::norm_rows_dx_kernel<T, C, VEC, true>
           <<<cuda::warp_rows_grid(rows), cuda::kBlockSize, 0, cuda::stream_for(x)>>>(
               dy.data<T>(), x.data<T>(), mean.data<C>(), rstd.data<C>(), data_or_null<T>(w), rows, n, dx->data<T>());
     });

@@ -22,7 +22,7 @@ void forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rs
   const int64_t rows = rstd.numel(), n = x.numel() / rows;
   cuda::with_row_vec<T>(n, {x.raw_data(), y.raw_data(), data_or_null<T>(w)}, [&](auto vec) {
     constexpr int VEC = decltype(vec)::value;
-    cuda::norm_rows_forward_kernel<T, C, VEC, /*kMean=*/false>
+    cuda::norm_rows_forward_kernel<T, C, VEC, false>
         <<<cuda::warp_rows_grid(rows), cuda::kBlockSize, 0, cuda::stream_for(x)>>>(
             x.data<T>(), data_or_null<T>(w), nullptr, static_cast<C>(eps), rows, n, y.data<T>(), nullptr,
             rstd.data<C>());
@@ -37,7 +37,7 @@ void backward(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tenso
   if (dx) {
     cuda::with_row_vec<T>(n, {dy.raw_data(), x.raw_data(), dx->raw_data(), data_or_null<T>(w)}, [&](auto vec) {
       constexpr int VEC = decltype(vec)::value;
-      cuda::norm_rows_dx_kernel<T, C, VEC, /*kMean=*/false>
+      cuda::norm_rows_dx_kernel<T, C, VEC, false>
           <<<cuda::warp_rows_grid(rows), cuda::kBlockSize, 0, cuda::stream_for(x)>>>(
               dy.data<T>(), x.data<T>(), nullptr, rstd.data<C>(), data_or_null<T>(w), rows, n, dx->data<T>());
     });
