@@ -9,7 +9,10 @@ tokens of the given vocabulary. --amp bf16 is FSDP2's MixedPrecisionPolicy
 Prints one line per run:
   torch_gpt amp=off tokens_per_s=... step_ms=... steps=N
 tokens_per_s is the median over the timed steps (each ends with loss.item(),
-the one host synchronisation our step makes too).
+the one host synchronisation our step makes too). --profile-top K then
+profiles one more step (bench/peer_profile.py): its top K ops by self
+device time as `torch_gpt_op amp=.. calls=.. self_ms=.. total_ms=.. name=..`
+lines, and `torch_gpt_launches amp=.. kernels=.. copies=..` on a GPU.
 --device cpu (Gloo) rehearses the script where there is no GPU.
 """
 import argparse
@@ -25,7 +28,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers", "torch2"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peer_common import GPTBlock  # noqa: E402  the fsdp peers' block, with GPT-2's tanh GELU
+from peer_profile import op_fields, profile_step  # noqa: E402
 
 
 class GPT(nn.Module):
@@ -67,6 +72,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--amp", choices=["off", "bf16"], default="off")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--profile-top", type=int, default=0)
     a = ap.parse_args()
     # As ours: float32 matmuls without TF32 (torch's default for matmul;
     # set explicitly so an environment cannot change it).
@@ -90,9 +96,11 @@ def main():
     g = torch.Generator().manual_seed(1)
     rates, times = [], []
     tokens = a.batch_size * a.seq
-    for step in range(a.warmup + a.steps):
-        batch = torch.randint(0, a.vocab, (a.batch_size, a.seq + 1), generator=g)
-        t0 = time.perf_counter()
+
+    def batch():
+        return torch.randint(0, a.vocab, (a.batch_size, a.seq + 1), generator=g)
+
+    def step(batch):  # timed from the copy to the device on (drawing the batch is not)
         x, y = batch[:, :-1].to(dev, non_blocking=True), batch[:, 1:].to(dev, non_blocking=True)
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
@@ -101,12 +109,24 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()
+
+    for i in range(a.warmup + a.steps):
+        b = batch()
+        t0 = time.perf_counter()
+        step(b)
         dt = time.perf_counter() - t0
-        if step >= a.warmup:
+        if i >= a.warmup:
             rates.append(tokens / dt)
             times.append(dt * 1e3)
     print(f"torch_gpt amp={a.amp} tokens_per_s={statistics.median(rates):.1f} "
           f"step_ms={statistics.median(times):.3f} steps={a.steps}", flush=True)
+    if a.profile_top > 0:
+        b = batch()
+        rows, launches = profile_step(lambda: step(b), a.device, a.profile_top)
+        if launches:
+            print(f"torch_gpt_launches amp={a.amp} kernels={launches[0]} copies={launches[1]}", flush=True)
+        for r in rows:
+            print(f"torch_gpt_op amp={a.amp} {op_fields(r)}", flush=True)
     dist.destroy_process_group()
 
 

@@ -5,6 +5,7 @@
 # output folder (commit them as bench/results/).
 #
 #   bench/gpu_perf.sh [--smoke] [--lean] [--rounds N] [--out DIR] [speed] [breakdown] [benchmark] [kernels] [gpt]
+#       [gpt_breakdown]
 #
 # Parts (none named: speed and breakdown):
 #   speed      N rounds (default 3), each ours then PyTorch, every process
@@ -27,6 +28,12 @@
 #              rounds; tokens/s medians into gpu_gpt.json. Needs the
 #              fortunes corpus in .gpudata/fortunes (tools/gpu_check.sh
 #              --data). About 2 minutes.
+#   gpt_breakdown  where the GPT step's time goes, per precision: ours
+#              with --profile (3 steps after 3 warm-ups; the profiler's GPU
+#              time per op from its ops-rank0.json, per step, and the GPU's
+#              idle time before ops), PyTorch's through torch.profiler (one
+#              step, bench/peer_profile.py); gpu_gpt_breakdown.json. About
+#              1.5 minutes at 352 M.
 # The speed part also replays our steps as one CUDA graph each (gpu_step
 # --cuda-graph 1, rows <layout>_cudagraph, with the host's share of the
 # step as ours_host_fraction), and runs them with EMBER_CUDNN_GRAPH flipped
@@ -55,8 +62,8 @@ while [ $# -gt 0 ]; do
     --lean) lean=1 ;;
     --rounds) rounds=$2; shift ;;
     --out) out=$2; shift ;;
-    speed | breakdown | benchmark | kernels | gpt) parts+=("$1") ;;
-    *) echo "gpu_perf: unknown argument '$1' (--smoke, --lean, --rounds N, --out DIR, speed, breakdown, benchmark, kernels, gpt)" >&2; exit 2 ;;
+    speed | breakdown | benchmark | kernels | gpt | gpt_breakdown) parts+=("$1") ;;
+    *) echo "gpu_perf: unknown argument '$1' (--smoke, --lean, --rounds N, --out DIR, speed, breakdown, benchmark, kernels, gpt, gpt_breakdown)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -210,6 +217,47 @@ PY
           "$gpt_py" "$here/bench/gpt_cuda_peer.py" "${gpt_shape[@]}" --vocab "${vocab:-96}" --steps $((gpt_steps - 5)) \
             --amp $amp "${peer_extra[@]}" 2>>"$out/logs/torch_gpt.err" | tag gpt "$r"
         done
+      done
+      ;;
+    gpt_breakdown)
+      for amp in $gpt_amps; do
+        say "gpt_breakdown amp $amp: ours (--profile)"
+        rm -rf /tmp/gpu_perf_gpt && mkdir -p /tmp/gpu_perf_gpt
+        "${gpt_ours[@]}" --nproc 1 "${gpt_shape[@]}" --max-steps 6 --eval-every 1000000 --sample-len 0 --amp $amp \
+          --checkpoint-dir /tmp/gpu_perf_gpt/ckpt --profile /tmp/gpu_perf_gpt/prof "${gpt_data[@]}" \
+          >"$out/logs/ours_gpt_breakdown_$amp.log" 2>&1
+        vocab=$(sed -n 's/.*vocabulary \([0-9]*\).*/\1/p' "$out/logs/ours_gpt_breakdown_$amp.log" | head -1)
+        # Per step: the profiled steps are the ProfilerStep#N ranges. Ops
+        # by GPU self time (host self time where the run had no GPU times:
+        # --smoke); the ranges' own rows merge into one.
+        "$py" - "$amp" /tmp/gpu_perf_gpt/prof/ops-rank0.json <<'PY' | tag gpt_breakdown 1
+import json, sys
+amp, doc = sys.argv[1], json.load(open(sys.argv[2]))
+steps = sum(o["calls"] for o in doc["ops"] if o["name"].startswith("ProfilerStep#")) or 1
+merged = {}
+for o in doc["ops"]:
+    name = "ProfilerStep#*" if o["name"].startswith("ProfilerStep#") else o["name"]
+    m = merged.setdefault((name, o["kind"]), dict(o, name=name, calls=0, self_ms=0, total_ms=0, cuda_self_ms=0,
+                                                  cuda_total_ms=0, cuda_gap_ms=0))
+    for k in ("calls", "self_ms", "total_ms", "cuda_self_ms", "cuda_total_ms", "cuda_gap_ms"):
+        m[k] += o[k]
+gpu = doc["cuda"]
+key, total = ("cuda_self_ms", "cuda_total_ms") if gpu else ("self_ms", "total_ms")
+ops = sorted(merged.values(), key=lambda o: o[key], reverse=True)
+for o in ops[:25]:
+    print(f"ours_gpt_op amp={amp} calls={o['calls'] / steps:g} self_ms={o[key] / steps:.3f} "
+          f"total_ms={o[total] / steps:.3f} host_self_ms={o['self_ms'] / steps:.3f} name={o['name']}")
+if gpu:
+    print(f"ours_gpt_idle amp={amp} idle_ms={sum(o['cuda_gap_ms'] for o in ops) / steps:.3f} steps={steps}")
+    for o in sorted(ops, key=lambda o: o["cuda_gap_ms"], reverse=True)[:10]:
+        if o["cuda_gap_ms"] > 0:
+            print(f"ours_gpt_gap amp={amp} calls={o['calls'] / steps:g} gap_ms={o['cuda_gap_ms'] / steps:.3f} "
+                  f"name={o['name']}")
+PY
+        say "gpt_breakdown amp $amp: torch (torch.profiler, vocabulary ${vocab:-?})"
+        "$gpt_py" "$here/bench/gpt_cuda_peer.py" "${gpt_shape[@]}" --vocab "${vocab:-96}" --warmup 3 --steps 3 \
+          --amp $amp --profile-top 25 "${peer_extra[@]}" 2>>"$out/logs/torch_gpt.err" | grep -v '^torch_gpt ' |
+          tag gpt_breakdown 1
       done
       ;;
   esac

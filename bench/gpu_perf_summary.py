@@ -16,6 +16,11 @@ graph ours_host_fraction (the host's time to queue a step over the step's).
 gpu_breakdown.json: per configuration, the top ops of one profiled step,
 ours beside PyTorch's; the convolution algorithms ours chose;
 and both steps in benchmark mode; bn_cuda_bench's rows when run.
+gpu_gpt_breakdown.json (the gpt_breakdown part): one row per precision
+(gpt_fsdp/<amp>) with the GPT step's top ops by GPU self time per step,
+ours (the profiler's, over 3 steps) beside PyTorch's (torch.profiler, one
+step), our GPU's idle time per step and the ops it waited before, and
+PyTorch's kernel launches per step.
 """
 import json
 import os
@@ -65,6 +70,16 @@ def model_flops_per_token(kv):
     return 6 * (n - vocab * dim - seq * dim) + 12 * layers * dim * seq
 
 
+def print_top_ops(title, ours, torch, n):
+    """Two columns of the top n ops: ours | torch, self ms."""
+    print(f"\n{title}")
+    a, b = ours[:n], torch[:n]
+    for i in range(max(len(a), len(b))):
+        left = f"{a[i]['name'][:34]:34} {a[i]['self_ms']:8.2f}" if i < len(a) else " " * 43
+        right = f"{b[i]['name'][:40]:40} {b[i]['self_ms']:8.2f}" if i < len(b) else ""
+        print(f"  {left} | {right}")
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit("usage: gpu_perf_summary.py OUTDIR")
@@ -94,6 +109,7 @@ def main():
     host = {}  # (config, layout) -> our rounds' median host ms to issue a step
     gpt, gpt_mem = {}, {}  # (side, amp) -> [round tokens/s]; amp -> our peak MiB
     gpt_model, gpt_host = {}, {}  # amp -> our line's fields (params, shape); amp -> [round host fractions]
+    gpt_ops, gpt_idle, gpt_gaps, gpt_launches = {}, {}, {}, {}  # (side, amp) -> rows; amp -> ms; rows; counts
     with open(os.path.join(d, "raw.txt")) as f:
         for line in f:
             line = line.rstrip("\n")
@@ -110,6 +126,20 @@ def main():
             side = rest.split(" ", 1)[0]
             kv = parse_kv(rest)
             key = (kv.get("config"), kv.get("layout"))
+            if part == "gpt_breakdown":
+                amp = kv.get("amp")
+                if side in ("ours_gpt_op", "torch_gpt_op"):
+                    gpt_ops.setdefault((side.split("_")[0], amp), []).append(
+                        {"name": kv["name"], "calls": float(kv["calls"]), "self_ms": float(kv["self_ms"]),
+                         "total_ms": float(kv["total_ms"])})
+                elif side == "ours_gpt_idle":
+                    gpt_idle[amp] = float(kv["idle_ms"])
+                elif side == "ours_gpt_gap":
+                    gpt_gaps.setdefault(amp, []).append({"name": kv["name"], "calls": float(kv["calls"]),
+                                                         "gap_ms": float(kv["gap_ms"])})
+                elif side == "torch_gpt_launches":
+                    gpt_launches[amp] = {"kernels": int(kv["kernels"]), "copies": int(kv["copies"])}
+                continue
             if side in ("ours_gpt", "torch_gpt"):
                 gpt.setdefault((side.split("_")[0], kv["amp"]), []).append(float(kv["tokens_per_s"]))
                 if "mem_peak_mib" in kv:
@@ -203,6 +233,23 @@ def main():
         for r in grows:
             print(f"{r['name']:24} {r.get('ours_tokens_per_s', float('nan')):12.1f} "
                   f"{r.get('torch_tokens_per_s', float('nan')):12.1f} {r.get('ratio', float('nan')):7.3f}")
+    if gpt_ops:
+        brows = []
+        for amp in sorted({a for (_, a) in gpt_ops}):
+            brows.append({"name": f"gpt_fsdp/{amp}", "ours_top_ops": gpt_ops.get(("ours", amp), []),
+                          "torch_top_ops": gpt_ops.get(("torch", amp), []), "ours_gpu_idle_ms": gpt_idle.get(amp),
+                          "ours_idle_before": gpt_gaps.get(amp, []), "torch_launches": gpt_launches.get(amp)})
+        with open(os.path.join(d, "gpu_gpt_breakdown.json"), "w") as f:
+            json.dump(dict(head, workload="GPT step on one GPU (gpu_gpt.json's), per step: ours over 3 profiled "
+                                         "steps, torch over one",
+                           note="self_ms: GPU self time (ours: the profiler's CUDA event pairs; torch: "
+                                "torch.profiler's self device time); host self time where no GPU ran (--smoke)",
+                           rows=brows), f, indent=1)
+        for r in brows:
+            print_top_ops(f"{r['name']}: top ops per step (ours | torch), self ms", r["ours_top_ops"],
+                          r["torch_top_ops"], 15)
+            if r["ours_gpu_idle_ms"] is not None:
+                print(f"  our GPU idle a step: {r['ours_gpu_idle_ms']:.2f} ms")
     if ops or algos or kernel_rows:
         configs = sorted({(c, l) for (_, c, l) in ops})
         breakdown = {"configs": [], "algorithms_ours": algos, "benchmark_mode": bench_rows, "torch_launches": launches,
@@ -215,12 +262,8 @@ def main():
             json.dump(dict(head, note="ours: GPU time per op from the profiler's CUDA event pairs; "
                                      "torch: self CUDA time from torch.profiler", **breakdown), f, indent=1)
         for cfg in breakdown["configs"]:
-            print(f"\n{cfg['name']}: top ops (ours | torch), self ms")
-            a, b = cfg["ours_top_ops"][:12], cfg["torch_top_ops"][:12]
-            for i in range(max(len(a), len(b))):
-                l = f"{a[i]['name'][:34]:34} {a[i]['self_ms']:8.2f}" if i < len(a) else " " * 43
-                rr = f"{b[i]['name'][:40]:40} {b[i]['self_ms']:8.2f}" if i < len(b) else ""
-                print(f"  {l} | {rr}")
+            print_top_ops(f"{cfg['name']}: top ops (ours | torch), self ms", cfg["ours_top_ops"],
+                          cfg["torch_top_ops"], 12)
             if cfg["ours_gpu_idle_ms"] is not None:
                 print(f"  our GPU idle in the step: {cfg['ours_gpu_idle_ms']:.2f} ms, before: " +
                       ", ".join(f"{g['name']} {g['gap_ms']:.2f}" for g in cfg["ours_idle_before"][:5]))

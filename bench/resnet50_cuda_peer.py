@@ -25,12 +25,16 @@ and with --profile-top K one profiled step's top K ops by self CUDA time
 self_ms=.. total_ms=.. name=..` lines.
 """
 import argparse
+import os
 import statistics
 import sys
 import time
 
 import torch
 import torchvision
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peer_profile import op_fields, profile_step  # noqa: E402
 
 
 def step_fn(model, opt, x, y, amp, device):
@@ -67,30 +71,12 @@ def run(a, config, layout):
     print(f"torch config={config} layout={layout} batch={a.batch} median_ms={statistics.median(times):.3f} "
           f"min_ms={min(times):.3f} max_ms={max(times):.3f} steps={len(times)}", flush=True)
     if a.profile_top > 0:
-        acts = [torch.profiler.ProfilerActivity.CPU]
-        if a.device == "cuda":
-            acts.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=acts) as prof:
-            step()
-        if a.device == "cuda":
-            # Kernel launches (and copies) of the step, for the launch budget
-            # of bench/step_counts_test.cc.
-            dev_events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-            copies = sum(1 for e in dev_events if e.name.startswith("Memcpy") or e.name.startswith("Memset"))
-            print(f"torch_launches config={config} layout={layout} kernels={len(dev_events) - copies} "
-                  f"copies={copies}", flush=True)
-        avgs = prof.key_averages()
-        # torch 2.4+ names device time self_device_time_total (the cuda_
-        # names are deprecated, then gone); 1.13 has only the cuda_ ones.
-        dev = "device" if avgs and hasattr(avgs[0], "self_device_time_total") else "cuda"
-        key, total_key = ((f"self_{dev}_time_total", f"{dev}_time_total") if a.device == "cuda"
-                          else ("self_cpu_time_total", "cpu_time_total"))
-        rows = sorted(avgs, key=lambda e: getattr(e, key, 0), reverse=True)[:a.profile_top]
-        for e in rows:
-            self_us = getattr(e, key, 0)
-            total_us = getattr(e, total_key, 0)
-            print(f"torch_op config={config} layout={layout} calls={e.count} self_ms={self_us / 1e3:.3f} "
-                  f"total_ms={total_us / 1e3:.3f} name={e.key}", flush=True)
+        rows, launches = profile_step(step, a.device, a.profile_top)
+        if launches:
+            print(f"torch_launches config={config} layout={layout} kernels={launches[0]} copies={launches[1]}",
+                  flush=True)
+        for r in rows:
+            print(f"torch_op config={config} layout={layout} {op_fields(r)}", flush=True)
     del model, opt, x, y
     if a.device == "cuda":
         torch.cuda.empty_cache()

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
 #include "core/profiler.h"
@@ -19,6 +20,26 @@ absl::Status write_text(const std::string& path, const std::string& text) {
   out.close();
   if (!out) return absl::InternalError(absl::StrCat("write_profile: cannot write '", path, "'"));
   return absl::OkStatus();
+}
+// key_averages as ops-rank<N>.json holds them (job_profile.h).
+std::string ops_json(const std::vector<profiler::Event>& events, int rank) {
+  bool cuda = false;
+  for (const profiler::Event& e : events) cuda = cuda || e.cuda_ns >= 0;
+  nlohmann::json ops = nlohmann::json::array();
+  for (const profiler::Average& a : profiler::key_averages(events))
+    ops.push_back({{"name", a.name},
+                   {"kind", profiler::kind_name(a.kind)},
+                   {"calls", a.calls},
+                   {"self_ms", a.self_ns / 1e6},
+                   {"total_ms", a.total_ns / 1e6},
+                   {"cuda_self_ms", a.cuda_self_ns / 1e6},
+                   {"cuda_total_ms", a.cuda_total_ns / 1e6},
+                   {"cuda_gap_ms", a.cuda_gap_ns / 1e6}});
+  // Names are the user's (ranges, module paths): replaced where not UTF-8,
+  // not thrown on.
+  return nlohmann::json{{"rank", rank}, {"events", events.size()}, {"cuda", cuda}, {"ops", ops}}.dump(
+             1, ' ', false, nlohmann::json::error_handler_t::replace) +
+         "\n";
 }
 }  // namespace
 
@@ -70,9 +91,11 @@ absl::StatusOr<ProfileFiles> write_profile(const std::string& dir, ProcessGroup*
   if (ec) return absl::InternalError(absl::StrCat("write_profile: cannot create '", dir, "': ", ec.message()));
   f.trace = absl::StrCat(dir, "/trace-rank", rank, ".json");
   f.summary = absl::StrCat(dir, "/summary-rank", rank, ".txt");
+  f.ops = absl::StrCat(dir, "/ops-rank", rank, ".json");
   f.table = profiler::summary_table(events, top);
   if (auto s = write_text(f.trace, profiler::chrome_trace({mine})); !s.ok()) return s;
   if (auto s = write_text(f.summary, f.table); !s.ok()) return s;
+  if (auto s = write_text(f.ops, ops_json(events, rank)); !s.ok()) return s;
   if (rank == 0) {
     f.merged = dir + "/trace.json";
     if (auto s = write_text(f.merged, profiler::chrome_trace(bodies)); !s.ok()) return s;

@@ -4,7 +4,14 @@
 //
 //   profiler::start();  ... a few steps ...  profiler::stop();
 //   auto out = distributed::write_profile("prof", pg.get());   // every rank calls it
-//   // prof/trace.json (rank 0: every rank), prof/trace-rank<N>.json, prof/summary-rank<N>.txt
+//   // prof/trace.json (rank 0: every rank), prof/trace-rank<N>.json, prof/summary-rank<N>.txt,
+//   // prof/ops-rank<N>.json
+//
+// ops-rank<N>.json is the summary's key_averages whole, for tools (as
+// torch.profiler's key_averages() is to a script): {"rank": N, "events": E,
+// "cuda": true where GPU times were recorded, "ops": [{"name", "kind",
+// "calls", "self_ms", "total_ms", "cuda_self_ms", "cuda_total_ms",
+// "cuda_gap_ms"}, ...]} by host self time, as the table.
 //
 // Clocks: rank N's events are shifted by its offset to rank 0's steady
 // clock, so hosts whose clocks differ still line up. The offset comes from
@@ -25,6 +32,7 @@ struct ProfileFiles {
   std::string merged;   // rank 0 only: every rank's events ("" elsewhere)
   std::string trace;    // this rank's
   std::string summary;  // this rank's key_averages table (also returned in `table`)
+  std::string ops;      // this rank's key_averages as JSON
   std::string table;
   size_t events = 0;
   // Added to this rank's clock for rank 0's (0 on rank 0), and how far off

@@ -3,8 +3,9 @@
 // and must hold, for each rank, the ops, the backward nodes, one allreduce
 // per DDP bucket (on the Gloo worker's thread, with the bucket's bytes and
 // sequence numbers) and the waits on them; events nest properly on every
-// thread; and the same step with the profiler on and off gives bitwise the
-// same parameters.
+// thread; each rank's averages come back as JSON with the same counts; and
+// the same step with the profiler on and off gives bitwise the same
+// parameters.
 #include "distributed/job_profile.h"
 
 #include <gtest/gtest.h>
@@ -84,6 +85,28 @@ EMBER_WORKER(profiled_ddp) {
   WCHECK(std::abs(files->clock_offset_ns) <= files->clock_error_ns, "rank ", env.rank, "'s clock offset ",
          files->clock_offset_ns, " ns is further from the true 0 than its stated error ", files->clock_error_ns, " ns");
   std::ofstream(env.arg + "/clock_error-rank" + std::to_string(env.rank) + ".txt") << files->clock_error_ns;
+  // The averages as JSON: the step's ops counted as the trace below counts
+  // them, GPU times only where a GPU timed them (a CUDA build on a GPU
+  // times every op of the profiling thread), and a sum's self time within
+  // its total.
+  WCHECK(files->ops == env.arg + "/ops-rank" + std::to_string(env.rank) + ".json", files->ops);
+  std::ifstream ops_in(files->ops);
+  const json ops = json::parse(ops_in, nullptr, /*allow_exceptions=*/false);
+  bool gpu = false;  // whether the profiler timed this rank's events on a GPU
+  for (const profiler::Event& e : profiler::events()) gpu = gpu || e.cuda_ns >= 0;
+  WCHECK(!ops.is_discarded() && ops["rank"] == env.rank && ops["cuda"] == gpu && ops["events"] == files->events,
+         files->ops, " does not hold this rank's averages: ", ops.dump());
+  std::map<std::string, int64_t> calls;
+  for (const json& o : ops["ops"]) {
+    calls[o["name"].get<std::string>()] += o["calls"].get<int64_t>();
+    WCHECK(o["self_ms"].get<double>() <= o["total_ms"].get<double>() + 1e-9, o.dump());
+    WCHECK(gpu ? o["cuda_self_ms"].get<double>() <= o["cuda_total_ms"].get<double>() + 1e-9
+               : o["cuda_self_ms"] == 0.0 && o["cuda_gap_ms"] == 0.0,
+           o.dump());
+  }
+  WCHECK(calls["linear"] == 3 && calls["LinearBackward"] == 3 && calls["AccumulateGrad"] == 6 &&
+             calls["SGD.step"] == 1 && calls["train step"] == 1,
+         "ops-rank", env.rank, ".json: ", ops.dump());
   if (env.rank == 0) {
     WCHECK(files->merged == env.arg + "/trace.json", files->merged);
     std::ofstream(env.arg + "/buckets.txt") << buckets;

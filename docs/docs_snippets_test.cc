@@ -326,6 +326,7 @@ profiler::start();
 profiler::stop();
 std::cout << profiler::summary_table(profiler::events());          // torch's key_averages().table()
 auto files = distributed::write_profile("prof", pg.get());          // every rank: prof/trace-rank<N>.json,
+                                                                    // summary-rank<N>.txt, ops-rank<N>.json;
                                                                     // rank 0: prof/trace.json (all ranks)
   EXPECT_TRUE(files.ok()) << files.status();
 }

@@ -76,10 +76,12 @@ class StepProfiler {
       return;
     }
     if (!files->merged.empty()) {
-      std::printf("profile: %lld step(s) after %lld warm-up step(s); %zu events on rank 0; Chrome trace of every "
-                  "rank in %s (open in https://ui.perfetto.dev or chrome://tracing), one per rank beside it\n%s",
-                  static_cast<long long>(steps), static_cast<long long>(warmup_), files->events,
-                  files->merged.c_str(), files->table.c_str());
+      std::printf(
+          "profile: %lld step(s) after %lld warm-up step(s); %zu events on rank 0; Chrome trace of every "
+          "rank in %s (open in https://ui.perfetto.dev or chrome://tracing), one per rank beside it; "
+          "per-op averages in %s\n%s",
+          static_cast<long long>(steps), static_cast<long long>(warmup_), files->events, files->merged.c_str(),
+          files->ops.c_str(), files->table.c_str());
       std::fflush(stdout);
     }
   }

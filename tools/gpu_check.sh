@@ -17,6 +17,7 @@
 # from a bundle of their binaries alone (--targets figures; --data figures),
 # and, where the lease has time left after figures (about 2 minutes):
 #   bash tools/gpu_check.sh attention_profile   ncu on our attention and PyTorch's
+#   bash tools/gpu_check.sh gpt_breakdown       the GPT step's ops, ours beside PyTorch's
 # It prints one line per step (rc, failed test names) and leaves every log in
 # $OUT/logs.tgz. Steps keep going after a failure: one call shows everything.
 set -u
@@ -112,8 +113,13 @@ perf_part() {
   summary "gpu_perf --lean $1 rc=$rc"
   cp "$dir/$2" "${OUT:-$logs}/" 2>/dev/null
   tar -C "$dir" -cf "$logs/gpu_perf_$1.tar" logs raw.txt meta.txt 2>/dev/null
+  # A breakdown's rows are long: their top 8 ops a side (the JSON has 25).
   python3 -c 'import json, sys
-for r in json.load(open(sys.argv[1]))["rows"]: print(json.dumps(r))' "${OUT:-$logs}/$2" 2>&1 | tee -a "$logs/summary.txt"
+for r in json.load(open(sys.argv[1]))["rows"]:
+    if "ours_top_ops" in r:
+        r = dict(r, **{k: [(o["name"], o["self_ms"]) for o in r[k][:8]] for k in ("ours_top_ops", "torch_top_ops")})
+        r.pop("ours_idle_before", None)
+    print(json.dumps(r))' "${OUT:-$logs}/$2" 2>&1 | tee -a "$logs/summary.txt"
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$logs/gpu.txt"
@@ -236,6 +242,12 @@ for s in $steps; do
       >"$logs/attention_profile.log" 2>&1
     summary "attention_profile rc=$?"
     grep -E '^(==|  [a-z])' "$logs/attention_profile.log" | tee -a "$logs/summary.txt"
+    ;;
+  gpt_breakdown)
+    # Where the 352 M GPT's step goes, ours beside PyTorch's FSDP2 step,
+    # float32 and bf16 (gpu_perf.sh gpt_breakdown): top ops by GPU self time
+    # a step, our GPU's idle time; gpu_gpt_breakdown.json in $OUT.
+    perf_part gpt_breakdown gpu_gpt_breakdown.json 240
     ;;
   resnet_figures)
     # ResNet-50's six configurations, ours eager beside PyTorch eager, 3
