@@ -70,6 +70,18 @@ def model_flops_per_token(kv):
     return 6 * (n - vocab * dim - seq * dim) + 12 * layers * dim * seq
 
 
+def op_row(kv, calls):
+    """An op line's fields as a breakdown row; calls: int (one profiled
+    step) or float (an average over steps)."""
+    return {"name": kv["name"], "calls": calls(kv["calls"]), "self_ms": float(kv["self_ms"]),
+            "total_ms": float(kv["total_ms"])}
+
+
+def gap_row(kv, calls):
+    """A line of the GPU's idle time before an op, as a row."""
+    return {"name": kv["name"], "calls": calls(kv["calls"]), "gap_ms": float(kv["gap_ms"])}
+
+
 def print_top_ops(title, ours, torch, n):
     """Two columns of the top n ops: ours | torch, self ms."""
     print(f"\n{title}")
@@ -129,14 +141,11 @@ def main():
             if part == "gpt_breakdown":
                 amp = kv.get("amp")
                 if side in ("ours_gpt_op", "torch_gpt_op"):
-                    gpt_ops.setdefault((side.split("_")[0], amp), []).append(
-                        {"name": kv["name"], "calls": float(kv["calls"]), "self_ms": float(kv["self_ms"]),
-                         "total_ms": float(kv["total_ms"])})
+                    gpt_ops.setdefault((side.split("_")[0], amp), []).append(op_row(kv, float))
                 elif side == "ours_gpt_idle":
                     gpt_idle[amp] = float(kv["idle_ms"])
                 elif side == "ours_gpt_gap":
-                    gpt_gaps.setdefault(amp, []).append({"name": kv["name"], "calls": float(kv["calls"]),
-                                                         "gap_ms": float(kv["gap_ms"])})
+                    gpt_gaps.setdefault(amp, []).append(gap_row(kv, float))
                 elif side == "torch_gpt_launches":
                     gpt_launches[amp] = {"kernels": int(kv["kernels"]), "copies": int(kv["copies"])}
                 continue
@@ -156,14 +165,11 @@ def main():
                 if side == "ours" and "host_ms" in kv:
                     host.setdefault(key, []).append(float(kv["host_ms"]))
             elif side in ("ours_op", "torch_op"):
-                ops.setdefault((side[:-3],) + key, []).append(
-                    {"name": kv["name"], "calls": int(kv["calls"]), "self_ms": float(kv["self_ms"]),
-                     "total_ms": float(kv["total_ms"])})
+                ops.setdefault((side[:-3],) + key, []).append(op_row(kv, int))
             elif side == "ours_idle":
                 idle[key] = float(kv["idle_ms"])
             elif side == "ours_gap":
-                gaps.setdefault(key, []).append({"name": kv["name"], "calls": int(kv["calls"]),
-                                                 "gap_ms": float(kv["gap_ms"])})
+                gaps.setdefault(key, []).append(gap_row(kv, int))
             elif side == "torch_launches":
                 launches.append({"name": f"{key[0]}/{key[1]}", "torch_kernels": int(kv["kernels"]),
                                  "torch_copies": int(kv["copies"])})
