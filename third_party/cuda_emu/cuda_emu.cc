@@ -22,8 +22,20 @@
 //   EMU_STACK_KB=N             stack of each CUDA thread (default 256).
 //   EMU_VERBOSE=1              at exit, print "N launches of M kernels";
 //                              EMU_VERBOSE=2 also prints each launch.
+//   TEST_UNDECLARED_OUTPUTS_DIR (set by bazel test) at exit, write the
+//                              kernels launched and how often, a line each
+//                              ("<count> <launching file> <object>+<offset>
+//                              <launch name>": the offset of the emulated
+//                              kernel's instantiation in the executable or
+//                              shared object holding it), to
+//                              emu_launches.<pid>.txt there (a process
+//                              each: multi-process tests spawn several), so
+//                              that tools/emu_coverage.py can find a kernel,
+//                              or an instantiation, that no emulated test
+//                              launches.
 #include "third_party/cuda_emu/cuda_emu.h"
 
+#include <dlfcn.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -117,6 +129,14 @@ const int g_verbose = env_int("EMU_VERBOSE", 0);
 std::mutex g_stats_mu;
 uint64_t g_launches = 0;
 std::set<std::string> g_kernels;
+// The launch record: launches by launching file, launch name and the
+// emulated kernel's instantiation (its function).
+struct LaunchedAt {
+  std::string file, name;
+  const void* fn;
+  bool operator<(const LaunchedAt& o) const { return std::tie(file, name, fn) < std::tie(o.file, o.name, o.fn); }
+};
+std::map<LaunchedAt, uint64_t> g_launched_at;
 std::map<const void*, int> g_max_dynamic_smem;  // cudaFuncSetAttribute
 
 void print_summary() {
@@ -126,6 +146,36 @@ void print_summary() {
 }
 // At static initialisation, so that the summary prints after main returns.
 const bool g_summary_registered = g_verbose > 0 && std::atexit(print_summary) == 0;
+
+// The launch record of a test process (TEST_UNDECLARED_OUTPUTS_DIR above).
+// A process that launched nothing writes nothing.
+void write_launches() {
+  const char* dir = std::getenv("TEST_UNDECLARED_OUTPUTS_DIR");
+  std::lock_guard<std::mutex> l(g_stats_mu);
+  if (g_launched_at.empty()) return;
+  const std::string path = std::string(dir) + "/emu_launches." + std::to_string(getpid()) + ".txt";
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) {
+    std::fprintf(stderr, "[cuda-emu] cannot write the launch record %s\n", path.c_str());
+    return;
+  }
+  for (const auto& [at, n] : g_launched_at) {
+    // Where the instantiation lies: its object and its offset there, which
+    // nm names (tools/emu_coverage.py --instances).
+    Dl_info info{};
+    std::string where = "-";
+    if (at.fn && dladdr(at.fn, &info) && info.dli_fname && info.dli_fbase) {
+      char off[32];
+      std::snprintf(off, sizeof(off), "+%zx",
+                    static_cast<size_t>(static_cast<const char*>(at.fn) - static_cast<const char*>(info.dli_fbase)));
+      where = std::string(info.dli_fname[0] ? info.dli_fname : "-") + off;
+    }
+    std::fprintf(f, "%llu %s %s %s\n", static_cast<unsigned long long>(n), at.file.empty() ? "-" : at.file.c_str(),
+                 where.c_str(), at.name.c_str());
+  }
+  std::fclose(f);
+}
+const bool g_record_registered = std::getenv("TEST_UNDECLARED_OUTPUTS_DIR") && std::atexit(write_launches) == 0;
 
 enum class St { Ready, WaitBlock, WaitWarp, Done };
 // A cp.async in flight: its bytes, read at issue, land at its thread's wait.
@@ -636,7 +686,7 @@ void shared_init(void* p, size_t bytes) {
 void* dynamic_shared() { return W.dynamic_smem; }
 
 cudaError_t launch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Thunk thunk, std::shared_ptr<void> ctx,
-                   const char* name, const void* fn) {
+                   const char* name, const void* fn, const char* file) {
   const uint64_t nt = uint64_t{block.x} * block.y * block.z;
   if (nt == 0 || nt > 1024 || block.x > 1024 || block.y > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 ||
       grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535) {
@@ -653,6 +703,7 @@ cudaError_t launch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Thun
       return set_error(cudaErrorInvalidValue);
     id = g_launches++;
     g_kernels.insert(name);
+    ++g_launched_at[{file, name, fn}];
   }
   if (g_verbose > 1)
     std::fprintf(stderr, "[cuda-emu] %s<<<(%u,%u,%u),(%u,%u,%u),%zu>>>\n", name, grid.x, grid.y, grid.z, block.x, block.y,

@@ -114,9 +114,10 @@ void check_kernel_pointer(const void* p, const char* kernel, int arg);
 cudaError_t set_error(cudaError_t e);
 // Validates the configuration (an error is returned and left for
 // cudaGetLastError, as CUDA does) and queues the grid on `stream`; `ctx`
-// holds the copied parameters until the grid has run.
+// holds the copied parameters until the grid has run. `file` is the
+// launching file (the launch record's).
 cudaError_t launch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Thunk thunk, std::shared_ptr<void> ctx,
-                   const char* name, const void* fn);
+                   const char* name, const void* fn, const char* file = "");
 
 template <typename T>
 void check_arg(const T& v, const char* name, int i) {
@@ -127,6 +128,7 @@ template <typename... P>
 struct Kernel {
   void (*fn)(P...);
   const char* name;
+  Site site;
   dim3 grid{1}, block{1};
   size_t smem = 0;
   cudaStream_t stream = nullptr;
@@ -144,13 +146,17 @@ struct Kernel {
     };
     auto ctx = std::make_shared<Ctx>(Ctx{fn, std::tuple<std::decay_t<P>...>(std::forward<A>(args)...)});
     std::apply([&](const auto&... p) { int i = 0; (check_arg(p, name, i++), ...); }, ctx->params);
-    launch(grid, block, smem, stream, [](void* c) { std::apply(static_cast<Ctx*>(c)->fn, static_cast<Ctx*>(c)->params); },
-           ctx, name, reinterpret_cast<const void*>(fn));
+    launch(
+        grid, block, smem, stream, [](void* c) { std::apply(static_cast<Ctx*>(c)->fn, static_cast<Ctx*>(c)->params); },
+        ctx, name, reinterpret_cast<const void*>(fn), site.file);
   }
 };
+// `site` (the launching line, a #line of the .cu under cu2emu) goes into
+// the launch record of a test process (cuda_emu.cc), where it tells two
+// kernels of one name in two files apart.
 template <typename... P>
-Kernel<P...> kernel(void (*fn)(P...), const char* name = "") {
-  return Kernel<P...>{fn, name};
+Kernel<P...> kernel(void (*fn)(P...), const char* name = "", Site site = {__builtin_FILE(), __builtin_LINE()}) {
+  return Kernel<P...>{fn, name, site};
 }
 
 }  // namespace emu
