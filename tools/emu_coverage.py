@@ -9,9 +9,9 @@ not in *_test.cu files, which launch their own). The launches are what the
 emulated test processes recorded at exit (third_party/cuda_emu/cuda_emu.cc
 writes emu_launches.<pid>.txt into the test's undeclared outputs, which
 bazel zips into bazel-testlogs/<target>/test.outputs/outputs.zip, cached
-results included): a line per kernel launched, "<count> <launching file>
-<object>+<offset> <launch name>", the object and offset locating the
-emulated kernel's instantiation. A launch's name is its kernel expression as written before
+results included): a line per kernel launched, tab-separated: count,
+launching file, <object>+<offset> locating the emulated kernel's
+instantiation, launch name. A launch's name is its kernel expression as written before
 <<< (`norm_rows_forward_kernel<T, C, VEC, true>`, `cuda::k<T>`): its last
 identifier before the template arguments names the kernel; its file tells
 two kernels of one name apart (reduce_rows_kernel in reduce.cu and in
@@ -19,7 +19,7 @@ batch_norm.cu), a kernel defined in a header counting for the files that
 launch it.
 
     tools/emu_coverage.py                 the tree here, bazel info's testlogs
-    tools/emu_coverage.py --root R --testlogs T
+    tools/emu_coverage.py --root R --testlogs T [--tests FILE]
     tools/emu_coverage.py --list          also each kernel's tests and launches
     tools/emu_coverage.py --instances     also the instantiations no test ran
 
@@ -46,10 +46,11 @@ RECORD = re.compile(r"(^|/)emu_launches\.\d+\.txt$")
 
 
 def mask(src):
-    """src with comments and string literals blanked, newlines kept."""
-    out = re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"',
-                 lambda m: re.sub(r"[^\n]", " ", m.group(0)), src, flags=re.S)
-    return out
+    """src with comments and string and character literals blanked,
+    newlines kept."""
+    # (A quote after a digit or letter is a digit separator: 1'000.)
+    return re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|(?<![\w])\'(?:\\.|[^\'\\\n])+\'',
+                  lambda m: re.sub(r"[^\n]", " ", m.group(0)), src, flags=re.S)
 
 
 def skip_parens(code, i):
@@ -68,7 +69,8 @@ def skip_parens(code, i):
 def kernels_in(code):
     """(name, offset) of each __global__ function declared in code: the
     identifier before the first '(' after the return type, past any
-    __launch_bounds__(...) or attribute."""
+    __launch_bounds__(...) or attribute; None where a token it does not
+    know ([[, an expression) comes first."""
     found = []
     for m in re.finditer(r"\b__global__\b", code):
         i = m.end()
@@ -92,13 +94,13 @@ def kernels_in(code):
                 continue
             if re.fullmatch(r"[A-Za-z_]\w*", tok):
                 name = tok
-        if name:
-            found.append((name, m.start()))
+        found.append((name if tok == "(" else None, m.start()))
     return found
 
 
-def defined_kernels(root):
-    """[(name, path, line)] of the tree's kernels, path relative to root."""
+def defined_kernels(root, unread):
+    """[(name, path, line)] of the tree's kernels, path relative to root;
+    'path:line' of each __global__ whose name it cannot read into unread."""
     out = []
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x not in SKIP_DIRS and not x.startswith("bazel-") and not x.startswith("."))
@@ -109,7 +111,10 @@ def defined_kernels(root):
             code = mask(open(path, encoding="utf-8", errors="replace").read())
             seen = set()
             for name, off in kernels_in(code):
-                if name not in seen:  # a declaration and its definition
+                where = f"{os.path.relpath(path, root)}:{code.count(chr(10), 0, off) + 1}"
+                if name is None:
+                    unread.append(where)
+                elif name not in seen:  # a declaration and its definition
                     seen.add(name)
                     out.append((name, os.path.relpath(path, root), code.count("\n", 0, off) + 1))
     return out
@@ -117,8 +122,9 @@ def defined_kernels(root):
 
 def covered(defs, launched):
     """{(name, path): launches} for each definition: a launch from file F of
-    kernel K runs F's own K when F defines one, else the K of a header (a
-    .cuh F includes); a record without its file ('-') counts for every K."""
+    kernel K runs F's own K when F defines one, else it counts for every
+    header (.cuh) that defines a K (which F includes is not read); a record
+    without its file ('-') counts for every K."""
     in_file = {(n, p) for n, p, _ in defs}
     count = collections.Counter()
     for (f, k), n in launched.items():
@@ -137,13 +143,18 @@ def kernel_of(launch_name):
     return base.rsplit("::", 1)[-1]
 
 
-def records(testlogs):
+def records(testlogs, only=None):
     """Yields (test, text) for each launch record under testlogs: in the
-    zipped undeclared outputs, or unzipped (--nozip_undeclared_test_outputs)."""
+    zipped undeclared outputs, or unzipped (--nozip_undeclared_test_outputs);
+    with `only` (package/name paths), those tests' alone, so that the logs of
+    a test since deleted, or not built this time, do not count."""
     for d, dirs, files in os.walk(testlogs, followlinks=True):
         dirs.sort()
-        test = os.path.relpath(d, testlogs).split("/test.outputs")[0]
-        test = re.sub(r"/(shard_\d+_of_\d+|run_\d+_of_\d+|attempt_\d+)$", "", test)
+        test = re.split(r"/test\.outputs|/test_attempts", os.path.relpath(d, testlogs))[0]
+        test = re.sub(r"/(shard_\d+_of_\d+)?(_?run_\d+_of_\d+)?$", "", test)
+        if only is not None and test not in only:
+            continue
+        zipped = "outputs.zip" in files  # (bazel leaves the files it zipped beside the zip)
         for f in sorted(files):
             path = os.path.join(d, f)
             if f == "outputs.zip":
@@ -154,7 +165,7 @@ def records(testlogs):
                                 yield test, z.read(n).decode("utf-8", "replace")
                 except zipfile.BadZipFile:
                     print(f"emu_coverage: {path} is not a zip file; skipped", file=sys.stderr)
-            elif RECORD.search(f):
+            elif RECORD.search(f) and not zipped:
                 yield test, open(path, encoding="utf-8", errors="replace").read()
 
 
@@ -242,6 +253,7 @@ def main():
     ap.add_argument("--root", default=".", help="the source tree (default .)")
     ap.add_argument("--testlogs", help="bazel-testlogs of the run (default: bazel info bazel-testlogs in --root)")
     ap.add_argument("--bazel-bin", help="bazel-bin, for --instances (default: beside --testlogs)")
+    ap.add_argument("--tests", help="a file of test labels (//pkg:name, a line each): read only their records")
     ap.add_argument("--list", action="store_true", help="print each kernel with its tests and launches")
     ap.add_argument("--instances", action="store_true", help="report the instantiations no test ran")
     a = ap.parse_args()
@@ -249,15 +261,23 @@ def main():
     if not testlogs:
         testlogs = subprocess.run(["bazel", "info", "bazel-testlogs"], cwd=a.root, check=True, capture_output=True,
                                   text=True).stdout.strip()
-    defs = defined_kernels(a.root)
+    unread = []
+    defs = defined_kernels(a.root, unread)
+    if unread:
+        print("emu_coverage: cannot read the kernel's name after __global__ at " + ", ".join(unread) +
+              " (write `__global__ void [__launch_bounds__(...)] name(`)")
+        return 1
     launched = collections.Counter()  # (launching file, kernel) -> launches
     placed = collections.Counter()  # (object, offset) -> launches
     tests = collections.defaultdict(set)  # kernel -> tests that launched it
     n_records = 0
-    for test, text in records(testlogs):
+    only = None
+    if a.tests:
+        only = {l.strip().lstrip("/").replace(":", "/") for l in open(a.tests) if l.strip().startswith("//")}
+    for test, text in records(testlogs, only):
         n_records += 1
         for line in text.splitlines():
-            parts = line.split(" ", 3)
+            parts = line.split("\t", 3)
             if len(parts) != 4 or not parts[0].isdigit():
                 continue
             count, file, where, name = int(parts[0]), parts[1], parts[2], parts[3]

@@ -30,6 +30,9 @@
 
 extern char** environ;
 
+// third_party/cuda_emu's launch record (written at exit; see run_if_worker).
+extern "C" void ember_emu_write_launches() __attribute__((weak));
+
 namespace ember::distributed::testing {
 namespace {
 
@@ -149,7 +152,9 @@ void run_if_worker() {
   std::cout.flush();
   std::cerr.flush();
   // _exit: skip GoogleTest's remaining work and static destructors; the
-  // scenario has already torn down what it built.
+  // scenario has already torn down what it built. It skips atexit too, so
+  // the CUDA emulation's launch record is written first where it is linked.
+  if (ember_emu_write_launches) ember_emu_write_launches();
   _exit(code);
 }
 

@@ -24,18 +24,19 @@
 //                              EMU_VERBOSE=2 also prints each launch.
 //   TEST_UNDECLARED_OUTPUTS_DIR (set by bazel test) at exit, write the
 //                              kernels launched and how often, a line each
-//                              ("<count> <launching file> <object>+<offset>
-//                              <launch name>": the offset of the emulated
-//                              kernel's instantiation in the executable or
-//                              shared object holding it), to
+//                              (tab-separated: count, launching file,
+//                              <object>+<offset> of the emulated kernel's
+//                              instantiation, launch name), to
 //                              emu_launches.<pid>.txt there (a process
-//                              each: multi-process tests spawn several), so
+//                              each: multi-process tests spawn several, whose
+//                              workers write it before their _exit), so
 //                              that tools/emu_coverage.py can find a kernel,
 //                              or an instantiation, that no emulated test
 //                              launches.
 #include "third_party/cuda_emu/cuda_emu.h"
 
 #include <dlfcn.h>
+#include <link.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -147,35 +148,47 @@ void print_summary() {
 // At static initialisation, so that the summary prints after main returns.
 const bool g_summary_registered = g_verbose > 0 && std::atexit(print_summary) == 0;
 
-// The launch record of a test process (TEST_UNDECLARED_OUTPUTS_DIR above).
-// A process that launched nothing writes nothing.
+// The launch record of a test process (TEST_UNDECLARED_OUTPUTS_DIR above),
+// its folder read once at start-up. A process that launched nothing writes
+// nothing.
+const std::string g_record_dir = [] {
+  const char* d = std::getenv("TEST_UNDECLARED_OUTPUTS_DIR");
+  return std::string(d ? d : "");
+}();
+// Where an emulated kernel's instantiation lies: its object (the
+// executable's own path for the program, not argv[0]) and its address there
+// (less the object's load bias, so what nm lists; -1 if unknown).
+std::pair<std::string, int64_t> object_of(const void* fn) {
+  Dl_info info{};
+  link_map* lm = nullptr;
+  if (!fn || !dladdr1(fn, &info, reinterpret_cast<void**>(&lm), RTLD_DL_LINKMAP) || !lm) return {"-", -1};
+  std::string obj = lm->l_name ? lm->l_name : "";
+  if (obj.empty()) {
+    char buf[4096];
+    const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+    obj = n > 0 ? std::string(buf, static_cast<size_t>(n)) : "-";
+  }
+  return {obj, static_cast<int64_t>(reinterpret_cast<uintptr_t>(fn) - lm->l_addr)};
+}
 void write_launches() {
-  const char* dir = std::getenv("TEST_UNDECLARED_OUTPUTS_DIR");
   std::lock_guard<std::mutex> l(g_stats_mu);
-  if (g_launched_at.empty()) return;
-  const std::string path = std::string(dir) + "/emu_launches." + std::to_string(getpid()) + ".txt";
+  if (g_record_dir.empty() || g_launched_at.empty()) return;
+  const std::string path = g_record_dir + "/emu_launches." + std::to_string(getpid()) + ".txt";
   FILE* f = std::fopen(path.c_str(), "w");
   if (!f) {
     std::fprintf(stderr, "[cuda-emu] cannot write the launch record %s\n", path.c_str());
     return;
   }
+  // Tab-separated: a launch name has spaces ("k<T, 4>").
   for (const auto& [at, n] : g_launched_at) {
-    // Where the instantiation lies: its object and its offset there, which
-    // nm names (tools/emu_coverage.py --instances).
-    Dl_info info{};
-    std::string where = "-";
-    if (at.fn && dladdr(at.fn, &info) && info.dli_fname && info.dli_fbase) {
-      char off[32];
-      std::snprintf(off, sizeof(off), "+%zx",
-                    static_cast<size_t>(static_cast<const char*>(at.fn) - static_cast<const char*>(info.dli_fbase)));
-      where = std::string(info.dli_fname[0] ? info.dli_fname : "-") + off;
-    }
-    std::fprintf(f, "%llu %s %s %s\n", static_cast<unsigned long long>(n), at.file.empty() ? "-" : at.file.c_str(),
-                 where.c_str(), at.name.c_str());
+    const auto [obj, off] = object_of(at.fn);
+    std::fprintf(f, "%llu\t%s\t%s+%llx\t%s\n", static_cast<unsigned long long>(n),
+                 at.file.empty() ? "-" : at.file.c_str(), obj.c_str(), static_cast<unsigned long long>(off),
+                 at.name.c_str());
   }
   std::fclose(f);
 }
-const bool g_record_registered = std::getenv("TEST_UNDECLARED_OUTPUTS_DIR") && std::atexit(write_launches) == 0;
+const bool g_record_registered = !g_record_dir.empty() && std::atexit(write_launches) == 0;
 
 enum class St { Ready, WaitBlock, WaitWarp, Done };
 // A cp.async in flight: its bytes, read at issue, land at its thread's wait.
@@ -736,3 +749,9 @@ extern "C" cudaError_t cudaFuncSetAttribute(const void* fn, cudaFuncAttribute at
   }
   return cudaSuccess;
 }
+
+// The launch record now, for a process that ends by _exit (atexit's
+// handlers do not run): the multi-process tests' workers
+// (distributed/testing/multiprocess.cc) call it through a weak reference,
+// which is null where the emulation is not linked.
+extern "C" void ember_emu_write_launches() { emu::write_launches(); }

@@ -7,11 +7,13 @@
 // -include cuda_emu.h; kernels and tests share this file.
 #include <cublas_v2.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <set>
 #include <string>
@@ -19,6 +21,8 @@
 #include <vector>
 
 #include "third_party/cuda_emu/emu_runtime.h"
+
+extern "C" void ember_emu_write_launches();  // cuda_emu.cc: the launch record now
 
 namespace {
 
@@ -230,6 +234,60 @@ class Emu : public ::testing::Test {
   }
   std::vector<void*> dev_;
 };
+
+// ---- The launch record (tools/emu_coverage.py reads it) ----
+// Under bazel test: after launches of `fill` (once rejected, so not
+// counted), this process's record names it with its count, this file, and
+// an object and offset that nm resolves to `fill` itself, as the checker's
+// --instances reads them.
+TEST_F(Emu, LaunchRecordNamesTheKernelWhereNmFindsIt) {
+  const char* dir = std::getenv("TEST_UNDECLARED_OUTPUTS_DIR");
+  if (!dir || !*dir) GTEST_SKIP() << "TEST_UNDECLARED_OUTPUTS_DIR is not set (not under bazel test)";
+  int* out = dev<int>(4);
+  for (int i = 0; i < 3; ++i) fill<<<1, 4>>>(out, 4, i);
+  fill<<<1, 2048>>>(out, 4, 0);
+  ASSERT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  cudaDeviceSynchronize();
+  ember_emu_write_launches();
+  const std::string path = std::string(dir) + "/emu_launches." + std::to_string(getpid()) + ".txt";
+  FILE* f = std::fopen(path.c_str(), "r");
+  ASSERT_NE(f, nullptr) << path;
+  std::string line, found;
+  for (int c; (c = std::fgetc(f)) != EOF;) {
+    if (c != '\n') {
+      line += static_cast<char>(c);
+      continue;
+    }
+    if (line.size() >= 5 && line.compare(line.size() - 5, 5, "\tfill") == 0) found = line;
+    line.clear();
+  }
+  std::fclose(f);
+  ASSERT_FALSE(found.empty()) << "no line for fill in " << path;
+  // count, file, object+offset, name
+  const size_t t1 = found.find('\t'), t2 = found.find('\t', t1 + 1), t3 = found.find('\t', t2 + 1);
+  ASSERT_NE(t3, std::string::npos) << found;
+  EXPECT_GE(std::stoll(found.substr(0, t1)), 3) << found;  // this test's 3 and the file's other tests'
+  EXPECT_EQ(found.substr(t1 + 1, t2 - t1 - 1), "third_party/cuda_emu/emu_selftest.cu") << found;
+  const std::string where = found.substr(t2 + 1, t3 - t2 - 1);
+  const size_t plus = where.rfind('+');
+  ASSERT_NE(plus, std::string::npos) << found;
+  const unsigned long long offset = std::stoull(where.substr(plus + 1), nullptr, 16);
+  const std::string nm = "nm -C --defined-only '" + where.substr(0, plus) + "'";
+  FILE* p = popen(nm.c_str(), "r");
+  ASSERT_NE(p, nullptr) << nm;
+  char buf[4096];
+  std::string at_offset;
+  while (std::fgets(buf, sizeof(buf), p)) {
+    unsigned long long a = 0;
+    char kind = 0;
+    int used = 0;
+    if (std::sscanf(buf, "%llx %c %n", &a, &kind, &used) >= 2 && a == offset && (kind == 't' || kind == 'T'))
+      at_offset = buf + used;
+  }
+  pclose(p);
+  EXPECT_NE(at_offset.find("fill(int*, int, int)"), std::string::npos)
+      << "nm names '" << at_offset << "' at " << where << ", not fill";
+}
 
 // ---- Misuse the emulator must report ----
 TEST_F(Emu, OversizedBlockIsInvalidConfiguration) {
