@@ -366,8 +366,21 @@ TEST_F(CudaOps, JoinIndexCopyRandom) {
   expect_same(z, zg, 0, "strided fill_");
   // Rows of 32+ copy units (up to 16 bytes each) take index_select_rows_kernel,
   // shorter ones the flat kernel.
-  Tensor wide = randn({7, 200}), rows = Tensor::from_vector({6, 0, 3, 3}, {4}, DType::Int64);
-  expect_same(index_select(wide, 0, rows), index_select(wide.cuda(), 0, rows.cuda()), 0, "index_select rows");
+  // Every copy unit a row's bytes allow (index_select_rows_kernel's 16, 8,
+  // 4, 2 and 1-byte words; only the 16-byte one ran before, as
+  // tools/emu_coverage.py --instances showed): 200 and 160 float32s, 82 and
+  // 81 of them, 81 bfloat16s, 81 bytes.
+  Tensor rows = Tensor::from_vector({6, 0, 3, 3}, {4}, DType::Int64);
+  for (const auto& [cols, dt] : std::vector<std::pair<int64_t, DType>>{{200, DType::Float32},
+                                                                       {160, DType::Float32},
+                                                                       {82, DType::Float32},
+                                                                       {81, DType::Float32},
+                                                                       {81, DType::BFloat16},
+                                                                       {81, DType::UInt8}}) {
+    Tensor wide = abs(randn({7, cols}) * 50.0).to(dt);
+    expect_same(index_select(wide, 0, rows), index_select(wide.cuda(), 0, rows.cuda()), 0,
+                "index_select rows of " + std::to_string(cols) + " " + dtype_name(dt));
+  }
   // Strided copies and casts in both directions.
   Tensor big = randn({33, 65});
   expect_same(big.t().contiguous(), big.cuda().t().contiguous(), 0, "transpose copy");

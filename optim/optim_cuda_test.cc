@@ -223,16 +223,17 @@ TEST_F(CudaOptim, ManyTensorsUseTheDeviceTable) {
 // the same masters, state and parameters as the CPU's pass, elements
 // written from outside re-seeded on both; awkward sizes and 16-bit views
 // off alignment (scalar path) in one call with bfloat16 and float16, then
-// more tensors than the parameter table holds (device-buffer path): in
-// bfloat16 and float16, each with AdamW with amsgrad and SGD with momentum
-// and with neither (every depth of the device-buffer kernel with masters).
+// more tensors than the parameter table holds (device-buffer path) in
+// bfloat16 and float16; each with AdamW with amsgrad and SGD with momentum
+// and with neither (every depth of both kernels with masters).
 // (The emulation reads a misaligned 8-byte vector as x86 does, so it cannot
 // show a missing alignment check's fault; a GPU can.)
 TEST_F(CudaOptim, MastersMatchCpu) {
-  for (int many = 0; many < 5; ++many) {
-    // many 1 and 2: bfloat16; 3 and 4: float16; odd: amsgrad and momentum.
-    const DType many_dt = many <= 2 ? DType::BFloat16 : DType::Float16;
-    const bool full = many % 2 == 1 || many == 0;
+  for (int round = 0; round < 6; ++round) {
+    // Rounds 0 and 1: the small case; 2 and 3: bfloat16 past the table; 4
+    // and 5: float16 past it. Even rounds with amsgrad and momentum.
+    const bool many = round >= 2, full = round % 2 == 0;
+    const DType many_dt = round <= 3 ? DType::BFloat16 : DType::Float16;
     std::vector<Tensor> low, master;
     if (many) {
       manual_seed(6);
