@@ -80,11 +80,14 @@ TEST_F(CudaOps, UnaryMatchesCpu) {
 // 129-wide rows above fit one warp; a dropped barrier there survived the
 // mutation check (tools/cuda_mutants.py) until these shapes were added.
 // Each also one element into its buffer, which no other test gave softmax.
+// min and argmin too: their partial sums' pass (reduce_partials_kernel,
+// rows split over blocks) ran for no test.
 TEST_F(CudaOps, RowKernelsSpanningSeveralWarpsMatchCpu) {
   std::vector<std::pair<std::string, Unary>> ops = {
       {"softmax", [](auto& x) { return softmax(x, -1); }}, {"log_softmax", [](auto& x) { return log_softmax(x, -1); }},
-      {"sum", [](auto& x) { return sum(x, {1}); }}, {"max", [](auto& x) { return max(x, {1}); }},
-      {"argmax", [](auto& x) { return argmax(x, 1); }},
+      {"sum", [](auto& x) { return sum(x, {1}); }},        {"max", [](auto& x) { return max(x, {1}); }},
+      {"argmax", [](auto& x) { return argmax(x, 1); }},    {"min", [](auto& x) { return min(x, {1}); }},
+      {"argmin", [](auto& x) { return argmin(x, 1); }},
   };
   manual_seed(13);
   for (DType dt : kTypes)
@@ -359,11 +362,14 @@ TEST_F(CudaOps, JoinIndexCopyRandom) {
   EXPECT_THROW(bad.cpu(), Error);
   expect_same(one_hot(gi, 6), one_hot(gi.cuda(), 6), 0, "one_hot");
   expect_same(arange(0, 10, 0.5), arange(0, 10, 0.5, cuda_device()), 0, "arange");
-  // fill_ of a strided view (fill_strided_kernel) leaves the gaps alone.
-  Tensor z = zeros({8, 9}), zg = z.cuda();
-  z.slice(1, 1, 8, 2).fill_(3.5);
-  zg.slice(1, 1, 8, 2).fill_(3.5);
-  expect_same(z, zg, 0, "strided fill_");
+  // fill_ of a strided view (fill_strided_kernel) leaves the gaps alone,
+  // in each float dtype (16-bit ones ran for no test).
+  for (DType dt : kTypes) {
+    Tensor z = zeros({8, 9}, dt), zg = z.cuda();
+    z.slice(1, 1, 8, 2).fill_(3.5);
+    zg.slice(1, 1, 8, 2).fill_(3.5);
+    expect_same(z, zg, 0, std::string("strided fill_ ") + dtype_name(dt));
+  }
   // Rows of 32+ copy units (up to 16 bytes each) take index_select_rows_kernel,
   // shorter ones the flat kernel.
   // Every copy unit a row's bytes allow (index_select_rows_kernel's 16, 8,
