@@ -41,16 +41,15 @@ import subprocess
 import sys
 import zipfile
 
+# The converter's own reading of .cu code: comments and literals blanked
+# (mask), line numbers (line_of). No __pycache__ beside it in the tree.
+sys.dont_write_bytecode = True
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.realpath(__file__)), "..", "third_party", "cuda_emu"))
+from cu2emu import line_of, mask  # noqa: E402
+
 SKIP_DIRS = {".git", "third_party", ".gpu", ".gpudata", "node_modules"}
 RECORD = re.compile(r"(^|/)emu_launches\.\d+\.txt$")
-
-
-def mask(src):
-    """src with comments and string and character literals blanked,
-    newlines kept."""
-    # (A quote after a digit or letter is a digit separator: 1'000.)
-    return re.sub(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|(?<![\w])\'(?:\\.|[^\'\\\n])+\'',
-                  lambda m: re.sub(r"[^\n]", " ", m.group(0)), src, flags=re.S)
+TOKEN = re.compile(r"\s*([A-Za-z_]\w*|::|\(|<|\*|&)")
 
 
 def skip_parens(code, i):
@@ -76,7 +75,7 @@ def kernels_in(code):
         i = m.end()
         name = None
         while i < len(code):
-            t = re.compile(r"\s*([A-Za-z_]\w*|::|\(|<|\*|&)").match(code, i)
+            t = TOKEN.match(code, i)
             if not t:
                 break
             tok, i = t.group(1), t.end()
@@ -108,15 +107,15 @@ def defined_kernels(root, unread):
             if not f.endswith((".cu", ".cuh")) or f.endswith("_test.cu"):
                 continue
             path = os.path.join(d, f)
+            rel = os.path.relpath(path, root)
             code = mask(open(path, encoding="utf-8", errors="replace").read())
             seen = set()
             for name, off in kernels_in(code):
-                where = f"{os.path.relpath(path, root)}:{code.count(chr(10), 0, off) + 1}"
                 if name is None:
-                    unread.append(where)
+                    unread.append(f"{rel}:{line_of(code, off)}")
                 elif name not in seen:  # a declaration and its definition
                     seen.add(name)
-                    out.append((name, os.path.relpath(path, root), code.count("\n", 0, off) + 1))
+                    out.append((name, rel, line_of(code, off)))
     return out
 
 
@@ -137,10 +136,9 @@ def covered(defs, launched):
     return count
 
 
-def kernel_of(launch_name):
-    """The kernel a launch names: `a::b<T, 4>` -> b."""
-    base = launch_name.split("<", 1)[0].strip()
-    return base.rsplit("::", 1)[-1]
+def kernel_of(name):
+    """The kernel a launch or an instantiation names: `a::b<T, 4>` -> b."""
+    return name.split("<", 1)[0].strip().rsplit("::", 1)[-1]
 
 
 def records(testlogs, only=None):
@@ -214,11 +212,6 @@ def nested(inst):
     return ")::" in inst.replace("(anonymous namespace)::", "") or "{lambda" in inst
 
 
-def kernel_base(inst):
-    """ember::{anon}::binary_contig_kernel<float, 4, ...> -> binary_contig_kernel."""
-    return inst.split("<", 1)[0].rsplit("::", 1)[-1]
-
-
 def instance_report(defs, placed, bazel_bin):
     """Prints, kernel by kernel, the instantiations compiled in the objects
     that the records name and those that no record launched. placed:
@@ -232,11 +225,11 @@ def instance_report(defs, placed, bazel_bin):
             continue
         syms = symbols(local)
         # (A lambda or local class inside a kernel is named after it: "k<T>(...)::{lambda...}".)
-        compiled |= {s for s in syms.values() if kernel_base(s) in names and not nested(s)}
+        compiled |= {s for s in syms.values() if kernel_of(s) in names and not nested(s)}
         ran |= {syms[off] for o, off in placed if o == obj and off in syms}
     by_kernel = collections.defaultdict(list)
     for inst in compiled:
-        by_kernel[kernel_base(inst)].append(inst)
+        by_kernel[kernel_of(inst)].append(inst)
     print(f"emu_coverage: {len(ran & compiled)} of {len(compiled)} kernel instantiations ran under the emulation")
     for k in sorted(by_kernel):
         insts = sorted(by_kernel[k])

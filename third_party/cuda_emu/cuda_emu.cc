@@ -129,21 +129,31 @@ const int g_verbose = env_int("EMU_VERBOSE", 0);
 
 std::mutex g_stats_mu;
 uint64_t g_launches = 0;
-std::set<std::string> g_kernels;
-// The launch record: launches by launching file, launch name and the
-// emulated kernel's instantiation (its function).
+// Launches by launching file, launch name and the emulated kernel's
+// instantiation (its function): the launch record, and the kernels'
+// names. File and name are string literals (__builtin_FILE(), cu2emu's
+// "K"), so a launch keys them by address, copying nothing; one text at
+// two addresses makes two entries, which the readers add up.
 struct LaunchedAt {
-  std::string file, name;
+  const char* file;
+  const char* name;
   const void* fn;
   bool operator<(const LaunchedAt& o) const { return std::tie(file, name, fn) < std::tie(o.file, o.name, o.fn); }
 };
 std::map<LaunchedAt, uint64_t> g_launched_at;
 std::map<const void*, int> g_max_dynamic_smem;  // cudaFuncSetAttribute
 
+// The kernels launched so far, by name (g_stats_mu held).
+std::set<std::string> kernel_names() {
+  std::set<std::string> names;
+  for (const auto& kv : g_launched_at) names.insert(kv.first.name);
+  return names;
+}
+
 void print_summary() {
   std::lock_guard<std::mutex> l(g_stats_mu);
   std::fprintf(stderr, "[cuda-emu] %llu launches of %zu kernels\n", static_cast<unsigned long long>(g_launches),
-               g_kernels.size());
+               kernel_names().size());
 }
 // At static initialisation, so that the summary prints after main returns.
 const bool g_summary_registered = g_verbose > 0 && std::atexit(print_summary) == 0;
@@ -182,9 +192,8 @@ void write_launches() {
   // Tab-separated: a launch name has spaces ("k<T, 4>").
   for (const auto& [at, n] : g_launched_at) {
     const auto [obj, off] = object_of(at.fn);
-    std::fprintf(f, "%llu\t%s\t%s+%llx\t%s\n", static_cast<unsigned long long>(n),
-                 at.file.empty() ? "-" : at.file.c_str(), obj.c_str(), static_cast<unsigned long long>(off),
-                 at.name.c_str());
+    std::fprintf(f, "%llu\t%s\t%s+%llx\t%s\n", static_cast<unsigned long long>(n), *at.file ? at.file : "-",
+                 obj.c_str(), static_cast<unsigned long long>(off), at.name);
   }
   std::fclose(f);
 }
@@ -715,7 +724,6 @@ cudaError_t launch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Thun
     if (smem > std::max<size_t>(48 * 1024, it == g_max_dynamic_smem.end() ? 0 : it->second))
       return set_error(cudaErrorInvalidValue);
     id = g_launches++;
-    g_kernels.insert(name);
     ++g_launched_at[{file, name, fn}];
   }
   if (g_verbose > 1)
@@ -733,7 +741,8 @@ cudaError_t launch(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, Thun
 
 LaunchStats launch_stats() {
   std::lock_guard<std::mutex> l(g_stats_mu);
-  return LaunchStats{g_launches, std::vector<std::string>(g_kernels.begin(), g_kernels.end()), host_sync_count()};
+  const std::set<std::string> names = kernel_names();
+  return LaunchStats{g_launches, std::vector<std::string>(names.begin(), names.end()), host_sync_count()};
 }
 Order set_order(Order order) { return static_cast<Order>(g_order.exchange(static_cast<int>(order))); }
 int set_threads(int n) { return g_threads.exchange(std::max(1, n)); }
